@@ -1,0 +1,516 @@
+"""The Plugin API: what every device plugin implements and what users of plugserve call.
+
+It follows the OpenVINO plugin guide (``shared/seeds``): a :class:`Plugin` is a device that
+loads or imports networks, a :class:`CompiledNetwork` is a network compiled for that device,
+and an :class:`InferRequest` runs it. Errors are typed here so that the server can map every
+one of them to a gRPC status in one place and users can catch what they can act on.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import os
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+
+__all__ = [
+    "BackendUnavailable",
+    "CompiledNetwork",
+    "ConfigKey",
+    "Configuration",
+    "FailedPrecondition",
+    "InferRequest",
+    "InferenceError",
+    "InvalidArgument",
+    "InvalidInput",
+    "InvalidModel",
+    "NotFound",
+    "PerfCount",
+    "Plugin",
+    "PlugserveError",
+    "ResourceExhausted",
+    "Unsupported",
+]
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class PlugserveError(Exception):
+    """Base of every error plugserve raises on purpose; ``code`` names the gRPC status."""
+
+    code: ClassVar[str] = "INTERNAL"
+
+
+class NotFound(PlugserveError, LookupError):
+    """An unknown device, network, metric or node."""
+
+    code = "NOT_FOUND"
+
+
+class InvalidArgument(PlugserveError, ValueError):
+    """The caller sent something that cannot be right: a bad config value, name or key."""
+
+    code = "INVALID_ARGUMENT"
+
+
+class InvalidModel(InvalidArgument):
+    """The model is not ONNX, does not validate, or reads files it must not."""
+
+
+class InvalidInput(InvalidArgument):
+    """Inference inputs do not match what the network declares."""
+
+
+class Unsupported(PlugserveError, NotImplementedError):
+    """The device cannot do this (an op, a data type, an attribute value, an operation)."""
+
+    code = "UNIMPLEMENTED"
+
+
+class BackendUnavailable(PlugserveError, RuntimeError):
+    """A plugin's backend cannot work on this machine (raised by plugin constructors)."""
+
+    code = "UNAVAILABLE"
+
+
+class ResourceExhausted(PlugserveError, RuntimeError):
+    """A queue or pool is full; the caller may retry later."""
+
+    code = "RESOURCE_EXHAUSTED"
+
+
+class FailedPrecondition(PlugserveError, RuntimeError):
+    """The call is valid but not in this state (e.g. ``wait()`` before ``start_async()``)."""
+
+    code = "FAILED_PRECONDITION"
+
+
+class InferenceError(PlugserveError, RuntimeError):
+    """A kernel failed while running; the message names the node."""
+
+    code = "INTERNAL"
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+def _parse_bool(value: str) -> bool:
+    text = str(value).strip().upper()
+    if text in ("YES", "TRUE", "1", "ON"):
+        return True
+    if text in ("NO", "FALSE", "0", "OFF"):
+        return False
+    raise ValueError("expected YES or NO")
+
+
+def _format_bool(value: bool) -> str:
+    return "YES" if value else "NO"
+
+
+def _parse_non_negative_int(value: str) -> int:
+    number = int(str(value).strip())
+    if number < 0:
+        raise ValueError("expected an integer >= 0")
+    return number
+
+
+def _parse_hint(value: str) -> str:
+    text = str(value).strip().upper()
+    if text not in ("LATENCY", "THROUGHPUT", ""):
+        raise ValueError("expected LATENCY or THROUGHPUT")
+    return text
+
+
+@dataclasses.dataclass(frozen=True)
+class ConfigKey:
+    """One configuration key: how its string form is parsed, shown and defaulted."""
+
+    name: str
+    default: Any
+    parse: Callable[[str], Any] = str
+    format: Callable[[Any], str] = str
+    doc: str = ""
+
+
+BOOL = {"parse": _parse_bool, "format": _format_bool}
+
+
+class Configuration:
+    """A plugin's configuration: every key parsed once, unknown keys refused.
+
+    Like the template plugin's ``Configuration(config, defaultCfg, throwOnUnsupported)``: a new
+    configuration starts from ``defaults`` (the plugin's current one) and overrides key by key,
+    which is how per-call config beats the plugin's own (seed note on LoadExeNetworkImpl).
+    Subclasses extend ``KEYS`` with their own keys.
+    """
+
+    KEYS: ClassVar[tuple[ConfigKey, ...]] = (
+        ConfigKey("DEVICE_ID", "", doc="which device of this plugin's kind"),
+        ConfigKey("PERF_COUNT", False, **BOOL, doc="collect per-node timings"),
+        ConfigKey("PERFORMANCE_HINT", "LATENCY", _parse_hint, doc="LATENCY or THROUGHPUT"),
+        ConfigKey("NUM_STREAMS", 0, _parse_non_negative_int, doc="0: derived from the hint"),
+        ConfigKey("INFERENCE_NUM_THREADS", 0, _parse_non_negative_int, doc="0: all cores"),
+        ConfigKey("CACHE_DIR", "", doc="folder for compiled networks; empty: no cache"),
+    )
+
+    def __init__(
+        self,
+        values: Mapping[str, Any] | None = None,
+        defaults: Configuration | None = None,
+        throw_on_unsupported: bool = True,
+    ) -> None:
+        keys = self.keys()
+        self._values: dict[str, Any] = (
+            dict(defaults._values)
+            if defaults is not None
+            else {k.name: k.default for k in keys.values()}
+        )
+        for name, raw in (values or {}).items():
+            key = keys.get(name)
+            if key is None:
+                if throw_on_unsupported:
+                    raise InvalidArgument(
+                        f"unsupported config key {name!r}; supported keys: {', '.join(keys)}"
+                    )
+                continue
+            if isinstance(raw, str) or key.parse is str:
+                try:
+                    value = key.parse(str(raw))
+                except (TypeError, ValueError) as exc:
+                    raise InvalidArgument(
+                        f"config key {name!r}: bad value {raw!r} ({exc})"
+                    ) from None
+            else:
+                value = raw
+                try:
+                    key.parse(key.format(raw))
+                except (TypeError, ValueError) as exc:
+                    raise InvalidArgument(
+                        f"config key {name!r}: bad value {raw!r} ({exc})"
+                    ) from None
+            self._values[name] = value
+
+    @classmethod
+    def keys(cls) -> dict[str, ConfigKey]:
+        return {k.name: k for k in cls.KEYS}
+
+    def get(self, name: str) -> Any:
+        """The parsed value of ``name``; an unknown key raises (seed: GetConfig must throw)."""
+        if name not in self._values:
+            raise InvalidArgument(
+                f"unsupported config key {name!r}; supported keys: {', '.join(self.keys())}"
+            )
+        return self._values[name]
+
+    def get_string(self, name: str) -> str:
+        return self.keys()[name].format(self.get(name)) if name in self._values else self.get(name)
+
+    def to_strings(self) -> dict[str, str]:
+        """All keys in their string form, as exported and shown to users."""
+        return {name: self.keys()[name].format(value) for name, value in self._values.items()}
+
+    def __getitem__(self, name: str) -> Any:
+        return self.get(name)
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and other._values == self._values  # type: ignore[attr-defined]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.to_strings()})"
+
+    def streams(self, cores: int | None = None) -> int:
+        """How many streams to run: NUM_STREAMS if set, else from PERFORMANCE_HINT."""
+        if self.get("NUM_STREAMS"):
+            return int(self.get("NUM_STREAMS"))
+        if self.get("PERFORMANCE_HINT") == "THROUGHPUT":
+            return max(1, (cores or os.cpu_count() or 1))
+        return 1
+
+
+# --------------------------------------------------------------------------- results
+
+
+@dataclasses.dataclass(frozen=True)
+class PerfCount:
+    """One node's timing from the last inference, as ``get_performance_counts`` reports it."""
+
+    node_name: str
+    op_type: str
+    status: str  # EXECUTED, NOT_RUN, OPTIMIZED_OUT
+    exec_type: str  # the kernel that ran (e.g. "FusedConv", "onnxruntime")
+    real_time_s: float
+    device: str = ""
+    original_names: tuple[str, ...] = ()
+
+
+# --------------------------------------------------------------------------- plugin classes
+
+Model = Any  # a path (str | os.PathLike), bytes, or onnx.ModelProto
+
+
+class Plugin(abc.ABC):
+    """A device. The constructor raises :class:`BackendUnavailable` when the backend cannot work."""
+
+    #: The device name users write (``NUMPY``, ``ORT``); set by subclasses.
+    name: ClassVar[str] = ""
+    config_class: ClassVar[type[Configuration]] = Configuration
+
+    def __init__(self) -> None:
+        self._config = self.config_class()
+        self._lock = threading.Lock()
+
+    # --- configuration and metrics
+
+    def set_config(self, config: Mapping[str, Any]) -> None:
+        """Override keys of the plugin's configuration; an unknown key raises."""
+        with self._lock:
+            self._config = self.config_class(config, self._config)
+
+    def get_config(self, key: str) -> Any:
+        return self._config.get(key)
+
+    @property
+    def config(self) -> Configuration:
+        return self._config
+
+    def merged_config(self, config: Mapping[str, Any] | None, strict: bool = True) -> Configuration:
+        """The plugin's configuration overridden by a per-call ``config``."""
+        return self.config_class(config or {}, self._config, throw_on_unsupported=strict)
+
+    def supported_metrics(self) -> list[str]:
+        return [
+            "SUPPORTED_METRICS",
+            "SUPPORTED_CONFIG_KEYS",
+            "AVAILABLE_DEVICES",
+            "FULL_DEVICE_NAME",
+            "IMPORT_EXPORT_SUPPORT",
+            "DEVICE_ARCHITECTURE",
+            "OPTIMIZATION_CAPABILITIES",
+            "RANGE_FOR_ASYNC_INFER_REQUESTS",
+            "RANGE_FOR_STREAMS",
+        ]
+
+    def get_metric(self, name: str, options: Mapping[str, Any] | None = None) -> Any:
+        """A static fact about the device; an unknown metric name raises (seed rule)."""
+        metrics = self.supported_metrics()
+        if name not in metrics:
+            raise NotFound(
+                f"device {self.name}: unsupported metric {name!r}; supported: {', '.join(metrics)}"
+            )
+        return self._metric(name, options or {})
+
+    def _metric(self, name: str, options: Mapping[str, Any]) -> Any:
+        cores = os.cpu_count() or 1
+        common: dict[str, Any] = {
+            "SUPPORTED_METRICS": self.supported_metrics(),
+            "SUPPORTED_CONFIG_KEYS": list(self.config_class.keys()),
+            "AVAILABLE_DEVICES": [""],
+            "IMPORT_EXPORT_SUPPORT": True,
+            "RANGE_FOR_ASYNC_INFER_REQUESTS": (1, 4 * cores, 1),
+            "RANGE_FOR_STREAMS": (1, cores),
+        }
+        if name in common:
+            return common[name]
+        raise NotFound(f"device {self.name}: metric {name!r} has no value")
+
+    # --- networks
+
+    @abc.abstractmethod
+    def load_network(
+        self, model: Model, config: Mapping[str, Any] | None = None
+    ) -> CompiledNetwork:
+        """Transform and compile ``model``; per-call ``config`` overrides the plugin's."""
+
+    @abc.abstractmethod
+    def query_network(
+        self, model: Model, config: Mapping[str, Any] | None = None
+    ) -> dict[str, str]:
+        """``{original node name: device}`` for every node this device can run.
+
+        Unknown config keys are ignored here (the seed's ``throwOnUnsupported=false``) so a
+        virtual device can pass one config to all of its devices.
+        """
+
+    @abc.abstractmethod
+    def import_network(
+        self, blob: bytes, config: Mapping[str, Any] | None = None
+    ) -> CompiledNetwork:
+        """Rebuild a network from :meth:`CompiledNetwork.export`; a foreign blob raises."""
+
+    def add_extension(self, extension: Any) -> None:
+        raise Unsupported(f"device {self.name} does not support extensions")
+
+
+class CompiledNetwork(abc.ABC):
+    """A network compiled for one device: creates infer requests, exports itself."""
+
+    def __init__(self, plugin: Plugin, name: str, config: Configuration) -> None:
+        self.plugin = plugin
+        self.name = name
+        self.config = config
+        self.loaded_from_cache = False
+
+    @property
+    def device(self) -> str:
+        return self.plugin.name
+
+    @property
+    @abc.abstractmethod
+    def inputs(self) -> list[TensorSpec]: ...
+
+    @property
+    @abc.abstractmethod
+    def outputs(self) -> list[TensorSpec]: ...
+
+    @abc.abstractmethod
+    def create_infer_request(self) -> InferRequest: ...
+
+    @abc.abstractmethod
+    def export(self) -> bytes: ...
+
+    def supported_metrics(self) -> list[str]:
+        return [
+            "SUPPORTED_METRICS",
+            "NETWORK_NAME",
+            "OPTIMAL_NUMBER_OF_INFER_REQUESTS",
+            "SUPPORTED_CONFIG_KEYS",
+        ]
+
+    def get_metric(self, name: str) -> Any:
+        if name not in self.supported_metrics():
+            raise NotFound(
+                f"network {self.name}: unsupported metric {name!r}; "
+                f"supported: {', '.join(self.supported_metrics())}"
+            )
+        return self._metric(name)
+
+    def _metric(self, name: str) -> Any:
+        values = {
+            "SUPPORTED_METRICS": self.supported_metrics(),
+            "NETWORK_NAME": self.name,
+            "OPTIMAL_NUMBER_OF_INFER_REQUESTS": self.config.streams(),
+            "SUPPORTED_CONFIG_KEYS": list(self.config.keys()),
+        }
+        return values[name]
+
+    def get_config(self, key: str) -> Any:
+        return self.config.get(key)
+
+    def infer(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        """Shorthand for one synchronous inference on a fresh request."""
+        return self.create_infer_request().infer(inputs)
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """A network input or output: name, element type and shape (``None`` or a name if dynamic)."""
+
+    name: str
+    dtype: np.dtype | None
+    shape: tuple[int | str | None, ...] | None
+
+    def describe(self) -> str:
+        dims = (
+            "?"
+            if self.shape is None
+            else "[" + ",".join("?" if d is None else str(d) for d in self.shape) + "]"
+        )
+        return f"{self.name}: {self.dtype if self.dtype is not None else '?'}{dims}"
+
+
+class InferRequest(abc.ABC):
+    """One inference at a time, synchronous (:meth:`infer`) or not (:meth:`start_async`).
+
+    The async form runs on the compiled network's streams; ``wait()`` returns the outputs or
+    raises the inference's error, and a callback given to ``start_async`` is called with
+    ``(outputs, error)`` when it completes.
+    """
+
+    def __init__(self, network: CompiledNetwork) -> None:
+        self.network = network
+        self._future: Any = None
+
+    @abc.abstractmethod
+    def infer(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]: ...
+
+    @abc.abstractmethod
+    def start_async(
+        self,
+        inputs: Mapping[str, Any],
+        callback: Callable[[dict[str, np.ndarray] | None, BaseException | None], None]
+        | None = None,
+    ) -> None: ...
+
+    def wait(self, timeout: float | None = None) -> dict[str, np.ndarray]:
+        if self._future is None:
+            raise FailedPrecondition("wait() called before start_async()")
+        try:
+            return self._future.result(timeout)
+        except TimeoutError:
+            raise
+        finally:
+            if self._future.done():
+                self._future = None
+
+    @abc.abstractmethod
+    def get_performance_counts(self) -> list[PerfCount]: ...
+
+
+def check_inputs(
+    network_name: str, specs: Sequence[TensorSpec], inputs: Mapping[str, Any]
+) -> list[np.ndarray]:
+    """Inputs in declared order, checked against the specs with errors a person can act on."""
+    if not isinstance(inputs, Mapping):
+        raise InvalidInput(f"network {network_name}: inputs must be a mapping name -> array")
+    names = [s.name for s in specs]
+    extra = [n for n in inputs if n not in names]
+    if extra:
+        raise InvalidInput(
+            f"network {network_name}: unknown input(s) {extra}; the network's inputs are "
+            + ", ".join(s.describe() for s in specs)
+        )
+    arrays: list[np.ndarray] = []
+    for spec in specs:
+        if spec.name not in inputs:
+            raise InvalidInput(f"network {network_name}: missing input {spec.describe()}")
+        arrays.append(_check_one(network_name, spec, inputs[spec.name]))
+    return arrays
+
+
+def _check_one(network_name: str, spec: TensorSpec, value: Any) -> np.ndarray:
+    if isinstance(value, list | tuple) and spec.dtype is not None and spec.dtype != object:
+        value = np.asarray(value, dtype=spec.dtype)
+    elif not isinstance(value, np.ndarray | list):
+        value = np.asarray(value)
+    if isinstance(value, list):  # a sequence input
+        return value  # type: ignore[return-value]
+    if spec.dtype is not None and value.dtype != spec.dtype:
+        if spec.dtype == np.dtype(object) and value.dtype.kind in "US":
+            value = value.astype(object)
+        else:
+            raise InvalidInput(
+                f"network {network_name}: input {spec.name!r} has element type {value.dtype}, "
+                f"expected {spec.dtype}"
+            )
+    if spec.shape is not None:
+        if value.ndim != len(spec.shape):
+            raise InvalidInput(
+                f"network {network_name}: input {spec.name!r} has shape {list(value.shape)} "
+                f"(rank {value.ndim}), expected rank {len(spec.shape)}: {spec.describe()}"
+            )
+        for axis, (got, want) in enumerate(zip(value.shape, spec.shape)):
+            if isinstance(want, int) and want >= 0 and got != want:
+                raise InvalidInput(
+                    f"network {network_name}: input {spec.name!r} has shape {list(value.shape)}, "
+                    f"expected {spec.describe()} (dimension {axis} must be {want})"
+                )
+    return value
+
+
+def names_of(specs: Iterable[TensorSpec]) -> list[str]:
+    return [s.name for s in specs]

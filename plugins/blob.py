@@ -1,0 +1,79 @@
+"""The export format every plugin shares: a header that lets import refuse a foreign blob.
+
+Layout: ``MAGIC`` (8 bytes), header length (4 bytes little-endian), the header as JSON, then the
+plugin's payload. The header names the format version, the plugin, the device architecture, the
+plugserve version and the configuration, so a blob made by another plugin, for another device
+architecture or by an incompatible format is refused with a message saying which.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from typing import Any
+
+from plugserve.plugins.api import InvalidArgument
+
+MAGIC = b"PLUGSRV\x00"
+FORMAT_VERSION = 1
+
+__all__ = ["FORMAT_VERSION", "MAGIC", "pack", "unpack"]
+
+
+def plugserve_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("plugserve")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+def pack(
+    plugin: str,
+    architecture: str,
+    config: dict[str, str],
+    payload: bytes,
+    extra: dict[str, Any] | None = None,
+) -> bytes:
+    header = {
+        "format_version": FORMAT_VERSION,
+        "plugin": plugin,
+        "device_architecture": architecture,
+        "plugserve_version": plugserve_version(),
+        "config": config,
+        **(extra or {}),
+    }
+    raw = json.dumps(header, sort_keys=True).encode()
+    return MAGIC + struct.pack("<I", len(raw)) + raw + payload
+
+
+def unpack(blob: bytes, plugin: str, architecture: str) -> tuple[dict[str, Any], bytes]:
+    """Header and payload; raises :class:`InvalidArgument` naming the mismatch."""
+    blob = bytes(blob)
+    if len(blob) < len(MAGIC) + 4 or not blob.startswith(MAGIC):
+        raise InvalidArgument("not a plugserve exported network (bad magic bytes)")
+    (length,) = struct.unpack_from("<I", blob, len(MAGIC))
+    start = len(MAGIC) + 4
+    if start + length > len(blob):
+        raise InvalidArgument("exported network is truncated (header runs past the end)")
+    try:
+        header = json.loads(blob[start : start + length])
+    except ValueError:
+        raise InvalidArgument("exported network has a corrupt header") from None
+    if header.get("format_version") != FORMAT_VERSION:
+        raise InvalidArgument(
+            f"exported network has format version {header.get('format_version')}, this "
+            f"plugserve reads version {FORMAT_VERSION}: export it again"
+        )
+    if header.get("plugin") != plugin:
+        raise InvalidArgument(
+            f"exported network was made by device {header.get('plugin')!r}, not {plugin!r}: "
+            f"import it on {header.get('plugin')!r}"
+        )
+    if header.get("device_architecture") != architecture:
+        raise InvalidArgument(
+            f"exported network was made for architecture {header.get('device_architecture')!r}, "
+            f"this device is {architecture!r}: compile the model again here"
+        )
+    return header, blob[start + length :]

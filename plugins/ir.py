@@ -1,0 +1,507 @@
+"""The network IR: an ONNX graph as plain Python objects that passes can rewrite.
+
+ONNX protobufs are awkward to edit in place, and every pass needs the same few things: nodes in
+topological order, who produces and who consumes a value, initializers as numpy arrays, and per
+node runtime info (affinity, the original node names a fused node came from). A :class:`Graph`
+is built from a validated ``ModelProto`` by :func:`load_model` and turned back into one by
+:meth:`Graph.to_model` (export, debugging, handing a subgraph to another backend).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import AttributeProto, GraphProto, ModelProto, TensorProto, helper, numpy_helper
+from plugserve.plugins.api import InvalidModel, TensorSpec
+
+__all__ = ["Graph", "Node", "load_model", "np_dtype", "onnx_dtype"]
+
+
+def np_dtype(elem_type: int) -> np.dtype | None:
+    """The numpy dtype of an ONNX element type (strings are ``object``), None if unknown."""
+    if elem_type == TensorProto.UNDEFINED:
+        return None
+    if elem_type == TensorProto.STRING:
+        return np.dtype(object)
+    try:
+        return np.dtype(helper.tensor_dtype_to_np_dtype(elem_type))
+    except (KeyError, ValueError, TypeError):
+        return None
+
+
+def onnx_dtype(dtype: np.dtype) -> int:
+    dtype = np.dtype(dtype)
+    if dtype == np.dtype(object) or dtype.kind in "US":
+        return TensorProto.STRING
+    return helper.np_dtype_to_tensor_dtype(dtype)
+
+
+def _spec(value_info: onnx.ValueInfoProto) -> TensorSpec:
+    t = value_info.type
+    if t.HasField("tensor_type"):
+        tt = t.tensor_type
+        shape = None
+        if tt.HasField("shape"):
+            shape = tuple(
+                d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
+                for d in tt.shape.dim
+            )
+        return TensorSpec(value_info.name, np_dtype(tt.elem_type), shape)
+    return TensorSpec(value_info.name, None, None)  # sequences, optionals, maps
+
+
+@dataclasses.dataclass
+class Node:
+    """One operation. ``attrs`` keeps ONNX attributes; ``fused_names`` the original nodes."""
+
+    op_type: str
+    inputs: list[str]
+    outputs: list[str]
+    name: str = ""
+    domain: str = ""
+    attrs: dict[str, AttributeProto] = dataclasses.field(default_factory=dict)
+    fused_names: list[str] = dataclasses.field(default_factory=list)
+    affinity: str = ""
+    metadata: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def attr(self, name: str, default: Any = None) -> Any:
+        proto = self.attrs.get(name)
+        if proto is None:
+            return default
+        return decode_attr(proto)
+
+    def set_attr(self, name: str, value: Any) -> None:
+        self.attrs[name] = helper.make_attribute(name, value)
+
+    def to_proto(self) -> onnx.NodeProto:
+        node = helper.make_node(
+            self.op_type, self.inputs, self.outputs, name=self.name, domain=self.domain or None
+        )
+        node.attribute.extend(self.attrs.values())
+        meta = dict(self.metadata)
+        meta["fused_names"] = ",".join(self.fused_names)
+        if self.affinity:
+            meta["affinity"] = self.affinity
+        for key, value in meta.items():
+            entry = node.metadata_props.add()
+            entry.key, entry.value = key, value
+        return node
+
+
+def decode_attr(proto: AttributeProto) -> Any:
+    """An attribute as a Python value: strings decoded, tensors as numpy arrays."""
+    kind = proto.type
+    if kind == AttributeProto.STRING:
+        return proto.s.decode("utf-8", errors="replace")
+    if kind == AttributeProto.STRINGS:
+        return [s.decode("utf-8", errors="replace") for s in proto.strings]
+    if kind == AttributeProto.TENSOR:
+        return tensor_to_array(proto.t)
+    if kind == AttributeProto.TENSORS:
+        return [tensor_to_array(t) for t in proto.tensors]
+    if kind == AttributeProto.INTS:
+        return list(proto.ints)
+    if kind == AttributeProto.FLOATS:
+        return list(proto.floats)
+    return helper.get_attribute_value(proto)
+
+
+def tensor_to_array(tensor: TensorProto) -> np.ndarray:
+    if tensor.data_type == TensorProto.STRING:
+        array = numpy_helper.to_array(tensor)
+        return np.array(
+            [
+                s.decode("utf-8", errors="replace") if isinstance(s, bytes) else s
+                for s in array.ravel()
+            ],
+            dtype=object,
+        ).reshape(array.shape)
+    return numpy_helper.to_array(tensor)
+
+
+@dataclasses.dataclass
+class Graph:
+    """A graph: nodes in topological order, named values, initializers as arrays."""
+
+    name: str
+    nodes: list[Node]
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+    initializers: dict[str, np.ndarray]
+    value_info: dict[str, TensorSpec]
+    opsets: dict[str, int]
+    ir_version: int = onnx.IR_VERSION
+    functions: list[onnx.FunctionProto] = dataclasses.field(default_factory=list)
+    raw_inputs: list[onnx.ValueInfoProto] = dataclasses.field(default_factory=list)
+    raw_outputs: list[onnx.ValueInfoProto] = dataclasses.field(default_factory=list)
+
+    # --- queries passes use
+
+    def producers(self) -> dict[str, Node]:
+        return {out: node for node in self.nodes for out in node.outputs if out}
+
+    def consumers(self) -> dict[str, list[Node]]:
+        users: dict[str, list[Node]] = {}
+        for node in self.nodes:
+            for name in node.inputs:
+                if name:
+                    users.setdefault(name, []).append(node)
+            for name in subgraph_free_names(node):
+                users.setdefault(name, []).append(node)
+        return users
+
+    def output_names(self) -> set[str]:
+        return {o.name for o in self.outputs}
+
+    def spec(self, name: str) -> TensorSpec | None:
+        return self.value_info.get(name)
+
+    def opset(self, domain: str = "") -> int:
+        domain = "" if domain == "ai.onnx" else domain
+        return self.opsets.get(domain, 0)
+
+    def original_names(self) -> list[str]:
+        return [name for node in self.nodes for name in node.fused_names]
+
+    def unique_name(self, base: str) -> str:
+        taken = {n.name for n in self.nodes}
+        taken |= {v for n in self.nodes for v in n.outputs}
+        taken |= set(self.initializers) | {i.name for i in self.inputs}
+        name, i = base, 0
+        while name in taken:
+            i += 1
+            name = f"{base}_{i}"
+        return name
+
+    def copy(self) -> Graph:
+        """A deep enough copy for passes to rewrite (arrays are shared, never mutated)."""
+        nodes = [
+            dataclasses.replace(
+                n,
+                inputs=list(n.inputs),
+                outputs=list(n.outputs),
+                attrs=dict(n.attrs),
+                fused_names=list(n.fused_names),
+                metadata=dict(n.metadata),
+            )
+            for n in self.nodes
+        ]
+        return dataclasses.replace(
+            self,
+            nodes=nodes,
+            inputs=list(self.inputs),
+            outputs=list(self.outputs),
+            initializers=dict(self.initializers),
+            value_info=dict(self.value_info),
+            opsets=dict(self.opsets),
+        )
+
+    def toposort(self, outer_scope: bool = False) -> None:
+        """Order nodes so every value is produced before use; a cycle or dangling edge raises.
+
+        In a subgraph (``outer_scope``) a name nothing here produces comes from the enclosing
+        graph, so it is not an error.
+        """
+        self.nodes = topological_order(self.name, self.nodes, self.available_names(), outer_scope)
+
+    def available_names(self) -> set[str]:
+        return {i.name for i in self.inputs} | set(self.initializers) | {""}
+
+    # --- back to ONNX
+
+    def to_model(self) -> ModelProto:
+        initializers = [
+            numpy_helper.from_array(
+                np.array(v.tolist(), dtype=object) if v.dtype == object else v, name
+            )
+            if v.dtype != object
+            else helper.make_tensor(
+                name,
+                TensorProto.STRING,
+                v.shape,
+                [s.encode() if isinstance(s, str) else s for s in v.ravel()],
+            )
+            for name, v in self.initializers.items()
+        ]
+        graph = helper.make_graph(
+            [n.to_proto() for n in self.nodes],
+            self.name,
+            self.raw_inputs or [_value_info(s) for s in self.inputs],
+            self.raw_outputs or [_value_info(s) for s in self.outputs],
+            initializer=initializers,
+            value_info=[
+                _value_info(s)
+                for s in self.value_info.values()
+                if s.dtype is not None
+                and s.name not in self.output_names()
+                and s.name not in {i.name for i in self.inputs}
+            ],
+        )
+        model = helper.make_model(
+            graph,
+            opset_imports=[helper.make_opsetid(d, v) for d, v in self.opsets.items()],
+            functions=self.functions,
+        )
+        model.ir_version = self.ir_version
+        return model
+
+
+def _value_info(spec: TensorSpec) -> onnx.ValueInfoProto:
+    elem = onnx_dtype(spec.dtype) if spec.dtype is not None else TensorProto.UNDEFINED
+    shape = None if spec.shape is None else [d if d is not None else None for d in spec.shape]
+    return helper.make_tensor_value_info(spec.name, elem, shape)
+
+
+def subgraph_free_names(node: Node) -> list[str]:
+    """Names a node's subgraphs read from the enclosing scope (implicit inputs)."""
+    free: list[str] = []
+    for attr in node.attrs.values():
+        graphs = (
+            [attr.g]
+            if attr.type == AttributeProto.GRAPH
+            else list(attr.graphs)
+            if attr.type == AttributeProto.GRAPHS
+            else []
+        )
+        for g in graphs:
+            for name in _graph_free_names(g):
+                if name not in free:
+                    free.append(name)
+    return free
+
+
+def _graph_free_names(graph: GraphProto) -> list[str]:
+    defined = {i.name for i in graph.input} | {i.name for i in graph.initializer}
+    defined |= {i.name for i in graph.sparse_initializer}
+    free: list[str] = []
+    for node in graph.node:
+        used = list(node.input)
+        for attr in node.attribute:
+            subs = [attr.g] if attr.type == AttributeProto.GRAPH else list(attr.graphs)
+            for sub in subs:
+                used.extend(_graph_free_names(sub))
+        for name in used:
+            if name and name not in defined and name not in free:
+                free.append(name)
+        defined.update(node.output)
+    for out in graph.output:
+        if out.name not in defined and out.name not in free:
+            free.append(out.name)
+    return free
+
+
+def topological_order(
+    graph_name: str, nodes: list[Node], available: set[str], outer_scope: bool = False
+) -> list[Node]:
+    """Kahn's algorithm, stable for already ordered graphs; names what cannot be scheduled."""
+    produced_by: dict[str, int] = {}
+    for index, node in enumerate(nodes):
+        for out in node.outputs:
+            if out:
+                produced_by[out] = index
+    pending: list[int] = []
+    waiting: dict[int, int] = {}
+    dependents: dict[int, list[int]] = {}
+    for index, node in enumerate(nodes):
+        deps = set()
+        for name in list(node.inputs) + subgraph_free_names(node):
+            if name in available:
+                continue
+            if name not in produced_by:
+                if name in node.inputs and not outer_scope:
+                    raise InvalidModel(
+                        f"graph {graph_name!r}: node {node.name!r} ({node.op_type}) reads "
+                        f"{name!r}, which no node, input or initializer produces"
+                    )
+                continue  # an outer-scope name of a subgraph; checked by the enclosing graph
+            deps.add(produced_by[name])
+        waiting[index] = len(deps)
+        for dep in deps:
+            dependents.setdefault(dep, []).append(index)
+        if not deps:
+            pending.append(index)
+    order: list[int] = []
+    heapq.heapify(pending)
+    while pending:
+        index = heapq.heappop(pending)
+        order.append(index)
+        for nxt in dependents.get(index, []):
+            waiting[nxt] -= 1
+            if waiting[nxt] == 0:
+                heapq.heappush(pending, nxt)
+    if len(order) != len(nodes):
+        stuck = [nodes[i].name or nodes[i].op_type for i in range(len(nodes)) if waiting[i] > 0]
+        raise InvalidModel(f"graph {graph_name!r} has a cycle through node(s) {stuck[:8]}")
+    return [nodes[i] for i in order]
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def read_model(model: Any) -> tuple[ModelProto, Path | None]:
+    """A ModelProto from a path, bytes or ModelProto, with external data read safely."""
+    if isinstance(model, ModelProto):
+        proto, folder = model, None
+    elif isinstance(model, bytes | bytearray | memoryview):
+        proto = ModelProto()
+        try:
+            proto.ParseFromString(bytes(model))
+        except Exception:  # protobuf raises DecodeError and, for some garbage, others
+            raise InvalidModel(
+                "the model bytes are not an ONNX model (protobuf parse failed)"
+            ) from None
+        folder = None
+        if not proto.graph.node and not proto.graph.input and not proto.graph.output:
+            raise InvalidModel("the model bytes are not an ONNX model (no graph found)")
+    elif isinstance(model, str | os.PathLike):
+        path = Path(model)
+        if not path.is_file():
+            raise InvalidModel(f"model file {str(path)!r} does not exist")
+        try:
+            proto = onnx.load(str(path), load_external_data=False)
+        except Exception:
+            raise InvalidModel(f"model file {str(path)!r} is not an ONNX model") from None
+        if not proto.graph.node and not proto.graph.input and not proto.graph.output:
+            raise InvalidModel(f"model file {str(path)!r} is not an ONNX model (no graph)")
+        folder = path.resolve().parent
+    else:
+        raise InvalidModel(
+            f"a model is a path, bytes or onnx.ModelProto, not {type(model).__name__}"
+        )
+    _load_external_data(proto, folder)
+    return proto, folder
+
+
+def _tensors_with_external_data(proto: ModelProto) -> Iterable[TensorProto]:
+    from onnx.external_data_helper import _get_all_tensors, uses_external_data
+
+    return [t for t in _get_all_tensors(proto) if uses_external_data(t)]
+
+
+def _load_external_data(proto: ModelProto, folder: Path | None) -> None:
+    tensors = list(_tensors_with_external_data(proto))
+    if not tensors:
+        return
+    if folder is None:
+        raise InvalidModel(
+            f"tensor {tensors[0].name!r} keeps its data in an external file; a model given as "
+            "bytes cannot read files: load it from its path instead"
+        )
+    for tensor in tensors:
+        info = {e.key: e.value for e in tensor.external_data}
+        location = info.get("location", "")
+        target = (folder / location).resolve()
+        if not location or os.path.isabs(location) or not target.is_relative_to(folder):
+            raise InvalidModel(
+                f"tensor {tensor.name!r} points at external data {location!r} outside the "
+                f"model's folder {str(folder)!r}; external data must live beside the model"
+            )
+        if not target.is_file():
+            raise InvalidModel(
+                f"tensor {tensor.name!r}: external data file {location!r} does not exist"
+            )
+        offset = int(info.get("offset", 0) or 0)
+        length = info.get("length")
+        with open(target, "rb") as f:
+            f.seek(offset)
+            data = f.read(int(length)) if length else f.read()
+        tensor.raw_data = data
+        del tensor.external_data[:]
+        tensor.data_location = TensorProto.DEFAULT
+
+
+def load_model(model: Any, name: str | None = None) -> Graph:
+    """Read, validate and convert a model; every problem is an :class:`InvalidModel`."""
+    proto, _ = read_model(model)
+    label = name or proto.graph.name or "model"
+    try:
+        onnx.checker.check_model(proto)
+    except onnx.checker.ValidationError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else "invalid"
+        raise InvalidModel(f"model {label!r} does not validate: {first}") from None
+    except Exception as exc:
+        raise InvalidModel(f"model {label!r} does not validate: {exc}") from None
+    try:
+        inferred = onnx.shape_inference.infer_shapes(proto, check_type=True, data_prop=True)
+    except Exception as exc:
+        text = str(exc).strip().splitlines()
+        raise InvalidModel(
+            f"model {label!r}: shape inference failed: {text[-1] if text else exc}"
+        ) from None
+    return graph_from_proto(inferred.graph, inferred, label)
+
+
+def graph_from_proto(
+    graph: GraphProto, model: ModelProto | None, label: str, outer_scope: bool = False
+) -> Graph:
+    opsets: dict[str, int] = {}
+    if model is not None:
+        for op in model.opset_import:
+            opsets["" if op.domain == "ai.onnx" else op.domain] = op.version
+    initializers: dict[str, np.ndarray] = {}
+    for tensor in graph.initializer:
+        try:
+            initializers[tensor.name] = tensor_to_array(tensor)
+        except Exception as exc:
+            raise InvalidModel(f"model {label!r}: initializer {tensor.name!r}: {exc}") from None
+    for sparse in graph.sparse_initializer:
+        dense = numpy_helper.to_array(sparse.values)
+        full = np.zeros(tuple(sparse.dims), dtype=dense.dtype)
+        idx = numpy_helper.to_array(sparse.indices)
+        if idx.ndim == 1:
+            full.ravel()[idx] = dense
+        else:
+            full[tuple(idx.T)] = dense
+        initializers[sparse.values.name] = full
+    value_info: dict[str, TensorSpec] = {}
+    for vi in list(graph.value_info) + list(graph.input) + list(graph.output):
+        value_info[vi.name] = _spec(vi)
+    for name, array in initializers.items():
+        value_info.setdefault(name, TensorSpec(name, array.dtype, tuple(array.shape)))
+    nodes: list[Node] = []
+    seen: set[str] = set()
+    for index, proto_node in enumerate(graph.node):
+        node_name = proto_node.name or f"{proto_node.op_type}_{index}"
+        if node_name in seen:
+            node_name = f"{node_name}_{index}"
+        seen.add(node_name)
+        meta = {e.key: e.value for e in proto_node.metadata_props}
+        fused = meta.pop("fused_names", None)
+        node = Node(
+            op_type=proto_node.op_type,
+            inputs=list(proto_node.input),
+            outputs=list(proto_node.output),
+            name=node_name,
+            domain="" if proto_node.domain == "ai.onnx" else proto_node.domain,
+            attrs={a.name: a for a in proto_node.attribute},
+            fused_names=fused.split(",") if fused else [node_name],
+            affinity=meta.pop("affinity", ""),
+            metadata=meta,
+        )
+        if fused == "":
+            node.fused_names = []
+        nodes.append(node)
+    initializer_names = set(initializers)
+    inputs = [_spec(i) for i in graph.input if i.name not in initializer_names]
+    result = Graph(
+        name=label,
+        nodes=nodes,
+        inputs=inputs,
+        outputs=[_spec(o) for o in graph.output],
+        initializers=initializers,
+        value_info=value_info,
+        opsets=opsets,
+        ir_version=model.ir_version if model is not None else onnx.IR_VERSION,
+        functions=list(model.functions) if model is not None else [],
+        raw_inputs=[i for i in graph.input if i.name not in initializer_names],
+        raw_outputs=list(graph.output),
+    )
+    result.toposort(outer_scope)
+    return result

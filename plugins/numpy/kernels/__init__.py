@@ -1,0 +1,29 @@
+"""NUMPY's kernels for the ONNX standard domains, one family of ops per module.
+
+Importing this package registers every kernel in :data:`registry.default_registry`.
+"""
+
+from plugserve.plugins.numpy.kernels import (  # noqa: F401  (imported to register kernels)
+    control,
+    elementwise,
+    ml,
+    nn,
+    quantize,
+    reduce,
+    rnn,
+    sequence,
+    signal,
+    strings,
+    tensor,
+    training,
+    vision,
+)
+from plugserve.plugins.numpy.kernels.registry import (
+    REQUIRED,
+    KernelContext,
+    Registry,
+    default_registry,
+    register,
+)
+
+__all__ = ["REQUIRED", "KernelContext", "Registry", "default_registry", "register"]

@@ -1,0 +1,3 @@
+"""The ai.onnx.ml domain."""
+
+from __future__ import annotations

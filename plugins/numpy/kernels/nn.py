@@ -1,0 +1,3 @@
+"""Convolution, pooling, Gemm and MatMul."""
+
+from __future__ import annotations

@@ -1,0 +1,3 @@
+"""Quantize/dequantize and the integer convolution and matmul ops."""
+
+from __future__ import annotations

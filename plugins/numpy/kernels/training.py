@@ -1,0 +1,3 @@
+"""The ai.onnx.preview.training domain and losses."""
+
+from __future__ import annotations
