@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import onnx
 from onnx import AttributeProto, GraphProto, ModelProto, TensorProto, helper, numpy_helper
+
 from plugserve.plugins.api import InvalidModel, TensorSpec
 
 __all__ = ["Graph", "Node", "load_model", "np_dtype", "onnx_dtype"]
@@ -77,8 +78,8 @@ class Node:
             return default
         return decode_attr(proto)
 
-    def set_attr(self, name: str, value: Any) -> None:
-        self.attrs[name] = helper.make_attribute(name, value)
+    def set_attr(self, name: str, value: Any, attr_type: int | None = None) -> None:
+        self.attrs[name] = helper.make_attribute(name, value, attr_type=attr_type)
 
     def to_proto(self) -> onnx.NodeProto:
         node = helper.make_node(
@@ -139,6 +140,8 @@ class Graph:
     opsets: dict[str, int]
     ir_version: int = onnx.IR_VERSION
     functions: list[onnx.FunctionProto] = dataclasses.field(default_factory=list)
+    #: Original names of nodes a pass removed without a successor (folded or dead).
+    absorbed: list[str] = dataclasses.field(default_factory=list)
     raw_inputs: list[onnx.ValueInfoProto] = dataclasses.field(default_factory=list)
     raw_outputs: list[onnx.ValueInfoProto] = dataclasses.field(default_factory=list)
 
@@ -162,6 +165,23 @@ class Graph:
 
     def spec(self, name: str) -> TensorSpec | None:
         return self.value_info.get(name)
+
+    def node_opset(self, node: Node) -> int:
+        """The opset a node is resolved at: its own (inlined function bodies) or the graph's."""
+        return int(node.metadata.get("opset", 0)) or self.opset(node.domain)
+
+    def refresh_types(self) -> None:
+        """Re-run ONNX shape inference to type values that passes created."""
+        try:
+            inferred = onnx.shape_inference.infer_shapes(self.to_model(), strict_mode=False)
+        except Exception:
+            return
+        for vi in list(inferred.graph.value_info) + list(inferred.graph.output):
+            spec = _spec(vi)
+            if spec.dtype is not None:
+                old = self.value_info.get(vi.name)
+                if old is None or old.dtype is None or old.shape is None:
+                    self.value_info[vi.name] = spec
 
     def opset(self, domain: str = "") -> int:
         domain = "" if domain == "ai.onnx" else domain
@@ -201,6 +221,7 @@ class Graph:
             initializers=dict(self.initializers),
             value_info=dict(self.value_info),
             opsets=dict(self.opsets),
+            absorbed=list(self.absorbed),
         )
 
     def toposort(self, outer_scope: bool = False) -> None:
@@ -421,6 +442,7 @@ def load_model(model: Any, name: str | None = None) -> Graph:
     """Read, validate and convert a model; every problem is an :class:`InvalidModel`."""
     proto, _ = read_model(model)
     label = name or proto.graph.name or "model"
+    _sort_nodes(proto.graph, label)
     try:
         onnx.checker.check_model(proto)
     except onnx.checker.ValidationError as exc:
@@ -436,6 +458,35 @@ def load_model(model: Any, name: str | None = None) -> Graph:
             f"model {label!r}: shape inference failed: {text[-1] if text else exc}"
         ) from None
     return graph_from_proto(inferred.graph, inferred, label)
+
+
+def _sort_nodes(graph: GraphProto, label: str) -> None:
+    """Put nodes in topological order (ONNX requires it; exporters do not always comply).
+
+    A cycle or a dangling edge raises here, naming the nodes, before the checker's less
+    specific message.
+    """
+    nodes = [
+        Node(
+            n.op_type,
+            list(n.input),
+            list(n.output),
+            name=n.name or f"{n.op_type}_{i}",
+            attrs={a.name: a for a in n.attribute},
+        )
+        for i, n in enumerate(graph.node)
+    ]
+    available = {i.name for i in graph.input} | {t.name for t in graph.initializer} | {""}
+    available |= {t.values.name for t in graph.sparse_initializer}
+    ordered = topological_order(label, nodes, available)
+    index = {id(n): i for i, n in enumerate(nodes)}
+    if [index[id(n)] for n in ordered] != list(range(len(nodes))):
+        protos = [graph.node[index[id(n)]] for n in ordered]
+        copies = [onnx.NodeProto() for _ in protos]
+        for copy, proto in zip(copies, protos):
+            copy.CopyFrom(proto)
+        del graph.node[:]
+        graph.node.extend(copies)
 
 
 def graph_from_proto(

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 from onnx import AttributeProto
+
 from plugserve.plugins.api import InferenceError, PerfCount, PlugserveError, TensorSpec, Unsupported
 from plugserve.plugins.ir import Graph, Node, graph_from_proto, subgraph_free_names
 from plugserve.plugins.numpy.kernels.registry import KernelContext, Registry
@@ -187,12 +188,13 @@ def compile_plan(
     steps: list[Step] = []
     for node in graph.nodes:
         captured = subgraph_free_names(node)
-        entry = registry.lookup(node.domain, node.op_type, graph.opset(node.domain))
+        opset = graph.node_opset(node)
+        entry = registry.lookup(node.domain, node.op_type, opset)
         try:
             if entry is None:
                 raise Unsupported(
                     f"node {node.name!r}: "
-                    + registry.why_unsupported(node.domain, node.op_type, graph.opset(node.domain))
+                    + registry.why_unsupported(node.domain, node.op_type, opset)
                 )
             fn = _build(entry, node, graph, registry, specs, constants, captured)
         except Unsupported as exc:
@@ -228,7 +230,7 @@ def _build(
         )
     ctx = KernelContext(
         node,
-        graph.opset(node.domain),
+        graph.node_opset(node),
         [specs.get(name) if name else None for name in node.inputs],
         [specs.get(name) if name else None for name in node.outputs],
         constants,

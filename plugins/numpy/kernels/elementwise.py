@@ -1,14 +1,438 @@
-"""Element-wise ops: arithmetic, comparison, logic, bitwise, math functions, activations, casts."""
+"""Element-wise ops: arithmetic, comparison, logic, bitwise, math functions, activations, casts.
+
+Most ops map onto a numpy ufunc with ONNX's multidirectional broadcasting, which numpy shares.
+The work left to the builders is keeping ONNX's result types where numpy's differ:
+
+- a ufunc over 0-d arrays returns a numpy scalar, so kernels whose output may be 0-d are
+  wrapped to return an ``np.ndarray`` (:func:`_arrays`);
+- integer ``Div`` truncates toward zero (C), where numpy floors;
+- ``Pow`` keeps the base's type whatever the exponent's type;
+- activations take float attributes that must not promote float16/float32 inputs.
+
+When shape inference left an input's dtype unknown, :func:`_by_dtype` picks the specialised
+kernel on first use of each dtype instead of at load time.
+"""
 
 from __future__ import annotations
 
+import functools
+import math
+from collections.abc import Callable
+
 import numpy as np
+from onnx import TensorProto, helper
+
 from plugserve.plugins.numpy.kernels.registry import KernelContext, register
 
+Kernel = Callable[..., object]
 
-@register("Add", 7, 13, 14)
-def add(ctx: KernelContext):
-    return np.add
+
+# --- shared helpers
+
+
+def _arrays(ctx: KernelContext, fn: Kernel) -> Kernel:
+    """``fn`` made to return an ndarray even for 0-d results (ufuncs return numpy scalars)."""
+    shape = ctx.output_shape(0)
+    if shape is not None and len(shape) > 0:
+        return fn
+
+    def run(*args):
+        result = fn(*args)
+        return result if type(result) is np.ndarray else np.asarray(result)
+
+    return run
+
+
+def _by_dtype(ctx: KernelContext, choose: Callable[[np.dtype], Kernel], index: int = 0) -> Kernel:
+    """The kernel ``choose(dtype)`` for input ``index``'s dtype: chosen now when shape inference
+    knows it, else on the first request of each dtype (then cached)."""
+    dtype = ctx.input_dtype(index)
+    if dtype is not None:
+        return choose(np.dtype(dtype))
+    cache: dict[np.dtype, Kernel] = {}
+
+    def run(*args):
+        dt = args[index].dtype
+        fn = cache.get(dt)
+        if fn is None:
+            fn = cache[dt] = choose(dt)
+        return fn(*args)
+
+    return run
+
+
+def _float_only(ctx: KernelContext, make: Callable[[np.dtype], Kernel]) -> Kernel:
+    """A float-typed unary op: ``make(dtype)`` builds the kernel with constants of that dtype.
+
+    Such kernels chain in-place ufuncs (``out=``), which need arrays: a 0-d input runs as a
+    1-element vector unless shape inference says the input has a rank.
+    """
+
+    def choose(dtype: np.dtype) -> Kernel:
+        if dtype.kind != "f":
+            raise ctx.unsupported(f"input type {dtype} is not implemented")
+        if dtype == np.float16:
+            return _via_float32(make(np.dtype(np.float32)))
+        return make(dtype)
+
+    fn = _by_dtype(ctx, choose)
+    shape = ctx.input_shape(0)
+    if shape is not None and len(shape) > 0:
+        return fn
+
+    def run(x):
+        if x.ndim:
+            return fn(x)
+        return np.asarray(fn(x.reshape(1))).reshape(())
+
+    return run
+
+
+def _via_float32(fn: Kernel) -> Kernel:
+    """float16 through a float32 kernel: intermediates like exp(x) overflow float16 early."""
+
+    def run(x):
+        return fn(x.astype(np.float32)).astype(np.float16)
+
+    return run
+
+
+def _ufunc_builder(ufunc: Callable[..., object]) -> Callable[[KernelContext], Kernel]:
+    def build(ctx: KernelContext) -> Kernel:
+        return _arrays(ctx, ufunc)
+
+    build.__doc__ = f"Direct ``np.{getattr(ufunc, '__name__', ufunc)}``."
+    return build
+
+
+def _register_ufuncs(table: dict[str, tuple[Callable[..., object], tuple[int, ...]]]) -> None:
+    for op_type, (ufunc, versions) in table.items():
+        register(op_type, *versions)(_ufunc_builder(ufunc))
+
+
+_register_ufuncs(
+    {
+        # arithmetic whose numpy result type and semantics already match ONNX
+        "Add": (np.add, (7, 13, 14)),
+        "Sub": (np.subtract, (7, 13, 14)),
+        "Mul": (np.multiply, (7, 13, 14)),
+        # math functions (v1 only differs by the legacy consumed_inputs attribute)
+        "Neg": (np.negative, (6, 13)),
+        "Abs": (np.absolute, (6, 13)),
+        "Reciprocal": (np.reciprocal, (6, 13)),
+        "Floor": (np.floor, (6, 13)),
+        "Ceil": (np.ceil, (6, 13)),
+        "Round": (np.rint, (11, 22)),  # rint rounds halves to even, as ONNX requires
+        "Sqrt": (np.sqrt, (6, 13)),
+        "Exp": (np.exp, (6, 13)),
+        "Log": (np.log, (6, 13)),
+        "Sin": (np.sin, (7, 22)),
+        "Cos": (np.cos, (7, 22)),
+        "Tan": (np.tan, (7, 22)),
+        "Asin": (np.arcsin, (7, 22)),
+        "Acos": (np.arccos, (7, 22)),
+        "Atan": (np.arctan, (7, 22)),
+        "Sinh": (np.sinh, (9, 22)),
+        "Cosh": (np.cosh, (9, 22)),
+        "Asinh": (np.arcsinh, (9, 22)),
+        "Acosh": (np.arccosh, (9, 22)),
+        "Atanh": (np.arctanh, (9, 22)),
+        "Tanh": (np.tanh, (6, 13)),
+        "Sign": (np.sign, (9, 13)),
+        "IsNaN": (np.isnan, (9, 13, 20)),
+        # logic and bitwise
+        "Not": (np.logical_not, (1,)),
+        "And": (np.logical_and, (7,)),
+        "Or": (np.logical_or, (7,)),
+        "Xor": (np.logical_xor, (7,)),
+        "BitwiseAnd": (np.bitwise_and, (18,)),
+        "BitwiseOr": (np.bitwise_or, (18,)),
+        "BitwiseXor": (np.bitwise_xor, (18,)),
+        "BitwiseNot": (np.invert, (18,)),
+        # comparisons
+        "Less": (np.less, (7, 9, 13)),
+        "LessOrEqual": (np.less_equal, (12, 16)),
+        "Greater": (np.greater, (7, 9, 13)),
+        "GreaterOrEqual": (np.greater_equal, (12, 16)),
+        "Where": (np.where, (9, 16)),
+    }
+)
+
+
+# --- arithmetic
+
+
+def _truncating_divide(a: np.ndarray, b: np.ndarray):
+    q = np.floor_divide(a, b)
+    # floor and truncation differ exactly when the quotient is negative and inexact
+    q += (q < 0) & (q * b != a)
+    return q
+
+
+@register("Div", 7, 13, 14)
+def div(ctx: KernelContext):
+    """Float division, or integer division truncating toward zero (C semantics, like ONNX)."""
+
+    def choose(dtype: np.dtype) -> Kernel:
+        if dtype.kind == "i":
+            return _truncating_divide
+        if dtype.kind == "u":
+            return np.floor_divide
+        return np.divide
+
+    return _arrays(ctx, _by_dtype(ctx, choose))
+
+
+@register("Pow", 7, 12, 13, 15)
+def pow_(ctx: KernelContext):
+    """The result has the base's type: an integer base stays integer, a float exponent with an
+    integer base is applied in float64 and the result converted back."""
+
+    def choose_base(base: np.dtype) -> Kernel:
+        def choose_exponent(exponent: np.dtype) -> Kernel:
+            if exponent == base:
+                return np.power
+            if base.kind == "f":
+                if exponent.kind in "iub":
+                    return lambda x, y: np.power(x, y.astype(base))
+                return lambda x, y: np.power(x, y).astype(base, copy=False)
+            if exponent.kind == "f":
+                return lambda x, y: np.power(x.astype(np.float64), y.astype(np.float64)).astype(
+                    base
+                )
+            return lambda x, y: np.power(x, y.astype(base))
+
+        return _by_dtype(ctx, choose_exponent, 1)
+
+    return _arrays(ctx, _by_dtype(ctx, choose_base))
+
+
+@register("Mod", 10, 13, 28)
+def mod(ctx: KernelContext):
+    """fmod=1: C fmod (sign of the dividend); fmod=0: floored modulo (sign of the divisor)."""
+    return _arrays(ctx, np.fmod if ctx.attr("fmod", 0) else np.mod)
+
+
+@register("BitShift", 11, 28)
+def bit_shift(ctx: KernelContext):
+    """numpy's shifts already give ONNX's results for out-of-range and negative amounts."""
+    direction = ctx.attr("direction")
+    if isinstance(direction, bytes):
+        direction = direction.decode()
+    if direction == "LEFT":
+        return _arrays(ctx, np.left_shift)
+    if direction == "RIGHT":
+        return _arrays(ctx, np.right_shift)
+    raise ctx.unsupported(f"direction {direction!r}")
+
+
+@register("Equal", 7, 11, 13, 19)
+def equal(ctx: KernelContext):
+    """Strings compare as object arrays; the result is made bool for old numpy."""
+
+    def choose(dtype: np.dtype) -> Kernel:
+        if dtype.kind == "O":
+            return lambda a, b: np.asarray(np.equal(a, b), dtype=bool)
+        return np.equal
+
+    return _arrays(ctx, _by_dtype(ctx, choose))
+
+
+@register("IsInf", 10, 20)
+def is_inf(ctx: KernelContext):
+    positive = ctx.attr("detect_positive", 1)
+    negative = ctx.attr("detect_negative", 1)
+    if positive and negative:
+        fn = np.isinf
+    elif positive:
+        fn = np.isposinf
+    elif negative:
+        fn = np.isneginf
+    else:
+        fn = lambda x: np.zeros(x.shape, dtype=bool)  # noqa: E731
+    return _arrays(ctx, fn)
+
+
+# --- variadic
+
+
+def _variadic(ctx: KernelContext, ufunc: Callable[..., object]) -> Kernel:
+    if ctx.num_inputs == 1:
+        return lambda x: x
+    if ctx.num_inputs == 2:
+        return _arrays(ctx, ufunc)
+    return _arrays(ctx, lambda *xs: functools.reduce(ufunc, xs))
+
+
+@register("Max", 6, 8, 12, 13)
+def max_(ctx: KernelContext):
+    """v6 requires equal shapes, which broadcasting computes the same way."""
+    return _variadic(ctx, np.maximum)
+
+
+@register("Min", 6, 8, 12, 13)
+def min_(ctx: KernelContext):
+    return _variadic(ctx, np.minimum)
+
+
+@register("Sum", 6, 8, 13)
+def sum_(ctx: KernelContext):
+    return _variadic(ctx, np.add)
+
+
+@register("Mean", 6, 8, 13)
+def mean(ctx: KernelContext):
+    n = ctx.num_inputs
+    if n == 1:
+        return lambda x: x
+    total = _variadic(ctx, np.add)
+
+    def run(*xs):
+        result = total(*xs)
+        result /= n  # a fresh float array: in place, keeping its dtype
+        return result
+
+    return run
+
+
+@register("Clip", 6, 11, 12, 13)
+def clip(ctx: KernelContext):
+    """v6 takes the bounds as attributes, v11+ as optional inputs (absent: unbounded).
+
+    min(max(x, lo), hi) yields ``hi`` everywhere when lo > hi, as ONNX specifies.
+    """
+    if ctx.version < 11:
+        lo = ctx.attr("min", -3.4028234663852886e38)
+        hi = ctx.attr("max", 3.4028234663852886e38)
+
+        def make(dtype: np.dtype) -> Kernel:
+            low, high = dtype.type(lo), dtype.type(hi)
+            return lambda x: np.clip(x, low, high)
+
+        return _float_only(ctx, make)
+
+    has_lo, has_hi = ctx.has_input(1), ctx.has_input(2)
+
+    def bounded(x, lo, hi):
+        out = np.maximum(x, lo)
+        return np.minimum(out, hi, out=out) if type(out) is np.ndarray else np.minimum(out, hi)
+
+    if has_lo and has_hi:
+        return _arrays(ctx, bounded)
+    if has_lo:
+        return _arrays(ctx, lambda x, lo, hi=None: np.maximum(x, lo))
+    if has_hi:
+        return _arrays(ctx, lambda x, lo, hi: np.minimum(x, hi))
+    return lambda x, lo=None, hi=None: x
+
+
+# --- casts
+
+_CASTABLE = {
+    TensorProto.FLOAT,
+    TensorProto.DOUBLE,
+    TensorProto.FLOAT16,
+    TensorProto.INT8,
+    TensorProto.INT16,
+    TensorProto.INT32,
+    TensorProto.INT64,
+    TensorProto.UINT8,
+    TensorProto.UINT16,
+    TensorProto.UINT32,
+    TensorProto.UINT64,
+    TensorProto.BOOL,
+    TensorProto.STRING,
+}
+
+
+def _target_dtype(ctx: KernelContext, to: int) -> np.dtype:
+    if to not in _CASTABLE:
+        name = TensorProto.DataType.Name(to) if to in TensorProto.DataType.values() else to
+        raise ctx.unsupported(f"cast to element type {name} is not implemented")
+    if to == TensorProto.STRING:
+        return np.dtype(object)
+    return np.dtype(helper.tensor_dtype_to_np_dtype(to))
+
+
+def _parse_strings(x: np.ndarray, target: np.dtype) -> np.ndarray:
+    """Numbers from strings: plain and scientific notation, INF/-INF/NaN in any case."""
+    if target.kind == "f":
+        return np.asarray(x.astype(target))
+    if target.kind == "b":
+        return np.asarray(x.astype(np.float64) != 0)
+    try:
+        return np.asarray(x.astype(target))
+    except ValueError:  # "2.5" and "1e3" are not int() literals: go through float
+        return np.asarray(x.astype(np.float64).astype(target))
+
+
+def _caster(target: np.dtype) -> Callable[[np.dtype], Kernel]:
+    def choose(source: np.dtype) -> Kernel:
+        if source == target:
+            return lambda x, *_: x
+        if target.kind == "O":
+            return lambda x, *_: np.asarray(x.astype(np.str_).astype(object))
+        if source.kind == "O":
+            return lambda x, *_: _parse_strings(x, target)
+        return lambda x, *_: np.asarray(x.astype(target))
+
+    return choose
+
+
+@register("Cast", 6, 9, 13, 19, 21, 23, 24, 25, 28)
+def cast(ctx: KernelContext):
+    """Numeric, bool and string targets; ``saturate``/``round_mode`` only concern the float8
+    targets, which are refused. Numbers become strings in numpy's shortest round-trip form."""
+    return _by_dtype(ctx, _caster(_target_dtype(ctx, ctx.attr("to"))))
+
+
+@register("CastLike", 15, 19, 21, 23, 24, 25)
+def cast_like(ctx: KernelContext):
+    """Cast to the type of the second input (known from shape inference, else per request)."""
+    target = ctx.input_dtype(1)
+    if target is not None:
+        target = np.dtype(target)
+        to = TensorProto.STRING if target.kind == "O" else helper.np_dtype_to_tensor_dtype(target)
+        return _by_dtype(ctx, _caster(_target_dtype(ctx, to)))
+    cache: dict[tuple[np.dtype, np.dtype], Kernel] = {}
+
+    def run(x, like):
+        key = (x.dtype, like.dtype)
+        fn = cache.get(key)
+        if fn is None:
+            if like.dtype.kind not in "biufO":
+                raise TypeError(f"cast to {like.dtype} is not implemented")
+            fn = cache[key] = _caster(like.dtype)(x.dtype)
+        return fn(x, like)
+
+    return run
+
+
+@register("BitCast", 26)
+def bit_cast(ctx: KernelContext):
+    """Reinterpret the bytes (little-endian hosts, like numpy's native order here)."""
+    target = _target_dtype(ctx, ctx.attr("to"))
+    if target.kind == "O":
+        raise ctx.unsupported("BitCast to string")
+
+    def choose(source: np.dtype) -> Kernel:
+        if source.kind == "O":
+            raise ctx.unsupported("BitCast from string")
+        if source.itemsize != target.itemsize:
+            raise ctx.unsupported(f"BitCast between {source} and {target}: sizes differ")
+        if target == np.bool_:
+            # numpy would keep a byte like 2 as a non-canonical True
+            return lambda x: np.asarray(x.view(np.uint8) != 0)
+
+        def run(x):
+            return (x if x.flags.c_contiguous else np.ascontiguousarray(x)).view(target)
+
+        return run
+
+    return _by_dtype(ctx, choose)
+
+
+# --- activations
 
 
 @register("Relu", 6, 13, 14)
@@ -16,4 +440,299 @@ def relu(ctx: KernelContext):
     def run(x):
         return np.maximum(x, x.dtype.type(0))
 
+    return _arrays(ctx, run)
+
+
+@register("LeakyRelu", 6, 16)
+def leaky_relu(ctx: KernelContext):
+    """max(x, alpha*x) for alpha <= 1 (min otherwise): one pass fewer than a where()."""
+    alpha = ctx.attr("alpha", 0.01)
+    pick = np.maximum if alpha <= 1 else np.minimum
+
+    def make(dtype: np.dtype) -> Kernel:
+        a = dtype.type(alpha)
+
+        def run(x):
+            out = np.multiply(x, a)
+            return pick(x, out, out=out)
+
+        return run
+
+    return _float_only(ctx, make)
+
+
+def _elu_like(alpha: float, gamma: float | None) -> Callable[[np.dtype], Kernel]:
+    def make(dtype: np.dtype) -> Kernel:
+        a = dtype.type(alpha)
+        g = None if gamma is None else dtype.type(gamma)
+
+        def run(x):
+            neg = np.expm1(np.minimum(x, dtype.type(0)))
+            neg *= a
+            out = np.where(x > 0, x, neg)
+            if g is not None:
+                out *= g
+            return out
+
+        return run
+
+    return make
+
+
+@register("Elu", 6, 22)
+def elu(ctx: KernelContext):
+    return _float_only(ctx, _elu_like(ctx.attr("alpha", 1.0), None))
+
+
+@register("Selu", 6, 22)
+def selu(ctx: KernelContext):
+    alpha = ctx.attr("alpha", 1.67326319217681884765625)
+    gamma = ctx.attr("gamma", 1.05070102214813232421875)
+    return _float_only(ctx, _elu_like(alpha, gamma))
+
+
+@register("Celu", 12, 28)
+def celu(ctx: KernelContext):
+    """max(0, x) + min(0, alpha * (exp(x / alpha) - 1))."""
+    alpha = ctx.attr("alpha", 1.0)
+
+    def make(dtype: np.dtype) -> Kernel:
+        a = dtype.type(alpha)
+        zero = dtype.type(0)
+
+        def run(x):
+            neg = np.minimum(x, zero)
+            neg /= a
+            np.expm1(neg, out=neg)
+            neg *= a
+            neg += np.maximum(x, zero)
+            return neg
+
+        return run
+
+    return _float_only(ctx, make)
+
+
+def _sigmoid_into(x: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """1 / (1 + exp(-x)) into ``out``; exp overflows to inf for very negative x, giving 0."""
+    np.negative(x, out=out)
+    with np.errstate(over="ignore"):
+        np.exp(out, out=out)
+    out += 1
+    return np.reciprocal(out, out=out)
+
+
+@register("Sigmoid", 6, 13)
+def sigmoid(ctx: KernelContext):
+    return _float_only(ctx, lambda dtype: lambda x: _sigmoid_into(x, np.empty_like(x)))
+
+
+@register("Swish", 24)
+def swish(ctx: KernelContext):
+    """x * sigmoid(alpha * x)."""
+    alpha = ctx.attr("alpha", 1.0)
+
+    def make(dtype: np.dtype) -> Kernel:
+        a = dtype.type(alpha)
+
+        def run(x):
+            out = np.multiply(x, a)
+            _sigmoid_into(out, out)
+            out *= x
+            return out
+
+        return run
+
+    return _float_only(ctx, make)
+
+
+@register("HardSigmoid", 6, 22)
+def hard_sigmoid(ctx: KernelContext):
+    """max(0, min(1, alpha * x + beta))."""
+    alpha = ctx.attr("alpha", 0.2)
+    beta = ctx.attr("beta", 0.5)
+
+    def make(dtype: np.dtype) -> Kernel:
+        a, b, zero, one = dtype.type(alpha), dtype.type(beta), dtype.type(0), dtype.type(1)
+
+        def run(x):
+            out = np.multiply(x, a)
+            out += b
+            return np.clip(out, zero, one, out=out)
+
+        return run
+
+    return _float_only(ctx, make)
+
+
+@register("HardSwish", 14, 22)
+def hard_swish(ctx: KernelContext):
+    """x * max(0, min(1, x / 6 + 1 / 2))."""
+
+    def make(dtype: np.dtype) -> Kernel:
+        a, b, zero, one = dtype.type(1 / 6), dtype.type(0.5), dtype.type(0), dtype.type(1)
+
+        def run(x):
+            out = np.multiply(x, a)
+            out += b
+            np.clip(out, zero, one, out=out)
+            out *= x
+            return out
+
+        return run
+
+    return _float_only(ctx, make)
+
+
+@register("Softplus", 1, 22)
+def softplus(ctx: KernelContext):
+    """log(1 + exp(x)) as logaddexp(0, x), which does not overflow."""
+    return _float_only(ctx, lambda dtype: functools.partial(np.logaddexp, dtype.type(0)))
+
+
+@register("Softsign", 1, 22)
+def softsign(ctx: KernelContext):
+    """x / (1 + |x|)."""
+
+    def make(dtype: np.dtype) -> Kernel:
+        def run(x):
+            out = np.absolute(x)
+            out += 1
+            return np.divide(x, out, out=out)
+
+        return run
+
+    return _float_only(ctx, make)
+
+
+@register("ThresholdedRelu", 10, 22)
+def thresholded_relu(ctx: KernelContext):
+    alpha = ctx.attr("alpha", 1.0)
+
+    def make(dtype: np.dtype) -> Kernel:
+        a, zero = dtype.type(alpha), dtype.type(0)
+        return lambda x: np.where(x > a, x, zero)
+
+    return _float_only(ctx, make)
+
+
+@register("Shrink", 9)
+def shrink(ctx: KernelContext):
+    """x + bias below -lambd, x - bias above lambd, else 0; integer inputs are computed in
+    float64 and converted back, since lambd and bias are float attributes."""
+    lambd = ctx.attr("lambd", 0.5)
+    bias = ctx.attr("bias", 0.0)
+
+    def choose(dtype: np.dtype) -> Kernel:
+        if dtype.kind == "f":
+            lo, hi, b, zero = dtype.type(-lambd), dtype.type(lambd), dtype.type(bias), dtype.type(0)
+            return lambda x: np.where(x < lo, x + b, np.where(x > hi, x - b, zero))
+
+        def run(x):
+            f = x.astype(np.float64)
+            return np.where(f < -lambd, f + bias, np.where(f > lambd, f - bias, 0.0)).astype(dtype)
+
+        return run
+
+    return _arrays(ctx, _by_dtype(ctx, choose))
+
+
+@register("Mish", 18, 22)
+def mish(ctx: KernelContext):
+    """x * tanh(softplus(x))."""
+
+    def make(dtype: np.dtype) -> Kernel:
+        zero = dtype.type(0)
+
+        def run(x):
+            out = np.logaddexp(zero, x)
+            np.tanh(out, out=out)
+            out *= x
+            return out
+
+        return run
+
+    return _float_only(ctx, make)
+
+
+@register("PRelu", 7, 9, 16)
+def prelu(ctx: KernelContext):
+    """x where x >= 0 else slope * x, slope broadcast to x."""
+
+    def run(x, slope):
+        return np.where(x < 0, x * slope, x)
+
+    return _arrays(ctx, run)
+
+
+# --- erf and Gelu
+
+
+@functools.cache
+def _erf_ufunc() -> Callable[[np.ndarray], np.ndarray]:
+    """scipy's erf when scipy is installed (it is optional), else math.erf element by element:
+    exact either way, the fallback is just slower."""
+    try:
+        from scipy.special import erf
+
+        return erf
+    except ImportError:
+        scalar = np.frompyfunc(math.erf, 1, 1)
+        return lambda x: np.asarray(scalar(x), dtype=np.float64)
+
+
+def _erf(dtype: np.dtype) -> Kernel:
+    fn = _erf_ufunc()
+
+    def run(x):
+        return np.asarray(fn(x), dtype=dtype)
+
     return run
+
+
+@register("Erf", 9, 13)
+def erf(ctx: KernelContext):
+    return _float_only(ctx, _erf)
+
+
+@register("Gelu", 20)
+def gelu(ctx: KernelContext):
+    """0.5 x (1 + erf(x / sqrt 2)), or with approximate="tanh"
+    0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))."""
+    approximate = ctx.attr("approximate", "none")
+    if isinstance(approximate, bytes):
+        approximate = approximate.decode()
+    if approximate not in ("none", "tanh"):
+        raise ctx.unsupported(f"approximate={approximate!r}")
+
+    def make(dtype: np.dtype) -> Kernel:
+        half = dtype.type(0.5)
+        if approximate == "tanh":
+            c, k = dtype.type(math.sqrt(2 / math.pi)), dtype.type(0.044715)
+
+            def run(x):
+                out = np.multiply(x, x)
+                out *= k
+                out += 1
+                out *= x
+                out *= c
+                np.tanh(out, out=out)
+                out += 1
+                out *= x
+                out *= half
+                return out
+
+            return run
+        inv_sqrt2 = dtype.type(1 / math.sqrt(2))
+        erf_fn = _erf(dtype)
+
+        def run_erf(x):
+            out = erf_fn(x * inv_sqrt2)
+            out += 1
+            out *= x
+            out *= half
+            return out
+
+        return run_erf
+
+    return _float_only(ctx, make)

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import onnx
+
 from plugserve.plugins.api import Unsupported
 
 __all__ = ["REQUIRED", "KernelContext", "KernelEntry", "Registry", "default_registry", "register"]
@@ -207,6 +208,28 @@ class KernelContext:
         if self._subgraph_factory is None:
             raise Unsupported(f"node {self.name!r}: subgraphs are not available here")
         return self._subgraph_factory(attr_name)
+
+    def derive(
+        self, op_type: str, domain: str, opset: int, drop_attrs: Iterable[str] = ()
+    ) -> KernelContext:
+        """A context for the same node seen as another op (fused kernels build their base)."""
+        import dataclasses as _dc
+
+        dropped = set(drop_attrs)
+        node = _dc.replace(
+            self.node,
+            op_type=op_type,
+            domain=domain,
+            attrs={k: v for k, v in self.node.attrs.items() if k not in dropped},
+        )
+        return KernelContext(
+            node,
+            opset,
+            self._input_specs,
+            self._output_specs,
+            self._constants,
+            self._subgraph_factory,
+        )
 
     def unsupported(self, why: str) -> Unsupported:
         """An error for the builder to raise: the node is refused at load with the reason."""

@@ -1,0 +1,84 @@
+"""NUMPY's compiled network: the transformed graph, its plan, and a lazily started executor."""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any
+
+from plugserve.plugins import blob
+from plugserve.plugins.api import CompiledNetwork, TensorSpec
+from plugserve.plugins.ir import Graph
+from plugserve.plugins.numpy.config import NumpyConfiguration
+from plugserve.plugins.numpy.engine import Plan
+from plugserve.plugins.numpy.request import NumpyInferRequest
+from plugserve.plugins.streams import StreamsExecutor
+
+if TYPE_CHECKING:
+    from plugserve.plugins.numpy.plugin import NumpyPlugin
+
+__all__ = ["NumpyCompiledNetwork"]
+
+
+class NumpyCompiledNetwork(CompiledNetwork):
+    plugin: NumpyPlugin
+
+    def __init__(
+        self,
+        plugin: NumpyPlugin,
+        config: NumpyConfiguration,
+        original: Graph,
+        transformed: Graph,
+        plan: Plan,
+    ) -> None:
+        super().__init__(plugin, original.name, config)
+        self._inputs = list(original.inputs)
+        self._outputs = list(original.outputs)
+        self.output_names = [o.name for o in self._outputs]
+        self.transformed = transformed
+        self.plan = plan
+        self._executor: StreamsExecutor | None = None
+        self._executor_lock = threading.Lock()
+
+    @property
+    def inputs(self) -> list[TensorSpec]:
+        return self._inputs
+
+    @property
+    def outputs(self) -> list[TensorSpec]:
+        return self._outputs
+
+    @property
+    def executor(self) -> StreamsExecutor:
+        """The streams async requests run on, started on first use."""
+        with self._executor_lock:
+            if self._executor is None:
+                self._executor = StreamsExecutor(f"NUMPY/{self.name}", self.config.streams())
+            return self._executor
+
+    def create_infer_request(self) -> NumpyInferRequest:
+        return NumpyInferRequest(self)
+
+    def export(self) -> bytes:
+        model = self.transformed.to_model()
+        extra: dict[str, Any] = {
+            "network_name": self.name,
+            "inputs": [s.name for s in self._inputs],
+            "outputs": [s.name for s in self._outputs],
+            "absorbed": self.transformed.absorbed,
+        }
+        return blob.pack(
+            self.plugin.name,
+            self.plugin.architecture,
+            self.config.to_strings(),
+            model.SerializeToString(),
+            extra,
+        )
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)
+
+    def __del__(self) -> None:
+        executor = getattr(self, "_executor", None)
+        if executor is not None:
+            executor.shutdown(wait=False)

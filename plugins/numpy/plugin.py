@@ -1,0 +1,245 @@
+"""The NUMPY device: the reference plugin (the seeds' TEMPLATE), running ONNX on numpy kernels.
+
+``load_network`` = read and validate the model, ``transform`` (the seed's TransformNetwork: one
+pass pipeline), compile a :class:`Plan`. ``query_network`` runs the same transformations and maps
+what the kernels accept back to original node names, following the seed's steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import platform
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+import onnx
+
+from plugserve.plugins import blob
+from plugserve.plugins.api import (
+    BackendUnavailable,
+    InvalidArgument,
+    InvalidModel,
+    Model,
+    Plugin,
+)
+from plugserve.plugins.ir import Graph, Node, graph_from_proto, load_model
+from plugserve.plugins.numpy.compiled import NumpyCompiledNetwork
+from plugserve.plugins.numpy.config import NumpyConfiguration
+from plugserve.plugins.numpy.engine import compile_plan
+from plugserve.plugins.numpy.fused import register_fused
+from plugserve.plugins.numpy.kernels.registry import KernelEntry, Registry, default_registry
+from plugserve.plugins.passes import PassContext, standard_pipeline
+
+__all__ = ["Extension", "NumpyPlugin"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Extension:
+    """A custom op written in Python, for :meth:`NumpyPlugin.add_extension`.
+
+    ``kernel`` is either a plain function of the input arrays returning the output(s), or, with
+    ``builder=True``, a builder ``(ctx) -> kernel`` that reads attributes at load time like the
+    built-in kernels. ``infer`` gives output types for nodes ONNX cannot type:
+    ``infer(*(dtype, shape) per input) -> (dtype, shape) or list of them``.
+    """
+
+    domain: str
+    op_type: str
+    kernel: Callable[..., Any]
+    infer: Callable[..., Any] | None = None
+    builder: bool = False
+    multi_output: bool = False
+
+
+class NumpyPlugin(Plugin):
+    name = "NUMPY"
+    config_class = NumpyConfiguration
+
+    def __init__(self) -> None:
+        super().__init__()
+        try:
+            check = np.ones((4, 4), dtype=np.float32) @ np.ones((4, 4), dtype=np.float32)
+            if float(check[0, 0]) != 4.0:
+                raise RuntimeError("matmul returned a wrong result")
+        except Exception as exc:
+            raise BackendUnavailable(f"numpy does not work here: {exc}") from exc
+        from plugserve.plugins.numpy import kernels  # noqa: F401  (registers the kernels)
+
+        if not default_registry.ops():
+            raise BackendUnavailable("no numpy kernels are registered")
+        if not any(d == "ai.plugserve" for d, _ in default_registry.ops()):
+            register_fused(default_registry)
+        self.registry: Registry = default_registry.child()
+        self.extensions: list[Extension] = []
+        self.architecture = f"{platform.machine() or 'unknown'}-numpy{np.__version__.split('.')[0]}"
+
+    # --- transformations
+
+    def _context(self, config: NumpyConfiguration) -> PassContext:
+        return PassContext(
+            supports=self._supports,
+            evaluate=self._evaluate,
+            type_rules={(e.domain, e.op_type): e.infer for e in self.extensions if e.infer},
+            f16_to_f32=config.get("INFERENCE_PRECISION_HINT") == "f32",
+        )
+
+    def _supports(self, node: Node, graph: Graph) -> bool:
+        return self.registry.lookup(node.domain, node.op_type, graph.node_opset(node)) is not None
+
+    def _evaluate(self, node: Node, graph: Graph, inputs: list[Any]) -> list[Any]:
+        single = Graph(
+            name=f"{graph.name}/{node.name}",
+            nodes=[node],
+            inputs=[],
+            outputs=[graph.spec(o) or _spec(o) for o in node.outputs],
+            initializers={n: v for n, v in zip(node.inputs, inputs) if n},
+            value_info=graph.value_info,
+            opsets=graph.opsets,
+        )
+        return compile_plan(single, self.registry).run([])
+
+    def transform(self, graph: Graph, config: NumpyConfiguration) -> Graph:
+        """The seed's TransformNetwork: a copy of ``graph`` rewritten by the pass pipeline."""
+        if config.get("DISABLE_TRANSFORMATIONS"):
+            return graph.copy()
+        return standard_pipeline().run(graph, self._context(config))
+
+    # --- networks
+
+    def load_network(
+        self, model: Model, config: Mapping[str, Any] | None = None
+    ) -> NumpyCompiledNetwork:
+        cfg = self.merged_config(config)
+        original = load_model(model)
+        transformed = self.transform(original, cfg)
+        plan = compile_plan(transformed, self.registry)
+        return NumpyCompiledNetwork(self, cfg, original, transformed, plan)
+
+    def query_network(
+        self, model: Model, config: Mapping[str, Any] | None = None
+    ) -> dict[str, str]:
+        cfg = self.merged_config(config, strict=False)
+        original = load_model(model)
+        # 1. the original names, 2. the same transformations as load_network
+        original_names = {n.name for n in original.nodes}
+        transformed = self.transform(original, cfg)
+        # 3. supported and unsupported through fused names
+        failures: dict[str, str] = {}
+        compile_plan(transformed, self.registry, unsupported=failures)
+        supported: set[str] = set(transformed.absorbed) & original_names
+        unsupported: set[str] = set()
+        for node in transformed.nodes:
+            target = unsupported if node.name in failures else supported
+            target.update(n for n in node.fused_names if n in original_names)
+        # 4. a node is supported only if everything made from it is
+        supported -= unsupported
+        return {name: self.name for name in sorted(supported)}
+
+    def unsupported_nodes(
+        self, model: Model, config: Mapping[str, Any] | None = None
+    ) -> dict[str, str]:
+        """Why each unsupported original node is refused (for error messages and the CLI)."""
+        cfg = self.merged_config(config, strict=False)
+        transformed = self.transform(load_model(model), cfg)
+        failures: dict[str, str] = {}
+        compile_plan(transformed, self.registry, unsupported=failures)
+        by_name = {n.name: n for n in transformed.nodes}
+        return {orig: why for name, why in failures.items() for orig in by_name[name].fused_names}
+
+    def import_network(
+        self, data: bytes, config: Mapping[str, Any] | None = None
+    ) -> NumpyCompiledNetwork:
+        header, payload = blob.unpack(data, self.name, self.architecture)
+        saved = NumpyConfiguration(header.get("config", {}), throw_on_unsupported=False)
+        cfg = NumpyConfiguration(config or {}, saved)
+        proto = onnx.ModelProto()
+        try:
+            proto.ParseFromString(payload)
+        except Exception:
+            raise InvalidArgument("exported network is corrupt (payload does not parse)") from None
+        name = header.get("network_name") or proto.graph.name
+        try:
+            graph = graph_from_proto(proto.graph, proto, name)
+        except InvalidModel as exc:
+            raise InvalidArgument(f"exported network is corrupt: {exc}") from None
+        graph.absorbed = list(header.get("absorbed", []))
+        plan = compile_plan(graph, self.registry)
+        return NumpyCompiledNetwork(self, cfg, graph, graph, plan)
+
+    def add_extension(self, extension: Extension) -> None:
+        """Register a custom op kernel; QueryNetwork then reports its nodes supported."""
+        if not isinstance(extension, Extension):
+            raise InvalidArgument("add_extension takes a plugserve.plugins.numpy.Extension")
+        if extension.builder:
+            build = extension.kernel
+        else:
+
+            def build(ctx: Any, fn: Callable[..., Any] = extension.kernel) -> Callable[..., Any]:
+                return fn
+
+        self.registry.add(
+            KernelEntry(
+                extension.domain,
+                extension.op_type,
+                frozenset({1}),
+                build,
+                extension.multi_output,
+                extension.infer,
+            )
+        )
+        self.extensions.append(extension)
+
+    # --- metrics
+
+    def supported_metrics(self) -> list[str]:
+        return [*super().supported_metrics(), "SUPPORTED_OPS"]
+
+    def _metric(self, name: str, options: Mapping[str, Any]) -> Any:
+        if name == "FULL_DEVICE_NAME":
+            return f"{cpu_name()} (numpy {np.__version__}, {blas_name()})"
+        if name == "DEVICE_ARCHITECTURE":
+            return self.architecture
+        if name == "OPTIMIZATION_CAPABILITIES":
+            return [
+                "FP32",
+                "FP16",
+                "FP64",
+                "INT8",
+                "INT16",
+                "INT32",
+                "INT64",
+                "UINT8",
+                "BOOL",
+                "STRING",
+                "EXPORT_IMPORT",
+            ]
+        if name == "SUPPORTED_OPS":
+            return [f"{d}::{op}" if d else op for d, op in self.registry.ops()]
+        return super()._metric(name, options)
+
+
+def _spec(name: str) -> Any:
+    from plugserve.plugins.api import TensorSpec
+
+    return TensorSpec(name, None, None)
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "CPU"
+
+
+def blas_name() -> str:
+    try:
+        config = np.show_config(mode="dicts")
+        blas = config["Build Dependencies"]["blas"]
+        return f"{blas.get('name', 'BLAS')} {blas.get('version', '')}".strip()
+    except Exception:
+        return "BLAS"

@@ -1,0 +1,60 @@
+"""NUMPY's infer request: check inputs, run the plan, keep the last run's per-node timings."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from plugserve.plugins.api import FailedPrecondition, InferRequest, PerfCount, check_inputs
+
+if TYPE_CHECKING:
+    from plugserve.plugins.numpy.compiled import NumpyCompiledNetwork
+
+__all__ = ["NumpyInferRequest"]
+
+
+class NumpyInferRequest(InferRequest):
+    network: NumpyCompiledNetwork
+
+    def __init__(self, network: NumpyCompiledNetwork) -> None:
+        super().__init__(network)
+        self._perf = bool(network.config.get("PERF_COUNT"))
+        self._counts: list[PerfCount] = []
+
+    def _run(self, arrays: list[np.ndarray]) -> dict[str, np.ndarray]:
+        profile: list[PerfCount] | None = [] if self._perf else None
+        outputs = self.network.plan.run(arrays, profile)
+        if profile is not None:
+            self._counts = profile
+        return dict(zip(self.network.output_names, outputs))
+
+    def infer(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        return self._run(check_inputs(self.network.name, self.network.inputs, inputs))
+
+    def start_async(
+        self,
+        inputs: Mapping[str, Any],
+        callback: Callable[[dict[str, np.ndarray] | None, BaseException | None], None]
+        | None = None,
+    ) -> None:
+        if self._future is not None and not self._future.done():
+            raise FailedPrecondition("this request is still running: wait() for it first")
+        arrays = check_inputs(self.network.name, self.network.inputs, inputs)
+        future = self.network.executor.submit(lambda _state: self._run(arrays))
+        if callback is not None:
+            future.add_done_callback(
+                lambda f: (
+                    callback(None, f.exception()) if f.exception() else callback(f.result(), None)
+                )
+            )
+        self._future = future
+
+    def get_performance_counts(self) -> list[PerfCount]:
+        if not self._perf:
+            raise FailedPrecondition(
+                f"network {self.network.name}: performance counters are off; "
+                "load it with PERF_COUNT=YES"
+            )
+        return list(self._counts)

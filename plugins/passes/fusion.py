@@ -1,0 +1,134 @@
+"""Fusions: Conv+BatchNormalization folding, activation fusion, and the seed's Relu-Relu.
+
+Each fusion needs the producer's output to be read by exactly one node and not to be a graph
+output, so no other reader sees a changed value. The fused node carries the original names of
+everything it replaced.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from onnx import AttributeProto
+
+from plugserve.plugins.api import TensorSpec
+from plugserve.plugins.ir import Graph, Node
+from plugserve.plugins.passes.manager import PassContext
+
+__all__ = ["FUSED_DOMAIN", "fold_conv_batchnorm", "fuse_activations", "fuse_relu_relu"]
+
+FUSED_DOMAIN = "ai.plugserve"
+
+#: Activations a Conv/Gemm/MatMul kernel can apply in place, and the attributes they carry.
+ACTIVATIONS = {
+    "Relu": (),
+    "LeakyRelu": (("alpha", 0.01),),
+    "Sigmoid": (),
+    "Tanh": (),
+    "HardSigmoid": (("alpha", 0.2), ("beta", 0.5)),
+}
+
+
+def _sole_reader(graph: Graph, name: str, users: dict[str, list[Node]]) -> Node | None:
+    readers = users.get(name, [])
+    if len(readers) != 1 or name in graph.output_names():
+        return None
+    return readers[0]
+
+
+def _merge(into: Node, removed: Node) -> None:
+    into.fused_names.extend(n for n in removed.fused_names if n not in into.fused_names)
+
+
+def fold_conv_batchnorm(graph: Graph, context: PassContext) -> bool:
+    users = graph.consumers()
+    dropped: set[int] = set()
+    for conv in graph.nodes:
+        if conv.op_type != "Conv" or conv.domain or len(conv.outputs) != 1:
+            continue
+        bn = _sole_reader(graph, conv.outputs[0], users)
+        if bn is None or bn.op_type != "BatchNormalization" or len(bn.outputs) != 1:
+            continue
+        if bn.attr("training_mode", 0):
+            continue
+        params = [graph.initializers.get(n) for n in bn.inputs[1:5]]
+        weight = graph.initializers.get(conv.inputs[1])
+        bias = (
+            graph.initializers.get(conv.inputs[2])
+            if len(conv.inputs) > 2 and conv.inputs[2]
+            else None
+        )
+        if weight is None or any(p is None for p in params) or weight.dtype.kind != "f":
+            continue
+        if (len(conv.inputs) > 2 and conv.inputs[2]) and bias is None:
+            continue
+        scale, shift, mean, var = (np.asarray(p, dtype=np.float64) for p in params)
+        factor = scale / np.sqrt(var + bn.attr("epsilon", 1e-5))
+        new_w = (weight * factor.reshape((-1,) + (1,) * (weight.ndim - 1))).astype(weight.dtype)
+        old_b = np.zeros(weight.shape[0]) if bias is None else bias.astype(np.float64)
+        new_b = ((old_b - mean) * factor + shift).astype(weight.dtype)
+        w_name = graph.unique_name(f"{conv.name}__folded_weight")
+        graph.initializers[w_name] = new_w
+        b_name = graph.unique_name(f"{conv.name}__folded_bias")
+        graph.initializers[b_name] = new_b
+        for name, value in ((w_name, new_w), (b_name, new_b)):
+            graph.value_info[name] = TensorSpec(name, value.dtype, tuple(value.shape))
+        conv.inputs = [conv.inputs[0], w_name, b_name]
+        conv.outputs = list(bn.outputs)
+        _merge(conv, bn)
+        dropped.add(id(bn))
+    if not dropped:
+        return False
+    graph.nodes = [n for n in graph.nodes if id(n) not in dropped]
+    return True
+
+
+def fuse_activations(graph: Graph, context: PassContext) -> bool:
+    """Conv/Gemm/MatMul followed by an activation become one ``ai.plugserve`` Fused* node."""
+    users = graph.consumers()
+    dropped: set[int] = set()
+    for base in graph.nodes:
+        if base.domain or base.op_type not in ("Conv", "Gemm", "MatMul") or len(base.outputs) != 1:
+            continue
+        act = _sole_reader(graph, base.outputs[0], users)
+        if act is None or act.domain or act.op_type not in ACTIVATIONS:
+            continue
+        spec = graph.spec(base.outputs[0])
+        if spec is None or spec.dtype is None or spec.dtype.kind != "f":
+            continue
+        opset = graph.node_opset(base)
+        base.metadata["opset"] = str(opset)
+        base.metadata["base_op"] = base.op_type
+        base.op_type = f"Fused{base.op_type}"
+        base.domain = FUSED_DOMAIN
+        base.set_attr("activation", act.op_type)
+        params = [float(act.attr(name, default)) for name, default in ACTIVATIONS[act.op_type]]
+        base.set_attr("activation_params", params, AttributeProto.FLOATS)
+        base.outputs = list(act.outputs)
+        _merge(base, act)
+        dropped.add(id(act))
+    if not dropped:
+        return False
+    graph.nodes = [n for n in graph.nodes if id(n) not in dropped]
+    graph.opsets.setdefault(FUSED_DOMAIN, 1)
+    return True
+
+
+def fuse_relu_relu(graph: Graph, context: PassContext) -> bool:
+    """Relu(Relu(x)) is Relu(x): the second one goes, its names move to the first."""
+    users = graph.consumers()
+    dropped: set[int] = set()
+    for first in graph.nodes:
+        if first.op_type != "Relu" or first.domain or id(first) in dropped:
+            continue
+        while True:
+            second = _sole_reader(graph, first.outputs[0], users)
+            if second is None or second.op_type != "Relu" or second.domain:
+                break
+            first.outputs = list(second.outputs)
+            _merge(first, second)
+            dropped.add(id(second))
+            users = graph.consumers()
+    if not dropped:
+        return False
+    graph.nodes = [n for n in graph.nodes if id(n) not in dropped]
+    return True

@@ -1,0 +1,252 @@
+"""The Core: finds device plugins, parses device names, and loads networks with a model cache.
+
+Plugins are discovered from the entry-point group ``plugserve.plugins`` (so a third-party
+package adds a device by declaring one entry point). A plugin whose constructor raises is kept as
+*unavailable* with its reason, shown by :meth:`Core.devices`, instead of failing the process: the
+seed's rule that a plugin checks its backend in its constructor, made visible.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Callable, Mapping
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any
+
+import onnx
+
+from plugserve.plugins import blob
+from plugserve.plugins.api import (
+    CompiledNetwork,
+    InvalidArgument,
+    Model,
+    NotFound,
+    Plugin,
+    PlugserveError,
+)
+from plugserve.server.devices import DeviceName, parse_device
+
+__all__ = ["Core", "DeviceInfo"]
+
+log = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "plugserve.plugins"
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceInfo:
+    name: str
+    available: bool
+    reason: str = ""
+    full_name: str = ""
+
+
+class Core:
+    """Plugins by device name; the in-process entry point of plugserve.
+
+    ``plugins`` maps extra device names to plugin classes (or factories), added after the
+    discovered ones; ``discover=False`` skips entry points (embedding, tests of one plugin).
+    """
+
+    def __init__(
+        self,
+        plugins: Mapping[str, Callable[[], Plugin]] | None = None,
+        discover: bool = True,
+    ) -> None:
+        self._plugins: dict[str, Plugin] = {}
+        self._unavailable: dict[str, str] = {}
+        factories: dict[str, Callable[[], Plugin]] = {}
+        if discover:
+            for ep in entry_points(group=ENTRY_POINT_GROUP):
+                factories.setdefault(ep.name.upper(), _lazy(ep))
+        factories.update({k.upper(): v for k, v in (plugins or {}).items()})
+        for name, factory in factories.items():
+            self._construct(name, factory)
+
+    def _construct(self, name: str, factory: Callable[[], Plugin]) -> None:
+        try:
+            plugin = factory()
+        except Exception as exc:  # any failure means the device is not usable here
+            reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            self._unavailable[name] = reason
+            log.warning("device %s is unavailable: %s", name, reason)
+            return
+        self._plugins[name] = plugin
+        log.info("device %s loaded (%s)", name, type(plugin).__name__)
+
+    # --- devices
+
+    @property
+    def available_devices(self) -> list[str]:
+        return sorted(self._plugins)
+
+    def devices(self) -> list[DeviceInfo]:
+        """Every known device, available or not, with the reason it is not."""
+        infos = []
+        for name in sorted(set(self._plugins) | set(self._unavailable)):
+            plugin = self._plugins.get(name)
+            if plugin is None:
+                infos.append(DeviceInfo(name, False, self._unavailable[name]))
+                continue
+            try:
+                full = str(plugin.get_metric("FULL_DEVICE_NAME"))
+            except PlugserveError:
+                full = name
+            infos.append(DeviceInfo(name, True, "", full))
+        return infos
+
+    def plugin(self, device: str | DeviceName) -> Plugin:
+        """The plugin serving a device name (the id is dropped); unknown names raise NotFound."""
+        parsed = parse_device(device) if isinstance(device, str) else device
+        if parsed.is_virtual and parsed.kind not in self._plugins:
+            raise NotFound(
+                f"device {str(parsed)!r}: the virtual device {parsed.kind} is not available "
+                f"in this plugserve; devices: {', '.join(self.available_devices) or 'none'}"
+            )
+        plugin = self._plugins.get(parsed.kind)
+        if plugin is None:
+            if parsed.kind in self._unavailable:
+                raise NotFound(
+                    f"device {parsed.kind!r} is unavailable: {self._unavailable[parsed.kind]}"
+                )
+            raise NotFound(
+                f"unknown device {parsed.kind!r}; available devices: "
+                f"{', '.join(self.available_devices) or 'none'}"
+            )
+        return plugin
+
+    def _resolve(
+        self, device: str, config: Mapping[str, Any] | None
+    ) -> tuple[Plugin, dict[str, Any]]:
+        parsed = parse_device(device)
+        plugin = self.plugin(parsed)
+        merged = dict(config or {})
+        if parsed.device_id:
+            merged.setdefault("DEVICE_ID", parsed.device_id)
+        return plugin, merged
+
+    # --- config and metrics
+
+    def get_metric(self, device: str, name: str, options: Mapping[str, Any] | None = None) -> Any:
+        plugin, _ = self._resolve(device, None)
+        return plugin.get_metric(name, options)
+
+    def set_config(self, config: Mapping[str, Any], device: str | None = None) -> None:
+        """Set keys on one device, or on every available one when ``device`` is None."""
+        targets = [self._resolve(device, None)[0]] if device else list(self._plugins.values())
+        for plugin in targets:
+            plugin.merged_config(config)  # validate everywhere before changing anything
+        for plugin in targets:
+            plugin.set_config(config)
+
+    def get_config(self, device: str, key: str) -> Any:
+        plugin, _ = self._resolve(device, None)
+        return plugin.get_config(key)
+
+    def add_extension(self, extension: Any, device: str = "NUMPY") -> None:
+        plugin, _ = self._resolve(device, None)
+        plugin.add_extension(extension)
+
+    # --- networks
+
+    def query_network(
+        self, model: Model, device: str, config: Mapping[str, Any] | None = None
+    ) -> dict[str, str]:
+        plugin, merged = self._resolve(device, config)
+        return plugin.query_network(model, merged)
+
+    def load_network(
+        self, model: Model, device: str, config: Mapping[str, Any] | None = None
+    ) -> CompiledNetwork:
+        """Compile ``model`` on ``device``; with ``CACHE_DIR`` set, reuse an earlier export."""
+        plugin, merged = self._resolve(device, config)
+        full = plugin.merged_config(merged)
+        cache_dir = str(full.get("CACHE_DIR")) if "CACHE_DIR" in full else ""
+        if not cache_dir:
+            return plugin.load_network(model, merged)
+        path = Path(cache_dir) / f"{self._cache_key(model, plugin, full)}.blob"
+        if path.is_file():
+            try:
+                network = plugin.import_network(path.read_bytes(), merged)
+                network.loaded_from_cache = True
+                return network
+            except PlugserveError as exc:
+                log.warning("cache entry %s is unusable (%s); recompiling", path, exc)
+        network = plugin.load_network(model, merged)
+        try:
+            _write_atomically(path, network.export())
+        except OSError as exc:
+            log.warning("could not write cache entry %s: %s", path, exc)
+        return network
+
+    def import_network(
+        self, data: bytes, device: str, config: Mapping[str, Any] | None = None
+    ) -> CompiledNetwork:
+        plugin, merged = self._resolve(device, config)
+        return plugin.import_network(data, merged)
+
+    def _cache_key(self, model: Model, plugin: Plugin, config: Any) -> str:
+        digest = hashlib.sha256()
+        digest.update(_model_bytes(model))
+        settings = {k: v for k, v in config.to_strings().items() if k != "CACHE_DIR"}
+        extensions = [f"{e.domain}::{e.op_type}" for e in getattr(plugin, "extensions", [])]
+        digest.update(
+            json.dumps(
+                {
+                    "device": plugin.name,
+                    "config": settings,
+                    "architecture": plugin.get_metric("DEVICE_ARCHITECTURE"),
+                    "plugserve": blob.plugserve_version(),
+                    "format": blob.FORMAT_VERSION,
+                    "extensions": extensions,
+                },
+                sort_keys=True,
+            ).encode()
+        )
+        return digest.hexdigest()[:32]
+
+
+def _lazy(ep: Any) -> Callable[[], Plugin]:
+    def make() -> Plugin:
+        return ep.load()()
+
+    return make
+
+
+def _model_bytes(model: Model) -> bytes:
+    if isinstance(model, onnx.ModelProto):
+        return model.SerializeToString(deterministic=True)
+    if isinstance(model, bytes | bytearray | memoryview):
+        return bytes(model)
+    if isinstance(model, str | os.PathLike):
+        path = Path(model)
+        try:
+            stat = path.stat()
+            return path.read_bytes() + f"{path.resolve()}:{stat.st_mtime_ns}".encode()
+        except OSError as exc:
+            raise InvalidArgument(f"model file {str(path)!r} cannot be read: {exc}") from None
+    raise InvalidArgument(
+        f"a model is a path, bytes or onnx.ModelProto, not {type(model).__name__}"
+    )
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    """Temp file, fsync, rename: a crash leaves the old file or the new one, never half of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise

@@ -1,0 +1,34 @@
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+@pytest.fixture(scope="session")
+def core():
+    from plugserve.server import Core
+
+    return Core()
+
+
+@pytest.fixture
+def numpy_plugin():
+    """A fresh NUMPY plugin, so config changes and extensions do not leak between tests."""
+    from plugserve.plugins.numpy import NumpyPlugin
+
+    return NumpyPlugin()
+
+
+def ort_run(model, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    ort = pytest.importorskip("onnxruntime")
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(
+        model.SerializeToString(), options, providers=["CPUExecutionProvider"]
+    )
+    return session.run(None, feeds)

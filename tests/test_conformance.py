@@ -1,0 +1,60 @@
+"""The ONNX backend node test cases on NUMPY, through the runner users run by hand."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from plugserve.server.conformance import load_cases, run_conformance
+
+REQUIRED_FRACTION = 0.90
+
+
+def test_runner_cli_reports_in_the_documented_format():
+    exe = shutil.which("plugserve")
+    cmd = [exe] if exe else [sys.executable, "-m", "plugserve.server.cli"]
+    out = subprocess.run(
+        [
+            *cmd,
+            "conformance",
+            "--device",
+            "NUMPY",
+            "-k",
+            "test_relu*",
+            "-k",
+            "test_conv_*",
+            "--min-pass",
+            "1.0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.startswith("PASS ") and " / TOTAL " in out.stdout and "(skipped" in out.stdout
+
+
+def test_runner_counts_out_of_scope_types_as_skipped():
+    report = run_conformance(
+        "NUMPY", ["test_cast_FLOAT_to_FLOAT8E4M3FN", "test_cast_FLOAT_to_DOUBLE"]
+    )
+    statuses = {r.name: r.status for r in report.results}
+    assert statuses["test_cast_FLOAT_to_FLOAT8E4M3FN"] == "skipped"
+    assert statuses["test_cast_FLOAT_to_DOUBLE"] == "passed"
+
+
+def test_a_sample_of_every_tenth_case_passes():
+    names = [c.name for c in load_cases()][::10]
+    report = run_conformance("NUMPY", [f"^{n}$" for n in names])
+    assert report.total > 100
+    assert report.fraction >= REQUIRED_FRACTION, report.render(verbose=True)
+
+
+@pytest.mark.slow
+def test_full_conformance_on_numpy():
+    report = run_conformance("NUMPY")
+    print(report.render())
+    assert report.fraction >= REQUIRED_FRACTION, report.render(verbose=True)

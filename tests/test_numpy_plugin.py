@@ -1,0 +1,130 @@
+"""NUMPY as a device: QueryNetwork, export/import, extensions."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import numpy as np
+import pytest
+from models import mlp, small_cnn, with_custom_op
+
+from plugserve.plugins import blob
+from plugserve.plugins.api import InvalidArgument, Unsupported
+from plugserve.plugins.numpy import Extension
+
+
+def test_query_reports_every_original_node_even_after_fusion(numpy_plugin):
+    model = small_cnn()
+    result = numpy_plugin.query_network(model)
+    assert result == {n.name: "NUMPY" for n in model.graph.node}
+
+
+def test_query_with_an_unsupported_custom_op(numpy_plugin):
+    model = with_custom_op()
+    result = numpy_plugin.query_network(model)
+    assert result == {"relu": "NUMPY", "add": "NUMPY"}  # 'scale' has no kernel
+    why = numpy_plugin.unsupported_nodes(model)
+    assert set(why) == {"scale"} and "Scale" in why["scale"]
+    with pytest.raises(Unsupported, match=r"'scale'.*Scale.*com\.example"):
+        numpy_plugin.load_network(model)
+
+
+def _scale_extension(calls=None):
+    def build(ctx):
+        factor = np.float32(ctx.attr("factor"))
+
+        def run(x):
+            if calls is not None:
+                calls.append(x.shape)
+            return x * factor
+
+        return run
+
+    return Extension("com.example", "Scale", build, builder=True, infer=lambda x: (x[0], x[1]))
+
+
+def test_extension_makes_the_custom_op_supported_and_runnable(numpy_plugin):
+    calls = []
+    numpy_plugin.add_extension(_scale_extension(calls))
+    model = with_custom_op()
+    assert set(numpy_plugin.query_network(model)) == {"relu", "scale", "add"}
+    net = numpy_plugin.load_network(model)
+    x = np.array([[-1, 0, 1], [2, -3, 4]], np.float32)
+    out = net.infer({"x": x})["y"]
+    np.testing.assert_allclose(out, np.maximum(x, 0) * 2.5 + 1)
+    assert calls == [(2, 3)]
+    assert "com.example::Scale" in numpy_plugin.get_metric("SUPPORTED_OPS")
+
+
+def test_extension_as_a_plain_function(numpy_plugin):
+    numpy_plugin.add_extension(Extension("com.example", "Scale", lambda x: x * 3))
+    out = numpy_plugin.load_network(with_custom_op()).infer({"x": np.ones((2, 3), np.float32)})
+    assert np.array_equal(out["y"], np.full((2, 3), 4, np.float32))
+
+
+def test_extension_output_type_rule_feeds_shape_inference(numpy_plugin):
+    numpy_plugin.add_extension(_scale_extension())
+    net = numpy_plugin.load_network(with_custom_op())
+    assert net.transformed.spec("s").shape == (2, 3)
+
+
+def test_extensions_stay_with_their_plugin(numpy_plugin):
+    from plugserve.plugins.numpy import NumpyPlugin
+
+    numpy_plugin.add_extension(_scale_extension())
+    with pytest.raises(Unsupported):
+        NumpyPlugin().load_network(with_custom_op())
+
+
+def test_add_extension_refuses_other_objects(numpy_plugin):
+    with pytest.raises(InvalidArgument, match="Extension"):
+        numpy_plugin.add_extension(lambda x: x)
+
+
+def test_export_import_round_trip(numpy_plugin):
+    model = small_cnn()
+    net = numpy_plugin.load_network(model, {"PERF_COUNT": "YES"})
+    data = net.export()
+    assert data.startswith(blob.MAGIC)
+    again = numpy_plugin.import_network(data)
+    assert again.get_config("PERF_COUNT") is True  # the exported config comes back
+    assert [i.name for i in again.inputs] == ["x"] and again.name == net.name
+    x = np.random.default_rng(0).normal(size=(1, 3, 16, 16)).astype(np.float32)
+    assert np.array_equal(net.infer({"x": x})["probs"], again.infer({"x": x})["probs"])
+    assert [n.fused_names for n in again.transformed.nodes] == [
+        n.fused_names for n in net.transformed.nodes
+    ]
+
+
+def _reheader(data: bytes, **changes) -> bytes:
+    (length,) = struct.unpack_from("<I", data, len(blob.MAGIC))
+    start = len(blob.MAGIC) + 4
+    header = json.loads(data[start : start + length])
+    header.update(changes)
+    raw = json.dumps(header).encode()
+    return blob.MAGIC + struct.pack("<I", len(raw)) + raw + data[start + length :]
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"plugin": "ORT"}, "made by device 'ORT', not 'NUMPY'"),
+        ({"device_architecture": "riscv64-numpy1"}, "architecture 'riscv64-numpy1'"),
+        ({"format_version": 99}, "format version 99"),
+    ],
+)
+def test_import_refuses_foreign_blobs(numpy_plugin, change, message):
+    data = numpy_plugin.load_network(mlp()).export()
+    with pytest.raises(InvalidArgument, match=message):
+        numpy_plugin.import_network(_reheader(data, **change))
+
+
+def test_import_refuses_garbage_and_truncation(numpy_plugin):
+    data = numpy_plugin.load_network(mlp()).export()
+    with pytest.raises(InvalidArgument, match="magic"):
+        numpy_plugin.import_network(b"hello world, not a blob")
+    with pytest.raises(InvalidArgument, match=r"truncated|corrupt"):
+        numpy_plugin.import_network(data[:20])
+    with pytest.raises(InvalidArgument, match="corrupt"):
+        numpy_plugin.import_network(data[: len(data) - 100] + b"\xff" * 7)
