@@ -217,6 +217,9 @@ class Configuration:
     def __getitem__(self, name: str) -> Any:
         return self.get(name)
 
+    def __contains__(self, name: object) -> bool:
+        return name in self._values
+
     def __eq__(self, other: object) -> bool:
         return type(other) is type(self) and other._values == self._values  # type: ignore[attr-defined]
 

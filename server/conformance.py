@@ -100,6 +100,41 @@ class Report:
                 groups[r.op_types[0] if r.op_types else "?"].append(r)
         return dict(sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0])))
 
+    def markdown(self) -> str:
+        """The report as docs/conformance.md keeps it: the figure, then what fails and why."""
+        import platform
+
+        lines = [
+            "# Conformance: ONNX backend node tests",
+            "",
+            "Produced by `plugserve conformance --device "
+            f"{self.device} --write-doc docs/conformance.md` (onnx {onnx.__version__}, "
+            f"numpy {np.__version__}, Python {platform.python_version()}).",
+            "",
+            f"**{self.summary()}**",
+            "",
+            "Skipped cases use element types plugserve does not carry: "
+            + ", ".join(n.lower() for n in _OUT_OF_SCOPE_NAMES if hasattr(TensorProto, n))
+            + ". Counting them as failures instead gives "
+            f"{self.passed} / {len(self.results)} = "
+            f"{100 * self.passed / max(1, len(self.results)):.1f}%.",
+            "",
+            "## Not supported yet",
+            "",
+            "Each failing case, grouped by the op it tests, with the first line of its error. A "
+            "node that NUMPY cannot run is refused at load time and reported unsupported by "
+            "QueryNetwork; it never returns wrong numbers silently.",
+            "",
+        ]
+        for op, cases in self.failures_by_op().items():
+            lines.append(f"### {op} ({len(cases)})")
+            lines.append("")
+            for case in cases:
+                detail = case.detail.replace("|", "\\|")[:240]
+                lines.append(f"- `{case.name}`: {detail}")
+            lines.append("")
+        return "\n".join(lines)
+
     def render(self, verbose: bool = False) -> str:
         lines = [self.summary()]
         for op, cases in self.failures_by_op().items():
@@ -301,9 +336,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=0.0,
         help="exit 1 when the pass fraction is below this (e.g. 0.9)",
     )
+    parser.add_argument(
+        "--write-doc",
+        metavar="FILE",
+        help="also write the report as Markdown (docs/conformance.md)",
+    )
     args = parser.parse_args(argv)
     report = run_conformance(args.device, args.patterns, args.ops)
     print(report.render(args.verbose))
+    if args.write_doc:
+        with open(args.write_doc, "w") as f:
+            f.write(report.markdown() + "\n")
     print(f"({report.seconds:.1f} s)")
     return 0 if report.fraction >= args.min_pass else 1
 

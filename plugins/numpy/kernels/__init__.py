@@ -9,6 +9,7 @@ from plugserve.plugins.numpy.kernels import (  # noqa: F401  (imported to regist
     ml,
     nn,
     quantize,
+    random,
     reduce,
     rnn,
     sequence,

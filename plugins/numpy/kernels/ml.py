@@ -1,3 +1,230 @@
-"""The ai.onnx.ml domain."""
+"""The ai.onnx.ml domain: LabelEncoder, Binarizer, ArrayFeatureExtractor, TreeEnsemble."""
 
 from __future__ import annotations
+
+import numpy as np
+
+from plugserve.plugins.numpy.kernels.registry import KernelContext, register
+
+_ML = "ai.onnx.ml"
+
+
+def _attr_list(ctx: KernelContext, name: str):
+    value = ctx.attr(name, None)
+    if value is None:
+        return None
+    if isinstance(value, np.ndarray):
+        return value
+    return list(value)
+
+
+@register("LabelEncoder", 1, 2, 4, domain=_ML)
+def label_encoder(ctx: KernelContext):
+    """Map keys to values; unknown keys get the default.
+
+    Numeric keys are looked up with a binary search over the sorted keys (NaN keys match NaN
+    inputs); string keys with a dict.
+    """
+    if ctx.version == 1:
+        classes = list(ctx.attr("classes_strings", []))
+        if ctx.input_dtype(0) is not None and ctx.input_dtype(0).kind in "OUS":
+            keys = np.array(classes, dtype=object)
+            values = np.arange(len(classes), dtype=np.int64)
+            default = np.int64(ctx.attr("default_int64", -1))
+        else:
+            keys = np.arange(len(classes), dtype=np.int64)
+            values = np.array(classes, dtype=object)
+            default = ctx.attr("default_string", "_Unused")
+    else:
+        keys = values = None
+        for name, dtype in (
+            ("keys_tensor", None),
+            ("keys_floats", np.float32),
+            ("keys_int64s", np.int64),
+            ("keys_strings", object),
+        ):
+            raw = _attr_list(ctx, name)
+            if raw is not None:
+                keys = np.asarray(raw) if dtype is None else np.array(raw, dtype=dtype)
+                break
+        for name, dtype in (
+            ("values_tensor", None),
+            ("values_floats", np.float32),
+            ("values_int64s", np.int64),
+            ("values_strings", object),
+        ):
+            raw = _attr_list(ctx, name)
+            if raw is not None:
+                values = np.asarray(raw) if dtype is None else np.array(raw, dtype=dtype)
+                break
+        if keys is None or values is None or len(keys) != len(values):
+            raise ctx.unsupported("keys and values must be given with equal lengths")
+        if keys.dtype.kind in "US":
+            keys = keys.astype(object)
+        if values.dtype.kind in "US":
+            values = values.astype(object)
+        if ctx.has_attr("default_tensor"):
+            default = np.asarray(ctx.attr("default_tensor")).ravel()[0]
+        elif values.dtype.kind == "O":
+            default = ctx.attr("default_string", "_Unused")
+        elif values.dtype.kind == "f":
+            default = ctx.attr("default_float", -0.0)
+        else:
+            default = ctx.attr("default_int64", -1)
+    out_dtype = values.dtype
+
+    if keys.dtype.kind == "O":
+        table = dict(zip((str(k) for k in keys), values.tolist()))
+        lookup = np.frompyfunc(lambda s: table.get(str(s), default), 1, 1)
+
+        def run_str(x):
+            out = lookup(x)
+            return np.asarray(out, dtype=object) if out_dtype.kind == "O" else out.astype(out_dtype)
+
+        return run_str
+
+    nan_keys = np.isnan(keys) if keys.dtype.kind == "f" else np.zeros(len(keys), bool)
+    nan_value = values[nan_keys][0] if nan_keys.any() else default
+    order = np.argsort(keys[~nan_keys], kind="stable")
+    sorted_keys = keys[~nan_keys][order]
+    sorted_values = values[~nan_keys][order]
+    fill = np.asarray(default, dtype=out_dtype) if out_dtype.kind != "O" else default
+
+    def run(x):
+        if sorted_keys.size == 0:
+            out = np.full(x.shape, fill, dtype=out_dtype)
+        else:
+            pos = np.clip(np.searchsorted(sorted_keys, x), 0, sorted_keys.size - 1)
+            found = sorted_keys[pos] == x
+            out = np.where(found, sorted_values[pos], fill).astype(out_dtype)
+        if x.dtype.kind == "f" and nan_keys.any():
+            out[np.isnan(x)] = nan_value
+        return out
+
+    return run
+
+
+@register("Binarizer", 1, domain=_ML)
+def binarizer(ctx: KernelContext):
+    threshold = float(ctx.attr("threshold", 0.0))
+
+    def run(x):
+        return (x > threshold).astype(x.dtype)
+
+    return run
+
+
+@register("ArrayFeatureExtractor", 1, domain=_ML)
+def array_feature_extractor(ctx: KernelContext):
+    """Select entries of the last axis; a 1-D input gives a [1, k] result (as onnxruntime)."""
+
+    def run(data, indices):
+        index = indices.ravel().astype(np.intp)
+        if data.ndim == 1:
+            return data[index].reshape(1, -1)
+        return np.take(data, index, axis=-1)
+
+    return run
+
+
+_LEQ, _LT, _GTE, _GT, _EQ, _NEQ, _MEMBER = range(7)
+
+
+@register("TreeEnsemble", 5, domain=_ML)
+def tree_ensemble(ctx: KernelContext):
+    """All (sample, tree) pairs walk their trees together, one level per loop iteration."""
+    modes = np.asarray(ctx.attr("nodes_modes")).astype(np.int64).ravel()
+    splits = np.asarray(ctx.attr("nodes_splits")).ravel()
+    features = np.asarray(ctx.attr("nodes_featureids"), dtype=np.int64)
+    true_ids = np.asarray(ctx.attr("nodes_truenodeids"), dtype=np.int64)
+    false_ids = np.asarray(ctx.attr("nodes_falsenodeids"), dtype=np.int64)
+    true_leaf = np.asarray(ctx.attr("nodes_trueleafs"), dtype=bool)
+    false_leaf = np.asarray(ctx.attr("nodes_falseleafs"), dtype=bool)
+    leaf_targets = np.asarray(ctx.attr("leaf_targetids"), dtype=np.int64)
+    leaf_weights = np.asarray(ctx.attr("leaf_weights")).ravel()
+    roots = np.asarray(ctx.attr("tree_roots"), dtype=np.int64)
+    n_targets = int(ctx.attr("n_targets"))
+    aggregate = int(ctx.attr("aggregate_function", 1))
+    post = int(ctx.attr("post_transform", 0))
+    missing = _attr_list(ctx, "nodes_missing_value_tracks_true")
+    missing_true = (
+        np.asarray(missing, dtype=bool) if missing is not None else np.zeros(len(modes), bool)
+    )
+    if aggregate not in (0, 1, 2, 3):
+        raise ctx.unsupported(f"aggregate_function {aggregate}")
+    if post not in (0, 1, 2, 3):
+        raise ctx.unsupported(f"post_transform {post}")
+    if np.any((modes < 0) | (modes > _MEMBER)):
+        raise ctx.unsupported("unknown node mode")
+    members: dict[int, np.ndarray] = {}
+    if np.any(modes == _MEMBER):
+        values = np.asarray(ctx.attr("membership_values")).ravel()
+        groups = np.split(values, np.flatnonzero(np.isnan(values)) + 1)
+        for node, group in zip(np.flatnonzero(modes == _MEMBER), groups):
+            members[int(node)] = group[~np.isnan(group)]
+    root_is_leaf = true_leaf[roots] & false_leaf[roots] & (true_ids[roots] == false_ids[roots])
+
+    def run(x):
+        n = x.shape[0]
+        x2 = x.reshape(n, -1)
+        node = np.broadcast_to(roots, (n, len(roots))).copy()
+        leaf = np.full(node.shape, -1, dtype=np.int64)
+        leaf[:, root_is_leaf] = true_ids[roots[root_is_leaf]]
+        active = np.broadcast_to(~root_is_leaf, node.shape).copy()
+        rows = np.broadcast_to(np.arange(n)[:, None], node.shape)
+        while active.any():
+            r = rows[active]
+            nd = node[active]
+            v = x2[r, features[nd]]
+            s = splits[nd]
+            m = modes[nd]
+            cond = np.select(
+                [m == _LEQ, m == _LT, m == _GTE, m == _GT, m == _EQ, m == _NEQ],
+                [v <= s, v < s, v >= s, v > s, v == s, v != s],
+                False,
+            )
+            for member_node, group in members.items():
+                hit = nd == member_node
+                if hit.any():
+                    cond[hit] = np.isin(v[hit], group)
+            cond |= missing_true[nd] & np.isnan(v)
+            nxt = np.where(cond, true_ids[nd], false_ids[nd])
+            is_leaf = np.where(cond, true_leaf[nd], false_leaf[nd])
+            idx = np.flatnonzero(active.ravel())
+            leaf.ravel()[idx[is_leaf]] = nxt[is_leaf]
+            node.ravel()[idx] = nxt
+            active.ravel()[idx[is_leaf]] = False
+        weights = leaf_weights[leaf].astype(x.dtype)
+        targets = leaf_targets[leaf]
+        r = np.broadcast_to(np.arange(n)[:, None], leaf.shape)
+        if aggregate in (0, 1):
+            out = np.zeros((n, n_targets), dtype=x.dtype)
+            np.add.at(out, (r, targets), weights)
+            if aggregate == 0:
+                out /= len(roots)
+        elif aggregate == 2:
+            out = np.full((n, n_targets), np.finfo(x.dtype).max, dtype=x.dtype)
+            np.minimum.at(out, (r, targets), weights)
+        else:
+            out = np.full((n, n_targets), np.finfo(x.dtype).min, dtype=x.dtype)
+            np.maximum.at(out, (r, targets), weights)
+        return _post_transform(out, post)
+
+    return run
+
+
+def _post_transform(out, post):
+    if post == 1:  # SOFTMAX
+        e = np.exp(out - out.max(axis=1, keepdims=True))
+        return (e / e.sum(axis=1, keepdims=True)).astype(out.dtype)
+    if post == 2:  # LOGISTIC
+        return (1 / (1 + np.exp(-out))).astype(out.dtype)
+    if post == 3:  # SOFTMAX_ZERO: softmax over the non-zero entries, zeros stay zero
+        nz = out != 0
+        shifted = np.where(nz, out, -np.inf)
+        top = np.max(shifted, axis=1, keepdims=True)
+        top = np.where(np.isfinite(top), top, 0)
+        e = np.where(nz, np.exp(out - top), 0)
+        total = e.sum(axis=1, keepdims=True)
+        return (e / np.where(total == 0, 1, total)).astype(out.dtype)
+    return out

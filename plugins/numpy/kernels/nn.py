@@ -1,3 +1,847 @@
-"""Convolution, pooling, Gemm and MatMul."""
+"""Convolution, pooling, Gemm and MatMul.
+
+Convolution is im2col + GEMM: the builder packs the weights once into the GEMM layout
+``(groups, M/groups, C/groups * prod(kernel))``; a request pads the input, copies the sliding
+windows into ONE contiguous column buffer through a stride-tricks view and does one matmul for
+all groups and batch items, so OpenBLAS sees a few large products. Pointwise stride-1 convs skip
+the column buffer (the input already is the matrix) and depthwise convs sum the kernel taps
+over the whole tensor instead of running one tiny GEMM per channel.
+
+Everything that depends on the input's shape (output size, resolved auto_pad pads, the strides
+of the window view) is computed once per distinct input shape and cached, so a repeated shape
+costs one dict lookup.
+
+float16 is computed in float32 and rounded once at the end: numpy has no float16 GEMM, and one
+rounding is closer to what other runtimes return than rounding every partial sum.
+"""
 
 from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Sequence
+
+import numpy as np
+from numpy.lib.stride_tricks import as_strided
+from plugserve.plugins.numpy.kernels.registry import KernelContext, register
+
+__all__ = [
+    "ConvSpec",
+    "col2im_add",
+    "conv_builder",
+    "conv_forward",
+    "pack_conv_weight",
+    "window_view",
+]
+
+_AUTO_PADS = ("NOTSET", "SAME_UPPER", "SAME_LOWER", "VALID")
+
+
+def _compute_dtype(dtype: np.dtype) -> np.dtype:
+    """The dtype the math runs in: float16 widens to float32, everything else stays."""
+    return np.dtype(np.float32) if dtype == np.float16 else np.dtype(dtype)
+
+
+# --------------------------------------------------------------------------- window geometry
+
+
+class ConvSpec:
+    """The sliding-window attributes of a Conv/Pool-like node, resolved per input shape.
+
+    ``pads`` are ONNX-ordered (all begins, then all ends). ``resolve`` returns
+    ``(out_shape, pads_begin, pads_end)`` for one spatial input shape and kernel.
+    """
+
+    def __init__(
+        self,
+        ctx: KernelContext,
+        rank: int | None,
+        kernel: Sequence[int] | None,
+        ceil_mode: bool = False,
+        same_uses_dilation: bool = True,
+    ) -> None:
+        auto_pad = ctx.attr("auto_pad", "NOTSET")
+        if isinstance(auto_pad, bytes):
+            auto_pad = auto_pad.decode()
+        auto_pad = auto_pad or "NOTSET"
+        if auto_pad not in _AUTO_PADS:
+            raise ctx.unsupported(f"auto_pad {auto_pad!r}")
+        self.auto_pad = auto_pad
+        self.kernel = tuple(int(k) for k in kernel) if kernel is not None else None
+        self.strides = ctx.attr("strides", None)
+        self.dilations = ctx.attr("dilations", None)
+        self.pads = ctx.attr("pads", None)
+        self.ceil_mode = ceil_mode
+        self.same_uses_dilation = same_uses_dilation
+        for name in ("strides", "dilations"):
+            values = getattr(self, name)
+            if values is not None and any(v < 1 for v in values):
+                raise ctx.unsupported(f"{name} must be positive, got {values}")
+        if self.pads is not None and any(p < 0 for p in self.pads):
+            raise ctx.unsupported(f"negative pads {self.pads}")
+        self._cache: dict[tuple, tuple] = {}
+
+    def resolve(self, spatial: Sequence[int], kernel: Sequence[int] | None = None):
+        kernel = tuple(kernel if kernel is not None else self.kernel)
+        key = (tuple(spatial), kernel)
+        hit = self._cache.get(key)
+        if hit is None:
+            hit = self._cache[key] = self._resolve(tuple(spatial), kernel)
+        return hit
+
+    def _resolve(self, spatial: tuple, kernel: tuple):
+        n = len(spatial)
+        strides = tuple(self.strides or (1,) * n)
+        dilations = tuple(self.dilations or (1,) * n)
+        pads = tuple(self.pads or (0,) * (2 * n))
+        if len(strides) != n or len(dilations) != n or len(pads) != 2 * n or len(kernel) != n:
+            raise ValueError(
+                f"attribute lengths do not match {n} spatial dims "
+                f"(kernel {kernel}, strides {strides}, dilations {dilations}, pads {pads})"
+            )
+        out, begin, end = [], [], []
+        for i in range(n):
+            size, k, s, d = spatial[i], kernel[i], strides[i], dilations[i]
+            span = (k - 1) * d + 1
+            if self.auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+                o = -(-size // s)
+                eff = span if self.same_uses_dilation else k
+                total = max(0, (o - 1) * s + eff - size)
+                small = total // 2
+                b = small if self.auto_pad == "SAME_UPPER" else total - small
+                e = total - b
+            elif self.auto_pad == "VALID":
+                b = e = 0
+                o = (size - span) // s + 1
+            else:
+                b, e = pads[i], pads[n + i]
+                room = size + b + e - span
+                if self.ceil_mode:
+                    o = -(-room // s) + 1
+                    if (o - 1) * s >= size + b:  # the last window must start inside the data
+                        o -= 1
+                else:
+                    o = room // s + 1
+            if o < 1:
+                raise ValueError(f"input size {size} is too small for kernel {k} (dim {i})")
+            out.append(o)
+            begin.append(b)
+            end.append(e)
+        return tuple(out), tuple(begin), tuple(end), strides, dilations
+
+
+def _pad(x: np.ndarray, begin: Sequence[int], end: Sequence[int], value=0) -> np.ndarray:
+    """``x`` with its trailing len(begin) dims padded by a constant (no copy when no pad)."""
+    if not any(begin) and not any(end):
+        return x
+    n = len(begin)
+    lead = x.shape[: x.ndim - n]
+    shape = lead + tuple(s + b + e for s, b, e in zip(x.shape[x.ndim - n :], begin, end))
+    out = np.zeros(shape, x.dtype) if value == 0 else np.full(shape, value, x.dtype)
+    inner = (Ellipsis,) + tuple(slice(b, b + s) for b, s in zip(begin, x.shape[x.ndim - n :]))
+    out[inner] = x
+    return out
+
+
+def _reach(out: int, stride: int, span: int) -> int:
+    """Padded length the windows of one dim touch."""
+    return (out - 1) * stride + span
+
+
+def window_view(
+    xp: np.ndarray,
+    kernel: Sequence[int],
+    out: Sequence[int],
+    strides: Sequence[int],
+    dilations: Sequence[int],
+) -> np.ndarray:
+    """Read-only view ``(*lead, *kernel, *out)`` of the sliding windows of padded ``xp``."""
+    n = len(kernel)
+    lead_shape, lead_strides = xp.shape[:-n], xp.strides[:-n]
+    sp = xp.strides[-n:]
+    return as_strided(
+        xp,
+        lead_shape + tuple(kernel) + tuple(out),
+        lead_strides
+        + tuple(st * d for st, d in zip(sp, dilations))
+        + tuple(st * s for st, s in zip(sp, strides)),
+        writeable=False,
+    )
+
+
+def _tap_views(xp: np.ndarray, kernel, out, strides, dilations):
+    """For each kernel offset, the strided view of ``xp`` that offset reads (no copies)."""
+    n = len(kernel)
+    for offset in itertools.product(*(range(k) for k in kernel)):
+        index = (Ellipsis,) + tuple(
+            slice(o * d, o * d + (size - 1) * s + 1, s)
+            for o, d, size, s in zip(offset, dilations, out, strides)
+        )
+        yield offset, xp[index] if n else xp
+
+
+# --------------------------------------------------------------------------- Conv
+
+
+def pack_conv_weight(w: np.ndarray, groups: int, dtype: np.dtype) -> np.ndarray:
+    """Conv weights ``(M, C/g, *k)`` as contiguous GEMM operands ``(g, M/g, C/g * prod(k))``."""
+    m = w.shape[0]
+    return np.ascontiguousarray(w.reshape(groups, m // groups, -1), dtype=dtype)
+
+
+def conv_forward(
+    spec: ConvSpec,
+    groups: int,
+    x: np.ndarray,
+    packed: np.ndarray,
+    kernel: tuple,
+    bias: np.ndarray | None,
+    depthwise: np.ndarray | None = None,
+) -> np.ndarray:
+    """Convolution of ``x`` (already in the compute dtype) with packed weights.
+
+    ``bias`` is ``(M,)`` in the compute dtype or None. ``depthwise`` is the weight as
+    ``(C, mult, prod(k))`` when the node is depthwise (groups == C, one input channel each).
+    Returns a fresh array ``(N, M, *out)``.
+    """
+    n, c = x.shape[:2]
+    out_sp, begin, end, strides, dilations = spec.resolve(x.shape[2:], kernel)
+    m = packed.shape[0] * packed.shape[1]
+    spans = [(k - 1) * d + 1 for k, d in zip(kernel, dilations)]
+    # Pad only as far as the windows reach (ceil-free Conv never reaches past `end`).
+    end = tuple(
+        _reach(o, s, sp) - size - b
+        for o, s, sp, size, b in zip(out_sp, strides, spans, x.shape[2:], begin)
+    )
+    trim = tuple(slice(0, size + min(e, 0)) for size, e in zip(x.shape[2:], end))
+    if any(e < 0 for e in end):
+        x = x[(Ellipsis,) + trim]
+    xp = _pad(x, begin, tuple(max(e, 0) for e in end))
+    length = math.prod(out_sp)
+
+    if depthwise is not None:
+        return _depthwise(xp, depthwise, kernel, out_sp, strides, dilations, bias)
+
+    ksize = math.prod(kernel)
+    if ksize == 1 and all(s == 1 for s in strides):
+        cols = xp.reshape(n, groups, c // groups, length)
+    elif ksize == 1:
+        cols = np.ascontiguousarray(xp[(Ellipsis,) + tuple(slice(None, None, s) for s in strides)])
+        cols = cols.reshape(n, groups, c // groups, length)
+    else:
+        view = window_view(xp, kernel, out_sp, strides, dilations)
+        cols = np.empty((n, c * ksize, length), xp.dtype)
+        np.copyto(cols.reshape(view.shape), view)
+        cols = cols.reshape(n, groups, (c // groups) * ksize, length)
+
+    if groups == 1 and n == 1:
+        y = np.matmul(packed[0], cols[0, 0])
+    elif groups == 1:
+        y = np.matmul(packed[0], cols[:, 0])
+    else:
+        y = np.matmul(packed, cols)
+    y = y.reshape(n, m, length)
+    if bias is not None:
+        y += bias[:, None]
+    return y.reshape((n, m) + tuple(out_sp))
+
+
+def _depthwise(xp, weights, kernel, out_sp, strides, dilations, bias):
+    """Depthwise conv: out[n, c, j] = sum over taps of x_tap[n, c] * w[c, j, tap]."""
+    n, c = xp.shape[:2]
+    mult = weights.shape[1]
+    wshape = (1, c, mult) + (1,) * len(out_sp)
+    y = np.zeros((n, c, mult) + tuple(out_sp), xp.dtype)
+    tmp = np.empty_like(y)
+    for index, (_, tap) in enumerate(_tap_views(xp, kernel, out_sp, strides, dilations)):
+        np.multiply(tap[:, :, None], weights[:, :, index].reshape(wshape), out=tmp)
+        y += tmp
+    y = y.reshape((n, c * mult) + tuple(out_sp))
+    if bias is not None:
+        y += bias.reshape((1, -1) + (1,) * len(out_sp))
+    return y
+
+
+def conv_builder(ctx: KernelContext):
+    """Conv (1D/2D/3D, groups, pads, auto_pad, strides, dilations, optional bias).
+
+    Kept a plain function so a fused Conv+activation op can build it and wrap the kernel.
+    """
+    dtype = ctx.input_dtype(0)
+    if dtype is not None and dtype not in (np.float16, np.float32, np.float64):
+        raise ctx.unsupported(f"input dtype {dtype}")
+    groups = int(ctx.attr("group", 1))
+    w_const = ctx.constant(1)
+    b_const = ctx.constant(2)
+    kernel_attr = ctx.attr("kernel_shape", None)
+    if w_const is not None:
+        kernel_attr = kernel_attr or tuple(w_const.shape[2:])
+        if tuple(kernel_attr) != tuple(w_const.shape[2:]):
+            raise ctx.unsupported("kernel_shape differs from the weight's shape")
+    spec = ConvSpec(ctx, None, kernel_attr)
+    run = _conv_runner(spec, groups, w_const, b_const, ctx.has_input(2), dtype)
+    return run
+
+
+def _conv_runner(spec, groups, w_const, b_const, has_bias, dtype):
+    cdt = _compute_dtype(dtype) if dtype is not None else None
+
+    def prepare(w, cdt):
+        kernel = tuple(w.shape[2:])
+        m, cg = w.shape[:2]
+        dw = None
+        if groups > 1 and cg == 1 and m % groups == 0:
+            dw = np.ascontiguousarray(w.reshape(groups, m // groups, -1), dtype=cdt)
+        packed = pack_conv_weight(w, groups, cdt)
+        return kernel, packed, dw
+
+    if w_const is not None and cdt is not None:
+        kernel, packed, dw = prepare(w_const, cdt)
+        bias = None if b_const is None else np.ascontiguousarray(b_const, dtype=cdt)
+        out_dtype = np.dtype(dtype)
+
+        def run(x, w, b=None):
+            if x.dtype != cdt:
+                x = x.astype(cdt)
+            bb = bias if bias is not None or b is None else b.astype(cdt, copy=False)
+            y = conv_forward(spec, groups, x, packed, kernel, bb, dw)
+            return y if y.dtype == out_dtype else y.astype(out_dtype)
+
+        return run
+
+    def run_dynamic(x, w, b=None):
+        out_dtype = x.dtype
+        c = _compute_dtype(x.dtype)
+        kernel, packed, dw = prepare(w, c)
+        bb = None if b is None else b.astype(c, copy=False)
+        y = conv_forward(spec, groups, x.astype(c, copy=False), packed, kernel, bb, dw)
+        return y if y.dtype == out_dtype else y.astype(out_dtype)
+
+    return run_dynamic
+
+
+register("Conv", 1, 11, 22)(conv_builder)
+
+
+# --------------------------------------------------------------------------- ConvTranspose
+
+
+def col2im_add(
+    cols: np.ndarray,
+    kernel: Sequence[int],
+    out_sp: Sequence[int],
+    strides: Sequence[int],
+    dilations: Sequence[int],
+    full_sp: Sequence[int],
+) -> np.ndarray:
+    """Scatter-add column blocks ``(*lead, *kernel, *out)`` into ``(*lead, *full_sp)``.
+
+    The inverse of the im2col window view: each kernel offset adds one strided slab.
+    """
+    n = len(kernel)
+    lead = cols.shape[: cols.ndim - 2 * n]
+    full = np.zeros(lead + tuple(full_sp), cols.dtype)
+    for offset in itertools.product(*(range(k) for k in kernel)):
+        index = (Ellipsis,) + tuple(
+            slice(o * d, o * d + (size - 1) * s + 1, s)
+            for o, d, size, s in zip(offset, dilations, out_sp, strides)
+        )
+        full[index] += cols[(Ellipsis,) + offset + (slice(None),) * n]
+    return full
+
+
+@register("ConvTranspose", 1, 11, 22)
+def conv_transpose(ctx: KernelContext):
+    """ConvTranspose as GEMM (W^T x per group) followed by a col2im scatter-add.
+
+    Output size and pads follow the ONNX reference: with ``output_shape`` and auto_pad NOTSET,
+    the output is the top-left-anchored (after explicit begin pads) window of that size.
+    """
+    dtype = ctx.input_dtype(0)
+    if dtype is not None and dtype not in (np.float16, np.float32, np.float64):
+        raise ctx.unsupported(f"input dtype {dtype}")
+    groups = int(ctx.attr("group", 1))
+    auto_pad = ctx.attr("auto_pad", "NOTSET") or "NOTSET"
+    if auto_pad not in _AUTO_PADS:
+        raise ctx.unsupported(f"auto_pad {auto_pad!r}")
+    strides_attr = ctx.attr("strides", None)
+    dil_attr = ctx.attr("dilations", None)
+    pads_attr = ctx.attr("pads", None)
+    out_pad_attr = ctx.attr("output_padding", None)
+    out_shape_attr = ctx.attr("output_shape", None)
+    kernel_attr = ctx.attr("kernel_shape", None)
+    cache: dict[tuple, tuple] = {}
+
+    def geometry(in_sp: tuple, kernel: tuple):
+        n = len(in_sp)
+        strides = tuple(strides_attr or (1,) * n)
+        dil = tuple(dil_attr or (1,) * n)
+        opad = tuple(out_pad_attr or (0,) * n)
+        if len(opad) == 2 * n:  # some exporters write begin+end; only the end counts
+            opad = opad[n:]
+        full = tuple((in_sp[i] - 1) * strides[i] + (kernel[i] - 1) * dil[i] + 1 for i in range(n))
+        if out_shape_attr is not None:
+            target = tuple(out_shape_attr[-n:])
+        elif auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+            target = tuple(in_sp[i] * strides[i] for i in range(n))
+        else:
+            target = None
+        if target is not None and (pads_attr is None or auto_pad != "NOTSET"):
+            if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+                totals = [full[i] + opad[i] - target[i] for i in range(n)]
+                begin = tuple(
+                    t // 2 if auto_pad == "SAME_UPPER" else t - t // 2 for t in totals
+                )
+            else:
+                begin = tuple((pads_attr or (0,) * 2 * n)[:n])
+            out = target
+        else:
+            pads = tuple(pads_attr or (0,) * 2 * n)
+            begin = pads[:n]
+            out = target or tuple(full[i] + opad[i] - pads[i] - pads[n + i] for i in range(n))
+        return full, begin, out, strides, dil
+
+    w_const = ctx.constant(1)
+    packed_const = None
+    cdt = _compute_dtype(dtype) if dtype is not None else None
+
+    def pack(w, c):
+        # (C, M/g, *k) -> (g, M/g * prod(k), C/g): the GEMM operand that maps x to columns.
+        cin, mg = w.shape[:2]
+        return np.ascontiguousarray(
+            w.reshape(groups, cin // groups, mg * math.prod(w.shape[2:])).transpose(0, 2, 1),
+            dtype=c,
+        )
+
+    if w_const is not None and cdt is not None:
+        packed_const = pack(w_const, cdt)
+
+    def run(x, w, b=None):
+        out_dtype = x.dtype
+        c = _compute_dtype(x.dtype)
+        kernel = tuple(kernel_attr or w.shape[2:])
+        packed = packed_const if packed_const is not None else pack(w, c)
+        key = (x.shape[2:], kernel)
+        geo = cache.get(key)
+        if geo is None:
+            geo = cache[key] = geometry(tuple(x.shape[2:]), kernel)
+        full, begin, out, strides, dil = geo
+        n, cin = x.shape[:2]
+        mg = w.shape[1]
+        in_sp = x.shape[2:]
+        xs = x.astype(c, copy=False).reshape(n, groups, cin // groups, math.prod(in_sp))
+        cols = np.matmul(packed, xs)  # (n, g, mg*K, L)
+        cols = cols.reshape((n, groups * mg) + kernel + tuple(in_sp))
+        buf = col2im_add(cols, kernel, in_sp, strides, dil, full)
+        y = np.zeros((n, groups * mg) + tuple(out), c)
+        src, dst = [], []
+        for i in range(len(out)):
+            lo, hi = max(begin[i], 0), min(begin[i] + out[i], full[i])
+            src.append(slice(lo, max(hi, lo)))
+            dst.append(slice(lo - begin[i], lo - begin[i] + max(hi - lo, 0)))
+        y[(Ellipsis, *dst)] = buf[(Ellipsis, *src)]
+        if b is not None:
+            y += b.astype(c, copy=False).reshape((1, -1) + (1,) * len(out))
+        return y if y.dtype == out_dtype else y.astype(out_dtype)
+
+    return run
+
+
+# --------------------------------------------------------------------------- pooling
+
+
+def _pool_kernel(ctx: KernelContext) -> tuple:
+    kernel = ctx.attr("kernel_shape", None)
+    if not kernel:
+        raise ctx.unsupported("kernel_shape is required")
+    return tuple(int(k) for k in kernel)
+
+
+def _check_float(ctx: KernelContext, allow_int8: bool = False) -> None:
+    dtype = ctx.input_dtype(0)
+    ok = [np.float16, np.float32, np.float64] + ([np.int8, np.uint8] if allow_int8 else [])
+    if dtype is not None and dtype not in ok:
+        raise ctx.unsupported(f"input dtype {dtype}")
+
+
+def _pool_setup(spec: ConvSpec, x: np.ndarray, kernel: tuple, pad_value):
+    """Pad ``x`` so every window of the resolved geometry fits; returns the pieces."""
+    out, begin, end, strides, dil = spec.resolve(x.shape[2:], kernel)
+    spans = [(k - 1) * d + 1 for k, d in zip(kernel, dil)]
+    reach_end = tuple(
+        max(_reach(o, s, sp) - size - b, 0)
+        for o, s, sp, size, b in zip(out, strides, spans, x.shape[2:], begin)
+    )
+    xp = _pad(x, begin, reach_end, pad_value)
+    return xp, out, begin, end, strides, dil
+
+
+def _window_counts(spatial, out, begin, end, kernel, strides, dil, include_pad) -> np.ndarray:
+    """How many window elements count for the average, per output position (separable)."""
+    result = np.ones((), np.float64)
+    for size, o, b, e, k, s, d in zip(spatial, out, begin, end, kernel, strides, dil):
+        pos = np.arange(o)[:, None] * s - b + np.arange(k)[None, :] * d
+        lo, hi = (-b, size + e) if include_pad else (0, size)
+        counts = ((pos >= lo) & (pos < hi)).sum(axis=1)
+        result = np.multiply.outer(result, counts)
+    return result
+
+
+@register("MaxPool", 1, 8, 10, 11, 12, 22, multi_output=True)
+def max_pool(ctx: KernelContext):
+    """MaxPool; the Indices output (flat index into the input, row- or column-major spatial
+    order per storage_order) is only computed when the node asks for it."""
+    _check_float(ctx, allow_int8=True)
+    kernel = _pool_kernel(ctx)
+    spec = ConvSpec(ctx, len(kernel), kernel, ceil_mode=bool(ctx.attr("ceil_mode", 0)))
+    storage_order = int(ctx.attr("storage_order", 0))
+    want_indices = ctx.has_output(1)
+
+    def fill_value(dtype):
+        return -np.inf if dtype.kind == "f" else np.iinfo(dtype).min
+
+    def run(x):
+        xp, out, begin, _, strides, dil = _pool_setup(spec, x, kernel, fill_value(x.dtype))
+        taps = _tap_views(xp, kernel, out, strides, dil)
+        if not want_indices:
+            _, first = next(taps)
+            y = first.copy()
+            for _, tap in taps:
+                np.maximum(y, tap, out=y)
+            return (y,)
+        _, first = next(taps)
+        y = first.copy()
+        best = np.zeros(y.shape, np.int64)
+        for index, (_, tap) in enumerate(taps, start=1):
+            mask = tap > y
+            np.copyto(y, tap, where=mask)
+            best[mask] = index
+        return y, _max_indices(best, x.shape, kernel, out, begin, strides, dil, storage_order)
+
+    return run
+
+
+def _max_indices(best, shape, kernel, out, begin, strides, dil, storage_order) -> np.ndarray:
+    """Flat input indices of the chosen window element (per ONNX MaxPool Indices)."""
+    n, c = shape[:2]
+    spatial = shape[2:]
+    offsets = np.unravel_index(best, kernel)
+    grids = np.meshgrid(*(np.arange(o) for o in out), indexing="ij")
+    pos = [grids[i] * strides[i] - begin[i] + offsets[i] * dil[i] for i in range(len(kernel))]
+    if storage_order == 0:
+        flat = np.zeros(best.shape, np.int64)
+        for i, p in enumerate(pos):
+            flat = flat * spatial[i] + p
+    else:
+        flat = np.zeros(best.shape, np.int64)
+        for i in reversed(range(len(pos))):
+            flat = flat * spatial[i] + pos[i]
+    plane = math.prod(spatial)
+    base = (np.arange(n * c, dtype=np.int64) * plane).reshape((n, c) + (1,) * len(spatial))
+    return flat + base
+
+
+@register("AveragePool", 1, 7, 10, 11, 19, 22)
+def average_pool(ctx: KernelContext):
+    """AveragePool: window sums divided by a per-position count (count_include_pad counts the
+    explicit pads but never the extra reach ceil_mode adds)."""
+    _check_float(ctx)
+    kernel = _pool_kernel(ctx)
+    spec = ConvSpec(
+        ctx, len(kernel), kernel, ceil_mode=bool(ctx.attr("ceil_mode", 0)), same_uses_dilation=True
+    )
+    include_pad = bool(ctx.attr("count_include_pad", 0))
+    divisors: dict[tuple, np.ndarray] = {}
+
+    def run(x):
+        c = _compute_dtype(x.dtype)
+        xp, out, begin, end, strides, dil = _pool_setup(spec, x.astype(c, copy=False), kernel, 0)
+        y = None
+        for _, tap in _tap_views(xp, kernel, out, strides, dil):
+            if y is None:
+                y = tap.copy()
+            else:
+                y += tap
+        key = x.shape[2:]
+        div = divisors.get(key)
+        if div is None:
+            counts = _window_counts(x.shape[2:], out, begin, end, kernel, strides, dil, include_pad)
+            div = divisors[key] = (1.0 / np.maximum(counts, 1)).astype(c)
+        y *= div
+        return y.astype(x.dtype, copy=False)
+
+    return run
+
+
+@register("LpPool", 1, 2, 11, 18, 22)
+def lp_pool(ctx: KernelContext):
+    """LpPool: (sum over the window of |x|^p)^(1/p); pads contribute zero."""
+    _check_float(ctx)
+    kernel = _pool_kernel(ctx)
+    p = float(ctx.attr("p", 2.0 if ctx.version == 1 else 2))
+    spec = ConvSpec(ctx, len(kernel), kernel, ceil_mode=bool(ctx.attr("ceil_mode", 0)))
+
+    def run(x):
+        c = _compute_dtype(x.dtype)
+        xa = np.abs(x.astype(c, copy=False))
+        powered = xa * xa if p == 2 else xa**p
+        xp, out, _, _, strides, dil = _pool_setup(spec, powered, kernel, 0)
+        y = None
+        for _, tap in _tap_views(xp, kernel, out, strides, dil):
+            if y is None:
+                y = tap.copy()
+            else:
+                y += tap
+        y = np.sqrt(y) if p == 2 else y ** (1.0 / p)
+        return y.astype(x.dtype, copy=False)
+
+    return run
+
+
+def _spatial_axes(x: np.ndarray) -> tuple:
+    return tuple(range(2, x.ndim))
+
+
+@register("GlobalAveragePool", 1, 22)
+def global_average_pool(ctx: KernelContext):
+    _check_float(ctx)
+
+    def run(x):
+        y = x.mean(axis=_spatial_axes(x), keepdims=True, dtype=_compute_dtype(x.dtype))
+        return y.astype(x.dtype, copy=False)
+
+    return run
+
+
+@register("GlobalMaxPool", 1, 22)
+def global_max_pool(ctx: KernelContext):
+    _check_float(ctx)
+    return lambda x: x.max(axis=_spatial_axes(x), keepdims=True)
+
+
+@register("GlobalLpPool", 1, 2, 22)
+def global_lp_pool(ctx: KernelContext):
+    _check_float(ctx)
+    p = float(ctx.attr("p", 2.0 if ctx.version == 1 else 2))
+
+    def run(x):
+        xa = np.abs(x.astype(_compute_dtype(x.dtype), copy=False))
+        y = (xa**p).sum(axis=_spatial_axes(x), keepdims=True) ** (1.0 / p)
+        return y.astype(x.dtype, copy=False)
+
+    return run
+
+
+@register("MaxUnpool", 9, 11, 22)
+def max_unpool(ctx: KernelContext):
+    """MaxUnpool: scatter X into zeros at the flat Indices MaxPool produced, in the shape that
+    inverts the pool's size formula."""
+    kernel = _pool_kernel(ctx)
+    strides = tuple(ctx.attr("strides", None) or (1,) * len(kernel))
+    pads = tuple(ctx.attr("pads", None) or (0,) * (2 * len(kernel)))
+    n = len(kernel)
+
+    def run(x, indices, output_shape=None):
+        inferred = x.shape[:2] + tuple(
+            (x.shape[2 + i] - 1) * strides[i] - pads[i] - pads[n + i] + kernel[i] for i in range(n)
+        )
+        y = np.zeros(math.prod(inferred), x.dtype)
+        y[indices.reshape(-1)] = x.reshape(-1)
+        y = y.reshape(inferred)
+        if output_shape is None:
+            return y
+        shape = tuple(int(s) for s in output_shape)
+        if shape == inferred:
+            return y
+        # As the reference and the conformance data do: the unpooled block is placed at the
+        # origin of the requested shape (indices stay relative to the inferred shape).
+        out = np.zeros(shape, x.dtype)
+        common = tuple(slice(0, min(a, b)) for a, b in zip(shape, inferred))
+        out[common] = y[common]
+        return out
+
+    return run
+
+
+# --------------------------------------------------------------------------- Gemm, MatMul
+
+
+def _matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    if a.dtype == np.float16:
+        return np.matmul(a.astype(np.float32), b.astype(np.float32)).astype(np.float16)
+    return np.matmul(a, b)
+
+
+@register("MatMul", 1, 9, 13)
+def matmul(ctx: KernelContext):
+    dtype = ctx.input_dtype(0)
+    b_const = ctx.constant(1)
+    if dtype == np.float16:
+        if b_const is not None:
+            b32 = np.ascontiguousarray(b_const, dtype=np.float32)
+            return lambda a, b: np.matmul(a.astype(np.float32), b32).astype(np.float16)
+        return _matmul
+    if b_const is not None and b_const.ndim == 2 and not b_const.flags.c_contiguous:
+        b_c = np.ascontiguousarray(b_const)
+        return lambda a, b: np.matmul(a, b_c)
+    return np.matmul if dtype is not None else _matmul
+
+
+@register("Gemm", 1, 6, 7, 9, 11, 13)
+def gemm(ctx: KernelContext):
+    """Y = alpha * A' B' + beta * C. A constant B is transposed and pre-scaled by alpha once and
+    a constant C pre-scaled by beta, so a request is one matmul and one in-place add."""
+    alpha = float(ctx.attr("alpha", 1.0))
+    beta = float(ctx.attr("beta", 1.0))
+    trans_a = bool(ctx.attr("transA", 0))
+    trans_b = bool(ctx.attr("transB", 0))
+    dtype = ctx.input_dtype(0)
+    is_float = dtype is None or dtype.kind == "f"
+    if dtype is not None and dtype.kind not in "fiu":
+        raise ctx.unsupported(f"input dtype {dtype}")
+    b_const = ctx.constant(1)
+    c_const = ctx.constant(2)
+    cdt = _compute_dtype(dtype) if dtype is not None else None
+
+    b_ready = None
+    if b_const is not None and is_float and cdt is not None:
+        bm = b_const.T if trans_b else b_const
+        b_ready = np.ascontiguousarray(bm if alpha == 1 else bm * alpha, dtype=cdt)
+    c_ready = None
+    if c_const is not None and is_float and cdt is not None:
+        c_ready = np.asarray(c_const if beta == 1 else c_const * beta, dtype=cdt)
+
+    def run(a, b, c=None):
+        out_dtype = a.dtype
+        work = _compute_dtype(a.dtype)
+        am = (a.T if trans_a else a).astype(work, copy=False)
+        if b_ready is not None:
+            y = np.matmul(am, b_ready)
+        else:
+            bm = (b.T if trans_b else b).astype(work, copy=False)
+            y = np.matmul(am, bm)
+            if alpha != 1:
+                y = y * alpha if y.dtype.kind == "f" else (y * alpha).astype(work)
+        if c is not None and beta != 0:
+            if c_ready is not None:
+                cc = c_ready
+            else:
+                cc = c.astype(work, copy=False)
+                if beta != 1:
+                    cc = cc * beta if cc.dtype.kind == "f" else (cc * beta).astype(work)
+            if cc.shape == y.shape or np.broadcast_shapes(cc.shape, y.shape) == y.shape:
+                y += cc
+            else:
+                y = y + cc
+        return y if y.dtype == out_dtype else y.astype(out_dtype)
+
+    return run
+
+
+# --------------------------------------------------------------------------- Col2Im
+
+
+@register("Col2Im", 18)
+def col2im(ctx: KernelContext):
+    """Col2Im: inverse of im2col, overlapping block contributions summed."""
+    dil_attr = ctx.attr("dilations", None)
+    pads_attr = ctx.attr("pads", None)
+    strides_attr = ctx.attr("strides", None)
+
+    def run(x, image_shape, block_shape):
+        image = tuple(int(v) for v in image_shape)
+        block = tuple(int(v) for v in block_shape)
+        n = len(image)
+        dil = tuple(dil_attr or (1,) * n)
+        pads = tuple(pads_attr or (0,) * 2 * n)
+        strides = tuple(strides_attr or (1,) * n)
+        padded = tuple(image[i] + pads[i] + pads[n + i] for i in range(n))
+        out = tuple((padded[i] - ((block[i] - 1) * dil[i] + 1)) // strides[i] + 1 for i in range(n))
+        batch = x.shape[0]
+        channels = x.shape[1] // math.prod(block)
+        cols = x.reshape((batch, channels) + block + out)
+        full = col2im_add(cols, block, out, strides, dil, padded)
+        inner = (Ellipsis,) + tuple(slice(pads[i], pads[i] + image[i]) for i in range(n))
+        return np.ascontiguousarray(full[inner])
+
+    return run
+
+
+# --------------------------------------------------------------------------- DeformConv
+
+
+@register("DeformConv", 19, 22)
+def deform_conv(ctx: KernelContext):
+    """DeformConv (2D): bilinear samples at offset kernel positions, then a grouped GEMM."""
+    _check_float(ctx)
+    groups = int(ctx.attr("group", 1))
+    offset_groups = int(ctx.attr("offset_group", 1))
+    kernel_attr = ctx.attr("kernel_shape", None)
+    strides_attr = ctx.attr("strides", None)
+    dil_attr = ctx.attr("dilations", None)
+    pads_attr = ctx.attr("pads", None)
+
+    def run(x, w, offset, b=None, mask=None):
+        out_dtype = x.dtype
+        c = _compute_dtype(x.dtype)
+        if x.ndim != 4:
+            raise ValueError("only 2-D DeformConv is implemented")
+        n, cin, h, wd = x.shape
+        m = w.shape[0]
+        kh, kw = tuple(kernel_attr or w.shape[2:])
+        sh, sw = tuple(strides_attr or (1, 1))
+        dh, dw = tuple(dil_attr or (1, 1))
+        pt, pl, pb, pr = tuple(pads_attr or (0, 0, 0, 0))
+        oh = (h + pt + pb - ((kh - 1) * dh + 1)) // sh + 1
+        ow = (wd + pl + pr - ((kw - 1) * dw + 1)) // sw + 1
+        k = kh * kw
+        off = offset.astype(c, copy=False).reshape(n, offset_groups, k, 2, oh, ow)
+        base_y = (np.arange(oh) * sh - pt)[:, None] + (np.arange(kh) * dh)[:, None, None]
+        base_x = (np.arange(ow) * sw - pl)[None, :] + (np.arange(kw) * dw)[:, None, None]
+        # per kernel tap (k) the sampling grid (oh, ow)
+        base_y = np.repeat(base_y[:, None], kw, axis=1).reshape(k, oh, 1)
+        base_x = np.tile(base_x[:, None], (kh, 1, 1, 1)).reshape(k, 1, ow)
+        py = base_y + off[:, :, :, 0]  # (n, og, k, oh, ow)
+        px = base_x + off[:, :, :, 1]
+        sampled = _bilinear(x.astype(c, copy=False), py, px, offset_groups)  # (n, C, k, oh, ow)
+        if mask is not None:
+            mk = mask.astype(c, copy=False).reshape(n, offset_groups, 1, k, oh, ow)
+            cpg = cin // offset_groups
+            sampled = (sampled.reshape(n, offset_groups, cpg, k, oh, ow) * mk).reshape(
+                n, cin, k, oh, ow
+            )
+        cols = sampled.reshape(n, groups, (cin // groups) * k, oh * ow)
+        packed = w.astype(c, copy=False).reshape(groups, m // groups, -1)
+        y = np.matmul(packed, cols).reshape(n, m, oh, ow)
+        if b is not None:
+            y += b.astype(c, copy=False).reshape(1, m, 1, 1)
+        return y.astype(out_dtype, copy=False)
+
+    return run
+
+
+def _bilinear(x: np.ndarray, py: np.ndarray, px: np.ndarray, offset_groups: int) -> np.ndarray:
+    """Bilinear samples of x (n, C, H, W) at (py, px) (n, og, k, oh, ow); zero outside."""
+    n, cin, h, w = x.shape
+    og = offset_groups
+    cpg = cin // og
+    y0 = np.floor(py)
+    x0 = np.floor(px)
+    fy = py - y0
+    fx = px - x0
+    y0 = y0.astype(np.int64)
+    x0 = x0.astype(np.int64)
+    xg = x.reshape(n, og, cpg, h * w)
+    result = np.zeros((n, og, cpg) + py.shape[2:], x.dtype)
+    nidx = np.arange(n)[:, None, None, None, None]
+    gidx = np.arange(og)[None, :, None, None, None]
+    for dy, dx in ((0, 0), (0, 1), (1, 0), (1, 1)):
+        yy = y0 + dy
+        xx = x0 + dx
+        weight = (fy if dy else 1 - fy) * (fx if dx else 1 - fx)
+        valid = (yy >= 0) & (yy < h) & (xx >= 0) & (xx < w)
+        flat = np.where(valid, yy * w + xx, 0)
+        vals = xg[nidx, gidx, :, flat]  # (n, og, k, oh, ow, cpg)
+        contrib = vals * np.where(valid, weight, 0)[..., None].astype(x.dtype)
+        result += np.moveaxis(contrib, -1, 2)
+    return result.reshape(n, cin, *py.shape[2:])

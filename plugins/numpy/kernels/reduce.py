@@ -467,8 +467,8 @@ def _stash_dtype(ctx: KernelContext):
 
 @register("LayerNormalization", 17, multi_output=True)
 def layer_normalization(ctx: KernelContext):
-    """Statistics over axes ``[axis, rank)``, computed on a 2-D view (rows x normalized size),
-    in float32 (or float64 for double inputs)."""
+    """Statistics over axes ``[axis, rank)`` on a 2-D view (rows x normalized size), in float32
+    (float64 for double inputs); the row sums go through BLAS like the softmax's."""
     axis = ctx.attr("axis", -1)
     eps = ctx.attr("epsilon", 1e-5)
     _stash_dtype(ctx)
@@ -487,18 +487,17 @@ def layer_normalization(ctx: KernelContext):
 
     def run(x, scale, bias=None):
         a = axis + x.ndim if axis < 0 else axis
-        rows = math.prod(x.shape[:a])
-        x2 = x.reshape(rows, -1)
-        if x.dtype == np.float16:
+        x2 = x.reshape(math.prod(x.shape[:a]), -1)
+        if x2.dtype == np.float16:
             x2 = x2.astype(np.float32)
-        cols = x2.shape[1]
-        mean = np.add.reduce(x2, axis=1, keepdims=True)
-        mean *= 1.0 / cols if cols else np.nan
+        norm = 1.0 / x2.shape[1] if x2.shape[1] else np.nan
+        mean = _row_sums(x2)
+        mean *= norm
         d = x2 - mean
-        var = np.einsum("ij,ij->i", d, d)[:, None] if cols else np.full_like(mean, np.nan)
-        var *= 1.0 / cols if cols else 1.0
-        var += eps
-        inv = np.sqrt(var, out=var)
+        inv = _row_sums(np.square(d))
+        inv *= norm
+        inv += eps
+        np.sqrt(inv, out=inv)
         np.reciprocal(inv, out=inv)
         d *= inv
         y = d.reshape(x.shape)

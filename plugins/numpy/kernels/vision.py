@@ -183,9 +183,7 @@ class _ResizePlan:
     def __init__(self, cfg, shape, dtype, scales, sizes, roi) -> None:
         axes, scale_full, out_full, lo, hi = _output_geometry(cfg, shape, scales, sizes, roi)
         self.out_shape = tuple(out_full)
-        self.compute = (
-            np.float64 if dtype == np.float64 or dtype.kind in "iu" else np.float32
-        )
+        self.compute = np.float64 if dtype == np.float64 or dtype.kind in "iu" else np.float32
         self.int_out = dtype.kind in "iu"
         self.dtype = dtype
         self.nearest = cfg.mode == "nearest"
@@ -309,12 +307,16 @@ def _resize_builder(ctx: KernelContext, op: str):
             scales = None
         if cfg.coord != "tf_crop_and_resize":
             roi = None
-        key = (x.shape, x.dtype.str) if static else (
-            x.shape,
-            x.dtype.str,
-            None if roi is None else roi.tobytes(),
-            None if scales is None else scales.tobytes(),
-            None if sizes is None else sizes.tobytes(),
+        key = (
+            (x.shape, x.dtype.str)
+            if static
+            else (
+                x.shape,
+                x.dtype.str,
+                None if roi is None else roi.tobytes(),
+                None if scales is None else scales.tobytes(),
+                None if sizes is None else sizes.tobytes(),
+            )
         )
         plan = cache.get(key)
         if plan is None:
@@ -372,8 +374,12 @@ def _reflect(v, lo, hi):
 
 def _cubic_weights(t, a=-0.75):
     """Keys cubic weights for taps at offsets -1, 0, 1, 2 from floor(x), t = x - floor(x)."""
-    return [_cubic_kernel(t + 1, a), _cubic_kernel(t, a), _cubic_kernel(1 - t, a),
-            _cubic_kernel(2 - t, a)]
+    return [
+        _cubic_kernel(t + 1, a),
+        _cubic_kernel(t, a),
+        _cubic_kernel(1 - t, a),
+        _cubic_kernel(2 - t, a),
+    ]
 
 
 @register("GridSample", 16, 20, 22)
@@ -467,7 +473,6 @@ def grid_sample(ctx: KernelContext):
     return run
 
 
-
 @register("AffineGrid", 20)
 def affine_grid(ctx: KernelContext):
     """Grid (N, *spatial, r) of theta applied to the normalized [-1, 1] coordinates."""
@@ -475,8 +480,10 @@ def affine_grid(ctx: KernelContext):
 
     def axis_coords(d, dtype):
         if align:
-            return np.linspace(-1, 1, d, dtype=np.float64).astype(dtype) if d > 1 else np.zeros(
-                d, dtype
+            return (
+                np.linspace(-1, 1, d, dtype=np.float64).astype(dtype)
+                if d > 1
+                else np.zeros(d, dtype)
             )
         return ((np.arange(d, dtype=np.float64) * 2 + 1) / d - 1).astype(dtype)
 
