@@ -161,13 +161,26 @@ def load_cases() -> list[Case]:
                     Case(
                         tc.name,
                         tc.model,
-                        [(list(i), list(o)) for i, o in tc.data_sets],
+                        [([_value(v) for v in i], [_value(v) for v in o]) for i, o in tc.data_sets],
                         tc.rtol,
                         tc.atol,
                     )
                 )
         return cases
     return list(_cases_from_files())
+
+
+def _value(value: Any) -> Any:
+    """Test data as arrays, lists and None (some cases give protobufs instead of arrays)."""
+    from onnx import numpy_helper
+
+    if isinstance(value, onnx.TensorProto):
+        return numpy_helper.to_array(value)
+    if isinstance(value, onnx.SequenceProto):
+        return numpy_helper.to_list(value)
+    if isinstance(value, onnx.OptionalProto):
+        return numpy_helper.to_optional(value)
+    return value
 
 
 def _cases_from_files() -> Iterable[Case]:

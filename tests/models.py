@@ -122,6 +122,6 @@ def chain(ops: list[tuple[str, dict]], shape=(2, 3, 4), dtype=TensorProto.FLOAT,
     return _model(
         nodes,
         [helper.make_tensor_value_info("x", dtype, list(shape))],
-        [helper.make_tensor_value_info("y", dtype, None)],
+        [helper.make_tensor_value_info("y", dtype, list(shape))],
         name=name,
     )

@@ -89,14 +89,18 @@ def test_constant_and_shape_subgraphs_fold(numpy_plugin):
     model = _model(
         [
             helper.make_node("Shape", ["x"], ["s"], name="shape"),
-            helper.make_node("Gather", ["s", "zero"], ["n"], name="gather", axis=0),
+            helper.make_node("Gather", ["s", "first"], ["n"], name="gather", axis=0),
             helper.make_node("Unsqueeze", ["n", "zero"], ["n1"], name="unsqueeze"),
             helper.make_node("Concat", ["n1", "minus_one"], ["target"], name="concat", axis=0),
             helper.make_node("Reshape", ["x", "target"], ["y"], name="reshape"),
         ],
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 4])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
-        [_init("zero", np.array([0], np.int64)), _init("minus_one", np.array([-1], np.int64))],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 12])],
+        [
+            _init("first", np.array(0, np.int64)),
+            _init("zero", np.array([0], np.int64)),
+            _init("minus_one", np.array([-1], np.int64)),
+        ],
     )
     graph = _transformed(numpy_plugin, model)
     assert [n.op_type for n in graph.nodes] == ["Reshape"]

@@ -55,10 +55,9 @@ class ConvSpec:
     def __init__(
         self,
         ctx: KernelContext,
-        rank: int | None,
         kernel: Sequence[int] | None,
         ceil_mode: bool = False,
-        same_uses_dilation: bool = True,
+        pooling: bool = False,
     ) -> None:
         auto_pad = ctx.attr("auto_pad", "NOTSET")
         if isinstance(auto_pad, bytes):
@@ -72,7 +71,15 @@ class ConvSpec:
         self.dilations = ctx.attr("dilations", None)
         self.pads = ctx.attr("pads", None)
         self.ceil_mode = ceil_mode
-        self.same_uses_dilation = same_uses_dilation
+        # Conv clamps a negative SAME padding to zero (as onnxruntime does); for pooling the
+        # runtimes disagree, so that case is refused rather than guessed.
+        self.clamp_same = not pooling
+        if (
+            pooling
+            and auto_pad in ("SAME_UPPER", "SAME_LOWER")
+            and any(d != 1 for d in self.dilations or ())
+        ):
+            raise ctx.unsupported("pooling with auto_pad SAME and dilations (ambiguous size)")
         for name in ("strides", "dilations"):
             values = getattr(self, name)
             if values is not None and any(v < 1 for v in values):
@@ -105,8 +112,13 @@ class ConvSpec:
             span = (k - 1) * d + 1
             if self.auto_pad in ("SAME_UPPER", "SAME_LOWER"):
                 o = -(-size // s)
-                eff = span if self.same_uses_dilation else k
-                total = max(0, (o - 1) * s + eff - size)
+                total = (o - 1) * s + span - size
+                if total < 0 and not self.clamp_same:
+                    raise ValueError(
+                        f"auto_pad {self.auto_pad} with kernel {k} smaller than stride {s} "
+                        "(negative padding) is not implemented"
+                    )
+                total = max(total, 0)
                 small = total // 2
                 b = small if self.auto_pad == "SAME_UPPER" else total - small
                 e = total - b
@@ -278,7 +290,7 @@ def conv_builder(ctx: KernelContext):
         kernel_attr = kernel_attr or tuple(w_const.shape[2:])
         if tuple(kernel_attr) != tuple(w_const.shape[2:]):
             raise ctx.unsupported("kernel_shape differs from the weight's shape")
-    spec = ConvSpec(ctx, None, kernel_attr)
+    spec = ConvSpec(ctx, kernel_attr)
     run = _conv_runner(spec, groups, w_const, b_const, ctx.has_input(2), dtype)
     return run
 
@@ -354,8 +366,8 @@ def col2im_add(
 def conv_transpose(ctx: KernelContext):
     """ConvTranspose as GEMM (W^T x per group) followed by a col2im scatter-add.
 
-    Output size and pads follow the ONNX reference: with ``output_shape`` and auto_pad NOTSET,
-    the output is the top-left-anchored (after explicit begin pads) window of that size.
+    With ``output_shape`` (or auto_pad SAME, whose output is input * stride) the pads are
+    generated from the size difference and explicit pads are ignored.
     """
     dtype = ctx.input_dtype(0)
     if dtype is not None and dtype not in (np.float16, np.float32, np.float64):
@@ -386,14 +398,17 @@ def conv_transpose(ctx: KernelContext):
             target = tuple(in_sp[i] * strides[i] for i in range(n))
         else:
             target = None
-        if target is not None and (pads_attr is None or auto_pad != "NOTSET"):
-            if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
-                totals = [full[i] + opad[i] - target[i] for i in range(n)]
-                begin = tuple(
-                    t // 2 if auto_pad == "SAME_UPPER" else t - t // 2 for t in totals
-                )
+        if target is not None:
+            totals = [full[i] + opad[i] - target[i] for i in range(n)]
+            if auto_pad == "SAME_UPPER":
+                begin = tuple(t // 2 for t in totals)
+            elif auto_pad == "SAME_LOWER":
+                begin = tuple(t - t // 2 for t in totals)
             else:
-                begin = tuple((pads_attr or (0,) * 2 * n)[:n])
+                # output_shape without auto_pad: centred with the odd unit at the end and
+                # a larger-than-natural output zero-extended at the end, as onnxruntime and
+                # the conformance data do (the spec's text puts the odd unit first).
+                begin = tuple(max(t, 0) // 2 for t in totals)
             out = target
         else:
             pads = tuple(pads_attr or (0,) * 2 * n)
@@ -493,7 +508,7 @@ def max_pool(ctx: KernelContext):
     order per storage_order) is only computed when the node asks for it."""
     _check_float(ctx, allow_int8=True)
     kernel = _pool_kernel(ctx)
-    spec = ConvSpec(ctx, len(kernel), kernel, ceil_mode=bool(ctx.attr("ceil_mode", 0)))
+    spec = ConvSpec(ctx, kernel, ceil_mode=bool(ctx.attr("ceil_mode", 0)), pooling=True)
     storage_order = int(ctx.attr("storage_order", 0))
     want_indices = ctx.has_output(1)
 
@@ -547,9 +562,7 @@ def average_pool(ctx: KernelContext):
     explicit pads but never the extra reach ceil_mode adds)."""
     _check_float(ctx)
     kernel = _pool_kernel(ctx)
-    spec = ConvSpec(
-        ctx, len(kernel), kernel, ceil_mode=bool(ctx.attr("ceil_mode", 0)), same_uses_dilation=True
-    )
+    spec = ConvSpec(ctx, kernel, ceil_mode=bool(ctx.attr("ceil_mode", 0)), pooling=True)
     include_pad = bool(ctx.attr("count_include_pad", 0))
     divisors: dict[tuple, np.ndarray] = {}
 
@@ -579,7 +592,7 @@ def lp_pool(ctx: KernelContext):
     _check_float(ctx)
     kernel = _pool_kernel(ctx)
     p = float(ctx.attr("p", 2.0 if ctx.version == 1 else 2))
-    spec = ConvSpec(ctx, len(kernel), kernel, ceil_mode=bool(ctx.attr("ceil_mode", 0)))
+    spec = ConvSpec(ctx, kernel, ceil_mode=bool(ctx.attr("ceil_mode", 0)), pooling=True)
 
     def run(x):
         c = _compute_dtype(x.dtype)

@@ -362,6 +362,21 @@ def _channel_shape(c: int, ndim: int) -> tuple[int, ...]:
     return (c,) + (1,) * (ndim - 2)
 
 
+_FULL_FOLD_LIMIT = 1 << 18
+
+
+def _fold_channels(a: np.ndarray, b: np.ndarray, item_shape: tuple, dtype) -> tuple:
+    """Per-channel ``a`` and ``b`` shaped to broadcast against one item ``x[n]`` of shape
+    (C, *spatial). numpy is slow at broadcasting a per-channel scalar over many short rows, so
+    when an item is small (at most 1 MiB of float32) they are materialized at its full shape."""
+    cs = _channel_shape(a.shape[0], len(item_shape) + 1)
+    fa, fb = a.astype(dtype).reshape(cs), b.astype(dtype).reshape(cs)
+    if math.prod(item_shape[1:]) > 1 and math.prod(item_shape) <= _FULL_FOLD_LIMIT:
+        fa = np.ascontiguousarray(np.broadcast_to(fa, item_shape))
+        fb = np.ascontiguousarray(np.broadcast_to(fb, item_shape))
+    return fa, fb
+
+
 @register("BatchNormalization", 1, 6, 7, 9, 14, 15, multi_output=True)
 def batch_normalization(ctx: KernelContext):
     """Inference: ``y = x * a + b`` with ``a = scale / sqrt(var + eps)``, ``b = B - mean * a``
@@ -401,16 +416,16 @@ def batch_normalization(ctx: KernelContext):
         b = bias - mean * a
         folded: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
         shape = ctx.input_shape(0)
-        if dtype is not None and shape is not None:
-            cs = _channel_shape(a.shape[0], len(shape))
-            folded[(len(shape), dtype)] = (a.astype(dtype).reshape(cs), b.astype(dtype).reshape(cs))
+        if dtype is not None and shape and all(isinstance(d, int) for d in shape):
+            folded[(tuple(shape[1:]), dtype)] = _fold_channels(a, b, tuple(shape[1:]), dtype)
 
         def run(x, *_):
-            key = (x.ndim, x.dtype)
+            key = (x.shape[1:], x.dtype)
             ab = folded.get(key)
             if ab is None:
-                cs = _channel_shape(a.shape[0], x.ndim)
-                ab = folded[key] = (a.astype(x.dtype).reshape(cs), b.astype(x.dtype).reshape(cs))
+                if len(folded) >= 8:
+                    folded.clear()
+                ab = folded[key] = _fold_channels(a, b, x.shape[1:], x.dtype)
             y = np.multiply(x, ab[0])
             y += ab[1]
             return (y,)
@@ -468,7 +483,8 @@ def _stash_dtype(ctx: KernelContext):
 @register("LayerNormalization", 17, multi_output=True)
 def layer_normalization(ctx: KernelContext):
     """Statistics over axes ``[axis, rank)`` on a 2-D view (rows x normalized size), in float32
-    (float64 for double inputs); the row sums go through BLAS like the softmax's."""
+    (float64 for double inputs). The mean's row sums go through BLAS like the softmax's, the
+    variance's through einsum (no squared temporary); one output-sized allocation in all."""
     axis = ctx.attr("axis", -1)
     eps = ctx.attr("epsilon", 1e-5)
     _stash_dtype(ctx)
@@ -478,6 +494,7 @@ def layer_normalization(ctx: KernelContext):
     scale_c, bias_c = ctx.constant(1), ctx.constant(2)
     has_bias = ctx.has_input(2)
     stats = ctx.num_outputs > 1
+    stat_dtypes = [ctx.output_dtype(i) or np.dtype(np.float32) for i in (1, 2)]
     if dtype is not None:
         work = np.float64 if dtype == np.float64 else np.float32
         if scale_c is not None:
@@ -494,7 +511,7 @@ def layer_normalization(ctx: KernelContext):
         mean = _row_sums(x2)
         mean *= norm
         d = x2 - mean
-        inv = _row_sums(np.square(d))
+        inv = np.einsum("ij,ij->i", d, d)[:, None]
         inv *= norm
         inv += eps
         np.sqrt(inv, out=inv)
@@ -510,8 +527,8 @@ def layer_normalization(ctx: KernelContext):
         kept = x.shape[:a] + (1,) * (x.ndim - a)
         return (
             y,
-            mean.reshape(kept).astype(x.dtype, copy=False),
-            inv.reshape(kept).astype(x.dtype, copy=False),
+            mean.reshape(kept).astype(stat_dtypes[0], copy=False),
+            inv.reshape(kept).astype(stat_dtypes[1], copy=False),
         )
 
     return run
@@ -620,27 +637,31 @@ def lrn(ctx: KernelContext):
 
 @register("RMSNormalization", 23)
 def rms_normalization(ctx: KernelContext):
+    """``x / sqrt(mean(x^2) + eps) * scale`` over axes ``[axis, rank)``; Y has scale's dtype."""
     axis = ctx.attr("axis", -1)
     eps = ctx.attr("epsilon", 1e-5)
     _stash_dtype(ctx)
-    dtype = ctx.input_dtype(0)
-    if dtype is not None and dtype.type not in _FLOATS:
-        raise ctx.unsupported(f"dtype {dtype}")
+    for i in (0, 1):
+        dtype = ctx.input_dtype(i)
+        if dtype is not None and dtype.type not in _FLOATS:
+            raise ctx.unsupported(f"dtype {dtype}")
     scale_c = ctx.constant(1)
 
     def run(x, scale):
         a = axis + x.ndim if axis < 0 else axis
-        rows = math.prod(x.shape[:a])
-        x2 = x.reshape(rows, -1)
-        work = x2 if x.dtype == np.float64 else x2.astype(np.float32)
-        cols = work.shape[1]
-        ms = np.einsum("ij,ij->i", work, work)[:, None]
-        ms *= 1.0 / cols
-        ms += eps
-        np.sqrt(ms, out=ms)
-        y = (work / ms).reshape(x.shape).astype(x.dtype, copy=False)
-        y = y * (scale_c if scale_c is not None else scale)
-        return y.astype(x.dtype, copy=False)
+        x2 = x.reshape(math.prod(x.shape[:a]), -1)
+        if x2.dtype == np.float16:
+            x2 = x2.astype(np.float32)
+        inv = np.einsum("ij,ij->i", x2, x2)[:, None]
+        inv *= 1.0 / x2.shape[1] if x2.shape[1] else np.nan
+        inv += eps
+        np.sqrt(inv, out=inv)
+        np.reciprocal(inv, out=inv)
+        y = np.multiply(x2, inv).reshape(x.shape).astype(x.dtype, copy=False)
+        s = scale_c if scale_c is not None else scale
+        return np.multiply(y, s, dtype=np.result_type(y.dtype, s.dtype)).astype(
+            s.dtype, copy=False
+        )
 
     return run
 

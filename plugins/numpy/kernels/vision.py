@@ -189,11 +189,11 @@ class _ResizePlan:
         self.nearest = cfg.mode == "nearest"
         self.fill = cfg.extrapolation
         self.steps = []  # (axis, indices, weights or dense matrix, extrapolation mask)
+        self.empty = 0 in self.out_shape
         for a in axes:
+            if self.empty:
+                break
             if out_full[a] == shape[a] and scale_full[a] == 1.0 and lo[a] == 0.0 and hi[a] == 1.0:
-                continue
-            if out_full[a] == 0:
-                self.steps.append((a, np.zeros((0, 1), np.intp), None, None))
                 continue
             idx, w, mask = _axis_taps(cfg, shape[a], out_full[a], scale_full[a], lo[a], hi[a])
             if self.nearest:
@@ -205,7 +205,11 @@ class _ResizePlan:
                 np.add.at(dense, (np.repeat(np.arange(out_full[a]), n), idx.ravel()), w.ravel())
                 self.steps.append((a, None, dense.astype(self.compute), mask))
             else:
-                self.steps.append((a, idx, w.astype(self.compute), mask))
+                periodic = _Periodic.detect(idx, w, shape[a], self.compute)
+                if periodic is not None:
+                    self.steps.append((a, periodic, None, mask))
+                else:
+                    self.steps.append((a, idx, w.astype(self.compute), mask))
         self.ndim = len(shape)
         self._nearest_index = None
         self._copy = False
@@ -218,11 +222,17 @@ class _ResizePlan:
                     index[a] = sl
                 self._nearest_index = tuple(index)
                 self._copy = True
-            elif resized == list(range(resized[0], resized[0] + len(resized))):
+            elif resized == list(range(resized[0], resized[0] + len(resized))) and (
+                math.prod(out_full[a] for a in resized) <= 65536
+            ):
+                # one fancy index over the block of resized axes; faster than chained takes
+                # while the index mesh is small, slower on large planes
                 mesh = np.ix_(*[s[1] for s in self.steps])
                 self._nearest_index = (slice(None),) * resized[0] + mesh
 
     def __call__(self, x):
+        if self.empty:
+            return np.zeros(self.out_shape, dtype=self.dtype)
         if not self.steps:
             return x.copy()
         if self.nearest:
@@ -259,6 +269,82 @@ def _as_slice(idx):
     return slice(int(idx[0]), int(idx[-1]) + 1, step)
 
 
+class _Periodic:
+    """Taps that repeat with a fixed period: integer-factor up- or downsampling.
+
+    Output index ``k * out_step + p`` reads source ``k * in_step + offset`` for each tap of
+    phase ``p``, with the same weight for every k (edge taps clamp). The axis is then
+    computed from strided slices of an edge-padded copy, with no gathers.
+    """
+
+    def __init__(self, out_step, in_step, phases, pad_lo, pad_hi, count):
+        self.out_step = out_step
+        self.in_step = in_step
+        self.phases = phases  # per phase: [(offset, weight), ...]
+        self.pad_lo = pad_lo
+        self.pad_hi = pad_hi
+        self.count = count  # outputs per phase
+
+    @classmethod
+    def detect(cls, idx, w, in_size, dtype):
+        out_size = idx.shape[0]
+        if out_size % in_size == 0:
+            out_step, in_step = out_size // in_size, 1
+        elif in_size % out_size == 0:
+            out_step, in_step = 1, in_size // out_size
+        else:
+            return None
+        count = out_size // out_step
+        k = np.arange(count) * in_step
+        mid = count // 2
+        phases = []
+        lo = hi = 0
+        for p in range(out_step):
+            rows, weights = idx[p::out_step], w[p::out_step]
+            taps = []
+            for j in range(idx.shape[1]):
+                col = weights[:, j]
+                if np.ptp(col) > 1e-12:
+                    return None
+                if col[mid] == 0:
+                    continue
+                off = int(rows[mid, j] - k[mid])
+                if not np.array_equal(rows[:, j], np.clip(k + off, 0, in_size - 1)):
+                    return None
+                lo = max(lo, -off)
+                hi = max(hi, int(k[-1]) + off - (in_size - 1))
+                taps.append((off, dtype(col[mid])))
+            if not taps:
+                return None
+            phases.append(taps)
+        return cls(out_step, in_step, phases, lo, hi, count)
+
+    def apply(self, y, a):
+        if self.pad_lo or self.pad_hi:
+            parts = []
+            if self.pad_lo:
+                edge = np.take(y, [0], axis=a)
+                parts.append(np.repeat(edge, self.pad_lo, axis=a))
+            parts.append(y)
+            if self.pad_hi:
+                edge = np.take(y, [y.shape[a] - 1], axis=a)
+                parts.append(np.repeat(edge, self.pad_hi, axis=a))
+            y = np.concatenate(parts, axis=a)
+        lead = (slice(None),) * a
+        out = np.empty((*y.shape[:a], self.count * self.out_step, *y.shape[a + 1 :]), dtype=y.dtype)
+        span = self.in_step * (self.count - 1) + 1
+        for p, taps in enumerate(self.phases):
+            dst = out[lead + (slice(p, None, self.out_step),)]
+            for j, (off, weight) in enumerate(taps):
+                start = self.pad_lo + off
+                src = y[lead + (slice(start, start + span, self.in_step),)]
+                if j == 0:
+                    np.multiply(src, weight, out=dst)
+                else:
+                    dst += src * weight
+        return out
+
+
 def _apply_axis(y, a, idx, w):
     """Interpolate along axis ``a``: dense matrix (idx None) or gathered taps."""
     last = a == y.ndim - 1
@@ -269,6 +355,8 @@ def _apply_axis(y, a, idx, w):
         trail = math.prod(y.shape[a + 1 :])
         out = np.matmul(w, y.reshape(lead, y.shape[a], trail))
         return out.reshape(*y.shape[:a], w.shape[0], *y.shape[a + 1 :])
+    if isinstance(idx, _Periodic):
+        return idx.apply(y, a)
     shape = (1,) * a + (w.shape[0],) + (1,) * (y.ndim - a - 1)
     out = np.take(y, idx[:, 0], axis=a)
     out *= w[:, 0].reshape(shape)
