@@ -1,1 +1,5 @@
-"""plugserve's client: talks to a running server over gRPC (arrives with the server issue)."""
+"""plugserve's client: the plugin API of a running server over gRPC, numpy in and out."""
+
+from plugserve.client.client import AsyncClient, Client
+
+__all__ = ["AsyncClient", "Client"]

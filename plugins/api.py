@@ -19,9 +19,11 @@ import numpy as np
 
 __all__ = [
     "BackendUnavailable",
+    "Cancelled",
     "CompiledNetwork",
     "ConfigKey",
     "Configuration",
+    "DeadlineExceeded",
     "FailedPrecondition",
     "InferRequest",
     "InferenceError",
@@ -88,6 +90,18 @@ class FailedPrecondition(PlugserveError, RuntimeError):
     """The call is valid but not in this state (e.g. ``wait()`` before ``start_async()``)."""
 
     code = "FAILED_PRECONDITION"
+
+
+class DeadlineExceeded(PlugserveError, TimeoutError):
+    """A request's deadline passed before it could run; it was dropped unrun."""
+
+    code = "DEADLINE_EXCEEDED"
+
+
+class Cancelled(PlugserveError, RuntimeError):
+    """The caller went away; the request was removed from its queue."""
+
+    code = "CANCELLED"
 
 
 class InferenceError(PlugserveError, RuntimeError):

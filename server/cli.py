@@ -1,29 +1,13 @@
-"""The ``plugserve`` command: in-process verbs for now (``devices``, ``conformance``).
-
-Server verbs (``serve``) and remote client verbs arrive with the server; each verb is a small
-function that parses its own arguments.
+"""The ``plugserve`` command: ``serve`` and ``conformance`` run here; the user verbs
+(devices, load, infer, ...) talk to a server and live in :mod:`plugserve.client.cli`.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Callable, Sequence
 
 __all__ = ["main"]
-
-
-def _devices(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="plugserve devices", description="List device plugins and why any is unavailable."
-    )
-    parser.parse_args(argv)
-    from plugserve.server.core import Core
-
-    for info in Core().devices():
-        state = info.full_name if info.available else f"unavailable: {info.reason}"
-        print(f"{info.name:10} {state}")
-    return 0
 
 
 def _conformance(argv: Sequence[str]) -> int:
@@ -32,8 +16,14 @@ def _conformance(argv: Sequence[str]) -> int:
     return conformance_main(argv)
 
 
+def _serve(argv: Sequence[str]) -> int:
+    from plugserve.server.app import main as serve_main
+
+    return serve_main(list(argv))
+
+
 VERBS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
-    "devices": (_devices, "list device plugins (in-process)"),
+    "serve": (_serve, "run the server (with no arguments: on the bundled example models)"),
     "conformance": (_conformance, "run the ONNX backend node tests on a device"),
 }
 
@@ -41,13 +31,24 @@ VERBS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
-        print("usage: plugserve VERB [options]\n\nverbs:")
-        for verb, (_, help_text) in VERBS.items():
+        from plugserve.client.cli import VERBS as CLIENT_VERBS
+
+        print("usage: plugserve VERB [options]   (plugserve VERB --help for a verb's options)")
+        print("\nverbs:")
+        for verb, (_, help_text) in {**VERBS, **CLIENT_VERBS}.items():
             print(f"  {verb:13} {help_text}")
         return 0 if args else 2
     verb = args[0]
+    from plugserve.client.cli import VERBS as CLIENT_VERBS
+    from plugserve.client.cli import run as run_client
+
+    if verb in CLIENT_VERBS:
+        return run_client(verb, args[1:])
     if verb not in VERBS:
-        print(f"plugserve: unknown verb {verb!r}; try: {', '.join(VERBS)}", file=sys.stderr)
+        print(
+            f"plugserve: unknown verb {verb!r}; try: {', '.join([*VERBS, *CLIENT_VERBS])}",
+            file=sys.stderr,
+        )
         return 2
     return VERBS[verb][0](args[1:])
 

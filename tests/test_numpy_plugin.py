@@ -128,3 +128,46 @@ def test_import_refuses_garbage_and_truncation(numpy_plugin):
         numpy_plugin.import_network(data[:20])
     with pytest.raises(InvalidArgument, match="corrupt"):
         numpy_plugin.import_network(data[: len(data) - 100] + b"\xff" * 7)
+
+
+def _constant_model(consumer_domain: str):
+    from onnx import TensorProto, helper
+
+    consumer = (
+        helper.make_node("Scale", ["x", "c"], ["y"], name="consumer", domain="com.example")
+        if consumer_domain
+        else helper.make_node("Add", ["x", "c"], ["y"], name="consumer")
+    )
+    graph = helper.make_graph(
+        [
+            helper.make_node(
+                "Constant",
+                [],
+                ["c"],
+                name="const",
+                value=helper.make_tensor("v", TensorProto.FLOAT, [1], [2.0]),
+            ),
+            consumer,
+            helper.make_node("Relu", ["x"], ["z"], name="other"),
+        ],
+        "housekeeping",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])],
+        [
+            helper.make_tensor_value_info("y", TensorProto.FLOAT, [3]),
+            helper.make_tensor_value_info("z", TensorProto.FLOAT, [3]),
+        ],
+    )
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.example", 1)]
+    return helper.make_model(graph, opset_imports=opsets)
+
+
+@pytest.mark.parametrize("transformations", ["YES", "NO"])
+def test_query_housekeeping_constants_follow_their_reader(numpy_plugin, transformations):
+    config = {"DISABLE_TRANSFORMATIONS": "NO" if transformations == "YES" else "YES"}
+    assert set(numpy_plugin.query_network(_constant_model(""), config)) == {
+        "const",
+        "consumer",
+        "other",
+    }
+    # the Constant's only reader is unsupported: the Constant is pruned, not left alone
+    assert set(numpy_plugin.query_network(_constant_model("com.example"), config)) == {"other"}

@@ -134,6 +134,8 @@ class NumpyPlugin(Plugin):
             target.update(n for n in node.fused_names if n in original_names)
         # 4. a node is supported only if everything made from it is
         supported -= unsupported
+        # 5./6. housekeeping: a Constant goes with the first node that reads it
+        _housekeeping(original, supported)
         return {name: self.name for name in sorted(supported)}
 
     def unsupported_nodes(
@@ -217,6 +219,24 @@ class NumpyPlugin(Plugin):
         if name == "SUPPORTED_OPS":
             return [f"{d}::{op}" if d else op for d, op in self.registry.ops()]
         return super()._metric(name, options)
+
+
+def _housekeeping(graph: Graph, supported: set[str]) -> None:
+    """The seed's steps 5 and 6 for ONNX: Constant nodes are the housekeeping nodes.
+
+    A Constant read by a supported node is supported (added if a pass had dropped it); one whose
+    first reader is not supported is pruned, so no device is handed a subgraph made of
+    constants only.
+    """
+    users = graph.consumers()
+    for node in graph.nodes:
+        if node.op_type != "Constant" or node.domain:
+            continue
+        readers = users.get(node.outputs[0], [])
+        if readers and readers[0].name in supported:
+            supported.add(node.name)
+        elif readers:
+            supported.discard(node.name)
 
 
 def _spec(name: str) -> Any:

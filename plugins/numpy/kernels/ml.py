@@ -130,6 +130,56 @@ def array_feature_extractor(ctx: KernelContext):
 _LEQ, _LT, _GTE, _GT, _EQ, _NEQ, _MEMBER = range(7)
 
 
+class _Trees:
+    """Decision nodes as flat arrays; :meth:`walk` moves every (sample, tree) pair one level
+    per iteration until all have reached a leaf."""
+
+    def __init__(
+        self, features, splits, modes, true_next, false_next, true_leaf, false_leaf, missing_true
+    ):
+        self.features = features
+        self.splits = splits
+        self.modes = modes
+        self.true_next = true_next
+        self.false_next = false_next
+        self.true_leaf = true_leaf
+        self.false_leaf = false_leaf
+        self.missing_true = missing_true
+        self.members: dict[int, np.ndarray] = {}
+
+    def walk(self, x2, roots, root_is_leaf, root_leaf):
+        """Leaf index reached by each sample in each tree: (n_samples, n_trees)."""
+        n = x2.shape[0]
+        node = np.broadcast_to(roots, (n, len(roots))).copy()
+        leaf = np.full(node.shape, -1, dtype=np.int64)
+        leaf[:, root_is_leaf] = root_leaf[root_is_leaf]
+        active = np.broadcast_to(~root_is_leaf, node.shape).copy()
+        rows = np.broadcast_to(np.arange(n)[:, None], node.shape)
+        while active.any():
+            r = rows[active]
+            nd = node[active]
+            v = x2[r, self.features[nd]]
+            s = self.splits[nd]
+            m = self.modes[nd]
+            cond = np.select(
+                [m == _LEQ, m == _LT, m == _GTE, m == _GT, m == _EQ, m == _NEQ],
+                [v <= s, v < s, v >= s, v > s, v == s, v != s],
+                False,
+            )
+            for member_node, group in self.members.items():
+                hit = nd == member_node
+                if hit.any():
+                    cond[hit] = np.isin(v[hit], group)
+            cond |= self.missing_true[nd] & np.isnan(v)
+            nxt = np.where(cond, self.true_next[nd], self.false_next[nd])
+            is_leaf = np.where(cond, self.true_leaf[nd], self.false_leaf[nd])
+            idx = np.flatnonzero(active.ravel())
+            leaf.ravel()[idx[is_leaf]] = nxt[is_leaf]
+            node.ravel()[idx] = nxt
+            active.ravel()[idx[is_leaf]] = False
+        return leaf
+
+
 @register("TreeEnsemble", 5, domain=_ML)
 def tree_ensemble(ctx: KernelContext):
     """All (sample, tree) pairs walk their trees together, one level per loop iteration."""
@@ -163,37 +213,14 @@ def tree_ensemble(ctx: KernelContext):
         for node, group in zip(np.flatnonzero(modes == _MEMBER), groups):
             members[int(node)] = group[~np.isnan(group)]
     root_is_leaf = true_leaf[roots] & false_leaf[roots] & (true_ids[roots] == false_ids[roots])
+    trees = _Trees(
+        features, splits, modes, true_ids, false_ids, true_leaf, false_leaf, missing_true
+    )
+    trees.members = members
 
     def run(x):
         n = x.shape[0]
-        x2 = x.reshape(n, -1)
-        node = np.broadcast_to(roots, (n, len(roots))).copy()
-        leaf = np.full(node.shape, -1, dtype=np.int64)
-        leaf[:, root_is_leaf] = true_ids[roots[root_is_leaf]]
-        active = np.broadcast_to(~root_is_leaf, node.shape).copy()
-        rows = np.broadcast_to(np.arange(n)[:, None], node.shape)
-        while active.any():
-            r = rows[active]
-            nd = node[active]
-            v = x2[r, features[nd]]
-            s = splits[nd]
-            m = modes[nd]
-            cond = np.select(
-                [m == _LEQ, m == _LT, m == _GTE, m == _GT, m == _EQ, m == _NEQ],
-                [v <= s, v < s, v >= s, v > s, v == s, v != s],
-                False,
-            )
-            for member_node, group in members.items():
-                hit = nd == member_node
-                if hit.any():
-                    cond[hit] = np.isin(v[hit], group)
-            cond |= missing_true[nd] & np.isnan(v)
-            nxt = np.where(cond, true_ids[nd], false_ids[nd])
-            is_leaf = np.where(cond, true_leaf[nd], false_leaf[nd])
-            idx = np.flatnonzero(active.ravel())
-            leaf.ravel()[idx[is_leaf]] = nxt[is_leaf]
-            node.ravel()[idx] = nxt
-            active.ravel()[idx[is_leaf]] = False
+        leaf = trees.walk(x.reshape(n, -1), roots, root_is_leaf, true_ids[roots])
         weights = leaf_weights[leaf].astype(x.dtype)
         targets = leaf_targets[leaf]
         r = np.broadcast_to(np.arange(n)[:, None], leaf.shape)
@@ -228,3 +255,160 @@ def _post_transform(out, post):
         total = e.sum(axis=1, keepdims=True)
         return (e / np.where(total == 0, 1, total)).astype(out.dtype)
     return out
+
+
+_BRANCH_MODES = {
+    "BRANCH_LEQ": _LEQ,
+    "BRANCH_LT": _LT,
+    "BRANCH_GTE": _GTE,
+    "BRANCH_GT": _GT,
+    "BRANCH_EQ": _EQ,
+    "BRANCH_NEQ": _NEQ,
+    "LEAF": -1,
+}
+_POST = {"NONE": 0, "SOFTMAX": 1, "LOGISTIC": 2, "SOFTMAX_ZERO": 3}
+
+
+@register("TreeEnsembleRegressor", 1, 3, domain=_ML)
+def tree_ensemble_regressor(ctx: KernelContext):
+    """The pre-opset-5 encoding: nodes addressed by (tree id, node id), leaves are nodes with
+    mode LEAF, and a leaf may feed several targets. Leaves are folded into one dense
+    (leaf, target) weight table so aggregation is a gather and a sum."""
+    modes = [_BRANCH_MODES.get(m) for m in ctx.attr("nodes_modes")]
+    if None in modes:
+        raise ctx.unsupported("unknown node mode")
+    aggregate = ctx.attr("aggregate_function", "SUM")
+    if aggregate not in ("SUM", "AVERAGE"):
+        raise ctx.unsupported(f"aggregate_function {aggregate!r}")
+    post = _POST.get(ctx.attr("post_transform", "NONE"))
+    if post is None:
+        raise ctx.unsupported(f"post_transform {ctx.attr('post_transform')!r}")
+    tree_ids = list(ctx.attr("nodes_treeids"))
+    node_ids = list(ctx.attr("nodes_nodeids"))
+    index = {(t, n): i for i, (t, n) in enumerate(zip(tree_ids, node_ids))}
+    if ctx.has_attr("nodes_values_as_tensor"):
+        splits = np.asarray(ctx.attr("nodes_values_as_tensor")).ravel()
+    else:
+        splits = np.asarray(ctx.attr("nodes_values", [0.0] * len(modes)), dtype=np.float32)
+    modes_arr = np.asarray(modes, dtype=np.int64)
+    is_leaf = modes_arr < 0
+
+    def child(attr):
+        ids = list(ctx.attr(attr, [0] * len(modes)))
+        return np.array(
+            [
+                index.get((t, c), i) if not leaf else i
+                for i, (t, c, leaf) in enumerate(zip(tree_ids, ids, is_leaf))
+            ],
+            dtype=np.int64,
+        )
+
+    true_next, false_next = child("nodes_truenodeids"), child("nodes_falsenodeids")
+    missing = ctx.attr("nodes_missing_value_tracks_true", None)
+    missing_true = np.asarray(missing, dtype=bool) if missing else np.zeros(len(modes), dtype=bool)
+    trees = _Trees(
+        np.asarray(ctx.attr("nodes_featureids"), dtype=np.int64),
+        splits,
+        modes_arr,
+        true_next,
+        false_next,
+        is_leaf[true_next],
+        is_leaf[false_next],
+        missing_true,
+    )
+    n_targets = int(ctx.attr("n_targets", 1))
+    table = np.zeros((len(modes), n_targets))
+    if ctx.has_attr("target_weights_as_tensor"):
+        target_weights = np.asarray(ctx.attr("target_weights_as_tensor")).ravel().tolist()
+    else:
+        target_weights = list(ctx.attr("target_weights", []) or [])
+    for t, nd, target, w in zip(
+        ctx.attr("target_treeids", []),
+        ctx.attr("target_nodeids", []),
+        ctx.attr("target_ids", []),
+        target_weights,
+    ):
+        table[index[(t, nd)], target] += w
+    first: dict[int, int] = {}  # a tree's root is its first node in the lists
+    for i, t in enumerate(tree_ids):
+        first.setdefault(t, i)
+    roots = np.array(list(first.values()), dtype=np.int64)
+    if ctx.has_attr("base_values_as_tensor"):
+        base = np.asarray(ctx.attr("base_values_as_tensor"), dtype=np.float64).ravel()
+    else:
+        base = np.asarray(ctx.attr("base_values", []) or [0.0] * n_targets, dtype=np.float64)
+    scale = 1.0 / len(roots) if aggregate == "AVERAGE" else 1.0
+    root_leaf = is_leaf[roots]
+
+    def run(x):
+        n = x.shape[0]
+        leaf = trees.walk(x.reshape(n, -1), roots, root_leaf, roots)
+        out = table[leaf].sum(axis=1) * scale + base
+        return _post_transform(out.astype(np.float32), post)
+
+    return run
+
+
+@register("Scaler", 1, domain=_ML)
+def scaler(ctx: KernelContext):
+    offset = np.asarray(ctx.attr("offset", [0.0]), dtype=np.float32)
+    scale = np.asarray(ctx.attr("scale", [1.0]), dtype=np.float32)
+
+    def run(x):
+        return ((x.astype(np.float32, copy=False) - offset) * scale).astype(np.float32)
+
+    return run
+
+
+@register("Normalizer", 1, domain=_ML)
+def normalizer(ctx: KernelContext):
+    norm = ctx.attr("norm", "MAX")
+    if norm not in ("MAX", "L1", "L2"):
+        raise ctx.unsupported(f"norm {norm!r}")
+
+    def run(x):
+        x = x.astype(np.float32, copy=False)
+        if norm == "MAX":
+            d = np.max(x, axis=-1, keepdims=True)
+        elif norm == "L1":
+            d = np.sum(np.abs(x), axis=-1, keepdims=True)
+        else:
+            d = np.sqrt(np.sum(x * x, axis=-1, keepdims=True))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return (x / d).astype(np.float32)
+
+    return run
+
+
+@register("LinearRegressor", 1, domain=_ML)
+def linear_regressor(ctx: KernelContext):
+    targets = int(ctx.attr("targets", 1))
+    coef = np.asarray(ctx.attr("coefficients"), dtype=np.float32).reshape(targets, -1)
+    intercepts = np.asarray(ctx.attr("intercepts", [0.0] * targets), dtype=np.float32)
+    post = _POST.get(ctx.attr("post_transform", "NONE"))
+    if post is None:
+        raise ctx.unsupported(f"post_transform {ctx.attr('post_transform')!r}")
+
+    def run(x):
+        x2 = x.reshape(x.shape[0] if x.ndim > 1 else 1, -1).astype(np.float32, copy=False)
+        return _post_transform(x2 @ coef.T + intercepts, post)
+
+    return run
+
+
+@register("Imputer", 1, domain=_ML)
+def imputer(ctx: KernelContext):
+    """Replace ``replaced_value_*`` (NaN by default for floats) with per-feature values."""
+    if ctx.has_attr("imputed_value_int64s"):
+        values = np.asarray(ctx.attr("imputed_value_int64s"), dtype=np.int64)
+        missing = int(ctx.attr("replaced_value_int64", 0))
+    else:
+        values = np.asarray(ctx.attr("imputed_value_floats"), dtype=np.float32)
+        missing = float(ctx.attr("replaced_value_float", 0.0))
+
+    def run(x):
+        hit = np.isnan(x) if isinstance(missing, float) and np.isnan(missing) else x == missing
+        fill = np.broadcast_to(values if values.size > 1 else values[0], x.shape)
+        return np.where(hit, fill, x).astype(x.dtype)
+
+    return run

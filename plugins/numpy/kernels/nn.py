@@ -87,6 +87,7 @@ class ConvSpec:
         if self.pads is not None and any(p < 0 for p in self.pads):
             raise ctx.unsupported(f"negative pads {self.pads}")
         self._cache: dict[tuple, tuple] = {}
+        self.plans: dict[tuple, object] = {}  # per-shape plans of the op using this spec
 
     def resolve(self, spatial: Sequence[int], kernel: Sequence[int] | None = None):
         kernel = tuple(kernel if kernel is not None else self.kernel)
@@ -201,6 +202,101 @@ def pack_conv_weight(w: np.ndarray, groups: int, dtype: np.dtype) -> np.ndarray:
     return np.ascontiguousarray(w.reshape(groups, m // groups, -1), dtype=dtype)
 
 
+class _ConvPlan:
+    """How one input shape is convolved: padding, the column layout and the output shape."""
+
+    __slots__ = (
+        "cols_shape",
+        "interior",
+        "mode",
+        "out_sp",
+        "padded",
+        "trim",
+        "view_shape",
+        "view_strides",
+        "wide",
+    )
+
+
+def _conv_plan(spec: ConvSpec, shape: tuple, kernel: tuple, groups: int, itemsize: int):
+    n, c = shape[:2]
+    spatial = shape[2:]
+    out_sp, begin, end, strides, dil = spec.resolve(spatial, kernel)
+    plan = _ConvPlan()
+    plan.out_sp = out_sp
+    spans = [(k - 1) * d + 1 for k, d in zip(kernel, dil)]
+    # Pad the end only as far as the windows reach; a reach short of the data trims it.
+    reach = [_reach(o, s, sp) - size - b for o, s, sp, size, b in zip(out_sp, strides, spans, spatial, begin)]
+    plan.trim = None
+    if any(r < 0 for r in reach):
+        plan.trim = (Ellipsis,) + tuple(
+            slice(0, size + min(r, 0)) for size, r in zip(spatial, reach)
+        )
+        spatial = tuple(size + min(r, 0) for size, r in zip(spatial, reach))
+    end = [max(r, 0) for r in reach]
+    padded = [size + b + e for size, b, e in zip(spatial, begin, end)]
+    ksize = math.prod(kernel)
+    length = math.prod(out_sp)
+    unit = all(s == 1 for s in strides)
+    # "Wide" columns (2-D): the padded image is split into stride phases (one phase when the
+    # stride is 1), each stored with a common row width, so every tap's column row is ONE
+    # contiguous run of a phase and the copy is a few long memcpys instead of a gather with a
+    # strided inner loop. The GEMM then also computes (row width - out width) junk columns per
+    # output row, dropped when the bias is added.
+    sh, sw = (strides + (1, 1))[:2]
+    hq, wq = (-(-padded[0] // sh), -(-padded[1] // sw)) if len(padded) == 2 else (0, 0)
+    wide = len(spatial) == 2 and ksize > 1 and (wq - out_sp[1]) * 8 <= out_sp[1]
+    copy = any(begin) or any(end) or plan.trim is not None
+    plan.padded = (n, c) + tuple(padded) if copy and not wide else None
+    plan.interior = (Ellipsis,) + tuple(slice(b, b + size) for b, size in zip(begin, spatial))
+    plan.wide = None
+    if ksize == 1 and unit:
+        plan.mode = "pointwise"
+        plan.cols_shape = (n, groups, c // groups, length)
+    elif ksize == 1:
+        plan.mode = "pointwise_strided"
+        plan.cols_shape = (n, groups, c // groups, length)
+    elif wide:
+        plan.mode = "wide"
+        run = out_sp[0] * wq
+        plan.padded = (sh, sw, n, c, hq + 1, wq)  # + 1 slack row for the last taps' runs
+        fills = []
+        for ph, pw in itertools.product(range(sh), range(sw)):
+            src, dst = [], []
+            for phase, stride, pad, size in ((ph, sh, begin[0], spatial[0]), (pw, sw, begin[1], spatial[1])):
+                first = (phase - pad) % stride  # first input index landing in this phase
+                count = len(range(first, size, stride))
+                start = (first + pad) // stride
+                src.append(slice(first, size, stride))
+                dst.append(slice(start, start + count))
+            if all(d.stop > d.start for d in dst):
+                fills.append(((ph, pw, Ellipsis, *dst), (Ellipsis, *src)))
+        taps = []
+        for i, j in itertools.product(range(kernel[0]), range(kernel[1])):
+            oi, oj = i * dil[0], j * dil[1]
+            taps.append((i, j, oi % sh, oj % sw, (oi // sh) * wq + oj // sw))
+        plan.interior = fills
+        plan.wide = (wq, run, taps)
+        plan.view_shape = (n, c) + tuple(kernel) + (run,)
+        size = (hq + 1) * wq
+        plan.view_strides = tuple(v * itemsize for v in (c * size, size, dil[0] * wq, dil[1], 1))
+        plan.cols_shape = (n, groups, (c // groups) * ksize, run)
+    else:
+        plan.mode = "im2col"
+        st = [math.prod(padded[i + 1 :]) for i in range(len(padded))]
+        plan.view_shape = (n, c) + tuple(kernel) + tuple(out_sp)
+        plan.view_strides = tuple(
+            v * itemsize
+            for v in (
+                (c * math.prod(padded), math.prod(padded))
+                + tuple(a * d for a, d in zip(st, dil))
+                + tuple(a * s for a, s in zip(st, strides))
+            )
+        )
+        plan.cols_shape = (n, groups, (c // groups) * ksize, length)
+    return plan
+
+
 def conv_forward(
     spec: ConvSpec,
     groups: int,
@@ -216,35 +312,40 @@ def conv_forward(
     ``(C, mult, prod(k))`` when the node is depthwise (groups == C, one input channel each).
     Returns a fresh array ``(N, M, *out)``.
     """
-    n, c = x.shape[:2]
-    out_sp, begin, end, strides, dilations = spec.resolve(x.shape[2:], kernel)
-    m = packed.shape[0] * packed.shape[1]
-    spans = [(k - 1) * d + 1 for k, d in zip(kernel, dilations)]
-    # Pad only as far as the windows reach (ceil-free Conv never reaches past `end`).
-    end = tuple(
-        _reach(o, s, sp) - size - b
-        for o, s, sp, size, b in zip(out_sp, strides, spans, x.shape[2:], begin)
-    )
-    trim = tuple(slice(0, size + min(e, 0)) for size, e in zip(x.shape[2:], end))
-    if any(e < 0 for e in end):
-        x = x[(Ellipsis,) + trim]
-    xp = _pad(x, begin, tuple(max(e, 0) for e in end))
-    length = math.prod(out_sp)
-
-    if depthwise is not None:
-        return _depthwise(xp, depthwise, kernel, out_sp, strides, dilations, bias)
-
-    ksize = math.prod(kernel)
-    if ksize == 1 and all(s == 1 for s in strides):
-        cols = xp.reshape(n, groups, c // groups, length)
-    elif ksize == 1:
-        cols = np.ascontiguousarray(xp[(Ellipsis,) + tuple(slice(None, None, s) for s in strides)])
-        cols = cols.reshape(n, groups, c // groups, length)
+    key = (x.shape, kernel, x.dtype)
+    plan = spec.plans.get(key)
+    if plan is None:
+        plan = spec.plans[key] = _conv_plan(spec, x.shape, kernel, groups, x.dtype.itemsize)
+    if plan.trim is not None:
+        x = x[plan.trim]
+    if plan.wide is not None:
+        return _conv_wide(plan, x, packed, groups, bias)
+    if plan.padded is not None:
+        xp = np.zeros(plan.padded, x.dtype)
+        xp[plan.interior] = x
+    elif x.flags.c_contiguous:
+        xp = x
     else:
-        view = window_view(xp, kernel, out_sp, strides, dilations)
-        cols = np.empty((n, c * ksize, length), xp.dtype)
-        np.copyto(cols.reshape(view.shape), view)
-        cols = cols.reshape(n, groups, (c // groups) * ksize, length)
+        xp = np.ascontiguousarray(x)  # the column views assume C order
+    n = x.shape[0]
+    m = packed.shape[0] * packed.shape[1]
+    out_sp = plan.out_sp
+    if depthwise is not None:
+        _, _, _, strides, dil = spec.resolve(x.shape[2:], kernel)
+        return _depthwise(xp, depthwise, kernel, out_sp, strides, dil, bias)
+
+    mode = plan.mode
+    if mode == "pointwise":
+        cols = xp.reshape(plan.cols_shape)
+    elif mode == "pointwise_strided":
+        _, _, _, strides, _ = spec.resolve(x.shape[2:], kernel)
+        sub = xp[(Ellipsis,) + tuple(slice(None, None, s) for s in strides)]
+        cols = np.ascontiguousarray(sub).reshape(plan.cols_shape)
+    else:
+        view = as_strided(xp, plan.view_shape, plan.view_strides, writeable=False)
+        cols = np.empty(plan.view_shape, xp.dtype)
+        np.copyto(cols, view)
+        cols = cols.reshape(plan.cols_shape)
 
     if groups == 1 and n == 1:
         y = np.matmul(packed[0], cols[0, 0])
@@ -252,10 +353,45 @@ def conv_forward(
         y = np.matmul(packed[0], cols[:, 0])
     else:
         y = np.matmul(packed, cols)
-    y = y.reshape(n, m, length)
+
+    y = y.reshape(n, m, -1)
     if bias is not None:
         y += bias[:, None]
     return y.reshape((n, m) + tuple(out_sp))
+
+
+def _conv_wide(plan, x, packed, groups, bias):
+    """The "wide" im2col path of :func:`_conv_plan` (2-D convs, any stride)."""
+    phases = np.zeros(plan.padded, x.dtype)
+    for dst, src in plan.interior:
+        phases[dst] = x[src]
+    wq, run, taps = plan.wide
+    n = x.shape[0]
+    if len(taps) and phases.shape[0] * phases.shape[1] == 1:
+        view = as_strided(phases, plan.view_shape, plan.view_strides, writeable=False)
+        cols = np.empty(plan.view_shape, x.dtype)
+        np.copyto(cols, view)
+    else:
+        flat = phases.reshape(phases.shape[:4] + (-1,))
+        cols = np.empty(plan.view_shape, x.dtype)
+        for i, j, ph, pw, off in taps:
+            cols[:, :, i, j] = flat[ph, pw, :, :, off : off + run]
+    cols = cols.reshape(plan.cols_shape)
+    if groups == 1 and n == 1:
+        y = np.matmul(packed[0], cols[0, 0])
+    elif groups == 1:
+        y = np.matmul(packed[0], cols[:, 0])
+    else:
+        y = np.matmul(packed, cols)
+    m = packed.shape[0] * packed.shape[1]
+    out_sp = plan.out_sp
+    valid = y.reshape((n, m, out_sp[0], wq))[..., : out_sp[1]]
+    out = np.empty((n, m) + tuple(out_sp), y.dtype)
+    if bias is not None:
+        np.add(valid, bias.reshape(m, 1, 1), out=out)
+    else:
+        np.copyto(out, valid)
+    return out
 
 
 def _depthwise(xp, weights, kernel, out_sp, strides, dilations, bias):
@@ -502,6 +638,32 @@ def _window_counts(spatial, out, begin, end, kernel, strides, dil, include_pad) 
     return result
 
 
+def _clipped_taps(spec: ConvSpec, shape: tuple, kernel: tuple):
+    """Per kernel offset, (output slices, input slices) of the windows that offset hits
+    inside the data: pooling without materialising a padded copy. Cached per shape."""
+    key = (shape, kernel)
+    hit = spec.plans.get(key)
+    if hit is not None:
+        return hit
+    out, begin, _, strides, dil = spec.resolve(shape[2:], kernel)
+    taps = []
+    for offset in itertools.product(*(range(k) for k in kernel)):
+        dst, src = [Ellipsis], [Ellipsis]
+        for size, o, b, k, s, d in zip(shape[2:], out, begin, offset, strides, dil):
+            shift = k * d - b  # input position of output 0
+            lo = max(0, -(shift // s))  # first output whose input position is >= 0
+            hi = min(o - 1, (size - 1 - shift) // s)
+            if hi < lo:
+                break
+            dst.append(slice(lo, hi + 1))
+            first = lo * s + shift
+            src.append(slice(first, first + (hi - lo) * s + 1, s))
+        else:
+            taps.append((tuple(dst), tuple(src)))
+    hit = spec.plans[key] = (out, taps)
+    return hit
+
+
 @register("MaxPool", 1, 8, 10, 11, 12, 22, multi_output=True)
 def max_pool(ctx: KernelContext):
     """MaxPool; the Indices output (flat index into the input, row- or column-major spatial
@@ -516,14 +678,14 @@ def max_pool(ctx: KernelContext):
         return -np.inf if dtype.kind == "f" else np.iinfo(dtype).min
 
     def run(x):
+        if not want_indices:
+            out, taps = _clipped_taps(spec, x.shape, kernel)
+            y = np.full(x.shape[:2] + out, fill_value(x.dtype), x.dtype)
+            for dst, src in taps:
+                np.maximum(y[dst], x[src], out=y[dst])
+            return (y,)
         xp, out, begin, _, strides, dil = _pool_setup(spec, x, kernel, fill_value(x.dtype))
         taps = _tap_views(xp, kernel, out, strides, dil)
-        if not want_indices:
-            _, first = next(taps)
-            y = first.copy()
-            for _, tap in taps:
-                np.maximum(y, tap, out=y)
-            return (y,)
         _, first = next(taps)
         y = first.copy()
         best = np.zeros(y.shape, np.int64)
@@ -568,16 +730,15 @@ def average_pool(ctx: KernelContext):
 
     def run(x):
         c = _compute_dtype(x.dtype)
-        xp, out, begin, end, strides, dil = _pool_setup(spec, x.astype(c, copy=False), kernel, 0)
-        y = None
-        for _, tap in _tap_views(xp, kernel, out, strides, dil):
-            if y is None:
-                y = tap.copy()
-            else:
-                y += tap
+        xc = x.astype(c, copy=False)
+        out, taps = _clipped_taps(spec, x.shape, kernel)
+        y = np.zeros(x.shape[:2] + out, c)
+        for dst, src in taps:
+            y[dst] += xc[src]
         key = x.shape[2:]
         div = divisors.get(key)
         if div is None:
+            _, begin, end, strides, dil = spec.resolve(x.shape[2:], kernel)
             counts = _window_counts(x.shape[2:], out, begin, end, kernel, strides, dil, include_pad)
             div = divisors[key] = (1.0 / np.maximum(counts, 1)).astype(c)
         y *= div
@@ -598,13 +759,10 @@ def lp_pool(ctx: KernelContext):
         c = _compute_dtype(x.dtype)
         xa = np.abs(x.astype(c, copy=False))
         powered = xa * xa if p == 2 else xa**p
-        xp, out, _, _, strides, dil = _pool_setup(spec, powered, kernel, 0)
-        y = None
-        for _, tap in _tap_views(xp, kernel, out, strides, dil):
-            if y is None:
-                y = tap.copy()
-            else:
-                y += tap
+        out, taps = _clipped_taps(spec, x.shape, kernel)
+        y = np.zeros(x.shape[:2] + out, powered.dtype)
+        for dst, src in taps:
+            y[dst] += powered[src]
         y = np.sqrt(y) if p == 2 else y ** (1.0 / p)
         return y.astype(x.dtype, copy=False)
 

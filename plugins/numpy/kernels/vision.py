@@ -1,10 +1,14 @@
 """Image ops: resize, grid sampling, RoI align, non-max suppression, and friends.
 
 Resize is separable: every resized axis maps each output index to a few source taps with
-weights, decided once per (input shape, scales/sizes, roi) and cached. Nearest gathers all
-resized axes in one fancy-index; linear and cubic apply one axis at a time, either as a small
-dense interpolation matrix through BLAS (short axes, the common NCHW feature-map case) or as a
-weighted sum of gathered taps (long axes, where a dense matrix would waste work).
+weights, decided once per (input shape, scales/sizes, roi) and cached. Nearest is a basic slice
+when the taps form a progression (integer downsampling), else one fancy index over the resized
+axes. Linear and cubic apply one axis at a time, shrinking axes first: integer factors with
+constant per-phase weights (half_pixel 2x and the like) use strided slices; other short axes a
+small dense interpolation matrix through BLAS; other long axes a weighted sum of gathered taps.
+
+Opset-10 Resize and Upsample have no coordinate attributes: they use ``asymmetric`` and, for
+nearest, onnxruntime's rule (floor when upsampling, ceil when downsampling).
 """
 
 from __future__ import annotations
@@ -190,7 +194,11 @@ class _ResizePlan:
         self.fill = cfg.extrapolation
         self.steps = []  # (axis, indices, weights or dense matrix, extrapolation mask)
         self.empty = 0 in self.out_shape
-        for a in axes:
+        # Interpolation is separable and the axes commute: shrink first and grow last so the
+        # passes touch as little data as possible; on ties do the last (slowest, strided)
+        # axis while the tensor is smallest.
+        order = sorted(axes, key=lambda a: (out_full[a] / max(shape[a], 1), a != len(shape) - 1))
+        for a in order:
             if self.empty:
                 break
             if out_full[a] == shape[a] and scale_full[a] == 1.0 and lo[a] == 0.0 and hi[a] == 1.0:
@@ -200,16 +208,17 @@ class _ResizePlan:
                 self.steps.append((a, idx[:, 0], None, mask))
                 continue
             n = idx.shape[1]
-            if shape[a] <= 64 * n:
+            last = a == len(shape) - 1
+            periodic = _Periodic.detect(idx, w, shape[a], self.compute)
+            if periodic is not None and not (last and shape[a] <= 64 * n):
+                # strided slices beat everything except a GEMM over a short last axis
+                self.steps.append((a, periodic, None, mask))
+            elif shape[a] <= 64 * n:
                 dense = np.zeros((out_full[a], shape[a]), dtype=np.float64)
                 np.add.at(dense, (np.repeat(np.arange(out_full[a]), n), idx.ravel()), w.ravel())
                 self.steps.append((a, None, dense.astype(self.compute), mask))
             else:
-                periodic = _Periodic.detect(idx, w, shape[a], self.compute)
-                if periodic is not None:
-                    self.steps.append((a, periodic, None, mask))
-                else:
-                    self.steps.append((a, idx, w.astype(self.compute), mask))
+                self.steps.append((a, idx, w.astype(self.compute), mask))
         self.ndim = len(shape)
         self._nearest_index = None
         self._copy = False
@@ -273,17 +282,23 @@ class _Periodic:
     """Taps that repeat with a fixed period: integer-factor up- or downsampling.
 
     Output index ``k * out_step + p`` reads source ``k * in_step + offset`` for each tap of
-    phase ``p``, with the same weight for every k (edge taps clamp). The axis is then
-    computed from strided slices of an edge-padded copy, with no gathers.
+    phase ``p``, with the same weight for every k. The interior is computed from strided
+    slices (no gathers, no padded copy: fresh large temporaries cost page faults); only the
+    few edge outputs whose taps clamp go through a gather.
     """
 
-    def __init__(self, out_step, in_step, phases, pad_lo, pad_hi, count):
+    def __init__(self, out_step, in_step, phases, in_size, count):
         self.out_step = out_step
         self.in_step = in_step
-        self.phases = phases  # per phase: [(offset, weight), ...]
-        self.pad_lo = pad_lo
-        self.pad_hi = pad_hi
         self.count = count  # outputs per phase
+        self.in_size = in_size
+        self.phases = []  # per phase: (taps, interior k range, edge ks)
+        for taps in phases:
+            # k * in_step + off must lie in [0, in_size - 1] for every tap
+            k_lo = max(0, *(-(off // in_step) for off, _ in taps))
+            k_hi = min(count - 1, *((in_size - 1 - off) // in_step for off, _ in taps))
+            edges = np.array([k for k in range(count) if k < k_lo or k > k_hi], dtype=np.intp)
+            self.phases.append((taps, k_lo, k_hi, edges))
 
     @classmethod
     def detect(cls, idx, w, in_size, dtype):
@@ -298,7 +313,6 @@ class _Periodic:
         k = np.arange(count) * in_step
         mid = count // 2
         phases = []
-        lo = hi = 0
         for p in range(out_step):
             rows, weights = idx[p::out_step], w[p::out_step]
             taps = []
@@ -311,37 +325,31 @@ class _Periodic:
                 off = int(rows[mid, j] - k[mid])
                 if not np.array_equal(rows[:, j], np.clip(k + off, 0, in_size - 1)):
                     return None
-                lo = max(lo, -off)
-                hi = max(hi, int(k[-1]) + off - (in_size - 1))
                 taps.append((off, dtype(col[mid])))
             if not taps:
                 return None
             phases.append(taps)
-        return cls(out_step, in_step, phases, lo, hi, count)
+        return cls(out_step, in_step, phases, in_size, count)
 
     def apply(self, y, a):
-        if self.pad_lo or self.pad_hi:
-            parts = []
-            if self.pad_lo:
-                edge = np.take(y, [0], axis=a)
-                parts.append(np.repeat(edge, self.pad_lo, axis=a))
-            parts.append(y)
-            if self.pad_hi:
-                edge = np.take(y, [y.shape[a] - 1], axis=a)
-                parts.append(np.repeat(edge, self.pad_hi, axis=a))
-            y = np.concatenate(parts, axis=a)
         lead = (slice(None),) * a
-        out = np.empty((*y.shape[:a], self.count * self.out_step, *y.shape[a + 1 :]), dtype=y.dtype)
-        span = self.in_step * (self.count - 1) + 1
-        for p, taps in enumerate(self.phases):
-            dst = out[lead + (slice(p, None, self.out_step),)]
-            for j, (off, weight) in enumerate(taps):
-                start = self.pad_lo + off
-                src = y[lead + (slice(start, start + span, self.in_step),)]
-                if j == 0:
-                    np.multiply(src, weight, out=dst)
-                else:
-                    dst += src * weight
+        step, ins = self.out_step, self.in_step
+        out = np.empty((*y.shape[:a], self.count * step, *y.shape[a + 1 :]), dtype=y.dtype)
+        for p, (taps, k_lo, k_hi, edges) in enumerate(self.phases):
+            if k_hi >= k_lo:
+                dst = out[(*lead, slice(p + k_lo * step, p + k_hi * step + 1, step))]
+                for j, (off, weight) in enumerate(taps):
+                    src = y[(*lead, slice(k_lo * ins + off, k_hi * ins + off + 1, ins))]
+                    if j == 0:
+                        np.multiply(src, weight, out=dst)
+                    else:
+                        dst += src * weight
+            if edges.size:
+                acc = None
+                for off, weight in taps:
+                    src = np.take(y, np.clip(edges * ins + off, 0, self.in_size - 1), axis=a)
+                    acc = src * weight if acc is None else acc + src * weight
+                out[(*lead, p + edges * step)] = acc
         return out
 
 

@@ -1,0 +1,290 @@
+"""The user verbs of the ``plugserve`` command, against a running server.
+
+    plugserve devices | metric DEVICE NAME | config DEVICE [KEY[=VALUE]...] | list
+    plugserve load NAME MODEL.onnx [--device D] [--config K=V] [--persist] | unload NAME
+    plugserve query MODEL.onnx --device D | infer NAME [--input x=file.npy] [--output-dir DIR]
+    plugserve export NAME FILE | import NAME FILE --device D
+
+``--target`` (env ``PLUGSERVE_TARGET``, default 127.0.0.1:8001) picks the server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from plugserve.client.client import DEFAULT_TARGET, Client
+
+__all__ = ["VERBS", "run"]
+
+
+@contextlib.contextmanager
+def progress(label: str) -> Iterator[None]:
+    """An elapsed-time ticker on stderr while a long call runs (a final line when not a tty)."""
+    stop = threading.Event()
+    start = time.monotonic()
+    tty = sys.stderr.isatty()
+
+    def tick() -> None:
+        while not stop.wait(0.25):
+            sys.stderr.write(f"\r{label} ... {time.monotonic() - start:.1f} s")
+            sys.stderr.flush()
+
+    thread = threading.Thread(target=tick, daemon=True)
+    if tty:
+        thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        if tty:
+            thread.join()
+            sys.stderr.write("\r")
+        sys.stderr.write(f"{label}: done in {time.monotonic() - start:.1f} s\n")
+
+
+def _config(items: Sequence[str]) -> dict[str, str]:
+    config = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"plugserve: --config {item!r}: expected KEY=VALUE")
+        config[key] = value
+    return config
+
+
+def _table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(str(h).ljust(w) for h, w in zip(header, widths))]
+    lines += ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)) for row in rows]
+    return "\n".join(lines)
+
+
+def _devices(client: Client, args: argparse.Namespace) -> int:
+    rows = [
+        [
+            d.name,
+            "available" if d.available else "unavailable",
+            d.full_name if d.available else d.reason,
+        ]
+        for d in client.devices()
+    ]
+    print(_table(rows, ["DEVICE", "STATE", "DETAIL"]))
+    return 0
+
+
+def _metric(client: Client, args: argparse.Namespace) -> int:
+    print(json.dumps(client.get_metric(args.device, args.name, args.network), indent=2))
+    return 0
+
+
+def _configure(client: Client, args: argparse.Namespace) -> int:
+    sets = [i for i in args.keys if "=" in i]
+    gets = [i for i in args.keys if "=" not in i]
+    if sets:
+        client.set_config(_config(sets), args.device)
+    current = client.get_config(args.device)
+    for key in gets or sorted(current):
+        if key not in current:
+            client.get_config(args.device, key)  # the server's error names the supported keys
+        print(f"{key}={current[key]}")
+    return 0
+
+
+def _describe(network) -> str:
+    def spec(s) -> str:
+        dims = ",".join(n or ("?" if d < 0 else str(d)) for d, n in zip(s.shape, s.dim_names))
+        return f"{s.name}:{s.dtype}[{dims}]"
+
+    return (
+        f"{network.name} v{network.version} on {network.device}: "
+        f"inputs {' '.join(spec(s) for s in network.inputs)} -> "
+        f"outputs {' '.join(spec(s) for s in network.outputs)}"
+    )
+
+
+def _load(client: Client, args: argparse.Namespace) -> int:
+    with progress(f"loading {args.name} on {args.device or 'the default device'}"):
+        response = client.load(
+            args.name,
+            None if args.repository else args.model,
+            args.device,
+            _config(args.config),
+            args.persist,
+            args.version,
+            repository_path=args.model if args.repository else None,
+            timeout=args.timeout,
+        )
+    print(_describe(response.network) + (" (from cache)" if response.loaded_from_cache else ""))
+    return 0
+
+
+def _unload(client: Client, args: argparse.Namespace) -> int:
+    client.unload(args.name, args.version)
+    print(f"unloaded {args.name}" + (f" version {args.version}" if args.version else ""))
+    return 0
+
+
+def _list(client: Client, args: argparse.Namespace) -> int:
+    for network in client.networks():
+        print(_describe(network))
+    return 0
+
+
+def _query(client: Client, args: argparse.Namespace) -> int:
+    with progress(f"querying {args.device}"):
+        response = client.query(args.model, args.device, _config(args.config))
+    rows = [[n, d, ""] for n, d in sorted(response.supported.items())]
+    rows += [[n, "-", why] for n, why in sorted(response.unsupported.items())]
+    print(_table(rows, ["NODE", "DEVICE", "WHY NOT"]))
+    return 0
+
+
+_RANDOM = {"float16", "float32", "float64"}
+
+
+def _random_input(spec, rng: np.random.Generator) -> np.ndarray:
+    shape = [d if d >= 0 else 1 for d in spec.shape]
+    if spec.dtype in _RANDOM:
+        return rng.normal(size=shape).astype(spec.dtype)
+    if spec.dtype == "bool":
+        return rng.random(shape) > 0.5
+    if spec.dtype == "string":
+        return np.full(shape, "plugserve", dtype=object)
+    return rng.integers(0, 10, size=shape).astype(spec.dtype)
+
+
+def _infer(client: Client, args: argparse.Namespace) -> int:
+    network = next((n for n in client.networks() if n.name == args.name), None)
+    if network is None:
+        raise SystemExit(f"plugserve: network {args.name!r} is not loaded (see: plugserve list)")
+    inputs: dict[str, np.ndarray] = {}
+    for item in args.input:
+        if "=" in item:
+            name, _, path = item.partition("=")
+            inputs[name] = np.load(path, allow_pickle=False)
+        else:
+            with np.load(item, allow_pickle=False) as data:
+                inputs.update({k: data[k] for k in data.files})
+    rng = np.random.default_rng(args.seed)
+    for spec in network.inputs:
+        if spec.name not in inputs:
+            inputs[spec.name] = _random_input(spec, rng)
+    outputs = client.infer(args.name, inputs, version=args.version)
+    for name, array in outputs.items():
+        if args.output_dir:
+            Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+            path = Path(args.output_dir) / f"{name}.npy"
+            np.save(path, array, allow_pickle=False)
+            print(f"{name}: {array.dtype}{list(array.shape)} -> {path}")
+        else:
+            print(f"{name}: {array.dtype}{list(array.shape)}")
+            print(np.array2string(array, threshold=64))
+    return 0
+
+
+def _export(client: Client, args: argparse.Namespace) -> int:
+    with progress(f"exporting {args.name}"):
+        blob = client.export(args.name, args.version)
+    Path(args.file).write_bytes(blob)
+    print(f"{args.name}: {len(blob)} bytes -> {args.file}")
+    return 0
+
+
+def _import(client: Client, args: argparse.Namespace) -> int:
+    with progress(f"importing {args.name} on {args.device}"):
+        response = client.import_network(
+            args.name, Path(args.file).read_bytes(), args.device, _config(args.config)
+        )
+    print(_describe(response.network))
+    return 0
+
+
+def _parser(verb: str, help_text: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=f"plugserve {verb}", description=help_text)
+    parser.add_argument(
+        "--target",
+        default=DEFAULT_TARGET,
+        help="server address host:port or dns:///name:port (env PLUGSERVE_TARGET)",
+    )
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per call")
+    return parser
+
+
+def _arguments(verb: str, parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    if verb == "metric":
+        add("device")
+        add("name")
+        add("--network", default="", help="a loaded network's metric instead of the device's")
+    elif verb == "config":
+        add("device")
+        add("keys", nargs="*", metavar="KEY[=VALUE]")
+    elif verb in ("load", "query"):
+        if verb == "load":
+            add("name")
+        add(
+            "model",
+            help="an .onnx file (or with --repository: NAME[/VERSION] in the server's repository)",
+        )
+        add("--device", default="" if verb == "load" else "NUMPY")
+        add("--config", action="append", default=[], metavar="KEY=VALUE")
+        if verb == "load":
+            add("--persist", action="store_true", help="write into the model repository")
+            add("--version", type=int, default=0)
+            add("--repository", action="store_true", help="MODEL names a repository model")
+    elif verb in ("unload", "export", "infer"):
+        add("name")
+        add("--version", type=int, default=0)
+        if verb == "export":
+            add("file")
+        if verb == "infer":
+            add(
+                "--input",
+                action="append",
+                default=[],
+                help="NAME=file.npy or file.npz; missing inputs are random from the metadata",
+            )
+            add("--output-dir", default="", help="save outputs as .npy instead of printing")
+            add("--seed", type=int, default=0)
+    elif verb == "import":
+        add("name")
+        add("file")
+        add("--device", required=True)
+        add("--config", action="append", default=[], metavar="KEY=VALUE")
+
+
+VERBS: dict[str, tuple[Callable[[Client, argparse.Namespace], int], str]] = {
+    "devices": (_devices, "list the server's devices, and why any is unavailable"),
+    "metric": (_metric, "show a device (or network) metric"),
+    "config": (_configure, "show or set a device's configuration"),
+    "load": (_load, "load a network from an ONNX file or the repository"),
+    "unload": (_unload, "unload a network"),
+    "list": (_list, "list loaded networks"),
+    "query": (_query, "which device can run each node of a model"),
+    "infer": (_infer, "run one inference (inputs from .npy/.npz or random)"),
+    "export": (_export, "save a compiled network to a file"),
+    "import": (_import, "load a network from an exported file"),
+}
+
+
+def run(verb: str, argv: Sequence[str]) -> int:
+    function, help_text = VERBS[verb]
+    parser = _parser(verb, help_text)
+    _arguments(verb, parser)
+    args = parser.parse_args(argv)
+    try:
+        with Client(args.target, timeout=args.timeout) as client:
+            return function(client, args)
+    except grpc.RpcError as exc:
+        print(f"plugserve {verb}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1

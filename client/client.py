@@ -1,0 +1,293 @@
+"""``Client`` and ``AsyncClient``: plugserve's gRPC API with numpy in and out.
+
+Errors come back as ``grpc.RpcError`` with the server's status code and message (NOT_FOUND,
+INVALID_ARGUMENT, ...): the message is written to be read by a person.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
+from typing import Any
+
+import grpc
+import numpy as np
+
+from plugserve.proto import plugserve_pb2 as pb
+from plugserve.proto import plugserve_pb2_grpc as pb_grpc
+from plugserve.proto.tensors import from_tensor, to_tensor
+
+__all__ = ["DEFAULT_TARGET", "AsyncClient", "Client"]
+
+DEFAULT_TARGET = os.environ.get("PLUGSERVE_TARGET", "127.0.0.1:8001")
+_OPTIONS = [
+    ("grpc.max_send_message_length", 1 << 30),
+    ("grpc.max_receive_message_length", 1 << 30),
+    ("grpc.lb_policy_name", "round_robin"),
+]
+
+
+def _model_source(
+    model: bytes | str | os.PathLike | None, repository_path: str | None
+) -> pb.ModelSource:
+    if repository_path:
+        return pb.ModelSource(repository_path=repository_path)
+    if isinstance(model, bytes | bytearray):
+        return pb.ModelSource(onnx=bytes(model))
+    if isinstance(model, str | os.PathLike):
+        with open(model, "rb") as f:
+            return pb.ModelSource(onnx=f.read())
+    if hasattr(model, "SerializeToString"):
+        return pb.ModelSource(onnx=model.SerializeToString())
+    raise TypeError("model: a path, bytes or onnx.ModelProto (or repository_path=...)")
+
+
+def infer_request(
+    network: str,
+    inputs: Mapping[str, Any],
+    outputs: Iterable[str] = (),
+    version: int = 0,
+    request_id: str = "",
+) -> pb.InferRequest:
+    request = pb.InferRequest(
+        network=network, version=version, id=request_id, outputs=list(outputs)
+    )
+    for name, value in inputs.items():
+        array = value if isinstance(value, np.ndarray) else np.asarray(value)
+        to_tensor(request.inputs.add(), name, array)
+    return request
+
+
+def outputs_of(response: pb.InferResponse) -> dict[str, np.ndarray]:
+    return {t.name: from_tensor(t, f"output {t.name!r}") for t in response.outputs}
+
+
+class Client:
+    """A blocking client. ``target`` is ``host:port`` or ``dns:///name:port`` (round robin)."""
+
+    def __init__(
+        self,
+        target: str = DEFAULT_TARGET,
+        timeout: float | None = 60.0,
+        credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
+        self.target = target
+        self.timeout = timeout
+        self.channel = (
+            grpc.secure_channel(target, credentials, _OPTIONS)
+            if credentials
+            else grpc.insecure_channel(target, _OPTIONS)
+        )
+        self.stub = pb_grpc.PlugserveStub(self.channel)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def devices(self) -> list[pb.DeviceInfo]:
+        return list(self.stub.ListDevices(pb.ListDevicesRequest(), timeout=self.timeout).devices)
+
+    def get_metric(self, device: str, name: str, network: str = "", version: int = 0) -> Any:
+        response = self.stub.GetMetric(
+            pb.GetMetricRequest(device=device, name=name, network=network, version=version),
+            timeout=self.timeout,
+        )
+        return json.loads(response.value_json)
+
+    def get_config(self, device: str, key: str = "") -> dict[str, str]:
+        return dict(
+            self.stub.GetConfig(
+                pb.GetConfigRequest(device=device, key=key), timeout=self.timeout
+            ).config
+        )
+
+    def set_config(self, config: Mapping[str, Any], device: str = "") -> None:
+        self.stub.SetConfig(
+            pb.SetConfigRequest(device=device, config={k: str(v) for k, v in config.items()}),
+            timeout=self.timeout,
+        )
+
+    def query(
+        self,
+        model: Any = None,
+        device: str = "NUMPY",
+        config: Mapping[str, Any] | None = None,
+        repository_path: str | None = None,
+    ) -> pb.QueryNetworkResponse:
+        return self.stub.QueryNetwork(
+            pb.QueryNetworkRequest(
+                model=_model_source(model, repository_path),
+                device=device,
+                config={k: str(v) for k, v in (config or {}).items()},
+            ),
+            timeout=self.timeout,
+        )
+
+    def load(
+        self,
+        name: str,
+        model: Any = None,
+        device: str = "",
+        config: Mapping[str, Any] | None = None,
+        persist: bool = False,
+        version: int = 0,
+        repository_path: str | None = None,
+        timeout: float | None = None,
+    ) -> pb.LoadNetworkResponse:
+        return self.stub.LoadNetwork(
+            pb.LoadNetworkRequest(
+                name=name,
+                model=_model_source(model, repository_path),
+                device=device,
+                config={k: str(v) for k, v in (config or {}).items()},
+                persist=persist,
+                version=version,
+            ),
+            timeout=timeout or self.timeout,
+        )
+
+    def unload(self, name: str, version: int = 0) -> None:
+        self.stub.UnloadNetwork(
+            pb.UnloadNetworkRequest(name=name, version=version), timeout=self.timeout
+        )
+
+    def networks(self) -> list[pb.NetworkInfo]:
+        return list(self.stub.ListNetworks(pb.ListNetworksRequest(), timeout=self.timeout).networks)
+
+    def infer(
+        self,
+        network: str,
+        inputs: Mapping[str, Any],
+        outputs: Iterable[str] = (),
+        version: int = 0,
+        timeout: float | None = None,
+    ) -> dict[str, np.ndarray]:
+        response = self.stub.Infer(
+            infer_request(network, inputs, outputs, version), timeout=timeout or self.timeout
+        )
+        return outputs_of(response)
+
+    def infer_stream(
+        self, requests: Iterable[tuple[str, str, Mapping[str, Any]]], timeout: float | None = None
+    ) -> Iterator[tuple[str, dict[str, np.ndarray] | grpc.StatusCode, str]]:
+        """Send ``(id, network, inputs)`` triples; yields ``(id, outputs or code, message)`` as
+        each completes (possibly out of order)."""
+        messages = (infer_request(net, inputs, request_id=rid) for rid, net, inputs in requests)
+        for response in self.stub.InferStream(messages, timeout=timeout or self.timeout):
+            if response.HasField("error"):
+                code = next(c for c in grpc.StatusCode if c.value[0] == response.error.code)
+                yield response.id, code, response.error.message
+            else:
+                yield response.id, outputs_of(response.response), ""
+
+    def export(self, name: str, version: int = 0) -> bytes:
+        return self.stub.ExportNetwork(
+            pb.ExportNetworkRequest(name=name, version=version), timeout=self.timeout
+        ).blob
+
+    def import_network(
+        self, name: str, blob: bytes, device: str, config: Mapping[str, Any] | None = None
+    ) -> pb.LoadNetworkResponse:
+        return self.stub.ImportNetwork(
+            pb.ImportNetworkRequest(
+                name=name,
+                blob=blob,
+                device=device,
+                config={k: str(v) for k, v in (config or {}).items()},
+            ),
+            timeout=self.timeout,
+        )
+
+    def performance_counts(self, name: str, version: int = 0) -> list[pb.PerfCount]:
+        return list(
+            self.stub.GetPerformanceCounts(
+                pb.GetPerformanceCountsRequest(name=name, version=version), timeout=self.timeout
+            ).counts
+        )
+
+
+class AsyncClient:
+    """The asyncio form of :class:`Client` (grpc.aio), for many requests in flight."""
+
+    def __init__(self, target: str = DEFAULT_TARGET, timeout: float | None = 60.0) -> None:
+        self.target = target
+        self.timeout = timeout
+        self.channel = grpc.aio.insecure_channel(target, _OPTIONS)
+        self.stub = pb_grpc.PlugserveStub(self.channel)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    async def devices(self) -> list[pb.DeviceInfo]:
+        return list(
+            (await self.stub.ListDevices(pb.ListDevicesRequest(), timeout=self.timeout)).devices
+        )
+
+    async def networks(self) -> list[pb.NetworkInfo]:
+        return list(
+            (await self.stub.ListNetworks(pb.ListNetworksRequest(), timeout=self.timeout)).networks
+        )
+
+    async def load(
+        self,
+        name: str,
+        model: Any = None,
+        device: str = "",
+        config: Mapping[str, Any] | None = None,
+        persist: bool = False,
+        repository_path: str | None = None,
+    ) -> pb.LoadNetworkResponse:
+        return await self.stub.LoadNetwork(
+            pb.LoadNetworkRequest(
+                name=name,
+                model=_model_source(model, repository_path),
+                device=device,
+                config={k: str(v) for k, v in (config or {}).items()},
+                persist=persist,
+            ),
+            timeout=self.timeout,
+        )
+
+    async def infer(
+        self,
+        network: str,
+        inputs: Mapping[str, Any],
+        outputs: Iterable[str] = (),
+        version: int = 0,
+        timeout: float | None = None,
+    ) -> dict[str, np.ndarray]:
+        response = await self.stub.Infer(
+            infer_request(network, inputs, outputs, version), timeout=timeout or self.timeout
+        )
+        return outputs_of(response)
+
+    async def infer_stream(
+        self, requests: Iterable[tuple[str, str, Mapping[str, Any]]]
+    ) -> AsyncIterator[tuple[str, Any, str]]:
+        call = self.stub.InferStream(
+            (infer_request(net, inputs, request_id=rid) for rid, net, inputs in requests),
+            timeout=self.timeout,
+        )
+        async for response in call:
+            if response.HasField("error"):
+                code = next(c for c in grpc.StatusCode if c.value[0] == response.error.code)
+                yield response.id, code, response.error.message
+            else:
+                yield response.id, outputs_of(response.response), ""
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex[:12]

@@ -1,0 +1,149 @@
+"""numpy arrays to and from the plugserve.v1 ``Tensor`` message: raw bytes, no per-element work.
+
+Shared by the server and the client (which may depend on nothing but this package).
+
+Numeric tensors are little-endian C-order bytes read with ``np.frombuffer``. String tensors
+(numpy object arrays of ``str``) are a 4-byte little-endian length then the UTF-8 bytes, per
+element, the layout KServe v2 uses for BYTES.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+
+
+class TensorFormatError(ValueError):
+    """Tensor bytes that do not match their declared dtype and shape."""
+
+
+InvalidInput = TensorFormatError
+
+__all__ = [
+    "DTYPES",
+    "TensorFormatError",
+    "decode_strings",
+    "encode_strings",
+    "from_tensor",
+    "spec_to_proto",
+    "to_tensor",
+]
+
+DTYPES: dict[str, np.dtype] = {
+    name: np.dtype(name)
+    for name in (
+        "float16",
+        "float32",
+        "float64",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+        "bool",
+    )
+}
+DTYPES["string"] = np.dtype(object)
+MAX_DIMS = 32
+
+
+def dtype_name(dtype: np.dtype | None) -> str:
+    if dtype is None:
+        return ""
+    dtype = np.dtype(dtype)
+    if dtype == np.dtype(object) or dtype.kind in "US":
+        return "string"
+    return dtype.name
+
+
+def encode_strings(array: np.ndarray) -> bytes:
+    parts = []
+    for item in array.ravel():
+        raw = item if isinstance(item, bytes) else str(item).encode("utf-8")
+        parts.append(struct.pack("<I", len(raw)))
+        parts.append(raw)
+    return b"".join(parts)
+
+
+def decode_strings(data: bytes, count: int, where: str) -> np.ndarray:
+    items = []
+    offset = 0
+    view = memoryview(data)
+    for index in range(count):
+        if offset + 4 > len(data):
+            raise InvalidInput(
+                f"{where}: string element {index} has no length prefix "
+                f"(the data ends at byte {len(data)})"
+            )
+        (length,) = struct.unpack_from("<I", data, offset)
+        offset += 4
+        if offset + length > len(data):
+            raise InvalidInput(
+                f"{where}: string element {index} claims {length} bytes, "
+                f"only {len(data) - offset} remain"
+            )
+        items.append(bytes(view[offset : offset + length]).decode("utf-8", errors="replace"))
+        offset += length
+    if offset != len(data):
+        raise InvalidInput(f"{where}: {len(data) - offset} bytes left after {count} strings")
+    array = np.empty(count, dtype=object)
+    array[:] = items
+    return array
+
+
+def check_shape(shape: list[int], where: str) -> tuple[int, ...]:
+    if len(shape) > MAX_DIMS:
+        raise InvalidInput(f"{where}: rank {len(shape)} is over the limit of {MAX_DIMS}")
+    if any(d < 0 for d in shape):
+        raise InvalidInput(f"{where}: shape {list(shape)} has a negative dimension")
+    return tuple(int(d) for d in shape)
+
+
+def from_tensor(tensor, where: str = "") -> np.ndarray:
+    """An array from a ``Tensor`` message; a byte count that does not fit the shape raises."""
+    where = where or f"input {tensor.name!r}"
+    dtype = DTYPES.get(tensor.dtype)
+    if dtype is None:
+        raise InvalidInput(
+            f"{where}: unknown dtype {tensor.dtype!r}; expected one of {', '.join(DTYPES)}"
+        )
+    shape = check_shape(list(tensor.shape), where)
+    count = 1
+    for dim in shape:
+        count *= dim
+    if dtype == np.dtype(object):
+        return decode_strings(tensor.data, count, where).reshape(shape)
+    expected = count * dtype.itemsize
+    if len(tensor.data) != expected:
+        raise InvalidInput(
+            f"{where}: {len(tensor.data)} bytes of data, but shape {list(shape)} "
+            f"of {tensor.dtype} needs {expected}"
+        )
+    return np.frombuffer(tensor.data, dtype=dtype.newbyteorder("<")).reshape(shape)
+
+
+def to_tensor(message, name: str, array: np.ndarray) -> None:
+    """Fill a ``Tensor`` message from an array."""
+    array = np.asarray(array)
+    message.name = name
+    message.dtype = dtype_name(array.dtype)
+    message.shape.extend(array.shape)
+    if message.dtype == "string":
+        message.data = encode_strings(array)
+    else:
+        message.data = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
+
+
+def spec_to_proto(message, spec) -> None:
+    """Fill a ``TensorSpec`` message from anything with name, dtype and shape."""
+    message.name = spec.name
+    message.dtype = dtype_name(spec.dtype)
+    if spec.shape is not None:
+        message.has_shape = True
+        for dim in spec.shape:
+            message.shape.append(dim if isinstance(dim, int) and dim >= 0 else -1)
+            message.dim_names.append(dim if isinstance(dim, str) else "")

@@ -1,0 +1,437 @@
+"""The data plane: everything the gRPC services do, independent of protocol.
+
+The servicers (plugserve.v1 and KServe v2) translate messages and call this; it owns the loaded
+networks, the per-device stream executors, the model repository and the counters. Requests are
+admitted into a device's bounded queue (a full queue is ``ResourceExhausted`` at once), checked
+against their deadline when a stream picks them up, and completed through a future so the RPC
+layer never waits on a queue.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from plugserve.plugins.api import (
+    Cancelled,
+    CompiledNetwork,
+    DeadlineExceeded,
+    FailedPrecondition,
+    InferRequest,
+    InvalidArgument,
+    InvalidInput,
+    NotFound,
+    PlugserveError,
+    ResourceExhausted,
+    check_inputs,
+)
+from plugserve.plugins.streams import StreamsExecutor
+from plugserve.server.core import Core
+from plugserve.server.devices import parse_device
+from plugserve.server.metrics import Metrics
+from plugserve.server.repository import Repository, check_name
+
+__all__ = ["DataPlane", "LoadedNetwork"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Stats:
+    """Per-network counters for KServe's statistics extension (nanoseconds, as Triton)."""
+
+    success: int = 0
+    failure: int = 0
+    queue_ns: int = 0
+    compute_ns: int = 0
+    last_inference_ms: int = 0
+    execution_count: int = 0
+
+
+class LoadedNetwork:
+    """A compiled network as the server holds it: name, version, device, and stream requests."""
+
+    def __init__(
+        self,
+        name: str,
+        version: int,
+        device: str,
+        network: CompiledNetwork,
+        persisted: bool,
+        max_batch_size: int,
+        streams: int,
+    ) -> None:
+        self.name = name
+        self.version = version
+        self.device = device
+        self.network = network
+        self.persisted = persisted
+        self.max_batch_size = max_batch_size
+        self.stats = Stats()
+        self._requests: list[InferRequest | None] = [None] * streams
+        self.perf_enabled = bool(_safe_config(network, "PERF_COUNT"))
+        self.perf_totals: dict[str, list[Any]] = {}
+        self._perf_lock = threading.Lock()
+
+    def request_for(self, stream: int) -> InferRequest:
+        """Each stream keeps its own infer request (its own backend state) per network."""
+        request = self._requests[stream]
+        if request is None:
+            request = self._requests[stream] = self.network.create_infer_request()
+        return request
+
+    def record_perf(self, request: InferRequest) -> list[Any]:
+        counts = request.get_performance_counts()
+        with self._perf_lock:
+            for c in counts:
+                entry = self.perf_totals.setdefault(c.node_name, [c, 0.0, 0])
+                entry[0] = c
+                entry[1] += c.real_time_s
+                entry[2] += 1
+        return counts
+
+
+def _safe_config(network: CompiledNetwork, key: str) -> Any:
+    try:
+        return network.get_config(key)
+    except PlugserveError:
+        return None
+
+
+class DataPlane:
+    def __init__(
+        self,
+        core: Core,
+        metrics: Metrics,
+        repository: Repository | None,
+        default_device: str = "NUMPY",
+        queue_size: int = 0,
+    ) -> None:
+        self.core = core
+        self.metrics = metrics
+        self.repository = repository
+        self.default_device = default_device
+        self.queue_size = queue_size
+        self._networks: dict[str, dict[int, LoadedNetwork]] = {}
+        self._executors: dict[str, StreamsExecutor] = {}
+        self._lock = threading.RLock()
+        self._loading: set[tuple[str, int]] = set()
+        self.ready = False
+        metrics.watch_executors(self._executor_gauges)
+
+    # --- executors
+
+    def executor(self, device: str) -> StreamsExecutor:
+        """The device's streams (created on first use from the device's configuration)."""
+        kind = str(parse_device(device))
+        with self._lock:
+            executor = self._executors.get(kind)
+            if executor is None:
+                plugin = self.core.plugin(kind)
+                streams = plugin.config.streams()
+                queue = self.queue_size or 16 * streams
+                executor = StreamsExecutor(kind, streams, queue, state_factory=lambda i: i)
+                self._executors[kind] = executor
+            return executor
+
+    def _executor_gauges(self) -> list[tuple[str, int, int, int, int]]:
+        with self._lock:
+            counts: dict[str, int] = {}
+            for versions in self._networks.values():
+                for net in versions.values():
+                    counts[net.device] = counts.get(net.device, 0) + 1
+            rows = []
+            for kind in sorted(set(self._executors) | set(counts)):
+                ex = self._executors.get(kind)
+                rows.append(
+                    (
+                        kind,
+                        ex.pending if ex else 0,
+                        ex.busy if ex else 0,
+                        ex.streams if ex else 0,
+                        counts.get(kind, 0),
+                    )
+                )
+            return rows
+
+    # --- networks
+
+    def load(
+        self,
+        name: str,
+        model: bytes | str | Path,
+        device: str = "",
+        config: Mapping[str, str] | None = None,
+        persist: bool = False,
+        version: int = 0,
+        max_batch_size: int = 0,
+    ) -> tuple[LoadedNetwork, bool]:
+        """Compile and register a network; returns it and whether it came from the cache."""
+        check_name(name)
+        device = device or self.default_device
+        config = dict(config or {})
+        if persist and self.repository is None:
+            raise FailedPrecondition("persist needs a server started with --model-repository")
+        if persist and not isinstance(model, bytes):
+            raise InvalidArgument("persist needs the model as bytes")
+        with self._lock:
+            if not version:
+                loaded = max(self._networks.get(name, {}), default=0)
+                stored = (
+                    self.repository.next_version(name) - 1 if (persist and self.repository) else 0
+                )
+                version = max(loaded, stored) + 1
+            if version in self._networks.get(name, {}) or (name, version) in self._loading:
+                raise InvalidArgument(
+                    f"network {name!r} version {version} is already loaded; unload it first "
+                    "or load another version"
+                )
+            self._loading.add((name, version))
+        try:
+            executor = self.executor(device)
+            network = self.core.load_network(model, device, config)
+            if persist:
+                self.repository.persist(name, version, model, device, config)
+            entry = LoadedNetwork(
+                name,
+                version,
+                str(parse_device(device)),
+                network,
+                persist,
+                max_batch_size,
+                executor.streams,
+            )
+            network.name = name
+            with self._lock:
+                self._networks.setdefault(name, {})[version] = entry
+        finally:
+            with self._lock:
+                self._loading.discard((name, version))
+        log.info(
+            "network %s version %d ready on %s%s",
+            name,
+            version,
+            entry.device,
+            " (from cache)" if network.loaded_from_cache else "",
+        )
+        return entry, network.loaded_from_cache
+
+    def unload(self, name: str, version: int = 0) -> list[LoadedNetwork]:
+        with self._lock:
+            versions = self._networks.get(name)
+            if not versions or (version and version not in versions):
+                raise NotFound(self._missing(name, version))
+            targets = [versions.pop(version)] if version else list(versions.values())
+            if version == 0 or not versions:
+                versions.clear()
+                del self._networks[name]
+        for entry in targets:
+            if entry.persisted and self.repository is not None:
+                self.repository.remove(name, entry.version)
+            self.metrics.forget(entry.device, name, entry.version)
+            close = getattr(entry.network, "close", None)
+            if close:
+                close()
+        return targets
+
+    def networks(self) -> list[LoadedNetwork]:
+        with self._lock:
+            return [n for versions in self._networks.values() for n in versions.values()]
+
+    def get(self, name: str, version: int = 0) -> LoadedNetwork:
+        with self._lock:
+            versions = self._networks.get(name)
+            if versions and not version:
+                return versions[max(versions)]
+            if versions and version in versions:
+                return versions[version]
+        raise NotFound(self._missing(name, version))
+
+    def _missing(self, name: str, version: int) -> str:
+        loaded = sorted(self._networks)
+        what = f"network {name!r}" + (f" version {version}" if version else "")
+        return f"{what} is not loaded; loaded networks: {', '.join(loaded) or 'none'}"
+
+    # --- inference
+
+    def submit(
+        self,
+        name: str,
+        version: int,
+        inputs: Mapping[str, Any],
+        outputs: list[str] | None = None,
+        deadline: float | None = None,
+    ) -> Future:
+        """Queue one inference; the future holds ``{output: array}`` or a typed error."""
+        entry = self.get(name, version)
+        try:
+            arrays = check_inputs(name, entry.network.inputs, inputs)
+            wanted = self._outputs(entry, outputs)
+        except PlugserveError:
+            self.metrics.observe(entry.device, entry.name, entry.version, "invalid")
+            raise
+        executor = self.executor(entry.device)
+        admitted = time.perf_counter()
+        feeds = {spec.name: a for spec, a in zip(entry.network.inputs, arrays)}
+
+        def run(stream: int) -> dict[str, np.ndarray]:
+            started = time.perf_counter()
+            if deadline is not None and time.monotonic() > deadline:
+                raise DeadlineExceeded(
+                    f"network {name!r}: the deadline passed while queued "
+                    f"({started - admitted:.3f} s in the queue)"
+                )
+            request = entry.request_for(stream)
+            result = request.infer(feeds)
+            finished = time.perf_counter()
+            if entry.perf_enabled:
+                for count in entry.record_perf(request):
+                    self.metrics.layer_seconds.labels(
+                        entry.device, entry.name, str(entry.version), count.op_type
+                    ).inc(count.real_time_s)
+            entry.stats.queue_ns += int((started - admitted) * 1e9)
+            entry.stats.compute_ns += int((finished - started) * 1e9)
+            self.metrics.observe(
+                entry.device,
+                entry.name,
+                entry.version,
+                "success",
+                started - admitted,
+                finished - started,
+            )
+            return {k: result[k] for k in wanted}
+
+        try:
+            future = executor.submit(run)
+        except ResourceExhausted:
+            self.metrics.observe(entry.device, entry.name, entry.version, "overloaded")
+            raise
+        future.add_done_callback(lambda f: self._finished(entry, f))
+        return future
+
+    def _finished(self, entry: LoadedNetwork, future: Future) -> None:
+        entry.stats.last_inference_ms = int(time.time() * 1000)
+        if future.cancelled():
+            entry.stats.failure += 1
+            self.metrics.observe(entry.device, entry.name, entry.version, "cancelled")
+            return
+        exc = future.exception()
+        if exc is None:
+            entry.stats.success += 1
+            entry.stats.execution_count += 1
+            return
+        entry.stats.failure += 1
+        status = {
+            DeadlineExceeded: "deadline",
+            Cancelled: "cancelled",
+            InvalidInput: "invalid",
+        }.get(type(exc), "error")
+        self.metrics.observe(entry.device, entry.name, entry.version, status)
+
+    def _outputs(self, entry: LoadedNetwork, outputs: list[str] | None) -> list[str]:
+        names = [o.name for o in entry.network.outputs]
+        if not outputs:
+            return names
+        unknown = [o for o in outputs if o not in names]
+        if unknown:
+            raise InvalidInput(
+                f"network {entry.name!r}: unknown output(s) {unknown}; its outputs are {names}"
+            )
+        return list(outputs)
+
+    def infer(
+        self,
+        name: str,
+        version: int,
+        inputs: Mapping[str, Any],
+        outputs: list[str] | None = None,
+        timeout: float | None = None,
+    ) -> dict[str, np.ndarray]:
+        deadline = time.monotonic() + timeout if timeout else None
+        return self.submit(name, version, inputs, outputs, deadline).result()
+
+    # --- the rest of the plugin API
+
+    def query(
+        self, model: bytes | str | Path, device: str, config: Mapping[str, str] | None = None
+    ) -> tuple[dict[str, str], dict[str, str]]:
+        supported = self.core.query_network(model, device, config)
+        plugin = self.core.plugin(device)
+        reasons: dict[str, str] = {}
+        explain: Callable[..., dict[str, str]] | None = getattr(plugin, "unsupported_nodes", None)
+        if explain is not None:
+            reasons = {k: v for k, v in explain(model, config).items() if k not in supported}
+        return supported, reasons
+
+    def export(self, name: str, version: int = 0) -> bytes:
+        return self.get(name, version).network.export()
+
+    def import_network(
+        self, name: str, blob: bytes, device: str, config: Mapping[str, str] | None = None
+    ) -> LoadedNetwork:
+        check_name(name)
+        device = device or self.default_device
+        self.executor(device)
+        network = self.core.import_network(blob, device, config)
+        with self._lock:
+            version = max(self._networks.get(name, {}), default=0) + 1
+            entry = LoadedNetwork(
+                name,
+                version,
+                str(parse_device(device)),
+                network,
+                False,
+                0,
+                self.executor(device).streams,
+            )
+            network.name = name
+            self._networks.setdefault(name, {})[version] = entry
+        return entry
+
+    def repository_model(self, path: str) -> tuple[Path, str, dict[str, str], int]:
+        """A model named by ``name`` or ``name/version`` in the repository, with its settings."""
+        if self.repository is None:
+            raise FailedPrecondition("this server has no model repository")
+        name, _, version = path.partition("/")
+        if version and not version.isdigit():
+            raise InvalidArgument(f"repository path {path!r}: expected NAME or NAME/VERSION")
+        model = self.repository.model_path(name, int(version or 0))
+        settings = self.repository.read_settings(name)
+        return model, settings.device, settings.config, settings.max_batch_size
+
+    def load_repository(self) -> tuple[list[LoadedNetwork], list[str]]:
+        """Load every model of the repository; one bad model does not stop the others."""
+        if self.repository is None:
+            return [], []
+        self.repository.clean_staging()
+        entries, problems = self.repository.scan()
+        ready = []
+        for entry in entries:
+            try:
+                loaded, _ = self.load(
+                    entry.name,
+                    entry.path,
+                    entry.device,
+                    entry.config,
+                    version=entry.version,
+                    max_batch_size=entry.max_batch_size,
+                )
+                loaded.persisted = True
+                ready.append(loaded)
+            except PlugserveError as exc:
+                problems.append(f"{entry.path}: {exc}")
+        return ready, problems
+
+    def close(self) -> None:
+        with self._lock:
+            executors = list(self._executors.values())
+        for executor in executors:
+            executor.shutdown(wait=False)

@@ -1,0 +1,46 @@
+"""The one place where plugserve's typed errors become gRPC status codes."""
+
+from __future__ import annotations
+
+import logging
+from typing import NoReturn
+
+import grpc
+
+from plugserve.plugins.api import PlugserveError
+
+__all__ = ["grpc_code", "status_of"]
+
+log = logging.getLogger(__name__)
+
+_CODES = {
+    "NOT_FOUND": grpc.StatusCode.NOT_FOUND,
+    "INVALID_ARGUMENT": grpc.StatusCode.INVALID_ARGUMENT,
+    "UNIMPLEMENTED": grpc.StatusCode.UNIMPLEMENTED,
+    "UNAVAILABLE": grpc.StatusCode.UNAVAILABLE,
+    "RESOURCE_EXHAUSTED": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "FAILED_PRECONDITION": grpc.StatusCode.FAILED_PRECONDITION,
+    "DEADLINE_EXCEEDED": grpc.StatusCode.DEADLINE_EXCEEDED,
+    "CANCELLED": grpc.StatusCode.CANCELLED,
+    "INTERNAL": grpc.StatusCode.INTERNAL,
+}
+
+
+def grpc_code(exc: BaseException) -> grpc.StatusCode:
+    if isinstance(exc, PlugserveError):
+        return _CODES.get(exc.code, grpc.StatusCode.INTERNAL)
+    return grpc.StatusCode.INTERNAL
+
+
+def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """Code and message for an error; anything unexpected is INTERNAL and logged in full."""
+    if isinstance(exc, PlugserveError):
+        return grpc_code(exc), str(exc)
+    log.exception("unexpected error", exc_info=exc)
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+
+
+def abort(context: grpc.ServicerContext, exc: BaseException) -> NoReturn:
+    code, message = status_of(exc)
+    context.abort(code, message)
+    raise AssertionError("unreachable")  # context.abort raises

@@ -1,0 +1,144 @@
+"""Prometheus metrics: per device and model, named ``plugserve_*`` with units in the name.
+
+Counters and histograms are updated by the data plane as requests finish; gauges that describe
+the present (queue depth, busy streams) are read from the executors at scrape time, so they are
+never stale and cost nothing per request.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import platform
+import sys
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+
+__all__ = ["Metrics"]
+
+_LATENCY_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+)
+STATUSES = ("success", "invalid", "overloaded", "deadline", "cancelled", "error")
+
+
+class _ExecutorCollector:
+    """Gauges read at scrape time: queue depth, busy streams, streams, loaded networks."""
+
+    def __init__(self, read: Callable[[], list[tuple[str, int, int, int, int]]]) -> None:
+        self._read = read
+
+    def collect(self):
+        depth = GaugeMetricFamily(
+            "plugserve_queue_depth", "Requests waiting for a stream", labels=["device"]
+        )
+        busy = GaugeMetricFamily(
+            "plugserve_busy_streams", "Streams running a request", labels=["device"]
+        )
+        streams = GaugeMetricFamily(
+            "plugserve_streams", "Streams of the device's executor", labels=["device"]
+        )
+        loaded = GaugeMetricFamily(
+            "plugserve_loaded_networks", "Networks loaded on the device", labels=["device"]
+        )
+        for device, pending, running, total, networks in self._read():
+            depth.add_metric([device], pending)
+            busy.add_metric([device], running)
+            streams.add_metric([device], total)
+            loaded.add_metric([device], networks)
+        yield from (depth, busy, streams, loaded)
+
+
+class Metrics:
+    def __init__(self, version: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = ["device", "model", "version"]
+        self.requests = Counter(
+            "plugserve_inference_requests",
+            "Inference requests by outcome",
+            [*labels, "status"],
+            registry=self.registry,
+        )
+        self.queue_wait = Histogram(
+            "plugserve_queue_wait_seconds",
+            "Time a request waited for a stream",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.compute = Histogram(
+            "plugserve_compute_seconds",
+            "Time a request ran on a stream",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.layer_seconds = Counter(
+            "plugserve_layer_seconds",
+            "Per-layer compute time by op type (PERF_COUNT=YES)",
+            [*labels, "op_type"],
+            registry=self.registry,
+        )
+        self.build = Gauge(
+            "plugserve_build_info",
+            "plugserve build information",
+            ["version", "python", "platform"],
+            registry=self.registry,
+        )
+        self.build.labels(version, platform.python_version(), sys.platform).set(1)
+        self._server = None
+
+    def watch_executors(self, read: Callable[[], list[tuple[str, int, int, int, int]]]) -> None:
+        self.registry.register(_ExecutorCollector(read))
+
+    def observe(
+        self,
+        device: str,
+        model: str,
+        version: int,
+        status: str,
+        queue_wait: float | None = None,
+        compute: float | None = None,
+    ) -> None:
+        v = str(version)
+        self.requests.labels(device, model, v, status).inc()
+        if queue_wait is not None:
+            self.queue_wait.labels(device, model, v).observe(queue_wait)
+        if compute is not None:
+            self.compute.labels(device, model, v).observe(compute)
+
+    def forget(self, device: str, model: str, version: int) -> None:
+        """Drop an unloaded network's series so dashboards do not show ghosts."""
+        v = str(version)
+        for status in STATUSES:
+            with contextlib.suppress(KeyError):
+                self.requests.remove(device, model, v, status)
+        for metric in (self.queue_wait, self.compute):
+            with contextlib.suppress(KeyError):
+                metric.remove(device, model, v)
+
+    def serve(self, host: str, port: int) -> int:
+        """Start the /metrics HTTP endpoint; returns the port (useful when 0 picks one)."""
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        self._server = server
+        return server.server_port
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server = None

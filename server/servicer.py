@@ -1,0 +1,265 @@
+"""The plugserve.v1 gRPC service: messages in, data-plane calls, messages out. No logic here."""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+
+from plugserve.plugins.api import FailedPrecondition, InvalidInput
+from plugserve.proto import plugserve_pb2 as pb
+from plugserve.proto import plugserve_pb2_grpc as pb_grpc
+from plugserve.proto.tensors import TensorFormatError, spec_to_proto, to_tensor
+from plugserve.proto.tensors import from_tensor as _from_tensor
+from plugserve.server.dataplane import DataPlane, LoadedNetwork
+from plugserve.server.errors import abort, status_of
+
+__all__ = ["PlugserveServicer", "network_info"]
+
+
+def network_info(message: pb.NetworkInfo, entry: LoadedNetwork) -> pb.NetworkInfo:
+    message.name = entry.name
+    message.version = entry.version
+    message.device = entry.device
+    message.persisted = entry.persisted
+    message.max_batch_size = entry.max_batch_size
+    for spec in entry.network.inputs:
+        spec_to_proto(message.inputs.add(), spec)
+    for spec in entry.network.outputs:
+        spec_to_proto(message.outputs.add(), spec)
+    message.config.update(entry.network.config.to_strings())
+    return message
+
+
+def from_tensor(tensor: pb.Tensor):
+    try:
+        return _from_tensor(tensor)
+    except TensorFormatError as exc:
+        raise InvalidInput(str(exc)) from None
+
+
+def _deadline(context: grpc.ServicerContext) -> float | None:
+    remaining = context.time_remaining()
+    return time.monotonic() + remaining if remaining is not None else None
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, default=lambda v: list(v) if isinstance(v, tuple | set) else str(v))
+
+
+class PlugserveServicer(pb_grpc.PlugserveServicer):
+    def __init__(self, plane: DataPlane) -> None:
+        self.plane = plane
+
+    def _model(self, source: pb.ModelSource, context: grpc.ServicerContext):
+        kind = source.WhichOneof("source")
+        if kind == "onnx":
+            return source.onnx, "", {}, 0
+        if kind == "repository_path":
+            return self.plane.repository_model(source.repository_path)
+        context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "model: set either onnx (the model bytes) or repository_path",
+        )
+        raise AssertionError
+
+    def ListDevices(self, request, context):
+        response = pb.ListDevicesResponse()
+        for info in self.plane.core.devices():
+            response.devices.add(
+                name=info.name,
+                available=info.available,
+                reason=info.reason,
+                full_name=info.full_name,
+            )
+        return response
+
+    def GetMetric(self, request, context):
+        try:
+            if request.network:
+                value = self.plane.get(request.network, request.version).network.get_metric(
+                    request.name
+                )
+            else:
+                value = self.plane.core.get_metric(request.device, request.name)
+            return pb.GetMetricResponse(value_json=_json(value))
+        except Exception as exc:
+            abort(context, exc)
+
+    def GetConfig(self, request, context):
+        try:
+            plugin = self.plane.core.plugin(request.device)
+            if request.key:
+                value = plugin.config.to_strings().get(request.key)
+                if value is None:
+                    plugin.get_config(request.key)  # raises the typed error
+                return pb.GetConfigResponse(config={request.key: value})
+            return pb.GetConfigResponse(config=plugin.config.to_strings())
+        except Exception as exc:
+            abort(context, exc)
+
+    def SetConfig(self, request, context):
+        try:
+            self.plane.core.set_config(dict(request.config), request.device or None)
+            return pb.SetConfigResponse()
+        except Exception as exc:
+            abort(context, exc)
+
+    def QueryNetwork(self, request, context):
+        try:
+            model, *_ = self._model(request.model, context)
+            supported, unsupported = self.plane.query(model, request.device, dict(request.config))
+            return pb.QueryNetworkResponse(supported=supported, unsupported=unsupported)
+        except Exception as exc:
+            abort(context, exc)
+
+    def LoadNetwork(self, request, context):
+        try:
+            model, device, config, batch = self._model(request.model, context)
+            config = {**config, **dict(request.config)}
+            entry, cached = self.plane.load(
+                request.name,
+                model,
+                request.device or device,
+                config,
+                request.persist,
+                request.version,
+                batch,
+            )
+            response = pb.LoadNetworkResponse(loaded_from_cache=cached)
+            network_info(response.network, entry)
+            return response
+        except Exception as exc:
+            abort(context, exc)
+
+    def UnloadNetwork(self, request, context):
+        try:
+            self.plane.unload(request.name, request.version)
+            return pb.UnloadNetworkResponse()
+        except Exception as exc:
+            abort(context, exc)
+
+    def ListNetworks(self, request, context):
+        response = pb.ListNetworksResponse()
+        for entry in self.plane.networks():
+            network_info(response.networks.add(), entry)
+        return response
+
+    def _submit(self, request: pb.InferRequest, deadline: float | None):
+        inputs = {t.name: from_tensor(t) for t in request.inputs}
+        return self.plane.submit(
+            request.network, request.version, inputs, list(request.outputs), deadline
+        )
+
+    def _response(self, request: pb.InferRequest, outputs: dict) -> pb.InferResponse:
+        entry = self.plane.get(request.network, request.version)
+        response = pb.InferResponse(id=request.id, network=entry.name, version=entry.version)
+        for name, array in outputs.items():
+            to_tensor(response.outputs.add(), name, array)
+        return response
+
+    def Infer(self, request, context):
+        try:
+            future = self._submit(request, _deadline(context))
+            context.add_callback(future.cancel)
+            return self._response(request, future.result())
+        except Exception as exc:
+            abort(context, exc)
+
+    def InferStream(self, request_iterator: Iterator[pb.InferRequest], context):
+        """Requests are admitted as they arrive; responses leave in completion order."""
+        done: queue.Queue = queue.Queue()
+        pending = [0]
+        lock = threading.Lock()
+        finished_reading = threading.Event()
+
+        def complete(request: pb.InferRequest, future) -> None:
+            try:
+                message = pb.InferStreamResponse(
+                    id=request.id, response=self._response(request, future.result())
+                )
+            except Exception as exc:
+                message = self._error(request.id, exc)
+            done.put(message)
+
+        def read() -> None:
+            try:
+                for request in request_iterator:
+                    with lock:
+                        pending[0] += 1
+                    try:
+                        future = self._submit(request, _deadline(context))
+                    except Exception as exc:
+                        done.put(self._error(request.id, exc))
+                        continue
+                    future.add_done_callback(lambda f, r=request: complete(r, f))
+            except grpc.RpcError:
+                pass
+            finally:
+                finished_reading.set()
+                done.put(None)
+
+        threading.Thread(target=read, name="infer-stream-reader", daemon=True).start()
+        sent = 0
+        while True:
+            message = done.get()
+            if message is not None:
+                sent += 1
+                yield message
+            with lock:
+                total = pending[0]
+            if finished_reading.is_set() and sent >= total:
+                return
+
+    @staticmethod
+    def _error(request_id: str, exc: BaseException) -> pb.InferStreamResponse:
+        code, message = status_of(exc)
+        return pb.InferStreamResponse(
+            id=request_id, error=pb.Status(code=code.value[0], message=message)
+        )
+
+    def ExportNetwork(self, request, context):
+        try:
+            return pb.ExportNetworkResponse(blob=self.plane.export(request.name, request.version))
+        except Exception as exc:
+            abort(context, exc)
+
+    def ImportNetwork(self, request, context):
+        try:
+            entry = self.plane.import_network(
+                request.name, request.blob, request.device, dict(request.config)
+            )
+            response = pb.LoadNetworkResponse(loaded_from_cache=True)
+            network_info(response.network, entry)
+            return response
+        except Exception as exc:
+            abort(context, exc)
+
+    def GetPerformanceCounts(self, request, context):
+        try:
+            entry = self.plane.get(request.name, request.version)
+            if not entry.perf_enabled:
+                raise FailedPrecondition(
+                    f"network {entry.name!r}: performance counters are off; "
+                    "load it with PERF_COUNT=YES"
+                )
+        except Exception as exc:
+            abort(context, exc)
+        response = pb.GetPerformanceCountsResponse()
+        for count, total, runs in list(entry.perf_totals.values()):
+            response.counts.add(
+                node_name=count.node_name,
+                op_type=count.op_type,
+                status=count.status,
+                exec_type=count.exec_type,
+                real_time_s=total,
+                device=count.device or entry.device,
+                original_names=list(count.original_names),
+                count=runs,
+            )
+        return response

@@ -1,0 +1,80 @@
+"""Server settings in one place: each field has a CLI flag and a ``PLUGSERVE_*`` env variable.
+
+Precedence: command-line flag, then environment variable, then the default here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = ["Settings"]
+
+
+def _field(default: Any, help: str, flag: str | None = None) -> Any:
+    return dataclasses.field(default=default, metadata={"help": help, "flag": flag})
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    host: str = _field("0.0.0.0", "address to listen on")
+    grpc_port: int = _field(
+        8001, "gRPC port (plugserve.v1, KServe v2, health, reflection); 0: any free port"
+    )
+    metrics_port: int = _field(8002, "Prometheus /metrics port; 0: any free port, -1: off")
+    model_repository: str = _field(
+        "", "model repository DIR/<name>/<version>/model.onnx; empty: the bundled examples"
+    )
+    plugins: str = _field("", "JSON file naming the plugins to load and their config")
+    default_device: str = _field("NUMPY", "device for models whose config names none")
+    log_level: str = _field("INFO", "DEBUG, INFO, WARNING or ERROR")
+    max_message_bytes: int = _field(1 << 30, "largest gRPC message accepted or sent")
+    queue_size: int = _field(0, "requests waiting per device (0: 16 per stream)")
+    grpc_workers: int = _field(64, "gRPC handler threads")
+    exit_timeout: float = _field(30.0, "seconds to finish admitted requests on SIGTERM")
+
+    @classmethod
+    def env_name(cls, field: str) -> str:
+        return f"PLUGSERVE_{field.upper()}"
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        for f in dataclasses.fields(cls):
+            flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+            parser.add_argument(
+                flag,
+                dest=f.name,
+                default=None,
+                type=type(f.default),
+                help=f"{f.metadata['help']} (env {cls.env_name(f.name)}, default {f.default!r})",
+            )
+
+    @classmethod
+    def load(
+        cls, args: argparse.Namespace | None = None, environ: Mapping[str, str] | None = None
+    ) -> Settings:
+        environ = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            raw = getattr(args, f.name, None) if args is not None else None
+            if raw is None and cls.env_name(f.name) in environ:
+                text = environ[cls.env_name(f.name)]
+                try:
+                    raw = type(f.default)(text)
+                except ValueError:
+                    raise SystemExit(
+                        f"plugserve: {cls.env_name(f.name)}={text!r} is not a valid "
+                        f"{type(f.default).__name__}"
+                    ) from None
+            if raw is not None:
+                values[f.name] = raw
+        return cls(**values)
+
+    @classmethod
+    def from_argv(cls, argv: Sequence[str], prog: str = "plugserve serve") -> Settings:
+        parser = argparse.ArgumentParser(prog=prog, description="Run the plugserve server.")
+        cls.add_arguments(parser)
+        return cls.load(parser.parse_args(argv))
