@@ -32,3 +32,14 @@ def ort_run(model, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         model.SerializeToString(), options, providers=["CPUExecutionProvider"]
     )
     return session.run(None, feeds)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """A real server on the bundled example models, shared by a test module."""
+    from serving import RunningServer, examples_repository
+
+    repo = examples_repository(tmp_path_factory.mktemp("repo"))
+    with RunningServer("--model-repository", str(repo)) as running:
+        running.repository = repo
+        yield running

@@ -1,0 +1,132 @@
+"""A real ``plugserve serve`` in a subprocess on 127.0.0.1, for tests to talk to."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+
+_LISTENING = re.compile(r"listening: gRPC [\d.]+:(\d+), metrics http://[\d.]+:(-?\d+)/metrics")
+
+
+class RunningServer:
+    """Call :meth:`start`; ``target`` is host:port for gRPC, ``metrics_url`` the scrape URL."""
+
+    def __init__(
+        self, *args: str, env: dict[str, str] | None = None, cwd: str | None = None
+    ) -> None:
+        self.args = list(args)
+        self.env = {**os.environ, **(env or {})}
+        self.cwd = cwd
+        self.process: subprocess.Popen | None = None
+        self.lines: list[str] = []
+        self.grpc_port = 0
+        self.metrics_port = 0
+        self._ready = threading.Event()
+        self._listening = threading.Event()
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+    @property
+    def log(self) -> str:
+        return "\n".join(self.lines)
+
+    def start(self, wait_ready: bool = True, timeout: float = 120) -> RunningServer:
+        command = [
+            sys.executable,
+            "-m",
+            "plugserve.server.cli",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--grpc-port",
+            "0",
+            "--metrics-port",
+            "0",
+            *self.args,
+        ]
+        self.process = subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=self.env,
+            cwd=self.cwd,
+        )
+        threading.Thread(target=self._read, daemon=True).start()
+        if not self._listening.wait(timeout):
+            self.stop()
+            raise RuntimeError(f"server did not start listening:\n{self.log}")
+        if wait_ready and not self._ready.wait(timeout):
+            self.stop()
+            raise RuntimeError(f"server did not become ready:\n{self.log}")
+        return self
+
+    def _read(self) -> None:
+        assert self.process is not None and self.process.stdout is not None
+        for line in self.process.stdout:
+            self.lines.append(line.rstrip("\n"))
+            match = _LISTENING.search(line)
+            if match:
+                self.grpc_port, self.metrics_port = int(match.group(1)), int(match.group(2))
+                self._listening.set()
+            if "server ready:" in line:
+                self._ready.set()
+
+    def wait_ready(self, timeout: float = 120) -> None:
+        if not self._ready.wait(timeout):
+            raise RuntimeError(f"server did not become ready:\n{self.log}")
+
+    def channel(self) -> grpc.Channel:
+        return grpc.insecure_channel(self.target)
+
+    def signal(self, signum: int = signal.SIGTERM) -> None:
+        assert self.process is not None
+        self.process.send_signal(signum)
+
+    def stop(self, timeout: float = 30) -> int:
+        if self.process is None:
+            return 0
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+        return self.process.returncode
+
+    def __enter__(self) -> RunningServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def wait_for(predicate, timeout: float = 30, interval: float = 0.05) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return False
+
+
+def examples_repository(tmp_path: Path) -> Path:
+    """A fresh copy of the bundled example repository (tests may write into it)."""
+    from plugserve.server.examples import build_examples
+
+    return build_examples(tmp_path / "models")
