@@ -500,6 +500,10 @@ def check_inputs(
 
 
 def _check_one(network_name: str, spec: TensorSpec, value: Any) -> np.ndarray:
+    if value is None:
+        if spec.dtype is None and spec.shape is None:  # an optional input left empty
+            return value  # type: ignore[return-value]
+        raise InvalidInput(f"network {network_name}: input {spec.describe()} has no value")
     if isinstance(value, list | tuple) and spec.dtype is not None and spec.dtype != object:
         value = np.asarray(value, dtype=spec.dtype)
     elif not isinstance(value, np.ndarray | list):

@@ -82,9 +82,11 @@ class PlugserveServicer(pb_grpc.PlugserveServicer):
     def GetMetric(self, request, context):
         try:
             if request.network:
-                value = self.plane.get(request.network, request.version).network.get_metric(
-                    request.name
-                )
+                entry = self.plane.get(request.network, request.version)
+                value = entry.network.get_metric(request.name)
+                if request.name == "OPTIMAL_NUMBER_OF_INFER_REQUESTS":
+                    # served networks run on their device's executor: that is what they can use
+                    value = self.plane.executor(entry.device).streams
             else:
                 value = self.plane.core.get_metric(request.device, request.name)
             return pb.GetMetricResponse(value_json=_json(value))

@@ -197,9 +197,52 @@ def _tap_views(xp: np.ndarray, kernel, out, strides, dilations):
 
 
 def pack_conv_weight(w: np.ndarray, groups: int, dtype: np.dtype) -> np.ndarray:
-    """Conv weights ``(M, C/g, *k)`` as contiguous GEMM operands ``(g, M/g, C/g * prod(k))``."""
-    m = w.shape[0]
-    return np.ascontiguousarray(w.reshape(groups, m // groups, -1), dtype=dtype)
+    """Conv weights ``(M, C/g, *k)`` as contiguous GEMM operands ``(g, M/g, prod(k) * C/g)``.
+
+    Columns are tap-major (kernel offset, then channel), so one tap's weights are the
+    contiguous column block ``[t * C/g, (t + 1) * C/g)``: a plain BLAS operand.
+    """
+    m, cg = w.shape[:2]
+    ksize = math.prod(w.shape[2:])
+    tapped = w.reshape(groups, m // groups, cg, ksize).transpose(0, 1, 3, 2)
+    return np.ascontiguousarray(tapped, dtype=dtype).reshape(groups, m // groups, ksize * cg)
+
+
+def _find_sgemm():
+    """``cblas_sgemm`` of the OpenBLAS numpy itself runs on, through ctypes, or None.
+
+    numpy's matmul has no beta, so accumulating one GEMM per kernel tap straight from the
+    padded image (no column buffer) needs BLAS itself. Only the ILP64 scipy-openblas build
+    numpy wheels bundle is recognised, and a self-test guards the call convention; anything
+    else leaves the pure-numpy paths.
+    """
+    try:
+        import ctypes
+        import glob
+        import os
+
+        if np.__config__.CONFIG["Build Dependencies"]["blas"]["name"] != "scipy-openblas":
+            return None
+        root = os.path.dirname(np.__file__)
+        paths = glob.glob(os.path.join(root, os.pardir, "numpy.libs", "libscipy_openblas64_*"))
+        paths += glob.glob(os.path.join(root, ".dylibs", "libscipy_openblas64_*"))
+        if len(paths) != 1:
+            return None
+        fn = ctypes.CDLL(paths[0]).scipy_cblas_sgemm64_
+        i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+        fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, i64, i64, i64, f32, ptr, i64]
+        fn.argtypes += [ptr, i64, f32, ptr, i64]
+        fn.restype = None
+        a = np.arange(6, dtype=np.float32).reshape(2, 3)
+        b = np.arange(12, dtype=np.float32).reshape(3, 4)
+        c = np.ones((2, 4), np.float32)
+        fn(101, 111, 111, 2, 4, 3, 1.0, a.ctypes.data, 3, b.ctypes.data, 4, 1.0, c.ctypes.data, 4)
+        return fn if np.array_equal(c, a @ b + 1) else None
+    except Exception:
+        return None
+
+
+_SGEMM = _find_sgemm()
 
 
 class _ConvPlan:
@@ -211,6 +254,7 @@ class _ConvPlan:
         "mode",
         "out_sp",
         "padded",
+        "strides",
         "trim",
         "view_shape",
         "view_strides",
@@ -218,15 +262,21 @@ class _ConvPlan:
     )
 
 
-def _conv_plan(spec: ConvSpec, shape: tuple, kernel: tuple, groups: int, itemsize: int):
+def _conv_plan(spec: ConvSpec, shape: tuple, kernel: tuple, groups: int, dtype: np.dtype):
     n, c = shape[:2]
+    cg = c // groups
+    itemsize = dtype.itemsize
     spatial = shape[2:]
-    out_sp, begin, end, strides, dil = spec.resolve(spatial, kernel)
+    out_sp, begin, _, strides, dil = spec.resolve(spatial, kernel)
     plan = _ConvPlan()
     plan.out_sp = out_sp
+    plan.strides = strides
     spans = [(k - 1) * d + 1 for k, d in zip(kernel, dil)]
     # Pad the end only as far as the windows reach; a reach short of the data trims it.
-    reach = [_reach(o, s, sp) - size - b for o, s, sp, size, b in zip(out_sp, strides, spans, spatial, begin)]
+    reach = [
+        _reach(o, s, sp) - size - b
+        for o, s, sp, size, b in zip(out_sp, strides, spans, spatial, begin)
+    ]
     plan.trim = None
     if any(r < 0 for r in reach):
         plan.trim = (Ellipsis,) + tuple(
@@ -243,31 +293,28 @@ def _conv_plan(spec: ConvSpec, shape: tuple, kernel: tuple, groups: int, itemsiz
     # contiguous run of a phase and the copy is a few long memcpys instead of a gather with a
     # strided inner loop. The GEMM then also computes (row width - out width) junk columns per
     # output row, dropped when the bias is added.
-    sh, sw = (strides + (1, 1))[:2]
+    sh, sw = (tuple(strides) + (1, 1))[:2]
     hq, wq = (-(-padded[0] // sh), -(-padded[1] // sw)) if len(padded) == 2 else (0, 0)
     wide = len(spatial) == 2 and ksize > 1 and (wq - out_sp[1]) * 8 <= out_sp[1]
     copy = any(begin) or any(end) or plan.trim is not None
-    plan.padded = (n, c) + tuple(padded) if copy and not wide else None
+    plan.padded = (n, c, *padded) if copy and not wide else None
     plan.interior = (Ellipsis,) + tuple(slice(b, b + size) for b, size in zip(begin, spatial))
     plan.wide = None
-    if ksize == 1 and unit:
-        plan.mode = "pointwise"
-        plan.cols_shape = (n, groups, c // groups, length)
-    elif ksize == 1:
-        plan.mode = "pointwise_strided"
-        plan.cols_shape = (n, groups, c // groups, length)
+    if ksize == 1:
+        plan.mode = "pointwise" if unit else "pointwise_strided"
+        plan.cols_shape = (n, groups, cg, length)
     elif wide:
-        plan.mode = "wide"
         run = out_sp[0] * wq
-        plan.padded = (sh, sw, n, c, hq + 1, wq)  # + 1 slack row for the last taps' runs
+        size = (hq + 1) * wq  # + 1 slack row: the last taps' runs read past the last row
+        plan.padded = (sh, sw, n, c, hq + 1, wq)
         fills = []
         for ph, pw in itertools.product(range(sh), range(sw)):
             src, dst = [], []
-            for phase, stride, pad, size in ((ph, sh, begin[0], spatial[0]), (pw, sw, begin[1], spatial[1])):
+            for phase, stride, pad, extent in zip((ph, pw), (sh, sw), begin, spatial):
                 first = (phase - pad) % stride  # first input index landing in this phase
-                count = len(range(first, size, stride))
+                count = len(range(first, extent, stride))
                 start = (first + pad) // stride
-                src.append(slice(first, size, stride))
+                src.append(slice(first, extent, stride))
                 dst.append(slice(start, start + count))
             if all(d.stop > d.start for d in dst):
                 fills.append(((ph, pw, Ellipsis, *dst), (Ellipsis, *src)))
@@ -276,24 +323,29 @@ def _conv_plan(spec: ConvSpec, shape: tuple, kernel: tuple, groups: int, itemsiz
             oi, oj = i * dil[0], j * dil[1]
             taps.append((i, j, oi % sh, oj % sw, (oi // sh) * wq + oj // sw))
         plan.interior = fills
-        plan.wide = (wq, run, taps)
-        plan.view_shape = (n, c) + tuple(kernel) + (run,)
-        size = (hq + 1) * wq
-        plan.view_strides = tuple(v * itemsize for v in (c * size, size, dil[0] * wq, dil[1], 1))
-        plan.cols_shape = (n, groups, (c // groups) * ksize, run)
+        plan.wide = (wq, run, size, taps)
+        blas = _SGEMM is not None and dtype == np.float32 and groups == 1 and unit
+        plan.mode = "taps" if blas else "wide"
+        plan.view_shape = (n, groups, *kernel, cg, run)
+        plan.view_strides = tuple(
+            v * itemsize for v in (c * size, cg * size, dil[0] * wq, dil[1], size, 1)
+        )
+        plan.cols_shape = (n, groups, ksize * cg, run)
     else:
         plan.mode = "im2col"
+        plane = math.prod(padded)
         st = [math.prod(padded[i + 1 :]) for i in range(len(padded))]
-        plan.view_shape = (n, c) + tuple(kernel) + tuple(out_sp)
+        plan.view_shape = (n, groups, *kernel, cg, *out_sp)
         plan.view_strides = tuple(
             v * itemsize
             for v in (
-                (c * math.prod(padded), math.prod(padded))
+                (c * plane, cg * plane)
                 + tuple(a * d for a, d in zip(st, dil))
+                + (plane,)
                 + tuple(a * s for a, s in zip(st, strides))
             )
         )
-        plan.cols_shape = (n, groups, (c // groups) * ksize, length)
+        plan.cols_shape = (n, groups, ksize * cg, length)
     return plan
 
 
@@ -308,85 +360,96 @@ def conv_forward(
 ) -> np.ndarray:
     """Convolution of ``x`` (already in the compute dtype) with packed weights.
 
-    ``bias`` is ``(M,)`` in the compute dtype or None. ``depthwise`` is the weight as
-    ``(C, mult, prod(k))`` when the node is depthwise (groups == C, one input channel each).
-    Returns a fresh array ``(N, M, *out)``.
+    ``packed`` comes from :func:`pack_conv_weight`; ``bias`` is ``(M,)`` in the compute dtype
+    or None; ``depthwise`` is the weight as ``(C, mult, prod(k))`` when the node is depthwise
+    (groups == C, one input channel each). Returns a fresh array ``(N, M, *out)``.
     """
+    if depthwise is not None:
+        out_sp, begin, end, strides, dil = spec.resolve(x.shape[2:], kernel)
+        xp = _pad(x, begin, end)
+        return _depthwise(xp, depthwise, kernel, out_sp, strides, dil, bias)
     key = (x.shape, kernel, x.dtype)
     plan = spec.plans.get(key)
     if plan is None:
-        plan = spec.plans[key] = _conv_plan(spec, x.shape, kernel, groups, x.dtype.itemsize)
+        plan = spec.plans[key] = _conv_plan(spec, x.shape, kernel, groups, x.dtype)
     if plan.trim is not None:
         x = x[plan.trim]
     if plan.wide is not None:
         return _conv_wide(plan, x, packed, groups, bias)
     if plan.padded is not None:
-        xp = np.zeros(plan.padded, x.dtype)
-        xp[plan.interior] = x
+        xp = _pad_into(plan, x)
     elif x.flags.c_contiguous:
         xp = x
     else:
         xp = np.ascontiguousarray(x)  # the column views assume C order
-    n = x.shape[0]
-    m = packed.shape[0] * packed.shape[1]
-    out_sp = plan.out_sp
-    if depthwise is not None:
-        _, _, _, strides, dil = spec.resolve(x.shape[2:], kernel)
-        return _depthwise(xp, depthwise, kernel, out_sp, strides, dil, bias)
-
-    mode = plan.mode
-    if mode == "pointwise":
+    if plan.mode == "pointwise":
         cols = xp.reshape(plan.cols_shape)
-    elif mode == "pointwise_strided":
-        _, _, _, strides, _ = spec.resolve(x.shape[2:], kernel)
-        sub = xp[(Ellipsis,) + tuple(slice(None, None, s) for s in strides)]
+    elif plan.mode == "pointwise_strided":
+        sub = xp[(Ellipsis,) + tuple(slice(None, None, s) for s in plan.strides)]
         cols = np.ascontiguousarray(sub).reshape(plan.cols_shape)
     else:
         view = as_strided(xp, plan.view_shape, plan.view_strides, writeable=False)
         cols = np.empty(plan.view_shape, xp.dtype)
         np.copyto(cols, view)
         cols = cols.reshape(plan.cols_shape)
-
-    if groups == 1 and n == 1:
-        y = np.matmul(packed[0], cols[0, 0])
-    elif groups == 1:
-        y = np.matmul(packed[0], cols[:, 0])
-    else:
-        y = np.matmul(packed, cols)
-
+    y = _grouped_matmul(packed, cols, groups)
+    n, m = x.shape[0], packed.shape[0] * packed.shape[1]
     y = y.reshape(n, m, -1)
     if bias is not None:
         y += bias[:, None]
-    return y.reshape((n, m) + tuple(out_sp))
+    return y.reshape((n, m, *plan.out_sp))
+
+
+def _pad_into(plan, x):
+    xp = np.zeros(plan.padded, x.dtype)
+    xp[plan.interior] = x
+    return xp
+
+
+def _grouped_matmul(packed, cols, groups):
+    """(g, M/g, K) x (N, g, K, L) -> (N, g, M/g, L) as few BLAS calls as numpy allows."""
+    if groups == 1 and cols.shape[0] == 1:
+        return np.matmul(packed[0], cols[0, 0])
+    if groups == 1:
+        return np.matmul(packed[0], cols[:, 0])
+    return np.matmul(packed, cols)
 
 
 def _conv_wide(plan, x, packed, groups, bias):
-    """The "wide" im2col path of :func:`_conv_plan` (2-D convs, any stride)."""
+    """The "wide" paths of :func:`_conv_plan` (2-D convs): fill the stride phases, then either
+    accumulate one BLAS GEMM per tap straight from them ("taps") or copy the tap runs into a
+    column buffer for one matmul ("wide"); finally drop the junk columns while adding bias."""
     phases = np.zeros(plan.padded, x.dtype)
     for dst, src in plan.interior:
         phases[dst] = x[src]
-    wq, run, taps = plan.wide
+    wq, run, size, taps = plan.wide
     n = x.shape[0]
-    if len(taps) and phases.shape[0] * phases.shape[1] == 1:
-        view = as_strided(phases, plan.view_shape, plan.view_strides, writeable=False)
-        cols = np.empty(plan.view_shape, x.dtype)
-        np.copyto(cols, view)
-    else:
-        flat = phases.reshape(phases.shape[:4] + (-1,))
-        cols = np.empty(plan.view_shape, x.dtype)
-        for i, j, ph, pw, off in taps:
-            cols[:, :, i, j] = flat[ph, pw, :, :, off : off + run]
-    cols = cols.reshape(plan.cols_shape)
-    if groups == 1 and n == 1:
-        y = np.matmul(packed[0], cols[0, 0])
-    elif groups == 1:
-        y = np.matmul(packed[0], cols[:, 0])
-    else:
-        y = np.matmul(packed, cols)
     m = packed.shape[0] * packed.shape[1]
+    if plan.mode == "taps":
+        y = np.empty((n, m, run), x.dtype)
+        c = x.shape[1]
+        lda = packed.shape[2]
+        a0 = packed.ctypes.data
+        for b in range(n):
+            base = phases.ctypes.data + b * c * size * 4
+            out = y.ctypes.data + b * m * run * 4
+            for t, (_, _, _, _, off) in enumerate(taps):
+                _SGEMM(
+                    101, 111, 111, m, run, c, 1.0, a0 + t * c * 4, lda,
+                    base + off * 4, size, 1.0 if t else 0.0, out, run,
+                )  # fmt: skip
+    else:
+        cols = np.empty(plan.view_shape, x.dtype)
+        if phases.shape[0] * phases.shape[1] == 1:
+            np.copyto(cols, as_strided(phases, plan.view_shape, plan.view_strides))
+        else:
+            flat = phases.reshape(phases.shape[:2] + cols.shape[:2] + (-1, size))
+            for i, j, ph, pw, off in taps:
+                cols[:, :, i, j] = flat[ph, pw, :, :, :, off : off + run]
+        y = _grouped_matmul(packed, cols.reshape(plan.cols_shape), groups)
     out_sp = plan.out_sp
     valid = y.reshape((n, m, out_sp[0], wq))[..., : out_sp[1]]
-    out = np.empty((n, m) + tuple(out_sp), y.dtype)
+    out = np.empty((n, m, *out_sp), y.dtype)
     if bias is not None:
         np.add(valid, bias.reshape(m, 1, 1), out=out)
     else:

@@ -570,6 +570,9 @@ def range_(ctx: KernelContext):
         raise ctx.unsupported("stash_type other than float")
 
     def run(start, limit, delta):
+        # Scalars by the spec; 1-element tensors are accepted too (ONNX's own AffineGrid
+        # function body feeds those).
+        start, limit, delta = (_scalar(v, "Range") for v in (start, limit, delta))
         out_dtype = start.dtype
         if out_dtype.kind in "iu":
             s, lim, d = int(start), int(limit), int(delta)
@@ -586,6 +589,13 @@ def range_(ctx: KernelContext):
         return out.astype(out_dtype, copy=False)
 
     return run
+
+
+def _scalar(value: np.ndarray, op: str) -> np.ndarray:
+    value = np.asarray(value)
+    if value.size != 1:
+        raise ValueError(f"{op} expects scalar inputs, got shape {list(value.shape)}")
+    return value.reshape(())
 
 
 @register("EyeLike", 9, 22)
