@@ -42,14 +42,16 @@ def progress(label: str) -> Iterator[None]:
     thread = threading.Thread(target=tick, daemon=True)
     if tty:
         thread.start()
+    outcome = "failed after"
     try:
         yield
+        outcome = "done in"
     finally:
         stop.set()
         if tty:
             thread.join()
             sys.stderr.write("\r")
-        sys.stderr.write(f"{label}: done in {time.monotonic() - start:.1f} s\n")
+        sys.stderr.write(f"{label}: {outcome} {time.monotonic() - start:.1f} s\n")
 
 
 def _config(items: Sequence[str]) -> dict[str, str]:
@@ -64,9 +66,8 @@ def _config(items: Sequence[str]) -> dict[str, str]:
 
 def _table(rows: list[list[str]], header: list[str]) -> str:
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    lines = ["  ".join(str(h).ljust(w) for h, w in zip(header, widths))]
-    lines += ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)) for row in rows]
-    return "\n".join(lines)
+    lines = [header, *rows]
+    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in lines)
 
 
 def _devices(client: Client, args: argparse.Namespace) -> int:
@@ -89,11 +90,10 @@ def _metric(client: Client, args: argparse.Namespace) -> int:
 
 def _configure(client: Client, args: argparse.Namespace) -> int:
     sets = [i for i in args.keys if "=" in i]
-    gets = [i for i in args.keys if "=" not in i]
     if sets:
         client.set_config(_config(sets), args.device)
     current = client.get_config(args.device)
-    for key in gets or sorted(current):
+    for key in [i.partition("=")[0] for i in args.keys] or sorted(current):
         if key not in current:
             client.get_config(args.device, key)  # the server's error names the supported keys
         print(f"{key}={current[key]}")
@@ -163,28 +163,59 @@ def _random_input(spec, rng: np.random.Generator) -> np.ndarray:
     return rng.integers(0, 10, size=shape).astype(spec.dtype)
 
 
-def _infer(client: Client, args: argparse.Namespace) -> int:
-    network = next((n for n in client.networks() if n.name == args.name), None)
-    if network is None:
-        raise SystemExit(f"plugserve: network {args.name!r} is not loaded (see: plugserve list)")
+def _read_inputs(items: Sequence[str], network) -> dict[str, np.ndarray]:
+    """``NAME=file.npy`` or ``file.npz`` (every array by its name), or a lone ``file.npy``
+    for a network with one input."""
     inputs: dict[str, np.ndarray] = {}
-    for item in args.input:
-        if "=" in item:
-            name, _, path = item.partition("=")
-            inputs[name] = np.load(path, allow_pickle=False)
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep:
+            path = item
+        try:
+            data = np.load(path, allow_pickle=False)
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"plugserve infer: --input {item}: cannot read it ({exc})") from None
+        if isinstance(data, np.ndarray):
+            if not sep:
+                names = [s.name for s in network.inputs] if network is not None else []
+                if len(names) != 1:
+                    raise SystemExit(
+                        f"plugserve infer: --input {item}: name the input (NAME=file.npy); "
+                        f"the network's inputs are {', '.join(names) or 'unknown'}"
+                    )
+                name = names[0]
+            inputs[name] = data
         else:
-            with np.load(item, allow_pickle=False) as data:
+            with data:
+                if sep:
+                    raise SystemExit(
+                        f"plugserve infer: --input {item}: an .npz holds named arrays; "
+                        "pass it without NAME="
+                    )
                 inputs.update({k: data[k] for k in data.files})
+    return inputs
+
+
+def _infer(client: Client, args: argparse.Namespace) -> int:
+    versions = [n for n in client.networks() if n.name == args.name]
+    if args.version:
+        versions = [n for n in versions if n.version == args.version]
+    # the latest version, as the server picks; when none, the server's NOT_FOUND says so
+    network = max(versions, key=lambda n: n.version, default=None)
+    inputs = _read_inputs(args.input, network)
     rng = np.random.default_rng(args.seed)
-    for spec in network.inputs:
+    for spec in network.inputs if network is not None else []:
         if spec.name not in inputs:
             inputs[spec.name] = _random_input(spec, rng)
     outputs = client.infer(args.name, inputs, version=args.version)
+    if args.output_dir:
+        Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     for name, array in outputs.items():
         if args.output_dir:
-            Path(args.output_dir).mkdir(parents=True, exist_ok=True)
             path = Path(args.output_dir) / f"{name}.npy"
-            np.save(path, array, allow_pickle=False)
+            if array.dtype == object and all(isinstance(v, str) for v in array.flat):
+                array = array.astype(np.str_)  # strings: an .npy that loads without pickle
+            np.save(path, array, allow_pickle=array.dtype == object)
             print(f"{name}: {array.dtype}{list(array.shape)} -> {path}")
         else:
             print(f"{name}: {array.dtype}{list(array.shape)}")
@@ -287,4 +318,7 @@ def run(verb: str, argv: Sequence[str]) -> int:
             return function(client, args)
     except grpc.RpcError as exc:
         print(f"plugserve {verb}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # a model, blob or output file that cannot be read or written
+        print(f"plugserve {verb}: {exc}", file=sys.stderr)
         return 1

@@ -492,11 +492,30 @@ def check_inputs(
             + ", ".join(s.describe() for s in specs)
         )
     arrays: list[np.ndarray] = []
+    symbols: dict[str, tuple[int, str]] = {}
     for spec in specs:
         if spec.name not in inputs:
             raise InvalidInput(f"network {network_name}: missing input {spec.describe()}")
-        arrays.append(_check_one(network_name, spec, inputs[spec.name]))
+        array = _check_one(network_name, spec, inputs[spec.name])
+        arrays.append(array)
+        if spec.shape is not None and isinstance(array, np.ndarray):
+            _check_symbols(network_name, spec, array.shape, symbols)
     return arrays
+
+
+def _check_symbols(
+    network_name: str, spec: TensorSpec, shape: tuple[int, ...], symbols: dict[str, tuple[int, str]]
+) -> None:
+    """Dimensions that share a symbolic name (``batch``) must agree across inputs."""
+    for dim, size in zip(spec.shape or (), shape):
+        if not isinstance(dim, str) or not dim:
+            continue
+        seen = symbols.setdefault(dim, (size, spec.name))
+        if seen[0] != size:
+            raise InvalidInput(
+                f"network {network_name}: dimension {dim!r} is {size} in input {spec.name!r} "
+                f"but {seen[0]} in input {seen[1]!r}; inputs that share it must agree"
+            )
 
 
 def _check_one(network_name: str, spec: TensorSpec, value: Any) -> np.ndarray:

@@ -9,6 +9,7 @@ handler threads only wait on futures. ``maximum_concurrent_rpcs`` bounds what is
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import signal
@@ -21,6 +22,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from plugserve.plugins.api import PlugserveError
 from plugserve.plugins.blob import plugserve_version
 from plugserve.proto import plugserve_pb2, plugserve_pb2_grpc
 from plugserve.server.core import Core
@@ -36,19 +38,45 @@ __all__ = ["Server", "main"]
 log = logging.getLogger("plugserve")
 
 
+_PLUGIN_KEYS = ("config", "extensions")
+
+
 def load_plugins_file(path: str) -> dict[str, Any]:
     """The ``--plugins`` file: which plugins to load, their config and extensions (JSON).
 
     ``{"plugins": {"NUMPY": {"config": {"NUM_STREAMS": "2"}, "extensions": ["pkg.mod:ext"]}}}``
-    Like OpenVINO's plugins.xml: only the devices named are used.
+    Like OpenVINO's plugins.xml: only the devices named are used. The shape is checked here
+    (an unknown key is an error, not ignored); device names and config keys are checked
+    against the devices when they are configured.
     """
+    where = f"plugserve: --plugins {path}"
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, ValueError) as exc:
-        raise SystemExit(f"plugserve: --plugins {path}: {exc}") from None
+        raise SystemExit(f"{where}: {exc}") from None
     plugins = data.get("plugins") if isinstance(data, dict) else None
-    if not isinstance(plugins, dict):
-        raise SystemExit(f'plugserve: --plugins {path}: expected {{"plugins": {{NAME: {{...}}}}}}')
+    if not isinstance(plugins, dict) or set(data) != {"plugins"}:
+        raise SystemExit(f'{where}: expected {{"plugins": {{NAME: {{...}}}}}} and nothing else')
+    for name, entry in plugins.items():
+        if entry is None:
+            continue
+        if not isinstance(entry, dict):
+            raise SystemExit(f"{where}: plugin {name!r}: expected an object")
+        unknown = sorted(set(entry) - set(_PLUGIN_KEYS))
+        if unknown:
+            raise SystemExit(
+                f"{where}: plugin {name!r}: unknown key(s) {unknown}; "
+                f"expected {', '.join(_PLUGIN_KEYS)}"
+            )
+        if not isinstance(entry.get("config", {}), dict):
+            raise SystemExit(f"{where}: plugin {name!r}: 'config' must be an object of key: value")
+        extensions = entry.get("extensions", [])
+        if not isinstance(extensions, list) or not all(
+            isinstance(e, str) and e.count(":") == 1 and all(e.split(":")) for e in extensions
+        ):
+            raise SystemExit(
+                f"{where}: plugin {name!r}: 'extensions' must be a list of \"module:attribute\""
+            )
     return plugins
 
 
@@ -73,24 +101,43 @@ class Server:
     def _configure_plugins(self) -> None:
         if self.plugin_settings is None:
             return
+        where = f"plugserve: --plugins {self.settings.plugins}"
+        known = {info.name for info in self.core.devices()}
+        listed = {k.upper(): v or {} for k, v in self.plugin_settings.items()}
+        unknown = sorted(set(listed) - known)
+        if unknown:
+            raise SystemExit(
+                f"{where}: unknown device(s) {', '.join(unknown)}; "
+                f"known devices: {', '.join(sorted(known)) or 'none'}"
+            )
         for name in list(self.core.available_devices):
-            if name not in {k.upper() for k in self.plugin_settings}:
+            if name not in listed:
                 self.core._plugins.pop(name, None)
                 log.info("device %s not listed in --plugins: not used", name)
-        for name, entry in self.plugin_settings.items():
-            entry = entry or {}
-            if name.upper() not in self.core.available_devices:
+        for name, entry in listed.items():
+            if name not in self.core.available_devices:
                 log.warning("device %s from --plugins is unavailable", name)
                 continue
             if entry.get("config"):
-                self.core.set_config({k: str(v) for k, v in entry["config"].items()}, name)
+                try:
+                    self.core.set_config({k: str(v) for k, v in entry["config"].items()}, name)
+                except PlugserveError as exc:
+                    raise SystemExit(f"{where}: device {name}: {exc}") from None
+                log.info("device %s: config %s", name, entry["config"])
             for ref in entry.get("extensions", []):
                 module, _, attr = ref.partition(":")
-                import importlib
-
-                extension = getattr(importlib.import_module(module), attr)
-                for item in extension if isinstance(extension, list) else [extension]:
-                    self.core.add_extension(item, name)
+                try:
+                    extension = getattr(importlib.import_module(module), attr)
+                except Exception as exc:  # ImportError, AttributeError, or the module's own
+                    raise SystemExit(
+                        f"{where}: device {name}: extension {ref!r} cannot be loaded: "
+                        f"{type(exc).__name__}: {exc}"
+                    ) from None
+                try:
+                    for item in extension if isinstance(extension, list) else [extension]:
+                        self.core.add_extension(item, name)
+                except PlugserveError as exc:
+                    raise SystemExit(f"{where}: device {name}: extension {ref!r}: {exc}") from None
                 log.info("device %s: extension %s added", name, ref)
 
     def start(self) -> None:

@@ -293,10 +293,9 @@ class DataPlane:
             result = request.infer(feeds)
             finished = time.perf_counter()
             if entry.perf_enabled:
-                for count in entry.record_perf(request):
-                    self.metrics.layer_seconds.labels(
-                        entry.device, entry.name, str(entry.version), count.op_type
-                    ).inc(count.real_time_s)
+                self.metrics.observe_layers(
+                    entry.device, entry.name, entry.version, entry.record_perf(request)
+                )
             entry.stats.queue_ns += int((started - admitted) * 1e9)
             entry.stats.compute_ns += int((finished - started) * 1e9)
             self.metrics.observe(

@@ -10,7 +10,8 @@ from __future__ import annotations
 import contextlib
 import platform
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
@@ -101,6 +102,7 @@ class Metrics:
             registry=self.registry,
         )
         self.build.labels(version, platform.python_version(), sys.platform).set(1)
+        self._op_types: dict[tuple[str, str, str], set[str]] = {}
         self._server = None
 
     def watch_executors(self, read: Callable[[], list[tuple[str, int, int, int, int]]]) -> None:
@@ -122,9 +124,20 @@ class Metrics:
         if compute is not None:
             self.compute.labels(device, model, v).observe(compute)
 
+    def observe_layers(self, device: str, model: str, version: int, counts: Iterable[Any]) -> None:
+        """Add one run's per-node times (``PerfCount``s) to the per-op-type counters."""
+        v = str(version)
+        seen = self._op_types.setdefault((device, model, v), set())
+        for count in counts:
+            seen.add(count.op_type)
+            self.layer_seconds.labels(device, model, v, count.op_type).inc(count.real_time_s)
+
     def forget(self, device: str, model: str, version: int) -> None:
         """Drop an unloaded network's series so dashboards do not show ghosts."""
         v = str(version)
+        for op_type in self._op_types.pop((device, model, v), ()):
+            with contextlib.suppress(KeyError):
+                self.layer_seconds.remove(device, model, v, op_type)
         for status in STATUSES:
             with contextlib.suppress(KeyError):
                 self.requests.remove(device, model, v, status)

@@ -9,12 +9,15 @@ place, so a crash leaves the whole model or none of it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import logging
 import os
 import re
 import shutil
 import tempfile
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -22,19 +25,29 @@ from plugserve.plugins.api import InvalidArgument, NotFound
 
 __all__ = ["ModelEntry", "Repository", "check_name"]
 
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
+log = logging.getLogger(__name__)
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}")
+_VERSION = re.compile(r"[1-9][0-9]{0,17}")  # ASCII only: '²' and '٣' are digits to str.isdigit
+_STAGING = re.compile(r"\.(trash\..+|.+\.[0-9]+\..+)")
 MODEL_FILE = "model.onnx"
 CONFIG_FILE = "config.json"
 
 
 def check_name(name: str) -> str:
     """Refuse a model name that could escape the repository or confuse a shell or a log."""
-    if not isinstance(name, str) or not _NAME.match(name) or ".." in name:
+    # fullmatch, not match with '$': '$' also matches before a trailing newline
+    if not isinstance(name, str) or not _NAME.fullmatch(name) or ".." in name:
         raise InvalidArgument(
             f"invalid model name {name!r}: use 1-128 letters, digits, '_', '-' or '.', "
             "starting with a letter or digit (no '/', '..' or control characters)"
         )
     return name
+
+
+def is_version(text: str) -> bool:
+    """A version folder's name: a canonical integer > 0 ('1', '12'; not '0', '01' or '²')."""
+    return _VERSION.fullmatch(text) is not None
 
 
 @dataclasses.dataclass
@@ -64,29 +77,31 @@ class Repository:
         problems: list[str] = []
         if not self.root.is_dir():
             return [], [f"{self.root}: model repository folder does not exist"]
-        for folder in sorted(p for p in self.root.iterdir() if p.is_dir()):
+        try:
+            folders = sorted(p for p in self.root.iterdir() if p.is_dir())
+        except OSError as exc:
+            return [], [f"{self.root}: cannot list the model repository ({exc})"]
+        for folder in folders:
             if folder.name.startswith("."):
                 continue  # our temporary folders, editors' droppings
             try:
                 check_name(folder.name)
-                settings = self.read_settings(folder.name)
             except InvalidArgument as exc:
                 problems.append(f"{folder}: {exc}")
                 continue
-            versions = []
-            for sub in sorted(folder.iterdir()):
-                if not sub.is_dir():
-                    continue
-                if not sub.name.isdigit() or int(sub.name) < 1:
-                    problems.append(f"{sub}: a version folder must be an integer > 0")
-                    continue
-                if not (sub / MODEL_FILE).is_file():
-                    problems.append(f"{sub}: no {MODEL_FILE} in this version folder")
-                    continue
-                versions.append(int(sub.name))
+            try:
+                settings = self.read_settings(folder.name)  # its messages name the file
+            except InvalidArgument as exc:
+                problems.append(str(exc))
+                continue
+            try:
+                versions = self._versions(folder, problems)
+            except OSError as exc:
+                problems.append(f"{folder}: cannot read this model folder ({exc})")
+                continue
             if not versions:
                 problems.append(f"{folder}: no version folder with a {MODEL_FILE}")
-            for version in sorted(versions):
+            for version in versions:
                 entries.append(
                     ModelEntry(
                         folder.name,
@@ -98,6 +113,24 @@ class Repository:
                     )
                 )
         return entries, problems
+
+    @staticmethod
+    def _versions(folder: Path, problems: list[str]) -> list[int]:
+        versions = []
+        for sub in sorted(folder.iterdir()):
+            if not sub.is_dir() or sub.name.startswith("."):
+                continue
+            if not is_version(sub.name):
+                problems.append(
+                    f"{sub}: a version folder must be named by an integer > 0 "
+                    "(digits, no leading zero)"
+                )
+                continue
+            if not (sub / MODEL_FILE).is_file():
+                problems.append(f"{sub}: no {MODEL_FILE} in this version folder")
+                continue
+            versions.append(int(sub.name))
+        return sorted(versions)
 
     def read_settings(self, name: str) -> ModelSettings:
         path = self.root / check_name(name) / CONFIG_FILE
@@ -134,8 +167,8 @@ class Repository:
             versions = (
                 sorted(
                     int(p.name)
-                    for p in folder.glob("*")
-                    if p.name.isdigit() and (p / MODEL_FILE).is_file()
+                    for p in folder.iterdir()
+                    if is_version(p.name) and (p / MODEL_FILE).is_file()
                 )
                 if folder.is_dir()
                 else []
@@ -150,7 +183,7 @@ class Repository:
     def next_version(self, name: str) -> int:
         folder = self.root / check_name(name)
         versions = (
-            [int(p.name) for p in folder.glob("*") if p.name.isdigit()] if folder.is_dir() else []
+            [int(p.name) for p in folder.iterdir() if is_version(p.name)] if folder.is_dir() else []
         )
         return max(versions, default=0) + 1
 
@@ -160,6 +193,7 @@ class Repository:
         """Write a model version and its settings atomically; returns the model path."""
         check_name(name)
         folder = self.root / name
+        created = not folder.exists()
         folder.mkdir(parents=True, exist_ok=True)
         final = folder / str(version)
         if final.exists():
@@ -174,6 +208,8 @@ class Repository:
             _fsync_dir(folder)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
+            if created:
+                shutil.rmtree(folder, ignore_errors=True)
             raise
         settings = {"device": device, "config": {k: str(v) for k, v in config.items()}}
         self._write_settings(name, settings)
@@ -189,11 +225,16 @@ class Repository:
             if isinstance(current, dict) and current.get("max_batch_size"):
                 settings["max_batch_size"] = current["max_batch_size"]
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{CONFIG_FILE}.", suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(settings, f, indent=2, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(settings, f, indent=2, sort_keys=True)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
         _fsync_dir(path.parent)
 
     def remove(self, name: str, version: int = 0) -> None:
@@ -203,21 +244,41 @@ class Repository:
         for target in targets:
             if not target.exists():
                 continue
-            trash = self.root / f".trash.{name}.{os.getpid()}.{id(target)}"
+            trash = self.root / f".trash.{name}.{os.getpid()}.{uuid.uuid4().hex}"
             os.replace(target, trash)
             shutil.rmtree(trash, ignore_errors=True)
-        if version and folder.is_dir() and not any(p.name.isdigit() for p in folder.iterdir()):
+        if version and folder.is_dir() and not any(is_version(p.name) for p in folder.iterdir()):
             shutil.rmtree(folder, ignore_errors=True)
         _fsync_dir(self.root)
 
-    def clean_staging(self) -> None:
-        """Remove what an interrupted write left behind (called at startup)."""
-        if self.root.is_dir():
-            for leftover in self.root.glob(".*"):
-                if leftover.is_dir() and (
-                    leftover.name.startswith(".trash.") or leftover.name.count(".") >= 3
-                ):
-                    shutil.rmtree(leftover, ignore_errors=True)
+    def clean_staging(self) -> list[Path]:
+        """Remove what an interrupted write left behind (called at startup); returns it.
+
+        That is a staging folder ``DIR/.<name>.<version>.<random>/``, a ``DIR/.trash.*``
+        folder from an interrupted removal, and a ``DIR/<name>/.config.json.*.tmp`` file.
+        """
+        removed: list[Path] = []
+        if not self.root.is_dir():
+            return removed
+        try:
+            leftovers = [
+                p for p in self.root.iterdir() if p.is_dir() and _STAGING.fullmatch(p.name)
+            ]
+            for folder in self.root.iterdir():
+                if folder.is_dir() and not folder.name.startswith("."):
+                    leftovers += folder.glob(f".{CONFIG_FILE}.*.tmp")
+        except OSError:
+            return removed
+        for leftover in leftovers:
+            if leftover.is_dir():
+                shutil.rmtree(leftover, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    leftover.unlink()
+            if not leftover.exists():
+                removed.append(leftover)
+                log.warning("model repository: removed %s, left by an interrupted write", leftover)
+        return removed
 
 
 def _write_synced(path: Path, data: bytes) -> None:

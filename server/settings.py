@@ -13,6 +13,8 @@ from typing import Any
 
 __all__ = ["Settings"]
 
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
 
 def _field(default: Any, help: str, flag: str | None = None) -> Any:
     return dataclasses.field(default=default, metadata={"help": help, "flag": flag})
@@ -36,16 +38,41 @@ class Settings:
     grpc_workers: int = _field(64, "gRPC handler threads")
     exit_timeout: float = _field(30.0, "seconds to finish admitted requests on SIGTERM")
 
+    def problems(self) -> list[str]:
+        """What is out of range, one message per field (empty when all is well)."""
+        found = []
+        for name, low, high in (
+            ("grpc_port", 0, 65535),
+            ("metrics_port", -1, 65535),
+            ("max_message_bytes", 1, 2**31 - 1),  # gRPC keeps message limits in an int32
+            ("queue_size", 0, None),
+            ("grpc_workers", 1, None),
+            ("exit_timeout", 0, None),
+        ):
+            value = getattr(self, name)
+            if value != value or value < low or (high is not None and value > high):  # NaN too
+                found.append(
+                    f"{name}={value!r} must be "
+                    + (f"between {low} and {high}" if high is not None else f">= {low}")
+                )
+        if self.log_level.upper() not in _LOG_LEVELS:
+            found.append(f"log_level={self.log_level!r} must be one of {', '.join(_LOG_LEVELS)}")
+        return found
+
     @classmethod
     def env_name(cls, field: str) -> str:
         return f"PLUGSERVE_{field.upper()}"
 
     @classmethod
+    def flag(cls, field: str) -> str:
+        f = next(f for f in dataclasses.fields(cls) if f.name == field)
+        return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+    @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
         for f in dataclasses.fields(cls):
-            flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
             parser.add_argument(
-                flag,
+                cls.flag(f.name),
                 dest=f.name,
                 default=None,
                 type=type(f.default),
@@ -58,20 +85,33 @@ class Settings:
     ) -> Settings:
         environ = os.environ if environ is None else environ
         values: dict[str, Any] = {}
+        sources: dict[str, str] = {}
         for f in dataclasses.fields(cls):
             raw = getattr(args, f.name, None) if args is not None else None
-            if raw is None and cls.env_name(f.name) in environ:
+            if raw is not None:
+                sources[f.name] = cls.flag(f.name)
+            elif cls.env_name(f.name) in environ:
                 text = environ[cls.env_name(f.name)]
                 try:
-                    raw = type(f.default)(text)
+                    raw = type(f.default)(
+                        text.strip() if isinstance(f.default, int | float) else text
+                    )
                 except ValueError:
                     raise SystemExit(
                         f"plugserve: {cls.env_name(f.name)}={text!r} is not a valid "
                         f"{type(f.default).__name__}"
                     ) from None
+                sources[f.name] = cls.env_name(f.name)
             if raw is not None:
                 values[f.name] = raw
-        return cls(**values)
+        settings = cls(**values)
+        problems = settings.problems()
+        if problems:
+            detail = "; ".join(
+                f"{p} (from {sources.get(p.partition('=')[0], 'the default')})" for p in problems
+            )
+            raise SystemExit(f"plugserve: invalid settings: {detail}")
+        return settings
 
     @classmethod
     def from_argv(cls, argv: Sequence[str], prog: str = "plugserve serve") -> Settings:

@@ -3,10 +3,12 @@ field, and messages cross between the two unchanged.
 
 tritonclient's generated modules and ours define the same symbols (``inference.*``) in proto
 files of different names, so the two cannot share the default descriptor pool of one process
-(the second import fails with "duplicate symbol"). This test therefore never imports
-``tritonclient.grpc``: it reads the serialized descriptors out of tritonclient's ``*_pb2.py``
-sources into a private pool. The one check that uses tritonclient's real request builder and
-result decoder runs it in a subprocess.
+(the second import fails with "duplicate symbol"). This test therefore imports neither
+``tritonclient.grpc`` nor ``plugserve.proto.grpc_service_pb2`` / ``model_config_pb2``: it reads
+the serialized descriptors out of both sets of ``*_pb2.py`` sources, each into its own private
+pool, so it runs in the same pytest process as tests/test_kserve.py (which uses tritonclient) in
+either order. The checks that need the real modules (tritonclient's request builder and result
+decoder; our generated module's descriptor) run in subprocesses.
 """
 
 from __future__ import annotations
@@ -23,9 +25,6 @@ import numpy as np
 import pytest
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
-from plugserve.proto import grpc_service_pb2 as ours
-from plugserve.proto import model_config_pb2 as ours_config
-
 if importlib.util.find_spec("tritonclient") is None:
     pytest.skip("tritonclient is not installed", allow_module_level=True)
 
@@ -38,8 +37,11 @@ SERVICE = "inference.GRPCInferenceService"
 def _serialized_file(path: Path) -> bytes:
     """The FileDescriptorProto bytes a generated *_pb2.py hands to AddSerializedFile."""
     for node in ast.walk(ast.parse(path.read_text())):
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                and node.func.attr == "AddSerializedFile"):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "AddSerializedFile"
+        ):
             return node.args[0].value
     raise AssertionError(f"no serialized descriptor in {path}")
 
@@ -63,9 +65,28 @@ def _triton_class(full_name: str):
     return message_factory.GetMessageClass(_triton_pool().FindMessageTypeByName(full_name))
 
 
+# ------------------------------------------------------------------ our descriptors
+
+OUR_CONFIG = "plugserve/proto/model_config.proto"
+OUR_SERVICE = "plugserve/proto/grpc_service.proto"
+
+
+def _proto_dir() -> Path:
+    spec = importlib.util.find_spec("plugserve.proto")  # the package only: no pb2 import
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+@functools.cache
+def _our_pool() -> descriptor_pool.DescriptorPool:
+    """Our generated descriptors in a private pool (never the default one tritonclient uses)."""
+    pool = descriptor_pool.DescriptorPool()
+    for name in ("model_config_pb2.py", "grpc_service_pb2.py"):  # dependency first
+        pool.AddSerializedFile(_serialized_file(_proto_dir() / name))
+    return pool
+
+
 def _our_class(full_name: str):
-    pool = ours.DESCRIPTOR.pool
-    return message_factory.GetMessageClass(pool.FindMessageTypeByName(full_name))
+    return message_factory.GetMessageClass(_our_pool().FindMessageTypeByName(full_name))
 
 
 # ------------------------------------------------------------------ structural comparison
@@ -120,8 +141,12 @@ def _enum_shape(desc) -> list[tuple[str, int]]:
 
 def _service_shape(desc) -> dict:
     return {
-        m.name: (m.input_type.full_name, m.output_type.full_name,
-                 m.client_streaming, m.server_streaming)
+        m.name: (
+            m.input_type.full_name,
+            m.output_type.full_name,
+            m.client_streaming,
+            m.server_streaming,
+        )
         for m in desc.methods
     }
 
@@ -131,8 +156,10 @@ def _differences(theirs_files, ours_files) -> list[str]:
     diffs = []
     their_msgs, their_enums = _types(theirs_files)
     our_msgs, our_enums = _types(ours_files)
-    for kind, theirs, mine, shape in (("message", their_msgs, our_msgs, _message_shape),
-                                      ("enum", their_enums, our_enums, _enum_shape)):
+    for kind, theirs, mine, shape in (
+        ("message", their_msgs, our_msgs, _message_shape),
+        ("enum", their_enums, our_enums, _enum_shape),
+    ):
         for name in sorted(theirs.keys() - mine.keys()):
             diffs.append(f"{kind} {name} missing")
         for name in sorted(mine.keys() - theirs.keys()):
@@ -155,8 +182,9 @@ def _differences(theirs_files, ours_files) -> list[str]:
     their_services = {s.full_name: s for f in theirs_files for s in f.services_by_name.values()}
     our_services = {s.full_name: s for f in ours_files for s in f.services_by_name.values()}
     if their_services.keys() != our_services.keys():
-        diffs.append(f"services: tritonclient {sorted(their_services)}, "
-                     f"ours {sorted(our_services)}")
+        diffs.append(
+            f"services: tritonclient {sorted(their_services)}, ours {sorted(our_services)}"
+        )
     for name in sorted(their_services.keys() & our_services.keys()):
         a, b = _service_shape(their_services[name]), _service_shape(our_services[name])
         for method in sorted(a.keys() | b.keys()):
@@ -165,13 +193,13 @@ def _differences(theirs_files, ours_files) -> list[str]:
     return diffs
 
 
-OUR_FILES = [ours_config.DESCRIPTOR, ours.DESCRIPTOR]
+OUR_FILES = [_our_pool().FindFileByName(OUR_CONFIG), _our_pool().FindFileByName(OUR_SERVICE)]
 
 
 def test_files_are_package_inference():
     for file in OUR_FILES:
         assert file.package == "inference"
-    assert [d.name for d in ours.DESCRIPTOR.dependencies] == ["plugserve/proto/model_config.proto"]
+    assert [d.name for d in OUR_FILES[1].dependencies] == [OUR_CONFIG]
 
 
 def test_same_set_of_messages_and_enums():
@@ -192,20 +220,20 @@ def _triton_enum_names() -> list[str]:
 @pytest.mark.parametrize("name", _triton_message_names())
 def test_message_matches(name):
     theirs = _triton_pool().FindMessageTypeByName(name)
-    mine = ours.DESCRIPTOR.pool.FindMessageTypeByName(name)
+    mine = _our_pool().FindMessageTypeByName(name)
     assert _message_shape(mine) == _message_shape(theirs)
 
 
 @pytest.mark.parametrize("name", _triton_enum_names())
 def test_enum_matches(name):
     theirs = _triton_pool().FindEnumTypeByName(name)
-    mine = ours.DESCRIPTOR.pool.FindEnumTypeByName(name)
+    mine = _our_pool().FindEnumTypeByName(name)
     assert _enum_shape(mine) == _enum_shape(theirs)
 
 
 def test_service_matches():
     theirs = _triton_pool().FindServiceByName(SERVICE)
-    mine = ours.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+    mine = OUR_FILES[1].services_by_name["GRPCInferenceService"]
     assert mine.full_name == SERVICE
     assert _service_shape(mine) == _service_shape(theirs)
     assert [m.name for m in mine.methods] == [m.name for m in theirs.methods]
@@ -242,8 +270,9 @@ def test_comparison_catches_a_changed_field_number():
 
 def test_comparison_catches_a_changed_type_and_oneof():
     def retype(proto):
-        _field(proto, "InferParameter", "uint64_param").type = (
-            descriptor_pb2.FieldDescriptorProto.TYPE_INT64)
+        _field(
+            proto, "InferParameter", "uint64_param"
+        ).type = descriptor_pb2.FieldDescriptorProto.TYPE_INT64
         _field(proto, "ModelStreamInferResponse", "error_message").number = 3
 
     diffs = _differences(_triton_files(), _mutated_files(retype))
@@ -320,8 +349,13 @@ def _fill_config_response(m):
 
 
 def _fill_statistics_response(m):
-    s = m.model_stats.add(name="resnet", version="3", last_inference=1_700_000_000_000,
-                          inference_count=10, execution_count=4)
+    s = m.model_stats.add(
+        name="resnet",
+        version="3",
+        last_inference=1_700_000_000_000,
+        inference_count=10,
+        execution_count=4,
+    )
     s.inference_stats.success.count = 10
     s.inference_stats.success.ns = 123_456
     s.inference_stats.queue.ns = 7
@@ -361,7 +395,8 @@ def test_round_trip_both_ways(name):
     back = theirs_cls.FromString(parsed.SerializeToString())
     assert back == theirs
     assert back.SerializeToString(deterministic=True) == theirs.SerializeToString(
-        deterministic=True)
+        deterministic=True
+    )
 
 
 CLIENT_SCRIPT = r"""
@@ -394,14 +429,20 @@ print(json.dumps({
 
 def test_real_tritonclient_builds_requests_we_parse_and_reads_our_responses():
     """tritonclient's own request builder and result decoder, run in a subprocess."""
-    response = ours.ModelInferResponse(model_name="m", model_version="1", id="r1")
+    response = _our_class("inference.ModelInferResponse")(
+        model_name="m", model_version="1", id="r1"
+    )
     response.outputs.add(name="y", datatype="INT64", shape=[2, 2])
     response.raw_output_contents.append(np.array([[1, -2], [3, 4]], dtype="<i8").tobytes())
     response.outputs.add(name="s", datatype="BYTES", shape=[2])
     strings = b"".join(len(s).to_bytes(4, "little") + s for s in (b"ab", b"xyz"))
     response.raw_output_contents.append(strings)
-    done = subprocess.run([sys.executable, "-c", CLIENT_SCRIPT],
-                          input=response.SerializeToString(), capture_output=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", CLIENT_SCRIPT],
+        input=response.SerializeToString(),
+        capture_output=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr.decode()
     report = json.loads(done.stdout)
     assert report["y"] == [[1, -2], [3, 4]]
@@ -409,10 +450,12 @@ def test_real_tritonclient_builds_requests_we_parse_and_reads_our_responses():
     assert report["id"] == "r1"
 
     wire = bytes.fromhex(report["request"])
-    request = ours.ModelInferRequest.FromString(wire)
+    request = _our_class("inference.ModelInferRequest").FromString(wire)
     assert (request.model_name, request.model_version, request.id) == ("m", "1", "r1")
     assert [(i.name, i.datatype, list(i.shape)) for i in request.inputs] == [
-        ("x", "FP32", [2, 3]), ("t", "BYTES", [2])]
+        ("x", "FP32", [2, 3]),
+        ("t", "BYTES", [2]),
+    ]
     assert request.raw_input_contents[0] == np.arange(6, dtype="<f4").tobytes()
     assert request.raw_input_contents[1] == b"\x02\x00\x00\x00hi\x05\x00\x00\x00there"
     assert [o.name for o in request.outputs] == ["y", "z"]
@@ -427,3 +470,40 @@ def test_real_tritonclient_builds_requests_we_parse_and_reads_our_responses():
     # and back: tritonclient's class reads our re-serialization as the original
     triton_cls = _triton_class("inference.ModelInferRequest")
     assert triton_cls.FromString(request.SerializeToString()) == triton_cls.FromString(wire)
+
+
+OUR_MODULES_SCRIPT = r"""
+import sys
+from google.protobuf import descriptor_pb2
+from plugserve.proto import grpc_service_pb2, model_config_pb2
+
+for module in (model_config_pb2, grpc_service_pb2):
+    proto = descriptor_pb2.FileDescriptorProto()
+    module.DESCRIPTOR.CopyToProto(proto)
+    print(proto.SerializeToString(deterministic=True).hex())
+"""
+
+
+def test_private_pool_holds_what_our_generated_modules_register():
+    """The descriptors read from the *_pb2.py sources are the ones the modules import."""
+    done = subprocess.run(
+        [sys.executable, "-c", OUR_MODULES_SCRIPT], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    expected = []
+    for file in OUR_FILES:
+        proto = descriptor_pb2.FileDescriptorProto()
+        file.CopyToProto(proto)
+        expected.append(proto.SerializeToString(deterministic=True).hex())
+    assert done.stdout.split() == expected
+
+
+def test_our_generated_modules_stay_out_of_the_test_process():
+    """tests/test_kserve.py imports tritonclient.grpc; ours in the same process would clash."""
+    imported = [
+        m for m in ("grpc_service_pb2", "model_config_pb2") if f"plugserve.proto.{m}" in sys.modules
+    ]
+    assert not imported, (
+        f"plugserve.proto.{imported} was imported into the pytest process: it defines the "
+        "same inference.* symbols as tritonclient.grpc; read it into a private pool instead"
+    )

@@ -1,28 +1,39 @@
 """Convolution, pooling, Gemm and MatMul.
 
-Convolution is im2col + GEMM: the builder packs the weights once into the GEMM layout
-``(groups, M/groups, C/groups * prod(kernel))``; a request pads the input, copies the sliding
-windows into ONE contiguous column buffer through a stride-tricks view and does one matmul for
-all groups and batch items, so OpenBLAS sees a few large products. Pointwise stride-1 convs skip
-the column buffer (the input already is the matrix) and depthwise convs sum the kernel taps
-over the whole tensor instead of running one tiny GEMM per channel.
+Convolution is GEMM-based. The builder packs the weights once into ``(groups, M/groups,
+prod(kernel) * C/groups)``, tap-major, so each kernel offset's weights are a contiguous column
+block. A request then takes one of these paths (chosen once per input shape):
 
-Everything that depends on the input's shape (output size, resolved auto_pad pads, the strides
-of the window view) is computed once per distinct input shape and cached, so a repeated shape
-costs one dict lookup.
+* pointwise (1x1): the input already is the GEMM operand (strided 1x1 convs subsample first);
+* "taps" (2-D, stride 1, float32, one group): the padded image is stored with its padded row
+  width, so the input rows a kernel offset reads form one BLAS operand in place; one GEMM per
+  offset accumulates (beta = 1) into the output. No column buffer is built at all, and the
+  copy work an im2col would do runs inside OpenBLAS, on both cores. Needs numpy's bundled
+  OpenBLAS through ctypes (numpy's matmul has no beta); otherwise the next path serves;
+* "wide" (other 2-D convs): the padded image is split into stride phases so every offset's
+  column row is ONE contiguous run; the runs are copied into a column buffer (long memcpys)
+  and one matmul covers all groups and batch items;
+* im2col (1-D/3-D, and 2-D maps so narrow that wide rows would waste GEMM work): a
+  stride-tricks window view copied into one contiguous column buffer, then one matmul.
 
-float16 is computed in float32 and rounded once at the end: numpy has no float16 GEMM, and one
-rounding is closer to what other runtimes return than rounding every partial sum.
+The taps and wide paths compute a few junk columns per output row (padded width minus output
+width) that are dropped while the bias is added. Depthwise convs sum the kernel taps over the
+whole tensor instead of running one tiny GEMM per channel.
+
+Everything that depends on the input's shape is planned once per distinct shape and cached, so
+a repeated shape costs one dict lookup. float16 is computed in float32 and rounded once at the
+end: numpy has no float16 GEMM, and one rounding is closer to what other runtimes return.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
+
 from plugserve.plugins.numpy.kernels.registry import KernelContext, register
 
 __all__ = [
@@ -31,7 +42,6 @@ __all__ = [
     "conv_builder",
     "conv_forward",
     "pack_conv_weight",
-    "window_view",
 ]
 
 _AUTO_PADS = ("NOTSET", "SAME_UPPER", "SAME_LOWER", "VALID")
@@ -49,7 +59,8 @@ class ConvSpec:
     """The sliding-window attributes of a Conv/Pool-like node, resolved per input shape.
 
     ``pads`` are ONNX-ordered (all begins, then all ends). ``resolve`` returns
-    ``(out_shape, pads_begin, pads_end)`` for one spatial input shape and kernel.
+    ``(out_shape, pads_begin, pads_end, strides, dilations)`` for one spatial input shape and
+    kernel; ``plans`` caches the per-shape execution plans of the op owning the spec.
     """
 
     def __init__(
@@ -151,7 +162,7 @@ def _pad(x: np.ndarray, begin: Sequence[int], end: Sequence[int], value=0) -> np
     lead = x.shape[: x.ndim - n]
     shape = lead + tuple(s + b + e for s, b, e in zip(x.shape[x.ndim - n :], begin, end))
     out = np.zeros(shape, x.dtype) if value == 0 else np.full(shape, value, x.dtype)
-    inner = (Ellipsis,) + tuple(slice(b, b + s) for b, s in zip(begin, x.shape[x.ndim - n :]))
+    inner = (Ellipsis, *(slice(b, b + s) for b, s in zip(begin, x.shape[x.ndim - n :])))
     out[inner] = x
     return out
 
@@ -161,34 +172,16 @@ def _reach(out: int, stride: int, span: int) -> int:
     return (out - 1) * stride + span
 
 
-def window_view(
-    xp: np.ndarray,
-    kernel: Sequence[int],
-    out: Sequence[int],
-    strides: Sequence[int],
-    dilations: Sequence[int],
-) -> np.ndarray:
-    """Read-only view ``(*lead, *kernel, *out)`` of the sliding windows of padded ``xp``."""
-    n = len(kernel)
-    lead_shape, lead_strides = xp.shape[:-n], xp.strides[:-n]
-    sp = xp.strides[-n:]
-    return as_strided(
-        xp,
-        lead_shape + tuple(kernel) + tuple(out),
-        lead_strides
-        + tuple(st * d for st, d in zip(sp, dilations))
-        + tuple(st * s for st, s in zip(sp, strides)),
-        writeable=False,
-    )
-
-
 def _tap_views(xp: np.ndarray, kernel, out, strides, dilations):
     """For each kernel offset, the strided view of ``xp`` that offset reads (no copies)."""
     n = len(kernel)
     for offset in itertools.product(*(range(k) for k in kernel)):
-        index = (Ellipsis,) + tuple(
-            slice(o * d, o * d + (size - 1) * s + 1, s)
-            for o, d, size, s in zip(offset, dilations, out, strides)
+        index = (
+            Ellipsis,
+            *(
+                slice(o * d, o * d + (size - 1) * s + 1, s)
+                for o, d, size, s in zip(offset, dilations, out, strides)
+            ),
         )
         yield offset, xp[index] if n else xp
 
@@ -206,6 +199,9 @@ def pack_conv_weight(w: np.ndarray, groups: int, dtype: np.dtype) -> np.ndarray:
     ksize = math.prod(w.shape[2:])
     tapped = w.reshape(groups, m // groups, cg, ksize).transpose(0, 1, 3, 2)
     return np.ascontiguousarray(tapped, dtype=dtype).reshape(groups, m // groups, ksize * cg)
+
+
+_ROW_MAJOR, _NO_TRANS = 101, 111  # CBLAS enum values
 
 
 def _find_sgemm():
@@ -236,7 +232,8 @@ def _find_sgemm():
         a = np.arange(6, dtype=np.float32).reshape(2, 3)
         b = np.arange(12, dtype=np.float32).reshape(3, 4)
         c = np.ones((2, 4), np.float32)
-        fn(101, 111, 111, 2, 4, 3, 1.0, a.ctypes.data, 3, b.ctypes.data, 4, 1.0, c.ctypes.data, 4)
+        args = (a.ctypes.data, 3, b.ctypes.data, 4, 1.0, c.ctypes.data, 4)
+        fn(_ROW_MAJOR, _NO_TRANS, _NO_TRANS, 2, 4, 3, 1.0, *args)
         return fn if np.array_equal(c, a @ b + 1) else None
     except Exception:
         return None
@@ -279,8 +276,9 @@ def _conv_plan(spec: ConvSpec, shape: tuple, kernel: tuple, groups: int, dtype: 
     ]
     plan.trim = None
     if any(r < 0 for r in reach):
-        plan.trim = (Ellipsis,) + tuple(
-            slice(0, size + min(r, 0)) for size, r in zip(spatial, reach)
+        plan.trim = (
+            Ellipsis,
+            *(slice(0, size + min(r, 0)) for size, r in zip(spatial, reach)),
         )
         spatial = tuple(size + min(r, 0) for size, r in zip(spatial, reach))
     end = [max(r, 0) for r in reach]
@@ -293,12 +291,16 @@ def _conv_plan(spec: ConvSpec, shape: tuple, kernel: tuple, groups: int, dtype: 
     # contiguous run of a phase and the copy is a few long memcpys instead of a gather with a
     # strided inner loop. The GEMM then also computes (row width - out width) junk columns per
     # output row, dropped when the bias is added.
-    sh, sw = (tuple(strides) + (1, 1))[:2]
+    sh, sw = (*strides, 1, 1)[:2]
     hq, wq = (-(-padded[0] // sh), -(-padded[1] // sw)) if len(padded) == 2 else (0, 0)
-    wide = len(spatial) == 2 and ksize > 1 and (wq - out_sp[1]) * 8 <= out_sp[1]
+    junk = wq - out_sp[1] if len(padded) == 2 else 0
+    # Per-tap BLAS accumulation reads the image in place, so it tolerates more junk columns
+    # than a copied column buffer does before the extra GEMM work outweighs the saved copy.
+    blas = _SGEMM is not None and dtype == np.float32 and groups == 1 and unit
+    wide = len(spatial) == 2 and ksize > 1 and junk * (4 if blas else 8) <= out_sp[1]
     copy = any(begin) or any(end) or plan.trim is not None
     plan.padded = (n, c, *padded) if copy and not wide else None
-    plan.interior = (Ellipsis,) + tuple(slice(b, b + size) for b, size in zip(begin, spatial))
+    plan.interior = (Ellipsis, *(slice(b, b + size) for b, size in zip(begin, spatial)))
     plan.wide = None
     if ksize == 1:
         plan.mode = "pointwise" if unit else "pointwise_strided"
@@ -324,7 +326,6 @@ def _conv_plan(spec: ConvSpec, shape: tuple, kernel: tuple, groups: int, dtype: 
             taps.append((i, j, oi % sh, oj % sw, (oi // sh) * wq + oj // sw))
         plan.interior = fills
         plan.wide = (wq, run, size, taps)
-        blas = _SGEMM is not None and dtype == np.float32 and groups == 1 and unit
         plan.mode = "taps" if blas else "wide"
         plan.view_shape = (n, groups, *kernel, cg, run)
         plan.view_strides = tuple(
@@ -339,10 +340,13 @@ def _conv_plan(spec: ConvSpec, shape: tuple, kernel: tuple, groups: int, dtype: 
         plan.view_strides = tuple(
             v * itemsize
             for v in (
-                (c * plane, cg * plane)
-                + tuple(a * d for a, d in zip(st, dil))
-                + (plane,)
-                + tuple(a * s for a, s in zip(st, strides))
+                (
+                    c * plane,
+                    cg * plane,
+                    *(a * d for a, d in zip(st, dil)),
+                    plane,
+                    *(a * s for a, s in zip(st, strides)),
+                )
             )
         )
         plan.cols_shape = (n, groups, ksize * cg, length)
@@ -385,7 +389,7 @@ def conv_forward(
     if plan.mode == "pointwise":
         cols = xp.reshape(plan.cols_shape)
     elif plan.mode == "pointwise_strided":
-        sub = xp[(Ellipsis,) + tuple(slice(None, None, s) for s in plan.strides)]
+        sub = xp[(Ellipsis, *(slice(None, None, s) for s in plan.strides))]
         cols = np.ascontiguousarray(sub).reshape(plan.cols_shape)
     else:
         view = as_strided(xp, plan.view_shape, plan.view_strides, writeable=False)
@@ -435,7 +439,7 @@ def _conv_wide(plan, x, packed, groups, bias):
             out = y.ctypes.data + b * m * run * 4
             for t, (_, _, _, _, off) in enumerate(taps):
                 _SGEMM(
-                    101, 111, 111, m, run, c, 1.0, a0 + t * c * 4, lda,
+                    _ROW_MAJOR, _NO_TRANS, _NO_TRANS, m, run, c, 1.0, a0 + t * c * 4, lda,
                     base + off * 4, size, 1.0 if t else 0.0, out, run,
                 )  # fmt: skip
     else:
@@ -462,12 +466,12 @@ def _depthwise(xp, weights, kernel, out_sp, strides, dilations, bias):
     n, c = xp.shape[:2]
     mult = weights.shape[1]
     wshape = (1, c, mult) + (1,) * len(out_sp)
-    y = np.zeros((n, c, mult) + tuple(out_sp), xp.dtype)
+    y = np.zeros((n, c, mult, *out_sp), xp.dtype)
     tmp = np.empty_like(y)
     for index, (_, tap) in enumerate(_tap_views(xp, kernel, out_sp, strides, dilations)):
         np.multiply(tap[:, :, None], weights[:, :, index].reshape(wshape), out=tmp)
         y += tmp
-    y = y.reshape((n, c * mult) + tuple(out_sp))
+    y = y.reshape((n, c * mult, *out_sp))
     if bias is not None:
         y += bias.reshape((1, -1) + (1,) * len(out_sp))
     return y
@@ -490,11 +494,10 @@ def conv_builder(ctx: KernelContext):
         if tuple(kernel_attr) != tuple(w_const.shape[2:]):
             raise ctx.unsupported("kernel_shape differs from the weight's shape")
     spec = ConvSpec(ctx, kernel_attr)
-    run = _conv_runner(spec, groups, w_const, b_const, ctx.has_input(2), dtype)
-    return run
+    return _conv_runner(spec, groups, w_const, b_const, dtype)
 
 
-def _conv_runner(spec, groups, w_const, b_const, has_bias, dtype):
+def _conv_runner(spec, groups, w_const, b_const, dtype):
     cdt = _compute_dtype(dtype) if dtype is not None else None
 
     def prepare(w, cdt):
@@ -553,9 +556,12 @@ def col2im_add(
     lead = cols.shape[: cols.ndim - 2 * n]
     full = np.zeros(lead + tuple(full_sp), cols.dtype)
     for offset in itertools.product(*(range(k) for k in kernel)):
-        index = (Ellipsis,) + tuple(
-            slice(o * d, o * d + (size - 1) * s + 1, s)
-            for o, d, size, s in zip(offset, dilations, out_sp, strides)
+        index = (
+            Ellipsis,
+            *(
+                slice(o * d, o * d + (size - 1) * s + 1, s)
+                for o, d, size, s in zip(offset, dilations, out_sp, strides)
+            ),
         )
         full[index] += cols[(Ellipsis,) + offset + (slice(None),) * n]
     return full
@@ -645,9 +651,9 @@ def conv_transpose(ctx: KernelContext):
         in_sp = x.shape[2:]
         xs = x.astype(c, copy=False).reshape(n, groups, cin // groups, math.prod(in_sp))
         cols = np.matmul(packed, xs)  # (n, g, mg*K, L)
-        cols = cols.reshape((n, groups * mg) + kernel + tuple(in_sp))
+        cols = cols.reshape((n, groups * mg, *kernel, *in_sp))
         buf = col2im_add(cols, kernel, in_sp, strides, dil, full)
-        y = np.zeros((n, groups * mg) + tuple(out), c)
+        y = np.zeros((n, groups * mg, *out), c)
         src, dst = [], []
         for i in range(len(out)):
             lo, hi = max(begin[i], 0), min(begin[i] + out[i], full[i])
@@ -701,30 +707,65 @@ def _window_counts(spatial, out, begin, end, kernel, strides, dil, include_pad) 
     return result
 
 
-def _clipped_taps(spec: ConvSpec, shape: tuple, kernel: tuple):
-    """Per kernel offset, (output slices, input slices) of the windows that offset hits
-    inside the data: pooling without materialising a padded copy. Cached per shape."""
-    key = (shape, kernel)
+def _pool_taps(spec: ConvSpec, shape: tuple, kernel: tuple):
+    """How a pool reads its windows without materialising a padded copy. Cached per shape.
+
+    Per kernel offset: the output slices it contributes to and the input slices it reads,
+    clipped to the data. A strided pool first splits the input into stride phases
+    (``x[..., a::s]`` copied contiguously), so every tap reads a unit-stride slice of one
+    phase: numpy's strided loops are several times slower than contiguous ones.
+    """
+    key = ("pool", shape, kernel)
     hit = spec.plans.get(key)
     if hit is not None:
         return hit
     out, begin, _, strides, dil = spec.resolve(shape[2:], kernel)
+    spatial = shape[2:]
+    phased = any(s > 1 for s in strides)
+    counts = [[len(range(a, size, s)) for a in range(s)] for size, s in zip(spatial, strides)]
+    fills = []
+    for phase in itertools.product(*(range(s) for s in strides)):
+        dst = tuple(slice(0, counts[d][a]) for d, a in enumerate(phase))
+        src = tuple(slice(a, None, s) for a, s in zip(phase, strides))
+        if all(sl.stop > 0 for sl in dst):
+            fills.append(((*phase, Ellipsis, *dst), (Ellipsis, *src)))
     taps = []
     for offset in itertools.product(*(range(k) for k in kernel)):
-        dst, src = [Ellipsis], [Ellipsis]
-        for size, o, b, k, s, d in zip(shape[2:], out, begin, offset, strides, dil):
-            shift = k * d - b  # input position of output 0
-            lo = max(0, -(shift // s))  # first output whose input position is >= 0
-            hi = min(o - 1, (size - 1 - shift) // s)
-            if hi < lo:
+        dst, src, phase = [Ellipsis], [Ellipsis], []
+        for d, (o, b, k, s, dl) in enumerate(zip(out, begin, offset, strides, dil)):
+            first = k * dl - b  # input position read for output 0
+            a, q0 = first % s, first // s
+            lo, hi = max(0, -q0), min(o, counts[d][a] - q0)
+            if hi <= lo:
                 break
-            dst.append(slice(lo, hi + 1))
-            first = lo * s + shift
-            src.append(slice(first, first + (hi - lo) * s + 1, s))
+            dst.append(slice(lo, hi))
+            src.append(slice(q0 + lo, q0 + hi))
+            phase.append(a)
         else:
-            taps.append((tuple(dst), tuple(src)))
-    hit = spec.plans[key] = (out, taps)
+            taps.append((tuple(dst), (*phase, *src) if phased else tuple(src)))
+    shape_ph = (*strides, *shape[:2], *(max(c) for c in counts)) if phased else None
+    whole = (Ellipsis, *(slice(0, o) for o in out))
+    cover = next((i for i, (dst, _) in enumerate(taps) if dst == whole), None)
+    hit = spec.plans[key] = (out, shape_ph, fills, taps, cover)
     return hit
+
+
+def _pool_reduce(spec: ConvSpec, x: np.ndarray, kernel: tuple, init, combine) -> np.ndarray:
+    """``combine`` (np.maximum or np.add) of every window, starting from ``init``."""
+    out, shape_ph, fills, taps, cover = _pool_taps(spec, x.shape, kernel)
+    src = x
+    if shape_ph is not None:
+        src = np.empty(shape_ph, x.dtype)
+        for dst, part in fills:
+            src[dst] = x[part]
+    if cover is None:
+        y = np.full((*x.shape[:2], *out), init, x.dtype)
+    else:  # a tap that covers every output (the centre one, usually) initialises y
+        y = src[taps[cover][1]].copy()
+    for i, (dst, part) in enumerate(taps):
+        if i != cover:
+            combine(y[dst], src[part], out=y[dst])
+    return y
 
 
 @register("MaxPool", 1, 8, 10, 11, 12, 22, multi_output=True)
@@ -742,11 +783,7 @@ def max_pool(ctx: KernelContext):
 
     def run(x):
         if not want_indices:
-            out, taps = _clipped_taps(spec, x.shape, kernel)
-            y = np.full(x.shape[:2] + out, fill_value(x.dtype), x.dtype)
-            for dst, src in taps:
-                np.maximum(y[dst], x[src], out=y[dst])
-            return (y,)
+            return (_pool_reduce(spec, x, kernel, fill_value(x.dtype), np.maximum),)
         xp, out, begin, _, strides, dil = _pool_setup(spec, x, kernel, fill_value(x.dtype))
         taps = _tap_views(xp, kernel, out, strides, dil)
         _, first = next(taps)
@@ -794,10 +831,8 @@ def average_pool(ctx: KernelContext):
     def run(x):
         c = _compute_dtype(x.dtype)
         xc = x.astype(c, copy=False)
-        out, taps = _clipped_taps(spec, x.shape, kernel)
-        y = np.zeros(x.shape[:2] + out, c)
-        for dst, src in taps:
-            y[dst] += xc[src]
+        y = _pool_reduce(spec, xc, kernel, 0, np.add)
+        out = y.shape[2:]
         key = x.shape[2:]
         div = divisors.get(key)
         if div is None:
@@ -822,10 +857,7 @@ def lp_pool(ctx: KernelContext):
         c = _compute_dtype(x.dtype)
         xa = np.abs(x.astype(c, copy=False))
         powered = xa * xa if p == 2 else xa**p
-        out, taps = _clipped_taps(spec, x.shape, kernel)
-        y = np.zeros(x.shape[:2] + out, powered.dtype)
-        for dst, src in taps:
-            y[dst] += powered[src]
+        y = _pool_reduce(spec, powered, kernel, 0, np.add)
         y = np.sqrt(y) if p == 2 else y ** (1.0 / p)
         return y.astype(x.dtype, copy=False)
 
@@ -993,9 +1025,9 @@ def col2im(ctx: KernelContext):
         out = tuple((padded[i] - ((block[i] - 1) * dil[i] + 1)) // strides[i] + 1 for i in range(n))
         batch = x.shape[0]
         channels = x.shape[1] // math.prod(block)
-        cols = x.reshape((batch, channels) + block + out)
+        cols = x.reshape((batch, channels, *block, *out))
         full = col2im_add(cols, block, out, strides, dil, padded)
-        inner = (Ellipsis,) + tuple(slice(pads[i], pads[i] + image[i]) for i in range(n))
+        inner = (Ellipsis, *(slice(pads[i], pads[i] + image[i]) for i in range(n)))
         return np.ascontiguousarray(full[inner])
 
     return run
@@ -1066,7 +1098,7 @@ def _bilinear(x: np.ndarray, py: np.ndarray, px: np.ndarray, offset_groups: int)
     y0 = y0.astype(np.int64)
     x0 = x0.astype(np.int64)
     xg = x.reshape(n, og, cpg, h * w)
-    result = np.zeros((n, og, cpg) + py.shape[2:], x.dtype)
+    result = np.zeros((n, og, cpg, *py.shape[2:]), x.dtype)
     nidx = np.arange(n)[:, None, None, None, None]
     gidx = np.arange(og)[None, :, None, None, None]
     for dy, dx in ((0, 0), (0, 1), (1, 0), (1, 1)):

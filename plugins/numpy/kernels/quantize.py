@@ -12,6 +12,7 @@ convolutions reuse the float Conv machinery of :mod:`nn`.
 from __future__ import annotations
 
 import numpy as np
+
 from plugserve.plugins.numpy.kernels.nn import ConvSpec, conv_forward, pack_conv_weight
 from plugserve.plugins.numpy.kernels.registry import KernelContext, register
 
@@ -36,11 +37,13 @@ _ONNX_DTYPES = {
 
 def _broadcast_param(value: np.ndarray, shape: tuple, axis: int, block_size: int) -> np.ndarray:
     """A scale or zero point shaped to broadcast against x: per tensor, per axis or blocked."""
-    if value.ndim == 0 or value.size == 1 and not block_size:
+    if value.ndim == 0 or (value.size == 1 and not block_size):
         return value.reshape(())
     if not block_size:
         if value.ndim != 1 or value.shape[0] != shape[axis]:
-            raise ValueError(f"per-axis parameter of shape {value.shape} for axis {axis} of {shape}")
+            raise ValueError(
+                f"per-axis parameter of shape {value.shape} for axis {axis} of {shape}"
+            )
         dims = [1] * len(shape)
         dims[axis] = value.shape[0]
         return value.reshape(dims)
@@ -238,7 +241,7 @@ def _rowwise(zp, a_ndim: int):
     zp = np.asarray(zp, dtype=np.float64)
     if zp.size == 1:
         return zp.reshape(())
-    return zp.reshape(zp.shape + (1,))
+    return zp.reshape((*zp.shape, 1))
 
 
 @register("MatMulInteger", 10)
@@ -268,7 +271,7 @@ def qlinear_matmul(ctx: KernelContext):
         acc = np.matmul(_centered(a, _rowwise(a_zp, a.ndim)), _centered(b, b_zp))
         asc = np.asarray(a_scale)
         if asc.size > 1:
-            asc = asc.reshape(asc.shape + (1,))
+            asc = asc.reshape((*asc.shape, 1))
         multiplier = asc * b_scale / y_scale
         out_dtype = y_zp.dtype if y_zp is not None else a.dtype
         lo, hi = _RANGES[np.dtype(out_dtype)]

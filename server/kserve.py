@@ -1,0 +1,518 @@
+"""The KServe v2 / Triton gRPC service (``inference.GRPCInferenceService``) over the data plane.
+
+A thin adapter: each RPC converts its message, calls :class:`DataPlane`, and converts back, so
+``tritonclient.grpc`` (and perf_analyzer) work unchanged. Errors are plugserve's typed errors,
+mapped to status codes in one place (``server/errors.py``).
+
+Choices where KServe/Triton leave room or plugserve differs:
+
+* Model versions are strings on the wire: ``""`` is the latest loaded version, anything that is
+  not a non-negative integer is INVALID_ARGUMENT (``"0"`` also means latest).
+* Inputs come either all in ``raw_input_contents`` (one entry per input, in order) or each in its
+  typed ``contents`` field, as Triton requires; outputs always leave in ``raw_output_contents``.
+  BYTES elements are decoded as UTF-8 text (invalid bytes become U+FFFD), as plugserve.v1 does.
+* Request parameters (sequence_id, priority, timeout, ...) are accepted and ignored; the gRPC
+  deadline bounds a request. Output ``classification`` is not offered (UNIMPLEMENTED).
+* ``RepositoryModelLoad`` loads the repository's latest version of the model. If that version is
+  already loaded it is reloaded (unloaded, then loaded again), so edits to the model file or its
+  ``config.json`` take effect, as a Triton reload does; unlike Triton the swap is not seamless
+  (requests in between get NOT_FOUND, and a failed reload leaves that version unloaded).
+  Overrides (``config`` / ``file:`` parameters) are UNIMPLEMENTED.
+* ``RepositoryModelUnload`` unloads every loaded version and never deletes files: the model can
+  be loaded again (plugserve.v1's UnloadNetwork, by contrast, removes persisted models).
+* Statistics count requests: ``inference_count`` and ``execution_count`` are both the number of
+  successful requests (no dynamic batching here); ``success.ns`` is queue + compute time.
+* Shared memory, trace and log settings are UNIMPLEMENTED.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import time
+import types
+from collections.abc import Iterator
+
+import grpc
+import numpy as np
+
+from plugserve.plugins.api import (
+    InvalidArgument,
+    InvalidInput,
+    NotFound,
+    TensorSpec,
+    Unsupported,
+)
+from plugserve.plugins.blob import plugserve_version
+from plugserve.proto import grpc_service_pb2 as pb
+from plugserve.proto import grpc_service_pb2_grpc as pb_grpc
+from plugserve.proto import model_config_pb2 as mc
+from plugserve.proto.tensors import TensorFormatError, check_shape, encode_strings, from_tensor
+from plugserve.server.dataplane import DataPlane, LoadedNetwork
+from plugserve.server.errors import abort, status_of
+
+__all__ = ["KServeServicer", "add_kserve_service"]
+
+SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
+PLATFORM = "onnxruntime_onnx"
+BACKEND = "plugserve"
+EXTENSIONS = ["model_repository", "model_configuration", "statistics"]
+
+# KServe datatype -> numpy dtype (BF16 has none in numpy: refused)
+DATATYPES: dict[str, np.dtype] = {
+    "BOOL": np.dtype(bool),
+    "UINT8": np.dtype(np.uint8),
+    "UINT16": np.dtype(np.uint16),
+    "UINT32": np.dtype(np.uint32),
+    "UINT64": np.dtype(np.uint64),
+    "INT8": np.dtype(np.int8),
+    "INT16": np.dtype(np.int16),
+    "INT32": np.dtype(np.int32),
+    "INT64": np.dtype(np.int64),
+    "FP16": np.dtype(np.float16),
+    "FP32": np.dtype(np.float32),
+    "FP64": np.dtype(np.float64),
+    "BYTES": np.dtype(object),
+}
+_BY_DTYPE = {dtype: name for name, dtype in DATATYPES.items()}
+
+# KServe datatype -> the InferTensorContents field that carries it (FP16 has none: raw only)
+CONTENTS = {
+    "BOOL": "bool_contents",
+    "INT8": "int_contents",
+    "INT16": "int_contents",
+    "INT32": "int_contents",
+    "INT64": "int64_contents",
+    "UINT8": "uint_contents",
+    "UINT16": "uint_contents",
+    "UINT32": "uint_contents",
+    "UINT64": "uint64_contents",
+    "FP32": "fp32_contents",
+    "FP64": "fp64_contents",
+    "BYTES": "bytes_contents",
+}
+
+_UNIMPLEMENTED = {
+    "SystemSharedMemoryStatus": "system shared memory",
+    "SystemSharedMemoryRegister": "system shared memory",
+    "SystemSharedMemoryUnregister": "system shared memory",
+    "CudaSharedMemoryStatus": "CUDA shared memory",
+    "CudaSharedMemoryRegister": "CUDA shared memory",
+    "CudaSharedMemoryUnregister": "CUDA shared memory",
+    "TraceSetting": "trace settings",
+    "LogSettings": "log settings",
+}
+
+
+# ------------------------------------------------------------------ converters
+
+
+def parse_version(version: str) -> int:
+    """A KServe version string as the data plane's int (0: latest)."""
+    if not version:
+        return 0
+    if not version.isdigit():
+        raise InvalidArgument(
+            f"model version {version!r} is not an integer; use '' for the latest version"
+        )
+    return int(version)
+
+
+def datatype_of(dtype: np.dtype | None) -> str:
+    """The KServe datatype of a numpy dtype ('' when the network does not declare one)."""
+    if dtype is None:
+        return ""
+    dtype = np.dtype(dtype)
+    if dtype.kind in "OUS":
+        return "BYTES"
+    name = _BY_DTYPE.get(dtype)
+    if name is None:
+        raise Unsupported(f"element type {dtype} has no KServe datatype")
+    return name
+
+
+def dims_of(spec: TensorSpec) -> list[int]:
+    """A spec's shape with -1 for every dynamic dimension ([] when the rank is unknown)."""
+    return [d if isinstance(d, int) and d >= 0 else -1 for d in spec.shape or ()]
+
+
+def model_metadata(entry: LoadedNetwork, versions: list[int]) -> pb.ModelMetadataResponse:
+    response = pb.ModelMetadataResponse(
+        name=entry.name, versions=[str(v) for v in versions], platform=PLATFORM
+    )
+    for specs, out in (
+        (entry.network.inputs, response.inputs),
+        (entry.network.outputs, response.outputs),
+    ):
+        for spec in specs:
+            out.add(name=spec.name, datatype=datatype_of(spec.dtype), shape=dims_of(spec))
+    return response
+
+
+def config_data_type(dtype: np.dtype | None) -> int:
+    datatype = datatype_of(dtype)
+    if not datatype:
+        return mc.TYPE_INVALID
+    return mc.DataType.Value("TYPE_STRING" if datatype == "BYTES" else f"TYPE_{datatype}")
+
+
+def model_config(entry: LoadedNetwork) -> mc.ModelConfig:
+    """As Triton: with max_batch_size > 0 the leading (batch) dimension is not in ``dims``."""
+    config = mc.ModelConfig(
+        name=entry.name,
+        platform=PLATFORM,
+        backend=BACKEND,
+        max_batch_size=entry.max_batch_size,
+    )
+    config.version_policy.latest.num_versions = 1
+    config.parameters["device"].string_value = entry.device
+    skip = 1 if entry.max_batch_size > 0 else 0
+    for spec in entry.network.inputs:
+        config.input.add(
+            name=spec.name, data_type=config_data_type(spec.dtype), dims=dims_of(spec)[skip:]
+        )
+    for spec in entry.network.outputs:
+        config.output.add(
+            name=spec.name, data_type=config_data_type(spec.dtype), dims=dims_of(spec)[skip:]
+        )
+    return config
+
+
+def input_array(tensor, raw: bytes | None) -> np.ndarray:
+    """One request input as an array, from its raw bytes or its typed contents."""
+    where = f"input {tensor.name!r}"
+    dtype = DATATYPES.get(tensor.datatype)
+    if dtype is None:
+        raise InvalidInput(
+            f"{where}: datatype {tensor.datatype!r} is not supported; "
+            f"use one of {', '.join(DATATYPES)}"
+        )
+    if raw is not None:
+        if tensor.HasField("contents"):
+            raise InvalidInput(
+                f"{where}: has both raw_input_contents and contents; "
+                "send every input in raw_input_contents or every input in contents"
+            )
+        return _from_raw(tensor, dtype, raw, where)
+    try:
+        shape = list(check_shape(list(tensor.shape), where))
+    except TensorFormatError as exc:
+        raise InvalidInput(str(exc)) from None
+    count = int(np.prod(shape, dtype=np.int64))
+    field = CONTENTS.get(tensor.datatype)
+    values = getattr(tensor.contents, field) if field else ()
+    if field is None and count:
+        raise InvalidInput(f"{where}: {tensor.datatype} data must be sent in raw_input_contents")
+    if len(values) != count:
+        raise InvalidInput(
+            f"{where}: {len(values)} values in contents.{field}, but shape {shape} needs {count}"
+        )
+    if dtype == np.dtype(object):
+        array = np.empty(count, dtype=object)
+        array[:] = [v.decode("utf-8", errors="replace") for v in values]
+        return array.reshape(shape)
+    try:
+        return np.array(values, dtype=dtype).reshape(shape)
+    except (OverflowError, ValueError) as exc:
+        raise InvalidInput(f"{where}: a value does not fit {tensor.datatype}: {exc}") from None
+
+
+def _from_raw(tensor, dtype: np.dtype, raw: bytes, where: str) -> np.ndarray:
+    name = "string" if dtype == np.dtype(object) else dtype.name
+    message = types.SimpleNamespace(name=tensor.name, dtype=name, shape=tensor.shape, data=raw)
+    try:
+        return from_tensor(message, where)
+    except TensorFormatError as exc:
+        raise InvalidInput(str(exc)) from None
+
+
+def request_inputs(request: pb.ModelInferRequest) -> dict[str, np.ndarray]:
+    raw = list(request.raw_input_contents)
+    if raw and len(raw) != len(request.inputs):
+        raise InvalidInput(
+            f"{len(raw)} raw_input_contents for {len(request.inputs)} inputs: "
+            "send one raw_input_contents entry per input, in the order of the inputs"
+        )
+    inputs: dict[str, np.ndarray] = {}
+    for index, tensor in enumerate(request.inputs):
+        if tensor.name in inputs:
+            raise InvalidInput(f"input {tensor.name!r} is given more than once")
+        inputs[tensor.name] = input_array(tensor, raw[index] if raw else None)
+    return inputs
+
+
+def requested_outputs(request: pb.ModelInferRequest) -> list[str]:
+    for output in request.outputs:
+        if "classification" in output.parameters:
+            raise Unsupported(
+                f"output {output.name!r}: classification is not supported; "
+                "request the output without class_count"
+            )
+    return [o.name for o in request.outputs]
+
+
+def raw_bytes(array: np.ndarray) -> bytes:
+    if array.dtype.kind in "OUS":
+        return encode_strings(array)
+    return np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
+
+
+def infer_response(
+    request: pb.ModelInferRequest, entry: LoadedNetwork, outputs: dict[str, np.ndarray]
+) -> pb.ModelInferResponse:
+    response = pb.ModelInferResponse(
+        model_name=entry.name, model_version=str(entry.version), id=request.id
+    )
+    for name, array in outputs.items():
+        array = np.asarray(array)
+        response.outputs.add(name=name, datatype=datatype_of(array.dtype), shape=array.shape)
+        response.raw_output_contents.append(raw_bytes(array))
+    return response
+
+
+def stream_error(request: pb.ModelInferRequest, exc: BaseException) -> pb.ModelStreamInferResponse:
+    _, message = status_of(exc)
+    response = pb.ModelStreamInferResponse(error_message=message)
+    response.infer_response.model_name = request.model_name
+    response.infer_response.model_version = request.model_version
+    response.infer_response.id = request.id
+    return response
+
+
+def model_statistics(entry: LoadedNetwork) -> pb.ModelStatistics:
+    s = entry.stats
+    stats = pb.ModelStatistics(
+        name=entry.name,
+        version=str(entry.version),
+        last_inference=s.last_inference_ms,
+        inference_count=s.success,
+        execution_count=s.execution_count,
+    )
+    inference = stats.inference_stats
+    inference.success.count = s.success
+    inference.success.ns = s.queue_ns + s.compute_ns
+    inference.fail.count = s.failure
+    inference.queue.count = s.success
+    inference.queue.ns = s.queue_ns
+    inference.compute_infer.count = s.success
+    inference.compute_infer.ns = s.compute_ns
+    return stats
+
+
+def _deadline(context: grpc.ServicerContext) -> float | None:
+    remaining = context.time_remaining()
+    return time.monotonic() + remaining if remaining is not None else None
+
+
+# ------------------------------------------------------------------ the service
+
+
+class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
+    def __init__(self, plane: DataPlane) -> None:
+        self.plane = plane
+
+    # --- health and metadata
+
+    def ServerLive(self, request, context):
+        return pb.ServerLiveResponse(live=True)
+
+    def ServerReady(self, request, context):
+        return pb.ServerReadyResponse(ready=self.plane.ready)
+
+    def ModelReady(self, request, context):
+        try:
+            version = parse_version(request.version)
+            try:
+                self.plane.get(request.name, version)
+            except NotFound:
+                return pb.ModelReadyResponse(ready=False)
+            return pb.ModelReadyResponse(ready=True)
+        except Exception as exc:
+            abort(context, exc)
+
+    def ServerMetadata(self, request, context):
+        return pb.ServerMetadataResponse(
+            name="plugserve", version=plugserve_version(), extensions=EXTENSIONS
+        )
+
+    def ModelMetadata(self, request, context):
+        try:
+            entry = self.plane.get(request.name, parse_version(request.version))
+            versions = sorted(n.version for n in self.plane.networks() if n.name == entry.name)
+            return model_metadata(entry, versions)
+        except Exception as exc:
+            abort(context, exc)
+
+    def ModelConfig(self, request, context):
+        try:
+            entry = self.plane.get(request.name, parse_version(request.version))
+            return pb.ModelConfigResponse(config=model_config(entry))
+        except Exception as exc:
+            abort(context, exc)
+
+    # --- inference
+
+    def _submit(self, request: pb.ModelInferRequest, context: grpc.ServicerContext):
+        entry = self.plane.get(request.model_name, parse_version(request.model_version))
+        future = self.plane.submit(
+            entry.name,
+            entry.version,
+            request_inputs(request),
+            requested_outputs(request),
+            _deadline(context),
+        )
+        return entry, future
+
+    def ModelInfer(self, request, context):
+        try:
+            entry, future = self._submit(request, context)
+            context.add_callback(future.cancel)
+            return infer_response(request, entry, future.result())
+        except Exception as exc:
+            abort(context, exc)
+
+    def ModelStreamInfer(self, request_iterator: Iterator[pb.ModelInferRequest], context):
+        """Requests are admitted as they arrive; responses leave in completion order."""
+        done: queue.Queue = queue.Queue()
+        admitted = [0]  # requests read so far; each gets exactly one response
+        lock = threading.Lock()
+
+        def complete(request, entry, future) -> None:
+            try:
+                message = pb.ModelStreamInferResponse(
+                    infer_response=infer_response(request, entry, future.result())
+                )
+            except BaseException as exc:
+                message = stream_error(request, exc)
+            done.put(message)
+
+        def read() -> None:
+            try:
+                for request in request_iterator:
+                    with lock:
+                        admitted[0] += 1
+                    try:
+                        entry, future = self._submit(request, context)
+                    except Exception as exc:
+                        done.put(stream_error(request, exc))
+                        continue
+                    future.add_done_callback(lambda f, r=request, e=entry: complete(r, e, f))
+            except grpc.RpcError:
+                pass  # the client went away
+            finally:
+                done.put(None)
+
+        threading.Thread(target=read, name="kserve-stream-reader", daemon=True).start()
+        sent, reading = 0, True
+        while True:
+            message = done.get()
+            if message is None:
+                reading = False
+            else:
+                sent += 1
+                yield message
+            with lock:
+                total = admitted[0]
+            if not reading and sent >= total:
+                return
+
+    # --- statistics and repository
+
+    def ModelStatistics(self, request, context):
+        try:
+            version = parse_version(request.version)
+            if request.name:
+                entries = self._versions(request.name, version)
+            else:
+                entries = self.plane.networks()
+            entries.sort(key=lambda n: (n.name, n.version))
+            return pb.ModelStatisticsResponse(model_stats=[model_statistics(n) for n in entries])
+        except Exception as exc:
+            abort(context, exc)
+
+    def RepositoryIndex(self, request, context):
+        try:
+            loaded = {(n.name, n.version) for n in self.plane.networks()}
+            stored: set[tuple[str, int]] = set()
+            if self.plane.repository is not None:
+                entries, _ = self.plane.repository.scan()
+                stored = {(e.name, e.version) for e in entries}
+            response = pb.RepositoryIndexResponse()
+            for name, version in sorted(loaded | stored):
+                ready = (name, version) in loaded
+                if request.ready and not ready:
+                    continue
+                response.models.add(
+                    name=name,
+                    version=str(version),
+                    state="READY" if ready else "UNAVAILABLE",
+                    reason="" if ready else "unloaded",
+                )
+            return response
+        except Exception as exc:
+            abort(context, exc)
+
+    def RepositoryModelLoad(self, request, context):
+        try:
+            overrides = sorted(k for k in request.parameters if k == "config" or k[:5] == "file:")
+            if overrides:
+                raise Unsupported(
+                    f"model {request.model_name!r}: load overrides {overrides} are not "
+                    "supported; edit the model's folder in the repository and load it by name"
+                )
+            path, device, config, batch = self.plane.repository_model(request.model_name)
+            version = int(path.parent.name)  # the repository layout is NAME/VERSION/model.onnx
+            with contextlib.suppress(NotFound):
+                self._unload(request.model_name, version)  # reload, as Triton does
+            entry, _ = self.plane.load(
+                request.model_name, path, device, config, version=version, max_batch_size=batch
+            )
+            entry.persisted = True  # as load_repository marks it: it lives in the repository
+            return pb.RepositoryModelLoadResponse()
+        except Exception as exc:
+            abort(context, exc)
+
+    def RepositoryModelUnload(self, request, context):
+        try:
+            self._unload(request.model_name, 0)
+            return pb.RepositoryModelUnloadResponse()
+        except Exception as exc:
+            abort(context, exc)
+
+    def _versions(self, name: str, version: int) -> list[LoadedNetwork]:
+        """The loaded version asked for, or every loaded version of ``name`` (0); NotFound."""
+        if version:
+            return [self.plane.get(name, version)]
+        self.plane.get(name)  # NotFound names what is loaded
+        return [n for n in self.plane.networks() if n.name == name]
+
+    def _unload(self, name: str, version: int) -> None:
+        """Unload without deleting: KServe's unload leaves the repository as it is."""
+        for entry in self._versions(name, version):
+            entry.persisted = False
+        self.plane.unload(name, version)
+
+
+def _unimplemented(method: str, feature: str):
+    def handler(self, request, context):
+        abort(
+            context,
+            Unsupported(
+                f"{method}: plugserve does not support {feature}; "
+                "send tensors in the request and configure the server from its command line"
+            ),
+        )
+
+    handler.__name__ = method
+    return handler
+
+
+for _method, _feature in _UNIMPLEMENTED.items():
+    setattr(KServeServicer, _method, _unimplemented(_method, _feature))
+
+
+def add_kserve_service(plane: DataPlane, server: grpc.Server) -> list[str]:
+    """Register the KServe v2 service on ``server``; the service names, for reflection."""
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(KServeServicer(plane), server)
+    return [SERVICE]
