@@ -1,7 +1,7 @@
 """The user verbs of the ``plugserve`` command, against a running server.
 
     plugserve devices | metric DEVICE NAME | config DEVICE [KEY[=VALUE]...] | list
-    plugserve load NAME MODEL.onnx [--device D] [--config K=V] [--persist] | unload NAME
+    plugserve load NAME MODEL.onnx [--device D] [--config K=V] [--persist] | unload NAME [--remove]
     plugserve query MODEL.onnx --device D | infer NAME [--input x=file.npy] [--output-dir DIR]
     plugserve export NAME FILE | import NAME FILE --device D
 
@@ -94,9 +94,10 @@ def _configure(client: Client, args: argparse.Namespace) -> int:
         client.set_config(_config(sets), args.device)
     current = client.get_config(args.device)
     for key in [i.partition("=")[0] for i in args.keys] or sorted(current):
-        if key not in current:
-            client.get_config(args.device, key)  # the server's error names the supported keys
-        print(f"{key}={current[key]}")
+        value = current.get(key)
+        if value is None:  # ask for it alone: the server's error names the supported keys
+            value = client.get_config(args.device, key).get(key, "")
+        print(f"{key}={value}")
     return 0
 
 
@@ -129,8 +130,12 @@ def _load(client: Client, args: argparse.Namespace) -> int:
 
 
 def _unload(client: Client, args: argparse.Namespace) -> int:
-    client.unload(args.name, args.version)
-    print(f"unloaded {args.name}" + (f" version {args.version}" if args.version else ""))
+    client.unload(args.name, args.version, remove=args.remove)
+    print(
+        f"unloaded {args.name}"
+        + (f" version {args.version}" if args.version else "")
+        + (" and removed it from the repository" if args.remove else "")
+    )
     return 0
 
 
@@ -276,6 +281,12 @@ def _arguments(verb: str, parser: argparse.ArgumentParser) -> None:
     elif verb in ("unload", "export", "infer"):
         add("name")
         add("--version", type=int, default=0)
+        if verb == "unload":
+            add(
+                "--remove",
+                action="store_true",
+                help="also delete it from the server's model repository (else files stay)",
+            )
         if verb == "export":
             add("file")
         if verb == "infer":
@@ -322,3 +333,6 @@ def run(verb: str, argv: Sequence[str]) -> int:
     except OSError as exc:  # a model, blob or output file that cannot be read or written
         print(f"plugserve {verb}: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print(f"plugserve {verb}: interrupted", file=sys.stderr)
+        return 130

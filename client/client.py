@@ -153,9 +153,11 @@ class Client:
             timeout=timeout or self.timeout,
         )
 
-    def unload(self, name: str, version: int = 0) -> None:
+    def unload(self, name: str, version: int = 0, remove: bool = False) -> None:
+        """Unload; ``remove=True`` also deletes the model from the server's repository."""
         self.stub.UnloadNetwork(
-            pb.UnloadNetworkRequest(name=name, version=version), timeout=self.timeout
+            pb.UnloadNetworkRequest(name=name, version=version, remove_from_repository=remove),
+            timeout=self.timeout,
         )
 
     def networks(self) -> list[pb.NetworkInfo]:

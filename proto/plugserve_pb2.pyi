@@ -218,12 +218,14 @@ class LoadNetworkResponse(_message.Message):
     def __init__(self, network: _Optional[_Union[NetworkInfo, _Mapping]] = ..., loaded_from_cache: bool = ...) -> None: ...
 
 class UnloadNetworkRequest(_message.Message):
-    __slots__ = ("name", "version")
+    __slots__ = ("name", "version", "remove_from_repository")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    REMOVE_FROM_REPOSITORY_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: int
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+    remove_from_repository: bool
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., remove_from_repository: bool = ...) -> None: ...
 
 class UnloadNetworkResponse(_message.Message):
     __slots__ = ()

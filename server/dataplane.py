@@ -37,7 +37,7 @@ from plugserve.plugins.streams import StreamsExecutor
 from plugserve.server.core import Core
 from plugserve.server.devices import parse_device
 from plugserve.server.metrics import Metrics
-from plugserve.server.repository import Repository, check_name
+from plugserve.server.repository import Repository, check_name, is_version
 
 __all__ = ["DataPlane", "LoadedNetwork"]
 
@@ -224,7 +224,9 @@ class DataPlane:
         )
         return entry, network.loaded_from_cache
 
-    def unload(self, name: str, version: int = 0) -> list[LoadedNetwork]:
+    def unload(self, name: str, version: int = 0, remove: bool = False) -> list[LoadedNetwork]:
+        """Unload a version (every version when 0); ``remove`` also deletes it from the
+        repository. Files are never deleted implicitly: an operator's models stay on disk."""
         with self._lock:
             versions = self._networks.get(name)
             if not versions or (version and version not in versions):
@@ -234,7 +236,7 @@ class DataPlane:
                 versions.clear()
                 del self._networks[name]
         for entry in targets:
-            if entry.persisted and self.repository is not None:
+            if remove and entry.persisted and self.repository is not None:
                 self.repository.remove(name, entry.version)
             self.metrics.forget(entry.device, name, entry.version)
             close = getattr(entry.network, "close", None)
@@ -400,7 +402,7 @@ class DataPlane:
         if self.repository is None:
             raise FailedPrecondition("this server has no model repository")
         name, _, version = path.partition("/")
-        if version and not version.isdigit():
+        if version and not is_version(version):
             raise InvalidArgument(f"repository path {path!r}: expected NAME or NAME/VERSION")
         model = self.repository.model_path(name, int(version or 0))
         settings = self.repository.read_settings(name)

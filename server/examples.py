@@ -7,6 +7,7 @@ as a model repository; the server builds them into a cache folder on first start
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -23,14 +24,37 @@ OPSET = 17
 
 
 def _save(root: Path, name: str, model: onnx.ModelProto, config: dict | None = None) -> None:
+    """Write one example, leaving files that already hold the same bytes untouched.
+
+    Servers may start side by side on the same cache folder: every write goes to a unique
+    temporary file renamed into place, so none reads half a file or loses its rename.
+    """
     onnx.checker.check_model(model)
     folder = root / name / "1"
     folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / ".model.onnx.tmp"
-    tmp.write_bytes(model.SerializeToString())
-    os.replace(tmp, folder / "model.onnx")
+    _write_if_changed(folder / "model.onnx", model.SerializeToString(deterministic=True))
     if config is not None:
-        (root / name / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        _write_if_changed(
+            root / name / "config.json", (json.dumps(config, indent=2) + "\n").encode()
+        )
+
+
+def _write_if_changed(path: Path, data: bytes) -> None:
+    try:
+        if path.read_bytes() == data:
+            return  # unchanged: keep its mtime (the model cache keys on it)
+    except OSError:
+        pass
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, path.parent.stat().st_mode & 0o666)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def _model(graph: onnx.GraphProto) -> onnx.ModelProto:

@@ -19,7 +19,7 @@ Choices where KServe/Triton leave room or plugserve differs:
   (requests in between get NOT_FOUND, and a failed reload leaves that version unloaded).
   Overrides (``config`` / ``file:`` parameters) are UNIMPLEMENTED.
 * ``RepositoryModelUnload`` unloads every loaded version and never deletes files: the model can
-  be loaded again (plugserve.v1's UnloadNetwork, by contrast, removes persisted models).
+  be loaded again (plugserve.v1's UnloadNetwork deletes only with ``remove_from_repository``).
 * Statistics count requests: ``inference_count`` and ``execution_count`` are both the number of
   successful requests (no dynamic batching here); ``success.ns`` is queue + compute time.
 * Shared memory, trace and log settings are UNIMPLEMENTED.
@@ -468,7 +468,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             entry, _ = self.plane.load(
                 request.model_name, path, device, config, version=version, max_batch_size=batch
             )
-            entry.persisted = True  # as load_repository marks it: it lives in the repository
+            entry.persisted = True  # it lives in the repository
             return pb.RepositoryModelLoadResponse()
         except Exception as exc:
             abort(context, exc)
@@ -489,9 +489,8 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     def _unload(self, name: str, version: int) -> None:
         """Unload without deleting: KServe's unload leaves the repository as it is."""
-        for entry in self._versions(name, version):
-            entry.persisted = False
-        self.plane.unload(name, version)
+        self._versions(name, version)  # NotFound names what is loaded
+        self.plane.unload(name, version, remove=False)
 
 
 def _unimplemented(method: str, feature: str):

@@ -202,6 +202,8 @@ class Repository:
             )
         staging = Path(tempfile.mkdtemp(prefix=f".{name}.{version}.", dir=self.root))
         try:
+            # mkdtemp makes it 0700: give the version folder its model folder's permissions
+            staging.chmod(folder.stat().st_mode & 0o7777)
             _write_synced(staging / MODEL_FILE, model)
             _fsync_dir(staging)
             os.replace(staging, final)
@@ -226,6 +228,7 @@ class Repository:
                 settings["max_batch_size"] = current["max_batch_size"]
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{CONFIG_FILE}.", suffix=".tmp")
         try:
+            os.fchmod(fd, path.parent.stat().st_mode & 0o666)  # mkstemp makes it 0600
             with os.fdopen(fd, "w") as f:
                 json.dump(settings, f, indent=2, sort_keys=True)
                 f.flush()

@@ -141,7 +141,7 @@ class PlugserveServicer(pb_grpc.PlugserveServicer):
 
     def UnloadNetwork(self, request, context):
         try:
-            self.plane.unload(request.name, request.version)
+            self.plane.unload(request.name, request.version, request.remove_from_repository)
             return pb.UnloadNetworkResponse()
         except Exception as exc:
             abort(context, exc)
@@ -199,6 +199,8 @@ class PlugserveServicer(pb_grpc.PlugserveServicer):
                     except Exception as exc:
                         done.put(self._error(request.id, exc))
                         continue
+                    outstanding.add(future)
+                    future.add_done_callback(outstanding.discard)
                     future.add_done_callback(lambda f, r=request: complete(r, f))
             except grpc.RpcError:
                 pass
@@ -206,6 +208,13 @@ class PlugserveServicer(pb_grpc.PlugserveServicer):
                 finished_reading.set()
                 done.put(None)
 
+        outstanding: set = set()
+
+        def cancel_outstanding() -> None:
+            for future in list(outstanding):
+                future.cancel()
+
+        context.add_callback(cancel_outstanding)  # the call ended: drop what is still queued
         threading.Thread(target=read, name="infer-stream-reader", daemon=True).start()
         sent = 0
         while True:

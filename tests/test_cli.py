@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 from pathlib import Path
@@ -119,7 +120,7 @@ def test_load_persist_and_from_the_repository(cli, server, files):
     repo = server.repository
     cli("load", "cli_kept", str(files / "mlp.onnx"), "--persist")
     assert (repo / "cli_kept" / "1" / "model.onnx").read_bytes() == mlp().SerializeToString()
-    assert (repo / "cli_kept" / "config.json").is_file()
+    assert json.loads((repo / "cli_kept" / "config.json").read_text())["device"] == "NUMPY"
     out = cli("load", "cli_again", "cli_kept", "--repository").stdout
     assert out.startswith("cli_again v1 on NUMPY: inputs x:float32[batch,32]")
     out = cli("load", "cli_v1", "cli_kept/1", "--repository").stdout
@@ -127,8 +128,14 @@ def test_load_persist_and_from_the_repository(cli, server, files):
     result = cli("load", "cli_none", "no_such_model", "--repository", ok=False)
     assert "NOT_FOUND" in result.stderr and "no_such_model" in result.stderr
     for name in ("cli_kept", "cli_again", "cli_v1"):
-        cli("unload", name)
-    assert not (repo / "cli_kept").exists()
+        assert cli("unload", name).stdout.strip() == f"unloaded {name}"
+    assert (repo / "cli_kept" / "1" / "model.onnx").is_file()  # unload leaves files be
+    cli("load", "cli_gone", str(files / "mlp.onnx"), "--persist")
+    assert (repo / "cli_gone" / "1" / "model.onnx").is_file()
+    out = cli("unload", "cli_gone", "--remove").stdout.strip()
+    assert out == "unloaded cli_gone and removed it from the repository"
+    assert not (repo / "cli_gone").exists()
+    assert not [p.name for p in repo.iterdir() if p.name.startswith(".")]
 
 
 def test_query_shows_each_node_and_why_not(cli, files):

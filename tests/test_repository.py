@@ -117,7 +117,7 @@ def test_bad_repository_paths_are_refused(empty_server, path):
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
-def test_persist_survives_a_restart_and_unload_removes_it(tmp_path):
+def test_persist_survives_a_restart_and_unload_with_remove_deletes_it(tmp_path):
     repo = tmp_path / "models"
     repo.mkdir()
     model = mlp(seed=4).SerializeToString()
@@ -134,6 +134,9 @@ def test_persist_survives_a_restart_and_unload_removes_it(tmp_path):
     assert (repo / "kept" / "2" / "model.onnx").read_bytes() == model
     settings = json.loads((repo / "kept" / "config.json").read_text())
     assert settings["device"] == "NUMPY"
+    mode = (repo / "kept").stat().st_mode & 0o777  # not mkdtemp's 0700 or mkstemp's 0600
+    assert (repo / "kept" / "1").stat().st_mode & 0o777 == mode
+    assert (repo / "kept" / "config.json").stat().st_mode & 0o777 == mode & 0o666
     assert not [p for p in repo.iterdir() if p.name.startswith(".")]  # no staging left
 
     with (
@@ -143,12 +146,12 @@ def test_persist_survives_a_restart_and_unload_removes_it(tmp_path):
         kept = {n.version: n for n in client.networks() if n.name == "kept"}
         assert sorted(kept) == [1, 2] and kept[1].persisted
         np.testing.assert_array_equal(client.infer("kept", {"x": x}, version=1)["y"], before)
-        client.unload("kept", version=1)
+        client.unload("kept", version=2)  # unloaded, still in the repository
+        assert (repo / "kept" / "2" / "model.onnx").read_bytes() == model
+        client.unload("kept", remove=True)  # the loaded version 1, from disk too
         assert not (repo / "kept" / "1").exists() and (repo / "kept" / "2").is_dir()
-        client.unload("kept")
-        assert not (repo / "kept").exists()
         assert not client.networks()
-    assert list(repo.iterdir()) == []
+    assert not [p for p in repo.iterdir() if p.name.startswith(".")]  # no trash left
 
 
 def test_an_interrupted_write_is_cleaned_at_startup_and_never_loaded(tmp_path, examples):

@@ -160,10 +160,11 @@ def code_of(exc: BaseException) -> grpc.StatusCode | None:
 
 def test_health_is_not_serving_until_startup_loading_finished(site, tmp_path):
     repo = examples_repository(tmp_path)
-    from plugserve.server.examples import _save
-
-    for name, seed in (("big_a", 1), ("big_b", 2)):
-        _save(repo, name, mlp(seed, sizes=(256, 512, 512, 10)), {"device": "GATED"})
+    for name, seed in (("big_a", 1), ("big_b", 2)):  # models whose loading waits for a gate
+        (repo / name / "1").mkdir(parents=True)
+        model = mlp(seed, sizes=(256, 512, 512, 10))
+        (repo / name / "1" / "model.onnx").write_bytes(model.SerializeToString())
+        (repo / name / "config.json").write_text(json.dumps({"device": "GATED"}))
     running, gates = gated_server(site, tmp_path, "--model-repository", str(repo))
     running.start(wait_ready=False)
     try:

@@ -89,7 +89,7 @@ def _serve(*args: str, **env: str) -> subprocess.CompletedProcess:
         command,
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=30,
         env={**os.environ, **env},
         check=False,
     )
@@ -99,9 +99,9 @@ def _serve(*args: str, **env: str) -> subprocess.CompletedProcess:
 
 
 def test_the_server_refuses_a_bad_env_value():
-    result = _serve(PLUGSERVE_GRPC_PORT="eighty")
+    result = _serve(PLUGSERVE_QUEUE_SIZE="eighty")
     assert result.returncode == 1
-    assert result.stderr.strip() == "plugserve: PLUGSERVE_GRPC_PORT='eighty' is not a valid int"
+    assert result.stderr.strip() == "plugserve: PLUGSERVE_QUEUE_SIZE='eighty' is not a valid int"
 
 
 def _plugins(tmp_path, content) -> str:
@@ -142,9 +142,17 @@ def test_plugins_file_config_shows_in_get_config(tmp_path):
             {"plugins": {"NUMPY": {"extensions": ["no_such_module_here:ext"]}}},
             "extension 'no_such_module_here:ext' cannot be loaded: ModuleNotFoundError",
         ),
+        (
+            {"plugins": {"NUMPY": {"extensions": ["json:no_such_attribute"]}}},
+            "extension 'json:no_such_attribute' cannot be loaded: AttributeError",
+        ),
+        (
+            {"plugins": {"NUMPY": {"extensions": ["json:dumps"]}}},
+            "extension 'json:dumps': add_extension takes a plugserve.plugins.numpy.Extension",
+        ),
         ("{not json", "Expecting property name"),
     ],
-    ids=["key", "value", "entry", "device", "top", "ref", "module", "json"],
+    ids=["key", "value", "entry", "device", "top", "ref", "module", "attr", "type", "json"],
 )
 def test_a_bad_plugins_file_stops_startup_with_a_clear_message(tmp_path, plugins, message):
     path = _plugins(tmp_path, plugins)

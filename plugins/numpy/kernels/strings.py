@@ -7,6 +7,7 @@ ops only see short pre/post-processing tensors.
 
 from __future__ import annotations
 
+import itertools
 import operator
 import re
 
@@ -104,5 +105,120 @@ def regex_full_match(ctx: KernelContext):
 
     def run(x):
         return np.asarray(match(x), dtype=bool).reshape(x.shape)
+
+    return run
+
+
+@register("TfIdfVectorizer", 9)
+def tfidf_vectorizer(ctx: KernelContext):
+    """Count pool n-grams (optionally with skips) per row of a [C] or [N, C] token tensor.
+
+    The builder turns the pool into a dict from token tuples to n-gram numbers, keeping only
+    n-grams with ``min_gram_length <= n <= max_gram_length``. A request zips shifted column
+    slices into n-gram tuples, looks them up with ``dict.get`` and histograms the hits into
+    output columns with one ``np.bincount``.
+
+    Skips follow onnxruntime: an n-gram with skip distance ``d`` takes tokens ``i, i+d, ...``
+    for ``d = 1 .. max_skip_count + 1``; unigrams are counted once, not once per distance.
+    ``weights[i]`` belongs to the i-th pool n-gram, as the spec says and onnxruntime (1.31)
+    does (the ONNX reference indexes it by output column instead; they agree when
+    ``ngram_indexes`` is the identity). IDF with two differently weighted n-grams sharing an
+    output column depends on scan order in onnxruntime and is refused.
+    """
+    mode = ctx.attr("mode")
+    if mode not in ("TF", "IDF", "TFIDF"):
+        raise ctx.unsupported(f"mode {mode!r}")
+    min_n = int(ctx.attr("min_gram_length"))
+    max_n = int(ctx.attr("max_gram_length"))
+    max_skip = int(ctx.attr("max_skip_count"))
+    if min_n < 1 or max_n < min_n or max_skip < 0:
+        raise ctx.unsupported(f"gram lengths {min_n}..{max_n} with max_skip_count {max_skip}")
+    counts = [int(c) for c in ctx.attr("ngram_counts")]
+    indexes = [int(i) for i in ctx.attr("ngram_indexes")]
+    if not indexes or min(indexes) < 0:
+        raise ctx.unsupported("ngram_indexes must be non-empty and non-negative")
+    pool_ints = list(ctx.attr("pool_int64s", []) or [])
+    pool_strs = list(ctx.attr("pool_strings", []) or [])
+    if bool(pool_ints) == bool(pool_strs):
+        raise ctx.unsupported("exactly one of pool_int64s and pool_strings must be given")
+    pool = [int(v) for v in pool_ints] if pool_ints else [str(v) for v in pool_strs]
+    dtype = ctx.input_dtype(0)
+    if dtype is not None:
+        is_str = dtype.kind in "OUS"
+        if is_str != bool(pool_strs) or (not is_str and dtype not in (np.int32, np.int64)):
+            raise ctx.unsupported(f"input dtype {dtype} with this pool")
+    weights = list(ctx.attr("weights", []) or []) if mode != "TF" else []
+    if weights and len(weights) != len(indexes):
+        raise ctx.unsupported(f"{len(weights)} weights for {len(indexes)} ngram_indexes")
+
+    # ngram_counts[k] is where the (k+1)-grams start in the pool; the running n-gram ordinal
+    # (over all sizes, kept or not) selects the output column and the weight.
+    table: dict[tuple, int] = {}
+    ordinals: list[int] = []
+    ordinal = 0
+    for k, start in enumerate(counts):
+        n = k + 1
+        end = counts[k + 1] if k + 1 < len(counts) else len(pool)
+        if not 0 <= start <= end <= len(pool) or (end - start) % n:
+            raise ctx.unsupported(f"ngram_counts do not split the pool into whole {n}-grams")
+        for pos in range(start, end, n):
+            if min_n <= n <= max_n:
+                if ordinal >= len(indexes):
+                    raise ctx.unsupported("ngram_indexes is shorter than the pool's n-grams")
+                table[tuple(pool[pos : pos + n])] = len(ordinals)
+                ordinals.append(ordinal)
+            ordinal += 1
+    width = max(indexes) + 1
+    cols = np.array([indexes[o] for o in ordinals], dtype=np.int64)
+    sizes = sorted({len(key) for key in table})
+    scans = [(n, d) for n in sizes for d in (range(1, max_skip + 2) if n > 1 else (1,))]
+
+    hit_weights = col_weights = None
+    if weights and mode == "TFIDF":
+        hit_weights = np.array([weights[o] for o in ordinals], dtype=np.float64)
+    elif weights:
+        col_weights = np.zeros(width, dtype=np.float32)
+        seen: dict[int, float] = {}
+        for o in ordinals:
+            w = np.float32(weights[o])
+            if seen.setdefault(indexes[o], w) != w:
+                raise ctx.unsupported("IDF n-grams with different weights share an output column")
+            col_weights[indexes[o]] = w
+    lookup = table.get
+
+    def run(x):
+        if x.ndim > 2:
+            raise ValueError(f"input must be [C] or [N, C], got {x.shape}")
+        rows = x.reshape(1, -1) if x.ndim < 2 else x
+        n_rows, n_cols = rows.shape
+        found = []
+        for n, d in scans:
+            length = n_cols - (n - 1) * d
+            if length <= 0 or n_rows == 0:
+                continue
+            parts = [rows[:, k * d : k * d + length].ravel().tolist() for k in range(n)]
+            hits = np.fromiter(
+                map(lookup, zip(*parts), itertools.repeat(-1)), np.int64, n_rows * length
+            ).reshape(n_rows, length)
+            row_of = np.broadcast_to(np.arange(n_rows, dtype=np.int64)[:, None], hits.shape)
+            mask = hits >= 0
+            found.append((row_of[mask], hits[mask]))
+        if found:
+            row_ids = np.concatenate([r for r, _ in found])
+            ngrams = np.concatenate([g for _, g in found])
+        else:
+            row_ids = ngrams = np.empty(0, np.int64)
+        flat = row_ids * width + cols[ngrams]
+        size = n_rows * width
+        if hit_weights is not None:
+            y = np.bincount(flat, hit_weights[ngrams], minlength=size).astype(np.float32)
+        else:
+            y = np.bincount(flat, minlength=size).astype(np.float32)
+        y = y.reshape(n_rows, width)
+        if mode == "IDF":
+            y = (y > 0).astype(np.float32)
+            if col_weights is not None:
+                y *= col_weights
+        return y if x.ndim == 2 else y.reshape(width)
 
     return run
