@@ -13,7 +13,7 @@ import dataclasses
 import os
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -24,6 +24,7 @@ __all__ = [
     "ConfigKey",
     "Configuration",
     "DeadlineExceeded",
+    "Devices",
     "FailedPrecondition",
     "InferRequest",
     "InferenceError",
@@ -270,6 +271,29 @@ class PerfCount:
 Model = Any  # a path (str | os.PathLike), bytes, or onnx.ModelProto
 
 
+@runtime_checkable
+class Devices(Protocol):
+    """What a virtual plugin (HETERO, MULTI, AUTO, BATCH) may ask of the Core.
+
+    The Core hands itself to every plugin as ``plugin.devices`` after constructing it, so a
+    plugin that composes others never imports the server.
+    """
+
+    @property
+    def available_devices(self) -> list[str]: ...
+
+    def plugin(self, device: str) -> Plugin: ...
+
+    def load_network(self, model: Model, device: str,
+                     config: Mapping[str, Any] | None = None) -> CompiledNetwork: ...
+
+    def query_network(self, model: Model, device: str,
+                      config: Mapping[str, Any] | None = None) -> dict[str, str]: ...
+
+    def import_network(self, data: bytes, device: str,
+                       config: Mapping[str, Any] | None = None) -> CompiledNetwork: ...
+
+
 class Plugin(abc.ABC):
     """A device. The constructor raises :class:`BackendUnavailable` when the backend cannot work."""
 
@@ -280,6 +304,8 @@ class Plugin(abc.ABC):
     def __init__(self) -> None:
         self._config = self.config_class()
         self._lock = threading.Lock()
+        #: Set by the Core: the other devices, for plugins that compose them.
+        self.devices: Devices | None = None
 
     # --- configuration and metrics
 

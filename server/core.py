@@ -77,6 +77,7 @@ class Core:
             self._unavailable[name] = reason
             log.warning("device %s is unavailable: %s", name, reason)
             return
+        plugin.devices = self
         self._plugins[name] = plugin
         log.info("device %s loaded (%s)", name, type(plugin).__name__)
 
@@ -127,9 +128,14 @@ class Core:
         parsed = parse_device(device)
         plugin = self.plugin(parsed)
         merged = dict(config or {})
-        if parsed.device_id:
-            merged.setdefault("DEVICE_ID", parsed.device_id)
+        for key, value in name_config(parsed).items():
+            merged.setdefault(key, value)
         return plugin, merged
+
+    def device_config(self, device: str, config: Mapping[str, Any] | None = None) -> Any:
+        """The configuration a load on ``device`` would use (plugin's, name's, then ``config``)."""
+        plugin, merged = self._resolve(device, config)
+        return plugin.merged_config(merged)
 
     # --- config and metrics
 
@@ -210,6 +216,21 @@ class Core:
             ).encode()
         )
         return digest.hexdigest()[:32]
+
+
+def name_config(name: DeviceName) -> dict[str, str]:
+    """Config keys a device name carries: ``ORT.1`` a device id, ``HETERO:A,B`` priorities,
+    ``AUTO:-X`` exclusions, ``BATCH:D(8)`` the batch size."""
+    config: dict[str, str] = {}
+    if name.device_id:
+        config["DEVICE_ID"] = name.device_id
+    if name.children:
+        config["DEVICE_PRIORITIES"] = ",".join(str(c) for c in name.children)
+    if name.excluded:
+        config["EXCLUDED_DEVICES"] = ",".join(name.excluded)
+    if name.batch_size:
+        config["BATCH_SIZE"] = str(name.batch_size)
+    return config
 
 
 def _lazy(ep: Any) -> Callable[[], Plugin]:

@@ -99,6 +99,18 @@ class LoadedNetwork:
         return counts
 
 
+def batch_device(device: str, max_batch_size: int) -> str:
+    """``BATCH:<device>(<max_batch_size>)`` for a plain device when ``max_batch_size`` > 0."""
+    if max_batch_size <= 0:
+        return device
+    parsed = parse_device(device)
+    if parsed.is_virtual:
+        if parsed.kind != "BATCH":
+            log.info("device %s is virtual: no dynamic batching for it", device)
+        return device
+    return f"BATCH:{parsed}({max_batch_size})"
+
+
 def _safe_config(network: CompiledNetwork, key: str) -> Any:
     try:
         return network.get_config(key)
@@ -135,8 +147,7 @@ class DataPlane:
         with self._lock:
             executor = self._executors.get(kind)
             if executor is None:
-                plugin = self.core.plugin(kind)
-                streams = plugin.config.streams()
+                streams = self.core.device_config(kind).streams()
                 queue = self.queue_size or 16 * streams
                 executor = StreamsExecutor(kind, streams, queue, state_factory=lambda i: i)
                 self._executors[kind] = executor
@@ -174,9 +185,16 @@ class DataPlane:
         version: int = 0,
         max_batch_size: int = 0,
     ) -> tuple[LoadedNetwork, bool]:
-        """Compile and register a network; returns it and whether it came from the cache."""
+        """Compile and register a network; returns it and whether it came from the cache.
+
+        Dynamic batching: a network with ``max_batch_size`` > 0 (a repository model's
+        ``config.json``) is loaded as ``BATCH:<device>(<max_batch_size>)``, so concurrent
+        requests are gathered into batches of up to that many rows, unless its device already
+        is a BATCH device (which then decides the batch size). BATCH wraps one plain device:
+        a HETERO, MULTI or AUTO device is loaded as it is, without dynamic batching.
+        """
         check_name(name)
-        device = device or self.default_device
+        device = batch_device(device or self.default_device, max_batch_size)
         config = dict(config or {})
         if persist and self.repository is None:
             raise FailedPrecondition("persist needs a server started with --model-repository")

@@ -51,12 +51,8 @@ def parse_device(text: str) -> DeviceName:
     head, sep, rest = text.partition(":")
     head = head.upper()
     if not sep:
-        if head in VIRTUAL_DEVICES and head != "AUTO":
-            raise InvalidArgument(
-                f"device {text!r}: {head} needs a device list, e.g. {head}:NUMPY,ORT"
-            )
-        if head == "AUTO":
-            return DeviceName("AUTO")
+        if head in VIRTUAL_DEVICES:  # the device list then comes from DEVICE_PRIORITIES
+            return DeviceName(head)
         return _simple(text)
     if head not in VIRTUAL_DEVICES:
         raise InvalidArgument(

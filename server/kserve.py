@@ -20,8 +20,13 @@ Choices where KServe/Triton leave room or plugserve differs:
   Overrides (``config`` / ``file:`` parameters) are UNIMPLEMENTED.
 * ``RepositoryModelUnload`` unloads every loaded version and never deletes files: the model can
   be loaded again (plugserve.v1's UnloadNetwork deletes only with ``remove_from_repository``).
-* Statistics count requests: ``inference_count`` and ``execution_count`` are both the number of
-  successful requests (no dynamic batching here); ``success.ns`` is queue + compute time.
+* Statistics count requests: ``inference_count`` is the number of successful requests and
+  ``success.ns`` is queue + compute time. On a BATCH device (dynamic batching: a repository
+  model with ``max_batch_size`` > 0, or a network loaded on ``BATCH:D(n)``) ``execution_count``
+  is the number of batches run and ``batch_stats`` has one entry per batch size (rows) with its
+  count and compute time; elsewhere ``execution_count`` equals ``inference_count``. The model
+  configuration of such a network shows ``dynamic_batching`` (preferred size = the batch size,
+  queue delay = BATCH_TIMEOUT_MS).
 * Shared memory, trace and log settings are UNIMPLEMENTED.
 """
 
@@ -167,6 +172,11 @@ def model_config(entry: LoadedNetwork) -> mc.ModelConfig:
     )
     config.version_policy.latest.num_versions = 1
     config.parameters["device"].string_value = entry.device
+    batching = _batching(entry)
+    if batching is not None:
+        size, timeout_ms = batching
+        config.dynamic_batching.preferred_batch_size.append(size)
+        config.dynamic_batching.max_queue_delay_microseconds = int(timeout_ms * 1000)
     skip = 1 if entry.max_batch_size > 0 else 0
     for spec in entry.network.inputs:
         config.input.add(
@@ -177,6 +187,18 @@ def model_config(entry: LoadedNetwork) -> mc.ModelConfig:
             name=spec.name, data_type=config_data_type(spec.dtype), dims=dims_of(spec)[skip:]
         )
     return config
+
+
+def _batching(entry: LoadedNetwork) -> tuple[int, float] | None:
+    """``(batch size, timeout ms)`` of a network on a BATCH device, else None."""
+    if getattr(entry.network, "batch_statistics", None) is None:
+        return None
+    try:
+        return int(entry.network.get_config("BATCH_SIZE")), float(
+            entry.network.get_config("BATCH_TIMEOUT_MS")
+        )
+    except Exception:
+        return None
 
 
 def input_array(tensor, raw: bytes | None) -> np.ndarray:
@@ -297,6 +319,14 @@ def model_statistics(entry: LoadedNetwork) -> pb.ModelStatistics:
     inference.queue.ns = s.queue_ns
     inference.compute_infer.count = s.success
     inference.compute_infer.ns = s.compute_ns
+    batches = getattr(entry.network, "batch_statistics", None)
+    if batches is not None:
+        executed = batches()
+        stats.execution_count = sum(count for count, _ in executed.values())
+        for size, (count, ns) in sorted(executed.items()):
+            batch = stats.batch_stats.add(batch_size=size)
+            batch.compute_infer.count = count
+            batch.compute_infer.ns = ns
     return stats
 
 

@@ -50,7 +50,6 @@ def test_device_name_parts():
     ("text", "message"),
     [
         ("", "empty device name"),
-        ("HETERO", "needs a device list"),
         ("HETERO:", "empty entry"),
         ("HETERO:NUMPY,,ORT", "empty entry"),
         ("HETERO:NUMPY,NUMPY", "listed twice"),

@@ -76,11 +76,16 @@ class NumpyPlugin(Plugin):
 
     # --- transformations
 
+    @property
+    def type_rules(self) -> dict[tuple[str, str], Callable[..., Any]]:
+        """Output-type rules of this plugin's extensions (HETERO types its cut points with them)."""
+        return {(e.domain, e.op_type): e.infer for e in self.extensions if e.infer}
+
     def _context(self, config: NumpyConfiguration) -> PassContext:
         return PassContext(
             supports=self._supports,
             evaluate=self._evaluate,
-            type_rules={(e.domain, e.op_type): e.infer for e in self.extensions if e.infer},
+            type_rules=self.type_rules,
             f16_to_f32=config.get("INFERENCE_PRECISION_HINT") == "f32",
         )
 

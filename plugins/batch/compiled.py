@@ -1,0 +1,307 @@
+"""BATCH's compiled network: the device's network plus the batcher in front of it.
+
+Callers hand their inputs to :meth:`BatchCompiledNetwork.submit` and get a future. Requests are
+queued by their shape beyond the first dimension (and element type), so only requests that can
+be concatenated ever share a batch. A queue is sent as one batch when it holds ``BATCH_SIZE``
+rows or ``BATCH_TIMEOUT_MS`` after its oldest request arrived, whichever comes first; a request
+with more rows than ``BATCH_SIZE`` runs alone. Batches run on the device's own streams, each
+stream with its own infer request; the outputs are split back along the first dimension.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+import time
+import weakref
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from plugserve.plugins.api import (
+    Cancelled,
+    CompiledNetwork,
+    FailedPrecondition,
+    InferenceError,
+    PerfCount,
+    PlugserveError,
+    TensorSpec,
+)
+from plugserve.plugins.batch.config import BatchConfiguration
+from plugserve.plugins.batch.request import BatchInferRequest
+from plugserve.plugins.streams import RequestFuture, StreamsExecutor
+
+if TYPE_CHECKING:
+    from plugserve.plugins.batch.plugin import BatchPlugin
+
+__all__ = ["BatchCompiledNetwork", "unbatchable"]
+
+
+def unbatchable(specs: list[TensorSpec], kind: str) -> str:
+    """Why these inputs or outputs cannot be batched ('' if they can)."""
+    for spec in specs:
+        if spec.shape is None:
+            return f"{kind} {spec.name!r} has no known shape"
+        if not spec.shape:
+            return f"{kind} {spec.name!r} is a scalar"
+        first = spec.shape[0]
+        if isinstance(first, int) and first >= 0:
+            return f"{kind} {spec.name!r} has a static first dimension ({spec.describe()})"
+    return ""
+
+
+class _Item:
+    __slots__ = ("arrays", "arrived", "future", "rows")
+
+    def __init__(self, arrays: list[np.ndarray], rows: int) -> None:
+        self.arrays = arrays
+        self.rows = rows
+        self.arrived = time.monotonic()
+        self.future: Future = RequestFuture()
+
+
+class BatchCompiledNetwork(CompiledNetwork):
+    plugin: BatchPlugin
+    config: BatchConfiguration
+
+    def __init__(
+        self,
+        plugin: BatchPlugin,
+        config: BatchConfiguration,
+        device: str,
+        network: CompiledNetwork,
+    ) -> None:
+        super().__init__(plugin, network.name, config)
+        self.child_device = device
+        self.network = network
+        self.batch_size = int(config.get("BATCH_SIZE"))
+        self.timeout_s = float(config.get("BATCH_TIMEOUT_MS")) / 1000.0
+        self.input_names = [s.name for s in network.inputs]
+        self.output_names = [s.name for s in network.outputs]
+        try:
+            self.child_streams = max(1, int(network.get_metric("OPTIMAL_NUMBER_OF_INFER_REQUESTS")))
+        except PlugserveError:
+            self.child_streams = 1
+        self._cond = threading.Condition()
+        self._queues: dict[tuple, list[_Item]] = {}
+        self._closed = False
+        self._collector: threading.Thread | None = None
+        self._executor: StreamsExecutor | None = None
+        self._stats: dict[int, list[int]] = {}  # rows -> [batches, ns]
+        self._batches = itertools.count(1)
+        self.last_counts: list[PerfCount] = []
+
+    @property
+    def inputs(self) -> list[TensorSpec]:
+        return self.network.inputs
+
+    @property
+    def outputs(self) -> list[TensorSpec]:
+        return self.network.outputs
+
+    # --- the batcher
+
+    def submit(self, arrays: list[np.ndarray], key: tuple, rows: int) -> Future:
+        """Queue one request's checked inputs; the future holds its own outputs."""
+        item = _Item(arrays, rows)
+        with self._cond:
+            if self._closed:
+                raise FailedPrecondition(f"network {self.name}: BATCH network is closed")
+            if self._collector is None:
+                child = self.network  # the streams must not keep this network alive
+                self._executor = StreamsExecutor(
+                    f"BATCH/{self.name}",
+                    self.child_streams,
+                    state_factory=lambda _i: child.create_infer_request(),
+                )
+                self._collector = threading.Thread(
+                    target=_collect,
+                    args=(weakref.ref(self),),
+                    name=f"BATCH/{self.name}-collector",
+                    daemon=True,
+                )
+                self._collector.start()
+            self._queues.setdefault(key, []).append(item)
+            self._cond.notify()
+        return item.future
+
+    def _ready(self, now: float) -> tuple | None:
+        for key, queue in self._queues.items():
+            if (
+                sum(i.rows for i in queue) >= self.batch_size
+                or now >= queue[0].arrived + self.timeout_s
+            ):
+                return key
+        return None
+
+    def _next_batch(self, idle: float) -> list[_Item] | None:
+        """The next batch to run; ``[]`` if none is ready after ``idle`` s, None once closed."""
+        with self._cond:
+            while True:
+                if self._closed:
+                    pending = [i for q in self._queues.values() for i in q]
+                    self._queues.clear()
+                    for item in pending:
+                        item.future.set_exception(
+                            Cancelled(f"network {self.name}: closed before the batch ran")
+                        )
+                    return None
+                now = time.monotonic()
+                key = self._ready(now)
+                if key is not None:
+                    break
+                wake = min(
+                    (q[0].arrived + self.timeout_s for q in self._queues.values()), default=None
+                )
+                if wake is None:
+                    self._cond.wait(idle)
+                    if not self._queues:
+                        return []
+                else:
+                    self._cond.wait(max(0.0, wake - now))
+            queue = self._queues[key]
+            batch = [queue.pop(0)]
+            rows = batch[0].rows
+            while queue and rows + queue[0].rows <= self.batch_size:
+                rows += queue[0].rows
+                batch.append(queue.pop(0))
+            if not queue:
+                del self._queues[key]
+            return batch
+
+    def _dispatch(self, batch: list[_Item]) -> None:
+        assert self._executor is not None
+        try:
+            # a weak reference: a stream keeps its last task until the next one arrives
+            ref = weakref.ref(self)
+            self._executor.submit(lambda request, b=batch: _run_batch(ref, request, b))
+        except PlugserveError as exc:
+            for item in batch:
+                item.future.set_exception(exc)
+
+    def _run(self, request: Any, batch: list[_Item]) -> None:
+        number = next(self._batches)
+        rows = sum(i.rows for i in batch)
+        what = (
+            f"network {self.name}: batch #{number} ({len(batch)} request(s), {rows} rows) "
+            f"on {self.child_device}"
+        )
+        live = [i for i in batch if i.future.set_running_or_notify_cancel()]
+        if not live:
+            return
+        if len(live) != len(batch):
+            batch, rows = live, sum(i.rows for i in live)
+        start = time.perf_counter()
+        try:
+            if len(batch) == 1:
+                feeds = dict(zip(self.input_names, batch[0].arrays))
+            else:
+                feeds = {
+                    name: np.concatenate([i.arrays[k] for i in batch], axis=0)
+                    for k, name in enumerate(self.input_names)
+                }
+            outputs = request.infer(feeds)
+            parts = self._split(outputs, batch, rows)
+        except BaseException as exc:
+            cause = f"{type(exc).__name__}: {exc}"
+            for item in batch:
+                error = InferenceError(f"{what} failed: {cause}")
+                error.__cause__ = exc
+                item.future.set_exception(error)
+            return
+        elapsed = int((time.perf_counter() - start) * 1e9)
+        if self.config.get("PERF_COUNT"):
+            with contextlib.suppress(PlugserveError):
+                self.last_counts = list(request.get_performance_counts())
+        with self._cond:
+            entry = self._stats.setdefault(rows, [0, 0])
+            entry[0] += 1
+            entry[1] += elapsed
+        for item, part in zip(batch, parts):
+            item.future.set_result(part)
+
+    def _split(
+        self, outputs: dict[str, Any], batch: list[_Item], rows: int
+    ) -> list[dict[str, np.ndarray]]:
+        if len(batch) == 1:
+            return [dict(outputs)]
+        offsets = list(itertools.accumulate(i.rows for i in batch))[:-1]
+        parts: list[dict[str, np.ndarray]] = [{} for _ in batch]
+        for name, value in outputs.items():
+            array = np.asarray(value)
+            if array.ndim == 0 or array.shape[0] != rows:
+                raise InferenceError(
+                    f"output {name!r} has shape {list(array.shape)}, its first dimension is "
+                    f"not the batch's {rows} rows: the model does not batch along it"
+                )
+            for part, piece in zip(parts, np.split(array, offsets, axis=0)):
+                part[name] = piece
+        return parts
+
+    def batch_statistics(self) -> dict[int, tuple[int, int]]:
+        """``{rows: (batches run, nanoseconds)}`` for every batch size executed so far."""
+        with self._cond:
+            return {rows: (v[0], v[1]) for rows, v in sorted(self._stats.items())}
+
+    # --- the CompiledNetwork API
+
+    def create_infer_request(self) -> BatchInferRequest:
+        return BatchInferRequest(self)
+
+    def export(self) -> bytes:
+        """The device's own export: batching is how a network is served, not what it is, so
+        the blob imports on the device itself or, batched again, on ``BATCH:<device>(n)``."""
+        return self.network.export()
+
+    def supported_metrics(self) -> list[str]:
+        return [*super().supported_metrics(), "EXECUTION_DEVICES", "BATCH_SIZE_COUNTS"]
+
+    def _metric(self, name: str) -> Any:
+        if name == "EXECUTION_DEVICES":
+            return [self.child_device]
+        if name == "BATCH_SIZE_COUNTS":
+            return {rows: count for rows, (count, _) in self.batch_statistics().items()}
+        if name == "OPTIMAL_NUMBER_OF_INFER_REQUESTS":
+            return self.config.streams()
+        return super()._metric(name)
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)
+        close = getattr(self.network, "close", None)
+        if close is not None:
+            close()
+
+
+def _collect(ref: weakref.ref) -> None:
+    """The collector thread: holds its network only while handling a batch, so a network
+    dropped without close() is still collected (and its __del__ closes it)."""
+    while True:
+        network = ref()
+        if network is None:
+            return
+        batch = network._next_batch(idle=0.5)
+        if batch is None:
+            return
+        if batch:
+            network._dispatch(batch)
+        del network, batch
+
+
+def _run_batch(ref: weakref.ref, request: Any, batch: list[_Item]) -> None:
+    network = ref()
+    if network is None:
+        for item in batch:
+            if item.future.set_running_or_notify_cancel():
+                item.future.set_exception(Cancelled("the BATCH network was dropped"))
+        return
+    network._run(request, batch)

@@ -1,0 +1,134 @@
+"""The BATCH device: ``BATCH:D(n)`` gathers concurrent requests into batches run on D.
+
+Requests to one network that arrive together are concatenated along the first dimension, up
+to ``BATCH_SIZE`` rows or until ``BATCH_TIMEOUT_MS`` (default 2 ms) after the first request of
+the batch, run once on the device's network, and the outputs are split back to their callers.
+Requests whose shapes differ beyond the first dimension are never mixed. A model is accepted
+only if every input and output has a dynamic first dimension. The compiled network's metric
+``BATCH_SIZE_COUNTS`` counts the batches run by size (rows).
+"""
+
+from __future__ import annotations
+
+import platform
+from collections.abc import Mapping
+from typing import Any
+
+from plugserve.plugins.api import (
+    CompiledNetwork,
+    Devices,
+    FailedPrecondition,
+    InvalidArgument,
+    Model,
+    Plugin,
+    PlugserveError,
+)
+from plugserve.plugins.batch.compiled import BatchCompiledNetwork, unbatchable
+from plugserve.plugins.batch.config import BatchConfiguration
+
+__all__ = ["BatchPlugin"]
+
+_OWN_KEYS = {"DEVICE_PRIORITIES", "BATCH_SIZE", "BATCH_TIMEOUT_MS", "DEVICE_ID", "CACHE_DIR"}
+
+
+class BatchPlugin(Plugin):
+    name = "BATCH"
+    config_class = BatchConfiguration
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.architecture = f"{platform.machine() or 'unknown'}-batch1"
+
+    def _devices(self) -> Devices:
+        if self.devices is None:
+            raise FailedPrecondition("BATCH needs a Core to reach other devices")
+        return self.devices
+
+    def merged_config(self, config: Mapping[str, Any] | None, strict: bool = True) -> Any:
+        """Keys of BATCH, plus keys its device knows (handed to that device)."""
+        config = dict(config or {})
+        own = self.config_class.keys()
+        foreign = [k for k in config if k not in own]
+        if foreign:
+            device = config.get("DEVICE_PRIORITIES") or self._config.get("DEVICE_PRIORITIES")
+            try:
+                known = set(self._devices().plugin(str(device)).config_class.keys())
+            except PlugserveError:
+                known = set()
+            unknown = [k for k in foreign if k not in known]
+            if unknown and strict:
+                raise InvalidArgument(
+                    f"BATCH: unsupported config key {unknown[0]!r}; neither BATCH "
+                    f"({', '.join(own)}) nor device {device or '?'} knows it"
+                )
+            config = {k: v for k, v in config.items() if k in own}
+        cfg = super().merged_config(config, strict)
+        cfg.devices = self.devices
+        return cfg
+
+    def _device(self, cfg: BatchConfiguration) -> str:
+        device = cfg.device()
+        if not device:
+            raise InvalidArgument("BATCH needs a device: use BATCH:DEVICE(N), e.g. BATCH:ORT(8)")
+        plugin = self._devices().plugin(device)  # NotFound names an unknown device
+        if plugin.name in ("MULTI", "AUTO", "HETERO", "BATCH"):
+            raise InvalidArgument(f"BATCH: device {device!r} is virtual; batch a real device")
+        return device
+
+    def child_config(self, device: str, overrides: Mapping[str, Any], cfg: Any) -> dict:
+        known = set(self._devices().plugin(device).config_class.keys())
+        child = {k: v for k, v in cfg.child_settings().items() if k in known}
+        child.update({k: str(v) for k, v in overrides.items() if k in known and k not in _OWN_KEYS})
+        return child
+
+    def _wrap(
+        self, cfg: BatchConfiguration, device: str, network: CompiledNetwork
+    ) -> BatchCompiledNetwork:
+        why = unbatchable(network.inputs, "input") or unbatchable(network.outputs, "output")
+        if why:
+            close = getattr(network, "close", None)
+            if close is not None:
+                close()
+            raise InvalidArgument(
+                f"model {network.name!r} cannot be batched: {why}; BATCH needs a dynamic first "
+                "(batch) dimension on every input and output"
+            )
+        return BatchCompiledNetwork(self, cfg, device, network)
+
+    def load_network(
+        self, model: Model, config: Mapping[str, Any] | None = None
+    ) -> BatchCompiledNetwork:
+        cfg = self.merged_config(config)
+        device = self._device(cfg)
+        child = self.child_config(device, config or {}, cfg)
+        network = self._devices().load_network(model, device, child)
+        return self._wrap(cfg, device, network)
+
+    def query_network(
+        self, model: Model, config: Mapping[str, Any] | None = None
+    ) -> dict[str, str]:
+        cfg = self.merged_config(config, strict=False)
+        device = self._device(cfg)
+        return self._devices().query_network(
+            model, device, self.child_config(device, config or {}, cfg)
+        )
+
+    def import_network(
+        self, data: bytes, config: Mapping[str, Any] | None = None
+    ) -> BatchCompiledNetwork:
+        """Import a device's export (see :meth:`BatchCompiledNetwork.export`) on the device
+        named by ``BATCH:<device>(n)`` and batch it."""
+        cfg = self.merged_config(config)
+        device = self._device(cfg)
+        child = self.child_config(device, config or {}, cfg)
+        network = self._devices().import_network(data, device, child)
+        return self._wrap(cfg, device, network)
+
+    def _metric(self, name: str, options: Mapping[str, Any]) -> Any:
+        if name == "FULL_DEVICE_NAME":
+            return "BATCH: concurrent requests gathered into batches on one device"
+        if name == "DEVICE_ARCHITECTURE":
+            return self.architecture
+        if name == "OPTIMIZATION_CAPABILITIES":
+            return ["EXPORT_IMPORT", "BATCHED_BLOB"]
+        return super()._metric(name, options)

@@ -1,0 +1,67 @@
+"""BATCH's infer request: check the inputs, queue them with the batcher, wait for the slice."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from plugserve.plugins.api import (
+    FailedPrecondition,
+    InferRequest,
+    InvalidInput,
+    PerfCount,
+    check_inputs,
+)
+
+if TYPE_CHECKING:
+    from plugserve.plugins.batch.compiled import BatchCompiledNetwork
+
+__all__ = ["BatchInferRequest"]
+
+
+class BatchInferRequest(InferRequest):
+    network: BatchCompiledNetwork
+
+    def _queue(self, inputs: Mapping[str, Any]) -> Any:
+        network = self.network
+        arrays = check_inputs(network.name, network.inputs, inputs)
+        rows = {a.shape[0] for a in arrays if isinstance(a, np.ndarray) and a.ndim}
+        if len(rows) != 1 or not all(isinstance(a, np.ndarray) and a.ndim for a in arrays):
+            raise InvalidInput(
+                f"network {network.name}: BATCH needs every input to have the same first "
+                f"(batch) dimension; got shapes "
+                + ", ".join(f"{s.name}={list(np.shape(a))}" for s, a in zip(network.inputs, arrays))
+            )
+        key = tuple((a.shape[1:], a.dtype.str) for a in arrays)
+        return network.submit(arrays, key, rows.pop())
+
+    def infer(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        return self._queue(inputs).result()
+
+    def start_async(
+        self,
+        inputs: Mapping[str, Any],
+        callback: Callable[[dict[str, np.ndarray] | None, BaseException | None], None]
+        | None = None,
+    ) -> None:
+        if self._future is not None and not self._future.done():
+            raise FailedPrecondition("this request is still running: wait() for it first")
+        future = self._queue(inputs)
+        if callback is not None:
+            future.add_done_callback(
+                lambda f: (
+                    callback(None, f.exception()) if f.exception() else callback(f.result(), None)
+                )
+            )
+        self._future = future
+
+    def get_performance_counts(self) -> list[PerfCount]:
+        """The device's counts for the last batch this network ran."""
+        if not self.network.config.get("PERF_COUNT"):
+            raise FailedPrecondition(
+                f"network {self.network.name}: performance counters are off; "
+                "load it with PERF_COUNT=YES"
+            )
+        return list(self.network.last_counts)

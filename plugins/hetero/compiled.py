@@ -1,0 +1,136 @@
+"""HETERO's compiled network: one compiled network per subgraph, run in topological order."""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+import threading
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from plugserve.plugins import blob
+from plugserve.plugins.api import CompiledNetwork, TensorSpec
+from plugserve.plugins.hetero.config import HeteroConfiguration
+from plugserve.plugins.hetero.request import HeteroInferRequest
+from plugserve.plugins.streams import StreamsExecutor
+
+if TYPE_CHECKING:
+    from plugserve.plugins.hetero.plugin import HeteroPlugin
+
+__all__ = ["HeteroCompiledNetwork", "Step"]
+
+
+@dataclasses.dataclass
+class Step:
+    device: str
+    network: CompiledNetwork
+    node_names: list[str]
+    inputs: list[str]
+    outputs: list[str]
+
+
+class HeteroCompiledNetwork(CompiledNetwork):
+    plugin: HeteroPlugin
+
+    def __init__(
+        self,
+        plugin: HeteroPlugin,
+        name: str,
+        config: HeteroConfiguration,
+        inputs: list[TensorSpec],
+        outputs: list[TensorSpec],
+        steps: list[Step],
+        constants: dict[str, np.ndarray],
+    ) -> None:
+        super().__init__(plugin, name, config)
+        self._inputs = inputs
+        self._outputs = outputs
+        self.input_names = [s.name for s in inputs]
+        self.output_names = [s.name for s in outputs]
+        self.steps = steps
+        self.constants = constants  # graph outputs that are initializers
+        self._executor: StreamsExecutor | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def inputs(self) -> list[TensorSpec]:
+        return self._inputs
+
+    @property
+    def outputs(self) -> list[TensorSpec]:
+        return self._outputs
+
+    @property
+    def executor(self) -> StreamsExecutor:
+        with self._lock:
+            if self._executor is None:
+                self._executor = StreamsExecutor(f"HETERO/{self.name}", self.config.streams())
+            return self._executor
+
+    def create_infer_request(self) -> HeteroInferRequest:
+        return HeteroInferRequest(self)
+
+    def supported_metrics(self) -> list[str]:
+        return [*super().supported_metrics(), "HETERO_SUBGRAPHS", "EXECUTION_DEVICES"]
+
+    def _metric(self, name: str) -> Any:
+        if name == "HETERO_SUBGRAPHS":
+            return [{"device": s.device, "nodes": list(s.node_names)} for s in self.steps]
+        if name == "EXECUTION_DEVICES":
+            return list(dict.fromkeys(s.device for s in self.steps))
+        return super()._metric(name)
+
+    def export(self) -> bytes:
+        payload = {
+            "name": self.name,
+            "inputs": [_spec_json(s) for s in self._inputs],
+            "outputs": [_spec_json(s) for s in self._outputs],
+            "steps": [
+                {
+                    "device": s.device,
+                    "nodes": s.node_names,
+                    "inputs": s.inputs,
+                    "outputs": s.outputs,
+                    "blob": base64.b64encode(s.network.export()).decode(),
+                }
+                for s in self.steps
+            ],
+            "constants": {
+                k: {
+                    "dtype": v.dtype.str,
+                    "shape": list(v.shape),
+                    "data": base64.b64encode(v.tobytes()).decode(),
+                }
+                for k, v in self.constants.items()
+            },
+        }
+        return blob.pack(
+            self.plugin.name,
+            self.plugin.architecture,
+            self.config.to_strings(),
+            json.dumps(payload).encode(),
+        )
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)
+        for step in self.steps:
+            close = getattr(step.network, "close", None)
+            if close:
+                close()
+
+
+def _spec_json(spec: TensorSpec) -> dict[str, Any]:
+    return {
+        "name": spec.name,
+        "dtype": None if spec.dtype is None else np.dtype(spec.dtype).str,
+        "shape": None if spec.shape is None else list(spec.shape),
+    }
+
+
+def spec_from_json(data: dict[str, Any]) -> TensorSpec:
+    dtype = None if data["dtype"] is None else np.dtype(data["dtype"])
+    shape = None if data["shape"] is None else tuple(data["shape"])
+    return TensorSpec(data["name"], dtype, shape)

@@ -1,0 +1,46 @@
+"""HETERO's configuration: the device priority list and the user's node affinities."""
+
+from __future__ import annotations
+
+import json
+
+from plugserve.plugins.api import ConfigKey, Configuration
+
+__all__ = ["HeteroConfiguration"]
+
+
+def _devices(value: str) -> str:
+    items = [p.strip() for p in str(value).split(",")]
+    if any(not p for p in items):
+        raise ValueError("expected a comma-separated device list, e.g. NUMPY,ORT")
+    return ",".join(items)
+
+
+def _affinity(value: str) -> str:
+    text = str(value).strip()
+    if not text:
+        return ""
+    mapping = json.loads(text)
+    if not isinstance(mapping, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in mapping.items()
+    ):
+        raise ValueError('expected a JSON object {"node name": "DEVICE"}')
+    return json.dumps(mapping, sort_keys=True)
+
+
+class HeteroConfiguration(Configuration):
+    KEYS = (
+        *Configuration.KEYS,
+        ConfigKey(
+            "DEVICE_PRIORITIES", "", _devices, doc="devices in priority order (HETERO:A,B sets it)"
+        ),
+        ConfigKey("AFFINITY", "", _affinity, doc='JSON {"node": "DEVICE"}: pin nodes to devices'),
+    )
+
+    def priorities(self) -> list[str]:
+        text = self.get("DEVICE_PRIORITIES")
+        return [p for p in text.split(",") if p] if text else []
+
+    def affinity(self) -> dict[str, str]:
+        text = self.get("AFFINITY")
+        return json.loads(text) if text else {}

@@ -1,0 +1,464 @@
+"""HETERO subgraph selection: split a graph into single-device subgraphs.
+
+A pure, dependency-free (numpy only) implementation of the subgraph selection
+algorithm of OpenVINO's hetero plugin design overview (the old ``splitGraph`` /
+``ade::selectSubgraphs`` of the Inference Engine):
+
+For each device (in priority order):
+
+1. select a *root*: a node with that device's affinity that is not in a subgraph
+   constructed before in this round (subgraphs of different roots may overlap);
+2. select a node adjacent (predecessor or successor) to a node of the subgraph
+   that is neither in it nor in the rejected list; if there is none, **end**;
+3. check that the node has the same affinity (and is still unassigned);
+4. add it to the subgraph if so, to the rejected list otherwise;
+5. check the global condition: no indirect self-reference of the subgraph, i.e.
+   for no pair ``(src, dst)`` of subgraph nodes do the ``path`` nodes (reachable
+   from ``src`` and reaching ``dst``) intersect the rejected list;
+6. on failure remove the *last added* node from the subgraph, add it to the
+   rejected list and go to 5 (possibly several rollbacks);
+7. go to 2.
+
+The candidate subgraphs of every root are collected, the largest is selected
+("always"; the first of the largest on a tie), its nodes are removed, and the
+round is repeated on the remaining nodes until that device has no roots left.
+
+The adjacent nodes are visited depth first, as ``ade::assembleSubgraph`` does
+(recursively from the node merged last), but successors first, then
+predecessors, each in the order given: that is the order of the design
+document's walkthrough (merge 6 and 7 before failing on 4, then roll back 7, 6
+and 5); ade's predecessors-first order would fail on 4 right after merging 5.
+Pass a list as ``trace`` to record the walkthrough (:class:`Growth`,
+:class:`Step` and :class:`Selection`).
+
+Scale: the transitive closure is one bitset (a Python int) per node, for the
+descendants and for the ancestors. The path nodes of ``(src, dst)`` are
+``desc[src] & anc[dst]``, so "some pair's path nodes meet the rejected list" is
+exactly ``desc(S) & anc(S) & rejected != 0`` with ``desc(S)``/``anc(S)`` the
+unions over the subgraph (in a DAG a node cannot be both a descendant and an
+ancestor of the same node, so the two ends of such a path always differ). The
+unions are kept as prefix stacks in merge order: adding a node is one OR, a
+rollback (always of the last added node) is a pop, and a check is one AND, so a
+step costs O(n / 64) machine words whatever the subgraph size. A candidate's
+growth is reused in the next rounds while nothing it depended on changed (the
+availability of the nodes it visited, the closure bits among them), which gives
+the same result as growing it again.
+
+One deliberate refinement (``through_subgraphs=True``, the default): nodes of
+subgraphs already selected count as one node for the self-reference check (the
+closure is updated as if each selected subgraph were contracted), so a path
+leaving the subgraph, going through a selected subgraph and coming back counts
+as a self-reference. Without it (``through_subgraphs=False``, the text
+verbatim) every subgraph is convex but the graph of subgraphs can still have a
+cycle, e.g. ``p->x1, p->x2, x1->y1, y2->x2, y1->q, y2->q`` with ``p, x*`` on
+one device and ``y*, q`` on the other; :func:`order_subgraphs` raises then.
+Neither changes the design document's example.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+__all__ = [
+    "CyclicSubgraphsError",
+    "Growth",
+    "Selection",
+    "Step",
+    "Subgraph",
+    "order_subgraphs",
+    "partition",
+    "predecessors_of",
+    "subgraph_edges",
+]
+
+
+class CyclicSubgraphsError(ValueError):
+    """The graph of subgraphs has a cycle: there is no execution order."""
+
+
+@dataclass(frozen=True)
+class Subgraph:
+    """A selected subgraph: a device and its node indices (ascending)."""
+
+    device: str
+    nodes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step of a subgraph's growth, with the state after it.
+
+    ``action`` is ``"root"``, ``"merge"``, ``"reject"`` (failed to merge),
+    or ``"rollback"``; ``ok`` is the global condition on that state.
+    """
+
+    action: str
+    node: int
+    subgraph: tuple[int, ...]
+    rejected: tuple[int, ...]
+    ok: bool
+
+
+@dataclass
+class Growth:
+    """The growth of one candidate subgraph from a root."""
+
+    device: str
+    possible_roots: tuple[int, ...]
+    root: int
+    steps: list[Step] = field(default_factory=list)
+    result: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The end of a round: the candidates and the one selected (the largest)."""
+
+    device: str
+    candidates: tuple[tuple[int, ...], ...]
+    selected: tuple[int, ...]
+
+
+def predecessors_of(successors: Sequence[Sequence[int]]) -> list[list[int]]:
+    """The predecessor lists of a successor list, each in ascending order."""
+    preds: list[list[int]] = [[] for _ in successors]
+    for u, succ in enumerate(successors):
+        for v in succ:
+            preds[v].append(u)
+    return preds
+
+
+def _indices(bits: int, nbytes: int) -> list[int]:
+    """The indices of the set bits of ``bits``, ascending."""
+    if not bits:
+        return []
+    raw = np.frombuffer(bits.to_bytes(nbytes, "little"), dtype=np.uint8)
+    return np.flatnonzero(np.unpackbits(raw, bitorder="little")).tolist()
+
+
+def _bits(indices: Sequence[int], nbytes: int) -> int:
+    """A bitset of ``indices``."""
+    flags = np.zeros(nbytes * 8, dtype=np.uint8)
+    flags[list(indices)] = 1
+    return int.from_bytes(np.packbits(flags, bitorder="little").tobytes(), "little")
+
+
+@dataclass
+class _Candidate:
+    """A candidate subgraph grown from ``root`` and what its growth depended on."""
+
+    root: int
+    nodes: list[int]
+    visited: list[int]
+    touched: list[int]
+    visited_bits: int
+    steps: list[Step] | None
+
+
+def _validate(successors, predecessors, affinities, devices) -> list[list[int]]:
+    n = len(successors)
+    if len(affinities) != n:
+        raise ValueError(f"{len(affinities)} affinities for {n} nodes")
+    if len(set(devices)) != len(devices):
+        raise ValueError(f"duplicate devices in {list(devices)}")
+    unknown = sorted(set(affinities) - set(devices))
+    if unknown:
+        raise ValueError(f"affinities {unknown} are not among the devices {list(devices)}")
+    for u, succ in enumerate(successors):
+        for v in succ:
+            if not u < v < n:
+                raise ValueError(f"edge {u}->{v}: the nodes must be in topological order")
+        if len(set(succ)) != len(succ):
+            raise ValueError(f"duplicate successors of node {u}")
+    derived = predecessors_of(successors)
+    if predecessors is None:
+        return derived
+    if len(predecessors) != n or any(
+        sorted(p) != d for p, d in zip(predecessors, derived, strict=True)
+    ):
+        raise ValueError("predecessors do not match successors")
+    return [list(p) for p in predecessors]
+
+
+def partition(
+    successors: Sequence[Sequence[int]],
+    affinities: Sequence[str],
+    devices: Sequence[str],
+    *,
+    predecessors: Sequence[Sequence[int]] | None = None,
+    through_subgraphs: bool = True,
+    trace: list | None = None,
+) -> list[Subgraph]:
+    """Split a DAG into single-device subgraphs, in selection order.
+
+    ``successors[i]`` (and optionally ``predecessors[i]``) are the indices of the
+    nodes adjacent to node ``i``; the nodes are in topological order (every edge
+    goes from a lower to a higher index). ``affinities[i]`` is node ``i``'s device
+    and ``devices`` the device priority order. Every node ends in exactly one
+    subgraph. With ``trace`` a list, the :class:`Growth` of every candidate and the
+    :class:`Selection` of every round are appended to it.
+    """
+    preds = _validate(successors, predecessors, affinities, devices)
+    n = len(successors)
+    nbytes = (n + 7) // 8
+    # adjacency in visiting order: successors first, then predecessors
+    adjacent = [tuple(s) + tuple(p) for s, p in zip(successors, preds, strict=True)]
+    code = {d: k for k, d in enumerate(devices)}
+    aff = [code[a] for a in affinities]
+
+    # transitive closure, strict: desc[i] / anc[i] exclude i itself
+    desc = [0] * n
+    for u in range(n - 1, -1, -1):
+        bits = 0
+        for v in successors[u]:
+            bits |= desc[v] | (1 << v)
+        desc[u] = bits
+    anc = [0] * n
+    for v in range(n):
+        bits = 0
+        for u in preds[v]:
+            bits |= anc[u] | (1 << u)
+        anc[v] = bits
+
+    available = bytearray(b"\x01") * n
+    unassigned = (1 << n) - 1  # `available` as a bitset
+
+    def grow(root: int, dev: int, growth: Growth | None) -> _Candidate:
+        # state: 0 unvisited, 1 accepted, 2 rejected
+        state = bytearray(n)
+        state[root] = 1
+        visited = [root]  # every node accepted or rejected, in order
+        touched = [root]  # every node ever accepted (whose closure rows were read)
+        merged = [root]  # accepted nodes in merge order (rollback pops the last)
+        dstack = [desc[root]]  # prefix unions of desc over `merged`
+        astack = [anc[root]]
+        xstack = [desc[root] & anc[root]]  # dstack[k] & astack[k]
+        rejected = 0
+        if growth is not None:
+            growth.steps.append(Step("root", root, (root,), (), True))
+        frames = [[root, adjacent[root], 0]]
+        while frames:
+            frame = frames[-1]
+            u, nbrs, i = frame
+            if state[u] == 2 or i == len(nbrs):  # done, or rolled back meanwhile
+                frames.pop()
+                continue
+            frame[2] = i + 1
+            v = nbrs[i]
+            if state[v]:
+                continue
+            merge = available[v] and aff[v] == dev
+            visited.append(v)
+            if merge:
+                state[v] = 1
+                merged.append(v)
+                touched.append(v)
+                d = dstack[-1] | desc[v]
+                a = astack[-1] | anc[v]
+                dstack.append(d)
+                astack.append(a)
+                xstack.append(d & a)
+            else:
+                state[v] = 2
+                rejected |= 1 << v
+            ok = not (xstack[-1] & rejected)
+            if growth is not None:
+                growth.steps.append(
+                    Step("merge" if merge else "reject", v, *_snapshot(state, merged), ok)
+                )
+            while not ok:
+                merge = False
+                # a single node never fails (no node is its own descendant), so the
+                # root is never rolled back
+                w = merged.pop()
+                dstack.pop()
+                astack.pop()
+                xstack.pop()
+                state[w] = 2
+                rejected |= 1 << w
+                ok = not (xstack[-1] & rejected)
+                if growth is not None:
+                    growth.steps.append(Step("rollback", w, *_snapshot(state, merged), ok))
+            if merge:
+                frames.append([v, adjacent[v], 0])
+        merged.sort()
+        return _Candidate(
+            root,
+            merged,
+            visited,
+            touched,
+            _bits(visited, nbytes),
+            growth.steps if growth is not None else None,
+        )
+
+    def contract(nodes: list[int]) -> tuple[list[int], int, list[int], int]:
+        # make the selected subgraph one node for reachability: whatever reaches a
+        # node of it reaches everything any node of it reaches, and vice versa.
+        # Only the rows of nodes still available are ever read again. Returns the
+        # rows that changed and the bits they gained, for `desc` and for `anc`.
+        members = _bits(nodes, nbytes)
+        down, up = members, members
+        reach_all, reached_by_all = -1, -1  # reach every member / reached by every one
+        for v in nodes:
+            down |= desc[v]
+            up |= anc[v]
+            reach_all &= anc[v]
+            reached_by_all &= desc[v]
+        # a row changes only if its node reaches (is reached by) some member but not
+        # all of them: the rows are transitively closed
+        changed = []
+        for rows, candidates, gained in (
+            (desc, up & ~reach_all, down),
+            (anc, down & ~reached_by_all, up),
+        ):
+            rows_changed, bits_gained = [], 0
+            for v in _indices(candidates & unassigned, nbytes):
+                old = rows[v]
+                new = old | gained
+                if new != old:
+                    rows[v] = new
+                    rows_changed.append(v)
+                    bits_gained |= new ^ old
+            changed += [rows_changed, bits_gained]
+        return changed[0], changed[1], changed[2], changed[3]
+
+    # The growth from a root reads only the availability and (through the rows of
+    # the nodes it accepted) the closure bits of the nodes it visited, so it is
+    # reused in later rounds until one of those changes (exactly the same result
+    # and steps as growing it again).
+    cache: dict[int, _Candidate] = {}
+    by_visited: dict[int, list[_Candidate]] = {}
+    by_touched: dict[int, list[_Candidate]] = {}
+
+    def forget(selected: list[int], changes) -> None:
+        stale: dict[int, _Candidate] = {}
+        for v in selected:
+            for c in by_visited.get(v, ()):
+                stale[id(c)] = c
+        if changes is not None:
+            desc_rows, desc_bits, anc_rows, anc_bits = changes
+            for rows, bits in ((desc_rows, desc_bits), (anc_rows, anc_bits)):
+                for v in rows:
+                    for c in by_touched.get(v, ()):
+                        if c.visited_bits & bits:
+                            stale[id(c)] = c
+        for c in stale.values():
+            if cache.get(c.root) is c:
+                del cache[c.root]
+                for v in c.visited:
+                    by_visited[v].remove(c)
+                for v in c.touched:
+                    by_touched[v].remove(c)
+
+    result: list[Subgraph] = []
+    for dev, device in enumerate(devices):
+        roots = [i for i in range(n) if aff[i] == dev]
+        cache.clear()
+        by_visited.clear()
+        by_touched.clear()
+        while True:
+            roots = [r for r in roots if available[r]]
+            if not roots:
+                break
+            covered = bytearray(n)
+            candidates: list[list[int]] = []
+            for r in roots:
+                if covered[r]:
+                    continue
+                growth = None
+                if trace is not None:
+                    possible = tuple(x for x in roots if not covered[x])
+                    growth = Growth(device, possible, r)
+                    trace.append(growth)
+                cand = cache.get(r)
+                if cand is None:
+                    cand = cache[r] = grow(r, dev, growth)
+                    for v in cand.visited:
+                        by_visited.setdefault(v, []).append(cand)
+                    for v in cand.touched:
+                        by_touched.setdefault(v, []).append(cand)
+                elif growth is not None:
+                    growth.steps = list(cand.steps)
+                nodes = cand.nodes
+                if growth is not None:
+                    growth.result = tuple(nodes)
+                candidates.append(nodes)
+                for v in nodes:
+                    covered[v] = 1
+            best = candidates[0]
+            for c in candidates[1:]:
+                if len(c) > len(best):
+                    best = c
+            if trace is not None:
+                trace.append(Selection(device, tuple(map(tuple, candidates)), tuple(best)))
+            for v in best:
+                available[v] = 0
+            unassigned &= ~_bits(best, nbytes)
+            result.append(Subgraph(device, tuple(best)))
+            forget(best, contract(best) if through_subgraphs else None)
+    return result
+
+
+def _snapshot(state: bytearray, merged: list[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    rejected = tuple(i for i, s in enumerate(state) if s == 2)
+    return tuple(sorted(merged)), rejected
+
+
+def subgraph_edges(
+    subgraphs: Sequence[Subgraph], successors: Sequence[Sequence[int]]
+) -> set[tuple[int, int]]:
+    """The edges ``(i, j)`` of the graph of subgraphs (indices into ``subgraphs``).
+
+    Raises ``ValueError`` unless the subgraphs cover every node exactly once.
+    """
+    owner = [-1] * len(successors)
+    for k, sg in enumerate(subgraphs):
+        for v in sg.nodes:
+            if owner[v] != -1:
+                raise ValueError(f"node {v} is in subgraphs {owner[v]} and {k}")
+            owner[v] = k
+    missing = [v for v, k in enumerate(owner) if k == -1]
+    if missing:
+        raise ValueError(f"nodes {missing[:10]} are in no subgraph")
+    edges = set()
+    for u, succ in enumerate(successors):
+        for v in succ:
+            if owner[u] != owner[v]:
+                edges.add((owner[u], owner[v]))
+    return edges
+
+
+def order_subgraphs(
+    subgraphs: Sequence[Subgraph], successors: Sequence[Sequence[int]]
+) -> list[Subgraph]:
+    """The subgraphs in an execution order: a topological order of their graph.
+
+    Among the subgraphs ready to run, the one with the lowest first node comes
+    first. Raises :class:`CyclicSubgraphsError` if the graph of subgraphs has a
+    cycle (and ``ValueError`` unless the subgraphs cover every node exactly once).
+    """
+    edges = subgraph_edges(subgraphs, successors)
+    m = len(subgraphs)
+    indegree = [0] * m
+    out: list[list[int]] = [[] for _ in range(m)]
+    for i, j in edges:
+        out[i].append(j)
+        indegree[j] += 1
+    ready = [(min(sg.nodes), k) for k, sg in enumerate(subgraphs) if indegree[k] == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        _, k = heapq.heappop(ready)
+        order.append(subgraphs[k])
+        for j in out[k]:
+            indegree[j] -= 1
+            if indegree[j] == 0:
+                heapq.heappush(ready, (min(subgraphs[j].nodes), j))
+    if len(order) != m:
+        stuck = sorted(k for k in range(m) if indegree[k] > 0)
+        raise CyclicSubgraphsError(f"the graph of subgraphs has a cycle through {stuck}")
+    return order

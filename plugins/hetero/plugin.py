@@ -1,0 +1,231 @@
+"""The HETERO device: one network split across devices by node affinity.
+
+Affinity comes from the user first (config ``AFFINITY`` as JSON, or an ``affinity`` entry in a
+node's ONNX ``metadata_props``), then, for the other nodes, from each device's QueryNetwork in
+priority order (``DEVICE_PRIORITIES``; ``HETERO:A,B`` sets it). The nodes are then grouped into
+subgraphs by the algorithm of seed 000 (:mod:`plugserve.plugins.hetero.partition`), each
+subgraph is cut into an ONNX model of its own and compiled on its device, and a request runs the
+subgraphs in topological order, handing tensors from one to the next.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import platform
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from plugserve.plugins import blob
+from plugserve.plugins.api import (
+    CompiledNetwork,
+    FailedPrecondition,
+    InvalidArgument,
+    Model,
+    NotFound,
+    Plugin,
+    PlugserveError,
+)
+from plugserve.plugins.hetero.compiled import HeteroCompiledNetwork, Step, spec_from_json
+from plugserve.plugins.hetero.config import HeteroConfiguration
+from plugserve.plugins.hetero.partition import order_subgraphs, partition
+from plugserve.plugins.hetero.split import cut
+from plugserve.plugins.ir import Graph, load_model, read_model, subgraph_free_names
+from plugserve.plugins.passes import PassContext
+from plugserve.plugins.passes.types import infer_extension_types
+
+__all__ = ["HeteroPlugin"]
+
+_OWN_KEYS = {"DEVICE_PRIORITIES", "AFFINITY"}
+
+
+class HeteroPlugin(Plugin):
+    name = "HETERO"
+    config_class = HeteroConfiguration
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.architecture = f"{platform.machine() or 'unknown'}-hetero1"
+
+    # --- helpers
+
+    def _devices(self):
+        if self.devices is None:
+            raise FailedPrecondition("HETERO needs a Core to reach other devices")
+        return self.devices
+
+    def _priorities(self, config: HeteroConfiguration) -> list[str]:
+        priorities = config.priorities()
+        if not priorities:
+            raise InvalidArgument(
+                "HETERO needs a device list: use HETERO:A,B or set DEVICE_PRIORITIES"
+            )
+        devices = self._devices()
+        for device in priorities:
+            devices.plugin(device)  # NotFound names an unknown or unavailable device
+        return priorities
+
+    def _child_config(
+        self, device: str, overrides: Mapping[str, Any], config: HeteroConfiguration
+    ) -> dict[str, str]:
+        """The per-call settings a child understands (PERF_COUNT, hints), none of HETERO's."""
+        known = set(self._devices().plugin(device).config_class.keys())
+        child = {k: str(v) for k, v in overrides.items() if k in known and k not in _OWN_KEYS}
+        if "PERF_COUNT" in known:
+            child["PERF_COUNT"] = config.to_strings()["PERF_COUNT"]
+        return child
+
+    def affinities(
+        self, graph: Graph, model: Any, config: HeteroConfiguration, overrides: Mapping[str, Any]
+    ) -> dict[str, str]:
+        """``{node name: device}``: the user's pins first, then QueryNetwork by priority."""
+        priorities = self._priorities(config)
+        names = {n.name for n in graph.nodes}
+        chosen: dict[str, str] = {}
+        pinned = {n.name: n.affinity for n in graph.nodes if n.affinity}
+        pinned.update(config.affinity())
+        for node, device in pinned.items():
+            if node not in names:
+                raise NotFound(
+                    f"AFFINITY names node {node!r}, which is not in model {graph.name!r}"
+                )
+            if device not in priorities:
+                self._devices().plugin(device)  # NotFound names an unknown device
+            chosen[node] = device
+        for device in priorities:
+            child = self._child_config(device, overrides, config)
+            supported = self._devices().query_network(model, device, child)
+            for node in supported:
+                chosen.setdefault(node, device)
+        return chosen
+
+    def _typed(self, graph: Graph, priorities: list[str]) -> Graph:
+        """Types for values ONNX cannot infer (custom ops), from the devices' extension rules,
+        so every cut point between subgraphs is typed."""
+        rules: dict[tuple[str, str], Any] = {}
+        for device in priorities:
+            rules.update(getattr(self._devices().plugin(device), "type_rules", {}))
+        if rules:
+            infer_extension_types(graph, PassContext(supports=lambda n, g: True, type_rules=rules))
+        return graph
+
+    # --- the Plugin API
+
+    def query_network(
+        self, model: Model, config: Mapping[str, Any] | None = None
+    ) -> dict[str, str]:
+        cfg = self.merged_config(config, strict=False)
+        proto, _ = read_model(model)
+        graph = load_model(proto)
+        return self.affinities(graph, proto, cfg, config or {})
+
+    def subgraphs(
+        self, model: Model, config: Mapping[str, Any] | None = None
+    ) -> list[dict[str, Any]]:
+        """The split a load would make, in execution order (for ``plugserve query --graph``)."""
+        cfg = self.merged_config(config, strict=False)
+        proto, _ = read_model(model)
+        graph = load_model(proto)
+        plan = self._plan(
+            graph, self.affinities(graph, proto, cfg, config or {}), self._priorities(cfg)
+        )
+        return [{"device": d, "nodes": [graph.nodes[i].name for i in nodes]} for d, nodes in plan]
+
+    def _plan(
+        self, graph: Graph, chosen: dict[str, str], priorities: list[str]
+    ) -> list[tuple[str, list[int]]]:
+        missing = [n.name for n in graph.nodes if n.name not in chosen]
+        if missing:
+            raise InvalidArgument(
+                f"model {graph.name!r}: no device in {','.join(priorities)} supports node(s) "
+                f"{', '.join(repr(m) for m in missing[:10])}"
+                + (f" and {len(missing) - 10} more" if len(missing) > 10 else "")
+            )
+        producers = {o: i for i, n in enumerate(graph.nodes) for o in n.outputs if o}
+        preds = [
+            sorted({producers[x] for x in [*n.inputs, *subgraph_free_names(n)] if x in producers})
+            for n in graph.nodes
+        ]
+        successors: list[list[int]] = [[] for _ in graph.nodes]
+        for index, before in enumerate(preds):
+            for p in before:
+                successors[p].append(index)
+        order = list(dict.fromkeys([*priorities, *chosen.values()]))
+        affinity = [chosen[n.name] for n in graph.nodes]
+        subgraphs = partition(successors, affinity, order, predecessors=preds)
+        return [(s.device, list(s.nodes)) for s in order_subgraphs(subgraphs, successors)]
+
+    def load_network(
+        self, model: Model, config: Mapping[str, Any] | None = None
+    ) -> CompiledNetwork:
+        overrides = dict(config or {})
+        cfg = self.merged_config(config)
+        proto, _ = read_model(model)
+        graph = self._typed(load_model(proto), self._priorities(cfg))
+        plan = self._plan(
+            graph, self.affinities(graph, proto, cfg, overrides), self._priorities(cfg)
+        )
+        steps: list[Step] = []
+        try:
+            for piece in cut(graph, plan):
+                network = self._devices().load_network(
+                    piece.model, piece.device, self._child_config(piece.device, overrides, cfg)
+                )
+                steps.append(
+                    Step(piece.device, network, piece.node_names, piece.inputs, piece.outputs)
+                )
+        except PlugserveError as exc:
+            for step in steps:
+                _close(step.network)
+            raise type(exc)(f"HETERO: a subgraph failed to compile: {exc}") from exc
+        constants = {
+            o.name: graph.initializers[o.name]
+            for o in graph.outputs
+            if o.name in graph.initializers
+        }
+        return HeteroCompiledNetwork(
+            self, graph.name, cfg, list(graph.inputs), list(graph.outputs), steps, constants
+        )
+
+    def import_network(
+        self, data: bytes, config: Mapping[str, Any] | None = None
+    ) -> CompiledNetwork:
+        header, payload = blob.unpack(data, self.name, self.architecture)
+        saved = HeteroConfiguration(header.get("config", {}), throw_on_unsupported=False)
+        cfg = HeteroConfiguration(config or {}, saved)
+        try:
+            content = json.loads(payload)
+            steps = []
+            for s in content["steps"]:
+                network = self._devices().import_network(base64.b64decode(s["blob"]), s["device"])
+                steps.append(Step(s["device"], network, s["nodes"], s["inputs"], s["outputs"]))
+            constants = {
+                k: np.frombuffer(base64.b64decode(v["data"]), dtype=np.dtype(v["dtype"])).reshape(
+                    v["shape"]
+                )
+                for k, v in content.get("constants", {}).items()
+            }
+            inputs = [spec_from_json(s) for s in content["inputs"]]
+            outputs = [spec_from_json(s) for s in content["outputs"]]
+        except (KeyError, ValueError, TypeError) as exc:
+            raise InvalidArgument(f"exported HETERO network is corrupt: {exc}") from None
+        return HeteroCompiledNetwork(
+            self, content.get("name", "network"), cfg, inputs, outputs, steps, constants
+        )
+
+    def _metric(self, name: str, options: Mapping[str, Any]) -> Any:
+        if name == "FULL_DEVICE_NAME":
+            return "HETERO: one network split across devices by node affinity"
+        if name == "DEVICE_ARCHITECTURE":
+            return self.architecture
+        if name == "OPTIMIZATION_CAPABILITIES":
+            return []
+        return super()._metric(name, options)
+
+
+def _close(network: CompiledNetwork) -> None:
+    close = getattr(network, "close", None)
+    if close:
+        close()

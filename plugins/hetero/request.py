@@ -1,0 +1,105 @@
+"""HETERO's infer request: the subgraphs' requests run in order, passing tensors between them."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from plugserve.plugins.api import (
+    FailedPrecondition,
+    InferRequest,
+    PerfCount,
+    PlugserveError,
+    check_inputs,
+)
+
+if TYPE_CHECKING:
+    from plugserve.plugins.hetero.compiled import HeteroCompiledNetwork
+
+__all__ = ["HeteroInferRequest"]
+
+
+class HeteroInferRequest(InferRequest):
+    network: HeteroCompiledNetwork
+
+    def __init__(self, network: HeteroCompiledNetwork) -> None:
+        super().__init__(network)
+        self._requests = [step.network.create_infer_request() for step in network.steps]
+        self._perf = bool(network.config.get("PERF_COUNT"))
+        self._times: list[float] = [0.0] * len(self._requests)
+
+    def _run(self, values: dict[str, Any]) -> dict[str, np.ndarray]:
+        for index, (step, request) in enumerate(zip(self.network.steps, self._requests)):
+            start = time.perf_counter()
+            outputs = request.infer({name: values[name] for name in step.inputs})
+            self._times[index] = time.perf_counter() - start
+            values.update(outputs)
+        return {name: values[name] for name in self.network.output_names}
+
+    def _values(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
+        arrays = check_inputs(self.network.name, self.network.inputs, inputs)
+        values = dict(self.network.constants)
+        values.update(zip(self.network.input_names, arrays))
+        return values
+
+    def infer(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        return self._run(self._values(inputs))
+
+    def start_async(
+        self,
+        inputs: Mapping[str, Any],
+        callback: Callable[[dict[str, np.ndarray] | None, BaseException | None], None]
+        | None = None,
+    ) -> None:
+        if self._future is not None and not self._future.done():
+            raise FailedPrecondition("this request is still running: wait() for it first")
+        values = self._values(inputs)
+        future = self.network.executor.submit(lambda _state: self._run(values))
+        if callback is not None:
+            future.add_done_callback(
+                lambda f: (
+                    callback(None, f.exception()) if f.exception() else callback(f.result(), None)
+                )
+            )
+        self._future = future
+
+    def get_performance_counts(self) -> list[PerfCount]:
+        """Per subgraph (op type ``Subgraph``) and, from each device, per node."""
+        if not self._perf:
+            raise FailedPrecondition(
+                f"network {self.network.name}: performance counters are off; "
+                "load it with PERF_COUNT=YES"
+            )
+        counts: list[PerfCount] = []
+        for index, (step, request) in enumerate(zip(self.network.steps, self._requests)):
+            counts.append(
+                PerfCount(
+                    f"subgraph{index}",
+                    "Subgraph",
+                    "EXECUTED",
+                    step.device,
+                    self._times[index],
+                    step.device,
+                    tuple(step.node_names),
+                )
+            )
+            try:
+                children = request.get_performance_counts()
+            except PlugserveError:
+                continue
+            for c in children:
+                counts.append(
+                    PerfCount(
+                        c.node_name,
+                        c.op_type,
+                        c.status,
+                        c.exec_type,
+                        c.real_time_s,
+                        step.device,
+                        c.original_names or (c.node_name,),
+                    )
+                )
+        return counts

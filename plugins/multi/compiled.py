@@ -1,0 +1,236 @@
+"""MULTI's and AUTO's compiled networks.
+
+MULTI holds one compiled network per device and a pool of infer requests for each, as many as
+the device's network says it can run at once (OPTIMAL_NUMBER_OF_INFER_REQUESTS). AUTO holds the
+one network of the device it chose.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import threading
+from typing import TYPE_CHECKING, Any
+
+from plugserve.plugins import blob
+from plugserve.plugins.api import CompiledNetwork, InferRequest, TensorSpec
+from plugserve.plugins.multi.config import AutoConfiguration, MultiConfiguration
+from plugserve.plugins.multi.request import AutoInferRequest, MultiInferRequest
+from plugserve.plugins.streams import StreamsExecutor
+
+if TYPE_CHECKING:
+    from plugserve.plugins.multi.plugin import AutoPlugin, MultiPlugin
+
+__all__ = ["AutoCompiledNetwork", "DevicePool", "MultiCompiledNetwork"]
+
+
+class DevicePool:
+    """One device's network and its free infer requests (created on demand up to capacity)."""
+
+    def __init__(self, device: str, network: CompiledNetwork) -> None:
+        self.device = device
+        self.network = network
+        try:
+            self.capacity = max(1, int(network.get_metric("OPTIMAL_NUMBER_OF_INFER_REQUESTS")))
+        except Exception:
+            self.capacity = 1
+        self.free: list[InferRequest] = []
+        self.in_use = 0
+        self.count = 0  # requests this device ran
+        self.failures = 0
+
+    @property
+    def has_room(self) -> bool:
+        return self.in_use < self.capacity
+
+
+class MultiCompiledNetwork(CompiledNetwork):
+    plugin: MultiPlugin
+    config: MultiConfiguration
+
+    def __init__(
+        self,
+        plugin: MultiPlugin,
+        config: MultiConfiguration,
+        networks: list[tuple[str, CompiledNetwork]],
+    ) -> None:
+        first = networks[0][1]
+        super().__init__(plugin, first.name, config)
+        self.pools = [DevicePool(device, network) for device, network in networks]
+        self.fallback = bool(config.get("RUNTIME_FALLBACK"))
+        self._inputs = list(first.inputs)
+        self._outputs = list(first.outputs)
+        self._cond = threading.Condition()
+        self._next = 0  # round robin when every device is busy
+        self._executor: StreamsExecutor | None = None
+        self._executor_lock = threading.Lock()
+
+    @property
+    def inputs(self) -> list[TensorSpec]:
+        return self._inputs
+
+    @property
+    def outputs(self) -> list[TensorSpec]:
+        return self._outputs
+
+    @property
+    def devices(self) -> list[str]:
+        return [p.device for p in self.pools]
+
+    @property
+    def capacity(self) -> int:
+        return sum(p.capacity for p in self.pools)
+
+    # --- scheduling
+
+    def acquire(self, exclude: set[str] | None = None) -> tuple[DevicePool, InferRequest]:
+        """A request on the first device (priority order) with room; when all are busy, the
+        next device in round robin, waiting for its room."""
+        exclude = exclude or set()
+        pools = [p for p in self.pools if p.device not in exclude]
+        with self._cond:
+            pool = next((p for p in pools if p.has_room), None)
+            if pool is None:
+                pool = pools[self._next % len(pools)]
+                self._next += 1
+                while not pool.has_room:
+                    self._cond.wait()
+            pool.in_use += 1
+            pool.count += 1
+            request = pool.free.pop() if pool.free else None
+        if request is None:
+            try:
+                request = pool.network.create_infer_request()
+            except BaseException:
+                self.release(pool, None)
+                raise
+        return pool, request
+
+    def acquire_on(self, device: str) -> tuple[DevicePool, InferRequest]:
+        pool = next(p for p in self.pools if p.device == device)
+        with self._cond:
+            while not pool.has_room:
+                self._cond.wait()
+            pool.in_use += 1
+            pool.count += 1
+            request = pool.free.pop() if pool.free else None
+        if request is None:
+            try:
+                request = pool.network.create_infer_request()
+            except BaseException:
+                self.release(pool, None)
+                raise
+        return pool, request
+
+    def release(self, pool: DevicePool, request: InferRequest | None, failed: bool = False) -> None:
+        with self._cond:
+            pool.in_use -= 1
+            if failed:
+                pool.failures += 1
+            if request is not None:
+                pool.free.append(request)
+            self._cond.notify_all()
+
+    # --- the CompiledNetwork API
+
+    @property
+    def executor(self) -> StreamsExecutor:
+        with self._executor_lock:
+            if self._executor is None:
+                self._executor = StreamsExecutor(f"MULTI/{self.name}", self.capacity)
+            return self._executor
+
+    def create_infer_request(self) -> MultiInferRequest:
+        return MultiInferRequest(self)
+
+    def export(self) -> bytes:
+        """Every device's own export, bundled; import rebuilds each on its device."""
+        payload = json.dumps(
+            {p.device: base64.b64encode(p.network.export()).decode() for p in self.pools}
+        ).encode()
+        return blob.pack(
+            self.plugin.name,
+            self.plugin.architecture,
+            self.config.to_strings(),
+            payload,
+            {"network_name": self.name, "devices": self.devices},
+        )
+
+    def supported_metrics(self) -> list[str]:
+        return [*super().supported_metrics(), "EXECUTION_DEVICES", "DEVICE_REQUEST_COUNTS"]
+
+    def _metric(self, name: str) -> Any:
+        if name == "EXECUTION_DEVICES":
+            return self.devices
+        if name == "DEVICE_REQUEST_COUNTS":
+            with self._cond:
+                return {p.device: p.count for p in self.pools}
+        if name == "OPTIMAL_NUMBER_OF_INFER_REQUESTS":
+            return self.capacity
+        return super()._metric(name)
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)
+        for pool in self.pools:
+            _close(pool.network)
+
+
+class AutoCompiledNetwork(CompiledNetwork):
+    """The chosen device's network, reporting the choice through EXECUTION_DEVICES."""
+
+    plugin: AutoPlugin
+    config: AutoConfiguration
+
+    def __init__(
+        self, plugin: AutoPlugin, config: AutoConfiguration, device: str, network: CompiledNetwork
+    ) -> None:
+        super().__init__(plugin, network.name, config)
+        self.chosen = device
+        self.network = network
+
+    @property
+    def inputs(self) -> list[TensorSpec]:
+        return self.network.inputs
+
+    @property
+    def outputs(self) -> list[TensorSpec]:
+        return self.network.outputs
+
+    def create_infer_request(self) -> AutoInferRequest:
+        return AutoInferRequest(self, self.network.create_infer_request())
+
+    def export(self) -> bytes:
+        return blob.pack(
+            self.plugin.name,
+            self.plugin.architecture,
+            self.config.to_strings(),
+            self.network.export(),
+            {"network_name": self.name, "device": self.chosen},
+        )
+
+    def supported_metrics(self) -> list[str]:
+        return [*super().supported_metrics(), "EXECUTION_DEVICES"]
+
+    def _metric(self, name: str) -> Any:
+        if name == "EXECUTION_DEVICES":
+            return [self.chosen]
+        if name == "OPTIMAL_NUMBER_OF_INFER_REQUESTS":
+            return self.network.get_metric(name)
+        return super()._metric(name)
+
+    def get_config(self, key: str) -> Any:
+        if key in self.config:
+            return self.config.get(key)
+        return self.network.get_config(key)
+
+    def close(self) -> None:
+        _close(self.network)
+
+
+def _close(network: CompiledNetwork) -> None:
+    close = getattr(network, "close", None)
+    if close is not None:
+        with contextlib.suppress(Exception):
+            close()

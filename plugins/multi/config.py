@@ -1,0 +1,121 @@
+"""MULTI's and AUTO's configuration: device lists, exclusions and runtime fallback."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from plugserve.plugins.api import BOOL, ConfigKey, Configuration
+
+__all__ = ["AutoConfiguration", "MultiConfiguration", "device_list"]
+
+#: AUTO's default preference when no DEVICE_PRIORITIES is given.
+DEFAULT_AUTO_PRIORITIES = "OPENVINO,ORT,NUMPY"
+
+
+def device_list(value: str) -> str:
+    text = str(value).strip()
+    if not text:
+        return ""
+    items = [p.strip() for p in text.split(",")]
+    if any(not p for p in items):
+        raise ValueError("expected a comma-separated device list, e.g. ORT,NUMPY")
+    if len(set(items)) != len(items):
+        raise ValueError("a device is listed twice")
+    return ",".join(items)
+
+
+def _names(value: str) -> str:
+    text = device_list(value)
+    return ",".join(p.upper() for p in text.split(",")) if text else ""
+
+
+class _Devices(Configuration):
+    """Keeps a reference to the Core (set by the plugin) to size streams from the children."""
+
+    devices: Any = None
+
+    def priorities(self) -> list[str]:
+        text = self.get("DEVICE_PRIORITIES")
+        return [p for p in text.split(",") if p] if text else []
+
+    def child_streams(self, device: str) -> int:
+        """The streams a child device would run for a load through this virtual device."""
+        if self.devices is None:
+            return 1
+        try:
+            plugin = self.devices.plugin(device)
+            known = plugin.config_class.keys()
+            config = {k: v for k, v in self.child_settings().items() if k in known}
+            _name, _, ident = device.partition(".")
+            if ident and "DEVICE_ID" in known:
+                config["DEVICE_ID"] = ident
+            return max(1, int(plugin.merged_config(config, strict=False).streams()))
+        except Exception:  # an unknown device is reported by load, not here
+            return 1
+
+    def child_settings(self) -> dict[str, str]:
+        """Common keys this configuration sets away from their defaults, for the children."""
+        base = {k.name: k for k in Configuration.KEYS}
+        strings = self.to_strings()
+        return {
+            name: strings[name]
+            for name, key in base.items()
+            if name not in ("DEVICE_ID", "CACHE_DIR") and self.get(name) != key.default
+        }
+
+
+class MultiConfiguration(_Devices):
+    KEYS = (
+        *Configuration.KEYS,
+        ConfigKey(
+            "DEVICE_PRIORITIES",
+            "",
+            device_list,
+            doc="devices in priority order (MULTI:A,B sets it)",
+        ),
+        ConfigKey(
+            "RUNTIME_FALLBACK",
+            False,
+            **BOOL,
+            doc="YES: a request that fails on one device is retried on the next one",
+        ),
+    )
+
+    def streams(self, cores: int | None = None) -> int:
+        """The sum of the children's streams: every device can run its share at once."""
+        return max(1, sum(self.child_streams(d) for d in self.priorities()))
+
+
+class AutoConfiguration(_Devices):
+    KEYS = (
+        *Configuration.KEYS,
+        ConfigKey(
+            "DEVICE_PRIORITIES",
+            "",
+            device_list,
+            doc=f"candidate devices in preference order (default {DEFAULT_AUTO_PRIORITIES})",
+        ),
+        ConfigKey(
+            "EXCLUDED_DEVICES",
+            "",
+            _names,
+            doc="devices AUTO must not choose (AUTO:-X sets it)",
+        ),
+    )
+
+    def candidates(self) -> list[str]:
+        listed = self.priorities() or DEFAULT_AUTO_PRIORITIES.split(",")
+        excluded = set(self.excluded())
+        return [d for d in listed if d.upper().partition(".")[0] not in excluded]
+
+    def excluded(self) -> list[str]:
+        text = self.get("EXCLUDED_DEVICES")
+        return [p for p in text.split(",") if p] if text else []
+
+    def streams(self, cores: int | None = None) -> int:
+        """The most streams any candidate would run (the choice is made at load)."""
+        available = set(self.devices.available_devices) if self.devices is not None else set()
+        counts = [
+            self.child_streams(d) for d in self.candidates() if d.partition(".")[0] in available
+        ]
+        return max(counts, default=1)

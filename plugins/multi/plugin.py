@@ -1,0 +1,339 @@
+"""The MULTI and AUTO devices.
+
+``MULTI:A,B`` loads the network on every listed device and sends each request to a device with
+a free request: the first in priority order with room, round robin when all are busy. A device
+that fails to load is dropped with a warning (all failing is an error naming each reason). A
+request that fails on a device fails, unless ``RUNTIME_FALLBACK=YES``: then it runs again on the
+next device in priority order.
+
+``AUTO`` (``AUTO:A,B``, ``AUTO:-X``) picks one device for the model: the first of
+``DEVICE_PRIORITIES`` (default OPENVINO, ORT, NUMPY) that is available, not excluded
+(``EXCLUDED_DEVICES``), whose QueryNetwork covers every node, and that compiles it. Both report
+the devices they use through the compiled network's ``EXECUTION_DEVICES`` metric.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import logging
+import platform
+from collections.abc import Mapping
+from typing import Any
+
+from plugserve.plugins import blob
+from plugserve.plugins.api import (
+    CompiledNetwork,
+    Devices,
+    FailedPrecondition,
+    InvalidArgument,
+    Model,
+    NotFound,
+    Plugin,
+    PlugserveError,
+)
+from plugserve.plugins.ir import load_model, read_model
+from plugserve.plugins.multi.compiled import AutoCompiledNetwork, MultiCompiledNetwork, _close
+from plugserve.plugins.multi.config import (
+    DEFAULT_AUTO_PRIORITIES,
+    AutoConfiguration,
+    MultiConfiguration,
+)
+
+__all__ = ["AutoPlugin", "MultiPlugin"]
+
+log = logging.getLogger(__name__)
+
+_OWN_KEYS = {"DEVICE_PRIORITIES", "EXCLUDED_DEVICES", "RUNTIME_FALLBACK", "DEVICE_ID"}
+
+
+class _Virtual(Plugin):
+    """What MULTI and AUTO share: reaching the Core and configuring children."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.architecture = f"{platform.machine() or 'unknown'}-{self.name.lower()}1"
+
+    def _devices(self) -> Devices:
+        if self.devices is None:
+            raise FailedPrecondition(f"{self.name} needs a Core to reach other devices")
+        return self.devices
+
+    def merged_config(self, config: Mapping[str, Any] | None, strict: bool = True) -> Any:
+        """Keys of this device, plus keys one of its devices knows (handed to that device)."""
+        config = dict(config or {})
+        own = self.config_class.keys()
+        foreign = [k for k in config if k not in own]
+        if foreign:
+            known = self._child_keys(config)
+            unknown = [k for k in foreign if k not in known]
+            if unknown and strict:
+                raise InvalidArgument(
+                    f"{self.name}: unsupported config key {unknown[0]!r}; neither {self.name} "
+                    f"({', '.join(own)}) nor its devices know it"
+                )
+            config = {k: v for k, v in config.items() if k in own}
+        cfg = super().merged_config(config, strict)
+        cfg.devices = self.devices
+        return cfg
+
+    def _child_keys(self, config: Mapping[str, Any]) -> set[str]:
+        listed = config.get("DEVICE_PRIORITIES") or self._config.get("DEVICE_PRIORITIES")
+        names = [d.strip() for d in str(listed or self._default_devices()).split(",") if d]
+        keys: set[str] = set()
+        for name in names:
+            try:
+                keys |= set(self._devices().plugin(name).config_class.keys())
+            except PlugserveError:
+                continue
+        return keys
+
+    def _default_devices(self) -> str:
+        return ""
+
+    def child_config(self, device: str, overrides: Mapping[str, Any], config: Any) -> dict:
+        """The settings a child understands: the common keys set here (PERF_COUNT, hints,
+        streams) and the per-call keys it knows; never this device's own keys."""
+        known = set(self._devices().plugin(device).config_class.keys())
+        child = {k: v for k, v in config.child_settings().items() if k in known}
+        child.update(
+            {
+                k: str(v)
+                for k, v in overrides.items()
+                if k in known and k not in _OWN_KEYS and k != "CACHE_DIR"
+            }
+        )
+        return child
+
+    def _metric(self, name: str, options: Mapping[str, Any]) -> Any:
+        if name == "FULL_DEVICE_NAME":
+            return self.full_name
+        if name == "DEVICE_ARCHITECTURE":
+            return self.architecture
+        if name == "OPTIMIZATION_CAPABILITIES":
+            return ["EXPORT_IMPORT"]
+        return super()._metric(name, options)
+
+    full_name = ""
+
+    def query_network(
+        self, model: Model, config: Mapping[str, Any] | None = None
+    ) -> dict[str, str]:
+        raise NotImplementedError
+
+
+class MultiPlugin(_Virtual):
+    name = "MULTI"
+    config_class = MultiConfiguration
+    full_name = "MULTI: one network on several devices, requests spread over them"
+
+    def _priorities(self, cfg: MultiConfiguration) -> list[str]:
+        priorities = cfg.priorities()
+        if not priorities:
+            raise InvalidArgument(
+                "MULTI needs a device list: use MULTI:A,B or set DEVICE_PRIORITIES"
+            )
+        devices = self._devices()
+        for device in priorities:
+            plugin = devices.plugin(device)  # NotFound names an unknown or unavailable device
+            if plugin.name in ("MULTI", "AUTO", "HETERO", "BATCH"):
+                raise InvalidArgument(f"MULTI: device {device!r} is virtual; list real devices")
+        return priorities
+
+    def load_network(
+        self, model: Model, config: Mapping[str, Any] | None = None
+    ) -> MultiCompiledNetwork:
+        overrides = dict(config or {})
+        cfg = self.merged_config(config)
+        priorities = self._priorities(cfg)
+        proto, _ = read_model(model)  # read once, hand the same model to each device
+        loaded: list[tuple[str, CompiledNetwork]] = []
+        failures: list[tuple[str, PlugserveError]] = []
+        for device in priorities:
+            try:
+                child = self.child_config(device, overrides, cfg)
+                loaded.append((device, self._devices().load_network(proto, device, child)))
+            except PlugserveError as exc:
+                log.warning("MULTI: device %s could not load the network, dropped: %s", device, exc)
+                failures.append((device, exc))
+        if not loaded:
+            first = failures[0][1]
+            reasons = "; ".join(f"{d}: {e}" for d, e in failures)
+            raise type(first)(f"MULTI: no device could load the network ({reasons})") from first
+        return MultiCompiledNetwork(self, cfg, loaded)
+
+    def query_network(
+        self, model: Model, config: Mapping[str, Any] | None = None
+    ) -> dict[str, str]:
+        """A node is supported if every listed device supports it (MULTI runs it on all)."""
+        overrides = dict(config or {})
+        cfg = self.merged_config(config, strict=False)
+        result: dict[str, str] | None = None
+        for device in self._priorities(cfg):
+            child = self.child_config(device, overrides, cfg)
+            supported = self._devices().query_network(model, device, child)
+            result = (
+                dict.fromkeys(supported, self.name)
+                if result is None
+                else {k: v for k, v in result.items() if k in supported}
+            )
+        return result or {}
+
+    def import_network(
+        self, data: bytes, config: Mapping[str, Any] | None = None
+    ) -> MultiCompiledNetwork:
+        header, payload = blob.unpack(data, self.name, self.architecture)
+        saved = MultiConfiguration(header.get("config", {}), throw_on_unsupported=False)
+        cfg = MultiConfiguration(config or {}, saved)
+        cfg.devices = self.devices
+        try:
+            blobs = json.loads(payload)
+        except ValueError:
+            raise InvalidArgument("exported MULTI network is corrupt (payload)") from None
+        loaded: list[tuple[str, CompiledNetwork]] = []
+        try:
+            for device in header.get("devices", []):
+                child = self.child_config(device, dict(config or {}), cfg)
+                network = self._devices().import_network(
+                    base64.b64decode(blobs[device]), device, child
+                )
+                loaded.append((device, network))
+        except (KeyError, ValueError):
+            for _, network in loaded:
+                _close(network)
+            raise InvalidArgument("exported MULTI network is corrupt (device blobs)") from None
+        except PlugserveError:
+            for _, network in loaded:
+                _close(network)
+            raise
+        if not loaded:
+            raise InvalidArgument("exported MULTI network names no device")
+        network = MultiCompiledNetwork(self, cfg, loaded)
+        network.name = header.get("network_name") or network.name
+        return network
+
+
+class AutoPlugin(_Virtual):
+    name = "AUTO"
+    config_class = AutoConfiguration
+    full_name = "AUTO: the best available device for each model"
+
+    def _default_devices(self) -> str:
+        return DEFAULT_AUTO_PRIORITIES
+
+    def _known(self) -> set[str]:
+        """Every device the Core knows, available or not (to tell a typo from a missing one)."""
+        devices = self._devices()
+        infos = getattr(devices, "devices", None)
+        names = set(devices.available_devices)
+        if callable(infos):
+            with contextlib.suppress(Exception):
+                names |= {info.name for info in infos()}
+        return names
+
+    def candidates(self, cfg: AutoConfiguration) -> tuple[list[str], list[str]]:
+        """The devices to try in order, and why each other one was skipped."""
+        devices = self._devices()
+        known = self._known()
+        explicit = bool(cfg.priorities())
+        skipped: list[str] = []
+        chosen: list[str] = []
+        for device in cfg.candidates():
+            kind = device.partition(".")[0].upper()
+            if kind in ("MULTI", "AUTO", "HETERO", "BATCH"):
+                raise InvalidArgument(f"AUTO: device {device!r} is virtual; list real devices")
+            if explicit and kind not in known:
+                devices.plugin(device)  # raises NotFound naming the unknown device
+            try:
+                devices.plugin(device)
+            except NotFound as exc:
+                skipped.append(f"{device}: {exc}")
+                continue
+            chosen.append(device)
+        excluded = cfg.excluded()
+        if excluded:
+            skipped.extend(f"{d}: excluded" for d in excluded)
+        return chosen, skipped
+
+    def _covers(self, graph: Any, proto: Any, device: str, child: dict) -> str:
+        """Empty if ``device`` supports every node, else why not."""
+        try:
+            supported = self._devices().query_network(proto, device, child)
+        except PlugserveError as exc:
+            return f"QueryNetwork failed: {exc}"
+        missing = [n.name for n in graph.nodes if n.name not in supported]
+        if missing:
+            shown = ", ".join(repr(m) for m in missing[:5])
+            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            return f"does not support node(s) {shown}{more}"
+        return ""
+
+    def select(
+        self, model: Model, config: Mapping[str, Any] | None = None
+    ) -> tuple[list[str], list[str]]:
+        """The devices that can run ``model``, best first, and the reasons for the others."""
+        overrides = dict(config or {})
+        cfg = self.merged_config(config, strict=False)
+        proto, _ = read_model(model)
+        graph = load_model(proto)
+        candidates, reasons = self.candidates(cfg)
+        usable = []
+        for device in candidates:
+            why = self._covers(graph, proto, device, self.child_config(device, overrides, cfg))
+            if why:
+                reasons.append(f"{device}: {why}")
+            else:
+                usable.append(device)
+        return usable, reasons
+
+    def load_network(
+        self, model: Model, config: Mapping[str, Any] | None = None
+    ) -> AutoCompiledNetwork:
+        overrides = dict(config or {})
+        cfg = self.merged_config(config)
+        proto, _ = read_model(model)
+        usable, reasons = self.select(proto, config)
+        for device in usable:
+            try:
+                network = self._devices().load_network(
+                    proto, device, self.child_config(device, overrides, cfg)
+                )
+            except PlugserveError as exc:
+                log.warning(
+                    "AUTO: %s could not compile the network (%s); trying the next", device, exc
+                )
+                reasons.append(f"{device}: {type(exc).__name__}: {exc}")
+                continue
+            log.info("AUTO chose %s for network %s", device, network.name)
+            return AutoCompiledNetwork(self, cfg, device, network)
+        raise InvalidArgument(
+            "AUTO: no device can run this network"
+            + (f" ({'; '.join(reasons)})" if reasons else " (no candidate device)")
+        )
+
+    def query_network(
+        self, model: Model, config: Mapping[str, Any] | None = None
+    ) -> dict[str, str]:
+        """The nodes of the device AUTO would choose (all of them, or none)."""
+        usable, _ = self.select(model, config)
+        if not usable:
+            return {}
+        cfg = self.merged_config(config, strict=False)
+        device = usable[0]
+        child = self.child_config(device, dict(config or {}), cfg)
+        return dict(self._devices().query_network(model, device, child))
+
+    def import_network(
+        self, data: bytes, config: Mapping[str, Any] | None = None
+    ) -> AutoCompiledNetwork:
+        header, payload = blob.unpack(data, self.name, self.architecture)
+        saved = AutoConfiguration(header.get("config", {}), throw_on_unsupported=False)
+        cfg = AutoConfiguration(config or {}, saved)
+        cfg.devices = self.devices
+        device = header.get("device")
+        if not device:
+            raise InvalidArgument("exported AUTO network names no device")
+        child = self.child_config(device, dict(config or {}), cfg)
+        network = self._devices().import_network(payload, device, child)
+        return AutoCompiledNetwork(self, cfg, device, network)

@@ -1,0 +1,172 @@
+"""MULTI's and AUTO's infer requests.
+
+A MULTI request takes a request on a device with room (see
+:meth:`MultiCompiledNetwork.acquire`), runs there and gives it back. With RUNTIME_FALLBACK a
+request that fails is run again on the next device in priority order (each device once).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from plugserve.plugins.api import (
+    Cancelled,
+    DeadlineExceeded,
+    FailedPrecondition,
+    InferenceError,
+    InferRequest,
+    InvalidInput,
+    PerfCount,
+    PlugserveError,
+    check_inputs,
+)
+
+if TYPE_CHECKING:
+    from plugserve.plugins.multi.compiled import AutoCompiledNetwork, MultiCompiledNetwork
+
+__all__ = ["AutoInferRequest", "MultiInferRequest"]
+
+log = logging.getLogger(__name__)
+
+_NO_RETRY = (InvalidInput, Cancelled, DeadlineExceeded)
+
+
+class MultiInferRequest(InferRequest):
+    network: MultiCompiledNetwork
+
+    def __init__(self, network: MultiCompiledNetwork) -> None:
+        super().__init__(network)
+        self._perf = bool(network.config.get("PERF_COUNT"))
+        self._counts: list[PerfCount] = []
+        self.last_device = ""
+
+    def _run_on(self, pool: Any, request: InferRequest, feeds: dict[str, Any]) -> dict[str, Any]:
+        self.last_device = pool.device
+        try:
+            outputs = request.infer(feeds)
+            if self._perf:
+                try:
+                    self._counts = [
+                        _on_device(c, pool.device) for c in request.get_performance_counts()
+                    ]
+                except PlugserveError:
+                    self._counts = []
+        except BaseException:
+            self.network.release(pool, request, failed=True)
+            raise
+        self.network.release(pool, request)
+        return outputs
+
+    def _run(self, feeds: dict[str, Any]) -> dict[str, np.ndarray]:
+        network = self.network
+        pool, request = network.acquire()
+        if not network.fallback:
+            try:
+                return self._run_on(pool, request, feeds)
+            except PlugserveError as exc:
+                raise type(exc)(f"MULTI device {pool.device}: {exc}") from exc
+            except Exception as exc:
+                raise InferenceError(
+                    f"MULTI device {pool.device}: {type(exc).__name__}: {exc}"
+                ) from exc
+        order = network.devices
+        start = order.index(pool.device)
+        reasons: list[str] = []
+        for step in range(len(order)):
+            if step:
+                pool, request = network.acquire_on(order[(start + step) % len(order)])
+            try:
+                return self._run_on(pool, request, feeds)
+            except _NO_RETRY:
+                raise
+            except Exception as exc:
+                reasons.append(f"{pool.device}: {type(exc).__name__}: {exc}")
+                if step + 1 < len(order):
+                    log.warning(
+                        "network %s: request failed on %s (%s); falling back to %s",
+                        network.name,
+                        pool.device,
+                        exc,
+                        order[(start + step + 1) % len(order)],
+                    )
+        raise InferenceError(
+            f"network {network.name}: the request failed on every device of MULTI: "
+            + "; ".join(reasons)
+        )
+
+    def infer(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        arrays = check_inputs(self.network.name, self.network.inputs, inputs)
+        return self._run({s.name: a for s, a in zip(self.network.inputs, arrays)})
+
+    def start_async(
+        self,
+        inputs: Mapping[str, Any],
+        callback: Callable[[dict[str, np.ndarray] | None, BaseException | None], None]
+        | None = None,
+    ) -> None:
+        if self._future is not None and not self._future.done():
+            raise FailedPrecondition("this request is still running: wait() for it first")
+        arrays = check_inputs(self.network.name, self.network.inputs, inputs)
+        feeds = {s.name: a for s, a in zip(self.network.inputs, arrays)}
+        future = self.network.executor.submit(lambda _state: self._run(feeds))
+        if callback is not None:
+            future.add_done_callback(
+                lambda f: (
+                    callback(None, f.exception()) if f.exception() else callback(f.result(), None)
+                )
+            )
+        self._future = future
+
+    def get_performance_counts(self) -> list[PerfCount]:
+        """The counts of this request's last run, from the device that ran it."""
+        if not self._perf:
+            raise FailedPrecondition(
+                f"network {self.network.name}: performance counters are off; "
+                "load it with PERF_COUNT=YES"
+            )
+        return list(self._counts)
+
+
+class AutoInferRequest(InferRequest):
+    """The chosen device's request, as it is."""
+
+    network: AutoCompiledNetwork
+
+    def __init__(self, network: AutoCompiledNetwork, request: InferRequest) -> None:
+        super().__init__(network)
+        self.request = request
+
+    def infer(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        return self.request.infer(inputs)
+
+    def start_async(
+        self,
+        inputs: Mapping[str, Any],
+        callback: Callable[[dict[str, np.ndarray] | None, BaseException | None], None]
+        | None = None,
+    ) -> None:
+        self.request.start_async(inputs, callback)
+
+    def wait(self, timeout: float | None = None) -> dict[str, np.ndarray]:
+        return self.request.wait(timeout)
+
+    def get_performance_counts(self) -> list[PerfCount]:
+        return self.request.get_performance_counts()
+
+
+def _on_device(count: PerfCount, device: str) -> PerfCount:
+    if count.device:
+        return count
+    return PerfCount(
+        count.node_name,
+        count.op_type,
+        count.status,
+        count.exec_type,
+        count.real_time_s,
+        device,
+        count.original_names,
+    )

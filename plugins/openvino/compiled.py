@@ -1,0 +1,125 @@
+"""OPENVINO's compiled network: an openvino CompiledModel plus what maps it back to ONNX."""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any
+
+from plugserve.plugins import blob
+from plugserve.plugins.api import CompiledNetwork, TensorSpec
+from plugserve.plugins.openvino.config import OpenvinoConfiguration
+from plugserve.plugins.openvino.request import OpenvinoInferRequest
+from plugserve.plugins.streams import StreamsExecutor
+
+if TYPE_CHECKING:
+    from plugserve.plugins.openvino.plugin import OpenvinoPlugin
+
+__all__ = ["OpenvinoCompiledNetwork"]
+
+
+def _port_index(ports: list[Any], name: str, fallback: int) -> int | None:
+    for index, port in enumerate(ports):
+        if name in port.get_names():
+            return index
+    return fallback if 0 <= fallback < len(ports) else None
+
+
+class OpenvinoCompiledNetwork(CompiledNetwork):
+    plugin: OpenvinoPlugin
+
+    def __init__(
+        self,
+        plugin: OpenvinoPlugin,
+        config: OpenvinoConfiguration,
+        name: str,
+        inputs: list[TensorSpec],
+        outputs: list[TensorSpec],
+        compiled: Any,
+        owners: dict[str, tuple[str, ...]],
+        runtime_names: dict[str, tuple[str, ...]],
+    ) -> None:
+        super().__init__(plugin, name, config)
+        self.compiled = compiled
+        self._inputs = list(inputs)
+        self._outputs = list(outputs)
+        self.output_names = [o.name for o in self._outputs]
+        ov_inputs, ov_outputs = list(compiled.inputs), list(compiled.outputs)
+        #: openvino's input port per ONNX input (None: openvino dropped an unused input)
+        self.input_ports = [_port_index(ov_inputs, s.name, -1) for s in self._inputs]
+        self.output_ports = [_port_index(ov_outputs, s.name, i) for i, s in enumerate(outputs)]
+        #: openvino op name -> ONNX node names (the read model's ops)
+        self.owners = dict(owners)
+        #: runtime (compiled) node name -> ONNX node names, for performance counters
+        self.runtime_names = dict(runtime_names)
+        self._waiter: StreamsExecutor | None = None
+        self._waiter_lock = threading.Lock()
+
+    @property
+    def inputs(self) -> list[TensorSpec]:
+        return self._inputs
+
+    @property
+    def outputs(self) -> list[TensorSpec]:
+        return self._outputs
+
+    @property
+    def waiter(self) -> StreamsExecutor:
+        """Threads that wait on openvino's async requests, to report the ones that fail
+        (openvino calls a request's callback only when it succeeds)."""
+        with self._waiter_lock:
+            if self._waiter is None:
+                self._waiter = StreamsExecutor(
+                    f"OPENVINO/{self.name}/wait", max(4, 2 * self.optimal_requests)
+                )
+            return self._waiter
+
+    @property
+    def optimal_requests(self) -> int:
+        try:
+            return int(self.compiled.get_property("OPTIMAL_NUMBER_OF_INFER_REQUESTS"))
+        except Exception:
+            return self.config.streams()
+
+    def create_infer_request(self) -> OpenvinoInferRequest:
+        return OpenvinoInferRequest(self)
+
+    def _metric(self, name: str) -> Any:
+        if name == "OPTIMAL_NUMBER_OF_INFER_REQUESTS":
+            return self.optimal_requests
+        return super()._metric(name)
+
+    def export(self) -> bytes:
+        payload = self.compiled.export_model()
+        if hasattr(payload, "getvalue"):
+            payload = payload.getvalue()
+        extra: dict[str, Any] = {
+            "network_name": self.name,
+            "inputs": [_spec_to_json(s) for s in self._inputs],
+            "outputs": [_spec_to_json(s) for s in self._outputs],
+            "owners": {k: list(v) for k, v in self.owners.items()},
+            "runtime_names": {k: list(v) for k, v in self.runtime_names.items()},
+        }
+        return blob.pack(
+            self.plugin.name,
+            self.plugin.architecture,
+            self.config.to_strings(),
+            bytes(payload),
+            extra,
+        )
+
+    def close(self) -> None:
+        if self._waiter is not None:
+            self._waiter.shutdown(wait=False)
+
+    def __del__(self) -> None:
+        waiter = getattr(self, "_waiter", None)
+        if waiter is not None:
+            waiter.shutdown(wait=False)
+
+
+def _spec_to_json(spec: TensorSpec) -> list[Any]:
+    return [
+        spec.name,
+        None if spec.dtype is None else str(spec.dtype),
+        None if spec.shape is None else list(spec.shape),
+    ]

@@ -1,0 +1,49 @@
+"""OPENVINO's configuration: the common keys plus the inference precision openvino computes in."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from plugserve.plugins.api import ConfigKey, Configuration
+
+__all__ = ["OpenvinoConfiguration", "compile_properties"]
+
+PRECISIONS = ("f32", "bf16", "f16")
+
+
+def _precision(value: str) -> str:
+    text = str(value).strip().lower()
+    if text not in PRECISIONS:
+        raise ValueError("expected f32, bf16 or f16")
+    return text
+
+
+class OpenvinoConfiguration(Configuration):
+    KEYS = (
+        *Configuration.KEYS,
+        ConfigKey(
+            "INFERENCE_PRECISION_HINT",
+            "f32",
+            _precision,
+            doc=(
+                "f32 (default): results match the other devices; bf16 or f16: openvino's faster "
+                "reduced precision (relative error about 1e-3..1e-2; f16 falls back to bf16 on "
+                "CPUs without f16 arithmetic)"
+            ),
+        ),
+    )
+
+
+def compile_properties(config: Configuration) -> dict[str, Any]:
+    """The openvino CPU properties a configuration stands for (keys left at 0/"" are omitted)."""
+    props: dict[str, Any] = {
+        "INFERENCE_PRECISION_HINT": config.get("INFERENCE_PRECISION_HINT"),
+        "PERF_COUNT": bool(config.get("PERF_COUNT")),
+    }
+    if config.get("PERFORMANCE_HINT"):
+        props["PERFORMANCE_HINT"] = config.get("PERFORMANCE_HINT")
+    if config.get("NUM_STREAMS"):
+        props["NUM_STREAMS"] = int(config.get("NUM_STREAMS"))
+    if config.get("INFERENCE_NUM_THREADS"):
+        props["INFERENCE_NUM_THREADS"] = int(config.get("INFERENCE_NUM_THREADS"))
+    return props

@@ -1,0 +1,236 @@
+"""The OPENVINO device: ONNX compiled and run by the openvino runtime on the CPU.
+
+``load_network`` validates the model with plugserve's own reader (so a bad model fails exactly
+as on NUMPY), then hands the validated bytes (external data already inlined) to openvino's ONNX
+frontend and compiles them for openvino's CPU device with the properties the configuration
+stands for. ``query_network`` asks openvino's own ``query_model`` and maps its op names back to
+the original ONNX node names (see :mod:`.query`). Export is openvino's compiled-model blob under
+plugserve's shared header.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import onnx
+
+from plugserve.plugins import blob
+from plugserve.plugins.api import (
+    BackendUnavailable,
+    InvalidArgument,
+    Model,
+    Plugin,
+    TensorSpec,
+    Unsupported,
+)
+from plugserve.plugins.ir import Graph, load_model, read_model
+from plugserve.plugins.openvino.compiled import OpenvinoCompiledNetwork
+from plugserve.plugins.openvino.config import OpenvinoConfiguration, compile_properties
+from plugserve.plugins.openvino.query import (
+    Names,
+    cut_model,
+    frontend_unsupported,
+    housekeeping,
+    owners,
+    runtime_names,
+    supported_nodes,
+)
+
+try:
+    import openvino as ov
+except Exception as exc:  # ImportError, or a broken install failing at import
+    ov = None
+    _IMPORT_ERROR: Exception | None = exc
+else:
+    _IMPORT_ERROR = None
+
+__all__ = ["OpenvinoPlugin"]
+
+TARGET = "CPU"  # openvino's device this plugin compiles for
+
+
+def _first_line(exc: BaseException) -> str:
+    """openvino's messages start with source locations; keep the lines a person can use."""
+    lines = [
+        line.strip()
+        for line in str(exc).splitlines()
+        if line.strip() and not line.strip().startswith(("Exception from ", "Check '"))
+    ]
+    return lines[0] if lines else str(exc).strip().splitlines()[-1] if str(exc).strip() else ""
+
+
+class OpenvinoPlugin(Plugin):
+    name = "OPENVINO"
+    config_class = OpenvinoConfiguration
+
+    def __init__(self) -> None:
+        super().__init__()
+        if ov is None:
+            raise BackendUnavailable(
+                f"openvino is not installed or does not import: {_IMPORT_ERROR}"
+            )
+        try:
+            self.core = ov.Core()
+            if TARGET not in self.core.available_devices:
+                raise RuntimeError(f"openvino sees no {TARGET} device")
+            self.cpu_name = str(self.core.get_property(TARGET, "FULL_DEVICE_NAME"))
+            self.cpu_architecture = str(self.core.get_property(TARGET, "DEVICE_ARCHITECTURE"))
+        except Exception as exc:
+            raise BackendUnavailable(f"openvino does not work here: {exc}") from exc
+        self.version = ov.get_version().split("-")[0]
+        # openvino's blobs only import into the same openvino build on the same kind of CPU
+        self.architecture = f"{self.cpu_architecture}-openvino{self.version}"
+
+    # --- reading models
+
+    def _read(self, model: Model) -> tuple[Graph, onnx.ModelProto, bytes]:
+        """Validate as NUMPY does, then the bytes openvino reads (external data inlined)."""
+        proto, _ = read_model(model)
+        graph = load_model(proto)  # sorts ``proto`` in place; every problem is InvalidModel
+        return graph, proto, proto.SerializeToString()
+
+    def _unsupported_error(
+        self, graph: Graph, data: bytes, names: Names, exc: Exception
+    ) -> Unsupported:
+        try:
+            refused = frontend_unsupported(self.core, data, names)
+        except Exception:
+            refused = {}
+        if refused:
+            listed = ", ".join(f"{name!r} ({op})" for name, op in refused.items())
+            return Unsupported(
+                f"model {graph.name!r}: device {self.name} cannot run node(s) {listed}: "
+                "openvino has no conversion for them"
+            )
+        return Unsupported(f"model {graph.name!r}: openvino cannot read it: {_first_line(exc)}")
+
+    # --- networks
+
+    def load_network(
+        self, model: Model, config: Mapping[str, Any] | None = None
+    ) -> OpenvinoCompiledNetwork:
+        cfg = self.merged_config(config)
+        graph, proto, data = self._read(model)
+        names = Names(graph, proto)
+        try:
+            ov_model = self.core.read_model(data)
+        except Exception as exc:
+            raise self._unsupported_error(graph, data, names, exc) from None
+        mapping = owners(ov_model, names)
+        try:
+            compiled = self.core.compile_model(ov_model, TARGET, compile_properties(cfg))
+        except Exception as exc:
+            raise Unsupported(
+                f"model {graph.name!r}: openvino could not compile it: {_first_line(exc)}"
+            ) from None
+        return OpenvinoCompiledNetwork(
+            self,
+            cfg,
+            graph.name,
+            graph.inputs,
+            graph.outputs,
+            compiled,
+            mapping,
+            runtime_names(compiled, mapping, graph),
+        )
+
+    def query_network(
+        self, model: Model, config: Mapping[str, Any] | None = None
+    ) -> dict[str, str]:
+        cfg = self.merged_config(config, strict=False)
+        graph, proto, data = self._read(model)
+        names = Names(graph, proto)
+        props = compile_properties(cfg)
+        refused: dict[str, str] = {}
+        try:
+            ov_model = self.core.read_model(data)
+        except Exception as exc:
+            refused = frontend_unsupported(self.core, data, names)
+            if not refused:
+                raise self._unsupported_error(graph, data, names, exc) from None
+            # without the nodes openvino cannot convert, the rest keeps its types
+            cut = cut_model(proto, names, refused)
+            try:
+                ov_model = self.core.read_model(cut.SerializeToString())
+            except Exception:
+                return {}
+        try:
+            answer = self.core.query_model(ov_model, TARGET, props)
+        except Exception as exc:
+            raise Unsupported(
+                f"model {graph.name!r}: openvino query failed: {_first_line(exc)}"
+            ) from None
+        supported = supported_nodes(ov_model, names, answer, refused)
+        housekeeping(graph, supported)
+        return {name: self.name for name in sorted(supported)}
+
+    def unsupported_nodes(
+        self, model: Model, config: Mapping[str, Any] | None = None
+    ) -> dict[str, str]:
+        """Why each unsupported original node is refused (as NUMPY offers, for the CLI)."""
+        graph, proto, data = self._read(model)
+        names = Names(graph, proto)
+        supported = set(self.query_network(model, config))
+        refused: dict[str, str] = {}
+        try:
+            self.core.read_model(data)
+        except Exception:
+            refused = frontend_unsupported(self.core, data, names)
+        why = {n: f"openvino has no conversion for {op}" for n, op in refused.items()}
+        for node in graph.nodes:
+            if node.name not in supported and node.name not in why:
+                why[node.name] = f"openvino's {TARGET} device does not support {node.op_type} here"
+        return why
+
+    def import_network(
+        self, data: bytes, config: Mapping[str, Any] | None = None
+    ) -> OpenvinoCompiledNetwork:
+        header, payload = blob.unpack(data, self.name, self.architecture)
+        saved = OpenvinoConfiguration(header.get("config", {}), throw_on_unsupported=False)
+        cfg = OpenvinoConfiguration(config or {}, saved)
+        # the blob holds a graph compiled for one precision: that one stays
+        cfg = OpenvinoConfiguration(
+            {"INFERENCE_PRECISION_HINT": saved.get("INFERENCE_PRECISION_HINT")}, cfg
+        )
+        try:
+            inputs = [_spec_from_json(s) for s in header["inputs"]]
+            outputs = [_spec_from_json(s) for s in header["outputs"]]
+            mapping = {k: tuple(v) for k, v in header.get("owners", {}).items()}
+            runtime = {k: tuple(v) for k, v in header.get("runtime_names", {}).items()}
+            name = str(header["network_name"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InvalidArgument(f"exported network is corrupt (header lacks {exc})") from None
+        try:
+            compiled = self.core.import_model(io.BytesIO(payload), TARGET, compile_properties(cfg))
+        except Exception as exc:
+            raise InvalidArgument(
+                f"exported network is corrupt or from another openvino: {_first_line(exc)}"
+            ) from None
+        return OpenvinoCompiledNetwork(self, cfg, name, inputs, outputs, compiled, mapping, runtime)
+
+    # --- metrics
+
+    def _metric(self, name: str, options: Mapping[str, Any]) -> Any:
+        if name == "FULL_DEVICE_NAME":
+            return f"{self.cpu_name} (OpenVINO {self.version})"
+        if name == "DEVICE_ARCHITECTURE":
+            return self.architecture
+        if name == "OPTIMIZATION_CAPABILITIES":
+            return [str(c) for c in self.core.get_property(TARGET, "OPTIMIZATION_CAPABILITIES")]
+        if name == "RANGE_FOR_STREAMS":
+            return tuple(int(v) for v in self.core.get_property(TARGET, "RANGE_FOR_STREAMS"))
+        if name == "AVAILABLE_DEVICES":
+            return [str(d) for d in self.core.get_property(TARGET, "AVAILABLE_DEVICES")]
+        return super()._metric(name, options)
+
+
+def _spec_from_json(item: Any) -> TensorSpec:
+    name, dtype, shape = item
+    return TensorSpec(
+        str(name),
+        None if dtype is None else np.dtype(dtype),
+        None if shape is None else tuple(shape),
+    )

@@ -1,0 +1,190 @@
+"""OPENVINO's infer request: one openvino InferRequest, run synchronously or with its own
+``start_async`` and callback; per-node timings from openvino's profiling."""
+
+from __future__ import annotations
+
+import re
+import threading
+import weakref
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from plugserve.plugins.api import (
+    FailedPrecondition,
+    InferenceError,
+    InferRequest,
+    PerfCount,
+    check_inputs,
+)
+from plugserve.plugins.streams import RequestFuture
+
+if TYPE_CHECKING:
+    from plugserve.plugins.openvino.compiled import OpenvinoCompiledNetwork
+
+__all__ = ["OpenvinoInferRequest"]
+
+Callback = Callable[[dict[str, np.ndarray] | None, BaseException | None], None]
+
+_NODE_IN_MESSAGE = re.compile(r"name '([^']+)'")
+_STATUS = {"EXECUTED": "EXECUTED", "NOT_RUN": "NOT_RUN", "OPTIMIZED_OUT": "OPTIMIZED_OUT"}
+
+
+class OpenvinoInferRequest(InferRequest):
+    network: OpenvinoCompiledNetwork
+
+    def __init__(self, network: OpenvinoCompiledNetwork) -> None:
+        super().__init__(network)
+        self._perf = bool(network.config.get("PERF_COUNT"))
+        self._request = network.compiled.create_infer_request()
+        # a weak reference: openvino keeps the callback, which must not keep this request alive
+        self._request.set_callback(_on_done, weakref.ref(self))
+        self._lock = threading.Lock()
+        self._ran = False
+
+    # --- running
+
+    def _feeds(self, inputs: Mapping[str, Any]) -> dict[int, np.ndarray]:
+        arrays = check_inputs(self.network.name, self.network.inputs, inputs)
+        return {
+            port: np.ascontiguousarray(array)
+            for port, array in zip(self.network.input_ports, arrays)
+            if port is not None
+        }
+
+    def _outputs(self) -> dict[str, np.ndarray]:
+        results: dict[str, np.ndarray] = {}
+        for spec, port in zip(self.network.outputs, self.network.output_ports):
+            if port is None:
+                continue
+            data = np.array(self._request.get_output_tensor(port).data, copy=True)
+            if spec.dtype is not None and spec.dtype != object and data.dtype != spec.dtype:
+                data = data.astype(spec.dtype)
+            results[spec.name] = data
+        return results
+
+    def _error(self, exc: BaseException) -> InferenceError:
+        text = str(exc)
+        lines = [
+            line.strip()
+            for line in text.splitlines()
+            if line.strip()
+            and not line.strip().startswith(("Exception from ", "Caught exception: Exception from"))
+        ]
+        detail = lines[0] if lines else text.strip()
+        where = ""
+        match = _NODE_IN_MESSAGE.search(text)
+        if match:
+            nodes = self.network.runtime_names.get(match.group(1)) or self.network.owners.get(
+                match.group(1), ()
+            )
+            if nodes:
+                where = f" in node(s) {', '.join(repr(n) for n in nodes)}"
+        return InferenceError(f"network {self.network.name}: openvino failed{where}: {detail}")
+
+    def _busy(self) -> bool:
+        return self._future is not None and not self._future.done()
+
+    def infer(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        feeds = self._feeds(inputs)
+        with self._lock:
+            if self._busy():
+                raise FailedPrecondition("this request is still running: wait() for it first")
+            try:
+                self._request.infer(feeds, share_inputs=False, share_outputs=True)
+                outputs = self._outputs()
+            except Exception as exc:
+                raise self._error(exc) from None
+            self._ran = True
+            return outputs
+
+    def start_async(self, inputs: Mapping[str, Any], callback: Callback | None = None) -> None:
+        feeds = self._feeds(inputs)
+        with self._lock:
+            if self._busy():
+                raise FailedPrecondition("this request is still running: wait() for it first")
+            future: Future = RequestFuture()
+            future.set_running_or_notify_cancel()
+            if callback is not None:
+                future.add_done_callback(lambda f: _call(callback, f))
+            self._future = future
+            try:
+                self._request.start_async(feeds, share_inputs=False)
+            except Exception as exc:
+                self._future = None
+                raise self._error(exc) from None
+        # openvino calls _on_done when the request succeeds; a failure only shows in wait()
+        # (the task lets go of this request once it ran: a stream keeps its last task)
+        task: list[Any] = [self, future]
+        self.network.waiter.submit(lambda _state, task=task: _watch(task))
+
+    def _watch(self, future: Future) -> None:
+        try:
+            self._request.wait()
+        except Exception as exc:
+            self._settle(future, exc)
+            return
+        self._settle(future, None)
+
+    def _settle(self, future: Future, exc: BaseException | None) -> None:
+        with self._lock:
+            if future.done() or future is not self._future:
+                return
+            if exc is None:
+                try:
+                    outputs: dict[str, np.ndarray] | None = self._outputs()
+                except Exception as read_exc:
+                    outputs, exc = None, read_exc
+            self._ran = exc is None
+        if exc is None:
+            future.set_result(outputs)
+        else:
+            future.set_exception(self._error(exc))
+
+    # --- profiling
+
+    def get_performance_counts(self) -> list[PerfCount]:
+        if not self._perf:
+            raise FailedPrecondition(
+                f"network {self.network.name}: performance counters are off; "
+                "load it with PERF_COUNT=YES"
+            )
+        if not self._ran or self._busy():
+            return []
+        counts = []
+        for info in self._request.profiling_info:
+            status = str(info.status).rsplit(".", 1)[-1]
+            counts.append(
+                PerfCount(
+                    node_name=info.node_name,
+                    op_type=info.node_type,
+                    status=_STATUS.get(status, status),
+                    exec_type=info.exec_type,
+                    real_time_s=info.real_time.total_seconds(),
+                    original_names=self.network.runtime_names.get(info.node_name, ()),
+                )
+            )
+        return counts
+
+
+def _watch(task: list[Any]) -> None:
+    request, future = task
+    task.clear()
+    request._watch(future)
+
+
+def _on_done(ref: weakref.ref[OpenvinoInferRequest]) -> None:
+    """openvino's callback: the request succeeded (it is not called when one fails)."""
+    request = ref()
+    if request is not None and request._future is not None:
+        request._settle(request._future, None)
+
+
+def _call(callback: Callback, future: Future) -> None:
+    error = future.exception()
+    if error is not None:
+        callback(None, error)
+    else:
+        callback(future.result(), None)

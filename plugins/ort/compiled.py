@@ -1,0 +1,167 @@
+"""ORT's compiled network: the optimized model bytes and one InferenceSession per stream."""
+
+from __future__ import annotations
+
+import itertools
+import tempfile
+import threading
+from typing import TYPE_CHECKING, Any
+
+import onnx
+
+from plugserve.plugins import blob
+from plugserve.plugins.api import CompiledNetwork, TensorSpec
+from plugserve.plugins.ir import np_dtype, onnx_dtype
+from plugserve.plugins.ort import backend
+from plugserve.plugins.ort.config import OrtConfiguration
+from plugserve.plugins.ort.request import OrtInferRequest
+from plugserve.plugins.streams import StreamsExecutor
+
+if TYPE_CHECKING:
+    from plugserve.plugins.ort.plugin import OrtPlugin
+
+__all__ = ["OrtCompiledNetwork", "spec_from_json", "spec_to_json"]
+
+
+def spec_to_json(spec: TensorSpec) -> dict[str, Any]:
+    """A TensorSpec for the export header (element types as ONNX numbers)."""
+    return {
+        "name": spec.name,
+        "elem_type": None if spec.dtype is None else onnx_dtype(spec.dtype),
+        "shape": None if spec.shape is None else list(spec.shape),
+    }
+
+
+def spec_from_json(data: dict[str, Any]) -> TensorSpec:
+    elem = data.get("elem_type")
+    shape = data.get("shape")
+    return TensorSpec(
+        str(data["name"]),
+        None if elem is None else np_dtype(int(elem)),
+        None if shape is None else tuple(shape),
+    )
+
+
+class OrtCompiledNetwork(CompiledNetwork):
+    """``model`` is the onnxruntime-optimized model; sessions run it, one per stream.
+
+    Streams x intra-op threads stays within the cores (INFERENCE_NUM_THREADS, when set, is the
+    total thread budget instead of the core count); inter-op threads are 1 and spinning is off.
+    """
+
+    plugin: OrtPlugin
+
+    def __init__(
+        self,
+        plugin: OrtPlugin,
+        config: OrtConfiguration,
+        name: str,
+        model: bytes,
+        inputs: list[TensorSpec],
+        outputs: list[TensorSpec],
+        node_names: list[str],
+        sessions: list[Any],
+    ) -> None:
+        super().__init__(plugin, name, config)
+        self.model = model
+        self._inputs = inputs
+        self._outputs = outputs
+        self.input_names = [s.name for s in inputs]
+        self.output_names = [s.name for s in outputs]
+        self.node_names = node_names
+        self.streams = config.streams(backend.cores())
+        self.threads = backend.threads_per_stream(self.streams, config.get("INFERENCE_NUM_THREADS"))
+        self.level = config.get("GRAPH_OPTIMIZATION_LEVEL")
+        self.sessions = list(sessions)
+        self._next = itertools.count()
+        self._executor: StreamsExecutor | None = None
+        self._lock = threading.Lock()
+        self._profiles: tempfile.TemporaryDirectory | None = None
+        self._producers: dict[str, str] | None = None
+        self.open_sessions()
+
+    def open_sessions(self) -> None:
+        while len(self.sessions) < self.streams:
+            self.sessions.append(self.new_session())
+
+    def new_session(self, profile_prefix: str | None = None) -> Any:
+        return backend.session(self.model, self.level, self.threads, profile_prefix)
+
+    @property
+    def profile_folder(self) -> str:
+        """Where profiling sessions write their JSON (removed with the network)."""
+        with self._lock:
+            if self._profiles is None:
+                self._profiles = tempfile.TemporaryDirectory(prefix="plugserve-ort-profile-")
+            return self._profiles.name
+
+    def original_names(self, node: str) -> tuple[str, ...]:
+        """The original node a profiled node comes from, when it can be told.
+
+        Nodes keep their names through the saved (EXTENDED) optimizations; the ALL level's
+        NCHWc rewrite names a node ``<output>_nchwc`` after the value it computes, which maps
+        back through that value's producer in the saved model.
+        """
+        with self._lock:
+            if self._producers is None:
+                proto = onnx.ModelProto()
+                proto.ParseFromString(self.model)
+                self._producers = {o: n.name for n in proto.graph.node for o in n.output if o}
+        known = set(self.node_names)
+        if node in known:
+            return (node,)
+        for suffix in ("_nchwc",):
+            if node.endswith(suffix):
+                producer = self._producers.get(node[: -len(suffix)], "")
+                if producer in known:
+                    return (producer,)
+        return ()
+
+    @property
+    def inputs(self) -> list[TensorSpec]:
+        return self._inputs
+
+    @property
+    def outputs(self) -> list[TensorSpec]:
+        return self._outputs
+
+    @property
+    def executor(self) -> StreamsExecutor:
+        """The streams async requests run on, started on first use."""
+        with self._lock:
+            if self._executor is None:
+                self._executor = StreamsExecutor(f"ORT/{self.name}", self.streams)
+            return self._executor
+
+    def create_infer_request(self) -> OrtInferRequest:
+        session = self.sessions[next(self._next) % len(self.sessions)]
+        return OrtInferRequest(self, session)
+
+    def _metric(self, name: str) -> Any:
+        if name == "OPTIMAL_NUMBER_OF_INFER_REQUESTS":
+            return self.streams
+        return super()._metric(name)
+
+    def export(self) -> bytes:
+        extra: dict[str, Any] = {
+            "network_name": self.name,
+            "inputs": [spec_to_json(s) for s in self._inputs],
+            "outputs": [spec_to_json(s) for s in self._outputs],
+            "node_names": self.node_names,
+            "onnxruntime_version": backend.ort.__version__,
+        }
+        return blob.pack(
+            self.plugin.name, self.plugin.architecture, self.config.to_strings(), self.model, extra
+        )
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)
+
+    def __del__(self) -> None:
+        executor = getattr(self, "_executor", None)
+        if executor is not None:
+            executor.shutdown(wait=False)
+        profiles = getattr(self, "_profiles", None)
+        if profiles is not None:
+            profiles.cleanup()

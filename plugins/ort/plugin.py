@@ -1,0 +1,193 @@
+"""The ORT device: ONNX Runtime's CPU execution provider.
+
+``load_network`` validates the model with plugserve's own reader (same InvalidModel errors as
+NUMPY, external data inlined safely), has onnxruntime optimize it once (at most at EXTENDED, so
+the saved model is portable and is what export writes), then opens one InferenceSession per
+stream. ``query_network`` asks onnxruntime's kernel registry (see :mod:`.query`).
+"""
+
+from __future__ import annotations
+
+import platform
+from collections.abc import Mapping
+from typing import Any
+
+from plugserve.plugins import blob
+from plugserve.plugins.api import (
+    BackendUnavailable,
+    InvalidArgument,
+    InvalidModel,
+    Model,
+    Plugin,
+    Unsupported,
+)
+from plugserve.plugins.ir import Graph, load_model, read_model
+from plugserve.plugins.ort import backend
+from plugserve.plugins.ort.compiled import OrtCompiledNetwork, spec_from_json
+from plugserve.plugins.ort.config import OrtConfiguration
+from plugserve.plugins.ort.query import KernelIndex, kernel_index, unsupported_nodes
+
+__all__ = ["OrtPlugin"]
+
+
+class OrtPlugin(Plugin):
+    name = "ORT"
+    config_class = OrtConfiguration
+
+    def __init__(self) -> None:
+        super().__init__()
+        ort = backend.ort
+        if ort is None:
+            raise BackendUnavailable(
+                f"onnxruntime cannot be imported: {backend.IMPORT_ERROR!r}"
+            ) from backend.IMPORT_ERROR
+        try:
+            providers = ort.get_available_providers()
+        except Exception as exc:
+            raise BackendUnavailable(f"onnxruntime does not work here: {exc}") from exc
+        if backend.PROVIDER not in providers:
+            raise BackendUnavailable(
+                f"onnxruntime {ort.__version__} has no {backend.PROVIDER} "
+                f"(providers: {', '.join(providers) or 'none'})"
+            )
+        self.version = ort.__version__
+        self.architecture = f"{platform.machine() or 'unknown'}-ort{self.version.split('.')[0]}"
+        try:
+            self.kernels: KernelIndex | None = kernel_index()
+        except Exception:  # a private API; without it QueryNetwork asks a session instead
+            self.kernels = None
+
+    # --- networks
+
+    def _read(self, model: Model) -> tuple[Graph, bytes]:
+        proto, _ = read_model(model)  # external data inlined here, safely
+        graph = load_model(proto)
+        try:
+            data = proto.SerializeToString()
+        except ValueError as exc:  # a model over protobuf's 2 GB limit
+            raise InvalidModel(f"model {graph.name!r} cannot be serialized: {exc}") from None
+        return graph, data
+
+    def load_network(
+        self, model: Model, config: Mapping[str, Any] | None = None
+    ) -> OrtCompiledNetwork:
+        cfg = self.merged_config(config)
+        graph, data = self._read(model)
+        streams = cfg.streams(backend.cores())
+        threads = backend.threads_per_stream(streams, cfg.get("INFERENCE_NUM_THREADS"))
+        level = cfg.get("GRAPH_OPTIMIZATION_LEVEL")
+        try:
+            optimized, first = backend.optimize(data, level, threads)
+        except Exception as exc:
+            raise self._load_error(graph, exc) from None
+        sessions = [first] if backend.saved_level(level) == level else []
+        return OrtCompiledNetwork(
+            self,
+            cfg,
+            graph.name,
+            optimized,
+            list(graph.inputs),
+            list(graph.outputs),
+            [n.name for n in graph.nodes],
+            sessions,
+        )
+
+    def _load_error(self, graph: Graph, exc: Exception) -> Exception:
+        failures = self._unsupported(graph)
+        if failures:
+            shown = "; ".join(f"node {name!r}: {why}" for name, why in failures.items())
+            return Unsupported(f"model {graph.name!r} has nodes ORT cannot run: {shown}")
+        return InvalidModel(
+            f"model {graph.name!r}: onnxruntime cannot load it: {backend.message(exc)}"
+        )
+
+    def _unsupported(self, graph: Graph) -> dict[str, str]:
+        if self.kernels is None:
+            return {}
+        return unsupported_nodes(graph, self.kernels)
+
+    def query_network(
+        self, model: Model, config: Mapping[str, Any] | None = None
+    ) -> dict[str, str]:
+        self.merged_config(config, strict=False)
+        graph = load_model(model)
+        if self.kernels is None:  # all or nothing: can onnxruntime open it?
+            try:
+                self.load_network(model, config)
+            except Unsupported:
+                return {}
+            return {n.name: self.name for n in graph.nodes}
+        failures = unsupported_nodes(graph, self.kernels)
+        return {n.name: self.name for n in graph.nodes if n.name not in failures}
+
+    def unsupported_nodes(
+        self, model: Model, config: Mapping[str, Any] | None = None
+    ) -> dict[str, str]:
+        """Why each unsupported original node is refused (for error messages and the CLI)."""
+        return self._unsupported(load_model(model))
+
+    def import_network(
+        self, data: bytes, config: Mapping[str, Any] | None = None
+    ) -> OrtCompiledNetwork:
+        header, payload = blob.unpack(data, self.name, self.architecture)
+        saved = OrtConfiguration(header.get("config", {}), throw_on_unsupported=False)
+        cfg = OrtConfiguration(config or {}, saved)
+        try:
+            inputs = [spec_from_json(s) for s in header["inputs"]]
+            outputs = [spec_from_json(s) for s in header["outputs"]]
+        except (KeyError, TypeError, ValueError):
+            raise InvalidArgument("exported network is corrupt (bad input/output list)") from None
+        name = str(header.get("network_name") or "model")
+        try:
+            network = OrtCompiledNetwork(
+                self, cfg, name, payload, inputs, outputs, list(header.get("node_names", [])), []
+            )
+        except Exception as exc:
+            raise InvalidArgument(
+                f"exported network {name!r} is corrupt: onnxruntime cannot load it: "
+                f"{backend.message(exc)}"
+            ) from None
+        return network
+
+    # --- metrics
+
+    def supported_metrics(self) -> list[str]:
+        return [*super().supported_metrics(), "SUPPORTED_OPS"]
+
+    def _metric(self, name: str, options: Mapping[str, Any]) -> Any:
+        if name == "FULL_DEVICE_NAME":
+            return f"{cpu_name()} (onnxruntime {self.version} {backend.PROVIDER})"
+        if name == "DEVICE_ARCHITECTURE":
+            return self.architecture
+        if name == "OPTIMIZATION_CAPABILITIES":
+            return [
+                "FP32",
+                "FP16",
+                "BF16",
+                "FP64",
+                "INT8",
+                "INT16",
+                "INT32",
+                "INT64",
+                "UINT8",
+                "BOOL",
+                "STRING",
+                "EXPORT_IMPORT",
+            ]
+        if name == "SUPPORTED_OPS":
+            ops = self.kernels.ops() if self.kernels is not None else []
+            return [f"{d}::{op}" if d else op for d, op in ops]
+        if name == "RANGE_FOR_STREAMS":
+            return (1, backend.cores())
+        return super()._metric(name, options)
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "CPU"

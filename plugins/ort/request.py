@@ -1,0 +1,141 @@
+"""ORT's infer request: one of the network's sessions; with PERF_COUNT, a profiling session.
+
+onnxruntime profiles a session from its creation until ``end_profiling()``, after which that
+session no longer profiles. So a request with PERF_COUNT=YES runs on a session of its own with
+profiling on; ``get_performance_counts()`` ends profiling, reads the JSON events of the LAST run,
+deletes the file and drops the session, which is rebuilt at the next run. The cost: each such
+request holds an extra session (a copy of the weights), every run pays for profiling, and each
+run after a call to ``get_performance_counts()`` first recreates the session. Acceptable because
+counters are for debugging and read rarely; PERF_COUNT=NO (the default) costs nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from plugserve.plugins.api import (
+    FailedPrecondition,
+    InferenceError,
+    InferRequest,
+    PerfCount,
+    check_inputs,
+)
+from plugserve.plugins.ort import backend
+
+if TYPE_CHECKING:
+    from plugserve.plugins.ort.compiled import OrtCompiledNetwork
+
+__all__ = ["OrtInferRequest", "parse_profile"]
+
+
+class OrtInferRequest(InferRequest):
+    network: OrtCompiledNetwork
+
+    def __init__(self, network: OrtCompiledNetwork, session: Any) -> None:
+        super().__init__(network)
+        self.session = session
+        self._perf = bool(network.config.get("PERF_COUNT"))
+        self._profiling: Any = None  # this request's profiling session, made on first run
+        self._ran_since_counts = False
+        self._counts: list[PerfCount] = []
+        self._lock = threading.Lock()
+
+    def _feeds(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
+        arrays = check_inputs(self.network.name, self.network.inputs, inputs)
+        return {n: a for n, a in zip(self.network.input_names, arrays) if a is not None}
+
+    def _run(self, feeds: dict[str, Any]) -> dict[str, np.ndarray]:
+        try:
+            if self._perf:
+                with self._lock:
+                    if self._profiling is None:
+                        prefix = os.path.join(self.network.profile_folder, f"request{id(self)}")
+                        self._profiling = self.network.new_session(prefix)
+                    outputs = self._profiling.run(self.network.output_names, feeds)
+                    self._ran_since_counts = True
+            else:
+                outputs = self.session.run(self.network.output_names, feeds)
+        except Exception as exc:
+            raise InferenceError(
+                f"network {self.network.name}: onnxruntime failed: {backend.message(exc)}"
+            ) from None
+        return dict(zip(self.network.output_names, outputs))
+
+    def infer(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        return self._run(self._feeds(inputs))
+
+    def start_async(
+        self,
+        inputs: Mapping[str, Any],
+        callback: Callable[[dict[str, np.ndarray] | None, BaseException | None], None]
+        | None = None,
+    ) -> None:
+        if self._future is not None and not self._future.done():
+            raise FailedPrecondition("this request is still running: wait() for it first")
+        feeds = self._feeds(inputs)
+        future = self.network.executor.submit(lambda _state: self._run(feeds))
+        if callback is not None:
+            future.add_done_callback(
+                lambda f: (
+                    callback(None, f.exception()) if f.exception() else callback(f.result(), None)
+                )
+            )
+        self._future = future
+
+    def get_performance_counts(self) -> list[PerfCount]:
+        """Per-node timings of the last run (ends this request's profiling session; see above)."""
+        if not self._perf:
+            raise FailedPrecondition(
+                f"network {self.network.name}: performance counters are off; "
+                "load it with PERF_COUNT=YES"
+            )
+        with self._lock:
+            if self._profiling is not None and self._ran_since_counts:
+                path = self._profiling.end_profiling()
+                self._profiling = None  # profiling has stopped: a new session next run
+                self._ran_since_counts = False
+                try:
+                    with open(path) as f:
+                        events = json.load(f)
+                    self._counts = parse_profile(events, self.network.original_names)
+                finally:
+                    with contextlib.suppress(OSError):
+                        os.remove(path)
+            return list(self._counts)
+
+
+def parse_profile(
+    events: list[dict[str, Any]], original: Callable[[str], tuple[str, ...]]
+) -> list[PerfCount]:
+    """PerfCounts of the last ``model_run`` in onnxruntime's profile (Chrome trace events)."""
+    runs = [e for e in events if e.get("cat") == "Session" and e.get("name") == "model_run"]
+    start = max((e.get("ts", 0) for e in runs), default=0)
+    counts = []
+    for event in events:
+        name = str(event.get("name", ""))
+        if event.get("cat") != "Node" or not name.endswith("_kernel_time"):
+            continue
+        if event.get("ts", 0) < start:
+            continue
+        args = event.get("args", {})
+        node = name[: -len("_kernel_time")]
+        op = str(args.get("op_name", ""))
+        counts.append(
+            PerfCount(
+                node,
+                op,
+                "EXECUTED",
+                f"{op} ({args.get('provider', backend.PROVIDER)})",
+                float(event.get("dur", 0)) * 1e-6,
+                "ORT",
+                original(node),
+            )
+        )
+    return counts

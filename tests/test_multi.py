@@ -1,0 +1,454 @@
+"""MULTI and AUTO: one network on several devices, and the best device for a model.
+
+The second devices are a third-party package declaring plugins by entry point (NUMPY under other
+names): SECOND (plain), HELD (its requests wait for a gate file the test opens), FAULTY (its
+kernels raise), NOLOAD/NOLOAD2 (compiling fails), PARTIAL (QueryNetwork leaves a node out) and
+BROKEN (its constructor raises: unavailable). In-process tests hand the same classes to a Core;
+server tests put the package on the server's PYTHONPATH. Nothing asserts on time: the spread
+under load is made certain by holding HELD's first request until SECOND has served others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+import os
+import sys
+import textwrap
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from models import mlp
+from serving import RunningServer, wait_for
+
+from plugserve.client import AsyncClient, Client
+from plugserve.plugins.api import InferenceError, InvalidArgument, NotFound, Unsupported
+from plugserve.server import Core
+
+DEVICES = """
+import os
+import time
+
+from plugserve.plugins.api import BackendUnavailable, InferenceError, Unsupported
+from plugserve.plugins.numpy import NumpyPlugin
+from plugserve.plugins.numpy.compiled import NumpyCompiledNetwork
+from plugserve.plugins.numpy.request import NumpyInferRequest
+
+
+class SecondPlugin(NumpyPlugin):
+    name = "SECOND"
+
+
+def wait_for_gate(name):
+    path = os.path.join(os.environ["PLUGSERVE_TEST_GATES"], name)
+    for _ in range(120_000):  # bounded: the test opens every gate it uses
+        if os.path.exists(path):
+            return
+        time.sleep(0.001)
+    raise TimeoutError(f"gate {name} never opened")
+
+
+class HeldRequest(NumpyInferRequest):
+    def infer(self, inputs):
+        wait_for_gate("held")
+        return super().infer(inputs)
+
+
+class HeldNetwork(NumpyCompiledNetwork):
+    def create_infer_request(self):
+        return HeldRequest(self)
+
+
+class HeldPlugin(NumpyPlugin):
+    name = "HELD"
+
+    def load_network(self, model, config=None):
+        network = super().load_network(model, config)
+        network.__class__ = HeldNetwork
+        return network
+
+
+class FaultyRequest(NumpyInferRequest):
+    def infer(self, inputs):
+        super().infer(inputs)
+        raise InferenceError("node 'matmul0' (MatMul) failed: acme kernel failure")
+
+
+class FaultyNetwork(NumpyCompiledNetwork):
+    def create_infer_request(self):
+        return FaultyRequest(self)
+
+
+class FaultyPlugin(NumpyPlugin):
+    name = "FAULTY"
+
+    def load_network(self, model, config=None):
+        network = super().load_network(model, config)
+        network.__class__ = FaultyNetwork
+        return network
+
+
+class Faulty2Plugin(FaultyPlugin):
+    name = "FAULTY2"
+
+
+class NoLoadPlugin(NumpyPlugin):
+    name = "NOLOAD"
+
+    def load_network(self, model, config=None):
+        raise Unsupported(f"{self.name} cannot compile anything today")
+
+
+class NoLoad2Plugin(NoLoadPlugin):
+    name = "NOLOAD2"
+
+
+class PartialPlugin(NumpyPlugin):
+    name = "PARTIAL"
+
+    def query_network(self, model, config=None):
+        supported = super().query_network(model, config)
+        return {k: v for k, v in supported.items() if not k.startswith("relu")}
+
+
+class BrokenPlugin(NumpyPlugin):
+    name = "BROKEN"
+
+    def __init__(self):
+        raise BackendUnavailable("the acme driver is not installed")
+"""
+
+CLASSES = {
+    "SECOND": "SecondPlugin",
+    "HELD": "HeldPlugin",
+    "FAULTY": "FaultyPlugin",
+    "FAULTY2": "Faulty2Plugin",
+    "NOLOAD": "NoLoadPlugin",
+    "NOLOAD2": "NoLoad2Plugin",
+    "PARTIAL": "PartialPlugin",
+    "BROKEN": "BrokenPlugin",
+}
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:
+    site = tmp_path_factory.mktemp("site")
+    (site / "acme_multi_devices.py").write_text(textwrap.dedent(DEVICES))
+    dist = site / "acme_multi_devices-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: acme-multi-devices\nVersion: 1.0\n"
+    )
+    (dist / "entry_points.txt").write_text(
+        "[plugserve.plugins]\n"
+        + "".join(f"{name} = acme_multi_devices:{cls}\n" for name, cls in CLASSES.items())
+    )
+    return site
+
+
+@pytest.fixture(scope="module")
+def acme(site):
+    sys.path.insert(0, str(site))
+    try:
+        yield importlib.import_module("acme_multi_devices")
+    finally:
+        sys.path.remove(str(site))
+        sys.modules.pop("acme_multi_devices", None)
+
+
+@pytest.fixture
+def core(acme) -> Core:
+    """The installed devices plus the acme ones."""
+    return Core({name: getattr(acme, cls) for name, cls in CLASSES.items()})
+
+
+def feeds(seed: int, rows: int = 1) -> dict[str, np.ndarray]:
+    return {"x": np.random.default_rng(seed).normal(size=(rows, 32)).astype(np.float32)}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    network = Core(discover=False, plugins=_numpy_only()).load_network(mlp(), "NUMPY")
+    return lambda inputs: network.infer(inputs)["y"]
+
+
+def _numpy_only():
+    from plugserve.plugins.numpy import NumpyPlugin
+
+    return {"NUMPY": NumpyPlugin}
+
+
+# --------------------------------------------------------------------------- MULTI in process
+
+
+def test_multi_loads_on_every_device_and_reports_them(core, reference):
+    network = core.load_network(mlp(), "MULTI:NUMPY,SECOND")
+    assert network.get_metric("EXECUTION_DEVICES") == ["NUMPY", "SECOND"]
+    assert network.get_metric("OPTIMAL_NUMBER_OF_INFER_REQUESTS") == 2
+    assert core.device_config("MULTI:NUMPY,SECOND").streams() == 2
+    assert core.device_config("MULTI:NUMPY,SECOND", {"NUM_STREAMS": "3"}).streams() == 6
+    for seed in range(4):  # one at a time: always the first device in priority order
+        out = network.infer(feeds(seed, rows=seed + 1))["y"]
+        np.testing.assert_allclose(out, reference(feeds(seed, rows=seed + 1)), rtol=1e-5)
+    assert network.get_metric("DEVICE_REQUEST_COUNTS") == {"NUMPY": 4, "SECOND": 0}
+    request = network.create_infer_request()
+    request.start_async(feeds(9))
+    np.testing.assert_allclose(request.wait()["y"], reference(feeds(9)), rtol=1e-5)
+    network.close()
+
+
+def test_multi_spreads_concurrent_requests_in_process(core, reference, tmp_path, monkeypatch):
+    """HELD (first) keeps its request until SECOND has run others: both devices are used."""
+    monkeypatch.setenv("PLUGSERVE_TEST_GATES", str(tmp_path))
+    network = core.load_network(mlp(), "MULTI:HELD,SECOND")
+    requests = [network.create_infer_request() for _ in range(8)]
+    for seed, request in enumerate(requests):
+        request.start_async(feeds(seed))
+    assert wait_for(lambda: network.get_metric("DEVICE_REQUEST_COUNTS")["SECOND"] >= 3)
+    (tmp_path / "held").touch()
+    for seed, request in enumerate(requests):
+        np.testing.assert_allclose(request.wait(60)["y"], reference(feeds(seed)), rtol=1e-5)
+    counts = network.get_metric("DEVICE_REQUEST_COUNTS")
+    assert counts["HELD"] >= 1 and counts["SECOND"] >= 3 and sum(counts.values()) == 8
+    network.close()
+
+
+def test_multi_drops_a_device_that_cannot_load(core, reference, caplog):
+    with caplog.at_level(logging.WARNING):
+        network = core.load_network(mlp(), "MULTI:NOLOAD,NUMPY")
+    assert network.get_metric("EXECUTION_DEVICES") == ["NUMPY"]
+    assert "NOLOAD" in caplog.text and "cannot compile anything today" in caplog.text
+    np.testing.assert_allclose(network.infer(feeds(1))["y"], reference(feeds(1)), rtol=1e-5)
+
+
+def test_multi_fails_when_no_device_loads_naming_each_reason(core):
+    with pytest.raises(Unsupported) as info:
+        core.load_network(mlp(), "MULTI:NOLOAD,NOLOAD2")
+    assert "NOLOAD:" in str(info.value) and "NOLOAD2:" in str(info.value)
+
+
+def test_multi_bad_device_lists(core):
+    with pytest.raises(NotFound, match="NOPE"):
+        core.load_network(mlp(), "MULTI:NUMPY,NOPE")
+    with pytest.raises(NotFound, match=r"BROKEN.*unavailable"):
+        core.load_network(mlp(), "MULTI:BROKEN,NUMPY")
+    with pytest.raises(InvalidArgument, match="listed twice"):
+        core.load_network(mlp(), "MULTI:NUMPY,NUMPY")
+    with pytest.raises(InvalidArgument, match="device list"):
+        core.load_network(mlp(), "MULTI", {})
+
+
+def test_multi_without_fallback_fails_the_request(core):
+    network = core.load_network(mlp(), "MULTI:FAULTY,NUMPY")
+    with pytest.raises(InferenceError) as info:
+        network.infer(feeds(0))
+    assert "FAULTY" in str(info.value) and "acme kernel failure" in str(info.value)
+    assert network.get_metric("DEVICE_REQUEST_COUNTS") == {"FAULTY": 1, "NUMPY": 0}
+
+
+def test_multi_runtime_fallback_retries_on_the_next_device(core, reference, caplog):
+    network = core.load_network(mlp(), "MULTI:FAULTY,NUMPY", {"RUNTIME_FALLBACK": "YES"})
+    with caplog.at_level(logging.WARNING):
+        out = network.infer(feeds(3))["y"]
+    np.testing.assert_allclose(out, reference(feeds(3)), rtol=1e-5)
+    assert network.get_metric("DEVICE_REQUEST_COUNTS") == {"FAULTY": 1, "NUMPY": 1}
+    assert "falling back to NUMPY" in caplog.text
+    every = core.load_network(mlp(), "MULTI:FAULTY,FAULTY2", {"RUNTIME_FALLBACK": "YES"})
+    with pytest.raises(InferenceError) as info:
+        every.infer(feeds(0))
+    assert "FAULTY:" in str(info.value) and "FAULTY2:" in str(info.value)
+
+
+def test_multi_config_keys_reach_only_children_that_know_them(core):
+    network = core.load_network(
+        mlp(), "MULTI:NUMPY,SECOND", {"PERF_COUNT": "YES", "DISABLE_TRANSFORMATIONS": "YES"}
+    )
+    request = network.create_infer_request()
+    request.infer(feeds(0))
+    counts = request.get_performance_counts()
+    assert counts and {c.device for c in counts} == {"NUMPY"}
+    assert network.get_config("RUNTIME_FALLBACK") is False
+    with pytest.raises(InvalidArgument):
+        core.load_network(mlp(), "MULTI:NUMPY,SECOND", {"NOT_A_KEY": "1"})
+
+
+def test_multi_export_import(core, reference):
+    network = core.load_network(mlp(), "MULTI:NUMPY,SECOND")
+    again = core.import_network(network.export(), "MULTI:NUMPY,SECOND")
+    assert again.get_metric("EXECUTION_DEVICES") == ["NUMPY", "SECOND"]
+    np.testing.assert_allclose(again.infer(feeds(5))["y"], reference(feeds(5)), rtol=1e-5)
+
+
+def test_multi_with_ort(core, reference):
+    if "ORT" not in core.available_devices:
+        pytest.skip("ORT is not available here")
+    network = core.load_network(mlp(), "MULTI:ORT,NUMPY")
+    assert network.get_metric("EXECUTION_DEVICES") == ["ORT", "NUMPY"]
+    requests = [network.create_infer_request() for _ in range(16)]
+    for seed, request in enumerate(requests):
+        request.start_async(feeds(seed, rows=2))
+    for seed, request in enumerate(requests):
+        out = request.wait(60)["y"]
+        np.testing.assert_allclose(out, reference(feeds(seed, rows=2)), rtol=1e-4, atol=1e-5)
+    assert sum(network.get_metric("DEVICE_REQUEST_COUNTS").values()) == 16
+
+
+# --------------------------------------------------------------------------- AUTO
+
+
+def test_auto_default_order_prefers_ort_then_numpy(core):
+    network = core.load_network(mlp(), "AUTO")
+    expected = next(d for d in ("OPENVINO", "ORT", "NUMPY") if d in core.available_devices)
+    assert network.get_metric("EXECUTION_DEVICES") == [expected]
+    excluded = core.load_network(mlp(), "AUTO:-OPENVINO,-ORT")
+    assert excluded.get_metric("EXECUTION_DEVICES") == ["NUMPY"]
+
+
+def test_auto_follows_the_list_and_skips_what_cannot_run(core, reference):
+    def chosen(device: str) -> list[str]:
+        network = core.load_network(mlp(), device)
+        np.testing.assert_allclose(network.infer(feeds(2))["y"], reference(feeds(2)), rtol=1e-5)
+        return network.get_metric("EXECUTION_DEVICES")
+
+    assert chosen("AUTO:SECOND,NUMPY") == ["SECOND"]
+    assert chosen("AUTO:SECOND,NUMPY,-SECOND") == ["NUMPY"]
+    assert chosen("AUTO:BROKEN,SECOND") == ["SECOND"]  # unavailable: skipped
+    assert chosen("AUTO:PARTIAL,SECOND") == ["SECOND"]  # QueryNetwork misses a node
+    assert chosen("AUTO:NOLOAD,SECOND") == ["SECOND"]  # compiling fails: the next one
+    assert core.query_network(mlp(), "AUTO:PARTIAL,SECOND") == core.query_network(mlp(), "SECOND")
+
+
+def test_auto_errors_name_the_device(core):
+    with pytest.raises(NotFound, match="NOPE"):
+        core.load_network(mlp(), "AUTO:NOPE,NUMPY")
+    with pytest.raises(InvalidArgument) as info:
+        core.load_network(mlp(), "AUTO:PARTIAL,NOLOAD")
+    text = str(info.value)
+    assert "PARTIAL: does not support node(s) 'relu0'" in text
+    assert "NOLOAD: Unsupported" in text
+    with pytest.raises(InvalidArgument, match="SECOND: excluded"):
+        core.load_network(mlp(), "AUTO:SECOND,-SECOND")
+
+
+def test_auto_export_import(core, reference):
+    network = core.load_network(mlp(), "AUTO:SECOND,NUMPY")
+    again = core.import_network(network.export(), "AUTO")
+    assert again.get_metric("EXECUTION_DEVICES") == ["SECOND"]
+    np.testing.assert_allclose(again.infer(feeds(4))["y"], reference(feeds(4)), rtol=1e-5)
+
+
+# --------------------------------------------------------------------------- through a server
+
+
+@pytest.fixture(scope="module")
+def running(site, tmp_path_factory):
+    gates = tmp_path_factory.mktemp("gates")
+    env = {
+        "PYTHONPATH": os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p),
+        "PLUGSERVE_TEST_GATES": str(gates),
+    }
+    server = RunningServer("--exit-timeout", "5", env=env)
+    server.gates = gates
+    with server:
+        yield server
+    (gates / "held").touch()
+
+
+def test_server_multi_spreads_load_and_every_caller_gets_its_result(running, reference):
+    with Client(running.target) as client:
+        client.load("spread", mlp().SerializeToString(), device="MULTI:HELD,SECOND")
+        info = {n.name: n.device for n in client.networks()}
+        assert info["spread"] == "MULTI:HELD,SECOND"
+
+        def second_count() -> int:
+            counts = client.get_metric("", "DEVICE_REQUEST_COUNTS", network="spread")
+            return counts["SECOND"]
+
+        async def run() -> list[np.ndarray]:
+            async with AsyncClient(running.target) as aclient:
+                tasks = [
+                    asyncio.ensure_future(aclient.infer("spread", feeds(seed, rows=1 + seed % 3)))
+                    for seed in range(48)
+                ]
+                # HELD holds its first request until SECOND has served others
+                assert await asyncio.to_thread(wait_for, lambda: second_count() >= 8, 60)
+                (running.gates / "held").touch()
+                return [r["y"] for r in await asyncio.gather(*tasks)]
+
+        results = asyncio.run(run())
+        for seed, out in enumerate(results):
+            np.testing.assert_allclose(out, reference(feeds(seed, rows=1 + seed % 3)), rtol=1e-5)
+        counts = client.get_metric("", "DEVICE_REQUEST_COUNTS", network="spread")
+        assert counts["HELD"] >= 1 and counts["SECOND"] >= 8
+        assert sum(counts.values()) == 48
+        assert client.get_metric("", "EXECUTION_DEVICES", network="spread") == ["HELD", "SECOND"]
+        client.unload("spread")
+
+
+def test_server_multi_under_load_with_ort(running, reference):
+    with Client(running.target) as client:
+        if "ORT" not in {d.name for d in client.devices() if d.available}:
+            pytest.skip("ORT is not available here")
+        client.load("mixed", mlp().SerializeToString(), device="MULTI:ORT,NUMPY")
+
+        async def run() -> list[np.ndarray]:
+            async with AsyncClient(running.target) as aclient:
+                calls = [aclient.infer("mixed", feeds(seed, rows=2)) for seed in range(64)]
+                return [r["y"] for r in await asyncio.gather(*calls)]
+
+        for seed, out in enumerate(asyncio.run(run())):
+            np.testing.assert_allclose(out, reference(feeds(seed, rows=2)), rtol=1e-4, atol=1e-5)
+        counts = client.get_metric("", "DEVICE_REQUEST_COUNTS", network="mixed")
+        assert set(counts) == {"ORT", "NUMPY"} and sum(counts.values()) == 64
+        client.unload("mixed")
+
+
+def test_server_runtime_fallback_on_and_off(running, reference):
+    model = mlp().SerializeToString()
+    with Client(running.target) as client:
+        client.load("strict", model, device="MULTI:FAULTY,SECOND")
+        with pytest.raises(grpc.RpcError) as info:
+            client.infer("strict", feeds(0))
+        assert info.value.code() == grpc.StatusCode.INTERNAL
+        assert "FAULTY" in info.value.details() and "acme kernel failure" in info.value.details()
+        client.load(
+            "lenient", model, device="MULTI:FAULTY,SECOND", config={"RUNTIME_FALLBACK": "YES"}
+        )
+
+        async def run() -> list[np.ndarray]:
+            async with AsyncClient(running.target) as aclient:
+                calls = [aclient.infer("lenient", feeds(seed)) for seed in range(32)]
+                return [r["y"] for r in await asyncio.gather(*calls)]
+
+        for seed, out in enumerate(asyncio.run(run())):
+            np.testing.assert_allclose(out, reference(feeds(seed)), rtol=1e-5)
+        counts = client.get_metric("", "DEVICE_REQUEST_COUNTS", network="lenient")
+        assert counts["SECOND"] == 32 and counts["FAULTY"] >= 1
+        client.unload("strict")
+        client.unload("lenient")
+
+
+def test_server_bad_device_lists_and_auto(running, reference):
+    model = mlp().SerializeToString()
+    with Client(running.target) as client:
+        for device, code, name in (
+            ("MULTI:NUMPY,NOPE", grpc.StatusCode.NOT_FOUND, "NOPE"),
+            ("MULTI:BROKEN,NUMPY", grpc.StatusCode.NOT_FOUND, "BROKEN"),
+            ("AUTO:NOPE", grpc.StatusCode.NOT_FOUND, "NOPE"),
+            ("AUTO:PARTIAL", grpc.StatusCode.INVALID_ARGUMENT, "PARTIAL"),
+            ("MULTI:NUMPY,NUMPY", grpc.StatusCode.INVALID_ARGUMENT, "NUMPY"),
+        ):
+            with pytest.raises(grpc.RpcError) as info:
+                client.load("bad", model, device=device)
+            assert info.value.code() == code, (device, info.value.details())
+            assert name in info.value.details()
+        assert "bad" not in {n.name for n in client.networks()}
+        client.load("auto", model, device="AUTO:PARTIAL,BROKEN,SECOND")
+        assert client.get_metric("", "EXECUTION_DEVICES", network="auto") == ["SECOND"]
+        np.testing.assert_allclose(
+            client.infer("auto", feeds(7))["y"], reference(feeds(7)), rtol=1e-5
+        )
+        client.unload("auto")
