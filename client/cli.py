@@ -148,6 +148,18 @@ def _list(client: Client, args: argparse.Namespace) -> int:
 def _query(client: Client, args: argparse.Namespace) -> int:
     with progress(f"querying {args.device}"):
         response = client.query(args.model, args.device, _config(args.config))
+    if args.graph:
+        import onnx
+
+        from plugserve.client.graph import render, to_dot
+
+        model = onnx.load(args.model, load_external_data=False)
+        splits = [(s.device, list(s.nodes)) for s in response.subgraphs]
+        try:
+            path = render(to_dot(model, dict(response.supported), splits), args.graph)
+        except (RuntimeError, ValueError) as exc:
+            raise SystemExit(f"plugserve query: {exc}") from None
+        print(f"graph -> {path}", file=sys.stderr)
     rows = [[n, d, ""] for n, d in sorted(response.supported.items())]
     rows += [[n, "-", why] for n, why in sorted(response.unsupported.items())]
     print(_table(rows, ["NODE", "DEVICE", "WHY NOT"]))
@@ -278,6 +290,12 @@ def _arguments(verb: str, parser: argparse.ArgumentParser) -> None:
             add("--persist", action="store_true", help="write into the model repository")
             add("--version", type=int, default=0)
             add("--repository", action="store_true", help="MODEL names a repository model")
+        else:
+            add(
+                "--graph",
+                metavar="FILE",
+                help="draw the model colored by device (.svg, .png, .pdf via graphviz, or .dot)",
+            )
     elif verb in ("unload", "export", "infer"):
         add("name")
         add("--version", type=int, default=0)

@@ -284,14 +284,17 @@ class Devices(Protocol):
 
     def plugin(self, device: str) -> Plugin: ...
 
-    def load_network(self, model: Model, device: str,
-                     config: Mapping[str, Any] | None = None) -> CompiledNetwork: ...
+    def load_network(
+        self, model: Model, device: str, config: Mapping[str, Any] | None = None
+    ) -> CompiledNetwork: ...
 
-    def query_network(self, model: Model, device: str,
-                      config: Mapping[str, Any] | None = None) -> dict[str, str]: ...
+    def query_network(
+        self, model: Model, device: str, config: Mapping[str, Any] | None = None
+    ) -> dict[str, str]: ...
 
-    def import_network(self, data: bytes, device: str,
-                       config: Mapping[str, Any] | None = None) -> CompiledNetwork: ...
+    def import_network(
+        self, data: bytes, device: str, config: Mapping[str, Any] | None = None
+    ) -> CompiledNetwork: ...
 
 
 class Plugin(abc.ABC):

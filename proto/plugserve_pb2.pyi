@@ -138,7 +138,7 @@ class QueryNetworkRequest(_message.Message):
     def __init__(self, model: _Optional[_Union[ModelSource, _Mapping]] = ..., device: _Optional[str] = ..., config: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class QueryNetworkResponse(_message.Message):
-    __slots__ = ("supported", "unsupported")
+    __slots__ = ("supported", "unsupported", "subgraphs")
     class SupportedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -155,9 +155,19 @@ class QueryNetworkResponse(_message.Message):
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     SUPPORTED_FIELD_NUMBER: _ClassVar[int]
     UNSUPPORTED_FIELD_NUMBER: _ClassVar[int]
+    SUBGRAPHS_FIELD_NUMBER: _ClassVar[int]
     supported: _containers.ScalarMap[str, str]
     unsupported: _containers.ScalarMap[str, str]
-    def __init__(self, supported: _Optional[_Mapping[str, str]] = ..., unsupported: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    subgraphs: _containers.RepeatedCompositeFieldContainer[Subgraph]
+    def __init__(self, supported: _Optional[_Mapping[str, str]] = ..., unsupported: _Optional[_Mapping[str, str]] = ..., subgraphs: _Optional[_Iterable[_Union[Subgraph, _Mapping]]] = ...) -> None: ...
+
+class Subgraph(_message.Message):
+    __slots__ = ("device", "nodes")
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    device: str
+    nodes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, device: _Optional[str] = ..., nodes: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class NetworkInfo(_message.Message):
     __slots__ = ("name", "version", "device", "inputs", "outputs", "config", "persisted", "max_batch_size")

@@ -122,7 +122,7 @@ class Core:
             )
         return plugin
 
-    def _resolve(
+    def resolve(
         self, device: str, config: Mapping[str, Any] | None
     ) -> tuple[Plugin, dict[str, Any]]:
         parsed = parse_device(device)
@@ -134,29 +134,29 @@ class Core:
 
     def device_config(self, device: str, config: Mapping[str, Any] | None = None) -> Any:
         """The configuration a load on ``device`` would use (plugin's, name's, then ``config``)."""
-        plugin, merged = self._resolve(device, config)
+        plugin, merged = self.resolve(device, config)
         return plugin.merged_config(merged)
 
     # --- config and metrics
 
     def get_metric(self, device: str, name: str, options: Mapping[str, Any] | None = None) -> Any:
-        plugin, _ = self._resolve(device, None)
+        plugin, _ = self.resolve(device, None)
         return plugin.get_metric(name, options)
 
     def set_config(self, config: Mapping[str, Any], device: str | None = None) -> None:
         """Set keys on one device, or on every available one when ``device`` is None."""
-        targets = [self._resolve(device, None)[0]] if device else list(self._plugins.values())
+        targets = [self.resolve(device, None)[0]] if device else list(self._plugins.values())
         for plugin in targets:
             plugin.merged_config(config)  # validate everywhere before changing anything
         for plugin in targets:
             plugin.set_config(config)
 
     def get_config(self, device: str, key: str) -> Any:
-        plugin, _ = self._resolve(device, None)
+        plugin, _ = self.resolve(device, None)
         return plugin.get_config(key)
 
     def add_extension(self, extension: Any, device: str = "NUMPY") -> None:
-        plugin, _ = self._resolve(device, None)
+        plugin, _ = self.resolve(device, None)
         plugin.add_extension(extension)
 
     # --- networks
@@ -164,14 +164,14 @@ class Core:
     def query_network(
         self, model: Model, device: str, config: Mapping[str, Any] | None = None
     ) -> dict[str, str]:
-        plugin, merged = self._resolve(device, config)
+        plugin, merged = self.resolve(device, config)
         return plugin.query_network(model, merged)
 
     def load_network(
         self, model: Model, device: str, config: Mapping[str, Any] | None = None
     ) -> CompiledNetwork:
         """Compile ``model`` on ``device``; with ``CACHE_DIR`` set, reuse an earlier export."""
-        plugin, merged = self._resolve(device, config)
+        plugin, merged = self.resolve(device, config)
         full = plugin.merged_config(merged)
         cache_dir = str(full.get("CACHE_DIR")) if "CACHE_DIR" in full else ""
         if not cache_dir:
@@ -194,7 +194,7 @@ class Core:
     def import_network(
         self, data: bytes, device: str, config: Mapping[str, Any] | None = None
     ) -> CompiledNetwork:
-        plugin, merged = self._resolve(device, config)
+        plugin, merged = self.resolve(device, config)
         return plugin.import_network(data, merged)
 
     def _cache_key(self, model: Model, plugin: Plugin, config: Any) -> str:

@@ -379,6 +379,19 @@ class DataPlane:
 
     # --- the rest of the plugin API
 
+    def subgraphs(
+        self, model: bytes | str | Path, device: str, config: Mapping[str, str] | None = None
+    ) -> list[dict[str, Any]]:
+        """The split a HETERO load would make (empty for devices that do not split)."""
+        plugin, merged = self.core.resolve(device, config)
+        split = getattr(plugin, "subgraphs", None)
+        if split is None:
+            return []
+        try:
+            return split(model, merged)
+        except PlugserveError:  # some node has no device: the query itself says which
+            return []
+
     def query(
         self, model: bytes | str | Path, device: str, config: Mapping[str, str] | None = None
     ) -> tuple[dict[str, str], dict[str, str]]:

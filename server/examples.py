@@ -142,7 +142,7 @@ def echo() -> onnx.ModelProto:
 def build_examples(root: str | os.PathLike) -> Path:
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    _save(root, "mlp", mlp(), {"device": "NUMPY", "config": {}, "max_batch_size": 64})
+    _save(root, "mlp", mlp(), {"device": "NUMPY", "config": {}, "max_batch_size": 8})
     _save(root, "cnn", cnn())
     _save(root, "add", add())
     _save(root, "echo", echo())

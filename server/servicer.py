@@ -115,8 +115,12 @@ class PlugserveServicer(pb_grpc.PlugserveServicer):
     def QueryNetwork(self, request, context):
         try:
             model, *_ = self._model(request.model, context)
-            supported, unsupported = self.plane.query(model, request.device, dict(request.config))
-            return pb.QueryNetworkResponse(supported=supported, unsupported=unsupported)
+            config = dict(request.config)
+            supported, unsupported = self.plane.query(model, request.device, config)
+            response = pb.QueryNetworkResponse(supported=supported, unsupported=unsupported)
+            for split in self.plane.subgraphs(model, request.device, config):
+                response.subgraphs.add(device=split["device"], nodes=split["nodes"])
+            return response
         except Exception as exc:
             abort(context, exc)
 

@@ -143,7 +143,7 @@ def test_model_metadata_errors(client):
 
 def test_model_config(client):
     config = client.get_model_config("mlp").config
-    assert (config.name, config.platform, config.max_batch_size) == ("mlp", "onnxruntime_onnx", 64)
+    assert (config.name, config.platform, config.max_batch_size) == ("mlp", "onnxruntime_onnx", 8)
     assert config.backend
     # max_batch_size > 0: the batch dimension is left out of dims, as Triton does
     assert [(i.name, i.data_type, list(i.dims)) for i in config.input] == [
