@@ -164,3 +164,10 @@ def test_damaged_cache_entry_is_recompiled(tmp_path, damage):
     assert not again.loaded_from_cache
     assert again.infer({"x": np.zeros((1, 3, 16, 16), np.float32)})["probs"].shape == (1, 10)
     assert core.load_network(model, "NUMPY", config).loaded_from_cache  # rewritten whole
+
+
+def test_a_full_install_has_numpy_ort_and_openvino():
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("openvino")
+    devices = Core().available_devices
+    assert {"NUMPY", "ORT", "OPENVINO", "HETERO", "MULTI", "AUTO", "BATCH"} <= set(devices)
