@@ -5,7 +5,8 @@
     plugserve query MODEL.onnx --device D | infer NAME [--input x=file.npy] [--output-dir DIR]
     plugserve export NAME FILE | import NAME FILE --device D
 
-``--target`` (env ``PLUGSERVE_TARGET``, default 127.0.0.1:8001) picks the server.
+``--target`` (env ``PLUGSERVE_TARGET``, default 127.0.0.1:8001) picks the server;
+``--tls-ca``/``--token`` (env ``PLUGSERVE_TLS_CA``/``PLUGSERVE_TOKEN``) secure the connection.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 import threading
 import time
@@ -265,6 +267,36 @@ def _parser(verb: str, help_text: str) -> argparse.ArgumentParser:
         help="server address host:port or dns:///name:port (env PLUGSERVE_TARGET)",
     )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per call")
+    security = parser.add_argument_group("security (docs/security.md)")
+    security.add_argument(
+        "--tls-ca",
+        default=os.environ.get("PLUGSERVE_TLS_CA") or None,
+        metavar="PEM",
+        help="use TLS, trusting the CA in this file (env PLUGSERVE_TLS_CA)",
+    )
+    security.add_argument(
+        "--tls",
+        action="store_true",
+        help="use TLS with the system's trusted CAs (implied by --tls-ca and --client-cert)",
+    )
+    security.add_argument(
+        "--client-cert",
+        default=os.environ.get("PLUGSERVE_CLIENT_CERT") or None,
+        metavar="PEM",
+        help="client certificate for mutual TLS (env PLUGSERVE_CLIENT_CERT)",
+    )
+    security.add_argument(
+        "--client-key",
+        default=os.environ.get("PLUGSERVE_CLIENT_KEY") or None,
+        metavar="PEM",
+        help="private key of --client-cert (env PLUGSERVE_CLIENT_KEY)",
+    )
+    security.add_argument(
+        "--token",
+        default=os.environ.get("PLUGSERVE_TOKEN") or None,
+        help="sent as 'authorization: Bearer TOKEN' (env PLUGSERVE_TOKEN; prefer the variable: "
+        "a flag shows in the process list)",
+    )
     return parser
 
 
@@ -343,7 +375,20 @@ def run(verb: str, argv: Sequence[str]) -> int:
     _arguments(verb, parser)
     args = parser.parse_args(argv)
     try:
-        with Client(args.target, timeout=args.timeout) as client:
+        client = Client(
+            args.target,
+            timeout=args.timeout,
+            tls=args.tls,
+            tls_ca=args.tls_ca,
+            token=args.token,
+            client_cert=args.client_cert,
+            client_key=args.client_key,
+        )
+    except (ValueError, OSError) as exc:  # --client-cert without --client-key, unreadable PEM
+        print(f"plugserve {verb}: {exc}", file=sys.stderr)
+        return 2
+    try:
+        with client:
             return function(client, args)
     except grpc.RpcError as exc:
         print(f"plugserve {verb}: {exc.code().name}: {exc.details()}", file=sys.stderr)

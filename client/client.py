@@ -19,7 +19,7 @@ from plugserve.proto import plugserve_pb2 as pb
 from plugserve.proto import plugserve_pb2_grpc as pb_grpc
 from plugserve.proto.tensors import from_tensor, to_tensor
 
-__all__ = ["DEFAULT_TARGET", "AsyncClient", "Client"]
+__all__ = ["DEFAULT_TARGET", "AsyncClient", "Client", "channel_credentials"]
 
 DEFAULT_TARGET = os.environ.get("PLUGSERVE_TARGET", "127.0.0.1:8001")
 _OPTIONS = [
@@ -27,6 +27,110 @@ _OPTIONS = [
     ("grpc.max_receive_message_length", 1 << 30),
     ("grpc.lb_policy_name", "round_robin"),
 ]
+
+
+PathOrPem = str | os.PathLike | bytes
+
+
+def _pem(value: PathOrPem | None) -> bytes | None:
+    if value is None or isinstance(value, bytes):
+        return value
+    with open(value, "rb") as f:
+        return f.read()
+
+
+def channel_credentials(
+    tls: bool = False,
+    tls_ca: PathOrPem | None = None,
+    client_cert: PathOrPem | None = None,
+    client_key: PathOrPem | None = None,
+) -> grpc.ChannelCredentials | None:
+    """TLS credentials, or None for plaintext. TLS is on with ``tls=True`` (system roots) or
+    any of: ``tls_ca`` (the CA that signed the server's certificate, a PEM path or bytes),
+    ``client_cert`` + ``client_key`` (for a server that asks for client certificates)."""
+    if bool(client_cert) != bool(client_key):
+        raise ValueError("client_cert and client_key go together: give both or neither")
+    if not (tls or tls_ca or client_cert):
+        return None
+    return grpc.ssl_channel_credentials(
+        root_certificates=_pem(tls_ca),
+        private_key=_pem(client_key),
+        certificate_chain=_pem(client_cert),
+    )
+
+
+def _with_token(metadata: Any, token: str) -> list[tuple[str, Any]]:
+    kept = [(k, v) for k, v in (metadata or ()) if k.lower() != "authorization"]
+    return [*kept, ("authorization", f"Bearer {token}")]
+
+
+class _Token(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
+    """Adds ``authorization: Bearer TOKEN`` to every call of a blocking channel."""
+
+    def __init__(self, token: str) -> None:
+        self.token = token
+
+    def _details(self, details: Any) -> Any:
+        return _CallDetails(
+            details.method,
+            details.timeout,
+            _with_token(details.metadata, self.token),
+            details.credentials,
+            getattr(details, "wait_for_ready", None),
+            getattr(details, "compression", None),
+        )
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation, details, request_iterator):
+        return continuation(self._details(details), request_iterator)
+
+    def intercept_stream_stream(self, continuation, details, request_iterator):
+        return continuation(self._details(details), request_iterator)
+
+
+class _CallDetails(grpc.ClientCallDetails):
+    def __init__(self, method, timeout, metadata, credentials, wait_for_ready, compression):
+        self.method = method
+        self.timeout = timeout
+        self.metadata = metadata
+        self.credentials = credentials
+        self.wait_for_ready = wait_for_ready
+        self.compression = compression
+
+
+def _aio_token_interceptors(token: str) -> list[grpc.aio.ClientInterceptor]:
+    """The grpc.aio form of :class:`_Token` (one interceptor class per call kind)."""
+
+    def details(d: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+        return d._replace(metadata=grpc.aio.Metadata(*_with_token(d.metadata, token)))
+
+    class UnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):
+        async def intercept_unary_unary(self, continuation, d, request):
+            return await continuation(details(d), request)
+
+    class UnaryStream(grpc.aio.UnaryStreamClientInterceptor):
+        async def intercept_unary_stream(self, continuation, d, request):
+            return await continuation(details(d), request)
+
+    class StreamUnary(grpc.aio.StreamUnaryClientInterceptor):
+        async def intercept_stream_unary(self, continuation, d, request_iterator):
+            return await continuation(details(d), request_iterator)
+
+    class StreamStream(grpc.aio.StreamStreamClientInterceptor):
+        async def intercept_stream_stream(self, continuation, d, request_iterator):
+            return await continuation(details(d), request_iterator)
+
+    return [UnaryUnary(), UnaryStream(), StreamUnary(), StreamStream()]
 
 
 def _model_source(
@@ -65,21 +169,36 @@ def outputs_of(response: pb.InferResponse) -> dict[str, np.ndarray]:
 
 
 class Client:
-    """A blocking client. ``target`` is ``host:port`` or ``dns:///name:port`` (round robin)."""
+    """A blocking client. ``target`` is ``host:port`` or ``dns:///name:port`` (round robin).
+
+    Security (docs/security.md): ``tls_ca`` (PEM path or bytes of the CA that signed the
+    server's certificate; ``tls=True`` for the system's roots), ``client_cert``/``client_key``
+    for mutual TLS, ``token`` sent as ``authorization: Bearer TOKEN`` on every call.
+    ``credentials`` (grpc.ChannelCredentials) overrides the TLS arguments.
+    """
 
     def __init__(
         self,
         target: str = DEFAULT_TARGET,
         timeout: float | None = 60.0,
         credentials: grpc.ChannelCredentials | None = None,
+        *,
+        tls: bool = False,
+        tls_ca: PathOrPem | None = None,
+        token: str | None = None,
+        client_cert: PathOrPem | None = None,
+        client_key: PathOrPem | None = None,
     ) -> None:
         self.target = target
         self.timeout = timeout
+        credentials = credentials or channel_credentials(tls, tls_ca, client_cert, client_key)
         self.channel = (
             grpc.secure_channel(target, credentials, _OPTIONS)
             if credentials
             else grpc.insecure_channel(target, _OPTIONS)
         )
+        if token:
+            self.channel = grpc.intercept_channel(self.channel, _Token(token))
         self.stub = pb_grpc.PlugserveStub(self.channel)
 
     def close(self) -> None:
@@ -218,10 +337,27 @@ class Client:
 class AsyncClient:
     """The asyncio form of :class:`Client` (grpc.aio), for many requests in flight."""
 
-    def __init__(self, target: str = DEFAULT_TARGET, timeout: float | None = 60.0) -> None:
+    def __init__(
+        self,
+        target: str = DEFAULT_TARGET,
+        timeout: float | None = 60.0,
+        credentials: grpc.ChannelCredentials | None = None,
+        *,
+        tls: bool = False,
+        tls_ca: PathOrPem | None = None,
+        token: str | None = None,
+        client_cert: PathOrPem | None = None,
+        client_key: PathOrPem | None = None,
+    ) -> None:
         self.target = target
         self.timeout = timeout
-        self.channel = grpc.aio.insecure_channel(target, _OPTIONS)
+        credentials = credentials or channel_credentials(tls, tls_ca, client_cert, client_key)
+        interceptors = _aio_token_interceptors(token) if token else None
+        self.channel = (
+            grpc.aio.secure_channel(target, credentials, _OPTIONS, interceptors=interceptors)
+            if credentials
+            else grpc.aio.insecure_channel(target, _OPTIONS, interceptors=interceptors)
+        )
         self.stub = pb_grpc.PlugserveStub(self.channel)
 
     async def close(self) -> None:

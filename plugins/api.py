@@ -13,12 +13,17 @@ import dataclasses
 import os
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
+if TYPE_CHECKING:
+    from plugserve.plugins.streams import StreamsExecutor
+
 __all__ = [
     "BackendUnavailable",
+    "Callback",
     "Cancelled",
     "CompiledNetwork",
     "ConfigKey",
@@ -270,6 +275,11 @@ class PerfCount:
 
 Model = Any  # a path (str | os.PathLike), bytes, or onnx.ModelProto
 
+#: What ``start_async`` calls when a run completes: ``(outputs, None)`` or ``(None, error)``.
+Callback = Callable[[dict[str, np.ndarray] | None, BaseException | None], None]
+
+_Prepared = TypeVar("_Prepared")  # what a request makes of its inputs before running them
+
 
 @runtime_checkable
 class Devices(Protocol):
@@ -393,13 +403,21 @@ class Plugin(abc.ABC):
 
 
 class CompiledNetwork(abc.ABC):
-    """A network compiled for one device: creates infer requests, exports itself."""
+    """A network compiled for one device: creates infer requests, exports itself.
+
+    Async requests run on :attr:`executor`, the network's streams. It is started on first use
+    (most networks only ever run synchronously, and idle threads cost) and shut down by
+    :meth:`close`; plugins size it with :meth:`_async_streams` or replace it with
+    :meth:`_new_executor`.
+    """
 
     def __init__(self, plugin: Plugin, name: str, config: Configuration) -> None:
         self.plugin = plugin
         self.name = name
         self.config = config
         self.loaded_from_cache = False
+        self._executor: StreamsExecutor | None = None
+        self._executor_lock = threading.Lock()
 
     @property
     def device(self) -> str:
@@ -451,6 +469,47 @@ class CompiledNetwork(abc.ABC):
         """Shorthand for one synchronous inference on a fresh request."""
         return self.create_infer_request().infer(inputs)
 
+    # --- the streams async requests run on
+
+    @property
+    def executor(self) -> StreamsExecutor:
+        """The streams async requests run on, started on first use (under a lock, so that
+        requests starting at once share one executor)."""
+        with self._executor_lock:
+            if self._executor is None:
+                self._executor = self._new_executor()
+            return self._executor
+
+    def _async_streams(self) -> int:
+        """How many requests may run at once on :attr:`executor`: the configured streams,
+        unless the plugin knows better (its backend's own count, its devices' capacity)."""
+        return self.config.streams()
+
+    def _new_executor(self) -> StreamsExecutor:
+        """The executor :attr:`executor` starts; override for per-stream state or sizing."""
+        # imported here: streams.py imports this module's errors
+        from plugserve.plugins.streams import StreamsExecutor
+
+        return StreamsExecutor(f"{self.device}/{self.name}", self._async_streams())
+
+    def close(self) -> None:
+        """Stop the streams: queued requests still run, new ones are refused.
+
+        Plugins that own more (child networks, temporary files) extend this.
+        """
+        self._shutdown_executor()
+
+    def _shutdown_executor(self) -> None:
+        # getattr: also called from __del__ of a network whose __init__ failed half way
+        executor = getattr(self, "_executor", None)
+        if executor is not None:
+            executor.shutdown(wait=False)
+
+    def __del__(self) -> None:
+        # only the threads: a dropped network must not leave them waiting forever, but closing
+        # what else it owns (child networks) is for close(), which its owner calls
+        self._shutdown_executor()
+
 
 @dataclasses.dataclass(frozen=True)
 class TensorSpec:
@@ -485,12 +544,45 @@ class InferRequest(abc.ABC):
     def infer(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]: ...
 
     @abc.abstractmethod
-    def start_async(
+    def start_async(self, inputs: Mapping[str, Any], callback: Callback | None = None) -> None: ...
+
+    # --- helpers for start_async
+
+    def _busy(self) -> bool:
+        """Whether an async run started here has not finished yet."""
+        return self._future is not None and not self._future.done()
+
+    def _refuse_if_busy(self) -> None:
+        """One run at a time: a request reuses its state (inputs, sessions, counters), and
+        ``wait()`` must know which run it waits for."""
+        if self._busy():
+            raise FailedPrecondition("this request is still running: wait() for it first")
+
+    def _track(self, future: Future, callback: Callback | None) -> None:
+        """Make ``future`` the run ``wait()`` waits for, calling ``callback(outputs, error)``
+        when it completes (on the thread that completes it)."""
+        if callback is not None:
+            future.add_done_callback(lambda f: _call_back(callback, f))
+        self._future = future
+
+    def _start(
         self,
         inputs: Mapping[str, Any],
-        callback: Callable[[dict[str, np.ndarray] | None, BaseException | None], None]
-        | None = None,
-    ) -> None: ...
+        prepare: Callable[[Mapping[str, Any]], _Prepared],
+        run: Callable[[_Prepared], dict[str, np.ndarray]],
+        callback: Callback | None,
+    ) -> None:
+        """``start_async`` for a request that runs on its network's streams
+        (:attr:`CompiledNetwork.executor`): refuse while busy, ``prepare`` (check) the inputs
+        here so bad ones raise to the caller, then ``run`` the prepared inputs on a stream.
+
+        The order matters: a busy request refuses before its inputs are looked at, and input
+        errors are raised at once rather than through ``wait()``.
+        """
+        self._refuse_if_busy()
+        prepared = prepare(inputs)
+        future = self.network.executor.submit(lambda _state: run(prepared))
+        self._track(future, callback)
 
     def wait(self, timeout: float | None = None) -> dict[str, np.ndarray]:
         if self._future is None:
@@ -505,6 +597,14 @@ class InferRequest(abc.ABC):
 
     @abc.abstractmethod
     def get_performance_counts(self) -> list[PerfCount]: ...
+
+
+def _call_back(callback: Callback, future: Future) -> None:
+    error = future.exception()
+    if error is not None:
+        callback(None, error)
+    else:
+        callback(future.result(), None)
 
 
 def check_inputs(

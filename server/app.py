@@ -14,6 +14,7 @@ import json
 import logging
 import signal
 import threading
+import time
 from concurrent import futures
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,12 @@ from plugserve.server.dataplane import DataPlane
 from plugserve.server.examples import build_examples, default_examples_dir
 from plugserve.server.metrics import Metrics
 from plugserve.server.repository import Repository
+from plugserve.server.security import (
+    AuthInterceptor,
+    load_tokens,
+    security_problems,
+    server_credentials,
+)
 from plugserve.server.servicer import PlugserveServicer
 from plugserve.server.settings import Settings
 
@@ -96,7 +103,9 @@ class Server:
         self.grpc_server: grpc.Server | None = None
         self.grpc_port = 0
         self.metrics_port = 0
-        self._stopped = threading.Event()
+        self._stopped = threading.Event()  # stop() began
+        self._hurry = threading.Event()  # a second signal: stop waiting for admitted requests
+        self._done = threading.Event()  # stop() finished
 
     def _configure_plugins(self) -> None:
         if self.plugin_settings is None:
@@ -112,7 +121,7 @@ class Server:
             )
         for name in list(self.core.available_devices):
             if name not in listed:
-                self.core._plugins.pop(name, None)
+                self.core.disable(name)
                 log.info("device %s not listed in --plugins: not used", name)
         for name, entry in listed.items():
             if name not in self.core.available_devices:
@@ -147,12 +156,35 @@ class Server:
                 log.info("device %s loaded: %s", info.name, info.full_name)
             else:
                 log.warning("device %s skipped: %s", info.name, info.reason)
+        problems = security_problems(s)
+        if problems:
+            raise SystemExit(f"plugserve: invalid settings: {'; '.join(problems)}")
+        credentials = server_credentials(s)
+        interceptors = []
+        if s.auth_tokens:
+            tokens = load_tokens(s.auth_tokens)
+            interceptors.append(
+                AuthInterceptor(tokens, bool(s.open_health), bool(s.open_reflection))
+            )
+            log.info(
+                "token auth on: %d token(s); health %s, reflection %s",
+                len(tokens),
+                "open" if s.open_health else "needs a token",
+                "open" if s.open_reflection else "needs a token",
+            )
+            if credentials is None:
+                log.warning("token auth without TLS: tokens cross the network in plaintext")
+        self.plane.max_networks = s.max_networks
+        self.plane.max_model_bytes = s.max_model_bytes
         options = [
             ("grpc.max_send_message_length", s.max_message_bytes),
             ("grpc.max_receive_message_length", s.max_message_bytes),
         ]
+        if s.max_streams_per_connection:
+            options.append(("grpc.max_concurrent_streams", s.max_streams_per_connection))
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=s.grpc_workers, thread_name_prefix="grpc"),
+            interceptors=interceptors,
             options=options,
             maximum_concurrent_rpcs=4 * s.grpc_workers,
         )
@@ -166,7 +198,12 @@ class Server:
         ]
         reflection.enable_server_reflection(services, server)
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.grpc_port = server.add_insecure_port(f"{s.host}:{s.grpc_port}")
+        address = f"{s.host}:{s.grpc_port}"
+        if credentials is None:
+            self.grpc_port = server.add_insecure_port(address)
+        else:
+            self.grpc_port = server.add_secure_port(address, credentials)
+            log.info("TLS on%s", " with client certificates (mTLS)" if s.tls_client_ca else "")
         if not self.grpc_port:
             raise SystemExit(f"plugserve: cannot listen on {s.host}:{s.grpc_port}")
         server.start()
@@ -202,19 +239,42 @@ class Server:
         self.health.set("inference.GRPCInferenceService", status)
 
     def stop(self, grace: float | None = None) -> None:
-        """Stop taking requests (health NOT_SERVING first), let admitted ones finish, exit."""
+        """Drain, then stop: health NOT_SERVING and new requests and loads UNAVAILABLE at once;
+        admitted and queued requests (and loads under way) run to the end for up to ``grace``
+        seconds (``--exit-timeout``); then the gRPC server stops and the executors close."""
         if self._stopped.is_set():
+            self._hurry.set()  # a second signal: stop waiting for admitted requests
             return
         self._stopped.set()
-        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        if self.grpc_server is not None:
-            self.grpc_server.stop(self.settings.exit_timeout if grace is None else grace).wait()
+        timeout = self.settings.exit_timeout if grace is None else grace
+        end = time.monotonic() + timeout
+        self.health.enter_graceful_shutdown()  # NOT_SERVING for good, even if start() goes on
+        self.plane.drain()
+        left = self.plane.wait_idle(timeout, self._hurry)
+        if left:
+            log.warning(
+                "shutdown: %d admitted request(s) or load(s) still running after %.1f s; "
+                "their calls are cancelled",
+                left,
+                time.monotonic() - end + timeout,
+            )
+        else:
+            log.info("shutdown: every admitted request finished")
+        # responses of finished requests may still be on their way: a short grace for them
+        self._stop_grpc(0 if left else max(1.0, end - time.monotonic()))
         self.plane.close()
         self.metrics.close()
+        self._done.set()
+
+    def _stop_grpc(self, grace: float) -> None:
+        server = self.grpc_server
+        if server is not None:
+            server.stop(grace).wait()
 
     def wait(self) -> None:
-        if self.grpc_server is not None:
-            self.grpc_server.wait_for_termination()
+        """Block until :meth:`stop` has finished (signals still reach their handlers)."""
+        while not self._done.wait(0.5):
+            pass
 
 
 def main(argv: list[str]) -> int:
@@ -225,16 +285,24 @@ def main(argv: list[str]) -> int:
     server = Server(settings)
 
     def on_signal(signum: int, _frame: Any) -> None:
-        log.info(
-            "signal %s: shutting down (up to %.0f s for admitted requests)",
-            signal.Signals(signum).name,
-            settings.exit_timeout,
-        )
-        threading.Thread(target=server.stop, daemon=True).start()
+        if server._stopped.is_set():
+            log.warning(
+                "signal %s again: not waiting any longer for admitted requests",
+                signal.Signals(signum).name,
+            )
+        else:
+            log.info(
+                "signal %s: shutting down (up to %.0f s for admitted requests)",
+                signal.Signals(signum).name,
+                settings.exit_timeout,
+            )
+        threading.Thread(target=server.stop, name="shutdown", daemon=True).start()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     server.start()
+    if server._stopped.is_set():
+        server._stop_grpc(0)  # a signal during startup may have come before the port was up
     server.wait()
     log.info("stopped")
     return 0

@@ -83,6 +83,10 @@ class Core:
 
     # --- devices
 
+    def disable(self, name: str) -> None:
+        """Stop offering a device (a ``--plugins`` file that does not list it)."""
+        self._plugins.pop(name.upper(), None)
+
     @property
     def available_devices(self) -> list[str]:
         return sorted(self._plugins)

@@ -25,6 +25,7 @@ from plugserve.plugins.api import (
     CompiledNetwork,
     DeadlineExceeded,
     FailedPrecondition,
+    InferenceError,
     InferRequest,
     InvalidArgument,
     InvalidInput,
@@ -39,9 +40,15 @@ from plugserve.server.devices import parse_device
 from plugserve.server.metrics import Metrics
 from plugserve.server.repository import Repository, check_name, is_version
 
-__all__ = ["DataPlane", "LoadedNetwork"]
+__all__ = ["DataPlane", "LoadedNetwork", "ShuttingDown"]
 
 log = logging.getLogger(__name__)
+
+
+class ShuttingDown(PlugserveError):
+    """The server is draining for shutdown: new work is refused; the caller may retry elsewhere."""
+
+    code = "UNAVAILABLE"
 
 
 @dataclasses.dataclass
@@ -119,6 +126,10 @@ def _safe_config(network: CompiledNetwork, key: str) -> Any:
 
 
 class DataPlane:
+    # limits (0: none), set by the server from --max-networks and --max-model-bytes
+    max_networks = 0
+    max_model_bytes = 0
+
     def __init__(
         self,
         core: Core,
@@ -137,6 +148,9 @@ class DataPlane:
         self._lock = threading.RLock()
         self._loading: set[tuple[str, int]] = set()
         self.ready = False
+        self.draining = False  # set by drain(): new requests and loads are UNAVAILABLE
+        self._inflight = 0  # admitted requests not yet finished (queued or running)
+        self._inflight_lock = threading.Lock()
         metrics.watch_executors(self._executor_gauges)
 
     # --- executors
@@ -194,6 +208,9 @@ class DataPlane:
         a HETERO, MULTI or AUTO device is loaded as it is, without dynamic batching.
         """
         check_name(name)
+        if self.draining:
+            raise ShuttingDown(f"network {name!r}: the server is shutting down; not loading it")
+        self._check_model_size(model, "LoadNetwork")
         device = batch_device(device or self.default_device, max_batch_size)
         config = dict(config or {})
         if persist and self.repository is None:
@@ -212,10 +229,11 @@ class DataPlane:
                     f"network {name!r} version {version} is already loaded; unload it first "
                     "or load another version"
                 )
+            self._check_network_count(name, version, len(self._loading))
             self._loading.add((name, version))
         try:
             executor = self.executor(device)
-            network = self.core.load_network(model, device, config)
+            network = self._compile(name, model, device, config)
             if persist:
                 self.repository.persist(name, version, model, device, config)
             entry = LoadedNetwork(
@@ -258,9 +276,55 @@ class DataPlane:
                 self.repository.remove(name, entry.version)
             self.metrics.forget(entry.device, name, entry.version)
             close = getattr(entry.network, "close", None)
-            if close:
-                close()
+            try:
+                if close:
+                    close()
+            except Exception as exc:  # a failed device must not keep a network loaded
+                log.warning(
+                    "network %s version %d: closing it on %s failed (%s: %s); it is unloaded",
+                    name,
+                    entry.version,
+                    entry.device,
+                    type(exc).__name__,
+                    exc,
+                )
         return targets
+
+    def _compile(
+        self, name: str, model: bytes | str | Path, device: str, config: Mapping[str, str]
+    ) -> CompiledNetwork:
+        """Core.load_network, with a device's own exceptions as a typed INTERNAL error."""
+        try:
+            return self.core.load_network(model, device, config)
+        except PlugserveError:
+            raise
+        except Exception as exc:
+            log.exception("network %s: loading on %s failed", name, device)
+            raise InferenceError(
+                f"network {name!r}: loading on {device} failed: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    def _check_model_size(self, model: Any, what: str) -> None:
+        """--max-model-bytes, before anything parses the model (a file path is the
+        operator's repository and is not limited)."""
+        limit = self.max_model_bytes
+        if limit and isinstance(model, bytes | bytearray | memoryview) and len(model) > limit:
+            raise InvalidArgument(
+                f"{what}: the model is {len(model)} bytes, over this server's limit of "
+                f"{limit} bytes (--max-model-bytes / PLUGSERVE_MAX_MODEL_BYTES)"
+            )
+
+    def _check_network_count(self, name: str, version: int, loading: int) -> None:
+        """--max-networks: loaded plus loading network versions (call with the lock held)."""
+        limit = self.max_networks
+        loaded = sum(len(v) for v in self._networks.values()) + loading
+        if limit and loaded >= limit:
+            raise ResourceExhausted(
+                f"cannot load network {name!r}"
+                + (f" version {version}" if version else "")
+                + f": {loaded} network version(s) are loaded or loading, the limit is {limit} "
+                "(--max-networks / PLUGSERVE_MAX_NETWORKS); unload one first"
+            )
 
     def networks(self) -> list[LoadedNetwork]:
         with self._lock:
@@ -310,7 +374,17 @@ class DataPlane:
                     f"({started - admitted:.3f} s in the queue)"
                 )
             request = entry.request_for(stream)
-            result = request.infer(feeds)
+            try:
+                result = request.infer(feeds)
+            except PlugserveError:
+                raise
+            except Exception as exc:  # the device's own failure: INTERNAL, naming it
+                log.exception(
+                    "network %s version %d on %s failed", name, entry.version, entry.device
+                )
+                raise InferenceError(
+                    f"network {name!r} on {entry.device}: {type(exc).__name__}: {exc}"
+                ) from exc
             finished = time.perf_counter()
             if entry.perf_enabled:
                 self.metrics.observe_layers(
@@ -328,15 +402,42 @@ class DataPlane:
             )
             return {k: result[k] for k in wanted}
 
+        with self._inflight_lock:
+            if self.draining:
+                raise ShuttingDown(
+                    f"network {name!r}: the server is shutting down; send the request elsewhere"
+                )
+            self._inflight += 1
         try:
             future = executor.submit(run)
-        except ResourceExhausted:
-            self.metrics.observe(entry.device, entry.name, entry.version, "overloaded")
+        except BaseException as exc:
+            with self._inflight_lock:
+                self._inflight -= 1
+            if isinstance(exc, ResourceExhausted):
+                self.metrics.observe(entry.device, entry.name, entry.version, "overloaded")
             raise
         future.add_done_callback(lambda f: self._finished(entry, f))
         return future
 
+    def drain(self) -> None:
+        """Refuse new requests and loads (UNAVAILABLE); admitted ones still run."""
+        with self._inflight_lock:
+            self.draining = True
+
+    def wait_idle(self, timeout: float, give_up: threading.Event | None = None) -> int:
+        """Wait until every admitted request finished and no load is running, at most
+        ``timeout`` seconds (or until ``give_up`` is set); returns how many are left."""
+        end = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                left = self._inflight + len(self._loading)
+            if not left or time.monotonic() >= end or (give_up and give_up.is_set()):
+                return left
+            time.sleep(0.02)
+
     def _finished(self, entry: LoadedNetwork, future: Future) -> None:
+        with self._inflight_lock:
+            self._inflight -= 1
         entry.stats.last_inference_ms = int(time.time() * 1000)
         if future.cancelled():
             entry.stats.failure += 1
@@ -410,11 +511,17 @@ class DataPlane:
         self, name: str, blob: bytes, device: str, config: Mapping[str, str] | None = None
     ) -> LoadedNetwork:
         check_name(name)
+        if self.draining:
+            raise ShuttingDown(f"network {name!r}: the server is shutting down; not loading it")
+        self._check_model_size(blob, "ImportNetwork")
         device = device or self.default_device
+        with self._lock:
+            self._check_network_count(name, 0, len(self._loading))
         self.executor(device)
         network = self.core.import_network(blob, device, config)
         with self._lock:
             version = max(self._networks.get(name, {}), default=0) + 1
+            self._check_network_count(name, version, len(self._loading))
             entry = LoadedNetwork(
                 name,
                 version,

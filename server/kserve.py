@@ -221,7 +221,9 @@ def input_array(tensor, raw: bytes | None) -> np.ndarray:
         shape = list(check_shape(list(tensor.shape), where))
     except TensorFormatError as exc:
         raise InvalidInput(str(exc)) from None
-    count = int(np.prod(shape, dtype=np.int64))
+    count = 1
+    for dim in shape:  # Python ints: np.prod would wrap around for huge dims
+        count *= dim
     field = CONTENTS.get(tensor.datatype)
     values = getattr(tensor.contents, field) if field else ()
     if field is None and count:
@@ -235,9 +237,13 @@ def input_array(tensor, raw: bytes | None) -> np.ndarray:
         array[:] = [v.decode("utf-8", errors="replace") for v in values]
         return array.reshape(shape)
     try:
-        return np.array(values, dtype=dtype).reshape(shape)
+        array = np.array(values, dtype=dtype)
     except (OverflowError, ValueError) as exc:
         raise InvalidInput(f"{where}: a value does not fit {tensor.datatype}: {exc}") from None
+    try:
+        return array.reshape(shape)
+    except ValueError as exc:  # a 0-size tensor with huge dims
+        raise InvalidInput(f"{where}: shape {shape} cannot be held: {exc}") from None
 
 
 def _from_raw(tensor, dtype: np.dtype, raw: bytes, where: str) -> np.ndarray:
@@ -247,6 +253,8 @@ def _from_raw(tensor, dtype: np.dtype, raw: bytes, where: str) -> np.ndarray:
         return from_tensor(message, where)
     except TensorFormatError as exc:
         raise InvalidInput(str(exc)) from None
+    except ValueError as exc:  # numpy refuses the shape (a 0-size tensor with huge dims)
+        raise InvalidInput(f"{where}: shape {list(tensor.shape)} cannot be held: {exc}") from None
 
 
 def request_inputs(request: pb.ModelInferRequest) -> dict[str, np.ndarray]:
@@ -427,12 +435,21 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
                     except Exception as exc:
                         done.put(stream_error(request, exc))
                         continue
+                    outstanding.add(future)
+                    future.add_done_callback(outstanding.discard)
                     future.add_done_callback(lambda f, r=request, e=entry: complete(r, e, f))
             except grpc.RpcError:
                 pass  # the client went away
             finally:
                 done.put(None)
 
+        outstanding: set = set()
+
+        def cancel_outstanding() -> None:
+            for future in list(outstanding):
+                future.cancel()
+
+        context.add_callback(cancel_outstanding)  # the call ended: drop what is still queued
         threading.Thread(target=read, name="kserve-stream-reader", daemon=True).start()
         sent, reading = 0, True
         while True:

@@ -41,6 +41,10 @@ def from_tensor(tensor: pb.Tensor):
         return _from_tensor(tensor)
     except TensorFormatError as exc:
         raise InvalidInput(str(exc)) from None
+    except ValueError as exc:  # numpy refuses the shape (a 0-size tensor with huge dims)
+        raise InvalidInput(
+            f"input {tensor.name!r}: shape {list(tensor.shape)} cannot be held: {exc}"
+        ) from None
 
 
 def _deadline(context: grpc.ServicerContext) -> float | None:

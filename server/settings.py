@@ -37,6 +37,23 @@ class Settings:
     queue_size: int = _field(0, "requests waiting per device (0: 16 per stream)")
     grpc_workers: int = _field(64, "gRPC handler threads")
     exit_timeout: float = _field(30.0, "seconds to finish admitted requests on SIGTERM")
+    tls_cert: str = _field("", "PEM certificate chain for TLS on the gRPC port; empty: plaintext")
+    tls_key: str = _field("", "PEM private key of --tls-cert")
+    tls_client_ca: str = _field(
+        "", "PEM CA bundle: clients must present a certificate it signed (mutual TLS)"
+    )
+    auth_tokens: str = _field(
+        "", "file of 'TOKEN ROLE' lines (roles: infer, admin); empty: no token auth"
+    )
+    open_health: int = _field(1, "1: the health service needs no token; 0: it needs one")
+    open_reflection: int = _field(0, "1: reflection needs no token; 0: it needs one")
+    max_networks: int = _field(0, "most network versions loaded at once (0: no limit)")
+    max_model_bytes: int = _field(
+        0, "largest model or blob LoadNetwork/ImportNetwork accepts (0: no limit)"
+    )
+    max_streams_per_connection: int = _field(
+        0, "concurrent gRPC streams per client connection (0: gRPC's default)"
+    )
 
     def problems(self) -> list[str]:
         """What is out of range, one message per field (empty when all is well)."""
@@ -48,6 +65,9 @@ class Settings:
             ("queue_size", 0, None),
             ("grpc_workers", 1, None),
             ("exit_timeout", 0, None),
+            ("max_networks", 0, None),
+            ("max_model_bytes", 0, None),
+            ("max_streams_per_connection", 0, 2**31 - 1),
         ):
             value = getattr(self, name)
             if value != value or value < low or (high is not None and value > high):  # NaN too

@@ -94,6 +94,81 @@ def mlp(seed: int = 0, sizes=(32, 64, 64, 10)) -> onnx.ModelProto:
     )
 
 
+def encoder_block(
+    seed: int = 0, d: int = 16, heads: int = 2, ff: int = 32, named: bool = True
+) -> onnx.ModelProto:
+    """A pre-norm transformer encoder block: LayerNormalization, two-head self-attention
+    (MatMul, Reshape, Transpose, Softmax), residual adds and an erf GELU feed-forward."""
+    rng = np.random.default_rng(seed)
+    f = np.float32
+    dh = d // heads
+
+    def w(*shape, scale=None):
+        return rng.normal(0, scale or 1 / np.sqrt(shape[0]), shape).astype(f)
+
+    inits = [
+        _init("ln1_g", rng.uniform(0.8, 1.2, d).astype(f)),
+        _init("ln1_b", rng.normal(0, 0.1, d).astype(f)),
+        _init("ln2_g", rng.uniform(0.8, 1.2, d).astype(f)),
+        _init("ln2_b", rng.normal(0, 0.1, d).astype(f)),
+        *[_init(f"w{n}", w(d, d)) for n in "qkvo"],
+        *[_init(f"b{n}", w(d, scale=0.1)) for n in "qkvo"],
+        _init("w_ff1", w(d, ff)),
+        _init("b_ff1", w(ff, scale=0.1)),
+        _init("w_ff2", w(ff, d)),
+        _init("b_ff2", w(d, scale=0.1)),
+        _init("heads_shape", np.array([0, 0, heads, dh], np.int64)),
+        _init("model_shape", np.array([0, 0, d], np.int64)),
+        _init("scale", np.array(1 / np.sqrt(dh), f)),
+        _init("sqrt2", np.array(np.sqrt(2), f)),
+        _init("one", np.array(1, f)),
+        _init("half", np.array(0.5, f)),
+    ]
+    n = helper.make_node
+    nodes = [n("LayerNormalization", ["x", "ln1_g", "ln1_b"], ["ln1"], "ln1", epsilon=1e-5)]
+    for p in "qkv":
+        nodes += [
+            n("MatMul", ["ln1", f"w{p}"], [f"{p}_mm"], f"{p}_proj"),
+            n("Add", [f"{p}_mm", f"b{p}"], [f"{p}_b"], f"{p}_bias"),
+            n("Reshape", [f"{p}_b", "heads_shape"], [f"{p}_h"], f"{p}_split"),
+        ]
+    nodes += [
+        n("Transpose", ["q_h"], ["q_t"], "q_perm", perm=[0, 2, 1, 3]),
+        n("Transpose", ["k_h"], ["k_t"], "k_perm", perm=[0, 2, 3, 1]),
+        n("Transpose", ["v_h"], ["v_t"], "v_perm", perm=[0, 2, 1, 3]),
+        n("MatMul", ["q_t", "k_t"], ["scores"], "qk"),
+        n("Mul", ["scores", "scale"], ["scaled"], "scale_scores"),
+        n("Softmax", ["scaled"], ["attn"], "attention", axis=-1),
+        n("MatMul", ["attn", "v_t"], ["ctx_h"], "attend"),
+        n("Transpose", ["ctx_h"], ["ctx_t"], "ctx_perm", perm=[0, 2, 1, 3]),
+        n("Reshape", ["ctx_t", "model_shape"], ["ctx"], "merge_heads"),
+        n("MatMul", ["ctx", "wo"], ["o_mm"], "o_proj"),
+        n("Add", ["o_mm", "bo"], ["o"], "o_bias"),
+        n("Add", ["x", "o"], ["res1"], "residual1"),
+        n("LayerNormalization", ["res1", "ln2_g", "ln2_b"], ["ln2"], "ln2", epsilon=1e-5),
+        n("MatMul", ["ln2", "w_ff1"], ["ff1_mm"], "ff1"),
+        n("Add", ["ff1_mm", "b_ff1"], ["h"], "ff1_bias"),
+        n("Div", ["h", "sqrt2"], ["h_s"], "gelu_div"),
+        n("Erf", ["h_s"], ["h_erf"], "gelu_erf"),
+        n("Add", ["h_erf", "one"], ["h_1"], "gelu_add"),
+        n("Mul", ["h", "h_1"], ["h_m"], "gelu_mul"),
+        n("Mul", ["h_m", "half"], ["gelu"], "gelu_half"),
+        n("MatMul", ["gelu", "w_ff2"], ["ff2_mm"], "ff2"),
+        n("Add", ["ff2_mm", "b_ff2"], ["ff"], "ff2_bias"),
+        n("Add", ["res1", "ff"], ["y"], "residual2"),
+    ]
+    if not named:
+        for node in nodes:
+            node.name = ""
+    return _model(
+        nodes,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", d])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "seq", d])],
+        inits,
+        name="encoder_block",
+    )
+
+
 def with_custom_op(domain: str = "com.example") -> onnx.ModelProto:
     """x -> Relu -> com.example.Scale(factor=2.5) -> Add(1) -> y."""
     nodes = [

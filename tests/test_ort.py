@@ -12,7 +12,7 @@ import threading
 import numpy as np
 import onnx
 import pytest
-from models import _init, _model, mlp, small_cnn, with_custom_op
+from models import _model, encoder_block, mlp, small_cnn, with_custom_op
 from onnx import TensorProto, helper
 
 from plugserve.plugins import blob
@@ -26,66 +26,6 @@ from plugserve.plugins.api import (
 )
 
 pytest.importorskip("onnxruntime")
-
-
-def encoder_block(seed: int = 0, seq: int = 6, dim: int = 16, hidden: int = 32) -> onnx.ModelProto:
-    """A one-head transformer encoder block: pre-LayerNorm attention and an erf-GELU FFN."""
-    rng = np.random.default_rng(seed)
-    f = np.float32
-
-    def weight(*shape):
-        return rng.normal(0, 1 / np.sqrt(shape[0]), shape).astype(f)
-
-    inits = [
-        _init("ln1_scale", rng.uniform(0.5, 1.5, dim).astype(f)),
-        _init("ln1_bias", rng.normal(0, 0.1, dim).astype(f)),
-        _init("wq", weight(dim, dim)),
-        _init("wk", weight(dim, dim)),
-        _init("wv", weight(dim, dim)),
-        _init("wo", weight(dim, dim)),
-        _init("scale", np.array(1 / np.sqrt(dim), f)),
-        _init("ln2_scale", rng.uniform(0.5, 1.5, dim).astype(f)),
-        _init("ln2_bias", rng.normal(0, 0.1, dim).astype(f)),
-        _init("w1", weight(dim, hidden)),
-        _init("b1", rng.normal(0, 0.1, hidden).astype(f)),
-        _init("w2", weight(hidden, dim)),
-        _init("b2", rng.normal(0, 0.1, dim).astype(f)),
-        _init("sqrt2", np.array(np.sqrt(2), f)),
-        _init("half", np.array(0.5, f)),
-        _init("one", np.array(1.0, f)),
-    ]
-    node = helper.make_node
-    nodes = [
-        node("LayerNormalization", ["x", "ln1_scale", "ln1_bias"], ["n1"], name="ln1", axis=-1),
-        node("MatMul", ["n1", "wq"], ["q"], name="q_proj"),
-        node("MatMul", ["n1", "wk"], ["k"], name="k_proj"),
-        node("MatMul", ["n1", "wv"], ["v"], name="v_proj"),
-        node("Transpose", ["k"], ["kt"], name="k_t", perm=[0, 2, 1]),
-        node("MatMul", ["q", "kt"], ["qk"], name="scores"),
-        node("Mul", ["qk", "scale"], ["qk_s"], name="scale_scores"),
-        node("Softmax", ["qk_s"], ["att"], name="softmax", axis=-1),
-        node("MatMul", ["att", "v"], ["ctx"], name="context"),
-        node("MatMul", ["ctx", "wo"], ["o"], name="o_proj"),
-        node("Add", ["x", "o"], ["h"], name="residual1"),
-        node("LayerNormalization", ["h", "ln2_scale", "ln2_bias"], ["n2"], name="ln2", axis=-1),
-        node("MatMul", ["n2", "w1"], ["f1"], name="ffn1"),
-        node("Add", ["f1", "b1"], ["f1b"], name="ffn1_bias"),
-        node("Div", ["f1b", "sqrt2"], ["g0"], name="gelu_div"),
-        node("Erf", ["g0"], ["g1"], name="gelu_erf"),
-        node("Add", ["g1", "one"], ["g2"], name="gelu_add"),
-        node("Mul", ["f1b", "g2"], ["g3"], name="gelu_mul"),
-        node("Mul", ["g3", "half"], ["g"], name="gelu_half"),
-        node("MatMul", ["g", "w2"], ["f2"], name="ffn2"),
-        node("Add", ["f2", "b2"], ["f2b"], name="ffn2_bias"),
-        node("Add", ["h", "f2b"], ["y"], name="residual2"),
-    ]
-    return _model(
-        nodes,
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", seq, dim])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", seq, dim])],
-        inits,
-        name="encoder_block",
-    )
 
 
 MODELS = {

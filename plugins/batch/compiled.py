@@ -88,7 +88,6 @@ class BatchCompiledNetwork(CompiledNetwork):
         self._queues: dict[tuple, list[_Item]] = {}
         self._closed = False
         self._collector: threading.Thread | None = None
-        self._executor: StreamsExecutor | None = None
         self._stats: dict[int, list[int]] = {}  # rows -> [batches, ns]
         self._batches = itertools.count(1)
         self.last_counts: list[PerfCount] = []
@@ -110,12 +109,8 @@ class BatchCompiledNetwork(CompiledNetwork):
             if self._closed:
                 raise FailedPrecondition(f"network {self.name}: BATCH network is closed")
             if self._collector is None:
-                child = self.network  # the streams must not keep this network alive
-                self._executor = StreamsExecutor(
-                    f"BATCH/{self.name}",
-                    self.child_streams,
-                    state_factory=lambda _i: child.create_infer_request(),
-                )
+                # the streams start with the collector, so that close() finds and stops both
+                _ = self.executor
                 self._collector = threading.Thread(
                     target=_collect,
                     args=(weakref.ref(self),),
@@ -171,12 +166,21 @@ class BatchCompiledNetwork(CompiledNetwork):
                 del self._queues[key]
             return batch
 
+    def _new_executor(self) -> StreamsExecutor:
+        """The streams batches run on: as many as the device's network can run at once, each
+        with its own infer request of that network (its per-stream state)."""
+        child = self.network  # the streams must not keep this network alive
+        return StreamsExecutor(
+            f"BATCH/{self.name}",
+            self.child_streams,
+            state_factory=lambda _i: child.create_infer_request(),
+        )
+
     def _dispatch(self, batch: list[_Item]) -> None:
-        assert self._executor is not None
         try:
             # a weak reference: a stream keeps its last task until the next one arrives
             ref = weakref.ref(self)
-            self._executor.submit(lambda request, b=batch: _run_batch(ref, request, b))
+            self.executor.submit(lambda request, b=batch: _run_batch(ref, request, b))
         except PlugserveError as exc:
             for item in batch:
                 item.future.set_exception(exc)
@@ -268,6 +272,8 @@ class BatchCompiledNetwork(CompiledNetwork):
         return super()._metric(name)
 
     def __del__(self) -> None:
+        # unlike other networks, all of close(): the collector and the device's network exist
+        # only for this one
         with contextlib.suppress(Exception):
             self.close()
 
@@ -275,8 +281,7 @@ class BatchCompiledNetwork(CompiledNetwork):
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        if self._executor is not None:
-            self._executor.shutdown(wait=False)
+        super().close()
         close = getattr(self.network, "close", None)
         if close is not None:
             close()

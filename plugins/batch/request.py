@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from plugserve.plugins.api import (
+    Callback,
     FailedPrecondition,
     InferRequest,
     InvalidInput,
@@ -40,22 +41,10 @@ class BatchInferRequest(InferRequest):
     def infer(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
         return self._queue(inputs).result()
 
-    def start_async(
-        self,
-        inputs: Mapping[str, Any],
-        callback: Callable[[dict[str, np.ndarray] | None, BaseException | None], None]
-        | None = None,
-    ) -> None:
-        if self._future is not None and not self._future.done():
-            raise FailedPrecondition("this request is still running: wait() for it first")
-        future = self._queue(inputs)
-        if callback is not None:
-            future.add_done_callback(
-                lambda f: (
-                    callback(None, f.exception()) if f.exception() else callback(f.result(), None)
-                )
-            )
-        self._future = future
+    def start_async(self, inputs: Mapping[str, Any], callback: Callback | None = None) -> None:
+        """Not on the network's streams: the batcher's future is this run's future."""
+        self._refuse_if_busy()
+        self._track(self._queue(inputs), callback)
 
     def get_performance_counts(self) -> list[PerfCount]:
         """The device's counts for the last batch this network ran."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 import base64
 import dataclasses
 import json
-import threading
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -14,7 +13,6 @@ from plugserve.plugins import blob
 from plugserve.plugins.api import CompiledNetwork, TensorSpec
 from plugserve.plugins.hetero.config import HeteroConfiguration
 from plugserve.plugins.hetero.request import HeteroInferRequest
-from plugserve.plugins.streams import StreamsExecutor
 
 if TYPE_CHECKING:
     from plugserve.plugins.hetero.plugin import HeteroPlugin
@@ -51,8 +49,6 @@ class HeteroCompiledNetwork(CompiledNetwork):
         self.output_names = [s.name for s in outputs]
         self.steps = steps
         self.constants = constants  # graph outputs that are initializers
-        self._executor: StreamsExecutor | None = None
-        self._lock = threading.Lock()
 
     @property
     def inputs(self) -> list[TensorSpec]:
@@ -61,13 +57,6 @@ class HeteroCompiledNetwork(CompiledNetwork):
     @property
     def outputs(self) -> list[TensorSpec]:
         return self._outputs
-
-    @property
-    def executor(self) -> StreamsExecutor:
-        with self._lock:
-            if self._executor is None:
-                self._executor = StreamsExecutor(f"HETERO/{self.name}", self.config.streams())
-            return self._executor
 
     def create_infer_request(self) -> HeteroInferRequest:
         return HeteroInferRequest(self)
@@ -114,8 +103,7 @@ class HeteroCompiledNetwork(CompiledNetwork):
         )
 
     def close(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=False)
+        super().close()
         for step in self.steps:
             close = getattr(step.network, "close", None)
             if close:

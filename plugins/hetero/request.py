@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from plugserve.plugins.api import (
+    Callback,
     FailedPrecondition,
     InferRequest,
     PerfCount,
@@ -48,23 +49,8 @@ class HeteroInferRequest(InferRequest):
     def infer(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
         return self._run(self._values(inputs))
 
-    def start_async(
-        self,
-        inputs: Mapping[str, Any],
-        callback: Callable[[dict[str, np.ndarray] | None, BaseException | None], None]
-        | None = None,
-    ) -> None:
-        if self._future is not None and not self._future.done():
-            raise FailedPrecondition("this request is still running: wait() for it first")
-        values = self._values(inputs)
-        future = self.network.executor.submit(lambda _state: self._run(values))
-        if callback is not None:
-            future.add_done_callback(
-                lambda f: (
-                    callback(None, f.exception()) if f.exception() else callback(f.result(), None)
-                )
-            )
-        self._future = future
+    def start_async(self, inputs: Mapping[str, Any], callback: Callback | None = None) -> None:
+        self._start(inputs, self._values, self._run, callback)
 
     def get_performance_counts(self) -> list[PerfCount]:
         """Per subgraph (op type ``Subgraph``) and, from each device, per node."""

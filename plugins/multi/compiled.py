@@ -17,7 +17,6 @@ from plugserve.plugins import blob
 from plugserve.plugins.api import CompiledNetwork, InferRequest, TensorSpec
 from plugserve.plugins.multi.config import AutoConfiguration, MultiConfiguration
 from plugserve.plugins.multi.request import AutoInferRequest, MultiInferRequest
-from plugserve.plugins.streams import StreamsExecutor
 
 if TYPE_CHECKING:
     from plugserve.plugins.multi.plugin import AutoPlugin, MultiPlugin
@@ -63,8 +62,6 @@ class MultiCompiledNetwork(CompiledNetwork):
         self._outputs = list(first.outputs)
         self._cond = threading.Condition()
         self._next = 0  # round robin when every device is busy
-        self._executor: StreamsExecutor | None = None
-        self._executor_lock = threading.Lock()
 
     @property
     def inputs(self) -> list[TensorSpec]:
@@ -134,12 +131,9 @@ class MultiCompiledNetwork(CompiledNetwork):
 
     # --- the CompiledNetwork API
 
-    @property
-    def executor(self) -> StreamsExecutor:
-        with self._executor_lock:
-            if self._executor is None:
-                self._executor = StreamsExecutor(f"MULTI/{self.name}", self.capacity)
-            return self._executor
+    def _async_streams(self) -> int:
+        """As many as the devices can run at once: a stream waits for a device with room."""
+        return self.capacity
 
     def create_infer_request(self) -> MultiInferRequest:
         return MultiInferRequest(self)
@@ -171,8 +165,7 @@ class MultiCompiledNetwork(CompiledNetwork):
         return super()._metric(name)
 
     def close(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=False)
+        super().close()
         for pool in self.pools:
             _close(pool.network)
 

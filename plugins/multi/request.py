@@ -8,12 +8,13 @@ request that fails is run again on the next device in priority order (each devic
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from plugserve.plugins.api import (
+    Callback,
     Cancelled,
     DeadlineExceeded,
     FailedPrecondition,
@@ -98,28 +99,15 @@ class MultiInferRequest(InferRequest):
             + "; ".join(reasons)
         )
 
-    def infer(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    def _feeds(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
         arrays = check_inputs(self.network.name, self.network.inputs, inputs)
-        return self._run({s.name: a for s, a in zip(self.network.inputs, arrays)})
+        return {s.name: a for s, a in zip(self.network.inputs, arrays)}
 
-    def start_async(
-        self,
-        inputs: Mapping[str, Any],
-        callback: Callable[[dict[str, np.ndarray] | None, BaseException | None], None]
-        | None = None,
-    ) -> None:
-        if self._future is not None and not self._future.done():
-            raise FailedPrecondition("this request is still running: wait() for it first")
-        arrays = check_inputs(self.network.name, self.network.inputs, inputs)
-        feeds = {s.name: a for s, a in zip(self.network.inputs, arrays)}
-        future = self.network.executor.submit(lambda _state: self._run(feeds))
-        if callback is not None:
-            future.add_done_callback(
-                lambda f: (
-                    callback(None, f.exception()) if f.exception() else callback(f.result(), None)
-                )
-            )
-        self._future = future
+    def infer(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        return self._run(self._feeds(inputs))
+
+    def start_async(self, inputs: Mapping[str, Any], callback: Callback | None = None) -> None:
+        self._start(inputs, self._feeds, self._run, callback)
 
     def get_performance_counts(self) -> list[PerfCount]:
         """The counts of this request's last run, from the device that ran it."""
@@ -143,12 +131,7 @@ class AutoInferRequest(InferRequest):
     def infer(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
         return self.request.infer(inputs)
 
-    def start_async(
-        self,
-        inputs: Mapping[str, Any],
-        callback: Callable[[dict[str, np.ndarray] | None, BaseException | None], None]
-        | None = None,
-    ) -> None:
+    def start_async(self, inputs: Mapping[str, Any], callback: Callback | None = None) -> None:
         self.request.start_async(inputs, callback)
 
     def wait(self, timeout: float | None = None) -> dict[str, np.ndarray]:

@@ -1,8 +1,7 @@
-"""NUMPY's compiled network: the transformed graph, its plan, and a lazily started executor."""
+"""NUMPY's compiled network: the transformed graph and its plan (streams: see the base class)."""
 
 from __future__ import annotations
 
-import threading
 from typing import TYPE_CHECKING, Any
 
 from plugserve.plugins import blob
@@ -11,7 +10,6 @@ from plugserve.plugins.ir import Graph
 from plugserve.plugins.numpy.config import NumpyConfiguration
 from plugserve.plugins.numpy.engine import Plan
 from plugserve.plugins.numpy.request import NumpyInferRequest
-from plugserve.plugins.streams import StreamsExecutor
 
 if TYPE_CHECKING:
     from plugserve.plugins.numpy.plugin import NumpyPlugin
@@ -36,8 +34,6 @@ class NumpyCompiledNetwork(CompiledNetwork):
         self.output_names = [o.name for o in self._outputs]
         self.transformed = transformed
         self.plan = plan
-        self._executor: StreamsExecutor | None = None
-        self._executor_lock = threading.Lock()
 
     @property
     def inputs(self) -> list[TensorSpec]:
@@ -46,14 +42,6 @@ class NumpyCompiledNetwork(CompiledNetwork):
     @property
     def outputs(self) -> list[TensorSpec]:
         return self._outputs
-
-    @property
-    def executor(self) -> StreamsExecutor:
-        """The streams async requests run on, started on first use."""
-        with self._executor_lock:
-            if self._executor is None:
-                self._executor = StreamsExecutor(f"NUMPY/{self.name}", self.config.streams())
-            return self._executor
 
     def create_infer_request(self) -> NumpyInferRequest:
         return NumpyInferRequest(self)
@@ -73,12 +61,3 @@ class NumpyCompiledNetwork(CompiledNetwork):
             model.SerializeToString(),
             extra,
         )
-
-    def close(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=False)
-
-    def __del__(self) -> None:
-        executor = getattr(self, "_executor", None)
-        if executor is not None:
-            executor.shutdown(wait=False)

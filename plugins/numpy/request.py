@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from plugserve.plugins.api import FailedPrecondition, InferRequest, PerfCount, check_inputs
+from plugserve.plugins.api import (
+    Callback,
+    FailedPrecondition,
+    InferRequest,
+    PerfCount,
+    check_inputs,
+)
 
 if TYPE_CHECKING:
     from plugserve.plugins.numpy.compiled import NumpyCompiledNetwork
@@ -30,26 +36,14 @@ class NumpyInferRequest(InferRequest):
             self._counts = profile
         return dict(zip(self.network.output_names, outputs))
 
-    def infer(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
-        return self._run(check_inputs(self.network.name, self.network.inputs, inputs))
+    def _arrays(self, inputs: Mapping[str, Any]) -> list[np.ndarray]:
+        return check_inputs(self.network.name, self.network.inputs, inputs)
 
-    def start_async(
-        self,
-        inputs: Mapping[str, Any],
-        callback: Callable[[dict[str, np.ndarray] | None, BaseException | None], None]
-        | None = None,
-    ) -> None:
-        if self._future is not None and not self._future.done():
-            raise FailedPrecondition("this request is still running: wait() for it first")
-        arrays = check_inputs(self.network.name, self.network.inputs, inputs)
-        future = self.network.executor.submit(lambda _state: self._run(arrays))
-        if callback is not None:
-            future.add_done_callback(
-                lambda f: (
-                    callback(None, f.exception()) if f.exception() else callback(f.result(), None)
-                )
-            )
-        self._future = future
+    def infer(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        return self._run(self._arrays(inputs))
+
+    def start_async(self, inputs: Mapping[str, Any], callback: Callback | None = None) -> None:
+        self._start(inputs, self._arrays, self._run, callback)
 
     def get_performance_counts(self) -> list[PerfCount]:
         if not self._perf:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 from typing import TYPE_CHECKING, Any
 
 from plugserve.plugins import blob
@@ -51,8 +50,6 @@ class OpenvinoCompiledNetwork(CompiledNetwork):
         self.owners = dict(owners)
         #: runtime (compiled) node name -> ONNX node names, for performance counters
         self.runtime_names = dict(runtime_names)
-        self._waiter: StreamsExecutor | None = None
-        self._waiter_lock = threading.Lock()
 
     @property
     def inputs(self) -> list[TensorSpec]:
@@ -62,16 +59,11 @@ class OpenvinoCompiledNetwork(CompiledNetwork):
     def outputs(self) -> list[TensorSpec]:
         return self._outputs
 
-    @property
-    def waiter(self) -> StreamsExecutor:
-        """Threads that wait on openvino's async requests, to report the ones that fail
-        (openvino calls a request's callback only when it succeeds)."""
-        with self._waiter_lock:
-            if self._waiter is None:
-                self._waiter = StreamsExecutor(
-                    f"OPENVINO/{self.name}/wait", max(4, 2 * self.optimal_requests)
-                )
-            return self._waiter
+    def _new_executor(self) -> StreamsExecutor:
+        """Not streams that run requests (openvino runs them) but threads that wait on
+        openvino's async requests, to report the ones that fail (openvino calls a request's
+        callback only when it succeeds); more of them than requests openvino runs at once."""
+        return StreamsExecutor(f"OPENVINO/{self.name}/wait", max(4, 2 * self.optimal_requests))
 
     @property
     def optimal_requests(self) -> int:
@@ -106,15 +98,6 @@ class OpenvinoCompiledNetwork(CompiledNetwork):
             bytes(payload),
             extra,
         )
-
-    def close(self) -> None:
-        if self._waiter is not None:
-            self._waiter.shutdown(wait=False)
-
-    def __del__(self) -> None:
-        waiter = getattr(self, "_waiter", None)
-        if waiter is not None:
-            waiter.shutdown(wait=False)
 
 
 def _spec_to_json(spec: TensorSpec) -> list[Any]:

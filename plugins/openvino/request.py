@@ -6,13 +6,14 @@ from __future__ import annotations
 import re
 import threading
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from plugserve.plugins.api import (
+    Callback,
     FailedPrecondition,
     InferenceError,
     InferRequest,
@@ -25,8 +26,6 @@ if TYPE_CHECKING:
     from plugserve.plugins.openvino.compiled import OpenvinoCompiledNetwork
 
 __all__ = ["OpenvinoInferRequest"]
-
-Callback = Callable[[dict[str, np.ndarray] | None, BaseException | None], None]
 
 _NODE_IN_MESSAGE = re.compile(r"name '([^']+)'")
 _STATUS = {"EXECUTED": "EXECUTED", "NOT_RUN": "NOT_RUN", "OPTIMIZED_OUT": "OPTIMIZED_OUT"}
@@ -84,14 +83,10 @@ class OpenvinoInferRequest(InferRequest):
                 where = f" in node(s) {', '.join(repr(n) for n in nodes)}"
         return InferenceError(f"network {self.network.name}: openvino failed{where}: {detail}")
 
-    def _busy(self) -> bool:
-        return self._future is not None and not self._future.done()
-
     def infer(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
         feeds = self._feeds(inputs)
         with self._lock:
-            if self._busy():
-                raise FailedPrecondition("this request is still running: wait() for it first")
+            self._refuse_if_busy()
             try:
                 self._request.infer(feeds, share_inputs=False, share_outputs=True)
                 outputs = self._outputs()
@@ -101,15 +96,14 @@ class OpenvinoInferRequest(InferRequest):
             return outputs
 
     def start_async(self, inputs: Mapping[str, Any], callback: Callback | None = None) -> None:
+        """openvino's own async, not the base ``_start``: openvino runs the request, so the
+        future here is settled by openvino's callback or, on failure, by a waiting thread."""
         feeds = self._feeds(inputs)
         with self._lock:
-            if self._busy():
-                raise FailedPrecondition("this request is still running: wait() for it first")
+            self._refuse_if_busy()
             future: Future = RequestFuture()
             future.set_running_or_notify_cancel()
-            if callback is not None:
-                future.add_done_callback(lambda f: _call(callback, f))
-            self._future = future
+            self._track(future, callback)
             try:
                 self._request.start_async(feeds, share_inputs=False)
             except Exception as exc:
@@ -118,7 +112,7 @@ class OpenvinoInferRequest(InferRequest):
         # openvino calls _on_done when the request succeeds; a failure only shows in wait()
         # (the task lets go of this request once it ran: a stream keeps its last task)
         task: list[Any] = [self, future]
-        self.network.waiter.submit(lambda _state, task=task: _watch(task))
+        self.network.executor.submit(lambda _state, task=task: _watch(task))
 
     def _watch(self, future: Future) -> None:
         try:
@@ -180,11 +174,3 @@ def _on_done(ref: weakref.ref[OpenvinoInferRequest]) -> None:
     request = ref()
     if request is not None and request._future is not None:
         request._settle(request._future, None)
-
-
-def _call(callback: Callback, future: Future) -> None:
-    error = future.exception()
-    if error is not None:
-        callback(None, error)
-    else:
-        callback(future.result(), None)

@@ -15,7 +15,6 @@ from plugserve.plugins.ir import np_dtype, onnx_dtype
 from plugserve.plugins.ort import backend
 from plugserve.plugins.ort.config import OrtConfiguration
 from plugserve.plugins.ort.request import OrtInferRequest
-from plugserve.plugins.streams import StreamsExecutor
 
 if TYPE_CHECKING:
     from plugserve.plugins.ort.plugin import OrtPlugin
@@ -74,7 +73,6 @@ class OrtCompiledNetwork(CompiledNetwork):
         self.level = config.get("GRAPH_OPTIMIZATION_LEVEL")
         self.sessions = list(sessions)
         self._next = itertools.count()
-        self._executor: StreamsExecutor | None = None
         self._lock = threading.Lock()
         self._profiles: tempfile.TemporaryDirectory | None = None
         self._producers: dict[str, str] | None = None
@@ -125,13 +123,9 @@ class OrtCompiledNetwork(CompiledNetwork):
     def outputs(self) -> list[TensorSpec]:
         return self._outputs
 
-    @property
-    def executor(self) -> StreamsExecutor:
-        """The streams async requests run on, started on first use."""
-        with self._lock:
-            if self._executor is None:
-                self._executor = StreamsExecutor(f"ORT/{self.name}", self.streams)
-            return self._executor
+    def _async_streams(self) -> int:
+        """One stream per session: the streams count derived from the cores (see above)."""
+        return self.streams
 
     def create_infer_request(self) -> OrtInferRequest:
         session = self.sessions[next(self._next) % len(self.sessions)]
@@ -154,14 +148,9 @@ class OrtCompiledNetwork(CompiledNetwork):
             self.plugin.name, self.plugin.architecture, self.config.to_strings(), self.model, extra
         )
 
-    def close(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=False)
-
     def __del__(self) -> None:
-        executor = getattr(self, "_executor", None)
-        if executor is not None:
-            executor.shutdown(wait=False)
+        super().__del__()
+        # not in close(): a request still alive may profile again after its network closed
         profiles = getattr(self, "_profiles", None)
         if profiles is not None:
             profiles.cleanup()

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from plugserve.plugins.api import (
+    Callback,
     FailedPrecondition,
     InferenceError,
     InferRequest,
@@ -71,23 +72,8 @@ class OrtInferRequest(InferRequest):
     def infer(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
         return self._run(self._feeds(inputs))
 
-    def start_async(
-        self,
-        inputs: Mapping[str, Any],
-        callback: Callable[[dict[str, np.ndarray] | None, BaseException | None], None]
-        | None = None,
-    ) -> None:
-        if self._future is not None and not self._future.done():
-            raise FailedPrecondition("this request is still running: wait() for it first")
-        feeds = self._feeds(inputs)
-        future = self.network.executor.submit(lambda _state: self._run(feeds))
-        if callback is not None:
-            future.add_done_callback(
-                lambda f: (
-                    callback(None, f.exception()) if f.exception() else callback(f.result(), None)
-                )
-            )
-        self._future = future
+    def start_async(self, inputs: Mapping[str, Any], callback: Callback | None = None) -> None:
+        self._start(inputs, self._feeds, self._run, callback)
 
     def get_performance_counts(self) -> list[PerfCount]:
         """Per-node timings of the last run (ends this request's profiling session; see above)."""

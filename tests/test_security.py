@@ -1,0 +1,428 @@
+"""TLS, mutual TLS, token auth and limits, against real server processes (docs/security.md).
+
+Certificates are made here with ``openssl`` (a throwaway CA, a server certificate for
+127.0.0.1/localhost and a client certificate); the tests skip when openssl is missing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from models import mlp
+from serving import RunningServer, examples_repository
+
+from plugserve.client import AsyncClient, Client
+from plugserve.client.cli import run as run_cli
+from plugserve.server.security import (
+    ADMIN,
+    INFER,
+    Tokens,
+    load_tokens,
+    required_role,
+    security_problems,
+)
+from plugserve.server.settings import Settings
+
+ADMIN_TOKEN = "adm-3f9c1e7b2a6d4c58b0e1f2a3"
+INFER_TOKEN = "inf-8a7b6c5d4e3f2a1b0c9d8e7f"
+WRONG_TOKEN = "not-a-token-5e4d3c2b1a0f9e8d"
+A = np.array([1, 2], np.float32)
+B = np.array([3, 4], np.float32)
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
+
+
+def _key_and_csr(name: str, cwd: Path) -> None:
+    _openssl(
+        "req", "-new", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+        "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}",
+        cwd=cwd,
+    )  # fmt: skip
+
+
+def _sign(name: str, extensions: str, cwd: Path) -> None:
+    (cwd / f"{name}.ext").write_text(extensions)
+    _openssl(
+        "x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+        "-CAcreateserial", "-days", "2", "-sha256", "-extfile", f"{name}.ext",
+        "-out", f"{name}.pem",
+        cwd=cwd,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory) -> Path:
+    """ca.pem, server.pem/.key (SAN 127.0.0.1, localhost), client.pem/.key, other-ca client."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    d = tmp_path_factory.mktemp("pki")
+    _openssl(
+        "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+        "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=plugserve test CA",
+        "-addext", "basicConstraints=critical,CA:TRUE",
+        "-addext", "keyUsage=critical,keyCertSign,cRLSign",
+        cwd=d,
+    )  # fmt: skip
+    _key_and_csr("server", d)
+    _sign(
+        "server",
+        "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n"
+        "basicConstraints=CA:FALSE\n",
+        d,
+    )
+    _key_and_csr("client", d)
+    _sign("client", "extendedKeyUsage=clientAuth\nbasicConstraints=CA:FALSE\n", d)
+    return d
+
+
+def _tokens_file(directory: Path) -> Path:
+    path = directory / "tokens.txt"
+    path.write_text(
+        f"# plugserve tokens: TOKEN ROLE\n{ADMIN_TOKEN} admin\n\n   {INFER_TOKEN}   infer   \n"
+    )
+    path.chmod(0o600)
+    return path
+
+
+@pytest.fixture(scope="module")
+def secure(pki, tmp_path_factory):
+    """TLS + tokens on the example models (health open, reflection behind a token)."""
+    repo = examples_repository(tmp_path_factory.mktemp("repo"))
+    server = RunningServer(
+        "--model-repository", str(repo),
+        "--tls-cert", str(pki / "server.pem"),
+        "--tls-key", str(pki / "server.key"),
+        "--auth-tokens", str(_tokens_file(pki)),
+        "--max-streams-per-connection", "16",
+        "--log-level", "DEBUG",
+    )  # fmt: skip
+    with server:
+        yield server
+
+
+def _client(server, token: str | None = INFER_TOKEN, pki: Path | None = None) -> Client:
+    return Client(server.target, timeout=30, tls_ca=pki / "ca.pem" if pki else None, token=token)
+
+
+def _code(call) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    return info.value.code(), info.value.details() or ""
+
+
+# --- TLS + tokens
+
+
+def test_our_client_over_tls_with_an_infer_token_infers(secure, pki):
+    with _client(secure, INFER_TOKEN, pki) as client:
+        assert client.infer("add", {"a": A, "b": B})["sum"].tolist() == [4, 6]
+        assert {"add", "mlp"} <= {n.name for n in client.networks()}
+        results = list(client.infer_stream([("r1", "add", {"a": A, "b": B})]))
+        assert results[0][0] == "r1" and results[0][1]["sum"].tolist() == [4, 6]
+
+
+def test_tritonclient_over_tls_with_an_authorization_header_infers(secure, pki):
+    grpcclient = pytest.importorskip("tritonclient.grpc")
+    from tritonclient.utils import InferenceServerException
+
+    headers = {"authorization": f"Bearer {INFER_TOKEN}"}
+    with grpcclient.InferenceServerClient(
+        secure.target, ssl=True, root_certificates=str(pki / "ca.pem")
+    ) as triton:
+        assert triton.is_server_live(headers=headers)
+        inputs = [grpcclient.InferInput("a", [2], "FP32"), grpcclient.InferInput("b", [2], "FP32")]
+        inputs[0].set_data_from_numpy(A)
+        inputs[1].set_data_from_numpy(B)
+        result = triton.infer("add", inputs, headers=headers)
+        assert result.as_numpy("sum").tolist() == [4, 6]
+        with pytest.raises(InferenceServerException) as info:
+            triton.infer("add", inputs)
+        assert "UNAUTHENTICATED" in str(info.value.status())
+        with pytest.raises(InferenceServerException) as info:  # load is admin-only
+            triton.load_model("add", headers=headers)
+        assert "PERMISSION_DENIED" in str(info.value.status())
+
+
+def test_a_plaintext_client_is_refused(secure):
+    with Client(secure.target, timeout=10, token=ADMIN_TOKEN) as client:
+        code, _ = _code(lambda: client.infer("add", {"a": A, "b": B}))
+    assert code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_tokenless_client_is_unauthenticated_and_told_what_to_send(secure, pki):
+    with _client(secure, None, pki) as client:
+        code, message = _code(lambda: client.infer("add", {"a": A, "b": B}))
+        assert code == grpc.StatusCode.UNAUTHENTICATED
+        assert "Infer needs a token" in message and "authorization: Bearer TOKEN" in message
+        code, _ = _code(lambda: list(client.infer_stream([("r", "add", {"a": A, "b": B})])))
+        assert code == grpc.StatusCode.UNAUTHENTICATED
+        code, _ = _code(lambda: client.load("nope", mlp().SerializeToString()))
+        assert code == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_a_wrong_token_is_unauthenticated(secure, pki):
+    with _client(secure, WRONG_TOKEN, pki) as client:
+        code, message = _code(client.networks)
+    assert code == grpc.StatusCode.UNAUTHENTICATED and "not valid" in message
+    assert WRONG_TOKEN not in message
+
+
+def test_an_infer_token_cannot_load_or_configure_but_can_infer(secure, pki):
+    with _client(secure, INFER_TOKEN, pki) as client:
+        code, message = _code(lambda: client.load("mine", mlp().SerializeToString()))
+        assert code == grpc.StatusCode.PERMISSION_DENIED
+        assert "LoadNetwork needs a token with the 'admin' role" in message
+        assert "'infer' role" in message
+        for call in (
+            lambda: client.unload("add"),
+            lambda: client.set_config({"PERF_COUNT": "YES"}, "NUMPY"),
+            lambda: client.export("add"),
+            lambda: client.import_network("x", b"blob", "NUMPY"),
+        ):
+            assert _code(call)[0] == grpc.StatusCode.PERMISSION_DENIED
+        assert client.get_config("NUMPY")  # reading config is allowed
+        assert client.infer("add", {"a": A, "b": B})["sum"].tolist() == [4, 6]
+        assert "mine" not in {n.name for n in client.networks()}
+
+
+def test_an_admin_token_can_load_infer_and_unload(secure, pki):
+    x = np.zeros((1, 32), np.float32)
+    with _client(secure, ADMIN_TOKEN, pki) as client:
+        client.load("by-admin", mlp().SerializeToString())
+        assert client.infer("by-admin", {"x": x})["y"].shape == (1, 10)
+        client.unload("by-admin")
+
+
+def test_the_async_client_sends_tls_and_token(secure, pki):
+    async def go():
+        async with AsyncClient(
+            secure.target, timeout=30, tls_ca=pki / "ca.pem", token=INFER_TOKEN
+        ) as client:
+            out = await client.infer("add", {"a": A, "b": B})
+            denied = None
+            try:
+                await client.load("async-mine", mlp().SerializeToString())
+            except grpc.aio.AioRpcError as exc:
+                denied = exc.code()
+            return out["sum"].tolist(), denied
+
+    assert asyncio.run(go()) == ([4, 6], grpc.StatusCode.PERMISSION_DENIED)
+
+
+def test_health_is_open_and_reflection_needs_a_token(secure, pki):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    credentials = grpc.ssl_channel_credentials((pki / "ca.pem").read_bytes())
+    with grpc.secure_channel(secure.target, credentials) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        status = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=10).status
+        assert status == health_pb2.HealthCheckResponse.SERVING
+        reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+        request = reflection_pb2.ServerReflectionRequest(list_services="")
+        code, _ = _code(lambda: list(reflection.ServerReflectionInfo(iter([request]), timeout=10)))
+        assert code == grpc.StatusCode.UNAUTHENTICATED
+        metadata = [("authorization", f"Bearer {INFER_TOKEN}")]
+        answers = list(reflection.ServerReflectionInfo(iter([request]), metadata=metadata))
+        names = {s.name for s in answers[0].list_services_response.service}
+        assert "plugserve.v1.Plugserve" in names
+
+
+def test_the_cli_takes_tls_ca_and_a_token_from_the_environment(secure, pki, monkeypatch, capsys):
+    monkeypatch.setenv("PLUGSERVE_TOKEN", INFER_TOKEN)
+    assert run_cli("list", ["--target", secure.target, "--tls-ca", str(pki / "ca.pem")]) == 0
+    assert "add v1" in capsys.readouterr().out
+    monkeypatch.delenv("PLUGSERVE_TOKEN")
+    monkeypatch.setenv("PLUGSERVE_TLS_CA", str(pki / "ca.pem"))
+    assert run_cli("list", ["--target", secure.target]) == 1
+    assert "UNAUTHENTICATED" in capsys.readouterr().err
+
+
+def test_tokens_never_appear_in_the_server_log(secure, pki):
+    for token in (INFER_TOKEN, ADMIN_TOKEN, WRONG_TOKEN):
+        with _client(secure, token, pki) as client:
+            try:
+                client.networks()
+                client.load("log-check", b"not onnx")
+            except grpc.RpcError:
+                pass
+    log = secure.log
+    assert "denied /plugserve.v1.Plugserve/ListNetworks: unknown token" in log
+    assert "allowed /plugserve.v1.Plugserve/ListNetworks: role infer" in log
+    for token in (INFER_TOKEN, ADMIN_TOKEN, WRONG_TOKEN):
+        assert token not in log
+        assert token[4:16] not in log
+
+
+# --- mutual TLS
+
+
+@pytest.fixture(scope="module")
+def mutual(pki, tmp_path_factory):
+    repo = examples_repository(tmp_path_factory.mktemp("repo"))
+    server = RunningServer(
+        "--model-repository", str(repo),
+        "--tls-cert", str(pki / "server.pem"),
+        "--tls-key", str(pki / "server.key"),
+        "--tls-client-ca", str(pki / "ca.pem"),
+    )  # fmt: skip
+    with server:
+        yield server
+
+
+def test_mtls_without_a_client_certificate_fails_the_handshake(mutual, pki):
+    with Client(mutual.target, timeout=10, tls_ca=pki / "ca.pem") as client:
+        code, _ = _code(client.networks)
+    assert code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_mtls_with_a_client_certificate_works(mutual, pki):
+    with Client(
+        mutual.target,
+        timeout=30,
+        tls_ca=pki / "ca.pem",
+        client_cert=pki / "client.pem",
+        client_key=pki / "client.key",
+    ) as client:
+        assert client.infer("add", {"a": A, "b": B})["sum"].tolist() == [4, 6]
+
+
+# --- limits
+
+
+def test_max_networks_and_max_model_bytes_are_refused_and_the_server_keeps_serving(tmp_path):
+    model = mlp().SerializeToString()
+    repo = tmp_path / "models"
+    repo.mkdir()
+    limit = 8 * len(model)  # room for an exported blob of it
+    server = RunningServer(
+        "--model-repository", str(repo),
+        "--max-networks", "2",
+        "--max-model-bytes", str(limit),
+    )  # fmt: skip
+    x = np.zeros((1, 32), np.float32)
+    with server, Client(server.target, timeout=60) as client:
+        client.load("one", model)
+        client.load("two", model)
+        code, message = _code(lambda: client.load("three", model))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "the limit is 2" in message and "--max-networks" in message
+        blob = client.export("one")
+        assert len(blob) <= limit
+        code, _ = _code(lambda: client.import_network("four", blob, "NUMPY"))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        client.unload("two")
+        big = model + b"\0" * (limit + 1 - len(model))  # never parsed: refused on its size
+        code, message = _code(lambda: client.load("big", big))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"limit of {limit} bytes" in message and "--max-model-bytes" in message
+        code, message = _code(lambda: client.import_network("big", b"\0" * (limit + 1), "NUMPY"))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "--max-model-bytes" in message
+        client.load("three", model)
+        assert client.infer("one", {"x": x})["y"].shape == (1, 10)
+        assert client.infer("three", {"x": x})["y"].shape == (1, 10)
+        assert sorted(n.name for n in client.networks()) == ["one", "three"]
+
+
+# --- the pieces, without a server
+
+
+def test_tokens_are_matched_to_their_role():
+    tokens = Tokens([(ADMIN_TOKEN, ADMIN), (INFER_TOKEN, INFER)])
+    assert tokens.role(ADMIN_TOKEN) == ADMIN and tokens.role(INFER_TOKEN) == INFER
+    assert tokens.role(WRONG_TOKEN) is None and tokens.role("") is None
+    assert tokens.role(ADMIN_TOKEN[:-1]) is None
+
+
+def test_roles_of_methods():
+    assert required_role("/plugserve.v1.Plugserve/Infer") == INFER
+    assert required_role("/plugserve.v1.Plugserve/LoadNetwork") == ADMIN
+    assert required_role("/inference.GRPCInferenceService/ModelInfer") == INFER
+    assert required_role("/inference.GRPCInferenceService/RepositoryModelLoad") == ADMIN
+    assert required_role("/inference.GRPCInferenceService/SystemSharedMemoryRegister") == ADMIN
+    assert required_role("/grpc.health.v1.Health/Check") == ""
+    assert required_role("/grpc.health.v1.Health/Check", open_health=False) == INFER
+    assert required_role("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo") == INFER
+    assert required_role("/some.Unknown/Method") == ADMIN  # fail closed
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (f"{ADMIN_TOKEN}\n", "line 1: expected 'TOKEN ROLE' (two fields), found 1"),
+        (f"# c\n{ADMIN_TOKEN} root\n", "line 2: unknown role 'root'; roles: infer, admin"),
+        (f"{ADMIN_TOKEN} admin\n{ADMIN_TOKEN} infer\n", "line 2: this token is already listed"),
+        ("# only comments\n\n", "no 'TOKEN ROLE' lines"),
+    ],
+)
+def test_a_bad_tokens_file_is_a_clear_error_without_the_token(tmp_path, text, message):
+    path = tmp_path / "tokens"
+    path.write_text(text)
+    with pytest.raises(SystemExit) as info:
+        load_tokens(str(path))
+    assert message in str(info.value) and ADMIN_TOKEN not in str(info.value)
+
+
+def test_tls_settings_that_do_not_fit_together_are_refused(tmp_path):
+    cert = tmp_path / "c.pem"
+    cert.write_text("x")
+    problems = security_problems(Settings(tls_cert=str(cert)))
+    assert problems == ["--tls-cert and --tls-key go together: give both or neither"]
+    problems = security_problems(Settings(tls_client_ca=str(cert)))
+    assert problems == ["--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key"]
+    problems = security_problems(Settings(auth_tokens=str(tmp_path / "missing"), open_health=7))
+    assert problems == [
+        "--open-health=7 must be 0 (off) or 1 (on)",
+        f"--auth-tokens {tmp_path / 'missing'}: not a readable file",
+    ]
+
+
+def test_the_server_refuses_to_start_with_half_a_tls_setup(tmp_path):
+    import os
+    import sys
+
+    cert = tmp_path / "c.pem"
+    cert.write_text("x")
+    result = subprocess.run(
+        [
+            *(sys.executable, "-m", "plugserve.server.cli", "serve", "--grpc-port", "0"),
+            *("--metrics-port", "-1", "--model-repository", str(tmp_path), "--tls-cert", str(cert)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ},
+        check=False,
+    )
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "--tls-cert and --tls-key go together" in result.stderr
+
+
+def test_an_infer_token_may_read_kserve_log_settings_but_not_set_them(secure, pki):
+    pytest.importorskip("tritonclient.grpc")
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    credentials = grpc.ssl_channel_credentials((pki / "ca.pem").read_bytes())
+    metadata = [("authorization", f"Bearer {INFER_TOKEN}")]
+    with grpc.secure_channel(secure.target, credentials) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        read = service_pb2.LogSettingsRequest()
+        try:
+            stub.LogSettings(read, metadata=metadata, timeout=10)
+        except grpc.RpcError as exc:  # not implemented is fine; refused is not
+            assert exc.code() not in (
+                grpc.StatusCode.PERMISSION_DENIED,
+                grpc.StatusCode.UNAUTHENTICATED,
+            )
+        write = service_pb2.LogSettingsRequest()
+        write.settings["log_verbose_level"].uint32_param = 1
+        code, message = _code(lambda: stub.LogSettings(write, metadata=metadata, timeout=10))
+        assert code == grpc.StatusCode.PERMISSION_DENIED and "'admin' role" in message
