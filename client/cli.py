@@ -348,11 +348,21 @@ def _arguments(verb: str, parser: argparse.ArgumentParser) -> None:
             )
             add("--output-dir", default="", help="save outputs as .npy instead of printing")
             add("--seed", type=int, default=0)
+    elif verb == "bench":
+        from plugserve.client.bench import add_arguments
+
+        add_arguments(parser)
     elif verb == "import":
         add("name")
         add("file")
         add("--device", required=True)
         add("--config", action="append", default=[], metavar="KEY=VALUE")
+
+
+def _bench(client: Client, args: argparse.Namespace) -> int:
+    from plugserve.client.bench import bench
+
+    return bench(client, args)
 
 
 VERBS: dict[str, tuple[Callable[[Client, argparse.Namespace], int], str]] = {
@@ -366,6 +376,7 @@ VERBS: dict[str, tuple[Callable[[Client, argparse.Namespace], int], str]] = {
     "infer": (_infer, "run one inference (inputs from .npy/.npz or random)"),
     "export": (_export, "save a compiled network to a file"),
     "import": (_import, "load a network from an exported file"),
+    "bench": (_bench, "measure throughput and latency (a server's network, or --inprocess)"),
 }
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+import os
 import signal
 import threading
 import time
@@ -106,6 +107,7 @@ class Server:
         self._stopped = threading.Event()  # stop() began
         self._hurry = threading.Event()  # a second signal: stop waiting for admitted requests
         self._done = threading.Event()  # stop() finished
+        self.abandoned = 0  # requests and loads still running when stop() gave up on them
 
     def _configure_plugins(self) -> None:
         if self.plugin_settings is None:
@@ -250,7 +252,7 @@ class Server:
         end = time.monotonic() + timeout
         self.health.enter_graceful_shutdown()  # NOT_SERVING for good, even if start() goes on
         self.plane.drain()
-        left = self.plane.wait_idle(timeout, self._hurry)
+        left = self.abandoned = self.plane.wait_idle(timeout, self._hurry)
         if left:
             log.warning(
                 "shutdown: %d admitted request(s) or load(s) still running after %.1f s; "
@@ -296,7 +298,16 @@ def main(argv: list[str]) -> int:
                 signal.Signals(signum).name,
                 settings.exit_timeout,
             )
-        threading.Thread(target=server.stop, name="shutdown", daemon=True).start()
+        threading.Thread(target=shutdown, name="shutdown", daemon=True).start()
+
+    def shutdown() -> None:
+        server.stop()
+        if server.abandoned:
+            # Threads stuck in a device (or in startup loading) cannot be interrupted and would
+            # keep the interpreter from exiting: their calls are already cancelled, so go now.
+            log.warning("stopped, abandoning %d stuck request(s) or load(s)", server.abandoned)
+            logging.shutdown()
+            os._exit(0)
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)

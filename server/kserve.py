@@ -54,7 +54,7 @@ from plugserve.proto import grpc_service_pb2 as pb
 from plugserve.proto import grpc_service_pb2_grpc as pb_grpc
 from plugserve.proto import model_config_pb2 as mc
 from plugserve.proto.tensors import TensorFormatError, check_shape, encode_strings, from_tensor
-from plugserve.server.dataplane import DataPlane, LoadedNetwork
+from plugserve.server.dataplane import DataPlane, LoadedNetwork, ShuttingDown
 from plugserve.server.errors import abort, status_of
 
 __all__ = ["KServeServicer", "add_kserve_service"]
@@ -502,6 +502,10 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     def RepositoryModelLoad(self, request, context):
         try:
+            if self.plane.draining:  # before the reload below unloads anything
+                raise ShuttingDown(
+                    f"model {request.model_name!r}: the server is shutting down; not loading it"
+                )
             overrides = sorted(k for k in request.parameters if k == "config" or k[:5] == "file:")
             if overrides:
                 raise Unsupported(

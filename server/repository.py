@@ -200,21 +200,29 @@ class Repository:
             raise InvalidArgument(
                 f"model {name!r} version {version} already exists in the repository"
             )
+        settings_path = folder / CONFIG_FILE
+        previous = settings_path.read_bytes() if settings_path.is_file() else None
         staging = Path(tempfile.mkdtemp(prefix=f".{name}.{version}.", dir=self.root))
         try:
             # mkdtemp makes it 0700: give the version folder its model folder's permissions
             staging.chmod(folder.stat().st_mode & 0o7777)
             _write_synced(staging / MODEL_FILE, model)
             _fsync_dir(staging)
+            # The settings go first, the version folder last: the rename is what publishes the
+            # version, so a crash at any point leaves no version, or the version with its
+            # settings (never a version on disk that would load without its device and config).
+            settings = {"device": device, "config": {k: str(v) for k, v in config.items()}}
+            self._write_settings(name, settings)
             os.replace(staging, final)
             _fsync_dir(folder)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             if created:
                 shutil.rmtree(folder, ignore_errors=True)
+            elif previous is not None and not final.exists():
+                with contextlib.suppress(OSError):
+                    _write_synced(settings_path, previous)
             raise
-        settings = {"device": device, "config": {k: str(v) for k, v in config.items()}}
-        self._write_settings(name, settings)
         return final / MODEL_FILE
 
     def _write_settings(self, name: str, settings: dict[str, Any]) -> None:

@@ -1,0 +1,213 @@
+"""plugserve against Seldon MLServer, the peer a Python user would pick instead.
+
+MLServer (PyPI ``mlserver``) runs a small onnxruntime runtime (written here: decode with its
+NumpyCodec, ``InferenceSession.run``, encode) with ``MLSERVER_PARALLEL_WORKERS=0``; plugserve
+serves the same models on its ORT device. Both are driven by the same client (tritonclient's
+KServe v2 gRPC, :class:`plugserve.client.bench.KserveRunner`), interleaved in blocks.
+
+``python tests/benchmarks/bench_mlserver.py [--mlserver PATH] [--seconds S] [--rounds N]``;
+``--mlserver`` is the ``mlserver`` executable (default: the one on PATH), which may live in its
+own virtual environment (it pins its own dependencies).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import harness
+import numpy as np
+import zoo
+
+from plugserve.client.bench import KserveRunner
+
+RUNTIME = """
+import onnxruntime as ort
+from mlserver import MLModel
+from mlserver.codecs import NumpyCodec
+from mlserver.types import InferenceRequest, InferenceResponse
+from mlserver.utils import get_model_uri
+
+
+class OnnxRuntime(MLModel):
+    async def load(self) -> bool:
+        path = await get_model_uri(self.settings)
+        self.session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+        self.names = [o.name for o in self.session.get_outputs()]
+        return True
+
+    async def predict(self, payload: InferenceRequest) -> InferenceResponse:
+        feeds = {i.name: NumpyCodec.decode_input(i) for i in payload.inputs}
+        outputs = self.session.run(None, feeds)
+        return InferenceResponse(
+            model_name=self.name,
+            outputs=[NumpyCodec.encode_output(n, a) for n, a in zip(self.names, outputs)],
+        )
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def find_mlserver(explicit: str = "") -> str:
+    return explicit or os.environ.get("MLSERVER") or shutil.which("mlserver") or ""
+
+
+@contextlib.contextmanager
+def mlserver(executable: str, models: dict[str, str], log: Callable[[str], None]) -> Iterator[str]:
+    """MLServer on 127.0.0.1 serving ``models`` (name -> .onnx); yields its gRPC target."""
+    root = Path(tempfile.mkdtemp(prefix="mlserver-"))
+    grpc_port, http_port, metrics_port = free_port(), free_port(), free_port()
+    (root / "runtime.py").write_text(RUNTIME)
+    settings = {
+        "host": "127.0.0.1",
+        "grpc_port": grpc_port,
+        "http_port": http_port,
+        "metrics_port": metrics_port,
+        "parallel_workers": 0,
+        "grpc_max_message_length": 1 << 30,
+    }
+    (root / "settings.json").write_text(json.dumps(settings))
+    for name, path in models.items():
+        folder = root / name
+        folder.mkdir()
+        shutil.copy(path, folder / "model.onnx")
+        (folder / "model-settings.json").write_text(
+            json.dumps(
+                {
+                    "name": name,
+                    "implementation": "runtime.OnnxRuntime",
+                    "parameters": {"uri": "./model.onnx"},
+                }
+            )
+        )
+    env = {**os.environ, "MLSERVER_PARALLEL_WORKERS": "0", "PYTHONPATH": str(root)}
+    logfile = open(root / "mlserver.log", "w")  # noqa: SIM115
+    process = subprocess.Popen(
+        [executable, "start", str(root)],
+        cwd=root,
+        env=env,
+        stdout=logfile,
+        stderr=subprocess.STDOUT,
+    )
+    target = f"127.0.0.1:{grpc_port}"
+    try:
+        import tritonclient.grpc as tc
+
+        client = tc.InferenceServerClient(target)
+
+        def ready() -> bool:
+            if process.poll() is not None:
+                raise RuntimeError(
+                    f"mlserver exited: {(root / 'mlserver.log').read_text()[-2000:]}"
+                )
+            try:
+                return all(client.is_model_ready(n) for n in models)
+            except Exception:
+                return False
+
+        if not harness.wait_until(ready, 120):
+            raise RuntimeError(f"mlserver not ready: {(root / 'mlserver.log').read_text()[-2000:]}")
+        client.close()
+        log(f"    mlserver {executable} ready at {target}")
+        yield target
+    finally:
+        process.terminate()
+        try:
+            process.wait(15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(10)
+        logfile.close()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def compare(
+    plugserve_target: str,
+    names: dict[str, str],
+    paths: dict[str, str],
+    executable: str,
+    seconds: float,
+    rounds: int,
+    log: Callable[[str], None],
+) -> dict[str, Any]:
+    """``names``: model -> the plugserve network (on ORT) serving it. Returns figures per model:
+    p50 at concurrency 1 and requests/s at 16 in flight, for both servers."""
+    rng = np.random.default_rng(0)
+    out: dict[str, Any] = {}
+    with mlserver(executable, {m: paths[m] for m in names}, log) as target:
+        cases = {}
+        for model, network in names.items():
+            x = {"input": rng.normal(size=zoo.input_shape(model)).astype(np.float32)}
+            runners = {
+                "plugserve": KserveRunner(plugserve_target, network, x),
+                "mlserver": KserveRunner(target, model, x),
+            }
+            for server, runner in runners.items():
+                cases[f"{model}/{server}/c1"] = harness.block(runner, seconds)
+                cases[f"{model}/{server}/c16"] = harness.block(runner, seconds, "async", 16)
+        blocks = harness.interleave(cases, rounds, log)
+        for model in names:
+            figures = {}
+            for server in ("plugserve", "mlserver"):
+                figures[server] = {
+                    "p50_ms_c1": harness.median_of(
+                        blocks[f"{model}/{server}/c1"], "latency_ms.p50"
+                    ),
+                    "rps_c16": harness.median_of(blocks[f"{model}/{server}/c16"], "throughput_rps"),
+                }
+            out[model] = figures
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mlserver", default="")
+    parser.add_argument("--seconds", type=float, default=1.0)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args(argv)
+    executable = find_mlserver(args.mlserver)
+    if not executable:
+        print("mlserver not found: pip install mlserver (or --mlserver PATH)", file=sys.stderr)
+        return 2
+    from serving import RunningServer
+
+    from plugserve.client import Client
+
+    paths = zoo.save_all(Path(tempfile.gettempdir()) / "plugserve-bench-models")
+    repo = Path(tempfile.mkdtemp(prefix="plugserve-repo-"))
+    with RunningServer("--model-repository", str(repo)) as server:
+        with Client(server.target, timeout=600) as client:
+            for model in ("identity", "resnet18"):
+                client.load(f"{model}_ORT", paths[model], "ORT")
+        start = time.perf_counter()
+        result = compare(
+            server.target,
+            {"identity": "identity_ORT", "resnet18": "resnet18_ORT"},
+            paths,
+            executable,
+            args.seconds,
+            args.rounds,
+            lambda s: print(s, file=sys.stderr),
+        )
+    print(json.dumps(result, indent=1))
+    print(f"{time.perf_counter() - start:.1f} s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

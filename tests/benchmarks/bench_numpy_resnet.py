@@ -1,0 +1,236 @@
+"""NUMPY vs onnxruntime latency at batch 1 on ResNet-18, a transformer encoder and an MLP.
+
+Run: ``python tests/benchmarks/bench_numpy_resnet.py [--runs N] [--blocks B] [--models ...]``.
+
+The models are built in code (random weights, opset 17). Both backends run in this process,
+interleaved in blocks (B blocks of N runs each, alternating which goes first), so machine noise
+(2 shared cores) hits both alike; the report is medians and best-of per backend and their
+ratio (NUMPY / onnxruntime) within this one run. onnxruntime gets intra_op_num_threads=2 and
+allow_spinning=0 so it does not burn a core the other backend needs. Each model's NUMPY output
+is checked against onnxruntime's before timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+OPSET = 17
+
+
+class _Builder:
+    """A tiny graph builder: named nodes, random initializers, unique names."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self.nodes: list[onnx.NodeProto] = []
+        self.inits: list[onnx.TensorProto] = []
+        self.rng = np.random.default_rng(seed)
+        self.count = 0
+
+    def name(self, prefix: str) -> str:
+        self.count += 1
+        return f"{prefix}_{self.count}"
+
+    def const(self, prefix: str, value: np.ndarray) -> str:
+        name = self.name(prefix)
+        self.inits.append(numpy_helper.from_array(np.asarray(value), name))
+        return name
+
+    def rand(self, prefix: str, shape, scale: float) -> str:
+        return self.const(prefix, (self.rng.standard_normal(shape) * scale).astype(np.float32))
+
+    def op(self, op_type: str, inputs: list[str], **attrs) -> str:
+        out = self.name(op_type.lower())
+        self.nodes.append(helper.make_node(op_type, inputs, [out], name=out, **attrs))
+        return out
+
+    def model(self, name: str, inputs, outputs) -> onnx.ModelProto:
+        graph = helper.make_graph(self.nodes, name, inputs, outputs, self.inits)
+        model = helper.make_model(
+            graph, opset_imports=[helper.make_opsetid("", OPSET)], ir_version=8
+        )
+        onnx.checker.check_model(model)
+        return model
+
+
+def resnet18() -> onnx.ModelProto:
+    """torchvision's ResNet-18 topology: Conv+BN+Relu, BasicBlocks with residual Adds."""
+    b = _Builder(0)
+
+    def conv_bn(x, cin, cout, k, stride, relu):
+        w = b.rand("w", (cout, cin, k, k), (2.0 / (cin * k * k)) ** 0.5)
+        p = k // 2
+        y = b.op("Conv", [x, w], kernel_shape=[k, k], strides=[stride] * 2, pads=[p] * 4)
+        bn = [
+            b.const("gamma", b.rng.uniform(0.5, 1.5, cout).astype(np.float32)),
+            b.const("beta", (b.rng.standard_normal(cout) * 0.1).astype(np.float32)),
+            b.const("mean", (b.rng.standard_normal(cout) * 0.1).astype(np.float32)),
+            b.const("var", b.rng.uniform(0.5, 1.5, cout).astype(np.float32)),
+        ]
+        y = b.op("BatchNormalization", [y, *bn], epsilon=1e-5)
+        return b.op("Relu", [y]) if relu else y
+
+    def block(x, cin, cout, stride):
+        y = conv_bn(x, cin, cout, 3, stride, True)
+        y = conv_bn(y, cout, cout, 3, 1, False)
+        short = conv_bn(x, cin, cout, 1, stride, False) if stride != 1 or cin != cout else x
+        return b.op("Relu", [b.op("Add", [y, short])])
+
+    x = conv_bn("input", 3, 64, 7, 2, True)
+    x = b.op("MaxPool", [x], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])
+    cin = 64
+    for cout, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+        x = block(x, cin, cout, stride)
+        x = block(x, cout, cout, 1)
+        cin = cout
+    x = b.op("GlobalAveragePool", [x])
+    x = b.op("Flatten", [x], axis=1)
+    fc_w = b.rand("fc_w", (1000, 512), 0.03)
+    fc_b = b.rand("fc_b", (1000,), 0.01)
+    nodes_out = b.op("Gemm", [x, fc_w, fc_b], transB=1)
+    b.nodes[-1].output[0] = "logits"
+    del nodes_out
+    return b.model(
+        "resnet18",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", 3, 224, 224])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 1000])],
+    )
+
+
+def encoder(layers: int = 4, hidden: int = 256, heads: int = 4, seq: int = 128) -> onnx.ModelProto:
+    """A post-LN transformer encoder: MHA, erf GELU FFN, LayerNormalization."""
+    b = _Builder(1)
+    head = hidden // heads
+    ffn = 4 * hidden
+    x = "input"
+    shape_heads = b.const("shape_heads", np.array([0, seq, heads, head], np.int64))
+    shape_back = b.const("shape_back", np.array([0, seq, hidden], np.int64))
+    scale = b.const("scale", np.array(1.0 / head**0.5, np.float32))
+    sqrt2 = b.const("sqrt2", np.array(2**0.5, np.float32))
+    one = b.const("one", np.array(1.0, np.float32))
+    half = b.const("half", np.array(0.5, np.float32))
+
+    def linear(v, cin, cout):
+        y = b.op("MatMul", [v, b.rand("w", (cin, cout), cin**-0.5)])
+        return b.op("Add", [y, b.rand("b", (cout,), 0.02)])
+
+    def split_heads(v, perm):
+        return b.op("Transpose", [b.op("Reshape", [v, shape_heads])], perm=perm)
+
+    def layer_norm(v):
+        gamma = b.const("ln_g", np.ones(hidden, np.float32))
+        beta = b.const("ln_b", np.zeros(hidden, np.float32))
+        return b.op("LayerNormalization", [v, gamma, beta], axis=-1, epsilon=1e-5)
+
+    for _ in range(layers):
+        q = split_heads(linear(x, hidden, hidden), [0, 2, 1, 3])
+        k = split_heads(linear(x, hidden, hidden), [0, 2, 3, 1])
+        v = split_heads(linear(x, hidden, hidden), [0, 2, 1, 3])
+        scores = b.op("Mul", [b.op("MatMul", [q, k]), scale])
+        probs = b.op("Softmax", [scores], axis=-1)
+        ctx = b.op("Transpose", [b.op("MatMul", [probs, v])], perm=[0, 2, 1, 3])
+        attn = linear(b.op("Reshape", [ctx, shape_back]), hidden, hidden)
+        x = layer_norm(b.op("Add", [x, attn]))
+        h = linear(x, hidden, ffn)
+        gelu = b.op("Add", [b.op("Erf", [b.op("Div", [h, sqrt2])]), one])
+        h = b.op("Mul", [b.op("Mul", [h, gelu]), half])
+        x = layer_norm(b.op("Add", [x, linear(h, ffn, hidden)]))
+    b.nodes.append(helper.make_node("Identity", [x], ["output"], name="output_identity"))
+    return b.model(
+        "encoder",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", seq, hidden])],
+        [helper.make_tensor_value_info("output", TensorProto.FLOAT, ["N", seq, hidden])],
+    )
+
+
+def mlp(sizes=(784, 1024, 1024, 1024, 10)) -> onnx.ModelProto:
+    b = _Builder(2)
+    x = "input"
+    for i, (cin, cout) in enumerate(zip(sizes, sizes[1:])):
+        w = b.rand("w", (cin, cout), cin**-0.5)
+        x = b.op("Gemm", [x, w, b.rand("b", (cout,), 0.02)])
+        if i < len(sizes) - 2:
+            x = b.op("Relu", [x])
+    b.nodes[-1].output[0] = "output"
+    return b.model(
+        "mlp",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", sizes[0]])],
+        [helper.make_tensor_value_info("output", TensorProto.FLOAT, ["N", sizes[-1]])],
+    )
+
+
+MODELS = {
+    "resnet18": (resnet18, (1, 3, 224, 224)),
+    "encoder": (encoder, (1, 128, 256)),
+    "mlp": (mlp, (1, 784)),
+}
+
+
+def _runners(model: onnx.ModelProto):
+    import onnxruntime as ort
+
+    from plugserve.plugins.numpy import NumpyPlugin
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 2
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    in_name = sess.get_inputs()[0].name
+    request = NumpyPlugin().load_network(model).create_infer_request()
+    return {
+        "numpy": lambda x: request.infer({in_name: x}),
+        "onnxruntime": lambda x: sess.run(None, {in_name: x}),
+    }
+
+
+def bench(name: str, runs: int, blocks: int) -> dict[str, float]:
+    build, shape = MODELS[name]
+    model = build()
+    x = np.random.default_rng(3).standard_normal(shape).astype(np.float32)
+    runners = _runners(model)
+    ours = list(runners["numpy"](x).values())[0]
+    ref = runners["onnxruntime"](x)[0]
+    err = float(np.max(np.abs(ours - ref)) / (np.max(np.abs(ref)) + 1e-12))
+    if err > 1e-3:
+        raise SystemExit(f"{name}: NUMPY differs from onnxruntime (relative error {err:.2e})")
+    times: dict[str, list[float]] = {k: [] for k in runners}
+    for fn in runners.values():  # warm-up: plans, caches, allocator
+        for _ in range(5):
+            fn(x)
+    order = list(runners)
+    for block in range(blocks):
+        for key in order if block % 2 == 0 else order[::-1]:
+            fn = runners[key]
+            for _ in range(runs):
+                start = time.perf_counter()
+                fn(x)
+                times[key].append(time.perf_counter() - start)
+    med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    best = {k: min(v) * 1e3 for k, v in times.items()}
+    print(
+        f"{name:9s} numpy p50 {med['numpy']:7.2f} ms (best {best['numpy']:6.2f})  "
+        f"ort p50 {med['onnxruntime']:7.2f} ms (best {best['onnxruntime']:6.2f})  "
+        f"ratio p50 {med['numpy'] / med['onnxruntime']:.2f}x  "
+        f"best {best['numpy'] / best['onnxruntime']:.2f}x  (max rel err {err:.1e})",
+        flush=True,
+    )
+    return {"p50": med["numpy"] / med["onnxruntime"], "best": best["numpy"] / best["onnxruntime"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=20, help="runs per block")
+    parser.add_argument("--blocks", type=int, default=10, help="interleaved blocks per backend")
+    parser.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
+    args = parser.parse_args()
+    for name in args.models:
+        bench(name, args.runs, args.blocks)
+
+
+if __name__ == "__main__":
+    main()

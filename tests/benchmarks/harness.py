@@ -1,0 +1,254 @@
+"""Shared pieces of the benchmark suite: interleaved blocks, medians, bare backends, servers.
+
+Compared cases run in blocks, interleaved (A, B, C, A, B, C, ...), so that a burst of load
+from elsewhere on the machine hits every case alike; each figure is the median over blocks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+TESTS = HERE.parent
+for folder in (HERE, TESTS):
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+
+from plugserve.client.bench import Done, Runner, measure, summarize  # noqa: E402
+
+CORES = os.cpu_count() or 1
+
+
+# --------------------------------------------------------------------------- blocks
+
+
+def interleave(
+    cases: Mapping[str, Callable[[], dict[str, Any]]], rounds: int, log: Callable[[str], None]
+) -> dict[str, list[dict[str, Any]]]:
+    """Run every case once per round, in order; returns each case's block summaries."""
+    results: dict[str, list[dict[str, Any]]] = {name: [] for name in cases}
+    for r in range(rounds):
+        for name, run in cases.items():
+            results[name].append(run())
+        log(f"    round {r + 1}/{rounds} done")
+    return results
+
+
+def median_of(blocks: list[dict[str, Any]], key: str) -> float:
+    values = []
+    for block in blocks:
+        value: Any = block
+        for part in key.split("."):
+            value = value[part]
+        values.append(value)
+    return statistics.median(values) if values else float("nan")
+
+
+def block(
+    runner: Runner,
+    seconds: float,
+    mode: str = "sync",
+    concurrency: int = 1,
+    batch: int = 1,
+    min_requests: int = 3,
+) -> Callable[[], dict[str, Any]]:
+    """A case: ``seconds`` of ``runner`` (at least ``min_requests``), summarized."""
+
+    def run() -> dict[str, Any]:
+        result = measure(runner, mode, concurrency, duration=seconds, warmup=1)
+        while len(result.latencies) < min_requests:
+            more = measure(runner, mode, concurrency, iterations=min_requests, warmup=0)
+            result.latencies += more.latencies
+            result.errors += more.errors
+            result.wall += more.wall
+        if result.errors:
+            raise RuntimeError(
+                f"{runner.description}: {result.errors} errors: {result.first_error}"
+            )
+        return summarize(result, batch)
+
+    return run
+
+
+# --------------------------------------------------------------------------- bare backends
+
+
+class OrtSession(Runner):
+    """Bare onnxruntime, intra-op threads = the cores (``streams``>1: that many sessions
+    sharing the cores, threads divided, as the ORT device does in THROUGHPUT mode)."""
+
+    def __init__(self, path: str, inputs: Mapping[str, np.ndarray], streams: int = 1) -> None:
+        import onnxruntime as ort
+
+        self.sessions = []
+        for _ in range(streams):
+            options = ort.SessionOptions()
+            options.intra_op_num_threads = max(1, CORES // streams)
+            options.inter_op_num_threads = 1
+            self.sessions.append(
+                ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+            )
+        self.inputs = dict(inputs)
+        self.description = "onnxruntime"
+        import queue
+
+        self.free: queue.SimpleQueue = queue.SimpleQueue()
+        for s in self.sessions:
+            self.free.put(s)
+
+    def call(self) -> None:
+        session = self.free.get()
+        try:
+            session.run(None, self.inputs)
+        finally:
+            self.free.put(session)
+
+    def submit(self, done: Done) -> None:
+        raise NotImplementedError("bare onnxruntime: sync only here")
+
+
+class OvCompiled(Runner):
+    """Bare OpenVINO CPU, INFERENCE_PRECISION_HINT=f32."""
+
+    def __init__(self, path: str, inputs: Mapping[str, np.ndarray], hint: str = "LATENCY"):
+        import openvino as ov
+
+        core = ov.Core()
+        self.compiled = core.compile_model(
+            path, "CPU", {"INFERENCE_PRECISION_HINT": "f32", "PERFORMANCE_HINT": hint}
+        )
+        self.request = self.compiled.create_infer_request()
+        self.inputs = dict(inputs)
+        self.description = "openvino"
+
+    def call(self) -> None:
+        self.request.infer(self.inputs)
+
+    def submit(self, done: Done) -> None:
+        raise NotImplementedError("bare openvino: sync only here")
+
+
+# --------------------------------------------------------------------------- echo
+
+
+class EchoRunner(Runner):
+    """Unary bytes to the bare grpcio echo server (bench_echo.py)."""
+
+    def __init__(self, target: str, payload: bytes) -> None:
+        import grpc
+
+        self.channel = grpc.insecure_channel(
+            target,
+            [
+                ("grpc.max_send_message_length", 1 << 30),
+                ("grpc.max_receive_message_length", 1 << 30),
+            ],
+        )
+        self.method = self.channel.unary_unary("/bench.Echo/Echo")
+        self.payload = payload
+        self.description = f"echo {target}"
+
+    def call(self) -> None:
+        self.method(self.payload, timeout=60)
+
+    def submit(self, done: Done) -> None:
+        future = self.method.future(self.payload, timeout=60)
+        future.add_done_callback(lambda f: done(f.exception()))
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+@contextlib.contextmanager
+def echo_server(kind: str = "thread") -> Iterator[str]:
+    """A bare grpcio echo server in its own process; yields its target."""
+    process = subprocess.Popen(
+        [sys.executable, str(HERE / "bench_echo.py"), "--kind", kind],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert process.stdout is not None
+        line = process.stdout.readline()
+        if not line.startswith("port "):
+            raise RuntimeError(f"echo server did not start: {line!r}")
+        yield f"127.0.0.1:{int(line.split()[1])}"
+    finally:
+        process.terminate()
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(10)
+
+
+# --------------------------------------------------------------------------- machine
+
+
+def peak_rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def load_average() -> str:
+    return " ".join(f"{v:.2f}" for v in os.getloadavg())
+
+
+def machine() -> dict[str, str]:
+    cpu = platform.processor() or ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    blas = ""
+    with contextlib.suppress(Exception):
+        config = np.show_config(mode="dicts")  # numpy >= 2
+        info = config["Build Dependencies"]["blas"]
+        blas = f"{info.get('name', '')} {info.get('version', '')}".strip()
+    with contextlib.suppress(Exception):
+        from threadpoolctl import threadpool_info
+
+        pools = [p for p in threadpool_info() if p.get("user_api") == "blas"]
+        if pools:
+            blas += f" ({pools[0].get('internal_api')}, {pools[0].get('architecture')})"
+    versions = {}
+    for name in ("onnxruntime", "openvino", "grpc", "onnx"):
+        try:
+            module = __import__(name)
+            versions[name] = getattr(module, "__version__", "?")
+        except ImportError:
+            versions[name] = "not installed"
+    return {
+        "cpu": cpu,
+        "cores": str(CORES),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "blas": blas or "unknown",
+        **versions,
+        "kernel": platform.release(),
+        "OPENBLAS_CORETYPE": os.environ.get("OPENBLAS_CORETYPE", ""),
+        "OPENBLAS_L2_SIZE": os.environ.get("OPENBLAS_L2_SIZE", ""),
+    }
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return False

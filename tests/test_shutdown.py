@@ -1,0 +1,212 @@
+"""Graceful shutdown of a real server: SIGTERM/SIGINT drain it, nothing admitted is lost.
+
+Requests run on the third-party ``GATED`` device (see test_server_load.py), so they are certainly
+in flight when the signal arrives and finish only when the test opens their gate.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from serving import wait_for
+from test_server_load import add_model_bytes, gated_server, gauge, site
+
+from plugserve.client import Client
+
+tc = pytest.importorskip("tritonclient.grpc")
+from tritonclient.utils import InferenceServerException  # noqa: E402
+
+__all__ = ["site"]  # the fixture, re-used from test_server_load
+
+QUEUE = 3
+UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def feeds(i: int) -> dict[str, np.ndarray]:
+    return {"a": np.full(2, i, np.float32), "b": np.array([0.5, 1.5], np.float32)}
+
+
+def start(site, tmp_path, exit_timeout: float = 30):
+    (tmp_path / "models").mkdir()
+    running, gates = gated_server(
+        site,
+        tmp_path,
+        "--model-repository",
+        str(tmp_path / "models"),
+        "--queue-size",
+        str(QUEUE),
+        "--exit-timeout",  # overrides gated_server's 5 s
+        str(exit_timeout),
+        plugins={"NUMPY": {}, "GATED": {"config": {"NUM_STREAMS": "1"}}},
+    )
+    gates.open("load")
+    running.start()
+    return running, gates
+
+
+def health(running) -> int | grpc.StatusCode:
+    with running.channel() as channel:
+        try:
+            return (
+                health_pb2_grpc.HealthStub(channel)
+                .Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+                .status
+            )
+        except grpc.RpcError as exc:
+            return exc.code()
+
+
+def outcome(fn, *args, **kwargs):
+    """The result of a call, or ``(status code, message)`` for either client's error."""
+    try:
+        return fn(*args, **kwargs)
+    except grpc.RpcError as exc:
+        return exc.code(), exc.details()
+    except InferenceServerException as exc:
+        return grpc.StatusCode[exc.status().split(".")[-1]], exc.message()
+
+
+def triton_infer(triton, name: str, i: int):
+    inputs = [tc.InferInput("a", [2], "FP32"), tc.InferInput("b", [2], "FP32")]
+    inputs[0].set_data_from_numpy(feeds(i)["a"])
+    inputs[1].set_data_from_numpy(feeds(i)["b"])
+    return {"sum": triton.infer(name, inputs, client_timeout=60).as_numpy("sum")}
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_signal_drains_admitted_and_queued_requests_then_exits_0(site, tmp_path, signum):
+    running, gates = start(site, tmp_path)
+    name = "slow"
+    try:
+        with Client(running.target, timeout=60) as client:
+            client.load(name, add_model_bytes(), device="GATED")
+            results: dict[int, object] = {}
+            threads = [
+                threading.Thread(
+                    target=lambda i=i: results.__setitem__(i, outcome(client.infer, name, feeds(i)))
+                )
+                for i in range(1 + QUEUE)
+            ]
+            for thread in threads:
+                thread.start()
+            assert wait_for(lambda: gauge(running, "plugserve_queue_depth", "GATED") == QUEUE)
+            assert gauge(running, "plugserve_busy_streams", "GATED") == 1
+            running.signal(signum)
+            assert wait_for(lambda: health(running) == NOT_SERVING), running.log
+            # new requests, loads and KServe calls are refused while the admitted ones wait
+            got = outcome(client.infer, name, feeds(9))
+            assert got[0] == UNAVAILABLE and "shutting down" in got[1], got
+            got = outcome(client.load, "late", add_model_bytes())
+            assert got[0] == UNAVAILABLE and "shutting down" in got[1], got
+            with tc.InferenceServerClient(running.target) as triton:
+                got = outcome(triton_infer, triton, name, 9)
+                assert got[0] == UNAVAILABLE and "shutting down" in got[1], got
+                got = outcome(triton.load_model, "late")
+                assert got[0] == UNAVAILABLE, got
+            assert running.process.poll() is None  # still draining: the gate is closed
+            assert not results
+            gates.open(name)
+            for thread in threads:
+                thread.join(60)
+        assert not any(t.is_alive() for t in threads)
+        for i in range(1 + QUEUE):  # every admitted request got its own result
+            assert isinstance(results[i], dict), results[i]
+            assert results[i]["sum"].tolist() == (feeds(i)["a"] + feeds(i)["b"]).tolist()
+        assert running.process.wait(60) == 0, running.log
+        assert "shutdown: every admitted request finished" in running.log
+        assert "unexpected error" not in running.log
+    finally:
+        gates.open(name)
+        running.stop()
+
+
+def test_killed_under_load_loses_no_admitted_request(site, tmp_path):
+    """16 clients (both protocols) keep sending to a full device; SIGTERM arrives. Each call
+    ends with its own correct result (it was admitted) or a refusal (RESOURCE_EXHAUSTED before
+    the signal, UNAVAILABLE after): nothing admitted is lost, nothing hangs, exit code 0."""
+    running, gates = start(site, tmp_path)
+    name = "busy"
+    n = 16
+    capacity = 1 + QUEUE
+    outcomes: list[list] = [[] for _ in range(n)]
+    try:
+        with (
+            Client(running.target, timeout=60) as client,
+            tc.InferenceServerClient(running.target) as triton,
+        ):
+            client.load(name, add_model_bytes(), device="GATED")
+
+            def send(k: int) -> None:
+                for attempt in range(5000):  # bounded; ends at the first non-refusal
+                    i = k * 10_000 + attempt
+                    if k % 2:
+                        got = outcome(client.infer, name, feeds(i))
+                    else:
+                        got = outcome(triton_infer, triton, name, i)
+                    outcomes[k].append((i, got))
+                    if not (
+                        isinstance(got, tuple) and got[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
+                    ):
+                        return
+                    threading.Event().wait(0.005)
+
+            threads = [threading.Thread(target=send, args=(k,)) for k in range(n)]
+            for thread in threads:
+                thread.start()
+            assert wait_for(lambda: gauge(running, "plugserve_queue_depth", "GATED") == QUEUE)
+            running.signal(signal.SIGTERM)
+            # the clients that were not admitted are all refused while the gate is still closed
+            assert wait_for(lambda: sum(t.is_alive() for t in threads) == capacity), running.log
+            assert running.process.poll() is None
+            gates.open(name)
+            for thread in threads:
+                thread.join(60)
+            assert not any(t.is_alive() for t in threads)  # nothing left hanging
+        assert running.process.wait(60) == 0, running.log
+    finally:
+        gates.open(name)
+        running.stop()
+    finals = [calls[-1] for calls in outcomes]
+    admitted = [(i, got) for i, got in finals if isinstance(got, dict)]
+    refused = [got for _, got in finals if not isinstance(got, dict)]
+    assert len(admitted) == capacity, finals
+    for i, got in admitted:
+        assert got["sum"].tolist() == (feeds(i)["a"] + feeds(i)["b"]).tolist()
+    for code, message in refused:
+        assert code == UNAVAILABLE and "shutting down" in message, (code, message)
+    for calls in outcomes:  # everything before the last call was a full queue
+        for _, got in calls[:-1]:
+            assert got[0] == grpc.StatusCode.RESOURCE_EXHAUSTED, got
+    assert "shutdown: every admitted request finished" in running.log
+
+
+def test_exit_timeout_bounds_the_drain(site, tmp_path):
+    """A request that never finishes does not keep the server up past --exit-timeout: its call
+    ends with an error (not a hang) and the process still exits 0."""
+    running, gates = start(site, tmp_path, exit_timeout=1)
+    name = "never"
+    try:
+        with Client(running.target, timeout=60) as client:
+            client.load(name, add_model_bytes(), device="GATED")
+            result: list = []
+            thread = threading.Thread(
+                target=lambda: result.append(outcome(client.infer, name, feeds(1)))
+            )
+            thread.start()
+            assert wait_for(lambda: gauge(running, "plugserve_busy_streams", "GATED") == 1)
+            running.signal(signal.SIGTERM)
+            assert running.process.wait(60) == 0, running.log
+            thread.join(60)
+            assert not thread.is_alive()
+            code, _ = result[0]
+            assert code in (grpc.StatusCode.CANCELLED, UNAVAILABLE), result
+        assert "1 admitted request(s) or load(s) still running" in running.log
+    finally:
+        gates.open(name)
+        running.stop()
