@@ -371,7 +371,7 @@ def conv_forward(
     (groups == C, one input channel each); ``winograd`` the transformed weights of a conv
     :func:`winograd_weights` accepted. Returns a fresh array ``(N, M, *out)``.
     """
-    if winograd is not None and x.dtype == np.float32 and x.ndim == 4:
+    if winograd is not None and x.dtype == np.float32 and winograd.suits(x.shape):
         return winograd.forward(spec, x, bias)
     if depthwise is not None:
         out_sp, begin, end, strides, dil = spec.resolve(x.shape[2:], kernel)
@@ -496,6 +496,9 @@ _WG_OUT = np.kron(_WG_AT, _WG_AT).astype(np.float32)  # (4, 16)
 #: Below this many input and output channels the tile transforms cost more than the 2.25x
 #: fewer multiplications save (measured: 64 channels at 56x56 is slower, 128 at 28x28 faster).
 _WG_MIN_CHANNELS = 128
+#: With fewer tiles than this (7x7 maps: 16) the 16 GEMMs are too thin for BLAS to run fast,
+#: and one direct GEMM wins.
+_WG_MIN_TILES = 32
 
 
 def winograd_weights(spec: ConvSpec, w: np.ndarray, groups: int, dtype: np.dtype):
@@ -561,6 +564,11 @@ class Winograd:
         self.u = np.ascontiguousarray(u.reshape(16, *w.shape[:2]), dtype=np.float32)
         self.m = w.shape[0]
         self.plans: dict[tuple, _WinogradPlan] = {}
+
+    @staticmethod
+    def suits(shape: tuple) -> bool:
+        """Whether this input shape has enough tiles for the path to pay (see _WG_MIN_TILES)."""
+        return len(shape) == 4 and shape[0] * -(-shape[2] // 2) * -(-shape[3] // 2) >= _WG_MIN_TILES
 
     def forward(self, spec: ConvSpec, x: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
         plan = self.plans.get(x.shape)
