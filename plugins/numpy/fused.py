@@ -2,7 +2,8 @@
 
 ``FusedConv``, ``FusedGemm`` and ``FusedMatMul`` are the standard op followed by an activation
 applied in place on the op's fresh output, so the activation costs no extra allocation. The base
-op is built by its own registered kernel; only the activation is added here.
+op is built by its own registered kernel; only the activation is added here. ``Gelu`` is the
+five-op erf GELU the passes found, run by ONNX Gelu's kernel.
 """
 
 from __future__ import annotations
@@ -62,6 +63,22 @@ def _activation(name: str, params: list[float]) -> Callable[[np.ndarray], np.nda
 def register_fused(registry: Registry) -> None:
     for base in ("Conv", "Gemm", "MatMul"):
         registry.register(f"Fused{base}", 1, domain=FUSED_DOMAIN)(_builder(registry))
+    registry.register("Gelu", 1, domain=FUSED_DOMAIN)(_standard_builder(registry))
+
+
+def _standard_builder(registry: Registry) -> Callable[[KernelContext], Callable[..., np.ndarray]]:
+    """A fused node that computes exactly a standard op (the erf GELU the passes spell as one
+    node): built by that op's own kernel, at the version the pass recorded."""
+
+    def build(ctx: KernelContext) -> Callable[..., np.ndarray]:
+        base_op = ctx.node.metadata.get("base_op", ctx.op_type)
+        opset = int(ctx.node.metadata.get("opset", 0)) or ctx.opset
+        entry = registry.lookup("", base_op, opset)
+        if entry is None:
+            raise ctx.unsupported(registry.why_unsupported("", base_op, opset))
+        return entry.build(ctx.derive(base_op, "", opset))
+
+    return build
 
 
 def _builder(registry: Registry) -> Callable[[KernelContext], Callable[..., np.ndarray]]:

@@ -7,6 +7,7 @@ from plugserve.plugins.passes.fusion import (
     FUSED_DOMAIN,
     fold_conv_batchnorm,
     fuse_activations,
+    fuse_gelu,
     fuse_relu_relu,
 )
 from plugserve.plugins.passes.inline import inline_functions
@@ -38,6 +39,7 @@ def standard_pipeline() -> PassManager:
             ("fold_conv_batchnorm", fold_conv_batchnorm),
             ("fuse_relu_relu", fuse_relu_relu),
             ("fuse_activations", fuse_activations),
+            ("fuse_gelu", fuse_gelu),
             ("eliminate_dead_nodes", eliminate_dead_nodes),
         ]
     )

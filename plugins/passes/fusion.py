@@ -7,6 +7,8 @@ everything it replaced.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from onnx import AttributeProto
 
@@ -14,7 +16,13 @@ from plugserve.plugins.api import TensorSpec
 from plugserve.plugins.ir import Graph, Node
 from plugserve.plugins.passes.manager import PassContext
 
-__all__ = ["FUSED_DOMAIN", "fold_conv_batchnorm", "fuse_activations", "fuse_relu_relu"]
+__all__ = [
+    "FUSED_DOMAIN",
+    "fold_conv_batchnorm",
+    "fuse_activations",
+    "fuse_gelu",
+    "fuse_relu_relu",
+]
 
 FUSED_DOMAIN = "ai.plugserve"
 
@@ -131,4 +139,120 @@ def fuse_relu_relu(graph: Graph, context: PassContext) -> bool:
     if not dropped:
         return False
     graph.nodes = [n for n in graph.nodes if id(n) not in dropped]
+    return True
+
+
+def _scalar_input(graph: Graph, node: Node, value: float) -> str | None:
+    """The other input of a binary ``node`` whose one constant input is the scalar ``value``."""
+    if len(node.inputs) != 2 or node.domain:
+        return None
+    for i in (0, 1):
+        const = graph.initializers.get(node.inputs[i])
+        if (
+            const is not None
+            and const.size == 1
+            and const.dtype.kind == "f"
+            and math.isclose(float(const.reshape(())), value, rel_tol=1e-4)
+        ):
+            return node.inputs[1 - i]
+    return None
+
+
+def _gelu_input(graph: Graph, scaled: Node) -> str | None:
+    """x when ``scaled`` computes x / sqrt(2) (as Div or as Mul by the reciprocal)."""
+    if scaled.op_type == "Div" and not scaled.domain and len(scaled.inputs) == 2:
+        const = graph.initializers.get(scaled.inputs[1])
+        if (
+            const is not None
+            and const.size == 1
+            and const.dtype.kind == "f"
+            and math.isclose(float(const.reshape(())), math.sqrt(2), rel_tol=1e-4)
+        ):
+            return scaled.inputs[0]
+        return None
+    if scaled.op_type == "Mul":
+        return _scalar_input(graph, scaled, 1 / math.sqrt(2))
+    return None
+
+
+def _match_gelu(graph: Graph, erf: Node, users, producers) -> list[Node] | None:
+    """The nodes of 0.5 x (1 + erf(x / sqrt 2)) around ``erf``, in graph order, or None.
+
+    Accepted shapes (how PyTorch and hand-written exporters spell it):
+    ``Mul(Mul(x, 1 + erf), 0.5)`` and ``Mul(Mul(x, 0.5), 1 + erf)``, operands in any order.
+    """
+    scaled = producers.get(erf.inputs[0]) if erf.inputs else None
+    if scaled is None or _sole_reader(graph, scaled.outputs[0], users) is not erf:
+        return None
+    x = _gelu_input(graph, scaled)
+    add = _sole_reader(graph, erf.outputs[0], users)
+    if x is None or add is None or add.op_type != "Add":
+        return None
+    if _scalar_input(graph, add, 1.0) != erf.outputs[0]:
+        return None
+    mul = _sole_reader(graph, add.outputs[0], users)
+    if mul is None or mul.op_type != "Mul" or mul.domain or len(mul.inputs) != 2:
+        return None
+    other = mul.inputs[1] if mul.inputs[0] == add.outputs[0] else mul.inputs[0]
+    if other == x:  # Mul(x, 1 + erf) then Mul(., 0.5)
+        last = _sole_reader(graph, mul.outputs[0], users)
+        if last is None or last.op_type != "Mul":
+            return None
+        if _scalar_input(graph, last, 0.5) != mul.outputs[0]:
+            return None
+        return [scaled, erf, add, mul, last]
+    half = producers.get(other)  # Mul(Mul(x, 0.5), 1 + erf)
+    if half is None or half.op_type != "Mul" or _scalar_input(graph, half, 0.5) != x:
+        return None
+    if _sole_reader(graph, half.outputs[0], users) is not mul:
+        return None
+    return [scaled, half, erf, add, mul]
+
+
+def fuse_gelu(graph: Graph, context: PassContext) -> bool:
+    """The erf GELU spelled as five ops becomes one ``ai.plugserve`` Gelu node.
+
+    The fused kernel (ONNX Gelu's) works in place on one buffer: one allocation and fewer
+    passes over memory instead of five fresh arrays. float inputs only; every intermediate
+    must be read by the pattern alone.
+    """
+    users = graph.consumers()
+    producers = graph.producers()
+    replaced: dict[int, Node] = {}
+    for erf in graph.nodes:
+        if erf.op_type != "Erf" or erf.domain or id(erf) in replaced:
+            continue
+        found = _match_gelu(graph, erf, users, producers)
+        if found is None or any(id(n) in replaced for n in found):
+            continue
+        x = _gelu_input(graph, found[0])
+        spec, result = graph.spec(x), graph.spec(found[-1].outputs[0])
+        if spec is None or spec.dtype is None or spec.dtype.kind != "f":
+            continue
+        # A size-1 constant of higher rank than x would broadcast the result to a larger rank.
+        if result is None or spec.shape is None or result.shape != spec.shape:
+            continue
+        fused = Node(
+            "Gelu",
+            [x],
+            list(found[-1].outputs),
+            name=found[-1].name,
+            domain=FUSED_DOMAIN,
+            metadata={"base_op": "Gelu", "opset": "20"},
+        )
+        for node in found:
+            _merge(fused, node)
+        for node in found:
+            replaced[id(node)] = fused
+    if not replaced:
+        return False
+    nodes: list[Node] = []
+    for node in graph.nodes:
+        sub = replaced.get(id(node))
+        if sub is None:
+            nodes.append(node)
+        elif sub.outputs == node.outputs:  # the pattern's last node: the fused one goes here
+            nodes.append(sub)
+    graph.nodes = nodes
+    graph.opsets.setdefault(FUSED_DOMAIN, 1)
     return True

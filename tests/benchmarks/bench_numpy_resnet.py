@@ -13,6 +13,7 @@ is checked against onnxruntime's before timing.
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
 
@@ -92,9 +93,8 @@ def resnet18() -> onnx.ModelProto:
     x = b.op("Flatten", [x], axis=1)
     fc_w = b.rand("fc_w", (1000, 512), 0.03)
     fc_b = b.rand("fc_b", (1000,), 0.01)
-    nodes_out = b.op("Gemm", [x, fc_w, fc_b], transB=1)
+    b.op("Gemm", [x, fc_w, fc_b], transB=1)
     b.nodes[-1].output[0] = "logits"
-    del nodes_out
     return b.model(
         "resnet18",
         [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", 3, 224, 224])],
@@ -151,7 +151,7 @@ def encoder(layers: int = 4, hidden: int = 256, heads: int = 4, seq: int = 128) 
 def mlp(sizes=(784, 1024, 1024, 1024, 10)) -> onnx.ModelProto:
     b = _Builder(2)
     x = "input"
-    for i, (cin, cout) in enumerate(zip(sizes, sizes[1:])):
+    for i, (cin, cout) in enumerate(itertools.pairwise(sizes)):
         w = b.rand("w", (cin, cout), cin**-0.5)
         x = b.op("Gemm", [x, w, b.rand("b", (cout,), 0.02)])
         if i < len(sizes) - 2:
@@ -193,7 +193,7 @@ def bench(name: str, runs: int, blocks: int) -> dict[str, float]:
     model = build()
     x = np.random.default_rng(3).standard_normal(shape).astype(np.float32)
     runners = _runners(model)
-    ours = list(runners["numpy"](x).values())[0]
+    ours = next(iter(runners["numpy"](x).values()))
     ref = runners["onnxruntime"](x)[0]
     err = float(np.max(np.abs(ours - ref)) / (np.max(np.abs(ref)) + 1e-12))
     if err > 1e-3:

@@ -768,17 +768,32 @@ def _horner(coefficients: tuple[float, ...], x2: np.ndarray, out: np.ndarray) ->
     return out
 
 
+_ERF_CLIP = (np.float32(-4), np.float32(4))  # erf is +-1 in float32 beyond
+_ERF_NUMERATOR_F32 = tuple(np.float32(c) for c in _ERF_NUMERATOR)
+_ERF_DENOMINATOR_F32 = tuple(np.float32(c) for c in _ERF_DENOMINATOR)
+
+
+def _erf_f32_of_clipped(t: np.ndarray) -> np.ndarray:
+    """erf of ``t`` (float32, already clipped to ``_ERF_CLIP``, overwritten: it holds the
+    denominator afterwards), as a fresh array.
+
+    The rational approximation is Eigen's float erf, evaluated in float32: absolute error
+    <= 4e-7 against the exact erf (a few float32 ulps), at 2.4x the speed of evaluating it in
+    float64 (which made erf a third of a transformer encoder's non-GEMM time).
+    """
+    x2 = np.multiply(t, t)
+    p = _horner(_ERF_NUMERATOR_F32, x2, np.empty_like(x2))
+    p *= t
+    p /= _horner(_ERF_DENOMINATOR_F32, x2, t)
+    return p
+
+
 def _erf_narrow(dtype: np.dtype) -> Kernel:
     """erf for float16/float32 inputs, vectorised (scipy's erf is a slow scalar loop)."""
-    low, high = np.float32(-4), np.float32(4)
 
     def run(x):
-        t = np.clip(x, low, high, dtype=np.float64)
-        x2 = np.multiply(t, t)
-        p = _horner(_ERF_NUMERATOR, x2, np.empty_like(x2))
-        p *= t
-        p /= _horner(_ERF_DENOMINATOR, x2, t)
-        return p.astype(dtype)
+        p = _erf_f32_of_clipped(np.clip(x, *_ERF_CLIP, dtype=np.float32))
+        return p if dtype == np.float32 else p.astype(dtype)
 
     return run
 
@@ -801,6 +816,20 @@ def _erf(dtype: np.dtype) -> Kernel:
         return _erf_narrow(dtype)
     fn = _erf_exact()
     return lambda x: np.asarray(fn(x), dtype=dtype)
+
+
+def _gelu_erf_f32(half: np.float32, inv_sqrt2: np.float32) -> Kernel:
+    """float32 erf GELU in three buffers: the scaled input is clipped in place for the erf."""
+
+    def run(x):
+        t = np.multiply(x, inv_sqrt2)
+        p = _erf_f32_of_clipped(np.clip(t, *_ERF_CLIP, out=t))
+        p += 1
+        p *= x
+        p *= half
+        return p
+
+    return run
 
 
 @register("Erf", 9, 13)
@@ -837,6 +866,8 @@ def gelu(ctx: KernelContext):
 
             return run
         inv_sqrt2 = dtype.type(1 / math.sqrt(2))
+        if dtype == np.float32:
+            return _gelu_erf_f32(half, inv_sqrt2)
         erf_fn = _erf(dtype)
 
         def run_erf(x):

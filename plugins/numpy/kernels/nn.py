@@ -14,7 +14,9 @@ block. A request then takes one of these paths (chosen once per input shape):
   column row is ONE contiguous run; the runs are copied into a column buffer (long memcpys)
   and one matmul covers all groups and batch items;
 * im2col (1-D/3-D, and 2-D maps so narrow that wide rows would waste GEMM work): a
-  stride-tricks window view copied into one contiguous column buffer, then one matmul.
+  stride-tricks window view copied into one contiguous column buffer, then one matmul;
+* Winograd F(2x2, 3x3) (3x3 stride-1 float32 convs with constant weights, wide enough to pay,
+  chosen at load time): 2.25x fewer multiplications, see :class:`Winograd`.
 
 The taps and wide paths compute a few junk columns per output row (padded width minus output
 width) that are dropped while the bias is added. Depthwise convs sum the kernel taps over the
@@ -29,7 +31,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -493,11 +494,13 @@ _WG_AT = np.array([[1, 1, 1, 0], [0, 1, -1, -1]], np.float64)
 # channels at once (on both cores) instead of dozens of strided numpy passes.
 _WG_IN = np.kron(_WG_BT, _WG_BT).astype(np.float32)  # (16, 16)
 _WG_OUT = np.kron(_WG_AT, _WG_AT).astype(np.float32)  # (4, 16)
-#: Below this many input and output channels the tile transforms cost more than the 2.25x
-#: fewer multiplications save (measured: 64 channels at 56x56 is slower, 128 at 28x28 faster).
+#: Below this many input and output channels the tile transforms and their memory traffic
+#: cost about what the 2.25x fewer multiplications save. Measured inside ResNet-18 (per-node
+#: best of 40, direct -> Winograd): 64 ch at 56x56 1.25 -> 1.28 ms, 128 ch at 28x28
+#: 1.24 -> 1.04 ms, 256 ch at 14x14 1.32 -> 0.99 ms.
 _WG_MIN_CHANNELS = 128
-#: With fewer tiles than this (7x7 maps: 16) the 16 GEMMs are too thin for BLAS to run fast,
-#: and one direct GEMM wins.
+#: With fewer tiles than this (7x7 maps: 16) the 16 GEMMs are too thin for BLAS to run well
+#: and the gain is within noise (512 ch at 7x7: 1.57 -> 1.52 ms); one direct GEMM serves.
 _WG_MIN_TILES = 32
 
 
@@ -505,9 +508,10 @@ def winograd_weights(spec: ConvSpec, w: np.ndarray, groups: int, dtype: np.dtype
     """The Winograd path for a constant-weight conv that qualifies, else None.
 
     Qualifies: float32, 2-D, 3x3, stride 1, no dilation, one group, and wide enough
-    (``_WG_MIN_CHANNELS``) that the GEMM saving outweighs the tile transforms.
+    (``_WG_MIN_CHANNELS``) that the GEMM saving outweighs the tile transforms. Per request,
+    :meth:`Winograd.suits` also asks for enough tiles.
     """
-    if _SGEMM is None or dtype != np.float32 or groups != 1 or w.ndim != 4:
+    if dtype != np.float32 or groups != 1 or w.ndim != 4:
         return None
     if tuple(w.shape[2:]) != (3, 3) or min(w.shape[:2]) < _WG_MIN_CHANNELS:
         return None
@@ -517,12 +521,7 @@ def winograd_weights(spec: ConvSpec, w: np.ndarray, groups: int, dtype: np.dtype
 
 
 class _WinogradPlan:
-    """Per input shape: tile counts, the padded-input view geometry, and per-thread buffers.
-
-    The buffers are kept across requests (one set per thread, since requests may run the same
-    plan at once): fresh multi-megabyte arrays cost page faults on every call here, and the
-    padded input's zero border never changes, so it is written once.
-    """
+    """Per input shape: tile counts, the padded-input view geometry and the work buffers."""
 
     def __init__(self, spec: ConvSpec, shape: tuple, m: int) -> None:
         n, c, h, w = shape
@@ -530,28 +529,20 @@ class _WinogradPlan:
         self.n, self.c, self.m, self.h, self.w, self.oh, self.ow = n, c, m, h, w, oh, ow
         self.th, self.tw = -(-oh // 2), -(-ow // 2)
         self.padded = (n, c, 2 * self.th + 2, 2 * self.tw + 2)
-        self.interior = (slice(None), slice(None), slice(begin[0], begin[0] + h),
-                         slice(begin[1], begin[1] + w))  # fmt: skip
+        rows, cols = slice(begin[0], begin[0] + h), slice(begin[1], begin[1] + w)
+        self.interior = (slice(None), slice(None), rows, cols)
         hp, wp = self.padded[2:]
         item = 4
         self.tile_shape = (4, 4, c, n, self.th, self.tw)
-        self.tile_strides = tuple(
-            v * item for v in (wp, 1, hp * wp, c * hp * wp, 2 * wp, 2)
-        )
-        self.local = threading.local()
+        self.tile_strides = tuple(v * item for v in (wp, 1, hp * wp, c * hp * wp, 2 * wp, 2))
+        tiles = n * self.th * self.tw
+        self.shapes = (self.tile_shape, (16, c, tiles), (16, m, tiles), (4, m * tiles))
 
-    def buffers(self):
-        bufs = getattr(self.local, "bufs", None)
-        if bufs is None:
-            tiles = self.n * self.th * self.tw
-            bufs = self.local.bufs = (
-                np.zeros(self.padded, np.float32),
-                np.empty(self.tile_shape, np.float32),
-                np.empty((16, self.c, tiles), np.float32),
-                np.empty((16, self.m, tiles), np.float32),
-                np.empty((4, self.m * tiles), np.float32),
-            )
-        return bufs
+    def buffers(self) -> tuple[np.ndarray, ...]:
+        """Fresh work buffers. Measured: keeping them across requests (per thread, shared by
+        same-shaped convs or per conv) was no faster inside ResNet-18 (glibc reuses the freed
+        blocks), and per-conv buffers were slower (a larger working set for the caches)."""
+        return (np.zeros(self.padded, np.float32), *(np.empty(s, np.float32) for s in self.shapes))
 
 
 class Winograd:
@@ -575,7 +566,7 @@ class Winograd:
         if plan is None:
             plan = self.plans[x.shape] = _WinogradPlan(spec, x.shape, self.m)
         xp, d, v, prod, y = plan.buffers()
-        n, c, m, th, tw = plan.n, plan.c, self.m, plan.th, plan.tw
+        n, m, th, tw = plan.n, self.m, plan.th, plan.tw
         xp[plan.interior] = x
         np.copyto(d, as_strided(xp, plan.tile_shape, plan.tile_strides, writeable=False))
         np.matmul(_WG_IN, d.reshape(16, -1), out=v.reshape(16, -1))
@@ -890,6 +881,55 @@ def _pool_reduce(spec: ConvSpec, x: np.ndarray, kernel: tuple, init, combine) ->
     return y
 
 
+def _axis_taps(size: int, out: int, begin: int, k: int, stride: int, dil: int):
+    """For one axis of a pool: per kernel offset, the outputs ``[lo, hi)`` it reaches inside
+    the data and the input slice they read; plus the index of an offset covering all outputs
+    (None if none does)."""
+    taps = []
+    for t in range(k):
+        first = t * dil - begin  # the input index output 0 reads at this offset
+        lo = max(0, -(first // stride))
+        hi = min(out, (size - 1 - first) // stride + 1)
+        if hi > lo:
+            taps.append((lo, hi, slice(first + lo * stride, first + (hi - 1) * stride + 1, stride)))
+    cover = next((i for i, (lo, hi, _) in enumerate(taps) if (lo, hi) == (0, out)), None)
+    return taps, cover
+
+
+def _separable_max_plan(spec: ConvSpec, shape: tuple, kernel: tuple):
+    """Per spatial axis, the taps of :func:`_axis_taps`, or None when an axis has no covering
+    offset. Cached per shape. Outer axes go first: their passes read whole contiguous rows,
+    and the strided innermost axis is then reduced on the already smaller array."""
+    key = ("separable", shape, kernel)
+    if key not in spec.plans:
+        out, begin, _, strides, dil = spec.resolve(shape[2:], kernel)
+        axes = []
+        for axis in range(len(kernel)):
+            args = (shape[2 + axis], out[axis], begin[axis], kernel[axis])
+            taps, cover = _axis_taps(*args, strides[axis], dil[axis])
+            if cover is None:
+                axes = None
+                break
+            axes.append((2 + axis, taps, cover))
+        spec.plans[key] = axes
+    return spec.plans[key]
+
+
+def _separable_max(x: np.ndarray, axes) -> np.ndarray:
+    """Max pooling one axis at a time: a k x k window costs 2(k - 1) passes, not k^2 - 1 (the
+    3x3 stride-2 pool after ResNet's stem: 0.39 ms instead of 0.56). Windows are clipped to
+    the data, which is what padding with -inf means for a max."""
+    for axis, taps, cover in axes:
+        pre = (slice(None),) * axis
+        y = x[(*pre, taps[cover][2])].copy()
+        for i, (lo, hi, src) in enumerate(taps):
+            if i != cover:
+                dst = y[(*pre, slice(lo, hi))]
+                np.maximum(dst, x[(*pre, src)], out=dst)
+        x = y
+    return x
+
+
 @register("MaxPool", 1, 8, 10, 11, 12, 22, multi_output=True)
 def max_pool(ctx: KernelContext):
     """MaxPool; the Indices output (flat index into the input, row- or column-major spatial
@@ -905,6 +945,9 @@ def max_pool(ctx: KernelContext):
 
     def run(x):
         if not want_indices:
+            axes = _separable_max_plan(spec, x.shape, kernel) if x.ndim > 2 else None
+            if axes:
+                return (_separable_max(x, axes),)
             return (_pool_reduce(spec, x, kernel, fill_value(x.dtype), np.maximum),)
         xp, out, begin, _, strides, dil = _pool_setup(spec, x, kernel, fill_value(x.dtype))
         taps = _tap_views(xp, kernel, out, strides, dil)
