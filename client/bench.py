@@ -183,6 +183,9 @@ class KserveRunner(Runner):
         inputs: Mapping[str, np.ndarray],
         version: int = 0,
         timeout: float = 600.0,
+        token: str | None = None,
+        tls_ca: str | None = None,
+        tls: bool = False,
     ) -> None:
         try:
             import tritonclient.grpc as tc
@@ -191,7 +194,10 @@ class KserveRunner(Runner):
             raise SystemExit(
                 f"plugserve bench: --protocol kserve needs tritonclient[grpc] ({exc})"
             ) from None
-        self.client = tc.InferenceServerClient(target)
+        self.client = tc.InferenceServerClient(
+            target, ssl=bool(tls or tls_ca), root_certificates=tls_ca
+        )
+        self.headers = {"authorization": f"Bearer {token}"} if token else None
         self.network = network
         self.version = str(version) if version else ""
         self.timeout = timeout
@@ -204,7 +210,11 @@ class KserveRunner(Runner):
 
     def call(self) -> None:
         self.client.infer(
-            self.network, self.inputs, model_version=self.version, client_timeout=self.timeout
+            self.network,
+            self.inputs,
+            model_version=self.version,
+            client_timeout=self.timeout,
+            headers=self.headers,
         )
 
     def submit(self, done: Done) -> None:
@@ -217,6 +227,7 @@ class KserveRunner(Runner):
             finished,
             model_version=self.version,
             client_timeout=self.timeout,
+            headers=self.headers,
         )
 
     def close(self) -> None:
@@ -570,10 +581,16 @@ def _server_specs(client: Any, args: argparse.Namespace) -> list[tuple[str, Any,
         import tritonclient.grpc as tc
         from tritonclient.utils import InferenceServerException, triton_to_np_dtype
 
-        kclient = tc.InferenceServerClient(args.target)
+        kclient = tc.InferenceServerClient(
+            args.target, ssl=bool(args.tls or args.tls_ca), root_certificates=args.tls_ca
+        )
+        headers = {"authorization": f"Bearer {args.token}"} if args.token else None
         try:
             meta = kclient.get_model_metadata(
-                args.model, str(args.version) if args.version else "", client_timeout=args.timeout
+                args.model,
+                str(args.version) if args.version else "",
+                headers=headers,
+                client_timeout=args.timeout,
             )
         except InferenceServerException as exc:
             raise SystemExit(f"plugserve bench: {args.target}: {exc.message()}") from None
@@ -629,7 +646,10 @@ def bench(client: Any, args: argparse.Namespace) -> int:
         specs = _server_specs(client, args)
         inputs = make_inputs(specs, args.batch, args.input, args.seed)
         if args.protocol == "kserve":
-            runner = KserveRunner(args.target, args.model, inputs, args.version, args.timeout)
+            runner = KserveRunner(
+                args.target, args.model, inputs, args.version, args.timeout,
+                token=args.token, tls_ca=args.tls_ca, tls=args.tls,
+            )  # fmt: skip
         else:
             runner = PlugserveRunner(
                 args.target, args.model, inputs, args.version, args.timeout, client=client

@@ -180,17 +180,24 @@ class Core:
         cache_dir = str(full.get("CACHE_DIR")) if "CACHE_DIR" in full else ""
         if not cache_dir:
             return plugin.load_network(model, merged)
-        path = Path(cache_dir) / f"{self._cache_key(model, plugin, full)}.blob"
+        key = self._cache_key(model, plugin, full)
+        path = Path(cache_dir) / f"{key}.blob"
+        # Each entry starts with its own key, so a file copied or renamed into place (another
+        # network's export under this name) is recompiled rather than served.
+        stamp = f"plugserve-cache {key}\n".encode()
         if path.is_file():
             try:
-                network = plugin.import_network(path.read_bytes(), merged)
+                data = path.read_bytes()
+                if not data.startswith(stamp):
+                    raise InvalidArgument("the entry was not written for this model and config")
+                network = plugin.import_network(data[len(stamp) :], merged)
                 network.loaded_from_cache = True
                 return network
             except PlugserveError as exc:
                 log.warning("cache entry %s is unusable (%s); recompiling", path, exc)
         network = plugin.load_network(model, merged)
         try:
-            _write_atomically(path, network.export())
+            _write_atomically(path, stamp + network.export())
         except OSError as exc:
             log.warning("could not write cache entry %s: %s", path, exc)
         return network

@@ -247,7 +247,7 @@ def test_kserve_duplicate_input_and_raw_count(client, triton, server):
     still_serving(client, triton)
 
 
-def test_unknown_model_version_device(client, triton):
+def test_unknown_model_version_device(client, triton, server):
     feeds = {"a": A, "b": B}
     with pytest.raises(grpc.RpcError) as info:
         client.infer("nope", feeds)
@@ -270,6 +270,13 @@ def test_unknown_model_version_device(client, triton):
     with pytest.raises(InferenceServerException) as info:
         triton.load_model("not_in_repository")
     assert info.value.status() == str(NOT_FOUND) and "'not_in_repository'" in info.value.message()
+    folder = Path(server.repository) / "on_gpu"  # a repository model naming an unknown device
+    (folder / "1").mkdir(parents=True, exist_ok=True)
+    (folder / "1" / "model.onnx").write_bytes(mlp().SerializeToString())
+    (folder / "config.json").write_text(json.dumps({"device": "GPU"}))
+    with pytest.raises(InferenceServerException) as info:
+        triton.load_model("on_gpu")
+    assert info.value.status() == str(NOT_FOUND) and "unknown device 'GPU'" in info.value.message()
     still_serving(client, triton)
 
 

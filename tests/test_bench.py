@@ -185,3 +185,25 @@ def test_bad_arguments(model_file):
     assert "--iterations" in result.stderr
     result = bench("--inprocess", str(model_file), "--iterations", "2", "--time", "1")
     assert result.returncode == 2  # argparse: not both
+
+
+def test_plot_without_matplotlib(model_file, tmp_path):
+    """Without matplotlib the run still reports; the plot is skipped with a clear message."""
+    import os
+
+    shadow = tmp_path / "shadow" / "matplotlib"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('no matplotlib here')\n")
+    png = tmp_path / "plot.png"
+    result = subprocess.run(
+        [sys.executable, "-m", "plugserve.server.cli", "bench", "--inprocess", str(model_file),
+         "--iterations", "5", "--plot", str(png)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(shadow.parent)},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "matplotlib is not installed" in result.stderr
+    assert "p50" in result.stdout
+    assert not png.exists()

@@ -171,3 +171,16 @@ def test_a_full_install_has_numpy_ort_and_openvino():
     pytest.importorskip("openvino")
     devices = Core().available_devices
     assert {"NUMPY", "ORT", "OPENVINO", "HETERO", "MULTI", "AUTO", "BATCH"} <= set(devices)
+
+
+def test_a_cache_entry_holding_another_networks_export_is_not_served(tmp_path):
+    from models import mlp
+
+    core = Core()
+    config = {"CACHE_DIR": str(tmp_path)}
+    core.load_network(small_cnn(), "NUMPY", config)
+    (entry,) = tmp_path.iterdir()
+    entry.write_bytes(core.load_network(mlp(), "NUMPY").export())  # valid, but another network
+    again = core.load_network(small_cnn(), "NUMPY", config)
+    assert not again.loaded_from_cache and [i.name for i in again.inputs] == ["x"]
+    assert again.infer({"x": np.zeros((1, 3, 16, 16), np.float32)})["probs"].shape == (1, 10)

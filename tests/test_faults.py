@@ -139,7 +139,7 @@ def test_a_raising_kernel_fails_only_its_request(faulty):
             )
             np.testing.assert_array_equal(client.infer("custom", {"x": good})["y"], want)
         # concurrently too: each request gets its own outcome
-        with ThreadPoolExecutor(4) as pool:
+        with ThreadPoolExecutor(2) as pool:  # never more than the queue (2) holds
             jobs = [
                 pool.submit(client.infer, "custom", {"x": bad if i % 2 else good}) for i in range(8)
             ]
@@ -209,8 +209,9 @@ def test_a_slow_device_cannot_stall_the_others(faulty):
         (faulty.gates.folder / "load").unlink()  # the next load on GATED hangs
         try:
             feeds = {"a": np.ones(2, np.float32), "b": np.ones(2, np.float32)}
-            stuck = [pool.submit(client.infer, name, feeds) for _ in range(3)]
+            stuck = [pool.submit(client.infer, name, feeds)]
             assert wait_for(lambda: gauge(faulty, "plugserve_busy_streams", "GATED") == 1)
+            stuck += [pool.submit(client.infer, name, feeds) for _ in range(2)]
             assert wait_for(lambda: gauge(faulty, "plugserve_queue_depth", "GATED") == 2)
             hanging = pool.submit(client.load, "stuck_load", add_model_bytes(), "GATED")
             assert not hanging.done()

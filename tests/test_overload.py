@@ -64,7 +64,7 @@ def feeds(i: int) -> dict[str, np.ndarray]:
 def test_four_times_capacity_admitted_get_their_own_result_others_exhausted(crowded):
     name = "over_a"
     n = 4 * CAPACITY
-    start = threading.Barrier(n)
+    start = threading.Barrier(n - STREAMS)  # the flood, once the streams are taken
     with (
         Client(crowded.target, timeout=60) as client,
         tc.InferenceServerClient(crowded.target) as triton,
@@ -72,19 +72,25 @@ def test_four_times_capacity_admitted_get_their_own_result_others_exhausted(crow
         client.load(name, add_model_bytes(), device="GATED")
 
         def ours(i: int):
-            start.wait()
+            if i >= STREAMS:
+                start.wait()
             return client.infer(name, feeds(i))["sum"]
 
         def theirs(i: int):
             inputs = [tc.InferInput("a", [3], "FP32"), tc.InferInput("b", [3], "FP32")]
             inputs[0].set_data_from_numpy(feeds(i)["a"])
             inputs[1].set_data_from_numpy(feeds(i)["b"])
-            start.wait()
+            if i >= STREAMS:
+                start.wait()
             return triton.infer(name, inputs, client_timeout=60).as_numpy("sum")
 
         with ThreadPoolExecutor(n) as pool:
             try:
-                futures = [pool.submit(ours if i % 2 else theirs, i) for i in range(n)]
+                # The first requests take the streams (and wait there on the closed gate), so
+                # the queue's places are all that is left for the flood: admission is exact.
+                futures = [pool.submit(ours if i % 2 else theirs, i) for i in range(STREAMS)]
+                assert wait_for(lambda: busy(crowded) == STREAMS)
+                futures += [pool.submit(ours if i % 2 else theirs, i) for i in range(STREAMS, n)]
                 # The gate is closed: admitted requests stay admitted, so the others must be
                 # refused; wait until every refusal came back and the streams and queue are full.
                 assert wait_for(

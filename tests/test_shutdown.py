@@ -93,10 +93,11 @@ def test_signal_drains_admitted_and_queued_requests_then_exits_0(site, tmp_path,
                 )
                 for i in range(1 + QUEUE)
             ]
-            for thread in threads:
+            threads[0].start()  # takes the stream, so the others certainly fit in the queue
+            assert wait_for(lambda: gauge(running, "plugserve_busy_streams", "GATED") == 1)
+            for thread in threads[1:]:
                 thread.start()
             assert wait_for(lambda: gauge(running, "plugserve_queue_depth", "GATED") == QUEUE)
-            assert gauge(running, "plugserve_busy_streams", "GATED") == 1
             running.signal(signum)
             assert wait_for(lambda: health(running) == NOT_SERVING), running.log
             # new requests, loads and KServe calls are refused while the admitted ones wait

@@ -252,3 +252,76 @@ def wait_until(predicate: Callable[[], bool], timeout: float) -> bool:
             return True
         time.sleep(0.1)
     return False
+
+
+# --------------------------------------------------------------------------- worker processes
+
+
+def _build_runner(spec: Mapping[str, Any]) -> Runner:
+    x = {"input": np.random.default_rng(0).normal(size=spec["shape"]).astype(np.float32)}
+    kind = spec["kind"]
+    if kind == "onnxruntime":
+        return OrtSession(spec["model"], x)
+    if kind == "openvino":
+        return OvCompiled(spec["model"], x)
+    from plugserve.server.bench_inprocess import InprocessRunner, load
+
+    network = load(spec["model"], spec["device"], spec.get("config") or {})
+    return InprocessRunner(network, x, spec.get("nireq", 1))
+
+
+def _worker(conn: Any, spec: Mapping[str, Any]) -> None:
+    try:
+        runner = _build_runner(spec)
+    except BaseException as exc:
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(("ready", ""))
+    while True:
+        command = conn.recv()
+        if command is None:
+            break
+        seconds, mode, concurrency, batch = command
+        try:
+            conn.send(("ok", block(runner, seconds, mode, concurrency, batch)()))
+        except Exception as exc:
+            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+    runner.close()
+
+
+class Worker:
+    """An in-process backend in a process of its own (its thread pools, BLAS threads and
+    allocator undisturbed by the other backends'), as a user running one backend has it.
+    ``spec``: kind (inprocess, onnxruntime, openvino), model, shape, device, config, nireq."""
+
+    def __init__(self, spec: Mapping[str, Any]) -> None:
+        import multiprocessing
+
+        context = multiprocessing.get_context("spawn")
+        self.conn, child = context.Pipe()
+        self.process = context.Process(target=_worker, args=(child, dict(spec)), daemon=True)
+        self.process.start()
+        status, message = self.conn.recv()
+        if status != "ready":
+            self.close()
+            raise RuntimeError(f"{spec.get('kind')} {spec.get('device', '')}: {message}")
+
+    def block(
+        self, seconds: float, mode: str = "sync", concurrency: int = 1, batch: int = 1
+    ) -> Callable[[], dict[str, Any]]:
+        def run() -> dict[str, Any]:
+            self.conn.send((seconds, mode, concurrency, batch))
+            status, value = self.conn.recv()
+            if status != "ok":
+                raise RuntimeError(value)
+            return value
+
+        return run
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError, BrokenPipeError):
+            self.conn.send(None)
+        self.process.join(10)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)

@@ -32,11 +32,10 @@ from typing import Any
 import harness  # sets sys.path for the imports below
 import numpy as np
 import zoo
-from harness import CORES, EchoRunner, OrtSession, OvCompiled, block, interleave, median_of
+from harness import CORES, EchoRunner, Worker, block, interleave, median_of
 
 from plugserve.client.bench import KserveRunner, PlugserveRunner
 from plugserve.client.client import Client, infer_request
-from plugserve.server.bench_inprocess import InprocessRunner, load
 
 PROFILES = {
     "smoke": {"seconds": 0.15, "rounds": 2, "partition_repeat": 1},
@@ -46,6 +45,7 @@ PROFILES = {
 DEVICES = ("NUMPY", "ORT", "OPENVINO")
 DEVICE_CONFIG = {"OPENVINO": {"INFERENCE_PRECISION_HINT": "f32"}}
 TPUT = {"PERFORMANCE_HINT": "THROUGHPUT"}
+LATENCY = {"PERFORMANCE_HINT": "LATENCY"}
 
 
 def log(message: str) -> None:
@@ -124,18 +124,19 @@ def latency_in_process(
     for model in models:
         for batch in batches:
             log(f"(1) latency {model} batch {batch}")
-            x = inputs_for(model, batch)
             runners: dict[str, Any] = {}
             for backend in backends:
-                if backend == "onnxruntime":
-                    runners[backend] = OrtSession(paths[model], x)
-                elif backend == "openvino":
-                    runners[backend] = OvCompiled(paths[model], x)
-                else:
-                    network = load(paths[model], backend, DEVICE_CONFIG.get(backend, {}))
-                    runners[backend] = InprocessRunner(network, x)
+                runners[backend] = Worker(
+                    {
+                        "kind": backend if backend in ("onnxruntime", "openvino") else "inprocess",
+                        "model": paths[model],
+                        "shape": zoo.input_shape(model, batch),
+                        "device": backend,
+                        "config": DEVICE_CONFIG.get(backend, {}),
+                    }
+                )
             blocks = interleave(
-                {b: block(r, p["seconds"], batch=batch) for b, r in runners.items()},
+                {b: r.block(p["seconds"], batch=batch) for b, r in runners.items()},
                 p["rounds"],
                 log,
             )
@@ -173,9 +174,17 @@ class Server:
         from serving import RunningServer
 
         self.repo = Path(tempfile.mkdtemp(prefix="plugserve-bench-repo-"))
-        self.running = RunningServer("--model-repository", str(self.repo))
+        self.running = RunningServer(
+            # 64 clients at once on a 1-stream device: room for them all in its queue
+            "--model-repository", str(self.repo), "--queue-size", "256"
+        )  # fmt: skip
         self.running.start()
         self.client = Client(self.running.target, timeout=600)
+        # The server sizes each device's streams from the device's configuration (a network's
+        # own PERFORMANCE_HINT does not change how many of its requests run at once), so the
+        # devices get THROUGHPUT here: one stream per core, as in-process in section (2).
+        for device in DEVICES:
+            self.client.set_config(TPUT, device)
 
     @property
     def target(self) -> str:
@@ -211,20 +220,23 @@ def throughput(results: Results, server: Server, paths: dict[str, str], p: dict)
         opened = []
         for device in DEVICES:
             config = DEVICE_CONFIG.get(device, {})
-            server.load(f"{model}_{device}_lat", paths[model], device, config)
+            server.load(f"{model}_{device}_lat", paths[model], device, {**config, **LATENCY})
             server.load(f"{model}_{device}_tput", paths[model], device, {**config, **TPUT})
-            lat = InprocessRunner(load(paths[model], device, config), x)
-            tput = InprocessRunner(load(paths[model], device, {**config, **TPUT}), x, inflight)
+            spec = {"kind": "inprocess", "model": paths[model], "shape": zoo.input_shape(model)}
+            lat = Worker({**spec, "device": device, "config": config})
+            tput = Worker(
+                {**spec, "device": device, "config": {**config, **TPUT}, "nireq": inflight}
+            )
             ours_lat = PlugserveRunner(server.target, f"{model}_{device}_lat", x)
             ours_tput = PlugserveRunner(server.target, f"{model}_{device}_tput", x)
             k_lat = KserveRunner(server.target, f"{model}_{device}_lat", x)
             k_tput = KserveRunner(server.target, f"{model}_{device}_tput", x)
             opened += [lat, tput, ours_lat, ours_tput, k_lat, k_tput]
             s = p["seconds"]
-            cases[f"{device}/inproc/c1"] = block(lat, s)
+            cases[f"{device}/inproc/c1"] = lat.block(s)
             cases[f"{device}/plugserve/c1"] = block(ours_lat, s)
             cases[f"{device}/kserve/c1"] = block(k_lat, s)
-            cases[f"{device}/inproc/tput"] = block(tput, s, "async", inflight)
+            cases[f"{device}/inproc/tput"] = tput.block(s, "async", inflight)
             cases[f"{device}/plugserve/tput"] = block(ours_tput, s, "async", inflight)
             cases[f"{device}/kserve/tput"] = block(k_tput, s, "async", inflight)
         blocks = interleave(cases, p["rounds"], log)
@@ -313,10 +325,16 @@ def overhead(results: Results, server: Server, paths: dict[str, str], p: dict, s
 def batching(results: Results, server: Server, paths: dict[str, str], p: dict) -> None:
     log("(4) BATCH vs unbatched, MLP, 64 in flight")
     x = inputs_for("mlp")
+    spec = {
+        "kind": "inprocess",
+        "model": paths["mlp"],
+        "shape": zoo.input_shape("mlp"),
+        "nireq": 64,
+    }
     inproc = {
-        "ORT": InprocessRunner(load(paths["mlp"], "ORT"), x, 64),
-        "ORT THROUGHPUT": InprocessRunner(load(paths["mlp"], "ORT", TPUT), x, 64),
-        "BATCH:ORT(8)": InprocessRunner(load(paths["mlp"], "BATCH:ORT(8)"), x, 64),
+        "ORT": Worker({**spec, "device": "ORT"}),
+        "ORT THROUGHPUT": Worker({**spec, "device": "ORT", "config": TPUT}),
+        "BATCH:ORT(8)": Worker({**spec, "device": "BATCH:ORT(8)"}),
     }
     server.load("mlp_ORT", paths["mlp"], "ORT")
     server.load("mlp_ORT_tput", paths["mlp"], "ORT", TPUT)
@@ -326,10 +344,10 @@ def batching(results: Results, server: Server, paths: dict[str, str], p: dict) -
         "server ORT THROUGHPUT": PlugserveRunner(server.target, "mlp_ORT_tput", x),
         "server BATCH:ORT(8)": PlugserveRunner(server.target, "mlp_BATCH", x),
     }
-    runners = {**inproc, **remote}
-    blocks = interleave(
-        {n: block(r, p["seconds"], "async", 64) for n, r in runners.items()}, p["rounds"], log
-    )
+    runners: dict[str, Any] = {**inproc, **remote}
+    cases = {n: w.block(p["seconds"], "async", 64) for n, w in inproc.items()}
+    cases |= {n: block(r, p["seconds"], "async", 64) for n, r in remote.items()}
+    blocks = interleave(cases, p["rounds"], log)
     rows = results.section(
         "BATCH vs no batching: MLP 784-1024-1024-1024-10, batch-1 requests, 64 in flight",
         ["case", "requests/s", "p50 ms", "p99 ms"],
@@ -441,8 +459,9 @@ def versus_mlserver(
     import bench_mlserver
 
     log("(7) plugserve vs MLServer")
-    server.load("identity_ORT", paths["identity"], "ORT")
-    server.load("resnet18_ORT", paths["resnet18"], "ORT")
+    # one session on all cores, as MLServer's runtime has
+    server.load("identity_ORT", paths["identity"], "ORT", LATENCY)
+    server.load("resnet18_ORT", paths["resnet18"], "ORT", LATENCY)
     figures = bench_mlserver.compare(
         server.target,
         {"identity": "identity_ORT", "resnet18": "resnet18_ORT"},
@@ -540,10 +559,18 @@ def main(argv: list[str] | None = None) -> int:
             server = Server()
         return server
 
+    failed: list[str] = []
     try:
         for name, run in step:
             if name in sections:
-                run()
+                try:
+                    run()
+                except Exception as exc:  # report it and go on with the other sections
+                    log(f"section {name} failed: {type(exc).__name__}: {exc}")
+                    results.section(f"{name}: FAILED", ["error"]).append(
+                        [f"{type(exc).__name__}: {exc}".replace("|", "/").replace("\n", " ")]
+                    )
+                    failed.append(name)
     finally:
         if server is not None:
             server.close()
@@ -553,6 +580,7 @@ def main(argv: list[str] | None = None) -> int:
         f"run_all.py --{profile}: {elapsed:.0f} s; blocks of {p['seconds']} s x {p['rounds']} "
         "rounds, medians over blocks",
         f"load average (1, 5, 15 min): start {load_start}, end {load_end}",
+        "machine: " + ", ".join(f"{k} {v}" for k, v in harness.machine().items()),
         "",
     ]
     text = "\n".join(header) + results.markdown()
@@ -575,7 +603,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             + "\n"
         )
-    return 0
+    return 1 if failed else 0  # a section that cannot run is a bug; slow numbers are not
 
 
 if __name__ == "__main__":
