@@ -17,7 +17,7 @@ PLUGSERVE = shutil.which("plugserve")
 pytestmark = pytest.mark.skipif(PLUGSERVE is None, reason="the plugserve script is not on PATH")
 
 VERBS = ["serve", "conformance", "devices", "metric", "config", "load", "unload", "list"]
-VERBS += ["query", "infer", "export", "import"]
+VERBS += ["query", "infer", "export", "import", "bench"]
 
 
 def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:

@@ -117,7 +117,11 @@ def client_loop(k: int, target: str, end: float, rec: Recorder) -> None:
                         (f"{k}-{step}-{i}", "add", {"a": p[0], "b": p[1]})
                         for i, p in enumerate(pairs)
                     ]
-                    got = {rid: out for rid, out, _ in client.infer_stream(sent, timeout=60)}
+                    got = {}
+                    for rid, out, message in client.infer_stream(sent, timeout=60):
+                        if not isinstance(out, dict):  # an error status for this request
+                            raise grpc.RpcError(f"{out.name}: {message}")
+                        got[rid] = out
                     for rid, _, feeds in sent:
                         assert np.array_equal(got[rid]["sum"], feeds["a"] + feeds["b"]), rid
                 elif kind == "meta":
@@ -152,7 +156,10 @@ def main(argv: list[str] | None = None) -> int:
     rec = Recorder()
     with tempfile.TemporaryDirectory() as tmp:
         repo = examples_repository(Path(tmp))
-        running = RunningServer("--model-repository", str(repo), *args.server_args)
+        # The queue holds every request the clients can have in flight (each at most 4, on a
+        # stream), so errors mean faults, not the overload refusals tests/test_overload.py covers.
+        queue = ["--queue-size", str(max(64, 8 * args.clients))]
+        running = RunningServer("--model-repository", str(repo), *queue, *args.server_args)
         running.start()
         try:
             pid = running.process.pid
