@@ -83,6 +83,8 @@ class LoadedNetwork:
         self.persisted = persisted
         self.max_batch_size = max_batch_size
         self.stats = Stats()
+        #: The streams this network's requests run on (set by the data plane when it loads it).
+        self.executor: StreamsExecutor | None = None
         self._requests: list[InferRequest | None] = [None] * streams
         self.perf_enabled = bool(_safe_config(network, "PERF_COUNT"))
         self.perf_totals: dict[str, list[Any]] = {}
@@ -155,16 +157,19 @@ class DataPlane:
 
     # --- executors
 
-    def executor(self, device: str) -> StreamsExecutor:
-        """The device's streams (created on first use from the device's configuration)."""
+    def executor(self, device: str, config: Mapping[str, str] | None = None) -> StreamsExecutor:
+        """Streams for a device, as many as its configuration asks, overridden by a network's
+        own ``config`` (NUM_STREAMS, PERFORMANCE_HINT): networks of one device that ask for the
+        same number share one executor, so a THROUGHPUT network is not run one at a time."""
         kind = str(parse_device(device))
+        streams = self.core.device_config(kind, config).streams()
+        key = f"{kind}/{streams}"
         with self._lock:
-            executor = self._executors.get(kind)
+            executor = self._executors.get(key)
             if executor is None:
-                streams = self.core.device_config(kind).streams()
                 queue = self.queue_size or 16 * streams
                 executor = StreamsExecutor(kind, streams, queue, state_factory=lambda i: i)
-                self._executors[kind] = executor
+                self._executors[key] = executor
             return executor
 
     def _executor_gauges(self) -> list[tuple[str, int, int, int, int]]:
@@ -173,15 +178,18 @@ class DataPlane:
             for versions in self._networks.values():
                 for net in versions.values():
                     counts[net.device] = counts.get(net.device, 0) + 1
+            per_device: dict[str, list[StreamsExecutor]] = {}
+            for ex in self._executors.values():
+                per_device.setdefault(ex.name, []).append(ex)
             rows = []
-            for kind in sorted(set(self._executors) | set(counts)):
-                ex = self._executors.get(kind)
+            for kind in sorted(set(per_device) | set(counts)):
+                group = per_device.get(kind, [])
                 rows.append(
                     (
                         kind,
-                        ex.pending if ex else 0,
-                        ex.busy if ex else 0,
-                        ex.streams if ex else 0,
+                        sum(ex.pending for ex in group),
+                        sum(ex.busy for ex in group),
+                        sum(ex.streams for ex in group),
                         counts.get(kind, 0),
                     )
                 )
@@ -232,7 +240,7 @@ class DataPlane:
             self._check_network_count(name, version, len(self._loading))
             self._loading.add((name, version))
         try:
-            executor = self.executor(device)
+            executor = self.executor(device, config)
             network = self._compile(name, model, device, config)
             if persist:
                 self.repository.persist(name, version, model, device, config)
@@ -245,6 +253,7 @@ class DataPlane:
                 max_batch_size,
                 executor.streams,
             )
+            entry.executor = executor
             network.name = name
             with self._lock:
                 self._networks.setdefault(name, {})[version] = entry
@@ -362,7 +371,7 @@ class DataPlane:
         except PlugserveError:
             self.metrics.observe(entry.device, entry.name, entry.version, "invalid")
             raise
-        executor = self.executor(entry.device)
+        executor = entry.executor
         admitted = time.perf_counter()
         feeds = {spec.name: a for spec, a in zip(entry.network.inputs, arrays)}
 
@@ -517,7 +526,7 @@ class DataPlane:
         device = device or self.default_device
         with self._lock:
             self._check_network_count(name, 0, len(self._loading))
-        self.executor(device)
+        executor = self.executor(device, config)
         network = self.core.import_network(blob, device, config)
         with self._lock:
             version = max(self._networks.get(name, {}), default=0) + 1
@@ -529,8 +538,9 @@ class DataPlane:
                 network,
                 False,
                 0,
-                self.executor(device).streams,
+                executor.streams,
             )
+            entry.executor = executor
             network.name = name
             self._networks.setdefault(name, {})[version] = entry
         return entry

@@ -90,7 +90,7 @@ class PlugserveServicer(pb_grpc.PlugserveServicer):
                 value = entry.network.get_metric(request.name)
                 if request.name == "OPTIMAL_NUMBER_OF_INFER_REQUESTS":
                     # served networks run on their device's executor: that is what they can use
-                    value = self.plane.executor(entry.device).streams
+                    value = entry.executor.streams
             else:
                 value = self.plane.core.get_metric(request.device, request.name)
             return pb.GetMetricResponse(value_json=_json(value))

@@ -141,3 +141,15 @@ def test_infer_stream_pairs_responses_by_id(client):
     for rid, _, inputs in requests[:-1]:
         assert np.array_equal(results[rid][0]["sum"], inputs["a"] + inputs["b"])
     assert results["bad"][0] == grpc.StatusCode.NOT_FOUND
+
+
+def test_a_network_gets_the_streams_its_config_asks_for(client):
+    """NUM_STREAMS or PERFORMANCE_HINT given at load is honoured, not only the device's."""
+    client.load("wide", mlp().SerializeToString(), config={"NUM_STREAMS": "2"})
+    try:
+        assert client.get_metric("", "OPTIMAL_NUMBER_OF_INFER_REQUESTS", network="wide") == 2
+        assert client.get_metric("", "OPTIMAL_NUMBER_OF_INFER_REQUESTS", network="add") == 1
+        x = np.ones((2, 32), np.float32)
+        assert client.infer("wide", {"x": x})["y"].shape == (2, 10)
+    finally:
+        client.unload("wide")
