@@ -598,6 +598,14 @@ class InferRequest(abc.ABC):
     @abc.abstractmethod
     def get_performance_counts(self) -> list[PerfCount]: ...
 
+    def _require_perf_counts(self) -> None:
+        """Counts exist only for networks loaded with PERF_COUNT=YES; say how to get them."""
+        if not self.network.config.get("PERF_COUNT"):
+            raise FailedPrecondition(
+                f"network {self.network.name}: performance counters are off; "
+                "load it with PERF_COUNT=YES"
+            )
+
 
 def _call_back(callback: Callback, future: Future) -> None:
     error = future.exception()

@@ -9,7 +9,6 @@ import numpy as np
 
 from plugserve.plugins.api import (
     Callback,
-    FailedPrecondition,
     InferRequest,
     InvalidInput,
     PerfCount,
@@ -48,9 +47,5 @@ class BatchInferRequest(InferRequest):
 
     def get_performance_counts(self) -> list[PerfCount]:
         """The device's counts for the last batch this network ran."""
-        if not self.network.config.get("PERF_COUNT"):
-            raise FailedPrecondition(
-                f"network {self.network.name}: performance counters are off; "
-                "load it with PERF_COUNT=YES"
-            )
+        self._require_perf_counts()
         return list(self.network.last_counts)

@@ -10,7 +10,6 @@ import numpy as np
 
 from plugserve.plugins.api import (
     Callback,
-    FailedPrecondition,
     InferRequest,
     PerfCount,
     PlugserveError,
@@ -29,7 +28,6 @@ class HeteroInferRequest(InferRequest):
     def __init__(self, network: HeteroCompiledNetwork) -> None:
         super().__init__(network)
         self._requests = [step.network.create_infer_request() for step in network.steps]
-        self._perf = bool(network.config.get("PERF_COUNT"))
         self._times: list[float] = [0.0] * len(self._requests)
 
     def _run(self, values: dict[str, Any]) -> dict[str, np.ndarray]:
@@ -54,11 +52,7 @@ class HeteroInferRequest(InferRequest):
 
     def get_performance_counts(self) -> list[PerfCount]:
         """Per subgraph (op type ``Subgraph``) and, from each device, per node."""
-        if not self._perf:
-            raise FailedPrecondition(
-                f"network {self.network.name}: performance counters are off; "
-                "load it with PERF_COUNT=YES"
-            )
+        self._require_perf_counts()
         counts: list[PerfCount] = []
         for index, (step, request) in enumerate(zip(self.network.steps, self._requests)):
             counts.append(

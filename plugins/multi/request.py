@@ -17,7 +17,6 @@ from plugserve.plugins.api import (
     Callback,
     Cancelled,
     DeadlineExceeded,
-    FailedPrecondition,
     InferenceError,
     InferRequest,
     InvalidInput,
@@ -111,11 +110,7 @@ class MultiInferRequest(InferRequest):
 
     def get_performance_counts(self) -> list[PerfCount]:
         """The counts of this request's last run, from the device that ran it."""
-        if not self._perf:
-            raise FailedPrecondition(
-                f"network {self.network.name}: performance counters are off; "
-                "load it with PERF_COUNT=YES"
-            )
+        self._require_perf_counts()
         return list(self._counts)
 
 

@@ -9,7 +9,6 @@ import numpy as np
 
 from plugserve.plugins.api import (
     Callback,
-    FailedPrecondition,
     InferRequest,
     PerfCount,
     check_inputs,
@@ -46,9 +45,5 @@ class NumpyInferRequest(InferRequest):
         self._start(inputs, self._arrays, self._run, callback)
 
     def get_performance_counts(self) -> list[PerfCount]:
-        if not self._perf:
-            raise FailedPrecondition(
-                f"network {self.network.name}: performance counters are off; "
-                "load it with PERF_COUNT=YES"
-            )
+        self._require_perf_counts()
         return list(self._counts)

@@ -14,7 +14,6 @@ import numpy as np
 
 from plugserve.plugins.api import (
     Callback,
-    FailedPrecondition,
     InferenceError,
     InferRequest,
     PerfCount,
@@ -36,7 +35,6 @@ class OpenvinoInferRequest(InferRequest):
 
     def __init__(self, network: OpenvinoCompiledNetwork) -> None:
         super().__init__(network)
-        self._perf = bool(network.config.get("PERF_COUNT"))
         self._request = network.compiled.create_infer_request()
         # a weak reference: openvino keeps the callback, which must not keep this request alive
         self._request.set_callback(_on_done, weakref.ref(self))
@@ -140,11 +138,7 @@ class OpenvinoInferRequest(InferRequest):
     # --- profiling
 
     def get_performance_counts(self) -> list[PerfCount]:
-        if not self._perf:
-            raise FailedPrecondition(
-                f"network {self.network.name}: performance counters are off; "
-                "load it with PERF_COUNT=YES"
-            )
+        self._require_perf_counts()
         if not self._ran or self._busy():
             return []
         counts = []

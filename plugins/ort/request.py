@@ -22,7 +22,6 @@ import numpy as np
 
 from plugserve.plugins.api import (
     Callback,
-    FailedPrecondition,
     InferenceError,
     InferRequest,
     PerfCount,
@@ -77,11 +76,7 @@ class OrtInferRequest(InferRequest):
 
     def get_performance_counts(self) -> list[PerfCount]:
         """Per-node timings of the last run (ends this request's profiling session; see above)."""
-        if not self._perf:
-            raise FailedPrecondition(
-                f"network {self.network.name}: performance counters are off; "
-                "load it with PERF_COUNT=YES"
-            )
+        self._require_perf_counts()
         with self._lock:
             if self._profiling is not None and self._ran_since_counts:
                 path = self._profiling.end_profiling()
