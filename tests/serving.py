@@ -6,6 +6,7 @@ import os
 import re
 import signal
 import subprocess
+import tempfile
 import sys
 import threading
 import time
@@ -24,7 +25,9 @@ class RunningServer:
     ) -> None:
         self.args = list(args)
         self.env = {**os.environ, **(env or {})}
-        self.cwd = cwd
+        # A server's relative paths (a client-chosen CACHE_DIR, say) land in a scratch folder,
+        # never in the checkout the tests run from.
+        self.cwd = cwd or tempfile.mkdtemp(prefix="plugserve-server-")
         self.process: subprocess.Popen | None = None
         self.lines: list[str] = []
         self.grpc_port = 0
