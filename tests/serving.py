@@ -6,8 +6,8 @@ import os
 import re
 import signal
 import subprocess
-import tempfile
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
