@@ -27,6 +27,7 @@ from grpc_reflection.v1alpha import reflection
 from plugserve.plugins.api import PlugserveError
 from plugserve.plugins.blob import plugserve_version
 from plugserve.proto import plugserve_pb2, plugserve_pb2_grpc
+from plugserve.server.allocator import reuse_freed_memory
 from plugserve.server.core import Core
 from plugserve.server.dataplane import DataPlane
 from plugserve.server.examples import build_examples, default_examples_dir
@@ -153,6 +154,8 @@ class Server:
 
     def start(self) -> None:
         s = self.settings
+        if reuse_freed_memory(s.malloc_reuse_bytes):
+            log.debug("malloc: freed blocks up to %d bytes are reused", s.malloc_reuse_bytes)
         for info in self.core.devices():
             if info.available:
                 log.info("device %s loaded: %s", info.name, info.full_name)

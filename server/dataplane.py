@@ -362,8 +362,14 @@ class DataPlane:
         inputs: Mapping[str, Any],
         outputs: list[str] | None = None,
         deadline: float | None = None,
+        inline: bool = False,
     ) -> Future:
-        """Queue one inference; the future holds ``{output: array}`` or a typed error."""
+        """Queue one inference; the future holds ``{output: array}`` or a typed error.
+
+        ``inline``: the caller waits for the result anyway (a unary RPC), so when one of the
+        network's streams is idle the inference runs on the caller's thread (see
+        :meth:`StreamsExecutor.run_inline`); the future is then already done.
+        """
         entry = self.get(name, version)
         try:
             arrays = check_inputs(name, entry.network.inputs, inputs)
@@ -418,7 +424,7 @@ class DataPlane:
                 )
             self._inflight += 1
         try:
-            future = executor.submit(run)
+            future = (inline and executor.run_inline(run)) or executor.submit(run)
         except BaseException as exc:
             with self._inflight_lock:
                 self._inflight -= 1
@@ -485,7 +491,7 @@ class DataPlane:
         timeout: float | None = None,
     ) -> dict[str, np.ndarray]:
         deadline = time.monotonic() + timeout if timeout else None
-        return self.submit(name, version, inputs, outputs, deadline).result()
+        return self.submit(name, version, inputs, outputs, deadline, inline=True).result()
 
     # --- the rest of the plugin API
 

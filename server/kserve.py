@@ -391,7 +391,9 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     # --- inference
 
-    def _submit(self, request: pb.ModelInferRequest, context: grpc.ServicerContext):
+    def _submit(
+        self, request: pb.ModelInferRequest, context: grpc.ServicerContext, inline: bool = False
+    ):
         entry = self.plane.get(request.model_name, parse_version(request.model_version))
         future = self.plane.submit(
             entry.name,
@@ -399,13 +401,15 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             request_inputs(request),
             requested_outputs(request),
             _deadline(context),
+            inline,
         )
         return entry, future
 
     def ModelInfer(self, request, context):
         try:
-            entry, future = self._submit(request, context)
-            context.add_callback(future.cancel)
+            entry, future = self._submit(request, context, inline=True)
+            if not future.done():
+                context.add_callback(future.cancel)
             return infer_response(request, entry, future.result())
         except Exception as exc:
             abort(context, exc)

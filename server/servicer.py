@@ -160,10 +160,10 @@ class PlugserveServicer(pb_grpc.PlugserveServicer):
             network_info(response.networks.add(), entry)
         return response
 
-    def _submit(self, request: pb.InferRequest, deadline: float | None):
+    def _submit(self, request: pb.InferRequest, deadline: float | None, inline: bool = False):
         inputs = {t.name: from_tensor(t) for t in request.inputs}
         return self.plane.submit(
-            request.network, request.version, inputs, list(request.outputs), deadline
+            request.network, request.version, inputs, list(request.outputs), deadline, inline
         )
 
     def _response(self, request: pb.InferRequest, outputs: dict) -> pb.InferResponse:
@@ -175,8 +175,9 @@ class PlugserveServicer(pb_grpc.PlugserveServicer):
 
     def Infer(self, request, context):
         try:
-            future = self._submit(request, _deadline(context))
-            context.add_callback(future.cancel)
+            future = self._submit(request, _deadline(context), inline=True)
+            if not future.done():
+                context.add_callback(future.cancel)
             return self._response(request, future.result())
         except Exception as exc:
             abort(context, exc)

@@ -54,6 +54,11 @@ class Settings:
     max_streams_per_connection: int = _field(
         0, "concurrent gRPC streams per client connection (0: gRPC's default)"
     )
+    malloc_reuse_bytes: int = _field(
+        32 << 20,
+        "glibc: freed blocks up to this size are reused, not unmapped and faulted in again "
+        "per request (0: the C library's defaults; at most 32 MiB)",
+    )
 
     def problems(self) -> list[str]:
         """What is out of range, one message per field (empty when all is well)."""
@@ -68,6 +73,7 @@ class Settings:
             ("max_networks", 0, None),
             ("max_model_bytes", 0, None),
             ("max_streams_per_connection", 0, 2**31 - 1),
+            ("malloc_reuse_bytes", 0, 32 << 20),
         ):
             value = getattr(self, name)
             if value != value or value < low or (high is not None and value > high):  # NaN too

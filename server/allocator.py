@@ -1,0 +1,53 @@
+"""glibc malloc tuned for a server whose requests carry megabyte tensors.
+
+By default glibc serves an allocation of 128 KiB or more with fresh ``mmap`` pages and hands
+them back on ``free``, and trims each thread's heap as soon as its top is free. A request here
+allocates several such buffers (the received message, the output array, the serialized reply)
+on whichever gRPC thread runs it, so every request paid one page fault per 4 KiB of each
+buffer, in the kernel: measured on the identity 1x3x224x224 model, 590 minor faults and
+1.8 ms of CPU per request, against 0.57 ms once freed blocks are reused (p50 2.0 -> 0.9 ms).
+
+:func:`reuse_freed_memory` raises both thresholds so blocks up to ``limit`` bytes come from,
+and go back to, malloc's heaps. The cost is that up to about twice ``limit`` of freed memory
+may stay mapped per malloc arena instead of returning to the system at once; RSS still
+follows the real working set, since each arena keeps only blocks its own threads have used.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+
+__all__ = ["GLIBC_MAX_MMAP_THRESHOLD", "reuse_freed_memory"]
+
+log = logging.getLogger("plugserve.server")
+
+#: glibc refuses an mmap threshold above this on 64-bit (HEAP_MAX_SIZE / 2).
+GLIBC_MAX_MMAP_THRESHOLD = 32 << 20
+
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+
+
+def reuse_freed_memory(limit: int) -> bool:
+    """Keep freed blocks up to ``limit`` bytes for reuse; False where this is not glibc or
+    ``limit`` is 0 (the allocator's defaults stay)."""
+    if limit <= 0:
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    except (OSError, TypeError):
+        libc = None
+    # The option numbers below are glibc's; other C libraries (musl, macOS) differ or lack them.
+    if libc is None or not hasattr(libc, "gnu_get_libc_version"):
+        log.debug("malloc tuning skipped: not glibc")
+        return False
+    mallopt = libc.mallopt
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    limit = min(limit, GLIBC_MAX_MMAP_THRESHOLD)
+    ok = mallopt(_M_MMAP_THRESHOLD, limit) == 1 and mallopt(_M_TRIM_THRESHOLD, 2 * limit) == 1
+    if not ok:
+        log.warning("malloc tuning refused by the C library (limit %d bytes)", limit)
+    return ok
