@@ -22,9 +22,12 @@ InvalidInput = TensorFormatError
 
 __all__ = [
     "DTYPES",
+    "Pieces",
     "TensorFormatError",
+    "array_payload",
     "decode_strings",
     "encode_strings",
+    "field_pieces",
     "from_tensor",
     "spec_to_proto",
     "to_tensor",
@@ -147,3 +150,43 @@ def spec_to_proto(message, spec) -> None:
         for dim in spec.shape:
             message.shape.append(dim if isinstance(dim, int) and dim >= 0 else -1)
             message.dim_names.append(dim if isinstance(dim, str) else "")
+
+
+# --------------------------------------------------------------------------- composed messages
+#
+# A response carrying megabytes of tensor data is written as protobuf wire format by hand: the
+# small fields through protobuf (one message without the data), the data as length-delimited
+# fields appended after them, all joined once. protobuf itself would copy each array three
+# times (into a bytes object, into the message, into the serialized string): measured for a
+# 588 KiB output, 39 us that way against 10 us. The result is byte for byte what protobuf's
+# own serialization gives (fields in number order), so any protobuf reader accepts it.
+
+#: Parts of a serialized message, joined with ``b"".join`` once at the end.
+Pieces = list[bytes | memoryview]
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _size(pieces: Pieces) -> int:
+    return sum(memoryview(p).nbytes for p in pieces)
+
+
+def field_pieces(field: int, pieces: Pieces) -> Pieces:
+    """``pieces`` as one length-delimited field (a bytes field or a nested message)."""
+    return [_varint(field << 3 | 2), _varint(_size(pieces)), *pieces]
+
+
+def array_payload(array: np.ndarray) -> memoryview | bytes:
+    """The raw bytes of an array as the wire carries them (little-endian, C order), without a
+    copy when the array already is that; strings in the 4-byte-length-prefixed layout."""
+    if array.dtype.kind in "OUS":
+        return encode_strings(array)
+    array = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
+    return memoryview(array.reshape(-1)).cast("B") if array.size else b""

@@ -26,11 +26,12 @@ from grpc_reflection.v1alpha import reflection
 
 from plugserve.plugins.api import PlugserveError
 from plugserve.plugins.blob import plugserve_version
-from plugserve.proto import plugserve_pb2, plugserve_pb2_grpc
+from plugserve.proto import plugserve_pb2
 from plugserve.server.allocator import reuse_freed_memory
 from plugserve.server.core import Core
 from plugserve.server.dataplane import DataPlane
 from plugserve.server.examples import build_examples, default_examples_dir
+from plugserve.server.handlers import add_service
 from plugserve.server.metrics import Metrics
 from plugserve.server.repository import Repository
 from plugserve.server.security import (
@@ -193,8 +194,8 @@ class Server:
             options=options,
             maximum_concurrent_rpcs=4 * s.grpc_workers,
         )
-        plugserve_pb2_grpc.add_PlugserveServicer_to_server(PlugserveServicer(self.plane), server)
-        services = [plugserve_pb2.DESCRIPTOR.services_by_name["Plugserve"].full_name]
+        plugserve = plugserve_pb2.DESCRIPTOR.services_by_name["Plugserve"]
+        services = [add_service(server, plugserve, PlugserveServicer(self.plane))]
         services += self._add_kserve(server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         services += [

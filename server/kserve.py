@@ -53,9 +53,17 @@ from plugserve.plugins.blob import plugserve_version
 from plugserve.proto import grpc_service_pb2 as pb
 from plugserve.proto import grpc_service_pb2_grpc as pb_grpc
 from plugserve.proto import model_config_pb2 as mc
-from plugserve.proto.tensors import TensorFormatError, check_shape, encode_strings, from_tensor
+from plugserve.proto.tensors import (
+    Pieces,
+    TensorFormatError,
+    array_payload,
+    check_shape,
+    field_pieces,
+    from_tensor,
+)
 from plugserve.server.dataplane import DataPlane, LoadedNetwork, ShuttingDown
 from plugserve.server.errors import abort, status_of
+from plugserve.server.handlers import add_service
 
 __all__ = ["KServeServicer", "add_kserve_service"]
 
@@ -81,6 +89,12 @@ DATATYPES: dict[str, np.dtype] = {
     "BYTES": np.dtype(object),
 }
 _BY_DTYPE = {dtype: name for name, dtype in DATATYPES.items()}
+
+# Field numbers of the composed messages (grpc_service.proto).
+_RAW_OUTPUT = pb.ModelInferResponse.DESCRIPTOR.fields_by_name["raw_output_contents"].number
+_STREAM_INFER_RESPONSE = pb.ModelStreamInferResponse.DESCRIPTOR.fields_by_name[
+    "infer_response"
+].number
 
 # KServe datatype -> the InferTensorContents field that carries it (FP16 has none: raw only)
 CONTENTS = {
@@ -131,7 +145,7 @@ def datatype_of(dtype: np.dtype | None) -> str:
     dtype = np.dtype(dtype)
     if dtype.kind in "OUS":
         return "BYTES"
-    name = _BY_DTYPE.get(dtype)
+    name = _BY_DTYPE.get(dtype.newbyteorder("="))  # the wire is little-endian whatever it was
     if name is None:
         raise Unsupported(f"element type {dtype} has no KServe datatype")
     return name
@@ -282,23 +296,23 @@ def requested_outputs(request: pb.ModelInferRequest) -> list[str]:
     return [o.name for o in request.outputs]
 
 
-def raw_bytes(array: np.ndarray) -> bytes:
-    if array.dtype.kind in "OUS":
-        return encode_strings(array)
-    return np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
-
-
 def infer_response(
     request: pb.ModelInferRequest, entry: LoadedNetwork, outputs: dict[str, np.ndarray]
-) -> pb.ModelInferResponse:
+) -> Pieces:
+    """A ``ModelInferResponse`` as wire pieces (see ``proto.tensors``): the outputs travel as
+    ``raw_output_contents``, and their data is not copied until the pieces are joined."""
     response = pb.ModelInferResponse(
         model_name=entry.name, model_version=str(entry.version), id=request.id
     )
+    payloads = []
     for name, array in outputs.items():
         array = np.asarray(array)
         response.outputs.add(name=name, datatype=datatype_of(array.dtype), shape=array.shape)
-        response.raw_output_contents.append(raw_bytes(array))
-    return response
+        payloads.append(array_payload(array))
+    pieces: Pieces = [response.SerializeToString()]
+    for payload in payloads:  # a repeated bytes field keeps its empty entries
+        pieces += field_pieces(_RAW_OUTPUT, [payload])
+    return pieces
 
 
 def stream_error(request: pb.ModelInferRequest, exc: BaseException) -> pb.ModelStreamInferResponse:
@@ -410,7 +424,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             entry, future = self._submit(request, context, inline=True)
             if not future.done():
                 context.add_callback(future.cancel)
-            return infer_response(request, entry, future.result())
+            return b"".join(infer_response(request, entry, future.result()))
         except Exception as exc:
             abort(context, exc)
 
@@ -422,9 +436,8 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
 
         def complete(request, entry, future) -> None:
             try:
-                message = pb.ModelStreamInferResponse(
-                    infer_response=infer_response(request, entry, future.result())
-                )
+                pieces = infer_response(request, entry, future.result())
+                message = b"".join(field_pieces(_STREAM_INFER_RESPONSE, pieces))
             except BaseException as exc:
                 message = stream_error(request, exc)
             done.put(message)
@@ -568,5 +581,8 @@ for _method, _feature in _UNIMPLEMENTED.items():
 
 def add_kserve_service(plane: DataPlane, server: grpc.Server) -> list[str]:
     """Register the KServe v2 service on ``server``; the service names, for reflection."""
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(KServeServicer(plane), server)
-    return [SERVICE]
+    return [
+        add_service(
+            server, pb.DESCRIPTOR.services_by_name["GRPCInferenceService"], KServeServicer(plane)
+        )
+    ]

@@ -6,20 +6,33 @@ import json
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import grpc
+import numpy as np
 
 from plugserve.plugins.api import FailedPrecondition, InvalidInput
 from plugserve.proto import plugserve_pb2 as pb
 from plugserve.proto import plugserve_pb2_grpc as pb_grpc
-from plugserve.proto.tensors import TensorFormatError, spec_to_proto, to_tensor
+from plugserve.proto.tensors import (
+    Pieces,
+    TensorFormatError,
+    array_payload,
+    dtype_name,
+    field_pieces,
+    spec_to_proto,
+)
 from plugserve.proto.tensors import from_tensor as _from_tensor
 from plugserve.server.dataplane import DataPlane, LoadedNetwork
 from plugserve.server.errors import abort, status_of
 
-__all__ = ["PlugserveServicer", "network_info"]
+__all__ = ["PlugserveServicer", "infer_response", "network_info"]
+
+# Field numbers of the composed messages (plugserve.proto).
+_RESPONSE_OUTPUTS = pb.InferResponse.DESCRIPTOR.fields_by_name["outputs"].number
+_TENSOR_DATA = pb.Tensor.DESCRIPTOR.fields_by_name["data"].number
+_STREAM_RESPONSE = pb.InferStreamResponse.DESCRIPTOR.fields_by_name["response"].number
 
 
 def network_info(message: pb.NetworkInfo, entry: LoadedNetwork) -> pb.NetworkInfo:
@@ -34,6 +47,24 @@ def network_info(message: pb.NetworkInfo, entry: LoadedNetwork) -> pb.NetworkInf
         spec_to_proto(message.outputs.add(), spec)
     message.config.update(entry.network.config.to_strings())
     return message
+
+
+def infer_response(
+    request_id: str, network: str, version: int, outputs: Mapping[str, Any]
+) -> Pieces:
+    """An ``InferResponse`` as wire pieces (see ``proto.tensors``): the data is not copied
+    until the pieces are joined."""
+    head = pb.InferResponse(id=request_id, network=network, version=version)
+    pieces: Pieces = [head.SerializeToString()]
+    for name, array in outputs.items():
+        array = np.asarray(array)
+        meta = pb.Tensor(name=name, dtype=dtype_name(array.dtype), shape=array.shape)
+        tensor: Pieces = [meta.SerializeToString()]
+        payload = array_payload(array)
+        if len(payload):  # proto3 leaves an empty bytes field out
+            tensor += field_pieces(_TENSOR_DATA, [payload])
+        pieces += field_pieces(_RESPONSE_OUTPUTS, tensor)
+    return pieces
 
 
 def from_tensor(tensor: pb.Tensor):
@@ -166,19 +197,16 @@ class PlugserveServicer(pb_grpc.PlugserveServicer):
             request.network, request.version, inputs, list(request.outputs), deadline, inline
         )
 
-    def _response(self, request: pb.InferRequest, outputs: dict) -> pb.InferResponse:
+    def _response(self, request: pb.InferRequest, outputs: dict) -> Pieces:
         entry = self.plane.get(request.network, request.version)
-        response = pb.InferResponse(id=request.id, network=entry.name, version=entry.version)
-        for name, array in outputs.items():
-            to_tensor(response.outputs.add(), name, array)
-        return response
+        return infer_response(request.id, entry.name, entry.version, outputs)
 
     def Infer(self, request, context):
         try:
             future = self._submit(request, _deadline(context), inline=True)
             if not future.done():
                 context.add_callback(future.cancel)
-            return self._response(request, future.result())
+            return b"".join(self._response(request, future.result()))
         except Exception as exc:
             abort(context, exc)
 
@@ -191,9 +219,9 @@ class PlugserveServicer(pb_grpc.PlugserveServicer):
 
         def complete(request: pb.InferRequest, future) -> None:
             try:
-                message = pb.InferStreamResponse(
-                    id=request.id, response=self._response(request, future.result())
-                )
+                head = pb.InferStreamResponse(id=request.id).SerializeToString()
+                pieces = field_pieces(_STREAM_RESPONSE, self._response(request, future.result()))
+                message = b"".join([head, *pieces])
             except Exception as exc:
                 message = self._error(request.id, exc)
             done.put(message)
