@@ -42,6 +42,7 @@ __all__ = [
     "PlugserveError",
     "ResourceExhausted",
     "Unsupported",
+    "available_cores",
 ]
 
 
@@ -160,6 +161,14 @@ class ConfigKey:
 BOOL = {"parse": _parse_bool, "format": _format_bool}
 
 
+def available_cores() -> int:
+    """The cores this process may run on (its CPU affinity, which containers narrow)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 class Configuration:
     """A plugin's configuration: every key parsed once, unknown keys refused.
 
@@ -251,8 +260,14 @@ class Configuration:
         if self.get("NUM_STREAMS"):
             return int(self.get("NUM_STREAMS"))
         if self.get("PERFORMANCE_HINT") == "THROUGHPUT":
-            return max(1, (cores or os.cpu_count() or 1))
+            return max(1, cores or available_cores())
         return 1
+
+    def threads_per_stream(self, cores: int | None = None) -> int:
+        """Backend threads each stream's request runs with, so that streams x threads stays
+        within the cores (INFERENCE_NUM_THREADS, when set, is the total budget instead)."""
+        total = int(self.get("INFERENCE_NUM_THREADS") or 0) or cores or available_cores()
+        return max(1, total // self.streams(cores))
 
 
 # --------------------------------------------------------------------------- results

@@ -171,3 +171,32 @@ def test_query_housekeeping_constants_follow_their_reader(numpy_plugin, transfor
     }
     # the Constant's only reader is unsupported: the Constant is pruned, not left alone
     assert set(numpy_plugin.query_network(_constant_model("com.example"), config)) == {"other"}
+
+
+def test_streams_share_out_the_cores_as_openblas_threads(core):
+    """THROUGHPUT's streams run with cores // streams OpenBLAS threads each (two callers on one
+    pool of spinning OpenBLAS workers collapsed to ~40 requests/s on 2 cores); a LATENCY
+    network run after it gets all the cores back."""
+    from plugserve.plugins.api import available_cores
+    from plugserve.plugins.numpy import blas
+
+    if blas.openblas is None:
+        pytest.skip("numpy does not run on its bundled OpenBLAS here")
+    cores = available_cores()
+    model = mlp(seed=3).SerializeToString()
+    x = np.random.default_rng(0).random((1, 32), dtype=np.float32)
+    throughput = core.load_network(model, "NUMPY", {"NUM_STREAMS": "2"})
+    latency = core.load_network(model, "NUMPY", {"PERFORMANCE_HINT": "LATENCY"})
+    budget = core.load_network(model, "NUMPY", {"INFERENCE_NUM_THREADS": "1"})
+    expected = latency.create_infer_request().infer({"x": x})["y"]
+    assert blas.thread_count() == cores
+    requests = [throughput.create_infer_request() for _ in range(4)]
+    for r in requests:
+        r.start_async({"x": x})
+    for r in requests:
+        np.testing.assert_allclose(r.wait()["y"], expected, rtol=1e-6)
+    assert blas.thread_count() == max(1, cores // 2)
+    latency.create_infer_request().infer({"x": x})
+    assert blas.thread_count() == cores
+    budget.create_infer_request().infer({"x": x})
+    assert blas.thread_count() == 1

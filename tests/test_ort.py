@@ -23,6 +23,7 @@ from plugserve.plugins.api import (
     InvalidModel,
     NotFound,
     Unsupported,
+    available_cores,
 )
 
 pytest.importorskip("onnxruntime")
@@ -146,18 +147,17 @@ def test_external_data_is_inlined_before_onnxruntime_sees_it(core, tmp_path):
 
 
 def test_one_session_per_stream_and_round_robin_requests(ort_plugin):
-    from plugserve.plugins.ort import backend
 
     net = ort_plugin.load_network(mlp(), {"NUM_STREAMS": "3"})
     assert len(net.sessions) == 3 and net.get_metric("OPTIMAL_NUMBER_OF_INFER_REQUESTS") == 3
-    assert net.streams * net.threads <= max(backend.cores(), net.streams)
+    assert net.streams * net.threads <= max(available_cores(), net.streams)
     sessions = [net.create_infer_request().session for _ in range(6)]
     assert sessions[:3] == net.sessions and sessions[3:] == net.sessions
     options = net.sessions[0].get_session_options()
     assert options.inter_op_num_threads == 1
     assert options.intra_op_num_threads == net.threads
     throughput = ort_plugin.load_network(mlp(), {"PERFORMANCE_HINT": "THROUGHPUT"})
-    assert len(throughput.sessions) == backend.cores()
+    assert len(throughput.sessions) == available_cores()
     assert throughput.threads == 1
 
 
@@ -397,7 +397,6 @@ def test_seed_config_and_metric_rules(ort_plugin):
 def test_metrics_have_real_values(ort_plugin):
     import onnxruntime
 
-    from plugserve.plugins.ort import backend
 
     metrics = ort_plugin.get_metric("SUPPORTED_METRICS")
     for name in metrics:
@@ -409,7 +408,7 @@ def test_metrics_have_real_values(ort_plugin):
     keys = ort_plugin.get_metric("SUPPORTED_CONFIG_KEYS")
     assert {"PERF_COUNT", "NUM_STREAMS", "GRAPH_OPTIMIZATION_LEVEL", "CACHE_DIR"} <= set(keys)
     assert ort_plugin.get_metric("IMPORT_EXPORT_SUPPORT") is True
-    assert ort_plugin.get_metric("RANGE_FOR_STREAMS") == (1, backend.cores())
+    assert ort_plugin.get_metric("RANGE_FOR_STREAMS") == (1, available_cores())
     assert "LayerNormalization" in ort_plugin.get_metric("SUPPORTED_OPS")
     assert "FP32" in ort_plugin.get_metric("OPTIMIZATION_CAPABILITIES")
     net = ort_plugin.load_network(mlp())

@@ -34,6 +34,8 @@ class NumpyCompiledNetwork(CompiledNetwork):
         self.output_names = [o.name for o in self._outputs]
         self.transformed = transformed
         self.plan = plan
+        #: OpenBLAS threads each request runs with (see ``blas.py``), decided once here.
+        self.blas_threads = config.threads_per_stream()
 
     @property
     def inputs(self) -> list[TensorSpec]:

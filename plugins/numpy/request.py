@@ -13,6 +13,7 @@ from plugserve.plugins.api import (
     PerfCount,
     check_inputs,
 )
+from plugserve.plugins.numpy.blas import set_thread_count
 
 if TYPE_CHECKING:
     from plugserve.plugins.numpy.compiled import NumpyCompiledNetwork
@@ -29,6 +30,7 @@ class NumpyInferRequest(InferRequest):
         self._counts: list[PerfCount] = []
 
     def _run(self, arrays: list[np.ndarray]) -> dict[str, np.ndarray]:
+        set_thread_count(self.network.blas_threads)
         profile: list[PerfCount] | None = [] if self._perf else None
         outputs = self.network.plan.run(arrays, profile)
         if profile is not None:

@@ -20,21 +20,9 @@ except Exception as _exc:  # ImportError, or a broken install failing its own im
     ort = None  # type: ignore[assignment]
     IMPORT_ERROR = _exc
 
-__all__ = ["IMPORT_ERROR", "PROVIDER", "cores", "optimize", "ort", "session", "threads_per_stream"]
+__all__ = ["IMPORT_ERROR", "PROVIDER", "optimize", "ort", "session"]
 
 PROVIDER = "CPUExecutionProvider"
-
-
-def cores() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
-def threads_per_stream(streams: int, total: int = 0) -> int:
-    """Intra-op threads per stream so that streams x threads stays within ``total`` (cores)."""
-    return max(1, (total or cores()) // max(1, streams))
 
 
 def _level(name: str) -> Any:

@@ -68,8 +68,8 @@ class OrtCompiledNetwork(CompiledNetwork):
         self.input_names = [s.name for s in inputs]
         self.output_names = [s.name for s in outputs]
         self.node_names = node_names
-        self.streams = config.streams(backend.cores())
-        self.threads = backend.threads_per_stream(self.streams, config.get("INFERENCE_NUM_THREADS"))
+        self.streams = config.streams()
+        self.threads = config.threads_per_stream()
         self.level = config.get("GRAPH_OPTIMIZATION_LEVEL")
         self.sessions = list(sessions)
         self._next = itertools.count()

@@ -20,6 +20,7 @@ from plugserve.plugins.api import (
     Model,
     Plugin,
     Unsupported,
+    available_cores,
 )
 from plugserve.plugins.ir import Graph, load_model, read_model
 from plugserve.plugins.ort import backend
@@ -73,8 +74,7 @@ class OrtPlugin(Plugin):
     ) -> OrtCompiledNetwork:
         cfg = self.merged_config(config)
         graph, data = self._read(model)
-        streams = cfg.streams(backend.cores())
-        threads = backend.threads_per_stream(streams, cfg.get("INFERENCE_NUM_THREADS"))
+        threads = cfg.threads_per_stream()
         level = cfg.get("GRAPH_OPTIMIZATION_LEVEL")
         try:
             optimized, first = backend.optimize(data, level, threads)
@@ -178,7 +178,7 @@ class OrtPlugin(Plugin):
             ops = self.kernels.ops() if self.kernels is not None else []
             return [f"{d}::{op}" if d else op for d, op in ops]
         if name == "RANGE_FOR_STREAMS":
-            return (1, backend.cores())
+            return (1, available_cores())
         return super()._metric(name, options)
 
 

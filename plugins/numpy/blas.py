@@ -1,0 +1,83 @@
+"""The OpenBLAS numpy runs on, for what numpy itself does not expose: its thread count.
+
+OpenBLAS runs every GEMM on its own pool of worker threads, one per core. With two streams
+on two cores, two callers shared that pool and its workers spun waiting for work while the
+callers' threads needed the cores: measured on the MLP of the benchmarks, 4 async requests on
+2 streams ran 41 requests/s (p50 104 ms) against 7,600/s with one OpenBLAS thread per stream.
+So a request runs with ``cores // streams`` OpenBLAS threads (``threads_per_stream`` of the
+network's configuration, as onnxruntime gets intra-op threads).
+
+OpenBLAS (the pthreads build numpy ships) has one thread count per process, not per thread:
+:func:`set_thread_count` changes it only when a run needs a different count than the last run
+set, so networks of one stream count pay nothing, and networks of different stream counts
+running at the same moment share whichever count was set last (results are the same; only
+their speed is affected).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+from typing import Any
+
+import numpy as np
+
+__all__ = ["openblas", "set_thread_count", "thread_count"]
+
+
+def _load() -> ctypes.CDLL | None:
+    """numpy's bundled scipy-openblas (the ILP64 build numpy wheels ship), or None."""
+    try:
+        if np.__config__.CONFIG["Build Dependencies"]["blas"]["name"] != "scipy-openblas":
+            return None
+    except (AttributeError, KeyError, TypeError):
+        return None
+    root = os.path.dirname(np.__file__)
+    paths = glob.glob(os.path.join(root, os.pardir, "numpy.libs", "libscipy_openblas64_*"))
+    paths += glob.glob(os.path.join(root, ".dylibs", "libscipy_openblas64_*"))
+    if len(paths) != 1:
+        return None
+    try:
+        return ctypes.CDLL(paths[0])
+    except OSError:
+        return None
+
+
+#: The library, or None where numpy runs on another BLAS (the fast paths then step aside).
+openblas = _load()
+
+def _function(*names: str) -> Any:
+    """The first of ``names`` the library exports (the symbol names depend on its build)."""
+    for name in names:
+        fn = getattr(openblas, name, None)
+        if fn is not None:
+            return fn
+    return None
+
+
+_set_threads = _function(
+    "scipy_openblas_set_num_threads64_", "openblas_set_num_threads64_", "openblas_set_num_threads"
+)
+if _set_threads is not None:
+    _set_threads.argtypes = [ctypes.c_int]
+    _set_threads.restype = None
+_get_threads = _function(
+    "scipy_openblas_get_num_threads64_", "openblas_get_num_threads64_", "openblas_get_num_threads"
+)
+if _get_threads is not None:
+    _get_threads.argtypes = []
+    _get_threads.restype = ctypes.c_int
+_last = [0]  # the count this module set last (0: none yet)
+
+
+def thread_count() -> int:
+    """OpenBLAS's current thread count (0 where numpy does not run on OpenBLAS)."""
+    return _get_threads() if _get_threads is not None else 0
+
+
+def set_thread_count(threads: int) -> None:
+    """Run OpenBLAS with ``threads`` threads from now on, unless that is what was set last."""
+    if _set_threads is not None and threads != _last[0]:
+        _set_threads(threads)
+        _last[0] = threads
