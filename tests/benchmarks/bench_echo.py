@@ -1,9 +1,10 @@
 """A bare grpcio echo server: the floor for a Python gRPC call on this machine.
 
-``python tests/benchmarks/bench_echo.py [--kind thread|aio] [--port N]`` prints
-``port N`` once listening on 127.0.0.1 and echoes the bytes of ``/bench.Echo/Echo`` (no
+``python tests/benchmarks/bench_echo.py [--kind thread|aio] [--port N] [--reuse-freed-memory]``
+prints ``port N`` once listening on 127.0.0.1 and echoes the bytes of ``/bench.Echo/Echo`` (no
 serialization on either side) until terminated. ``thread`` is grpcio's thread-pool server,
-``aio`` the grpc.aio one.
+``aio`` the grpc.aio one. ``--reuse-freed-memory`` gives it the malloc tuning plugserve's
+server applies to itself (``server/allocator.py``), for a floor that has it too.
 """
 
 from __future__ import annotations
@@ -59,7 +60,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kind", choices=("thread", "aio"), default="thread")
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--workers", type=int, default=64)
+    parser.add_argument("--reuse-freed-memory", action="store_true")
     args = parser.parse_args(argv)
+    if args.reuse_freed_memory:
+        from plugserve.server.allocator import reuse_freed_memory
+
+        reuse_freed_memory(32 << 20)
     if args.kind == "aio":
         asyncio.run(serve_aio(args.port))
     else:

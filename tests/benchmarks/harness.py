@@ -142,10 +142,15 @@ class OvCompiled(Runner):
 # --------------------------------------------------------------------------- echo
 
 
-class EchoRunner(Runner):
-    """Unary bytes to the bare grpcio echo server (bench_echo.py)."""
+class RawRunner(Runner):
+    """Pre-serialized request bytes to one gRPC method; the reply's bytes are not decoded.
 
-    def __init__(self, target: str, payload: bytes) -> None:
+    The bare echo, plugserve.v1 Infer and KServe ModelInfer all measured through this same
+    client, so their difference is the servers' alone (a client library's own encoding and
+    decoding is measured separately, by the library runners).
+    """
+
+    def __init__(self, target: str, method: str, payload: bytes, label: str = "") -> None:
         import grpc
 
         self.channel = grpc.insecure_channel(
@@ -155,9 +160,9 @@ class EchoRunner(Runner):
                 ("grpc.max_receive_message_length", 1 << 30),
             ],
         )
-        self.method = self.channel.unary_unary("/bench.Echo/Echo")
+        self.method = self.channel.unary_unary(method)
         self.payload = payload
-        self.description = f"echo {target}"
+        self.description = f"{label or method} {target}"
 
     def call(self) -> None:
         self.method(self.payload, timeout=60)
@@ -171,10 +176,10 @@ class EchoRunner(Runner):
 
 
 @contextlib.contextmanager
-def echo_server(kind: str = "thread") -> Iterator[str]:
+def echo_server(kind: str = "thread", *options: str) -> Iterator[str]:
     """A bare grpcio echo server in its own process; yields its target."""
     process = subprocess.Popen(
-        [sys.executable, str(HERE / "bench_echo.py"), "--kind", kind],
+        [sys.executable, str(HERE / "bench_echo.py"), "--kind", kind, *options],
         stdout=subprocess.PIPE,
         text=True,
     )

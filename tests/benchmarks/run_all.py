@@ -32,7 +32,7 @@ from typing import Any
 import harness  # sets sys.path for the imports below
 import numpy as np
 import zoo
-from harness import CORES, EchoRunner, Worker, block, interleave, median_of
+from harness import CORES, RawRunner, Worker, block, interleave, median_of
 
 from plugserve.client.bench import KserveRunner, PlugserveRunner
 from plugserve.client.client import Client, infer_request
@@ -271,20 +271,38 @@ def throughput(results: Results, server: Server, paths: dict[str, str], p: dict)
 
 
 def overhead(results: Results, server: Server, paths: dict[str, str], p: dict, smoke: bool) -> None:
+    """The server's cost per request: the identity through plugserve.v1 and KServe v2 against a
+    bare grpcio echo server, all three driven by the same raw-bytes client (the request is
+    serialized once, the reply is not decoded), so the ratio is the servers' alone; then the
+    same through the client libraries (plugserve's Client, tritonclient), whose own encoding
+    and decoding a user also pays, as separate rows."""
     log("(3) per-request overhead: identity vs bare grpcio echo")
     x = inputs_for("identity")
     server.load("identity", paths["identity"], "NUMPY")
     payload = infer_request("identity", x).SerializeToString()
-    kinds = ("thread",) if smoke else ("thread", "aio")
-    contexts = [harness.echo_server(k) for k in kinds]
+    echoes = {"echo-thread": ("thread",)}
+    if not smoke:
+        echoes["echo-aio"] = ("aio",)
+        echoes["echo-thread, malloc tuned"] = ("thread", "--reuse-freed-memory")
+    contexts = [harness.echo_server(*args) for args in echoes.values()]
     targets = [c.__enter__() for c in contexts]
     try:
         runners: dict[str, Any] = {
-            f"echo-{k}": EchoRunner(t, payload) for k, t in zip(kinds, targets)
+            name: RawRunner(t, "/bench.Echo/Echo", payload, "echo")
+            for name, t in zip(echoes, targets)
         }
-        runners["plugserve"] = PlugserveRunner(server.target, "identity", x)
+        runners["plugserve"] = RawRunner(
+            server.target, "/plugserve.v1.Plugserve/Infer", payload, "plugserve.v1"
+        )
         if not smoke:
-            runners["kserve"] = KserveRunner(server.target, "identity", x)
+            runners["kserve"] = RawRunner(
+                server.target,
+                "/inference.GRPCInferenceService/ModelInfer",
+                kserve_request("identity", x),
+                "kserve",
+            )
+            runners["plugserve Client"] = PlugserveRunner(server.target, "identity", x)
+            runners["kserve tritonclient"] = KserveRunner(server.target, "identity", x)
         cases = {}
         for name, runner in runners.items():
             cases[f"{name}/c1"] = block(runner, p["seconds"])
@@ -297,7 +315,8 @@ def overhead(results: Results, server: Server, paths: dict[str, str], p: dict, s
             c.__exit__(None, None, None)
     rows = results.section(
         f"Per-request overhead: identity 1x3x224x224 fp32 ({len(payload) / 1024:.0f} KiB each "
-        "way) vs a bare grpcio echo of the same bytes",
+        "way) vs a bare grpcio echo of the same bytes; the first rows share one raw-bytes "
+        "client, the last two use the client libraries",
         ["server", "p50 ms c1", "p90 ms c1", "requests/s x16", "p50 / echo", "requests/s / echo"],
     )
     base_p50 = median_of(blocks["echo-thread/c1"], "latency_ms.p50")
@@ -311,12 +330,26 @@ def overhead(results: Results, server: Server, paths: dict[str, str], p: dict, s
             [name, ms(p50), ms(p90), f"{rps:.0f}", f"{ratio(p50, base_p50):.2f}x",
              f"{100 * ratio(rps, base_rps):.0f}%"]
         )  # fmt: skip
-        if not name.startswith("echo"):
+        if name in ("plugserve", "kserve"):
             r = ratio(p50, base_p50)
             results.target(f"identity p50 {name} / bare echo (c1)", "<= 1.5x", r, r <= 1.5)
             r = ratio(rps, base_rps)
             results.target(f"identity requests/s {name} / bare echo (x16)", ">= 80%", r, r >= 0.8)
     server.client.unload("identity")
+
+
+def kserve_request(model: str, inputs: dict[str, np.ndarray]) -> bytes:
+    """A serialized KServe v2 ModelInferRequest carrying ``inputs`` as raw contents."""
+    from tritonclient.grpc import service_pb2
+    from tritonclient.utils import np_to_triton_dtype
+
+    request = service_pb2.ModelInferRequest(model_name=model)
+    for name, array in inputs.items():
+        request.inputs.add(
+            name=name, datatype=np_to_triton_dtype(array.dtype), shape=list(array.shape)
+        )
+        request.raw_input_contents.append(np.ascontiguousarray(array).tobytes())
+    return request.SerializeToString()
 
 
 # --------------------------------------------------------------------------- (4) BATCH
