@@ -170,3 +170,32 @@ def test_external_data_through_a_symlink_out_is_refused(tmp_path):
 def test_external_data_in_bytes_is_refused():
     with pytest.raises(InvalidModel, match="given as bytes cannot read files"):
         load_model(_external_model("weights.bin").SerializeToString())
+
+
+@pytest.mark.parametrize("node_name", ["sm", ""])
+def test_an_attribute_value_strict_inference_rejects_is_refused_naming_the_node(node_name):
+    graph = helper.make_graph(
+        [helper.make_node("Softmax", ["x"], ["y"], axis=9, name=node_name)],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    where = f"node {node_name!r}" if node_name else "a node"
+    with pytest.raises(InvalidModel, match=rf"{where} \(Softmax\): 'axis' must be in"):
+        load_model(model)
+
+
+def test_strict_inference_failing_inside_an_onnx_function_body_falls_back():
+    """ONNX's own MeanVarianceNormalization body fails strict inference (a Constant with an
+    attribute reference); the model is valid and must load."""
+    graph = helper.make_graph(
+        [helper.make_node("MeanVarianceNormalization", ["x"], ["y"], name="mvn")],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 3, 3, 1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 3, 3, 1])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    with pytest.raises(onnx.shape_inference.InferenceError):
+        onnx.shape_inference.infer_shapes(model, strict_mode=True)
+    assert [n.op_type for n in load_model(model).nodes] == ["MeanVarianceNormalization"]
