@@ -105,6 +105,8 @@ class Server:
         self.health = health.HealthServicer()
         self.grpc_server: grpc.Server | None = None
         self.grpc_port = 0
+        self.health_server: grpc.Server | None = None
+        self.health_port = 0
         self.metrics_port = 0
         self._stopped = threading.Event()  # stop() began
         self._hurry = threading.Event()  # a second signal: stop waiting for admitted requests
@@ -214,6 +216,8 @@ class Server:
             raise SystemExit(f"plugserve: cannot listen on {s.host}:{s.grpc_port}")
         server.start()
         self.grpc_server = server
+        if s.health_port >= 0:
+            self._serve_health(s.host, s.health_port)
         if s.metrics_port >= 0:
             self.metrics_port = self.metrics.serve(s.host, s.metrics_port)
         log.info(
@@ -231,6 +235,21 @@ class Server:
         self.plane.ready = True
         self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info("server ready: %d model version(s) from %s", len(ready), self.repository.root)
+
+    def _serve_health(self, host: str, port: int) -> None:
+        """The health service alone on a plaintext port: the same statuses as on the main port
+        (it reveals nothing else), for probes that cannot present TLS or a token."""
+        server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="health"),
+            maximum_concurrent_rpcs=16,
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        self.health_port = server.add_insecure_port(f"{host}:{port}")
+        if not self.health_port:
+            raise SystemExit(f"plugserve: cannot listen on {host}:{port} (--health-port)")
+        server.start()
+        self.health_server = server
+        log.info("health (plaintext, health service only): %s:%d", host, self.health_port)
 
     def _add_kserve(self, server: grpc.Server) -> list[str]:
         try:
@@ -273,9 +292,9 @@ class Server:
         self._done.set()
 
     def _stop_grpc(self, grace: float) -> None:
-        server = self.grpc_server
-        if server is not None:
-            server.stop(grace).wait()
+        stopping = [s.stop(grace) for s in (self.grpc_server, self.health_server) if s]
+        for stopped in stopping:
+            stopped.wait()
 
     def wait(self) -> None:
         """Block until :meth:`stop` has finished (signals still reach their handlers)."""

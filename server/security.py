@@ -192,6 +192,10 @@ def security_problems(settings: Settings) -> list[str]:
     found = _flag_value(s, "open_health") + _flag_value(s, "open_reflection")
     if bool(s.tls_cert) != bool(s.tls_key):
         found.append("--tls-cert and --tls-key go together: give both or neither")
+    if s.health_port >= 0 and s.auth_tokens and not s.open_health:
+        found.append(
+            "--health-port serves health without TLS or a token, which --open-health 0 forbids"
+        )
     if s.tls_client_ca and not s.tls_cert:
         found.append("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
     for name in ("tls_cert", "tls_key", "tls_client_ca", "auth_tokens"):

@@ -27,6 +27,11 @@ class Settings:
         8001, "gRPC port (plugserve.v1, KServe v2, health, reflection); 0: any free port"
     )
     metrics_port: int = _field(8002, "Prometheus /metrics port; 0: any free port, -1: off")
+    health_port: int = _field(
+        -1,
+        "a plaintext port serving only the gRPC health service, for probes that cannot speak "
+        "TLS to --grpc-port (Kubernetes' grpc probes); -1: off, 0: any free port",
+    )
     model_repository: str = _field(
         "", "model repository DIR/<name>/<version>/model.onnx; empty: the bundled examples"
     )
@@ -66,6 +71,7 @@ class Settings:
         for name, low, high in (
             ("grpc_port", 0, 65535),
             ("metrics_port", -1, 65535),
+            ("health_port", -1, 65535),
             ("max_message_bytes", 1, 2**31 - 1),  # gRPC keeps message limits in an int32
             ("queue_size", 0, None),
             ("grpc_workers", 1, None),

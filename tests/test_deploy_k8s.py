@@ -34,12 +34,14 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from serving import RunningServer
 
+from plugserve.client import Client
+
 yaml = pytest.importorskip("yaml", reason="PyYAML missing (it comes with kubernetes-validate)")
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "k8s"
 KSERVE = ROOT / "deploy" / "kserve"
-OVERLAYS = ("queue-depth", "pvc")
+OVERLAYS = ("queue-depth", "pvc", "tls")
 CUSTOM_KINDS = {"ServiceMonitor", "ServingRuntime", "InferenceService"}
 POD_LABELS = {"app.kubernetes.io/name": "plugserve", "app.kubernetes.io/component": "server"}
 
@@ -386,10 +388,10 @@ def _kserve_infer(target: str, model: str) -> tuple[dict[str, np.ndarray], dict[
         return feeds, {o["name"]: result.as_numpy(o["name"]) for o in meta["outputs"]}
 
 
-@needs_kubectl
-def test_deployment_commands_start_a_working_server(tmp_path):
-    """initContainer command, then the server container's command and args, as rendered."""
-    docs = render(K8S)
+def _rendered_server(docs, tmp_path: Path, files: dict[str, str] | None = None):
+    """Run the rendered initContainer, then return the server container's command line as
+    rendered (paths moved under ``tmp_path``, ports free), its env and the models folder.
+    ``files``: further in-container paths and the local files standing in for them."""
     deployment = one(docs, "Deployment")
     pod = deployment["spec"]["template"]["spec"]
     server = container(deployment)
@@ -401,33 +403,35 @@ def test_deployment_commands_start_a_working_server(tmp_path):
     moved = {
         args["--model-repository"]: str(models),
         args["--plugins"]: str(plugins),
+        **(files or {}),
     }
-
-    def local(word: str) -> str:
-        return moved.get(word, word)
-
     env = _path_env(HOME=str(tmp_path))
     [init] = pod["initContainers"]
     assert init["command"][0] == "python"
     result = subprocess.run(
-        [sys.executable, *[local(w) for w in init["command"][1:]]],
+        [sys.executable, *[moved.get(w, w) for w in init["command"][1:]]],
         capture_output=True,
         text=True,
         env=env,
         timeout=300,
     )
     assert result.returncode == 0, result.stderr
-    assert {"mlp", "add"} <= {p.parent.parent.name for p in models.glob("*/*/model.onnx")}
-
     command = [shutil.which(server["command"][0], path=env["PATH"]), *server["command"][1:]]
     assert command[0], "plugserve is not installed next to this interpreter"
-    run_args = []
     for arg in server["args"]:
         key, _, value = arg.partition("=")
-        if key in ("--grpc-port", "--metrics-port"):
-            value = "0"  # free ports here; the manifests' ports are checked in test_deployment
-        run_args.append(f"{key}={local(value)}")
-    with CommandServer([*command, *run_args, "--host=127.0.0.1"], env) as live:
+        if key in ("--grpc-port", "--metrics-port", "--health-port"):
+            value = "0"  # free ports here; the manifests' ports are checked by other tests
+        command.append(f"{key}={moved.get(value, value)}")
+    return [*command, "--host=127.0.0.1"], env, models
+
+
+@needs_kubectl
+def test_deployment_commands_start_a_working_server(tmp_path):
+    """initContainer command, then the server container's command and args, as rendered."""
+    command, env, models = _rendered_server(render(K8S), tmp_path)
+    assert {"mlp", "add"} <= {p.parent.parent.name for p in models.glob("*/*/model.onnx")}
+    with CommandServer(command, env) as live:
         assert not [line for line in live.lines if "ERROR" in line], live.log
         assert _health(live.target) == health_pb2.HealthCheckResponse.SERVING
         _, outputs = _kserve_infer(live.target, "mlp")
@@ -439,6 +443,54 @@ def test_deployment_commands_start_a_working_server(tmp_path):
         assert "plugserve_inference_requests_total" in text
         assert live.stop() == 0, live.log  # SIGTERM: drains and exits cleanly
     assert "signal SIGTERM: shutting down (up to 30 s" in live.log
+
+
+@needs_kubectl
+def test_tls_overlay():
+    docs = render(K8S / "overlays" / "tls")
+    deployment = one(docs, "Deployment")
+    server = container(deployment)
+    args = flags(server["args"])
+    ports = {p["name"]: p["containerPort"] for p in server["ports"]}
+    assert ports == {"grpc": 8001, "metrics": 8002, "health": int(args["--health-port"])}
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert server[probe]["grpc"]["port"] == ports["health"], probe
+    mounts = {m["name"]: m for m in server["volumeMounts"]}
+    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+    folder = mounts["tls"]["mountPath"]
+    assert mounts["tls"]["readOnly"] is True
+    assert volumes["tls"]["secret"]["secretName"] == "plugserve-tls"
+    # a kubernetes.io/tls Secret's keys, mounted as files
+    assert (args["--tls-cert"], args["--tls-key"]) == (f"{folder}/tls.crt", f"{folder}/tls.key")
+    for service in (d for d in docs if d["kind"] == "Service"):
+        assert ports["health"] not in {p["port"] for p in service["spec"]["ports"]}
+
+
+@needs_kubectl
+def test_tls_overlay_serves_tls_and_plaintext_probes(tmp_path):
+    """The overlay's command line, run for real with a certificate made here: the gRPC port
+    refuses plaintext and infers over TLS; the probes' port answers plaintext health."""
+    docs = render(K8S / "overlays" / "tls")
+    args = flags(container(one(docs, "Deployment"))["args"])
+    cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-keyout", str(key), "-out", str(cert), "-subj", "/CN=localhost",
+         "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
+        check=True, capture_output=True, timeout=120,
+    )  # fmt: skip
+    files = {args["--tls-cert"]: str(cert), args["--tls-key"]: str(key)}
+    command, env, _ = _rendered_server(docs, tmp_path, files)
+    with CommandServer(command, env) as live:
+        [port] = re.findall(r"health \(plaintext, health service only\): [\d.]+:(\d+)", live.log)
+        assert _health(f"127.0.0.1:{port}") == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.RpcError) as info:
+            _health(live.target)  # plaintext to the TLS port
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        with Client(live.target, timeout=30, tls_ca=cert) as client:
+            a, b = np.arange(4, dtype=np.float32), np.ones(4, np.float32)
+            assert client.infer("add", {"a": a, "b": b})["sum"].tolist() == (a + b).tolist()
+        assert live.stop() == 0, live.log
 
 
 # --------------------------------------------------------------------------- KServe

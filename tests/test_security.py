@@ -7,6 +7,7 @@ Certificates are made here with ``openssl`` (a throwaway CA, a server certificat
 from __future__ import annotations
 
 import asyncio
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -19,6 +20,8 @@ from serving import RunningServer, examples_repository
 
 from plugserve.client import AsyncClient, Client
 from plugserve.client.cli import run as run_cli
+from plugserve.proto import plugserve_pb2 as pb
+from plugserve.proto import plugserve_pb2_grpc as pb_grpc
 from plugserve.server.security import (
     ADMIN,
     INFER,
@@ -102,6 +105,7 @@ def secure(pki, tmp_path_factory):
         "--tls-key", str(pki / "server.key"),
         "--auth-tokens", str(_tokens_file(pki)),
         "--max-streams-per-connection", "16",
+        "--health-port", "0",
         "--log-level", "DEBUG",
     )  # fmt: skip
     with server:
@@ -234,6 +238,33 @@ def test_health_is_open_and_reflection_needs_a_token(secure, pki):
         answers = list(reflection.ServerReflectionInfo(iter([request]), metadata=metadata))
         names = {s.name for s in answers[0].list_services_response.service}
         assert "plugserve.v1.Plugserve" in names
+
+
+def test_the_plaintext_health_port_serves_health_and_nothing_else(secure):
+    """Kubernetes' grpc probes speak neither TLS nor tokens: --health-port gives them the same
+    health statuses in plaintext, and no other service."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    [port] = re.findall(r"health \(plaintext, health service only\): [\d.]+:(\d+)", secure.log)
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "plugserve.v1.Plugserve", "inference.GRPCInferenceService"):
+            reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        stub = pb_grpc.PlugserveStub(channel)
+        code, _ = _code(lambda: stub.ListNetworks(pb.ListNetworksRequest(), timeout=10))
+        assert code == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_a_plaintext_health_port_contradicting_a_closed_health_is_refused(pki, tmp_path):
+    server = RunningServer(
+        "--model-repository", str(tmp_path),
+        "--auth-tokens", str(_tokens_file(pki)),
+        "--open-health", "0",
+        "--health-port", "0",
+    )  # fmt: skip
+    with pytest.raises(RuntimeError, match="--health-port serves health without"):
+        server.start()
 
 
 def test_the_cli_takes_tls_ca_and_a_token_from_the_environment(secure, pki, monkeypatch, capsys):
