@@ -102,13 +102,18 @@ class StreamsExecutor:
             index = self._idle.pop()
         future: Future = RequestFuture()
         future.set_running_or_notify_cancel()
+        self._run(fn, future, index)
+        return future
+
+    def _run(self, fn: Callable[[Any], Any], future: Future, index: int) -> None:
+        """``fn`` on stream ``index`` (claimed by the caller), its outcome into ``future``,
+        then the stream is free again."""
         try:
             future.set_result(fn(self._state(index)))
         except BaseException as exc:
             future.set_exception(exc)
         finally:
             self._release(index)
-        return future
 
     def _state(self, index: int) -> Any:
         """The stream's backend state, made on first use by whichever thread runs it first
@@ -150,12 +155,7 @@ class StreamsExecutor:
                 index = self._idle.pop()
                 if self._pending and self._idle:
                     self._ready.notify()  # more work a sleeping stream can take now
-            try:
-                future.set_result(fn(self._state(index)))
-            except BaseException as exc:
-                future.set_exception(exc)
-            finally:
-                self._release(index)
+            self._run(fn, future, index)
 
     def shutdown(self, wait: bool = True) -> None:
         """Refuse new work; the streams finish what is queued, then stop."""
