@@ -315,8 +315,8 @@ def overhead(results: Results, server: Server, paths: dict[str, str], p: dict, s
             c.__exit__(None, None, None)
     rows = results.section(
         f"Per-request overhead: identity 1x3x224x224 fp32 ({len(payload) / 1024:.0f} KiB each "
-        "way) vs a bare grpcio echo of the same bytes; the first rows share one raw-bytes "
-        "client, the last two use the client libraries",
+        "way) vs a bare grpcio echo of the same bytes, through one raw-bytes client"
+        + ("" if smoke else "; the last two rows through the client libraries"),
         ["server", "p50 ms c1", "p90 ms c1", "requests/s x16", "p50 / echo", "requests/s / echo"],
     )
     base_p50 = median_of(blocks["echo-thread/c1"], "latency_ms.p50")
