@@ -272,3 +272,39 @@ def test_attention_with_mask_is_not_fused():
     }
     net = _check(model, feeds)
     assert "Attention" not in [op for op, _ in _fused_ops(net)]
+
+
+def test_linear_residual_produced_later_and_sum_of_two_linears():
+    """Add(L1, L2): one Linear takes the other's output as its residual and moves after it."""
+    rng = np.random.default_rng(12)
+    inits = {n: _rand(rng, 6, 5) for n in ("W1", "W2")} | {n: _rand(rng, 5) for n in ("b1", "b2")}
+    nodes = [
+        helper.make_node("MatMul", ["x", "W1"], ["m1"]),
+        helper.make_node("Add", ["m1", "b1"], ["y1"]),
+        helper.make_node("MatMul", ["x", "W2"], ["m2"]),
+        helper.make_node("Add", ["b2", "m2"], ["y2"]),
+        helper.make_node("Add", ["y1", "y2"], ["y"]),
+    ]
+    model = _model(nodes, [("x", [2, 3, 6])], [("y", [2, 3, 5])], inits)
+    net = _check(model, {"x": _rand(rng, 2, 3, 6)})
+    linear = [n for n in net.transformed.nodes if n.op_type == "Linear"]
+    assert len(linear) == 2 and sorted(len(n.inputs) for n in linear) == [3, 4]
+
+
+def test_merged_projections_of_different_widths():
+    rng = np.random.default_rng(13)
+    widths = (4, 7, 3)
+    inits = {}
+    nodes = []
+    for i, n in enumerate(widths):
+        inits[f"W{i}"], inits[f"b{i}"] = _rand(rng, 5, n), _rand(rng, n)
+        nodes += [
+            helper.make_node("MatMul", ["x", f"W{i}"], [f"m{i}"]),
+            helper.make_node("Add", [f"m{i}", f"b{i}"], [f"y{i}"]),
+            helper.make_node("Relu", [f"y{i}"], [f"z{i}"]),
+        ]
+    outputs = [(f"z{i}", [3, n]) for i, n in enumerate(widths)]
+    model = _model(nodes, [("x", [3, 5])], outputs, inits)
+    net = _check(model, {"x": _rand(rng, 3, 5)})
+    linear = [n for n in net.transformed.nodes if n.op_type == "Linear"]
+    assert len(linear) == 1 and linear[0].attr("splits") == list(widths)

@@ -4,10 +4,10 @@
 prefilled with the bias (or bias + residual, one pass) and BLAS accumulates the product into it
 (sgemm with beta = 1), so neither the bias nor the residual costs a pass of its own; the
 epilogue (erf GELU or LayerNormalization over the last axis) then runs in place on that fresh
-buffer. With a GELU epilogue the weights and bias are scaled by 1/sqrt(2) at load, which saves
-GELU its input scaling (see :func:`gelu_erf_prescaled_f32`). A Linear with ``splits`` is
-several Linears of the same input merged into one wider GEMM (Q/K/V projections); its outputs
-are column views of the one result.
+buffer. With a GELU epilogue the weights and bias are halved at load (exact), which hands
+GELU the argument it wants at no cost (see :func:`gelu_erf_halved_f32`). A Linear with
+``splits`` is several Linears of the same input merged into one wider GEMM (Q/K/V
+projections); its outputs are column views of the one result.
 
 ``Attention`` is ``softmax(scale * Q @ K) @ V`` with the softmax over the last axis: the
 scores are computed once into a fresh buffer, the softmax runs in place on it, and with
@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from plugserve.plugins.numpy.kernels.elementwise import gelu_erf_prescaled_f32
+from plugserve.plugins.numpy.kernels.elementwise import gelu_erf_halved_f32
 from plugserve.plugins.numpy.kernels.nn import _SGEMM
 from plugserve.plugins.numpy.kernels.reduce import (
     layer_norm_rows_inplace,
@@ -52,7 +52,7 @@ def _epilogue(ctx: KernelContext, n: int) -> tuple[str, Callable[[np.ndarray], n
     if kind == "none":
         return kind, lambda y: y
     if kind == "gelu":
-        return kind, gelu_erf_prescaled_f32
+        return kind, gelu_erf_halved_f32
     if kind == "layernorm":
         eps = float(ctx.attr("epsilon", 1e-5))
         params = [ctx.constant(i) for i in (4, 5)]
@@ -78,8 +78,8 @@ def linear(ctx: KernelContext) -> Callable[..., tuple[np.ndarray, ...]]:
     kind, epilogue = _epilogue(ctx, n)
     bias = None if b is None else np.ascontiguousarray(np.broadcast_to(b.reshape(-1), (n,)), _F32)
     if kind == "gelu":
-        w = w * _F32.type(_INV_SQRT2)
-        bias = None if bias is None else bias * _F32.type(_INV_SQRT2)
+        w = w * _F32.type(0.5)
+        bias = None if bias is None else bias * _F32.type(0.5)
     w = np.ascontiguousarray(w, _F32)
     w.setflags(write=False)
     packed = (w, w.ctypes.data)  # the closure must hold the array its raw pointer points into

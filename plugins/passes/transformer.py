@@ -51,17 +51,33 @@ def _add_constant(graph: Graph, base: str, value: np.ndarray) -> str:
     return name
 
 
-def _replace(graph: Graph, fused: Node, removed: list[Node], at: Node) -> None:
-    """Put ``fused`` where ``at`` was and drop ``removed`` (``at`` among them or not)."""
-    gone = {id(n) for n in removed}
-    nodes: list[Node] = []
-    for node in graph.nodes:
-        if node is at:
-            nodes.append(fused)
-        if id(node) not in gone and node is not at:
-            nodes.append(node)
-    graph.nodes = nodes
-    graph.opsets.setdefault(FUSED_DOMAIN, 1)
+class _Rewrite:
+    """Fusions found in one scan of the graph, applied together: each fused node takes the
+    place of the last node it swallows (all its inputs exist there), the others go."""
+
+    def __init__(self) -> None:
+        self.claimed: set[int] = set()
+        self.at: dict[int, Node] = {}
+
+    def free(self, nodes: list[Node]) -> bool:
+        return not any(id(n) in self.claimed for n in nodes)
+
+    def add(self, fused: Node, swallowed: list[Node], at: Node) -> None:
+        self.claimed.update(id(n) for n in swallowed)
+        self.at[id(at)] = fused
+
+    def apply(self, graph: Graph) -> bool:
+        if not self.at:
+            return False
+        nodes = []
+        for node in graph.nodes:
+            if id(node) in self.at:
+                nodes.append(self.at[id(node)])
+            elif id(node) not in self.claimed:
+                nodes.append(node)
+        graph.nodes = nodes
+        graph.opsets.setdefault(FUSED_DOMAIN, 1)
+        return True
 
 
 def _bias_of(graph: Graph, add: Node, product: str, width: int) -> str | None:
@@ -78,85 +94,93 @@ def _bias_of(graph: Graph, add: Node, product: str, width: int) -> str | None:
     return other
 
 
-def _linear_site(graph: Graph, users) -> tuple[Node, Node, str] | None:
-    for mm in graph.nodes:
-        if mm.op_type != "MatMul" or mm.domain or len(mm.inputs) != 2:
-            continue
-        w = graph.initializers.get(mm.inputs[1])
-        if w is None or w.ndim != 2 or w.dtype != _F32 or mm.inputs[0] in graph.initializers:
-            continue
-        if not _is_f32(graph, mm.inputs[0]) or len(graph.spec(mm.inputs[0]).shape) < 2:
-            continue
-        add = _sole_reader(graph, mm.outputs[0], users)
-        bias = None if add is None else _bias_of(graph, add, mm.outputs[0], w.shape[1])
-        if bias is not None:
-            return mm, add, bias
-    return None
+def _linear_site(graph: Graph, mm: Node, users) -> tuple[Node, str] | None:
+    if mm.op_type != "MatMul" or mm.domain or len(mm.inputs) != 2:
+        return None
+    w = graph.initializers.get(mm.inputs[1])
+    if w is None or w.ndim != 2 or w.dtype != _F32 or mm.inputs[0] in graph.initializers:
+        return None
+    if not _is_f32(graph, mm.inputs[0]) or len(graph.spec(mm.inputs[0]).shape) < 2:
+        return None
+    add = _sole_reader(graph, mm.outputs[0], users)
+    bias = None if add is None else _bias_of(graph, add, mm.outputs[0], w.shape[1])
+    return None if bias is None else (add, bias)
 
 
 def fuse_linear(graph: Graph, context: PassContext) -> bool:
-    changed = False
-    while True:
-        users = graph.consumers()
-        site = _linear_site(graph, users)
+    users = graph.consumers()
+    rewrite = _Rewrite()
+    for mm in graph.nodes:
+        site = _linear_site(graph, mm, users)
         if site is None:
-            break
-        mm, add, bias = site
-        fused = Node(
-            "Linear",
-            [mm.inputs[0], mm.inputs[1], bias],
-            list(add.outputs),
-            name=add.name,
-            domain=FUSED_DOMAIN,
-        )
+            continue
+        add, bias = site
+        fused = Node("Linear", [mm.inputs[0], mm.inputs[1], bias], list(add.outputs), name=add.name)
+        fused.domain = FUSED_DOMAIN
         fused.set_attr("epilogue", "none")
         for node in (mm, add):
             _merge(fused, node)
-        _replace(graph, fused, [mm, add], add)
-        changed = True
-    for node in list(graph.nodes):
-        if node.op_type == "Linear" and node.domain == FUSED_DOMAIN:
-            _grow_linear(graph, node)
-    return changed
+        rewrite.add(fused, [mm, add], add)
+    changed = rewrite.apply(graph)
+    return _grow_linears(graph) or changed
 
 
-def _grow_linear(graph: Graph, linear: Node) -> None:
-    """Swallow a residual Add, then an epilogue, into ``linear`` while the patterns hold."""
+def _grow_linears(graph: Graph) -> bool:
+    """Each Linear swallows a residual Add, then an epilogue, where the patterns hold."""
     users = graph.consumers()
-    out = linear.outputs[0]
-    nxt = _sole_reader(graph, out, users)
-    if (
-        nxt is not None
-        and nxt.op_type == "Add"
-        and not nxt.domain
-        and len(nxt.inputs) == 2
-        and nxt.inputs[0] != nxt.inputs[1]
-    ):
-        other = nxt.inputs[1] if nxt.inputs[0] == out else nxt.inputs[0]
-        spec, mine = graph.spec(other), graph.spec(out)
-        if _is_f32(graph, other) and mine is not None and spec.shape == mine.shape:
-            linear.inputs.append(other)
-            linear.outputs = list(nxt.outputs)
-            _merge(linear, nxt)
-            _replace(graph, linear, [nxt], linear)
-            users = graph.consumers()
-            out = linear.outputs[0]
+    rewrite = _Rewrite()
+    for linear in graph.nodes:
+        if (
+            linear.op_type != "Linear"
+            or linear.domain != FUSED_DOMAIN
+            or id(linear) in rewrite.claimed
+        ):
+            continue
+        swallowed: list[Node] = []
+        out = linear.outputs[0]
+        nxt = _sole_reader(graph, out, users)
+        residual = None
+        if nxt is not None and rewrite.free([nxt]):
+            residual = _residual_of(graph, nxt, out)
+        if residual is not None:
+            swallowed.append(nxt)
+            out = nxt.outputs[0]
             nxt = _sole_reader(graph, out, users)
-    if nxt is None:
-        return
-    if nxt.op_type == "Gelu" and len(linear.inputs) == 3 and _exact_gelu(nxt):
-        linear.set_attr("epilogue", "gelu")
-    elif _plain_layer_norm(graph, nxt, out, graph.initializers[linear.inputs[1]].shape[1]):
-        while len(linear.inputs) < 4:
-            linear.inputs.append("")
-        linear.inputs.extend(nxt.inputs[1:3])
-        linear.set_attr("epilogue", "layernorm")
-        linear.set_attr("epsilon", float(nxt.attr("epsilon", 1e-5)), AttributeProto.FLOAT)
-    else:
-        return
-    linear.outputs = [nxt.outputs[0]]
-    _merge(linear, nxt)
-    _replace(graph, linear, [nxt], linear)
+        epilogue = None
+        if nxt is not None and rewrite.free([nxt]):
+            width = graph.initializers[linear.inputs[1]].shape[1]
+            if nxt.op_type == "Gelu" and residual is None and _exact_gelu(nxt):
+                epilogue = "gelu"
+            elif _plain_layer_norm(graph, nxt, out, width):
+                epilogue = "layernorm"
+        if epilogue is not None:
+            swallowed.append(nxt)
+        if not swallowed:
+            continue
+        inputs = list(linear.inputs) + ([residual] if residual is not None else [])
+        if epilogue == "gelu":
+            linear.set_attr("epilogue", "gelu")
+        elif epilogue == "layernorm":
+            inputs += [""] * (4 - len(inputs)) + list(nxt.inputs[1:3])
+            linear.set_attr("epilogue", "layernorm")
+            linear.set_attr("epsilon", float(nxt.attr("epsilon", 1e-5)), AttributeProto.FLOAT)
+        linear.inputs = inputs
+        linear.outputs = [swallowed[-1].outputs[0]]
+        for node in swallowed:
+            _merge(linear, node)
+        rewrite.add(linear, [linear, *swallowed], swallowed[-1])
+    return rewrite.apply(graph)
+
+
+def _residual_of(graph: Graph, add: Node, out: str) -> str | None:
+    """The other operand of ``add`` when it is a same-shaped float32 residual of ``out``."""
+    if add.op_type != "Add" or add.domain or len(add.inputs) != 2 or add.inputs[0] == add.inputs[1]:
+        return None
+    other = add.inputs[1] if add.inputs[0] == out else add.inputs[0]
+    spec, mine = graph.spec(other), graph.spec(out)
+    if not _is_f32(graph, other) or mine is None or spec.shape != mine.shape:
+        return None
+    return other
 
 
 def _exact_gelu(node: Node) -> bool:
@@ -207,43 +231,42 @@ def _softmax_last(graph: Graph, node: Node, x: str) -> bool:
     return node.attr("axis", default) in (-1, rank - 1)
 
 
-def _attention_site(graph: Graph, users):
-    for mm in graph.nodes:
-        if mm.op_type != "MatMul" or mm.domain or len(mm.inputs) != 2:
-            continue
-        if not all(_is_f32(graph, n) for n in mm.inputs + mm.outputs):
-            continue
-        if len(graph.spec(mm.outputs[0]).shape) < 2:
-            continue
-        chain = [mm]
-        scale = 1.0
-        nxt = _sole_reader(graph, mm.outputs[0], users)
-        c = None if nxt is None else _scalar(graph, nxt, mm.outputs[0])
-        if c is not None:
-            scale = c
-            chain.append(nxt)
-            nxt = _sole_reader(graph, nxt.outputs[0], users)
-        if nxt is None or not _softmax_last(graph, nxt, chain[-1].outputs[0]):
-            continue
+def _attention_site(graph: Graph, mm: Node, users):
+    """(swallowed nodes, scale, transposed output) of the attention starting at ``mm``."""
+    if mm.op_type != "MatMul" or mm.domain or len(mm.inputs) != 2:
+        return None
+    if not all(_is_f32(graph, n) for n in mm.inputs + mm.outputs):
+        return None
+    if len(graph.spec(mm.outputs[0]).shape) < 2:
+        return None
+    chain = [mm]
+    scale = 1.0
+    nxt = _sole_reader(graph, mm.outputs[0], users)
+    c = None if nxt is None else _scalar(graph, nxt, mm.outputs[0])
+    if c is not None:
+        scale = c
         chain.append(nxt)
-        mm2 = _sole_reader(graph, nxt.outputs[0], users)
-        if mm2 is None or mm2.op_type != "MatMul" or mm2.domain or mm2.inputs[0] != nxt.outputs[0]:
-            continue
-        if mm2.inputs[1] == nxt.outputs[0] or not _is_f32(graph, mm2.inputs[1]):
-            continue
-        chain.append(mm2)
-        tail = _sole_reader(graph, mm2.outputs[0], users)
-        transposed = (
-            tail is not None
-            and tail.op_type == "Transpose"
-            and not tail.domain
-            and len(graph.spec(mm2.outputs[0]).shape) == 4
-            and list(tail.attr("perm", [])) == [0, 2, 1, 3]
-        )
-        if transposed:
-            chain.append(tail)
-        return chain, scale, transposed
-    return None
+        nxt = _sole_reader(graph, nxt.outputs[0], users)
+    if nxt is None or not _softmax_last(graph, nxt, chain[-1].outputs[0]):
+        return None
+    chain.append(nxt)
+    mm2 = _sole_reader(graph, nxt.outputs[0], users)
+    if mm2 is None or mm2.op_type != "MatMul" or mm2.domain or mm2.inputs[0] != nxt.outputs[0]:
+        return None
+    if mm2.inputs[1] == nxt.outputs[0] or not _is_f32(graph, mm2.inputs[1]):
+        return None
+    chain.append(mm2)
+    tail = _sole_reader(graph, mm2.outputs[0], users)
+    transposed = (
+        tail is not None
+        and tail.op_type == "Transpose"
+        and not tail.domain
+        and len(graph.spec(mm2.outputs[0]).shape) == 4
+        and list(tail.attr("perm", [])) == [0, 2, 1, 3]
+    )
+    if transposed:
+        chain.append(tail)
+    return chain, scale, transposed
 
 
 def _fold_scale_into_producer(graph: Graph, q: str, scale: float, users) -> bool:
@@ -271,30 +294,25 @@ def _fold_scale_into_producer(graph: Graph, q: str, scale: float, users) -> bool
 
 
 def fuse_attention(graph: Graph, context: PassContext) -> bool:
-    changed = False
-    while True:
-        users = graph.consumers()
-        site = _attention_site(graph, users)
-        if site is None:
-            return changed
+    users = graph.consumers()
+    rewrite = _Rewrite()
+    for mm in graph.nodes:
+        site = _attention_site(graph, mm, users)
+        if site is None or not rewrite.free(site[0]):
+            continue
         chain, scale, transposed = site
         q, k = chain[0].inputs
         v = chain[-2].inputs[1] if transposed else chain[-1].inputs[1]
         if scale != 1 and _fold_scale_into_producer(graph, q, scale, users):
             scale = 1.0
-        fused = Node(
-            "Attention",
-            [q, k, v],
-            list(chain[-1].outputs),
-            name=chain[-1].name,
-            domain=FUSED_DOMAIN,
-        )
+        fused = Node("Attention", [q, k, v], list(chain[-1].outputs), name=chain[-1].name)
+        fused.domain = FUSED_DOMAIN
         fused.set_attr("scale", scale, AttributeProto.FLOAT)
         fused.set_attr("transpose_output", int(transposed))
         for node in chain:
             _merge(fused, node)
-        _replace(graph, fused, chain, chain[-1])
-        changed = True
+        rewrite.add(fused, chain, chain[-1])
+    return rewrite.apply(graph)
 
 
 # --------------------------------------------------------------------------- Q/K/V merge
@@ -311,7 +329,7 @@ def merge_linears(graph: Graph, context: PassContext) -> bool:
             and node.attr("epilogue", "none") == "none"
         ):
             groups.setdefault(node.inputs[0], []).append(node)
-    changed = False
+    rewrite = _Rewrite()
     for members in groups.values():
         if len(members) < 2:
             continue
@@ -332,6 +350,5 @@ def merge_linears(graph: Graph, context: PassContext) -> bool:
         fused.set_attr("splits", [int(w.shape[1]) for w in weights])
         for node in members:
             _merge(fused, node)
-        _replace(graph, fused, members, members[0])
-        changed = True
-    return changed
+        rewrite.add(fused, members, members[0])
+    return rewrite.apply(graph)

@@ -832,27 +832,45 @@ def _gelu_erf_f32(half: np.float32, inv_sqrt2: np.float32) -> Kernel:
     return run
 
 
-_GELU_C = 1 / math.sqrt(2)
-_GELU_NUMERATOR_F32 = tuple(np.float32(c * _GELU_C) for c in _ERF_NUMERATOR)
+# erf(sqrt(2) z) ~= tanh(z P(z^2) / (1 + q z^2)), a minimax fit on z in [0, 3] (the argument is
+# x / 2, see gelu_erf_halved_f32), with z P / Q >= 9.3 from z = 3 to 30 so tanh saturates to
+# exactly +-1 in float32 where erf does; z^2 is capped at 900 so huge inputs stay finite.
+_GELU_TANH_P = tuple(
+    np.float32(c)
+    for c in (
+        6.374399451142593e-04,
+        -8.340222034525023e-03,
+        9.20506861903035e-02,
+        7.991998373184652e-01,
+        1.5957740731672088,
+    )
+)
+_GELU_TANH_Q = np.float32(0.3187302311017982)
+_GELU_Z2_CAP = (np.float32(0), np.float32(900))
 
 
-def gelu_erf_prescaled_f32(h: np.ndarray) -> np.ndarray:
-    """The erf GELU of ``x`` given ``h = x / sqrt(2)`` (float32, a fresh buffer this function
-    may overwrite), as a fresh array.
+def gelu_erf_halved_f32(z: np.ndarray) -> np.ndarray:
+    """The erf GELU of ``x`` given ``z = x / 2`` (float32; a fresh buffer this function
+    overwrites with the result, which it returns).
 
-    GELU(x) = 0.5 x (1 + erf(x / sqrt 2)) = h (c + c erf(h)) with c = 1 / sqrt(2), and c is
-    folded into the erf numerator's coefficients, so once a producer has scaled its weights by
-    1 / sqrt(2) the GELU costs neither the input scaling nor the final halving pass. Same
-    rational erf (and error, <= 4e-7 absolute on erf) as :func:`_erf_f32_of_clipped`.
+    GELU(x) = 0.5 x (1 + erf(x / sqrt 2)) = z (1 + erf(sqrt(2) z)), and erf(sqrt(2) z) is
+    tanh of a small rational function of z, so the whole GELU is ten passes over memory (one
+    of them numpy's vectorised tanh) instead of the ~25 of a rational erf. A producer that
+    scales its weights by 1/2 (exact in binary) hands over z at no cost. Error against the
+    exact GELU, evaluated in float32: <= 1.2e-6 absolute, at most a few ulps of the result,
+    the same as the rational erf's (1.4e-6).
     """
-    t = np.clip(h, *_ERF_CLIP)
-    x2 = np.multiply(t, t)
-    p = _horner(_GELU_NUMERATOR_F32, x2, np.empty_like(x2))
-    p *= t
-    p /= _horner(_ERF_DENOMINATOR_F32, x2, t)
-    p += np.float32(_GELU_C)
-    p *= h
-    return p
+    s = np.multiply(z, z)
+    np.clip(s, *_GELU_Z2_CAP, out=s)
+    p = _horner(_GELU_TANH_P, s, np.empty_like(s))
+    s *= _GELU_TANH_Q
+    s += np.float32(1)
+    p /= s
+    p *= z
+    np.tanh(p, out=p)
+    p += np.float32(1)
+    np.multiply(p, z, out=z)
+    return z
 
 
 @register("Erf", 9, 13)
