@@ -818,23 +818,9 @@ def _erf(dtype: np.dtype) -> Kernel:
     return lambda x: np.asarray(fn(x), dtype=dtype)
 
 
-def _gelu_erf_f32(half: np.float32, inv_sqrt2: np.float32) -> Kernel:
-    """float32 erf GELU in three buffers: the scaled input is clipped in place for the erf."""
-
-    def run(x):
-        t = np.multiply(x, inv_sqrt2)
-        p = _erf_f32_of_clipped(np.clip(t, *_ERF_CLIP, out=t))
-        p += 1
-        p *= x
-        p *= half
-        return p
-
-    return run
-
-
 # erf(sqrt(2) z) ~= tanh(z P(z^2) / (1 + q z^2)), a minimax fit on z in [0, 3] (the argument is
 # x / 2, see gelu_erf_halved_f32), with z P / Q >= 9.3 from z = 3 to 30 so tanh saturates to
-# exactly +-1 in float32 where erf does; z^2 is capped at 900 so huge inputs stay finite.
+# exactly +-1 in float32 where erf does; z is clipped to +-30 there so huge inputs stay finite.
 _GELU_TANH_P = tuple(
     np.float32(c)
     for c in (
@@ -846,7 +832,7 @@ _GELU_TANH_P = tuple(
     )
 )
 _GELU_TANH_Q = np.float32(0.3187302311017982)
-_GELU_Z2_CAP = (np.float32(0), np.float32(900))
+_GELU_Z_CLIP = (np.float32(-30), np.float32(30))
 
 
 def gelu_erf_halved_f32(z: np.ndarray) -> np.ndarray:
@@ -860,17 +846,22 @@ def gelu_erf_halved_f32(z: np.ndarray) -> np.ndarray:
     exact GELU, evaluated in float32: <= 1.2e-6 absolute, at most a few ulps of the result,
     the same as the rational erf's (1.4e-6).
     """
-    s = np.multiply(z, z)
-    np.clip(s, *_GELU_Z2_CAP, out=s)
+    t = np.clip(z, *_GELU_Z_CLIP)
+    s = np.multiply(t, t)
     p = _horner(_GELU_TANH_P, s, np.empty_like(s))
     s *= _GELU_TANH_Q
     s += np.float32(1)
     p /= s
-    p *= z
+    p *= t
     np.tanh(p, out=p)
     p += np.float32(1)
     np.multiply(p, z, out=z)
     return z
+
+
+def _gelu_erf_f32(x: np.ndarray) -> np.ndarray:
+    """float32 erf GELU: halve x into a fresh buffer, then :func:`gelu_erf_halved_f32`."""
+    return gelu_erf_halved_f32(np.multiply(x, np.float32(0.5)))
 
 
 @register("Erf", 9, 13)
@@ -908,7 +899,7 @@ def gelu(ctx: KernelContext):
             return run
         inv_sqrt2 = dtype.type(1 / math.sqrt(2))
         if dtype == np.float32:
-            return _gelu_erf_f32(half, inv_sqrt2)
+            return _gelu_erf_f32
         erf_fn = _erf(dtype)
 
         def run_erf(x):
