@@ -821,17 +821,17 @@ def _erf(dtype: np.dtype) -> Kernel:
 # erf(sqrt(2) z) ~= tanh(z P(z^2) / (1 + q z^2)), a minimax fit on z in [0, 3] (the argument is
 # x / 2, see gelu_erf_halved_f32), with z P / Q >= 9.3 from z = 3 to 30 so tanh saturates to
 # exactly +-1 in float32 where erf does; z is clipped to +-30 there so huge inputs stay finite.
-_GELU_TANH_P = tuple(
-    np.float32(c)
-    for c in (
-        6.374399451142593e-04,
-        -8.340222034525023e-03,
-        9.20506861903035e-02,
-        7.991998373184652e-01,
-        1.5957740731672088,
-    )
+# P's leading coefficient is divided out of both (P monic saves its first pass).
+_GELU_TANH_P = (
+    6.374399451142593e-04,
+    -8.340222034525023e-03,
+    9.20506861903035e-02,
+    7.991998373184652e-01,
+    1.5957740731672088,
 )
-_GELU_TANH_Q = np.float32(0.3187302311017982)
+_GELU_TANH_Q = 0.3187302311017982
+_GELU_MONIC_P = tuple(np.float32(c / _GELU_TANH_P[0]) for c in _GELU_TANH_P[1:])
+_GELU_MONIC_Q = (np.float32(_GELU_TANH_Q / _GELU_TANH_P[0]), np.float32(1 / _GELU_TANH_P[0]))
 _GELU_Z_CLIP = (np.float32(-30), np.float32(30))
 
 
@@ -840,17 +840,20 @@ def gelu_erf_halved_f32(z: np.ndarray) -> np.ndarray:
     overwrites with the result, which it returns).
 
     GELU(x) = 0.5 x (1 + erf(x / sqrt 2)) = z (1 + erf(sqrt(2) z)), and erf(sqrt(2) z) is
-    tanh of a small rational function of z, so the whole GELU is ten passes over memory (one
-    of them numpy's vectorised tanh) instead of the ~25 of a rational erf. A producer that
+    tanh of a small rational function of z, so the whole GELU is 16 passes over memory (one
+    of them numpy's vectorised tanh) instead of the 28 of the rational erf. A producer that
     scales its weights by 1/2 (exact in binary) hands over z at no cost. Error against the
     exact GELU, evaluated in float32: <= 1.2e-6 absolute, at most a few ulps of the result,
     the same as the rational erf's (1.4e-6).
     """
     t = np.clip(z, *_GELU_Z_CLIP)
     s = np.multiply(t, t)
-    p = _horner(_GELU_TANH_P, s, np.empty_like(s))
-    s *= _GELU_TANH_Q
-    s += np.float32(1)
+    p = np.add(s, _GELU_MONIC_P[0])
+    for c in _GELU_MONIC_P[1:]:
+        p *= s
+        p += c
+    s *= _GELU_MONIC_Q[0]
+    s += _GELU_MONIC_Q[1]
     p /= s
     p *= t
     np.tanh(p, out=p)
