@@ -323,3 +323,29 @@ def test_standalone_gelu_accuracy_over_the_whole_range():
     exact = 0.5 * x64 * (1 + np.array([math.erf(v / math.sqrt(2)) for v in x64]))
     err = np.abs(got - exact) / np.maximum(1.0, np.abs(exact))
     assert np.all(np.isfinite(got)) and float(err.max()) <= 2e-6
+
+
+def test_linear_residual_and_layer_norm_with_symbolic_dims():
+    """Symbolic dims the inputs share make the residual's shape provably equal at load."""
+    rng = np.random.default_rng(14)
+    inits = {"W": _rand(rng, 6, 4), "b": _rand(rng, 4), "g": _rand(rng, 4), "be": _rand(rng, 4)}
+    nodes = [
+        helper.make_node("MatMul", ["x", "W"], ["m"]),
+        helper.make_node("Add", ["m", "b"], ["y0"]),
+        helper.make_node("Add", ["y0", "r"], ["y1"]),
+        helper.make_node("LayerNormalization", ["y1", "g", "be"], ["y"], axis=-1),
+    ]
+    model = _model(nodes, [("x", ["n", 6]), ("r", ["n", 4])], [("y", ["n", 4])], inits)
+    for n in (5, 1):
+        net = _check(model, {"x": _rand(rng, n, 6), "r": _rand(rng, n, 4)})
+        assert _fused_ops(net) == [("Linear", "layernorm")]
+
+
+@pytest.mark.parametrize("batch", [0, 1])
+def test_empty_batches(batch):
+    model = bench_encoder(layers=1, hidden=16, heads=2, seq=4)
+    x = np.zeros((batch, 4, 16), np.float32)
+    out = NumpyPlugin().load_network(model).create_infer_request().infer({"input": x})["output"]
+    expected = ReferenceEvaluator(model).run(None, {"input": x})[0]
+    assert out.shape == expected.shape
+    np.testing.assert_allclose(out, expected, atol=1e-5)

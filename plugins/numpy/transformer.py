@@ -95,7 +95,7 @@ def linear(ctx: KernelContext) -> Callable[..., tuple[np.ndarray, ...]]:
             return _plain(x, r)
         rows = math.prod(lead)
         x2 = x.reshape(rows, k)
-        if sgemm is None or not rows:
+        if sgemm is None or not (rows and k and n):  # BLAS wants leading dims >= 1
             y = np.matmul(x2, w)
             if bias is not None:
                 y += bias
@@ -125,10 +125,24 @@ def linear(ctx: KernelContext) -> Callable[..., tuple[np.ndarray, ...]]:
             return (y,)
         return tuple(np.split(y, cuts, axis=-1))
 
+    plain = _plain_linear(ctx, kind)
+
     def _plain(x: np.ndarray, r: np.ndarray | None) -> tuple[np.ndarray, ...]:
-        """Other dtypes or unexpected shapes: the unfused ops, one by one."""
-        work = x.astype(_F32) if x.dtype == np.float16 else x
-        y = np.matmul(work, ctx.constant(1))
+        y = plain(x, r)
+        return (y,) if not cuts else tuple(np.split(y, cuts, axis=-1))
+
+    return run
+
+
+def _plain_linear(ctx: KernelContext, kind: str) -> Callable[..., np.ndarray]:
+    """The unfused ops one by one, for inputs the fast path does not take (other dtypes, a
+    residual that broadcasts at run time)."""
+    w, b = ctx.constant(1), ctx.constant(2)
+    scale, shift = ctx.constant(4), ctx.constant(5)
+    eps = float(ctx.attr("epsilon", 1e-5))
+
+    def run(x: np.ndarray, r: np.ndarray | None) -> np.ndarray:
+        y = np.matmul(x.astype(_F32) if x.dtype == np.float16 else x, w)
         if b is not None:
             y = y + b
         if kind == "gelu":
@@ -136,16 +150,14 @@ def linear(ctx: KernelContext) -> Callable[..., tuple[np.ndarray, ...]]:
         if r is not None:
             y = y + r
         if kind == "layernorm":
-            scale, bias_ln = (ctx.constant(i) for i in (4, 5))
-            rows = y.reshape(-1, n).astype(np.float64)
-            mean = rows.mean(axis=1, keepdims=True)
-            var = ((rows - mean) ** 2).mean(axis=1, keepdims=True)
-            norm = (rows - mean) / np.sqrt(var + float(ctx.attr("epsilon", 1e-5))) * scale
-            y = (norm if bias_ln is None else norm + bias_ln).reshape(y.shape).astype(y.dtype)
-        y = y.astype(x.dtype, copy=False)
-        if not cuts:
-            return (y,)
-        return tuple(np.split(y, cuts, axis=-1))
+            rows = y.reshape(-1, y.shape[-1]).astype(np.float64)
+            rows = rows - rows.mean(axis=1, keepdims=True)
+            rows /= np.sqrt((rows**2).mean(axis=1, keepdims=True) + eps)
+            rows *= scale
+            if shift is not None:
+                rows += shift
+            y = rows.reshape(y.shape).astype(y.dtype)
+        return y.astype(x.dtype, copy=False)
 
     return run
 
@@ -164,27 +176,30 @@ def attention(ctx: KernelContext) -> Callable[..., np.ndarray]:
     transpose_output = bool(ctx.attr("transpose_output", 0))
 
     def run(q, k, v):
-        if q.dtype not in (_F32, np.dtype(np.float64)) or k.dtype != q.dtype or v.dtype != q.dtype:
+        if q.dtype != _F32 or k.dtype != _F32 or v.dtype != _F32:
             return _plain(q, k, v)
         s = np.matmul(q, k)
-        if s.ndim < 1 or s.size == 0 or not s.flags.c_contiguous:
-            return _plain(q, k, v)
-        if scale != 1:
-            s *= s.dtype.type(scale)
-        softmax_last_axis_inplace(s)
+        if s.size:
+            if scale != 1:
+                s *= _F32.type(scale)
+            softmax_last_axis_inplace(s)
         if transpose_output and s.ndim == 4 and v.ndim == 4:
             b, h = np.broadcast_shapes(s.shape[:2], v.shape[:2])
-            out = np.empty((b, s.shape[2], h, v.shape[3]), s.dtype)
+            out = np.empty((b, s.shape[2], h, v.shape[3]), _F32)
             np.matmul(s, v, out=out.transpose(0, 2, 1, 3))
             return out
-        return np.matmul(s, v)
+        return _arrange(np.matmul(s, v))
+
+    def _arrange(y: np.ndarray) -> np.ndarray:
+        return y.transpose(0, 2, 1, 3) if transpose_output else y
 
     def _plain(q, k, v):
-        work = np.float32 if q.dtype == np.float16 else q.dtype
-        s = np.matmul(q.astype(work), k.astype(work)) * work(scale)
-        s = np.exp(s - s.max(axis=-1, keepdims=True))
-        s /= s.sum(axis=-1, keepdims=True)
-        y = np.matmul(s, v.astype(work)).astype(q.dtype)
-        return y.transpose(0, 2, 1, 3) if transpose_output and y.ndim == 4 else y
+        """Other dtypes: the unfused ops, in float32 for float16."""
+        work = np.dtype(np.float32) if q.dtype == np.float16 else q.dtype
+        s = np.matmul(q.astype(work), k.astype(work)) * work.type(scale)
+        if s.size:
+            s = np.exp(s - s.max(axis=-1, keepdims=True))
+            s /= s.sum(axis=-1, keepdims=True)
+        return _arrange(np.matmul(s, v.astype(work)).astype(q.dtype))
 
     return run
