@@ -263,7 +263,7 @@ def softmax_last_axis_inplace(e: np.ndarray) -> np.ndarray:
     """Softmax along the last axis of ``e`` (float32/float64, C-contiguous, a fresh buffer the
     caller owns), computed in place and returned.
 
-    When every value lies within +-spread/2 (60 for float32) exp cannot overflow nor a whole
+    When every value lies within +-spread/2 (+-30 for float32) exp cannot overflow nor a whole
     row underflow, so no shift is subtracted at all: exp(x_i) / sum exp(x) equals the shifted
     form to rounding. Otherwise the usual shift (global or per-row maximum) applies.
     """
