@@ -121,7 +121,8 @@ def test_layer_seconds_per_op_type_with_perf_count(server, client):
             for k, v in samples(text, "plugserve_layer_seconds_total").items()
             if dict(k)["model"] == "perf_mlp"
         }
-        assert set(layers) == op_types and "MatMul" in op_types
+        # the MLP's MatMul + Add run as one fused Linear on NUMPY
+        assert set(layers) == op_types and op_types & {"MatMul", "Linear"}
         assert all(v >= 0 for v in layers.values()) and sum(layers.values()) > 0
         # networks without PERF_COUNT have no per-layer series
         models = {dict(k)["model"] for k in samples(text, "plugserve_layer_seconds_total")}

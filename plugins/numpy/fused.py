@@ -13,6 +13,7 @@ from collections.abc import Callable
 import numpy as np
 
 from plugserve.plugins.numpy.kernels.registry import KernelContext, Registry
+from plugserve.plugins.numpy.transformer import register_transformer
 from plugserve.plugins.passes.fusion import FUSED_DOMAIN
 
 __all__ = ["register_fused"]
@@ -64,6 +65,7 @@ def register_fused(registry: Registry) -> None:
     for base in ("Conv", "Gemm", "MatMul"):
         registry.register(f"Fused{base}", 1, domain=FUSED_DOMAIN)(_builder(registry))
     registry.register("Gelu", 1, domain=FUSED_DOMAIN)(_standard_builder(registry))
+    register_transformer(registry, FUSED_DOMAIN)
 
 
 def _standard_builder(registry: Registry) -> Callable[[KernelContext], Callable[..., np.ndarray]]:

@@ -13,6 +13,7 @@ from plugserve.plugins.passes.fusion import (
 from plugserve.plugins.passes.inline import inline_functions
 from plugserve.plugins.passes.manager import Pass, PassContext, PassManager
 from plugserve.plugins.passes.precision import convert_f16_to_f32
+from plugserve.plugins.passes.transformer import fuse_transformer
 from plugserve.plugins.passes.types import infer_extension_types
 
 __all__ = [
@@ -40,6 +41,7 @@ def standard_pipeline() -> PassManager:
             ("fuse_relu_relu", fuse_relu_relu),
             ("fuse_activations", fuse_activations),
             ("fuse_gelu", fuse_gelu),
+            ("fuse_transformer", fuse_transformer),
             ("eliminate_dead_nodes", eliminate_dead_nodes),
         ]
     )

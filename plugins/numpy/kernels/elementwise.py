@@ -818,18 +818,53 @@ def _erf(dtype: np.dtype) -> Kernel:
     return lambda x: np.asarray(fn(x), dtype=dtype)
 
 
-def _gelu_erf_f32(half: np.float32, inv_sqrt2: np.float32) -> Kernel:
-    """float32 erf GELU in three buffers: the scaled input is clipped in place for the erf."""
+# erf(sqrt(2) z) ~= tanh(z P(z^2) / (1 + q z^2)), a minimax fit on z in [0, 3] (the argument is
+# x / 2, see gelu_erf_halved_f32), with z P / Q >= 9.3 from z = 3 to 30 so tanh saturates to
+# exactly +-1 in float32 where erf does; z is clipped to +-30 there so huge inputs stay finite.
+# P's leading coefficient is divided out of both (P monic saves its first pass).
+_GELU_TANH_P = (
+    6.374399451142593e-04,
+    -8.340222034525023e-03,
+    9.20506861903035e-02,
+    7.991998373184652e-01,
+    1.5957740731672088,
+)
+_GELU_TANH_Q = 0.3187302311017982
+_GELU_MONIC_P = tuple(np.float32(c / _GELU_TANH_P[0]) for c in _GELU_TANH_P[1:])
+_GELU_MONIC_Q = (np.float32(_GELU_TANH_Q / _GELU_TANH_P[0]), np.float32(1 / _GELU_TANH_P[0]))
+_GELU_Z_CLIP = (np.float32(-30), np.float32(30))
 
-    def run(x):
-        t = np.multiply(x, inv_sqrt2)
-        p = _erf_f32_of_clipped(np.clip(t, *_ERF_CLIP, out=t))
-        p += 1
-        p *= x
-        p *= half
-        return p
 
-    return run
+def gelu_erf_halved_f32(z: np.ndarray) -> np.ndarray:
+    """The erf GELU of ``x`` given ``z = x / 2`` (float32; a fresh buffer this function
+    overwrites with the result, which it returns).
+
+    GELU(x) = 0.5 x (1 + erf(x / sqrt 2)) = z (1 + erf(sqrt(2) z)), and erf(sqrt(2) z) is
+    tanh of a small rational function of z, so the whole GELU is 16 passes over memory (one
+    of them numpy's vectorised tanh) instead of the 28 of the rational erf. A producer that
+    scales its weights by 1/2 (exact in binary) hands over z at no cost. Error against the
+    exact GELU, evaluated in float32: <= 1.2e-6 absolute, at most a few ulps of the result,
+    the same as the rational erf's (1.4e-6).
+    """
+    t = np.clip(z, *_GELU_Z_CLIP)
+    s = np.multiply(t, t)
+    p = np.add(s, _GELU_MONIC_P[0])
+    for c in _GELU_MONIC_P[1:]:
+        p *= s
+        p += c
+    s *= _GELU_MONIC_Q[0]
+    s += _GELU_MONIC_Q[1]
+    p /= s
+    p *= t
+    np.tanh(p, out=p)
+    p += np.float32(1)
+    np.multiply(p, z, out=z)
+    return z
+
+
+def _gelu_erf_f32(x: np.ndarray) -> np.ndarray:
+    """float32 erf GELU: halve x into a fresh buffer, then :func:`gelu_erf_halved_f32`."""
+    return gelu_erf_halved_f32(np.multiply(x, np.float32(0.5)))
 
 
 @register("Erf", 9, 13)
@@ -867,7 +902,7 @@ def gelu(ctx: KernelContext):
             return run
         inv_sqrt2 = dtype.type(1 / math.sqrt(2))
         if dtype == np.float32:
-            return _gelu_erf_f32(half, inv_sqrt2)
+            return _gelu_erf_f32
         erf_fn = _erf(dtype)
 
         def run_erf(x):

@@ -259,6 +259,51 @@ def _softmax_rows(x2):
     return e
 
 
+def softmax_last_axis_inplace(e: np.ndarray) -> np.ndarray:
+    """Softmax along the last axis of ``e`` (float32/float64, C-contiguous, a fresh buffer the
+    caller owns), computed in place and returned.
+
+    When every value lies within +-spread/2 (+-30 for float32) exp cannot overflow nor a whole
+    row underflow, so no shift is subtracted at all: exp(x_i) / sum exp(x) equals the shifted
+    form to rounding. Otherwise the usual shift (global or per-row maximum) applies.
+    """
+    rows = e.reshape(-1, e.shape[-1])
+    spread = _SAFE_SPREAD[e.dtype]
+    hi, lo = rows.max(), rows.min()
+    if not (-spread / 2 <= lo and hi <= spread / 2):
+        if hi - lo <= spread:
+            np.subtract(rows, hi, out=rows)
+        else:
+            np.subtract(rows, np.maximum.reduce(rows.T, axis=0)[:, None], out=rows)
+    np.exp(rows, out=rows)
+    sums = rows @ _ones(rows.shape[1], rows.dtype)
+    np.reciprocal(sums, out=sums)
+    rows *= sums[:, None]
+    return e
+
+
+def layer_norm_rows_inplace(
+    y: np.ndarray, scale: np.ndarray | None, bias: np.ndarray | None, eps: float
+) -> np.ndarray:
+    """LayerNormalization over the rows of a 2-D float32/float64 C-contiguous array that the
+    caller owns, in place: mean through BLAS, variance of the centred rows through einsum."""
+    n = y.shape[1]
+    mean = y @ _ones(n, y.dtype)
+    mean *= y.dtype.type(1 / n)
+    y -= mean[:, None]
+    inv = np.einsum("ij,ij->i", y, y)
+    inv *= y.dtype.type(1 / n)
+    inv += y.dtype.type(eps)
+    np.sqrt(inv, out=inv)
+    np.reciprocal(inv, out=inv)
+    y *= inv[:, None]
+    if scale is not None:
+        y *= scale
+    if bias is not None:
+        y += bias
+    return y
+
+
 def _log_softmax_rows(x2):
     e = _shifted_rows(x2)
     with np.errstate(divide="ignore"):
