@@ -156,3 +156,154 @@ def test_resnet18_within_bound(numpy_plugin, winograd_tiles):
     assert _rel_err(ours, ref) <= BOUND
     assert sorted({r for r, _ in winograd_tiles}) == [2, 4]
     assert sum(r == 4 for r, _ in winograd_tiles) == 7
+
+
+# --------------------------------------------------------------------------- conv fusions
+
+
+def _transformed_ops(plugin, model):
+    from plugserve.plugins.ir import load_model
+
+    graph = plugin.transform(load_model(model), plugin.merged_config({}))
+    return {node.op_type: node for node in graph.nodes}, graph
+
+
+def _against_plain_and_ort(plugin, model, feeds, tol=2e-5):
+    """The transformed network against the untransformed one and onnxruntime."""
+    ort = pytest.importorskip("onnxruntime")
+    fast = plugin.load_network(model).infer(feeds)
+    plain = plugin.load_network(model, {"DISABLE_TRANSFORMATIONS": "YES"}).infer(feeds)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    for name, ref in zip([o.name for o in model.graph.output], session.run(None, feeds)):
+        assert _rel_err(fast[name], ref) <= tol
+        assert _rel_err(fast[name], plain[name]) <= tol
+
+
+POOLS = [
+    {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]},  # ResNet's stem
+    {"kernel_shape": [2, 2], "strides": [2, 2]},
+    {"kernel_shape": [3, 3], "strides": [2, 2], "ceil_mode": 1},
+    {"kernel_shape": [3, 3], "strides": [1, 1], "pads": [0, 1, 2, 1]},
+    {"kernel_shape": [2, 3], "strides": [1, 2], "dilations": [2, 1]},
+]
+
+
+@pytest.mark.parametrize("pool", POOLS)
+@pytest.mark.parametrize(
+    ("k", "stride", "relu", "bias"),
+    [(7, 2, True, True), (3, 1, True, False), (1, 1, False, True), (3, 2, False, False)],
+)
+def test_conv_relu_maxpool_fusion(numpy_plugin, pool, k, stride, relu, bias):
+    """Pooling the raw conv output and applying bias and Relu after gives the same map."""
+    rng = np.random.default_rng(k + stride)
+    c, m, h, w = 3, 16, 29, 34
+    weight = (rng.standard_normal((m, c, k, k)) * 0.3).astype(np.float32)
+    inits = [numpy_helper.from_array(weight, "w")]
+    inputs = ["x", "w"]
+    if bias:
+        inits.append(numpy_helper.from_array(rng.standard_normal(m).astype(np.float32), "b"))
+        inputs.append("b")
+    conv = helper.make_node(
+        "Conv", inputs, ["c"], name="conv", strides=[stride] * 2, pads=[k // 2] * 4
+    )
+    nodes = [conv]
+    if relu:
+        nodes.append(helper.make_node("Relu", ["c"], ["r"], name="relu"))
+    nodes.append(helper.make_node("MaxPool", [nodes[-1].output[0]], ["y"], name="pool", **pool))
+    model = _model(
+        nodes,
+        [helper.make_tensor_value_info("x", F32, [2, c, h, w])],
+        [helper.make_tensor_value_info("y", F32, ["n", "m", "h", "w"])],
+        inits,
+    )
+    ops, graph = _transformed_ops(numpy_plugin, model)
+    assert list(ops) == ["FusedConvPool"]
+    assert sorted(graph.original_names()) == sorted(n.name for n in nodes)
+    x = rng.standard_normal((2, c, h, w)).astype(np.float32)
+    _against_plain_and_ort(numpy_plugin, model, {"x": x})
+
+
+def test_maxpool_with_indices_or_other_readers_is_not_fused(numpy_plugin):
+    rng = np.random.default_rng(5)
+    weight = numpy_helper.from_array(rng.standard_normal((4, 3, 3, 3)).astype(np.float32), "w")
+    pool = {"kernel_shape": [2, 2], "strides": [2, 2]}
+    nodes = [
+        helper.make_node("Conv", ["x", "w"], ["c"], name="conv", pads=[1] * 4),
+        helper.make_node("MaxPool", ["c"], ["y", "i"], name="pool", **pool),
+    ]
+    outputs = [
+        helper.make_tensor_value_info("y", F32, ["n", "m", "h", "w"]),
+        helper.make_tensor_value_info("i", TensorProto.INT64, ["n", "m", "h", "w"]),
+    ]
+    x_info = helper.make_tensor_value_info("x", F32, [1, 3, 8, 8])
+    model = _model(nodes, [x_info], outputs, [weight])
+    ops, _ = _transformed_ops(numpy_plugin, model)
+    assert "FusedConvPool" not in ops
+    x = rng.standard_normal((1, 3, 8, 8)).astype(np.float32)
+    _against_plain_and_ort(numpy_plugin, model, {"x": x})
+
+
+def _residual_block(rng, c, h, shortcut_conv, add_first, relu, bias, other_shape=None):
+    """Conv(x) + shortcut [-> Relu]; the shortcut is x, a 1x1 conv computed after the main
+    conv, or a broadcast constant of ``other_shape``."""
+
+    def const(name, shape, scale):
+        value = (rng.standard_normal(shape) * scale).astype(np.float32)
+        return numpy_helper.from_array(value, name)
+
+    inits = [const("w", (c, c, 3, 3), (2 / (9 * c)) ** 0.5)]
+    inputs = ["x", "w"]
+    if bias:
+        inits.append(const("b", (c,), 0.1))
+        inputs.append("b")
+    nodes = [helper.make_node("Conv", inputs, ["c"], name="conv", pads=[1] * 4)]
+    other = "x"
+    if shortcut_conv:
+        inits.append(const("ws", (c, c, 1, 1), c**-0.5))
+        nodes.append(helper.make_node("Conv", ["x", "ws"], ["s"], name="short"))
+        other = "s"
+    elif other_shape is not None:
+        inits.append(const("k", other_shape, 1.0))
+        other = "k"
+    operands = [other, "c"] if add_first else ["c", other]
+    nodes.append(helper.make_node("Add", operands, ["sum"], name="add"))
+    out = "sum"
+    if relu:
+        nodes.append(helper.make_node("Relu", ["sum"], ["act"], name="relu"))
+        out = "act"
+    return _model(
+        nodes,
+        [helper.make_tensor_value_info("x", F32, [1, c, h, h])],
+        [helper.make_tensor_value_info(out, F32, ["n", "m", "h", "w"])],
+        inits,
+    ), nodes
+
+
+@pytest.mark.parametrize(
+    ("c", "h", "shortcut_conv", "add_first", "relu", "bias"),
+    [
+        (64, 56, False, False, True, True),  # ResNet layer 1 (F(4, 3))
+        (256, 14, True, True, True, True),  # layer 3 with a downsampling shortcut (F(2, 3))
+        (16, 9, False, True, False, False),  # direct path, no Relu, no bias
+        (16, 9, True, False, True, False),
+    ],
+)
+def test_conv_residual_fusion(numpy_plugin, c, h, shortcut_conv, add_first, relu, bias):
+    rng = np.random.default_rng(c + h)
+    model, nodes = _residual_block(rng, c, h, shortcut_conv, add_first, relu, bias)
+    ops, graph = _transformed_ops(numpy_plugin, model)
+    assert "Add" not in ops and "Relu" not in ops
+    assert ops["FusedConv"].attrs["residual"].i == 1
+    assert sorted(graph.original_names()) == sorted(n.name for n in nodes)
+    x = rng.standard_normal((1, c, h, h)).astype(np.float32)
+    _against_plain_and_ort(numpy_plugin, model, {"x": x}, tol=BOUND if h == 56 else 2e-5)
+
+
+def test_conv_residual_fusion_broadcasting_add(numpy_plugin):
+    """An Add that broadcasts the conv output to a larger shape still gives that shape."""
+    rng = np.random.default_rng(9)
+    model, _ = _residual_block(rng, 8, 6, False, False, True, True, other_shape=(2, 8, 6, 6))
+    x = rng.standard_normal((1, 8, 6, 6)).astype(np.float32)
+    out = numpy_plugin.load_network(model).infer({"x": x})["act"]
+    assert out.shape == (2, 8, 6, 6)
+    _against_plain_and_ort(numpy_plugin, model, {"x": x})

@@ -7,6 +7,8 @@ from plugserve.plugins.passes.fusion import (
     FUSED_DOMAIN,
     fold_conv_batchnorm,
     fuse_activations,
+    fuse_conv_pool,
+    fuse_conv_residual,
     fuse_gelu,
     fuse_relu_relu,
 )
@@ -39,6 +41,8 @@ def standard_pipeline() -> PassManager:
             ("fold_conv_batchnorm", fold_conv_batchnorm),
             ("fuse_relu_relu", fuse_relu_relu),
             ("fuse_activations", fuse_activations),
+            ("fuse_conv_residual", fuse_conv_residual),
+            ("fuse_conv_pool", fuse_conv_pool),
             ("fuse_gelu", fuse_gelu),
             ("eliminate_dead_nodes", eliminate_dead_nodes),
         ]

@@ -43,6 +43,7 @@ __all__ = [
     "col2im_add",
     "conv_builder",
     "conv_forward",
+    "conv_pool_builder",
     "pack_conv_weight",
 ]
 
@@ -364,13 +365,17 @@ def conv_forward(
     bias: np.ndarray | None,
     depthwise: np.ndarray | None = None,
     winograd: Winograd | None = None,
+    raw: bool = False,
 ) -> np.ndarray:
     """Convolution of ``x`` (already in the compute dtype) with packed weights.
 
     ``packed`` comes from :func:`pack_conv_weight`; ``bias`` is ``(M,)`` in the compute dtype
     or None; ``depthwise`` is the weight as ``(C, mult, prod(k))`` when the node is depthwise
     (groups == C, one input channel each); ``winograd`` the transformed weights of a conv
-    :func:`winograd_weights` accepted. Returns a fresh array ``(N, M, *out)``.
+    :func:`winograd_weights` accepted. Returns a fresh array ``(N, M, *out)``; with ``raw``
+    (and no bias) it may instead be a read-only-by-convention strided view of a fresh buffer (the
+    "wide" paths' GEMM output with its junk columns skipped), for a consumer such as a fused
+    max pool that reads it once and saves the copy.
     """
     if winograd is not None and x.dtype == np.float32 and winograd.suits(x.shape):
         return winograd.forward(spec, x, bias)
@@ -385,7 +390,7 @@ def conv_forward(
     if plan.trim is not None:
         x = x[plan.trim]
     if plan.wide is not None:
-        return _conv_wide(plan, x, packed, groups, bias)
+        return _conv_wide(plan, x, packed, groups, bias, raw)
     if plan.padded is not None:
         xp = _pad_into(plan, x)
     elif x.flags.c_contiguous:
@@ -425,7 +430,7 @@ def _grouped_matmul(packed, cols, groups):
     return np.matmul(packed, cols)
 
 
-def _conv_wide(plan, x, packed, groups, bias):
+def _conv_wide(plan, x, packed, groups, bias, raw=False):
     """The "wide" paths of :func:`_conv_plan` (2-D convs): fill the stride phases, then either
     accumulate one BLAS GEMM per tap straight from them ("taps") or copy the tap runs into a
     column buffer for one matmul ("wide"); finally drop the junk columns while adding bias."""
@@ -459,6 +464,8 @@ def _conv_wide(plan, x, packed, groups, bias):
         y = _grouped_matmul(packed, cols.reshape(plan.cols_shape), groups)
     out_sp = plan.out_sp
     valid = y.reshape((n, m, out_sp[0], wq))[..., : out_sp[1]]
+    if raw and bias is None:
+        return valid
     out = np.empty((n, m, *out_sp), y.dtype)
     if bias is not None:
         np.add(valid, bias.reshape(m, 1, 1), out=out)
@@ -734,6 +741,72 @@ def _conv_runner(spec, groups, w_const, b_const, dtype, in_shape=None):
 
 
 register("Conv", 1, 11, 22)(conv_builder)
+
+
+class _PrefixedAttrs:
+    """A KernelContext seen through an attribute-name prefix (a fused node's pool_* attributes
+    as the MaxPool attributes :class:`ConvSpec` reads)."""
+
+    def __init__(self, ctx: KernelContext, prefix: str) -> None:
+        self.ctx, self.prefix = ctx, prefix
+
+    def attr(self, name: str, default=None):
+        return self.ctx.attr(self.prefix + name, default)
+
+    def unsupported(self, why: str):
+        return self.ctx.unsupported(why)
+
+
+def conv_pool_builder(ctx: KernelContext):
+    """FusedConvPool: Conv [-> Relu] -> MaxPool (a ResNet stem) as one kernel.
+
+    The max pool runs on the conv's raw GEMM output, before bias and Relu, which are then
+    applied to the pooled map only: both are monotone per channel, so max(relu(y + b)) is
+    exactly relu(max(y) + b), and the full-size map (4x the pooled one in ResNet) skips the
+    bias/junk-column copy and the Relu pass. Needs constant float32 weights (the fusion pass
+    checks).
+    """
+    dtype = ctx.input_dtype(0)
+    w_const = ctx.constant(1)
+    b_const = ctx.constant(2)
+    if dtype != np.float32 or w_const is None or (ctx.has_input(2) and b_const is None):
+        raise ctx.unsupported("FusedConvPool needs float32 input and constant weights")
+    activation = ctx.attr("activation", None)
+    if activation not in (None, "Relu"):
+        raise ctx.unsupported(f"activation {activation!r} before a max pool")
+    groups = int(ctx.attr("group", 1))
+    kernel = tuple(w_const.shape[2:])
+    spec = ConvSpec(ctx, ctx.attr("kernel_shape", None) or kernel)
+    pool_kernel = tuple(int(k) for k in ctx.attr("pool_kernel_shape"))
+    pool_spec = ConvSpec(
+        _PrefixedAttrs(ctx, "pool_"),  # type: ignore[arg-type]
+        pool_kernel,
+        ceil_mode=bool(ctx.attr("pool_ceil_mode", 0)),
+        pooling=True,
+    )
+    f32 = np.dtype(np.float32)
+    m, cg = w_const.shape[:2]
+    dw = None
+    if groups > 1 and cg == 1 and m % groups == 0:
+        dw = np.ascontiguousarray(w_const.reshape(groups, m // groups, -1), dtype=f32)
+    packed = pack_conv_weight(w_const, groups, f32)
+    wino = winograd_weights(spec, w_const, groups, f32, ctx.input_shape(0))
+    bias = None if b_const is None else np.ascontiguousarray(b_const, dtype=f32)
+
+    def run(x, w, b=None):
+        y = conv_forward(spec, groups, x, packed, kernel, None, dw, wino, raw=True)
+        axes = _separable_max_plan(pool_spec, y.shape, pool_kernel) if y.ndim > 2 else None
+        if axes:
+            p = _separable_max(y, axes)
+        else:
+            p = _pool_reduce(pool_spec, np.ascontiguousarray(y), pool_kernel, -np.inf, np.maximum)
+        if bias is not None:
+            p += bias.reshape((1, -1) + (1,) * (p.ndim - 2))
+        if activation == "Relu":
+            np.maximum(p, 0, out=p)
+        return p
+
+    return run
 
 
 # --------------------------------------------------------------------------- ConvTranspose
