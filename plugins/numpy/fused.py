@@ -2,11 +2,10 @@
 
 ``FusedConv``, ``FusedGemm`` and ``FusedMatMul`` are the standard op followed by an activation
 applied in place on the op's fresh output, so the activation costs no extra allocation. The base
-op is built by its own registered kernel; only the activation is added here. A FusedConv with
-``residual = 1`` (a ResNet block's Conv -> Add -> Relu) also adds its last input, the Add's other
-operand, in place before the activation (which is then optional). ``FusedConvPool`` (Conv ->
-[Relu] -> MaxPool) is built by :func:`plugserve.plugins.numpy.kernels.nn.conv_pool_builder`.
-``Gelu`` is the five-op erf GELU the passes found, run by ONNX Gelu's kernel."""
+op is built by its own registered kernel; only the activation is added here. ``FusedConvPool``
+(Conv -> [Relu] -> MaxPool) is built by :func:`kernels.nn.conv_pool_builder`.
+``Gelu`` is the five-op erf GELU the passes found, run by ONNX Gelu's kernel.
+"""
 
 from __future__ import annotations
 
@@ -92,26 +91,14 @@ def _builder(registry: Registry) -> Callable[[KernelContext], Callable[..., np.n
         entry = registry.lookup("", base_op, opset)
         if entry is None:
             raise ctx.unsupported(registry.why_unsupported("", base_op, opset))
-        dropped = ("activation", "activation_params", "residual")
-        residual = bool(ctx.attr("residual", 0))
-        base = entry.build(ctx.derive(base_op, "", opset, dropped))
-        name = ctx.attr("activation", None)
-        act = _activation(name, list(ctx.attr("activation_params", []))) if name else None
+        base = entry.build(ctx.derive(base_op, "", opset, ("activation", "activation_params")))
+        act = _activation(ctx.attr("activation"), list(ctx.attr("activation_params", [])))
 
         def run(*inputs: np.ndarray) -> np.ndarray:
-            if residual:
-                y = base(*inputs[:-1])
-            else:
-                y = base(*inputs)
+            y = base(*inputs)
             if not (isinstance(y, np.ndarray) and y.flags.writeable):
                 y = np.array(y)
-            if residual:
-                other = inputs[-1]
-                if other.shape == y.shape and other.dtype == y.dtype:
-                    y += other
-                else:  # broadcasting Add: the result may be larger than the conv's output
-                    y = np.add(y, other)
-            return act(y) if act is not None else y
+            return act(y)
 
         return run
 

@@ -8,7 +8,6 @@ from plugserve.plugins.passes.fusion import (
     fold_conv_batchnorm,
     fuse_activations,
     fuse_conv_pool,
-    fuse_conv_residual,
     fuse_gelu,
     fuse_relu_relu,
 )
@@ -41,7 +40,6 @@ def standard_pipeline() -> PassManager:
             ("fold_conv_batchnorm", fold_conv_batchnorm),
             ("fuse_relu_relu", fuse_relu_relu),
             ("fuse_activations", fuse_activations),
-            ("fuse_conv_residual", fuse_conv_residual),
             ("fuse_conv_pool", fuse_conv_pool),
             ("fuse_gelu", fuse_gelu),
             ("eliminate_dead_nodes", eliminate_dead_nodes),

@@ -21,7 +21,6 @@ __all__ = [
     "fold_conv_batchnorm",
     "fuse_activations",
     "fuse_conv_pool",
-    "fuse_conv_residual",
     "fuse_gelu",
     "fuse_relu_relu",
 ]
@@ -123,72 +122,6 @@ def fuse_activations(graph: Graph, context: PassContext) -> bool:
     return True
 
 
-def fuse_conv_residual(graph: Graph, context: PassContext) -> bool:
-    """Conv -> Add(other) [-> activation] (a ResNet block's end) becomes one FusedConv.
-
-    The fused node reads the Add's other operand as an extra last input (``residual = 1``;
-    a missing conv bias is kept as an empty input so positions hold) and adds it in place to
-    the conv's fresh output before the optional activation: no separate Add and Relu arrays
-    and passes. It takes the Add's place in the node order, since the other operand (the
-    shortcut branch) may be computed after the conv.
-    """
-    users = graph.consumers()
-    replaced: dict[int, Node | None] = {}
-    for conv in graph.nodes:
-        if conv.op_type != "Conv" or conv.domain or len(conv.outputs) != 1:
-            continue
-        add = _sole_reader(graph, conv.outputs[0], users)
-        if add is None or add.op_type != "Add" or add.domain or len(add.inputs) != 2:
-            continue
-        if add.inputs[0] == add.inputs[1] or id(add) in replaced:
-            continue
-        other = add.inputs[1] if add.inputs[0] == conv.outputs[0] else add.inputs[0]
-        ours, theirs = graph.spec(conv.outputs[0]), graph.spec(other)
-        if ours is None or theirs is None or ours.dtype is None or ours.dtype.kind != "f":
-            continue
-        if theirs.dtype != ours.dtype:
-            continue
-        last = add
-        act = _sole_reader(graph, add.outputs[0], users)
-        if act is not None and not act.domain and act.op_type in ACTIVATIONS:
-            last = act
-        opset = graph.node_opset(conv)
-        inputs = list(conv.inputs) + [""] * (3 - len(conv.inputs))
-        fused = Node(
-            "FusedConv",
-            [*inputs, other],
-            list(last.outputs),
-            name=conv.name,
-            domain=FUSED_DOMAIN,
-            attrs=dict(conv.attrs),
-            affinity=conv.affinity,
-            metadata={**conv.metadata, "opset": str(opset), "base_op": "Conv"},
-        )
-        fused.fused_names = list(conv.fused_names)
-        fused.set_attr("residual", 1)
-        if last is act:
-            fused.set_attr("activation", act.op_type)
-            params = [float(act.attr(name, default)) for name, default in ACTIVATIONS[act.op_type]]
-            fused.set_attr("activation_params", params, AttributeProto.FLOATS)
-        for node in (add, last):
-            _merge(fused, node)
-        replaced[id(conv)] = None
-        replaced[id(add)] = fused
-        if last is not add:
-            replaced[id(last)] = None
-    if not replaced:
-        return False
-    nodes: list[Node] = []
-    for node in graph.nodes:
-        if id(node) not in replaced:
-            nodes.append(node)
-        elif replaced[id(node)] is not None:
-            nodes.append(replaced[id(node)])
-    graph.nodes = nodes
-    graph.opsets.setdefault(FUSED_DOMAIN, 1)
-    return True
-
-
 def fuse_conv_pool(graph: Graph, context: PassContext) -> bool:
     """Conv [-> Relu] -> MaxPool (a ResNet stem) becomes one ``FusedConvPool`` node.
 
@@ -199,7 +132,7 @@ def fuse_conv_pool(graph: Graph, context: PassContext) -> bool:
     users = graph.consumers()
     dropped: set[int] = set()
     for conv in graph.nodes:
-        if len(conv.outputs) != 1 or conv.attr("residual", 0):
+        if len(conv.outputs) != 1:
             continue
         if not conv.domain and conv.op_type == "Conv":
             activation = None
