@@ -168,7 +168,8 @@ def test_performance_counts(numpy_plugin):
     originals = {n for c in counts for n in c.original_names}
     assert {"conv1", "bn1", "relu1", "fc", "softmax"} <= originals
     fused = next(c for c in counts if "bn1" in c.original_names)
-    assert fused.op_type == "FusedConv" and set(fused.original_names) == {"conv1", "bn1", "relu1"}
+    assert fused.op_type == "FusedConvPool"
+    assert set(fused.original_names) == {"conv1", "bn1", "relu1", "pool1"}
     plain = numpy_plugin.load_network(model).create_infer_request()
     plain.infer({"x": np.zeros((1, 3, 16, 16), np.float32)})
     with pytest.raises(FailedPrecondition, match="PERF_COUNT=YES"):

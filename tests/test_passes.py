@@ -25,8 +25,8 @@ def test_conv_bn_relu_fold_and_fuse_keep_original_names(numpy_plugin):
     ops = [n.op_type for n in graph.nodes]
     assert "BatchNormalization" not in ops and "Relu" not in ops
     fused = _by_original(graph)
-    assert fused["conv1"] is fused["bn1"] is fused["relu1"]
-    assert fused["conv1"].op_type == "FusedConv" and fused["conv1"].domain == "ai.plugserve"
+    assert fused["conv1"] is fused["bn1"] is fused["relu1"] is fused["pool1"]
+    assert fused["conv1"].op_type == "FusedConvPool" and fused["conv1"].domain == "ai.plugserve"
     assert fused["conv2"] is fused["relu2"]
     original = {n.name for n in small_cnn().graph.node}
     assert set(graph.original_names()) | set(graph.absorbed) == original

@@ -2,8 +2,9 @@
 
 ``FusedConv``, ``FusedGemm`` and ``FusedMatMul`` are the standard op followed by an activation
 applied in place on the op's fresh output, so the activation costs no extra allocation. The base
-op is built by its own registered kernel; only the activation is added here. ``Gelu`` is the
-five-op erf GELU the passes found, run by ONNX Gelu's kernel.
+op is built by its own registered kernel; only the activation is added here. ``FusedConvPool``
+(Conv -> [Relu] -> MaxPool) is built by :func:`kernels.nn.conv_pool_builder`.
+``Gelu`` is the five-op erf GELU the passes found, run by ONNX Gelu's kernel.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from plugserve.plugins.numpy.kernels.nn import conv_pool_builder
 from plugserve.plugins.numpy.kernels.registry import KernelContext, Registry
 from plugserve.plugins.numpy.transformer import register_transformer
 from plugserve.plugins.passes.fusion import FUSED_DOMAIN
@@ -65,6 +67,7 @@ def register_fused(registry: Registry) -> None:
     for base in ("Conv", "Gemm", "MatMul"):
         registry.register(f"Fused{base}", 1, domain=FUSED_DOMAIN)(_builder(registry))
     registry.register("Gelu", 1, domain=FUSED_DOMAIN)(_standard_builder(registry))
+    registry.register("FusedConvPool", 1, domain=FUSED_DOMAIN)(conv_pool_builder)
     register_transformer(registry, FUSED_DOMAIN)
 
 

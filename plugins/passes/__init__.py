@@ -7,6 +7,7 @@ from plugserve.plugins.passes.fusion import (
     FUSED_DOMAIN,
     fold_conv_batchnorm,
     fuse_activations,
+    fuse_conv_pool,
     fuse_gelu,
     fuse_relu_relu,
 )
@@ -40,6 +41,7 @@ def standard_pipeline() -> PassManager:
             ("fold_conv_batchnorm", fold_conv_batchnorm),
             ("fuse_relu_relu", fuse_relu_relu),
             ("fuse_activations", fuse_activations),
+            ("fuse_conv_pool", fuse_conv_pool),
             ("fuse_gelu", fuse_gelu),
             ("fuse_transformer", fuse_transformer),
             ("eliminate_dead_nodes", eliminate_dead_nodes),

@@ -20,6 +20,7 @@ __all__ = [
     "FUSED_DOMAIN",
     "fold_conv_batchnorm",
     "fuse_activations",
+    "fuse_conv_pool",
     "fuse_gelu",
     "fuse_relu_relu",
 ]
@@ -114,6 +115,54 @@ def fuse_activations(graph: Graph, context: PassContext) -> bool:
         base.outputs = list(act.outputs)
         _merge(base, act)
         dropped.add(id(act))
+    if not dropped:
+        return False
+    graph.nodes = [n for n in graph.nodes if id(n) not in dropped]
+    graph.opsets.setdefault(FUSED_DOMAIN, 1)
+    return True
+
+
+def fuse_conv_pool(graph: Graph, context: PassContext) -> bool:
+    """Conv [-> Relu] -> MaxPool (a ResNet stem) becomes one ``FusedConvPool`` node.
+
+    The kernel pools the conv's raw output and applies bias and Relu to the pooled map only
+    (exact: both are monotone). Only float32 convs with constant weights and bias, and a
+    MaxPool without the Indices output; the pool's attributes move over as ``pool_*``.
+    """
+    users = graph.consumers()
+    dropped: set[int] = set()
+    for conv in graph.nodes:
+        if len(conv.outputs) != 1:
+            continue
+        if not conv.domain and conv.op_type == "Conv":
+            activation = None
+        elif conv.domain == FUSED_DOMAIN and conv.op_type == "FusedConv":
+            activation = conv.attr("activation")
+            if activation != "Relu":
+                continue
+        else:
+            continue
+        pool = _sole_reader(graph, conv.outputs[0], users)
+        if pool is None or pool.op_type != "MaxPool" or pool.domain:
+            continue
+        if len(pool.outputs) > 1 and any(pool.outputs[1:]):
+            continue
+        spec = graph.spec(conv.outputs[0])
+        if spec is None or spec.dtype != np.float32 or len(conv.inputs) < 2:
+            continue
+        if any(name and name not in graph.initializers for name in conv.inputs[1:3]):
+            continue
+        conv.metadata["opset"] = str(graph.node_opset(conv))
+        conv.metadata["base_op"] = "Conv"
+        conv.op_type = "FusedConvPool"
+        conv.domain = FUSED_DOMAIN
+        if activation is None:
+            conv.attrs.pop("activation_params", None)
+        for name in pool.attrs:
+            conv.set_attr(f"pool_{name}", pool.attr(name))
+        conv.outputs = [pool.outputs[0]]
+        _merge(conv, pool)
+        dropped.add(id(pool))
     if not dropped:
         return False
     graph.nodes = [n for n in graph.nodes if id(n) not in dropped]

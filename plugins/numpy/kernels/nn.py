@@ -15,12 +15,15 @@ block. A request then takes one of these paths (chosen once per input shape):
   and one matmul covers all groups and batch items;
 * im2col (1-D/3-D, and 2-D maps so narrow that wide rows would waste GEMM work): a
   stride-tricks window view copied into one contiguous column buffer, then one matmul;
-* Winograd F(2x2, 3x3) (3x3 stride-1 float32 convs with constant weights, wide enough to pay,
-  chosen at load time): 2.25x fewer multiplications, see :class:`Winograd`.
+* Winograd F(4x4, 3x3) or F(2x2, 3x3) (3x3 stride-1 float32 convs with constant weights, wide
+  enough to pay; which one, per layer from its channels and map size, is chosen at load time
+  by :func:`_winograd_tile`): 4x or 2.25x fewer multiplications, see :class:`Winograd`.
 
 The taps and wide paths compute a few junk columns per output row (padded width minus output
-width) that are dropped while the bias is added. Depthwise convs sum the kernel taps over the
-whole tensor instead of running one tiny GEMM per channel.
+width) that are dropped while the bias is added. A Conv -> [Relu] -> MaxPool the passes fused
+(:func:`conv_pool_builder`) pools the raw GEMM output instead, junk columns skipped by a view.
+Depthwise convs sum the kernel taps over the whole tensor instead of running one tiny GEMM per
+channel.
 
 Everything that depends on the input's shape is planned once per distinct shape and cached, so
 a repeated shape costs one dict lookup. float16 is computed in float32 and rounded once at the
@@ -43,6 +46,7 @@ __all__ = [
     "col2im_add",
     "conv_builder",
     "conv_forward",
+    "conv_pool_builder",
     "pack_conv_weight",
 ]
 
@@ -364,13 +368,17 @@ def conv_forward(
     bias: np.ndarray | None,
     depthwise: np.ndarray | None = None,
     winograd: Winograd | None = None,
+    raw: bool = False,
 ) -> np.ndarray:
     """Convolution of ``x`` (already in the compute dtype) with packed weights.
 
     ``packed`` comes from :func:`pack_conv_weight`; ``bias`` is ``(M,)`` in the compute dtype
     or None; ``depthwise`` is the weight as ``(C, mult, prod(k))`` when the node is depthwise
     (groups == C, one input channel each); ``winograd`` the transformed weights of a conv
-    :func:`winograd_weights` accepted. Returns a fresh array ``(N, M, *out)``.
+    :func:`winograd_weights` accepted. Returns a fresh array ``(N, M, *out)``; with ``raw``
+    (and no bias) it may instead be a read-only-by-convention strided view of a fresh buffer (the
+    "wide" paths' GEMM output with its junk columns skipped), for a consumer such as a fused
+    max pool that reads it once and saves the copy.
     """
     if winograd is not None and x.dtype == np.float32 and winograd.suits(x.shape):
         return winograd.forward(spec, x, bias)
@@ -385,7 +393,7 @@ def conv_forward(
     if plan.trim is not None:
         x = x[plan.trim]
     if plan.wide is not None:
-        return _conv_wide(plan, x, packed, groups, bias)
+        return _conv_wide(plan, x, packed, groups, bias, raw)
     if plan.padded is not None:
         xp = _pad_into(plan, x)
     elif x.flags.c_contiguous:
@@ -425,7 +433,7 @@ def _grouped_matmul(packed, cols, groups):
     return np.matmul(packed, cols)
 
 
-def _conv_wide(plan, x, packed, groups, bias):
+def _conv_wide(plan, x, packed, groups, bias, raw=False):
     """The "wide" paths of :func:`_conv_plan` (2-D convs): fill the stride phases, then either
     accumulate one BLAS GEMM per tap straight from them ("taps") or copy the tap runs into a
     column buffer for one matmul ("wide"); finally drop the junk columns while adding bias."""
@@ -459,6 +467,8 @@ def _conv_wide(plan, x, packed, groups, bias):
         y = _grouped_matmul(packed, cols.reshape(plan.cols_shape), groups)
     out_sp = plan.out_sp
     valid = y.reshape((n, m, out_sp[0], wq))[..., : out_sp[1]]
+    if raw and bias is None:
+        return valid
     out = np.empty((n, m, *out_sp), y.dtype)
     if bias is not None:
         np.add(valid, bias.reshape(m, 1, 1), out=out)
@@ -483,60 +493,135 @@ def _depthwise(xp, weights, kernel, out_sp, strides, dilations, bias):
     return y
 
 
-# --------------------------------------------------------------------------- Winograd F(2x2, 3x3)
+# --------------------------------------------------------------------------- Winograd
 
-#: Winograd F(2x2, 3x3) transforms (Lavin & Gray 2015): an output tile Y (2x2) of a 3x3 conv
-#: is A^T [(G w G^T) * (B^T d B)] A for the 4x4 input tile d it reads.
-_WG_BT = np.array([[1, 0, -1, 0], [0, 1, 1, 0], [0, -1, 1, 0], [0, 1, 0, -1]], np.float64)
-_WG_G = np.array([[1, 0, 0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0, 0, 1]], np.float64)
-_WG_AT = np.array([[1, 1, 1, 0], [0, 1, -1, -1]], np.float64)
-# Both 2-D transforms as one small matrix each, so they run as BLAS GEMMs over all tiles and
-# channels at once (on both cores) instead of dozens of strided numpy passes.
-_WG_IN = np.kron(_WG_BT, _WG_BT).astype(np.float32)  # (16, 16)
-_WG_OUT = np.kron(_WG_AT, _WG_AT).astype(np.float32)  # (4, 16)
-#: Below this many input and output channels the tile transforms and their memory traffic
-#: cost about what the 2.25x fewer multiplications save. Measured inside ResNet-18 (per-node
-#: best of 40, direct -> Winograd): 64 ch at 56x56 1.25 -> 1.28 ms, 128 ch at 28x28
-#: 1.24 -> 1.04 ms, 256 ch at 14x14 1.32 -> 0.99 ms.
+#: Winograd F(r x r, 3x3) transforms (Lavin & Gray 2015): an output tile Y (r x r) of a 3x3
+#: conv is A^T [(G w G^T) * (B^T d B)] A for the (r + 2) x (r + 2) input tile d it reads.
+#: F(2, 3) uses the points 0, +-1, inf; F(4, 3) the points 0, +-1, +-2, inf (2.25x and 4x fewer
+#: multiplications than a direct conv). F(4, 3)'s transforms amplify float32 rounding more:
+#: max |y - y_ref| / max |y_ref| measured 4e-6 to 7e-6 per conv against a float64 reference
+#: (ResNet-18 shapes, He-initialised weights); the bound tests/test_numpy_conv_fast.py holds it
+#: to is 1e-4, per conv and on ResNet-18's logits against onnxruntime.
+_WG_MATRICES = {
+    2: (
+        [[1, 0, -1, 0], [0, 1, 1, 0], [0, -1, 1, 0], [0, 1, 0, -1]],
+        [[1, 0, 0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0, 0, 1]],
+        [[1, 1, 1, 0], [0, 1, -1, -1]],
+    ),
+    4: (
+        [
+            [4, 0, -5, 0, 1, 0],
+            [0, -4, -4, 1, 1, 0],
+            [0, 4, -4, -1, 1, 0],
+            [0, -2, -1, 2, 1, 0],
+            [0, 2, -1, -2, 1, 0],
+            [0, 4, 0, -5, 0, 1],
+        ],
+        [
+            [1 / 4, 0, 0],
+            [-1 / 6, -1 / 6, -1 / 6],
+            [-1 / 6, 1 / 6, -1 / 6],
+            [1 / 24, 1 / 12, 1 / 6],
+            [1 / 24, -1 / 12, 1 / 6],
+            [0, 0, 1],
+        ],
+        [[1, 1, 1, 1, 1, 0], [0, 1, -1, 2, -2, 0], [0, 1, 1, 4, 4, 0], [0, 1, -1, 8, -8, 1]],
+    ),
+}
+
+
+class _WinogradTransforms:
+    """The matrices of one F(r, 3). The input transform is one small Kronecker-product matrix,
+    so it runs as one BLAS GEMM over all tiles and channels at once (on both cores) instead of
+    dozens of strided numpy passes; the output transform runs one side at a time (see
+    :meth:`Winograd.forward`)."""
+
+    def __init__(self, r: int) -> None:
+        bt, g, at = (np.array(m, np.float64) for m in _WG_MATRICES[r])
+        self.r, self.a, self.g = r, r + 2, g
+        self.kin = np.kron(bt, bt).astype(np.float32)  # (a^2, a^2)
+        self.at = at.astype(np.float32)  # (r, a)
+        self.at_t = np.ascontiguousarray(self.at.T)
+
+
+_WG = {r: _WinogradTransforms(r) for r in _WG_MATRICES}
+
+#: F(2, 3) needs this many input and output channels before the GEMM saving outweighs the
+#: tile transforms and their memory traffic. Measured inside ResNet-18 (per-node best of 40,
+#: direct -> F(2, 3)): 64 ch at 56x56 1.25 -> 1.28 ms, 128 ch at 28x28 1.24 -> 1.04 ms,
+#: 256 ch at 14x14 1.32 -> 0.99 ms.
 _WG_MIN_CHANNELS = 128
-#: With fewer tiles than this (7x7 maps: 16) the 16 GEMMs are too thin for BLAS to run well
-#: and the gain is within noise (512 ch at 7x7: 1.57 -> 1.52 ms); one direct GEMM serves.
+#: With fewer F(2, 3) tiles than this (7x7 maps: 16) the 16 GEMMs are too thin for BLAS to
+#: run well and the gain is within noise (512 ch at 7x7: 1.57 -> 1.52 ms); one direct GEMM
+#: serves.
 _WG_MIN_TILES = 32
+#: F(4, 3) (6x6 tiles, 36 GEMMs) pays where its GEMMs stay wide: at least this many
+#: channels times F(4, 3) tiles per image. Measured inside ResNet-18 (per-node best of 30,
+#: direct / F(2, 3) / F(4, 3), ms): 64 ch at 56x56 (196 tiles) 1.20-1.32 / 1.26-1.40 /
+#: 1.00-1.15; 128 ch at 28x28 (49 tiles) 1.21 / 0.99-1.04 / 0.80-0.84; 256 ch at 14x14
+#: (16 tiles) 1.29 / 0.95 / 1.09; 512 ch at 7x7 (4 tiles) 1.55 / 1.48 / 2.45.
+_WG4_MIN_WORK = 128 * 49
+_WG4_MIN_CHANNELS = 64
 
 
-def winograd_weights(spec: ConvSpec, w: np.ndarray, groups: int, dtype: np.dtype):
+def _winograd_tile(c: int, m: int, spatial: tuple | None) -> int:
+    """Which F(r, 3) a conv with ``c`` -> ``m`` channels and input map ``spatial`` (None when
+    unknown at load time) runs: r = 4, 2, or 0 for the direct paths. F(2, 3) is not ruled out
+    by a small map here: the batch size may make enough tiles (:meth:`Winograd.suits`)."""
+    narrow = min(c, m)
+    if spatial is not None and None not in spatial:
+        tiles4 = math.prod(-(-s // 4) for s in spatial)
+        if narrow >= _WG4_MIN_CHANNELS and narrow * tiles4 >= _WG4_MIN_WORK:
+            return 4
+    return 2 if narrow >= _WG_MIN_CHANNELS else 0
+
+
+def winograd_weights(
+    spec: ConvSpec, w: np.ndarray, groups: int, dtype: np.dtype, in_shape: tuple | None = None
+):
     """The Winograd path for a constant-weight conv that qualifies, else None.
 
     Qualifies: float32, 2-D, 3x3, stride 1, no dilation, one group, and wide enough
-    (``_WG_MIN_CHANNELS``) that the GEMM saving outweighs the tile transforms. Per request,
+    (:func:`_winograd_tile`) that the GEMM saving outweighs the tile transforms. Per request,
     :meth:`Winograd.suits` also asks for enough tiles.
     """
     if dtype != np.float32 or groups != 1 or w.ndim != 4:
         return None
-    if tuple(w.shape[2:]) != (3, 3) or min(w.shape[:2]) < _WG_MIN_CHANNELS:
+    if tuple(w.shape[2:]) != (3, 3):
         return None
     if any(v != 1 for v in (spec.strides or ())) or any(v != 1 for v in (spec.dilations or ())):
         return None
-    return Winograd(w)
+    spatial = None
+    if in_shape is not None and len(in_shape) == 4:
+        spatial = tuple(d if isinstance(d, int) and d > 0 else None for d in in_shape[2:])
+    r = _winograd_tile(w.shape[1], w.shape[0], spatial)
+    return Winograd(w, r) if r else None
 
 
 class _WinogradPlan:
     """Per input shape: tile counts, the padded-input view geometry and the work buffers."""
 
-    def __init__(self, spec: ConvSpec, shape: tuple, m: int) -> None:
+    def __init__(self, spec: ConvSpec, shape: tuple, m: int, r: int) -> None:
         n, c, h, w = shape
+        a = r + 2
         (oh, ow), begin, _, _, _ = spec.resolve((h, w), (3, 3))
         self.n, self.c, self.m, self.h, self.w, self.oh, self.ow = n, c, m, h, w, oh, ow
-        self.th, self.tw = -(-oh // 2), -(-ow // 2)
-        self.padded = (n, c, 2 * self.th + 2, 2 * self.tw + 2)
+        self.th, self.tw = -(-oh // r), -(-ow // r)
+        self.padded = (n, c, r * self.th + 2, r * self.tw + 2)
         rows, cols = slice(begin[0], begin[0] + h), slice(begin[1], begin[1] + w)
         self.interior = (slice(None), slice(None), rows, cols)
         hp, wp = self.padded[2:]
         item = 4
-        self.tile_shape = (4, 4, c, n, self.th, self.tw)
-        self.tile_strides = tuple(v * item for v in (wp, 1, hp * wp, c * hp * wp, 2 * wp, 2))
+        self.tile_shape = (a, a, c, n, self.th, self.tw)
+        self.tile_strides = tuple(v * item for v in (wp, 1, hp * wp, c * hp * wp, r * wp, r))
         tiles = n * self.th * self.tw
-        self.shapes = (self.tile_shape, (16, c, tiles), (16, m, tiles), (4, m * tiles))
+        self.shapes = (
+            self.tile_shape,
+            (a * a, c, tiles),
+            (a * a, m, tiles),
+            (r, a, m * tiles),
+            (r, m * tiles, r),
+        )
 
     def buffers(self) -> tuple[np.ndarray, ...]:
         """Fresh work buffers. Measured: keeping them across requests (per thread, shared by
@@ -546,45 +631,58 @@ class _WinogradPlan:
 
 
 class Winograd:
-    """A 3x3 stride-1 conv as Winograd F(2x2, 3x3): 16 GEMMs of (M, C) x (C, tiles) replace
-    9 of (M, C) x (C, pixels), 2.25x fewer multiplications, which is what bounds these convs
-    (numpy's OpenBLAS runs its AVX2 kernels here). Errors stay at float32 rounding level."""
+    """A 3x3 stride-1 conv as Winograd F(r x r, 3x3): (r + 2)^2 GEMMs of (M, C) x (C, tiles)
+    replace 9 of (M, C) x (C, pixels), 2.25x (r = 2) or 4x (r = 4) fewer multiplications,
+    which is what bounds these convs (numpy's OpenBLAS runs its AVX2 kernels here)."""
 
-    def __init__(self, w: np.ndarray) -> None:
-        u = np.einsum("ai,mcij,bj->abmc", _WG_G, w.astype(np.float64), _WG_G)
-        self.u = np.ascontiguousarray(u.reshape(16, *w.shape[:2]), dtype=np.float32)
+    def __init__(self, w: np.ndarray, r: int = 2) -> None:
+        self.t = _WG[r]
+        g = self.t.g
+        u = np.einsum("ai,mcij,bj->abmc", g, w.astype(np.float64), g)
+        self.u = np.ascontiguousarray(u.reshape(self.t.a**2, *w.shape[:2]), dtype=np.float32)
         self.m = w.shape[0]
+        self.r = r
         self.plans: dict[tuple, _WinogradPlan] = {}
 
-    @staticmethod
-    def suits(shape: tuple) -> bool:
-        """Whether this input shape has enough tiles for the path to pay (see _WG_MIN_TILES)."""
-        return len(shape) == 4 and shape[0] * -(-shape[2] // 2) * -(-shape[3] // 2) >= _WG_MIN_TILES
+    def suits(self, shape: tuple) -> bool:
+        """Whether this input shape has enough tiles for the path to pay (see _WG_MIN_TILES,
+        _WG4_MIN_WORK); other shapes (dynamic ones) take the direct paths."""
+        if len(shape) != 4:
+            return False
+        tiles = shape[0] * -(-shape[2] // self.r) * -(-shape[3] // self.r)
+        if self.r == 4:
+            return min(self.u.shape[1:]) * tiles >= _WG4_MIN_WORK
+        return tiles >= _WG_MIN_TILES
 
     def forward(self, spec: ConvSpec, x: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
         plan = self.plans.get(x.shape)
         if plan is None:
-            plan = self.plans[x.shape] = _WinogradPlan(spec, x.shape, self.m)
-        xp, d, v, prod, y = plan.buffers()
+            plan = self.plans[x.shape] = _WinogradPlan(spec, x.shape, self.m, self.r)
+        t, r = self.t, self.r
+        xp, d, v, prod, half, y = plan.buffers()
         n, m, th, tw = plan.n, self.m, plan.th, plan.tw
         xp[plan.interior] = x
         np.copyto(d, as_strided(xp, plan.tile_shape, plan.tile_strides, writeable=False))
-        np.matmul(_WG_IN, d.reshape(16, -1), out=v.reshape(16, -1))
+        np.matmul(t.kin, d.reshape(t.a**2, -1), out=v.reshape(t.a**2, -1))
         np.matmul(self.u, v, out=prod)
-        np.matmul(_WG_OUT, prod.reshape(16, -1), out=y)
-        # y is (a, b, m, n, ty, tx): output pixel (2 ty + a, 2 tx + b) of channel m, image n.
-        # One pass per (a, b) writes it into place, adding the bias on the way (measured
-        # several times faster than one pass over the 6-D transposed view).
-        tiles = y.reshape(2, 2, m, n, th, tw)
-        out = np.empty((n, m, th, 2, tw, 2), np.float32)
-        for a, b in ((0, 0), (0, 1), (1, 0), (1, 1)):
-            src = tiles[a, b].transpose(1, 0, 2, 3)
+        # The output transform A^T P A runs one side at a time: first over the tile rows (one
+        # GEMM), then per output row i over the tile columns with the result's columns j
+        # innermost, so y[i] is (m, n, ty, tx, j) and output row r ty + i of every tile is one
+        # contiguous run of r tw pixels: r long-run copies (adding the bias on the way), not
+        # r^2 strided ones. Measured in ResNet-18's layer shapes, 15-40 % faster than one
+        # Kronecker GEMM followed by the r^2 strided copies.
+        half = np.matmul(t.at, prod.reshape(t.a, -1), out=half.reshape(r, -1))
+        np.matmul(half.reshape(r, t.a, -1).transpose(0, 2, 1), t.at_t, out=y)
+        rows = y.reshape(r, m, n, th, tw * r)
+        out = np.empty((n, m, th, r, tw * r), np.float32)
+        for i in range(r):
+            src = rows[i].transpose(1, 0, 2, 3)
             if bias is not None:
-                np.add(src, bias.reshape(1, m, 1, 1), out=out[:, :, :, a, :, b])
+                np.add(src, bias.reshape(1, m, 1, 1), out=out[:, :, :, i])
             else:
-                np.copyto(out[:, :, :, a, :, b], src)
-        out = out.reshape(n, m, 2 * th, 2 * tw)
-        if (2 * th, 2 * tw) != (plan.oh, plan.ow):
+                np.copyto(out[:, :, :, i], src)
+        out = out.reshape(n, m, r * th, r * tw)
+        if (r * th, r * tw) != (plan.oh, plan.ow):
             out = np.ascontiguousarray(out[:, :, : plan.oh, : plan.ow])
         return out
 
@@ -606,10 +704,10 @@ def conv_builder(ctx: KernelContext):
         if tuple(kernel_attr) != tuple(w_const.shape[2:]):
             raise ctx.unsupported("kernel_shape differs from the weight's shape")
     spec = ConvSpec(ctx, kernel_attr)
-    return _conv_runner(spec, groups, w_const, b_const, dtype)
+    return _conv_runner(spec, groups, w_const, b_const, dtype, ctx.input_shape(0))
 
 
-def _conv_runner(spec, groups, w_const, b_const, dtype):
+def _conv_runner(spec, groups, w_const, b_const, dtype, in_shape=None):
     cdt = _compute_dtype(dtype) if dtype is not None else None
 
     def prepare(w, cdt):
@@ -623,7 +721,7 @@ def _conv_runner(spec, groups, w_const, b_const, dtype):
 
     if w_const is not None and cdt is not None:
         kernel, packed, dw = prepare(w_const, cdt)
-        wino = winograd_weights(spec, w_const, groups, cdt)
+        wino = winograd_weights(spec, w_const, groups, cdt, in_shape)
         bias = None if b_const is None else np.ascontiguousarray(b_const, dtype=cdt)
         out_dtype = np.dtype(dtype)
 
@@ -648,6 +746,72 @@ def _conv_runner(spec, groups, w_const, b_const, dtype):
 
 
 register("Conv", 1, 11, 22)(conv_builder)
+
+
+class _PrefixedAttrs:
+    """A KernelContext seen through an attribute-name prefix (a fused node's pool_* attributes
+    as the MaxPool attributes :class:`ConvSpec` reads)."""
+
+    def __init__(self, ctx: KernelContext, prefix: str) -> None:
+        self.ctx, self.prefix = ctx, prefix
+
+    def attr(self, name: str, default=None):
+        return self.ctx.attr(self.prefix + name, default)
+
+    def unsupported(self, why: str):
+        return self.ctx.unsupported(why)
+
+
+def conv_pool_builder(ctx: KernelContext):
+    """FusedConvPool: Conv [-> Relu] -> MaxPool (a ResNet stem) as one kernel.
+
+    The max pool runs on the conv's raw GEMM output, before bias and Relu, which are then
+    applied to the pooled map only: both are monotone per channel, so max(relu(y + b)) is
+    exactly relu(max(y) + b), and the full-size map (4x the pooled one in ResNet) skips the
+    bias/junk-column copy and the Relu pass. Needs constant float32 weights (the fusion pass
+    checks).
+    """
+    dtype = ctx.input_dtype(0)
+    w_const = ctx.constant(1)
+    b_const = ctx.constant(2)
+    if dtype != np.float32 or w_const is None or (ctx.has_input(2) and b_const is None):
+        raise ctx.unsupported("FusedConvPool needs float32 input and constant weights")
+    activation = ctx.attr("activation", None)
+    if activation not in (None, "Relu"):
+        raise ctx.unsupported(f"activation {activation!r} before a max pool")
+    groups = int(ctx.attr("group", 1))
+    kernel = tuple(w_const.shape[2:])
+    spec = ConvSpec(ctx, ctx.attr("kernel_shape", None) or kernel)
+    pool_kernel = tuple(int(k) for k in ctx.attr("pool_kernel_shape"))
+    pool_spec = ConvSpec(
+        _PrefixedAttrs(ctx, "pool_"),  # type: ignore[arg-type]
+        pool_kernel,
+        ceil_mode=bool(ctx.attr("pool_ceil_mode", 0)),
+        pooling=True,
+    )
+    f32 = np.dtype(np.float32)
+    m, cg = w_const.shape[:2]
+    dw = None
+    if groups > 1 and cg == 1 and m % groups == 0:
+        dw = np.ascontiguousarray(w_const.reshape(groups, m // groups, -1), dtype=f32)
+    packed = pack_conv_weight(w_const, groups, f32)
+    wino = winograd_weights(spec, w_const, groups, f32, ctx.input_shape(0))
+    bias = None if b_const is None else np.ascontiguousarray(b_const, dtype=f32)
+
+    def run(x, w, b=None):
+        y = conv_forward(spec, groups, x, packed, kernel, None, dw, wino, raw=True)
+        axes = _separable_max_plan(pool_spec, y.shape, pool_kernel) if y.ndim > 2 else None
+        if axes:
+            p = _separable_max(y, axes)
+        else:
+            p = _pool_reduce(pool_spec, np.ascontiguousarray(y), pool_kernel, -np.inf, np.maximum)
+        if bias is not None:
+            p += bias.reshape((1, -1) + (1,) * (p.ndim - 2))
+        if activation == "Relu":
+            np.maximum(p, 0, out=p)
+        return p
+
+    return run
 
 
 # --------------------------------------------------------------------------- ConvTranspose
