@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["openblas", "set_thread_count", "thread_count"]
+__all__ = ["NO_TRANS", "ROW_MAJOR", "openblas", "set_thread_count", "sgemm", "thread_count"]
 
 
 def _load() -> ctypes.CDLL | None:
@@ -81,3 +81,33 @@ def set_thread_count(threads: int) -> None:
     if _set_threads is not None and threads != _last[0]:
         _set_threads(threads)
         _last[0] = threads
+
+
+ROW_MAJOR, NO_TRANS = 101, 111  # CBLAS enum values
+
+
+def _find_sgemm() -> Any:
+    """``cblas_sgemm`` through ctypes, or None.
+
+    numpy's matmul has no beta, so accumulating GEMMs into an output (one per kernel tap
+    straight from a padded image, or onto a bias already in place) needs BLAS itself. A
+    self-test guards the call convention of the ILP64 build; anything else leaves the
+    pure-numpy paths.
+    """
+    fn = _function("scipy_cblas_sgemm64_")
+    if fn is None:
+        return None
+    i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, i64, i64, i64, f32, ptr, i64]
+    fn.argtypes += [ptr, i64, f32, ptr, i64]
+    fn.restype = None
+    a = np.arange(6, dtype=np.float32).reshape(2, 3)
+    b = np.arange(12, dtype=np.float32).reshape(3, 4)
+    c = np.ones((2, 4), np.float32)
+    args = (a.ctypes.data, 3, b.ctypes.data, 4, 1.0, c.ctypes.data, 4)
+    fn(ROW_MAJOR, NO_TRANS, NO_TRANS, 2, 4, 3, 1.0, *args)
+    return fn if np.array_equal(c, a @ b + 1) else None
+
+
+#: C = alpha A B + beta C on raw pointers (row-major, int64 sizes), or None.
+sgemm = _find_sgemm()

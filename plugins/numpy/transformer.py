@@ -26,8 +26,10 @@ from collections.abc import Callable
 
 import numpy as np
 
+from plugserve.plugins.numpy.blas import NO_TRANS as _NO_TRANS
+from plugserve.plugins.numpy.blas import ROW_MAJOR as _ROW_MAJOR
+from plugserve.plugins.numpy.blas import sgemm as _SGEMM
 from plugserve.plugins.numpy.kernels.elementwise import gelu_erf_halved_f32
-from plugserve.plugins.numpy.kernels.nn import _SGEMM
 from plugserve.plugins.numpy.kernels.reduce import (
     layer_norm_rows_inplace,
     softmax_last_axis_inplace,
@@ -37,7 +39,6 @@ from plugserve.plugins.numpy.kernels.registry import KernelContext, Registry
 __all__ = ["register_transformer"]
 
 _F32 = np.dtype(np.float32)
-_ROW_MAJOR, _NO_TRANS = 101, 111
 _INV_SQRT2 = 1 / math.sqrt(2)
 
 

@@ -39,6 +39,9 @@ from collections.abc import Sequence
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
+from plugserve.plugins.numpy.blas import NO_TRANS as _NO_TRANS
+from plugserve.plugins.numpy.blas import ROW_MAJOR as _ROW_MAJOR
+from plugserve.plugins.numpy.blas import sgemm as _SGEMM
 from plugserve.plugins.numpy.kernels.registry import KernelContext, register
 
 __all__ = [
@@ -206,46 +209,6 @@ def pack_conv_weight(w: np.ndarray, groups: int, dtype: np.dtype) -> np.ndarray:
     tapped = w.reshape(groups, m // groups, cg, ksize).transpose(0, 1, 3, 2)
     return np.ascontiguousarray(tapped, dtype=dtype).reshape(groups, m // groups, ksize * cg)
 
-
-_ROW_MAJOR, _NO_TRANS = 101, 111  # CBLAS enum values
-
-
-def _find_sgemm():
-    """``cblas_sgemm`` of the OpenBLAS numpy itself runs on, through ctypes, or None.
-
-    numpy's matmul has no beta, so accumulating one GEMM per kernel tap straight from the
-    padded image (no column buffer) needs BLAS itself. Only the ILP64 scipy-openblas build
-    numpy wheels bundle is recognised, and a self-test guards the call convention; anything
-    else leaves the pure-numpy paths.
-    """
-    try:
-        import ctypes
-        import glob
-        import os
-
-        if np.__config__.CONFIG["Build Dependencies"]["blas"]["name"] != "scipy-openblas":
-            return None
-        root = os.path.dirname(np.__file__)
-        paths = glob.glob(os.path.join(root, os.pardir, "numpy.libs", "libscipy_openblas64_*"))
-        paths += glob.glob(os.path.join(root, ".dylibs", "libscipy_openblas64_*"))
-        if len(paths) != 1:
-            return None
-        fn = ctypes.CDLL(paths[0]).scipy_cblas_sgemm64_
-        i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-        fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, i64, i64, i64, f32, ptr, i64]
-        fn.argtypes += [ptr, i64, f32, ptr, i64]
-        fn.restype = None
-        a = np.arange(6, dtype=np.float32).reshape(2, 3)
-        b = np.arange(12, dtype=np.float32).reshape(3, 4)
-        c = np.ones((2, 4), np.float32)
-        args = (a.ctypes.data, 3, b.ctypes.data, 4, 1.0, c.ctypes.data, 4)
-        fn(_ROW_MAJOR, _NO_TRANS, _NO_TRANS, 2, 4, 3, 1.0, *args)
-        return fn if np.array_equal(c, a @ b + 1) else None
-    except Exception:
-        return None
-
-
-_SGEMM = _find_sgemm()
 
 
 class _ConvPlan:
