@@ -85,6 +85,8 @@ class LoadedNetwork:
         self.stats = Stats()
         #: The streams this network's requests run on (set by the data plane when it loads it).
         self.executor: StreamsExecutor | None = None
+        #: Its success series in the metrics, bound on its first request.
+        self.record_success: Callable[[float, float], None] | None = None
         self._requests: list[InferRequest | None] = [None] * streams
         self.perf_enabled = bool(_safe_config(network, "PERF_COUNT"))
         self.perf_totals: dict[str, list[Any]] = {}
@@ -378,6 +380,11 @@ class DataPlane:
             self.metrics.observe(entry.device, entry.name, entry.version, "invalid")
             raise
         executor = entry.executor
+        record_success = entry.record_success
+        if record_success is None:
+            record_success = entry.record_success = self.metrics.success_recorder(
+                entry.device, entry.name, entry.version
+            )
         admitted = time.perf_counter()
         feeds = {spec.name: a for spec, a in zip(entry.network.inputs, arrays)}
 
@@ -407,14 +414,7 @@ class DataPlane:
                 )
             entry.stats.queue_ns += int((started - admitted) * 1e9)
             entry.stats.compute_ns += int((finished - started) * 1e9)
-            self.metrics.observe(
-                entry.device,
-                entry.name,
-                entry.version,
-                "success",
-                started - admitted,
-                finished - started,
-            )
+            record_success(started - admitted, finished - started)
             return {k: result[k] for k in wanted}
 
         with self._inflight_lock:
