@@ -85,10 +85,7 @@ def fold_conv_batchnorm(graph: Graph, context: PassContext) -> bool:
         conv.outputs = list(bn.outputs)
         _merge(conv, bn)
         dropped.add(id(bn))
-    if not dropped:
-        return False
-    graph.nodes = [n for n in graph.nodes if id(n) not in dropped]
-    return True
+    return _drop(graph, dropped)
 
 
 def fuse_activations(graph: Graph, context: PassContext) -> bool:
@@ -115,11 +112,7 @@ def fuse_activations(graph: Graph, context: PassContext) -> bool:
         base.outputs = list(act.outputs)
         _merge(base, act)
         dropped.add(id(act))
-    if not dropped:
-        return False
-    graph.nodes = [n for n in graph.nodes if id(n) not in dropped]
-    graph.opsets.setdefault(FUSED_DOMAIN, 1)
-    return True
+    return _drop(graph, dropped, fused=True)
 
 
 def fuse_conv_pool(graph: Graph, context: PassContext) -> bool:
@@ -163,11 +156,7 @@ def fuse_conv_pool(graph: Graph, context: PassContext) -> bool:
         conv.outputs = [pool.outputs[0]]
         _merge(conv, pool)
         dropped.add(id(pool))
-    if not dropped:
-        return False
-    graph.nodes = [n for n in graph.nodes if id(n) not in dropped]
-    graph.opsets.setdefault(FUSED_DOMAIN, 1)
-    return True
+    return _drop(graph, dropped, fused=True)
 
 
 def fuse_relu_relu(graph: Graph, context: PassContext) -> bool:
@@ -185,10 +174,7 @@ def fuse_relu_relu(graph: Graph, context: PassContext) -> bool:
             _merge(first, second)
             dropped.add(id(second))
             users = graph.consumers()
-    if not dropped:
-        return False
-    graph.nodes = [n for n in graph.nodes if id(n) not in dropped]
-    return True
+    return _drop(graph, dropped)
 
 
 def _scalar_input(graph: Graph, node: Node, value: float) -> str | None:
@@ -304,4 +290,15 @@ def fuse_gelu(graph: Graph, context: PassContext) -> bool:
             nodes.append(sub)
     graph.nodes = nodes
     graph.opsets.setdefault(FUSED_DOMAIN, 1)
+    return True
+
+
+def _drop(graph: Graph, dropped: set[int], fused: bool = False) -> bool:
+    """Remove the nodes a pass absorbed (by id); whether the graph changed. ``fused``: the
+    pass wrote nodes of plugserve's own domain, which the graph must then import."""
+    if not dropped:
+        return False
+    graph.nodes = [n for n in graph.nodes if id(n) not in dropped]
+    if fused:
+        graph.opsets.setdefault(FUSED_DOMAIN, 1)
     return True
