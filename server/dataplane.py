@@ -85,8 +85,8 @@ class LoadedNetwork:
         self.stats = Stats()
         #: The streams this network's requests run on (set by the data plane when it loads it).
         self.executor: StreamsExecutor | None = None
-        #: Its success series in the metrics, bound on its first request.
-        self.record_success: Callable[[float, float], None] | None = None
+        #: Records a successful request in its metrics series (set with the executor).
+        self.record_success: Callable[[float, float], None] = _unrecorded
         self._requests: list[InferRequest | None] = [None] * streams
         self.perf_enabled = bool(_safe_config(network, "PERF_COUNT"))
         self.perf_totals: dict[str, list[Any]] = {}
@@ -120,6 +120,10 @@ def batch_device(device: str, max_batch_size: int) -> str:
             log.info("device %s is virtual: no dynamic batching for it", device)
         return device
     return f"BATCH:{parsed}({max_batch_size})"
+
+
+def _unrecorded(queue_wait: float, compute: float) -> None:
+    """A network not attached to a data plane records nothing."""
 
 
 def _safe_config(network: CompiledNetwork, key: str) -> Any:
@@ -255,7 +259,7 @@ class DataPlane:
                 max_batch_size,
                 executor.streams,
             )
-            entry.executor = executor
+            self._attach(entry, executor)
             network.name = name
             with self._lock:
                 self._networks.setdefault(name, {})[version] = entry
@@ -270,6 +274,14 @@ class DataPlane:
             " (from cache)" if network.loaded_from_cache else "",
         )
         return entry, network.loaded_from_cache
+
+    def _attach(self, entry: LoadedNetwork, executor: StreamsExecutor) -> None:
+        """What a network's requests use, decided once when it is loaded: its streams and its
+        success series in the metrics."""
+        entry.executor = executor
+        entry.record_success = self.metrics.success_recorder(
+            entry.device, entry.name, entry.version
+        )
 
     def unload(self, name: str, version: int = 0, remove: bool = False) -> list[LoadedNetwork]:
         """Unload a version (every version when 0); ``remove`` also deletes it from the
@@ -381,10 +393,6 @@ class DataPlane:
             raise
         executor = entry.executor
         record_success = entry.record_success
-        if record_success is None:
-            record_success = entry.record_success = self.metrics.success_recorder(
-                entry.device, entry.name, entry.version
-            )
         admitted = time.perf_counter()
         feeds = {spec.name: a for spec, a in zip(entry.network.inputs, arrays)}
 
@@ -546,7 +554,7 @@ class DataPlane:
                 0,
                 executor.streams,
             )
-            entry.executor = executor
+            self._attach(entry, executor)
             network.name = name
             self._networks.setdefault(name, {})[version] = entry
         return entry
