@@ -33,7 +33,7 @@ from plugserve.server.dataplane import DataPlane
 from plugserve.server.examples import build_examples, default_examples_dir
 from plugserve.server.handlers import add_service
 from plugserve.server.metrics import Metrics
-from plugserve.server.repository import Repository
+from plugserve.server.repository import Repository, single_model_repository
 from plugserve.server.security import (
     AuthInterceptor,
     load_tokens,
@@ -98,6 +98,11 @@ class Server:
         self.plugin_settings = load_plugins_file(settings.plugins) if settings.plugins else None
         self._configure_plugins()
         root = settings.model_repository or str(build_examples(default_examples_dir()))
+        if settings.model_name:
+            try:
+                root = str(single_model_repository(root, settings.model_name))
+            except PlugserveError as exc:
+                raise SystemExit(f"plugserve: --model-name {settings.model_name}: {exc}") from None
         self.repository = Repository(root)
         self.plane = DataPlane(
             self.core, self.metrics, self.repository, settings.default_device, settings.queue_size

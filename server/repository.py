@@ -45,6 +45,36 @@ def check_name(name: str) -> str:
     return name
 
 
+def single_model_repository(source: str | os.PathLike, name: str) -> Path:
+    """The repository to serve for ``--model-name NAME`` (KServe's storage layout).
+
+    ``source`` naming one ``.onnx`` file, or a folder holding exactly one at its top: a
+    repository in a fresh temporary folder (``$TMPDIR``) with that file linked as version 1 of
+    ``name``, and a ``config.json`` beside the file linked as its config; the model files are
+    read in place. A folder without a top-level ``.onnx`` file is a repository already and is
+    served as it is. Several ``.onnx`` files: InvalidArgument, saying what to do instead.
+    """
+    check_name(name)
+    source = Path(source)
+    files = [source] if source.is_file() else sorted(source.glob("*.onnx"))
+    if len(files) > 1:
+        raise InvalidArgument(
+            f"{source} holds several .onnx files ({', '.join(f.name for f in files)}); give "
+            "one file, or the repository layout NAME/VERSION/model.onnx"
+        )
+    if not files:
+        log.info("serving the model repository %s", source)
+        return source
+    model = files[0].resolve()
+    root = Path(tempfile.mkdtemp(prefix="plugserve-models-"))
+    (root / name / "1").mkdir(parents=True)
+    (root / name / "1" / MODEL_FILE).symlink_to(model)
+    if (model.parent / CONFIG_FILE).is_file():
+        (root / name / CONFIG_FILE).symlink_to(model.parent / CONFIG_FILE)
+    log.info("serving %s as model %s version 1", files[0], name)
+    return root
+
+
 def is_version(text: str) -> bool:
     """A version folder's name: a canonical integer > 0 ('1', '12'; not '0', '01' or '²')."""
     return _VERSION.fullmatch(text) is not None

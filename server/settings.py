@@ -35,6 +35,11 @@ class Settings:
     model_repository: str = _field(
         "", "model repository DIR/<name>/<version>/model.onnx; empty: the bundled examples"
     )
+    model_name: str = _field(
+        "",
+        "serve --model-repository as this one model when it is a single .onnx file or a folder "
+        "holding one (KServe's storage layout); a repository layout is served as it is",
+    )
     plugins: str = _field("", "JSON file naming the plugins to load and their config")
     default_device: str = _field("NUMPY", "device for models whose config names none")
     log_level: str = _field("INFO", "DEBUG, INFO, WARNING or ERROR")

@@ -530,8 +530,10 @@ def test_servingruntime_structure():
     assert spec["annotations"]["prometheus.kserve.io/port"] == env["PLUGSERVE_METRICS_PORT"]
     assert spec["annotations"]["prometheus.kserve.io/path"] == "/metrics"
     assert env["PLUGSERVE_METRICS_PORT"] not in ("8080", "8081", "8012", "8022", "9081")
-    assert c["args"][-1] == "{{.Name}}", "the InferenceService's name, filled in by KServe"
-    assert "/mnt/models" in c["args"][0]
+    assert c["command"] == ["plugserve", "serve"]
+    args = flags(c["args"])
+    assert args["--model-name"] == "{{.Name}}", "the InferenceService's name, filled in by KServe"
+    assert args["--model-repository"] == "/mnt/models", "where KServe's storage initializer writes"
 
 
 def test_inferenceservice_example_structure():
@@ -562,20 +564,20 @@ def test_servingruntime_container_is_a_valid_container(tmp_path):
     assert "passed for resource pod/plugserve-runtime-check" in result.stdout + result.stderr
 
 
-def _runtime_command(name: str) -> list[str]:
-    """The container's command line with {{.Name}} filled in, as KServe does."""
+def _runtime_command(name: str, mnt: Path) -> list[str]:
+    """The container's command line with {{.Name}} filled in, as KServe does, and /mnt/models
+    moved to ``mnt``."""
     c = _runtime_container()
-    return [*c["command"], *[a.replace("{{.Name}}", name) for a in c["args"]]]
+    args = [a.replace("{{.Name}}", name).replace("/mnt/models", str(mnt)) for a in c["args"]]
+    return [*c["command"], *args]
 
 
-def _runtime_env(tmp_path: Path, mnt: Path) -> dict[str, str]:
+def _runtime_env(tmp_path: Path) -> dict[str, str]:
     env = {e["name"]: e["value"] for e in _runtime_container()["env"]}
     env.update(PLUGSERVE_GRPC_PORT="0", PLUGSERVE_METRICS_PORT="0", HOME=str(tmp_path))
     scratch = tmp_path / "tmp"
     scratch.mkdir()
-    return _path_env(
-        **env, PLUGSERVE_HOST="127.0.0.1", KSERVE_MODEL_DIR=str(mnt), TMPDIR=str(scratch)
-    )
+    return _path_env(**env, PLUGSERVE_HOST="127.0.0.1", TMPDIR=str(scratch))
 
 
 def test_servingruntime_serves_a_single_model_file(tmp_path):
@@ -589,8 +591,8 @@ def test_servingruntime_serves_a_single_model_file(tmp_path):
     model = mlp(seed=3)
     onnx.save(model, mnt / "classifier.onnx")
     (mnt / "config.json").write_text('{"device": "NUMPY", "max_batch_size": 4}')
-    env = _runtime_env(tmp_path, mnt)
-    with CommandServer(_runtime_command("my-isvc"), env) as live:
+    env = _runtime_env(tmp_path)
+    with CommandServer(_runtime_command("my-isvc", mnt), env) as live:
         assert f"serving {mnt / 'classifier.onnx'} as model my-isvc version 1" in live.log
         feeds, outputs = _kserve_infer(live.target, "my-isvc")
         # the config.json beside the file is the model's config
@@ -608,8 +610,8 @@ def test_servingruntime_serves_a_model_repository(tmp_path):
     from plugserve.server.examples import build_examples
 
     mnt = build_examples(tmp_path / "mnt" / "models")
-    env = _runtime_env(tmp_path, mnt)
-    with CommandServer(_runtime_command("ignored"), env) as live:
+    env = _runtime_env(tmp_path)
+    with CommandServer(_runtime_command("ignored", mnt), env) as live:
         assert f"serving the model repository {mnt}" in live.log
         for name in ("mlp", "add"):
             _, outputs = _kserve_infer(live.target, name)
@@ -622,11 +624,12 @@ def test_servingruntime_refuses_several_model_files(tmp_path):
     for name in ("a.onnx", "b.onnx"):
         (mnt / name).write_bytes(b"")
     result = subprocess.run(
-        _runtime_command("x"),
-        env=_runtime_env(tmp_path, mnt),
+        _runtime_command("x", mnt),
+        env=_runtime_env(tmp_path),
         capture_output=True,
         text=True,
         timeout=60,
     )
     assert result.returncode == 1
-    assert "holds several .onnx files" in result.stderr
+    assert "holds several .onnx files (a.onnx, b.onnx)" in result.stderr, result.stderr
+    assert "the repository layout NAME/VERSION/model.onnx" in result.stderr

@@ -13,6 +13,7 @@ from models import mlp
 from serving import RunningServer
 
 from plugserve.client import Client
+from plugserve.plugins.api import InvalidArgument
 from plugserve.server.examples import build_examples
 
 
@@ -175,3 +176,41 @@ def test_an_interrupted_write_is_cleaned_at_startup_and_never_loaded(tmp_path, e
     for leftover in (staging, trash, config_tmp):
         assert f"removed {leftover}, left by an interrupted write" in server.log
     assert "ERROR" not in server.log
+
+
+def test_model_name_serves_a_single_file_as_version_1(tmp_path, monkeypatch):
+    """--model-name: KServe's storage layout (one .onnx file, or a folder holding one)."""
+    import tempfile
+
+    from plugserve.server.repository import Repository, single_model_repository
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "scratch"))  # what $TMPDIR sets
+    (tmp_path / "scratch").mkdir()
+    store = tmp_path / "mnt"
+    store.mkdir()
+    (store / "net.onnx").write_bytes(mlp(seed=1).SerializeToString())
+    (store / "config.json").write_text('{"device": "NUMPY", "max_batch_size": 2}')
+    for source in (store, store / "net.onnx"):
+        root = single_model_repository(source, "my-isvc")
+        assert root.parent == tmp_path / "scratch"
+        [entry] = Repository(root).scan()[0]
+        assert (entry.name, entry.version) == ("my-isvc", 1)
+        assert Repository(root).read_settings("my-isvc").max_batch_size == 2
+        assert (root / "my-isvc" / "1" / "model.onnx").resolve() == (store / "net.onnx")
+    assert sorted(p.name for p in store.iterdir()) == ["config.json", "net.onnx"]
+
+
+def test_model_name_leaves_a_repository_and_refuses_several_files(tmp_path):
+    from plugserve.server.repository import single_model_repository
+
+    repo = tmp_path / "repo"
+    (repo / "a" / "1").mkdir(parents=True)
+    (repo / "a" / "1" / "model.onnx").write_bytes(mlp(seed=1).SerializeToString())
+    assert single_model_repository(repo, "ignored") == repo
+    (tmp_path / "two").mkdir()
+    for name in ("a.onnx", "b.onnx"):
+        (tmp_path / "two" / name).write_bytes(b"")
+    with pytest.raises(InvalidArgument, match=r"several \.onnx files \(a\.onnx, b\.onnx\)"):
+        single_model_repository(tmp_path / "two", "x")
+    with pytest.raises(InvalidArgument, match="invalid model name"):
+        single_model_repository(repo, "../escape")
