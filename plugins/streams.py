@@ -24,6 +24,8 @@ from plugserve.plugins.api import Cancelled, FailedPrecondition, ResourceExhaust
 
 __all__ = ["RequestFuture", "StreamsExecutor"]
 
+_UNMADE = object()  # a stream whose state has not been made yet (None is a valid state)
+
 
 class RequestFuture(Future):
     """A future whose cancellation reads as plugserve's typed :class:`Cancelled` error.
@@ -53,8 +55,7 @@ class StreamsExecutor:
         self._pending: deque[tuple[Callable[[Any], Any], Future]] = deque()
         self._ready = threading.Condition()
         self._state_factory = state_factory
-        self._states: list[Any] = [None] * self.streams
-        self._made = [False] * self.streams
+        self._states: list[Any] = [_UNMADE] * self.streams
         self._idle = list(range(self.streams - 1, -1, -1))  # stream indices free to claim
         self._closed = False
         self._threads = [
@@ -118,10 +119,9 @@ class StreamsExecutor:
     def _state(self, index: int) -> Any:
         """The stream's backend state, made on first use by whichever thread runs it first
         (only one thread at a time holds a stream)."""
-        if not self._made[index]:
-            if self._state_factory is not None:
-                self._states[index] = self._state_factory(index)
-            self._made[index] = True
+        if self._states[index] is _UNMADE:
+            factory = self._state_factory
+            self._states[index] = factory(index) if factory is not None else None
         return self._states[index]
 
     def _release(self, index: int) -> None:
