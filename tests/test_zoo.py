@@ -1,0 +1,114 @@
+"""Every model of the real-exporter zoo (tests/zoo) on every device, against onnxruntime.
+
+onnxruntime with its graph optimizations off is the reference. OPENVINO must match wherever
+openvino itself reads and compiles the model; where it cannot, plugserve must refuse the model
+with ``Unsupported`` (never a crash or another error). Every other device must run every model.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from zoo import ZooModel, load_all
+
+from plugserve.plugins.api import Unsupported
+
+ZOO = load_all()
+DEVICES = [
+    "NUMPY",
+    "ORT",
+    "OPENVINO",
+    "HETERO:OPENVINO,NUMPY",
+    "HETERO:NUMPY,ORT",
+    "AUTO",
+    "MULTI:NUMPY,ORT",
+    "BATCH:NUMPY(2)",
+]
+
+pytestmark = pytest.mark.slow
+
+
+def reference(model: ZooModel, feeds) -> dict:
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(str(model.path()), options, providers=["CPUExecutionProvider"])
+    names = [o.name for o in session.get_outputs()]
+    return dict(zip(names, session.run(None, feeds)))
+
+
+_openvino_reads: dict[str, str | None] = {}
+
+
+def openvino_refusal(model: ZooModel) -> str | None:
+    """Why openvino itself cannot read and compile the model, or None when it can."""
+    if model.name not in _openvino_reads:
+        import openvino as ov
+
+        try:
+            ov.Core().compile_model(ov.Core().read_model(str(model.path())), "CPU")
+            _openvino_reads[model.name] = None
+        except Exception as error:  # openvino raises RuntimeError/OpConversionFailure/...
+            _openvino_reads[model.name] = f"{type(error).__name__}: {error}"[:300]
+    return _openvino_reads[model.name]
+
+
+def assert_same(got, want, model: ZooModel, where: str) -> None:
+    if isinstance(want, dict):
+        assert isinstance(got, dict) and set(got) == set(want), f"{where}: keys {got} vs {want}"
+        for key in want:
+            assert_same(got[key], want[key], model, f"{where}[{key!r}]")
+    elif isinstance(want, list):
+        assert isinstance(got, list) and len(got) == len(want), f"{where}: {got!r} vs {want!r}"
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert_same(g, w, model, f"{where}[{i}]")
+    else:
+        want = np.asarray(want)
+        got = np.asarray(got)
+        assert got.shape == want.shape, f"{where}: shape {got.shape}, expected {want.shape}"
+        if want.dtype.kind in "OUS":
+            assert got.tolist() == want.tolist(), where
+            return
+        assert got.dtype == want.dtype, f"{where}: dtype {got.dtype}, expected {want.dtype}"
+        np.testing.assert_allclose(
+            got.astype(np.float64),
+            want.astype(np.float64),
+            rtol=model.rtol,
+            atol=model.atol,
+            err_msg=where,
+        )
+
+
+def cases():
+    for name, model in sorted(ZOO.items()):
+        for device in DEVICES:
+            if device.startswith("BATCH") and model.batch_axis != 0:
+                continue
+            yield pytest.param(name, device, id=f"{name}-{device}")
+
+
+@pytest.mark.parametrize(("name", "device"), list(cases()))
+def test_matches_onnxruntime(core, name: str, device: str) -> None:
+    model = ZOO[name]
+    path = str(model.path())
+    rng = np.random.default_rng(0)
+    requests = [model.feeds(rng) for _ in range(2)]
+    if device == "OPENVINO" and (why := openvino_refusal(model)) is not None:
+        with pytest.raises(Unsupported) as refused:
+            core.load_network(path, device)
+        assert str(refused.value), f"openvino itself refuses ({why}); so must plugserve, clearly"
+        return
+    network = core.load_network(path, device)
+    try:
+        infer_requests = [network.create_infer_request() for _ in requests]
+        for request, feeds in zip(infer_requests, requests):
+            request.start_async(feeds)
+        for request, feeds in zip(infer_requests, requests):
+            got = request.wait(timeout=120)
+            want = reference(model, feeds)
+            assert set(got) == set(want), f"outputs {sorted(got)}, expected {sorted(want)}"
+            for output in want:
+                assert_same(got[output], want[output], model, f"{name} on {device}: {output}")
+    finally:
+        network.close()
