@@ -37,8 +37,8 @@ class ZooModel:
     ``feeds(rng)`` makes one request's inputs. ``batch_axis`` is the axis BATCH may gather
     requests along (None: the model has no batch dimension). ``atol``/``rtol`` are the issue's
     tolerances unless the family needs its own (int8 models: one output quantization step).
-    ``unsupported`` maps a device to the reason it is expected to refuse the model cleanly
-    (``Unsupported`` naming the nodes), for models a backend itself cannot read.
+    ``known_failures`` maps a device (or ``"*"``) to the open bug that still breaks it there;
+    the test expects the failure strictly, so a fix turns it red until the entry is removed.
     """
 
     name: str
@@ -49,7 +49,7 @@ class ZooModel:
     batch_axis: int | None = 0
     rtol: float = 1e-3
     atol: float = 1e-4
-    unsupported: dict[str, str] = field(default_factory=dict)
+    known_failures: dict[str, str] = field(default_factory=dict)
     version: int = 1
 
     def path(self) -> Path:
