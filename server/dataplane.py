@@ -389,6 +389,7 @@ class DataPlane:
             arrays = check_inputs(name, entry.network.inputs, inputs)
             wanted = self._outputs(entry, outputs)
         except PlugserveError:
+            entry.stats.failure += 1
             self.metrics.observe(entry.device, entry.name, entry.version, "invalid")
             raise
         executor = entry.executor
@@ -436,6 +437,7 @@ class DataPlane:
         except BaseException as exc:
             with self._inflight_lock:
                 self._inflight -= 1
+            entry.stats.failure += 1
             if isinstance(exc, ResourceExhausted):
                 self.metrics.observe(entry.device, entry.name, entry.version, "overloaded")
             raise

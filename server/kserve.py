@@ -340,6 +340,8 @@ def model_statistics(entry: LoadedNetwork) -> pb.ModelStatistics:
     inference.queue.count = s.success
     inference.queue.ns = s.queue_ns
     inference.compute_infer.count = s.success
+    inference.compute_input.count = s.success
+    inference.compute_output.count = s.success
     inference.compute_infer.ns = s.compute_ns
     batches = getattr(entry.network, "batch_statistics", None)
     if batches is not None:
@@ -348,6 +350,8 @@ def model_statistics(entry: LoadedNetwork) -> pb.ModelStatistics:
         for size, (count, ns) in sorted(executed.items()):
             batch = stats.batch_stats.add(batch_size=size)
             batch.compute_infer.count = count
+            batch.compute_input.count = count
+            batch.compute_output.count = count
             batch.compute_infer.ns = ns
     return stats
 

@@ -477,19 +477,23 @@ def test_statistics_count_the_requests(client):
     for k in range(3):
         client.infer("add", _add_inputs([k], [k]))
     with pytest.raises(InferenceServerException):
-        client.infer("add", _add_inputs([1], [1])[:1])  # refused before it runs: not counted
+        client.infer("add", _add_inputs([1], [1])[:1])  # refused before it runs: a failure
     after = _add_stats(client)
     assert after.inference_stats.success.count - before.inference_stats.success.count == 3
     assert after.inference_count - before.inference_count == 3
     assert after.execution_count - before.execution_count == 3
-    assert after.inference_stats.fail.count == before.inference_stats.fail.count
-    assert after.inference_stats.queue.count == after.inference_stats.success.count
+    assert after.inference_stats.fail.count == before.inference_stats.fail.count + 1
+    # perf_analyzer refuses statistics whose compute counts differ
+    inference = after.inference_stats
+    assert inference.queue.count == inference.success.count
+    assert inference.compute_input.count == inference.compute_infer.count
+    assert inference.compute_output.count == inference.compute_infer.count
     assert after.inference_stats.compute_infer.ns > before.inference_stats.compute_infer.ns
     assert after.inference_stats.queue.ns >= before.inference_stats.queue.ns
     assert after.inference_stats.success.ns == (
         after.inference_stats.queue.ns + after.inference_stats.compute_infer.ns
     )
-    assert after.last_inference >= before.last_inference > 0
+    assert after.last_inference >= before.last_inference and after.last_inference > 0
 
 
 def test_statistics_all_models_and_errors(client):
