@@ -403,6 +403,12 @@ def run(verb: str, argv: Sequence[str]) -> int:
             return function(client, args)
     except grpc.RpcError as exc:
         print(f"plugserve {verb}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        if exc.code() == grpc.StatusCode.UNAVAILABLE and "connect" in (exc.details() or ""):
+            print(
+                f"plugserve {verb}: no server answers at {args.target}: start one with "
+                "`plugserve serve`, or point --target (env PLUGSERVE_TARGET) at yours",
+                file=sys.stderr,
+            )
         return 1
     except OSError as exc:  # a model, blob or output file that cannot be read or written
         print(f"plugserve {verb}: {exc}", file=sys.stderr)

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from concurrent import futures
@@ -98,6 +99,11 @@ class Server:
         self.plugin_settings = load_plugins_file(settings.plugins) if settings.plugins else None
         self._configure_plugins()
         root = settings.model_repository or str(build_examples(default_examples_dir()))
+        if settings.exit_on_error and not Path(root).exists():
+            raise SystemExit(
+                f"plugserve: --model-repository {root}: no such file or folder "
+                "(--exit-on-error 0 starts without it)"
+            )
         if settings.model_name:
             try:
                 root = str(single_model_repository(root, settings.model_name))
@@ -192,6 +198,9 @@ class Server:
         options = [
             ("grpc.max_send_message_length", s.max_message_bytes),
             ("grpc.max_receive_message_length", s.max_message_bytes),
+            # grpcio shares a port with any process listening on it unless told not to: a
+            # second server would silently take some of the first one's connections
+            ("grpc.so_reuseport", s.reuse_grpc_port),
         ]
         if s.max_streams_per_connection:
             options.append(("grpc.max_concurrent_streams", s.max_streams_per_connection))
@@ -211,20 +220,22 @@ class Server:
         ]
         reflection.enable_server_reflection(services, server)
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        address = f"{s.host}:{s.grpc_port}"
-        if credentials is None:
-            self.grpc_port = server.add_insecure_port(address)
-        else:
-            self.grpc_port = server.add_secure_port(address, credentials)
+        self.grpc_port = _bind(server, s.host, s.grpc_port, "--grpc-port", credentials)
+        if credentials is not None:
             log.info("TLS on%s", " with client certificates (mTLS)" if s.tls_client_ca else "")
-        if not self.grpc_port:
-            raise SystemExit(f"plugserve: cannot listen on {s.host}:{s.grpc_port}")
         server.start()
         self.grpc_server = server
         if s.health_port >= 0:
             self._serve_health(s.host, s.health_port)
         if s.metrics_port >= 0:
-            self.metrics_port = self.metrics.serve(s.host, s.metrics_port)
+            try:
+                self.metrics_port = self.metrics.serve(s.host, s.metrics_port)
+            except OSError as exc:
+                self._stop_grpc(0)
+                raise SystemExit(
+                    f"plugserve: cannot listen on {s.host}:{s.metrics_port} (--metrics-port): "
+                    f"{exc.strerror or exc}"
+                ) from None
         log.info(
             "listening: gRPC %s:%d, metrics http://%s:%d/metrics",
             s.host,
@@ -235,6 +246,14 @@ class Server:
         ready, problems = self.plane.load_repository()
         for problem in problems:
             log.error("model repository: %s", problem)
+        # the bundled examples are a demo: one that needs a device --plugins left out is skipped
+        if problems and s.exit_on_error and s.model_repository:
+            self._stop_grpc(0)
+            self.plane.close()
+            raise SystemExit(
+                f"plugserve: {len(problems)} problem(s) in the model repository at startup "
+                "(logged above); --exit-on-error 0 serves the models that loaded"
+            )
         for entry in ready:
             log.info("model %s version %d is ready on %s", entry.name, entry.version, entry.device)
         self.plane.ready = True
@@ -249,9 +268,7 @@ class Server:
             maximum_concurrent_rpcs=16,
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        self.health_port = server.add_insecure_port(f"{host}:{port}")
-        if not self.health_port:
-            raise SystemExit(f"plugserve: cannot listen on {host}:{port} (--health-port)")
+        self.health_port = _bind(server, host, port, "--health-port")
         server.start()
         self.health_server = server
         log.info("health (plaintext, health service only): %s:%d", host, self.health_port)
@@ -307,11 +324,58 @@ class Server:
             pass
 
 
+def _bind(
+    server: grpc.Server,
+    host: str,
+    port: int,
+    flag: str,
+    credentials: grpc.ServerCredentials | None = None,
+) -> int:
+    """Listen on ``host:port``, or exit with one line saying which flag's port is taken."""
+    address = f"{host}:{port}"
+    try:
+        if credentials is None:
+            bound = server.add_insecure_port(address)
+        else:
+            bound = server.add_secure_port(address, credentials)
+    except RuntimeError:
+        bound = 0
+    if not bound:
+        raise SystemExit(
+            f"plugserve: cannot listen on {address} ({flag}): the port is in use or the "
+            "address is not this machine's"
+        )
+    return bound
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line, for log collectors that parse fields rather than text."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {
+            "time": self.formatTime(record),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry, ensure_ascii=False)
+
+
+def configure_logging(settings: Settings) -> None:
+    """Logs go to stdout, where container runtimes collect them (docs/operations.md)."""
+    handler = logging.StreamHandler(sys.stdout)
+    if settings.log_format == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=settings.log_level.upper(), handlers=[handler], force=True)
+
+
 def main(argv: list[str]) -> int:
     settings = Settings.from_argv(argv)
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(settings)
     server = Server(settings)
 
     def on_signal(signum: int, _frame: Any) -> None:

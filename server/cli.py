@@ -16,6 +16,34 @@ def _conformance(argv: Sequence[str]) -> int:
     return conformance_main(argv)
 
 
+def _examples(argv: Sequence[str]) -> int:
+    """Where the bundled example models are, so README's commands can name a real file."""
+    import argparse
+
+    from plugserve.server.examples import build_examples, default_examples_dir
+
+    parser = argparse.ArgumentParser(
+        prog="plugserve examples",
+        description="Build the bundled example models if needed and print their files.",
+    )
+    parser.add_argument("name", nargs="?", help="print only this model's file")
+    args = parser.parse_args(argv)
+    root = build_examples(default_examples_dir())
+    models = {p.parts[-3]: p for p in sorted(root.glob("*/*/model.onnx"))}
+    if args.name is not None:
+        if args.name not in models:
+            print(
+                f"plugserve examples: no example {args.name!r}; examples: {', '.join(models)}",
+                file=sys.stderr,
+            )
+            return 2
+        print(models[args.name])
+        return 0
+    for name, path in models.items():
+        print(f"{name:6} {path}")
+    return 0
+
+
 def _serve(argv: Sequence[str]) -> int:
     from plugserve.server.app import main as serve_main
 
@@ -25,15 +53,22 @@ def _serve(argv: Sequence[str]) -> int:
 VERBS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
     "serve": (_serve, "run the server (with no arguments: on the bundled example models)"),
     "conformance": (_conformance, "run the ONNX backend node tests on a device"),
+    "examples": (_examples, "print the bundled example models' files (plugserve examples mlp)"),
 }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] in ("--version", "-V"):
+        from importlib.metadata import version
+
+        print(f"plugserve {version('plugserve')}")
+        return 0
     if not args or args[0] in ("-h", "--help"):
         from plugserve.client.cli import VERBS as CLIENT_VERBS
 
         print("usage: plugserve VERB [options]   (plugserve VERB --help for a verb's options)")
+        print("       plugserve --version")
         print("\nverbs:")
         for verb, (_, help_text) in {**VERBS, **CLIENT_VERBS}.items():
             print(f"  {verb:13} {help_text}")

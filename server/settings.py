@@ -14,6 +14,7 @@ from typing import Any
 __all__ = ["Settings"]
 
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+_LOG_FORMATS = ("text", "json")
 
 
 def _field(default: Any, help: str, flag: str | None = None) -> Any:
@@ -43,6 +44,19 @@ class Settings:
     plugins: str = _field("", "JSON file naming the plugins to load and their config")
     default_device: str = _field("NUMPY", "device for models whose config names none")
     log_level: str = _field("INFO", "DEBUG, INFO, WARNING or ERROR")
+    log_format: str = _field(
+        "text", "text: 'time LEVEL logger: message' lines; json: one JSON object per line"
+    )
+    exit_on_error: int = _field(
+        1,
+        "1: exit with status 1 when the model repository is missing or a model in it fails to "
+        "load at startup (as Triton); 0: log it and serve what loaded",
+    )
+    reuse_grpc_port: int = _field(
+        0,
+        "1: share --grpc-port with other processes listening on it (SO_REUSEPORT; each "
+        "connection goes to one of them); 0: an occupied port is an error",
+    )
     max_message_bytes: int = _field(1 << 30, "largest gRPC message accepted or sent")
     queue_size: int = _field(0, "requests waiting per device (0: 16 per stream)")
     grpc_workers: int = _field(64, "gRPC handler threads")
@@ -92,6 +106,11 @@ class Settings:
                     f"{name}={value!r} must be "
                     + (f"between {low} and {high}" if high is not None else f">= {low}")
                 )
+        for name in ("exit_on_error", "reuse_grpc_port"):
+            if getattr(self, name) not in (0, 1):
+                found.append(f"{name}={getattr(self, name)!r} must be 0 or 1")
+        if self.log_format not in _LOG_FORMATS:
+            found.append(f"log_format={self.log_format!r} must be one of {', '.join(_LOG_FORMATS)}")
         if self.log_level.upper() not in _LOG_LEVELS:
             found.append(f"log_level={self.log_level!r} must be one of {', '.join(_LOG_LEVELS)}")
         return found

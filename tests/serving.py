@@ -34,6 +34,7 @@ class RunningServer:
         self.metrics_port = 0
         self._ready = threading.Event()
         self._listening = threading.Event()
+        self._exited = threading.Event()  # its output ended: the process is gone
 
     @property
     def target(self) -> str:
@@ -70,13 +71,21 @@ class RunningServer:
             cwd=self.cwd,
         )
         threading.Thread(target=self._read, daemon=True).start()
-        if not self._listening.wait(timeout):
+        if not self._wait(self._listening, timeout):
             self.stop()
             raise RuntimeError(f"server did not start listening:\n{self.log}")
-        if wait_ready and not self._ready.wait(timeout):
+        if wait_ready and not self._wait(self._ready, timeout):
             self.stop()
             raise RuntimeError(f"server did not become ready:\n{self.log}")
         return self
+
+    def _wait(self, event: threading.Event, timeout: float) -> bool:
+        """Wait for ``event``, giving up at once when the server exits (a startup error)."""
+        end = time.monotonic() + timeout
+        while not event.wait(0.05):
+            if self._exited.is_set() or time.monotonic() > end:
+                return event.is_set()
+        return True
 
     def _read(self) -> None:
         assert self.process is not None and self.process.stdout is not None
@@ -88,9 +97,10 @@ class RunningServer:
                 self._listening.set()
             if "server ready:" in line:
                 self._ready.set()
+        self._exited.set()
 
     def wait_ready(self, timeout: float = 120) -> None:
-        if not self._ready.wait(timeout):
+        if not self._wait(self._ready, timeout):
             raise RuntimeError(f"server did not become ready:\n{self.log}")
 
     def channel(self) -> grpc.Channel:

@@ -36,10 +36,15 @@ def _minor_faults(pid: int) -> int:
         return int(f.read().rsplit(")", 1)[1].split()[7])
 
 
+def _folder(path):
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 def _faults_per_request(tmp_path, *flags: str) -> float:
     x = np.random.default_rng(0).random(SHAPE, dtype=np.float32)
     with (
-        RunningServer("--model-repository", str(tmp_path), *flags) as running,
+        RunningServer("--model-repository", str(_folder(tmp_path)), *flags) as running,
         Client(running.target, timeout=30) as client,
     ):
         client.load("identity", _identity(), "NUMPY")

@@ -31,6 +31,10 @@ def _values(field: dataclasses.Field) -> tuple[str, str]:
     """Two valid values for a field, as text: (for the flag, for the env variable)."""
     if field.name == "log_level":
         return "ERROR", "DEBUG"
+    if field.name == "log_format":
+        return "json", "text"
+    if field.name in ("exit_on_error", "reuse_grpc_port"):  # 0 or 1
+        return str(1 - field.default), str(field.default)
     if isinstance(field.default, float):
         return "2.5", "4.0"
     if isinstance(field.default, int):
