@@ -145,6 +145,8 @@ class Graph:
     absorbed: list[str] = dataclasses.field(default_factory=list)
     raw_inputs: list[onnx.ValueInfoProto] = dataclasses.field(default_factory=list)
     raw_outputs: list[onnx.ValueInfoProto] = dataclasses.field(default_factory=list)
+    #: Names in use, collected by the first :meth:`unique_name` (never copied with the graph).
+    _taken: set[str] | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     # --- queries passes use
 
@@ -192,13 +194,22 @@ class Graph:
         return [name for node in self.nodes for name in node.fused_names]
 
     def unique_name(self, base: str) -> str:
-        taken = {n.name for n in self.nodes}
-        taken |= {v for n in self.nodes for v in n.outputs}
-        taken |= set(self.initializers) | {i.name for i in self.inputs}
+        """A node or value name not used in this graph (nor handed out before).
+
+        The names in use are collected once per graph and grow with every name handed out,
+        so a pass asking per node stays linear; passes that add names take them from here.
+        """
+        taken = self._taken
+        if taken is None:
+            taken = {n.name for n in self.nodes}
+            taken |= {v for n in self.nodes for v in n.outputs}
+            taken |= set(self.initializers) | {i.name for i in self.inputs}
+            self._taken = taken
         name, i = base, 0
         while name in taken:
             i += 1
             name = f"{base}_{i}"
+        taken.add(name)
         return name
 
     def copy(self) -> Graph:
@@ -252,6 +263,8 @@ class Graph:
             )
             for name, v in self.initializers.items()
         ]
+        outputs = self.output_names()
+        inputs = {i.name for i in self.inputs}
         graph = helper.make_graph(
             [n.to_proto() for n in self.nodes],
             self.name,
@@ -261,9 +274,7 @@ class Graph:
             value_info=[
                 _value_info(s)
                 for s in self.value_info.values()
-                if s.dtype is not None
-                and s.name not in self.output_names()
-                and s.name not in {i.name for i in self.inputs}
+                if s.dtype is not None and s.name not in outputs and s.name not in inputs
             ],
         )
         model = helper.make_model(

@@ -40,6 +40,7 @@ def _static_shape(graph: Graph, name: str) -> tuple[int, ...] | None:
 
 def fold_shapes(graph: Graph, context: PassContext) -> bool:
     changed = False
+    users = graph.consumers()
     kept: list[Node] = []
     for node in graph.nodes:
         if node.domain == "" and node.op_type in ("Shape", "Size") and len(node.outputs) == 1:
@@ -50,7 +51,7 @@ def fold_shapes(graph: Graph, context: PassContext) -> bool:
                 else:
                     start, end = node.attr("start", 0), node.attr("end", None)
                     value = np.array(shape[slice(start, end)], dtype=np.int64)
-                _replace_with_constant(graph, node, [value])
+                _replace_with_constant(graph, node, [value], users)
                 changed = True
                 continue
         kept.append(node)
@@ -62,6 +63,7 @@ def fold_constants(graph: Graph, context: PassContext) -> bool:
     if context.evaluate is None:
         return False
     changed = False
+    users = graph.consumers()
     kept: list[Node] = []
     for node in graph.nodes:
         if _foldable(node, graph):
@@ -71,7 +73,7 @@ def fold_constants(graph: Graph, context: PassContext) -> bool:
             except Exception:  # the kernel refuses these values: leave it to run time
                 outputs = None
             if outputs is not None and _acceptable(outputs, node, context):
-                _replace_with_constant(graph, node, outputs)
+                _replace_with_constant(graph, node, outputs, users)
                 changed = True
                 continue
         kept.append(node)
@@ -98,12 +100,15 @@ def _acceptable(outputs: list, node: Node, context: PassContext) -> bool:
     return total <= context.fold_limit_bytes
 
 
-def _replace_with_constant(graph: Graph, node: Node, outputs: list) -> None:
+def _replace_with_constant(
+    graph: Graph, node: Node, outputs: list, users: dict[str, list[Node]]
+) -> None:
+    """``users``: the readers map from the start of the pass (still right: folding a node does
+    not change who reads its outputs; an heir folded later hands the names on in turn)."""
     for name, value in zip(node.outputs, outputs):
         array = np.asarray(value)
         graph.initializers[name] = array
         graph.value_info[name] = TensorSpec(name, array.dtype, tuple(array.shape))
-    users = graph.consumers()
     heir = next((users[o][0] for o in node.outputs if users.get(o)), None)
     if heir is not None:
         heir.fused_names.extend(n for n in node.fused_names if n not in heir.fused_names)
