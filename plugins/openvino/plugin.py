@@ -38,6 +38,7 @@ from plugserve.plugins.openvino.query import (
     runtime_names,
     supported_nodes,
 )
+from plugserve.plugins.passes.sizes import check_load_constants
 
 try:
     import openvino as ov
@@ -90,6 +91,7 @@ class OpenvinoPlugin(Plugin):
         """Validate as NUMPY does, then the bytes openvino reads (external data inlined)."""
         proto, _ = read_model(model)
         graph = load_model(proto)  # sorts ``proto`` in place; every problem is InvalidModel
+        check_load_constants(graph, self.name)  # openvino folds constants without a limit
         return graph, proto, proto.SerializeToString()
 
     def _unsupported_error(

@@ -27,6 +27,7 @@ from plugserve.plugins.ort import backend
 from plugserve.plugins.ort.compiled import OrtCompiledNetwork, spec_from_json
 from plugserve.plugins.ort.config import OrtConfiguration
 from plugserve.plugins.ort.query import KernelIndex, kernel_index, unsupported_nodes
+from plugserve.plugins.passes.sizes import check_load_constants
 
 __all__ = ["OrtPlugin"]
 
@@ -63,6 +64,7 @@ class OrtPlugin(Plugin):
     def _read(self, model: Model) -> tuple[Graph, bytes]:
         proto, _ = read_model(model)  # external data inlined here, safely
         graph = load_model(proto)
+        check_load_constants(graph, self.name)  # onnxruntime folds constants without a limit
         try:
             data = proto.SerializeToString()
         except ValueError as exc:  # a model over protobuf's 2 GB limit
@@ -111,6 +113,7 @@ class OrtPlugin(Plugin):
     ) -> dict[str, str]:
         self.merged_config(config, strict=False)
         graph = load_model(model)
+        check_load_constants(graph, self.name)  # what load_network would refuse
         if self.kernels is None:  # all or nothing: can onnxruntime open it?
             try:
                 self.load_network(model, config)

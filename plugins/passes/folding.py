@@ -13,18 +13,9 @@ import numpy as np
 from plugserve.plugins.api import TensorSpec
 from plugserve.plugins.ir import Graph, Node, subgraph_free_names
 from plugserve.plugins.passes.manager import PassContext
+from plugserve.plugins.passes.sizes import NONDETERMINISTIC, output_bytes
 
 __all__ = ["fold_constants", "fold_shapes"]
-
-_NONDETERMINISTIC = {
-    "RandomUniform",
-    "RandomNormal",
-    "RandomUniformLike",
-    "RandomNormalLike",
-    "Bernoulli",
-    "Multinomial",
-    "Dropout",
-}
 
 
 def _static_shape(graph: Graph, name: str) -> tuple[int, ...] | None:
@@ -68,6 +59,10 @@ def fold_constants(graph: Graph, context: PassContext) -> bool:
     for node in graph.nodes:
         if _foldable(node, graph):
             inputs = [graph.initializers[n] if n else None for n in node.inputs]
+            size = output_bytes(node, graph, inputs)
+            if size is None or size > context.fold_limit_bytes:
+                kept.append(node)  # too large (or not knowable) before running it: run time
+                continue
             try:
                 outputs = context.evaluate(node, graph, inputs)
             except Exception:  # the kernel refuses these values: leave it to run time
@@ -82,7 +77,7 @@ def fold_constants(graph: Graph, context: PassContext) -> bool:
 
 
 def _foldable(node: Node, graph: Graph) -> bool:
-    if node.op_type in _NONDETERMINISTIC or subgraph_free_names(node):
+    if node.op_type in NONDETERMINISTIC or subgraph_free_names(node):
         return False
     if any(n and n not in graph.initializers for n in node.inputs):
         return False

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from plugserve.plugins.ir import Graph, Node
+from plugserve.plugins.passes.sizes import FOLD_LIMIT_BYTES
 
 __all__ = ["Pass", "PassContext", "PassManager"]
 
@@ -34,7 +35,7 @@ class PassContext:
     #: Convert float16 computation to float32 (INFERENCE_PRECISION_HINT=f32).
     f16_to_f32: bool = True
     #: Largest constant (bytes) folding may create.
-    fold_limit_bytes: int = 64 << 20
+    fold_limit_bytes: int = FOLD_LIMIT_BYTES
 
 
 Pass = Callable[[Graph, PassContext], bool]
