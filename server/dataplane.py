@@ -39,6 +39,7 @@ from plugserve.server.core import Core
 from plugserve.server.devices import parse_device
 from plugserve.server.metrics import Metrics
 from plugserve.server.repository import Repository, check_name, is_version
+from plugserve.server.versions import check_version, next_version
 
 __all__ = ["DataPlane", "LoadedNetwork", "ShuttingDown"]
 
@@ -222,6 +223,7 @@ class DataPlane:
         a HETERO, MULTI or AUTO device is loaded as it is, without dynamic batching.
         """
         check_name(name)
+        check_version(version)
         if self.draining:
             raise ShuttingDown(f"network {name!r}: the server is shutting down; not loading it")
         self._check_model_size(model, "LoadNetwork")
@@ -237,7 +239,7 @@ class DataPlane:
                 stored = (
                     self.repository.next_version(name) - 1 if (persist and self.repository) else 0
                 )
-                version = max(loaded, stored) + 1
+                version = next_version(max(loaded, stored), name)
             if version in self._networks.get(name, {}) or (name, version) in self._loading:
                 raise InvalidArgument(
                     f"network {name!r} version {version} is already loaded; unload it first "
@@ -249,7 +251,7 @@ class DataPlane:
             executor = self.executor(device, config)
             network = self._compile(name, model, device, config)
             if persist:
-                self.repository.persist(name, version, model, device, config)
+                self.repository.persist(name, version, model, device, config, max_batch_size)
             entry = LoadedNetwork(
                 name,
                 version,
@@ -519,6 +521,7 @@ class DataPlane:
     def query(
         self, model: bytes | str | Path, device: str, config: Mapping[str, str] | None = None
     ) -> tuple[dict[str, str], dict[str, str]]:
+        self._check_model_size(model, "QueryNetwork")
         supported = self.core.query_network(model, device, config)
         plugin = self.core.plugin(device)
         reasons: dict[str, str] = {}
@@ -543,7 +546,7 @@ class DataPlane:
         executor = self.executor(device, config)
         network = self.core.import_network(blob, device, config)
         with self._lock:
-            version = max(self._networks.get(name, {}), default=0) + 1
+            version = next_version(max(self._networks.get(name, {}), default=0), name)
             self._check_network_count(name, version, len(self._loading))
             entry = LoadedNetwork(
                 name,
@@ -567,7 +570,7 @@ class DataPlane:
         if version and not is_version(version):
             raise InvalidArgument(f"repository path {path!r}: expected NAME or NAME/VERSION")
         model = self.repository.model_path(name, int(version or 0))
-        settings = self.repository.read_settings(name)
+        settings = self.repository.read_settings(name, int(model.parent.name))
         return model, settings.device, settings.config, settings.max_batch_size
 
     def load_repository(self) -> tuple[list[LoadedNetwork], list[str]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import queue
 import threading
 import time
@@ -188,7 +189,11 @@ class PlugserveServicer(pb_grpc.PlugserveServicer):
     def ListNetworks(self, request, context):
         response = pb.ListNetworksResponse()
         for entry in self.plane.networks():
-            network_info(response.networks.add(), entry)
+            try:
+                network_info(response.networks.add(), entry)
+            except Exception:  # one entry that cannot be encoded must not fail every client
+                del response.networks[-1]
+                logging.getLogger(__name__).exception("ListNetworks: %r left out", entry.name)
         return response
 
     def _submit(self, request: pb.InferRequest, deadline: float | None, inline: bool = False):
