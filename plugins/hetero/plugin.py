@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from plugserve.plugins import blob
+from plugserve.plugins import blob, cancel
 from plugserve.plugins.api import (
     CompiledNetwork,
     FailedPrecondition,
@@ -188,6 +188,7 @@ class HeteroPlugin(Plugin):
         steps: list[Step] = []
         try:
             for piece in cut(graph, plan):
+                cancel.check(f"HETERO: compiling {graph.name!r}")
                 network = self._devices().load_network(
                     piece.model, piece.device, self._child_config(piece.device, overrides, cfg)
                 )

@@ -39,6 +39,7 @@ from plugserve.plugins.openvino.query import (
     supported_nodes,
 )
 from plugserve.plugins.passes.sizes import check_load_constants
+from plugserve.plugins.shapecheck import shape_model
 
 try:
     import openvino as ov
@@ -128,7 +129,7 @@ class OpenvinoPlugin(Plugin):
             raise Unsupported(
                 f"model {graph.name!r}: openvino could not compile it: {_first_line(exc)}"
             ) from None
-        return OpenvinoCompiledNetwork(
+        network = OpenvinoCompiledNetwork(
             self,
             cfg,
             graph.name,
@@ -138,6 +139,8 @@ class OpenvinoPlugin(Plugin):
             mapping,
             runtime_names(compiled, mapping, graph),
         )
+        network.shape_model = shape_model(proto)
+        return network
 
     def query_network(
         self, model: Model, config: Mapping[str, Any] | None = None

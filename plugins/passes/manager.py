@@ -14,6 +14,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from plugserve.plugins import cancel
 from plugserve.plugins.ir import Graph, Node
 from plugserve.plugins.passes.sizes import FOLD_LIMIT_BYTES
 
@@ -49,6 +50,7 @@ class PassManager:
         """Apply every pass in order to a copy of ``graph`` (the input is left untouched)."""
         graph = graph.copy()
         for name, apply in self.passes:
+            cancel.check(f"graph {graph.name!r}: transforming it")
             if apply(graph, context):
                 log.debug("pass %s changed graph %s (%d nodes)", name, graph.name, len(graph.nodes))
         return graph
