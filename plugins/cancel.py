@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import logging
 from collections.abc import Callable, Iterator
 
 from plugserve.plugins.api import Cancelled
 
 __all__ = ["check", "stop_when"]
+
+log = logging.getLogger(__name__)
 
 _should_stop: contextvars.ContextVar[Callable[[], bool] | None] = contextvars.ContextVar(
     "plugserve_should_stop", default=None
@@ -38,4 +41,6 @@ def check(what: str) -> None:
     """Raise :class:`Cancelled` when the caller of the work under way is gone."""
     should_stop = _should_stop.get()
     if should_stop is not None and should_stop():
-        raise Cancelled(f"{what}: stopped, its caller is gone (cancelled or past its deadline)")
+        message = f"{what}: stopped, its caller is gone (cancelled or past its deadline)"
+        log.info("%s", message)  # the caller cannot read the error: the log says it
+        raise Cancelled(message)

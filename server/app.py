@@ -301,7 +301,15 @@ class Server:
         self._done.set()
 
     def _stop_grpc(self, grace: float) -> None:
-        stopping = [s.stop(grace) for s in (self.grpc_server, self.health_server) if s]
+        stopping = []
+        for server in (self.grpc_server, self.health_server):
+            if server is None:
+                continue
+            try:  # a stop with a grace period starts a thread to end it
+                stopping.append(server.stop(grace))
+            except RuntimeError:  # none can be started (all taken): stop at once instead
+                log.warning("shutdown: no thread left for a grace period; stopping now")
+                stopping.append(server.stop(None))
         for stopped in stopping:
             stopped.wait()
 
