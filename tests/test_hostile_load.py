@@ -24,8 +24,6 @@ from serving import RunningServer, wait_for
 
 from plugserve.client import Client
 from plugserve.plugins import blob
-from plugserve.proto import grpc_service_pb2 as kpb
-from plugserve.proto import grpc_service_pb2_grpc as kpb_grpc
 from plugserve.proto import plugserve_pb2 as pb
 from plugserve.proto import plugserve_pb2_grpc as pb_grpc
 
@@ -384,6 +382,9 @@ def test_malformed_plugserve_v1_requests_are_invalid_argument(server, stub):
 
 
 def test_kserve_versions_are_ascii_decimal(server):
+    # tritonclient's generated modules, not ours: both define inference.* (see test_kserve.py)
+    kpb = pytest.importorskip("tritonclient.grpc.service_pb2")
+    kpb_grpc = pytest.importorskip("tritonclient.grpc.service_pb2_grpc")
     with grpc.insecure_channel(server.target) as channel:
         kserve = kpb_grpc.GRPCInferenceServiceStub(channel)
         for version in ("٣", "²", "1e3", "-1", "+1", " 1", str(10**18)):
