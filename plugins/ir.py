@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import math
 import os
 import re
 from collections.abc import Iterable
@@ -599,6 +600,9 @@ def _sort_nodes(graph: GraphProto, label: str) -> None:
         graph.node.extend(copies)
 
 
+_MAX_DENSE_BYTES = 2**31 - 1
+
+
 def graph_from_proto(
     graph: GraphProto, model: ModelProto | None, label: str, outer_scope: bool = False
 ) -> Graph:
@@ -614,6 +618,13 @@ def graph_from_proto(
             raise InvalidModel(f"model {label!r}: initializer {tensor.name!r}: {exc}") from None
     for sparse in graph.sparse_initializer:
         dense = tensor_to_array(sparse.values)
+        size = math.prod(max(0, d) for d in sparse.dims) * dense.dtype.itemsize
+        if size > _MAX_DENSE_BYTES:  # a few bytes on the wire could ask for terabytes here
+            raise InvalidModel(
+                f"model {label!r}: sparse initializer {sparse.values.name!r} is {size:,} bytes "
+                f"dense; initializers are held dense, up to {_MAX_DENSE_BYTES:,} bytes (ONNX's "
+                "own limit for a tensor)"
+            )
         full = np.zeros(tuple(sparse.dims), dtype=dense.dtype)
         idx = tensor_to_array(sparse.indices)
         if idx.ndim == 1:
