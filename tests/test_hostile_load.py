@@ -393,6 +393,11 @@ def test_kserve_versions_are_ascii_decimal(server):
             request = kpb.ModelMetadataRequest(name="add", version=version)
             expect(grpc.StatusCode.INVALID_ARGUMENT, lambda r=request: kserve.ModelMetadata(r))
         assert kserve.ModelMetadata(kpb.ModelMetadataRequest(name="add", version="1")).name
+        expect(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            lambda: kserve.ModelInfer(kpb.ModelInferRequest()),
+            "model_name",
+        )
     still_serving(server)
 
 

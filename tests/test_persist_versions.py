@@ -116,3 +116,16 @@ def test_the_largest_version_has_no_successor_and_listing_keeps_working(tmp_path
         np.testing.assert_allclose(
             client.infer("top", {"x": X})["y"], client.infer("top", {"x": X}, version=largest)["y"]
         )
+
+
+def test_a_config_that_could_not_be_sent_back_does_not_break_listing(tmp_path):
+    """A lone surrogate in config.json would load, then fail to encode in every ListNetworks
+    answer: the scan refuses that model, names its file, and serves the others."""
+    repo = tmp_path / "models"
+    for name in ("good", "bad"):
+        (repo / name / "1").mkdir(parents=True)
+        (repo / name / "1" / "model.onnx").write_bytes(MODEL)
+    (repo / "bad" / "config.json").write_text('{"config": {"DEVICE_ID": "x\\ud800"}}')
+    with serve(repo) as running, Client(running.target, timeout=60) as client:
+        assert list(found(client)) == [("good", 1)]
+        assert str(repo / "bad" / "config.json") in running.log
