@@ -43,6 +43,7 @@ __all__ = [
     "ResourceExhausted",
     "Unsupported",
     "available_cores",
+    "listing",
 ]
 
 
@@ -115,6 +116,14 @@ class InferenceError(PlugserveError, RuntimeError):
     """A kernel failed while running; the message names the node."""
 
     code = "INTERNAL"
+
+
+def listing(items: Iterable[Any], limit: int = 10, plain: bool = False) -> str:
+    """``['a', 'b'] ... and 990 more`` (``plain``: ``a, b ... and 990 more``): names for an
+    error message, however many a caller sent (a status message travels in a header)."""
+    items = list(items)
+    shown = ", ".join(map(str, items[:limit])) if plain else repr(items[:limit])
+    return shown + (f" ... and {len(items) - limit} more" if len(items) > limit else "")
 
 
 # --------------------------------------------------------------------------- configuration
@@ -431,6 +440,8 @@ class CompiledNetwork(abc.ABC):
         self.name = name
         self.config = config
         self.loaded_from_cache = False
+        #: The model as plugins.shapecheck keeps it, to blame a failed run on its input shapes.
+        self.shape_model: bytes | None = None
         self._executor: StreamsExecutor | None = None
         self._executor_lock = threading.Lock()
 
@@ -640,8 +651,10 @@ def check_inputs(
     extra = [n for n in inputs if n not in names]
     if extra:
         raise InvalidInput(
-            f"network {network_name}: unknown input(s) {extra}; the network's inputs are "
-            + ", ".join(s.describe() for s in specs)
+            f"network {network_name}: unknown input(s) {listing(extra)}; the network's inputs "
+            "are "
+            + ", ".join(s.describe() for s in specs[:10])
+            + (f" ... and {len(specs) - 10} more" if len(specs) > 10 else "")
         )
     arrays: list[np.ndarray] = []
     symbols: dict[str, tuple[int, str]] = {}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import math
 import os
 import re
 from collections.abc import Iterable
@@ -23,7 +24,7 @@ from onnx import AttributeProto, GraphProto, ModelProto, TensorProto, helper, nu
 
 from plugserve.plugins.api import InvalidModel, TensorSpec
 
-__all__ = ["Graph", "Node", "load_model", "np_dtype", "onnx_dtype"]
+__all__ = ["Graph", "Node", "load_model", "np_dtype", "onnx_dtype", "refuse_external_data"]
 
 
 def np_dtype(elem_type: int) -> np.dtype | None:
@@ -116,6 +117,12 @@ def decode_attr(proto: AttributeProto) -> Any:
 
 
 def tensor_to_array(tensor: TensorProto) -> np.ndarray:
+    """The tensor's values; one whose data is in a file is refused here, the last line of
+    defence (files beside a model on disk are read into it by :func:`read_model` first)."""
+    if _external(tensor):
+        raise InvalidModel(
+            f"tensor {tensor.name!r} keeps its data in an external file, which is not read here"
+        )
     if tensor.data_type == TensorProto.STRING:
         array = numpy_helper.to_array(tensor)
         return np.array(
@@ -145,6 +152,8 @@ class Graph:
     absorbed: list[str] = dataclasses.field(default_factory=list)
     raw_inputs: list[onnx.ValueInfoProto] = dataclasses.field(default_factory=list)
     raw_outputs: list[onnx.ValueInfoProto] = dataclasses.field(default_factory=list)
+    #: Names in use, collected by the first :meth:`unique_name` (never copied with the graph).
+    _taken: set[str] | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     # --- queries passes use
 
@@ -192,13 +201,22 @@ class Graph:
         return [name for node in self.nodes for name in node.fused_names]
 
     def unique_name(self, base: str) -> str:
-        taken = {n.name for n in self.nodes}
-        taken |= {v for n in self.nodes for v in n.outputs}
-        taken |= set(self.initializers) | {i.name for i in self.inputs}
+        """A node or value name not used in this graph (nor handed out before).
+
+        The names in use are collected once per graph and grow with every name handed out,
+        so a pass asking per node stays linear; passes that add names take them from here.
+        """
+        taken = self._taken
+        if taken is None:
+            taken = {n.name for n in self.nodes}
+            taken |= {v for n in self.nodes for v in n.outputs}
+            taken |= set(self.initializers) | {i.name for i in self.inputs}
+            self._taken = taken
         name, i = base, 0
         while name in taken:
             i += 1
             name = f"{base}_{i}"
+        taken.add(name)
         return name
 
     def copy(self) -> Graph:
@@ -252,6 +270,8 @@ class Graph:
             )
             for name, v in self.initializers.items()
         ]
+        outputs = self.output_names()
+        inputs = {i.name for i in self.inputs}
         graph = helper.make_graph(
             [n.to_proto() for n in self.nodes],
             self.name,
@@ -261,9 +281,7 @@ class Graph:
             value_info=[
                 _value_info(s)
                 for s in self.value_info.values()
-                if s.dtype is not None
-                and s.name not in self.output_names()
-                and s.name not in {i.name for i in self.inputs}
+                if s.dtype is not None and s.name not in outputs and s.name not in inputs
             ],
         )
         model = helper.make_model(
@@ -402,20 +420,57 @@ def read_model(model: Any) -> tuple[ModelProto, Path | None]:
 
 
 def _tensors_with_external_data(proto: ModelProto) -> Iterable[TensorProto]:
-    from onnx.external_data_helper import _get_all_tensors, uses_external_data
+    """Every tensor of the model that keeps its data in a file: initializers, sparse ones,
+    attribute tensors, in subgraphs and function bodies too (onnx's own walk skips the sparse
+    ones, which numpy_helper would then read relative to the working directory)."""
+    found: list[TensorProto] = []
 
-    return [t for t in _get_all_tensors(proto) if uses_external_data(t)]
+    def graph_tensors(graph: GraphProto) -> None:
+        tensors = list(graph.initializer)
+        for sparse in graph.sparse_initializer:
+            tensors += [sparse.values, sparse.indices]
+        found.extend(t for t in tensors if _external(t))
+        nodes(graph.node)
+
+    def nodes(items: Iterable[onnx.NodeProto]) -> None:
+        for node in items:
+            for attr in node.attribute:
+                tensors = [attr.t] if attr.HasField("t") else []
+                tensors += list(attr.tensors)
+                for sparse in [attr.sparse_tensor, *attr.sparse_tensors]:
+                    tensors += [sparse.values, sparse.indices]
+                found.extend(t for t in tensors if _external(t))
+                for sub in [attr.g] if attr.HasField("g") else []:
+                    graph_tensors(sub)
+                for sub in attr.graphs:
+                    graph_tensors(sub)
+
+    graph_tensors(proto.graph)
+    for function in proto.functions:
+        nodes(function.node)
+    return found
+
+
+def _external(tensor: TensorProto) -> bool:
+    return tensor.data_location == TensorProto.EXTERNAL or bool(tensor.external_data)
+
+
+def refuse_external_data(proto: ModelProto, what: str) -> None:
+    """A model or blob given as bytes is bytes: it may not name files to read."""
+    tensors = _tensors_with_external_data(proto)
+    if tensors:
+        raise InvalidModel(
+            f"{what}: tensor {tensors[0].name!r} keeps its data in an external file; a model "
+            "or blob given as bytes cannot read files: inline the data (or load the model from "
+            "its path in the model repository)"
+        )
 
 
 def _load_external_data(proto: ModelProto, folder: Path | None) -> None:
-    tensors = list(_tensors_with_external_data(proto))
-    if not tensors:
-        return
     if folder is None:
-        raise InvalidModel(
-            f"tensor {tensors[0].name!r} keeps its data in an external file; a model given as "
-            "bytes cannot read files: load it from its path instead"
-        )
+        refuse_external_data(proto, "the model")
+        return
+    tensors = list(_tensors_with_external_data(proto))
     for tensor in tensors:
         info = {e.key: e.value for e in tensor.external_data}
         location = info.get("location", "")
@@ -443,6 +498,7 @@ def load_model(model: Any, name: str | None = None) -> Graph:
     """Read, validate and convert a model; every problem is an :class:`InvalidModel`."""
     proto, _ = read_model(model)
     label = name or proto.graph.name or "model"
+    _check_opsets(proto, label)
     _sort_nodes(proto.graph, label)
     try:
         onnx.checker.check_model(proto)
@@ -461,6 +517,21 @@ def load_model(model: Any, name: str | None = None) -> Graph:
             f"model {label!r}: shape inference failed: {text[-1] if text else exc}"
         ) from None
     return graph_from_proto(inferred.graph, inferred, label)
+
+
+def _check_opsets(proto: ModelProto, label: str) -> None:
+    """Refuse an opset of a standard domain newer than the onnx package knows: its ops would be
+    checked and run by the newest rules known, which are not the model's (ONNX Runtime and
+    OpenVINO refuse such models too)."""
+    known = onnx.defs.C.schema_version_map()  # {domain: (first, last)}
+    for opset in proto.opset_import:
+        domain = "" if opset.domain == "ai.onnx" else opset.domain
+        if domain in known and opset.version > known[domain][1]:
+            raise InvalidModel(
+                f"model {label!r} imports opset {opset.version} of domain "
+                f"{opset.domain or 'ai.onnx'!r}; this server's onnx {onnx.__version__} knows "
+                f"it up to opset {known[domain][1]}: export the model for that opset or older"
+            )
 
 
 #: ONNX's report of one node's failed shape inference: its op type, node name and the reason.
@@ -529,6 +600,9 @@ def _sort_nodes(graph: GraphProto, label: str) -> None:
         graph.node.extend(copies)
 
 
+_MAX_DENSE_BYTES = 2**31 - 1
+
+
 def graph_from_proto(
     graph: GraphProto, model: ModelProto | None, label: str, outer_scope: bool = False
 ) -> Graph:
@@ -543,9 +617,16 @@ def graph_from_proto(
         except Exception as exc:
             raise InvalidModel(f"model {label!r}: initializer {tensor.name!r}: {exc}") from None
     for sparse in graph.sparse_initializer:
-        dense = numpy_helper.to_array(sparse.values)
+        dense = tensor_to_array(sparse.values)
+        size = math.prod(max(0, d) for d in sparse.dims) * dense.dtype.itemsize
+        if size > _MAX_DENSE_BYTES:  # a few bytes on the wire could ask for terabytes here
+            raise InvalidModel(
+                f"model {label!r}: sparse initializer {sparse.values.name!r} is {size:,} bytes "
+                f"dense; initializers are held dense, up to {_MAX_DENSE_BYTES:,} bytes (ONNX's "
+                "own limit for a tensor)"
+            )
         full = np.zeros(tuple(sparse.dims), dtype=dense.dtype)
-        idx = numpy_helper.to_array(sparse.indices)
+        idx = tensor_to_array(sparse.indices)
         if idx.ndim == 1:
             full.ravel()[idx] = dense
         else:

@@ -29,7 +29,7 @@ from plugserve.plugins.api import PlugserveError
 from plugserve.plugins.blob import plugserve_version
 from plugserve.proto import plugserve_pb2
 from plugserve.server.allocator import reuse_freed_memory
-from plugserve.server.core import Core
+from plugserve.server.core import ConfigLimits, Core
 from plugserve.server.dataplane import DataPlane
 from plugserve.server.examples import build_examples, default_examples_dir
 from plugserve.server.handlers import add_service
@@ -98,6 +98,10 @@ class Server:
         self.core = Core()
         self.plugin_settings = load_plugins_file(settings.plugins) if settings.plugins else None
         self._configure_plugins()
+        # after the operator's --plugins file: the caps bound what clients ask for
+        self.core.limits = ConfigLimits.of(
+            settings.max_num_streams, settings.max_batch_size, settings.max_inference_threads
+        )
         root = settings.model_repository or str(build_examples(default_examples_dir()))
         if settings.exit_on_error and not Path(root).exists():
             raise SystemExit(
@@ -314,7 +318,15 @@ class Server:
         self._done.set()
 
     def _stop_grpc(self, grace: float) -> None:
-        stopping = [s.stop(grace) for s in (self.grpc_server, self.health_server) if s]
+        stopping = []
+        for server in (self.grpc_server, self.health_server):
+            if server is None:
+                continue
+            try:  # a stop with a grace period starts a thread to end it
+                stopping.append(server.stop(grace))
+            except RuntimeError:  # none can be started (all taken): stop at once instead
+                log.warning("shutdown: no thread left for a grace period; stopping now")
+                stopping.append(server.stop(None))
         for stopped in stopping:
             stopped.wait()
 
@@ -378,21 +390,28 @@ def main(argv: list[str]) -> int:
     configure_logging(settings)
     server = Server(settings)
 
+    signalled = threading.Event()
+
     def on_signal(signum: int, _frame: Any) -> None:
-        if server._stopped.is_set():
+        # No thread is started here: with every thread slot taken (a flood of streams), a
+        # handler that needs one could not shut the server down. The shutdown thread waits
+        # from the start; a second signal only tells a stop under way to hurry.
+        if signalled.is_set():
             log.warning(
                 "signal %s again: not waiting any longer for admitted requests",
                 signal.Signals(signum).name,
             )
-        else:
-            log.info(
-                "signal %s: shutting down (up to %.0f s for admitted requests)",
-                signal.Signals(signum).name,
-                settings.exit_timeout,
-            )
-        threading.Thread(target=shutdown, name="shutdown", daemon=True).start()
+            server._hurry.set()
+            return
+        log.info(
+            "signal %s: shutting down (up to %.0f s for admitted requests)",
+            signal.Signals(signum).name,
+            settings.exit_timeout,
+        )
+        signalled.set()
 
     def shutdown() -> None:
+        signalled.wait()
         server.stop()
         if server.abandoned:
             # Threads stuck in a device (or in startup loading) cannot be interrupted and would
@@ -401,6 +420,7 @@ def main(argv: list[str]) -> int:
             logging.shutdown()
             os._exit(0)
 
+    threading.Thread(target=shutdown, name="shutdown", daemon=True).start()
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     server.start()

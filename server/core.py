@@ -8,6 +8,7 @@ seed's rule that a plugin checks its backend in its constructor, made visible.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -21,7 +22,7 @@ from typing import Any
 
 import onnx
 
-from plugserve.plugins import blob
+from plugserve.plugins import blob, cancel
 from plugserve.plugins.api import (
     CompiledNetwork,
     InvalidArgument,
@@ -32,7 +33,7 @@ from plugserve.plugins.api import (
 )
 from plugserve.server.devices import DeviceName, parse_device
 
-__all__ = ["Core", "DeviceInfo"]
+__all__ = ["ConfigLimits", "Core", "DeviceInfo"]
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,44 @@ class DeviceInfo:
     available: bool
     reason: str = ""
     full_name: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class ConfigLimits:
+    """Server-wide caps on config values that make threads and buffers (0: no cap).
+
+    Checked on the merged configuration (the device's own, the name's, the call's) before a
+    network is compiled or an executor made, and on SetConfig, so no source of config gets
+    past them: ``NUM_STREAMS=100000`` would otherwise start 100,000 threads.
+    """
+
+    #: config key -> (cap, the flag and env variable that set it)
+    caps: tuple[tuple[str, int, str], ...] = ()
+
+    @classmethod
+    def of(cls, num_streams: int, batch_size: int, inference_threads: int) -> ConfigLimits:
+        return cls(
+            (
+                ("NUM_STREAMS", num_streams, "--max-num-streams / PLUGSERVE_MAX_NUM_STREAMS"),
+                ("BATCH_SIZE", batch_size, "--max-batch-size / PLUGSERVE_MAX_BATCH_SIZE"),
+                (
+                    "INFERENCE_NUM_THREADS",
+                    inference_threads,
+                    "--max-inference-threads / PLUGSERVE_MAX_INFERENCE_THREADS",
+                ),
+            )
+        )
+
+    def check(self, config: Any, device: str) -> None:
+        """Raise InvalidArgument naming the first key of ``config`` over its cap."""
+        for key, cap, flag in self.caps:
+            if not cap or key not in config:
+                continue
+            value = int(config.get(key) or 0)
+            if value > cap:
+                raise InvalidArgument(
+                    f"device {device}: {key}={value} is over this server's limit of {cap} ({flag})"
+                )
 
 
 class Core:
@@ -61,6 +100,7 @@ class Core:
     ) -> None:
         self._plugins: dict[str, Plugin] = {}
         self._unavailable: dict[str, str] = {}
+        self.limits = ConfigLimits()  # the server sets its caps here
         factories: dict[str, Callable[[], Plugin]] = {}
         if discover:
             for ep in entry_points(group=ENTRY_POINT_GROUP):
@@ -137,9 +177,12 @@ class Core:
         return plugin, merged
 
     def device_config(self, device: str, config: Mapping[str, Any] | None = None) -> Any:
-        """The configuration a load on ``device`` would use (plugin's, name's, then ``config``)."""
+        """The configuration a load on ``device`` would use (plugin's, name's, then ``config``),
+        checked against :attr:`limits`."""
         plugin, merged = self.resolve(device, config)
-        return plugin.merged_config(merged)
+        full = plugin.merged_config(merged)
+        self.limits.check(full, device)
+        return full
 
     # --- config and metrics
 
@@ -150,8 +193,8 @@ class Core:
     def set_config(self, config: Mapping[str, Any], device: str | None = None) -> None:
         """Set keys on one device, or on every available one when ``device`` is None."""
         targets = [self.resolve(device, None)[0]] if device else list(self._plugins.values())
-        for plugin in targets:
-            plugin.merged_config(config)  # validate everywhere before changing anything
+        for plugin in targets:  # validate everywhere before changing anything
+            self.limits.check(plugin.merged_config(config), plugin.name)
         for plugin in targets:
             plugin.set_config(config)
 
@@ -166,17 +209,35 @@ class Core:
     # --- networks
 
     def query_network(
-        self, model: Model, device: str, config: Mapping[str, Any] | None = None
+        self,
+        model: Model,
+        device: str,
+        config: Mapping[str, Any] | None = None,
+        should_stop: Callable[[], bool] | None = None,
     ) -> dict[str, str]:
+        """``should_stop``: when it turns true the work stops with Cancelled (see cancel.py)."""
         plugin, merged = self.resolve(device, config)
-        return plugin.query_network(model, merged)
+        with _stopping(should_stop):
+            return plugin.query_network(model, merged)
 
     def load_network(
-        self, model: Model, device: str, config: Mapping[str, Any] | None = None
+        self,
+        model: Model,
+        device: str,
+        config: Mapping[str, Any] | None = None,
+        should_stop: Callable[[], bool] | None = None,
     ) -> CompiledNetwork:
-        """Compile ``model`` on ``device``; with ``CACHE_DIR`` set, reuse an earlier export."""
+        """Compile ``model`` on ``device``; with ``CACHE_DIR`` set, reuse an earlier export.
+        ``should_stop``: when it turns true the work stops with Cancelled (see cancel.py)."""
+        with _stopping(should_stop):
+            return self._load_network(model, device, config)
+
+    def _load_network(
+        self, model: Model, device: str, config: Mapping[str, Any] | None
+    ) -> CompiledNetwork:
         plugin, merged = self.resolve(device, config)
         full = plugin.merged_config(merged)
+        self.limits.check(full, device)
         cache_dir = str(full.get("CACHE_DIR")) if "CACHE_DIR" in full else ""
         if not cache_dir:
             return plugin.load_network(model, merged)
@@ -206,7 +267,16 @@ class Core:
         self, data: bytes, device: str, config: Mapping[str, Any] | None = None
     ) -> CompiledNetwork:
         plugin, merged = self.resolve(device, config)
-        return plugin.import_network(data, merged)
+        self.limits.check(plugin.merged_config(merged), device)
+        network = plugin.import_network(data, merged)
+        try:  # a blob carries the config it was exported with
+            self.limits.check(network.config, device)
+        except InvalidArgument:
+            close = getattr(network, "close", None)
+            if close is not None:
+                close()
+            raise
+        return network
 
     def _cache_key(self, model: Model, plugin: Plugin, config: Any) -> str:
         digest = hashlib.sha256()
@@ -242,6 +312,12 @@ def name_config(name: DeviceName) -> dict[str, str]:
     if name.batch_size:
         config["BATCH_SIZE"] = str(name.batch_size)
     return config
+
+
+def _stopping(should_stop: Callable[[], bool] | None) -> contextlib.AbstractContextManager:
+    """cancel.stop_when for a caller that gave a check; otherwise the enclosing one stays (a
+    HETERO or MULTI load compiling its children through the Core)."""
+    return cancel.stop_when(should_stop) if should_stop is not None else contextlib.nullcontext()
 
 
 def _lazy(ep: Any) -> Callable[[], Plugin]:

@@ -33,12 +33,14 @@ from plugserve.plugins.api import (
     PlugserveError,
     ResourceExhausted,
     check_inputs,
+    listing,
 )
 from plugserve.plugins.streams import StreamsExecutor
 from plugserve.server.core import Core
 from plugserve.server.devices import parse_device
 from plugserve.server.metrics import Metrics
 from plugserve.server.repository import Repository, check_name, is_version
+from plugserve.server.versions import check_version, next_version
 
 __all__ = ["DataPlane", "LoadedNetwork", "ShuttingDown"]
 
@@ -153,6 +155,7 @@ class DataPlane:
         self.queue_size = queue_size
         self._networks: dict[str, dict[int, LoadedNetwork]] = {}
         self._executors: dict[str, StreamsExecutor] = {}
+        self._executor_users: dict[str, int] = {}  # networks and loads under way, per executor
         self._lock = threading.RLock()
         self._loading: set[tuple[str, int]] = set()
         self.ready = False
@@ -176,7 +179,21 @@ class DataPlane:
                 queue = self.queue_size or 16 * streams
                 executor = StreamsExecutor(kind, streams, queue, state_factory=lambda i: i)
                 self._executors[key] = executor
+            self._executor_users[key] = self._executor_users.get(key, 0) + 1
             return executor
+
+    def _release(self, executor: StreamsExecutor) -> None:
+        """One network (or failed load) less on ``executor``; the last one stops its threads,
+        so loading and unloading with ever new NUM_STREAMS does not pile threads up."""
+        with self._lock:
+            key = next((k for k, e in self._executors.items() if e is executor), None)
+            if key is None:
+                return
+            self._executor_users[key] -= 1
+            if self._executor_users[key] > 0:
+                return
+            del self._executors[key], self._executor_users[key]
+        executor.shutdown(wait=False)  # what is queued still runs
 
     def _executor_gauges(self) -> list[tuple[str, int, int, int, int]]:
         with self._lock:
@@ -222,6 +239,7 @@ class DataPlane:
         a HETERO, MULTI or AUTO device is loaded as it is, without dynamic batching.
         """
         check_name(name)
+        check_version(version)
         if self.draining:
             raise ShuttingDown(f"network {name!r}: the server is shutting down; not loading it")
         self._check_model_size(model, "LoadNetwork")
@@ -237,7 +255,7 @@ class DataPlane:
                 stored = (
                     self.repository.next_version(name) - 1 if (persist and self.repository) else 0
                 )
-                version = max(loaded, stored) + 1
+                version = next_version(max(loaded, stored), name)
             if version in self._networks.get(name, {}) or (name, version) in self._loading:
                 raise InvalidArgument(
                     f"network {name!r} version {version} is already loaded; unload it first "
@@ -245,11 +263,12 @@ class DataPlane:
                 )
             self._check_network_count(name, version, len(self._loading))
             self._loading.add((name, version))
+        executor = None
         try:
             executor = self.executor(device, config)
             network = self._compile(name, model, device, config)
             if persist:
-                self.repository.persist(name, version, model, device, config)
+                self.repository.persist(name, version, model, device, config, max_batch_size)
             entry = LoadedNetwork(
                 name,
                 version,
@@ -263,6 +282,10 @@ class DataPlane:
             network.name = name
             with self._lock:
                 self._networks.setdefault(name, {})[version] = entry
+        except BaseException:
+            if executor is not None:
+                self._release(executor)
+            raise
         finally:
             with self._lock:
                 self._loading.discard((name, version))
@@ -298,6 +321,7 @@ class DataPlane:
             if remove and entry.persisted and self.repository is not None:
                 self.repository.remove(name, entry.version)
             self.metrics.forget(entry.device, name, entry.version)
+            self._release(entry.executor)
             close = getattr(entry.network, "close", None)
             try:
                 if close:
@@ -354,6 +378,11 @@ class DataPlane:
             return [n for versions in self._networks.values() for n in versions.values()]
 
     def get(self, name: str, version: int = 0) -> LoadedNetwork:
+        if not name:
+            raise InvalidArgument(
+                "the request names no network: set its name (plugserve.v1 'network' or "
+                "'name', KServe 'model_name' or 'name')"
+            )
         with self._lock:
             versions = self._networks.get(name)
             if versions and not version:
@@ -365,7 +394,7 @@ class DataPlane:
     def _missing(self, name: str, version: int) -> str:
         loaded = sorted(self._networks)
         what = f"network {name!r}" + (f" version {version}" if version else "")
-        return f"{what} is not loaded; loaded networks: {', '.join(loaded) or 'none'}"
+        return f"{what} is not loaded; loaded networks: {listing(loaded, plain=True) or 'none'}"
 
     # --- inference
 
@@ -488,7 +517,8 @@ class DataPlane:
         unknown = [o for o in outputs if o not in names]
         if unknown:
             raise InvalidInput(
-                f"network {entry.name!r}: unknown output(s) {unknown}; its outputs are {names}"
+                f"network {entry.name!r}: unknown output(s) {listing(unknown)}; its outputs "
+                f"are {listing(names)}"
             )
         return list(outputs)
 
@@ -521,6 +551,7 @@ class DataPlane:
     def query(
         self, model: bytes | str | Path, device: str, config: Mapping[str, str] | None = None
     ) -> tuple[dict[str, str], dict[str, str]]:
+        self._check_model_size(model, "QueryNetwork")
         supported = self.core.query_network(model, device, config)
         plugin = self.core.plugin(device)
         reasons: dict[str, str] = {}
@@ -543,22 +574,26 @@ class DataPlane:
         with self._lock:
             self._check_network_count(name, 0, len(self._loading))
         executor = self.executor(device, config)
-        network = self.core.import_network(blob, device, config)
-        with self._lock:
-            version = max(self._networks.get(name, {}), default=0) + 1
-            self._check_network_count(name, version, len(self._loading))
-            entry = LoadedNetwork(
-                name,
-                version,
-                str(parse_device(device)),
-                network,
-                False,
-                0,
-                executor.streams,
-            )
-            self._attach(entry, executor)
-            network.name = name
-            self._networks.setdefault(name, {})[version] = entry
+        try:
+            network = self.core.import_network(blob, device, config)
+            with self._lock:
+                version = next_version(max(self._networks.get(name, {}), default=0), name)
+                self._check_network_count(name, version, len(self._loading))
+                entry = LoadedNetwork(
+                    name,
+                    version,
+                    str(parse_device(device)),
+                    network,
+                    False,
+                    0,
+                    executor.streams,
+                )
+                self._attach(entry, executor)
+                network.name = name
+                self._networks.setdefault(name, {})[version] = entry
+        except BaseException:
+            self._release(executor)
+            raise
         return entry
 
     def repository_model(self, path: str) -> tuple[Path, str, dict[str, str], int]:
@@ -569,7 +604,7 @@ class DataPlane:
         if version and not is_version(version):
             raise InvalidArgument(f"repository path {path!r}: expected NAME or NAME/VERSION")
         model = self.repository.model_path(name, int(version or 0))
-        settings = self.repository.read_settings(name)
+        settings = self.repository.read_settings(name, int(model.parent.name))
         return model, settings.device, settings.config, settings.max_batch_size
 
     def load_repository(self) -> tuple[list[LoadedNetwork], list[str]]:

@@ -9,9 +9,14 @@ import grpc
 
 from plugserve.plugins.api import PlugserveError
 
-__all__ = ["grpc_code", "status_of"]
+__all__ = ["MAX_MESSAGE_CHARS", "grpc_code", "status_of"]
 
 log = logging.getLogger(__name__)
+
+#: Longest status message sent. gRPC carries it in a header, percent-encoded (up to 3 bytes per
+#: byte of UTF-8), and a client refuses headers over its metadata limit (8 KiB by default) as
+#: RESOURCE_EXHAUSTED "Stream removed", hiding the real error.
+MAX_MESSAGE_CHARS = 1000
 
 _CODES = {
     "NOT_FOUND": grpc.StatusCode.NOT_FOUND,
@@ -35,9 +40,16 @@ def grpc_code(exc: BaseException) -> grpc.StatusCode:
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """Code and message for an error; anything unexpected is INTERNAL and logged in full."""
     if isinstance(exc, PlugserveError):
-        return grpc_code(exc), str(exc)
+        return grpc_code(exc), _bounded(str(exc))
     log.exception("unexpected error", exc_info=exc)
-    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+    return grpc.StatusCode.INTERNAL, _bounded(f"internal error: {type(exc).__name__}: {exc}")
+
+
+def _bounded(message: str) -> str:
+    if len(message) <= MAX_MESSAGE_CHARS:
+        return message
+    cut = MAX_MESSAGE_CHARS - 40
+    return f"{message[:cut]} ... ({len(message) - cut} more characters)"
 
 
 def abort(context: grpc.ServicerContext, exc: BaseException) -> NoReturn:

@@ -43,7 +43,6 @@ import grpc
 import numpy as np
 
 from plugserve.plugins.api import (
-    InvalidArgument,
     InvalidInput,
     NotFound,
     TensorSpec,
@@ -64,6 +63,7 @@ from plugserve.proto.tensors import (
 from plugserve.server.dataplane import DataPlane, LoadedNetwork, ShuttingDown
 from plugserve.server.errors import abort, status_of
 from plugserve.server.handlers import add_service
+from plugserve.server.versions import parse_version
 
 __all__ = ["KServeServicer", "add_kserve_service"]
 
@@ -125,17 +125,6 @@ _UNIMPLEMENTED = {
 
 
 # ------------------------------------------------------------------ converters
-
-
-def parse_version(version: str) -> int:
-    """A KServe version string as the data plane's int (0: latest)."""
-    if not version:
-        return 0
-    if not version.isdigit():
-        raise InvalidArgument(
-            f"model version {version!r} is not an integer; use '' for the latest version"
-        )
-    return int(version)
 
 
 def datatype_of(dtype: np.dtype | None) -> str:

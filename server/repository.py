@@ -1,10 +1,17 @@
-"""The model repository: ``DIR/<name>/<version>/model.onnx`` plus ``DIR/<name>/config.json``.
+"""The model repository: ``DIR/<name>/<version>/model.onnx`` plus optional ``config.json`` files.
 
-``config.json`` (optional) holds ``device``, ``config`` (device config keys) and
-``max_batch_size``. Scanning never stops at a bad entry: each problem is reported with the file
-and what is wrong, and the other models still load. Writes (networks loaded with ``persist``)
-are atomic: the version folder is written under a temporary name, synced, then renamed into
-place, so a crash leaves the whole model or none of it.
+``config.json`` holds ``device``, ``config`` (device config keys) and ``max_batch_size``. The
+operator's ``DIR/<name>/config.json`` applies to every version of the model; a version's own
+``DIR/<name>/<version>/config.json`` overrides the keys it sets for that version alone. A
+network loaded with ``persist`` writes its settings there, beside its model, so persisting
+version 2 on another device leaves version 1 as it was acknowledged. (Repositories written
+before kept the settings of persisted loads only in the model's ``config.json``: their versions
+go on using it, and it is never rewritten by a load any more.)
+
+Scanning never stops at a bad entry: each problem is reported with the file and what is wrong,
+and the other models still load. Writes (networks loaded with ``persist``) are atomic: the
+version folder, model and settings, is written under a temporary name, synced, then renamed
+into place, so a crash leaves the whole version or none of it.
 """
 
 from __future__ import annotations
@@ -22,13 +29,13 @@ from pathlib import Path
 from typing import Any
 
 from plugserve.plugins.api import InvalidArgument, NotFound
+from plugserve.server.versions import MAX_VERSION, is_version
 
-__all__ = ["ModelEntry", "Repository", "check_name"]
+__all__ = ["ModelEntry", "Repository", "check_name", "is_version"]
 
 log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}")
-_VERSION = re.compile(r"[1-9][0-9]{0,17}")  # ASCII only: '²' and '٣' are digits to str.isdigit
 _STAGING = re.compile(r"\.(trash\..+|.+\.[0-9]+\..+)")
 MODEL_FILE = "model.onnx"
 CONFIG_FILE = "config.json"
@@ -75,11 +82,6 @@ def single_model_repository(source: str | os.PathLike, name: str) -> Path:
     return root
 
 
-def is_version(text: str) -> bool:
-    """A version folder's name: a canonical integer > 0 ('1', '12'; not '0', '01' or '²')."""
-    return _VERSION.fullmatch(text) is not None
-
-
 @dataclasses.dataclass
 class ModelEntry:
     name: str
@@ -120,7 +122,7 @@ class Repository:
                 problems.append(f"{folder}: {exc}")
                 continue
             try:
-                settings = self.read_settings(folder.name)  # its messages name the file
+                self.read_settings(folder.name)  # its messages name the file
             except InvalidArgument as exc:
                 problems.append(str(exc))
                 continue
@@ -132,14 +134,19 @@ class Repository:
             if not versions:
                 problems.append(f"{folder}: no version folder with a {MODEL_FILE}")
             for version in versions:
+                try:
+                    own = self.read_settings(folder.name, version)
+                except InvalidArgument as exc:
+                    problems.append(str(exc))
+                    continue
                 entries.append(
                     ModelEntry(
                         folder.name,
                         version,
                         folder / str(version) / MODEL_FILE,
-                        settings.device,
-                        settings.config,
-                        settings.max_batch_size,
+                        own.device,
+                        own.config,
+                        own.max_batch_size,
                     )
                 )
         return entries, problems
@@ -162,31 +169,15 @@ class Repository:
             versions.append(int(sub.name))
         return sorted(versions)
 
-    def read_settings(self, name: str) -> ModelSettings:
-        path = self.root / check_name(name) / CONFIG_FILE
-        if not path.is_file():
-            return ModelSettings()
-        try:
-            raw = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:
-            raise InvalidArgument(f"{path}: not valid JSON ({exc})") from None
-        if not isinstance(raw, dict):
-            raise InvalidArgument(f"{path}: expected a JSON object")
-        unknown = set(raw) - {"device", "config", "max_batch_size"}
-        if unknown:
-            raise InvalidArgument(
-                f"{path}: unknown key(s) {sorted(unknown)}; expected device, config, max_batch_size"
-            )
-        device = raw.get("device", "")
-        config = raw.get("config", {})
-        batch = raw.get("max_batch_size", 0)
-        if not isinstance(device, str):
-            raise InvalidArgument(f"{path}: 'device' must be a string")
-        if not isinstance(config, dict) or not all(isinstance(k, str) for k in config):
-            raise InvalidArgument(f"{path}: 'config' must be an object of key: value")
-        if not isinstance(batch, int) or isinstance(batch, bool) or batch < 0:
-            raise InvalidArgument(f"{path}: 'max_batch_size' must be an integer >= 0")
-        return ModelSettings(device, {k: str(v) for k, v in config.items()}, batch)
+    def read_settings(self, name: str, version: int = 0) -> ModelSettings:
+        """The model's settings; with ``version``, overridden by that version's own file."""
+        folder = self.root / check_name(name)
+        found = _read_settings_file(folder / CONFIG_FILE)
+        if version:
+            found.update(_read_settings_file(folder / str(version) / CONFIG_FILE))
+        return ModelSettings(
+            found.get("device", ""), found.get("config", {}), found.get("max_batch_size", 0)
+        )
 
     def model_path(self, name: str, version: int = 0) -> Path:
         """The model file for ``name`` (latest version when 0); NotFound names what is missing."""
@@ -218,10 +209,20 @@ class Repository:
         return max(versions, default=0) + 1
 
     def persist(
-        self, name: str, version: int, model: bytes, device: str, config: dict[str, Any]
+        self,
+        name: str,
+        version: int,
+        model: bytes,
+        device: str,
+        config: dict[str, Any],
+        max_batch_size: int = 0,
     ) -> Path:
-        """Write a model version and its settings atomically; returns the model path."""
+        """Write a model version with its own settings atomically; returns the model path."""
         check_name(name)
+        if not 1 <= version <= MAX_VERSION:  # the scan could not read such a folder back
+            raise InvalidArgument(
+                f"model {name!r}: version {version} cannot be persisted (1 to {MAX_VERSION})"
+            )
         folder = self.root / name
         created = not folder.exists()
         folder.mkdir(parents=True, exist_ok=True)
@@ -230,53 +231,34 @@ class Repository:
             raise InvalidArgument(
                 f"model {name!r} version {version} already exists in the repository"
             )
-        settings_path = folder / CONFIG_FILE
-        previous = settings_path.read_bytes() if settings_path.is_file() else None
         staging = Path(tempfile.mkdtemp(prefix=f".{name}.{version}.", dir=self.root))
         try:
             # mkdtemp makes it 0700: give the version folder its model folder's permissions
             staging.chmod(folder.stat().st_mode & 0o7777)
             _write_synced(staging / MODEL_FILE, model)
+            # Everything a restart needs to load it as it was acknowledged, whatever the
+            # model's config.json says then: device, config, and no batching added.
+            settings = {
+                "device": device,
+                "config": {k: str(v) for k, v in config.items()},
+                "max_batch_size": max_batch_size,
+            }
+            self._write_settings(staging, settings)
             _fsync_dir(staging)
-            # The settings go first, the version folder last: the rename is what publishes the
-            # version, so a crash at any point leaves no version, or the version with its
-            # settings (never a version on disk that would load without its device and config).
-            settings = {"device": device, "config": {k: str(v) for k, v in config.items()}}
-            self._write_settings(name, settings)
+            # The rename publishes the version: a crash leaves none, or all of it.
             os.replace(staging, final)
             _fsync_dir(folder)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             if created:
                 shutil.rmtree(folder, ignore_errors=True)
-            elif previous is not None and not final.exists():
-                with contextlib.suppress(OSError):
-                    _write_synced(settings_path, previous)
             raise
         return final / MODEL_FILE
 
-    def _write_settings(self, name: str, settings: dict[str, Any]) -> None:
-        path = self.root / name / CONFIG_FILE
-        if path.is_file():
-            try:
-                current = json.loads(path.read_text())
-            except ValueError:
-                current = {}
-            if isinstance(current, dict) and current.get("max_batch_size"):
-                settings["max_batch_size"] = current["max_batch_size"]
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{CONFIG_FILE}.", suffix=".tmp")
-        try:
-            os.fchmod(fd, path.parent.stat().st_mode & 0o666)  # mkstemp makes it 0600
-            with os.fdopen(fd, "w") as f:
-                json.dump(settings, f, indent=2, sort_keys=True)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-        _fsync_dir(path.parent)
+    def _write_settings(self, folder: Path, settings: dict[str, Any]) -> None:
+        path = folder / CONFIG_FILE
+        _write_synced(path, json.dumps(settings, indent=2, sort_keys=True).encode())
+        os.chmod(path, folder.stat().st_mode & 0o666)
 
     def remove(self, name: str, version: int = 0) -> None:
         """Remove a persisted version (all versions when 0), renaming away before deleting."""
@@ -320,6 +302,40 @@ class Repository:
                 removed.append(leftover)
                 log.warning("model repository: removed %s, left by an interrupted write", leftover)
         return removed
+
+
+def _read_settings_file(path: Path) -> dict[str, Any]:
+    """The keys a ``config.json`` sets, checked (none when there is no file)."""
+    if not path.is_file():
+        return {}
+    try:
+        raw = json.loads(path.read_text())
+        json.dumps(raw, ensure_ascii=False).encode()  # no lone surrogates ("\ud800")
+    except (OSError, ValueError) as exc:
+        raise InvalidArgument(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise InvalidArgument(f"{path}: expected a JSON object")
+    unknown = set(raw) - {"device", "config", "max_batch_size"}
+    if unknown:
+        raise InvalidArgument(
+            f"{path}: unknown key(s) {sorted(unknown)}; expected device, config, max_batch_size"
+        )
+    found: dict[str, Any] = {}
+    if "device" in raw:
+        if not isinstance(raw["device"], str):
+            raise InvalidArgument(f"{path}: 'device' must be a string")
+        found["device"] = raw["device"]
+    if "config" in raw:
+        config = raw["config"]
+        if not isinstance(config, dict) or not all(isinstance(k, str) for k in config):
+            raise InvalidArgument(f"{path}: 'config' must be an object of key: value")
+        found["config"] = {k: str(v) for k, v in config.items()}
+    if "max_batch_size" in raw:
+        batch = raw["max_batch_size"]
+        if not isinstance(batch, int) or isinstance(batch, bool) or batch < 0:
+            raise InvalidArgument(f"{path}: 'max_batch_size' must be an integer >= 0")
+        found["max_batch_size"] = batch
+    return found
 
 
 def _write_synced(path: Path, data: bytes) -> None:

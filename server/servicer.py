@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import grpc
 import numpy as np
 
-from plugserve.plugins.api import FailedPrecondition, InvalidInput
+from plugserve.plugins import cancel
+from plugserve.plugins.api import FailedPrecondition, InvalidArgument, InvalidInput, listing
 from plugserve.proto import plugserve_pb2 as pb
 from plugserve.proto import plugserve_pb2_grpc as pb_grpc
 from plugserve.proto.tensors import (
@@ -83,6 +86,22 @@ def _deadline(context: grpc.ServicerContext) -> float | None:
     return time.monotonic() + remaining if remaining is not None else None
 
 
+def _stops_when_gone(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Load and query work stops (CANCELLED) once its caller cancels or passes its deadline."""
+
+    @functools.wraps(method)
+    def call(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+        with cancel.stop_when(lambda: not context.is_active()):
+            return method(self, request, context)
+
+    return call
+
+
+def _repeated(tensors: Any) -> str:
+    names = [t.name for t in tensors]
+    return listing(sorted({n for n in names if names.count(n) > 1}))
+
+
 def _json(value: Any) -> str:
     return json.dumps(value, default=lambda v: list(v) if isinstance(v, tuple | set) else str(v))
 
@@ -97,11 +116,7 @@ class PlugserveServicer(pb_grpc.PlugserveServicer):
             return source.onnx, "", {}, 0
         if kind == "repository_path":
             return self.plane.repository_model(source.repository_path)
-        context.abort(
-            grpc.StatusCode.INVALID_ARGUMENT,
-            "model: set either onnx (the model bytes) or repository_path",
-        )
-        raise AssertionError
+        raise InvalidArgument("model: set either onnx (the model bytes) or repository_path")
 
     def ListDevices(self, request, context):
         response = pb.ListDevicesResponse()
@@ -147,6 +162,7 @@ class PlugserveServicer(pb_grpc.PlugserveServicer):
         except Exception as exc:
             abort(context, exc)
 
+    @_stops_when_gone
     def QueryNetwork(self, request, context):
         try:
             model, *_ = self._model(request.model, context)
@@ -159,6 +175,7 @@ class PlugserveServicer(pb_grpc.PlugserveServicer):
         except Exception as exc:
             abort(context, exc)
 
+    @_stops_when_gone
     def LoadNetwork(self, request, context):
         try:
             model, device, config, batch = self._model(request.model, context)
@@ -188,11 +205,17 @@ class PlugserveServicer(pb_grpc.PlugserveServicer):
     def ListNetworks(self, request, context):
         response = pb.ListNetworksResponse()
         for entry in self.plane.networks():
-            network_info(response.networks.add(), entry)
+            try:
+                network_info(response.networks.add(), entry)
+            except Exception:  # one entry that cannot be encoded must not fail every client
+                del response.networks[-1]
+                logging.getLogger(__name__).exception("ListNetworks: %r left out", entry.name)
         return response
 
     def _submit(self, request: pb.InferRequest, deadline: float | None, inline: bool = False):
         inputs = {t.name: from_tensor(t) for t in request.inputs}
+        if len(inputs) != len(request.inputs):  # as KServe: one value per input, never two
+            raise InvalidInput(f"input(s) sent more than once: {_repeated(request.inputs)}")
         return self.plane.submit(
             request.network, request.version, inputs, list(request.outputs), deadline, inline
         )
@@ -277,6 +300,7 @@ class PlugserveServicer(pb_grpc.PlugserveServicer):
         except Exception as exc:
             abort(context, exc)
 
+    @_stops_when_gone
     def ImportNetwork(self, request, context):
         try:
             entry = self.plane.import_network(

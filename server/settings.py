@@ -75,6 +75,20 @@ class Settings:
     max_model_bytes: int = _field(
         0, "largest model or blob LoadNetwork/ImportNetwork accepts (0: no limit)"
     )
+    max_num_streams: int = _field(
+        64,
+        "largest NUM_STREAMS a load, import or SetConfig may ask for (each stream is a thread "
+        "and backend state); 0: no limit",
+    )
+    max_batch_size: int = _field(
+        256,
+        "largest BATCH_SIZE (BATCH:D(n)) a load, import or SetConfig may ask for (a BATCH "
+        "network waits with twice that many threads); 0: no limit",
+    )
+    max_inference_threads: int = _field(
+        256,
+        "largest INFERENCE_NUM_THREADS a load, import or SetConfig may ask for; 0: no limit",
+    )
     max_streams_per_connection: int = _field(
         0, "concurrent gRPC streams per client connection (0: gRPC's default)"
     )
@@ -97,6 +111,9 @@ class Settings:
             ("exit_timeout", 0, None),
             ("max_networks", 0, None),
             ("max_model_bytes", 0, None),
+            ("max_num_streams", 0, None),
+            ("max_batch_size", 0, None),
+            ("max_inference_threads", 0, None),
             ("max_streams_per_connection", 0, 2**31 - 1),
             ("malloc_reuse_bytes", 0, 32 << 20),
         ):

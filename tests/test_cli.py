@@ -120,7 +120,7 @@ def test_load_persist_and_from_the_repository(cli, server, files):
     repo = server.repository
     cli("load", "cli_kept", str(files / "mlp.onnx"), "--persist")
     assert (repo / "cli_kept" / "1" / "model.onnx").read_bytes() == mlp().SerializeToString()
-    assert json.loads((repo / "cli_kept" / "config.json").read_text())["device"] == "NUMPY"
+    assert json.loads((repo / "cli_kept" / "1" / "config.json").read_text())["device"] == "NUMPY"
     out = cli("load", "cli_again", "cli_kept", "--repository").stdout
     assert out.startswith("cli_again v1 on NUMPY: inputs x:float32[batch,32]")
     out = cli("load", "cli_v1", "cli_kept/1", "--repository").stdout

@@ -51,9 +51,9 @@ def write_synced(path, data):
     _write_synced(path, data)
 
 
-def write_settings(self, name, settings):
+def write_settings(self, folder, settings):
     _step("settings")
-    _write_settings(self, name, settings)
+    _write_settings(self, folder, settings)
     _step("settings-written")
 
 
@@ -63,7 +63,7 @@ class _Os:
 
     @staticmethod
     def replace(source, target):
-        if not os.path.isdir(source):  # config.json's own atomic replace
+        if not os.path.isdir(source):
             return _replace(source, target)
         _step("rename")  # the version folder's rename
         _replace(source, target)
@@ -162,9 +162,10 @@ def test_sigkill_during_a_persisted_load(crash_site, tmp_path, step):
             client.load("fresh", data, device="GATED", config=CONFIG, persist=True)
             np.testing.assert_allclose(client.infer("fresh", {"x": X})["y"], EXPECTED, rtol=1e-6)
     assert not [p for p in repo.iterdir() if p.name.startswith(".")]  # leftovers cleaned
-    for name in ("kept", "fresh"):
-        settings = json.loads((repo / name / "config.json").read_text())
-        assert settings == {"device": "GATED", "config": CONFIG}
+    for name in ("kept", "fresh"):  # each version keeps its own settings beside its model
+        settings = json.loads((repo / name / "1" / "config.json").read_text())
+        assert settings == {"device": "GATED", "config": CONFIG, "max_batch_size": 0}
+        assert not (repo / name / "config.json").exists()  # the operator's file is not written
     assert "unexpected error" not in second.log
 
 

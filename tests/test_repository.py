@@ -133,11 +133,11 @@ def test_persist_survives_a_restart_and_unload_with_remove_deletes_it(tmp_path):
         assert client.load("kept", model, persist=True).network.version == 2
     assert (repo / "kept" / "1" / "model.onnx").read_bytes() == model
     assert (repo / "kept" / "2" / "model.onnx").read_bytes() == model
-    settings = json.loads((repo / "kept" / "config.json").read_text())
+    settings = json.loads((repo / "kept" / "1" / "config.json").read_text())
     assert settings["device"] == "NUMPY"
     mode = (repo / "kept").stat().st_mode & 0o777  # not mkdtemp's 0700 or mkstemp's 0600
     assert (repo / "kept" / "1").stat().st_mode & 0o777 == mode
-    assert (repo / "kept" / "config.json").stat().st_mode & 0o777 == mode & 0o666
+    assert (repo / "kept" / "1" / "config.json").stat().st_mode & 0o777 == mode & 0o666
     assert not [p for p in repo.iterdir() if p.name.startswith(".")]  # no staging left
 
     with (

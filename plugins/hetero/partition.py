@@ -69,6 +69,7 @@ __all__ = [
     "Selection",
     "Step",
     "Subgraph",
+    "TooManySubgraphsError",
     "order_subgraphs",
     "partition",
     "predecessors_of",
@@ -78,6 +79,10 @@ __all__ = [
 
 class CyclicSubgraphsError(ValueError):
     """The graph of subgraphs has a cycle: there is no execution order."""
+
+
+class TooManySubgraphsError(ValueError):
+    """The partition needs more subgraphs than the caller allows."""
 
 
 @dataclass(frozen=True)
@@ -192,6 +197,7 @@ def partition(
     predecessors: Sequence[Sequence[int]] | None = None,
     through_subgraphs: bool = True,
     trace: list | None = None,
+    max_subgraphs: int = 0,
 ) -> list[Subgraph]:
     """Split a DAG into single-device subgraphs, in selection order.
 
@@ -201,6 +207,10 @@ def partition(
     and ``devices`` the device priority order. Every node ends in exactly one
     subgraph. With ``trace`` a list, the :class:`Growth` of every candidate and the
     :class:`Selection` of every round are appended to it.
+
+    Every round looks at every root still available, so the work is rounds x nodes;
+    ``max_subgraphs`` (> 0) bounds the rounds: one more subgraph raises
+    :class:`TooManySubgraphsError`, which keeps the work linear in the graph.
     """
     preds = _validate(successors, predecessors, affinities, devices)
     n = len(successors)
@@ -399,6 +409,10 @@ def partition(
                 available[v] = 0
             unassigned &= ~_bits(best, nbytes)
             result.append(Subgraph(device, tuple(best)))
+            if max_subgraphs and len(result) > max_subgraphs:
+                raise TooManySubgraphsError(
+                    f"the affinities need more than {max_subgraphs} subgraphs"
+                )
             forget(best, contract(best) if through_subgraphs else None)
     return result
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from plugserve.plugins import blob
+from plugserve.plugins import blob, cancel
 from plugserve.plugins.api import (
     CompiledNetwork,
     FailedPrecondition,
@@ -30,7 +30,11 @@ from plugserve.plugins.api import (
 )
 from plugserve.plugins.hetero.compiled import HeteroCompiledNetwork, Step, spec_from_json
 from plugserve.plugins.hetero.config import HeteroConfiguration
-from plugserve.plugins.hetero.partition import order_subgraphs, partition
+from plugserve.plugins.hetero.partition import (
+    TooManySubgraphsError,
+    order_subgraphs,
+    partition,
+)
 from plugserve.plugins.hetero.split import cut
 from plugserve.plugins.ir import Graph, load_model, read_model, subgraph_free_names
 from plugserve.plugins.passes import PassContext
@@ -39,6 +43,11 @@ from plugserve.plugins.passes.types import infer_extension_types
 __all__ = ["HeteroPlugin"]
 
 _OWN_KEYS = {"DEVICE_PRIORITIES", "AFFINITY"}
+
+#: Most subgraphs one network is split into. Each is a network of its own (a backend session,
+#: its threads) and a tensor hand-over per request; past a few dozen the split is a model
+#: built to make the server work, and the partition's rounds grow with the count.
+MAX_SUBGRAPHS = 256
 
 
 class HeteroPlugin(Plugin):
@@ -154,7 +163,16 @@ class HeteroPlugin(Plugin):
                 successors[p].append(index)
         order = list(dict.fromkeys([*priorities, *chosen.values()]))
         affinity = [chosen[n.name] for n in graph.nodes]
-        subgraphs = partition(successors, affinity, order, predecessors=preds)
+        try:
+            subgraphs = partition(
+                successors, affinity, order, predecessors=preds, max_subgraphs=MAX_SUBGRAPHS
+            )
+        except TooManySubgraphsError:
+            raise InvalidArgument(
+                f"model {graph.name!r}: its node affinities split it into more than "
+                f"{MAX_SUBGRAPHS} subgraphs (devices alternate along its paths); HETERO "
+                "refuses such a split: pin longer runs of nodes to one device"
+            ) from None
         return [(s.device, list(s.nodes)) for s in order_subgraphs(subgraphs, successors)]
 
     def load_network(
@@ -170,6 +188,7 @@ class HeteroPlugin(Plugin):
         steps: list[Step] = []
         try:
             for piece in cut(graph, plan):
+                cancel.check(f"HETERO: compiling {graph.name!r}")
                 network = self._devices().load_network(
                     piece.model, piece.device, self._child_config(piece.device, overrides, cfg)
                 )

@@ -28,11 +28,13 @@ class Piece:
     model: onnx.ModelProto
 
 
-def _value_info(graph: Graph, name: str) -> onnx.ValueInfoProto:
+def _value_info(
+    graph: Graph, name: str, declared: dict[str, onnx.ValueInfoProto]
+) -> onnx.ValueInfoProto:
+    """``declared``: the graph's own input and output declarations by name (used as they are)."""
     spec = graph.spec(name) or TensorSpec(name, None, None)
-    for raw in (*graph.raw_inputs, *graph.raw_outputs):
-        if raw.name == name:
-            return raw
+    if name in declared:
+        return declared[name]
     if spec.dtype is None:
         return helper.make_empty_tensor_value_info(name)
     shape = None if spec.shape is None else list(spec.shape)
@@ -47,33 +49,38 @@ def _plain(node) -> onnx.NodeProto:
 
 
 def cut(graph: Graph, subgraphs: list[tuple[str, list[int]]]) -> list[Piece]:
-    """One :class:`Piece` per ``(device, node indices)``, in the order given."""
-    reads: dict[int, set[str]] = {}
+    """One :class:`Piece` per ``(device, node indices)``, in the order given.
+
+    Linear in the graph: who reads each value is collected once, not per piece.
+    """
+    reads: dict[int, list[str]] = {}
     for index, node in enumerate(graph.nodes):
-        reads[index] = {n for n in node.inputs if n} | set(subgraph_free_names(node))
+        names = [n for n in node.inputs if n] + subgraph_free_names(node)
+        reads[index] = sorted(set(names))
     owner: dict[int, int] = {i: k for k, (_, nodes) in enumerate(subgraphs) for i in nodes}
-    outside_reads: dict[int, set[str]] = {k: set() for k in range(len(subgraphs))}
+    readers: dict[str, set[int]] = {}  # value -> the pieces reading it
     for index, names in reads.items():
-        for k in range(len(subgraphs)):
-            if owner[index] != k:
-                outside_reads[k] |= names
-    graph_outputs = [o.name for o in graph.outputs]
+        for name in names:
+            readers.setdefault(name, set()).add(owner[index])
+    graph_outputs = {o.name for o in graph.outputs}
+    declared: dict[str, onnx.ValueInfoProto] = {}
+    for raw in (*graph.raw_inputs, *graph.raw_outputs):
+        declared.setdefault(raw.name, raw)
     pieces = []
     for k, (device, indices) in enumerate(subgraphs):
         nodes = [graph.nodes[i] for i in sorted(indices)]
         produced = [o for n in nodes for o in n.outputs if o]
-        consumed: list[str] = []
-        for i in sorted(indices):
-            consumed += [n for n in sorted(reads[i]) if n not in consumed]
-        inputs = [n for n in consumed if n not in produced and n not in graph.initializers]
+        made = set(produced)
+        consumed = list(dict.fromkeys(n for i in sorted(indices) for n in reads[i]))
+        inputs = [n for n in consumed if n not in made and n not in graph.initializers]
         initializers = [n for n in consumed if n in graph.initializers]
-        outputs = [o for o in produced if o in outside_reads[k] or o in graph_outputs]
+        outputs = [o for o in produced if readers.get(o, set()) - {k} or o in graph_outputs]
         model = helper.make_model(
             helper.make_graph(
                 [_plain(n) for n in nodes],
                 f"{graph.name}/{device}/{k}",
-                [_value_info(graph, n) for n in inputs],
-                [_value_info(graph, n) for n in outputs],
+                [_value_info(graph, n, declared) for n in inputs],
+                [_value_info(graph, n, declared) for n in outputs],
                 initializer=[
                     numpy_helper.from_array(graph.initializers[n], n) for n in initializers
                 ],

@@ -47,6 +47,7 @@ def _load() -> ctypes.CDLL | None:
 #: The library, or None where numpy runs on another BLAS (the fast paths then step aside).
 openblas = _load()
 
+
 def _function(*names: str) -> Any:
     """The first of ``names`` the library exports (the symbol names depend on its build)."""
     for name in names:

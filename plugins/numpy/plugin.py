@@ -23,13 +23,21 @@ from plugserve.plugins.api import (
     Model,
     Plugin,
 )
-from plugserve.plugins.ir import Graph, Node, graph_from_proto, load_model
+from plugserve.plugins.ir import (
+    Graph,
+    Node,
+    graph_from_proto,
+    load_model,
+    read_model,
+    refuse_external_data,
+)
 from plugserve.plugins.numpy.compiled import NumpyCompiledNetwork
 from plugserve.plugins.numpy.config import NumpyConfiguration
 from plugserve.plugins.numpy.engine import compile_plan
 from plugserve.plugins.numpy.fused import register_fused
 from plugserve.plugins.numpy.kernels.registry import KernelEntry, Registry, default_registry
 from plugserve.plugins.passes import PassContext, standard_pipeline
+from plugserve.plugins.shapecheck import shape_model
 
 __all__ = ["Extension", "NumpyPlugin"]
 
@@ -116,10 +124,13 @@ class NumpyPlugin(Plugin):
         self, model: Model, config: Mapping[str, Any] | None = None
     ) -> NumpyCompiledNetwork:
         cfg = self.merged_config(config)
-        original = load_model(model)
+        proto, _ = read_model(model)
+        original = load_model(proto)
         transformed = self.transform(original, cfg)
         plan = compile_plan(transformed, self.registry)
-        return NumpyCompiledNetwork(self, cfg, original, transformed, plan)
+        network = NumpyCompiledNetwork(self, cfg, original, transformed, plan)
+        network.shape_model = shape_model(proto)
+        return network
 
     def query_network(
         self, model: Model, config: Mapping[str, Any] | None = None
@@ -165,6 +176,7 @@ class NumpyPlugin(Plugin):
             proto.ParseFromString(payload)
         except Exception:
             raise InvalidArgument("exported network is corrupt (payload does not parse)") from None
+        refuse_external_data(proto, "ImportNetwork")
         name = header.get("network_name") or proto.graph.name
         try:
             graph = graph_from_proto(proto.graph, proto, name)

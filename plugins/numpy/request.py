@@ -9,11 +9,13 @@ import numpy as np
 
 from plugserve.plugins.api import (
     Callback,
+    InferenceError,
     InferRequest,
     PerfCount,
     check_inputs,
 )
 from plugserve.plugins.numpy.blas import set_thread_count
+from plugserve.plugins.shapecheck import shapes_of, translate
 
 if TYPE_CHECKING:
     from plugserve.plugins.numpy.compiled import NumpyCompiledNetwork
@@ -32,7 +34,11 @@ class NumpyInferRequest(InferRequest):
     def _run(self, arrays: list[np.ndarray]) -> dict[str, np.ndarray]:
         set_thread_count(self.network.blas_threads)
         profile: list[PerfCount] | None = [] if self._perf else None
-        outputs = self.network.plan.run(arrays, profile)
+        try:
+            outputs = self.network.plan.run(arrays, profile)
+        except InferenceError as exc:
+            shapes = shapes_of([s.name for s in self.network.inputs], arrays)
+            raise translate(exc, self.network.name, self.network.shape_model, shapes) from exc
         if profile is not None:
             self._counts = profile
         return dict(zip(self.network.output_names, outputs))

@@ -17,8 +17,10 @@ from plugserve.plugins.api import (
     InferenceError,
     InferRequest,
     PerfCount,
+    PlugserveError,
     check_inputs,
 )
+from plugserve.plugins.shapecheck import shapes_of, translate
 from plugserve.plugins.streams import RequestFuture
 
 if TYPE_CHECKING:
@@ -39,12 +41,14 @@ class OpenvinoInferRequest(InferRequest):
         # a weak reference: openvino keeps the callback, which must not keep this request alive
         self._request.set_callback(_on_done, weakref.ref(self))
         self._lock = threading.Lock()
+        self._shapes: dict[str, tuple[int, ...]] = {}  # of the last run's inputs
         self._ran = False
 
     # --- running
 
     def _feeds(self, inputs: Mapping[str, Any]) -> dict[int, np.ndarray]:
         arrays = check_inputs(self.network.name, self.network.inputs, inputs)
+        self._shapes = shapes_of([s.name for s in self.network.inputs], arrays)
         return {
             port: np.ascontiguousarray(array)
             for port, array in zip(self.network.input_ports, arrays)
@@ -62,7 +66,7 @@ class OpenvinoInferRequest(InferRequest):
             results[spec.name] = data
         return results
 
-    def _error(self, exc: BaseException) -> InferenceError:
+    def _error(self, exc: BaseException) -> PlugserveError:
         text = str(exc)
         lines = [
             line.strip()
@@ -79,7 +83,8 @@ class OpenvinoInferRequest(InferRequest):
             )
             if nodes:
                 where = f" in node(s) {', '.join(repr(n) for n in nodes)}"
-        return InferenceError(f"network {self.network.name}: openvino failed{where}: {detail}")
+        error = InferenceError(f"network {self.network.name}: openvino failed{where}: {detail}")
+        return translate(error, self.network.name, self.network.shape_model, self._shapes)
 
     def infer(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
         feeds = self._feeds(inputs)

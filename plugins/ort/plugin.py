@@ -12,6 +12,8 @@ import platform
 from collections.abc import Mapping
 from typing import Any
 
+import onnx
+
 from plugserve.plugins import blob
 from plugserve.plugins.api import (
     BackendUnavailable,
@@ -22,11 +24,19 @@ from plugserve.plugins.api import (
     Unsupported,
     available_cores,
 )
-from plugserve.plugins.ir import Graph, load_model, read_model
+from plugserve.plugins.ir import (
+    Graph,
+    graph_from_proto,
+    load_model,
+    read_model,
+    refuse_external_data,
+)
 from plugserve.plugins.ort import backend
 from plugserve.plugins.ort.compiled import OrtCompiledNetwork, spec_from_json
 from plugserve.plugins.ort.config import OrtConfiguration
 from plugserve.plugins.ort.query import KernelIndex, kernel_index, unsupported_nodes
+from plugserve.plugins.passes.sizes import check_load_constants
+from plugserve.plugins.shapecheck import shape_model
 
 __all__ = ["OrtPlugin"]
 
@@ -60,20 +70,22 @@ class OrtPlugin(Plugin):
 
     # --- networks
 
-    def _read(self, model: Model) -> tuple[Graph, bytes]:
+    def _read(self, model: Model) -> tuple[Graph, bytes, bytes | None]:
+        """The model validated, its bytes for onnxruntime, and its shapecheck model."""
         proto, _ = read_model(model)  # external data inlined here, safely
         graph = load_model(proto)
+        check_load_constants(graph, self.name)  # onnxruntime folds constants without a limit
         try:
             data = proto.SerializeToString()
         except ValueError as exc:  # a model over protobuf's 2 GB limit
             raise InvalidModel(f"model {graph.name!r} cannot be serialized: {exc}") from None
-        return graph, data
+        return graph, data, shape_model(proto)
 
     def load_network(
         self, model: Model, config: Mapping[str, Any] | None = None
     ) -> OrtCompiledNetwork:
         cfg = self.merged_config(config)
-        graph, data = self._read(model)
+        graph, data, shapes = self._read(model)
         threads = cfg.threads_per_stream()
         level = cfg.get("GRAPH_OPTIMIZATION_LEVEL")
         try:
@@ -81,7 +93,7 @@ class OrtPlugin(Plugin):
         except Exception as exc:
             raise self._load_error(graph, exc) from None
         sessions = [first] if backend.saved_level(level) == level else []
-        return OrtCompiledNetwork(
+        network = OrtCompiledNetwork(
             self,
             cfg,
             graph.name,
@@ -91,6 +103,8 @@ class OrtPlugin(Plugin):
             [n.name for n in graph.nodes],
             sessions,
         )
+        network.shape_model = shapes
+        return network
 
     def _load_error(self, graph: Graph, exc: Exception) -> Exception:
         failures = self._unsupported(graph)
@@ -111,6 +125,7 @@ class OrtPlugin(Plugin):
     ) -> dict[str, str]:
         self.merged_config(config, strict=False)
         graph = load_model(model)
+        check_load_constants(graph, self.name)  # what load_network would refuse
         if self.kernels is None:  # all or nothing: can onnxruntime open it?
             try:
                 self.load_network(model, config)
@@ -138,6 +153,17 @@ class OrtPlugin(Plugin):
         except (KeyError, TypeError, ValueError):
             raise InvalidArgument("exported network is corrupt (bad input/output list)") from None
         name = str(header.get("network_name") or "model")
+        proto = onnx.ModelProto()
+        try:
+            proto.ParseFromString(payload)
+        except Exception:
+            raise InvalidArgument("exported network is corrupt (payload does not parse)") from None
+        refuse_external_data(proto, "ImportNetwork")  # onnxruntime would read the files
+        try:
+            graph = graph_from_proto(proto.graph, proto, name)
+        except InvalidModel as exc:
+            raise InvalidArgument(f"exported network is corrupt: {exc}") from None
+        check_load_constants(graph, self.name)  # onnxruntime folds them again at import
         try:
             network = OrtCompiledNetwork(
                 self, cfg, name, payload, inputs, outputs, list(header.get("node_names", [])), []

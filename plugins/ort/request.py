@@ -28,6 +28,7 @@ from plugserve.plugins.api import (
     check_inputs,
 )
 from plugserve.plugins.ort import backend
+from plugserve.plugins.shapecheck import translate
 
 if TYPE_CHECKING:
     from plugserve.plugins.ort.compiled import OrtCompiledNetwork
@@ -63,9 +64,11 @@ class OrtInferRequest(InferRequest):
             else:
                 outputs = self.session.run(self.network.output_names, feeds)
         except Exception as exc:
-            raise InferenceError(
+            error = InferenceError(
                 f"network {self.network.name}: onnxruntime failed: {backend.message(exc)}"
-            ) from None
+            )
+            shapes = {k: tuple(v.shape) for k, v in feeds.items() if hasattr(v, "shape")}
+            raise translate(error, self.network.name, self.network.shape_model, shapes) from None
         return dict(zip(self.network.output_names, outputs))
 
     def infer(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:

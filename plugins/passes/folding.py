@@ -13,18 +13,9 @@ import numpy as np
 from plugserve.plugins.api import TensorSpec
 from plugserve.plugins.ir import Graph, Node, subgraph_free_names
 from plugserve.plugins.passes.manager import PassContext
+from plugserve.plugins.passes.sizes import NONDETERMINISTIC, output_bytes
 
 __all__ = ["fold_constants", "fold_shapes"]
-
-_NONDETERMINISTIC = {
-    "RandomUniform",
-    "RandomNormal",
-    "RandomUniformLike",
-    "RandomNormalLike",
-    "Bernoulli",
-    "Multinomial",
-    "Dropout",
-}
 
 
 def _static_shape(graph: Graph, name: str) -> tuple[int, ...] | None:
@@ -40,6 +31,7 @@ def _static_shape(graph: Graph, name: str) -> tuple[int, ...] | None:
 
 def fold_shapes(graph: Graph, context: PassContext) -> bool:
     changed = False
+    users = graph.consumers()
     kept: list[Node] = []
     for node in graph.nodes:
         if node.domain == "" and node.op_type in ("Shape", "Size") and len(node.outputs) == 1:
@@ -50,7 +42,7 @@ def fold_shapes(graph: Graph, context: PassContext) -> bool:
                 else:
                     start, end = node.attr("start", 0), node.attr("end", None)
                     value = np.array(shape[slice(start, end)], dtype=np.int64)
-                _replace_with_constant(graph, node, [value])
+                _replace_with_constant(graph, node, [value], users)
                 changed = True
                 continue
         kept.append(node)
@@ -62,16 +54,21 @@ def fold_constants(graph: Graph, context: PassContext) -> bool:
     if context.evaluate is None:
         return False
     changed = False
+    users = graph.consumers()
     kept: list[Node] = []
     for node in graph.nodes:
         if _foldable(node, graph):
             inputs = [graph.initializers[n] if n else None for n in node.inputs]
+            size = output_bytes(node, graph, inputs)
+            if size is None or size > context.fold_limit_bytes:
+                kept.append(node)  # too large (or not knowable) before running it: run time
+                continue
             try:
                 outputs = context.evaluate(node, graph, inputs)
             except Exception:  # the kernel refuses these values: leave it to run time
                 outputs = None
             if outputs is not None and _acceptable(outputs, node, context):
-                _replace_with_constant(graph, node, outputs)
+                _replace_with_constant(graph, node, outputs, users)
                 changed = True
                 continue
         kept.append(node)
@@ -80,7 +77,7 @@ def fold_constants(graph: Graph, context: PassContext) -> bool:
 
 
 def _foldable(node: Node, graph: Graph) -> bool:
-    if node.op_type in _NONDETERMINISTIC or subgraph_free_names(node):
+    if node.op_type in NONDETERMINISTIC or subgraph_free_names(node):
         return False
     if any(n and n not in graph.initializers for n in node.inputs):
         return False
@@ -98,12 +95,15 @@ def _acceptable(outputs: list, node: Node, context: PassContext) -> bool:
     return total <= context.fold_limit_bytes
 
 
-def _replace_with_constant(graph: Graph, node: Node, outputs: list) -> None:
+def _replace_with_constant(
+    graph: Graph, node: Node, outputs: list, users: dict[str, list[Node]]
+) -> None:
+    """``users``: the readers map from the start of the pass (still right: folding a node does
+    not change who reads its outputs; an heir folded later hands the names on in turn)."""
     for name, value in zip(node.outputs, outputs):
         array = np.asarray(value)
         graph.initializers[name] = array
         graph.value_info[name] = TensorSpec(name, array.dtype, tuple(array.shape))
-    users = graph.consumers()
     heir = next((users[o][0] for o in node.outputs if users.get(o)), None)
     if heir is not None:
         heir.fused_names.extend(n for n in node.fused_names if n not in heir.fused_names)

@@ -37,24 +37,36 @@ ACTIVATIONS = {
 }
 
 
-def _sole_reader(graph: Graph, name: str, users: dict[str, list[Node]]) -> Node | None:
-    readers = users.get(name, [])
-    if len(readers) != 1 or name in graph.output_names():
-        return None
-    return readers[0]
+def sole_readers(graph: Graph) -> dict[str, Node]:
+    """``{value: the one node reading it}`` for every value with exactly one reader that is
+    not a graph output: what a fusion may swallow. Built once per pass, in one scan, so asking
+    about every node of the graph stays linear."""
+    outputs = graph.output_names()
+    return {
+        name: readers[0]
+        for name, readers in graph.consumers().items()
+        if len(readers) == 1 and name not in outputs
+    }
 
 
-def _merge(into: Node, removed: Node) -> None:
-    into.fused_names.extend(n for n in removed.fused_names if n not in into.fused_names)
+def _merge(into: Node, *removed: Node) -> None:
+    """The removed nodes' original names join ``into``'s, once each (one set, not a scan per
+    name: a node absorbing a long chain stays linear)."""
+    seen = set(into.fused_names)
+    for node in removed:
+        for name in node.fused_names:
+            if name not in seen:
+                seen.add(name)
+                into.fused_names.append(name)
 
 
 def fold_conv_batchnorm(graph: Graph, context: PassContext) -> bool:
-    users = graph.consumers()
+    sole = sole_readers(graph)
     dropped: set[int] = set()
     for conv in graph.nodes:
         if conv.op_type != "Conv" or conv.domain or len(conv.outputs) != 1:
             continue
-        bn = _sole_reader(graph, conv.outputs[0], users)
+        bn = sole.get(conv.outputs[0])
         if bn is None or bn.op_type != "BatchNormalization" or len(bn.outputs) != 1:
             continue
         if bn.attr("training_mode", 0):
@@ -90,12 +102,12 @@ def fold_conv_batchnorm(graph: Graph, context: PassContext) -> bool:
 
 def fuse_activations(graph: Graph, context: PassContext) -> bool:
     """Conv/Gemm/MatMul followed by an activation become one ``ai.plugserve`` Fused* node."""
-    users = graph.consumers()
+    sole = sole_readers(graph)
     dropped: set[int] = set()
     for base in graph.nodes:
         if base.domain or base.op_type not in ("Conv", "Gemm", "MatMul") or len(base.outputs) != 1:
             continue
-        act = _sole_reader(graph, base.outputs[0], users)
+        act = sole.get(base.outputs[0])
         if act is None or act.domain or act.op_type not in ACTIVATIONS:
             continue
         spec = graph.spec(base.outputs[0])
@@ -122,7 +134,7 @@ def fuse_conv_pool(graph: Graph, context: PassContext) -> bool:
     (exact: both are monotone). Only float32 convs with constant weights and bias, and a
     MaxPool without the Indices output; the pool's attributes move over as ``pool_*``.
     """
-    users = graph.consumers()
+    sole = sole_readers(graph)
     dropped: set[int] = set()
     for conv in graph.nodes:
         if len(conv.outputs) != 1:
@@ -135,7 +147,7 @@ def fuse_conv_pool(graph: Graph, context: PassContext) -> bool:
                 continue
         else:
             continue
-        pool = _sole_reader(graph, conv.outputs[0], users)
+        pool = sole.get(conv.outputs[0])
         if pool is None or pool.op_type != "MaxPool" or pool.domain:
             continue
         if len(pool.outputs) > 1 and any(pool.outputs[1:]):
@@ -160,20 +172,26 @@ def fuse_conv_pool(graph: Graph, context: PassContext) -> bool:
 
 
 def fuse_relu_relu(graph: Graph, context: PassContext) -> bool:
-    """Relu(Relu(x)) is Relu(x): the second one goes, its names move to the first."""
-    users = graph.consumers()
+    """Relu(Relu(x)) is Relu(x): the second one goes, its names move to the first.
+
+    One scan with one readers map: taking over the second Relu's outputs leaves the readers
+    of every value as they were, so a whole chain collapses in time linear in its length.
+    """
+    sole = sole_readers(graph)
     dropped: set[int] = set()
     for first in graph.nodes:
         if first.op_type != "Relu" or first.domain or id(first) in dropped:
             continue
+        chain: list[Node] = []
         while True:
-            second = _sole_reader(graph, first.outputs[0], users)
+            second = sole.get(first.outputs[0])
             if second is None or second.op_type != "Relu" or second.domain:
                 break
             first.outputs = list(second.outputs)
-            _merge(first, second)
+            chain.append(second)
             dropped.add(id(second))
-            users = graph.consumers()
+        if chain:
+            _merge(first, *chain)
     return _drop(graph, dropped)
 
 
@@ -210,27 +228,29 @@ def _gelu_input(graph: Graph, scaled: Node) -> str | None:
     return None
 
 
-def _match_gelu(graph: Graph, erf: Node, users, producers) -> list[Node] | None:
+def _match_gelu(
+    graph: Graph, erf: Node, sole: dict[str, Node], producers: dict[str, Node]
+) -> list[Node] | None:
     """The nodes of 0.5 x (1 + erf(x / sqrt 2)) around ``erf``, in graph order, or None.
 
     Accepted shapes (how PyTorch and hand-written exporters spell it):
     ``Mul(Mul(x, 1 + erf), 0.5)`` and ``Mul(Mul(x, 0.5), 1 + erf)``, operands in any order.
     """
     scaled = producers.get(erf.inputs[0]) if erf.inputs else None
-    if scaled is None or _sole_reader(graph, scaled.outputs[0], users) is not erf:
+    if scaled is None or sole.get(scaled.outputs[0]) is not erf:
         return None
     x = _gelu_input(graph, scaled)
-    add = _sole_reader(graph, erf.outputs[0], users)
+    add = sole.get(erf.outputs[0])
     if x is None or add is None or add.op_type != "Add":
         return None
     if _scalar_input(graph, add, 1.0) != erf.outputs[0]:
         return None
-    mul = _sole_reader(graph, add.outputs[0], users)
+    mul = sole.get(add.outputs[0])
     if mul is None or mul.op_type != "Mul" or mul.domain or len(mul.inputs) != 2:
         return None
     other = mul.inputs[1] if mul.inputs[0] == add.outputs[0] else mul.inputs[0]
     if other == x:  # Mul(x, 1 + erf) then Mul(., 0.5)
-        last = _sole_reader(graph, mul.outputs[0], users)
+        last = sole.get(mul.outputs[0])
         if last is None or last.op_type != "Mul":
             return None
         if _scalar_input(graph, last, 0.5) != mul.outputs[0]:
@@ -239,7 +259,7 @@ def _match_gelu(graph: Graph, erf: Node, users, producers) -> list[Node] | None:
     half = producers.get(other)  # Mul(Mul(x, 0.5), 1 + erf)
     if half is None or half.op_type != "Mul" or _scalar_input(graph, half, 0.5) != x:
         return None
-    if _sole_reader(graph, half.outputs[0], users) is not mul:
+    if sole.get(half.outputs[0]) is not mul:
         return None
     return [scaled, half, erf, add, mul]
 
@@ -251,13 +271,13 @@ def fuse_gelu(graph: Graph, context: PassContext) -> bool:
     passes over memory instead of five fresh arrays. float inputs only; every intermediate
     must be read by the pattern alone.
     """
-    users = graph.consumers()
+    sole = sole_readers(graph)
     producers = graph.producers()
     replaced: dict[int, Node] = {}
     for erf in graph.nodes:
         if erf.op_type != "Erf" or erf.domain or id(erf) in replaced:
             continue
-        found = _match_gelu(graph, erf, users, producers)
+        found = _match_gelu(graph, erf, sole, producers)
         if found is None or any(id(n) in replaced for n in found):
             continue
         x = _gelu_input(graph, found[0])

@@ -14,25 +14,37 @@ import itertools
 import onnx
 from onnx import AttributeProto, FunctionProto, GraphProto, NodeProto
 
+from plugserve.plugins.api import InvalidModel
 from plugserve.plugins.ir import Graph, Node
 from plugserve.plugins.passes.manager import PassContext
 
 __all__ = ["inline_functions"]
 
 _MAX_ROUNDS = 8
+#: Most nodes inlining may make. Local functions calling each other can multiply a graph's size
+#: with every round (a 2 KB model could ask for billions of nodes); real models stay far below.
+MAX_INLINED_NODES = 250_000
 
 
 def inline_functions(graph: Graph, context: PassContext) -> bool:
     changed = False
     counter = itertools.count()
+    local: dict[tuple[str, str], FunctionProto] = {}
+    for function in graph.functions:
+        local.setdefault((function.name, function.domain), function)  # the first one wins
     for _ in range(_MAX_ROUNDS):
         new_nodes: list[Node] = []
         round_changed = False
         for node in graph.nodes:
-            body = None if context.supports(node, graph) else _function_for(node, graph)
+            body = None if context.supports(node, graph) else _function_for(node, graph, local)
             if body is None:
                 new_nodes.append(node)
                 continue
+            if len(new_nodes) + len(body.node) > MAX_INLINED_NODES:
+                raise InvalidModel(
+                    f"model {graph.name!r}: expanding its functions would make more than "
+                    f"{MAX_INLINED_NODES} nodes (node {node.name!r}, {node.op_type})"
+                )
             new_nodes.extend(_expand(node, body, graph, f"{node.name}/", counter))
             round_changed = True
         graph.nodes = new_nodes
@@ -45,10 +57,12 @@ def inline_functions(graph: Graph, context: PassContext) -> bool:
     return changed
 
 
-def _function_for(node: Node, graph: Graph) -> FunctionProto | None:
-    for function in graph.functions:
-        if function.name == node.op_type and function.domain == node.domain:
-            return function
+def _function_for(
+    node: Node, graph: Graph, local: dict[tuple[str, str], FunctionProto]
+) -> FunctionProto | None:
+    function = local.get((node.op_type, node.domain))
+    if function is not None:
+        return function
     opset = graph.node_opset(node)
     try:
         schema = onnx.defs.get_schema(node.op_type, opset, node.domain)

@@ -14,7 +14,9 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from plugserve.plugins import cancel
 from plugserve.plugins.ir import Graph, Node
+from plugserve.plugins.passes.sizes import FOLD_LIMIT_BYTES
 
 __all__ = ["Pass", "PassContext", "PassManager"]
 
@@ -34,7 +36,7 @@ class PassContext:
     #: Convert float16 computation to float32 (INFERENCE_PRECISION_HINT=f32).
     f16_to_f32: bool = True
     #: Largest constant (bytes) folding may create.
-    fold_limit_bytes: int = 64 << 20
+    fold_limit_bytes: int = FOLD_LIMIT_BYTES
 
 
 Pass = Callable[[Graph, PassContext], bool]
@@ -48,6 +50,7 @@ class PassManager:
         """Apply every pass in order to a copy of ``graph`` (the input is left untouched)."""
         graph = graph.copy()
         for name, apply in self.passes:
+            cancel.check(f"graph {graph.name!r}: transforming it")
             if apply(graph, context):
                 log.debug("pass %s changed graph %s (%d nodes)", name, graph.name, len(graph.nodes))
         return graph

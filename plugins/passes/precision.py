@@ -56,29 +56,43 @@ def convert_f16_to_f32(graph: Graph, context: PassContext) -> bool:
     for name, spec in list(graph.value_info.items()):
         if spec.dtype == _F16:
             graph.value_info[name] = TensorSpec(name, _F32, spec.shape)
-    prologue: list[Node] = []
+    # Every renaming is decided first and applied in one scan of the nodes: per-value scans
+    # would cost nodes x inputs.
+    renamed: dict[str, str] = {}  # an f16 input or output -> the f32 value nodes read instead
     for spec in graph.inputs:
         if spec.dtype == _F16:
-            inner = graph.unique_name(f"{spec.name}__f32")
-            for node in graph.nodes:
-                node.inputs = [inner if n == spec.name else n for n in node.inputs]
-            readers = [n for n in graph.nodes if inner in n.inputs]
-            prologue.append(_cast(spec.name, inner, TensorProto.FLOAT, readers))
-            graph.value_info[inner] = TensorSpec(inner, _F32, spec.shape)
-            graph.value_info[spec.name] = spec
-    epilogue: list[Node] = []
+            renamed[spec.name] = graph.unique_name(f"{spec.name}__f32")
+    producers = graph.producers()
+    produced: dict[str, tuple[Node, str]] = {}  # f16 output -> its producer, the f32 value
     for spec in graph.outputs:
-        if spec.dtype == _F16:
-            inner = graph.unique_name(f"{spec.name}__f32")
-            producer = next((n for n in graph.nodes if spec.name in n.outputs), None)
+        if spec.dtype == _F16 and spec.name not in renamed:
+            producer = producers.get(spec.name)
             if producer is None:  # an output that is an input or initializer
                 if spec.name in graph.initializers:
                     graph.initializers[spec.name] = graph.initializers[spec.name].astype(_F16)
                 continue
-            producer.outputs = [inner if n == spec.name else n for n in producer.outputs]
-            for node in graph.nodes:
-                node.inputs = [inner if n == spec.name else n for n in node.inputs]
-            epilogue.append(_cast(inner, spec.name, TensorProto.FLOAT16, [producer]))
+            inner = graph.unique_name(f"{spec.name}__f32")
+            renamed[spec.name] = inner
+            produced[spec.name] = (producer, inner)
+    readers: dict[str, list[Node]] = {}
+    for node in graph.nodes:
+        node.inputs = [renamed.get(n, n) for n in node.inputs]
+        node.outputs = [renamed.get(n, n) if n in produced else n for n in node.outputs]
+        for n in node.inputs:
+            readers.setdefault(n, []).append(node)
+    prologue = [
+        _cast(spec.name, renamed[spec.name], TensorProto.FLOAT, readers.get(renamed[spec.name], []))
+        for spec in graph.inputs
+        if spec.dtype == _F16
+    ]
+    epilogue = [
+        _cast(produced[spec.name][1], spec.name, TensorProto.FLOAT16, [produced[spec.name][0]])
+        for spec in graph.outputs
+        if spec.name in produced
+    ]
+    for spec in graph.inputs + graph.outputs:
+        if spec.dtype == _F16 and spec.name in renamed:
+            inner = renamed[spec.name]
             graph.value_info[inner] = TensorSpec(inner, _F32, spec.shape)
             graph.value_info[spec.name] = spec
     graph.nodes = prologue + graph.nodes + epilogue

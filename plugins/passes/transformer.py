@@ -23,7 +23,7 @@ from onnx import AttributeProto
 
 from plugserve.plugins.api import TensorSpec
 from plugserve.plugins.ir import Graph, Node
-from plugserve.plugins.passes.fusion import FUSED_DOMAIN, _merge, _sole_reader
+from plugserve.plugins.passes.fusion import FUSED_DOMAIN, _merge, sole_readers
 from plugserve.plugins.passes.manager import PassContext
 
 __all__ = ["fuse_attention", "fuse_linear", "fuse_transformer", "merge_linears"]
@@ -94,7 +94,7 @@ def _bias_of(graph: Graph, add: Node, product: str, width: int) -> str | None:
     return other
 
 
-def _linear_site(graph: Graph, mm: Node, users) -> tuple[Node, str] | None:
+def _linear_site(graph: Graph, mm: Node, sole: dict[str, Node]) -> tuple[Node, str] | None:
     if mm.op_type != "MatMul" or mm.domain or len(mm.inputs) != 2:
         return None
     w = graph.initializers.get(mm.inputs[1])
@@ -102,16 +102,16 @@ def _linear_site(graph: Graph, mm: Node, users) -> tuple[Node, str] | None:
         return None
     if not _is_f32(graph, mm.inputs[0]) or len(graph.spec(mm.inputs[0]).shape) < 2:
         return None
-    add = _sole_reader(graph, mm.outputs[0], users)
+    add = sole.get(mm.outputs[0])
     bias = None if add is None else _bias_of(graph, add, mm.outputs[0], w.shape[1])
     return None if bias is None else (add, bias)
 
 
 def fuse_linear(graph: Graph, context: PassContext) -> bool:
-    users = graph.consumers()
+    sole = sole_readers(graph)
     rewrite = _Rewrite()
     for mm in graph.nodes:
-        site = _linear_site(graph, mm, users)
+        site = _linear_site(graph, mm, sole)
         if site is None:
             continue
         add, bias = site
@@ -127,7 +127,7 @@ def fuse_linear(graph: Graph, context: PassContext) -> bool:
 
 def _grow_linears(graph: Graph) -> bool:
     """Each Linear swallows a residual Add, then an epilogue, where the patterns hold."""
-    users = graph.consumers()
+    sole = sole_readers(graph)
     rewrite = _Rewrite()
     for linear in graph.nodes:
         if (
@@ -138,14 +138,14 @@ def _grow_linears(graph: Graph) -> bool:
             continue
         swallowed: list[Node] = []
         out = linear.outputs[0]
-        nxt = _sole_reader(graph, out, users)
+        nxt = sole.get(out)
         residual = None
         if nxt is not None and rewrite.free([nxt]):
             residual = _residual_of(graph, nxt, out)
         if residual is not None:
             swallowed.append(nxt)
             out = nxt.outputs[0]
-            nxt = _sole_reader(graph, out, users)
+            nxt = sole.get(out)
         epilogue = None
         if nxt is not None and rewrite.free([nxt]):
             width = graph.initializers[linear.inputs[1]].shape[1]
@@ -231,7 +231,7 @@ def _softmax_last(graph: Graph, node: Node, x: str) -> bool:
     return node.attr("axis", default) in (-1, rank - 1)
 
 
-def _attention_site(graph: Graph, mm: Node, users):
+def _attention_site(graph: Graph, mm: Node, sole: dict[str, Node]):
     """(swallowed nodes, scale, transposed output) of the attention starting at ``mm``."""
     if mm.op_type != "MatMul" or mm.domain or len(mm.inputs) != 2:
         return None
@@ -241,22 +241,22 @@ def _attention_site(graph: Graph, mm: Node, users):
         return None
     chain = [mm]
     scale = 1.0
-    nxt = _sole_reader(graph, mm.outputs[0], users)
+    nxt = sole.get(mm.outputs[0])
     c = None if nxt is None else _scalar(graph, nxt, mm.outputs[0])
     if c is not None:
         scale = c
         chain.append(nxt)
-        nxt = _sole_reader(graph, nxt.outputs[0], users)
+        nxt = sole.get(nxt.outputs[0])
     if nxt is None or not _softmax_last(graph, nxt, chain[-1].outputs[0]):
         return None
     chain.append(nxt)
-    mm2 = _sole_reader(graph, nxt.outputs[0], users)
+    mm2 = sole.get(nxt.outputs[0])
     if mm2 is None or mm2.op_type != "MatMul" or mm2.domain or mm2.inputs[0] != nxt.outputs[0]:
         return None
     if mm2.inputs[1] == nxt.outputs[0] or not _is_f32(graph, mm2.inputs[1]):
         return None
     chain.append(mm2)
-    tail = _sole_reader(graph, mm2.outputs[0], users)
+    tail = sole.get(mm2.outputs[0])
     transposed = (
         tail is not None
         and tail.op_type == "Transpose"
@@ -269,14 +269,15 @@ def _attention_site(graph: Graph, mm: Node, users):
     return chain, scale, transposed
 
 
-def _fold_scale_into_producer(graph: Graph, q: str, scale: float, users) -> bool:
+def _fold_scale_into_producer(
+    graph: Graph, q: str, scale: float, sole: dict[str, Node], producers: dict[str, Node]
+) -> bool:
     """Scale the weights of the plain Linear that Q is a view chain of, if nothing else reads
     any value on the way (so no other reader sees the scaled values)."""
-    producers = graph.producers()
     name = q
     while True:
         node = producers.get(name)
-        if node is None or _sole_reader(graph, name, users) is None:
+        if node is None or sole.get(name) is None:
             return False
         if node.op_type in ("Reshape", "Transpose") and not node.domain:
             name = node.inputs[0]
@@ -294,16 +295,16 @@ def _fold_scale_into_producer(graph: Graph, q: str, scale: float, users) -> bool
 
 
 def fuse_attention(graph: Graph, context: PassContext) -> bool:
-    users = graph.consumers()
+    sole, producers = sole_readers(graph), graph.producers()
     rewrite = _Rewrite()
     for mm in graph.nodes:
-        site = _attention_site(graph, mm, users)
+        site = _attention_site(graph, mm, sole)
         if site is None or not rewrite.free(site[0]):
             continue
         chain, scale, transposed = site
         q, k = chain[0].inputs
         v = chain[-2].inputs[1] if transposed else chain[-1].inputs[1]
-        if scale != 1 and _fold_scale_into_producer(graph, q, scale, users):
+        if scale != 1 and _fold_scale_into_producer(graph, q, scale, sole, producers):
             scale = 1.0
         fused = Node("Attention", [q, k, v], list(chain[-1].outputs), name=chain[-1].name)
         fused.domain = FUSED_DOMAIN

@@ -210,7 +210,6 @@ def pack_conv_weight(w: np.ndarray, groups: int, dtype: np.dtype) -> np.ndarray:
     return np.ascontiguousarray(tapped, dtype=dtype).reshape(groups, m // groups, ksize * cg)
 
 
-
 class _ConvPlan:
     """How one input shape is convolved: padding, the column layout and the output shape."""
 

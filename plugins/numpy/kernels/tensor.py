@@ -556,7 +556,9 @@ def constant_of_shape(ctx: KernelContext):
     fill, dtype = value.reshape(-1)[0], value.dtype
     shape = ctx.constant(0)
     if shape is not None:
-        result = _frozen(np.full(tuple(_ints(shape)), fill, dtype=dtype))
+        # One fill value seen through a broadcast view: a constant shape known at load time
+        # costs no memory here, however large it is (a 180-byte model can ask for 2 GB).
+        result = np.broadcast_to(np.asarray(fill, dtype=dtype), tuple(_ints(shape)))
         return lambda _: result
     return lambda s: np.full(tuple(_ints(s)), fill, dtype=dtype)
 
