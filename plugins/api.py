@@ -633,7 +633,15 @@ def _call_back(callback: Callback, future: Future) -> None:
 def check_inputs(
     network_name: str, specs: Sequence[TensorSpec], inputs: Mapping[str, Any]
 ) -> list[np.ndarray]:
-    """Inputs in declared order, checked against the specs with errors a person can act on."""
+    """Inputs in declared order, checked against the specs with errors a person can act on.
+
+    An input is refused only when its rank, a fixed dimension or its element type differs, as
+    onnxruntime and OpenVINO refuse it. A named dimension (``batch``, ``?``, ``unk__123``) is
+    not a contract between inputs, nor between two axes of one input: exporters reuse ``?``
+    and ``-1`` for unrelated dimensions, and a model whose dimensions really must agree fails
+    in the node that needs them to, naming it. Arrays come back in native byte order with
+    their rank untouched (a 0-d array stays 0-d); contiguity is each device's business.
+    """
     if not isinstance(inputs, Mapping):
         raise InvalidInput(f"network {network_name}: inputs must be a mapping name -> array")
     names = [s.name for s in specs]
@@ -644,30 +652,11 @@ def check_inputs(
             + ", ".join(s.describe() for s in specs)
         )
     arrays: list[np.ndarray] = []
-    symbols: dict[str, tuple[int, str]] = {}
     for spec in specs:
         if spec.name not in inputs:
             raise InvalidInput(f"network {network_name}: missing input {spec.describe()}")
-        array = _check_one(network_name, spec, inputs[spec.name])
-        arrays.append(array)
-        if spec.shape is not None and isinstance(array, np.ndarray):
-            _check_symbols(network_name, spec, array.shape, symbols)
+        arrays.append(_check_one(network_name, spec, inputs[spec.name]))
     return arrays
-
-
-def _check_symbols(
-    network_name: str, spec: TensorSpec, shape: tuple[int, ...], symbols: dict[str, tuple[int, str]]
-) -> None:
-    """Dimensions that share a symbolic name (``batch``) must agree across inputs."""
-    for dim, size in zip(spec.shape or (), shape):
-        if not isinstance(dim, str) or not dim:
-            continue
-        seen = symbols.setdefault(dim, (size, spec.name))
-        if seen[0] != size:
-            raise InvalidInput(
-                f"network {network_name}: dimension {dim!r} is {size} in input {spec.name!r} "
-                f"but {seen[0]} in input {seen[1]!r}; inputs that share it must agree"
-            )
 
 
 def _check_one(network_name: str, spec: TensorSpec, value: Any) -> np.ndarray:
@@ -681,6 +670,8 @@ def _check_one(network_name: str, spec: TensorSpec, value: Any) -> np.ndarray:
         value = np.asarray(value)
     if isinstance(value, list):  # a sequence input
         return value  # type: ignore[return-value]
+    if not value.dtype.isnative and value.dtype.kind not in "OUSV":
+        value = value.astype(value.dtype.newbyteorder("="))  # same values, native bytes
     if spec.dtype is not None and value.dtype != spec.dtype:
         if spec.dtype == np.dtype(object) and value.dtype.kind in "US":
             value = value.astype(object)

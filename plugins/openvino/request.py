@@ -46,7 +46,7 @@ class OpenvinoInferRequest(InferRequest):
     def _feeds(self, inputs: Mapping[str, Any]) -> dict[int, np.ndarray]:
         arrays = check_inputs(self.network.name, self.network.inputs, inputs)
         return {
-            port: np.ascontiguousarray(array)
+            port: _c_order(array)
             for port, array in zip(self.network.input_ports, arrays)
             if port is not None
         }
@@ -155,6 +155,12 @@ class OpenvinoInferRequest(InferRequest):
                 )
             )
         return counts
+
+
+def _c_order(array: np.ndarray) -> np.ndarray:
+    """openvino reads tensors as C-order memory; not ``np.ascontiguousarray``, which makes a
+    0-d array 1-d and so breaks every scalar input."""
+    return array if array.flags.c_contiguous else np.array(array, order="C")
 
 
 def _watch(task: list[Any]) -> None:
