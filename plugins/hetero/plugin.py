@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import platform
 from collections.abc import Mapping
 from typing import Any
@@ -32,11 +33,14 @@ from plugserve.plugins.hetero.compiled import HeteroCompiledNetwork, Step, spec_
 from plugserve.plugins.hetero.config import HeteroConfiguration
 from plugserve.plugins.hetero.partition import order_subgraphs, partition
 from plugserve.plugins.hetero.split import cut
+from plugserve.plugins.hetero.typing import type_untyped_values
 from plugserve.plugins.ir import Graph, load_model, read_model, subgraph_free_names
 from plugserve.plugins.passes import PassContext
 from plugserve.plugins.passes.types import infer_extension_types
 
 __all__ = ["HeteroPlugin"]
+
+log = logging.getLogger(__name__)
 
 _OWN_KEYS = {"DEVICE_PRIORITIES", "AFFINITY"}
 
@@ -95,11 +99,67 @@ class HeteroPlugin(Plugin):
                 self._devices().plugin(device)  # NotFound names an unknown device
             chosen[node] = device
         for device in priorities:
-            child = self._child_config(device, overrides, config)
-            supported = self._devices().query_network(model, device, child)
-            for node in supported:
+            for node in self._query(model, device, overrides, config):
                 chosen.setdefault(node, device)
         return chosen
+
+    def _query(
+        self, model: Any, device: str, overrides: Mapping[str, Any], config: HeteroConfiguration
+    ) -> dict[str, str]:
+        """A device's QueryNetwork; one that cannot read the model at all takes no node, and
+        every node goes on to the next device (``refusals`` says why)."""
+        child = self._child_config(device, overrides, config)
+        try:
+            return self._devices().query_network(model, device, child)
+        except PlugserveError as exc:
+            log.info("HETERO: %s takes no node: %s", device, exc)
+            return {}
+
+    def refusals(
+        self, model: Model, config: Mapping[str, Any] | None = None
+    ) -> list[tuple[str, str, str]]:
+        """``(node, device, why)`` for each node and each device of the priority list that
+        did not take it: the device's own reason (no kernel, unsupported type, a conversion
+        that failed), or that the user pinned the node elsewhere. Devices after the one a
+        node went to are not listed: they were never asked for it."""
+        overrides = dict(config or {})
+        cfg = self.merged_config(config, strict=False)
+        proto, _ = read_model(model)
+        graph = load_model(proto)
+        chosen = self.affinities(graph, proto, cfg, overrides)
+        pinned = {n.name for n in graph.nodes if n.affinity} | set(cfg.affinity())
+        order = self._priorities(cfg)
+        reasons = {device: self._reasons(proto, device, overrides, cfg) for device in order}
+        found: list[tuple[str, str, str]] = []
+        for node in graph.nodes:
+            placed = chosen.get(node.name)
+            for device in order:
+                if device == placed:
+                    break
+                if node.name in pinned:
+                    why = f"pinned to {placed} by AFFINITY"
+                else:
+                    why = reasons[device].get(node.name, f"{device} did not take it")
+                found.append((node.name, device, why))
+        return found
+
+    def _reasons(
+        self, model: Any, device: str, overrides: Mapping[str, Any], config: HeteroConfiguration
+    ) -> dict[str, str]:
+        """``{node: why device refuses it}``, from the device's ``unsupported_nodes``."""
+        child = self._child_config(device, overrides, config)
+        plugin = self._devices().plugin(device)
+        explain = getattr(plugin, "unsupported_nodes", None)
+        supported = self._query(model, device, overrides, config)
+        try:
+            reasons = dict(explain(model, child)) if explain is not None else {}
+        except PlugserveError as exc:
+            reasons = {}
+            whole = f"{device} cannot read the model: {exc}"
+        else:
+            whole = f"not in {device}'s QueryNetwork answer"
+        graph = load_model(model)
+        return {n.name: reasons.get(n.name, whole) for n in graph.nodes if n.name not in supported}
 
     def _typed(self, graph: Graph, priorities: list[str]) -> Graph:
         """Types for values ONNX cannot infer (custom ops), from the devices' extension rules,
@@ -109,6 +169,7 @@ class HeteroPlugin(Plugin):
             rules.update(getattr(self._devices().plugin(device), "type_rules", {}))
         if rules:
             infer_extension_types(graph, PassContext(supports=lambda n, g: True, type_rules=rules))
+        type_untyped_values(graph)
         return graph
 
     # --- the Plugin API
