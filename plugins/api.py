@@ -538,7 +538,11 @@ class TensorSpec:
         dims = (
             "?"
             if self.shape is None
-            else "[" + ",".join("?" if d is None else str(d) for d in self.shape) + "]"
+            else "["
+            + ",".join(
+                "?" if d is None or (isinstance(d, int) and d < 0) else str(d) for d in self.shape
+            )
+            + "]"
         )
         return f"{self.name}: {self.dtype if self.dtype is not None else '?'}{dims}"
 

@@ -22,25 +22,12 @@ import onnx
 import pytest
 from conftest import ort_run
 from onnx import TensorProto, helper
+from test_real_shapes import make_model
 
 from plugserve.plugins.api import Unsupported
 
 RTOL, ATOL = 1e-3, 1e-4
 ML = "ai.onnx.ml"
-
-
-def _model(nodes, inputs, outputs, initializers=(), opsets=(("", 17),), functions=()):
-    graph = helper.make_graph(
-        nodes,
-        "boundaries",
-        [helper.make_tensor_value_info(n, t, s) for n, t, s in inputs],
-        [helper.make_tensor_value_info(n, t, s) for n, t, s in outputs],
-        initializer=list(initializers),
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid(d, v) for d, v in opsets])
-    model.ir_version = 9
-    onnx.checker.check_model(model)
-    return model
 
 
 def sklearn_like() -> onnx.ModelProto:
@@ -71,7 +58,7 @@ def sklearn_like() -> onnx.ModelProto:
         helper.make_node("ReduceSum", ["unit"], ["unit_sum"], keepdims=1, name="sum"),
         helper.make_node("Mul", ["prob", "unit_sum"], ["y"], name="mul"),
     ]
-    return _model(
+    return make_model(
         nodes,
         [("x", TensorProto.FLOAT, ["N", 4])],
         [("y", TensorProto.FLOAT, ["N", 2])],
@@ -106,7 +93,7 @@ def scripted_loop() -> onnx.ModelProto:
         helper.make_node("ReduceMax", ["steps"], ["b"], keepdims=0, name="max"),
         helper.make_node("Add", ["a", "b"], ["y"], name="add"),
     ]
-    return _model(
+    return make_model(
         nodes,
         [("x", TensorProto.FLOAT, ["N", 4]), ("n", TensorProto.INT64, [])],
         [("y", TensorProto.FLOAT, ["N", 4]), ("steps", TensorProto.FLOAT, [None, "N", 4])],
@@ -138,7 +125,7 @@ def tokenizer_pipeline() -> onnx.ModelProto:
         ),
         helper.make_node("Shape", ["lower"], ["shape"], name="shape"),
     ]
-    return _model(
+    return make_model(
         nodes,
         [("text", TensorProto.STRING, [1])],
         [("lower", TensorProto.STRING, [1, None]), ("shape", TensorProto.INT64, [2])],
@@ -165,7 +152,7 @@ def wrap_padded_if() -> onnx.ModelProto:
         helper.make_node("If", ["c"], ["b"], then_branch=then, else_branch=other, name="if"),
         helper.make_node("Sigmoid", ["b"], ["y"], name="sigmoid"),
     ]
-    return _model(
+    return make_model(
         nodes,
         [("x", TensorProto.FLOAT, [2, 3, 4, 5]), ("c", TensorProto.BOOL, [])],
         [("y", TensorProto.FLOAT, [2, 3, 6, 7])],
@@ -192,7 +179,7 @@ def rank_changing_if() -> onnx.ModelProto:
         helper.make_node("If", ["c"], ["b"], then_branch=then, else_branch=other, name="if"),
         helper.make_node("Neg", ["b"], ["y"], name="neg"),
     ]
-    return _model(
+    return make_model(
         nodes,
         [("x", TensorProto.FLOAT, [2, 3]), ("c", TensorProto.BOOL, [])],
         [("y", TensorProto.FLOAT, [2, 3])],

@@ -31,12 +31,15 @@ DEVICES = [
     "HETERO:NUMPY,ORT",
     "AUTO",
     "MULTI:NUMPY,ORT",
+    "MULTI:OPENVINO,ORT",
     "BATCH:NUMPY(4)",
+    "BATCH:OPENVINO(4)",
 ]
 RTOL, ATOL = 1e-3, 1e-4
 
 
-def _model(nodes, inputs, outputs, initializers=(), opset=17) -> onnx.ModelProto:
+def make_model(nodes, inputs, outputs, initializers=(), opsets=(("", 17),)) -> onnx.ModelProto:
+    """A checked model from ``(name, element type, shape)`` inputs and outputs."""
     graph = helper.make_graph(
         nodes,
         "real_shapes",
@@ -44,8 +47,8 @@ def _model(nodes, inputs, outputs, initializers=(), opset=17) -> onnx.ModelProto
         [helper.make_tensor_value_info(n, t, s) for n, t, s in outputs],
         initializer=list(initializers),
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
-    model.ir_version = 8
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid(d, v) for d, v in opsets])
+    model.ir_version = 9
     onnx.checker.check_model(model)
     return model
 
@@ -64,7 +67,7 @@ def paddle_classifier() -> onnx.ModelProto:
         helper.make_node("MatMul", ["f", "fc"], ["logits"], name="fc"),
         helper.make_node("Softmax", ["logits"], ["prob"], axis=-1, name="softmax"),
     ]
-    return _model(
+    return make_model(
         nodes,
         [("x", TensorProto.FLOAT, [-1, 3, "?", "?"])],
         [("prob", TensorProto.FLOAT, [-1, 2])],
@@ -81,7 +84,7 @@ def loose_names() -> onnx.ModelProto:
         helper.make_node("Relu", ["d"], ["relu"], name="relu"),
     ]
     axes = helper.make_tensor("axes", TensorProto.INT64, [1], [1])
-    return _model(
+    return make_model(
         nodes,
         [
             ("a", TensorProto.FLOAT, ["unk__12", 4]),
@@ -111,7 +114,7 @@ def audio_scalars() -> onnx.ModelProto:
         helper.make_node("ReduceSum", ["square"], ["energy"], keepdims=0, name="energy"),
         helper.make_node("Mul", ["energy", "gain"], ["loud"], name="loud"),
     ]
-    return _model(
+    return make_model(
         nodes,
         [
             ("audio", TensorProto.FLOAT, ["batch", "samples"]),

@@ -139,7 +139,8 @@ class HeteroPlugin(Plugin):
                 if node.name in pinned:
                     why = f"pinned to {placed} by AFFINITY"
                 else:
-                    why = reasons[device].get(node.name, f"{device} did not take it")
+                    fallback = reasons[device].get("", f"not in {device}'s QueryNetwork answer")
+                    why = reasons[device].get(node.name, fallback)
                 found.append((node.name, device, why))
         return found
 
@@ -147,19 +148,13 @@ class HeteroPlugin(Plugin):
         self, model: Any, device: str, overrides: Mapping[str, Any], config: HeteroConfiguration
     ) -> dict[str, str]:
         """``{node: why device refuses it}``, from the device's ``unsupported_nodes``."""
-        child = self._child_config(device, overrides, config)
-        plugin = self._devices().plugin(device)
-        explain = getattr(plugin, "unsupported_nodes", None)
-        supported = self._query(model, device, overrides, config)
+        explain = getattr(self._devices().plugin(device), "unsupported_nodes", None)
+        if explain is None:
+            return {}
         try:
-            reasons = dict(explain(model, child)) if explain is not None else {}
+            return dict(explain(model, self._child_config(device, overrides, config)))
         except PlugserveError as exc:
-            reasons = {}
-            whole = f"{device} cannot read the model: {exc}"
-        else:
-            whole = f"not in {device}'s QueryNetwork answer"
-        graph = load_model(model)
-        return {n.name: reasons.get(n.name, whole) for n in graph.nodes if n.name not in supported}
+            return {"": f"{device} cannot read the model: {exc}"}
 
     def _typed(self, graph: Graph, priorities: list[str]) -> Graph:
         """Types for values ONNX cannot infer (custom ops), from the devices' extension rules,
