@@ -43,6 +43,7 @@ __all__ = [
     "ResourceExhausted",
     "Unsupported",
     "available_cores",
+    "refusal_reasons",
 ]
 
 
@@ -632,6 +633,20 @@ def _call_back(callback: Callback, future: Future) -> None:
         callback(None, error)
     else:
         callback(future.result(), None)
+
+
+def refusal_reasons(
+    devices: Devices, model: Model, device: str, config: Mapping[str, Any], nodes: Iterable[str]
+) -> dict[str, str]:
+    """``{node: why device did not take it}`` for ``nodes``, in the device's own words (its
+    ``unsupported_nodes``, which a plugin offers beside ``query_network``), for the virtual
+    devices' ``refusals``. A device that cannot read the model at all says so for each."""
+    explain = getattr(devices.plugin(device), "unsupported_nodes", None)
+    try:
+        reasons = dict(explain(model, config)) if explain is not None else {}
+    except PlugserveError as exc:
+        return dict.fromkeys(nodes, f"{device} cannot read the model: {exc}")
+    return {n: reasons.get(n, f"not in {device}'s QueryNetwork answer") for n in nodes}
 
 
 def check_inputs(

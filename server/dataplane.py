@@ -519,8 +519,8 @@ class DataPlane:
     def refusals(
         self, model: bytes | str | Path, device: str, config: Mapping[str, str] | None = None
     ) -> list[tuple[str, str, str]]:
-        """``(node, device, why)`` for the nodes a HETERO device list's devices did not take
-        (empty for devices that do not split: ``query`` gives their reasons)."""
+        """``(node, device, why)`` for the nodes a virtual device's devices did not take
+        (empty for a real device: ``query`` gives its reasons)."""
         plugin, merged = self.core.resolve(device, config)
         explain = getattr(plugin, "refusals", None)
         return explain(model, merged) if explain is not None else []

@@ -48,6 +48,17 @@ def test_pinned_nodes_say_so(core):
     assert found["relu"] == {"OPENVINO": "pinned to NUMPY by AFFINITY"}
 
 
+def test_auto_and_multi_say_why_a_device_was_passed_over(core):
+    model = wrap_padded_if()
+    auto = core.plugin("AUTO").refusals(model, {"DEVICE_PRIORITIES": "OPENVINO,ORT,NUMPY"})
+    assert auto == [("if", "OPENVINO", PAD_WHY)]
+    assert core.query_network(model, "AUTO:OPENVINO,ORT,NUMPY") == dict.fromkeys(
+        ["relu", "if", "sigmoid"], "ORT"
+    )
+    multi = core.plugin("MULTI").refusals(model, {"DEVICE_PRIORITIES": "NUMPY,OPENVINO"})
+    assert multi == [("if", "OPENVINO", PAD_WHY)]
+
+
 @pytest.fixture(scope="module")
 def client(server):
     with Client(server.target, timeout=120) as c:
@@ -60,6 +71,9 @@ def test_query_network_carries_the_refusals(client):
     assert [(r.node, r.device, r.reason) for r in response.refusals] == [
         ("if", "OPENVINO", PAD_WHY)
     ]
+    auto = client.query(wrap_padded_if(), "AUTO:OPENVINO,ORT")
+    assert set(auto.supported.values()) == {"ORT"}
+    assert [(r.node, r.device, r.reason) for r in auto.refusals] == [("if", "OPENVINO", PAD_WHY)]
     single = client.query(wrap_padded_if(), "OPENVINO")
     assert dict(single.unsupported) == {"if": PAD_WHY} and not single.refusals
 

@@ -28,6 +28,7 @@ from plugserve.plugins.api import (
     NotFound,
     Plugin,
     PlugserveError,
+    refusal_reasons,
 )
 from plugserve.plugins.hetero.compiled import HeteroCompiledNetwork, Step, spec_from_json
 from plugserve.plugins.hetero.config import HeteroConfiguration
@@ -129,32 +130,19 @@ class HeteroPlugin(Plugin):
         chosen = self.affinities(graph, proto, cfg, overrides)
         pinned = {n.name for n in graph.nodes if n.affinity} | set(cfg.affinity())
         order = self._priorities(cfg)
-        reasons = {device: self._reasons(proto, device, overrides, cfg) for device in order}
         found: list[tuple[str, str, str]] = []
-        for node in graph.nodes:
-            placed = chosen.get(node.name)
-            for device in order:
-                if device == placed:
-                    break
-                if node.name in pinned:
-                    why = f"pinned to {placed} by AFFINITY"
-                else:
-                    fallback = reasons[device].get("", f"not in {device}'s QueryNetwork answer")
-                    why = reasons[device].get(node.name, fallback)
-                found.append((node.name, device, why))
-        return found
-
-    def _reasons(
-        self, model: Any, device: str, overrides: Mapping[str, Any], config: HeteroConfiguration
-    ) -> dict[str, str]:
-        """``{node: why device refuses it}``, from the device's ``unsupported_nodes``."""
-        explain = getattr(self._devices().plugin(device), "unsupported_nodes", None)
-        if explain is None:
-            return {}
-        try:
-            return dict(explain(model, self._child_config(device, overrides, config)))
-        except PlugserveError as exc:
-            return {"": f"{device} cannot read the model: {exc}"}
+        for index, device in enumerate(order):
+            # the nodes that reached this device: not placed on one before it
+            reached = [n.name for n in graph.nodes if chosen.get(n.name) not in order[: index + 1]]
+            asked = [n for n in reached if n not in pinned]
+            child = self._child_config(device, overrides, cfg)
+            why = refusal_reasons(self._devices(), proto, device, child, asked)
+            for node in reached:
+                if node in pinned and chosen[node] != device:
+                    why[node] = f"pinned to {chosen[node]} by AFFINITY"
+            found += [(node, device, why[node]) for node in reached if node in why]
+        order_of = {n.name: i for i, n in enumerate(graph.nodes)}
+        return sorted(found, key=lambda f: (order_of[f[0]], order.index(f[1])))
 
     def _typed(self, graph: Graph, priorities: list[str]) -> Graph:
         """Types for values ONNX cannot infer (custom ops), from the devices' extension rules,
