@@ -326,3 +326,41 @@ def test_tritonclient_on_every_device(served, server, device):
             _check_same(got, models[kind], feeds)
     finally:
         triton.close()
+
+
+@pytest.mark.parametrize("device", ["NUMPY", "OPENVINO", "HETERO:OPENVINO,NUMPY"])
+def test_plugserve_client_sends_any_layout(served, device):
+    """The client puts C-order little-endian bytes on the wire whatever the array's layout;
+    the server gives back the same values and shapes."""
+    client, models, names = served
+    x = _image(2, 3, 24, 20)
+    for array in (np.asfortranarray(x), x[:, :, ::2, :], x.astype(">f4")):
+        feeds = {"x": array}
+        _check_same(client.infer(names["paddle", device], feeds), models["paddle"], feeds)
+    feeds = {**_audio(50), "gain": np.array(0.5, ">f4"), "rate": np.array(8000, ">i8")}
+    _check_same(client.infer(names["audio", device], feeds), models["audio"], feeds)
+
+
+@pytest.mark.parametrize("device", ["NUMPY", "OPENVINO", "HETERO:OPENVINO,NUMPY"])
+def test_kserve_typed_contents_carry_scalars(served, server, device):
+    """Scalars in KServe's typed ``contents`` (shape []), as clients without raw bytes send."""
+    grpcclient = pytest.importorskip("tritonclient.grpc")
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    _, models, names = served
+    feeds = _audio(4)
+    request = service_pb2.ModelInferRequest(model_name=names["audio", device])
+    for name, datatype, field in (
+        ("audio", "FP32", "fp32_contents"),
+        ("gain", "FP32", "fp32_contents"),
+        ("rate", "INT64", "int64_contents"),
+    ):
+        tensor = request.inputs.add(name=name, datatype=datatype, shape=list(feeds[name].shape))
+        getattr(tensor.contents, field).extend(feeds[name].ravel().tolist())
+    with server.channel() as channel:
+        response = service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request)
+    result = grpcclient.InferResult(response)
+    shapes = {o.name: list(o.shape) for o in response.outputs}
+    assert shapes["seconds"] == [] and shapes["loud"] == []
+    got = {o.name: result.as_numpy(o.name) for o in models["audio"].graph.output}
+    _check_same(got, models["audio"], feeds)
