@@ -43,6 +43,7 @@ __all__ = [
     "ResourceExhausted",
     "Unsupported",
     "available_cores",
+    "device_refusals",
     "refusal_reasons",
 ]
 
@@ -647,6 +648,20 @@ def refusal_reasons(
     except PlugserveError as exc:
         return dict.fromkeys(nodes, f"{device} cannot read the model: {exc}")
     return {n: reasons.get(n, f"not in {device}'s QueryNetwork answer") for n in nodes}
+
+
+def device_refusals(
+    devices: Devices, model: Model, device: str, config: Mapping[str, Any], nodes: Iterable[str]
+) -> list[tuple[str, str, str]]:
+    """``(node, device, why)`` for each of ``nodes`` that ``device``'s QueryNetwork leaves
+    out (all of them when it cannot read the model)."""
+    try:
+        supported = devices.query_network(model, device, config)
+    except PlugserveError:
+        supported = {}
+    missing = [n for n in nodes if n not in supported]
+    why = refusal_reasons(devices, model, device, config, missing)
+    return [(n, device, why[n]) for n in missing]
 
 
 def check_inputs(

@@ -57,6 +57,9 @@ def test_auto_and_multi_say_why_a_device_was_passed_over(core):
     )
     multi = core.plugin("MULTI").refusals(model, {"DEVICE_PRIORITIES": "NUMPY,OPENVINO"})
     assert multi == [("if", "OPENVINO", PAD_WHY)]
+    batch = core.plugin("BATCH").refusals(with_custom_op(), {"DEVICE_PRIORITIES": "ORT"})
+    assert [(n, d) for n, d, _ in batch] == [("scale", "ORT")]
+    assert "no kernel for com.example::Scale" in batch[0][2]
 
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,7 @@ from plugserve.plugins.api import (
     NotFound,
     Plugin,
     PlugserveError,
-    refusal_reasons,
+    device_refusals,
 )
 from plugserve.plugins.ir import load_model, read_model
 from plugserve.plugins.multi.compiled import AutoCompiledNetwork, MultiCompiledNetwork, _close
@@ -127,13 +127,7 @@ class _Virtual(Plugin):
         found: list[tuple[str, str, str]] = []
         for device in devices:
             child = self.child_config(device, overrides, config)
-            try:
-                supported = self._devices().query_network(proto, device, child)
-            except PlugserveError:
-                supported = {}
-            missing = [n for n in nodes if n not in supported]
-            why = refusal_reasons(self._devices(), proto, device, child, missing)
-            found += [(n, device, why[n]) for n in missing]
+            found += device_refusals(self._devices(), proto, device, child, nodes)
         return found
 
     def query_network(
