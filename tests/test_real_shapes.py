@@ -269,6 +269,31 @@ def test_scalars_cross_hetero_boundaries(core, devices):
         network.close()
 
 
+@pytest.mark.parametrize("other", ["OPENVINO", "ORT"])
+def test_strided_views_cross_hetero_boundaries(core, other):
+    """NUMPY's Transpose and step-2 Slice give views; the device after it reads their values."""
+    steps = [helper.make_tensor(n, TensorProto.INT64, [1], [v]) for n, v in
+             (("start", 0), ("end", 6), ("axis", 0), ("step", 2))]  # fmt: skip
+    model = make_model(
+        [
+            helper.make_node("Transpose", ["x"], ["t"], perm=[1, 0], name="transpose"),
+            helper.make_node("Slice", ["t", "start", "end", "axis", "step"], ["s"], name="slice"),
+            helper.make_node("Relu", ["s"], ["y"], name="relu"),
+        ],
+        [("x", TensorProto.FLOAT, [4, 6])],
+        [("y", TensorProto.FLOAT, [3, 4])],
+        steps,
+    )
+    pins = {"transpose": "NUMPY", "slice": "NUMPY", "relu": other}
+    network = core.load_network(model, f"HETERO:NUMPY,{other}", {"AFFINITY": json.dumps(pins)})
+    try:
+        assert len(network.get_metric("HETERO_SUBGRAPHS")) == 2
+        feeds = {"x": _image(4, 6)}
+        _check_same(network.infer(feeds), model, feeds)
+    finally:
+        network.close()
+
+
 # --------------------------------------------------------------------------- through a server
 
 
