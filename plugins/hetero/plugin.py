@@ -211,9 +211,10 @@ class HeteroPlugin(Plugin):
         plan = self._plan(
             graph, self.affinities(graph, proto, cfg, overrides), self._priorities(cfg)
         )
+        pieces = cut(graph, plan)  # an untypable cut raises here, before anything compiles
         steps: list[Step] = []
         try:
-            for piece in cut(graph, plan):
+            for piece in pieces:
                 network = self._devices().load_network(
                     piece.model, piece.device, self._child_config(piece.device, overrides, cfg)
                 )
