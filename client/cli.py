@@ -162,10 +162,21 @@ def _query(client: Client, args: argparse.Namespace) -> int:
         except (RuntimeError, ValueError) as exc:
             raise SystemExit(f"plugserve query: {exc}") from None
         print(f"graph -> {path}", file=sys.stderr)
-    rows = [[n, d, ""] for n, d in sorted(response.supported.items())]
-    rows += [[n, "-", why] for n, why in sorted(response.unsupported.items())]
-    print(_table(rows, ["NODE", "DEVICE", "WHY NOT"]))
+    print(_table(_query_rows(response), ["NODE", "DEVICE", "WHY NOT"]))
     return 0
+
+
+def _query_rows(response) -> list[list[str]]:
+    """One row per node: where it runs ("-": nowhere) and why not elsewhere. For HETERO the
+    reasons are per device of the priority list (``OPENVINO: ...; ORT: ...``); a server
+    without ``refusals`` gives only the unsupported nodes' reasons."""
+    why: dict[str, list[str]] = {}
+    for refusal in getattr(response, "refusals", ()):
+        why.setdefault(refusal.node, []).append(f"{refusal.device}: {refusal.reason}")
+    for node, reason in response.unsupported.items():
+        why.setdefault(node, []).append(reason)
+    nodes = sorted({*response.supported, *why})
+    return [[n, response.supported.get(n, "-"), "; ".join(why.get(n, []))] for n in nodes]
 
 
 _RANDOM = {"float16", "float32", "float64"}

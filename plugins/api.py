@@ -43,7 +43,9 @@ __all__ = [
     "ResourceExhausted",
     "Unsupported",
     "available_cores",
+    "device_refusals",
     "listing",
+    "refusal_reasons",
 ]
 
 
@@ -549,7 +551,11 @@ class TensorSpec:
         dims = (
             "?"
             if self.shape is None
-            else "[" + ",".join("?" if d is None else str(d) for d in self.shape) + "]"
+            else "["
+            + ",".join(
+                "?" if d is None or (isinstance(d, int) and d < 0) else str(d) for d in self.shape
+            )
+            + "]"
         )
         return f"{self.name}: {self.dtype if self.dtype is not None else '?'}{dims}"
 
@@ -641,10 +647,46 @@ def _call_back(callback: Callback, future: Future) -> None:
         callback(future.result(), None)
 
 
+def refusal_reasons(
+    devices: Devices, model: Model, device: str, config: Mapping[str, Any], nodes: Iterable[str]
+) -> dict[str, str]:
+    """``{node: why device did not take it}`` for ``nodes``, in the device's own words (its
+    ``unsupported_nodes``, which a plugin offers beside ``query_network``), for the virtual
+    devices' ``refusals``. A device that cannot read the model at all says so for each."""
+    explain = getattr(devices.plugin(device), "unsupported_nodes", None)
+    try:
+        reasons = dict(explain(model, config)) if explain is not None else {}
+    except PlugserveError as exc:
+        return dict.fromkeys(nodes, f"{device} cannot read the model: {exc}")
+    return {n: reasons.get(n, f"not in {device}'s QueryNetwork answer") for n in nodes}
+
+
+def device_refusals(
+    devices: Devices, model: Model, device: str, config: Mapping[str, Any], nodes: Iterable[str]
+) -> list[tuple[str, str, str]]:
+    """``(node, device, why)`` for each of ``nodes`` that ``device``'s QueryNetwork leaves
+    out (all of them when it cannot read the model)."""
+    try:
+        supported = devices.query_network(model, device, config)
+    except PlugserveError:
+        supported = {}
+    missing = [n for n in nodes if n not in supported]
+    why = refusal_reasons(devices, model, device, config, missing)
+    return [(n, device, why[n]) for n in missing]
+
+
 def check_inputs(
     network_name: str, specs: Sequence[TensorSpec], inputs: Mapping[str, Any]
 ) -> list[np.ndarray]:
-    """Inputs in declared order, checked against the specs with errors a person can act on."""
+    """Inputs in declared order, checked against the specs with errors a person can act on.
+
+    An input is refused only when its rank, a fixed dimension or its element type differs, as
+    onnxruntime and OpenVINO refuse it. A named dimension (``batch``, ``?``, ``unk__123``) is
+    not a contract between inputs, nor between two axes of one input: exporters reuse ``?``
+    and ``-1`` for unrelated dimensions, and a model whose dimensions really must agree fails
+    in the node that needs them to, naming it. Arrays come back in native byte order with
+    their rank untouched (a 0-d array stays 0-d); contiguity is each device's business.
+    """
     if not isinstance(inputs, Mapping):
         raise InvalidInput(f"network {network_name}: inputs must be a mapping name -> array")
     names = [s.name for s in specs]
@@ -657,30 +699,11 @@ def check_inputs(
             + (f" ... and {len(specs) - 10} more" if len(specs) > 10 else "")
         )
     arrays: list[np.ndarray] = []
-    symbols: dict[str, tuple[int, str]] = {}
     for spec in specs:
         if spec.name not in inputs:
             raise InvalidInput(f"network {network_name}: missing input {spec.describe()}")
-        array = _check_one(network_name, spec, inputs[spec.name])
-        arrays.append(array)
-        if spec.shape is not None and isinstance(array, np.ndarray):
-            _check_symbols(network_name, spec, array.shape, symbols)
+        arrays.append(_check_one(network_name, spec, inputs[spec.name]))
     return arrays
-
-
-def _check_symbols(
-    network_name: str, spec: TensorSpec, shape: tuple[int, ...], symbols: dict[str, tuple[int, str]]
-) -> None:
-    """Dimensions that share a symbolic name (``batch``) must agree across inputs."""
-    for dim, size in zip(spec.shape or (), shape):
-        if not isinstance(dim, str) or not dim:
-            continue
-        seen = symbols.setdefault(dim, (size, spec.name))
-        if seen[0] != size:
-            raise InvalidInput(
-                f"network {network_name}: dimension {dim!r} is {size} in input {spec.name!r} "
-                f"but {seen[0]} in input {seen[1]!r}; inputs that share it must agree"
-            )
 
 
 def _check_one(network_name: str, spec: TensorSpec, value: Any) -> np.ndarray:
@@ -694,6 +717,8 @@ def _check_one(network_name: str, spec: TensorSpec, value: Any) -> np.ndarray:
         value = np.asarray(value)
     if isinstance(value, list):  # a sequence input
         return value  # type: ignore[return-value]
+    if not value.dtype.isnative and value.dtype.kind not in "OUSV":
+        value = value.astype(value.dtype.newbyteorder("="))  # same values, native bytes
     if spec.dtype is not None and value.dtype != spec.dtype:
         if spec.dtype == np.dtype(object) and value.dtype.kind in "US":
             value = value.astype(object)

@@ -138,7 +138,7 @@ class QueryNetworkRequest(_message.Message):
     def __init__(self, model: _Optional[_Union[ModelSource, _Mapping]] = ..., device: _Optional[str] = ..., config: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class QueryNetworkResponse(_message.Message):
-    __slots__ = ("supported", "unsupported", "subgraphs")
+    __slots__ = ("supported", "unsupported", "subgraphs", "refusals")
     class SupportedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -156,10 +156,22 @@ class QueryNetworkResponse(_message.Message):
     SUPPORTED_FIELD_NUMBER: _ClassVar[int]
     UNSUPPORTED_FIELD_NUMBER: _ClassVar[int]
     SUBGRAPHS_FIELD_NUMBER: _ClassVar[int]
+    REFUSALS_FIELD_NUMBER: _ClassVar[int]
     supported: _containers.ScalarMap[str, str]
     unsupported: _containers.ScalarMap[str, str]
     subgraphs: _containers.RepeatedCompositeFieldContainer[Subgraph]
-    def __init__(self, supported: _Optional[_Mapping[str, str]] = ..., unsupported: _Optional[_Mapping[str, str]] = ..., subgraphs: _Optional[_Iterable[_Union[Subgraph, _Mapping]]] = ...) -> None: ...
+    refusals: _containers.RepeatedCompositeFieldContainer[Refusal]
+    def __init__(self, supported: _Optional[_Mapping[str, str]] = ..., unsupported: _Optional[_Mapping[str, str]] = ..., subgraphs: _Optional[_Iterable[_Union[Subgraph, _Mapping]]] = ..., refusals: _Optional[_Iterable[_Union[Refusal, _Mapping]]] = ...) -> None: ...
+
+class Refusal(_message.Message):
+    __slots__ = ("node", "device", "reason")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    device: str
+    reason: str
+    def __init__(self, node: _Optional[str] = ..., device: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class Subgraph(_message.Message):
     __slots__ = ("device", "nodes")

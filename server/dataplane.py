@@ -548,6 +548,15 @@ class DataPlane:
         except PlugserveError:  # some node has no device: the query itself says which
             return []
 
+    def refusals(
+        self, model: bytes | str | Path, device: str, config: Mapping[str, str] | None = None
+    ) -> list[tuple[str, str, str]]:
+        """``(node, device, why)`` for the nodes a virtual device's devices did not take
+        (empty for a real device: ``query`` gives its reasons)."""
+        plugin, merged = self.core.resolve(device, config)
+        explain = getattr(plugin, "refusals", None)
+        return explain(model, merged) if explain is not None else []
+
     def query(
         self, model: bytes | str | Path, device: str, config: Mapping[str, str] | None = None
     ) -> tuple[dict[str, str], dict[str, str]]:

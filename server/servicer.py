@@ -171,6 +171,8 @@ class PlugserveServicer(pb_grpc.PlugserveServicer):
             response = pb.QueryNetworkResponse(supported=supported, unsupported=unsupported)
             for split in self.plane.subgraphs(model, request.device, config):
                 response.subgraphs.add(device=split["device"], nodes=split["nodes"])
+            for node, device, reason in self.plane.refusals(model, request.device, config):
+                response.refusals.add(node=node, device=device, reason=reason)
             return response
         except Exception as exc:
             abort(context, exc)

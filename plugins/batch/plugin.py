@@ -22,9 +22,11 @@ from plugserve.plugins.api import (
     Model,
     Plugin,
     PlugserveError,
+    device_refusals,
 )
 from plugserve.plugins.batch.compiled import BatchCompiledNetwork, unbatchable
 from plugserve.plugins.batch.config import BatchConfiguration
+from plugserve.plugins.ir import load_model, read_model
 
 __all__ = ["BatchPlugin"]
 
@@ -112,6 +114,17 @@ class BatchPlugin(Plugin):
         return self._devices().query_network(
             model, device, self.child_config(device, config or {}, cfg)
         )
+
+    def refusals(
+        self, model: Model, config: Mapping[str, Any] | None = None
+    ) -> list[tuple[str, str, str]]:
+        """``(node, device, why)`` for the nodes the batched device cannot run."""
+        cfg = self.merged_config(config, strict=False)
+        device = self._device(cfg)
+        proto, _ = read_model(model)
+        nodes = [n.name for n in load_model(proto).nodes]
+        child = self.child_config(device, config or {}, cfg)
+        return device_refusals(self._devices(), proto, device, child, nodes)
 
     def import_network(
         self, data: bytes, config: Mapping[str, Any] | None = None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import platform
 from collections.abc import Mapping
 from typing import Any
@@ -27,6 +28,7 @@ from plugserve.plugins.api import (
     NotFound,
     Plugin,
     PlugserveError,
+    refusal_reasons,
 )
 from plugserve.plugins.hetero.compiled import HeteroCompiledNetwork, Step, spec_from_json
 from plugserve.plugins.hetero.config import HeteroConfiguration
@@ -36,11 +38,14 @@ from plugserve.plugins.hetero.partition import (
     partition,
 )
 from plugserve.plugins.hetero.split import cut
+from plugserve.plugins.hetero.typing import type_untyped_values
 from plugserve.plugins.ir import Graph, load_model, read_model, subgraph_free_names
 from plugserve.plugins.passes import PassContext
 from plugserve.plugins.passes.types import infer_extension_types
 
 __all__ = ["HeteroPlugin"]
+
+log = logging.getLogger(__name__)
 
 _OWN_KEYS = {"DEVICE_PRIORITIES", "AFFINITY"}
 
@@ -104,11 +109,49 @@ class HeteroPlugin(Plugin):
                 self._devices().plugin(device)  # NotFound names an unknown device
             chosen[node] = device
         for device in priorities:
-            child = self._child_config(device, overrides, config)
-            supported = self._devices().query_network(model, device, child)
-            for node in supported:
+            for node in self._query(model, device, overrides, config):
                 chosen.setdefault(node, device)
         return chosen
+
+    def _query(
+        self, model: Any, device: str, overrides: Mapping[str, Any], config: HeteroConfiguration
+    ) -> dict[str, str]:
+        """A device's QueryNetwork; one that cannot read the model at all takes no node, and
+        every node goes on to the next device (``refusals`` says why)."""
+        child = self._child_config(device, overrides, config)
+        try:
+            return self._devices().query_network(model, device, child)
+        except PlugserveError as exc:
+            log.info("HETERO: %s takes no node: %s", device, exc)
+            return {}
+
+    def refusals(
+        self, model: Model, config: Mapping[str, Any] | None = None
+    ) -> list[tuple[str, str, str]]:
+        """``(node, device, why)`` for each node and each device of the priority list that
+        did not take it: the device's own reason (no kernel, unsupported type, a conversion
+        that failed), or that the user pinned the node elsewhere. Devices after the one a
+        node went to are not listed: they were never asked for it."""
+        overrides = dict(config or {})
+        cfg = self.merged_config(config, strict=False)
+        proto, _ = read_model(model)
+        graph = load_model(proto)
+        chosen = self.affinities(graph, proto, cfg, overrides)
+        pinned = {n.name for n in graph.nodes if n.affinity} | set(cfg.affinity())
+        order = self._priorities(cfg)
+        found: list[tuple[str, str, str]] = []
+        for index, device in enumerate(order):
+            # the nodes that reached this device: not placed on one before it
+            reached = [n.name for n in graph.nodes if chosen.get(n.name) not in order[: index + 1]]
+            asked = [n for n in reached if n not in pinned]
+            child = self._child_config(device, overrides, cfg)
+            why = refusal_reasons(self._devices(), proto, device, child, asked)
+            for node in reached:
+                if node in pinned and chosen[node] != device:
+                    why[node] = f"pinned to {chosen[node]} by AFFINITY"
+            found += [(node, device, why[node]) for node in reached if node in why]
+        order_of = {n.name: i for i, n in enumerate(graph.nodes)}
+        return sorted(found, key=lambda f: (order_of[f[0]], order.index(f[1])))
 
     def _typed(self, graph: Graph, priorities: list[str]) -> Graph:
         """Types for values ONNX cannot infer (custom ops), from the devices' extension rules,
@@ -118,6 +161,7 @@ class HeteroPlugin(Plugin):
             rules.update(getattr(self._devices().plugin(device), "type_rules", {}))
         if rules:
             infer_extension_types(graph, PassContext(supports=lambda n, g: True, type_rules=rules))
+        type_untyped_values(graph)
         return graph
 
     # --- the Plugin API
@@ -185,9 +229,10 @@ class HeteroPlugin(Plugin):
         plan = self._plan(
             graph, self.affinities(graph, proto, cfg, overrides), self._priorities(cfg)
         )
+        pieces = cut(graph, plan)  # an untypable cut raises here, before anything compiles
         steps: list[Step] = []
         try:
-            for piece in cut(graph, plan):
+            for piece in pieces:
                 cancel.check(f"HETERO: compiling {graph.name!r}")
                 network = self._devices().load_network(
                     piece.model, piece.device, self._child_config(piece.device, overrides, cfg)

@@ -3,7 +3,8 @@
 Each piece is a complete ONNX model: its inputs are the values it reads that other pieces (or
 the network's inputs) produce, its outputs the values others read or the network returns,
 initializers travel with the nodes that read them. Types come from the whole graph's shape
-inference, so every boundary value is typed.
+inference and :mod:`.typing`'s rules; a boundary value neither can type fails the cut with
+an error saying what to pin.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from plugserve.plugins.api import TensorSpec
+from plugserve.plugins.hetero.typing import untyped_boundary
 from plugserve.plugins.ir import Graph, onnx_dtype, subgraph_free_names
 
 __all__ = ["Piece", "cut"]
@@ -48,6 +50,26 @@ def _plain(node) -> onnx.NodeProto:
     return proto
 
 
+def _check_typed(graph: Graph, subgraphs: list[tuple[str, list[int]]], owner, reads) -> None:
+    """Every value one piece hands to another needs a type and rank (ONNX's checker wants
+    them on each piece's inputs and outputs): name the first that has none."""
+    producer = {o: owner[i] for i, n in enumerate(graph.nodes) for o in n.outputs if o}
+    for index, names in reads.items():
+        for name in sorted(names):
+            source = producer.get(name)
+            if source is None or source == owner[index]:
+                continue
+            spec = graph.spec(name)
+            if spec is None or spec.dtype is None or spec.shape is None:
+                target = subgraphs[owner[index]][0]
+                readers = [
+                    graph.nodes[i].name
+                    for i, other in reads.items()
+                    if name in other and owner[i] == owner[index]
+                ]
+                raise untyped_boundary(graph, name, subgraphs[source][0], target, readers)
+
+
 def cut(graph: Graph, subgraphs: list[tuple[str, list[int]]]) -> list[Piece]:
     """One :class:`Piece` per ``(device, node indices)``, in the order given.
 
@@ -58,6 +80,7 @@ def cut(graph: Graph, subgraphs: list[tuple[str, list[int]]]) -> list[Piece]:
         names = [n for n in node.inputs if n] + subgraph_free_names(node)
         reads[index] = sorted(set(names))
     owner: dict[int, int] = {i: k for k, (_, nodes) in enumerate(subgraphs) for i in nodes}
+    _check_typed(graph, subgraphs, owner, reads)
     readers: dict[str, set[int]] = {}  # value -> the pieces reading it
     for index, names in reads.items():
         for name in names:

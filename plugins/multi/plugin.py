@@ -32,6 +32,7 @@ from plugserve.plugins.api import (
     NotFound,
     Plugin,
     PlugserveError,
+    device_refusals,
 )
 from plugserve.plugins.ir import load_model, read_model
 from plugserve.plugins.multi.compiled import AutoCompiledNetwork, MultiCompiledNetwork, _close
@@ -117,6 +118,18 @@ class _Virtual(Plugin):
 
     full_name = ""
 
+    def _refusals(
+        self, model: Model, devices: list[str], overrides: Mapping[str, Any], config: Any
+    ) -> list[tuple[str, str, str]]:
+        """``(node, device, why)`` for the nodes each of ``devices`` does not support."""
+        proto, _ = read_model(model)
+        nodes = [n.name for n in load_model(proto).nodes]
+        found: list[tuple[str, str, str]] = []
+        for device in devices:
+            child = self.child_config(device, overrides, config)
+            found += device_refusals(self._devices(), proto, device, child, nodes)
+        return found
+
     def query_network(
         self, model: Model, config: Mapping[str, Any] | None = None
     ) -> dict[str, str]:
@@ -179,6 +192,14 @@ class MultiPlugin(_Virtual):
                 else {k: v for k, v in result.items() if k in supported}
             )
         return result or {}
+
+    def refusals(
+        self, model: Model, config: Mapping[str, Any] | None = None
+    ) -> list[tuple[str, str, str]]:
+        """``(node, device, why)`` for each listed device and node it cannot run (MULTI then
+        runs the network without that device)."""
+        cfg = self.merged_config(config, strict=False)
+        return self._refusals(model, self._priorities(cfg), dict(config or {}), cfg)
 
     def import_network(
         self, data: bytes, config: Mapping[str, Any] | None = None
@@ -323,6 +344,17 @@ class AutoPlugin(_Virtual):
         device = usable[0]
         child = self.child_config(device, dict(config or {}), cfg)
         return dict(self._devices().query_network(model, device, child))
+
+    def refusals(
+        self, model: Model, config: Mapping[str, Any] | None = None
+    ) -> list[tuple[str, str, str]]:
+        """``(node, device, why)`` for the devices tried before the one AUTO chose (all of
+        them when none runs every node)."""
+        usable, _ = self.select(model, config)
+        cfg = self.merged_config(config, strict=False)
+        candidates, _ = self.candidates(cfg)
+        before = candidates[: candidates.index(usable[0])] if usable else candidates
+        return self._refusals(model, before, dict(config or {}), cfg)
 
     def import_network(
         self, data: bytes, config: Mapping[str, Any] | None = None

@@ -36,6 +36,7 @@ from plugserve.plugins.openvino.query import (
     housekeeping,
     owners,
     runtime_names,
+    single_node_models,
     supported_nodes,
 )
 from plugserve.plugins.passes.sizes import check_load_constants
@@ -52,6 +53,7 @@ else:
 __all__ = ["OpenvinoPlugin"]
 
 TARGET = "CPU"  # openvino's device this plugin compiles for
+_IO_OPS = ("Parameter", "Result", "Constant")
 
 
 def _first_line(exc: BaseException) -> str:
@@ -62,6 +64,22 @@ def _first_line(exc: BaseException) -> str:
         if line.strip() and not line.strip().startswith(("Exception from ", "Check '"))
     ]
     return lines[0] if lines else str(exc).strip().splitlines()[-1] if str(exc).strip() else ""
+
+
+def _conversion_failures(exc: BaseException) -> str:
+    """What openvino's "Failed operations detailed log" says, one ``Op-version: reason`` per
+    op it failed to convert (the first line of its message only says that it failed)."""
+    text = str(exc)
+    if "Failed operations detailed log" not in text:
+        return _first_line(exc)
+    log = text.split("Failed operations detailed log:", 1)[1].split("Summary:", 1)[0]
+    failures = []
+    for block in log.split("\n-- "):
+        lines = [line.strip() for line in block.strip().lstrip("- ").splitlines() if line.strip()]
+        if lines:
+            op = lines[0].removesuffix(" with a message:")
+            failures.append(f"{op}: {lines[-1]}" if len(lines) > 1 else op)
+    return "; ".join(failures) or _first_line(exc)
 
 
 class OpenvinoPlugin(Plugin):
@@ -108,6 +126,14 @@ class OpenvinoPlugin(Plugin):
                 f"model {graph.name!r}: device {self.name} cannot run node(s) {listed}: "
                 "openvino has no conversion for them"
             )
+        try:  # name the nodes openvino fails to convert, asking node by node
+            _, why = self._query_by_node(graph, names.proto, {})
+        except Exception:
+            why = {}
+        failed = {n: w for n, w in why.items() if w.startswith("openvino cannot convert")}
+        if failed:
+            listed = ", ".join(f"{name!r} ({_conversion_failures(exc)})" for name in failed)
+            return Unsupported(f"model {graph.name!r}: openvino cannot convert node(s) {listed}")
         return Unsupported(f"model {graph.name!r}: openvino cannot read it: {_first_line(exc)}")
 
     # --- networks
@@ -145,6 +171,24 @@ class OpenvinoPlugin(Plugin):
     def query_network(
         self, model: Model, config: Mapping[str, Any] | None = None
     ) -> dict[str, str]:
+        supported, _ = self._query(model, config)
+        return {name: self.name for name in sorted(supported)}
+
+    def unsupported_nodes(
+        self, model: Model, config: Mapping[str, Any] | None = None
+    ) -> dict[str, str]:
+        """Why each unsupported original node is refused (as NUMPY offers, for the CLI)."""
+        return self._query(model, config)[1]
+
+    def _query(
+        self, model: Model, config: Mapping[str, Any] | None
+    ) -> tuple[set[str], dict[str, str]]:
+        """The nodes openvino supports, and why each other one is refused.
+
+        A model openvino cannot read whole (an op it fails to convert, even inside an If
+        branch) is asked node by node: each node as a model of its own, so that the nodes it
+        can run still go to it under HETERO rather than failing the whole query.
+        """
         cfg = self.merged_config(config, strict=False)
         graph, proto, data = self._read(model)
         names = Names(graph, proto)
@@ -155,16 +199,19 @@ class OpenvinoPlugin(Plugin):
         refused: dict[str, str] = {}
         try:
             ov_model = self.core.read_model(data)
-        except Exception as exc:
-            refused = frontend_unsupported(self.core, data, names)
+        except Exception:
+            try:
+                refused = frontend_unsupported(self.core, data, names)
+            except Exception:
+                refused = {}
             if not refused:
-                raise self._unsupported_error(graph, data, names, exc) from None
+                return self._query_by_node(graph, proto, props)
             # without the nodes openvino cannot convert, the rest keeps its types
             cut = cut_model(proto, names, refused)
             try:
                 ov_model = self.core.read_model(cut.SerializeToString())
             except Exception:
-                return {}
+                return self._query_by_node(graph, proto, props)
         try:
             answer = self.core.query_model(ov_model, TARGET, props)
         except Exception as exc:
@@ -173,25 +220,38 @@ class OpenvinoPlugin(Plugin):
             ) from None
         supported = supported_nodes(ov_model, names, answer, refused)
         housekeeping(graph, supported)
-        return {name: self.name for name in sorted(supported)}
-
-    def unsupported_nodes(
-        self, model: Model, config: Mapping[str, Any] | None = None
-    ) -> dict[str, str]:
-        """Why each unsupported original node is refused (as NUMPY offers, for the CLI)."""
-        graph, proto, data = self._read(model)
-        names = Names(graph, proto)
-        supported = set(self.query_network(model, config))
-        refused: dict[str, str] = {}
-        try:
-            self.core.read_model(data)
-        except Exception:
-            refused = frontend_unsupported(self.core, data, names)
         why = {n: f"openvino has no conversion for {op}" for n, op in refused.items()}
         for node in graph.nodes:
             if node.name not in supported and node.name not in why:
                 why[node.name] = f"openvino's {TARGET} device does not support {node.op_type} here"
-        return why
+        return supported, why
+
+    def _query_by_node(
+        self, graph: Graph, proto: onnx.ModelProto, props: dict[str, Any]
+    ) -> tuple[set[str], dict[str, str]]:
+        supported: set[str] = set()
+        why: dict[str, str] = {}
+        for node, single in single_node_models(graph, proto):
+            try:
+                ov_model = self.core.read_model(single.SerializeToString())
+                answer = set(self.core.query_model(ov_model, TARGET, props))
+            except Exception as exc:
+                why[node.name] = f"openvino cannot convert it: {_conversion_failures(exc)}"
+                continue
+            ops = [op for op in ov_model.get_ordered_ops() if op.get_type_name() not in _IO_OPS]
+            missing = [op.get_type_name() for op in ops if op.get_friendly_name() not in answer]
+            if missing:
+                why[node.name] = (
+                    f"openvino's {TARGET} device does not support {node.op_type} here "
+                    f"(no {', '.join(sorted(set(missing)))})"
+                )
+            else:
+                supported.add(node.name)
+        housekeeping(graph, supported)
+        for node in graph.nodes:
+            if node.name not in supported:
+                why.setdefault(node.name, "goes with the node that reads it (a Constant)")
+        return supported, why
 
     def import_network(
         self, data: bytes, config: Mapping[str, Any] | None = None

@@ -15,12 +15,19 @@ from collections.abc import Iterable
 from typing import Any
 
 import onnx
-from onnx import helper
+from onnx import helper, numpy_helper
 
 from plugserve.plugins.api import TensorSpec
-from plugserve.plugins.ir import Graph, onnx_dtype
+from plugserve.plugins.ir import Graph, onnx_dtype, subgraph_free_names
 
-__all__ = ["Names", "cut_model", "frontend_unsupported", "owners", "supported_nodes"]
+__all__ = [
+    "Names",
+    "cut_model",
+    "frontend_unsupported",
+    "owners",
+    "single_node_models",
+    "supported_nodes",
+]
 
 #: openvino op types that stand for an ONNX node the frontend could not convert
 FRAMEWORK_TYPES = ("NotSupportedONNXNode", "ONNXFrameworkNode", "FrameworkNode")
@@ -32,6 +39,7 @@ class Names:
 
     def __init__(self, graph: Graph, proto: onnx.ModelProto) -> None:
         self.graph = graph
+        self.proto = proto
         self.nodes = [n.name for n in graph.nodes]
         #: value name -> the node (load_model's name) that produces it
         self.produced = {out: n.name for n in graph.nodes for out in n.outputs if out}
@@ -174,6 +182,37 @@ def _value_info(
     elem = onnx_dtype(dtype) if dtype is not None else onnx.TensorProto.FLOAT
     dims = None if shape is None else list(shape)
     return helper.make_tensor_value_info(name, elem, dims)
+
+
+def single_node_models(
+    graph: Graph, proto: onnx.ModelProto
+) -> Iterable[tuple[Any, onnx.ModelProto]]:
+    """Each node of ``graph`` as a model of its own, for asking openvino node by node: its
+    inputs typed from the whole graph's inference (unknown ones keep their rank if known,
+    else stay unranked: openvino only reads these, ONNX's checker never sees them), the
+    initializers it reads, its outputs untyped for openvino to infer."""
+    opsets = list(proto.opset_import)
+    for node in graph.nodes:
+        if node.op_type == "Constant" and not node.domain:
+            continue  # housekeeping places Constants with their readers
+        reads = [n for n in [*node.inputs, *subgraph_free_names(node)] if n]
+        inputs = [n for n in dict.fromkeys(reads) if n not in graph.initializers]
+        initializers = [n for n in dict.fromkeys(reads) if n in graph.initializers]
+        single = helper.make_model(
+            helper.make_graph(
+                [node.to_proto()],
+                node.name or "node",
+                [_value_info(graph.spec(n), n, None) for n in inputs],
+                [helper.make_empty_tensor_value_info(o) for o in node.outputs if o],
+                initializer=[
+                    numpy_helper.from_array(graph.initializers[n], n) for n in initializers
+                ],
+            ),
+            opset_imports=opsets,
+            functions=graph.functions,
+        )
+        single.ir_version = proto.ir_version
+        yield node, single
 
 
 def supported_nodes(

@@ -50,7 +50,7 @@ class OpenvinoInferRequest(InferRequest):
         arrays = check_inputs(self.network.name, self.network.inputs, inputs)
         self._shapes = shapes_of([s.name for s in self.network.inputs], arrays)
         return {
-            port: np.ascontiguousarray(array)
+            port: _c_order(array)
             for port, array in zip(self.network.input_ports, arrays)
             if port is not None
         }
@@ -160,6 +160,12 @@ class OpenvinoInferRequest(InferRequest):
                 )
             )
         return counts
+
+
+def _c_order(array: np.ndarray) -> np.ndarray:
+    """openvino reads tensors as C-order memory; not ``np.ascontiguousarray``, which makes a
+    0-d array 1-d and so breaks every scalar input."""
+    return array if array.flags.c_contiguous else np.array(array, order="C")
 
 
 def _watch(task: list[Any]) -> None:
