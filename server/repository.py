@@ -132,6 +132,11 @@ class Repository:
                 problems.append(f"{folder}: cannot read this model folder ({exc})")
                 continue
             if not versions:
+                if _empty(folder):
+                    # a persisted load interrupted before its version was published leaves its
+                    # model folder empty: nothing to load, not an error to stop startup for
+                    log.info("model repository: %s is empty; nothing to load there", folder)
+                    continue
                 problems.append(f"{folder}: no version folder with a {MODEL_FILE}")
             for version in versions:
                 try:
@@ -336,6 +341,13 @@ def _read_settings_file(path: Path) -> dict[str, Any]:
             raise InvalidArgument(f"{path}: 'max_batch_size' must be an integer >= 0")
         found["max_batch_size"] = batch
     return found
+
+
+def _empty(folder: Path) -> bool:
+    try:
+        return next(folder.iterdir(), None) is None
+    except OSError:
+        return False
 
 
 def _write_synced(path: Path, data: bytes) -> None:

@@ -126,6 +126,7 @@ def test_a_config_that_could_not_be_sent_back_does_not_break_listing(tmp_path):
         (repo / name / "1").mkdir(parents=True)
         (repo / name / "1" / "model.onnx").write_bytes(MODEL)
     (repo / "bad" / "config.json").write_text('{"config": {"DEVICE_ID": "x\\ud800"}}')
-    with serve(repo) as running, Client(running.target, timeout=60) as client:
+    serving = RunningServer("--model-repository", str(repo), "--exit-on-error", "0")
+    with serving as running, Client(running.target, timeout=60) as client:
         assert list(found(client)) == [("good", 1)]
         assert str(repo / "bad" / "config.json") in running.log
