@@ -276,10 +276,8 @@ class DataPlane:
             if remove and entry.persisted and self.repository is not None:
                 self.repository.remove(name, entry.version)
             self.metrics.forget(entry.device, name, entry.version)
-            close = getattr(entry.network, "close", None)
             try:
-                if close:
-                    close()
+                entry.network.close()
             except Exception as exc:  # a failed device must not keep a network loaded
                 log.warning(
                     "network %s version %d: closing it on %s failed (%s: %s); it is unloaded",
@@ -489,11 +487,8 @@ class DataPlane:
     ) -> list[dict[str, Any]]:
         """The split a HETERO load would make (empty for devices that do not split)."""
         plugin, merged = self.core.resolve(device, config)
-        split = getattr(plugin, "subgraphs", None)
-        if split is None:
-            return []
         try:
-            return split(model, merged)
+            return plugin.subgraphs(model, merged)
         except PlugserveError:  # some node has no device: the query itself says which
             return []
 
@@ -502,11 +497,8 @@ class DataPlane:
     ) -> tuple[dict[str, str], dict[str, str]]:
         supported = self.core.query_network(model, device, config)
         plugin = self.core.plugin(device)
-        reasons: dict[str, str] = {}
-        explain: Callable[..., dict[str, str]] | None = getattr(plugin, "unsupported_nodes", None)
-        if explain is not None:
-            reasons = {k: v for k, v in explain(model, config).items() if k not in supported}
-        return supported, reasons
+        reasons = plugin.unsupported_nodes(model, config)
+        return supported, {k: v for k, v in reasons.items() if k not in supported}
 
     def export(self, name: str, version: int = 0) -> bytes:
         return self.get(name, version).network.export()

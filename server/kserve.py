@@ -182,7 +182,7 @@ def model_config(entry: LoadedNetwork) -> mc.ModelConfig:
     )
     config.version_policy.latest.num_versions = 1
     config.parameters["device"].string_value = entry.device
-    batching = _batching(entry)
+    batching = entry.network.batching()
     if batching is not None:
         size, timeout_ms = batching
         config.dynamic_batching.preferred_batch_size.append(size)
@@ -197,18 +197,6 @@ def model_config(entry: LoadedNetwork) -> mc.ModelConfig:
             name=spec.name, data_type=config_data_type(spec.dtype), dims=dims_of(spec)[skip:]
         )
     return config
-
-
-def _batching(entry: LoadedNetwork) -> tuple[int, float] | None:
-    """``(batch size, timeout ms)`` of a network on a BATCH device, else None."""
-    if getattr(entry.network, "batch_statistics", None) is None:
-        return None
-    try:
-        return int(entry.network.get_config("BATCH_SIZE")), float(
-            entry.network.get_config("BATCH_TIMEOUT_MS")
-        )
-    except Exception:
-        return None
 
 
 def input_array(tensor, raw: bytes | None) -> np.ndarray:
@@ -343,9 +331,8 @@ def model_statistics(entry: LoadedNetwork) -> pb.ModelStatistics:
     inference.queue.ns = s.queue_ns
     inference.compute_infer.count = s.success
     inference.compute_infer.ns = s.compute_ns
-    batches = getattr(entry.network, "batch_statistics", None)
-    if batches is not None:
-        executed = batches()
+    executed = entry.network.batch_statistics()
+    if executed is not None:
         stats.execution_count = sum(count for count, _ in executed.values())
         for size, (count, ns) in sorted(executed.items()):
             batch = stats.batch_stats.add(batch_size=size)
