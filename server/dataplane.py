@@ -12,11 +12,10 @@ waits on a queue.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -40,7 +39,7 @@ from plugserve.plugins.api import (
 from plugserve.plugins.streams import StreamsExecutor
 from plugserve.server.core import Core
 from plugserve.server.devices import parse_device
-from plugserve.server.metrics import Metrics
+from plugserve.server.metrics import Metrics, Recorder
 from plugserve.server.repository import Repository, check_name, is_version
 
 __all__ = ["DataPlane", "LoadedNetwork", "ShuttingDown"]
@@ -52,18 +51,6 @@ class ShuttingDown(PlugserveError):
     """The server is draining for shutdown: new work is refused; the caller may retry elsewhere."""
 
     code = "UNAVAILABLE"
-
-
-@dataclasses.dataclass
-class Stats:
-    """Per-network counters for KServe's statistics extension (nanoseconds, as Triton)."""
-
-    success: int = 0
-    failure: int = 0
-    queue_ns: int = 0
-    compute_ns: int = 0
-    last_inference_ms: int = 0
-    execution_count: int = 0
 
 
 class LoadedNetwork:
@@ -88,26 +75,17 @@ class LoadedNetwork:
         #: Fixed at load: what a request that names no outputs gets, and what it may name.
         self.output_names = [o.name for o in network.outputs]
         self._known_outputs = frozenset(self.output_names)
-        self.stats = Stats()
+
         #: The network's own streams, each with its infer request; started at load.
         self.executor: StreamsExecutor = network.executor
         #: How many requests may wait for a stream (--queue-size, else 16 per stream).
         self.queue_limit = queue_size or 16 * self.executor.streams
-        #: Records a successful request in its metrics series (set by the data plane).
-        self.record_success: Callable[[float, float], None] = _unrecorded
+        #: Its statistics and metrics (set by the data plane; a bare entry records nothing).
+        self.recorder: Recorder | None = None
         self.perf_enabled = bool(_safe_config(network, "PERF_COUNT"))
-        self.perf_totals: dict[str, list[Any]] = {}
-        self._perf_lock = threading.Lock()
 
-    def record_perf(self, request: InferRequest) -> list[Any]:
-        counts = request.get_performance_counts()
-        with self._perf_lock:
-            for c in counts:
-                entry = self.perf_totals.setdefault(c.node_name, [c, 0.0, 0])
-                entry[0] = c
-                entry[1] += c.real_time_s
-                entry[2] += 1
-        return counts
+
+_STATUS = {DeadlineExceeded: "deadline", Cancelled: "cancelled", InvalidInput: "invalid"}
 
 
 def batch_device(device: str, max_batch_size: int) -> str:
@@ -122,10 +100,6 @@ def batch_device(device: str, max_batch_size: int) -> str:
     return f"BATCH:{parsed}({max_batch_size})"
 
 
-def _unrecorded(queue_wait: float, compute: float) -> None:
-    """A network not attached to a data plane records nothing."""
-
-
 def _safe_config(network: CompiledNetwork, key: str) -> Any:
     try:
         return network.get_config(key)
@@ -134,10 +108,6 @@ def _safe_config(network: CompiledNetwork, key: str) -> Any:
 
 
 class DataPlane:
-    # limits (0: none), set by the server from --max-networks and --max-model-bytes
-    max_networks = 0
-    max_model_bytes = 0
-
     def __init__(
         self,
         core: Core,
@@ -145,7 +115,13 @@ class DataPlane:
         repository: Repository | None,
         default_device: str = "NUMPY",
         queue_size: int = 0,
+        max_networks: int = 0,
+        max_model_bytes: int = 0,
     ) -> None:
+        """``max_networks`` / ``max_model_bytes``: --max-networks and --max-model-bytes
+        (0: no limit)."""
+        self.max_networks = max_networks
+        self.max_model_bytes = max_model_bytes
         self.core = core
         self.metrics = metrics
         self.repository = repository
@@ -254,11 +230,8 @@ class DataPlane:
         return entry, network.loaded_from_cache
 
     def _attach(self, entry: LoadedNetwork) -> LoadedNetwork:
-        """What a network's requests use, decided once when it is loaded: its success series
-        in the metrics."""
-        entry.record_success = self.metrics.success_recorder(
-            entry.device, entry.name, entry.version
-        )
+        """What a network's requests use, decided once when it is loaded: its recorder."""
+        entry.recorder = self.metrics.recorder(entry.device, entry.name, entry.version)
         return entry
 
     def unload(self, name: str, version: int = 0, remove: bool = False) -> list[LoadedNetwork]:
@@ -362,14 +335,14 @@ class DataPlane:
         :meth:`StreamsExecutor.run_inline`); the future is then already done.
         """
         name = entry.name
+        recorder = entry.recorder
         try:
             arrays = check_inputs(name, entry.network.inputs, inputs)
             wanted = self._outputs(entry, outputs)
         except PlugserveError:
-            self.metrics.observe(entry.device, entry.name, entry.version, "invalid")
+            recorder.refused("invalid")
             raise
         executor = entry.executor
-        record_success = entry.record_success
         admitted = time.perf_counter()
         feeds = {spec.name: a for spec, a in zip(entry.network.inputs, arrays)}
 
@@ -393,12 +366,8 @@ class DataPlane:
                 ) from exc
             finished = time.perf_counter()
             if entry.perf_enabled:
-                self.metrics.observe_layers(
-                    entry.device, entry.name, entry.version, entry.record_perf(request)
-                )
-            entry.stats.queue_ns += int((started - admitted) * 1e9)
-            entry.stats.compute_ns += int((finished - started) * 1e9)
-            record_success(started - admitted, finished - started)
+                recorder.layers(request.get_performance_counts())
+            recorder.success(started - admitted, finished - started)
             return {k: result[k] for k in wanted}
 
         with self._inflight_lock:
@@ -415,7 +384,7 @@ class DataPlane:
             with self._inflight_lock:
                 self._inflight -= 1
             if isinstance(exc, ResourceExhausted):
-                self.metrics.observe(entry.device, entry.name, entry.version, "overloaded")
+                recorder.refused("overloaded")
             raise
         future.add_done_callback(lambda f: self._finished(entry, f))
         return future
@@ -437,25 +406,15 @@ class DataPlane:
             time.sleep(0.02)
 
     def _finished(self, entry: LoadedNetwork, future: Future) -> None:
+        """Successes are recorded where they ran; here the admitted ones that failed."""
         with self._inflight_lock:
             self._inflight -= 1
-        entry.stats.last_inference_ms = int(time.time() * 1000)
         if future.cancelled():
-            entry.stats.failure += 1
-            self.metrics.observe(entry.device, entry.name, entry.version, "cancelled")
+            entry.recorder.failure("cancelled")
             return
         exc = future.exception()
-        if exc is None:
-            entry.stats.success += 1
-            entry.stats.execution_count += 1
-            return
-        entry.stats.failure += 1
-        status = {
-            DeadlineExceeded: "deadline",
-            Cancelled: "cancelled",
-            InvalidInput: "invalid",
-        }.get(type(exc), "error")
-        self.metrics.observe(entry.device, entry.name, entry.version, status)
+        if exc is not None:
+            entry.recorder.failure(_STATUS.get(type(exc), "error"))
 
     def _outputs(self, entry: LoadedNetwork, outputs: list[str] | None) -> list[str]:
         if not outputs:

@@ -315,7 +315,7 @@ def stream_error(request: pb.ModelInferRequest, exc: BaseException) -> pb.ModelS
 
 
 def model_statistics(entry: LoadedNetwork) -> pb.ModelStatistics:
-    s = entry.stats
+    s = entry.recorder.stats()
     stats = pb.ModelStatistics(
         name=entry.name,
         version=str(entry.version),

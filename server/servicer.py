@@ -213,7 +213,7 @@ class PlugserveServicer(pb_grpc.PlugserveServicer):
                 f"network {entry.name!r}: performance counters are off; load it with PERF_COUNT=YES"
             )
         response = pb.GetPerformanceCountsResponse()
-        for count, total, runs in list(entry.perf_totals.values()):
+        for count, total, runs in entry.recorder.perf_totals():
             response.counts.add(
                 node_name=count.node_name,
                 op_type=count.op_type,
