@@ -12,6 +12,7 @@ waits on a queue.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -53,36 +54,33 @@ class ShuttingDown(PlugserveError):
     code = "UNAVAILABLE"
 
 
+@dataclasses.dataclass(eq=False)
 class LoadedNetwork:
-    """A compiled network as the server holds it: name, version, device, its executor."""
+    """A compiled network as the server holds it: name, version, device, and what its
+    requests use, decided once at load (its executor, queue bound, outputs, recorder)."""
 
-    def __init__(
-        self,
-        name: str,
-        version: int,
-        device: str,
-        network: CompiledNetwork,
-        persisted: bool,
-        max_batch_size: int,
-        queue_size: int = 0,
-    ) -> None:
-        self.name = name
-        self.version = version
-        self.device = device
-        self.network = network
-        self.persisted = persisted
-        self.max_batch_size = max_batch_size
-        #: Fixed at load: what a request that names no outputs gets, and what it may name.
-        self.output_names = [o.name for o in network.outputs]
-        self._known_outputs = frozenset(self.output_names)
+    name: str
+    version: int
+    device: str
+    network: CompiledNetwork
+    persisted: bool
+    max_batch_size: int
+    recorder: Recorder
+    queue_size: dataclasses.InitVar[int] = 0
+    #: The network's own streams, each with its infer request; started at load.
+    executor: StreamsExecutor = dataclasses.field(init=False)
+    #: How many requests may wait for a stream (--queue-size, else 16 per stream).
+    queue_limit: int = dataclasses.field(init=False)
+    #: What a request that names no outputs gets, and what it may name.
+    output_names: list[str] = dataclasses.field(init=False)
+    perf_enabled: bool = dataclasses.field(init=False)
 
-        #: The network's own streams, each with its infer request; started at load.
-        self.executor: StreamsExecutor = network.executor
-        #: How many requests may wait for a stream (--queue-size, else 16 per stream).
+    def __post_init__(self, queue_size: int) -> None:
+        self.executor = self.network.executor
         self.queue_limit = queue_size or 16 * self.executor.streams
-        #: Its statistics and metrics (set by the data plane; a bare entry records nothing).
-        self.recorder: Recorder | None = None
-        self.perf_enabled = bool(_safe_config(network, "PERF_COUNT"))
+        self.output_names = [o.name for o in self.network.outputs]
+        self._known_outputs = frozenset(self.output_names)
+        self.perf_enabled = bool(_safe_config(self.network, "PERF_COUNT"))
 
 
 _STATUS = {DeadlineExceeded: "deadline", Cancelled: "cancelled", InvalidInput: "invalid"}
@@ -204,17 +202,7 @@ class DataPlane:
             network.name = name
             if persist:
                 self.repository.persist(name, version, model, device, config)
-            entry = self._attach(
-                LoadedNetwork(
-                    name,
-                    version,
-                    str(parse_device(device)),
-                    network,
-                    persist,
-                    max_batch_size,
-                    self.queue_size,
-                )
-            )
+            entry = self._entry(name, version, device, network, persist, max_batch_size)
             with self._lock:
                 self._networks.setdefault(name, {})[version] = entry
         finally:
@@ -229,10 +217,20 @@ class DataPlane:
         )
         return entry, network.loaded_from_cache
 
-    def _attach(self, entry: LoadedNetwork) -> LoadedNetwork:
-        """What a network's requests use, decided once when it is loaded: its recorder."""
-        entry.recorder = self.metrics.recorder(entry.device, entry.name, entry.version)
-        return entry
+    def _entry(
+        self,
+        name: str,
+        version: int,
+        device: str,
+        network: CompiledNetwork,
+        persisted: bool,
+        max_batch_size: int,
+    ) -> LoadedNetwork:
+        kind = str(parse_device(device))
+        recorder = self.metrics.recorder(kind, name, version)
+        return LoadedNetwork(
+            name, version, kind, network, persisted, max_batch_size, recorder, self.queue_size
+        )
 
     def unload(self, name: str, version: int = 0, remove: bool = False) -> list[LoadedNetwork]:
         """Unload a version (every version when 0); ``remove`` also deletes it from the
@@ -477,17 +475,7 @@ class DataPlane:
         with self._lock:
             version = max(self._networks.get(name, {}), default=0) + 1
             self._check_network_count(name, version, len(self._loading))
-            entry = self._attach(
-                LoadedNetwork(
-                    name,
-                    version,
-                    str(parse_device(device)),
-                    network,
-                    False,
-                    0,
-                    self.queue_size,
-                )
-            )
+            entry = self._entry(name, version, device, network, False, 0)
             self._networks.setdefault(name, {})[version] = entry
         return entry
 

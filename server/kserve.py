@@ -59,7 +59,7 @@ from plugserve.proto.tensors import (
 )
 from plugserve.server.dataplane import DataPlane, LoadedNetwork
 from plugserve.server.errors import status_of
-from plugserve.server.handlers import add_service, deadline, pump
+from plugserve.server.handlers import add_service, deadline, pump, result
 
 __all__ = ["KServeServicer", "add_kserve_service"]
 
@@ -392,16 +392,14 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     def ModelInfer(self, request, context):
         entry, future = self._submit(request, context, inline=True)
-        if not future.done():
-            context.add_callback(future.cancel)
-        return b"".join(infer_response(request, entry, future.result()))
+        return b"".join(infer_response(request, entry, result(context, future)))
 
     def ModelStreamInfer(self, request_iterator: Iterator[pb.ModelInferRequest], context):
         """Requests are admitted as they arrive; responses leave in completion order."""
         yield from pump(
             request_iterator,
             context,
-            lambda request: self._submit(request, context),
+            self._submit,
             _stream_response,
             stream_error,
             "kserve-stream-reader",
