@@ -24,7 +24,6 @@ import dataclasses
 import json
 import math
 import queue
-import re
 import sys
 import threading
 import time
@@ -35,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 
 __all__ = [
     "BenchResult",
@@ -430,45 +430,34 @@ def summarize(result: BenchResult, batch: int = 1) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------- /metrics
 
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{([^}]*)\})?\s+(\S+)")
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+_KEYS = {
+    "plugserve_compute_seconds_sum": "compute_s",
+    "plugserve_compute_seconds_count": "compute_count",
+    "plugserve_queue_wait_seconds_sum": "queue_wait_s",
+    "plugserve_queue_wait_seconds_count": "queue_wait_count",
+}
 
 
 def scrape(url: str, timeout: float = 5.0) -> dict[str, dict[str, float]]:
     """Per-device totals from plugserve's counters: requests (by status), compute and queue
-    wait seconds (sum and count). Raises OSError when the endpoint cannot be read."""
+    wait seconds (sum and count), read with prometheus-client's own exposition parser. Raises
+    OSError when the endpoint cannot be read."""
     with urllib.request.urlopen(url, timeout=timeout) as response:
         text = response.read().decode()
     devices: dict[str, dict[str, float]] = {}
-    for line in text.splitlines():
-        if not line.startswith("plugserve_"):
+    for family in text_string_to_metric_families(text):
+        if not family.name.startswith("plugserve_"):
             continue
-        match = _SAMPLE.match(line)
-        if not match:
-            continue
-        name, labels, value = (
-            match.group(1),
-            dict(_LABEL.findall(match.group(3) or "")),
-            match.group(4),
-        )
-        device = labels.get("device")
-        if device is None:
-            continue
-        key = {
-            "plugserve_inference_requests_total": f"requests_{labels.get('status', '')}",
-            "plugserve_compute_seconds_sum": "compute_s",
-            "plugserve_compute_seconds_count": "compute_count",
-            "plugserve_queue_wait_seconds_sum": "queue_wait_s",
-            "plugserve_queue_wait_seconds_count": "queue_wait_count",
-        }.get(name)
-        if key is None:
-            continue
-        try:
-            number = float(value)
-        except ValueError:
-            continue
-        per = devices.setdefault(device, {})
-        per[key] = per.get(key, 0.0) + number
+        for sample in family.samples:
+            device = sample.labels.get("device")
+            if sample.name == "plugserve_inference_requests_total":
+                key = f"requests_{sample.labels.get('status', '')}"
+            else:
+                key = _KEYS.get(sample.name)
+            if device is None or key is None:
+                continue
+            per = devices.setdefault(device, {})
+            per[key] = per.get(key, 0.0) + sample.value
     return devices
 
 

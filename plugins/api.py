@@ -12,6 +12,7 @@ import abc
 import dataclasses
 import os
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar, runtime_checkable
@@ -424,17 +425,46 @@ class Plugin(abc.ABC):
     ) -> CompiledNetwork:
         """Rebuild a network from :meth:`CompiledNetwork.export`; a foreign blob raises."""
 
+    # --- optional hooks: every plugin has them; these defaults are for plugins without
+
+    def unsupported_nodes(
+        self, model: Model, config: Mapping[str, Any] | None = None
+    ) -> dict[str, str]:
+        """``{original node name: why}`` for nodes this device refuses (for error messages
+        and ``plugserve query``); empty when the device gives no reasons."""
+        return {}
+
+    def subgraphs(
+        self, model: Model, config: Mapping[str, Any] | None = None
+    ) -> list[dict[str, Any]]:
+        """The split a load would make, ``[{"device": D, "nodes": [...]}, ...]`` in execution
+        order; empty for devices that do not split a model."""
+        return []
+
+    def refusals(
+        self, model: Model, config: Mapping[str, Any] | None = None
+    ) -> list[tuple[str, str, str]]:
+        """``(node, device, why)`` for the nodes a virtual device's devices did not take;
+        empty for a real device (:meth:`unsupported_nodes` gives its reasons)."""
+        return []
+
     def add_extension(self, extension: Any) -> None:
         raise Unsupported(f"device {self.name} does not support extensions")
+
+    def extension_names(self) -> list[str]:
+        """``domain::op_type`` of every extension added (part of the model cache key)."""
+        return []
 
 
 class CompiledNetwork(abc.ABC):
     """A network compiled for one device: creates infer requests, exports itself.
 
-    Async requests run on :attr:`executor`, the network's streams. It is started on first use
-    (most networks only ever run synchronously, and idle threads cost) and shut down by
-    :meth:`close`; plugins size it with :meth:`_async_streams` or replace it with
-    :meth:`_new_executor`.
+    :attr:`executor` is the network's one streams executor, as OpenVINO's executor manager
+    hands one to each compiled model for its device configuration: one stream per request the
+    network can run at once (``OPTIMAL_NUMBER_OF_INFER_REQUESTS``), each stream holding its own
+    infer request. In-process ``start_async`` and the server's requests both run on it; nothing
+    schedules a network's requests a second time. It is started on first use (most in-process
+    networks only ever run synchronously, and idle threads cost) and freed by :meth:`close`.
     """
 
     def __init__(self, plugin: Plugin, name: str, config: Configuration) -> None:
@@ -444,6 +474,8 @@ class CompiledNetwork(abc.ABC):
         self.loaded_from_cache = False
         #: The model as plugins.shapecheck keeps it, to blame a failed run on its input shapes.
         self.shape_model: bytes | None = None
+        self._inputs: list[TensorSpec] = []
+        self._outputs: list[TensorSpec] = []
         self._executor: StreamsExecutor | None = None
         self._executor_lock = threading.Lock()
 
@@ -452,12 +484,14 @@ class CompiledNetwork(abc.ABC):
         return self.plugin.name
 
     @property
-    @abc.abstractmethod
-    def inputs(self) -> list[TensorSpec]: ...
+    def inputs(self) -> list[TensorSpec]:
+        """The network's inputs: what a plugin's network sets as ``_inputs`` when it is made
+        (a network that wraps another one returns that one's instead)."""
+        return self._inputs
 
     @property
-    @abc.abstractmethod
-    def outputs(self) -> list[TensorSpec]: ...
+    def outputs(self) -> list[TensorSpec]:
+        return self._outputs
 
     @abc.abstractmethod
     def create_infer_request(self) -> InferRequest: ...
@@ -501,24 +535,33 @@ class CompiledNetwork(abc.ABC):
 
     @property
     def executor(self) -> StreamsExecutor:
-        """The streams async requests run on, started on first use (under a lock, so that
-        requests starting at once share one executor)."""
+        """The streams this network's requests run on, started on first use (under a lock, so
+        that requests starting at once share one executor)."""
         with self._executor_lock:
             if self._executor is None:
                 self._executor = self._new_executor()
             return self._executor
 
-    def _async_streams(self) -> int:
-        """How many requests may run at once on :attr:`executor`: the configured streams,
-        unless the plugin knows better (its backend's own count, its devices' capacity)."""
-        return self.config.streams()
-
     def _new_executor(self) -> StreamsExecutor:
-        """The executor :attr:`executor` starts; override for per-stream state or sizing."""
+        """As many streams as ``OPTIMAL_NUMBER_OF_INFER_REQUESTS``, each making its own infer
+        request on first use."""
         # imported here: streams.py imports this module's errors
         from plugserve.plugins.streams import StreamsExecutor
 
-        return StreamsExecutor(f"{self.device}/{self.name}", self._async_streams())
+        streams = int(self.get_metric("OPTIMAL_NUMBER_OF_INFER_REQUESTS"))
+        ref = weakref.ref(self)  # the stream threads must not keep this network alive
+        return StreamsExecutor(
+            f"{self.device}/{self.name}", streams, state_factory=lambda _i: _new_request(ref)
+        )
+
+    def batch_statistics(self) -> dict[int, tuple[int, int]] | None:
+        """``{rows: (batches run, nanoseconds)}`` of a network that gathers requests into
+        batches; None for one that does not batch."""
+        return None
+
+    def batching(self) -> tuple[int, float] | None:
+        """``(batch size, timeout ms)`` of a network that gathers requests into batches."""
+        return None
 
     def close(self) -> None:
         """Stop the streams: queued requests still run, new ones are refused.
@@ -572,11 +615,22 @@ class InferRequest(abc.ABC):
         self.network = network
         self._future: Any = None
 
-    @abc.abstractmethod
-    def infer(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]: ...
+    def infer(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        """OpenVINO's ``sync_infer_request``: :meth:`_prepare` (check and convert the inputs),
+        then :meth:`_run`. Plugins implement those two, or override this where the backend
+        runs the request itself (OPENVINO, BATCH)."""
+        return self._run(self._prepare(inputs))
 
-    @abc.abstractmethod
-    def start_async(self, inputs: Mapping[str, Any], callback: Callback | None = None) -> None: ...
+    def start_async(self, inputs: Mapping[str, Any], callback: Callback | None = None) -> None:
+        """The same two stages, the run on a stream of the network (see :meth:`_start`)."""
+        self._start(inputs, self._prepare, self._run, callback)
+
+    def _prepare(self, inputs: Mapping[str, Any]) -> Any:
+        """The inputs checked against the network's specs, in declared order."""
+        return check_inputs(self.network.name, self.network.inputs, inputs)
+
+    def _run(self, prepared: Any) -> dict[str, np.ndarray]:
+        raise Unsupported(f"{type(self).__name__} does not run requests itself")
 
     # --- helpers for start_async
 
@@ -613,7 +667,7 @@ class InferRequest(abc.ABC):
         """
         self._refuse_if_busy()
         prepared = prepare(inputs)
-        future = self.network.executor.submit(lambda _state: run(prepared))
+        future = self.network.executor.submit(lambda _state: run(prepared), stateless=True)
         self._track(future, callback)
 
     def wait(self, timeout: float | None = None) -> dict[str, np.ndarray]:
@@ -637,6 +691,13 @@ class InferRequest(abc.ABC):
                 f"network {self.network.name}: performance counters are off; "
                 "load it with PERF_COUNT=YES"
             )
+
+
+def _new_request(ref: weakref.ref[CompiledNetwork]) -> InferRequest:
+    network = ref()
+    if network is None:
+        raise Cancelled("the network was dropped before its stream ran")
+    return network.create_infer_request()
 
 
 def _call_back(callback: Callback, future: Future) -> None:

@@ -1,19 +1,22 @@
 """The data plane: everything the gRPC services do, independent of protocol.
 
 The servicers (plugserve.v1 and KServe v2) translate messages and call this; it owns the loaded
-networks, the per-device stream executors, the model repository and the counters. Requests are
-admitted into a device's bounded queue (a full queue is ``ResourceExhausted`` at once), checked
-against their deadline when a stream picks them up, and completed through a future so the RPC
-layer never waits on a queue.
+networks, the model repository and the counters. A request runs on its network's own streams
+executor (:attr:`CompiledNetwork.executor`, one infer request per stream); the data plane adds
+what a server needs on top of it and no scheduler of its own: admission into a bounded queue
+(``--queue-size``; a full queue is ``ResourceExhausted`` at once), the deadline checked when a
+stream picks the request up, metrics, and completion through a future so the RPC layer never
+waits on a queue.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -38,7 +41,7 @@ from plugserve.plugins.api import (
 from plugserve.plugins.streams import StreamsExecutor
 from plugserve.server.core import Core
 from plugserve.server.devices import parse_device
-from plugserve.server.metrics import Metrics
+from plugserve.server.metrics import Metrics, Recorder
 from plugserve.server.repository import Repository, check_name, is_version
 from plugserve.server.versions import check_version, next_version
 
@@ -53,63 +56,37 @@ class ShuttingDown(PlugserveError):
     code = "UNAVAILABLE"
 
 
-@dataclasses.dataclass
-class Stats:
-    """Per-network counters for KServe's statistics extension (nanoseconds, as Triton)."""
-
-    success: int = 0
-    failure: int = 0
-    queue_ns: int = 0
-    compute_ns: int = 0
-    last_inference_ms: int = 0
-    execution_count: int = 0
-
-
+@dataclasses.dataclass(eq=False)
 class LoadedNetwork:
-    """A compiled network as the server holds it: name, version, device, and stream requests."""
+    """A compiled network as the server holds it: name, version, device, and what its
+    requests use, decided once at load (its executor, queue bound, outputs, recorder)."""
 
-    def __init__(
-        self,
-        name: str,
-        version: int,
-        device: str,
-        network: CompiledNetwork,
-        persisted: bool,
-        max_batch_size: int,
-        streams: int,
-    ) -> None:
-        self.name = name
-        self.version = version
-        self.device = device
-        self.network = network
-        self.persisted = persisted
-        self.max_batch_size = max_batch_size
-        self.stats = Stats()
-        #: The streams this network's requests run on (set by the data plane when it loads it).
-        self.executor: StreamsExecutor | None = None
-        #: Records a successful request in its metrics series (set with the executor).
-        self.record_success: Callable[[float, float], None] = _unrecorded
-        self._requests: list[InferRequest | None] = [None] * streams
-        self.perf_enabled = bool(_safe_config(network, "PERF_COUNT"))
-        self.perf_totals: dict[str, list[Any]] = {}
-        self._perf_lock = threading.Lock()
+    name: str
+    version: int
+    device: str
+    network: CompiledNetwork
+    persisted: bool
+    max_batch_size: int
+    recorder: Recorder
+    queue_size: dataclasses.InitVar[int] = 0
+    #: The network's own streams, each with its infer request; started at load.
+    executor: StreamsExecutor = dataclasses.field(init=False)
+    #: How many requests may wait for a stream (--queue-size, else 16 per stream and at
+    #: least 64: one tritonclient stream's burst of 64 fits a one-stream device).
+    queue_limit: int = dataclasses.field(init=False)
+    #: What a request that names no outputs gets, and what it may name.
+    output_names: list[str] = dataclasses.field(init=False)
+    perf_enabled: bool = dataclasses.field(init=False)
 
-    def request_for(self, stream: int) -> InferRequest:
-        """Each stream keeps its own infer request (its own backend state) per network."""
-        request = self._requests[stream]
-        if request is None:
-            request = self._requests[stream] = self.network.create_infer_request()
-        return request
+    def __post_init__(self, queue_size: int) -> None:
+        self.executor = self.network.executor
+        self.queue_limit = queue_size or max(64, 16 * self.executor.streams)
+        self.output_names = [o.name for o in self.network.outputs]
+        self._known_outputs = frozenset(self.output_names)
+        self.perf_enabled = bool(_safe_config(self.network, "PERF_COUNT"))
 
-    def record_perf(self, request: InferRequest) -> list[Any]:
-        counts = request.get_performance_counts()
-        with self._perf_lock:
-            for c in counts:
-                entry = self.perf_totals.setdefault(c.node_name, [c, 0.0, 0])
-                entry[0] = c
-                entry[1] += c.real_time_s
-                entry[2] += 1
-        return counts
+
+_STATUS = {DeadlineExceeded: "deadline", Cancelled: "cancelled", InvalidInput: "invalid"}
 
 
 def batch_device(device: str, max_batch_size: int) -> str:
@@ -124,10 +101,6 @@ def batch_device(device: str, max_batch_size: int) -> str:
     return f"BATCH:{parsed}({max_batch_size})"
 
 
-def _unrecorded(queue_wait: float, compute: float) -> None:
-    """A network not attached to a data plane records nothing."""
-
-
 def _safe_config(network: CompiledNetwork, key: str) -> Any:
     try:
         return network.get_config(key)
@@ -136,10 +109,6 @@ def _safe_config(network: CompiledNetwork, key: str) -> Any:
 
 
 class DataPlane:
-    # limits (0: none), set by the server from --max-networks and --max-model-bytes
-    max_networks = 0
-    max_model_bytes = 0
-
     def __init__(
         self,
         core: Core,
@@ -147,15 +116,19 @@ class DataPlane:
         repository: Repository | None,
         default_device: str = "NUMPY",
         queue_size: int = 0,
+        max_networks: int = 0,
+        max_model_bytes: int = 0,
     ) -> None:
+        """``max_networks`` / ``max_model_bytes``: --max-networks and --max-model-bytes
+        (0: no limit)."""
+        self.max_networks = max_networks
+        self.max_model_bytes = max_model_bytes
         self.core = core
         self.metrics = metrics
         self.repository = repository
         self.default_device = default_device
         self.queue_size = queue_size
         self._networks: dict[str, dict[int, LoadedNetwork]] = {}
-        self._executors: dict[str, StreamsExecutor] = {}
-        self._executor_users: dict[str, int] = {}  # networks and loads under way, per executor
         self._lock = threading.RLock()
         self._loading: set[tuple[str, int]] = set()
         self.ready = False
@@ -166,57 +139,22 @@ class DataPlane:
 
     # --- executors
 
-    def executor(self, device: str, config: Mapping[str, str] | None = None) -> StreamsExecutor:
-        """Streams for a device, as many as its configuration asks, overridden by a network's
-        own ``config`` (NUM_STREAMS, PERFORMANCE_HINT): networks of one device that ask for the
-        same number share one executor, so a THROUGHPUT network is not run one at a time."""
-        kind = str(parse_device(device))
-        streams = self.core.device_config(kind, config).streams()
-        key = f"{kind}/{streams}"
-        with self._lock:
-            executor = self._executors.get(key)
-            if executor is None:
-                queue = self.queue_size or 16 * streams
-                executor = StreamsExecutor(kind, streams, queue, state_factory=lambda i: i)
-                self._executors[key] = executor
-            self._executor_users[key] = self._executor_users.get(key, 0) + 1
-            return executor
-
-    def _release(self, executor: StreamsExecutor) -> None:
-        """One network (or failed load) less on ``executor``; the last one stops its threads,
-        so loading and unloading with ever new NUM_STREAMS does not pile threads up."""
-        with self._lock:
-            key = next((k for k, e in self._executors.items() if e is executor), None)
-            if key is None:
-                return
-            self._executor_users[key] -= 1
-            if self._executor_users[key] > 0:
-                return
-            del self._executors[key], self._executor_users[key]
-        executor.shutdown(wait=False)  # what is queued still runs
-
     def _executor_gauges(self) -> list[tuple[str, int, int, int, int]]:
         with self._lock:
-            counts: dict[str, int] = {}
+            per_device: dict[str, list[StreamsExecutor]] = {}
             for versions in self._networks.values():
                 for net in versions.values():
-                    counts[net.device] = counts.get(net.device, 0) + 1
-            per_device: dict[str, list[StreamsExecutor]] = {}
-            for ex in self._executors.values():
-                per_device.setdefault(ex.name, []).append(ex)
-            rows = []
-            for kind in sorted(set(per_device) | set(counts)):
-                group = per_device.get(kind, [])
-                rows.append(
-                    (
-                        kind,
-                        sum(ex.pending for ex in group),
-                        sum(ex.busy for ex in group),
-                        sum(ex.streams for ex in group),
-                        counts.get(kind, 0),
-                    )
-                )
-            return rows
+                    per_device.setdefault(net.device, []).append(net.executor)
+        return [
+            (
+                kind,
+                sum(ex.pending for ex in group),
+                sum(ex.busy for ex in group),
+                sum(ex.streams for ex in group),
+                len(group),
+            )
+            for kind, group in sorted(per_device.items())
+        ]
 
     # --- networks
 
@@ -263,29 +201,14 @@ class DataPlane:
                 )
             self._check_network_count(name, version, len(self._loading))
             self._loading.add((name, version))
-        executor = None
         try:
-            executor = self.executor(device, config)
             network = self._compile(name, model, device, config)
+            network.name = name
             if persist:
                 self.repository.persist(name, version, model, device, config, max_batch_size)
-            entry = LoadedNetwork(
-                name,
-                version,
-                str(parse_device(device)),
-                network,
-                persist,
-                max_batch_size,
-                executor.streams,
-            )
-            self._attach(entry, executor)
-            network.name = name
+            entry = self._entry(name, version, device, network, persist, max_batch_size)
             with self._lock:
                 self._networks.setdefault(name, {})[version] = entry
-        except BaseException:
-            if executor is not None:
-                self._release(executor)
-            raise
         finally:
             with self._lock:
                 self._loading.discard((name, version))
@@ -298,12 +221,19 @@ class DataPlane:
         )
         return entry, network.loaded_from_cache
 
-    def _attach(self, entry: LoadedNetwork, executor: StreamsExecutor) -> None:
-        """What a network's requests use, decided once when it is loaded: its streams and its
-        success series in the metrics."""
-        entry.executor = executor
-        entry.record_success = self.metrics.success_recorder(
-            entry.device, entry.name, entry.version
+    def _entry(
+        self,
+        name: str,
+        version: int,
+        device: str,
+        network: CompiledNetwork,
+        persisted: bool,
+        max_batch_size: int,
+    ) -> LoadedNetwork:
+        kind = str(parse_device(device))
+        recorder = self.metrics.recorder(kind, name, version)
+        return LoadedNetwork(
+            name, version, kind, network, persisted, max_batch_size, recorder, self.queue_size
         )
 
     def unload(self, name: str, version: int = 0, remove: bool = False) -> list[LoadedNetwork]:
@@ -321,11 +251,8 @@ class DataPlane:
             if remove and entry.persisted and self.repository is not None:
                 self.repository.remove(name, entry.version)
             self.metrics.forget(entry.device, name, entry.version)
-            self._release(entry.executor)
-            close = getattr(entry.network, "close", None)
             try:
-                if close:
-                    close()
+                entry.network.close()
             except Exception as exc:  # a failed device must not keep a network loaded
                 log.warning(
                     "network %s version %d: closing it on %s failed (%s: %s); it is unloaded",
@@ -400,40 +327,39 @@ class DataPlane:
 
     def submit(
         self,
-        name: str,
-        version: int,
+        entry: LoadedNetwork,
         inputs: Mapping[str, Any],
         outputs: list[str] | None = None,
         deadline: float | None = None,
         inline: bool = False,
     ) -> Future:
-        """Queue one inference; the future holds ``{output: array}`` or a typed error.
+        """Queue one inference on ``entry`` (the caller's one :meth:`get`, which its response
+        also names, so an unload or load meanwhile cannot relabel or lose a finished request);
+        the future holds ``{output: array}`` or a typed error.
 
         ``inline``: the caller waits for the result anyway (a unary RPC), so when one of the
         network's streams is idle the inference runs on the caller's thread (see
         :meth:`StreamsExecutor.run_inline`); the future is then already done.
         """
-        entry = self.get(name, version)
+        name = entry.name
+        recorder = entry.recorder
         try:
             arrays = check_inputs(name, entry.network.inputs, inputs)
             wanted = self._outputs(entry, outputs)
         except PlugserveError:
-            entry.stats.failure += 1
-            self.metrics.observe(entry.device, entry.name, entry.version, "invalid")
+            recorder.failure("invalid")  # KServe's fail counts it, as Triton counts rejections
             raise
         executor = entry.executor
-        record_success = entry.record_success
         admitted = time.perf_counter()
         feeds = {spec.name: a for spec, a in zip(entry.network.inputs, arrays)}
 
-        def run(stream: int) -> dict[str, np.ndarray]:
+        def run(request: InferRequest) -> dict[str, np.ndarray]:
             started = time.perf_counter()
             if deadline is not None and time.monotonic() > deadline:
                 raise DeadlineExceeded(
                     f"network {name!r}: the deadline passed while queued "
                     f"({started - admitted:.3f} s in the queue)"
                 )
-            request = entry.request_for(stream)
             try:
                 result = request.infer(feeds)
             except PlugserveError:
@@ -447,12 +373,8 @@ class DataPlane:
                 ) from exc
             finished = time.perf_counter()
             if entry.perf_enabled:
-                self.metrics.observe_layers(
-                    entry.device, entry.name, entry.version, entry.record_perf(request)
-                )
-            entry.stats.queue_ns += int((started - admitted) * 1e9)
-            entry.stats.compute_ns += int((finished - started) * 1e9)
-            record_success(started - admitted, finished - started)
+                recorder.layers(request.get_performance_counts())
+            recorder.success(started - admitted, finished - started)
             return {k: result[k] for k in wanted}
 
         with self._inflight_lock:
@@ -462,13 +384,13 @@ class DataPlane:
                 )
             self._inflight += 1
         try:
-            future = (inline and executor.run_inline(run)) or executor.submit(run)
+            future = (inline and executor.run_inline(run)) or executor.submit(
+                run, entry.queue_limit
+            )
         except BaseException as exc:
             with self._inflight_lock:
                 self._inflight -= 1
-            entry.stats.failure += 1
-            if isinstance(exc, ResourceExhausted):
-                self.metrics.observe(entry.device, entry.name, entry.version, "overloaded")
+            recorder.failure("overloaded" if isinstance(exc, ResourceExhausted) else "error")
             raise
         future.add_done_callback(lambda f: self._finished(entry, f))
         return future
@@ -490,35 +412,24 @@ class DataPlane:
             time.sleep(0.02)
 
     def _finished(self, entry: LoadedNetwork, future: Future) -> None:
+        """Successes are recorded where they ran; here the admitted ones that failed."""
         with self._inflight_lock:
             self._inflight -= 1
-        entry.stats.last_inference_ms = int(time.time() * 1000)
         if future.cancelled():
-            entry.stats.failure += 1
-            self.metrics.observe(entry.device, entry.name, entry.version, "cancelled")
+            entry.recorder.failure("cancelled")
             return
         exc = future.exception()
-        if exc is None:
-            entry.stats.success += 1
-            entry.stats.execution_count += 1
-            return
-        entry.stats.failure += 1
-        status = {
-            DeadlineExceeded: "deadline",
-            Cancelled: "cancelled",
-            InvalidInput: "invalid",
-        }.get(type(exc), "error")
-        self.metrics.observe(entry.device, entry.name, entry.version, status)
+        if exc is not None:
+            entry.recorder.failure(_STATUS.get(type(exc), "error"))
 
     def _outputs(self, entry: LoadedNetwork, outputs: list[str] | None) -> list[str]:
-        names = [o.name for o in entry.network.outputs]
         if not outputs:
-            return names
-        unknown = [o for o in outputs if o not in names]
+            return entry.output_names
+        unknown = [o for o in outputs if o not in entry._known_outputs]
         if unknown:
             raise InvalidInput(
-                f"network {entry.name!r}: unknown output(s) {listing(unknown)}; its outputs "
-                f"are {listing(names)}"
+                f"network {entry.name!r}: unknown output(s) {listing(unknown)}; "
+                f"its outputs are {listing(entry.output_names)}"
             )
         return list(outputs)
 
@@ -531,7 +442,8 @@ class DataPlane:
         timeout: float | None = None,
     ) -> dict[str, np.ndarray]:
         deadline = time.monotonic() + timeout if timeout else None
-        return self.submit(name, version, inputs, outputs, deadline, inline=True).result()
+        entry = self.get(name, version)
+        return self.submit(entry, inputs, outputs, deadline, inline=True).result()
 
     # --- the rest of the plugin API
 
@@ -540,11 +452,8 @@ class DataPlane:
     ) -> list[dict[str, Any]]:
         """The split a HETERO load would make (empty for devices that do not split)."""
         plugin, merged = self.core.resolve(device, config)
-        split = getattr(plugin, "subgraphs", None)
-        if split is None:
-            return []
         try:
-            return split(model, merged)
+            return plugin.subgraphs(model, merged)
         except PlugserveError:  # some node has no device: the query itself says which
             return []
 
@@ -554,8 +463,7 @@ class DataPlane:
         """``(node, device, why)`` for the nodes a virtual device's devices did not take
         (empty for a real device: ``query`` gives its reasons)."""
         plugin, merged = self.core.resolve(device, config)
-        explain = getattr(plugin, "refusals", None)
-        return explain(model, merged) if explain is not None else []
+        return plugin.refusals(model, merged)
 
     def query(
         self, model: bytes | str | Path, device: str, config: Mapping[str, str] | None = None
@@ -563,11 +471,8 @@ class DataPlane:
         self._check_model_size(model, "QueryNetwork")
         supported = self.core.query_network(model, device, config)
         plugin = self.core.plugin(device)
-        reasons: dict[str, str] = {}
-        explain: Callable[..., dict[str, str]] | None = getattr(plugin, "unsupported_nodes", None)
-        if explain is not None:
-            reasons = {k: v for k, v in explain(model, config).items() if k not in supported}
-        return supported, reasons
+        reasons = plugin.unsupported_nodes(model, config)
+        return supported, {k: v for k, v in reasons.items() if k not in supported}
 
     def export(self, name: str, version: int = 0) -> bytes:
         return self.get(name, version).network.export()
@@ -582,27 +487,13 @@ class DataPlane:
         device = device or self.default_device
         with self._lock:
             self._check_network_count(name, 0, len(self._loading))
-        executor = self.executor(device, config)
-        try:
-            network = self.core.import_network(blob, device, config)
-            with self._lock:
-                version = next_version(max(self._networks.get(name, {}), default=0), name)
-                self._check_network_count(name, version, len(self._loading))
-                entry = LoadedNetwork(
-                    name,
-                    version,
-                    str(parse_device(device)),
-                    network,
-                    False,
-                    0,
-                    executor.streams,
-                )
-                self._attach(entry, executor)
-                network.name = name
-                self._networks.setdefault(name, {})[version] = entry
-        except BaseException:
-            self._release(executor)
-            raise
+        network = self.core.import_network(blob, device, config)
+        network.name = name
+        with self._lock:
+            version = next_version(max(self._networks.get(name, {}), default=0), name)
+            self._check_network_count(name, version, len(self._loading))
+            entry = self._entry(name, version, device, network, False, 0)
+            self._networks.setdefault(name, {})[version] = entry
         return entry
 
     def repository_model(self, path: str) -> tuple[Path, str, dict[str, str], int]:
@@ -615,6 +506,39 @@ class DataPlane:
         model = self.repository.model_path(name, int(version or 0))
         settings = self.repository.read_settings(name, int(model.parent.name))
         return model, settings.device, settings.config, settings.max_batch_size
+
+    def versions(self, name: str, version: int = 0) -> list[LoadedNetwork]:
+        """The loaded version asked for, or every loaded version of ``name`` (0); NotFound
+        names what is loaded."""
+        with self._lock:
+            found = self._networks.get(name, {})
+            if version in found or (not version and found):
+                return [found[version]] if version else [found[v] for v in sorted(found)]
+        raise NotFound(self._missing(name, version))
+
+    def reload(self, name: str) -> LoadedNetwork:
+        """Load the repository's latest version of ``name``; a loaded version is unloaded
+        first so that edits to its files take effect (Triton's reload, without Triton's
+        seamless swap: requests in between get NOT_FOUND)."""
+        if self.draining:  # before anything is unloaded
+            raise ShuttingDown(f"model {name!r}: the server is shutting down; not loading it")
+        model, device, config, batch = self.repository_model(name)
+        version = int(model.parent.name)  # the repository layout is NAME/VERSION/model.onnx
+        with contextlib.suppress(NotFound):
+            self.unload(name, version, remove=False)
+        entry, _ = self.load(name, model, device, config, version=version, max_batch_size=batch)
+        entry.persisted = True  # it lives in the repository
+        return entry
+
+    def index(self, ready_only: bool = False) -> list[tuple[str, int, bool]]:
+        """``(name, version, loaded)`` for every loaded or stored network version, sorted."""
+        loaded = {(n.name, n.version) for n in self.networks()}
+        stored: set[tuple[str, int]] = set()
+        if self.repository is not None:
+            entries, _ = self.repository.scan()
+            stored = {(e.name, e.version) for e in entries}
+        rows = [(name, version, (name, version) in loaded) for name, version in loaded | stored]
+        return sorted(row for row in rows if row[2] or not ready_only)
 
     def load_repository(self) -> tuple[list[LoadedNetwork], list[str]]:
         """Load every model of the repository; one bad model does not stop the others."""
@@ -640,7 +564,6 @@ class DataPlane:
         return ready, problems
 
     def close(self) -> None:
-        with self._lock:
-            executors = list(self._executors.values())
-        for executor in executors:
-            executor.shutdown(wait=False)
+        """Stop every network's streams: what is queued still runs, nothing new is taken."""
+        for entry in self.networks():
+            entry.executor.shutdown(wait=False)

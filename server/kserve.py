@@ -32,10 +32,6 @@ Choices where KServe/Triton leave room or plugserve differs:
 
 from __future__ import annotations
 
-import contextlib
-import queue
-import threading
-import time
 import types
 from collections.abc import Iterator
 
@@ -60,9 +56,9 @@ from plugserve.proto.tensors import (
     field_pieces,
     from_tensor,
 )
-from plugserve.server.dataplane import DataPlane, LoadedNetwork, ShuttingDown
-from plugserve.server.errors import abort, status_of
-from plugserve.server.handlers import add_service
+from plugserve.server.dataplane import DataPlane, LoadedNetwork
+from plugserve.server.errors import status_of
+from plugserve.server.handlers import add_service, deadline, pump, result
 from plugserve.server.versions import parse_version
 
 __all__ = ["KServeServicer", "add_kserve_service"]
@@ -175,7 +171,7 @@ def model_config(entry: LoadedNetwork) -> mc.ModelConfig:
     )
     config.version_policy.latest.num_versions = 1
     config.parameters["device"].string_value = entry.device
-    batching = _batching(entry)
+    batching = entry.network.batching()
     if batching is not None:
         size, timeout_ms = batching
         config.dynamic_batching.preferred_batch_size.append(size)
@@ -190,18 +186,6 @@ def model_config(entry: LoadedNetwork) -> mc.ModelConfig:
             name=spec.name, data_type=config_data_type(spec.dtype), dims=dims_of(spec)[skip:]
         )
     return config
-
-
-def _batching(entry: LoadedNetwork) -> tuple[int, float] | None:
-    """``(batch size, timeout ms)`` of a network on a BATCH device, else None."""
-    if getattr(entry.network, "batch_statistics", None) is None:
-        return None
-    try:
-        return int(entry.network.get_config("BATCH_SIZE")), float(
-            entry.network.get_config("BATCH_TIMEOUT_MS")
-        )
-    except Exception:
-        return None
 
 
 def input_array(tensor, raw: bytes | None) -> np.ndarray:
@@ -304,6 +288,12 @@ def infer_response(
     return pieces
 
 
+def _stream_response(
+    request: pb.ModelInferRequest, entry: LoadedNetwork, outputs: dict[str, np.ndarray]
+) -> bytes:
+    return b"".join(field_pieces(_STREAM_INFER_RESPONSE, infer_response(request, entry, outputs)))
+
+
 def stream_error(request: pb.ModelInferRequest, exc: BaseException) -> pb.ModelStreamInferResponse:
     _, message = status_of(exc)
     response = pb.ModelStreamInferResponse(error_message=message)
@@ -314,7 +304,7 @@ def stream_error(request: pb.ModelInferRequest, exc: BaseException) -> pb.ModelS
 
 
 def model_statistics(entry: LoadedNetwork) -> pb.ModelStatistics:
-    s = entry.stats
+    s = entry.recorder.stats()
     stats = pb.ModelStatistics(
         name=entry.name,
         version=str(entry.version),
@@ -332,9 +322,8 @@ def model_statistics(entry: LoadedNetwork) -> pb.ModelStatistics:
     inference.compute_input.count = s.success
     inference.compute_output.count = s.success
     inference.compute_infer.ns = s.compute_ns
-    batches = getattr(entry.network, "batch_statistics", None)
-    if batches is not None:
-        executed = batches()
+    executed = entry.network.batch_statistics()
+    if executed is not None:
         stats.execution_count = sum(count for count, _ in executed.values())
         for size, (count, ns) in sorted(executed.items()):
             batch = stats.batch_stats.add(batch_size=size)
@@ -343,11 +332,6 @@ def model_statistics(entry: LoadedNetwork) -> pb.ModelStatistics:
             batch.compute_output.count = count
             batch.compute_infer.ns = ns
     return stats
-
-
-def _deadline(context: grpc.ServicerContext) -> float | None:
-    remaining = context.time_remaining()
-    return time.monotonic() + remaining if remaining is not None else None
 
 
 # ------------------------------------------------------------------ the service
@@ -366,15 +350,12 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         return pb.ServerReadyResponse(ready=self.plane.ready)
 
     def ModelReady(self, request, context):
+        version = parse_version(request.version)
         try:
-            version = parse_version(request.version)
-            try:
-                self.plane.get(request.name, version)
-            except NotFound:
-                return pb.ModelReadyResponse(ready=False)
-            return pb.ModelReadyResponse(ready=True)
-        except Exception as exc:
-            abort(context, exc)
+            self.plane.get(request.name, version)
+        except NotFound:
+            return pb.ModelReadyResponse(ready=False)
+        return pb.ModelReadyResponse(ready=True)
 
     def ServerMetadata(self, request, context):
         return pb.ServerMetadataResponse(
@@ -382,186 +363,84 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         )
 
     def ModelMetadata(self, request, context):
-        try:
-            entry = self.plane.get(request.name, parse_version(request.version))
-            versions = sorted(n.version for n in self.plane.networks() if n.name == entry.name)
-            return model_metadata(entry, versions)
-        except Exception as exc:
-            abort(context, exc)
+        entry = self.plane.get(request.name, parse_version(request.version))
+        versions = sorted(n.version for n in self.plane.networks() if n.name == entry.name)
+        return model_metadata(entry, versions)
 
     def ModelConfig(self, request, context):
-        try:
-            entry = self.plane.get(request.name, parse_version(request.version))
-            return pb.ModelConfigResponse(config=model_config(entry))
-        except Exception as exc:
-            abort(context, exc)
+        entry = self.plane.get(request.name, parse_version(request.version))
+        return pb.ModelConfigResponse(config=model_config(entry))
 
     # --- inference
 
     def _submit(
         self, request: pb.ModelInferRequest, context: grpc.ServicerContext, inline: bool = False
     ):
+        """One lookup: the entry runs the request and names the response."""
         entry = self.plane.get(request.model_name, parse_version(request.model_version))
         future = self.plane.submit(
-            entry.name,
-            entry.version,
-            request_inputs(request),
-            requested_outputs(request),
-            _deadline(context),
-            inline,
+            entry, request_inputs(request), requested_outputs(request), deadline(context), inline
         )
         return entry, future
 
     def ModelInfer(self, request, context):
-        try:
-            entry, future = self._submit(request, context, inline=True)
-            if not future.done():
-                context.add_callback(future.cancel)
-            return b"".join(infer_response(request, entry, future.result()))
-        except Exception as exc:
-            abort(context, exc)
+        entry, future = self._submit(request, context, inline=True)
+        return b"".join(infer_response(request, entry, result(context, future)))
 
     def ModelStreamInfer(self, request_iterator: Iterator[pb.ModelInferRequest], context):
         """Requests are admitted as they arrive; responses leave in completion order."""
-        done: queue.Queue = queue.Queue()
-        admitted = [0]  # requests read so far; each gets exactly one response
-        lock = threading.Lock()
-
-        def complete(request, entry, future) -> None:
-            try:
-                pieces = infer_response(request, entry, future.result())
-                message = b"".join(field_pieces(_STREAM_INFER_RESPONSE, pieces))
-            except BaseException as exc:
-                message = stream_error(request, exc)
-            done.put(message)
-
-        def read() -> None:
-            try:
-                for request in request_iterator:
-                    with lock:
-                        admitted[0] += 1
-                    try:
-                        entry, future = self._submit(request, context)
-                    except Exception as exc:
-                        done.put(stream_error(request, exc))
-                        continue
-                    outstanding.add(future)
-                    future.add_done_callback(outstanding.discard)
-                    future.add_done_callback(lambda f, r=request, e=entry: complete(r, e, f))
-            except grpc.RpcError:
-                pass  # the client went away
-            finally:
-                done.put(None)
-
-        outstanding: set = set()
-
-        def cancel_outstanding() -> None:
-            for future in list(outstanding):
-                future.cancel()
-
-        context.add_callback(cancel_outstanding)  # the call ended: drop what is still queued
-        threading.Thread(target=read, name="kserve-stream-reader", daemon=True).start()
-        sent, reading = 0, True
-        while True:
-            message = done.get()
-            if message is None:
-                reading = False
-            else:
-                sent += 1
-                yield message
-            with lock:
-                total = admitted[0]
-            if not reading and sent >= total:
-                return
+        yield from pump(
+            request_iterator,
+            context,
+            self._submit,
+            _stream_response,
+            stream_error,
+            "kserve-stream-reader",
+        )
 
     # --- statistics and repository
 
     def ModelStatistics(self, request, context):
-        try:
-            version = parse_version(request.version)
-            if request.name:
-                entries = self._versions(request.name, version)
-            else:
-                entries = self.plane.networks()
-            entries.sort(key=lambda n: (n.name, n.version))
-            return pb.ModelStatisticsResponse(model_stats=[model_statistics(n) for n in entries])
-        except Exception as exc:
-            abort(context, exc)
+        version = parse_version(request.version)
+        if request.name:
+            entries = self.plane.versions(request.name, version)
+        else:
+            entries = self.plane.networks()
+        entries.sort(key=lambda n: (n.name, n.version))
+        return pb.ModelStatisticsResponse(model_stats=[model_statistics(n) for n in entries])
 
     def RepositoryIndex(self, request, context):
-        try:
-            loaded = {(n.name, n.version) for n in self.plane.networks()}
-            stored: set[tuple[str, int]] = set()
-            if self.plane.repository is not None:
-                entries, _ = self.plane.repository.scan()
-                stored = {(e.name, e.version) for e in entries}
-            response = pb.RepositoryIndexResponse()
-            for name, version in sorted(loaded | stored):
-                ready = (name, version) in loaded
-                if request.ready and not ready:
-                    continue
-                response.models.add(
-                    name=name,
-                    version=str(version),
-                    state="READY" if ready else "UNAVAILABLE",
-                    reason="" if ready else "unloaded",
-                )
-            return response
-        except Exception as exc:
-            abort(context, exc)
+        response = pb.RepositoryIndexResponse()
+        for name, version, ready in self.plane.index(ready_only=request.ready):
+            response.models.add(
+                name=name,
+                version=str(version),
+                state="READY" if ready else "UNAVAILABLE",
+                reason="" if ready else "unloaded",
+            )
+        return response
 
     def RepositoryModelLoad(self, request, context):
-        try:
-            if self.plane.draining:  # before the reload below unloads anything
-                raise ShuttingDown(
-                    f"model {request.model_name!r}: the server is shutting down; not loading it"
-                )
-            overrides = sorted(k for k in request.parameters if k == "config" or k[:5] == "file:")
-            if overrides:
-                raise Unsupported(
-                    f"model {request.model_name!r}: load overrides {overrides} are not "
-                    "supported; edit the model's folder in the repository and load it by name"
-                )
-            path, device, config, batch = self.plane.repository_model(request.model_name)
-            version = int(path.parent.name)  # the repository layout is NAME/VERSION/model.onnx
-            with contextlib.suppress(NotFound):
-                self._unload(request.model_name, version)  # reload, as Triton does
-            entry, _ = self.plane.load(
-                request.model_name, path, device, config, version=version, max_batch_size=batch
+        overrides = sorted(k for k in request.parameters if k == "config" or k[:5] == "file:")
+        if overrides:
+            raise Unsupported(
+                f"model {request.model_name!r}: load overrides {overrides} are not "
+                "supported; edit the model's folder in the repository and load it by name"
             )
-            entry.persisted = True  # it lives in the repository
-            return pb.RepositoryModelLoadResponse()
-        except Exception as exc:
-            abort(context, exc)
+        self.plane.reload(request.model_name)
+        return pb.RepositoryModelLoadResponse()
 
     def RepositoryModelUnload(self, request, context):
-        try:
-            self._unload(request.model_name, 0)
-            return pb.RepositoryModelUnloadResponse()
-        except Exception as exc:
-            abort(context, exc)
-
-    def _versions(self, name: str, version: int) -> list[LoadedNetwork]:
-        """The loaded version asked for, or every loaded version of ``name`` (0); NotFound."""
-        if version:
-            return [self.plane.get(name, version)]
-        self.plane.get(name)  # NotFound names what is loaded
-        return [n for n in self.plane.networks() if n.name == name]
-
-    def _unload(self, name: str, version: int) -> None:
-        """Unload without deleting: KServe's unload leaves the repository as it is."""
-        self._versions(name, version)  # NotFound names what is loaded
-        self.plane.unload(name, version, remove=False)
+        """Unload every version without deleting: the model can be loaded again."""
+        self.plane.unload(request.model_name, 0, remove=False)
+        return pb.RepositoryModelUnloadResponse()
 
 
 def _unimplemented(method: str, feature: str):
     def handler(self, request, context):
-        abort(
-            context,
-            Unsupported(
-                f"{method}: plugserve does not support {feature}; "
-                "send tensors in the request and configure the server from its command line"
-            ),
+        raise Unsupported(
+            f"{method}: plugserve does not support {feature}; "
+            "send tensors in the request and configure the server from its command line"
         )
 
     handler.__name__ = method

@@ -5,9 +5,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import queue
-import threading
-import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -28,7 +25,8 @@ from plugserve.proto.tensors import (
 )
 from plugserve.proto.tensors import from_tensor as _from_tensor
 from plugserve.server.dataplane import DataPlane, LoadedNetwork
-from plugserve.server.errors import abort, status_of
+from plugserve.server.errors import status_of
+from plugserve.server.handlers import deadline, pump, result
 
 __all__ = ["PlugserveServicer", "infer_response", "network_info"]
 
@@ -70,6 +68,19 @@ def infer_response(
     return pieces
 
 
+def _stream_response(request: pb.InferRequest, entry: LoadedNetwork, outputs: dict) -> bytes:
+    head = pb.InferStreamResponse(id=request.id).SerializeToString()
+    pieces = infer_response(request.id, entry.name, entry.version, outputs)
+    return b"".join([head, *field_pieces(_STREAM_RESPONSE, pieces)])
+
+
+def _stream_error(request: pb.InferRequest, exc: BaseException) -> pb.InferStreamResponse:
+    code, message = status_of(exc)
+    return pb.InferStreamResponse(
+        id=request.id, error=pb.Status(code=code.value[0], message=message)
+    )
+
+
 def from_tensor(tensor: pb.Tensor):
     try:
         return _from_tensor(tensor)
@@ -81,9 +92,8 @@ def from_tensor(tensor: pb.Tensor):
         ) from None
 
 
-def _deadline(context: grpc.ServicerContext) -> float | None:
-    remaining = context.time_remaining()
-    return time.monotonic() + remaining if remaining is not None else None
+def _json(value: Any) -> str:
+    return json.dumps(value, default=lambda v: list(v) if isinstance(v, tuple | set) else str(v))
 
 
 def _stops_when_gone(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -102,15 +112,11 @@ def _repeated(tensors: Any) -> str:
     return listing(sorted({n for n in names if names.count(n) > 1}))
 
 
-def _json(value: Any) -> str:
-    return json.dumps(value, default=lambda v: list(v) if isinstance(v, tuple | set) else str(v))
-
-
 class PlugserveServicer(pb_grpc.PlugserveServicer):
     def __init__(self, plane: DataPlane) -> None:
         self.plane = plane
 
-    def _model(self, source: pb.ModelSource, context: grpc.ServicerContext):
+    def _model(self, source: pb.ModelSource):
         kind = source.WhichOneof("source")
         if kind == "onnx":
             return source.onnx, "", {}, 0
@@ -130,79 +136,58 @@ class PlugserveServicer(pb_grpc.PlugserveServicer):
         return response
 
     def GetMetric(self, request, context):
-        try:
-            if request.network:
-                entry = self.plane.get(request.network, request.version)
-                value = entry.network.get_metric(request.name)
-                if request.name == "OPTIMAL_NUMBER_OF_INFER_REQUESTS":
-                    # served networks run on their device's executor: that is what they can use
-                    value = entry.executor.streams
-            else:
-                value = self.plane.core.get_metric(request.device, request.name)
-            return pb.GetMetricResponse(value_json=_json(value))
-        except Exception as exc:
-            abort(context, exc)
+        if request.network:
+            entry = self.plane.get(request.network, request.version)
+            value = entry.network.get_metric(request.name)
+        else:
+            value = self.plane.core.get_metric(request.device, request.name)
+        return pb.GetMetricResponse(value_json=_json(value))
 
     def GetConfig(self, request, context):
-        try:
-            plugin = self.plane.core.plugin(request.device)
-            if request.key:
-                value = plugin.config.to_strings().get(request.key)
-                if value is None:
-                    plugin.get_config(request.key)  # raises the typed error
-                return pb.GetConfigResponse(config={request.key: value})
-            return pb.GetConfigResponse(config=plugin.config.to_strings())
-        except Exception as exc:
-            abort(context, exc)
+        plugin = self.plane.core.plugin(request.device)
+        if request.key:
+            value = plugin.config.to_strings().get(request.key)
+            if value is None:
+                plugin.get_config(request.key)  # raises the typed error
+            return pb.GetConfigResponse(config={request.key: value})
+        return pb.GetConfigResponse(config=plugin.config.to_strings())
 
     def SetConfig(self, request, context):
-        try:
-            self.plane.core.set_config(dict(request.config), request.device or None)
-            return pb.SetConfigResponse()
-        except Exception as exc:
-            abort(context, exc)
+        self.plane.core.set_config(dict(request.config), request.device or None)
+        return pb.SetConfigResponse()
 
     @_stops_when_gone
     def QueryNetwork(self, request, context):
-        try:
-            model, *_ = self._model(request.model, context)
-            config = dict(request.config)
-            supported, unsupported = self.plane.query(model, request.device, config)
-            response = pb.QueryNetworkResponse(supported=supported, unsupported=unsupported)
-            for split in self.plane.subgraphs(model, request.device, config):
-                response.subgraphs.add(device=split["device"], nodes=split["nodes"])
-            for node, device, reason in self.plane.refusals(model, request.device, config):
-                response.refusals.add(node=node, device=device, reason=reason)
-            return response
-        except Exception as exc:
-            abort(context, exc)
+        model, *_ = self._model(request.model)
+        config = dict(request.config)
+        supported, unsupported = self.plane.query(model, request.device, config)
+        response = pb.QueryNetworkResponse(supported=supported, unsupported=unsupported)
+        for split in self.plane.subgraphs(model, request.device, config):
+            response.subgraphs.add(device=split["device"], nodes=split["nodes"])
+        for node, device, reason in self.plane.refusals(model, request.device, config):
+            response.refusals.add(node=node, device=device, reason=reason)
+        return response
 
     @_stops_when_gone
     def LoadNetwork(self, request, context):
-        try:
-            model, device, config, batch = self._model(request.model, context)
-            config = {**config, **dict(request.config)}
-            entry, cached = self.plane.load(
-                request.name,
-                model,
-                request.device or device,
-                config,
-                request.persist,
-                request.version,
-                batch,
-            )
-            response = pb.LoadNetworkResponse(loaded_from_cache=cached)
-            network_info(response.network, entry)
-            return response
-        except Exception as exc:
-            abort(context, exc)
+        model, device, config, batch = self._model(request.model)
+        config = {**config, **dict(request.config)}
+        entry, cached = self.plane.load(
+            request.name,
+            model,
+            request.device or device,
+            config,
+            request.persist,
+            request.version,
+            batch,
+        )
+        response = pb.LoadNetworkResponse(loaded_from_cache=cached)
+        network_info(response.network, entry)
+        return response
 
     def UnloadNetwork(self, request, context):
-        try:
-            self.plane.unload(request.name, request.version, request.remove_from_repository)
-            return pb.UnloadNetworkResponse()
-        except Exception as exc:
-            abort(context, exc)
+        self.plane.unload(request.name, request.version, request.remove_from_repository)
+        return pb.UnloadNetworkResponse()
 
     def ListNetworks(self, request, context):
         response = pb.ListNetworksResponse()
@@ -214,118 +199,52 @@ class PlugserveServicer(pb_grpc.PlugserveServicer):
                 logging.getLogger(__name__).exception("ListNetworks: %r left out", entry.name)
         return response
 
-    def _submit(self, request: pb.InferRequest, deadline: float | None, inline: bool = False):
+    def _submit(self, request: pb.InferRequest, context, inline: bool = False):
+        """One lookup: the entry runs the request and names the response."""
+        entry = self.plane.get(request.network, request.version)
         inputs = {t.name: from_tensor(t) for t in request.inputs}
         if len(inputs) != len(request.inputs):  # as KServe: one value per input, never two
             raise InvalidInput(f"input(s) sent more than once: {_repeated(request.inputs)}")
-        return self.plane.submit(
-            request.network, request.version, inputs, list(request.outputs), deadline, inline
-        )
-
-    def _response(self, request: pb.InferRequest, outputs: dict) -> Pieces:
-        entry = self.plane.get(request.network, request.version)
-        return infer_response(request.id, entry.name, entry.version, outputs)
+        future = self.plane.submit(entry, inputs, list(request.outputs), deadline(context), inline)
+        return entry, future
 
     def Infer(self, request, context):
-        try:
-            future = self._submit(request, _deadline(context), inline=True)
-            if not future.done():
-                context.add_callback(future.cancel)
-            return b"".join(self._response(request, future.result()))
-        except Exception as exc:
-            abort(context, exc)
+        entry, future = self._submit(request, context, inline=True)
+        return b"".join(
+            infer_response(request.id, entry.name, entry.version, result(context, future))
+        )
 
     def InferStream(self, request_iterator: Iterator[pb.InferRequest], context):
         """Requests are admitted as they arrive; responses leave in completion order."""
-        done: queue.Queue = queue.Queue()
-        pending = [0]
-        lock = threading.Lock()
-        finished_reading = threading.Event()
-
-        def complete(request: pb.InferRequest, future) -> None:
-            try:
-                head = pb.InferStreamResponse(id=request.id).SerializeToString()
-                pieces = field_pieces(_STREAM_RESPONSE, self._response(request, future.result()))
-                message = b"".join([head, *pieces])
-            except Exception as exc:
-                message = self._error(request.id, exc)
-            done.put(message)
-
-        def read() -> None:
-            try:
-                for request in request_iterator:
-                    with lock:
-                        pending[0] += 1
-                    try:
-                        future = self._submit(request, _deadline(context))
-                    except Exception as exc:
-                        done.put(self._error(request.id, exc))
-                        continue
-                    outstanding.add(future)
-                    future.add_done_callback(outstanding.discard)
-                    future.add_done_callback(lambda f, r=request: complete(r, f))
-            except grpc.RpcError:
-                pass
-            finally:
-                finished_reading.set()
-                done.put(None)
-
-        outstanding: set = set()
-
-        def cancel_outstanding() -> None:
-            for future in list(outstanding):
-                future.cancel()
-
-        context.add_callback(cancel_outstanding)  # the call ended: drop what is still queued
-        threading.Thread(target=read, name="infer-stream-reader", daemon=True).start()
-        sent = 0
-        while True:
-            message = done.get()
-            if message is not None:
-                sent += 1
-                yield message
-            with lock:
-                total = pending[0]
-            if finished_reading.is_set() and sent >= total:
-                return
-
-    @staticmethod
-    def _error(request_id: str, exc: BaseException) -> pb.InferStreamResponse:
-        code, message = status_of(exc)
-        return pb.InferStreamResponse(
-            id=request_id, error=pb.Status(code=code.value[0], message=message)
+        yield from pump(
+            request_iterator,
+            context,
+            self._submit,
+            _stream_response,
+            _stream_error,
+            "infer-stream-reader",
         )
 
     def ExportNetwork(self, request, context):
-        try:
-            return pb.ExportNetworkResponse(blob=self.plane.export(request.name, request.version))
-        except Exception as exc:
-            abort(context, exc)
+        return pb.ExportNetworkResponse(blob=self.plane.export(request.name, request.version))
 
     @_stops_when_gone
     def ImportNetwork(self, request, context):
-        try:
-            entry = self.plane.import_network(
-                request.name, request.blob, request.device, dict(request.config)
-            )
-            response = pb.LoadNetworkResponse(loaded_from_cache=True)
-            network_info(response.network, entry)
-            return response
-        except Exception as exc:
-            abort(context, exc)
+        entry = self.plane.import_network(
+            request.name, request.blob, request.device, dict(request.config)
+        )
+        response = pb.LoadNetworkResponse(loaded_from_cache=True)
+        network_info(response.network, entry)
+        return response
 
     def GetPerformanceCounts(self, request, context):
-        try:
-            entry = self.plane.get(request.name, request.version)
-            if not entry.perf_enabled:
-                raise FailedPrecondition(
-                    f"network {entry.name!r}: performance counters are off; "
-                    "load it with PERF_COUNT=YES"
-                )
-        except Exception as exc:
-            abort(context, exc)
+        entry = self.plane.get(request.name, request.version)
+        if not entry.perf_enabled:
+            raise FailedPrecondition(
+                f"network {entry.name!r}: performance counters are off; load it with PERF_COUNT=YES"
+            )
         response = pb.GetPerformanceCountsResponse()
-        for count, total, runs in list(entry.perf_totals.values()):
+        for count, total, runs in entry.recorder.perf_totals():
             response.counts.add(
                 node_name=count.node_name,
                 op_type=count.op_type,

@@ -58,7 +58,7 @@ class Settings:
         "connection goes to one of them); 0: an occupied port is an error",
     )
     max_message_bytes: int = _field(1 << 30, "largest gRPC message accepted or sent")
-    queue_size: int = _field(0, "requests waiting per device (0: 16 per stream)")
+    queue_size: int = _field(0, "requests waiting per network (0: 16 per stream, at least 64)")
     grpc_workers: int = _field(64, "gRPC handler threads")
     exit_timeout: float = _field(30.0, "seconds to finish admitted requests on SIGTERM")
     tls_cert: str = _field("", "PEM certificate chain for TLS on the gRPC port; empty: plaintext")

@@ -64,14 +64,6 @@ class MultiCompiledNetwork(CompiledNetwork):
         self._next = 0  # round robin when every device is busy
 
     @property
-    def inputs(self) -> list[TensorSpec]:
-        return self._inputs
-
-    @property
-    def outputs(self) -> list[TensorSpec]:
-        return self._outputs
-
-    @property
     def devices(self) -> list[str]:
         return [p.device for p in self.pools]
 
@@ -130,10 +122,6 @@ class MultiCompiledNetwork(CompiledNetwork):
             self._cond.notify_all()
 
     # --- the CompiledNetwork API
-
-    def _async_streams(self) -> int:
-        """As many as the devices can run at once: a stream waits for a device with room."""
-        return self.capacity
 
     def create_infer_request(self) -> MultiInferRequest:
         return MultiInferRequest(self)
