@@ -713,9 +713,9 @@ def _check_one(network_name: str, spec: TensorSpec, value: Any) -> np.ndarray:
         raise InvalidInput(f"network {network_name}: input {spec.describe()} has no value")
     if isinstance(value, list | tuple) and spec.dtype is not None and spec.dtype != object:
         value = np.asarray(value, dtype=spec.dtype)
-    elif not isinstance(value, np.ndarray | list):
+    elif not isinstance(value, np.ndarray | list | dict):
         value = np.asarray(value)
-    if isinstance(value, list):  # a sequence input
+    if isinstance(value, list | dict):  # a sequence or a map input (ai.onnx.ml)
         return value  # type: ignore[return-value]
     if not value.dtype.isnative and value.dtype.kind not in "OUSV":
         value = value.astype(value.dtype.newbyteorder("="))  # same values, native bytes

@@ -37,6 +37,8 @@ class ZooModel:
     ``feeds(rng)`` makes one request's inputs. ``batch_axis`` is the axis BATCH may gather
     requests along (None: the model has no batch dimension). ``atol``/``rtol`` are the issue's
     tolerances unless the family needs its own (int8 models: one output quantization step).
+    ``unbatchable`` says why BATCH must refuse the model at load although its inputs have a
+    batch dimension (an output declared without one, or not a tensor).
     ``known_failures`` maps a device (or ``"*"``) to the open bug that still breaks it there;
     the test expects the failure strictly, so a fix turns it red until the entry is removed.
     """
@@ -49,6 +51,7 @@ class ZooModel:
     batch_axis: int | None = 0
     rtol: float = 1e-3
     atol: float = 1e-4
+    unbatchable: str | None = None
     known_failures: dict[str, str] = field(default_factory=dict)
     version: int = 1
 
