@@ -14,7 +14,7 @@ from zoo import load_all
 
 pytestmark = pytest.mark.slow
 
-SAMPLE = ["sk_text", "sk_forest", "sk_columns", "lgbm_multi"]
+SAMPLE = ["sk_text", "sk_forest", "sk_columns", "lgbm_multi", "bert_dynamo", "gpt2_past_script"]
 ZIPMAP = "sk_logreg_zipmap"
 
 
@@ -22,9 +22,8 @@ ZIPMAP = "sk_logreg_zipmap"
 def zoo_server(tmp_path_factory):
     zoo = load_all()
     repo = tmp_path_factory.mktemp("zoo") / "models"
-    for name in [*SAMPLE, ZIPMAP]:
-        (repo / name / "1").mkdir(parents=True)
-        shutil.copy(zoo[name].path(), repo / name / "1" / "model.onnx")
+    for name in [*SAMPLE, ZIPMAP]:  # the folder: dynamo's exports keep weights beside
+        shutil.copytree(zoo[name].path().parent, repo / name / "1")
     with RunningServer("--model-repository", str(repo), "--exit-on-error", "0") as server:
         yield server, zoo
 
