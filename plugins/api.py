@@ -47,6 +47,7 @@ __all__ = [
     "device_refusals",
     "listing",
     "refusal_reasons",
+    "refuse_non_tensors",
 ]
 
 
@@ -584,13 +585,21 @@ class CompiledNetwork(abc.ABC):
 
 @dataclasses.dataclass(frozen=True)
 class TensorSpec:
-    """A network input or output: name, element type and shape (``None`` or a name if dynamic)."""
+    """A network input or output: name, element type and shape (``None`` or a name if dynamic).
+
+    ``kind`` is ``"tensor"``, or what ONNX calls the other value types (``"sequence"``,
+    ``"map"``, ``"optional"``): those have no element type or shape here, run in-process
+    (lists, dicts, None) and have no encoding on the wire.
+    """
 
     name: str
     dtype: np.dtype | None
     shape: tuple[int | str | None, ...] | None
+    kind: str = "tensor"
 
     def describe(self) -> str:
+        if self.kind != "tensor":
+            return f"{self.name}: {self.kind}"
         dims = (
             "?"
             if self.shape is None
@@ -774,9 +783,9 @@ def _check_one(network_name: str, spec: TensorSpec, value: Any) -> np.ndarray:
         raise InvalidInput(f"network {network_name}: input {spec.describe()} has no value")
     if isinstance(value, list | tuple) and spec.dtype is not None and spec.dtype != object:
         value = np.asarray(value, dtype=spec.dtype)
-    elif not isinstance(value, np.ndarray | list):
+    elif not isinstance(value, np.ndarray | list | dict):
         value = np.asarray(value)
-    if isinstance(value, list):  # a sequence input
+    if isinstance(value, list | dict):  # a sequence or a map input (ai.onnx.ml)
         return value  # type: ignore[return-value]
     if not value.dtype.isnative and value.dtype.kind not in "OUSV":
         value = value.astype(value.dtype.newbyteorder("="))  # same values, native bytes
@@ -801,6 +810,20 @@ def _check_one(network_name: str, spec: TensorSpec, value: Any) -> np.ndarray:
                     f"expected {spec.describe()} (dimension {axis} must be {want})"
                 )
     return value
+
+
+def refuse_non_tensors(network: CompiledNetwork, where: str) -> None:
+    """Protocols that carry tensors only (KServe v2, plugserve.v1) refuse, at load, a network
+    with a sequence or map input or output, saying how to get a tensor model instead."""
+    odd = [s for s in (*network.inputs, *network.outputs) if s.kind != "tensor"]
+    if odd:
+        raise Unsupported(
+            f"{where}: {', '.join(s.describe() for s in odd)}: the server's protocols carry "
+            "tensors only. A classifier converted with ZipMap returns its probabilities as a "
+            "sequence of maps: convert it without (skl2onnx: options={id(model): "
+            "{'zipmap': False}}; onnxmltools: zipmap=False) and the probabilities are a "
+            "[rows, classes] tensor; or run the model in-process (plugserve.server.Core)"
+        )
 
 
 def names_of(specs: Iterable[TensorSpec]) -> list[str]:

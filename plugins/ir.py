@@ -57,7 +57,8 @@ def _spec(value_info: onnx.ValueInfoProto) -> TensorSpec:
                 for d in tt.shape.dim
             )
         return TensorSpec(value_info.name, np_dtype(tt.elem_type), shape)
-    return TensorSpec(value_info.name, None, None)  # sequences, optionals, maps
+    kind = (t.WhichOneof("value") or "tensor").removesuffix("_type")
+    return TensorSpec(value_info.name, None, None, kind)  # sequences, optionals, maps
 
 
 @dataclasses.dataclass

@@ -37,6 +37,7 @@ from plugserve.plugins.api import (
     ResourceExhausted,
     check_inputs,
     listing,
+    refuse_non_tensors,
 )
 from plugserve.plugins.streams import StreamsExecutor
 from plugserve.server.core import Core
@@ -269,7 +270,7 @@ class DataPlane:
     ) -> CompiledNetwork:
         """Core.load_network, with a device's own exceptions as a typed INTERNAL error."""
         try:
-            return self.core.load_network(model, device, config)
+            network = self.core.load_network(model, device, config)
         except PlugserveError:
             raise
         except Exception as exc:
@@ -277,6 +278,12 @@ class DataPlane:
             raise InferenceError(
                 f"network {name!r}: loading on {device} failed: {type(exc).__name__}: {exc}"
             ) from exc
+        try:
+            refuse_non_tensors(network, f"network {name!r}")
+        except PlugserveError:
+            network.close()
+            raise
+        return network
 
     def _check_model_size(self, model: Any, what: str) -> None:
         """--max-model-bytes, before anything parses the model (a file path is the

@@ -397,7 +397,6 @@ def test_seed_config_and_metric_rules(ort_plugin):
 def test_metrics_have_real_values(ort_plugin):
     import onnxruntime
 
-
     metrics = ort_plugin.get_metric("SUPPORTED_METRICS")
     for name in metrics:
         ort_plugin.get_metric(name)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from zoo import ZooModel, load_all
 
-from plugserve.plugins.api import Unsupported
+from plugserve.plugins.api import InvalidArgument, Unsupported
 
 ZOO = load_all()
 DEVICES = [
@@ -28,11 +28,12 @@ DEVICES = [
 pytestmark = pytest.mark.slow
 
 
-def reference(model: ZooModel, feeds) -> dict:
+def reference(model: ZooModel, feeds, optimized: bool = False) -> dict:
     import onnxruntime as ort
 
     options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    if not optimized:
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     session = ort.InferenceSession(str(model.path()), options, providers=["CPUExecutionProvider"])
     names = [o.name for o in session.get_outputs()]
     return dict(zip(names, session.run(None, feeds)))
@@ -42,9 +43,18 @@ _openvino_reads: dict[str, str | None] = {}
 
 
 def openvino_refusal(model: ZooModel) -> str | None:
-    """Why openvino itself cannot read and compile the model, or None when it can."""
+    """Why openvino itself cannot read and compile the model, or None when it can. Models
+    with string tensors are refused by plugserve's OPENVINO on purpose (openvino aborts the
+    process freeing them; see plugins/openvino/plugin.py)."""
     if model.name not in _openvino_reads:
+        import onnx
         import openvino as ov
+
+        typed = onnx.shape_inference.infer_shapes(onnx.load(str(model.path())))
+        values = [*typed.graph.input, *typed.graph.output, *typed.graph.value_info]
+        if any(v.type.tensor_type.elem_type == onnx.TensorProto.STRING for v in values):
+            _openvino_reads[model.name] = "string tensors"
+            return _openvino_reads[model.name]
 
         try:
             ov.Core().compile_model(ov.Core().read_model(str(model.path())), "CPU")
@@ -101,6 +111,10 @@ def test_matches_onnxruntime(core, name: str, device: str) -> None:
             core.load_network(path, device)
         assert str(refused.value), f"openvino itself refuses ({why}); so must plugserve, clearly"
         return
+    if device.startswith("BATCH") and model.unbatchable:
+        with pytest.raises(InvalidArgument, match="cannot be batched"):
+            core.load_network(path, device)
+        return
     network = core.load_network(path, device)
     try:
         infer_requests = [network.create_infer_request() for _ in requests]
@@ -110,7 +124,14 @@ def test_matches_onnxruntime(core, name: str, device: str) -> None:
             got = request.wait(timeout=120)
             want = reference(model, feeds)
             assert set(got) == set(want), f"outputs {sorted(got)}, expected {sorted(want)}"
-            for output in want:
-                assert_same(got[output], want[output], model, f"{name} on {device}: {output}")
+            try:
+                for output in want:
+                    assert_same(got[output], want[output], model, f"{name} on {device}: {output}")
+            except AssertionError:
+                if not model.fused_int8 or not ("ORT" in device or device == "AUTO"):
+                    raise
+                fused = reference(model, feeds, optimized=True)  # as the ORT device runs it
+                for output in fused:
+                    assert_same(got[output], fused[output], model, f"{name} on {device}: {output}")
     finally:
         network.close()

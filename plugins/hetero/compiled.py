@@ -107,10 +107,11 @@ def _spec_json(spec: TensorSpec) -> dict[str, Any]:
         "name": spec.name,
         "dtype": None if spec.dtype is None else np.dtype(spec.dtype).str,
         "shape": None if spec.shape is None else list(spec.shape),
+        "kind": spec.kind,
     }
 
 
 def spec_from_json(data: dict[str, Any]) -> TensorSpec:
     dtype = None if data["dtype"] is None else np.dtype(data["dtype"])
     shape = None if data["shape"] is None else tuple(data["shape"])
-    return TensorSpec(data["name"], dtype, shape)
+    return TensorSpec(data["name"], dtype, shape, str(data.get("kind", "tensor")))

@@ -62,7 +62,21 @@ def _like_input(dtype: np.dtype | None) -> Rule:
 
 
 _rule(_ML, "Scaler", "Normalizer")(_like_input(_F32))
-_rule(_ML, "Binarizer", "Imputer", "ArrayFeatureExtractor")(_like_input(None))
+_rule(_ML, "Binarizer", "Imputer")(_like_input(None))
+
+
+@_rule(_ML, "ArrayFeatureExtractor")
+def _array_feature_extractor(node: Node, graph: Graph) -> list[Typed]:
+    """The selected last-axis entries: X's leading dims (a 1-d X counts as one row) and one
+    column per index, however the indices are shaped (onnxruntime's behaviour)."""
+    x, y = _input(node, graph), _input(node, graph, 1)
+    if x is None:
+        return [None]
+    count: int | None = None
+    if y is not None and all(isinstance(d, int) and d >= 0 for d in y.shape or ()):
+        count = int(np.prod(y.shape or (), dtype=np.int64))
+    leading = tuple(x.shape[:-1]) if len(x.shape or ()) > 1 else (1,)
+    return [(x.dtype, (*leading, count))]
 
 
 @_rule(_ML, "LinearRegressor", "SVMRegressor", "TreeEnsembleRegressor", "FeatureVectorizer")

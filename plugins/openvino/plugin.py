@@ -143,6 +143,13 @@ class OpenvinoPlugin(Plugin):
     ) -> OpenvinoCompiledNetwork:
         cfg = self.merged_config(config)
         graph, proto, data = self._read(model)
+        strings = string_nodes(graph)
+        if strings:
+            listed = ", ".join(repr(n) for n in sorted(strings)[:10])
+            raise Unsupported(
+                f"model {graph.name!r}: device {self.name} cannot run node(s) {listed}"
+                f"{' ...' if len(strings) > 10 else ''}: {_STRINGS}"
+            )
         names = Names(graph, proto)
         try:
             ov_model = self.core.read_model(data)
@@ -219,8 +226,9 @@ class OpenvinoPlugin(Plugin):
                 f"model {graph.name!r}: openvino query failed: {_first_line(exc)}"
             ) from None
         supported = supported_nodes(ov_model, names, answer, refused)
-        housekeeping(graph, supported)
         why = {n: f"openvino has no conversion for {op}" for n, op in refused.items()}
+        _refuse_strings(graph, supported, why)
+        housekeeping(graph, supported)
         for node in graph.nodes:
             if node.name not in supported and node.name not in why:
                 why[node.name] = f"openvino's {TARGET} device does not support {node.op_type} here"
@@ -247,6 +255,7 @@ class OpenvinoPlugin(Plugin):
                 )
             else:
                 supported.add(node.name)
+        _refuse_strings(graph, supported, why)
         housekeeping(graph, supported)
         for node in graph.nodes:
             if node.name not in supported:
@@ -255,7 +264,7 @@ class OpenvinoPlugin(Plugin):
 
     def import_network(
         self, data: bytes, config: Mapping[str, Any] | None = None
-    ) -> OpenvinoCompiledNetwork:
+    ) -> OpenvinoCompiledNetwork:  # a blob of a string model cannot exist: load refuses it
         header, payload = blob.unpack(data, self.name, self.architecture)
         saved = OpenvinoConfiguration(header.get("config", {}), throw_on_unsupported=False)
         cfg = OpenvinoConfiguration(config or {}, saved)
@@ -302,3 +311,40 @@ def _spec_from_json(item: Any) -> TensorSpec:
         None if dtype is None else np.dtype(dtype),
         None if shape is None else tuple(shape),
     )
+
+
+#: openvino 2026.4 reads and runs string tensors, then aborts the process when they are freed
+#: ("munmap_chunk(): invalid pointer", seen with a plain Identity on strings): a server must
+#: not load them there.
+_STRINGS = (
+    "string tensors are not run on openvino (it corrupts the heap freeing them); "
+    "use NUMPY or ORT, or HETERO:OPENVINO,NUMPY to keep the rest on openvino"
+)
+
+
+def string_nodes(graph: Graph) -> set[str]:
+    """Nodes that read or make a string tensor. A value ONNX leaves untyped counts as a string
+    when a node that reads strings makes it (com.microsoft's Tokenizer, say), and so on down."""
+    found: set[str] = set()
+    strings: set[str] = set()
+
+    def kind(name: str) -> np.dtype | None:
+        spec = graph.spec(name)
+        return None if spec is None else spec.dtype
+
+    for node in graph.nodes:  # in topological order
+        reads = any(n in strings or kind(n) == np.dtype(object) for n in node.inputs if n)
+        if reads or any(kind(o) == np.dtype(object) for o in node.outputs if o):
+            found.add(node.name)
+            strings.update(
+                o
+                for o in node.outputs
+                if o and (kind(o) == np.dtype(object) or (reads and kind(o) is None))
+            )
+    return found
+
+
+def _refuse_strings(graph: Graph, supported: set[str], why: dict[str, str]) -> None:
+    for name in string_nodes(graph) & supported:
+        supported.discard(name)
+        why[name] = _STRINGS

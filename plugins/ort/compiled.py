@@ -28,6 +28,7 @@ def spec_to_json(spec: TensorSpec) -> dict[str, Any]:
         "name": spec.name,
         "elem_type": None if spec.dtype is None else onnx_dtype(spec.dtype),
         "shape": None if spec.shape is None else list(spec.shape),
+        "kind": spec.kind,
     }
 
 
@@ -38,6 +39,7 @@ def spec_from_json(data: dict[str, Any]) -> TensorSpec:
         str(data["name"]),
         None if elem is None else np_dtype(int(elem)),
         None if shape is None else tuple(shape),
+        str(data.get("kind", "tensor")),
     )
 
 

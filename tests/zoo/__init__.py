@@ -37,6 +37,12 @@ class ZooModel:
     ``feeds(rng)`` makes one request's inputs. ``batch_axis`` is the axis BATCH may gather
     requests along (None: the model has no batch dimension). ``atol``/``rtol`` are the issue's
     tolerances unless the family needs its own (int8 models: one output quantization step).
+    ``fused_int8``: onnxruntime's optimizer fuses the model's QDQ pairs into integer kernels
+    that round at other points than the QDQ definition (measured up to 9 output steps on a few
+    values); the ORT device runs onnxruntime that way, so a result may match either
+    onnxruntime with its optimizations (as ORT serves) or without (the definition).
+    ``unbatchable`` says why BATCH must refuse the model at load although its inputs have a
+    batch dimension (an output declared without one, or not a tensor).
     ``known_failures`` maps a device (or ``"*"``) to the open bug that still breaks it there;
     the test expects the failure strictly, so a fix turns it red until the entry is removed.
     """
@@ -49,6 +55,8 @@ class ZooModel:
     batch_axis: int | None = 0
     rtol: float = 1e-3
     atol: float = 1e-4
+    unbatchable: str | None = None
+    fused_int8: bool = False
     known_failures: dict[str, str] = field(default_factory=dict)
     version: int = 1
 

@@ -7,6 +7,8 @@ from plugserve.plugins.numpy.kernels import (  # noqa: F401  (imported to regist
     control,
     elementwise,
     ml,
+    ml_classifiers,
+    ml_encoders,
     nn,
     quantize,
     random,

@@ -269,81 +269,97 @@ _BRANCH_MODES = {
 _POST = {"NONE": 0, "SOFTMAX": 1, "LOGISTIC": 2, "SOFTMAX_ZERO": 3}
 
 
-@register("TreeEnsembleRegressor", 1, 3, domain=_ML)
+class _LegacyEnsemble:
+    """The pre-``TreeEnsemble`` encoding of TreeEnsembleRegressor/Classifier: nodes addressed by
+    (tree id, node id), leaves are nodes with mode LEAF, and a leaf may feed several targets
+    (``target_*`` or ``class_*`` attributes). Leaves are folded into one dense (leaf, target)
+    weight table at load, so a request is a walk, a gather and a sum."""
+
+    def __init__(self, ctx: KernelContext, prefix: str, n_targets: int) -> None:
+        modes = [_BRANCH_MODES.get(m) for m in ctx.attr("nodes_modes")]
+        if None in modes:
+            raise ctx.unsupported("unknown node mode")
+        tree_ids = list(ctx.attr("nodes_treeids"))
+        node_ids = list(ctx.attr("nodes_nodeids"))
+        index = {(t, n): i for i, (t, n) in enumerate(zip(tree_ids, node_ids))}
+        if ctx.has_attr("nodes_values_as_tensor"):
+            splits = np.asarray(ctx.attr("nodes_values_as_tensor")).ravel()
+        else:
+            splits = np.asarray(ctx.attr("nodes_values", [0.0] * len(modes)), dtype=np.float32)
+        modes_arr = np.asarray(modes, dtype=np.int64)
+        is_leaf = modes_arr < 0
+
+        def child(attr):
+            ids = list(ctx.attr(attr, [0] * len(modes)))
+            return np.array(
+                [
+                    index.get((t, c), i) if not leaf else i
+                    for i, (t, c, leaf) in enumerate(zip(tree_ids, ids, is_leaf))
+                ],
+                dtype=np.int64,
+            )
+
+        true_next, false_next = child("nodes_truenodeids"), child("nodes_falsenodeids")
+        missing = ctx.attr("nodes_missing_value_tracks_true", None)
+        missing_true = (
+            np.asarray(missing, dtype=bool) if missing else np.zeros(len(modes), dtype=bool)
+        )
+        self.trees = _Trees(
+            np.asarray(ctx.attr("nodes_featureids"), dtype=np.int64),
+            splits,
+            modes_arr,
+            true_next,
+            false_next,
+            is_leaf[true_next],
+            is_leaf[false_next],
+            missing_true,
+        )
+        self.table = np.zeros((len(modes), n_targets))
+        if ctx.has_attr(f"{prefix}_weights_as_tensor"):
+            weights = np.asarray(ctx.attr(f"{prefix}_weights_as_tensor")).ravel().tolist()
+        else:
+            weights = list(ctx.attr(f"{prefix}_weights", []) or [])
+        self.target_ids = list(ctx.attr(f"{prefix}_ids", []))
+        for t, nd, target, w in zip(
+            ctx.attr(f"{prefix}_treeids", []),
+            ctx.attr(f"{prefix}_nodeids", []),
+            self.target_ids,
+            weights,
+        ):
+            if (t, nd) not in index or not 0 <= target < n_targets:
+                raise ctx.unsupported(f"{prefix} weight for an unknown node or target")
+            self.table[index[(t, nd)], target] += w
+        first: dict[int, int] = {}  # a tree's root is its first node in the lists
+        for i, t in enumerate(tree_ids):
+            first.setdefault(t, i)
+        self.roots = np.array(list(first.values()), dtype=np.int64)
+        self.root_leaf = is_leaf[self.roots]
+        if ctx.has_attr("base_values_as_tensor"):
+            base = np.asarray(ctx.attr("base_values_as_tensor"), dtype=np.float64).ravel()
+        else:
+            base = np.asarray(ctx.attr("base_values", []) or [0.0] * n_targets, dtype=np.float64)
+        self.base = base
+
+    def sums(self, x: np.ndarray) -> np.ndarray:
+        """Per row, the sum over trees of each target's leaf weights: (n, n_targets)."""
+        n = x.shape[0]
+        leaf = self.trees.walk(x.reshape(n, -1), self.roots, self.root_leaf, self.roots)
+        return self.table[leaf].sum(axis=1)
+
+
+@register("TreeEnsembleRegressor", 1, 3, 5, domain=_ML)
 def tree_ensemble_regressor(ctx: KernelContext):
-    """The pre-opset-5 encoding: nodes addressed by (tree id, node id), leaves are nodes with
-    mode LEAF, and a leaf may feed several targets. Leaves are folded into one dense
-    (leaf, target) weight table so aggregation is a gather and a sum."""
-    modes = [_BRANCH_MODES.get(m) for m in ctx.attr("nodes_modes")]
-    if None in modes:
-        raise ctx.unsupported("unknown node mode")
     aggregate = ctx.attr("aggregate_function", "SUM")
     if aggregate not in ("SUM", "AVERAGE"):
         raise ctx.unsupported(f"aggregate_function {aggregate!r}")
     post = _POST.get(ctx.attr("post_transform", "NONE"))
     if post is None:
         raise ctx.unsupported(f"post_transform {ctx.attr('post_transform')!r}")
-    tree_ids = list(ctx.attr("nodes_treeids"))
-    node_ids = list(ctx.attr("nodes_nodeids"))
-    index = {(t, n): i for i, (t, n) in enumerate(zip(tree_ids, node_ids))}
-    if ctx.has_attr("nodes_values_as_tensor"):
-        splits = np.asarray(ctx.attr("nodes_values_as_tensor")).ravel()
-    else:
-        splits = np.asarray(ctx.attr("nodes_values", [0.0] * len(modes)), dtype=np.float32)
-    modes_arr = np.asarray(modes, dtype=np.int64)
-    is_leaf = modes_arr < 0
-
-    def child(attr):
-        ids = list(ctx.attr(attr, [0] * len(modes)))
-        return np.array(
-            [
-                index.get((t, c), i) if not leaf else i
-                for i, (t, c, leaf) in enumerate(zip(tree_ids, ids, is_leaf))
-            ],
-            dtype=np.int64,
-        )
-
-    true_next, false_next = child("nodes_truenodeids"), child("nodes_falsenodeids")
-    missing = ctx.attr("nodes_missing_value_tracks_true", None)
-    missing_true = np.asarray(missing, dtype=bool) if missing else np.zeros(len(modes), dtype=bool)
-    trees = _Trees(
-        np.asarray(ctx.attr("nodes_featureids"), dtype=np.int64),
-        splits,
-        modes_arr,
-        true_next,
-        false_next,
-        is_leaf[true_next],
-        is_leaf[false_next],
-        missing_true,
-    )
-    n_targets = int(ctx.attr("n_targets", 1))
-    table = np.zeros((len(modes), n_targets))
-    if ctx.has_attr("target_weights_as_tensor"):
-        target_weights = np.asarray(ctx.attr("target_weights_as_tensor")).ravel().tolist()
-    else:
-        target_weights = list(ctx.attr("target_weights", []) or [])
-    for t, nd, target, w in zip(
-        ctx.attr("target_treeids", []),
-        ctx.attr("target_nodeids", []),
-        ctx.attr("target_ids", []),
-        target_weights,
-    ):
-        table[index[(t, nd)], target] += w
-    first: dict[int, int] = {}  # a tree's root is its first node in the lists
-    for i, t in enumerate(tree_ids):
-        first.setdefault(t, i)
-    roots = np.array(list(first.values()), dtype=np.int64)
-    if ctx.has_attr("base_values_as_tensor"):
-        base = np.asarray(ctx.attr("base_values_as_tensor"), dtype=np.float64).ravel()
-    else:
-        base = np.asarray(ctx.attr("base_values", []) or [0.0] * n_targets, dtype=np.float64)
-    scale = 1.0 / len(roots) if aggregate == "AVERAGE" else 1.0
-    root_leaf = is_leaf[roots]
+    ensemble = _LegacyEnsemble(ctx, "target", int(ctx.attr("n_targets", 1)))
+    scale = 1.0 / len(ensemble.roots) if aggregate == "AVERAGE" else 1.0
 
     def run(x):
-        n = x.shape[0]
-        leaf = trees.walk(x.reshape(n, -1), roots, root_leaf, roots)
-        out = table[leaf].sum(axis=1) * scale + base
+        out = ensemble.sums(x) * scale + ensemble.base
         return _post_transform(out.astype(np.float32), post)
 
     return run

@@ -222,3 +222,51 @@ def tfidf_vectorizer(ctx: KernelContext):
         return y if x.ndim == 2 else y.reshape(width)
 
     return run
+
+
+@register("Tokenizer", 1, domain="com.microsoft")
+def tokenizer(ctx: KernelContext):
+    """onnxruntime's contrib Tokenizer (skl2onnx emits it for text pipelines): each string is
+    split into tokens by ``tokenexp`` matches, by ``separators`` (regular expressions; ``[""]``
+    means characters), tokens shorter than ``mincharnum`` are dropped, ``mark`` wraps each row
+    in 0x02 / 0x03, and rows are padded with ``pad_value`` to the longest. A batch in which no
+    string has a token gives a last dimension of 0, as onnxruntime does."""
+    mark = bool(ctx.attr("mark"))
+    shortest = max(int(ctx.attr("mincharnum")), 1)
+    pad = ctx.attr("pad_value")
+    separators = [s.decode() if isinstance(s, bytes) else s for s in ctx.attr("separators", [])]
+    expression = ctx.attr("tokenexp", "")
+    try:
+        if expression and separators:
+            raise ctx.unsupported("give tokenexp or separators, not both")
+        if expression:
+            found = re.compile(expression)
+
+            def split(text: str) -> list[str]:
+                return [m.group(0) for m in found.finditer(text)]
+        elif separators == [""]:
+            if shortest > 1:
+                raise ctx.unsupported("mincharnum > 1 with character tokenization")
+            split = list
+        elif separators:
+            between = re.compile("|".join(f"(?:{s})" for s in separators))
+            split = between.split
+        else:
+            raise ctx.unsupported("neither tokenexp nor separators is given")
+    except re.error as exc:
+        raise ctx.unsupported(f"pattern: {exc}") from exc
+
+    def run(x):
+        rows = [[t for t in split(str(s)) if len(t) >= shortest] for s in x.ravel().tolist()]
+        width = max((len(r) for r in rows), default=0)
+        if width == 0:
+            return np.empty((*x.shape, 0), dtype=object)
+        if mark:
+            rows = [["\x02", *r, "\x03"] for r in rows]
+            width += 2
+        out = np.full((len(rows), width), pad, dtype=object)
+        for i, r in enumerate(rows):
+            out[i, : len(r)] = r
+        return out.reshape(*x.shape, width)
+
+    return run
