@@ -18,7 +18,7 @@ import pytest
 from onnx import TensorProto, helper
 from onnx.reference import ReferenceEvaluator
 
-from plugserve.plugins.api import InvalidInput
+from plugserve.plugins.api import InvalidInput, Unsupported
 from plugserve.server.conformance import load_cases, run_conformance
 from plugserve.server.core import Core
 
@@ -51,9 +51,7 @@ def _model(nodes, inputs, outputs, initializers=(), opset=25):
 
 
 def _run(core, model, feeds):
-    net = core.load_network(model, "NUMPY")
-    result = net.create_infer_request().infer(feeds)
-    return [result[o.name] for o in net.outputs]
+    return _run_on(core, model, "NUMPY", feeds)
 
 
 def _same(actual: np.ndarray, expected: np.ndarray) -> None:
@@ -307,3 +305,56 @@ def test_onnx_122_file_cases_pass_counted_over_every_runnable_case():
     passed = sum(r.status == "passed" and r.name in tensor_only for r in report.results)
     assert passed >= 1719, report.render(verbose=True)
     assert report.fraction >= 0.99, report.render(verbose=True)
+
+
+# --------------------------------------------------------------------------- other devices
+
+
+def _bf16_square():
+    return _model(
+        [helper.make_node("Mul", ["x", "x"], ["y"])],
+        [helper.make_tensor_value_info("x", TensorProto.BFLOAT16, [3])],
+        [helper.make_tensor_value_info("y", TensorProto.BFLOAT16, [3])],
+    )
+
+
+def _cast_to_float8_and_int4():
+    return _model(
+        [
+            helper.make_node("Cast", ["x"], ["f8"], to=TensorProto.FLOAT8E4M3FN),
+            helper.make_node("Cast", ["x"], ["i4"], to=TensorProto.INT4),
+        ],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+        [
+            helper.make_tensor_value_info("f8", TensorProto.FLOAT8E4M3FN, [4]),
+            helper.make_tensor_value_info("i4", TensorProto.INT4, [4]),
+        ],
+    )
+
+
+@pytest.mark.parametrize("device", ["OPENVINO", "AUTO", "HETERO:ORT,NUMPY"])
+def test_bfloat16_inputs_and_outputs_on_other_devices(core, device):
+    if device == "OPENVINO" and "OPENVINO" not in core.available_devices:
+        pytest.skip("openvino is not installed")
+    x = np.array([1.5, -2.0, 3.0], ml_dtypes.bfloat16)
+    (y,) = _run_on(core, _bf16_square(), device, {"x": x})
+    assert y.dtype == np.dtype(ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(y.astype(np.float32), [2.25, 4.0, 9.0])
+
+
+def test_devices_that_cannot_carry_float8_or_int4_refuse_them_and_auto_takes_numpy(core):
+    model = _cast_to_float8_and_int4()
+    for device in ("ORT", "OPENVINO"):
+        if device not in core.available_devices:
+            continue
+        with pytest.raises(Unsupported, match=f"'f8' is float8_e4m3fn.*device {device}"):
+            core.load_network(model, device)
+    f8, i4 = _run_on(core, model, "AUTO", {"x": np.array([0.3, -2.6, 500.0, 7.0], np.float32)})
+    np.testing.assert_array_equal(f8.astype(np.float32), [0.3125, -2.5, 448.0, 7.0])
+    np.testing.assert_array_equal(i4.astype(np.int8), [0, -2, 4, 7])
+
+
+def _run_on(core, model, device, feeds):
+    net = core.load_network(model, device)
+    result = net.create_infer_request().infer(feeds)
+    return [result[o.name] for o in net.outputs]

@@ -26,7 +26,7 @@ from plugserve.plugins.api import (
     TensorSpec,
     Unsupported,
 )
-from plugserve.plugins.ir import Graph, load_model, read_model
+from plugserve.plugins.ir import Graph, load_model, read_model, refuse_narrow_io
 from plugserve.plugins.openvino.compiled import OpenvinoCompiledNetwork
 from plugserve.plugins.openvino.config import OpenvinoConfiguration, compile_properties
 from plugserve.plugins.openvino.query import (
@@ -143,6 +143,8 @@ class OpenvinoPlugin(Plugin):
     ) -> OpenvinoCompiledNetwork:
         cfg = self.merged_config(config)
         graph, proto, data = self._read(model)
+        # float8 comes out as bits, 4-/2-bit types packed; bfloat16 crosses as bits (request.py)
+        refuse_narrow_io(graph, self.name, keep={"bfloat16"})
         names = Names(graph, proto)
         try:
             ov_model = self.core.read_model(data)

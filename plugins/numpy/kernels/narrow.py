@@ -16,6 +16,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from plugserve.plugins.ir import NARROW_FLOATS, NARROW_INTS, is_narrow
+
 __all__ = [
     "NARROW_FLOATS",
     "NARROW_INTS",
@@ -26,24 +28,6 @@ __all__ = [
     "widened",
 ]
 
-NARROW_FLOATS = frozenset(
-    np.dtype(t)
-    for t in (
-        ml_dtypes.bfloat16,
-        ml_dtypes.float8_e4m3fn,
-        ml_dtypes.float8_e4m3fnuz,
-        ml_dtypes.float8_e5m2,
-        ml_dtypes.float8_e5m2fnuz,
-        ml_dtypes.float8_e8m0fnu,
-        ml_dtypes.float4_e2m1fn,
-    )
-)
-NARROW_INTS = {
-    np.dtype(ml_dtypes.int4): np.dtype(np.int8),
-    np.dtype(ml_dtypes.uint4): np.dtype(np.uint8),
-    np.dtype(ml_dtypes.int2): np.dtype(np.int8),
-    np.dtype(ml_dtypes.uint2): np.dtype(np.uint8),
-}
 #: The float8 types whose casts clamp to the largest finite value when ``saturate`` is set.
 SATURATING_FLOAT8 = frozenset(
     np.dtype(t)
@@ -84,13 +68,6 @@ EXACT_OPS = frozenset(
         "Scan",
     }
 )
-
-
-def is_narrow(dtype: Any) -> bool:
-    if dtype is None:
-        return False
-    dtype = np.dtype(dtype)
-    return dtype in NARROW_FLOATS or dtype in NARROW_INTS
 
 
 def wide_dtype(dtype: np.dtype) -> np.dtype:
