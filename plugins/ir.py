@@ -32,6 +32,7 @@ __all__ = [
     "Node",
     "is_narrow",
     "load_model",
+    "narrow_value",
     "np_dtype",
     "onnx_dtype",
     "refuse_external_data",
@@ -69,17 +70,31 @@ def is_narrow(dtype: Any) -> bool:
     return dtype in NARROW_FLOATS or dtype in NARROW_INTS
 
 
-def refuse_narrow_io(graph: Graph, device: str, keep: Iterable[str] = ()) -> None:
-    """Raise Unsupported when an input or output of ``graph`` has a narrow type (but those
-    named in ``keep``): for backends whose Python binding cannot hand such arrays over, which
-    would otherwise fail at the first request or return wrong numbers. AUTO and HETERO then
-    take another device."""
-    for spec in (*graph.inputs, *graph.outputs):
+def refuse_narrow_io(
+    graph: Graph, device: str, keep: Iterable[str] = (), everywhere: bool = False
+) -> None:
+    """Raise Unsupported when an input or output of ``graph`` (with ``everywhere``, any value)
+    has a narrow type but those named in ``keep``: for backends whose Python binding cannot
+    hand such arrays over, or that compute them differently from the spec, which would
+    otherwise fail at the first request or return wrong numbers. AUTO then takes another
+    device."""
+    values = graph.value_info.values() if everywhere else (*graph.inputs, *graph.outputs)
+    for spec in values:
         if is_narrow(spec.dtype) and spec.dtype.name not in keep:
             raise Unsupported(
                 f"model {graph.name!r}: {spec.name!r} is {spec.dtype}, which device {device} "
-                "does not take in or give out; NUMPY does"
+                "does not carry as the ONNX spec says; NUMPY does"
             )
+
+
+def narrow_value(graph: Graph, node: Node, keep: Iterable[str] = ()) -> str:
+    """The first narrow-typed value (but those in ``keep``) ``node`` reads or writes, as
+    'name (dtype)', or '' (QueryNetwork leaves such nodes to NUMPY)."""
+    for name in (*node.inputs, *node.outputs):
+        spec = graph.value_info.get(name) if name else None
+        if spec is not None and is_narrow(spec.dtype) and spec.dtype.name not in keep:
+            return f"{name!r} ({spec.dtype})"
+    return ""
 
 
 def np_dtype(elem_type: int) -> np.dtype | None:

@@ -358,3 +358,32 @@ def _run_on(core, model, device, feeds):
     net = core.load_network(model, device)
     result = net.create_infer_request().infer(feeds)
     return [result[o.name] for o in net.outputs]
+
+
+@pytest.mark.parametrize("device", ["HETERO:ORT,NUMPY", "HETERO:OPENVINO,NUMPY"])
+def test_hetero_leaves_nodes_on_narrow_values_to_numpy(core, device):
+    """A float model computing inside in bfloat16 and float8: the narrow values stay on NUMPY,
+    whose pieces then hand float32 to the other device."""
+    if device.split(":")[1].split(",")[0] not in core.available_devices:
+        pytest.skip("device not installed")
+    model = _model(
+        [
+            helper.make_node("Relu", ["x"], ["r"], name="relu"),
+            helper.make_node("Cast", ["r"], ["b"], to=TensorProto.BFLOAT16, name="to_bf16"),
+            helper.make_node("Mul", ["b", "b"], ["m"], name="square"),
+            helper.make_node("Cast", ["m"], ["f"], to=TensorProto.FLOAT, name="from_bf16"),
+            helper.make_node("Cast", ["f"], ["q"], to=TensorProto.FLOAT8E4M3FN, name="to_f8"),
+            helper.make_node("Cast", ["q"], ["y"], to=TensorProto.FLOAT, name="from_f8"),
+        ],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])],
+    )
+    x = np.array([-1.0, 3.0, 30.0, 1000.0], np.float32)
+    placement = core.query_network(model, device)
+    assert placement["relu"] != "NUMPY"
+    on_numpy = ("to_f8", "from_f8") if "OPENVINO" in device else ("square", "to_f8", "from_f8")
+    assert all(placement[n] == "NUMPY" for n in on_numpy), placement  # OPENVINO takes bfloat16
+    (y,) = _run_on(core, model, device, {"x": x})
+    (expected,) = ReferenceEvaluator(model).run(None, {"x": x})
+    np.testing.assert_array_equal(y, expected)
+    assert y.tolist() == [0.0, 9.0, 448.0, 448.0]

@@ -30,13 +30,7 @@ __all__ = [
 
 #: The float8 types whose casts clamp to the largest finite value when ``saturate`` is set.
 SATURATING_FLOAT8 = frozenset(
-    np.dtype(t)
-    for t in (
-        ml_dtypes.float8_e4m3fn,
-        ml_dtypes.float8_e4m3fnuz,
-        ml_dtypes.float8_e5m2,
-        ml_dtypes.float8_e5m2fnuz,
-    )
+    d for d in NARROW_FLOATS if d.name.startswith("float8_") and d.name != "float8_e8m0fnu"
 )
 
 #: Ops that move or reinterpret elements without arithmetic, or handle narrow types
