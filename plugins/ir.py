@@ -18,13 +18,83 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 import onnx
 from onnx import AttributeProto, GraphProto, ModelProto, TensorProto, helper, numpy_helper
 
-from plugserve.plugins.api import InvalidModel, TensorSpec
+from plugserve.plugins.api import InvalidModel, TensorSpec, Unsupported
 
-__all__ = ["Graph", "Node", "load_model", "np_dtype", "onnx_dtype", "refuse_external_data"]
+__all__ = [
+    "NARROW_FLOATS",
+    "NARROW_INTS",
+    "Graph",
+    "Node",
+    "is_narrow",
+    "load_model",
+    "narrow_value",
+    "np_dtype",
+    "onnx_dtype",
+    "refuse_external_data",
+    "refuse_narrow_io",
+]
+
+
+#: Element types numpy lacks, as ml_dtypes carries them (what ``np_dtype`` gives for bfloat16,
+#: the float8 family, float4e2m1, int4/uint4 and int2/uint2); the ints map to the numpy type
+#: they are computed in.
+NARROW_FLOATS = frozenset(
+    np.dtype(t)
+    for t in (
+        ml_dtypes.bfloat16,
+        ml_dtypes.float8_e4m3fn,
+        ml_dtypes.float8_e4m3fnuz,
+        ml_dtypes.float8_e5m2,
+        ml_dtypes.float8_e5m2fnuz,
+        ml_dtypes.float8_e8m0fnu,
+        ml_dtypes.float4_e2m1fn,
+    )
+)
+NARROW_INTS = {
+    np.dtype(ml_dtypes.int4): np.dtype(np.int8),
+    np.dtype(ml_dtypes.uint4): np.dtype(np.uint8),
+    np.dtype(ml_dtypes.int2): np.dtype(np.int8),
+    np.dtype(ml_dtypes.uint2): np.dtype(np.uint8),
+}
+
+
+def is_narrow(dtype: Any) -> bool:
+    if dtype is None:
+        return False
+    dtype = np.dtype(dtype)
+    return dtype in NARROW_FLOATS or dtype in NARROW_INTS
+
+
+def refuse_narrow_io(
+    graph: Graph, device: str, keep: Iterable[str] = (), everywhere: bool = False
+) -> None:
+    """Raise Unsupported when an input or output of ``graph`` (with ``everywhere``, any value)
+    has a narrow type but those named in ``keep``: for backends whose Python binding cannot
+    hand such arrays over, or that compute them differently from the spec, which would
+    otherwise fail at the first request or return wrong numbers. AUTO then takes another
+    device."""
+    values = graph.value_info.values() if everywhere else (*graph.inputs, *graph.outputs)
+    for spec in values:
+        if is_narrow(spec.dtype) and spec.dtype.name not in keep:
+            raise Unsupported(
+                f"model {graph.name!r}: {spec.name!r} is {spec.dtype}, which device {device} "
+                "does not carry as the ONNX spec says; NUMPY does"
+            )
+
+
+def narrow_value(graph: Graph, node: Node, keep: Iterable[str] = ()) -> str:
+    """The first narrow-typed value (but those in ``keep``) ``node`` reads or writes, as
+    'name (dtype)', or '' (QueryNetwork leaves such nodes to NUMPY)."""
+    for name in (*node.inputs, *node.outputs):
+        spec = graph.value_info.get(name) if name else None
+        if spec is not None and is_narrow(spec.dtype) and spec.dtype.name not in keep:
+            return f"{name!r} ({spec.dtype})"
+    return ""
 
 
 def np_dtype(elem_type: int) -> np.dtype | None:

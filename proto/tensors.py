@@ -5,6 +5,11 @@ Shared by the server and the client (which may depend on nothing but this packag
 Numeric tensors are little-endian C-order bytes read with ``np.frombuffer``. String tensors
 (numpy object arrays of ``str``) are a 4-byte little-endian length then the UTF-8 bytes, per
 element, the layout KServe v2 uses for BYTES.
+
+The element types numpy lacks travel under their ``ml_dtypes`` names (bfloat16, float8_e4m3fn,
+float8_e4m3fnuz, float8_e5m2, float8_e5m2fnuz, float8_e8m0fnu, float4_e2m1fn, int4, uint4, int2,
+uint2), in ml_dtypes' layout: one element per byte (two for bfloat16), the 4- and 2-bit ones in
+the low bits, unpacked.
 """
 
 from __future__ import annotations
@@ -51,6 +56,25 @@ DTYPES: dict[str, np.dtype] = {
     )
 }
 DTYPES["string"] = np.dtype(object)
+try:
+    import ml_dtypes
+except ImportError:  # a client without ml_dtypes carries the numpy types only
+    ml_dtypes = None
+if ml_dtypes is not None:
+    for _name in (
+        "bfloat16",
+        "float8_e4m3fn",
+        "float8_e4m3fnuz",
+        "float8_e5m2",
+        "float8_e5m2fnuz",
+        "float8_e8m0fnu",
+        "float4_e2m1fn",
+        "int4",
+        "uint4",
+        "int2",
+        "uint2",
+    ):
+        DTYPES[_name] = np.dtype(getattr(ml_dtypes, _name))
 MAX_DIMS = 32
 
 
@@ -189,4 +213,6 @@ def array_payload(array: np.ndarray) -> memoryview | bytes:
     if array.dtype.kind in "OUS":
         return encode_strings(array)
     array = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
+    if array.dtype.kind == "V":  # ml_dtypes types have no buffer-protocol format: as bytes
+        array = array.view(np.uint8)
     return memoryview(array.reshape(-1)).cast("B") if array.size else b""

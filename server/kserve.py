@@ -36,6 +36,7 @@ import types
 from collections.abc import Iterator
 
 import grpc
+import ml_dtypes
 import numpy as np
 
 from plugserve.plugins.api import (
@@ -68,7 +69,8 @@ PLATFORM = "onnxruntime_onnx"
 BACKEND = "plugserve"
 EXTENSIONS = ["model_repository", "model_configuration", "statistics"]
 
-# KServe datatype -> numpy dtype (BF16 has none in numpy: refused)
+# KServe datatype -> numpy dtype (BF16 is ml_dtypes', as tritonclient's; the float8/int4 types
+# have no KServe datatype and travel on plugserve.v1 only)
 DATATYPES: dict[str, np.dtype] = {
     "BOOL": np.dtype(bool),
     "UINT8": np.dtype(np.uint8),
@@ -82,6 +84,7 @@ DATATYPES: dict[str, np.dtype] = {
     "FP16": np.dtype(np.float16),
     "FP32": np.dtype(np.float32),
     "FP64": np.dtype(np.float64),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
     "BYTES": np.dtype(object),
 }
 _BY_DTYPE = {dtype: name for name, dtype in DATATYPES.items()}
@@ -92,7 +95,7 @@ _STREAM_INFER_RESPONSE = pb.ModelStreamInferResponse.DESCRIPTOR.fields_by_name[
     "infer_response"
 ].number
 
-# KServe datatype -> the InferTensorContents field that carries it (FP16 has none: raw only)
+# KServe datatype -> the InferTensorContents field that carries it (FP16, BF16: raw only)
 CONTENTS = {
     "BOOL": "bool_contents",
     "INT8": "int_contents",

@@ -225,8 +225,11 @@ def test_bad_infer_requests(client, triton, network, tensors, code, parts):
 def test_unknown_dtypes(client, triton):
     code, message = ours(client, "add", [("a", "complex64", [3], b"\0" * 24), GOOD_B])
     assert code == INVALID and "unknown dtype 'complex64'" in message
+    status, message = kserve(triton, "add", [("a", "FP8", [3], b"\0" * 3), GOOD_B])
+    assert status == str(INVALID) and "datatype 'FP8' is not supported" in message
+    # BF16 is a KServe datatype (bfloat16); "add" takes float32
     status, message = kserve(triton, "add", [("a", "BF16", [3], b"\0" * 6), GOOD_B])
-    assert status == str(INVALID) and "datatype 'BF16' is not supported" in message
+    assert status == str(INVALID) and "bfloat16" in message and "float32" in message, message
     still_serving(client, triton)
 
 

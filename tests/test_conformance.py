@@ -10,7 +10,7 @@ import pytest
 
 from plugserve.server.conformance import load_cases, run_conformance
 
-REQUIRED_FRACTION = 0.90
+REQUIRED_FRACTION = 0.99
 
 
 def test_runner_cli_reports_in_the_documented_format():
@@ -34,27 +34,21 @@ def test_runner_cli_reports_in_the_documented_format():
         timeout=300,
     )
     assert out.returncode == 0, out.stdout + out.stderr
-    assert out.stdout.startswith("PASS ") and " / TOTAL " in out.stdout and "(skipped" in out.stdout
-
-
-def test_runner_counts_out_of_scope_types_as_skipped():
-    report = run_conformance(
-        "NUMPY", ["test_cast_FLOAT_to_FLOAT8E4M3FN", "test_cast_FLOAT_to_DOUBLE"]
+    assert (
+        out.stdout.startswith("PASS ") and " / TOTAL " in out.stdout and "% on NUMPY" in out.stdout
     )
-    statuses = {r.name: r.status for r in report.results}
-    assert statuses["test_cast_FLOAT_to_FLOAT8E4M3FN"] == "skipped"
-    assert statuses["test_cast_FLOAT_to_DOUBLE"] == "passed"
 
 
 def test_a_sample_of_every_tenth_case_passes():
     names = [c.name for c in load_cases()][::10]
     report = run_conformance("NUMPY", [f"^{n}$" for n in names])
     assert report.total > 100
-    assert report.fraction >= REQUIRED_FRACTION, report.render(verbose=True)
+    assert report.fraction >= 0.95, report.render(verbose=True)
 
 
 @pytest.mark.slow
 def test_full_conformance_on_numpy():
     report = run_conformance("NUMPY")
     print(report.render())
+    assert report.total == len(load_cases())  # every case counted, none skipped
     assert report.fraction >= REQUIRED_FRACTION, report.render(verbose=True)

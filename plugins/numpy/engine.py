@@ -19,7 +19,7 @@ from onnx import AttributeProto
 
 from plugserve.plugins.api import InferenceError, PerfCount, PlugserveError, TensorSpec, Unsupported
 from plugserve.plugins.ir import Graph, Node, graph_from_proto, subgraph_free_names
-from plugserve.plugins.numpy.kernels.registry import KernelContext, Registry
+from plugserve.plugins.numpy.kernels.registry import KernelContext, Registry, build_kernel
 
 __all__ = ["Plan", "Subgraph", "compile_plan"]
 
@@ -237,7 +237,7 @@ def _build(
         _subgraph_factory(node, graph, registry, specs, captured),
     )
     try:
-        return entry.build(ctx)
+        return build_kernel(entry, ctx)
     except PlugserveError:
         raise
     except Exception as exc:

@@ -26,7 +26,7 @@ from plugserve.plugins.api import (
     TensorSpec,
     Unsupported,
 )
-from plugserve.plugins.ir import Graph, load_model, read_model
+from plugserve.plugins.ir import Graph, load_model, narrow_value, read_model, refuse_narrow_io
 from plugserve.plugins.openvino.compiled import OpenvinoCompiledNetwork
 from plugserve.plugins.openvino.config import OpenvinoConfiguration, compile_properties
 from plugserve.plugins.openvino.query import (
@@ -150,6 +150,9 @@ class OpenvinoPlugin(Plugin):
                 f"model {graph.name!r}: device {self.name} cannot run node(s) {listed}"
                 f"{' ...' if len(strings) > 10 else ''}: {_STRINGS}"
             )
+        # openvino truncates float8 without saturating, gives it out as bits and 4-/2-bit types
+        # packed; bfloat16 it computes, and it crosses as bits (request.py)
+        refuse_narrow_io(graph, self.name, keep={"bfloat16"}, everywhere=True)
         names = Names(graph, proto)
         try:
             ov_model = self.core.read_model(data)
@@ -190,14 +193,29 @@ class OpenvinoPlugin(Plugin):
     def _query(
         self, model: Model, config: Mapping[str, Any] | None
     ) -> tuple[set[str], dict[str, str]]:
+        """What :meth:`_ask_openvino` answers, without the nodes that touch float8, float4,
+        int4 or int2 values (load refuses those: see :func:`refuse_narrow_io`)."""
+        cfg = self.merged_config(config, strict=False)
+        graph, proto, data = self._read(model)
+        supported, why = self._ask_openvino(cfg, graph, proto, data)
+        for node in graph.nodes:
+            narrow = narrow_value(graph, node, keep={"bfloat16"})
+            if narrow and node.name in supported:
+                supported.discard(node.name)
+                why[node.name] = (
+                    f"reads or writes {narrow}, which openvino does not compute as ONNX says"
+                )
+        return supported, why
+
+    def _ask_openvino(
+        self, cfg: OpenvinoConfiguration, graph: Graph, proto: onnx.ModelProto, data: bytes
+    ) -> tuple[set[str], dict[str, str]]:
         """The nodes openvino supports, and why each other one is refused.
 
         A model openvino cannot read whole (an op it fails to convert, even inside an If
         branch) is asked node by node: each node as a model of its own, so that the nodes it
         can run still go to it under HETERO rather than failing the whole query.
         """
-        cfg = self.merged_config(config, strict=False)
-        graph, proto, data = self._read(model)
         names = Names(graph, proto)
         # Snippets (openvino's fusion of element-wise runs into generated kernels) decide
         # nothing about support, and tokenizing them is superlinear in a run's length: a

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
+import ml_dtypes
 import numpy as np
 
 from plugserve.plugins.api import (
@@ -50,7 +51,7 @@ class OpenvinoInferRequest(InferRequest):
         arrays = check_inputs(self.network.name, self.network.inputs, inputs)
         self._shapes = shapes_of([s.name for s in self.network.inputs], arrays)
         return {
-            port: _c_order(array)
+            port: _bf16_tensor(array) if array.dtype == _BF16 else _c_order(array)
             for port, array in zip(self.network.input_ports, arrays)
             if port is not None
         }
@@ -61,6 +62,8 @@ class OpenvinoInferRequest(InferRequest):
             if port is None:
                 continue
             data = np.array(self._request.get_output_tensor(port).data, copy=True)
+            if spec.dtype == _BF16 and data.dtype.itemsize == 2:
+                data = data.view(_BF16)  # openvino shows bfloat16 bits as a float16 array
             if spec.dtype is not None and spec.dtype != object and data.dtype != spec.dtype:
                 data = data.astype(spec.dtype)
             results[spec.name] = data
@@ -160,6 +163,19 @@ class OpenvinoInferRequest(InferRequest):
                 )
             )
         return counts
+
+
+_BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def _bf16_tensor(array: np.ndarray) -> Any:
+    """A bfloat16 input as an openvino bf16 tensor: openvino takes an ml_dtypes array for a
+    float16 one, so the bits go in through a same-size view."""
+    import openvino as ov
+
+    tensor = ov.Tensor(ov.Type.bf16, ov.Shape(list(array.shape)))
+    tensor.data[...] = _c_order(array).view(tensor.data.dtype)
+    return tensor
 
 
 def _c_order(array: np.ndarray) -> np.ndarray:

@@ -30,6 +30,7 @@ from plugserve.plugins.ir import (
     load_model,
     read_model,
     refuse_external_data,
+    refuse_narrow_io,
 )
 from plugserve.plugins.ort import backend
 from plugserve.plugins.ort.compiled import OrtCompiledNetwork, spec_from_json
@@ -86,6 +87,7 @@ class OrtPlugin(Plugin):
     ) -> OrtCompiledNetwork:
         cfg = self.merged_config(config)
         graph, data, shapes = self._read(model)
+        refuse_narrow_io(graph, self.name)  # onnxruntime's numpy binding has no such types
         threads = cfg.threads_per_stream()
         level = cfg.get("GRAPH_OPTIMIZATION_LEVEL")
         try:

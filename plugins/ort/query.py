@@ -19,7 +19,7 @@ import onnx
 import onnx.defs
 from onnx import AttributeProto, TensorProto
 
-from plugserve.plugins.ir import Graph, Node, onnx_dtype
+from plugserve.plugins.ir import Graph, Node, narrow_value, onnx_dtype
 from plugserve.plugins.ort.backend import PROVIDER, ort
 
 __all__ = ["KernelIndex", "unsupported_nodes"]
@@ -251,6 +251,12 @@ def unsupported_nodes(graph: Graph, index: KernelIndex | None = None) -> dict[st
 
     failures: dict[str, str] = {}
     for node in graph.nodes:
+        narrow = narrow_value(graph, node)
+        if narrow:  # HETERO would cut there, and the binding cannot pass such a tensor on
+            failures[node.name] = (
+                f"reads or writes {narrow}, which onnxruntime's Python binding cannot hand over"
+            )
+            continue
         why = index.check(node, graph.opsets, functions, type_of)
         if why:
             failures[node.name] = why

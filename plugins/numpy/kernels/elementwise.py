@@ -24,9 +24,11 @@ import functools
 import math
 from collections.abc import Callable
 
+import ml_dtypes
 import numpy as np
 from onnx import TensorProto, helper
 
+from plugserve.plugins.numpy.kernels import narrow
 from plugserve.plugins.numpy.kernels.registry import KernelContext, register
 
 Kernel = Callable[..., object]
@@ -384,6 +386,25 @@ _CASTABLE = {
     TensorProto.UINT64,
     TensorProto.BOOL,
     TensorProto.STRING,
+    TensorProto.BFLOAT16,
+    TensorProto.COMPLEX64,
+    TensorProto.COMPLEX128,
+    *(
+        getattr(TensorProto, name)
+        for name in (
+            "FLOAT8E4M3FN",
+            "FLOAT8E4M3FNUZ",
+            "FLOAT8E5M2",
+            "FLOAT8E5M2FNUZ",
+            "FLOAT8E8M0",
+            "FLOAT4E2M1",
+            "INT4",
+            "UINT4",
+            "INT2",
+            "UINT2",
+        )
+        if hasattr(TensorProto, name)
+    ),
 }
 
 
@@ -398,6 +419,8 @@ def _target_dtype(ctx: KernelContext, to: int) -> np.dtype:
 
 def _parse_strings(x: np.ndarray, target: np.dtype) -> np.ndarray:
     """Numbers from strings: plain and scientific notation, INF/-INF/NaN in any case."""
+    if narrow.is_narrow(target):
+        return _parse_strings(x, np.dtype(np.float32)).astype(target)
     if target.kind == "f":
         return np.asarray(x.astype(target))
     if target.kind == "b":
@@ -408,43 +431,72 @@ def _parse_strings(x: np.ndarray, target: np.dtype) -> np.ndarray:
         return np.asarray(x.astype(np.float64).astype(target))
 
 
-def _caster(target: np.dtype) -> Callable[[np.dtype], Kernel]:
+def _narrow_converter(target: np.dtype, saturate: bool, round_mode: str) -> Callable | None:
+    """The conversion into a float8 type that the spec defines differently from a plain
+    rounding cast: clamping to the largest finite value (``saturate``, the default) and the
+    e8m0 exponent-only type's ``round_mode``. None when a plain ``astype`` is the spec."""
+    if target in narrow.SATURATING_FLOAT8 and saturate:
+        lo, hi = narrow.narrow_range(target)
+        return lambda x: np.clip(x, lo, hi).astype(target)
+    if target == np.dtype(ml_dtypes.float8_e8m0fnu):
+        from onnx.numpy_helper import to_float8e8m0
+
+        return lambda x: to_float8e8m0(x, saturate, round_mode).astype(target)
+    return None
+
+
+def _caster(
+    target: np.dtype, saturate: bool = True, round_mode: str = "up"
+) -> Callable[[np.dtype], Kernel]:
+    special = _narrow_converter(target, saturate, round_mode)
+
     def choose(source: np.dtype) -> Kernel:
         if source == target:
             return lambda x, *_: x
         if target.kind == "O":
+            if narrow.is_narrow(source):
+                return lambda x, *_: np.asarray(x.astype(np.float32).astype(np.str_).astype(object))
             return lambda x, *_: np.asarray(x.astype(np.str_).astype(object))
         if source.kind == "O":
             return lambda x, *_: _parse_strings(x, target)
+        if special is not None and source.kind in "fiub":
+            return lambda x, *_: np.asarray(special(x))
+        if special is not None:  # from another narrow type: through float32
+            return lambda x, *_: np.asarray(special(x.astype(np.float32)))
         return lambda x, *_: np.asarray(x.astype(target))
 
     return choose
 
 
+def _cast_modes(ctx: KernelContext) -> tuple[bool, str]:
+    return bool(ctx.attr("saturate", 1)), str(ctx.attr("round_mode", "up"))
+
+
 @register("Cast", 6, 9, 13, 19, 21, 23, 24, 25, 28)
 def cast(ctx: KernelContext):
-    """Numeric, bool and string targets; ``saturate``/``round_mode`` only concern the float8
-    targets, which are refused. Numbers become strings in numpy's shortest round-trip form."""
-    return _by_dtype(ctx, _caster(_target_dtype(ctx, ctx.attr("to"))))
+    """Every element type onnx defines except the 6-bit floats. Numbers become strings in
+    numpy's shortest round-trip form; float8 targets clamp when ``saturate`` (the default)."""
+    return _by_dtype(ctx, _caster(_target_dtype(ctx, ctx.attr("to")), *_cast_modes(ctx)))
 
 
 @register("CastLike", 15, 19, 21, 23, 24, 25)
 def cast_like(ctx: KernelContext):
     """Cast to the type of the second input (known from shape inference, else per request)."""
+    modes = _cast_modes(ctx)
     target = ctx.input_dtype(1)
     if target is not None:
         target = np.dtype(target)
         to = TensorProto.STRING if target.kind == "O" else helper.np_dtype_to_tensor_dtype(target)
-        return _by_dtype(ctx, _caster(_target_dtype(ctx, to)))
+        return _by_dtype(ctx, _caster(_target_dtype(ctx, to), *modes))
     cache: dict[tuple[np.dtype, np.dtype], Kernel] = {}
 
     def run(x, like):
         key = (x.dtype, like.dtype)
         fn = cache.get(key)
         if fn is None:
-            if like.dtype.kind not in "biufO":
+            if like.dtype.kind not in "biufcO" and not narrow.is_narrow(like.dtype):
                 raise TypeError(f"cast to {like.dtype} is not implemented")
-            fn = cache[key] = _caster(like.dtype)(x.dtype)
+            fn = cache[key] = _caster(like.dtype, *modes)(x.dtype)
         return fn(x, like)
 
     return run

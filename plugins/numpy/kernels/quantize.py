@@ -1,7 +1,10 @@
 """Quantize/dequantize and the integer convolution and matmul ops.
 
-Only the integer quantized types (int8, uint8, int16, uint16 and int32 for DequantizeLinear)
-are implemented; float8/int4 variants are refused at load.
+QuantizeLinear and DequantizeLinear take every quantized type the spec lists: int8/uint8,
+int16/uint16, int4/uint4, int2/uint2 (rounded half to even and clamped), the float8 family
+(rounded to nearest, clamped to the largest finite value when ``saturate``; their zero point must
+be 0 and is not added) and float4e2m1 (which has no infinity, so rounding already clamps); int32
+for DequantizeLinear. The narrow types are ``ml_dtypes`` arrays (see :mod:`narrow`).
 
 Integer products are computed exactly in float64 (BLAS GEMM; every partial sum of 8/16-bit
 products is an integer far below 2**53) and converted back, so ConvInteger, MatMulInteger and
@@ -12,7 +15,9 @@ convolutions reuse the float Conv machinery of :mod:`nn`.
 from __future__ import annotations
 
 import numpy as np
+from onnx import TensorProto, helper
 
+from plugserve.plugins.numpy.kernels import narrow
 from plugserve.plugins.numpy.kernels.nn import ConvSpec, conv_forward, pack_conv_weight
 from plugserve.plugins.numpy.kernels.registry import KernelContext, register
 
@@ -21,18 +26,20 @@ _RANGES = {
     np.dtype(np.int8): (-128, 127),
     np.dtype(np.uint16): (0, 65535),
     np.dtype(np.int16): (-32768, 32767),
+    **{dtype: narrow.narrow_range(dtype) for dtype in narrow.NARROW_INTS},
 }
-# ONNX TensorProto data type codes for the output_dtype / precision attributes.
-_ONNX_DTYPES = {
-    1: np.dtype(np.float32),
-    2: np.dtype(np.uint8),
-    3: np.dtype(np.int8),
-    4: np.dtype(np.uint16),
-    5: np.dtype(np.int16),
-    6: np.dtype(np.int32),
-    10: np.dtype(np.float16),
-    11: np.dtype(np.float64),
-}
+_FLOAT8 = narrow.SATURATING_FLOAT8
+_FLOAT4 = frozenset(d for d in narrow.NARROW_FLOATS if d.name == "float4_e2m1fn")
+
+
+def _onnx_dtype(code: int) -> np.dtype | None:
+    """The numpy dtype of an output_dtype / precision attribute's ONNX type code."""
+    if code in (TensorProto.UNDEFINED, TensorProto.STRING):
+        return None
+    try:
+        return np.dtype(helper.tensor_dtype_to_np_dtype(code))
+    except (KeyError, ValueError, TypeError):
+        return None
 
 
 def _broadcast_param(value: np.ndarray, shape: tuple, axis: int, block_size: int) -> np.ndarray:
@@ -72,29 +79,54 @@ def quantize_linear(ctx: KernelContext):
     if zp_dtype is not None:
         out_dtype = np.dtype(zp_dtype)
     elif out_code:
-        out_dtype = _ONNX_DTYPES.get(out_code)
+        out_dtype = _onnx_dtype(out_code)
     else:
         out_dtype = ctx.output_dtype(0) or np.dtype(np.uint8)
-    if out_dtype not in _RANGES:
+    if out_dtype not in _RANGES and out_dtype not in _FLOAT8 and out_dtype not in _FLOAT4:
         raise ctx.unsupported(f"quantized type {out_dtype} (ONNX type {out_code})")
-    lo, hi = _RANGES[out_dtype]
     precision = int(ctx.attr("precision", 0))
-    if precision and precision not in _ONNX_DTYPES:
+    prec = _onnx_dtype(precision) if precision else None
+    if precision and (prec is None or prec.kind != "f"):
         raise ctx.unsupported(f"precision {precision}")
-    prec = _ONNX_DTYPES.get(precision)
+    saturate = bool(ctx.attr("saturate", 1))
+
+    def scaled(x, scale, ax):
+        s = _broadcast_param(scale, x.shape, ax, block_size)
+        if prec is not None:
+            return x.astype(prec) / s.astype(prec)
+        if x.dtype.kind == "f" and s.dtype.kind == "f":
+            return x / s
+        return x.astype(np.float32) / s.astype(np.float32)
+
+    if out_dtype in _FLOAT8:
+        lo, hi = narrow.narrow_range(out_dtype)
+
+        def run_float8(x, scale, zero_point=None):
+            q = scaled(x, scale, axis + x.ndim if axis < 0 else axis)
+            return (np.clip(q, lo, hi) if saturate else q).astype(out_dtype)
+
+        return run_float8
+
+    if out_dtype in _FLOAT4:
+
+        def run_float4(x, scale, zero_point=None):
+            ax = axis + x.ndim if axis < 0 else axis
+            q = scaled(x, scale, ax)
+            if zero_point is not None:
+                zp = _broadcast_param(zero_point, x.shape, ax, block_size)
+                q = q + zp.astype(np.float32)
+            return q.astype(out_dtype)
+
+        return run_float4
+
+    lo, hi = _RANGES[out_dtype]
 
     def run(x, scale, zero_point=None):
         ax = axis + x.ndim if axis < 0 else axis
-        s = _broadcast_param(scale, x.shape, ax, block_size)
-        if prec is not None:
-            q = x.astype(prec) / s.astype(prec)
-        elif x.dtype.kind == "f" and s.dtype.kind == "f":
-            q = x / s
-        else:
-            q = x.astype(np.float32) / s.astype(np.float32)
-        q = np.rint(q)
+        q = np.rint(scaled(x, scale, ax))
         if zero_point is not None:
-            q = q.astype(np.float64) + _broadcast_param(zero_point, x.shape, ax, block_size)
+            zp = _broadcast_param(zero_point, x.shape, ax, block_size)
+            q = q.astype(np.float64) + zp.astype(np.float64)
         return np.clip(q, lo, hi).astype(out_dtype)
 
     return run
@@ -105,20 +137,23 @@ def dequantize_linear(ctx: KernelContext):
     """y = (x - zero_point) * scale, in the scale's type (or output_dtype)."""
     axis, block_size = _axis_attrs(ctx)
     in_dtype = ctx.input_dtype(0)
-    if in_dtype is not None and in_dtype not in _RANGES and in_dtype != np.int32:
+    quantized = set(_RANGES) | _FLOAT8 | _FLOAT4 | {np.dtype(np.int32)}
+    if in_dtype is not None and np.dtype(in_dtype) not in quantized:
         raise ctx.unsupported(f"quantized type {in_dtype}")
     out_code = int(ctx.attr("output_dtype", 0)) if ctx.version >= 23 else 0
-    if out_code and _ONNX_DTYPES.get(out_code) not in (np.float16, np.float32, np.float64):
+    forced = _onnx_dtype(out_code) if out_code else None
+    if out_code and (forced is None or (forced.kind != "f" and not narrow.is_narrow(forced))):
         raise ctx.unsupported(f"output_dtype {out_code}")
-    forced = _ONNX_DTYPES.get(out_code)
 
     def run(x, scale, zero_point=None):
         ax = axis + x.ndim if axis < 0 else axis
         out_dtype = forced or scale.dtype
         dx = x.astype(np.float32)
-        if zero_point is not None:
-            dx -= _broadcast_param(zero_point, x.shape, ax, block_size)
-        y = dx * _broadcast_param(scale, x.shape, ax, block_size)
+        if zero_point is not None and x.dtype not in _FLOAT8:
+            zp = _broadcast_param(zero_point, x.shape, ax, block_size)
+            dx -= zp.astype(np.float32)
+        s = _broadcast_param(scale, x.shape, ax, block_size)
+        y = dx * (s.astype(np.float32) if narrow.is_narrow(s.dtype) else s)
         return y.astype(out_dtype, copy=False)
 
     return run

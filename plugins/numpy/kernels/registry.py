@@ -23,7 +23,15 @@ import onnx
 
 from plugserve.plugins.api import Unsupported
 
-__all__ = ["REQUIRED", "KernelContext", "KernelEntry", "Registry", "default_registry", "register"]
+__all__ = [
+    "REQUIRED",
+    "KernelContext",
+    "KernelEntry",
+    "Registry",
+    "build_kernel",
+    "default_registry",
+    "register",
+]
 
 Kernel = Callable[..., Any]
 Builder = Callable[["KernelContext"], Kernel]
@@ -234,6 +242,18 @@ class KernelContext:
     def unsupported(self, why: str) -> Unsupported:
         """An error for the builder to raise: the node is refused at load with the reason."""
         return Unsupported(f"node {self.name!r} ({self.op_type}): {why}")
+
+
+def build_kernel(entry: KernelEntry, ctx: KernelContext) -> Kernel:
+    """The entry's kernel for the node; arithmetic on bfloat16, float8, float4, int4 or int2
+    values is computed widened (see :mod:`narrow`), so each op need not know those types."""
+    from plugserve.plugins.numpy.kernels import narrow
+
+    if entry.op_type not in narrow.EXACT_OPS and any(
+        s is not None and narrow.is_narrow(s.dtype) for s in (*ctx._input_specs, *ctx._output_specs)
+    ):
+        return narrow.widened(entry.build, ctx, entry.multi_output)
+    return entry.build(ctx)
 
 
 default_registry = Registry()
