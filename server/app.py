@@ -1,7 +1,8 @@
 """``plugserve serve``: the long-running server.
 
 One gRPC port serves plugserve.v1, KServe v2 (``inference.GRPCInferenceService``), health and
-reflection; Prometheus scrapes ``/metrics`` on its own port. The gRPC server is grpcio's
+reflection; KServe v2 over HTTP/REST has its own port (``server/rest.py``, same data plane, auth,
+TLS and limits); Prometheus scrapes ``/metrics`` on its own port. The gRPC server is grpcio's
 thread-pool server, chosen by measurement: a 602 KB echo takes 1.1 ms on it and 2.0 ms on
 grpc.aio here (64 B: 0.6 ms on both), and inference itself runs on the device executors, so
 handler threads only wait on futures. ``maximum_concurrent_rpcs`` bounds what is admitted.
@@ -34,6 +35,7 @@ from plugserve.server.examples import build_examples, default_examples_dir
 from plugserve.server.handlers import add_service
 from plugserve.server.metrics import Metrics
 from plugserve.server.repository import Repository, single_model_repository
+from plugserve.server.rest import RestApp, RestServer
 from plugserve.server.security import (
     AuthInterceptor,
     load_tokens,
@@ -113,6 +115,8 @@ class Server:
         self.health_server: grpc.Server | None = None
         self.health_port = 0
         self.metrics_port = 0
+        self.rest: RestServer | None = None
+        self.http_port = 0
         self._stopped = threading.Event()  # stop() began
         self._hurry = threading.Event()  # a second signal: stop waiting for admitted requests
         self._done = threading.Event()  # stop() finished
@@ -174,11 +178,11 @@ class Server:
             raise SystemExit(f"plugserve: invalid settings: {'; '.join(problems)}")
         credentials = server_credentials(s)
         interceptors = []
+        auth = None
         if s.auth_tokens:
             tokens = load_tokens(s.auth_tokens)
-            interceptors.append(
-                AuthInterceptor(tokens, bool(s.open_health), bool(s.open_reflection))
-            )
+            auth = AuthInterceptor(tokens, bool(s.open_health), bool(s.open_reflection))
+            interceptors.append(auth)
             log.info(
                 "token auth on: %d token(s); health %s, reflection %s",
                 len(tokens),
@@ -225,12 +229,18 @@ class Server:
             self._serve_health(s.host, s.health_port)
         if s.metrics_port >= 0:
             self.metrics_port = self.metrics.serve(s.host, s.metrics_port)
+        if s.http_port >= 0:
+            self.rest = RestServer(RestApp(self.plane, s.max_message_bytes, auth), s)
+            self.http_port = self.rest.start()
         log.info(
-            "listening: gRPC %s:%d, metrics http://%s:%d/metrics",
+            "listening: gRPC %s:%d, metrics http://%s:%d/metrics, HTTP %s://%s:%d",
             s.host,
             self.grpc_port,
             s.host,
             self.metrics_port,
+            "https" if credentials else "http",
+            s.host,
+            self.http_port,
         )
         ready, problems = self.plane.load_repository()
         for problem in problems:
@@ -297,6 +307,8 @@ class Server:
         self._done.set()
 
     def _stop_grpc(self, grace: float) -> None:
+        if self.rest is not None:
+            self.rest.stop(grace)
         stopping = [s.stop(grace) for s in (self.grpc_server, self.health_server) if s]
         for stopped in stopping:
             stopped.wait()

@@ -37,7 +37,7 @@ import queue
 import threading
 import time
 import types
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 
 import grpc
 import numpy as np
@@ -65,7 +65,14 @@ from plugserve.server.dataplane import DataPlane, LoadedNetwork, ShuttingDown
 from plugserve.server.errors import abort, status_of
 from plugserve.server.handlers import add_service
 
-__all__ = ["KServeServicer", "add_kserve_service"]
+__all__ = [
+    "KServeServicer",
+    "add_kserve_service",
+    "loaded_versions",
+    "repository_index",
+    "repository_load",
+    "repository_unload",
+]
 
 SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 PLATFORM = "onnxruntime_onnx"
@@ -501,68 +508,81 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     def RepositoryIndex(self, request, context):
         try:
-            loaded = {(n.name, n.version) for n in self.plane.networks()}
-            stored: set[tuple[str, int]] = set()
-            if self.plane.repository is not None:
-                entries, _ = self.plane.repository.scan()
-                stored = {(e.name, e.version) for e in entries}
             response = pb.RepositoryIndexResponse()
-            for name, version in sorted(loaded | stored):
-                ready = (name, version) in loaded
-                if request.ready and not ready:
-                    continue
-                response.models.add(
-                    name=name,
-                    version=str(version),
-                    state="READY" if ready else "UNAVAILABLE",
-                    reason="" if ready else "unloaded",
-                )
+            for name, version, state, reason in repository_index(self.plane, request.ready):
+                response.models.add(name=name, version=version, state=state, reason=reason)
             return response
         except Exception as exc:
             abort(context, exc)
 
     def RepositoryModelLoad(self, request, context):
         try:
-            if self.plane.draining:  # before the reload below unloads anything
-                raise ShuttingDown(
-                    f"model {request.model_name!r}: the server is shutting down; not loading it"
-                )
-            overrides = sorted(k for k in request.parameters if k == "config" or k[:5] == "file:")
-            if overrides:
-                raise Unsupported(
-                    f"model {request.model_name!r}: load overrides {overrides} are not "
-                    "supported; edit the model's folder in the repository and load it by name"
-                )
-            path, device, config, batch = self.plane.repository_model(request.model_name)
-            version = int(path.parent.name)  # the repository layout is NAME/VERSION/model.onnx
-            with contextlib.suppress(NotFound):
-                self._unload(request.model_name, version)  # reload, as Triton does
-            entry, _ = self.plane.load(
-                request.model_name, path, device, config, version=version, max_batch_size=batch
-            )
-            entry.persisted = True  # it lives in the repository
+            repository_load(self.plane, request.model_name, request.parameters)
             return pb.RepositoryModelLoadResponse()
         except Exception as exc:
             abort(context, exc)
 
     def RepositoryModelUnload(self, request, context):
         try:
-            self._unload(request.model_name, 0)
+            repository_unload(self.plane, request.model_name, 0)
             return pb.RepositoryModelUnloadResponse()
         except Exception as exc:
             abort(context, exc)
 
     def _versions(self, name: str, version: int) -> list[LoadedNetwork]:
-        """The loaded version asked for, or every loaded version of ``name`` (0); NotFound."""
-        if version:
-            return [self.plane.get(name, version)]
-        self.plane.get(name)  # NotFound names what is loaded
-        return [n for n in self.plane.networks() if n.name == name]
+        return loaded_versions(self.plane, name, version)
 
-    def _unload(self, name: str, version: int) -> None:
-        """Unload without deleting: KServe's unload leaves the repository as it is."""
-        self._versions(name, version)  # NotFound names what is loaded
-        self.plane.unload(name, version, remove=False)
+
+# ------------------------------------------------------------------ shared with REST
+
+
+def loaded_versions(plane: DataPlane, name: str, version: int) -> list[LoadedNetwork]:
+    """The loaded version asked for, or every loaded version of ``name`` (0); NotFound."""
+    if version:
+        return [plane.get(name, version)]
+    plane.get(name)  # NotFound names what is loaded
+    return [n for n in plane.networks() if n.name == name]
+
+
+def repository_index(plane: DataPlane, ready_only: bool) -> list[tuple[str, str, str, str]]:
+    """``(name, version, state, reason)`` of every loaded or stored model version."""
+    loaded = {(n.name, n.version) for n in plane.networks()}
+    stored: set[tuple[str, int]] = set()
+    if plane.repository is not None:
+        entries, _ = plane.repository.scan()
+        stored = {(e.name, e.version) for e in entries}
+    rows = []
+    for name, version in sorted(loaded | stored):
+        ready = (name, version) in loaded
+        if ready:
+            rows.append((name, str(version), "READY", ""))
+        elif not ready_only:
+            rows.append((name, str(version), "UNAVAILABLE", "unloaded"))
+    return rows
+
+
+def repository_load(plane: DataPlane, name: str, parameters: Collection[str]) -> None:
+    """Load (or reload) the repository's latest version of ``name``."""
+    if plane.draining:  # before the reload below unloads anything
+        raise ShuttingDown(f"model {name!r}: the server is shutting down; not loading it")
+    overrides = sorted(k for k in parameters if k == "config" or k[:5] == "file:")
+    if overrides:
+        raise Unsupported(
+            f"model {name!r}: load overrides {overrides} are not "
+            "supported; edit the model's folder in the repository and load it by name"
+        )
+    path, device, config, batch = plane.repository_model(name)
+    version = int(path.parent.name)  # the repository layout is NAME/VERSION/model.onnx
+    with contextlib.suppress(NotFound):
+        repository_unload(plane, name, version)  # reload, as Triton does
+    entry, _ = plane.load(name, path, device, config, version=version, max_batch_size=batch)
+    entry.persisted = True  # it lives in the repository
+
+
+def repository_unload(plane: DataPlane, name: str, version: int) -> None:
+    """Unload without deleting: KServe's unload leaves the repository as it is."""
+    loaded_versions(plane, name, version)  # NotFound names what is loaded
+    plane.unload(name, version, remove=False)
 
 
 def _unimplemented(method: str, feature: str):

@@ -26,6 +26,11 @@ class Settings:
     grpc_port: int = _field(
         8001, "gRPC port (plugserve.v1, KServe v2, health, reflection); 0: any free port"
     )
+    http_port: int = _field(
+        8000,
+        "KServe v2 REST port (health, metadata, infer with JSON or binary tensors, repository); "
+        "0: any free port, -1: off",
+    )
     metrics_port: int = _field(8002, "Prometheus /metrics port; 0: any free port, -1: off")
     health_port: int = _field(
         -1,
@@ -43,11 +48,15 @@ class Settings:
     plugins: str = _field("", "JSON file naming the plugins to load and their config")
     default_device: str = _field("NUMPY", "device for models whose config names none")
     log_level: str = _field("INFO", "DEBUG, INFO, WARNING or ERROR")
-    max_message_bytes: int = _field(1 << 30, "largest gRPC message accepted or sent")
+    max_message_bytes: int = _field(
+        1 << 30, "largest gRPC message accepted or sent, and largest REST request body"
+    )
     queue_size: int = _field(0, "requests waiting per device (0: 16 per stream)")
     grpc_workers: int = _field(64, "gRPC handler threads")
     exit_timeout: float = _field(30.0, "seconds to finish admitted requests on SIGTERM")
-    tls_cert: str = _field("", "PEM certificate chain for TLS on the gRPC port; empty: plaintext")
+    tls_cert: str = _field(
+        "", "PEM certificate chain for TLS on the gRPC and REST ports; empty: plaintext"
+    )
     tls_key: str = _field("", "PEM private key of --tls-cert")
     tls_client_ca: str = _field(
         "", "PEM CA bundle: clients must present a certificate it signed (mutual TLS)"
@@ -75,6 +84,7 @@ class Settings:
         found = []
         for name, low, high in (
             ("grpc_port", 0, 65535),
+            ("http_port", -1, 65535),
             ("metrics_port", -1, 65535),
             ("health_port", -1, 65535),
             ("max_message_bytes", 1, 2**31 - 1),  # gRPC keeps message limits in an int32
