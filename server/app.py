@@ -232,15 +232,14 @@ class Server:
         if s.http_port >= 0:
             self.rest = RestServer(RestApp(self.plane, s.max_message_bytes, auth), s)
             self.http_port = self.rest.start()
+        rest = f", HTTP {'https' if credentials else 'http'}://{s.host}:{self.http_port}"
         log.info(
-            "listening: gRPC %s:%d, metrics http://%s:%d/metrics, HTTP %s://%s:%d",
+            "listening: gRPC %s:%d, metrics http://%s:%d/metrics%s",
             s.host,
             self.grpc_port,
             s.host,
             self.metrics_port,
-            "https" if credentials else "http",
-            s.host,
-            self.http_port,
+            rest if self.rest else "",
         )
         ready, problems = self.plane.load_repository()
         for problem in problems:

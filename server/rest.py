@@ -66,6 +66,8 @@ Reply = tuple[int, list[bytes | memoryview], list[tuple[bytes, bytes]]]
 
 
 class TooLarge(PlugserveError):
+    """A body over --max-message-bytes (413)."""
+
     code = "INVALID_ARGUMENT"
 
 
@@ -188,7 +190,10 @@ class RestApp:
                 return status, pieces, extra
         if b"content-encoding" in headers and headers[b"content-encoding"] != b"identity":
             return _error(415, "compressed request bodies are not supported; send it plain")
-        body = await self._body(headers, receive)
+        try:
+            body = await self._body(headers, receive)
+        except TooLarge as exc:
+            return _error(413, str(exc))
         call = Call({k: v for k, v in match.groupdict().items() if v is not None}, body, headers)
         result = handler(call)
         return await result if asyncio.iscoroutine(result) else result
