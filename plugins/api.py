@@ -12,6 +12,7 @@ import abc
 import dataclasses
 import os
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar, runtime_checkable
@@ -420,10 +421,12 @@ class Plugin(abc.ABC):
 class CompiledNetwork(abc.ABC):
     """A network compiled for one device: creates infer requests, exports itself.
 
-    Async requests run on :attr:`executor`, the network's streams. It is started on first use
-    (most networks only ever run synchronously, and idle threads cost) and shut down by
-    :meth:`close`; plugins size it with :meth:`_async_streams` or replace it with
-    :meth:`_new_executor`.
+    :attr:`executor` is the network's one streams executor, as OpenVINO's executor manager
+    hands one to each compiled model for its device configuration: one stream per request the
+    network can run at once (``OPTIMAL_NUMBER_OF_INFER_REQUESTS``), each stream holding its own
+    infer request. In-process ``start_async`` and the server's requests both run on it; nothing
+    schedules a network's requests a second time. It is started on first use (most in-process
+    networks only ever run synchronously, and idle threads cost) and freed by :meth:`close`.
     """
 
     def __init__(self, plugin: Plugin, name: str, config: Configuration) -> None:
@@ -488,24 +491,24 @@ class CompiledNetwork(abc.ABC):
 
     @property
     def executor(self) -> StreamsExecutor:
-        """The streams async requests run on, started on first use (under a lock, so that
-        requests starting at once share one executor)."""
+        """The streams this network's requests run on, started on first use (under a lock, so
+        that requests starting at once share one executor)."""
         with self._executor_lock:
             if self._executor is None:
                 self._executor = self._new_executor()
             return self._executor
 
-    def _async_streams(self) -> int:
-        """How many requests may run at once on :attr:`executor`: the configured streams,
-        unless the plugin knows better (its backend's own count, its devices' capacity)."""
-        return self.config.streams()
-
     def _new_executor(self) -> StreamsExecutor:
-        """The executor :attr:`executor` starts; override for per-stream state or sizing."""
+        """As many streams as ``OPTIMAL_NUMBER_OF_INFER_REQUESTS``, each making its own infer
+        request on first use."""
         # imported here: streams.py imports this module's errors
         from plugserve.plugins.streams import StreamsExecutor
 
-        return StreamsExecutor(f"{self.device}/{self.name}", self._async_streams())
+        streams = int(self.get_metric("OPTIMAL_NUMBER_OF_INFER_REQUESTS"))
+        ref = weakref.ref(self)  # the stream threads must not keep this network alive
+        return StreamsExecutor(
+            f"{self.device}/{self.name}", streams, state_factory=lambda _i: _new_request(ref)
+        )
 
     def close(self) -> None:
         """Stop the streams: queued requests still run, new ones are refused.
@@ -596,7 +599,7 @@ class InferRequest(abc.ABC):
         """
         self._refuse_if_busy()
         prepared = prepare(inputs)
-        future = self.network.executor.submit(lambda _state: run(prepared))
+        future = self.network.executor.submit(lambda _state: run(prepared), stateless=True)
         self._track(future, callback)
 
     def wait(self, timeout: float | None = None) -> dict[str, np.ndarray]:
@@ -620,6 +623,13 @@ class InferRequest(abc.ABC):
                 f"network {self.network.name}: performance counters are off; "
                 "load it with PERF_COUNT=YES"
             )
+
+
+def _new_request(ref: weakref.ref[CompiledNetwork]) -> InferRequest:
+    network = ref()
+    if network is None:
+        raise Cancelled("the network was dropped before its stream ran")
+    return network.create_infer_request()
 
 
 def _call_back(callback: Callback, future: Future) -> None:

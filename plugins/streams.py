@@ -1,9 +1,11 @@
 """A streams executor: N streams (worker threads and their backend state) fed from one bounded
 queue.
 
-Each stream owns whatever backend state its network needs (``state_factory``), so backends
-that are not re-entrant still run N requests at once. A full queue raises
-:class:`ResourceExhausted` at once rather than blocking the caller.
+Each stream owns whatever backend state its network needs (``state_factory``; a compiled
+network's executor keeps one infer request per stream, as OpenVINO's streams executors do), so
+backends that are not re-entrant still run N requests at once. A full queue raises
+:class:`ResourceExhausted` at once rather than blocking the caller; a caller that admits work
+under a tighter bound of its own (the server's ``--queue-size``) passes it as ``limit``.
 
 A synchronous caller may run its request on its own thread when a stream is idle and nothing
 is queued (:meth:`StreamsExecutor.run_inline`), the way OpenVINO's ``InferRequest::infer()``
@@ -52,7 +54,7 @@ class StreamsExecutor:
         self.name = name
         self.streams = max(1, streams)
         self.queue_size = queue_size or 64 * self.streams
-        self._pending: deque[tuple[Callable[[Any], Any], Future]] = deque()
+        self._pending: deque[tuple[Callable[[Any], Any], Future, bool]] = deque()
         self._ready = threading.Condition()
         self._state_factory = state_factory
         self._states: list[Any] = [_UNMADE] * self.streams
@@ -73,21 +75,28 @@ class StreamsExecutor:
     def pending(self) -> int:
         return len(self._pending)
 
-    def submit(self, fn: Callable[[Any], Any]) -> Future:
+    def submit(
+        self, fn: Callable[[Any], Any], limit: int = 0, stateless: bool = False
+    ) -> Future:
         """Queue ``fn(stream_state)``; its result or error lands in the returned future.
+
+        ``limit``: refuse when this many are already waiting (at most the executor's own
+        queue size). ``stateless``: ``fn`` brings its own state (an in-process async request)
+        and gets None, so a stream does not make state nobody uses.
 
         Cancelling the future before a stream picks it up takes it out of the queue at once,
         so abandoned requests (a client gone, a deadline passed) free their place.
         """
         future: Future = RequestFuture()
+        bound = min(limit, self.queue_size) if limit else self.queue_size
         with self._ready:
             if self._closed:
                 raise FailedPrecondition(f"{self.name}: executor is shut down")
-            if len(self._pending) >= self.queue_size:
+            if len(self._pending) >= bound:
                 raise ResourceExhausted(
-                    f"{self.name}: queue full ({self.queue_size} requests waiting); retry later"
+                    f"{self.name}: queue full ({bound} requests waiting); retry later"
                 )
-            self._pending.append((fn, future))
+            self._pending.append((fn, future, stateless))
             self._ready.notify()
         future.add_done_callback(self._discard)
         return future
@@ -103,14 +112,14 @@ class StreamsExecutor:
             index = self._idle.pop()
         future: Future = RequestFuture()
         future.set_running_or_notify_cancel()
-        self._run(fn, future, index)
+        self._run(fn, future, index, False)
         return future
 
-    def _run(self, fn: Callable[[Any], Any], future: Future, index: int) -> None:
+    def _run(self, fn: Callable[[Any], Any], future: Future, index: int, stateless: bool) -> None:
         """``fn`` on stream ``index`` (claimed by the caller), its outcome into ``future``,
         then the stream is free again."""
         try:
-            future.set_result(fn(self._state(index)))
+            future.set_result(fn(None if stateless else self._state(index)))
         except BaseException as exc:
             future.set_exception(exc)
         finally:
@@ -149,13 +158,13 @@ class StreamsExecutor:
                 if not self._pending:
                     self._ready.notify()  # closed and drained: let the next worker see it
                     return
-                fn, future = self._pending.popleft()
+                fn, future, stateless = self._pending.popleft()
                 if not future.set_running_or_notify_cancel():
                     continue
                 index = self._idle.pop()
                 if self._pending and self._idle:
                     self._ready.notify()  # more work a sleeping stream can take now
-            self._run(fn, future, index)
+            self._run(fn, future, index, stateless)
 
     def shutdown(self, wait: bool = True) -> None:
         """Refuse new work; the streams finish what is queued, then stop."""

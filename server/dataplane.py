@@ -1,10 +1,12 @@
 """The data plane: everything the gRPC services do, independent of protocol.
 
 The servicers (plugserve.v1 and KServe v2) translate messages and call this; it owns the loaded
-networks, the per-device stream executors, the model repository and the counters. Requests are
-admitted into a device's bounded queue (a full queue is ``ResourceExhausted`` at once), checked
-against their deadline when a stream picks them up, and completed through a future so the RPC
-layer never waits on a queue.
+networks, the model repository and the counters. A request runs on its network's own streams
+executor (:attr:`CompiledNetwork.executor`, one infer request per stream); the data plane adds
+what a server needs on top of it and no scheduler of its own: admission into a bounded queue
+(``--queue-size``; a full queue is ``ResourceExhausted`` at once), the deadline checked when a
+stream picks the request up, metrics, and completion through a future so the RPC layer never
+waits on a queue.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ class Stats:
 
 
 class LoadedNetwork:
-    """A compiled network as the server holds it: name, version, device, and stream requests."""
+    """A compiled network as the server holds it: name, version, device, its executor."""
 
     def __init__(
         self,
@@ -74,7 +76,7 @@ class LoadedNetwork:
         network: CompiledNetwork,
         persisted: bool,
         max_batch_size: int,
-        streams: int,
+        queue_size: int = 0,
     ) -> None:
         self.name = name
         self.version = version
@@ -83,21 +85,15 @@ class LoadedNetwork:
         self.persisted = persisted
         self.max_batch_size = max_batch_size
         self.stats = Stats()
-        #: The streams this network's requests run on (set by the data plane when it loads it).
-        self.executor: StreamsExecutor | None = None
-        #: Records a successful request in its metrics series (set with the executor).
+        #: The network's own streams, each with its infer request; started at load.
+        self.executor: StreamsExecutor = network.executor
+        #: How many requests may wait for a stream (--queue-size, else 16 per stream).
+        self.queue_limit = queue_size or 16 * self.executor.streams
+        #: Records a successful request in its metrics series (set by the data plane).
         self.record_success: Callable[[float, float], None] = _unrecorded
-        self._requests: list[InferRequest | None] = [None] * streams
         self.perf_enabled = bool(_safe_config(network, "PERF_COUNT"))
         self.perf_totals: dict[str, list[Any]] = {}
         self._perf_lock = threading.Lock()
-
-    def request_for(self, stream: int) -> InferRequest:
-        """Each stream keeps its own infer request (its own backend state) per network."""
-        request = self._requests[stream]
-        if request is None:
-            request = self._requests[stream] = self.network.create_infer_request()
-        return request
 
     def record_perf(self, request: InferRequest) -> list[Any]:
         counts = request.get_performance_counts()
@@ -152,7 +148,6 @@ class DataPlane:
         self.default_device = default_device
         self.queue_size = queue_size
         self._networks: dict[str, dict[int, LoadedNetwork]] = {}
-        self._executors: dict[str, StreamsExecutor] = {}
         self._lock = threading.RLock()
         self._loading: set[tuple[str, int]] = set()
         self.ready = False
@@ -163,43 +158,22 @@ class DataPlane:
 
     # --- executors
 
-    def executor(self, device: str, config: Mapping[str, str] | None = None) -> StreamsExecutor:
-        """Streams for a device, as many as its configuration asks, overridden by a network's
-        own ``config`` (NUM_STREAMS, PERFORMANCE_HINT): networks of one device that ask for the
-        same number share one executor, so a THROUGHPUT network is not run one at a time."""
-        kind = str(parse_device(device))
-        streams = self.core.device_config(kind, config).streams()
-        key = f"{kind}/{streams}"
-        with self._lock:
-            executor = self._executors.get(key)
-            if executor is None:
-                queue = self.queue_size or 16 * streams
-                executor = StreamsExecutor(kind, streams, queue, state_factory=lambda i: i)
-                self._executors[key] = executor
-            return executor
-
     def _executor_gauges(self) -> list[tuple[str, int, int, int, int]]:
         with self._lock:
-            counts: dict[str, int] = {}
+            per_device: dict[str, list[StreamsExecutor]] = {}
             for versions in self._networks.values():
                 for net in versions.values():
-                    counts[net.device] = counts.get(net.device, 0) + 1
-            per_device: dict[str, list[StreamsExecutor]] = {}
-            for ex in self._executors.values():
-                per_device.setdefault(ex.name, []).append(ex)
-            rows = []
-            for kind in sorted(set(per_device) | set(counts)):
-                group = per_device.get(kind, [])
-                rows.append(
-                    (
-                        kind,
-                        sum(ex.pending for ex in group),
-                        sum(ex.busy for ex in group),
-                        sum(ex.streams for ex in group),
-                        counts.get(kind, 0),
-                    )
-                )
-            return rows
+                    per_device.setdefault(net.device, []).append(net.executor)
+        return [
+            (
+                kind,
+                sum(ex.pending for ex in group),
+                sum(ex.busy for ex in group),
+                sum(ex.streams for ex in group),
+                len(group),
+            )
+            for kind, group in sorted(per_device.items())
+        ]
 
     # --- networks
 
@@ -246,21 +220,21 @@ class DataPlane:
             self._check_network_count(name, version, len(self._loading))
             self._loading.add((name, version))
         try:
-            executor = self.executor(device, config)
             network = self._compile(name, model, device, config)
+            network.name = name
             if persist:
                 self.repository.persist(name, version, model, device, config)
-            entry = LoadedNetwork(
-                name,
-                version,
-                str(parse_device(device)),
-                network,
-                persist,
-                max_batch_size,
-                executor.streams,
+            entry = self._attach(
+                LoadedNetwork(
+                    name,
+                    version,
+                    str(parse_device(device)),
+                    network,
+                    persist,
+                    max_batch_size,
+                    self.queue_size,
+                )
             )
-            self._attach(entry, executor)
-            network.name = name
             with self._lock:
                 self._networks.setdefault(name, {})[version] = entry
         finally:
@@ -275,13 +249,13 @@ class DataPlane:
         )
         return entry, network.loaded_from_cache
 
-    def _attach(self, entry: LoadedNetwork, executor: StreamsExecutor) -> None:
-        """What a network's requests use, decided once when it is loaded: its streams and its
-        success series in the metrics."""
-        entry.executor = executor
+    def _attach(self, entry: LoadedNetwork) -> LoadedNetwork:
+        """What a network's requests use, decided once when it is loaded: its success series
+        in the metrics."""
         entry.record_success = self.metrics.success_recorder(
             entry.device, entry.name, entry.version
         )
+        return entry
 
     def unload(self, name: str, version: int = 0, remove: bool = False) -> list[LoadedNetwork]:
         """Unload a version (every version when 0); ``remove`` also deletes it from the
@@ -397,14 +371,13 @@ class DataPlane:
         admitted = time.perf_counter()
         feeds = {spec.name: a for spec, a in zip(entry.network.inputs, arrays)}
 
-        def run(stream: int) -> dict[str, np.ndarray]:
+        def run(request: InferRequest) -> dict[str, np.ndarray]:
             started = time.perf_counter()
             if deadline is not None and time.monotonic() > deadline:
                 raise DeadlineExceeded(
                     f"network {name!r}: the deadline passed while queued "
                     f"({started - admitted:.3f} s in the queue)"
                 )
-            request = entry.request_for(stream)
             try:
                 result = request.infer(feeds)
             except PlugserveError:
@@ -433,7 +406,9 @@ class DataPlane:
                 )
             self._inflight += 1
         try:
-            future = (inline and executor.run_inline(run)) or executor.submit(run)
+            future = (inline and executor.run_inline(run)) or executor.submit(
+                run, entry.queue_limit
+            )
         except BaseException as exc:
             with self._inflight_lock:
                 self._inflight -= 1
@@ -542,22 +517,22 @@ class DataPlane:
         device = device or self.default_device
         with self._lock:
             self._check_network_count(name, 0, len(self._loading))
-        executor = self.executor(device, config)
         network = self.core.import_network(blob, device, config)
+        network.name = name
         with self._lock:
             version = max(self._networks.get(name, {}), default=0) + 1
             self._check_network_count(name, version, len(self._loading))
-            entry = LoadedNetwork(
-                name,
-                version,
-                str(parse_device(device)),
-                network,
-                False,
-                0,
-                executor.streams,
+            entry = self._attach(
+                LoadedNetwork(
+                    name,
+                    version,
+                    str(parse_device(device)),
+                    network,
+                    False,
+                    0,
+                    self.queue_size,
+                )
             )
-            self._attach(entry, executor)
-            network.name = name
             self._networks.setdefault(name, {})[version] = entry
         return entry
 
@@ -596,7 +571,6 @@ class DataPlane:
         return ready, problems
 
     def close(self) -> None:
-        with self._lock:
-            executors = list(self._executors.values())
-        for executor in executors:
-            executor.shutdown(wait=False)
+        """Stop every network's streams: what is queued still runs, nothing new is taken."""
+        for entry in self.networks():
+            entry.executor.shutdown(wait=False)

@@ -119,9 +119,6 @@ class PlugserveServicer(pb_grpc.PlugserveServicer):
             if request.network:
                 entry = self.plane.get(request.network, request.version)
                 value = entry.network.get_metric(request.name)
-                if request.name == "OPTIMAL_NUMBER_OF_INFER_REQUESTS":
-                    # served networks run on their device's executor: that is what they can use
-                    value = entry.executor.streams
             else:
                 value = self.plane.core.get_metric(request.device, request.name)
             return pb.GetMetricResponse(value_json=_json(value))

@@ -4,8 +4,9 @@ Callers hand their inputs to :meth:`BatchCompiledNetwork.submit` and get a futur
 queued by their shape beyond the first dimension (and element type), so only requests that can
 be concatenated ever share a batch. A queue is sent as one batch when it holds ``BATCH_SIZE``
 rows or ``BATCH_TIMEOUT_MS`` after its oldest request arrived, whichever comes first; a request
-with more rows than ``BATCH_SIZE`` runs alone. Batches run on the device's own streams, each
-stream with its own infer request; the outputs are split back along the first dimension.
+with more rows than ``BATCH_SIZE`` runs alone. Batches run on the device network's own executor,
+each stream with its own infer request of it; the outputs are split back along the first
+dimension. This network's own executor holds its callers while their batch fills.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from plugserve.plugins.api import (
 )
 from plugserve.plugins.batch.config import BatchConfiguration
 from plugserve.plugins.batch.request import BatchInferRequest
-from plugserve.plugins.streams import RequestFuture, StreamsExecutor
+from plugserve.plugins.streams import RequestFuture
 
 if TYPE_CHECKING:
     from plugserve.plugins.batch.plugin import BatchPlugin
@@ -80,10 +81,6 @@ class BatchCompiledNetwork(CompiledNetwork):
         self.timeout_s = float(config.get("BATCH_TIMEOUT_MS")) / 1000.0
         self.input_names = [s.name for s in network.inputs]
         self.output_names = [s.name for s in network.outputs]
-        try:
-            self.child_streams = max(1, int(network.get_metric("OPTIMAL_NUMBER_OF_INFER_REQUESTS")))
-        except PlugserveError:
-            self.child_streams = 1
         self._cond = threading.Condition()
         self._queues: dict[tuple, list[_Item]] = {}
         self._closed = False
@@ -109,8 +106,6 @@ class BatchCompiledNetwork(CompiledNetwork):
             if self._closed:
                 raise FailedPrecondition(f"network {self.name}: BATCH network is closed")
             if self._collector is None:
-                # the streams start with the collector, so that close() finds and stops both
-                _ = self.executor
                 self._collector = threading.Thread(
                     target=_collect,
                     args=(weakref.ref(self),),
@@ -166,21 +161,11 @@ class BatchCompiledNetwork(CompiledNetwork):
                 del self._queues[key]
             return batch
 
-    def _new_executor(self) -> StreamsExecutor:
-        """The streams batches run on: as many as the device's network can run at once, each
-        with its own infer request of that network (its per-stream state)."""
-        child = self.network  # the streams must not keep this network alive
-        return StreamsExecutor(
-            f"BATCH/{self.name}",
-            self.child_streams,
-            state_factory=lambda _i: child.create_infer_request(),
-        )
-
     def _dispatch(self, batch: list[_Item]) -> None:
         try:
             # a weak reference: a stream keeps its last task until the next one arrives
             ref = weakref.ref(self)
-            self.executor.submit(lambda request, b=batch: _run_batch(ref, request, b))
+            self.network.executor.submit(lambda request, b=batch: _run_batch(ref, request, b))
         except PlugserveError as exc:
             for item in batch:
                 item.future.set_exception(exc)

@@ -131,10 +131,6 @@ class MultiCompiledNetwork(CompiledNetwork):
 
     # --- the CompiledNetwork API
 
-    def _async_streams(self) -> int:
-        """As many as the devices can run at once: a stream waits for a device with room."""
-        return self.capacity
-
     def create_infer_request(self) -> MultiInferRequest:
         return MultiInferRequest(self)
 

@@ -39,6 +39,7 @@ class OpenvinoCompiledNetwork(CompiledNetwork):
     ) -> None:
         super().__init__(plugin, name, config)
         self.compiled = compiled
+        self._waiters: StreamsExecutor | None = None
         self._inputs = list(inputs)
         self._outputs = list(outputs)
         self.output_names = [o.name for o in self._outputs]
@@ -59,11 +60,31 @@ class OpenvinoCompiledNetwork(CompiledNetwork):
     def outputs(self) -> list[TensorSpec]:
         return self._outputs
 
-    def _new_executor(self) -> StreamsExecutor:
-        """Not streams that run requests (openvino runs them) but threads that wait on
-        openvino's async requests, to report the ones that fail (openvino calls a request's
-        callback only when it succeeds); more of them than requests openvino runs at once."""
-        return StreamsExecutor(f"OPENVINO/{self.name}/wait", max(4, 2 * self.optimal_requests))
+    @property
+    def waiters(self) -> StreamsExecutor:
+        """Not streams that run requests (openvino runs them, for in-process ``start_async``)
+        but threads that wait on openvino's async requests, to report the ones that fail
+        (openvino calls a request's callback only when it succeeds); more of them than
+        requests openvino runs at once. Started on first use, stopped by :meth:`close`."""
+        with self._executor_lock:
+            if self._waiters is None:
+                self._waiters = StreamsExecutor(
+                    f"OPENVINO/{self.name}/wait", max(4, 2 * self.optimal_requests)
+                )
+            return self._waiters
+
+    def close(self) -> None:
+        super().close()
+        self._stop_waiters()
+
+    def _stop_waiters(self) -> None:
+        waiters = getattr(self, "_waiters", None)  # __del__ of a half-made network
+        if waiters is not None:
+            waiters.shutdown(wait=False)
+
+    def __del__(self) -> None:
+        super().__del__()
+        self._stop_waiters()
 
     @property
     def optimal_requests(self) -> int:

@@ -110,7 +110,7 @@ class OpenvinoInferRequest(InferRequest):
         # openvino calls _on_done when the request succeeds; a failure only shows in wait()
         # (the task lets go of this request once it ran: a stream keeps its last task)
         task: list[Any] = [self, future]
-        self.network.executor.submit(lambda _state, task=task: _watch(task))
+        self.network.waiters.submit(lambda _state, task=task: _watch(task), stateless=True)
 
     def _watch(self, future: Future) -> None:
         try:

@@ -123,10 +123,6 @@ class OrtCompiledNetwork(CompiledNetwork):
     def outputs(self) -> list[TensorSpec]:
         return self._outputs
 
-    def _async_streams(self) -> int:
-        """One stream per session: the streams count derived from the cores (see above)."""
-        return self.streams
-
     def create_infer_request(self) -> OrtInferRequest:
         session = self.sessions[next(self._next) % len(self.sessions)]
         return OrtInferRequest(self, session)
