@@ -41,7 +41,7 @@ from plugserve.plugins.api import InvalidInput, PlugserveError, Unsupported
 from plugserve.plugins.blob import plugserve_version
 from plugserve.proto import grpc_service_pb2 as pb
 from plugserve.server import kserve
-from plugserve.server.dataplane import DataPlane
+from plugserve.server.dataplane import DataPlane, LoadedNetwork
 from plugserve.server.errors import HTTP_STATUS, http_status_of
 from plugserve.server.rest_convert import (
     HEADER_LENGTH,
@@ -264,7 +264,9 @@ class RestApp:
     async def infer(self, call: Call) -> Reply:
         request = parse_infer(call.body, _text(call.headers.get(HEADER_LENGTH.encode())))
         entry = self.plane.get(call.path["name"], call.version)
-        future = self.plane.submit(entry.name, entry.version, request.inputs, request.outputs)
+        future = self.plane.submit(
+            entry.name, entry.version, request.inputs, request.outputs, inline=_fast(entry)
+        )
         outputs = await asyncio.wrap_future(future)
         pieces, header_length = encode_infer(entry.name, entry.version, request, outputs)
         if header_length is None:
@@ -295,6 +297,18 @@ class RestApp:
         call.json()  # unload_dependents and other parameters: checked as JSON, nothing to do
         await asyncio.to_thread(kserve.repository_unload, self.plane, call.path["name"], 0)
         return 200, [], []
+
+
+#: a network whose mean compute is below this runs on the event loop when a stream is idle
+_INLINE_NS = 1_000_000
+
+
+def _fast(entry: LoadedNetwork) -> bool:
+    """Run inline on the loop: two thread hand-offs saved (~0.25 ms at batch 1 here), and the
+    loop stalls no longer than the JSON decoding of a request does. A slower network (or one
+    not yet measured) runs on its streams so the loop keeps admitting requests meanwhile."""
+    stats = entry.stats
+    return stats.success > 0 and stats.compute_ns < stats.success * _INLINE_NS
 
 
 def _text(value: bytes | None) -> str | None:

@@ -220,20 +220,24 @@ def _flatten(data: Any, out: list[Any]) -> list[Any]:
 def _from_json(
     data: Any, dtype: np.dtype, datatype: str, shape: tuple[int, ...], count: int, where: str
 ) -> np.ndarray:
-    values = _flatten(_list(data, f"{where}: 'data'"), [])
-    if len(values) != count:
-        raise InvalidInput(f"{where}: {len(values)} values in 'data', but shape {list(shape)} "
-                           f"needs {count}")  # fmt: skip
+    data = _list(data, f"{where}: 'data'")
     if dtype == np.dtype(object):
+        values = _flatten(data, [])
+        _check_count(len(values), shape, count, where)
         if not all(isinstance(v, str) for v in values):
             raise InvalidInput(f"{where}: BYTES data must be JSON strings")
         array = np.empty(count, dtype=object)
         array[:] = values
         return array.reshape(shape)
-    if not all(isinstance(v, bool) == (dtype.kind == "b") for v in values[:1]):
+    try:
+        parsed = np.array(data)  # numpy walks flat or nested lists in C
+    except ValueError:  # ragged nesting: count the values to say what is wrong
+        parsed = np.array(_flatten(data, []), dtype=object)
+    _check_count(parsed.size, shape, count, where)
+    first = parsed.flat[0] if parsed.size else None
+    if count and isinstance(first, bool | np.bool_) != (dtype.kind == "b"):
         raise InvalidInput(f"{where}: {datatype} data must be JSON "
                            + ("true/false" if dtype.kind == "b" else "numbers"))  # fmt: skip
-    parsed = np.array(values)
     if count and parsed.dtype.kind not in _KINDS[dtype.kind]:
         raise InvalidInput(
             f"{where}: the values in 'data' ({parsed.dtype.kind!r} kind: "
@@ -246,6 +250,13 @@ def _from_json(
             raise InvalidInput(f"{where}: a value is outside {datatype}'s range "
                                f"{info.min}..{info.max}")  # fmt: skip
     return parsed.astype(dtype, copy=False).reshape(shape)
+
+
+def _check_count(size: int, shape: tuple[int, ...], count: int, where: str) -> None:
+    if size != count:
+        raise InvalidInput(
+            f"{where}: {size} values in 'data', but shape {list(shape)} needs {count}"
+        )
 
 
 def _kind_name(dtype: np.dtype) -> str:

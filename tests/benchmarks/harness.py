@@ -21,9 +21,11 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 TESTS = HERE.parent
-for folder in (HERE, TESTS):
-    if str(folder) not in sys.path:
-        sys.path.insert(0, str(folder))
+# benchmarks first: its zoo.py, not the tests' zoo package, is the one imported as ``zoo``
+for folder in (TESTS, HERE):
+    if str(folder) in sys.path:
+        sys.path.remove(str(folder))
+    sys.path.insert(0, str(folder))
 
 from plugserve.client.bench import Done, Runner, measure, summarize  # noqa: E402
 
