@@ -140,29 +140,46 @@ def mlserver(
 
 
 def compare(
-    plugserve_target: str,
+    plugserve: str,
     names: dict[str, str],
     paths: dict[str, str],
     executable: str,
     seconds: float,
     rounds: int,
     log: Callable[[str], None],
+    protocol: str = "grpc",
 ) -> dict[str, Any]:
     """``names``: model -> the plugserve network (on ORT) serving it. Returns figures per model:
-    p50 at concurrency 1 and requests/s at 16 in flight, for both servers."""
+    p50 at concurrency 1 and requests/s at 16 in flight, for both servers.
+
+    ``protocol`` "grpc": tritonclient's KServe v2 gRPC client, ``plugserve`` the gRPC target;
+    "rest": KServe v2 REST with JSON tensors (MLServer's REST is FastAPI) through one raw-bytes
+    HTTP client, ``plugserve`` the host:port of the REST port."""
     rng = np.random.default_rng(0)
-    with mlserver(executable, {m: paths[m] for m in names}, log) as (target, _):
+    with mlserver(executable, {m: paths[m] for m in names}, log) as (target, http_port):
         cases = {}
         for model, network in names.items():
             x = {"input": rng.normal(size=zoo.input_shape(model)).astype(np.float32)}
-            runners = {
-                "plugserve": KserveRunner(plugserve_target, network, x),
-                "mlserver": KserveRunner(target, model, x),
-            }
+            if protocol == "grpc":
+                runners = {
+                    "plugserve": KserveRunner(plugserve, network, x),
+                    "mlserver": KserveRunner(target, model, x),
+                }
+            else:
+                runners = {
+                    "plugserve": _rest(plugserve, network, json_request(x)),
+                    "mlserver": _rest(f"127.0.0.1:{http_port}", model, json_request(x)),
+                }
             for server, runner in runners.items():
                 cases[f"{model}/{server}/c1"] = harness.block(runner, seconds)
                 cases[f"{model}/{server}/c16"] = harness.block(runner, seconds, "async", 16)
         return figures(harness.interleave(cases, rounds, log), names)
+
+
+def _rest(address: str, model: str, body: bytes) -> harness.HttpRawRunner:
+    host, _, port = address.rpartition(":")
+    headers = {"Content-Type": "application/json"}
+    return harness.HttpRawRunner(host, int(port), f"/v2/models/{model}/infer", body, headers)
 
 
 def figures(blocks: dict[str, list[dict[str, Any]]], names: dict[str, str]) -> dict[str, Any]:
@@ -192,40 +209,6 @@ def json_request(inputs: dict[str, np.ndarray]) -> bytes:
             ]
         }
     ).encode()  # fmt: skip
-
-
-def compare_rest(
-    plugserve_http_port: int,
-    names: dict[str, str],
-    paths: dict[str, str],
-    executable: str,
-    seconds: float,
-    rounds: int,
-    log: Callable[[str], None],
-) -> dict[str, Any]:
-    """KServe v2 REST with JSON tensors, batch 1: p50 at concurrency 1 and requests/s at 16 in
-    flight for plugserve's REST port and MLServer's (FastAPI), one raw-bytes HTTP client."""
-    rng = np.random.default_rng(0)
-    with mlserver(executable, {m: paths[m] for m in names}, log) as (_, http_port):
-        cases = {}
-        for model, network in names.items():
-            body = json_request(
-                {"input": rng.normal(size=zoo.input_shape(model)).astype(np.float32)}
-            )
-            runners = {
-                "plugserve": harness.HttpRawRunner(
-                    "127.0.0.1", plugserve_http_port, f"/v2/models/{network}/infer", body,
-                    {"Content-Type": "application/json"}, "plugserve REST",
-                ),
-                "mlserver": harness.HttpRawRunner(
-                    "127.0.0.1", http_port, f"/v2/models/{model}/infer", body,
-                    {"Content-Type": "application/json"}, "MLServer REST",
-                ),
-            }  # fmt: skip
-            for server, runner in runners.items():
-                cases[f"{model}/{server}/c1"] = harness.block(runner, seconds)
-                cases[f"{model}/{server}/c16"] = harness.block(runner, seconds, "async", 16)
-        return figures(harness.interleave(cases, rounds, log), names)
 
 
 def main(argv: list[str] | None = None) -> int:
