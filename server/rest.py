@@ -17,8 +17,12 @@ Choices where Triton or KServe leave room:
 
 * Not ready is 503 for ``/v2/health/ready``; an unknown model or version is 404 everywhere
   (``/ready`` too); a body over ``--max-message-bytes`` is 413.
-* Request compression (``Content-Encoding``) is refused with 415; shared memory, trace and log
-  settings are 501, as their gRPC methods are UNIMPLEMENTED.
+* Request bodies may be gzip or deflate (``Content-Encoding``, as tritonclient's
+  ``request_compression_algorithm`` sends them; inflated no further than
+  ``--max-message-bytes``); any other encoding is 415. Responses are never compressed
+  (``Accept-Encoding`` is a preference: compressing a 600 KB tensor costs more than sending it
+  over the networks a server like this runs on). Shared memory, trace and log settings are
+  501, as their gRPC methods are UNIMPLEMENTED.
 * A client that disconnects does not cancel its queued request (ASGI tells it only to a reader
   of the request stream); the request runs and its answer is dropped.
 """
@@ -31,6 +35,7 @@ import re
 import socket
 import ssl
 import threading
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -59,6 +64,8 @@ __all__ = ["RestApp", "RestServer"]
 log = logging.getLogger("plugserve.rest")
 
 _JSON = [(b"content-type", b"application/json")]
+# Content-Encoding of a request body -> zlib's wbits (0: plain)
+_WBITS = {b"identity": 0, b"gzip": 31, b"deflate": 15}
 _BINARY = b"application/octet-stream"
 
 #: what a handler returns: status, body pieces, extra headers
@@ -188,10 +195,17 @@ class RestApp:
                 if code == grpc.StatusCode.UNAUTHENTICATED:
                     extra = [*extra, (b"www-authenticate", b"Bearer")]
                 return status, pieces, extra
-        if b"content-encoding" in headers and headers[b"content-encoding"] != b"identity":
-            return _error(415, "compressed request bodies are not supported; send it plain")
+        encoding = headers.get(b"content-encoding", b"identity").strip().lower()
+        if encoding not in _WBITS:
+            return _error(
+                415,
+                f"Content-Encoding {encoding.decode('latin-1')!r} is not supported; "
+                "send the body plain, gzip or deflate",
+            )
         try:
             body = await self._body(headers, receive)
+            if _WBITS[encoding]:
+                body = self._inflate(body, _WBITS[encoding])
         except TooLarge as exc:
             return _error(413, str(exc))
         call = Call({k: v for k, v in match.groupdict().items() if v is not None}, body, headers)
@@ -212,6 +226,19 @@ class RestApp:
             chunks.append(chunk)
             more = message.get("more_body", False)
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    def _inflate(self, body: bytes, wbits: int) -> bytes:
+        """A gzip or deflate (zlib) body, never inflated past --max-message-bytes."""
+        inflater = zlib.decompressobj(wbits)
+        try:
+            data = inflater.decompress(body, self.max_body + 1)
+        except zlib.error as exc:
+            raise InvalidInput(f"the compressed body cannot be inflated: {exc}") from None
+        if len(data) > self.max_body:
+            raise TooLarge(self._too_large(len(data)) + " once inflated")
+        if not inflater.eof:
+            raise InvalidInput("the compressed body is truncated")
+        return data
 
     def _too_large(self, size: int) -> str:
         return (

@@ -6,6 +6,7 @@ Auth and TLS on the REST port are in test_security.py (next to the gRPC ones).
 
 from __future__ import annotations
 
+import gzip
 import http.client
 import json
 import struct
@@ -353,11 +354,31 @@ def test_paths_and_methods(server, method, path, status):
         assert isinstance(reply["error"], str) and reply["error"]
 
 
-def test_compressed_bodies_are_refused(server):
-    status, _, reply = _request(
-        server, "POST", "/v2/models/add/infer", b"\x1f\x8b", {"Content-Encoding": "gzip"}
+@pytest.mark.parametrize("algorithm", ["gzip", "deflate"])
+def test_compressed_requests(client, algorithm):
+    result = client.infer(
+        "add",
+        _add([1, 2], [3, 4]),
+        request_compression_algorithm=algorithm,
+        response_compression_algorithm=algorithm,
     )
-    assert status == 415 and "compressed" in reply["error"]
+    assert result.as_numpy("sum").tolist() == [4, 6]
+
+
+def test_unknown_or_broken_compression_is_refused(server):
+    status, _, reply = _request(
+        server, "POST", "/v2/models/add/infer", b"xx", {"Content-Encoding": "br"}
+    )
+    assert status == 415 and "'br' is not supported" in reply["error"]
+    status, _, reply = _request(
+        server, "POST", "/v2/models/add/infer", b"\x1f\x8bnot gzip", {"Content-Encoding": "gzip"}
+    )
+    assert status == 400 and "cannot be inflated" in reply["error"]
+    truncated = gzip.compress(_add_small())[:-12]
+    status, _, reply = _request(
+        server, "POST", "/v2/models/add/infer", truncated, {"Content-Encoding": "gzip"}
+    )
+    assert status == 400 and "truncated" in reply["error"]
 
 
 # --- limits, and the metrics port
@@ -381,6 +402,11 @@ def test_a_body_over_max_message_bytes_is_413(small):
     assert status == 413 and "--max-message-bytes" in reply["error"]
     status, _, reply = _request(small, "POST", "/v2/models/add/infer", _add_small())
     assert status == 200, reply
+    bomb = gzip.compress(b" " * 100_000 + _add_small())  # small on the wire, not inflated
+    status, _, reply = _request(
+        small, "POST", "/v2/models/add/infer", bomb, {"Content-Encoding": "gzip"}
+    )
+    assert status == 413 and "once inflated" in reply["error"]
 
 
 def _add_small() -> bytes:
