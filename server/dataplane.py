@@ -11,6 +11,7 @@ waits on a queue.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -84,6 +85,9 @@ class LoadedNetwork:
         self.network = network
         self.persisted = persisted
         self.max_batch_size = max_batch_size
+        #: Fixed at load: what a request that names no outputs gets, and what it may name.
+        self.output_names = [o.name for o in network.outputs]
+        self._known_outputs = frozenset(self.output_names)
         self.stats = Stats()
         #: The network's own streams, each with its infer request; started at load.
         self.executor: StreamsExecutor = network.executor
@@ -345,20 +349,21 @@ class DataPlane:
 
     def submit(
         self,
-        name: str,
-        version: int,
+        entry: LoadedNetwork,
         inputs: Mapping[str, Any],
         outputs: list[str] | None = None,
         deadline: float | None = None,
         inline: bool = False,
     ) -> Future:
-        """Queue one inference; the future holds ``{output: array}`` or a typed error.
+        """Queue one inference on ``entry`` (the caller's one :meth:`get`, which its response
+        also names, so an unload or load meanwhile cannot relabel or lose a finished request);
+        the future holds ``{output: array}`` or a typed error.
 
         ``inline``: the caller waits for the result anyway (a unary RPC), so when one of the
         network's streams is idle the inference runs on the caller's thread (see
         :meth:`StreamsExecutor.run_inline`); the future is then already done.
         """
-        entry = self.get(name, version)
+        name = entry.name
         try:
             arrays = check_inputs(name, entry.network.inputs, inputs)
             wanted = self._outputs(entry, outputs)
@@ -457,13 +462,13 @@ class DataPlane:
         self.metrics.observe(entry.device, entry.name, entry.version, status)
 
     def _outputs(self, entry: LoadedNetwork, outputs: list[str] | None) -> list[str]:
-        names = [o.name for o in entry.network.outputs]
         if not outputs:
-            return names
-        unknown = [o for o in outputs if o not in names]
+            return entry.output_names
+        unknown = [o for o in outputs if o not in entry._known_outputs]
         if unknown:
             raise InvalidInput(
-                f"network {entry.name!r}: unknown output(s) {unknown}; its outputs are {names}"
+                f"network {entry.name!r}: unknown output(s) {unknown}; "
+                f"its outputs are {entry.output_names}"
             )
         return list(outputs)
 
@@ -476,7 +481,8 @@ class DataPlane:
         timeout: float | None = None,
     ) -> dict[str, np.ndarray]:
         deadline = time.monotonic() + timeout if timeout else None
-        return self.submit(name, version, inputs, outputs, deadline, inline=True).result()
+        entry = self.get(name, version)
+        return self.submit(entry, inputs, outputs, deadline, inline=True).result()
 
     # --- the rest of the plugin API
 
@@ -546,6 +552,39 @@ class DataPlane:
         model = self.repository.model_path(name, int(version or 0))
         settings = self.repository.read_settings(name)
         return model, settings.device, settings.config, settings.max_batch_size
+
+    def versions(self, name: str, version: int = 0) -> list[LoadedNetwork]:
+        """The loaded version asked for, or every loaded version of ``name`` (0); NotFound
+        names what is loaded."""
+        with self._lock:
+            found = self._networks.get(name, {})
+            if version in found or (not version and found):
+                return [found[version]] if version else [found[v] for v in sorted(found)]
+        raise NotFound(self._missing(name, version))
+
+    def reload(self, name: str) -> LoadedNetwork:
+        """Load the repository's latest version of ``name``; a loaded version is unloaded
+        first so that edits to its files take effect (Triton's reload, without Triton's
+        seamless swap: requests in between get NOT_FOUND)."""
+        if self.draining:  # before anything is unloaded
+            raise ShuttingDown(f"model {name!r}: the server is shutting down; not loading it")
+        model, device, config, batch = self.repository_model(name)
+        version = int(model.parent.name)  # the repository layout is NAME/VERSION/model.onnx
+        with contextlib.suppress(NotFound):
+            self.unload(name, version, remove=False)
+        entry, _ = self.load(name, model, device, config, version=version, max_batch_size=batch)
+        entry.persisted = True  # it lives in the repository
+        return entry
+
+    def index(self, ready_only: bool = False) -> list[tuple[str, int, bool]]:
+        """``(name, version, loaded)`` for every loaded or stored network version, sorted."""
+        loaded = {(n.name, n.version) for n in self.networks()}
+        stored: set[tuple[str, int]] = set()
+        if self.repository is not None:
+            entries, _ = self.repository.scan()
+            stored = {(e.name, e.version) for e in entries}
+        rows = [(name, version, (name, version) in loaded) for name, version in loaded | stored]
+        return sorted(row for row in rows if row[2] or not ready_only)
 
     def load_repository(self) -> tuple[list[LoadedNetwork], list[str]]:
         """Load every model of the repository; one bad model does not stop the others."""

@@ -1,20 +1,34 @@
-"""gRPC method handlers made from a service's descriptor, with one serializer for all.
+"""gRPC method handlers made from a service's descriptor: one serializer, one error guard, one
+stream pump and one deadline for every servicer.
 
 The generated ``add_*Servicer_to_server`` functions serialize every response with its message
 class. Inference responses are instead composed as wire bytes (``proto.tensors.field_pieces``:
 one copy of the tensor data rather than three), so each handler here passes ``bytes`` through
 and serializes a message as usual.
+
+Servicer methods raise plugserve's typed errors; the guard put around each of them where it is
+registered turns an error into the call's status (``server/errors.py``), so no servicer method
+catches or aborts by itself.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from typing import Any
 
 import grpc
 from google.protobuf.descriptor import ServiceDescriptor
 from google.protobuf.message_factory import GetMessageClass
 
-__all__ = ["add_service"]
+from plugserve.server.errors import abort
+
+__all__ = ["add_service", "deadline", "pump"]
 
 _KINDS = {
     (False, False): grpc.unary_unary_rpc_method_handler,
@@ -28,12 +42,35 @@ def _serialize(response: Any) -> bytes:
     return response if isinstance(response, bytes) else response.SerializeToString()
 
 
+def _guarded(method: Callable[[Any, grpc.ServicerContext], Any]) -> Callable[..., Any]:
+    """``method`` with its errors as the call's status."""
+    if inspect.isgeneratorfunction(method):
+
+        @functools.wraps(method)
+        def streaming(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+            try:
+                yield from method(request, context)
+            except Exception as exc:
+                abort(context, exc)
+
+        return streaming
+
+    @functools.wraps(method)
+    def unary(request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return method(request, context)
+        except Exception as exc:
+            abort(context, exc)
+
+    return unary
+
+
 def add_service(server: grpc.Server, service: ServiceDescriptor, servicer: Any) -> str:
     """Register every method of ``service`` on ``server``, served by ``servicer``'s method of
-    the same name; returns the service's full name (for reflection)."""
+    the same name under the error guard; returns the service's full name (for reflection)."""
     handlers = {
         method.name: _KINDS[method.client_streaming, method.server_streaming](
-            getattr(servicer, method.name),
+            _guarded(getattr(servicer, method.name)),
             request_deserializer=GetMessageClass(method.input_type).FromString,
             response_serializer=_serialize,
         )
@@ -44,3 +81,71 @@ def add_service(server: grpc.Server, service: ServiceDescriptor, servicer: Any) 
     )
     server.add_registered_method_handlers(service.full_name, handlers)
     return service.full_name
+
+
+def deadline(context: grpc.ServicerContext) -> float | None:
+    """The call's deadline on the ``time.monotonic`` clock (None: the client set none)."""
+    remaining = context.time_remaining()
+    return time.monotonic() + remaining if remaining is not None else None
+
+
+def pump(
+    requests: Iterator[Any],
+    context: grpc.ServicerContext,
+    submit: Callable[[Any], tuple[Any, Future]],
+    respond: Callable[[Any, Any, Any], Any],
+    fail: Callable[[Any, BaseException], Any],
+    name: str,
+) -> Iterator[Any]:
+    """A bidirectional inference stream: requests are admitted as they arrive (on a reader
+    thread), responses leave in completion order, and every request read gets exactly one
+    response: ``respond(request, entry, outputs)`` for ``submit(request) -> (entry, future)``,
+    or ``fail(request, error)``. When the call ends, what is still queued is cancelled."""
+    done: queue.Queue = queue.Queue()
+    admitted = [0]  # requests read so far
+    lock = threading.Lock()
+    outstanding: set[Future] = set()
+
+    def complete(request: Any, entry: Any, future: Future) -> None:
+        try:
+            message = respond(request, entry, future.result())
+        except BaseException as exc:
+            message = fail(request, exc)
+        done.put(message)
+
+    def read() -> None:
+        try:
+            for request in requests:
+                with lock:
+                    admitted[0] += 1
+                try:
+                    entry, future = submit(request)
+                except Exception as exc:
+                    done.put(fail(request, exc))
+                    continue
+                outstanding.add(future)
+                future.add_done_callback(outstanding.discard)
+                future.add_done_callback(lambda f, r=request, e=entry: complete(r, e, f))
+        except grpc.RpcError:
+            pass  # the client went away
+        finally:
+            done.put(None)
+
+    def cancel_outstanding() -> None:
+        for future in list(outstanding):
+            future.cancel()
+
+    context.add_callback(cancel_outstanding)
+    threading.Thread(target=read, name=name, daemon=True).start()
+    sent, reading = 0, True
+    while True:
+        message = done.get()
+        if message is None:
+            reading = False
+        else:
+            sent += 1
+            yield message
+        with lock:
+            total = admitted[0]
+        if not reading and sent >= total:
+            return

@@ -32,10 +32,6 @@ Choices where KServe/Triton leave room or plugserve differs:
 
 from __future__ import annotations
 
-import contextlib
-import queue
-import threading
-import time
 import types
 from collections.abc import Collection, Iterator
 
@@ -61,18 +57,11 @@ from plugserve.proto.tensors import (
     field_pieces,
     from_tensor,
 )
-from plugserve.server.dataplane import DataPlane, LoadedNetwork, ShuttingDown
-from plugserve.server.errors import abort, status_of
-from plugserve.server.handlers import add_service
+from plugserve.server.dataplane import DataPlane, LoadedNetwork
+from plugserve.server.errors import status_of
+from plugserve.server.handlers import add_service, deadline, pump
 
-__all__ = [
-    "KServeServicer",
-    "add_kserve_service",
-    "loaded_versions",
-    "repository_index",
-    "repository_load",
-    "repository_unload",
-]
+__all__ = ["KServeServicer", "add_kserve_service", "refuse_overrides"]
 
 SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 PLATFORM = "onnxruntime_onnx"
@@ -322,6 +311,12 @@ def infer_response(
     return pieces
 
 
+def _stream_response(
+    request: pb.ModelInferRequest, entry: LoadedNetwork, outputs: dict[str, np.ndarray]
+) -> bytes:
+    return b"".join(field_pieces(_STREAM_INFER_RESPONSE, infer_response(request, entry, outputs)))
+
+
 def stream_error(request: pb.ModelInferRequest, exc: BaseException) -> pb.ModelStreamInferResponse:
     _, message = status_of(exc)
     response = pb.ModelStreamInferResponse(error_message=message)
@@ -363,11 +358,6 @@ def model_statistics(entry: LoadedNetwork) -> pb.ModelStatistics:
     return stats
 
 
-def _deadline(context: grpc.ServicerContext) -> float | None:
-    remaining = context.time_remaining()
-    return time.monotonic() + remaining if remaining is not None else None
-
-
 # ------------------------------------------------------------------ the service
 
 
@@ -384,15 +374,12 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         return pb.ServerReadyResponse(ready=self.plane.ready)
 
     def ModelReady(self, request, context):
+        version = parse_version(request.version)
         try:
-            version = parse_version(request.version)
-            try:
-                self.plane.get(request.name, version)
-            except NotFound:
-                return pb.ModelReadyResponse(ready=False)
-            return pb.ModelReadyResponse(ready=True)
-        except Exception as exc:
-            abort(context, exc)
+            self.plane.get(request.name, version)
+        except NotFound:
+            return pb.ModelReadyResponse(ready=False)
+        return pb.ModelReadyResponse(ready=True)
 
     def ServerMetadata(self, request, context):
         return pb.ServerMetadataResponse(
@@ -400,199 +387,91 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         )
 
     def ModelMetadata(self, request, context):
-        try:
-            entry = self.plane.get(request.name, parse_version(request.version))
-            versions = sorted(n.version for n in self.plane.networks() if n.name == entry.name)
-            return model_metadata(entry, versions)
-        except Exception as exc:
-            abort(context, exc)
+        entry = self.plane.get(request.name, parse_version(request.version))
+        versions = sorted(n.version for n in self.plane.networks() if n.name == entry.name)
+        return model_metadata(entry, versions)
 
     def ModelConfig(self, request, context):
-        try:
-            entry = self.plane.get(request.name, parse_version(request.version))
-            return pb.ModelConfigResponse(config=model_config(entry))
-        except Exception as exc:
-            abort(context, exc)
+        entry = self.plane.get(request.name, parse_version(request.version))
+        return pb.ModelConfigResponse(config=model_config(entry))
 
     # --- inference
 
     def _submit(
         self, request: pb.ModelInferRequest, context: grpc.ServicerContext, inline: bool = False
     ):
+        """One lookup: the entry runs the request and names the response."""
         entry = self.plane.get(request.model_name, parse_version(request.model_version))
         future = self.plane.submit(
-            entry.name,
-            entry.version,
-            request_inputs(request),
-            requested_outputs(request),
-            _deadline(context),
-            inline,
+            entry, request_inputs(request), requested_outputs(request), deadline(context), inline
         )
         return entry, future
 
     def ModelInfer(self, request, context):
-        try:
-            entry, future = self._submit(request, context, inline=True)
-            if not future.done():
-                context.add_callback(future.cancel)
-            return b"".join(infer_response(request, entry, future.result()))
-        except Exception as exc:
-            abort(context, exc)
+        entry, future = self._submit(request, context, inline=True)
+        if not future.done():
+            context.add_callback(future.cancel)
+        return b"".join(infer_response(request, entry, future.result()))
 
     def ModelStreamInfer(self, request_iterator: Iterator[pb.ModelInferRequest], context):
         """Requests are admitted as they arrive; responses leave in completion order."""
-        done: queue.Queue = queue.Queue()
-        admitted = [0]  # requests read so far; each gets exactly one response
-        lock = threading.Lock()
-
-        def complete(request, entry, future) -> None:
-            try:
-                pieces = infer_response(request, entry, future.result())
-                message = b"".join(field_pieces(_STREAM_INFER_RESPONSE, pieces))
-            except BaseException as exc:
-                message = stream_error(request, exc)
-            done.put(message)
-
-        def read() -> None:
-            try:
-                for request in request_iterator:
-                    with lock:
-                        admitted[0] += 1
-                    try:
-                        entry, future = self._submit(request, context)
-                    except Exception as exc:
-                        done.put(stream_error(request, exc))
-                        continue
-                    outstanding.add(future)
-                    future.add_done_callback(outstanding.discard)
-                    future.add_done_callback(lambda f, r=request, e=entry: complete(r, e, f))
-            except grpc.RpcError:
-                pass  # the client went away
-            finally:
-                done.put(None)
-
-        outstanding: set = set()
-
-        def cancel_outstanding() -> None:
-            for future in list(outstanding):
-                future.cancel()
-
-        context.add_callback(cancel_outstanding)  # the call ended: drop what is still queued
-        threading.Thread(target=read, name="kserve-stream-reader", daemon=True).start()
-        sent, reading = 0, True
-        while True:
-            message = done.get()
-            if message is None:
-                reading = False
-            else:
-                sent += 1
-                yield message
-            with lock:
-                total = admitted[0]
-            if not reading and sent >= total:
-                return
+        yield from pump(
+            request_iterator,
+            context,
+            lambda request: self._submit(request, context),
+            _stream_response,
+            stream_error,
+            "kserve-stream-reader",
+        )
 
     # --- statistics and repository
 
     def ModelStatistics(self, request, context):
-        try:
-            version = parse_version(request.version)
-            if request.name:
-                entries = self._versions(request.name, version)
-            else:
-                entries = self.plane.networks()
-            entries.sort(key=lambda n: (n.name, n.version))
-            return pb.ModelStatisticsResponse(model_stats=[model_statistics(n) for n in entries])
-        except Exception as exc:
-            abort(context, exc)
+        version = parse_version(request.version)
+        if request.name:
+            entries = self.plane.versions(request.name, version)
+        else:
+            entries = self.plane.networks()
+        entries.sort(key=lambda n: (n.name, n.version))
+        return pb.ModelStatisticsResponse(model_stats=[model_statistics(n) for n in entries])
 
     def RepositoryIndex(self, request, context):
-        try:
-            response = pb.RepositoryIndexResponse()
-            for name, version, state, reason in repository_index(self.plane, request.ready):
-                response.models.add(name=name, version=version, state=state, reason=reason)
-            return response
-        except Exception as exc:
-            abort(context, exc)
+        response = pb.RepositoryIndexResponse()
+        for name, version, ready in self.plane.index(ready_only=request.ready):
+            response.models.add(
+                name=name,
+                version=str(version),
+                state="READY" if ready else "UNAVAILABLE",
+                reason="" if ready else "unloaded",
+            )
+        return response
 
     def RepositoryModelLoad(self, request, context):
-        try:
-            repository_load(self.plane, request.model_name, request.parameters)
-            return pb.RepositoryModelLoadResponse()
-        except Exception as exc:
-            abort(context, exc)
+        refuse_overrides(request.model_name, request.parameters)
+        self.plane.reload(request.model_name)
+        return pb.RepositoryModelLoadResponse()
 
     def RepositoryModelUnload(self, request, context):
-        try:
-            repository_unload(self.plane, request.model_name, 0)
-            return pb.RepositoryModelUnloadResponse()
-        except Exception as exc:
-            abort(context, exc)
-
-    def _versions(self, name: str, version: int) -> list[LoadedNetwork]:
-        return loaded_versions(self.plane, name, version)
+        """Unload every version without deleting: the model can be loaded again."""
+        self.plane.unload(request.model_name, 0, remove=False)
+        return pb.RepositoryModelUnloadResponse()
 
 
-# ------------------------------------------------------------------ shared with REST
-
-
-def loaded_versions(plane: DataPlane, name: str, version: int) -> list[LoadedNetwork]:
-    """The loaded version asked for, or every loaded version of ``name`` (0); NotFound."""
-    if version:
-        return [plane.get(name, version)]
-    plane.get(name)  # NotFound names what is loaded
-    return [n for n in plane.networks() if n.name == name]
-
-
-def repository_index(plane: DataPlane, ready_only: bool) -> list[tuple[str, str, str, str]]:
-    """``(name, version, state, reason)`` of every loaded or stored model version."""
-    loaded = {(n.name, n.version) for n in plane.networks()}
-    stored: set[tuple[str, int]] = set()
-    if plane.repository is not None:
-        entries, _ = plane.repository.scan()
-        stored = {(e.name, e.version) for e in entries}
-    rows = []
-    for name, version in sorted(loaded | stored):
-        ready = (name, version) in loaded
-        if ready:
-            rows.append((name, str(version), "READY", ""))
-        elif not ready_only:
-            rows.append((name, str(version), "UNAVAILABLE", "unloaded"))
-    return rows
-
-
-def repository_load(plane: DataPlane, name: str, parameters: Collection[str]) -> None:
-    """Load (or reload) the repository's latest version of ``name``."""
-    if plane.draining:  # before the reload below unloads anything
-        raise ShuttingDown(f"model {name!r}: the server is shutting down; not loading it")
+def refuse_overrides(name: str, parameters: Collection[str]) -> None:
+    """Triton's load overrides (``config``, ``file:<version>/<name>``) are not supported."""
     overrides = sorted(k for k in parameters if k == "config" or k[:5] == "file:")
     if overrides:
         raise Unsupported(
             f"model {name!r}: load overrides {overrides} are not "
             "supported; edit the model's folder in the repository and load it by name"
         )
-    path, device, config, batch = plane.repository_model(name)
-    version = int(path.parent.name)  # the repository layout is NAME/VERSION/model.onnx
-    with contextlib.suppress(NotFound):
-        repository_unload(plane, name, version)  # reload, as Triton does
-    entry, _ = plane.load(name, path, device, config, version=version, max_batch_size=batch)
-    entry.persisted = True  # it lives in the repository
-
-
-def repository_unload(plane: DataPlane, name: str, version: int) -> None:
-    """Unload without deleting: KServe's unload leaves the repository as it is."""
-    loaded_versions(plane, name, version)  # NotFound names what is loaded
-    plane.unload(name, version, remove=False)
 
 
 def _unimplemented(method: str, feature: str):
     def handler(self, request, context):
-        abort(
-            context,
-            Unsupported(
-                f"{method}: plugserve does not support {feature}; "
-                "send tensors in the request and configure the server from its command line"
-            ),
+        raise Unsupported(
+            f"{method}: plugserve does not support {feature}; "
+            "send tensors in the request and configure the server from its command line"
         )
 
     handler.__name__ = method

@@ -277,7 +277,7 @@ class RestApp:
 
     def statistics(self, call: Call) -> Reply:
         if "name" in call.path:
-            entries = kserve.loaded_versions(self.plane, call.path["name"], call.version)
+            entries = self.plane.versions(call.path["name"], call.version)
         else:
             entries = self.plane.networks()
         entries.sort(key=lambda n: (n.name, n.version))
@@ -291,9 +291,7 @@ class RestApp:
     async def infer(self, call: Call) -> Reply:
         request = parse_infer(call.body, _text(call.headers.get(HEADER_LENGTH.encode())))
         entry = self.plane.get(call.path["name"], call.version)
-        future = self.plane.submit(
-            entry.name, entry.version, request.inputs, request.outputs, inline=_fast(entry)
-        )
+        future = self.plane.submit(entry, request.inputs, request.outputs, inline=_fast(entry))
         outputs = await asyncio.wrap_future(future)
         pieces, header_length = encode_infer(entry.name, entry.version, request, outputs)
         if header_length is None:
@@ -310,19 +308,26 @@ class RestApp:
         ready = call.json().get("ready", False)
         if not isinstance(ready, bool):
             raise InvalidInput(f"'ready' must be true or false, not {ready!r}")
-        rows = kserve.repository_index(self.plane, ready)
-        return _json([{"name": n, "version": v, "state": s, "reason": r} for n, v, s, r in rows])
+        return _json(
+            [
+                {"name": name, "version": str(version)}
+                | ({"state": "READY", "reason": ""} if loaded else
+                   {"state": "UNAVAILABLE", "reason": "unloaded"})
+                for name, version, loaded in self.plane.index(ready)
+            ]
+        )  # fmt: skip
 
     async def load(self, call: Call) -> Reply:
         parameters = call.json().get("parameters", {})
         if not isinstance(parameters, dict):
             raise InvalidInput("'parameters' must be a JSON object")
-        await asyncio.to_thread(kserve.repository_load, self.plane, call.path["name"], parameters)
+        kserve.refuse_overrides(call.path["name"], parameters)
+        await asyncio.to_thread(self.plane.reload, call.path["name"])
         return 200, [], []
 
     async def unload(self, call: Call) -> Reply:
         call.json()  # unload_dependents and other parameters: checked as JSON, nothing to do
-        await asyncio.to_thread(kserve.repository_unload, self.plane, call.path["name"], 0)
+        await asyncio.to_thread(self.plane.unload, call.path["name"], 0, False)
         return 200, [], []
 
 

@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import json
-import queue
-import threading
-import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-import grpc
 import numpy as np
 
-from plugserve.plugins.api import FailedPrecondition, InvalidInput
+from plugserve.plugins.api import FailedPrecondition, InvalidArgument, InvalidInput
 from plugserve.proto import plugserve_pb2 as pb
 from plugserve.proto import plugserve_pb2_grpc as pb_grpc
 from plugserve.proto.tensors import (
@@ -25,7 +21,8 @@ from plugserve.proto.tensors import (
 )
 from plugserve.proto.tensors import from_tensor as _from_tensor
 from plugserve.server.dataplane import DataPlane, LoadedNetwork
-from plugserve.server.errors import abort, status_of
+from plugserve.server.errors import status_of
+from plugserve.server.handlers import deadline, pump
 
 __all__ = ["PlugserveServicer", "infer_response", "network_info"]
 
@@ -67,6 +64,19 @@ def infer_response(
     return pieces
 
 
+def _stream_response(request: pb.InferRequest, entry: LoadedNetwork, outputs: dict) -> bytes:
+    head = pb.InferStreamResponse(id=request.id).SerializeToString()
+    pieces = infer_response(request.id, entry.name, entry.version, outputs)
+    return b"".join([head, *field_pieces(_STREAM_RESPONSE, pieces)])
+
+
+def _stream_error(request: pb.InferRequest, exc: BaseException) -> pb.InferStreamResponse:
+    code, message = status_of(exc)
+    return pb.InferStreamResponse(
+        id=request.id, error=pb.Status(code=code.value[0], message=message)
+    )
+
+
 def from_tensor(tensor: pb.Tensor):
     try:
         return _from_tensor(tensor)
@@ -78,11 +88,6 @@ def from_tensor(tensor: pb.Tensor):
         ) from None
 
 
-def _deadline(context: grpc.ServicerContext) -> float | None:
-    remaining = context.time_remaining()
-    return time.monotonic() + remaining if remaining is not None else None
-
-
 def _json(value: Any) -> str:
     return json.dumps(value, default=lambda v: list(v) if isinstance(v, tuple | set) else str(v))
 
@@ -91,17 +96,13 @@ class PlugserveServicer(pb_grpc.PlugserveServicer):
     def __init__(self, plane: DataPlane) -> None:
         self.plane = plane
 
-    def _model(self, source: pb.ModelSource, context: grpc.ServicerContext):
+    def _model(self, source: pb.ModelSource):
         kind = source.WhichOneof("source")
         if kind == "onnx":
             return source.onnx, "", {}, 0
         if kind == "repository_path":
             return self.plane.repository_model(source.repository_path)
-        context.abort(
-            grpc.StatusCode.INVALID_ARGUMENT,
-            "model: set either onnx (the model bytes) or repository_path",
-        )
-        raise AssertionError
+        raise InvalidArgument("model: set either onnx (the model bytes) or repository_path")
 
     def ListDevices(self, request, context):
         response = pb.ListDevicesResponse()
@@ -115,72 +116,54 @@ class PlugserveServicer(pb_grpc.PlugserveServicer):
         return response
 
     def GetMetric(self, request, context):
-        try:
-            if request.network:
-                entry = self.plane.get(request.network, request.version)
-                value = entry.network.get_metric(request.name)
-            else:
-                value = self.plane.core.get_metric(request.device, request.name)
-            return pb.GetMetricResponse(value_json=_json(value))
-        except Exception as exc:
-            abort(context, exc)
+        if request.network:
+            entry = self.plane.get(request.network, request.version)
+            value = entry.network.get_metric(request.name)
+        else:
+            value = self.plane.core.get_metric(request.device, request.name)
+        return pb.GetMetricResponse(value_json=_json(value))
 
     def GetConfig(self, request, context):
-        try:
-            plugin = self.plane.core.plugin(request.device)
-            if request.key:
-                value = plugin.config.to_strings().get(request.key)
-                if value is None:
-                    plugin.get_config(request.key)  # raises the typed error
-                return pb.GetConfigResponse(config={request.key: value})
-            return pb.GetConfigResponse(config=plugin.config.to_strings())
-        except Exception as exc:
-            abort(context, exc)
+        plugin = self.plane.core.plugin(request.device)
+        if request.key:
+            value = plugin.config.to_strings().get(request.key)
+            if value is None:
+                plugin.get_config(request.key)  # raises the typed error
+            return pb.GetConfigResponse(config={request.key: value})
+        return pb.GetConfigResponse(config=plugin.config.to_strings())
 
     def SetConfig(self, request, context):
-        try:
-            self.plane.core.set_config(dict(request.config), request.device or None)
-            return pb.SetConfigResponse()
-        except Exception as exc:
-            abort(context, exc)
+        self.plane.core.set_config(dict(request.config), request.device or None)
+        return pb.SetConfigResponse()
 
     def QueryNetwork(self, request, context):
-        try:
-            model, *_ = self._model(request.model, context)
-            config = dict(request.config)
-            supported, unsupported = self.plane.query(model, request.device, config)
-            response = pb.QueryNetworkResponse(supported=supported, unsupported=unsupported)
-            for split in self.plane.subgraphs(model, request.device, config):
-                response.subgraphs.add(device=split["device"], nodes=split["nodes"])
-            return response
-        except Exception as exc:
-            abort(context, exc)
+        model, *_ = self._model(request.model)
+        config = dict(request.config)
+        supported, unsupported = self.plane.query(model, request.device, config)
+        response = pb.QueryNetworkResponse(supported=supported, unsupported=unsupported)
+        for split in self.plane.subgraphs(model, request.device, config):
+            response.subgraphs.add(device=split["device"], nodes=split["nodes"])
+        return response
 
     def LoadNetwork(self, request, context):
-        try:
-            model, device, config, batch = self._model(request.model, context)
-            config = {**config, **dict(request.config)}
-            entry, cached = self.plane.load(
-                request.name,
-                model,
-                request.device or device,
-                config,
-                request.persist,
-                request.version,
-                batch,
-            )
-            response = pb.LoadNetworkResponse(loaded_from_cache=cached)
-            network_info(response.network, entry)
-            return response
-        except Exception as exc:
-            abort(context, exc)
+        model, device, config, batch = self._model(request.model)
+        config = {**config, **dict(request.config)}
+        entry, cached = self.plane.load(
+            request.name,
+            model,
+            request.device or device,
+            config,
+            request.persist,
+            request.version,
+            batch,
+        )
+        response = pb.LoadNetworkResponse(loaded_from_cache=cached)
+        network_info(response.network, entry)
+        return response
 
     def UnloadNetwork(self, request, context):
-        try:
-            self.plane.unload(request.name, request.version, request.remove_from_repository)
-            return pb.UnloadNetworkResponse()
-        except Exception as exc:
-            abort(context, exc)
+        self.plane.unload(request.name, request.version, request.remove_from_repository)
+        return pb.UnloadNetworkResponse()
 
     def ListNetworks(self, request, context):
         response = pb.ListNetworksResponse()
@@ -188,113 +171,47 @@ class PlugserveServicer(pb_grpc.PlugserveServicer):
             network_info(response.networks.add(), entry)
         return response
 
-    def _submit(self, request: pb.InferRequest, deadline: float | None, inline: bool = False):
-        inputs = {t.name: from_tensor(t) for t in request.inputs}
-        return self.plane.submit(
-            request.network, request.version, inputs, list(request.outputs), deadline, inline
-        )
-
-    def _response(self, request: pb.InferRequest, outputs: dict) -> Pieces:
+    def _submit(self, request: pb.InferRequest, context, inline: bool = False):
+        """One lookup: the entry runs the request and names the response."""
         entry = self.plane.get(request.network, request.version)
-        return infer_response(request.id, entry.name, entry.version, outputs)
+        inputs = {t.name: from_tensor(t) for t in request.inputs}
+        future = self.plane.submit(entry, inputs, list(request.outputs), deadline(context), inline)
+        return entry, future
 
     def Infer(self, request, context):
-        try:
-            future = self._submit(request, _deadline(context), inline=True)
-            if not future.done():
-                context.add_callback(future.cancel)
-            return b"".join(self._response(request, future.result()))
-        except Exception as exc:
-            abort(context, exc)
+        entry, future = self._submit(request, context, inline=True)
+        if not future.done():
+            context.add_callback(future.cancel)
+        return b"".join(infer_response(request.id, entry.name, entry.version, future.result()))
 
     def InferStream(self, request_iterator: Iterator[pb.InferRequest], context):
         """Requests are admitted as they arrive; responses leave in completion order."""
-        done: queue.Queue = queue.Queue()
-        pending = [0]
-        lock = threading.Lock()
-        finished_reading = threading.Event()
-
-        def complete(request: pb.InferRequest, future) -> None:
-            try:
-                head = pb.InferStreamResponse(id=request.id).SerializeToString()
-                pieces = field_pieces(_STREAM_RESPONSE, self._response(request, future.result()))
-                message = b"".join([head, *pieces])
-            except Exception as exc:
-                message = self._error(request.id, exc)
-            done.put(message)
-
-        def read() -> None:
-            try:
-                for request in request_iterator:
-                    with lock:
-                        pending[0] += 1
-                    try:
-                        future = self._submit(request, _deadline(context))
-                    except Exception as exc:
-                        done.put(self._error(request.id, exc))
-                        continue
-                    outstanding.add(future)
-                    future.add_done_callback(outstanding.discard)
-                    future.add_done_callback(lambda f, r=request: complete(r, f))
-            except grpc.RpcError:
-                pass
-            finally:
-                finished_reading.set()
-                done.put(None)
-
-        outstanding: set = set()
-
-        def cancel_outstanding() -> None:
-            for future in list(outstanding):
-                future.cancel()
-
-        context.add_callback(cancel_outstanding)  # the call ended: drop what is still queued
-        threading.Thread(target=read, name="infer-stream-reader", daemon=True).start()
-        sent = 0
-        while True:
-            message = done.get()
-            if message is not None:
-                sent += 1
-                yield message
-            with lock:
-                total = pending[0]
-            if finished_reading.is_set() and sent >= total:
-                return
-
-    @staticmethod
-    def _error(request_id: str, exc: BaseException) -> pb.InferStreamResponse:
-        code, message = status_of(exc)
-        return pb.InferStreamResponse(
-            id=request_id, error=pb.Status(code=code.value[0], message=message)
+        yield from pump(
+            request_iterator,
+            context,
+            lambda request: self._submit(request, context),
+            _stream_response,
+            _stream_error,
+            "infer-stream-reader",
         )
 
     def ExportNetwork(self, request, context):
-        try:
-            return pb.ExportNetworkResponse(blob=self.plane.export(request.name, request.version))
-        except Exception as exc:
-            abort(context, exc)
+        return pb.ExportNetworkResponse(blob=self.plane.export(request.name, request.version))
 
     def ImportNetwork(self, request, context):
-        try:
-            entry = self.plane.import_network(
-                request.name, request.blob, request.device, dict(request.config)
-            )
-            response = pb.LoadNetworkResponse(loaded_from_cache=True)
-            network_info(response.network, entry)
-            return response
-        except Exception as exc:
-            abort(context, exc)
+        entry = self.plane.import_network(
+            request.name, request.blob, request.device, dict(request.config)
+        )
+        response = pb.LoadNetworkResponse(loaded_from_cache=True)
+        network_info(response.network, entry)
+        return response
 
     def GetPerformanceCounts(self, request, context):
-        try:
-            entry = self.plane.get(request.name, request.version)
-            if not entry.perf_enabled:
-                raise FailedPrecondition(
-                    f"network {entry.name!r}: performance counters are off; "
-                    "load it with PERF_COUNT=YES"
-                )
-        except Exception as exc:
-            abort(context, exc)
+        entry = self.plane.get(request.name, request.version)
+        if not entry.perf_enabled:
+            raise FailedPrecondition(
+                f"network {entry.name!r}: performance counters are off; load it with PERF_COUNT=YES"
+            )
         response = pb.GetPerformanceCountsResponse()
         for count, total, runs in list(entry.perf_totals.values()):
             response.counts.add(
