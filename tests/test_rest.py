@@ -434,3 +434,26 @@ def test_http_port_minus_one_turns_rest_off(tmp_path):
     with RunningServer("--model-repository", str(repo), "--http-port", "-1") as s:
         assert s.http_port == 0
         assert "HTTP" not in next(line for line in s.lines if "listening:" in line)
+
+
+@pytest.mark.parametrize("flag", ["--http-port", "--metrics-port"])
+def test_an_occupied_port_is_a_one_line_error(flag, tmp_path):
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        ports = {"--grpc-port": "0", "--http-port": "0", "--metrics-port": "0"}
+        ports[flag] = str(busy.getsockname()[1])
+        result = subprocess.run(
+            [sys.executable, "-m", "plugserve.server.cli", "serve", "--host", "127.0.0.1",
+             "--model-repository", str(examples_repository(tmp_path)),
+             *[part for item in ports.items() for part in item]],
+            capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+    assert result.returncode == 1
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"plugserve: cannot listen on 127.0.0.1:{ports[flag]} ({flag})"), last
+    assert "Traceback" not in result.stderr
