@@ -30,7 +30,6 @@ Choices where Triton or KServe leave room:
 from __future__ import annotations
 
 import asyncio
-import logging
 import re
 import socket
 import ssl
@@ -41,6 +40,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+import uvicorn
+import uvloop
 
 from plugserve.plugins.api import InvalidInput, PlugserveError, Unsupported
 from plugserve.plugins.blob import plugserve_version
@@ -60,8 +61,6 @@ from plugserve.server.security import HEALTH, KSERVE, AuthInterceptor
 from plugserve.server.settings import Settings
 
 __all__ = ["RestApp", "RestServer"]
-
-log = logging.getLogger("plugserve.rest")
 
 _JSON = [(b"content-type", b"application/json")]
 # Content-Encoding of a request body -> zlib's wbits (0: plain)
@@ -369,8 +368,6 @@ class RestServer:
 
     def start(self) -> int:
         """Bind the port (an occupied one is a one-line SystemExit) and serve; the port."""
-        import uvicorn
-
         s = self.settings
         family = socket.AF_INET6 if ":" in s.host else socket.AF_INET
         try:
@@ -408,8 +405,6 @@ class RestServer:
         return self.port
 
     def _run(self, sock: socket.socket, started: threading.Event) -> None:
-        import uvloop
-
         async def serve() -> None:
             task = asyncio.ensure_future(self._server.serve(sockets=[sock]))
             while not self._server.started and not task.done():
