@@ -414,8 +414,28 @@ class Plugin(abc.ABC):
     ) -> CompiledNetwork:
         """Rebuild a network from :meth:`CompiledNetwork.export`; a foreign blob raises."""
 
+    # --- optional hooks: every plugin has them; these defaults are for plugins without
+
+    def unsupported_nodes(
+        self, model: Model, config: Mapping[str, Any] | None = None
+    ) -> dict[str, str]:
+        """``{original node name: why}`` for nodes this device refuses (for error messages
+        and ``plugserve query``); empty when the device gives no reasons."""
+        return {}
+
+    def subgraphs(
+        self, model: Model, config: Mapping[str, Any] | None = None
+    ) -> list[dict[str, Any]]:
+        """The split a load would make, ``[{"device": D, "nodes": [...]}, ...]`` in execution
+        order; empty for devices that do not split a model."""
+        return []
+
     def add_extension(self, extension: Any) -> None:
         raise Unsupported(f"device {self.name} does not support extensions")
+
+    def extension_names(self) -> list[str]:
+        """``domain::op_type`` of every extension added (part of the model cache key)."""
+        return []
 
 
 class CompiledNetwork(abc.ABC):
@@ -509,6 +529,15 @@ class CompiledNetwork(abc.ABC):
         return StreamsExecutor(
             f"{self.device}/{self.name}", streams, state_factory=lambda _i: _new_request(ref)
         )
+
+    def batch_statistics(self) -> dict[int, tuple[int, int]] | None:
+        """``{rows: (batches run, nanoseconds)}`` of a network that gathers requests into
+        batches; None for one that does not batch."""
+        return None
+
+    def batching(self) -> tuple[int, float] | None:
+        """``(batch size, timeout ms)`` of a network that gathers requests into batches."""
+        return None
 
     def close(self) -> None:
         """Stop the streams: queued requests still run, new ones are refused.

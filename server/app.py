@@ -107,7 +107,13 @@ class Server:
                 raise SystemExit(f"plugserve: --model-name {settings.model_name}: {exc}") from None
         self.repository = Repository(root)
         self.plane = DataPlane(
-            self.core, self.metrics, self.repository, settings.default_device, settings.queue_size
+            self.core,
+            self.metrics,
+            self.repository,
+            settings.default_device,
+            settings.queue_size,
+            settings.max_networks,
+            settings.max_model_bytes,
         )
         self.health = health.HealthServicer()
         self.grpc_server: grpc.Server | None = None
@@ -191,8 +197,6 @@ class Server:
             )
             if credentials is None:
                 log.warning("token auth without TLS: tokens cross the network in plaintext")
-        self.plane.max_networks = s.max_networks
-        self.plane.max_model_bytes = s.max_model_bytes
         options = [
             ("grpc.max_send_message_length", s.max_message_bytes),
             ("grpc.max_receive_message_length", s.max_message_bytes),

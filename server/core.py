@@ -212,7 +212,7 @@ class Core:
         digest = hashlib.sha256()
         digest.update(_model_bytes(model))
         settings = {k: v for k, v in config.to_strings().items() if k != "CACHE_DIR"}
-        extensions = [f"{e.domain}::{e.op_type}" for e in getattr(plugin, "extensions", [])]
+        extensions = plugin.extension_names()
         digest.update(
             json.dumps(
                 {

@@ -16,7 +16,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -40,7 +40,7 @@ from plugserve.plugins.api import (
 from plugserve.plugins.streams import StreamsExecutor
 from plugserve.server.core import Core
 from plugserve.server.devices import parse_device
-from plugserve.server.metrics import Metrics
+from plugserve.server.metrics import Metrics, Recorder
 from plugserve.server.repository import Repository, check_name, is_version
 
 __all__ = ["DataPlane", "LoadedNetwork", "ShuttingDown"]
@@ -54,60 +54,36 @@ class ShuttingDown(PlugserveError):
     code = "UNAVAILABLE"
 
 
-@dataclasses.dataclass
-class Stats:
-    """Per-network counters for KServe's statistics extension (nanoseconds, as Triton)."""
-
-    success: int = 0
-    failure: int = 0
-    queue_ns: int = 0
-    compute_ns: int = 0
-    last_inference_ms: int = 0
-    execution_count: int = 0
-
-
+@dataclasses.dataclass(eq=False)
 class LoadedNetwork:
-    """A compiled network as the server holds it: name, version, device, its executor."""
+    """A compiled network as the server holds it: name, version, device, and what its
+    requests use, decided once at load (its executor, queue bound, outputs, recorder)."""
 
-    def __init__(
-        self,
-        name: str,
-        version: int,
-        device: str,
-        network: CompiledNetwork,
-        persisted: bool,
-        max_batch_size: int,
-        queue_size: int = 0,
-    ) -> None:
-        self.name = name
-        self.version = version
-        self.device = device
-        self.network = network
-        self.persisted = persisted
-        self.max_batch_size = max_batch_size
-        #: Fixed at load: what a request that names no outputs gets, and what it may name.
-        self.output_names = [o.name for o in network.outputs]
-        self._known_outputs = frozenset(self.output_names)
-        self.stats = Stats()
-        #: The network's own streams, each with its infer request; started at load.
-        self.executor: StreamsExecutor = network.executor
-        #: How many requests may wait for a stream (--queue-size, else 16 per stream).
+    name: str
+    version: int
+    device: str
+    network: CompiledNetwork
+    persisted: bool
+    max_batch_size: int
+    recorder: Recorder
+    queue_size: dataclasses.InitVar[int] = 0
+    #: The network's own streams, each with its infer request; started at load.
+    executor: StreamsExecutor = dataclasses.field(init=False)
+    #: How many requests may wait for a stream (--queue-size, else 16 per stream).
+    queue_limit: int = dataclasses.field(init=False)
+    #: What a request that names no outputs gets, and what it may name.
+    output_names: list[str] = dataclasses.field(init=False)
+    perf_enabled: bool = dataclasses.field(init=False)
+
+    def __post_init__(self, queue_size: int) -> None:
+        self.executor = self.network.executor
         self.queue_limit = queue_size or 16 * self.executor.streams
-        #: Records a successful request in its metrics series (set by the data plane).
-        self.record_success: Callable[[float, float], None] = _unrecorded
-        self.perf_enabled = bool(_safe_config(network, "PERF_COUNT"))
-        self.perf_totals: dict[str, list[Any]] = {}
-        self._perf_lock = threading.Lock()
+        self.output_names = [o.name for o in self.network.outputs]
+        self._known_outputs = frozenset(self.output_names)
+        self.perf_enabled = bool(_safe_config(self.network, "PERF_COUNT"))
 
-    def record_perf(self, request: InferRequest) -> list[Any]:
-        counts = request.get_performance_counts()
-        with self._perf_lock:
-            for c in counts:
-                entry = self.perf_totals.setdefault(c.node_name, [c, 0.0, 0])
-                entry[0] = c
-                entry[1] += c.real_time_s
-                entry[2] += 1
-        return counts
+
+_STATUS = {DeadlineExceeded: "deadline", Cancelled: "cancelled", InvalidInput: "invalid"}
 
 
 def batch_device(device: str, max_batch_size: int) -> str:
@@ -122,10 +98,6 @@ def batch_device(device: str, max_batch_size: int) -> str:
     return f"BATCH:{parsed}({max_batch_size})"
 
 
-def _unrecorded(queue_wait: float, compute: float) -> None:
-    """A network not attached to a data plane records nothing."""
-
-
 def _safe_config(network: CompiledNetwork, key: str) -> Any:
     try:
         return network.get_config(key)
@@ -134,10 +106,6 @@ def _safe_config(network: CompiledNetwork, key: str) -> Any:
 
 
 class DataPlane:
-    # limits (0: none), set by the server from --max-networks and --max-model-bytes
-    max_networks = 0
-    max_model_bytes = 0
-
     def __init__(
         self,
         core: Core,
@@ -145,7 +113,13 @@ class DataPlane:
         repository: Repository | None,
         default_device: str = "NUMPY",
         queue_size: int = 0,
+        max_networks: int = 0,
+        max_model_bytes: int = 0,
     ) -> None:
+        """``max_networks`` / ``max_model_bytes``: --max-networks and --max-model-bytes
+        (0: no limit)."""
+        self.max_networks = max_networks
+        self.max_model_bytes = max_model_bytes
         self.core = core
         self.metrics = metrics
         self.repository = repository
@@ -228,17 +202,7 @@ class DataPlane:
             network.name = name
             if persist:
                 self.repository.persist(name, version, model, device, config)
-            entry = self._attach(
-                LoadedNetwork(
-                    name,
-                    version,
-                    str(parse_device(device)),
-                    network,
-                    persist,
-                    max_batch_size,
-                    self.queue_size,
-                )
-            )
+            entry = self._entry(name, version, device, network, persist, max_batch_size)
             with self._lock:
                 self._networks.setdefault(name, {})[version] = entry
         finally:
@@ -253,13 +217,20 @@ class DataPlane:
         )
         return entry, network.loaded_from_cache
 
-    def _attach(self, entry: LoadedNetwork) -> LoadedNetwork:
-        """What a network's requests use, decided once when it is loaded: its success series
-        in the metrics."""
-        entry.record_success = self.metrics.success_recorder(
-            entry.device, entry.name, entry.version
+    def _entry(
+        self,
+        name: str,
+        version: int,
+        device: str,
+        network: CompiledNetwork,
+        persisted: bool,
+        max_batch_size: int,
+    ) -> LoadedNetwork:
+        kind = str(parse_device(device))
+        recorder = self.metrics.recorder(kind, name, version)
+        return LoadedNetwork(
+            name, version, kind, network, persisted, max_batch_size, recorder, self.queue_size
         )
-        return entry
 
     def unload(self, name: str, version: int = 0, remove: bool = False) -> list[LoadedNetwork]:
         """Unload a version (every version when 0); ``remove`` also deletes it from the
@@ -276,10 +247,8 @@ class DataPlane:
             if remove and entry.persisted and self.repository is not None:
                 self.repository.remove(name, entry.version)
             self.metrics.forget(entry.device, name, entry.version)
-            close = getattr(entry.network, "close", None)
             try:
-                if close:
-                    close()
+                entry.network.close()
             except Exception as exc:  # a failed device must not keep a network loaded
                 log.warning(
                     "network %s version %d: closing it on %s failed (%s: %s); it is unloaded",
@@ -364,15 +333,14 @@ class DataPlane:
         :meth:`StreamsExecutor.run_inline`); the future is then already done.
         """
         name = entry.name
+        recorder = entry.recorder
         try:
             arrays = check_inputs(name, entry.network.inputs, inputs)
             wanted = self._outputs(entry, outputs)
         except PlugserveError:
-            entry.stats.failure += 1
-            self.metrics.observe(entry.device, entry.name, entry.version, "invalid")
+            recorder.refused("invalid")
             raise
         executor = entry.executor
-        record_success = entry.record_success
         admitted = time.perf_counter()
         feeds = {spec.name: a for spec, a in zip(entry.network.inputs, arrays)}
 
@@ -396,12 +364,8 @@ class DataPlane:
                 ) from exc
             finished = time.perf_counter()
             if entry.perf_enabled:
-                self.metrics.observe_layers(
-                    entry.device, entry.name, entry.version, entry.record_perf(request)
-                )
-            entry.stats.queue_ns += int((started - admitted) * 1e9)
-            entry.stats.compute_ns += int((finished - started) * 1e9)
-            record_success(started - admitted, finished - started)
+                recorder.layers(request.get_performance_counts())
+            recorder.success(started - admitted, finished - started)
             return {k: result[k] for k in wanted}
 
         with self._inflight_lock:
@@ -417,9 +381,7 @@ class DataPlane:
         except BaseException as exc:
             with self._inflight_lock:
                 self._inflight -= 1
-            entry.stats.failure += 1
-            if isinstance(exc, ResourceExhausted):
-                self.metrics.observe(entry.device, entry.name, entry.version, "overloaded")
+            recorder.refused("overloaded" if isinstance(exc, ResourceExhausted) else "")
             raise
         future.add_done_callback(lambda f: self._finished(entry, f))
         return future
@@ -441,25 +403,15 @@ class DataPlane:
             time.sleep(0.02)
 
     def _finished(self, entry: LoadedNetwork, future: Future) -> None:
+        """Successes are recorded where they ran; here the admitted ones that failed."""
         with self._inflight_lock:
             self._inflight -= 1
-        entry.stats.last_inference_ms = int(time.time() * 1000)
         if future.cancelled():
-            entry.stats.failure += 1
-            self.metrics.observe(entry.device, entry.name, entry.version, "cancelled")
+            entry.recorder.failure("cancelled")
             return
         exc = future.exception()
-        if exc is None:
-            entry.stats.success += 1
-            entry.stats.execution_count += 1
-            return
-        entry.stats.failure += 1
-        status = {
-            DeadlineExceeded: "deadline",
-            Cancelled: "cancelled",
-            InvalidInput: "invalid",
-        }.get(type(exc), "error")
-        self.metrics.observe(entry.device, entry.name, entry.version, status)
+        if exc is not None:
+            entry.recorder.failure(_STATUS.get(type(exc), "error"))
 
     def _outputs(self, entry: LoadedNetwork, outputs: list[str] | None) -> list[str]:
         if not outputs:
@@ -491,11 +443,8 @@ class DataPlane:
     ) -> list[dict[str, Any]]:
         """The split a HETERO load would make (empty for devices that do not split)."""
         plugin, merged = self.core.resolve(device, config)
-        split = getattr(plugin, "subgraphs", None)
-        if split is None:
-            return []
         try:
-            return split(model, merged)
+            return plugin.subgraphs(model, merged)
         except PlugserveError:  # some node has no device: the query itself says which
             return []
 
@@ -504,11 +453,8 @@ class DataPlane:
     ) -> tuple[dict[str, str], dict[str, str]]:
         supported = self.core.query_network(model, device, config)
         plugin = self.core.plugin(device)
-        reasons: dict[str, str] = {}
-        explain: Callable[..., dict[str, str]] | None = getattr(plugin, "unsupported_nodes", None)
-        if explain is not None:
-            reasons = {k: v for k, v in explain(model, config).items() if k not in supported}
-        return supported, reasons
+        reasons = plugin.unsupported_nodes(model, config)
+        return supported, {k: v for k, v in reasons.items() if k not in supported}
 
     def export(self, name: str, version: int = 0) -> bytes:
         return self.get(name, version).network.export()
@@ -528,17 +474,7 @@ class DataPlane:
         with self._lock:
             version = max(self._networks.get(name, {}), default=0) + 1
             self._check_network_count(name, version, len(self._loading))
-            entry = self._attach(
-                LoadedNetwork(
-                    name,
-                    version,
-                    str(parse_device(device)),
-                    network,
-                    False,
-                    0,
-                    self.queue_size,
-                )
-            )
+            entry = self._entry(name, version, device, network, False, 0)
             self._networks.setdefault(name, {})[version] = entry
         return entry
 

@@ -28,7 +28,7 @@ from google.protobuf.message_factory import GetMessageClass
 
 from plugserve.server.errors import abort
 
-__all__ = ["add_service", "deadline", "pump"]
+__all__ = ["add_service", "deadline", "pump", "result"]
 
 _KINDS = {
     (False, False): grpc.unary_unary_rpc_method_handler,
@@ -83,6 +83,13 @@ def add_service(server: grpc.Server, service: ServiceDescriptor, servicer: Any) 
     return service.full_name
 
 
+def result(context: grpc.ServicerContext, future: Future) -> Any:
+    """A unary call's outcome: it waits for ``future``, which the call's end cancels."""
+    if not future.done():
+        context.add_callback(future.cancel)
+    return future.result()
+
+
 def deadline(context: grpc.ServicerContext) -> float | None:
     """The call's deadline on the ``time.monotonic`` clock (None: the client set none)."""
     remaining = context.time_remaining()
@@ -92,14 +99,15 @@ def deadline(context: grpc.ServicerContext) -> float | None:
 def pump(
     requests: Iterator[Any],
     context: grpc.ServicerContext,
-    submit: Callable[[Any], tuple[Any, Future]],
+    submit: Callable[[Any, grpc.ServicerContext], tuple[Any, Future]],
     respond: Callable[[Any, Any, Any], Any],
     fail: Callable[[Any, BaseException], Any],
     name: str,
 ) -> Iterator[Any]:
     """A bidirectional inference stream: requests are admitted as they arrive (on a reader
     thread), responses leave in completion order, and every request read gets exactly one
-    response: ``respond(request, entry, outputs)`` for ``submit(request) -> (entry, future)``,
+    response: ``respond(request, entry, outputs)`` for ``submit(request, context) ->
+    (entry, future)``,
     or ``fail(request, error)``. When the call ends, what is still queued is cancelled."""
     done: queue.Queue = queue.Queue()
     admitted = [0]  # requests read so far
@@ -119,7 +127,7 @@ def pump(
                 with lock:
                     admitted[0] += 1
                 try:
-                    entry, future = submit(request)
+                    entry, future = submit(request, context)
                 except Exception as exc:
                     done.put(fail(request, exc))
                     continue

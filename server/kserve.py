@@ -59,7 +59,7 @@ from plugserve.proto.tensors import (
 )
 from plugserve.server.dataplane import DataPlane, LoadedNetwork
 from plugserve.server.errors import status_of
-from plugserve.server.handlers import add_service, deadline, pump
+from plugserve.server.handlers import add_service, deadline, pump, result
 
 __all__ = ["KServeServicer", "add_kserve_service", "refuse_overrides"]
 
@@ -182,7 +182,7 @@ def model_config(entry: LoadedNetwork) -> mc.ModelConfig:
     )
     config.version_policy.latest.num_versions = 1
     config.parameters["device"].string_value = entry.device
-    batching = _batching(entry)
+    batching = entry.network.batching()
     if batching is not None:
         size, timeout_ms = batching
         config.dynamic_batching.preferred_batch_size.append(size)
@@ -197,18 +197,6 @@ def model_config(entry: LoadedNetwork) -> mc.ModelConfig:
             name=spec.name, data_type=config_data_type(spec.dtype), dims=dims_of(spec)[skip:]
         )
     return config
-
-
-def _batching(entry: LoadedNetwork) -> tuple[int, float] | None:
-    """``(batch size, timeout ms)`` of a network on a BATCH device, else None."""
-    if getattr(entry.network, "batch_statistics", None) is None:
-        return None
-    try:
-        return int(entry.network.get_config("BATCH_SIZE")), float(
-            entry.network.get_config("BATCH_TIMEOUT_MS")
-        )
-    except Exception:
-        return None
 
 
 def input_array(tensor, raw: bytes | None) -> np.ndarray:
@@ -327,7 +315,7 @@ def stream_error(request: pb.ModelInferRequest, exc: BaseException) -> pb.ModelS
 
 
 def model_statistics(entry: LoadedNetwork) -> pb.ModelStatistics:
-    s = entry.stats
+    s = entry.recorder.stats()
     stats = pb.ModelStatistics(
         name=entry.name,
         version=str(entry.version),
@@ -345,9 +333,8 @@ def model_statistics(entry: LoadedNetwork) -> pb.ModelStatistics:
     inference.compute_input.count = s.success
     inference.compute_output.count = s.success
     inference.compute_infer.ns = s.compute_ns
-    batches = getattr(entry.network, "batch_statistics", None)
-    if batches is not None:
-        executed = batches()
+    executed = entry.network.batch_statistics()
+    if executed is not None:
         stats.execution_count = sum(count for count, _ in executed.values())
         for size, (count, ns) in sorted(executed.items()):
             batch = stats.batch_stats.add(batch_size=size)
@@ -409,16 +396,14 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     def ModelInfer(self, request, context):
         entry, future = self._submit(request, context, inline=True)
-        if not future.done():
-            context.add_callback(future.cancel)
-        return b"".join(infer_response(request, entry, future.result()))
+        return b"".join(infer_response(request, entry, result(context, future)))
 
     def ModelStreamInfer(self, request_iterator: Iterator[pb.ModelInferRequest], context):
         """Requests are admitted as they arrive; responses leave in completion order."""
         yield from pump(
             request_iterator,
             context,
-            lambda request: self._submit(request, context),
+            self._submit,
             _stream_response,
             stream_error,
             "kserve-stream-reader",

@@ -8,10 +8,12 @@ never stale and cost nothing per request.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import platform
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
@@ -20,7 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import ThreadingWSGIServer
 
-__all__ = ["Metrics"]
+__all__ = ["Metrics", "Recorder", "Stats"]
 
 _LATENCY_BUCKETS = (
     0.0005,
@@ -128,22 +130,9 @@ class Metrics:
         if compute is not None:
             self.compute.labels(device, model, v).observe(compute)
 
-    def success_recorder(
-        self, device: str, model: str, version: int
-    ) -> Callable[[float, float], None]:
-        """``record(queue_wait, compute)`` for one network's successful requests, its series
-        looked up once here rather than per request (three label lookups, ~10 us)."""
-        v = str(version)
-        count = self.requests.labels(device, model, v, "success")
-        queue = self.queue_wait.labels(device, model, v)
-        compute = self.compute.labels(device, model, v)
-
-        def record(queue_wait: float, compute_time: float) -> None:
-            count.inc()
-            queue.observe(queue_wait)
-            compute.observe(compute_time)
-
-        return record
+    def recorder(self, device: str, model: str, version: int) -> Recorder:
+        """The bookkeeping of one loaded network (see :class:`Recorder`)."""
+        return Recorder(self, device, model, version)
 
     def observe_layers(self, device: str, model: str, version: int, counts: Iterable[Any]) -> None:
         """Add one run's per-node times (``PerfCount``s) to the per-op-type counters."""
@@ -208,3 +197,82 @@ class _Quiet(WSGIRequestHandler):
 
     def log_message(self, format: str, *args: Any) -> None:
         pass
+
+
+@dataclasses.dataclass
+class Stats:
+    """Per-network counters for KServe's statistics extension (nanoseconds, as Triton)."""
+
+    success: int = 0
+    failure: int = 0
+    queue_ns: int = 0
+    compute_ns: int = 0
+    last_inference_ms: int = 0
+    execution_count: int = 0
+
+
+class Recorder:
+    """One network's bookkeeping, made when it is loaded: KServe's :class:`Stats`, the
+    Prometheus series and the per-node time totals, one object for all of them so that they
+    cannot disagree. Safe to call from every stream and RPC thread; the Prometheus series are
+    looked up once here rather than per request (three label lookups, ~10 us)."""
+
+    def __init__(self, metrics: Metrics, device: str, model: str, version: int) -> None:
+        self._metrics = metrics
+        self._labels = (device, model, version)
+        v = str(version)
+        self._count = metrics.requests.labels(device, model, v, "success")
+        self._queue = metrics.queue_wait.labels(device, model, v)
+        self._compute = metrics.compute.labels(device, model, v)
+        self._lock = threading.Lock()
+        self._stats = Stats()
+        #: node name -> [its last PerfCount, total seconds, runs]
+        self._perf: dict[str, list[Any]] = {}
+
+    def success(self, queue_wait: float, compute: float) -> None:
+        self._count.inc()
+        self._queue.observe(queue_wait)
+        self._compute.observe(compute)
+        with self._lock:
+            s = self._stats
+            s.success += 1
+            s.execution_count += 1
+            s.queue_ns += int(queue_wait * 1e9)
+            s.compute_ns += int(compute * 1e9)
+            s.last_inference_ms = int(time.time() * 1000)
+
+    def failure(self, status: str) -> None:
+        """An admitted request that did not succeed (deadline, cancelled, invalid, error)."""
+        with self._lock:
+            self._stats.failure += 1
+            self._stats.last_inference_ms = int(time.time() * 1000)
+        self._metrics.observe(*self._labels, status)
+
+    def refused(self, status: str) -> None:
+        """A request refused before admission (invalid, overloaded, shutting down): a failure
+        in KServe's statistics too, as Triton counts rejected requests (perf_analyzer reads
+        them), and counted under ``status`` in Prometheus (``""``: not there)."""
+        with self._lock:
+            self._stats.failure += 1
+        if status:
+            self._metrics.observe(*self._labels, status)
+
+    def layers(self, counts: list[Any]) -> None:
+        """One run's per-node times (``PerfCount``s), into the totals and the metrics."""
+        with self._lock:
+            for c in counts:
+                entry = self._perf.setdefault(c.node_name, [c, 0.0, 0])
+                entry[0] = c
+                entry[1] += c.real_time_s
+                entry[2] += 1
+        self._metrics.observe_layers(*self._labels, counts)
+
+    def stats(self) -> Stats:
+        """A consistent copy of the counters."""
+        with self._lock:
+            return dataclasses.replace(self._stats)
+
+    def perf_totals(self) -> list[tuple[Any, float, int]]:
+        """``(last PerfCount, total seconds, runs)`` per node, so far."""
+        with self._lock:
+            return [(c, total, runs) for c, total, runs in self._perf.values()]

@@ -338,7 +338,7 @@ def _fast(entry: LoadedNetwork) -> bool:
     """Run inline on the loop: two thread hand-offs saved (~0.25 ms at batch 1 here), and the
     loop stalls no longer than the JSON decoding of a request does. A slower network (or one
     not yet measured) runs on its streams so the loop keeps admitting requests meanwhile."""
-    stats = entry.stats
+    stats = entry.recorder.stats()
     return stats.success > 0 and stats.compute_ns < stats.success * _INLINE_NS
 
 

@@ -22,7 +22,7 @@ from plugserve.proto.tensors import (
 from plugserve.proto.tensors import from_tensor as _from_tensor
 from plugserve.server.dataplane import DataPlane, LoadedNetwork
 from plugserve.server.errors import status_of
-from plugserve.server.handlers import deadline, pump
+from plugserve.server.handlers import deadline, pump, result
 
 __all__ = ["PlugserveServicer", "infer_response", "network_info"]
 
@@ -180,16 +180,16 @@ class PlugserveServicer(pb_grpc.PlugserveServicer):
 
     def Infer(self, request, context):
         entry, future = self._submit(request, context, inline=True)
-        if not future.done():
-            context.add_callback(future.cancel)
-        return b"".join(infer_response(request.id, entry.name, entry.version, future.result()))
+        return b"".join(
+            infer_response(request.id, entry.name, entry.version, result(context, future))
+        )
 
     def InferStream(self, request_iterator: Iterator[pb.InferRequest], context):
         """Requests are admitted as they arrive; responses leave in completion order."""
         yield from pump(
             request_iterator,
             context,
-            lambda request: self._submit(request, context),
+            self._submit,
             _stream_response,
             _stream_error,
             "infer-stream-reader",
@@ -213,7 +213,7 @@ class PlugserveServicer(pb_grpc.PlugserveServicer):
                 f"network {entry.name!r}: performance counters are off; load it with PERF_COUNT=YES"
             )
         response = pb.GetPerformanceCountsResponse()
-        for count, total, runs in list(entry.perf_totals.values()):
+        for count, total, runs in entry.recorder.perf_totals():
             response.counts.add(
                 node_name=count.node_name,
                 op_type=count.op_type,

@@ -234,6 +234,9 @@ class BatchCompiledNetwork(CompiledNetwork):
         with self._cond:
             return {rows: (v[0], v[1]) for rows, v in sorted(self._stats.items())}
 
+    def batching(self) -> tuple[int, float]:
+        return self.batch_size, float(self.config.get("BATCH_TIMEOUT_MS"))
+
     # --- the CompiledNetwork API
 
     def create_infer_request(self) -> BatchInferRequest:

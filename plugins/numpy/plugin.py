@@ -174,6 +174,9 @@ class NumpyPlugin(Plugin):
         plan = compile_plan(graph, self.registry)
         return NumpyCompiledNetwork(self, cfg, graph, graph, plan)
 
+    def extension_names(self) -> list[str]:
+        return [f"{e.domain}::{e.op_type}" for e in self.extensions]
+
     def add_extension(self, extension: Extension) -> None:
         """Register a custom op kernel; QueryNetwork then reports its nodes supported."""
         if not isinstance(extension, Extension):
