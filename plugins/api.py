@@ -454,6 +454,8 @@ class CompiledNetwork(abc.ABC):
         self.name = name
         self.config = config
         self.loaded_from_cache = False
+        self._inputs: list[TensorSpec] = []
+        self._outputs: list[TensorSpec] = []
         self._executor: StreamsExecutor | None = None
         self._executor_lock = threading.Lock()
 
@@ -462,12 +464,14 @@ class CompiledNetwork(abc.ABC):
         return self.plugin.name
 
     @property
-    @abc.abstractmethod
-    def inputs(self) -> list[TensorSpec]: ...
+    def inputs(self) -> list[TensorSpec]:
+        """The network's inputs: what a plugin's network sets as ``_inputs`` when it is made
+        (a network that wraps another one returns that one's instead)."""
+        return self._inputs
 
     @property
-    @abc.abstractmethod
-    def outputs(self) -> list[TensorSpec]: ...
+    def outputs(self) -> list[TensorSpec]:
+        return self._outputs
 
     @abc.abstractmethod
     def create_infer_request(self) -> InferRequest: ...
@@ -587,11 +591,22 @@ class InferRequest(abc.ABC):
         self.network = network
         self._future: Any = None
 
-    @abc.abstractmethod
-    def infer(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]: ...
+    def infer(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        """OpenVINO's ``sync_infer_request``: :meth:`_prepare` (check and convert the inputs),
+        then :meth:`_run`. Plugins implement those two, or override this where the backend
+        runs the request itself (OPENVINO, BATCH)."""
+        return self._run(self._prepare(inputs))
 
-    @abc.abstractmethod
-    def start_async(self, inputs: Mapping[str, Any], callback: Callback | None = None) -> None: ...
+    def start_async(self, inputs: Mapping[str, Any], callback: Callback | None = None) -> None:
+        """The same two stages, the run on a stream of the network (see :meth:`_start`)."""
+        self._start(inputs, self._prepare, self._run, callback)
+
+    def _prepare(self, inputs: Mapping[str, Any]) -> Any:
+        """The inputs checked against the network's specs, in declared order."""
+        return check_inputs(self.network.name, self.network.inputs, inputs)
+
+    def _run(self, prepared: Any) -> dict[str, np.ndarray]:
+        raise Unsupported(f"{type(self).__name__} does not run requests itself")
 
     # --- helpers for start_async
 

@@ -50,14 +50,6 @@ class HeteroCompiledNetwork(CompiledNetwork):
         self.steps = steps
         self.constants = constants  # graph outputs that are initializers
 
-    @property
-    def inputs(self) -> list[TensorSpec]:
-        return self._inputs
-
-    @property
-    def outputs(self) -> list[TensorSpec]:
-        return self._outputs
-
     def create_infer_request(self) -> HeteroInferRequest:
         return HeteroInferRequest(self)
 

@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from plugserve.plugins.api import (
-    Callback,
     InferRequest,
     PerfCount,
     PlugserveError,
@@ -38,17 +37,11 @@ class HeteroInferRequest(InferRequest):
             values.update(outputs)
         return {name: values[name] for name in self.network.output_names}
 
-    def _values(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
+    def _prepare(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
         arrays = check_inputs(self.network.name, self.network.inputs, inputs)
         values = dict(self.network.constants)
         values.update(zip(self.network.input_names, arrays))
         return values
-
-    def infer(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
-        return self._run(self._values(inputs))
-
-    def start_async(self, inputs: Mapping[str, Any], callback: Callback | None = None) -> None:
-        self._start(inputs, self._values, self._run, callback)
 
     def get_performance_counts(self) -> list[PerfCount]:
         """Per subgraph (op type ``Subgraph``) and, from each device, per node."""

@@ -64,14 +64,6 @@ class MultiCompiledNetwork(CompiledNetwork):
         self._next = 0  # round robin when every device is busy
 
     @property
-    def inputs(self) -> list[TensorSpec]:
-        return self._inputs
-
-    @property
-    def outputs(self) -> list[TensorSpec]:
-        return self._outputs
-
-    @property
     def devices(self) -> list[str]:
         return [p.device for p in self.pools]
 

@@ -98,15 +98,9 @@ class MultiInferRequest(InferRequest):
             + "; ".join(reasons)
         )
 
-    def _feeds(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
+    def _prepare(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
         arrays = check_inputs(self.network.name, self.network.inputs, inputs)
         return {s.name: a for s, a in zip(self.network.inputs, arrays)}
-
-    def infer(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
-        return self._run(self._feeds(inputs))
-
-    def start_async(self, inputs: Mapping[str, Any], callback: Callback | None = None) -> None:
-        self._start(inputs, self._feeds, self._run, callback)
 
     def get_performance_counts(self) -> list[PerfCount]:
         """The counts of this request's last run, from the device that ran it."""

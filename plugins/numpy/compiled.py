@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from plugserve.plugins import blob
-from plugserve.plugins.api import CompiledNetwork, TensorSpec
+from plugserve.plugins.api import CompiledNetwork
 from plugserve.plugins.ir import Graph
 from plugserve.plugins.numpy.config import NumpyConfiguration
 from plugserve.plugins.numpy.engine import Plan
@@ -36,14 +36,6 @@ class NumpyCompiledNetwork(CompiledNetwork):
         self.plan = plan
         #: OpenBLAS threads each request runs with (see ``blas.py``), decided once here.
         self.blas_threads = config.threads_per_stream()
-
-    @property
-    def inputs(self) -> list[TensorSpec]:
-        return self._inputs
-
-    @property
-    def outputs(self) -> list[TensorSpec]:
-        return self._outputs
 
     def create_infer_request(self) -> NumpyInferRequest:
         return NumpyInferRequest(self)

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from plugserve.plugins.api import (
-    Callback,
     InferRequest,
     PerfCount,
-    check_inputs,
 )
 from plugserve.plugins.numpy.blas import set_thread_count
 
@@ -36,15 +33,6 @@ class NumpyInferRequest(InferRequest):
         if profile is not None:
             self._counts = profile
         return dict(zip(self.network.output_names, outputs))
-
-    def _arrays(self, inputs: Mapping[str, Any]) -> list[np.ndarray]:
-        return check_inputs(self.network.name, self.network.inputs, inputs)
-
-    def infer(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
-        return self._run(self._arrays(inputs))
-
-    def start_async(self, inputs: Mapping[str, Any], callback: Callback | None = None) -> None:
-        self._start(inputs, self._arrays, self._run, callback)
 
     def get_performance_counts(self) -> list[PerfCount]:
         self._require_perf_counts()

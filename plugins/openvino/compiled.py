@@ -53,14 +53,6 @@ class OpenvinoCompiledNetwork(CompiledNetwork):
         self.runtime_names = dict(runtime_names)
 
     @property
-    def inputs(self) -> list[TensorSpec]:
-        return self._inputs
-
-    @property
-    def outputs(self) -> list[TensorSpec]:
-        return self._outputs
-
-    @property
     def waiters(self) -> StreamsExecutor:
         """Not streams that run requests (openvino runs them, for in-process ``start_async``)
         but threads that wait on openvino's async requests, to report the ones that fail

@@ -115,14 +115,6 @@ class OrtCompiledNetwork(CompiledNetwork):
                     return (producer,)
         return ()
 
-    @property
-    def inputs(self) -> list[TensorSpec]:
-        return self._inputs
-
-    @property
-    def outputs(self) -> list[TensorSpec]:
-        return self._outputs
-
     def create_infer_request(self) -> OrtInferRequest:
         session = self.sessions[next(self._next) % len(self.sessions)]
         return OrtInferRequest(self, session)

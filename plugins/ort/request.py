@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from plugserve.plugins.api import (
-    Callback,
     InferenceError,
     InferRequest,
     PerfCount,
@@ -47,7 +46,7 @@ class OrtInferRequest(InferRequest):
         self._counts: list[PerfCount] = []
         self._lock = threading.Lock()
 
-    def _feeds(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
+    def _prepare(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
         arrays = check_inputs(self.network.name, self.network.inputs, inputs)
         return {n: a for n, a in zip(self.network.input_names, arrays) if a is not None}
 
@@ -67,12 +66,6 @@ class OrtInferRequest(InferRequest):
                 f"network {self.network.name}: onnxruntime failed: {backend.message(exc)}"
             ) from None
         return dict(zip(self.network.output_names, outputs))
-
-    def infer(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
-        return self._run(self._feeds(inputs))
-
-    def start_async(self, inputs: Mapping[str, Any], callback: Callback | None = None) -> None:
-        self._start(inputs, self._feeds, self._run, callback)
 
     def get_performance_counts(self) -> list[PerfCount]:
         """Per-node timings of the last run (ends this request's profiling session; see above)."""
