@@ -1,7 +1,8 @@
 """``plugserve serve``: the long-running server.
 
 One gRPC port serves plugserve.v1, KServe v2 (``inference.GRPCInferenceService``), health and
-reflection; Prometheus scrapes ``/metrics`` on its own port. The gRPC server is grpcio's
+reflection; KServe v2 over HTTP/REST has its own port (``server/rest.py``, same data plane, auth,
+TLS and limits); Prometheus scrapes ``/metrics`` on its own port. The gRPC server is grpcio's
 thread-pool server, chosen by measurement: a 602 KB echo takes 1.1 ms on it and 2.0 ms on
 grpc.aio here (64 B: 0.6 ms on both), and inference itself runs on the device executors, so
 handler threads only wait on futures. ``maximum_concurrent_rpcs`` bounds what is admitted.
@@ -35,6 +36,7 @@ from plugserve.server.examples import build_examples, default_examples_dir
 from plugserve.server.handlers import add_service
 from plugserve.server.metrics import Metrics
 from plugserve.server.repository import Repository, single_model_repository
+from plugserve.server.rest import RestApp, RestServer
 from plugserve.server.security import (
     AuthInterceptor,
     load_tokens,
@@ -129,6 +131,8 @@ class Server:
         self.health_server: grpc.Server | None = None
         self.health_port = 0
         self.metrics_port = 0
+        self.rest: RestServer | None = None
+        self.http_port = 0
         self._stopped = threading.Event()  # stop() began
         self._hurry = threading.Event()  # a second signal: stop waiting for admitted requests
         self._done = threading.Event()  # stop() finished
@@ -190,11 +194,11 @@ class Server:
             raise SystemExit(f"plugserve: invalid settings: {'; '.join(problems)}")
         credentials = server_credentials(s)
         interceptors = []
+        auth = None
         if s.auth_tokens:
             tokens = load_tokens(s.auth_tokens)
-            interceptors.append(
-                AuthInterceptor(tokens, bool(s.open_health), bool(s.open_reflection))
-            )
+            auth = AuthInterceptor(tokens, bool(s.open_health), bool(s.open_reflection))
+            interceptors.append(auth)
             log.info(
                 "token auth on: %d token(s); health %s, reflection %s",
                 len(tokens),
@@ -238,18 +242,20 @@ class Server:
         if s.metrics_port >= 0:
             try:
                 self.metrics_port = self.metrics.serve(s.host, s.metrics_port)
-            except OSError as exc:
+            except SystemExit:  # the port is taken: one line, and nothing left running
                 self._stop_grpc(0)
-                raise SystemExit(
-                    f"plugserve: cannot listen on {s.host}:{s.metrics_port} (--metrics-port): "
-                    f"{exc.strerror or exc}"
-                ) from None
+                raise
+        if s.http_port >= 0:
+            self.rest = RestServer(RestApp(self.plane, s.max_message_bytes, auth), s)
+            self.http_port = self.rest.start()
+        rest = f", HTTP {'https' if credentials else 'http'}://{s.host}:{self.http_port}"
         log.info(
-            "listening: gRPC %s:%d, metrics http://%s:%d/metrics",
+            "listening: gRPC %s:%d, metrics http://%s:%d/metrics%s",
             s.host,
             self.grpc_port,
             s.host,
             self.metrics_port,
+            rest if self.rest else "",
         )
         ready, problems = self.plane.load_repository()
         for problem in problems:
@@ -322,6 +328,8 @@ class Server:
         self._done.set()
 
     def _stop_grpc(self, grace: float) -> None:
+        if self.rest is not None:
+            self.rest.stop(grace)
         stopping = []
         for server in (self.grpc_server, self.health_server):
             if server is None:

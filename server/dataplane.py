@@ -354,7 +354,7 @@ class DataPlane:
             arrays = check_inputs(name, entry.network.inputs, inputs)
             wanted = self._outputs(entry, outputs)
         except PlugserveError:
-            recorder.failure("invalid")  # KServe's fail counts it, as Triton counts rejections
+            recorder.refused("invalid")
             raise
         executor = entry.executor
         admitted = time.perf_counter()
@@ -397,7 +397,7 @@ class DataPlane:
         except BaseException as exc:
             with self._inflight_lock:
                 self._inflight -= 1
-            recorder.failure("overloaded" if isinstance(exc, ResourceExhausted) else "error")
+            recorder.refused("overloaded" if isinstance(exc, ResourceExhausted) else "")
             raise
         future.add_done_callback(lambda f: self._finished(entry, f))
         return future

@@ -1,4 +1,6 @@
-"""The one place where plugserve's typed errors become gRPC status codes."""
+"""The one place where plugserve's typed errors become gRPC status codes, and those codes
+HTTP statuses (the REST adapter's, as Google's API design maps them; RESOURCE_EXHAUSTED is 429
+Too Many Requests and CANCELLED nginx's 499, client closed request)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import grpc
 
 from plugserve.plugins.api import PlugserveError
 
-__all__ = ["MAX_MESSAGE_CHARS", "grpc_code", "status_of"]
+__all__ = ["HTTP_STATUS", "MAX_MESSAGE_CHARS", "grpc_code", "http_status_of", "status_of"]
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +30,21 @@ _CODES = {
     "DEADLINE_EXCEEDED": grpc.StatusCode.DEADLINE_EXCEEDED,
     "CANCELLED": grpc.StatusCode.CANCELLED,
     "INTERNAL": grpc.StatusCode.INTERNAL,
+}
+
+
+HTTP_STATUS = {
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.UNIMPLEMENTED: 501,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+    grpc.StatusCode.CANCELLED: 499,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.INTERNAL: 500,
 }
 
 
@@ -56,3 +73,9 @@ def abort(context: grpc.ServicerContext, exc: BaseException) -> NoReturn:
     code, message = status_of(exc)
     context.abort(code, message)
     raise AssertionError("unreachable")  # context.abort raises
+
+
+def http_status_of(exc: BaseException) -> tuple[int, str]:
+    """HTTP status and message for an error (see :func:`status_of`)."""
+    code, message = status_of(exc)
+    return HTTP_STATUS.get(code, 500), message

@@ -33,7 +33,7 @@ Choices where KServe/Triton leave room or plugserve differs:
 from __future__ import annotations
 
 import types
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 
 import grpc
 import ml_dtypes
@@ -62,7 +62,7 @@ from plugserve.server.errors import status_of
 from plugserve.server.handlers import add_service, deadline, pump, result
 from plugserve.server.versions import parse_version
 
-__all__ = ["KServeServicer", "add_kserve_service"]
+__all__ = ["KServeServicer", "add_kserve_service", "refuse_overrides"]
 
 SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 PLATFORM = "onnxruntime_onnx"
@@ -424,12 +424,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         return response
 
     def RepositoryModelLoad(self, request, context):
-        overrides = sorted(k for k in request.parameters if k == "config" or k[:5] == "file:")
-        if overrides:
-            raise Unsupported(
-                f"model {request.model_name!r}: load overrides {overrides} are not "
-                "supported; edit the model's folder in the repository and load it by name"
-            )
+        refuse_overrides(request.model_name, request.parameters)
         self.plane.reload(request.model_name)
         return pb.RepositoryModelLoadResponse()
 
@@ -437,6 +432,16 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         """Unload every version without deleting: the model can be loaded again."""
         self.plane.unload(request.model_name, 0, remove=False)
         return pb.RepositoryModelUnloadResponse()
+
+
+def refuse_overrides(name: str, parameters: Collection[str]) -> None:
+    """Triton's load overrides (``config``, ``file:<version>/<name>``) are not supported."""
+    overrides = sorted(k for k in parameters if k == "config" or k[:5] == "file:")
+    if overrides:
+        raise Unsupported(
+            f"model {name!r}: load overrides {overrides} are not "
+            "supported; edit the model's folder in the repository and load it by name"
+        )
 
 
 def _unimplemented(method: str, feature: str):

@@ -10,14 +10,17 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import platform
+import socket
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.exposition import ThreadingWSGIServer
 
 __all__ = ["Metrics", "Recorder", "Stats"]
 
@@ -153,8 +156,33 @@ class Metrics:
                 metric.remove(device, model, v)
 
     def serve(self, host: str, port: int) -> int:
-        """Start the /metrics HTTP endpoint; returns the port (useful when 0 picks one)."""
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        """Start the /metrics HTTP endpoint; returns the port (useful when 0 picks one).
+
+        Only ``/metrics`` answers (404 elsewhere): prometheus_client's own server answers every
+        path with the metrics, so an HTTP client probing ``/v2/health/ready`` here would see
+        200 and take the metrics port for a ready KServe endpoint."""
+        scrape = make_wsgi_app(self.registry)
+
+        def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+            if environ.get("PATH_INFO") == "/metrics":
+                return scrape(environ, start_response)
+            body = b"not found: this port serves Prometheus metrics on /metrics only\n"
+            start_response(
+                "404 Not Found",
+                [("Content-Type", "text/plain"), ("Content-Length", str(len(body)))],
+            )
+            return [body]
+
+        class Server(ThreadingWSGIServer):
+            address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+        try:
+            server = make_server(host, port, app, Server, handler_class=_Quiet)
+        except OSError as exc:
+            raise SystemExit(
+                f"plugserve: cannot listen on {host}:{port} (--metrics-port): {exc.strerror}"
+            ) from None
+        threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
         self._server = server
         return server.server_port
 
@@ -162,6 +190,13 @@ class Metrics:
         if self._server is not None:
             self._server.shutdown()
             self._server = None
+
+
+class _Quiet(WSGIRequestHandler):
+    """No access log on stderr for every scrape."""
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
 
 
 @dataclasses.dataclass
@@ -214,6 +249,15 @@ class Recorder:
             self._stats.failure += 1
             self._stats.last_inference_ms = int(time.time() * 1000)
         self._metrics.observe(*self._labels, status)
+
+    def refused(self, status: str) -> None:
+        """A request refused before admission (invalid, overloaded, shutting down): a failure
+        in KServe's statistics too, as Triton counts rejected requests (perf_analyzer reads
+        them), and counted under ``status`` in Prometheus (``""``: not there)."""
+        with self._lock:
+            self._stats.failure += 1
+        if status:
+            self._metrics.observe(*self._labels, status)
 
     def layers(self, counts: list[Any]) -> None:
         """One run's per-node times (``PerfCount``s), into the totals and the metrics."""

@@ -96,8 +96,8 @@ _TABLE: dict[str, str] = {
 }
 
 HOW = (
-    "send the gRPC metadata 'authorization: Bearer TOKEN' with a token from the server's "
-    "--auth-tokens file (tritonclient: headers={'authorization': 'Bearer TOKEN'})"
+    "send 'authorization: Bearer TOKEN' (gRPC metadata or an HTTP header) with a token from "
+    "the server's --auth-tokens file (tritonclient: headers={'authorization': 'Bearer TOKEN'})"
 )
 
 
@@ -278,38 +278,43 @@ class AuthInterceptor(grpc.ServerInterceptor):
         self.open_health = open_health
         self.open_reflection = open_reflection
 
-    def intercept_service(self, continuation, handler_call_details):
-        method = handler_call_details.method
+    def authorize(
+        self, method: str, metadata: Sequence[tuple[str, Any]] | None
+    ) -> tuple[grpc.StatusCode | None, str]:
+        """``(None, role)`` when ``method`` may be called with ``metadata``'s token, else
+        ``(UNAUTHENTICATED or PERMISSION_DENIED, message)``. Every protocol asks here: the REST
+        adapter names its routes by the gRPC method they stand for."""
         needed = required_role(method, self.open_health, self.open_reflection)
-        handler = continuation(handler_call_details)
         if needed == OPEN:
-            return handler
-        token = _bearer(handler_call_details.invocation_metadata)
+            return None, OPEN
+        token = _bearer(metadata)
         if token is None:
             log.warning("denied %s: no token", method)
-            return _denied(
-                handler,
-                grpc.StatusCode.UNAUTHENTICATED,
-                f"{_short(method)} needs a token: {HOW}",
-            )
+            return grpc.StatusCode.UNAUTHENTICATED, f"{_short(method)} needs a token: {HOW}"
         role = self.tokens.role(token) if token else None
         if role is None:
             log.warning("denied %s: unknown token", method)
-            return _denied(
-                handler,
-                grpc.StatusCode.UNAUTHENTICATED,
+            return grpc.StatusCode.UNAUTHENTICATED, (
                 f"{_short(method)}: the token is not valid (or the header is not "
-                f"'Bearer TOKEN'): {HOW}",
+                f"'Bearer TOKEN'): {HOW}"
             )
         if _RANK[role] < _RANK[needed]:
             log.warning("denied %s: role %s, needs %s", method, role, needed)
-            return _denied(
-                handler,
-                grpc.StatusCode.PERMISSION_DENIED,
+            return grpc.StatusCode.PERMISSION_DENIED, (
                 f"{_short(method)} needs a token with the '{needed}' role; this token has the "
-                f"'{role}' role",
+                f"'{role}' role"
             )
         log.debug("allowed %s: role %s", method, role)
+        return None, role
+
+    def intercept_service(self, continuation, handler_call_details):
+        method = handler_call_details.method
+        handler = continuation(handler_call_details)
+        code, role = self.authorize(method, handler_call_details.invocation_metadata)
+        if code is not None:
+            return _denied(handler, code, role)
+        if role == OPEN:
+            return handler
         service, _, name = method.lstrip("/").partition("/")
         if handler is not None and service == KSERVE and name in _KSERVE_SETTERS:
             return _setter_checked(handler, method, role)

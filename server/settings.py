@@ -27,6 +27,11 @@ class Settings:
     grpc_port: int = _field(
         8001, "gRPC port (plugserve.v1, KServe v2, health, reflection); 0: any free port"
     )
+    http_port: int = _field(
+        8000,
+        "KServe v2 REST port (health, metadata, infer with JSON or binary tensors, repository); "
+        "0: any free port, -1: off",
+    )
     metrics_port: int = _field(8002, "Prometheus /metrics port; 0: any free port, -1: off")
     health_port: int = _field(
         -1,
@@ -57,11 +62,15 @@ class Settings:
         "1: share --grpc-port with other processes listening on it (SO_REUSEPORT; each "
         "connection goes to one of them); 0: an occupied port is an error",
     )
-    max_message_bytes: int = _field(1 << 30, "largest gRPC message accepted or sent")
+    max_message_bytes: int = _field(
+        1 << 30, "largest gRPC message accepted or sent, and largest REST request body"
+    )
     queue_size: int = _field(0, "requests waiting per network (0: 16 per stream, at least 64)")
     grpc_workers: int = _field(64, "gRPC handler threads")
     exit_timeout: float = _field(30.0, "seconds to finish admitted requests on SIGTERM")
-    tls_cert: str = _field("", "PEM certificate chain for TLS on the gRPC port; empty: plaintext")
+    tls_cert: str = _field(
+        "", "PEM certificate chain for TLS on the gRPC and REST ports; empty: plaintext"
+    )
     tls_key: str = _field("", "PEM private key of --tls-cert")
     tls_client_ca: str = _field(
         "", "PEM CA bundle: clients must present a certificate it signed (mutual TLS)"
@@ -103,6 +112,7 @@ class Settings:
         found = []
         for name, low, high in (
             ("grpc_port", 0, 65535),
+            ("http_port", -1, 65535),
             ("metrics_port", -1, 65535),
             ("health_port", -1, 65535),
             ("max_message_bytes", 1, 2**31 - 1),  # gRPC keeps message limits in an int32

@@ -14,11 +14,15 @@ from pathlib import Path
 
 import grpc
 
-_LISTENING = re.compile(r"listening: gRPC [\d.]+:(\d+), metrics http://[\d.]+:(-?\d+)/metrics")
+_LISTENING = re.compile(
+    r"listening: gRPC [\d.]+:(\d+), metrics http://[\d.]+:(-?\d+)/metrics"
+    r"(?:, HTTPS? https?://[\d.]+:(\d+))?"
+)
 
 
 class RunningServer:
-    """Call :meth:`start`; ``target`` is host:port for gRPC, ``metrics_url`` the scrape URL."""
+    """Call :meth:`start`; ``target`` is host:port for gRPC, ``metrics_url`` the scrape URL,
+    ``http_url`` the KServe v2 REST base (``http_port``; 0 when the server runs without it)."""
 
     def __init__(
         self, *args: str, env: dict[str, str] | None = None, cwd: str | None = None
@@ -32,6 +36,7 @@ class RunningServer:
         self.lines: list[str] = []
         self.grpc_port = 0
         self.metrics_port = 0
+        self.http_port = 0
         self._ready = threading.Event()
         self._listening = threading.Event()
         self._exited = threading.Event()  # its output ended: the process is gone
@@ -43,6 +48,15 @@ class RunningServer:
     @property
     def metrics_url(self) -> str:
         return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def http_target(self) -> str:
+        """host:port of the REST port, as tritonclient.http wants it."""
+        return f"127.0.0.1:{self.http_port}"
 
     @property
     def log(self) -> str:
@@ -59,6 +73,8 @@ class RunningServer:
             "--grpc-port",
             "0",
             "--metrics-port",
+            "0",
+            "--http-port",
             "0",
             *self.args,
         ]
@@ -94,6 +110,7 @@ class RunningServer:
             match = _LISTENING.search(line)
             if match:
                 self.grpc_port, self.metrics_port = int(match.group(1)), int(match.group(2))
+                self.http_port = int(match.group(3) or 0)
                 self._listening.set()
             if "server ready:" in line:
                 self._ready.set()

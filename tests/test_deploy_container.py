@@ -49,7 +49,7 @@ def test_dockerfile_shape():
     assert len(stages) == 2 and " AS builder" in stages[0]
     assert "ARG PYTHON_IMAGE=python:3.11-slim" in text
     assert "USER 10001:10001" in text
-    assert "EXPOSE 8001 8002" in text
+    assert "EXPOSE 8000 8001 8002" in text
     assert "grpc_health.v1" in text.split("HEALTHCHECK", 1)[1]
     assert 'ENTRYPOINT ["plugserve", "serve", "--model-repository", "/models"]' in text
 
@@ -61,7 +61,7 @@ def test_compose_references_what_we_ship():
     services = compose["services"]
     assert set(services) == {"plugserve", "prometheus", "grafana"}
     assert services["plugserve"]["build"] == {"context": "..", "dockerfile": "deploy/Dockerfile"}
-    assert {"8001:8001", "8002:8002"} <= set(services["plugserve"]["ports"])
+    assert {"8000:8000", "8001:8001", "8002:8002"} <= set(services["plugserve"]["ports"])
     for service in services.values():
         for volume in service.get("volumes", []):
             source = volume.split(":")[0]
@@ -150,7 +150,7 @@ def image(tmp_path_factory):
 def test_image_config(image):
     config = image["Docker"]["config"]
     assert config["User"] == "10001:10001"
-    assert set(config["ExposedPorts"]) == {"8001/tcp", "8002/tcp"}
+    assert set(config["ExposedPorts"]) == {"8000/tcp", "8001/tcp", "8002/tcp"}
     assert config["Entrypoint"] == ["plugserve", "serve", "--model-repository", "/models"]
     assert config["Healthcheck"]["Test"][0] == "CMD"
 
@@ -171,6 +171,7 @@ def test_image_serves_and_is_healthy(image, tmp_path):
             "config",
             "--env", f"PLUGSERVE_GRPC_PORT={grpc_port}",
             "--env", f"PLUGSERVE_METRICS_PORT={metrics_port}",
+            "--env", f"PLUGSERVE_HTTP_PORT={_free_port()}",
             "--env", "PLUGSERVE_HOST=127.0.0.1",
             container,
         )  # fmt: skip

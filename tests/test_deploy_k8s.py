@@ -183,8 +183,12 @@ def test_deployment():
     args = flags(server["args"])
     assert args["--model-repository"] == "/models"
     ports = {p["name"]: p["containerPort"] for p in server["ports"]}
-    assert ports == {"grpc": int(args["--grpc-port"]), "metrics": int(args["--metrics-port"])}
-    assert ports == {"grpc": 8001, "metrics": 8002}
+    assert ports == {
+        "grpc": int(args["--grpc-port"]),
+        "metrics": int(args["--metrics-port"]),
+        "http": int(args["--http-port"]),
+    }
+    assert ports == {"grpc": 8001, "metrics": 8002, "http": 8000}
 
     # Kubernetes' native gRPC probes on grpc.health.v1
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
@@ -238,7 +242,11 @@ def test_services():
         assert service["spec"]["selector"] == POD_LABELS
         for port in service["spec"]["ports"]:
             assert port["targetPort"] in port_names
-    assert {p["name"]: p["port"] for p in main["spec"]["ports"]} == {"grpc": 8001, "metrics": 8002}
+    assert {p["name"]: p["port"] for p in main["spec"]["ports"]} == {
+        "grpc": 8001,
+        "metrics": 8002,
+        "http": 8000,
+    }
     assert headless["spec"]["clusterIP"] == "None"
     assert [p["port"] for p in headless["spec"]["ports"]] == [8001]
     assert headless["spec"].get("publishNotReadyAddresses", False) is False
@@ -420,7 +428,7 @@ def _rendered_server(docs, tmp_path: Path, files: dict[str, str] | None = None):
     assert command[0], "plugserve is not installed next to this interpreter"
     for arg in server["args"]:
         key, _, value = arg.partition("=")
-        if key in ("--grpc-port", "--metrics-port", "--health-port"):
+        if key in ("--grpc-port", "--metrics-port", "--health-port", "--http-port"):
             value = "0"  # free ports here; the manifests' ports are checked by other tests
         command.append(f"{key}={moved.get(value, value)}")
     return [*command, "--host=127.0.0.1"], env, models
@@ -452,7 +460,12 @@ def test_tls_overlay():
     server = container(deployment)
     args = flags(server["args"])
     ports = {p["name"]: p["containerPort"] for p in server["ports"]}
-    assert ports == {"grpc": 8001, "metrics": 8002, "health": int(args["--health-port"])}
+    assert ports == {
+        "grpc": 8001,
+        "metrics": 8002,
+        "http": 8000,
+        "health": int(args["--health-port"]),
+    }
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert server[probe]["grpc"]["port"] == ports["health"], probe
     mounts = {m["name"]: m for m in server["volumeMounts"]}
@@ -574,7 +587,12 @@ def _runtime_command(name: str, mnt: Path) -> list[str]:
 
 def _runtime_env(tmp_path: Path) -> dict[str, str]:
     env = {e["name"]: e["value"] for e in _runtime_container()["env"]}
-    env.update(PLUGSERVE_GRPC_PORT="0", PLUGSERVE_METRICS_PORT="0", HOME=str(tmp_path))
+    env.update(
+        PLUGSERVE_GRPC_PORT="0",
+        PLUGSERVE_METRICS_PORT="0",
+        PLUGSERVE_HTTP_PORT="0",
+        HOME=str(tmp_path),
+    )
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     return _path_env(**env, PLUGSERVE_HOST="127.0.0.1", TMPDIR=str(scratch))

@@ -193,3 +193,38 @@ def _kserve_requests(name: str, n: int, hold: threading.Event):
             request.raw_input_contents.append(array.tobytes())
         yield request
     hold.wait(60)
+
+
+def test_rest_gets_429_when_the_queue_is_full(crowded):
+    """The same admission over KServe v2 REST: a full queue is 429 with the queue's message."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    name = "over_rest"
+    body = json.dumps(
+        {
+            "inputs": [
+                {"name": "a", "shape": [3], "datatype": "FP32", "data": [1, 2, 3]},
+                {"name": "b", "shape": [3], "datatype": "FP32", "data": [1, 1, 1]},
+            ]
+        }
+    ).encode()
+    url = f"{crowded.http_url}/v2/models/{name}/infer"
+    with Client(crowded.target, timeout=60) as client, ThreadPoolExecutor(8) as pool:
+        client.load(name, add_model_bytes(), device="GATED")
+        try:
+            held = _fill_streams(client, name, pool, crowded)
+            held += [pool.submit(client.infer, name, feeds(i)) for i in range(QUEUE)]
+            assert wait_for(lambda: depth(crowded) == QUEUE)
+            with pytest.raises(urllib.error.HTTPError) as info:
+                urllib.request.urlopen(urllib.request.Request(url, body), timeout=30)
+            assert info.value.code == 429
+            assert f"queue full ({QUEUE} requests waiting)" in json.load(info.value)["error"]
+        finally:
+            crowded.gates.open(name)
+        for future in held:
+            future.result(timeout=60)
+        with urllib.request.urlopen(urllib.request.Request(url, body), timeout=30) as response:
+            assert json.load(response)["outputs"][0]["data"] == [2.0, 3.0, 4.0]
+        client.unload(name)

@@ -326,6 +326,87 @@ def test_mtls_with_a_client_certificate_works(mutual, pki):
         assert client.infer("add", {"a": A, "b": B})["sum"].tolist() == [4, 6]
 
 
+# --- the same over KServe v2 REST (server/rest.py)
+
+
+def _https(server, pki: Path, path: str, token: str | None, body: bytes | None = None, cert=False):
+    """A raw HTTPS request to the REST port; (status, headers, JSON body)."""
+    import http.client
+    import json
+    import ssl
+
+    context = ssl.create_default_context(cafile=str(pki / "ca.pem"))
+    if cert:
+        context.load_cert_chain(pki / "client.pem", pki / "client.key")
+    connection = http.client.HTTPSConnection(
+        "127.0.0.1", server.http_port, context=context, timeout=30
+    )
+    headers = {"authorization": f"Bearer {token}"} if token else {}
+    try:
+        connection.request("POST" if body is not None else "GET", path, body, headers)
+        response = connection.getresponse()
+        data = response.read()
+        return response.status, dict(response.getheaders()), json.loads(data) if data else None
+    finally:
+        connection.close()
+
+
+def test_tritonclient_http_over_tls_with_a_token_infers(secure, pki):
+    httpclient = pytest.importorskip("tritonclient.http")
+    import gevent.ssl
+
+    client = httpclient.InferenceServerClient(
+        secure.http_target,
+        ssl=True,
+        ssl_options={"ca_certs": str(pki / "ca.pem")},
+        ssl_context_factory=gevent.ssl.create_default_context,
+    )
+    headers = {"authorization": f"Bearer {INFER_TOKEN}"}
+    try:
+        inputs = []
+        for name, value in (("a", A), ("b", B)):
+            tensor = httpclient.InferInput(name, [2], "FP32")
+            tensor.set_data_from_numpy(value)
+            inputs.append(tensor)
+        assert client.infer("add", inputs, headers=headers).as_numpy("sum").tolist() == [4, 6]
+        assert client.is_server_ready()  # health needs no token (--open-health 1)
+        with pytest.raises(Exception, match="needs a token") as info:
+            client.get_model_metadata("add")
+        assert info.value.status() == "401"
+    finally:
+        client.close()
+
+
+def test_rest_tokens_and_roles(secure, pki):
+    status, headers, reply = _https(secure, pki, "/v2/models/add", None)
+    assert status == 401 and headers.get("www-authenticate") == "Bearer"
+    assert "authorization: Bearer TOKEN" in reply["error"]
+    status, _, reply = _https(secure, pki, "/v2/models/add", WRONG_TOKEN)
+    assert status == 401 and "not valid" in reply["error"]
+    status, _, reply = _https(secure, pki, "/v2/models/add", INFER_TOKEN)
+    assert status == 200 and reply["name"] == "add"
+    status, _, reply = _https(secure, pki, "/v2/repository/models/add/unload", INFER_TOKEN, b"")
+    assert status == 403 and "'admin' role" in reply["error"]
+    status, _, reply = _https(secure, pki, "/v2/health/live", None)
+    assert status == 200
+
+
+def test_rest_over_plaintext_to_a_tls_port_gets_no_answer(secure):
+    import urllib.error
+    import urllib.request
+
+    with pytest.raises((urllib.error.URLError, ConnectionError)):
+        urllib.request.urlopen(f"http://127.0.0.1:{secure.http_port}/v2/health/live", timeout=10)
+
+
+def test_rest_mtls_needs_a_client_certificate(mutual, pki):
+    import ssl
+
+    with pytest.raises((ssl.SSLError, ConnectionError)):
+        _https(mutual, pki, "/v2/health/live", None)
+    assert _https(mutual, pki, "/v2/health/live", None, cert=True)[0] == 200
+
+
 # --- limits
 
 

@@ -6,8 +6,11 @@ in flight when the signal arrives and finish only when the test opens their gate
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
+import urllib.error
+import urllib.request
 
 import grpc
 import numpy as np
@@ -72,6 +75,22 @@ def outcome(fn, *args, **kwargs):
         return grpc.StatusCode[exc.status().split(".")[-1]], exc.message()
 
 
+REST_BODY = json.dumps(
+    {"inputs": [{"name": n, "shape": [2], "datatype": "FP32", "data": [1, 2]} for n in "ab"]}
+).encode()
+
+
+def rest_status(running, path: str, body: bytes | None = None) -> tuple[int, str]:
+    """Status and error message of a REST call (200, "" when it succeeds)."""
+    try:
+        with urllib.request.urlopen(
+            urllib.request.Request(f"{running.http_url}{path}", body), timeout=30
+        ) as response:
+            return response.status, ""
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.load(exc).get("error", "")
+
+
 def triton_infer(triton, name: str, i: int):
     inputs = [tc.InferInput("a", [2], "FP32"), tc.InferInput("b", [2], "FP32")]
     inputs[0].set_data_from_numpy(feeds(i)["a"])
@@ -110,6 +129,10 @@ def test_signal_drains_admitted_and_queued_requests_then_exits_0(site, tmp_path,
                 assert got[0] == UNAVAILABLE and "shutting down" in got[1], got
                 got = outcome(triton.load_model, "late")
                 assert got[0] == UNAVAILABLE, got
+            # and over REST: not ready, new inferences 503
+            assert rest_status(running, "/v2/health/ready")[0] == 503
+            status, message = rest_status(running, f"/v2/models/{name}/infer", REST_BODY)
+            assert status == 503 and "shutting down" in message, message
             assert running.process.poll() is None  # still draining: the gate is closed
             assert not results
             gates.open(name)

@@ -68,8 +68,11 @@ def find_mlserver(explicit: str = "") -> str:
 
 
 @contextlib.contextmanager
-def mlserver(executable: str, models: dict[str, str], log: Callable[[str], None]) -> Iterator[str]:
-    """MLServer on 127.0.0.1 serving ``models`` (name -> .onnx); yields its gRPC target."""
+def mlserver(
+    executable: str, models: dict[str, str], log: Callable[[str], None]
+) -> Iterator[tuple[str, int]]:
+    """MLServer on 127.0.0.1 serving ``models`` (name -> .onnx); yields its gRPC target and its
+    REST port."""
     root = Path(tempfile.mkdtemp(prefix="mlserver-"))
     grpc_port, http_port, metrics_port = free_port(), free_port(), free_port()
     (root / "runtime.py").write_text(RUNTIME)
@@ -124,7 +127,7 @@ def mlserver(executable: str, models: dict[str, str], log: Callable[[str], None]
             raise RuntimeError(f"mlserver not ready: {(root / 'mlserver.log').read_text()[-2000:]}")
         client.close()
         log(f"    mlserver {executable} ready at {target}")
-        yield target
+        yield target, http_port
     finally:
         process.terminate()
         try:
@@ -137,41 +140,75 @@ def mlserver(executable: str, models: dict[str, str], log: Callable[[str], None]
 
 
 def compare(
-    plugserve_target: str,
+    plugserve: str,
     names: dict[str, str],
     paths: dict[str, str],
     executable: str,
     seconds: float,
     rounds: int,
     log: Callable[[str], None],
+    protocol: str = "grpc",
 ) -> dict[str, Any]:
     """``names``: model -> the plugserve network (on ORT) serving it. Returns figures per model:
-    p50 at concurrency 1 and requests/s at 16 in flight, for both servers."""
+    p50 at concurrency 1 and requests/s at 16 in flight, for both servers.
+
+    ``protocol`` "grpc": tritonclient's KServe v2 gRPC client, ``plugserve`` the gRPC target;
+    "rest": KServe v2 REST with JSON tensors (MLServer's REST is FastAPI) through one raw-bytes
+    HTTP client, ``plugserve`` the host:port of the REST port."""
     rng = np.random.default_rng(0)
-    out: dict[str, Any] = {}
-    with mlserver(executable, {m: paths[m] for m in names}, log) as target:
+    with mlserver(executable, {m: paths[m] for m in names}, log) as (target, http_port):
         cases = {}
         for model, network in names.items():
             x = {"input": rng.normal(size=zoo.input_shape(model)).astype(np.float32)}
-            runners = {
-                "plugserve": KserveRunner(plugserve_target, network, x),
-                "mlserver": KserveRunner(target, model, x),
-            }
+            if protocol == "grpc":
+                runners = {
+                    "plugserve": KserveRunner(plugserve, network, x),
+                    "mlserver": KserveRunner(target, model, x),
+                }
+            else:
+                runners = {
+                    "plugserve": _rest(plugserve, network, json_request(x)),
+                    "mlserver": _rest(f"127.0.0.1:{http_port}", model, json_request(x)),
+                }
             for server, runner in runners.items():
                 cases[f"{model}/{server}/c1"] = harness.block(runner, seconds)
                 cases[f"{model}/{server}/c16"] = harness.block(runner, seconds, "async", 16)
-        blocks = harness.interleave(cases, rounds, log)
-        for model in names:
-            figures = {}
-            for server in ("plugserve", "mlserver"):
-                figures[server] = {
-                    "p50_ms_c1": harness.median_of(
-                        blocks[f"{model}/{server}/c1"], "latency_ms.p50"
-                    ),
-                    "rps_c16": harness.median_of(blocks[f"{model}/{server}/c16"], "throughput_rps"),
-                }
-            out[model] = figures
-    return out
+        return figures(harness.interleave(cases, rounds, log), names)
+
+
+def _rest(address: str, model: str, body: bytes) -> harness.HttpRawRunner:
+    host, _, port = address.rpartition(":")
+    headers = {"Content-Type": "application/json"}
+    return harness.HttpRawRunner(host, int(port), f"/v2/models/{model}/infer", body, headers)
+
+
+def figures(blocks: dict[str, list[dict[str, Any]]], names: dict[str, str]) -> dict[str, Any]:
+    """Per model and server: p50 at concurrency 1 and requests/s at 16 in flight."""
+    return {
+        model: {
+            server: {
+                "p50_ms_c1": harness.median_of(blocks[f"{model}/{server}/c1"], "latency_ms.p50"),
+                "rps_c16": harness.median_of(blocks[f"{model}/{server}/c16"], "throughput_rps"),
+            }
+            for server in ("plugserve", "mlserver")
+        }
+        for model in names
+    }
+
+
+def json_request(inputs: dict[str, np.ndarray]) -> bytes:
+    """A KServe v2 REST infer body with JSON tensors (what a curl user or MLServer's docs send)."""
+    from tritonclient.utils import np_to_triton_dtype
+
+    return json.dumps(
+        {
+            "inputs": [
+                {"name": n, "shape": list(a.shape), "datatype": np_to_triton_dtype(a.dtype),
+                 "data": a.ravel().tolist()}
+                for n, a in inputs.items()
+            ]
+        }
+    ).encode()  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

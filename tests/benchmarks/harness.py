@@ -21,9 +21,11 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 TESTS = HERE.parent
-for folder in (HERE, TESTS):
-    if str(folder) not in sys.path:
-        sys.path.insert(0, str(folder))
+# benchmarks first: its zoo.py, not the tests' zoo package, is the one imported as ``zoo``
+for folder in (TESTS, HERE):
+    if str(folder) in sys.path:
+        sys.path.remove(str(folder))
+    sys.path.insert(0, str(folder))
 
 from plugserve.client.bench import Done, Runner, measure, summarize  # noqa: E402
 
@@ -173,6 +175,85 @@ class RawRunner(Runner):
 
     def close(self) -> None:
         self.channel.close()
+
+
+class HttpRawRunner(Runner):
+    """Pre-built HTTP/1.1 request bytes to one URL over keep-alive connections (one per
+    thread); the reply is read to its end with httptools' parser and not decoded. The REST
+    counterpart of :class:`RawRunner`: the client's own cost is the same for every server.
+    ``submit`` runs ``call`` on a pool of ``workers`` threads (each with its connection)."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        path: str,
+        body: bytes,
+        headers: Mapping[str, str] | None = None,
+        label: str = "",
+        workers: int = 16,
+    ) -> None:
+        import threading
+        from concurrent.futures import ThreadPoolExecutor
+
+        lines = [f"POST {path} HTTP/1.1", f"Host: {host}:{port}", f"Content-Length: {len(body)}"]
+        lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
+        self.request = ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+        self.address = (host, port)
+        self.local = threading.local()
+        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="http-bench")
+        self.description = f"{label or path} {host}:{port}"
+        self.opened: list[Any] = []
+
+    def _connection(self) -> Any:
+        import socket
+
+        import httptools
+
+        conn = getattr(self.local, "conn", None)
+        if conn is None:
+            sock = socket.create_connection(self.address)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            state = {"done": False, "status": 0}
+
+            class Reply:
+                def on_message_complete(self) -> None:
+                    state["done"] = True
+
+            parser = httptools.HttpResponseParser(Reply())
+            conn = self.local.conn = (sock, parser, state)
+            self.opened.append(sock)
+        return conn
+
+    def call(self) -> None:
+        for attempt in (0, 1):  # a server may close an idle keep-alive connection: reopen once
+            sock, parser, state = self._connection()
+            state["done"] = False
+            sock.sendall(self.request)
+            data = sock.recv(1 << 20)
+            if data or attempt:
+                break
+            sock.close()
+            self.local.conn = None
+        while True:
+            if not data:
+                raise ConnectionError("the server closed the connection")
+            parser.feed_data(data)
+            if state["done"]:
+                break
+            data = sock.recv(1 << 20)
+        status = parser.get_status_code()
+        if status != 200:
+            raise RuntimeError(f"HTTP {status}")
+
+    def submit(self, done: Done) -> None:
+        future = self.pool.submit(self.call)
+        future.add_done_callback(lambda f: done(f.exception()))
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+        for sock in self.opened:
+            sock.close()
 
 
 @contextlib.contextmanager

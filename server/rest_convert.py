@@ -1,0 +1,338 @@
+"""KServe v2 REST bodies to and from numpy: JSON tensors and Triton's binary tensor extension.
+
+The REST counterpart of the gRPC converters in ``kserve.py``; it holds no business logic.
+
+* An infer body is JSON, or JSON followed by binary tensor data when the request has an
+  ``Inference-Header-Content-Length`` header (the JSON's length). An input whose parameters
+  carry ``binary_data_size`` takes that many bytes from the binary part, inputs in order;
+  every byte of the binary part must belong to an input. BYTES elements, in JSON or binary,
+  are decoded as UTF-8 text (invalid bytes become U+FFFD), as on gRPC.
+* JSON ``data`` may be flat or nested (row-major); its element count must match the shape and
+  its values the datatype (no float for an INT32, no number for a BOOL, values in range).
+* An output is returned as binary data when its own ``binary_data`` parameter says so, else
+  when the request's ``binary_data_output`` parameter does; JSON otherwise (flat, row-major,
+  as Triton). ``classification`` is refused, as on gRPC.
+* Statistics, model configuration and metadata are the JSON form of the same protobuf
+  messages the gRPC service returns (:func:`message_json`), with 64-bit integers as numbers,
+  as Triton's HTTP endpoint and perf_analyzer's HTTP client have them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import orjson
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
+
+from plugserve.plugins.api import InvalidInput, Unsupported
+from plugserve.proto.tensors import (
+    TensorFormatError,
+    array_payload,
+    check_shape,
+    decode_strings,
+)
+from plugserve.server.kserve import DATATYPES, datatype_of
+
+__all__ = [
+    "HEADER_LENGTH",
+    "InferCall",
+    "dumps",
+    "encode_infer",
+    "message_json",
+    "parse_infer",
+]
+
+#: The request and response header naming the length of the JSON part of a binary body.
+HEADER_LENGTH = "inference-header-content-length"
+
+# JSON element kinds (numpy's dtype.kind of the parsed list) each datatype accepts
+_KINDS = {"b": "b", "i": "iu", "u": "iu", "f": "fiu"}
+
+
+def dumps(value: Any) -> bytes:
+    return orjson.dumps(value, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def loads(data: bytes | memoryview, what: str) -> Any:
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidInput(f"{what} is not valid JSON: {exc}") from None
+
+
+@dataclasses.dataclass
+class InferCall:
+    """A decoded infer request: what the data plane needs and how to answer."""
+
+    id: str
+    inputs: dict[str, np.ndarray]
+    outputs: list[str]  # requested names, in order; empty: every output
+    binary: dict[str, bool]  # per requested output, its own binary_data parameter
+    binary_default: bool  # the request's binary_data_output
+
+
+def _object(value: Any, what: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise InvalidInput(f"{what} must be a JSON object, not {type(value).__name__}")
+    return value
+
+
+def _list(value: Any, what: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise InvalidInput(f"{what} must be a JSON array, not {type(value).__name__}")
+    return value
+
+
+def _flag(parameters: dict[str, Any], key: str, what: str) -> bool:
+    value = parameters.get(key, False)
+    if not isinstance(value, bool):
+        raise InvalidInput(f"{what}: parameter {key!r} must be true or false, not {value!r}")
+    return value
+
+
+def parse_infer(body: bytes, header_length: str | None) -> InferCall:
+    """The infer body as arrays; ``header_length`` is the Inference-Header-Content-Length."""
+    view = memoryview(body)
+    if header_length is None:
+        json_part, binary = view, view[:0]
+    else:
+        if not header_length.isdigit() or int(header_length) > len(body):
+            raise InvalidInput(
+                f"Inference-Header-Content-Length {header_length!r} must be a byte count "
+                f"within the body's {len(body)} bytes"
+            )
+        json_part, binary = view[: int(header_length)], view[int(header_length) :]
+    request = _object(loads(json_part, "the request"), "the request")
+    parameters = _object(request.get("parameters", {}), "the request's parameters")
+    request_id = request.get("id", "")
+    if not isinstance(request_id, str):
+        raise InvalidInput(f"the request's id must be a string, not {request_id!r}")
+    inputs: dict[str, np.ndarray] = {}
+    offset = 0
+    for index, tensor in enumerate(_list(request.get("inputs"), "the request's 'inputs'")):
+        tensor = _object(tensor, f"input {index}")
+        name = tensor.get("name")
+        if not isinstance(name, str):
+            raise InvalidInput(f"input {index}: 'name' must be a string")
+        if name in inputs:
+            raise InvalidInput(f"input {name!r} is given more than once")
+        inputs[name], offset = _input_array(tensor, name, binary, offset)
+    if offset != len(binary):
+        raise InvalidInput(
+            f"{len(binary) - offset} bytes of binary data are not claimed by any input's "
+            "binary_data_size"
+        )
+    outputs, binary_flags = [], {}
+    for index, output in enumerate(_list(request.get("outputs", []), "the request's 'outputs'")):
+        output = _object(output, f"output {index}")
+        name = output.get("name")
+        if not isinstance(name, str):
+            raise InvalidInput(f"output {index}: 'name' must be a string")
+        options = _object(output.get("parameters", {}), f"output {name!r}: parameters")
+        if "classification" in options:
+            raise Unsupported(
+                f"output {name!r}: classification is not supported; "
+                "request the output without the classification parameter"
+            )
+        outputs.append(name)
+        if "binary_data" in options:
+            binary_flags[name] = _flag(options, "binary_data", f"output {name!r}")
+    return InferCall(
+        request_id,
+        inputs,
+        outputs,
+        binary_flags,
+        _flag(parameters, "binary_data_output", "the request"),
+    )
+
+
+def _input_array(
+    tensor: dict[str, Any], name: str, binary: memoryview, offset: int
+) -> tuple[np.ndarray, int]:
+    """One input and the offset after its binary data."""
+    where = f"input {name!r}"
+    datatype = tensor.get("datatype")
+    dtype = DATATYPES.get(datatype) if isinstance(datatype, str) else None
+    if dtype is None:
+        raise InvalidInput(
+            f"{where}: datatype {datatype!r} is not supported; use one of {', '.join(DATATYPES)}"
+        )
+    shape_value = _list(tensor.get("shape"), f"{where}: 'shape'")
+    if not all(isinstance(d, int) and not isinstance(d, bool) for d in shape_value):
+        raise InvalidInput(f"{where}: shape {shape_value} must be a list of integers")
+    try:
+        shape = check_shape(shape_value, where)
+    except TensorFormatError as exc:
+        raise InvalidInput(str(exc)) from None
+    count = 1
+    for dim in shape:  # Python ints: np.prod would wrap around for huge dims
+        count *= dim
+    parameters = _object(tensor.get("parameters", {}), f"{where}: parameters")
+    if "binary_data_size" in parameters:
+        size = parameters["binary_data_size"]
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise InvalidInput(f"{where}: binary_data_size must be a byte count, not {size!r}")
+        if "data" in tensor:
+            raise InvalidInput(f"{where}: has both 'data' and binary_data_size; send one")
+        if offset + size > len(binary):
+            raise InvalidInput(
+                f"{where}: binary_data_size {size} goes past the end of the binary data "
+                f"({len(binary) - offset} bytes left)"
+            )
+        return _from_binary(binary[offset : offset + size], dtype, datatype, shape, count, where), (
+            offset + size
+        )
+    if "data" not in tensor:
+        raise InvalidInput(f"{where}: has neither 'data' nor a binary_data_size parameter")
+    return _from_json(tensor["data"], dtype, datatype, shape, count, where), offset
+
+
+def _from_binary(
+    data: memoryview, dtype: np.dtype, datatype: str, shape: tuple[int, ...], count: int, where: str
+) -> np.ndarray:
+    try:
+        if dtype == np.dtype(object):
+            return decode_strings(data, count, where).reshape(shape)
+        if len(data) != count * dtype.itemsize:
+            raise InvalidInput(
+                f"{where}: {len(data)} bytes of binary data, but shape {list(shape)} of "
+                f"{datatype} needs {count * dtype.itemsize}"
+            )
+        return np.frombuffer(data, dtype=dtype.newbyteorder("<")).reshape(shape)
+    except TensorFormatError as exc:
+        raise InvalidInput(str(exc)) from None
+    except ValueError as exc:  # numpy refuses the shape (a 0-size tensor with huge dims)
+        raise InvalidInput(f"{where}: shape {list(shape)} cannot be held: {exc}") from None
+
+
+def _flatten(data: Any, out: list[Any]) -> list[Any]:
+    for item in data:
+        if isinstance(item, list):
+            _flatten(item, out)
+        else:
+            out.append(item)
+    return out
+
+
+def _from_json(
+    data: Any, dtype: np.dtype, datatype: str, shape: tuple[int, ...], count: int, where: str
+) -> np.ndarray:
+    data = _list(data, f"{where}: 'data'")
+    if dtype == np.dtype(object):
+        values = _flatten(data, [])
+        _check_count(len(values), shape, count, where)
+        if not all(isinstance(v, str) for v in values):
+            raise InvalidInput(f"{where}: BYTES data must be JSON strings")
+        array = np.empty(count, dtype=object)
+        array[:] = values
+        return array.reshape(shape)
+    try:
+        parsed = np.array(data)  # numpy walks flat or nested lists in C
+    except ValueError:  # ragged nesting: count the values to say what is wrong
+        parsed = np.array(_flatten(data, []), dtype=object)
+    _check_count(parsed.size, shape, count, where)
+    first = parsed.flat[0] if parsed.size else None
+    if count and isinstance(first, bool | np.bool_) != (dtype.kind == "b"):
+        raise InvalidInput(f"{where}: {datatype} data must be JSON "
+                           + ("true/false" if dtype.kind == "b" else "numbers"))  # fmt: skip
+    if count and parsed.dtype.kind not in _KINDS[dtype.kind]:
+        raise InvalidInput(
+            f"{where}: the values in 'data' ({parsed.dtype.kind!r} kind: "
+            f"{_kind_name(parsed.dtype)}) do not fit {datatype}"
+        )
+    if dtype.kind in "iu" and count:
+        info = np.iinfo(dtype)
+        low, high = int(parsed.min()), int(parsed.max())
+        if low < info.min or high > info.max:
+            raise InvalidInput(f"{where}: a value is outside {datatype}'s range "
+                               f"{info.min}..{info.max}")  # fmt: skip
+    return parsed.astype(dtype, copy=False).reshape(shape)
+
+
+def _check_count(size: int, shape: tuple[int, ...], count: int, where: str) -> None:
+    if size != count:
+        raise InvalidInput(
+            f"{where}: {size} values in 'data', but shape {list(shape)} needs {count}"
+        )
+
+
+def _kind_name(dtype: np.dtype) -> str:
+    return {"b": "booleans", "i": "integers", "u": "integers", "f": "numbers with a fraction"}.get(
+        dtype.kind, "text or mixed values"
+    )
+
+
+# ------------------------------------------------------------------ responses
+
+
+def _json_data(array: np.ndarray) -> Any:
+    if array.dtype.kind in "OUS":
+        return [v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
+                for v in array.ravel()]  # fmt: skip
+    if array.dtype == np.float16:  # orjson has no float16; float32 holds every value exactly
+        array = array.astype(np.float32)
+    return np.ascontiguousarray(array).reshape(-1)
+
+
+def encode_infer(
+    model: str, version: int, call: InferCall, outputs: dict[str, np.ndarray]
+) -> tuple[list[bytes | memoryview], int | None]:
+    """The response body as pieces, and the JSON part's length when binary data follows."""
+    described = []
+    payloads: list[bytes | memoryview] = []
+    for name, array in outputs.items():
+        array = np.asarray(array)
+        entry: dict[str, Any] = {
+            "name": name,
+            "datatype": datatype_of(array.dtype),
+            "shape": list(array.shape),
+        }
+        if call.binary.get(name, call.binary_default):
+            payload = array_payload(array)
+            entry["parameters"] = {"binary_data_size": memoryview(payload).nbytes}
+            payloads.append(payload)
+        else:
+            entry["data"] = _json_data(array)
+        described.append(entry)
+    response: dict[str, Any] = {"model_name": model, "model_version": str(version)}
+    if call.id:
+        response["id"] = call.id
+    response["outputs"] = described
+    header = dumps(response)
+    if not payloads:
+        return [header], None
+    return [header, *payloads], len(header)
+
+
+def message_json(message: Message) -> dict[str, Any]:
+    """A protobuf message as Triton's HTTP JSON: proto field names, every scalar (defaults
+    too), set sub-messages and oneof members only, enums by name, 64-bit integers as numbers
+    (protobuf's own JSON writes them as strings, which perf_analyzer does not read)."""
+    out: dict[str, Any] = {}
+    for field in message.DESCRIPTOR.fields:
+        value = getattr(message, field.name)
+        if field.message_type is not None and field.message_type.GetOptions().map_entry:
+            value_field = field.message_type.fields_by_name["value"]
+            out[field.name] = {k: _value(value_field, v) for k, v in value.items()}
+        elif field.label == FieldDescriptor.LABEL_REPEATED:
+            out[field.name] = [_value(field, v) for v in value]
+        elif (field.message_type is not None or field.containing_oneof is not None) and (
+            not message.HasField(field.name)
+        ):
+            continue
+        else:
+            out[field.name] = _value(field, value)
+    return out
+
+
+def _value(field: FieldDescriptor, value: Any) -> Any:
+    if field.message_type is not None:
+        return message_json(value)
+    if field.enum_type is not None:
+        return field.enum_type.values_by_number[value].name
+    if field.type == FieldDescriptor.TYPE_BYTES:
+        return value.decode("utf-8", "replace")
+    return value

@@ -1,0 +1,459 @@
+"""KServe v2 over HTTP/REST through a real server: tritonclient.http, and raw HTTP requests
+(what curl would send) for the malformed bodies a client library never makes.
+
+Auth and TLS on the REST port are in test_security.py (next to the gRPC ones).
+"""
+
+from __future__ import annotations
+
+import gzip
+import http.client
+import json
+import struct
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+from serving import RunningServer, examples_repository
+
+httpclient = pytest.importorskip("tritonclient.http")
+from tritonclient.utils import InferenceServerException  # noqa: E402
+
+BUNDLED = ("add", "cnn", "echo", "mlp")
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with httpclient.InferenceServerClient(server.http_target) as c:
+        yield c
+
+
+def _input(name, array, datatype, binary=True):
+    tensor = httpclient.InferInput(name, list(array.shape), datatype)
+    tensor.set_data_from_numpy(array, binary_data=binary)
+    return tensor
+
+
+def _add(a, b, binary=True):
+    return [
+        _input("a", np.asarray(a, np.float32), "FP32", binary),
+        _input("b", np.asarray(b, np.float32), "FP32", binary),
+    ]
+
+
+def _sized(datatype: str, count: int, size: int) -> bytes:
+    """The JSON part of a binary request: input 'a' of ``count`` elements, ``size`` bytes."""
+    tensor = {"name": "a", "shape": [count], "datatype": datatype}
+    return _infer_json([{**tensor, "parameters": {"binary_data_size": size}}])
+
+
+def _request(server, method, path, body=b"", headers=None):
+    """A raw request; (status, headers, parsed JSON body or raw bytes)."""
+    connection = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=30)
+    try:
+        connection.request(method, path, body=body, headers=headers or {})
+        response = connection.getresponse()
+        data = response.read()
+        headers_out = {k.lower(): v for k, v in response.getheaders()}
+    finally:
+        connection.close()
+    if headers_out.get("content-type") == "application/json":
+        return response.status, headers_out, json.loads(data)
+    return response.status, headers_out, data
+
+
+def _infer_json(inputs, outputs=None, **extra):
+    body = {"inputs": inputs, **extra}
+    if outputs is not None:
+        body["outputs"] = outputs
+    return json.dumps(body).encode()
+
+
+# --- tritonclient.http
+
+
+def test_health_and_readiness(client):
+    assert client.is_server_live()
+    assert client.is_server_ready()
+    for name in BUNDLED:
+        assert client.is_model_ready(name)
+        assert client.is_model_ready(name, "1")
+    assert not client.is_model_ready("nope")
+    assert not client.is_model_ready("add", "7")
+
+
+def test_server_and_model_metadata(client):
+    from plugserve.plugins.blob import plugserve_version
+
+    meta = client.get_server_metadata()
+    assert meta["name"] == "plugserve" and meta["version"] == plugserve_version()
+    assert "model_repository" in meta["extensions"]
+    model = client.get_model_metadata("add")
+    assert model["name"] == "add" and model["versions"] == ["1"]
+    assert [(i["name"], i["datatype"], i["shape"]) for i in model["inputs"]] == [
+        ("a", "FP32", [-1]),
+        ("b", "FP32", [-1]),
+    ]
+    assert model["outputs"][0]["name"] == "sum"
+    with pytest.raises(InferenceServerException, match="not loaded") as info:
+        client.get_model_metadata("nope")
+    assert info.value.status() == "404"
+
+
+def test_model_config_is_triton_json_with_numbers(client):
+    config = client.get_model_config("mlp")
+    assert config["name"] == "mlp" and config["max_batch_size"] == 8
+    assert config["input"][0]["data_type"] == "TYPE_FP32"
+    assert all(isinstance(d, int) for d in config["input"][0]["dims"])
+    assert config["dynamic_batching"]["preferred_batch_size"] == [8]
+    assert config["parameters"]["device"]["string_value"].startswith("BATCH:")
+
+
+@pytest.mark.parametrize("binary", [False, True])
+def test_infer_with_json_or_binary_tensors(client, binary):
+    outputs = [httpclient.InferRequestedOutput("sum", binary_data=binary)]
+    result = client.infer("add", _add([1, 2, 3], [10, 20, 30], binary), outputs=outputs)
+    assert result.as_numpy("sum").tolist() == [11, 22, 33]
+    response = result.get_response()
+    assert response["model_name"] == "add" and response["model_version"] == "1"
+    assert ("parameters" in response["outputs"][0]) is binary
+
+
+def test_infer_a_named_version_with_an_id(client):
+    result = client.infer("add", _add([1], [2]), model_version="1", request_id="req-7")
+    assert result.get_response()["id"] == "req-7"
+    with pytest.raises(InferenceServerException) as info:
+        client.infer("add", _add([1], [2]), model_version="3")
+    assert info.value.status() == "404"
+
+
+def test_infer_matches_the_grpc_result_on_the_cnn(client, server):
+    from plugserve.client import Client
+
+    x = np.random.default_rng(0).normal(size=(2, 1, 28, 28)).astype(np.float32)
+    name = client.get_model_metadata("cnn")["inputs"][0]["name"]
+    rest = client.infer("cnn", [_input(name, x, "FP32")])
+    with Client(server.target) as grpc_client:
+        expected = grpc_client.infer("cnn", {name: x})
+    for output, value in expected.items():
+        np.testing.assert_allclose(rest.as_numpy(output), value, rtol=1e-6)
+
+
+@pytest.mark.parametrize("binary", [False, True])
+def test_bytes_tensors_round_trip(client, binary):
+    text = np.array(["hello", "wörld", ""], dtype=object)
+    outputs = [httpclient.InferRequestedOutput("echo", binary_data=binary)]
+    result = client.infer("echo", [_input("text", text, "BYTES", binary)], outputs=outputs)
+    got = [v.decode() if isinstance(v, bytes) else v for v in result.as_numpy("echo")]
+    assert got == ["hello", "wörld", ""]
+
+
+def test_async_infer(server):
+    with httpclient.InferenceServerClient(server.http_target, concurrency=4) as c:
+        pending = [c.async_infer("add", _add([i], [1])) for i in range(8)]
+        assert [p.get_result().as_numpy("sum").tolist() for p in pending] == [
+            [i + 1] for i in range(8)
+        ]
+
+
+def test_statistics_count_what_ran(client):
+    before = client.get_inference_statistics("add")["model_stats"][0]
+    client.infer("add", _add([1], [2]))
+    with pytest.raises(InferenceServerException):
+        client.infer("add", [_input("a", np.ones(2, np.float32), "FP32")])  # b missing
+    after = client.get_inference_statistics("add", "1")["model_stats"][0]
+    assert after["name"] == "add" and after["version"] == "1"
+    stats = after["inference_stats"]
+    assert stats["success"]["count"] == before["inference_stats"]["success"]["count"] + 1
+    assert stats["fail"]["count"] == before["inference_stats"]["fail"]["count"] + 1
+    assert isinstance(stats["success"]["ns"], int) and stats["success"]["ns"] > 0
+    everything = client.get_inference_statistics()["model_stats"]
+    assert {s["name"] for s in everything} >= set(BUNDLED)
+
+
+def test_repository_index_unload_and_load(client):
+    index = client.get_model_repository_index()
+    assert {(m["name"], m["state"]) for m in index} >= {(n, "READY") for n in BUNDLED}
+    client.unload_model("cnn")
+    assert not client.is_model_ready("cnn")
+    rows = {m["name"]: m for m in client.get_model_repository_index()}
+    assert rows["cnn"]["state"] == "UNAVAILABLE"
+    client.load_model("cnn")
+    assert client.is_model_ready("cnn")
+    with pytest.raises(InferenceServerException) as info:
+        client.unload_model("nope")
+    assert info.value.status() == "404"
+    with pytest.raises(InferenceServerException, match="overrides") as info:
+        client.load_model("cnn", config=json.dumps({"max_batch_size": 2}))
+    assert info.value.status() == "501"
+
+
+def test_classification_and_shared_memory_are_refused(client):
+    outputs = [httpclient.InferRequestedOutput("sum", class_count=2)]
+    with pytest.raises(InferenceServerException, match="classification") as info:
+        client.infer("add", _add([1], [2]), outputs=outputs)
+    assert info.value.status() == "501"
+    with pytest.raises(InferenceServerException, match="shared memory") as info:
+        client.get_system_shared_memory_status()
+    assert info.value.status() == "501"
+
+
+# --- raw HTTP: what a client library never sends
+
+
+@pytest.mark.parametrize(
+    ("body", "headers", "message"),
+    [
+        (b"{not json", {}, "not valid JSON"),
+        (b"\xff\xfe\x00garbage", {}, "not valid JSON"),
+        (b"[1, 2]", {}, "must be a JSON object"),
+        (b'{"inputs": 3}', {}, "must be a JSON array"),
+        (
+            _infer_json([{"name": "a", "shape": [2], "datatype": "FP99", "data": [1, 2]}]),
+            {},
+            "datatype 'FP99' is not supported",
+        ),
+        (
+            _infer_json([{"name": "a", "shape": [3], "datatype": "FP32", "data": [1, 2]}]),
+            {},
+            "2 values in 'data', but shape [3] needs 3",
+        ),
+        (
+            _infer_json([{"name": "a", "shape": [2], "datatype": "FP32", "data": ["x", "y"]}]),
+            {},
+            "do not fit FP32",
+        ),
+        (
+            _infer_json([{"name": "a", "shape": [2], "datatype": "INT32", "data": [1.5, 2]}]),
+            {},
+            "do not fit INT32",
+        ),
+        (
+            _infer_json([{"name": "a", "shape": [1], "datatype": "INT8", "data": [300]}]),
+            {},
+            "outside INT8's range",
+        ),
+        (
+            _infer_json([{"name": "a", "shape": [2], "datatype": "FP32", "data": [[1], [2, 3]]}]),
+            {},
+            "3 values in 'data'",
+        ),
+        (
+            _infer_json([{"name": "a", "shape": [-2], "datatype": "FP32", "data": []}]),
+            {},
+            "negative dimension",
+        ),
+        (
+            _infer_json([{"name": "a", "shape": [2], "datatype": "FP32"}]),
+            {},
+            "neither 'data' nor a binary_data_size",
+        ),
+        (b'{"inputs": []}', {"Inference-Header-Content-Length": "999999"}, "within the body"),
+        (b'{"inputs": []}', {"Inference-Header-Content-Length": "-4"}, "must be a byte count"),
+        (
+            _sized("FP32", 2, 8) + b"\0" * 4,
+            {"Inference-Header-Content-Length": None},
+            "goes past the end of the binary data",
+        ),
+        (
+            _sized("FP32", 2, 8) + b"\0" * 12,
+            {"Inference-Header-Content-Length": None},
+            "4 bytes of binary data are not claimed",
+        ),
+        (
+            _sized("FP32", 3, 8) + b"\0" * 8,
+            {"Inference-Header-Content-Length": None},
+            "needs 12",
+        ),
+        (
+            _sized("BYTES", 1, 8) + struct.pack("<I", 99) + b"abcd",
+            {"Inference-Header-Content-Length": None},
+            "claims 99 bytes",
+        ),
+    ],
+)
+def test_a_malformed_infer_body_is_400_with_a_message(server, body, headers, message):
+    if headers.get("Inference-Header-Content-Length", "") is None:  # the JSON part's length
+        headers = {"Inference-Header-Content-Length": str(body.index(b"}]}") + 3)}
+    status, _, reply = _request(server, "POST", "/v2/models/add/infer", body, headers)
+    assert status == 400, reply
+    assert message in reply["error"]
+
+
+def test_a_wrong_input_name_or_output_is_400(server):
+    body = _infer_json(
+        [
+            {"name": "a", "shape": [1], "datatype": "FP32", "data": [1]},
+            {"name": "c", "shape": [1], "datatype": "FP32", "data": [1]},
+        ]
+    )
+    status, _, reply = _request(server, "POST", "/v2/models/add/infer", body)
+    assert status == 400 and "unknown input(s) ['c']" in reply["error"]
+    body = _infer_json(
+        [
+            {"name": "a", "shape": [1], "datatype": "FP32", "data": [1]},
+            {"name": "b", "shape": [1], "datatype": "FP32", "data": [2]},
+        ],
+        outputs=[{"name": "nope"}],
+    )
+    status, _, reply = _request(server, "POST", "/v2/models/add/infer", body)
+    assert status == 400 and "unknown output" in reply["error"]
+
+
+def test_json_infer_by_hand_returns_flat_row_major_data(server):
+    body = _infer_json(
+        [
+            {"name": "a", "shape": [4], "datatype": "FP32", "data": [[1, 2], [3, 4]]},
+            {"name": "b", "shape": [4], "datatype": "FP32", "data": [10, 20, 30, 40]},
+        ]
+    )
+    status, headers, reply = _request(server, "POST", "/v2/models/add/infer", body)
+    assert status == 200 and headers["content-type"] == "application/json"
+    assert reply["outputs"] == [
+        {"name": "sum", "datatype": "FP32", "shape": [4], "data": [11.0, 22.0, 33.0, 44.0]}
+    ]
+
+
+def test_binary_output_by_hand(server):
+    body = _infer_json(
+        [
+            {"name": "a", "shape": [2], "datatype": "FP32", "data": [1, 2]},
+            {"name": "b", "shape": [2], "datatype": "FP32", "data": [3, 4]},
+        ],
+        parameters={"binary_data_output": True},
+    )
+    status, headers, reply = _request(server, "POST", "/v2/models/add/infer", body)
+    assert status == 200 and headers["content-type"] == "application/octet-stream"
+    length = int(headers["inference-header-content-length"])
+    header = json.loads(reply[:length])
+    assert header["outputs"][0]["parameters"] == {"binary_data_size": 8}
+    assert np.frombuffer(reply[length:], "<f4").tolist() == [4, 6]
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status"),
+    [
+        ("GET", "/", 404),
+        ("GET", "/v3/health/live", 404),
+        ("GET", "/v2/models/nope", 404),
+        ("GET", "/v2/models/nope/ready", 404),
+        ("GET", "/v2/models/add/versions/x/ready", 400),
+        ("POST", "/v2/models/nope/infer", 404),
+        ("GET", "/v2/models/add/infer", 405),
+        ("DELETE", "/v2/health/live", 405),
+        ("GET", "/v2/health/live", 200),
+        ("GET", "/v2/health/ready", 200),
+    ],
+)
+def test_paths_and_methods(server, method, path, status):
+    body = _infer_json([]) if method == "POST" else b""
+    got, _, reply = _request(server, method, path, body)
+    assert got == status, reply
+    if status >= 400:
+        assert isinstance(reply["error"], str) and reply["error"]
+
+
+@pytest.mark.parametrize("algorithm", ["gzip", "deflate"])
+def test_compressed_requests(client, algorithm):
+    result = client.infer(
+        "add",
+        _add([1, 2], [3, 4]),
+        request_compression_algorithm=algorithm,
+        response_compression_algorithm=algorithm,
+    )
+    assert result.as_numpy("sum").tolist() == [4, 6]
+
+
+def test_unknown_or_broken_compression_is_refused(server):
+    status, _, reply = _request(
+        server, "POST", "/v2/models/add/infer", b"xx", {"Content-Encoding": "br"}
+    )
+    assert status == 415 and "'br' is not supported" in reply["error"]
+    status, _, reply = _request(
+        server, "POST", "/v2/models/add/infer", b"\x1f\x8bnot gzip", {"Content-Encoding": "gzip"}
+    )
+    assert status == 400 and "cannot be inflated" in reply["error"]
+    truncated = gzip.compress(_add_small())[:-12]
+    status, _, reply = _request(
+        server, "POST", "/v2/models/add/infer", truncated, {"Content-Encoding": "gzip"}
+    )
+    assert status == 400 and "truncated" in reply["error"]
+
+
+# --- limits, and the metrics port
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    repo = examples_repository(tmp_path_factory.mktemp("repo"))
+    with RunningServer("--model-repository", str(repo), "--max-message-bytes", "4096") as s:
+        yield s
+
+
+def test_a_body_over_max_message_bytes_is_413(small):
+    body = _infer_json(
+        [
+            {"name": "a", "shape": [1000], "datatype": "FP32", "data": [1.0] * 1000},
+            {"name": "b", "shape": [1000], "datatype": "FP32", "data": [1.0] * 1000},
+        ]
+    )
+    status, _, reply = _request(small, "POST", "/v2/models/add/infer", body)
+    assert status == 413 and "--max-message-bytes" in reply["error"]
+    status, _, reply = _request(small, "POST", "/v2/models/add/infer", _add_small())
+    assert status == 200, reply
+    bomb = gzip.compress(b" " * 100_000 + _add_small())  # small on the wire, not inflated
+    status, _, reply = _request(
+        small, "POST", "/v2/models/add/infer", bomb, {"Content-Encoding": "gzip"}
+    )
+    assert status == 413 and "once inflated" in reply["error"]
+
+
+def _add_small() -> bytes:
+    return _infer_json(
+        [
+            {"name": "a", "shape": [1], "datatype": "FP32", "data": [1]},
+            {"name": "b", "shape": [1], "datatype": "FP32", "data": [2]},
+        ]
+    )
+
+
+def test_the_metrics_port_serves_metrics_only(server):
+    with urllib.request.urlopen(server.metrics_url, timeout=10) as response:
+        assert response.status == 200
+        assert b"plugserve_inference_requests" in response.read()
+    base = server.metrics_url.rsplit("/", 1)[0]
+    for path in ("/", "/v2/health/ready", "/v2/models/nope/ready", "/metricsx"):
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(base + path, timeout=10)
+        assert info.value.code == 404, path
+
+
+def test_http_port_minus_one_turns_rest_off(tmp_path):
+    repo = examples_repository(tmp_path)
+    with RunningServer("--model-repository", str(repo), "--http-port", "-1") as s:
+        assert s.http_port == 0
+        assert "HTTP" not in next(line for line in s.lines if "listening:" in line)
+
+
+@pytest.mark.parametrize("flag", ["--http-port", "--metrics-port"])
+def test_an_occupied_port_is_a_one_line_error(flag, tmp_path):
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        ports = {"--grpc-port": "0", "--http-port": "0", "--metrics-port": "0"}
+        ports[flag] = str(busy.getsockname()[1])
+        result = subprocess.run(
+            [sys.executable, "-m", "plugserve.server.cli", "serve", "--host", "127.0.0.1",
+             "--model-repository", str(examples_repository(tmp_path)),
+             *[part for item in ports.items() for part in item]],
+            capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+    assert result.returncode == 1
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"plugserve: cannot listen on 127.0.0.1:{ports[flag]} ({flag})"), last
+    assert "Traceback" not in result.stderr
