@@ -20,6 +20,21 @@ _LISTENING = re.compile(
 )
 
 
+def serve_command(*args: str) -> list[str]:
+    """``plugserve serve`` on 127.0.0.1 with every port free-picked, then ``args``."""
+    ports = ["--grpc-port", "0", "--metrics-port", "0", "--http-port", "0"]
+    return [
+        sys.executable,
+        "-m",
+        "plugserve.server.cli",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        *ports,
+        *args,
+    ]
+
+
 class RunningServer:
     """Call :meth:`start`; ``target`` is host:port for gRPC, ``metrics_url`` the scrape URL,
     ``http_url`` the KServe v2 REST base (``http_port``; 0 when the server runs without it)."""
@@ -63,23 +78,8 @@ class RunningServer:
         return "\n".join(self.lines)
 
     def start(self, wait_ready: bool = True, timeout: float = 120) -> RunningServer:
-        command = [
-            sys.executable,
-            "-m",
-            "plugserve.server.cli",
-            "serve",
-            "--host",
-            "127.0.0.1",
-            "--grpc-port",
-            "0",
-            "--metrics-port",
-            "0",
-            "--http-port",
-            "0",
-            *self.args,
-        ]
         self.process = subprocess.Popen(
-            command,
+            serve_command(*self.args),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

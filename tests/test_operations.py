@@ -9,7 +9,7 @@ import subprocess
 import sys
 from importlib.metadata import version
 
-from serving import RunningServer, examples_repository
+from serving import RunningServer, examples_repository, serve_command
 
 PLUGSERVE = [sys.executable, "-m", "plugserve.server.cli"]
 
@@ -17,19 +17,7 @@ PLUGSERVE = [sys.executable, "-m", "plugserve.server.cli"]
 def serve(*args: str, cwd, timeout: float = 120) -> subprocess.CompletedProcess:
     """A server that is expected to exit by itself (a startup error)."""
     return subprocess.run(
-        [
-            *PLUGSERVE,
-            "serve",
-            "--host",
-            "127.0.0.1",
-            "--grpc-port",
-            "0",
-            "--metrics-port",
-            "0",
-            "--http-port",
-            "0",
-            *args,
-        ],
+        serve_command(*args),
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -147,22 +135,7 @@ def test_a_model_that_fails_to_load_stops_startup(tmp_path) -> None:
 def test_logs_go_to_stdout_and_can_be_json(tmp_path) -> None:
     repo = examples_repository(tmp_path)
     process = subprocess.Popen(
-        [
-            *PLUGSERVE,
-            "serve",
-            "--host",
-            "127.0.0.1",
-            "--grpc-port",
-            "0",
-            "--metrics-port",
-            "0",
-            "--http-port",
-            "0",
-            "--model-repository",
-            str(repo),
-            "--log-format",
-            "json",
-        ],
+        serve_command("--model-repository", str(repo), "--log-format", "json"),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
