@@ -16,7 +16,7 @@ from plugserve.client import Client
 PLUGSERVE = shutil.which("plugserve")
 pytestmark = pytest.mark.skipif(PLUGSERVE is None, reason="the plugserve script is not on PATH")
 
-VERBS = ["serve", "conformance", "devices", "metric", "config", "load", "unload", "list"]
+VERBS = ["serve", "conformance", "examples", "devices", "metric", "config", "load", "unload", "list"]
 VERBS += ["query", "infer", "export", "import", "bench"]
 
 
