@@ -67,8 +67,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args or args[0] in ("-h", "--help"):
         from plugserve.client.cli import VERBS as CLIENT_VERBS
 
-        print("usage: plugserve VERB [options]   (plugserve VERB --help for a verb's options)")
-        print("       plugserve --version")
+        print(
+            "usage: plugserve VERB [options]   "
+            "(plugserve VERB --help for a verb's options; plugserve --version)"
+        )
         print("\nverbs:")
         for verb, (_, help_text) in {**VERBS, **CLIENT_VERBS}.items():
             print(f"  {verb:13} {help_text}")
