@@ -567,8 +567,13 @@ def _metrics_url(args: argparse.Namespace) -> str:
 
 def _server_specs(client: Any, args: argparse.Namespace) -> list[tuple[str, Any, Any]]:
     if args.protocol == "kserve":
-        import tritonclient.grpc as tc
-        from tritonclient.utils import InferenceServerException, triton_to_np_dtype
+        try:
+            import tritonclient.grpc as tc
+            from tritonclient.utils import InferenceServerException, triton_to_np_dtype
+        except ImportError as exc:
+            raise SystemExit(
+                f"plugserve bench: --protocol kserve needs tritonclient[grpc] ({exc})"
+            ) from None
 
         kclient = tc.InferenceServerClient(
             args.target, ssl=bool(args.tls or args.tls_ca), root_certificates=args.tls_ca
@@ -610,6 +615,14 @@ def bench(client: Any, args: argparse.Namespace) -> int:
         raise SystemExit("plugserve bench: --time must be > 0")
     if args.batch < 1 or args.concurrency < 1:
         raise SystemExit("plugserve bench: --batch and --concurrency must be >= 1")
+    if args.plot:  # asked for a plot: find out now, not after the whole run
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise SystemExit(
+                f"plugserve bench: --plot {args.plot} needs matplotlib "
+                "(pip install 'plugserve[bench]')"
+            ) from None
     duration = args.time if args.time is not None or args.iterations is not None else 10.0
     concurrency = args.concurrency
     before: dict[str, dict[str, float]] | None = None
@@ -692,9 +705,10 @@ def bench(client: Any, args: argparse.Namespace) -> int:
         print(f"report -> {args.json}", file=sys.stderr)
     if args.plot:
         print(plot(report, args.plot), file=sys.stderr)
-    if report["requests"] == 0:
+    if report["errors"] or report["requests"] == 0:
         print(
-            f"plugserve bench: every request failed ({report.get('first_error', 'no requests')})",
+            f"plugserve bench: {report['errors']} of {report['requests'] + report['errors']} "
+            f"requests failed ({report.get('first_error', 'no requests')})",
             file=sys.stderr,
         )
         return 1

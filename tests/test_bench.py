@@ -188,7 +188,8 @@ def test_bad_arguments(model_file):
 
 
 def test_plot_without_matplotlib(model_file, tmp_path):
-    """Without matplotlib the run still reports; the plot is skipped with a clear message."""
+    """Without matplotlib a run asked for a plot stops before it starts, saying what to
+    install (it used to run, then skip the plot on a line easy to miss, and exit 0)."""
     import os
 
     shadow = tmp_path / "shadow" / "matplotlib"
@@ -203,7 +204,22 @@ def test_plot_without_matplotlib(model_file, tmp_path):
         timeout=120,
         env={**os.environ, "PYTHONPATH": str(shadow.parent)},
     )  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    assert "matplotlib is not installed" in result.stderr
-    assert "p50" in result.stdout
+    assert result.returncode == 1, result.stderr
+    assert "--plot" in result.stderr and "plugserve[bench]" in result.stderr
+    assert "p50" not in result.stdout and "Traceback" not in result.stderr
     assert not png.exists()
+
+
+def test_failed_requests_make_the_run_fail(tmp_path):
+    """A run in which requests failed exits 1 and says how many (here a queue of one place
+    refuses most of a burst of 32), as perf_analyzer does."""
+    from serving import RunningServer, examples_repository
+
+    repo = examples_repository(tmp_path)
+    with RunningServer("--model-repository", str(repo), "--queue-size", "1") as server:
+        result = bench(
+            "cnn", "--target", server.target, "--mode", "async", "--concurrency", "32",
+            "--iterations", "64",
+        )  # fmt: skip
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "requests failed" in result.stderr and "RESOURCE_EXHAUSTED" in result.stderr
