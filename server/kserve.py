@@ -11,7 +11,9 @@ Choices where KServe/Triton leave room or plugserve differs:
 * Inputs come either all in ``raw_input_contents`` (one entry per input, in order) or each in its
   typed ``contents`` field, as Triton requires; outputs always leave in ``raw_output_contents``.
   BYTES elements are decoded as UTF-8 text (invalid bytes become U+FFFD), as plugserve.v1 does.
-* Request parameters (sequence_id, priority, timeout, ...) are accepted and ignored; the gRPC
+* ``sequence_id`` / ``sequence_start`` / ``sequence_end`` are refused (INVALID_ARGUMENT): no
+  network here has a sequence batcher. Other request parameters (priority, timeout, ...) are
+  accepted and ignored; the gRPC
   deadline bounds a request. Output ``classification`` is not offered (UNIMPLEMENTED).
 * ``RepositoryModelLoad`` loads the repository's latest version of the model. If that version is
   already loaded it is reloaded (unloaded, then loaded again), so edits to the model file or its
@@ -33,7 +35,8 @@ Choices where KServe/Triton leave room or plugserve differs:
 from __future__ import annotations
 
 import types
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Mapping
+from typing import Any
 
 import grpc
 import ml_dtypes
@@ -381,6 +384,8 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
     ):
         """One lookup: the entry runs the request and names the response."""
         entry = self.plane.get(request.model_name, parse_version(request.model_version))
+        if request.parameters:
+            refuse_sequence(parameter_values(request.parameters))
         future = self.plane.submit(
             entry, request_inputs(request), requested_outputs(request), deadline(context), inline
         )
@@ -432,6 +437,29 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         """Unload every version without deleting: the model can be loaded again."""
         self.plane.unload(request.model_name, 0, remove=False)
         return pb.RepositoryModelUnloadResponse()
+
+
+_SEQUENCE = ("sequence_id", "sequence_start", "sequence_end")
+
+
+def refuse_sequence(parameters: Mapping[str, Any]) -> None:
+    """No network here has Triton's sequence batcher: a request that names a sequence would be
+    run as if it did not, without the state its client counts on, so it is refused (as Triton
+    refuses it for a model without sequence batching). Zero and empty values name nothing."""
+    given = [k for k in _SEQUENCE if parameters.get(k) not in (None, 0, "", False)]
+    if given:
+        raise InvalidInput(
+            f"request parameters {', '.join(given)}: this server has no sequence batching "
+            "(stateful models); send the request without them"
+        )
+
+
+def parameter_values(parameters: Mapping[str, Any]) -> dict[str, Any]:
+    """A gRPC request's ``InferParameter`` map as plain values."""
+    return {
+        k: getattr(v, v.WhichOneof("parameter_choice") or "bool_param")
+        for k, v in parameters.items()
+    }
 
 
 def refuse_overrides(name: str, parameters: Collection[str]) -> None:

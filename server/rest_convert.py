@@ -34,7 +34,7 @@ from plugserve.proto.tensors import (
     check_shape,
     decode_strings,
 )
-from plugserve.server.kserve import DATATYPES, datatype_of
+from plugserve.server.kserve import DATATYPES, datatype_of, refuse_sequence
 
 __all__ = [
     "HEADER_LENGTH",
@@ -107,6 +107,7 @@ def parse_infer(body: bytes, header_length: str | None) -> InferCall:
         json_part, binary = view[: int(header_length)], view[int(header_length) :]
     request = _object(loads(json_part, "the request"), "the request")
     parameters = _object(request.get("parameters", {}), "the request's parameters")
+    refuse_sequence(parameters)
     request_id = request.get("id", "")
     if not isinstance(request_id, str):
         raise InvalidInput(f"the request's id must be a string, not {request_id!r}")

@@ -199,7 +199,6 @@ def test_request_id_parameters_and_output_subset(client, ints):
         inputs,
         request_id="req-7",
         outputs=[grpcclient.InferRequestedOutput("negated")],
-        sequence_id=3,
         priority=1,
         parameters={"custom": "value", "n": 2},
     )
@@ -591,3 +590,19 @@ def test_unoffered_calls_are_unimplemented(client, call, feature):
         call(client)
     assert _status(info) == "StatusCode.UNIMPLEMENTED"
     assert f"does not support {feature}" in info.value.message()
+
+
+def test_sequence_parameters_are_refused(client):
+    """No network has a sequence batcher: Triton's stateful-request parameters are refused,
+    not silently run without their state; zero means no sequence, as in Triton."""
+    for kwargs in (
+        {"sequence_id": 7},
+        {"sequence_id": "s-1"},
+        {"sequence_id": 3, "sequence_end": True},
+    ):
+        with pytest.raises(InferenceServerException) as info:
+            client.infer("add", _add_inputs([1], [2]), **kwargs)
+        assert _status(info) == "StatusCode.INVALID_ARGUMENT"
+        assert "no sequence batching" in info.value.message()
+    out = client.infer("add", _add_inputs([1], [2]), sequence_id=0)
+    assert out.as_numpy("sum").tolist() == [3]

@@ -457,3 +457,11 @@ def test_an_occupied_port_is_a_one_line_error(flag, tmp_path):
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith(f"plugserve: cannot listen on 127.0.0.1:{ports[flag]} ({flag})"), last
     assert "Traceback" not in result.stderr
+
+
+def test_sequence_parameters_are_refused(client):
+    with pytest.raises(InferenceServerException) as info:
+        client.infer("add", _add([1], [2]), sequence_id=7, sequence_start=True)
+    assert info.value.status() == "400"
+    assert "no sequence batching" in info.value.message()
+    assert client.infer("add", _add([1], [2]), sequence_id=0).as_numpy("sum").tolist() == [3]
