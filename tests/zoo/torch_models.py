@@ -161,8 +161,46 @@ _both(
 GPT_LAYERS, GPT_HEADS, GPT_HIDDEN = 2, 2, 32
 
 
+def _with_cache(model, layers: int):
+    """A causal LM with its key/value cache as explicit inputs and outputs, as decoders are
+    served: ``(input_ids, attention_mask, past.0.key, past.0.value, ...)`` to
+    ``(logits, present.0.key, ...)``."""
+    import torch
+
+    class Decoder(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids, attention_mask, *past):
+            from transformers.cache_utils import DynamicCache
+
+            cache = DynamicCache()
+            for layer in range(layers):
+                cache.update(past[2 * layer], past[2 * layer + 1], layer)
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                past_key_values=cache,
+                use_cache=True,
+                return_dict=True,
+            )
+            flat = []
+            for layer in out.past_key_values.layers:
+                flat += [layer.keys, layer.values]
+            return (out.logits, *flat)
+
+    if layers == 2:  # torch.export's dynamic shapes follow the signature: no *args there
+
+        class Two(Decoder):
+            def forward(self, input_ids, attention_mask, key0, value0, key1, value1):
+                return super().forward(input_ids, attention_mask, key0, value0, key1, value1)
+
+        return Two()
+    raise ValueError(f"a decoder with {layers} layers has no wrapper here")
+
+
 def _gpt2():
-    """GPT-2 with its key/value cache as explicit inputs and outputs, as decoders are served."""
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -174,80 +212,64 @@ def _gpt2():
         n_layer=GPT_LAYERS,
         n_head=GPT_HEADS,
     )
-    model = GPT2LMHeadModel(config)
-
-    class Decoder(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = model
-
-        def forward(self, input_ids, attention_mask, key0, value0, key1, value1):
-            from transformers.cache_utils import DynamicCache
-
-            past = (key0, value0, key1, value1)  # GPT_LAYERS == 2
-            cache = DynamicCache()
-            for layer in range(GPT_LAYERS):
-                cache.update(past[2 * layer], past[2 * layer + 1], layer)
-            out = self.model(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                past_key_values=cache,
-                use_cache=True,
-                return_dict=True,
-            )
-            present = out.past_key_values
-            flat = []
-            for layer in range(GPT_LAYERS):
-                k, v = present.layers[layer].keys, present.layers[layer].values
-                flat += [k, v]
-            return (out.logits, *flat)
-
-    return Decoder()
+    return _with_cache(GPT2LMHeadModel(config), GPT_LAYERS)
 
 
-def _gpt_names() -> list[str]:
-    return [f"past.{i}.{kv}" for i in range(GPT_LAYERS) for kv in ("key", "value")]
+def _cache_names(layers: int) -> list[str]:
+    return [f"past.{i}.{kv}" for i in range(layers) for kv in ("key", "value")]
 
 
-def _gpt_args():
-    import torch
+def _cache_args(layers: int, heads: int, head_dim: int) -> Callable[[], tuple]:
+    def args() -> tuple:
+        import torch
 
-    past_len, new = 3, 2
-    past = [torch.randn(1, GPT_HEADS, past_len, GPT_HIDDEN // GPT_HEADS) for _ in _gpt_names()]
-    return (
-        torch.randint(0, 100, (1, new)),
-        torch.ones(1, past_len + new, dtype=torch.int64),
-        *past,
-    )
+        past_len, new = 3, 2
+        shape = (1, heads, past_len, head_dim)
+        return (
+            torch.randint(0, 100, (1, new)),
+            torch.ones(1, past_len + new, dtype=torch.int64),
+            *[torch.randn(*shape) for _ in _cache_names(layers)],
+        )
+
+    return args
 
 
-def _gpt_feeds(rng: np.random.Generator) -> dict[str, np.ndarray]:
-    """Half of the requests are the prefill: an empty past (length 0)."""
-    past_len = int(rng.choice([0, 4]))
-    new = int(rng.integers(1, 5))
-    shape = (1, GPT_HEADS, past_len, GPT_HIDDEN // GPT_HEADS)
-    feeds = {
-        "input_ids": rng.integers(0, 100, (1, new)).astype(np.int64),
-        "attention_mask": np.ones((1, past_len + new), np.int64),
-    }
-    feeds.update({n: rng.normal(size=shape).astype(np.float32) for n in _gpt_names()})
+def _cache_feeds(layers: int, heads: int, head_dim: int) -> Callable:
+    def feeds(rng: np.random.Generator) -> dict[str, np.ndarray]:
+        """Half of the requests are the prefill: an empty past (length 0)."""
+        past_len = int(rng.choice([0, 4]))
+        new = int(rng.integers(1, 5))
+        shape = (1, heads, past_len, head_dim)
+        made = {
+            "input_ids": rng.integers(0, 100, (1, new)).astype(np.int64),
+            "attention_mask": np.ones((1, past_len + new), np.int64),
+        }
+        made.update({n: rng.normal(size=shape).astype(np.float32) for n in _cache_names(layers)})
+        return made
+
     return feeds
 
 
-_both(
-    "gpt2_past",
-    _gpt2,
-    _gpt_args,
-    ["input_ids", "attention_mask", *_gpt_names()],
-    ["logits", *[n.replace("past", "present") for n in _gpt_names()]],
-    {
-        "input_ids": {0: "batch", 1: "seq"},
-        "attention_mask": {0: "batch", 1: "total"},
-        **{n: {0: "batch", 2: "past"} for n in _gpt_names()},
-    },
-    _gpt_feeds,
-    batch_axis=None,  # the cache's lengths differ per request: nothing to batch along
-)
+def _decoder(name: str, make: Callable, layers: int, heads: int, head_dim: int) -> None:
+    """Register a cached decoder from both exporters."""
+    names = _cache_names(layers)
+    _both(
+        name,
+        make,
+        _cache_args(layers, heads, head_dim),
+        ["input_ids", "attention_mask", *names],
+        ["logits", *[n.replace("past", "present") for n in names]],
+        {
+            "input_ids": {0: "batch", 1: "seq"},
+            "attention_mask": {0: "batch", 1: "total"},
+            **{n: {0: "batch", 2: "past"} for n in names},
+        },
+        _cache_feeds(layers, heads, head_dim),
+        batch_axis=None,  # the cache's lengths differ per request: nothing to batch along
+    )
+
+
+_decoder("gpt2_past", _gpt2, GPT_LAYERS, GPT_HEADS, GPT_HIDDEN // GPT_HEADS)
 
 
 def _vit():
@@ -381,15 +403,19 @@ def _build_loop(folder: Path) -> None:
     )
 
 
+def _loop_feeds(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """The trip count is drawn first: the seeded requests then run the loop 5 and 2 times
+    (drawn after the data, both were 0, and the Loop's body never ran)."""
+    steps = np.array(int(rng.choice([0, 2, 5])), np.int64)
+    return {"x": rng.normal(size=(1, 3)).astype(np.float32), "steps": steps}
+
+
 entry(
     ZooModel(
         "scripted_loop",
         "torch",
         _build_loop,
-        lambda rng: {
-            "x": rng.normal(size=(1, 3)).astype(np.float32),
-            "steps": np.array(int(rng.integers(0, 6)), np.int64),
-        },
+        _loop_feeds,
         requires=TORCH,
         batch_axis=None,  # a scalar input has no batch dimension
     )
