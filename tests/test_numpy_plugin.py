@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import struct
+import warnings
 
 import numpy as np
 import pytest
@@ -200,3 +201,51 @@ def test_streams_share_out_the_cores_as_openblas_threads(core):
     assert blas.thread_count() == cores
     budget.create_infer_request().infer({"x": x})
     assert blas.thread_count() == 1
+
+
+def test_ieee_results_are_not_warnings(numpy_plugin):
+    """log(0) = -inf and a cast of -inf to int64 are ONNX results (T5's position buckets compute
+    both, then mask them with Where); neither may warn, top level or inside a Loop body."""
+    from onnx import TensorProto, helper
+
+    body = helper.make_graph(
+        [
+            helper.make_node("Identity", ["c"], ["c_out"]),
+            helper.make_node("Log", ["x_in"], ["logged"]),
+            helper.make_node("Cast", ["logged"], ["as_int"], to=TensorProto.INT64),
+            helper.make_node("Cast", ["as_int"], ["x_out"], to=TensorProto.FLOAT),
+        ],
+        "body",
+        [
+            helper.make_tensor_value_info("i", TensorProto.INT64, []),
+            helper.make_tensor_value_info("c", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("x_in", TensorProto.FLOAT, [2]),
+        ],
+        [
+            helper.make_tensor_value_info("c_out", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("x_out", TensorProto.FLOAT, [2]),
+        ],
+    )
+    graph = helper.make_graph(
+        [
+            helper.make_node("Loop", ["n", "", "x"], ["looped"], body=body),
+            helper.make_node("Div", ["x", "x"], ["ratio"]),
+        ],
+        "ieee",
+        [
+            helper.make_tensor_value_info("n", TensorProto.INT64, []),
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [2]),
+        ],
+        [
+            helper.make_tensor_value_info("looped", TensorProto.FLOAT, [2]),
+            helper.make_tensor_value_info("ratio", TensorProto.FLOAT, [2]),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    net = numpy_plugin.load_network(model)
+    feeds = {"n": np.array(1, np.int64), "x": np.array([0.0, 1.0], np.float32)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = net.infer(feeds)
+    assert out["looped"][0] == np.float32(np.iinfo(np.int64).min) and out["looped"][1] == 0
+    assert np.isnan(out["ratio"][0]) and out["ratio"][1] == 1

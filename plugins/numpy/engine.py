@@ -66,6 +66,15 @@ class Plan:
         ]
 
     def run(self, inputs: Sequence[Any], profile: list[PerfCount] | None = None) -> list[Any]:
+        """ONNX computes in IEEE arithmetic: log(0) is -inf, 0/0 is nan, a cast of inf to an
+        integer is what the hardware gives (as onnxruntime). Those are results, not faults, so
+        numpy's floating-point warnings are off for the run (else a served model writes a
+        RuntimeWarning to the log for a value the model then masks, as T5's position buckets
+        do)."""
+        with np.errstate(all="ignore"):
+            return self._run(inputs, profile)
+
+    def _run(self, inputs: Sequence[Any], profile: list[PerfCount] | None) -> list[Any]:
         vals = self._template.copy()
         for slot, value in zip(self._input_slots, inputs):
             vals[slot] = value
@@ -152,7 +161,7 @@ class Subgraph:
     def run(self, inputs: Sequence[Any], captured: Sequence[Any] = ()) -> list[Any]:
         args = list(inputs)
         args.extend(captured[i] for i in self._captured_index)
-        return self.plan.run(args)
+        return self.plan._run(args, None)  # inside its node's plan: warnings are already off
 
 
 def compile_plan(
