@@ -257,3 +257,27 @@ def test_kernel_matches_onnxruntime(numpy_plugin, case):
             assert got[name].dtype == want.dtype, name
             assert got[name].shape == want.shape, name
             np.testing.assert_allclose(got[name], want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(("elem", "zero_point"), [(TensorProto.INT8, 5), (U8, 128)])
+@pytest.mark.parametrize("scale", [np.inf, 1.0])
+def test_quantize_linear_of_nan_and_inf_as_onnxruntime(numpy_plugin, elem, zero_point, scale):
+    """x / scale is NaN for -inf / inf (onnxruntime's static quantizer gives an attention mask's
+    -inf the scale inf) and for a NaN input: onnxruntime saturates NaN to the type's minimum,
+    whatever the zero point; infinities saturate to their end of the range."""
+    graph = helper.make_graph(
+        [helper.make_node("QuantizeLinear", ["x", "scale", "zero"], ["y"])],
+        "quantize",
+        [helper.make_tensor_value_info("x", F32, [7])],
+        [helper.make_tensor_value_info("y", elem, [7])],
+        initializer=[
+            numpy_helper.from_array(np.array(scale, np.float32), "scale"),
+            helper.make_tensor("zero", elem, [], [zero_point]),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)])
+    model.ir_version = 9
+    x = np.array([np.nan, np.inf, -np.inf, 0, 1e30, -1e30, 3.5], np.float32)
+    (want,) = ort_run(model, {"x": x})
+    got = numpy_plugin.load_network(model).infer({"x": x})["y"]
+    np.testing.assert_array_equal(got, want)

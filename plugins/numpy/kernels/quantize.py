@@ -127,7 +127,10 @@ def quantize_linear(ctx: KernelContext):
         if zero_point is not None:
             zp = _broadcast_param(zero_point, x.shape, ax, block_size)
             q = q.astype(np.float64) + zp.astype(np.float64)
-        return np.clip(q, lo, hi).astype(out_dtype)
+        # fmax drops NaN (x / scale of inf / inf, or of NaN) to the type's minimum, as
+        # onnxruntime's max-then-min clamp does; onnxruntime's static quantizer gives an
+        # attention mask's -inf the scale inf, so every such BERT quantizes -inf / inf.
+        return np.minimum(np.fmax(q, lo), hi).astype(out_dtype)
 
     return run
 
