@@ -1,0 +1,54 @@
+"""int8 and float16 variants of the decoders and encoders, for graph shapes the ViT's (in
+torch_models) leave out: quantized MatMuls beside a key/value cache that may be empty, a
+statically quantized encoder with an attention mask, float16 with integer inputs and with a
+Conv1d front end.
+
+Not here because onnxconverter-common 1.16 writes models onnxruntime itself refuses ("Type
+(tensor(float16)) of output arg ... does not match expected type (tensor(float))"):
+keep_io_types=True on the Llama and the T5 (it leaves their float32 upcasts, RMSNorm's and
+T5's LayerNorm's, as Cast(to=FLOAT) with float16 results) and on the ResNet (its
+last_hidden_state output also feeds the pooler, as with the BERT).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from . import architectures  # noqa: F401  (registers the sources of the models below)
+from .torch_models import HALF, _derived, _float16, _quantize_dynamic, _text_feeds
+
+
+def _quantize_text(source: Path, target: Path) -> None:
+    """Static QDQ, calibrated on a few seeded requests of the BERT's own kind (padded)."""
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, quantize_static
+
+    class Sentences(CalibrationDataReader):
+        def __init__(self) -> None:
+            rng = np.random.default_rng(1)
+            self.batches = iter([_text_feeds(rng) for _ in range(4)])
+
+        def get_next(self):
+            return next(self.batches, None)
+
+    quantize_static(str(source), str(target), Sentences(), quant_format=QuantFormat.QDQ)
+
+
+# Dynamic quantization ends in float ops: the float tolerance holds.
+_derived("gpt2_past_int8_dynamic", "gpt2_past_script", _quantize_dynamic)
+_derived("llama_past_int8_dynamic", "llama_past_dynamo", _quantize_dynamic)
+# last_hidden_state is dequantized with scale 0.02572 (read from the model): one output step;
+# pooler_output is tanh of a value dequantized with scale 0.00206, tanh's slope is at most 1.
+# (The padding mask's -inf gets the scale inf from the calibrator: QuantizeLinear of
+# -inf / inf, where NUMPY once disagreed with onnxruntime by two output steps.)
+_derived("bert_int8_qdq", "bert_script", _quantize_text, atol=0.0258, rtol=0.0, fused_int8=True)
+_derived("bert_fp16_io", "bert_script", _float16(False), **HALF)
+_derived("whisper_encoder_fp16", "whisper_encoder_dynamo", _float16(True), **HALF)
+_derived(
+    "whisper_encoder_fp16_io",
+    "whisper_encoder_script",
+    _float16(False),
+    half_inputs=True,
+    **HALF,
+)
