@@ -10,11 +10,27 @@ both torch exporters.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
-from .torch_models import _both, _decoder, _text_args, _text_feeds, _with_cache, _wrap
+from . import ZooModel, entry
+from .torch_models import (
+    TORCH,
+    _both,
+    _cache_args,
+    _cache_feeds,
+    _cache_io,
+    _decoder,
+    _export,
+    _text_args,
+    _text_feeds,
+    _with_cache,
+    _wrap,
+)
 
 LLAMA_LAYERS, LLAMA_KV_HEADS, LLAMA_HEAD_DIM = 2, 2, 8
+LLAMA = (LLAMA_LAYERS, LLAMA_KV_HEADS, LLAMA_HEAD_DIM)
 
 
 def _llama():
@@ -34,7 +50,25 @@ def _llama():
     return _with_cache(LlamaForCausalLM(config), LLAMA_LAYERS)
 
 
-_decoder("llama_past", _llama, LLAMA_LAYERS, LLAMA_KV_HEADS, LLAMA_HEAD_DIM)
+_decoder("llama_past", _llama, *LLAMA)
+
+
+def _build_llama_opset23(folder: Path) -> None:
+    """At opset 23 the dynamo exporter writes the new fused ops: Attention (grouped, causal,
+    with the cache), RotaryEmbedding and RMSNormalization."""
+    _export(_llama().eval(), _cache_args(*LLAMA)(), folder, *_cache_io(LLAMA[0]), True, 23)
+
+
+entry(
+    ZooModel(
+        "llama_past_opset23",
+        "torch",
+        _build_llama_opset23,
+        _cache_feeds(*LLAMA),
+        requires=TORCH,
+        batch_axis=None,
+    )
+)
 
 
 def _t5():

@@ -29,6 +29,7 @@ def _export(
     outputs: list[str],
     dynamic: dict[str, dict[int, str]],
     dynamo: bool,
+    opset: int | None = None,
 ) -> None:
     import torch
 
@@ -53,7 +54,7 @@ def _export(
                 output_names=outputs,
                 dynamic_shapes=shapes,
                 dynamo=True,
-                opset_version=DYNAMO_OPSET,
+                opset_version=opset or DYNAMO_OPSET,
                 verbose=False,
             )
         else:
@@ -65,7 +66,7 @@ def _export(
                 output_names=outputs,
                 dynamic_axes=dynamic,
                 dynamo=False,
-                opset_version=SCRIPT_OPSET,
+                opset_version=opset or SCRIPT_OPSET,
             )
 
 
@@ -250,13 +251,10 @@ def _cache_feeds(layers: int, heads: int, head_dim: int) -> Callable:
     return feeds
 
 
-def _decoder(name: str, make: Callable, layers: int, heads: int, head_dim: int) -> None:
-    """Register a cached decoder from both exporters."""
+def _cache_io(layers: int) -> tuple[list[str], list[str], dict[str, dict[int, str]]]:
+    """A cached decoder's input names, output names and dynamic axes."""
     names = _cache_names(layers)
-    _both(
-        name,
-        make,
-        _cache_args(layers, heads, head_dim),
+    return (
         ["input_ids", "attention_mask", *names],
         ["logits", *[n.replace("past", "present") for n in names]],
         {
@@ -264,6 +262,16 @@ def _decoder(name: str, make: Callable, layers: int, heads: int, head_dim: int) 
             "attention_mask": {0: "batch", 1: "total"},
             **{n: {0: "batch", 2: "past"} for n in names},
         },
+    )
+
+
+def _decoder(name: str, make: Callable, layers: int, heads: int, head_dim: int) -> None:
+    """Register a cached decoder from both exporters."""
+    _both(
+        name,
+        make,
+        _cache_args(layers, heads, head_dim),
+        *_cache_io(layers),
         _cache_feeds(layers, heads, head_dim),
         batch_axis=None,  # the cache's lengths differ per request: nothing to batch along
     )
@@ -432,6 +440,7 @@ def _derived(name: str, source: str, make: Callable[[Path, Path], None], **optio
         make(base.path(), folder / "model.onnx")
 
     requires = (*base.requires, *options.pop("requires", ()))
+    options.setdefault("batch_axis", base.batch_axis)  # a conversion keeps the model's inputs
     feeds = base.feeds
     if options.pop("half_inputs", False):
 
