@@ -162,6 +162,60 @@ def test_batch_refuses_an_unbatchable_model(core):
     assert "dynamic first (batch) dimension" in text
 
 
+def _dynamic_quantization(inside_loop: bool) -> object:
+    """y = dequantize(dynamic_quantize(x)): one scale over the whole [batch, 4] tensor, as
+    onnxruntime's quantize_dynamic writes before every MatMulInteger."""
+    quantize = [
+        helper.make_node("DynamicQuantizeLinear", ["x"], ["q", "scale", "zero"], name="dql"),
+        helper.make_node("DequantizeLinear", ["q", "scale", "zero"], ["y"], name="deq"),
+    ]
+    if inside_loop:
+        body = helper.make_graph(
+            [helper.make_node("Identity", ["c"], ["c_out"]), *quantize],
+            "body",
+            [
+                helper.make_tensor_value_info("i", TensorProto.INT64, []),
+                helper.make_tensor_value_info("c", TensorProto.BOOL, []),
+            ],
+            [
+                helper.make_tensor_value_info("c_out", TensorProto.BOOL, []),
+                helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4]),
+            ],
+        )
+        one = helper.make_tensor("one", TensorProto.INT64, [], [1])
+        nodes = [
+            helper.make_node("Loop", ["one", ""], ["stacked"], body=body, name="loop"),
+            helper.make_node("Squeeze", ["stacked", "zero_axis"], ["y"], name="squeeze"),
+        ]
+        axis = helper.make_tensor("zero_axis", TensorProto.INT64, [1], [0])
+        initializers = [one, axis]
+    else:
+        nodes, initializers = quantize, []
+    graph = helper.make_graph(
+        nodes,
+        "dynamic_quantization",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])],
+        initializer=initializers,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("inside_loop", [False, True])
+def test_batch_refuses_a_model_whose_rows_change_each_other(core, inside_loop):
+    """Batched, a row's quantization scale would come from its neighbours' values too: a
+    request [1, 1, 1, 1] beside [100, 0, 0, 0] would come back as multiples of 100/255."""
+    model = _dynamic_quantization(inside_loop)
+    row = np.ones((1, 4), np.float32)
+    alone = core.load_network(model, "NUMPY").infer({"x": row})["y"]
+    np.testing.assert_allclose(alone, row, atol=0.01)
+    with pytest.raises(InvalidArgument) as info:
+        core.load_network(model, "BATCH:NUMPY(2)")
+    text = str(info.value)
+    assert "cannot be batched" in text and "'dql' (DynamicQuantizeLinear)" in text
+    assert "serve it without BATCH" in text
+
+
 def test_a_failing_batch_fails_each_of_its_requests(core):
     network = core.load_network(mlp(), "BATCH:FAULTY(4)", {"BATCH_TIMEOUT_MS": LONG})
     results = run_all(network, [{"x": rows(seed)} for seed in range(4)])

@@ -20,6 +20,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import onnx
 
 from plugserve.plugins.api import (
     Cancelled,
@@ -37,7 +38,30 @@ from plugserve.plugins.streams import RequestFuture
 if TYPE_CHECKING:
     from plugserve.plugins.batch.plugin import BatchPlugin
 
-__all__ = ["BatchCompiledNetwork", "unbatchable"]
+__all__ = ["BatchCompiledNetwork", "row_coupling", "unbatchable"]
+
+
+# Ops whose every output row depends on every input row: one quantization scale computed over
+# the whole tensor. Batched, a request's result would change with the requests beside it.
+ROW_COUPLING_OPS = {
+    ("", "DynamicQuantizeLinear"): "computes one scale over the whole tensor",
+    ("com.microsoft", "DynamicQuantizeMatMul"): "quantizes its input with one scale",
+    ("com.microsoft", "DynamicQuantizeLSTM"): "quantizes its input with one scale",
+}
+
+
+def row_coupling(graph: onnx.GraphProto) -> str:
+    """Why rows of a batch would change each other's results in this graph ('' if they
+    cannot), subgraphs included."""
+    for node in graph.node:
+        why = ROW_COUPLING_OPS.get((node.domain if node.domain != "ai.onnx" else "", node.op_type))
+        if why:
+            return f"node {node.name or node.op_type!r} ({node.op_type}) {why}"
+        for attribute in node.attribute:
+            for sub in [attribute.g] if attribute.HasField("g") else attribute.graphs:
+                if why := row_coupling(sub):
+                    return why
+    return ""
 
 
 def unbatchable(specs: list[TensorSpec], kind: str) -> str:

@@ -4,7 +4,8 @@ Requests to one network that arrive together are concatenated along the first di
 to ``BATCH_SIZE`` rows or until ``BATCH_TIMEOUT_MS`` (default 2 ms) after the first request of
 the batch, run once on the device's network, and the outputs are split back to their callers.
 Requests whose shapes differ beyond the first dimension are never mixed. A model is accepted
-only if every input and output has a dynamic first dimension. The compiled network's metric
+only if every input and output has a dynamic first dimension and no op couples the rows of a
+batch (dynamic quantization's one scale per tensor). The compiled network's metric
 ``BATCH_SIZE_COUNTS`` counts the batches run by size (rows).
 """
 
@@ -24,7 +25,7 @@ from plugserve.plugins.api import (
     PlugserveError,
     device_refusals,
 )
-from plugserve.plugins.batch.compiled import BatchCompiledNetwork, unbatchable
+from plugserve.plugins.batch.compiled import BatchCompiledNetwork, row_coupling, unbatchable
 from plugserve.plugins.batch.config import BatchConfiguration
 from plugserve.plugins.ir import load_model, read_model
 
@@ -102,6 +103,13 @@ class BatchPlugin(Plugin):
     ) -> BatchCompiledNetwork:
         cfg = self.merged_config(config)
         device = self._device(cfg)
+        proto, _ = read_model(model)
+        why = row_coupling(proto.graph)
+        if why:
+            raise InvalidArgument(
+                f"model {proto.graph.name!r} cannot be batched: {why}, so a request's result "
+                "would depend on the requests batched with it; serve it without BATCH"
+            )
         child = self.child_config(device, config or {}, cfg)
         network = self._devices().load_network(model, device, child)
         return self._wrap(cfg, device, network)
