@@ -17,7 +17,14 @@ from pathlib import Path
 import numpy as np
 
 from . import architectures  # noqa: F401  (registers the sources of the models below)
-from .torch_models import HALF, _derived, _float16, _quantize_dynamic, _text_feeds
+from .torch_models import (
+    DYNAMIC_SCALE,
+    HALF,
+    _derived,
+    _float16,
+    _quantize_dynamic,
+    _text_feeds,
+)
 
 
 def _quantize_text(source: Path, target: Path) -> None:
@@ -38,6 +45,24 @@ def _quantize_text(source: Path, target: Path) -> None:
 # Dynamic quantization ends in float ops: the float tolerance holds.
 _derived("gpt2_past_int8_dynamic", "gpt2_past_script", _quantize_dynamic)
 _derived("llama_past_int8_dynamic", "llama_past_dynamo", _quantize_dynamic)
+# the quantizer turns a Conv into ConvInteger, an LSTM into com.microsoft DynamicQuantizeLSTM
+_derived("wav2vec2_int8_dynamic", "wav2vec2_script", _quantize_dynamic, unbatchable=DYNAMIC_SCALE)
+_OPENVINO_LSTM = (
+    "openvino runs DynamicQuantizeLSTM on dequantized weights without quantizing its input and "
+    "state per step as onnxruntime does: 6e-4 off"
+)
+_derived(
+    "lstm_int8_dynamic",
+    "lstm_script",
+    _quantize_dynamic,
+    unbatchable=DYNAMIC_SCALE,
+    known_failures={
+        "NUMPY": "no NUMPY kernel for com.microsoft DynamicQuantizeLSTM",
+        "OPENVINO": _OPENVINO_LSTM,
+        "HETERO:OPENVINO,NUMPY": _OPENVINO_LSTM,
+        "AUTO": _OPENVINO_LSTM + " (AUTO picks OPENVINO, the only device that reads it whole)",
+    },
+)
 # last_hidden_state is dequantized with scale 0.02572 (read from the model): one output step;
 # pooler_output is tanh of a value dequantized with scale 0.00206, tanh's slope is at most 1.
 # (The padding mask's -inf gets the scale inf from the calibrator: QuantizeLinear of
