@@ -16,6 +16,7 @@ import math
 import numpy as np
 from onnx import helper
 
+from plugserve.plugins.api import InvalidInput
 from plugserve.plugins.numpy.kernels.registry import KernelContext, register
 
 # --------------------------------------------------------------------------- helpers
@@ -750,16 +751,28 @@ def unique(ctx: KernelContext):
 def dropout(ctx: KernelContext):
     """Inference Dropout is the identity, with an all-true (v10+) or all-ones mask.
 
-    Training mode with a nonzero ratio draws a random mask no other runtime reproduces, so it is
-    refused at load when it can be seen there, and raises when a run-time input asks for it.
+    Training mode (v12+, ``training_mode`` true, ratio above 0) keeps an element where
+    ``numpy.random.RandomState(seed).uniform(0, 1, shape) >= ratio`` and scales the kept ones by
+    1 / (1 - ratio). The generator is seeded anew on each run, as onnx's reference evaluator
+    does: with a ``seed`` attribute every run, on any stream, gives the same mask (the one the
+    ONNX backend test data holds; onnxruntime draws from its own generator, so its masks differ);
+    without one the seed comes from the OS, as the spec allows. Versions before 7 have no seed,
+    and their ``is_test`` defaults to training: that is refused, not guessed.
     """
     want_mask = ctx.has_output(1)
     mask_dtype = np.bool_ if ctx.version >= 10 else None
+    seed = ctx.attr("seed", None)
+    seed = None if seed is None else int(seed) % 2**32  # RandomState takes 32 bits
 
     def outputs(x):
         if not want_mask:
             return (x,)
         return x, np.ones(x.shape, dtype=mask_dtype or x.dtype)
+
+    def drop(x, ratio):
+        keep = np.random.RandomState(seed).uniform(0.0, 1.0, x.shape) >= ratio
+        y = keep * x * x.dtype.type(1.0 / (1.0 - ratio))
+        return (y, keep) if want_mask else (y,)
 
     if ctx.version < 7:
         if not ctx.attr("is_test", 0) and ctx.attr("ratio", 0.5) > 0:
@@ -767,20 +780,18 @@ def dropout(ctx: KernelContext):
         return outputs
     if ctx.version < 12 or not ctx.has_input(2):
         return lambda x, *_: outputs(x)
-
     training = ctx.constant(2)
-    ratio = ctx.constant(1) if ctx.has_input(1) else np.float32(0.5)
-    if training is not None:
-        if not bool(training.reshape(-1)[0]):
-            return lambda x, *_: outputs(x)
-        if ratio is not None and float(np.asarray(ratio).reshape(-1)[0]) == 0.0:
-            return lambda x, *_: outputs(x)
-        raise ctx.unsupported("training-mode Dropout with ratio > 0 (random mask)")
+    if training is not None and not bool(training.reshape(-1)[0]):
+        return lambda x, *_: outputs(x)
+
+    node = ctx.name
 
     def run(x, r=None, train=None):
-        training = train is not None and bool(train.reshape(-1)[0])
-        if training and (r is None or float(r.reshape(-1)[0]) != 0.0):
-            raise ValueError("training-mode Dropout with ratio > 0 is not supported")
-        return outputs(x)
+        ratio = 0.5 if r is None else float(r.reshape(-1)[0])
+        if train is None or not bool(train.reshape(-1)[0]) or ratio == 0.0:
+            return outputs(x)
+        if not 0.0 < ratio < 1.0:
+            raise InvalidInput(f"node {node!r} (Dropout): ratio {ratio} is outside [0, 1)")
+        return drop(x, ratio)
 
     return run
