@@ -36,9 +36,6 @@ __all__ = ["CaseResult", "Report", "load_cases", "run_conformance"]
 KNOWN_GAPS = {
     "ImageDecoder": "Decoding JPEG/PNG/WebP needs Pillow, an optional dependency: "
     "pip install 'plugserve[image]'. Without it the op is reported unsupported.",
-    "Dropout": "Training-mode Dropout draws a random mask; the expected outputs come from one "
-    "particular random generator, so no other runtime can match them. Inference-mode Dropout "
-    "passes.",
     "Bernoulli": "Random output: the expected values were drawn from numpy's global random "
     "generator when the case was made; shapes and types match.",
     "RandomUniformLike": "Random output (Bernoulli's function body): see Bernoulli.",
