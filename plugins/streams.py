@@ -75,9 +75,7 @@ class StreamsExecutor:
     def pending(self) -> int:
         return len(self._pending)
 
-    def submit(
-        self, fn: Callable[[Any], Any], limit: int = 0, stateless: bool = False
-    ) -> Future:
+    def submit(self, fn: Callable[[Any], Any], limit: int = 0, stateless: bool = False) -> Future:
         """Queue ``fn(stream_state)``; its result or error lands in the returned future.
 
         ``limit``: refuse when this many are already waiting (at most the executor's own

@@ -3,10 +3,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
+# tests/support holds the helpers every folder imports (serving, models, reference); tests/ holds
+# the zoo package. Test files sit in folders by area: plugins/<device>, server, client, deploy, zoo.
+sys.path[:0] = [str(Path(__file__).parent / "support"), str(Path(__file__).parent)]
 
 
 @pytest.fixture(scope="session")
@@ -22,16 +23,6 @@ def numpy_plugin():
     from plugserve.plugins.numpy import NumpyPlugin
 
     return NumpyPlugin()
-
-
-def ort_run(model, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-    ort = pytest.importorskip("onnxruntime")
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    session = ort.InferenceSession(
-        model.SerializeToString(), options, providers=["CPUExecutionProvider"]
-    )
-    return session.run(None, feeds)
 
 
 @pytest.fixture(scope="module")

@@ -21,8 +21,9 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 TESTS = HERE.parent
+SUPPORT = TESTS / "support"
 # benchmarks first: its zoo.py, not the tests' zoo package, is the one imported as ``zoo``
-for folder in (TESTS, HERE):
+for folder in (SUPPORT, TESTS, HERE):
     if str(folder) in sys.path:
         sys.path.remove(str(folder))
     sys.path.insert(0, str(folder))

@@ -32,7 +32,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: serving, models
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))  # serving, models
 
 from models import mlp
 from serving import RunningServer, examples_repository
@@ -157,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         repo = examples_repository(Path(tmp))
         # The queue holds every request the clients can have in flight (each at most 4, on a
-        # stream), so errors mean faults, not the overload refusals tests/test_overload.py covers.
+        # stream), so errors mean faults, not the overload refusals
+        # tests/server/test_overload.py covers.
         queue = ["--queue-size", str(max(64, 8 * args.clients))]
         running = RunningServer("--model-repository", str(repo), *queue, *args.server_args)
         running.start()

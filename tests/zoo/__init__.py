@@ -3,7 +3,7 @@
 Random-weight graphs written with ``onnx.helper`` test what we built; these test what users
 bring: torch's two exporters, transformers, skl2onnx, onnxmltools, onnxruntime's quantizer,
 onnxconverter-common and models that ship inside PyPI wheels. Each family module in this package
-registers its models with :func:`entry`; ``tests/test_zoo.py`` runs every model on every device
+registers its models with :func:`entry`; ``tests/zoo/test_zoo.py`` runs every model on every device
 against onnxruntime.
 
 A model is built once per cache key (its name, its ``version`` and the installed versions of

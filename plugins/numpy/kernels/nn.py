@@ -462,7 +462,7 @@ def _depthwise(xp, weights, kernel, out_sp, strides, dilations, bias):
 #: F(2, 3) uses the points 0, +-1, inf; F(4, 3) the points 0, +-1, +-2, inf (2.25x and 4x fewer
 #: multiplications than a direct conv). F(4, 3)'s transforms amplify float32 rounding more:
 #: max |y - y_ref| / max |y_ref| measured 4e-6 to 7e-6 per conv against a float64 reference
-#: (ResNet-18 shapes, He-initialised weights); the bound tests/test_numpy_conv_fast.py holds it
+#: (ResNet-18 shapes, He-initialised weights); the bound test_numpy_conv_fast.py holds it
 #: to is 1e-4, per conv and on ResNet-18's logits against onnxruntime.
 _WG_MATRICES = {
     2: (

@@ -38,7 +38,7 @@ from plugserve.client import Client
 
 yaml = pytest.importorskip("yaml", reason="PyYAML missing (it comes with kubernetes-validate)")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
 KSERVE = ROOT / "deploy" / "kserve"
 OVERLAYS = ("queue-depth", "pvc", "tls")
@@ -601,8 +601,8 @@ def _runtime_env(tmp_path: Path) -> dict[str, str]:
 def test_servingruntime_serves_a_single_model_file(tmp_path):
     """storageUri naming one .onnx file: served as model <InferenceService name>, version 1."""
     import onnx
-    from conftest import ort_run
     from models import mlp
+    from reference import ort_run
 
     mnt = tmp_path / "mnt" / "models"
     mnt.mkdir(parents=True)

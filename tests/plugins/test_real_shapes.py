@@ -18,8 +18,9 @@ import json
 import numpy as np
 import onnx
 import pytest
-from conftest import ort_run
+from models import make_model
 from onnx import TensorProto, helper
+from reference import ort_run
 
 from plugserve.plugins.api import InvalidInput
 
@@ -36,21 +37,6 @@ DEVICES = [
     "BATCH:OPENVINO(4)",
 ]
 RTOL, ATOL = 1e-3, 1e-4
-
-
-def make_model(nodes, inputs, outputs, initializers=(), opsets=(("", 17),)) -> onnx.ModelProto:
-    """A checked model from ``(name, element type, shape)`` inputs and outputs."""
-    graph = helper.make_graph(
-        nodes,
-        "real_shapes",
-        [helper.make_tensor_value_info(n, t, s) for n, t, s in inputs],
-        [helper.make_tensor_value_info(n, t, s) for n, t, s in outputs],
-        initializer=list(initializers),
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid(d, v) for d, v in opsets])
-    model.ir_version = 9
-    onnx.checker.check_model(model)
-    return model
 
 
 def paddle_classifier() -> onnx.ModelProto:

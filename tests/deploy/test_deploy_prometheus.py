@@ -29,7 +29,7 @@ from serving import RunningServer, examples_repository, wait_for
 
 from plugserve.client import Client
 
-DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 PROMETHEUS_DIR = DEPLOY / "prometheus"
 DASHBOARD = DEPLOY / "grafana" / "plugserve.json"
 

@@ -145,7 +145,7 @@ def test_f43_shape_too_small_falls_back(numpy_plugin, winograd_tiles):
 def test_resnet18_within_bound(numpy_plugin, winograd_tiles):
     """The whole ResNet-18 (F(4, 3) in layers 1-2, F(2, 3) in layer 3) against onnxruntime."""
     ort = pytest.importorskip("onnxruntime")
-    sys.path.insert(0, str(Path(__file__).parent / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
     import bench_numpy_resnet
 
     model = bench_numpy_resnet.resnet18()

@@ -19,10 +19,10 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from acme_devices import CLASSES, DEVICES
 from models import _model, mlp, small_cnn
 from onnx import TensorProto, helper
 from serving import RunningServer
-from test_multi import CLASSES, DEVICES
 
 from plugserve.client import AsyncClient, Client
 from plugserve.plugins.api import InferenceError, InvalidArgument, InvalidInput, NotFound

@@ -20,9 +20,9 @@ import json
 import numpy as np
 import onnx
 import pytest
-from conftest import ort_run
+from models import make_model
 from onnx import TensorProto, helper
-from test_real_shapes import make_model
+from reference import ort_run
 
 from plugserve.plugins.api import Unsupported
 

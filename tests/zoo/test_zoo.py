@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from zoo import ZooModel, load_all
+from reference import ort_outputs as reference
 
 from plugserve.plugins.api import InvalidArgument, Unsupported
+from zoo import ZooModel, load_all
 
 ZOO = load_all()
 DEVICES = [
@@ -26,17 +27,6 @@ DEVICES = [
 ]
 
 pytestmark = pytest.mark.slow
-
-
-def reference(model: ZooModel, feeds, optimized: bool = False) -> dict:
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    if not optimized:
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    session = ort.InferenceSession(str(model.path()), options, providers=["CPUExecutionProvider"])
-    names = [o.name for o in session.get_outputs()]
-    return dict(zip(names, session.run(None, feeds)))
 
 
 _openvino_reads: dict[str, str | None] = {}

@@ -200,3 +200,18 @@ def chain(ops: list[tuple[str, dict]], shape=(2, 3, 4), dtype=TensorProto.FLOAT,
         [helper.make_tensor_value_info("y", dtype, list(shape))],
         name=name,
     )
+
+
+def make_model(nodes, inputs, outputs, initializers=(), opsets=(("", 17),)) -> onnx.ModelProto:
+    """A checked model from ``(name, element type, shape)`` inputs and outputs."""
+    graph = helper.make_graph(
+        nodes,
+        "real_shapes",
+        [helper.make_tensor_value_info(n, t, s) for n, t, s in inputs],
+        [helper.make_tensor_value_info(n, t, s) for n, t, s in outputs],
+        initializer=list(initializers),
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid(d, v) for d, v in opsets])
+    model.ir_version = 9
+    onnx.checker.check_model(model)
+    return model

@@ -8,8 +8,9 @@ import shutil
 import grpc
 import numpy as np
 import pytest
+from reference import ort_outputs as reference
 from serving import RunningServer
-from test_zoo import reference
+
 from zoo import load_all
 
 pytestmark = pytest.mark.slow

@@ -26,7 +26,7 @@ import pytest
 
 from plugserve.client import Client
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "deploy" / "Dockerfile"
 STORAGE = ["--root", "/var/tmp/plugserve-containers/storage", "--runroot", "/run/plugserve-ctr"]
 BASE = "localhost/plugserve-base:bookworm"

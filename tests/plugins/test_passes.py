@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from conftest import ort_run
 from models import _init, _model, chain, mlp, small_cnn
 from onnx import TensorProto, helper
+from reference import ort_run
 
 from plugserve.plugins.ir import load_model
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from conftest import ort_run
 from onnx import TensorProto, helper, numpy_helper
+from reference import ort_run
 
 F32, I64, I32, F64, U8, BOOL = (
     TensorProto.FLOAT,

@@ -6,9 +6,9 @@ files of different names, so the two cannot share the default descriptor pool of
 (the second import fails with "duplicate symbol"). This test therefore imports neither
 ``tritonclient.grpc`` nor ``plugserve.proto.grpc_service_pb2`` / ``model_config_pb2``: it reads
 the serialized descriptors out of both sets of ``*_pb2.py`` sources, each into its own private
-pool, so it runs in the same pytest process as tests/test_kserve.py (which uses tritonclient) in
-either order. The checks that need the real modules (tritonclient's request builder and result
-decoder; our generated module's descriptor) run in subprocesses.
+pool, so it runs in the same pytest process as tests/server/test_kserve.py (which uses
+tritonclient) in either order. The checks that need the real modules (tritonclient's request
+builder and result decoder; our generated module's descriptor) run in subprocesses.
 """
 
 from __future__ import annotations
@@ -499,7 +499,7 @@ def test_private_pool_holds_what_our_generated_modules_register():
 
 
 def test_our_generated_modules_stay_out_of_the_test_process():
-    """tests/test_kserve.py imports tritonclient.grpc; ours in the same process would clash."""
+    """test_kserve.py imports tritonclient.grpc; ours in the same process would clash."""
     imported = [
         m for m in ("grpc_service_pb2", "model_config_pb2") if f"plugserve.proto.{m}" in sys.modules
     ]

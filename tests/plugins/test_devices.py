@@ -6,8 +6,8 @@ import json
 
 import numpy as np
 import pytest
-from conftest import ort_run
 from models import encoder_block, mlp, small_cnn
+from reference import ort_run
 
 from plugserve.server import Core
 

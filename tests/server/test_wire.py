@@ -69,7 +69,7 @@ print("same")
 
 def test_composed_kserve_response_is_protobufs_own_serialization():
     """In a subprocess: our KServe modules and tritonclient's (imported by other test modules)
-    cannot share one process (tests/test_kserve_proto.py says why)."""
+    cannot share one process (tests/server/test_kserve_proto.py says why)."""
     run = subprocess.run(
         [sys.executable, "-c", _KSERVE_CHECK],
         capture_output=True,

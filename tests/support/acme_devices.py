@@ -1,0 +1,107 @@
+"""A third-party device package as source text: NUMPY under other names with faults built in
+(SECOND, HELD, FAULTY, NOLOAD, PARTIAL, BROKEN...). MULTI/AUTO and BATCH tests write it into a
+site folder with an entry-point dist-info, so the server discovers it as a user's plugin."""
+
+DEVICES = """
+import os
+import time
+
+from plugserve.plugins.api import BackendUnavailable, InferenceError, Unsupported
+from plugserve.plugins.numpy import NumpyPlugin
+from plugserve.plugins.numpy.compiled import NumpyCompiledNetwork
+from plugserve.plugins.numpy.request import NumpyInferRequest
+
+
+class SecondPlugin(NumpyPlugin):
+    name = "SECOND"
+
+
+def wait_for_gate(name):
+    path = os.path.join(os.environ["PLUGSERVE_TEST_GATES"], name)
+    for _ in range(120_000):  # bounded: the test opens every gate it uses
+        if os.path.exists(path):
+            return
+        time.sleep(0.001)
+    raise TimeoutError(f"gate {name} never opened")
+
+
+class HeldRequest(NumpyInferRequest):
+    def infer(self, inputs):
+        wait_for_gate("held")
+        return super().infer(inputs)
+
+
+class HeldNetwork(NumpyCompiledNetwork):
+    def create_infer_request(self):
+        return HeldRequest(self)
+
+
+class HeldPlugin(NumpyPlugin):
+    name = "HELD"
+
+    def load_network(self, model, config=None):
+        network = super().load_network(model, config)
+        network.__class__ = HeldNetwork
+        return network
+
+
+class FaultyRequest(NumpyInferRequest):
+    def infer(self, inputs):
+        super().infer(inputs)
+        raise InferenceError("node 'matmul0' (MatMul) failed: acme kernel failure")
+
+
+class FaultyNetwork(NumpyCompiledNetwork):
+    def create_infer_request(self):
+        return FaultyRequest(self)
+
+
+class FaultyPlugin(NumpyPlugin):
+    name = "FAULTY"
+
+    def load_network(self, model, config=None):
+        network = super().load_network(model, config)
+        network.__class__ = FaultyNetwork
+        return network
+
+
+class Faulty2Plugin(FaultyPlugin):
+    name = "FAULTY2"
+
+
+class NoLoadPlugin(NumpyPlugin):
+    name = "NOLOAD"
+
+    def load_network(self, model, config=None):
+        raise Unsupported(f"{self.name} cannot compile anything today")
+
+
+class NoLoad2Plugin(NoLoadPlugin):
+    name = "NOLOAD2"
+
+
+class PartialPlugin(NumpyPlugin):
+    name = "PARTIAL"
+
+    def query_network(self, model, config=None):
+        supported = super().query_network(model, config)
+        return {k: v for k, v in supported.items() if not k.startswith("relu")}
+
+
+class BrokenPlugin(NumpyPlugin):
+    name = "BROKEN"
+
+    def __init__(self):
+        raise BackendUnavailable("the acme driver is not installed")
+"""
+
+CLASSES = {
+    "SECOND": "SecondPlugin",
+    "HELD": "HeldPlugin",
+    "FAULTY": "FaultyPlugin",
+    "FAULTY2": "Faulty2Plugin",
+    "NOLOAD": "NoLoadPlugin",
+    "NOLOAD2": "NoLoad2Plugin",
+    "PARTIAL": "PartialPlugin",
+    "BROKEN": "BrokenPlugin",
+}
