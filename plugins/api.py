@@ -776,6 +776,19 @@ def check_inputs(
     return arrays
 
 
+def check_element_type(network_name: str, spec: TensorSpec, dtype: np.dtype) -> None:
+    """Refuses ``dtype`` for ``spec``'s input. Protocols call it before decoding a tensor's
+    data, so a wrong-typed tensor is refused before its bytes become Python objects."""
+    if spec.dtype is None or dtype == spec.dtype:
+        return
+    if spec.dtype == np.dtype(object) and dtype.kind in "USO":
+        return
+    raise InvalidInput(
+        f"network {network_name}: input {spec.name!r} has element type {dtype}, "
+        f"expected {spec.dtype}"
+    )
+
+
 def _check_one(network_name: str, spec: TensorSpec, value: Any) -> np.ndarray:
     if value is None:
         if spec.dtype is None and spec.shape is None:  # an optional input left empty
@@ -790,13 +803,8 @@ def _check_one(network_name: str, spec: TensorSpec, value: Any) -> np.ndarray:
     if not value.dtype.isnative and value.dtype.kind not in "OUSV":
         value = value.astype(value.dtype.newbyteorder("="))  # same values, native bytes
     if spec.dtype is not None and value.dtype != spec.dtype:
-        if spec.dtype == np.dtype(object) and value.dtype.kind in "US":
-            value = value.astype(object)
-        else:
-            raise InvalidInput(
-                f"network {network_name}: input {spec.name!r} has element type {value.dtype}, "
-                f"expected {spec.dtype}"
-            )
+        check_element_type(network_name, spec, value.dtype)
+        value = value.astype(object)  # text given as numpy str for a string input
     if spec.shape is not None:
         if value.ndim != len(spec.shape):
             raise InvalidInput(

@@ -30,6 +30,7 @@ __all__ = [
     "Pieces",
     "TensorFormatError",
     "array_payload",
+    "check_string_count",
     "decode_strings",
     "encode_strings",
     "field_pieces",
@@ -96,7 +97,22 @@ def encode_strings(array: np.ndarray) -> bytes:
     return b"".join(parts)
 
 
+#: The most string elements one tensor may hold. Each becomes a Python object of ~50 bytes
+#: plus its text, so a message of short strings grows ~15x when decoded; 4M elements bound
+#: that to a few hundred MB per tensor, checked before any is decoded.
+MAX_STRING_ELEMENTS = 1 << 22
+
+
+def check_string_count(count: int, where: str) -> None:
+    if count > MAX_STRING_ELEMENTS:
+        raise InvalidInput(
+            f"{where}: {count} string elements is over the limit of {MAX_STRING_ELEMENTS} "
+            "per tensor; split the batch into smaller requests"
+        )
+
+
 def decode_strings(data: bytes, count: int, where: str) -> np.ndarray:
+    check_string_count(count, where)
     items = []
     offset = 0
     view = memoryview(data)

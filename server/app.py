@@ -30,6 +30,7 @@ from plugserve.plugins.api import PlugserveError
 from plugserve.plugins.blob import plugserve_version
 from plugserve.proto import plugserve_pb2
 from plugserve.server.allocator import reuse_freed_memory
+from plugserve.server.callgate import CallGate, keepalive_options
 from plugserve.server.core import ConfigLimits, Core
 from plugserve.server.dataplane import DataPlane
 from plugserve.server.examples import build_examples, default_examples_dir
@@ -193,7 +194,13 @@ class Server:
         if problems:
             raise SystemExit(f"plugserve: invalid settings: {'; '.join(problems)}")
         credentials = server_credentials(s)
-        interceptors = []
+        self.gate = CallGate(
+            s.max_open_streams or max(1, s.grpc_workers // 2),
+            max(1, s.grpc_workers // 4),
+            s.request_read_timeout,
+            s.stream_idle_timeout,
+        )
+        interceptors: list[grpc.ServerInterceptor] = [self.gate]
         auth = None
         if s.auth_tokens:
             tokens = load_tokens(s.auth_tokens)
@@ -214,6 +221,7 @@ class Server:
             # second server would silently take some of the first one's connections
             ("grpc.so_reuseport", s.reuse_grpc_port),
         ]
+        options += keepalive_options(s.stream_idle_timeout)
         if s.max_streams_per_connection:
             options.append(("grpc.max_concurrent_streams", s.max_streams_per_connection))
         server = grpc.server(
@@ -257,7 +265,13 @@ class Server:
             self.metrics_port,
             rest if self.rest else "",
         )
-        ready, problems = self.plane.load_repository()
+        self.plane.control_mode = s.model_control_mode
+        names = None
+        if s.model_control_mode == "explicit":
+            names = {n.strip() for n in s.load_model.split(",") if n.strip()}
+            if "*" in names:
+                names = None
+        ready, problems = self.plane.load_repository(names)
         for problem in problems:
             log.error("model repository: %s", problem)
         # the bundled examples are a demo: one that needs a device --plugins left out is skipped
@@ -272,13 +286,27 @@ class Server:
             log.info("model %s version %d is ready on %s", entry.name, entry.version, entry.device)
         self.plane.ready = True
         self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        if s.model_control_mode == "poll" and self.repository is not None:
+            threading.Thread(target=self._poll, name="repository-poll", daemon=True).start()
         log.info("server ready: %d model version(s) from %s", len(ready), self.repository.root)
+
+    def _poll(self) -> None:
+        """--model-control-mode poll: the repository's changes, every --repository-poll-secs."""
+        while not self._stopped.wait(self.settings.repository_poll_secs):
+            try:
+                self.plane.poll_repository()
+            except Exception:  # a bad look at the repository must not end polling
+                log.exception("repository poll failed; trying again")
 
     def _serve_health(self, host: str, port: int) -> None:
         """The health service alone on a plaintext port: the same statuses as on the main port
         (it reveals nothing else), for probes that cannot present TLS or a token."""
+        # 4 threads: one Watch stream, two calls waiting for their message, one answering
+        self.health_gate = CallGate(1, 2, self.settings.request_read_timeout, 60.0, "health")
         server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="health"),
+            futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="health"),
+            interceptors=[self.health_gate],
+            options=keepalive_options(60.0),
             maximum_concurrent_rpcs=16,
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)

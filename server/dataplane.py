@@ -14,9 +14,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ from plugserve.plugins.api import (
     NotFound,
     PlugserveError,
     ResourceExhausted,
+    check_element_type,
     check_inputs,
     listing,
     refuse_non_tensors,
@@ -43,12 +45,25 @@ from plugserve.plugins.streams import StreamsExecutor
 from plugserve.server.core import Core
 from plugserve.server.devices import parse_device
 from plugserve.server.metrics import Metrics, Recorder
-from plugserve.server.repository import Repository, check_name, is_version
+from plugserve.server.repository import (
+    EVERY_VERSION,
+    ModelSettings,
+    Repository,
+    check_name,
+    is_version,
+)
+from plugserve.server.triton_config import VersionPolicy, write_overrides
 from plugserve.server.versions import check_version, next_version
 
-__all__ = ["DataPlane", "LoadedNetwork", "ShuttingDown"]
+__all__ = ["ControlDisabled", "DataPlane", "LoadedNetwork", "ShuttingDown"]
 
 log = logging.getLogger(__name__)
+
+
+class ControlDisabled(PlugserveError):
+    """A load or unload request under --model-control-mode none or poll (as Triton)."""
+
+    code = "UNAVAILABLE"
 
 
 class ShuttingDown(PlugserveError):
@@ -78,14 +93,44 @@ class LoadedNetwork:
     #: What a request that names no outputs gets, and what it may name.
     output_names: list[str] = dataclasses.field(init=False)
     perf_enabled: bool = dataclasses.field(init=False)
+    #: Admitted requests not yet finished, and whether a reload replaced it (then it closes
+    #: once they are done, and a request reaching it late goes to its replacement).
+    inflight: int = dataclasses.field(init=False, default=0)
+    retired: bool = dataclasses.field(init=False, default=False)
 
     def __post_init__(self, queue_size: int) -> None:
         self.executor = self.network.executor
         self.queue_limit = queue_size or max(64, 16 * self.executor.streams)
         self.output_names = [o.name for o in self.network.outputs]
         self._known_outputs = frozenset(self.output_names)
+        self._inputs = {spec.name: spec for spec in self.network.inputs}
         self.perf_enabled = bool(_safe_config(self.network, "PERF_COUNT"))
 
+    def expect(self, name: str, dtype: np.dtype) -> None:
+        """Before a protocol decodes input ``name``'s data: its element type must be the
+        network's (an unknown name is left to the one full check that follows)."""
+        spec = self._inputs.get(name)
+        if spec is not None:
+            try:
+                check_element_type(self.name, spec, dtype)
+            except InvalidInput:
+                self.recorder.refused("invalid")  # counted as the full check would count it
+                raise
+
+
+def check_batch(name: str, max_batch_size: int, arrays: list[Any]) -> None:
+    """As Triton: a model with max_batch_size > 0 takes at most that many rows per request."""
+    for array in arrays:
+        rows = array.shape[0] if getattr(array, "ndim", 0) else 0
+        if rows > max_batch_size:
+            raise InvalidInput(
+                f"network {name!r}: a batch of {rows} rows is over its max_batch_size "
+                f"{max_batch_size}; split the request"
+            )
+
+
+#: The longest a replaced network waits for its admitted requests before it closes anyway.
+RETIRE_TIMEOUT = 300.0
 
 _STATUS = {DeadlineExceeded: "deadline", Cancelled: "cancelled", InvalidInput: "invalid"}
 
@@ -134,6 +179,9 @@ class DataPlane:
         self._loading: set[tuple[str, int]] = set()
         self.ready = False
         self.draining = False  # set by drain(): new requests and loads are UNAVAILABLE
+        #: --model-control-mode; and what each repository version was loaded from (poll)
+        self.control_mode = ""
+        self._stamps: dict[tuple[str, int], tuple] = {}
         self._inflight = 0  # admitted requests not yet finished (queued or running)
         self._inflight_lock = threading.Lock()
         metrics.watch_executors(self._executor_gauges)
@@ -168,6 +216,8 @@ class DataPlane:
         persist: bool = False,
         version: int = 0,
         max_batch_size: int = 0,
+        dynamic_batching: bool = True,
+        batch_size: int = 0,
     ) -> tuple[LoadedNetwork, bool]:
         """Compile and register a network; returns it and whether it came from the cache.
 
@@ -176,13 +226,18 @@ class DataPlane:
         requests are gathered into batches of up to that many rows, unless its device already
         is a BATCH device (which then decides the batch size). BATCH wraps one plain device:
         a HETERO, MULTI or AUTO device is loaded as it is, without dynamic batching.
+        ``dynamic_batching=False`` (a Triton config.pbtxt without dynamic_batching): no BATCH.
+        ``batch_size``: the rows BATCH gathers, when not ``max_batch_size`` (Triton's preferred
+        size). ``max_batch_size`` always bounds each request's rows.
         """
         check_name(name)
         check_version(version)
         if self.draining:
             raise ShuttingDown(f"network {name!r}: the server is shutting down; not loading it")
         self._check_model_size(model, "LoadNetwork")
-        device = batch_device(device or self.default_device, max_batch_size)
+        device = device or self.default_device
+        if dynamic_batching:
+            device = batch_device(device, batch_size or max_batch_size)
         config = dict(config or {})
         if persist and self.repository is None:
             raise FailedPrecondition("persist needs a server started with --model-repository")
@@ -252,18 +307,22 @@ class DataPlane:
             if remove and entry.persisted and self.repository is not None:
                 self.repository.remove(name, entry.version)
             self.metrics.forget(entry.device, name, entry.version)
-            try:
-                entry.network.close()
-            except Exception as exc:  # a failed device must not keep a network loaded
-                log.warning(
-                    "network %s version %d: closing it on %s failed (%s: %s); it is unloaded",
-                    name,
-                    entry.version,
-                    entry.device,
-                    type(exc).__name__,
-                    exc,
-                )
+            self._close(entry)
         return targets
+
+    @staticmethod
+    def _close(entry: LoadedNetwork) -> None:
+        try:
+            entry.network.close()
+        except Exception as exc:  # a failed device must not keep a network loaded
+            log.warning(
+                "network %s version %d: closing it on %s failed (%s: %s); it is unloaded",
+                entry.name,
+                entry.version,
+                entry.device,
+                type(exc).__name__,
+                exc,
+            )
 
     def _compile(
         self, name: str, model: bytes | str | Path, device: str, config: Mapping[str, str]
@@ -352,6 +411,8 @@ class DataPlane:
         recorder = entry.recorder
         try:
             arrays = check_inputs(name, entry.network.inputs, inputs)
+            if entry.max_batch_size > 0:
+                check_batch(name, entry.max_batch_size, arrays)
             wanted = self._outputs(entry, outputs)
         except PlugserveError:
             recorder.refused("invalid")
@@ -389,7 +450,12 @@ class DataPlane:
                 raise ShuttingDown(
                     f"network {name!r}: the server is shutting down; send the request elsewhere"
                 )
-            self._inflight += 1
+            retired = entry.retired
+            if not retired:
+                self._inflight += 1
+                entry.inflight += 1
+        if retired:  # reloaded since the caller's lookup: its replacement answers
+            return self.submit(self.get(name, entry.version), inputs, outputs, deadline, inline)
         try:
             future = (inline and executor.run_inline(run)) or executor.submit(
                 run, entry.queue_limit
@@ -397,6 +463,7 @@ class DataPlane:
         except BaseException as exc:
             with self._inflight_lock:
                 self._inflight -= 1
+                entry.inflight -= 1
             recorder.refused("overloaded" if isinstance(exc, ResourceExhausted) else "")
             raise
         future.add_done_callback(lambda f: self._finished(entry, f))
@@ -422,6 +489,7 @@ class DataPlane:
         """Successes are recorded where they ran; here the admitted ones that failed."""
         with self._inflight_lock:
             self._inflight -= 1
+            entry.inflight -= 1
         if future.cancelled():
             entry.recorder.failure("cancelled")
             return
@@ -510,9 +578,25 @@ class DataPlane:
         name, _, version = path.partition("/")
         if version and not is_version(version):
             raise InvalidArgument(f"repository path {path!r}: expected NAME or NAME/VERSION")
-        model = self.repository.model_path(name, int(version or 0))
-        settings = self.repository.read_settings(name, int(model.parent.name))
+        model, settings = self._stored(name, int(version or 0))
         return model, settings.device, settings.config, settings.max_batch_size
+
+    def version_policy(self, name: str) -> VersionPolicy:
+        """Which versions of ``name`` the repository loads (every one for a model loaded by an
+        RPC, or kept by config.json; Triton's and OVMS's own policy for theirs)."""
+        if self.repository is not None:
+            with contextlib.suppress(PlugserveError, OSError):
+                return self.repository.read_settings(name).policy
+        return EVERY_VERSION
+
+    def _stored(
+        self, name: str, version: int = 0, repository: Repository | None = None
+    ) -> tuple[Path, ModelSettings]:
+        repository = repository or self.repository
+        if repository is None:
+            raise FailedPrecondition("this server has no model repository")
+        model = repository.model_path(name, version)
+        return model, repository.read_settings(name, int(model.parent.name))
 
     def versions(self, name: str, version: int = 0) -> list[LoadedNetwork]:
         """The loaded version asked for, or every loaded version of ``name`` (0); NotFound
@@ -523,19 +607,101 @@ class DataPlane:
                 return [found[version]] if version else [found[v] for v in sorted(found)]
         raise NotFound(self._missing(name, version))
 
-    def reload(self, name: str) -> LoadedNetwork:
-        """Load the repository's latest version of ``name``; a loaded version is unloaded
-        first so that edits to its files take effect (Triton's reload, without Triton's
-        seamless swap: requests in between get NOT_FOUND)."""
-        if self.draining:  # before anything is unloaded
+    def check_control(self, what: str) -> None:
+        """Load and unload requests are refused in Triton's none and poll modes."""
+        if self.control_mode in ("none", "poll"):
+            raise ControlDisabled(
+                f"{what}: model load and unload requests are not allowed with "
+                f"--model-control-mode {self.control_mode} (the repository decides what is "
+                "loaded); start the server with --model-control-mode explicit to allow them"
+            )
+
+    def load_with_overrides(self, name: str, config: str | None, files: dict[str, bytes]) -> None:
+        """Triton's RepositoryModelLoad with overrides: ``config`` (a ModelConfig as JSON)
+        replaces the model's configuration, ``files`` (``<version>/<file name>`` -> bytes) its
+        version folders (then ``config`` is required, as in Triton). They are written to a
+        private folder, loaded from it (seamlessly, as :meth:`reload`), and removed; the
+        repository on disk is left as it is."""
+        check_name(name)
+        if files and config is None:
+            raise InvalidArgument(
+                f"model {name!r}: file overrides need a 'config' override too (as in Triton)"
+            )
+        for data in files.values():
+            self._check_model_size(data, "RepositoryModelLoad")
+        with tempfile.TemporaryDirectory(prefix="plugserve-override-") as tmp:
+            folder = Path(tmp) / name
+            folder.mkdir()
+            write_overrides(folder, name, config, files)
+            if not files:  # the repository's versions, with the new configuration
+                source = self._stored(name)[0].parent.parent
+                for version in source.iterdir():
+                    if is_version(version.name):
+                        (folder / version.name).symlink_to(version.resolve())
+            overridden = Repository(tmp)
+            entries, problems = overridden.scan()
+            if problems:
+                raise InvalidArgument(f"model {name!r}: {'; '.join(problems)}")
+            if not entries:
+                raise InvalidArgument(f"model {name!r}: the overrides give no version to load")
+            for entry in entries:
+                self.reload(name, entry.version, overridden)
+
+    def reload(
+        self, name: str, version: int = 0, repository: Repository | None = None
+    ) -> LoadedNetwork:
+        """Load the repository's ``version`` of ``name`` (0: its latest), as Triton reloads:
+        the new network is compiled while the loaded one (if any) still serves, then takes its
+        place in one step; requests admitted by the old one finish there, and it closes after
+        them. ``repository``: another than the server's (load overrides)."""
+        if self.draining:
             raise ShuttingDown(f"model {name!r}: the server is shutting down; not loading it")
-        model, device, config, batch = self.repository_model(name)
+        model, settings = self._stored(name, version, repository)
+        stamp = self.repository.stamp(name, model) if self.repository else ()
         version = int(model.parent.name)  # the repository layout is NAME/VERSION/model.onnx
-        with contextlib.suppress(NotFound):
-            self.unload(name, version, remove=False)
-        entry, _ = self.load(name, model, device, config, version=version, max_batch_size=batch)
-        entry.persisted = True  # it lives in the repository
+        self._check_model_size(model, "RepositoryModelLoad")
+        device, config, batch = settings.device, settings.config, settings.max_batch_size
+        device = device or self.default_device
+        if settings.dynamic_batching:
+            device = batch_device(device, settings.batch_size or batch)
+        with self._lock:
+            old = self._networks.get(name, {}).get(version)
+            if (name, version) in self._loading:
+                raise InvalidArgument(f"model {name!r} version {version} is being loaded")
+            if old is None:
+                self._check_network_count(name, version, len(self._loading))
+            self._loading.add((name, version))
+        try:
+            network = self._compile(name, model, device, dict(config))
+            network.name = name
+            entry = self._entry(name, version, device, network, True, batch)
+            with self._lock:
+                self._networks.setdefault(name, {})[version] = entry
+                self._stamps[(name, version)] = stamp
+        finally:
+            with self._lock:
+                self._loading.discard((name, version))
+        log.info("network %s version %d %s on %s", name, version,
+                 "reloaded" if old else "ready", entry.device)  # fmt: skip
+        if old is not None:
+            self._retire(old, keep_series=old.device == entry.device)
         return entry
+
+    def _retire(self, entry: LoadedNetwork, keep_series: bool) -> None:
+        """Close a replaced network once the requests it admitted are done (its replacement
+        takes any that reach it later; see :meth:`submit`)."""
+        with self._inflight_lock:
+            entry.retired = True
+
+        def close_when_idle() -> None:
+            end = time.monotonic() + RETIRE_TIMEOUT
+            while entry.inflight and time.monotonic() < end:
+                time.sleep(0.02)
+            if not keep_series:
+                self.metrics.forget(entry.device, entry.name, entry.version)
+            self._close(entry)
+
+        threading.Thread(target=close_when_idle, name=f"retire-{entry.name}", daemon=True).start()
 
     def index(self, ready_only: bool = False) -> list[tuple[str, int, bool]]:
         """``(name, version, loaded)`` for every loaded or stored network version, sorted."""
@@ -547,12 +713,20 @@ class DataPlane:
         rows = [(name, version, (name, version) in loaded) for name, version in loaded | stored]
         return sorted(row for row in rows if row[2] or not ready_only)
 
-    def load_repository(self) -> tuple[list[LoadedNetwork], list[str]]:
-        """Load every model of the repository; one bad model does not stop the others."""
+    def load_repository(
+        self, names: Collection[str] | None = None
+    ) -> tuple[list[LoadedNetwork], list[str]]:
+        """Load every model of the repository (only ``names``, when given); one bad model does
+        not stop the others."""
         if self.repository is None:
             return [], []
         self.repository.clean_staging()
         entries, problems = self.repository.scan()
+        if names is not None:
+            found = {e.name for e in entries}
+            problems += [f"--load-model {n}: no such model in the repository" for n in
+                         sorted(set(names) - found)]  # fmt: skip
+            entries = [e for e in entries if e.name in names]
         ready = []
         for entry in entries:
             try:
@@ -563,12 +737,45 @@ class DataPlane:
                     entry.config,
                     version=entry.version,
                     max_batch_size=entry.max_batch_size,
+                    dynamic_batching=entry.settings.dynamic_batching,
+                    batch_size=entry.settings.batch_size,
                 )
                 loaded.persisted = True
+                self._stamps[(entry.name, entry.version)] = self.repository.stamp(
+                    entry.name, entry.path
+                )
                 ready.append(loaded)
             except PlugserveError as exc:
                 problems.append(f"{entry.path}: {exc}")
         return ready, problems
+
+    def poll_repository(self) -> list[str]:
+        """One look at the repository (--model-control-mode poll): versions added are loaded,
+        removed ones unloaded, changed ones (model or config file) reloaded seamlessly.
+        Networks loaded by request without ``persist`` are not the repository's: left alone.
+        Returns what went wrong, one line each."""
+        if self.repository is None or self.draining:
+            return []
+        entries, problems = self.repository.scan()
+        wanted = {(e.name, e.version): e for e in entries}
+        ours = {(n.name, n.version) for n in self.networks() if n.persisted}
+        for name, version in sorted(ours - wanted.keys()):
+            with contextlib.suppress(NotFound):
+                self.unload(name, version)
+                self._stamps.pop((name, version), None)
+                log.info("repository poll: %s version %d removed: unloaded", name, version)
+        for (name, version), entry in sorted(wanted.items()):
+            if (name, version) in ours and self._stamps.get((name, version)) == (
+                self.repository.stamp(name, entry.path)
+            ):
+                continue
+            try:
+                self.reload(name, version)
+            except PlugserveError as exc:
+                problems.append(f"{entry.path}: {exc}")
+        for problem in problems:
+            log.error("repository poll: %s", problem)
+        return problems
 
     def close(self) -> None:
         """Stop every network's streams: what is queued still runs, nothing new is taken."""

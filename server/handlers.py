@@ -96,6 +96,14 @@ def deadline(context: grpc.ServicerContext) -> float | None:
     return time.monotonic() + remaining if remaining is not None else None
 
 
+#: Responses a stream may have finished but not yet sent, by count and by bytes. While either
+#: is reached the stream reads no further request: a client that does not read its responses
+#: slows itself down (gRPC flow control) instead of growing the server's memory. 64 keeps one
+#: tritonclient stream's burst of 64 requests in flight.
+STREAM_WINDOW = 64
+STREAM_WINDOW_BYTES = 64 << 20
+
+
 def pump(
     requests: Iterator[Any],
     context: grpc.ServicerContext,
@@ -107,29 +115,49 @@ def pump(
     """A bidirectional inference stream: requests are admitted as they arrive (on a reader
     thread), responses leave in completion order, and every request read gets exactly one
     response: ``respond(request, entry, outputs)`` for ``submit(request, context) ->
-    (entry, future)``,
-    or ``fail(request, error)``. When the call ends, what is still queued is cancelled."""
+    (entry, future)``, or ``fail(request, error)``. At most ``STREAM_WINDOW`` requests (or
+    ``STREAM_WINDOW_BYTES`` of responses) are unanswered at once; when the call ends, what is
+    still queued is cancelled and the reader stops."""
     done: queue.Queue = queue.Queue()
+    window = threading.Condition()
+    unsent = [0, 0]  # requests read and not yet answered on the wire; bytes of those finished
     admitted = [0]  # requests read so far
-    lock = threading.Lock()
+    ended = threading.Event()
     outstanding: set[Future] = set()
+
+    def finished(message: Any) -> None:
+        with window:
+            unsent[1] += len(message) if isinstance(message, bytes) else 0
+        done.put(message)
 
     def complete(request: Any, entry: Any, future: Future) -> None:
         try:
             message = respond(request, entry, future.result())
         except BaseException as exc:
             message = fail(request, exc)
-        done.put(message)
+        finished(message)
+
+    def room() -> bool:
+        with window:
+            while unsent[0] >= STREAM_WINDOW or unsent[1] >= STREAM_WINDOW_BYTES:
+                if ended.is_set():
+                    return False
+                window.wait(0.5)
+            unsent[0] += 1
+            return not ended.is_set()
 
     def read() -> None:
         try:
-            for request in requests:
-                with lock:
+            while room():
+                request = next(requests, None)
+                if request is None:
+                    break
+                with window:
                     admitted[0] += 1
                 try:
                     entry, future = submit(request, context)
                 except Exception as exc:
-                    done.put(fail(request, exc))
+                    finished(fail(request, exc))
                     continue
                 outstanding.add(future)
                 future.add_done_callback(outstanding.discard)
@@ -139,21 +167,31 @@ def pump(
         finally:
             done.put(None)
 
-    def cancel_outstanding() -> None:
+    def end() -> None:
+        ended.set()
+        with window:
+            window.notify_all()
         for future in list(outstanding):
             future.cancel()
 
-    context.add_callback(cancel_outstanding)
+    context.add_callback(end)
     threading.Thread(target=read, name=name, daemon=True).start()
     sent, reading = 0, True
-    while True:
-        message = done.get()
-        if message is None:
-            reading = False
-        else:
-            sent += 1
-            yield message
-        with lock:
-            total = admitted[0]
-        if not reading and sent >= total:
-            return
+    try:
+        while True:
+            message = done.get()
+            if message is None:
+                reading = False
+            else:
+                sent += 1
+                yield message
+                with window:
+                    unsent[0] -= 1
+                    unsent[1] -= len(message) if isinstance(message, bytes) else 0
+                    window.notify_all()
+            with window:
+                total = admitted[0]
+            if not reading and sent >= total:
+                return
+    finally:
+        end()

@@ -16,10 +16,12 @@ Choices where KServe/Triton leave room or plugserve differs:
   accepted and ignored; the gRPC
   deadline bounds a request. Output ``classification`` is not offered (UNIMPLEMENTED).
 * ``RepositoryModelLoad`` loads the repository's latest version of the model. If that version is
-  already loaded it is reloaded (unloaded, then loaded again), so edits to the model file or its
-  ``config.json`` take effect, as a Triton reload does; unlike Triton the swap is not seamless
-  (requests in between get NOT_FOUND, and a failed reload leaves that version unloaded).
-  Overrides (``config`` / ``file:`` parameters) are UNIMPLEMENTED.
+  already loaded it is reloaded, so edits to the model file or its ``config.json`` take effect,
+  seamlessly as Triton reloads: the new network is compiled while the old one serves, then
+  replaces it; requests the old one admitted finish there; a failed reload leaves the old one
+  serving.
+  Triton's overrides are taken: ``config`` (a ModelConfig as JSON) and ``file:<version>/<name>``
+  (the file's bytes) load the model from them instead of its folder, which is left as it is.
 * ``RepositoryModelUnload`` unloads every loaded version and never deletes files: the model can
   be loaded again (plugserve.v1's UnloadNetwork deletes only with ``remove_from_repository``).
 * Statistics count requests: ``inference_count`` is the number of successful requests and
@@ -35,7 +37,7 @@ Choices where KServe/Triton leave room or plugserve differs:
 from __future__ import annotations
 
 import types
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import grpc
@@ -57,15 +59,17 @@ from plugserve.proto.tensors import (
     TensorFormatError,
     array_payload,
     check_shape,
+    check_string_count,
     field_pieces,
     from_tensor,
 )
 from plugserve.server.dataplane import DataPlane, LoadedNetwork
 from plugserve.server.errors import status_of
 from plugserve.server.handlers import add_service, deadline, pump, result
+from plugserve.server.triton_config import VersionPolicy
 from plugserve.server.versions import parse_version
 
-__all__ = ["KServeServicer", "add_kserve_service", "refuse_overrides"]
+__all__ = ["KServeServicer", "add_kserve_service", "load"]
 
 SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 PLATFORM = "onnxruntime_onnx"
@@ -167,15 +171,16 @@ def config_data_type(dtype: np.dtype | None) -> int:
     return mc.DataType.Value("TYPE_STRING" if datatype == "BYTES" else f"TYPE_{datatype}")
 
 
-def model_config(entry: LoadedNetwork) -> mc.ModelConfig:
-    """As Triton: with max_batch_size > 0 the leading (batch) dimension is not in ``dims``."""
+def model_config(entry: LoadedNetwork, policy: VersionPolicy) -> mc.ModelConfig:
+    """As Triton: with max_batch_size > 0 the leading (batch) dimension is not in ``dims``;
+    ``policy``: the versions the repository loads of it (see ``DataPlane.version_policy``)."""
     config = mc.ModelConfig(
         name=entry.name,
         platform=PLATFORM,
         backend=BACKEND,
         max_batch_size=entry.max_batch_size,
     )
-    config.version_policy.latest.num_versions = 1
+    policy.to_proto(config.version_policy)
     config.parameters["device"].string_value = entry.device
     batching = entry.network.batching()
     if batching is not None:
@@ -194,8 +199,9 @@ def model_config(entry: LoadedNetwork) -> mc.ModelConfig:
     return config
 
 
-def input_array(tensor, raw: bytes | None) -> np.ndarray:
-    """One request input as an array, from its raw bytes or its typed contents."""
+def input_array(tensor, raw: bytes | None, entry: LoadedNetwork) -> np.ndarray:
+    """One request input as an array, from its raw bytes or its typed contents; its element
+    type is checked against the network's before any data is decoded."""
     where = f"input {tensor.name!r}"
     dtype = DATATYPES.get(tensor.datatype)
     if dtype is None:
@@ -203,6 +209,7 @@ def input_array(tensor, raw: bytes | None) -> np.ndarray:
             f"{where}: datatype {tensor.datatype!r} is not supported; "
             f"use one of {', '.join(DATATYPES)}"
         )
+    entry.expect(tensor.name, dtype)
     if raw is not None:
         if tensor.HasField("contents"):
             raise InvalidInput(
@@ -226,6 +233,7 @@ def input_array(tensor, raw: bytes | None) -> np.ndarray:
             f"{where}: {len(values)} values in contents.{field}, but shape {shape} needs {count}"
         )
     if dtype == np.dtype(object):
+        check_string_count(count, where)
         array = np.empty(count, dtype=object)
         array[:] = [v.decode("utf-8", errors="replace") for v in values]
         return array.reshape(shape)
@@ -250,7 +258,7 @@ def _from_raw(tensor, dtype: np.dtype, raw: bytes, where: str) -> np.ndarray:
         raise InvalidInput(f"{where}: shape {list(tensor.shape)} cannot be held: {exc}") from None
 
 
-def request_inputs(request: pb.ModelInferRequest) -> dict[str, np.ndarray]:
+def request_inputs(request: pb.ModelInferRequest, entry: LoadedNetwork) -> dict[str, np.ndarray]:
     raw = list(request.raw_input_contents)
     if raw and len(raw) != len(request.inputs):
         raise InvalidInput(
@@ -261,7 +269,7 @@ def request_inputs(request: pb.ModelInferRequest) -> dict[str, np.ndarray]:
     for index, tensor in enumerate(request.inputs):
         if tensor.name in inputs:
             raise InvalidInput(f"input {tensor.name!r} is given more than once")
-        inputs[tensor.name] = input_array(tensor, raw[index] if raw else None)
+        inputs[tensor.name] = input_array(tensor, raw[index] if raw else None, entry)
     return inputs
 
 
@@ -375,7 +383,8 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     def ModelConfig(self, request, context):
         entry = self.plane.get(request.name, parse_version(request.version))
-        return pb.ModelConfigResponse(config=model_config(entry))
+        policy = self.plane.version_policy(entry.name)
+        return pb.ModelConfigResponse(config=model_config(entry, policy))
 
     # --- inference
 
@@ -387,7 +396,11 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         if request.parameters:
             refuse_sequence(parameter_values(request.parameters))
         future = self.plane.submit(
-            entry, request_inputs(request), requested_outputs(request), deadline(context), inline
+            entry,
+            request_inputs(request, entry),
+            requested_outputs(request),
+            deadline(context),
+            inline,
         )
         return entry, future
 
@@ -429,12 +442,13 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         return response
 
     def RepositoryModelLoad(self, request, context):
-        refuse_overrides(request.model_name, request.parameters)
-        self.plane.reload(request.model_name)
+        self.plane.check_control(f"load of model {request.model_name!r}")
+        load(self.plane, request.model_name, parameter_values(request.parameters))
         return pb.RepositoryModelLoadResponse()
 
     def RepositoryModelUnload(self, request, context):
         """Unload every version without deleting: the model can be loaded again."""
+        self.plane.check_control(f"unload of model {request.model_name!r}")
         self.plane.unload(request.model_name, 0, remove=False)
         return pb.RepositoryModelUnloadResponse()
 
@@ -462,14 +476,20 @@ def parameter_values(parameters: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def refuse_overrides(name: str, parameters: Collection[str]) -> None:
-    """Triton's load overrides (``config``, ``file:<version>/<name>``) are not supported."""
-    overrides = sorted(k for k in parameters if k == "config" or k[:5] == "file:")
-    if overrides:
-        raise Unsupported(
-            f"model {name!r}: load overrides {overrides} are not "
-            "supported; edit the model's folder in the repository and load it by name"
-        )
+def load(plane: DataPlane, name: str, parameters: Mapping[str, Any]) -> None:
+    """RepositoryModelLoad for both protocols: a reload, or one with Triton's overrides
+    (``config``: ModelConfig JSON; ``file:<version>/<name>``: a file's bytes)."""
+    config = parameters.get("config")
+    if config is not None and not isinstance(config, str):
+        raise InvalidInput(f"model {name!r}: the 'config' parameter must be a JSON string")
+    files = {k[5:]: v for k, v in parameters.items() if k.startswith("file:")}
+    for key, value in files.items():
+        if not isinstance(value, bytes):
+            raise InvalidInput(f"model {name!r}: 'file:{key}' must carry the file's bytes")
+    if config is None and not files:
+        plane.reload(name)
+    else:
+        plane.load_with_overrides(name, config, files)
 
 
 def _unimplemented(method: str, feature: str):

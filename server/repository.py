@@ -29,9 +29,17 @@ from pathlib import Path
 from typing import Any
 
 from plugserve.plugins.api import InvalidArgument, NotFound
+from plugserve.server.triton_config import (
+    OVMS_KEYS,
+    TRITON_FILE,
+    OvmsModel,
+    VersionPolicy,
+    read_ovms,
+    read_triton,
+)
 from plugserve.server.versions import MAX_VERSION, is_version
 
-__all__ = ["ModelEntry", "Repository", "check_name", "is_version"]
+__all__ = ["ModelEntry", "ModelSettings", "Repository", "check_name", "is_version"]
 
 log = logging.getLogger(__name__)
 
@@ -82,14 +90,7 @@ def single_model_repository(source: str | os.PathLike, name: str) -> Path:
     return root
 
 
-@dataclasses.dataclass
-class ModelEntry:
-    name: str
-    version: int
-    path: Path
-    device: str = ""
-    config: dict[str, str] = dataclasses.field(default_factory=dict)
-    max_batch_size: int = 0
+EVERY_VERSION = VersionPolicy("all")
 
 
 @dataclasses.dataclass
@@ -97,11 +98,66 @@ class ModelSettings:
     device: str = ""
     config: dict[str, str] = dataclasses.field(default_factory=dict)
     max_batch_size: int = 0
+    #: requests are gathered into batches (BATCH): always with config.json's max_batch_size,
+    #: with Triton's when it asks for dynamic_batching
+    dynamic_batching: bool = True
+    #: rows a batch gathers (Triton's largest preferred_batch_size); 0: max_batch_size
+    batch_size: int = 0
+    #: config.json: every version loads; Triton and OVMS: their version_policy (latest 1)
+    policy: VersionPolicy = EVERY_VERSION
+    #: the file in each version folder ("": the one .onnx file there, as OVMS finds it)
+    model_file: str = MODEL_FILE
+
+
+@dataclasses.dataclass
+class ModelEntry:
+    name: str
+    version: int
+    path: Path
+    settings: ModelSettings = dataclasses.field(default_factory=ModelSettings)
+
+    @property
+    def device(self) -> str:
+        return self.settings.device
+
+    @property
+    def config(self) -> dict[str, str]:
+        return self.settings.config
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.settings.max_batch_size
 
 
 class Repository:
+    """``root``: a folder of models, a Triton repository (``config.pbtxt`` files), or an
+    OpenVINO Model Server ``config.json`` (the file, or a folder holding it) whose
+    ``model_config_list`` names each model's ``base_path``."""
+
     def __init__(self, root: str | os.PathLike) -> None:
-        self.root = Path(root)
+        root = Path(root)
+        self.ovms_file: Path | None = None
+        if root.is_file() and root.suffix == ".json":
+            self.ovms_file, root = root, root.parent
+        elif (root / CONFIG_FILE).is_file() and _is_ovms(root / CONFIG_FILE):
+            self.ovms_file = root / CONFIG_FILE
+        self.root = root
+
+    def _ovms(self) -> dict[str, OvmsModel]:
+        if self.ovms_file is None:
+            return {}
+        return {m.name: m for m in read_ovms(self.ovms_file)}
+
+    def folder(self, name: str) -> Path:
+        """Where model ``name``'s version folders are."""
+        check_name(name)
+        ovms = self._ovms().get(name)
+        return ovms.base_path if ovms else self.root / name
+
+    def _model_folders(self) -> list[Path] | dict[str, Path]:
+        if self.ovms_file is not None:
+            return {name: m.base_path for name, m in self._ovms().items()}
+        return sorted(p for p in self.root.iterdir() if p.is_dir())
 
     def scan(self) -> tuple[list[ModelEntry], list[str]]:
         """Every model version found, and a message per problem (file and what is wrong)."""
@@ -110,27 +166,31 @@ class Repository:
         if not self.root.is_dir():
             return [], [f"{self.root}: model repository folder does not exist"]
         try:
-            folders = sorted(p for p in self.root.iterdir() if p.is_dir())
+            found = self._model_folders()
         except OSError as exc:
             return [], [f"{self.root}: cannot list the model repository ({exc})"]
-        for folder in folders:
-            if folder.name.startswith("."):
+        except InvalidArgument as exc:
+            return [], [str(exc)]
+        named = found.items() if isinstance(found, dict) else [(f.name, f) for f in found]
+        for name, folder in named:
+            if name.startswith("."):
                 continue  # our temporary folders, editors' droppings
             try:
-                check_name(folder.name)
+                check_name(name)
             except InvalidArgument as exc:
                 problems.append(f"{folder}: {exc}")
                 continue
             try:
-                self.read_settings(folder.name)  # its messages name the file
+                settings = self.read_settings(name)  # its messages name the file
             except InvalidArgument as exc:
                 problems.append(str(exc))
                 continue
             try:
-                versions = self._versions(folder, problems)
+                versions = self._versions(folder, problems, settings.model_file)
             except OSError as exc:
                 problems.append(f"{folder}: cannot read this model folder ({exc})")
                 continue
+            versions = settings.policy.select(versions)
             if not versions:
                 if _empty(folder):
                     # a persisted load interrupted before its version was published leaves its
@@ -140,24 +200,16 @@ class Repository:
                 problems.append(f"{folder}: no version folder with a {MODEL_FILE}")
             for version in versions:
                 try:
-                    own = self.read_settings(folder.name, version)
+                    own = self.read_settings(name, version)
                 except InvalidArgument as exc:
                     problems.append(str(exc))
                     continue
-                entries.append(
-                    ModelEntry(
-                        folder.name,
-                        version,
-                        folder / str(version) / MODEL_FILE,
-                        own.device,
-                        own.config,
-                        own.max_batch_size,
-                    )
-                )
+                path = model_in(folder / str(version), own.model_file)
+                entries.append(ModelEntry(name, version, path, own))  # type: ignore[arg-type]
         return entries, problems
 
     @staticmethod
-    def _versions(folder: Path, problems: list[str]) -> list[int]:
+    def _versions(folder: Path, problems: list[str], model_file: str = MODEL_FILE) -> list[int]:
         versions = []
         for sub in sorted(folder.iterdir()):
             if not sub.is_dir() or sub.name.startswith("."):
@@ -168,43 +220,75 @@ class Repository:
                     "(digits, no leading zero)"
                 )
                 continue
-            if not (sub / MODEL_FILE).is_file():
-                problems.append(f"{sub}: no {MODEL_FILE} in this version folder")
+            if model_in(sub, model_file) is None:
+                problems.append(f"{sub}: no {model_file or '.onnx file'} in this version folder")
                 continue
             versions.append(int(sub.name))
         return sorted(versions)
 
     def read_settings(self, name: str, version: int = 0) -> ModelSettings:
         """The model's settings; with ``version``, overridden by that version's own file."""
-        folder = self.root / check_name(name)
-        found = _read_settings_file(folder / CONFIG_FILE)
+        folder = self.folder(name)
+        base = ModelSettings()
+        ovms = self._ovms().get(name)
+        if ovms is not None:
+            base = ModelSettings(ovms.device, dict(ovms.config), policy=ovms.policy, model_file="")
+        elif (folder / TRITON_FILE).is_file():
+            t = read_triton(folder / TRITON_FILE)
+            base = ModelSettings(
+                t.device,
+                t.config,
+                t.max_batch_size,
+                t.dynamic_batching,
+                t.batch_size,
+                t.policy,
+                t.model_file or MODEL_FILE,
+            )
+        found = {} if ovms else _read_settings_file(folder / CONFIG_FILE)
         if version:
             found.update(_read_settings_file(folder / str(version) / CONFIG_FILE))
-        return ModelSettings(
-            found.get("device", ""), found.get("config", {}), found.get("max_batch_size", 0)
+        return dataclasses.replace(
+            base,
+            device=found.get("device", base.device),
+            config={**base.config, **found.get("config", {})},
+            max_batch_size=found.get("max_batch_size", base.max_batch_size),
         )
 
     def model_path(self, name: str, version: int = 0) -> Path:
         """The model file for ``name`` (latest version when 0); NotFound names what is missing."""
-        folder = self.root / check_name(name)
-        if version:
-            path = folder / str(version) / MODEL_FILE
-        else:
-            versions = (
-                sorted(
-                    int(p.name)
-                    for p in folder.iterdir()
-                    if is_version(p.name) and (p / MODEL_FILE).is_file()
-                )
-                if folder.is_dir()
-                else []
+        folder = self.folder(name)
+        if not folder.is_dir():
+            raise NotFound(f"model {name!r} is not in the repository {str(self.root)!r}")
+        model_file = self.read_settings(name).model_file
+        if not version:
+            versions = sorted(
+                int(p.name)
+                for p in folder.iterdir()
+                if is_version(p.name) and model_in(p, model_file) is not None
             )
             if not versions:
                 raise NotFound(f"model {name!r} is not in the repository {str(self.root)!r}")
-            path = folder / str(versions[-1]) / MODEL_FILE
-        if not path.is_file():
+            version = versions[-1]
+        path = model_in(folder / str(version), model_file)
+        if path is None:
             raise NotFound(f"model {name!r} version {version} is not in the repository")
         return path
+
+    def stamp(self, name: str, model: Path) -> tuple:
+        """What a version was loaded from, to see it changed: the model file's and the
+        settings files' sizes and modification times."""
+        folder = self.folder(name)
+        files = [model, folder / TRITON_FILE, folder / CONFIG_FILE, model.parent / CONFIG_FILE]
+        if self.ovms_file is not None:
+            files.append(self.ovms_file)
+        stamps = []
+        for path in files:
+            try:
+                info = path.stat()
+                stamps.append((info.st_size, info.st_mtime_ns))
+            except OSError:
+                stamps.append(None)
+        return tuple(stamps)
 
     def next_version(self, name: str) -> int:
         folder = self.root / check_name(name)
@@ -307,6 +391,22 @@ class Repository:
                 removed.append(leftover)
                 log.warning("model repository: removed %s, left by an interrupted write", leftover)
         return removed
+
+
+def model_in(version_folder: Path, model_file: str) -> Path | None:
+    """The model file of a version folder: ``model_file``, or ("") its one .onnx file."""
+    if model_file:
+        path = version_folder / model_file
+        return path if path.is_file() else None
+    found = sorted(version_folder.glob("*.onnx")) if version_folder.is_dir() else []
+    return found[0] if len(found) == 1 else None
+
+
+def _is_ovms(path: Path) -> bool:
+    try:
+        return OVMS_KEYS in json.loads(path.read_text())
+    except (OSError, ValueError, TypeError):
+        return False
 
 
 def _read_settings_file(path: Path) -> dict[str, Any]:

@@ -30,6 +30,7 @@ Choices where Triton or KServe leave room:
 from __future__ import annotations
 
 import asyncio
+import base64
 import re
 import socket
 import ssl
@@ -272,7 +273,8 @@ class RestApp:
 
     def model_config(self, call: Call) -> Reply:
         entry = self.plane.get(call.path["name"], call.version)
-        return _json(message_json(kserve.model_config(entry)))
+        policy = self.plane.version_policy(entry.name)
+        return _json(message_json(kserve.model_config(entry, policy)))
 
     def statistics(self, call: Call) -> Reply:
         if "name" in call.path:
@@ -288,8 +290,9 @@ class RestApp:
     # --- inference
 
     async def infer(self, call: Call) -> Reply:
-        request = parse_infer(call.body, _text(call.headers.get(HEADER_LENGTH.encode())))
         entry = self.plane.get(call.path["name"], call.version)
+        header_length = _text(call.headers.get(HEADER_LENGTH.encode()))
+        request = parse_infer(call.body, header_length, entry.expect)
         future = self.plane.submit(entry, request.inputs, request.outputs, inline=_fast(entry))
         outputs = await asyncio.wrap_future(future)
         pieces, header_length = encode_infer(entry.name, entry.version, request, outputs)
@@ -320,12 +323,23 @@ class RestApp:
         parameters = call.json().get("parameters", {})
         if not isinstance(parameters, dict):
             raise InvalidInput("'parameters' must be a JSON object")
-        kserve.refuse_overrides(call.path["name"], parameters)
-        await asyncio.to_thread(self.plane.reload, call.path["name"])
+        self.plane.check_control(f"load of model {call.path['name']!r}")
+        files = {}
+        for key, value in parameters.items():  # tritonclient.http sends files as base64
+            if key.startswith("file:"):
+                if not isinstance(value, str):
+                    raise InvalidInput(f"'{key}' must be the file's bytes in base64")
+                try:
+                    files[key] = base64.b64decode(value, validate=True)
+                except ValueError:
+                    raise InvalidInput(f"'{key}' is not valid base64") from None
+        values = {**parameters, **files}
+        await asyncio.to_thread(kserve.load, self.plane, call.path["name"], values)
         return 200, [], []
 
     async def unload(self, call: Call) -> Reply:
         call.json()  # unload_dependents and other parameters: checked as JSON, nothing to do
+        self.plane.check_control(f"unload of model {call.path['name']!r}")
         await asyncio.to_thread(self.plane.unload, call.path["name"], 0, False)
         return 200, [], []
 

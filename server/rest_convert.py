@@ -20,6 +20,7 @@ The REST counterpart of the gRPC converters in ``kserve.py``; it holds no busine
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -35,6 +36,9 @@ from plugserve.proto.tensors import (
     decode_strings,
 )
 from plugserve.server.kserve import DATATYPES, datatype_of, refuse_sequence
+
+#: ``LoadedNetwork.expect``: refuses an input's element type before its data is decoded.
+Expect = Callable[[str, np.dtype], None]
 
 __all__ = [
     "HEADER_LENGTH",
@@ -93,8 +97,9 @@ def _flag(parameters: dict[str, Any], key: str, what: str) -> bool:
     return value
 
 
-def parse_infer(body: bytes, header_length: str | None) -> InferCall:
-    """The infer body as arrays; ``header_length`` is the Inference-Header-Content-Length."""
+def parse_infer(body: bytes, header_length: str | None, expect: Expect) -> InferCall:
+    """The infer body as arrays; ``header_length`` is the Inference-Header-Content-Length;
+    ``expect(name, dtype)`` refuses an input's element type before its data is decoded."""
     view = memoryview(body)
     if header_length is None:
         json_part, binary = view, view[:0]
@@ -120,7 +125,7 @@ def parse_infer(body: bytes, header_length: str | None) -> InferCall:
             raise InvalidInput(f"input {index}: 'name' must be a string")
         if name in inputs:
             raise InvalidInput(f"input {name!r} is given more than once")
-        inputs[name], offset = _input_array(tensor, name, binary, offset)
+        inputs[name], offset = _input_array(tensor, name, binary, offset, expect)
     if offset != len(binary):
         raise InvalidInput(
             f"{len(binary) - offset} bytes of binary data are not claimed by any input's "
@@ -151,7 +156,7 @@ def parse_infer(body: bytes, header_length: str | None) -> InferCall:
 
 
 def _input_array(
-    tensor: dict[str, Any], name: str, binary: memoryview, offset: int
+    tensor: dict[str, Any], name: str, binary: memoryview, offset: int, expect: Expect
 ) -> tuple[np.ndarray, int]:
     """One input and the offset after its binary data."""
     where = f"input {name!r}"
@@ -161,6 +166,7 @@ def _input_array(
         raise InvalidInput(
             f"{where}: datatype {datatype!r} is not supported; use one of {', '.join(DATATYPES)}"
         )
+    expect(name, dtype)
     shape_value = _list(tensor.get("shape"), f"{where}: 'shape'")
     if not all(isinstance(d, int) and not isinstance(d, bool) for d in shape_value):
         raise InvalidInput(f"{where}: shape {shape_value} must be a list of integers")

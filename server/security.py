@@ -225,24 +225,16 @@ def _bearer(metadata: Sequence[tuple[str, Any]] | None) -> str | bytes | None:
     return None
 
 
-def _denied(handler: grpc.RpcMethodHandler | None, code: grpc.StatusCode, message: str):
-    """A handler of the same kind as ``handler`` that refuses the call."""
+def _denied(code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+    """A handler that refuses the call at once. It is client-streaming whatever the method's
+    kind, so grpcio runs it without first waiting for a request message: a caller without a
+    token who sends headers and nothing else holds no thread."""
 
-    def refuse(request_or_iterator: Any, context: grpc.ServicerContext) -> Any:
-        context.abort(code, message)
-
-    def refuse_stream(request_or_iterator: Any, context: grpc.ServicerContext) -> Any:
+    def refuse(requests: Any, context: grpc.ServicerContext) -> Any:
         context.abort(code, message)
         yield  # pragma: no cover - abort raises
 
-    streaming = (handler.request_streaming, handler.response_streaming) if handler else (0, 0)
-    make = {
-        (False, False): grpc.unary_unary_rpc_method_handler,
-        (False, True): grpc.unary_stream_rpc_method_handler,
-        (True, False): grpc.stream_unary_rpc_method_handler,
-        (True, True): grpc.stream_stream_rpc_method_handler,
-    }[bool(streaming[0]), bool(streaming[1])]
-    return make(refuse_stream if streaming[1] else refuse)
+    return grpc.stream_stream_rpc_method_handler(refuse)
 
 
 def _setter_checked(handler: grpc.RpcMethodHandler, method: str, role: str):
@@ -312,7 +304,7 @@ class AuthInterceptor(grpc.ServerInterceptor):
         handler = continuation(handler_call_details)
         code, role = self.authorize(method, handler_call_details.invocation_metadata)
         if code is not None:
-            return _denied(handler, code, role)
+            return _denied(code, role)
         if role == OPEN:
             return handler
         service, _, name = method.lstrip("/").partition("/")

@@ -16,6 +16,7 @@ from plugserve.plugins.api import FailedPrecondition, InvalidArgument, InvalidIn
 from plugserve.proto import plugserve_pb2 as pb
 from plugserve.proto import plugserve_pb2_grpc as pb_grpc
 from plugserve.proto.tensors import (
+    DTYPES,
     Pieces,
     TensorFormatError,
     array_payload,
@@ -202,6 +203,9 @@ class PlugserveServicer(pb_grpc.PlugserveServicer):
     def _submit(self, request: pb.InferRequest, context, inline: bool = False):
         """One lookup: the entry runs the request and names the response."""
         entry = self.plane.get(request.network, request.version)
+        for tensor in request.inputs:  # element types first: nothing decoded for a wrong one
+            if tensor.dtype in DTYPES:
+                entry.expect(tensor.name, DTYPES[tensor.dtype])
         inputs = {t.name: from_tensor(t) for t in request.inputs}
         if len(inputs) != len(request.inputs):  # as KServe: one value per input, never two
             raise InvalidInput(f"input(s) sent more than once: {_repeated(request.inputs)}")

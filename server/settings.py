@@ -14,11 +14,15 @@ from typing import Any
 __all__ = ["Settings"]
 
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+_CONTROL_MODES = ("", "none", "explicit", "poll")
 _LOG_FORMATS = ("text", "json")
 
 
-def _field(default: Any, help: str, flag: str | None = None) -> Any:
-    return dataclasses.field(default=default, metadata={"help": help, "flag": flag})
+def _field(default: Any, help: str, flag: str | None = None, repeat: bool = False) -> Any:
+    """``repeat``: the flag may be given several times; the values are joined with commas."""
+    return dataclasses.field(
+        default=default, metadata={"help": help, "flag": flag, "repeat": repeat}
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +49,22 @@ class Settings:
         "",
         "serve --model-repository as this one model when it is a single .onnx file or a folder "
         "holding one (KServe's storage layout); a repository layout is served as it is",
+    )
+    model_control_mode: str = _field(
+        "",
+        "as Triton: none (load every model at startup; load/unload requests refused), explicit "
+        "(load only --load-model at startup; load/unload by request), poll (load every model, "
+        "then follow the repository's changes every --repository-poll-secs; load/unload "
+        "requests refused); empty: load every model at startup and allow load/unload",
+    )
+    load_model: str = _field(
+        "",
+        "with --model-control-mode explicit: a model to load at startup (repeat the flag or "
+        "separate by commas; '*': every model)",
+        repeat=True,
+    )
+    repository_poll_secs: float = _field(
+        15.0, "with --model-control-mode poll: seconds between two looks at the repository"
     )
     plugins: str = _field("", "JSON file naming the plugins to load and their config")
     default_device: str = _field("NUMPY", "device for models whose config names none")
@@ -98,6 +118,19 @@ class Settings:
         256,
         "largest INFERENCE_NUM_THREADS a load, import or SetConfig may ask for; 0: no limit",
     )
+    max_open_streams: int = _field(
+        0,
+        "streaming gRPC calls open at once, server-wide; the rest of the --grpc-workers threads "
+        "stay for unary calls (0: half of --grpc-workers)",
+    )
+    request_read_timeout: float = _field(
+        30.0, "seconds a gRPC call may take to send its request message before it is cancelled"
+    )
+    stream_idle_timeout: float = _field(
+        300.0,
+        "seconds a gRPC stream (or connection) may stay without a message before it is closed "
+        "(0: never)",
+    )
     max_streams_per_connection: int = _field(
         0, "concurrent gRPC streams per client connection (0: gRPC's default)"
     )
@@ -125,6 +158,10 @@ class Settings:
             ("max_batch_size", 0, None),
             ("max_inference_threads", 0, None),
             ("max_streams_per_connection", 0, 2**31 - 1),
+            ("max_open_streams", 0, None),
+            ("request_read_timeout", 0.1, None),
+            ("stream_idle_timeout", 0, None),
+            ("repository_poll_secs", 0.1, None),
             ("malloc_reuse_bytes", 0, 32 << 20),
         ):
             value = getattr(self, name)
@@ -136,6 +173,13 @@ class Settings:
         for name in ("exit_on_error", "reuse_grpc_port"):
             if getattr(self, name) not in (0, 1):
                 found.append(f"{name}={getattr(self, name)!r} must be 0 or 1")
+        if self.model_control_mode not in _CONTROL_MODES:
+            found.append(
+                f"model_control_mode={self.model_control_mode!r} must be one of "
+                "none, explicit, poll (or empty)"
+            )
+        if self.load_model and self.model_control_mode != "explicit":
+            found.append(f"load_model={self.load_model!r} needs --model-control-mode explicit")
         if self.log_format not in _LOG_FORMATS:
             found.append(f"log_format={self.log_format!r} must be one of {', '.join(_LOG_FORMATS)}")
         if self.log_level.upper() not in _LOG_LEVELS:
@@ -159,6 +203,7 @@ class Settings:
                 dest=f.name,
                 default=None,
                 type=type(f.default),
+                action="append" if f.metadata["repeat"] else "store",
                 help=f"{f.metadata['help']} (env {cls.env_name(f.name)}, default {f.default!r})",
             )
 
@@ -171,6 +216,8 @@ class Settings:
         sources: dict[str, str] = {}
         for f in dataclasses.fields(cls):
             raw = getattr(args, f.name, None) if args is not None else None
+            if isinstance(raw, list):  # a repeated flag
+                raw = ",".join(raw)
             if raw is not None:
                 sources[f.name] = cls.flag(f.name)
             elif cls.env_name(f.name) in environ:

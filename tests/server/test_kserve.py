@@ -561,9 +561,13 @@ def test_load_errors(client):
         client.load_model("../etc")
     assert _status(info) == "StatusCode.INVALID_ARGUMENT"
     with pytest.raises(InferenceServerException) as info:
-        client.load_model("mlp", config='{"max_batch_size": 8}')
-    assert _status(info) == "StatusCode.UNIMPLEMENTED"
-    assert "overrides" in info.value.message()
+        client.load_model("mlp", config='{"max_batch_size": "eight"}')
+    assert _status(info) == "StatusCode.INVALID_ARGUMENT"
+    assert "'config' override" in info.value.message()
+    with pytest.raises(InferenceServerException) as info:  # files only inside the model
+        client.load_model("mlp", config="{}", files={"file:1/../../x.onnx": b"x"})
+    assert _status(info) == "StatusCode.INVALID_ARGUMENT"
+    assert "plain file name" in info.value.message()
     assert client.is_model_ready("mlp") is True
 
 

@@ -1,0 +1,300 @@
+"""Triton's ``config.pbtxt`` and OpenVINO Model Server's ``config.json``, read into the settings
+plugserve's repository uses, so a Triton or OVMS model repository is served as it is.
+
+Each is read with its own format's parser (protobuf's text format into the ``ModelConfig`` of
+``proto/model_config.proto``; JSON for OVMS) and mapped field by field. A field plugserve does
+not act on is logged by name once, at load, never dropped silently.
+
+Triton -> plugserve:
+
+==========================================  =================================================
+``platform`` / ``backend``                  onnxruntime_onnx, onnxruntime -> ORT; openvino ->
+                                            OPENVINO; empty -> the server's default device
+``max_batch_size``                          requests with more rows are INVALID_ARGUMENT;
+                                            ModelConfig reports it
+``dynamic_batching``                        BATCH:<device>(n): n is the largest preferred
+                                            size (else max_batch_size);
+                                            ``max_queue_delay_microseconds`` -> BATCH_TIMEOUT_MS
+``instance_group``                          the counts summed -> NUM_STREAMS
+``version_policy``                          which versions load (Triton's default: latest 1)
+``default_model_filename``                  the model file in each version folder
+``parameters``                              UPPER_CASE keys are device config keys (OpenVINO's
+                                            NUM_STREAMS, PERFORMANCE_HINT...); others logged
+``name``, ``input``, ``output``             the folder names the model; the model's own
+                                            inputs and outputs are served
+==========================================  =================================================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from google.protobuf import json_format, text_format
+
+from plugserve.plugins.api import InvalidArgument
+from plugserve.proto import model_config_pb2 as mc
+
+__all__ = [
+    "OVMS_KEYS",
+    "TRITON_FILE",
+    "VersionPolicy",
+    "read_ovms",
+    "read_triton",
+    "write_overrides",
+]
+
+log = logging.getLogger(__name__)
+
+TRITON_FILE = "config.pbtxt"
+
+_DEVICES = {
+    "onnxruntime_onnx": "ORT",
+    "onnxruntime": "ORT",
+    "openvino": "OPENVINO",
+}
+_ACTED_ON = {
+    "name",
+    "platform",
+    "backend",
+    "max_batch_size",
+    "input",
+    "output",
+    "dynamic_batching",
+    "instance_group",
+    "version_policy",
+    "default_model_filename",
+    "parameters",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class VersionPolicy:
+    """Which of a model's versions load: ``all``, the ``latest`` n, or ``specific`` ones."""
+
+    kind: str = "all"
+    count: int = 0
+    versions: tuple[int, ...] = ()
+
+    def select(self, found: list[int]) -> list[int]:
+        if self.kind == "latest":
+            return sorted(found)[-self.count :] if self.count else []
+        if self.kind == "specific":
+            return sorted(v for v in found if v in self.versions)
+        return sorted(found)
+
+    def to_proto(self, message: mc.ModelVersionPolicy) -> None:
+        if self.kind == "latest":
+            message.latest.num_versions = self.count
+        elif self.kind == "specific":
+            message.specific.versions.extend(self.versions)
+        else:
+            message.all.SetInParent()
+
+
+@dataclasses.dataclass
+class TritonSettings:
+    device: str = ""
+    config: dict[str, str] = dataclasses.field(default_factory=dict)
+    max_batch_size: int = 0
+    dynamic_batching: bool = False
+    batch_size: int = 0
+    policy: VersionPolicy = VersionPolicy("latest", 1)
+    model_file: str = ""
+
+
+def read_triton(path: Path) -> TritonSettings:
+    """``path``: a model folder's config.pbtxt. Errors name the file and the line. Read once
+    per content (what is not acted on is logged once, not at every lookup)."""
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidArgument(f"{path}: not a Triton model configuration ({exc})") from None
+    return dataclasses.replace(_parse_triton(str(path), text))  # a copy: callers may edit it
+
+
+@functools.lru_cache(maxsize=256)
+def _parse_triton(where: str, text: str) -> TritonSettings:
+    path = Path(where)
+    try:
+        config = text_format.Parse(text, mc.ModelConfig())
+    except text_format.ParseError as exc:
+        raise InvalidArgument(f"{path}: not a Triton model configuration ({exc})") from None
+    out = TritonSettings()
+    ignored = [field.name for field, _ in config.ListFields() if field.name not in _ACTED_ON]
+    kind = config.backend or config.platform
+    if kind:
+        if kind not in _DEVICES:
+            raise InvalidArgument(
+                f"{path}: platform/backend {kind!r} is not served here; use one of "
+                f"{', '.join(sorted(_DEVICES))} (or none: the server's default device)"
+            )
+        out.device = _DEVICES[kind]
+    if config.max_batch_size < 0:
+        raise InvalidArgument(f"{path}: max_batch_size must be >= 0")
+    out.max_batch_size = config.max_batch_size
+    if config.HasField("dynamic_batching"):
+        batching = config.dynamic_batching
+        if config.max_batch_size <= 0:
+            raise InvalidArgument(f"{path}: dynamic_batching needs max_batch_size > 0")
+        out.dynamic_batching = True
+        preferred = list(batching.preferred_batch_size)
+        if preferred:
+            if max(preferred) > config.max_batch_size:
+                raise InvalidArgument(
+                    f"{path}: preferred_batch_size {max(preferred)} is over max_batch_size "
+                    f"{config.max_batch_size}"
+                )
+            out.batch_size = max(preferred)
+            if len(preferred) > 1:
+                log.warning(
+                    "%s: dynamic_batching gathers up to %d rows (the largest preferred size); "
+                    "the other preferred sizes are not used",
+                    path,
+                    max(preferred),
+                )
+        if batching.max_queue_delay_microseconds:
+            out.config["BATCH_TIMEOUT_MS"] = str(batching.max_queue_delay_microseconds / 1000)
+        used = {"preferred_batch_size", "max_queue_delay_microseconds"}
+        extra = [f.name for f, _ in batching.ListFields() if f.name not in used]
+        ignored += [f"dynamic_batching.{n}" for n in extra]
+    streams = 0
+    for group in config.instance_group:
+        if group.kind not in (mc.ModelInstanceGroup.KIND_AUTO, mc.ModelInstanceGroup.KIND_CPU):
+            ignored.append(f"instance_group kind {mc.ModelInstanceGroup.Kind.Name(group.kind)}")
+        streams += group.count or 1
+    if streams:
+        out.config["NUM_STREAMS"] = str(streams)
+    out.policy = policy_of(config.version_policy, path)
+    out.model_file = config.default_model_filename
+    for key, value in config.parameters.items():
+        if key.isupper():
+            out.config[key] = value.string_value
+        else:
+            ignored.append(f"parameters[{key!r}]")
+    if ignored:
+        log.warning("%s: not acted on: %s", path, ", ".join(ignored))
+    return out
+
+
+def policy_of(message: mc.ModelVersionPolicy, where: Path) -> VersionPolicy:
+    choice = message.WhichOneof("policy_choice")
+    if choice == "all":
+        return VersionPolicy("all")
+    if choice == "specific":
+        return VersionPolicy("specific", 0, tuple(sorted(set(message.specific.versions))))
+    if choice == "latest":
+        if message.latest.num_versions < 1:
+            raise InvalidArgument(f"{where}: version_policy latest needs num_versions >= 1")
+        return VersionPolicy("latest", message.latest.num_versions)
+    return VersionPolicy("latest", 1)  # Triton's default
+
+
+# --------------------------------------------------------------------------- OVMS
+
+#: What a ``config.json`` of OpenVINO Model Server names a model with.
+OVMS_KEYS = "model_config_list"
+_OVMS_ACTED_ON = {"name", "base_path", "model_version_policy", "plugin_config", "target_device"}
+
+
+@dataclasses.dataclass
+class OvmsModel:
+    name: str
+    base_path: Path
+    device: str
+    config: dict[str, str]
+    policy: VersionPolicy
+
+
+def read_ovms(path: Path) -> list[OvmsModel]:
+    """An OVMS ``config.json``: each model of ``model_config_list``. ``base_path`` is read
+    relative to the file's folder; ``target_device`` CPU (OVMS's default) is OPENVINO."""
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise InvalidArgument(f"{path}: not valid JSON ({exc})") from None
+    items = raw.get(OVMS_KEYS) if isinstance(raw, dict) else None
+    if not isinstance(items, list):
+        raise InvalidArgument(f"{path}: expected an object with a '{OVMS_KEYS}' list")
+    ignored_top = [k for k in raw if k != OVMS_KEYS]
+    if ignored_top:
+        log.warning("%s: not acted on: %s", path, ", ".join(ignored_top))
+    models = []
+    for index, item in enumerate(items):
+        where = f"{path}: {OVMS_KEYS}[{index}]"
+        config = item.get("config") if isinstance(item, dict) else None
+        if not isinstance(config, dict) or not isinstance(config.get("name"), str):
+            raise InvalidArgument(f"{where}: expected {{'config': {{'name': ..., ...}}}}")
+        if not isinstance(config.get("base_path"), str):
+            raise InvalidArgument(f"{where}: 'base_path' must name the model's folder")
+        device = config.get("target_device", "CPU")
+        if device != "CPU":
+            log.warning("%s: target_device %r: served on OPENVINO's CPU", where, device)
+        plugin = config.get("plugin_config", {})
+        if not isinstance(plugin, dict):
+            raise InvalidArgument(f"{where}: 'plugin_config' must be an object")
+        ignored = [k for k in config if k not in _OVMS_ACTED_ON]
+        if ignored:
+            log.warning("%s (%s): not acted on: %s", path, config["name"], ", ".join(ignored))
+        models.append(
+            OvmsModel(
+                config["name"],
+                (path.parent / config["base_path"]).resolve(),
+                "OPENVINO",
+                {k: str(v) for k, v in plugin.items()},
+                _ovms_policy(config.get("model_version_policy"), where),
+            )
+        )
+    return models
+
+
+def _ovms_policy(raw: Any, where: str) -> VersionPolicy:
+    if raw is None:
+        return VersionPolicy("latest", 1)  # OVMS's default
+    if isinstance(raw, dict) and len(raw) == 1:
+        ((kind, value),) = raw.items()
+        if kind == "all":
+            return VersionPolicy("all")
+        if kind == "latest" and isinstance(value, dict):
+            return VersionPolicy("latest", int(value.get("num_versions", 1)))
+        if kind == "specific" and isinstance(value, dict):
+            return VersionPolicy("specific", 0, tuple(sorted(int(v) for v in value["versions"])))
+    raise InvalidArgument(
+        f"{where}: model_version_policy {raw!r}: expected {{'all': {{}}}}, "
+        "{'latest': {'num_versions': N}} or {'specific': {'versions': [...]}}"
+    )
+
+
+# --------------------------------------------------------------------------- load overrides
+
+
+def write_overrides(folder: Path, name: str, config: str | None, files: dict[str, bytes]) -> None:
+    """A model folder from Triton's load overrides: ``config`` (ModelConfig JSON) as its
+    config.pbtxt, each ``<version>/<file name>`` written inside ``folder`` and nowhere else."""
+    if config is not None:
+        try:
+            message = json_format.Parse(config, mc.ModelConfig())
+        except (json_format.ParseError, ValueError) as exc:
+            raise InvalidArgument(f"model {name!r}: the 'config' override: {exc}") from None
+        (folder / TRITON_FILE).write_text(text_format.MessageToString(message))
+    for key, data in files.items():
+        version, _, file_name = key.partition("/")
+        if (
+            not version.isdigit()
+            or version.startswith("0")
+            or not file_name
+            or "/" in file_name
+            or "\\" in file_name
+            or file_name in (".", "..")
+            or file_name.startswith(".")
+        ):
+            raise InvalidArgument(
+                f"model {name!r}: override 'file:{key}': expected file:<version>/<file name>, "
+                "a version number and a plain file name (no folders)"
+            )
+        (folder / version).mkdir(exist_ok=True)
+        (folder / version / file_name).write_bytes(data)

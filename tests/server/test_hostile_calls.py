@@ -1,0 +1,326 @@
+"""Hostile calls (issue 13, items 1 and 2): calls held open without a message, wrong-typed
+tensors that would be expensive to decode, and streams whose responses are never read.
+
+Each test does what the attacker did against a real server process on 127.0.0.1, with raw
+gRPC calls where no client library would send such traffic, and asserts the bound: the right
+status, other clients served within seconds, memory (VmHWM from /proc) bounded.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import re
+import struct
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+import onnx
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from onnx import TensorProto, helper
+from serving import RunningServer
+
+from plugserve.client import Client
+from plugserve.proto import plugserve_pb2 as pb
+from plugserve.server.examples import build_examples
+
+MB = 1 << 20
+TOKEN = "infer-token-0123456789abcdef"
+ADMIN = "admin-token-0123456789abcdef"
+WORKERS = 16
+A = np.array([1, 2], np.float32)
+KSERVE = "/inference.GRPCInferenceService/"
+
+
+def proc_status(pid: int, key: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    raise KeyError(key)
+
+
+def fanout() -> onnx.ModelProto:
+    """x [1] -> y [1M]: a 4-byte request with a 4 MB response."""
+    shape = helper.make_tensor("shape", TensorProto.INT64, [1], [1 << 20])
+    graph = helper.make_graph(
+        [helper.make_node("Expand", ["x", "shape"], ["y"])],
+        "fanout",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1 << 20])],
+        [shape],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _serve(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hostile")
+    repo = build_examples(root / "repo")
+    (repo / "fanout" / "1").mkdir(parents=True)
+    onnx.save(fanout(), str(repo / "fanout" / "1" / "model.onnx"))
+    tokens = root / "tokens.txt"
+    tokens.write_text(f"{TOKEN} infer\n{ADMIN} admin\n")
+    tokens.chmod(0o600)
+    args = ["--model-repository", str(repo), "--auth-tokens", str(tokens)]
+    args += ["--grpc-workers", str(WORKERS), "--health-port", "0"]
+    return RunningServer(*args, "--request-read-timeout", "5")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with _serve(tmp_path_factory) as running:
+        yield running
+
+
+@pytest.fixture
+def fresh(tmp_path_factory):
+    """A server of its own, so its peak memory (VmHWM) is this test's alone."""
+    with _serve(tmp_path_factory) as running:
+        yield running
+
+
+def auth(token: str = TOKEN) -> list[tuple[str, str]]:
+    return [("authorization", f"Bearer {token}")]
+
+
+def served_soon(server: RunningServer, within: float = 10.0) -> None:
+    """Another, well-behaved client gets a right answer within ``within`` seconds."""
+    assert server.process.poll() is None, server.log
+    with Client(server.target, timeout=within, token=TOKEN) as client:
+        np.testing.assert_allclose(client.infer("add", {"a": A, "b": A})["sum"], A + A)
+    with grpc.insecure_channel(server.target) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(), timeout=within
+        )
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+class Silent:
+    """Calls that send headers and never a message, held until :meth:`close`."""
+
+    def __init__(self, target: str) -> None:
+        self.channel = grpc.insecure_channel(target)
+        self.quiet = threading.Event()
+        self.calls: list = []
+
+    def _nothing(self):
+        self.quiet.wait()
+        return
+        yield  # pragma: no cover - a generator that never yields
+
+    def open(self, method: str, count: int, metadata=None, streaming: bool = False) -> None:
+        if streaming:
+            call = self.channel.stream_stream(method)
+            for _ in range(count):
+                self.calls.append(call(self._nothing(), metadata=metadata))
+        else:
+            call = self.channel.stream_unary(method)
+            for _ in range(count):
+                self.calls.append(call.future(self._nothing(), metadata=metadata))
+
+    def codes(self, timeout: float = 30) -> list[grpc.StatusCode | None]:
+        """Each call's status once it ended (None: still open after ``timeout``)."""
+        end = time.monotonic() + timeout
+        codes = []
+        for call in self.calls:
+            while not call.done() and time.monotonic() < end:  # code() would block
+                time.sleep(0.05)
+            codes.append(call.code() if call.done() else None)
+        return codes
+
+    def close(self) -> None:
+        self.quiet.set()
+        for call in self.calls:
+            call.cancel()
+        self.channel.close()
+
+
+@pytest.fixture
+def silent(server):
+    calls = Silent(server.target)
+    yield calls
+    calls.close()
+
+
+def test_calls_without_a_token_hold_no_thread(server, silent):
+    """Four times the pool of unary and streaming calls, no token, no message: each is refused
+    UNAUTHENTICATED at once, and everyone else is served."""
+    silent.open(KSERVE + "ModelInfer", 2 * WORKERS)
+    silent.open(KSERVE + "ModelStreamInfer", 2 * WORKERS, streaming=True)
+    served_soon(server)
+    assert set(silent.codes()) == {grpc.StatusCode.UNAUTHENTICATED}
+
+
+def test_idle_streams_are_capped_and_leave_threads_for_unary_calls(server, silent):
+    """An infer token opens more idle streams than there are threads: half the pool at most
+    is theirs (RESOURCE_EXHAUSTED beyond), unary calls and health are still answered."""
+    silent.open(KSERVE + "ModelStreamInfer", WORKERS + 4, metadata=auth(), streaming=True)
+    served_soon(server)
+    time.sleep(1)
+    codes = [c for c in silent.codes(timeout=2) if c is not None]
+    assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 4 + WORKERS // 2, codes
+    refused = [c for c in silent.calls if c.done() and c.code() != grpc.StatusCode.CANCELLED]
+    assert "--max-open-streams" in refused[0].details()
+
+
+def test_unary_calls_that_never_send_their_message_are_evicted(server, silent):
+    """As many silent unary calls as the pool has threads: the ones waiting longest make room
+    for real clients; the rest are refused or cancelled, never served."""
+    silent.open(KSERVE + "ModelInfer", WORKERS, metadata=auth())
+    time.sleep(1.5)  # they have waited longer than a real client's message ever takes
+    served_soon(server)
+    served_soon(server)
+    assert server.process.poll() is None
+
+
+def test_a_silent_unary_call_is_cancelled_after_the_read_timeout(server, silent):
+    silent.open(KSERVE + "ModelInfer", 1, metadata=auth())
+    [code] = silent.codes(timeout=40)  # --request-read-timeout 5, the watchdog checks each second
+    assert code == grpc.StatusCode.CANCELLED
+
+
+def test_idle_calls_on_the_plaintext_health_port_leave_probes_answered(server, silent):
+    [port] = re.findall(r"health \(plaintext, health service only\): [\d.]+:(\d+)", server.log)
+    target = f"127.0.0.1:{port}"
+    held = Silent(target)
+    try:
+        held.open("/grpc.health.v1.Health/Check", 4)
+        held.open("/grpc.health.v1.Health/Watch", 2, streaming=True)
+        time.sleep(1.5)
+        for _ in range(3):
+            with grpc.insecure_channel(target) as channel:
+                reply = health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(), timeout=10
+                )
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        held.close()
+
+
+# --------------------------------------------------------------------------- item 2
+
+
+def _kserve_request(model: str, name: str, datatype: str, count: int, raw: bytes) -> bytes:
+    """A ModelInferRequest, serialized with tritonclient's protobuf classes."""
+    from tritonclient.grpc import service_pb2
+
+    request = service_pb2.ModelInferRequest(model_name=model)
+    request.inputs.add(name=name, datatype=datatype, shape=[count])
+    request.raw_input_contents.append(raw)
+    return request.SerializeToString()
+
+
+def _peak_growth(server: RunningServer, send) -> int:
+    """How far the server's peak RSS rose (bytes) while ``send()`` ran."""
+    before = proc_status(server.process.pid, "VmRSS")
+    peak_before = proc_status(server.process.pid, "VmHWM")
+    send()
+    return (proc_status(server.process.pid, "VmHWM") - max(before, peak_before)) * 1024
+
+
+STRINGS = 12 << 20  # 12M two-letter strings: 72 MB on the wire, ~800 MB as Python objects
+PAYLOAD = b"\2\0\0\0ab" * STRINGS
+
+
+def _grpc_bytes(server, model: str, name: str) -> grpc.RpcError:
+    body = _kserve_request(model, name, "BYTES", STRINGS, PAYLOAD)
+    options = [("grpc.max_send_message_length", 256 * MB)]
+    with grpc.insecure_channel(server.target, options=options) as channel:
+        call = channel.unary_unary(KSERVE + "ModelInfer")
+        with pytest.raises(grpc.RpcError) as info:
+            call(body, metadata=auth(), timeout=60)
+    return info.value
+
+
+def test_bytes_sent_to_a_float_input_are_refused_before_decoding(fresh):
+    errors = []
+    growth = _peak_growth(fresh, lambda: errors.append(_grpc_bytes(fresh, "add", "a")))
+    assert errors[0].code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "element type object, expected float32" in errors[0].details()
+    assert growth < 400 * MB, growth  # the 64 MB message and its copies; decoding was ~1 GB
+    served_soon(fresh)
+
+
+def test_too_many_strings_for_a_string_input_are_refused_before_decoding(fresh):
+    errors = []
+    growth = _peak_growth(fresh, lambda: errors.append(_grpc_bytes(fresh, "echo", "text")))
+    assert errors[0].code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "split the batch" in errors[0].details()
+    assert growth < 400 * MB, growth
+    served_soon(fresh)
+
+
+def test_rest_and_plugserve_v1_refuse_wrong_typed_data_before_decoding(fresh):
+    header = json.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "a",
+                    "shape": [STRINGS],
+                    "datatype": "BYTES",
+                    "parameters": {"binary_data_size": len(PAYLOAD)},
+                }
+            ]
+        }
+    ).encode()
+
+    def rest() -> None:
+        connection = http.client.HTTPConnection("127.0.0.1", fresh.http_port, timeout=60)
+        headers = {
+            "Inference-Header-Content-Length": str(len(header)),
+            "Authorization": f"Bearer {TOKEN}",
+        }
+        connection.request("POST", "/v2/models/add/infer", header + PAYLOAD, headers)
+        response = connection.getresponse()
+        errors.append((response.status, json.loads(response.read())["error"]))
+        connection.close()
+
+    errors: list = []
+    growth = _peak_growth(fresh, rest)
+    assert errors[0][0] == 400 and "expected float32" in errors[0][1], errors
+    assert growth < 400 * MB, growth
+
+    request = pb.InferRequest(network="add")
+    request.inputs.add(name="a", dtype="string", shape=[STRINGS], data=PAYLOAD)
+    options = [("grpc.max_send_message_length", 256 * MB)]
+
+    def plugserve_v1() -> None:
+        with grpc.insecure_channel(fresh.target, options=options) as channel:
+            call = channel.unary_unary("/plugserve.v1.Plugserve/Infer")
+            with pytest.raises(grpc.RpcError) as info:
+                call(request.SerializeToString(), metadata=auth(), timeout=60)
+        errors.append(info.value)
+
+    growth = _peak_growth(fresh, plugserve_v1)
+    assert errors[1].code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "expected float32" in errors[1].details()
+    assert growth < 400 * MB, growth
+    served_soon(fresh)
+
+
+def test_a_stream_whose_responses_are_never_read_is_bounded(fresh):
+    """1,200 requests for 4 MB responses on one stream, none read: the server stops reading
+    the stream's requests after its window (64 responses or 64 MB), so its memory stays near
+    that, not 4.8 GB; after the client cancels, other clients are served."""
+    from tritonclient.grpc import service_pb2
+
+    request = service_pb2.ModelInferRequest(model_name="fanout")
+    request.inputs.add(name="x", datatype="FP32", shape=[1])
+    request.raw_input_contents.append(struct.pack("<f", 1.0))
+    body = request.SerializeToString()
+
+    def requests():
+        for _ in range(1200):
+            yield body
+
+    start = proc_status(fresh.process.pid, "VmRSS")
+    with grpc.insecure_channel(fresh.target) as channel:
+        call = channel.stream_stream(KSERVE + "ModelStreamInfer")(requests(), metadata=auth())
+        time.sleep(8)  # the server reads, computes and tries to send; nobody reads
+        rss = proc_status(fresh.process.pid, "VmHWM")
+        call.cancel()
+    assert (rss - start) * 1024 < 600 * MB, (rss - start) >> 10
+    served_soon(fresh)
