@@ -84,12 +84,23 @@ def inputs(rng, n: int = 40) -> np.ndarray:
     return x
 
 
-def model(op, attrs, outputs, ml_opset=3) -> bytes:
+def as_tensors(attrs: dict, names: list[str]) -> None:
+    """Replace float-list attributes by their ``*_as_tensor`` double forms (ai.onnx.ml 3)."""
+    for name in names:
+        if name in attrs:
+            values = attrs.pop(name)
+            attrs[f"{name}_as_tensor"] = helper.make_tensor(
+                name, TensorProto.DOUBLE, [len(values)], values
+            )
+
+
+def model(op, attrs, outputs, ml_opset=3, dtype=np.float32) -> bytes:
     node = helper.make_node(op, ["x"], [name for name, _ in outputs], domain=ML, **attrs)
+    x_type = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
     graph = helper.make_graph(
         [node],
         op,
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, FEATURES])],
+        [helper.make_tensor_value_info("x", x_type, [None, FEATURES])],
         [
             helper.make_tensor_value_info(name, t, ["?"] * (1 if t != TensorProto.FLOAT else 2))
             for name, t in outputs
@@ -139,8 +150,12 @@ def test_regressors(core, post) -> None:
         if base:
             attrs["base_values"] = rng.uniform(-1, 1, size=base).astype(np.float32).tolist()
         attrs.update(n_targets=n_targets, aggregate_function=aggregate, post_transform=post)
-        data = model("TreeEnsembleRegressor", attrs, [("y", TensorProto.FLOAT)])
         x = inputs(rng)
+        ml_opset = 1 if case % 5 == 0 else 3
+        if case % 6 == 1:  # opset 3's double attributes, on double inputs
+            as_tensors(attrs, ["nodes_values", "target_weights", "base_values"])
+            x = x.astype(np.float64)
+        data = model("TreeEnsembleRegressor", attrs, [("y", TensorProto.FLOAT)], ml_opset, x.dtype)
         if post == "PROBIT":  # defined on (0, 1): squash the features away from the splits
             x = np.nan_to_num(x)
         found = differences(core, data, x)
@@ -174,6 +189,7 @@ def test_classifiers(core, labels, post) -> None:
             "TreeEnsembleClassifier",
             attrs,
             [("label", label_type), ("scores", TensorProto.FLOAT)],
+            ml_opset=1 if case % 5 == 0 else 3,
         )
         if post == "PROBIT" and len(labels) == 2 and not set(targets) >= {1}:
             continue  # onnxruntime writes one probit per row and leaves the other slot unset
