@@ -354,7 +354,7 @@ def test_element_wise_transforms(core) -> None:
                     node_model(
                         "Normalizer", [("x", kind, [None, 3])], [("y", F, [None, 3])], norm=norm
                     ),
-                    {"x": (x + 5).astype(array)},
+                    {"x": np.vstack([x, -x - 1, np.zeros(3)]).astype(array)},
                 )
             )
     nan = np.array([[1.0, np.nan, 3.0], [np.nan, 2.0, -1.0]], np.float32)

@@ -143,20 +143,21 @@ def scaler(ctx: KernelContext):
 
 @register("Normalizer", 1, domain=_ML)
 def normalizer(ctx: KernelContext):
+    """Each row divided by its max, L1 or L2 norm; a row whose norm is 0 stays as it is (all
+    zeros for L1/L2), as onnxruntime leaves it (a text pipeline's empty document)."""
     norm = ctx.attr("norm", "MAX")
     if norm not in ("MAX", "L1", "L2"):
         raise ctx.unsupported(f"norm {norm!r}")
 
     def run(x):
-        x = x.astype(np.float32, copy=False)
+        x = x.astype(np.float32)
         if norm == "MAX":
             d = np.max(x, axis=-1, keepdims=True)
         elif norm == "L1":
             d = np.sum(np.abs(x), axis=-1, keepdims=True)
         else:
             d = np.sqrt(np.sum(x * x, axis=-1, keepdims=True))
-        with np.errstate(divide="ignore", invalid="ignore"):
-            return (x / d).astype(np.float32)
+        return np.divide(x, d, out=x, where=d != 0)
 
     return run
 
