@@ -15,6 +15,7 @@ import numpy as np
 from plugserve.plugins.numpy.kernels.ml_scores import (
     LOGISTIC,
     PROBIT,
+    class_labels,
     post_transform_of,
     probit,
     transform,
@@ -22,13 +23,6 @@ from plugserve.plugins.numpy.kernels.ml_scores import (
 from plugserve.plugins.numpy.kernels.registry import KernelContext, register
 
 _ML = "ai.onnx.ml"
-
-
-def _labels(ctx: KernelContext, ints: str, strings: str) -> np.ndarray:
-    """The class labels as an array (int64, or object for strings)."""
-    if ctx.has_attr(strings) and len(ctx.attr(strings)):
-        return np.array(list(ctx.attr(strings)), dtype=object)
-    return np.asarray(list(ctx.attr(ints, [])), dtype=np.int64)
 
 
 def _rows(x: np.ndarray) -> np.ndarray:
@@ -43,7 +37,7 @@ def linear_classifier(ctx: KernelContext):
     "1"); with two labels the scores become [1 - s, s] (LOGISTIC: [sigmoid(-s), sigmoid(s)],
     other transforms are not applied), and otherwise the one column takes no post-transform
     but PROBIT: onnxruntime's conventions."""
-    labels = _labels(ctx, "classlabels_ints", "classlabels_strings")
+    labels = class_labels(ctx, "classlabels_ints")
     post = post_transform_of(ctx)
     intercepts = ctx.attr("intercepts", None)
     columns = len(intercepts) if intercepts else 1
@@ -125,7 +119,7 @@ def svm_classifier(ctx: KernelContext):
     the pairwise decisions become probabilities by Platt scaling and libsvm's pairwise coupling,
     solved for all rows at once. Without probabilities the scores are the pairwise decisions
     (two classes: [-d, d], or [1 - d, d] under a post_transform, as onnxruntime writes them)."""
-    labels = _labels(ctx, "classlabels_ints", "classlabels_strings")
+    labels = class_labels(ctx, "classlabels_ints")
     if labels.size < 2:
         raise ctx.unsupported("an SVM classifier needs at least two class labels")
     post = post_transform_of(ctx)
@@ -248,7 +242,7 @@ def _couple(decision, prob_a, prob_b, first, second, k):
 @register("ZipMap", 1, domain=_ML)
 def zipmap(ctx: KernelContext):
     """Scores as a list of ``{label: score}`` per row (a sequence of maps)."""
-    labels = _labels(ctx, "classlabels_int64s", "classlabels_strings").tolist()
+    labels = class_labels(ctx, "classlabels_int64s").tolist()
 
     def run(x):
         x2 = np.asarray(x, dtype=np.float32).reshape(-1, len(labels))

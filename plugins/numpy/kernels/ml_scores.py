@@ -1,4 +1,5 @@
-"""Score post-transforms shared by the ai.onnx.ml classifiers and regressors.
+"""What the ai.onnx.ml classifiers and regressors share: class labels and score
+post-transforms.
 
 The spec names the transforms; their numerics follow onnxruntime, the runtime every converter
 (skl2onnx, onnxmltools) is tested against: PROBIT is Winitzki's closed-form inverse error
@@ -21,6 +22,14 @@ POST_TRANSFORMS = {
     "SOFTMAX_ZERO": SOFTMAX_ZERO,
     "PROBIT": PROBIT,
 }
+
+
+def class_labels(ctx: KernelContext, ints: str) -> np.ndarray:
+    """The node's class labels: ``classlabels_strings`` as an object array, else ``ints``."""
+    strings = list(ctx.attr("classlabels_strings", []) or [])
+    if strings:
+        return np.array([s.decode() if isinstance(s, bytes) else s for s in strings], object)
+    return np.asarray(list(ctx.attr(ints, []) or []), dtype=np.int64)
 
 
 def post_transform_of(ctx: KernelContext) -> int:

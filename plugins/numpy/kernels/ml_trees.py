@@ -19,6 +19,7 @@ import numpy as np
 from plugserve.plugins.numpy.kernels.ml_scores import (
     LOGISTIC,
     PROBIT,
+    class_labels,
     post_transform_of,
     probit,
     transform,
@@ -347,16 +348,9 @@ def tree_ensemble(ctx: KernelContext):
     return run
 
 
-def _labels(ctx: KernelContext) -> np.ndarray:
-    strings = list(ctx.attr("classlabels_strings", []) or [])
-    if strings:
-        return np.array([s.decode() if isinstance(s, bytes) else s for s in strings], object)
-    return np.asarray(list(ctx.attr("classlabels_int64s", []) or []), dtype=np.int64)
-
-
 @register("TreeEnsembleClassifier", 1, 3, 5, domain=_ML, multi_output=True)
 def tree_ensemble_classifier(ctx: KernelContext):
-    labels = _labels(ctx)
+    labels = class_labels(ctx, "classlabels_int64s")
     if labels.size < 2:
         raise ctx.unsupported("a tree classifier needs at least two class labels")
     post = post_transform_of(ctx)
