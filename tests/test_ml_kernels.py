@@ -561,3 +561,30 @@ def test_tokenizer(core, attrs, texts) -> None:
         **attrs,
     )
     assert difference(core, flat, {"x": np.array(texts[0], dtype=object)}) is None
+
+
+def test_an_empty_batch(core) -> None:
+    """Zero rows give zero-row outputs, as in onnxruntime."""
+    rng = np.random.default_rng(6)
+    x = [("x", F, [None, 4])]
+    labels_scores = [("label", I, [None]), ("scores", F, [None, None])]
+    models = [
+        node_model(
+            "SVMClassifier",
+            x,
+            labels_scores,
+            classlabels_ints=[0, 1, 2],
+            **svm_attrs(rng, 3, "RBF", True, False, 4),
+        ),
+        node_model(
+            "LinearClassifier",
+            x,
+            labels_scores,
+            coefficients=[0.5] * 8,
+            intercepts=[0.0, 1.0],
+            classlabels_ints=[3, 4],
+        ),
+        node_model("LinearRegressor", x, [("y", F, [None, 1])], coefficients=[1.0] * 4),
+    ]
+    empty = {"x": np.zeros((0, 4), np.float32)}
+    check_all(core, [(i, data, empty) for i, data in enumerate(models)])

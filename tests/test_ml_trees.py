@@ -275,6 +275,33 @@ def test_tree_ensemble_v5(core, post) -> None:
     assert failures == []
 
 
+def test_an_empty_batch(core) -> None:
+    rng = np.random.default_rng(7)
+    attrs, leaves = random_trees(rng, 3, MODES)
+    classifier = {**attrs, **leaf_weights(rng, leaves, [0, 1, 2], "class", 0.5, True)}
+    classifier["classlabels_int64s"] = [4, 5, 6]
+    regressor = {**attrs, **leaf_weights(rng, leaves, [0, 1], "target", 0.5, True)}
+    regressor["n_targets"] = 2
+    empty = np.zeros((0, FEATURES), np.float32)
+    outputs = [("label", TensorProto.INT64), ("scores", TensorProto.FLOAT)]
+    assert differences(core, model("TreeEnsembleClassifier", classifier, outputs), empty) == []
+    y = [("y", TensorProto.FLOAT)]
+    assert differences(core, model("TreeEnsembleRegressor", regressor, y), empty) == []
+
+
+def test_a_batch_scored_in_parts(core, monkeypatch) -> None:
+    """Rows are scored in parts that bound memory; the parts join to onnxruntime's result."""
+    from plugserve.plugins.numpy.kernels import ml_trees
+
+    monkeypatch.setattr(ml_trees, "_CHUNK", 20)  # 20 // (3 trees * 3 targets): 2 rows a part
+    rng = np.random.default_rng(8)
+    attrs, leaves = random_trees(rng, 3, MODES)
+    attrs.update(leaf_weights(rng, leaves, [0, 1, 2], "target", 0.5, True))
+    attrs.update(n_targets=3, aggregate_function="MAX")
+    data = model("TreeEnsembleRegressor", attrs, [("y", TensorProto.FLOAT)])
+    assert differences(core, data, inputs(rng, 25)) == []
+
+
 def test_set_membership_v5(core) -> None:
     """BRANCH_MEMBER (mode 6): a feature value among a NaN-separated list goes true."""
     v5 = {

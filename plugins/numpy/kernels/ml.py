@@ -6,7 +6,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from plugserve.plugins.numpy.kernels.ml_scores import NONE, PROBIT, post_transform_of, transform
+from plugserve.plugins.numpy.kernels.ml_scores import (
+    NONE,
+    PROBIT,
+    as_rows,
+    post_transform_of,
+    transform,
+)
 from plugserve.plugins.numpy.kernels.registry import KernelContext, register
 
 _ML = "ai.onnx.ml"
@@ -174,7 +180,7 @@ def linear_regressor(ctx: KernelContext):
         post = NONE
 
     def run(x):
-        x2 = x.reshape(x.shape[0] if x.ndim > 1 else 1, -1).astype(np.float32, copy=False)
+        x2 = as_rows(x).astype(np.float32, copy=False)
         return transform(x2 @ coef.T + intercepts, post)
 
     return run

@@ -15,6 +15,7 @@ import numpy as np
 from plugserve.plugins.numpy.kernels.ml_scores import (
     LOGISTIC,
     PROBIT,
+    as_rows,
     class_labels,
     post_transform_of,
     probit,
@@ -26,7 +27,7 @@ _ML = "ai.onnx.ml"
 
 
 def _rows(x: np.ndarray) -> np.ndarray:
-    x = x.reshape(x.shape[0] if x.ndim > 1 else 1, -1)
+    x = as_rows(x)
     return x if x.dtype in (np.float32, np.float64) else x.astype(np.float32)
 
 

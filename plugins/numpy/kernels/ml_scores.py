@@ -1,5 +1,5 @@
-"""What the ai.onnx.ml classifiers and regressors share: class labels and score
-post-transforms.
+"""What the ai.onnx.ml classifiers and regressors share: their view of X as rows, class
+labels and score post-transforms.
 
 The spec names the transforms; their numerics follow onnxruntime, the runtime every converter
 (skl2onnx, onnxmltools) is tested against: PROBIT is Winitzki's closed-form inverse error
@@ -22,6 +22,14 @@ POST_TRANSFORMS = {
     "SOFTMAX_ZERO": SOFTMAX_ZERO,
     "PROBIT": PROBIT,
 }
+
+
+def as_rows(x: np.ndarray) -> np.ndarray:
+    """X as [rows, features]: a 1-D X is one row, more dimensions are flattened per row (an
+    empty batch stays [0, features])."""
+    if x.ndim < 2:
+        return x.reshape(1, -1)
+    return x.reshape(x.shape[0], int(np.prod(x.shape[1:])))
 
 
 def class_labels(ctx: KernelContext, ints: str) -> np.ndarray:

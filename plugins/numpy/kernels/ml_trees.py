@@ -19,6 +19,7 @@ import numpy as np
 from plugserve.plugins.numpy.kernels.ml_scores import (
     LOGISTIC,
     PROBIT,
+    as_rows,
     class_labels,
     post_transform_of,
     probit,
@@ -48,6 +49,7 @@ _MODE_NAMES = {
 }
 _AVERAGE, _SUM, _MIN, _MAX = range(4)  # TreeEnsemble's aggregate_function numbers
 _AGGREGATE_NAMES = {"AVERAGE": _AVERAGE, "SUM": _SUM, "MIN": _MIN, "MAX": _MAX}
+_CHUNK = 1 << 21
 
 
 class _Trees:
@@ -177,11 +179,20 @@ class _Ensemble:
         self.base = base
 
     def scores(self, x: np.ndarray, how: int) -> tuple[np.ndarray, np.ndarray]:
-        x2 = x.reshape(x.shape[0] if x.ndim > 1 else 1, -1)
+        """(n, targets) aggregated leaf weights and which targets a leaf wrote, computed for
+        as many rows at a time as keep (row, tree, target) arrays near _CHUNK entries, so a
+        large request costs time, not memory."""
+        x2 = as_rows(x)
         if x2.dtype.kind not in "f":
             x2 = x2.astype(np.float32)
-        leaf = self.trees.walk(x2, self.roots, self.root_leaf)
-        return self.leaves.aggregate(leaf, how)
+        step = max(1, _CHUNK // (len(self.roots) * self.leaves.table.shape[1] or 1))
+        parts = []
+        for start in range(0, max(x2.shape[0], 1), step):  # once for an empty batch
+            leaf = self.trees.walk(x2[start : start + step], self.roots, self.root_leaf)
+            parts.append(self.leaves.aggregate(leaf, how))
+        if len(parts) == 1:
+            return parts[0]
+        return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 
 
 def _legacy(ctx: KernelContext, prefix: str, n_targets: int) -> _Ensemble:
