@@ -64,7 +64,7 @@ def _classifiers() -> None:
         RandomForestClassifier,
         RandomForestRegressor,
     )
-    from sklearn.linear_model import LogisticRegression, Ridge
+    from sklearn.linear_model import LinearRegression, LogisticRegression, Ridge
     from sklearn.neighbors import KNeighborsClassifier, KNeighborsRegressor
     from sklearn.svm import SVC, SVR
     from sklearn.tree import DecisionTreeClassifier
@@ -88,6 +88,7 @@ def _classifiers() -> None:
     _skl("sk_logreg", lambda: LogisticRegression(max_iter=500), binary, zipmap=False)
     _skl("sk_logreg_strings", lambda: LogisticRegression(max_iter=500), strings, zipmap=False)
     _skl("sk_ridge", Ridge, _regression)
+    _skl("sk_linear", LinearRegression, _regression)
     _skl("sk_tree", lambda: DecisionTreeClassifier(max_depth=5, random_state=0), multi, False)
     _skl(
         "sk_forest",
@@ -161,37 +162,45 @@ def _columns() -> None:
 
 
 def _text() -> None:
-    """TfidfVectorizer + LogisticRegression on a string column: StringNormalizer, the
-    com.microsoft Tokenizer and TfIdfVectorizer before the classifier."""
+    """Text pipelines on a string column: StringNormalizer, the com.microsoft Tokenizer and
+    TfIdfVectorizer before the classifier. TF-IDF on words; counts of word pairs, case kept;
+    counts of character pairs. Requests include a row with no known word (a zero row the
+    TF-IDF normalizer must leave at 0)."""
     words = ["the", "a", "cat", "dog", "sat", "ran", "on", "far", "bird", "fly", "high", "and"]
 
-    def build(folder: Path) -> None:
-        from skl2onnx import to_onnx
-        from sklearn.feature_extraction.text import TfidfVectorizer
-        from sklearn.linear_model import LogisticRegression
-        from sklearn.pipeline import make_pipeline
+    def texts(rng: np.random.Generator, n: int) -> np.ndarray:
+        rows = [" ".join(rng.choice(words, size=rng.integers(2, 7))) for _ in range(n)]
+        return np.array(rows, dtype=object)
 
-        rng = np.random.default_rng(0)
-        texts = np.array(
-            [" ".join(rng.choice(words, size=rng.integers(2, 7))) for _ in range(60)],
-            dtype=object,
-        )
-        target = np.array(["cat" in t for t in texts], dtype=int)
-        pipeline = make_pipeline(TfidfVectorizer(), LogisticRegression()).fit(texts, target)
-        onx = to_onnx(
-            pipeline,
-            texts[:1].reshape(-1, 1),
-            options={id(pipeline): {"zipmap": False}},
-            target_opset=OPSETS,
-        )
-        assert [i.name for i in onx.graph.input] == ["X"], onx.graph.input
-        onnx.save(onx, folder / "model.onnx")
+    def register(name: str, make) -> None:
+        def build(folder: Path) -> None:
+            from skl2onnx import to_onnx
+            from sklearn.linear_model import LogisticRegression
+            from sklearn.pipeline import make_pipeline
 
-    def feeds(rng: np.random.Generator) -> dict[str, np.ndarray]:
-        texts = [" ".join(rng.choice(words, size=rng.integers(1, 6))).upper() for _ in range(3)]
-        return {"X": np.array(texts, dtype=object).reshape(-1, 1)}
+            x = texts(np.random.default_rng(0), 60)
+            target = np.array(["cat" in t for t in x], dtype=int)
+            pipeline = make_pipeline(make(), LogisticRegression()).fit(x, target)
+            onx = to_onnx(
+                pipeline,
+                x[:1].reshape(-1, 1),
+                options={id(pipeline): {"zipmap": False}},
+                target_opset=OPSETS,
+            )
+            assert [i.name for i in onx.graph.input] == ["X"], onx.graph.input
+            onnx.save(onx, folder / "model.onnx")
 
-    entry(ZooModel("sk_text", "classic_ml", build, feeds, requires=SKL))
+        def feeds(rng: np.random.Generator) -> dict[str, np.ndarray]:
+            rows = [*(t.upper() for t in texts(rng, 3)), "zebra quokka"]
+            return {"X": np.array(rows, dtype=object).reshape(-1, 1)}
+
+        entry(ZooModel(name, "classic_ml", build, feeds, requires=SKL))
+
+    from sklearn.feature_extraction.text import CountVectorizer, TfidfVectorizer
+
+    register("sk_text", TfidfVectorizer)
+    register("sk_text_pairs", lambda: CountVectorizer(ngram_range=(1, 2), lowercase=False))
+    register("sk_text_chars", lambda: CountVectorizer(analyzer="char", ngram_range=(1, 2)))
 
 
 def _boosters() -> None:

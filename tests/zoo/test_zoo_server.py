@@ -81,3 +81,30 @@ def test_a_zipmap_model_is_refused_at_load_saying_what_to_do(zoo_server) -> None
     assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
     assert "output_probability: sequence" in refused.value.details()
     assert "zipmap" in refused.value.details()
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_a_zipmap_model_is_refused_by_repository_load_through_tritonclient(
+    zoo_server, protocol
+) -> None:
+    """Triton's clients load a repository model with load_model; the ZipMap model stays
+    unloaded and the answer says how to convert it."""
+    from tritonclient.utils import InferenceServerException
+
+    server, _ = zoo_server
+    if protocol == "grpc":
+        import tritonclient.grpc as client_module
+
+        client = client_module.InferenceServerClient(server.target)
+    else:
+        import tritonclient.http as client_module
+
+        client = client_module.InferenceServerClient(server.http_target)
+    with pytest.raises(InferenceServerException) as refused:
+        client.load_model(ZIPMAP)
+    message = refused.value.message()
+    assert "output_probability: sequence" in message and "'zipmap': False" in message
+    # Unsupported: gRPC UNIMPLEMENTED, REST 501 (docs/operations.md)
+    assert refused.value.status() == ("StatusCode.UNIMPLEMENTED" if protocol == "grpc" else "501")
+    assert not client.is_model_ready(ZIPMAP)
+    assert client.is_model_ready("sk_forest")  # the rest of the repository serves

@@ -10,6 +10,7 @@ from plugserve.plugins.numpy.kernels import (  # noqa: F401  (imported to regist
     ml,
     ml_classifiers,
     ml_encoders,
+    ml_trees,
     nn,
     quantize,
     random,

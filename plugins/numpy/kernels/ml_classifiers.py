@@ -1,4 +1,5 @@
-"""The ai.onnx.ml classifiers (linear, tree ensemble, SVM), the SVM regressor and ZipMap.
+"""The ai.onnx.ml linear and SVM classifiers, the SVM regressor and ZipMap (tree ensembles are
+in :mod:`ml_trees`).
 
 A classifier has two outputs: the label of each row and its per-class scores. The binary
 conventions (one score column widened to two, label thresholds) follow onnxruntime, which every
@@ -11,123 +12,59 @@ from __future__ import annotations
 
 import numpy as np
 
-from plugserve.plugins.numpy.kernels.ml import _POST, _LegacyEnsemble, _post_transform
+from plugserve.plugins.numpy.kernels.ml_scores import (
+    LOGISTIC,
+    PROBIT,
+    as_rows,
+    class_labels,
+    post_transform_of,
+    probit,
+    transform,
+)
 from plugserve.plugins.numpy.kernels.registry import KernelContext, register
 
 _ML = "ai.onnx.ml"
-_PROBIT = 4
-_POST_ALL = {**_POST, "PROBIT": _PROBIT}
-
-
-def _post(ctx: KernelContext) -> int:
-    name = ctx.attr("post_transform", "NONE")
-    if name not in _POST_ALL:
-        raise ctx.unsupported(f"post_transform {name!r}")
-    return _POST_ALL[name]
-
-
-def _transform(scores: np.ndarray, post: int) -> np.ndarray:
-    if post == _PROBIT:
-        return (np.sqrt(2) * _erfinv(2 * scores.astype(np.float64) - 1)).astype(np.float32)
-    return _post_transform(scores.astype(np.float32), post)
-
-
-def _erfinv(y: np.ndarray) -> np.ndarray:
-    """Inverse error function: Giles' single-precision approximation, then two Newton steps
-    on erf (numpy has neither function; erf comes from math, element by element)."""
-    import math
-
-    w = -np.log((1 - y) * (1 + y))
-    small = w < 5
-    ws, wl = w - 2.5, np.sqrt(np.maximum(w, 5)) - 3
-    ps = 2.81022636e-08
-    for c in (
-        3.43273939e-07,
-        -3.5233877e-06,
-        -4.39150654e-06,
-        0.00021858087,
-        -0.00125372503,
-        -0.00417768164,
-        0.246640727,
-        1.50140941,
-    ):
-        ps = c + ps * ws
-    pl = -0.000200214257
-    for c in (
-        0.000100950558,
-        0.00134934322,
-        -0.00367342844,
-        0.00573950773,
-        -0.0076224613,
-        0.00943887047,
-        1.00167406,
-        2.83297682,
-    ):
-        pl = c + pl * wl
-    x = np.where(small, ps, pl) * y
-    erf = np.vectorize(math.erf, otypes=[np.float64])
-    for _ in range(2):
-        x = x - (erf(x) - y) / (2 / np.sqrt(np.pi) * np.exp(-x * x))
-    return x
-
-
-def _labels(ctx: KernelContext, ints: str, strings: str) -> np.ndarray:
-    """The class labels as an array (int64, or object for strings)."""
-    if ctx.has_attr(strings) and len(ctx.attr(strings)):
-        return np.array(list(ctx.attr(strings)), dtype=object)
-    return np.asarray(list(ctx.attr(ints, [])), dtype=np.int64)
 
 
 def _rows(x: np.ndarray) -> np.ndarray:
-    x = x.reshape(x.shape[0] if x.ndim > 1 else 1, -1)
+    x = as_rows(x)
     return x if x.dtype in (np.float32, np.float64) else x.astype(np.float32)
 
 
 @register("LinearClassifier", 1, domain=_ML, multi_output=True)
 def linear_classifier(ctx: KernelContext):
-    labels = _labels(ctx, "classlabels_ints", "classlabels_strings")
-    post = _post(ctx)
-    coef = np.asarray(ctx.attr("coefficients"), dtype=np.float32)
+    """Scores x @ coefficients.T + intercepts, one column per intercept. With one column the
+    label is the positive one when the score is > 0 (the second of two labels, else 1 or
+    "1"); with two labels the scores become [1 - s, s] (LOGISTIC: [sigmoid(-s), sigmoid(s)],
+    other transforms are not applied), and otherwise the one column takes no post-transform
+    but PROBIT: onnxruntime's conventions."""
+    labels = class_labels(ctx, "classlabels_ints")
+    post = post_transform_of(ctx)
     intercepts = ctx.attr("intercepts", None)
-    rows = max(1, len(intercepts) if intercepts is not None else 1)
-    coef = coef.reshape(rows, -1).T
-    bias = np.asarray(intercepts if intercepts is not None else [0.0] * rows, dtype=np.float32)
-    binary = coef.shape[1] == 1 and len(labels) == 2
+    columns = len(intercepts) if intercepts else 1
+    coef = np.asarray(ctx.attr("coefficients"), dtype=np.float32).reshape(columns, -1).T
+    bias = np.asarray(intercepts or [0.0], dtype=np.float32)
+    if columns == 1:
+        strings = labels.dtype == object or ctx.has_attr("classlabels_strings")
+        pair = labels if labels.size == 2 else np.array(["0", "1"] if strings else [0, 1])
+        pair = pair.astype(object) if strings else pair.astype(np.int64)
+        second = labels.size == 2
+
+        def one_column(x):
+            score = (_rows(x).astype(np.float32, copy=False) @ coef + bias)[:, 0]
+            label = pair[(score > 0).astype(np.int64)]
+            if second and post == LOGISTIC:
+                return label, transform(np.stack([-score, score], axis=1), LOGISTIC)
+            if second:
+                return label, np.stack([1 - score, score], axis=1)
+            return label, transform(score[:, None], post if post == PROBIT else 0)
+
+        return one_column
 
     def run(x):
-        scores = _rows(x).astype(np.float32) @ coef + bias
-        if binary:  # one score column: the positive class; the negative one is its opposite
-            scores = np.concatenate([-scores, scores], axis=1)
-        scores = _transform(scores, post)
-        if scores.shape[1] > 1:
-            return labels[np.argmax(scores, axis=1)], scores
-        positive = scores[:, 0] >= (0 if post == 0 else 0.5)
-        if labels.size:
-            return np.where(positive, labels[0], labels.dtype.type(0)), scores
-        return positive.astype(np.int64), scores
-
-    return run
-
-
-@register("TreeEnsembleClassifier", 1, 3, 5, domain=_ML, multi_output=True)
-def tree_ensemble_classifier(ctx: KernelContext):
-    labels = _labels(ctx, "classlabels_int64s", "classlabels_strings")
-    if labels.size == 0:
-        raise ctx.unsupported("no class labels")
-    post = _post(ctx)
-    ensemble = _LegacyEnsemble(ctx, "class", len(labels))
-    # All weights on one class of two: the scores are one column, the other is derived.
-    binary = len(set(ensemble.target_ids)) == 1 and len(labels) == 2
-    only = ensemble.target_ids[0] if ensemble.target_ids else 0
-
-    def run(x):
-        scores = (ensemble.sums(_rows(x)) + ensemble.base).astype(np.float32)
-        if binary:
-            positive = scores[:, only]
-            negative = 1 - positive if post in (0, _PROBIT) else -positive
-            scores = np.stack([negative, positive], axis=1)
-        scores = _transform(scores, post)
-        return labels[np.argmax(scores, axis=1)], scores
+        scores = _rows(x).astype(np.float32, copy=False) @ coef + bias
+        winner = np.argmax(scores, axis=1)
+        return (labels[winner] if labels.size else winner), transform(scores, post)
 
     return run
 
@@ -135,13 +72,12 @@ def tree_ensemble_classifier(ctx: KernelContext):
 class _Kernel:
     """An SVM kernel function between rows and support vectors, parameters fixed at load."""
 
-    def __init__(self, ctx: KernelContext) -> None:
-        self.kind = ctx.attr("kernel_type", "LINEAR")
+    def __init__(self, ctx: KernelContext, linear: bool = False) -> None:
+        self.kind = "LINEAR" if linear else ctx.attr("kernel_type", "LINEAR")
         if self.kind not in ("LINEAR", "POLY", "RBF", "SIGMOID"):
             raise ctx.unsupported(f"kernel_type {self.kind!r}")
         params = list(ctx.attr("kernel_params", []) or [])
-        self.gamma, self.coef0, self.degree = [*params, 0.0, 0.0, 0.0][:3]
-        self.degree = int(self.degree)
+        self.gamma, self.coef0, self.degree = [float(p) for p in [*params, 0.0, 0.0, 0.0][:3]]
 
     def __call__(self, x: np.ndarray, sv: np.ndarray) -> np.ndarray:
         if self.kind == "RBF":
@@ -157,25 +93,23 @@ class _Kernel:
 
 @register("SVMRegressor", 1, domain=_ML)
 def svm_regressor(ctx: KernelContext):
-    kernel = _Kernel(ctx)
-    post = _post(ctx)
+    """Support vectors (``n_supports`` > 0) or, without them, a linear model whose coefficients
+    are the weights. onnxruntime applies no post_transform here; neither do we."""
+    n_supports = int(ctx.attr("n_supports", 0))
+    kernel = _Kernel(ctx, linear=n_supports == 0)
     coef = np.asarray(ctx.attr("coefficients"), dtype=np.float64)
     rho = float(np.asarray(ctx.attr("rho", [0.0])).ravel()[0])
-    n_supports = int(ctx.attr("n_supports", 0))
     one_class = bool(ctx.attr("one_class", 0))
-    sv = None
     if n_supports > 0:
         sv = np.asarray(ctx.attr("support_vectors"), dtype=np.float64).reshape(n_supports, -1)
+    else:
+        sv, coef = coef.reshape(1, -1), np.ones(1)
 
     def run(x):
-        x2 = _rows(x).astype(np.float64)
-        if sv is not None:
-            s = kernel(x2, sv) @ coef + rho
-        else:
-            s = x2 @ coef + rho  # a linear SVM: the coefficients are the weights
+        s = kernel(_rows(x).astype(np.float64), sv) @ coef + rho
         if one_class:
             s = np.where(s > 0, 1.0, -1.0)
-        return _transform(s.reshape(-1, 1), post)
+        return s.reshape(-1, 1).astype(np.float32)
 
     return run
 
@@ -184,25 +118,30 @@ def svm_regressor(ctx: KernelContext):
 def svm_classifier(ctx: KernelContext):
     """One-vs-one voting over ``vectors_per_class`` (libsvm's layout); with ``prob_a``/``prob_b``
     the pairwise decisions become probabilities by Platt scaling and libsvm's pairwise coupling,
-    solved for all rows at once."""
-    labels = _labels(ctx, "classlabels_ints", "classlabels_strings")
-    kernel = _Kernel(ctx)
-    post = _post(ctx)
+    solved for all rows at once. Without probabilities the scores are the pairwise decisions
+    (two classes: [-d, d], or [1 - d, d] under a post_transform, as onnxruntime writes them)."""
+    labels = class_labels(ctx, "classlabels_ints")
+    if labels.size < 2:
+        raise ctx.unsupported("an SVM classifier needs at least two class labels")
+    post = post_transform_of(ctx)
     coefs = np.asarray(ctx.attr("coefficients"), dtype=np.float64)
     rho = np.asarray(ctx.attr("rho", [0.0]), dtype=np.float64).ravel()
     prob_a = np.asarray(ctx.attr("prob_a", []) or [], dtype=np.float64)
     prob_b = np.asarray(ctx.attr("prob_b", []) or [], dtype=np.float64)
     per_class = np.asarray(ctx.attr("vectors_per_class", []) or [], dtype=np.int64)
-    k = max(len(labels), 1)
+    k = len(labels)
     total = int(per_class.sum())
     if total == 0:
-        return _linear_svm(ctx, labels, coefs, rho, kernel, post)
+        return _linear_svm(labels, coefs, rho, post, probabilities=prob_a.size > 0)
+    kernel = _Kernel(ctx)
+    if len(per_class) != k:
+        raise ctx.unsupported(f"vectors_per_class has {len(per_class)} entries for {k} labels")
     sv = np.asarray(ctx.attr("support_vectors"), dtype=np.float64).reshape(total, -1)
     coefs = coefs.reshape(-1, total)
     start = np.concatenate([[0], np.cumsum(per_class)[:-1]])
     pairs = [(i, j) for i in range(k) for j in range(i + 1, k)]
-    if len(rho) != len(pairs):
-        raise ctx.unsupported(f"{len(rho)} rho values for {len(pairs)} class pairs")
+    if len(rho) < len(pairs) or coefs.shape[0] < k - 1:
+        raise ctx.unsupported(f"rho or coefficients too short for {len(pairs)} class pairs")
     # each pair's decision is one dot product of the kernel row with a fixed weight vector
     weights = np.zeros((total, len(pairs)))
     for p, (i, j) in enumerate(pairs):
@@ -211,7 +150,10 @@ def svm_classifier(ctx: KernelContext):
         weights[sj : sj + nj, p] = coefs[i, sj : sj + nj]
     first = np.array([i for i, _ in pairs])
     second = np.array([j for _, j in pairs])
-    probabilities = len(prob_a) == len(pairs) and len(pairs) > 0
+    probabilities = prob_a.size > 0
+    if probabilities and min(prob_a.size, prob_b.size) < len(pairs):
+        raise ctx.unsupported(f"prob_a and prob_b need {len(pairs)} values")
+    rho = rho[: len(pairs)]
 
     def run(x):
         decision = kernel(_rows(x).astype(np.float64), sv) @ weights + rho  # (n, pairs)
@@ -219,35 +161,47 @@ def svm_classifier(ctx: KernelContext):
         votes = np.zeros((n, k))
         np.add.at(votes, (slice(None), first), decision > 0)
         np.add.at(votes, (slice(None), second), decision <= 0)
-        # the label is the vote's winner (first on a tie), with or without probabilities
-        winner = np.argmax(votes, axis=1)
+        label = labels[np.argmax(votes, axis=1)]  # the vote's winner, first on a tie
         if probabilities:
-            scores = _couple(decision, prob_a, prob_b, first, second, k)
-        elif k == 2:  # one decision value, reported for both classes as onnxruntime does
-            scores = np.concatenate([-decision, decision], axis=1)
+            scores = transform(_couple(decision, prob_a, prob_b, first, second, k), post)
+        elif k > 2:
+            scores = transform(decision, post)
         else:
-            scores = decision
-        scores = _transform(scores, post) if post else scores.astype(np.float32)
-        label = labels[winner] if labels.size else winner.astype(np.int64)
+            scores = _one_decision(decision[:, 0].astype(np.float32), post)
         return label, scores
 
     return run
 
 
-def _linear_svm(ctx, labels, coefs, rho, kernel, post):
-    k = max(len(labels), 1)
-    coefs = coefs.reshape(k if len(rho) == k else len(rho), -1)
+def _one_decision(d: np.ndarray, post: int) -> np.ndarray:
+    """onnxruntime's two columns for a single binary decision value."""
+    if post == PROBIT:  # one probit, the other slot left unset there
+        return np.stack([probit(d), np.zeros_like(d)], axis=1)
+    if post == LOGISTIC:
+        return transform(np.stack([-d, d], axis=1), LOGISTIC)
+    if post:
+        return np.stack([1 - d, d], axis=1)
+    return np.stack([-d, d], axis=1)
+
+
+def _linear_svm(labels, coefs, rho, post, probabilities: bool):
+    """No support vectors: one linear score per class, x @ coefficients[c] + rho[0] (a single
+    rho for every class, as onnxruntime reads it). The label is the larger score's; of two
+    classes without prob_a, the second when the larger score passes 0.5 (all coefficients
+    >= 0) or 0 (onnxruntime's rule)."""
+    k = len(labels)
+    coefs = coefs.reshape(k, -1)
+    bias = float(rho[0]) if rho.size else 0.0
+    all_positive = bool((coefs >= 0).all())
 
     def run(x):
-        x2 = _rows(x).astype(np.float64)
-        scores = kernel(x2, coefs) + rho[None, : coefs.shape[0]]
-        if scores.shape[1] == 1 and len(labels) == 2:
-            winner = (scores[:, 0] > 0).astype(np.int64)
-            scores = np.concatenate([-scores, scores], axis=1)
-        else:
-            winner = np.argmax(scores, axis=1)
-        scores = _transform(scores, post) if post else scores.astype(np.float32)
-        return (labels[winner] if labels.size else winner), scores
+        scores = _rows(x).astype(np.float32) @ coefs.T.astype(np.float32) + np.float32(bias)
+        winner = np.argmax(scores, axis=1)
+        if k == 2 and not probabilities:
+            top = scores[np.arange(len(winner)), winner]
+            second = (top >= 0.5) if all_positive else (top > 0)
+            winner = np.where(second, 1, winner)
+        return labels[winner], transform(scores, post)
 
     return run
 
@@ -268,7 +222,7 @@ def _couple(decision, prob_a, prob_b, first, second, k):
     p = np.full((n, k), 1.0 / k)
     eps = 0.005 / k
     active = np.arange(n)  # each row stops iterating when it converges, as libsvm's loop does
-    for _ in range(max(100, k)):
+    for _ in range(100):
         qa, pa = q[active], p[active]
         qpa = np.einsum("nij,nj->ni", qa, pa)
         pqp = (pa * qpa).sum(axis=1)
@@ -289,7 +243,7 @@ def _couple(decision, prob_a, prob_b, first, second, k):
 @register("ZipMap", 1, domain=_ML)
 def zipmap(ctx: KernelContext):
     """Scores as a list of ``{label: score}`` per row (a sequence of maps)."""
-    labels = _labels(ctx, "classlabels_int64s", "classlabels_strings").tolist()
+    labels = class_labels(ctx, "classlabels_int64s").tolist()
 
     def run(x):
         x2 = np.asarray(x, dtype=np.float32).reshape(-1, len(labels))

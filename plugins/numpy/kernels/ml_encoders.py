@@ -85,14 +85,16 @@ def _vocabulary(ctx: KernelContext, ints: str, strings: str) -> list:
 
 @register("DictVectorizer", 1, domain=_ML)
 def dict_vectorizer(ctx: KernelContext):
-    """A map (one row) or a sequence of maps (one row each) to a dense [rows, vocabulary]."""
+    """A map (one row) or a sequence of maps (one row each) to a dense [rows, vocabulary];
+    keys outside the vocabulary are dropped, absent ones are 0 (or "" for strings)."""
     vocabulary = _vocabulary(ctx, "int64_vocabulary", "string_vocabulary")
     column = {v: i for i, v in enumerate(vocabulary)}
     dtype = ctx.output_dtype(0) or np.dtype(np.float32)
+    empty = "" if dtype.kind == "O" else 0
 
     def run(x):
         rows = [x] if isinstance(x, dict) else list(x)
-        out = np.zeros((len(rows), len(column)), dtype=dtype)
+        out = np.full((len(rows), len(column)), empty, dtype=dtype)
         for r, row in enumerate(rows):
             for key, value in row.items():
                 c = column.get(key)
@@ -105,7 +107,9 @@ def dict_vectorizer(ctx: KernelContext):
 
 @register("CastMap", 1, domain=_ML)
 def cast_map(ctx: KernelContext):
-    """An int64-keyed map to one row: values in key order (DENSE) or at their keys (SPARSE)."""
+    """An int64-keyed map to one row: values in key order (DENSE) or at their keys (SPARSE).
+    Numbers become strings as C's ``%f`` writes them and a SPARSE string row is filled with
+    "0.f", as onnxruntime does."""
     form = ctx.attr("map_form", "DENSE")
     target = {"TO_FLOAT": np.float32, "TO_STRING": object, "TO_INT64": np.int64}.get(
         ctx.attr("cast_to", "TO_FLOAT")
@@ -116,15 +120,14 @@ def cast_map(ctx: KernelContext):
 
     def cast(values):
         if target is object:
-            return np.array([str(v) for v in values], dtype=object)
+            return np.array([v if isinstance(v, str) else f"{v:f}" for v in values], object)
         return np.asarray([float(v) for v in values]).astype(target)
 
     def run(x):
         keys = sorted(x)
         if form == "DENSE":
             return cast([x[k] for k in keys]).reshape(1, -1)
-        fill = "" if target is object else 0
-        row = np.full(size, fill, dtype=target)
+        row = np.full(size, "0.f" if target is object else 0, dtype=target)
         for k in keys:
             if not 0 <= k < size:
                 raise ValueError(f"map key {k} is outside [0, max_map={size})")
