@@ -552,17 +552,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--input", action="append", default=[], help="NAME=file.npy or file.npz; others random")
     add("--seed", type=int, default=0)
     add("--warmup", type=int, default=1, help="requests before measuring")
-    add("--metrics-url", default="", help="server /metrics (default http://HOST:8002/metrics)")
+    add(
+        "--metrics-url",
+        default="",
+        help="server /metrics (default: the port the server reports, on --target's host)",
+    )
     add("--json", default="", metavar="FILE", help="write the report as JSON")
     add("--plot", default="", metavar="FILE.png", help="latency histogram and over time")
 
 
-def _metrics_url(args: argparse.Namespace) -> str:
+def _metrics_url(args: argparse.Namespace, client: Any) -> str:
+    """--metrics-url, else the port the server says it serves /metrics on (plugserve.v1
+    GetMetric SERVER_PORTS), on the host of --target; 8002 (Triton's) when it cannot say."""
     if args.metrics_url:
         return args.metrics_url
     target = args.target.split("///")[-1]
     host = target.rsplit(":", 1)[0] if ":" in target else target
-    return f"http://{host or '127.0.0.1'}:8002/metrics"
+    port = 8002
+    with contextlib.suppress(Exception):  # an older or other server: Triton's default port
+        port = int(client.get_metric("", "SERVER_PORTS")["metrics"])
+    if port < 0:
+        raise ValueError("the server serves no /metrics (--metrics-port -1)")
+    return f"http://{host or '127.0.0.1'}:{port}/metrics"
 
 
 def _server_specs(client: Any, args: argparse.Namespace) -> list[tuple[str, Any, Any]]:
@@ -666,11 +677,12 @@ def bench(client: Any, args: argparse.Namespace) -> int:
                 args.target, args.model, inputs, args.version, args.timeout, client=client
             )
         report.update(target=args.target, device="", protocol=args.protocol)
-        url = _metrics_url(args)
+        url = ""
         try:
+            url = _metrics_url(args, client)
             before = scrape(url)
         except (OSError, ValueError) as exc:
-            metrics_note = f"server metrics unavailable at {url}: {exc}"
+            metrics_note = f"server metrics unavailable{' at ' + url if url else ''}: {exc}"
     report["concurrency"] = concurrency
     report["inputs"] = {k: [str(v.dtype), list(v.shape)] for k, v in inputs.items()}
     label = f"bench {args.model} {args.mode} x{concurrency}"
@@ -691,7 +703,7 @@ def bench(client: Any, args: argparse.Namespace) -> int:
         report["first_error"] = result.first_error
     if before is not None:
         try:
-            report["devices"] = device_figures(before, scrape(_metrics_url(args)), result.wall)
+            report["devices"] = device_figures(before, scrape(url), result.wall)
         except (OSError, ValueError) as exc:
             metrics_note = f"server metrics unavailable: {exc}"
     if metrics_note:

@@ -265,6 +265,12 @@ class Server:
             self.metrics_port,
             rest if self.rest else "",
         )
+        self.plane.ports = {
+            "grpc": self.grpc_port,
+            "http": self.http_port if self.rest else -1,
+            "metrics": self.metrics_port if s.metrics_port >= 0 else -1,
+            "health": self.health_port if s.health_port >= 0 else -1,
+        }
         self.plane.control_mode = s.model_control_mode
         names = None
         if s.model_control_mode == "explicit":

@@ -181,6 +181,9 @@ class DataPlane:
         self.draining = False  # set by drain(): new requests and loads are UNAVAILABLE
         #: --model-control-mode; and what each repository version was loaded from (poll)
         self.control_mode = ""
+        #: the ports the server listens on (-1: off), for clients that ask (GetMetric
+        #: SERVER_PORTS): grpc, http, metrics, health
+        self.ports: dict[str, int] = {}
         self._stamps: dict[tuple[str, int], tuple] = {}
         self._inflight = 0  # admitted requests not yet finished (queued or running)
         self._inflight_lock = threading.Lock()

@@ -137,6 +137,8 @@ class PlugserveServicer(pb_grpc.PlugserveServicer):
         return response
 
     def GetMetric(self, request, context):
+        if not request.device and not request.network and request.name == "SERVER_PORTS":
+            return pb.GetMetricResponse(value_json=_json(self.plane.ports))
         if request.network:
             entry = self.plane.get(request.network, request.version)
             value = entry.network.get_metric(request.name)

@@ -223,3 +223,16 @@ def test_failed_requests_make_the_run_fail(tmp_path):
         )  # fmt: skip
     assert result.returncode == 1, result.stdout + result.stderr
     assert "requests failed" in result.stderr and "RESOURCE_EXHAUSTED" in result.stderr
+
+
+def test_the_default_metrics_url_is_the_one_the_server_reports(server, tmp_path):
+    """No --metrics-url: the server's real metrics port (here a free-picked one, not 8002)."""
+    out = tmp_path / "report.json"
+    result = bench(
+        "add", "--target", server.target, "--iterations", "5", "--json", str(out)
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    assert "metrics_note" not in report, report["metrics_note"]
+    (figures,) = report["devices"].values()
+    assert figures["requests"] == 6  # 5 and the warm-up
