@@ -37,7 +37,6 @@ from typing import Any
 from google.protobuf import json_format, text_format
 
 from plugserve.plugins.api import InvalidArgument
-from plugserve.proto import model_config_pb2 as mc
 
 __all__ = [
     "OVMS_KEYS",
@@ -87,7 +86,7 @@ class VersionPolicy:
             return sorted(v for v in found if v in self.versions)
         return sorted(found)
 
-    def to_proto(self, message: mc.ModelVersionPolicy) -> None:
+    def to_proto(self, message: Any) -> None:
         if self.kind == "latest":
             message.latest.num_versions = self.count
         elif self.kind == "specific":
@@ -117,9 +116,19 @@ def read_triton(path: Path) -> TritonSettings:
     return dataclasses.replace(_parse_triton(str(path), text))  # a copy: callers may edit it
 
 
+def _messages() -> Any:
+    """The generated ``model_config_pb2``, imported on first use: a process that also imports
+    tritonclient (tests, tools) cannot hold both modules (their proto packages clash), and
+    only servers with a Triton repository or load overrides need it."""
+    from plugserve.proto import model_config_pb2
+
+    return model_config_pb2
+
+
 @functools.lru_cache(maxsize=256)
 def _parse_triton(where: str, text: str) -> TritonSettings:
     path = Path(where)
+    mc = _messages()
     try:
         config = text_format.Parse(text, mc.ModelConfig())
     except text_format.ParseError as exc:
@@ -181,7 +190,7 @@ def _parse_triton(where: str, text: str) -> TritonSettings:
     return out
 
 
-def policy_of(message: mc.ModelVersionPolicy, where: Path) -> VersionPolicy:
+def policy_of(message: Any, where: Path) -> VersionPolicy:
     choice = message.WhichOneof("policy_choice")
     if choice == "all":
         return VersionPolicy("all")
@@ -277,7 +286,7 @@ def write_overrides(folder: Path, name: str, config: str | None, files: dict[str
     config.pbtxt, each ``<version>/<file name>`` written inside ``folder`` and nowhere else."""
     if config is not None:
         try:
-            message = json_format.Parse(config, mc.ModelConfig())
+            message = json_format.Parse(config, _messages().ModelConfig())
         except (json_format.ParseError, ValueError) as exc:
             raise InvalidArgument(f"model {name!r}: the 'config' override: {exc}") from None
         (folder / TRITON_FILE).write_text(text_format.MessageToString(message))

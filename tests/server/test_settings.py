@@ -33,6 +33,8 @@ def _values(field: dataclasses.Field) -> tuple[str, str]:
         return "ERROR", "DEBUG"
     if field.name == "log_format":
         return "json", "text"
+    if field.name == "model_control_mode":
+        return "poll", "explicit"
     if field.name in ("exit_on_error", "reuse_grpc_port"):  # 0 or 1
         return str(1 - field.default), str(field.default)
     if isinstance(field.default, float):
@@ -50,6 +52,8 @@ def _flag(field: dataclasses.Field) -> str:
 def test_every_setting_has_a_flag_and_an_env_variable(field, monkeypatch):
     kind = type(field.default)
     flag_value, env_value = _values(field)
+    if field.name == "load_model":  # valid only with the explicit mode
+        monkeypatch.setenv("PLUGSERVE_MODEL_CONTROL_MODE", "explicit")
     env = f"PLUGSERVE_{field.name.upper()}"
     assert Settings.env_name(field.name) == env
     assert getattr(Settings.from_argv([]), field.name) == field.default
