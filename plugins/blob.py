@@ -13,20 +13,12 @@ import struct
 from typing import Any
 
 from plugserve.plugins.api import InvalidArgument
+from plugserve.plugins.version import plugserve_version
 
 MAGIC = b"PLUGSRV\x00"
 FORMAT_VERSION = 1
 
 __all__ = ["FORMAT_VERSION", "MAGIC", "pack", "unpack"]
-
-
-def plugserve_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("plugserve")
-    except PackageNotFoundError:
-        return "0+unknown"
 
 
 def pack(

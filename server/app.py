@@ -27,7 +27,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from plugserve.plugins.api import PlugserveError
-from plugserve.plugins.blob import plugserve_version
+from plugserve.plugins.version import plugserve_version
 from plugserve.proto import plugserve_pb2
 from plugserve.server.allocator import reuse_freed_memory
 from plugserve.server.callgate import CallGate, keepalive_options

@@ -60,9 +60,9 @@ VERBS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] in ("--version", "-V"):
-        from importlib.metadata import version
+        from plugserve.plugins.version import plugserve_version
 
-        print(f"plugserve {version('plugserve')}")
+        print(f"plugserve {plugserve_version()}")
         return 0
     if not args or args[0] in ("-h", "--help"):
         from plugserve.client.cli import VERBS as CLIENT_VERBS

@@ -31,6 +31,7 @@ from plugserve.plugins.api import (
     Plugin,
     PlugserveError,
 )
+from plugserve.plugins.version import plugserve_version
 from plugserve.server.devices import DeviceName, parse_device
 
 __all__ = ["ConfigLimits", "Core", "DeviceInfo"]
@@ -289,7 +290,7 @@ class Core:
                     "device": plugin.name,
                     "config": settings,
                     "architecture": plugin.get_metric("DEVICE_ARCHITECTURE"),
-                    "plugserve": blob.plugserve_version(),
+                    "plugserve": plugserve_version(),
                     "format": blob.FORMAT_VERSION,
                     "extensions": extensions,
                 },

@@ -50,7 +50,7 @@ from plugserve.plugins.api import (
     TensorSpec,
     Unsupported,
 )
-from plugserve.plugins.blob import plugserve_version
+from plugserve.plugins.version import plugserve_version
 from plugserve.proto import grpc_service_pb2 as pb
 from plugserve.proto import grpc_service_pb2_grpc as pb_grpc
 from plugserve.proto import model_config_pb2 as mc

@@ -45,7 +45,7 @@ import uvicorn
 import uvloop
 
 from plugserve.plugins.api import InvalidInput, PlugserveError, Unsupported
-from plugserve.plugins.blob import plugserve_version
+from plugserve.plugins.version import plugserve_version
 from plugserve.proto import grpc_service_pb2 as pb
 from plugserve.server import kserve
 from plugserve.server.dataplane import DataPlane, LoadedNetwork

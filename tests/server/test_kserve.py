@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper
 
-from plugserve.plugins.blob import plugserve_version
+from plugserve.plugins.version import plugserve_version
 
 grpcclient = pytest.importorskip("tritonclient.grpc")
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc  # noqa: E402

@@ -84,7 +84,7 @@ def test_health_and_readiness(client):
 
 
 def test_server_and_model_metadata(client):
-    from plugserve.plugins.blob import plugserve_version
+    from plugserve.plugins.version import plugserve_version
 
     meta = client.get_server_metadata()
     assert meta["name"] == "plugserve" and meta["version"] == plugserve_version()

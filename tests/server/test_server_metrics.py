@@ -104,7 +104,7 @@ def test_device_gauges_and_build_info(server, client, traffic):
     assert samples(text, "plugserve_queue_depth")[numpy] == 0
     assert samples(text, "plugserve_busy_streams")[numpy] == 0
     (build,) = samples(text, "plugserve_build_info").items()
-    from plugserve.plugins.blob import plugserve_version
+    from plugserve.plugins.version import plugserve_version
 
     assert dict(build[0])["version"] == plugserve_version() and build[1] == 1
 

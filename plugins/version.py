@@ -1,0 +1,15 @@
+"""The installed plugserve's version: what blobs record, KServe's server metadata and
+``plugserve_build_info`` report, and ``plugserve --version`` prints."""
+
+from __future__ import annotations
+
+__all__ = ["plugserve_version"]
+
+
+def plugserve_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("plugserve")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "0+unknown"
