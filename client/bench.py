@@ -613,11 +613,6 @@ def _server_specs(client: Any, args: argparse.Namespace) -> list[tuple[str, Any,
     ]
 
 
-#: ``(load, runner class)`` for ``--inprocess``, set by the ``plugserve`` command's server side
-#: (plugserve.server.bench_inprocess.register): the client package does not import the server.
-INPROCESS: tuple[Callable[..., Any], Any] | None = None
-
-
 def bench(client: Any, args: argparse.Namespace) -> int:
     """The ``plugserve bench`` verb (``client`` is unused with ``--inprocess``)."""
     if args.iterations is not None and args.iterations < 1:
@@ -644,12 +639,12 @@ def bench(client: Any, args: argparse.Namespace) -> int:
         "batch": args.batch,
     }
     if args.inprocess:
-        if INPROCESS is None:
+        try:  # only here: the client package needs the server's for nothing else
+            from plugserve.server.bench_inprocess import InprocessRunner, load
+        except ImportError as exc:
             raise SystemExit(
-                "plugserve bench: --inprocess needs the server package; run it through the "
-                "`plugserve` command"
-            )
-        load, InprocessRunner = INPROCESS
+                f"plugserve bench: --inprocess needs plugserve's server package ({exc})"
+            ) from None
         concurrency = args.nireq or args.concurrency
         config = {}
         for item in args.config:

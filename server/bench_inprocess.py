@@ -71,10 +71,3 @@ class InprocessRunner(Runner):
 
     def close(self) -> None:
         self.network.close()
-
-
-def register() -> None:
-    """Give ``plugserve bench --inprocess`` this module's loader and runner."""
-    from plugserve.client import bench
-
-    bench.INPROCESS = (load, InprocessRunner)

@@ -80,10 +80,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     from plugserve.client.cli import run as run_client
 
     if verb in CLIENT_VERBS:
-        if verb == "bench":
-            from plugserve.server.bench_inprocess import register
-
-            register()  # --inprocess runs the Core here; the client package stays server-free
         return run_client(verb, args[1:])
     if verb not in VERBS:
         print(
