@@ -34,7 +34,6 @@ from plugserve.plugins.ir import (
 from plugserve.plugins.numpy.compiled import NumpyCompiledNetwork
 from plugserve.plugins.numpy.config import NumpyConfiguration
 from plugserve.plugins.numpy.engine import compile_plan
-from plugserve.plugins.numpy.fused import register_fused
 from plugserve.plugins.numpy.kernels.registry import KernelEntry, Registry, default_registry
 from plugserve.plugins.passes import PassContext, standard_pipeline
 from plugserve.plugins.shapecheck import shape_model
@@ -76,8 +75,6 @@ class NumpyPlugin(Plugin):
 
         if not default_registry.ops():
             raise BackendUnavailable("no numpy kernels are registered")
-        if not any(d == "ai.plugserve" for d, _ in default_registry.ops()):
-            register_fused(default_registry)
         self.registry: Registry = default_registry.child()
         self.extensions: list[Extension] = []
         self.architecture = f"{platform.machine() or 'unknown'}-numpy{np.__version__.split('.')[0]}"

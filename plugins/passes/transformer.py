@@ -13,7 +13,7 @@
   Linear of the concatenated weights with one output per original (column views).
 
 Every intermediate a fusion swallows must be read by the pattern alone and not be a graph
-output. The kernels are in :mod:`plugserve.plugins.numpy.transformer`.
+output. The kernels are in :mod:`plugserve.plugins.numpy.kernels.attention`.
 """
 
 from __future__ import annotations

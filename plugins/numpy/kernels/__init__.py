@@ -6,6 +6,7 @@ Importing this package registers every kernel in :data:`registry.default_registr
 from plugserve.plugins.numpy.kernels import (  # noqa: F401  (imported to register kernels)
     control,
     elementwise,
+    fused,
     image,
     ml,
     ml_classifiers,

@@ -1,4 +1,5 @@
-"""Kernels for the fused ops the passes create (domain ``ai.plugserve``).
+"""Kernels for the fused ops the passes create (domain ``ai.plugserve``), registered when the
+kernels package is imported.
 
 ``FusedConv``, ``FusedGemm`` and ``FusedMatMul`` are the standard op followed by an activation
 applied in place on the op's fresh output, so the activation costs no extra allocation. The base
@@ -13,9 +14,9 @@ from collections.abc import Callable
 
 import numpy as np
 
+from plugserve.plugins.numpy.kernels.attention import register_attention
 from plugserve.plugins.numpy.kernels.nn import conv_pool_builder
-from plugserve.plugins.numpy.kernels.registry import KernelContext, Registry
-from plugserve.plugins.numpy.transformer import register_transformer
+from plugserve.plugins.numpy.kernels.registry import KernelContext, Registry, default_registry
 from plugserve.plugins.passes.fusion import FUSED_DOMAIN
 
 __all__ = ["register_fused"]
@@ -68,7 +69,7 @@ def register_fused(registry: Registry) -> None:
         registry.register(f"Fused{base}", 1, domain=FUSED_DOMAIN)(_builder(registry))
     registry.register("Gelu", 1, domain=FUSED_DOMAIN)(_standard_builder(registry))
     registry.register("FusedConvPool", 1, domain=FUSED_DOMAIN)(conv_pool_builder)
-    register_transformer(registry, FUSED_DOMAIN)
+    register_attention(registry, FUSED_DOMAIN)
 
 
 def _standard_builder(registry: Registry) -> Callable[[KernelContext], Callable[..., np.ndarray]]:
@@ -105,3 +106,6 @@ def _builder(registry: Registry) -> Callable[[KernelContext], Callable[..., np.n
         return run
 
     return build
+
+
+register_fused(default_registry)

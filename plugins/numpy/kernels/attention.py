@@ -36,13 +36,13 @@ from plugserve.plugins.numpy.kernels.reduce import (
 )
 from plugserve.plugins.numpy.kernels.registry import KernelContext, Registry
 
-__all__ = ["register_transformer"]
+__all__ = ["register_attention"]
 
 _F32 = np.dtype(np.float32)
 _INV_SQRT2 = 1 / math.sqrt(2)
 
 
-def register_transformer(registry: Registry, domain: str) -> None:
+def register_attention(registry: Registry, domain: str) -> None:
     registry.register("Linear", 1, domain=domain, multi_output=True)(linear)
     registry.register("Attention", 1, domain=domain)(attention)
 
