@@ -9,22 +9,14 @@ import threading
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper
+from models import add_constant
 from serving import RunningServer
 
 X = np.arange(4, dtype=np.float32)
 
 
 def plus(constant: float) -> onnx.ModelProto:
-    c = helper.make_tensor("c", TensorProto.FLOAT, [1], [constant])
-    graph = helper.make_graph(
-        [helper.make_node("Add", ["x", "c"], ["y"])],
-        "plus",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])],
-        [c],
-    )
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    return add_constant(constant)
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])

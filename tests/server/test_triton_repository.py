@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper
+from models import add_constant
 from serving import RunningServer
 
 grpcclient = pytest.importorskip("tritonclient.grpc")
@@ -20,17 +20,7 @@ from tritonclient.utils import InferenceServerException  # noqa: E402
 
 def plus(constant: float) -> onnx.ModelProto:
     """y = x + constant, x: [batch, 4]."""
-    c = helper.make_tensor("c", TensorProto.FLOAT, [1], [constant])
-    graph = helper.make_graph(
-        [helper.make_node("Add", ["x", "c"], ["y"])],
-        "plus",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])],
-        [c],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 9  # what the installed onnxruntime reads
-    return model
+    return add_constant(constant, ["batch", 4])
 
 
 def write(root: Path, name: str, config: str | None, versions: dict[int, float], file: str):

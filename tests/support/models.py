@@ -215,3 +215,20 @@ def make_model(nodes, inputs, outputs, initializers=(), opsets=(("", 17),)) -> o
     model.ir_version = 9
     onnx.checker.check_model(model)
     return model
+
+
+def add_constant(constant: float, shape: list[int | str] | None = None) -> onnx.ModelProto:
+    """``y = x + constant``, float32 of ``shape`` (default [4]); IR 9, which every installed
+    runtime reads. Tests that change a served model change the constant and see it."""
+    shape = [4] if shape is None else shape
+    c = helper.make_tensor("c", TensorProto.FLOAT, [1], [constant])
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["x", "c"], ["y"])],
+        "plus",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)],
+        [c],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    return model
