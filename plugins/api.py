@@ -388,18 +388,35 @@ class Plugin(abc.ABC):
             )
         return self._metric(name, options or {})
 
+    #: OPTIMIZATION_CAPABILITIES, for a device whose backend does not report its own
+    CAPABILITIES: tuple[str, ...] = ()
+    #: DEVICE_ARCHITECTURE: what an exported blob must match to be imported here
+    architecture: str = ""
+
+    def device_name(self) -> str:
+        """FULL_DEVICE_NAME: the hardware and backend a person reads in ``plugserve devices``."""
+        return self.name
+
+    def capabilities(self) -> list[str]:
+        return list(self.CAPABILITIES)
+
     def _metric(self, name: str, options: Mapping[str, Any]) -> Any:
+        """The metrics every device answers the same way; a plugin's own ``_metric`` handles
+        its extra ones and calls this for the rest."""
         cores = os.cpu_count() or 1
-        common: dict[str, Any] = {
-            "SUPPORTED_METRICS": self.supported_metrics(),
-            "SUPPORTED_CONFIG_KEYS": list(self.config_class.keys()),
-            "AVAILABLE_DEVICES": [""],
-            "IMPORT_EXPORT_SUPPORT": True,
-            "RANGE_FOR_ASYNC_INFER_REQUESTS": (1, 4 * cores, 1),
-            "RANGE_FOR_STREAMS": (1, cores),
+        common: dict[str, Callable[[], Any]] = {
+            "SUPPORTED_METRICS": self.supported_metrics,
+            "SUPPORTED_CONFIG_KEYS": lambda: list(self.config_class.keys()),
+            "AVAILABLE_DEVICES": lambda: [""],
+            "FULL_DEVICE_NAME": self.device_name,
+            "DEVICE_ARCHITECTURE": lambda: self.architecture,
+            "OPTIMIZATION_CAPABILITIES": self.capabilities,
+            "IMPORT_EXPORT_SUPPORT": lambda: True,
+            "RANGE_FOR_ASYNC_INFER_REQUESTS": lambda: (1, 4 * cores, 1),
+            "RANGE_FOR_STREAMS": lambda: (1, cores),
         }
         if name in common:
-            return common[name]
+            return common[name]()
         raise NotFound(f"device {self.name}: metric {name!r} has no value")
 
     # --- networks

@@ -37,6 +37,7 @@ _OWN_KEYS = {"DEVICE_PRIORITIES", "BATCH_SIZE", "BATCH_TIMEOUT_MS", "DEVICE_ID",
 class BatchPlugin(Plugin):
     name = "BATCH"
     config_class = BatchConfiguration
+    CAPABILITIES = ("EXPORT_IMPORT", "BATCHED_BLOB")
 
     def __init__(self) -> None:
         super().__init__()
@@ -145,11 +146,5 @@ class BatchPlugin(Plugin):
         network = self._devices().import_network(data, device, child)
         return self._wrap(cfg, device, network)
 
-    def _metric(self, name: str, options: Mapping[str, Any]) -> Any:
-        if name == "FULL_DEVICE_NAME":
-            return "BATCH: concurrent requests gathered into batches on one device"
-        if name == "DEVICE_ARCHITECTURE":
-            return self.architecture
-        if name == "OPTIMIZATION_CAPABILITIES":
-            return ["EXPORT_IMPORT", "BATCHED_BLOB"]
-        return super()._metric(name, options)
+    def device_name(self) -> str:
+        return "BATCH: concurrent requests gathered into batches on one device"

@@ -279,14 +279,8 @@ class HeteroPlugin(Plugin):
             self, content.get("name", "network"), cfg, inputs, outputs, steps, constants
         )
 
-    def _metric(self, name: str, options: Mapping[str, Any]) -> Any:
-        if name == "FULL_DEVICE_NAME":
-            return "HETERO: one network split across devices by node affinity"
-        if name == "DEVICE_ARCHITECTURE":
-            return self.architecture
-        if name == "OPTIMIZATION_CAPABILITIES":
-            return []
-        return super()._metric(name, options)
+    def device_name(self) -> str:
+        return "HETERO: one network split across devices by node affinity"
 
 
 def _close(network: CompiledNetwork) -> None:

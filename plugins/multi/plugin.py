@@ -107,14 +107,8 @@ class _Virtual(Plugin):
         )
         return child
 
-    def _metric(self, name: str, options: Mapping[str, Any]) -> Any:
-        if name == "FULL_DEVICE_NAME":
-            return self.full_name
-        if name == "DEVICE_ARCHITECTURE":
-            return self.architecture
-        if name == "OPTIMIZATION_CAPABILITIES":
-            return ["EXPORT_IMPORT"]
-        return super()._metric(name, options)
+    def device_name(self) -> str:
+        return self.full_name
 
     full_name = ""
 
@@ -139,6 +133,7 @@ class _Virtual(Plugin):
 class MultiPlugin(_Virtual):
     name = "MULTI"
     config_class = MultiConfiguration
+    CAPABILITIES = ("EXPORT_IMPORT",)
     full_name = "MULTI: one network on several devices, requests spread over them"
 
     def _priorities(self, cfg: MultiConfiguration) -> list[str]:

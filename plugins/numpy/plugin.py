@@ -62,6 +62,10 @@ class Extension:
 class NumpyPlugin(Plugin):
     name = "NUMPY"
     config_class = NumpyConfiguration
+    CAPABILITIES = (
+        "FP32", "FP16", "FP64", "INT8", "INT16", "INT32", "INT64", "UINT8", "BOOL", "STRING",
+        "EXPORT_IMPORT",
+    )  # fmt: skip
 
     def __init__(self) -> None:
         super().__init__()
@@ -214,25 +218,10 @@ class NumpyPlugin(Plugin):
     def supported_metrics(self) -> list[str]:
         return [*super().supported_metrics(), "SUPPORTED_OPS"]
 
+    def device_name(self) -> str:
+        return f"{cpu_name()} (numpy {np.__version__}, {blas_name()})"
+
     def _metric(self, name: str, options: Mapping[str, Any]) -> Any:
-        if name == "FULL_DEVICE_NAME":
-            return f"{cpu_name()} (numpy {np.__version__}, {blas_name()})"
-        if name == "DEVICE_ARCHITECTURE":
-            return self.architecture
-        if name == "OPTIMIZATION_CAPABILITIES":
-            return [
-                "FP32",
-                "FP16",
-                "FP64",
-                "INT8",
-                "INT16",
-                "INT32",
-                "INT64",
-                "UINT8",
-                "BOOL",
-                "STRING",
-                "EXPORT_IMPORT",
-            ]
         if name == "SUPPORTED_OPS":
             return [f"{d}::{op}" if d else op for d, op in self.registry.ops()]
         return super()._metric(name, options)

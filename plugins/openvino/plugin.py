@@ -308,13 +308,13 @@ class OpenvinoPlugin(Plugin):
 
     # --- metrics
 
+    def device_name(self) -> str:
+        return f"{self.cpu_name} (OpenVINO {self.version})"
+
+    def capabilities(self) -> list[str]:
+        return [str(c) for c in self.core.get_property(TARGET, "OPTIMIZATION_CAPABILITIES")]
+
     def _metric(self, name: str, options: Mapping[str, Any]) -> Any:
-        if name == "FULL_DEVICE_NAME":
-            return f"{self.cpu_name} (OpenVINO {self.version})"
-        if name == "DEVICE_ARCHITECTURE":
-            return self.architecture
-        if name == "OPTIMIZATION_CAPABILITIES":
-            return [str(c) for c in self.core.get_property(TARGET, "OPTIMIZATION_CAPABILITIES")]
         if name == "RANGE_FOR_STREAMS":
             return tuple(int(v) for v in self.core.get_property(TARGET, "RANGE_FOR_STREAMS"))
         if name == "AVAILABLE_DEVICES":

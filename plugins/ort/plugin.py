@@ -45,6 +45,10 @@ __all__ = ["OrtPlugin"]
 class OrtPlugin(Plugin):
     name = "ORT"
     config_class = OrtConfiguration
+    CAPABILITIES = (
+        "FP32", "FP16", "BF16", "FP64", "INT8", "INT16", "INT32", "INT64", "UINT8", "BOOL",
+        "STRING", "EXPORT_IMPORT",
+    )  # fmt: skip
 
     def __init__(self) -> None:
         super().__init__()
@@ -182,26 +186,10 @@ class OrtPlugin(Plugin):
     def supported_metrics(self) -> list[str]:
         return [*super().supported_metrics(), "SUPPORTED_OPS"]
 
+    def device_name(self) -> str:
+        return f"{cpu_name()} (onnxruntime {self.version} {backend.PROVIDER})"
+
     def _metric(self, name: str, options: Mapping[str, Any]) -> Any:
-        if name == "FULL_DEVICE_NAME":
-            return f"{cpu_name()} (onnxruntime {self.version} {backend.PROVIDER})"
-        if name == "DEVICE_ARCHITECTURE":
-            return self.architecture
-        if name == "OPTIMIZATION_CAPABILITIES":
-            return [
-                "FP32",
-                "FP16",
-                "BF16",
-                "FP64",
-                "INT8",
-                "INT16",
-                "INT32",
-                "INT64",
-                "UINT8",
-                "BOOL",
-                "STRING",
-                "EXPORT_IMPORT",
-            ]
         if name == "SUPPORTED_OPS":
             ops = self.kernels.ops() if self.kernels is not None else []
             return [f"{d}::{op}" if d else op for d, op in ops]
