@@ -11,64 +11,34 @@ batch (dynamic quantization's one scale per tensor). The compiled network's metr
 
 from __future__ import annotations
 
-import platform
 from collections.abc import Mapping
 from typing import Any
 
 from plugserve.plugins.api import (
     CompiledNetwork,
-    Devices,
-    FailedPrecondition,
     InvalidArgument,
     Model,
-    Plugin,
-    PlugserveError,
     device_refusals,
 )
 from plugserve.plugins.batch.compiled import BatchCompiledNetwork, row_coupling, unbatchable
 from plugserve.plugins.batch.config import BatchConfiguration
 from plugserve.plugins.ir import load_model, read_model
+from plugserve.plugins.virtual import VirtualPlugin
 
 __all__ = ["BatchPlugin"]
 
 _OWN_KEYS = {"DEVICE_PRIORITIES", "BATCH_SIZE", "BATCH_TIMEOUT_MS", "DEVICE_ID", "CACHE_DIR"}
 
 
-class BatchPlugin(Plugin):
+class BatchPlugin(VirtualPlugin):
     name = "BATCH"
     config_class = BatchConfiguration
     CAPABILITIES = ("EXPORT_IMPORT", "BATCHED_BLOB")
+    OWN_KEYS = frozenset(_OWN_KEYS)
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.architecture = f"{platform.machine() or 'unknown'}-batch1"
-
-    def _devices(self) -> Devices:
-        if self.devices is None:
-            raise FailedPrecondition("BATCH needs a Core to reach other devices")
-        return self.devices
-
-    def merged_config(self, config: Mapping[str, Any] | None, strict: bool = True) -> Any:
-        """Keys of BATCH, plus keys its device knows (handed to that device)."""
-        config = dict(config or {})
-        own = self.config_class.keys()
-        foreign = [k for k in config if k not in own]
-        if foreign:
-            device = config.get("DEVICE_PRIORITIES") or self._config.get("DEVICE_PRIORITIES")
-            try:
-                known = set(self._devices().plugin(str(device)).config_class.keys())
-            except PlugserveError:
-                known = set()
-            unknown = [k for k in foreign if k not in known]
-            if unknown and strict:
-                raise InvalidArgument(
-                    f"BATCH: unsupported config key {unknown[0]!r}; neither BATCH "
-                    f"({', '.join(own)}) nor device {device or '?'} knows it"
-                )
-            config = {k: v for k, v in config.items() if k in own}
-        cfg = super().merged_config(config, strict)
-        cfg.devices = self.devices
-        return cfg
+    def _child_names(self, config: Mapping[str, Any]) -> list[str]:
+        device = config.get("DEVICE_PRIORITIES") or self._config.get("DEVICE_PRIORITIES")
+        return [str(device)] if device else []
 
     def _device(self, cfg: BatchConfiguration) -> str:
         device = cfg.device()
@@ -78,12 +48,6 @@ class BatchPlugin(Plugin):
         if plugin.name in ("MULTI", "AUTO", "HETERO", "BATCH"):
             raise InvalidArgument(f"BATCH: device {device!r} is virtual; batch a real device")
         return device
-
-    def child_config(self, device: str, overrides: Mapping[str, Any], cfg: Any) -> dict:
-        known = set(self._devices().plugin(device).config_class.keys())
-        child = {k: v for k, v in cfg.child_settings().items() if k in known}
-        child.update({k: str(v) for k, v in overrides.items() if k in known and k not in _OWN_KEYS})
-        return child
 
     def _wrap(
         self, cfg: BatchConfiguration, device: str, network: CompiledNetwork

@@ -5,15 +5,9 @@ from __future__ import annotations
 import json
 
 from plugserve.plugins.api import ConfigKey, Configuration
+from plugserve.plugins.virtual import check_device_list, device_list
 
 __all__ = ["HeteroConfiguration"]
-
-
-def _devices(value: str) -> str:
-    items = [p.strip() for p in str(value).split(",")]
-    if any(not p for p in items):
-        raise ValueError("expected a comma-separated device list, e.g. NUMPY,ORT")
-    return ",".join(items)
 
 
 def _affinity(value: str) -> str:
@@ -32,14 +26,16 @@ class HeteroConfiguration(Configuration):
     KEYS = (
         *Configuration.KEYS,
         ConfigKey(
-            "DEVICE_PRIORITIES", "", _devices, doc="devices in priority order (HETERO:A,B sets it)"
+            "DEVICE_PRIORITIES",
+            "",
+            check_device_list,
+            doc="devices in priority order (HETERO:A,B sets it)",
         ),
         ConfigKey("AFFINITY", "", _affinity, doc='JSON {"node": "DEVICE"}: pin nodes to devices'),
     )
 
     def priorities(self) -> list[str]:
-        text = self.get("DEVICE_PRIORITIES")
-        return [p for p in text.split(",") if p] if text else []
+        return device_list(self.get("DEVICE_PRIORITIES"))
 
     def affinity(self) -> dict[str, str]:
         text = self.get("AFFINITY")

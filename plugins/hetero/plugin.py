@@ -13,7 +13,6 @@ from __future__ import annotations
 import base64
 import json
 import logging
-import platform
 from collections.abc import Mapping
 from typing import Any
 
@@ -22,11 +21,9 @@ import numpy as np
 from plugserve.plugins import blob, cancel
 from plugserve.plugins.api import (
     CompiledNetwork,
-    FailedPrecondition,
     InvalidArgument,
     Model,
     NotFound,
-    Plugin,
     PlugserveError,
     refusal_reasons,
 )
@@ -42,6 +39,7 @@ from plugserve.plugins.hetero.typing import type_untyped_values
 from plugserve.plugins.ir import Graph, load_model, read_model, subgraph_free_names
 from plugserve.plugins.passes import PassContext
 from plugserve.plugins.passes.types import infer_extension_types
+from plugserve.plugins.virtual import VirtualPlugin
 
 __all__ = ["HeteroPlugin"]
 
@@ -55,20 +53,11 @@ _OWN_KEYS = {"DEVICE_PRIORITIES", "AFFINITY"}
 MAX_SUBGRAPHS = 256
 
 
-class HeteroPlugin(Plugin):
+class HeteroPlugin(VirtualPlugin):
     name = "HETERO"
     config_class = HeteroConfiguration
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.architecture = f"{platform.machine() or 'unknown'}-hetero1"
-
     # --- helpers
-
-    def _devices(self):
-        if self.devices is None:
-            raise FailedPrecondition("HETERO needs a Core to reach other devices")
-        return self.devices
 
     def _priorities(self, config: HeteroConfiguration) -> list[str]:
         priorities = config.priorities()

@@ -5,27 +5,16 @@ from __future__ import annotations
 from typing import Any
 
 from plugserve.plugins.api import BOOL, ConfigKey, Configuration
+from plugserve.plugins.virtual import check_device_list, device_list
 
-__all__ = ["AutoConfiguration", "MultiConfiguration", "device_list"]
+__all__ = ["AutoConfiguration", "MultiConfiguration"]
 
 #: AUTO's default preference when no DEVICE_PRIORITIES is given.
 DEFAULT_AUTO_PRIORITIES = "OPENVINO,ORT,NUMPY"
 
 
-def device_list(value: str) -> str:
-    text = str(value).strip()
-    if not text:
-        return ""
-    items = [p.strip() for p in text.split(",")]
-    if any(not p for p in items):
-        raise ValueError("expected a comma-separated device list, e.g. ORT,NUMPY")
-    if len(set(items)) != len(items):
-        raise ValueError("a device is listed twice")
-    return ",".join(items)
-
-
 def _names(value: str) -> str:
-    text = device_list(value)
+    text = check_device_list(value)
     return ",".join(p.upper() for p in text.split(",")) if text else ""
 
 
@@ -35,8 +24,7 @@ class _Devices(Configuration):
     devices: Any = None
 
     def priorities(self) -> list[str]:
-        text = self.get("DEVICE_PRIORITIES")
-        return [p for p in text.split(",") if p] if text else []
+        return device_list(self.get("DEVICE_PRIORITIES"))
 
     def child_streams(self, device: str) -> int:
         """The streams a child device would run for a load through this virtual device."""
@@ -70,7 +58,7 @@ class MultiConfiguration(_Devices):
         ConfigKey(
             "DEVICE_PRIORITIES",
             "",
-            device_list,
+            check_device_list,
             doc="devices in priority order (MULTI:A,B sets it)",
         ),
         ConfigKey(
@@ -92,7 +80,7 @@ class AutoConfiguration(_Devices):
         ConfigKey(
             "DEVICE_PRIORITIES",
             "",
-            device_list,
+            check_device_list,
             doc=f"candidate devices in preference order (default {DEFAULT_AUTO_PRIORITIES})",
         ),
         ConfigKey(

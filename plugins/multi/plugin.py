@@ -18,19 +18,15 @@ import base64
 import contextlib
 import json
 import logging
-import platform
 from collections.abc import Mapping
 from typing import Any
 
 from plugserve.plugins import blob
 from plugserve.plugins.api import (
     CompiledNetwork,
-    Devices,
-    FailedPrecondition,
     InvalidArgument,
     Model,
     NotFound,
-    Plugin,
     PlugserveError,
     device_refusals,
 )
@@ -41,6 +37,7 @@ from plugserve.plugins.multi.config import (
     AutoConfiguration,
     MultiConfiguration,
 )
+from plugserve.plugins.virtual import VirtualPlugin, device_list
 
 __all__ = ["AutoPlugin", "MultiPlugin"]
 
@@ -49,63 +46,17 @@ log = logging.getLogger(__name__)
 _OWN_KEYS = {"DEVICE_PRIORITIES", "EXCLUDED_DEVICES", "RUNTIME_FALLBACK", "DEVICE_ID"}
 
 
-class _Virtual(Plugin):
-    """What MULTI and AUTO share: reaching the Core and configuring children."""
+class _Virtual(VirtualPlugin):
+    """What MULTI and AUTO share beyond the virtual base: their refusals and names."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.architecture = f"{platform.machine() or 'unknown'}-{self.name.lower()}1"
+    OWN_KEYS = frozenset(_OWN_KEYS | {"CACHE_DIR"})
 
-    def _devices(self) -> Devices:
-        if self.devices is None:
-            raise FailedPrecondition(f"{self.name} needs a Core to reach other devices")
-        return self.devices
-
-    def merged_config(self, config: Mapping[str, Any] | None, strict: bool = True) -> Any:
-        """Keys of this device, plus keys one of its devices knows (handed to that device)."""
-        config = dict(config or {})
-        own = self.config_class.keys()
-        foreign = [k for k in config if k not in own]
-        if foreign:
-            known = self._child_keys(config)
-            unknown = [k for k in foreign if k not in known]
-            if unknown and strict:
-                raise InvalidArgument(
-                    f"{self.name}: unsupported config key {unknown[0]!r}; neither {self.name} "
-                    f"({', '.join(own)}) nor its devices know it"
-                )
-            config = {k: v for k, v in config.items() if k in own}
-        cfg = super().merged_config(config, strict)
-        cfg.devices = self.devices
-        return cfg
-
-    def _child_keys(self, config: Mapping[str, Any]) -> set[str]:
+    def _child_names(self, config: Mapping[str, Any]) -> list[str]:
         listed = config.get("DEVICE_PRIORITIES") or self._config.get("DEVICE_PRIORITIES")
-        names = [d.strip() for d in str(listed or self._default_devices()).split(",") if d]
-        keys: set[str] = set()
-        for name in names:
-            try:
-                keys |= set(self._devices().plugin(name).config_class.keys())
-            except PlugserveError:
-                continue
-        return keys
+        return device_list(listed or self._default_devices())
 
     def _default_devices(self) -> str:
         return ""
-
-    def child_config(self, device: str, overrides: Mapping[str, Any], config: Any) -> dict:
-        """The settings a child understands: the common keys set here (PERF_COUNT, hints,
-        streams) and the per-call keys it knows; never this device's own keys."""
-        known = set(self._devices().plugin(device).config_class.keys())
-        child = {k: v for k, v in config.child_settings().items() if k in known}
-        child.update(
-            {
-                k: str(v)
-                for k, v in overrides.items()
-                if k in known and k not in _OWN_KEYS and k != "CACHE_DIR"
-            }
-        )
-        return child
 
     def device_name(self) -> str:
         return self.full_name

@@ -1,0 +1,91 @@
+"""What the virtual devices (HETERO, MULTI, AUTO, BATCH) share: they reach other devices
+through the Core, take the config keys their devices know and hand those down, and name their
+device list in ``DEVICE_PRIORITIES`` (parsed by :func:`device_list`, the one parser)."""
+
+from __future__ import annotations
+
+import platform
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+from plugserve.plugins.api import (
+    Devices,
+    FailedPrecondition,
+    InvalidArgument,
+    Plugin,
+    PlugserveError,
+)
+
+__all__ = ["VirtualPlugin", "check_device_list", "device_list"]
+
+
+def check_device_list(value: str) -> str:
+    """DEVICE_PRIORITIES as its config key stores it: ``"A,B"``, each device once."""
+    text = str(value).strip()
+    if not text:
+        return ""
+    items = [p.strip() for p in text.split(",")]
+    if any(not p for p in items):
+        raise ValueError("expected a comma-separated device list, e.g. ORT,NUMPY")
+    if len(set(items)) != len(items):
+        raise ValueError("a device is listed twice")
+    return ",".join(items)
+
+
+def device_list(text: Any) -> list[str]:
+    """``"A, B(2),C"`` -> ``["A", "B(2)", "C"]``: DEVICE_PRIORITIES as a list, blanks dropped."""
+    return [d.strip() for d in str(text or "").split(",") if d.strip()]
+
+
+class VirtualPlugin(Plugin):
+    """A device made of other devices (see the module's docstring)."""
+
+    #: this device's own keys, never handed to a child
+    OWN_KEYS: ClassVar[frozenset[str]] = frozenset({"DEVICE_PRIORITIES", "CACHE_DIR"})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.architecture = f"{platform.machine() or 'unknown'}-{self.name.lower()}1"
+
+    def _devices(self) -> Devices:
+        if self.devices is None:
+            raise FailedPrecondition(f"{self.name} needs a Core to reach other devices")
+        return self.devices
+
+    def _child_names(self, config: Mapping[str, Any]) -> list[str]:
+        """The devices whose keys a config may carry (by default the DEVICE_PRIORITIES set in
+        ``config`` or on this device)."""
+        return device_list(config.get("DEVICE_PRIORITIES") or self._config.get("DEVICE_PRIORITIES"))
+
+    def merged_config(self, config: Mapping[str, Any] | None, strict: bool = True) -> Any:
+        """Keys of this device, plus keys one of its devices knows (handed to that device)."""
+        config = dict(config or {})
+        own = self.config_class.keys()
+        foreign = [k for k in config if k not in own]
+        if foreign:
+            known: set[str] = set()
+            for name in self._child_names(config):
+                try:
+                    known |= set(self._devices().plugin(name).config_class.keys())
+                except PlugserveError:
+                    continue
+            unknown = [k for k in foreign if k not in known]
+            if unknown and strict:
+                raise InvalidArgument(
+                    f"{self.name}: unsupported config key {unknown[0]!r}; neither {self.name} "
+                    f"({', '.join(own)}) nor its devices know it"
+                )
+            config = {k: v for k, v in config.items() if k in own}
+        cfg = super().merged_config(config, strict)
+        cfg.devices = self.devices
+        return cfg
+
+    def child_config(self, device: str, overrides: Mapping[str, Any], config: Any) -> dict:
+        """The settings a child understands: the common keys set here (PERF_COUNT, hints,
+        streams) and the per-call keys it knows; never this device's own keys."""
+        known = set(self._devices().plugin(device).config_class.keys())
+        child = {k: v for k, v in config.child_settings().items() if k in known}
+        child.update(
+            {k: str(v) for k, v in overrides.items() if k in known and k not in self.OWN_KEYS}
+        )
+        return child
