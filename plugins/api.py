@@ -182,6 +182,20 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
+def cpu_name() -> str:
+    """The CPU's model name, for a device's FULL_DEVICE_NAME."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine() or "CPU"
+
+
 class Configuration:
     """A plugin's configuration: every key parsed once, unknown keys refused.
 

@@ -748,3 +748,18 @@ def graph_from_proto(
     )
     result.toposort(outer_scope)
     return result
+
+
+def keep_constants_with_readers(graph: Graph, supported: set[str]) -> None:
+    """The seed's steps 5 and 6 for ONNX (QueryNetwork's housekeeping): a Constant read by a
+    supported node is supported (added if a pass had dropped it); one whose first reader is not
+    supported is pruned, so no device is handed a subgraph made of constants only."""
+    users = graph.consumers()
+    for node in graph.nodes:
+        if node.op_type != "Constant" or node.domain:
+            continue
+        readers = users.get(node.outputs[0], [])
+        if readers and readers[0].name in supported:
+            supported.add(node.name)
+        elif readers:
+            supported.discard(node.name)

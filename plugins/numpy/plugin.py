@@ -22,11 +22,13 @@ from plugserve.plugins.api import (
     InvalidModel,
     Model,
     Plugin,
+    cpu_name,
 )
 from plugserve.plugins.ir import (
     Graph,
     Node,
     graph_from_proto,
+    keep_constants_with_readers,
     load_model,
     read_model,
     refuse_external_data,
@@ -152,7 +154,7 @@ class NumpyPlugin(Plugin):
         # 4. a node is supported only if everything made from it is
         supported -= unsupported
         # 5./6. housekeeping: a Constant goes with the first node that reads it
-        _housekeeping(original, supported)
+        keep_constants_with_readers(original, supported)
         return {name: self.name for name in sorted(supported)}
 
     def unsupported_nodes(
@@ -227,39 +229,10 @@ class NumpyPlugin(Plugin):
         return super()._metric(name, options)
 
 
-def _housekeeping(graph: Graph, supported: set[str]) -> None:
-    """The seed's steps 5 and 6 for ONNX: Constant nodes are the housekeeping nodes.
-
-    A Constant read by a supported node is supported (added if a pass had dropped it); one whose
-    first reader is not supported is pruned, so no device is handed a subgraph made of
-    constants only.
-    """
-    users = graph.consumers()
-    for node in graph.nodes:
-        if node.op_type != "Constant" or node.domain:
-            continue
-        readers = users.get(node.outputs[0], [])
-        if readers and readers[0].name in supported:
-            supported.add(node.name)
-        elif readers:
-            supported.discard(node.name)
-
-
 def _spec(name: str) -> Any:
     from plugserve.plugins.api import TensorSpec
 
     return TensorSpec(name, None, None)
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "CPU"
 
 
 def blas_name() -> str:

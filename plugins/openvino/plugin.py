@@ -26,14 +26,20 @@ from plugserve.plugins.api import (
     TensorSpec,
     Unsupported,
 )
-from plugserve.plugins.ir import Graph, load_model, narrow_value, read_model, refuse_narrow_io
+from plugserve.plugins.ir import (
+    Graph,
+    keep_constants_with_readers,
+    load_model,
+    narrow_value,
+    read_model,
+    refuse_narrow_io,
+)
 from plugserve.plugins.openvino.compiled import OpenvinoCompiledNetwork
 from plugserve.plugins.openvino.config import OpenvinoConfiguration, compile_properties
 from plugserve.plugins.openvino.query import (
     Names,
     cut_model,
     frontend_unsupported,
-    housekeeping,
     owners,
     runtime_names,
     single_node_models,
@@ -246,7 +252,7 @@ class OpenvinoPlugin(Plugin):
         supported = supported_nodes(ov_model, names, answer, refused)
         why = {n: f"openvino has no conversion for {op}" for n, op in refused.items()}
         _refuse_strings(graph, supported, why)
-        housekeeping(graph, supported)
+        keep_constants_with_readers(graph, supported)
         for node in graph.nodes:
             if node.name not in supported and node.name not in why:
                 why[node.name] = f"openvino's {TARGET} device does not support {node.op_type} here"
@@ -274,7 +280,7 @@ class OpenvinoPlugin(Plugin):
             else:
                 supported.add(node.name)
         _refuse_strings(graph, supported, why)
-        housekeeping(graph, supported)
+        keep_constants_with_readers(graph, supported)
         for node in graph.nodes:
             if node.name not in supported:
                 why.setdefault(node.name, "goes with the node that reads it (a Constant)")

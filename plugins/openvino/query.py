@@ -230,19 +230,6 @@ def supported_nodes(
     return {n for n in names.nodes if n not in unsupported}
 
 
-def housekeeping(graph: Graph, supported: set[str]) -> None:
-    """The seed's steps 5 and 6 as NUMPY does them: a Constant goes with its first reader."""
-    users = graph.consumers()
-    for node in graph.nodes:
-        if node.op_type != "Constant" or node.domain:
-            continue
-        readers = users.get(node.outputs[0], [])
-        if readers and readers[0].name in supported:
-            supported.add(node.name)
-        elif readers:
-            supported.discard(node.name)
-
-
 def runtime_names(
     compiled: Any, mapping: dict[str, tuple[str, ...]], graph: Graph | None
 ) -> dict[str, tuple[str, ...]]:

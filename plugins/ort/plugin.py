@@ -23,6 +23,7 @@ from plugserve.plugins.api import (
     Plugin,
     Unsupported,
     available_cores,
+    cpu_name,
 )
 from plugserve.plugins.ir import (
     Graph,
@@ -196,14 +197,3 @@ class OrtPlugin(Plugin):
         if name == "RANGE_FOR_STREAMS":
             return (1, available_cores())
         return super()._metric(name, options)
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "CPU"
