@@ -9,14 +9,16 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from plugserve.plugins.api import (
+    CompiledNetwork,
     Devices,
     FailedPrecondition,
     InvalidArgument,
     Plugin,
     PlugserveError,
+    TensorSpec,
 )
 
-__all__ = ["VirtualPlugin", "check_device_list", "device_list"]
+__all__ = ["OneNetwork", "VirtualPlugin", "check_device_list", "device_list"]
 
 
 def check_device_list(value: str) -> str:
@@ -89,3 +91,18 @@ class VirtualPlugin(Plugin):
             {k: str(v) for k, v in overrides.items() if k in known and k not in self.OWN_KEYS}
         )
         return child
+
+
+class OneNetwork:
+    """Mixed into a virtual device's compiled network that serves one other network's inputs
+    and outputs as its own (AUTO's chosen device, BATCH's device)."""
+
+    network: CompiledNetwork
+
+    @property
+    def inputs(self) -> list[TensorSpec]:
+        return self.network.inputs
+
+    @property
+    def outputs(self) -> list[TensorSpec]:
+        return self.network.outputs

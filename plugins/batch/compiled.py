@@ -34,6 +34,7 @@ from plugserve.plugins.api import (
 from plugserve.plugins.batch.config import BatchConfiguration
 from plugserve.plugins.batch.request import BatchInferRequest
 from plugserve.plugins.streams import RequestFuture
+from plugserve.plugins.virtual import OneNetwork
 
 if TYPE_CHECKING:
     from plugserve.plugins.batch.plugin import BatchPlugin
@@ -87,7 +88,7 @@ class _Item:
         self.future: Future = RequestFuture()
 
 
-class BatchCompiledNetwork(CompiledNetwork):
+class BatchCompiledNetwork(OneNetwork, CompiledNetwork):
     plugin: BatchPlugin
     config: BatchConfiguration
 
@@ -112,14 +113,6 @@ class BatchCompiledNetwork(CompiledNetwork):
         self._stats: dict[int, list[int]] = {}  # rows -> [batches, ns]
         self._batches = itertools.count(1)
         self.last_counts: list[PerfCount] = []
-
-    @property
-    def inputs(self) -> list[TensorSpec]:
-        return self.network.inputs
-
-    @property
-    def outputs(self) -> list[TensorSpec]:
-        return self.network.outputs
 
     # --- the batcher
 

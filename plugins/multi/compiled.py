@@ -14,9 +14,10 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from plugserve.plugins import blob
-from plugserve.plugins.api import CompiledNetwork, InferRequest, TensorSpec
+from plugserve.plugins.api import CompiledNetwork, InferRequest
 from plugserve.plugins.multi.config import AutoConfiguration, MultiConfiguration
 from plugserve.plugins.multi.request import AutoInferRequest, MultiInferRequest
+from plugserve.plugins.virtual import OneNetwork
 
 if TYPE_CHECKING:
     from plugserve.plugins.multi.plugin import AutoPlugin, MultiPlugin
@@ -85,25 +86,29 @@ class MultiCompiledNetwork(CompiledNetwork):
                 self._next += 1
                 while not pool.has_room:
                     self._cond.wait()
-            pool.in_use += 1
-            pool.count += 1
-            request = pool.free.pop() if pool.free else None
-        if request is None:
-            try:
-                request = pool.network.create_infer_request()
-            except BaseException:
-                self.release(pool, None)
-                raise
-        return pool, request
+            request = self._claim(pool)
+        return self._ready(pool, request)
 
     def acquire_on(self, device: str) -> tuple[DevicePool, InferRequest]:
         pool = next(p for p in self.pools if p.device == device)
         with self._cond:
             while not pool.has_room:
                 self._cond.wait()
-            pool.in_use += 1
-            pool.count += 1
-            request = pool.free.pop() if pool.free else None
+            request = self._claim(pool)
+        return self._ready(pool, request)
+
+    @staticmethod
+    def _claim(pool: DevicePool) -> InferRequest | None:
+        """Take a slot of ``pool`` (the lock held, room seen) and its free request if any."""
+        pool.in_use += 1
+        pool.count += 1
+        return pool.free.pop() if pool.free else None
+
+    def _ready(
+        self, pool: DevicePool, request: InferRequest | None
+    ) -> tuple[DevicePool, InferRequest]:
+        """The claimed slot's request: a new one is made outside the lock (it can be slow);
+        if that fails the slot is given back."""
         if request is None:
             try:
                 request = pool.network.create_infer_request()
@@ -158,7 +163,7 @@ class MultiCompiledNetwork(CompiledNetwork):
             _close(pool.network)
 
 
-class AutoCompiledNetwork(CompiledNetwork):
+class AutoCompiledNetwork(OneNetwork, CompiledNetwork):
     """The chosen device's network, reporting the choice through EXECUTION_DEVICES."""
 
     plugin: AutoPlugin
@@ -170,14 +175,6 @@ class AutoCompiledNetwork(CompiledNetwork):
         super().__init__(plugin, network.name, config)
         self.chosen = device
         self.network = network
-
-    @property
-    def inputs(self) -> list[TensorSpec]:
-        return self.network.inputs
-
-    @property
-    def outputs(self) -> list[TensorSpec]:
-        return self.network.outputs
 
     def create_infer_request(self) -> AutoInferRequest:
         return AutoInferRequest(self, self.network.create_infer_request())
