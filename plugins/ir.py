@@ -370,18 +370,21 @@ def _value_info(spec: TensorSpec) -> onnx.ValueInfoProto:
     return helper.make_tensor_value_info(spec.name, elem, shape)
 
 
+def attribute_graphs(attr: onnx.AttributeProto) -> list[onnx.GraphProto]:
+    """The subgraphs an attribute holds (If's branches, Loop's and Scan's bodies): none, one
+    (GRAPH) or several (GRAPHS)."""
+    if attr.type == AttributeProto.GRAPH:
+        return [attr.g]
+    if attr.type == AttributeProto.GRAPHS:
+        return list(attr.graphs)
+    return []
+
+
 def subgraph_free_names(node: Node) -> list[str]:
     """Names a node's subgraphs read from the enclosing scope (implicit inputs)."""
     free: list[str] = []
     for attr in node.attrs.values():
-        graphs = (
-            [attr.g]
-            if attr.type == AttributeProto.GRAPH
-            else list(attr.graphs)
-            if attr.type == AttributeProto.GRAPHS
-            else []
-        )
-        for g in graphs:
+        for g in attribute_graphs(attr):
             for name in _graph_free_names(g):
                 if name not in free:
                     free.append(name)

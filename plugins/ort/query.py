@@ -17,9 +17,9 @@ from collections.abc import Callable, Mapping
 
 import onnx
 import onnx.defs
-from onnx import AttributeProto, TensorProto
+from onnx import TensorProto
 
-from plugserve.plugins.ir import Graph, Node, narrow_value, onnx_dtype
+from plugserve.plugins.ir import Graph, Node, attribute_graphs, narrow_value, onnx_dtype
 from plugserve.plugins.ort.backend import PROVIDER, ort
 
 __all__ = ["KernelIndex", "unsupported_nodes"]
@@ -129,14 +129,7 @@ class KernelIndex:
     ) -> str | None:
         attrs = node.attrs.values() if isinstance(node, Node) else node.attribute
         for attr in attrs:
-            graphs = (
-                [attr.g]
-                if attr.type == AttributeProto.GRAPH
-                else list(attr.graphs)
-                if attr.type == AttributeProto.GRAPHS
-                else []
-            )
-            for sub in graphs:
+            for sub in attribute_graphs(attr):
                 for inner in sub.node:
                     why = self.check(inner, opsets, functions, None, depth + 1)
                     if why:
