@@ -433,6 +433,18 @@ class Plugin(abc.ABC):
             return common[name]()
         raise NotFound(f"device {self.name}: metric {name!r} has no value")
 
+    def _unpack(
+        self, data: bytes, config: Mapping[str, Any] | None
+    ) -> tuple[dict[str, Any], bytes, Any]:
+        """An exported blob of this device: its header, its payload, and the configuration
+        to import it with (the per-call ``config`` over the one it was exported with; keys of
+        the saved one this build no longer knows are dropped, not refused)."""
+        from plugserve.plugins import blob
+
+        header, payload = blob.unpack(data, self.name, self.architecture)
+        saved = self.config_class(header.get("config", {}), throw_on_unsupported=False)
+        return header, payload, self.config_class(config or {}, saved)
+
     # --- networks
 
     @abc.abstractmethod

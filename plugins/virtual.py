@@ -54,6 +54,13 @@ class VirtualPlugin(Plugin):
             raise FailedPrecondition(f"{self.name} needs a Core to reach other devices")
         return self.devices
 
+    def _unpack(
+        self, data: bytes, config: Mapping[str, Any] | None
+    ) -> tuple[dict[str, Any], bytes, Any]:
+        header, payload, cfg = super()._unpack(data, config)
+        cfg.devices = self.devices  # its configuration sizes streams from the children
+        return header, payload, cfg
+
     def _child_names(self, config: Mapping[str, Any]) -> list[str]:
         """The devices whose keys a config may carry (by default the DEVICE_PRIORITIES set in
         ``config`` or on this device)."""

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from plugserve.plugins import blob, cancel
+from plugserve.plugins import cancel
 from plugserve.plugins.api import (
     CompiledNetwork,
     InvalidArgument,
@@ -245,9 +245,7 @@ class HeteroPlugin(VirtualPlugin):
     def import_network(
         self, data: bytes, config: Mapping[str, Any] | None = None
     ) -> CompiledNetwork:
-        header, payload = blob.unpack(data, self.name, self.architecture)
-        saved = HeteroConfiguration(header.get("config", {}), throw_on_unsupported=False)
-        cfg = HeteroConfiguration(config or {}, saved)
+        _, payload, cfg = self._unpack(data, config)
         try:
             content = json.loads(payload)
             steps = []

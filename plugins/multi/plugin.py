@@ -21,7 +21,6 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from plugserve.plugins import blob
 from plugserve.plugins.api import (
     CompiledNetwork,
     InvalidArgument,
@@ -150,10 +149,7 @@ class MultiPlugin(_Virtual):
     def import_network(
         self, data: bytes, config: Mapping[str, Any] | None = None
     ) -> MultiCompiledNetwork:
-        header, payload = blob.unpack(data, self.name, self.architecture)
-        saved = MultiConfiguration(header.get("config", {}), throw_on_unsupported=False)
-        cfg = MultiConfiguration(config or {}, saved)
-        cfg.devices = self.devices
+        header, payload, cfg = self._unpack(data, config)
         try:
             blobs = json.loads(payload)
         except ValueError:
@@ -305,10 +301,7 @@ class AutoPlugin(_Virtual):
     def import_network(
         self, data: bytes, config: Mapping[str, Any] | None = None
     ) -> AutoCompiledNetwork:
-        header, payload = blob.unpack(data, self.name, self.architecture)
-        saved = AutoConfiguration(header.get("config", {}), throw_on_unsupported=False)
-        cfg = AutoConfiguration(config or {}, saved)
-        cfg.devices = self.devices
+        header, payload, cfg = self._unpack(data, config)
         device = header.get("device")
         if not device:
             raise InvalidArgument("exported AUTO network names no device")

@@ -15,7 +15,6 @@ from typing import Any
 import numpy as np
 import onnx
 
-from plugserve.plugins import blob
 from plugserve.plugins.api import (
     BackendUnavailable,
     InvalidArgument,
@@ -171,9 +170,7 @@ class NumpyPlugin(Plugin):
     def import_network(
         self, data: bytes, config: Mapping[str, Any] | None = None
     ) -> NumpyCompiledNetwork:
-        header, payload = blob.unpack(data, self.name, self.architecture)
-        saved = NumpyConfiguration(header.get("config", {}), throw_on_unsupported=False)
-        cfg = NumpyConfiguration(config or {}, saved)
+        header, payload, cfg = self._unpack(data, config)
         proto = onnx.ModelProto()
         try:
             proto.ParseFromString(payload)

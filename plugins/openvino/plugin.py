@@ -17,7 +17,6 @@ from typing import Any
 import numpy as np
 import onnx
 
-from plugserve.plugins import blob
 from plugserve.plugins.api import (
     BackendUnavailable,
     InvalidArgument,
@@ -289,10 +288,9 @@ class OpenvinoPlugin(Plugin):
     def import_network(
         self, data: bytes, config: Mapping[str, Any] | None = None
     ) -> OpenvinoCompiledNetwork:  # a blob of a string model cannot exist: load refuses it
-        header, payload = blob.unpack(data, self.name, self.architecture)
-        saved = OpenvinoConfiguration(header.get("config", {}), throw_on_unsupported=False)
-        cfg = OpenvinoConfiguration(config or {}, saved)
+        header, payload, cfg = self._unpack(data, config)
         # the blob holds a graph compiled for one precision: that one stays
+        saved = OpenvinoConfiguration(header.get("config", {}), throw_on_unsupported=False)
         cfg = OpenvinoConfiguration(
             {"INFERENCE_PRECISION_HINT": saved.get("INFERENCE_PRECISION_HINT")}, cfg
         )

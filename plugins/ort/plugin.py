@@ -14,7 +14,6 @@ from typing import Any
 
 import onnx
 
-from plugserve.plugins import blob
 from plugserve.plugins.api import (
     BackendUnavailable,
     InvalidArgument,
@@ -151,9 +150,7 @@ class OrtPlugin(Plugin):
     def import_network(
         self, data: bytes, config: Mapping[str, Any] | None = None
     ) -> OrtCompiledNetwork:
-        header, payload = blob.unpack(data, self.name, self.architecture)
-        saved = OrtConfiguration(header.get("config", {}), throw_on_unsupported=False)
-        cfg = OrtConfiguration(config or {}, saved)
+        header, payload, cfg = self._unpack(data, config)
         try:
             inputs = [spec_from_json(s) for s in header["inputs"]]
             outputs = [spec_from_json(s) for s in header["outputs"]]
