@@ -45,14 +45,13 @@ from plugserve.plugins.streams import StreamsExecutor
 from plugserve.server.core import Core
 from plugserve.server.devices import parse_device
 from plugserve.server.metrics import Metrics, Recorder
-from plugserve.server.repository import (
+from plugserve.server.repository import Repository, check_name, is_version
+from plugserve.server.triton_config import (
     EVERY_VERSION,
     ModelSettings,
-    Repository,
-    check_name,
-    is_version,
+    VersionPolicy,
+    write_overrides,
 )
-from plugserve.server.triton_config import VersionPolicy, write_overrides
 from plugserve.server.versions import check_version, next_version
 
 __all__ = ["ControlDisabled", "DataPlane", "LoadedNetwork", "ShuttingDown"]

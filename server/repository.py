@@ -30,10 +30,11 @@ from typing import Any
 
 from plugserve.plugins.api import InvalidArgument, NotFound
 from plugserve.server.triton_config import (
+    MODEL_FILE,
     OVMS_KEYS,
     TRITON_FILE,
+    ModelSettings,
     OvmsModel,
-    VersionPolicy,
     read_ovms,
     read_triton,
 )
@@ -45,7 +46,6 @@ log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}")
 _STAGING = re.compile(r"\.(trash\..+|.+\.[0-9]+\..+)")
-MODEL_FILE = "model.onnx"
 CONFIG_FILE = "config.json"
 
 
@@ -88,25 +88,6 @@ def single_model_repository(source: str | os.PathLike, name: str) -> Path:
         (root / name / CONFIG_FILE).symlink_to(model.parent / CONFIG_FILE)
     log.info("serving %s as model %s version 1", files[0], name)
     return root
-
-
-EVERY_VERSION = VersionPolicy("all")
-
-
-@dataclasses.dataclass
-class ModelSettings:
-    device: str = ""
-    config: dict[str, str] = dataclasses.field(default_factory=dict)
-    max_batch_size: int = 0
-    #: requests are gathered into batches (BATCH): always with config.json's max_batch_size,
-    #: with Triton's when it asks for dynamic_batching
-    dynamic_batching: bool = True
-    #: rows a batch gathers (Triton's largest preferred_batch_size); 0: max_batch_size
-    batch_size: int = 0
-    #: config.json: every version loads; Triton and OVMS: their version_policy (latest 1)
-    policy: VersionPolicy = EVERY_VERSION
-    #: the file in each version folder ("": the one .onnx file there, as OVMS finds it)
-    model_file: str = MODEL_FILE
 
 
 @dataclasses.dataclass
@@ -234,16 +215,7 @@ class Repository:
         if ovms is not None:
             base = ModelSettings(ovms.device, dict(ovms.config), policy=ovms.policy, model_file="")
         elif (folder / TRITON_FILE).is_file():
-            t = read_triton(folder / TRITON_FILE)
-            base = ModelSettings(
-                t.device,
-                t.config,
-                t.max_batch_size,
-                t.dynamic_batching,
-                t.batch_size,
-                t.policy,
-                t.model_file or MODEL_FILE,
-            )
+            base = read_triton(folder / TRITON_FILE)
         found = {} if ovms else _read_settings_file(folder / CONFIG_FILE)
         if version:
             found.update(_read_settings_file(folder / str(version) / CONFIG_FILE))

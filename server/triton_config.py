@@ -39,8 +39,11 @@ from google.protobuf import json_format, text_format
 from plugserve.plugins.api import InvalidArgument
 
 __all__ = [
+    "EVERY_VERSION",
+    "MODEL_FILE",
     "OVMS_KEYS",
     "TRITON_FILE",
+    "ModelSettings",
     "VersionPolicy",
     "read_ovms",
     "read_triton",
@@ -95,18 +98,30 @@ class VersionPolicy:
             message.all.SetInParent()
 
 
+EVERY_VERSION = VersionPolicy("all")
+MODEL_FILE = "model.onnx"
+
+
 @dataclasses.dataclass
-class TritonSettings:
+class ModelSettings:
+    """How one model of a repository is served, whichever format said so (plugserve's
+    config.json, Triton's config.pbtxt, OVMS's config.json)."""
+
     device: str = ""
     config: dict[str, str] = dataclasses.field(default_factory=dict)
     max_batch_size: int = 0
-    dynamic_batching: bool = False
+    #: requests are gathered into batches (BATCH): always with config.json's max_batch_size,
+    #: with Triton's when it asks for dynamic_batching
+    dynamic_batching: bool = True
+    #: rows a batch gathers (Triton's largest preferred_batch_size); 0: max_batch_size
     batch_size: int = 0
-    policy: VersionPolicy = VersionPolicy("latest", 1)
-    model_file: str = ""
+    #: config.json: every version loads; Triton and OVMS: their version_policy (latest 1)
+    policy: VersionPolicy = EVERY_VERSION
+    #: the file in each version folder ("": the one .onnx file there, as OVMS finds it)
+    model_file: str = MODEL_FILE
 
 
-def read_triton(path: Path) -> TritonSettings:
+def read_triton(path: Path) -> ModelSettings:
     """``path``: a model folder's config.pbtxt. Errors name the file and the line. Read once
     per content (what is not acted on is logged once, not at every lookup)."""
     try:
@@ -126,14 +141,14 @@ def _messages() -> Any:
 
 
 @functools.lru_cache(maxsize=256)
-def _parse_triton(where: str, text: str) -> TritonSettings:
+def _parse_triton(where: str, text: str) -> ModelSettings:
     path = Path(where)
     mc = _messages()
     try:
         config = text_format.Parse(text, mc.ModelConfig())
     except text_format.ParseError as exc:
         raise InvalidArgument(f"{path}: not a Triton model configuration ({exc})") from None
-    out = TritonSettings()
+    out = ModelSettings(dynamic_batching=False, policy=VersionPolicy("latest", 1))
     ignored = [field.name for field, _ in config.ListFields() if field.name not in _ACTED_ON]
     kind = config.backend or config.platform
     if kind:
@@ -179,7 +194,7 @@ def _parse_triton(where: str, text: str) -> TritonSettings:
     if streams:
         out.config["NUM_STREAMS"] = str(streams)
     out.policy = policy_of(config.version_policy, path)
-    out.model_file = config.default_model_filename
+    out.model_file = config.default_model_filename or MODEL_FILE
     for key, value in config.parameters.items():
         if key.isupper():
             out.config[key] = value.string_value
