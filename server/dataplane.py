@@ -421,7 +421,6 @@ class DataPlane:
             raise
         executor = entry.executor
         admitted = time.perf_counter()
-        feeds = {spec.name: a for spec, a in zip(entry.network.inputs, arrays)}
 
         def run(request: InferRequest) -> dict[str, np.ndarray]:
             started = time.perf_counter()
@@ -431,7 +430,7 @@ class DataPlane:
                     f"({started - admitted:.3f} s in the queue)"
                 )
             try:
-                result = request.infer(feeds)
+                result = request.infer_checked(arrays)  # checked once, above
             except PlugserveError:
                 raise
             except Exception as exc:  # the device's own failure: INTERNAL, naming it

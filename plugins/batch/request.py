@@ -12,7 +12,6 @@ from plugserve.plugins.api import (
     InferRequest,
     InvalidInput,
     PerfCount,
-    check_inputs,
 )
 
 if TYPE_CHECKING:
@@ -24,9 +23,9 @@ __all__ = ["BatchInferRequest"]
 class BatchInferRequest(InferRequest):
     network: BatchCompiledNetwork
 
-    def _queue(self, inputs: Mapping[str, Any]) -> Any:
+    def _queue(self, arrays: list[Any]) -> Any:
+        """Checked inputs into the batcher; the future holds this request's outputs."""
         network = self.network
-        arrays = check_inputs(network.name, network.inputs, inputs)
         rows = {a.shape[0] for a in arrays if isinstance(a, np.ndarray) and a.ndim}
         if len(rows) != 1 or not all(isinstance(a, np.ndarray) and a.ndim for a in arrays):
             raise InvalidInput(
@@ -37,13 +36,13 @@ class BatchInferRequest(InferRequest):
         key = tuple((a.shape[1:], a.dtype.str) for a in arrays)
         return network.submit(arrays, key, rows.pop())
 
-    def infer(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
-        return self._queue(inputs).result()
+    def _infer(self, arrays: list[Any]) -> dict[str, np.ndarray]:
+        return self._queue(arrays).result()
 
     def start_async(self, inputs: Mapping[str, Any], callback: Callback | None = None) -> None:
         """Not on the network's streams: the batcher's future is this run's future."""
         self._refuse_if_busy()
-        self._track(self._queue(inputs), callback)
+        self._track(self._queue(self._prepare(inputs)), callback)
 
     def get_performance_counts(self) -> list[PerfCount]:
         """The device's counts for the last batch this network ran."""

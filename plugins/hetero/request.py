@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -12,7 +11,6 @@ from plugserve.plugins.api import (
     InferRequest,
     PerfCount,
     PlugserveError,
-    check_inputs,
 )
 
 if TYPE_CHECKING:
@@ -37,8 +35,7 @@ class HeteroInferRequest(InferRequest):
             values.update(outputs)
         return {name: values[name] for name in self.network.output_names}
 
-    def _prepare(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
-        arrays = check_inputs(self.network.name, self.network.inputs, inputs)
+    def _feed(self, arrays: list[Any]) -> dict[str, Any]:
         values = dict(self.network.constants)
         values.update(zip(self.network.input_names, arrays))
         return values

@@ -22,7 +22,6 @@ from plugserve.plugins.api import (
     InvalidInput,
     PerfCount,
     PlugserveError,
-    check_inputs,
 )
 
 if TYPE_CHECKING:
@@ -44,10 +43,11 @@ class MultiInferRequest(InferRequest):
         self._counts: list[PerfCount] = []
         self.last_device = ""
 
-    def _run_on(self, pool: Any, request: InferRequest, feeds: dict[str, Any]) -> dict[str, Any]:
+    def _run_on(self, pool: Any, request: InferRequest, arrays: list[Any]) -> dict[str, Any]:
+        """On one device: the values checked here against the same specs go as they are."""
         self.last_device = pool.device
         try:
-            outputs = request.infer(feeds)
+            outputs = request.infer_checked(arrays)
             if self._perf:
                 try:
                     self._counts = [
@@ -61,7 +61,7 @@ class MultiInferRequest(InferRequest):
         self.network.release(pool, request)
         return outputs
 
-    def _run(self, feeds: dict[str, Any]) -> dict[str, np.ndarray]:
+    def _run(self, feeds: list[Any]) -> dict[str, np.ndarray]:
         network = self.network
         pool, request = network.acquire()
         if not network.fallback:
@@ -98,10 +98,6 @@ class MultiInferRequest(InferRequest):
             + "; ".join(reasons)
         )
 
-    def _prepare(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
-        arrays = check_inputs(self.network.name, self.network.inputs, inputs)
-        return {s.name: a for s, a in zip(self.network.inputs, arrays)}
-
     def get_performance_counts(self) -> list[PerfCount]:
         """The counts of this request's last run, from the device that ran it."""
         self._require_perf_counts()
@@ -119,6 +115,9 @@ class AutoInferRequest(InferRequest):
 
     def infer(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
         return self.request.infer(inputs)
+
+    def infer_checked(self, arrays: list[Any]) -> dict[str, np.ndarray]:
+        return self.request.infer_checked(arrays)
 
     def start_async(self, inputs: Mapping[str, Any], callback: Callback | None = None) -> None:
         self.request.start_async(inputs, callback)

@@ -19,7 +19,6 @@ from plugserve.plugins.api import (
     InferRequest,
     PerfCount,
     PlugserveError,
-    check_inputs,
 )
 from plugserve.plugins.shapecheck import shapes_of, translate
 from plugserve.plugins.streams import RequestFuture
@@ -47,8 +46,7 @@ class OpenvinoInferRequest(InferRequest):
 
     # --- running
 
-    def _feeds(self, inputs: Mapping[str, Any]) -> dict[int, np.ndarray]:
-        arrays = check_inputs(self.network.name, self.network.inputs, inputs)
+    def _feed(self, arrays: list[Any]) -> dict[int, np.ndarray]:
         self._shapes = shapes_of([s.name for s in self.network.inputs], arrays)
         return {
             port: _bf16_tensor(array) if array.dtype == _BF16 else _c_order(array)
@@ -89,8 +87,8 @@ class OpenvinoInferRequest(InferRequest):
         error = InferenceError(f"network {self.network.name}: openvino failed{where}: {detail}")
         return translate(error, self.network.name, self.network.shape_model, self._shapes)
 
-    def infer(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
-        feeds = self._feeds(inputs)
+    def _infer(self, arrays: list[Any]) -> dict[str, np.ndarray]:
+        feeds = self._feed(arrays)
         with self._lock:
             self._refuse_if_busy()
             try:
@@ -104,7 +102,7 @@ class OpenvinoInferRequest(InferRequest):
     def start_async(self, inputs: Mapping[str, Any], callback: Callback | None = None) -> None:
         """openvino's own async, not the base ``_start``: openvino runs the request, so the
         future here is settled by openvino's callback or, on failure, by a waiting thread."""
-        feeds = self._feeds(inputs)
+        feeds = self._prepare(inputs)
         with self._lock:
             self._refuse_if_busy()
             future: Future = RequestFuture()

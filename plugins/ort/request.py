@@ -15,7 +15,7 @@ import contextlib
 import json
 import os
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -24,7 +24,6 @@ from plugserve.plugins.api import (
     InferenceError,
     InferRequest,
     PerfCount,
-    check_inputs,
 )
 from plugserve.plugins.ort import backend
 from plugserve.plugins.shapecheck import translate
@@ -47,8 +46,7 @@ class OrtInferRequest(InferRequest):
         self._counts: list[PerfCount] = []
         self._lock = threading.Lock()
 
-    def _prepare(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
-        arrays = check_inputs(self.network.name, self.network.inputs, inputs)
+    def _feed(self, arrays: list[Any]) -> dict[str, Any]:
         return {n: a for n, a in zip(self.network.input_names, arrays) if a is not None}
 
     def _run(self, feeds: dict[str, Any]) -> dict[str, np.ndarray]:
