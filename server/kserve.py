@@ -36,87 +36,37 @@ Choices where KServe/Triton leave room or plugserve differs:
 
 from __future__ import annotations
 
-import types
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import grpc
-import ml_dtypes
-import numpy as np
 
 from plugserve.plugins.api import (
     InvalidInput,
     NotFound,
-    TensorSpec,
     Unsupported,
 )
 from plugserve.plugins.version import plugserve_version
 from plugserve.proto import grpc_service_pb2 as pb
 from plugserve.proto import grpc_service_pb2_grpc as pb_grpc
-from plugserve.proto import model_config_pb2 as mc
-from plugserve.proto.tensors import (
-    Pieces,
-    TensorFormatError,
-    array_payload,
-    check_shape,
-    check_string_count,
-    field_pieces,
-    from_tensor,
-)
-from plugserve.server.dataplane import DataPlane, LoadedNetwork
-from plugserve.server.errors import status_of
+from plugserve.server.dataplane import DataPlane
 from plugserve.server.handlers import add_service, deadline, pump, result
-from plugserve.server.triton_config import VersionPolicy
+from plugserve.server.kserve_convert import (
+    EXTENSIONS,
+    infer_response,
+    model_config,
+    model_metadata,
+    model_statistics,
+    parameter_values,
+    refuse_sequence,
+    request_inputs,
+    requested_outputs,
+    stream_error,
+    stream_response,
+)
 from plugserve.server.versions import parse_version
 
 __all__ = ["KServeServicer", "add_kserve_service", "load"]
-
-SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
-PLATFORM = "onnxruntime_onnx"
-BACKEND = "plugserve"
-EXTENSIONS = ["model_repository", "model_configuration", "statistics"]
-
-# KServe datatype -> numpy dtype (BF16 is ml_dtypes', as tritonclient's; the float8/int4 types
-# have no KServe datatype and travel on plugserve.v1 only)
-DATATYPES: dict[str, np.dtype] = {
-    "BOOL": np.dtype(bool),
-    "UINT8": np.dtype(np.uint8),
-    "UINT16": np.dtype(np.uint16),
-    "UINT32": np.dtype(np.uint32),
-    "UINT64": np.dtype(np.uint64),
-    "INT8": np.dtype(np.int8),
-    "INT16": np.dtype(np.int16),
-    "INT32": np.dtype(np.int32),
-    "INT64": np.dtype(np.int64),
-    "FP16": np.dtype(np.float16),
-    "FP32": np.dtype(np.float32),
-    "FP64": np.dtype(np.float64),
-    "BF16": np.dtype(ml_dtypes.bfloat16),
-    "BYTES": np.dtype(object),
-}
-_BY_DTYPE = {dtype: name for name, dtype in DATATYPES.items()}
-
-# Field numbers of the composed messages (grpc_service.proto).
-_RAW_OUTPUT = pb.ModelInferResponse.DESCRIPTOR.fields_by_name["raw_output_contents"].number
-_STREAM_INFER_RESPONSE = pb.ModelStreamInferResponse.DESCRIPTOR.fields_by_name[
-    "infer_response"
-].number
-
-# KServe datatype -> the InferTensorContents field that carries it (FP16, BF16: raw only)
-CONTENTS = {
-    "BOOL": "bool_contents",
-    "INT8": "int_contents",
-    "INT16": "int_contents",
-    "INT32": "int_contents",
-    "INT64": "int64_contents",
-    "UINT8": "uint_contents",
-    "UINT16": "uint_contents",
-    "UINT32": "uint_contents",
-    "UINT64": "uint64_contents",
-    "FP32": "fp32_contents",
-    "FP64": "fp64_contents",
-    "BYTES": "bytes_contents",
-}
 
 _UNIMPLEMENTED = {
     "SystemSharedMemoryStatus": "system shared memory",
@@ -128,224 +78,6 @@ _UNIMPLEMENTED = {
     "TraceSetting": "trace settings",
     "LogSettings": "log settings",
 }
-
-
-# ------------------------------------------------------------------ converters
-
-
-def datatype_of(dtype: np.dtype | None) -> str:
-    """The KServe datatype of a numpy dtype ('' when the network does not declare one)."""
-    if dtype is None:
-        return ""
-    dtype = np.dtype(dtype)
-    if dtype.kind in "OUS":
-        return "BYTES"
-    name = _BY_DTYPE.get(dtype.newbyteorder("="))  # the wire is little-endian whatever it was
-    if name is None:
-        raise Unsupported(f"element type {dtype} has no KServe datatype")
-    return name
-
-
-def dims_of(spec: TensorSpec) -> list[int]:
-    """A spec's shape with -1 for every dynamic dimension ([] when the rank is unknown)."""
-    return [d if isinstance(d, int) and d >= 0 else -1 for d in spec.shape or ()]
-
-
-def model_metadata(entry: LoadedNetwork, versions: list[int]) -> pb.ModelMetadataResponse:
-    response = pb.ModelMetadataResponse(
-        name=entry.name, versions=[str(v) for v in versions], platform=PLATFORM
-    )
-    for specs, out in (
-        (entry.network.inputs, response.inputs),
-        (entry.network.outputs, response.outputs),
-    ):
-        for spec in specs:
-            out.add(name=spec.name, datatype=datatype_of(spec.dtype), shape=dims_of(spec))
-    return response
-
-
-def config_data_type(dtype: np.dtype | None) -> int:
-    datatype = datatype_of(dtype)
-    if not datatype:
-        return mc.TYPE_INVALID
-    return mc.DataType.Value("TYPE_STRING" if datatype == "BYTES" else f"TYPE_{datatype}")
-
-
-def model_config(entry: LoadedNetwork, policy: VersionPolicy) -> mc.ModelConfig:
-    """As Triton: with max_batch_size > 0 the leading (batch) dimension is not in ``dims``;
-    ``policy``: the versions the repository loads of it (see ``DataPlane.version_policy``)."""
-    config = mc.ModelConfig(
-        name=entry.name,
-        platform=PLATFORM,
-        backend=BACKEND,
-        max_batch_size=entry.max_batch_size,
-    )
-    policy.to_proto(config.version_policy)
-    config.parameters["device"].string_value = entry.device
-    batching = entry.network.batching()
-    if batching is not None:
-        size, timeout_ms = batching
-        config.dynamic_batching.preferred_batch_size.append(size)
-        config.dynamic_batching.max_queue_delay_microseconds = int(timeout_ms * 1000)
-    skip = 1 if entry.max_batch_size > 0 else 0
-    for spec in entry.network.inputs:
-        config.input.add(
-            name=spec.name, data_type=config_data_type(spec.dtype), dims=dims_of(spec)[skip:]
-        )
-    for spec in entry.network.outputs:
-        config.output.add(
-            name=spec.name, data_type=config_data_type(spec.dtype), dims=dims_of(spec)[skip:]
-        )
-    return config
-
-
-def input_array(tensor, raw: bytes | None, entry: LoadedNetwork) -> np.ndarray:
-    """One request input as an array, from its raw bytes or its typed contents; its element
-    type is checked against the network's before any data is decoded."""
-    where = f"input {tensor.name!r}"
-    dtype = DATATYPES.get(tensor.datatype)
-    if dtype is None:
-        raise InvalidInput(
-            f"{where}: datatype {tensor.datatype!r} is not supported; "
-            f"use one of {', '.join(DATATYPES)}"
-        )
-    entry.expect(tensor.name, dtype)
-    if raw is not None:
-        if tensor.HasField("contents"):
-            raise InvalidInput(
-                f"{where}: has both raw_input_contents and contents; "
-                "send every input in raw_input_contents or every input in contents"
-            )
-        return _from_raw(tensor, dtype, raw, where)
-    try:
-        shape = list(check_shape(list(tensor.shape), where))
-    except TensorFormatError as exc:
-        raise InvalidInput(str(exc)) from None
-    count = 1
-    for dim in shape:  # Python ints: np.prod would wrap around for huge dims
-        count *= dim
-    field = CONTENTS.get(tensor.datatype)
-    values = getattr(tensor.contents, field) if field else ()
-    if field is None and count:
-        raise InvalidInput(f"{where}: {tensor.datatype} data must be sent in raw_input_contents")
-    if len(values) != count:
-        raise InvalidInput(
-            f"{where}: {len(values)} values in contents.{field}, but shape {shape} needs {count}"
-        )
-    if dtype == np.dtype(object):
-        check_string_count(count, where)
-        array = np.empty(count, dtype=object)
-        array[:] = [v.decode("utf-8", errors="replace") for v in values]
-        return array.reshape(shape)
-    try:
-        array = np.array(values, dtype=dtype)
-    except (OverflowError, ValueError) as exc:
-        raise InvalidInput(f"{where}: a value does not fit {tensor.datatype}: {exc}") from None
-    try:
-        return array.reshape(shape)
-    except ValueError as exc:  # a 0-size tensor with huge dims
-        raise InvalidInput(f"{where}: shape {shape} cannot be held: {exc}") from None
-
-
-def _from_raw(tensor, dtype: np.dtype, raw: bytes, where: str) -> np.ndarray:
-    name = "string" if dtype == np.dtype(object) else dtype.name
-    message = types.SimpleNamespace(name=tensor.name, dtype=name, shape=tensor.shape, data=raw)
-    try:
-        return from_tensor(message, where)
-    except TensorFormatError as exc:
-        raise InvalidInput(str(exc)) from None
-    except ValueError as exc:  # numpy refuses the shape (a 0-size tensor with huge dims)
-        raise InvalidInput(f"{where}: shape {list(tensor.shape)} cannot be held: {exc}") from None
-
-
-def request_inputs(request: pb.ModelInferRequest, entry: LoadedNetwork) -> dict[str, np.ndarray]:
-    raw = list(request.raw_input_contents)
-    if raw and len(raw) != len(request.inputs):
-        raise InvalidInput(
-            f"{len(raw)} raw_input_contents for {len(request.inputs)} inputs: "
-            "send one raw_input_contents entry per input, in the order of the inputs"
-        )
-    inputs: dict[str, np.ndarray] = {}
-    for index, tensor in enumerate(request.inputs):
-        if tensor.name in inputs:
-            raise InvalidInput(f"input {tensor.name!r} is given more than once")
-        inputs[tensor.name] = input_array(tensor, raw[index] if raw else None, entry)
-    return inputs
-
-
-def requested_outputs(request: pb.ModelInferRequest) -> list[str]:
-    for output in request.outputs:
-        if "classification" in output.parameters:
-            raise Unsupported(
-                f"output {output.name!r}: classification is not supported; "
-                "request the output without class_count"
-            )
-    return [o.name for o in request.outputs]
-
-
-def infer_response(
-    request: pb.ModelInferRequest, entry: LoadedNetwork, outputs: dict[str, np.ndarray]
-) -> Pieces:
-    """A ``ModelInferResponse`` as wire pieces (see ``proto.tensors``): the outputs travel as
-    ``raw_output_contents``, and their data is not copied until the pieces are joined."""
-    response = pb.ModelInferResponse(
-        model_name=entry.name, model_version=str(entry.version), id=request.id
-    )
-    payloads = []
-    for name, array in outputs.items():
-        array = np.asarray(array)
-        response.outputs.add(name=name, datatype=datatype_of(array.dtype), shape=array.shape)
-        payloads.append(array_payload(array))
-    pieces: Pieces = [response.SerializeToString()]
-    for payload in payloads:  # a repeated bytes field keeps its empty entries
-        pieces += field_pieces(_RAW_OUTPUT, [payload])
-    return pieces
-
-
-def _stream_response(
-    request: pb.ModelInferRequest, entry: LoadedNetwork, outputs: dict[str, np.ndarray]
-) -> bytes:
-    return b"".join(field_pieces(_STREAM_INFER_RESPONSE, infer_response(request, entry, outputs)))
-
-
-def stream_error(request: pb.ModelInferRequest, exc: BaseException) -> pb.ModelStreamInferResponse:
-    _, message = status_of(exc)
-    response = pb.ModelStreamInferResponse(error_message=message)
-    response.infer_response.model_name = request.model_name
-    response.infer_response.model_version = request.model_version
-    response.infer_response.id = request.id
-    return response
-
-
-def model_statistics(entry: LoadedNetwork) -> pb.ModelStatistics:
-    s = entry.recorder.stats()
-    stats = pb.ModelStatistics(
-        name=entry.name,
-        version=str(entry.version),
-        last_inference=s.last_inference_ms,
-        inference_count=s.success,
-        execution_count=s.execution_count,
-    )
-    inference = stats.inference_stats
-    inference.success.count = s.success
-    inference.success.ns = s.queue_ns + s.compute_ns
-    inference.fail.count = s.failure
-    inference.queue.count = s.success
-    inference.queue.ns = s.queue_ns
-    inference.compute_infer.count = s.success
-    inference.compute_input.count = s.success
-    inference.compute_output.count = s.success
-    inference.compute_infer.ns = s.compute_ns
-    executed = entry.network.batch_statistics()
-    if executed is not None:
-        stats.execution_count = sum(count for count, _ in executed.values())
-        for size, (count, ns) in sorted(executed.items()):
-            batch = stats.batch_stats.add(batch_size=size)
-            batch.compute_infer.count = count
-            batch.compute_input.count = count
-            batch.compute_output.count = count
-            batch.compute_infer.ns = ns
-    return stats
 
 
 # ------------------------------------------------------------------ the service
@@ -414,7 +146,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             request_iterator,
             context,
             self._submit,
-            _stream_response,
+            stream_response,
             stream_error,
             "kserve-stream-reader",
         )
@@ -451,29 +183,6 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         self.plane.check_control(f"unload of model {request.model_name!r}")
         self.plane.unload(request.model_name, 0, remove=False)
         return pb.RepositoryModelUnloadResponse()
-
-
-_SEQUENCE = ("sequence_id", "sequence_start", "sequence_end")
-
-
-def refuse_sequence(parameters: Mapping[str, Any]) -> None:
-    """No network here has Triton's sequence batcher: a request that names a sequence would be
-    run as if it did not, without the state its client counts on, so it is refused (as Triton
-    refuses it for a model without sequence batching). Zero and empty values name nothing."""
-    given = [k for k in _SEQUENCE if parameters.get(k) not in (None, 0, "", False)]
-    if given:
-        raise InvalidInput(
-            f"request parameters {', '.join(given)}: this server has no sequence batching "
-            "(stateful models); send the request without them"
-        )
-
-
-def parameter_values(parameters: Mapping[str, Any]) -> dict[str, Any]:
-    """A gRPC request's ``InferParameter`` map as plain values."""
-    return {
-        k: getattr(v, v.WhichOneof("parameter_choice") or "bool_param")
-        for k, v in parameters.items()
-    }
 
 
 def load(plane: DataPlane, name: str, parameters: Mapping[str, Any]) -> None:

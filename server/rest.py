@@ -47,7 +47,7 @@ import uvloop
 from plugserve.plugins.api import InvalidInput, PlugserveError, Unsupported
 from plugserve.plugins.version import plugserve_version
 from plugserve.proto import grpc_service_pb2 as pb
-from plugserve.server import kserve
+from plugserve.server import kserve, kserve_convert
 from plugserve.server.dataplane import DataPlane, LoadedNetwork
 from plugserve.server.errors import HTTP_STATUS, http_status_of
 from plugserve.server.rest_convert import (
@@ -259,7 +259,11 @@ class RestApp:
 
     def server_metadata(self, call: Call) -> Reply:
         return _json(
-            {"name": "plugserve", "version": plugserve_version(), "extensions": kserve.EXTENSIONS}
+            {
+                "name": "plugserve",
+                "version": plugserve_version(),
+                "extensions": kserve_convert.EXTENSIONS,
+            }
         )
 
     def model_ready(self, call: Call) -> Reply:
@@ -269,12 +273,12 @@ class RestApp:
     def model_metadata(self, call: Call) -> Reply:
         entry = self.plane.get(call.path["name"], call.version)
         versions = sorted(n.version for n in self.plane.networks() if n.name == entry.name)
-        return _json(message_json(kserve.model_metadata(entry, versions)))
+        return _json(message_json(kserve_convert.model_metadata(entry, versions)))
 
     def model_config(self, call: Call) -> Reply:
         entry = self.plane.get(call.path["name"], call.version)
         policy = self.plane.version_policy(entry.name)
-        return _json(message_json(kserve.model_config(entry, policy)))
+        return _json(message_json(kserve_convert.model_config(entry, policy)))
 
     def statistics(self, call: Call) -> Reply:
         if "name" in call.path:
@@ -283,7 +287,7 @@ class RestApp:
             entries = self.plane.networks()
         entries.sort(key=lambda n: (n.name, n.version))
         response = pb.ModelStatisticsResponse(
-            model_stats=[kserve.model_statistics(n) for n in entries]
+            model_stats=[kserve_convert.model_statistics(n) for n in entries]
         )
         return _json(message_json(response))
 

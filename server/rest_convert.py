@@ -35,7 +35,7 @@ from plugserve.proto.tensors import (
     check_shape,
     decode_strings,
 )
-from plugserve.server.kserve import DATATYPES, datatype_of, refuse_sequence
+from plugserve.server.kserve_convert import DATATYPES, datatype_of, refuse_sequence
 
 #: ``LoadedNetwork.expect``: refuses an input's element type before its data is decoded.
 Expect = Callable[[str, np.dtype], None]
