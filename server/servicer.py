@@ -3,98 +3,28 @@
 from __future__ import annotations
 
 import functools
-import json
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
-import numpy as np
 
 from plugserve.plugins import cancel
-from plugserve.plugins.api import FailedPrecondition, InvalidArgument, InvalidInput, listing
+from plugserve.plugins.api import FailedPrecondition, InvalidArgument
 from plugserve.proto import plugserve_pb2 as pb
 from plugserve.proto import plugserve_pb2_grpc as pb_grpc
-from plugserve.proto.tensors import (
-    DTYPES,
-    Pieces,
-    TensorFormatError,
-    array_payload,
-    dtype_name,
-    field_pieces,
-    spec_to_proto,
-)
-from plugserve.proto.tensors import from_tensor as _from_tensor
-from plugserve.server.dataplane import DataPlane, LoadedNetwork
-from plugserve.server.errors import status_of
+from plugserve.server.dataplane import DataPlane
 from plugserve.server.handlers import deadline, pump, result
+from plugserve.server.plugserve_convert import (
+    infer_response,
+    metric_json,
+    network_info,
+    request_inputs,
+    stream_error,
+    stream_response,
+)
 
-__all__ = ["PlugserveServicer", "infer_response", "network_info"]
-
-# Field numbers of the composed messages (plugserve.proto).
-_RESPONSE_OUTPUTS = pb.InferResponse.DESCRIPTOR.fields_by_name["outputs"].number
-_TENSOR_DATA = pb.Tensor.DESCRIPTOR.fields_by_name["data"].number
-_STREAM_RESPONSE = pb.InferStreamResponse.DESCRIPTOR.fields_by_name["response"].number
-
-
-def network_info(message: pb.NetworkInfo, entry: LoadedNetwork) -> pb.NetworkInfo:
-    message.name = entry.name
-    message.version = entry.version
-    message.device = entry.device
-    message.persisted = entry.persisted
-    message.max_batch_size = entry.max_batch_size
-    for spec in entry.network.inputs:
-        spec_to_proto(message.inputs.add(), spec)
-    for spec in entry.network.outputs:
-        spec_to_proto(message.outputs.add(), spec)
-    message.config.update(entry.network.config.to_strings())
-    return message
-
-
-def infer_response(
-    request_id: str, network: str, version: int, outputs: Mapping[str, Any]
-) -> Pieces:
-    """An ``InferResponse`` as wire pieces (see ``proto.tensors``): the data is not copied
-    until the pieces are joined."""
-    head = pb.InferResponse(id=request_id, network=network, version=version)
-    pieces: Pieces = [head.SerializeToString()]
-    for name, array in outputs.items():
-        array = np.asarray(array)
-        meta = pb.Tensor(name=name, dtype=dtype_name(array.dtype), shape=array.shape)
-        tensor: Pieces = [meta.SerializeToString()]
-        payload = array_payload(array)
-        if len(payload):  # proto3 leaves an empty bytes field out
-            tensor += field_pieces(_TENSOR_DATA, [payload])
-        pieces += field_pieces(_RESPONSE_OUTPUTS, tensor)
-    return pieces
-
-
-def _stream_response(request: pb.InferRequest, entry: LoadedNetwork, outputs: dict) -> bytes:
-    head = pb.InferStreamResponse(id=request.id).SerializeToString()
-    pieces = infer_response(request.id, entry.name, entry.version, outputs)
-    return b"".join([head, *field_pieces(_STREAM_RESPONSE, pieces)])
-
-
-def _stream_error(request: pb.InferRequest, exc: BaseException) -> pb.InferStreamResponse:
-    code, message = status_of(exc)
-    return pb.InferStreamResponse(
-        id=request.id, error=pb.Status(code=code.value[0], message=message)
-    )
-
-
-def from_tensor(tensor: pb.Tensor):
-    try:
-        return _from_tensor(tensor)
-    except TensorFormatError as exc:
-        raise InvalidInput(str(exc)) from None
-    except ValueError as exc:  # numpy refuses the shape (a 0-size tensor with huge dims)
-        raise InvalidInput(
-            f"input {tensor.name!r}: shape {list(tensor.shape)} cannot be held: {exc}"
-        ) from None
-
-
-def _json(value: Any) -> str:
-    return json.dumps(value, default=lambda v: list(v) if isinstance(v, tuple | set) else str(v))
+__all__ = ["PlugserveServicer"]
 
 
 def _stops_when_gone(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -106,11 +36,6 @@ def _stops_when_gone(method: Callable[..., Any]) -> Callable[..., Any]:
             return method(self, request, context)
 
     return call
-
-
-def _repeated(tensors: Any) -> str:
-    names = [t.name for t in tensors]
-    return listing(sorted({n for n in names if names.count(n) > 1}))
 
 
 class PlugserveServicer(pb_grpc.PlugserveServicer):
@@ -138,13 +63,13 @@ class PlugserveServicer(pb_grpc.PlugserveServicer):
 
     def GetMetric(self, request, context):
         if not request.device and not request.network and request.name == "SERVER_PORTS":
-            return pb.GetMetricResponse(value_json=_json(self.plane.ports))
+            return pb.GetMetricResponse(value_json=metric_json(self.plane.ports))
         if request.network:
             entry = self.plane.get(request.network, request.version)
             value = entry.network.get_metric(request.name)
         else:
             value = self.plane.core.get_metric(request.device, request.name)
-        return pb.GetMetricResponse(value_json=_json(value))
+        return pb.GetMetricResponse(value_json=metric_json(value))
 
     def GetConfig(self, request, context):
         plugin = self.plane.core.plugin(request.device)
@@ -205,12 +130,7 @@ class PlugserveServicer(pb_grpc.PlugserveServicer):
     def _submit(self, request: pb.InferRequest, context, inline: bool = False):
         """One lookup: the entry runs the request and names the response."""
         entry = self.plane.get(request.network, request.version)
-        for tensor in request.inputs:  # element types first: nothing decoded for a wrong one
-            if tensor.dtype in DTYPES:
-                entry.expect(tensor.name, DTYPES[tensor.dtype])
-        inputs = {t.name: from_tensor(t) for t in request.inputs}
-        if len(inputs) != len(request.inputs):  # as KServe: one value per input, never two
-            raise InvalidInput(f"input(s) sent more than once: {_repeated(request.inputs)}")
+        inputs = request_inputs(request, entry)
         future = self.plane.submit(entry, inputs, list(request.outputs), deadline(context), inline)
         return entry, future
 
@@ -226,8 +146,8 @@ class PlugserveServicer(pb_grpc.PlugserveServicer):
             request_iterator,
             context,
             self._submit,
-            _stream_response,
-            _stream_error,
+            stream_response,
+            stream_error,
             "infer-stream-reader",
         )
 

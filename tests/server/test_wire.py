@@ -26,7 +26,7 @@ COMPOSED_ARRAYS = {
 
 @pytest.mark.parametrize("names", [list(COMPOSED_ARRAYS), ["empty"], []])
 def test_composed_plugserve_response_is_protobufs_own_serialization(names):
-    from plugserve.server.servicer import infer_response
+    from plugserve.server.plugserve_convert import infer_response
 
     outputs = {name: COMPOSED_ARRAYS[name] for name in names}
     composed = b"".join(infer_response("req-1", "net", 3, outputs))

@@ -1,0 +1,118 @@
+"""plugserve.v1 messages <-> arrays and plugserve's objects: tensors in (the element type
+checked before the data is decoded), responses out (composed as wire bytes, see
+``proto.tensors``), network descriptions and metric values. The service is
+:mod:`plugserve.server.servicer`."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from plugserve.plugins.api import InvalidInput, listing
+from plugserve.proto import plugserve_pb2 as pb
+from plugserve.proto.tensors import (
+    DTYPES,
+    Pieces,
+    TensorFormatError,
+    array_payload,
+    dtype_name,
+    field_pieces,
+    spec_to_proto,
+)
+from plugserve.proto.tensors import from_tensor as _from_tensor
+from plugserve.server.dataplane import LoadedNetwork
+from plugserve.server.errors import status_of
+
+__all__ = [
+    "infer_response",
+    "metric_json",
+    "network_info",
+    "request_inputs",
+    "stream_error",
+    "stream_response",
+]
+
+# Field numbers of the composed messages (plugserve.proto).
+_RESPONSE_OUTPUTS = pb.InferResponse.DESCRIPTOR.fields_by_name["outputs"].number
+_TENSOR_DATA = pb.Tensor.DESCRIPTOR.fields_by_name["data"].number
+_STREAM_RESPONSE = pb.InferStreamResponse.DESCRIPTOR.fields_by_name["response"].number
+
+
+def network_info(message: pb.NetworkInfo, entry: LoadedNetwork) -> pb.NetworkInfo:
+    message.name = entry.name
+    message.version = entry.version
+    message.device = entry.device
+    message.persisted = entry.persisted
+    message.max_batch_size = entry.max_batch_size
+    for spec in entry.network.inputs:
+        spec_to_proto(message.inputs.add(), spec)
+    for spec in entry.network.outputs:
+        spec_to_proto(message.outputs.add(), spec)
+    message.config.update(entry.network.config.to_strings())
+    return message
+
+
+def infer_response(
+    request_id: str, network: str, version: int, outputs: Mapping[str, Any]
+) -> Pieces:
+    """An ``InferResponse`` as wire pieces (see ``proto.tensors``): the data is not copied
+    until the pieces are joined."""
+    head = pb.InferResponse(id=request_id, network=network, version=version)
+    pieces: Pieces = [head.SerializeToString()]
+    for name, array in outputs.items():
+        array = np.asarray(array)
+        meta = pb.Tensor(name=name, dtype=dtype_name(array.dtype), shape=array.shape)
+        tensor: Pieces = [meta.SerializeToString()]
+        payload = array_payload(array)
+        if len(payload):  # proto3 leaves an empty bytes field out
+            tensor += field_pieces(_TENSOR_DATA, [payload])
+        pieces += field_pieces(_RESPONSE_OUTPUTS, tensor)
+    return pieces
+
+
+def stream_response(request: pb.InferRequest, entry: LoadedNetwork, outputs: dict) -> bytes:
+    head = pb.InferStreamResponse(id=request.id).SerializeToString()
+    pieces = infer_response(request.id, entry.name, entry.version, outputs)
+    return b"".join([head, *field_pieces(_STREAM_RESPONSE, pieces)])
+
+
+def stream_error(request: pb.InferRequest, exc: BaseException) -> pb.InferStreamResponse:
+    code, message = status_of(exc)
+    return pb.InferStreamResponse(
+        id=request.id, error=pb.Status(code=code.value[0], message=message)
+    )
+
+
+def from_tensor(tensor: pb.Tensor):
+    try:
+        return _from_tensor(tensor)
+    except TensorFormatError as exc:
+        raise InvalidInput(str(exc)) from None
+    except ValueError as exc:  # numpy refuses the shape (a 0-size tensor with huge dims)
+        raise InvalidInput(
+            f"input {tensor.name!r}: shape {list(tensor.shape)} cannot be held: {exc}"
+        ) from None
+
+
+def metric_json(value: Any) -> str:
+    return json.dumps(value, default=lambda v: list(v) if isinstance(v, tuple | set) else str(v))
+
+
+def request_inputs(request: pb.InferRequest, entry: LoadedNetwork) -> dict[str, Any]:
+    """The request's tensors as arrays, each element type checked against the network's
+    before its data is decoded; an input sent twice is refused, as KServe refuses it."""
+    for tensor in request.inputs:
+        if tensor.dtype in DTYPES:
+            entry.expect(tensor.name, DTYPES[tensor.dtype])
+    inputs = {t.name: from_tensor(t) for t in request.inputs}
+    if len(inputs) != len(request.inputs):
+        raise InvalidInput(f"input(s) sent more than once: {_repeated(request.inputs)}")
+    return inputs
+
+
+def _repeated(tensors: Any) -> str:
+    names = [t.name for t in tensors]
+    return listing(sorted({n for n in names if names.count(n) > 1}))
