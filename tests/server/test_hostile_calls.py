@@ -154,6 +154,54 @@ def test_calls_without_a_token_hold_no_thread(server, silent):
     assert set(silent.codes()) == {grpc.StatusCode.UNAUTHENTICATED}
 
 
+def test_calls_without_a_token_over_tls_hold_no_thread(tmp_path):
+    """The attack as reported: TLS and tokens on, a client with no token holds open twice the
+    pool of calls that never send a message; everyone else is served."""
+    import shutil
+
+    from pki import make_pki
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    pki = make_pki(tmp_path)
+    tokens = tmp_path / "tokens.txt"
+    tokens.write_text(f"{TOKEN} infer\n")
+    tokens.chmod(0o600)
+    args = ["--tls-cert", str(pki / "server.pem"), "--tls-key", str(pki / "server.key")]
+    args += ["--auth-tokens", str(tokens), "--grpc-workers", str(WORKERS)]
+    with RunningServer(*args) as server:
+        credentials = grpc.ssl_channel_credentials((pki / "ca.pem").read_bytes())
+        channel = grpc.secure_channel(server.target, credentials)
+        quiet = threading.Event()
+
+        def nothing():
+            quiet.wait()
+            return
+            yield  # pragma: no cover - a generator that never yields
+
+        calls = [
+            channel.stream_unary(KSERVE + "ModelInfer").future(nothing())
+            for _ in range(2 * WORKERS)
+        ]
+        calls += [
+            channel.stream_stream(KSERVE + "ModelStreamInfer")(nothing())
+            for _ in range(2 * WORKERS)
+        ]
+        try:
+            with Client(server.target, timeout=10, token=TOKEN, tls_ca=pki / "ca.pem") as client:
+                np.testing.assert_allclose(client.infer("add", {"a": A, "b": A})["sum"], A + A)
+            end = time.monotonic() + 30
+            while not all(c.done() for c in calls) and time.monotonic() < end:
+                time.sleep(0.05)
+            assert {c.code() for c in calls if c.done()} == {grpc.StatusCode.UNAUTHENTICATED}
+            assert all(c.done() for c in calls)
+        finally:
+            quiet.set()
+            for call in calls:
+                call.cancel()
+            channel.close()
+
+
 def test_idle_streams_are_capped_and_leave_threads_for_unary_calls(server, silent):
     """An infer token opens more idle streams than there are threads: half the pool at most
     is theirs (RESOURCE_EXHAUSTED beyond), unary calls and health are still answered."""

@@ -16,6 +16,7 @@ import grpc
 import numpy as np
 import pytest
 from models import mlp
+from pki import make_pki
 from serving import RunningServer, examples_repository
 
 from plugserve.client import AsyncClient, Client
@@ -39,51 +40,12 @@ A = np.array([1, 2], np.float32)
 B = np.array([3, 4], np.float32)
 
 
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
-
-
-def _key_and_csr(name: str, cwd: Path) -> None:
-    _openssl(
-        "req", "-new", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-        "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}",
-        cwd=cwd,
-    )  # fmt: skip
-
-
-def _sign(name: str, extensions: str, cwd: Path) -> None:
-    (cwd / f"{name}.ext").write_text(extensions)
-    _openssl(
-        "x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
-        "-CAcreateserial", "-days", "2", "-sha256", "-extfile", f"{name}.ext",
-        "-out", f"{name}.pem",
-        cwd=cwd,
-    )  # fmt: skip
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory) -> Path:
     """ca.pem, server.pem/.key (SAN 127.0.0.1, localhost), client.pem/.key, other-ca client."""
     if shutil.which("openssl") is None:
         pytest.skip("openssl is not installed")
-    d = tmp_path_factory.mktemp("pki")
-    _openssl(
-        "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-        "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=plugserve test CA",
-        "-addext", "basicConstraints=critical,CA:TRUE",
-        "-addext", "keyUsage=critical,keyCertSign,cRLSign",
-        cwd=d,
-    )  # fmt: skip
-    _key_and_csr("server", d)
-    _sign(
-        "server",
-        "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n"
-        "basicConstraints=CA:FALSE\n",
-        d,
-    )
-    _key_and_csr("client", d)
-    _sign("client", "extendedKeyUsage=clientAuth\nbasicConstraints=CA:FALSE\n", d)
-    return d
+    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 def _tokens_file(directory: Path) -> Path:
