@@ -58,6 +58,7 @@ from plugserve.server.rest_convert import (
     message_json,
     parse_infer,
 )
+from plugserve.server.rest_gate import gated_protocol
 from plugserve.server.security import HEALTH, KSERVE, AuthInterceptor
 from plugserve.server.settings import Settings
 
@@ -111,11 +112,17 @@ class RestApp:
     """The ASGI application: route, authorize, read the body, call a handler, answer."""
 
     def __init__(
-        self, plane: DataPlane, max_body: int, auth: AuthInterceptor | None = None
+        self,
+        plane: DataPlane,
+        max_body: int,
+        auth: AuthInterceptor | None = None,
+        read_timeout: float = 30.0,
     ) -> None:
+        """``read_timeout``: --request-read-timeout, the longest a body may take to arrive."""
         self.plane = plane
         self.max_body = max_body
         self.auth = auth
+        self.read_timeout = read_timeout
         model = r"/v2/models/(?P<name>[^/]+)(?:/versions/(?P<version>[^/]+))?"
         unsupported = {
             r"/v2/systemsharedmemory(?:/.*)?": "system shared memory",
@@ -203,11 +210,17 @@ class RestApp:
                 "send the body plain, gzip or deflate",
             )
         try:
-            body = await self._body(headers, receive)
+            body = await asyncio.wait_for(self._body(headers, receive), self.read_timeout)
             if _WBITS[encoding]:
                 body = self._inflate(body, _WBITS[encoding])
         except TooLarge as exc:
             return _error(413, str(exc))
+        except TimeoutError:
+            return _error(
+                408,
+                f"the request body did not arrive within {self.read_timeout:g} s "
+                "(--request-read-timeout)",
+            )
         call = Call({k: v for k, v in match.groupdict().items() if v is not None}, body, headers)
         result = handler(call)
         return await result if asyncio.iscoroutine(result) else result
@@ -402,7 +415,7 @@ class RestServer:
                 tls |= {"ssl_ca_certs": s.tls_client_ca, "ssl_cert_reqs": ssl.CERT_REQUIRED}
         config = uvicorn.Config(
             self.app,
-            http="httptools",
+            http=gated_protocol(s.request_read_timeout),
             loop="uvloop",
             lifespan="off",
             log_config=None,

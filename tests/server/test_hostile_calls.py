@@ -372,3 +372,54 @@ def test_a_stream_whose_responses_are_never_read_is_bounded(fresh):
         call.cancel()
     assert (rss - start) * 1024 < 600 * MB, (rss - start) >> 10
     served_soon(fresh)
+
+
+def _health(server: RunningServer, within: float = 10.0) -> int:
+    connection = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=within)
+    try:
+        connection.request("GET", "/v2/health/ready")
+        response = connection.getresponse()
+        response.read()
+        return response.status
+    finally:
+        connection.close()
+
+
+def test_idle_and_half_sent_http_connections_leave_the_rest_port_serving(tmp_path):
+    """Past the REST port's connection limit (4 x 16 here): 100 connections that never send
+    a byte and 40 that send headers and half a body. The oldest idle ones make room for real
+    clients, a half-sent body ends with 408 after --request-read-timeout, and every
+    connection that never sent a request is closed by then."""
+    import socket
+
+    args = ["--grpc-workers", str(WORKERS), "--request-read-timeout", "3"]
+    with RunningServer(*args) as server:
+        half = []
+        for _ in range(40):
+            c = socket.create_connection(("127.0.0.1", server.http_port))
+            c.sendall(
+                b"POST /v2/models/add/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n{"
+            )
+            half.append(c)
+        time.sleep(0.5)  # their headers are in: requests under way, waiting for their bodies
+        idle = [socket.create_connection(("127.0.0.1", server.http_port)) for _ in range(100)]
+        try:
+            time.sleep(1)  # the idle ones have waited past EVICT_AFTER
+            assert _health(server) == 200
+            served_soon(server)
+            half[0].settimeout(15)
+            reply = half[0].recv(4096)
+            assert b" 408 " in reply.split(b"\r\n")[0] and b"--request-read-timeout" in reply
+            time.sleep(4)  # past the read timeout: every silent connection is closed
+            closed = 0
+            for c in idle:
+                c.settimeout(1)
+                try:
+                    closed += c.recv(1) == b""
+                except OSError:
+                    closed += 1
+            assert closed == len(idle)
+            assert _health(server) == 200
+        finally:
+            for c in idle + half:
+                c.close()
