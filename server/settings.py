@@ -124,7 +124,9 @@ class Settings:
         "stay for unary calls (0: half of --grpc-workers)",
     )
     request_read_timeout: float = _field(
-        30.0, "seconds a gRPC call may take to send its request message before it is cancelled"
+        30.0,
+        "seconds a gRPC call may take to send its request message, and an HTTP connection its "
+        "request headers and body, before it is cancelled (HTTP: closed, or 408)",
     )
     stream_idle_timeout: float = _field(
         300.0,
