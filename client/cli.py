@@ -225,6 +225,26 @@ def _import(client: Client, args: argparse.Namespace) -> int:
     return 0
 
 
+#: The security options that default to an environment variable: flag, variable, metavar, help
+_SECURITY = [
+    ("--tls-ca", "PLUGSERVE_TLS_CA", "PEM", "use TLS, trusting the CA in this file (env {env})"),
+    (
+        "--client-cert",
+        "PLUGSERVE_CLIENT_CERT",
+        "PEM",
+        "client certificate for mutual TLS (env {env})",
+    ),
+    ("--client-key", "PLUGSERVE_CLIENT_KEY", "PEM", "private key of --client-cert (env {env})"),
+    (
+        "--token",
+        "PLUGSERVE_TOKEN",
+        "TOKEN",
+        "sent as 'authorization: Bearer TOKEN' (env {env}; prefer the variable: a flag shows in "
+        "the process list)",
+    ),
+]
+
+
 def _parser(verb: str, help_text: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=f"plugserve {verb}", description=help_text)
     parser.add_argument(
@@ -235,34 +255,17 @@ def _parser(verb: str, help_text: str) -> argparse.ArgumentParser:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per call")
     security = parser.add_argument_group("security (docs/security.md)")
     security.add_argument(
-        "--tls-ca",
-        default=os.environ.get("PLUGSERVE_TLS_CA") or None,
-        metavar="PEM",
-        help="use TLS, trusting the CA in this file (env PLUGSERVE_TLS_CA)",
-    )
-    security.add_argument(
         "--tls",
         action="store_true",
         help="use TLS with the system's trusted CAs (implied by --tls-ca and --client-cert)",
     )
-    security.add_argument(
-        "--client-cert",
-        default=os.environ.get("PLUGSERVE_CLIENT_CERT") or None,
-        metavar="PEM",
-        help="client certificate for mutual TLS (env PLUGSERVE_CLIENT_CERT)",
-    )
-    security.add_argument(
-        "--client-key",
-        default=os.environ.get("PLUGSERVE_CLIENT_KEY") or None,
-        metavar="PEM",
-        help="private key of --client-cert (env PLUGSERVE_CLIENT_KEY)",
-    )
-    security.add_argument(
-        "--token",
-        default=os.environ.get("PLUGSERVE_TOKEN") or None,
-        help="sent as 'authorization: Bearer TOKEN' (env PLUGSERVE_TOKEN; prefer the variable: "
-        "a flag shows in the process list)",
-    )
+    for flag, variable, metavar, text in _SECURITY:
+        security.add_argument(
+            flag,
+            default=os.environ.get(variable) or None,
+            metavar=metavar,
+            help=text.format(env=variable),
+        )
     return parser
 
 
