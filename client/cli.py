@@ -25,6 +25,7 @@ import grpc
 import numpy as np
 
 from plugserve.client.client import DEFAULT_TARGET, Client
+from plugserve.client.inputs import make_inputs, spec_dtype
 
 __all__ = ["VERBS", "run"]
 
@@ -179,64 +180,18 @@ def _query_rows(response) -> list[list[str]]:
     return [[n, response.supported.get(n, "-"), "; ".join(why.get(n, []))] for n in nodes]
 
 
-_RANDOM = {"float16", "float32", "float64"}
-
-
-def _random_input(spec, rng: np.random.Generator) -> np.ndarray:
-    shape = [d if d >= 0 else 1 for d in spec.shape]
-    if spec.dtype in _RANDOM:
-        return rng.normal(size=shape).astype(spec.dtype)
-    if spec.dtype == "bool":
-        return rng.random(shape) > 0.5
-    if spec.dtype == "string":
-        return np.full(shape, "plugserve", dtype=object)
-    return rng.integers(0, 10, size=shape).astype(spec.dtype)
-
-
-def _read_inputs(items: Sequence[str], network) -> dict[str, np.ndarray]:
-    """``NAME=file.npy`` or ``file.npz`` (every array by its name), or a lone ``file.npy``
-    for a network with one input."""
-    inputs: dict[str, np.ndarray] = {}
-    for item in items:
-        name, sep, path = item.partition("=")
-        if not sep:
-            path = item
-        try:
-            data = np.load(path, allow_pickle=False)
-        except (OSError, ValueError) as exc:
-            raise SystemExit(f"plugserve infer: --input {item}: cannot read it ({exc})") from None
-        if isinstance(data, np.ndarray):
-            if not sep:
-                names = [s.name for s in network.inputs] if network is not None else []
-                if len(names) != 1:
-                    raise SystemExit(
-                        f"plugserve infer: --input {item}: name the input (NAME=file.npy); "
-                        f"the network's inputs are {', '.join(names) or 'unknown'}"
-                    )
-                name = names[0]
-            inputs[name] = data
-        else:
-            with data:
-                if sep:
-                    raise SystemExit(
-                        f"plugserve infer: --input {item}: an .npz holds named arrays; "
-                        "pass it without NAME="
-                    )
-                inputs.update({k: data[k] for k in data.files})
-    return inputs
-
-
 def _infer(client: Client, args: argparse.Namespace) -> int:
     versions = [n for n in client.networks() if n.name == args.name]
     if args.version:
         versions = [n for n in versions if n.version == args.version]
     # the latest version, as the server picks; when none, the server's NOT_FOUND says so
     network = max(versions, key=lambda n: n.version, default=None)
-    inputs = _read_inputs(args.input, network)
-    rng = np.random.default_rng(args.seed)
-    for spec in network.inputs if network is not None else []:
-        if spec.name not in inputs:
-            inputs[spec.name] = _random_input(spec, rng)
+    specs = (
+        [(s.name, spec_dtype(s.dtype), list(s.shape)) for s in network.inputs]
+        if network is not None
+        else []
+    )
+    inputs = make_inputs(specs, 1, args.input, args.seed, verb="infer")
     outputs = client.infer(args.name, inputs, version=args.version)
     if args.output_dir:
         Path(args.output_dir).mkdir(parents=True, exist_ok=True)
@@ -270,6 +225,26 @@ def _import(client: Client, args: argparse.Namespace) -> int:
     return 0
 
 
+#: The security options that default to an environment variable: flag, variable, metavar, help
+_SECURITY = [
+    ("--tls-ca", "PLUGSERVE_TLS_CA", "PEM", "use TLS, trusting the CA in this file (env {env})"),
+    (
+        "--client-cert",
+        "PLUGSERVE_CLIENT_CERT",
+        "PEM",
+        "client certificate for mutual TLS (env {env})",
+    ),
+    ("--client-key", "PLUGSERVE_CLIENT_KEY", "PEM", "private key of --client-cert (env {env})"),
+    (
+        "--token",
+        "PLUGSERVE_TOKEN",
+        "TOKEN",
+        "sent as 'authorization: Bearer TOKEN' (env {env}; prefer the variable: a flag shows in "
+        "the process list)",
+    ),
+]
+
+
 def _parser(verb: str, help_text: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=f"plugserve {verb}", description=help_text)
     parser.add_argument(
@@ -280,34 +255,17 @@ def _parser(verb: str, help_text: str) -> argparse.ArgumentParser:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per call")
     security = parser.add_argument_group("security (docs/security.md)")
     security.add_argument(
-        "--tls-ca",
-        default=os.environ.get("PLUGSERVE_TLS_CA") or None,
-        metavar="PEM",
-        help="use TLS, trusting the CA in this file (env PLUGSERVE_TLS_CA)",
-    )
-    security.add_argument(
         "--tls",
         action="store_true",
         help="use TLS with the system's trusted CAs (implied by --tls-ca and --client-cert)",
     )
-    security.add_argument(
-        "--client-cert",
-        default=os.environ.get("PLUGSERVE_CLIENT_CERT") or None,
-        metavar="PEM",
-        help="client certificate for mutual TLS (env PLUGSERVE_CLIENT_CERT)",
-    )
-    security.add_argument(
-        "--client-key",
-        default=os.environ.get("PLUGSERVE_CLIENT_KEY") or None,
-        metavar="PEM",
-        help="private key of --client-cert (env PLUGSERVE_CLIENT_KEY)",
-    )
-    security.add_argument(
-        "--token",
-        default=os.environ.get("PLUGSERVE_TOKEN") or None,
-        help="sent as 'authorization: Bearer TOKEN' (env PLUGSERVE_TOKEN; prefer the variable: "
-        "a flag shows in the process list)",
-    )
+    for flag, variable, metavar, text in _SECURITY:
+        security.add_argument(
+            flag,
+            default=os.environ.get(variable) or None,
+            metavar=metavar,
+            help=text.format(env=variable),
+        )
     return parser
 
 

@@ -114,23 +114,18 @@ def _aio_token_interceptors(token: str) -> list[grpc.aio.ClientInterceptor]:
     def details(d: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
         return d._replace(metadata=grpc.aio.Metadata(*_with_token(d.metadata, token)))
 
-    class UnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):
-        async def intercept_unary_unary(self, continuation, d, request):
-            return await continuation(details(d), request)
+    async def intercept(self: Any, continuation: Any, d: Any, request: Any) -> Any:
+        return await continuation(details(d), request)
 
-    class UnaryStream(grpc.aio.UnaryStreamClientInterceptor):
-        async def intercept_unary_stream(self, continuation, d, request):
-            return await continuation(details(d), request)
-
-    class StreamUnary(grpc.aio.StreamUnaryClientInterceptor):
-        async def intercept_stream_unary(self, continuation, d, request_iterator):
-            return await continuation(details(d), request_iterator)
-
-    class StreamStream(grpc.aio.StreamStreamClientInterceptor):
-        async def intercept_stream_stream(self, continuation, d, request_iterator):
-            return await continuation(details(d), request_iterator)
-
-    return [UnaryUnary(), UnaryStream(), StreamUnary(), StreamStream()]
+    kinds = {
+        grpc.aio.UnaryUnaryClientInterceptor: "intercept_unary_unary",
+        grpc.aio.UnaryStreamClientInterceptor: "intercept_unary_stream",
+        grpc.aio.StreamUnaryClientInterceptor: "intercept_stream_unary",
+        grpc.aio.StreamStreamClientInterceptor: "intercept_stream_stream",
+    }
+    return [
+        type(f"Token{base.__name__}", (base,), {name: intercept})() for base, name in kinds.items()
+    ]
 
 
 def _model_source(
@@ -168,14 +163,37 @@ def outputs_of(response: pb.InferResponse) -> dict[str, np.ndarray]:
     return {t.name: from_tensor(t, f"output {t.name!r}") for t in response.outputs}
 
 
-class Client:
-    """A blocking client. ``target`` is ``host:port`` or ``dns:///name:port`` (round robin).
+def stream_answer(
+    response: pb.InferStreamResponse,
+) -> tuple[str, dict[str, np.ndarray] | grpc.StatusCode, str]:
+    """A stream response as ``(id, outputs or status code, error message)``."""
+    if response.HasField("error"):
+        code = next(c for c in grpc.StatusCode if c.value[0] == response.error.code)
+        return response.id, code, response.error.message
+    return response.id, outputs_of(response.response), ""
 
-    Security (docs/security.md): ``tls_ca`` (PEM path or bytes of the CA that signed the
-    server's certificate; ``tls=True`` for the system's roots), ``client_cert``/``client_key``
-    for mutual TLS, ``token`` sent as ``authorization: Bearer TOKEN`` on every call.
-    ``credentials`` (grpc.ChannelCredentials) overrides the TLS arguments.
-    """
+
+def load_request(
+    name: str,
+    model: Any,
+    device: str,
+    config: Mapping[str, Any] | None,
+    persist: bool,
+    version: int,
+    repository_path: str | None,
+) -> pb.LoadNetworkRequest:
+    return pb.LoadNetworkRequest(
+        name=name,
+        model=_model_source(model, repository_path),
+        device=device,
+        config={k: str(v) for k, v in (config or {}).items()},
+        persist=persist,
+        version=version,
+    )
+
+
+class _Connection:
+    """What both clients hold: the channel (TLS and token as asked) and the plugserve.v1 stub."""
 
     def __init__(
         self,
@@ -192,14 +210,33 @@ class Client:
         self.target = target
         self.timeout = timeout
         credentials = credentials or channel_credentials(tls, tls_ca, client_cert, client_key)
-        self.channel = (
+        self.channel = self._open(target, credentials, token)
+        self.stub = pb_grpc.PlugserveStub(self.channel)
+
+    def _open(
+        self, target: str, credentials: grpc.ChannelCredentials | None, token: str | None
+    ) -> Any:
+        raise NotImplementedError
+
+
+class Client(_Connection):
+    """A blocking client. ``target`` is ``host:port`` or ``dns:///name:port`` (round robin).
+
+    Security (docs/security.md): ``tls_ca`` (PEM path or bytes of the CA that signed the
+    server's certificate; ``tls=True`` for the system's roots), ``client_cert``/``client_key``
+    for mutual TLS, ``token`` sent as ``authorization: Bearer TOKEN`` on every call.
+    ``credentials`` (grpc.ChannelCredentials) overrides the TLS arguments.
+    """
+
+    def _open(
+        self, target: str, credentials: grpc.ChannelCredentials | None, token: str | None
+    ) -> grpc.Channel:
+        channel = (
             grpc.secure_channel(target, credentials, _OPTIONS)
             if credentials
             else grpc.insecure_channel(target, _OPTIONS)
         )
-        if token:
-            self.channel = grpc.intercept_channel(self.channel, _Token(token))
-        self.stub = pb_grpc.PlugserveStub(self.channel)
+        return grpc.intercept_channel(channel, _Token(token)) if token else channel
 
     def close(self) -> None:
         self.channel.close()
@@ -261,14 +298,7 @@ class Client:
         timeout: float | None = None,
     ) -> pb.LoadNetworkResponse:
         return self.stub.LoadNetwork(
-            pb.LoadNetworkRequest(
-                name=name,
-                model=_model_source(model, repository_path),
-                device=device,
-                config={k: str(v) for k, v in (config or {}).items()},
-                persist=persist,
-                version=version,
-            ),
+            load_request(name, model, device, config, persist, version, repository_path),
             timeout=timeout or self.timeout,
         )
 
@@ -302,11 +332,7 @@ class Client:
         each completes (possibly out of order)."""
         messages = (infer_request(net, inputs, request_id=rid) for rid, net, inputs in requests)
         for response in self.stub.InferStream(messages, timeout=timeout or self.timeout):
-            if response.HasField("error"):
-                code = next(c for c in grpc.StatusCode if c.value[0] == response.error.code)
-                yield response.id, code, response.error.message
-            else:
-                yield response.id, outputs_of(response.response), ""
+            yield stream_answer(response)
 
     def export(self, name: str, version: int = 0) -> bytes:
         return self.stub.ExportNetwork(
@@ -334,31 +360,16 @@ class Client:
         )
 
 
-class AsyncClient:
+class AsyncClient(_Connection):
     """The asyncio form of :class:`Client` (grpc.aio), for many requests in flight."""
 
-    def __init__(
-        self,
-        target: str = DEFAULT_TARGET,
-        timeout: float | None = 60.0,
-        credentials: grpc.ChannelCredentials | None = None,
-        *,
-        tls: bool = False,
-        tls_ca: PathOrPem | None = None,
-        token: str | None = None,
-        client_cert: PathOrPem | None = None,
-        client_key: PathOrPem | None = None,
-    ) -> None:
-        self.target = target
-        self.timeout = timeout
-        credentials = credentials or channel_credentials(tls, tls_ca, client_cert, client_key)
+    def _open(
+        self, target: str, credentials: grpc.ChannelCredentials | None, token: str | None
+    ) -> grpc.aio.Channel:
         interceptors = _aio_token_interceptors(token) if token else None
-        self.channel = (
-            grpc.aio.secure_channel(target, credentials, _OPTIONS, interceptors=interceptors)
-            if credentials
-            else grpc.aio.insecure_channel(target, _OPTIONS, interceptors=interceptors)
-        )
-        self.stub = pb_grpc.PlugserveStub(self.channel)
+        if credentials:
+            return grpc.aio.secure_channel(target, credentials, _OPTIONS, interceptors=interceptors)
+        return grpc.aio.insecure_channel(target, _OPTIONS, interceptors=interceptors)
 
     async def close(self) -> None:
         await self.channel.close()
@@ -389,13 +400,7 @@ class AsyncClient:
         repository_path: str | None = None,
     ) -> pb.LoadNetworkResponse:
         return await self.stub.LoadNetwork(
-            pb.LoadNetworkRequest(
-                name=name,
-                model=_model_source(model, repository_path),
-                device=device,
-                config={k: str(v) for k, v in (config or {}).items()},
-                persist=persist,
-            ),
+            load_request(name, model, device, config, persist, 0, repository_path),
             timeout=self.timeout,
         )
 
@@ -420,11 +425,7 @@ class AsyncClient:
             timeout=self.timeout,
         )
         async for response in call:
-            if response.HasField("error"):
-                code = next(c for c in grpc.StatusCode if c.value[0] == response.error.code)
-                yield response.id, code, response.error.message
-            else:
-                yield response.id, outputs_of(response.response), ""
+            yield stream_answer(response)
 
 
 def new_id() -> str:

@@ -14,6 +14,7 @@ the low bits, unpacked.
 
 from __future__ import annotations
 
+import functools
 import struct
 
 import numpy as np
@@ -79,7 +80,10 @@ if ml_dtypes is not None:
 MAX_DIMS = 32
 
 
+@functools.cache
 def dtype_name(dtype: np.dtype | None) -> str:
+    """plugserve.v1's name of an element type; cached: every response asks it per output, and
+    the element types a network answers with are few and fixed at load."""
     if dtype is None:
         return ""
     dtype = np.dtype(dtype)

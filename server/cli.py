@@ -1,5 +1,6 @@
-"""The ``plugserve`` command: ``serve`` and ``conformance`` run here; the user verbs
-(devices, load, infer, ...) talk to a server and live in :mod:`plugserve.client.cli`.
+"""The ``plugserve`` command: ``serve``, ``examples`` and ``conformance`` (the test runner in
+:mod:`plugserve.conformance`) run here; the user verbs (devices, load, infer, ...) talk to a
+server and live in :mod:`plugserve.client.cli`.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ __all__ = ["main"]
 
 
 def _conformance(argv: Sequence[str]) -> int:
-    from plugserve.server.conformance import main as conformance_main
+    from plugserve.conformance.cli import main as conformance_main
 
     return conformance_main(argv)
 

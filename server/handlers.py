@@ -13,6 +13,7 @@ catches or aborts by itself.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import queue
@@ -28,7 +29,7 @@ from google.protobuf.message_factory import GetMessageClass
 
 from plugserve.server.errors import abort
 
-__all__ = ["add_service", "deadline", "pump", "result"]
+__all__ = ["Inference", "add_service", "deadline", "pump", "result"]
 
 _KINDS = {
     (False, False): grpc.unary_unary_rpc_method_handler,
@@ -195,3 +196,29 @@ def pump(
                 return
     finally:
         end()
+
+
+@dataclasses.dataclass(frozen=True)
+class Inference:
+    """A protocol's two inference calls, the same for every protocol over gRPC (a servicer
+    serves its unary and streaming infer methods with :meth:`unary` and :meth:`stream`, which
+    :func:`add_service` registers under the error guard like any method): ``submit(request,
+    context, inline)`` decodes a request, looks its network up once and admits it (-> ``(entry,
+    future)``); ``respond`` encodes the outputs as wire pieces, ``stream_respond`` as a stream
+    message, ``fail`` a stream request's error; ``reader`` names the stream's reader thread."""
+
+    submit: Callable[..., tuple[Any, Future]]
+    respond: Callable[[Any, Any, Any], list[Any]]
+    stream_respond: Callable[[Any, Any, Any], Any]
+    fail: Callable[[Any, BaseException], Any]
+    reader: str
+
+    def unary(self, request: Any, context: grpc.ServicerContext) -> bytes:
+        """Runs inline when a stream is idle; the answer is composed without extra copies."""
+        entry, future = self.submit(request, context, inline=True)
+        return b"".join(self.respond(request, entry, result(context, future)))
+
+    def stream(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+        """Requests are admitted as they arrive; responses leave in completion order
+        (:func:`pump`)."""
+        yield from pump(requests, context, self.submit, self.stream_respond, self.fail, self.reader)

@@ -36,7 +36,7 @@ Choices where KServe/Triton leave room or plugserve differs:
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import grpc
@@ -50,7 +50,7 @@ from plugserve.plugins.version import plugserve_version
 from plugserve.proto import grpc_service_pb2 as pb
 from plugserve.proto import grpc_service_pb2_grpc as pb_grpc
 from plugserve.server.dataplane import DataPlane
-from plugserve.server.handlers import add_service, deadline, pump, result
+from plugserve.server.handlers import Inference, add_service, deadline
 from plugserve.server.kserve_convert import (
     EXTENSIONS,
     infer_response,
@@ -86,6 +86,11 @@ _UNIMPLEMENTED = {
 class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
     def __init__(self, plane: DataPlane) -> None:
         self.plane = plane
+        inference = Inference(
+            self._submit, infer_response, stream_response, stream_error, "kserve-stream-reader"
+        )
+        # ModelInfer and ModelStreamInfer: the calls every protocol shares (_submit is this one's)
+        self.ModelInfer, self.ModelStreamInfer = inference.unary, inference.stream
 
     # --- health and metadata
 
@@ -135,21 +140,6 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             inline,
         )
         return entry, future
-
-    def ModelInfer(self, request, context):
-        entry, future = self._submit(request, context, inline=True)
-        return b"".join(infer_response(request, entry, result(context, future)))
-
-    def ModelStreamInfer(self, request_iterator: Iterator[pb.ModelInferRequest], context):
-        """Requests are admitted as they arrive; responses leave in completion order."""
-        yield from pump(
-            request_iterator,
-            context,
-            self._submit,
-            stream_response,
-            stream_error,
-            "kserve-stream-reader",
-        )
 
     # --- statistics and repository
 

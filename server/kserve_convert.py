@@ -7,6 +7,7 @@ chosen where KServe leaves room."""
 
 from __future__ import annotations
 
+import functools
 import types
 from collections.abc import Mapping
 from typing import Any
@@ -81,8 +82,10 @@ CONTENTS = {
 # ------------------------------------------------------------------ converters
 
 
+@functools.cache
 def datatype_of(dtype: np.dtype | None) -> str:
-    """The KServe datatype of a numpy dtype ('' when the network does not declare one)."""
+    """The KServe datatype of a numpy dtype ('' when the network does not declare one); cached:
+    every response asks it per output, and a network's output types are few and fixed."""
     if dtype is None:
         return ""
     dtype = np.dtype(dtype)

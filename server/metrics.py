@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import platform
 import socket
 import sys
@@ -75,31 +76,21 @@ class Metrics:
     def __init__(self, version: str) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         labels = ["device", "model", "version"]
-        self.requests = Counter(
-            "plugserve_inference_requests",
-            "Inference requests by outcome",
-            [*labels, "status"],
-            registry=self.registry,
+        counter = functools.partial(Counter, registry=self.registry)
+        latency = functools.partial(Histogram, buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.requests = counter(
+            "plugserve_inference_requests", "Inference requests by outcome", [*labels, "status"]
         )
-        self.queue_wait = Histogram(
-            "plugserve_queue_wait_seconds",
-            "Time a request waited for a stream",
-            labels,
-            buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
+        self.queue_wait = latency(
+            "plugserve_queue_wait_seconds", "Time a request waited for a stream", labels
         )
-        self.compute = Histogram(
-            "plugserve_compute_seconds",
-            "Time a request ran on a stream",
-            labels,
-            buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
+        self.compute = latency(
+            "plugserve_compute_seconds", "Time a request ran on a stream", labels
         )
-        self.layer_seconds = Counter(
+        self.layer_seconds = counter(
             "plugserve_layer_seconds",
             "Per-layer compute time by op type (PERF_COUNT=YES)",
             [*labels, "op_type"],
-            registry=self.registry,
         )
         self.build = Gauge(
             "plugserve_build_info",

@@ -31,6 +31,7 @@ __all__ = [
     "metric_json",
     "network_info",
     "request_inputs",
+    "respond",
     "stream_error",
     "stream_response",
 ]
@@ -73,9 +74,14 @@ def infer_response(
     return pieces
 
 
+def respond(request: pb.InferRequest, entry: LoadedNetwork, outputs: Mapping[str, Any]) -> Pieces:
+    """The ``InferResponse`` to ``request``, named by the network that ran it."""
+    return infer_response(request.id, entry.name, entry.version, outputs)
+
+
 def stream_response(request: pb.InferRequest, entry: LoadedNetwork, outputs: dict) -> bytes:
     head = pb.InferStreamResponse(id=request.id).SerializeToString()
-    pieces = infer_response(request.id, entry.name, entry.version, outputs)
+    pieces = respond(request, entry, outputs)
     return b"".join([head, *field_pieces(_STREAM_RESPONSE, pieces)])
 
 

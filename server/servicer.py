@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -14,12 +14,12 @@ from plugserve.plugins.api import FailedPrecondition, InvalidArgument
 from plugserve.proto import plugserve_pb2 as pb
 from plugserve.proto import plugserve_pb2_grpc as pb_grpc
 from plugserve.server.dataplane import DataPlane
-from plugserve.server.handlers import deadline, pump, result
+from plugserve.server.handlers import Inference, deadline
 from plugserve.server.plugserve_convert import (
-    infer_response,
     metric_json,
     network_info,
     request_inputs,
+    respond,
     stream_error,
     stream_response,
 )
@@ -41,6 +41,11 @@ def _stops_when_gone(method: Callable[..., Any]) -> Callable[..., Any]:
 class PlugserveServicer(pb_grpc.PlugserveServicer):
     def __init__(self, plane: DataPlane) -> None:
         self.plane = plane
+        inference = Inference(
+            self._submit, respond, stream_response, stream_error, "infer-stream-reader"
+        )
+        # Infer and InferStream: the calls every protocol shares (_submit is this one's)
+        self.Infer, self.InferStream = inference.unary, inference.stream
 
     def _model(self, source: pb.ModelSource):
         kind = source.WhichOneof("source")
@@ -133,23 +138,6 @@ class PlugserveServicer(pb_grpc.PlugserveServicer):
         inputs = request_inputs(request, entry)
         future = self.plane.submit(entry, inputs, list(request.outputs), deadline(context), inline)
         return entry, future
-
-    def Infer(self, request, context):
-        entry, future = self._submit(request, context, inline=True)
-        return b"".join(
-            infer_response(request.id, entry.name, entry.version, result(context, future))
-        )
-
-    def InferStream(self, request_iterator: Iterator[pb.InferRequest], context):
-        """Requests are admitted as they arrive; responses leave in completion order."""
-        yield from pump(
-            request_iterator,
-            context,
-            self._submit,
-            stream_response,
-            stream_error,
-            "infer-stream-reader",
-        )
 
     def ExportNetwork(self, request, context):
         return pb.ExportNetworkResponse(blob=self.plane.export(request.name, request.version))

@@ -121,7 +121,7 @@ def image(tmp_path_factory):
     context.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, context / name)
-    for name in ("plugins", "server", "client", "proto"):
+    for name in ("plugins", "server", "client", "conformance", "proto"):
         shutil.copytree(ROOT / name, context / name, ignore=shutil.ignore_patterns("__pycache__"))
     (context / "deploy").mkdir()
     shutil.copy(DOCKERFILE, context / "deploy" / "Dockerfile")

@@ -18,8 +18,8 @@ import pytest
 from onnx import TensorProto, helper
 from onnx.reference import ReferenceEvaluator
 
+from plugserve.conformance import load_cases, run_conformance
 from plugserve.plugins.api import InvalidInput, Unsupported
-from plugserve.server.conformance import load_cases, run_conformance
 from plugserve.server.core import Core
 
 NARROW = {

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from plugserve.server.conformance import load_cases, run_conformance
+from plugserve.conformance import load_cases, run_conformance
 
 REQUIRED_FRACTION = 0.99
 

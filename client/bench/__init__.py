@@ -1,0 +1,37 @@
+"""``plugserve bench``: throughput and latency of a network, like benchmark_app / perf_analyzer.
+
+Against a running server (``--target``, ``--protocol plugserve|kserve``) or in-process
+(``--inprocess --device D MODEL.onnx``)::
+
+    plugserve bench mlp --time 10 --mode async --concurrency 8
+    plugserve bench --inprocess --device ORT model.onnx --iterations 200 --batch 8 --json r.json
+
+``--mode sync`` runs ``--concurrency`` (``--nireq`` in-process) callers, each waiting for its
+answer before sending the next request; ``--mode async`` keeps that many requests in flight
+through the asynchronous API (gRPC futures, ``start_async``), completions driving new requests.
+
+One module a job: ``runners`` (how a request is sent), ``measure`` (driving a runner, the
+summary), ``server_metrics`` (what the server counted, from its ``/metrics``), ``plot`` and
+``verb`` (arguments, the run, the report). The measuring core is a library too: the benchmark
+suite in ``tests/benchmarks`` drives it directly. The in-process runner lives in
+:mod:`plugserve.server.bench_inprocess`, imported only for ``--inprocess``: the client package
+needs the server's for nothing else.
+"""
+
+from plugserve.client.bench.measure import BenchResult, measure, summarize
+from plugserve.client.bench.runners import Done, KserveRunner, PlugserveRunner, Runner
+from plugserve.client.bench.server_metrics import scrape
+from plugserve.client.bench.verb import add_arguments, bench
+
+__all__ = [
+    "BenchResult",
+    "Done",
+    "KserveRunner",
+    "PlugserveRunner",
+    "Runner",
+    "add_arguments",
+    "bench",
+    "measure",
+    "scrape",
+    "summarize",
+]
