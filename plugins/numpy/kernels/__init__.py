@@ -5,14 +5,16 @@ Importing this package registers every kernel in :data:`registry.default_registr
 
 from plugserve.plugins.numpy.kernels import (  # noqa: F401  (imported to register kernels)
     control,
+    conv,
     elementwise,
     fused,
+    gemm,
     image,
     ml,
     ml_classifiers,
     ml_encoders,
     ml_trees,
-    nn,
+    pool,
     quantize,
     random,
     reduce,

@@ -4,7 +4,7 @@ kernels package is imported.
 ``FusedConv``, ``FusedGemm`` and ``FusedMatMul`` are the standard op followed by an activation
 applied in place on the op's fresh output, so the activation costs no extra allocation. The base
 op is built by its own registered kernel; only the activation is added here. ``FusedConvPool``
-(Conv -> [Relu] -> MaxPool) is built by :func:`kernels.nn.conv_pool_builder`.
+(Conv -> [Relu] -> MaxPool) is built by :func:`kernels.conv.conv_pool_builder`.
 ``Gelu`` is the five-op erf GELU the passes found, run by ONNX Gelu's kernel.
 """
 
@@ -15,7 +15,7 @@ from collections.abc import Callable
 import numpy as np
 
 from plugserve.plugins.numpy.kernels.attention import register_attention
-from plugserve.plugins.numpy.kernels.nn import conv_pool_builder
+from plugserve.plugins.numpy.kernels.conv import conv_pool_builder
 from plugserve.plugins.numpy.kernels.registry import KernelContext, Registry, default_registry
 from plugserve.plugins.passes.fusion import FUSED_DOMAIN
 

@@ -18,8 +18,9 @@ import numpy as np
 from onnx import TensorProto, helper
 
 from plugserve.plugins.numpy.kernels import narrow
-from plugserve.plugins.numpy.kernels.nn import ConvSpec, conv_forward, pack_conv_weight
+from plugserve.plugins.numpy.kernels.conv import conv_forward, pack_conv_weight
 from plugserve.plugins.numpy.kernels.registry import KernelContext, register
+from plugserve.plugins.numpy.kernels.window import ConvSpec
 
 _RANGES = {
     np.dtype(np.uint8): (0, 255),

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from plugserve.plugins.numpy.kernels import nn
+from plugserve.plugins.numpy.kernels import winograd
 
 F32 = TensorProto.FLOAT
 BOUND = 1e-4
@@ -63,13 +63,13 @@ def _rel_err(ours, ref):
 def winograd_tiles(monkeypatch):
     """The tile size (r of F(r, 3)) of each conv that ran on a Winograd path."""
     calls: list[tuple[int, tuple]] = []
-    original = nn.Winograd.forward
+    original = winograd.Winograd.forward
 
     def forward(self, spec, x, bias):
         calls.append((self.r, x.shape))
         return original(self, spec, x, bias)
 
-    monkeypatch.setattr(nn.Winograd, "forward", forward)
+    monkeypatch.setattr(winograd.Winograd, "forward", forward)
     return calls
 
 

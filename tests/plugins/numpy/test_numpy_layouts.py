@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from plugserve.plugins.numpy.kernels import nn
+from plugserve.plugins.numpy.kernels import winograd
 
 ort = pytest.importorskip("onnxruntime")
 
@@ -39,13 +39,13 @@ def _close(ours, ref, tol=2e-5):
 def winograd_calls(monkeypatch):
     """Counts the convolutions that ran on the Winograd path."""
     calls: list[tuple] = []
-    original = nn.Winograd.forward
+    original = winograd.Winograd.forward
 
     def forward(self, spec, x, bias):
         calls.append(x.shape)
         return original(self, spec, x, bias)
 
-    monkeypatch.setattr(nn.Winograd, "forward", forward)
+    monkeypatch.setattr(winograd.Winograd, "forward", forward)
     return calls
 
 
