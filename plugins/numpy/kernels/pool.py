@@ -8,14 +8,8 @@ import math
 import numpy as np
 
 from plugserve.plugins.numpy.kernels.registry import KernelContext, register
-from plugserve.plugins.numpy.kernels.window import (
-    ConvSpec,
-    check_float,
-    compute_dtype,
-    pad_constant,
-    tap_views,
-    window_reach,
-)
+from plugserve.plugins.numpy.kernels.window import ConvSpec, check_float, compute_dtype
+from plugserve.plugins.numpy.kernels.window import pad_constant, tap_views, window_reach
 
 __all__ = ["pool_reduce", "separable_max", "separable_max_plan"]
 
