@@ -7,9 +7,15 @@ import math
 
 import numpy as np
 
+from plugserve.plugins.numpy.kernels import window
 from plugserve.plugins.numpy.kernels.registry import KernelContext, register
-from plugserve.plugins.numpy.kernels.window import ConvSpec, check_float, compute_dtype
-from plugserve.plugins.numpy.kernels.window import pad_constant, tap_views, window_reach
+from plugserve.plugins.numpy.kernels.window import (
+    ConvSpec,
+    check_float,
+    compute_dtype,
+    pad_constant,
+    tap_views,
+)
 
 __all__ = ["pool_reduce", "separable_max", "separable_max_plan"]
 
@@ -29,7 +35,7 @@ def _pool_setup(spec: ConvSpec, x: np.ndarray, kernel: tuple, pad_value):
     out, begin, end, strides, dil = spec.resolve(x.shape[2:], kernel)
     spans = [(k - 1) * d + 1 for k, d in zip(kernel, dil)]
     reach_end = tuple(
-        max(window_reach(o, s, sp) - size - b, 0)
+        max(window.window_reach(o, s, sp) - size - b, 0)
         for o, s, sp, size, b in zip(out, strides, spans, x.shape[2:], begin)
     )
     xp = pad_constant(x, begin, reach_end, pad_value)
