@@ -23,7 +23,16 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["NO_TRANS", "ROW_MAJOR", "openblas", "set_thread_count", "sgemm", "thread_count"]
+__all__ = [
+    "NO_TRANS",
+    "ROW_MAJOR",
+    "core_name",
+    "library_name",
+    "openblas",
+    "set_thread_count",
+    "sgemm",
+    "thread_count",
+]
 
 
 def _load() -> ctypes.CDLL | None:
@@ -70,6 +79,33 @@ if _get_threads is not None:
     _get_threads.argtypes = []
     _get_threads.restype = ctypes.c_int
 _last = [0]  # the count this module set last (0: none yet)
+_corename = _function(
+    "scipy_openblas_get_corename64_", "openblas_get_corename64_", "openblas_get_corename"
+)
+if _corename is not None:
+    _corename.argtypes = []
+    _corename.restype = ctypes.c_char_p
+
+
+def core_name() -> str:
+    """The kernel family OpenBLAS picked for this CPU (``SkylakeX``, ``Haswell``, ...; it
+    follows ``OPENBLAS_CORETYPE``), or "" where numpy does not run on OpenBLAS."""
+    if _corename is None:
+        return ""
+    try:
+        return (_corename() or b"").decode(errors="replace").strip()
+    except (OSError, ValueError):
+        return ""
+
+
+def library_name() -> str:
+    """numpy's BLAS and its version, as numpy's build configuration names them."""
+    try:
+        config = np.show_config(mode="dicts")
+        lib = config["Build Dependencies"]["blas"]
+        return f"{lib.get('name', 'BLAS')} {lib.get('version', '')}".strip()
+    except Exception:
+        return "BLAS"
 
 
 def thread_count() -> int:

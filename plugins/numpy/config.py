@@ -1,4 +1,5 @@
-"""NUMPY's configuration: the common keys plus the two that steer its transformations."""
+"""NUMPY's configuration: the common keys plus the ones that steer its transformations and
+its kernel choices."""
 
 from __future__ import annotations
 
@@ -28,5 +29,12 @@ class NumpyConfiguration(Configuration):
             "f32",
             _precision,
             doc="f32: compute float16 networks in float32; f16: keep float16",
+        ),
+        ConfigKey(
+            "KERNEL_TUNING",
+            True,
+            **BOOL,
+            doc="time the kernels that can compute a node (conv layouts, Winograd) on this "
+            "machine when the network is compiled and keep the fastest; NO: fixed rules",
         ),
     )

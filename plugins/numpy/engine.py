@@ -141,8 +141,12 @@ def _exec_type(node: Node) -> str:
 
 
 def _output(value: Any) -> Any:
+    """A network output as callers expect arrays: C-ordered (a channel-last conv's result is a
+    transposed view, see kernels/conv_nhwc.py) and the caller's own to write."""
     if isinstance(value, np.ndarray):
-        return value if value.flags.writeable else value.copy()
+        if value.flags.c_contiguous and value.flags.writeable:
+            return value
+        return np.ascontiguousarray(value) if value.flags.writeable else value.copy()
     if value is None or isinstance(value, list):
         return value
     return np.asarray(value)
@@ -169,11 +173,13 @@ def compile_plan(
     registry: Registry,
     outer_specs: dict[str, TensorSpec] | None = None,
     unsupported: dict[str, str] | None = None,
+    tuner: Any = None,
 ) -> Plan:
     """Bind a kernel to every node; a node without one raises :class:`Unsupported`, named.
 
     With an ``unsupported`` dict (QueryNetwork) nothing raises: each node that cannot be
     compiled is recorded there with the reason, and the plan returned is not runnable.
+    ``tuner`` (``tuning.Tuner``) gives kernels with several candidates their timing sites.
     """
     slots: dict[str, int] = {"": _NONE}
     template: list[Any] = [None]
@@ -205,7 +211,7 @@ def compile_plan(
                     f"node {node.name!r}: "
                     + registry.why_unsupported(node.domain, node.op_type, opset)
                 )
-            fn = _build(entry, node, graph, registry, specs, constants, captured)
+            fn = _build(entry, node, graph, registry, specs, constants, captured, tuner)
         except Unsupported as exc:
             if unsupported is None:
                 raise
@@ -231,6 +237,7 @@ def _build(
     specs: dict[str, TensorSpec],
     constants: dict[str, np.ndarray],
     captured: list[str],
+    tuner: Any = None,
 ) -> Callable[..., Any]:
     if not entry.multi_output and len(node.outputs) != 1:
         raise Unsupported(
@@ -244,6 +251,7 @@ def _build(
         [specs.get(name) if name else None for name in node.outputs],
         constants,
         _subgraph_factory(node, graph, registry, specs, captured),
+        tuner,
     )
     try:
         return build_kernel(entry, ctx)

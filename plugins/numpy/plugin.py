@@ -32,10 +32,12 @@ from plugserve.plugins.ir import (
     read_model,
     refuse_external_data,
 )
+from plugserve.plugins.numpy import blas
 from plugserve.plugins.numpy.compiled import NumpyCompiledNetwork
 from plugserve.plugins.numpy.config import NumpyConfiguration
 from plugserve.plugins.numpy.engine import compile_plan
 from plugserve.plugins.numpy.kernels.registry import KernelEntry, Registry, default_registry
+from plugserve.plugins.numpy.tuning import Tuner
 from plugserve.plugins.passes import PassContext, standard_pipeline
 from plugserve.plugins.shapecheck import shape_model
 
@@ -129,9 +131,12 @@ class NumpyPlugin(Plugin):
         proto, _ = read_model(model)
         original = load_model(proto)
         transformed = self.transform(original, cfg)
-        plan = compile_plan(transformed, self.registry)
-        network = NumpyCompiledNetwork(self, cfg, original, transformed, plan)
+        tuner = Tuner(cfg.threads_per_stream(), enabled=bool(cfg.get("KERNEL_TUNING")))
+        plan = compile_plan(transformed, self.registry, tuner=tuner)
+        network = NumpyCompiledNetwork(self, cfg, original, transformed, plan, tuner)
         network.shape_model = shape_model(proto)
+        if tuner.enabled and tuner.sites:
+            network.tune()
         return network
 
     def query_network(
@@ -183,8 +188,16 @@ class NumpyPlugin(Plugin):
         except InvalidModel as exc:
             raise InvalidArgument(f"exported network is corrupt: {exc}") from None
         graph.absorbed = list(header.get("absorbed", []))
-        plan = compile_plan(graph, self.registry)
-        return NumpyCompiledNetwork(self, cfg, graph, graph, plan)
+        tuner = Tuner(
+            cfg.threads_per_stream(),
+            enabled=bool(cfg.get("KERNEL_TUNING")),
+            stored=header.get("tuning") if isinstance(header.get("tuning"), dict) else None,
+        )
+        plan = compile_plan(graph, self.registry, tuner=tuner)
+        network = NumpyCompiledNetwork(self, cfg, graph, graph, plan, tuner)
+        if tuner.enabled and tuner.sites and not tuner.stored:  # exported on another machine
+            network.tune()
+        return network
 
     def extension_names(self) -> list[str]:
         return [f"{e.domain}::{e.op_type}" for e in self.extensions]
@@ -218,7 +231,8 @@ class NumpyPlugin(Plugin):
         return [*super().supported_metrics(), "SUPPORTED_OPS"]
 
     def device_name(self) -> str:
-        return f"{cpu_name()} (numpy {np.__version__}, {blas_name()})"
+        kernel = f" {blas.core_name()}" if blas.core_name() else ""
+        return f"{cpu_name()} (numpy {np.__version__}, {blas.library_name()}{kernel})"
 
     def _metric(self, name: str, options: Mapping[str, Any]) -> Any:
         if name == "SUPPORTED_OPS":
@@ -230,12 +244,3 @@ def _spec(name: str) -> Any:
     from plugserve.plugins.api import TensorSpec
 
     return TensorSpec(name, None, None)
-
-
-def blas_name() -> str:
-    try:
-        config = np.show_config(mode="dicts")
-        blas = config["Build Dependencies"]["blas"]
-        return f"{blas.get('name', 'BLAS')} {blas.get('version', '')}".strip()
-    except Exception:
-        return "BLAS"

@@ -1,19 +1,24 @@
 """NUMPY vs onnxruntime latency at batch 1 on ResNet-18, a transformer encoder and an MLP.
 
-Run: ``python tests/benchmarks/bench_numpy_resnet.py [--runs N] [--blocks B] [--models ...]``.
+Run: ``python tests/benchmarks/bench_numpy_resnet.py [--runs N] [--blocks B] [--models ...]
+[--batch 1 8] [--load]``; as issue 15 asks, with numpy's OpenBLAS left to pick its own kernel:
+``env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python tests/benchmarks/bench_numpy_resnet.py``.
 
 The models are built in code (random weights, opset 17). Both backends run in this process,
 interleaved in blocks (B blocks of N runs each, alternating which goes first), so machine noise
 (2 shared cores) hits both alike; the report is medians and best-of per backend and their
-ratio (NUMPY / onnxruntime) within this one run. onnxruntime gets intra_op_num_threads=2 and
-allow_spinning=0 so it does not burn a core the other backend needs. Each model's NUMPY output
-is checked against onnxruntime's before timing.
+ratio (NUMPY / onnxruntime) within this one run; on ResNet-18 a plain numpy sketch
+(``sketch.py``: im2col + matmul, BN folded) runs too, the floor NUMPY must beat. The report
+starts with the CPU, its vector extensions and the BLAS kernel threadpoolctl sees.
+onnxruntime gets intra_op_num_threads=2 and allow_spinning=0 so it does not burn a core the
+other backend needs. Each runner's output is checked against onnxruntime's before timing.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import statistics
 import time
 
@@ -171,7 +176,38 @@ MODELS = {
 }
 
 
-def _runners(model: onnx.ModelProto):
+def machine() -> str:
+    """The CPU, its vector extensions and the BLAS kernel numpy runs (threadpoolctl's view):
+    what a ratio from this benchmark is only valid for."""
+    from plugserve.plugins.api import cpu_name
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read().split("flags", 1)[1].split("\n", 1)[0].split()
+    except (OSError, IndexError):
+        flags = []
+    vector = sorted({f for f in flags if f.startswith(("avx", "fma", "amx"))})
+    lines = [f"CPU: {cpu_name()}, {os.cpu_count()} cores; vector: {' '.join(vector) or '?'}"]
+    try:
+        import threadpoolctl
+
+        for pool in threadpoolctl.threadpool_info():
+            lines.append(
+                f"{pool['user_api']}: {pool['internal_api']} {pool['version']} "
+                f"kernel {pool.get('architecture', '?')}, {pool['num_threads']} threads "
+                f"({os.path.basename(pool['filepath'])})"
+            )
+    except ImportError:
+        lines.append("threadpoolctl not installed: BLAS kernel unknown")
+    env = {k: os.environ[k] for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE") if k in os.environ}
+    lines.append(f"OPENBLAS_* set: {env or 'none'}")
+    import onnxruntime
+
+    lines.append(f"numpy {np.__version__}, onnxruntime {onnxruntime.__version__}")
+    return "\n".join(lines)
+
+
+def _runners(model: onnx.ModelProto, sketch: bool):
     import onnxruntime as ort
 
     from plugserve.plugins.numpy import NumpyPlugin
@@ -182,25 +218,57 @@ def _runners(model: onnx.ModelProto):
     sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
     in_name = sess.get_inputs()[0].name
     request = NumpyPlugin().load_network(model).create_infer_request()
-    return {
-        "numpy": lambda x: request.infer({in_name: x}),
-        "onnxruntime": lambda x: sess.run(None, {in_name: x}),
+    runners = {
+        "numpy": lambda x: next(iter(request.infer({in_name: x}).values())),
+        "onnxruntime": lambda x: sess.run(None, {in_name: x})[0],
     }
+    if sketch:
+        from sketch import Sketch
+
+        runners["sketch"] = Sketch(model)
+    return runners
 
 
-def bench(name: str, runs: int, blocks: int) -> dict[str, float]:
+def load_times(name: str) -> str:
+    """Compile time with tuning, then a second load of the same model through the Core's
+    CACHE_DIR (which must not time the kernels again)."""
+    import tempfile
+
+    from plugserve.server import Core
+
+    model = MODELS[name][0]()
+    with tempfile.TemporaryDirectory() as cache:
+        config = {"CACHE_DIR": cache}
+        start = time.perf_counter()
+        first = Core().load_network(model, "NUMPY", config)
+        cold = time.perf_counter() - start
+        start = time.perf_counter()
+        second = Core().load_network(model, "NUMPY", config)
+        warm = time.perf_counter() - start
+    return (
+        f"{name:9s} load {cold:.2f} s ({first.tuner.timed} shapes timed), second load from "
+        f"CACHE_DIR {warm:.2f} s ({second.tuner.timed} timed, from cache: "
+        f"{second.loaded_from_cache})"
+    )
+
+
+def bench(name: str, runs: int, blocks: int, batch: int = 1) -> dict[str, float]:
     build, shape = MODELS[name]
     model = build()
-    x = np.random.default_rng(3).standard_normal(shape).astype(np.float32)
-    runners = _runners(model)
-    ours = next(iter(runners["numpy"](x).values()))
-    ref = runners["onnxruntime"](x)[0]
-    err = float(np.max(np.abs(ours - ref)) / (np.max(np.abs(ref)) + 1e-12))
-    if err > 1e-3:
-        raise SystemExit(f"{name}: NUMPY differs from onnxruntime (relative error {err:.2e})")
+    x = np.random.default_rng(3).standard_normal((batch, *shape[1:])).astype(np.float32)
+    runners = _runners(model, sketch=name == "resnet18")
+    ref = runners["onnxruntime"](x)
+    errors = {}
+    for key in runners:
+        out = runners[key](x)
+        errors[key] = float(np.max(np.abs(out - ref)) / (np.max(np.abs(ref)) + 1e-12))
+        if errors[key] > 1e-3:
+            raise SystemExit(
+                f"{name}: {key} differs from onnxruntime (relative error {errors[key]:.2e})"
+            )
     times: dict[str, list[float]] = {k: [] for k in runners}
     for fn in runners.values():  # warm-up: plans, caches, allocator
-        for _ in range(5):
+        for _ in range(3):
             fn(x)
     order = list(runners)
     for block in range(blocks):
@@ -212,13 +280,16 @@ def bench(name: str, runs: int, blocks: int) -> dict[str, float]:
                 times[key].append(time.perf_counter() - start)
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     best = {k: min(v) * 1e3 for k, v in times.items()}
-    print(
-        f"{name:9s} numpy p50 {med['numpy']:7.2f} ms (best {best['numpy']:6.2f})  "
+    line = (
+        f"{name:9s} b{batch} numpy p50 {med['numpy']:7.2f} ms (best {best['numpy']:6.2f})  "
         f"ort p50 {med['onnxruntime']:7.2f} ms (best {best['onnxruntime']:6.2f})  "
-        f"ratio p50 {med['numpy'] / med['onnxruntime']:.2f}x  "
-        f"best {best['numpy'] / best['onnxruntime']:.2f}x  (max rel err {err:.1e})",
-        flush=True,
+        f"numpy/ort p50 {med['numpy'] / med['onnxruntime']:.2f}x "
+        f"best {best['numpy'] / best['onnxruntime']:.2f}x"
     )
+    if "sketch" in med:
+        ratio = med["numpy"] / med["sketch"]
+        line += f"  sketch p50 {med['sketch']:7.2f} ms: numpy/sketch {ratio:.2f}x"
+    print(line + f"  (max rel err {errors['numpy']:.1e})", flush=True)
     return {"p50": med["numpy"] / med["onnxruntime"], "best": best["numpy"] / best["onnxruntime"]}
 
 
@@ -227,9 +298,15 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=20, help="runs per block")
     parser.add_argument("--blocks", type=int, default=10, help="interleaved blocks per backend")
     parser.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--batch", type=int, nargs="*", default=[1], help="batch sizes")
+    parser.add_argument("--load", action="store_true", help="also time loading (with tuning)")
     args = parser.parse_args()
+    print(machine(), flush=True)
     for name in args.models:
-        bench(name, args.runs, args.blocks)
+        if args.load:
+            print(load_times(name), flush=True)
+        for batch in args.batch:
+            bench(name, args.runs, args.blocks, batch)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,13 @@ from numpy.lib.stride_tricks import as_strided
 from plugserve.plugins.numpy.blas import NO_TRANS as _NO_TRANS
 from plugserve.plugins.numpy.blas import ROW_MAJOR as _ROW_MAJOR
 from plugserve.plugins.numpy.blas import sgemm as _SGEMM
+from plugserve.plugins.numpy.kernels.conv_nhwc import (
+    ChannelLastConv,
+    ChannelLastWinograd,
+    is_channel_last,
+    suits_winograd,
+    to_channel_last,
+)
 from plugserve.plugins.numpy.kernels.pool import pool_reduce, separable_max, separable_max_plan
 from plugserve.plugins.numpy.kernels.registry import KernelContext, register
 from plugserve.plugins.numpy.kernels.window import (
@@ -54,6 +61,7 @@ from plugserve.plugins.numpy.kernels.window import (
     window_reach,
 )
 from plugserve.plugins.numpy.kernels.winograd import Winograd, winograd_weights
+from plugserve.plugins.numpy.tuning import input_key
 
 __all__ = ["col2im_add", "conv_builder", "conv_forward", "conv_pool_builder", "pack_conv_weight"]
 
@@ -335,10 +343,11 @@ def conv_builder(ctx: KernelContext):
         if tuple(kernel_attr) != tuple(w_const.shape[2:]):
             raise ctx.unsupported("kernel_shape differs from the weight's shape")
     spec = ConvSpec(ctx, kernel_attr)
-    return _conv_runner(spec, groups, w_const, b_const, dtype, ctx.input_shape(0))
+    site = ctx.site if b_const is not None or not ctx.has_input(2) else None
+    return _conv_runner(spec, groups, w_const, b_const, dtype, ctx.input_shape(0), site)
 
 
-def _conv_runner(spec, groups, w_const, b_const, dtype, in_shape=None):
+def _conv_runner(spec, groups, w_const, b_const, dtype, in_shape=None, site=None):
     cdt = compute_dtype(dtype) if dtype is not None else None
 
     def prepare(w, cdt):
@@ -363,7 +372,19 @@ def _conv_runner(spec, groups, w_const, b_const, dtype, in_shape=None):
             y = conv_forward(spec, groups, x, packed, kernel, bb, dw, wino)
             return y if y.dtype == out_dtype else y.astype(out_dtype)
 
-        return run
+        tunable = dtype == np.float32 and groups == 1 and w_const.ndim == 4
+        site = site() if site is not None and tunable else None
+        if site is None:
+            return run
+        candidates = _candidates(spec, w_const, bias, packed, kernel, wino, site)
+
+        def run_tuned(x, w, b=None):
+            if x.dtype != cdt:  # a float64 input to a float32 model: the plain path
+                return run(x, w, b)
+            layout = "nhwc" if is_channel_last(x) else "nchw"
+            return site.run(input_key(x, layout), candidates, x)
+
+        return run_tuned
 
     def run_dynamic(x, w, b=None):
         out_dtype = x.dtype
@@ -377,6 +398,26 @@ def _conv_runner(spec, groups, w_const, b_const, dtype, in_shape=None):
 
 
 register("Conv", 1, 11, 22)(conv_builder)
+
+
+def _candidates(spec, w, bias, packed, kernel, wino, site) -> dict:
+    """The kernels that compute a float32, one-group, 2-D constant-weight conv, for its tuning
+    site to time; the first (the NCHW paths as :func:`conv_forward` picks them) serves where
+    nothing is timed. In a channel-last network (``site.channel_last``) the NCHW paths convert
+    their result, and that conversion is part of what their timing measures."""
+
+    def nchw(x, wino=wino):
+        y = conv_forward(spec, 1, x, packed, kernel, bias, None, wino)
+        return to_channel_last(y) if site.channel_last else y
+
+    candidates = {"nchw": nchw}
+    if wino is not None:
+        candidates["nchw-direct"] = lambda x: nchw(x, None)
+    candidates["nhwc-gemm"] = ChannelLastConv(spec, w, bias)
+    if suits_winograd(spec, w):
+        candidates["nhwc-wino2"] = ChannelLastWinograd(spec, w, bias, 2)
+        candidates["nhwc-wino4"] = ChannelLastWinograd(spec, w, bias, 4)
+    return candidates
 
 
 class _PrefixedAttrs:
@@ -428,6 +469,7 @@ def conv_pool_builder(ctx: KernelContext):
     packed = pack_conv_weight(w_const, groups, f32)
     wino = winograd_weights(spec, w_const, groups, f32, ctx.input_shape(0))
     bias = None if b_const is None else np.ascontiguousarray(b_const, dtype=f32)
+    site = ctx.site()  # only for the network's layout: a stem's pooled map feeds its convs
 
     def run(x, w, b=None):
         y = conv_forward(spec, groups, x, packed, kernel, None, dw, wino, raw=True)
@@ -440,7 +482,7 @@ def conv_pool_builder(ctx: KernelContext):
             p += bias.reshape((1, -1) + (1,) * (p.ndim - 2))
         if activation == "Relu":
             np.maximum(p, 0, out=p)
-        return p
+        return to_channel_last(p) if site is not None and site.channel_last else p
 
     return run
 

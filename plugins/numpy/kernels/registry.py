@@ -144,6 +144,7 @@ class KernelContext:
         output_specs: list[Any],
         constants: dict[str, np.ndarray],
         subgraph_factory: Callable[[str], Any] | None = None,
+        tuner: Any = None,
     ) -> None:
         self.node = node
         self.op_type: str = node.op_type
@@ -155,6 +156,12 @@ class KernelContext:
         self._output_specs = output_specs
         self._constants = constants
         self._subgraph_factory = subgraph_factory
+        self._tuner = tuner
+
+    def site(self) -> Any:
+        """This node's tuning site (``tuning.Site``: a choice among kernels, timed on this
+        machine), or None where the plan is compiled without a tuner (constant folding)."""
+        return None if self._tuner is None else self._tuner.site(self.name)
 
     # --- attributes
 
@@ -237,6 +244,7 @@ class KernelContext:
             self._output_specs,
             self._constants,
             self._subgraph_factory,
+            self._tuner,
         )
 
     def unsupported(self, why: str) -> Unsupported:

@@ -18,6 +18,10 @@ from onnx import TensorProto, helper, numpy_helper
 
 from plugserve.plugins.numpy.kernels import winograd
 
+#: The rule-based kernel choices these tests pin down (the timed choice is tested in
+#: test_numpy_tuning.py, where each candidate is checked on its own).
+FIXED_RULES = {"KERNEL_TUNING": "NO"}
+
 F32 = TensorProto.FLOAT
 BOUND = 1e-4
 
@@ -92,7 +96,7 @@ def test_f43_matches_reference(numpy_plugin, winograd_tiles, n, c, m, h, w, pads
     weight = (rng.standard_normal((m, c, 3, 3)) * (2 / (9 * c)) ** 0.5).astype(np.float32)
     bias = rng.standard_normal(m).astype(np.float32) if with_bias else None
     model = _conv_model(n, c, m, h, w, weight, bias, pads=list(pads))
-    request = numpy_plugin.load_network(model).create_infer_request()
+    request = numpy_plugin.load_network(model, FIXED_RULES).create_infer_request()
     for _ in range(2):  # the second run uses the cached per-shape plan
         x = rng.standard_normal((n, c, h, w)).astype(np.float32)
         ours = request.infer({"x": x})["y"]
@@ -105,7 +109,7 @@ def test_f43_same_upper(numpy_plugin, winograd_tiles):
     weight = (rng.standard_normal((64, 64, 3, 3)) * 0.06).astype(np.float32)
     model = _conv_model(1, 64, 64, 45, 51, weight, None, auto_pad="SAME_UPPER")
     x = rng.standard_normal((1, 64, 45, 51)).astype(np.float32)
-    ours = numpy_plugin.load_network(model).infer({"x": x})["y"]
+    ours = numpy_plugin.load_network(model, FIXED_RULES).infer({"x": x})["y"]
     assert _rel_err(ours, _reference(x, weight, None, (1, 1, 1, 1))) <= BOUND
     assert [r for r, _ in winograd_tiles] == [4]
 
@@ -126,7 +130,7 @@ def test_tile_choice(numpy_plugin, winograd_tiles, c, h, x_shape, expected):
     weight = (rng.standard_normal((c, c, 3, 3)) * (2 / (9 * c)) ** 0.5).astype(np.float32)
     model = _conv_model(1, c, c, h, h, weight, None, x_shape=x_shape, pads=[1, 1, 1, 1])
     x = rng.standard_normal((1, c, h, h)).astype(np.float32)
-    ours = numpy_plugin.load_network(model).infer({"x": x})["y"]
+    ours = numpy_plugin.load_network(model, FIXED_RULES).infer({"x": x})["y"]
     assert _rel_err(ours, _reference(x, weight, None, (1, 1, 1, 1))) <= 2e-5
     assert [r for r, _ in winograd_tiles] == ([expected] if expected else [])
 
@@ -136,7 +140,7 @@ def test_f43_shape_too_small_falls_back(numpy_plugin, winograd_tiles):
     rng = np.random.default_rng(4)
     weight = (rng.standard_normal((64, 64, 3, 3)) * 0.06).astype(np.float32)
     model = _conv_model(1, 64, 64, 56, 56, weight, None, x_shape=["N", 64, 56, 56], pads=[1] * 4)
-    net = numpy_plugin.load_network(model)
+    net = numpy_plugin.load_network(model, FIXED_RULES)
     x = rng.standard_normal((1, 64, 56, 56)).astype(np.float32)
     assert _rel_err(net.infer({"x": x})["y"], _reference(x, weight, None, (1,) * 4)) <= BOUND
     assert [r for r, _ in winograd_tiles] == [4]
@@ -150,7 +154,7 @@ def test_resnet18_within_bound(numpy_plugin, winograd_tiles):
 
     model = bench_numpy_resnet.resnet18()
     x = np.random.default_rng(0).random((1, 3, 224, 224), dtype=np.float32)
-    ours = numpy_plugin.load_network(model).infer({"input": x})["logits"]
+    ours = numpy_plugin.load_network(model, FIXED_RULES).infer({"input": x})["logits"]
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     ref = session.run(None, {"input": x})[0]
     assert _rel_err(ours, ref) <= BOUND

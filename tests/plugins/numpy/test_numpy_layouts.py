@@ -16,6 +16,10 @@ from plugserve.plugins.numpy.kernels import winograd
 
 ort = pytest.importorskip("onnxruntime")
 
+#: The rule-based kernel choices these tests pin down (the timed choice is tested in
+#: test_numpy_tuning.py, where each candidate is checked on its own).
+FIXED_RULES = {"KERNEL_TUNING": "NO"}
+
 F32 = TensorProto.FLOAT
 
 
@@ -80,7 +84,7 @@ def test_winograd_matches_onnxruntime(numpy_plugin, winograd_calls, n, c, m, h, 
     rng = np.random.default_rng(c + h + w)
     model = _conv_model(n, c, m, h, w, rng, bias=bias, **attrs)
     x = rng.standard_normal((n, c, h, w)).astype(np.float32)
-    request = numpy_plugin.load_network(model).create_infer_request()
+    request = numpy_plugin.load_network(model, FIXED_RULES).create_infer_request()
     for _ in range(2):  # the second run uses the cached per-shape plan
         ours = request.infer({"x": x})["y"]
         _close(ours, _ort(model, {"x": x})[0])
@@ -101,7 +105,7 @@ def test_other_convs_take_the_direct_path(numpy_plugin, winograd_calls, c, h, at
     rng = np.random.default_rng(1)
     model = _conv_model(1, c, c, h, h, rng, **attrs)
     x = rng.standard_normal((1, c, h, h)).astype(np.float32)
-    ours = numpy_plugin.load_network(model).infer({"x": x})["y"]
+    ours = numpy_plugin.load_network(model, FIXED_RULES).infer({"x": x})["y"]
     _close(ours, _ort(model, {"x": x})[0])
     assert winograd_calls == []
 
@@ -149,7 +153,7 @@ def test_resnet_stage_matches_onnxruntime(numpy_plugin, winograd_calls):
     rng = np.random.default_rng(7)
     model = _residual_model(rng)
     x = rng.standard_normal((1, 256, 14, 14)).astype(np.float32)
-    ours = numpy_plugin.load_network(model).infer({"x": x})["y"]
+    ours = numpy_plugin.load_network(model, FIXED_RULES).infer({"x": x})["y"]
     _close(ours, _ort(model, {"x": x})[0])
     assert len(winograd_calls) == 2
     assert numpy_plugin.query_network(model) == {n.name: "NUMPY" for n in model.graph.node}
@@ -161,7 +165,7 @@ def test_winograd_is_thread_safe(numpy_plugin):
 
     rng = np.random.default_rng(3)
     model = _conv_model(1, 256, 256, 14, 14, rng, pads=[1, 1, 1, 1])
-    net = numpy_plugin.load_network(model)
+    net = numpy_plugin.load_network(model, FIXED_RULES)
     xs = [rng.standard_normal((1, 256, 14, 14)).astype(np.float32) for _ in range(8)]
     expected = [net.infer({"x": x})["y"] for x in xs]
     with ThreadPoolExecutor(4) as pool:
@@ -211,7 +215,7 @@ def _gelu_model(spelling: str, extra_output: bool = False):
 def test_gelu_is_fused_and_matches_onnxruntime(numpy_plugin, spelling):
     model = _gelu_model(spelling)
     x = (np.random.default_rng(0).standard_normal((4, 16)) * 3).astype(np.float32)
-    net = numpy_plugin.load_network(model)
+    net = numpy_plugin.load_network(model, FIXED_RULES)
     _close(net.infer({"x": x})["y"], _ort(model, {"x": x})[0], tol=1e-6)
     fused = [n for n in net.transformed.nodes if n.op_type == "Gelu"]
     assert len(fused) == 1 and fused[0].domain == "ai.plugserve"
@@ -225,7 +229,7 @@ def test_gelu_is_fused_and_matches_onnxruntime(numpy_plugin, spelling):
 def test_gelu_with_an_observed_intermediate_is_left_alone(numpy_plugin):
     model = _gelu_model("div", extra_output=True)
     x = np.random.default_rng(1).standard_normal((4, 16)).astype(np.float32)
-    net = numpy_plugin.load_network(model)
+    net = numpy_plugin.load_network(model, FIXED_RULES)
     assert not any(n.op_type == "Gelu" for n in net.transformed.nodes)
     ours = net.infer({"x": x})
     ref = _ort(model, {"x": x})
@@ -259,7 +263,7 @@ def test_winograd_convs_with_one_padded_shape(numpy_plugin, winograd_calls):
         inits,
     )
     x = rng.standard_normal((2, c, 14, 14)).astype(np.float32) + 3
-    request = numpy_plugin.load_network(model).create_infer_request()
+    request = numpy_plugin.load_network(model, FIXED_RULES).create_infer_request()
     for _ in range(3):
         _close(request.infer({"x": x})["y"], _ort(model, {"x": x})[0])
     assert {s[2:] for s in winograd_calls} == {(14, 14), (13, 13)}
@@ -293,7 +297,9 @@ def test_separable_max_pool_matches_onnxruntime(numpy_plugin, shape, attrs):
     x = np.random.default_rng(len(shape)).standard_normal(shape).astype(np.float32)
     x -= 5  # all negative: a padded position wrongly taken as 0 would show
     ref = _ort(model, {"x": x})[0]
-    np.testing.assert_array_equal(numpy_plugin.load_network(model).infer({"x": x})["y"], ref)
+    np.testing.assert_array_equal(
+        numpy_plugin.load_network(model, FIXED_RULES).infer({"x": x})["y"], ref
+    )
 
 
 def test_gelu_whose_constant_broadcasts_to_a_larger_rank_is_left_alone(numpy_plugin):
@@ -302,6 +308,6 @@ def test_gelu_whose_constant_broadcasts_to_a_larger_rank_is_left_alone(numpy_plu
     half.CopyFrom(numpy_helper.from_array(np.full((1, 1, 1), 0.5, np.float32), "half"))
     model.graph.output[0].CopyFrom(helper.make_tensor_value_info("y", F32, [1, 4, 32]))
     x = np.random.default_rng(2).standard_normal((4, 16)).astype(np.float32)
-    net = numpy_plugin.load_network(model)
+    net = numpy_plugin.load_network(model, FIXED_RULES)
     assert not any(n.op_type == "Gelu" for n in net.transformed.nodes)
     _close(net.infer({"x": x})["y"], _ort(model, {"x": x})[0], tol=1e-6)

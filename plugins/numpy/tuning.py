@@ -1,0 +1,184 @@
+"""Kernel choices decided by timing them on this machine, when the network is compiled.
+
+Several kernels can compute one node (a 3x3 conv as a direct GEMM over the NCHW image, as an
+im2col GEMM over a channel-last image, or as Winograd F(2,3) / F(4,3) in either layout), and
+which is fastest depends on the CPU, the BLAS kernel numpy runs and the node's real shapes:
+rules tuned on an AVX-512 machine did not transfer to an AVX2 one (issue 15). So, as oneDNN's
+and TVM's autotuners do, a kernel with several candidates asks its :class:`Site` to pick: the
+first time the site sees an input key (shape and memory layout) every candidate runs on the
+real input, the fastest is kept, and from then on the key costs one dict lookup.
+
+The load runs one warm-up inference (plugin.py) so the network's static shapes are decided
+before it serves; a shape first seen later (a new batch size) is timed on that request, at most
+:data:`MAX_KEYS_PER_SITE` keys per site, after which the site's first choice serves. Choices are
+exported with the network and restored on import (``CACHE_DIR``) when the machine key (CPU
+model, BLAS library and kernel, BLAS threads) matches, so a second load does not time again.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from plugserve.plugins.api import cpu_name
+from plugserve.plugins.numpy import blas
+
+__all__ = ["MAX_KEYS_PER_SITE", "Releasable", "Site", "Tuner", "input_key", "machine_key"]
+
+#: Distinct input keys one site times; more (a client cycling batch sizes) take the first choice.
+MAX_KEYS_PER_SITE = 16
+#: Timed runs per candidate after its first (warm-up) run; the best of them counts.
+TIMED_RUNS = 3
+
+Candidate = Callable[..., Any]
+
+
+def machine_key(threads: int) -> str:
+    """What a stored choice is only valid for: the CPU, numpy's BLAS and its kernel, threads."""
+    return f"{cpu_name()} | {blas.library_name()} {blas.core_name()} | threads {threads}"
+
+
+class Site:
+    """One node's choice among equivalent kernels, per input key."""
+
+    __slots__ = ("_lock", "_tuner", "choices", "name")
+
+    def __init__(self, tuner: Tuner, name: str) -> None:
+        self._tuner = tuner
+        self.name = name
+        #: input key (see :func:`input_key`) -> the candidate's name
+        self.choices: dict[tuple, str] = dict(tuner.stored.get(name, {}))
+        self._lock = threading.Lock()
+
+    @property
+    def channel_last(self) -> bool:
+        """Whether the network's 4-D activations are to be kept channel-last (see Tuner)."""
+        return self._tuner.channel_last
+
+    def run(self, key: tuple, candidates: Mapping[str, Candidate], *args: Any) -> Any:
+        """``candidates[choice](*args)``, the choice timed on these arguments if it is new.
+
+        ``candidates`` is ordered: the first is the default where timing is off or the site
+        has timed enough keys. A candidate that raises while being timed is dropped (a path
+        that cannot take this shape); if all raise, the first one's error propagates.
+        """
+        name = self.choices.get(key)
+        if name is not None and name in candidates:
+            return candidates[name](*args)
+        if len(candidates) == 1 or not self._tuner.enabled:
+            return next(iter(candidates.values()))(*args)
+        with self._lock:
+            name = self.choices.get(key)
+            if name is not None and name in candidates:
+                return candidates[name](*args)
+            if len(self.choices) >= MAX_KEYS_PER_SITE:
+                first = next(iter(self.choices.values()))
+                fn = candidates.get(first) or next(iter(candidates.values()))
+                return fn(*args)
+            name, result = self._time(candidates, args)
+            self.choices[key] = name
+            self._tuner.timed += 1
+            kept = set(self.choices.values())
+            for other, fn in candidates.items():
+                if other not in kept and isinstance(fn, Releasable):
+                    fn.release()
+            return result
+
+    def _time(self, candidates: Mapping[str, Candidate], args: tuple) -> tuple[str, Any]:
+        clock = time.perf_counter
+        alive: dict[str, Candidate] = {}
+        results: dict[str, Any] = {}
+        first_error: Exception | None = None
+        for name, fn in candidates.items():  # warm-up: plans, buffers, and whether it runs
+            try:
+                results[name] = fn(*args)
+                alive[name] = fn
+            except Exception as exc:
+                first_error = first_error or exc
+        if not alive:
+            assert first_error is not None
+            raise first_error
+        best = {name: float("inf") for name in alive}
+        for _ in range(TIMED_RUNS):  # interleaved, so a noisy moment hits every candidate
+            for name, fn in alive.items():
+                start = clock()
+                results[name] = fn(*args)
+                best[name] = min(best[name], clock() - start)
+        winner = min(best, key=best.__getitem__)
+        self._tuner.log.append((self.name, {k: round(v * 1e3, 4) for k, v in best.items()}))
+        return winner, results[winner]
+
+
+class Tuner:
+    """A network's sites and the choices they made, exportable with the network."""
+
+    def __init__(
+        self, threads: int, enabled: bool = True, stored: Mapping[str, Any] | None = None
+    ) -> None:
+        self.enabled = enabled
+        self.machine = machine_key(threads)
+        self.stored: dict[str, dict[tuple, str]] = {}
+        if stored and stored.get("machine") == self.machine:
+            try:
+                self.stored = {
+                    str(site): {_parse_key(k): str(v) for k, v in choices.items()}
+                    for site, choices in stored.get("sites", {}).items()
+                }
+            except (AttributeError, TypeError, ValueError):
+                self.stored = {}  # not what export() writes: time again rather than fail
+        self.sites: dict[str, Site] = {}
+        #: The network's activation layout: channel-last once most timed convs chose a
+        #: channel-last kernel. Decided for the whole network, not per conv, because mixing
+        #: layouts costs more than either (an Add of an NCHW and a channel-last map runs 8x
+        #: slower than of two alike, and its result is NCHW, so the next conv converts again).
+        self.channel_last = bool(stored and self.stored and stored.get("channel_last"))
+        #: keys timed since this network was compiled or imported (0 after a cached load)
+        self.timed = 0
+        #: (site, {candidate: best ms}) per timing, for `plugserve` diagnostics and tests
+        self.log: list[tuple[str, dict[str, float]]] = []
+
+    def site(self, name: str) -> Site:
+        site = self.sites.get(name)
+        if site is None:
+            site = self.sites[name] = Site(self, name)
+        return site
+
+    def export(self) -> dict[str, Any]:
+        sites = {
+            name: {_key_text(k): v for k, v in site.choices.items()}
+            for name, site in self.sites.items()
+            if site.choices
+        }
+        return {"machine": self.machine, "sites": sites, "channel_last": self.channel_last}
+
+    def prefers_channel_last(self) -> bool:
+        """Whether most timed choices were channel-last kernels (``nhwc-...``)."""
+        chosen = [c for site in self.sites.values() for c in site.choices.values()]
+        return sum(c.startswith("nhwc") for c in chosen) * 2 > len(chosen)
+
+
+@runtime_checkable
+class Releasable(Protocol):
+    """A candidate holding memory (transformed weights) it can drop when it loses, and make
+    again if a later key needs it."""
+
+    def release(self) -> None: ...
+
+
+def input_key(x: np.ndarray, layout: str) -> tuple:
+    """A site key: the input's shape, dtype and memory layout (a tuple: one dict lookup)."""
+    return (x.shape, x.dtype.str, layout)
+
+
+def _key_text(key: tuple) -> str:
+    shape, dtype, layout = key
+    return f"{'x'.join(map(str, shape))} {dtype} {layout}"
+
+
+def _parse_key(text: str) -> tuple:
+    shape, dtype, layout = str(text).split(" ")
+    return (tuple(int(d) for d in shape.split("x") if d), dtype, layout)
