@@ -1,17 +1,12 @@
-"""The OpenBLAS numpy runs on, for what numpy itself does not expose: its thread count.
+"""The OpenBLAS numpy runs on, for what numpy itself does not expose: its thread count, its
+kernel family and a raw ``sgemm`` with beta.
 
-OpenBLAS runs every GEMM on its own pool of worker threads, one per core. With two streams
-on two cores, two callers shared that pool and its workers spun waiting for work while the
-callers' threads needed the cores: measured on the MLP of the benchmarks, 4 async requests on
-2 streams ran 41 requests/s (p50 104 ms) against 7,600/s with one OpenBLAS thread per stream.
-So a request runs with ``cores // streams`` OpenBLAS threads (``threads_per_stream`` of the
-network's configuration, as onnxruntime gets intra-op threads).
-
-OpenBLAS (the pthreads build numpy ships) has one thread count per process, not per thread:
-:func:`set_thread_count` changes it only when a run needs a different count than the last run
-set, so networks of one stream count pay nothing, and networks of different stream counts
-running at the same moment share whichever count was set last (results are the same; only
-their speed is affected).
+NUMPY runs OpenBLAS on one thread and splits large GEMMs over its own threads (parallel.py):
+OpenBLAS's workers spin while they wait and its split is static, so two callers on one pool
+(two streams), or one busy core, stall every GEMM (measured: 4 async requests on 2 streams ran
+41 requests/s against 7,600/s with one OpenBLAS thread per stream; an MLP layer took 24 ms
+instead of 0.5 ms with a core taken by another process). OpenBLAS has one thread count per
+process: :func:`set_thread_count` changes it only when it differs from what it set last.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ import numpy as np
 from plugserve.plugins import blob
 from plugserve.plugins.api import CompiledNetwork, PlugserveError
 from plugserve.plugins.ir import Graph
+from plugserve.plugins.numpy import parallel
 from plugserve.plugins.numpy.blas import set_thread_count
 from plugserve.plugins.numpy.config import NumpyConfiguration
 from plugserve.plugins.numpy.engine import Plan
@@ -40,8 +41,8 @@ class NumpyCompiledNetwork(CompiledNetwork):
         self.output_names = [o.name for o in self._outputs]
         self.transformed = transformed
         self.plan = plan
-        #: OpenBLAS threads each request runs with (see ``blas.py``), decided once here.
-        self.blas_threads = config.threads_per_stream()
+        #: threads each request splits its large GEMMs over (see ``parallel.py``)
+        self.gemm_threads = config.threads_per_stream()
         #: the kernel choices timed on this machine (``tuning.py``)
         self.tuner = tuner
 
@@ -73,7 +74,8 @@ class NumpyCompiledNetwork(CompiledNetwork):
             if None in dims:
                 return False
             arrays.append(np.zeros(dims, spec.dtype))
-        set_thread_count(self.blas_threads)
+        set_thread_count(1)
+        parallel.use_threads(self.gemm_threads)
         try:
             self.plan.run(arrays)
         except PlugserveError:

@@ -23,14 +23,15 @@ def _attrs(node: onnx.NodeProto) -> dict:
 
 
 def _im2col_conv(x, w, b, stride, pad):
+    """Caffe's im2col: columns ``(C*KH*KW, OH*OW)`` per image, then ``W @ columns``."""
     n, c = x.shape[:2]
     m, _, kh, kw = w.shape
     xp = np.pad(x, ((0, 0), (0, 0), (pad, pad), (pad, pad)))
     win = sliding_window_view(xp, (kh, kw), axis=(2, 3))[:, :, ::stride, ::stride]
     oh, ow = win.shape[2:4]
-    cols = win.transpose(0, 2, 3, 1, 4, 5).reshape(n * oh * ow, c * kh * kw)
-    y = cols @ w.reshape(m, -1).T + b
-    return y.reshape(n, oh, ow, m).transpose(0, 3, 1, 2)
+    cols = win.transpose(0, 1, 4, 5, 2, 3).reshape(n, c * kh * kw, oh * ow)
+    y = np.matmul(w.reshape(m, -1), cols) + b[:, None]
+    return y.reshape(n, m, oh, ow)
 
 
 def _max_pool(x, k, stride, pad):

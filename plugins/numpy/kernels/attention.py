@@ -26,8 +26,6 @@ from collections.abc import Callable
 
 import numpy as np
 
-from plugserve.plugins.numpy.blas import NO_TRANS as _NO_TRANS
-from plugserve.plugins.numpy.blas import ROW_MAJOR as _ROW_MAJOR
 from plugserve.plugins.numpy.blas import sgemm as _SGEMM
 from plugserve.plugins.numpy.kernels.elementwise import gelu_erf_halved_f32
 from plugserve.plugins.numpy.kernels.reduce import (
@@ -35,6 +33,8 @@ from plugserve.plugins.numpy.kernels.reduce import (
     softmax_last_axis_inplace,
 )
 from plugserve.plugins.numpy.kernels.registry import KernelContext, Registry
+from plugserve.plugins.numpy.parallel import gemm_into
+from plugserve.plugins.numpy.parallel import matmul as _gemm
 
 __all__ = ["register_attention"]
 
@@ -83,7 +83,6 @@ def linear(ctx: KernelContext) -> Callable[..., tuple[np.ndarray, ...]]:
         bias = None if bias is None else bias * _F32.type(0.5)
     w = np.ascontiguousarray(w, _F32)
     w.setflags(write=False)
-    packed = (w, w.ctypes.data)  # the closure must hold the array its raw pointer points into
     splits = [int(s) for s in ctx.attr("splits", [n])]
     if sum(splits) != n or len(splits) != ctx.num_outputs:
         raise ctx.unsupported(f"splits {splits} do not match the weight's {n} columns")
@@ -97,7 +96,7 @@ def linear(ctx: KernelContext) -> Callable[..., tuple[np.ndarray, ...]]:
         rows = math.prod(lead)
         x2 = x.reshape(rows, k)
         if sgemm is None or not (rows and k and n):  # BLAS wants leading dims >= 1
-            y = np.matmul(x2, w)
+            y = _gemm(x2, w)
             if bias is not None:
                 y += bias
             if r is not None:
@@ -116,8 +115,7 @@ def linear(ctx: KernelContext) -> Callable[..., tuple[np.ndarray, ...]]:
             np.copyto(y, bias)
         else:
             beta = 0.0
-        sgemm(_ROW_MAJOR, _NO_TRANS, _NO_TRANS, rows, n, k, 1.0, x2.ctypes.data, k, packed[1], n,
-              beta, y.ctypes.data, n)  # fmt: skip
+        gemm_into(x2, w, y, beta)
         return _finish(y, lead)
 
     def _finish(y: np.ndarray, lead: tuple) -> tuple[np.ndarray, ...]:
@@ -143,7 +141,7 @@ def _plain_linear(ctx: KernelContext, kind: str) -> Callable[..., np.ndarray]:
     eps = float(ctx.attr("epsilon", 1e-5))
 
     def run(x: np.ndarray, r: np.ndarray | None) -> np.ndarray:
-        y = np.matmul(x.astype(_F32) if x.dtype == np.float16 else x, w)
+        y = _gemm(x.astype(_F32) if x.dtype == np.float16 else x, w)
         if b is not None:
             y = y + b
         if kind == "gelu":
@@ -179,7 +177,7 @@ def attention(ctx: KernelContext) -> Callable[..., np.ndarray]:
     def run(q, k, v):
         if q.dtype != _F32 or k.dtype != _F32 or v.dtype != _F32:
             return _plain(q, k, v)
-        s = np.matmul(q, k)
+        s = _gemm(q, k)
         if s.size:
             if scale != 1:
                 s *= _F32.type(scale)

@@ -39,6 +39,7 @@ from collections.abc import Sequence
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
+from plugserve.plugins.numpy import parallel
 from plugserve.plugins.numpy.blas import NO_TRANS as _NO_TRANS
 from plugserve.plugins.numpy.blas import ROW_MAJOR as _ROW_MAJOR
 from plugserve.plugins.numpy.blas import sgemm as _SGEMM
@@ -61,6 +62,7 @@ from plugserve.plugins.numpy.kernels.window import (
     window_reach,
 )
 from plugserve.plugins.numpy.kernels.winograd import Winograd, winograd_weights
+from plugserve.plugins.numpy.parallel import matmul as _gemm
 from plugserve.plugins.numpy.tuning import input_key
 
 __all__ = ["col2im_add", "conv_builder", "conv_forward", "conv_pool_builder", "pack_conv_weight"]
@@ -260,7 +262,7 @@ def _pad_into(plan, x):
 def _grouped_matmul(packed, cols, groups):
     """(g, M/g, K) x (N, g, K, L) -> (N, g, M/g, L) as few BLAS calls as numpy allows."""
     if groups == 1 and cols.shape[0] == 1:
-        return np.matmul(packed[0], cols[0, 0])
+        return _gemm(packed[0], cols[0, 0])
     if groups == 1:
         return np.matmul(packed[0], cols[:, 0])
     return np.matmul(packed, cols)
@@ -281,14 +283,26 @@ def _conv_wide(plan, x, packed, groups, bias, raw=False):
         c = x.shape[1]
         lda = packed.shape[2]
         a0 = packed.ctypes.data
-        for b in range(n):
-            base = phases.ctypes.data + b * c * size * 4
-            out = y.ctypes.data + b * m * run * 4
-            for t, (_, _, _, _, off) in enumerate(taps):
-                _SGEMM(
-                    _ROW_MAJOR, _NO_TRANS, _NO_TRANS, m, run, c, 1.0, a0 + t * c * 4, lda,
-                    base + off * 4, size, 1.0 if t else 0.0, out, run,
-                )  # fmt: skip
+
+        def slab(b: int, lo: int, hi: int):
+            """Output columns [lo, hi) of image b: every tap's GEMM over those columns."""
+            base = phases.ctypes.data + (b * c * size + lo) * 4
+            out = y.ctypes.data + (b * m * run + lo) * 4
+
+            def job():
+                for t, (_, _, _, _, off) in enumerate(taps):
+                    _SGEMM(
+                        _ROW_MAJOR, _NO_TRANS, _NO_TRANS, m, hi - lo, c, 1.0, a0 + t * c * 4,
+                        lda, base + off * 4, size, 1.0 if t else 0.0, out, run,
+                    )  # fmt: skip
+
+            return job
+
+        width = parallel.width()
+        parts = width * parallel.CHUNKS_PER_THREAD if m * run * c * len(taps) > 4_000_000 else 1
+        step = max(16, -(-run // parts))
+        jobs = [slab(b, lo, min(run, lo + step)) for b in range(n) for lo in range(0, run, step)]
+        parallel.run_jobs(jobs)
     else:
         cols = np.empty(plan.view_shape, x.dtype)
         if phases.shape[0] * phases.shape[1] == 1:

@@ -22,6 +22,7 @@ from numpy.lib.stride_tricks import as_strided
 
 from plugserve.plugins.numpy.kernels.window import ConvSpec
 from plugserve.plugins.numpy.kernels.winograd import _WG
+from plugserve.plugins.numpy.parallel import matmul as _gemm
 
 __all__ = [
     "ChannelLastConv",
@@ -93,7 +94,7 @@ class ChannelLastConv:
                     ]
             cols = buf.reshape(n * oh * ow, kh * kw * c)
         y = np.empty((n, oh, ow, self.m), np.float32)
-        np.matmul(cols, self.wcols, out=y.reshape(n * oh * ow, self.m))
+        _gemm(cols, self.wcols, out=y.reshape(n * oh * ow, self.m))
         return _finish(y, self.bias)
 
 
@@ -138,9 +139,9 @@ class ChannelLastWinograd:
         tiles = as_strided(xp, (a, a, n, th, tw, c), (s1, s2, s0, r * s1, r * s2, 4))
         d = np.ascontiguousarray(tiles)
         count = n * th * tw
-        v = np.matmul(self.t.kin, d.reshape(a * a, count * c))
-        p = np.matmul(v.reshape(a * a, count, c), u)
-        y = np.matmul(self.kout, p.reshape(a * a, count * m)).reshape(r, r, n, th, tw, m)
+        v = _gemm(self.t.kin, d.reshape(a * a, count * c))
+        p = _gemm(v.reshape(a * a, count, c), u)
+        y = _gemm(self.kout, p.reshape(a * a, count * m)).reshape(r, r, n, th, tw, m)
         full = np.empty((n, th, r, tw, r, m), np.float32)
         src = y.transpose(2, 3, 0, 4, 1, 5)
         if self.bias is not None:

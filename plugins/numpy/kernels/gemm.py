@@ -8,6 +8,7 @@ from plugserve.plugins.numpy.kernels.registry import KernelContext, register
 from plugserve.plugins.numpy.kernels.window import (
     compute_dtype,
 )
+from plugserve.plugins.numpy.parallel import matmul as _gemm
 
 __all__ = ["gemm", "matmul"]
 
@@ -32,7 +33,9 @@ def matmul(ctx: KernelContext):
         return _matmul
     if b_const is not None and b_const.ndim == 2 and not b_const.flags.c_contiguous:
         b_c = np.ascontiguousarray(b_const)
-        return lambda a, b: np.matmul(a, b_c)
+        return lambda a, b: _gemm(a, b_c)
+    if b_const is not None and b_const.ndim == 2:
+        return lambda a, b: _gemm(a, b_const)
     return np.matmul if dtype is not None else _matmul
 
 
@@ -65,7 +68,7 @@ def gemm(ctx: KernelContext):
         work = compute_dtype(a.dtype)
         am = (a.T if trans_a else a).astype(work, copy=False)
         if b_ready is not None:
-            y = np.matmul(am, b_ready)
+            y = _gemm(am, b_ready)
         else:
             bm = (b.T if trans_b else b).astype(work, copy=False)
             y = np.matmul(am, bm)
