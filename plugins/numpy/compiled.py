@@ -76,10 +76,13 @@ class NumpyCompiledNetwork(CompiledNetwork):
             arrays.append(np.zeros(dims, spec.dtype))
         set_thread_count(1)
         parallel.use_threads(self.gemm_threads)
+        self.tuner.eager = True
         try:
             self.plan.run(arrays)
         except PlugserveError:
             return False
+        finally:
+            self.tuner.eager = False
         return True
 
     def create_infer_request(self) -> NumpyInferRequest:

@@ -9,7 +9,9 @@ first time the site sees an input key (shape and memory layout) every candidate 
 real input, the fastest is kept, and from then on the key costs one dict lookup.
 
 The load runs one warm-up inference (plugin.py) so the network's static shapes are decided
-before it serves; a shape first seen later (a new batch size) is timed on that request, at most
+before it serves. A shape first seen later (a new batch size) is explored over the requests
+that bring it, one candidate each, so no request pays for timing the others (timing them all
+at once made the first batch-8 ResNet-18 request take seconds); at most
 :data:`MAX_KEYS_PER_SITE` keys per site, after which the site's first choice serves. Choices are
 exported with the network and restored on import (``CACHE_DIR``) when the machine key (CPU
 model, BLAS library and kernel, BLAS threads) matches, so a second load does not time again.
@@ -33,6 +35,9 @@ __all__ = ["MAX_KEYS_PER_SITE", "Releasable", "Site", "Tuner", "input_key", "mac
 MAX_KEYS_PER_SITE = 16
 #: Timed runs per candidate after its first (warm-up) run; the best of them counts.
 TIMED_RUNS = 3
+#: Runs per candidate when a new key is explored on requests (the first pays for plans and
+#: transformed weights; the best counts).
+EXPLORE_RUNS = 2
 
 Candidate = Callable[..., Any]
 
@@ -45,13 +50,15 @@ def machine_key(threads: int) -> str:
 class Site:
     """One node's choice among equivalent kernels, per input key."""
 
-    __slots__ = ("_lock", "_tuner", "choices", "name")
+    __slots__ = ("_lock", "_pending", "_tuner", "choices", "name")
 
     def __init__(self, tuner: Tuner, name: str) -> None:
         self._tuner = tuner
         self.name = name
         #: input key (see :func:`input_key`) -> the candidate's name
         self.choices: dict[tuple, str] = dict(tuner.stored.get(name, {}))
+        #: keys being explored on requests: key -> {candidate: [seconds per run]}
+        self._pending: dict[tuple, dict[str, list[float]]] = {}
         self._lock = threading.Lock()
 
     @property
@@ -60,32 +67,84 @@ class Site:
         return self._tuner.channel_last
 
     def run(self, key: tuple, candidates: Mapping[str, Candidate], *args: Any) -> Any:
-        """``candidates[choice](*args)``, the choice timed on these arguments if it is new.
+        """``candidates[choice](*args)``, the choice timed on this machine if the key is new.
 
         ``candidates`` is ordered: the first is the default where timing is off or the site
-        has timed enough keys. A candidate that raises while being timed is dropped (a path
-        that cannot take this shape); if all raise, the first one's error propagates.
+        has seen enough keys. At load (the tuner's ``eager`` warm-up) a new key times every
+        candidate at once; later, a request with a new key runs just one candidate, the one
+        with the fewest timings so far, so no request pays for the others, and the choice is
+        made once each has :data:`EXPLORE_RUNS` timings. A candidate that raises is dropped
+        (a path that cannot take this shape); if all raise, the error propagates.
         """
         name = self.choices.get(key)
         if name is not None and name in candidates:
             return candidates[name](*args)
         if len(candidates) == 1 or not self._tuner.enabled:
             return next(iter(candidates.values()))(*args)
+        if not self._tuner.eager:
+            return self._explore(key, candidates, args)
         with self._lock:
             name = self.choices.get(key)
             if name is not None and name in candidates:
                 return candidates[name](*args)
-            if len(self.choices) >= MAX_KEYS_PER_SITE:
-                first = next(iter(self.choices.values()))
-                fn = candidates.get(first) or next(iter(candidates.values()))
-                return fn(*args)
+            if len(self.choices) + len(self._pending) >= MAX_KEYS_PER_SITE:
+                return self._default(candidates)(*args)
             name, result = self._time(candidates, args)
-            self.choices[key] = name
-            self._tuner.timed += 1
-            kept = set(self.choices.values())
-            for other, fn in candidates.items():
-                if other not in kept and isinstance(fn, Releasable):
-                    fn.release()
+            self._decide(key, name, candidates)
+            return result
+
+    def _default(self, candidates: Mapping[str, Candidate]) -> Candidate:
+        """What serves a key past the bound: the site's first choice, else the first candidate."""
+        first = next(iter(self.choices.values()), None)
+        return candidates.get(first or "") or next(iter(candidates.values()))
+
+    def _decide(self, key: tuple, name: str, candidates: Mapping[str, Candidate]) -> None:
+        self.choices[key] = name
+        self._tuner.timed += 1
+        kept = set(self.choices.values())
+        for other, fn in candidates.items():
+            if other not in kept and isinstance(fn, Releasable):
+                fn.release()
+
+    def _explore(self, key: tuple, candidates: Mapping[str, Candidate], args: tuple) -> Any:
+        while True:
+            with self._lock:
+                name = self.choices.get(key)
+                samples = self._pending.get(key)
+                if name is None and samples is None:
+                    if len(self.choices) + len(self._pending) >= MAX_KEYS_PER_SITE:
+                        name = ""
+                    else:
+                        samples = self._pending[key] = {n: [] for n in candidates}
+                if samples is not None and name is None:
+                    name = min(samples, key=lambda n: len(samples[n]))
+            if not name:
+                return self._default(candidates)(*args)
+            if samples is None:  # decided by another thread meanwhile
+                return candidates[name](*args)
+            start = time.perf_counter()
+            try:
+                result = candidates[name](*args)
+            except Exception:
+                with self._lock:
+                    samples.pop(name, None)
+                    if not samples:
+                        self._pending.pop(key, None)
+                        raise
+                continue
+            elapsed = time.perf_counter() - start
+            with self._lock:
+                if name in samples:
+                    samples[name].append(elapsed)
+                if self._pending.get(key) is samples and all(
+                    len(v) >= EXPLORE_RUNS for v in samples.values()
+                ):
+                    best = {n: min(v) for n, v in samples.items()}
+                    del self._pending[key]
+                    self._tuner.log.append(
+                        (self.name, {k: round(v * 1e3, 4) for k, v in best.items()})
+                    )
+                    self._decide(key, min(best, key=best.__getitem__), candidates)
             return result
 
     def _time(self, candidates: Mapping[str, Candidate], args: tuple) -> tuple[str, Any]:
@@ -131,6 +190,8 @@ class Tuner:
             except (AttributeError, TypeError, ValueError):
                 self.stored = {}  # not what export() writes: time again rather than fail
         self.sites: dict[str, Site] = {}
+        #: True during the load's warm-up: a new key times every candidate at once.
+        self.eager = False
         #: The network's activation layout: channel-last once most timed convs chose a
         #: channel-last kernel. Decided for the whole network, not per conv, because mixing
         #: layouts costs more than either (an Add of an NCHW and a channel-last map runs 8x

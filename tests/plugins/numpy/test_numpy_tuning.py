@@ -211,29 +211,55 @@ def test_choices_from_another_machine_are_timed_again():
     assert tuning.Tuner(2, stored=broken).stored == {}  # malformed: time again, not fail
 
 
-def test_a_site_times_a_bounded_number_of_keys_and_drops_candidates_that_fail():
-    site = tuning.Tuner(1).site("s")
-    calls = {"slow": 0, "fast": 0}
-
-    def slow(x):
-        calls["slow"] += 1
+def _counting(calls, name, fails=False):
+    def run(x):
+        calls[name] = calls.get(name, 0) + 1
+        if fails:
+            raise ValueError("cannot take this shape")
         return x + 1
 
-    def fast(x):
-        calls["fast"] += 1
-        return x + 1
+    return run
 
-    def broken(x):
-        raise ValueError("cannot take this shape")
 
-    candidates = {"broken": broken, "slow": slow, "fast": fast}
+def test_at_load_a_site_times_every_candidate_for_a_bounded_number_of_keys():
+    tuner = tuning.Tuner(1)
+    tuner.eager = True
+    site = tuner.site("s")
+    calls: dict[str, int] = {}
+    candidates = {
+        "broken": _counting(calls, "broken", fails=True),
+        "slow": _counting(calls, "slow"),
+        "fast": _counting(calls, "fast"),
+    }
     for i in range(tuning.MAX_KEYS_PER_SITE + 10):
         assert site.run((i,), candidates, i) == i + 1
     assert len(site.choices) == tuning.MAX_KEYS_PER_SITE
-    assert "broken" not in site.choices.values()
-    before = calls["slow"] + calls["fast"]
+    assert set(site.choices.values()) <= {"slow", "fast"}  # the failing one is dropped
+    timed = tuning.MAX_KEYS_PER_SITE * (1 + tuning.TIMED_RUNS)  # each of both, for each key
+    assert calls["slow"] + calls["fast"] == 2 * timed + 10  # + the first choice for 10 more
+    before = sum(calls.values())
     site.run((0,), candidates, 0)  # a key it chose for: one call of the choice
     site.run((10**6,), candidates, 0)  # a new key past the bound: the first choice, untimed
-    assert calls["slow"] + calls["fast"] == before + 2
+    assert sum(calls.values()) == before + 2
     with pytest.raises(ValueError, match="cannot take"):
-        tuning.Tuner(1).site("t").run((0,), {"a": broken, "b": broken}, 0)
+        tuning.Tuner(1).site("t").run((0,), {"a": candidates["broken"]} | {"b": _counting(
+            calls, "b", fails=True)}, 0)  # fmt: skip
+
+
+def test_on_requests_a_new_key_runs_one_candidate_per_request_until_decided():
+    site = tuning.Tuner(1).site("s")  # not eager: a request's new key
+    calls: dict[str, int] = {}
+    candidates = {
+        "broken": _counting(calls, "broken", fails=True),
+        "a": _counting(calls, "a"),
+        "b": _counting(calls, "b"),
+    }
+    for request in range(2 * tuning.EXPLORE_RUNS):
+        assert site.run((7,), candidates, 1) == 2
+        assert calls.get("a", 0) + calls.get("b", 0) == request + 1  # one run each request
+    assert site.choices[(7,)] in ("a", "b")
+    assert calls["a"] == calls["b"] == tuning.EXPLORE_RUNS
+    assert calls["broken"] == 1  # tried once, dropped
+    chosen = site.choices[(7,)]
+    site.run((7,), candidates, 1)
+    assert calls[chosen] == tuning.EXPLORE_RUNS + 1
