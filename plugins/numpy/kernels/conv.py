@@ -303,6 +303,8 @@ def _conv_wide(plan, x, packed, groups, bias, raw=False):
         step = max(16, -(-run // parts))
         jobs = [slab(b, lo, min(run, lo + step)) for b in range(n) for lo in range(0, run, step)]
         parallel.run_jobs(jobs)
+    elif groups == 1 and parallel.width() > 1 and m * run * packed.shape[2] > 4_000_000:
+        y = _wide_slabs(phases, packed[0], taps, n, x.shape[1], run, size)
     else:
         cols = np.empty(plan.view_shape, x.dtype)
         if phases.shape[0] * phases.shape[1] == 1:
@@ -322,6 +324,33 @@ def _conv_wide(plan, x, packed, groups, bias, raw=False):
     else:
         np.copyto(out, valid)
     return out
+
+
+def _wide_slabs(phases, w, taps, n, c, run, size):
+    """The "wide" path of a one-group conv in slabs of output columns, each a job of the
+    request's threads: copy the slab's tap runs into a column buffer small enough to stay in
+    cache, then one GEMM into the slab. The copies run on both threads (numpy releases the GIL
+    in them) instead of one, and the GEMM reads columns just written (ResNet-18's stem: 7.6 MB
+    of columns copied by one thread before, then read back by the GEMM)."""
+    m = w.shape[0]
+    y = np.empty((n, m, run), phases.dtype)
+    flat = phases.reshape(*phases.shape[:2], n, c, size)
+    parts = parallel.width() * parallel.CHUNKS_PER_THREAD * 2
+    step = max(64, -(-run // parts))
+
+    def slab(b: int, lo: int, hi: int):
+        def job():
+            cols = np.empty((len(taps), c, hi - lo), phases.dtype)
+            for t, (_, _, ph, pw, off) in enumerate(taps):
+                cols[t] = flat[ph, pw, b, :, off + lo : off + hi]
+            np.matmul(w, cols.reshape(len(taps) * c, hi - lo), out=y[b, :, lo:hi])
+
+        return job
+
+    parallel.run_jobs(
+        [slab(b, lo, min(run, lo + step)) for b in range(n) for lo in range(0, run, step)]
+    )
+    return y
 
 
 def _depthwise(xp, weights, kernel, out_sp, strides, dilations, bias):

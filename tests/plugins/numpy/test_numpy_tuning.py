@@ -67,6 +67,8 @@ CONVS = [
     (8, 16, 1, (1, 8, 9, 9), {}),  # pointwise: the image is the GEMM operand
     (8, 16, 1, (1, 8, 9, 9), {"strides": [2, 2]}),
     (3, 8, 7, (1, 3, 30, 30), {"strides": [2, 2], "pads": [3, 3, 3, 3]}),  # a stem
+    # a stem large enough that the NCHW path copies its columns in slabs on both threads
+    (3, 32, 7, (2, 3, 64, 64), {"strides": [2, 2], "pads": [3, 3, 3, 3]}),
 ]
 
 
