@@ -136,8 +136,10 @@ def test_infer_matches_the_grpc_result_on_the_cnn(client, server):
     rest = client.infer("cnn", [_input(name, x, "FP32")])
     with Client(server.target) as grpc_client:
         expected = grpc_client.infer("cnn", {name: x})
+    # The two requests may run different conv kernels while NUMPY still explores batch 2
+    # (tuning.py): float32 rounding apart, they must agree.
     for output, value in expected.items():
-        np.testing.assert_allclose(rest.as_numpy(output), value, rtol=1e-6)
+        np.testing.assert_allclose(rest.as_numpy(output), value, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("binary", [False, True])
