@@ -12,7 +12,9 @@ The load runs one warm-up inference (plugin.py) so the network's static shapes a
 before it serves. A shape first seen later (a new batch size) is explored over the requests
 that bring it, one candidate each, so no request pays for timing the others (timing them all
 at once made the first batch-8 ResNet-18 request take seconds); at most
-:data:`MAX_KEYS_PER_SITE` keys per site, after which the site's first choice serves. Choices are
+:data:`MAX_KEYS_PER_SITE` keys per site, after which the site's first choice serves. While a
+key is explored, two requests with the same input may run different kernels, so their results
+may differ in float32 rounding (Winograd F(4, 3) within 1e-4 of the largest output). Choices are
 exported with the network and restored on import (``CACHE_DIR``) when the machine key (CPU
 model, BLAS library and kernel, BLAS threads) matches, so a second load does not time again.
 """
