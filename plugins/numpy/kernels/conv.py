@@ -514,9 +514,8 @@ def conv_pool_builder(ctx: KernelContext):
     bias = None if b_const is None else np.ascontiguousarray(b_const, dtype=f32)
     site = ctx.site()  # only for the network's layout: a stem's pooled map feeds its convs
 
-    def run(x, w, b=None):
-        y = conv_forward(spec, groups, x, packed, kernel, None, dw, wino, raw=True)
-        axes = separable_max_plan(pool_spec, y.shape, pool_kernel) if y.ndim > 2 else None
+    def finish(y, axes, bias=bias):
+        """Pool, bias and activation of the channels of ``y`` (``bias``: theirs)."""
         if axes:
             p = separable_max(y, axes)
         else:
@@ -525,9 +524,39 @@ def conv_pool_builder(ctx: KernelContext):
             p += bias.reshape((1, -1) + (1,) * (p.ndim - 2))
         if activation == "Relu":
             np.maximum(p, 0, out=p)
-        return to_channel_last(p) if site is not None and site.channel_last else p
+        return p
+
+    def run(x, w, b=None):
+        y = conv_forward(spec, groups, x, packed, kernel, None, dw, wino, raw=True)
+        axes = separable_max_plan(pool_spec, y.shape, pool_kernel) if y.ndim > 2 else None
+        channel_last = site is not None and site.channel_last
+        if not axes or y.ndim != 4 or parallel.width() <= 1 or y.size < 1 << 20:
+            p = finish(y, axes)
+            return to_channel_last(p) if channel_last else p
+        return _pool_in_parts(y, axes, finish, bias, channel_last)
 
     return run
+
+
+def _pool_in_parts(y, axes, finish, bias, channel_last):
+    """FusedConvPool's pooling of a large map (the stem at batch 8: 26 MB) split by channels
+    over the request's threads (numpy releases the GIL in its ufunc loops), each part written
+    straight into the (channel-last, when the network is) output."""
+    n, m = y.shape[:2]
+    out_sp = separable_max(y[:1, :1], axes).shape[2:]
+    out = np.empty((n, *out_sp, m) if channel_last else (n, m, *out_sp), np.float32)
+    view = out.transpose(0, 3, 1, 2) if channel_last else out
+    parts = parallel.width() * parallel.CHUNKS_PER_THREAD
+    step = max(8, -(-m // parts))
+
+    def part(lo: int, hi: int):
+        def job():
+            view[:, lo:hi] = finish(y[:, lo:hi], axes, None if bias is None else bias[lo:hi])
+
+        return job
+
+    parallel.run_jobs([part(lo, min(m, lo + step)) for lo in range(0, m, step)])
+    return view
 
 
 # --------------------------------------------------------------------------- ConvTranspose

@@ -265,3 +265,24 @@ def test_on_requests_a_new_key_runs_one_candidate_per_request_until_decided():
     chosen = site.choices[(7,)]
     site.run((7,), candidates, 1)
     assert calls[chosen] == tuning.EXPLORE_RUNS + 1
+
+
+@pytest.mark.parametrize("channel_last", [False, True])
+def test_a_large_stem_pools_in_parts_in_either_layout(numpy_plugin, channel_last):
+    """Conv -> Relu -> MaxPool fused (FusedConvPool) on a map large enough to be pooled by
+    channel stretches on the request's threads, written NCHW or channel-last."""
+    rng = np.random.default_rng(11)
+    node, inits = _conv(rng, 3, 64, 7, strides=[2, 2], pads=[3, 3, 3, 3])
+    node.output[0] = "c"
+    nodes = [
+        node,
+        helper.make_node("Relu", ["c"], ["r"], name="relu"),
+        helper.make_node("MaxPool", ["r"], ["y"], name="pool", kernel_shape=[3, 3],
+                         strides=[2, 2], pads=[1, 1, 1, 1]),
+    ]  # fmt: skip
+    model = _model(nodes, ["N", 3, 224, 224], inits)
+    net = numpy_plugin.load_network(model)
+    net.tuner.channel_last = channel_last
+    x = rng.standard_normal((2, 3, 224, 224)).astype(np.float32)
+    ours = net.infer({"x": x})["y"]
+    _close(ours, _ort(model, x))
