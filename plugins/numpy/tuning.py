@@ -63,6 +63,11 @@ class Site:
         self._pending: dict[tuple, dict[str, list[float]]] = {}
         self._lock = threading.Lock()
 
+    def snapshot(self) -> dict[tuple, str]:
+        """The choices made so far, copied under the site's lock."""
+        with self._lock:
+            return dict(self.choices)
+
     @property
     def channel_last(self) -> bool:
         """Whether the network's 4-D activations are to be kept channel-last (see Tuner)."""
@@ -211,11 +216,11 @@ class Tuner:
         return site
 
     def export(self) -> dict[str, Any]:
-        sites = {
-            name: {_key_text(k): v for k, v in site.choices.items()}
-            for name, site in self.sites.items()
-            if site.choices
-        }
+        sites = {}
+        for name, site in self.sites.items():
+            choices = site.snapshot()  # requests may be adding choices meanwhile
+            if choices:
+                sites[name] = {_key_text(k): v for k, v in choices.items()}
         return {"machine": self.machine, "sites": sites, "channel_last": self.channel_last}
 
     def prefers_channel_last(self) -> bool:
