@@ -180,4 +180,7 @@ def _run(width: int, jobs: list) -> None:
         work()
     finally:
         for future in futures:
-            future.result()
+            # A helper still busy with another request's chunk has not started this work:
+            # cancel it rather than wait for it (the chunks are all done by now).
+            if not future.cancel():
+                future.result()
