@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 
@@ -123,10 +125,18 @@ def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.nd
     return np.matmul(a, b, out=out)
 
 
-def gemm_into(a: np.ndarray, b: np.ndarray, out: np.ndarray, beta: float) -> np.ndarray:
+def gemm_into(
+    a: np.ndarray,
+    b: np.ndarray,
+    out: np.ndarray,
+    beta: float,
+    epilogue: Callable[[np.ndarray], Any] | None = None,
+) -> np.ndarray:
     """``out = a @ b + beta * out`` for C-ordered 2-D float32 operands, through OpenBLAS's
     ``sgemm`` (numpy's matmul has no beta: a fused layer accumulates onto its bias and residual
-    already in ``out``), split like :func:`matmul`."""
+    already in ``out``), split like :func:`matmul`. ``epilogue`` (in place, row-wise: a GELU, a
+    LayerNormalization) then runs on each block of rows as soon as its product is done, on the
+    thread that made it, while the block is still in cache; with one, the split is by rows."""
     from plugserve.plugins.numpy.blas import NO_TRANS, ROW_MAJOR, sgemm
 
     assert sgemm is not None
@@ -136,19 +146,27 @@ def gemm_into(a: np.ndarray, b: np.ndarray, out: np.ndarray, beta: float) -> np.
 
     def job(rows: tuple[int, int], cols: tuple[int, int]):
         (r0, r1), (c0, c1) = rows, cols
-        return lambda: sgemm(
-            ROW_MAJOR, NO_TRANS, NO_TRANS, r1 - r0, c1 - c0, k, 1.0, pa + 4 * r0 * k, k,
-            pb + 4 * c0, n, beta, pc + 4 * (r0 * n + c0), n,
-        )  # fmt: skip
+
+        def run() -> None:
+            sgemm(
+                ROW_MAJOR, NO_TRANS, NO_TRANS, r1 - r0, c1 - c0, k, 1.0, pa + 4 * r0 * k, k,
+                pb + 4 * c0, n, beta, pc + 4 * (r0 * n + c0), n,
+            )  # fmt: skip
+            if epilogue is not None:
+                epilogue(out[r0:r1])
+
+        return run
 
     width = getattr(_local, "width", 1)
     chunks = width * CHUNKS_PER_THREAD
     if width <= 1 or m < MIN_SPLIT_ROWS or m * k * n < MIN_SPLIT_MACS:
         job((0, m), (0, n))()
-    elif m >= n and m >= 8 * chunks:
+    elif (epilogue is not None or m >= n) and m >= 8 * chunks:
         _run(width, [job(r, (0, n)) for r in _bounds(m, chunks, 8)])
-    else:
+    elif epilogue is None:
         _run(width, [job((0, m), c) for c in _bounds(n, chunks, 16)])
+    else:
+        _run(width, [job(r, (0, n)) for r in _bounds(m, width, 8)])
     return out
 
 

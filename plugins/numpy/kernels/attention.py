@@ -115,11 +115,11 @@ def linear(ctx: KernelContext) -> Callable[..., tuple[np.ndarray, ...]]:
             np.copyto(y, bias)
         else:
             beta = 0.0
-        gemm_into(x2, w, y, beta)
-        return _finish(y, lead)
+        gemm_into(x2, w, y, beta, None if kind == "none" else epilogue)
+        return _finish(y, lead, done=True)
 
-    def _finish(y: np.ndarray, lead: tuple) -> tuple[np.ndarray, ...]:
-        y = epilogue(y).reshape((*lead, n))
+    def _finish(y: np.ndarray, lead: tuple, done: bool = False) -> tuple[np.ndarray, ...]:
+        y = (y if done else epilogue(y)).reshape((*lead, n))
         if not cuts:
             return (y,)
         return tuple(np.split(y, cuts, axis=-1))

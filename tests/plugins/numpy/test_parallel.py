@@ -109,3 +109,31 @@ def test_gemm_into_accumulates_like_numpy(two_threads, m, k, n, beta):
     ref = a.astype(np.float64) @ b + beta * out
     assert parallel.gemm_into(a, b, out, beta) is out
     np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-4)
+
+
+@pytest.mark.parametrize(("m", "n"), [(128, 1024), (128, 256), (512, 64)])
+def test_gemm_into_runs_a_row_wise_epilogue_on_every_row_once(two_threads, m, n):
+    """A fused layer's LayerNormalization after the product, applied per block of rows on the
+    thread that computed it: the result equals the product normalised row by row."""
+    from plugserve.plugins.numpy import blas
+    from plugserve.plugins.numpy.kernels.reduce import layer_norm_rows_inplace
+
+    if blas.sgemm is None:
+        pytest.skip("numpy does not run on its bundled OpenBLAS here")
+    rng = np.random.default_rng(m * n)
+    a = rng.standard_normal((m, 256)).astype(np.float32)
+    b = rng.standard_normal((256, n)).astype(np.float32)
+    seen = np.zeros(m, int)
+
+    def epilogue(rows):
+        seen[
+            rows[:, :1].ctypes.data // (4 * n) - out.ctypes.data // (4 * n) + np.arange(len(rows))
+        ] += 1
+        layer_norm_rows_inplace(rows, None, None, 1e-5)
+
+    out = np.zeros((m, n), np.float32)
+    parallel.gemm_into(a, b, out, 0.0, epilogue)
+    ref = a.astype(np.float64) @ b
+    ref = (ref - ref.mean(1, keepdims=True)) / np.sqrt(ref.var(1, keepdims=True) + 1e-5)
+    np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-4)
+    assert (seen == 1).all()
