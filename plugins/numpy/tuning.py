@@ -36,7 +36,7 @@ __all__ = ["MAX_KEYS_PER_SITE", "Releasable", "Site", "Tuner", "input_key", "mac
 #: Distinct input keys one site times; more (a client cycling batch sizes) take the first choice.
 MAX_KEYS_PER_SITE = 16
 #: Timed runs per candidate after its first (warm-up) run; the best of them counts.
-TIMED_RUNS = 3
+TIMED_RUNS = 2
 #: Runs per candidate when a new key is explored on requests (the first pays for plans and
 #: transformed weights; the best counts).
 EXPLORE_RUNS = 2
