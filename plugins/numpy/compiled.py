@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -21,6 +22,14 @@ if TYPE_CHECKING:
     from plugserve.plugins.numpy.plugin import NumpyPlugin
 
 __all__ = ["NumpyCompiledNetwork"]
+
+#: Ops whose kernels run BLAS GEMMs: a network with none has no threading to choose.
+_GEMM_OPS = frozenset(
+    {"Conv", "FusedConv", "FusedConvPool", "Gemm", "FusedGemm", "MatMul", "FusedMatMul",
+     "Linear", "Attention", "ConvTranspose", "QLinearConv", "ConvInteger", "MatMulInteger"}
+)  # fmt: skip
+#: Timed runs per threading mode after one untimed round.
+_THREADING_ROUNDS = 3
 
 
 class NumpyCompiledNetwork(CompiledNetwork):
@@ -46,36 +55,53 @@ class NumpyCompiledNetwork(CompiledNetwork):
         #: the kernel choices timed on this machine (``tuning.py``)
         self.tuner = tuner
 
-    def tune(self) -> None:
-        """Time every site on made-up inputs (:meth:`warm_up`) for a channel-last network;
-        if most convs still chose NCHW kernels, make the network NCHW and time again."""
-        self.tuner.channel_last = True
-        if not self.warm_up():
-            self.tuner.channel_last = False
-            return
-        if not self.tuner.prefers_channel_last():
-            self.tuner.channel_last = False
-            self.warm_up()
+    def use_threads(self) -> None:
+        """Set up the calling thread for a run of this network: who splits its GEMMs."""
+        if self.tuner.threading == "openblas":
+            set_thread_count(self.gemm_threads)
+            parallel.use_threads(1)
+        else:
+            set_thread_count(1)
+            parallel.use_threads(self.gemm_threads)
 
-    def warm_up(self) -> bool:
-        """One inference on made-up inputs of the declared shapes (an unknown batch taken as
-        1), so every tuning site times its candidates now rather than on the first request.
-        Returns False when the inputs cannot be made up (an unknown non-batch dim, a string
-        input) or the run fails on them; the sites then time on the requests that come."""
+    def tune(self) -> None:
+        """Everything :mod:`tuning` decides at load, on made-up inputs of the declared shapes
+        (an unknown batch taken as 1): each site's kernel, for a channel-last network, then,
+        if most convs still chose NCHW kernels, for an NCHW one; then who splits the GEMMs.
+        Without such inputs (an unknown non-batch dim, a string input) or when the network
+        fails on them, the sites time on the requests that come and NUMPY splits its GEMMs."""
+        arrays = self._made_up_inputs()
+        if arrays is None:
+            return
+        if self.tuner.sites:
+            self.tuner.channel_last = True
+            if not self._warm_up(arrays):
+                self.tuner.channel_last = False
+                return
+            if not self.tuner.prefers_channel_last():
+                self.tuner.channel_last = False
+                self._warm_up(arrays)
+        if self.gemm_threads > 1 and self._has_gemms():
+            self._choose_threading(arrays)
+
+    def _made_up_inputs(self) -> list[np.ndarray] | None:
         arrays = []
         for spec in self._inputs:
             if spec.kind != "tensor" or spec.dtype is None or spec.shape is None:
-                return False
+                return None
             if spec.dtype.kind not in "biuf":
-                return False
+                return None
             dims = [d if isinstance(d, int) and d >= 0 else None for d in spec.shape]
             if dims and dims[0] is None:
                 dims[0] = 1
             if None in dims:
-                return False
+                return None
             arrays.append(np.zeros(dims, spec.dtype))
-        set_thread_count(1)
-        parallel.use_threads(self.gemm_threads)
+        return arrays
+
+    def _warm_up(self, arrays: list[np.ndarray]) -> bool:
+        """One inference with every new key timed at once (``Tuner.eager``)."""
+        self.use_threads()
         self.tuner.eager = True
         try:
             self.plan.run(arrays)
@@ -84,6 +110,31 @@ class NumpyCompiledNetwork(CompiledNetwork):
         finally:
             self.tuner.eager = False
         return True
+
+    def _has_gemms(self) -> bool:
+        return any(step.node.op_type in _GEMM_OPS for step in self.plan.steps)
+
+    def _choose_threading(self, arrays: list[np.ndarray]) -> None:
+        """OpenBLAS's own threads or NUMPY's split (parallel.py), by timing whole runs of
+        the network both ways, interleaved, the first round not counted. Measured on these
+        machines, neither wins everywhere: with a core busy, OpenBLAS's static split stalled
+        ResNet-18 (71 ms median against 43 split), while the encoder's many 0.2-0.5 ms GEMMs ran
+        faster on OpenBLAS's spinning threads (8.8 ms against 12-14 split)."""
+        clock = time.perf_counter
+        total = dict.fromkeys(("split", "openblas"), 0.0)
+        try:
+            for turn in range(1 + _THREADING_ROUNDS):
+                for mode in total if turn % 2 else reversed(total):
+                    self.tuner.threading = mode
+                    self.use_threads()
+                    start = clock()
+                    self.plan.run(arrays)
+                    if turn:
+                        total[mode] += clock() - start
+        except PlugserveError:
+            total["openblas"] = float("inf")
+        self.tuner.threading = min(total, key=total.__getitem__)
+        self.tuner.log.append(("threading", {k: round(v * 1e3, 3) for k, v in total.items()}))
 
     def create_infer_request(self) -> NumpyInferRequest:
         return NumpyInferRequest(self)

@@ -135,7 +135,7 @@ class NumpyPlugin(Plugin):
         plan = compile_plan(transformed, self.registry, tuner=tuner)
         network = NumpyCompiledNetwork(self, cfg, original, transformed, plan, tuner)
         network.shape_model = shape_model(proto)
-        if tuner.enabled and tuner.sites:
+        if tuner.enabled:
             network.tune()
         return network
 
@@ -195,7 +195,7 @@ class NumpyPlugin(Plugin):
         )
         plan = compile_plan(graph, self.registry, tuner=tuner)
         network = NumpyCompiledNetwork(self, cfg, graph, graph, plan, tuner)
-        if tuner.enabled and tuner.sites and not tuner.stored:  # exported on another machine
+        if tuner.enabled and not tuner.restored:  # exported on another machine
             network.tune()
         return network
 

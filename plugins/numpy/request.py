@@ -11,8 +11,6 @@ from plugserve.plugins.api import (
     InferRequest,
     PerfCount,
 )
-from plugserve.plugins.numpy import parallel
-from plugserve.plugins.numpy.blas import set_thread_count
 from plugserve.plugins.shapecheck import shapes_of, translate
 
 if TYPE_CHECKING:
@@ -30,8 +28,7 @@ class NumpyInferRequest(InferRequest):
         self._counts: list[PerfCount] = []
 
     def _run(self, arrays: list[np.ndarray]) -> dict[str, np.ndarray]:
-        set_thread_count(1)  # GEMMs are split by parallel.py, not by OpenBLAS
-        parallel.use_threads(self.network.gemm_threads)
+        self.network.use_threads()
         profile: list[PerfCount] | None = [] if self._perf else None
         try:
             outputs = self.network.plan.run(arrays, profile)

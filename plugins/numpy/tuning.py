@@ -188,12 +188,16 @@ class Tuner:
         self.enabled = enabled
         self.machine = machine_key(threads)
         self.stored: dict[str, dict[tuple, str]] = {}
+        #: Whether ``stored`` was made on this machine and read back whole: then nothing the
+        #: load decides is timed again.
+        self.restored = False
         if stored and stored.get("machine") == self.machine:
             try:
                 self.stored = {
                     str(site): {_parse_key(k): str(v) for k, v in choices.items()}
                     for site, choices in stored.get("sites", {}).items()
                 }
+                self.restored = stored.get("threading") in ("split", "openblas")
             except (AttributeError, TypeError, ValueError):
                 self.stored = {}  # not what export() writes: time again rather than fail
         self.sites: dict[str, Site] = {}
@@ -203,7 +207,10 @@ class Tuner:
         #: channel-last kernel. Decided for the whole network, not per conv, because mixing
         #: layouts costs more than either (an Add of an NCHW and a channel-last map runs 8x
         #: slower than of two alike, and its result is NCHW, so the next conv converts again).
-        self.channel_last = bool(stored and self.stored and stored.get("channel_last"))
+        self.channel_last = bool(self.restored and stored and stored.get("channel_last"))
+        #: Who splits the network's GEMMs over its threads: "split" (parallel.py) or
+        #: "openblas" (OpenBLAS's own threads), timed at load (NumpyCompiledNetwork.tune).
+        self.threading = str(stored["threading"]) if self.restored and stored else "split"
         #: keys timed since this network was compiled or imported (0 after a cached load)
         self.timed = 0
         #: (site, {candidate: best ms}) per timing, for `plugserve` diagnostics and tests
@@ -221,7 +228,12 @@ class Tuner:
             choices = site.snapshot()  # requests may be adding choices meanwhile
             if choices:
                 sites[name] = {_key_text(k): v for k, v in choices.items()}
-        return {"machine": self.machine, "sites": sites, "channel_last": self.channel_last}
+        return {
+            "machine": self.machine,
+            "sites": sites,
+            "channel_last": self.channel_last,
+            "threading": self.threading,
+        }
 
     def prefers_channel_last(self) -> bool:
         """Whether most timed choices were channel-last kernels (``nhwc-...``)."""

@@ -102,7 +102,7 @@ def test_every_candidate_of_a_conv_site_matches_onnxruntime(
 
 def _candidates_of(net):
     """The candidate names the conv's site timed (its log: {name: best ms})."""
-    return net.tuner.log[-1][1]
+    return next(times for site, times in reversed(net.tuner.log) if site == "conv")
 
 
 def _resnet_block_model(rng, batch="N"):
@@ -201,7 +201,41 @@ def test_a_second_load_from_the_cache_dir_does_not_tune(tmp_path):
     first = Core().load_network(model, "NUMPY", config)
     second = Core().load_network(model, "NUMPY", config)
     assert not first.loaded_from_cache and first.tuner.timed > 0
-    assert second.loaded_from_cache and second.tuner.timed == 0
+    assert second.loaded_from_cache and second.tuner.timed == 0 and not second.tuner.log
+    assert second.tuner.threading == first.tuner.threading
+
+
+def test_who_splits_the_gemms_is_timed_at_load_and_cached(tmp_path):
+    """A network without conv sites (an MLP) still times OpenBLAS's threads against NUMPY's
+    split at load when it has threads to split over, keeps the faster, and a second load
+    from the cache times nothing; both ways compute the same."""
+    from plugserve.server import Core
+
+    rng = np.random.default_rng(9)
+    inits = {
+        "w1": rng.standard_normal((256, 512)).astype("f4"),
+        "w2": rng.standard_normal((512, 64)).astype("f4"),
+    }
+    nodes = [
+        helper.make_node("MatMul", ["x", "w1"], ["h"], name="mm1"),
+        helper.make_node("Relu", ["h"], ["r"], name="relu"),
+        helper.make_node("MatMul", ["r", "w2"], ["y"], name="mm2"),
+    ]
+    model = _model(nodes, ["N", 256], inits, out_shape=("N", 64))
+    config = {"CACHE_DIR": str(tmp_path), "PERFORMANCE_HINT": "LATENCY"}
+    first = Core().load_network(model, "NUMPY", config)
+    if first.gemm_threads < 2:
+        pytest.skip("one core: nothing to split")
+    assert [site for site, _ in first.tuner.log] == ["threading"]
+    assert first.tuner.threading in ("split", "openblas")
+    second = Core().load_network(model, "NUMPY", config)
+    assert second.loaded_from_cache and not second.tuner.log
+    assert second.tuner.threading == first.tuner.threading
+    x = rng.standard_normal((64, 256)).astype(np.float32)
+    ref = _ort(model, x)
+    for mode in ("split", "openblas"):
+        second.tuner.threading = mode
+        _close(second.infer({"x": x})["y"], ref)
 
 
 def test_choices_from_another_machine_are_timed_again():
