@@ -61,7 +61,7 @@ from plugserve.plugins.numpy.kernels.window import (
     tap_views,
     window_reach,
 )
-from plugserve.plugins.numpy.kernels.winograd import Winograd, winograd_weights
+from plugserve.plugins.numpy.kernels.winograd import Winograd, winograd_tile, winograd_weights
 from plugserve.plugins.numpy.parallel import matmul as _gemm
 from plugserve.plugins.numpy.tuning import input_key
 
@@ -403,9 +403,21 @@ def _conv_runner(spec, groups, w_const, b_const, dtype, in_shape=None, site=None
         return kernel, packed, dw
 
     if w_const is not None and cdt is not None:
+        bias = None if b_const is None else np.ascontiguousarray(b_const, dtype=cdt)
+        tunable = dtype == np.float32 and groups == 1 and w_const.ndim == 4
+        site = site() if site is not None and tunable else None
+        if site is not None:
+            candidates = _candidates(spec, w_const, bias, in_shape, site)
+
+            def run_tuned(x, w, b=None):
+                if x.dtype != cdt:  # a float64 input to a float32 model: the plain path
+                    return candidates["nchw"](x.astype(cdt)).astype(x.dtype)
+                layout = "nhwc" if is_channel_last(x) else "nchw"
+                return site.run(input_key(x, layout), candidates, x)
+
+            return run_tuned
         kernel, packed, dw = prepare(w_const, cdt)
         wino = winograd_weights(spec, w_const, groups, cdt, in_shape)
-        bias = None if b_const is None else np.ascontiguousarray(b_const, dtype=cdt)
         out_dtype = np.dtype(dtype)
 
         def run(x, w, b=None):
@@ -415,19 +427,7 @@ def _conv_runner(spec, groups, w_const, b_const, dtype, in_shape=None, site=None
             y = conv_forward(spec, groups, x, packed, kernel, bb, dw, wino)
             return y if y.dtype == out_dtype else y.astype(out_dtype)
 
-        tunable = dtype == np.float32 and groups == 1 and w_const.ndim == 4
-        site = site() if site is not None and tunable else None
-        if site is None:
-            return run
-        candidates = _candidates(spec, w_const, bias, packed, kernel, wino, site)
-
-        def run_tuned(x, w, b=None):
-            if x.dtype != cdt:  # a float64 input to a float32 model: the plain path
-                return run(x, w, b)
-            layout = "nhwc" if is_channel_last(x) else "nchw"
-            return site.run(input_key(x, layout), candidates, x)
-
-        return run_tuned
+        return run
 
     def run_dynamic(x, w, b=None):
         out_dtype = x.dtype
@@ -443,24 +443,45 @@ def _conv_runner(spec, groups, w_const, b_const, dtype, in_shape=None, site=None
 register("Conv", 1, 11, 22)(conv_builder)
 
 
-def _candidates(spec, w, bias, packed, kernel, wino, site) -> dict:
+def _candidates(spec, w, bias, in_shape, site) -> dict:
     """The kernels that compute a float32, one-group, 2-D constant-weight conv, for its tuning
     site to time; the first (the NCHW paths as :func:`conv_forward` picks them) serves where
-    nothing is timed. In a channel-last network (``site.channel_last``) the NCHW paths convert
-    their result, and that conversion is part of what their timing measures."""
-
-    def nchw(x, wino=wino):
-        y = conv_forward(spec, 1, x, packed, kernel, bias, None, wino)
-        return to_channel_last(y) if site.channel_last else y
-
-    candidates = {"nchw": nchw}
-    if wino is not None:
-        candidates["nchw-direct"] = lambda x: nchw(x, None)
+    nothing is timed. Each makes its weights on first use and drops them when it loses, so a
+    conv holds the weights of the kernels it chose only."""
+    candidates: dict = {"nchw": _Nchw(spec, w, bias, in_shape, site, winograd=True)}
+    if winograd_tile(spec, w, 1, np.dtype(np.float32), in_shape):
+        candidates["nchw-direct"] = _Nchw(spec, w, bias, in_shape, site, winograd=False)
     candidates["nhwc-gemm"] = ChannelLastConv(spec, w, bias)
     if suits_winograd(spec, w):
         candidates["nhwc-wino2"] = ChannelLastWinograd(spec, w, bias, 2)
         candidates["nhwc-wino4"] = ChannelLastWinograd(spec, w, bias, 4)
     return candidates
+
+
+class _Nchw:
+    """The NCHW paths of :func:`conv_forward` as a tuning candidate. In a channel-last network
+    (``site.channel_last``) it converts its result, and its timing measures that too."""
+
+    def __init__(self, spec, w, bias, in_shape, site, winograd: bool) -> None:
+        self.spec, self.w, self.bias, self.in_shape, self.site = spec, w, bias, in_shape, site
+        self.winograd = winograd
+        self.kernel = tuple(w.shape[2:])
+        self._weights: tuple | None = None
+
+    def release(self) -> None:
+        self._weights = None
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        weights = self._weights
+        if weights is None:
+            f32 = np.dtype(np.float32)
+            wino = winograd_weights(self.spec, self.w, 1, f32, self.in_shape)
+            weights = self._weights = (
+                pack_conv_weight(self.w, 1, f32),
+                wino if self.winograd else None,
+            )
+        y = conv_forward(self.spec, 1, x, weights[0], self.kernel, self.bias, None, weights[1])
+        return to_channel_last(y) if self.site.channel_last else y
 
 
 class _PrefixedAttrs:

@@ -65,14 +65,22 @@ class ChannelLastConv:
 
     def __init__(self, spec: ConvSpec, w: np.ndarray, bias: np.ndarray | None) -> None:
         self.spec = spec
-        m, c, kh, kw = w.shape
+        m, _, kh, kw = w.shape
         self.kernel = (kh, kw)
         self.m = m
         self.bias = bias
-        # rows ordered (tap row, tap column, channel), as the column buffer's columns
-        self.wcols = np.ascontiguousarray(w.transpose(2, 3, 1, 0).reshape(kh * kw * c, m))
+        self._w = w
+        self._wcols: np.ndarray | None = None
+
+    def release(self) -> None:
+        self._wcols = None
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
+        wcols = self._wcols
+        if wcols is None:  # rows ordered (tap row, tap column, channel), as the columns'
+            kh, kw = self.kernel
+            wcols = self._w.transpose(2, 3, 1, 0).reshape(kh * kw * self._w.shape[1], self.m)
+            wcols = self._wcols = np.ascontiguousarray(wcols, dtype=np.float32)
         xh = channel_last(x)
         n, h, w, c = xh.shape
         (oh, ow), begin, _, (sh, sw), (dh, dw) = self.spec.resolve((h, w), self.kernel)
@@ -94,7 +102,7 @@ class ChannelLastConv:
                     ]
             cols = buf.reshape(n * oh * ow, kh * kw * c)
         y = np.empty((n, oh, ow, self.m), np.float32)
-        _gemm(cols, self.wcols, out=y.reshape(n * oh * ow, self.m))
+        _gemm(cols, wcols, out=y.reshape(n * oh * ow, self.m))
         return _finish(y, self.bias)
 
 

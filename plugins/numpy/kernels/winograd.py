@@ -12,7 +12,7 @@ from plugserve.plugins.numpy.kernels.window import (
 )
 from plugserve.plugins.numpy.parallel import matmul as _gemm
 
-__all__ = ["Winograd", "winograd_weights"]
+__all__ = ["Winograd", "winograd_tile", "winograd_weights"]
 
 
 # --------------------------------------------------------------------------- Winograd
@@ -107,17 +107,24 @@ def winograd_weights(
     (:func:`_winograd_tile`) that the GEMM saving outweighs the tile transforms. Per request,
     :meth:`Winograd.suits` also asks for enough tiles.
     """
+    r = winograd_tile(spec, w, groups, dtype, in_shape)
+    return Winograd(w, r) if r else None
+
+
+def winograd_tile(
+    spec: ConvSpec, w: np.ndarray, groups: int, dtype: np.dtype, in_shape: tuple | None = None
+) -> int:
+    """The r of the F(r, 3) :func:`winograd_weights` would build, 0 for none."""
     if dtype != np.float32 or groups != 1 or w.ndim != 4:
-        return None
+        return 0
     if tuple(w.shape[2:]) != (3, 3):
-        return None
+        return 0
     if any(v != 1 for v in (spec.strides or ())) or any(v != 1 for v in (spec.dilations or ())):
-        return None
+        return 0
     spatial = None
     if in_shape is not None and len(in_shape) == 4:
         spatial = tuple(d if isinstance(d, int) and d > 0 else None for d in in_shape[2:])
-    r = _winograd_tile(w.shape[1], w.shape[0], spatial)
-    return Winograd(w, r) if r else None
+    return _winograd_tile(w.shape[1], w.shape[0], spatial)
 
 
 class _WinogradPlan:
