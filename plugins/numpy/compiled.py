@@ -16,7 +16,7 @@ from plugserve.plugins.numpy.blas import set_thread_count
 from plugserve.plugins.numpy.config import NumpyConfiguration
 from plugserve.plugins.numpy.engine import Plan
 from plugserve.plugins.numpy.request import NumpyInferRequest
-from plugserve.plugins.numpy.tuning import Tuner
+from plugserve.plugins.numpy.tuning import THREADING_RUNS, Tuner
 
 if TYPE_CHECKING:
     from plugserve.plugins.numpy.plugin import NumpyPlugin
@@ -28,8 +28,6 @@ _GEMM_OPS = frozenset(
     {"Conv", "FusedConv", "FusedConvPool", "Gemm", "FusedGemm", "MatMul", "FusedMatMul",
      "Linear", "Attention", "ConvTranspose", "QLinearConv", "ConvInteger", "MatMulInteger"}
 )  # fmt: skip
-#: Timed runs per threading mode after one untimed round.
-_THREADING_ROUNDS = 3
 
 
 class NumpyCompiledNetwork(CompiledNetwork):
@@ -54,15 +52,32 @@ class NumpyCompiledNetwork(CompiledNetwork):
         self.gemm_threads = config.threads_per_stream()
         #: the kernel choices timed on this machine (``tuning.py``)
         self.tuner = tuner
+        self._threads_to_choose = (
+            tuner.enabled
+            and self.gemm_threads > 1
+            and any(step.node.op_type in _GEMM_OPS for step in plan.steps)
+        )
 
-    def use_threads(self) -> None:
-        """Set up the calling thread for a run of this network: who splits its GEMMs."""
-        if self.tuner.threading == "openblas":
+    def run_plan(self, arrays: list[Any], profile: list | None = None) -> list[Any]:
+        """The plan, its GEMMs split the way chosen for these inputs' shapes (a new shape:
+        each way over its first runs, timed, see ``Tuner.threading_for``)."""
+        shapes = tuple(getattr(a, "shape", ()) for a in arrays)
+        if self._threads_to_choose:
+            mode, timed = self.tuner.threading_for(shapes)
+        else:
+            mode, timed = "split", False
+        if mode == "openblas":
             set_thread_count(self.gemm_threads)
             parallel.use_threads(1)
         else:
             set_thread_count(1)
             parallel.use_threads(self.gemm_threads)
+        if not timed:
+            return self.plan.run(arrays, profile)
+        start = time.perf_counter()
+        outputs = self.plan.run(arrays, profile)
+        self.tuner.record(shapes, mode, time.perf_counter() - start)
+        return outputs
 
     def tune(self) -> None:
         """Everything :mod:`tuning` decides at load, on made-up inputs of the declared shapes
@@ -81,7 +96,7 @@ class NumpyCompiledNetwork(CompiledNetwork):
             if not self.tuner.prefers_channel_last():
                 self.tuner.channel_last = False
                 self._warm_up(arrays)
-        if self.gemm_threads > 1 and self._has_gemms():
+        if self._threads_to_choose:
             self._choose_threading(arrays)
 
     def _made_up_inputs(self) -> list[np.ndarray] | None:
@@ -101,40 +116,26 @@ class NumpyCompiledNetwork(CompiledNetwork):
 
     def _warm_up(self, arrays: list[np.ndarray]) -> bool:
         """One inference with every new key timed at once (``Tuner.eager``)."""
-        self.use_threads()
         self.tuner.eager = True
         try:
-            self.plan.run(arrays)
+            self.run_plan(arrays)
         except PlugserveError:
             return False
         finally:
             self.tuner.eager = False
         return True
 
-    def _has_gemms(self) -> bool:
-        return any(step.node.op_type in _GEMM_OPS for step in self.plan.steps)
-
     def _choose_threading(self, arrays: list[np.ndarray]) -> None:
-        """OpenBLAS's own threads or NUMPY's split (parallel.py), by timing whole runs of
-        the network both ways, interleaved, the first round not counted. Measured on these
-        machines, neither wins everywhere: with a core busy, OpenBLAS's static split stalled
-        ResNet-18 (71 ms median against 43 split), while the encoder's many 0.2-0.5 ms GEMMs ran
-        faster on OpenBLAS's spinning threads (8.8 ms against 12-14 split)."""
-        clock = time.perf_counter
-        total = dict.fromkeys(("split", "openblas"), 0.0)
-        try:
-            for turn in range(1 + _THREADING_ROUNDS):
-                for mode in total if turn % 2 else reversed(total):
-                    self.tuner.threading = mode
-                    self.use_threads()
-                    start = clock()
-                    self.plan.run(arrays)
-                    if turn:
-                        total[mode] += clock() - start
-        except PlugserveError:
-            total["openblas"] = float("inf")
-        self.tuner.threading = min(total, key=total.__getitem__)
-        self.tuner.log.append(("threading", {k: round(v * 1e3, 3) for k, v in total.items()}))
+        """Runs on the made-up inputs until their shapes' threading is chosen (a bounded
+        number: each way once untimed, then ``THREADING_RUNS`` times)."""
+        shapes = tuple(a.shape for a in arrays)
+        for _ in range(2 * (1 + THREADING_RUNS)):
+            if shapes in self.tuner.threading:
+                return
+            try:
+                self.run_plan(arrays)
+            except PlugserveError:
+                return
 
     def create_infer_request(self) -> NumpyInferRequest:
         return NumpyInferRequest(self)

@@ -28,10 +28,9 @@ class NumpyInferRequest(InferRequest):
         self._counts: list[PerfCount] = []
 
     def _run(self, arrays: list[np.ndarray]) -> dict[str, np.ndarray]:
-        self.network.use_threads()
         profile: list[PerfCount] | None = [] if self._perf else None
         try:
-            outputs = self.network.plan.run(arrays, profile)
+            outputs = self.network.run_plan(arrays, profile)
         except InferenceError as exc:
             shapes = shapes_of([s.name for s in self.network.inputs], arrays)
             raise translate(exc, self.network.name, self.network.shape_model, shapes) from exc

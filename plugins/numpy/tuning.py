@@ -37,6 +37,10 @@ __all__ = ["MAX_KEYS_PER_SITE", "Releasable", "Site", "Tuner", "input_key", "mac
 MAX_KEYS_PER_SITE = 16
 #: Timed runs per candidate after its first (warm-up) run; the best of them counts.
 TIMED_RUNS = 2
+#: The two ways a network's GEMMs can be split over its threads.
+THREADINGS = ("split", "openblas")
+#: Timed whole runs each way (after an untimed first) before a shape's threading is chosen.
+THREADING_RUNS = 3
 #: Runs per candidate when a new key is explored on requests (the first pays for plans and
 #: transformed weights; the best counts).
 EXPLORE_RUNS = 2
@@ -188,6 +192,9 @@ class Tuner:
         self.enabled = enabled
         self.machine = machine_key(threads)
         self.stored: dict[str, dict[tuple, str]] = {}
+        #: Who splits the network's GEMMs, per input shapes: "split" (parallel.py) or
+        #: "openblas" (OpenBLAS's own threads), timed by whole runs (:meth:`threading_for`).
+        self.threading: dict[tuple, str] = {}
         #: Whether ``stored`` was made on this machine and read back whole: then nothing the
         #: load decides is timed again.
         self.restored = False
@@ -197,9 +204,15 @@ class Tuner:
                     str(site): {_parse_key(k): str(v) for k, v in choices.items()}
                     for site, choices in stored.get("sites", {}).items()
                 }
-                self.restored = stored.get("threading") in ("split", "openblas")
+                self.threading = {
+                    _parse_shapes(k): str(v)
+                    for k, v in stored.get("threading", {}).items()
+                    if v in THREADINGS
+                }
+                self.restored = isinstance(stored.get("threading"), dict)
             except (AttributeError, TypeError, ValueError):
                 self.stored = {}  # not what export() writes: time again rather than fail
+                self.threading = {}
         self.sites: dict[str, Site] = {}
         #: True during the load's warm-up: a new key times every candidate at once.
         self.eager = False
@@ -208,9 +221,8 @@ class Tuner:
         #: layouts costs more than either (an Add of an NCHW and a channel-last map runs 8x
         #: slower than of two alike, and its result is NCHW, so the next conv converts again).
         self.channel_last = bool(self.restored and stored and stored.get("channel_last"))
-        #: Who splits the network's GEMMs over its threads: "split" (parallel.py) or
-        #: "openblas" (OpenBLAS's own threads), timed at load (NumpyCompiledNetwork.tune).
-        self.threading = str(stored["threading"]) if self.restored and stored else "split"
+        self._samples: dict[tuple, dict[str, list[float]]] = {}
+        self._lock = threading.Lock()
         #: keys timed since this network was compiled or imported (0 after a cached load)
         self.timed = 0
         #: (site, {candidate: best ms}) per timing, for `plugserve` diagnostics and tests
@@ -228,12 +240,48 @@ class Tuner:
             choices = site.snapshot()  # requests may be adding choices meanwhile
             if choices:
                 sites[name] = {_key_text(k): v for k, v in choices.items()}
+        with self._lock:
+            threading_ = {_shapes_text(k): v for k, v in self.threading.items()}
         return {
             "machine": self.machine,
             "sites": sites,
             "channel_last": self.channel_last,
-            "threading": self.threading,
+            "threading": threading_,
         }
+
+    def threading_for(self, shapes: tuple) -> tuple[str, bool]:
+        """Who splits the GEMMs of a run on inputs of these shapes, and whether the run is to
+        be timed (:meth:`record`): a new shape alternates the two over its first runs, as a
+        site explores its candidates; past :data:`MAX_KEYS_PER_SITE` shapes, NUMPY's split.
+
+        Neither wins everywhere (measured on these machines): with a core busy, OpenBLAS's
+        static split stalled ResNet-18 (71 ms median against 43 split), while the encoder's
+        many 0.2-0.5 ms GEMMs ran faster on OpenBLAS's spinning threads at batch 1 (8.8 ms
+        against 12-14 split) and slower at batch 8 (92 against 81)."""
+        mode = self.threading.get(shapes)
+        if mode is not None or not self.enabled:
+            return mode or "split", False
+        with self._lock:
+            samples = self._samples.get(shapes)
+            if samples is None:
+                if len(self.threading) + len(self._samples) >= MAX_KEYS_PER_SITE:
+                    return "split", False
+                samples = self._samples[shapes] = {m: [] for m in THREADINGS}
+            return min(samples, key=lambda m: len(samples[m])), True
+
+    def record(self, shapes: tuple, mode: str, seconds: float) -> None:
+        """A timed run's duration; the choice is made once each way has THREADING_RUNS
+        timings after its first (the sum counts: a stall is what is being measured)."""
+        with self._lock:
+            samples = self._samples.get(shapes)
+            if samples is None:
+                return
+            samples[mode].append(seconds)
+            if all(len(v) > THREADING_RUNS for v in samples.values()):
+                total = {m: sum(v[1:]) for m, v in samples.items()}
+                del self._samples[shapes]
+                self.threading[shapes] = min(total, key=total.__getitem__)
+                self.log.append(("threading", {k: round(v * 1e3, 3) for k, v in total.items()}))
 
     def prefers_channel_last(self) -> bool:
         """Whether most timed choices were channel-last kernels (``nhwc-...``)."""
@@ -252,6 +300,14 @@ class Releasable(Protocol):
 def input_key(x: np.ndarray, layout: str) -> tuple:
     """A site key: the input's shape, dtype and memory layout (a tuple: one dict lookup)."""
     return (x.shape, x.dtype.str, layout)
+
+
+def _shapes_text(shapes: tuple) -> str:
+    return ";".join("x".join(map(str, s)) for s in shapes)
+
+
+def _parse_shapes(text: str) -> tuple:
+    return tuple(tuple(int(d) for d in s.split("x") if d) for s in str(text).split(";"))
 
 
 def _key_text(key: tuple) -> str:

@@ -227,14 +227,18 @@ def test_who_splits_the_gemms_is_timed_at_load_and_cached(tmp_path):
     if first.gemm_threads < 2:
         pytest.skip("one core: nothing to split")
     assert [site for site, _ in first.tuner.log] == ["threading"]
-    assert first.tuner.threading in ("split", "openblas")
+    assert first.tuner.threading[((1, 256),)] in ("split", "openblas")  # the load's batch 1
     second = Core().load_network(model, "NUMPY", config)
     assert second.loaded_from_cache and not second.tuner.log
     assert second.tuner.threading == first.tuner.threading
     x = rng.standard_normal((64, 256)).astype(np.float32)
     ref = _ort(model, x)
+    for _ in range(2 * (1 + tuning.THREADING_RUNS)):  # a new batch: both ways, then a choice
+        _close(second.infer({"x": x})["y"], ref)
+    assert second.tuner.threading[((64, 256),)] in ("split", "openblas")
+    assert [site for site, _ in second.tuner.log] == ["threading"]
     for mode in ("split", "openblas"):
-        second.tuner.threading = mode
+        second.tuner.threading[((64, 256),)] = mode
         _close(second.infer({"x": x})["y"], ref)
 
 
