@@ -317,9 +317,12 @@ class Connection(asyncio.Protocol):
         return True
 
     def _fail(self, status: int, message: str) -> None:
-        """Answer a request that cannot be read further, and close."""
+        """Answer a request that cannot be read further, and close (without an answer when
+        earlier pipelined requests are still to be answered: replies go out in order)."""
         self._cancel_timer()
-        if not self.closed:
+        if self.busy or self.pending:
+            self.close()
+        elif not self.closed:
             self._reply("", error_reply(status, message), False)
 
     def close(self) -> None:
