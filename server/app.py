@@ -254,7 +254,7 @@ class Server:
                 self._stop_grpc(0)
                 raise
         if s.http_port >= 0:
-            rest_app = RestApp(self.plane, s.max_message_bytes, auth, s.request_read_timeout)
+            rest_app = RestApp(self.plane, s.max_message_bytes, auth)
             self.rest = RestServer(rest_app, s)
             self.http_port = self.rest.start()
         rest = f", HTTP {'https' if credentials else 'http'}://{s.host}:{self.http_port}"

@@ -7,11 +7,13 @@ route is authorized as the gRPC method it stands for (``security.AuthInterceptor
 so one table decides who may call what on both protocols; the health routes follow
 ``--open-health`` like the gRPC health service, so probes need no token.
 
-The stack was chosen by measurement (BENCHMARKS.md, "REST stack"): uvicorn with httptools'
-parser and uvloop, serving a raw ASGI application (no framework between the parser and these
-handlers), JSON by orjson. It runs its own event loop on a thread of the server process, next
-to the gRPC server, so both share the DataPlane. Inference runs on the network's streams (the
-loop awaits the future, it never computes); loads and unloads run on a worker thread.
+The stack was chosen by measurement (BENCHMARKS.md, "REST stack" and "REST without ASGI"):
+httptools' parser under an asyncio protocol of our own (``rest_http.py``, which reads each
+request whole and calls :meth:`RestApp.dispatch`) on uvloop, JSON by orjson. It runs its own
+event loop on a thread of the server process, next to the gRPC server, so both share the
+DataPlane. A network whose mean compute is under 1 ms runs inline on the loop when a stream is
+idle (answered within the parser's callback); others run on the network's streams while the
+loop awaits the future; loads and unloads run on a worker thread.
 
 Choices where Triton or KServe leave room:
 
@@ -23,8 +25,8 @@ Choices where Triton or KServe leave room:
   (``Accept-Encoding`` is a preference: compressing a 600 KB tensor costs more than sending it
   over the networks a server like this runs on). Shared memory, trace and log settings are
   501, as their gRPC methods are UNIMPLEMENTED.
-* A client that disconnects does not cancel its queued request (ASGI tells it only to a reader
-  of the request stream); the request runs and its answer is dropped.
+* A client that disconnects does not cancel its queued request; the request runs and its
+  answer is dropped.
 """
 
 from __future__ import annotations
@@ -35,13 +37,13 @@ import re
 import socket
 import ssl
 import threading
+import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
-import uvicorn
 import uvloop
 
 from plugserve.plugins.api import InvalidInput, PlugserveError, Unsupported
@@ -49,16 +51,17 @@ from plugserve.plugins.version import plugserve_version
 from plugserve.proto import grpc_service_pb2 as pb
 from plugserve.server import kserve, kserve_convert
 from plugserve.server.dataplane import DataPlane, LoadedNetwork
-from plugserve.server.errors import HTTP_STATUS, http_status_of
+from plugserve.server.errors import HTTP_STATUS
 from plugserve.server.rest_convert import (
     HEADER_LENGTH,
+    InferCall,
     dumps,
     encode_infer,
     loads,
     message_json,
     parse_infer,
 )
-from plugserve.server.rest_gate import gated_protocol
+from plugserve.server.rest_http import HttpServer, Reply, error_reply
 from plugserve.server.security import HEALTH, KSERVE, AuthInterceptor
 from plugserve.server.settings import Settings
 
@@ -68,9 +71,6 @@ _JSON = [(b"content-type", b"application/json")]
 # Content-Encoding of a request body -> zlib's wbits (0: plain)
 _WBITS = {b"identity": 0, b"gzip": 31, b"deflate": 15}
 _BINARY = b"application/octet-stream"
-
-#: what a handler returns: status, body pieces, extra headers
-Reply = tuple[int, list[bytes | memoryview], list[tuple[bytes, bytes]]]
 
 
 class TooLarge(PlugserveError):
@@ -104,25 +104,18 @@ def _json(value: Any, status: int = 200) -> Reply:
     return status, [dumps(value)], _JSON
 
 
-def _error(status: int, message: str) -> Reply:
-    return _json({"error": message}, status)
+_error = error_reply
 
 
 class RestApp:
-    """The ASGI application: route, authorize, read the body, call a handler, answer."""
+    """The application: route, authorize, inflate the body, call a handler, answer."""
 
     def __init__(
-        self,
-        plane: DataPlane,
-        max_body: int,
-        auth: AuthInterceptor | None = None,
-        read_timeout: float = 30.0,
+        self, plane: DataPlane, max_body: int, auth: AuthInterceptor | None = None
     ) -> None:
-        """``read_timeout``: --request-read-timeout, the longest a body may take to arrive."""
         self.plane = plane
         self.max_body = max_body
         self.auth = auth
-        self.read_timeout = read_timeout
         model = r"/v2/models/(?P<name>[^/]+)(?:/versions/(?P<version>[^/]+))?"
         unsupported = {
             r"/v2/systemsharedmemory(?:/.*)?": "system shared memory",
@@ -131,7 +124,10 @@ class RestApp:
             r"/v2/logging": "log settings",
         }
         # (pattern, {method: (gRPC method it stands for, handler)})
+        # the infer route first (no other route's pattern matches a path ending in /infer):
+        # the one whose lookup is paid per inference
         table: list[tuple[str, dict[str, tuple[str, Callable[[Call], Any]]]]] = [
+            (model + "/infer", {"POST": (f"/{KSERVE}/ModelInfer", self.infer)}),
             (r"/v2/health/live", {"GET": (f"/{HEALTH}/Check", self.live)}),
             (r"/v2/health/ready", {"GET": (f"/{HEALTH}/Check", self.ready)}),
             (r"/v2", {"GET": (f"/{KSERVE}/ServerMetadata", self.server_metadata)}),
@@ -156,32 +152,16 @@ class RestApp:
             (model + "/ready", {"GET": (f"/{KSERVE}/ModelReady", self.model_ready)}),
             (model + "/config", {"GET": (f"/{KSERVE}/ModelConfig", self.model_config)}),
             (model + "/stats", {"GET": (f"/{KSERVE}/ModelStatistics", self.statistics)}),
-            (model + "/infer", {"POST": (f"/{KSERVE}/ModelInfer", self.infer)}),
         ]
         self.routes = [(re.compile(pattern + "/?"), methods) for pattern, methods in table]
 
-    # --- the ASGI entry point
+    # --- the entry point (server/rest_http.py calls it with the request read whole)
 
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return
-        try:
-            status, pieces, headers = await self._handle(scope, receive)
-        except Exception as exc:
-            status, message = http_status_of(exc)
-            status, pieces, headers = _error(status, message)
-        length = sum(memoryview(p).nbytes for p in pieces)
-        await send(
-            {
-                "type": "http.response.start",
-                "status": status,
-                "headers": [*headers, (b"content-length", str(length).encode())],
-            }
-        )
-        await send({"type": "http.response.body", "body": b"".join(pieces)})
-
-    async def _handle(self, scope: dict[str, Any], receive: Any) -> Reply:
-        path = scope["path"]
+    def dispatch(
+        self, method: str, path: str, raw_headers: list[tuple[bytes, bytes]], body: bytes
+    ) -> Reply | Awaitable[Reply]:
+        """Route, authorize, inflate and call a handler: its reply, or an awaitable of it
+        when the handler has to wait (an inference queued on its streams, a load)."""
         found = next(
             ((m, methods) for pattern, methods in self.routes if (m := pattern.fullmatch(path))),
             None,
@@ -189,13 +169,13 @@ class RestApp:
         if found is None:
             return _error(404, f"no such path {path!r}; KServe v2 REST paths start with /v2")
         match, methods = found
-        entry = methods.get(scope["method"])
+        entry = methods.get(method)
         if entry is None:
-            return _error(405, f"{path} accepts {', '.join(methods)}, not {scope['method']}")
+            return _error(405, f"{path} accepts {', '.join(methods)}, not {method}")
         rpc, handler = entry
-        headers = dict(scope["headers"])
+        headers = dict(raw_headers)
         if self.auth is not None:
-            metadata = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]]
+            metadata = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in raw_headers]
             code, message = self.auth.authorize(rpc, metadata)
             if code is not None:
                 status, pieces, extra = _error(HTTP_STATUS[code], message)
@@ -209,36 +189,13 @@ class RestApp:
                 f"Content-Encoding {encoding.decode('latin-1')!r} is not supported; "
                 "send the body plain, gzip or deflate",
             )
-        try:
-            body = await asyncio.wait_for(self._body(headers, receive), self.read_timeout)
-            if _WBITS[encoding]:
+        if _WBITS[encoding]:
+            try:
                 body = self._inflate(body, _WBITS[encoding])
-        except TooLarge as exc:
-            return _error(413, str(exc))
-        except TimeoutError:
-            return _error(
-                408,
-                f"the request body did not arrive within {self.read_timeout:g} s "
-                "(--request-read-timeout)",
-            )
+            except TooLarge as exc:
+                return _error(413, str(exc))
         call = Call({k: v for k, v in match.groupdict().items() if v is not None}, body, headers)
-        result = handler(call)
-        return await result if asyncio.iscoroutine(result) else result
-
-    async def _body(self, headers: dict[bytes, bytes], receive: Any) -> bytes:
-        declared = headers.get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_body:
-            raise TooLarge(self._too_large(int(declared)))
-        chunks, size, more = [], 0, True
-        while more:
-            message = await receive()
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_body:
-                raise TooLarge(self._too_large(size))
-            chunks.append(chunk)
-            more = message.get("more_body", False)
-        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        return handler(call)
 
     def _inflate(self, body: bytes, wbits: int) -> bytes:
         """A gzip or deflate (zlib) body, never inflated past --max-message-bytes."""
@@ -248,12 +205,12 @@ class RestApp:
         except zlib.error as exc:
             raise InvalidInput(f"the compressed body cannot be inflated: {exc}") from None
         if len(data) > self.max_body:
-            raise TooLarge(self._too_large(len(data)) + " once inflated")
+            raise TooLarge(self.too_large(len(data)) + " once inflated")
         if not inflater.eof:
             raise InvalidInput("the compressed body is truncated")
         return data
 
-    def _too_large(self, size: int) -> str:
+    def too_large(self, size: int) -> str:
         return (
             f"the request body is {size} bytes or more, over this server's limit of "
             f"{self.max_body} bytes (--max-message-bytes / PLUGSERVE_MAX_MESSAGE_BYTES)"
@@ -306,20 +263,17 @@ class RestApp:
 
     # --- inference
 
-    async def infer(self, call: Call) -> Reply:
+    def infer(self, call: Call) -> Reply | Awaitable[Reply]:
         entry = self.plane.get(call.path["name"], call.version)
         header_length = _text(call.headers.get(HEADER_LENGTH.encode()))
         request = parse_infer(call.body, header_length, entry.expect)
         future = self.plane.submit(entry, request.inputs, request.outputs, inline=_fast(entry))
-        outputs = await asyncio.wrap_future(future)
-        pieces, header_length = encode_infer(entry.name, entry.version, request, outputs)
-        if header_length is None:
-            return 200, pieces, _JSON
-        return (
-            200,
-            pieces,
-            [(b"content-type", _BINARY), (HEADER_LENGTH.encode(), str(header_length).encode())],
-        )
+        if future.done():  # ran inline: answered without leaving the parser's callback
+            return _infer_reply(entry, request, future.result())
+        return self._infer_later(entry, request, future)
+
+    async def _infer_later(self, entry: LoadedNetwork, request: InferCall, future: Any) -> Reply:
+        return _infer_reply(entry, request, await asyncio.wrap_future(future))
 
     # --- repository
 
@@ -361,6 +315,17 @@ class RestApp:
         return 200, [], []
 
 
+def _infer_reply(entry: LoadedNetwork, request: InferCall, outputs: dict[str, Any]) -> Reply:
+    pieces, header_length = encode_infer(entry.name, entry.version, request, outputs)
+    if header_length is None:
+        return 200, pieces, _JSON
+    return (
+        200,
+        pieces,
+        [(b"content-type", _BINARY), (HEADER_LENGTH.encode(), str(header_length).encode())],
+    )
+
+
 #: a network whose mean compute is below this runs on the event loop when a stream is idle
 _INLINE_NS = 1_000_000
 
@@ -369,8 +334,7 @@ def _fast(entry: LoadedNetwork) -> bool:
     """Run inline on the loop: two thread hand-offs saved (~0.25 ms at batch 1 here), and the
     loop stalls no longer than the JSON decoding of a request does. A slower network (or one
     not yet measured) runs on its streams so the loop keeps admitting requests meanwhile."""
-    stats = entry.recorder.stats()
-    return stats.success > 0 and stats.compute_ns < stats.success * _INLINE_NS
+    return entry.recorder.mean_compute_below(_INLINE_NS)
 
 
 def _text(value: bytes | None) -> str | None:
@@ -388,13 +352,16 @@ def _refuse(feature: str) -> Callable[[Call], Reply]:
 
 
 class RestServer:
-    """uvicorn serving :class:`RestApp` on its own thread and event loop."""
+    """:class:`RestApp` over HTTP/1.1 (``server/rest_http.py``) on its own thread and uvloop
+    event loop."""
 
     def __init__(self, app: RestApp, settings: Settings) -> None:
         self.app = app
         self.settings = settings
         self.port = 0
-        self._server: Any = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._grace = 5.0
         self._thread: threading.Thread | None = None
 
     def start(self) -> int:
@@ -408,40 +375,51 @@ class RestServer:
                 f"plugserve: cannot listen on {s.host}:{s.http_port} (--http-port): {exc.strerror}"
             ) from None
         self.port = sock.getsockname()[1]
-        tls: dict[str, Any] = {}
+        context = None
         if s.tls_cert:
-            tls = {"ssl_certfile": s.tls_cert, "ssl_keyfile": s.tls_key}
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.load_cert_chain(s.tls_cert, s.tls_key)
             if s.tls_client_ca:
-                tls |= {"ssl_ca_certs": s.tls_client_ca, "ssl_cert_reqs": ssl.CERT_REQUIRED}
-        config = uvicorn.Config(
-            self.app,
-            http=gated_protocol(s.request_read_timeout),
-            loop="uvloop",
-            lifespan="off",
-            log_config=None,
-            access_log=False,
-            server_header=False,
-            limit_concurrency=4 * s.grpc_workers,  # as gRPC's maximum_concurrent_rpcs
-            timeout_keep_alive=60,
-            timeout_graceful_shutdown=5,
-            **tls,
+                context.load_verify_locations(s.tls_client_ca)
+                context.verify_mode = ssl.CERT_REQUIRED
+        server = HttpServer(
+            self.app.dispatch,
+            self.app.max_body,
+            s.request_read_timeout,
+            4 * s.grpc_workers,  # as gRPC's maximum_concurrent_rpcs
+            self.app.too_large,
         )
-        self._server = uvicorn.Server(config)
         started = threading.Event()
         self._thread = threading.Thread(
-            target=self._run, args=(sock, started), name="rest", daemon=True
+            target=self._run, args=(sock, context, server, started), name="rest", daemon=True
         )
         self._thread.start()
         started.wait(30)
         return self.port
 
-    def _run(self, sock: socket.socket, started: threading.Event) -> None:
+    def _run(
+        self,
+        sock: socket.socket,
+        context: ssl.SSLContext | None,
+        server: HttpServer,
+        started: threading.Event,
+    ) -> None:
         async def serve() -> None:
-            task = asyncio.ensure_future(self._server.serve(sockets=[sock]))
-            while not self._server.started and not task.done():
-                await asyncio.sleep(0.01)
+            self._loop = asyncio.get_running_loop()
+            self._stop = asyncio.Event()
+            tls: dict[str, Any] = {}
+            if context is not None:  # a handshake is bounded as a request's headers are
+                tls = {"ssl": context, "ssl_handshake_timeout": server.read_timeout}
+            listener = await self._loop.create_server(server.protocol, sock=sock, **tls)
             started.set()
-            await task
+            await self._stop.wait()
+            listener.close()
+            server.close_idle()
+            end = time.monotonic() + self._grace  # admitted requests finish, within the grace
+            while server.busy and time.monotonic() < end:
+                await asyncio.sleep(0.02)
+            for connection in list(server.connections):
+                connection.close()
 
         try:
             uvloop.run(serve())
@@ -449,9 +427,10 @@ class RestServer:
             started.set()
 
     def stop(self, grace: float = 5.0) -> None:
-        if self._server is None:
+        if self._loop is None or self._stop is None:
             return
-        self._server.should_exit = True
+        self._grace = min(grace, 5.0)
+        self._loop.call_soon_threadsafe(self._stop.set)
         if self._thread is not None:
             self._thread.join(grace + 5)
-        self._server = None
+        self._loop = None

@@ -5,9 +5,11 @@ NumpyCodec, ``InferenceSession.run``, encode) with ``MLSERVER_PARALLEL_WORKERS=0
 serves the same models on its ORT device. Both are driven by the same client (tritonclient's
 KServe v2 gRPC, :class:`plugserve.client.bench.KserveRunner`), interleaved in blocks.
 
-``python tests/benchmarks/bench_mlserver.py [--mlserver PATH] [--seconds S] [--rounds N]``;
-``--mlserver`` is the ``mlserver`` executable (default: the one on PATH), which may live in its
-own virtual environment (it pins its own dependencies).
+``python tests/benchmarks/bench_mlserver.py [--mlserver PATH] [--seconds S] [--rounds N]
+[--rest python|wrk]``; ``--mlserver`` is the ``mlserver`` executable (default: the one on
+PATH), which may live in its own virtual environment (it pins its own dependencies).
+``--rest CLIENT`` runs issue 14's comparison instead: the MLP at batch 1 over KServe v2 REST
+with JSON tensors, both servers driven by the raw-bytes Python client or by wrk.
 """
 
 from __future__ import annotations
@@ -148,13 +150,16 @@ def compare(
     rounds: int,
     log: Callable[[str], None],
     protocol: str = "grpc",
+    client: str = "python",
 ) -> dict[str, Any]:
     """``names``: model -> the plugserve network (on ORT) serving it. Returns figures per model:
     p50 at concurrency 1 and requests/s at 16 in flight, for both servers.
 
     ``protocol`` "grpc": tritonclient's KServe v2 gRPC client, ``plugserve`` the gRPC target;
-    "rest": KServe v2 REST with JSON tensors (MLServer's REST is FastAPI) through one raw-bytes
-    HTTP client, ``plugserve`` the host:port of the REST port."""
+    "rest": KServe v2 REST with JSON tensors (MLServer's REST is FastAPI), ``plugserve`` the
+    host:port of the REST port, through one client for both servers: ``client`` "python" is
+    the raw-bytes HTTP client (``harness.HttpRawRunner``, 16 threads for 16 in flight), "wrk"
+    is wrk (one C thread, 16 connections), whose own cost is a small part of a request's."""
     rng = np.random.default_rng(0)
     with mlserver(executable, {m: paths[m] for m in names}, log) as (target, http_port):
         cases = {}
@@ -165,6 +170,16 @@ def compare(
                     "plugserve": KserveRunner(plugserve, network, x),
                     "mlserver": KserveRunner(target, model, x),
                 }
+            elif client == "wrk":
+                addresses = {"plugserve": (plugserve, network),
+                             "mlserver": (f"127.0.0.1:{http_port}", model)}  # fmt: skip
+                for server, (address, name) in addresses.items():
+                    url = f"http://{address}/v2/models/{name}/infer"
+                    for c in (1, 16):
+                        cases[f"{model}/{server}/c{c}"] = harness.wrk_block(
+                            url, json_request(x), _JSON_HEADERS, seconds, c
+                        )
+                continue
             else:
                 runners = {
                     "plugserve": _rest(plugserve, network, json_request(x)),
@@ -176,10 +191,12 @@ def compare(
         return figures(harness.interleave(cases, rounds, log), names)
 
 
+_JSON_HEADERS = {"Content-Type": "application/json"}
+
+
 def _rest(address: str, model: str, body: bytes) -> harness.HttpRawRunner:
     host, _, port = address.rpartition(":")
-    headers = {"Content-Type": "application/json"}
-    return harness.HttpRawRunner(host, int(port), f"/v2/models/{model}/infer", body, headers)
+    return harness.HttpRawRunner(host, int(port), f"/v2/models/{model}/infer", body, _JSON_HEADERS)
 
 
 def figures(blocks: dict[str, list[dict[str, Any]]], names: dict[str, str]) -> dict[str, Any]:
@@ -216,6 +233,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mlserver", default="")
     parser.add_argument("--seconds", type=float, default=1.0)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--rest",
+        choices=("python", "wrk"),
+        default="",
+        help="instead: the MLP at batch 1 over KServe v2 REST with JSON tensors (issue 14's "
+        "comparison), driven by this client",
+    )
     args = parser.parse_args(argv)
     executable = find_mlserver(args.mlserver)
     if not executable:
@@ -227,20 +251,27 @@ def main(argv: list[str] | None = None) -> int:
 
     paths = zoo.save_all(Path(tempfile.gettempdir()) / "plugserve-bench-models")
     repo = Path(tempfile.mkdtemp(prefix="plugserve-repo-"))
+    models = ("mlp",) if args.rest else ("identity", "resnet18")
     with RunningServer("--model-repository", str(repo)) as server:
         with Client(server.target, timeout=600) as client:
-            for model in ("identity", "resnet18"):
-                client.load(f"{model}_ORT", paths[model], "ORT")
+            for model in models:  # LATENCY (the default): one session on all cores, as MLServer
+                client.load(f"{model}_ORT", paths[model], "ORT", {"PERFORMANCE_HINT": "LATENCY"})
         start = time.perf_counter()
         result = compare(
-            server.target,
-            {"identity": "identity_ORT", "resnet18": "resnet18_ORT"},
+            server.http_target if args.rest else server.target,
+            {m: f"{m}_ORT" for m in models},
             paths,
             executable,
             args.seconds,
             args.rounds,
             lambda s: print(s, file=sys.stderr),
+            "rest" if args.rest else "grpc",
+            args.rest or "python",
         )
+    for f in result.values():
+        ours, theirs = f["plugserve"], f["mlserver"]
+        f["mlserver_p50_over_plugserve"] = theirs["p50_ms_c1"] / ours["p50_ms_c1"]
+        f["plugserve_rps_over_mlserver"] = ours["rps_c16"] / theirs["rps_c16"]
     print(json.dumps(result, indent=1))
     print(f"{time.perf_counter() - start:.1f} s", file=sys.stderr)
     return 0

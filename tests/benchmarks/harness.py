@@ -257,6 +257,61 @@ class HttpRawRunner(Runner):
             sock.close()
 
 
+def wrk_block(
+    url: str, body: bytes, headers: Mapping[str, str], seconds: float, connections: int
+) -> Callable[[], dict[str, Any]]:
+    """A case run by ``wrk`` (C, one thread, ``connections`` keep-alive connections, each with
+    one request in flight): the same POST of ``body`` for whole seconds (at least 1); the
+    figures read from wrk's report (p50 from ``--latency``). A client far cheaper than a Python
+    one, for servers whose own cost per request is near the client's."""
+    import shutil
+    import tempfile
+
+    if shutil.which("wrk") is None:
+        raise RuntimeError("wrk is not installed (Debian: apt-get install wrk)")
+    folder = Path(tempfile.mkdtemp(prefix="wrk-"))
+    (folder / "body").write_bytes(body)
+    lines = [
+        'wrk.method = "POST"',
+        f'local f = io.open("{folder / "body"}", "rb")',
+        "wrk.body = f:read('*a')",
+        "f:close()",
+        *(f'wrk.headers["{k}"] = "{v}"' for k, v in headers.items()),
+    ]
+    (folder / "post.lua").write_text("\n".join(lines) + "\n")
+    command = ["wrk", "-t1", f"-c{connections}", f"-d{max(1, round(seconds))}s", "--latency",
+               "-s", str(folder / "post.lua"), url]  # fmt: skip
+
+    def run() -> dict[str, Any]:
+        report = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+        return parse_wrk(report)
+
+    return run
+
+
+_WRK_UNITS = {"us": 1e-3, "ms": 1.0, "s": 1e3}
+
+
+def parse_wrk(report: str) -> dict[str, Any]:
+    """p50 (ms), requests/s and the request count from wrk's ``--latency`` report; errors and
+    non-2xx replies fail the block, as they do for the other runners."""
+    import re
+
+    problems = re.search(r"Non-2xx or 3xx responses: (\d+)|Socket errors: .*", report)
+    if problems:
+        raise RuntimeError(f"wrk: {problems.group(0)}")
+    p50 = re.search(r"^\s+50%\s+([\d.]+)(us|ms|s)\s*$", report, re.M)
+    rps = re.search(r"^Requests/sec:\s+([\d.]+)", report, re.M)
+    count = re.search(r"^\s+(\d+) requests in", report, re.M)
+    if not (p50 and rps and count):
+        raise RuntimeError(f"wrk's report not understood: {report[-500:]}")
+    return {
+        "latency_ms": {"p50": float(p50.group(1)) * _WRK_UNITS[p50.group(2)]},
+        "throughput_rps": float(rps.group(1)),
+        "requests": int(count.group(1)),
+    }
+
+
 @contextlib.contextmanager
 def echo_server(kind: str = "thread", *options: str) -> Iterator[str]:
     """A bare grpcio echo server in its own process; yields its target."""

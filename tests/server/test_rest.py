@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import gzip
 import http.client
+import io
 import json
+import socket
 import struct
 import urllib.error
 import urllib.request
@@ -355,6 +357,96 @@ def test_paths_and_methods(server, method, path, status):
     assert got == status, reply
     if status >= 400:
         assert isinstance(reply["error"], str) and reply["error"]
+
+
+class _Replies:
+    """Reads one HTTP reply after another from a raw socket (http.client's parser)."""
+
+    class _File(io.BufferedReader):
+        def close(self):  # http.client closes a reply's file when it is read: keep reading
+            pass
+
+    def __init__(self, sock):
+        self.file = self._File(socket.SocketIO(sock, "r"))
+
+    def makefile(self, *args, **kwargs):
+        return self.file
+
+    def next(self):
+        response = http.client.HTTPResponse(self)
+        response.begin()
+        return response.status, {k.lower(): v for k, v in response.getheaders()}, response.read()
+
+
+def _raw(method, path, body=b"", headers=""):
+    return (
+        f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n{headers}\r\n"
+    ).encode() + body
+
+
+def _connect(server):
+    sock = socket.create_connection(("127.0.0.1", server.http_port), timeout=30)
+    return sock, _Replies(sock)
+
+
+def test_pipelined_requests_are_answered_in_order(server):
+    """Three requests in one write, the infer with a query string and an escaped path."""
+    add = _add_small()
+    sock, replies = _connect(server)
+    with sock:
+        sock.sendall(
+            _raw("GET", "/v2/models/nope")
+            + _raw("POST", "/v2/models/%61dd/infer?trace=1", add)
+            + _raw("GET", "/v2/health/live")
+        )
+        status, _, body = replies.next()
+        assert status == 404 and b"nope" in body
+        status, _, body = replies.next()
+        assert status == 200 and json.loads(body)["outputs"][0]["data"] == [3.0]
+        status, headers, body = replies.next()
+        assert (status, body, headers["content-length"]) == (200, b"", "0")
+
+
+def test_expect_100_continue_gets_its_interim_reply(server):
+    body = _add_small()
+    head = _raw("POST", "/v2/models/add/infer", body, "Expect: 100-continue\r\n")[: -len(body)]
+    sock, replies = _connect(server)
+    with sock:
+        sock.sendall(head)  # the body only once the server says to go on
+        assert replies.file.readline() == b"HTTP/1.1 100 Continue\r\n"
+        assert replies.file.readline() == b"\r\n"
+        sock.sendall(body)
+        status, _, reply = replies.next()
+    assert status == 200 and json.loads(reply)["outputs"][0]["data"] == [3.0]
+
+
+def test_oversized_headers_and_malformed_requests_are_refused_and_closed(server):
+    for request, status, message in [
+        (_raw("GET", "/v2/health/live", headers="X-Big: " + "y" * 70_000 + "\r\n"), 431,
+         b"headers are over"),
+        (b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nContent-Length: nope\r\n\r\n", 400,
+         b"malformed HTTP request"),
+        (b"BREW /v2 HTCPCP/1.0\r\n\r\n", 400, b"malformed HTTP request"),
+    ]:  # fmt: skip
+        sock, replies = _connect(server)
+        with sock:
+            sock.sendall(request)
+            got, headers, body = replies.next()
+            assert got == status and message in body, body
+            assert headers["connection"] == "close"
+            assert sock.recv(1) == b""  # closed by the server
+
+
+def test_head_gets_no_body(server):
+    sock, replies = _connect(server)
+    with sock:
+        sock.sendall(_raw("HEAD", "/v2/health/live") + _raw("GET", "/v2/health/live"))
+        response = http.client.HTTPResponse(replies, method="HEAD")
+        response.begin()
+        assert response.status == 405 and int(response.getheader("content-length")) > 0
+        assert response.read() == b""
+        status, _, body = replies.next()  # the next reply starts right after the head
+        assert (status, body) == (200, b"")
 
 
 @pytest.mark.parametrize("algorithm", ["gzip", "deflate"])

@@ -1,0 +1,358 @@
+"""HTTP/1.1 for the REST port: an asyncio protocol on httptools' parser, and its bounds.
+
+httptools (llhttp) parses; this module only keeps the connection's state and writes replies.
+It replaced uvicorn's ASGI server, measured to be the difference on small requests
+(BENCHMARKS.md, "REST without ASGI"): no task, receive/send messages or scope per request, a
+request whose handler finishes at once (an inline inference) answered within the parser's
+callback. Each request's body is read whole before its handler runs, so handlers see bytes.
+
+The bounds, the twin of ``server/callgate.py`` for HTTP:
+
+- a connection that has not finished a request's headers within --request-read-timeout of
+  opening (or of its last response) is closed; that is the keep-alive timeout too;
+- headers (request line included) over ``MAX_HEADER_BYTES`` are 431; a body over
+  --max-message-bytes is 413, declared or as it arrives; a body that has not arrived within
+  --request-read-timeout of its headers is 408; the connection is closed after each of these;
+- at most ``limit`` connections (4 x --grpc-workers, as gRPC's maximum_concurrent_rpcs): a new
+  connection past it first closes those that have waited longest for a request's headers,
+  once they have waited ``EVICT_AFTER`` seconds (a real client sends its headers with the
+  connection); a request on a connection still past the limit is answered 503;
+- one request per connection at a time: pipelined requests wait (reading paused), and so does
+  the next request while the peer does not read its replies (transport flow control).
+
+A client that disconnects does not cancel its request: it runs, its answer is dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from email.utils import formatdate
+from typing import Any
+from urllib.parse import unquote
+
+import httptools
+import orjson
+
+from plugserve.server.errors import http_status_of
+
+__all__ = ["EVICT_AFTER", "MAX_HEADER_BYTES", "HttpServer", "Reply", "error_reply"]
+
+#: A connection waiting this long for a request's headers may be closed to make room.
+EVICT_AFTER = 0.5
+#: The request line and headers of one request, at most (as Node's default, about).
+MAX_HEADER_BYTES = 64 * 1024
+
+#: what a handler returns: status, body pieces, extra headers
+Reply = tuple[int, list[bytes | memoryview], list[tuple[bytes, bytes]]]
+#: method, path, headers (lower-case names), body -> a reply, or an awaitable of one
+Dispatch = Callable[[str, str, list[tuple[bytes, bytes]], bytes], "Reply | Awaitable[Reply]"]
+
+_JSON = [(b"content-type", b"application/json")]
+_STATUS_LINES = {
+    s.value: f"HTTP/1.1 {s.value} {s.phrase}\r\n".encode("latin-1") for s in http.HTTPStatus
+}
+
+
+def error_reply(status: int, message: str) -> Reply:
+    return status, [orjson.dumps({"error": message})], _JSON
+
+
+class _Refused(Exception):
+    """Raised in a parser callback: answer ``status`` and close the connection."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+class _Date:
+    """The Date header, formatted once a second."""
+
+    second = -1
+    value = b""
+
+    @classmethod
+    def header(cls) -> bytes:
+        now = int(time.time())
+        if now != cls.second:
+            cls.value = b"date: " + formatdate(now, usegmt=True).encode() + b"\r\n"
+            cls.second = now
+        return cls.value
+
+
+class HttpServer:
+    """What the connections of one port share: the handler and the bounds."""
+
+    def __init__(
+        self,
+        dispatch: Dispatch,
+        max_body: int,
+        read_timeout: float,
+        limit: int,
+        too_large: Callable[[int], str],
+    ) -> None:
+        """``too_large(size)``: the 413 message for a body of ``size`` bytes."""
+        self.dispatch = dispatch
+        self.max_body = max_body
+        self.read_timeout = read_timeout
+        self.limit = limit
+        self.too_large = too_large
+        self.connections: set[Connection] = set()
+
+    def protocol(self) -> Connection:
+        return Connection(self)
+
+    def evict(self, count: int, now: float) -> None:
+        """Close up to ``count`` of the connections waiting longest for a request's headers
+        (those past EVICT_AFTER)."""
+        waiting = sorted(
+            (c.waiting_since, id(c), c)
+            for c in self.connections
+            if c.waiting_since is not None and now - c.waiting_since >= EVICT_AFTER
+        )
+        for _, _, connection in waiting[:count]:
+            connection.close()
+
+    def close_idle(self) -> None:
+        """Close every connection not serving a request (shutdown)."""
+        for connection in list(self.connections):
+            if not connection.busy:
+                connection.close()
+
+    @property
+    def busy(self) -> int:
+        return sum(c.busy for c in self.connections)
+
+
+class Connection(asyncio.Protocol):
+    """One client connection: parse, bound, dispatch, reply, in order."""
+
+    def __init__(self, server: HttpServer) -> None:
+        self.server = server
+        self.loop = asyncio.get_running_loop()
+        self.transport: Any = None
+        self.parser = httptools.HttpRequestParser(self)
+        #: since when it waits for a request's headers (None: a request is under way)
+        self.waiting_since: float | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.busy = False  # a request is being served
+        self.paused = False  # the peer is not reading: no further request until it does
+        self.closed = False
+        self.reading = False  # a request's first bytes came, not yet all of it
+        self.pending: deque[tuple[str, str, list[tuple[bytes, bytes]], bytes, bool]] = deque()
+        self._url = b""
+        self._headers: list[tuple[bytes, bytes]] = []
+        self._size = 0  # header bytes, then body bytes, of the request being read
+        self._body: list[bytes] = []
+
+    # --- asyncio
+
+    def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+        self.transport = transport
+        server = self.server
+        if len(server.connections) >= server.limit:
+            # room for this one, with its request still under the limit when it comes
+            server.evict(len(server.connections) - server.limit + 2, time.monotonic())
+        server.connections.add(self)
+        self._wait_for_headers()
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserCallbackError as exc:
+            refused = exc.__context__
+            if not isinstance(refused, _Refused):
+                raise
+            self._fail(refused.status, refused.message)
+        except httptools.HttpParserUpgrade:
+            self._fail(400, "connection upgrades are not supported on this port")
+        except httptools.HttpParserError as exc:
+            self._fail(400, f"malformed HTTP request: {exc}")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.waiting_since = None
+        self._cancel_timer()
+        self.server.connections.discard(self)
+
+    def pause_writing(self) -> None:
+        self.paused = True
+
+    def resume_writing(self) -> None:
+        self.paused = False
+        if not self.busy:
+            self._next()
+
+    # --- httptools' callbacks
+
+    def on_message_begin(self) -> None:
+        self.reading = True
+        self._url = b""
+        self._headers = []
+        self._size = 0
+        self._body = []
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+        self._count_header(len(url))
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._headers.append((name.lower(), value))
+        self._count_header(len(name) + len(value))
+
+    def _count_header(self, size: int) -> None:
+        self._size += size
+        if self._size > MAX_HEADER_BYTES:
+            raise _Refused(
+                431, f"the request's headers are over this server's {MAX_HEADER_BYTES} bytes"
+            )
+
+    def on_headers_complete(self) -> None:
+        self.waiting_since = None
+        self._cancel_timer()
+        self._size = 0
+        server = self.server
+        length = None
+        expect = False
+        for name, value in self._headers:
+            if name == b"content-length":
+                length = value
+            elif name == b"expect":
+                expect = value.strip().lower() == b"100-continue"
+        if length is not None and length.isdigit() and int(length) > server.max_body:
+            raise _Refused(413, server.too_large(int(length)))
+        if expect and not self.busy:
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        self.timer = self.loop.call_later(server.read_timeout, self._body_too_slow)
+
+    def on_body(self, body: bytes) -> None:
+        self._size += len(body)
+        if self._size > self.server.max_body:
+            raise _Refused(413, self.server.too_large(self._size))
+        self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        self.reading = False
+        self._cancel_timer()
+        body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
+        self._body = []
+        url = self._url
+        if b"%" in url or b"?" in url or not url.startswith(b"/"):
+            path = unquote(httptools.parse_url(url).path.decode("latin-1"))
+        else:
+            path = url.decode("latin-1")
+        method = self.parser.get_method().decode("latin-1")
+        self.pending.append((method, path, self._headers, body, self.parser.should_keep_alive()))
+        if self.busy or self.paused:
+            self.transport.pause_reading()
+        else:
+            self._next()
+
+    # --- serving
+
+    def _next(self) -> None:
+        """Serve the oldest pending request, if any, else wait for the next one's headers."""
+        while self.pending and not self.paused and not self.closed:
+            method, path, headers, body, keep_alive = self.pending.popleft()
+            if len(self.server.connections) > self.server.limit:
+                self._reply(
+                    method,
+                    error_reply(503, "the server has too many connections open; retry later"),
+                    False,
+                )
+                return
+            try:
+                reply = self.server.dispatch(method, path, headers, body)
+            except Exception as exc:
+                reply = error_reply(*http_status_of(exc))
+            if not isinstance(reply, tuple):  # its handler awaits: finish on the loop
+                self.busy = True
+                self.loop.create_task(self._later(method, reply, keep_alive))
+                return
+            if not self._reply(method, reply, keep_alive):
+                return
+        if not self.closed and not self.pending:
+            self.transport.resume_reading()
+            if not self.reading:  # (else its headers are in, its body is timed)
+                self._wait_for_headers()
+
+    async def _later(self, method: str, reply: Awaitable[Reply], keep_alive: bool) -> None:
+        try:
+            done = await reply
+        except Exception as exc:
+            done = error_reply(*http_status_of(exc))
+        self.busy = False
+        if self._reply(method, done, keep_alive) and not self.paused:
+            self._next()
+
+    def _reply(self, method: str, reply: Reply, keep_alive: bool) -> bool:
+        """Write ``reply``; whether the connection stays open."""
+        if self.closed:  # the client left: its answer is dropped
+            return False
+        status, pieces, headers = reply
+        length = 0
+        for piece in pieces:
+            length += memoryview(piece).nbytes
+        head = [_STATUS_LINES.get(status) or f"HTTP/1.1 {status} \r\n".encode(), _Date.header()]
+        for name, value in headers:
+            head += (name, b": ", value, b"\r\n")
+        head.append(b"content-length: %d\r\n" % length)
+        if not keep_alive:
+            head.append(b"connection: close\r\n")
+        head.append(b"\r\n")
+        if method == "HEAD" or not length:
+            self.transport.write(b"".join(head))
+        elif length < 65536:
+            self.transport.write(b"".join([*head, *pieces]))
+        else:
+            self.transport.writelines([b"".join(head), *pieces])
+        if not keep_alive:
+            self.close()
+            return False
+        return True
+
+    def _fail(self, status: int, message: str) -> None:
+        """Answer a request that cannot be read further, and close (without an answer when
+        earlier pipelined requests are still to be answered: replies go out in order)."""
+        self._cancel_timer()
+        if self.busy or self.pending:
+            self.close()
+        elif not self.closed:
+            self._reply("", error_reply(status, message), False)
+
+    def close(self) -> None:
+        """Close now, and take it off the count at once (the close completes later)."""
+        self.closed = True
+        self.waiting_since = None
+        self._cancel_timer()
+        self.server.connections.discard(self)
+        if not self.transport.is_closing():
+            self.transport.close()
+
+    # --- timers
+
+    def _wait_for_headers(self) -> None:
+        self.waiting_since = time.monotonic()
+        self._cancel_timer()
+        self.timer = self.loop.call_later(self.server.read_timeout, self._headers_too_slow)
+
+    def _headers_too_slow(self) -> None:
+        if self.waiting_since is not None:
+            self.close()
+
+    def _body_too_slow(self) -> None:
+        self._fail(
+            408,
+            f"the request body did not arrive within {self.server.read_timeout:g} s "
+            "(--request-read-timeout)",
+        )
+
+    def _cancel_timer(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
