@@ -551,7 +551,7 @@ def conv_pool_builder(ctx: KernelContext):
         y = conv_forward(spec, groups, x, packed, kernel, None, dw, wino, raw=True)
         axes = separable_max_plan(pool_spec, y.shape, pool_kernel) if y.ndim > 2 else None
         channel_last = site is not None and site.channel_last
-        if not axes or y.ndim != 4 or parallel.width() <= 1 or y.size < 1 << 20:
+        if not axes or y.ndim != 4 or parallel.width() <= 1 or y.size < 1 << 18:
             p = finish(y, axes)
             return to_channel_last(p) if channel_last else p
         return _pool_in_parts(y, axes, finish, bias, channel_last)
@@ -560,7 +560,7 @@ def conv_pool_builder(ctx: KernelContext):
 
 
 def _pool_in_parts(y, axes, finish, bias, channel_last):
-    """FusedConvPool's pooling of a large map (the stem at batch 8: 26 MB) split by channels
+    """FusedConvPool's pooling of a large map (the stem: 3.3 MB at batch 1) split by channels
     over the request's threads (numpy releases the GIL in its ufunc loops), each part written
     straight into the (channel-last, when the network is) output."""
     n, m = y.shape[:2]
