@@ -16,7 +16,7 @@ from plugserve.plugins.numpy.blas import set_thread_count
 from plugserve.plugins.numpy.config import NumpyConfiguration
 from plugserve.plugins.numpy.engine import Plan
 from plugserve.plugins.numpy.request import NumpyInferRequest
-from plugserve.plugins.numpy.tuning import THREADING_RUNS, Tuner
+from plugserve.plugins.numpy.tuning import THREADING_RUNS, THREADING_SKIP, Tuner
 
 if TYPE_CHECKING:
     from plugserve.plugins.numpy.plugin import NumpyPlugin
@@ -127,9 +127,9 @@ class NumpyCompiledNetwork(CompiledNetwork):
 
     def _choose_threading(self, arrays: list[np.ndarray]) -> None:
         """Runs on the made-up inputs until their shapes' threading is chosen (a bounded
-        number: each way once untimed, then ``THREADING_RUNS`` times)."""
+        number: each way ``THREADING_SKIP`` times untimed, then ``THREADING_RUNS`` times)."""
         shapes = tuple(a.shape for a in arrays)
-        for _ in range(2 * (1 + THREADING_RUNS)):
+        for _ in range(2 * (THREADING_SKIP + THREADING_RUNS)):
             if shapes in self.tuner.threading:
                 return
             try:

@@ -39,7 +39,11 @@ MAX_KEYS_PER_SITE = 16
 TIMED_RUNS = 2
 #: The two ways a network's GEMMs can be split over its threads.
 THREADINGS = ("split", "openblas")
-#: Timed whole runs each way (after an untimed first) before a shape's threading is chosen.
+#: Whole runs each way before a shape's threading is chosen: the first THREADING_SKIP of each
+#: are not counted (right after a load both ways run slower than they will, the split more,
+#: its helper thread still faulting in memory: four loads in a row chose OpenBLAS's threads
+#: on ResNet-18 that then ran no faster than the split), the next THREADING_RUNS are.
+THREADING_SKIP = 2
 THREADING_RUNS = 3
 #: Runs per candidate when a new key is explored on requests (the first pays for plans and
 #: transformed weights; the best counts).
@@ -271,14 +275,14 @@ class Tuner:
 
     def record(self, shapes: tuple, mode: str, seconds: float) -> None:
         """A timed run's duration; the choice is made once each way has THREADING_RUNS
-        timings after its first (the sum counts: a stall is what is being measured)."""
+        timings after its first THREADING_SKIP (the sum counts: a stall is what is measured)."""
         with self._lock:
             samples = self._samples.get(shapes)
             if samples is None:
                 return
             samples[mode].append(seconds)
-            if all(len(v) > THREADING_RUNS for v in samples.values()):
-                total = {m: sum(v[1:]) for m, v in samples.items()}
+            if all(len(v) >= THREADING_SKIP + THREADING_RUNS for v in samples.values()):
+                total = {m: sum(v[THREADING_SKIP:]) for m, v in samples.items()}
                 del self._samples[shapes]
                 self.threading[shapes] = min(total, key=total.__getitem__)
                 self.log.append(("threading", {k: round(v * 1e3, 3) for k, v in total.items()}))

@@ -233,7 +233,8 @@ def test_who_splits_the_gemms_is_timed_at_load_and_cached(tmp_path):
     assert second.tuner.threading == first.tuner.threading
     x = rng.standard_normal((64, 256)).astype(np.float32)
     ref = _ort(model, x)
-    for _ in range(2 * (1 + tuning.THREADING_RUNS)):  # a new batch: both ways, then a choice
+    runs = 2 * (tuning.THREADING_SKIP + tuning.THREADING_RUNS)
+    for _ in range(runs):  # a new batch: both ways, then a choice
         _close(second.infer({"x": x})["y"], ref)
     assert second.tuner.threading[((64, 256),)] in ("split", "openblas")
     assert [site for site, _ in second.tuner.log] == ["threading"]
