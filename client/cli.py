@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -331,7 +332,7 @@ def _arguments(verb: str, parser: argparse.ArgumentParser) -> None:
 def _bench(client: Client, args: argparse.Namespace) -> int:
     from plugserve.client.bench import bench
 
-    return bench(client, args)
+    return bench(client, args, args.inprocess_factory)
 
 
 VERBS: dict[str, tuple[Callable[[Client, argparse.Namespace], int], str]] = {
@@ -349,11 +350,14 @@ VERBS: dict[str, tuple[Callable[[Client, argparse.Namespace], int], str]] = {
 }
 
 
-def run(verb: str, argv: Sequence[str]) -> int:
+def run(verb: str, argv: Sequence[str], inprocess: Callable[..., Any] | None = None) -> int:
+    """A client verb. ``inprocess`` is ``bench --inprocess``'s runner factory
+    (``plugserve.client.bench.InprocessFactory``), given by the ``plugserve`` command."""
     function, help_text = VERBS[verb]
     parser = _parser(verb, help_text)
     _arguments(verb, parser)
     args = parser.parse_args(argv)
+    args.inprocess_factory = inprocess
     try:
         client = Client(
             args.target,

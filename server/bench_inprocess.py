@@ -1,20 +1,25 @@
 """The in-process side of ``plugserve bench --inprocess``: a network loaded through the
 :class:`~plugserve.server.core.Core` and driven by :func:`plugserve.client.bench.measure`.
+The ``plugserve`` command hands :func:`runner` to the client's bench verb, so the client
+package never imports the server's.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import queue
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from plugserve.client.bench import Done, Runner
+from plugserve.client.inputs import make_inputs
 from plugserve.plugins.api import CompiledNetwork, PlugserveError
 
-__all__ = ["InprocessRunner", "load"]
+__all__ = ["InprocessRunner", "load", "runner"]
 
 _core = None
 
@@ -71,3 +76,20 @@ class InprocessRunner(Runner):
 
     def close(self) -> None:
         self.network.close()
+
+
+def runner(args: argparse.Namespace, concurrency: int) -> tuple[InprocessRunner, dict[str, Any]]:
+    """``bench --inprocess``'s runner: MODEL.onnx loaded on ``--device`` with ``--config``,
+    inputs made from its metadata (``--input`` or random), ``concurrency`` infer requests."""
+    config = {}
+    for item in args.config:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"plugserve bench: --config {item!r}: expected KEY=VALUE")
+        config[key] = value
+    if not Path(args.model).is_file():
+        raise SystemExit(f"plugserve bench: {args.model}: no such model file")
+    network = load(args.model, args.device, config)
+    specs = [(s.name, s.dtype, s.shape) for s in network.inputs]
+    inputs = make_inputs(specs, args.batch, args.input, args.seed)
+    return InprocessRunner(network, inputs, nireq=concurrency), inputs

@@ -81,7 +81,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from plugserve.client.cli import run as run_client
 
     if verb in CLIENT_VERBS:
-        return run_client(verb, args[1:])
+        from plugserve.server.bench_inprocess import runner as inprocess_runner
+
+        return run_client(verb, args[1:], inprocess=inprocess_runner)
     if verb not in VERBS:
         print(
             f"plugserve: unknown verb {verb!r}; try: {', '.join([*VERBS, *CLIENT_VERBS])}",

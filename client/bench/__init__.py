@@ -13,19 +13,20 @@ through the asynchronous API (gRPC futures, ``start_async``), completions drivin
 One module a job: ``runners`` (how a request is sent), ``measure`` (driving a runner, the
 summary), ``server_metrics`` (what the server counted, from its ``/metrics``), ``plot`` and
 ``verb`` (arguments, the run, the report). The measuring core is a library too: the benchmark
-suite in ``tests/benchmarks`` drives it directly. The in-process runner lives in
-:mod:`plugserve.server.bench_inprocess`, imported only for ``--inprocess``: the client package
-needs the server's for nothing else.
+suite in ``tests/benchmarks`` drives it directly. The client package needs only the generated
+protocol code: the in-process runner (:mod:`plugserve.server.bench_inprocess`) is handed to
+:func:`bench` by the ``plugserve`` command, which is the server package's.
 """
 
 from plugserve.client.bench.measure import BenchResult, measure, summarize
 from plugserve.client.bench.runners import Done, KserveRunner, PlugserveRunner, Runner
 from plugserve.client.bench.server_metrics import scrape
-from plugserve.client.bench.verb import add_arguments, bench
+from plugserve.client.bench.verb import InprocessFactory, add_arguments, bench
 
 __all__ = [
     "BenchResult",
     "Done",
+    "InprocessFactory",
     "KserveRunner",
     "PlugserveRunner",
     "Runner",

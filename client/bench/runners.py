@@ -1,5 +1,5 @@
 """The ways ``plugserve bench`` sends a request: plugserve.v1 and KServe v2 over gRPC (the
-in-process runner is the server package's, ``plugserve.server.bench_inprocess``)."""
+in-process runner is the server package's, handed in by the ``plugserve`` command)."""
 
 from __future__ import annotations
 

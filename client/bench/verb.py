@@ -6,7 +6,7 @@ import argparse
 import contextlib
 import json
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +18,7 @@ from plugserve.client.bench.runners import KserveRunner, PlugserveRunner, Runner
 from plugserve.client.bench.server_metrics import device_figures, scrape
 from plugserve.client.inputs import make_inputs, spec_dtype
 
-__all__ = ["add_arguments", "bench"]
+__all__ = ["InprocessFactory", "add_arguments", "bench"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -115,29 +115,6 @@ def _check_arguments(args: argparse.Namespace) -> None:
             ) from None
 
 
-def _inprocess_runner(
-    args: argparse.Namespace, concurrency: int
-) -> tuple[Runner, dict[str, np.ndarray]]:
-    try:  # only here: the client package needs the server's for nothing else
-        from plugserve.server.bench_inprocess import InprocessRunner, load
-    except ImportError as exc:
-        raise SystemExit(
-            f"plugserve bench: --inprocess needs plugserve's server package ({exc})"
-        ) from None
-    config = {}
-    for item in args.config:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise SystemExit(f"plugserve bench: --config {item!r}: expected KEY=VALUE")
-        config[key] = value
-    if not Path(args.model).is_file():
-        raise SystemExit(f"plugserve bench: {args.model}: no such model file")
-    network = load(args.model, args.device, config)
-    specs = [(s.name, s.dtype, s.shape) for s in network.inputs]
-    inputs = make_inputs(specs, args.batch, args.input, args.seed)
-    return InprocessRunner(network, inputs, nireq=concurrency), inputs
-
-
 def _server_runner(client: Any, args: argparse.Namespace) -> tuple[Runner, dict[str, np.ndarray]]:
     inputs = make_inputs(_server_specs(client, args), args.batch, args.input, args.seed)
     if args.protocol == "kserve":
@@ -152,7 +129,13 @@ def _server_runner(client: Any, args: argparse.Namespace) -> tuple[Runner, dict[
     return runner, inputs
 
 
-def bench(client: Any, args: argparse.Namespace) -> int:
+#: Makes the runner of ``--inprocess`` from the parsed arguments and the concurrency: given by
+#: whoever can load models (``plugserve.server.bench_inprocess.runner``); the client package
+#: itself needs only the protocol.
+InprocessFactory = Callable[[argparse.Namespace, int], tuple[Runner, dict[str, np.ndarray]]]
+
+
+def bench(client: Any, args: argparse.Namespace, inprocess: InprocessFactory | None = None) -> int:
     """The ``plugserve bench`` verb (``client`` is unused with ``--inprocess``)."""
     _check_arguments(args)
     duration = args.time if args.time is not None or args.iterations is not None else 10.0
@@ -161,7 +144,12 @@ def bench(client: Any, args: argparse.Namespace) -> int:
     report: dict[str, Any] = {"model": args.model, "mode": args.mode, "batch": args.batch}
     if args.inprocess:
         concurrency = args.nireq or args.concurrency
-        runner, inputs = _inprocess_runner(args, concurrency)
+        if inprocess is None:
+            raise SystemExit(
+                "plugserve bench: --inprocess loads the model in this process, which takes "
+                "plugserve's server package: run it as `plugserve bench --inprocess ...`"
+            )
+        runner, inputs = inprocess(args, concurrency)
         report.update(target="inprocess", device=args.device, protocol="inprocess")
     else:
         concurrency = args.concurrency
