@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
 import statistics
 import time
 
@@ -174,37 +173,6 @@ MODELS = {
     "encoder": (encoder, (1, 128, 256)),
     "mlp": (mlp, (1, 784)),
 }
-
-
-def machine() -> str:
-    """The CPU, its vector extensions and the BLAS kernel numpy runs (threadpoolctl's view):
-    what a ratio from this benchmark is only valid for."""
-    from plugserve.plugins.api import cpu_name
-
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read().split("flags", 1)[1].split("\n", 1)[0].split()
-    except (OSError, IndexError):
-        flags = []
-    vector = sorted({f for f in flags if f.startswith(("avx", "fma", "amx"))})
-    lines = [f"CPU: {cpu_name()}, {os.cpu_count()} cores; vector: {' '.join(vector) or '?'}"]
-    try:
-        import threadpoolctl
-
-        for pool in threadpoolctl.threadpool_info():
-            lines.append(
-                f"{pool['user_api']}: {pool['internal_api']} {pool['version']} "
-                f"kernel {pool.get('architecture', '?')}, {pool['num_threads']} threads "
-                f"({os.path.basename(pool['filepath'])})"
-            )
-    except ImportError:
-        lines.append("threadpoolctl not installed: BLAS kernel unknown")
-    env = {k: os.environ[k] for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE") if k in os.environ}
-    lines.append(f"OPENBLAS_* set: {env or 'none'}")
-    import onnxruntime
-
-    lines.append(f"numpy {np.__version__}, onnxruntime {onnxruntime.__version__}")
-    return "\n".join(lines)
 
 
 def _runners(model: onnx.ModelProto, sketch: bool):
@@ -406,7 +374,9 @@ def main() -> None:
     parser.add_argument("--load", action="store_true", help="also time loading (with tuning)")
     parser.add_argument("--nodes", action="store_true", help="per-node times and GEMM floors")
     args = parser.parse_args()
-    print(machine(), flush=True)
+    import harness  # the description every benchmark prints (CPU, vector extensions, BLAS kernel)
+
+    print("machine: " + ", ".join(f"{k} {v}" for k, v in harness.machine().items()), flush=True)
     if args.nodes:
         for name in args.models:
             for batch in args.batch:

@@ -350,11 +350,17 @@ def load_average() -> str:
 
 
 def machine() -> dict[str, str]:
+    """What a ratio from a benchmark is only valid for: the CPU and its vector extensions, the
+    BLAS and the kernel it picked (threadpoolctl's view), versions, the OPENBLAS_* settings."""
     cpu = platform.processor() or ""
+    vector = ""
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith("model name") and not vector:
                 cpu = line.split(":", 1)[1].strip()
+            if line.startswith("flags"):
+                flags = line.split(":", 1)[1].split()
+                vector = " ".join(sorted(f for f in flags if f.startswith(("avx", "fma", "amx"))))
                 break
     blas = ""
     with contextlib.suppress(Exception):
@@ -376,6 +382,7 @@ def machine() -> dict[str, str]:
             versions[name] = "not installed"
     return {
         "cpu": cpu,
+        "vector": vector or "?",
         "cores": str(CORES),
         "python": platform.python_version(),
         "numpy": np.__version__,
