@@ -20,9 +20,22 @@ except Exception as _exc:  # ImportError, or a broken install failing its own im
     ort = None  # type: ignore[assignment]
     IMPORT_ERROR = _exc
 
-__all__ = ["IMPORT_ERROR", "PROVIDER", "optimize", "ort", "session"]
+__all__ = ["IMPORT_ERROR", "PROVIDER", "SPIN_BOUNDED", "optimize", "ort", "session"]
 
 PROVIDER = "CPUExecutionProvider"
+
+
+def _version(text: str) -> tuple[int, ...]:
+    parts = []
+    for part in text.split(".")[:2]:
+        digits = "".join(c for c in part if c.isdigit()) if part[:1].isdigit() else ""
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+#: whether session.intra_op.spin_duration_us bounds the spinning (onnxruntime 1.26+); an older
+#: onnxruntime spins a fixed 2**20 pauses (3 to 500 ms by CPU), so there the device never spins
+SPIN_BOUNDED = ort is not None and _version(ort.__version__) >= (1, 26)
 
 
 def _level(name: str) -> Any:
@@ -35,25 +48,39 @@ def _level(name: str) -> Any:
     }[name]
 
 
-def options(level: str, threads: int, profile_prefix: str | None = None) -> Any:
+def options(
+    level: str, threads: int, spin_us: int = 0, profile_prefix: str | None = None
+) -> Any:
+    """``spin_us``: how long an idle intra-op thread busy-waits before it sleeps.
+
+    Spinning is what makes a small network fast at batch 1: without it each parallel section
+    of a run waits for a sleeping thread to wake (tens of microseconds on a VM), and the MLP
+    benchmark model took 0.21 ms a run instead of 0.12. Unbounded (onnxruntime's default) it
+    takes a core from other devices for milliseconds after every run, so it is bounded, and
+    off where the bound is unavailable.
+    """
     so = ort.SessionOptions()
     so.graph_optimization_level = _level(level)
     so.intra_op_num_threads = threads
     so.inter_op_num_threads = 1
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     so.log_severity_level = 3  # errors only; warnings would flood the server log
-    # no busy-waiting: an idle ORT network must not steal CPU from other devices
-    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    so.add_session_config_entry("session.inter_op.allow_spinning", "0")
+    spin = spin_us > 0 and threads > 1 and SPIN_BOUNDED
+    so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
+    if spin:
+        so.add_session_config_entry("session.intra_op.spin_duration_us", str(spin_us))
+    so.add_session_config_entry("session.inter_op.allow_spinning", "0")  # sequential: no pool
     if profile_prefix:
         so.enable_profiling = True
         so.profile_file_prefix = profile_prefix
     return so
 
 
-def session(model: bytes, level: str, threads: int, profile_prefix: str | None = None) -> Any:
+def session(
+    model: bytes, level: str, threads: int, spin_us: int = 0, profile_prefix: str | None = None
+) -> Any:
     return ort.InferenceSession(
-        model, options(level, threads, profile_prefix), providers=[PROVIDER]
+        model, options(level, threads, spin_us, profile_prefix), providers=[PROVIDER]
     )
 
 
@@ -62,11 +89,11 @@ def saved_level(level: str) -> str:
     return LEVELS[min(LEVELS.index(level), LEVELS.index("EXTENDED"))]
 
 
-def optimize(model: bytes, level: str, threads: int) -> tuple[bytes, Any]:
+def optimize(model: bytes, level: str, threads: int, spin_us: int = 0) -> tuple[bytes, Any]:
     """The model as onnxruntime optimized it at ``saved_level(level)``, and that session."""
     with tempfile.TemporaryDirectory(prefix="plugserve-ort-") as folder:
         path = os.path.join(folder, "optimized.onnx")
-        so = options(saved_level(level), threads)
+        so = options(saved_level(level), threads, spin_us)
         so.optimized_model_filepath = path
         sess = ort.InferenceSession(model, so, providers=[PROVIDER])
         with open(path, "rb") as f:

@@ -47,7 +47,8 @@ class OrtCompiledNetwork(CompiledNetwork):
     """``model`` is the onnxruntime-optimized model; sessions run it, one per stream.
 
     Streams x intra-op threads stays within the cores (INFERENCE_NUM_THREADS, when set, is the
-    total thread budget instead of the core count); inter-op threads are 1 and spinning is off.
+    total thread budget instead of the core count); inter-op threads are 1; idle intra-op
+    threads spin for at most SPIN_DURATION_US.
     """
 
     plugin: OrtPlugin
@@ -73,6 +74,7 @@ class OrtCompiledNetwork(CompiledNetwork):
         self.streams = config.streams()
         self.threads = config.threads_per_stream()
         self.level = config.get("GRAPH_OPTIMIZATION_LEVEL")
+        self.spin_us = config.get("SPIN_DURATION_US")
         self.sessions = list(sessions)
         self._next = itertools.count()
         self._lock = threading.Lock()
@@ -85,7 +87,7 @@ class OrtCompiledNetwork(CompiledNetwork):
             self.sessions.append(self.new_session())
 
     def new_session(self, profile_prefix: str | None = None) -> Any:
-        return backend.session(self.model, self.level, self.threads, profile_prefix)
+        return backend.session(self.model, self.level, self.threads, self.spin_us, profile_prefix)
 
     @property
     def profile_folder(self) -> str:

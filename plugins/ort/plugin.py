@@ -95,7 +95,9 @@ class OrtPlugin(Plugin):
         threads = cfg.threads_per_stream()
         level = cfg.get("GRAPH_OPTIMIZATION_LEVEL")
         try:
-            optimized, first = backend.optimize(data, level, threads)
+            optimized, first = backend.optimize(
+                data, level, threads, cfg.get("SPIN_DURATION_US")
+            )
         except Exception as exc:
             raise self._load_error(graph, exc) from None
         sessions = [first] if backend.saved_level(level) == level else []

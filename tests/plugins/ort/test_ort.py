@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import numpy as np
 import onnx
@@ -165,6 +166,54 @@ def test_inference_num_threads_overrides_the_core_count(ort_plugin):
     net = ort_plugin.load_network(mlp(), {"INFERENCE_NUM_THREADS": "4", "NUM_STREAMS": "2"})
     assert net.threads == 2
     assert net.sessions[0].get_session_options().intra_op_num_threads == 2
+
+
+def _spin_entries(net) -> tuple[str, str]:
+    """(allow_spinning, spin_duration_us or "" when unset) of the network's session."""
+    options = net.sessions[0].get_session_options()
+    entries = []
+    for key in ("session.intra_op.allow_spinning", "session.intra_op.spin_duration_us"):
+        try:
+            entries.append(options.get_session_config_entry(key))
+        except RuntimeError:  # not set
+            entries.append("")
+    return entries[0], entries[1]
+
+
+def test_idle_threads_spin_only_as_long_as_spin_duration_us_says(ort_plugin):
+    from plugserve.plugins.ort import backend
+
+    if not backend.SPIN_BOUNDED:
+        net = ort_plugin.load_network(mlp(), {"INFERENCE_NUM_THREADS": "2"})
+        assert _spin_entries(net)[0] == "0"  # an onnxruntime without the bound never spins
+        pytest.skip(f"onnxruntime {backend.ort.__version__} cannot bound its spinning")
+    assert ort_plugin.get_config("SPIN_DURATION_US") == 500
+    two = {"INFERENCE_NUM_THREADS": "2"}
+    assert _spin_entries(ort_plugin.load_network(mlp(), two)) == ("1", "500")
+    assert _spin_entries(ort_plugin.load_network(mlp(), {**two, "SPIN_DURATION_US": "0"}))[0] == "0"
+    one = ort_plugin.load_network(mlp(), {"INFERENCE_NUM_THREADS": "1"})
+    assert _spin_entries(one)[0] == "0"  # one thread: no pool to spin
+    with pytest.raises(InvalidArgument, match=r"SPIN_DURATION_US.*0 to 100000"):
+        ort_plugin.load_network(mlp(), {"SPIN_DURATION_US": "100001"})
+
+    def idle_cpu(config) -> float:
+        """Process CPU seconds spent while the caller sleeps after each of 6 runs."""
+        net = ort_plugin.load_network(mlp(), {**two, **config})
+        request = net.create_infer_request()
+        x = {"x": _input((5, 32))}
+        request.infer(x)
+        spent = 0.0
+        for _ in range(6):
+            request.infer(x)
+            start = time.process_time()
+            time.sleep(0.3)
+            spent += time.process_time() - start
+        return spent
+
+    # up to 100 ms of spinning after each run (~40 ms measured here, onnxruntime backs off)
+    # shows as CPU while nothing runs; none without it (~0.3 ms in all)
+    assert idle_cpu({"SPIN_DURATION_US": "100000"}) > 0.06
+    assert idle_cpu({"SPIN_DURATION_US": "0"}) < 0.03
 
 
 # --------------------------------------------------------------------------- QueryNetwork
