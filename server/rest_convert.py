@@ -7,8 +7,13 @@ The REST counterpart of the gRPC converters in ``kserve.py``; it holds no busine
   carry ``binary_data_size`` takes that many bytes from the binary part, inputs in order;
   every byte of the binary part must belong to an input. BYTES elements, in JSON or binary,
   are decoded as UTF-8 text (invalid bytes become U+FFFD), as on gRPC.
-* JSON ``data`` may be flat or nested (row-major); its element count must match the shape and
-  its values the datatype (no float for an INT32, no number for a BOOL, values in range).
+* JSON ``data`` may be flat or nested (row-major, flattened as Triton does); its element
+  count must match the shape and its values the datatype (no float for an INT32, no boolean
+  for a number, no number for a BOOL, values in range).
+* The infer body is parsed with simdjson (pysimdjson), whose arrays of numbers go straight
+  into a numpy buffer: an FP32 tensor's ``data`` never becomes Python floats. That halves the
+  decoding of a batch-1 MLP request (36 -> 15 us) and takes a 1x3x224x224 JSON tensor from
+  8.4 to 3.3 ms. Everything else (small bodies, responses) is orjson.
 * An output is returned as binary data when its own ``binary_data`` parameter says so, else
   when the request's ``binary_data_output`` parameter does; JSON otherwise (flat, row-major,
   as Triton). ``classification`` is refused, as on gRPC.
@@ -20,11 +25,13 @@ The REST counterpart of the gRPC converters in ``kserve.py``; it holds no busine
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import orjson
+import simdjson
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
@@ -97,6 +104,52 @@ def _flag(parameters: dict[str, Any], key: str, what: str) -> bool:
     return value
 
 
+def _plain(value: Any) -> Any:
+    """A simdjson value as plain Python (objects and arrays are lazy views into the parser)."""
+    if isinstance(value, simdjson.Object):
+        return value.as_dict()
+    if isinstance(value, simdjson.Array):
+        return value.as_list()
+    return value
+
+
+_parsers = threading.local()
+#: bodies up to this size reuse their thread's parser, which keeps buffers the size of the
+#: largest document it parsed; a larger body gets a parser of its own, freed with its views
+_REUSE_BYTES = 1 << 20
+
+
+def _document(data: memoryview) -> Any:
+    """The parsed body, its objects and arrays views into a simdjson parser. A small body's
+    parser is its thread's, made once (a new one costs twice the parse of a batch-1 request).
+    A parser cannot parse again while views of its last document live (an error's traceback
+    may hold some); then the thread gets a new one, the views keeping the old one alive."""
+    parser = getattr(_parsers, "parser", None) if len(data) <= _REUSE_BYTES else None
+    try:
+        if parser is not None:
+            try:
+                return parser.parse(data)
+            except RuntimeError:
+                pass
+        parser = simdjson.Parser()
+        if len(data) <= _REUSE_BYTES:
+            _parsers.parser = parser
+        return parser.parse(data)
+    except ValueError as exc:  # UnicodeDecodeError included
+        if "NUMBER_ERROR" in str(exc):
+            raise InvalidInput(
+                "the request holds a number out of range: integers must fit 64 bits (signed "
+                "or unsigned) and other numbers a float64"
+            ) from None
+        raise InvalidInput(f"the request is not valid JSON: {exc}") from None
+
+
+def _fields(value: Any) -> dict[str, Any]:
+    """A simdjson object's members (views for objects and arrays): looking up a missing key
+    in the object itself raises and catches KeyError inside, ~2 us a key."""
+    return {key: value[key] for key in value}
+
+
 def parse_infer(body: bytes, header_length: str | None, expect: Expect) -> InferCall:
     """The infer body as arrays; ``header_length`` is the Inference-Header-Content-Length;
     ``expect(name, dtype)`` refuses an input's element type before its data is decoded."""
@@ -110,16 +163,26 @@ def parse_infer(body: bytes, header_length: str | None, expect: Expect) -> Infer
                 f"within the body's {len(body)} bytes"
             )
         json_part, binary = view[: int(header_length)], view[int(header_length) :]
-    request = _object(loads(json_part, "the request"), "the request")
-    parameters = _object(request.get("parameters", {}), "the request's parameters")
+    document = _document(json_part)
+    if not isinstance(document, simdjson.Object):
+        raise InvalidInput(f"the request must be a JSON object, not {_json_type(document)}")
+    request = _fields(document)
+    parameters = _object(_plain(request.get("parameters", {})), "the request's parameters")
     refuse_sequence(parameters)
     request_id = request.get("id", "")
     if not isinstance(request_id, str):
         raise InvalidInput(f"the request's id must be a string, not {request_id!r}")
     inputs: dict[str, np.ndarray] = {}
     offset = 0
-    for index, tensor in enumerate(_list(request.get("inputs"), "the request's 'inputs'")):
-        tensor = _object(tensor, f"input {index}")
+    tensors = request.get("inputs")
+    if not isinstance(tensors, simdjson.Array):
+        raise InvalidInput(
+            f"the request's 'inputs' must be a JSON array, not {_json_type(tensors)}"
+        )
+    for index, value in enumerate(tensors):
+        if not isinstance(value, simdjson.Object):
+            raise InvalidInput(f"input {index} must be a JSON object, not {_json_type(value)}")
+        tensor = _fields(value)
         name = tensor.get("name")
         if not isinstance(name, str):
             raise InvalidInput(f"input {index}: 'name' must be a string")
@@ -132,7 +195,9 @@ def parse_infer(body: bytes, header_length: str | None, expect: Expect) -> Infer
             "binary_data_size"
         )
     outputs, binary_flags = [], {}
-    for index, output in enumerate(_list(request.get("outputs", []), "the request's 'outputs'")):
+    for index, output in enumerate(
+        _list(_plain(request.get("outputs", [])), "the request's 'outputs'")
+    ):
         output = _object(output, f"output {index}")
         name = output.get("name")
         if not isinstance(name, str):
@@ -155,10 +220,18 @@ def parse_infer(body: bytes, header_length: str | None, expect: Expect) -> Infer
     )
 
 
+def _json_type(value: Any) -> str:
+    if isinstance(value, simdjson.Object):
+        return "dict"
+    if isinstance(value, simdjson.Array):
+        return "list"
+    return type(value).__name__
+
+
 def _input_array(
-    tensor: dict[str, Any], name: str, binary: memoryview, offset: int, expect: Expect
+    tensor: Any, name: str, binary: memoryview, offset: int, expect: Expect
 ) -> tuple[np.ndarray, int]:
-    """One input and the offset after its binary data."""
+    """One input and the offset after its binary data (``tensor``: :func:`_fields`)."""
     where = f"input {name!r}"
     datatype = tensor.get("datatype")
     dtype = DATATYPES.get(datatype) if isinstance(datatype, str) else None
@@ -167,7 +240,7 @@ def _input_array(
             f"{where}: datatype {datatype!r} is not supported; use one of {', '.join(DATATYPES)}"
         )
     expect(name, dtype)
-    shape_value = _list(tensor.get("shape"), f"{where}: 'shape'")
+    shape_value = _list(_plain(tensor.get("shape")), f"{where}: 'shape'")
     if not all(isinstance(d, int) and not isinstance(d, bool) for d in shape_value):
         raise InvalidInput(f"{where}: shape {shape_value} must be a list of integers")
     try:
@@ -177,7 +250,7 @@ def _input_array(
     count = 1
     for dim in shape:  # Python ints: np.prod would wrap around for huge dims
         count *= dim
-    parameters = _object(tensor.get("parameters", {}), f"{where}: parameters")
+    parameters = _object(_plain(tensor.get("parameters", {})), f"{where}: parameters")
     if "binary_data_size" in parameters:
         size = parameters["binary_data_size"]
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
@@ -227,35 +300,73 @@ def _flatten(data: Any, out: list[Any]) -> list[Any]:
 def _from_json(
     data: Any, dtype: np.dtype, datatype: str, shape: tuple[int, ...], count: int, where: str
 ) -> np.ndarray:
-    data = _list(data, f"{where}: 'data'")
+    """``data`` (a simdjson value) as an array: numbers through a buffer, without a Python
+    object per element; anything else, or numbers the buffer refuses, through the lists that
+    say what is wrong."""
+    if isinstance(data, simdjson.Array) and dtype.kind in "fiu":
+        parsed = _number_buffer(data, dtype)
+        if parsed is not None:
+            _check_count(parsed.size, shape, count, where)
+            if dtype.kind in "iu" and count:
+                _check_range(parsed, dtype, datatype, where)
+            return parsed.astype(dtype, copy=False).reshape(shape)
+    return _from_values(_plain(data), dtype, datatype, shape, count, where)
+
+
+def _number_buffer(data: Any, dtype: np.dtype) -> np.ndarray | None:
+    """The numbers of ``data`` flattened, as float64 for a float type and int64 (or uint64
+    past its range) for an integer one; None when an element is not such a number (a string,
+    a boolean, a float for an integer type) or does not fit 64 bits."""
+    try:
+        if dtype.kind == "f":
+            return np.frombuffer(data.as_buffer(of_type="d"), np.float64)
+        try:
+            return np.frombuffer(data.as_buffer(of_type="i"), np.int64)
+        except ValueError:
+            if dtype != np.uint64:
+                return None
+            return np.frombuffer(data.as_buffer(of_type="u"), np.uint64)
+    except (TypeError, ValueError):
+        return None
+
+
+def _check_range(parsed: np.ndarray, dtype: np.dtype, datatype: str, where: str) -> None:
+    info = np.iinfo(dtype)
+    low, high = int(parsed.min()), int(parsed.max())
+    if low < info.min or high > info.max:
+        raise InvalidInput(f"{where}: a value is outside {datatype}'s range "
+                           f"{info.min}..{info.max}")  # fmt: skip
+
+
+def _from_values(
+    data: Any, dtype: np.dtype, datatype: str, shape: tuple[int, ...], count: int, where: str
+) -> np.ndarray:
+    values = _flatten(_list(data, f"{where}: 'data'"), [])
+    _check_count(len(values), shape, count, where)
     if dtype == np.dtype(object):
-        values = _flatten(data, [])
-        _check_count(len(values), shape, count, where)
         if not all(isinstance(v, str) for v in values):
             raise InvalidInput(f"{where}: BYTES data must be JSON strings")
         array = np.empty(count, dtype=object)
         array[:] = values
         return array.reshape(shape)
+    # numpy would take True for 1 among numbers, and 1 for True among booleans
+    if dtype.kind == "b":
+        if not all(isinstance(v, bool) for v in values):
+            raise InvalidInput(f"{where}: {datatype} data must be JSON true/false")
+        return np.array(values, dtype=bool).reshape(shape)
+    if any(isinstance(v, bool) for v in values):
+        raise InvalidInput(f"{where}: {datatype} data must be JSON numbers")
     try:
-        parsed = np.array(data)  # numpy walks flat or nested lists in C
-    except ValueError:  # ragged nesting: count the values to say what is wrong
-        parsed = np.array(_flatten(data, []), dtype=object)
-    _check_count(parsed.size, shape, count, where)
-    first = parsed.flat[0] if parsed.size else None
-    if count and isinstance(first, bool | np.bool_) != (dtype.kind == "b"):
-        raise InvalidInput(f"{where}: {datatype} data must be JSON "
-                           + ("true/false" if dtype.kind == "b" else "numbers"))  # fmt: skip
+        parsed = np.array(values)
+    except (ValueError, OverflowError):
+        parsed = np.array(values, dtype=object)
     if count and parsed.dtype.kind not in _KINDS[dtype.kind]:
         raise InvalidInput(
             f"{where}: the values in 'data' ({parsed.dtype.kind!r} kind: "
             f"{_kind_name(parsed.dtype)}) do not fit {datatype}"
         )
     if dtype.kind in "iu" and count:
-        info = np.iinfo(dtype)
-        low, high = int(parsed.min()), int(parsed.max())
-        if low < info.min or high > info.max:
-            raise InvalidInput(f"{where}: a value is outside {datatype}'s range "
-                               f"{info.min}..{info.max}")  # fmt: skip
+        _check_range(parsed, dtype, datatype, where)
     return parsed.astype(dtype, copy=False).reshape(shape)
 
 

@@ -560,3 +560,103 @@ def test_sequence_parameters_are_refused(client):
     assert info.value.status() == "400"
     assert "no sequence batching" in info.value.message()
     assert client.infer("add", _add([1], [2]), sequence_id=0).as_numpy("sum").tolist() == [3]
+
+
+# --- JSON tensors of every kind, as curl users send them (token ids are INT64)
+
+_TYPED = {  # input name: (ONNX type, KServe datatype)
+    "i8": (3, "INT8"),
+    "i64": (7, "INT64"),
+    "u64": (13, "UINT64"),
+    "f16": (10, "FP16"),
+    "f64": (11, "FP64"),
+    "b": (9, "BOOL"),
+}
+
+
+@pytest.fixture(scope="module")
+def typed(tmp_path_factory):
+    """A server with one Identity per element type (``<name>`` in, ``<name>_out`` out)."""
+    from onnx import helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Identity", [n], [f"{n}_out"]) for n in _TYPED],
+        "typed",
+        [helper.make_tensor_value_info(n, t, ["n"]) for n, (t, _) in _TYPED.items()],
+        [helper.make_tensor_value_info(f"{n}_out", t, ["n"]) for n, (t, _) in _TYPED.items()],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    repo = tmp_path_factory.mktemp("repo")
+    (repo / "typed" / "1").mkdir(parents=True)
+    (repo / "typed" / "1" / "model.onnx").write_bytes(model.SerializeToString())
+    with RunningServer("--model-repository", str(repo)) as s:
+        yield s
+
+
+def _typed_body(**data) -> bytes:
+    return _infer_json(
+        [
+            {"name": n, "shape": [len(v)], "datatype": _TYPED[n][1], "data": v}
+            for n, v in data.items()
+        ]
+    )
+
+
+_VALUES = {
+    "i8": [-128, 0, 127],
+    "i64": [-(2**63), 2**62 + 1, 2**63 - 1],  # 2**62 + 1 has no float64: exact or lost
+    "u64": [0, 2**63, 2**64 - 1],
+    "f16": [0.5, -2.0, 65504.0],
+    "f64": [0.1, -1e300, 3],
+    "b": [True, False, True],
+}
+
+
+def test_json_tensors_of_every_type_round_trip_exactly(typed):
+    status, _, reply = _request(typed, "POST", "/v2/models/typed/infer", _typed_body(**_VALUES))
+    assert status == 200, reply
+    outputs = {o["name"]: o for o in reply["outputs"]}
+    for name, values in _VALUES.items():
+        assert outputs[f"{name}_out"]["datatype"] == _TYPED[name][1]
+        assert outputs[f"{name}_out"]["data"] == values, name
+
+
+@pytest.mark.parametrize(
+    ("name", "data", "message"),
+    [
+        ("i64", [2**63], "outside INT64's range"),
+        ("u64", [-1], "outside UINT64's range"),
+        ("u64", [2**64], "integers must fit 64 bits"),
+        ("i8", [1.5, 2], "do not fit INT8"),
+        ("i64", [True, 1], "must be JSON numbers"),
+        ("f16", ["1"], "do not fit FP16"),
+        ("f64", [1, None], "do not fit FP64"),
+        ("b", [1, 0], "must be JSON true/false"),
+    ],
+)
+def test_json_values_that_do_not_fit_their_type_are_400(typed, name, data, message):
+    body = _typed_body(**{**_VALUES, name: data})
+    status, _, reply = _request(typed, "POST", "/v2/models/typed/infer", body)
+    assert status == 400 and message in reply["error"], reply
+
+
+def test_json_tensors_decode_after_errors_and_past_a_megabyte(server):
+    """The server reuses its JSON parser for small bodies: one whose request failed halfway
+    (its partial decoding still referenced by the error) must not break the next, and a body
+    over a megabyte gets a parser of its own."""
+    rng = np.random.default_rng(0)
+    for size in (3, 300_000, 3):  # ~5 MB of JSON in the middle
+        a, b = rng.normal(size=size).astype(np.float32), rng.normal(size=size).astype(np.float32)
+        bad = _infer_json([{"name": "a", "shape": [2], "datatype": "FP32", "data": [1, "x"]}])
+        status, _, reply = _request(server, "POST", "/v2/models/add/infer", bad)
+        assert status == 400 and "do not fit FP32" in reply["error"]
+        body = _infer_json(
+            [
+                {"name": "a", "shape": [size], "datatype": "FP32", "data": a.tolist()},
+                {"name": "b", "shape": [size], "datatype": "FP32", "data": b.tolist()},
+            ]
+        )
+        status, _, reply = _request(server, "POST", "/v2/models/add/infer", body)
+        assert status == 200, reply
+        np.testing.assert_array_equal(np.asarray(reply["outputs"][0]["data"], np.float32), a + b)
