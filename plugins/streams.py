@@ -24,7 +24,7 @@ from typing import Any
 
 from plugserve.plugins.api import Cancelled, FailedPrecondition, ResourceExhausted
 
-__all__ = ["RequestFuture", "StreamsExecutor"]
+__all__ = ["Finished", "RequestFuture", "StreamsExecutor"]
 
 _UNMADE = object()  # a stream whose state has not been made yet (None is a valid state)
 
@@ -41,6 +41,39 @@ class RequestFuture(Future):
             return super().result(timeout)
         except CancelledError:
             raise Cancelled("the request was cancelled before a stream ran it") from None
+
+
+class Finished:
+    """The outcome of an inline run, as the part of :class:`~concurrent.futures.Future`'s
+    interface its callers use. It is known when made, so it needs none of a future's locking
+    and notifying (five lock round trips per request, ~6 us of a batch-1 request's 60 in
+    Python). It cannot be awaited through ``asyncio.wrap_future``; callers check ``done()``."""
+
+    __slots__ = ("_exception", "_result")
+
+    def __init__(self, result: Any = None, exception: BaseException | None = None) -> None:
+        self._result = result
+        self._exception = exception
+
+    def done(self) -> bool:
+        return True
+
+    def cancelled(self) -> bool:
+        return False
+
+    def cancel(self) -> bool:
+        return False
+
+    def result(self, timeout: float | None = None) -> Any:
+        if self._exception is not None:
+            raise self._exception
+        return self._result
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        return self._exception
+
+    def add_done_callback(self, fn: Callable[[Any], Any]) -> None:
+        fn(self)
 
 
 class StreamsExecutor:
@@ -99,19 +132,21 @@ class StreamsExecutor:
         future.add_done_callback(self._discard)
         return future
 
-    def run_inline(self, fn: Callable[[Any], Any]) -> Future | None:
+    def run_inline(self, fn: Callable[[Any], Any]) -> Finished | None:
         """Run ``fn(stream_state)`` on the calling thread if a stream is idle and nothing is
-        queued; the finished future, or None when the caller should :meth:`submit` instead."""
+        queued; its outcome, or None when the caller should :meth:`submit` instead."""
         with self._ready:
             if self._closed:
                 raise FailedPrecondition(f"{self.name}: executor is shut down")
             if self._pending or not self._idle:
                 return None
             index = self._idle.pop()
-        future: Future = RequestFuture()
-        future.set_running_or_notify_cancel()
-        self._run(fn, future, index, False)
-        return future
+        try:
+            return Finished(fn(self._state(index)))
+        except BaseException as exc:
+            return Finished(exception=exc)
+        finally:
+            self._release(index)
 
     def _run(self, fn: Callable[[Any], Any], future: Future, index: int, stateless: bool) -> None:
         """``fn`` on stream ``index`` (claimed by the caller), its outcome into ``future``,

@@ -145,9 +145,9 @@ def decode_strings(data: bytes, count: int, where: str) -> np.ndarray:
 def check_shape(shape: list[int], where: str) -> tuple[int, ...]:
     if len(shape) > MAX_DIMS:
         raise InvalidInput(f"{where}: rank {len(shape)} is over the limit of {MAX_DIMS}")
-    if any(d < 0 for d in shape):
+    if shape and min(shape) < 0:
         raise InvalidInput(f"{where}: shape {list(shape)} has a negative dimension")
-    return tuple(int(d) for d in shape)
+    return tuple(map(int, shape))
 
 
 def from_tensor(tensor, where: str = "") -> np.ndarray:

@@ -41,7 +41,7 @@ from plugserve.plugins.api import (
     listing,
     refuse_non_tensors,
 )
-from plugserve.plugins.streams import StreamsExecutor
+from plugserve.plugins.streams import Finished, StreamsExecutor
 from plugserve.server.core import Core
 from plugserve.server.devices import parse_device
 from plugserve.server.metrics import Metrics, Recorder
@@ -400,14 +400,14 @@ class DataPlane:
         outputs: list[str] | None = None,
         deadline: float | None = None,
         inline: bool = False,
-    ) -> Future:
+    ) -> Future | Finished:
         """Queue one inference on ``entry`` (the caller's one :meth:`get`, which its response
         also names, so an unload or load meanwhile cannot relabel or lose a finished request);
         the future holds ``{output: array}`` or a typed error.
 
         ``inline``: the caller waits for the result anyway (a unary RPC), so when one of the
         network's streams is idle the inference runs on the caller's thread (see
-        :meth:`StreamsExecutor.run_inline`); the future is then already done.
+        :meth:`StreamsExecutor.run_inline`) and its outcome is returned :class:`Finished`.
         """
         name = entry.name
         recorder = entry.recorder
@@ -486,7 +486,7 @@ class DataPlane:
                 return left
             time.sleep(0.02)
 
-    def _finished(self, entry: LoadedNetwork, future: Future) -> None:
+    def _finished(self, entry: LoadedNetwork, future: Future | Finished) -> None:
         """Successes are recorded where they ran; here the admitted ones that failed."""
         with self._inflight_lock:
             self._inflight -= 1

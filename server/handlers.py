@@ -27,6 +27,7 @@ import grpc
 from google.protobuf.descriptor import ServiceDescriptor
 from google.protobuf.message_factory import GetMessageClass
 
+from plugserve.plugins.streams import Finished
 from plugserve.server.errors import abort
 
 __all__ = ["Inference", "add_service", "deadline", "pump", "result"]
@@ -84,7 +85,7 @@ def add_service(server: grpc.Server, service: ServiceDescriptor, servicer: Any) 
     return service.full_name
 
 
-def result(context: grpc.ServicerContext, future: Future) -> Any:
+def result(context: grpc.ServicerContext, future: Future | Finished) -> Any:
     """A unary call's outcome: it waits for ``future``, which the call's end cancels."""
     if not future.done():
         context.add_callback(future.cancel)
@@ -207,7 +208,7 @@ class Inference:
     future)``); ``respond`` encodes the outputs as wire pieces, ``stream_respond`` as a stream
     message, ``fail`` a stream request's error; ``reader`` names the stream's reader thread."""
 
-    submit: Callable[..., tuple[Any, Future]]
+    submit: Callable[..., tuple[Any, Future | Finished]]
     respond: Callable[[Any, Any, Any], list[Any]]
     stream_respond: Callable[[Any, Any, Any], Any]
     fail: Callable[[Any, BaseException], Any]

@@ -306,6 +306,8 @@ def refuse_sequence(parameters: Mapping[str, Any]) -> None:
     """No network here has Triton's sequence batcher: a request that names a sequence would be
     run as if it did not, without the state its client counts on, so it is refused (as Triton
     refuses it for a model without sequence batching). Zero and empty values name nothing."""
+    if not parameters:
+        return
     given = [k for k in _SEQUENCE if parameters.get(k) not in (None, 0, "", False)]
     if given:
         raise InvalidInput(

@@ -162,13 +162,13 @@ class RestApp:
     ) -> Reply | Awaitable[Reply]:
         """Route, authorize, inflate and call a handler: its reply, or an awaitable of it
         when the handler has to wait (an inference queued on its streams, a load)."""
-        found = next(
-            ((m, methods) for pattern, methods in self.routes if (m := pattern.fullmatch(path))),
-            None,
-        )
-        if found is None:
+        for pattern, handlers in self.routes:
+            match = pattern.fullmatch(path)
+            if match is not None:
+                methods = handlers
+                break
+        else:
             return _error(404, f"no such path {path!r}; KServe v2 REST paths start with /v2")
-        match, methods = found
         entry = methods.get(method)
         if entry is None:
             return _error(405, f"{path} accepts {', '.join(methods)}, not {method}")
