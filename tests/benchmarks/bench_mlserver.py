@@ -6,10 +6,13 @@ serves the same models on its ORT device. Both are driven by the same client (tr
 KServe v2 gRPC, :class:`plugserve.client.bench.KserveRunner`), interleaved in blocks.
 
 ``python tests/benchmarks/bench_mlserver.py [--mlserver PATH] [--seconds S] [--rounds N]
-[--rest python|wrk]``; ``--mlserver`` is the ``mlserver`` executable (default: the one on
-PATH), which may live in its own virtual environment (it pins its own dependencies).
+[--rest python|wrk] [--baseline PYTHON]``; ``--mlserver`` is the ``mlserver`` executable
+(default: the one on PATH), which may live in its own virtual environment (it pins its own
+dependencies).
 ``--rest CLIENT`` runs issue 14's comparison instead: the MLP at batch 1 over KServe v2 REST
 with JSON tensors, both servers driven by the raw-bytes Python client or by wrk.
+``--baseline PYTHON`` adds a third server to the same interleaved blocks: plugserve as another
+interpreter has it installed (a base commit's virtual environment), for before/after figures.
 """
 
 from __future__ import annotations
@@ -151,6 +154,7 @@ def compare(
     log: Callable[[str], None],
     protocol: str = "grpc",
     client: str = "python",
+    baseline: str = "",
 ) -> dict[str, Any]:
     """``names``: model -> the plugserve network (on ORT) serving it. Returns figures per model:
     p50 at concurrency 1 and requests/s at 16 in flight, for both servers.
@@ -159,7 +163,9 @@ def compare(
     "rest": KServe v2 REST with JSON tensors (MLServer's REST is FastAPI), ``plugserve`` the
     host:port of the REST port, through one client for both servers: ``client`` "python" is
     the raw-bytes HTTP client (``harness.HttpRawRunner``, 16 threads for 16 in flight), "wrk"
-    is wrk (one C thread, 16 connections), whose own cost is a small part of a request's."""
+    is wrk (one C thread, 16 connections), whose own cost is a small part of a request's.
+    ``baseline``: a second plugserve's target (same protocol, same network names), whose
+    figures come as "baseline"."""
     rng = np.random.default_rng(0)
     with mlserver(executable, {m: paths[m] for m in names}, log) as (target, http_port):
         cases = {}
@@ -170,9 +176,13 @@ def compare(
                     "plugserve": KserveRunner(plugserve, network, x),
                     "mlserver": KserveRunner(target, model, x),
                 }
+                if baseline:
+                    runners["baseline"] = KserveRunner(baseline, network, x)
             elif client == "wrk":
                 addresses = {"plugserve": (plugserve, network),
                              "mlserver": (f"127.0.0.1:{http_port}", model)}  # fmt: skip
+                if baseline:
+                    addresses["baseline"] = (baseline, network)
                 for server, (address, name) in addresses.items():
                     url = f"http://{address}/v2/models/{name}/infer"
                     for c in (1, 16):
@@ -185,10 +195,13 @@ def compare(
                     "plugserve": _rest(plugserve, network, json_request(x)),
                     "mlserver": _rest(f"127.0.0.1:{http_port}", model, json_request(x)),
                 }
+                if baseline:
+                    runners["baseline"] = _rest(baseline, network, json_request(x))
             for server, runner in runners.items():
                 cases[f"{model}/{server}/c1"] = harness.block(runner, seconds)
                 cases[f"{model}/{server}/c16"] = harness.block(runner, seconds, "async", 16)
-        return figures(harness.interleave(cases, rounds, log), names)
+        servers = ("plugserve", "mlserver", *(("baseline",) if baseline else ()))
+        return figures(harness.interleave(cases, rounds, log), names, servers)
 
 
 _JSON_HEADERS = {"Content-Type": "application/json"}
@@ -199,7 +212,11 @@ def _rest(address: str, model: str, body: bytes) -> harness.HttpRawRunner:
     return harness.HttpRawRunner(host, int(port), f"/v2/models/{model}/infer", body, _JSON_HEADERS)
 
 
-def figures(blocks: dict[str, list[dict[str, Any]]], names: dict[str, str]) -> dict[str, Any]:
+def figures(
+    blocks: dict[str, list[dict[str, Any]]],
+    names: dict[str, str],
+    servers: tuple[str, ...] = ("plugserve", "mlserver"),
+) -> dict[str, Any]:
     """Per model and server: p50 at concurrency 1 and requests/s at 16 in flight."""
     return {
         model: {
@@ -207,7 +224,7 @@ def figures(blocks: dict[str, list[dict[str, Any]]], names: dict[str, str]) -> d
                 "p50_ms_c1": harness.median_of(blocks[f"{model}/{server}/c1"], "latency_ms.p50"),
                 "rps_c16": harness.median_of(blocks[f"{model}/{server}/c16"], "throughput_rps"),
             }
-            for server in ("plugserve", "mlserver")
+            for server in servers
         }
         for model in names
     }
@@ -240,6 +257,13 @@ def main(argv: list[str] | None = None) -> int:
         help="instead: the MLP at batch 1 over KServe v2 REST with JSON tensors (issue 14's "
         "comparison), driven by this client",
     )
+    parser.add_argument(
+        "--baseline",
+        default="",
+        metavar="PYTHON",
+        help="also run plugserve as this interpreter has it installed (a base commit's "
+        "virtual environment) in the same blocks",
+    )
     args = parser.parse_args(argv)
     executable = find_mlserver(args.mlserver)
     if not executable:
@@ -252,13 +276,24 @@ def main(argv: list[str] | None = None) -> int:
     paths = zoo.save_all(Path(tempfile.gettempdir()) / "plugserve-bench-models")
     repo = Path(tempfile.mkdtemp(prefix="plugserve-repo-"))
     models = ("mlp",) if args.rest else ("identity", "resnet18")
-    with RunningServer("--model-repository", str(repo)) as server:
-        with Client(server.target, timeout=600) as client:
-            for model in models:  # LATENCY (the default): one session on all cores, as MLServer
-                client.load(f"{model}_ORT", paths[model], "ORT", {"PERFORMANCE_HINT": "LATENCY"})
+    with contextlib.ExitStack() as stack:
+        servers = [stack.enter_context(RunningServer("--model-repository", str(repo)))]
+        if args.baseline:
+            servers.append(
+                stack.enter_context(
+                    RunningServer("--model-repository", str(repo), python=args.baseline)
+                )
+            )
+        for running in servers:
+            with Client(running.target, timeout=600) as client:
+                for model in models:  # LATENCY (the default): one session on all cores, as MLServer
+                    client.load(
+                        f"{model}_ORT", paths[model], "ORT", {"PERFORMANCE_HINT": "LATENCY"}
+                    )
+        targets = [s.http_target if args.rest else s.target for s in servers]
         start = time.perf_counter()
         result = compare(
-            server.http_target if args.rest else server.target,
+            targets[0],
             {m: f"{m}_ORT" for m in models},
             paths,
             executable,
@@ -267,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
             lambda s: print(s, file=sys.stderr),
             "rest" if args.rest else "grpc",
             args.rest or "python",
+            targets[1] if args.baseline else "",
         )
     for f in result.values():
         ours, theirs = f["plugserve"], f["mlserver"]

@@ -20,11 +20,12 @@ _LISTENING = re.compile(
 )
 
 
-def serve_command(*args: str) -> list[str]:
-    """``plugserve serve`` on 127.0.0.1 with every port free-picked, then ``args``."""
+def serve_command(*args: str, python: str = "") -> list[str]:
+    """``plugserve serve`` on 127.0.0.1 with every port free-picked, then ``args``; ``python``:
+    another interpreter's plugserve (a baseline commit's virtual environment)."""
     ports = ["--grpc-port", "0", "--metrics-port", "0", "--http-port", "0"]
     return [
-        sys.executable,
+        python or sys.executable,
         "-m",
         "plugserve.server.cli",
         "serve",
@@ -40,9 +41,14 @@ class RunningServer:
     ``http_url`` the KServe v2 REST base (``http_port``; 0 when the server runs without it)."""
 
     def __init__(
-        self, *args: str, env: dict[str, str] | None = None, cwd: str | None = None
+        self,
+        *args: str,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        python: str = "",
     ) -> None:
         self.args = list(args)
+        self.python = python
         self.env = {**os.environ, **(env or {})}
         # A server's relative paths (a client-chosen CACHE_DIR, say) land in a scratch folder,
         # never in the checkout the tests run from.
@@ -79,7 +85,7 @@ class RunningServer:
 
     def start(self, wait_ready: bool = True, timeout: float = 120) -> RunningServer:
         self.process = subprocess.Popen(
-            serve_command(*self.args),
+            serve_command(*self.args, python=self.python),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
