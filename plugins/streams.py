@@ -46,8 +46,9 @@ class RequestFuture(Future):
 class Finished:
     """The outcome of an inline run, as the part of :class:`~concurrent.futures.Future`'s
     interface its callers use. It is known when made, so it needs none of a future's locking
-    and notifying (five lock round trips per request, ~6 us of a batch-1 request's 60 in
-    Python). It cannot be awaited through ``asyncio.wrap_future``; callers check ``done()``."""
+    and notifying (five lock round trips per request: ~4 us of the ~60 a small REST request
+    spends in Python here). It cannot be awaited through ``asyncio.wrap_future``; callers
+    check ``done()``."""
 
     __slots__ = ("_exception", "_result")
 
