@@ -20,7 +20,10 @@ The bounds, the twin of ``server/callgate.py`` for HTTP:
   once they have waited ``EVICT_AFTER`` seconds (a real client sends its headers with the
   connection); a request on a connection still past the limit is answered 503;
 - one request per connection at a time: pipelined requests wait (reading paused), and so does
-  the next request while the peer does not read its replies (transport flow control).
+  the next request while the peer does not read its replies (transport flow control);
+- a peer that reads nothing of its replies for --request-read-timeout (the transport's buffer
+  stays above its high-water mark) is cut off, its buffered reply dropped: otherwise each such
+  connection would hold its slot and a reply's memory for as long as it liked.
 
 A client that disconnects does not cancel its request: it runs, its answer is dropped.
 """
@@ -122,6 +125,8 @@ class HttpServer:
         now = time.monotonic()
         for connection in [c for c in self.connections if c.deadline <= now]:
             connection.expire()
+        for connection in [c for c in self.connections if c.stalled_until <= now]:
+            connection.abort()
         if self.connections:
             self.watch(loop)
 
@@ -159,6 +164,8 @@ class Connection(asyncio.Protocol):
         self.waiting_since: float | None = None
         #: when the headers or body being waited for are late (inf: nothing is awaited)
         self.deadline = _NEVER
+        #: when a peer that stopped reading its replies is cut off (inf: it reads)
+        self.stalled_until = _NEVER
         self.busy = False  # a request is being served
         self.paused = False  # the peer is not reading: no further request until it does
         self.closed = False
@@ -195,16 +202,15 @@ class Connection(asyncio.Protocol):
             self._fail(400, f"malformed HTTP request: {exc}")
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
-        self.waiting_since = None
-        self.deadline = _NEVER
-        self.server.connections.discard(self)
+        self._forget()
 
     def pause_writing(self) -> None:
         self.paused = True
+        self.stalled_until = time.monotonic() + self.server.read_timeout
 
     def resume_writing(self) -> None:
         self.paused = False
+        self.stalled_until = _NEVER
         if not self.busy:
             self._next()
 
@@ -346,12 +352,21 @@ class Connection(asyncio.Protocol):
 
     def close(self) -> None:
         """Close now, and take it off the count at once (the close completes later)."""
-        self.closed = True
-        self.waiting_since = None
-        self.deadline = _NEVER
-        self.server.connections.discard(self)
+        self._forget()
         if not self.transport.is_closing():
             self.transport.close()
+
+    def abort(self) -> None:
+        """Cut the connection off, dropping what it has not sent (a peer that does not read
+        would keep a closing transport open as long as its buffer is not written out)."""
+        self._forget()
+        self.transport.abort()
+
+    def _forget(self) -> None:
+        self.closed = True
+        self.waiting_since = None
+        self.deadline = self.stalled_until = _NEVER
+        self.server.connections.discard(self)
 
     # --- deadlines
 

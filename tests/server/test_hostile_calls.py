@@ -433,3 +433,54 @@ def test_idle_and_half_sent_http_connections_leave_the_rest_port_serving(tmp_pat
         finally:
             for c in idle + half:
                 c.close()
+
+
+def test_a_client_that_never_reads_its_replies_is_cut_off(tmp_path):
+    """Two pipelined requests whose 4 MiB replies the client never reads: the transport's
+    buffer stays full, and after --request-read-timeout the connection is cut off (before,
+    it held its slot and the reply for as long as the client liked). Others are served."""
+    import contextlib
+    import json
+    import socket
+    import threading
+
+    import numpy as np
+
+    n = 1 << 20
+    data = np.ones(n, np.float32).tobytes()
+    tensor = {"shape": [n], "datatype": "FP32", "parameters": {"binary_data_size": len(data)}}
+    header = json.dumps(
+        {
+            "inputs": [{"name": "a", **tensor}, {"name": "b", **tensor}],
+            "parameters": {"binary_data_output": True},
+        }
+    ).encode()
+    body = header + data + data
+    request = (
+        b"POST /v2/models/add/infer HTTP/1.1\r\nHost: x\r\n"
+        b"Content-Length: %d\r\nInference-Header-Content-Length: %d\r\n\r\n"
+        % (len(body), len(header))
+    ) + body
+    with RunningServer("--request-read-timeout", "2") as server:
+        client = socket.socket()
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        client.connect(("127.0.0.1", server.http_port))
+
+        def send() -> None:
+            with contextlib.suppress(OSError):  # cut off while sending: as expected
+                client.sendall(request + request)
+
+        threading.Thread(target=send, daemon=True).start()
+        try:
+            time.sleep(6)  # past the read timeout and the next sweep
+            assert _health(server) == 200
+            client.settimeout(10)
+            received = 0
+            try:
+                while chunk := client.recv(1 << 20):
+                    received += len(chunk)
+            except ConnectionResetError:
+                pass
+            assert received < 2 * n * 4  # the second reply never came
+        finally:
+            client.close()
