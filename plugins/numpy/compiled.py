@@ -52,20 +52,20 @@ class NumpyCompiledNetwork(CompiledNetwork):
         self.gemm_threads = config.threads_per_stream()
         #: the kernel choices timed on this machine (``tuning.py``)
         self.tuner = tuner
-        self._threads_to_choose = (
-            tuner.enabled
-            and self.gemm_threads > 1
-            and any(step.node.op_type in _GEMM_OPS for step in plan.steps)
-        )
+        splits = any(step.node.op_type in _GEMM_OPS for step in plan.steps)
+        self._threads_to_choose = tuner.enabled and self.gemm_threads > 1 and splits
+        #: who splits when it is not timed: a network without GEMMs NUMPY splits itself keeps
+        #: OpenBLAS's threads for the ones it has (an LSTM's, say)
+        self._threading = "split" if splits else "openblas"
 
     def run_plan(self, arrays: list[Any], profile: list | None = None) -> list[Any]:
         """The plan, its GEMMs split the way chosen for these inputs' shapes (a new shape:
         each way over its first runs, timed, see ``Tuner.threading_for``)."""
-        shapes = tuple(getattr(a, "shape", ()) for a in arrays)
         if self._threads_to_choose:
+            shapes = tuple(getattr(a, "shape", ()) for a in arrays)
             mode, timed = self.tuner.threading_for(shapes)
         else:
-            mode, timed = "split", False
+            mode, timed = self._threading, False
         if mode == "openblas":
             set_thread_count(self.gemm_threads)
             parallel.use_threads(1)

@@ -194,11 +194,15 @@ def _run(width: int, jobs: list) -> None:
     helpers = min(width, len(jobs)) - 1
     pool = _helpers()
     futures = [pool.submit(work) for _ in range(helpers)]
+    error: BaseException | None = None
     try:
         work()
     finally:
         for future in futures:
             # A helper still busy with another request's chunk has not started this work:
-            # cancel it rather than wait for it (the chunks are all done by now).
+            # cancel it rather than wait for it (the chunks are all done by now). Every other
+            # is waited for, even after an error: its job may write into this call's arrays.
             if not future.cancel():
-                future.result()
+                error = error or future.exception()
+    if error is not None:
+        raise error

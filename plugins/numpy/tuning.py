@@ -116,6 +116,8 @@ class Site:
     def _decide(self, key: tuple, name: str, candidates: Mapping[str, Candidate]) -> None:
         self.choices[key] = name
         self._tuner.timed += 1
+        if self._pending:  # another key still runs every candidate
+            return
         kept = set(self.choices.values())
         for other, fn in candidates.items():
             if other not in kept and isinstance(fn, Releasable):

@@ -475,11 +475,12 @@ class _Nchw:
         weights = self._weights
         if weights is None:
             f32 = np.dtype(np.float32)
-            wino = winograd_weights(self.spec, self.w, 1, f32, self.in_shape)
-            weights = self._weights = (
-                pack_conv_weight(self.w, 1, f32),
-                wino if self.winograd else None,
+            wino = (
+                winograd_weights(self.spec, self.w, 1, f32, self.in_shape)
+                if self.winograd
+                else None
             )
+            weights = self._weights = (pack_conv_weight(self.w, 1, f32), wino)
         y = conv_forward(self.spec, 1, x, weights[0], self.kernel, self.bias, None, weights[1])
         return to_channel_last(y) if self.site.channel_last else y
 

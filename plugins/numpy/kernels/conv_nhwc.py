@@ -127,12 +127,13 @@ class ChannelLastWinograd:
         self._u = None
 
     def _weights(self) -> np.ndarray:
-        if self._u is None:
+        u = self._u  # once: another thread may release it meanwhile
+        if u is None:
             g, a = self.t.g, self.t.a
             m, c = self._w.shape[:2]
-            u = (g @ self._w.astype(np.float64) @ g.T).transpose(2, 3, 1, 0)  # (a, a, c, m)
-            self._u = np.ascontiguousarray(u.reshape(a * a, c, m), dtype=np.float32)
-        return self._u
+            full = (g @ self._w.astype(np.float64) @ g.T).transpose(2, 3, 1, 0)  # (a, a, c, m)
+            u = self._u = np.ascontiguousarray(full.reshape(a * a, c, m), dtype=np.float32)
+        return u
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         u = self._weights()

@@ -204,6 +204,26 @@ def test_streams_share_out_the_cores_as_gemm_threads(core):
         assert blas.thread_count() in (1, latency.gemm_threads)
 
 
+def test_a_network_without_gemms_it_splits_leaves_openblas_its_threads(core):
+    """NUMPY pins OpenBLAS to one thread only for networks whose GEMMs it splits itself: one
+    with none of those (an LSTM's GEMMs, Einsum, or none at all) runs OpenBLAS on its width,
+    as before NUMPY split anything (it ran on one thread after a split network had run)."""
+    from models import chain
+
+    from plugserve.plugins.api import available_cores
+    from plugserve.plugins.numpy import blas
+
+    if blas.openblas is None or available_cores() < 2:
+        pytest.skip("needs numpy on OpenBLAS and 2 cores")
+    config = {"INFERENCE_NUM_THREADS": "2"}
+    split = core.load_network(mlp(), "NUMPY", {**config, "KERNEL_TUNING": "NO"})
+    plain = core.load_network(chain([("Relu", {})]).SerializeToString(), "NUMPY", config)
+    split.create_infer_request().infer({"x": np.ones((5, 32), np.float32)})
+    assert blas.thread_count() == 1  # the split network's own GEMMs are split by NUMPY
+    plain.create_infer_request().infer({"x": np.ones((2, 3, 4), np.float32)})
+    assert blas.thread_count() == 2
+
+
 def test_ieee_results_are_not_warnings(numpy_plugin):
     """log(0) = -inf and a cast of -inf to int64 are ONNX results (T5's position buckets compute
     both, then mask them with Where); neither may warn, top level or inside a Loop body."""
