@@ -21,6 +21,7 @@ model, BLAS library and kernel, BLAS threads) matches, so a second load does not
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -30,6 +31,8 @@ import numpy as np
 
 from plugserve.plugins.api import cpu_name
 from plugserve.plugins.numpy import blas
+
+log = logging.getLogger(__name__)
 
 __all__ = ["MAX_KEYS_PER_SITE", "Releasable", "Site", "Tuner", "input_key", "machine_key"]
 
@@ -143,6 +146,10 @@ class Site:
             try:
                 result = candidates[name](*args)
             except Exception:
+                # the request is served by another candidate; a kernel bug must still show
+                log.warning(
+                    "%s: kernel %s failed on %s, dropped", self.name, name, key, exc_info=True
+                )
                 with self._lock:
                     samples.pop(name, None)
                     if not samples:
@@ -174,6 +181,7 @@ class Site:
                 results[name] = fn(*args)
                 alive[name] = fn
             except Exception as exc:
+                log.warning("%s: kernel %s failed, dropped", self.name, name, exc_info=True)
                 first_error = first_error or exc
         if not alive:
             assert first_error is not None

@@ -31,11 +31,9 @@ def matmul(ctx: KernelContext):
             b32 = np.ascontiguousarray(b_const, dtype=np.float32)
             return lambda a, b: np.matmul(a.astype(np.float32), b32).astype(np.float16)
         return _matmul
-    if b_const is not None and b_const.ndim == 2 and not b_const.flags.c_contiguous:
-        b_c = np.ascontiguousarray(b_const)
-        return lambda a, b: _gemm(a, b_c)
     if b_const is not None and b_const.ndim == 2:
-        return lambda a, b: _gemm(a, b_const)
+        b_c = np.ascontiguousarray(b_const)  # no copy when it already is
+        return lambda a, b: _gemm(a, b_c)
     return np.matmul if dtype is not None else _matmul
 
 
