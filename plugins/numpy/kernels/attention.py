@@ -187,7 +187,7 @@ def attention(ctx: KernelContext) -> Callable[..., np.ndarray]:
             out = np.empty((b, s.shape[2], h, v.shape[3]), _F32)
             np.matmul(s, v, out=out.transpose(0, 2, 1, 3))
             return out
-        return _arrange(np.matmul(s, v))
+        return _arrange(_gemm(s, v))
 
     def _arrange(y: np.ndarray) -> np.ndarray:
         return y.transpose(0, 2, 1, 3) if transpose_output else y

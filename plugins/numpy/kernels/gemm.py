@@ -34,6 +34,8 @@ def matmul(ctx: KernelContext):
     if b_const is not None and b_const.ndim == 2:
         b_c = np.ascontiguousarray(b_const)  # no copy when it already is
         return lambda a, b: _gemm(a, b_c)
+    if dtype == np.float32:
+        return _gemm  # two activations (attention scores left unfused) split as weights are
     return np.matmul if dtype is not None else _matmul
 
 
@@ -69,7 +71,7 @@ def gemm(ctx: KernelContext):
             y = _gemm(am, b_ready)
         else:
             bm = (b.T if trans_b else b).astype(work, copy=False)
-            y = np.matmul(am, bm)
+            y = _gemm(am, bm)
             if alpha != 1:
                 y = y * alpha if y.dtype.kind == "f" else (y * alpha).astype(work)
         if c is not None and beta != 0:
