@@ -75,16 +75,26 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
 
 
 def _devices(client: Client, args: argparse.Namespace) -> int:
+    """STOPS: how soon a cancelled run (its deadline, its client gone) stops on the device."""
     rows = [
         [
             d.name,
             "available" if d.available else "unavailable",
             d.full_name if d.available else d.reason,
+            _cancellation(client, d.name) if d.available else "",
         ]
         for d in client.devices()
     ]
-    print(_table(rows, ["DEVICE", "STATE", "DETAIL"]))
+    print(_table(rows, ["DEVICE", "STATE", "DETAIL", "STOPS"]))
     return 0
+
+
+def _cancellation(client: Client, device: str) -> str:
+    """The device's CANCELLATION metric ('' from a server too old to have it)."""
+    try:
+        return str(client.get_metric(device, "CANCELLATION"))
+    except Exception:
+        return ""
 
 
 def _metric(client: Client, args: argparse.Namespace) -> int:

@@ -19,6 +19,22 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar, runtime_chec
 
 import numpy as np
 
+from plugserve.plugins import cancel
+from plugserve.plugins.errors import (
+    BackendUnavailable,
+    Cancelled,
+    DeadlineExceeded,
+    FailedPrecondition,
+    InferenceError,
+    InvalidArgument,
+    InvalidInput,
+    InvalidModel,
+    NotFound,
+    PlugserveError,
+    ResourceExhausted,
+    Unsupported,
+)
+
 if TYPE_CHECKING:
     from plugserve.plugins.streams import StreamsExecutor
 
@@ -49,77 +65,6 @@ __all__ = [
     "refusal_reasons",
     "refuse_non_tensors",
 ]
-
-
-# --------------------------------------------------------------------------- errors
-
-
-class PlugserveError(Exception):
-    """Base of every error plugserve raises on purpose; ``code`` names the gRPC status."""
-
-    code: ClassVar[str] = "INTERNAL"
-
-
-class NotFound(PlugserveError, LookupError):
-    """An unknown device, network, metric or node."""
-
-    code = "NOT_FOUND"
-
-
-class InvalidArgument(PlugserveError, ValueError):
-    """The caller sent something that cannot be right: a bad config value, name or key."""
-
-    code = "INVALID_ARGUMENT"
-
-
-class InvalidModel(InvalidArgument):
-    """The model is not ONNX, does not validate, or reads files it must not."""
-
-
-class InvalidInput(InvalidArgument):
-    """Inference inputs do not match what the network declares."""
-
-
-class Unsupported(PlugserveError, NotImplementedError):
-    """The device cannot do this (an op, a data type, an attribute value, an operation)."""
-
-    code = "UNIMPLEMENTED"
-
-
-class BackendUnavailable(PlugserveError, RuntimeError):
-    """A plugin's backend cannot work on this machine (raised by plugin constructors)."""
-
-    code = "UNAVAILABLE"
-
-
-class ResourceExhausted(PlugserveError, RuntimeError):
-    """A queue or pool is full; the caller may retry later."""
-
-    code = "RESOURCE_EXHAUSTED"
-
-
-class FailedPrecondition(PlugserveError, RuntimeError):
-    """The call is valid but not in this state (e.g. ``wait()`` before ``start_async()``)."""
-
-    code = "FAILED_PRECONDITION"
-
-
-class DeadlineExceeded(PlugserveError, TimeoutError):
-    """A request's deadline passed before it could run; it was dropped unrun."""
-
-    code = "DEADLINE_EXCEEDED"
-
-
-class Cancelled(PlugserveError, RuntimeError):
-    """The caller went away; the request was removed from its queue."""
-
-    code = "CANCELLED"
-
-
-class InferenceError(PlugserveError, RuntimeError):
-    """A kernel failed while running; the message names the node."""
-
-    code = "INTERNAL"
 
 
 def listing(items: Iterable[Any], limit: int = 10, plain: bool = False) -> str:
@@ -355,6 +300,9 @@ class Plugin(abc.ABC):
     #: The device name users write (``NUMPY``, ``ORT``); set by subclasses.
     name: ClassVar[str] = ""
     config_class: ClassVar[type[Configuration]] = Configuration
+    #: How soon a running inference stops once cancelled (its deadline, its client gone,
+    #: ``InferRequest.cancel()``): the CANCELLATION metric, shown by ``plugserve devices``.
+    cancellation: ClassVar[str] = "never: a run goes on to its end"
 
     def __init__(self) -> None:
         self._config = self.config_class()
@@ -391,6 +339,7 @@ class Plugin(abc.ABC):
             "OPTIMIZATION_CAPABILITIES",
             "RANGE_FOR_ASYNC_INFER_REQUESTS",
             "RANGE_FOR_STREAMS",
+            "CANCELLATION",
         ]
 
     def get_metric(self, name: str, options: Mapping[str, Any] | None = None) -> Any:
@@ -428,6 +377,7 @@ class Plugin(abc.ABC):
             "IMPORT_EXPORT_SUPPORT": lambda: True,
             "RANGE_FOR_ASYNC_INFER_REQUESTS": lambda: (1, 4 * cores, 1),
             "RANGE_FOR_STREAMS": lambda: (1, cores),
+            "CANCELLATION": lambda: self.cancellation,
         }
         if name in common:
             return common[name]()
@@ -510,6 +460,12 @@ class CompiledNetwork(abc.ABC):
     schedules a network's requests a second time. It is started on first use (most in-process
     networks only ever run synchronously, and idle threads cost) and freed by :meth:`close`.
     """
+
+    #: Whether a run may last as long as the request asks beyond its inputs' size (a Loop
+    #: whose trip count or condition is data): such a network is never run on a thread that
+    #: serves other clients too (the REST event loop). A plugin that knows its graph has none
+    #: says so; unknown counts as open-ended.
+    open_ended: bool = True
 
     def __init__(self, plugin: Plugin, name: str, config: Configuration) -> None:
         self.plugin = plugin
@@ -666,6 +622,8 @@ class InferRequest(abc.ABC):
     def __init__(self, network: CompiledNetwork) -> None:
         self.network = network
         self._future: Any = None
+        #: the cancellation token of the run under way (None: nothing runs)
+        self._token: cancel.Token | None = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """A request class that overrides :meth:`infer` alone (a plugin written before
@@ -682,13 +640,50 @@ class InferRequest(abc.ABC):
         """OpenVINO's ``sync_infer_request``: check the inputs against the network's specs,
         :meth:`_feed` them (the backend's form), then :meth:`_run`. Plugins implement those
         two, or :meth:`_infer` where the backend runs the request itself."""
-        return self._infer(check_inputs(self.network.name, self.network.inputs, inputs))
+        return self._checked(check_inputs(self.network.name, self.network.inputs, inputs))
 
     def infer_checked(self, arrays: list[Any]) -> dict[str, np.ndarray]:
         """:meth:`infer` for inputs already checked by :func:`check_inputs` (in declared
         order): the server's DataPlane checks once at its edge, and MULTI, AUTO and BATCH hand
-        their device the values they checked against the same specs."""
-        return self._infer(arrays)
+        their device the values they checked against the same specs.
+
+        The run answers to the token of the run under way on this thread (the server's, or a
+        virtual device's parent request's), else to a token of its own, so :meth:`cancel`
+        stops it either way."""
+        return self._checked(arrays)
+
+    def _checked(self, arrays: list[Any]) -> dict[str, np.ndarray]:
+        """The run of checked inputs under its token (both :meth:`infer` and
+        :meth:`infer_checked`: a plugin overriding one of them calls the other's base)."""
+        token = cancel.current()
+        if token is None:
+            with cancel.running(cancel.Token()) as token:
+                return self._under(token, self._infer, arrays)
+        return self._under(token, self._infer, arrays)
+
+    def _under(
+        self, token: cancel.Token, run: Callable[[_Prepared], dict[str, np.ndarray]], value: Any
+    ) -> dict[str, np.ndarray]:
+        """``run(value)`` as this request's run under way, answering to ``token``."""
+        token.raise_if_cancelled()
+        self._token = token
+        try:
+            return run(value)
+        finally:
+            self._token = None
+
+    def cancel(self) -> None:
+        """OpenVINO's ``cancel``: the run under way (synchronous on another thread, or started
+        with :meth:`start_async`) stops with :class:`Cancelled` as soon as its device can
+        stop (NUMPY: before its next node or loop iteration; ORT: its next node; OPENVINO:
+        after the node running, see ``plugserve devices``); a run still queued is dropped.
+        With nothing running it does nothing."""
+        token = self._token
+        if token is not None:
+            token.cancel(Cancelled(f"network {self.network.name}: the request was cancelled"))
+        future = self._future
+        if future is not None:
+            future.cancel()
 
     def _infer(self, arrays: list[Any]) -> dict[str, np.ndarray]:
         return self._run(self._feed(arrays))
@@ -742,7 +737,13 @@ class InferRequest(abc.ABC):
         """
         self._refuse_if_busy()
         prepared = prepare(inputs)
-        future = self.network.executor.submit(lambda _state: run(prepared), stateless=True)
+        token = cancel.Token()
+
+        def on_stream(_state: Any) -> dict[str, np.ndarray]:
+            with cancel.running(token):
+                return self._under(token, run, prepared)
+
+        future = self.network.executor.submit(on_stream, stateless=True, token=token)
         self._track(future, callback)
 
     def wait(self, timeout: float | None = None) -> dict[str, np.ndarray]:

@@ -1,12 +1,22 @@
-"""Stopping load and query work whose caller is gone.
+"""Stopping work whose caller is gone: loads and queries, and running inferences.
 
-Compiling a network runs for as long as its model asks; the caller of LoadNetwork or
-QueryNetwork may cancel, or pass its deadline, long before. The server says how to tell
-(``should_stop``, e.g. "the RPC is no longer active") with :func:`stop_when` around the call;
-the long steps (between transformation passes, between the subgraphs of a HETERO load) ask
-:func:`check`, which raises :class:`Cancelled` once it is true. The check is a context
-variable, so plugins keep their signatures and nested loads (HETERO, MULTI, BATCH children on
-the same thread) are covered too. Without :func:`stop_when`, :func:`check` does nothing.
+**Loads and queries.** Compiling a network runs for as long as its model asks; the caller of
+LoadNetwork or QueryNetwork may cancel, or pass its deadline, long before. The server says how
+to tell (``should_stop``, e.g. "the RPC is no longer active") with :func:`stop_when` around
+the call; the long steps (between transformation passes, between the subgraphs of a HETERO
+load) ask :func:`check`, which raises :class:`Cancelled` once it is true.
+
+**Runs.** One inference can run for as long as its inputs ask: a Loop's trip count, a while
+loop's condition or a Scan's length come from the request. Each run has a :class:`Token`; its
+owner (the server's deadline watch, a client that went away, ``InferRequest.cancel()``)
+cancels it with the error the caller should get, and the run stops at its next checkpoint:
+NUMPY checks between nodes and between Loop and Scan iterations (:func:`checkpoint`), ORT and
+OPENVINO register a callback (:meth:`Token.on_cancel`) that interrupts their backend. A device
+stops no sooner than its backend lets it: a single kernel runs to its end.
+
+Both are context variables, so plugins keep their signatures and nested runs on the same
+thread (HETERO's pieces, MULTI's and AUTO's device, a Loop's body) see the same token; work
+handed to another thread takes its token along explicitly (:func:`running`).
 """
 
 from __future__ import annotations
@@ -14,16 +24,20 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
+import threading
 from collections.abc import Callable, Iterator
 
-from plugserve.plugins.api import Cancelled
+from plugserve.plugins.errors import Cancelled, PlugserveError
 
-__all__ = ["check", "stop_when"]
+__all__ = ["Token", "check", "checkpoint", "current", "running", "stop_when"]
 
 log = logging.getLogger(__name__)
 
 _should_stop: contextvars.ContextVar[Callable[[], bool] | None] = contextvars.ContextVar(
     "plugserve_should_stop", default=None
+)
+_token: contextvars.ContextVar[Token | None] = contextvars.ContextVar(
+    "plugserve_run_token", default=None
 )
 
 
@@ -38,9 +52,95 @@ def stop_when(should_stop: Callable[[], bool] | None) -> Iterator[None]:
 
 
 def check(what: str) -> None:
-    """Raise :class:`Cancelled` when the caller of the work under way is gone."""
+    """Raise :class:`Cancelled` when the caller of the load or query under way is gone."""
     should_stop = _should_stop.get()
     if should_stop is not None and should_stop():
         message = f"{what}: stopped, its caller is gone (cancelled or past its deadline)"
         log.info("%s", message)  # the caller cannot read the error: the log says it
         raise Cancelled(message)
+
+
+def _nothing() -> None:
+    pass
+
+
+class Token:
+    """One run's cancellation: once cancelled it stays so, with the error the run raises.
+
+    Cancelling is cheap and safe from any thread, before, during or after the run: before, the
+    run raises at its first checkpoint without starting; after, nothing happens. Callbacks run
+    on the cancelling thread, once, outside the token's lock (a backend's interrupt may block
+    briefly); one registered after the cancellation runs at once.
+    """
+
+    __slots__ = ("_callbacks", "_lock", "error")
+
+    def __init__(self) -> None:
+        #: the error the run raises once cancelled (None: not cancelled)
+        self.error: PlugserveError | None = None
+        self._callbacks: list[Callable[[], object]] = []
+        self._lock = threading.Lock()
+
+    @property
+    def cancelled(self) -> bool:
+        return self.error is not None
+
+    def cancel(self, error: PlugserveError | None = None) -> bool:
+        """Cancel with ``error`` (default: :class:`Cancelled`); False if it already was."""
+        with self._lock:
+            if self.error is not None:
+                return False
+            self.error = error if error is not None else Cancelled("the request was cancelled")
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            try:
+                callback()
+            except Exception:  # one backend's failing interrupt must not stop the others
+                log.exception("interrupting a cancelled run failed")
+        return True
+
+    def on_cancel(self, callback: Callable[[], object]) -> Callable[[], None]:
+        """Call ``callback`` when cancelled (now, if it is); returns what unregisters it."""
+        with self._lock:
+            if self.error is None:
+                self._callbacks.append(callback)
+                return lambda: self._forget(callback)
+        callback()
+        return _nothing
+
+    def _forget(self, callback: Callable[[], object]) -> None:
+        with self._lock, contextlib.suppress(ValueError):
+            self._callbacks.remove(callback)
+
+    def raise_if_cancelled(self) -> None:
+        if self.error is not None:
+            raise self.failure()
+
+    def failure(self) -> PlugserveError:
+        """A fresh copy of the error, so runs on several threads raise their own."""
+        error = self.error
+        if error is None:
+            return Cancelled("the request was cancelled")
+        return type(error)(str(error))
+
+
+@contextlib.contextmanager
+def running(token: Token) -> Iterator[Token]:
+    """Within the block, the run's checkpoints and backends answer to ``token``."""
+    reset = _token.set(token)
+    try:
+        yield token
+    finally:
+        _token.reset(reset)
+
+
+def current() -> Token | None:
+    """The token of the run under way on this thread (None outside a run)."""
+    return _token.get()
+
+
+def checkpoint() -> None:
+    """Raise the run's error if it was cancelled: a place where stopping is safe."""
+    token = _token.get()
+    if token is not None and token.error is not None:
+        raise token.failure()

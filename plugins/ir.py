@@ -370,6 +370,24 @@ def _value_info(spec: TensorSpec) -> onnx.ValueInfoProto:
     return helper.make_tensor_value_info(spec.name, elem, shape)
 
 
+def has_loop(graph: Graph) -> bool:
+    """Whether a Loop runs anywhere in ``graph`` (its subgraphs too): a run whose length the
+    request decides (a trip count or condition is data), not only its inputs' size."""
+
+    def in_proto(g: onnx.GraphProto) -> bool:
+        return any(
+            n.op_type == "Loop"
+            or any(in_proto(sub) for a in n.attribute for sub in attribute_graphs(a))
+            for n in g.node
+        )
+
+    return any(
+        node.op_type == "Loop"
+        or any(in_proto(s) for a in node.attrs.values() for s in attribute_graphs(a))
+        for node in graph.nodes
+    )
+
+
 def attribute_graphs(attr: onnx.AttributeProto) -> list[onnx.GraphProto]:
     """The subgraphs an attribute holds (If's branches, Loop's and Scan's bodies): none, one
     (GRAPH) or several (GRAPHS)."""

@@ -22,7 +22,13 @@ from collections.abc import Callable
 from concurrent.futures import CancelledError, Future
 from typing import Any
 
-from plugserve.plugins.api import Cancelled, FailedPrecondition, ResourceExhausted
+from plugserve.plugins import cancel
+from plugserve.plugins.errors import (
+    Cancelled,
+    FailedPrecondition,
+    PlugserveError,
+    ResourceExhausted,
+)
 
 __all__ = ["Finished", "RequestFuture", "StreamsExecutor"]
 
@@ -30,17 +36,43 @@ _UNMADE = object()  # a stream whose state has not been made yet (None is a vali
 
 
 class RequestFuture(Future):
-    """A future whose cancellation reads as plugserve's typed :class:`Cancelled` error.
+    """A future whose cancellation reads as plugserve's typed errors, and reaches a run that
+    already started.
 
     ``concurrent.futures.CancelledError`` is not a plugserve error, so a caller mapping errors
-    to statuses would report a cancelled request as an internal error.
+    to statuses would report a cancelled request as an internal error; a future cancelled by
+    its run's token (a deadline) raises that token's error. :meth:`cancel` of a running
+    request cancels its token, so the run stops (see ``cancel.py``) and the future then holds
+    the run's error; like ``Future.cancel`` it returns True only when the request never ran.
     """
+
+    def __init__(self, token: cancel.Token | None = None) -> None:
+        super().__init__()
+        self.token = token
+
+    def cancel(self) -> bool:
+        if super().cancel():
+            return True
+        if self.token is not None and not self.done():
+            self.token.cancel()
+        return False
 
     def result(self, timeout: float | None = None) -> Any:
         try:
             return super().result(timeout)
         except CancelledError:
-            raise Cancelled("the request was cancelled before a stream ran it") from None
+            raise self._cancelled_error() from None
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        try:
+            return super().exception(timeout)
+        except CancelledError:
+            return self._cancelled_error()
+
+    def _cancelled_error(self) -> PlugserveError:
+        if self.token is not None and self.token.cancelled:
+            return self.token.failure()
+        return Cancelled("the request was cancelled before a stream ran it")
 
 
 class Finished:
@@ -109,17 +141,25 @@ class StreamsExecutor:
     def pending(self) -> int:
         return len(self._pending)
 
-    def submit(self, fn: Callable[[Any], Any], limit: int = 0, stateless: bool = False) -> Future:
+    def submit(
+        self,
+        fn: Callable[[Any], Any],
+        limit: int = 0,
+        stateless: bool = False,
+        token: cancel.Token | None = None,
+    ) -> RequestFuture:
         """Queue ``fn(stream_state)``; its result or error lands in the returned future.
 
         ``limit``: refuse when this many are already waiting (at most the executor's own
         queue size). ``stateless``: ``fn`` brings its own state (an in-process async request)
-        and gets None, so a stream does not make state nobody uses.
+        and gets None, so a stream does not make state nobody uses. ``token``: the run's
+        cancellation token, which ``fn`` answers to: cancelling the token takes a queued
+        request out of the queue, and cancelling the future stops a running one.
 
         Cancelling the future before a stream picks it up takes it out of the queue at once,
         so abandoned requests (a client gone, a deadline passed) free their place.
         """
-        future: Future = RequestFuture()
+        future = RequestFuture(token)
         bound = min(limit, self.queue_size) if limit else self.queue_size
         with self._ready:
             if self._closed:
@@ -131,6 +171,8 @@ class StreamsExecutor:
             self._pending.append((fn, future, stateless))
             self._ready.notify()
         future.add_done_callback(self._discard)
+        if token is not None:
+            token.on_cancel(future.cancel)
         return future
 
     def run_inline(self, fn: Callable[[Any], Any]) -> Finished | None:

@@ -42,6 +42,7 @@ def device_list(text: Any) -> list[str]:
 class VirtualPlugin(Plugin):
     """A device made of other devices (see the module's docstring)."""
 
+    cancellation = "as the device running the request"
     #: this device's own keys, never handed to a child
     OWN_KEYS: ClassVar[frozenset[str]] = frozenset({"DEVICE_PRIORITIES", "CACHE_DIR"})
 
@@ -113,3 +114,7 @@ class OneNetwork:
     @property
     def outputs(self) -> list[TensorSpec]:
         return self.network.outputs
+
+    @property
+    def open_ended(self) -> bool:
+        return self.network.open_ended

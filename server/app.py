@@ -125,6 +125,7 @@ class Server:
             settings.queue_size,
             settings.max_networks,
             settings.max_model_bytes,
+            settings.max_request_seconds,
         )
         self.health = health.HealthServicer()
         self.grpc_server: grpc.Server | None = None
@@ -350,10 +351,11 @@ class Server:
         if left:
             log.warning(
                 "shutdown: %d admitted request(s) or load(s) still running after %.1f s; "
-                "their calls are cancelled",
+                "their runs and calls are cancelled",
                 left,
                 time.monotonic() - end + timeout,
             )
+            self.plane.cancel_all("the server is shutting down (--exit-timeout passed)")
         else:
             log.info("shutdown: every admitted request finished")
         # responses of finished requests may still be on their way: a short grace for them

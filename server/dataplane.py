@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from plugserve.plugins import cancel
 from plugserve.plugins.api import (
     Cancelled,
     CompiledNetwork,
@@ -43,6 +44,7 @@ from plugserve.plugins.api import (
 )
 from plugserve.plugins.streams import Finished, StreamsExecutor
 from plugserve.server.core import Core
+from plugserve.server.deadlines import DeadlineWatch
 from plugserve.server.devices import parse_device
 from plugserve.server.metrics import Metrics, Recorder
 from plugserve.server.repository import Repository, check_name, is_version
@@ -163,9 +165,13 @@ class DataPlane:
         queue_size: int = 0,
         max_networks: int = 0,
         max_model_bytes: int = 0,
+        max_request_seconds: float = 0.0,
     ) -> None:
-        """``max_networks`` / ``max_model_bytes``: --max-networks and --max-model-bytes
-        (0: no limit)."""
+        """``max_networks`` / ``max_model_bytes`` / ``max_request_seconds``:
+        --max-networks, --max-model-bytes and --max-request-seconds (0: no limit)."""
+        self.max_request_seconds = max_request_seconds
+        #: cancels requests past their client's deadline or --max-request-seconds
+        self.deadlines = DeadlineWatch()
         self.max_networks = max_networks
         self.max_model_bytes = max_model_bytes
         self.core = core
@@ -400,6 +406,7 @@ class DataPlane:
         outputs: list[str] | None = None,
         deadline: float | None = None,
         inline: bool = False,
+        token: cancel.Token | None = None,
     ) -> Future | Finished:
         """Queue one inference on ``entry`` (the caller's one :meth:`get`, which its response
         also names, so an unload or load meanwhile cannot relabel or lose a finished request);
@@ -408,6 +415,11 @@ class DataPlane:
         ``inline``: the caller waits for the result anyway (a unary RPC), so when one of the
         network's streams is idle the inference runs on the caller's thread (see
         :meth:`StreamsExecutor.run_inline`) and its outcome is returned :class:`Finished`.
+
+        ``token``: the request's cancellation token, which the caller cancels when its client
+        goes away (a unary call hooks it to the call's end before the run may start inline);
+        cancelling the returned future does the same. The request is also cancelled, queued
+        or running, once ``deadline`` (``time.monotonic``) or --max-request-seconds passes.
         """
         name = entry.name
         recorder = entry.recorder
@@ -421,16 +433,20 @@ class DataPlane:
             raise
         executor = entry.executor
         admitted = time.perf_counter()
+        token = token if token is not None else cancel.Token()
 
         def run(request: InferRequest) -> dict[str, np.ndarray]:
             started = time.perf_counter()
+            if token.error is not None:
+                raise token.failure()
             if deadline is not None and time.monotonic() > deadline:
                 raise DeadlineExceeded(
                     f"network {name!r}: the deadline passed while queued "
                     f"({started - admitted:.3f} s in the queue)"
                 )
             try:
-                result = request.infer_checked(arrays)  # checked once, above
+                with cancel.running(token):
+                    result = request.infer_checked(arrays)  # checked once, above
             except PlugserveError:
                 raise
             except Exception as exc:  # the device's own failure: INTERNAL, naming it
@@ -456,19 +472,48 @@ class DataPlane:
                 self._inflight += 1
                 entry.inflight += 1
         if retired:  # reloaded since the caller's lookup: its replacement answers
-            return self.submit(self.get(name, entry.version), inputs, outputs, deadline, inline)
+            return self.submit(
+                self.get(name, entry.version), inputs, outputs, deadline, inline, token
+            )
+        self._watch(name, token, deadline)
         try:
             future = (inline and executor.run_inline(run)) or executor.submit(
-                run, entry.queue_limit
+                run, entry.queue_limit, token=token
             )
         except BaseException as exc:
+            self.deadlines.forget(token)
             with self._inflight_lock:
                 self._inflight -= 1
                 entry.inflight -= 1
             recorder.refused("overloaded" if isinstance(exc, ResourceExhausted) else "")
             raise
-        future.add_done_callback(lambda f: self._finished(entry, f))
+        future.add_done_callback(lambda f: self._finished(entry, f, token))
         return future
+
+    def _watch(self, name: str, token: cancel.Token, deadline: float | None) -> None:
+        """Have the deadline watch cancel ``token`` at the client's deadline or the server's
+        --max-request-seconds, whichever comes first."""
+        now = time.monotonic()
+        limit = self.max_request_seconds
+        server_end = now + limit if limit else float("inf")
+        if deadline is not None and deadline <= server_end:
+            self.deadlines.watch(
+                token,
+                deadline,
+                lambda: DeadlineExceeded(
+                    f"network {name!r}: stopped, the request passed its deadline "
+                    f"({time.monotonic() - now:.3f} s after it was admitted)"
+                ),
+            )
+        else:
+            self.deadlines.watch(
+                token,
+                server_end,
+                lambda: DeadlineExceeded(
+                    f"network {name!r}: stopped, the request ran past the server's limit "
+                    f"of {limit:g} s (--max-request-seconds)"
+                ),
+            )
 
     def drain(self) -> None:
         """Refuse new requests and loads (UNAVAILABLE); admitted ones still run."""
@@ -486,17 +531,22 @@ class DataPlane:
                 return left
             time.sleep(0.02)
 
-    def _finished(self, entry: LoadedNetwork, future: Future | Finished) -> None:
+    def _finished(
+        self, entry: LoadedNetwork, future: Future | Finished, token: cancel.Token
+    ) -> None:
         """Successes are recorded where they ran; here the admitted ones that failed."""
+        self.deadlines.forget(token)
         with self._inflight_lock:
             self._inflight -= 1
             entry.inflight -= 1
-        if future.cancelled():
-            entry.recorder.failure("cancelled")
-            return
         exc = future.exception()
         if exc is not None:
             entry.recorder.failure(_STATUS.get(type(exc), "error"))
+
+    def cancel_all(self, why: str) -> int:
+        """Cancel every admitted request, queued or running (a shutdown that stops waiting
+        for them); returns how many there were."""
+        return self.deadlines.cancel_all(lambda: Cancelled(why))
 
     def _outputs(self, entry: LoadedNetwork, outputs: list[str] | None) -> list[str]:
         if not outputs:
@@ -780,5 +830,6 @@ class DataPlane:
 
     def close(self) -> None:
         """Stop every network's streams: what is queued still runs, nothing new is taken."""
+        self.deadlines.close()
         for entry in self.networks():
             entry.executor.shutdown(wait=False)

@@ -27,10 +27,12 @@ import grpc
 from google.protobuf.descriptor import ServiceDescriptor
 from google.protobuf.message_factory import GetMessageClass
 
+from plugserve.plugins import cancel
+from plugserve.plugins.errors import Cancelled, DeadlineExceeded
 from plugserve.plugins.streams import Finished
 from plugserve.server.errors import abort
 
-__all__ = ["Inference", "add_service", "deadline", "pump", "result"]
+__all__ = ["Inference", "add_service", "call_token", "deadline", "pump"]
 
 _KINDS = {
     (False, False): grpc.unary_unary_rpc_method_handler,
@@ -85,11 +87,28 @@ def add_service(server: grpc.Server, service: ServiceDescriptor, servicer: Any) 
     return service.full_name
 
 
-def result(context: grpc.ServicerContext, future: Future | Finished) -> Any:
-    """A unary call's outcome: it waits for ``future``, which the call's end cancels."""
-    if not future.done():
-        context.add_callback(future.cancel)
-    return future.result()
+#: A call that ends this close to its deadline ended for it, not because its client left.
+_DEADLINE_SLACK = 0.05
+
+
+def call_token(context: grpc.ServicerContext) -> cancel.Token:
+    """A cancellation token for a unary call's request, cancelled when the call ends: its
+    client cancelled or went away, or its deadline passed. Hooked before the request is
+    admitted, so a run inline on this thread stops too (grpc runs the callback on another)."""
+    token = cancel.Token()
+
+    def ended() -> None:
+        if token.error is not None:
+            return
+        remaining = context.time_remaining()
+        # grpc ends a call at its deadline by its own clock, a hair before ours
+        if remaining is not None and remaining <= _DEADLINE_SLACK:
+            token.cancel(DeadlineExceeded("stopped: the call's deadline passed"))
+        else:
+            token.cancel(Cancelled("stopped: the client cancelled the call or went away"))
+
+    context.add_callback(ended)
+    return token
 
 
 def deadline(context: grpc.ServicerContext) -> float | None:
@@ -216,8 +235,8 @@ class Inference:
 
     def unary(self, request: Any, context: grpc.ServicerContext) -> bytes:
         """Runs inline when a stream is idle; the answer is composed without extra copies."""
-        entry, future = self.submit(request, context, inline=True)
-        return b"".join(self.respond(request, entry, result(context, future)))
+        entry, future = self.submit(request, context, inline=True, token=call_token(context))
+        return b"".join(self.respond(request, entry, future.result()))
 
     def stream(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
         """Requests are admitted as they arrive; responses leave in completion order

@@ -126,7 +126,11 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
     # --- inference
 
     def _submit(
-        self, request: pb.ModelInferRequest, context: grpc.ServicerContext, inline: bool = False
+        self,
+        request: pb.ModelInferRequest,
+        context: grpc.ServicerContext,
+        inline: bool = False,
+        token: Any = None,
     ):
         """One lookup: the entry runs the request and names the response."""
         entry = self.plane.get(request.model_name, parse_version(request.model_version))
@@ -138,6 +142,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             requested_outputs(request),
             deadline(context),
             inline,
+            token,
         )
         return entry, future
 

@@ -25,8 +25,8 @@ Choices where Triton or KServe leave room:
   (``Accept-Encoding`` is a preference: compressing a 600 KB tensor costs more than sending it
   over the networks a server like this runs on). Shared memory, trace and log settings are
   501, as their gRPC methods are UNIMPLEMENTED.
-* A client that disconnects does not cancel its queued request; the request runs and its
-  answer is dropped.
+* A client that disconnects cancels its request, queued or running (``plugins/cancel.py``).
+  A request past the server's --max-request-seconds is stopped and answered 504.
 """
 
 from __future__ import annotations
@@ -333,8 +333,10 @@ _INLINE_NS = 1_000_000
 def _fast(entry: LoadedNetwork) -> bool:
     """Run inline on the loop: two thread hand-offs saved (~0.25 ms at batch 1 here), and the
     loop stalls no longer than the JSON decoding of a request does. A slower network (or one
-    not yet measured) runs on its streams so the loop keeps admitting requests meanwhile."""
-    return entry.recorder.mean_compute_below(_INLINE_NS)
+    not yet measured) runs on its streams so the loop keeps admitting requests meanwhile, and
+    so does one whose run the request can lengthen at will (a Loop: ``open_ended``), whose
+    client could otherwise hold the loop until --max-request-seconds."""
+    return not entry.network.open_ended and entry.recorder.mean_compute_below(_INLINE_NS)
 
 
 def _text(value: bytes | None) -> str | None:

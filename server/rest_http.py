@@ -25,7 +25,8 @@ The bounds, the twin of ``server/callgate.py`` for HTTP:
   stays above its high-water mark) is cut off, its buffered reply dropped: otherwise each such
   connection would hold its slot and a reply's memory for as long as it liked.
 
-A client that disconnects does not cancel its request: it runs, its answer is dropped.
+A client that disconnects cancels the request it waits for: queued, it leaves its queue;
+running, it stops at its device's next checkpoint (``plugins/cancel.py``).
 """
 
 from __future__ import annotations
@@ -167,6 +168,7 @@ class Connection(asyncio.Protocol):
         #: when a peer that stopped reading its replies is cut off (inf: it reads)
         self.stalled_until = _NEVER
         self.busy = False  # a request is being served
+        self.task: asyncio.Task | None = None  # what a request being served awaits, if any
         self.paused = False  # the peer is not reading: no further request until it does
         self.closed = False
         self.reading = False  # a request's first bytes came, not yet all of it
@@ -203,6 +205,10 @@ class Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._forget()
+        if self.task is not None and not self.task.done():
+            # the client is gone: cancelling what its request awaits stops the run too
+            # (asyncio cancels the request's future, whose cancel() cancels its token)
+            self.task.cancel()
 
     def pause_writing(self) -> None:
         self.paused = True
@@ -297,7 +303,7 @@ class Connection(asyncio.Protocol):
                 reply = error_reply(*http_status_of(exc))
             if not isinstance(reply, tuple):  # its handler awaits: finish on the loop
                 self.busy = True
-                self.loop.create_task(self._later(method, reply, keep_alive))
+                self.task = self.loop.create_task(self._later(method, reply, keep_alive))
                 return
             if not self._reply(method, reply, keep_alive):
                 return

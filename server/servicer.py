@@ -132,11 +132,13 @@ class PlugserveServicer(pb_grpc.PlugserveServicer):
                 logging.getLogger(__name__).exception("ListNetworks: %r left out", entry.name)
         return response
 
-    def _submit(self, request: pb.InferRequest, context, inline: bool = False):
+    def _submit(self, request: pb.InferRequest, context, inline: bool = False, token=None):
         """One lookup: the entry runs the request and names the response."""
         entry = self.plane.get(request.network, request.version)
         inputs = request_inputs(request, entry)
-        future = self.plane.submit(entry, inputs, list(request.outputs), deadline(context), inline)
+        future = self.plane.submit(
+            entry, inputs, list(request.outputs), deadline(context), inline, token
+        )
         return entry, future
 
     def ExportNetwork(self, request, context):

@@ -88,6 +88,12 @@ class Settings:
     queue_size: int = _field(0, "requests waiting per network (0: 16 per stream, at least 64)")
     grpc_workers: int = _field(64, "gRPC handler threads")
     exit_timeout: float = _field(30.0, "seconds to finish admitted requests on SIGTERM")
+    max_request_seconds: float = _field(
+        300.0,
+        "longest an inference request may take from admission to its answer, queued and "
+        "running; past it the run is stopped and the client gets DEADLINE_EXCEEDED (504), as "
+        "for its own deadline (0: no server limit)",
+    )
     tls_cert: str = _field(
         "", "PEM certificate chain for TLS on the gRPC and REST ports; empty: plaintext"
     )
@@ -154,6 +160,7 @@ class Settings:
             ("queue_size", 0, None),
             ("grpc_workers", 1, None),
             ("exit_timeout", 0, None),
+            ("max_request_seconds", 0, None),
             ("max_networks", 0, None),
             ("max_model_bytes", 0, None),
             ("max_num_streams", 0, None),

@@ -16,12 +16,13 @@ import itertools
 import threading
 import time
 import weakref
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import onnx
 
+from plugserve.plugins import cancel
 from plugserve.plugins.api import (
     Cancelled,
     CompiledNetwork,
@@ -79,13 +80,32 @@ def unbatchable(specs: list[TensorSpec], kind: str) -> str:
 
 
 class _Item:
-    __slots__ = ("arrays", "arrived", "future", "rows")
+    """One request in the batcher. Its token is its caller's: cancelled while queued, the item
+    is dropped; cancelled while its batch runs, its caller stops waiting at once, and the
+    batch itself is stopped once every request in it is cancelled (the others still want it)."""
 
-    def __init__(self, arrays: list[np.ndarray], rows: int) -> None:
+    __slots__ = ("arrays", "arrived", "future", "rows", "token")
+
+    def __init__(self, arrays: list[np.ndarray], rows: int, token: cancel.Token | None) -> None:
         self.arrays = arrays
         self.rows = rows
         self.arrived = time.monotonic()
-        self.future: Future = RequestFuture()
+        self.token = token
+        self.future: Future = RequestFuture(token)
+
+    def abandon(self) -> None:
+        """The caller's token was cancelled: out of the queue, or let go of its batch."""
+        if not self.future.cancel() and self.token is not None:
+            with contextlib.suppress(InvalidStateError):
+                self.future.set_exception(self.token.failure())
+
+    def settle(self, result: Any = None, error: BaseException | None = None) -> None:
+        """The batch's outcome, unless the caller already let go."""
+        with contextlib.suppress(InvalidStateError):
+            if error is None:
+                self.future.set_result(result)
+            else:
+                self.future.set_exception(error)
 
 
 class BatchCompiledNetwork(OneNetwork, CompiledNetwork):
@@ -116,9 +136,12 @@ class BatchCompiledNetwork(OneNetwork, CompiledNetwork):
 
     # --- the batcher
 
-    def submit(self, arrays: list[np.ndarray], key: tuple, rows: int) -> Future:
-        """Queue one request's checked inputs; the future holds its own outputs."""
-        item = _Item(arrays, rows)
+    def submit(
+        self, arrays: list[np.ndarray], key: tuple, rows: int, token: cancel.Token | None = None
+    ) -> Future:
+        """Queue one request's checked inputs; the future holds its own outputs. ``token``:
+        the caller's run's (see :class:`_Item`)."""
+        item = _Item(arrays, rows, token)
         with self._cond:
             if self._closed:
                 raise FailedPrecondition(f"network {self.name}: BATCH network is closed")
@@ -132,6 +155,8 @@ class BatchCompiledNetwork(OneNetwork, CompiledNetwork):
                 self._collector.start()
             self._queues.setdefault(key, []).append(item)
             self._cond.notify()
+        if token is not None:
+            token.on_cancel(item.abandon)
         return item.future
 
     def _ready(self, now: float) -> tuple | None:
@@ -151,8 +176,8 @@ class BatchCompiledNetwork(OneNetwork, CompiledNetwork):
                     pending = [i for q in self._queues.values() for i in q]
                     self._queues.clear()
                     for item in pending:
-                        item.future.set_exception(
-                            Cancelled(f"network {self.name}: closed before the batch ran")
+                        item.settle(
+                            error=Cancelled(f"network {self.name}: closed before the batch ran")
                         )
                     return None
                 now = time.monotonic()
@@ -185,7 +210,7 @@ class BatchCompiledNetwork(OneNetwork, CompiledNetwork):
             self.network.executor.submit(lambda request, b=batch: _run_batch(ref, request, b))
         except PlugserveError as exc:
             for item in batch:
-                item.future.set_exception(exc)
+                item.settle(error=exc)
 
     def _run(self, request: Any, batch: list[_Item]) -> None:
         number = next(self._batches)
@@ -199,6 +224,7 @@ class BatchCompiledNetwork(OneNetwork, CompiledNetwork):
             return
         if len(live) != len(batch):
             batch, rows = live, sum(i.rows for i in live)
+        token = _batch_token(batch, what)
         start = time.perf_counter()
         try:
             if len(batch) == 1:
@@ -208,14 +234,15 @@ class BatchCompiledNetwork(OneNetwork, CompiledNetwork):
                     name: np.concatenate([i.arrays[k] for i in batch], axis=0)
                     for k, name in enumerate(self.input_names)
                 }
-            outputs = request.infer(feeds)
+            with cancel.running(token):
+                outputs = request.infer(feeds)
             parts = self._split(outputs, batch, rows)
         except BaseException as exc:
             cause = f"{type(exc).__name__}: {exc}"
             for item in batch:
                 error = InferenceError(f"{what} failed: {cause}")
                 error.__cause__ = exc
-                item.future.set_exception(error)
+                item.settle(error=error)
             return
         elapsed = int((time.perf_counter() - start) * 1e9)
         if self.config.get("PERF_COUNT"):
@@ -226,7 +253,7 @@ class BatchCompiledNetwork(OneNetwork, CompiledNetwork):
             entry[0] += 1
             entry[1] += elapsed
         for item, part in zip(batch, parts):
-            item.future.set_result(part)
+            item.settle(part)
 
     def _split(
         self, outputs: dict[str, Any], batch: list[_Item], rows: int
@@ -305,6 +332,27 @@ def _collect(ref: weakref.ref) -> None:
         if batch:
             network._dispatch(batch)
         del network, batch
+
+
+def _batch_token(batch: list[_Item], what: str) -> cancel.Token:
+    """A token for the batch's run, cancelled once every request in it is."""
+    token = cancel.Token()
+    left = [len(batch)]
+    lock = threading.Lock()
+
+    def one_gone() -> None:
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        token.cancel(Cancelled(f"{what}: every request in it was cancelled"))
+
+    for item in batch:
+        if item.token is None:
+            return token  # a caller that cannot cancel: the batch always runs to its end
+    for item in batch:
+        item.token.on_cancel(one_gone)  # type: ignore[union-attr]
+    return token
 
 
 def _run_batch(ref: weakref.ref, request: Any, batch: list[_Item]) -> None:

@@ -33,6 +33,7 @@ _OWN_KEYS = {"DEVICE_PRIORITIES", "BATCH_SIZE", "BATCH_TIMEOUT_MS", "DEVICE_ID",
 class BatchPlugin(VirtualPlugin):
     name = "BATCH"
     config_class = BatchConfiguration
+    cancellation = "queued: at once; a batch: once all its requests are"
     CAPABILITIES = ("EXPORT_IMPORT", "BATCHED_BLOB")
     OWN_KEYS = frozenset(_OWN_KEYS)
 

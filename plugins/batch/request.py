@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from plugserve.plugins import cancel
 from plugserve.plugins.api import (
     Callback,
     InferRequest,
@@ -34,14 +35,16 @@ class BatchInferRequest(InferRequest):
                 + ", ".join(f"{s.name}={list(np.shape(a))}" for s, a in zip(network.inputs, arrays))
             )
         key = tuple((a.shape[1:], a.dtype.str) for a in arrays)
-        return network.submit(arrays, key, rows.pop())
+        return network.submit(arrays, key, rows.pop(), self._token)
 
     def _infer(self, arrays: list[Any]) -> dict[str, np.ndarray]:
         return self._queue(arrays).result()
 
     def start_async(self, inputs: Mapping[str, Any], callback: Callback | None = None) -> None:
-        """Not on the network's streams: the batcher's future is this run's future."""
+        """Not on the network's streams: the batcher's future is this run's future (whose
+        ``cancel()`` drops it from the batcher, or lets go of its batch)."""
         self._refuse_if_busy()
+        self._token = cancel.Token()
         self._track(self._queue(self._prepare(inputs)), callback)
 
     def get_performance_counts(self) -> list[PerfCount]:

@@ -49,6 +49,7 @@ class HeteroCompiledNetwork(CompiledNetwork):
         self.output_names = [s.name for s in outputs]
         self.steps = steps
         self.constants = constants  # graph outputs that are initializers
+        self.open_ended = any(step.network.open_ended for step in steps)
 
     def create_infer_request(self) -> HeteroInferRequest:
         return HeteroInferRequest(self)

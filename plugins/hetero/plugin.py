@@ -56,6 +56,7 @@ MAX_SUBGRAPHS = 256
 class HeteroPlugin(VirtualPlugin):
     name = "HETERO"
     config_class = HeteroConfiguration
+    cancellation = "between pieces, and within each as its device"
 
     # --- helpers
 

@@ -58,6 +58,7 @@ class MultiCompiledNetwork(CompiledNetwork):
         first = networks[0][1]
         super().__init__(plugin, first.name, config)
         self.pools = [DevicePool(device, network) for device, network in networks]
+        self.open_ended = any(network.open_ended for _, network in networks)
         self.fallback = bool(config.get("RUNTIME_FALLBACK"))
         self._inputs = list(first.inputs)
         self._outputs = list(first.outputs)

@@ -125,6 +125,9 @@ class AutoInferRequest(InferRequest):
     def wait(self, timeout: float | None = None) -> dict[str, np.ndarray]:
         return self.request.wait(timeout)
 
+    def cancel(self) -> None:
+        self.request.cancel()
+
     def get_performance_counts(self) -> list[PerfCount]:
         return self.request.get_performance_counts()
 

@@ -10,7 +10,7 @@ import numpy as np
 
 from plugserve.plugins import blob
 from plugserve.plugins.api import CompiledNetwork, PlugserveError
-from plugserve.plugins.ir import Graph
+from plugserve.plugins.ir import Graph, has_loop
 from plugserve.plugins.numpy import parallel
 from plugserve.plugins.numpy.blas import set_thread_count
 from plugserve.plugins.numpy.config import NumpyConfiguration
@@ -47,6 +47,7 @@ class NumpyCompiledNetwork(CompiledNetwork):
         self._outputs = list(original.outputs)
         self.output_names = [o.name for o in self._outputs]
         self.transformed = transformed
+        self.open_ended = has_loop(transformed)
         self.plan = plan
         #: threads each request splits its large GEMMs over (see ``parallel.py``)
         self.gemm_threads = config.threads_per_stream()

@@ -3,9 +3,10 @@
 Compilation decides everything once: which kernel runs each node (bound to its attributes),
 which slot holds each value, and after which step a value is dead and its slot released so
 memory does not grow with depth. A run is then one loop of ``slot = kernel(*slots)``; nothing
-is looked up by name or re-decided per request. Control-flow ops compile their subgraphs into
-plans of their own through the same function, with the outer-scope values they read passed in
-as extra inputs.
+is looked up by name or re-decided per request but whether the run was cancelled, asked
+before each step (``cancel.py``; a Loop's body is a plan too, so each iteration asks).
+Control-flow ops compile their subgraphs into plans of their own through the same function,
+with the outer-scope values they read passed in as extra inputs.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 import numpy as np
 from onnx import AttributeProto
 
+from plugserve.plugins import cancel
 from plugserve.plugins.api import InferenceError, PerfCount, PlugserveError, TensorSpec, Unsupported
 from plugserve.plugins.ir import Graph, Node, graph_from_proto, subgraph_free_names
 from plugserve.plugins.numpy.kernels.registry import KernelContext, Registry, build_kernel
@@ -78,11 +80,14 @@ class Plan:
         vals = self._template.copy()
         for slot, value in zip(self._input_slots, inputs):
             vals[slot] = value
+        token = cancel.current()
         if profile is not None:
-            return self._run_profiled(vals, profile)
+            return self._run_profiled(vals, profile, token)
         index = 0
         try:
             for index, (fn, ins, out, outs, free) in enumerate(self._flat):  # noqa: B007
+                if token is not None and token.error is not None:
+                    raise token.failure()
                 if out >= 0:
                     vals[out] = fn(*[vals[i] for i in ins])
                 else:
@@ -96,9 +101,13 @@ class Plan:
             raise self._failure(index, exc) from exc
         return [_output(vals[s]) for s in self._output_slots]
 
-    def _run_profiled(self, vals: list[Any], profile: list[PerfCount]) -> list[Any]:
+    def _run_profiled(
+        self, vals: list[Any], profile: list[PerfCount], token: cancel.Token | None
+    ) -> list[Any]:
         clock = time.perf_counter
         for index, (fn, ins, out, outs, free) in enumerate(self._flat):
+            if token is not None:
+                token.raise_if_cancelled()
             start = clock()
             try:
                 if out >= 0:

@@ -65,6 +65,7 @@ class Extension:
 class NumpyPlugin(Plugin):
     name = "NUMPY"
     config_class = NumpyConfiguration
+    cancellation = "before each node and Loop/Scan iteration"
     CAPABILITIES = (
         "FP32", "FP16", "FP64", "INT8", "INT16", "INT32", "INT64", "UINT8", "BOOL", "STRING",
         "EXPORT_IMPORT",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from plugserve.plugins.api import ConfigKey, Configuration
+from plugserve.plugins.api import BOOL, ConfigKey, Configuration
 
 __all__ = ["OpenvinoConfiguration", "compile_properties"]
 
@@ -29,6 +29,16 @@ class OpenvinoConfiguration(Configuration):
                 "f32 (default): results match the other devices; bf16 or f16: openvino's faster "
                 "reduced precision (relative error about 1e-3..1e-2; f16 falls back to bf16 on "
                 "CPUs without f16 arithmetic)"
+            ),
+        ),
+        ConfigKey(
+            "UNBOUNDED_LOOPS",
+            False,
+            **BOOL,
+            doc=(
+                "YES: run Loops whose trip count comes from the request; openvino cannot stop "
+                "a Loop once it runs, so a cancelled or late request keeps the device busy "
+                "until the Loop ends (NO, the default: such Loops are left to other devices)"
             ),
         ),
     )

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import onnx
+from onnx import numpy_helper
 
 from plugserve.plugins.api import (
     BackendUnavailable,
@@ -24,9 +25,11 @@ from plugserve.plugins.api import (
     Plugin,
     TensorSpec,
     Unsupported,
+    listing,
 )
 from plugserve.plugins.ir import (
     Graph,
+    has_loop,
     keep_constants_with_readers,
     load_model,
     narrow_value,
@@ -90,6 +93,7 @@ def _conversion_failures(exc: BaseException) -> str:
 class OpenvinoPlugin(Plugin):
     name = "OPENVINO"
     config_class = OpenvinoConfiguration
+    cancellation = "after the running node (Loops the request bounds: refused)"
 
     def __init__(self) -> None:
         super().__init__()
@@ -155,6 +159,12 @@ class OpenvinoPlugin(Plugin):
                 f"model {graph.name!r}: device {self.name} cannot run node(s) {listed}"
                 f"{' ...' if len(strings) > 10 else ''}: {_STRINGS}"
             )
+        loops = [] if cfg.get("UNBOUNDED_LOOPS") else unbounded_loops(graph)
+        if loops:
+            raise Unsupported(
+                f"model {graph.name!r}: device {self.name} will not run node(s) "
+                f"{listing(loops, plain=True)}: {_LOOPS}"
+            )
         # openvino truncates float8 without saturating, gives it out as bits and 4-/2-bit types
         # packed; bfloat16 it computes, and it crosses as bits (request.py)
         refuse_narrow_io(graph, self.name, keep={"bfloat16"}, everywhere=True)
@@ -181,6 +191,7 @@ class OpenvinoPlugin(Plugin):
             runtime_names(compiled, mapping, graph),
         )
         network.shape_model = shape_model(proto)
+        network.open_ended = has_loop(graph)
         return network
 
     def query_network(
@@ -203,6 +214,11 @@ class OpenvinoPlugin(Plugin):
         cfg = self.merged_config(config, strict=False)
         graph, proto, data = self._read(model)
         supported, why = self._ask_openvino(cfg, graph, proto, data)
+        if not cfg.get("UNBOUNDED_LOOPS"):
+            for name in unbounded_loops(graph):
+                if name in supported:
+                    supported.discard(name)
+                    why[name] = _LOOPS
         for node in graph.nodes:
             narrow = narrow_value(graph, node, keep={"bfloat16"})
             if narrow and node.name in supported:
@@ -342,6 +358,58 @@ _STRINGS = (
     "string tensors are not run on openvino (it corrupts the heap freeing them); "
     "use NUMPY or ORT, or HETERO:OPENVINO,NUMPY to keep the rest on openvino"
 )
+
+
+#: Why a Loop bounded by the request is not run on openvino: InferRequest.cancel() takes effect
+#: only after the node running ends, and a Loop is one node (a Loop of 10**8 trips, cancelled
+#: after 1 s, ran 148 s more here).
+_LOOPS = (
+    "its trip count or condition comes from the request, and openvino cannot stop a Loop once it "
+    "runs (a request past its deadline would hold the device until the Loop ends); use NUMPY "
+    "or ORT, HETERO:OPENVINO,NUMPY to keep the rest on openvino, or UNBOUNDED_LOOPS=YES to "
+    "accept it"
+)
+
+#: The most trips a Loop bounded by a constant may make and still count as bounded.
+BOUNDED_TRIPS = 1 << 20
+
+
+def unbounded_loops(graph: Graph) -> list[str]:
+    """Loop nodes (top level, or holding one in a subgraph) that the request can keep running:
+    no constant trip count up to :data:`BOUNDED_TRIPS` (a while loop's condition is data)."""
+    found = []
+    for node in graph.nodes:
+        if _unbounded(node.op_type, list(node.inputs), graph.initializers) or any(
+            _unbounded_in(attr.g) for attr in node.attrs.values() if attr.type == attr.GRAPH
+        ):
+            found.append(node.name)
+    return found
+
+
+def _unbounded(op_type: str, inputs: list[str], constants: Mapping[str, Any]) -> bool:
+    if op_type != "Loop":
+        return False
+    trips = constants.get(inputs[0]) if inputs and inputs[0] else None
+    if trips is None:
+        return True
+    try:
+        return int(np.asarray(trips).reshape(-1)[0]) > BOUNDED_TRIPS
+    except (TypeError, ValueError, IndexError):
+        return True
+
+
+def _unbounded_in(body: onnx.GraphProto) -> bool:
+    constants: dict[str, Any] = {i.name: numpy_helper.to_array(i) for i in body.initializer}
+    for node in body.node:
+        if node.op_type == "Constant" and node.output:
+            for attr in node.attribute:
+                if attr.name == "value":
+                    constants[node.output[0]] = numpy_helper.to_array(attr.t)
+        if _unbounded(node.op_type, list(node.input), constants) or any(
+            _unbounded_in(attr.g) for attr in node.attribute if attr.type == attr.GRAPH
+        ):
+            return True
+    return False
 
 
 def string_nodes(graph: Graph) -> set[str]:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import ml_dtypes
 import numpy as np
 
+from plugserve.plugins import cancel
 from plugserve.plugins.api import (
     Callback,
     InferenceError,
@@ -89,13 +90,20 @@ class OpenvinoInferRequest(InferRequest):
 
     def _infer(self, arrays: list[Any]) -> dict[str, np.ndarray]:
         feeds = self._feed(arrays)
+        token = self._token
         with self._lock:
             self._refuse_if_busy()
+            forget = token.on_cancel(self._request.cancel) if token is not None else None
             try:
                 self._request.infer(feeds, share_inputs=False, share_outputs=True)
                 outputs = self._outputs()
             except Exception as exc:
+                if token is not None and token.cancelled:
+                    raise token.failure() from None
                 raise self._error(exc) from None
+            finally:
+                if forget is not None:
+                    forget()
             self._ran = True
             return outputs
 
@@ -105,14 +113,17 @@ class OpenvinoInferRequest(InferRequest):
         feeds = self._prepare(inputs)
         with self._lock:
             self._refuse_if_busy()
-            future: Future = RequestFuture()
+            token = cancel.Token()
+            future: Future = RequestFuture(token)
             future.set_running_or_notify_cancel()
             self._track(future, callback)
+            self._token = token
             try:
                 self._request.start_async(feeds, share_inputs=False)
             except Exception as exc:
-                self._future = None
+                self._future = self._token = None
                 raise self._error(exc) from None
+            token.on_cancel(self._request.cancel)
         # openvino calls _on_done when the request succeeds; a failure only shows in wait()
         # (the task lets go of this request once it ran: a stream keeps its last task)
         task: list[Any] = [self, future]
@@ -136,8 +147,11 @@ class OpenvinoInferRequest(InferRequest):
                 except Exception as read_exc:
                     outputs, exc = None, read_exc
             self._ran = exc is None
+            token, self._token = self._token, None
         if exc is None:
             future.set_result(outputs)
+        elif token is not None and token.cancelled:
+            future.set_exception(token.failure())
         else:
             future.set_exception(self._error(exc))
 

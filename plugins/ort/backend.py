@@ -20,7 +20,15 @@ except Exception as _exc:  # ImportError, or a broken install failing its own im
     ort = None  # type: ignore[assignment]
     IMPORT_ERROR = _exc
 
-__all__ = ["IMPORT_ERROR", "PROVIDER", "SPIN_BOUNDED", "optimize", "ort", "session"]
+__all__ = [
+    "IMPORT_ERROR",
+    "PROVIDER",
+    "SPIN_BOUNDED",
+    "optimize",
+    "ort",
+    "run_options",
+    "session",
+]
 
 PROVIDER = "CPUExecutionProvider"
 
@@ -98,6 +106,16 @@ def optimize(model: bytes, level: str, threads: int, spin_us: int = 0) -> tuple[
         sess = ort.InferenceSession(model, so, providers=[PROVIDER])
         with open(path, "rb") as f:
             return f.read(), sess
+
+
+def run_options(token: Any) -> tuple[Any, Any]:
+    """RunOptions whose ``terminate`` the run's cancellation token sets, and what unregisters
+    it. onnxruntime checks the flag before every node, a Loop's or Scan's body nodes included,
+    and the run fails with "Exiting due to terminate flag". A fresh RunOptions per run (about
+    a microsecond): a late interrupt of one run can never stop the next."""
+    options = ort.RunOptions()
+    forget = token.on_cancel(lambda: setattr(options, "terminate", True))
+    return options, forget
 
 
 def message(exc: BaseException) -> str:

@@ -27,6 +27,7 @@ from plugserve.plugins.api import (
 from plugserve.plugins.ir import (
     Graph,
     graph_from_proto,
+    has_loop,
     load_model,
     read_model,
     refuse_external_data,
@@ -45,6 +46,7 @@ __all__ = ["OrtPlugin"]
 class OrtPlugin(Plugin):
     name = "ORT"
     config_class = OrtConfiguration
+    cancellation = "before each node, Loop bodies included"
     CAPABILITIES = (
         "FP32", "FP16", "BF16", "FP64", "INT8", "INT16", "INT32", "INT64", "UINT8", "BOOL",
         "STRING", "EXPORT_IMPORT",
@@ -112,6 +114,7 @@ class OrtPlugin(Plugin):
             sessions,
         )
         network.shape_model = shapes
+        network.open_ended = has_loop(graph)
         return network
 
     def _load_error(self, graph: Graph, exc: Exception) -> Exception:
@@ -179,6 +182,7 @@ class OrtPlugin(Plugin):
                 f"exported network {name!r} is corrupt: onnxruntime cannot load it: "
                 f"{backend.message(exc)}"
             ) from None
+        network.open_ended = has_loop(graph)
         return network
 
     # --- metrics

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from plugserve.plugins import cancel
 from plugserve.plugins.api import (
     InferenceError,
     InferRequest,
@@ -50,22 +51,29 @@ class OrtInferRequest(InferRequest):
         return {n: a for n, a in zip(self.network.input_names, arrays) if a is not None}
 
     def _run(self, feeds: dict[str, Any]) -> dict[str, np.ndarray]:
+        token = cancel.current()
+        options, forget = backend.run_options(token) if token is not None else (None, None)
         try:
             if self._perf:
                 with self._lock:
                     if self._profiling is None:
                         prefix = os.path.join(self.network.profile_folder, f"request{id(self)}")
                         self._profiling = self.network.new_session(prefix)
-                    outputs = self._profiling.run(self.network.output_names, feeds)
+                    outputs = self._profiling.run(self.network.output_names, feeds, options)
                     self._ran_since_counts = True
             else:
-                outputs = self.session.run(self.network.output_names, feeds)
+                outputs = self.session.run(self.network.output_names, feeds, options)
         except Exception as exc:
+            if token is not None and token.cancelled:
+                raise token.failure() from None
             error = InferenceError(
                 f"network {self.network.name}: onnxruntime failed: {backend.message(exc)}"
             )
             shapes = {k: tuple(v.shape) for k, v in feeds.items() if hasattr(v, "shape")}
             raise translate(error, self.network.name, self.network.shape_model, shapes) from None
+        finally:
+            if forget is not None:
+                forget()
         return dict(zip(self.network.output_names, outputs))
 
     def get_performance_counts(self) -> list[PerfCount]:

@@ -74,8 +74,9 @@ def test_help_lists_the_verbs_and_an_unknown_verb_exits_2():
 
 def test_devices_shows_numpy_available(cli):
     rows = _rows(cli("devices").stdout)
-    assert rows["DEVICE"][:2] == ["STATE", "DETAIL"]
+    assert rows["DEVICE"][0] == "STATE" and rows["DEVICE"][1].split() == ["DETAIL", "STOPS"]
     assert rows["NUMPY"][0] == "available" and "numpy" in rows["NUMPY"][1]
+    assert rows["NUMPY"][1].endswith("before each node and Loop/Scan iteration")  # cancelled
 
 
 def test_metric(cli, client):

@@ -220,10 +220,10 @@ def test_a_slow_device_cannot_stall_the_others(faulty):
             client.load("mlp2", net.SerializeToString(), device="NUMPY")
             for _ in range(5):
                 x = rng.normal(size=(1, 3, 16, 16)).astype(np.float32)
-                np.testing.assert_allclose(
+                np.testing.assert_allclose(  # two loads may time different conv kernels
                     client.infer("cnn2", {"x": x})["probs"],
                     reference["cnn2"].infer({"x": x})["probs"],
-                    rtol=1e-6,
+                    rtol=1e-5,
                 )
                 x = rng.normal(size=(2, 32)).astype(np.float32)
                 np.testing.assert_allclose(

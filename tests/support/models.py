@@ -232,3 +232,46 @@ def add_constant(constant: float, shape: list[int | str] | None = None) -> onnx.
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 9
     return model
+
+
+#: A trip count no run would finish: the runaway request of issue 21.
+FOREVER = 10**12
+
+
+def spin_loop(batched: bool = False) -> onnx.ModelProto:
+    """``y = x * M`` computed as M additions in a Loop: M comes from the request. Batched:
+    M is a [N] vector (its largest entry counts) and x is [N, 4], so BATCH can gather it."""
+    body = helper.make_graph(
+        [
+            helper.make_node("Add", ["acc_in", "x"], ["acc_out"]),
+            helper.make_node("Identity", ["cond_in"], ["cond_out"]),
+        ],
+        "body",
+        [
+            helper.make_tensor_value_info("i", TensorProto.INT64, []),
+            helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("acc_in", TensorProto.FLOAT, None),
+        ],
+        [
+            helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("acc_out", TensorProto.FLOAT, None),
+        ],
+    )
+    nodes = [helper.make_node("Mul", ["x", "zero"], ["start"])]
+    trips = "M"
+    if batched:
+        nodes.append(helper.make_node("ReduceMax", ["M"], ["trips"], keepdims=0))
+        trips = "trips"
+    nodes.append(helper.make_node("Loop", [trips, "", "start"], ["y"], body=body, name="spin"))
+    shape = ["N", 4] if batched else [4]
+    graph = helper.make_graph(
+        nodes,
+        "spin",
+        [
+            helper.make_tensor_value_info("M", TensorProto.INT64, ["N"] if batched else []),
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, shape),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)],
+        [helper.make_tensor("zero", TensorProto.FLOAT, [], [0.0])],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])

@@ -54,6 +54,15 @@ def openvino_refusal(model: ZooModel) -> str | None:
     return _openvino_reads[model.name]
 
 
+def openvino_loop_refusal(path: str) -> bool:
+    """Whether plugserve's OPENVINO refuses the model for a Loop the request bounds (openvino
+    cannot stop one once it runs: see plugins/openvino/plugin.py)."""
+    from plugserve.plugins.ir import load_model, read_model
+    from plugserve.plugins.openvino.plugin import unbounded_loops
+
+    return bool(unbounded_loops(load_model(read_model(path)[0])))
+
+
 def assert_same(got, want, model: ZooModel, where: str) -> None:
     if isinstance(want, dict):
         assert isinstance(got, dict) and set(got) == set(want), f"{where}: keys {got} vs {want}"
@@ -105,7 +114,12 @@ def test_matches_onnxruntime(core, name: str, device: str) -> None:
         with pytest.raises(InvalidArgument, match="cannot be batched"):
             core.load_network(path, device)
         return
-    network = core.load_network(path, device)
+    config = {}
+    if device == "OPENVINO" and openvino_loop_refusal(path):
+        with pytest.raises(Unsupported, match="openvino cannot stop a Loop"):
+            core.load_network(path, device)
+        config = {"UNBOUNDED_LOOPS": "YES"}  # the operator's opt-in: it must still be right
+    network = core.load_network(path, device, config)
     try:
         infer_requests = [network.create_infer_request() for _ in requests]
         for request, feeds in zip(infer_requests, requests):

@@ -6,12 +6,16 @@ that tail, so kernels hand the whole tail to ``Subgraph.run``.
 
 Values flowing through bodies may be tensors, sequences (lists) or empty optionals (None);
 only scan outputs must be tensors, since they are stacked.
+
+A Loop's trip count and condition, and a Scan's length, come from the request: each iteration
+is a cancellation checkpoint (``cancel.py``), so a run past its deadline stops there.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from plugserve.plugins import cancel
 from plugserve.plugins.numpy.kernels.registry import KernelContext, register
 
 _VERSIONS = (1, 11, 13, 16, 19, 21, 23, 24, 25)
@@ -78,6 +82,7 @@ def loop(ctx: KernelContext):
         scans: list[list] = [[] for _ in range(n_scan)]
         i = 0
         while go and (limit is None or i < limit):
+            cancel.checkpoint()  # the trip count and the condition come from the request
             outs = body.run([np.array(i, dtype=np.int64), cond_value, *carried], captured)
             cond_value = np.asarray(outs[0], dtype=bool).reshape(())
             go = bool(cond_value)
@@ -99,6 +104,7 @@ def _scan_steps(body, states: list, seqs: list, length: int, captured, k_out: in
     n_state = len(states)
     per_step: list[list] = [[] for _ in range(k_out)]
     for t in range(length):
+        cancel.checkpoint()
         outs = body.run([*states, *(x[t] for x in seqs)], captured)
         states = outs[:n_state]
         for k in range(k_out):
