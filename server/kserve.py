@@ -12,9 +12,10 @@ Choices where KServe/Triton leave room or plugserve differs:
   typed ``contents`` field, as Triton requires; outputs always leave in ``raw_output_contents``.
   BYTES elements are decoded as UTF-8 text (invalid bytes become U+FFFD), as plugserve.v1 does.
 * ``sequence_id`` / ``sequence_start`` / ``sequence_end`` are refused (INVALID_ARGUMENT): no
-  network here has a sequence batcher. Other request parameters (priority, timeout, ...) are
-  accepted and ignored; the gRPC
-  deadline bounds a request. Output ``classification`` is not offered (UNIMPLEMENTED).
+  network here has a sequence batcher. Triton's ``timeout`` parameter (microseconds) is a
+  deadline beside the gRPC one (the earlier counts; past it the request is cancelled, queued
+  or running); other request parameters (priority, ...) are accepted and ignored. Output
+  ``classification`` is not offered (UNIMPLEMENTED).
 * ``RepositoryModelLoad`` loads the repository's latest version of the model. If that version is
   already loaded it is reloaded, so edits to the model file or its ``config.json`` take effect,
   seamlessly as Triton reloads: the new network is compiled while the old one serves, then
@@ -36,6 +37,7 @@ Choices where KServe/Triton leave room or plugserve differs:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -60,6 +62,7 @@ from plugserve.server.kserve_convert import (
     parameter_values,
     refuse_sequence,
     request_inputs,
+    request_timeout,
     requested_outputs,
     stream_error,
     stream_response,
@@ -134,13 +137,19 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
     ):
         """One lookup: the entry runs the request and names the response."""
         entry = self.plane.get(request.model_name, parse_version(request.model_version))
+        when = deadline(context)
         if request.parameters:
-            refuse_sequence(parameter_values(request.parameters))
+            parameters = parameter_values(request.parameters)
+            refuse_sequence(parameters)
+            timeout = request_timeout(parameters)
+            if timeout is not None:
+                own = time.monotonic() + timeout
+                when = own if when is None else min(when, own)
         future = self.plane.submit(
             entry,
             request_inputs(request, entry),
             requested_outputs(request),
-            deadline(context),
+            when,
             inline,
             token,
         )

@@ -316,6 +316,20 @@ def refuse_sequence(parameters: Mapping[str, Any]) -> None:
         )
 
 
+def request_timeout(parameters: Mapping[str, Any]) -> float | None:
+    """Triton's ``timeout`` request parameter (microseconds; tritonclient's ``timeout=``) in
+    seconds, or None: the request's own deadline, beside its gRPC deadline (the earlier
+    counts). REST has no other way to give one. Zero or absent: none."""
+    value = parameters.get("timeout") if parameters else None
+    if value in (None, 0):
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidInput(
+            f"request parameter 'timeout' must be a whole number of microseconds, not {value!r}"
+        )
+    return value / 1e6
+
+
 def parameter_values(parameters: Mapping[str, Any]) -> dict[str, Any]:
     """A gRPC request's ``InferParameter`` map as plain values."""
     return {

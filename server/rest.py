@@ -267,7 +267,10 @@ class RestApp:
         entry = self.plane.get(call.path["name"], call.version)
         header_length = _text(call.headers.get(HEADER_LENGTH.encode()))
         request = parse_infer(call.body, header_length, entry.expect)
-        future = self.plane.submit(entry, request.inputs, request.outputs, inline=_fast(entry))
+        deadline = time.monotonic() + request.timeout if request.timeout else None
+        future = self.plane.submit(
+            entry, request.inputs, request.outputs, deadline, inline=_fast(entry)
+        )
         if future.done():  # ran inline: answered without leaving the parser's callback
             return _infer_reply(entry, request, future.result())
         return self._infer_later(entry, request, future)

@@ -42,7 +42,12 @@ from plugserve.proto.tensors import (
     check_shape,
     decode_strings,
 )
-from plugserve.server.kserve_convert import DATATYPES, datatype_of, refuse_sequence
+from plugserve.server.kserve_convert import (
+    DATATYPES,
+    datatype_of,
+    refuse_sequence,
+    request_timeout,
+)
 
 #: ``LoadedNetwork.expect``: refuses an input's element type before its data is decoded.
 Expect = Callable[[str, np.dtype], None]
@@ -83,6 +88,7 @@ class InferCall:
     outputs: list[str]  # requested names, in order; empty: every output
     binary: dict[str, bool]  # per requested output, its own binary_data parameter
     binary_default: bool  # the request's binary_data_output
+    timeout: float | None = None  # seconds, from Triton's 'timeout' parameter
 
 
 def _object(value: Any, what: str) -> dict[str, Any]:
@@ -217,6 +223,7 @@ def parse_infer(body: bytes, header_length: str | None, expect: Expect) -> Infer
         outputs,
         binary_flags,
         _flag(parameters, "binary_data_output", "the request"),
+        request_timeout(parameters),
     )
 
 
