@@ -13,6 +13,7 @@ from plugserve.plugins import blob
 from plugserve.plugins.api import CompiledNetwork, TensorSpec
 from plugserve.plugins.hetero.config import HeteroConfiguration
 from plugserve.plugins.hetero.request import HeteroInferRequest
+from plugserve.plugins.outputcheck import expectations, static
 
 if TYPE_CHECKING:
     from plugserve.plugins.hetero.plugin import HeteroPlugin
@@ -27,6 +28,8 @@ class Step:
     node_names: list[str]
     inputs: list[str]
     outputs: list[str]
+    #: value -> the node of this piece that makes it (known for pieces loaded, not imported)
+    producers: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 class HeteroCompiledNetwork(CompiledNetwork):
@@ -49,6 +52,10 @@ class HeteroCompiledNetwork(CompiledNetwork):
         self.output_names = [s.name for s in outputs]
         self.steps = steps
         self.constants = constants  # graph outputs that are initializers
+        #: per step, what each value it hands on must be (outputcheck.py): a device's wrong
+        #: answer is an error naming it, never passed on
+        dims_too = static(inputs)
+        self.checks = [expectations(step.network.outputs, dims_too) for step in steps]
         self.open_ended = any(step.network.open_ended for step in steps)
 
     def create_infer_request(self) -> HeteroInferRequest:

@@ -25,8 +25,10 @@ from plugserve.plugins.api import (
     Model,
     NotFound,
     PlugserveError,
+    listing,
     refusal_reasons,
 )
+from plugserve.plugins.hetero.check import REFERENCE, wrong_piece
 from plugserve.plugins.hetero.compiled import HeteroCompiledNetwork, Step, spec_from_json
 from plugserve.plugins.hetero.config import HeteroConfiguration
 from plugserve.plugins.hetero.partition import (
@@ -34,7 +36,7 @@ from plugserve.plugins.hetero.partition import (
     order_subgraphs,
     partition,
 )
-from plugserve.plugins.hetero.split import cut
+from plugserve.plugins.hetero.split import Piece, cut
 from plugserve.plugins.hetero.typing import type_untyped_values
 from plugserve.plugins.ir import Graph, load_model, read_model, subgraph_free_names
 from plugserve.plugins.passes import PassContext
@@ -215,25 +217,28 @@ class HeteroPlugin(VirtualPlugin):
         overrides = dict(config or {})
         cfg = self.merged_config(config)
         proto, _ = read_model(model)
-        graph = self._typed(load_model(proto), self._priorities(cfg))
-        plan = self._plan(
-            graph, self.affinities(graph, proto, cfg, overrides), self._priorities(cfg)
-        )
-        pieces = cut(graph, plan)  # an untypable cut raises here, before anything compiles
-        steps: list[Step] = []
-        try:
-            for piece in pieces:
-                cancel.check(f"HETERO: compiling {graph.name!r}")
-                network = self._devices().load_network(
-                    piece.model, piece.device, self._child_config(piece.device, overrides, cfg)
-                )
-                steps.append(
-                    Step(piece.device, network, piece.node_names, piece.inputs, piece.outputs)
-                )
-        except PlugserveError as exc:
+        priorities = self._priorities(cfg)
+        graph = self._typed(load_model(proto), priorities)
+        chosen = self.affinities(graph, proto, cfg, overrides)
+        checked = REFERENCE in priorities
+        while True:  # at most once per device other than the reference
+            pieces = cut(graph, self._plan(graph, chosen, priorities))  # untypable: raises
+            steps, wrong = self._compile(graph, pieces, overrides, cfg, checked)
+            if not wrong:
+                break
             for step in steps:
                 _close(step.network)
-            raise type(exc)(f"HETERO: a subgraph failed to compile: {exc}") from exc
+            for piece, why in wrong:
+                log.warning(
+                    "HETERO: model %r: %s computes the piece of node(s) %s wrongly (%s); "
+                    "it runs on %s instead",
+                    graph.name,
+                    piece.device,
+                    listing(piece.node_names),
+                    why,
+                    REFERENCE,
+                )
+                chosen.update(dict.fromkeys(piece.node_names, REFERENCE))
         constants = {
             o.name: graph.initializers[o.name]
             for o in graph.outputs
@@ -242,6 +247,43 @@ class HeteroPlugin(VirtualPlugin):
         return HeteroCompiledNetwork(
             self, graph.name, cfg, list(graph.inputs), list(graph.outputs), steps, constants
         )
+
+    def _compile(
+        self,
+        graph: Graph,
+        pieces: list[Piece],
+        overrides: dict[str, Any],
+        cfg: HeteroConfiguration,
+        checked: bool,
+    ) -> tuple[list[Step], list[tuple[Piece, str]]]:
+        """Each piece compiled on its device; with ``checked``, the pieces whose device
+        disagrees with the reference on made-up data (see :mod:`.check`), and why."""
+        steps: list[Step] = []
+        wrong: list[tuple[Piece, str]] = []
+        try:
+            for piece in pieces:
+                cancel.check(f"HETERO: compiling {graph.name!r}")
+                child = self._child_config(piece.device, overrides, cfg)
+                network = self._devices().load_network(piece.model, piece.device, child)
+                producers = {o: n.name for n in piece.model.graph.node for o in n.output if o}
+                steps.append(
+                    Step(
+                        piece.device,
+                        network,
+                        piece.node_names,
+                        piece.inputs,
+                        piece.outputs,
+                        producers,
+                    )
+                )
+                why = wrong_piece(self._devices(), piece, network, dict(child)) if checked else ""
+                if why:
+                    wrong.append((piece, why))
+        except PlugserveError as exc:
+            for step in steps:
+                _close(step.network)
+            raise type(exc)(f"HETERO: a subgraph failed to compile: {exc}") from exc
+        return steps, wrong
 
     def import_network(
         self, data: bytes, config: Mapping[str, Any] | None = None

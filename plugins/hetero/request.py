@@ -8,13 +8,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from plugserve.plugins.api import (
+    InferenceError,
     InferRequest,
     PerfCount,
     PlugserveError,
+    listing,
 )
+from plugserve.plugins.outputcheck import disagreement
 
 if TYPE_CHECKING:
-    from plugserve.plugins.hetero.compiled import HeteroCompiledNetwork
+    from plugserve.plugins.hetero.compiled import HeteroCompiledNetwork, Step
 
 __all__ = ["HeteroInferRequest"]
 
@@ -28,10 +31,15 @@ class HeteroInferRequest(InferRequest):
         self._times: list[float] = [0.0] * len(self._requests)
 
     def _run(self, values: dict[str, Any]) -> dict[str, np.ndarray]:
+        checks = self.network.checks
         for index, (step, request) in enumerate(zip(self.network.steps, self._requests)):
             start = time.perf_counter()
             outputs = request.infer({name: values[name] for name in step.inputs})
             self._times[index] = time.perf_counter() - start
+            for expected in checks[index]:
+                problem = disagreement(expected, outputs.get(expected[0]))
+                if problem:
+                    raise _wrong_answer(step, expected[0], problem)
             values.update(outputs)
         return {name: values[name] for name in self.network.output_names}
 
@@ -73,3 +81,13 @@ class HeteroInferRequest(InferRequest):
                     )
                 )
         return counts
+
+
+def _wrong_answer(step: Step, value: str, problem: str) -> InferenceError:
+    node = step.producers.get(value)
+    made_by = f"node {node!r}" if node else f"the piece of node(s) {listing(step.node_names)}"
+    return InferenceError(
+        f"HETERO: {step.device} answered {value!r} (made by {made_by}) with {problem}; the "
+        f"answer is not passed on. {step.device} computes it wrongly: run that node on "
+        "another device (AFFINITY, or another DEVICE_PRIORITIES order)"
+    )

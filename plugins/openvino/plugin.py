@@ -47,6 +47,7 @@ from plugserve.plugins.openvino.query import (
     single_node_models,
     supported_nodes,
 )
+from plugserve.plugins.openvino.verify import wrong_nodes
 from plugserve.plugins.passes.sizes import check_load_constants
 from plugserve.plugins.shapecheck import shape_model
 
@@ -165,6 +166,14 @@ class OpenvinoPlugin(Plugin):
                 f"model {graph.name!r}: device {self.name} will not run node(s) "
                 f"{listing(loops, plain=True)}: {_LOOPS}"
             )
+        wrong = self._verify(cfg, graph, proto, {n.name for n in graph.nodes})
+        if wrong:
+            why = next(iter(wrong.values()))
+            raise Unsupported(
+                f"model {graph.name!r}: device {self.name} will not run node(s) "
+                f"{listing(list(wrong), plain=True)}: {why}; HETERO:OPENVINO,NUMPY runs the "
+                "rest of the model on openvino and these on NUMPY"
+            )
         # openvino truncates float8 without saturating, gives it out as bits and 4-/2-bit types
         # packed; bfloat16 it computes, and it crosses as bits (request.py)
         refuse_narrow_io(graph, self.name, keep={"bfloat16"}, everywhere=True)
@@ -214,6 +223,9 @@ class OpenvinoPlugin(Plugin):
         cfg = self.merged_config(config, strict=False)
         graph, proto, data = self._read(model)
         supported, why = self._ask_openvino(cfg, graph, proto, data)
+        for name, reason in self._verify(cfg, graph, proto, supported).items():
+            supported.discard(name)
+            why[name] = reason
         if not cfg.get("UNBOUNDED_LOOPS"):
             for name in unbounded_loops(graph):
                 if name in supported:
@@ -227,6 +239,33 @@ class OpenvinoPlugin(Plugin):
                     f"reads or writes {narrow}, which openvino does not compute as ONNX says"
                 )
         return supported, why
+
+    def _verify(
+        self, cfg: OpenvinoConfiguration, graph: Graph, proto: onnx.ModelProto, claimed: set[str]
+    ) -> dict[str, str]:
+        """The claimed nodes openvino computes otherwise than NUMPY (see :mod:`.verify`);
+        none without a NUMPY device to compare with."""
+        devices = self.devices
+        if devices is None or "NUMPY" not in devices.available_devices:
+            return {}
+        props = compile_properties(cfg)
+
+        def run_openvino(single: onnx.ModelProto) -> Any:
+            compiled = self.core.compile_model(
+                self.core.read_model(single.SerializeToString()), TARGET, props
+            )
+            return lambda feeds: [np.asarray(v) for v in compiled(feeds).values()]
+
+        exact = cfg.get("INFERENCE_PRECISION_HINT") == "f32"
+        return wrong_nodes(
+            graph,
+            proto,
+            claimed,
+            run_openvino,
+            lambda single: devices.load_network(single, "NUMPY"),
+            ov.__version__,
+            (1e-3, 1e-4) if exact else (3e-2, 1e-2),
+        )
 
     def _ask_openvino(
         self, cfg: OpenvinoConfiguration, graph: Graph, proto: onnx.ModelProto, data: bytes

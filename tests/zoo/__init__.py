@@ -43,6 +43,7 @@ class ZooModel:
     onnxruntime with its optimizations (as ORT serves) or without (the definition).
     ``unbatchable`` says why BATCH must refuse the model at load although its inputs have a
     batch dimension (an output declared without one, or not a tensor).
+    ``openvino_wrong``: see the field.
     ``known_failures`` maps a device (or ``"*"``) to the open bug that still breaks it there;
     the test expects the failure strictly, so a fix turns it red until the entry is removed.
     """
@@ -58,6 +59,9 @@ class ZooModel:
     unbatchable: str | None = None
     fused_int8: bool = False
     known_failures: dict[str, str] = field(default_factory=dict)
+    #: an op openvino computes wrongly in this model: plugserve's OPENVINO must refuse the
+    #: model naming it (HETERO:OPENVINO,NUMPY leaves it to NUMPY and must be right)
+    openvino_wrong: str | None = None
     version: int = 1
 
     def path(self) -> Path:

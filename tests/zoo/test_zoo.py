@@ -114,6 +114,10 @@ def test_matches_onnxruntime(core, name: str, device: str) -> None:
         with pytest.raises(InvalidArgument, match="cannot be batched"):
             core.load_network(path, device)
         return
+    if device == "OPENVINO" and model.openvino_wrong:
+        with pytest.raises(Unsupported, match=f"openvino computes {model.openvino_wrong}"):
+            core.load_network(path, device)
+        return
     config = {}
     if device == "OPENVINO" and openvino_loop_refusal(path):
         with pytest.raises(Unsupported, match="openvino cannot stop a Loop"):

@@ -1,0 +1,164 @@
+"""Checking that openvino computes an op as ONNX says before QueryNetwork claims it.
+
+openvino's own query answers which ops it *can* run, not whether it runs them right: 2026.4
+computes ``ReduceLogSumExp(axes=[1], keepdims=1)`` of a [2, 3] input as a [1, 1] tensor, and a
+HETERO network that gave it that node answered a scikit-learn pipeline's probabilities as
+1e-16. So each node openvino claims is also run alone, on made-up data of its input types and
+shapes (its constant inputs as they are), on openvino and on the reference device (NUMPY), and
+a node whose outputs disagree in shape, element type or value is not claimed: HETERO leaves it
+to the next device, with the reason in ``plugserve query``.
+
+One verdict per op signature (op, attributes, input types and shapes, small constants' values,
+openvino's version and the precision asked for), kept for the process: a model's 50 Convs of
+four shapes cost four checks, and loading it again costs none. A node that cannot be checked
+(an input of unknown rank, a string, a subgraph, a random op, data the reference refuses)
+keeps openvino's word; at run time HETERO still checks every value a piece hands on
+(``plugins/outputcheck.py``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+import onnx
+
+from plugserve.plugins.api import CompiledNetwork, PlugserveError
+from plugserve.plugins.ir import Graph, Node, attribute_graphs
+from plugserve.plugins.openvino.query import single_node_models
+from plugserve.plugins.outputcheck import compare_outputs, made_up_inputs
+
+__all__ = ["wrong_nodes"]
+
+log = logging.getLogger(__name__)
+
+#: ops whose result is random by definition: nothing to compare
+_RANDOM = frozenset(
+    {"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial",
+     "Bernoulli", "Dropout"}
+)  # fmt: skip
+#: constant inputs up to this many elements are part of the signature by value
+_SMALL = 4096
+#: most signatures remembered (a process serving many models stays bounded)
+_MOST = 16384
+
+_verdicts: dict[tuple, str] = {}
+_lock = threading.Lock()
+
+
+def wrong_nodes(
+    graph: Graph,
+    proto: onnx.ModelProto,
+    claimed: Iterable[str],
+    run_openvino: Callable[[onnx.ModelProto], Callable[[dict[str, np.ndarray]], list[Any]]],
+    reference: Callable[[onnx.ModelProto], CompiledNetwork],
+    version: str,
+    tolerance: tuple[float, float],
+) -> dict[str, str]:
+    """``{node: why}`` for the ``claimed`` nodes openvino computes otherwise than ``reference``
+    does. ``run_openvino(model)`` compiles a single-node model and returns its runner;
+    ``tolerance``: (rtol, atol) of the precision openvino was asked for."""
+    claimed = set(claimed)
+    found: dict[str, str] = {}
+    for node, single in single_node_models(graph, proto):
+        if node.name not in claimed or not _checkable(node):
+            continue
+        feeds = made_up_inputs(single)
+        typed = _typed_outputs(single, graph)
+        if feeds is None or typed is None:
+            continue
+        key = _signature(node, graph, feeds, version, tolerance)
+        with _lock:
+            verdict = _verdicts.get(key)
+        if verdict is None:
+            verdict = _compare(node, single, typed, feeds, run_openvino, reference, tolerance)
+            with _lock:
+                if len(_verdicts) >= _MOST:
+                    _verdicts.clear()
+                _verdicts[key] = verdict
+        if verdict:
+            found[node.name] = verdict
+    return found
+
+
+def _checkable(node: Node) -> bool:
+    if node.op_type in _RANDOM or node.domain not in ("", "ai.onnx"):
+        return False
+    return not any(attribute_graphs(a) for a in node.attrs.values())
+
+
+def _typed_outputs(single: onnx.ModelProto, graph: Graph) -> onnx.ModelProto | None:
+    """The single-node model with its outputs typed as the whole graph's inference says (ONNX's
+    checker, which the reference runs, wants them typed), or None if one is not known."""
+    typed = onnx.ModelProto()
+    typed.CopyFrom(single)
+    del typed.graph.output[:]
+    for name in (o for o in single.graph.output):
+        spec = graph.spec(name.name)
+        if spec is None or spec.kind != "tensor" or spec.dtype is None or spec.dtype == object:
+            return None
+        shape = (
+            None
+            if spec.shape is None
+            else [d if isinstance(d, int) and d >= 0 else None for d in spec.shape]
+        )
+        typed.graph.output.append(
+            onnx.helper.make_tensor_value_info(
+                name.name, onnx.helper.np_dtype_to_tensor_dtype(spec.dtype), shape
+            )
+        )
+    return typed
+
+
+def _signature(
+    node: Node,
+    graph: Graph,
+    feeds: dict[str, np.ndarray],
+    version: str,
+    tolerance: tuple[float, float],
+) -> tuple:
+    attrs = tuple(sorted((k, a.SerializeToString()) for k, a in node.attrs.items()))
+    constants = []
+    for name in node.inputs:
+        value = graph.initializers.get(name) if name else None
+        if value is None:
+            continue
+        array = np.asarray(value)
+        digest = (
+            hashlib.blake2b(array.tobytes(), digest_size=16).digest()
+            if array.size <= _SMALL
+            else b""
+        )
+        constants.append((array.dtype.str, array.shape, digest))
+    inputs = tuple((a.dtype.str, a.shape) for a in feeds.values())
+    opset = graph.node_opset(node)
+    return (node.domain, node.op_type, opset, attrs, inputs, tuple(constants), version, tolerance)
+
+
+def _compare(
+    node: Node,
+    single: onnx.ModelProto,
+    typed: onnx.ModelProto,
+    feeds: dict[str, np.ndarray],
+    run_openvino: Callable[[onnx.ModelProto], Callable[[dict[str, np.ndarray]], list[Any]]],
+    reference: Callable[[onnx.ModelProto], CompiledNetwork],
+    tolerance: tuple[float, float],
+) -> str:
+    """'' when openvino agrees with the reference (or either cannot run the check), else why
+    it does not."""
+    try:
+        want = reference(typed).infer(feeds)
+    except PlugserveError:
+        return ""  # the reference refuses the made-up data: no verdict
+    try:
+        got = run_openvino(single)(feeds)
+    except Exception as exc:  # openvino fails on data the reference takes: no verdict
+        log.debug("openvino check of %s (%s) failed to run: %s", node.name, node.op_type, exc)
+        return ""
+    names = [o for o in node.outputs if o]
+    problem = compare_outputs(dict(zip(names, got)), want, tolerance)
+    return f"openvino computes {node.op_type} here wrongly: {problem}" if problem else ""

@@ -1,0 +1,149 @@
+"""Catching a device's wrong answer before it is passed on.
+
+A device may compute an op wrongly: openvino 2026.4 gives ``ReduceLogSumExp(axes=[1],
+keepdims=1)`` of a [2, 3] input as a [1, 1] tensor, and a scikit-learn pipeline on
+``HETERO:OPENVINO,NUMPY`` then answered probabilities of 1e-16 with status OK. What a value
+must look like is known at load (the element type, the rank and the static dimensions each
+piece's model declares), so every value a device hands on is checked against it: a value
+that disagrees is an ``InferenceError`` naming the device and the node that made it, never a
+silent answer. The checks are decided at load (:func:`expectations`); a run pays a few
+comparisons per value.
+
+Static dimensions are checked only in a network whose inputs are all static: exporters write
+the example input's sizes into outputs whose inputs vary (torch.export's GRU declares
+[?, 5, 4] and runs [1, 7, 4] as every runtime does), while with static inputs every dimension
+ONNX's inference wrote follows from them.
+
+Shapes do not catch a wrong value. So a device is also run on made-up data
+(:func:`made_up_inputs`) beside the reference device, NUMPY, and their outputs compared
+(:func:`compare_outputs`): op by op when OPENVINO answers QueryNetwork (``openvino/verify.py``)
+and piece by piece when HETERO loads a network, which catches what one op alone does not
+show (openvino 2026.4 computes ReduceSum(keepdims=0) -> Mul -> Sub wrongly, each op right).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+import onnx
+
+from plugserve.plugins.api import TensorSpec
+
+__all__ = [
+    "DIM",
+    "Expected",
+    "compare_outputs",
+    "disagreement",
+    "expectations",
+    "made_up_inputs",
+    "static",
+]
+
+#: a dimension a model leaves symbolic, made concrete to check a device on made-up data (1
+#: would hide broadcasting and reduction mistakes, as openvino's [2, 3] -> [1, 1])
+DIM = 3
+
+#: name, element type (None: not known), dimensions (None: not known; a None inside: dynamic)
+Expected = tuple[str, "np.dtype | None", "tuple[int | None, ...] | None"]
+
+
+def static(specs: Iterable[TensorSpec]) -> bool:
+    """Whether every one of ``specs`` (a network's inputs) has a fully known shape."""
+    return all(
+        s.shape is not None and all(isinstance(d, int) and d >= 0 for d in s.shape) for s in specs
+    )
+
+
+def expectations(specs: Iterable[TensorSpec], dims_too: bool) -> list[Expected]:
+    """What each tensor value of ``specs`` must be (element type and rank; ``dims_too``: its
+    static dimensions too, see above); values with nothing known are left out."""
+    found: list[Expected] = []
+    for spec in specs:
+        if spec.kind != "tensor":
+            continue
+        dims = (
+            None
+            if spec.shape is None
+            else tuple(
+                d if dims_too and isinstance(d, int) and d >= 0 else None for d in spec.shape
+            )
+        )
+        dtype = spec.dtype if spec.dtype is not None and spec.dtype != object else None
+        if dtype is not None or dims is not None:
+            found.append((spec.name, dtype, dims))
+    return found
+
+
+def disagreement(expected: Expected, value: Any) -> str:
+    """Why ``value`` is not what ``expected`` says ('' when it is)."""
+    _, dtype, dims = expected
+    if not isinstance(value, np.ndarray):
+        return f"a {type(value).__name__} where a tensor was expected"
+    if dtype is not None and value.dtype != dtype:
+        return f"element type {value.dtype} where the model says {dtype}"
+    if dims is None:
+        return ""
+    if value.ndim != len(dims) or any(d is not None and d != n for d, n in zip(dims, value.shape)):
+        shown = ",".join("?" if d is None else str(d) for d in dims)
+        return f"shape {list(value.shape)} where the model says [{shown}]"
+    return ""
+
+
+def made_up_inputs(single: onnx.ModelProto) -> dict[str, np.ndarray] | None:
+    """Data for a model's graph inputs (its constants are initializers): the declared sizes,
+    :data:`DIM` for a symbolic one; None when an input's rank or element type is unknown or
+    not numeric."""
+    rng = np.random.default_rng(0)
+    feeds: dict[str, np.ndarray] = {}
+    constants = {i.name for i in single.graph.initializer}
+    for value in single.graph.input:
+        if value.name in constants:
+            continue
+        tensor = value.type.tensor_type
+        if not value.type.HasField("tensor_type") or not tensor.HasField("shape"):
+            return None
+        try:
+            dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type)
+        except Exception:
+            return None
+        if dtype.kind not in "biuf":
+            return None
+        shape = [d.dim_value if d.HasField("dim_value") else DIM for d in tensor.shape.dim]
+        if dtype.kind == "f":
+            feeds[value.name] = rng.uniform(-2.0, 2.0, shape).astype(dtype)
+        elif dtype.kind == "b":
+            feeds[value.name] = rng.integers(0, 2, shape).astype(bool)
+        else:  # small non-negative integers: valid indices and counts for the made-up dims
+            feeds[value.name] = rng.integers(0, 2, shape).astype(dtype)
+    return feeds
+
+
+def compare_outputs(
+    got: dict[str, Any], want: dict[str, Any], tolerance: tuple[float, float]
+) -> str:
+    """Why a device's outputs ``got`` are not the reference's ``want`` ('' when they agree
+    within ``(rtol, atol)``; NaN equals NaN). Outputs the reference has no array for are not
+    compared."""
+    rtol, atol = tolerance
+    for name, value in got.items():
+        expected = want.get(name)
+        if not isinstance(expected, np.ndarray):
+            continue
+        value = np.asarray(value)
+        if value.shape != expected.shape:
+            return (
+                f"output {name!r} has shape {list(value.shape)} where ONNX (and NUMPY) give "
+                f"{list(expected.shape)}"
+            )
+        if expected.dtype.kind not in "biuf":
+            continue
+        a, b = value.astype(np.float64), expected.astype(np.float64)
+        if not np.allclose(a, b, rtol, atol, equal_nan=True):
+            worst = float(np.nanmax(np.abs(a - b)))
+            return (
+                f"output {name!r} differs from ONNX's (NUMPY's) result by up to {worst:.3g} "
+                "on test data"
+            )
+    return ""
