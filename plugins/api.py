@@ -60,6 +60,7 @@ __all__ = [
     "ResourceExhausted",
     "Unsupported",
     "available_cores",
+    "check_input_shape",
     "device_refusals",
     "listing",
     "refusal_reasons",
@@ -872,19 +873,26 @@ def _check_one(network_name: str, spec: TensorSpec, value: Any) -> np.ndarray:
     if spec.dtype is not None and value.dtype != spec.dtype:
         check_element_type(network_name, spec, value.dtype)
         value = value.astype(object)  # text given as numpy str for a string input
-    if spec.shape is not None:
-        if value.ndim != len(spec.shape):
-            raise InvalidInput(
-                f"network {network_name}: input {spec.name!r} has shape {list(value.shape)} "
-                f"(rank {value.ndim}), expected rank {len(spec.shape)}: {spec.describe()}"
-            )
-        for axis, (got, want) in enumerate(zip(value.shape, spec.shape)):
-            if isinstance(want, int) and want >= 0 and got != want:
-                raise InvalidInput(
-                    f"network {network_name}: input {spec.name!r} has shape {list(value.shape)}, "
-                    f"expected {spec.describe()} (dimension {axis} must be {want})"
-                )
+    check_input_shape(network_name, spec, value.shape)
     return value
+
+
+def check_input_shape(network_name: str, spec: TensorSpec, shape: Sequence[int]) -> None:
+    """Refuse an input of ``shape`` that the network's ``spec`` rules out: its rank, or a
+    static dimension (a protocol asks it before it decodes the data, too)."""
+    if spec.shape is None:
+        return
+    if len(shape) != len(spec.shape):
+        raise InvalidInput(
+            f"network {network_name}: input {spec.name!r} has shape {list(shape)} "
+            f"(rank {len(shape)}), expected rank {len(spec.shape)}: {spec.describe()}"
+        )
+    for axis, (got, want) in enumerate(zip(shape, spec.shape)):
+        if isinstance(want, int) and want >= 0 and got != want:
+            raise InvalidInput(
+                f"network {network_name}: input {spec.name!r} has shape {list(shape)}, "
+                f"expected {spec.describe()} (dimension {axis} must be {want})"
+            )
 
 
 def refuse_non_tensors(network: CompiledNetwork, where: str) -> None:

@@ -30,6 +30,7 @@ from plugserve.plugins.api import PlugserveError
 from plugserve.plugins.version import plugserve_version
 from plugserve.proto import plugserve_pb2
 from plugserve.server.allocator import reuse_freed_memory
+from plugserve.server.budget import default_limit
 from plugserve.server.callgate import CallGate, keepalive_options
 from plugserve.server.core import ConfigLimits, Core
 from plugserve.server.dataplane import DataPlane
@@ -126,6 +127,7 @@ class Server:
             settings.max_networks,
             settings.max_model_bytes,
             settings.max_request_seconds,
+            default_limit() if settings.max_inflight_bytes < 0 else settings.max_inflight_bytes,
         )
         self.health = health.HealthServicer()
         self.grpc_server: grpc.Server | None = None

@@ -38,11 +38,13 @@ from plugserve.plugins.api import (
     PlugserveError,
     ResourceExhausted,
     check_element_type,
+    check_input_shape,
     check_inputs,
     listing,
     refuse_non_tensors,
 )
 from plugserve.plugins.streams import Finished, StreamsExecutor
+from plugserve.server.budget import Charge, MemoryBudget
 from plugserve.server.core import Core
 from plugserve.server.deadlines import DeadlineWatch
 from plugserve.server.devices import parse_device
@@ -107,13 +109,16 @@ class LoadedNetwork:
         self._inputs = {spec.name: spec for spec in self.network.inputs}
         self.perf_enabled = bool(_safe_config(self.network, "PERF_COUNT"))
 
-    def expect(self, name: str, dtype: np.dtype) -> None:
-        """Before a protocol decodes input ``name``'s data: its element type must be the
-        network's (an unknown name is left to the one full check that follows)."""
+    def expect(self, name: str, dtype: np.dtype, shape: list[int] | None = None) -> None:
+        """Before a protocol decodes input ``name``'s data: its element type (and the shape
+        it declares, where the format gives it first) must be the network's (an unknown name
+        is left to the one full check that follows)."""
         spec = self._inputs.get(name)
         if spec is not None:
             try:
                 check_element_type(self.name, spec, dtype)
+                if shape is not None:
+                    check_input_shape(self.name, spec, shape)
             except InvalidInput:
                 self.recorder.refused("invalid")  # counted as the full check would count it
                 raise
@@ -166,10 +171,13 @@ class DataPlane:
         max_networks: int = 0,
         max_model_bytes: int = 0,
         max_request_seconds: float = 0.0,
+        max_inflight_bytes: int = 0,
     ) -> None:
         """``max_networks`` / ``max_model_bytes`` / ``max_request_seconds``:
         --max-networks, --max-model-bytes and --max-request-seconds (0: no limit)."""
         self.max_request_seconds = max_request_seconds
+        #: --max-inflight-bytes: what the protocols charge their requests against
+        self.budget = MemoryBudget(max_inflight_bytes)
         #: cancels requests past their client's deadline or --max-request-seconds
         self.deadlines = DeadlineWatch()
         self.max_networks = max_networks
@@ -407,6 +415,7 @@ class DataPlane:
         deadline: float | None = None,
         inline: bool = False,
         token: cancel.Token | None = None,
+        holds: int = 0,
     ) -> Future | Finished:
         """Queue one inference on ``entry`` (the caller's one :meth:`get`, which its response
         also names, so an unload or load meanwhile cannot relabel or lose a finished request);
@@ -420,6 +429,10 @@ class DataPlane:
         goes away (a unary call hooks it to the call's end before the run may start inline);
         cancelling the returned future does the same. The request is also cancelled, queued
         or running, once ``deadline`` (``time.monotonic``) or --max-request-seconds passes.
+
+        ``holds``: the bytes the request holds until it is answered, charged to
+        --max-inflight-bytes before it is admitted (a protocol that charged it already, as
+        REST does when a body's headers arrive, passes 0).
         """
         name = entry.name
         recorder = entry.recorder
@@ -473,8 +486,16 @@ class DataPlane:
                 entry.inflight += 1
         if retired:  # reloaded since the caller's lookup: its replacement answers
             return self.submit(
-                self.get(name, entry.version), inputs, outputs, deadline, inline, token
+                self.get(name, entry.version), inputs, outputs, deadline, inline, token, holds
             )
+        try:
+            charge = self.budget.charge(holds, f"a request to network {name!r}")
+        except ResourceExhausted:
+            with self._inflight_lock:
+                self._inflight -= 1
+                entry.inflight -= 1
+            recorder.refused("overloaded")
+            raise
         self._watch(name, token, deadline)
         try:
             future = (inline and executor.run_inline(run)) or executor.submit(
@@ -482,12 +503,13 @@ class DataPlane:
             )
         except BaseException as exc:
             self.deadlines.forget(token)
+            charge.release()
             with self._inflight_lock:
                 self._inflight -= 1
                 entry.inflight -= 1
             recorder.refused("overloaded" if isinstance(exc, ResourceExhausted) else "")
             raise
-        future.add_done_callback(lambda f: self._finished(entry, f, token))
+        future.add_done_callback(lambda f: self._finished(entry, f, token, charge))
         return future
 
     def _watch(self, name: str, token: cancel.Token, deadline: float | None) -> None:
@@ -532,10 +554,11 @@ class DataPlane:
             time.sleep(0.02)
 
     def _finished(
-        self, entry: LoadedNetwork, future: Future | Finished, token: cancel.Token
+        self, entry: LoadedNetwork, future: Future | Finished, token: cancel.Token, charge: Charge
     ) -> None:
         """Successes are recorded where they ran; here the admitted ones that failed."""
         self.deadlines.forget(token)
+        charge.release()
         with self._inflight_lock:
             self._inflight -= 1
             entry.inflight -= 1

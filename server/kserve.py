@@ -51,6 +51,7 @@ from plugserve.plugins.api import (
 from plugserve.plugins.version import plugserve_version
 from plugserve.proto import grpc_service_pb2 as pb
 from plugserve.proto import grpc_service_pb2_grpc as pb_grpc
+from plugserve.server.budget import GRPC_FACTOR
 from plugserve.server.dataplane import DataPlane
 from plugserve.server.handlers import Inference, add_service, deadline
 from plugserve.server.kserve_convert import (
@@ -152,6 +153,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             when,
             inline,
             token,
+            request.ByteSize() * GRPC_FACTOR,
         )
         return entry, future
 

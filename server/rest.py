@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import os
 import re
 import socket
 import ssl
@@ -40,16 +41,19 @@ import threading
 import time
 import zlib
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 import uvloop
 
-from plugserve.plugins.api import InvalidInput, PlugserveError, Unsupported
+from plugserve.plugins import cancel
+from plugserve.plugins.api import InvalidInput, PlugserveError, ResourceExhausted, Unsupported
 from plugserve.plugins.version import plugserve_version
 from plugserve.proto import grpc_service_pb2 as pb
 from plugserve.server import kserve, kserve_convert
+from plugserve.server.budget import body_factor
 from plugserve.server.dataplane import DataPlane, LoadedNetwork
 from plugserve.server.errors import HTTP_STATUS
 from plugserve.server.rest_convert import (
@@ -71,6 +75,26 @@ _JSON = [(b"content-type", b"application/json")]
 # Content-Encoding of a request body -> zlib's wbits (0: plain)
 _WBITS = {b"identity": 0, b"gzip": 31, b"deflate": 15}
 _BINARY = b"application/octet-stream"
+
+
+class WorkersBusy(PlugserveError):
+    """Every REST worker is taken and their queue is full (503)."""
+
+    code = "UNAVAILABLE"
+
+
+#: A request body (and a reply's tensors) up to this size is decoded (encoded) on the event
+#: loop: a 64 KiB JSON body parses in about 0.1 ms here, so the loop stalls no longer than
+#: that; a larger one goes to a worker thread, so a 200 MB body delays nobody else.
+INLINE_BYTES = 64 << 10
+#: A compressed body is inflated, and charged to the memory budget, this much at a time.
+_INFLATE_STEP = 16 << 20
+#: REST worker threads: decoding is CPU-bound and holds the GIL part of the time.
+_WORKERS = max(2, min(8, os.cpu_count() or 2))
+
+
+def _bytes_of(outputs: dict[str, Any]) -> int:
+    return sum(getattr(v, "nbytes", 0) for v in outputs.values())
 
 
 class TooLarge(PlugserveError):
@@ -116,6 +140,13 @@ class RestApp:
         self.plane = plane
         self.max_body = max_body
         self.auth = auth
+        #: large requests' decoding, running and encoding (the loop only does I/O for them)
+        self.workers = ThreadPoolExecutor(
+            max_workers=_WORKERS, thread_name_prefix="rest-worker"
+        )
+        #: most large requests given to the workers at once (queued or working); more: 503
+        self.worker_queue = 4 * _WORKERS
+        self._in_workers = 0  # only the loop's thread counts
         model = r"/v2/models/(?P<name>[^/]+)(?:/versions/(?P<version>[^/]+))?"
         unsupported = {
             r"/v2/systemsharedmemory(?:/.*)?": "system shared memory",
@@ -189,26 +220,60 @@ class RestApp:
                 f"Content-Encoding {encoding.decode('latin-1')!r} is not supported; "
                 "send the body plain, gzip or deflate",
             )
+        params = {k: v for k, v in match.groupdict().items() if v is not None}
         if _WBITS[encoding]:
+            factor = body_factor(path.encode(), HEADER_LENGTH.encode() in headers)
+            return self._inflated(handler, params, body, headers, _WBITS[encoding], factor)
+        return handler(Call(params, body, headers))
+
+    async def _inflated(
+        self,
+        handler: Callable[[Call], Any],
+        path: dict[str, str],
+        body: bytes,
+        headers: dict[bytes, bytes],
+        wbits: int,
+        factor: int,
+    ) -> Reply:
+        """A compressed body, inflated on a worker (a 1 MB gzip body can be 1 GB inflated)
+        and charged as it inflates; then its handler, the charge held until it answers."""
+        charge = self.plane.budget.charge(0, "this request")
+        try:
             try:
-                body = self._inflate(body, _WBITS[encoding])
+                data = await self._in_worker(self._inflate, body, wbits, factor, charge)
             except TooLarge as exc:
                 return _error(413, str(exc))
-        call = Call({k: v for k, v in match.groupdict().items() if v is not None}, body, headers)
-        return handler(call)
+            except ResourceExhausted as exc:
+                return _error(503, str(exc))
+            reply = handler(Call(path, data, headers))
+            return await reply if not isinstance(reply, tuple) else reply
+        finally:
+            charge.release()
 
-    def _inflate(self, body: bytes, wbits: int) -> bytes:
-        """A gzip or deflate (zlib) body, never inflated past --max-message-bytes."""
+    def _inflate(self, body: bytes, wbits: int, factor: int = 0, charge: Any = None) -> bytes:
+        """A gzip or deflate (zlib) body, never inflated past --max-message-bytes; each
+        piece is charged to ``charge`` (at ``factor`` per byte) before it is inflated."""
         inflater = zlib.decompressobj(wbits)
+        pieces: list[bytes] = []
+        size = 0
         try:
-            data = inflater.decompress(body, self.max_body + 1)
+            while True:
+                step = min(_INFLATE_STEP, self.max_body + 1 - size)
+                if charge is not None:
+                    self.plane.budget.charge(step * factor, "this compressed request", charge)
+                piece = inflater.decompress(body, step)
+                body = inflater.unconsumed_tail
+                pieces.append(piece)
+                size += len(piece)
+                if size > self.max_body:
+                    raise TooLarge(self.too_large(size) + " once inflated")
+                if not body or not piece:
+                    break
         except zlib.error as exc:
             raise InvalidInput(f"the compressed body cannot be inflated: {exc}") from None
-        if len(data) > self.max_body:
-            raise TooLarge(self.too_large(len(data)) + " once inflated")
         if not inflater.eof:
             raise InvalidInput("the compressed body is truncated")
-        return data
+        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
     def too_large(self, size: int) -> str:
         return (
@@ -265,6 +330,8 @@ class RestApp:
 
     def infer(self, call: Call) -> Reply | Awaitable[Reply]:
         entry = self.plane.get(call.path["name"], call.version)
+        if len(call.body) > INLINE_BYTES:  # decoding it would stall the loop: a worker does all
+            return self._in_worker(self._infer_whole, entry, call, cancel.Token())
         header_length = _text(call.headers.get(HEADER_LENGTH.encode()))
         request = parse_infer(call.body, header_length, entry.expect)
         deadline = time.monotonic() + request.timeout if request.timeout else None
@@ -272,11 +339,52 @@ class RestApp:
             entry, request.inputs, request.outputs, deadline, inline=_fast(entry)
         )
         if future.done():  # ran inline: answered without leaving the parser's callback
-            return _infer_reply(entry, request, future.result())
+            outputs = future.result()
+            if _bytes_of(outputs) <= INLINE_BYTES:
+                return _infer_reply(entry, request, outputs)
+            return self._in_worker(_infer_reply, entry, request, outputs)
         return self._infer_later(entry, request, future)
 
     async def _infer_later(self, entry: LoadedNetwork, request: InferCall, future: Any) -> Reply:
-        return _infer_reply(entry, request, await asyncio.wrap_future(future))
+        outputs = await asyncio.wrap_future(future)
+        if _bytes_of(outputs) <= INLINE_BYTES:
+            return _infer_reply(entry, request, outputs)
+        return await self._in_worker(_infer_reply, entry, request, outputs)
+
+    def _infer_whole(self, entry: LoadedNetwork, call: Call, token: cancel.Token) -> Reply:
+        """A large request, on a worker thread: decode, run (inline when a stream is idle,
+        as a gRPC unary call does), encode."""
+        header_length = _text(call.headers.get(HEADER_LENGTH.encode()))
+        request = parse_infer(call.body, header_length, entry.expect)
+        deadline = time.monotonic() + request.timeout if request.timeout else None
+        future = self.plane.submit(
+            entry, request.inputs, request.outputs, deadline, inline=True, token=token
+        )
+        return _infer_reply(entry, request, future.result())
+
+    def _in_worker(self, fn: Callable[..., Reply], *args: Any) -> Awaitable[Reply]:
+        """``fn(*args)`` on the bounded worker pool, or a 503 at once when it is full. A
+        client that goes away cancels what awaits this, and so the request's token."""
+        if self._in_workers >= self.worker_queue:
+            raise WorkersBusy(
+                f"the REST workers are busy with {self._in_workers} large requests "
+                "(decoding, running or encoding); retry later"
+            )
+        self._in_workers += 1
+        token = next((a for a in args if isinstance(a, cancel.Token)), None)
+        return self._await_worker(fn, args, token)
+
+    async def _await_worker(
+        self, fn: Callable[..., Reply], args: tuple[Any, ...], token: cancel.Token | None
+    ) -> Reply:
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.workers, fn, *args)
+        except asyncio.CancelledError:
+            if token is not None:
+                token.cancel()
+            raise
+        finally:
+            self._in_workers -= 1
 
     # --- repository
 
@@ -393,6 +501,7 @@ class RestServer:
             s.request_read_timeout,
             4 * s.grpc_workers,  # as gRPC's maximum_concurrent_rpcs
             self.app.too_large,
+            self.app.plane.budget,
         )
         started = threading.Event()
         self._thread = threading.Thread(
@@ -432,6 +541,7 @@ class RestServer:
             started.set()
 
     def stop(self, grace: float = 5.0) -> None:
+        self.app.workers.shutdown(wait=False, cancel_futures=True)
         if self._loop is None or self._stop is None:
             return
         self._grace = min(grace, 5.0)

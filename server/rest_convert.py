@@ -50,7 +50,7 @@ from plugserve.server.kserve_convert import (
 )
 
 #: ``LoadedNetwork.expect``: refuses an input's element type before its data is decoded.
-Expect = Callable[[str, np.dtype], None]
+Expect = Callable[..., None]  # (name, dtype) or (name, dtype, shape)
 
 __all__ = [
     "HEADER_LENGTH",
@@ -246,7 +246,6 @@ def _input_array(
         raise InvalidInput(
             f"{where}: datatype {datatype!r} is not supported; use one of {', '.join(DATATYPES)}"
         )
-    expect(name, dtype)
     shape_value = _list(_plain(tensor.get("shape")), f"{where}: 'shape'")
     if not all(isinstance(d, int) and not isinstance(d, bool) for d in shape_value):
         raise InvalidInput(f"{where}: shape {shape_value} must be a list of integers")
@@ -254,6 +253,7 @@ def _input_array(
         shape = check_shape(shape_value, where)
     except TensorFormatError as exc:
         raise InvalidInput(str(exc)) from None
+    expect(name, dtype, shape)  # the declared shape too, before its data is converted
     count = 1
     for dim in shape:  # Python ints: np.prod would wrap around for huge dims
         count *= dim

@@ -43,6 +43,8 @@ from urllib.parse import unquote
 import httptools
 import orjson
 
+from plugserve.plugins.api import PlugserveError
+from plugserve.server.budget import Charge, MemoryBudget, body_factor
 from plugserve.server.errors import http_status_of
 
 __all__ = ["EVICT_AFTER", "MAX_HEADER_BYTES", "HttpServer", "Reply", "error_reply"]
@@ -102,9 +104,13 @@ class HttpServer:
         read_timeout: float,
         limit: int,
         too_large: Callable[[int], str],
+        budget: MemoryBudget | None = None,
     ) -> None:
-        """``too_large(size)``: the 413 message for a body of ``size`` bytes."""
+        """``too_large(size)``: the 413 message for a body of ``size`` bytes; ``budget``:
+        --max-inflight-bytes, which each request's body is charged against before it is read
+        (see server/budget.py)."""
         self.dispatch = dispatch
+        self.budget = budget
         self.max_body = max_body
         self.read_timeout = read_timeout
         self.limit = limit
@@ -172,7 +178,14 @@ class Connection(asyncio.Protocol):
         self.paused = False  # the peer is not reading: no further request until it does
         self.closed = False
         self.reading = False  # a request's first bytes came, not yet all of it
-        self.pending: deque[tuple[str, str, list[tuple[bytes, bytes]], bytes, bool]] = deque()
+        self.pending: deque[
+            tuple[str, str, list[tuple[bytes, bytes]], bytes, bool, Charge | None]
+        ] = deque()
+        #: what the request being read holds of the memory budget, and at what factor
+        self._charge: Charge | None = None
+        self._factor = 0
+        #: what the request being served holds (released once its reply is handed over)
+        self.serving: Charge | None = None
         self._url = b""
         self._headers: list[tuple[bytes, bytes]] = []
         self._size = 0  # header bytes, then body bytes, of the request being read
@@ -228,6 +241,7 @@ class Connection(asyncio.Protocol):
         self._headers = []
         self._size = 0
         self._body = []
+        self._charge = None
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -250,13 +264,20 @@ class Connection(asyncio.Protocol):
         server = self.server
         length = None
         expect = False
+        binary = False
         for name, value in self._headers:
             if name == b"content-length":
                 length = value
             elif name == b"expect":
                 expect = value.strip().lower() == b"100-continue"
+            elif name == b"inference-header-content-length":
+                binary = True
         if length is not None and length.isdigit() and int(length) > server.max_body:
             raise _Refused(413, server.too_large(int(length)))
+        if server.budget is not None and server.budget.limit:
+            self._factor = body_factor(self._url, binary)
+            if length is not None and length.isdigit() and int(length):
+                self._charge = self._take(int(length) * self._factor)
         if expect and not self.busy:
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         self.deadline = time.monotonic() + server.read_timeout  # for the body
@@ -265,7 +286,18 @@ class Connection(asyncio.Protocol):
         self._size += len(body)
         if self._size > self.server.max_body:
             raise _Refused(413, self.server.too_large(self._size))
+        if self._factor:  # a body without Content-Length (chunked) is charged as it comes
+            held = self._charge.nbytes if self._charge is not None else 0
+            if self._size * self._factor > held:
+                self._charge = self._take(self._size * self._factor - held, self._charge)
         self._body.append(body)
+
+    def _take(self, nbytes: int, onto: Charge | None = None) -> Charge:
+        """``nbytes`` more of the memory budget for the request being read, or a 503 now."""
+        try:
+            return self.server.budget.charge(nbytes, "this request", onto)  # type: ignore[union-attr]
+        except PlugserveError as exc:
+            raise _Refused(503, str(exc)) from None
 
     def on_message_complete(self) -> None:
         self.reading = False
@@ -278,7 +310,10 @@ class Connection(asyncio.Protocol):
         else:
             path = url.decode("latin-1")
         method = self.parser.get_method().decode("latin-1")
-        self.pending.append((method, path, self._headers, body, self.parser.should_keep_alive()))
+        charge, self._charge = self._charge, None
+        self.pending.append(
+            (method, path, self._headers, body, self.parser.should_keep_alive(), charge)
+        )
         if self.busy or self.paused:
             self.transport.pause_reading()
         else:
@@ -289,7 +324,7 @@ class Connection(asyncio.Protocol):
     def _next(self) -> None:
         """Serve the oldest pending request, if any, else wait for the next one's headers."""
         while self.pending and not self.paused and not self.closed:
-            method, path, headers, body, keep_alive = self.pending.popleft()
+            method, path, headers, body, keep_alive, self.serving = self.pending.popleft()
             if len(self.server.connections) > self.server.limit:
                 self._reply(
                     method,
@@ -322,7 +357,10 @@ class Connection(asyncio.Protocol):
             self._next()
 
     def _reply(self, method: str, reply: Reply, keep_alive: bool) -> bool:
-        """Write ``reply``; whether the connection stays open."""
+        """Write ``reply``; whether the connection stays open. The request's memory charge
+        ends here: its reply is the transport's now (bounded by the peer's reading)."""
+        self._release(self.serving)
+        self.serving = None
         if self.closed:  # the client left: its answer is dropped
             return False
         status, pieces, headers = reply
@@ -368,7 +406,18 @@ class Connection(asyncio.Protocol):
         self._forget()
         self.transport.abort()
 
+    @staticmethod
+    def _release(charge: Charge | None) -> None:
+        if charge is not None:
+            charge.release()
+
     def _forget(self) -> None:
+        for *_, charge in self.pending:
+            self._release(charge)
+        self.pending.clear()
+        self._release(self._charge)
+        self._release(self.serving)
+        self._charge = self.serving = None
         self.closed = True
         self.waiting_since = None
         self.deadline = self.stalled_until = _NEVER

@@ -13,6 +13,7 @@ from plugserve.plugins import cancel
 from plugserve.plugins.api import FailedPrecondition, InvalidArgument
 from plugserve.proto import plugserve_pb2 as pb
 from plugserve.proto import plugserve_pb2_grpc as pb_grpc
+from plugserve.server.budget import GRPC_FACTOR
 from plugserve.server.dataplane import DataPlane
 from plugserve.server.handlers import Inference, deadline
 from plugserve.server.plugserve_convert import (
@@ -137,7 +138,13 @@ class PlugserveServicer(pb_grpc.PlugserveServicer):
         entry = self.plane.get(request.network, request.version)
         inputs = request_inputs(request, entry)
         future = self.plane.submit(
-            entry, inputs, list(request.outputs), deadline(context), inline, token
+            entry,
+            inputs,
+            list(request.outputs),
+            deadline(context),
+            inline,
+            token,
+            request.ByteSize() * GRPC_FACTOR,
         )
         return entry, future
 

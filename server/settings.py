@@ -88,6 +88,13 @@ class Settings:
     queue_size: int = _field(0, "requests waiting per network (0: 16 per stream, at least 64)")
     grpc_workers: int = _field(64, "gRPC handler threads")
     exit_timeout: float = _field(30.0, "seconds to finish admitted requests on SIGTERM")
+    max_inflight_bytes: int = _field(
+        -1,
+        "memory all requests in flight may hold at once, on every protocol, charged before "
+        "a request is read or decoded (JSON tensors at 20x their size, binary 2x); over it a "
+        "request is refused at once (RESOURCE_EXHAUSTED / 503); -1: half of the cgroup's "
+        "memory limit or of the machine's memory; 0: no limit",
+    )
     max_request_seconds: float = _field(
         300.0,
         "longest an inference request may take from admission to its answer, queued and "
@@ -161,6 +168,7 @@ class Settings:
             ("grpc_workers", 1, None),
             ("exit_timeout", 0, None),
             ("max_request_seconds", 0, None),
+            ("max_inflight_bytes", -1, None),
             ("max_networks", 0, None),
             ("max_model_bytes", 0, None),
             ("max_num_streams", 0, None),

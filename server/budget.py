@@ -1,0 +1,139 @@
+"""One memory budget for every request in flight, on every protocol.
+
+Each limit a request meets on its own (``--max-message-bytes``, 1 GiB) bounds one request;
+a few connections at once could still take the machine: a 100 MB JSON body raised the
+server's peak RSS by 2 GB while it was decoded, four at once by 2.9 GB. So every request is
+charged what it will hold *before* it is read or decoded, against one process-wide
+``--max-inflight-bytes``; a request that does not fit is refused at once with
+RESOURCE_EXHAUSTED (REST 503) and a message naming the flag, and its charge is released when
+its answer has been handed to the transport (or its connection is gone).
+
+What a request is charged (measured here; ``tests/server/test_budget.py``):
+
+* a REST body with JSON tensors: :data:`JSON_FACTOR` x its size. simdjson's tape takes 16
+  bytes per number and the array its element size, so a body of small integers ("0,0,...",
+  2 bytes a number) peaked at 17-19x its size while it was decoded, floats at 4.6x;
+* any other REST body (Triton's binary tensor extension, its JSON header small): 2x (the
+  body as read, then joined);
+* another REST body (a repository load's JSON, its files in base64): 3x;
+* a gRPC message: 2x its size (grpcio has already received it when the handler runs: it is
+  bounded before that by --max-message-bytes only; the tensors are views of it).
+
+The default is half of the memory the process may use: the cgroup's limit (v2
+``memory.max``, v1 ``memory.limit_in_bytes``) when one is set, else the machine's MemTotal.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+from plugserve.plugins.api import ResourceExhausted
+
+__all__ = [
+    "BINARY_FACTOR",
+    "GRPC_FACTOR",
+    "JSON_FACTOR",
+    "OTHER_FACTOR",
+    "Charge",
+    "MemoryBudget",
+    "body_factor",
+    "default_limit",
+]
+
+JSON_FACTOR = 20
+BINARY_FACTOR = 2
+OTHER_FACTOR = 3
+GRPC_FACTOR = 2
+
+_CGROUP_LIMITS = (
+    Path("/sys/fs/cgroup/memory.max"),
+    Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"),
+)
+#: a cgroup v1 "limit" at or above this is no limit (the kernel's page-rounded maximum)
+_UNLIMITED = 1 << 60
+
+
+def _memory_available_to_process() -> int:
+    total = 0
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                total = int(line.split()[1]) * 1024
+                break
+    except OSError:
+        pass
+    for path in _CGROUP_LIMITS:
+        try:
+            text = path.read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < _UNLIMITED:
+            limit = int(text)
+            return min(limit, total) if total else limit
+    return total or (8 << 30)
+
+
+def body_factor(path: bytes, binary: bool) -> int:
+    """What a REST body is charged per byte: ``path`` is the request's URL, ``binary``
+    whether it carries Triton's Inference-Header-Content-Length (binary tensors)."""
+    if path.split(b"?", 1)[0].rstrip(b"/").endswith(b"/infer"):
+        return BINARY_FACTOR if binary else JSON_FACTOR
+    return OTHER_FACTOR
+
+
+def default_limit() -> int:
+    """Half of the memory this process may use (see the module's docstring)."""
+    return _memory_available_to_process() // 2
+
+
+class Charge:
+    """What one request holds of the budget; :meth:`release` gives it back (once)."""
+
+    __slots__ = ("_budget", "nbytes")
+
+    def __init__(self, budget: MemoryBudget | None, nbytes: int) -> None:
+        self._budget = budget
+        self.nbytes = nbytes
+
+    def release(self) -> None:
+        budget, self._budget = self._budget, None
+        if budget is not None:
+            budget._give_back(self.nbytes)
+
+
+class MemoryBudget:
+    def __init__(self, limit: int) -> None:
+        """``limit``: bytes in flight at most (0: no limit, nothing is counted)."""
+        self.limit = limit
+        self.used = 0
+        self._lock = threading.Lock()
+
+    def charge(self, nbytes: int, what: str, onto: Charge | None = None) -> Charge:
+        """Take ``nbytes`` for a request (added ``onto`` a charge it already holds), or raise
+        ResourceExhausted if they do not fit."""
+        if not self.limit:
+            return onto if onto is not None else Charge(None, 0)
+        with self._lock:
+            if self.used + nbytes > self.limit:
+                used = self.used
+            else:
+                self.used += nbytes
+                if onto is not None and onto._budget is self:
+                    onto.nbytes += nbytes
+                    return onto
+                return Charge(self, nbytes)
+        raise ResourceExhausted(
+            f"{what} would hold about {_mib(nbytes)} while in flight, and requests in flight "
+            f"already hold {_mib(used)} of this server's {_mib(self.limit)} "
+            "(--max-inflight-bytes / PLUGSERVE_MAX_INFLIGHT_BYTES); retry later, or send "
+            "large tensors as binary data (JSON costs 20x its size to decode)"
+        )
+
+    def _give_back(self, nbytes: int) -> None:
+        with self._lock:
+            self.used -= nbytes
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 20):,.0f} MiB"
