@@ -28,7 +28,7 @@ from grpc_reflection.v1alpha import reflection
 
 from plugserve.plugins.api import PlugserveError
 from plugserve.plugins.version import plugserve_version
-from plugserve.proto import plugserve_pb2
+from plugserve.proto import plugserve_pb2, tensors
 from plugserve.server.allocator import reuse_freed_memory
 from plugserve.server.callgate import CallGate, keepalive_options
 from plugserve.server.core import ConfigLimits, Core
@@ -98,6 +98,7 @@ class Server:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.metrics = Metrics(plugserve_version())
+        tensors.set_max_string_elements(settings.max_string_elements)
         self.core = Core()
         self.plugin_settings = load_plugins_file(settings.plugins) if settings.plugins else None
         self._configure_plugins()
