@@ -24,11 +24,11 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from plugserve.plugins.api import PlugserveError
 from plugserve.plugins.version import plugserve_version
 from plugserve.proto import plugserve_pb2, tensors
+from plugserve.server import reflection
 from plugserve.server.allocator import reuse_freed_memory
 from plugserve.server.callgate import CallGate, keepalive_options
 from plugserve.server.core import ConfigLimits, Core
@@ -235,11 +235,8 @@ class Server:
         services = [add_service(server, plugserve, PlugserveServicer(self.plane))]
         services += self._add_kserve(server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        services += [
-            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-            reflection.SERVICE_NAME,
-        ]
-        reflection.enable_server_reflection(services, server)
+        services.append(health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)
+        reflection.enable(services, server)
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         self.grpc_port = _bind(server, s.host, s.grpc_port, "--grpc-port", credentials)
         if credentials is not None:
