@@ -14,6 +14,7 @@ import importlib
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -112,11 +113,16 @@ class Server:
                 f"plugserve: --model-repository {root}: no such file or folder "
                 "(--exit-on-error 0 starts without it)"
             )
+        #: a folder this server made (--model-name over a single file), removed when it stops
+        self._scratch: Path | None = None
         if settings.model_name:
             try:
-                root = str(single_model_repository(root, settings.model_name))
+                served = single_model_repository(root, settings.model_name)
             except PlugserveError as exc:
                 raise SystemExit(f"plugserve: --model-name {settings.model_name}: {exc}") from None
+            if served != Path(root):
+                self._scratch = served
+            root = str(served)
         self.repository = Repository(root)
         self.plane = DataPlane(
             self.core,
@@ -358,6 +364,8 @@ class Server:
         self._stop_grpc(0 if left else max(1.0, end - time.monotonic()))
         self.plane.close()
         self.metrics.close()
+        if self._scratch is not None:
+            shutil.rmtree(self._scratch, ignore_errors=True)
         self._done.set()
 
     def _stop_grpc(self, grace: float) -> None:
