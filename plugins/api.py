@@ -590,12 +590,19 @@ class TensorSpec:
     ``kind`` is ``"tensor"``, or what ONNX calls the other value types (``"sequence"``,
     ``"map"``, ``"optional"``): those have no element type or shape here, run in-process
     (lists, dicts, None) and have no encoding on the wire.
+
+    ``binary``: a string input whose elements may be ``bytes`` that are not UTF-8 text. BYTES
+    travel byte for byte (``proto.tensors``); a network that reads its strings as text
+    (StringNormalizer, a tokenizer, onnxruntime, whose Python API carries text only) would
+    garble or refuse such an element deep inside, so :func:`check_inputs` refuses it up front
+    unless the device says the input only moves its elements (NUMPY's Identity, Reshape...).
     """
 
     name: str
     dtype: np.dtype | None
     shape: tuple[int | str | None, ...] | None
     kind: str = "tensor"
+    binary: bool = False
 
     def describe(self) -> str:
         if self.kind != "tensor":
@@ -873,8 +880,27 @@ def _check_one(network_name: str, spec: TensorSpec, value: Any) -> np.ndarray:
     if spec.dtype is not None and value.dtype != spec.dtype:
         check_element_type(network_name, spec, value.dtype)
         value = value.astype(object)  # text given as numpy str for a string input
+    if value.dtype == object and not spec.binary:
+        _refuse_binary(network_name, spec, value)
     check_input_shape(network_name, spec, value.shape)
     return value
+
+
+def _refuse_binary(network_name: str, spec: TensorSpec, value: np.ndarray) -> None:
+    """A string input of a network that reads it as text: an element that is bytes must be
+    UTF-8 (see ``TensorSpec.binary``)."""
+    for index, item in enumerate(value.ravel()):
+        if type(item) is bytes:
+            try:
+                item.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise InvalidInput(
+                    f"network {network_name}: input {spec.name!r} element {index} is not UTF-8 "
+                    f"text ({item[:16]!r}{'...' if len(item) > 16 else ''}: {exc.reason} at "
+                    f"byte {exc.start}), and this network takes that input as text only; send "
+                    "UTF-8 text, or serve a model that only moves the bytes (Identity, Reshape, "
+                    "Concat, Gather...) on NUMPY"
+                ) from None
 
 
 def check_input_shape(network_name: str, spec: TensorSpec, shape: Sequence[int]) -> None:

@@ -3,8 +3,11 @@
 Shared by the server and the client (which may depend on nothing but this package).
 
 Numeric tensors are little-endian C-order bytes read with ``np.frombuffer``. String tensors
-(numpy object arrays of ``str``) are a 4-byte little-endian length then the UTF-8 bytes, per
-element, the layout KServe v2 uses for BYTES.
+(numpy object arrays) are a 4-byte little-endian length then the element's bytes, per element,
+the layout KServe v2 uses for BYTES. BYTES are bytes: an element that is UTF-8 becomes a
+``str`` (what every text op and most models want), any other one stays ``bytes``, so an image
+or a serialized message crosses every protocol byte for byte; a network that reads its strings
+as text refuses such an element when it is checked (``TensorSpec.binary``), never replaces it.
 
 The element types numpy lacks travel under their ``ml_dtypes`` names (bfloat16, float8_e4m3fn,
 float8_e4m3fnuz, float8_e5m2, float8_e5m2fnuz, float8_e8m0fnu, float4_e2m1fn, int4, uint4, int2,
@@ -36,7 +39,9 @@ __all__ = [
     "encode_strings",
     "field_pieces",
     "from_tensor",
+    "set_max_string_elements",
     "spec_to_proto",
+    "text_or_bytes",
     "to_tensor",
 ]
 
@@ -103,16 +108,32 @@ def encode_strings(array: np.ndarray) -> bytes:
 
 #: The most string elements one tensor may hold. Each becomes a Python object of ~50 bytes
 #: plus its text, so a message of short strings grows ~15x when decoded; 4M elements bound
-#: that to a few hundred MB per tensor, checked before any is decoded.
+#: that to a few hundred MB per tensor, checked before any is decoded. The server sets it from
+#: --max-string-elements (:func:`set_max_string_elements`); a client keeps the default.
 MAX_STRING_ELEMENTS = 1 << 22
+
+
+def set_max_string_elements(limit: int) -> None:
+    """The process's limit (one server per process: its settings decide it once, at start)."""
+    global MAX_STRING_ELEMENTS
+    MAX_STRING_ELEMENTS = int(limit)
 
 
 def check_string_count(count: int, where: str) -> None:
     if count > MAX_STRING_ELEMENTS:
         raise InvalidInput(
             f"{where}: {count} string elements is over the limit of {MAX_STRING_ELEMENTS} "
-            "per tensor; split the batch into smaller requests"
+            "per tensor (--max-string-elements / PLUGSERVE_MAX_STRING_ELEMENTS); split the "
+            "batch into smaller requests"
         )
+
+
+def text_or_bytes(raw: bytes) -> str | bytes:
+    """A BYTES element as ``str`` when it is UTF-8, else as the ``bytes`` it is (see above)."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return raw
 
 
 def decode_strings(data: bytes, count: int, where: str) -> np.ndarray:
@@ -133,7 +154,7 @@ def decode_strings(data: bytes, count: int, where: str) -> np.ndarray:
                 f"{where}: string element {index} claims {length} bytes, "
                 f"only {len(data) - offset} remain"
             )
-        items.append(bytes(view[offset : offset + length]).decode("utf-8", errors="replace"))
+        items.append(text_or_bytes(bytes(view[offset : offset + length])))
         offset += length
     if offset != len(data):
         raise InvalidInput(f"{where}: {len(data) - offset} bytes left after {count} strings")

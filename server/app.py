@@ -14,6 +14,7 @@ import importlib
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -24,11 +25,11 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from plugserve.plugins.api import PlugserveError
 from plugserve.plugins.version import plugserve_version
-from plugserve.proto import plugserve_pb2
+from plugserve.proto import plugserve_pb2, tensors
+from plugserve.server import reflection
 from plugserve.server.allocator import reuse_freed_memory
 from plugserve.server.budget import default_limit
 from plugserve.server.callgate import CallGate, keepalive_options
@@ -99,6 +100,7 @@ class Server:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.metrics = Metrics(plugserve_version())
+        tensors.set_max_string_elements(settings.max_string_elements)
         self.core = Core()
         self.plugin_settings = load_plugins_file(settings.plugins) if settings.plugins else None
         self._configure_plugins()
@@ -112,11 +114,16 @@ class Server:
                 f"plugserve: --model-repository {root}: no such file or folder "
                 "(--exit-on-error 0 starts without it)"
             )
+        #: a folder this server made (--model-name over a single file), removed when it stops
+        self._scratch: Path | None = None
         if settings.model_name:
             try:
-                root = str(single_model_repository(root, settings.model_name))
+                served = single_model_repository(root, settings.model_name)
             except PlugserveError as exc:
                 raise SystemExit(f"plugserve: --model-name {settings.model_name}: {exc}") from None
+            if served != Path(root):
+                self._scratch = served
+            root = str(served)
         self.repository = Repository(root)
         self.plane = DataPlane(
             self.core,
@@ -237,11 +244,8 @@ class Server:
         services = [add_service(server, plugserve, PlugserveServicer(self.plane))]
         services += self._add_kserve(server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        services += [
-            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-            reflection.SERVICE_NAME,
-        ]
-        reflection.enable_server_reflection(services, server)
+        services.append(health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)
+        reflection.enable(services, server)
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         self.grpc_port = _bind(server, s.host, s.grpc_port, "--grpc-port", credentials)
         if credentials is not None:
@@ -364,6 +368,8 @@ class Server:
         self._stop_grpc(0 if left else max(1.0, end - time.monotonic()))
         self.plane.close()
         self.metrics.close()
+        if self._scratch is not None:
+            shutil.rmtree(self._scratch, ignore_errors=True)
         self._done.set()
 
     def _stop_grpc(self, grace: float) -> None:

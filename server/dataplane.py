@@ -58,9 +58,22 @@ from plugserve.server.triton_config import (
 )
 from plugserve.server.versions import check_version, next_version
 
-__all__ = ["ControlDisabled", "DataPlane", "LoadedNetwork", "ShuttingDown"]
+__all__ = [
+    "ControlDisabled",
+    "DataPlane",
+    "LoadedNetwork",
+    "NotReady",
+    "ShuttingDown",
+    "failed_to_load",
+]
 
 log = logging.getLogger(__name__)
+
+
+# Messages begin with Triton's own words for the condition (triton-inference-server/core:
+# model_repository_manager.cc, model_lifecycle.cc, server.cc), which Triton's example clients
+# and users' scripts match on ("Request for unknown model", "failed to load"); plugserve's
+# explanation and what to do follow them.
 
 
 class ControlDisabled(PlugserveError):
@@ -68,11 +81,32 @@ class ControlDisabled(PlugserveError):
 
     code = "UNAVAILABLE"
 
+    def __init__(self, detail: str) -> None:
+        super().__init__(
+            f"explicit model load / unload is not allowed if polling is enabled: {detail}"
+        )
+
 
 class ShuttingDown(PlugserveError):
     """The server is draining for shutdown: new work is refused; the caller may retry elsewhere."""
 
     code = "UNAVAILABLE"
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(f"Server not ready: {detail}")
+
+
+class NotReady(PlugserveError):
+    """A version that is loading: Triton's UNAVAILABLE "is not at ready state"."""
+
+    code = "UNAVAILABLE"
+
+
+def failed_to_load(name: str, exc: PlugserveError) -> PlugserveError:
+    """``exc`` (same type, so the same status) with Triton's ``failed to load 'NAME'`` first."""
+    if str(exc).startswith("failed to load"):
+        return exc
+    return type(exc)(f"failed to load {name!r}: {exc}")
 
 
 @dataclasses.dataclass(eq=False)
@@ -314,7 +348,7 @@ class DataPlane:
         with self._lock:
             versions = self._networks.get(name)
             if not versions or (version and version not in versions):
-                raise NotFound(self._missing(name, version))
+                raise self._missing(name, version)
             targets = [versions.pop(version)] if version else list(versions.values())
             if version == 0 or not versions:
                 versions.clear()
@@ -398,12 +432,30 @@ class DataPlane:
                 return versions[max(versions)]
             if versions and version in versions:
                 return versions[version]
-        raise NotFound(self._missing(name, version))
+            raise self._missing(name, version)
 
-    def _missing(self, name: str, version: int) -> str:
-        loaded = sorted(self._networks)
-        what = f"network {name!r}" + (f" version {version}" if version else "")
-        return f"{what} is not loaded; loaded networks: {listing(loaded, plain=True) or 'none'}"
+    def _missing(self, name: str, version: int) -> PlugserveError:
+        """Why ``name`` (``version``; 0: its latest) cannot serve, in Triton's words, then what
+        is loaded (call with the lock held)."""
+        head = f"Request for unknown model: {name!r}"
+        versions = listing(sorted(self._networks.get(name, {})), plain=True)
+        loading = listing(sorted(v for n, v in self._loading if n == name), plain=True)
+        if version and (name, version) in self._loading:
+            return NotReady(
+                f"{head} version {version} is not at ready state: it is loading; retry when "
+                f"/v2/models/{name}/versions/{version}/ready says it is"
+            )
+        if not versions and loading:
+            return NotReady(
+                f"{head} has no available versions: version {loading} is loading; "
+                f"retry when /v2/models/{name}/ready says it is"
+            )
+        if version and versions:
+            return NotFound(
+                f"{head} version {version} is not found; its loaded versions: {versions}"
+            )
+        loaded = listing(sorted(self._networks), plain=True) or "none"
+        return NotFound(f"{head} is not found; loaded networks: {loaded}")
 
     # --- inference
 
@@ -679,7 +731,7 @@ class DataPlane:
             found = self._networks.get(name, {})
             if version in found or (not version and found):
                 return [found[version]] if version else [found[v] for v in sorted(found)]
-        raise NotFound(self._missing(name, version))
+            raise self._missing(name, version)
 
     def check_control(self, what: str) -> None:
         """Load and unload requests are refused in Triton's none and poll modes."""

@@ -46,13 +46,14 @@ import grpc
 from plugserve.plugins.api import (
     InvalidInput,
     NotFound,
+    PlugserveError,
     Unsupported,
 )
 from plugserve.plugins.version import plugserve_version
 from plugserve.proto import grpc_service_pb2 as pb
 from plugserve.proto import grpc_service_pb2_grpc as pb_grpc
 from plugserve.server.budget import GRPC_FACTOR
-from plugserve.server.dataplane import DataPlane
+from plugserve.server.dataplane import DataPlane, failed_to_load
 from plugserve.server.handlers import Inference, add_service, deadline
 from plugserve.server.kserve_convert import (
     EXTENSIONS,
@@ -193,18 +194,25 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
 
 def load(plane: DataPlane, name: str, parameters: Mapping[str, Any]) -> None:
     """RepositoryModelLoad for both protocols: a reload, or one with Triton's overrides
-    (``config``: ModelConfig JSON; ``file:<version>/<name>``: a file's bytes)."""
-    config = parameters.get("config")
-    if config is not None and not isinstance(config, str):
-        raise InvalidInput(f"model {name!r}: the 'config' parameter must be a JSON string")
-    files = {k[5:]: v for k, v in parameters.items() if k.startswith("file:")}
-    for key, value in files.items():
-        if not isinstance(value, bytes):
-            raise InvalidInput(f"model {name!r}: 'file:{key}' must carry the file's bytes")
-    if config is None and not files:
-        plane.reload(name)
-    else:
-        plane.load_with_overrides(name, config, files)
+    (``config``: ModelConfig JSON; ``file:<version>/<name>``: a file's bytes). Whatever
+    fails says Triton's ``failed to load 'NAME'`` first, which its clients match on."""
+    try:
+        config = parameters.get("config")
+        if config is not None and not isinstance(config, str):
+            raise InvalidInput(f"model {name!r}: the 'config' parameter must be a JSON string")
+        files = {k[5:]: v for k, v in parameters.items() if k.startswith("file:")}
+        for key, value in files.items():
+            if not isinstance(value, bytes):
+                raise InvalidInput(f"model {name!r}: 'file:{key}' must carry the file's bytes")
+        if config is None and not files:
+            plane.reload(name)
+        else:
+            plane.load_with_overrides(name, config, files)
+    except PlugserveError as exc:
+        error = failed_to_load(name, exc)
+        if error is exc:
+            raise
+        raise error from exc
 
 
 def _unimplemented(method: str, feature: str):

@@ -26,6 +26,7 @@ from plugserve.proto.tensors import (
     check_string_count,
     field_pieces,
     from_tensor,
+    text_or_bytes,
 )
 from plugserve.server.dataplane import LoadedNetwork
 from plugserve.server.errors import status_of
@@ -184,9 +185,12 @@ def input_array(tensor, raw: bytes | None, entry: LoadedNetwork) -> np.ndarray:
             f"{where}: {len(values)} values in contents.{field}, but shape {shape} needs {count}"
         )
     if dtype == np.dtype(object):
-        check_string_count(count, where)
+        try:
+            check_string_count(count, where)
+        except TensorFormatError as exc:
+            raise InvalidInput(str(exc)) from None
         array = np.empty(count, dtype=object)
-        array[:] = [v.decode("utf-8", errors="replace") for v in values]
+        array[:] = [text_or_bytes(v) for v in values]
         return array.reshape(shape)
     try:
         array = np.array(values, dtype=dtype)

@@ -17,8 +17,9 @@ loop awaits the future; loads and unloads run on a worker thread.
 
 Choices where Triton or KServe leave room:
 
-* Not ready is 503 for ``/v2/health/ready``; an unknown model or version is 404 everywhere
-  (``/ready`` too); a body over ``--max-message-bytes`` is 413.
+* Not ready is 503 for ``/v2/health/ready`` (body ``{"ready": false, "error": ...}``); an
+  unknown model or version is 404 everywhere (``/ready`` too); a body over
+  ``--max-message-bytes`` is 413; a method a path does not take is 405 with ``Allow``.
 * Request bodies may be gzip or deflate (``Content-Encoding``, as tritonclient's
   ``request_compression_algorithm`` sends them; inflated no further than
   ``--max-message-bytes``); any other encoding is 415. Responses are never compressed
@@ -201,8 +202,11 @@ class RestApp:
         else:
             return _error(404, f"no such path {path!r}; KServe v2 REST paths start with /v2")
         entry = methods.get(method)
-        if entry is None:
-            return _error(405, f"{path} accepts {', '.join(methods)}, not {method}")
+        if entry is None:  # RFC 9110: a 405 names the methods the path allows
+            status, pieces, extra = _error(
+                405, f"{path} accepts {', '.join(methods)}, not {method}"
+            )
+            return status, pieces, [*extra, (b"allow", ", ".join(methods).encode())]
         rpc, handler = entry
         headers = dict(raw_headers)
         if self.auth is not None:
@@ -283,14 +287,18 @@ class RestApp:
 
     # --- health and metadata
 
+    # The Open Inference Protocol's bodies ({"live": true}, {"ready": true}, {"name", "ready"}):
+    # Triton sends none and its clients read only the status, but the KServe SDK's
+    # is_server_live / is_server_ready / is_model_ready parse them and fail on an empty body.
+
     def live(self, call: Call) -> Reply:
-        return 200, [], []
+        return _json({"live": True})
 
     def ready(self, call: Call) -> Reply:
         if self.plane.ready and not self.plane.draining:
-            return 200, [], []
+            return _json({"ready": True})
         why = "shutting down" if self.plane.draining else "still loading its models"
-        return _error(503, f"the server is not ready: {why}")
+        return _json({"ready": False, "error": f"the server is not ready: {why}"}, 503)
 
     def server_metadata(self, call: Call) -> Reply:
         return _json(
@@ -302,8 +310,8 @@ class RestApp:
         )
 
     def model_ready(self, call: Call) -> Reply:
-        self.plane.get(call.path["name"], call.version)  # NotFound: 404
-        return 200, [], []
+        entry = self.plane.get(call.path["name"], call.version)  # NotFound: 404
+        return _json({"name": entry.name, "ready": True})
 
     def model_metadata(self, call: Call) -> Reply:
         entry = self.plane.get(call.path["name"], call.version)

@@ -5,8 +5,8 @@ The REST counterpart of the gRPC converters in ``kserve.py``; it holds no busine
 * An infer body is JSON, or JSON followed by binary tensor data when the request has an
   ``Inference-Header-Content-Length`` header (the JSON's length). An input whose parameters
   carry ``binary_data_size`` takes that many bytes from the binary part, inputs in order;
-  every byte of the binary part must belong to an input. BYTES elements, in JSON or binary,
-  are decoded as UTF-8 text (invalid bytes become U+FFFD), as on gRPC.
+  every byte of the binary part must belong to an input. BYTES are bytes, as on gRPC: a
+  binary element that is not UTF-8 reaches the network as the bytes it is (``proto.tensors``).
 * JSON ``data`` may be flat or nested (row-major, flattened as Triton does); its element
   count must match the shape and its values the datatype (no float for an INT32, no boolean
   for a number, no number for a BOOL, values in range).
@@ -16,7 +16,10 @@ The REST counterpart of the gRPC converters in ``kserve.py``; it holds no busine
   from 8.4 to 3.3 ms. Everything else (small bodies, responses) is orjson.
 * An output is returned as binary data when its own ``binary_data`` parameter says so, else
   when the request's ``binary_data_output`` parameter does; JSON otherwise (flat, row-major,
-  as Triton). ``classification`` is refused, as on gRPC.
+  as Triton). A BYTES output holding an element that is not UTF-8 goes as binary data even
+  when JSON was asked for: JSON strings cannot carry it, and replacing its bytes would answer
+  OK with data the model never produced (Triton's clients read an output's
+  ``binary_data_size`` whether or not they asked for it). ``classification`` is refused, as on gRPC.
 * Statistics, model configuration and metadata are the JSON form of the same protobuf
   messages the gRPC service returns (:func:`message_json`), with 64-bit integers as numbers,
   as Triton's HTTP endpoint and perf_analyzer's HTTP client have them.
@@ -40,6 +43,7 @@ from plugserve.proto.tensors import (
     TensorFormatError,
     array_payload,
     check_shape,
+    check_string_count,
     decode_strings,
 )
 from plugserve.server.kserve_convert import (
@@ -353,6 +357,10 @@ def _from_values(
     if dtype == np.dtype(object):
         if not all(isinstance(v, str) for v in values):
             raise InvalidInput(f"{where}: BYTES data must be JSON strings")
+        try:
+            check_string_count(count, where)
+        except TensorFormatError as exc:
+            raise InvalidInput(str(exc)) from None
         array = np.empty(count, dtype=object)
         array[:] = values
         return array.reshape(shape)
@@ -394,9 +402,17 @@ def _kind_name(dtype: np.dtype) -> str:
 
 
 def _json_data(array: np.ndarray) -> Any:
+    """An output's JSON ``data``; None for BYTES that JSON cannot carry (sent as binary)."""
     if array.dtype.kind in "OUS":
-        return [v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
-                for v in array.ravel()]  # fmt: skip
+        values = []
+        for v in array.ravel():
+            if isinstance(v, bytes):
+                try:
+                    v = v.decode("utf-8")
+                except UnicodeDecodeError:
+                    return None
+            values.append(v if isinstance(v, str) else str(v))
+        return values
     if array.dtype == np.float16:  # orjson has no float16; float32 holds every value exactly
         array = array.astype(np.float32)
     return np.ascontiguousarray(array).reshape(-1)
@@ -415,12 +431,13 @@ def encode_infer(
             "datatype": datatype_of(array.dtype),
             "shape": list(array.shape),
         }
-        if call.binary.get(name, call.binary_default):
+        data = None if call.binary.get(name, call.binary_default) else _json_data(array)
+        if data is None:
             payload = array_payload(array)
             entry["parameters"] = {"binary_data_size": memoryview(payload).nbytes}
             payloads.append(payload)
         else:
-            entry["data"] = _json_data(array)
+            entry["data"] = data
         described.append(entry)
     response: dict[str, Any] = {"model_name": model, "model_version": str(version)}
     if call.id:

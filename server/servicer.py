@@ -10,11 +10,11 @@ from typing import Any
 import grpc
 
 from plugserve.plugins import cancel
-from plugserve.plugins.api import FailedPrecondition, InvalidArgument
+from plugserve.plugins.api import FailedPrecondition, InvalidArgument, PlugserveError
 from plugserve.proto import plugserve_pb2 as pb
 from plugserve.proto import plugserve_pb2_grpc as pb_grpc
 from plugserve.server.budget import GRPC_FACTOR
-from plugserve.server.dataplane import DataPlane
+from plugserve.server.dataplane import DataPlane, failed_to_load
 from plugserve.server.handlers import Inference, deadline
 from plugserve.server.plugserve_convert import (
     metric_json,
@@ -104,17 +104,23 @@ class PlugserveServicer(pb_grpc.PlugserveServicer):
 
     @_stops_when_gone
     def LoadNetwork(self, request, context):
-        model, device, config, batch = self._model(request.model)
-        config = {**config, **dict(request.config)}
-        entry, cached = self.plane.load(
-            request.name,
-            model,
-            request.device or device,
-            config,
-            request.persist,
-            request.version,
-            batch,
-        )
+        try:
+            model, device, config, batch = self._model(request.model)
+            config = {**config, **dict(request.config)}
+            entry, cached = self.plane.load(
+                request.name,
+                model,
+                request.device or device,
+                config,
+                request.persist,
+                request.version,
+                batch,
+            )
+        except PlugserveError as exc:  # Triton's words first, as on KServe
+            error = failed_to_load(request.name, exc)
+            if error is exc:
+                raise
+            raise error from exc
         response = pb.LoadNetworkResponse(loaded_from_cache=cached)
         network_info(response.network, entry)
         return response

@@ -117,6 +117,11 @@ class Settings:
     max_model_bytes: int = _field(
         0, "largest model or blob LoadNetwork/ImportNetwork accepts (0: no limit)"
     )
+    max_string_elements: int = _field(
+        1 << 22,
+        "most BYTES elements one request tensor may hold, checked before any is decoded (each "
+        "becomes a Python object: short strings grow ~15x in memory); more: INVALID_ARGUMENT",
+    )
     max_num_streams: int = _field(
         64,
         "largest NUM_STREAMS a load, import or SetConfig may ask for (each stream is a thread "
@@ -171,6 +176,7 @@ class Settings:
             ("max_inflight_bytes", -1, None),
             ("max_networks", 0, None),
             ("max_model_bytes", 0, None),
+            ("max_string_elements", 1, None),
             ("max_num_streams", 0, None),
             ("max_batch_size", 0, None),
             ("max_inference_threads", 0, None),

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +30,38 @@ _GEMM_OPS = frozenset(
      "Linear", "Attention", "ConvTranspose", "QLinearConv", "ConvInteger", "MatMulInteger"}
 )  # fmt: skip
 
+#: Ops whose kernels move string elements without reading them: a string input that reaches
+#: only these may carry bytes that are not UTF-8 (``TensorSpec.binary``); any other op (a
+#: text kernel, a comparison, a control-flow subgraph) is taken to read its strings as text.
+_MOVES_STRINGS = frozenset(
+    {"Identity", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose", "Concat", "Split",
+     "Slice", "Gather", "GatherElements", "GatherND", "Expand", "Tile", "Compress", "Where",
+     "Shape", "Size"}
+)  # fmt: skip
+
+
+def binary_inputs(graph: Graph) -> set[str]:
+    """The string inputs of ``graph`` whose elements every consumer only moves (followed
+    through those consumers' outputs)."""
+    users = graph.consumers()
+    found = set()
+    for spec in graph.inputs:
+        if spec.dtype != np.dtype(object):
+            continue
+        todo, seen, moved = [spec.name], {spec.name}, True
+        while todo and moved:
+            for node in users.get(todo.pop(), []):
+                if node.domain not in ("", "ai.onnx") or node.op_type not in _MOVES_STRINGS:
+                    moved = False
+                    break
+                for out in node.outputs:
+                    if out and out not in seen:
+                        seen.add(out)
+                        todo.append(out)
+        if moved:
+            found.add(spec.name)
+    return found
+
 
 class NumpyCompiledNetwork(CompiledNetwork):
     plugin: NumpyPlugin
@@ -43,7 +76,10 @@ class NumpyCompiledNetwork(CompiledNetwork):
         tuner: Tuner,
     ) -> None:
         super().__init__(plugin, original.name, config)
-        self._inputs = list(original.inputs)
+        binary = binary_inputs(original)
+        self._inputs = [
+            dataclasses.replace(s, binary=True) if s.name in binary else s for s in original.inputs
+        ]
         self._outputs = list(original.outputs)
         self.output_names = [o.name for o in self._outputs]
         self.transformed = transformed

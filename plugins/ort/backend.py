@@ -56,9 +56,7 @@ def _level(name: str) -> Any:
     }[name]
 
 
-def options(
-    level: str, threads: int, spin_us: int = 0, profile_prefix: str | None = None
-) -> Any:
+def options(level: str, threads: int, spin_us: int = 0, profile_prefix: str | None = None) -> Any:
     """``spin_us``: how long an idle intra-op thread busy-waits before it sleeps.
 
     Spinning is what makes a small network fast at batch 1: without it each parallel section

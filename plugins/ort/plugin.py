@@ -33,7 +33,7 @@ from plugserve.plugins.ir import (
     refuse_external_data,
     refuse_narrow_io,
 )
-from plugserve.plugins.ort import backend
+from plugserve.plugins.ort import backend, locales
 from plugserve.plugins.ort.compiled import OrtCompiledNetwork, spec_from_json
 from plugserve.plugins.ort.config import OrtConfiguration
 from plugserve.plugins.ort.query import KernelIndex, kernel_index, unsupported_nodes
@@ -82,6 +82,7 @@ class OrtPlugin(Plugin):
         proto, _ = read_model(model)  # external data inlined here, safely
         graph = load_model(proto)
         check_load_constants(graph, self.name)  # onnxruntime folds constants without a limit
+        locales.settle(proto, f"model {graph.name!r}")  # a StringNormalizer's missing locale
         try:
             data = proto.SerializeToString()
         except ValueError as exc:  # a model over protobuf's 2 GB limit
@@ -97,9 +98,7 @@ class OrtPlugin(Plugin):
         threads = cfg.threads_per_stream()
         level = cfg.get("GRAPH_OPTIMIZATION_LEVEL")
         try:
-            optimized, first = backend.optimize(
-                data, level, threads, cfg.get("SPIN_DURATION_US")
-            )
+            optimized, first = backend.optimize(data, level, threads, cfg.get("SPIN_DURATION_US"))
         except Exception as exc:
             raise self._load_error(graph, exc) from None
         sessions = [first] if backend.saved_level(level) == level else []
@@ -168,6 +167,8 @@ class OrtPlugin(Plugin):
         except Exception:
             raise InvalidArgument("exported network is corrupt (payload does not parse)") from None
         refuse_external_data(proto, "ImportNetwork")  # onnxruntime would read the files
+        if locales.settle(proto, f"exported network {name!r}"):  # made where the locale was
+            payload = proto.SerializeToString()
         try:
             graph = graph_from_proto(proto.graph, proto, name)
         except InvalidModel as exc:

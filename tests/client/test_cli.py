@@ -221,5 +221,5 @@ def test_export_and_import(cli, client, tmp_path):
 )
 def test_an_unknown_network_is_not_found(cli, args, tmp_path):
     result = cli(*args, ok=False, cwd=tmp_path)
-    assert "NOT_FOUND" in result.stderr and "is not loaded" in result.stderr
+    assert "NOT_FOUND: Request for unknown model: " in result.stderr
     assert not (tmp_path / "nope.blob").exists()

@@ -52,6 +52,9 @@ def test_dockerfile_shape():
     assert "EXPOSE 8000 8001 8002" in text
     assert "grpc_health.v1" in text.split("HEALTHCHECK", 1)[1]
     assert 'ENTRYPOINT ["plugserve", "serve", "--model-repository", "/models"]' in text
+    # a StringNormalizer model loads as meant: onnxruntime's default locale is generated
+    runtime = text.split("\nFROM ", 2)[2]
+    assert "en_US.UTF-8 UTF-8" in runtime and "locale-gen" in runtime
 
 
 def test_compose_references_what_we_ship():

@@ -254,11 +254,16 @@ def test_unknown_model_version_device(client, triton, server):
     feeds = {"a": A, "b": B}
     with pytest.raises(grpc.RpcError) as info:
         client.infer("nope", feeds)
-    assert info.value.code() == NOT_FOUND and "network 'nope' is not loaded" in info.value.details()
+    assert info.value.code() == NOT_FOUND
+    # Triton's words first (its clients match on them), then what is loaded
+    assert info.value.details().startswith("Request for unknown model: 'nope' is not found; ")
+    assert "loaded networks: " in info.value.details()
     with pytest.raises(grpc.RpcError) as info:
         client.infer("add", feeds, version=7)
     assert info.value.code() == NOT_FOUND
-    assert "network 'add' version 7 is not loaded" in info.value.details()
+    assert info.value.details().startswith(
+        "Request for unknown model: 'add' version 7 is not found; its loaded versions: "
+    )
     with pytest.raises(grpc.RpcError) as info:
         client.load("m", mlp().SerializeToString(), device="GPU")
     assert info.value.code() == NOT_FOUND and "unknown device 'GPU'" in info.value.details()

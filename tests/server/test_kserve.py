@@ -132,10 +132,13 @@ def test_model_metadata_errors(client):
     with pytest.raises(InferenceServerException) as info:
         client.get_model_metadata("no-such-model")
     assert _status(info) == "StatusCode.NOT_FOUND"
-    assert "'no-such-model' is not loaded" in info.value.message()
+    unknown = "Request for unknown model: 'no-such-model' is not found"
+    assert info.value.message().startswith(unknown)
     with pytest.raises(InferenceServerException) as info:
         client.get_model_metadata("mlp", "9")
     assert _status(info) == "StatusCode.NOT_FOUND"
+    unknown = "Request for unknown model: 'mlp' version 9 is not found"
+    assert info.value.message().startswith(unknown)
     with pytest.raises(InferenceServerException) as info:
         client.get_model_metadata("mlp", "v1")
     assert _status(info) == "StatusCode.INVALID_ARGUMENT"
@@ -286,7 +289,7 @@ def test_stream_infer(client):
         client.stop_stream()
     assert results == {f"s{k}": [k + 1, k + 2] for k in range(3)}
     assert len(errors) == 2
-    assert any("'no-such-model' is not loaded" in e for e in errors)
+    assert any("Request for unknown model: 'no-such-model' is not found" in e for e in errors)
     assert any("element type float64, expected float32" in e for e in errors)
 
 
@@ -395,7 +398,7 @@ def test_raw_and_typed_contents_mixed_is_invalid_argument(stub):
 @pytest.mark.parametrize(
     ("model", "version", "inputs", "code", "message"),
     [
-        ("no-such-model", "", lambda: _add_inputs([1], [1]), "NOT_FOUND", "is not loaded"),
+        ("no-such-model", "", lambda: _add_inputs([1], [1]), "NOT_FOUND", "is not found"),
         ("add", "5", lambda: _add_inputs([1], [1]), "NOT_FOUND", "'add' version 5"),
         ("add", "one", lambda: _add_inputs([1], [1]), "INVALID_ARGUMENT", "not an integer"),
         (
@@ -556,6 +559,7 @@ def test_load_errors(client):
     with pytest.raises(InferenceServerException) as info:
         client.load_model("no-such-model")
     assert _status(info) == "StatusCode.NOT_FOUND"
+    assert info.value.message().startswith("failed to load 'no-such-model': ")
     assert "not in the repository" in info.value.message()
     with pytest.raises(InferenceServerException) as info:
         client.load_model("../etc")

@@ -176,5 +176,13 @@ def test_load_with_config_and_file_overrides(repo, module):
             assert not (repo / "a" / "3").exists()
             client.load_model("b", config='{"max_batch_size": 0, "backend": "openvino"}')
             assert infer(client, "b") == 10.0  # the folder's model, the new configuration
+            # what Triton's simple_*_model_control examples check: a malformed override and an
+            # unknown model both say "failed to load" (first, with plugserve's reason after)
+            for name, config in (("b", '"parameters": {"config": {{"max_batch_size": "16"}}}'),
+                                 ("wrong_model_name", None)):  # fmt: skip
+                with pytest.raises(InferenceServerException) as info:
+                    client.load_model(name, config=config)
+                assert info.value.message().startswith(f"failed to load '{name}': "), info.value
+            assert infer(client, "b") == 10.0  # the failed reload left it serving
         finally:
             client.close()

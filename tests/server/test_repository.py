@@ -214,3 +214,26 @@ def test_model_name_leaves_a_repository_and_refuses_several_files(tmp_path):
         single_model_repository(tmp_path / "two", "x")
     with pytest.raises(InvalidArgument, match="invalid model name"):
         single_model_repository(repo, "../escape")
+
+
+def test_scratch_folders_are_removed_when_the_server_stops(tmp_path):
+    """A fresh machine's test run left ~200 empty plugserve-server-* folders (RunningServer's
+    working folder) and every --model-name server its plugserve-models-* folder in $TMPDIR."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    store = tmp_path / "mnt"
+    store.mkdir()
+    (store / "net.onnx").write_bytes(mlp(seed=1).SerializeToString())
+    server = RunningServer(
+        "--model-repository", str(store / "net.onnx"), "--model-name", "one",
+        env={"TMPDIR": str(scratch)},
+    )  # fmt: skip
+    with server:
+        assert Path(server.cwd).is_dir()
+        made = sorted(p.name for p in scratch.iterdir())
+        assert any(name.startswith("plugserve-models-") for name in made), made
+        with Client(server.target) as client:
+            assert client.infer("one", {"x": np.ones((1, 32), np.float32)})
+    assert not Path(server.cwd).exists()
+    # (openvino's telemetry keeps a session file there: not ours)
+    assert [p.name for p in scratch.iterdir() if p.name.startswith("plugserve-")] == []

@@ -98,9 +98,11 @@ def test_server_and_model_metadata(client):
         ("b", "FP32", [-1]),
     ]
     assert model["outputs"][0]["name"] == "sum"
-    with pytest.raises(InferenceServerException, match="not loaded") as info:
+    with pytest.raises(InferenceServerException) as info:
         client.get_model_metadata("nope")
     assert info.value.status() == "404"
+    # Triton's words first: its simple_http_infer_client checks them
+    assert info.value.message().startswith("Request for unknown model: 'nope' is not found")
 
 
 def test_model_config_is_triton_json_with_numbers(client):
@@ -128,6 +130,8 @@ def test_infer_a_named_version_with_an_id(client):
     with pytest.raises(InferenceServerException) as info:
         client.infer("add", _add([1], [2]), model_version="3")
     assert info.value.status() == "404"
+    unknown = "Request for unknown model: 'add' version 3 is not found"
+    assert info.value.message().startswith(unknown)
 
 
 def test_infer_matches_the_grpc_result_on_the_cnn(client, server):
@@ -353,10 +357,24 @@ def test_binary_output_by_hand(server):
 )
 def test_paths_and_methods(server, method, path, status):
     body = _infer_json([]) if method == "POST" else b""
-    got, _, reply = _request(server, method, path, body)
+    got, headers, reply = _request(server, method, path, body)
     assert got == status, reply
     if status >= 400:
         assert isinstance(reply["error"], str) and reply["error"]
+    if status == 405:  # RFC 9110: the methods the path allows
+        assert headers["allow"] == ("POST" if path.endswith("/infer") else "GET")
+
+
+def test_health_answers_carry_the_open_inference_protocol_bodies(server):
+    """The KServe SDK's is_server_live / is_server_ready / is_model_ready read these bodies
+    (Triton sends none and its clients read only the status)."""
+    assert _request(server, "GET", "/v2/health/live")[::2] == (200, {"live": True})
+    assert _request(server, "GET", "/v2/health/ready")[::2] == (200, {"ready": True})
+    assert _request(server, "GET", "/v2/models/add/ready")[::2] == (
+        200,
+        {"name": "add", "ready": True},
+    )
+    assert _request(server, "GET", "/v2/models/add/versions/1/ready")[2]["ready"] is True
 
 
 class _Replies:
@@ -404,7 +422,7 @@ def test_pipelined_requests_are_answered_in_order(server):
         status, _, body = replies.next()
         assert status == 200 and json.loads(body)["outputs"][0]["data"] == [3.0]
         status, headers, body = replies.next()
-        assert (status, body, headers["content-length"]) == (200, b"", "0")
+        assert (status, body, headers["content-length"]) == (200, b'{"live":true}', "13")
 
 
 def test_expect_100_continue_gets_its_interim_reply(server):
@@ -446,7 +464,7 @@ def test_head_gets_no_body(server):
         assert response.status == 405 and int(response.getheader("content-length")) > 0
         assert response.read() == b""
         status, _, body = replies.next()  # the next reply starts right after the head
-        assert (status, body) == (200, b"")
+        assert (status, json.loads(body)) == (200, {"live": True})
 
 
 @pytest.mark.parametrize("algorithm", ["gzip", "deflate"])

@@ -149,3 +149,32 @@ def test_a_network_gets_the_streams_its_config_asks_for(client):
         assert client.infer("wide", {"x": x})["y"].shape == (2, 10)
     finally:
         client.unload("wide")
+
+
+@pytest.mark.parametrize("package", ["grpc.reflection.v1", "grpc.reflection.v1alpha"])
+def test_reflection_answers_under_v1_and_v1alpha(server, package):
+    """Current tools (grpcurl, Postman, grpc-java) ask v1 first; older ones v1alpha. v1 has the
+    same messages as v1alpha under another package, so v1alpha's classes read the answers."""
+    from google.protobuf import descriptor_pb2
+    from grpc_reflection.v1alpha import reflection_pb2 as r
+
+    with grpc.insecure_channel(server.target) as channel:
+        call = channel.stream_stream(
+            f"/{package}.ServerReflection/ServerReflectionInfo",
+            request_serializer=r.ServerReflectionRequest.SerializeToString,
+            response_deserializer=r.ServerReflectionResponse.FromString,
+        )
+        requests = [
+            r.ServerReflectionRequest(list_services=""),
+            r.ServerReflectionRequest(file_containing_symbol="inference.GRPCInferenceService"),
+            r.ServerReflectionRequest(file_containing_symbol=f"{package}.ServerReflection"),
+        ]
+        listed, kserve, itself = list(call(iter(requests), timeout=30))
+    names = {s.name for s in listed.list_services_response.service}
+    assert {"grpc.reflection.v1.ServerReflection", "grpc.reflection.v1alpha.ServerReflection",
+            "inference.GRPCInferenceService", "plugserve.v1.Plugserve"} <= names  # fmt: skip
+    for answer in (kserve, itself):
+        assert not answer.HasField("error_response"), answer.error_response
+    files = [descriptor_pb2.FileDescriptorProto.FromString(f)
+             for f in itself.file_descriptor_response.file_descriptor_proto]  # fmt: skip
+    assert package in {f.package for f in files}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -51,7 +52,9 @@ class RunningServer:
         self.python = python
         self.env = {**os.environ, **(env or {})}
         # A server's relative paths (a client-chosen CACHE_DIR, say) land in a scratch folder,
-        # never in the checkout the tests run from.
+        # never in the checkout the tests run from; one made here is removed when the server
+        # stops (and made again if it is started again).
+        self._scratch = cwd is None
         self.cwd = cwd or tempfile.mkdtemp(prefix="plugserve-server-")
         self.process: subprocess.Popen | None = None
         self.lines: list[str] = []
@@ -84,6 +87,8 @@ class RunningServer:
         return "\n".join(self.lines)
 
     def start(self, wait_ready: bool = True, timeout: float = 120) -> RunningServer:
+        if self._scratch:
+            os.makedirs(self.cwd, exist_ok=True)
         self.process = subprocess.Popen(
             serve_command(*self.args, python=self.python),
             stdout=subprocess.PIPE,
@@ -143,6 +148,8 @@ class RunningServer:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait(10)
+        if self._scratch:
+            shutil.rmtree(self.cwd, ignore_errors=True)
         return self.process.returncode
 
     def __enter__(self) -> RunningServer:

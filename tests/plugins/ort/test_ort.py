@@ -556,3 +556,49 @@ def test_the_plugin_imports_no_server_code():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def _normalizer(**attrs) -> bytes:
+    model = helper.make_model(
+        helper.make_graph(
+            [helper.make_node("StringNormalizer", ["x"], ["y"], name="norm", **attrs)],
+            "text",
+            [helper.make_tensor_value_info("x", TensorProto.STRING, ["n"])],
+            [helper.make_tensor_value_info("y", TensorProto.STRING, ["n"])],
+        ),
+        opset_imports=[helper.make_opsetid("", 18)],
+    )
+    model.ir_version = 8
+    return model.SerializeToString()
+
+
+@pytest.mark.parametrize("attrs", [{}, {"locale": "xx_XX.UTF-8"}])
+def test_a_string_normalizer_whose_locale_is_missing_still_loads(core, attrs, caplog):
+    """onnxruntime fails the whole load when the node's locale (default en_US.UTF-8) is not
+    generated, as on a fresh Debian image; ORT runs it with C.UTF-8 and says how to install
+    the real one. (xx_XX exists nowhere, so that case runs on every machine.)"""
+    from plugserve.plugins.ort import locales
+
+    wanted = attrs.get("locale", locales.DEFAULT)
+    if locales.available(wanted):
+        pytest.skip(f"this machine has {wanted}: nothing to fall back from")
+    if not locales.available(locales.FALLBACK):
+        with pytest.raises(Unsupported, match="locale-gen"):
+            core.load_network(_normalizer(case_change_action="LOWER", **attrs), "ORT")
+        return
+    with caplog.at_level("WARNING", logger="plugserve.plugins.ort.locales"):
+        network = core.load_network(_normalizer(case_change_action="LOWER", **attrs), "ORT")
+    try:
+        out = network.create_infer_request().infer(
+            {"x": np.array(["\u00c9COLE", "\u0391\u0392\u0393", "Cat"], dtype=object)}
+        )
+        assert out["y"].tolist() == ["\u00e9cole", "\u03b1\u03b2\u03b3", "cat"]
+        # an export carries the fallback; importing it needs no locale either
+        again = core.import_network(network.export(), "ORT")
+        assert (
+            again.create_infer_request().infer({"x": np.array(["A"], dtype=object)})["y"][0] == "a"
+        )
+        again.close()
+    finally:
+        network.close()
+    assert f"asks for the {wanted} locale" in caplog.text and "locale-gen" in caplog.text
