@@ -42,6 +42,7 @@ from plugserve.server.repository import Repository, single_model_repository
 from plugserve.server.rest import RestApp, RestServer
 from plugserve.server.security import (
     AuthInterceptor,
+    LocalControlInterceptor,
     load_tokens,
     security_problems,
     server_credentials,
@@ -224,6 +225,14 @@ class Server:
             )
             if credentials is None:
                 log.warning("token auth without TLS: tokens cross the network in plaintext")
+        elif not s.allow_remote_control:
+            interceptors.append(LocalControlInterceptor())
+            log.info("no tokens: model control is taken from this machine only")
+        else:
+            log.warning(
+                "no tokens and --allow-remote-control 1: any client that reaches the ports "
+                "may load models and set device config"
+            )
         options = [
             ("grpc.max_send_message_length", s.max_message_bytes),
             ("grpc.max_receive_message_length", s.max_message_bytes),
@@ -261,7 +270,9 @@ class Server:
                 self._stop_grpc(0)
                 raise
         if s.http_port >= 0:
-            rest_app = RestApp(self.plane, s.max_message_bytes, auth)
+            rest_app = RestApp(
+                self.plane, s.max_message_bytes, auth, local_control=not s.allow_remote_control
+            )
             self.rest = RestServer(rest_app, s)
             self.http_port = self.rest.start()
         rest = f", HTTP {'https' if credentials else 'http'}://{s.host}:{self.http_port}"

@@ -50,6 +50,7 @@ from plugserve.server.deadlines import DeadlineWatch
 from plugserve.server.devices import parse_device
 from plugserve.server.metrics import Metrics, Recorder
 from plugserve.server.repository import Repository, check_name, is_version
+from plugserve.server.security import refuse_server_keys
 from plugserve.server.triton_config import (
     EVERY_VERSION,
     ModelSettings,
@@ -768,6 +769,9 @@ class DataPlane:
             entries, problems = overridden.scan()
             if problems:
                 raise InvalidArgument(f"model {name!r}: {'; '.join(problems)}")
+            for entry in entries:
+                settings = self._stored(name, entry.version, overridden)[1]
+                refuse_server_keys(settings.config, f"model {name!r}: the load's 'config'")
             if not entries:
                 raise InvalidArgument(f"model {name!r}: the overrides give no version to load")
             for entry in entries:

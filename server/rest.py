@@ -67,7 +67,7 @@ from plugserve.server.rest_convert import (
     parse_infer,
 )
 from plugserve.server.rest_http import HttpServer, Reply, error_reply
-from plugserve.server.security import HEALTH, KSERVE, AuthInterceptor
+from plugserve.server.security import HEALTH, KSERVE, AuthInterceptor, control_refusal
 from plugserve.server.settings import Settings
 
 __all__ = ["RestApp", "RestServer"]
@@ -136,11 +136,18 @@ class RestApp:
     """The application: route, authorize, inflate the body, call a handler, answer."""
 
     def __init__(
-        self, plane: DataPlane, max_body: int, auth: AuthInterceptor | None = None
+        self,
+        plane: DataPlane,
+        max_body: int,
+        auth: AuthInterceptor | None = None,
+        local_control: bool = False,
     ) -> None:
+        """``local_control``: without tokens, the admin routes answer this machine only
+        (``security.control_refusal``)."""
         self.plane = plane
         self.max_body = max_body
         self.auth = auth
+        self.local_control = local_control and auth is None
         #: large requests' decoding, running and encoding (the loop only does I/O for them)
         self.workers = ThreadPoolExecutor(
             max_workers=_WORKERS, thread_name_prefix="rest-worker"
@@ -190,10 +197,16 @@ class RestApp:
     # --- the entry point (server/rest_http.py calls it with the request read whole)
 
     def dispatch(
-        self, method: str, path: str, raw_headers: list[tuple[bytes, bytes]], body: bytes
+        self,
+        method: str,
+        path: str,
+        raw_headers: list[tuple[bytes, bytes]],
+        body: bytes,
+        peer: str = "127.0.0.1",
     ) -> Reply | Awaitable[Reply]:
         """Route, authorize, inflate and call a handler: its reply, or an awaitable of it
-        when the handler has to wait (an inference queued on its streams, a load)."""
+        when the handler has to wait (an inference queued on its streams, a load). ``peer``:
+        the client's address (in process: this machine)."""
         for pattern, handlers in self.routes:
             match = pattern.fullmatch(path)
             if match is not None:
@@ -217,6 +230,10 @@ class RestApp:
                 if code == grpc.StatusCode.UNAUTHENTICATED:
                     extra = [*extra, (b"www-authenticate", b"Bearer")]
                 return status, pieces, extra
+        elif self.local_control:
+            why = control_refusal(rpc, peer)
+            if why:
+                return _error(403, why)
         encoding = headers.get(b"content-encoding", b"identity").strip().lower()
         if encoding not in _WBITS:
             return _error(

@@ -57,7 +57,7 @@ MAX_HEADER_BYTES = 64 * 1024
 #: what a handler returns: status, body pieces, extra headers
 Reply = tuple[int, list[bytes | memoryview], list[tuple[bytes, bytes]]]
 #: method, path, headers (lower-case names), body -> a reply, or an awaitable of one
-Dispatch = Callable[[str, str, list[tuple[bytes, bytes]], bytes], "Reply | Awaitable[Reply]"]
+Dispatch = Callable[..., "Reply | Awaitable[Reply]"]  # (method, path, headers, body, peer)
 
 _JSON = [(b"content-type", b"application/json")]
 _NEVER = float("inf")
@@ -166,6 +166,7 @@ class Connection(asyncio.Protocol):
         self.server = server
         self.loop = asyncio.get_running_loop()
         self.transport: Any = None
+        self.peer = ""  # the client's address
         self.parser = httptools.HttpRequestParser(self)
         #: since when it waits for a request's headers (None: a request is under way)
         self.waiting_since: float | None = None
@@ -195,6 +196,8 @@ class Connection(asyncio.Protocol):
 
     def connection_made(self, transport: Any) -> None:  # type: ignore[override]
         self.transport = transport
+        peer = transport.get_extra_info("peername")
+        self.peer = str(peer[0]) if isinstance(peer, tuple) and peer else "unix:"
         server = self.server
         if len(server.connections) >= server.limit:
             # room for this one, with its request still under the limit when it comes
@@ -272,6 +275,17 @@ class Connection(asyncio.Protocol):
                 expect = value.strip().lower() == b"100-continue"
             elif name == b"inference-header-content-length":
                 binary = True
+            elif name == b"transfer-encoding":
+                codings = [c.strip() for c in value.lower().split(b",") if c.strip()]
+                if codings != [b"chunked"]:  # RFC 9112 6.1: an unknown coding is 501
+                    raise _Refused(
+                        501,
+                        f"Transfer-Encoding {value.decode('latin-1')!r} is not supported: send "
+                        "the body plain or chunked, and compress it with Content-Encoding "
+                        "(gzip or deflate) instead",
+                    )
+        if self.parser.get_method() == b"CONNECT":
+            raise _Refused(501, "CONNECT is not served: this is an inference server, not a proxy")
         if length is not None and length.isdigit() and int(length) > server.max_body:
             raise _Refused(413, server.too_large(int(length)))
         if server.budget is not None and server.budget.limit:
@@ -333,7 +347,7 @@ class Connection(asyncio.Protocol):
                 )
                 return
             try:
-                reply = self.server.dispatch(method, path, headers, body)
+                reply = self.server.dispatch(method, path, headers, body, self.peer)
             except Exception as exc:
                 reply = error_reply(*http_status_of(exc))
             if not isinstance(reply, tuple):  # its handler awaits: finish on the loop

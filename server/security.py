@@ -17,23 +17,31 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import logging
 import os
 import stat
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import grpc
 
+from plugserve.plugins.api import InvalidArgument
 from plugserve.server.settings import Settings
 
 __all__ = [
     "ADMIN",
     "INFER",
+    "REMOTE_CONTROL",
+    "SERVER_KEYS",
     "AuthInterceptor",
+    "LocalControlInterceptor",
     "Tokens",
+    "control_refusal",
+    "is_loopback",
     "load_tokens",
+    "refuse_server_keys",
     "required_role",
     "security_problems",
     "server_credentials",
@@ -116,6 +124,43 @@ def required_role(method: str, open_health: bool = True, open_reflection: bool =
     if service == KSERVE and name in _KSERVE_SETTERS:
         return INFER
     return _TABLE.get(method, ADMIN)
+
+
+#: Config keys only the server's operator sets (its --plugins file, the repository's files on
+#: disk): CACHE_DIR names a folder the server writes compiled networks into, and a remote
+#: client that chose it (a load with {"CACHE_DIR": "/etc"} was accepted) would choose where
+#: the server writes.
+SERVER_KEYS = frozenset({"CACHE_DIR"})
+
+
+def refuse_server_keys(config: Mapping[str, Any] | None, where: str) -> None:
+    """A client's config (a load's, an import's, SetConfig's, a load override's) may not set
+    :data:`SERVER_KEYS`: InvalidArgument saying where the operator sets them."""
+    taken = sorted(SERVER_KEYS.intersection(config or ()))
+    if taken:
+        raise InvalidArgument(
+            f"{where}: {', '.join(taken)} is the server's own setting, not a client's: the "
+            "folder the server writes compiled networks into is set by its operator (the "
+            "device config in the --plugins file), never by a request"
+        )
+
+
+def is_loopback(peer: str) -> bool:
+    """Whether a gRPC peer (``ipv4:127.0.0.1:5000``, ``ipv6:[::1]:5000``, ``unix:...``) or a
+    socket's host is on this machine."""
+    if peer.startswith("unix:") or peer.startswith("unix-abstract:"):
+        return True
+    host = peer
+    if peer.startswith(("ipv4:", "ipv6:")):
+        host = peer.split(":", 1)[1].rsplit(":", 1)[0].strip("[]")
+    host = host.split("%", 1)[0]
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return address.is_loopback
 
 
 def _digest(token: str | bytes) -> bytes:
@@ -311,3 +356,44 @@ class AuthInterceptor(grpc.ServerInterceptor):
         if handler is not None and service == KSERVE and name in _KSERVE_SETTERS:
             return _setter_checked(handler, method, role)
         return handler
+
+
+REMOTE_CONTROL = (
+    "model control (loads, unloads, imports, exports, SetConfig) is taken from this machine "
+    "only while no --auth-tokens are set; give the server --allow-remote-control 1, or "
+    "--auth-tokens with an 'admin' token for this client"
+)
+
+
+def control_refusal(method: str, peer: str) -> str:
+    """Why ``method`` (an admin one) may not be called from ``peer``: '' when it may."""
+    if required_role(method) != ADMIN or is_loopback(peer):
+        return ""
+    return f"{_short(method)} from {peer or 'a remote client'}: {REMOTE_CONTROL}"
+
+
+class LocalControlInterceptor(grpc.ServerInterceptor):
+    """Without tokens, the admin methods answer callers on this machine only (as Triton, whose
+    model control is off unless asked for): a server listening on 0.0.0.0 without
+    --auth-tokens no longer lets every network client load models or set device config.
+    The peer is known only once the call runs, so the handler is wrapped."""
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        method = handler_call_details.method
+        if handler is None or required_role(method) != ADMIN or handler.unary_unary is None:
+            return handler
+        behavior = handler.unary_unary
+
+        def local_only(request: Any, context: grpc.ServicerContext) -> Any:
+            why = control_refusal(method, context.peer())
+            if why:
+                log.warning("denied %s: remote peer %s, no tokens", method, context.peer())
+                context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
+            return behavior(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(
+            local_only,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )

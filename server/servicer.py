@@ -24,6 +24,7 @@ from plugserve.server.plugserve_convert import (
     stream_error,
     stream_response,
 )
+from plugserve.server.security import refuse_server_keys
 
 __all__ = ["PlugserveServicer"]
 
@@ -87,6 +88,7 @@ class PlugserveServicer(pb_grpc.PlugserveServicer):
         return pb.GetConfigResponse(config=plugin.config.to_strings())
 
     def SetConfig(self, request, context):
+        refuse_server_keys(request.config, "SetConfig")
         self.plane.core.set_config(dict(request.config), request.device or None)
         return pb.SetConfigResponse()
 
@@ -105,6 +107,7 @@ class PlugserveServicer(pb_grpc.PlugserveServicer):
     @_stops_when_gone
     def LoadNetwork(self, request, context):
         try:
+            refuse_server_keys(request.config, f"LoadNetwork of {request.name!r}")
             model, device, config, batch = self._model(request.model)
             config = {**config, **dict(request.config)}
             entry, cached = self.plane.load(
@@ -159,6 +162,7 @@ class PlugserveServicer(pb_grpc.PlugserveServicer):
 
     @_stops_when_gone
     def ImportNetwork(self, request, context):
+        refuse_server_keys(request.config, f"ImportNetwork of {request.name!r}")
         entry = self.plane.import_network(
             request.name, request.blob, request.device, dict(request.config)
         )

@@ -112,6 +112,11 @@ class Settings:
         "", "file of 'TOKEN ROLE' lines (roles: infer, admin); empty: no token auth"
     )
     open_health: int = _field(1, "1: the health service needs no token; 0: it needs one")
+    allow_remote_control: int = _field(
+        0,
+        "without --auth-tokens: 1 lets any client load, unload, import, export and set device "
+        "config; 0 takes them from this machine (loopback) only. With tokens, roles decide",
+    )
     open_reflection: int = _field(0, "1: reflection needs no token; 0: it needs one")
     max_networks: int = _field(0, "most network versions loaded at once (0: no limit)")
     max_model_bytes: int = _field(
@@ -193,7 +198,7 @@ class Settings:
                     f"{name}={value!r} must be "
                     + (f"between {low} and {high}" if high is not None else f">= {low}")
                 )
-        for name in ("exit_on_error", "reuse_grpc_port"):
+        for name in ("exit_on_error", "reuse_grpc_port", "allow_remote_control"):
             if getattr(self, name) not in (0, 1):
                 found.append(f"{name}={getattr(self, name)!r} must be 0 or 1")
         if self.model_control_mode not in _CONTROL_MODES:

@@ -194,7 +194,9 @@ def _parse_triton(where: str, text: str) -> ModelSettings:
     if streams:
         out.config["NUM_STREAMS"] = str(streams)
     out.policy = policy_of(config.version_policy, path)
-    out.model_file = config.default_model_filename or MODEL_FILE
+    out.model_file = plain_file_name(
+        config.default_model_filename or MODEL_FILE, f"{path}: default_model_filename"
+    )
     for key, value in config.parameters.items():
         if key.isupper():
             out.config[key] = value.string_value
@@ -296,6 +298,24 @@ def _ovms_policy(raw: Any, where: str) -> VersionPolicy:
 # --------------------------------------------------------------------------- load overrides
 
 
+def plain_file_name(value: str, where: str) -> str:
+    """``value`` if it names a file in one folder (no separator, not ``.``/``..`` or hidden,
+    no NUL or control character), else InvalidArgument: a model's configuration and a load's
+    overrides name files the server opens or writes, inside the model's folder only."""
+    if (
+        not value
+        or "/" in value
+        or "\\" in value
+        or value.startswith(".")
+        or any(ord(c) < 32 or ord(c) == 127 for c in value)
+    ):
+        raise InvalidArgument(
+            f"{where}: {value!r} must be a plain file name (no folders, no control characters, "
+            "not starting with '.')"
+        )
+    return value
+
+
 def write_overrides(folder: Path, name: str, config: str | None, files: dict[str, bytes]) -> None:
     """A model folder from Triton's load overrides: ``config`` (ModelConfig JSON) as its
     config.pbtxt, each ``<version>/<file name>`` written inside ``folder`` and nowhere else."""
@@ -307,18 +327,11 @@ def write_overrides(folder: Path, name: str, config: str | None, files: dict[str
         (folder / TRITON_FILE).write_text(text_format.MessageToString(message))
     for key, data in files.items():
         version, _, file_name = key.partition("/")
-        if (
-            not version.isdigit()
-            or version.startswith("0")
-            or not file_name
-            or "/" in file_name
-            or "\\" in file_name
-            or file_name in (".", "..")
-            or file_name.startswith(".")
-        ):
+        if not version.isdigit() or version.startswith("0") or not file_name:
             raise InvalidArgument(
-                f"model {name!r}: override 'file:{key}': expected file:<version>/<file name>, "
+                f"model {name!r}: override {'file:' + key!r}: expected file:<version>/<file name>, "
                 "a version number and a plain file name (no folders)"
             )
+        plain_file_name(file_name, f"model {name!r}: override {'file:' + key!r}")
         (folder / version).mkdir(exist_ok=True)
         (folder / version / file_name).write_bytes(data)

@@ -35,7 +35,7 @@ def _values(field: dataclasses.Field) -> tuple[str, str]:
         return "json", "text"
     if field.name == "model_control_mode":
         return "poll", "explicit"
-    if field.name in ("exit_on_error", "reuse_grpc_port"):  # 0 or 1
+    if field.name in ("exit_on_error", "reuse_grpc_port", "allow_remote_control"):  # 0 or 1
         return str(1 - field.default), str(field.default)
     if isinstance(field.default, float):
         return "2.5", "4.0"
