@@ -110,7 +110,10 @@ def made_up_inputs(single: onnx.ModelProto) -> dict[str, np.ndarray] | None:
             return None
         if dtype.kind not in "biuf":
             return None
-        shape = [d.dim_value if d.HasField("dim_value") else DIM for d in tensor.shape.dim]
+        shape = [
+            d.dim_value if d.HasField("dim_value") and d.dim_value >= 0 else DIM
+            for d in tensor.shape.dim
+        ]
         if dtype.kind == "f":
             feeds[value.name] = rng.uniform(-2.0, 2.0, shape).astype(dtype)
         elif dtype.kind == "b":

@@ -47,6 +47,16 @@ def wrong_piece(
     made-up data ('' when it agrees or cannot be checked)."""
     if piece.device.split(".")[0] == REFERENCE or REFERENCE not in devices.available_devices:
         return ""
+    try:
+        return _verdict(devices, piece, network, config)
+    except Exception:  # a check that cannot be made gives no verdict, never a failure
+        log.debug("HETERO: checking a piece on %s failed", piece.device, exc_info=True)
+        return ""
+
+
+def _verdict(
+    devices: Devices, piece: Piece, network: CompiledNetwork, config: dict[str, Any]
+) -> str:
     feeds = made_up_inputs(piece.model)
     if feeds is None:
         return ""

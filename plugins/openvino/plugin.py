@@ -166,6 +166,9 @@ class OpenvinoPlugin(Plugin):
                 f"model {graph.name!r}: device {self.name} will not run node(s) "
                 f"{listing(loops, plain=True)}: {_LOOPS}"
             )
+        # openvino truncates float8 without saturating, gives it out as bits and 4-/2-bit types
+        # packed; bfloat16 it computes, and it crosses as bits (request.py)
+        refuse_narrow_io(graph, self.name, keep={"bfloat16"}, everywhere=True)
         wrong = self._verify(cfg, graph, proto, {n.name for n in graph.nodes})
         if wrong:
             why = next(iter(wrong.values()))
@@ -174,9 +177,6 @@ class OpenvinoPlugin(Plugin):
                 f"{listing(list(wrong), plain=True)}: {why}; HETERO:OPENVINO,NUMPY runs the "
                 "rest of the model on openvino and these on NUMPY"
             )
-        # openvino truncates float8 without saturating, gives it out as bits and 4-/2-bit types
-        # packed; bfloat16 it computes, and it crosses as bits (request.py)
-        refuse_narrow_io(graph, self.name, keep={"bfloat16"}, everywhere=True)
         names = Names(graph, proto)
         try:
             ov_model = self.core.read_model(data)
@@ -223,9 +223,6 @@ class OpenvinoPlugin(Plugin):
         cfg = self.merged_config(config, strict=False)
         graph, proto, data = self._read(model)
         supported, why = self._ask_openvino(cfg, graph, proto, data)
-        for name, reason in self._verify(cfg, graph, proto, supported).items():
-            supported.discard(name)
-            why[name] = reason
         if not cfg.get("UNBOUNDED_LOOPS"):
             for name in unbounded_loops(graph):
                 if name in supported:
@@ -238,6 +235,9 @@ class OpenvinoPlugin(Plugin):
                 why[node.name] = (
                     f"reads or writes {narrow}, which openvino does not compute as ONNX says"
                 )
+        for name, reason in self._verify(cfg, graph, proto, supported).items():
+            supported.discard(name)
+            why[name] = reason
         return supported, why
 
     def _verify(
