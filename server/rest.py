@@ -53,7 +53,7 @@ from plugserve.plugins import cancel
 from plugserve.plugins.api import InvalidInput, PlugserveError, ResourceExhausted, Unsupported
 from plugserve.plugins.version import plugserve_version
 from plugserve.proto import grpc_service_pb2 as pb
-from plugserve.server import kserve, kserve_convert
+from plugserve.server import kserve, kserve_convert, rest_offload
 from plugserve.server.budget import body_factor
 from plugserve.server.dataplane import DataPlane, LoadedNetwork
 from plugserve.server.errors import HTTP_STATUS
@@ -380,7 +380,12 @@ class RestApp:
         """A large request, on a worker thread: decode, run (inline when a stream is idle,
         as a gRPC unary call does), encode."""
         header_length = _text(call.headers.get(HEADER_LENGTH.encode()))
-        request = parse_infer(call.body, header_length, entry.expect)
+        if header_length is None and len(call.body) > rest_offload.PROCESS_BYTES:
+            request = rest_offload.decode(call.body)  # parsing here would stall the loop
+            for name, array in request.inputs.items():
+                entry.expect(name, array.dtype, list(array.shape))
+        else:
+            request = parse_infer(call.body, header_length, entry.expect)
         deadline = time.monotonic() + request.timeout if request.timeout else None
         future = self.plane.submit(
             entry, request.inputs, request.outputs, deadline, inline=True, token=token
@@ -452,7 +457,14 @@ class RestApp:
 
 
 def _infer_reply(entry: LoadedNetwork, request: InferCall, outputs: dict[str, Any]) -> Reply:
-    pieces, header_length = encode_infer(entry.name, entry.version, request, outputs)
+    """The answer; JSON tensors over rest_offload.PROCESS_BYTES are written by the helper
+    process (only ever on a worker thread: larger answers never reach here on the loop)."""
+    if _bytes_of(outputs) > rest_offload.PROCESS_BYTES and any(
+        not request.binary.get(name, request.binary_default) for name in outputs
+    ):
+        pieces, header_length = rest_offload.encode(entry.name, entry.version, request, outputs)
+    else:
+        pieces, header_length = encode_infer(entry.name, entry.version, request, outputs)
     if header_length is None:
         return 200, pieces, _JSON
     return (
@@ -567,6 +579,7 @@ class RestServer:
 
     def stop(self, grace: float = 5.0) -> None:
         self.app.workers.shutdown(wait=False, cancel_futures=True)
+        rest_offload.shutdown()
         if self._loop is None or self._stop is None:
             return
         self._grace = min(grace, 5.0)
