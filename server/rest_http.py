@@ -183,6 +183,7 @@ class Connection(asyncio.Protocol):
         self.task: asyncio.Task | None = None  # what a request being served awaits, if any
         self.paused = False  # the peer is not reading: no further request until it does
         self.closed = False
+        self.last = False  # the parser reads no further request: close after those taken
         self.reading = False  # a request's first bytes came, not yet all of it
         self.pending: deque[
             tuple[str, str, list[tuple[bytes, bytes]], bytes, bool, Charge | None]
@@ -221,7 +222,12 @@ class Connection(asyncio.Protocol):
                 raise
             self._fail(refused.status, refused.message)
         except httptools.HttpParserUpgrade:
-            self._fail(400, "connection upgrades are not supported on this port")
+            # The request asking for the upgrade was read whole and is answered as a plain one
+            # (a server may ignore Upgrade); the parser reads nothing after it, so the
+            # connection closes once it is answered (a second, 400 reply followed it before).
+            self.last = True
+            if not self.busy and not self.pending:
+                self.close()
         except httptools.HttpParserError as exc:
             self._fail(400, f"malformed HTTP request: {exc}")
 
@@ -398,6 +404,7 @@ class Connection(asyncio.Protocol):
         if self.closed:  # the client left: its answer is dropped
             return False
         status, pieces, headers = reply
+        keep_alive = keep_alive and not (self.last and not self.pending)
         length = 0
         for piece in pieces:
             length += memoryview(piece).nbytes

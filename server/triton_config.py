@@ -308,10 +308,12 @@ def plain_file_name(value: str, where: str) -> str:
         or "\\" in value
         or value.startswith(".")
         or any(ord(c) < 32 or ord(c) == 127 for c in value)
+        or len(value.encode("utf-8", "replace")) > 255  # NAME_MAX: OSError, not the client's
+        or any(0xD800 <= ord(c) <= 0xDFFF for c in value)  # a lone surrogate cannot be encoded
     ):
         raise InvalidArgument(
-            f"{where}: {value!r} must be a plain file name (no folders, no control characters, "
-            "not starting with '.')"
+            f"{where}: {value[:80]!r} must be a plain file name (no folders, no control "
+            "characters, not starting with '.', at most 255 bytes of UTF-8)"
         )
     return value
 

@@ -95,8 +95,15 @@ def test_cache_dir_is_not_a_clients_to_choose(server, repo):
             "default_model_filename",
         ),
         ({"backend": "onnxruntime"}, {"file:1/../x.onnx": "model"}, "plain file name"),
+        # over NAME_MAX: the write failed with OSError, answered INTERNAL
+        ({"backend": "onnxruntime"}, {"file:1/" + "x" * 300: "model"}, "plain file name"),
     ],
-    ids=["nul-in-a-file-name", "default-model-filename-outside", "a-folder-in-a-file-name"],
+    ids=[
+        "nul-in-a-file-name",
+        "default-model-filename-outside",
+        "a-folder-in-a-file-name",
+        "a-file-name-over-255-bytes",
+    ],
 )
 def test_bad_overrides_answer_400_not_internal(server, repo, config, files, says):
     data = model_bytes(repo)
@@ -220,6 +227,13 @@ def test_http_transfer_codings_other_than_chunked_and_connect_are_answered_501(s
     assert reply.startswith(b"HTTP/1.1 501") and b"Transfer-Encoding 'gzip, chunked'" in reply
     reply = exchange(b"CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\n\r\n")
     assert reply.startswith(b"HTTP/1.1 501") and b"not a proxy" in reply
+    # a request asking for an upgrade is answered once, as a plain request, then closed (the
+    # parser reads nothing after it); it got a second, 400 reply before
+    reply = exchange(
+        b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\n"
+        b"Upgrade: websocket\r\n\r\n"
+    )
+    assert reply.startswith(b"HTTP/1.1 200") and reply.count(b"HTTP/1.1") == 1, reply
     answer = urllib.request.urlopen(f"{server.http_url}/v2/health/live", timeout=10)
     assert answer.status == 200
     with pytest.raises(urllib.error.HTTPError):
