@@ -12,7 +12,8 @@ What a request is charged (measured here; ``tests/server/test_budget.py``):
 
 * a REST body with JSON tensors: :data:`JSON_FACTOR` x its size. simdjson's tape takes 16
   bytes per number and the array its element size, so a body of small integers ("0,0,...",
-  2 bytes a number) peaked at 17-19x its size while it was decoded, floats at 4.6x;
+  2 bytes a number) peaked at 17-19x its size while it was decoded, short floats ("0.5,") at
+  10x, random float32 at 4.6x;
 * any other REST body (Triton's binary tensor extension, its JSON header small): 2x (the
   body as read, then joined);
 * another REST body (a repository load's JSON, its files in base64): 3x;
