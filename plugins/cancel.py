@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator
 
 from plugserve.plugins.errors import Cancelled, PlugserveError
 
-__all__ = ["Token", "check", "checkpoint", "current", "running", "stop_when"]
+__all__ = ["Token", "check", "checkpoint", "current", "enter", "leave", "running", "stop_when"]
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +132,16 @@ def running(token: Token) -> Iterator[Token]:
         yield token
     finally:
         _token.reset(reset)
+
+
+def enter(token: Token) -> contextvars.Token:
+    """:func:`running` without a context manager, for a per-request hot path: pass what it
+    returns to :func:`leave`."""
+    return _token.set(token)
+
+
+def leave(entered: contextvars.Token) -> None:
+    _token.reset(entered)
 
 
 def current() -> Token | None:

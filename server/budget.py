@@ -103,6 +103,10 @@ class Charge:
             budget._give_back(self.nbytes)
 
 
+#: The charge of nothing (a request whose bytes its protocol charged already).
+_NOTHING = Charge(None, 0)
+
+
 class MemoryBudget:
     def __init__(self, limit: int) -> None:
         """``limit``: bytes in flight at most (0: no limit, nothing is counted)."""
@@ -113,8 +117,8 @@ class MemoryBudget:
     def charge(self, nbytes: int, what: str, onto: Charge | None = None) -> Charge:
         """Take ``nbytes`` for a request (added ``onto`` a charge it already holds), or raise
         ResourceExhausted if they do not fit."""
-        if not self.limit:
-            return onto if onto is not None else Charge(None, 0)
+        if not self.limit or (not nbytes and onto is None):
+            return onto if onto is not None else _NOTHING
         with self._lock:
             if self.used + nbytes > self.limit:
                 used = self.used

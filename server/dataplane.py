@@ -510,9 +510,9 @@ class DataPlane:
                     f"network {name!r}: the deadline passed while queued "
                     f"({started - admitted:.3f} s in the queue)"
                 )
+            entered = cancel.enter(token)
             try:
-                with cancel.running(token):
-                    result = request.infer_checked(arrays)  # checked once, above
+                result = request.infer_checked(arrays)  # checked once, above
             except PlugserveError:
                 raise
             except Exception as exc:  # the device's own failure: INTERNAL, naming it
@@ -522,6 +522,8 @@ class DataPlane:
                 raise InferenceError(
                     f"network {name!r} on {entry.device}: {type(exc).__name__}: {exc}"
                 ) from exc
+            finally:
+                cancel.leave(entered)
             finished = time.perf_counter()
             if entry.perf_enabled:
                 recorder.layers(request.get_performance_counts())
