@@ -73,11 +73,13 @@ class Token:
     briefly); one registered after the cancellation runs at once.
     """
 
-    __slots__ = ("_callbacks", "_lock", "error")
+    __slots__ = ("_callbacks", "_lock", "error", "finished")
 
     def __init__(self) -> None:
         #: the error the run raises once cancelled (None: not cancelled)
         self.error: PlugserveError | None = None
+        #: the run is over: cancelling now does nothing (and costs nothing)
+        self.finished = False
         self._callbacks: list[Callable[[], object]] = []
         self._lock = threading.Lock()
 
@@ -86,9 +88,12 @@ class Token:
         return self.error is not None
 
     def cancel(self, error: PlugserveError | None = None) -> bool:
-        """Cancel with ``error`` (default: :class:`Cancelled`); False if it already was."""
+        """Cancel with ``error`` (default: :class:`Cancelled`); False if it already was, or
+        the run is over."""
+        if self.finished:
+            return False
         with self._lock:
-            if self.error is not None:
+            if self.error is not None or self.finished:
                 return False
             self.error = error if error is not None else Cancelled("the request was cancelled")
             callbacks, self._callbacks = self._callbacks, []
@@ -98,6 +103,13 @@ class Token:
             except Exception:  # one backend's failing interrupt must not stop the others
                 log.exception("interrupting a cancelled run failed")
         return True
+
+    def finish(self) -> None:
+        """The run is over (its owner says so): later cancels are no-ops, and the callbacks
+        (and what they hold) are let go."""
+        with self._lock:
+            self.finished = True
+            self._callbacks = []
 
     def on_cancel(self, callback: Callable[[], object]) -> Callable[[], None]:
         """Call ``callback`` when cancelled (now, if it is); returns what unregisters it."""
@@ -109,8 +121,10 @@ class Token:
         return _nothing
 
     def _forget(self, callback: Callable[[], object]) -> None:
-        with self._lock, contextlib.suppress(ValueError):
-            self._callbacks.remove(callback)
+        with self._lock:  # once per run on ORT and OPENVINO: kept cheap
+            callbacks = self._callbacks
+            if callback in callbacks:
+                callbacks.remove(callback)
 
     def raise_if_cancelled(self) -> None:
         if self.error is not None:

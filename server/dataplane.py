@@ -613,6 +613,7 @@ class DataPlane:
     ) -> None:
         """Successes are recorded where they ran; here the admitted ones that failed."""
         self.deadlines.forget(token)
+        token.finish()
         charge.release()
         with self._inflight_lock:
             self._inflight -= 1

@@ -98,7 +98,7 @@ def call_token(context: grpc.ServicerContext) -> cancel.Token:
     token = cancel.Token()
 
     def ended() -> None:
-        if token.error is not None:
+        if token.error is not None or token.finished:  # answered: the usual end of a call
             return
         remaining = context.time_remaining()
         # grpc ends a call at its deadline by its own clock, a hair before ours

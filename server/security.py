@@ -378,10 +378,18 @@ class LocalControlInterceptor(grpc.ServerInterceptor):
     --auth-tokens no longer lets every network client load models or set device config.
     The peer is known only once the call runs, so the handler is wrapped."""
 
+    def __init__(self) -> None:
+        self._admin: dict[str, bool] = {}  # method -> whether it needs admin (per call: cached)
+
     def intercept_service(self, continuation, handler_call_details):
-        handler = continuation(handler_call_details)
         method = handler_call_details.method
-        if handler is None or required_role(method) != ADMIN or handler.unary_unary is None:
+        admin = self._admin.get(method)
+        if admin is None:
+            admin = self._admin[method] = required_role(method) == ADMIN
+            if len(self._admin) > 4096:  # unknown method names are a client's to invent
+                self._admin.clear()
+        handler = continuation(handler_call_details)
+        if not admin or handler is None or handler.unary_unary is None:
             return handler
         behavior = handler.unary_unary
 
