@@ -84,9 +84,9 @@ class WorkersBusy(PlugserveError):
     code = "UNAVAILABLE"
 
 
-#: A request body (and a reply's tensors) up to this size is decoded (encoded) on the event
-#: loop: a 64 KiB JSON body parses in about 0.1 ms here, so the loop stalls no longer than
-#: that; a larger one goes to a worker thread, so a 200 MB body delays nobody else.
+#: A JSON request body (and a reply's tensors) up to this size is decoded (encoded) on the
+#: event loop: a 64 KiB JSON body parses in about 0.1 ms here, so the loop stalls no longer
+#: than that; a larger one goes to a worker thread, so a 200 MB body delays nobody else.
 INLINE_BYTES = 64 << 10
 #: A compressed body is inflated, and charged to the memory budget, this much at a time.
 _INFLATE_STEP = 16 << 20
@@ -152,8 +152,10 @@ class RestApp:
         self.workers = ThreadPoolExecutor(
             max_workers=_WORKERS, thread_name_prefix="rest-worker"
         )
-        #: most large requests given to the workers at once (queued or working); more: 503
-        self.worker_queue = 4 * _WORKERS
+        #: most large requests given to the workers at once (queued or working); more: 503.
+        #: Each connection has one request served at a time, so the connection limit bounds
+        #: them already (RestServer sets it to that); this is a backstop.
+        self.worker_queue = 256
         self._in_workers = 0  # only the loop's thread counts
         model = r"/v2/models/(?P<name>[^/]+)(?:/versions/(?P<version>[^/]+))?"
         unsupported = {
@@ -355,9 +357,11 @@ class RestApp:
 
     def infer(self, call: Call) -> Reply | Awaitable[Reply]:
         entry = self.plane.get(call.path["name"], call.version)
-        if len(call.body) > INLINE_BYTES:  # decoding it would stall the loop: a worker does all
-            return self._in_worker(self._infer_whole, entry, call, cancel.Token())
         header_length = _text(call.headers.get(HEADER_LENGTH.encode()))
+        if header_length is None and len(call.body) > INLINE_BYTES:
+            # decoding this much JSON would stall the loop: a worker does it all (binary
+            # tensors are views of the body, decoded in no time: they stay)
+            return self._in_worker(self._infer_whole, entry, call, cancel.Token())
         request = parse_infer(call.body, header_length, entry.expect)
         deadline = time.monotonic() + request.timeout if request.timeout else None
         future = self.plane.submit(
@@ -532,6 +536,7 @@ class RestServer:
             if s.tls_client_ca:
                 context.load_verify_locations(s.tls_client_ca)
                 context.verify_mode = ssl.CERT_REQUIRED
+        self.app.worker_queue = 4 * s.grpc_workers  # the connection limit below
         server = HttpServer(
             self.app.dispatch,
             self.app.max_body,
