@@ -114,6 +114,10 @@ class MemoryBudget:
         self.used = 0
         self._lock = threading.Lock()
 
+    def holder(self) -> Charge:
+        """An empty charge to add to step by step (:meth:`charge` ``onto`` it)."""
+        return Charge(self if self.limit else None, 0)
+
     def charge(self, nbytes: int, what: str, onto: Charge | None = None) -> Charge:
         """Take ``nbytes`` for a request (added ``onto`` a charge it already holds), or raise
         ResourceExhausted if they do not fit."""

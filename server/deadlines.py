@@ -64,9 +64,6 @@ class DeadlineWatch:
             token.cancel(error())
         return len(tokens)
 
-    def __len__(self) -> int:
-        return len(self._due)
-
     def close(self) -> None:
         with self._cond:
             self._closed = True

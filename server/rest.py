@@ -88,7 +88,10 @@ class WorkersBusy(PlugserveError):
 #: event loop: a 64 KiB JSON body parses in about 0.1 ms here, so the loop stalls no longer
 #: than that; a larger one goes to a worker thread, so a 200 MB body delays nobody else.
 INLINE_BYTES = 64 << 10
-#: A compressed body is inflated, and charged to the memory budget, this much at a time.
+#: A compressed body is inflated, and charged to the memory budget, a step at a time: the
+#: first this small, each next as large as what came so far (charged at most 2x), at most
+#: _INFLATE_STEP.
+_FIRST_INFLATE_STEP = 64 << 10
 _INFLATE_STEP = 16 << 20
 #: REST worker threads: decoding is CPU-bound and holds the GIL part of the time.
 _WORKERS = max(2, min(8, os.cpu_count() or 2))
@@ -149,9 +152,7 @@ class RestApp:
         self.auth = auth
         self.local_control = local_control and auth is None
         #: large requests' decoding, running and encoding (the loop only does I/O for them)
-        self.workers = ThreadPoolExecutor(
-            max_workers=_WORKERS, thread_name_prefix="rest-worker"
-        )
+        self.workers = ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="rest-worker")
         #: most large requests given to the workers at once (queued or working); more: 503.
         #: Each connection has one request served at a time, so the connection limit bounds
         #: them already (RestServer sets it to that); this is a backstop.
@@ -260,7 +261,7 @@ class RestApp:
     ) -> Reply:
         """A compressed body, inflated on a worker (a 1 MB gzip body can be 1 GB inflated)
         and charged as it inflates; then its handler, the charge held until it answers."""
-        charge = self.plane.budget.charge(0, "this request")
+        charge = self.plane.budget.holder()
         try:
             try:
                 data = await self._in_worker(self._inflate, body, wbits, factor, charge)
@@ -280,8 +281,8 @@ class RestApp:
         pieces: list[bytes] = []
         size = 0
         try:
-            while True:
-                step = min(_INFLATE_STEP, self.max_body + 1 - size)
+            while True:  # steps grow with what came (a small body is not charged 16 MiB)
+                step = min(max(_FIRST_INFLATE_STEP, size), _INFLATE_STEP, self.max_body + 1 - size)
                 if charge is not None:
                     self.plane.budget.charge(step * factor, "this compressed request", charge)
                 piece = inflater.decompress(body, step)
@@ -361,7 +362,8 @@ class RestApp:
         if header_length is None and len(call.body) > INLINE_BYTES:
             # decoding this much JSON would stall the loop: a worker does it all (binary
             # tensors are views of the body, decoded in no time: they stay)
-            return self._in_worker(self._infer_whole, entry, call, cancel.Token())
+            token = cancel.Token()
+            return self._in_worker(self._infer_whole, entry, call, token, token=token)
         request = parse_infer(call.body, header_length, entry.expect)
         deadline = time.monotonic() + request.timeout if request.timeout else None
         future = self.plane.submit(
@@ -396,21 +398,22 @@ class RestApp:
         )
         return _infer_reply(entry, request, future.result())
 
-    def _in_worker(self, fn: Callable[..., Reply], *args: Any) -> Awaitable[Reply]:
+    def _in_worker(
+        self, fn: Callable[..., Any], *args: Any, token: cancel.Token | None = None
+    ) -> Awaitable[Any]:
         """``fn(*args)`` on the bounded worker pool, or a 503 at once when it is full. A
-        client that goes away cancels what awaits this, and so the request's token."""
+        client that goes away cancels what awaits this, and so ``token``."""
         if self._in_workers >= self.worker_queue:
             raise WorkersBusy(
                 f"the REST workers are busy with {self._in_workers} large requests "
                 "(decoding, running or encoding); retry later"
             )
         self._in_workers += 1
-        token = next((a for a in args if isinstance(a, cancel.Token)), None)
         return self._await_worker(fn, args, token)
 
     async def _await_worker(
-        self, fn: Callable[..., Reply], args: tuple[Any, ...], token: cancel.Token | None
-    ) -> Reply:
+        self, fn: Callable[..., Any], args: tuple[Any, ...], token: cancel.Token | None
+    ) -> Any:
         try:
             return await asyncio.get_running_loop().run_in_executor(self.workers, fn, *args)
         except asyncio.CancelledError:
