@@ -120,8 +120,9 @@ def _describe(network) -> str:
         dims = ",".join(n or ("?" if d < 0 else str(d)) for d, n in zip(s.shape, s.dim_names))
         return f"{s.name}:{s.dtype}[{dims}]"
 
+    precision = f" ({network.precision})" if network.precision else ""
     return (
-        f"{network.name} v{network.version} on {network.device}: "
+        f"{network.name} v{network.version} on {network.device}{precision}: "
         f"inputs {' '.join(spec(s) for s in network.inputs)} -> "
         f"outputs {' '.join(spec(s) for s in network.outputs)}"
     )

@@ -62,6 +62,7 @@ __all__ = [
     "available_cores",
     "check_input_shape",
     "device_refusals",
+    "joined_precision",
     "listing",
     "refusal_reasons",
     "refuse_non_tensors",
@@ -103,6 +104,13 @@ def _parse_hint(value: str) -> str:
     text = str(value).strip().upper()
     if text not in ("LATENCY", "THROUGHPUT", ""):
         raise ValueError("expected LATENCY or THROUGHPUT")
+    return text
+
+
+def _parse_mode(value: str) -> str:
+    text = str(value).strip().upper()
+    if text not in ("PERFORMANCE", "ACCURACY"):
+        raise ValueError("expected PERFORMANCE or ACCURACY")
     return text
 
 
@@ -155,6 +163,15 @@ class Configuration:
         ConfigKey("DEVICE_ID", "", doc="which device of this plugin's kind"),
         ConfigKey("PERF_COUNT", False, **BOOL, doc="collect per-node timings"),
         ConfigKey("PERFORMANCE_HINT", "LATENCY", _parse_hint, doc="LATENCY or THROUGHPUT"),
+        ConfigKey(
+            "EXECUTION_MODE_HINT",
+            "PERFORMANCE",
+            _parse_mode,
+            doc=(
+                "PERFORMANCE (default): the device's fastest precision (openvino: bf16 on CPUs "
+                "with it); ACCURACY: the model's own precision on every device"
+            ),
+        ),
         ConfigKey("NUM_STREAMS", 0, _parse_non_negative_int, doc="0: derived from the hint"),
         ConfigKey("INFERENCE_NUM_THREADS", 0, _parse_non_negative_int, doc="0: all cores"),
         ConfigKey("CACHE_DIR", "", doc="folder for compiled networks; empty: no cache"),
@@ -494,6 +511,13 @@ class CompiledNetwork(abc.ABC):
     def outputs(self) -> list[TensorSpec]:
         return self._outputs
 
+    @property
+    def precision(self) -> str:
+        """The precision float32 values are computed in: ``f32`` unless the device reduces
+        it (OPENVINO's bf16 or f16), for logs, listings and the metric label; a network made
+        of several devices names each of theirs (``bf16+f32``)."""
+        return "f32"
+
     @abc.abstractmethod
     def create_infer_request(self) -> InferRequest: ...
 
@@ -506,6 +530,7 @@ class CompiledNetwork(abc.ABC):
             "NETWORK_NAME",
             "OPTIMAL_NUMBER_OF_INFER_REQUESTS",
             "SUPPORTED_CONFIG_KEYS",
+            "INFERENCE_PRECISION",
         ]
 
     def get_metric(self, name: str) -> Any:
@@ -522,6 +547,7 @@ class CompiledNetwork(abc.ABC):
             "NETWORK_NAME": self.name,
             "OPTIMAL_NUMBER_OF_INFER_REQUESTS": self.config.streams(),
             "SUPPORTED_CONFIG_KEYS": list(self.config.keys()),
+            "INFERENCE_PRECISION": self.precision,
         }
         return values[name]
 
@@ -775,6 +801,11 @@ class InferRequest(abc.ABC):
                 f"network {self.network.name}: performance counters are off; "
                 "load it with PERF_COUNT=YES"
             )
+
+
+def joined_precision(networks: Iterable[CompiledNetwork]) -> str:
+    """The precisions of several networks, each once in their order (``bf16+f32``)."""
+    return "+".join(dict.fromkeys(n.precision for n in networks)) or "f32"
 
 
 def _new_request(ref: weakref.ref[CompiledNetwork]) -> InferRequest:

@@ -118,3 +118,7 @@ class OneNetwork:
     @property
     def open_ended(self) -> bool:
         return self.network.open_ended
+
+    @property
+    def precision(self) -> str:
+        return self.network.precision

@@ -182,7 +182,7 @@ class Subgraph(_message.Message):
     def __init__(self, device: _Optional[str] = ..., nodes: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class NetworkInfo(_message.Message):
-    __slots__ = ("name", "version", "device", "inputs", "outputs", "config", "persisted", "max_batch_size")
+    __slots__ = ("name", "version", "device", "inputs", "outputs", "config", "persisted", "max_batch_size", "precision")
     class ConfigEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -198,6 +198,7 @@ class NetworkInfo(_message.Message):
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     PERSISTED_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PRECISION_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: int
     device: str
@@ -206,7 +207,8 @@ class NetworkInfo(_message.Message):
     config: _containers.ScalarMap[str, str]
     persisted: bool
     max_batch_size: int
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., device: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., config: _Optional[_Mapping[str, str]] = ..., persisted: bool = ..., max_batch_size: _Optional[int] = ...) -> None: ...
+    precision: str
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., device: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., config: _Optional[_Mapping[str, str]] = ..., persisted: bool = ..., max_batch_size: _Optional[int] = ..., precision: _Optional[str] = ...) -> None: ...
 
 class LoadNetworkRequest(_message.Message):
     __slots__ = ("name", "model", "device", "config", "persist", "version")

@@ -320,10 +320,11 @@ class DataPlane:
             with self._lock:
                 self._loading.discard((name, version))
         log.info(
-            "network %s version %d ready on %s%s",
+            "network %s version %d ready on %s in %s%s",
             name,
             version,
             entry.device,
+            network.precision,
             " (from cache)" if network.loaded_from_cache else "",
         )
         return entry, network.loaded_from_cache
@@ -338,7 +339,7 @@ class DataPlane:
         max_batch_size: int,
     ) -> LoadedNetwork:
         kind = str(parse_device(device))
-        recorder = self.metrics.recorder(kind, name, version)
+        recorder = self.metrics.recorder(kind, name, version, network.precision)
         return LoadedNetwork(
             name, version, kind, network, persisted, max_batch_size, recorder, self.queue_size
         )

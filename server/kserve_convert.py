@@ -134,6 +134,7 @@ def model_config(entry: LoadedNetwork, policy: VersionPolicy) -> mc.ModelConfig:
     )
     policy.to_proto(config.version_policy)
     config.parameters["device"].string_value = entry.device
+    config.parameters["precision"].string_value = entry.network.precision
     batching = entry.network.batching()
     if batching is not None:
         size, timeout_ms = batching

@@ -99,6 +99,13 @@ class Metrics:
             registry=self.registry,
         )
         self.build.labels(version, platform.python_version(), sys.platform).set(1)
+        self.networks = Gauge(
+            "plugserve_model_info",
+            "A loaded network: its device and the precision it computes float32 values in",
+            [*labels, "precision"],
+            registry=self.registry,
+        )
+        self._precisions: dict[tuple[str, str, str], str] = {}
         self._op_types: dict[tuple[str, str, str], set[str]] = {}
         self._server = None
 
@@ -121,8 +128,12 @@ class Metrics:
         if compute is not None:
             self.compute.labels(device, model, v).observe(compute)
 
-    def recorder(self, device: str, model: str, version: int) -> Recorder:
-        """The bookkeeping of one loaded network (see :class:`Recorder`)."""
+    def recorder(self, device: str, model: str, version: int, precision: str) -> Recorder:
+        """The bookkeeping of one loaded network (see :class:`Recorder`); its info series
+        says the precision it runs in (bf16 on OPENVINO by default on CPUs with it)."""
+        v = str(version)
+        self._precisions[device, model, v] = precision
+        self.networks.labels(device, model, v, precision).set(1)
         return Recorder(self, device, model, version)
 
     def observe_layers(self, device: str, model: str, version: int, counts: Iterable[Any]) -> None:
@@ -136,6 +147,10 @@ class Metrics:
     def forget(self, device: str, model: str, version: int) -> None:
         """Drop an unloaded network's series so dashboards do not show ghosts."""
         v = str(version)
+        precision = self._precisions.pop((device, model, v), None)
+        if precision is not None:
+            with contextlib.suppress(KeyError):
+                self.networks.remove(device, model, v, precision)
         for op_type in self._op_types.pop((device, model, v), ()):
             with contextlib.suppress(KeyError):
                 self.layer_seconds.remove(device, model, v, op_type)

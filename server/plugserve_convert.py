@@ -48,6 +48,7 @@ def network_info(message: pb.NetworkInfo, entry: LoadedNetwork) -> pb.NetworkInf
     message.device = entry.device
     message.persisted = entry.persisted
     message.max_batch_size = entry.max_batch_size
+    message.precision = entry.network.precision
     for spec in entry.network.inputs:
         spec_to_proto(message.inputs.add(), spec)
     for spec in entry.network.outputs:

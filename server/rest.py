@@ -336,7 +336,10 @@ class RestApp:
     def model_metadata(self, call: Call) -> Reply:
         entry = self.plane.get(call.path["name"], call.version)
         versions = sorted(n.version for n in self.plane.networks() if n.name == entry.name)
-        return _json(message_json(kserve_convert.model_metadata(entry, versions)))
+        body = message_json(kserve_convert.model_metadata(entry, versions))
+        # as MLServer's metadata: gRPC's message has no parameters (the model config has them)
+        body["parameters"] = {"device": entry.device, "precision": entry.network.precision}
+        return _json(body)
 
     def model_config(self, call: Call) -> Reply:
         entry = self.plane.get(call.path["name"], call.version)

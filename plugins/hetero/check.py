@@ -92,8 +92,4 @@ def _compare(
     except Exception as exc:  # the device fails on made-up data the reference takes
         log.debug("HETERO: checking a piece on %s failed to run: %s", piece.device, exc)
         return ""
-    try:
-        precision = str(network.get_config("INFERENCE_PRECISION_HINT")).lower()
-    except PlugserveError:
-        precision = "f32"
-    return compare_outputs(got, want, (1e-3, 1e-4) if precision == "f32" else (3e-2, 1e-2))
+    return compare_outputs(got, want, network.precision)

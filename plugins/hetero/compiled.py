@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from plugserve.plugins import blob
-from plugserve.plugins.api import CompiledNetwork, TensorSpec
+from plugserve.plugins.api import CompiledNetwork, TensorSpec, joined_precision
 from plugserve.plugins.hetero.config import HeteroConfiguration
 from plugserve.plugins.hetero.request import HeteroInferRequest
 from plugserve.plugins.outputcheck import expectations, static
@@ -60,6 +60,10 @@ class HeteroCompiledNetwork(CompiledNetwork):
 
     def create_infer_request(self) -> HeteroInferRequest:
         return HeteroInferRequest(self)
+
+    @property
+    def precision(self) -> str:
+        return joined_precision(step.network for step in self.steps)
 
     def supported_metrics(self) -> list[str]:
         return [*super().supported_metrics(), "HETERO_SUBGRAPHS", "EXECUTION_DEVICES"]

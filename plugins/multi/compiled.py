@@ -14,7 +14,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from plugserve.plugins import blob
-from plugserve.plugins.api import CompiledNetwork, InferRequest
+from plugserve.plugins.api import CompiledNetwork, InferRequest, joined_precision
 from plugserve.plugins.multi.config import AutoConfiguration, MultiConfiguration
 from plugserve.plugins.multi.request import AutoInferRequest, MultiInferRequest
 from plugserve.plugins.virtual import OneNetwork
@@ -144,6 +144,10 @@ class MultiCompiledNetwork(CompiledNetwork):
             payload,
             {"network_name": self.name, "devices": self.devices},
         )
+
+    @property
+    def precision(self) -> str:
+        return joined_precision(pool.network for pool in self.pools)
 
     def supported_metrics(self) -> list[str]:
         return [*super().supported_metrics(), "EXECUTION_DEVICES", "DEVICE_REQUEST_COUNTS"]

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 from plugserve.plugins import blob
 from plugserve.plugins.api import CompiledNetwork, TensorSpec
-from plugserve.plugins.openvino.config import OpenvinoConfiguration
+from plugserve.plugins.openvino.config import OpenvinoConfiguration, precision_name
 from plugserve.plugins.openvino.request import OpenvinoInferRequest
 from plugserve.plugins.streams import StreamsExecutor
 
@@ -51,6 +51,12 @@ class OpenvinoCompiledNetwork(CompiledNetwork):
         self.owners = dict(owners)
         #: runtime (compiled) node name -> ONNX node names, for performance counters
         self.runtime_names = dict(runtime_names)
+        self._precision = precision_name(compiled.get_property("INFERENCE_PRECISION_HINT"))
+
+    @property
+    def precision(self) -> str:
+        """What openvino reports it compiled for (a bf16 hint on a CPU without bf16 is f32)."""
+        return self._precision
 
     @property
     def waiters(self) -> StreamsExecutor:

@@ -1,4 +1,10 @@
-"""OPENVINO's configuration: the common keys plus the inference precision openvino computes in."""
+"""OPENVINO's configuration: the common keys plus the inference precision openvino computes in.
+
+The defaults are openvino's own: ``EXECUTION_MODE_HINT=PERFORMANCE`` and no precision hint, so
+a CPU with bf16 arithmetic (AVX512-BF16, AMX) computes in bf16, as OpenVINO Model Server
+does; a model moved here from it runs as fast. ``ACCURACY`` (or ``INFERENCE_PRECISION_HINT=f32``)
+gives the other devices' results.
+"""
 
 from __future__ import annotations
 
@@ -6,15 +12,15 @@ from typing import Any
 
 from plugserve.plugins.api import BOOL, ConfigKey, Configuration
 
-__all__ = ["OpenvinoConfiguration", "compile_properties"]
+__all__ = ["OpenvinoConfiguration", "compile_properties", "precision_name"]
 
 PRECISIONS = ("f32", "bf16", "f16")
 
 
 def _precision(value: str) -> str:
     text = str(value).strip().lower()
-    if text not in PRECISIONS:
-        raise ValueError("expected f32, bf16 or f16")
+    if text not in ("", *PRECISIONS):
+        raise ValueError("expected f32, bf16 or f16 (empty: openvino's choice)")
     return text
 
 
@@ -23,12 +29,13 @@ class OpenvinoConfiguration(Configuration):
         *Configuration.KEYS,
         ConfigKey(
             "INFERENCE_PRECISION_HINT",
-            "f32",
+            "",
             _precision,
             doc=(
-                "f32 (default): results match the other devices; bf16 or f16: openvino's faster "
-                "reduced precision (relative error about 1e-3..1e-2; f16 falls back to bf16 on "
-                "CPUs without f16 arithmetic)"
+                "empty (default): openvino's choice for EXECUTION_MODE_HINT (bf16 on CPUs with "
+                "it under PERFORMANCE, the model's own under ACCURACY); f32: results match the "
+                "other devices; bf16 or f16: reduced precision (relative error about "
+                "1e-3..1e-2; f16 falls back to bf16 on CPUs without f16 arithmetic)"
             ),
         ),
         ConfigKey(
@@ -47,13 +54,16 @@ class OpenvinoConfiguration(Configuration):
 def compile_properties(config: Configuration) -> dict[str, Any]:
     """The openvino CPU properties a configuration stands for (keys left at 0/"" are omitted)."""
     props: dict[str, Any] = {
-        "INFERENCE_PRECISION_HINT": config.get("INFERENCE_PRECISION_HINT"),
+        "EXECUTION_MODE_HINT": config.get("EXECUTION_MODE_HINT"),
         "PERF_COUNT": bool(config.get("PERF_COUNT")),
     }
+    if config.get("INFERENCE_PRECISION_HINT"):
+        props["INFERENCE_PRECISION_HINT"] = config.get("INFERENCE_PRECISION_HINT")
     if config.get("INFERENCE_PRECISION_HINT") == "f32":
         # openvino's CPU quantizes activations to int8 on the fly for models whose weights
         # are stored int8 (Cast + Mul before a MatMul): all-MiniLM-L6-v2 int8 came out 0.05
-        # off on 96 % of its embedding. f32 promises the other devices' results: off.
+        # off on 96 % of its embedding. f32 promises the other devices' results: off
+        # (ACCURACY turns it off itself).
         props["DYNAMIC_QUANTIZATION_GROUP_SIZE"] = 0
     if config.get("PERFORMANCE_HINT"):
         props["PERFORMANCE_HINT"] = config.get("PERFORMANCE_HINT")
@@ -62,3 +72,15 @@ def compile_properties(config: Configuration) -> dict[str, Any]:
     if config.get("INFERENCE_NUM_THREADS"):
         props["INFERENCE_NUM_THREADS"] = int(config.get("INFERENCE_NUM_THREADS"))
     return props
+
+
+#: openvino's element types as the precision names of INFERENCE_PRECISION_HINT; "dynamic" is
+#: what ACCURACY reports: each op in the model's own types, f32 for an f32 model.
+_NAMES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32", "dynamic": "f32", "f32": "f32"}
+
+
+def precision_name(value: Any) -> str:
+    """``<Type: 'bfloat16'>`` (or ``bf16``) -> ``bf16``: the name users and configs use."""
+    text = str(value)
+    inner = text.split("'")[1] if "'" in text else text
+    return _NAMES.get(inner.strip().lower(), inner.strip().lower())

@@ -11,6 +11,7 @@ plugserve's shared header.
 from __future__ import annotations
 
 import io
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -37,7 +38,11 @@ from plugserve.plugins.ir import (
     refuse_narrow_io,
 )
 from plugserve.plugins.openvino.compiled import OpenvinoCompiledNetwork
-from plugserve.plugins.openvino.config import OpenvinoConfiguration, compile_properties
+from plugserve.plugins.openvino.config import (
+    OpenvinoConfiguration,
+    compile_properties,
+    precision_name,
+)
 from plugserve.plugins.openvino.query import (
     Names,
     cut_model,
@@ -60,6 +65,8 @@ else:
     _IMPORT_ERROR = None
 
 __all__ = ["OpenvinoPlugin"]
+
+log = logging.getLogger(__name__)
 
 TARGET = "CPU"  # openvino's device this plugin compiles for
 _IO_OPS = ("Parameter", "Result", "Constant")
@@ -108,11 +115,28 @@ class OpenvinoPlugin(Plugin):
                 raise RuntimeError(f"openvino sees no {TARGET} device")
             self.cpu_name = str(self.core.get_property(TARGET, "FULL_DEVICE_NAME"))
             self.cpu_architecture = str(self.core.get_property(TARGET, "DEVICE_ARCHITECTURE"))
+            #: what openvino computes in under PERFORMANCE without a hint: bf16 on CPUs with
+            #: bf16 arithmetic (AVX512-BF16, AMX), f32 elsewhere
+            self.fastest_precision = precision_name(
+                self.core.get_property(TARGET, "INFERENCE_PRECISION_HINT")
+            )
         except Exception as exc:
             raise BackendUnavailable(f"openvino does not work here: {exc}") from exc
         self.version = ov.get_version().split("-")[0]
         # openvino's blobs only import into the same openvino build on the same kind of CPU
         self.architecture = f"{self.cpu_architecture}-openvino{self.version}"
+
+    def precision(self, config: OpenvinoConfiguration) -> str:
+        """The precision a network compiled with ``config`` computes in, known before it is
+        compiled (QueryNetwork's checks and AUTO's candidates need it)."""
+        hint = config.get("INFERENCE_PRECISION_HINT")
+        if hint:
+            computes = {c.lower().replace("fp", "f") for c in self.capabilities()}
+            falls_to = [p for p in (hint, "bf16", "f32") if p in computes or p == "f32"]
+            return falls_to[0]
+        if config.get("EXECUTION_MODE_HINT") == "ACCURACY":
+            return "f32"
+        return self.fastest_precision
 
     # --- reading models
 
@@ -201,6 +225,12 @@ class OpenvinoPlugin(Plugin):
         )
         network.shape_model = shape_model(proto)
         network.open_ended = has_loop(graph)
+        log.info(
+            "OPENVINO compiled %s in %s (%s)",
+            graph.name,
+            network.precision,
+            ", ".join(f"{k}={v}" for k, v in sorted(compile_properties(cfg).items())),
+        )
         return network
 
     def query_network(
@@ -256,7 +286,6 @@ class OpenvinoPlugin(Plugin):
             )
             return lambda feeds: [np.asarray(v) for v in compiled(feeds).values()]
 
-        exact = cfg.get("INFERENCE_PRECISION_HINT") == "f32"
         return wrong_nodes(
             graph,
             proto,
@@ -264,7 +293,7 @@ class OpenvinoPlugin(Plugin):
             run_openvino,
             lambda single: devices.load_network(single, "NUMPY"),
             ov.__version__,
-            (1e-3, 1e-4) if exact else (3e-2, 1e-2),
+            self.precision(cfg),
         )
 
     def _ask_openvino(
@@ -346,9 +375,8 @@ class OpenvinoPlugin(Plugin):
         header, payload, cfg = self._unpack(data, config)
         # the blob holds a graph compiled for one precision: that one stays
         saved = OpenvinoConfiguration(header.get("config", {}), throw_on_unsupported=False)
-        cfg = OpenvinoConfiguration(
-            {"INFERENCE_PRECISION_HINT": saved.get("INFERENCE_PRECISION_HINT")}, cfg
-        )
+        kept = ("INFERENCE_PRECISION_HINT", "EXECUTION_MODE_HINT")
+        cfg = OpenvinoConfiguration({k: saved.get_string(k) for k in kept}, cfg)
         try:
             inputs = [_spec_from_json(s) for s in header["inputs"]]
             outputs = [_spec_from_json(s) for s in header["outputs"]]

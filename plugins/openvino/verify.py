@@ -57,18 +57,18 @@ def wrong_nodes(
     run_openvino: Callable[[onnx.ModelProto], Callable[[dict[str, np.ndarray]], list[Any]]],
     reference: Callable[[onnx.ModelProto], CompiledNetwork],
     version: str,
-    tolerance: tuple[float, float],
+    precision: str,
 ) -> dict[str, str]:
     """``{node: why}`` for the ``claimed`` nodes openvino computes otherwise than ``reference``
     does. ``run_openvino(model)`` compiles a single-node model and returns its runner;
-    ``tolerance``: (rtol, atol) of the precision openvino was asked for."""
+    ``precision``: what openvino computes in (f32, bf16, f16), which sets the tolerance."""
     claimed = set(claimed)
     found: dict[str, str] = {}
     for node, single in single_node_models(graph, proto):
         if node.name not in claimed or not _checkable(node):
             continue
         try:
-            verdict = _verdict(node, single, graph, run_openvino, reference, version, tolerance)
+            verdict = _verdict(node, single, graph, run_openvino, reference, version, precision)
         except Exception:  # a check that cannot be made gives no verdict, never a failure
             log.debug("checking %s (%s) on openvino failed", node.name, node.op_type, exc_info=True)
             verdict = ""
@@ -84,17 +84,17 @@ def _verdict(
     run_openvino: Callable[[onnx.ModelProto], Callable[[dict[str, np.ndarray]], list[Any]]],
     reference: Callable[[onnx.ModelProto], CompiledNetwork],
     version: str,
-    tolerance: tuple[float, float],
+    precision: str,
 ) -> str:
     feeds = made_up_inputs(single)
     typed = _typed_outputs(single, graph)
     if feeds is None or typed is None:
         return ""
-    key = _signature(node, graph, feeds, version, tolerance)
+    key = _signature(node, graph, feeds, version, precision)
     with _lock:
         verdict = _verdicts.get(key)
     if verdict is None:
-        verdict = _compare(node, single, typed, feeds, run_openvino, reference, tolerance)
+        verdict = _compare(node, single, typed, feeds, run_openvino, reference, precision)
         with _lock:
             if len(_verdicts) >= _MOST:
                 _verdicts.clear()
@@ -136,7 +136,7 @@ def _signature(
     graph: Graph,
     feeds: dict[str, np.ndarray],
     version: str,
-    tolerance: tuple[float, float],
+    precision: str,
 ) -> tuple:
     attrs = tuple(sorted((k, a.SerializeToString()) for k, a in node.attrs.items()))
     constants = []
@@ -153,7 +153,7 @@ def _signature(
         constants.append((array.dtype.str, array.shape, digest))
     inputs = tuple((a.dtype.str, a.shape) for a in feeds.values())
     opset = graph.node_opset(node)
-    return (node.domain, node.op_type, opset, attrs, inputs, tuple(constants), version, tolerance)
+    return (node.domain, node.op_type, opset, attrs, inputs, tuple(constants), version, precision)
 
 
 def _compare(
@@ -163,7 +163,7 @@ def _compare(
     feeds: dict[str, np.ndarray],
     run_openvino: Callable[[onnx.ModelProto], Callable[[dict[str, np.ndarray]], list[Any]]],
     reference: Callable[[onnx.ModelProto], CompiledNetwork],
-    tolerance: tuple[float, float],
+    precision: str,
 ) -> str:
     """'' when openvino agrees with the reference (or either cannot run the check), else why
     it does not."""
@@ -177,5 +177,5 @@ def _compare(
         log.debug("openvino check of %s (%s) failed to run: %s", node.name, node.op_type, exc)
         return ""
     names = [o for o in node.outputs if o]
-    problem = compare_outputs(dict(zip(names, got)), want, tolerance)
+    problem = compare_outputs(dict(zip(names, got)), want, precision)
     return f"openvino computes {node.op_type} here wrongly: {problem}" if problem else ""

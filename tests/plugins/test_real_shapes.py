@@ -24,6 +24,9 @@ from reference import ort_run
 
 from plugserve.plugins.api import InvalidInput
 
+#: results are compared at f32's tolerance: every device in the model's own precision
+ACCURATE = {"EXECUTION_MODE_HINT": "ACCURACY"}
+
 DEVICES = [
     "NUMPY",
     "ORT",
@@ -154,7 +157,7 @@ def networks(core):
     def get(model: str, device: str):
         key = (model, device)
         if key not in cache:
-            cache[key] = core.load_network(models[model], device)
+            cache[key] = core.load_network(models[model], device, ACCURATE)
         return cache[key]
 
     get.models = models
@@ -243,7 +246,7 @@ def test_scalars_cross_hetero_boundaries(core, devices):
     model = audio_scalars()
     affinity = {node: devices[side] for node, side in _PINS.items()}
     network = core.load_network(
-        model, f"HETERO:{','.join(devices)}", {"AFFINITY": json.dumps(affinity)}
+        model, f"HETERO:{','.join(devices)}", {"AFFINITY": json.dumps(affinity), **ACCURATE}
     )
     try:
         steps = network.get_metric("HETERO_SUBGRAPHS")
@@ -271,7 +274,9 @@ def test_strided_views_cross_hetero_boundaries(core, other):
         steps,
     )
     pins = {"transpose": "NUMPY", "slice": "NUMPY", "relu": other}
-    network = core.load_network(model, f"HETERO:NUMPY,{other}", {"AFFINITY": json.dumps(pins)})
+    network = core.load_network(
+        model, f"HETERO:NUMPY,{other}", {"AFFINITY": json.dumps(pins), **ACCURATE}
+    )
     try:
         assert len(network.get_metric("HETERO_SUBGRAPHS")) == 2
         feeds = {"x": _image(4, 6)}
@@ -296,7 +301,7 @@ def served(server):
             if device.startswith("BATCH") and kind != "paddle":
                 continue
             name = f"{kind}_{index}"
-            client.load(name, model, device)
+            client.load(name, model, device, ACCURATE)
             names[kind, device] = name
     yield client, models, names
     client.close()

@@ -161,7 +161,8 @@ def test_split_across_numpy_ort_and_openvino_matches_single_device(core, model_f
     model = model_fn()
     devices = ["NUMPY", "ORT", "OPENVINO"]
     affinity = {n.name: devices[i % 3] for i, n in enumerate(model.graph.node)}
-    net = core.load_network(model, "HETERO:NUMPY,ORT,OPENVINO", {"AFFINITY": json.dumps(affinity)})
+    config = {"AFFINITY": json.dumps(affinity), "EXECUTION_MODE_HINT": "ACCURACY"}
+    net = core.load_network(model, "HETERO:NUMPY,ORT,OPENVINO", config)
     used = {s["device"] for s in net.get_metric("HETERO_SUBGRAPHS")}
     assert used == set(devices)
     name = model.graph.input[0].name

@@ -24,6 +24,8 @@ from plugserve.plugins.api import (  # noqa: E402
     Unsupported,
 )
 from plugserve.plugins.ir import load_model  # noqa: E402
+from plugserve.plugins.openvino.config import precision_name  # noqa: E402
+from plugserve.plugins.outputcheck import compare_outputs  # noqa: E402
 
 DEVICE = "OPENVINO"
 
@@ -118,10 +120,11 @@ def _bf16_supported(plugin) -> bool:
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_results_match_numpy_in_f32(core, numpy_reference, name):
+    """ACCURACY: the model's own precision, the other devices' results at f32 tolerance."""
     model = MODELS[name]()
-    net = core.load_network(model, DEVICE)
-    assert net.device == DEVICE and net.get_config("INFERENCE_PRECISION_HINT") == "f32"
-    assert str(net.compiled.get_property("INFERENCE_PRECISION_HINT")) == "<Type: 'float32'>"
+    net = core.load_network(model, DEVICE, {"EXECUTION_MODE_HINT": "ACCURACY"})
+    assert net.device == DEVICE and net.get_config("EXECUTION_MODE_HINT") == "ACCURACY"
+    assert net.precision == net.get_metric("INFERENCE_PRECISION") == "f32"
     for batch in (1, 3):
         feeds = _feeds(model, batch)
         got = net.infer(feeds)
@@ -145,6 +148,53 @@ def test_bf16_results_are_close(plugin, numpy_reference, name):
     for key in want:
         assert got[key].dtype == np.float32
         np.testing.assert_allclose(got[key], want[key], rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_the_default_is_openvinos_own_and_close_at_its_precision(plugin, numpy_reference, name):
+    """No hint: what openvino itself would run (bf16 on CPUs with bf16 arithmetic), as
+    OpenVINO Model Server does; results within that precision's error of NUMPY's."""
+    own = ov.Core().compile_model(ov.Core().read_model(MODELS[name]().SerializeToString()), "CPU")
+    expected = precision_name(own.get_property("INFERENCE_PRECISION_HINT"))
+    model = MODELS[name]()
+    net = plugin.load_network(model)
+    assert net.get_config("EXECUTION_MODE_HINT") == "PERFORMANCE"
+    assert net.get_config("INFERENCE_PRECISION_HINT") == ""
+    assert net.precision == net.get_metric("INFERENCE_PRECISION") == expected
+    assert expected == ("bf16" if _bf16_supported(plugin) else "f32")
+    feeds = _feeds(model)
+    got, want = net.infer(feeds), numpy_reference(model, feeds)
+    assert compare_outputs(got, want, expected) == ""
+    if expected == "bf16":  # it really ran in bf16: not within f32's tolerance
+        assert "differs" in compare_outputs(got, want, "f32")
+
+
+def test_the_precision_known_before_compiling_is_the_compiled_one(plugin):
+    """QueryNetwork's checks and AUTO pick tolerances before anything is compiled."""
+    for config in (
+        {},
+        {"EXECUTION_MODE_HINT": "ACCURACY"},
+        {"INFERENCE_PRECISION_HINT": "f32"},
+        {"INFERENCE_PRECISION_HINT": "bf16"},
+        {"INFERENCE_PRECISION_HINT": "f16"},
+        {"EXECUTION_MODE_HINT": "ACCURACY", "INFERENCE_PRECISION_HINT": "bf16"},
+    ):
+        net = plugin.load_network(mlp(), config)
+        assert plugin.precision(plugin.merged_config(config)) == net.precision, config
+
+
+def test_a_cpu_without_bf16_computes_in_f32_by_default(plugin, monkeypatch):
+    """The logic for the other kind of CPU, with the CPU's capabilities stubbed where the
+    plugin reads them (this CPU decides what openvino itself compiles)."""
+    monkeypatch.setattr(plugin, "fastest_precision", "f32")
+    monkeypatch.setattr(plugin, "capabilities", lambda: ["FP32", "INT8", "EXPORT_IMPORT"])
+    assert plugin.precision(plugin.merged_config({})) == "f32"
+    assert plugin.precision(plugin.merged_config({"INFERENCE_PRECISION_HINT": "bf16"})) == "f32"
+    monkeypatch.setattr(plugin, "fastest_precision", "bf16")
+    monkeypatch.setattr(plugin, "capabilities", lambda: ["BF16", "FP32"])
+    assert plugin.precision(plugin.merged_config({})) == "bf16"
+    assert plugin.precision(plugin.merged_config({"EXECUTION_MODE_HINT": "ACCURACY"})) == "f32"
+    assert plugin.precision(plugin.merged_config({"INFERENCE_PRECISION_HINT": "f16"})) == "bf16"
 
 
 def test_inputs_and_outputs_keep_onnx_names_dtypes_and_dynamic_dims(core):
@@ -387,7 +437,9 @@ def test_unknown_config_keys_and_bad_values_raise(plugin):
         plugin.load_network(mlp(), {"NOPE": "1"})
     # QueryNetwork ignores keys it does not know (a virtual device passes one config to all)
     assert set(plugin.query_network(mlp(), {"NOPE": "1"})) == {n.name for n in mlp().graph.node}
-    assert plugin.get_config("INFERENCE_PRECISION_HINT") == "f32"
+    assert plugin.get_config("INFERENCE_PRECISION_HINT") == ""
+    with pytest.raises(InvalidArgument, match="PERFORMANCE or ACCURACY"):
+        plugin.load_network(mlp(), {"EXECUTION_MODE_HINT": "FAST"})
 
 
 def test_unknown_metrics_raise(plugin):
@@ -463,7 +515,12 @@ def test_load_and_infer_through_a_real_server(server):
     with Client(server.target, timeout=60) as client:
         devices = {d.name: d for d in client.devices()}
         assert devices[DEVICE].available and "OpenVINO" in devices[DEVICE].full_name
-        response = client.load("ov_encoder", model.SerializeToString(), device=DEVICE)
+        response = client.load(
+            "ov_encoder",
+            model.SerializeToString(),
+            device=DEVICE,
+            config={"EXECUTION_MODE_HINT": "ACCURACY"},
+        )
         assert response.network.device == DEVICE
         assert response.network.inputs[0].name == "x"
         np.testing.assert_allclose(
