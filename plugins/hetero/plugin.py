@@ -36,7 +36,7 @@ from plugserve.plugins.hetero.partition import (
     order_subgraphs,
     partition,
 )
-from plugserve.plugins.hetero.split import Piece, cut
+from plugserve.plugins.hetero.split import Piece, cut, untyped_crossings
 from plugserve.plugins.hetero.typing import type_untyped_values
 from plugserve.plugins.ir import Graph, load_model, read_model, subgraph_free_names
 from plugserve.plugins.passes import PassContext
@@ -156,6 +156,25 @@ class HeteroPlugin(VirtualPlugin):
         type_untyped_values(graph)
         return graph
 
+    def _type_crossings(self, graph: Graph, plan: list[tuple[str, list[int]]]) -> None:
+        """Types for the values the plan hands between pieces that ONNX's inference and the
+        rules leave without a rank (everything after an If whose branches differ in rank):
+        the device making each value says what it computes there, else the reference does.
+        A device that cannot answer leaves the value untyped, and :func:`cut` names it."""
+        untyped = untyped_crossings(graph, plan)
+        if not untyped:
+            return
+        available = self._devices().available_devices
+        for device in dict.fromkeys([*untyped.values(), REFERENCE]):
+            asked = [n for n, d in untyped.items() if d == device or device == REFERENCE]
+            ask = getattr(self._devices().plugin(device), "computed_types", None)
+            if not asked or ask is None or device.split(".")[0] not in available:
+                continue
+            for name, spec in ask(graph, asked).items():
+                graph.value_info[name] = spec
+                untyped.pop(name, None)
+        graph.refresh_types()
+
     # --- the Plugin API
 
     def query_network(
@@ -222,7 +241,9 @@ class HeteroPlugin(VirtualPlugin):
         chosen = self.affinities(graph, proto, cfg, overrides)
         checked = REFERENCE in priorities
         while True:  # at most once per device other than the reference
-            pieces = cut(graph, self._plan(graph, chosen, priorities))  # untypable: raises
+            plan = self._plan(graph, chosen, priorities)
+            self._type_crossings(graph, plan)
+            pieces = cut(graph, plan)  # untypable: raises
             steps, wrong = self._compile(graph, pieces, overrides, cfg, checked)
             if not wrong:
                 break

@@ -10,6 +10,7 @@ an error saying what to pin.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 
 import onnx
 from onnx import helper, numpy_helper
@@ -18,7 +19,7 @@ from plugserve.plugins.api import TensorSpec
 from plugserve.plugins.hetero.typing import untyped_boundary
 from plugserve.plugins.ir import Graph, onnx_dtype, subgraph_free_names
 
-__all__ = ["Piece", "cut"]
+__all__ = ["Piece", "cut", "untyped_crossings"]
 
 
 @dataclasses.dataclass
@@ -50,24 +51,51 @@ def _plain(node) -> onnx.NodeProto:
     return proto
 
 
-def _check_typed(graph: Graph, subgraphs: list[tuple[str, list[int]]], owner, reads) -> None:
-    """Every value one piece hands to another needs a type and rank (ONNX's checker wants
-    them on each piece's inputs and outputs): name the first that has none."""
+def _reads(graph: Graph) -> dict[int, list[str]]:
+    """The values each node reads: its inputs and the outer-scope names its subgraphs use."""
+    return {
+        index: sorted(set([n for n in node.inputs if n] + subgraph_free_names(node)))
+        for index, node in enumerate(graph.nodes)
+    }
+
+
+def _untyped(
+    graph: Graph, reads: dict[int, list[str]], owner: dict[int, int]
+) -> Iterator[tuple[str, int, int]]:
+    """``(value, making piece, reading piece)`` for each value one piece hands to another
+    without an element type and rank (ONNX's checker wants them on each piece's inputs and
+    outputs), in node order."""
     producer = {o: owner[i] for i, n in enumerate(graph.nodes) for o in n.outputs if o}
     for index, names in reads.items():
-        for name in sorted(names):
+        for name in names:
             source = producer.get(name)
             if source is None or source == owner[index]:
                 continue
             spec = graph.spec(name)
             if spec is None or spec.dtype is None or spec.shape is None:
-                target = subgraphs[owner[index]][0]
-                readers = [
-                    graph.nodes[i].name
-                    for i, other in reads.items()
-                    if name in other and owner[i] == owner[index]
-                ]
-                raise untyped_boundary(graph, name, subgraphs[source][0], target, readers)
+                yield name, source, owner[index]
+
+
+def _owners(subgraphs: list[tuple[str, list[int]]]) -> dict[int, int]:
+    return {i: k for k, (_, nodes) in enumerate(subgraphs) for i in nodes}
+
+
+def untyped_crossings(graph: Graph, subgraphs: list[tuple[str, list[int]]]) -> dict[str, str]:
+    """``{value: device of the piece making it}`` for the values :func:`cut` cannot type."""
+    owner = _owners(subgraphs)
+    found = _untyped(graph, _reads(graph), owner)
+    return {name: subgraphs[source][0] for name, source, _ in found}
+
+
+def _check_typed(graph: Graph, subgraphs: list[tuple[str, list[int]]], owner, reads) -> None:
+    """Name the first value handed between pieces that has no type and rank."""
+    for name, source, target in _untyped(graph, reads, owner):
+        readers = [
+            graph.nodes[i].name
+            for i, other in reads.items()
+            if name in other and owner[i] == target
+        ]
+        raise untyped_boundary(graph, name, subgraphs[source][0], subgraphs[target][0], readers)
 
 
 def cut(graph: Graph, subgraphs: list[tuple[str, list[int]]]) -> list[Piece]:
@@ -75,11 +103,8 @@ def cut(graph: Graph, subgraphs: list[tuple[str, list[int]]]) -> list[Piece]:
 
     Linear in the graph: who reads each value is collected once, not per piece.
     """
-    reads: dict[int, list[str]] = {}
-    for index, node in enumerate(graph.nodes):
-        names = [n for n in node.inputs if n] + subgraph_free_names(node)
-        reads[index] = sorted(set(names))
-    owner: dict[int, int] = {i: k for k, (_, nodes) in enumerate(subgraphs) for i in nodes}
+    reads = _reads(graph)
+    owner = _owners(subgraphs)
     _check_typed(graph, subgraphs, owner, reads)
     readers: dict[str, set[int]] = {}  # value -> the pieces reading it
     for index, names in reads.items():

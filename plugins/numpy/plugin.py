@@ -8,8 +8,9 @@ what the kernels accept back to original node names, following the seed's steps.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import platform
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -21,6 +22,7 @@ from plugserve.plugins.api import (
     InvalidModel,
     Model,
     Plugin,
+    TensorSpec,
     cpu_name,
 )
 from plugserve.plugins.ir import (
@@ -31,6 +33,7 @@ from plugserve.plugins.ir import (
     load_model,
     read_model,
     refuse_external_data,
+    subgraph_free_names,
 )
 from plugserve.plugins.numpy import blas
 from plugserve.plugins.numpy.compiled import NumpyCompiledNetwork
@@ -38,10 +41,13 @@ from plugserve.plugins.numpy.config import NumpyConfiguration
 from plugserve.plugins.numpy.engine import compile_plan
 from plugserve.plugins.numpy.kernels.registry import KernelEntry, Registry, default_registry
 from plugserve.plugins.numpy.tuning import Tuner
+from plugserve.plugins.outputcheck import made_up_inputs
 from plugserve.plugins.passes import PassContext, standard_pipeline
 from plugserve.plugins.shapecheck import shape_model
 
 __all__ = ["Extension", "NumpyPlugin"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +122,51 @@ class NumpyPlugin(Plugin):
             opsets=graph.opsets,
         )
         return compile_plan(single, self.registry).run([])
+
+    def computed_types(self, graph: Graph, names: Iterable[str]) -> dict[str, TensorSpec]:
+        """The element type and rank of each of ``names`` as these kernels compute it, running
+        the nodes it depends on over made-up inputs (``outputcheck.made_up_inputs``), and
+        again over their opposites (booleans negated, numbers mirrored).
+
+        For values ONNX's inference leaves without a rank, though the graph fixes it (a Conv
+        after an If whose branches differ in rank): HETERO must declare them where it cuts.
+        A value whose rank differs between the two runs is the data's choice and is left out,
+        as is one that is not a tensor; one the data decides beyond both runs is caught at run
+        time by the check of every value a piece hands on. The dimensions stay unknown. Empty
+        when the inputs cannot be made up or a run fails.
+        """
+        wanted = [n for n in dict.fromkeys(names) if n]
+        feeds = made_up_inputs(graph.to_model())
+        if not wanted or feeds is None:
+            return {}
+        producers = graph.producers()
+        needed: set[int] = set()
+        todo = list(wanted)
+        while todo:
+            node = producers.get(todo.pop())
+            if node is not None and id(node) not in needed:
+                needed.add(id(node))
+                todo += [*node.inputs, *subgraph_free_names(node)]
+        probe = dataclasses.replace(
+            graph.copy(),
+            nodes=[n for n in graph.nodes if id(n) in needed],
+            outputs=[graph.spec(n) or TensorSpec(n, None, None) for n in wanted],
+        )
+        opposite = {k: ~v if v.dtype == bool else 1 - v if v.dtype.kind in "iu" else -v
+                    for k, v in feeds.items()}  # fmt: skip
+        try:
+            plan = compile_plan(probe, self.registry)
+            runs = [plan.run([f[s.name] for s in probe.inputs]) for f in (feeds, opposite)]
+        except Exception:  # no answer: the caller says what it cannot type
+            log.debug("NUMPY: running %r on made-up inputs failed", graph.name, exc_info=True)
+            return {}
+        found: dict[str, TensorSpec] = {}
+        for name, first, second in zip(wanted, *runs):
+            if not isinstance(first, np.ndarray) or not isinstance(second, np.ndarray):
+                continue
+            if first.dtype == second.dtype and first.ndim == second.ndim:
+                found[name] = TensorSpec(name, first.dtype, (None,) * first.ndim)
+        return found
 
     def transform(self, graph: Graph, config: NumpyConfiguration) -> Graph:
         """The seed's TransformNetwork: a copy of ``graph`` rewritten by the pass pipeline."""

@@ -275,3 +275,120 @@ def spin_loop(batched: bool = False) -> onnx.ModelProto:
         [helper.make_tensor("zero", TensorProto.FLOAT, [], [0.0])],
     )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def outer_read_across_pieces() -> onnx.ModelProto:
+    """A Silero-VAD-like export (torch.onnx): a squeeze written as an If whose branches differ
+    in rank leaves every value after it without a rank in ONNX's inference, though the Conv
+    after it fixes the rank again; the Sigmoid's output is then read only inside the branches
+    of ``/model/If`` (an outer-scope name), whose condition comes from other nodes.
+
+    Pinned as :data:`OUTER_READ_PINS`, the Sigmoid and ``/model/If`` land in two NUMPY pieces
+    with an OPENVINO piece (``/ReduceMax``, ``/Greater``) between them.
+    """
+    f = TensorProto.FLOAT
+    squeeze = helper.make_graph(
+        [helper.make_node("Squeeze", ["/Abs_output_0", "axis1"], ["/decoder/Squeeze_output_0"])],
+        "squeeze",
+        [],
+        [helper.make_tensor_value_info("/decoder/Squeeze_output_0", f, [1, "T"])],
+    )
+    keep = helper.make_graph(
+        [helper.make_node("Identity", ["/Abs_output_0"], ["/decoder/Identity_output_0"])],
+        "keep",
+        [],
+        [helper.make_tensor_value_info("/decoder/Identity_output_0", f, [1, "C", "T"])],
+    )
+    sig = "/decoder/Sigmoid_output_0"
+    then = helper.make_graph(
+        [helper.make_node("Mul", [sig, "two"], ["/model/Mul_output_0"])],
+        "then",
+        [],
+        [helper.make_tensor_value_info("/model/Mul_output_0", f, None)],
+    )
+    other = helper.make_graph(
+        [helper.make_node("Neg", [sig], ["/model/Neg_output_0"])],
+        "else",
+        [],
+        [helper.make_tensor_value_info("/model/Neg_output_0", f, None)],
+    )
+    rng = np.random.default_rng(7)
+    nodes = [
+        helper.make_node("Abs", ["input"], ["/Abs_output_0"], name="/Abs"),
+        helper.make_node(
+            "Shape", ["/Abs_output_0"], ["/decoder/Shape_output_0"], name="/decoder/Shape"
+        ),
+        helper.make_node(
+            "Gather",
+            ["/decoder/Shape_output_0", "one"],
+            ["/decoder/Gather_output_0"],
+            name="/decoder/Gather",
+        ),
+        helper.make_node(
+            "Equal",
+            ["/decoder/Gather_output_0", "one"],
+            ["/decoder/Equal_output_0"],
+            name="/decoder/Equal",
+        ),
+        helper.make_node(
+            "If",
+            ["/decoder/Equal_output_0"],
+            ["/decoder/If_output_0"],
+            then_branch=squeeze,
+            else_branch=keep,
+            name="/decoder/If",
+        ),
+        helper.make_node(
+            "Conv",
+            ["/decoder/If_output_0", "conv.weight", "conv.bias"],
+            ["/decoder/Conv_output_0"],
+            name="/decoder/Conv",
+        ),
+        helper.make_node("Sigmoid", ["/decoder/Conv_output_0"], [sig], name="/decoder/Sigmoid"),
+        helper.make_node(
+            "ReduceMax", ["/Abs_output_0"], ["/ReduceMax_output_0"], keepdims=0, name="/ReduceMax"
+        ),
+        helper.make_node(
+            "Greater", ["/ReduceMax_output_0", "threshold"], ["/Greater_output_0"], name="/Greater"
+        ),
+        helper.make_node(
+            "If",
+            ["/Greater_output_0"],
+            ["output"],
+            then_branch=then,
+            else_branch=other,
+            name="/model/If",
+        ),
+    ]
+    return _model(
+        nodes,
+        [
+            helper.make_tensor_value_info("input", f, [1, "C", "T"]),
+            helper.make_tensor_value_info("threshold", f, []),
+        ],
+        [helper.make_tensor_value_info("output", f, [1, 2, "T"])],
+        [
+            _init("one", np.array(1, np.int64)),
+            _init("axis1", np.array([1], np.int64)),
+            _init("two", np.array(2.0, np.float32)),
+            _init("conv.weight", rng.normal(0, 0.5, (2, 3, 1)).astype(np.float32)),
+            _init("conv.bias", rng.normal(0, 0.1, 2).astype(np.float32)),
+        ],
+        name="outer_read",
+    )
+
+
+#: ``HETERO:OPENVINO,NUMPY`` placement of :func:`outer_read_across_pieces`: the condition on
+#: OPENVINO, between the piece that makes the Sigmoid's output and the If that reads it.
+OUTER_READ_PINS = {
+    "/Abs": "NUMPY",
+    "/decoder/Shape": "NUMPY",
+    "/decoder/Gather": "NUMPY",
+    "/decoder/Equal": "NUMPY",
+    "/decoder/If": "NUMPY",
+    "/decoder/Conv": "NUMPY",
+    "/decoder/Sigmoid": "NUMPY",
+    "/ReduceMax": "OPENVINO",
+    "/Greater": "OPENVINO",
+    "/model/If": "NUMPY",
+}

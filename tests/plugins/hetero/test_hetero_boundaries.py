@@ -7,6 +7,9 @@ a device cannot read whole.
   type and rank.
 - A value no rule can type (an If whose branches disagree on the rank) fails the load with
   an error that says which nodes to pin where, and doing so works.
+- A value ONNX leaves without a rank though the graph fixes it (a Conv after such an If),
+  read only inside another If's branches in a later piece of the same device, crosses with
+  the type and rank the device making it computes (a Silero-VAD-like export).
 - openvino refuses some models whole (OpConversionFailure on an op inside an If branch):
   HETERO:OPENVINO,NUMPY still runs them, openvino taking the nodes it can convert.
 
@@ -20,11 +23,12 @@ import json
 import numpy as np
 import onnx
 import pytest
-from models import make_model
+from models import OUTER_READ_PINS, make_model, outer_read_across_pieces
 from onnx import TensorProto, helper
 from reference import ort_run
 
-from plugserve.plugins.api import Unsupported
+from plugserve.plugins.api import TensorSpec, Unsupported
+from plugserve.plugins.ir import load_model
 
 RTOL, ATOL = 1e-3, 1e-4
 ML = "ai.onnx.ml"
@@ -290,3 +294,28 @@ def test_openvino_refusing_the_whole_model_still_takes_nodes(core):
     feeds = {"x": _x(2, 3, 4, 5), "c": np.array(True)}
     _same_as_ort(auto.infer(feeds), model, feeds)
     auto.close()
+
+
+def test_a_value_read_inside_if_branches_crosses_pieces(core):
+    pytest.importorskip("openvino")
+    model = outer_read_across_pieces()
+    network = _load(core, model, "HETERO:OPENVINO,NUMPY", OUTER_READ_PINS)
+    try:
+        steps = network.get_metric("HETERO_SUBGRAPHS")
+        assert [s["device"] for s in steps] == ["NUMPY", "OPENVINO", "NUMPY"], steps
+        assert "/decoder/Sigmoid" in steps[0]["nodes"] and steps[2]["nodes"] == ["/model/If"]
+        x = _x(1, 3, 6)
+        for threshold in (-1.0, 10.0):  # /model/If's then branch, then its else branch
+            feeds = {"input": x, "threshold": np.array(threshold, np.float32)}
+            _same_as_ort(network.infer(feeds), model, feeds)
+    finally:
+        network.close()
+
+
+def test_numpy_says_what_it_computes_for_an_unranked_value(numpy_plugin):
+    graph = load_model(outer_read_across_pieces())
+    name = "/decoder/Sigmoid_output_0"
+    spec = graph.spec(name)
+    assert spec is None or spec.shape is None  # ONNX's inference cannot tell its rank
+    found = numpy_plugin.computed_types(graph, [name])
+    assert found == {name: TensorSpec(name, np.dtype(np.float32), (None, None, None))}
