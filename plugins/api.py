@@ -460,6 +460,12 @@ class Plugin(abc.ABC):
         empty for a real device (:meth:`unsupported_nodes` gives its reasons)."""
         return []
 
+    def precision_choices(self, config: Configuration) -> list[dict[str, str]]:
+        """The config changes that give each precision ``config`` leaves open, fastest
+        expected first (AUTO times each); one, no change, for a device that computes in the
+        model's own precision."""
+        return [{}]
+
     def add_extension(self, extension: Any) -> None:
         raise Unsupported(f"device {self.name} does not support extensions")
 

@@ -175,11 +175,19 @@ class AutoCompiledNetwork(OneNetwork, CompiledNetwork):
     config: AutoConfiguration
 
     def __init__(
-        self, plugin: AutoPlugin, config: AutoConfiguration, device: str, network: CompiledNetwork
+        self,
+        plugin: AutoPlugin,
+        config: AutoConfiguration,
+        device: str,
+        network: CompiledNetwork,
+        measured: list[dict[str, Any]] | None = None,
     ) -> None:
         super().__init__(plugin, network.name, config)
         self.chosen = device
         self.network = network
+        #: what AUTO measured to choose (AUTO_MEASUREMENTS; kept in the export, so a network
+        #: from the cache still says why it runs where it does)
+        self.measured = list(measured or [])
 
     def create_infer_request(self) -> AutoInferRequest:
         return AutoInferRequest(self, self.network.create_infer_request())
@@ -190,15 +198,17 @@ class AutoCompiledNetwork(OneNetwork, CompiledNetwork):
             self.plugin.architecture,
             self.config.to_strings(),
             self.network.export(),
-            {"network_name": self.name, "device": self.chosen},
+            {"network_name": self.name, "device": self.chosen, "measured": self.measured},
         )
 
     def supported_metrics(self) -> list[str]:
-        return [*super().supported_metrics(), "EXECUTION_DEVICES"]
+        return [*super().supported_metrics(), "EXECUTION_DEVICES", "AUTO_MEASUREMENTS"]
 
     def _metric(self, name: str) -> Any:
         if name == "EXECUTION_DEVICES":
             return [self.chosen]
+        if name == "AUTO_MEASUREMENTS":
+            return self.measured
         if name == "OPTIMAL_NUMBER_OF_INFER_REQUESTS":
             return self.network.get_metric(name)
         return super()._metric(name)

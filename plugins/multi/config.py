@@ -13,6 +13,13 @@ __all__ = ["AutoConfiguration", "MultiConfiguration"]
 DEFAULT_AUTO_PRIORITIES = "OPENVINO,ORT,NUMPY"
 
 
+def _seconds(value: str) -> float:
+    seconds = float(value)
+    if not 0 <= seconds <= 600:
+        raise ValueError("expected seconds from 0 to 600")
+    return seconds
+
+
 def _names(value: str) -> str:
     text = check_device_list(value)
     return ",".join(p.upper() for p in text.split(",")) if text else ""
@@ -88,6 +95,15 @@ class AutoConfiguration(_Devices):
             "",
             _names,
             doc="devices AUTO must not choose (AUTO:-X sets it)",
+        ),
+        ConfigKey(
+            "MEASURE_SECONDS",
+            2.0,
+            _seconds,
+            doc=(
+                "time AUTO may spend timing its candidates at load, shared among them (each "
+                "runs twice at least); 0: no timing, the first candidate in priority order"
+            ),
         ),
     )
 

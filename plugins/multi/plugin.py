@@ -6,10 +6,12 @@ that fails to load is dropped with a warning (all failing is an error naming eac
 request that fails on a device fails, unless ``RUNTIME_FALLBACK=YES``: then it runs again on the
 next device in priority order.
 
-``AUTO`` (``AUTO:A,B``, ``AUTO:-X``) picks one device for the model: the first of
-``DEVICE_PRIORITIES`` (default OPENVINO, ORT, NUMPY) that is available, not excluded
-(``EXCLUDED_DEVICES``), whose QueryNetwork covers every node, and that compiles it. Both report
-the devices they use through the compiled network's ``EXECUTION_DEVICES`` metric.
+``AUTO`` (``AUTO:A,B``, ``AUTO:-X``) picks one device for the model among those of
+``DEVICE_PRIORITIES`` (default OPENVINO, ORT, NUMPY) that are available, not excluded
+(``EXCLUDED_DEVICES``), whose QueryNetwork covers every node, and that compile it: it times
+them (and the precisions each may run in) and keeps the fastest whose answer is right (see
+:mod:`.measure`); with ``MEASURE_SECONDS=0`` the first in priority order. Both report the
+devices they use through the compiled network's ``EXECUTION_DEVICES`` metric.
 """
 
 from __future__ import annotations
@@ -36,13 +38,28 @@ from plugserve.plugins.multi.config import (
     AutoConfiguration,
     MultiConfiguration,
 )
+from plugserve.plugins.multi.measure import (
+    MAX_CANDIDATES,
+    REFERENCE_DEVICES,
+    Candidate,
+    choose,
+    reference,
+    table,
+)
+from plugserve.plugins.outputcheck import made_up_inputs
 from plugserve.plugins.virtual import VirtualPlugin, device_list
 
 __all__ = ["AutoPlugin", "MultiPlugin"]
 
 log = logging.getLogger(__name__)
 
-_OWN_KEYS = {"DEVICE_PRIORITIES", "EXCLUDED_DEVICES", "RUNTIME_FALLBACK", "DEVICE_ID"}
+_OWN_KEYS = {
+    "DEVICE_PRIORITIES",
+    "EXCLUDED_DEVICES",
+    "RUNTIME_FALLBACK",
+    "DEVICE_ID",
+    "MEASURE_SECONDS",
+}
 
 
 class _Virtual(VirtualPlugin):
@@ -257,23 +274,92 @@ class AutoPlugin(_Virtual):
         cfg = self.merged_config(config)
         proto, _ = read_model(model)
         usable, reasons = self.select(proto, config)
-        for device in usable:
+        candidates = self._candidates(usable, overrides, cfg)
+        budget = float(cfg.get("MEASURE_SECONDS"))
+        if budget <= 0 or len(candidates) == 1:
+            for candidate in candidates:  # the first in priority order that compiles
+                if self._compile(proto, candidate, reasons):
+                    return self._chosen(cfg, candidate, [])
+        else:
+            for candidate in candidates:
+                self._compile(proto, candidate, reasons)
+            checker = reference(candidates)
+            beside = None if checker else self._reference_beside(proto, overrides, cfg)
             try:
-                network = self._devices().load_network(
-                    proto, device, self.child_config(device, overrides, cfg)
+                chosen = choose(candidates, checker or beside, made_up_inputs(proto), budget)
+            except BaseException:
+                for candidate in candidates:
+                    _close(candidate.network)
+                raise
+            finally:
+                if beside is not None:
+                    _close(beside.network)
+            shown = [*candidates, *([beside] if beside is not None else [])]
+            loaded = [c for c in candidates if c.network is not None]
+            chosen = chosen or (loaded[0] if loaded else None)
+            if chosen is not None:
+                log.info(
+                    "AUTO measured network %s on a made-up input:\n%s",
+                    chosen.network.name,  # type: ignore[union-attr]
+                    table(shown, chosen),
                 )
-            except PlugserveError as exc:
-                log.warning(
-                    "AUTO: %s could not compile the network (%s); trying the next", device, exc
-                )
-                reasons.append(f"{device}: {type(exc).__name__}: {exc}")
-                continue
-            log.info("AUTO chose %s for network %s", device, network.name)
-            return AutoCompiledNetwork(self, cfg, device, network)
+                for candidate in loaded:
+                    if candidate is not chosen:
+                        _close(candidate.network)
+                return self._chosen(cfg, chosen, [c.row() for c in shown])
         raise InvalidArgument(
             "AUTO: no device can run this network"
             + (f" ({'; '.join(reasons)})" if reasons else " (no candidate device)")
         )
+
+    def _candidates(
+        self, usable: list[str], overrides: dict[str, Any], cfg: AutoConfiguration
+    ) -> list[Candidate]:
+        """Each usable device in each precision its config allows it (OPENVINO's default
+        reduced precision and f32, unless a hint or ACCURACY settles it), in priority order."""
+        found = []
+        for device in usable:
+            child = self.child_config(device, overrides, cfg)
+            plugin = self._devices().plugin(device)
+            for change in plugin.precision_choices(plugin.merged_config(child, strict=False)):
+                found.append(Candidate(device, {**child, **change}))
+        return found[:MAX_CANDIDATES]
+
+    def _reference_beside(
+        self, proto: Any, overrides: dict[str, Any], cfg: AutoConfiguration
+    ) -> Candidate | None:
+        """A network of :data:`REFERENCE_DEVICES` to check candidates none of which is one
+        (a third-party device's answer is not trusted on its own)."""
+        available = set(self._devices().available_devices)
+        for device in REFERENCE_DEVICES:
+            if device not in available:
+                continue
+            child = self.child_config(device, overrides, cfg)
+            candidate = Candidate(device, {**child, "EXECUTION_MODE_HINT": "ACCURACY"})
+            if self._compile(proto, candidate, []):
+                candidate.verdict = "reference only"
+                return candidate
+        return None
+
+    def _compile(self, proto: Any, candidate: Candidate, reasons: list[str]) -> bool:
+        try:
+            candidate.network = self._devices().load_network(
+                proto, candidate.device, candidate.config
+            )
+        except PlugserveError as exc:
+            log.warning("AUTO: %s could not compile the network (%s)", candidate.device, exc)
+            reasons.append(f"{candidate.device}: {type(exc).__name__}: {exc}")
+            candidate.verdict = f"could not compile it: {exc}"
+            return False
+        return True
+
+    def _chosen(
+        self, cfg: AutoConfiguration, chosen: Candidate, measured: list[dict[str, Any]]
+    ) -> AutoCompiledNetwork:
+        network = chosen.network
+        assert network is not None
+        log.info("AUTO chose %s (%s) for network %s", chosen.device, chosen.precision, network.name)
+        return AutoCompiledNetwork(self, cfg, chosen.device, network, measured)
 
     def query_network(
         self, model: Model, config: Mapping[str, Any] | None = None
@@ -307,4 +393,4 @@ class AutoPlugin(_Virtual):
             raise InvalidArgument("exported AUTO network names no device")
         child = self.child_config(device, dict(config or {}), cfg)
         network = self._devices().import_network(payload, device, child)
-        return AutoCompiledNetwork(self, cfg, device, network)
+        return AutoCompiledNetwork(self, cfg, device, network, header.get("measured") or [])

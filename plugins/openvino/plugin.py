@@ -21,6 +21,7 @@ from onnx import numpy_helper
 
 from plugserve.plugins.api import (
     BackendUnavailable,
+    Configuration,
     InvalidArgument,
     Model,
     Plugin,
@@ -137,6 +138,12 @@ class OpenvinoPlugin(Plugin):
         if config.get("EXECUTION_MODE_HINT") == "ACCURACY":
             return "f32"
         return self.fastest_precision
+
+    def precision_choices(self, config: Configuration) -> list[dict[str, str]]:
+        """Its default reduced precision and f32, unless a hint or ACCURACY settles it."""
+        if config.get("INFERENCE_PRECISION_HINT") or self.precision(config) == "f32":
+            return [{}]
+        return [{}, {"INFERENCE_PRECISION_HINT": "f32"}]
 
     # --- reading models
 

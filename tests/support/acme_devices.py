@@ -1,6 +1,7 @@
 """A third-party device package as source text: NUMPY under other names with faults built in
-(SECOND, HELD, FAULTY, NOLOAD, PARTIAL, BROKEN...). MULTI/AUTO and BATCH tests write it into a
-site folder with an entry-point dist-info, so the server discovers it as a user's plugin."""
+(SECOND, HELD, FAULTY, NOLOAD, PARTIAL, BROKEN, SLOW, WRONG...). MULTI/AUTO and BATCH tests
+write it into a site folder with an entry-point dist-info, so the server discovers it as a
+user's plugin."""
 
 DEVICES = """
 import os
@@ -14,6 +15,22 @@ from plugserve.plugins.numpy.request import NumpyInferRequest
 
 class SecondPlugin(NumpyPlugin):
     name = "SECOND"
+
+
+class WrappedPlugin(NumpyPlugin):
+    # NUMPY whose requests are request_class: a fault built into the request
+    request_class = NumpyInferRequest
+
+    def load_network(self, model, config=None):
+        network = super().load_network(model, config)
+        request_class = self.request_class
+
+        class Network(NumpyCompiledNetwork):
+            def create_infer_request(self):
+                return request_class(self)
+
+        network.__class__ = Network
+        return network
 
 
 def wait_for_gate(name):
@@ -31,18 +48,10 @@ class HeldRequest(NumpyInferRequest):
         return super().infer(inputs)
 
 
-class HeldNetwork(NumpyCompiledNetwork):
-    def create_infer_request(self):
-        return HeldRequest(self)
 
-
-class HeldPlugin(NumpyPlugin):
+class HeldPlugin(WrappedPlugin):
     name = "HELD"
-
-    def load_network(self, model, config=None):
-        network = super().load_network(model, config)
-        network.__class__ = HeldNetwork
-        return network
+    request_class = HeldRequest
 
 
 class FaultyRequest(NumpyInferRequest):
@@ -51,18 +60,10 @@ class FaultyRequest(NumpyInferRequest):
         raise InferenceError("node 'matmul0' (MatMul) failed: acme kernel failure")
 
 
-class FaultyNetwork(NumpyCompiledNetwork):
-    def create_infer_request(self):
-        return FaultyRequest(self)
 
-
-class FaultyPlugin(NumpyPlugin):
+class FaultyPlugin(WrappedPlugin):
     name = "FAULTY"
-
-    def load_network(self, model, config=None):
-        network = super().load_network(model, config)
-        network.__class__ = FaultyNetwork
-        return network
+    request_class = FaultyRequest
 
 
 class Faulty2Plugin(FaultyPlugin):
@@ -88,6 +89,29 @@ class PartialPlugin(NumpyPlugin):
         return {k: v for k, v in supported.items() if not k.startswith("relu")}
 
 
+class SlowRequest(NumpyInferRequest):
+    def infer(self, inputs):
+        time.sleep(0.005)
+        return super().infer(inputs)
+
+
+
+class SlowPlugin(WrappedPlugin):
+    name = "SLOW"
+    request_class = SlowRequest
+
+
+class WrongRequest(NumpyInferRequest):
+    def infer(self, inputs):
+        return {k: v + 1 for k, v in super().infer(inputs).items()}
+
+
+
+class WrongPlugin(WrappedPlugin):
+    name = "WRONG"
+    request_class = WrongRequest
+
+
 class BrokenPlugin(NumpyPlugin):
     name = "BROKEN"
 
@@ -104,4 +128,6 @@ CLASSES = {
     "NOLOAD2": "NoLoad2Plugin",
     "PARTIAL": "PartialPlugin",
     "BROKEN": "BrokenPlugin",
+    "SLOW": "SlowPlugin",
+    "WRONG": "WrongPlugin",
 }

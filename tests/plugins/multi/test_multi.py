@@ -196,17 +196,22 @@ def test_multi_with_ort(core, reference):
 # --------------------------------------------------------------------------- AUTO
 
 
-def test_auto_default_order_prefers_ort_then_numpy(core):
-    network = core.load_network(mlp(), "AUTO")
+#: AUTO without timing: the first candidate in priority order that runs the model
+IN_ORDER = {"MEASURE_SECONDS": "0"}
+
+
+def test_auto_default_order_prefers_openvino_then_ort_then_numpy(core):
+    network = core.load_network(mlp(), "AUTO", IN_ORDER)
     expected = next(d for d in ("OPENVINO", "ORT", "NUMPY") if d in core.available_devices)
     assert network.get_metric("EXECUTION_DEVICES") == [expected]
+    assert network.get_metric("AUTO_MEASUREMENTS") == []
     excluded = core.load_network(mlp(), "AUTO:-OPENVINO,-ORT")
     assert excluded.get_metric("EXECUTION_DEVICES") == ["NUMPY"]
 
 
 def test_auto_follows_the_list_and_skips_what_cannot_run(core, reference):
     def chosen(device: str) -> list[str]:
-        network = core.load_network(mlp(), device)
+        network = core.load_network(mlp(), device, IN_ORDER)
         np.testing.assert_allclose(network.infer(feeds(2))["y"], reference(feeds(2)), rtol=1e-5)
         return network.get_metric("EXECUTION_DEVICES")
 
@@ -216,6 +221,68 @@ def test_auto_follows_the_list_and_skips_what_cannot_run(core, reference):
     assert chosen("AUTO:PARTIAL,SECOND") == ["SECOND"]  # QueryNetwork misses a node
     assert chosen("AUTO:NOLOAD,SECOND") == ["SECOND"]  # compiling fails: the next one
     assert core.query_network(mlp(), "AUTO:PARTIAL,SECOND") == core.query_network(mlp(), "SECOND")
+
+
+def _rows(network) -> dict[str, dict]:
+    return {row["device"]: row for row in network.get_metric("AUTO_MEASUREMENTS")}
+
+
+def test_auto_times_its_candidates_and_takes_the_fastest_not_the_first(core, reference):
+    network = core.load_network(mlp(), "AUTO:SLOW,SECOND")
+    assert network.get_metric("EXECUTION_DEVICES") == ["SECOND"]
+    rows = _rows(network)
+    assert rows["SLOW"]["verdict"] == rows["SECOND"]["verdict"] == "ok"
+    # neither is trusted to check the other: NUMPY, ONNX's reference here, checks both
+    assert rows["NUMPY"]["verdict"] == "reference only"
+    assert rows["SLOW"]["median_ms"] >= 5 > rows["SECOND"]["median_ms"]  # SLOW sleeps 5 ms
+    np.testing.assert_allclose(network.infer(feeds(1))["y"], reference(feeds(1)), rtol=1e-5)
+    in_order = core.load_network(mlp(), "AUTO:SLOW,SECOND", IN_ORDER)
+    assert in_order.get_metric("EXECUTION_DEVICES") == ["SLOW"]
+
+
+def test_auto_never_takes_a_fast_device_whose_answer_is_wrong(core, reference, caplog):
+    with caplog.at_level(logging.INFO, logger="plugserve.plugins.multi.plugin"):
+        network = core.load_network(mlp(), "AUTO:WRONG,SLOW")
+    assert network.get_metric("EXECUTION_DEVICES") == ["SLOW"]
+    rows = _rows(network)
+    assert rows["WRONG"]["verdict"].startswith("output 'y' differs"), rows
+    assert rows["WRONG"]["median_ms"] is None
+    np.testing.assert_allclose(network.infer(feeds(1))["y"], reference(feeds(1)), rtol=1e-5)
+    (logged,) = [r.getMessage() for r in caplog.records if "AUTO measured" in r.getMessage()]
+    assert "WRONG" in logged and "SLOW" in logged and "<- chosen" in logged
+
+
+def test_auto_keeps_its_choice_in_the_compiled_model_cache(core, tmp_path, caplog):
+    config = {"CACHE_DIR": str(tmp_path)}
+    first = core.load_network(mlp(), "AUTO:SLOW,SECOND", config)
+    assert not first.loaded_from_cache
+    with caplog.at_level(logging.INFO, logger="plugserve.plugins.multi.plugin"):
+        again = core.load_network(mlp(), "AUTO:SLOW,SECOND", config)
+    assert again.loaded_from_cache
+    assert again.get_metric("EXECUTION_DEVICES") == ["SECOND"]
+    assert again.get_metric("AUTO_MEASUREMENTS") == first.get_metric("AUTO_MEASUREMENTS")
+    assert not [r for r in caplog.records if "AUTO measured" in r.getMessage()]  # not timed again
+
+
+def test_auto_on_the_real_devices_takes_the_fastest_right_precision(core, reference):
+    """Each real device that runs the model is timed, OPENVINO in its default precision and
+    in f32 when the default is reduced (bf16 CPUs); the chosen one is the fastest that passed."""
+    network = core.load_network(mlp(), "AUTO")
+    rows = network.get_metric("AUTO_MEASUREMENTS")
+    seen = {(r["device"], r["precision"]) for r in rows}
+    assert ("NUMPY", "f32") in seen
+    if "ORT" in core.available_devices:
+        assert ("ORT", "f32") in seen
+    if "OPENVINO" in core.available_devices:
+        fastest = core.plugin("OPENVINO").fastest_precision
+        assert {p for d, p in seen if d == "OPENVINO"} == {fastest, "f32"}
+    passed = [r for r in rows if r["verdict"] in ("ok", "reference")]
+    best = min(passed, key=lambda r: r["median_ms"])
+    assert network.get_metric("EXECUTION_DEVICES") == [best["device"]]
+    assert network.precision == best["precision"]
+    accurate = core.load_network(mlp(), "AUTO", {"EXECUTION_MODE_HINT": "ACCURACY"})
+    assert {r["precision"] for r in accurate.get_metric("AUTO_MEASUREMENTS")} == {"f32"}
+    np.testing.assert_allclose(accurate.infer(feeds(3))["y"], reference(feeds(3)), rtol=1e-4)
 
 
 def test_auto_errors_name_the_device(core):
@@ -231,7 +298,7 @@ def test_auto_errors_name_the_device(core):
 
 
 def test_auto_export_import(core, reference):
-    network = core.load_network(mlp(), "AUTO:SECOND,NUMPY")
+    network = core.load_network(mlp(), "AUTO:SECOND,NUMPY", IN_ORDER)
     again = core.import_network(network.export(), "AUTO")
     assert again.get_metric("EXECUTION_DEVICES") == ["SECOND"]
     np.testing.assert_allclose(again.infer(feeds(4))["y"], reference(feeds(4)), rtol=1e-5)
