@@ -21,7 +21,7 @@ import threading
 import time
 from concurrent import futures
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -42,13 +42,14 @@ from plugserve.server.repository import Repository, single_model_repository
 from plugserve.server.rest import RestApp, RestServer
 from plugserve.server.security import (
     AuthInterceptor,
-    LocalControlInterceptor,
     load_tokens,
+    local_control,
     security_problems,
     server_credentials,
 )
 from plugserve.server.servicer import PlugserveServicer
 from plugserve.server.settings import Settings
+from plugserve.server.wrapping import Wrap, WrappingServer
 
 __all__ = ["Server", "main"]
 
@@ -211,7 +212,8 @@ class Server:
             s.request_read_timeout,
             s.stream_idle_timeout,
         )
-        interceptors: list[grpc.ServerInterceptor] = [self.gate]
+        wraps: list[Wrap] = [self.gate.wrap]
+        interceptors: list[grpc.ServerInterceptor] = []
         auth = None
         if s.auth_tokens:
             tokens = load_tokens(s.auth_tokens)
@@ -226,7 +228,7 @@ class Server:
             if credentials is None:
                 log.warning("token auth without TLS: tokens cross the network in plaintext")
         elif not s.allow_remote_control:
-            interceptors.append(LocalControlInterceptor())
+            wraps.append(local_control)
             log.info("no tokens: model control is taken from this machine only")
         else:
             log.warning(
@@ -249,12 +251,14 @@ class Server:
             options=options,
             maximum_concurrent_rpcs=4 * s.grpc_workers,
         )
+        # the gate and the local-control check wrap each handler here, once, not per call
+        registrar = cast(grpc.Server, WrappingServer(server, wraps))
         plugserve = plugserve_pb2.DESCRIPTOR.services_by_name["Plugserve"]
-        services = [add_service(server, plugserve, PlugserveServicer(self.plane))]
-        services += self._add_kserve(server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        services = [add_service(registrar, plugserve, PlugserveServicer(self.plane))]
+        services += self._add_kserve(registrar)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, registrar)
         services.append(health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)
-        reflection.enable(services, server)
+        reflection.enable(services, registrar)
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         self.grpc_port = _bind(server, s.host, s.grpc_port, "--grpc-port", credentials)
         if credentials is not None:
@@ -330,11 +334,11 @@ class Server:
         self.health_gate = CallGate(1, 2, self.settings.request_read_timeout, 60.0, "health")
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="health"),
-            interceptors=[self.health_gate],
             options=keepalive_options(60.0),
             maximum_concurrent_rpcs=16,
         )
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        registrar = cast(grpc.Server, WrappingServer(server, [self.health_gate.wrap]))
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, registrar)
         self.health_port = _bind(server, host, port, "--health-port")
         server.start()
         self.health_server = server

@@ -18,7 +18,8 @@ this gate makes an idle call cheap to get rid of instead:
   that sends no message for ``idle_timeout`` seconds is cancelled.
 - Server keepalive pings find peers that vanished without closing (see ``server_options``).
 
-One watchdog thread per gate enforces the timeouts; its work is bounded by the slots.
+One watchdog thread per gate enforces the timeouts; its work is bounded by the slots. The
+gate wraps each method's handler once, where it is registered (``wrapping.py``).
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ class _Open:
         self.since = time.monotonic()
 
 
-class CallGate(grpc.ServerInterceptor):
+class CallGate:
     """Wraps every method handler of a server (see the module's docstring)."""
 
     def __init__(
@@ -83,7 +84,6 @@ class CallGate(grpc.ServerInterceptor):
         self._ids = itertools.count()
         self._reading: dict[int, _Open] = {}  # insertion order: the longest waiting first
         self._streams: dict[int, _Open] = {}
-        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
         self._stop = threading.Event()
         self._watchdog = threading.Thread(target=self._watch, name=f"{name}-gate", daemon=True)
         self._watchdog.start()
@@ -97,18 +97,7 @@ class CallGate(grpc.ServerInterceptor):
 
     # --- wrapping, once per method
 
-    def intercept_service(self, continuation, handler_call_details):
-        handler = continuation(handler_call_details)
-        if handler is None:
-            return None
-        known = self._wrapped.get(handler_call_details.method)
-        if known is not None and known[0] is handler:
-            return known[1]
-        wrapped = self._wrap(handler)
-        self._wrapped[handler_call_details.method] = (handler, wrapped)
-        return wrapped
-
-    def _wrap(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    def wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         kwargs = {
             "request_deserializer": handler.request_deserializer,
             "response_serializer": handler.response_serializer,

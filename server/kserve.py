@@ -134,7 +134,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         self,
         request: pb.ModelInferRequest,
         context: grpc.ServicerContext,
-        inline: bool = False,
+        wait: bool = False,
         token: Any = None,
     ):
         """One lookup: the entry runs the request and names the response."""
@@ -152,9 +152,9 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             request_inputs(request, entry),
             requested_outputs(request),
             when,
-            inline,
-            token,
-            request.ByteSize() * GRPC_FACTOR,
+            token=token,
+            holds=request.ByteSize() * GRPC_FACTOR,
+            wait=wait,
         )
         return entry, future
 

@@ -36,11 +36,11 @@ __all__ = [
     "REMOTE_CONTROL",
     "SERVER_KEYS",
     "AuthInterceptor",
-    "LocalControlInterceptor",
     "Tokens",
     "control_refusal",
     "is_loopback",
     "load_tokens",
+    "local_control",
     "refuse_server_keys",
     "required_role",
     "security_problems",
@@ -372,36 +372,25 @@ def control_refusal(method: str, peer: str) -> str:
     return f"{_short(method)} from {peer or 'a remote client'}: {REMOTE_CONTROL}"
 
 
-class LocalControlInterceptor(grpc.ServerInterceptor):
+def local_control(method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     """Without tokens, the admin methods answer callers on this machine only (as Triton, whose
     model control is off unless asked for): a server listening on 0.0.0.0 without
     --auth-tokens no longer lets every network client load models or set device config.
-    The peer is known only once the call runs, so the handler is wrapped."""
+    The peer is known only once the call runs, so the handler is wrapped (once, where it is
+    registered: see ``wrapping.py``)."""
+    if required_role(method) != ADMIN or handler.unary_unary is None:
+        return handler
+    behavior = handler.unary_unary
 
-    def __init__(self) -> None:
-        self._admin: dict[str, bool] = {}  # method -> whether it needs admin (per call: cached)
+    def local_only(request: Any, context: grpc.ServicerContext) -> Any:
+        why = control_refusal(method, context.peer())
+        if why:
+            log.warning("denied %s: remote peer %s, no tokens", method, context.peer())
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
+        return behavior(request, context)
 
-    def intercept_service(self, continuation, handler_call_details):
-        method = handler_call_details.method
-        admin = self._admin.get(method)
-        if admin is None:
-            admin = self._admin[method] = required_role(method) == ADMIN
-            if len(self._admin) > 4096:  # unknown method names are a client's to invent
-                self._admin.clear()
-        handler = continuation(handler_call_details)
-        if not admin or handler is None or handler.unary_unary is None:
-            return handler
-        behavior = handler.unary_unary
-
-        def local_only(request: Any, context: grpc.ServicerContext) -> Any:
-            why = control_refusal(method, context.peer())
-            if why:
-                log.warning("denied %s: remote peer %s, no tokens", method, context.peer())
-                context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
-            return behavior(request, context)
-
-        return grpc.unary_unary_rpc_method_handler(
-            local_only,
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
+    return grpc.unary_unary_rpc_method_handler(
+        local_only,
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
