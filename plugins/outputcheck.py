@@ -134,8 +134,13 @@ REDUCED_RELATIVE_ERROR = 5e-2
 REDUCED_FLIPS = 0.1
 
 
-def compare_outputs(got: dict[str, Any], want: dict[str, Any], precision: str = "f32") -> str:
-    """Why a device's outputs ``got`` are not the reference's ``want`` ('' when they agree
+def compare_outputs(
+    got: dict[str, Any],
+    want: dict[str, Any],
+    precision: str = "f32",
+    reference: str = "ONNX's (NUMPY's)",
+) -> str:
+    """Why a device's outputs ``got`` are not the ``reference``'s ``want`` ('' when they agree
     within what ``precision`` allows, see above; NaN equals NaN). Outputs the reference has
     no array for are not compared."""
     for name, value in got.items():
@@ -153,7 +158,7 @@ def compare_outputs(got: dict[str, Any], want: dict[str, Any], precision: str = 
         a, b = value.astype(np.float64), expected.astype(np.float64)
         why = _differs(a, b, precision, expected.dtype.kind in "biu") if a.size else ""
         if why:
-            return f"output {name!r} differs from ONNX's (NUMPY's) result {why} on test data"
+            return f"output {name!r} differs from {reference} result {why} on test data"
     return ""
 
 

@@ -115,7 +115,7 @@ def choose(
             except Exception as exc:
                 candidate.verdict = f"failed on the input the reference ran: {exc}"
                 continue
-            why = compare_outputs(got, want, candidate.precision)
+            why = compare_outputs(got, want, candidate.precision, f"{checker.device}'s")
             if why:
                 candidate.verdict = why
                 continue
