@@ -16,11 +16,12 @@ import os
 import re
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import ml_dtypes
 import numpy as np
 import onnx
+from google.protobuf.message import Message
 from onnx import AttributeProto, GraphProto, ModelProto, TensorProto, helper, numpy_helper
 
 from plugserve.plugins.api import InvalidModel, TensorSpec, Unsupported
@@ -695,6 +696,19 @@ def _sort_nodes(graph: GraphProto, label: str) -> None:
 _MAX_DENSE_BYTES = 2**31 - 1
 
 
+_Message = TypeVar("_Message", bound=Message)
+
+
+def _own(message: _Message) -> _Message:
+    """A copy standing alone: a part of a parsed model (an attribute, a value info) keeps the
+    whole model's memory alive while it is referenced, initializers' bytes included. A Graph
+    kept by a network (its kernels' attributes) held its model's proto that way: 11.5 MB per
+    NUMPY network of an 11.5 MB MLP, beside the weights themselves."""
+    copy = type(message)()
+    copy.CopyFrom(message)
+    return copy
+
+
 def graph_from_proto(
     graph: GraphProto, model: ModelProto | None, label: str, outer_scope: bool = False
 ) -> Graph:
@@ -744,7 +758,7 @@ def graph_from_proto(
             outputs=list(proto_node.output),
             name=node_name,
             domain="" if proto_node.domain == "ai.onnx" else proto_node.domain,
-            attrs={a.name: a for a in proto_node.attribute},
+            attrs={a.name: _own(a) for a in proto_node.attribute},
             fused_names=fused.split(",") if fused else [node_name],
             affinity=meta.pop("affinity", ""),
             metadata=meta,
@@ -763,9 +777,9 @@ def graph_from_proto(
         value_info=value_info,
         opsets=opsets,
         ir_version=model.ir_version if model is not None else onnx.IR_VERSION,
-        functions=list(model.functions) if model is not None else [],
-        raw_inputs=[i for i in graph.input if i.name not in initializer_names],
-        raw_outputs=list(graph.output),
+        functions=[_own(f) for f in model.functions] if model is not None else [],
+        raw_inputs=[_own(i) for i in graph.input if i.name not in initializer_names],
+        raw_outputs=[_own(o) for o in graph.output],
     )
     result.toposort(outer_scope)
     return result
