@@ -593,15 +593,21 @@ def load_model(model: Any, name: str | None = None) -> Graph:
     label = name or proto.graph.name or "model"
     _check_opsets(proto, label)
     _sort_nodes(proto.graph, label)
+    # the checker and shape inference each take the model serialized: once for both, as
+    # serializing a model is a copy of all its weights under the GIL (parallel loads)
     try:
-        onnx.checker.check_model(proto)
+        data = proto.SerializeToString()
+    except ValueError as exc:  # over protobuf's 2 GB
+        raise InvalidModel(f"model {label!r} cannot be serialized: {exc}") from None
+    try:
+        onnx.checker.check_model(data)
     except onnx.checker.ValidationError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else "invalid"
         raise InvalidModel(f"model {label!r} does not validate: {first}") from None
     except Exception as exc:
         raise InvalidModel(f"model {label!r} does not validate: {exc}") from None
     try:
-        inferred = _infer_shapes(proto, label)
+        inferred = _infer_shapes(proto, label, data)
     except InvalidModel:
         raise
     except Exception as exc:
@@ -635,7 +641,7 @@ _NODE_FAILURE = re.compile(
 )
 
 
-def _infer_shapes(proto: ModelProto, label: str) -> ModelProto:
+def _infer_shapes(proto: ModelProto, label: str, data: bytes | None = None) -> ModelProto:
     """Shape inference that refuses a node whose attributes cannot be right.
 
     The checker does not look at attribute *values* (``Softmax(axis=9)`` on a rank-2 input);
@@ -645,9 +651,10 @@ def _infer_shapes(proto: ModelProto, label: str) -> ModelProto:
     test models: MeanVarianceNormalization): such nested failures, or any report not in the
     form above, fall back to the lenient inference.
     """
+    data = proto.SerializeToString() if data is None else data
     try:
         return onnx.shape_inference.infer_shapes(
-            proto, check_type=True, data_prop=True, strict_mode=True
+            data, check_type=True, data_prop=True, strict_mode=True
         )
     except onnx.shape_inference.InferenceError as exc:
         found = _NODE_FAILURE.match(str(exc).strip())
@@ -661,7 +668,7 @@ def _infer_shapes(proto: ModelProto, label: str) -> ModelProto:
             raise InvalidModel(
                 f"model {label!r}: {node} ({found['op']}): {found['reason'].strip()}"
             ) from None
-    return onnx.shape_inference.infer_shapes(proto, check_type=True, data_prop=True)
+    return onnx.shape_inference.infer_shapes(data, check_type=True, data_prop=True)
 
 
 def _sort_nodes(graph: GraphProto, label: str) -> None:

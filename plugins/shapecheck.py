@@ -20,6 +20,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import onnx
+from google.protobuf.message import Message
 from onnx import ModelProto, helper
 
 from plugserve.plugins.api import InvalidInput, PlugserveError
@@ -43,21 +44,32 @@ def shape_model(proto: ModelProto) -> bytes | None:
 
 
 def _copy_without_data(proto: ModelProto) -> ModelProto:
+    """Field by field, the graph's initializers left out: copying the whole model and deleting
+    them (or taking them out and putting them back) copied every weight once more."""
     light = ModelProto()
-    initializers = list(proto.graph.initializer)
-    del proto.graph.initializer[:]  # copy the rest without the bulk, then put them back
-    try:
-        light.CopyFrom(proto)
-    finally:
-        proto.graph.initializer.extend(initializers)
-    for tensor in initializers:
+    for field, value in proto.ListFields():
+        if field.name != "graph":
+            _copy_field(light, field.name, value)
+    for field, value in proto.graph.ListFields():
+        if field.name != "initializer":
+            _copy_field(light.graph, field.name, value)
+    for tensor in proto.graph.initializer:
         if len(tensor.dims) and _count(tensor.dims) > _SMALL:
             light.graph.input.append(
                 helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims))
             )
         else:
-            light.graph.initializer.append(tensor)
+            light.graph.initializer.add().CopyFrom(tensor)
     return light
+
+
+def _copy_field(target: Message, name: str, value: Any) -> None:
+    if hasattr(value, "extend"):  # a repeated field
+        getattr(target, name).extend(value)
+    elif isinstance(value, Message):
+        getattr(target, name).CopyFrom(value)
+    else:
+        setattr(target, name, value)
 
 
 def _count(dims) -> int:
