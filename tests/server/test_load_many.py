@@ -10,13 +10,21 @@ beside its weights (1.97x).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+from models import mlp
+from serving import RunningServer
+
+from plugserve.client import Client
+from plugserve.plugins.api import available_cores
 
 SUPPORT = Path(__file__).resolve().parent.parent / "support"
+X = {"x": np.ones((1, 32), np.float32)}
 
 
 def _device_available(device: str) -> bool:
@@ -45,3 +53,44 @@ def test_a_loaded_network_costs_what_its_backend_costs(device):
         f"{device}: {cost['plugserve']:.1f} MB per loaded network against "
         f"{cost['bare']:.1f} MB per bare copy of the same model: {cost}"
     )
+
+
+def _threads(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/task"))
+
+
+def test_idle_networks_keep_only_the_threads_their_streams_need(tmp_path):
+    """An ORT network's stream needs its session's intra-op threads (threads per stream - 1,
+    the calling thread is the first); a NUMPY network's, none (its GEMM helpers are shared by
+    the process). A stream's own worker thread is started when a request has to queue for it,
+    so networks served one request at a time (unary calls run inline) start none."""
+    if not _device_available("ORT"):
+        pytest.skip("ORT is not available here")
+    repo = tmp_path / "models"
+    repo.mkdir()
+    model = mlp().SerializeToString()
+    count = 12
+    with (
+        RunningServer(
+            "--model-repository", str(repo), "--model-control-mode", "explicit"
+        ) as server,
+        Client(server.target, timeout=60) as client,
+    ):
+        pid = server.process.pid
+
+        def load_and_serve(names: list[str]) -> None:
+            for name in names:
+                client.load(name, model, "ORT" if name.startswith("ort") else "NUMPY")
+            for name in names:
+                assert client.infer(name, X)["y"].shape == (1, 10)
+
+        load_and_serve(["ort-first", "numpy-first"])
+        before = _threads(pid)
+        load_and_serve([f"{kind}-{i}" for i in range(count) for kind in ("ort", "numpy")])
+        after = _threads(pid)
+        intra_op = available_cores() - 1  # LATENCY: one stream with every core
+        # a few more are the process's own, not per network (a gRPC worker started by a call)
+        assert after - before <= count * intra_op + 4, (
+            f"{count} ORT and {count} NUMPY networks, idle, added {after - before} threads; "
+            f"their streams need {count * intra_op}"
+        )
