@@ -111,7 +111,7 @@ class OrtPlugin(Plugin):
         # a network that profiles makes sessions while it serves: from its own copy, which a
         # change to the repository's file cannot take away
         source: ModelSource = (
-            FileSource(Path(model), self._read_file, data)
+            FileSource(Path(model).absolute(), self._read_file, data)
             if isinstance(model, str | os.PathLike) and not cfg.get("PERF_COUNT")
             else SpilledSource(data)
         )
