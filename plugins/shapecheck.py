@@ -20,63 +20,26 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import onnx
-from google.protobuf.message import Message
-from onnx import ModelProto, helper
+from onnx import ModelProto
 
 from plugserve.plugins.api import InvalidInput, PlugserveError
+from plugserve.plugins.ir import without_weights
 
 __all__ = ["input_problem", "shape_model", "shapes_of", "translate"]
 
-_SMALL = 64  # initializers up to this many elements keep their values (shape arithmetic)
 _REASON = re.compile(r"\[(?:ShapeInferenceError|TypeInferenceError)\][^\[]*$")
 
 
 def shape_model(proto: ModelProto) -> bytes | None:
     """The model reduced for :func:`input_problem`, or None when ONNX's strict inference does
     not accept it as it is (then no failure can be blamed on the inputs)."""
-    light = _copy_without_data(proto)
+    light = without_weights(proto)
     del light.graph.value_info[:]
     try:
         onnx.shape_inference.infer_shapes(light, strict_mode=True, data_prop=True)
     except Exception:
         return None
     return light.SerializeToString()
-
-
-def _copy_without_data(proto: ModelProto) -> ModelProto:
-    """Field by field, the graph's initializers left out: copying the whole model and deleting
-    them (or taking them out and putting them back) copied every weight once more."""
-    light = ModelProto()
-    for field, value in proto.ListFields():
-        if field.name != "graph":
-            _copy_field(light, field.name, value)
-    for field, value in proto.graph.ListFields():
-        if field.name != "initializer":
-            _copy_field(light.graph, field.name, value)
-    for tensor in proto.graph.initializer:
-        if len(tensor.dims) and _count(tensor.dims) > _SMALL:
-            light.graph.input.append(
-                helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims))
-            )
-        else:
-            light.graph.initializer.add().CopyFrom(tensor)
-    return light
-
-
-def _copy_field(target: Message, name: str, value: Any) -> None:
-    if hasattr(value, "extend"):  # a repeated field
-        getattr(target, name).extend(value)
-    elif isinstance(value, Message):
-        getattr(target, name).CopyFrom(value)
-    else:
-        setattr(target, name, value)
-
-
-def _count(dims) -> int:
-    total = 1
-    for d in dims:
-        total *= d
-    return total
 
 
 def input_problem(model: bytes, shapes: Mapping[str, tuple[int, ...]]) -> str | None:
