@@ -20,51 +20,26 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import onnx
-from onnx import ModelProto, helper
+from onnx import ModelProto
 
 from plugserve.plugins.api import InvalidInput, PlugserveError
+from plugserve.plugins.ir import without_weights
 
 __all__ = ["input_problem", "shape_model", "shapes_of", "translate"]
 
-_SMALL = 64  # initializers up to this many elements keep their values (shape arithmetic)
 _REASON = re.compile(r"\[(?:ShapeInferenceError|TypeInferenceError)\][^\[]*$")
 
 
 def shape_model(proto: ModelProto) -> bytes | None:
     """The model reduced for :func:`input_problem`, or None when ONNX's strict inference does
     not accept it as it is (then no failure can be blamed on the inputs)."""
-    light = _copy_without_data(proto)
+    light = without_weights(proto)
     del light.graph.value_info[:]
     try:
         onnx.shape_inference.infer_shapes(light, strict_mode=True, data_prop=True)
     except Exception:
         return None
     return light.SerializeToString()
-
-
-def _copy_without_data(proto: ModelProto) -> ModelProto:
-    light = ModelProto()
-    initializers = list(proto.graph.initializer)
-    del proto.graph.initializer[:]  # copy the rest without the bulk, then put them back
-    try:
-        light.CopyFrom(proto)
-    finally:
-        proto.graph.initializer.extend(initializers)
-    for tensor in initializers:
-        if len(tensor.dims) and _count(tensor.dims) > _SMALL:
-            light.graph.input.append(
-                helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims))
-            )
-        else:
-            light.graph.initializer.append(tensor)
-    return light
-
-
-def _count(dims) -> int:
-    total = 1
-    for d in dims:
-        total *= d
-    return total
 
 
 def input_problem(model: bytes, shapes: Mapping[str, tuple[int, ...]]) -> str | None:

@@ -19,7 +19,7 @@ import ctypes
 import ctypes.util
 import logging
 
-__all__ = ["GLIBC_MAX_MMAP_THRESHOLD", "reuse_freed_memory"]
+__all__ = ["GLIBC_MAX_MMAP_THRESHOLD", "give_back_freed_memory", "reuse_freed_memory"]
 
 log = logging.getLogger("plugserve.server")
 
@@ -35,12 +35,9 @@ def reuse_freed_memory(limit: int) -> bool:
     ``limit`` is 0 (the allocator's defaults stay)."""
     if limit <= 0:
         return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"))
-    except (OSError, TypeError):
-        libc = None
+    libc = _glibc()
     # The option numbers below are glibc's; other C libraries (musl, macOS) differ or lack them.
-    if libc is None or not hasattr(libc, "gnu_get_libc_version"):
+    if libc is None:
         log.debug("malloc tuning skipped: not glibc")
         return False
     mallopt = libc.mallopt
@@ -51,3 +48,21 @@ def reuse_freed_memory(limit: int) -> bool:
     if not ok:
         log.warning("malloc tuning refused by the C library (limit %d bytes)", limit)
     return ok
+
+
+def give_back_freed_memory() -> None:
+    """Hand the system back what malloc's heaps hold free (glibc's ``malloc_trim``), after
+    a batch of loads: each arena a load ran on kept its scratch memory (parsed and serialized
+    models), up to twice the reuse limit, which requests rarely need again (20 ORT MLPs of
+    11.5 MB loaded over two threads: 620 MB resident once ready; trimmed, 369 MB)."""
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+def _glibc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    except (OSError, TypeError):
+        return None
+    return libc if hasattr(libc, "gnu_get_libc_version") else None

@@ -137,6 +137,7 @@ class Server:
             settings.max_model_bytes,
             settings.max_request_seconds,
             default_limit() if settings.max_inflight_bytes < 0 else settings.max_inflight_bytes,
+            settings.load_threads(),
         )
         self.health = health.HealthServicer()
         self.grpc_server: grpc.Server | None = None

@@ -17,10 +17,10 @@ import logging
 import tempfile
 import threading
 import time
-from collections.abc import Collection, Mapping
-from concurrent.futures import Future
+from collections.abc import Callable, Collection, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -44,12 +44,13 @@ from plugserve.plugins.api import (
     refuse_non_tensors,
 )
 from plugserve.plugins.streams import Finished, StreamsExecutor
+from plugserve.server.allocator import give_back_freed_memory
 from plugserve.server.budget import Charge, MemoryBudget
 from plugserve.server.core import Core
 from plugserve.server.deadlines import DeadlineWatch
 from plugserve.server.devices import parse_device
 from plugserve.server.metrics import Metrics, Recorder
-from plugserve.server.repository import Repository, check_name, is_version
+from plugserve.server.repository import ModelEntry, Repository, check_name, is_version
 from plugserve.server.security import refuse_server_keys
 from plugserve.server.triton_config import (
     EVERY_VERSION,
@@ -69,6 +70,9 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+_Item = TypeVar("_Item")
+_Outcome = TypeVar("_Outcome")
 
 
 # Messages begin with Triton's own words for the condition (triton-inference-server/core:
@@ -207,9 +211,12 @@ class DataPlane:
         max_model_bytes: int = 0,
         max_request_seconds: float = 0.0,
         max_inflight_bytes: int = 0,
+        load_threads: int = 1,
     ) -> None:
         """``max_networks`` / ``max_model_bytes`` / ``max_request_seconds``:
-        --max-networks, --max-model-bytes and --max-request-seconds (0: no limit)."""
+        --max-networks, --max-model-bytes and --max-request-seconds (0: no limit);
+        ``load_threads``: --model-load-threads, made concrete."""
+        self.load_threads = max(1, load_threads)
         self.max_request_seconds = max_request_seconds
         #: --max-inflight-bytes: what the protocols charge their requests against
         self.budget = MemoryBudget(max_inflight_bytes)
@@ -867,27 +874,50 @@ class DataPlane:
             problems += [f"--load-model {n}: no such model in the repository" for n in
                          sorted(set(names) - found)]  # fmt: skip
             entries = [e for e in entries if e.name in names]
-        ready = []
-        for entry in entries:
-            try:
-                loaded, _ = self.load(
-                    entry.name,
-                    entry.path,
-                    entry.device,
-                    entry.config,
-                    version=entry.version,
-                    max_batch_size=entry.max_batch_size,
-                    dynamic_batching=entry.settings.dynamic_batching,
-                    batch_size=entry.settings.batch_size,
-                )
-                loaded.persisted = True
-                self._stamps[(entry.name, entry.version)] = self.repository.stamp(
-                    entry.name, entry.path
-                )
-                ready.append(loaded)
-            except PlugserveError as exc:
-                problems.append(f"{entry.path}: {exc}")
+        ready: list[LoadedNetwork] = []
+        for outcome in self._each(self._load_entry, entries):
+            if isinstance(outcome, LoadedNetwork):
+                ready.append(outcome)
+            else:
+                problems.append(outcome)
         return ready, problems
+
+    def _load_entry(self, entry: ModelEntry) -> LoadedNetwork | str:
+        """One repository version loaded, or what went wrong with it (its file first)."""
+        try:
+            loaded, _ = self.load(
+                entry.name,
+                entry.path,
+                entry.device,
+                entry.config,
+                version=entry.version,
+                max_batch_size=entry.max_batch_size,
+                dynamic_batching=entry.settings.dynamic_batching,
+                batch_size=entry.settings.batch_size,
+            )
+        except PlugserveError as exc:
+            return f"{entry.path}: {exc}"
+        loaded.persisted = True
+        stamp = self.repository.stamp(entry.name, entry.path)
+        with self._lock:
+            self._stamps[(entry.name, entry.version)] = stamp
+        return loaded
+
+    def _each(self, load: Callable[[_Item], _Outcome], items: list[_Item]) -> list[_Outcome]:
+        """``load`` of every item, ``load_threads`` at a time (Triton's model load threads), in
+        the items' order. Each version loads on its own: one that fails or is slow holds up
+        none of the others, and the caller sees every outcome once all are done. Then the
+        loads' scratch memory goes back to the system (see give_back_freed_memory)."""
+        if not items:
+            return []
+        if self.load_threads == 1 or len(items) == 1:
+            outcomes = [load(item) for item in items]
+        else:
+            threads = min(self.load_threads, len(items))
+            with ThreadPoolExecutor(threads, thread_name_prefix="model-load") as pool:
+                outcomes = list(pool.map(load, items))
+        give_back_freed_memory()
+        return outcomes
 
     def poll_repository(self) -> list[str]:
         """One look at the repository (--model-control-mode poll): versions added are loaded,
@@ -904,18 +934,24 @@ class DataPlane:
                 self.unload(name, version)
                 self._stamps.pop((name, version), None)
                 log.info("repository poll: %s version %d removed: unloaded", name, version)
-        for (name, version), entry in sorted(wanted.items()):
-            if (name, version) in ours and self._stamps.get((name, version)) == (
-                self.repository.stamp(name, entry.path)
-            ):
-                continue
-            try:
-                self.reload(name, version)
-            except PlugserveError as exc:
-                problems.append(f"{entry.path}: {exc}")
+        changed = [
+            entry
+            for (name, version), entry in sorted(wanted.items())
+            if (name, version) not in ours
+            or self._stamps.get((name, version)) != self.repository.stamp(name, entry.path)
+        ]
+        problems += [p for p in self._each(self._reload_entry, changed) if p]
         for problem in problems:
             log.error("repository poll: %s", problem)
         return problems
+
+    def _reload_entry(self, entry: ModelEntry) -> str:
+        """:meth:`reload` of a repository version; what went wrong, or "" when it loaded."""
+        try:
+            self.reload(entry.name, entry.version)
+        except PlugserveError as exc:
+            return f"{entry.path}: {exc}"
+        return ""
 
     def close(self) -> None:
         """Stop every network's streams: what is queued still runs, nothing new is taken."""

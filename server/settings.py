@@ -11,6 +11,8 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from plugserve.plugins.api import available_cores
+
 __all__ = ["Settings"]
 
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -65,6 +67,12 @@ class Settings:
     )
     repository_poll_secs: float = _field(
         15.0, "with --model-control-mode poll: seconds between two looks at the repository"
+    )
+    model_load_threads: int = _field(
+        0,
+        "models loaded at once when the server starts and when --model-control-mode poll finds "
+        "new or changed versions (as Triton's --model-load-thread-count); 1: one after "
+        "another; 0: as many as the cores, at most 4",
     )
     plugins: str = _field("", "JSON file naming the plugins to load and their config")
     default_device: str = _field("NUMPY", "device for models whose config names none")
@@ -190,6 +198,7 @@ class Settings:
             ("request_read_timeout", 0.1, None),
             ("stream_idle_timeout", 0, None),
             ("repository_poll_secs", 0.1, None),
+            ("model_load_threads", 0, 1024),
             ("malloc_reuse_bytes", 0, 32 << 20),
         ):
             value = getattr(self, name)
@@ -213,6 +222,13 @@ class Settings:
         if self.log_level.upper() not in _LOG_LEVELS:
             found.append(f"log_level={self.log_level!r} must be one of {', '.join(_LOG_LEVELS)}")
         return found
+
+    def load_threads(self) -> int:
+        """--model-load-threads, 0 made concrete: loads are CPU work (parsing, checking and
+        optimizing models), so more at once than cores only adds contention."""
+        if self.model_load_threads:
+            return self.model_load_threads
+        return min(4, available_cores())
 
     @classmethod
     def env_name(cls, field: str) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import platform
+import threading
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -48,6 +49,11 @@ from plugserve.plugins.shapecheck import shape_model
 __all__ = ["Extension", "NumpyPlugin"]
 
 log = logging.getLogger(__name__)
+
+#: Held while a load times its kernels: loads run in parallel (the server's
+#: --model-load-threads), and two tunings timing at once would each see the other's work as
+#: their kernels' cost.
+_TUNING = threading.Lock()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,7 +194,8 @@ class NumpyPlugin(Plugin):
         network = NumpyCompiledNetwork(self, cfg, original, transformed, plan, tuner)
         network.shape_model = shape_model(proto)
         if tuner.enabled:
-            network.tune()
+            with _TUNING:
+                network.tune()
         return network
 
     def query_network(

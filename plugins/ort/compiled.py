@@ -1,4 +1,4 @@
-"""ORT's compiled network: the optimized model bytes and one InferenceSession per stream."""
+"""ORT's compiled network: one InferenceSession per stream, and where its model can be read."""
 
 from __future__ import annotations
 
@@ -10,11 +10,12 @@ from typing import TYPE_CHECKING, Any
 import onnx
 
 from plugserve.plugins import blob
-from plugserve.plugins.api import CompiledNetwork, TensorSpec
+from plugserve.plugins.api import CompiledNetwork, InferenceError, PlugserveError, TensorSpec
 from plugserve.plugins.ir import np_dtype, onnx_dtype
 from plugserve.plugins.ort import backend
 from plugserve.plugins.ort.config import OrtConfiguration
 from plugserve.plugins.ort.request import OrtInferRequest
+from plugserve.plugins.ort.source import ModelSource
 
 if TYPE_CHECKING:
     from plugserve.plugins.ort.plugin import OrtPlugin
@@ -44,7 +45,8 @@ def spec_from_json(data: dict[str, Any]) -> TensorSpec:
 
 
 class OrtCompiledNetwork(CompiledNetwork):
-    """``model`` is the onnxruntime-optimized model; sessions run it, one per stream.
+    """Sessions run the model, one per stream, opened by the plugin at load; ``source`` reads
+    the model again for what is rare (export, profiling sessions, profiled nodes' names).
 
     Streams x intra-op threads stays within the cores (INFERENCE_NUM_THREADS, when set, is the
     total thread budget instead of the core count); inter-op threads are 1; idle intra-op
@@ -58,14 +60,14 @@ class OrtCompiledNetwork(CompiledNetwork):
         plugin: OrtPlugin,
         config: OrtConfiguration,
         name: str,
-        model: bytes,
+        source: ModelSource,
         inputs: list[TensorSpec],
         outputs: list[TensorSpec],
         node_names: list[str],
         sessions: list[Any],
     ) -> None:
         super().__init__(plugin, name, config)
-        self.model = model
+        self.source = source
         self._inputs = inputs
         self._outputs = outputs
         self.input_names = [s.name for s in inputs]
@@ -80,14 +82,11 @@ class OrtCompiledNetwork(CompiledNetwork):
         self._lock = threading.Lock()
         self._profiles: tempfile.TemporaryDirectory | None = None
         self._producers: dict[str, str] | None = None
-        self.open_sessions()
-
-    def open_sessions(self) -> None:
-        while len(self.sessions) < self.streams:
-            self.sessions.append(self.new_session())
 
     def new_session(self, profile_prefix: str | None = None) -> Any:
-        return backend.session(self.model, self.level, self.threads, self.spin_us, profile_prefix)
+        return backend.session(
+            self.source.read(), self.level, self.threads, self.spin_us, profile_prefix
+        )
 
     @property
     def profile_folder(self) -> str:
@@ -106,9 +105,7 @@ class OrtCompiledNetwork(CompiledNetwork):
         """
         with self._lock:
             if self._producers is None:
-                proto = onnx.ModelProto()
-                proto.ParseFromString(self.model)
-                self._producers = {o: n.name for n in proto.graph.node for o in n.output if o}
+                self._producers = self._saved_producers()
         known = set(self.node_names)
         if node in known:
             return (node,)
@@ -118,6 +115,17 @@ class OrtCompiledNetwork(CompiledNetwork):
                 if producer in known:
                     return (producer,)
         return ()
+
+    def _saved_producers(self) -> dict[str, str]:
+        """Which node of the saved (EXTENDED) model computes each value; empty when the model
+        cannot be read again (the names are a courtesy of profiling, not worth failing it)."""
+        try:
+            saved = backend.optimized(self.source.read(), self.level)
+        except Exception:
+            return {}
+        proto = onnx.ModelProto()
+        proto.ParseFromString(saved)
+        return {o: n.name for n in proto.graph.node for o in n.output if o}
 
     def create_infer_request(self) -> OrtInferRequest:
         session = self.sessions[next(self._next) % len(self.sessions)]
@@ -136,9 +144,21 @@ class OrtCompiledNetwork(CompiledNetwork):
             "node_names": self.node_names,
             "onnxruntime_version": backend.ort.__version__,
         }
+        try:
+            saved = backend.optimized(self.source.read(), self.level)
+        except PlugserveError:
+            raise
+        except Exception as exc:
+            raise InferenceError(
+                f"network {self.name}: onnxruntime cannot save it optimized: {backend.message(exc)}"
+            ) from None
         return blob.pack(
-            self.plugin.name, self.plugin.architecture, self.config.to_strings(), self.model, extra
+            self.plugin.name, self.plugin.architecture, self.config.to_strings(), saved, extra
         )
+
+    def close(self) -> None:
+        super().close()
+        self.source.close()
 
     def __del__(self) -> None:
         super().__del__()

@@ -1,15 +1,18 @@
 """The ORT device: ONNX Runtime's CPU execution provider.
 
 ``load_network`` validates the model with plugserve's own reader (same InvalidModel errors as
-NUMPY, external data inlined safely), has onnxruntime optimize it once (at most at EXTENDED, so
-the saved model is portable and is what export writes), then opens one InferenceSession per
-stream. ``query_network`` asks onnxruntime's kernel registry (see :mod:`.query`).
+NUMPY, external data inlined safely), then opens one InferenceSession per stream from it; the
+network keeps its sessions and where the model came from, not the model (see :mod:`.source`),
+and an export has onnxruntime optimize it again at most at EXTENDED (portable).
+``query_network`` asks onnxruntime's kernel registry (see :mod:`.query`).
 """
 
 from __future__ import annotations
 
+import os
 import platform
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import onnx
@@ -37,6 +40,7 @@ from plugserve.plugins.ort import backend, locales
 from plugserve.plugins.ort.compiled import OrtCompiledNetwork, spec_from_json
 from plugserve.plugins.ort.config import OrtConfiguration
 from plugserve.plugins.ort.query import KernelIndex, kernel_index, unsupported_nodes
+from plugserve.plugins.ort.source import FileSource, ModelSource, SpilledSource
 from plugserve.plugins.passes.sizes import check_load_constants
 from plugserve.plugins.shapecheck import shape_model
 
@@ -77,8 +81,8 @@ class OrtPlugin(Plugin):
 
     # --- networks
 
-    def _read(self, model: Model) -> tuple[Graph, bytes, bytes | None]:
-        """The model validated, its bytes for onnxruntime, and its shapecheck model."""
+    def _read(self, model: Model) -> tuple[Graph, bytes, onnx.ModelProto]:
+        """The model validated, its bytes for onnxruntime, and its proto."""
         proto, _ = read_model(model)  # external data inlined here, safely
         graph = load_model(proto)
         check_load_constants(graph, self.name)  # onnxruntime folds constants without a limit
@@ -87,26 +91,35 @@ class OrtPlugin(Plugin):
             data = proto.SerializeToString()
         except ValueError as exc:  # a model over protobuf's 2 GB limit
             raise InvalidModel(f"model {graph.name!r} cannot be serialized: {exc}") from None
-        return graph, data, shape_model(proto)
+        return graph, data, proto
+
+    def _read_file(self, path: Path) -> bytes:
+        return self._read(path)[1]
 
     def load_network(
         self, model: Model, config: Mapping[str, Any] | None = None
     ) -> OrtCompiledNetwork:
         cfg = self.merged_config(config)
-        graph, data, shapes = self._read(model)
+        graph, data, proto = self._read(model)
+        shapes = shape_model(proto)
+        del proto  # the sessions parse their own
         refuse_narrow_io(graph, self.name)  # onnxruntime's numpy binding has no such types
-        threads = cfg.threads_per_stream()
-        level = cfg.get("GRAPH_OPTIMIZATION_LEVEL")
         try:
-            optimized, first = backend.optimize(data, level, threads, cfg.get("SPIN_DURATION_US"))
+            sessions = backend.sessions(data, cfg)
         except Exception as exc:
             raise self._load_error(graph, exc) from None
-        sessions = [first] if backend.saved_level(level) == level else []
+        # a network that profiles makes sessions while it serves: from its own copy, which a
+        # change to the repository's file cannot take away
+        source: ModelSource = (
+            FileSource(Path(model).absolute(), self._read_file, data)
+            if isinstance(model, str | os.PathLike) and not cfg.get("PERF_COUNT")
+            else SpilledSource(data)
+        )
         network = OrtCompiledNetwork(
             self,
             cfg,
             graph.name,
-            optimized,
+            source,
             list(graph.inputs),
             list(graph.outputs),
             [n.name for n in graph.nodes],
@@ -175,14 +188,22 @@ class OrtPlugin(Plugin):
             raise InvalidArgument(f"exported network is corrupt: {exc}") from None
         check_load_constants(graph, self.name)  # onnxruntime folds them again at import
         try:
-            network = OrtCompiledNetwork(
-                self, cfg, name, payload, inputs, outputs, list(header.get("node_names", [])), []
-            )
+            sessions = backend.sessions(payload, cfg)
         except Exception as exc:
             raise InvalidArgument(
                 f"exported network {name!r} is corrupt: onnxruntime cannot load it: "
                 f"{backend.message(exc)}"
             ) from None
+        network = OrtCompiledNetwork(
+            self,
+            cfg,
+            name,
+            SpilledSource(payload),
+            inputs,
+            outputs,
+            list(header.get("node_names", [])),
+            sessions,
+        )
         network.open_ended = has_loop(graph)
         return network
 

@@ -344,6 +344,40 @@ def test_export_import_round_trip(core, ort_plugin):
     assert core.import_network(data, "ORT").infer({"x": x})["y"].shape == (2, 6, 16)
 
 
+def test_a_network_reads_its_model_file_again_to_export_and_refuses_a_changed_one(
+    ort_plugin, tmp_path
+):
+    """A network holds no copy of its model: an export reads the file again, and a file that
+    is no longer what was loaded is refused (the export would not be the network that runs);
+    the payload is the model optimized at EXTENDED, as when the network kept it."""
+    path = tmp_path / "mlp.onnx"
+    onnx.save(mlp(), path)
+    net = ort_plugin.load_network(str(path))
+    assert not hasattr(net, "model") and all(s._model_bytes is None for s in net.sessions)
+    _, payload = blob.unpack(net.export(), "ORT", ort_plugin.architecture)
+    assert len(onnx.load_from_string(payload).graph.node) < len(net.node_names)  # fused
+    onnx.save(mlp(seed=1), path)
+    with pytest.raises(FailedPrecondition, match="changed since the network was loaded"):
+        net.export()
+    path.unlink()
+    with pytest.raises(FailedPrecondition, match="cannot be read again"):
+        net.export()
+    x = _input((2, 32))
+    assert net.infer({"x": x})["y"].shape == (2, 10)  # running needs no file
+
+
+def test_a_network_loaded_from_bytes_keeps_its_model_in_a_private_file_until_closed(ort_plugin):
+    net = ort_plugin.load_network(mlp().SerializeToString())
+    spilled = net.source.path
+    assert spilled.is_file() and spilled.stat().st_mode & 0o077 == 0
+    again = ort_plugin.import_network(net.export())
+    x = _input((2, 32))
+    np.testing.assert_allclose(again.infer({"x": x})["y"], net.infer({"x": x})["y"], rtol=1e-6)
+    net.close()
+    assert not spilled.exists()
+    again.close()
+
+
 def test_import_refuses_foreign_blobs(ort_plugin, numpy_plugin):
     numpy_blob = numpy_plugin.load_network(mlp()).export()
     with pytest.raises(InvalidArgument, match="made by device 'NUMPY', not 'ORT'"):
