@@ -12,11 +12,7 @@ A synchronous caller may run its request on its own thread when a stream is idle
 is queued (:meth:`StreamsExecutor.run_inline`), the way OpenVINO's ``InferRequest::infer()``
 runs the pipeline on the calling thread: the stream is still claimed, so at most N requests run
 at once and none overtakes a queued one, but the two thread hand-offs of a queued request
-(tens of microseconds each on a busy machine) are saved. A caller that blocks until its request
-is answered anyway (a unary gRPC call's thread) goes further when no stream is idle: it queues
-itself rather than its request, and the stream that frees up next is handed to it directly
-(:meth:`StreamsExecutor.run_waiting`), so a tiny request costs one wake-up instead of two plus
-a stream thread's; queue order, bounds and cancellation stay the queue's.
+(tens of microseconds each on a busy machine) are saved.
 """
 
 from __future__ import annotations
@@ -38,27 +34,6 @@ from plugserve.plugins.errors import (
 __all__ = ["Finished", "RequestFuture", "StreamsExecutor"]
 
 _UNMADE = object()  # a stream whose state has not been made yet (None is a valid state)
-
-
-class _Waiter:
-    """A caller queued in person: the stream handed to it, or why it was let go. Its lock is
-    held until then (a lock is CPython's cheapest thing to block one thread on)."""
-
-    __slots__ = ("error", "index", "lock")
-
-    def __init__(self) -> None:
-        self.index = -1
-        self.error: BaseException | None = None
-        self.lock = threading.Lock()
-        self.lock.acquire()
-
-    def grant(self, index: int) -> None:
-        self.index = index
-        self.lock.release()
-
-    def refuse(self, error: BaseException) -> None:
-        self.error = error
-        self.lock.release()
 
 
 class RequestFuture(Future):
@@ -146,9 +121,7 @@ class StreamsExecutor:
         self.name = name
         self.streams = max(1, streams)
         self.queue_size = queue_size or 64 * self.streams
-        #: queued requests ``(fn, future, stateless)`` and queued callers ``(None, waiter,
-        #: False)``, in arrival order
-        self._pending: deque[tuple[Any, Any, bool]] = deque()
+        self._pending: deque[tuple[Callable[[Any], Any], Future, bool]] = deque()
         self._ready = threading.Condition()
         self._state_factory = state_factory
         self._states: list[Any] = [_UNMADE] * self.streams
@@ -225,58 +198,12 @@ class StreamsExecutor:
             if self._pending or not self._idle:
                 return None
             index = self._idle.pop()
-        return self._here(fn, index)
-
-    def run_waiting(
-        self, fn: Callable[[Any], Any], limit: int = 0, token: cancel.Token | None = None
-    ) -> Finished:
-        """Run ``fn(stream_state)`` on the calling thread once a stream is free for it: at
-        once when one is idle and nothing is queued, else after the requests queued before it
-        (the caller holds its place in the queue, under ``limit`` as :meth:`submit`).
-        Cancelling ``token`` while it waits lets it go with the token's error."""
-        waiter = None
-        with self._ready:
-            if self._closed:
-                raise FailedPrecondition(f"{self.name}: executor is shut down")
-            if not self._pending and self._idle:
-                index = self._idle.pop()
-            else:
-                bound = min(limit, self.queue_size) if limit else self.queue_size
-                if len(self._pending) >= bound:
-                    raise ResourceExhausted(
-                        f"{self.name}: queue full ({bound} requests waiting); retry later"
-                    )
-                waiter = _Waiter()
-                self._pending.append((None, waiter, False))
-                if self._idle:  # a stream is idle behind queued work: its worker hands on
-                    self._grow()
-                    self._ready.notify()
-        if waiter is not None:
-            if token is not None:
-                token.on_cancel(lambda: self._let_go(waiter, token))
-            with waiter.lock:  # until a stream is handed over, or the token lets it go
-                pass
-            if waiter.error is not None:
-                return Finished(exception=waiter.error)
-            index = waiter.index
-        return self._here(fn, index)
-
-    def _here(self, fn: Callable[[Any], Any], index: int) -> Finished:
-        """``fn`` on the calling thread with stream ``index`` (claimed), then free it."""
         try:
             return Finished(fn(self._state(index)))
         except BaseException as exc:
             return Finished(exception=exc)
         finally:
             self._release(index)
-
-    def _let_go(self, waiter: _Waiter, token: cancel.Token) -> None:
-        with self._ready:
-            for i, item in enumerate(self._pending):
-                if item[1] is waiter:
-                    del self._pending[i]
-                    waiter.refuse(token.failure())
-                    return
 
     def _run(self, fn: Callable[[Any], Any], future: Future, index: int, stateless: bool) -> None:
         """``fn`` on stream ``index`` (claimed by the worker), its outcome into ``future``,
@@ -298,12 +225,9 @@ class StreamsExecutor:
 
     def _release(self, index: int, worker: bool = False) -> None:
         with self._ready:
+            self._idle.append(index)
             if worker:
                 self._running -= 1
-            if self._pending and self._pending[0][0] is None:  # a caller queued in person
-                self._pending.popleft()[1].grant(index)
-                return
-            self._idle.append(index)
             if self._pending or self._closed:
                 self._ready.notify()
 
@@ -327,9 +251,6 @@ class StreamsExecutor:
                     self._ready.notify()  # closed and drained: let the next worker see it
                     return
                 fn, future, stateless = self._pending.popleft()
-                if fn is None:  # a caller queued in person runs on its own thread
-                    future.grant(self._idle.pop())
-                    continue
                 if not future.set_running_or_notify_cancel():
                     continue
                 index = self._idle.pop()

@@ -477,7 +477,6 @@ class DataPlane:
         inline: bool = False,
         token: cancel.Token | None = None,
         holds: int = 0,
-        wait: bool = False,
     ) -> Future | Finished:
         """Queue one inference on ``entry`` (the caller's one :meth:`get`, which its response
         also names, so an unload or load meanwhile cannot relabel or lose a finished request);
@@ -486,8 +485,6 @@ class DataPlane:
         ``inline``: the caller waits for the result anyway (a unary RPC), so when one of the
         network's streams is idle the inference runs on the caller's thread (see
         :meth:`StreamsExecutor.run_inline`) and its outcome is returned :class:`Finished`.
-        ``wait``: more, the caller's thread may wait for a stream and run it there when none is
-        idle (:meth:`StreamsExecutor.run_waiting`; never on a thread serving other clients).
 
         ``token``: the request's cancellation token, which the caller cancels when its client
         goes away (a unary call hooks it to the call's end before the run may start inline);
@@ -552,7 +549,7 @@ class DataPlane:
                 entry.inflight += 1
         if retired:  # reloaded since the caller's lookup: its replacement answers
             return self.submit(
-                self.get(name, entry.version), inputs, outputs, deadline, inline, token, holds, wait
+                self.get(name, entry.version), inputs, outputs, deadline, inline, token, holds
             )
         try:
             charge = self.budget.charge(holds, f"a request to network {name!r}")
@@ -564,12 +561,9 @@ class DataPlane:
             raise
         self._watch(name, token, deadline)
         try:
-            if wait:
-                future = executor.run_waiting(run, entry.queue_limit, token)
-            else:
-                future = (inline and executor.run_inline(run)) or executor.submit(
-                    run, entry.queue_limit, token=token
-                )
+            future = (inline and executor.run_inline(run)) or executor.submit(
+                run, entry.queue_limit, token=token
+            )
         except BaseException as exc:
             self.deadlines.forget(token)
             charge.release()
@@ -662,7 +656,7 @@ class DataPlane:
     ) -> dict[str, np.ndarray]:
         deadline = time.monotonic() + timeout if timeout else None
         entry = self.get(name, version)
-        return self.submit(entry, inputs, outputs, deadline, wait=True).result()
+        return self.submit(entry, inputs, outputs, deadline, inline=True).result()
 
     # --- the rest of the plugin API
 

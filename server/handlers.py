@@ -223,7 +223,7 @@ class Inference:
     """A protocol's two inference calls, the same for every protocol over gRPC (a servicer
     serves its unary and streaming infer methods with :meth:`unary` and :meth:`stream`, which
     :func:`add_service` registers under the error guard like any method): ``submit(request,
-    context, wait)`` decodes a request, looks its network up once and admits it (-> ``(entry,
+    context, inline)`` decodes a request, looks its network up once and admits it (-> ``(entry,
     future)``); ``respond`` encodes the outputs as wire pieces, ``stream_respond`` as a stream
     message, ``fail`` a stream request's error; ``reader`` names the stream's reader thread."""
 
@@ -234,9 +234,8 @@ class Inference:
     reader: str
 
     def unary(self, request: Any, context: grpc.ServicerContext) -> bytes:
-        """Runs on this thread, which waits for a stream if none is idle (one thread hand-off
-        fewer than queueing the request); the answer is composed without extra copies."""
-        entry, future = self.submit(request, context, wait=True, token=call_token(context))
+        """Runs inline when a stream is idle; the answer is composed without extra copies."""
+        entry, future = self.submit(request, context, inline=True, token=call_token(context))
         return b"".join(self.respond(request, entry, future.result()))
 
     def stream(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:

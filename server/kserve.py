@@ -134,7 +134,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         self,
         request: pb.ModelInferRequest,
         context: grpc.ServicerContext,
-        wait: bool = False,
+        inline: bool = False,
         token: Any = None,
     ):
         """One lookup: the entry runs the request and names the response."""
@@ -154,7 +154,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             when,
             token=token,
             holds=request.ByteSize() * GRPC_FACTOR,
-            wait=wait,
+            inline=inline,
         )
         return entry, future
 

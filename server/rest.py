@@ -397,7 +397,7 @@ class RestApp:
             request = parse_infer(call.body, header_length, entry.expect)
         deadline = time.monotonic() + request.timeout if request.timeout else None
         future = self.plane.submit(
-            entry, request.inputs, request.outputs, deadline, token=token, wait=True
+            entry, request.inputs, request.outputs, deadline, inline=True, token=token
         )
         return _infer_reply(entry, request, future.result())
 

@@ -142,7 +142,7 @@ class PlugserveServicer(pb_grpc.PlugserveServicer):
                 logging.getLogger(__name__).exception("ListNetworks: %r left out", entry.name)
         return response
 
-    def _submit(self, request: pb.InferRequest, context, wait: bool = False, token=None):
+    def _submit(self, request: pb.InferRequest, context, inline: bool = False, token=None):
         """One lookup: the entry runs the request and names the response."""
         entry = self.plane.get(request.network, request.version)
         inputs = request_inputs(request, entry)
@@ -153,7 +153,7 @@ class PlugserveServicer(pb_grpc.PlugserveServicer):
             deadline(context),
             token=token,
             holds=request.ByteSize() * GRPC_FACTOR,
-            wait=wait,
+            inline=inline,
         )
         return entry, future
 

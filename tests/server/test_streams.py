@@ -88,8 +88,7 @@ def test_queued_work_waits_for_a_stream_an_inline_caller_holds():
         executor.shutdown()
 
 
-@pytest.mark.parametrize("caller_runs", ["inline", "waiting"])
-def test_never_more_than_n_at_once_across_caller_run_and_queued_work(caller_runs):
+def test_never_more_than_n_at_once_across_inline_and_queued_work():
     streams = 2
     executor = StreamsExecutor("T", streams, queue_size=1000)
     lock = threading.Lock()
@@ -106,12 +105,10 @@ def test_never_more_than_n_at_once_across_caller_run_and_queued_work(caller_runs
 
     def caller(results):
         for i in range(30):
-            if i % 2 == 0:
-                future = executor.submit(work)
-            elif caller_runs == "waiting":
-                future = executor.run_waiting(work)
-            else:
+            if i % 2:
                 future = executor.run_inline(work) or executor.submit(work)
+            else:
+                future = executor.submit(work)
             results.append(future.result(30))
 
     try:
@@ -123,7 +120,6 @@ def test_never_more_than_n_at_once_across_caller_run_and_queued_work(caller_runs
             t.join(60)
         assert len(results) == 180
         assert running[1] == streams
-        assert executor.busy == 0 and executor.pending == 0
     finally:
         executor.shutdown()
 
@@ -156,77 +152,3 @@ def test_shutdown_finishes_queued_work():
     futures = [executor.submit(lambda _s, i=i: (time.sleep(0.01), i)[1]) for i in range(10)]
     executor.shutdown(wait=True)
     assert [f.result(0) for f in futures] == list(range(10))
-
-
-def test_a_waiting_caller_runs_on_its_own_thread_in_its_turn():
-    """run_waiting: with the only stream busy, the caller queues itself behind what was queued
-    before it and then runs on its own thread, with the stream's state, one at a time."""
-    executor = StreamsExecutor("T", 1, state_factory=lambda i: f"state-{i}")
-    release = threading.Event()
-    started = threading.Event()
-    order = []
-    ran_on = []
-
-    def hold(_state):
-        started.set()
-        release.wait(10)
-        order.append("held")
-
-    def mine(state):
-        ran_on.append((state, threading.get_ident()))
-        order.append("waiter")
-        return "mine"
-
-    try:
-        executor.submit(hold)
-        assert started.wait(10)
-        queued = executor.submit(lambda _s: order.append("queued before"))
-        outcome = []
-        caller = threading.Thread(target=lambda: outcome.append(executor.run_waiting(mine)))
-        caller.start()
-        time.sleep(0.2)  # room for a wrong implementation to run it early
-        assert order == [] and executor.pending == 2
-        after = executor.submit(lambda _s: order.append("queued after"))
-        release.set()
-        caller.join(10)
-        queued.result(10)
-        after.result(10)
-        assert order == ["held", "queued before", "waiter", "queued after"]
-        assert outcome[0].result() == "mine"
-        assert ran_on == [("state-0", caller.ident)]
-        assert executor.busy == 0 and executor.pending == 0
-    finally:
-        release.set()
-        executor.shutdown()
-
-
-def test_a_waiting_caller_counts_against_the_queue_and_its_token_lets_it_go():
-    from plugserve.plugins import cancel
-    from plugserve.plugins.api import DeadlineExceeded
-
-    executor = StreamsExecutor("T", 1, queue_size=2)
-    release = threading.Event()
-    started = threading.Event()
-    try:
-        executor.submit(lambda _s: (started.set(), release.wait(10)))
-        assert started.wait(10)
-        token = cancel.Token()
-        outcome = []
-        ran = []
-        caller = threading.Thread(
-            target=lambda: outcome.append(executor.run_waiting(ran.append, token=token))
-        )
-        caller.start()
-        time.sleep(0.1)
-        executor.submit(lambda _s: None)
-        with pytest.raises(ResourceExhausted, match="queue full"):
-            executor.run_waiting(lambda _s: None)  # the waiter holds a place in the queue
-        token.cancel(DeadlineExceeded("the deadline passed while waiting"))
-        caller.join(10)
-        assert not caller.is_alive() and ran == []
-        with pytest.raises(DeadlineExceeded, match="while waiting"):
-            outcome[0].result()
-        assert executor.pending == 1  # it left the queue; the request behind it stays
-    finally:
-        release.set()
-        executor.shutdown()
