@@ -109,7 +109,7 @@ def test_config_get_set_and_unknown_key(cli, client):
 
 def test_load_list_unload(cli, files):
     out = cli("load", "cli_load", str(files / "mlp.onnx")).stdout
-    assert out.startswith("cli_load v1 on NUMPY: inputs x:float32[batch,32] -> outputs y:")
+    assert out.startswith("cli_load v1 on NUMPY (f32): inputs x:float32[batch,32] -> outputs y:")
     assert "cli_load v1 on NUMPY" in cli("list").stdout
     assert cli("unload", "cli_load").stdout.strip() == "unloaded cli_load"
     assert "cli_load" not in cli("list").stdout
@@ -123,7 +123,7 @@ def test_load_persist_and_from_the_repository(cli, server, files):
     assert (repo / "cli_kept" / "1" / "model.onnx").read_bytes() == mlp().SerializeToString()
     assert json.loads((repo / "cli_kept" / "1" / "config.json").read_text())["device"] == "NUMPY"
     out = cli("load", "cli_again", "cli_kept", "--repository").stdout
-    assert out.startswith("cli_again v1 on NUMPY: inputs x:float32[batch,32]")
+    assert out.startswith("cli_again v1 on NUMPY (f32): inputs x:float32[batch,32]")
     out = cli("load", "cli_v1", "cli_kept/1", "--repository").stdout
     assert out.startswith("cli_v1 v1 on NUMPY")
     result = cli("load", "cli_none", "no_such_model", "--repository", ok=False)
@@ -196,7 +196,7 @@ def test_export_and_import(cli, client, tmp_path):
     assert cli("export", "mlp", str(blob)).stdout.startswith("mlp: ")
     assert blob.read_bytes() == client.export("mlp")
     out = cli("import", "cli_imported", str(blob), "--device", "NUMPY").stdout
-    assert out.startswith("cli_imported v1 on NUMPY: inputs input:float32[batch,16]")
+    assert out.startswith("cli_imported v1 on NUMPY (f32): inputs input:float32[batch,16]")
     try:
         x = np.random.default_rng(2).normal(size=(2, 16)).astype(np.float32)
         np.testing.assert_array_equal(
