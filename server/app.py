@@ -49,6 +49,7 @@ from plugserve.server.security import (
 )
 from plugserve.server.servicer import PlugserveServicer
 from plugserve.server.settings import Settings
+from plugserve.server.shm import SharedMemory
 from plugserve.server.wrapping import Wrap, WrappingServer
 
 __all__ = ["Server", "main"]
@@ -138,6 +139,9 @@ class Server:
             settings.max_request_seconds,
             default_limit() if settings.max_inflight_bytes < 0 else settings.max_inflight_bytes,
             settings.load_threads(),
+        )
+        self.plane.shm = SharedMemory(
+            settings.shared_memory == "system", settings.shared_memory_prefix, self.plane.budget
         )
         self.health = health.HealthServicer()
         self.grpc_server: grpc.Server | None = None

@@ -52,6 +52,7 @@ from plugserve.server.devices import parse_device
 from plugserve.server.metrics import Metrics, Recorder
 from plugserve.server.repository import ModelEntry, Repository, check_name, is_version
 from plugserve.server.security import refuse_server_keys
+from plugserve.server.shm import SharedMemory
 from plugserve.server.triton_config import (
     EVERY_VERSION,
     ModelSettings,
@@ -220,6 +221,8 @@ class DataPlane:
         self.max_request_seconds = max_request_seconds
         #: --max-inflight-bytes: what the protocols charge their requests against
         self.budget = MemoryBudget(max_inflight_bytes)
+        #: Triton's system shared memory regions (the server sets its own, with its flags)
+        self.shm = SharedMemory(budget=self.budget)
         #: cancels requests past their client's deadline or --max-request-seconds
         self.deadlines = DeadlineWatch()
         self.max_networks = max_networks

@@ -37,6 +37,7 @@ Choices where KServe/Triton leave room or plugserve differs:
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -73,13 +74,11 @@ from plugserve.server.versions import parse_version
 
 __all__ = ["KServeServicer", "add_kserve_service", "load"]
 
+_CUDA = "CUDA shared memory (its devices run on the CPU: use system shared memory)"
 _UNIMPLEMENTED = {
-    "SystemSharedMemoryStatus": "system shared memory",
-    "SystemSharedMemoryRegister": "system shared memory",
-    "SystemSharedMemoryUnregister": "system shared memory",
-    "CudaSharedMemoryStatus": "CUDA shared memory",
-    "CudaSharedMemoryRegister": "CUDA shared memory",
-    "CudaSharedMemoryUnregister": "CUDA shared memory",
+    "CudaSharedMemoryStatus": _CUDA,
+    "CudaSharedMemoryRegister": _CUDA,
+    "CudaSharedMemoryUnregister": _CUDA,
     "TraceSetting": "trace settings",
     "LogSettings": "log settings",
 }
@@ -91,8 +90,13 @@ _UNIMPLEMENTED = {
 class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
     def __init__(self, plane: DataPlane) -> None:
         self.plane = plane
+        self.shm = plane.shm
         inference = Inference(
-            self._submit, infer_response, stream_response, stream_error, "kserve-stream-reader"
+            self._submit,
+            functools.partial(infer_response, shm=self.shm),
+            functools.partial(stream_response, shm=self.shm),
+            stream_error,
+            "kserve-stream-reader",
         )
         # ModelInfer and ModelStreamInfer: the calls every protocol shares (_submit is this one's)
         self.ModelInfer, self.ModelStreamInfer = inference.unary, inference.stream
@@ -149,7 +153,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
                 when = own if when is None else min(when, own)
         future = self.plane.submit(
             entry,
-            request_inputs(request, entry),
+            request_inputs(request, entry, self.shm),
             requested_outputs(request),
             when,
             token=token,
@@ -157,6 +161,24 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             inline=inline,
         )
         return entry, future
+
+    # --- system shared memory
+
+    def SystemSharedMemoryStatus(self, request, context):
+        response = pb.SystemSharedMemoryStatusResponse()
+        for region in self.shm.status(request.name):
+            status = response.regions[region.name]
+            status.name, status.key = region.name, region.key
+            status.offset, status.byte_size = region.offset, region.byte_size
+        return response
+
+    def SystemSharedMemoryRegister(self, request, context):
+        self.shm.register(request.name, request.key, request.offset, request.byte_size)
+        return pb.SystemSharedMemoryRegisterResponse()
+
+    def SystemSharedMemoryUnregister(self, request, context):
+        self.shm.unregister(request.name)
+        return pb.SystemSharedMemoryUnregisterResponse()
 
     # --- statistics and repository
 

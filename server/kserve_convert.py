@@ -30,12 +30,13 @@ from plugserve.proto.tensors import (
 )
 from plugserve.server.dataplane import LoadedNetwork
 from plugserve.server.errors import status_of
+from plugserve.server.shm import SharedMemory, uses_region
 from plugserve.server.triton_config import VersionPolicy
 
 SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 PLATFORM = "onnxruntime_onnx"
 BACKEND = "plugserve"
-EXTENSIONS = ["model_repository", "model_configuration", "statistics"]
+EXTENSIONS = ["model_repository", "model_configuration", "statistics", "system_shared_memory"]
 
 # KServe datatype -> numpy dtype (BF16 is ml_dtypes', as tritonclient's; the float8/int4 types
 # have no KServe datatype and travel on plugserve.v1 only)
@@ -214,18 +215,32 @@ def _from_raw(tensor, dtype: np.dtype, raw: bytes, where: str) -> np.ndarray:
         raise InvalidInput(f"{where}: shape {list(tensor.shape)} cannot be held: {exc}") from None
 
 
-def request_inputs(request: pb.ModelInferRequest, entry: LoadedNetwork) -> dict[str, np.ndarray]:
+def request_inputs(
+    request: pb.ModelInferRequest, entry: LoadedNetwork, shm: SharedMemory | None = None
+) -> dict[str, np.ndarray]:
+    """The inputs as arrays: from ``raw_input_contents`` (one entry per input not in shared
+    memory, in order), their typed contents, or the shared memory region their parameters
+    name (``shm``: the server's regions; a view of the region, not a copy)."""
     raw = list(request.raw_input_contents)
-    if raw and len(raw) != len(request.inputs):
+    shared = [bool(t.parameters) and uses_region(t.parameters) for t in request.inputs]
+    in_message = len(shared) - sum(shared)
+    if raw and len(raw) != in_message:
         raise InvalidInput(
-            f"{len(raw)} raw_input_contents for {len(request.inputs)} inputs: "
-            "send one raw_input_contents entry per input, in the order of the inputs"
+            f"{len(raw)} raw_input_contents for {in_message} inputs not in shared memory: "
+            "send one raw_input_contents entry per such input, in the order of the inputs"
         )
     inputs: dict[str, np.ndarray] = {}
-    for index, tensor in enumerate(request.inputs):
+    contents = iter(raw)
+    for tensor, in_region in zip(request.inputs, shared):
         if tensor.name in inputs:
             raise InvalidInput(f"input {tensor.name!r} is given more than once")
-        inputs[tensor.name] = input_array(tensor, raw[index] if raw else None, entry)
+        if in_region:
+            if shm is None:
+                raise InvalidInput(f"input {tensor.name!r}: shared memory is not served here")
+            data = shm.read(parameter_values(tensor.parameters), f"input {tensor.name!r}")
+            inputs[tensor.name] = input_array(tensor, data, entry)
+        else:
+            inputs[tensor.name] = input_array(tensor, next(contents) if raw else None, entry)
     return inputs
 
 
@@ -240,17 +255,39 @@ def requested_outputs(request: pb.ModelInferRequest) -> list[str]:
 
 
 def infer_response(
-    request: pb.ModelInferRequest, entry: LoadedNetwork, outputs: dict[str, np.ndarray]
+    request: pb.ModelInferRequest,
+    entry: LoadedNetwork,
+    outputs: dict[str, np.ndarray],
+    shm: SharedMemory | None = None,
 ) -> Pieces:
     """A ``ModelInferResponse`` as wire pieces (see ``proto.tensors``): the outputs travel as
-    ``raw_output_contents``, and their data is not copied until the pieces are joined."""
+    ``raw_output_contents``, and their data is not copied until the pieces are joined. An
+    output the request asked for in a shared memory region (``shm``) is written there, and its
+    ``raw_output_contents`` entry is left empty (the entries stay one per output)."""
     response = pb.ModelInferResponse(
         model_name=entry.name, model_version=str(entry.version), id=request.id
     )
+    regions = {
+        o.name: parameter_values(o.parameters)
+        for o in request.outputs
+        if o.parameters and uses_region(o.parameters)
+    }
     payloads = []
     for name, array in outputs.items():
         array = np.asarray(array)
-        response.outputs.add(name=name, datatype=datatype_of(array.dtype), shape=array.shape)
+        tensor = response.outputs.add(
+            name=name, datatype=datatype_of(array.dtype), shape=array.shape
+        )
+        if name in regions:
+            if shm is None:
+                raise InvalidInput(f"output {name!r}: shared memory is not served here")
+            written = shm.write(regions[name], array_payload(array), f"output {name!r}")
+            tensor.parameters["shared_memory_region"].string_param = regions[name][
+                "shared_memory_region"
+            ]
+            tensor.parameters["shared_memory_byte_size"].int64_param = written
+            payloads.append(b"")
+            continue
         payloads.append(array_payload(array))
     pieces: Pieces = [response.SerializeToString()]
     for payload in payloads:  # a repeated bytes field keeps its empty entries
@@ -259,9 +296,13 @@ def infer_response(
 
 
 def stream_response(
-    request: pb.ModelInferRequest, entry: LoadedNetwork, outputs: dict[str, np.ndarray]
+    request: pb.ModelInferRequest,
+    entry: LoadedNetwork,
+    outputs: dict[str, np.ndarray],
+    shm: SharedMemory | None = None,
 ) -> bytes:
-    return b"".join(field_pieces(_STREAM_INFER_RESPONSE, infer_response(request, entry, outputs)))
+    pieces = infer_response(request, entry, outputs, shm)
+    return b"".join(field_pieces(_STREAM_INFER_RESPONSE, pieces))
 
 
 def stream_error(request: pb.ModelInferRequest, exc: BaseException) -> pb.ModelStreamInferResponse:

@@ -159,9 +159,12 @@ class RestApp:
         self.worker_queue = 256
         self._in_workers = 0  # only the loop's thread counts
         model = r"/v2/models/(?P<name>[^/]+)(?:/versions/(?P<version>[^/]+))?"
+        shm = r"/v2/systemsharedmemory"
+        region = shm + r"/region/(?P<name>[^/]+)"
         unsupported = {
-            r"/v2/systemsharedmemory(?:/.*)?": "system shared memory",
-            r"/v2/cudasharedmemory(?:/.*)?": "CUDA shared memory",
+            r"/v2/cudasharedmemory(?:/.*)?": (
+                "CUDA shared memory (its devices run on the CPU: use system shared memory)"
+            ),
             r"/v2(?:/models/[^/]+)?/trace/setting": "trace settings",
             r"/v2/logging": "log settings",
         }
@@ -189,6 +192,36 @@ class RestApp:
                     {m: (f"/{KSERVE}/ServerMetadata", _refuse(feature)) for m in ("GET", "POST")},
                 )
                 for pattern, feature in unsupported.items()
+            ),
+            *(
+                (pattern, {m: (f"/{KSERVE}/{method}", handler) for m in verbs})
+                for pattern, verbs, method, handler in (
+                    (shm + "/status", ("GET", "POST"), "SystemSharedMemoryStatus", self.shm_status),
+                    (
+                        region + "/status",
+                        ("GET", "POST"),
+                        "SystemSharedMemoryStatus",
+                        self.shm_status,
+                    ),
+                    (
+                        region + "/register",
+                        ("POST",),
+                        "SystemSharedMemoryRegister",
+                        self.shm_register,
+                    ),
+                    (
+                        shm + "/unregister",
+                        ("POST",),
+                        "SystemSharedMemoryUnregister",
+                        self.shm_unregister,
+                    ),
+                    (
+                        region + "/unregister",
+                        ("POST",),
+                        "SystemSharedMemoryUnregister",
+                        self.shm_unregister,
+                    ),
+                )
             ),
             (model, {"GET": (f"/{KSERVE}/ModelMetadata", self.model_metadata)}),
             (model + "/ready", {"GET": (f"/{KSERVE}/ModelReady", self.model_ready)}),
@@ -329,6 +362,32 @@ class RestApp:
             }
         )
 
+    # --- system shared memory (server/shm.py)
+
+    def shm_status(self, call: Call) -> Reply:
+        regions = self.plane.shm.status(call.path.get("name") or "")
+        return _json(
+            [
+                {"name": r.name, "key": r.key, "offset": r.offset, "byte_size": r.byte_size}
+                for r in regions
+            ]
+        )
+
+    def shm_register(self, call: Call) -> Reply:
+        body = call.json()
+        key, offset, size = body.get("key"), body.get("offset", 0), body.get("byte_size")
+        if not isinstance(key, str):
+            raise InvalidInput("the register request needs a 'key' (a string)")
+        for what, value in (("offset", offset), ("byte_size", size)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise InvalidInput(f"the register request's {what!r} must be an integer")
+        self.plane.shm.register(call.path["name"], key, offset, size)
+        return 200, [b""], _JSON
+
+    def shm_unregister(self, call: Call) -> Reply:
+        self.plane.shm.unregister(call.path.get("name") or "")
+        return 200, [b""], _JSON
+
     def model_ready(self, call: Call) -> Reply:
         entry = self.plane.get(call.path["name"], call.version)  # NotFound: 404
         return _json({"name": entry.name, "ready": True})
@@ -367,7 +426,7 @@ class RestApp:
             # tensors are views of the body, decoded in no time: they stay)
             token = cancel.Token()
             return self._in_worker(self._infer_whole, entry, call, token, token=token)
-        request = parse_infer(call.body, header_length, entry.expect)
+        request = parse_infer(call.body, header_length, entry.expect, self.plane.shm)
         deadline = time.monotonic() + request.timeout if request.timeout else None
         future = self.plane.submit(
             entry, request.inputs, request.outputs, deadline, inline=_fast(entry)
@@ -394,7 +453,7 @@ class RestApp:
             for name, array in request.inputs.items():
                 entry.expect(name, array.dtype, list(array.shape))
         else:
-            request = parse_infer(call.body, header_length, entry.expect)
+            request = parse_infer(call.body, header_length, entry.expect, self.plane.shm)
         deadline = time.monotonic() + request.timeout if request.timeout else None
         future = self.plane.submit(
             entry, request.inputs, request.outputs, deadline, inline=True, token=token
@@ -469,8 +528,10 @@ class RestApp:
 def _infer_reply(entry: LoadedNetwork, request: InferCall, outputs: dict[str, Any]) -> Reply:
     """The answer; JSON tensors over rest_offload.PROCESS_BYTES are written by the helper
     process (only ever on a worker thread: larger answers never reach here on the loop)."""
-    if _bytes_of(outputs) > rest_offload.PROCESS_BYTES and any(
-        not request.binary.get(name, request.binary_default) for name in outputs
+    if (
+        not request.regions
+        and _bytes_of(outputs) > rest_offload.PROCESS_BYTES
+        and any(not request.binary.get(name, request.binary_default) for name in outputs)
     ):
         pieces, header_length = rest_offload.encode(entry.name, entry.version, request, outputs)
     else:

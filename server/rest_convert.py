@@ -52,6 +52,7 @@ from plugserve.server.kserve_convert import (
     refuse_sequence,
     request_timeout,
 )
+from plugserve.server.shm import SharedMemory, region_parameters, uses_region
 
 #: ``LoadedNetwork.expect``: refuses an input's element type before its data is decoded.
 Expect = Callable[..., None]  # (name, dtype) or (name, dtype, shape)
@@ -93,6 +94,10 @@ class InferCall:
     binary: dict[str, bool]  # per requested output, its own binary_data parameter
     binary_default: bool  # the request's binary_data_output
     timeout: float | None = None  # seconds, from Triton's 'timeout' parameter
+    #: per requested output written into a shared memory region, its parameters
+    regions: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    #: the server's regions, which those outputs are written into
+    shm: SharedMemory | None = None
 
 
 def _object(value: Any, what: str) -> dict[str, Any]:
@@ -160,9 +165,12 @@ def _fields(value: Any) -> dict[str, Any]:
     return {key: value[key] for key in value}
 
 
-def parse_infer(body: bytes, header_length: str | None, expect: Expect) -> InferCall:
+def parse_infer(
+    body: bytes, header_length: str | None, expect: Expect, shm: SharedMemory | None = None
+) -> InferCall:
     """The infer body as arrays; ``header_length`` is the Inference-Header-Content-Length;
-    ``expect(name, dtype)`` refuses an input's element type before its data is decoded."""
+    ``expect(name, dtype)`` refuses an input's element type before its data is decoded;
+    ``shm``: the server's shared memory regions, for inputs and outputs that name one."""
     view = memoryview(body)
     if header_length is None:
         json_part, binary = view, view[:0]
@@ -198,13 +206,13 @@ def parse_infer(body: bytes, header_length: str | None, expect: Expect) -> Infer
             raise InvalidInput(f"input {index}: 'name' must be a string")
         if name in inputs:
             raise InvalidInput(f"input {name!r} is given more than once")
-        inputs[name], offset = _input_array(tensor, name, binary, offset, expect)
+        inputs[name], offset = _input_array(tensor, name, binary, offset, expect, shm)
     if offset != len(binary):
         raise InvalidInput(
             f"{len(binary) - offset} bytes of binary data are not claimed by any input's "
             "binary_data_size"
         )
-    outputs, binary_flags = [], {}
+    outputs, binary_flags, regions = [], {}, {}
     for index, output in enumerate(
         _list(_plain(request.get("outputs", [])), "the request's 'outputs'")
     ):
@@ -219,6 +227,11 @@ def parse_infer(body: bytes, header_length: str | None, expect: Expect) -> Infer
                 "request the output without the classification parameter"
             )
         outputs.append(name)
+        if uses_region(options):
+            if shm is None:
+                raise InvalidInput(f"output {name!r}: shared memory is not served here")
+            region_parameters(options, f"output {name!r}")  # checked before the run
+            regions[name] = options
         if "binary_data" in options:
             binary_flags[name] = _flag(options, "binary_data", f"output {name!r}")
     return InferCall(
@@ -228,6 +241,8 @@ def parse_infer(body: bytes, header_length: str | None, expect: Expect) -> Infer
         binary_flags,
         _flag(parameters, "binary_data_output", "the request"),
         request_timeout(parameters),
+        regions,
+        shm,
     )
 
 
@@ -240,7 +255,12 @@ def _json_type(value: Any) -> str:
 
 
 def _input_array(
-    tensor: dict[str, Any], name: str, binary: memoryview, offset: int, expect: Expect
+    tensor: dict[str, Any],
+    name: str,
+    binary: memoryview,
+    offset: int,
+    expect: Expect,
+    shm: SharedMemory | None = None,
 ) -> tuple[np.ndarray, int]:
     """One input and the offset after its binary data (``tensor``: :func:`_fields`)."""
     where = f"input {name!r}"
@@ -262,6 +282,13 @@ def _input_array(
     for dim in shape:  # Python ints: np.prod would wrap around for huge dims
         count *= dim
     parameters = _object(_plain(tensor.get("parameters", {})), f"{where}: parameters")
+    if uses_region(parameters):
+        if shm is None:
+            raise InvalidInput(f"{where}: shared memory is not served here")
+        if "data" in tensor or "binary_data_size" in parameters:
+            raise InvalidInput(f"{where}: has data and a shared memory region; send one")
+        data = shm.read(parameters, where)
+        return _from_binary(data, dtype, datatype, shape, count, where), offset
     if "binary_data_size" in parameters:
         size = parameters["binary_data_size"]
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
@@ -421,7 +448,8 @@ def _json_data(array: np.ndarray) -> Any:
 def encode_infer(
     model: str, version: int, call: InferCall, outputs: dict[str, np.ndarray]
 ) -> tuple[list[bytes | memoryview], int | None]:
-    """The response body as pieces, and the JSON part's length when binary data follows."""
+    """The response body as pieces, and the JSON part's length when binary data follows; an
+    output asked for in a shared memory region is written there and only described."""
     described = []
     payloads: list[bytes | memoryview] = []
     for name, array in outputs.items():
@@ -431,6 +459,13 @@ def encode_infer(
             "datatype": datatype_of(array.dtype),
             "shape": list(array.shape),
         }
+        region = call.regions.get(name)
+        if region is not None and call.shm is not None:
+            # described without parameters, as Triton does: perf_analyzer reads any output's
+            # parameters as holding binary_data_size
+            call.shm.write(region, array_payload(array), f"output {name!r}")
+            described.append(entry)
+            continue
         data = None if call.binary.get(name, call.binary_default) else _json_data(array)
         if data is None:
             payload = array_payload(array)

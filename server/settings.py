@@ -167,6 +167,16 @@ class Settings:
     max_streams_per_connection: int = _field(
         0, "concurrent gRPC streams per client connection (0: gRPC's default)"
     )
+    shared_memory: str = _field(
+        "system",
+        "system: Triton's system shared memory extension for clients on this machine; off: "
+        "refused (UNIMPLEMENTED / 501)",
+    )
+    shared_memory_prefix: str = _field(
+        "/plugserve",
+        "keys a client may register as shared memory regions must start with this (a key "
+        "names a file in /dev/shm; '/' allows any, as Triton)",
+    )
     malloc_reuse_bytes: int = _field(
         32 << 20,
         "glibc: freed blocks up to this size are reused, not unmapped and faulted in again "
@@ -217,6 +227,12 @@ class Settings:
             )
         if self.load_model and self.model_control_mode != "explicit":
             found.append(f"load_model={self.load_model!r} needs --model-control-mode explicit")
+        if self.shared_memory not in ("system", "off"):
+            found.append(f"shared_memory={self.shared_memory!r} must be system or off")
+        if not self.shared_memory_prefix.startswith("/"):
+            found.append(
+                f"shared_memory_prefix={self.shared_memory_prefix!r} must start with '/'"
+            )
         if self.log_format not in _LOG_FORMATS:
             found.append(f"log_format={self.log_format!r} must be one of {', '.join(_LOG_FORMATS)}")
         if self.log_level.upper() not in _LOG_LEVELS:

@@ -92,3 +92,32 @@ def test_http_strings_and_dynamic_shapes(perf_analyzer, server, tmp_path) -> Non
         perf_analyzer, server, tmp_path, "-m", "add", "--shape", "a:16", "--shape", "b:16",
         protocol="http",
     )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def open_shm_server(tmp_path_factory):
+    """A server that lets clients register any /dev/shm key, as Triton does: perf_analyzer
+    names its regions itself (not under plugserve's default prefix)."""
+    from serving import RunningServer, examples_repository
+
+    repo = examples_repository(tmp_path_factory.mktemp("repo"))
+    with RunningServer("--model-repository", str(repo), "--shared-memory-prefix", "/") as running:
+        yield running
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_system_shared_memory(perf_analyzer, open_shm_server, tmp_path, protocol) -> None:
+    """perf_analyzer --shared-memory system: inputs and outputs in regions it registers, for
+    numbers (the batched MLP) and strings, over both protocols; it unregisters them after."""
+    for model in (["-m", "mlp"], ["-m", "echo", "--shape", "text:4"]):
+        run(
+            perf_analyzer,
+            open_shm_server,
+            tmp_path,
+            *model,
+            "--shared-memory",
+            "system",
+            "--output-shared-memory-size",
+            "4096",
+            protocol=protocol,
+        )

@@ -1,0 +1,241 @@
+"""Triton's system shared memory extension, driven by tritonclient's own shared memory utilities
+over gRPC and HTTP against a real server: numbers and strings, offsets, status, unregistering
+(one, all, during use), and what a hostile client may not do."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import numpy as np
+import pytest
+
+shm = pytest.importorskip(
+    "tritonclient.utils.shared_memory", reason="pip install 'tritonclient[grpc,http]'"
+)
+grpcclient = pytest.importorskip("tritonclient.grpc")
+httpclient = pytest.importorskip("tritonclient.http")
+from tritonclient.utils import (  # noqa: E402
+    InferenceServerException,
+    serialize_byte_tensor,
+    serialized_byte_size,
+)
+
+PROTOCOLS = ["grpc", "http"]
+
+
+def _client(server, protocol):
+    if protocol == "grpc":
+        return grpcclient, grpcclient.InferenceServerClient(server.target)
+    return httpclient, httpclient.InferenceServerClient(server.http_target)
+
+
+@pytest.fixture
+def regions():
+    """Creates regions under the server's default key prefix; destroys them afterwards."""
+    made = []
+
+    def make(byte_size: int):
+        tag = uuid.uuid4().hex[:12]
+        handle = shm.create_shared_memory_region(f"r{tag}", f"/plugserve-test-{tag}", byte_size)
+        made.append(handle)
+        return f"r{tag}", f"/plugserve-test-{tag}", handle
+
+    yield make
+    for handle in made:
+        shm.destroy_shared_memory_region(handle)
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_inputs_and_outputs_in_shared_memory_with_offsets(server, regions, protocol):
+    module, client = _client(server, protocol)
+    a = np.arange(16, dtype=np.float32)
+    b = np.full(16, 0.5, dtype=np.float32)
+    in_name, in_key, in_handle = regions(256)
+    out_name, out_key, out_handle = regions(128)
+    shm.set_shared_memory_region(in_handle, [a])
+    shm.set_shared_memory_region(in_handle, [b], offset=128)  # b at an offset in the same region
+    try:
+        client.register_system_shared_memory(in_name, in_key, 256)
+        client.register_system_shared_memory(out_name, out_key, 128)
+        status = client.get_system_shared_memory_status()
+        listed = {r["name"] if isinstance(r, dict) else r for r in _names(status)}
+        assert {in_name, out_name} <= listed
+        inputs = [module.InferInput("a", [16], "FP32"), module.InferInput("b", [16], "FP32")]
+        inputs[0].set_shared_memory(in_name, 64)
+        inputs[1].set_shared_memory(in_name, 64, offset=128)
+        output = module.InferRequestedOutput("sum")
+        output.set_shared_memory(out_name, 64, offset=32)
+        result = client.infer("add", inputs, outputs=[output])
+        got = shm.get_contents_as_numpy(out_handle, np.float32, [16], offset=32)
+        np.testing.assert_array_equal(got, a + b)
+        described = result.get_output("sum")
+        if protocol == "http":  # described only, as Triton does
+            assert described == {"name": "sum", "datatype": "FP32", "shape": [16]}
+        else:
+            assert described.parameters["shared_memory_region"].string_param == out_name
+            assert not result.get_response().raw_output_contents[0]
+    finally:
+        client.unregister_system_shared_memory()
+        client.close()
+
+
+def _names(status):
+    if isinstance(status, list):  # HTTP: a list of regions
+        return [r["name"] for r in status]
+    return list(status.regions)  # gRPC: a map by name
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_strings_in_shared_memory(server, regions, protocol):
+    module, client = _client(server, protocol)
+    text = np.array([b"hello", b"\xff\x00\x80", b""], dtype=np.object_)
+    serialized = serialize_byte_tensor(text)  # as Triton's simple_*_shm_string_client
+    size = serialized_byte_size(serialized)
+    in_name, in_key, in_handle = regions(size)
+    out_name, out_key, out_handle = regions(size)
+    shm.set_shared_memory_region(in_handle, [serialized])
+    try:
+        client.register_system_shared_memory(in_name, in_key, size)
+        client.register_system_shared_memory(out_name, out_key, size)
+        tensor = module.InferInput("text", [3], "BYTES")
+        tensor.set_shared_memory(in_name, size)
+        output = module.InferRequestedOutput("echo")
+        output.set_shared_memory(out_name, size)
+        client.infer("echo", [tensor], outputs=[output])
+        got = shm.get_contents_as_numpy(out_handle, np.object_, [3])
+        assert got.tolist() == text.tolist()
+    finally:
+        client.unregister_system_shared_memory()
+        client.close()
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_status_and_unregister_one_then_all(server, regions, protocol):
+    _, client = _client(server, protocol)
+    made = [regions(64) for _ in range(3)]
+    try:
+        for name, key, _ in made:
+            client.register_system_shared_memory(name, key, 64, offset=0)
+        one = client.get_system_shared_memory_status(region_name=made[0][0])
+        assert _names(one) == [made[0][0]]
+        client.unregister_system_shared_memory(made[0][0])
+        assert set(_names(client.get_system_shared_memory_status())) >= {m[0] for m in made[1:]}
+        assert made[0][0] not in _names(client.get_system_shared_memory_status())
+        with pytest.raises(InferenceServerException, match="Unable to find"):
+            client.get_system_shared_memory_status(region_name=made[0][0])
+        client.unregister_system_shared_memory()
+        assert not {m[0] for m in made} & set(_names(client.get_system_shared_memory_status()))
+    finally:
+        client.unregister_system_shared_memory()
+        client.close()
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_hostile_keys_offsets_and_sizes_are_refused_clearly(server, regions, protocol):
+    module, client = _client(server, protocol)
+    name, key, _ = regions(64)
+    outside = shm.create_shared_memory_region("outside", f"/not-ours-{uuid.uuid4().hex}", 64)
+    try:
+        cases = [
+            (("outside", shm_key(outside), 64), "not under this server's prefix"),
+            ((name, "/plugserve/../../etc/passwd", 64), "expected '/' and then"),
+            ((name, key, 65), "past the end"),  # bigger than the object
+            ((name, key + "-missing", 64), "no shared memory object"),
+        ]
+        for (region, region_key, size), message in cases:
+            with pytest.raises(InferenceServerException, match=message):
+                client.register_system_shared_memory(region, region_key, size)
+        with pytest.raises(InferenceServerException, match="past the end"):
+            client.register_system_shared_memory(name, key, 32, offset=40)
+        client.register_system_shared_memory(name, key, 64)
+        with pytest.raises(InferenceServerException, match="already registered"):
+            client.register_system_shared_memory(name, key, 64)
+        a = module.InferInput("a", [16], "FP32")
+        a.set_shared_memory(name, 64, offset=16)  # 16 + 64 > 64
+        b = module.InferInput("b", [16], "FP32")
+        b.set_shared_memory(name, 64)
+        with pytest.raises(InferenceServerException, match="do not lie within"):
+            client.infer("add", [a, b])
+        a = module.InferInput("a", [16], "FP32")  # tritonclient keeps an old offset
+        a.set_shared_memory("never-registered", 64)
+        with pytest.raises(InferenceServerException, match="is not registered"):
+            client.infer("add", [a, b])
+        a = module.InferInput("a", [16], "FP32")
+        a.set_shared_memory(name, 64)
+        out = module.InferRequestedOutput("sum")
+        out.set_shared_memory(name, 8)  # too small for 64 bytes
+        with pytest.raises(InferenceServerException, match="too small"):
+            client.infer("add", [a, b], outputs=[out])
+        assert client.is_server_live()  # and it still serves
+    finally:
+        client.unregister_system_shared_memory()
+        shm.destroy_shared_memory_region(outside)
+        client.close()
+
+
+def shm_key(handle) -> str:
+    return handle._shm_key if hasattr(handle, "_shm_key") else handle.shm_key
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_cuda_shared_memory_is_unimplemented_and_says_why(server, protocol):
+    _, client = _client(server, protocol)
+    try:
+        with pytest.raises(InferenceServerException, match="CUDA shared memory") as refused:
+            client.get_cuda_shared_memory_status()
+        assert "system shared memory" in str(refused.value)
+    finally:
+        client.close()
+
+
+def test_a_region_unregistered_during_use_stays_mapped_until_released(tmp_path):
+    """The registry's own guarantee, at its boundary: a view taken for a request stays valid
+    after the region is unregistered (the mapping goes with its last view)."""
+    from plugserve.server.shm import SharedMemory
+
+    handle = shm.create_shared_memory_region("during", f"/plugserve-test-{os.getpid()}", 64)
+    try:
+        shm.set_shared_memory_region(handle, [np.arange(16, dtype=np.float32)])
+        registry = SharedMemory()
+        registry.register("during", shm_key(handle), 0, 64)
+        params = {"shared_memory_region": "during", "shared_memory_byte_size": 64}
+        view = registry.read(params, "input 'x'")
+        registry.unregister("during")
+        array = np.frombuffer(view, dtype=np.float32)
+        np.testing.assert_array_equal(array, np.arange(16, dtype=np.float32))
+        assert registry.status() == []
+    finally:
+        shm.destroy_shared_memory_region(handle)
+
+
+def test_the_extension_can_be_turned_off(tmp_path):
+    from serving import RunningServer, examples_repository
+
+    repo = examples_repository(tmp_path / "repo")
+    with RunningServer("--model-repository", str(repo), "--shared-memory", "off") as running:
+        client = grpcclient.InferenceServerClient(running.target)
+        try:
+            with pytest.raises(InferenceServerException, match="shared memory is off"):
+                client.register_system_shared_memory("x", "/plugserve-x", 64)
+        finally:
+            client.close()
+
+
+def test_regions_count_against_the_memory_budget(tmp_path, regions):
+    from serving import RunningServer, examples_repository
+
+    repo = examples_repository(tmp_path / "repo")
+    name, key, _ = regions(2 << 20)
+    with RunningServer(
+        "--model-repository", str(repo), "--max-inflight-bytes", str(1 << 20)
+    ) as running:
+        client = grpcclient.InferenceServerClient(running.target)
+        try:
+            with pytest.raises(InferenceServerException, match="max-inflight-bytes") as refused:
+                client.register_system_shared_memory(name, key, 2 << 20)
+            assert "RESOURCE_EXHAUSTED" in str(refused.value)
+            client.register_system_shared_memory(name, key, 1 << 19)  # half of it fits
+            client.unregister_system_shared_memory(name)
+        finally:
+            client.close()
