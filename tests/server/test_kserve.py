@@ -581,9 +581,6 @@ def test_load_errors(client):
 @pytest.mark.parametrize(
     ("call", "feature"),
     [
-        (lambda c: c.get_system_shared_memory_status(), "system shared memory"),
-        (lambda c: c.register_system_shared_memory("r", "/k", 16), "system shared memory"),
-        (lambda c: c.unregister_system_shared_memory("r"), "system shared memory"),
         (lambda c: c.get_cuda_shared_memory_status(), "CUDA shared memory"),
         (lambda c: c.register_cuda_shared_memory("r", b"aGFuZGxl", 0, 16), "CUDA shared memory"),
         (lambda c: c.unregister_cuda_shared_memory("r"), "CUDA shared memory"),

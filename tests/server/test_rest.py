@@ -197,13 +197,13 @@ def test_repository_index_unload_and_load(client):
     assert info.value.status() == "400"
 
 
-def test_classification_and_shared_memory_are_refused(client):
+def test_classification_and_cuda_shared_memory_are_refused(client):
     outputs = [httpclient.InferRequestedOutput("sum", class_count=2)]
     with pytest.raises(InferenceServerException, match="classification") as info:
         client.infer("add", _add([1], [2]), outputs=outputs)
     assert info.value.status() == "501"
-    with pytest.raises(InferenceServerException, match="shared memory") as info:
-        client.get_system_shared_memory_status()
+    with pytest.raises(InferenceServerException, match="CUDA shared memory") as info:
+        client.get_cuda_shared_memory_status()
     assert info.value.status() == "501"
 
 

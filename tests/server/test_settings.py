@@ -35,6 +35,10 @@ def _values(field: dataclasses.Field) -> tuple[str, str]:
         return "json", "text"
     if field.name == "model_control_mode":
         return "poll", "explicit"
+    if field.name == "shared_memory":
+        return "off", "system"
+    if field.name == "shared_memory_prefix":
+        return "/", "/mine"
     if field.name in ("exit_on_error", "reuse_grpc_port", "allow_remote_control"):  # 0 or 1
         return str(1 - field.default), str(field.default)
     if isinstance(field.default, float):
