@@ -57,6 +57,8 @@ def _perf(binary, env, target, protocol, model, shm, report) -> dict[str, float]
         "--measurement-request-count", "200", "--max-trials", "6",
         "--stability-percentage", "100", "--percentile", "50", "-f", str(report),
     ]  # fmt: skip
+    if model == "resnet18":  # its batch dimension is dynamic
+        command += ["--shape", "input:1,3,224,224"]
     if shm:
         command += ["--shared-memory", "system", "--output-shared-memory-size", str(1 << 21)]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
