@@ -83,6 +83,8 @@ if ml_dtypes is not None:
     ):
         DTYPES[_name] = np.dtype(getattr(ml_dtypes, _name))
 MAX_DIMS = 32
+#: the most elements a tensor's shape may describe (the product fits a signed 64-bit count)
+MAX_ELEMENTS = (1 << 63) - 1
 
 
 @functools.cache
@@ -168,6 +170,14 @@ def check_shape(shape: list[int], where: str) -> tuple[int, ...]:
         raise InvalidInput(f"{where}: rank {len(shape)} is over the limit of {MAX_DIMS}")
     if shape and min(shape) < 0:
         raise InvalidInput(f"{where}: shape {list(shape)} has a negative dimension")
+    count = 1
+    for dim in shape:  # Python ints: the product cannot wrap around as an int64 would
+        count *= int(dim)
+    if count > MAX_ELEMENTS:
+        raise InvalidInput(
+            f"{where}: shape {list(shape)} holds {count} elements, more than an int64 counts "
+            "(as Triton, an element count that overflows is refused)"
+        )
     return tuple(map(int, shape))
 
 

@@ -245,13 +245,19 @@ def request_inputs(
 
 
 def requested_outputs(request: pb.ModelInferRequest) -> list[str]:
+    names: list[str] = []
     for output in request.outputs:
         if "classification" in output.parameters:
             raise Unsupported(
                 f"output {output.name!r}: classification is not supported; "
                 "request the output without class_count"
             )
-    return [o.name for o in request.outputs]
+        if output.name in names:
+            raise InvalidInput(
+                f"output {output.name!r} is requested more than once; ask for it once"
+            )
+        names.append(output.name)
+    return names
 
 
 def infer_response(

@@ -65,6 +65,7 @@ from plugserve.server.rest_convert import (
     loads,
     message_json,
     parse_infer,
+    parse_raw,
 )
 from plugserve.server.rest_http import HttpServer, Reply, error_reply
 from plugserve.server.security import HEALTH, KSERVE, AuthInterceptor, control_refusal
@@ -426,7 +427,10 @@ class RestApp:
             # tensors are views of the body, decoded in no time: they stay)
             token = cancel.Token()
             return self._in_worker(self._infer_whole, entry, call, token, token=token)
-        request = parse_infer(call.body, header_length, entry.expect, self.plane.shm)
+        if header_length == "0":  # Triton's raw binary request: the body is the one input
+            request = parse_raw(call.body, entry.network.inputs, entry.expect)
+        else:
+            request = parse_infer(call.body, header_length, entry.expect, self.plane.shm)
         deadline = time.monotonic() + request.timeout if request.timeout else None
         future = self.plane.submit(
             entry, request.inputs, request.outputs, deadline, inline=_fast(entry)

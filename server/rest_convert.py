@@ -59,11 +59,13 @@ Expect = Callable[..., None]  # (name, dtype) or (name, dtype, shape)
 
 __all__ = [
     "HEADER_LENGTH",
+    "MAX_JSON_DEPTH",
     "InferCall",
     "dumps",
     "encode_infer",
     "message_json",
     "parse_infer",
+    "parse_raw",
 ]
 
 #: The request and response header naming the length of the JSON part of a binary body.
@@ -226,6 +228,8 @@ def parse_infer(
                 f"output {name!r}: classification is not supported; "
                 "request the output without the classification parameter"
             )
+        if name in outputs:
+            raise InvalidInput(f"output {name!r} is requested more than once; ask for it once")
         outputs.append(name)
         if uses_region(options):
             if shm is None:
@@ -244,6 +248,50 @@ def parse_infer(
         regions,
         shm,
     )
+
+
+def parse_raw(body: bytes, inputs: list[Any], expect: Expect) -> InferCall:
+    """Triton's raw binary request (``Inference-Header-Content-Length: 0``): the body is the
+    data of a one-input model's input, in its element type, its shape the model's with the
+    one varying dimension worked out from the body's size (BYTES: the body is one element).
+    Every output comes back as binary data."""
+    if len(inputs) != 1:
+        raise InvalidInput(
+            f"a raw binary request (Inference-Header-Content-Length: 0) is for a model with one "
+            f"input; this one has {len(inputs)}: send a JSON header naming each"
+        )
+    spec = inputs[0]
+    where = f"input {spec.name!r} (raw binary request)"
+    if spec.dtype is None or spec.shape is None:
+        raise InvalidInput(f"{where}: the model does not say its element type and rank")
+    dims = [d if isinstance(d, int) and d >= 0 else None for d in spec.shape]
+    known = 1
+    for dim in dims:
+        known *= dim or 1
+    varying = dims.count(None)
+    if spec.dtype == np.dtype(object):
+        if known != 1:
+            raise InvalidInput(f"{where}: a raw BYTES body is one element; the input has {known}")
+        shape = tuple(1 for _ in dims)
+        array = np.empty(1, dtype=object)
+        array[0] = bytes(body)
+        expect(spec.name, spec.dtype, shape)
+        return InferCall("", {spec.name: array.reshape(shape)}, [], {}, True)
+    itemsize = spec.dtype.itemsize
+    if len(body) % itemsize:
+        raise InvalidInput(f"{where}: {len(body)} bytes is not a whole number of {spec.dtype}")
+    count = len(body) // itemsize
+    if varying > 1 or (varying and (known == 0 or count % known)) or (
+        not varying and count != known
+    ):
+        raise InvalidInput(
+            f"{where}: {count} elements do not make the model's shape {list(spec.shape)} with "
+            "at most one varying dimension; send a JSON header with the shape"
+        )
+    shape = tuple(d if d is not None else count // known for d in dims)
+    expect(spec.name, spec.dtype, shape)
+    array = np.frombuffer(body, dtype=spec.dtype.newbyteorder("<")).reshape(shape)
+    return InferCall("", {spec.name: array}, [], {}, True)
 
 
 def _json_type(value: Any) -> str:
@@ -326,10 +374,35 @@ def _from_binary(
         raise InvalidInput(f"{where}: shape {list(shape)} cannot be held: {exc}") from None
 
 
-def _flatten(data: Any, out: list[Any]) -> list[Any]:
+#: the deepest a tensor's JSON ``data`` may nest (Triton's limit for a request's JSON); deeper
+#: only costs the parser and the stack
+MAX_JSON_DEPTH = 100
+
+
+def _depth_error(where: str) -> InvalidInput:
+    return InvalidInput(
+        f"{where}: 'data' is nested more than {MAX_JSON_DEPTH} levels deep; send it flat (the "
+        "shape says how it is laid out)"
+    )
+
+
+def _check_depth(data: Any, where: str) -> None:
+    """Along the first elements (a regular nesting's depth); ragged data is checked as it is
+    flattened."""
+    depth = 0
+    while isinstance(data, simdjson.Array | list) and len(data):
+        depth += 1
+        if depth > MAX_JSON_DEPTH:
+            raise _depth_error(where)
+        data = data[0]
+
+
+def _flatten(data: Any, out: list[Any], where: str = "", depth: int = 1) -> list[Any]:
+    if depth > MAX_JSON_DEPTH:
+        raise _depth_error(where)
     for item in data:
         if isinstance(item, list):
-            _flatten(item, out)
+            _flatten(item, out, where, depth + 1)
         else:
             out.append(item)
     return out
@@ -341,6 +414,7 @@ def _from_json(
     """``data`` (a simdjson value) as an array: numbers through a buffer, without a Python
     object per element; anything else, or numbers the buffer refuses, through the lists that
     say what is wrong."""
+    _check_depth(data, where)
     if isinstance(data, simdjson.Array) and dtype.kind in "fiu":
         parsed = _number_buffer(data, dtype)
         if parsed is not None:
@@ -379,7 +453,7 @@ def _check_range(parsed: np.ndarray, dtype: np.dtype, datatype: str, where: str)
 def _from_values(
     data: Any, dtype: np.dtype, datatype: str, shape: tuple[int, ...], count: int, where: str
 ) -> np.ndarray:
-    values = _flatten(_list(data, f"{where}: 'data'"), [])
+    values = _flatten(_list(data, f"{where}: 'data'"), [], where)
     _check_count(len(values), shape, count, where)
     if dtype == np.dtype(object):
         if not all(isinstance(v, str) for v in values):

@@ -142,7 +142,7 @@ INFER_CASES = [
         "add",
         [("a", "FP32", [1 << 32, 1 << 32], b""), GOOD_B],
         INVALID,
-        ["'a'", "0 bytes of data"],
+        ["'a'", "more than an int64 counts"],
     ),
     (
         "zero and huge dims",
