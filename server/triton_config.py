@@ -22,6 +22,10 @@ Triton -> plugserve:
                                             NUM_STREAMS, PERFORMANCE_HINT...); others logged
 ``name``, ``input``, ``output``             the folder names the model; the model's own
                                             inputs and outputs are served
+``input``/``output`` ``reshape``            refused at load, naming the tensor: the client
+                                            would send shapes the model does not take
+``format``, ``label_filename``              logged as not acted on (classification, which
+                                            labels serve, is refused per request)
 ==========================================  =================================================
 """
 
@@ -202,9 +206,29 @@ def _parse_triton(where: str, text: str) -> ModelSettings:
             out.config[key] = value.string_value
         else:
             ignored.append(f"parameters[{key!r}]")
+    ignored += _check_tensors(config, path)
     if ignored:
         log.warning("%s: not acted on: %s", path, ", ".join(ignored))
     return out
+
+
+def _check_tensors(config: Any, path: Path) -> list[str]:
+    """What an input or output entry says that plugserve does not act on; a ``reshape``
+    (which would change the shapes clients send) refuses the model."""
+    ignored = []
+    for kind, tensors in (("input", config.input), ("output", config.output)):
+        for tensor in tensors:
+            if tensor.HasField("reshape"):
+                raise InvalidArgument(
+                    f"{path}: {kind} {tensor.name!r} has reshape {list(tensor.reshape.shape)}, "
+                    "which plugserve does not apply: remove it and send the model's own shape "
+                    f"({kind}s are served as the ONNX model declares them)"
+                )
+            if kind == "input" and tensor.format:
+                ignored.append(f"input {tensor.name!r} format")
+            if kind == "output" and tensor.label_filename:
+                ignored.append(f"output {tensor.name!r} label_filename")
+    return ignored
 
 
 def policy_of(message: Any, where: Path) -> VersionPolicy:

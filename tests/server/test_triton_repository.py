@@ -199,3 +199,40 @@ def test_an_ovms_config_json(tmp_path):
         finally:
             client.close()
         assert "not acted on: nireq" in server.log
+
+
+def test_reshape_refuses_the_model_and_format_and_labels_are_named(tmp_path):
+    """A reshape would change the shapes clients send: the model is refused, naming it; a
+    format or label file changes nothing here and is logged as not acted on."""
+    write(
+        tmp_path,
+        "reshaped",
+        """
+        input [{ name: "x", data_type: TYPE_FP32, dims: [3], reshape: { shape: [1, 3] } }]
+        """,
+        {1: 1.0},
+        "model.onnx",
+    )
+    write(
+        tmp_path,
+        "labelled",
+        """
+        input [{ name: "x", data_type: TYPE_FP32, dims: [-1], format: FORMAT_NCHW }]
+        output [{ name: "y", data_type: TYPE_FP32, dims: [-1], label_filename: "labels.txt" }]
+        """,
+        {1: 2.0},
+        "model.onnx",
+    )
+    with RunningServer("--model-repository", str(tmp_path), "--exit-on-error", "0") as server:
+        assert "input 'x' has reshape [1, 3], which plugserve does not apply" in server.log
+        line = next(line for line in server.log.splitlines() if "not acted on" in line)
+        assert "labelled" in line and "format" in line and "label_filename" in line
+        import urllib.request
+
+        for model, ready in (("labelled", True), ("reshaped", False)):
+            url = f"{server.http_url}/v2/models/{model}/ready"
+            try:
+                with urllib.request.urlopen(url, timeout=30) as answer:
+                    assert answer.status == 200 and ready
+            except urllib.error.HTTPError as refused:
+                assert refused.code == 404 and not ready
