@@ -28,6 +28,7 @@ from plugserve.proto.tensors import (
     from_tensor,
     text_or_bytes,
 )
+from plugserve.server.classification import class_count, classify
 from plugserve.server.dataplane import LoadedNetwork
 from plugserve.server.errors import status_of
 from plugserve.server.shm import SharedMemory, uses_region
@@ -36,7 +37,13 @@ from plugserve.server.triton_config import VersionPolicy
 SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 PLATFORM = "onnxruntime_onnx"
 BACKEND = "plugserve"
-EXTENSIONS = ["model_repository", "model_configuration", "statistics", "system_shared_memory"]
+EXTENSIONS = [
+    "model_repository",
+    "model_configuration",
+    "statistics",
+    "system_shared_memory",
+    "classification",
+]
 
 # KServe datatype -> numpy dtype (BF16 is ml_dtypes', as tritonclient's; the float8/int4 types
 # have no KServe datatype and travel on plugserve.v1 only)
@@ -247,11 +254,8 @@ def request_inputs(
 def requested_outputs(request: pb.ModelInferRequest) -> list[str]:
     names: list[str] = []
     for output in request.outputs:
-        if "classification" in output.parameters:
-            raise Unsupported(
-                f"output {output.name!r}: classification is not supported; "
-                "request the output without class_count"
-            )
+        if "classification" in output.parameters:  # checked before the run
+            class_count(parameter_values(output.parameters)["classification"], output.name)
         if output.name in names:
             raise InvalidInput(
                 f"output {output.name!r} is requested more than once; ask for it once"
@@ -278,9 +282,16 @@ def infer_response(
         for o in request.outputs
         if o.parameters and uses_region(o.parameters)
     }
+    classes = {
+        o.name: class_count(parameter_values(o.parameters)["classification"], o.name)
+        for o in request.outputs
+        if o.parameters and "classification" in o.parameters
+    }
     payloads = []
     for name, array in outputs.items():
         array = np.asarray(array)
+        if name in classes:
+            array = classify(array, classes[name], entry.max_batch_size > 0, name)
         tensor = response.outputs.add(
             name=name, datatype=datatype_of(array.dtype), shape=array.shape
         )

@@ -534,12 +534,15 @@ def _infer_reply(entry: LoadedNetwork, request: InferCall, outputs: dict[str, An
     process (only ever on a worker thread: larger answers never reach here on the loop)."""
     if (
         not request.regions
+        and not request.classes
         and _bytes_of(outputs) > rest_offload.PROCESS_BYTES
         and any(not request.binary.get(name, request.binary_default) for name in outputs)
     ):
         pieces, header_length = rest_offload.encode(entry.name, entry.version, request, outputs)
     else:
-        pieces, header_length = encode_infer(entry.name, entry.version, request, outputs)
+        pieces, header_length = encode_infer(
+            entry.name, entry.version, request, outputs, entry.max_batch_size > 0
+        )
     if header_length is None:
         return 200, pieces, _JSON
     return (

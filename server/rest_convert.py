@@ -38,7 +38,7 @@ import simdjson
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
-from plugserve.plugins.api import InvalidInput, Unsupported
+from plugserve.plugins.api import InvalidInput
 from plugserve.proto.tensors import (
     TensorFormatError,
     array_payload,
@@ -46,6 +46,7 @@ from plugserve.proto.tensors import (
     check_string_count,
     decode_strings,
 )
+from plugserve.server.classification import class_count, classify
 from plugserve.server.kserve_convert import (
     DATATYPES,
     datatype_of,
@@ -100,6 +101,8 @@ class InferCall:
     regions: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     #: the server's regions, which those outputs are written into
     shm: SharedMemory | None = None
+    #: per requested output classified (Triton's classification extension), its class count
+    classes: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 def _object(value: Any, what: str) -> dict[str, Any]:
@@ -214,7 +217,7 @@ def parse_infer(
             f"{len(binary) - offset} bytes of binary data are not claimed by any input's "
             "binary_data_size"
         )
-    outputs, binary_flags, regions = [], {}, {}
+    outputs, binary_flags, regions, classes = [], {}, {}, {}
     for index, output in enumerate(
         _list(_plain(request.get("outputs", [])), "the request's 'outputs'")
     ):
@@ -224,10 +227,7 @@ def parse_infer(
             raise InvalidInput(f"output {index}: 'name' must be a string")
         options = _object(output.get("parameters", {}), f"output {name!r}: parameters")
         if "classification" in options:
-            raise Unsupported(
-                f"output {name!r}: classification is not supported; "
-                "request the output without the classification parameter"
-            )
+            classes[name] = class_count(options["classification"], name)
         if name in outputs:
             raise InvalidInput(f"output {name!r} is requested more than once; ask for it once")
         outputs.append(name)
@@ -247,6 +247,7 @@ def parse_infer(
         request_timeout(parameters),
         regions,
         shm,
+        classes,
     )
 
 
@@ -520,7 +521,11 @@ def _json_data(array: np.ndarray) -> Any:
 
 
 def encode_infer(
-    model: str, version: int, call: InferCall, outputs: dict[str, np.ndarray]
+    model: str,
+    version: int,
+    call: InferCall,
+    outputs: dict[str, np.ndarray],
+    batched: bool = False,
 ) -> tuple[list[bytes | memoryview], int | None]:
     """The response body as pieces, and the JSON part's length when binary data follows; an
     output asked for in a shared memory region is written there and only described."""
@@ -528,6 +533,8 @@ def encode_infer(
     payloads: list[bytes | memoryview] = []
     for name, array in outputs.items():
         array = np.asarray(array)
+        if name in call.classes:  # batched: the model has max_batch_size > 0
+            array = classify(array, call.classes[name], batched, name)
         entry: dict[str, Any] = {
             "name": name,
             "datatype": datatype_of(array.dtype),

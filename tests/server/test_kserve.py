@@ -448,7 +448,7 @@ def test_bad_inputs_have_exact_codes(client, model, version, inputs, code, messa
     assert message in info.value.message()
 
 
-def test_unknown_and_classification_outputs(client):
+def test_unknown_outputs_and_a_bad_class_count(client):
     with pytest.raises(InferenceServerException) as info:
         client.infer(
             "add", _add_inputs([1], [1]), outputs=[grpcclient.InferRequestedOutput("nope")]
@@ -459,10 +459,10 @@ def test_unknown_and_classification_outputs(client):
         client.infer(
             "mlp",
             [_input("input", np.ones((1, 16), np.float32), "FP32")],
-            outputs=[grpcclient.InferRequestedOutput("probabilities", class_count=2)],
+            outputs=[grpcclient.InferRequestedOutput("probabilities", class_count=-2)],
         )
-    assert _status(info) == "StatusCode.UNIMPLEMENTED"
-    assert "classification is not supported" in info.value.message()
+    assert _status(info) == "StatusCode.INVALID_ARGUMENT"
+    assert "class count from 1" in info.value.message()
 
 
 # ------------------------------------------------------------------ statistics

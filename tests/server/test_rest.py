@@ -197,11 +197,11 @@ def test_repository_index_unload_and_load(client):
     assert info.value.status() == "400"
 
 
-def test_classification_and_cuda_shared_memory_are_refused(client):
-    outputs = [httpclient.InferRequestedOutput("sum", class_count=2)]
-    with pytest.raises(InferenceServerException, match="classification") as info:
+def test_a_bad_class_count_and_cuda_shared_memory_are_refused(client):
+    outputs = [httpclient.InferRequestedOutput("sum", class_count=-1)]
+    with pytest.raises(InferenceServerException, match="class count from 1") as info:
         client.infer("add", _add([1], [2]), outputs=outputs)
-    assert info.value.status() == "501"
+    assert info.value.status() == "400"
     with pytest.raises(InferenceServerException, match="CUDA shared memory") as info:
         client.get_cuda_shared_memory_status()
     assert info.value.status() == "501"

@@ -1,0 +1,47 @@
+"""Triton's classification extension: an output asked for with ``class_count`` k comes back as
+its k largest values, each as the string ``"value:index"``, largest first.
+
+A model with ``max_batch_size`` > 0 is classified row by row (shape ``[batch, k]``); otherwise
+the whole output at once (shape ``[k]``), as Triton does. Values are written with six decimals,
+as Triton's ``std::to_string``; tritonclient's image client splits them on ``:``. Labels
+(Triton's ``label_filename``) are not served: the index says which class.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from plugserve.plugins.api import InvalidInput
+
+__all__ = ["class_count", "classify"]
+
+#: the most classes one output may be asked for (each becomes a string in the response)
+MAX_CLASSES = 1 << 16
+
+
+def class_count(value: Any, name: str) -> int:
+    """The ``classification`` parameter of output ``name``, checked."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_CLASSES:
+        raise InvalidInput(
+            f"output {name!r}: classification must be a class count from 1 to {MAX_CLASSES}, "
+            f"not {value!r}"
+        )
+    return value
+
+
+def classify(array: np.ndarray, k: int, batched: bool, name: str) -> np.ndarray:
+    """The ``k`` largest values of ``array`` (of each row when ``batched``) as Triton's
+    ``"value:index"`` strings (bytes), largest first."""
+    array = np.asarray(array)
+    if array.dtype.kind not in "biuf":
+        raise InvalidInput(f"output {name!r}: classification needs numbers, not {array.dtype}")
+    rows = array.reshape(len(array), -1) if batched and array.ndim else array.reshape(1, -1)
+    k = min(k, rows.shape[1])
+    order = np.argsort(-rows.astype(np.float64), axis=1, kind="stable")[:, :k]
+    out = np.empty(order.shape, dtype=object)
+    for r, row in enumerate(order):
+        values = rows[r, row]
+        out[r] = [f"{float(v):.6f}:{int(i)}".encode() for v, i in zip(values, row)]
+    return out if batched and array.ndim else out.reshape(-1)
