@@ -9,15 +9,12 @@ The environment is made once and cached under ``~/.cache/plugserve-tests``; .ci/
 from __future__ import annotations
 
 import ctypes.util
-import fcntl
 import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
+from venvs import cached_venv
+
 VERSION = "2.51.0"
-ROOT = Path(os.environ.get("PLUGSERVE_TEST_CACHE", Path.home() / ".cache" / "plugserve-tests"))
 
 
 def missing() -> str | None:
@@ -28,30 +25,10 @@ def missing() -> str | None:
 
 
 def environment() -> tuple[Path, dict[str, str]]:
-    """The perf_analyzer binary and the environment it runs with, made on first use.
-
-    A lock serializes concurrent test runs; a marker written last tells a finished
-    environment from one a killed run left half made.
-    """
-    venv = ROOT / f"perf-analyzer-{VERSION}"
-    ROOT.mkdir(parents=True, exist_ok=True)
-    with open(ROOT / ".perf-analyzer.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (venv / ".complete").exists():
-            shutil.rmtree(venv, ignore_errors=True)
-            subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-            subprocess.run(
-                [
-                    str(venv / "bin" / "pip"),
-                    "install",
-                    "--quiet",
-                    f"tritonclient[all]=={VERSION}",
-                    "nvidia-cuda-runtime-cu12",
-                ],
-                check=True,
-                timeout=900,
-            )
-            (venv / ".complete").touch()
+    """The perf_analyzer binary and the environment it runs with, made on first use."""
+    venv = cached_venv(
+        f"perf-analyzer-{VERSION}", [f"tritonclient[all]=={VERSION}", "nvidia-cuda-runtime-cu12"]
+    )
     cudart = next(venv.glob("lib/python*/site-packages/nvidia/cuda_runtime/lib"))
     env = {**os.environ, "LD_LIBRARY_PATH": f"{cudart}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
     return venv / "bin" / "perf_analyzer", env
