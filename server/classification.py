@@ -3,8 +3,8 @@ its k largest values, each as the string ``"value:index"``, largest first.
 
 A model with ``max_batch_size`` > 0 is classified row by row (shape ``[batch, k]``); otherwise
 the whole output at once (shape ``[k]``), as Triton does. Values are written with six decimals,
-as Triton's ``std::to_string``; tritonclient's image client splits them on ``:``. Labels
-(Triton's ``label_filename``) are not served: the index says which class.
+as Triton's ``std::to_string``; tritonclient's image client splits them on ``:``. With labels
+(Triton's ``label_filename`` in ``config.pbtxt``) each string ends ``:label``.
 """
 
 from __future__ import annotations
@@ -21,6 +21,11 @@ __all__ = ["class_count", "classify"]
 MAX_CLASSES = 1 << 16
 
 
+def _item(value: float, index: int, labels: tuple[str, ...]) -> bytes:
+    text = f"{value:.6f}:{index}"
+    return (f"{text}:{labels[index]}" if index < len(labels) else text).encode()
+
+
 def class_count(value: Any, name: str) -> int:
     """The ``classification`` parameter of output ``name``, checked."""
     if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_CLASSES:
@@ -31,9 +36,16 @@ def class_count(value: Any, name: str) -> int:
     return value
 
 
-def classify(array: np.ndarray, k: int, batched: bool, name: str) -> np.ndarray:
+def classify(
+    array: np.ndarray,
+    k: int,
+    batched: bool,
+    name: str,
+    labels: tuple[str, ...] = (),
+) -> np.ndarray:
     """The ``k`` largest values of ``array`` (of each row when ``batched``) as Triton's
-    ``"value:index"`` strings (bytes), largest first."""
+    ``"value:index"`` strings (bytes), largest first; ``"value:index:label"`` where the
+    output's ``labels`` name the index."""
     array = np.asarray(array)
     if array.dtype.kind not in "biuf":
         raise InvalidInput(f"output {name!r}: classification needs numbers, not {array.dtype}")
@@ -43,5 +55,5 @@ def classify(array: np.ndarray, k: int, batched: bool, name: str) -> np.ndarray:
     out = np.empty(order.shape, dtype=object)
     for r, row in enumerate(order):
         values = rows[r, row]
-        out[r] = [f"{float(v):.6f}:{int(i)}".encode() for v, i in zip(values, row)]
+        out[r] = [_item(float(v), int(i), labels) for v, i in zip(values, row)]
     return out if batched and array.ndim else out.reshape(-1)

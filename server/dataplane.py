@@ -140,6 +140,8 @@ class LoadedNetwork:
     #: once they are done, and a request reaching it late goes to its replacement).
     inflight: int = dataclasses.field(init=False, default=0)
     retired: bool = dataclasses.field(init=False, default=False)
+    #: per output, the class labels a classified answer names (Triton's label_filename)
+    labels: dict[str, tuple[str, ...]] = dataclasses.field(init=False, default_factory=dict)
 
     def __post_init__(self, queue_size: int) -> None:
         self.executor = self.network.executor
@@ -819,6 +821,7 @@ class DataPlane:
             network = self._compile(name, model, device, dict(config))
             network.name = name
             entry = self._entry(name, version, device, network, True, batch)
+            entry.labels = dict(settings.labels)
             with self._lock:
                 self._networks.setdefault(name, {})[version] = entry
                 self._stamps[(name, version)] = stamp
@@ -895,6 +898,7 @@ class DataPlane:
         except PlugserveError as exc:
             return f"{entry.path}: {exc}"
         loaded.persisted = True
+        loaded.labels = dict(entry.settings.labels)
         stamp = self.repository.stamp(entry.name, entry.path)
         with self._lock:
             self._stamps[(entry.name, entry.version)] = stamp

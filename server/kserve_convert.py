@@ -291,7 +291,8 @@ def infer_response(
     for name, array in outputs.items():
         array = np.asarray(array)
         if name in classes:
-            array = classify(array, classes[name], entry.max_batch_size > 0, name)
+            labels = entry.labels.get(name, ())
+            array = classify(array, classes[name], entry.max_batch_size > 0, name, labels)
         tensor = response.outputs.add(
             name=name, datatype=datatype_of(array.dtype), shape=array.shape
         )

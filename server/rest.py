@@ -541,7 +541,7 @@ def _infer_reply(entry: LoadedNetwork, request: InferCall, outputs: dict[str, An
         pieces, header_length = rest_offload.encode(entry.name, entry.version, request, outputs)
     else:
         pieces, header_length = encode_infer(
-            entry.name, entry.version, request, outputs, entry.max_batch_size > 0
+            entry.name, entry.version, request, outputs, entry.max_batch_size > 0, entry.labels
         )
     if header_length is None:
         return 200, pieces, _JSON

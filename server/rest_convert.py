@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -526,6 +526,7 @@ def encode_infer(
     call: InferCall,
     outputs: dict[str, np.ndarray],
     batched: bool = False,
+    labels: Mapping[str, tuple[str, ...]] | None = None,
 ) -> tuple[list[bytes | memoryview], int | None]:
     """The response body as pieces, and the JSON part's length when binary data follows; an
     output asked for in a shared memory region is written there and only described."""
@@ -534,7 +535,9 @@ def encode_infer(
     for name, array in outputs.items():
         array = np.asarray(array)
         if name in call.classes:  # batched: the model has max_batch_size > 0
-            array = classify(array, call.classes[name], batched, name)
+            array = classify(
+                array, call.classes[name], batched, name, (labels or {}).get(name, ())
+            )
         entry: dict[str, Any] = {
             "name": name,
             "datatype": datatype_of(array.dtype),

@@ -24,8 +24,9 @@ Triton -> plugserve:
                                             inputs and outputs are served
 ``input``/``output`` ``reshape``            refused at load, naming the tensor: the client
                                             would send shapes the model does not take
-``format``, ``label_filename``              logged as not acted on (classification, which
-                                            labels serve, is refused per request)
+``format``                                  logged as not acted on
+``label_filename``                          the output's class labels, named in classified
+                                            answers ("value:index:label")
 ==========================================  =================================================
 """
 
@@ -123,6 +124,8 @@ class ModelSettings:
     policy: VersionPolicy = EVERY_VERSION
     #: the file in each version folder ("": the one .onnx file there, as OVMS finds it)
     model_file: str = MODEL_FILE
+    #: per output, its class labels (Triton's label_filename, one label a line)
+    labels: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
 
 def read_triton(path: Path) -> ModelSettings:
@@ -207,6 +210,7 @@ def _parse_triton(where: str, text: str) -> ModelSettings:
         else:
             ignored.append(f"parameters[{key!r}]")
     ignored += _check_tensors(config, path)
+    out.labels = _labels(config, path)
     if ignored:
         log.warning("%s: not acted on: %s", path, ", ".join(ignored))
     return out
@@ -226,9 +230,30 @@ def _check_tensors(config: Any, path: Path) -> list[str]:
                 )
             if kind == "input" and tensor.format:
                 ignored.append(f"input {tensor.name!r} format")
-            if kind == "output" and tensor.label_filename:
-                ignored.append(f"output {tensor.name!r} label_filename")
     return ignored
+
+
+#: the largest label file read (Triton's are a few kB: ImageNet's 1,000 labels, 21 kB)
+MAX_LABEL_BYTES = 1 << 20
+
+
+def _labels(config: Any, path: Path) -> dict[str, tuple[str, ...]]:
+    """Each output's labels from its ``label_filename``, a file in the model's folder."""
+    labels = {}
+    for output in config.output:
+        if not output.label_filename:
+            continue
+        where = f"{path}: output {output.name!r} label_filename"
+        file = path.parent / plain_file_name(output.label_filename, where)
+        try:
+            with open(file, "rb") as f:
+                data = f.read(MAX_LABEL_BYTES + 1)
+        except OSError as exc:
+            raise InvalidArgument(f"{where}: cannot read {file.name!r}: {exc.strerror}") from None
+        if len(data) > MAX_LABEL_BYTES:
+            raise InvalidArgument(f"{where}: {file.name!r} is over {MAX_LABEL_BYTES} bytes")
+        labels[output.name] = tuple(data.decode("utf-8", "replace").splitlines())
+    return labels
 
 
 def policy_of(message: Any, where: Path) -> VersionPolicy:

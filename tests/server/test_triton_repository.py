@@ -201,9 +201,10 @@ def test_an_ovms_config_json(tmp_path):
         assert "not acted on: nireq" in server.log
 
 
-def test_reshape_refuses_the_model_and_format_and_labels_are_named(tmp_path):
+def test_reshape_refuses_the_model_format_is_named_and_labels_name_classes(tmp_path):
     """A reshape would change the shapes clients send: the model is refused, naming it; a
-    format or label file changes nothing here and is logged as not acted on."""
+    format changes nothing here and is logged as not acted on; an output's label file names
+    the classes of a classified answer (Triton's quickstart asks densenet for them)."""
     write(
         tmp_path,
         "reshaped",
@@ -217,22 +218,27 @@ def test_reshape_refuses_the_model_and_format_and_labels_are_named(tmp_path):
         tmp_path,
         "labelled",
         """
-        input [{ name: "x", data_type: TYPE_FP32, dims: [-1], format: FORMAT_NCHW }]
-        output [{ name: "y", data_type: TYPE_FP32, dims: [-1], label_filename: "labels.txt" }]
+        max_batch_size: 8
+        input [{ name: "x", data_type: TYPE_FP32, dims: [4], format: FORMAT_NCHW }]
+        output [{ name: "y", data_type: TYPE_FP32, dims: [4], label_filename: "labels.txt" }]
         """,
         {1: 2.0},
         "model.onnx",
     )
+    (tmp_path / "labelled" / "labels.txt").write_text("cat\ndog\nfox\nowl\n")
     with RunningServer("--model-repository", str(tmp_path), "--exit-on-error", "0") as server:
         assert "input 'x' has reshape [1, 3], which plugserve does not apply" in server.log
         line = next(line for line in server.log.splitlines() if "not acted on" in line)
-        assert "labelled" in line and "format" in line and "label_filename" in line
-        import urllib.request
+        assert "labelled" in line and "format" in line and "label_filename" not in line
+        import tritonclient.http as httpclient
 
-        for model, ready in (("labelled", True), ("reshaped", False)):
-            url = f"{server.http_url}/v2/models/{model}/ready"
-            try:
-                with urllib.request.urlopen(url, timeout=30) as answer:
-                    assert answer.status == 200 and ready
-            except urllib.error.HTTPError as refused:
-                assert refused.code == 404 and not ready
+        client = httpclient.InferenceServerClient(server.http_target)
+        try:
+            assert client.is_model_ready("labelled") and not client.is_model_ready("reshaped")
+            x = httpclient.InferInput("x", [1, 4], "FP32")
+            x.set_data_from_numpy(np.array([[0.0, 3.0, 1.0, 2.0]], np.float32))
+            asked = httpclient.InferRequestedOutput("y", class_count=2)
+            got = client.infer("labelled", [x], outputs=[asked]).as_numpy("y")
+        finally:
+            client.close()
+    assert [item.decode() for item in got[0]] == ["5.000000:1:dog", "4.000000:3:owl"]
