@@ -142,6 +142,8 @@ class LoadedNetwork:
     retired: bool = dataclasses.field(init=False, default=False)
     #: per output, the class labels a classified answer names (Triton's label_filename)
     labels: dict[str, tuple[str, ...]] = dataclasses.field(init=False, default_factory=dict)
+    #: per input, config.pbtxt's image format, for ModelConfig
+    formats: dict[str, int] = dataclasses.field(init=False, default_factory=dict)
 
     def __post_init__(self, queue_size: int) -> None:
         self.executor = self.network.executor
@@ -822,6 +824,7 @@ class DataPlane:
             network.name = name
             entry = self._entry(name, version, device, network, True, batch)
             entry.labels = dict(settings.labels)
+            entry.formats = dict(settings.formats)
             with self._lock:
                 self._networks.setdefault(name, {})[version] = entry
                 self._stamps[(name, version)] = stamp
@@ -899,6 +902,7 @@ class DataPlane:
             return f"{entry.path}: {exc}"
         loaded.persisted = True
         loaded.labels = dict(entry.settings.labels)
+        loaded.formats = dict(entry.settings.formats)
         stamp = self.repository.stamp(entry.name, entry.path)
         with self._lock:
             self._stamps[(entry.name, entry.version)] = stamp

@@ -151,7 +151,10 @@ def model_config(entry: LoadedNetwork, policy: VersionPolicy) -> mc.ModelConfig:
     skip = 1 if entry.max_batch_size > 0 else 0
     for spec in entry.network.inputs:
         config.input.add(
-            name=spec.name, data_type=config_data_type(spec.dtype), dims=dims_of(spec)[skip:]
+            name=spec.name,
+            data_type=config_data_type(spec.dtype),
+            dims=dims_of(spec)[skip:],
+            format=entry.formats.get(spec.name, 0),
         )
     for spec in entry.network.outputs:
         config.output.add(

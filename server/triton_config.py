@@ -23,8 +23,9 @@ Triton -> plugserve:
 ``name``, ``input``, ``output``             the folder names the model; the model's own
                                             inputs and outputs are served
 ``input``/``output`` ``reshape``            refused at load, naming the tensor: the client
-                                            would send shapes the model does not take
-``format``                                  logged as not acted on
+                                            would send shapes the model does not take;
+                                            other entries' fields: the model's own
+``input`` ``format``                        reported in ModelConfig (image clients read it)
 ``label_filename``                          the output's class labels, named in classified
                                             answers ("value:index:label")
 ==========================================  =================================================
@@ -126,6 +127,9 @@ class ModelSettings:
     model_file: str = MODEL_FILE
     #: per output, its class labels (Triton's label_filename, one label a line)
     labels: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    #: per input, its image format as config.pbtxt says (Triton's ``format``: FORMAT_NCHW=2,
+    #: FORMAT_NHWC=1), reported back in ModelConfig, where image clients read the layout
+    formats: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 def read_triton(path: Path) -> ModelSettings:
@@ -211,6 +215,7 @@ def _parse_triton(where: str, text: str) -> ModelSettings:
             ignored.append(f"parameters[{key!r}]")
     ignored += _check_tensors(config, path)
     out.labels = _labels(config, path)
+    out.formats = {t.name: int(t.format) for t in config.input if t.format}
     if ignored:
         log.warning("%s: not acted on: %s", path, ", ".join(ignored))
     return out
@@ -228,8 +233,6 @@ def _check_tensors(config: Any, path: Path) -> list[str]:
                     "which plugserve does not apply: remove it and send the model's own shape "
                     f"({kind}s are served as the ONNX model declares them)"
                 )
-            if kind == "input" and tensor.format:
-                ignored.append(f"input {tensor.name!r} format")
     return ignored
 
 

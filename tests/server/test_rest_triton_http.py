@@ -136,3 +136,19 @@ def test_a_shape_whose_element_count_overflows_is_refused(server):
     _refused_over_grpc(server, _grpc_add((1 << 32, 1 << 32, 4)), "more than an int64 counts")
     status, _, _ = _post(server, "/v2/models/add/infer", _add("[1]"))
     assert status == 200  # and the server still serves
+
+
+def test_a_chunked_body_is_read_as_triton_reads_it(server):
+    """Transfer-Encoding: chunked, the chunks joined (JSON and binary bodies alike)."""
+    url = urlsplit(server.http_url)
+    body = _add("[2]")
+    pieces = [body[:7], body[7:30], body[30:]]
+    connection = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+    try:
+        connection.request("POST", "/v2/models/add/infer", iter(pieces), {}, encode_chunked=True)
+        response = connection.getresponse()
+        answer = json.loads(response.read())
+    finally:
+        connection.close()
+    assert response.status == 200, answer
+    assert answer["outputs"][0]["data"] == [3.0]

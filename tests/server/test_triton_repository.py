@@ -201,10 +201,11 @@ def test_an_ovms_config_json(tmp_path):
         assert "not acted on: nireq" in server.log
 
 
-def test_reshape_refuses_the_model_format_is_named_and_labels_name_classes(tmp_path):
+def test_reshape_refuses_the_model_format_is_reported_and_labels_name_classes(tmp_path):
     """A reshape would change the shapes clients send: the model is refused, naming it; a
     format changes nothing here and is logged as not acted on; an output's label file names
-    the classes of a classified answer (Triton's quickstart asks densenet for them)."""
+    the classes of a classified answer (Triton's quickstart asks densenet for them); an
+    input's format is reported in ModelConfig, where image clients read the layout."""
     write(
         tmp_path,
         "reshaped",
@@ -228,13 +229,14 @@ def test_reshape_refuses_the_model_format_is_named_and_labels_name_classes(tmp_p
     (tmp_path / "labelled" / "labels.txt").write_text("cat\ndog\nfox\nowl\n")
     with RunningServer("--model-repository", str(tmp_path), "--exit-on-error", "0") as server:
         assert "input 'x' has reshape [1, 3], which plugserve does not apply" in server.log
-        line = next(line for line in server.log.splitlines() if "not acted on" in line)
-        assert "labelled" in line and "format" in line and "label_filename" not in line
+        assert not [line for line in server.log.splitlines() if "not acted on" in line]
         import tritonclient.http as httpclient
 
         client = httpclient.InferenceServerClient(server.http_target)
         try:
             assert client.is_model_ready("labelled") and not client.is_model_ready("reshaped")
+            (x_config,) = client.get_model_config("labelled")["input"]
+            assert x_config["format"] == "FORMAT_NCHW"
             x = httpclient.InferInput("x", [1, 4], "FP32")
             x.set_data_from_numpy(np.array([[0.0, 3.0, 1.0, 2.0]], np.float32))
             asked = httpclient.InferRequestedOutput("y", class_count=2)
