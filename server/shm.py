@@ -20,8 +20,9 @@ What a client may make the server map is bounded before it is mapped:
 * registering and unregistering need the admin role (from this machine only when the server
   has no tokens, as every admin method); ``--shared-memory off`` turns the extension off.
 
-A region unregistered while a request reads or writes it stays mapped until that request is
-done: the mapping is only let go, and the kernel unmaps it when its last view is gone.
+A region unregistered while a request reads it stays mapped until that request is done: the
+mapping is only let go, and the kernel unmaps it when its last view is gone. An output's region
+is looked up when the output is written (unregistered by then: INVALID_ARGUMENT naming it).
 """
 
 from __future__ import annotations

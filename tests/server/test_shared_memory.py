@@ -239,3 +239,49 @@ def test_regions_count_against_the_memory_budget(tmp_path, regions):
             client.unregister_system_shared_memory(name)
         finally:
             client.close()
+
+
+def test_an_input_region_unregistered_during_a_run_stays_mapped(tmp_path, regions):
+    """A slow request (a Loop of M additions on NUMPY) reads its input from a region that
+    another client unregisters while it runs: it still answers from the data it was given."""
+    import threading
+    import time
+
+    import onnx
+    from models import spin_loop
+    from serving import RunningServer
+
+    model = tmp_path / "spin.onnx"
+    onnx.save(spin_loop(), model)
+    name, key, handle = regions(16)
+    x = np.array([1.0, 2.0, 3.0, 4.0], np.float32)
+    shm.set_shared_memory_region(handle, [x])
+    (tmp_path / "empty").mkdir()
+    with RunningServer("--model-repository", str(tmp_path / "empty")) as running:
+        from plugserve.client import Client
+
+        with Client(running.target, timeout=120) as control:
+            control.load("spin", model.read_bytes(), "NUMPY")
+        client = grpcclient.InferenceServerClient(running.target)
+        other = grpcclient.InferenceServerClient(running.target)
+        try:
+            client.register_system_shared_memory(name, key, 16)
+            tensor = grpcclient.InferInput("x", [4], "FP32")
+            tensor.set_shared_memory(name, 16)
+            trips = grpcclient.InferInput("M", [], "INT64")
+            trips.set_data_from_numpy(np.array(200_000, np.int64))
+            result = {}
+
+            def run():
+                result["y"] = client.infer("spin", [tensor, trips]).as_numpy("y")
+
+            worker = threading.Thread(target=run)
+            worker.start()
+            time.sleep(0.3)  # the run has started reading the region
+            other.unregister_system_shared_memory(name)
+            assert name not in _names(other.get_system_shared_memory_status())
+            worker.join(120)
+            np.testing.assert_allclose(result["y"], x * 200_000, rtol=1e-4)
+        finally:
+            client.close()
+            other.close()
