@@ -484,6 +484,7 @@ class DataPlane:
         inline: bool = False,
         token: cancel.Token | None = None,
         holds: int = 0,
+        after: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None = None,
     ) -> Future | Finished:
         """Queue one inference on ``entry`` (the caller's one :meth:`get`, which its response
         also names, so an unload or load meanwhile cannot relabel or lose a finished request);
@@ -497,6 +498,9 @@ class DataPlane:
         goes away (a unary call hooks it to the call's end before the run may start inline);
         cancelling the returned future does the same. The request is also cancelled, queued
         or running, once ``deadline`` (``time.monotonic``) or --max-request-seconds passes.
+
+        ``after``: applied to the outputs on the thread that ran the request, before it counts
+        as done (outputs written into shared memory regions).
 
         ``holds``: the bytes the request holds until it is answered, charged to
         --max-inflight-bytes before it is admitted (a protocol that charged it already, as
@@ -539,11 +543,14 @@ class DataPlane:
                 ) from exc
             finally:
                 cancel.leave(entered)
+            answer = {k: result[k] for k in wanted}
+            if after is not None:
+                answer = after(answer)
             finished = time.perf_counter()
             if entry.perf_enabled:
                 recorder.layers(request.get_performance_counts())
             recorder.success(started - admitted, finished - started)
-            return {k: result[k] for k in wanted}
+            return answer
 
         with self._inflight_lock:
             if self.draining:
@@ -556,7 +563,14 @@ class DataPlane:
                 entry.inflight += 1
         if retired:  # reloaded since the caller's lookup: its replacement answers
             return self.submit(
-                self.get(name, entry.version), inputs, outputs, deadline, inline, token, holds
+                self.get(name, entry.version),
+                inputs,
+                outputs,
+                deadline,
+                inline,
+                token,
+                holds,
+                after,
             )
         try:
             charge = self.budget.charge(holds, f"a request to network {name!r}")

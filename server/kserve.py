@@ -62,6 +62,7 @@ from plugserve.server.kserve_convert import (
     model_config,
     model_metadata,
     model_statistics,
+    output_targets,
     parameter_values,
     refuse_sequence,
     request_inputs,
@@ -70,6 +71,7 @@ from plugserve.server.kserve_convert import (
     stream_error,
     stream_response,
 )
+from plugserve.server.shm import write_outputs
 from plugserve.server.versions import parse_version
 
 __all__ = ["KServeServicer", "add_kserve_service", "load"]
@@ -151,14 +153,17 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             if timeout is not None:
                 own = time.monotonic() + timeout
                 when = own if when is None else min(when, own)
+        inputs = request_inputs(request, entry, self.shm)
+        targets = output_targets(request, self.shm)
         future = self.plane.submit(
             entry,
-            request_inputs(request, entry, self.shm),
+            inputs,
             requested_outputs(request),
             when,
             token=token,
             holds=request.ByteSize() * GRPC_FACTOR,
             inline=inline,
+            after=functools.partial(write_outputs, targets) if targets else None,
         )
         return entry, future
 

@@ -31,7 +31,7 @@ from plugserve.proto.tensors import (
 from plugserve.server.classification import class_count, classify
 from plugserve.server.dataplane import LoadedNetwork
 from plugserve.server.errors import status_of
-from plugserve.server.shm import SharedMemory, uses_region
+from plugserve.server.shm import OutputTarget, SharedMemory, uses_region
 from plugserve.server.triton_config import VersionPolicy
 
 SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
@@ -254,6 +254,20 @@ def request_inputs(
     return inputs
 
 
+def output_targets(
+    request: pb.ModelInferRequest, shm: SharedMemory | None
+) -> dict[str, OutputTarget]:
+    """Where each output asked for in a shared memory region goes, resolved at admission."""
+    targets = {}
+    for output in request.outputs:
+        if output.parameters and uses_region(output.parameters):
+            if shm is None:
+                raise InvalidInput(f"output {output.name!r}: shared memory is not served here")
+            params = parameter_values(output.parameters)
+            targets[output.name] = shm.target(params, f"output {output.name!r}")
+    return targets
+
+
 def requested_outputs(request: pb.ModelInferRequest) -> list[str]:
     names: list[str] = []
     for output in request.outputs:
@@ -299,14 +313,13 @@ def infer_response(
         tensor = response.outputs.add(
             name=name, datatype=datatype_of(array.dtype), shape=array.shape
         )
-        if name in regions:
-            if shm is None:
-                raise InvalidInput(f"output {name!r}: shared memory is not served here")
-            written = shm.write(regions[name], array_payload(array), f"output {name!r}")
+        if name in regions:  # written into it when the request ran (output_targets)
             tensor.parameters["shared_memory_region"].string_param = regions[name][
                 "shared_memory_region"
             ]
-            tensor.parameters["shared_memory_byte_size"].int64_param = written
+            tensor.parameters["shared_memory_byte_size"].int64_param = memoryview(
+                array_payload(array)
+            ).nbytes
             payloads.append(b"")
             continue
         payloads.append(array_payload(array))

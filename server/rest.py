@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import os
 import re
 import socket
@@ -70,6 +71,7 @@ from plugserve.server.rest_convert import (
 from plugserve.server.rest_http import HttpServer, Reply, error_reply
 from plugserve.server.security import HEALTH, KSERVE, AuthInterceptor, control_refusal
 from plugserve.server.settings import Settings
+from plugserve.server.shm import write_outputs
 
 __all__ = ["RestApp", "RestServer"]
 
@@ -433,7 +435,12 @@ class RestApp:
             request = parse_infer(call.body, header_length, entry.expect, self.plane.shm)
         deadline = time.monotonic() + request.timeout if request.timeout else None
         future = self.plane.submit(
-            entry, request.inputs, request.outputs, deadline, inline=_fast(entry)
+            entry,
+            request.inputs,
+            request.outputs,
+            deadline,
+            inline=_fast(entry),
+            after=_writer(request),
         )
         if future.done():  # ran inline: answered without leaving the parser's callback
             outputs = future.result()
@@ -460,7 +467,13 @@ class RestApp:
             request = parse_infer(call.body, header_length, entry.expect, self.plane.shm)
         deadline = time.monotonic() + request.timeout if request.timeout else None
         future = self.plane.submit(
-            entry, request.inputs, request.outputs, deadline, inline=True, token=token
+            entry,
+            request.inputs,
+            request.outputs,
+            deadline,
+            inline=True,
+            token=token,
+            after=_writer(request),
         )
         return _infer_reply(entry, request, future.result())
 
@@ -527,6 +540,11 @@ class RestApp:
         self.plane.check_control(f"unload of model {call.path['name']!r}")
         await asyncio.to_thread(self.plane.unload, call.path["name"], 0, False)
         return 200, [], []
+
+
+def _writer(request: InferCall) -> Callable[[dict[str, Any]], dict[str, Any]] | None:
+    """What writes a request's shared memory outputs when it has run (None: it has none)."""
+    return functools.partial(write_outputs, request.regions) if request.regions else None
 
 
 def _infer_reply(entry: LoadedNetwork, request: InferCall, outputs: dict[str, Any]) -> Reply:

@@ -53,7 +53,7 @@ from plugserve.server.kserve_convert import (
     refuse_sequence,
     request_timeout,
 )
-from plugserve.server.shm import SharedMemory, region_parameters, uses_region
+from plugserve.server.shm import OutputTarget, SharedMemory, uses_region
 
 #: ``LoadedNetwork.expect``: refuses an input's element type before its data is decoded.
 Expect = Callable[..., None]  # (name, dtype) or (name, dtype, shape)
@@ -97,10 +97,8 @@ class InferCall:
     binary: dict[str, bool]  # per requested output, its own binary_data parameter
     binary_default: bool  # the request's binary_data_output
     timeout: float | None = None  # seconds, from Triton's 'timeout' parameter
-    #: per requested output written into a shared memory region, its parameters
-    regions: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
-    #: the server's regions, which those outputs are written into
-    shm: SharedMemory | None = None
+    #: per requested output written into a shared memory region (when the request runs), where
+    regions: dict[str, OutputTarget] = dataclasses.field(default_factory=dict)
     #: per requested output classified (Triton's classification extension), its class count
     classes: dict[str, int] = dataclasses.field(default_factory=dict)
 
@@ -234,8 +232,7 @@ def parse_infer(
         if uses_region(options):
             if shm is None:
                 raise InvalidInput(f"output {name!r}: shared memory is not served here")
-            region_parameters(options, f"output {name!r}")  # checked before the run
-            regions[name] = options
+            regions[name] = shm.target(options, f"output {name!r}")  # held from now on
         if "binary_data" in options:
             binary_flags[name] = _flag(options, "binary_data", f"output {name!r}")
     return InferCall(
@@ -246,7 +243,6 @@ def parse_infer(
         _flag(parameters, "binary_data_output", "the request"),
         request_timeout(parameters),
         regions,
-        shm,
         classes,
     )
 
@@ -282,8 +278,10 @@ def parse_raw(body: bytes, inputs: list[Any], expect: Expect) -> InferCall:
     if len(body) % itemsize:
         raise InvalidInput(f"{where}: {len(body)} bytes is not a whole number of {spec.dtype}")
     count = len(body) // itemsize
-    if varying > 1 or (varying and (known == 0 or count % known)) or (
-        not varying and count != known
+    if (
+        varying > 1
+        or (varying and (known == 0 or count % known))
+        or (not varying and count != known)
     ):
         raise InvalidInput(
             f"{where}: {count} elements do not make the model's shape {list(spec.shape)} with "
@@ -535,19 +533,15 @@ def encode_infer(
     for name, array in outputs.items():
         array = np.asarray(array)
         if name in call.classes:  # batched: the model has max_batch_size > 0
-            array = classify(
-                array, call.classes[name], batched, name, (labels or {}).get(name, ())
-            )
+            array = classify(array, call.classes[name], batched, name, (labels or {}).get(name, ()))
         entry: dict[str, Any] = {
             "name": name,
             "datatype": datatype_of(array.dtype),
             "shape": list(array.shape),
         }
-        region = call.regions.get(name)
-        if region is not None and call.shm is not None:
-            # described without parameters, as Triton does: perf_analyzer reads any output's
-            # parameters as holding binary_data_size
-            call.shm.write(region, array_payload(array), f"output {name!r}")
+        if name in call.regions:
+            # written into its region when the request ran; described without parameters, as
+            # Triton does: perf_analyzer reads any output's parameters as binary_data_size
             described.append(entry)
             continue
         data = None if call.binary.get(name, call.binary_default) else _json_data(array)

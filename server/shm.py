@@ -20,9 +20,9 @@ What a client may make the server map is bounded before it is mapped:
 * registering and unregistering need the admin role (from this machine only when the server
   has no tokens, as every admin method); ``--shared-memory off`` turns the extension off.
 
-A region unregistered while a request reads it stays mapped until that request is done: the
-mapping is only let go, and the kernel unmaps it when its last view is gone. An output's region
-is looked up when the output is written (unregistered by then: INVALID_ARGUMENT naming it).
+A region unregistered while a request uses it stays mapped until that request is done: the
+request holds views of it from its admission (its inputs' and its outputs'), the mapping is only
+let go, and it is unmapped when its last view is gone.
 """
 
 from __future__ import annotations
@@ -35,16 +35,21 @@ import stat
 import threading
 from typing import Any
 
+import numpy as np
+
 from plugserve.plugins.api import InvalidArgument, NotFound, Unsupported
+from plugserve.proto.tensors import array_payload
 from plugserve.server.budget import Charge, MemoryBudget
 
 __all__ = [
     "DEFAULT_PREFIX",
     "MAX_REGIONS",
+    "OutputTarget",
     "Region",
     "SharedMemory",
     "region_parameters",
     "uses_region",
+    "write_outputs",
 ]
 
 #: keys a client may register unless the operator says otherwise (--shared-memory-prefix)
@@ -174,18 +179,38 @@ class SharedMemory:
         name, byte_size, offset = region_parameters(parameters, what)
         return self.region(name, what).view(offset, byte_size, what).toreadonly()
 
-    def write(self, parameters: dict[str, Any], data: Any, what: str) -> int:
-        """Write an output's bytes into the region its parameters name; their count."""
+    def target(self, parameters: dict[str, Any], what: str) -> OutputTarget:
+        """Where an output goes, resolved when its request is admitted: the request holds the
+        region's bytes from then on, so unregistering it meanwhile changes nothing for it."""
         name, byte_size, offset = region_parameters(parameters, what)
+        return OutputTarget(name, self.region(name, what).view(offset, byte_size, what))
+
+
+@dataclasses.dataclass
+class OutputTarget:
+    """An output's place in a region (a view held by its request)."""
+
+    region: str
+    view: memoryview = dataclasses.field(repr=False)
+
+    def write(self, data: Any, what: str) -> int:
         payload = memoryview(data).cast("B")
-        if payload.nbytes > byte_size:
+        if payload.nbytes > self.view.nbytes:
             raise InvalidArgument(
-                f"{what}: shared memory byte size {byte_size} is too small for the output's "
-                f"{payload.nbytes} bytes; give it at least that much"
+                f"{what}: shared memory byte size {self.view.nbytes} is too small for the "
+                f"output's {payload.nbytes} bytes; give it at least that much"
             )
-        target = self.region(name, what).view(offset, payload.nbytes, what)
-        target[:] = payload
+        self.view[: payload.nbytes] = payload
         return payload.nbytes
+
+
+def write_outputs(targets: dict[str, OutputTarget], outputs: dict[str, Any]) -> dict[str, Any]:
+    """Write each output that has a target into its region (on the thread that ran the
+    request, before it is answered); the outputs, unchanged."""
+    for name, target in targets.items():
+        if name in outputs:
+            target.write(array_payload(np.asarray(outputs[name])), f"output {name!r}")
+    return outputs
 
 
 def region_parameters(parameters: dict[str, Any], what: str) -> tuple[str, int, int]:

@@ -241,9 +241,10 @@ def test_regions_count_against_the_memory_budget(tmp_path, regions):
             client.close()
 
 
-def test_an_input_region_unregistered_during_a_run_stays_mapped(tmp_path, regions):
-    """A slow request (a Loop of M additions on NUMPY) reads its input from a region that
-    another client unregisters while it runs: it still answers from the data it was given."""
+def test_regions_unregistered_during_a_run_stay_mapped_for_it(tmp_path, regions):
+    """A slow request (a Loop of M additions on NUMPY) reads its input from a region and
+    writes its output into another, and another client unregisters both while it runs: it
+    still reads the data it was given and writes its answer where it was asked to."""
     import threading
     import time
 
@@ -254,6 +255,7 @@ def test_an_input_region_unregistered_during_a_run_stays_mapped(tmp_path, region
     model = tmp_path / "spin.onnx"
     onnx.save(spin_loop(), model)
     name, key, handle = regions(16)
+    out_name, out_key, out_handle = regions(16)
     x = np.array([1.0, 2.0, 3.0, 4.0], np.float32)
     shm.set_shared_memory_region(handle, [x])
     (tmp_path / "empty").mkdir()
@@ -266,22 +268,28 @@ def test_an_input_region_unregistered_during_a_run_stays_mapped(tmp_path, region
         other = grpcclient.InferenceServerClient(running.target)
         try:
             client.register_system_shared_memory(name, key, 16)
+            client.register_system_shared_memory(out_name, out_key, 16)
             tensor = grpcclient.InferInput("x", [4], "FP32")
             tensor.set_shared_memory(name, 16)
             trips = grpcclient.InferInput("M", [], "INT64")
             trips.set_data_from_numpy(np.array(200_000, np.int64))
             result = {}
 
+            output = grpcclient.InferRequestedOutput("y")
+            output.set_shared_memory(out_name, 16)
+
             def run():
-                result["y"] = client.infer("spin", [tensor, trips]).as_numpy("y")
+                result["answer"] = client.infer("spin", [tensor, trips], outputs=[output])
 
             worker = threading.Thread(target=run)
             worker.start()
             time.sleep(0.3)  # the run has started reading the region
-            other.unregister_system_shared_memory(name)
-            assert name not in _names(other.get_system_shared_memory_status())
+            other.unregister_system_shared_memory()  # every region, both in use
+            assert not _names(other.get_system_shared_memory_status())
             worker.join(120)
-            np.testing.assert_allclose(result["y"], x * 200_000, rtol=1e-4)
+            assert "answer" in result
+            y = shm.get_contents_as_numpy(out_handle, np.float32, [4])
+            np.testing.assert_allclose(y, x * 200_000, rtol=1e-4)
         finally:
             client.close()
             other.close()
