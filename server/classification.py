@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from plugserve.plugins.api import InvalidInput
+from plugserve.proto.tensors import TensorFormatError, check_string_count
 
 __all__ = ["class_count", "classify"]
 
@@ -51,6 +52,10 @@ def classify(
         raise InvalidInput(f"output {name!r}: classification needs numbers, not {array.dtype}")
     rows = array.reshape(len(array), -1) if batched and array.ndim else array.reshape(1, -1)
     k = min(k, rows.shape[1])
+    try:  # each class a Python string: bounded as any BYTES tensor (--max-string-elements)
+        check_string_count(rows.shape[0] * k, f"output {name!r} classified")
+    except TensorFormatError as exc:
+        raise InvalidInput(str(exc)) from None
     order = np.argsort(-rows.astype(np.float64), axis=1, kind="stable")[:, :k]
     out = np.empty(order.shape, dtype=object)
     for r, row in enumerate(order):

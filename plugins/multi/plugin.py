@@ -276,7 +276,9 @@ class AutoPlugin(_Virtual):
         usable, reasons = self.select(proto, config)
         candidates = self._candidates(usable, overrides, cfg)
         budget = float(cfg.get("MEASURE_SECONDS"))
-        if budget <= 0 or len(candidates) == 1:
+        # no input to measure on (strings, unknown ranks): nothing to compile the rest for
+        feeds = made_up_inputs(proto) if budget > 0 and len(candidates) > 1 else None
+        if feeds is None:
             for candidate in candidates:  # the first in priority order that compiles
                 if self._compile(proto, candidate, reasons):
                     return self._chosen(cfg, candidate, [])
@@ -286,7 +288,7 @@ class AutoPlugin(_Virtual):
             checker = reference(candidates)
             beside = None if checker else self._reference_beside(proto, overrides, cfg)
             try:
-                chosen = choose(candidates, checker or beside, made_up_inputs(proto), budget)
+                chosen = choose(candidates, checker or beside, feeds, budget)
             except BaseException:
                 for candidate in candidates:
                     _close(candidate.network)

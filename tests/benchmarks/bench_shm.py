@@ -15,12 +15,15 @@ server runs with ``--shared-memory-prefix /``: perf_analyzer names its regions i
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import harness  # sets sys.path for the imports below
@@ -69,12 +72,19 @@ def _perf(binary, env, target, protocol, model, shm, report) -> dict[str, float]
     return {"p50_ms": float(row["p50 latency"]) / 1000, "rps": float(row["Inferences/Second"])}
 
 
+@contextlib.contextmanager
+def _removed(folder: Path) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--protocol", choices=("grpc", "http"), default="grpc")
     args = parser.parse_args(argv)
-    from bench_small import request_bytes  # noqa: F401  (harness path set)
     from perf_analyzer import environment, missing
     from serving import RunningServer
 
@@ -93,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     payload = request.SerializeToString()
     results: dict[str, list[dict[str, float]]] = {}
     with (
+        _removed(folder),
         RunningServer("--model-repository", str(repo), "--shared-memory-prefix", "/") as server,
         harness.echo_server("thread", "--reuse-freed-memory") as echo,
     ):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -33,8 +34,7 @@ METHOD = "/inference.GRPCInferenceService/ModelInfer"
 
 def request_bytes(x: np.ndarray) -> bytes:
     request = kpb.ModelInferRequest(model_name="identity16")
-    tensor = request.inputs.add(name="input", datatype="FP32", shape=list(x.shape))
-    del tensor
+    request.inputs.add(name="input", datatype="FP32", shape=list(x.shape))
     request.raw_input_contents.append(x.tobytes())
     return request.SerializeToString()
 
@@ -57,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     payload = request_bytes(np.random.default_rng(0).normal(size=(1, 16)).astype(np.float32))
     log = print if sys.stderr.isatty() else (lambda s: print(s, file=sys.stderr))
     with contextlib.ExitStack() as stack:
+        stack.callback(shutil.rmtree, folder, True)
         targets = {
             "echo": stack.enter_context(harness.echo_server("thread", "--reuse-freed-memory"))
         }

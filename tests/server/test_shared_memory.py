@@ -4,7 +4,6 @@ over gRPC and HTTP against a real server: numbers and strings, offsets, status, 
 
 from __future__ import annotations
 
-import os
 import uuid
 
 import numpy as np
@@ -24,10 +23,18 @@ from tritonclient.utils import (  # noqa: E402
 PROTOCOLS = ["grpc", "http"]
 
 
-def _client(server, protocol):
+@pytest.fixture(params=PROTOCOLS)
+def connected(request, server):
+    """``(client module, client, protocol)`` for each protocol; every region the test
+    registered is unregistered afterwards."""
+    protocol = request.param
     if protocol == "grpc":
-        return grpcclient, grpcclient.InferenceServerClient(server.target)
-    return httpclient, httpclient.InferenceServerClient(server.http_target)
+        module, client = grpcclient, grpcclient.InferenceServerClient(server.target)
+    else:
+        module, client = httpclient, httpclient.InferenceServerClient(server.http_target)
+    yield module, client, protocol
+    client.unregister_system_shared_memory()
+    client.close()
 
 
 @pytest.fixture
@@ -46,38 +53,32 @@ def regions():
         shm.destroy_shared_memory_region(handle)
 
 
-@pytest.mark.parametrize("protocol", PROTOCOLS)
-def test_inputs_and_outputs_in_shared_memory_with_offsets(server, regions, protocol):
-    module, client = _client(server, protocol)
+def test_inputs_and_outputs_in_shared_memory_with_offsets(connected, regions):
+    module, client, protocol = connected
     a = np.arange(16, dtype=np.float32)
     b = np.full(16, 0.5, dtype=np.float32)
     in_name, in_key, in_handle = regions(256)
     out_name, out_key, out_handle = regions(128)
     shm.set_shared_memory_region(in_handle, [a])
     shm.set_shared_memory_region(in_handle, [b], offset=128)  # b at an offset in the same region
-    try:
-        client.register_system_shared_memory(in_name, in_key, 256)
-        client.register_system_shared_memory(out_name, out_key, 128)
-        status = client.get_system_shared_memory_status()
-        listed = {r["name"] if isinstance(r, dict) else r for r in _names(status)}
-        assert {in_name, out_name} <= listed
-        inputs = [module.InferInput("a", [16], "FP32"), module.InferInput("b", [16], "FP32")]
-        inputs[0].set_shared_memory(in_name, 64)
-        inputs[1].set_shared_memory(in_name, 64, offset=128)
-        output = module.InferRequestedOutput("sum")
-        output.set_shared_memory(out_name, 64, offset=32)
-        result = client.infer("add", inputs, outputs=[output])
-        got = shm.get_contents_as_numpy(out_handle, np.float32, [16], offset=32)
-        np.testing.assert_array_equal(got, a + b)
-        described = result.get_output("sum")
-        if protocol == "http":  # described only, as Triton does
-            assert described == {"name": "sum", "datatype": "FP32", "shape": [16]}
-        else:
-            assert described.parameters["shared_memory_region"].string_param == out_name
-            assert not result.get_response().raw_output_contents[0]
-    finally:
-        client.unregister_system_shared_memory()
-        client.close()
+    client.register_system_shared_memory(in_name, in_key, 256)
+    client.register_system_shared_memory(out_name, out_key, 128)
+    status = client.get_system_shared_memory_status()
+    assert {in_name, out_name} <= set(_names(status))
+    inputs = [module.InferInput("a", [16], "FP32"), module.InferInput("b", [16], "FP32")]
+    inputs[0].set_shared_memory(in_name, 64)
+    inputs[1].set_shared_memory(in_name, 64, offset=128)
+    output = module.InferRequestedOutput("sum")
+    output.set_shared_memory(out_name, 64, offset=32)
+    result = client.infer("add", inputs, outputs=[output])
+    got = shm.get_contents_as_numpy(out_handle, np.float32, [16], offset=32)
+    np.testing.assert_array_equal(got, a + b)
+    described = result.get_output("sum")
+    if protocol == "http":  # described only, as Triton does
+        assert described == {"name": "sum", "datatype": "FP32", "shape": [16]}
+    else:
+        assert described.parameters["shared_memory_region"].string_param == out_name
+        assert not result.get_response().raw_output_contents[0]
 
 
 def _names(status):
@@ -86,54 +87,43 @@ def _names(status):
     return list(status.regions)  # gRPC: a map by name
 
 
-@pytest.mark.parametrize("protocol", PROTOCOLS)
-def test_strings_in_shared_memory(server, regions, protocol):
-    module, client = _client(server, protocol)
+def test_strings_in_shared_memory(connected, regions):
+    module, client, _ = connected
     text = np.array([b"hello", b"\xff\x00\x80", b""], dtype=np.object_)
     serialized = serialize_byte_tensor(text)  # as Triton's simple_*_shm_string_client
     size = serialized_byte_size(serialized)
     in_name, in_key, in_handle = regions(size)
     out_name, out_key, out_handle = regions(size)
     shm.set_shared_memory_region(in_handle, [serialized])
-    try:
-        client.register_system_shared_memory(in_name, in_key, size)
-        client.register_system_shared_memory(out_name, out_key, size)
-        tensor = module.InferInput("text", [3], "BYTES")
-        tensor.set_shared_memory(in_name, size)
-        output = module.InferRequestedOutput("echo")
-        output.set_shared_memory(out_name, size)
-        client.infer("echo", [tensor], outputs=[output])
-        got = shm.get_contents_as_numpy(out_handle, np.object_, [3])
-        assert got.tolist() == text.tolist()
-    finally:
-        client.unregister_system_shared_memory()
-        client.close()
+    client.register_system_shared_memory(in_name, in_key, size)
+    client.register_system_shared_memory(out_name, out_key, size)
+    tensor = module.InferInput("text", [3], "BYTES")
+    tensor.set_shared_memory(in_name, size)
+    output = module.InferRequestedOutput("echo")
+    output.set_shared_memory(out_name, size)
+    client.infer("echo", [tensor], outputs=[output])
+    got = shm.get_contents_as_numpy(out_handle, np.object_, [3])
+    assert got.tolist() == text.tolist()
 
 
-@pytest.mark.parametrize("protocol", PROTOCOLS)
-def test_status_and_unregister_one_then_all(server, regions, protocol):
-    _, client = _client(server, protocol)
+def test_status_and_unregister_one_then_all(connected, regions):
+    _, client, _ = connected
     made = [regions(64) for _ in range(3)]
-    try:
-        for name, key, _ in made:
-            client.register_system_shared_memory(name, key, 64, offset=0)
-        one = client.get_system_shared_memory_status(region_name=made[0][0])
-        assert _names(one) == [made[0][0]]
-        client.unregister_system_shared_memory(made[0][0])
-        assert set(_names(client.get_system_shared_memory_status())) >= {m[0] for m in made[1:]}
-        assert made[0][0] not in _names(client.get_system_shared_memory_status())
-        with pytest.raises(InferenceServerException, match="Unable to find"):
-            client.get_system_shared_memory_status(region_name=made[0][0])
-        client.unregister_system_shared_memory()
-        assert not {m[0] for m in made} & set(_names(client.get_system_shared_memory_status()))
-    finally:
-        client.unregister_system_shared_memory()
-        client.close()
+    for name, key, _ in made:
+        client.register_system_shared_memory(name, key, 64, offset=0)
+    one = client.get_system_shared_memory_status(region_name=made[0][0])
+    assert _names(one) == [made[0][0]]
+    client.unregister_system_shared_memory(made[0][0])
+    assert set(_names(client.get_system_shared_memory_status())) >= {m[0] for m in made[1:]}
+    assert made[0][0] not in _names(client.get_system_shared_memory_status())
+    with pytest.raises(InferenceServerException, match="Unable to find"):
+        client.get_system_shared_memory_status(region_name=made[0][0])
+    client.unregister_system_shared_memory()
+    assert not {m[0] for m in made} & set(_names(client.get_system_shared_memory_status()))
 
 
-@pytest.mark.parametrize("protocol", PROTOCOLS)
-def test_hostile_keys_offsets_and_sizes_are_refused_clearly(server, regions, protocol):
-    module, client = _client(server, protocol)
+def test_hostile_keys_offsets_and_sizes_are_refused_clearly(connected, regions):
+    module, client, _ = connected
     name, key, _ = regions(64)
     outside = shm.create_shared_memory_region("outside", f"/not-ours-{uuid.uuid4().hex}", 64)
     try:
@@ -169,44 +159,18 @@ def test_hostile_keys_offsets_and_sizes_are_refused_clearly(server, regions, pro
             client.infer("add", [a, b], outputs=[out])
         assert client.is_server_live()  # and it still serves
     finally:
-        client.unregister_system_shared_memory()
         shm.destroy_shared_memory_region(outside)
-        client.close()
 
 
 def shm_key(handle) -> str:
     return handle._shm_key if hasattr(handle, "_shm_key") else handle.shm_key
 
 
-@pytest.mark.parametrize("protocol", PROTOCOLS)
-def test_cuda_shared_memory_is_unimplemented_and_says_why(server, protocol):
-    _, client = _client(server, protocol)
-    try:
-        with pytest.raises(InferenceServerException, match="CUDA shared memory") as refused:
-            client.get_cuda_shared_memory_status()
-        assert "system shared memory" in str(refused.value)
-    finally:
-        client.close()
-
-
-def test_a_region_unregistered_during_use_stays_mapped_until_released(tmp_path):
-    """The registry's own guarantee, at its boundary: a view taken for a request stays valid
-    after the region is unregistered (the mapping goes with its last view)."""
-    from plugserve.server.shm import SharedMemory
-
-    handle = shm.create_shared_memory_region("during", f"/plugserve-test-{os.getpid()}", 64)
-    try:
-        shm.set_shared_memory_region(handle, [np.arange(16, dtype=np.float32)])
-        registry = SharedMemory()
-        registry.register("during", shm_key(handle), 0, 64)
-        params = {"shared_memory_region": "during", "shared_memory_byte_size": 64}
-        view = registry.read(params, "input 'x'")
-        registry.unregister("during")
-        array = np.frombuffer(view, dtype=np.float32)
-        np.testing.assert_array_equal(array, np.arange(16, dtype=np.float32))
-        assert registry.status() == []
-    finally:
-        shm.destroy_shared_memory_region(handle)
+def test_cuda_shared_memory_is_unimplemented_and_says_why(connected):
+    _, client, _ = connected
+    with pytest.raises(InferenceServerException, match="CUDA shared memory") as refused:
+        client.get_cuda_shared_memory_status()
+    assert "system shared memory" in str(refused.value)
 
 
 def test_the_extension_can_be_turned_off(tmp_path):
