@@ -139,6 +139,7 @@ class Server:
             settings.max_request_seconds,
             default_limit() if settings.max_inflight_bytes < 0 else settings.max_inflight_bytes,
             settings.load_threads(),
+            settings.max_sequences,
         )
         self.plane.shm = SharedMemory(
             settings.shared_memory == "system", settings.shared_memory_prefix, self.plane.budget

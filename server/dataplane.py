@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import tempfile
 import threading
@@ -37,6 +38,7 @@ from plugserve.plugins.api import (
     NotFound,
     PlugserveError,
     ResourceExhausted,
+    TensorSpec,
     check_element_type,
     check_input_shape,
     check_inputs,
@@ -52,6 +54,7 @@ from plugserve.server.devices import parse_device
 from plugserve.server.metrics import Metrics, Recorder
 from plugserve.server.repository import ModelEntry, Repository, check_name, is_version
 from plugserve.server.security import refuse_server_keys
+from plugserve.server.sequences import SequenceBatcher, Sequences, SequenceSettings, Step
 from plugserve.server.shm import SharedMemory
 from plugserve.server.triton_config import (
     EVERY_VERSION,
@@ -144,11 +147,18 @@ class LoadedNetwork:
     labels: dict[str, tuple[str, ...]] = dataclasses.field(init=False, default_factory=dict)
     #: per input, config.pbtxt's image format, for ModelConfig
     formats: dict[str, int] = dataclasses.field(init=False, default_factory=dict)
+    #: Triton's sequence batcher, for a model whose config.pbtxt has sequence_batching
+    sequences: SequenceBatcher | None = dataclasses.field(init=False, default=None)
+    #: what a client sends and gets (metadata, model config): the network's inputs and
+    #: outputs but those a sequence batcher feeds and keeps
+    inputs: list[TensorSpec] = dataclasses.field(init=False)
+    outputs: list[TensorSpec] = dataclasses.field(init=False)
 
     def __post_init__(self, queue_size: int) -> None:
         self.executor = self.network.executor
         self.queue_limit = queue_size or max(64, 16 * self.executor.streams)
         self.output_names = [o.name for o in self.network.outputs]
+        self.inputs, self.outputs = list(self.network.inputs), list(self.network.outputs)
         self._known_outputs = frozenset(self.output_names)
         self._inputs = {spec.name: spec for spec in self.network.inputs}
         self.perf_enabled = bool(_safe_config(self.network, "PERF_COUNT"))
@@ -217,10 +227,11 @@ class DataPlane:
         max_request_seconds: float = 0.0,
         max_inflight_bytes: int = 0,
         load_threads: int = 1,
+        max_sequences: int = 0,
     ) -> None:
-        """``max_networks`` / ``max_model_bytes`` / ``max_request_seconds``:
-        --max-networks, --max-model-bytes and --max-request-seconds (0: no limit);
-        ``load_threads``: --model-load-threads, made concrete."""
+        """``max_networks`` / ``max_model_bytes`` / ``max_request_seconds`` /
+        ``max_sequences``: --max-networks, --max-model-bytes, --max-request-seconds and
+        --max-sequences (0: no limit); ``load_threads``: --model-load-threads, made concrete."""
         self.load_threads = max(1, load_threads)
         self.max_request_seconds = max_request_seconds
         #: --max-inflight-bytes: what the protocols charge their requests against
@@ -229,6 +240,8 @@ class DataPlane:
         self.shm = SharedMemory(budget=self.budget)
         #: cancels requests past their client's deadline or --max-request-seconds
         self.deadlines = DeadlineWatch()
+        #: every sequence model's bounds and idle reaper (--max-sequences)
+        self.sequences = Sequences(max_sequences, self.budget)
         self.max_networks = max_networks
         self.max_model_bytes = max_model_bytes
         self.core = core
@@ -250,6 +263,7 @@ class DataPlane:
         self._inflight = 0  # admitted requests not yet finished (queued or running)
         self._inflight_lock = threading.Lock()
         metrics.watch_executors(self._executor_gauges)
+        metrics.watch_sequences(self._sequence_gauges)
 
     # --- executors
 
@@ -270,6 +284,13 @@ class DataPlane:
             for kind, group in sorted(per_device.items())
         ]
 
+    def _sequence_gauges(self) -> list[tuple[str, str, str, int, int]]:
+        return [
+            (n.device, n.name, str(n.version), n.sequences.active, n.sequences.state_bytes)
+            for n in self.networks()
+            if n.sequences is not None
+        ]
+
     # --- networks
 
     def load(
@@ -283,6 +304,7 @@ class DataPlane:
         max_batch_size: int = 0,
         dynamic_batching: bool = True,
         batch_size: int = 0,
+        sequence: SequenceSettings | None = None,
     ) -> tuple[LoadedNetwork, bool]:
         """Compile and register a network; returns it and whether it came from the cache.
 
@@ -328,6 +350,7 @@ class DataPlane:
             if persist:
                 self.repository.persist(name, version, model, device, config, max_batch_size)
             entry = self._entry(name, version, device, network, persist, max_batch_size)
+            self._sequenced(entry, sequence)
             with self._lock:
                 self._networks.setdefault(name, {})[version] = entry
         finally:
@@ -358,6 +381,30 @@ class DataPlane:
             name, version, kind, network, persisted, max_batch_size, recorder, self.queue_size
         )
 
+    def _sequenced(self, entry: LoadedNetwork, settings: SequenceSettings | None) -> None:
+        """Give ``entry`` its sequence batcher (Triton's sequence_batching); its state outputs
+        are then the server's, not an answer's."""
+        if settings is None:
+            return
+        try:
+            entry.sequences = SequenceBatcher(
+                entry.name,
+                settings,
+                entry.max_batch_size,
+                [spec.name for spec in entry.network.inputs],
+                entry.output_names,
+                functools.partial(self._admit, entry, inline=False),
+                self.sequences,
+                entry.recorder.joined,
+            )
+        except PlugserveError:
+            self._close(entry)
+            raise
+        batcher = entry.sequences
+        entry.output_names = [n for n in entry.output_names if n not in batcher.hidden_outputs]
+        entry.inputs = [s for s in entry.inputs if s.name not in batcher.hidden_inputs]
+        entry.outputs = [s for s in entry.outputs if s.name not in batcher.hidden_outputs]
+
     def unload(self, name: str, version: int = 0, remove: bool = False) -> list[LoadedNetwork]:
         """Unload a version (every version when 0); ``remove`` also deletes it from the
         repository. Files are never deleted implicitly: an operator's models stay on disk."""
@@ -378,6 +425,15 @@ class DataPlane:
 
     @staticmethod
     def _close(entry: LoadedNetwork) -> None:
+        if entry.sequences is not None:
+            ended = entry.sequences.close()
+            if ended:
+                log.info(
+                    "network %s version %d: %d active sequence(s) ended with it",
+                    entry.name,
+                    entry.version,
+                    ended,
+                )
         try:
             entry.network.close()
         except Exception as exc:  # a failed device must not keep a network loaded
@@ -485,10 +541,42 @@ class DataPlane:
         token: cancel.Token | None = None,
         holds: int = 0,
         after: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None = None,
+        step: Step | None = None,
     ) -> Future | Finished:
-        """Queue one inference on ``entry`` (the caller's one :meth:`get`, which its response
-        also names, so an unload or load meanwhile cannot relabel or lose a finished request);
-        the future holds ``{output: array}`` or a typed error.
+        """Admit one inference (see :meth:`_admit`); ``step``: the request's place in a
+        sequence (its ``sequence_*`` parameters), which a network with Triton's sequence
+        batching requires and others refuse."""
+        if step is None and entry.sequences is None:
+            return self._admit(entry, inputs, outputs, deadline, inline, token, holds, after)
+        if entry.sequences is None:
+            entry.recorder.refused("invalid")
+            raise InvalidInput(
+                f"inference request to model '{entry.name}' names a sequence (sequence_id "
+                f"{step.id!r}), but the model has no sequence batching (Triton's "
+                "sequence_batching in its config.pbtxt); send it without the sequence_* "
+                "parameters"
+            )
+        hidden = sorted(entry.sequences.hidden_outputs.intersection(outputs or ()))
+        try:
+            if hidden:
+                raise InvalidInput(
+                    f"network {entry.name!r}: {listing(hidden)} are state outputs, which the "
+                    "server keeps for the sequence; ask for the model's other outputs"
+                )
+            wanted = self._outputs(entry, outputs)
+            return entry.sequences.submit(step, inputs, wanted, deadline, token, holds, after)
+        except ResourceExhausted:
+            entry.recorder.refused("overloaded")
+            raise
+        except PlugserveError:
+            entry.recorder.refused("invalid")
+            raise
+
+    def _admit(self, entry, inputs, outputs, deadline, inline, token, holds, after=None):
+        """(:meth:`submit`'s arguments but ``step``.) Queue one inference on ``entry`` (the
+        caller's one :meth:`get`, which its response also names, so an unload or load meanwhile
+        cannot relabel or lose a finished request); the future holds ``{output: array}`` or a
+        typed error.
 
         ``inline``: the caller waits for the result anyway (a unary RPC), so when one of the
         network's streams is idle the inference runs on the caller's thread (see
@@ -562,7 +650,7 @@ class DataPlane:
                 self._inflight += 1
                 entry.inflight += 1
         if retired:  # reloaded since the caller's lookup: its replacement answers
-            return self.submit(
+            return self._admit(
                 self.get(name, entry.version),
                 inputs,
                 outputs,
@@ -839,6 +927,7 @@ class DataPlane:
             entry = self._entry(name, version, device, network, True, batch)
             entry.labels = dict(settings.labels)
             entry.formats = dict(settings.formats)
+            self._sequenced(entry, settings.sequence)
             with self._lock:
                 self._networks.setdefault(name, {})[version] = entry
                 self._stamps[(name, version)] = stamp
@@ -911,6 +1000,7 @@ class DataPlane:
                 max_batch_size=entry.max_batch_size,
                 dynamic_batching=entry.settings.dynamic_batching,
                 batch_size=entry.settings.batch_size,
+                sequence=entry.settings.sequence,
             )
         except PlugserveError as exc:
             return f"{entry.path}: {exc}"
@@ -975,5 +1065,6 @@ class DataPlane:
     def close(self) -> None:
         """Stop every network's streams: what is queued still runs, nothing new is taken."""
         self.deadlines.close()
+        self.sequences.close()
         for entry in self.networks():
             entry.executor.shutdown(wait=False)

@@ -64,13 +64,13 @@ from plugserve.server.kserve_convert import (
     model_statistics,
     output_targets,
     parameter_values,
-    refuse_sequence,
     request_inputs,
     request_timeout,
     requested_outputs,
     stream_error,
     stream_response,
 )
+from plugserve.server.sequences import sequence_step
 from plugserve.server.shm import write_outputs
 from plugserve.server.versions import parse_version
 
@@ -146,9 +146,10 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         """One lookup: the entry runs the request and names the response."""
         entry = self.plane.get(request.model_name, parse_version(request.model_version))
         when = deadline(context)
+        step = None
         if request.parameters:
             parameters = parameter_values(request.parameters)
-            refuse_sequence(parameters)
+            step = sequence_step(parameters)
             timeout = request_timeout(parameters)
             if timeout is not None:
                 own = time.monotonic() + timeout
@@ -164,6 +165,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             holds=request.ByteSize() * GRPC_FACTOR,
             inline=inline,
             after=functools.partial(write_outputs, targets) if targets else None,
+            step=step,
         )
         return entry, future
 

@@ -116,8 +116,8 @@ def model_metadata(entry: LoadedNetwork, versions: list[int]) -> pb.ModelMetadat
         name=entry.name, versions=[str(v) for v in versions], platform=PLATFORM
     )
     for specs, out in (
-        (entry.network.inputs, response.inputs),
-        (entry.network.outputs, response.outputs),
+        (entry.inputs, response.inputs),
+        (entry.outputs, response.outputs),
     ):
         for spec in specs:
             out.add(name=spec.name, datatype=datatype_of(spec.dtype), shape=dims_of(spec))
@@ -149,14 +149,14 @@ def model_config(entry: LoadedNetwork, policy: VersionPolicy) -> mc.ModelConfig:
         config.dynamic_batching.preferred_batch_size.append(size)
         config.dynamic_batching.max_queue_delay_microseconds = int(timeout_ms * 1000)
     skip = 1 if entry.max_batch_size > 0 else 0
-    for spec in entry.network.inputs:
+    for spec in entry.inputs:
         config.input.add(
             name=spec.name,
             data_type=config_data_type(spec.dtype),
             dims=dims_of(spec)[skip:],
             format=entry.formats.get(spec.name, 0),
         )
-    for spec in entry.network.outputs:
+    for spec in entry.outputs:
         config.output.add(
             name=spec.name, data_type=config_data_type(spec.dtype), dims=dims_of(spec)[skip:]
         )
@@ -377,23 +377,6 @@ def model_statistics(entry: LoadedNetwork) -> pb.ModelStatistics:
             batch.compute_output.count = count
             batch.compute_infer.ns = ns
     return stats
-
-
-_SEQUENCE = ("sequence_id", "sequence_start", "sequence_end")
-
-
-def refuse_sequence(parameters: Mapping[str, Any]) -> None:
-    """No network here has Triton's sequence batcher: a request that names a sequence would be
-    run as if it did not, without the state its client counts on, so it is refused (as Triton
-    refuses it for a model without sequence batching). Zero and empty values name nothing."""
-    if not parameters:
-        return
-    given = [k for k in _SEQUENCE if parameters.get(k) not in (None, 0, "", False)]
-    if given:
-        raise InvalidInput(
-            f"request parameters {', '.join(given)}: this server has no sequence batching "
-            "(stateful models); send the request without them"
-        )
 
 
 def request_timeout(parameters: Mapping[str, Any]) -> float | None:

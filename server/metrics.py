@@ -72,6 +72,28 @@ class _ExecutorCollector:
         yield from (depth, busy, streams, loaded)
 
 
+class _SequenceCollector:
+    """Per sequence model, read at scrape time: its active sequences and the bytes of state
+    they hold (Triton's sequence batching)."""
+
+    def __init__(self, read: Callable[[], list[tuple[str, str, str, int, int]]]) -> None:
+        self._read = read
+
+    def collect(self):
+        labels = ["device", "model", "version"]
+        active = GaugeMetricFamily(
+            "plugserve_sequences_active", "Sequences started and not yet ended", labels=labels
+        )
+        held = GaugeMetricFamily(
+            "plugserve_sequence_state_bytes", "Bytes of implicit state the sequences hold",
+            labels=labels,
+        )  # fmt: skip
+        for device, model, version, count, nbytes in self._read():
+            active.add_metric([device, model, version], count)
+            held.add_metric([device, model, version], nbytes)
+        yield from (active, held)
+
+
 class Metrics:
     def __init__(self, version: str) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -111,6 +133,9 @@ class Metrics:
 
     def watch_executors(self, read: Callable[[], list[tuple[str, int, int, int, int]]]) -> None:
         self.registry.register(_ExecutorCollector(read))
+
+    def watch_sequences(self, read: Callable[[], list[tuple[str, str, str, int, int]]]) -> None:
+        self.registry.register(_SequenceCollector(read))
 
     def observe(
         self,
@@ -246,6 +271,13 @@ class Recorder:
             s.queue_ns += int(queue_wait * 1e9)
             s.compute_ns += int(compute * 1e9)
             s.last_inference_ms = int(time.time() * 1000)
+
+    def joined(self, requests: int) -> None:
+        """``requests`` more requests answered by the run :meth:`success` counted (a sequence
+        batch of many rows is one execution, Triton's inference_count counts each row)."""
+        self._count.inc(requests)
+        with self._lock:
+            self._stats.success += requests
 
     def failure(self, status: str) -> None:
         """A request that did not succeed: refused at admission (invalid, overloaded) or

@@ -49,9 +49,9 @@ def network_info(message: pb.NetworkInfo, entry: LoadedNetwork) -> pb.NetworkInf
     message.persisted = entry.persisted
     message.max_batch_size = entry.max_batch_size
     message.precision = entry.network.precision
-    for spec in entry.network.inputs:
+    for spec in entry.inputs:
         spec_to_proto(message.inputs.add(), spec)
-    for spec in entry.network.outputs:
+    for spec in entry.outputs:
         spec_to_proto(message.outputs.add(), spec)
     message.config.update(entry.network.config.to_strings())
     return message

@@ -430,7 +430,7 @@ class RestApp:
             token = cancel.Token()
             return self._in_worker(self._infer_whole, entry, call, token, token=token)
         if header_length == "0":  # Triton's raw binary request: the body is the one input
-            request = parse_raw(call.body, entry.network.inputs, entry.expect)
+            request = parse_raw(call.body, entry.inputs, entry.expect)
         else:
             request = parse_infer(call.body, header_length, entry.expect, self.plane.shm)
         deadline = time.monotonic() + request.timeout if request.timeout else None
@@ -441,6 +441,7 @@ class RestApp:
             deadline,
             inline=_fast(entry),
             after=_writer(request),
+            step=request.step,
         )
         if future.done():  # ran inline: answered without leaving the parser's callback
             outputs = future.result()
@@ -474,6 +475,7 @@ class RestApp:
             inline=True,
             token=token,
             after=_writer(request),
+            step=request.step,
         )
         return _infer_reply(entry, request, future.result())
 

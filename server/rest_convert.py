@@ -50,9 +50,9 @@ from plugserve.server.classification import class_count, classify
 from plugserve.server.kserve_convert import (
     DATATYPES,
     datatype_of,
-    refuse_sequence,
     request_timeout,
 )
+from plugserve.server.sequences import Step, sequence_step
 from plugserve.server.shm import OutputTarget, SharedMemory, uses_region
 
 #: ``LoadedNetwork.expect``: refuses an input's element type before its data is decoded.
@@ -101,6 +101,8 @@ class InferCall:
     regions: dict[str, OutputTarget] = dataclasses.field(default_factory=dict)
     #: per requested output classified (Triton's classification extension), its class count
     classes: dict[str, int] = dataclasses.field(default_factory=dict)
+    #: its place in a sequence (sequence_id, sequence_start, sequence_end)
+    step: Step | None = None
 
 
 def _object(value: Any, what: str) -> dict[str, Any]:
@@ -189,7 +191,7 @@ def parse_infer(
         raise InvalidInput(f"the request must be a JSON object, not {_json_type(document)}")
     request = _fields(document)
     parameters = _object(_plain(request.get("parameters", {})), "the request's parameters")
-    refuse_sequence(parameters)
+    step = sequence_step(parameters)
     request_id = request.get("id", "")
     if not isinstance(request_id, str):
         raise InvalidInput(f"the request's id must be a string, not {request_id!r}")
@@ -244,6 +246,7 @@ def parse_infer(
         request_timeout(parameters),
         regions,
         classes,
+        step,
     )
 
 

@@ -127,6 +127,11 @@ class Settings:
     )
     open_reflection: int = _field(0, "1: reflection needs no token; 0: it needs one")
     max_networks: int = _field(0, "most network versions loaded at once (0: no limit)")
+    max_sequences: int = _field(
+        1024,
+        "most sequences (Triton's sequence batching) active at once over every model; a new "
+        "one beyond is refused with RESOURCE_EXHAUSTED (0: no limit)",
+    )
     max_model_bytes: int = _field(
         0, "largest model or blob LoadNetwork/ImportNetwork accepts (0: no limit)"
     )
@@ -198,6 +203,7 @@ class Settings:
             ("max_request_seconds", 0, None),
             ("max_inflight_bytes", -1, None),
             ("max_networks", 0, None),
+            ("max_sequences", 0, None),
             ("max_model_bytes", 0, None),
             ("max_string_elements", 1, None),
             ("max_num_streams", 0, None),
@@ -230,9 +236,7 @@ class Settings:
         if self.shared_memory not in ("system", "off"):
             found.append(f"shared_memory={self.shared_memory!r} must be system or off")
         if not self.shared_memory_prefix.startswith("/"):
-            found.append(
-                f"shared_memory_prefix={self.shared_memory_prefix!r} must start with '/'"
-            )
+            found.append(f"shared_memory_prefix={self.shared_memory_prefix!r} must start with '/'")
         if self.log_format not in _LOG_FORMATS:
             found.append(f"log_format={self.log_format!r} must be one of {', '.join(_LOG_FORMATS)}")
         if self.log_level.upper() not in _LOG_LEVELS:

@@ -43,6 +43,7 @@ from typing import Any
 from google.protobuf import json_format, text_format
 
 from plugserve.plugins.api import InvalidArgument
+from plugserve.server.sequences import SequenceSettings, read_sequence_batching
 
 __all__ = [
     "EVERY_VERSION",
@@ -77,6 +78,7 @@ _ACTED_ON = {
     "version_policy",
     "default_model_filename",
     "parameters",
+    "sequence_batching",
 }
 
 
@@ -130,6 +132,8 @@ class ModelSettings:
     #: per input, its image format as config.pbtxt says (Triton's ``format``: FORMAT_NCHW=2,
     #: FORMAT_NHWC=1), reported back in ModelConfig, where image clients read the layout
     formats: dict[str, int] = dataclasses.field(default_factory=dict)
+    #: Triton's sequence_batching: the model's requests belong to sequences
+    sequence: SequenceSettings | None = None
 
 
 def read_triton(path: Path) -> ModelSettings:
@@ -214,6 +218,11 @@ def _parse_triton(where: str, text: str) -> ModelSettings:
         else:
             ignored.append(f"parameters[{key!r}]")
     ignored += _check_tensors(config, path)
+    if config.HasField("sequence_batching"):
+        out.sequence, unused = read_sequence_batching(
+            config.sequence_batching, config.max_batch_size, path.parent, str(path)
+        )
+        ignored += unused
     out.labels = _labels(config, path)
     out.formats = {t.name: int(t.format) for t in config.input if t.format}
     if ignored:

@@ -1,0 +1,750 @@
+"""Triton's sequence batcher: requests that carry a sequence's state from one to the next.
+
+A model whose ``config.pbtxt`` has ``sequence_batching`` is served as Triton serves it. Each
+request names its sequence (``sequence_id``, a uint64 or a string) and marks its first and last
+(``sequence_start``, ``sequence_end``). The batcher, which sits beside the data plane's
+request path as Triton's sits beside its dynamic batcher, then:
+
+- feeds the model the control inputs the config names (START, END, READY, CORRID), in the
+  config's own encodings;
+- keeps each sequence's implicit state (the config's ``state`` pairs: the model's state
+  output of one request is its state input of the next, zeros or ``initial_state`` at the
+  start) here, in the server, so a client never sends or receives it;
+- runs a sequence's requests one at a time and in order (``direct``), or gathers the ready
+  requests of many sequences into one batch (``oldest``: up to the largest preferred batch
+  size, waiting at most ``max_queue_delay_microseconds`` for more);
+- ends a sequence at its END request, or once it has been idle for
+  ``max_sequence_idle_microseconds`` (Triton's default: 1 s), and frees its state.
+
+Bounds: a server-wide ``--max-sequences`` and a per-model cap (``oldest``'s
+``max_candidate_sequences``) refuse a new sequence beyond them (RESOURCE_EXHAUSTED, where
+Triton would hold it in a backlog), and every sequence's state is charged to
+``--max-inflight-bytes`` while it is held. One reaper thread serves every model.
+
+Messages begin with Triton's own words (triton-inference-server/core:
+sequence_batch_scheduler.cc, sequence_utils.h), which clients match on.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from plugserve.plugins.api import InvalidArgument, InvalidInput, ResourceExhausted, listing
+from plugserve.server.budget import Charge, MemoryBudget
+
+__all__ = [
+    "Control",
+    "SequenceBatcher",
+    "SequenceSettings",
+    "Sequences",
+    "State",
+    "Step",
+    "read_sequence_batching",
+    "sequence_step",
+]
+
+log = logging.getLogger(__name__)
+
+#: Triton's default max_sequence_idle_microseconds (model_config_utils.cc).
+DEFAULT_IDLE_SECONDS = 1.0
+
+#: Triton's data types (model_config.proto's TYPE_*) as numpy's.
+_TYPES = {
+    "TYPE_BOOL": np.dtype(bool),
+    "TYPE_UINT8": np.dtype(np.uint8),
+    "TYPE_UINT16": np.dtype(np.uint16),
+    "TYPE_UINT32": np.dtype(np.uint32),
+    "TYPE_UINT64": np.dtype(np.uint64),
+    "TYPE_INT8": np.dtype(np.int8),
+    "TYPE_INT16": np.dtype(np.int16),
+    "TYPE_INT32": np.dtype(np.int32),
+    "TYPE_INT64": np.dtype(np.int64),
+    "TYPE_FP16": np.dtype(np.float16),
+    "TYPE_FP32": np.dtype(np.float32),
+    "TYPE_FP64": np.dtype(np.float64),
+    "TYPE_STRING": np.dtype(object),
+}
+_CORRID_TYPES = ("TYPE_UINT64", "TYPE_INT64", "TYPE_UINT32", "TYPE_INT32", "TYPE_STRING")
+_KINDS = {
+    "CONTROL_SEQUENCE_START": "START",
+    "CONTROL_SEQUENCE_END": "END",
+    "CONTROL_SEQUENCE_READY": "READY",
+    "CONTROL_SEQUENCE_CORRID": "CORRID",
+}
+_PROTOCOL = {"TYPE_STRING": "BYTES"}
+
+
+# --------------------------------------------------------------------------- settings
+
+
+@dataclasses.dataclass(frozen=True)
+class Control:
+    """One control input: ``kind`` START, END, READY or CORRID; ``values`` its false and
+    true values (CORRID: none; its ``dtype`` is the id's)."""
+
+    kind: str
+    name: str
+    dtype: np.dtype
+    values: tuple[Any, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class State:
+    """One implicit state: the model's ``output`` of a request is its ``input`` of the
+    next; ``initial`` (without the batch dimension) starts every sequence."""
+
+    input: str
+    output: str
+    dtype: np.dtype
+    initial: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceSettings:
+    controls: tuple[Control, ...] = ()
+    states: tuple[State, ...] = ()
+    #: "direct": a sequence's requests run alone; "oldest": ready ones of many are batched
+    strategy: str = "direct"
+    #: the sequences the model holds at once (0: only the server's --max-sequences)
+    max_sequences: int = 0
+    #: the rows an ``oldest`` batch gathers at most, and how long it waits for them
+    batch_size: int = 1
+    queue_delay: float = 0.0
+    idle_seconds: float = DEFAULT_IDLE_SECONDS
+
+    @property
+    def corrid(self) -> Control | None:
+        return next((c for c in self.controls if c.kind == "CORRID"), None)
+
+
+def _enum_name(message: Any, field: str) -> str:
+    number = getattr(message, field)
+    return message.DESCRIPTOR.fields_by_name[field].enum_type.values_by_number[number].name
+
+
+def read_sequence_batching(
+    message: Any, max_batch_size: int, folder: Path, where: str
+) -> tuple[SequenceSettings, list[str]]:
+    """config.pbtxt's ``sequence_batching`` (``message``); returns the settings and what in it
+    is not acted on. ``folder``: the model's folder (``initial_state`` data files are read
+    from its ``initial_state/``)."""
+    where = f"{where}: sequence_batching"
+    ignored = []
+    controls = []
+    for entry in message.control_input:
+        if not entry.name:
+            raise InvalidArgument(f"{where}: a control_input must have a name")
+        for control in entry.control:
+            kind = _KINDS.get(_enum_name(control, "kind"))
+            if kind is None:
+                ignored.append(f"sequence_batching control {_enum_name(control, 'kind')}")
+                continue
+            controls.append(_control(kind, entry.name, control, f"{where}: {entry.name!r}"))
+    kinds = [c.kind for c in controls]
+    twice = sorted({k for k in kinds if kinds.count(k) > 1})
+    if twice:
+        raise InvalidArgument(f"{where}: specifies multiple {', '.join(twice)} controls")
+    states = tuple(_state(s, max_batch_size, folder, where) for s in message.state)
+    names = [s.input for s in states] + [c.name for c in controls]
+    if len(set(names)) != len(names):
+        raise InvalidArgument(f"{where}: a state or control input name is used twice")
+    choice = message.WhichOneof("strategy_choice") or "direct"
+    settings = SequenceSettings(
+        controls=tuple(controls),
+        states=states,
+        strategy=choice,
+        idle_seconds=(message.max_sequence_idle_microseconds / 1e6) or DEFAULT_IDLE_SECONDS,
+    )
+    if choice == "oldest":
+        oldest = message.oldest
+        preferred = list(oldest.preferred_batch_size)
+        if preferred and max(preferred) > max(max_batch_size, 1):
+            raise InvalidArgument(
+                f"{where}: oldest.preferred_batch_size {max(preferred)} is over max_batch_size "
+                f"{max_batch_size}"
+            )
+        settings = dataclasses.replace(
+            settings,
+            max_sequences=oldest.max_candidate_sequences,
+            batch_size=max(preferred or [max(max_batch_size, 1)]),
+            queue_delay=oldest.max_queue_delay_microseconds / 1e6,
+        )
+        if oldest.preserve_ordering:
+            ignored.append("sequence_batching.oldest.preserve_ordering")
+    elif message.HasField("direct"):
+        ignored += [f"sequence_batching.direct.{f.name}" for f, _ in message.direct.ListFields()]
+    if message.iterative_sequence:
+        ignored.append("sequence_batching.iterative_sequence")
+    return settings, ignored
+
+
+def _control(kind: str, name: str, control: Any, where: str) -> Control:
+    if kind == "CORRID":
+        datatype = _enum_name(control, "data_type")
+        if datatype not in _CORRID_TYPES:
+            raise InvalidArgument(
+                f"{where}: the CORRID control's data_type must be one of "
+                f"{', '.join(_CORRID_TYPES)}, not {datatype}"
+            )
+        return Control(kind, name, _TYPES[datatype])
+    given = [
+        (field, dtype)
+        for field, dtype in (
+            ("int32_false_true", np.int32),
+            ("fp32_false_true", np.float32),
+            ("bool_false_true", np.bool_),
+        )
+        if len(getattr(control, field))
+    ]
+    if len(given) != 1:
+        raise InvalidArgument(
+            f"{where}: the {kind} control must give exactly one of int32_false_true, "
+            "fp32_false_true or bool_false_true"
+        )
+    field, dtype = given[0]
+    values = tuple(getattr(control, field))
+    if len(values) != 2:
+        raise InvalidArgument(f"{where}: {field} must have exactly 2 entries (false, true)")
+    return Control(kind, name, np.dtype(dtype), values)
+
+
+def _state(message: Any, max_batch_size: int, folder: Path, where: str) -> State:
+    if not message.input_name or not message.output_name:
+        raise InvalidArgument(f"{where}: a state needs input_name and output_name")
+    where = f"{where}: state {message.input_name!r}"
+    datatype = _enum_name(message, "data_type")
+    if datatype not in _TYPES or datatype == "TYPE_STRING":
+        raise InvalidArgument(f"{where}: data_type {datatype} is not served for a state")
+    dtype = _TYPES[datatype]
+    dims = list(message.dims)
+    if len(message.initial_state) > 1:
+        raise InvalidArgument(
+            f"initial_state field for state input '{message.input_name}' must contain exactly "
+            f"one or zero element. Found '{len(message.initial_state)}' elements."
+        )
+    if not message.initial_state:  # Triton: zeros, a variable dimension taken as 1
+        return State(
+            message.input_name,
+            message.output_name,
+            dtype,
+            np.zeros([max(d, 1) for d in dims], dtype),
+        )
+    initial = message.initial_state[0]
+    if _enum_name(initial, "data_type") != datatype:
+        raise InvalidArgument(
+            f"The data type used for 'initial_state' field of state '{message.input_name}' does "
+            "not match the state data type."
+        )
+    shape = list(initial.dims)
+    if len(shape) != len(dims) or any(s < 0 or (d >= 0 and s != d) for s, d in zip(shape, dims)):
+        raise InvalidArgument(f"{where}: initial_state dims {shape} do not fit dims {dims}")
+    count = int(np.prod(shape, dtype=np.int64))
+    if initial.WhichOneof("state_data") == "data_file":
+        path = folder / "initial_state" / initial.data_file
+        if path.resolve().parent != (folder / "initial_state").resolve():
+            raise InvalidArgument(f"{where}: data_file must name a file in initial_state/")
+        try:
+            data = path.read_bytes()[: count * dtype.itemsize + 1]
+        except OSError as exc:
+            raise InvalidArgument(f"{where}: cannot read {path.name!r}: {exc.strerror}") from None
+        if len(data) < count * dtype.itemsize:
+            raise InvalidArgument(
+                f"initial_state setting expects {count * dtype.itemsize} bytes, but the data "
+                f"provided from {initial.data_file} only has {len(data)} bytes."
+            )
+        array = np.frombuffer(data[: count * dtype.itemsize], dtype.newbyteorder("<"))
+        return State(
+            message.input_name, message.output_name, dtype, array.astype(dtype).reshape(shape)
+        )
+    return State(message.input_name, message.output_name, dtype, np.zeros(shape, dtype))
+
+
+# --------------------------------------------------------------------------- requests
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One request's place in its sequence (KServe's sequence_id / _start / _end)."""
+
+    id: int | str
+    start: bool
+    end: bool
+
+
+def sequence_step(parameters: Mapping[str, Any] | None) -> Step | None:
+    """The request parameters' sequence, or None when they name none (an id of 0 or "",
+    Triton's "no sequence")."""
+    if not parameters:
+        return None
+    ident = parameters.get("sequence_id", 0)
+    flags = {}
+    for key in ("sequence_start", "sequence_end"):
+        value = parameters.get(key, False)
+        if not isinstance(value, bool):
+            raise InvalidInput(f"request parameter {key!r} must be a boolean, not {value!r}")
+        flags[key] = value
+    if isinstance(ident, bool) or not isinstance(ident, int | str):
+        raise InvalidInput(
+            f"request parameter 'sequence_id' must be an unsigned integer or a string, "
+            f"not {ident!r}"
+        )
+    if isinstance(ident, int) and not 0 <= ident < 1 << 64:
+        raise InvalidInput(f"request parameter 'sequence_id' {ident} is not a uint64")
+    if isinstance(ident, str) and len(ident) > 256:
+        raise InvalidInput("request parameter 'sequence_id' is over 256 characters")
+    if ident in (0, ""):
+        if flags["sequence_start"] or flags["sequence_end"]:
+            return Step(ident, flags["sequence_start"], flags["sequence_end"])
+        return None
+    return Step(ident, flags["sequence_start"], flags["sequence_end"])
+
+
+class _Item:
+    """One admitted request of a sequence, waiting for its turn or running."""
+
+    __slots__ = ("after", "deadline", "future", "holds", "inputs", "step", "token", "wanted")
+
+    def __init__(self, step, inputs, wanted, deadline, token, holds, after) -> None:
+        self.step, self.inputs, self.wanted = step, inputs, wanted
+        self.deadline, self.token, self.holds, self.after = deadline, token, holds, after
+        self.future: Future = Future()
+
+
+class _Sequence:
+    __slots__ = ("busy", "charge", "ended", "id", "last", "nbytes", "pending", "states")
+
+    def __init__(self, ident: int | str, charge: Charge) -> None:
+        self.id = ident
+        self.states: dict[str, np.ndarray] | None = None  # None: the initial ones
+        self.pending: collections.deque[_Item] = collections.deque()
+        self.busy = False
+        self.last = time.monotonic()
+        self.ended = False
+        self.charge = charge
+        self.nbytes = 0  # of its states, whether or not the budget counts them
+
+
+#: ``submit(entry, feed, outputs, deadline, token, holds) -> Future``: the data plane's plain
+#: admission of one run (its queue, deadline, budget and statistics).
+Submit = Callable[..., Any]
+
+
+class Sequences:
+    """What every model's batcher shares: --max-sequences, the state budget, one reaper."""
+
+    def __init__(self, max_sequences: int, budget: MemoryBudget) -> None:
+        self.max_sequences = max_sequences
+        self.budget = budget
+        self.active = 0
+        self._lock = threading.Lock()
+        self._batchers: list[SequenceBatcher] = []
+        self._stop = threading.Event()
+        self._reaper: threading.Thread | None = None
+
+    def add(self, batcher: SequenceBatcher) -> None:
+        with self._lock:
+            self._batchers.append(batcher)
+            if self._reaper is None:
+                self._reaper = threading.Thread(
+                    target=self._reap, name="sequence-reaper", daemon=True
+                )
+                self._reaper.start()
+
+    def remove(self, batcher: SequenceBatcher) -> None:
+        with self._lock:
+            if batcher in self._batchers:
+                self._batchers.remove(batcher)
+
+    def take(self, model: str) -> None:
+        with self._lock:
+            if self.max_sequences and self.active >= self.max_sequences:
+                raise ResourceExhausted(
+                    f"model '{model}': {self.active} sequences are active on this server "
+                    f"(--max-sequences {self.max_sequences}); end one (sequence_end) or retry "
+                    "once an idle one has timed out"
+                )
+            self.active += 1
+
+    def give_back(self) -> None:
+        with self._lock:
+            self.active -= 1
+
+    def _reap(self) -> None:
+        while not self._stop.wait(0.05):
+            with self._lock:
+                batchers = list(self._batchers)
+            now = time.monotonic()
+            for batcher in batchers:
+                batcher.reap(now)
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+class SequenceBatcher:
+    """One model version's sequences (see the module's docstring). ``submit`` is the data
+    plane's admission of one plain run; ``name`` the model's."""
+
+    def __init__(
+        self,
+        name: str,
+        settings: SequenceSettings,
+        max_batch_size: int,
+        inputs: list[str],
+        outputs: list[str],
+        submit: Submit,
+        shared: Sequences,
+        joined: Callable[[int], None] = lambda requests: None,
+    ) -> None:
+        self.name = name
+        self.settings = settings
+        self.max_batch_size = max_batch_size
+        self._submit = submit
+        self._shared = shared
+        self._joined = joined
+        missing = [
+            n
+            for n in [c.name for c in settings.controls] + [s.input for s in settings.states]
+            if n not in inputs
+        ] + [s.output for s in settings.states if s.output not in outputs]
+        if missing:
+            raise InvalidArgument(
+                f"model '{name}': sequence_batching names {listing(missing)}, which the model "
+                f"does not have (its inputs {listing(inputs)}, outputs {listing(outputs)})"
+            )
+        #: what a client sends and may ask for: the rest is the batcher's
+        self.hidden_inputs = frozenset(
+            [c.name for c in settings.controls] + [s.input for s in settings.states]
+        )
+        self.hidden_outputs = frozenset(s.output for s in settings.states)
+        self._state_outputs = [s.output for s in settings.states]
+        self._lock = threading.Lock()
+        self._sequences: dict[int | str, _Sequence] = {}
+        self.state_bytes = 0
+        self._ready: collections.deque[_Sequence] = collections.deque()
+        self._wake = threading.Condition(self._lock)
+        self._closed = False
+        self._batching = settings.strategy == "oldest" and max_batch_size > 0
+        if self._batching:
+            threading.Thread(target=self._gather, name=f"{name}-oldest", daemon=True).start()
+        shared.add(self)
+
+    @property
+    def active(self) -> int:
+        return len(self._sequences)
+
+    # --- admission
+
+    def submit(
+        self,
+        step: Step | None,
+        inputs: Mapping[str, Any],
+        wanted: list[str],
+        deadline: float | None,
+        token: Any,
+        holds: int,
+        after: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None,
+    ) -> Future:
+        """Admit one request of a sequence; its future holds the outputs ``wanted``."""
+        if step is None or step.id in (0, ""):
+            raise InvalidInput(
+                f"inference request to model '{self.name}' must specify a non-zero or non-empty "
+                "correlation ID"
+            )
+        self._check(step, inputs)
+        item = _Item(step, inputs, wanted, deadline, token, holds, after)
+        with self._lock:
+            if self._closed:
+                raise ResourceExhausted(
+                    f"model '{self.name}' is unloading; start the sequence again"
+                )
+            sequence = self._sequences.get(step.id)
+            if step.start:
+                if sequence is not None:
+                    log.warning(
+                        "sequence %s for model '%s' has a conflict. The previous sequence did "
+                        "not end before this sequence start. Previous sequence will be "
+                        "terminated early.",
+                        step.id,
+                        self.name,
+                    )
+                    self._end(sequence)
+                sequence = self._open(step.id)
+            elif sequence is None:
+                raise InvalidInput(
+                    f"inference request for sequence {step.id} to model '{self.name}' must "
+                    "specify the START flag on the first request of the sequence"
+                )
+            sequence.last = time.monotonic()
+            sequence.pending.append(item)
+            if step.end:
+                self._end(sequence)
+            rows = None if sequence.busy else self._make_ready(sequence)
+        if rows:
+            self._run(rows)
+        return item.future
+
+    def _check(self, step: Step, inputs: Mapping[str, Any]) -> None:
+        corrid = self.settings.corrid
+        if corrid is not None:
+            string = corrid.dtype == np.dtype(object)
+            if isinstance(step.id, str) != string:
+                given = "BYTES" if isinstance(step.id, str) else "UINT64"
+                wants = "BYTES" if string else str(corrid.dtype).upper()
+                raise InvalidInput(
+                    f"sequence batching control '{corrid.name}' data-type is '{given}', but "
+                    f"model '{self.name}' expects '{wants}'"
+                )
+        sent = sorted(self.hidden_inputs.intersection(inputs))
+        if sent:
+            raise InvalidInput(
+                f"model '{self.name}': {listing(sent)} are the sequence batcher's (control or "
+                "state inputs); send only the model's other inputs"
+            )
+        if self.max_batch_size > 0:
+            for name, value in inputs.items():
+                shape = np.shape(value)
+                if not shape or shape[0] != 1:
+                    raise InvalidInput(
+                        f"inference request to model '{self.name}' must specify batch-size 1 "
+                        f"due to requirements of sequence batcher (input {name!r} has shape "
+                        f"{list(shape)})"
+                    )
+
+    def _open(self, ident: int | str) -> _Sequence:
+        """A new sequence, within the model's and the server's bounds (lock held)."""
+        cap = self.settings.max_sequences
+        if cap and len(self._sequences) >= cap:
+            raise ResourceExhausted(
+                f"model '{self.name}': its {cap} sequence slots are taken "
+                "(sequence_batching max_candidate_sequences); end a sequence or retry once an "
+                "idle one has timed out"
+            )
+        self._shared.take(self.name)
+        sequence = _Sequence(ident, self._shared.budget.holder())
+        self._sequences[ident] = sequence
+        return sequence
+
+    def _end(self, sequence: _Sequence) -> None:
+        """No request may join ``sequence`` any more; its state goes once its own are done
+        (lock held)."""
+        if self._sequences.get(sequence.id) is sequence:
+            del self._sequences[sequence.id]
+            self._shared.give_back()
+        sequence.ended = True
+        if not sequence.busy and not sequence.pending:
+            self._free(sequence)
+
+    def _free(self, sequence: _Sequence) -> None:
+        self.state_bytes -= sequence.nbytes
+        sequence.nbytes = 0
+        sequence.charge.release()
+        sequence.states = None
+
+    # --- running
+
+    def _make_ready(self, sequence: _Sequence) -> list[tuple[_Sequence, _Item]] | None:
+        """(lock held) ``sequence``'s next request may run now: queued for the ``oldest``
+        gatherer, or returned for the caller to run once it has let go of the lock (a run may
+        finish, and call back here, before it returns)."""
+        if not sequence.pending:
+            return None
+        sequence.busy = True
+        if self._batching:
+            self._ready.append(sequence)
+            self._wake.notify()
+            return None
+        return [(sequence, sequence.pending.popleft())]
+
+    def _gather(self) -> None:
+        """``oldest``: the ready sequences' next requests, the longest waiting first, in
+        batches of up to ``batch_size`` rows, waiting at most ``queue_delay`` for a full one."""
+        size, delay = self.settings.batch_size, self.settings.queue_delay
+        while True:
+            with self._lock:
+                while not self._ready and not self._closed:
+                    self._wake.wait()
+                if self._closed and not self._ready:
+                    return
+                end = time.monotonic() + delay
+                while len(self._ready) < size and not self._closed:
+                    left = end - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._wake.wait(left)
+                batch = []
+                while self._ready and len(batch) < size:
+                    sequence = self._ready.popleft()
+                    batch.append((sequence, sequence.pending.popleft()))
+            self._run_batches(batch)
+
+    def _run_batches(self, batch: list[tuple[_Sequence, _Item]]) -> None:
+        """Rows whose tensors differ in shape (a growing state) cannot share a run: each group
+        of equal shapes runs as one."""
+        groups: dict[tuple, list[tuple[_Sequence, _Item]]] = {}
+        for sequence, item in batch:
+            groups.setdefault(self._signature(sequence, item), []).append((sequence, item))
+        for rows in groups.values():
+            self._run(rows)
+
+    def _signature(self, sequence: _Sequence, item: _Item) -> tuple:
+        states = sequence.states or {}
+        return tuple((k, np.shape(v)[1:]) for k, v in sorted(item.inputs.items())) + tuple(
+            (s.input, np.shape(states.get(s.input, s.initial))) for s in self.settings.states
+        )
+
+    def _feed(self, sequence: _Sequence, item: _Item) -> dict[str, Any]:
+        """One request's inputs with its controls and its sequence's states (batch dim 1)."""
+        batched = self.max_batch_size > 0
+        feed = dict(item.inputs)
+        for control in self.settings.controls:
+            if control.kind == "CORRID":
+                value: Any = item.step.id
+            else:
+                on = {"START": item.step.start, "END": item.step.end, "READY": True}[control.kind]
+                value = control.values[on]
+            array = np.array([value], dtype=control.dtype)
+            feed[control.name] = array[None] if batched else array
+        states = sequence.states
+        for state in self.settings.states:
+            value = states[state.input] if states is not None else state.initial
+            feed[state.input] = value[None] if batched else value
+        return feed
+
+    def _run(self, rows: list[tuple[_Sequence, _Item]]) -> None:
+        feeds = [self._feed(s, i) for s, i in rows]
+        if len(rows) == 1:
+            feed = feeds[0]
+        else:
+            feed = {k: np.concatenate([f[k] for f in feeds]) for k in feeds[0]}
+        first = rows[0][1]
+        wanted = list(dict.fromkeys([w for _, i in rows for w in i.wanted] + self._state_outputs))
+        deadlines = [i.deadline for _, i in rows if i.deadline is not None]
+        try:
+            future = self._submit(
+                feed,
+                wanted,
+                min(deadlines) if deadlines else None,
+                token=first.token if len(rows) == 1 else None,
+                holds=sum(i.holds for _, i in rows),
+            )
+        except BaseException as exc:
+            for sequence, item in rows:
+                self._done(sequence, item, None, exc)
+            return
+        future.add_done_callback(lambda f: self._finish(rows, f))
+
+    def _finish(self, rows: list[tuple[_Sequence, _Item]], future: Any) -> None:
+        exc = future.exception()
+        outputs = None if exc is not None else future.result()
+        if exc is None and len(rows) > 1:
+            self._joined(len(rows) - 1)
+        for index, (sequence, item) in enumerate(rows):
+            if exc is not None:
+                self._done(sequence, item, None, exc)
+                continue
+            if len(rows) > 1:
+                row = {k: v[index : index + 1] for k, v in outputs.items()}
+            else:
+                row = outputs
+            self._done(sequence, item, row, None)
+
+    def _done(
+        self,
+        sequence: _Sequence,
+        item: _Item,
+        outputs: dict[str, np.ndarray] | None,
+        exc: BaseException | None,
+    ) -> None:
+        """One request answered: its sequence's states move on (a failed request leaves them
+        as they were), and its next request may run."""
+        answer = None
+        if outputs is not None:
+            try:
+                states = self._states(outputs)
+                self._hold(sequence, states)
+                answer = {k: outputs[k] for k in item.wanted}
+                if item.after is not None:
+                    answer = item.after(answer)
+            except BaseException as error:
+                exc = error
+        rows = None
+        with self._lock:
+            if answer is not None:
+                sequence.states = states
+            sequence.busy = False
+            sequence.last = time.monotonic()
+            if sequence.pending:
+                rows = self._make_ready(sequence)
+            elif sequence.ended:
+                self._free(sequence)
+        if exc is not None:
+            item.future.set_exception(exc)
+        else:
+            item.future.set_result(answer)
+        if rows:
+            self._run(rows)
+
+    def _states(self, outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        states = {}
+        for state in self.settings.states:
+            value = np.asarray(outputs[state.output])
+            if self.max_batch_size > 0:
+                value = value[0]
+            states[state.input] = np.array(value, dtype=state.dtype, copy=True)
+        return states
+
+    def _hold(self, sequence: _Sequence, states: dict[str, np.ndarray]) -> None:
+        """Charge the budget for the sequence's new states; the old ones' charge goes once the
+        new is taken (both exist until then)."""
+        nbytes = sum(v.nbytes for v in states.values())
+        if nbytes != sequence.nbytes:
+            charge = self._shared.budget.charge(
+                nbytes, f"sequence {sequence.id} of model '{self.name}' (its state)"
+            )
+            sequence.charge.release()
+            sequence.charge = charge
+        with self._lock:
+            self.state_bytes += nbytes - sequence.nbytes
+            sequence.nbytes = nbytes
+
+    # --- ends
+
+    def reap(self, now: float) -> None:
+        """End the sequences idle for longer than max_sequence_idle_microseconds."""
+        idle = self.settings.idle_seconds
+        with self._lock:
+            late = [
+                s for s in self._sequences.values()
+                if not s.busy and not s.pending and now - s.last > idle
+            ]  # fmt: skip
+            for sequence in late:
+                log.info(
+                    "model '%s': sequence %s idle for over %g s: ended, its state freed",
+                    self.name,
+                    sequence.id,
+                    idle,
+                )
+                self._end(sequence)
+
+    def close(self) -> int:
+        """Unload: every sequence ends (a reload does not carry them: their clients start
+        again); returns how many were active."""
+        with self._lock:
+            self._closed = True
+            self._wake.notify_all()
+            ended = list(self._sequences.values())
+            for sequence in ended:
+                self._end(sequence)
+        self._shared.remove(self)
+        return len(ended)
