@@ -384,6 +384,66 @@ for _kind in ("gru", "lstm"):
     )
 
 
+def _rnn_with_state(kind: str):
+    """A streaming recurrent model as it is served with its state carried between requests:
+    the hidden state (and an LSTM's cell state) in and out, batch first (``[batch, layers,
+    hidden]``, as a server's implicit state has its batch dimension first)."""
+    import torch
+
+    class Streaming(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            cell = torch.nn.GRU if kind == "gru" else torch.nn.LSTM
+            self.rnn = cell(8, 16, num_layers=2, batch_first=True)
+            self.head = torch.nn.Linear(16, 4)
+
+        def forward(self, x, h, *c):
+            h = h.transpose(0, 1).contiguous()
+            if kind == "gru":
+                y, h = self.rnn(x, h)
+                return self.head(y), h.transpose(0, 1)
+            y, (h, c) = self.rnn(x, (h, c[0].transpose(0, 1).contiguous()))
+            return self.head(y), h.transpose(0, 1), c.transpose(0, 1)
+
+    if kind == "gru":
+        return Streaming()
+
+    class WithCell(Streaming):  # torch.export's dynamic shapes follow the signature
+        def forward(self, x, h, c):
+            return super().forward(x, h, c)
+
+    return WithCell()
+
+
+def _state_feeds(kind: str) -> Callable:
+    def feeds(rng: np.random.Generator) -> dict[str, np.ndarray]:
+        made = {
+            "x": rng.normal(size=(1, 5, 8)).astype(np.float32),  # a chunk of 5 frames
+            "h": (rng.normal(size=(1, 2, 16)) * 0.5).astype(np.float32),
+        }
+        if kind == "lstm":
+            made["c"] = (rng.normal(size=(1, 2, 16)) * 0.5).astype(np.float32)
+        return made
+
+    return feeds
+
+
+for _kind in ("gru", "lstm"):
+    _states = ["h", "c"] if _kind == "lstm" else ["h"]
+    _both(
+        f"{_kind}_state",
+        lambda kind=_kind: _rnn_with_state(kind),
+        lambda states=_states: tuple(
+            __import__("torch").randn(*shape) for shape in [(2, 5, 8)] + [(2, 2, 16)] * len(states)
+        ),
+        ["x", *_states],
+        ["y", *[f"{s}_out" for s in _states]],
+        {"x": {0: "batch", 1: "steps"}, **{s: {0: "batch"} for s in _states}},
+        _state_feeds(_kind),
+    )
+
+
 def _scripted_loop():
     """A data-dependent loop: TorchScript turns it into ONNX Loop."""
     import torch
