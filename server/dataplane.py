@@ -424,16 +424,20 @@ class DataPlane:
         return targets
 
     @staticmethod
-    def _close(entry: LoadedNetwork) -> None:
-        if entry.sequences is not None:
-            ended = entry.sequences.close()
-            if ended:
-                log.info(
-                    "network %s version %d: %d active sequence(s) ended with it",
-                    entry.name,
-                    entry.version,
-                    ended,
-                )
+    def _end_sequences(entry: LoadedNetwork) -> None:
+        """Its sequences end with it (unload, reload, shutdown): their clients start again."""
+        ended = entry.sequences.close() if entry.sequences is not None else 0
+        if ended:
+            log.info(
+                "network %s version %d: %d active sequence(s) ended with it",
+                entry.name,
+                entry.version,
+                ended,
+            )
+
+    @classmethod
+    def _close(cls, entry: LoadedNetwork) -> None:
+        cls._end_sequences(entry)
         try:
             entry.network.close()
         except Exception as exc:  # a failed device must not keep a network loaded
@@ -1067,4 +1071,5 @@ class DataPlane:
         self.deadlines.close()
         self.sequences.close()
         for entry in self.networks():
+            self._end_sequences(entry)
             entry.executor.shutdown(wait=False)

@@ -428,6 +428,9 @@ class SequenceBatcher:
         )
         self.hidden_outputs = frozenset(s.output for s in settings.states)
         self._state_outputs = [s.output for s in settings.states]
+        #: a new sequence's state, charged before it starts (a growing one is charged again
+        #: as it grows, once the run that grew it is done)
+        self._initial_bytes = sum(s.initial.nbytes for s in settings.states)
         self._lock = threading.Lock()
         self._sequences: dict[int | str, _Sequence] = {}
         self.state_bytes = 0
@@ -530,8 +533,18 @@ class SequenceBatcher:
                 "(sequence_batching max_candidate_sequences); end a sequence or retry once an "
                 "idle one has timed out"
             )
-        self._shared.take(self.name)
-        sequence = _Sequence(ident, self._shared.budget.holder())
+        nbytes = self._initial_bytes
+        charge = self._shared.budget.charge(
+            nbytes, f"a new sequence of model '{self.name}' (its initial state)"
+        )
+        try:
+            self._shared.take(self.name)
+        except ResourceExhausted:
+            charge.release()
+            raise
+        sequence = _Sequence(ident, charge)
+        sequence.nbytes = nbytes
+        self.state_bytes += nbytes
         self._sequences[ident] = sequence
         return sequence
 
@@ -666,25 +679,37 @@ class SequenceBatcher:
         outputs: dict[str, np.ndarray] | None,
         exc: BaseException | None,
     ) -> None:
-        """One request answered: its sequence's states move on (a failed request leaves them
-        as they were), and its next request may run."""
-        answer = None
+        """One request answered: its sequence's states move on (a failed run leaves them as
+        they were), and its next request may run. A state that no longer fits the memory
+        budget ends the sequence, failing its queued requests too."""
+        answer = states = None
+        lost = False
         if outputs is not None:
             try:
                 states = self._states(outputs)
                 self._hold(sequence, states)
+            except ResourceExhausted as error:
+                exc, states, lost = error, None, True
+            except BaseException as error:
+                exc, states = error, None
+        if states is not None:
+            try:
                 answer = {k: outputs[k] for k in item.wanted}
                 if item.after is not None:
                     answer = item.after(answer)
             except BaseException as error:
-                exc = error
-        rows = None
+                exc, answer = error, None
+        rows, failed = None, []
         with self._lock:
-            if answer is not None:
+            if states is not None:
                 sequence.states = states
             sequence.busy = False
             sequence.last = time.monotonic()
-            if sequence.pending:
+            if lost:
+                failed = list(sequence.pending)
+                sequence.pending.clear()
+                self._end(sequence)
+            elif sequence.pending:
                 rows = self._make_ready(sequence)
             elif sequence.ended:
                 self._free(sequence)
@@ -692,6 +717,10 @@ class SequenceBatcher:
             item.future.set_exception(exc)
         else:
             item.future.set_result(answer)
+        for queued in failed:
+            queued.future.set_exception(
+                ResourceExhausted(f"sequence {sequence.id} of model '{self.name}' ended: {exc}")
+            )
         if rows:
             self._run(rows)
 

@@ -20,7 +20,14 @@ import uuid
 import numpy as np
 import pytest
 from models import add_constant
-from sequence_models import accumulator, accumulator_config, triton_examples, write_model
+from sequence_models import (
+    accumulator,
+    accumulator_config,
+    big_state,
+    big_state_config,
+    triton_examples,
+    write_model,
+)
 from serving import RunningServer
 
 grpcclient = pytest.importorskip("tritonclient.grpc", reason="pip install 'tritonclient[grpc]'")
@@ -437,3 +444,90 @@ def test_sequence_limits(server):
         _acc_step(client, "acc_direct", 20_000, np.ones(4), start=True, end=True)
     finally:
         client.close()
+
+
+# --------------------------------------------------------------------------- faults
+
+
+@pytest.fixture
+def own_server(tmp_path):
+    """A server of the test's own (its sequences end with it)."""
+    root = tmp_path / "repo"
+    write_model(root, "acc", accumulator(), accumulator_config("acc"))
+    write_model(root, "big", big_state(BIG), big_state_config("big", BIG))
+    with RunningServer(
+        "--model-repository",
+        str(root),
+        "--model-control-mode",
+        "explicit",
+        "--load-model",
+        "*",
+        "--max-inflight-bytes",
+        str(BUDGET),
+    ) as running:
+        yield running
+
+
+#: a big model's state: 64 Ki float32 a sequence (256 KiB); the budget holds three
+BIG = 65536
+BUDGET = 900_000
+
+
+def _big_step(client, sequence_id, start=False, end=False):
+    tensor = grpcclient.InferInput("INPUT", [1, 1], "FP32")
+    tensor.set_data_from_numpy(np.ones((1, 1), np.float32))
+    result = client.infer(
+        "big", [tensor], sequence_id=sequence_id, sequence_start=start, sequence_end=end
+    )
+    return float(result.as_numpy("OUTPUT")[0, 0])
+
+
+def test_state_memory_is_charged_before_it_is_held(own_server):
+    client = grpcclient.InferenceServerClient(own_server.target)
+    try:
+        for k in range(3):
+            assert _big_step(client, 1 + k, start=True) == BIG
+        with pytest.raises(InferenceServerException, match="initial state") as e:
+            _big_step(client, 4, start=True)
+        assert "--max-inflight-bytes" in str(e.value)
+        assert _metric(own_server, "plugserve_sequence_state_bytes", "big") == 3 * BIG * 4
+        assert _big_step(client, 1) == 2 * BIG  # the others keep going
+        _big_step(client, 1, end=True)
+        assert _big_step(client, 4, start=True) == BIG  # its end made room
+    finally:
+        client.close()
+
+
+def test_reload_and_unload_end_sequences(own_server):
+    """A reload does not carry sequences (as Triton's): the next request of one is refused,
+    naming START; after an unload the model is unknown."""
+    client = grpcclient.InferenceServerClient(own_server.target)
+    try:
+        _acc_step(client, "acc", 61, np.ones(4), start=True)
+        client.load_model("acc")
+        with pytest.raises(InferenceServerException, match="must specify the START flag"):
+            _acc_step(client, "acc", 61, np.ones(4))
+        np.testing.assert_array_equal(
+            _acc_step(client, "acc", 61, np.ones(4), start=True)[0], np.ones(4)
+        )
+        client.unload_model("acc")
+        with pytest.raises(InferenceServerException, match="unknown model"):
+            _acc_step(client, "acc", 61, np.ones(4))
+    finally:
+        client.close()
+    assert "1 active sequence(s) ended with it" in own_server.log
+
+
+def test_sigterm_ends_active_sequences(own_server):
+    client = grpcclient.InferenceServerClient(own_server.target)
+    try:
+        _acc_step(client, "acc", 71, np.ones(4), start=True)
+        _acc_step(client, "acc", 72, np.ones(4), start=True)
+    finally:
+        client.close()
+    own_server.signal()
+    assert own_server.process.wait(30) == 0
+    deadline = time.monotonic() + 10
+    while "2 active sequence(s) ended" not in own_server.log and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "network acc version 1: 2 active sequence(s) ended with it" in own_server.log

@@ -125,6 +125,48 @@ output [ {{ name: "OUTPUT" data_type: TYPE_FP32 dims: {dims} }} ]
 """
 
 
+def big_state(size: int) -> onnx.ModelProto:
+    """A state of ``size`` float32 a row (STATE_OUT = STATE_IN + INPUT) and a small answer
+    (OUTPUT = its sum): what a sequence holds is its state, not its messages."""
+    nodes = [
+        helper.make_node("Add", ["STATE_IN", "INPUT"], ["STATE_OUT"]),
+        helper.make_node("ReduceSum", ["STATE_OUT", "axes"], ["OUTPUT"], keepdims=1),
+    ]
+    axes = helper.make_tensor("axes", TensorProto.INT64, [1], [1])
+    graph = helper.make_graph(
+        nodes,
+        "big_state",
+        [
+            helper.make_tensor_value_info("INPUT", TensorProto.FLOAT, ["batch", 1]),
+            helper.make_tensor_value_info("STATE_IN", TensorProto.FLOAT, ["batch", size]),
+        ],
+        [
+            helper.make_tensor_value_info("OUTPUT", TensorProto.FLOAT, ["batch", 1]),
+            helper.make_tensor_value_info("STATE_OUT", TensorProto.FLOAT, ["batch", size]),
+        ],
+        [axes],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    return model
+
+
+def big_state_config(name: str, size: int) -> str:
+    return f"""
+name: "{name}"
+platform: "onnxruntime_onnx"
+max_batch_size: 4
+sequence_batching {{
+  state [ {{
+    input_name: "STATE_IN" output_name: "STATE_OUT" data_type: TYPE_FP32 dims: [ {size} ]
+  }} ]
+}}
+input [ {{ name: "INPUT" data_type: TYPE_FP32 dims: [ 1 ] }} ]
+output [ {{ name: "OUTPUT" data_type: TYPE_FP32 dims: [ 1 ] }} ]
+"""
+
+
 def write_model(root: Path, name: str, model: onnx.ModelProto, config: str) -> Path:
     """A Triton repository entry: ``root/name/config.pbtxt`` and ``root/name/1/model.onnx``."""
     folder = root / name
