@@ -6,6 +6,7 @@ INVALID_ARGUMENT, ...): the message is written to be read by a person.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import uuid
@@ -19,7 +20,7 @@ from plugserve.proto import plugserve_pb2 as pb
 from plugserve.proto import plugserve_pb2_grpc as pb_grpc
 from plugserve.proto.tensors import from_tensor, to_tensor
 
-__all__ = ["DEFAULT_TARGET", "AsyncClient", "Client", "channel_credentials"]
+__all__ = ["DEFAULT_TARGET", "AsyncClient", "Client", "Sequence", "channel_credentials"]
 
 DEFAULT_TARGET = os.environ.get("PLUGSERVE_TARGET", "127.0.0.1:8001")
 _OPTIONS = [
@@ -149,14 +150,31 @@ def infer_request(
     outputs: Iterable[str] = (),
     version: int = 0,
     request_id: str = "",
+    sequence: Sequence | None = None,
 ) -> pb.InferRequest:
     request = pb.InferRequest(
         network=network, version=version, id=request_id, outputs=list(outputs)
     )
+    if sequence is not None:
+        request.sequence.CopyFrom(sequence.message())
     for name, value in inputs.items():
         array = value if isinstance(value, np.ndarray) else np.asarray(value)
         to_tensor(request.inputs.add(), name, array)
     return request
+
+
+@dataclasses.dataclass(frozen=True)
+class Sequence:
+    """A request's place in a sequence (a network with Triton's sequence batching): the
+    sequence's id, a non-zero number or a name, and whether it is its first or last request."""
+
+    id: int | str
+    start: bool = False
+    end: bool = False
+
+    def message(self) -> pb.Sequence:
+        key = "name" if isinstance(self.id, str) else "number"
+        return pb.Sequence(start=self.start, end=self.end, **{key: self.id})
 
 
 def outputs_of(response: pb.InferResponse) -> dict[str, np.ndarray]:
@@ -319,9 +337,12 @@ class Client(_Connection):
         outputs: Iterable[str] = (),
         version: int = 0,
         timeout: float | None = None,
+        sequence: Sequence | None = None,
     ) -> dict[str, np.ndarray]:
+        """``sequence``: the request's place in a sequence (:class:`Sequence`)."""
         response = self.stub.Infer(
-            infer_request(network, inputs, outputs, version), timeout=timeout or self.timeout
+            infer_request(network, inputs, outputs, version, sequence=sequence),
+            timeout=timeout or self.timeout,
         )
         return outputs_of(response)
 
@@ -411,9 +432,11 @@ class AsyncClient(_Connection):
         outputs: Iterable[str] = (),
         version: int = 0,
         timeout: float | None = None,
+        sequence: Sequence | None = None,
     ) -> dict[str, np.ndarray]:
         response = await self.stub.Infer(
-            infer_request(network, inputs, outputs, version), timeout=timeout or self.timeout
+            infer_request(network, inputs, outputs, version, sequence=sequence),
+            timeout=timeout or self.timeout,
         )
         return outputs_of(response)
 

@@ -265,19 +265,33 @@ class ListNetworksResponse(_message.Message):
     networks: _containers.RepeatedCompositeFieldContainer[NetworkInfo]
     def __init__(self, networks: _Optional[_Iterable[_Union[NetworkInfo, _Mapping]]] = ...) -> None: ...
 
+class Sequence(_message.Message):
+    __slots__ = ("number", "name", "start", "end")
+    NUMBER_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    number: int
+    name: str
+    start: bool
+    end: bool
+    def __init__(self, number: _Optional[int] = ..., name: _Optional[str] = ..., start: bool = ..., end: bool = ...) -> None: ...
+
 class InferRequest(_message.Message):
-    __slots__ = ("network", "version", "id", "inputs", "outputs")
+    __slots__ = ("network", "version", "id", "inputs", "outputs", "sequence")
     NETWORK_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ID_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     network: str
     version: int
     id: str
     inputs: _containers.RepeatedCompositeFieldContainer[Tensor]
     outputs: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, network: _Optional[str] = ..., version: _Optional[int] = ..., id: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., outputs: _Optional[_Iterable[str]] = ...) -> None: ...
+    sequence: Sequence
+    def __init__(self, network: _Optional[str] = ..., version: _Optional[int] = ..., id: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., outputs: _Optional[_Iterable[str]] = ..., sequence: _Optional[_Union[Sequence, _Mapping]] = ...) -> None: ...
 
 class InferResponse(_message.Message):
     __slots__ = ("id", "network", "version", "outputs")

@@ -25,6 +25,7 @@ from plugserve.proto.tensors import (
 from plugserve.proto.tensors import from_tensor as _from_tensor
 from plugserve.server.dataplane import LoadedNetwork
 from plugserve.server.errors import status_of
+from plugserve.server.sequences import Step, sequence_step
 
 __all__ = [
     "infer_response",
@@ -32,6 +33,7 @@ __all__ = [
     "network_info",
     "request_inputs",
     "respond",
+    "sequence_of",
     "stream_error",
     "stream_response",
 ]
@@ -40,6 +42,22 @@ __all__ = [
 _RESPONSE_OUTPUTS = pb.InferResponse.DESCRIPTOR.fields_by_name["outputs"].number
 _TENSOR_DATA = pb.Tensor.DESCRIPTOR.fields_by_name["data"].number
 _STREAM_RESPONSE = pb.InferStreamResponse.DESCRIPTOR.fields_by_name["response"].number
+
+
+def sequence_of(request: pb.InferRequest) -> Step | None:
+    """The request's place in a sequence, checked as KServe's sequence parameters are."""
+    if not request.HasField("sequence"):
+        return None
+    sequence = request.sequence
+    return sequence_step(
+        {
+            "sequence_id": sequence.name
+            if sequence.WhichOneof("id") == "name"
+            else sequence.number,
+            "sequence_start": sequence.start,
+            "sequence_end": sequence.end,
+        }
+    )
 
 
 def network_info(message: pb.NetworkInfo, entry: LoadedNetwork) -> pb.NetworkInfo:

@@ -21,6 +21,7 @@ from plugserve.server.plugserve_convert import (
     network_info,
     request_inputs,
     respond,
+    sequence_of,
     stream_error,
     stream_response,
 )
@@ -154,6 +155,7 @@ class PlugserveServicer(pb_grpc.PlugserveServicer):
             token=token,
             holds=request.ByteSize() * GRPC_FACTOR,
             inline=inline,
+            step=sequence_of(request),
         )
         return entry, future
 

@@ -17,6 +17,7 @@ import time
 import urllib.request
 import uuid
 
+import grpc
 import numpy as np
 import pytest
 from models import add_constant
@@ -531,3 +532,23 @@ def test_sigterm_ends_active_sequences(own_server):
     while "2 active sequence(s) ended" not in own_server.log and time.monotonic() < deadline:
         time.sleep(0.05)
     assert "network acc version 1: 2 active sequence(s) ended with it" in own_server.log
+
+
+def test_plugserve_protocol_sequences(server):
+    """plugserve.v1 Infer with the client's Sequence: the same batcher, the same refusals."""
+    from plugserve.client import Client, Sequence
+
+    with Client(server.target, timeout=30) as client:
+        total = np.zeros((1, 4), np.float32)
+        for i in range(5):
+            x = np.full((1, 4), i, np.float32)
+            total += x
+            out = client.infer(
+                "acc_direct", {"INPUT": x}, sequence=Sequence("stream-a", i == 0, i == 4)
+            )
+            np.testing.assert_array_equal(out["OUTPUT"], total)
+        assert list(out) == ["OUTPUT"]  # the state output stays on the server
+        with pytest.raises(grpc.RpcError, match="must specify the START flag"):
+            client.infer("acc_direct", {"INPUT": x}, sequence=Sequence(5150))
+        with pytest.raises(grpc.RpcError, match="non-zero or non-empty correlation"):
+            client.infer("acc_direct", {"INPUT": x})
