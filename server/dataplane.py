@@ -393,7 +393,7 @@ class DataPlane:
                 entry.max_batch_size,
                 [spec.name for spec in entry.network.inputs],
                 entry.output_names,
-                functools.partial(self._admit, entry, inline=False),
+                functools.partial(self._admit, entry),
                 self.sequences,
                 entry.recorder.joined,
             )
@@ -568,7 +568,9 @@ class DataPlane:
                     "server keeps for the sequence; ask for the model's other outputs"
                 )
             wanted = self._outputs(entry, outputs)
-            return entry.sequences.submit(step, inputs, wanted, deadline, token, holds, after)
+            return entry.sequences.submit(
+                step, inputs, wanted, deadline, token, holds, after, inline
+            )
         except ResourceExhausted:
             entry.recorder.refused("overloaded")
             raise

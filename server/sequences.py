@@ -334,8 +334,8 @@ class _Sequence:
         self.nbytes = 0  # of its states, whether or not the budget counts them
 
 
-#: ``submit(entry, feed, outputs, deadline, token, holds) -> Future``: the data plane's plain
-#: admission of one run (its queue, deadline, budget and statistics).
+#: ``submit(feed, outputs, deadline, inline, token, holds) -> Future``: the data plane's
+#: plain admission of one run (its queue, deadline, budget and statistics).
 Submit = Callable[..., Any]
 
 
@@ -457,8 +457,11 @@ class SequenceBatcher:
         token: Any,
         holds: int,
         after: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None,
+        inline: bool = False,
     ) -> Future:
-        """Admit one request of a sequence; its future holds the outputs ``wanted``."""
+        """Admit one request of a sequence; its future holds the outputs ``wanted``.
+        ``inline``: the caller waits for it (a unary call), so when it can run at once it runs
+        on the caller's thread."""
         if step is None or step.id in (0, ""):
             raise InvalidInput(
                 f"inference request to model '{self.name}' must specify a non-zero or non-empty "
@@ -494,7 +497,7 @@ class SequenceBatcher:
                 self._end(sequence)
             rows = None if sequence.busy else self._make_ready(sequence)
         if rows:
-            self._run(rows)
+            self._run(rows, inline)
         return item.future
 
     def _check(self, step: Step, inputs: Mapping[str, Any]) -> None:
@@ -634,7 +637,9 @@ class SequenceBatcher:
             feed[state.input] = value[None] if batched else value
         return feed
 
-    def _run(self, rows: list[tuple[_Sequence, _Item]]) -> None:
+    def _run(self, rows: list[tuple[_Sequence, _Item]], inline: bool = False) -> None:
+        """One run of ``rows`` (``inline``: on this thread when a stream is idle; a unary
+        call's own thread, which waits for the answer anyway)."""
         feeds = [self._feed(s, i) for s, i in rows]
         if len(rows) == 1:
             feed = feeds[0]
@@ -648,8 +653,9 @@ class SequenceBatcher:
                 feed,
                 wanted,
                 min(deadlines) if deadlines else None,
-                token=first.token if len(rows) == 1 else None,
-                holds=sum(i.holds for _, i in rows),
+                inline,
+                first.token if len(rows) == 1 else None,
+                sum(i.holds for _, i in rows),
             )
         except BaseException as exc:
             for sequence, item in rows:
@@ -727,10 +733,14 @@ class SequenceBatcher:
     def _states(self, outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         states = {}
         for state in self.settings.states:
-            value = np.asarray(outputs[state.output])
+            value = np.asarray(outputs[state.output], dtype=state.dtype)
             if self.max_batch_size > 0:
                 value = value[0]
-            states[state.input] = np.array(value, dtype=state.dtype, copy=True)
+            # a row of a batch, or a view of a device's buffer, is copied: a state must own
+            # what it holds (a whole batch's memory, or a buffer the device reuses, would not do)
+            if value.base is not None or not value.flags.c_contiguous:
+                value = value.copy()
+            states[state.input] = value
         return states
 
     def _hold(self, sequence: _Sequence, states: dict[str, np.ndarray]) -> None:
