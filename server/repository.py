@@ -36,6 +36,7 @@ from plugserve.server.triton_config import (
     ModelSettings,
     OvmsModel,
     read_ovms,
+    read_sequence_json,
     read_triton,
 )
 from plugserve.server.versions import MAX_VERSION, is_version
@@ -219,12 +220,17 @@ class Repository:
         found = {} if ovms else _read_settings_file(folder / CONFIG_FILE)
         if version:
             found.update(_read_settings_file(folder / str(version) / CONFIG_FILE))
-        return dataclasses.replace(
+        settings = dataclasses.replace(
             base,
             device=found.get("device", base.device),
             config={**base.config, **found.get("config", {})},
             max_batch_size=found.get("max_batch_size", base.max_batch_size),
         )
+        if "sequence_batching" in found:  # Triton's, as JSON: no dynamic batching beside it
+            raw, path = found["sequence_batching"]
+            settings.sequence = read_sequence_json(raw, settings.max_batch_size, folder, path)
+            settings.dynamic_batching = False
+        return settings
 
     def model_path(self, name: str, version: int = 0) -> Path:
         """The model file for ``name`` (latest version when 0); NotFound names what is missing."""
@@ -392,10 +398,11 @@ def _read_settings_file(path: Path) -> dict[str, Any]:
         raise InvalidArgument(f"{path}: not valid JSON ({exc})") from None
     if not isinstance(raw, dict):
         raise InvalidArgument(f"{path}: expected a JSON object")
-    unknown = set(raw) - {"device", "config", "max_batch_size"}
+    unknown = set(raw) - {"device", "config", "max_batch_size", "sequence_batching"}
     if unknown:
         raise InvalidArgument(
-            f"{path}: unknown key(s) {sorted(unknown)}; expected device, config, max_batch_size"
+            f"{path}: unknown key(s) {sorted(unknown)}; expected device, config, "
+            "max_batch_size, sequence_batching"
         )
     found: dict[str, Any] = {}
     if "device" in raw:
@@ -412,6 +419,10 @@ def _read_settings_file(path: Path) -> dict[str, Any]:
         if not isinstance(batch, int) or isinstance(batch, bool) or batch < 0:
             raise InvalidArgument(f"{path}: 'max_batch_size' must be an integer >= 0")
         found["max_batch_size"] = batch
+    if "sequence_batching" in raw:
+        if not isinstance(raw["sequence_batching"], dict):
+            raise InvalidArgument(f"{path}: 'sequence_batching' must be an object")
+        found["sequence_batching"] = (raw["sequence_batching"], path)
     return found
 
 

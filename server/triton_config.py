@@ -230,6 +230,22 @@ def _parse_triton(where: str, text: str) -> ModelSettings:
     return out
 
 
+def read_sequence_json(
+    raw: dict[str, Any], max_batch_size: int, folder: Path, path: Path
+) -> SequenceSettings:
+    """A ``config.json``'s ``sequence_batching``: Triton's message in its JSON form (as in
+    Triton's JSON model configurations and load overrides), read as config.pbtxt's."""
+    mc = _messages()
+    try:
+        message = json_format.ParseDict(raw, mc.ModelSequenceBatching())
+    except json_format.ParseError as exc:
+        raise InvalidArgument(f"{path}: sequence_batching: {exc}") from None
+    settings, ignored = read_sequence_batching(message, max_batch_size, folder, str(path))
+    if ignored:
+        log.warning("%s: not acted on: %s", path, ", ".join(ignored))
+    return settings
+
+
 def _check_tensors(config: Any, path: Path) -> list[str]:
     """What an input or output entry says that plugserve does not act on; a ``reshape``
     (which would change the shapes clients send) refuses the model."""

@@ -552,3 +552,42 @@ def test_plugserve_protocol_sequences(server):
             client.infer("acc_direct", {"INPUT": x}, sequence=Sequence(5150))
         with pytest.raises(grpc.RpcError, match="non-zero or non-empty correlation"):
             client.infer("acc_direct", {"INPUT": x})
+
+
+def test_plugserve_repository_config_json(tmp_path):
+    """A plugserve repository's config.json takes Triton's sequence_batching in its JSON form
+    (no dynamic batching beside it)."""
+    import json
+
+    folder = tmp_path / "repo" / "acc" / "1"
+    folder.mkdir(parents=True)
+    (folder / "model.onnx").write_bytes(accumulator().SerializeToString())
+    (folder.parent / "config.json").write_text(
+        json.dumps(
+            {
+                "device": "NUMPY",
+                "max_batch_size": 4,
+                "sequence_batching": {
+                    "oldest": {"max_candidate_sequences": 8},
+                    "state": [
+                        {
+                            "input_name": "STATE_IN",
+                            "output_name": "STATE_OUT",
+                            "data_type": "TYPE_FP32",
+                            "dims": [4],
+                        }
+                    ],
+                },
+            }
+        )
+    )
+    with RunningServer("--model-repository", str(tmp_path / "repo")) as running:
+        client = grpcclient.InferenceServerClient(running.target)
+        try:
+            _acc_step(client, "acc", 5, np.ones(4), start=True)
+            np.testing.assert_array_equal(_acc_step(client, "acc", 5, np.ones(4))[0], [2] * 4)
+            metadata = client.get_model_metadata("acc")
+        finally:
+            client.close()
+    assert [i.name for i in metadata.inputs] == ["INPUT"]
+    assert "ready on NUMPY" in running.log and "BATCH" not in running.log.split("listening")[1]
