@@ -43,6 +43,8 @@ EXTENSIONS = [
     "statistics",
     "system_shared_memory",
     "classification",
+    "sequence",
+    "sequence(string_id)",
 ]
 
 # KServe datatype -> numpy dtype (BF16 is ml_dtypes', as tritonclient's; the float8/int4 types

@@ -311,8 +311,10 @@ def test_metadata_names_the_clients_inputs_only(server):
     client = grpcclient.InferenceServerClient(server.target)
     try:
         metadata = client.get_model_metadata("simple_dyna_sequence")
+        extensions = client.get_server_metadata().extensions
     finally:
         client.close()
+    assert {"sequence", "sequence(string_id)"} <= set(extensions)  # Triton's sequence extension
     assert [i.name for i in metadata.inputs] == ["INPUT"]
     assert [o.name for o in metadata.outputs] == ["OUTPUT"]
 
