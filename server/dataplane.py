@@ -391,7 +391,7 @@ class DataPlane:
                 entry.name,
                 settings,
                 entry.max_batch_size,
-                [spec.name for spec in entry.network.inputs],
+                entry.network.inputs,
                 entry.output_names,
                 functools.partial(self._admit, entry),
                 self.sequences,

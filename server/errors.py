@@ -22,6 +22,7 @@ MAX_MESSAGE_CHARS = 1000
 
 _CODES = {
     "NOT_FOUND": grpc.StatusCode.NOT_FOUND,
+    "ALREADY_EXISTS": grpc.StatusCode.ALREADY_EXISTS,
     "INVALID_ARGUMENT": grpc.StatusCode.INVALID_ARGUMENT,
     "UNIMPLEMENTED": grpc.StatusCode.UNIMPLEMENTED,
     "UNAVAILABLE": grpc.StatusCode.UNAVAILABLE,
@@ -35,6 +36,7 @@ _CODES = {
 
 HTTP_STATUS = {
     grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.ALREADY_EXISTS: 409,
     grpc.StatusCode.INVALID_ARGUMENT: 400,
     grpc.StatusCode.FAILED_PRECONDITION: 400,
     grpc.StatusCode.UNIMPLEMENTED: 501,

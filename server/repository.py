@@ -214,7 +214,13 @@ class Repository:
         base = ModelSettings()
         ovms = self._ovms().get(name)
         if ovms is not None:
-            base = ModelSettings(ovms.device, dict(ovms.config), policy=ovms.policy, model_file="")
+            base = ModelSettings(
+                ovms.device,
+                dict(ovms.config),
+                policy=ovms.policy,
+                model_file="",
+                sequence=ovms.sequence,
+            )
         elif (folder / TRITON_FILE).is_file():
             base = read_triton(folder / TRITON_FILE)
         found = {} if ovms else _read_settings_file(folder / CONFIG_FILE)

@@ -39,7 +39,14 @@ from typing import Any
 
 import numpy as np
 
-from plugserve.plugins.api import InvalidArgument, InvalidInput, ResourceExhausted, listing
+from plugserve.plugins.api import (
+    InvalidArgument,
+    InvalidInput,
+    PlugserveError,
+    ResourceExhausted,
+    TensorSpec,
+    listing,
+)
 from plugserve.server.budget import Charge, MemoryBudget
 
 __all__ = [
@@ -101,12 +108,14 @@ class Control:
 @dataclasses.dataclass(frozen=True)
 class State:
     """One implicit state: the model's ``output`` of a request is its ``input`` of the
-    next; ``initial`` (without the batch dimension) starts every sequence."""
+    next; ``initial`` (without the batch dimension) starts every sequence. Without ``dtype``
+    and ``initial`` (an OVMS config names the pair only) they are the model input's, zeros
+    with a varying dimension taken as 1, as Triton takes it."""
 
     input: str
     output: str
-    dtype: np.dtype
-    initial: np.ndarray
+    dtype: np.dtype | None = None
+    initial: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +129,11 @@ class SequenceSettings:
     #: the rows an ``oldest`` batch gathers at most, and how long it waits for them
     batch_size: int = 1
     queue_delay: float = 0.0
+    #: 0: sequences are never ended for being idle
     idle_seconds: float = DEFAULT_IDLE_SECONDS
+    #: "triton": Triton's sequence parameters and refusals; "ovms": OpenVINO Model Server's
+    #: sequence_id / sequence_control_input inputs, its refusals, and ids it hands out
+    style: str = "triton"
 
     @property
     def corrid(self) -> Control | None:
@@ -269,6 +282,88 @@ def _state(message: Any, max_batch_size: int, folder: Path, where: str) -> State
     return State(message.input_name, message.output_name, dtype, np.zeros(shape, dtype))
 
 
+def _resolved(state: State, spec: TensorSpec, max_batch_size: int) -> State:
+    """A pair named without its type and start: the model input's, zeros (batch dim aside)."""
+    shape = list(spec.shape or [])[1 if max_batch_size > 0 else 0 :]
+    dims = [d if isinstance(d, int) and d >= 0 else 1 for d in shape]
+    dtype = np.dtype(spec.dtype if spec.dtype is not None else np.float32)
+    return State(state.input, state.output, dtype, np.zeros(dims, dtype))
+
+
+#: OVMS's defaults (its stateful models' docs): sequences per model; idle cleanup's scan
+OVMS_MAX_SEQUENCES = 500
+OVMS_IDLE_SECONDS = 300.0
+#: the plugin_config key naming a model's state pairs, ``"input:output,input:output"``
+STATE_PAIRS = "STATE_PAIRS"
+_OVMS_KEYS = (
+    "stateful",
+    "max_sequence_number",
+    "idle_sequence_cleanup",
+    "low_latency_transformation",
+)
+
+
+def read_ovms_stateful(
+    config: Mapping[str, Any], plugin: dict[str, str], where: str
+) -> SequenceSettings | None:
+    """An OVMS model's ``stateful`` keys. An ONNX model keeps its state as input/output
+    pairs, which ``plugin_config``'s STATE_PAIRS names (taken out of ``plugin``: the device
+    does not see it); the pairs' element types and start values are the model's."""
+    given = [k for k in _OVMS_KEYS[1:] if k in config]
+    if not config.get("stateful", False):
+        if given or STATE_PAIRS in plugin:
+            raise InvalidArgument(
+                f"{where}: {', '.join(given) or STATE_PAIRS} needs 'stateful': true"
+            )
+        return None
+    pairs = plugin.pop(STATE_PAIRS, "")
+    states = []
+    for pair in filter(None, (p.strip() for p in pairs.split(","))):
+        name, sep, output = pair.partition(":")
+        if not sep or not name or not output:
+            raise InvalidArgument(f"{where}: {STATE_PAIRS} {pairs!r}: expected 'input:output,...'")
+        states.append(State(name.strip(), output.strip()))
+    if not states:
+        raise InvalidArgument(
+            f"{where}: a stateful ONNX model names its state pairs: plugin_config "
+            f'{{"{STATE_PAIRS}": "state_input:state_output,..."}}'
+        )
+    number = config.get("max_sequence_number", OVMS_MAX_SEQUENCES)
+    if isinstance(number, bool) or not isinstance(number, int) or number < 1:
+        raise InvalidArgument(f"{where}: max_sequence_number must be a whole number >= 1")
+    for key in ("idle_sequence_cleanup", "low_latency_transformation"):
+        if not isinstance(config.get(key, False), bool):
+            raise InvalidArgument(f"{where}: {key} must be true or false")
+    if config.get("low_latency_transformation"):
+        log.info(
+            "%s: low_latency_transformation: not needed, the server keeps the state pairs", where
+        )
+    return SequenceSettings(
+        states=tuple(states),
+        max_sequences=number,
+        idle_seconds=OVMS_IDLE_SECONDS if config.get("idle_sequence_cleanup", True) else 0.0,
+        style="ovms",
+    )
+
+
+class SequenceExists(PlugserveError):
+    """OVMS: a START for an id that is in use."""
+
+    code = "ALREADY_EXISTS"
+
+
+class SequenceMissing(PlugserveError):
+    """OVMS: a request for an id that is not in use."""
+
+    code = "NOT_FOUND"
+
+
+class SequencesFull(PlugserveError):
+    """OVMS: max_sequence_number reached."""
+
+    code = "UNAVAILABLE"
+
+
 # --------------------------------------------------------------------------- requests
 
 
@@ -400,7 +495,7 @@ class SequenceBatcher:
         name: str,
         settings: SequenceSettings,
         max_batch_size: int,
-        inputs: list[str],
+        specs: list[TensorSpec],
         outputs: list[str],
         submit: Submit,
         shared: Sequences,
@@ -412,6 +507,7 @@ class SequenceBatcher:
         self._submit = submit
         self._shared = shared
         self._joined = joined
+        inputs = [spec.name for spec in specs]
         missing = [
             n
             for n in [c.name for c in settings.controls] + [s.input for s in settings.states]
@@ -428,6 +524,14 @@ class SequenceBatcher:
         )
         self.hidden_outputs = frozenset(s.output for s in settings.states)
         self._state_outputs = [s.output for s in settings.states]
+        if any(s.initial is None for s in settings.states):
+            by_name = {spec.name: spec for spec in specs}
+            resolved = tuple(
+                _resolved(s, by_name[s.input], max_batch_size) for s in settings.states
+            )
+            settings = self.settings = dataclasses.replace(settings, states=resolved)
+        self._ovms = settings.style == "ovms"
+        self._next_id = 1
         #: a new sequence's state, charged before it starts (a growing one is charged again
         #: as it grows, once the run that grew it is done)
         self._initial_bytes = sum(s.initial.nbytes for s in settings.states)
@@ -462,7 +566,9 @@ class SequenceBatcher:
         """Admit one request of a sequence; its future holds the outputs ``wanted``.
         ``inline``: the caller waits for it (a unary call), so when it can run at once it runs
         on the caller's thread."""
-        if step is None or step.id in (0, ""):
+        if self._ovms:
+            inputs, step = self._ovms_step(inputs, step)
+        elif step is None or step.id in (0, ""):
             raise InvalidInput(
                 f"inference request to model '{self.name}' must specify a non-zero or non-empty "
                 "correlation ID"
@@ -474,7 +580,11 @@ class SequenceBatcher:
                 raise ResourceExhausted(
                     f"model '{self.name}' is unloading; start the sequence again"
                 )
+            if self._ovms and step.start and step.id == 0:
+                step = item.step = self._free_id(step)
             sequence = self._sequences.get(step.id)
+            if self._ovms:
+                self._ovms_check(step, sequence)
             if step.start:
                 if sequence is not None:
                     log.warning(
@@ -499,6 +609,70 @@ class SequenceBatcher:
         if rows:
             self._run(rows, inline)
         return item.future
+
+    def _ovms_step(
+        self, inputs: Mapping[str, Any], step: Step | None
+    ) -> tuple[dict[str, Any], Step]:
+        """OVMS: the sequence from the ``sequence_id`` (uint64) and ``sequence_control_input``
+        (uint32: 0 none, 1 start, 2 end) inputs, one element each, taken out of ``inputs``."""
+        inputs = dict(inputs)
+        values = {}
+        for key, dtype in (("sequence_id", np.uint64), ("sequence_control_input", np.uint32)):
+            value = inputs.pop(key, None)
+            if value is None:
+                values[key] = 0
+                continue
+            array = np.asarray(value)
+            if array.size != 1 or array.dtype != dtype:
+                raise InvalidInput(
+                    f"model '{self.name}': special input {key!r} must be one {np.dtype(dtype)} "
+                    f"value (shape [1]), not {array.dtype} of shape {list(array.shape)}"
+                )
+            values[key] = int(array.reshape(-1)[0])
+        control = values["sequence_control_input"]
+        if control not in (0, 1, 2):
+            raise InvalidInput(
+                f"model '{self.name}': unexpected value of sequence_control_input {control}: "
+                "0 (none), 1 (SEQUENCE_START) or 2 (SEQUENCE_END)"
+            )
+        if step is not None:
+            raise InvalidInput(
+                f"model '{self.name}' is an OVMS stateful model: name its sequence with the "
+                "sequence_id and sequence_control_input inputs, not request parameters"
+            )
+        ident = values["sequence_id"]
+        if ident == 0 and control != 1:
+            raise InvalidInput(
+                f"model '{self.name}': sequence id has not been provided in request inputs "
+                "(sequence_id is needed unless sequence_control_input is 1, SEQUENCE_START)"
+            )
+        return inputs, Step(ident, control == 1, control == 2)
+
+    def _free_id(self, step: Step) -> Step:
+        """(lock held) OVMS hands out an id for a START without one."""
+        while self._next_id in self._sequences:
+            self._next_id += 1
+        ident, self._next_id = self._next_id, self._next_id + 1
+        return Step(ident, step.start, step.end)
+
+    def _ovms_check(self, step: Step, sequence: _Sequence | None) -> None:
+        """(lock held) OVMS's refusals: a START for an id in use, a request for one not."""
+        if step.start and sequence is not None:
+            raise SequenceExists(
+                f"model '{self.name}': sequence with provided ID already exists ({step.id}); "
+                "end it first (sequence_control_input 2) or start another id"
+            )
+        if not step.start and sequence is None:
+            raise SequenceMissing(
+                f"model '{self.name}': sequence with provided ID does not exist ({step.id}); "
+                "start it with sequence_control_input 1"
+            )
+        if step.start and len(self._sequences) >= self.settings.max_sequences:
+            raise SequencesFull(
+                f"model '{self.name}': max sequence number has been reached "
+                f"({self.settings.max_sequences}, max_sequence_number); could not create a new "
+                "sequence: end one, or retry once an idle one is cleaned up"
+            )
 
     def _check(self, step: Step, inputs: Mapping[str, Any]) -> None:
         corrid = self.settings.corrid
@@ -701,6 +875,8 @@ class SequenceBatcher:
         if states is not None:
             try:
                 answer = {k: outputs[k] for k in item.wanted}
+                if self._ovms:  # OVMS appends the sequence's id to every answer
+                    answer["sequence_id"] = np.array([item.step.id], np.uint64)
                 if item.after is not None:
                     answer = item.after(answer)
             except BaseException as error:
@@ -762,6 +938,8 @@ class SequenceBatcher:
     def reap(self, now: float) -> None:
         """End the sequences idle for longer than max_sequence_idle_microseconds."""
         idle = self.settings.idle_seconds
+        if not idle:
+            return
         with self._lock:
             late = [
                 s for s in self._sequences.values()

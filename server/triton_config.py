@@ -43,7 +43,11 @@ from typing import Any
 from google.protobuf import json_format, text_format
 
 from plugserve.plugins.api import InvalidArgument
-from plugserve.server.sequences import SequenceSettings, read_sequence_batching
+from plugserve.server.sequences import (
+    SequenceSettings,
+    read_ovms_stateful,
+    read_sequence_batching,
+)
 
 __all__ = [
     "EVERY_VERSION",
@@ -301,7 +305,17 @@ def policy_of(message: Any, where: Path) -> VersionPolicy:
 
 #: What a ``config.json`` of OpenVINO Model Server names a model with.
 OVMS_KEYS = "model_config_list"
-_OVMS_ACTED_ON = {"name", "base_path", "model_version_policy", "plugin_config", "target_device"}
+_OVMS_ACTED_ON = {
+    "name",
+    "base_path",
+    "model_version_policy",
+    "plugin_config",
+    "target_device",
+    "stateful",
+    "max_sequence_number",
+    "idle_sequence_cleanup",
+    "low_latency_transformation",
+}
 
 
 @dataclasses.dataclass
@@ -311,6 +325,8 @@ class OvmsModel:
     device: str
     config: dict[str, str]
     policy: VersionPolicy
+    #: OVMS's stateful models (``stateful`` and its keys)
+    sequence: SequenceSettings | None = None
 
 
 def read_ovms(path: Path) -> list[OvmsModel]:
@@ -343,13 +359,15 @@ def read_ovms(path: Path) -> list[OvmsModel]:
         ignored = [k for k in config if k not in _OVMS_ACTED_ON]
         if ignored:
             log.warning("%s (%s): not acted on: %s", path, config["name"], ", ".join(ignored))
+        device_config = {k: str(v) for k, v in plugin.items()}
         models.append(
             OvmsModel(
                 config["name"],
                 (path.parent / config["base_path"]).resolve(),
                 "OPENVINO",
-                {k: str(v) for k, v in plugin.items()},
+                device_config,
                 _ovms_policy(config.get("model_version_policy"), where),
+                read_ovms_stateful(config, device_config, where),
             )
         )
     return models

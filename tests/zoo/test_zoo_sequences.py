@@ -262,3 +262,81 @@ def test_decoder_generates_with_server_side_cache(server, device):
     finally:
         client.close()
     assert got_tokens == want_tokens
+
+
+# --------------------------------------------------------------------------- OVMS
+
+
+@pytest.fixture(scope="module")
+def ovms_server(tmp_path_factory):
+    """An OpenVINO Model Server config.json naming the GRU as a stateful model."""
+    import json
+
+    root = tmp_path_factory.mktemp("ovms")
+    (root / "gru" / "1").mkdir(parents=True)
+    (root / "gru" / "1" / "model.onnx").write_bytes(ZOO["gru_state_script"].path().read_bytes())
+    model = {
+        "name": "gru",
+        "base_path": "gru",
+        "stateful": True,
+        "max_sequence_number": 2,
+        "low_latency_transformation": True,
+        "plugin_config": {"STATE_PAIRS": "h:h_out", "EXECUTION_MODE_HINT": "ACCURACY"},
+    }
+    (root / "config.json").write_text(json.dumps({"model_config_list": [{"config": model}]}))
+    with RunningServer("--model-repository", str(root / "config.json")) as running:
+        yield running
+
+
+def _ovms_infer(client, x, sequence_id=None, control=None):
+    tensors = [grpcclient.InferInput("x", list(x.shape), "FP32")]
+    tensors[0].set_data_from_numpy(x)
+    for name, value, datatype in (
+        ("sequence_id", sequence_id, "UINT64"),
+        ("sequence_control_input", control, "UINT32"),
+    ):
+        if value is not None:
+            tensor = grpcclient.InferInput(name, [1], datatype)
+            tensor.set_data_from_numpy(
+                np.array([value], np.uint64 if name == "sequence_id" else np.uint32)
+            )
+            tensors.append(tensor)
+    result = client.infer("gru", tensors)
+    return result.as_numpy("y"), int(result.as_numpy("sequence_id")[0])
+
+
+def test_ovms_stateful_model(ovms_server):
+    """OVMS's special inputs: a START without an id gets one (in every answer's sequence_id
+    output); the state is the server's; OVMS's refusals, with its status codes."""
+    from tritonclient.utils import InferenceServerException
+
+    reference = _session("gru_state_script")
+    rng = np.random.default_rng(5)
+    client = grpcclient.InferenceServerClient(ovms_server.target)
+    try:
+        h = np.zeros((1, 2, 16), np.float32)
+        ident = None
+        for i in range(6):
+            x = rng.normal(size=(1, 5, 8)).astype(np.float32)
+            want, h = reference.run(None, {"x": x, "h": h})
+            control = 1 if i == 0 else 2 if i == 5 else None
+            got, ident = _ovms_infer(client, x, ident, control)
+            np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-4, err_msg=f"chunk {i}")
+        x = np.zeros((1, 5, 8), np.float32)
+        with pytest.raises(InferenceServerException, match="does not exist") as e:
+            _ovms_infer(client, x, ident)  # ended
+        assert "NOT_FOUND" in str(e.value.status())
+        _ovms_infer(client, x, 77, 1)
+        with pytest.raises(InferenceServerException, match="already exists") as e:
+            _ovms_infer(client, x, 77, 1)
+        assert "ALREADY_EXISTS" in str(e.value.status())
+        _ovms_infer(client, x, 78, 1)
+        with pytest.raises(InferenceServerException, match="max sequence number") as e:
+            _ovms_infer(client, x, 79, 1)
+        assert "UNAVAILABLE" in str(e.value.status())
+        with pytest.raises(InferenceServerException, match="sequence_control_input 3"):
+            _ovms_infer(client, x, 77, 3)
+        with pytest.raises(InferenceServerException, match="sequence id has not been provided"):
+            _ovms_infer(client, x)
+    finally:
+        client.close()
