@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from plugserve.plugins.api import (
+    Cancelled,
     InvalidArgument,
     InvalidInput,
     PlugserveError,
@@ -813,7 +814,17 @@ class SequenceBatcher:
 
     def _run(self, rows: list[tuple[_Sequence, _Item]], inline: bool = False) -> None:
         """One run of ``rows`` (``inline``: on this thread when a stream is idle; a unary
-        call's own thread, which waits for the answer anyway)."""
+        call's own thread, which waits for the answer anyway). A request whose caller gave up
+        (its stream ended) is dropped here, its sequence's state untouched."""
+        live = []
+        for sequence, item in rows:
+            if item.future.set_running_or_notify_cancel():
+                live.append((sequence, item))
+            else:
+                self._done(sequence, item, None, Cancelled("the request was cancelled"))
+        if not live:
+            return
+        rows = live
         feeds = [self._feed(s, i) for s, i in rows]
         if len(rows) == 1:
             feed = feeds[0]
@@ -895,14 +906,17 @@ class SequenceBatcher:
                 rows = self._make_ready(sequence)
             elif sequence.ended:
                 self._free(sequence)
-        if exc is not None:
+        if item.future.cancelled():
+            pass  # dropped before it ran: nobody waits for it
+        elif exc is not None:
             item.future.set_exception(exc)
         else:
             item.future.set_result(answer)
         for queued in failed:
-            queued.future.set_exception(
-                ResourceExhausted(f"sequence {sequence.id} of model '{self.name}' ended: {exc}")
-            )
+            if queued.future.set_running_or_notify_cancel():
+                queued.future.set_exception(
+                    ResourceExhausted(f"sequence {sequence.id} of model '{self.name}' ended: {exc}")
+                )
         if rows:
             self._run(rows)
 

@@ -593,3 +593,27 @@ def test_plugserve_repository_config_json(tmp_path):
             client.close()
     assert [i.name for i in metadata.inputs] == ["INPUT"]
     assert "ready on NUMPY" in running.log and "BATCH" not in running.log.split("listening")[1]
+
+
+def test_stream_closed_mid_sequence(server):
+    """A client that drops its stream with a sequence's requests still queued: they are
+    dropped, nothing fails on the server, and the model serves the next client."""
+    client = grpcclient.InferenceServerClient(server.target)
+    client.start_stream(callback=lambda result, error: None)
+    try:
+        for i in range(200):
+            tensor = grpcclient.InferInput("INPUT", [1, 4], "FP32")
+            tensor.set_data_from_numpy(np.ones((1, 4), np.float32))
+            client.async_stream_infer(
+                "acc_oldest", [tensor], sequence_id=6060, sequence_start=i == 0
+            )
+    finally:
+        client.stop_stream(cancel_requests=True)
+        client.close()
+    client = grpcclient.InferenceServerClient(server.target)
+    try:
+        got = _acc_step(client, "acc_oldest", 6061, np.ones(4), start=True, end=True)
+    finally:
+        client.close()
+    np.testing.assert_array_equal(got[0], np.ones(4))
+    assert "Traceback" not in server.log and "InvalidStateError" not in server.log
