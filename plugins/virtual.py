@@ -5,20 +5,21 @@ device list in ``DEVICE_PRIORITIES`` (parsed by :func:`device_list`, the one par
 from __future__ import annotations
 
 import platform
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
 
-from plugserve.plugins.api import (
-    CompiledNetwork,
-    Devices,
-    FailedPrecondition,
-    InvalidArgument,
-    Plugin,
-    PlugserveError,
-    TensorSpec,
-)
+from plugserve.plugins.base import CompiledNetwork, Devices, Model, Plugin
+from plugserve.plugins.errors import FailedPrecondition, InvalidArgument, PlugserveError
+from plugserve.plugins.inputs import TensorSpec
 
-__all__ = ["OneNetwork", "VirtualPlugin", "check_device_list", "device_list"]
+__all__ = [
+    "OneNetwork",
+    "VirtualPlugin",
+    "check_device_list",
+    "device_list",
+    "device_refusals",
+    "refusal_reasons",
+]
 
 
 def check_device_list(value: str) -> str:
@@ -37,6 +38,33 @@ def check_device_list(value: str) -> str:
 def device_list(text: Any) -> list[str]:
     """``"A, B(2),C"`` -> ``["A", "B(2)", "C"]``: DEVICE_PRIORITIES as a list, blanks dropped."""
     return [d.strip() for d in str(text or "").split(",") if d.strip()]
+
+
+def refusal_reasons(
+    devices: Devices, model: Model, device: str, config: Mapping[str, Any], nodes: Iterable[str]
+) -> dict[str, str]:
+    """``{node: why device did not take it}`` for ``nodes``, in the device's own words (its
+    ``unsupported_nodes``, which a plugin offers beside ``query_network``), for the virtual
+    devices' ``refusals``. A device that cannot read the model at all says so for each."""
+    try:
+        reasons = dict(devices.plugin(device).unsupported_nodes(model, config))
+    except PlugserveError as exc:
+        return dict.fromkeys(nodes, f"{device} cannot read the model: {exc}")
+    return {n: reasons.get(n, f"not in {device}'s QueryNetwork answer") for n in nodes}
+
+
+def device_refusals(
+    devices: Devices, model: Model, device: str, config: Mapping[str, Any], nodes: Iterable[str]
+) -> list[tuple[str, str, str]]:
+    """``(node, device, why)`` for each of ``nodes`` that ``device``'s QueryNetwork leaves
+    out (all of them when it cannot read the model)."""
+    try:
+        supported = devices.query_network(model, device, config)
+    except PlugserveError:
+        supported = {}
+    missing = [n for n in nodes if n not in supported]
+    why = refusal_reasons(devices, model, device, config, missing)
+    return [(n, device, why[n]) for n in missing]
 
 
 class VirtualPlugin(Plugin):

@@ -17,7 +17,6 @@ devices they use through the compiled network's ``EXECUTION_DEVICES`` metric.
 from __future__ import annotations
 
 import base64
-import contextlib
 import json
 import logging
 from collections.abc import Mapping
@@ -32,7 +31,11 @@ from plugserve.plugins.api import (
     device_refusals,
 )
 from plugserve.plugins.ir import load_model, read_model
-from plugserve.plugins.multi.compiled import AutoCompiledNetwork, MultiCompiledNetwork, _close
+from plugserve.plugins.multi.compiled import (
+    AutoCompiledNetwork,
+    MultiCompiledNetwork,
+    close_quietly,
+)
 from plugserve.plugins.multi.config import (
     DEFAULT_AUTO_PRIORITIES,
     AutoConfiguration,
@@ -181,11 +184,11 @@ class MultiPlugin(_Virtual):
                 loaded.append((device, network))
         except (KeyError, ValueError):
             for _, network in loaded:
-                _close(network)
+                close_quietly(network)
             raise InvalidArgument("exported MULTI network is corrupt (device blobs)") from None
         except PlugserveError:
             for _, network in loaded:
-                _close(network)
+                close_quietly(network)
             raise
         if not loaded:
             raise InvalidArgument("exported MULTI network names no device")
@@ -205,12 +208,7 @@ class AutoPlugin(_Virtual):
     def _known(self) -> set[str]:
         """Every device the Core knows, available or not (to tell a typo from a missing one)."""
         devices = self._devices()
-        infos = getattr(devices, "devices", None)
-        names = set(devices.available_devices)
-        if callable(infos):
-            with contextlib.suppress(Exception):
-                names |= {info.name for info in infos()}
-        return names
+        return set(devices.available_devices) | {info.name for info in devices.devices()}
 
     def candidates(self, cfg: AutoConfiguration) -> tuple[list[str], list[str]]:
         """The devices to try in order, and why each other one was skipped."""
@@ -291,11 +289,11 @@ class AutoPlugin(_Virtual):
                 chosen = choose(candidates, checker or beside, feeds, budget)
             except BaseException:
                 for candidate in candidates:
-                    _close(candidate.network)
+                    close_quietly(candidate.network)
                 raise
             finally:
                 if beside is not None:
-                    _close(beside.network)
+                    close_quietly(beside.network)
             shown = [*candidates, *([beside] if beside is not None else [])]
             loaded = [c for c in candidates if c.network is not None]
             chosen = chosen or (loaded[0] if loaded else None)
@@ -307,7 +305,7 @@ class AutoPlugin(_Virtual):
                 )
                 for candidate in loaded:
                     if candidate is not chosen:
-                        _close(candidate.network)
+                        close_quietly(candidate.network)
                 return self._chosen(cfg, chosen, [c.row() for c in shown])
         raise InvalidArgument(
             "AUTO: no device can run this network"
