@@ -273,9 +273,7 @@ class Core:
         try:  # a blob carries the config it was exported with
             self.limits.check(network.config, device)
         except InvalidArgument:
-            close = getattr(network, "close", None)
-            if close is not None:
-                close()
+            network.close()
             raise
         return network
 

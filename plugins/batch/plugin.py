@@ -55,9 +55,7 @@ class BatchPlugin(VirtualPlugin):
     ) -> BatchCompiledNetwork:
         why = unbatchable(network.inputs, "input") or unbatchable(network.outputs, "output")
         if why:
-            close = getattr(network, "close", None)
-            if close is not None:
-                close()
+            network.close()
             raise InvalidArgument(
                 f"model {network.name!r} cannot be batched: {why}; BATCH needs a dynamic first "
                 "(batch) dimension on every input and output"

@@ -150,7 +150,7 @@ class HeteroPlugin(VirtualPlugin):
         so every cut point between subgraphs is typed."""
         rules: dict[tuple[str, str], Any] = {}
         for device in priorities:
-            rules.update(getattr(self._devices().plugin(device), "type_rules", {}))
+            rules.update(self._devices().plugin(device).type_rules)
         if rules:
             infer_extension_types(graph, PassContext(supports=lambda n, g: True, type_rules=rules))
         type_untyped_values(graph)
@@ -167,10 +167,10 @@ class HeteroPlugin(VirtualPlugin):
         available = self._devices().available_devices
         for device in dict.fromkeys([*untyped.values(), REFERENCE]):
             asked = [n for n, d in untyped.items() if d == device or device == REFERENCE]
-            ask = getattr(self._devices().plugin(device), "computed_types", None)
-            if not asked or ask is None or device.split(".")[0] not in available:
+            plugin = self._devices().plugin(device)
+            if not asked or device.split(".")[0] not in available:
                 continue
-            for name, spec in ask(graph, asked).items():
+            for name, spec in plugin.computed_types(graph, asked).items():
                 graph.value_info[name] = spec
                 untyped.pop(name, None)
         graph.refresh_types()
@@ -248,7 +248,7 @@ class HeteroPlugin(VirtualPlugin):
             if not wrong:
                 break
             for step in steps:
-                _close(step.network)
+                step.network.close()
             for piece, why in wrong:
                 log.warning(
                     "HETERO: model %r: %s computes the piece of node(s) %s wrongly (%s); "
@@ -302,7 +302,7 @@ class HeteroPlugin(VirtualPlugin):
                     wrong.append((piece, why))
         except PlugserveError as exc:
             for step in steps:
-                _close(step.network)
+                step.network.close()
             raise type(exc)(f"HETERO: a subgraph failed to compile: {exc}") from exc
         return steps, wrong
 
@@ -332,9 +332,3 @@ class HeteroPlugin(VirtualPlugin):
 
     def device_name(self) -> str:
         return "HETERO: one network split across devices by node affinity"
-
-
-def _close(network: CompiledNetwork) -> None:
-    close = getattr(network, "close", None)
-    if close:
-        close()

@@ -5,6 +5,9 @@
   plugin imports when it is asked for: onnxruntime, openvino).
 - No module of ``plugins/`` imports plugserve inside a function.
 - No module imports another's private name.
+- No hook is probed: no ``getattr`` / ``hasattr`` on a plugin, network or request (or on
+  ``self`` in their classes); every hook has a declared default on its base
+  (``plugins/base.py``) instead.
 """
 
 from __future__ import annotations
@@ -145,6 +148,59 @@ def test_plugins_import_plugserve_at_module_level_only() -> None:
         if in_function
     ]
     assert late == []
+
+
+#: Names that hold a plugin, a compiled network, an infer request or the Core's devices.
+_HOOK_OWNERS = {"plugin", "network", "net", "compiled", "request", "req", "child", "devices"}
+#: Base classes whose instances are plugins, networks or requests (``self`` in their methods).
+_HOOK_CLASSES = ("Plugin", "CompiledNetwork", "Network", "InferRequest", "Request", "OneNetwork")
+
+
+def _owner(node: ast.expr) -> str | None:
+    """The last name of ``node`` (``step.network`` -> ``network``)."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    if isinstance(node, ast.Call):
+        return _owner(node.func)
+    return None
+
+
+def _hook_class(node: ast.ClassDef) -> bool:
+    return any(
+        (_owner(base) or "").endswith(_HOOK_CLASSES) for base in node.bases
+    ) or node.name.endswith(_HOOK_CLASSES)
+
+
+def _probes(tree: ast.AST) -> Iterator[ast.Call]:
+    """``getattr`` / ``hasattr`` calls on a plugin, network or request."""
+
+    def visit(node: ast.AST, in_hook_class: bool) -> Iterator[ast.Call]:
+        for child in ast.iter_child_nodes(node):
+            inner = _hook_class(child) if isinstance(child, ast.ClassDef) else in_hook_class
+            if (
+                isinstance(child, ast.Call)
+                and isinstance(child.func, ast.Name)
+                and child.func.id in ("getattr", "hasattr")
+                and child.args
+            ):
+                owner = (_owner(child.args[0]) or "").lower()
+                probed = owner == "self" and in_hook_class
+                if probed or owner in _HOOK_OWNERS or owner.rstrip("s") in _HOOK_OWNERS:
+                    yield child
+            yield from visit(child, inner)
+
+    yield from visit(tree, False)
+
+
+def test_no_hook_is_probed() -> None:
+    probes = [
+        f"{path.relative_to(ROOT)}:{call.lineno} {ast.unparse(call)}"
+        for path in MODULES.values()
+        for call in _probes(ast.parse(path.read_text(), str(path)))
+    ]
+    assert probes == []
 
 
 def test_no_private_name_is_imported_across_modules() -> None:
