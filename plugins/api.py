@@ -20,9 +20,11 @@ from __future__ import annotations
 
 from plugserve.plugins.base import (
     Callback,
+    CallConfig,
     CompiledNetwork,
     Devices,
     InferRequest,
+    KnownDevice,
     Model,
     PerfCount,
     Plugin,
@@ -63,6 +65,7 @@ from plugserve.plugins.virtual import device_refusals, refusal_reasons
 __all__ = [
     "BOOL",
     "BackendUnavailable",
+    "CallConfig",
     "Callback",
     "Cancelled",
     "CompiledNetwork",
@@ -76,6 +79,7 @@ __all__ = [
     "InvalidArgument",
     "InvalidInput",
     "InvalidModel",
+    "KnownDevice",
     "Model",
     "NotFound",
     "PerfCount",

@@ -32,6 +32,7 @@ from plugserve.plugins.inputs import TensorSpec, check_inputs
 from plugserve.plugins.streams import StreamsExecutor
 
 __all__ = [
+    "CallConfig",
     "Callback",
     "CompiledNetwork",
     "Devices",
@@ -58,6 +59,10 @@ class PerfCount:
 
 
 Model = Any  # a path (str | os.PathLike), bytes, or onnx.ModelProto
+
+#: A config as a call gives it: strings by key (parsed by the device), or a
+#: :class:`Configuration` already parsed (passed down as it is).
+CallConfig = Mapping[str, Any] | Configuration
 
 #: What ``start_async`` calls when a run completes: ``(outputs, None)`` or ``(None, error)``.
 Callback = Callable[[dict[str, np.ndarray] | None, BaseException | None], None]
@@ -96,16 +101,22 @@ class Devices(Protocol):
 
     def plugin(self, device: str) -> Plugin: ...
 
+    def parse_config(self, device: str, config: CallConfig | None = None) -> Configuration:
+        """The configuration a load on ``device`` would use, parsed (its plugin's own
+        config, the keys its name sets, then ``config``). A virtual device makes each of its
+        devices' configurations with it once per load and hands the result down."""
+        ...
+
     def load_network(
-        self, model: Model, device: str, config: Mapping[str, Any] | None = None
+        self, model: Model, device: str, config: CallConfig | None = None
     ) -> CompiledNetwork: ...
 
     def query_network(
-        self, model: Model, device: str, config: Mapping[str, Any] | None = None
+        self, model: Model, device: str, config: CallConfig | None = None
     ) -> dict[str, str]: ...
 
     def import_network(
-        self, data: bytes, device: str, config: Mapping[str, Any] | None = None
+        self, data: bytes, device: str, config: CallConfig | None = None
     ) -> CompiledNetwork: ...
 
 
@@ -139,8 +150,12 @@ class Plugin(abc.ABC):
     def config(self) -> Configuration:
         return self._config
 
-    def merged_config(self, config: Mapping[str, Any] | None, strict: bool = True) -> Configuration:
-        """The plugin's configuration overridden by a per-call ``config``."""
+    def merged_config(self, config: CallConfig | None, strict: bool = True) -> Configuration:
+        """The plugin's configuration overridden by a per-call ``config``, parsed here once
+        per load: a ``config`` already parsed (this device's :attr:`config_class`, made by
+        the Core or by a virtual device for its child) is the one to use, as it is."""
+        if isinstance(config, self.config_class):
+            return config
         return self.config_class(config or {}, self._config, throw_on_unsupported=strict)
 
     def supported_metrics(self) -> list[str]:
@@ -199,12 +214,16 @@ class Plugin(abc.ABC):
         raise NotFound(f"device {self.name}: metric {name!r} has no value")
 
     def _unpack(
-        self, data: bytes, config: Mapping[str, Any] | None
+        self, data: bytes, config: CallConfig | None
     ) -> tuple[dict[str, Any], bytes, Any]:
         """An exported blob of this device: its header, its payload, and the configuration
         to import it with (the per-call ``config`` over the one it was exported with; keys of
-        the saved one this build no longer knows are dropped, not refused)."""
+        the saved one this build no longer knows are dropped, not refused). A ``config``
+        already parsed is the whole configuration (the Core's cache, whose entries are keyed
+        by it)."""
         header, payload = blob.unpack(data, self.name, self.architecture)
+        if isinstance(config, self.config_class):
+            return header, payload, config
         saved = self.config_class(header.get("config", {}), throw_on_unsupported=False)
         return header, payload, self.config_class(config or {}, saved)
 
@@ -212,13 +231,13 @@ class Plugin(abc.ABC):
 
     @abc.abstractmethod
     def load_network(
-        self, model: Model, config: Mapping[str, Any] | None = None
+        self, model: Model, config: CallConfig | None = None
     ) -> CompiledNetwork:
         """Transform and compile ``model``; per-call ``config`` overrides the plugin's."""
 
     @abc.abstractmethod
     def query_network(
-        self, model: Model, config: Mapping[str, Any] | None = None
+        self, model: Model, config: CallConfig | None = None
     ) -> dict[str, str]:
         """``{original node name: device}`` for every node this device can run.
 
@@ -228,28 +247,28 @@ class Plugin(abc.ABC):
 
     @abc.abstractmethod
     def import_network(
-        self, blob: bytes, config: Mapping[str, Any] | None = None
+        self, blob: bytes, config: CallConfig | None = None
     ) -> CompiledNetwork:
         """Rebuild a network from :meth:`CompiledNetwork.export`; a foreign blob raises."""
 
     # --- optional hooks: every plugin has them; these defaults are for plugins without
 
     def unsupported_nodes(
-        self, model: Model, config: Mapping[str, Any] | None = None
+        self, model: Model, config: CallConfig | None = None
     ) -> dict[str, str]:
         """``{original node name: why}`` for nodes this device refuses (for error messages
         and ``plugserve query``); empty when the device gives no reasons."""
         return {}
 
     def subgraphs(
-        self, model: Model, config: Mapping[str, Any] | None = None
+        self, model: Model, config: CallConfig | None = None
     ) -> list[dict[str, Any]]:
         """The split a load would make, ``[{"device": D, "nodes": [...]}, ...]`` in execution
         order; empty for devices that do not split a model."""
         return []
 
     def refusals(
-        self, model: Model, config: Mapping[str, Any] | None = None
+        self, model: Model, config: CallConfig | None = None
     ) -> list[tuple[str, str, str]]:
         """``(node, device, why)`` for the nodes a virtual device's devices did not take;
         empty for a real device (:meth:`unsupported_nodes` gives its reasons)."""
