@@ -1,4 +1,9 @@
-"""Running cases on a device and comparing what it returns with the expected outputs."""
+"""Running cases on a device and comparing what it returns with the expected outputs.
+
+The runner is a user of the in-process API (``plugserve.server.Core``), above it: nothing in
+``server`` imports this package but the ``plugserve`` command (``server/cli.py``), which sits
+above every package and loads a verb's module when the verb runs.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ import onnx
 from plugserve.conformance.cases import Case, load_cases
 from plugserve.conformance.report import CaseResult, Report
 from plugserve.plugins.numpy.kernels import narrow
+from plugserve.server.core import Core
 
 __all__ = ["compare", "run_case", "run_conformance"]
 
@@ -89,8 +95,6 @@ def run_conformance(
     """Run the cases whose name matches a pattern and that use one of ``ops`` (all by default;
     op names match whatever their case, ``"Relu,Add"`` is two) on ``device``."""
     if load is None:
-        from plugserve.server.core import Core
-
         core = Core()
 
         def load(model: onnx.ModelProto) -> Any:

@@ -12,7 +12,7 @@ import json
 import struct
 from typing import Any
 
-from plugserve.plugins.api import InvalidArgument
+from plugserve.plugins.errors import InvalidArgument
 from plugserve.plugins.version import plugserve_version
 
 MAGIC = b"PLUGSRV\x00"

@@ -8,7 +8,8 @@ them without importing the API itself.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from collections.abc import Iterable
+from typing import Any, ClassVar
 
 __all__ = [
     "BackendUnavailable",
@@ -23,6 +24,7 @@ __all__ = [
     "PlugserveError",
     "ResourceExhausted",
     "Unsupported",
+    "listing",
 ]
 
 
@@ -94,3 +96,11 @@ class InferenceError(PlugserveError, RuntimeError):
     """A kernel failed while running; the message names the node."""
 
     code = "INTERNAL"
+
+
+def listing(items: Iterable[Any], limit: int = 10, plain: bool = False) -> str:
+    """``['a', 'b'] ... and 990 more`` (``plain``: ``a, b ... and 990 more``): names for an
+    error message, however many a caller sent (a status message travels in a header)."""
+    items = list(items)
+    shown = ", ".join(map(str, items[:limit])) if plain else repr(items[:limit])
+    return shown + (f" ... and {len(items) - limit} more" if len(items) > limit else "")

@@ -38,6 +38,7 @@ __all__ = [
     "onnx_dtype",
     "refuse_external_data",
     "refuse_narrow_io",
+    "value_spec",
 ]
 
 
@@ -117,7 +118,9 @@ def onnx_dtype(dtype: np.dtype) -> int:
     return helper.np_dtype_to_tensor_dtype(dtype)
 
 
-def _spec(value_info: onnx.ValueInfoProto) -> TensorSpec:
+def value_spec(value_info: onnx.ValueInfoProto) -> TensorSpec:
+    """A ``ValueInfoProto`` as a :class:`TensorSpec` (the one reader of them: graph inputs,
+    outputs, value infos and the outputs of subgraph attributes)."""
     t = value_info.type
     if t.HasField("tensor_type"):
         tt = t.tensor_type
@@ -259,7 +262,7 @@ class Graph:
         except Exception:
             return
         for vi in list(inferred.graph.value_info) + list(inferred.graph.output):
-            spec = _spec(vi)
+            spec = value_spec(vi)
             if spec.dtype is not None:
                 old = self.value_info.get(vi.name)
                 if old is None or old.dtype is None or old.shape is None:
@@ -788,7 +791,7 @@ def graph_from_proto(
         initializers[sparse.values.name] = full
     value_info: dict[str, TensorSpec] = {}
     for vi in [*typed.value_info, *graph.input, *typed.output]:
-        value_info[vi.name] = _spec(vi)
+        value_info[vi.name] = value_spec(vi)
     for name, array in initializers.items():
         value_info.setdefault(name, TensorSpec(name, array.dtype, tuple(array.shape)))
     nodes: list[Node] = []
@@ -815,12 +818,12 @@ def graph_from_proto(
             node.fused_names = []
         nodes.append(node)
     initializer_names = set(initializers)
-    inputs = [_spec(i) for i in graph.input if i.name not in initializer_names]
+    inputs = [value_spec(i) for i in graph.input if i.name not in initializer_names]
     result = Graph(
         name=label,
         nodes=nodes,
         inputs=inputs,
-        outputs=[_spec(o) for o in typed.output],
+        outputs=[value_spec(o) for o in typed.output],
         initializers=initializers,
         value_info=value_info,
         opsets=opsets,

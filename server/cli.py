@@ -1,6 +1,10 @@
 """The ``plugserve`` command: ``serve``, ``examples`` and ``conformance`` (the test runner in
 :mod:`plugserve.conformance`) run here; the user verbs (devices, load, infer, ...) talk to a
 server and live in :mod:`plugserve.client.cli`.
+
+This module sits above every package (server, client, conformance); none of them imports it.
+Each verb's module is imported when the verb runs, so ``plugserve devices`` does not load the
+server or the plugins.
 """
 
 from __future__ import annotations

@@ -24,7 +24,9 @@ import onnx
 
 from plugserve.plugins import blob, cancel
 from plugserve.plugins.api import (
+    CallConfig,
     CompiledNetwork,
+    Configuration,
     InvalidArgument,
     Model,
     NotFound,
@@ -168,20 +170,31 @@ class Core:
         return plugin
 
     def resolve(
-        self, device: str, config: Mapping[str, Any] | None
-    ) -> tuple[Plugin, dict[str, Any]]:
+        self, device: str, config: CallConfig | None
+    ) -> tuple[Plugin, dict[str, Any] | Configuration]:
+        """The device's plugin, and the call's config with the keys the device's name sets
+        (``ORT.1``: DEVICE_ID; ``MULTI:A,B``: DEVICE_PRIORITIES...) unless the call sets them.
+        A config already parsed (:meth:`device_config`, which a virtual device uses for its
+        devices) has them already and is returned as it is."""
         parsed = parse_device(device)
         plugin = self.plugin(parsed)
+        if isinstance(config, Configuration):
+            return plugin, config
         merged = dict(config or {})
         for key, value in name_config(parsed).items():
             merged.setdefault(key, value)
         return plugin, merged
 
-    def device_config(self, device: str, config: Mapping[str, Any] | None = None) -> Any:
+    def parse_config(self, device: str, config: CallConfig | None = None) -> Configuration:
         """The configuration a load on ``device`` would use (plugin's, name's, then ``config``),
-        checked against :attr:`limits`."""
+        parsed once: a load, a query or an import given it uses it as it is (a virtual device
+        makes its devices' configurations here). The load checks it against :attr:`limits`."""
         plugin, merged = self.resolve(device, config)
-        full = plugin.merged_config(merged)
+        return plugin.merged_config(merged)
+
+    def device_config(self, device: str, config: CallConfig | None = None) -> Configuration:
+        """:meth:`parse_config`, checked against :attr:`limits`."""
+        full = self.parse_config(device, config)
         self.limits.check(full, device)
         return full
 
@@ -213,7 +226,7 @@ class Core:
         self,
         model: Model,
         device: str,
-        config: Mapping[str, Any] | None = None,
+        config: CallConfig | None = None,
         should_stop: Callable[[], bool] | None = None,
     ) -> dict[str, str]:
         """``should_stop``: when it turns true the work stops with Cancelled (see cancel.py)."""
@@ -225,7 +238,7 @@ class Core:
         self,
         model: Model,
         device: str,
-        config: Mapping[str, Any] | None = None,
+        config: CallConfig | None = None,
         should_stop: Callable[[], bool] | None = None,
     ) -> CompiledNetwork:
         """Compile ``model`` on ``device``; with ``CACHE_DIR`` set, reuse an earlier export.
@@ -237,11 +250,11 @@ class Core:
         self, model: Model, device: str, config: Mapping[str, Any] | None
     ) -> CompiledNetwork:
         plugin, merged = self.resolve(device, config)
-        full = plugin.merged_config(merged)
+        full = plugin.merged_config(merged)  # the one parse of this load's config
         self.limits.check(full, device)
         cache_dir = str(full.get("CACHE_DIR")) if "CACHE_DIR" in full else ""
         if not cache_dir:
-            return plugin.load_network(model, merged)
+            return plugin.load_network(model, full)
         key = self._cache_key(model, plugin, full)
         path = Path(cache_dir) / f"{key}.blob"
         # Each entry starts with its own key, so a file copied or renamed into place (another
@@ -257,7 +270,7 @@ class Core:
                 return network
             except PlugserveError as exc:
                 log.warning("cache entry %s is unusable (%s); recompiling", path, exc)
-        network = plugin.load_network(model, merged)
+        network = plugin.load_network(model, full)
         try:
             _write_atomically(path, stamp + network.export())
         except OSError as exc:
@@ -265,7 +278,7 @@ class Core:
         return network
 
     def import_network(
-        self, data: bytes, device: str, config: Mapping[str, Any] | None = None
+        self, data: bytes, device: str, config: CallConfig | None = None
     ) -> CompiledNetwork:
         plugin, merged = self.resolve(device, config)
         self.limits.check(plugin.merged_config(merged), device)
@@ -273,9 +286,7 @@ class Core:
         try:  # a blob carries the config it was exported with
             self.limits.check(network.config, device)
         except InvalidArgument:
-            close = getattr(network, "close", None)
-            if close is not None:
-                close()
+            network.close()
             raise
         return network
 

@@ -314,9 +314,7 @@ class BatchCompiledNetwork(OneNetwork, CompiledNetwork):
             self._closed = True
             self._cond.notify_all()
         super().close()
-        close = getattr(self.network, "close", None)
-        if close is not None:
-            close()
+        self.network.close()
 
 
 def _collect(ref: weakref.ref) -> None:

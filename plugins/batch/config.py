@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from plugserve.plugins.api import ConfigKey, Configuration
+from plugserve.plugins.api import ConfigKey, Configuration, PlugserveError
+from plugserve.plugins.virtual import VirtualConfiguration
 
 __all__ = ["BatchConfiguration"]
 
@@ -34,7 +33,7 @@ def _format_timeout(value: float) -> str:
     return f"{value:g}"
 
 
-class BatchConfiguration(Configuration):
+class BatchConfiguration(VirtualConfiguration):
     KEYS = (
         *Configuration.KEYS,
         ConfigKey("DEVICE_PRIORITIES", "", _device, doc="the device (BATCH:D(n) sets it)"),
@@ -48,31 +47,22 @@ class BatchConfiguration(Configuration):
         ),
     )
 
-    devices: Any = None
+    OWN_KEYS = frozenset(
+        {"DEVICE_PRIORITIES", "BATCH_SIZE", "BATCH_TIMEOUT_MS", "DEVICE_ID", "CACHE_DIR"}
+    )
 
     def device(self) -> str:
         return self.get("DEVICE_PRIORITIES")
 
-    def child_settings(self) -> dict[str, str]:
-        """Common keys set away from their defaults, handed to the device."""
-        strings = self.to_strings()
-        return {
-            k.name: strings[k.name]
-            for k in Configuration.KEYS
-            if k.name not in ("DEVICE_ID", "CACHE_DIR") and self.get(k.name) != k.default
-        }
-
     def streams(self, cores: int | None = None) -> int:
         """Callers that may wait at once: twice the batch size, so one batch fills while the
-        previous one runs (and at least what the device itself runs)."""
+        previous one runs (and at least what the device itself runs, from its configuration
+        for this load: :meth:`child`, parsed once)."""
         child = 1
         device = self.device()
         if self.devices is not None and device:
             try:
-                plugin = self.devices.plugin(device)
-                known = plugin.config_class.keys()
-                config = {k: v for k, v in self.child_settings().items() if k in known}
-                child = int(plugin.merged_config(config, strict=False).streams())
-            except Exception:
+                child = int(self.child(device).streams())
+            except PlugserveError:  # an unknown device or a bad value: the load says which
                 child = 1
         return max(2 * int(self.get("BATCH_SIZE")), child)

@@ -27,15 +27,12 @@ from plugserve.plugins.virtual import VirtualPlugin
 
 __all__ = ["BatchPlugin"]
 
-_OWN_KEYS = {"DEVICE_PRIORITIES", "BATCH_SIZE", "BATCH_TIMEOUT_MS", "DEVICE_ID", "CACHE_DIR"}
-
 
 class BatchPlugin(VirtualPlugin):
     name = "BATCH"
     config_class = BatchConfiguration
     cancellation = "queued: at once; a batch: once all its requests are"
     CAPABILITIES = ("EXPORT_IMPORT", "BATCHED_BLOB")
-    OWN_KEYS = frozenset(_OWN_KEYS)
 
     def _child_names(self, config: Mapping[str, Any]) -> list[str]:
         device = config.get("DEVICE_PRIORITIES") or self._config.get("DEVICE_PRIORITIES")
@@ -55,9 +52,7 @@ class BatchPlugin(VirtualPlugin):
     ) -> BatchCompiledNetwork:
         why = unbatchable(network.inputs, "input") or unbatchable(network.outputs, "output")
         if why:
-            close = getattr(network, "close", None)
-            if close is not None:
-                close()
+            network.close()
             raise InvalidArgument(
                 f"model {network.name!r} cannot be batched: {why}; BATCH needs a dynamic first "
                 "(batch) dimension on every input and output"
@@ -76,8 +71,7 @@ class BatchPlugin(VirtualPlugin):
                 f"model {proto.graph.name!r} cannot be batched: {why}, so a request's result "
                 "would depend on the requests batched with it; serve it without BATCH"
             )
-        child = self.child_config(device, config or {}, cfg)
-        network = self._devices().load_network(model, device, child)
+        network = self._devices().load_network(model, device, cfg.child(device))
         return self._wrap(cfg, device, network)
 
     def query_network(
@@ -85,9 +79,7 @@ class BatchPlugin(VirtualPlugin):
     ) -> dict[str, str]:
         cfg = self.merged_config(config, strict=False)
         device = self._device(cfg)
-        return self._devices().query_network(
-            model, device, self.child_config(device, config or {}, cfg)
-        )
+        return self._devices().query_network(model, device, cfg.child(device))
 
     def refusals(
         self, model: Model, config: Mapping[str, Any] | None = None
@@ -97,7 +89,7 @@ class BatchPlugin(VirtualPlugin):
         device = self._device(cfg)
         proto, _ = read_model(model)
         nodes = [n.name for n in load_model(proto).nodes]
-        child = self.child_config(device, config or {}, cfg)
+        child = cfg.child_strings(device)  # parsed by the device, whose errors say why
         return device_refusals(self._devices(), proto, device, child, nodes)
 
     def import_network(
@@ -107,8 +99,7 @@ class BatchPlugin(VirtualPlugin):
         named by ``BATCH:<device>(n)`` and batch it."""
         cfg = self.merged_config(config)
         device = self._device(cfg)
-        child = self.child_config(device, config or {}, cfg)
-        network = self._devices().import_network(data, device, child)
+        network = self._devices().import_network(data, device, cfg.child_strings(device))
         return self._wrap(cfg, device, network)
 
     def device_name(self) -> str:

@@ -21,11 +21,14 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from plugserve.plugins.api import CompiledNetwork, Devices, PlugserveError
 from plugserve.plugins.hetero.split import Piece
 from plugserve.plugins.outputcheck import compare_outputs, made_up_inputs
+
+if TYPE_CHECKING:
+    from plugserve.plugins.hetero.config import HeteroConfiguration
 
 __all__ = ["REFERENCE", "wrong_piece"]
 
@@ -33,6 +36,8 @@ log = logging.getLogger(__name__)
 
 #: the device every other one is checked against: plugserve's own kernels, ONNX's reference
 REFERENCE = "NUMPY"
+#: the reference's configuration: untuned, its kernels' choice changes nothing it computes
+REFERENCE_CONFIG = {"KERNEL_TUNING": "NO"}
 #: most verdicts remembered
 _MOST = 4096
 
@@ -41,10 +46,10 @@ _lock = threading.Lock()
 
 
 def wrong_piece(
-    devices: Devices, piece: Piece, network: CompiledNetwork, config: dict[str, Any]
+    devices: Devices, piece: Piece, network: CompiledNetwork, config: HeteroConfiguration
 ) -> str:
-    """Why ``network`` (``piece`` compiled on its device) disagrees with the reference on
-    made-up data ('' when it agrees or cannot be checked)."""
+    """Why ``network`` (``piece`` compiled on its device with ``config.child(device)``)
+    disagrees with the reference on made-up data ('' when it agrees or cannot be checked)."""
     if piece.device.split(".")[0] == REFERENCE or REFERENCE not in devices.available_devices:
         return ""
     try:
@@ -55,14 +60,15 @@ def wrong_piece(
 
 
 def _verdict(
-    devices: Devices, piece: Piece, network: CompiledNetwork, config: dict[str, Any]
+    devices: Devices, piece: Piece, network: CompiledNetwork, config: HeteroConfiguration
 ) -> str:
     feeds = made_up_inputs(piece.model)
     if feeds is None:
         return ""
     data = piece.model.SerializeToString()
+    settings = config.child_strings(piece.device)
     key = hashlib.blake2b(
-        data + piece.device.encode() + repr(sorted(config.items())).encode(), digest_size=20
+        data + piece.device.encode() + repr(sorted(settings.items())).encode(), digest_size=20
     ).digest()
     with _lock:
         verdict = _verdicts.get(key)
@@ -80,10 +86,11 @@ def _compare(
     piece: Piece,
     network: CompiledNetwork,
     feeds: dict[str, Any],
-    config: dict[str, Any],
+    config: HeteroConfiguration,
 ) -> str:
-    try:  # the reference untuned: its kernels' choice changes nothing it computes
-        reference = devices.load_network(piece.model, REFERENCE, {"KERNEL_TUNING": "NO"})
+    try:  # the reference's configuration parsed once per load, whatever the pieces
+        reference_config = config.device_config(REFERENCE, REFERENCE_CONFIG)
+        reference = devices.load_network(piece.model, REFERENCE, reference_config)
         want = reference.infer(feeds)
     except PlugserveError:
         return ""  # the reference cannot run it on made-up data: no verdict

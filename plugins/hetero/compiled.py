@@ -109,9 +109,7 @@ class HeteroCompiledNetwork(CompiledNetwork):
     def close(self) -> None:
         super().close()
         for step in self.steps:
-            close = getattr(step.network, "close", None)
-            if close:
-                close()
+            step.network.close()
 
 
 def _spec_json(spec: TensorSpec) -> dict[str, Any]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from plugserve.plugins.api import ConfigKey, Configuration
-from plugserve.plugins.virtual import check_device_list, device_list
+from plugserve.plugins.virtual import VirtualConfiguration, check_device_list, device_list
 
 __all__ = ["HeteroConfiguration"]
 
@@ -22,7 +22,7 @@ def _affinity(value: str) -> str:
     return json.dumps(mapping, sort_keys=True)
 
 
-class HeteroConfiguration(Configuration):
+class HeteroConfiguration(VirtualConfiguration):
     KEYS = (
         *Configuration.KEYS,
         ConfigKey(
@@ -33,6 +33,18 @@ class HeteroConfiguration(Configuration):
         ),
         ConfigKey("AFFINITY", "", _affinity, doc='JSON {"node": "DEVICE"}: pin nodes to devices'),
     )
+
+    OWN_KEYS = frozenset({"DEVICE_PRIORITIES", "AFFINITY"})
+
+    def child_strings(self, device: str) -> dict[str, str]:
+        """The per-call settings a child understands (PERF_COUNT, hints), none of HETERO's."""
+        known = set(self._devices().plugin(device).config_class.keys())
+        child = {
+            k: str(v) for k, v in self.overrides.items() if k in known and k not in self.OWN_KEYS
+        }
+        if "PERF_COUNT" in known:
+            child["PERF_COUNT"] = self.to_strings()["PERF_COUNT"]
+        return child
 
     def priorities(self) -> list[str]:
         return device_list(self.get("DEVICE_PRIORITIES"))

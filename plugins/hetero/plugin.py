@@ -47,8 +47,6 @@ __all__ = ["HeteroPlugin"]
 
 log = logging.getLogger(__name__)
 
-_OWN_KEYS = {"DEVICE_PRIORITIES", "AFFINITY"}
-
 #: Most subgraphs one network is split into. Each is a network of its own (a backend session,
 #: its threads) and a tensor hand-over per request; past a few dozen the split is a model
 #: built to make the server work, and the partition's rounds grow with the count.
@@ -73,18 +71,8 @@ class HeteroPlugin(VirtualPlugin):
             devices.plugin(device)  # NotFound names an unknown or unavailable device
         return priorities
 
-    def _child_config(
-        self, device: str, overrides: Mapping[str, Any], config: HeteroConfiguration
-    ) -> dict[str, str]:
-        """The per-call settings a child understands (PERF_COUNT, hints), none of HETERO's."""
-        known = set(self._devices().plugin(device).config_class.keys())
-        child = {k: str(v) for k, v in overrides.items() if k in known and k not in _OWN_KEYS}
-        if "PERF_COUNT" in known:
-            child["PERF_COUNT"] = config.to_strings()["PERF_COUNT"]
-        return child
-
     def affinities(
-        self, graph: Graph, model: Any, config: HeteroConfiguration, overrides: Mapping[str, Any]
+        self, graph: Graph, model: Any, config: HeteroConfiguration
     ) -> dict[str, str]:
         """``{node name: device}``: the user's pins first, then QueryNetwork by priority."""
         priorities = self._priorities(config)
@@ -101,18 +89,17 @@ class HeteroPlugin(VirtualPlugin):
                 self._devices().plugin(device)  # NotFound names an unknown device
             chosen[node] = device
         for device in priorities:
-            for node in self._query(model, device, overrides, config):
+            for node in self._query(model, device, config):
                 chosen.setdefault(node, device)
         return chosen
 
     def _query(
-        self, model: Any, device: str, overrides: Mapping[str, Any], config: HeteroConfiguration
+        self, model: Any, device: str, config: HeteroConfiguration
     ) -> dict[str, str]:
         """A device's QueryNetwork; one that cannot read the model at all takes no node, and
         every node goes on to the next device (``refusals`` says why)."""
-        child = self._child_config(device, overrides, config)
         try:
-            return self._devices().query_network(model, device, child)
+            return self._devices().query_network(model, device, config.child(device))
         except PlugserveError as exc:
             log.info("HETERO: %s takes no node: %s", device, exc)
             return {}
@@ -124,11 +111,10 @@ class HeteroPlugin(VirtualPlugin):
         did not take it: the device's own reason (no kernel, unsupported type, a conversion
         that failed), or that the user pinned the node elsewhere. Devices after the one a
         node went to are not listed: they were never asked for it."""
-        overrides = dict(config or {})
         cfg = self.merged_config(config, strict=False)
         proto, _ = read_model(model)
         graph = load_model(proto)
-        chosen = self.affinities(graph, proto, cfg, overrides)
+        chosen = self.affinities(graph, proto, cfg)
         pinned = {n.name for n in graph.nodes if n.affinity} | set(cfg.affinity())
         order = self._priorities(cfg)
         found: list[tuple[str, str, str]] = []
@@ -136,7 +122,7 @@ class HeteroPlugin(VirtualPlugin):
             # the nodes that reached this device: not placed on one before it
             reached = [n.name for n in graph.nodes if chosen.get(n.name) not in order[: index + 1]]
             asked = [n for n in reached if n not in pinned]
-            child = self._child_config(device, overrides, cfg)
+            child = cfg.child_strings(device)  # parsed by the device, whose errors say why
             why = refusal_reasons(self._devices(), proto, device, child, asked)
             for node in reached:
                 if node in pinned and chosen[node] != device:
@@ -150,7 +136,7 @@ class HeteroPlugin(VirtualPlugin):
         so every cut point between subgraphs is typed."""
         rules: dict[tuple[str, str], Any] = {}
         for device in priorities:
-            rules.update(getattr(self._devices().plugin(device), "type_rules", {}))
+            rules.update(self._devices().plugin(device).type_rules)
         if rules:
             infer_extension_types(graph, PassContext(supports=lambda n, g: True, type_rules=rules))
         type_untyped_values(graph)
@@ -167,10 +153,10 @@ class HeteroPlugin(VirtualPlugin):
         available = self._devices().available_devices
         for device in dict.fromkeys([*untyped.values(), REFERENCE]):
             asked = [n for n, d in untyped.items() if d == device or device == REFERENCE]
-            ask = getattr(self._devices().plugin(device), "computed_types", None)
-            if not asked or ask is None or device.split(".")[0] not in available:
+            plugin = self._devices().plugin(device)
+            if not asked or device.split(".")[0] not in available:
                 continue
-            for name, spec in ask(graph, asked).items():
+            for name, spec in plugin.computed_types(graph, asked).items():
                 graph.value_info[name] = spec
                 untyped.pop(name, None)
         graph.refresh_types()
@@ -183,7 +169,7 @@ class HeteroPlugin(VirtualPlugin):
         cfg = self.merged_config(config, strict=False)
         proto, _ = read_model(model)
         graph = load_model(proto)
-        return self.affinities(graph, proto, cfg, config or {})
+        return self.affinities(graph, proto, cfg)
 
     def subgraphs(
         self, model: Model, config: Mapping[str, Any] | None = None
@@ -193,7 +179,7 @@ class HeteroPlugin(VirtualPlugin):
         proto, _ = read_model(model)
         graph = load_model(proto)
         plan = self._plan(
-            graph, self.affinities(graph, proto, cfg, config or {}), self._priorities(cfg)
+            graph, self.affinities(graph, proto, cfg), self._priorities(cfg)
         )
         return [{"device": d, "nodes": [graph.nodes[i].name for i in nodes]} for d, nodes in plan]
 
@@ -233,22 +219,21 @@ class HeteroPlugin(VirtualPlugin):
     def load_network(
         self, model: Model, config: Mapping[str, Any] | None = None
     ) -> CompiledNetwork:
-        overrides = dict(config or {})
         cfg = self.merged_config(config)
         proto, _ = read_model(model)
         priorities = self._priorities(cfg)
         graph = self._typed(load_model(proto), priorities)
-        chosen = self.affinities(graph, proto, cfg, overrides)
+        chosen = self.affinities(graph, proto, cfg)
         checked = REFERENCE in priorities
         while True:  # at most once per device other than the reference
             plan = self._plan(graph, chosen, priorities)
             self._type_crossings(graph, plan)
             pieces = cut(graph, plan)  # untypable: raises
-            steps, wrong = self._compile(graph, pieces, overrides, cfg, checked)
+            steps, wrong = self._compile(graph, pieces, cfg, checked)
             if not wrong:
                 break
             for step in steps:
-                _close(step.network)
+                step.network.close()
             for piece, why in wrong:
                 log.warning(
                     "HETERO: model %r: %s computes the piece of node(s) %s wrongly (%s); "
@@ -273,7 +258,6 @@ class HeteroPlugin(VirtualPlugin):
         self,
         graph: Graph,
         pieces: list[Piece],
-        overrides: dict[str, Any],
         cfg: HeteroConfiguration,
         checked: bool,
     ) -> tuple[list[Step], list[tuple[Piece, str]]]:
@@ -284,7 +268,7 @@ class HeteroPlugin(VirtualPlugin):
         try:
             for piece in pieces:
                 cancel.check(f"HETERO: compiling {graph.name!r}")
-                child = self._child_config(piece.device, overrides, cfg)
+                child = cfg.child(piece.device)
                 network = self._devices().load_network(piece.model, piece.device, child)
                 producers = {o: n.name for n in piece.model.graph.node for o in n.output if o}
                 steps.append(
@@ -297,12 +281,12 @@ class HeteroPlugin(VirtualPlugin):
                         producers,
                     )
                 )
-                why = wrong_piece(self._devices(), piece, network, dict(child)) if checked else ""
+                why = wrong_piece(self._devices(), piece, network, cfg) if checked else ""
                 if why:
                     wrong.append((piece, why))
         except PlugserveError as exc:
             for step in steps:
-                _close(step.network)
+                step.network.close()
             raise type(exc)(f"HETERO: a subgraph failed to compile: {exc}") from exc
         return steps, wrong
 
@@ -332,9 +316,3 @@ class HeteroPlugin(VirtualPlugin):
 
     def device_name(self) -> str:
         return "HETERO: one network split across devices by node affinity"
-
-
-def _close(network: CompiledNetwork) -> None:
-    close = getattr(network, "close", None)
-    if close:
-        close()

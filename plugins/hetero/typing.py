@@ -22,7 +22,7 @@ import numpy as np
 from onnx import AttributeProto
 
 from plugserve.plugins.api import TensorSpec, Unsupported
-from plugserve.plugins.ir import Graph, Node, np_dtype
+from plugserve.plugins.ir import Graph, Node, np_dtype, value_spec
 
 __all__ = ["type_untyped_values", "untyped_boundary"]
 
@@ -140,12 +140,10 @@ def _tokenizer(node: Node, graph: Graph) -> list[Typed]:
 
 def _body(node: Node, name: str) -> list[TensorSpec | None]:
     """The declared outputs of a subgraph attribute, as specs (None where untyped)."""
-    from plugserve.plugins.ir import _spec  # the one reader of ValueInfoProto
-
     attr = node.attrs.get(name)
     if attr is None or getattr(attr, "type", None) != AttributeProto.GRAPH:
         return []
-    specs = [_spec(vi) for vi in attr.g.output]
+    specs = [value_spec(vi) for vi in attr.g.output]
     return [s if s.dtype is not None and s.shape is not None else None for s in specs]
 
 

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from plugserve.plugins.api import BOOL, ConfigKey, Configuration
-from plugserve.plugins.virtual import check_device_list, device_list
+from plugserve.plugins.api import BOOL, ConfigKey, Configuration, PlugserveError
+from plugserve.plugins.virtual import VirtualConfiguration, check_device_list, device_list
 
 __all__ = ["AutoConfiguration", "MultiConfiguration"]
 
@@ -25,10 +23,20 @@ def _names(value: str) -> str:
     return ",".join(p.upper() for p in text.split(",")) if text else ""
 
 
-class _Devices(Configuration):
-    """Keeps a reference to the Core (set by the plugin) to size streams from the children."""
+class _Devices(VirtualConfiguration):
+    """What MULTI's and AUTO's configurations share: a device list, and streams sized from
+    the children's configurations for this load."""
 
-    devices: Any = None
+    OWN_KEYS = frozenset(
+        {
+            "DEVICE_PRIORITIES",
+            "EXCLUDED_DEVICES",
+            "RUNTIME_FALLBACK",
+            "DEVICE_ID",
+            "MEASURE_SECONDS",
+            "CACHE_DIR",
+        }
+    )
 
     def priorities(self) -> list[str]:
         return device_list(self.get("DEVICE_PRIORITIES"))
@@ -38,25 +46,9 @@ class _Devices(Configuration):
         if self.devices is None:
             return 1
         try:
-            plugin = self.devices.plugin(device)
-            known = plugin.config_class.keys()
-            config = {k: v for k, v in self.child_settings().items() if k in known}
-            _name, _, ident = device.partition(".")
-            if ident and "DEVICE_ID" in known:
-                config["DEVICE_ID"] = ident
-            return max(1, int(plugin.merged_config(config, strict=False).streams()))
-        except Exception:  # an unknown device is reported by load, not here
+            return max(1, int(self.child(device).streams()))
+        except PlugserveError:  # an unknown device is reported by load, not here
             return 1
-
-    def child_settings(self) -> dict[str, str]:
-        """Common keys this configuration sets away from their defaults, for the children."""
-        base = {k.name: k for k in Configuration.KEYS}
-        strings = self.to_strings()
-        return {
-            name: strings[name]
-            for name, key in base.items()
-            if name not in ("DEVICE_ID", "CACHE_DIR") and self.get(name) != key.default
-        }
 
 
 class MultiConfiguration(_Devices):

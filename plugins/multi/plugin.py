@@ -17,7 +17,6 @@ devices they use through the compiled network's ``EXECUTION_DEVICES`` metric.
 from __future__ import annotations
 
 import base64
-import contextlib
 import json
 import logging
 from collections.abc import Mapping
@@ -32,7 +31,11 @@ from plugserve.plugins.api import (
     device_refusals,
 )
 from plugserve.plugins.ir import load_model, read_model
-from plugserve.plugins.multi.compiled import AutoCompiledNetwork, MultiCompiledNetwork, _close
+from plugserve.plugins.multi.compiled import (
+    AutoCompiledNetwork,
+    MultiCompiledNetwork,
+    close_quietly,
+)
 from plugserve.plugins.multi.config import (
     DEFAULT_AUTO_PRIORITIES,
     AutoConfiguration,
@@ -53,19 +56,8 @@ __all__ = ["AutoPlugin", "MultiPlugin"]
 
 log = logging.getLogger(__name__)
 
-_OWN_KEYS = {
-    "DEVICE_PRIORITIES",
-    "EXCLUDED_DEVICES",
-    "RUNTIME_FALLBACK",
-    "DEVICE_ID",
-    "MEASURE_SECONDS",
-}
-
-
 class _Virtual(VirtualPlugin):
     """What MULTI and AUTO share beyond the virtual base: their refusals and names."""
-
-    OWN_KEYS = frozenset(_OWN_KEYS | {"CACHE_DIR"})
 
     def _child_names(self, config: Mapping[str, Any]) -> list[str]:
         listed = config.get("DEVICE_PRIORITIES") or self._config.get("DEVICE_PRIORITIES")
@@ -80,14 +72,14 @@ class _Virtual(VirtualPlugin):
     full_name = ""
 
     def _refusals(
-        self, model: Model, devices: list[str], overrides: Mapping[str, Any], config: Any
+        self, model: Model, devices: list[str], cfg: AutoConfiguration | MultiConfiguration
     ) -> list[tuple[str, str, str]]:
         """``(node, device, why)`` for the nodes each of ``devices`` does not support."""
         proto, _ = read_model(model)
         nodes = [n.name for n in load_model(proto).nodes]
         found: list[tuple[str, str, str]] = []
         for device in devices:
-            child = self.child_config(device, overrides, config)
+            child = cfg.child_strings(device)  # parsed by the device, whose errors say why
             found += device_refusals(self._devices(), proto, device, child, nodes)
         return found
 
@@ -119,7 +111,6 @@ class MultiPlugin(_Virtual):
     def load_network(
         self, model: Model, config: Mapping[str, Any] | None = None
     ) -> MultiCompiledNetwork:
-        overrides = dict(config or {})
         cfg = self.merged_config(config)
         priorities = self._priorities(cfg)
         proto, _ = read_model(model)  # read once, hand the same model to each device
@@ -127,7 +118,7 @@ class MultiPlugin(_Virtual):
         failures: list[tuple[str, PlugserveError]] = []
         for device in priorities:
             try:
-                child = self.child_config(device, overrides, cfg)
+                child = cfg.child(device)
                 loaded.append((device, self._devices().load_network(proto, device, child)))
             except PlugserveError as exc:
                 log.warning("MULTI: device %s could not load the network, dropped: %s", device, exc)
@@ -142,12 +133,10 @@ class MultiPlugin(_Virtual):
         self, model: Model, config: Mapping[str, Any] | None = None
     ) -> dict[str, str]:
         """A node is supported if every listed device supports it (MULTI runs it on all)."""
-        overrides = dict(config or {})
         cfg = self.merged_config(config, strict=False)
         result: dict[str, str] | None = None
         for device in self._priorities(cfg):
-            child = self.child_config(device, overrides, cfg)
-            supported = self._devices().query_network(model, device, child)
+            supported = self._devices().query_network(model, device, cfg.child(device))
             result = (
                 dict.fromkeys(supported, self.name)
                 if result is None
@@ -161,7 +150,7 @@ class MultiPlugin(_Virtual):
         """``(node, device, why)`` for each listed device and node it cannot run (MULTI then
         runs the network without that device)."""
         cfg = self.merged_config(config, strict=False)
-        return self._refusals(model, self._priorities(cfg), dict(config or {}), cfg)
+        return self._refusals(model, self._priorities(cfg), cfg)
 
     def import_network(
         self, data: bytes, config: Mapping[str, Any] | None = None
@@ -174,18 +163,17 @@ class MultiPlugin(_Virtual):
         loaded: list[tuple[str, CompiledNetwork]] = []
         try:
             for device in header.get("devices", []):
-                child = self.child_config(device, dict(config or {}), cfg)
                 network = self._devices().import_network(
-                    base64.b64decode(blobs[device]), device, child
+                    base64.b64decode(blobs[device]), device, cfg.child_strings(device)
                 )
                 loaded.append((device, network))
         except (KeyError, ValueError):
             for _, network in loaded:
-                _close(network)
+                close_quietly(network)
             raise InvalidArgument("exported MULTI network is corrupt (device blobs)") from None
         except PlugserveError:
             for _, network in loaded:
-                _close(network)
+                close_quietly(network)
             raise
         if not loaded:
             raise InvalidArgument("exported MULTI network names no device")
@@ -205,12 +193,7 @@ class AutoPlugin(_Virtual):
     def _known(self) -> set[str]:
         """Every device the Core knows, available or not (to tell a typo from a missing one)."""
         devices = self._devices()
-        infos = getattr(devices, "devices", None)
-        names = set(devices.available_devices)
-        if callable(infos):
-            with contextlib.suppress(Exception):
-                names |= {info.name for info in infos()}
-        return names
+        return set(devices.available_devices) | {info.name for info in devices.devices()}
 
     def candidates(self, cfg: AutoConfiguration) -> tuple[list[str], list[str]]:
         """The devices to try in order, and why each other one was skipped."""
@@ -236,10 +219,11 @@ class AutoPlugin(_Virtual):
             skipped.extend(f"{d}: excluded" for d in excluded)
         return chosen, skipped
 
-    def _covers(self, graph: Any, proto: Any, device: str, child: dict) -> str:
-        """Empty if ``device`` supports every node, else why not."""
+    def _covers(self, graph: Any, proto: Any, device: str, cfg: AutoConfiguration) -> str:
+        """Empty if ``device`` supports every node, else why not (a configuration the
+        device refuses included)."""
         try:
-            supported = self._devices().query_network(proto, device, child)
+            supported = self._devices().query_network(proto, device, cfg.child(device))
         except PlugserveError as exc:
             return f"QueryNetwork failed: {exc}"
         missing = [n.name for n in graph.nodes if n.name not in supported]
@@ -253,14 +237,13 @@ class AutoPlugin(_Virtual):
         self, model: Model, config: Mapping[str, Any] | None = None
     ) -> tuple[list[str], list[str]]:
         """The devices that can run ``model``, best first, and the reasons for the others."""
-        overrides = dict(config or {})
         cfg = self.merged_config(config, strict=False)
         proto, _ = read_model(model)
         graph = load_model(proto)
         candidates, reasons = self.candidates(cfg)
         usable = []
         for device in candidates:
-            why = self._covers(graph, proto, device, self.child_config(device, overrides, cfg))
+            why = self._covers(graph, proto, device, cfg)
             if why:
                 reasons.append(f"{device}: {why}")
             else:
@@ -270,32 +253,31 @@ class AutoPlugin(_Virtual):
     def load_network(
         self, model: Model, config: Mapping[str, Any] | None = None
     ) -> AutoCompiledNetwork:
-        overrides = dict(config or {})
         cfg = self.merged_config(config)
         proto, _ = read_model(model)
-        usable, reasons = self.select(proto, config)
-        candidates = self._candidates(usable, overrides, cfg)
+        usable, reasons = self.select(proto, cfg)
+        candidates = self._candidates(usable, cfg)
         budget = float(cfg.get("MEASURE_SECONDS"))
         # no input to measure on (strings, unknown ranks): nothing to compile the rest for
         feeds = made_up_inputs(proto) if budget > 0 and len(candidates) > 1 else None
         if feeds is None:
             for candidate in candidates:  # the first in priority order that compiles
-                if self._compile(proto, candidate, reasons):
+                if self._compile(proto, candidate, reasons, cfg):
                     return self._chosen(cfg, candidate, [])
         else:
             for candidate in candidates:
-                self._compile(proto, candidate, reasons)
+                self._compile(proto, candidate, reasons, cfg)
             checker = reference(candidates)
-            beside = None if checker else self._reference_beside(proto, overrides, cfg)
+            beside = None if checker else self._reference_beside(proto, cfg)
             try:
                 chosen = choose(candidates, checker or beside, feeds, budget)
             except BaseException:
                 for candidate in candidates:
-                    _close(candidate.network)
+                    close_quietly(candidate.network)
                 raise
             finally:
                 if beside is not None:
-                    _close(beside.network)
+                    close_quietly(beside.network)
             shown = [*candidates, *([beside] if beside is not None else [])]
             loaded = [c for c in candidates if c.network is not None]
             chosen = chosen or (loaded[0] if loaded else None)
@@ -307,47 +289,46 @@ class AutoPlugin(_Virtual):
                 )
                 for candidate in loaded:
                     if candidate is not chosen:
-                        _close(candidate.network)
+                        close_quietly(candidate.network)
                 return self._chosen(cfg, chosen, [c.row() for c in shown])
         raise InvalidArgument(
             "AUTO: no device can run this network"
             + (f" ({'; '.join(reasons)})" if reasons else " (no candidate device)")
         )
 
-    def _candidates(
-        self, usable: list[str], overrides: dict[str, Any], cfg: AutoConfiguration
-    ) -> list[Candidate]:
+    def _candidates(self, usable: list[str], cfg: AutoConfiguration) -> list[Candidate]:
         """Each usable device in each precision its config allows it (OPENVINO's default
         reduced precision and f32, unless a hint or ACCURACY settles it), in priority order."""
         found = []
         for device in usable:
-            child = self.child_config(device, overrides, cfg)
+            child = cfg.child_strings(device)
             plugin = self._devices().plugin(device)
-            for change in plugin.precision_choices(plugin.merged_config(child, strict=False)):
+            for change in plugin.precision_choices(cfg.child(device)):
                 found.append(Candidate(device, {**child, **change}))
         return found[:MAX_CANDIDATES]
 
-    def _reference_beside(
-        self, proto: Any, overrides: dict[str, Any], cfg: AutoConfiguration
-    ) -> Candidate | None:
+    def _reference_beside(self, proto: Any, cfg: AutoConfiguration) -> Candidate | None:
         """A network of :data:`REFERENCE_DEVICES` to check candidates none of which is one
         (a third-party device's answer is not trusted on its own)."""
         available = set(self._devices().available_devices)
         for device in REFERENCE_DEVICES:
             if device not in available:
                 continue
-            child = self.child_config(device, overrides, cfg)
+            child = cfg.child_strings(device)
             candidate = Candidate(device, {**child, "EXECUTION_MODE_HINT": "ACCURACY"})
-            if self._compile(proto, candidate, []):
+            if self._compile(proto, candidate, [], cfg):
                 candidate.verdict = "reference only"
                 return candidate
         return None
 
-    def _compile(self, proto: Any, candidate: Candidate, reasons: list[str]) -> bool:
+    def _compile(
+        self, proto: Any, candidate: Candidate, reasons: list[str], cfg: AutoConfiguration
+    ) -> bool:
+        """Compile ``candidate`` with its configuration, parsed once for this load (the
+        one :meth:`select` queried with, when the candidate changes nothing)."""
         try:
-            candidate.network = self._devices().load_network(
-                proto, candidate.device, candidate.config
-            )
+            typed = cfg.device_config(candidate.device, candidate.config)
+            candidate.network = self._devices().load_network(proto, candidate.device, typed)
         except PlugserveError as exc:
             log.warning("AUTO: %s could not compile the network (%s)", candidate.device, exc)
             reasons.append(f"{candidate.device}: {type(exc).__name__}: {exc}")
@@ -367,24 +348,23 @@ class AutoPlugin(_Virtual):
         self, model: Model, config: Mapping[str, Any] | None = None
     ) -> dict[str, str]:
         """The nodes of the device AUTO would choose (all of them, or none)."""
-        usable, _ = self.select(model, config)
+        cfg = self.merged_config(config, strict=False)
+        usable, _ = self.select(model, cfg)
         if not usable:
             return {}
-        cfg = self.merged_config(config, strict=False)
         device = usable[0]
-        child = self.child_config(device, dict(config or {}), cfg)
-        return dict(self._devices().query_network(model, device, child))
+        return dict(self._devices().query_network(model, device, cfg.child(device)))
 
     def refusals(
         self, model: Model, config: Mapping[str, Any] | None = None
     ) -> list[tuple[str, str, str]]:
         """``(node, device, why)`` for the devices tried before the one AUTO chose (all of
         them when none runs every node)."""
-        usable, _ = self.select(model, config)
         cfg = self.merged_config(config, strict=False)
+        usable, _ = self.select(model, cfg)
         candidates, _ = self.candidates(cfg)
         before = candidates[: candidates.index(usable[0])] if usable else candidates
-        return self._refusals(model, before, dict(config or {}), cfg)
+        return self._refusals(model, before, cfg)
 
     def import_network(
         self, data: bytes, config: Mapping[str, Any] | None = None
@@ -393,6 +373,5 @@ class AutoPlugin(_Virtual):
         device = header.get("device")
         if not device:
             raise InvalidArgument("exported AUTO network names no device")
-        child = self.child_config(device, dict(config or {}), cfg)
-        network = self._devices().import_network(payload, device, child)
+        network = self._devices().import_network(payload, device, cfg.child_strings(device))
         return AutoCompiledNetwork(self, cfg, device, network, header.get("measured") or [])

@@ -28,6 +28,9 @@ from typing import Any
 
 import numpy as np
 
+from plugserve.plugins.configuration import available_cores
+from plugserve.plugins.numpy.blas import NO_TRANS, ROW_MAJOR, sgemm
+
 __all__ = ["gemm_into", "matmul", "run_jobs", "use_threads", "width"]
 
 #: Below this many multiply-adds a GEMM runs whole on the calling thread: waking a helper
@@ -68,8 +71,6 @@ def run_jobs(jobs: list) -> None:
 def _helpers() -> ThreadPoolExecutor:
     with _pool_lock:
         if not _pool:
-            from plugserve.plugins.api import available_cores
-
             workers = max(1, available_cores() - 1)
             _pool.append(ThreadPoolExecutor(workers, thread_name_prefix="numpy-gemm"))
         return _pool[0]
@@ -137,8 +138,6 @@ def gemm_into(
     already in ``out``), split like :func:`matmul`. ``epilogue`` (in place, row-wise: a GELU, a
     LayerNormalization) then runs on each block of rows as soon as its product is done, on the
     thread that made it, while the block is still in cache; with one, the split is by rows."""
-    from plugserve.plugins.numpy.blas import NO_TRANS, ROW_MAJOR, sgemm
-
     assert sgemm is not None
     m, k = a.shape
     n = b.shape[1]

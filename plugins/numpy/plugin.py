@@ -37,6 +37,7 @@ from plugserve.plugins.ir import (
     subgraph_free_names,
 )
 from plugserve.plugins.numpy import blas
+from plugserve.plugins.numpy import kernels as _kernels  # noqa: F401  (registers the kernels)
 from plugserve.plugins.numpy.compiled import NumpyCompiledNetwork
 from plugserve.plugins.numpy.config import NumpyConfiguration
 from plugserve.plugins.numpy.engine import compile_plan
@@ -91,8 +92,6 @@ class NumpyPlugin(Plugin):
                 raise RuntimeError("matmul returned a wrong result")
         except Exception as exc:
             raise BackendUnavailable(f"numpy does not work here: {exc}") from exc
-        from plugserve.plugins.numpy import kernels  # noqa: F401  (registers the kernels)
-
         if not default_registry.ops():
             raise BackendUnavailable("no numpy kernels are registered")
         self.registry: Registry = default_registry.child()
@@ -300,6 +299,4 @@ class NumpyPlugin(Plugin):
 
 
 def _spec(name: str) -> Any:
-    from plugserve.plugins.api import TensorSpec
-
     return TensorSpec(name, None, None)

@@ -25,6 +25,9 @@ def _port_index(ports: list[Any], name: str, fallback: int) -> int | None:
 
 class OpenvinoCompiledNetwork(CompiledNetwork):
     plugin: OpenvinoPlugin
+    #: the threads that wait on openvino's async requests, made on first use (declared here
+    #: so that ``__del__`` of a half-made network reads None)
+    _waiters: StreamsExecutor | None = None
 
     def __init__(
         self,
@@ -76,7 +79,7 @@ class OpenvinoCompiledNetwork(CompiledNetwork):
         self._stop_waiters()
 
     def _stop_waiters(self) -> None:
-        waiters = getattr(self, "_waiters", None)  # __del__ of a half-made network
+        waiters = self._waiters  # None too in __del__ of a half-made network
         if waiters is not None:
             waiters.shutdown(wait=False)
 

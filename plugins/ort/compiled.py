@@ -54,6 +54,9 @@ class OrtCompiledNetwork(CompiledNetwork):
     """
 
     plugin: OrtPlugin
+    #: the folder of profiling sessions' files, made on first use (declared here so that
+    #: ``__del__`` of a half-made network reads None)
+    _profiles: tempfile.TemporaryDirectory | None = None
 
     def __init__(
         self,
@@ -163,6 +166,6 @@ class OrtCompiledNetwork(CompiledNetwork):
     def __del__(self) -> None:
         super().__del__()
         # not in close(): a request still alive may profile again after its network closed
-        profiles = getattr(self, "_profiles", None)
+        profiles = self._profiles  # None too in __del__ of a half-made network
         if profiles is not None:
             profiles.cleanup()

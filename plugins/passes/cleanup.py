@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from plugserve.plugins.ir import Graph
+from plugserve.plugins.ir import Graph, subgraph_free_names
 from plugserve.plugins.passes.manager import PassContext
 
 __all__ = ["eliminate_dead_nodes"]
@@ -16,8 +16,6 @@ def eliminate_dead_nodes(graph: Graph, context: PassContext) -> bool:
         if any(o in needed for o in node.outputs if o):
             kept.append(node)
             needed.update(n for n in node.inputs if n)
-            from plugserve.plugins.ir import subgraph_free_names
-
             needed.update(subgraph_free_names(node))
         else:
             graph.absorbed.extend(node.fused_names)

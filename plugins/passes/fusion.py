@@ -23,6 +23,8 @@ __all__ = [
     "fuse_conv_pool",
     "fuse_gelu",
     "fuse_relu_relu",
+    "merge_names",
+    "sole_readers",
 ]
 
 FUSED_DOMAIN = "ai.plugserve"
@@ -49,7 +51,7 @@ def sole_readers(graph: Graph) -> dict[str, Node]:
     }
 
 
-def _merge(into: Node, *removed: Node) -> None:
+def merge_names(into: Node, *removed: Node) -> None:
     """The removed nodes' original names join ``into``'s, once each (one set, not a scan per
     name: a node absorbing a long chain stays linear)."""
     seen = set(into.fused_names)
@@ -95,7 +97,7 @@ def fold_conv_batchnorm(graph: Graph, context: PassContext) -> bool:
             graph.value_info[name] = TensorSpec(name, value.dtype, tuple(value.shape))
         conv.inputs = [conv.inputs[0], w_name, b_name]
         conv.outputs = list(bn.outputs)
-        _merge(conv, bn)
+        merge_names(conv, bn)
         dropped.add(id(bn))
     return _drop(graph, dropped)
 
@@ -122,7 +124,7 @@ def fuse_activations(graph: Graph, context: PassContext) -> bool:
         params = [float(act.attr(name, default)) for name, default in ACTIVATIONS[act.op_type]]
         base.set_attr("activation_params", params, AttributeProto.FLOATS)
         base.outputs = list(act.outputs)
-        _merge(base, act)
+        merge_names(base, act)
         dropped.add(id(act))
     return _drop(graph, dropped, fused=True)
 
@@ -166,7 +168,7 @@ def fuse_conv_pool(graph: Graph, context: PassContext) -> bool:
         for name in pool.attrs:
             conv.set_attr(f"pool_{name}", pool.attr(name))
         conv.outputs = [pool.outputs[0]]
-        _merge(conv, pool)
+        merge_names(conv, pool)
         dropped.add(id(pool))
     return _drop(graph, dropped, fused=True)
 
@@ -191,7 +193,7 @@ def fuse_relu_relu(graph: Graph, context: PassContext) -> bool:
             chain.append(second)
             dropped.add(id(second))
         if chain:
-            _merge(first, *chain)
+            merge_names(first, *chain)
     return _drop(graph, dropped)
 
 
@@ -296,7 +298,7 @@ def fuse_gelu(graph: Graph, context: PassContext) -> bool:
             metadata={"base_op": "Gelu", "opset": "20"},
         )
         for node in found:
-            _merge(fused, node)
+            merge_names(fused, node)
         for node in found:
             replaced[id(node)] = fused
     if not replaced:

@@ -15,7 +15,7 @@ import onnx
 from onnx import AttributeProto, FunctionProto, GraphProto, NodeProto
 
 from plugserve.plugins.api import InvalidModel
-from plugserve.plugins.ir import Graph, Node
+from plugserve.plugins.ir import Graph, Node, onnx_dtype
 from plugserve.plugins.passes.manager import PassContext
 
 __all__ = ["inline_functions"]
@@ -105,8 +105,6 @@ def _input_types(node: Node, graph: Graph) -> list[onnx.TypeProto] | None:
         if not name:
             types.append(onnx.TypeProto())
             continue
-        from plugserve.plugins.ir import onnx_dtype
-
         shape = (
             None if spec.shape is None else [d if isinstance(d, int) else None for d in spec.shape]
         )

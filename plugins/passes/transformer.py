@@ -23,7 +23,7 @@ from onnx import AttributeProto
 
 from plugserve.plugins.api import TensorSpec
 from plugserve.plugins.ir import Graph, Node
-from plugserve.plugins.passes.fusion import FUSED_DOMAIN, _merge, sole_readers
+from plugserve.plugins.passes.fusion import FUSED_DOMAIN, merge_names, sole_readers
 from plugserve.plugins.passes.manager import PassContext
 
 __all__ = ["fuse_attention", "fuse_linear", "fuse_transformer", "merge_linears"]
@@ -119,7 +119,7 @@ def fuse_linear(graph: Graph, context: PassContext) -> bool:
         fused.domain = FUSED_DOMAIN
         fused.set_attr("epilogue", "none")
         for node in (mm, add):
-            _merge(fused, node)
+            merge_names(fused, node)
         rewrite.add(fused, [mm, add], add)
     changed = rewrite.apply(graph)
     return _grow_linears(graph) or changed
@@ -167,7 +167,7 @@ def _grow_linears(graph: Graph) -> bool:
         linear.inputs = inputs
         linear.outputs = [swallowed[-1].outputs[0]]
         for node in swallowed:
-            _merge(linear, node)
+            merge_names(linear, node)
         rewrite.add(linear, [linear, *swallowed], swallowed[-1])
     return rewrite.apply(graph)
 
@@ -311,7 +311,7 @@ def fuse_attention(graph: Graph, context: PassContext) -> bool:
         fused.set_attr("scale", scale, AttributeProto.FLOAT)
         fused.set_attr("transpose_output", int(transposed))
         for node in chain:
-            _merge(fused, node)
+            merge_names(fused, node)
         rewrite.add(fused, chain, chain[-1])
     return rewrite.apply(graph)
 
@@ -350,6 +350,6 @@ def merge_linears(graph: Graph, context: PassContext) -> bool:
         fused.set_attr("epilogue", "none")
         fused.set_attr("splits", [int(w.shape[1]) for w in weights])
         for node in members:
-            _merge(fused, node)
+            merge_names(fused, node)
         rewrite.add(fused, members, members[0])
     return rewrite.apply(graph)

@@ -96,6 +96,7 @@ def small_ok(server) -> bool:
     return json.loads(answer.read())["outputs"][0]["data"] == [4, 6]
 
 
+@pytest.mark.slow
 def test_eight_100_mb_json_bodies_at_once_stay_within_the_budget(server):
     body = json_body(25 * MB)  # 2 x 25M zeros: a 100 MB body, charged 2 GB
     assert 100 * MB <= len(body) < 101 * MB

@@ -8,12 +8,15 @@ status, other clients served within seconds, memory (VmHWM from /proc) bounded.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import re
+import socket
 import struct
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -26,7 +29,9 @@ from serving import RunningServer, wait_for
 
 from plugserve.client import Client
 from plugserve.proto import plugserve_pb2 as pb
+from plugserve.server import callgate, rest_http
 from plugserve.server.examples import build_examples
+from plugserve.server.handlers import STREAM_WINDOW
 
 MB = 1 << 20
 TOKEN = "infer-token-0123456789abcdef"
@@ -223,7 +228,8 @@ def test_unary_calls_that_never_send_their_message_are_evicted(server, silent):
     """As many silent unary calls as the pool has threads: the ones waiting longest make room
     for real clients; the rest are refused or cancelled, never served."""
     silent.open(KSERVE + "ModelInfer", WORKERS, metadata=auth())
-    time.sleep(1.5)  # they have waited longer than a real client's message ever takes
+    # they have waited longer than a real client's message ever takes (the gate's bound)
+    time.sleep(2 * callgate.EVICT_AFTER)
     served_soon(server)
     served_soon(server)
     assert server.process.poll() is None
@@ -242,7 +248,7 @@ def test_idle_calls_on_the_plaintext_health_port_leave_probes_answered(server, s
     try:
         held.open("/grpc.health.v1.Health/Check", 4)
         held.open("/grpc.health.v1.Health/Watch", 2, streaming=True)
-        time.sleep(1.5)
+        time.sleep(2 * callgate.EVICT_AFTER)  # past the gate's bound: the oldest may go
         for _ in range(3):
             with grpc.insecure_channel(target) as channel:
                 reply = health_pb2_grpc.HealthStub(channel).Check(
@@ -372,11 +378,57 @@ def test_a_stream_whose_responses_are_never_read_is_bounded(fresh):
     start = proc_status(fresh.process.pid, "VmRSS")
     with grpc.insecure_channel(fresh.target) as channel:
         call = channel.stream_stream(KSERVE + "ModelStreamInfer")(requests(), metadata=auth())
-        time.sleep(8)  # the server reads, computes and tries to send; nobody reads
+        # the server reads, computes and tries to send; nobody reads: wait until it has
+        # computed its window and then stopped (a server that kept reading would not stop)
+        assert wait_for(lambda: _stopped_at(fresh, "fanout") >= STREAM_WINDOW, timeout=60)
         rss = proc_status(fresh.process.pid, "VmHWM")
         call.cancel()
     assert (rss - start) * 1024 < 600 * MB, (rss - start) >> 10
     served_soon(fresh)
+
+
+def _succeeded(server: RunningServer, model: str) -> float:
+    """``model``'s successful requests, from the server's /metrics."""
+    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("plugserve_inference_requests_total{")
+        and f'model="{model}"' in line
+        and 'status="success"' in line
+    )
+
+
+def _stopped_at(server: RunningServer, model: str, still: float = 1.0) -> float:
+    """``model``'s successful requests once that count has not moved for ``still`` seconds
+    (0 while it moves)."""
+    before = _succeeded(server, model)
+    time.sleep(still)
+    after = _succeeded(server, model)
+    return after if after == before else 0
+
+
+def _closed(sock) -> bool:
+    """Whether the server has closed or reset ``sock``'s connection, read from the kernel's
+    TCP state (without reading what the socket holds)."""
+    state = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0]
+    return state in (_TCP_CLOSE, _TCP_CLOSE_WAIT)
+
+
+_TCP_CLOSE, _TCP_CLOSE_WAIT = 7, 8  # linux/tcp_states.h
+
+
+def _server_closed(server_port: int, sock) -> bool:
+    """Whether the server has closed its end of ``sock``'s connection, read from the server
+    side's TCP state (/proc/net/tcp): a client that reads nothing never sees the server's FIN,
+    queued behind the reply it does not read."""
+    local = f"0100007F:{server_port:04X}"
+    remote = f"0100007F:{sock.getsockname()[1]:04X}"
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if fields[1] == local and fields[2] == remote:
+            return fields[3] != "01"  # anything but ESTABLISHED: closing or closed
+    return True  # gone
 
 
 def _health(server: RunningServer, within: float = 10.0) -> int:
@@ -395,8 +447,6 @@ def test_idle_and_half_sent_http_connections_leave_the_rest_port_serving(tmp_pat
     a byte and 40 that send headers and half a body. The oldest idle ones make room for real
     clients, a half-sent body ends with 408 after --request-read-timeout, and every
     connection that never sent a request is closed by then."""
-    import socket
-
     args = ["--grpc-workers", str(WORKERS), "--request-read-timeout", "3"]
     with RunningServer(*args) as server:
         half = []
@@ -406,10 +456,12 @@ def test_idle_and_half_sent_http_connections_leave_the_rest_port_serving(tmp_pat
                 b"POST /v2/models/add/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n{"
             )
             half.append(c)
-        time.sleep(0.5)  # their headers are in: requests under way, waiting for their bodies
+        # their headers are in: requests under way, waiting for their bodies (older than the
+        # idle ones by the eviction bound, so those are evicted first)
+        time.sleep(rest_http.EVICT_AFTER)
         idle = [socket.create_connection(("127.0.0.1", server.http_port)) for _ in range(100)]
         try:
-            time.sleep(1)  # the idle ones have waited past EVICT_AFTER
+            time.sleep(2 * rest_http.EVICT_AFTER)  # the idle ones have waited past EVICT_AFTER
             assert _health(server) == 200
             served_soon(server)
             half[0].settimeout(15)
@@ -420,7 +472,8 @@ def test_idle_and_half_sent_http_connections_leave_the_rest_port_serving(tmp_pat
                     break
                 reply += chunk
             assert b" 408 " in reply.split(b"\r\n")[0] and b"--request-read-timeout" in reply
-            time.sleep(4)  # past the read timeout: every silent connection is closed
+            # past the read timeout: every silent connection is closed
+            wait_for(lambda: all(_closed(c) for c in idle), timeout=15)
             closed = 0
             for c in idle:
                 c.settimeout(1)
@@ -439,13 +492,6 @@ def test_a_client_that_never_reads_its_replies_is_cut_off(tmp_path):
     """Two pipelined requests whose 4 MiB replies the client never reads: the transport's
     buffer stays full, and after --request-read-timeout the connection is cut off (before,
     it held its slot and the reply for as long as the client liked). Others are served."""
-    import contextlib
-    import json
-    import socket
-    import threading
-
-    import numpy as np
-
     n = 1 << 20
     data = np.ones(n, np.float32).tobytes()
     tensor = {"shape": [n], "datatype": "FP32", "parameters": {"binary_data_size": len(data)}}
@@ -472,7 +518,8 @@ def test_a_client_that_never_reads_its_replies_is_cut_off(tmp_path):
 
         threading.Thread(target=send, daemon=True).start()
         try:
-            time.sleep(6)  # past the read timeout and the next sweep
+            # past the read timeout: cut off
+            wait_for(lambda: _server_closed(server.http_port, client), timeout=30)
             assert _health(server) == 200
             client.settimeout(10)
             received = 0

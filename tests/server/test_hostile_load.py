@@ -157,6 +157,7 @@ def test_max_model_bytes_applies_to_query_and_import(server, stub):
 # --------------------------------------------------------------------------- item 3
 
 
+@pytest.mark.slow
 def test_a_10000_node_relu_chain_is_queried_and_loaded(server, stub, devices):
     """O(n^2) passes took over 240 s of CPU here (openvino's query 20 s for 2,000 nodes, and
     growing with the cube); the deadline is far above linear time."""

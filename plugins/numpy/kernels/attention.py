@@ -27,7 +27,7 @@ from collections.abc import Callable
 import numpy as np
 
 from plugserve.plugins.numpy.blas import sgemm as _SGEMM
-from plugserve.plugins.numpy.kernels.elementwise import gelu_erf_halved_f32
+from plugserve.plugins.numpy.kernels.elementwise import erf_kernel, gelu_erf_halved_f32
 from plugserve.plugins.numpy.kernels.reduce import (
     layer_norm_rows_inplace,
     softmax_last_axis_inplace,
@@ -162,9 +162,7 @@ def _plain_linear(ctx: KernelContext, kind: str) -> Callable[..., np.ndarray]:
 
 
 def _reference_gelu(y: np.ndarray) -> np.ndarray:
-    from plugserve.plugins.numpy.kernels.elementwise import _erf
-
-    erf = _erf(np.dtype(np.float64))
+    erf = erf_kernel(np.dtype(np.float64))
     y64 = y.astype(np.float64)
     return (0.5 * y64 * (1 + erf(y64 * _INV_SQRT2))).astype(y.dtype)
 

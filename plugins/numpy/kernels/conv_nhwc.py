@@ -21,7 +21,7 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from plugserve.plugins.numpy.kernels.window import ConvSpec
-from plugserve.plugins.numpy.kernels.winograd import _WG
+from plugserve.plugins.numpy.kernels.winograd import WINOGRAD_TRANSFORMS
 from plugserve.plugins.numpy.parallel import matmul as _gemm
 
 __all__ = [
@@ -116,7 +116,7 @@ class ChannelLastWinograd:
     def __init__(self, spec: ConvSpec, w: np.ndarray, bias: np.ndarray | None, r: int) -> None:
         self.spec = spec
         self.r = r
-        self.t = _WG[r]
+        self.t = WINOGRAD_TRANSFORMS[r]
         self.m = w.shape[0]
         self.bias = bias
         self._w = w

@@ -863,7 +863,8 @@ def _erf_exact() -> Callable[[np.ndarray], np.ndarray]:
         return lambda x: np.asarray(scalar(x), dtype=np.float64)
 
 
-def _erf(dtype: np.dtype) -> Kernel:
+def erf_kernel(dtype: np.dtype) -> Kernel:
+    """erf for arrays of ``dtype`` (Erf's kernel, and the reference GELU's)."""
     if dtype.itemsize <= 4:
         return _erf_narrow(dtype)
     fn = _erf_exact()
@@ -921,7 +922,7 @@ def _gelu_erf_f32(x: np.ndarray) -> np.ndarray:
 
 @register("Erf", 9, 13)
 def erf(ctx: KernelContext):
-    return _float_only(ctx, _erf)
+    return _float_only(ctx, erf_kernel)
 
 
 @register("Gelu", 20)
@@ -955,7 +956,7 @@ def gelu(ctx: KernelContext):
         inv_sqrt2 = dtype.type(1 / math.sqrt(2))
         if dtype == np.float32:
             return _gelu_erf_f32
-        erf_fn = _erf(dtype)
+        erf_fn = erf_kernel(dtype)
 
         def run_erf(x):
             out = erf_fn(x * inv_sqrt2)

@@ -22,6 +22,7 @@ import numpy as np
 import onnx
 
 from plugserve.plugins.api import Unsupported
+from plugserve.plugins.numpy.kernels import narrow
 
 __all__ = [
     "REQUIRED",
@@ -255,8 +256,6 @@ class KernelContext:
 def build_kernel(entry: KernelEntry, ctx: KernelContext) -> Kernel:
     """The entry's kernel for the node; arithmetic on bfloat16, float8, float4, int4 or int2
     values is computed widened (see :mod:`narrow`), so each op need not know those types."""
-    from plugserve.plugins.numpy.kernels import narrow
-
     if entry.op_type not in narrow.EXACT_OPS and any(
         s is not None and narrow.is_narrow(s.dtype) for s in (*ctx._input_specs, *ctx._output_specs)
     ):

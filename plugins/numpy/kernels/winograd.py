@@ -12,7 +12,7 @@ from plugserve.plugins.numpy.kernels.window import (
 )
 from plugserve.plugins.numpy.parallel import matmul as _gemm
 
-__all__ = ["Winograd", "winograd_tile", "winograd_weights"]
+__all__ = ["WINOGRAD_TRANSFORMS", "Winograd", "winograd_tile", "winograd_weights"]
 
 
 # --------------------------------------------------------------------------- Winograd
@@ -66,7 +66,9 @@ class _WinogradTransforms:
         self.at_t = np.ascontiguousarray(self.at.T)
 
 
-_WG = {r: _WinogradTransforms(r) for r in _WG_MATRICES}
+#: The transform matrices of F(2, 3) and F(4, 3), made once (the NCHW and the channel-last
+#: Winograd kernels share them).
+WINOGRAD_TRANSFORMS = {r: _WinogradTransforms(r) for r in _WG_MATRICES}
 
 #: F(2, 3) needs this many input and output channels before the GEMM saving outweighs the
 #: tile transforms and their memory traffic. Measured inside ResNet-18 (per-node best of 40,
@@ -165,7 +167,7 @@ class Winograd:
     which is what bounds these convs (numpy's OpenBLAS runs its AVX2 kernels here)."""
 
     def __init__(self, w: np.ndarray, r: int = 2) -> None:
-        self.t = _WG[r]
+        self.t = WINOGRAD_TRANSFORMS[r]
         g = self.t.g
         # G w G^T as two batched matmuls (the einsum of it took 0.26 s for 512 x 512 channels)
         u = (g @ w.astype(np.float64) @ g.T).transpose(2, 3, 0, 1)  # (a, a, m, c)

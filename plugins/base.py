@@ -1,0 +1,619 @@
+"""The three bases of the Plugin API: a :class:`Plugin` is a device that loads or imports
+networks, a :class:`CompiledNetwork` is a network compiled for that device, and an
+:class:`InferRequest` runs it; :class:`Devices` is what a virtual device may ask of the Core.
+
+Every hook a caller uses is declared here with its default, so nothing is probed with
+``getattr``. It imports the modules below it (errors, configuration, inputs, cancellation,
+streams, blobs), none of which imports it.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import os
+import threading
+import weakref
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future
+from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
+
+import numpy as np
+
+from plugserve.plugins import blob, cancel
+from plugserve.plugins.configuration import Configuration
+from plugserve.plugins.errors import (
+    Cancelled,
+    FailedPrecondition,
+    NotFound,
+    Unsupported,
+)
+from plugserve.plugins.inputs import TensorSpec, check_inputs
+from plugserve.plugins.streams import StreamsExecutor
+
+__all__ = [
+    "CallConfig",
+    "Callback",
+    "CompiledNetwork",
+    "Devices",
+    "InferRequest",
+    "KnownDevice",
+    "Model",
+    "PerfCount",
+    "Plugin",
+    "joined_precision",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class PerfCount:
+    """One node's timing from the last inference, as ``get_performance_counts`` reports it."""
+
+    node_name: str
+    op_type: str
+    status: str  # EXECUTED, NOT_RUN, OPTIMIZED_OUT
+    exec_type: str  # the kernel that ran (e.g. "FusedConv", "onnxruntime")
+    real_time_s: float
+    device: str = ""
+    original_names: tuple[str, ...] = ()
+
+
+Model = Any  # a path (str | os.PathLike), bytes, or onnx.ModelProto
+
+#: A config as a call gives it: strings by key (parsed by the device), or a
+#: :class:`Configuration` already parsed (passed down as it is).
+CallConfig = Mapping[str, Any] | Configuration
+
+#: What ``start_async`` calls when a run completes: ``(outputs, None)`` or ``(None, error)``.
+Callback = Callable[[dict[str, np.ndarray] | None, BaseException | None], None]
+
+_Prepared = TypeVar("_Prepared")  # what a request makes of its inputs before running them
+
+
+class KnownDevice(Protocol):
+    """A device the Core knows (``Core.devices()``): whether it is available, and why not."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def available(self) -> bool: ...
+
+    @property
+    def reason(self) -> str: ...
+
+
+@runtime_checkable
+class Devices(Protocol):
+    """What a virtual plugin (HETERO, MULTI, AUTO, BATCH) may ask of the Core.
+
+    The Core hands itself to every plugin as ``plugin.devices`` after constructing it, so a
+    plugin that composes others never imports the server.
+    """
+
+    @property
+    def available_devices(self) -> list[str]: ...
+
+    def devices(self) -> Sequence[KnownDevice]:
+        """Every device the Core knows, available or not (AUTO tells a typo from a device
+        that is missing here)."""
+        ...
+
+    def plugin(self, device: str) -> Plugin: ...
+
+    def parse_config(self, device: str, config: CallConfig | None = None) -> Configuration:
+        """The configuration a load on ``device`` would use, parsed (its plugin's own
+        config, the keys its name sets, then ``config``). A virtual device makes each of its
+        devices' configurations with it once per load and hands the result down."""
+        ...
+
+    def load_network(
+        self, model: Model, device: str, config: CallConfig | None = None
+    ) -> CompiledNetwork: ...
+
+    def query_network(
+        self, model: Model, device: str, config: CallConfig | None = None
+    ) -> dict[str, str]: ...
+
+    def import_network(
+        self, data: bytes, device: str, config: CallConfig | None = None
+    ) -> CompiledNetwork: ...
+
+
+class Plugin(abc.ABC):
+    """A device. The constructor raises :class:`BackendUnavailable` when the backend cannot work."""
+
+    #: The device name users write (``NUMPY``, ``ORT``); set by subclasses.
+    name: ClassVar[str] = ""
+    config_class: ClassVar[type[Configuration]] = Configuration
+    #: How soon a running inference stops once cancelled (its deadline, its client gone,
+    #: ``InferRequest.cancel()``): the CANCELLATION metric, shown by ``plugserve devices``.
+    cancellation: ClassVar[str] = "never: a run goes on to its end"
+
+    def __init__(self) -> None:
+        self._config = self.config_class()
+        self._lock = threading.Lock()
+        #: Set by the Core: the other devices, for plugins that compose them.
+        self.devices: Devices | None = None
+
+    # --- configuration and metrics
+
+    def set_config(self, config: Mapping[str, Any]) -> None:
+        """Override keys of the plugin's configuration; an unknown key raises."""
+        with self._lock:
+            self._config = self.config_class(config, self._config)
+
+    def get_config(self, key: str) -> Any:
+        return self._config.get(key)
+
+    @property
+    def config(self) -> Configuration:
+        return self._config
+
+    def merged_config(self, config: CallConfig | None, strict: bool = True) -> Configuration:
+        """The plugin's configuration overridden by a per-call ``config``, parsed here once
+        per load: a ``config`` already parsed (this device's :attr:`config_class`, made by
+        the Core or by a virtual device for its child) is the one to use, as it is."""
+        if isinstance(config, self.config_class):
+            return config
+        return self.config_class(config or {}, self._config, throw_on_unsupported=strict)
+
+    def supported_metrics(self) -> list[str]:
+        return [
+            "SUPPORTED_METRICS",
+            "SUPPORTED_CONFIG_KEYS",
+            "AVAILABLE_DEVICES",
+            "FULL_DEVICE_NAME",
+            "IMPORT_EXPORT_SUPPORT",
+            "DEVICE_ARCHITECTURE",
+            "OPTIMIZATION_CAPABILITIES",
+            "RANGE_FOR_ASYNC_INFER_REQUESTS",
+            "RANGE_FOR_STREAMS",
+            "CANCELLATION",
+        ]
+
+    def get_metric(self, name: str, options: Mapping[str, Any] | None = None) -> Any:
+        """A static fact about the device; an unknown metric name raises (seed rule)."""
+        metrics = self.supported_metrics()
+        if name not in metrics:
+            raise NotFound(
+                f"device {self.name}: unsupported metric {name!r}; supported: {', '.join(metrics)}"
+            )
+        return self._metric(name, options or {})
+
+    #: OPTIMIZATION_CAPABILITIES, for a device whose backend does not report its own
+    CAPABILITIES: tuple[str, ...] = ()
+    #: DEVICE_ARCHITECTURE: what an exported blob must match to be imported here
+    architecture: str = ""
+
+    def device_name(self) -> str:
+        """FULL_DEVICE_NAME: the hardware and backend a person reads in ``plugserve devices``."""
+        return self.name
+
+    def capabilities(self) -> list[str]:
+        return list(self.CAPABILITIES)
+
+    def _metric(self, name: str, options: Mapping[str, Any]) -> Any:
+        """The metrics every device answers the same way; a plugin's own ``_metric`` handles
+        its extra ones and calls this for the rest."""
+        cores = os.cpu_count() or 1
+        common: dict[str, Callable[[], Any]] = {
+            "SUPPORTED_METRICS": self.supported_metrics,
+            "SUPPORTED_CONFIG_KEYS": lambda: list(self.config_class.keys()),
+            "AVAILABLE_DEVICES": lambda: [""],
+            "FULL_DEVICE_NAME": self.device_name,
+            "DEVICE_ARCHITECTURE": lambda: self.architecture,
+            "OPTIMIZATION_CAPABILITIES": self.capabilities,
+            "IMPORT_EXPORT_SUPPORT": lambda: True,
+            "RANGE_FOR_ASYNC_INFER_REQUESTS": lambda: (1, 4 * cores, 1),
+            "RANGE_FOR_STREAMS": lambda: (1, cores),
+            "CANCELLATION": lambda: self.cancellation,
+        }
+        if name in common:
+            return common[name]()
+        raise NotFound(f"device {self.name}: metric {name!r} has no value")
+
+    def _unpack(
+        self, data: bytes, config: CallConfig | None
+    ) -> tuple[dict[str, Any], bytes, Any]:
+        """An exported blob of this device: its header, its payload, and the configuration
+        to import it with (the per-call ``config`` over the one it was exported with; keys of
+        the saved one this build no longer knows are dropped, not refused). A ``config``
+        already parsed is the whole configuration (the Core's cache, whose entries are keyed
+        by it)."""
+        header, payload = blob.unpack(data, self.name, self.architecture)
+        if isinstance(config, self.config_class):
+            return header, payload, config
+        saved = self.config_class(header.get("config", {}), throw_on_unsupported=False)
+        return header, payload, self.config_class(config or {}, saved)
+
+    # --- networks
+
+    @abc.abstractmethod
+    def load_network(
+        self, model: Model, config: CallConfig | None = None
+    ) -> CompiledNetwork:
+        """Transform and compile ``model``; per-call ``config`` overrides the plugin's."""
+
+    @abc.abstractmethod
+    def query_network(
+        self, model: Model, config: CallConfig | None = None
+    ) -> dict[str, str]:
+        """``{original node name: device}`` for every node this device can run.
+
+        Unknown config keys are ignored here (the seed's ``throwOnUnsupported=false``) so a
+        virtual device can pass one config to all of its devices.
+        """
+
+    @abc.abstractmethod
+    def import_network(
+        self, blob: bytes, config: CallConfig | None = None
+    ) -> CompiledNetwork:
+        """Rebuild a network from :meth:`CompiledNetwork.export`; a foreign blob raises."""
+
+    # --- optional hooks: every plugin has them; these defaults are for plugins without
+
+    def unsupported_nodes(
+        self, model: Model, config: CallConfig | None = None
+    ) -> dict[str, str]:
+        """``{original node name: why}`` for nodes this device refuses (for error messages
+        and ``plugserve query``); empty when the device gives no reasons."""
+        return {}
+
+    def subgraphs(
+        self, model: Model, config: CallConfig | None = None
+    ) -> list[dict[str, Any]]:
+        """The split a load would make, ``[{"device": D, "nodes": [...]}, ...]`` in execution
+        order; empty for devices that do not split a model."""
+        return []
+
+    def refusals(
+        self, model: Model, config: CallConfig | None = None
+    ) -> list[tuple[str, str, str]]:
+        """``(node, device, why)`` for the nodes a virtual device's devices did not take;
+        empty for a real device (:meth:`unsupported_nodes` gives its reasons)."""
+        return []
+
+    def precision_choices(self, config: Configuration) -> list[dict[str, str]]:
+        """The config changes that give each precision ``config`` leaves open, fastest
+        expected first (AUTO times each); one, no change, for a device that computes in the
+        model's own precision."""
+        return [{}]
+
+    def add_extension(self, extension: Any) -> None:
+        raise Unsupported(f"device {self.name} does not support extensions")
+
+    def extension_names(self) -> list[str]:
+        """``domain::op_type`` of every extension added (part of the model cache key)."""
+        return []
+
+    @property
+    def type_rules(self) -> dict[tuple[str, str], Callable[..., Any]]:
+        """``{(domain, op_type): rule}``: the output types of this device's custom ops, which
+        ONNX cannot infer (HETERO types its cut points with them); none by default."""
+        return {}
+
+    def computed_types(self, graph: Any, names: Iterable[str]) -> dict[str, TensorSpec]:
+        """``{value: spec}``: the element type and rank this device computes for each of
+        ``names`` (values of ``graph``, a ``plugins.ir.Graph``, that ONNX's inference leaves
+        without a rank), for HETERO to declare where it cuts; empty for a device that cannot
+        tell."""
+        return {}
+
+
+class CompiledNetwork(abc.ABC):
+    """A network compiled for one device: creates infer requests, exports itself.
+
+    :attr:`executor` is the network's one streams executor, as OpenVINO's executor manager
+    hands one to each compiled model for its device configuration: one stream per request the
+    network can run at once (``OPTIMAL_NUMBER_OF_INFER_REQUESTS``), each stream holding its own
+    infer request. In-process ``start_async`` and the server's requests both run on it; nothing
+    schedules a network's requests a second time. It is started on first use (most in-process
+    networks only ever run synchronously, and idle threads cost) and freed by :meth:`close`.
+    """
+
+    #: Whether a run may last as long as the request asks beyond its inputs' size (a Loop
+    #: whose trip count or condition is data): such a network is never run on a thread that
+    #: serves other clients too (the REST event loop). A plugin that knows its graph has none
+    #: says so; unknown counts as open-ended.
+    open_ended: bool = True
+    #: The streams, made on first use; declared here too so that ``__del__`` of a network
+    #: whose ``__init__`` failed half way reads None.
+    _executor: StreamsExecutor | None = None
+
+    def __init__(self, plugin: Plugin, name: str, config: Configuration) -> None:
+        self.plugin = plugin
+        self.name = name
+        self.config = config
+        self.loaded_from_cache = False
+        #: The model as plugins.shapecheck keeps it, to blame a failed run on its input shapes.
+        self.shape_model: bytes | None = None
+        self._inputs: list[TensorSpec] = []
+        self._outputs: list[TensorSpec] = []
+        self._executor: StreamsExecutor | None = None
+        self._executor_lock = threading.Lock()
+
+    @property
+    def device(self) -> str:
+        return self.plugin.name
+
+    @property
+    def inputs(self) -> list[TensorSpec]:
+        """The network's inputs: what a plugin's network sets as ``_inputs`` when it is made
+        (a network that wraps another one returns that one's instead)."""
+        return self._inputs
+
+    @property
+    def outputs(self) -> list[TensorSpec]:
+        return self._outputs
+
+    @property
+    def precision(self) -> str:
+        """The precision float32 values are computed in: ``f32`` unless the device reduces
+        it (OPENVINO's bf16 or f16), for logs, listings and the metric label; a network made
+        of several devices names each of theirs (``bf16+f32``)."""
+        return "f32"
+
+    @abc.abstractmethod
+    def create_infer_request(self) -> InferRequest: ...
+
+    @abc.abstractmethod
+    def export(self) -> bytes: ...
+
+    def supported_metrics(self) -> list[str]:
+        return [
+            "SUPPORTED_METRICS",
+            "NETWORK_NAME",
+            "OPTIMAL_NUMBER_OF_INFER_REQUESTS",
+            "SUPPORTED_CONFIG_KEYS",
+            "INFERENCE_PRECISION",
+        ]
+
+    def get_metric(self, name: str) -> Any:
+        if name not in self.supported_metrics():
+            raise NotFound(
+                f"network {self.name}: unsupported metric {name!r}; "
+                f"supported: {', '.join(self.supported_metrics())}"
+            )
+        return self._metric(name)
+
+    def _metric(self, name: str) -> Any:
+        values = {
+            "SUPPORTED_METRICS": self.supported_metrics(),
+            "NETWORK_NAME": self.name,
+            "OPTIMAL_NUMBER_OF_INFER_REQUESTS": self.config.streams(),
+            "SUPPORTED_CONFIG_KEYS": list(self.config.keys()),
+            "INFERENCE_PRECISION": self.precision,
+        }
+        return values[name]
+
+    def get_config(self, key: str) -> Any:
+        return self.config.get(key)
+
+    def infer(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        """Shorthand for one synchronous inference on a fresh request."""
+        return self.create_infer_request().infer(inputs)
+
+    # --- the streams async requests run on
+
+    @property
+    def executor(self) -> StreamsExecutor:
+        """The streams this network's requests run on, started on first use (under a lock, so
+        that requests starting at once share one executor)."""
+        with self._executor_lock:
+            if self._executor is None:
+                self._executor = self._new_executor()
+            return self._executor
+
+    def _new_executor(self) -> StreamsExecutor:
+        """As many streams as ``OPTIMAL_NUMBER_OF_INFER_REQUESTS``, each making its own infer
+        request on first use."""
+        streams = int(self.get_metric("OPTIMAL_NUMBER_OF_INFER_REQUESTS"))
+        ref = weakref.ref(self)  # the stream threads must not keep this network alive
+        return StreamsExecutor(
+            f"{self.device}/{self.name}", streams, state_factory=lambda _i: _new_request(ref)
+        )
+
+    def batch_statistics(self) -> dict[int, tuple[int, int]] | None:
+        """``{rows: (batches run, nanoseconds)}`` of a network that gathers requests into
+        batches; None for one that does not batch."""
+        return None
+
+    def batching(self) -> tuple[int, float] | None:
+        """``(batch size, timeout ms)`` of a network that gathers requests into batches."""
+        return None
+
+    def close(self) -> None:
+        """Stop the streams: queued requests still run, new ones are refused.
+
+        Plugins that own more (child networks, temporary files) extend this.
+        """
+        self._shutdown_executor()
+
+    def _shutdown_executor(self) -> None:
+        executor = self._executor  # None too in a network whose __init__ failed half way
+        if executor is not None:
+            executor.shutdown(wait=False)
+
+    def __del__(self) -> None:
+        # only the threads: a dropped network must not leave them waiting forever, but closing
+        # what else it owns (child networks) is for close(), which its owner calls
+        self._shutdown_executor()
+
+
+class InferRequest(abc.ABC):
+    """One inference at a time, synchronous (:meth:`infer`) or not (:meth:`start_async`).
+
+    The async form runs on the compiled network's streams; ``wait()`` returns the outputs or
+    raises the inference's error, and a callback given to ``start_async`` is called with
+    ``(outputs, error)`` when it completes.
+    """
+
+    def __init__(self, network: CompiledNetwork) -> None:
+        self.network = network
+        self._future: Any = None
+        #: the cancellation token of the run under way (None: nothing runs)
+        self._token: cancel.Token | None = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A request class that overrides :meth:`infer` alone (a plugin written before
+        :meth:`infer_checked` existed) keeps being called through it on every path."""
+        super().__init_subclass__(**kwargs)
+        if "infer" in cls.__dict__ and "infer_checked" not in cls.__dict__:
+
+            def through_infer(self: InferRequest, arrays: list[Any]) -> dict[str, np.ndarray]:
+                return self.infer({s.name: a for s, a in zip(self.network.inputs, arrays)})
+
+            cls.infer_checked = through_infer  # type: ignore[method-assign]
+
+    def infer(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        """OpenVINO's ``sync_infer_request``: check the inputs against the network's specs,
+        :meth:`_feed` them (the backend's form), then :meth:`_run`. Plugins implement those
+        two, or :meth:`_infer` where the backend runs the request itself."""
+        return self._checked(check_inputs(self.network.name, self.network.inputs, inputs))
+
+    def infer_checked(self, arrays: list[Any]) -> dict[str, np.ndarray]:
+        """:meth:`infer` for inputs already checked by :func:`check_inputs` (in declared
+        order): the server's DataPlane checks once at its edge, and MULTI, AUTO and BATCH hand
+        their device the values they checked against the same specs.
+
+        The run answers to the token of the run under way on this thread (the server's, or a
+        virtual device's parent request's), else to a token of its own, so :meth:`cancel`
+        stops it either way."""
+        return self._checked(arrays)
+
+    def _checked(self, arrays: list[Any]) -> dict[str, np.ndarray]:
+        """The run of checked inputs under its token (both :meth:`infer` and
+        :meth:`infer_checked`: a plugin overriding one of them calls the other's base)."""
+        token = cancel.current()
+        if token is None:
+            with cancel.running(cancel.Token()) as token:
+                return self._under(token, self._infer, arrays)
+        return self._under(token, self._infer, arrays)
+
+    def _under(
+        self, token: cancel.Token, run: Callable[[_Prepared], dict[str, np.ndarray]], value: Any
+    ) -> dict[str, np.ndarray]:
+        """``run(value)`` as this request's run under way, answering to ``token``."""
+        token.raise_if_cancelled()
+        self._token = token
+        try:
+            return run(value)
+        finally:
+            self._token = None
+
+    def cancel(self) -> None:
+        """OpenVINO's ``cancel``: the run under way (synchronous on another thread, or started
+        with :meth:`start_async`) stops with :class:`Cancelled` as soon as its device can
+        stop (NUMPY: before its next node or loop iteration; ORT: its next node; OPENVINO:
+        after the node running, see ``plugserve devices``); a run still queued is dropped.
+        With nothing running it does nothing."""
+        token = self._token
+        if token is not None:
+            token.cancel(Cancelled(f"network {self.network.name}: the request was cancelled"))
+        future = self._future
+        if future is not None:
+            future.cancel()
+
+    def _infer(self, arrays: list[Any]) -> dict[str, np.ndarray]:
+        return self._run(self._feed(arrays))
+
+    def start_async(self, inputs: Mapping[str, Any], callback: Callback | None = None) -> None:
+        """The same stages, the run on a stream of the network (see :meth:`_start`)."""
+        self._start(inputs, self._prepare, self._run, callback)
+
+    def _prepare(self, inputs: Mapping[str, Any]) -> Any:
+        return self._feed(check_inputs(self.network.name, self.network.inputs, inputs))
+
+    def _feed(self, arrays: list[Any]) -> Any:
+        """Checked inputs in the form :meth:`_run` takes (as they are by default)."""
+        return arrays
+
+    def _run(self, prepared: Any) -> dict[str, np.ndarray]:
+        raise Unsupported(f"{type(self).__name__} does not run requests itself")
+
+    # --- helpers for start_async
+
+    def _busy(self) -> bool:
+        """Whether an async run started here has not finished yet."""
+        return self._future is not None and not self._future.done()
+
+    def _refuse_if_busy(self) -> None:
+        """One run at a time: a request reuses its state (inputs, sessions, counters), and
+        ``wait()`` must know which run it waits for."""
+        if self._busy():
+            raise FailedPrecondition("this request is still running: wait() for it first")
+
+    def _track(self, future: Future, callback: Callback | None) -> None:
+        """Make ``future`` the run ``wait()`` waits for, calling ``callback(outputs, error)``
+        when it completes (on the thread that completes it)."""
+        if callback is not None:
+            future.add_done_callback(lambda f: _call_back(callback, f))
+        self._future = future
+
+    def _start(
+        self,
+        inputs: Mapping[str, Any],
+        prepare: Callable[[Mapping[str, Any]], _Prepared],
+        run: Callable[[_Prepared], dict[str, np.ndarray]],
+        callback: Callback | None,
+    ) -> None:
+        """``start_async`` for a request that runs on its network's streams
+        (:attr:`CompiledNetwork.executor`): refuse while busy, ``prepare`` (check) the inputs
+        here so bad ones raise to the caller, then ``run`` the prepared inputs on a stream.
+
+        The order matters: a busy request refuses before its inputs are looked at, and input
+        errors are raised at once rather than through ``wait()``.
+        """
+        self._refuse_if_busy()
+        prepared = prepare(inputs)
+        token = cancel.Token()
+
+        def on_stream(_state: Any) -> dict[str, np.ndarray]:
+            with cancel.running(token):
+                return self._under(token, run, prepared)
+
+        future = self.network.executor.submit(on_stream, stateless=True, token=token)
+        self._track(future, callback)
+
+    def wait(self, timeout: float | None = None) -> dict[str, np.ndarray]:
+        if self._future is None:
+            raise FailedPrecondition("wait() called before start_async()")
+        try:
+            return self._future.result(timeout)
+        except TimeoutError:
+            raise
+        finally:
+            if self._future.done():
+                self._future = None
+
+    @abc.abstractmethod
+    def get_performance_counts(self) -> list[PerfCount]: ...
+
+    def _require_perf_counts(self) -> None:
+        """Counts exist only for networks loaded with PERF_COUNT=YES; say how to get them."""
+        if not self.network.config.get("PERF_COUNT"):
+            raise FailedPrecondition(
+                f"network {self.network.name}: performance counters are off; "
+                "load it with PERF_COUNT=YES"
+            )
+
+
+def joined_precision(networks: Iterable[CompiledNetwork]) -> str:
+    """The precisions of several networks, each once in their order (``bf16+f32``)."""
+    return "+".join(dict.fromkeys(n.precision for n in networks)) or "f32"
+
+
+def _new_request(ref: weakref.ref[CompiledNetwork]) -> InferRequest:
+    network = ref()
+    if network is None:
+        raise Cancelled("the network was dropped before its stream ran")
+    return network.create_infer_request()
+
+
+def _call_back(callback: Callback, future: Future) -> None:
+    error = future.exception()
+    if error is not None:
+        callback(None, error)
+    else:
+        callback(future.result(), None)
