@@ -19,6 +19,7 @@ lives in a module of its own, each importing only those before it:
 from __future__ import annotations
 
 from plugserve.plugins.base import (
+    STATE_PAIRS,
     Callback,
     CallConfig,
     CompiledNetwork,
@@ -28,7 +29,10 @@ from plugserve.plugins.base import (
     Model,
     PerfCount,
     Plugin,
+    VariableState,
+    initial_value,
     joined_precision,
+    parse_state_pairs,
 )
 from plugserve.plugins.configuration import (
     BOOL,
@@ -64,6 +68,7 @@ from plugserve.plugins.virtual import device_refusals, refusal_reasons
 
 __all__ = [
     "BOOL",
+    "STATE_PAIRS",
     "BackendUnavailable",
     "CallConfig",
     "Callback",
@@ -88,15 +93,18 @@ __all__ = [
     "ResourceExhausted",
     "TensorSpec",
     "Unsupported",
+    "VariableState",
     "available_cores",
     "check_element_type",
     "check_input_shape",
     "check_inputs",
     "cpu_name",
     "device_refusals",
+    "initial_value",
     "joined_precision",
     "listing",
     "names_of",
+    "parse_state_pairs",
     "refusal_reasons",
     "refuse_non_tensors",
 ]

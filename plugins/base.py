@@ -25,6 +25,7 @@ from plugserve.plugins.configuration import Configuration
 from plugserve.plugins.errors import (
     Cancelled,
     FailedPrecondition,
+    InvalidArgument,
     NotFound,
     Unsupported,
 )
@@ -41,8 +42,66 @@ __all__ = [
     "Model",
     "PerfCount",
     "Plugin",
+    "VariableState",
+    "initial_value",
     "joined_precision",
+    "parse_state_pairs",
 ]
+
+#: The load config key naming a network's state pairs, ``"input:output,input:output"``: each
+#: run's ``output`` is the next run's ``input``, kept in the infer request (OpenVINO's
+#: variable states; the Core takes it out of the device's config).
+STATE_PAIRS = "STATE_PAIRS"
+
+
+def parse_state_pairs(text: str) -> dict[str, str]:
+    """``"h:h_out,c:c_out"`` -> ``{"h": "h_out", "c": "c_out"}``."""
+    pairs: dict[str, str] = {}
+    for item in filter(None, (p.strip() for p in str(text).split(","))):
+        name, sep, output = (part.strip() for part in item.partition(":"))
+        if not sep or not name or not output or name in pairs:
+            raise InvalidArgument(
+                f"config key {STATE_PAIRS!r}: bad value {text!r} (expected "
+                "'state_input:state_output,...', each input once)"
+            )
+        pairs[name] = output
+    return pairs
+
+
+def initial_value(spec: TensorSpec) -> np.ndarray:
+    """A state's start value: zeros of its input's type and shape, a varying dimension 1 (as
+    Triton starts an implicit state)."""
+    dims = [d if isinstance(d, int) and d >= 0 else 1 for d in (spec.shape or [])]
+    return np.zeros(dims, np.dtype(spec.dtype if spec.dtype is not None else np.float32))
+
+
+class VariableState:
+    """OpenVINO's ``VariableState``: one state an infer request keeps between its runs, its
+    ``name`` the state input's. ``state`` reads or replaces the value the next run is fed;
+    :meth:`reset` returns it to the start value (zeros of the input's shape, a varying
+    dimension taken as 1, as Triton's implicit state starts)."""
+
+    def __init__(self, name: str, initial: np.ndarray) -> None:
+        self.name = name
+        self._initial = initial
+        self._value = initial
+
+    @property
+    def state(self) -> np.ndarray:
+        return self._value
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        array = np.asarray(value)
+        if array.dtype != self._initial.dtype or array.ndim != self._initial.ndim:
+            raise InvalidArgument(
+                f"state {self.name!r}: expected {self._initial.dtype} of rank "
+                f"{self._initial.ndim}, got {array.dtype} of shape {list(array.shape)}"
+            )
+        self._value = array
+
+    def reset(self) -> None:
+        self._value = self._initial
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +189,11 @@ class Plugin(abc.ABC):
     #: ``InferRequest.cancel()``): the CANCELLATION metric, shown by ``plugserve devices``.
     cancellation: ClassVar[str] = "never: a run goes on to its end"
 
+    #: Whether the plugin keeps a load's STATE_PAIRS as states of its own (OPENVINO's
+    #: MakeStateful): the Core then leaves the key in its config; for the others the base
+    #: infer request keeps them (:meth:`CompiledNetwork.keep_states`).
+    native_states: ClassVar[bool] = False
+
     def __init__(self) -> None:
         self._config = self.config_class()
         self._lock = threading.Lock()
@@ -213,9 +277,7 @@ class Plugin(abc.ABC):
             return common[name]()
         raise NotFound(f"device {self.name}: metric {name!r} has no value")
 
-    def _unpack(
-        self, data: bytes, config: CallConfig | None
-    ) -> tuple[dict[str, Any], bytes, Any]:
+    def _unpack(self, data: bytes, config: CallConfig | None) -> tuple[dict[str, Any], bytes, Any]:
         """An exported blob of this device: its header, its payload, and the configuration
         to import it with (the per-call ``config`` over the one it was exported with; keys of
         the saved one this build no longer knows are dropped, not refused). A ``config``
@@ -230,15 +292,11 @@ class Plugin(abc.ABC):
     # --- networks
 
     @abc.abstractmethod
-    def load_network(
-        self, model: Model, config: CallConfig | None = None
-    ) -> CompiledNetwork:
+    def load_network(self, model: Model, config: CallConfig | None = None) -> CompiledNetwork:
         """Transform and compile ``model``; per-call ``config`` overrides the plugin's."""
 
     @abc.abstractmethod
-    def query_network(
-        self, model: Model, config: CallConfig | None = None
-    ) -> dict[str, str]:
+    def query_network(self, model: Model, config: CallConfig | None = None) -> dict[str, str]:
         """``{original node name: device}`` for every node this device can run.
 
         Unknown config keys are ignored here (the seed's ``throwOnUnsupported=false``) so a
@@ -246,23 +304,17 @@ class Plugin(abc.ABC):
         """
 
     @abc.abstractmethod
-    def import_network(
-        self, blob: bytes, config: CallConfig | None = None
-    ) -> CompiledNetwork:
+    def import_network(self, blob: bytes, config: CallConfig | None = None) -> CompiledNetwork:
         """Rebuild a network from :meth:`CompiledNetwork.export`; a foreign blob raises."""
 
     # --- optional hooks: every plugin has them; these defaults are for plugins without
 
-    def unsupported_nodes(
-        self, model: Model, config: CallConfig | None = None
-    ) -> dict[str, str]:
+    def unsupported_nodes(self, model: Model, config: CallConfig | None = None) -> dict[str, str]:
         """``{original node name: why}`` for nodes this device refuses (for error messages
         and ``plugserve query``); empty when the device gives no reasons."""
         return {}
 
-    def subgraphs(
-        self, model: Model, config: CallConfig | None = None
-    ) -> list[dict[str, Any]]:
+    def subgraphs(self, model: Model, config: CallConfig | None = None) -> list[dict[str, Any]]:
         """The split a load would make, ``[{"device": D, "nodes": [...]}, ...]`` in execution
         order; empty for devices that do not split a model."""
         return []
@@ -320,6 +372,8 @@ class CompiledNetwork(abc.ABC):
     #: The streams, made on first use; declared here too so that ``__del__`` of a network
     #: whose ``__init__`` failed half way reads None.
     _executor: StreamsExecutor | None = None
+    #: ``{state input: state output}`` its requests keep between runs (:meth:`keep_states`)
+    state_pairs: Mapping[str, str] = {}
 
     def __init__(self, plugin: Plugin, name: str, config: Configuration) -> None:
         self.plugin = plugin
@@ -353,6 +407,26 @@ class CompiledNetwork(abc.ABC):
         it (OPENVINO's bf16 or f16), for logs, listings and the metric label; a network made
         of several devices names each of theirs (``bf16+f32``)."""
         return "f32"
+
+    def keep_states(self, pairs: Mapping[str, str]) -> None:
+        """Make its requests keep these input/output pairs as variable states: :meth:`infer`
+        feeds each state input from the request and keeps the state output for the next
+        run, leaving both out of what it takes and gives (the Core calls this with a load's
+        STATE_PAIRS). A network that delegates to another passes them on."""
+        names = {s.name for s in self.inputs}
+        outputs = {s.name for s in self.outputs}
+        wrong = [f"input {i!r}" for i in pairs if i not in names] + [
+            f"output {o!r}" for o in pairs.values() if o not in outputs
+        ]
+        if wrong:
+            raise InvalidArgument(
+                f"network {self.name}: {STATE_PAIRS} names {', '.join(wrong)}, which it does not "
+                f"have (inputs {sorted(names)}, outputs {sorted(outputs)})"
+            )
+        self.state_pairs = dict(pairs)
+
+    def initial_state(self, name: str) -> np.ndarray:
+        return initial_value(next(s for s in self.inputs if s.name == name))
 
     @abc.abstractmethod
     def create_infer_request(self) -> InferRequest: ...
@@ -451,6 +525,7 @@ class InferRequest(abc.ABC):
 
     def __init__(self, network: CompiledNetwork) -> None:
         self.network = network
+        self._states: dict[str, VariableState] | None = None
         self._future: Any = None
         #: the cancellation token of the run under way (None: nothing runs)
         self._token: cancel.Token | None = None
@@ -469,8 +544,33 @@ class InferRequest(abc.ABC):
     def infer(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
         """OpenVINO's ``sync_infer_request``: check the inputs against the network's specs,
         :meth:`_feed` them (the backend's form), then :meth:`_run`. Plugins implement those
-        two, or :meth:`_infer` where the backend runs the request itself."""
-        return self._checked(check_inputs(self.network.name, self.network.inputs, inputs))
+        two, or :meth:`_infer` where the backend runs the request itself. A network that
+        keeps states (:meth:`CompiledNetwork.keep_states`) is fed them here, and keeps what
+        its state outputs give for the next run."""
+        pairs = self.network.state_pairs
+        if not pairs:
+            return self._checked(check_inputs(self.network.name, self.network.inputs, inputs))
+        states = {s.name: s for s in self.query_state()}
+        feed = {**{name: state.state for name, state in states.items()}, **inputs}
+        outputs = self._checked(check_inputs(self.network.name, self.network.inputs, feed))
+        for name, output in pairs.items():
+            states[name].state = outputs.pop(output)
+        return outputs
+
+    def query_state(self) -> list[VariableState]:
+        """OpenVINO's ``query_state``: the states this request keeps, one per state input
+        (none for a network without STATE_PAIRS)."""
+        if self._states is None:
+            self._states = {
+                name: VariableState(name, self.network.initial_state(name))
+                for name in self.network.state_pairs
+            }
+        return list(self._states.values())
+
+    def reset_state(self) -> None:
+        """OpenVINO's ``reset_state``: every state back to its start (a new sequence)."""
+        for state in self.query_state():
+            state.reset()
 
     def infer_checked(self, arrays: list[Any]) -> dict[str, np.ndarray]:
         """:meth:`infer` for inputs already checked by :func:`check_inputs` (in declared

@@ -147,9 +147,7 @@ class VirtualPlugin(Plugin):
             raise FailedPrecondition(f"{self.name} needs a Core to reach other devices")
         return self.devices
 
-    def _unpack(
-        self, data: bytes, config: CallConfig | None
-    ) -> tuple[dict[str, Any], bytes, Any]:
+    def _unpack(self, data: bytes, config: CallConfig | None) -> tuple[dict[str, Any], bytes, Any]:
         if isinstance(config, self.config_class):
             return super()._unpack(data, config)
         header, payload, cfg = super()._unpack(data, config)

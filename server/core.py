@@ -24,6 +24,7 @@ import onnx
 
 from plugserve.plugins import blob, cancel
 from plugserve.plugins.api import (
+    STATE_PAIRS,
     CallConfig,
     CompiledNetwork,
     Configuration,
@@ -32,6 +33,7 @@ from plugserve.plugins.api import (
     NotFound,
     Plugin,
     PlugserveError,
+    parse_state_pairs,
 )
 from plugserve.plugins.version import plugserve_version
 from plugserve.server.devices import DeviceName, parse_device
@@ -243,8 +245,24 @@ class Core:
     ) -> CompiledNetwork:
         """Compile ``model`` on ``device``; with ``CACHE_DIR`` set, reuse an earlier export.
         ``should_stop``: when it turns true the work stops with Cancelled (see cancel.py)."""
+        pairs: dict[str, str] = {}
+        if (
+            not isinstance(config, Configuration)
+            and config
+            and STATE_PAIRS in config
+            and not self.resolve(device, None)[0].native_states
+        ):
+            config = dict(config)
+            pairs = parse_state_pairs(config.pop(STATE_PAIRS))
         with _stopping(should_stop):
-            return self._load_network(model, device, config)
+            network = self._load_network(model, device, config)
+        if pairs:  # the Core's key, not the device's: every device's requests keep them
+            try:
+                network.keep_states(pairs)
+            except PlugserveError:
+                network.close()
+                raise
+        return network
 
     def _load_network(
         self, model: Model, device: str, config: Mapping[str, Any] | None

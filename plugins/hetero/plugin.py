@@ -71,9 +71,7 @@ class HeteroPlugin(VirtualPlugin):
             devices.plugin(device)  # NotFound names an unknown or unavailable device
         return priorities
 
-    def affinities(
-        self, graph: Graph, model: Any, config: HeteroConfiguration
-    ) -> dict[str, str]:
+    def affinities(self, graph: Graph, model: Any, config: HeteroConfiguration) -> dict[str, str]:
         """``{node name: device}``: the user's pins first, then QueryNetwork by priority."""
         priorities = self._priorities(config)
         names = {n.name for n in graph.nodes}
@@ -93,9 +91,7 @@ class HeteroPlugin(VirtualPlugin):
                 chosen.setdefault(node, device)
         return chosen
 
-    def _query(
-        self, model: Any, device: str, config: HeteroConfiguration
-    ) -> dict[str, str]:
+    def _query(self, model: Any, device: str, config: HeteroConfiguration) -> dict[str, str]:
         """A device's QueryNetwork; one that cannot read the model at all takes no node, and
         every node goes on to the next device (``refusals`` says why)."""
         try:
@@ -178,9 +174,7 @@ class HeteroPlugin(VirtualPlugin):
         cfg = self.merged_config(config, strict=False)
         proto, _ = read_model(model)
         graph = load_model(proto)
-        plan = self._plan(
-            graph, self.affinities(graph, proto, cfg), self._priorities(cfg)
-        )
+        plan = self._plan(graph, self.affinities(graph, proto, cfg), self._priorities(cfg))
         return [{"device": d, "nodes": [graph.nodes[i].name for i in nodes]} for d, nodes in plan]
 
     def _plan(

@@ -11,6 +11,7 @@ import base64
 import contextlib
 import json
 import threading
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from plugserve.plugins import blob
@@ -188,6 +189,11 @@ class AutoCompiledNetwork(OneNetwork, CompiledNetwork):
         #: what AUTO measured to choose (AUTO_MEASUREMENTS; kept in the export, so a network
         #: from the cache still says why it runs where it does)
         self.measured = list(measured or [])
+
+    def keep_states(self, pairs: Mapping[str, str]) -> None:
+        """The chosen device's network keeps them: its requests are the ones that run."""
+        self.network.keep_states(pairs)
+        self.state_pairs = dict(pairs)
 
     def create_infer_request(self) -> AutoInferRequest:
         return AutoInferRequest(self, self.network.create_infer_request())

@@ -56,6 +56,7 @@ __all__ = ["AutoPlugin", "MultiPlugin"]
 
 log = logging.getLogger(__name__)
 
+
 class _Virtual(VirtualPlugin):
     """What MULTI and AUTO share beyond the virtual base: their refusals and names."""
 

@@ -22,6 +22,7 @@ from plugserve.plugins.api import (
     InvalidInput,
     PerfCount,
     PlugserveError,
+    VariableState,
 )
 
 if TYPE_CHECKING:
@@ -115,6 +116,12 @@ class AutoInferRequest(InferRequest):
 
     def infer(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
         return self.request.infer(inputs)
+
+    def query_state(self) -> list[VariableState]:
+        return self.request.query_state()
+
+    def reset_state(self) -> None:
+        self.request.reset_state()
 
     def infer_checked(self, arrays: list[Any]) -> dict[str, np.ndarray]:
         return self.request.infer_checked(arrays)

@@ -39,6 +39,7 @@ class OpenvinoCompiledNetwork(CompiledNetwork):
         compiled: Any,
         owners: dict[str, tuple[str, ...]],
         runtime_names: dict[str, tuple[str, ...]],
+        states: dict[str, TensorSpec] | None = None,
     ) -> None:
         super().__init__(plugin, name, config)
         self.compiled = compiled
@@ -55,6 +56,9 @@ class OpenvinoCompiledNetwork(CompiledNetwork):
         #: runtime (compiled) node name -> ONNX node names, for performance counters
         self.runtime_names = dict(runtime_names)
         self._precision = precision_name(compiled.get_property("INFERENCE_PRECISION_HINT"))
+        #: openvino's variable states (STATE_PAIRS through MakeStateful): ``{state output:
+        #: its input's spec}``; openvino names each variable input name + output name
+        self.native_states = dict(states or {})
 
     @property
     def precision(self) -> str:
@@ -112,6 +116,7 @@ class OpenvinoCompiledNetwork(CompiledNetwork):
             "outputs": [_spec_to_json(s) for s in self._outputs],
             "owners": {k: list(v) for k, v in self.owners.items()},
             "runtime_names": {k: list(v) for k, v in self.runtime_names.items()},
+            "states": [[_spec_to_json(s), o] for o, s in self.native_states.items()],
         }
         return blob.pack(
             self.plugin.name,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from plugserve.plugins.api import BOOL, ConfigKey, Configuration
+from plugserve.plugins.api import BOOL, STATE_PAIRS, ConfigKey, Configuration, parse_state_pairs
 
 __all__ = ["OpenvinoConfiguration", "compile_properties", "precision_name"]
 
@@ -46,6 +46,16 @@ class OpenvinoConfiguration(Configuration):
                 "YES: run Loops whose trip count comes from the request; openvino cannot stop "
                 "a Loop once it runs, so a cancelled or late request keeps the device busy "
                 "until the Loop ends (NO, the default: such Loops are left to other devices)"
+            ),
+        ),
+        ConfigKey(
+            STATE_PAIRS,
+            {},
+            parse_state_pairs,
+            lambda pairs: ",".join(f"{i}:{o}" for i, o in pairs.items()),
+            doc=(
+                "state_input:state_output,...: openvino's MakeStateful turns each pair into a "
+                "variable state kept in the infer request (query_state, reset_state)"
             ),
         ),
     )

@@ -20,6 +20,7 @@ import onnx
 from onnx import numpy_helper
 
 from plugserve.plugins.api import (
+    STATE_PAIRS,
     BackendUnavailable,
     Configuration,
     InvalidArgument,
@@ -59,6 +60,7 @@ from plugserve.plugins.shapecheck import shape_model
 
 try:
     import openvino as ov
+    from openvino._offline_transformations import apply_make_stateful_transformation
 except Exception as exc:  # ImportError, or a broken install failing at import
     ov = None
     _IMPORT_ERROR: Exception | None = exc
@@ -103,6 +105,7 @@ class OpenvinoPlugin(Plugin):
     name = "OPENVINO"
     config_class = OpenvinoConfiguration
     cancellation = "after the running node (Loops the request bounds: refused)"
+    native_states = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -213,6 +216,10 @@ class OpenvinoPlugin(Plugin):
             ov_model = self.core.read_model(data)
         except Exception as exc:
             raise self._unsupported_error(graph, data, names, exc) from None
+        pairs = cfg.get(STATE_PAIRS)
+        states = _state_specs(graph, pairs)
+        if pairs:
+            apply_make_stateful_transformation(ov_model, dict(pairs))
         mapping = owners(ov_model, names)
         try:
             compiled = self.core.compile_model(ov_model, TARGET, compile_properties(cfg))
@@ -224,11 +231,12 @@ class OpenvinoPlugin(Plugin):
             self,
             cfg,
             graph.name,
-            graph.inputs,
-            graph.outputs,
+            [s for s in graph.inputs if s.name not in pairs],
+            [s for s in graph.outputs if s.name not in pairs.values()],
             compiled,
             mapping,
             runtime_names(compiled, mapping, graph),
+            states,
         )
         network.shape_model = shape_model(proto)
         network.open_ended = has_loop(graph)
@@ -389,6 +397,7 @@ class OpenvinoPlugin(Plugin):
             outputs = [_spec_from_json(s) for s in header["outputs"]]
             mapping = {k: tuple(v) for k, v in header.get("owners", {}).items()}
             runtime = {k: tuple(v) for k, v in header.get("runtime_names", {}).items()}
+            states = {str(o): _spec_from_json(s) for s, o in header.get("states", [])}
             name = str(header["network_name"])
         except (KeyError, TypeError, ValueError) as exc:
             raise InvalidArgument(f"exported network is corrupt (header lacks {exc})") from None
@@ -398,7 +407,9 @@ class OpenvinoPlugin(Plugin):
             raise InvalidArgument(
                 f"exported network is corrupt or from another openvino: {_first_line(exc)}"
             ) from None
-        return OpenvinoCompiledNetwork(self, cfg, name, inputs, outputs, compiled, mapping, runtime)
+        return OpenvinoCompiledNetwork(
+            self, cfg, name, inputs, outputs, compiled, mapping, runtime, states
+        )
 
     # --- metrics
 
@@ -512,3 +523,18 @@ def _refuse_strings(graph: Graph, supported: set[str], why: dict[str, str]) -> N
     for name in string_nodes(graph) & supported:
         supported.discard(name)
         why[name] = _STRINGS
+
+
+def _state_specs(graph: Graph, pairs: dict[str, str]) -> dict[str, TensorSpec]:
+    """``{state output: its input's spec}`` for STATE_PAIRS, each name checked."""
+    inputs = {s.name: s for s in graph.inputs}
+    outputs = {s.name for s in graph.outputs}
+    wrong = [f"input {i!r}" for i in pairs if i not in inputs] + [
+        f"output {o!r}" for o in pairs.values() if o not in outputs
+    ]
+    if wrong:
+        raise InvalidArgument(
+            f"model {graph.name!r}: {STATE_PAIRS} names {', '.join(wrong)}, which it does not "
+            f"have (inputs {sorted(inputs)}, outputs {sorted(outputs)})"
+        )
+    return {o: inputs[i] for i, o in pairs.items()}

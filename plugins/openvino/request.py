@@ -20,6 +20,8 @@ from plugserve.plugins.api import (
     InferRequest,
     PerfCount,
     PlugserveError,
+    VariableState,
+    initial_value,
 )
 from plugserve.plugins.shapecheck import shapes_of, translate
 from plugserve.plugins.streams import RequestFuture
@@ -44,6 +46,12 @@ class OpenvinoInferRequest(InferRequest):
         self._lock = threading.Lock()
         self._shapes: dict[str, tuple[int, ...]] = {}  # of the last run's inputs
         self._ran = False
+        self._native = {
+            spec.name + output: _NativeState(spec, initial_value(spec))
+            for output, spec in network.native_states.items()
+        }
+        if self._native:
+            self.reset_state()
 
     # --- running
 
@@ -106,6 +114,26 @@ class OpenvinoInferRequest(InferRequest):
                     forget()
             self._ran = True
             return outputs
+
+    # --- variable states (STATE_PAIRS as openvino's own, see compiled.native_states)
+
+    def query_state(self) -> list[VariableState]:
+        """openvino's states, named by their state input; each reads and writes openvino's
+        own tensor."""
+        if not self._native:
+            return super().query_state()
+        for state in self._request.query_state():
+            self._native[state.name].bind(state)
+        return list(self._native.values())
+
+    def reset_state(self) -> None:
+        """openvino resets a state of a varying shape to an empty one; a new sequence starts
+        from zeros with a varying dimension of 1 instead, as the other devices'."""
+        if not self._native:
+            return super().reset_state()
+        for state in self.query_state():
+            state.reset()
+        return None
 
     def start_async(self, inputs: Mapping[str, Any], callback: Callback | None = None) -> None:
         """openvino's own async, not the base ``_start``: openvino runs the request, so the
@@ -207,3 +235,28 @@ def _on_done(ref: weakref.ref[OpenvinoInferRequest]) -> None:
     request = ref()
     if request is not None and request._future is not None:
         request._settle(request._future, None)
+
+
+class _NativeState(VariableState):
+    """A :class:`VariableState` over openvino's: its value is openvino's tensor."""
+
+    def __init__(self, spec: Any, initial: np.ndarray) -> None:
+        super().__init__(spec.name, initial)
+        self._state: Any = None
+
+    def bind(self, state: Any) -> None:
+        self._state = state
+
+    @property
+    def state(self) -> np.ndarray:
+        return np.array(self._state.state.data, copy=True)
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        import openvino as ov
+
+        VariableState.state.fset(self, value)  # checked as any state is
+        self._state.state = ov.Tensor(np.ascontiguousarray(self._value))
+
+    def reset(self) -> None:
+        self.state = self._initial
