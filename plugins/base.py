@@ -43,6 +43,7 @@ __all__ = [
     "PerfCount",
     "Plugin",
     "VariableState",
+    "check_state_pairs",
     "initial_value",
     "joined_precision",
     "parse_state_pairs",
@@ -66,6 +67,25 @@ def parse_state_pairs(text: str) -> dict[str, str]:
             )
         pairs[name] = output
     return pairs
+
+
+def check_state_pairs(
+    where: str,
+    pairs: Mapping[str, str],
+    inputs: Iterable[TensorSpec],
+    outputs: Iterable[TensorSpec],
+) -> None:
+    """Every pair names an input and an output the model has."""
+    names = {s.name for s in inputs}
+    results = {s.name for s in outputs}
+    wrong = [f"input {i!r}" for i in pairs if i not in names] + [
+        f"output {o!r}" for o in pairs.values() if o not in results
+    ]
+    if wrong:
+        raise InvalidArgument(
+            f"{where}: {STATE_PAIRS} names {', '.join(wrong)}, which it does not have "
+            f"(inputs {sorted(names)}, outputs {sorted(results)})"
+        )
 
 
 def initial_value(spec: TensorSpec) -> np.ndarray:
@@ -413,16 +433,7 @@ class CompiledNetwork(abc.ABC):
         feeds each state input from the request and keeps the state output for the next
         run, leaving both out of what it takes and gives (the Core calls this with a load's
         STATE_PAIRS). A network that delegates to another passes them on."""
-        names = {s.name for s in self.inputs}
-        outputs = {s.name for s in self.outputs}
-        wrong = [f"input {i!r}" for i in pairs if i not in names] + [
-            f"output {o!r}" for o in pairs.values() if o not in outputs
-        ]
-        if wrong:
-            raise InvalidArgument(
-                f"network {self.name}: {STATE_PAIRS} names {', '.join(wrong)}, which it does not "
-                f"have (inputs {sorted(names)}, outputs {sorted(outputs)})"
-            )
+        check_state_pairs(f"network {self.name}", pairs, self.inputs, self.outputs)
         self.state_pairs = dict(pairs)
 
     def initial_state(self, name: str) -> np.ndarray:

@@ -28,6 +28,7 @@ from plugserve.plugins.api import (
     Plugin,
     TensorSpec,
     Unsupported,
+    check_state_pairs,
     listing,
 )
 from plugserve.plugins.ir import (
@@ -527,14 +528,6 @@ def _refuse_strings(graph: Graph, supported: set[str], why: dict[str, str]) -> N
 
 def _state_specs(graph: Graph, pairs: dict[str, str]) -> dict[str, TensorSpec]:
     """``{state output: its input's spec}`` for STATE_PAIRS, each name checked."""
+    check_state_pairs(f"model {graph.name!r}", pairs, graph.inputs, graph.outputs)
     inputs = {s.name: s for s in graph.inputs}
-    outputs = {s.name for s in graph.outputs}
-    wrong = [f"input {i!r}" for i in pairs if i not in inputs] + [
-        f"output {o!r}" for o in pairs.values() if o not in outputs
-    ]
-    if wrong:
-        raise InvalidArgument(
-            f"model {graph.name!r}: {STATE_PAIRS} names {', '.join(wrong)}, which it does not "
-            f"have (inputs {sorted(inputs)}, outputs {sorted(outputs)})"
-        )
     return {o: inputs[i] for i, o in pairs.items()}
