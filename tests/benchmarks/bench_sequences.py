@@ -10,14 +10,15 @@ over the rounds, medians:
   through the server with its state kept there (implicit state), against onnxruntime in this
   process with the state passed by hand, and a bare grpcio echo of a chunk's request bytes
   (what any gRPC server pays per call on this machine).
-- **GRU**: a streaming GRU (80 features, hidden 256, 2 layers; 20 frames a chunk, torch
+- **GRU**: a streaming GRU (80 features, hidden 512, 2 layers; 10 frames a chunk, torch
   export), 16 sequences at once, each from its own thread: requests/s with the ``direct``
   strategy (a sequence's requests run alone) and with ``oldest`` (ready requests of many
   sequences batched, up to 16 rows, 2 ms delay).
-- **Decoder**: a GPT-2-like decoder (transformers, hidden 256, 4 heads, 2 layers, random
-  weights) generating 64 tokens after an 8-token prompt; per-token p50 with the key/value cache
-  kept by the server (implicit state) against the same model served without sequence batching,
-  the client sending the cache each token and getting it back.
+- **Decoder**: a GPT-2-like decoder (transformers, hidden 512, 8 heads, 2 layers, random
+  weights) generating 128 tokens after an 8-token prompt (its cache then about 1 MB);
+  per-token p50 with the key/value cache kept by the server (implicit state) against the same
+  model served without sequence batching, the client sending the cache each token and
+  getting it back.
 """
 
 from __future__ import annotations
@@ -40,9 +41,9 @@ import harness  # sets sys.path for the imports below
 import numpy as np
 
 CHUNK = 512
-GRU_FEATURES, GRU_HIDDEN, GRU_FRAMES = 80, 256, 20
-HIDDEN, HEADS, LAYERS, VOCAB = 256, 4, 2, 1000
-PROMPT, TOKENS = 8, 64
+GRU_FEATURES, GRU_HIDDEN, GRU_FRAMES = 80, 512, 10
+HIDDEN, HEADS, LAYERS, VOCAB = 512, 8, 2, 1000
+PROMPT, TOKENS = 8, 128
 
 
 def _zoo():
