@@ -152,6 +152,8 @@ def pump(
         done.put(message)
 
     def complete(request: Any, entry: Any, future: Future) -> None:
+        if future.cancelled():  # by end(): the call is over, nobody reads an answer
+            return
         try:
             message = respond(request, entry, future.result())
         except BaseException as exc:
