@@ -144,6 +144,9 @@ class LoadedNetwork:
     labels: dict[str, tuple[str, ...]] = dataclasses.field(init=False, default_factory=dict)
     #: per input, config.pbtxt's image format, for ModelConfig
     formats: dict[str, int] = dataclasses.field(init=False, default_factory=dict)
+    #: what a protocol prepared for this network's requests on first use, by protocol (its
+    #: fast path for the common request: see ``kserve_convert.PlainLane``)
+    lanes: dict[str, Any] = dataclasses.field(init=False, default_factory=dict)
 
     def __post_init__(self, queue_size: int) -> None:
         self.executor = self.network.executor
@@ -485,6 +488,7 @@ class DataPlane:
         token: cancel.Token | None = None,
         holds: int = 0,
         after: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None = None,
+        checked: list[np.ndarray] | None = None,
     ) -> Future | Finished:
         """Queue one inference on ``entry`` (the caller's one :meth:`get`, which its response
         also names, so an unload or load meanwhile cannot relabel or lose a finished request);
@@ -505,11 +509,17 @@ class DataPlane:
         ``holds``: the bytes the request holds until it is answered, charged to
         --max-inflight-bytes before it is admitted (a protocol that charged it already, as
         REST does when a body's headers arrive, passes 0).
+
+        ``checked``: the inputs as arrays in the network's order, already known to pass
+        :func:`check_inputs` against ``entry`` (a protocol's fast path decided that from the
+        network's specs); ``inputs`` is then unused.
         """
         name = entry.name
         recorder = entry.recorder
         try:
-            arrays = check_inputs(name, entry.network.inputs, inputs)
+            arrays = (
+                checked if checked is not None else check_inputs(name, entry.network.inputs, inputs)
+            )
             if entry.max_batch_size > 0:
                 check_batch(name, entry.max_batch_size, arrays)
             wanted = self._outputs(entry, outputs)
@@ -562,6 +572,8 @@ class DataPlane:
                 self._inflight += 1
                 entry.inflight += 1
         if retired:  # reloaded since the caller's lookup: its replacement answers
+            if checked is not None:  # checked against this network; the replacement checks
+                inputs = {spec.name: a for spec, a in zip(entry.network.inputs, checked)}
             return self.submit(
                 self.get(name, entry.version),
                 inputs,
