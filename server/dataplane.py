@@ -605,7 +605,10 @@ class DataPlane:
                 entry.inflight -= 1
             recorder.refused("overloaded" if isinstance(exc, ResourceExhausted) else "")
             raise
-        future.add_done_callback(lambda f: self._finished(entry, f, token, charge))
+        if type(future) is Finished:  # ran inline: its callback would run now anyway
+            self._finished(entry, future, token, charge)
+        else:
+            future.add_done_callback(lambda f: self._finished(entry, f, token, charge))
         return future
 
     def _watch(self, name: str, token: cancel.Token, deadline: float | None) -> None:
