@@ -336,9 +336,10 @@ def infer_response(
 class _PlainInput:
     """One input as a plain request carries it: its place in the network's input order, its
     KServe datatype and dtype, and the dimensions the network fixes (-1: free; None: any rank);
-    ``shape`` and ``nbytes`` when every dimension is fixed."""
+    when every dimension is fixed, ``shape``, ``nbytes`` and ``tensor``, the one tensor
+    message that describes it (compared whole: one call instead of one per field)."""
 
-    __slots__ = ("datatype", "dims", "dtype", "index", "nbytes", "shape")
+    __slots__ = ("datatype", "dims", "dtype", "index", "nbytes", "shape", "tensor")
 
     def __init__(self, index: int, spec: TensorSpec) -> None:
         self.index = index
@@ -348,6 +349,13 @@ class _PlainInput:
         fixed = self.dims is not None and min(self.dims, default=1) > 0
         self.shape = self.dims if fixed else None
         self.nbytes = self.dtype.itemsize * int(np.prod(self.dims)) if fixed else 0
+        self.tensor = (
+            pb.ModelInferRequest.InferInputTensor(
+                name=spec.name, datatype=self.datatype, shape=self.dims
+            )
+            if fixed
+            else None
+        )
 
     def fits(self, shape: tuple[int, ...], size: int) -> bool:
         """A free-dimensioned input: ``shape`` is one the network takes, no dimension 0 (an
@@ -386,8 +394,8 @@ class PlainLane:
         self.head = pb.ModelInferResponse(
             model_name=entry.name, model_version=str(entry.version)
         ).SerializeToString()
-        #: ((name, dtype, shape) per output) -> those outputs' serialized InferOutputTensor fields
-        self.headers: dict[tuple, bytes] = {}
+        #: ((name, dtype, shape) per output) -> :func:`_output_header`
+        self.headers: dict[tuple, tuple[bytes, list[bytes | None]]] = {}
 
     def decode(self, request: pb.ModelInferRequest) -> tuple[list[np.ndarray], list[str]] | None:
         """The inputs in the network's order and the outputs asked for, or None."""
@@ -398,13 +406,14 @@ class PlainLane:
         arrays: list[Any] = [None] * len(inputs)
         for tensor, data in zip(tensors, raw):
             slot = inputs.get(tensor.name)
-            if (
-                slot is None
-                or arrays[slot.index] is not None
-                or tensor.datatype != slot.datatype
-                or tensor.parameters
-                or tensor.HasField("contents")
-            ):
+            if slot is None or arrays[slot.index] is not None:
+                return None
+            if tensor == slot.tensor:
+                if len(data) != slot.nbytes:
+                    return None
+                arrays[slot.index] = np.frombuffer(data, slot.dtype).reshape(slot.shape)
+                continue
+            if tensor.datatype != slot.datatype or tensor.parameters or tensor.HasField("contents"):
                 return None
             shape = tuple(tensor.shape)
             size = len(data)
@@ -431,16 +440,20 @@ class PlainLane:
                 return None
             key.append((name, array.dtype, array.shape))
         key = tuple(key)
-        header = self.headers.get(key)
-        if header is None:
-            header = _output_header(key)
+        known = self.headers.get(key)
+        if known is None:
+            known = _output_header(key)
             if len(self.headers) < self.HEADERS:
-                self.headers[key] = header
+                self.headers[key] = known
+        header, prefixes = known
         pieces: Pieces = [self.head]
         if request.id:
             pieces += field_pieces(_ID, [request.id.encode()])
         pieces.append(header)
-        for array in outputs.values():
+        for prefix, array in zip(prefixes, outputs.values()):
+            if prefix is not None and array.flags.c_contiguous:  # its memory is the payload
+                pieces += (prefix, array.data.cast("B"))
+                continue
             payload = array_payload(array)
             pieces += (_RAW_OUTPUT_TAG, varint(memoryview(payload).nbytes), payload)
         return pieces
@@ -457,11 +470,18 @@ def _plain_spec(spec: TensorSpec) -> bool:
     return spec.shape is None or all(not isinstance(d, int) or d != 0 for d in spec.shape)
 
 
-def _output_header(key: tuple) -> bytes:
+def _output_header(key: tuple) -> tuple[bytes, list[bytes | None]]:
+    """The outputs' InferOutputTensor fields, and for each output whose bytes are its memory
+    when C-ordered (a numeric type, little-endian, not empty) the start of its
+    ``raw_output_contents`` field: tag and length, fixed by its type and shape."""
     response = pb.ModelInferResponse()
+    prefixes: list[bytes | None] = []
     for name, dtype, shape in key:
         response.outputs.add(name=name, datatype=datatype_of(dtype), shape=shape)
-    return response.SerializeToString()
+        nbytes = dtype.itemsize * int(np.prod(shape, dtype=object))
+        plain = dtype.kind in "biuf" and dtype.newbyteorder("<") == dtype and nbytes > 0
+        prefixes.append(_RAW_OUTPUT_TAG + varint(nbytes) if plain else None)
+    return response.SerializeToString(), prefixes
 
 
 def plain_lane(entry: LoadedNetwork) -> PlainLane:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 _CHECK = """
 import numpy as np
+from test_wire import COMPOSED_ARRAYS
 from plugserve.plugins.api import TensorSpec
 from plugserve.proto import grpc_service_pb2 as kpb
 from plugserve.server.kserve_convert import infer_response, plain_lane, request_inputs
@@ -95,6 +96,7 @@ results = [
     {"y": np.arange(6, dtype=np.float32).reshape(2, 3), "z": np.array([True, False])},
     {"y": np.array(["a", "héllo"], dtype=object), "z": np.array(7, dtype=np.int64)},
     {"y": np.zeros((0, 4), np.float16)},
+    COMPOSED_ARRAYS,  # big-endian, transposed, empty...
 ]
 for message in (kpb.ModelInferRequest(id="r7"), kpb.ModelInferRequest(id=""), plain):
     for outputs in results:
