@@ -122,7 +122,10 @@ class StreamsExecutor:
         self.streams = max(1, streams)
         self.queue_size = queue_size or 64 * self.streams
         self._pending: deque[tuple[Callable[[Any], Any], Future, bool]] = deque()
-        self._ready = threading.Condition()
+        # the hot paths (run_inline, _release) take the lock itself: a Condition's ``with``
+        # is two Python-level calls more per request
+        self._lock = threading.RLock()
+        self._ready = threading.Condition(self._lock)
         self._state_factory = state_factory
         self._states: list[Any] = [_UNMADE] * self.streams
         self._idle = list(range(self.streams - 1, -1, -1))  # stream indices free to claim
@@ -192,7 +195,7 @@ class StreamsExecutor:
     def run_inline(self, fn: Callable[[Any], Any]) -> Finished | None:
         """Run ``fn(stream_state)`` on the calling thread if a stream is idle and nothing is
         queued; its outcome, or None when the caller should :meth:`submit` instead."""
-        with self._ready:
+        with self._lock:
             if self._closed:
                 raise FailedPrecondition(f"{self.name}: executor is shut down")
             if self._pending or not self._idle:
@@ -224,7 +227,7 @@ class StreamsExecutor:
         return self._states[index]
 
     def _release(self, index: int, worker: bool = False) -> None:
-        with self._ready:
+        with self._lock:
             self._idle.append(index)
             if worker:
                 self._running -= 1

@@ -43,6 +43,7 @@ __all__ = [
     "spec_to_proto",
     "text_or_bytes",
     "to_tensor",
+    "varint",
 ]
 
 DTYPES: dict[str, np.dtype] = {
@@ -240,7 +241,7 @@ def spec_to_proto(message, spec) -> None:
 Pieces = list[bytes | memoryview]
 
 
-def _varint(value: int) -> bytes:
+def varint(value: int) -> bytes:
     out = bytearray()
     while value > 0x7F:
         out.append((value & 0x7F) | 0x80)
@@ -255,7 +256,7 @@ def _size(pieces: Pieces) -> int:
 
 def field_pieces(field: int, pieces: Pieces) -> Pieces:
     """``pieces`` as one length-delimited field (a bytes field or a nested message)."""
-    return [_varint(field << 3 | 2), _varint(_size(pieces)), *pieces]
+    return [varint(field << 3 | 2), varint(_size(pieces)), *pieces]
 
 
 def array_payload(array: np.ndarray) -> memoryview | bytes:

@@ -153,6 +153,9 @@ class LoadedNetwork:
     #: outputs but those a sequence batcher feeds and keeps
     inputs: list[TensorSpec] = dataclasses.field(init=False)
     outputs: list[TensorSpec] = dataclasses.field(init=False)
+    #: what a protocol prepared for this network's requests on first use, by protocol (its
+    #: fast path for the common request: see ``kserve_convert.PlainLane``)
+    lanes: dict[str, Any] = dataclasses.field(init=False, default_factory=dict)
 
     def __post_init__(self, queue_size: int) -> None:
         self.executor = self.network.executor
@@ -546,12 +549,15 @@ class DataPlane:
         holds: int = 0,
         after: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None = None,
         step: Step | None = None,
+        checked: list[np.ndarray] | None = None,
     ) -> Future | Finished:
         """Admit one inference (see :meth:`_admit`); ``step``: the request's place in a
         sequence (its ``sequence_*`` parameters), which a network with Triton's sequence
         batching requires and others refuse."""
         if step is None and entry.sequences is None:
-            return self._admit(entry, inputs, outputs, deadline, inline, token, holds, after)
+            return self._admit(
+                entry, inputs, outputs, deadline, inline, token, holds, after, checked
+            )
         if entry.sequences is None:
             entry.recorder.refused("invalid")
             raise InvalidInput(
@@ -578,7 +584,9 @@ class DataPlane:
             entry.recorder.refused("invalid")
             raise
 
-    def _admit(self, entry, inputs, outputs, deadline, inline, token, holds, after=None):
+    def _admit(
+        self, entry, inputs, outputs, deadline, inline, token, holds, after=None, checked=None
+    ):
         """(:meth:`submit`'s arguments but ``step``.) Queue one inference on ``entry`` (the
         caller's one :meth:`get`, which its response also names, so an unload or load meanwhile
         cannot relabel or lose a finished request); the future holds ``{output: array}`` or a
@@ -599,11 +607,17 @@ class DataPlane:
         ``holds``: the bytes the request holds until it is answered, charged to
         --max-inflight-bytes before it is admitted (a protocol that charged it already, as
         REST does when a body's headers arrive, passes 0).
+
+        ``checked``: the inputs as arrays in the network's order, already known to pass
+        :func:`check_inputs` against ``entry`` (a protocol's fast path decided that from the
+        network's specs); ``inputs`` is then unused.
         """
         name = entry.name
         recorder = entry.recorder
         try:
-            arrays = check_inputs(name, entry.network.inputs, inputs)
+            arrays = (
+                checked if checked is not None else check_inputs(name, entry.network.inputs, inputs)
+            )
             if entry.max_batch_size > 0:
                 check_batch(name, entry.max_batch_size, arrays)
             wanted = self._outputs(entry, outputs)
@@ -656,6 +670,8 @@ class DataPlane:
                 self._inflight += 1
                 entry.inflight += 1
         if retired:  # reloaded since the caller's lookup: its replacement answers
+            if checked is not None:  # checked against this network; the replacement checks
+                inputs = {spec.name: a for spec, a in zip(entry.network.inputs, checked)}
             return self._admit(
                 self.get(name, entry.version),
                 inputs,
@@ -687,7 +703,10 @@ class DataPlane:
                 entry.inflight -= 1
             recorder.refused("overloaded" if isinstance(exc, ResourceExhausted) else "")
             raise
-        future.add_done_callback(lambda f: self._finished(entry, f, token, charge))
+        if type(future) is Finished:  # ran inline: its callback would run now anyway
+            self._finished(entry, future, token, charge)
+        else:
+            future.add_done_callback(lambda f: self._finished(entry, f, token, charge))
         return future
 
     def _watch(self, name: str, token: cancel.Token, deadline: float | None) -> None:

@@ -34,14 +34,17 @@ class DeadlineWatch:
     def __init__(self, name: str = "deadline-watch") -> None:
         self._name = name
         self._due: dict[Token, tuple[float, Callable[[], PlugserveError]]] = {}
-        self._cond = threading.Condition(threading.Lock())
+        # watch and forget (twice per request) take the lock itself, not the Condition's
+        # Python-level ``with``
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._wake_at = float("inf")  # when the thread looks next
         self._thread: threading.Thread | None = None
         self._closed = False
 
     def watch(self, token: Token, when: float, error: Callable[[], PlugserveError]) -> None:
         """Cancel ``token`` with ``error()`` once ``time.monotonic()`` passes ``when``."""
-        with self._cond:
+        with self._lock:
             self._due[token] = (when, error)
             if self._thread is None and not self._closed:
                 self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
@@ -52,7 +55,7 @@ class DeadlineWatch:
 
     def forget(self, token: Token) -> None:
         """The request is done: no more watching."""
-        with self._cond:
+        with self._lock:
             self._due.pop(token, None)
 
     def cancel_all(self, error: Callable[[], PlugserveError]) -> int:

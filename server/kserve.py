@@ -58,12 +58,13 @@ from plugserve.server.dataplane import DataPlane, failed_to_load
 from plugserve.server.handlers import Inference, add_service, deadline
 from plugserve.server.kserve_convert import (
     EXTENSIONS,
-    infer_response,
+    compose_response,
     model_config,
     model_metadata,
     model_statistics,
     output_targets,
     parameter_values,
+    plain_lane,
     request_inputs,
     request_timeout,
     requested_outputs,
@@ -95,7 +96,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         self.shm = plane.shm
         inference = Inference(
             self._submit,
-            functools.partial(infer_response, shm=self.shm),
+            functools.partial(compose_response, shm=self.shm),
             functools.partial(stream_response, shm=self.shm),
             stream_error,
             "kserve-stream-reader",
@@ -154,6 +155,23 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             if timeout is not None:
                 own = time.monotonic() + timeout
                 when = own if when is None else min(when, own)
+        # a request of a sequence, or to a sequence model, is the sequence batcher's
+        # (server/sequences.py): the plain lane is for the rest
+        sequenced = step is not None or entry.sequences is not None
+        plain = None if sequenced else plain_lane(entry).decode(request)
+        if plain is not None:
+            checked, outputs = plain
+            future = self.plane.submit(
+                entry,
+                {},
+                outputs,
+                when,
+                token=token,
+                holds=request.ByteSize() * GRPC_FACTOR,
+                inline=inline,
+                checked=checked,
+            )
+            return entry, future
         inputs = request_inputs(request, entry, self.shm)
         targets = output_targets(request, self.shm)
         future = self.plane.submit(

@@ -19,6 +19,7 @@ from plugserve.plugins.api import InvalidInput, TensorSpec, Unsupported
 from plugserve.proto import grpc_service_pb2 as pb
 from plugserve.proto import model_config_pb2 as mc
 from plugserve.proto.tensors import (
+    MAX_DIMS,
     Pieces,
     TensorFormatError,
     array_payload,
@@ -27,6 +28,7 @@ from plugserve.proto.tensors import (
     field_pieces,
     from_tensor,
     text_or_bytes,
+    varint,
 )
 from plugserve.server.classification import class_count, classify
 from plugserve.server.dataplane import LoadedNetwork
@@ -69,6 +71,8 @@ _BY_DTYPE = {dtype: name for name, dtype in DATATYPES.items()}
 
 # Field numbers of the composed messages (grpc_service.proto).
 _RAW_OUTPUT = pb.ModelInferResponse.DESCRIPTOR.fields_by_name["raw_output_contents"].number
+_RAW_OUTPUT_TAG = varint(_RAW_OUTPUT << 3 | 2)
+_ID = pb.ModelInferResponse.DESCRIPTOR.fields_by_name["id"].number
 _STREAM_INFER_RESPONSE = pb.ModelStreamInferResponse.DESCRIPTOR.fields_by_name[
     "infer_response"
 ].number
@@ -331,13 +335,184 @@ def infer_response(
     return pieces
 
 
+class _PlainInput:
+    """One input as a plain request carries it: its place in the network's input order, its
+    KServe datatype and dtype, and the dimensions the network fixes (-1: free; None: any rank);
+    when every dimension is fixed, ``shape``, ``nbytes`` and ``tensor``, the one tensor
+    message that describes it (compared whole: one call instead of one per field)."""
+
+    __slots__ = ("datatype", "dims", "dtype", "index", "nbytes", "shape", "tensor")
+
+    def __init__(self, index: int, spec: TensorSpec) -> None:
+        self.index = index
+        self.dtype = np.dtype(spec.dtype)
+        self.datatype = datatype_of(self.dtype)
+        self.dims = None if spec.shape is None else tuple(dims_of(spec))
+        fixed = self.dims is not None and min(self.dims, default=1) > 0
+        self.shape = self.dims if fixed else None
+        self.nbytes = self.dtype.itemsize * int(np.prod(self.dims)) if fixed else 0
+        self.tensor = (
+            pb.ModelInferRequest.InferInputTensor(
+                name=spec.name, datatype=self.datatype, shape=self.dims
+            )
+            if fixed
+            else None
+        )
+
+    def fits(self, shape: tuple[int, ...], size: int) -> bool:
+        """A free-dimensioned input: ``shape`` is one the network takes, no dimension 0 (an
+        empty tensor's other dimensions are unbounded), and ``size`` bytes fill it."""
+        dims = self.dims
+        if len(shape) > MAX_DIMS if dims is None else len(shape) != len(dims):
+            return False
+        count = 1
+        for axis, dim in enumerate(shape):
+            if dim <= 0 or (dims is not None and 0 <= dims[axis] != dim):
+                return False
+            count *= dim
+        return count * self.dtype.itemsize == size
+
+
+class PlainLane:
+    """One network's fast path for the request most clients send: every input in
+    ``raw_input_contents`` with the network's datatype, a shape it takes and the bytes that
+    fill it, no parameters, and outputs asked for by name at most. Decided once per network
+    (:func:`plain_lane`), so such a request costs one comparison per field and an
+    ``np.frombuffer`` per input, and its answer one cached header per output shape, where the
+    general path (:func:`request_inputs`, :func:`infer_response`) checks and builds each
+    piece anew. Anything else (``decode`` or ``encode`` gives None) takes the general path,
+    which refuses what is wrong with its own messages: the lane only takes requests that
+    path would take, and gives the same arrays and bytes."""
+
+    #: distinct output shapes whose response header is kept (dynamic shapes are many)
+    HEADERS = 64
+
+    def __init__(self, entry: LoadedNetwork) -> None:
+        specs = entry.network.inputs
+        plain = all(_plain_spec(spec) for spec in specs)
+        #: input name -> its _PlainInput (empty: this network's requests take the general path)
+        self.inputs = {s.name: _PlainInput(i, s) for i, s in enumerate(specs)} if plain else {}
+        self.outputs = frozenset(entry.output_names)
+        self.head = pb.ModelInferResponse(
+            model_name=entry.name, model_version=str(entry.version)
+        ).SerializeToString()
+        #: ((name, dtype, shape) per output) -> :func:`_output_header`
+        self.headers: dict[tuple, tuple[bytes, list[bytes | None]]] = {}
+
+    def decode(self, request: pb.ModelInferRequest) -> tuple[list[np.ndarray], list[str]] | None:
+        """The inputs in the network's order and the outputs asked for, or None."""
+        inputs = self.inputs
+        tensors, raw = request.inputs, request.raw_input_contents
+        if not inputs or len(tensors) != len(inputs) or len(raw) != len(inputs):
+            return None
+        arrays: list[Any] = [None] * len(inputs)
+        for tensor, data in zip(tensors, raw):
+            slot = inputs.get(tensor.name)
+            if slot is None or arrays[slot.index] is not None:
+                return None
+            if tensor == slot.tensor:
+                if len(data) != slot.nbytes:
+                    return None
+                arrays[slot.index] = np.frombuffer(data, slot.dtype).reshape(slot.shape)
+                continue
+            if tensor.datatype != slot.datatype or tensor.parameters or tensor.HasField("contents"):
+                return None
+            shape = tuple(tensor.shape)
+            size = len(data)
+            if not (size == slot.nbytes if shape == slot.shape else slot.fits(shape, size)):
+                return None
+            arrays[slot.index] = np.frombuffer(data, slot.dtype).reshape(shape)
+        names: list[str] = []
+        for output in request.outputs:
+            name = output.name
+            if output.parameters or name not in self.outputs or name in names:
+                return None
+            names.append(name)
+        return arrays, names
+
+    def encode(self, request: pb.ModelInferRequest, outputs: dict[str, Any]) -> Pieces | None:
+        """:func:`infer_response`'s pieces for plain outputs (arrays, none asked for in shared
+        memory or classified), or None."""
+        for output in request.outputs:
+            if output.parameters:
+                return None
+        key = []
+        for name, array in outputs.items():
+            if type(array) is not np.ndarray:
+                return None
+            key.append((name, array.dtype, array.shape))
+        key = tuple(key)
+        known = self.headers.get(key)
+        if known is None:
+            known = _output_header(key)
+            if len(self.headers) < self.HEADERS:
+                self.headers[key] = known
+        header, prefixes = known
+        pieces: Pieces = [self.head]
+        if request.id:
+            pieces += field_pieces(_ID, [request.id.encode()])
+        pieces.append(header)
+        for prefix, array in zip(prefixes, outputs.values()):
+            if prefix is not None and array.flags.c_contiguous:  # its memory is the payload
+                pieces += (prefix, array.data.cast("B"))
+                continue
+            payload = array_payload(array)
+            pieces += (_RAW_OUTPUT_TAG, varint(memoryview(payload).nbytes), payload)
+        return pieces
+
+
+def _plain_spec(spec: TensorSpec) -> bool:
+    """An input the lane decodes: a fixed-size element type KServe names, read as it lies on
+    the wire (little-endian), and no dimension fixed at 0."""
+    if spec.dtype is None or np.dtype(spec.dtype).kind in "OUS":
+        return False
+    dtype = np.dtype(spec.dtype)
+    if dtype not in _BY_DTYPE or dtype.newbyteorder("<") != dtype:
+        return False
+    return spec.shape is None or all(not isinstance(d, int) or d != 0 for d in spec.shape)
+
+
+def _output_header(key: tuple) -> tuple[bytes, list[bytes | None]]:
+    """The outputs' InferOutputTensor fields, and for each output whose bytes are its memory
+    when C-ordered (a numeric type, little-endian, not empty) the start of its
+    ``raw_output_contents`` field: tag and length, fixed by its type and shape."""
+    response = pb.ModelInferResponse()
+    prefixes: list[bytes | None] = []
+    for name, dtype, shape in key:
+        response.outputs.add(name=name, datatype=datatype_of(dtype), shape=shape)
+        nbytes = dtype.itemsize * int(np.prod(shape, dtype=object))
+        plain = dtype.kind in "biuf" and dtype.newbyteorder("<") == dtype and nbytes > 0
+        prefixes.append(_RAW_OUTPUT_TAG + varint(nbytes) if plain else None)
+    return response.SerializeToString(), prefixes
+
+
+def plain_lane(entry: LoadedNetwork) -> PlainLane:
+    """The network's :class:`PlainLane`, made on its first request."""
+    lane = entry.lanes.get("kserve")
+    if lane is None:
+        lane = entry.lanes["kserve"] = PlainLane(entry)
+    return lane
+
+
+def compose_response(
+    request: pb.ModelInferRequest,
+    entry: LoadedNetwork,
+    outputs: dict[str, np.ndarray],
+    shm: SharedMemory | None = None,
+) -> Pieces:
+    """The answer's pieces: the network's :class:`PlainLane` when it takes the outputs, else
+    :func:`infer_response`."""
+    pieces = plain_lane(entry).encode(request, outputs)
+    return pieces if pieces is not None else infer_response(request, entry, outputs, shm)
+
+
 def stream_response(
     request: pb.ModelInferRequest,
     entry: LoadedNetwork,
     outputs: dict[str, np.ndarray],
     shm: SharedMemory | None = None,
 ) -> bytes:
-    pieces = infer_response(request, entry, outputs, shm)
+    pieces = compose_response(request, entry, outputs, shm)
     return b"".join(field_pieces(_STREAM_INFER_RESPONSE, pieces))
 
 
