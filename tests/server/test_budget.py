@@ -156,9 +156,12 @@ def test_grpc_requests_are_charged_too(server):
     tritonclient = pytest.importorskip("tritonclient.grpc", reason="pip install tritonclient")
     from tritonclient.utils import InferenceServerException
 
-    with RunningServer(
-        "--model-repository", str(server.args[1]), "--max-inflight-bytes", str(64 * MB)
-    ) as small, tritonclient.InferenceServerClient(small.target) as client:
+    with (
+        RunningServer(
+            "--model-repository", str(server.args[1]), "--max-inflight-bytes", str(64 * MB)
+        ) as small,
+        tritonclient.InferenceServerClient(small.target) as client,
+    ):
         inputs = []
         for name in ("a", "b"):
             tensor = tritonclient.InferInput(name, [10 * MB], "FP32")  # 40 MB each
