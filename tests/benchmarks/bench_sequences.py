@@ -10,7 +10,7 @@ over the rounds, medians:
   through the server with its state kept there (implicit state), against onnxruntime in this
   process with the state passed by hand, and a bare grpcio echo of a chunk's request bytes
   (what any gRPC server pays per call on this machine).
-- **GRU**: a streaming GRU (80 features, hidden 512, 2 layers; 10 frames a chunk, torch
+- **GRU**: a streaming GRU (80 features, hidden 1024, 2 layers; 10 frames a chunk, torch
   export), 16 sequences at once, each from its own thread: requests/s with the ``direct``
   strategy (a sequence's requests run alone) and with ``oldest`` (ready requests of many
   sequences batched, up to 16 rows, 2 ms delay).
@@ -41,7 +41,7 @@ import harness  # sets sys.path for the imports below
 import numpy as np
 
 CHUNK = 512
-GRU_FEATURES, GRU_HIDDEN, GRU_FRAMES = 80, 512, 10
+GRU_FEATURES, GRU_HIDDEN, GRU_FRAMES = 80, 1024, 10
 HIDDEN, HEADS, LAYERS, VOCAB = 512, 8, 2, 1000
 PROMPT, TOKENS = 8, 128
 
