@@ -46,6 +46,7 @@ from plugserve.plugins.api import (
     PlugserveError,
     ResourceExhausted,
     TensorSpec,
+    initial_value,
     listing,
 )
 from plugserve.server.budget import Charge, MemoryBudget
@@ -284,11 +285,12 @@ def _state(message: Any, max_batch_size: int, folder: Path, where: str) -> State
 
 
 def _resolved(state: State, spec: TensorSpec, max_batch_size: int) -> State:
-    """A pair named without its type and start: the model input's, zeros (batch dim aside)."""
-    shape = list(spec.shape or [])[1 if max_batch_size > 0 else 0 :]
-    dims = [d if isinstance(d, int) and d >= 0 else 1 for d in shape]
-    dtype = np.dtype(spec.dtype if spec.dtype is not None else np.float32)
-    return State(state.input, state.output, dtype, np.zeros(dims, dtype))
+    """A pair named without its type and start: the model input's, as the Plugin API starts
+    a variable state (:func:`initial_value`), less the batch dimension a batched model has."""
+    initial = initial_value(spec)
+    if max_batch_size > 0 and initial.ndim:
+        initial = initial[0]
+    return State(state.input, state.output, initial.dtype, initial)
 
 
 #: OVMS's defaults (its stateful models' docs): sequences per model; idle cleanup's scan
