@@ -1,11 +1,12 @@
 """``plugserve serve``: the long-running server.
 
 One gRPC port serves plugserve.v1, KServe v2 (``inference.GRPCInferenceService``), health and
-reflection; KServe v2 over HTTP/REST has its own port (``server/rest.py``, same data plane, auth,
-TLS and limits); Prometheus scrapes ``/metrics`` on its own port. The gRPC server is grpcio's
-thread-pool server, chosen by measurement: a 602 KB echo takes 1.1 ms on it and 2.0 ms on
-grpc.aio here (64 B: 0.6 ms on both), and inference itself runs on the device executors, so
-handler threads only wait on futures. ``maximum_concurrent_rpcs`` bounds what is admitted.
+reflection; KServe v2 over HTTP/REST has its own port (``server/rest.py``, same data plane and
+model control, auth, TLS and limits); Prometheus scrapes ``/metrics`` on its own port. The
+gRPC server is grpcio's thread-pool server, chosen by measurement: a 602 KB echo takes 1.1 ms
+on it and 2.0 ms on grpc.aio here (64 B: 0.6 ms on both), and inference itself runs on the
+device executors, so handler threads only wait on futures. ``maximum_concurrent_rpcs`` bounds
+what is admitted.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from plugserve.server.dataplane import DataPlane
 from plugserve.server.examples import build_examples, default_examples_dir
 from plugserve.server.handlers import add_service
 from plugserve.server.metrics import Metrics
+from plugserve.server.model_control import ModelControl
 from plugserve.server.repository import Repository, single_model_repository
 from plugserve.server.rest import RestApp, RestServer
 from plugserve.server.security import (
@@ -129,6 +131,15 @@ class Server:
             root = str(served)
         self.repository = Repository(root)
         self.plane = DataPlane(
+            self.metrics,
+            settings.max_request_seconds,
+            default_limit() if settings.max_inflight_bytes < 0 else settings.max_inflight_bytes,
+        )
+        self.plane.shm = SharedMemory(
+            settings.shared_memory == "system", settings.shared_memory_prefix, self.plane.budget
+        )
+        self.control = ModelControl(
+            self.plane,
             self.core,
             self.metrics,
             self.repository,
@@ -136,13 +147,8 @@ class Server:
             settings.queue_size,
             settings.max_networks,
             settings.max_model_bytes,
-            settings.max_request_seconds,
-            default_limit() if settings.max_inflight_bytes < 0 else settings.max_inflight_bytes,
             settings.load_threads(),
             settings.max_sequences,
-        )
-        self.plane.shm = SharedMemory(
-            settings.shared_memory == "system", settings.shared_memory_prefix, self.plane.budget
         )
         self.health = health.HealthServicer()
         self.grpc_server: grpc.Server | None = None
@@ -260,7 +266,7 @@ class Server:
         # the gate and the local-control check wrap each handler here, once, not per call
         registrar = cast(grpc.Server, WrappingServer(server, wraps))
         plugserve = plugserve_pb2.DESCRIPTOR.services_by_name["Plugserve"]
-        services = [add_service(registrar, plugserve, PlugserveServicer(self.plane))]
+        services = [add_service(registrar, plugserve, PlugserveServicer(self.plane, self.control))]
         services += self._add_kserve(registrar)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, registrar)
         services.append(health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)
@@ -281,7 +287,11 @@ class Server:
                 raise
         if s.http_port >= 0:
             rest_app = RestApp(
-                self.plane, s.max_message_bytes, auth, local_control=not s.allow_remote_control
+                self.plane,
+                self.control,
+                s.max_message_bytes,
+                auth,
+                local_control=not s.allow_remote_control,
             )
             self.rest = RestServer(rest_app, s)
             self.http_port = self.rest.start()
@@ -300,19 +310,20 @@ class Server:
             "metrics": self.metrics_port if s.metrics_port >= 0 else -1,
             "health": self.health_port if s.health_port >= 0 else -1,
         }
-        self.plane.control_mode = s.model_control_mode
+        self.control.control_mode = s.model_control_mode
         names = None
         if s.model_control_mode == "explicit":
             names = {n.strip() for n in s.load_model.split(",") if n.strip()}
             if "*" in names:
                 names = None
-        ready, problems = self.plane.load_repository(names)
+        ready, problems = self.control.load_repository(names)
         for problem in problems:
             log.error("model repository: %s", problem)
         # the bundled examples are a demo: one that needs a device --plugins left out is skipped
         if problems and s.exit_on_error and s.model_repository:
             self._stop_grpc(0)
             self.plane.close()
+            self.control.close()
             raise SystemExit(
                 f"plugserve: {len(problems)} problem(s) in the model repository at startup "
                 "(logged above); --exit-on-error 0 serves the models that loaded"
@@ -329,7 +340,7 @@ class Server:
         """--model-control-mode poll: the repository's changes, every --repository-poll-secs."""
         while not self._stopped.wait(self.settings.repository_poll_secs):
             try:
-                self.plane.poll_repository()
+                self.control.poll_repository()
             except Exception:  # a bad look at the repository must not end polling
                 log.exception("repository poll failed; trying again")
 
@@ -355,7 +366,7 @@ class Server:
             from plugserve.server.kserve import add_kserve_service
         except ImportError:
             return []
-        return add_kserve_service(self.plane, server)
+        return add_kserve_service(self.plane, self.control, server)
 
     def _set_health(self, status: int) -> None:
         self.health.set("", status)
@@ -388,6 +399,7 @@ class Server:
         # responses of finished requests may still be on their way: a short grace for them
         self._stop_grpc(0 if left else max(1.0, end - time.monotonic()))
         self.plane.close()
+        self.control.close()
         self.metrics.close()
         if self._scratch is not None:
             shutil.rmtree(self._scratch, ignore_errors=True)

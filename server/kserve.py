@@ -1,6 +1,7 @@
-"""The KServe v2 / Triton gRPC service (``inference.GRPCInferenceService``) over the data plane.
+"""The KServe v2 / Triton gRPC service (``inference.GRPCInferenceService``).
 
-A thin adapter: each RPC converts its message, calls :class:`DataPlane`, and converts back, so
+A thin adapter: each RPC converts its message, calls the :class:`DataPlane` (inference) or
+:class:`ModelControl` (the repository, what is loaded), and converts back, so
 ``tritonclient.grpc`` (and perf_analyzer) work unchanged. Errors are plugserve's typed errors,
 mapped to status codes in one place (``server/errors.py``).
 
@@ -54,7 +55,7 @@ from plugserve.plugins.version import plugserve_version
 from plugserve.proto import grpc_service_pb2 as pb
 from plugserve.proto import grpc_service_pb2_grpc as pb_grpc
 from plugserve.server.budget import GRPC_FACTOR
-from plugserve.server.dataplane import DataPlane, failed_to_load
+from plugserve.server.dataplane import DataPlane
 from plugserve.server.handlers import Inference, add_service, deadline
 from plugserve.server.kserve_convert import (
     EXTENSIONS,
@@ -71,6 +72,7 @@ from plugserve.server.kserve_convert import (
     stream_error,
     stream_response,
 )
+from plugserve.server.model_control import ModelControl, failed_to_load
 from plugserve.server.sequences import sequence_step
 from plugserve.server.shm import write_outputs
 from plugserve.server.versions import parse_version
@@ -91,8 +93,9 @@ _UNIMPLEMENTED = {
 
 
 class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, plane: DataPlane) -> None:
+    def __init__(self, plane: DataPlane, control: ModelControl) -> None:
         self.plane = plane
+        self.control = control
         self.shm = plane.shm
         inference = Inference(
             self._submit,
@@ -127,12 +130,12 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     def ModelMetadata(self, request, context):
         entry = self.plane.get(request.name, parse_version(request.version))
-        versions = sorted(n.version for n in self.plane.networks() if n.name == entry.name)
+        versions = sorted(n.version for n in self.control.networks() if n.name == entry.name)
         return model_metadata(entry, versions)
 
     def ModelConfig(self, request, context):
         entry = self.plane.get(request.name, parse_version(request.version))
-        policy = self.plane.version_policy(entry.name)
+        policy = self.control.version_policy(entry.name)
         return pb.ModelConfigResponse(config=model_config(entry, policy))
 
     # --- inference
@@ -210,15 +213,15 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
     def ModelStatistics(self, request, context):
         version = parse_version(request.version)
         if request.name:
-            entries = self.plane.versions(request.name, version)
+            entries = self.control.versions(request.name, version)
         else:
-            entries = self.plane.networks()
+            entries = self.control.networks()
         entries.sort(key=lambda n: (n.name, n.version))
         return pb.ModelStatisticsResponse(model_stats=[model_statistics(n) for n in entries])
 
     def RepositoryIndex(self, request, context):
         response = pb.RepositoryIndexResponse()
-        for name, version, ready in self.plane.index(ready_only=request.ready):
+        for name, version, ready in self.control.index(ready_only=request.ready):
             response.models.add(
                 name=name,
                 version=str(version),
@@ -228,18 +231,18 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         return response
 
     def RepositoryModelLoad(self, request, context):
-        self.plane.check_control(f"load of model {request.model_name!r}")
-        load(self.plane, request.model_name, parameter_values(request.parameters))
+        self.control.check_control(f"load of model {request.model_name!r}")
+        load(self.control, request.model_name, parameter_values(request.parameters))
         return pb.RepositoryModelLoadResponse()
 
     def RepositoryModelUnload(self, request, context):
         """Unload every version without deleting: the model can be loaded again."""
-        self.plane.check_control(f"unload of model {request.model_name!r}")
-        self.plane.unload(request.model_name, 0, remove=False)
+        self.control.check_control(f"unload of model {request.model_name!r}")
+        self.control.unload(request.model_name, 0, remove=False)
         return pb.RepositoryModelUnloadResponse()
 
 
-def load(plane: DataPlane, name: str, parameters: Mapping[str, Any]) -> None:
+def load(control: ModelControl, name: str, parameters: Mapping[str, Any]) -> None:
     """RepositoryModelLoad for both protocols: a reload, or one with Triton's overrides
     (``config``: ModelConfig JSON; ``file:<version>/<name>``: a file's bytes). Whatever
     fails says Triton's ``failed to load 'NAME'`` first, which its clients match on."""
@@ -252,9 +255,9 @@ def load(plane: DataPlane, name: str, parameters: Mapping[str, Any]) -> None:
             if not isinstance(value, bytes):
                 raise InvalidInput(f"model {name!r}: 'file:{key}' must carry the file's bytes")
         if config is None and not files:
-            plane.reload(name)
+            control.reload(name)
         else:
-            plane.load_with_overrides(name, config, files)
+            control.load_with_overrides(name, config, files)
     except PlugserveError as exc:
         error = failed_to_load(name, exc)
         if error is exc:
@@ -277,10 +280,7 @@ for _method, _feature in _UNIMPLEMENTED.items():
     setattr(KServeServicer, _method, _unimplemented(_method, _feature))
 
 
-def add_kserve_service(plane: DataPlane, server: grpc.Server) -> list[str]:
+def add_kserve_service(plane: DataPlane, control: ModelControl, server: grpc.Server) -> list[str]:
     """Register the KServe v2 service on ``server``; the service names, for reflection."""
-    return [
-        add_service(
-            server, pb.DESCRIPTOR.services_by_name["GRPCInferenceService"], KServeServicer(plane)
-        )
-    ]
+    service = KServeServicer(plane, control)
+    return [add_service(server, pb.DESCRIPTOR.services_by_name["GRPCInferenceService"], service)]

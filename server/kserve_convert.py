@@ -31,8 +31,8 @@ from plugserve.proto.tensors import (
     varint,
 )
 from plugserve.server.classification import class_count, classify
-from plugserve.server.dataplane import LoadedNetwork
 from plugserve.server.errors import status_of
+from plugserve.server.networks import LoadedNetwork
 from plugserve.server.shm import OutputTarget, SharedMemory, uses_region
 from plugserve.server.triton_config import VersionPolicy
 
@@ -139,7 +139,7 @@ def config_data_type(dtype: np.dtype | None) -> int:
 
 def model_config(entry: LoadedNetwork, policy: VersionPolicy) -> mc.ModelConfig:
     """As Triton: with max_batch_size > 0 the leading (batch) dimension is not in ``dims``;
-    ``policy``: the versions the repository loads of it (see ``DataPlane.version_policy``)."""
+    ``policy``: the versions the repository loads of it (see ``ModelControl.version_policy``)."""
     config = mc.ModelConfig(
         name=entry.name,
         platform=PLATFORM,

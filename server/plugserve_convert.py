@@ -23,8 +23,8 @@ from plugserve.proto.tensors import (
     spec_to_proto,
 )
 from plugserve.proto.tensors import from_tensor as _from_tensor
-from plugserve.server.dataplane import LoadedNetwork
 from plugserve.server.errors import status_of
+from plugserve.server.networks import LoadedNetwork
 from plugserve.server.sequences import Step, sequence_step
 
 __all__ = [

@@ -1,7 +1,8 @@
 """KServe v2 over HTTP/REST (Triton's paths and its binary tensor extension) on its own port.
 
 A thin adapter, the REST twin of ``kserve.py``: each route decodes its body
-(``rest_convert``), calls the one :class:`DataPlane`, and encodes the answer; errors are
+(``rest_convert``), calls the :class:`DataPlane` (inference) or :class:`ModelControl` (the
+repository, what is loaded), and encodes the answer; errors are
 ``{"error": "..."}`` with the HTTP status of the typed error (``errors.http_status_of``). A
 route is authorized as the gRPC method it stands for (``security.AuthInterceptor.authorize``),
 so one table decides who may call what on both protocols; the health routes follow
@@ -11,9 +12,9 @@ The stack was chosen by measurement (BENCHMARKS.md, "REST stack" and "REST witho
 httptools' parser under an asyncio protocol of our own (``rest_http.py``, which reads each
 request whole and calls :meth:`RestApp.dispatch`) on uvloop, JSON by orjson. It runs its own
 event loop on a thread of the server process, next to the gRPC server, so both share the
-DataPlane. A network whose mean compute is under 1 ms runs inline on the loop when a stream is
-idle (answered within the parser's callback); others run on the network's streams while the
-loop awaits the future; loads and unloads run on a worker thread.
+DataPlane and ModelControl. A network whose mean compute is under 1 ms runs inline on the loop
+when a stream is idle (answered within the parser's callback); others run on the network's
+streams while the loop awaits the future; loads and unloads run on a worker thread.
 
 Choices where Triton or KServe leave room:
 
@@ -56,8 +57,10 @@ from plugserve.plugins.version import plugserve_version
 from plugserve.proto import grpc_service_pb2 as pb
 from plugserve.server import kserve, kserve_convert, rest_offload
 from plugserve.server.budget import body_factor
-from plugserve.server.dataplane import DataPlane, LoadedNetwork
+from plugserve.server.dataplane import DataPlane
 from plugserve.server.errors import HTTP_STATUS
+from plugserve.server.model_control import ModelControl
+from plugserve.server.networks import LoadedNetwork
 from plugserve.server.rest_convert import (
     HEADER_LENGTH,
     InferCall,
@@ -144,6 +147,7 @@ class RestApp:
     def __init__(
         self,
         plane: DataPlane,
+        control: ModelControl,
         max_body: int,
         auth: AuthInterceptor | None = None,
         local_control: bool = False,
@@ -151,6 +155,7 @@ class RestApp:
         """``local_control``: without tokens, the admin routes answer this machine only
         (``security.control_refusal``)."""
         self.plane = plane
+        self.control = control
         self.max_body = max_body
         self.auth = auth
         self.local_control = local_control and auth is None
@@ -397,7 +402,7 @@ class RestApp:
 
     def model_metadata(self, call: Call) -> Reply:
         entry = self.plane.get(call.path["name"], call.version)
-        versions = sorted(n.version for n in self.plane.networks() if n.name == entry.name)
+        versions = sorted(n.version for n in self.control.networks() if n.name == entry.name)
         body = message_json(kserve_convert.model_metadata(entry, versions))
         # as MLServer's metadata: gRPC's message has no parameters (the model config has them)
         body["parameters"] = {"device": entry.device, "precision": entry.network.precision}
@@ -405,14 +410,14 @@ class RestApp:
 
     def model_config(self, call: Call) -> Reply:
         entry = self.plane.get(call.path["name"], call.version)
-        policy = self.plane.version_policy(entry.name)
+        policy = self.control.version_policy(entry.name)
         return _json(message_json(kserve_convert.model_config(entry, policy)))
 
     def statistics(self, call: Call) -> Reply:
         if "name" in call.path:
-            entries = self.plane.versions(call.path["name"], call.version)
+            entries = self.control.versions(call.path["name"], call.version)
         else:
-            entries = self.plane.networks()
+            entries = self.control.networks()
         entries.sort(key=lambda n: (n.name, n.version))
         response = pb.ModelStatisticsResponse(
             model_stats=[kserve_convert.model_statistics(n) for n in entries]
@@ -515,7 +520,7 @@ class RestApp:
                 {"name": name, "version": str(version)}
                 | ({"state": "READY", "reason": ""} if loaded else
                    {"state": "UNAVAILABLE", "reason": "unloaded"})
-                for name, version, loaded in self.plane.index(ready)
+                for name, version, loaded in self.control.index(ready)
             ]
         )  # fmt: skip
 
@@ -523,7 +528,7 @@ class RestApp:
         parameters = call.json().get("parameters", {})
         if not isinstance(parameters, dict):
             raise InvalidInput("'parameters' must be a JSON object")
-        self.plane.check_control(f"load of model {call.path['name']!r}")
+        self.control.check_control(f"load of model {call.path['name']!r}")
         files = {}
         for key, value in parameters.items():  # tritonclient.http sends files as base64
             if key.startswith("file:"):
@@ -534,13 +539,13 @@ class RestApp:
                 except ValueError:
                     raise InvalidInput(f"'{key}' is not valid base64") from None
         values = {**parameters, **files}
-        await asyncio.to_thread(kserve.load, self.plane, call.path["name"], values)
+        await asyncio.to_thread(kserve.load, self.control, call.path["name"], values)
         return 200, [], []
 
     async def unload(self, call: Call) -> Reply:
         call.json()  # unload_dependents and other parameters: checked as JSON, nothing to do
-        self.plane.check_control(f"unload of model {call.path['name']!r}")
-        await asyncio.to_thread(self.plane.unload, call.path["name"], 0, False)
+        self.control.check_control(f"unload of model {call.path['name']!r}")
+        await asyncio.to_thread(self.control.unload, call.path["name"], 0, False)
         return 200, [], []
 
 

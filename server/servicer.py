@@ -1,4 +1,7 @@
-"""The plugserve.v1 gRPC service: messages in, data-plane calls, messages out. No logic here."""
+"""The plugserve.v1 gRPC service: messages in, data-plane and model-control calls, messages out.
+
+No logic here: inference goes to the data plane, loading and the plugin API to model control.
+"""
 
 from __future__ import annotations
 
@@ -14,8 +17,9 @@ from plugserve.plugins.api import FailedPrecondition, InvalidArgument, Plugserve
 from plugserve.proto import plugserve_pb2 as pb
 from plugserve.proto import plugserve_pb2_grpc as pb_grpc
 from plugserve.server.budget import GRPC_FACTOR
-from plugserve.server.dataplane import DataPlane, failed_to_load
+from plugserve.server.dataplane import DataPlane
 from plugserve.server.handlers import Inference, deadline
+from plugserve.server.model_control import ModelControl, failed_to_load
 from plugserve.server.plugserve_convert import (
     metric_json,
     network_info,
@@ -42,8 +46,9 @@ def _stops_when_gone(method: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class PlugserveServicer(pb_grpc.PlugserveServicer):
-    def __init__(self, plane: DataPlane) -> None:
+    def __init__(self, plane: DataPlane, control: ModelControl) -> None:
         self.plane = plane
+        self.control = control
         inference = Inference(
             self._submit, respond, stream_response, stream_error, "infer-stream-reader"
         )
@@ -55,12 +60,12 @@ class PlugserveServicer(pb_grpc.PlugserveServicer):
         if kind == "onnx":
             return source.onnx, "", {}, 0
         if kind == "repository_path":
-            return self.plane.repository_model(source.repository_path)
+            return self.control.repository_model(source.repository_path)
         raise InvalidArgument("model: set either onnx (the model bytes) or repository_path")
 
     def ListDevices(self, request, context):
         response = pb.ListDevicesResponse()
-        for info in self.plane.core.devices():
+        for info in self.control.core.devices():
             response.devices.add(
                 name=info.name,
                 available=info.available,
@@ -76,11 +81,11 @@ class PlugserveServicer(pb_grpc.PlugserveServicer):
             entry = self.plane.get(request.network, request.version)
             value = entry.network.get_metric(request.name)
         else:
-            value = self.plane.core.get_metric(request.device, request.name)
+            value = self.control.core.get_metric(request.device, request.name)
         return pb.GetMetricResponse(value_json=metric_json(value))
 
     def GetConfig(self, request, context):
-        plugin = self.plane.core.plugin(request.device)
+        plugin = self.control.core.plugin(request.device)
         if request.key:
             value = plugin.config.to_strings().get(request.key)
             if value is None:
@@ -90,18 +95,18 @@ class PlugserveServicer(pb_grpc.PlugserveServicer):
 
     def SetConfig(self, request, context):
         refuse_server_keys(request.config, "SetConfig")
-        self.plane.core.set_config(dict(request.config), request.device or None)
+        self.control.core.set_config(dict(request.config), request.device or None)
         return pb.SetConfigResponse()
 
     @_stops_when_gone
     def QueryNetwork(self, request, context):
         model, *_ = self._model(request.model)
         config = dict(request.config)
-        supported, unsupported = self.plane.query(model, request.device, config)
+        supported, unsupported = self.control.query(model, request.device, config)
         response = pb.QueryNetworkResponse(supported=supported, unsupported=unsupported)
-        for split in self.plane.subgraphs(model, request.device, config):
+        for split in self.control.subgraphs(model, request.device, config):
             response.subgraphs.add(device=split["device"], nodes=split["nodes"])
-        for node, device, reason in self.plane.refusals(model, request.device, config):
+        for node, device, reason in self.control.refusals(model, request.device, config):
             response.refusals.add(node=node, device=device, reason=reason)
         return response
 
@@ -111,7 +116,7 @@ class PlugserveServicer(pb_grpc.PlugserveServicer):
             refuse_server_keys(request.config, f"LoadNetwork of {request.name!r}")
             model, device, config, batch = self._model(request.model)
             config = {**config, **dict(request.config)}
-            entry, cached = self.plane.load(
+            entry, cached = self.control.load(
                 request.name,
                 model,
                 request.device or device,
@@ -130,12 +135,12 @@ class PlugserveServicer(pb_grpc.PlugserveServicer):
         return response
 
     def UnloadNetwork(self, request, context):
-        self.plane.unload(request.name, request.version, request.remove_from_repository)
+        self.control.unload(request.name, request.version, request.remove_from_repository)
         return pb.UnloadNetworkResponse()
 
     def ListNetworks(self, request, context):
         response = pb.ListNetworksResponse()
-        for entry in self.plane.networks():
+        for entry in self.control.networks():
             try:
                 network_info(response.networks.add(), entry)
             except Exception:  # one entry that cannot be encoded must not fail every client
@@ -160,12 +165,12 @@ class PlugserveServicer(pb_grpc.PlugserveServicer):
         return entry, future
 
     def ExportNetwork(self, request, context):
-        return pb.ExportNetworkResponse(blob=self.plane.export(request.name, request.version))
+        return pb.ExportNetworkResponse(blob=self.control.export(request.name, request.version))
 
     @_stops_when_gone
     def ImportNetwork(self, request, context):
         refuse_server_keys(request.config, f"ImportNetwork of {request.name!r}")
-        entry = self.plane.import_network(
+        entry = self.control.import_network(
             request.name, request.blob, request.device, dict(request.config)
         )
         response = pb.LoadNetworkResponse(loaded_from_cache=True)
