@@ -5,8 +5,10 @@ reflection; KServe v2 over HTTP/REST has its own port (``server/rest.py``, same 
 model control, auth, TLS and limits); Prometheus scrapes ``/metrics`` on its own port. The
 gRPC server is grpcio's thread-pool server, chosen by measurement: a 602 KB echo takes 1.1 ms
 on it and 2.0 ms on grpc.aio here (64 B: 0.6 ms on both), and inference itself runs on the
-device executors, so handler threads only wait on futures. ``maximum_concurrent_rpcs`` bounds
-what is admitted.
+device executors, so handler threads only wait on futures. Its threads come from a
+:class:`CallPool` (``server/callpool.py``): a few run calls at once, so they do not fight over
+the GIL, and more start only while calls wait. ``maximum_concurrent_rpcs`` bounds what is
+admitted.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from plugserve.server import reflection
 from plugserve.server.allocator import reuse_freed_memory
 from plugserve.server.budget import default_limit
 from plugserve.server.callgate import CallGate, keepalive_options
+from plugserve.server.callpool import CallPool
 from plugserve.server.core import ConfigLimits, Core
 from plugserve.server.dataplane import DataPlane
 from plugserve.server.examples import build_examples, default_examples_dir
@@ -258,7 +261,7 @@ class Server:
         if s.max_streams_per_connection:
             options.append(("grpc.max_concurrent_streams", s.max_streams_per_connection))
         server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=s.grpc_workers, thread_name_prefix="grpc"),
+            CallPool(s.grpc_workers, s.grpc_active_workers or 2 * (os.cpu_count() or 1) + 2),
             interceptors=interceptors,
             options=options,
             maximum_concurrent_rpcs=4 * s.grpc_workers,

@@ -32,6 +32,8 @@ from typing import Any
 
 import grpc
 
+from plugserve.server.callpool import blocked
+
 __all__ = ["CallGate", "keepalive_options"]
 
 #: A call waiting this long for its request message may be cancelled to make room.
@@ -113,7 +115,8 @@ class CallGate:
             def first_then_stream(requests: Iterator[Any], context: grpc.ServicerContext):
                 request = self._first(requests, context)
                 if request is not _NO_MESSAGE:
-                    yield from unary_stream(request, context)
+                    with blocked():  # health's Watch: open for as long as its client likes
+                        yield from unary_stream(request, context)
 
             return grpc.stream_stream_rpc_method_handler(first_then_stream, **kwargs)
         unary_unary = handler.unary_unary
@@ -188,7 +191,8 @@ class CallGate:
         def gated(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
             key, watched = self._admit_stream(context)
             try:
-                yield from behavior(self._touching(requests, watched), context)
+                with blocked():  # a stream mostly waits: its requests run on other threads
+                    yield from behavior(self._touching(requests, watched), context)
             finally:
                 self._release(key)
 
@@ -198,7 +202,8 @@ class CallGate:
         def gated(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
             key, watched = self._admit_stream(context)
             try:
-                return behavior(self._touching(requests, watched), context)
+                with blocked():
+                    return behavior(self._touching(requests, watched), context)
             finally:
                 self._release(key)
 

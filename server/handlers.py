@@ -30,6 +30,7 @@ from google.protobuf.message_factory import GetMessageClass
 from plugserve.plugins import cancel
 from plugserve.plugins.errors import Cancelled, DeadlineExceeded
 from plugserve.plugins.streams import Finished
+from plugserve.server.callpool import blocked
 from plugserve.server.errors import abort
 
 __all__ = ["Inference", "add_service", "call_token", "deadline", "pump"]
@@ -236,8 +237,13 @@ class Inference:
     reader: str
 
     def unary(self, request: Any, context: grpc.ServicerContext) -> bytes:
-        """Runs inline when a stream is idle; the answer is composed without extra copies."""
+        """Runs inline when a stream is idle; the answer is composed without extra copies.
+        A request queued behind others waits as :func:`blocked`: its thread runs nothing
+        meanwhile, so another call may start."""
         entry, future = self.submit(request, context, inline=True, token=call_token(context))
+        if type(future) is not Finished:
+            with blocked():
+                future.exception()  # waits; result() below raises what it holds
         return b"".join(self.respond(request, entry, future.result()))
 
     def stream(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:

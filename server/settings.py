@@ -94,7 +94,15 @@ class Settings:
         1 << 30, "largest gRPC message accepted or sent, and largest REST request body"
     )
     queue_size: int = _field(0, "requests waiting per network (0: 16 per stream, at least 64)")
-    grpc_workers: int = _field(64, "gRPC handler threads")
+    grpc_workers: int = _field(
+        64, "gRPC handler threads at most (streams and calls waiting on a busy network hold one)"
+    )
+    grpc_active_workers: int = _field(
+        0,
+        "gRPC handler threads that run calls at once; more start, up to --grpc-workers, only "
+        "while calls wait or stall (fewer threads contend less for Python's GIL; 0: twice the "
+        "cores, plus 2)",
+    )
     exit_timeout: float = _field(30.0, "seconds to finish admitted requests on SIGTERM")
     max_inflight_bytes: int = _field(
         -1,
@@ -199,6 +207,7 @@ class Settings:
             ("max_message_bytes", 1, 2**31 - 1),  # gRPC keeps message limits in an int32
             ("queue_size", 0, None),
             ("grpc_workers", 1, None),
+            ("grpc_active_workers", 0, None),
             ("exit_timeout", 0, None),
             ("max_request_seconds", 0, None),
             ("max_inflight_bytes", -1, None),

@@ -235,6 +235,30 @@ def test_unary_calls_that_never_send_their_message_are_evicted(server, silent):
     assert server.process.poll() is None
 
 
+def test_one_active_handler_thread_is_not_held_by_silent_or_idle_calls(tmp_path_factory):
+    """--grpc-active-workers 1: silent unary calls and idle streams take the one thread that
+    runs calls, and real clients are still answered (streams wait as blocked; a silent call's
+    stall starts another thread), through unary calls, a stream and health, long before the
+    silent calls' read timeout would free anything."""
+    args = [*_serve(tmp_path_factory).args, "--grpc-active-workers", "1"]
+    with RunningServer(*args, "--request-read-timeout", "60") as server:
+        silent = Silent(server.target)
+        try:
+            silent.open(KSERVE + "ModelStreamInfer", 3, metadata=auth(), streaming=True)
+            silent.open(KSERVE + "ModelInfer", 3, metadata=auth())
+            for _ in range(3):
+                served_soon(server)
+            with Client(server.target, timeout=30, token=TOKEN) as client:
+                answers = list(
+                    client.infer_stream([(str(i), "add", {"a": A, "b": A}) for i in range(5)])
+                )
+            assert sorted(rid for rid, _, _ in answers) == ["0", "1", "2", "3", "4"]
+            for _, outputs, _ in answers:
+                np.testing.assert_allclose(outputs["sum"], A + A)
+        finally:
+            silent.close()
+
+
 def test_a_silent_unary_call_is_cancelled_after_the_read_timeout(server, silent):
     silent.open(KSERVE + "ModelInfer", 1, metadata=auth())
     [code] = silent.codes(timeout=40)  # --request-read-timeout 5, the watchdog checks each second

@@ -1,0 +1,129 @@
+"""The gRPC handler pool (server/callpool.py): few threads run calls while calls keep starting;
+more start when calls wait (declared with ``blocked``) or stall; extra threads leave."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from serving import wait_for
+
+from plugserve.server.callpool import CallPool, blocked
+
+
+@pytest.fixture
+def pools():
+    made: list[CallPool] = []
+
+    def make(*args, **kwargs) -> CallPool:
+        made.append(CallPool(*args, **kwargs))
+        return made[-1]
+
+    yield make
+    for pool in made:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def test_calls_run_and_fail_through_their_futures(pools):
+    pool = pools(8, 2)
+    assert pool.submit(lambda a, b=0: a + b, 2, b=3).result(10) == 5
+    with pytest.raises(ZeroDivisionError):
+        pool.submit(lambda: 1 / 0).result(10)
+
+
+def test_no_more_than_active_threads_run_while_calls_keep_starting(pools):
+    """200 short calls at once: at most 2 run at a time on 2 threads (the stall bound is far
+    away, so nothing else may start one)."""
+    pool = pools(64, 2, stall=60)
+    lock = threading.Lock()
+    running = [0, 0]  # now, most at once
+
+    def call() -> None:
+        with lock:
+            running[0] += 1
+            running[1] = max(running[1], running[0])
+        sum(range(2000))
+        with lock:
+            running[0] -= 1
+
+    for future in [pool.submit(call) for _ in range(200)]:
+        future.result(30)
+    assert running[1] <= 2
+    assert pool.threads <= 2
+
+
+def test_a_thread_that_waits_as_blocked_lets_another_call_start(pools):
+    """One active thread, waiting inside blocked(): the next call starts at once (with a
+    stall bound of a minute, nothing else could start it)."""
+    pool = pools(8, 1, stall=60)
+    release = threading.Event()
+
+    def waiting() -> str:
+        with blocked():
+            release.wait(30)
+        return "waited"
+
+    first = pool.submit(waiting)
+    second = pool.submit(lambda: "second")
+    assert second.result(10) == "second"
+    assert not first.done()
+    release.set()
+    assert first.result(10) == "waited"
+
+
+def test_calls_stuck_without_saying_so_make_the_pool_grow(pools):
+    """Both active threads hang in a wait nobody declared: after the stall bound a third
+    thread takes the queued calls, up to the limit of threads."""
+    pool = pools(4, 2, stall=0.05)
+    release = threading.Event()
+    stuck = [pool.submit(release.wait, 30) for _ in range(2)]
+    quick = [pool.submit(lambda i=i: i) for i in range(20)]
+    assert [f.result(10) for f in quick] == list(range(20))
+    assert not any(f.done() for f in stuck)
+    assert 3 <= pool.threads <= 4
+    release.set()
+    assert all(f.result(10) for f in stuck)
+
+
+def test_no_more_threads_than_max_workers(pools):
+    pool = pools(3, 1, stall=0.02)
+    release = threading.Event()
+    stuck = [pool.submit(release.wait, 30) for _ in range(3)]
+    late = pool.submit(lambda: "late")
+    time.sleep(0.3)  # many stall bounds: the pool would have grown by now if it could
+    assert pool.threads == 3
+    assert not late.done()
+    release.set()
+    assert late.result(10) == "late"
+    assert all(f.result(10) for f in stuck)
+
+
+def test_extra_threads_leave_after_lingering_idle(pools):
+    pool = pools(8, 1, stall=0.02, linger=0.2)
+    release = threading.Event()
+    stuck = pool.submit(release.wait, 30)
+    assert pool.submit(lambda: 1).result(10) == 1  # on a second thread, after the stall
+    assert pool.threads == 2
+    release.set()
+    stuck.result(10)
+    assert wait_for(lambda: pool.threads == 1, timeout=10)
+
+
+def test_shutdown_cancels_what_is_queued_and_takes_no_more(pools):
+    pool = pools(1, 1, stall=60)
+    release = threading.Event()
+    running = pool.submit(release.wait, 30)
+    queued = pool.submit(lambda: "never")
+    threading.Timer(0.2, release.set).start()
+    pool.shutdown(wait=True, cancel_futures=True)
+    assert running.result(10) is True
+    assert queued.cancelled()
+    assert pool.threads == 0
+    with pytest.raises(RuntimeError, match="after shutdown"):
+        pool.submit(lambda: 1)
+
+
+def test_blocked_outside_a_pool_thread_does_nothing():
+    with blocked():
+        pass
