@@ -8,7 +8,11 @@ The server's cost per request, with nothing else in it: the same pre-serialized
 (``bench_echo.py``, thread-pool server, plugserve's malloc tuning too) through one raw-bytes
 client (``harness.RawRunner``: the reply is not decoded), in interleaved blocks; p50 at
 concurrency 1 and requests/s at 16 in flight, medians over the rounds, and each as a ratio to
-the echo's. Issue 22's target: p50 <= 1.3x the echo's, requests/s >= 75 % of it. With
+the echo's. Issue 22's target: p50 <= 1.3x the echo's, requests/s >= 75 % of it. Beside
+them, two floors of any Python KServe server on grpcio (``bench_echo.py --kind kserve`` and
+``kserve-ort``): the request parsed and a response built with protobuf and nothing else, and
+that plus one onnxruntime run of the same model (no checks, limits, cancellation or metrics).
+With
 ``--baseline`` (another checkout's venv python) that checkout's server runs the same blocks
 beside this one's, for before/after figures.
 """
@@ -59,7 +63,13 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         stack.callback(shutil.rmtree, folder, True)
         targets = {
-            "echo": stack.enter_context(harness.echo_server("thread", "--reuse-freed-memory"))
+            "echo": stack.enter_context(harness.echo_server("thread", "--reuse-freed-memory")),
+            "kserve-echo": stack.enter_context(
+                harness.echo_server("kserve", "--reuse-freed-memory")
+            ),
+            "kserve-ort": stack.enter_context(
+                harness.echo_server("kserve-ort", "--reuse-freed-memory", "--model", str(path))
+            ),
         }
         servers = {"plugserve": None}
         if args.baseline:
