@@ -3,26 +3,28 @@
 grpcio's synchronous server hands every call to a thread pool. With Python's
 ``ThreadPoolExecutor`` of ``--grpc-workers`` (64) threads, 16 small calls in flight keep 16
 threads running Python at once; they contend for the GIL, and each call wakes a sleeping
-thread. Measured on 2 cores (BENCHMARKS.md, issue 22), that contention cost plugserve a third
-of its small-request throughput, while the same server with 6 threads served ~1.4x the
-requests/s. A small fixed pool is no answer either: a call can hold its thread for long
-without running (a stream, a request waiting for its turn on a busy network, a client that
-never sends its message), and a few of those would stop every other client.
+thread. On these 2-core machines a context switch is dear, and that contention cost plugserve
+a third of its small-request throughput: the same server with 6 threads served ~1.4x the
+requests/s (BENCHMARKS.md, issue 22). A small fixed pool is no answer either: a call can hold
+its thread for long without running (a stream, a request waiting for its turn on a busy
+network, a client that never sends its message), and a few of those would stop every other
+client.
 
-So this pool keeps at most ``active`` threads running calls while calls keep starting, and
-grows toward ``max_workers`` only when they stop starting:
+So this pool lets ``allowed`` threads run calls, ``active`` of them while the queue moves:
 
-- A call arriving while fewer than ``active`` threads run goes to the most recently idle
+- A call arriving while fewer than ``allowed`` threads run goes to the most recently idle
   thread (its stack and caches still warm) or a new one; otherwise it waits in the queue for
   the next thread to finish, which takes it without sleeping.
 - A thread that waits on something other than the CPU says so with :func:`blocked` (every
   stream, a unary call whose run was queued): it stops counting as running while it waits,
   so another call may start.
-- When the oldest queued call has waited ``stall`` seconds (the running threads are stuck in
-  something nobody declared), one more thread starts; a thread beyond ``active`` keeps
-  taking calls only while the queue stays stalled, then idles, and exits after ``linger``
-  seconds idle. The first ``active`` threads stay for good (their untimed wait measured a
-  few per cent faster per call at concurrency 1 than a timed one).
+- When no call has started for ``stall`` seconds while calls wait (the running threads are
+  stuck in something nobody declared: a silent client, say), one more thread is allowed, up to
+  ``max_workers``. A queue that is long but moving is not stuck, and gets no more threads.
+  Each time a thread finds the queue empty the allowance shrinks back by one toward
+  ``active``; threads beyond ``active`` exit after ``linger`` seconds idle, the first
+  ``active`` stay for good (their untimed wait measured a few per cent faster per call at
+  concurrency 1 than a timed one).
 """
 
 from __future__ import annotations
@@ -112,11 +114,13 @@ class CallPool(futures.Executor):
         self._threads = 0
         self._cores = 0  # threads that never leave (at most ``active``)
         self._running = 0  # threads running a call, outside blocked()
+        self._allowed = self.active  # how many may run; more while the queue is stuck
+        self._moved = 0.0  # when a call last started
+        self._last = 0.0  # when a call last came
         self._closed = False
         self._stalls = threading.Condition(self._lock)
         self._watching = False
         self._resting = False  # the watcher waits for a call to be queued
-        self._last = 0.0  # when the last call came
         self._ids = itertools.count()
 
     @property
@@ -133,7 +137,7 @@ class CallPool(futures.Executor):
                 raise RuntimeError(f"{self.name}: cannot take calls after shutdown")
             self._queue.append(item)
             self._last = item.queued
-            if self._running < self.active:
+            if self._running < self._allowed:
                 self._start()
             if self._queue:
                 if self._resting:
@@ -166,17 +170,21 @@ class CallPool(futures.Executor):
 
     # --- under the lock
 
+    def _take(self) -> _Item:
+        self._moved = time.monotonic()
+        return self._queue.popleft()
+
     def _start(self) -> bool:
         """The oldest queued call to an idle thread (the most recent) or a new one."""
         if self._idle:
             worker = self._idle.pop()
-            worker.item = self._queue.popleft()
+            worker.item = self._take()
             self._running += 1
             worker.wake.release()
             return True
         if self._threads >= self.max_workers:
             return False
-        worker = _Worker(self._queue.popleft(), self._cores < self.active)
+        worker = _Worker(self._take(), self._cores < self.active)
         self._cores += worker.core
         self._threads += 1
         self._running += 1
@@ -188,9 +196,6 @@ class CallPool(futures.Executor):
         ).start()
         return True
 
-    def _stalled(self, now: float) -> bool:
-        return bool(self._queue) and now - self._queue[0].queued >= self.stall
-
     # --- threads
 
     def _work(self, worker: _Worker) -> None:
@@ -201,12 +206,12 @@ class CallPool(futures.Executor):
             item.run()
             item = None
             with self._lock:
-                if self._queue and (
-                    self._running <= self.active or self._stalled(time.monotonic())
-                ):
-                    item = self._queue.popleft()
+                if self._queue and self._running <= self._allowed:
+                    item = self._take()
                     continue
                 self._running -= 1
+                if self._allowed > self.active and not self._queue:
+                    self._allowed -= 1
                 if self._closed:
                     self._threads -= 1
                     self._cores -= worker.core
@@ -228,18 +233,22 @@ class CallPool(futures.Executor):
             return None
 
     def _watcher(self) -> None:
-        """Starts one more thread each time the oldest queued call has waited ``stall``. It
-        looks every 0.1 s while calls come, and rests (until a call is queued) after a second
-        without any."""
+        """Allows one more thread each time calls wait and none has started for ``stall``.
+        It looks every 0.1 s while calls come, and rests (until a call is queued) after a
+        second without any."""
         with self._lock:
             while not self._closed:
                 now = time.monotonic()
-                if self._stalled(now):
-                    if not self._start():  # --grpc-workers threads: wait for one to finish
-                        self._stalls.wait(self.stall)
-                    continue
                 if self._queue:
-                    self._stalls.wait(self._queue[0].queued + self.stall - now)
+                    still = now - max(self._moved, self._queue[0].queued)
+                    if still < self.stall:
+                        self._stalls.wait(self.stall - still)
+                    elif self._allowed < self.max_workers:
+                        self._allowed += 1
+                        while self._running < self._allowed and self._queue and self._start():
+                            pass
+                    else:  # every thread there may be is stuck: wait for one to finish
+                        self._stalls.wait(self.stall)
                 elif now - self._last < 1.0:
                     self._stalls.wait(0.1)
                 else:
@@ -251,7 +260,7 @@ class CallPool(futures.Executor):
     def _block(self) -> None:
         with self._lock:
             self._running -= 1
-            while self._queue and self._running < self.active and self._start():
+            while self._queue and self._running < self._allowed and self._start():
                 pass
 
     def _unblock(self) -> None:

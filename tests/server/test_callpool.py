@@ -86,6 +86,22 @@ def test_calls_stuck_without_saying_so_make_the_pool_grow(pools):
     assert all(f.result(10) for f in stuck)
 
 
+def test_a_long_queue_that_moves_gets_no_more_threads(pools):
+    """600 calls of ~0.5 ms each on 2 active threads: the last waits ~150 ms, far past the
+    stall bound of 20 ms, but calls keep starting, so the pool does not grow (a pool that grew
+    on a call's wait alone would reach its 16 threads)."""
+    pool = pools(16, 2, stall=0.02)
+
+    def call() -> None:
+        end = time.perf_counter() + 0.0005
+        while time.perf_counter() < end:
+            pass
+
+    for future in [pool.submit(call) for _ in range(600)]:
+        future.result(60)
+    assert pool.threads <= 4  # a descheduled thread on a loaded machine may look stuck once
+
+
 def test_no_more_threads_than_max_workers(pools):
     pool = pools(3, 1, stall=0.02)
     release = threading.Event()
