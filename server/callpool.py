@@ -12,9 +12,10 @@ client.
 
 So this pool lets ``allowed`` threads run calls, ``active`` of them while the queue moves:
 
-- A call arriving while fewer than ``allowed`` threads run goes to the most recently idle
-  thread (its stack and caches still warm) or a new one; otherwise it waits in the queue for
-  the next thread to finish, which takes it without sleeping.
+- A call arriving while fewer than ``allowed`` threads run goes to the longest idle thread
+  or a new one (handing it to the thread that went idle last measured ~0.1 ms slower at
+  concurrency 1: that thread is often still on its way to sleep); otherwise it waits in the
+  queue for the next thread to finish, which takes it without sleeping.
 - A thread that waits on something other than the CPU says so with :func:`blocked` (every
   stream, a unary call whose run was queued): it stops counting as running while it waits,
   so another call may start.
@@ -110,7 +111,7 @@ class CallPool(futures.Executor):
         self.name = name
         self._lock = threading.Lock()
         self._queue: collections.deque[_Item] = collections.deque()
-        self._idle: list[_Worker] = []  # the most recently idle last
+        self._idle: collections.deque[_Worker] = collections.deque()  # the longest idle first
         self._threads = 0
         self._cores = 0  # threads that never leave (at most ``active``)
         self._running = 0  # threads running a call, outside blocked()
@@ -155,7 +156,7 @@ class CallPool(futures.Executor):
             dropped = list(self._queue) if cancel_futures else []
             if cancel_futures:
                 self._queue.clear()
-            idle, self._idle = self._idle, []
+            idle, self._idle = self._idle, collections.deque()
             for worker in idle:
                 self._threads -= 1
                 self._cores -= worker.core
@@ -175,9 +176,9 @@ class CallPool(futures.Executor):
         return self._queue.popleft()
 
     def _start(self) -> bool:
-        """The oldest queued call to an idle thread (the most recent) or a new one."""
+        """The oldest queued call to the longest idle thread or a new one."""
         if self._idle:
-            worker = self._idle.pop()
+            worker = self._idle.popleft()
             worker.item = self._take()
             self._running += 1
             worker.wake.release()
