@@ -261,7 +261,7 @@ class Server:
         if s.max_streams_per_connection:
             options.append(("grpc.max_concurrent_streams", s.max_streams_per_connection))
         server = grpc.server(
-            CallPool(s.grpc_workers, s.grpc_active_workers or 2 * (os.cpu_count() or 1) + 2),
+            CallPool(s.grpc_workers, s.active_grpc_workers()),
             interceptors=interceptors,
             options=options,
             maximum_concurrent_rpcs=4 * s.grpc_workers,

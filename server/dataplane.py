@@ -396,18 +396,6 @@ class DataPlane:
             )
         return list(outputs)
 
-    def infer(
-        self,
-        name: str,
-        version: int,
-        inputs: Mapping[str, Any],
-        outputs: list[str] | None = None,
-        timeout: float | None = None,
-    ) -> dict[str, np.ndarray]:
-        deadline = time.monotonic() + timeout if timeout else None
-        entry = self.get(name, version)
-        return self.submit(entry, inputs, outputs, deadline, inline=True).result()
-
     # --- what model control needs of the request path
 
     def admission(self, entry: LoadedNetwork) -> Callable[..., Future | Finished]:

@@ -259,6 +259,12 @@ class Settings:
             return self.model_load_threads
         return min(4, available_cores())
 
+    def active_grpc_workers(self) -> int:
+        """--grpc-active-workers, 0 made concrete: a couple of threads per core keeps a core
+        busy while another thread of it waits on the network (the cores this process may run
+        on: a container's CPU set, not the host's)."""
+        return min(self.grpc_workers, self.grpc_active_workers or 2 * available_cores() + 2)
+
     @classmethod
     def env_name(cls, field: str) -> str:
         return f"PLUGSERVE_{field.upper()}"
