@@ -39,7 +39,7 @@ from plugserve.plugins.api import (
 from plugserve.plugins.streams import Finished, StreamsExecutor
 from plugserve.server.budget import Charge, MemoryBudget
 from plugserve.server.deadlines import DeadlineWatch
-from plugserve.server.metrics import Metrics
+from plugserve.server.metrics import Metrics, failure_status
 from plugserve.server.networks import LoadedNetwork, NetworkTable
 from plugserve.server.sequences import Step
 from plugserve.server.shm import SharedMemory
@@ -75,7 +75,6 @@ def check_batch(name: str, max_batch_size: int, arrays: list[Any]) -> None:
             )
 
 
-_STATUS = {DeadlineExceeded: "deadline", Cancelled: "cancelled", InvalidInput: "invalid"}
 
 
 class DataPlane:
@@ -378,7 +377,7 @@ class DataPlane:
             entry.inflight -= 1
         exc = future.exception()
         if exc is not None:
-            entry.recorder.failure(_STATUS.get(type(exc), "error"))
+            entry.recorder.failure(failure_status(exc))
 
     def cancel_all(self, why: str) -> int:
         """Cancel every admitted request, queued or running (a shutdown that stops waiting

@@ -29,7 +29,16 @@ from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
-__all__ = ["Metrics", "Recorder", "Stats"]
+from plugserve.plugins.errors import Cancelled, DeadlineExceeded, InvalidInput
+
+__all__ = ["Metrics", "Recorder", "Stats", "failure_status"]
+
+_FAILURES = {DeadlineExceeded: "deadline", Cancelled: "cancelled", InvalidInput: "invalid"}
+
+
+def failure_status(error: BaseException) -> str:
+    """The ``status`` label of a request that failed with ``error`` after its admission."""
+    return _FAILURES.get(type(error), "error")
 
 _LATENCY_BUCKETS = (
     0.0005,
@@ -71,13 +80,13 @@ class _Series:
         self.queue_sum = 0.0
         self.compute_sum = 0.0
 
-    def count(self, status: str) -> None:
-        """One request more under ``status`` (call with the lock held)."""
+    def count(self, status: str, requests: int = 1) -> None:
+        """``requests`` more under ``status`` (call with the lock held)."""
         counted = self.statuses.get(status)
         if counted is None:
-            self.statuses[status] = [1, time.time()]
+            self.statuses[status] = [requests, time.time()]
         else:
-            counted[0] += 1
+            counted[0] += requests
 
 
 class _RequestCollector:
@@ -338,12 +347,18 @@ class Recorder:
             s.compute_ns += int(compute * 1e9)
             s.last_inference_ms = now_ms
 
-    def joined(self, requests: int) -> None:
-        """``requests`` more requests answered by the run :meth:`success` counted (a sequence
-        batch of many rows is one execution, Triton's inference_count counts each row)."""
+    def joined(self, requests: int, error: BaseException | None = None) -> None:
+        """``requests`` more requests answered by the run :meth:`success` (or, with
+        ``error``, :meth:`failure`) counted: a sequence batch of many rows is one execution,
+        and Triton's statistics count each row, succeeded or failed."""
         with self._lock:
-            self._series.statuses["success"][0] += requests
-            self._stats.success += requests
+            if error is None:
+                self._series.statuses["success"][0] += requests
+                self._stats.success += requests
+                return
+            self._stats.failure += requests
+            self._stats.last_inference_ms = int(time.time() * 1000)
+            self._series.count(failure_status(error), requests)
 
     def failure(self, status: str) -> None:
         """A request that did not succeed: refused at admission (invalid, overloaded) or

@@ -502,7 +502,7 @@ class SequenceBatcher:
         outputs: list[str],
         submit: Submit,
         shared: Sequences,
-        joined: Callable[[int], None] = lambda requests: None,
+        joined: Callable[[int, BaseException | None], None] = lambda requests, error: None,
     ) -> None:
         self.name = name
         self.settings = settings
@@ -853,8 +853,8 @@ class SequenceBatcher:
     def _finish(self, rows: list[tuple[_Sequence, _Item]], future: Any) -> None:
         exc = future.exception()
         outputs = None if exc is not None else future.result()
-        if exc is None and len(rows) > 1:
-            self._joined(len(rows) - 1)
+        if len(rows) > 1:  # the run was counted once, as its first row
+            self._joined(len(rows) - 1, exc)
         for index, (sequence, item) in enumerate(rows):
             if exc is not None:
                 self._done(sequence, item, None, exc)

@@ -26,6 +26,8 @@ from sequence_models import (
     accumulator_config,
     big_state,
     big_state_config,
+    picker,
+    picker_config,
     triton_examples,
     write_model,
 )
@@ -41,6 +43,9 @@ platform: "onnxruntime_onnx"
 input [ { name: "x" data_type: TYPE_FP32 dims: [ 1, 4 ] } ]
 output [ { name: "y" data_type: TYPE_FP32 dims: [ 1, 4 ] } ]
 """
+
+#: sequences whose requests the picker model's ``oldest`` batcher waits to run together
+PICKED = 4
 
 #: the values Triton's sequence examples send, after a first 0 (or 100, 20)
 VALUES = [11, 7, 5, 3, 2, 0, 1]
@@ -61,6 +66,7 @@ def server(tmp_path_factory):
     write_model(root, "plain", add_constant(1.0, [1, 4]), PLAIN)
     capped = "oldest { max_candidate_sequences: 2 }"
     write_model(root, "acc_capped", accumulator(), accumulator_config("acc_capped", capped))
+    write_model(root, "picker", picker(), picker_config("picker", PICKED))
     with RunningServer("--model-repository", str(root), "--max-sequences", "40") as running:
         yield running
 
@@ -369,6 +375,56 @@ def test_implicit_state_concurrent_sequences(server, model):
         assert stats.execution_count == stats.inference_count
     else:  # oldest: requests of several sequences share runs
         assert stats.execution_count < stats.inference_count
+
+
+def _pick_together(server, first_id: int, index: int) -> list:
+    """One request of each of PICKED new sequences at once; each one's answer or error."""
+    answers: list = [None] * PICKED
+
+    def one(k: int) -> None:
+        client = grpcclient.InferenceServerClient(server.target)
+        tensor = grpcclient.InferInput("INDEX", [1, 1], "INT64")
+        tensor.set_data_from_numpy(np.array([[index]], np.int64))
+        try:
+            answers[k] = client.infer(
+                "picker", [tensor], sequence_id=first_id + k, sequence_start=True
+            ).as_numpy("OUTPUT")
+        except InferenceServerException as exc:
+            answers[k] = exc
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=one, args=(k,)) for k in range(PICKED)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return answers
+
+
+def _picker_stats(server):
+    client = grpcclient.InferenceServerClient(server.target)
+    try:
+        stats = client.get_inference_statistics("picker").model_stats[0]
+    finally:
+        client.close()
+    return stats.inference_count, stats.execution_count, stats.inference_stats.fail.count
+
+
+def test_a_failed_batched_run_fails_each_of_its_requests_in_the_statistics(server):
+    """PICKED sequences' requests run as one batch (``oldest`` waits for them): together they
+    count as PICKED requests in one execution; when the batch's run fails (an index out of
+    bounds), every one of them gets the error and counts as a failure, as on Triton."""
+    before = _picker_stats(server)
+    answers = _pick_together(server, 700, 0)
+    assert all(np.array_equal(a, [[0.0]]) for a in answers), answers
+    inferences, executions, failures = _picker_stats(server)
+    assert inferences - before[0] == PICKED
+    assert executions - before[1] < PICKED  # they shared a run
+    answers = _pick_together(server, 800, 9)
+    assert all(isinstance(a, InferenceServerException) for a in answers), answers
+    assert all("Out of range value in index" in a.message() for a in answers), answers
+    assert _picker_stats(server)[2] - failures == PICKED
 
 
 def test_state_outputs_are_the_servers(server):

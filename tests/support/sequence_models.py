@@ -125,6 +125,48 @@ output [ {{ name: "OUTPUT" data_type: TYPE_FP32 dims: {dims} }} ]
 """
 
 
+def picker() -> onnx.ModelProto:
+    """OUTPUT = the INDEX-th value of the state's row (GatherElements), STATE_OUT = STATE_IN + 1
+    (float32 [batch, 4]). An INDEX outside [-4, 3] fails the run: the device checks bounds."""
+    state = lambda name: helper.make_tensor_value_info(name, TensorProto.FLOAT, ["batch", 4])  # noqa: E731
+    one = helper.make_tensor("one", TensorProto.FLOAT, [], [1.0])
+    graph = helper.make_graph(
+        [
+            helper.make_node("GatherElements", ["STATE_IN", "INDEX"], ["OUTPUT"], axis=1),
+            helper.make_node("Add", ["STATE_IN", "one"], ["STATE_OUT"]),
+        ],
+        "picker",
+        [
+            helper.make_tensor_value_info("INDEX", TensorProto.INT64, ["batch", 1]),
+            state("STATE_IN"),
+        ],
+        [
+            helper.make_tensor_value_info("OUTPUT", TensorProto.FLOAT, ["batch", 1]),
+            state("STATE_OUT"),
+        ],
+        [one],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
+    model.ir_version = 8
+    return model
+
+
+def picker_config(name: str, rows: int) -> str:
+    """``oldest``, waiting up to 2 s for ``rows`` sequences' requests to run together."""
+    return f"""
+name: "{name}"
+platform: "onnxruntime_onnx"
+max_batch_size: {rows}
+sequence_batching {{
+  oldest {{ max_candidate_sequences: 16 preferred_batch_size: [ {rows} ]
+           max_queue_delay_microseconds: 2000000 }}
+  state [ {{ input_name: "STATE_IN" output_name: "STATE_OUT" data_type: TYPE_FP32 dims: [ 4 ] }} ]
+}}
+input [ {{ name: "INDEX" data_type: TYPE_INT64 dims: [ 1 ] }} ]
+output [ {{ name: "OUTPUT" data_type: TYPE_FP32 dims: [ 1 ] }} ]
+"""
+
+
 def big_state(size: int) -> onnx.ModelProto:
     """A state of ``size`` float32 a row (STATE_OUT = STATE_IN + INPUT) and a small answer
     (OUTPUT = its sum): what a sequence holds is its state, not its messages."""
