@@ -41,6 +41,7 @@ import numpy as np
 
 from plugserve.plugins.api import (
     Cancelled,
+    DeadlineExceeded,
     InvalidArgument,
     InvalidInput,
     PlugserveError,
@@ -817,13 +818,22 @@ class SequenceBatcher:
     def _run(self, rows: list[tuple[_Sequence, _Item]], inline: bool = False) -> None:
         """One run of ``rows`` (``inline``: on this thread when a stream is idle; a unary
         call's own thread, which waits for the answer anyway). A request whose caller gave up
-        (its stream ended) is dropped here, its sequence's state untouched."""
+        (its stream ended) or whose deadline passed while it waited is dropped here, its
+        sequence's state untouched. Several rows run under the latest of their deadlines (none
+        if one has none): one row's tight deadline must not fail the others' run."""
         live = []
+        now = time.monotonic()
         for sequence, item in rows:
-            if item.future.set_running_or_notify_cancel():
-                live.append((sequence, item))
-            else:
+            if not item.future.set_running_or_notify_cancel():
                 self._done(sequence, item, None, Cancelled("the request was cancelled"))
+            elif item.deadline is not None and now >= item.deadline:
+                late = DeadlineExceeded(
+                    f"network {self.name!r}: the request's deadline passed while it waited for "
+                    "its turn in the sequence batcher"
+                )
+                self._done(sequence, item, None, late)
+            else:
+                live.append((sequence, item))
         if not live:
             return
         rows = live
@@ -839,7 +849,7 @@ class SequenceBatcher:
             future = self._submit(
                 feed,
                 wanted,
-                min(deadlines) if deadlines else None,
+                max(deadlines) if len(deadlines) == len(rows) else None,
                 inline,
                 first.token if len(rows) == 1 else None,
                 sum(i.holds for _, i in rows),

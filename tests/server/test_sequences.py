@@ -31,7 +31,7 @@ from sequence_models import (
     triton_examples,
     write_model,
 )
-from serving import RunningServer
+from serving import RunningServer, wait_for
 
 grpcclient = pytest.importorskip("tritonclient.grpc", reason="pip install 'tritonclient[grpc]'")
 httpclient = pytest.importorskip("tritonclient.http", reason="pip install 'tritonclient[http]'")
@@ -425,6 +425,39 @@ def test_a_failed_batched_run_fails_each_of_its_requests_in_the_statistics(serve
     assert all(isinstance(a, InferenceServerException) for a in answers), answers
     assert all("Out of range value in index" in a.message() for a in answers), answers
     assert _picker_stats(server)[2] - failures == PICKED
+
+
+def test_one_rows_passed_deadline_does_not_fail_the_batch(server):
+    """A request with a server-side timeout (Triton's ``timeout`` parameter) waits in the
+    ``oldest`` batcher past it; the batch it lands in runs for the others, and only it gets
+    DEADLINE_EXCEEDED."""
+    late: list = []
+
+    def waits() -> None:
+        client = grpcclient.InferenceServerClient(server.target)
+        tensor = grpcclient.InferInput("INDEX", [1, 1], "INT64")
+        tensor.set_data_from_numpy(np.array([[0]], np.int64))
+        try:
+            client.infer("picker", [tensor], sequence_id=950, sequence_start=True, timeout=200_000)
+        except InferenceServerException as exc:
+            late.append(exc)
+        finally:
+            client.close()
+
+    def active() -> float:
+        return _metric(server, "plugserve_sequences_active", "picker") or 0
+
+    before = active()
+    thread = threading.Thread(target=waits)
+    thread.start()
+    # queued, waiting for the batch of PICKED; then past its 0.2 s
+    assert wait_for(lambda: active() > before)
+    time.sleep(0.5)
+    answers = _pick_together(server, 960, 0)
+    thread.join(60)
+    assert all(np.array_equal(a, [[0.0]]) for a in answers), answers
+    assert len(late) == 1 and late[0].status() == "StatusCode.DEADLINE_EXCEEDED", late
+    assert "waited for its turn" in late[0].message()
 
 
 def test_state_outputs_are_the_servers(server):
