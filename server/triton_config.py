@@ -373,6 +373,10 @@ def read_ovms(path: Path) -> list[OvmsModel]:
     return models
 
 
+def _positive(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 def _ovms_policy(raw: Any, where: str) -> VersionPolicy:
     if raw is None:
         return VersionPolicy("latest", 1)  # OVMS's default
@@ -381,9 +385,21 @@ def _ovms_policy(raw: Any, where: str) -> VersionPolicy:
         if kind == "all":
             return VersionPolicy("all")
         if kind == "latest" and isinstance(value, dict):
-            return VersionPolicy("latest", int(value.get("num_versions", 1)))
+            count = value.get("num_versions", 1)
+            if not _positive(count):
+                raise InvalidArgument(
+                    f"{where}: model_version_policy latest: num_versions {count!r} must be a "
+                    "whole number >= 1"
+                )
+            return VersionPolicy("latest", count)
         if kind == "specific" and isinstance(value, dict):
-            return VersionPolicy("specific", 0, tuple(sorted(int(v) for v in value["versions"])))
+            versions = value.get("versions")
+            if not isinstance(versions, list) or not versions or not all(map(_positive, versions)):
+                raise InvalidArgument(
+                    f"{where}: model_version_policy specific: versions {versions!r} must be a "
+                    "list of version numbers >= 1"
+                )
+            return VersionPolicy("specific", 0, tuple(sorted(versions)))
     raise InvalidArgument(
         f"{where}: model_version_policy {raw!r}: expected {{'all': {{}}}}, "
         "{'latest': {'num_versions': N}} or {'specific': {'versions': [...]}}"

@@ -4,6 +4,7 @@ those servers read them (issue 14, item 3), driven with tritonclient over gRPC a
 from __future__ import annotations
 
 import json
+import re
 import textwrap
 from pathlib import Path
 
@@ -12,6 +13,9 @@ import onnx
 import pytest
 from models import add_constant
 from serving import RunningServer
+
+from plugserve.plugins.api import InvalidArgument
+from plugserve.server.triton_config import read_ovms
 
 grpcclient = pytest.importorskip("tritonclient.grpc")
 httpclient = pytest.importorskip("tritonclient.http")
@@ -199,6 +203,32 @@ def test_an_ovms_config_json(tmp_path):
         finally:
             client.close()
         assert "not acted on: nireq" in server.log
+
+
+@pytest.mark.parametrize(
+    "policy, message",
+    [
+        ({"latest": {"num_versions": "two"}}, "num_versions 'two' must be a whole number >= 1"),
+        ({"latest": {"num_versions": 1.5}}, "num_versions 1.5 must be a whole number >= 1"),
+        ({"latest": {"num_versions": 0}}, "num_versions 0 must be a whole number >= 1"),
+        ({"specific": {}}, "versions None must be a list of version numbers >= 1"),
+        ({"specific": {"versions": ["1"]}}, "versions ['1'] must be a list of version numbers"),
+        ({"newest": {}}, "expected {'all': {}}"),
+    ],
+)
+def test_an_ovms_version_policy_it_cannot_read_is_refused_naming_it(tmp_path, policy, message):
+    """As a clear INVALID_ARGUMENT naming the file and the model's entry, not a crash."""
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "model_config_list": [
+                    {"config": {"name": "m", "base_path": "m", "model_version_policy": policy}}
+                ]
+            }
+        )
+    )
+    with pytest.raises(InvalidArgument, match="model_config_list\\[0\\].*" + re.escape(message)):
+        read_ovms(tmp_path / "config.json")
 
 
 def test_reshape_refuses_the_model_format_is_reported_and_labels_name_classes(tmp_path):
