@@ -8,8 +8,10 @@ over the rounds, medians:
 
 - **VAD**: Silero VAD (from its PyPI wheel), one stream of 512-sample chunks; per-chunk p50
   through the server with its state kept there (implicit state), against onnxruntime in this
-  process with the state passed by hand, and a bare grpcio echo of a chunk's request bytes
-  (what any gRPC server pays per call on this machine).
+  process with the state passed by hand, plugserve's ORT device in this process keeping the
+  state in its infer request (``STATE_PAIRS``: the Plugin API's variable state, no server),
+  and a bare grpcio echo of a chunk's request bytes (what any gRPC server pays per call on
+  this machine).
 - **GRU**: a streaming GRU (80 features, hidden 1024, 2 layers; 10 frames a chunk, torch
   export), 16 sequences at once, each from its own thread: requests/s with the ``direct``
   strategy (a sequence's requests run alone) and with ``oldest`` (ready requests of many
@@ -202,6 +204,21 @@ def _vad_cases(target: str, echo: str, seconds: float) -> dict:
 
         return {"p50_ms": statistics.median(timed(step)) * 1e3}
 
+    from plugserve.server import Core
+
+    # the Plugin API's own variable state: the request keeps the VAD's state between chunks
+    network = Core().load_network(
+        str(_vad_path()), "ORT", {"STATE_PAIRS": "state:stateN", "PERFORMANCE_HINT": "LATENCY"}
+    )
+
+    def plugserve_in_process() -> dict:
+        request = network.create_infer_request()  # a new sequence: its state starts at zeros
+
+        def step(i):
+            request.infer({"input": chunk, "sr": sr})
+
+        return {"p50_ms": statistics.median(timed(step)) * 1e3}
+
     client = grpcclient.InferenceServerClient(target)
     ids = iter(range(1, 1 << 62))
 
@@ -237,7 +254,12 @@ def _vad_cases(target: str, echo: str, seconds: float) -> dict:
     def echoed() -> dict:
         return {"p50_ms": statistics.median(timed(lambda i: bare(request))) * 1e3}
 
-    return {"vad/onnxruntime": in_process, "vad/server": server, "vad/echo": echoed}
+    return {
+        "vad/onnxruntime": in_process,
+        "vad/plugserve in-process": plugserve_in_process,
+        "vad/server": server,
+        "vad/echo": echoed,
+    }
 
 
 def _gru_cases(target: str, seconds: float) -> dict:
@@ -360,6 +382,9 @@ def main(argv: list[str] | None = None) -> int:
         result[name] = round(harness.median_of(runs, key), 4)
     result["vad server / onnxruntime"] = round(result["vad/server"] / result["vad/onnxruntime"], 2)
     result["vad echo / onnxruntime"] = round(result["vad/echo"] / result["vad/onnxruntime"], 2)
+    result["vad plugserve in-process / onnxruntime"] = round(
+        result["vad/plugserve in-process"] / result["vad/onnxruntime"], 2
+    )
     result["gru oldest / direct"] = round(result["gru/oldest"] / result["gru/direct"], 2)
     result["decoder sent / on server"] = round(
         result["decoder/cache sent"] / result["decoder/cache on server"], 2
