@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from plugserve.plugins import cancel
 from plugserve.plugins.api import (
     Cancelled,
     DeadlineExceeded,
@@ -490,6 +491,37 @@ class Sequences:
         self._stop.set()
 
 
+def _nothing() -> None:
+    pass
+
+
+def _all_cancelled(tokens: list[cancel.Token | None]) -> tuple[cancel.Token | None, Callable]:
+    """A token for one run of several requests, cancelled once every request's own token is
+    (all their clients gone): the others still want the run until then. None when a request
+    has no token (it cannot be cancelled, so neither can the run). Also returns what
+    unhooks it from the requests' tokens once the run is over."""
+    if any(t is None for t in tokens):
+        return None, _nothing
+    batch = cancel.Token()
+    left = [len(tokens)]
+    lock = threading.Lock()
+
+    def one_gone() -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            batch.cancel(Cancelled("every request of the batch was cancelled"))
+
+    hooks = [t.on_cancel(one_gone) for t in tokens if t is not None]
+
+    def forget() -> None:
+        for unhook in hooks:
+            unhook()
+
+    return batch, forget
+
+
 class SequenceBatcher:
     """One model version's sequences (see the module's docstring). ``submit`` is the data
     plane's admission of one plain run; ``name`` the model's."""
@@ -845,20 +877,24 @@ class SequenceBatcher:
         first = rows[0][1]
         wanted = list(dict.fromkeys([w for _, i in rows for w in i.wanted] + self._state_outputs))
         deadlines = [i.deadline for _, i in rows if i.deadline is not None]
+        token, forget = first.token, _nothing
+        if len(rows) > 1:
+            token, forget = _all_cancelled([i.token for _, i in rows])
         try:
             future = self._submit(
                 feed,
                 wanted,
                 max(deadlines) if len(deadlines) == len(rows) else None,
                 inline,
-                first.token if len(rows) == 1 else None,
+                token,
                 sum(i.holds for _, i in rows),
             )
         except BaseException as exc:
+            forget()
             for sequence, item in rows:
                 self._done(sequence, item, None, exc)
             return
-        future.add_done_callback(lambda f: self._finish(rows, f))
+        future.add_done_callback(lambda f: (forget(), self._finish(rows, f)))
 
     def _finish(self, rows: list[tuple[_Sequence, _Item]], future: Any) -> None:
         exc = future.exception()

@@ -26,8 +26,9 @@ from sequence_models import (
     accumulator_config,
     big_state,
     big_state_config,
+    oldest_config,
     picker,
-    picker_config,
+    spinner,
     triton_examples,
     write_model,
 )
@@ -66,7 +67,8 @@ def server(tmp_path_factory):
     write_model(root, "plain", add_constant(1.0, [1, 4]), PLAIN)
     capped = "oldest { max_candidate_sequences: 2 }"
     write_model(root, "acc_capped", accumulator(), accumulator_config("acc_capped", capped))
-    write_model(root, "picker", picker(), picker_config("picker", PICKED))
+    write_model(root, "picker", picker(), oldest_config("picker", PICKED, "INDEX", "[ 1 ]"))
+    write_model(root, "spinner", spinner(), oldest_config("spinner", 2, "M", "[ 4 ]"))
     with RunningServer("--model-repository", str(root), "--max-sequences", "40") as running:
         yield running
 
@@ -460,6 +462,55 @@ def test_one_rows_passed_deadline_does_not_fail_the_batch(server):
     assert "waited for its turn" in late[0].message()
 
 
+def _spin_request(sequence_id: int, trips: int) -> bytes:
+    from tritonclient.grpc import _utils
+
+    m = grpcclient.InferInput("M", [1, 1], "INT64")
+    m.set_data_from_numpy(np.array([[trips]], np.int64))
+    return _utils._get_inference_request(
+        model_name="spinner",
+        inputs=[m],
+        model_version="",
+        request_id="",
+        outputs=None,
+        sequence_id=sequence_id,
+        sequence_start=True,
+        sequence_end=False,
+        priority=0,
+        timeout=None,
+        parameters=None,
+    ).SerializeToString()
+
+
+def test_a_batch_stops_once_every_client_of_it_has_gone(server):
+    """Two sequences' endless requests run as one ``oldest`` batch. One client cancelling
+    leaves the run to the other; once both have cancelled, the run stops (its stream is free
+    again) and the model answers the next client; with no --max-request-seconds, a run that
+    nobody stops would hold the stream for good."""
+    forever = 10**12
+    with grpc.insecure_channel(server.target) as channel:
+        call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+        runs = [call.future(_spin_request(1000 + k, forever)) for k in range(2)]
+        # both rows in one run: the ORT streams busy with it (nothing else runs here now)
+        assert wait_for(
+            lambda: (_gauge(server, "plugserve_busy_streams", 'device="ORT"') or 0) >= 1
+        )
+        runs[0].cancel()
+        time.sleep(0.3)
+        assert not runs[1].done()  # the other client still wants the run
+        runs[1].cancel()
+        client = grpcclient.InferenceServerClient(server.target)
+        try:
+            tensor = grpcclient.InferInput("M", [1, 1], "INT64")
+            tensor.set_data_from_numpy(np.array([[3]], np.int64))
+            result = client.infer(
+                "spinner", [tensor], sequence_id=1010, sequence_start=True, client_timeout=30
+            )
+        finally:
+            client.close()
+    np.testing.assert_allclose(result.as_numpy("OUTPUT"), np.zeros((1, 4)))
+
+
 def test_state_outputs_are_the_servers(server):
     client = grpcclient.InferenceServerClient(server.target)
     try:
@@ -484,12 +535,16 @@ def test_state_outputs_are_the_servers(server):
 # --------------------------------------------------------------------------- limits
 
 
-def _metric(server, name, model):
+def _gauge(server, name: str, label: str) -> float | None:
     text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
     for line in text.splitlines():
-        if line.startswith(name + "{") and f'model="{model}"' in line:
+        if line.startswith(name + "{") and label in line:
             return float(line.rsplit(" ", 1)[1])
     return None
+
+
+def _metric(server, name, model):
+    return _gauge(server, name, f'model="{model}"')
 
 
 def test_idle_sequence_is_ended_and_freed(server):

@@ -238,12 +238,11 @@ def add_constant(constant: float, shape: list[int | str] | None = None) -> onnx.
 FOREVER = 10**12
 
 
-def spin_loop(batched: bool = False) -> onnx.ModelProto:
-    """``y = x * M`` computed as M additions in a Loop: M comes from the request. Batched:
-    M is a [N] vector (its largest entry counts) and x is [N, 4], so BATCH can gather it."""
-    body = helper.make_graph(
+def adding_body(addend: str) -> onnx.GraphProto:
+    """A Loop body adding the outer scope's ``addend`` to its carried value each trip."""
+    return helper.make_graph(
         [
-            helper.make_node("Add", ["acc_in", "x"], ["acc_out"]),
+            helper.make_node("Add", ["acc_in", addend], ["acc_out"]),
             helper.make_node("Identity", ["cond_in"], ["cond_out"]),
         ],
         "body",
@@ -257,6 +256,12 @@ def spin_loop(batched: bool = False) -> onnx.ModelProto:
             helper.make_tensor_value_info("acc_out", TensorProto.FLOAT, None),
         ],
     )
+
+
+def spin_loop(batched: bool = False) -> onnx.ModelProto:
+    """``y = x * M`` computed as M additions in a Loop: M comes from the request. Batched:
+    M is a [N] vector (its largest entry counts) and x is [N, 4], so BATCH can gather it."""
+    body = adding_body("x")
     nodes = [helper.make_node("Mul", ["x", "zero"], ["start"])]
     trips = "M"
     if batched:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import onnx
+from models import adding_body
 from onnx import TensorProto, helper
 
 OPSET = 17
@@ -151,8 +152,9 @@ def picker() -> onnx.ModelProto:
     return model
 
 
-def picker_config(name: str, rows: int) -> str:
-    """``oldest``, waiting up to 2 s for ``rows`` sequences' requests to run together."""
+def oldest_config(name: str, rows: int, input_name: str, output_dims: str) -> str:
+    """``oldest``, waiting up to 2 s for ``rows`` sequences' requests to run together; a
+    float32 [4] state, one INT64 [1] input, one float32 output."""
     return f"""
 name: "{name}"
 platform: "onnxruntime_onnx"
@@ -162,9 +164,34 @@ sequence_batching {{
            max_queue_delay_microseconds: 2000000 }}
   state [ {{ input_name: "STATE_IN" output_name: "STATE_OUT" data_type: TYPE_FP32 dims: [ 4 ] }} ]
 }}
-input [ {{ name: "INDEX" data_type: TYPE_INT64 dims: [ 1 ] }} ]
-output [ {{ name: "OUTPUT" data_type: TYPE_FP32 dims: [ 1 ] }} ]
+input [ {{ name: "{input_name}" data_type: TYPE_INT64 dims: [ 1 ] }} ]
+output [ {{ name: "OUTPUT" data_type: TYPE_FP32 dims: {output_dims} }} ]
 """
+
+
+def spinner() -> onnx.ModelProto:
+    """OUTPUT = STATE_IN added up M times in a Loop (M: the rows' largest), STATE_OUT =
+    STATE_IN + 1 (float32 [batch, 4]): a run that takes as long as a request asks."""
+    rows = lambda name: helper.make_tensor_value_info(name, TensorProto.FLOAT, ["batch", 4])  # noqa: E731
+    body = adding_body("STATE_IN")
+    graph = helper.make_graph(
+        [
+            helper.make_node("ReduceMax", ["M"], ["trips"], keepdims=0),
+            helper.make_node("Mul", ["STATE_IN", "zero"], ["start"]),
+            helper.make_node("Loop", ["trips", "", "start"], ["OUTPUT"], body=body),
+            helper.make_node("Add", ["STATE_IN", "one"], ["STATE_OUT"]),
+        ],
+        "spinner",
+        [helper.make_tensor_value_info("M", TensorProto.INT64, ["batch", 1]), rows("STATE_IN")],
+        [rows("OUTPUT"), rows("STATE_OUT")],
+        [
+            helper.make_tensor("zero", TensorProto.FLOAT, [], [0.0]),
+            helper.make_tensor("one", TensorProto.FLOAT, [], [1.0]),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
+    model.ir_version = 8
+    return model
 
 
 def big_state(size: int) -> onnx.ModelProto:
