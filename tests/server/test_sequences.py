@@ -485,8 +485,8 @@ def _spin_request(sequence_id: int, trips: int) -> bytes:
 def test_a_batch_stops_once_every_client_of_it_has_gone(server):
     """Two sequences' endless requests run as one ``oldest`` batch. One client cancelling
     leaves the run to the other; once both have cancelled, the run stops (its stream is free
-    again) and the model answers the next client; with no --max-request-seconds, a run that
-    nobody stops would hold the stream for good."""
+    again) and the model answers the next client; a run that nobody stops would hold the
+    stream until --max-request-seconds (300 s), far past the next client's 30 s."""
     forever = 10**12
     with grpc.insecure_channel(server.target) as channel:
         call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
