@@ -138,8 +138,7 @@ class CallPool(futures.Executor):
                 raise RuntimeError(f"{self.name}: cannot take calls after shutdown")
             self._queue.append(item)
             self._last = item.queued
-            if self._running < self._allowed:
-                self._start()
+            self._fill()
             if self._queue:
                 if self._resting:
                     self._stalls.notify()
@@ -197,6 +196,11 @@ class CallPool(futures.Executor):
         ).start()
         return True
 
+    def _fill(self) -> None:
+        """Start queued calls while fewer than ``allowed`` threads run them."""
+        while self._queue and self._running < self._allowed and self._start():
+            pass
+
     # --- threads
 
     def _work(self, worker: _Worker) -> None:
@@ -246,8 +250,7 @@ class CallPool(futures.Executor):
                         self._stalls.wait(self.stall - still)
                     elif self._allowed < self.max_workers:
                         self._allowed += 1
-                        while self._running < self._allowed and self._queue and self._start():
-                            pass
+                        self._fill()
                     else:  # every thread there may be is stuck: wait for one to finish
                         self._stalls.wait(self.stall)
                 elif now - self._last < 1.0:
@@ -261,8 +264,7 @@ class CallPool(futures.Executor):
     def _block(self) -> None:
         with self._lock:
             self._running -= 1
-            while self._queue and self._running < self._allowed and self._start():
-                pass
+            self._fill()
 
     def _unblock(self) -> None:
         with self._lock:

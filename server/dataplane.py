@@ -75,8 +75,6 @@ def check_batch(name: str, max_batch_size: int, arrays: list[Any]) -> None:
             )
 
 
-
-
 class DataPlane:
     """Admits, runs and completes the requests to the networks in :attr:`table`."""
 

@@ -40,6 +40,7 @@ def failure_status(error: BaseException) -> str:
     """The ``status`` label of a request that failed with ``error`` after its admission."""
     return _FAILURES.get(type(error), "error")
 
+
 _LATENCY_BUCKETS = (
     0.0005,
     0.001,

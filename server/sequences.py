@@ -499,7 +499,10 @@ def _all_cancelled(tokens: list[cancel.Token | None]) -> tuple[cancel.Token | No
     """A token for one run of several requests, cancelled once every request's own token is
     (all their clients gone): the others still want the run until then. None when a request
     has no token (it cannot be cancelled, so neither can the run). Also returns what
-    unhooks it from the requests' tokens once the run is over."""
+    unhooks it from the requests' tokens once the run is over. One request's run is its own
+    token's."""
+    if len(tokens) == 1:
+        return tokens[0], _nothing
     if any(t is None for t in tokens):
         return None, _nothing
     batch = cancel.Token()
@@ -874,12 +877,9 @@ class SequenceBatcher:
             feed = feeds[0]
         else:
             feed = {k: np.concatenate([f[k] for f in feeds]) for k in feeds[0]}
-        first = rows[0][1]
         wanted = list(dict.fromkeys([w for _, i in rows for w in i.wanted] + self._state_outputs))
         deadlines = [i.deadline for _, i in rows if i.deadline is not None]
-        token, forget = first.token, _nothing
-        if len(rows) > 1:
-            token, forget = _all_cancelled([i.token for _, i in rows])
+        token, forget = _all_cancelled([i.token for _, i in rows])
         try:
             future = self._submit(
                 feed,

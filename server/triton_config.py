@@ -48,6 +48,7 @@ from plugserve.server.sequences import (
     read_ovms_stateful,
     read_sequence_batching,
 )
+from plugserve.server.versions import MAX_VERSION
 
 __all__ = [
     "EVERY_VERSION",
@@ -394,7 +395,11 @@ def _ovms_policy(raw: Any, where: str) -> VersionPolicy:
             return VersionPolicy("latest", count)
         if kind == "specific" and isinstance(value, dict):
             versions = value.get("versions")
-            if not isinstance(versions, list) or not versions or not all(map(_positive, versions)):
+            if (
+                not isinstance(versions, list)
+                or not versions
+                or not all(_positive(v) and v <= MAX_VERSION for v in versions)
+            ):
                 raise InvalidArgument(
                     f"{where}: model_version_policy specific: versions {versions!r} must be a "
                     "list of version numbers >= 1"

@@ -213,6 +213,7 @@ def test_an_ovms_config_json(tmp_path):
         ({"latest": {"num_versions": 0}}, "num_versions 0 must be a whole number >= 1"),
         ({"specific": {}}, "versions None must be a list of version numbers >= 1"),
         ({"specific": {"versions": ["1"]}}, "versions ['1'] must be a list of version numbers"),
+        ({"specific": {"versions": [10**19]}}, "must be a list of version numbers >= 1"),
         ({"newest": {}}, "expected {'all': {}}"),
     ],
 )
