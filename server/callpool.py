@@ -5,7 +5,7 @@ grpcio's synchronous server hands every call to a thread pool. With Python's
 threads running Python at once; they contend for the GIL, and each call wakes a sleeping
 thread. On these 2-core machines a context switch is dear, and that contention cost plugserve
 a third of its small-request throughput: the same server with 6 threads served ~1.4x the
-requests/s (BENCHMARKS.md, issue 22). A small fixed pool is no answer either: a call can hold
+requests/s, and with 2 (one per core) ~1.3-1.6x that again (BENCHMARKS.md, issue 22). A small fixed pool is no answer either: a call can hold
 its thread for long without running (a stream, a request waiting for its turn on a busy
 network, a client that never sends its message), and a few of those would stop every other
 client.
@@ -17,7 +17,8 @@ So this pool lets ``allowed`` threads run calls, ``active`` of them while the qu
   concurrency 1: that thread is often still on its way to sleep); otherwise it waits in the
   queue for the next thread to finish, which takes it without sleeping.
 - A thread that waits on something other than the CPU says so with :func:`blocked` (every
-  stream, a unary call whose run was queued): it stops counting as running while it waits,
+  stream, a unary call whose run was queued, and a long run inline, which the device computes
+  without the GIL: see ``dataplane.LONG_RUN``): it stops counting as running while it waits,
   so another call may start.
 - When no call has started for ``stall`` seconds while calls wait (the running threads are
   stuck in something nobody declared: a silent client, say), one more thread is allowed, up to

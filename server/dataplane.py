@@ -38,6 +38,7 @@ from plugserve.plugins.api import (
 )
 from plugserve.plugins.streams import Finished, StreamsExecutor
 from plugserve.server.budget import Charge, MemoryBudget
+from plugserve.server.callpool import blocked
 from plugserve.server.deadlines import DeadlineWatch
 from plugserve.server.metrics import Metrics, failure_status
 from plugserve.server.networks import LoadedNetwork, NetworkTable
@@ -47,6 +48,14 @@ from plugserve.server.shm import SharedMemory
 __all__ = ["DataPlane", "ShuttingDown", "check_batch"]
 
 log = logging.getLogger(__name__)
+
+#: A run inline on a gRPC handler thread that is expected to take longer than this (its
+#: network's runs average more) gives the thread's turn to another call while it runs
+#: (``callpool.blocked``), so that call's decoding overlaps the run: devices compute without
+#: the GIL, and the few handler threads that run calls at once would otherwise all sit in
+#: runs while calls wait. A shorter run keeps its turn: giving it away and back costs a
+#: thread more fighting for the GIL, which on a tiny request costs more than the run.
+LONG_RUN = 250e-6
 
 
 # Messages begin with Triton's own words for the condition (triton-inference-server/core:
@@ -268,6 +277,7 @@ class DataPlane:
             if after is not None:
                 answer = after(answer)
             finished = time.perf_counter()
+            entry.run_seconds += (finished - started - entry.run_seconds) * 0.125
             if entry.perf_enabled:
                 recorder.layers(request.get_performance_counts())
             recorder.success(started - admitted, finished - started)
@@ -305,9 +315,12 @@ class DataPlane:
             raise
         self._watch(name, token, deadline)
         try:
-            future = (inline and executor.run_inline(run)) or executor.submit(
-                run, entry.queue_limit, token=token
-            )
+            if inline and entry.run_seconds > LONG_RUN:
+                with blocked():
+                    future = executor.run_inline(run)
+            else:
+                future = inline and executor.run_inline(run)
+            future = future or executor.submit(run, entry.queue_limit, token=token)
         except BaseException as exc:
             self.deadlines.forget(token)
             charge.release()

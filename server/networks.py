@@ -79,6 +79,10 @@ class LoadedNetwork:
     #: what a protocol prepared for this network's requests on first use, by protocol (its
     #: fast path for the common request: see ``kserve_convert.PlainLane``)
     lanes: dict[str, Any] = dataclasses.field(init=False, default_factory=dict)
+    #: how long this network's runs take, in seconds: a moving average over the last few,
+    #: which tells whether a run inline on a gRPC handler thread should give that thread's
+    #: turn away while it runs (``DataPlane._admit``)
+    run_seconds: float = dataclasses.field(init=False, default=0.0)
 
     def __post_init__(self, queue_size: int) -> None:
         self.executor = self.network.executor

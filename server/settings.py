@@ -100,8 +100,8 @@ class Settings:
     grpc_active_workers: int = _field(
         0,
         "gRPC handler threads that run calls at once; more start, up to --grpc-workers, only "
-        "while calls wait or stall (fewer threads contend less for Python's GIL; 0: twice the "
-        "cores, plus 2)",
+        "while calls wait or stall (fewer threads contend less for Python's GIL; 0: the cores, "
+        "at least 2)",
     )
     exit_timeout: float = _field(30.0, "seconds to finish admitted requests on SIGTERM")
     max_inflight_bytes: int = _field(
@@ -260,10 +260,13 @@ class Settings:
         return min(4, available_cores())
 
     def active_grpc_workers(self) -> int:
-        """--grpc-active-workers, 0 made concrete: a couple of threads per core keeps a core
-        busy while another thread of it waits on the network (the cores this process may run
-        on: a container's CPU set, not the host's)."""
-        return min(self.grpc_workers, self.grpc_active_workers or 2 * available_cores() + 2)
+        """--grpc-active-workers, 0 made concrete: a thread per core, at least two (the cores
+        this process may run on: a container's CPU set, not the host's). Every thread beyond
+        that only queues for the GIL: on 2 cores, 2 threads served a tiny request ~1.25x as
+        fast at 16 in flight as 3 did and ~1.6x as fast as 6 (BENCHMARKS.md, "the handler
+        threads, fourth pass"). Threads waiting, or in a long run, do not count (see
+        ``callpool.blocked``), so the few that run calls are the ones running Python."""
+        return min(self.grpc_workers, self.grpc_active_workers or max(2, available_cores()))
 
     @classmethod
     def env_name(cls, field: str) -> str:

@@ -11,8 +11,9 @@ concurrency 1 and requests/s at 16 in flight, medians over the rounds, and each 
 the echo's. Issue 22's target: p50 <= 1.3x the echo's, requests/s >= 75 % of it. Beside
 them, two floors of any Python KServe server on grpcio (``bench_echo.py --kind kserve`` and
 ``kserve-ort``): the request parsed and a response built with protobuf and nothing else, and
-that plus one onnxruntime run of the same model (no checks, limits, cancellation or metrics).
-With
+that plus one onnxruntime run of the same model (no checks, limits, cancellation or metrics),
+each on grpcio's thread-pool server with as many threads as plugserve runs calls at once by
+default (``--grpc-active-workers``). With
 ``--baseline`` (another checkout's venv python) that checkout's server runs the same blocks
 beside this one's, for before/after figures.
 """
@@ -32,6 +33,7 @@ import numpy as np
 from bench_before_after import identity16
 
 from plugserve.proto import grpc_service_pb2 as kpb
+from plugserve.server.settings import Settings
 
 METHOD = "/inference.GRPCInferenceService/ModelInfer"
 
@@ -60,15 +62,19 @@ def main(argv: list[str] | None = None) -> int:
     repo.mkdir()
     payload = request_bytes(np.random.default_rng(0).normal(size=(1, 16)).astype(np.float32))
     log = print if sys.stderr.isatty() else (lambda s: print(s, file=sys.stderr))
+    # the floors run calls on as many threads as plugserve does by default
+    threads = ("--workers", str(Settings().active_grpc_workers()))
     with contextlib.ExitStack() as stack:
         stack.callback(shutil.rmtree, folder, True)
         targets = {
             "echo": stack.enter_context(harness.echo_server("thread", "--reuse-freed-memory")),
             "kserve-echo": stack.enter_context(
-                harness.echo_server("kserve", "--reuse-freed-memory")
+                harness.echo_server("kserve", "--reuse-freed-memory", *threads)
             ),
             "kserve-ort": stack.enter_context(
-                harness.echo_server("kserve-ort", "--reuse-freed-memory", "--model", str(path))
+                harness.echo_server(
+                    "kserve-ort", "--reuse-freed-memory", "--model", str(path), *threads
+                )
             ),
         }
         servers = {"plugserve": None}
@@ -86,12 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             runner = harness.RawRunner(target, method, payload, label)
             cases[f"{label}/c1"] = harness.block(runner, args.seconds)
             cases[f"{label}/c16"] = harness.block(runner, args.seconds, "async", 16)
-        blocks: dict[str, list] = {k: [] for k in cases}
-        order = list(cases)
-        for r in range(args.rounds):
-            for key in order if r % 2 == 0 else reversed(order):
-                blocks[key].append(cases[key]())
-            log(f"    round {r + 1}/{args.rounds} done")
+        blocks = harness.interleave(cases, args.rounds, log, alternate=True)
     result: dict = {"machine": harness.machine(), "device": args.device}
     echo_p50 = harness.median_of(blocks["echo/c1"], "latency_ms.p50")
     echo_rps = harness.median_of(blocks["echo/c16"], "throughput_rps")

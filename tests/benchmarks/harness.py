@@ -37,13 +37,18 @@ CORES = os.cpu_count() or 1
 
 
 def interleave(
-    cases: Mapping[str, Callable[[], dict[str, Any]]], rounds: int, log: Callable[[str], None]
+    cases: Mapping[str, Callable[[], dict[str, Any]]],
+    rounds: int,
+    log: Callable[[str], None],
+    alternate: bool = False,
 ) -> dict[str, list[dict[str, Any]]]:
-    """Run every case once per round, in order; returns each case's block summaries."""
+    """Run every case once per round, in order (``alternate``: backwards every other round,
+    so that no case always follows the same one); returns each case's block summaries."""
     results: dict[str, list[dict[str, Any]]] = {name: [] for name in cases}
+    order = list(cases)
     for r in range(rounds):
-        for name, run in cases.items():
-            results[name].append(run())
+        for name in reversed(order) if alternate and r % 2 else order:
+            results[name].append(cases[name]())
         log(f"    round {r + 1}/{rounds} done")
     return results
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
+import numpy as np
 import pytest
 from serving import wait_for
 
@@ -143,3 +144,48 @@ def test_shutdown_cancels_what_is_queued_and_takes_no_more(pools):
 def test_blocked_outside_a_pool_thread_does_nothing():
     with blocked():
         pass
+
+
+def test_a_long_run_inline_lets_another_call_start(pools, tmp_path):
+    """The data plane gives the one running thread's turn away while it runs a request inline
+    of a network whose runs are long (the spinner: a Loop as long as the request asks, on
+    NUMPY): another call starts while the run goes on (with a stall bound of an hour, nothing
+    else could start it), and the run still stops when its request is cancelled."""
+    from sequence_models import spinner
+
+    from plugserve.plugins import cancel
+    from plugserve.plugins.errors import Cancelled
+    from plugserve.server.core import Core
+    from plugserve.server.dataplane import LONG_RUN, DataPlane
+    from plugserve.server.metrics import Metrics
+    from plugserve.server.model_control import ModelControl
+    from plugserve.server.repository import Repository
+    from plugserve.server.settings import Settings
+
+    # the server's two halves without its protocols (server/app.py's Server imports the
+    # KServe protos, which clash with tritonclient's in one test process)
+    s = Settings()
+    metrics = Metrics("test")
+    plane = DataPlane(metrics, s.max_request_seconds, 1 << 30)
+    control = ModelControl(plane, Core(), metrics, Repository(str(tmp_path)), max_networks=4)
+    try:
+        entry, _ = control.load("spinner", spinner().SerializeToString(), "NUMPY")
+        state = np.zeros((1, 4), np.float32)
+        plane.submit(entry, {"M": np.array([[2000]]), "STATE_IN": state}).result(60)
+        assert entry.run_seconds > LONG_RUN
+        pool = pools(8, 1, stall=3600)
+        token = cancel.Token()
+        endless = {"M": np.array([[10**12]]), "STATE_IN": state}
+        spinning = pool.submit(
+            lambda: plane.submit(entry, endless, inline=True, token=token).result()
+        )
+        assert pool.submit(lambda: "answered").result(60) == "answered"
+        assert not spinning.done()
+        token.cancel(Cancelled("the test is over"))
+        with pytest.raises(Cancelled, match="the test is over"):
+            spinning.result(60)
+    finally:
+        plane.cancel_all("the test is over")
+        plane.close()
+        control.close()
+        metrics.close()

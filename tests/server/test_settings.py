@@ -116,9 +116,9 @@ def test_the_server_refuses_a_bad_env_value():
     assert result.stderr.strip() == "plugserve: PLUGSERVE_QUEUE_SIZE='eighty' is not a valid int"
 
 
-def test_active_grpc_workers_default_to_twice_the_usable_cores_plus_two():
+def test_active_grpc_workers_default_to_the_usable_cores_at_least_two():
     cores = len(os.sched_getaffinity(0))
-    assert Settings().active_grpc_workers() == min(64, 2 * cores + 2)
+    assert Settings().active_grpc_workers() == min(64, max(2, cores))
     assert Settings(grpc_active_workers=3).active_grpc_workers() == 3
     assert Settings(grpc_workers=2, grpc_active_workers=8).active_grpc_workers() == 2
 
