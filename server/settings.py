@@ -263,8 +263,8 @@ class Settings:
         """--grpc-active-workers, 0 made concrete: a thread per core, at least two (the cores
         this process may run on: a container's CPU set, not the host's). Every thread beyond
         that only queues for the GIL: on 2 cores, 2 threads served a tiny request ~1.25x as
-        fast at 16 in flight as 3 did and ~1.6x as fast as 6 (BENCHMARKS.md, "the handler
-        threads, fourth pass"). Threads waiting, or in a long run, do not count (see
+        fast at 16 in flight as 3 did and ~1.75x as fast as 6 (BENCHMARKS.md, "A tiny
+        request's cost, fourth pass"). Threads waiting, or in a long run, do not count (see
         ``callpool.blocked``), so the few that run calls are the ones running Python."""
         return min(self.grpc_workers, self.grpc_active_workers or max(2, available_cores()))
 
