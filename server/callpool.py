@@ -5,10 +5,10 @@ grpcio's synchronous server hands every call to a thread pool. With Python's
 threads running Python at once; they contend for the GIL, and each call wakes a sleeping
 thread. On these 2-core machines a context switch is dear, and that contention cost plugserve
 a third of its small-request throughput: the same server with 6 threads served ~1.4x the
-requests/s, and with 2 (one per core) ~1.3-1.6x that again (BENCHMARKS.md, issue 22). A small fixed pool is no answer either: a call can hold
-its thread for long without running (a stream, a request waiting for its turn on a busy
-network, a client that never sends its message), and a few of those would stop every other
-client.
+requests/s, and with 2 (one per core) ~1.75x that again (BENCHMARKS.md, issue 22). A small
+fixed pool is no answer either: a call can hold its thread for long without running (a stream,
+a request waiting for its turn on a busy network, a client that never sends its message), and
+a few of those would stop every other client.
 
 So this pool lets ``allowed`` threads run calls, ``active`` of them while the queue moves:
 
