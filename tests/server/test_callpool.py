@@ -141,9 +141,29 @@ def test_shutdown_cancels_what_is_queued_and_takes_no_more(pools):
         pool.submit(lambda: 1)
 
 
-def test_blocked_outside_a_pool_thread_does_nothing():
-    with blocked():
-        pass
+def test_blocked_outside_a_pool_thread_leaves_every_pool_alone(pools):
+    """blocked() on a thread no pool runs (a REST thread, a stream's reader) counts for no
+    pool: while the one running thread of a pool is busy, a queued call still waits, however
+    long this thread stays inside (the same wait inside the pool's thread starts it at once,
+    above)."""
+    pool = pools(8, 1, stall=60)
+    release, started = threading.Event(), threading.Event()
+
+    def busy() -> str:
+        started.set()
+        release.wait(30)
+        return "first"
+
+    first = pool.submit(busy)
+    assert started.wait(10)
+    second = pool.submit(lambda: "second")
+    with blocked(), blocked():
+        assert not wait_for(second.done, 0.5)
+    assert not second.done()
+    release.set()
+    assert first.result(10) == "first"
+    assert second.result(10) == "second"
+    assert pool.threads == 1
 
 
 def test_a_long_run_inline_lets_another_call_start(pools, tmp_path):
