@@ -25,11 +25,21 @@ import contextlib
 import contextvars
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 from plugserve.plugins.errors import Cancelled, PlugserveError
 
-__all__ = ["Token", "check", "checkpoint", "current", "enter", "leave", "running", "stop_when"]
+__all__ = [
+    "Token",
+    "check",
+    "checkpoint",
+    "current",
+    "enter",
+    "every",
+    "leave",
+    "running",
+    "stop_when",
+]
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +146,38 @@ class Token:
         if error is None:
             return Cancelled("the request was cancelled")
         return type(error)(str(error))
+
+
+def every(
+    tokens: Sequence[Token | None], error: Callable[[], PlugserveError]
+) -> tuple[Token | None, Callable[[], None]]:
+    """A token for one run that serves several requests (a batch), cancelled with ``error()``
+    once every request's own token is: until the last of their clients is gone, the others
+    still want the run. None when a request has no token (it cannot be cancelled, so neither
+    can the run); one request's run is its own token's. Also returns what unhooks the run's
+    token from the requests' once the run is over."""
+    if len(tokens) == 1:
+        return tokens[0], _nothing
+    if any(t is None for t in tokens):
+        return None, _nothing
+    run = Token()
+    left = [len(tokens)]
+    lock = threading.Lock()
+
+    def one_gone() -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            run.cancel(error())
+
+    hooks = [t.on_cancel(one_gone) for t in tokens if t is not None]
+
+    def forget() -> None:
+        for unhook in hooks:
+            unhook()
+
+    return run, forget
 
 
 @contextlib.contextmanager

@@ -491,40 +491,6 @@ class Sequences:
         self._stop.set()
 
 
-def _nothing() -> None:
-    pass
-
-
-def _all_cancelled(tokens: list[cancel.Token | None]) -> tuple[cancel.Token | None, Callable]:
-    """A token for one run of several requests, cancelled once every request's own token is
-    (all their clients gone): the others still want the run until then. None when a request
-    has no token (it cannot be cancelled, so neither can the run). Also returns what
-    unhooks it from the requests' tokens once the run is over. One request's run is its own
-    token's."""
-    if len(tokens) == 1:
-        return tokens[0], _nothing
-    if any(t is None for t in tokens):
-        return None, _nothing
-    batch = cancel.Token()
-    left = [len(tokens)]
-    lock = threading.Lock()
-
-    def one_gone() -> None:
-        with lock:
-            left[0] -= 1
-            last = left[0] == 0
-        if last:
-            batch.cancel(Cancelled("every request of the batch was cancelled"))
-
-    hooks = [t.on_cancel(one_gone) for t in tokens if t is not None]
-
-    def forget() -> None:
-        for unhook in hooks:
-            unhook()
-
-    return batch, forget
-
-
 class SequenceBatcher:
     """One model version's sequences (see the module's docstring). ``submit`` is the data
     plane's admission of one plain run; ``name`` the model's."""
@@ -879,7 +845,10 @@ class SequenceBatcher:
             feed = {k: np.concatenate([f[k] for f in feeds]) for k in feeds[0]}
         wanted = list(dict.fromkeys([w for _, i in rows for w in i.wanted] + self._state_outputs))
         deadlines = [i.deadline for _, i in rows if i.deadline is not None]
-        token, forget = _all_cancelled([i.token for _, i in rows])
+        token, forget = cancel.every(
+            [i.token for _, i in rows],
+            lambda: Cancelled("every request of the batch was cancelled"),
+        )
         try:
             future = self._submit(
                 feed,

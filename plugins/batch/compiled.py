@@ -224,7 +224,10 @@ class BatchCompiledNetwork(OneNetwork, CompiledNetwork):
             return
         if len(live) != len(batch):
             batch, rows = live, sum(i.rows for i in live)
-        token = _batch_token(batch, what)
+        token, forget = cancel.every(
+            [i.token for i in batch],
+            lambda: Cancelled(f"{what}: every request in it was cancelled"),
+        )
         start = time.perf_counter()
         try:
             if len(batch) == 1:
@@ -234,7 +237,7 @@ class BatchCompiledNetwork(OneNetwork, CompiledNetwork):
                     name: np.concatenate([i.arrays[k] for i in batch], axis=0)
                     for k, name in enumerate(self.input_names)
                 }
-            with cancel.running(token):
+            with cancel.running(token or cancel.Token()):
                 outputs = request.infer(feeds)
             parts = self._split(outputs, batch, rows)
         except BaseException as exc:
@@ -244,6 +247,8 @@ class BatchCompiledNetwork(OneNetwork, CompiledNetwork):
                 error.__cause__ = exc
                 item.settle(error=error)
             return
+        finally:
+            forget()  # the requests' tokens no longer reach this run
         elapsed = int((time.perf_counter() - start) * 1e9)
         if self.config.get("PERF_COUNT"):
             with contextlib.suppress(PlugserveError):
@@ -330,27 +335,6 @@ def _collect(ref: weakref.ref) -> None:
         if batch:
             network._dispatch(batch)
         del network, batch
-
-
-def _batch_token(batch: list[_Item], what: str) -> cancel.Token:
-    """A token for the batch's run, cancelled once every request in it is."""
-    token = cancel.Token()
-    left = [len(batch)]
-    lock = threading.Lock()
-
-    def one_gone() -> None:
-        with lock:
-            left[0] -= 1
-            if left[0]:
-                return
-        token.cancel(Cancelled(f"{what}: every request in it was cancelled"))
-
-    for item in batch:
-        if item.token is None:
-            return token  # a caller that cannot cancel: the batch always runs to its end
-    for item in batch:
-        item.token.on_cancel(one_gone)  # type: ignore[union-attr]
-    return token
 
 
 def _run_batch(ref: weakref.ref, request: Any, batch: list[_Item]) -> None:

@@ -114,3 +114,29 @@ def test_cancelling_a_running_executor_future_stops_its_run_with_the_tokens_erro
         blocker.set()
     finally:
         executor.shutdown()
+
+
+def test_a_run_for_several_requests_stops_only_when_every_one_is_cancelled():
+    """cancel.every (BATCH's batches, the sequence batcher's oldest batches): the run's token
+    holds while any request still wants the run, is cancelled with the given error by the
+    last one, and once forgotten is no longer reached by the requests' tokens."""
+    tokens = [cancel.Token() for _ in range(3)]
+    run, forget = cancel.every(tokens, lambda: Cancelled("all gone"))
+    tokens[0].cancel()
+    tokens[2].cancel()
+    assert run is not None and not run.cancelled
+    tokens[1].cancel()
+    assert run.cancelled
+    with pytest.raises(Cancelled, match="all gone"):
+        run.raise_if_cancelled()
+
+    later = [cancel.Token() for _ in range(2)]
+    run, forget = cancel.every(later, lambda: Cancelled("all gone"))
+    forget()
+    for token in later:
+        token.cancel()
+    assert run is not None and not run.cancelled
+
+    one = cancel.Token()
+    assert cancel.every([one], lambda: Cancelled("x"))[0] is one
+    assert cancel.every([one, None], lambda: Cancelled("x"))[0] is None

@@ -171,6 +171,7 @@ def test_a_long_run_inline_lets_another_call_start(pools, tmp_path):
     of a network whose runs are long (the spinner: a Loop as long as the request asks, on
     NUMPY): another call starts while the run goes on (with a stall bound of an hour, nothing
     else could start it), and the run still stops when its request is cancelled."""
+    from models import FOREVER
     from sequence_models import spinner
 
     from plugserve.plugins import cancel
@@ -195,7 +196,7 @@ def test_a_long_run_inline_lets_another_call_start(pools, tmp_path):
         assert entry.run_seconds > LONG_RUN
         pool = pools(8, 1, stall=3600)
         token = cancel.Token()
-        endless = {"M": np.array([[10**12]]), "STATE_IN": state}
+        endless = {"M": np.array([[FOREVER]]), "STATE_IN": state}
         spinning = pool.submit(
             lambda: plane.submit(entry, endless, inline=True, token=token).result()
         )

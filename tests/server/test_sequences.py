@@ -20,7 +20,7 @@ import uuid
 import grpc
 import numpy as np
 import pytest
-from models import add_constant
+from models import FOREVER, add_constant
 from sequence_models import (
     accumulator,
     accumulator_config,
@@ -487,10 +487,9 @@ def test_a_batch_stops_once_every_client_of_it_has_gone(server):
     leaves the run to the other; once both have cancelled, the run stops (its stream is free
     again) and the model answers the next client; a run that nobody stops would hold the
     stream until --max-request-seconds (300 s), far past the next client's 30 s."""
-    forever = 10**12
     with grpc.insecure_channel(server.target) as channel:
         call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
-        runs = [call.future(_spin_request(1000 + k, forever)) for k in range(2)]
+        runs = [call.future(_spin_request(1000 + k, FOREVER)) for k in range(2)]
         # both rows in one run: the ORT streams busy with it (nothing else runs here now)
         assert wait_for(
             lambda: (_gauge(server, "plugserve_busy_streams", 'device="ORT"') or 0) >= 1
