@@ -212,11 +212,14 @@ def test_plot_without_matplotlib(model_file, tmp_path):
 
 def test_failed_requests_make_the_run_fail(tmp_path):
     """A run in which requests failed exits 1 and says how many (here a queue of one place
-    refuses most of a burst of 32), as perf_analyzer does."""
+    refuses most of a burst of 32), as perf_analyzer does. All 32 calls run at once
+    (--grpc-active-workers): with the default two, the handler threads' own queue paces the
+    burst, and a run as short as the cnn's may keep the network's queue from ever filling."""
     from serving import RunningServer, examples_repository
 
     repo = examples_repository(tmp_path)
-    with RunningServer("--model-repository", str(repo), "--queue-size", "1") as server:
+    args = ("--model-repository", str(repo), "--queue-size", "1", "--grpc-active-workers", "32")
+    with RunningServer(*args) as server:
         result = bench(
             "cnn", "--target", server.target, "--mode", "async", "--concurrency", "32",
             "--iterations", "64",
