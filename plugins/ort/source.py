@@ -5,17 +5,15 @@ export, a profiling session (PERF_COUNT) or the names of profiled nodes, all rar
 bytes cost a network as much memory again as its session's weights (an 11 MB MLP: 28 MB RSS
 per network against 14 MB for a bare InferenceSession), so a network keeps where they came
 from instead: a model file is read again (and must still be what was loaded, checked by its
-digest), and bytes handed to the load, which have no file, are spilled to a private temporary
+digest), and bytes handed to the load, which have no file, are spilled to an unnamed temporary
 file that goes with the network.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import os
 import tempfile
-import weakref
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -66,31 +64,29 @@ class FileSource(ModelSource):
 
 class SpilledSource(ModelSource):
     """Bytes with no file behind them (a LoadNetwork request's, an imported blob's payload),
-    kept in a temporary file readable by this user only and removed with the network."""
+    kept in a temporary file without a name: no other process can open it, and it is gone
+    with the network or the process, however that ends (named ones outlived killed servers)."""
 
     def __init__(self, data: bytes) -> None:
-        fd, name = tempfile.mkstemp(prefix="plugserve-ort-", suffix=".onnx")
+        # it lives as long as the network, not a block: closed by close() or when collected
+        self._file = tempfile.TemporaryFile(prefix="plugserve-ort-")  # noqa: SIM115
         try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
+            self._file.write(data)
+            self._file.flush()
         except BaseException:
-            os.unlink(name)
+            self._file.close()
             raise
-        self.path = Path(name)
-        self._remove = weakref.finalize(self, _unlink, name)
+        self._lock = threading.Lock()  # one reader at a time: reading moves the offset
 
     def read(self) -> bytes:
         try:
-            return self.path.read_bytes()
-        except OSError as exc:
+            with self._lock:
+                self._file.seek(0)
+                return self._file.read()
+        except (OSError, ValueError) as exc:  # ValueError: closed with its network
             raise FailedPrecondition(
-                f"the network's copy of its model ({self.path}) is gone ({exc}); reload it"
+                f"the network's copy of its model cannot be read ({exc}); reload it"
             ) from None
 
     def close(self) -> None:
-        self._remove()
-
-
-def _unlink(name: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(name)
+        self._file.close()
