@@ -14,6 +14,7 @@ from plugserve.plugins.api import CompiledNetwork, InferenceError, PlugserveErro
 from plugserve.plugins.ir import np_dtype, onnx_dtype
 from plugserve.plugins.ort import backend
 from plugserve.plugins.ort.config import OrtConfiguration
+from plugserve.plugins.ort.held import HeldSession
 from plugserve.plugins.ort.request import OrtInferRequest
 from plugserve.plugins.ort.source import ModelSource
 
@@ -57,6 +58,8 @@ class OrtCompiledNetwork(CompiledNetwork):
     #: the folder of profiling sessions' files, made on first use (declared here so that
     #: ``__del__`` of a half-made network reads None)
     _profiles: tempfile.TemporaryDirectory | None = None
+    #: the session whose short runs keep the GIL (:mod:`.held`); None: every run releases it
+    held: HeldSession | None = None
 
     def __init__(
         self,

@@ -39,6 +39,7 @@ from plugserve.plugins.ir import (
 from plugserve.plugins.ort import backend, locales
 from plugserve.plugins.ort.compiled import OrtCompiledNetwork, spec_from_json
 from plugserve.plugins.ort.config import OrtConfiguration
+from plugserve.plugins.ort.held import HeldSession, open_held
 from plugserve.plugins.ort.query import KernelIndex, kernel_index, unsupported_nodes
 from plugserve.plugins.ort.source import FileSource, ModelSource, SpilledSource
 from plugserve.plugins.passes.sizes import check_load_constants
@@ -50,7 +51,10 @@ __all__ = ["OrtPlugin"]
 class OrtPlugin(Plugin):
     name = "ORT"
     config_class = OrtConfiguration
-    cancellation = "before each node, Loop bodies included"
+    cancellation = (
+        "before each node, Loop bodies included; a short run that holds the GIL "
+        "(HOLD_GIL_UNDER_US) runs to its end"
+    )
     CAPABILITIES = (
         "FP32", "FP16", "BF16", "FP64", "INT8", "INT16", "INT32", "INT64", "UINT8", "BOOL",
         "STRING", "EXPORT_IMPORT",
@@ -102,12 +106,13 @@ class OrtPlugin(Plugin):
         cfg = self.merged_config(config)
         graph, data, proto = self._read(model)
         shapes = shape_model(proto)
-        del proto  # the sessions parse their own
         refuse_narrow_io(graph, self.name)  # onnxruntime's numpy binding has no such types
         try:
             sessions = backend.sessions(data, cfg)
         except Exception as exc:
             raise self._load_error(graph, exc) from None
+        held = self._held(data, proto, graph, cfg)
+        del proto  # the sessions parse their own
         # a network that profiles makes sessions while it serves: from its own copy, which a
         # change to the repository's file cannot take away
         source: ModelSource = (
@@ -127,7 +132,26 @@ class OrtPlugin(Plugin):
         )
         network.shape_model = shapes
         network.open_ended = has_loop(graph)
+        network.held = held
         return network
+
+    @staticmethod
+    def _held(
+        data: bytes, proto: onnx.ModelProto, graph: Graph, cfg: OrtConfiguration
+    ) -> HeldSession | None:
+        """The network's session whose runs keep the GIL, when they are short (see
+        :mod:`.held`); profiled networks have none (their runs go through profiling
+        sessions)."""
+        if cfg.get("PERF_COUNT"):
+            return None
+        return open_held(
+            data,
+            proto,
+            [s.name for s in graph.inputs],
+            cfg.get("GRAPH_OPTIMIZATION_LEVEL"),
+            cfg.get("HOLD_GIL_UNDER_US"),
+            graph.name,
+        )
 
     def _load_error(self, graph: Graph, exc: Exception) -> Exception:
         failures = self._unsupported(graph)
@@ -205,6 +229,7 @@ class OrtPlugin(Plugin):
             sessions,
         )
         network.open_ended = has_loop(graph)
+        network.held = self._held(payload, proto, graph, cfg)
         return network
 
     # --- metrics

@@ -46,6 +46,8 @@ class OrtInferRequest(InferRequest):
         #: server made already or do not apply to a CPU session: ~0.8 us of a small run
         self._session_run = getattr(getattr(session, "_sess", None), "run", None) or session.run
         self._perf = bool(network.config.get("PERF_COUNT"))
+        #: this request's buffers bound to the network's held session (short runs keep the GIL)
+        self._held = network.held.bind() if network.held is not None else None
         self._profiling: Any = None  # this request's profiling session, made on first run
         self._ran_since_counts = False
         self._counts: list[PerfCount] = []
@@ -56,6 +58,23 @@ class OrtInferRequest(InferRequest):
 
     def _run(self, feeds: dict[str, Any]) -> dict[str, np.ndarray]:
         token = cancel.current()
+        try:
+            outputs = self._held.run(feeds) if self._held is not None else None
+            if outputs is None:
+                outputs = self._released(feeds, token)
+        except Exception as exc:
+            if token is not None and token.cancelled:
+                raise token.failure() from None
+            error = InferenceError(
+                f"network {self.network.name}: onnxruntime failed: {backend.message(exc)}"
+            )
+            shapes = {k: tuple(v.shape) for k, v in feeds.items() if hasattr(v, "shape")}
+            raise translate(error, self.network.name, self.network.shape_model, shapes) from None
+        return dict(zip(self.network.output_names, outputs))
+
+    def _released(self, feeds: dict[str, Any], token: cancel.Token | None) -> list[Any]:
+        """The run through onnxruntime's binding, which releases the GIL while it runs and
+        stops before its next node once ``token`` is cancelled."""
         options, forget = backend.run_options(token) if token is not None else (None, None)
         try:
             if self._perf:
@@ -65,20 +84,11 @@ class OrtInferRequest(InferRequest):
                         self._profiling = self.network.new_session(prefix)
                     outputs = self._profiling.run(self.network.output_names, feeds, options)
                     self._ran_since_counts = True
-            else:
-                outputs = self._session_run(self.network.output_names, feeds, options)
-        except Exception as exc:
-            if token is not None and token.cancelled:
-                raise token.failure() from None
-            error = InferenceError(
-                f"network {self.network.name}: onnxruntime failed: {backend.message(exc)}"
-            )
-            shapes = {k: tuple(v.shape) for k, v in feeds.items() if hasattr(v, "shape")}
-            raise translate(error, self.network.name, self.network.shape_model, shapes) from None
+                    return outputs
+            return self._session_run(self.network.output_names, feeds, options)
         finally:
             if forget is not None:
                 forget()
-        return dict(zip(self.network.output_names, outputs))
 
     def get_performance_counts(self) -> list[PerfCount]:
         """Per-node timings of the last run (ends this request's profiling session; see above)."""
