@@ -3,8 +3,8 @@
 onnxruntime's Python binding releases the GIL for every run. For a run of a few microseconds
 that costs more than the run itself: the thread must then take the GIL back from whichever
 thread took it meanwhile, and on a small VM each such hand-off is a context switch. At 16
-requests in flight on a [1,16] identity, a server making its runs here served 0.87-0.90 of a
-bare grpcio echo's requests/s, against 0.65 through the binding (BENCHMARKS.md, issue 22).
+requests in flight on a [1,16] identity, the server serves 1.06-1.12x the requests/s it served
+with every run through the binding (BENCHMARKS.md, issue 22).
 
 So a network whose runs are known to be short also gets a session of its own through the C
 API of the library the wheel ships beside the binding (``onnxruntime/capi/libonnxruntime.so*``,
@@ -17,7 +17,8 @@ thread while it lasts, so only runs whose length is bounded and was measured tak
 - ONNX shape inference gives every value of the graph a static shape for one signature, the
   inputs' declared shapes with unknown dimensions 1, so no run of it does more work than
   another;
-- at load, a run of that signature took less than the network's HOLD_GIL_UNDER_US.
+- at load, a run of that signature took less than the network's HOLD_GIL_UNDER_US (the
+  median of a few).
 
 Each infer request binds the session to buffers of its own (:class:`Binding`): a run copies the
 inputs in, runs, and copies the outputs out. Requests of other shapes, profiled ones and a
@@ -30,6 +31,7 @@ import ctypes
 import glob
 import logging
 import os
+import statistics
 import threading
 import time
 import weakref
@@ -51,7 +53,7 @@ log = logging.getLogger(__name__)
 #: its session holds the weights a second time, and each request its own buffers
 MAX_BYTES = 1 << 20
 
-#: runs timed at load, after one untimed; the shortest counts (a busy machine only adds)
+#: runs timed at load, after one untimed; their median counts
 _TIMED_RUNS = 5
 
 #: OrtApi members used: index in the struct, result, arguments. onnxruntime only ever appends
@@ -188,21 +190,22 @@ class HeldSession:
         self.outputs = outputs
         self.input_names = (c_char_p * len(inputs))(*(n.encode() for n, _, _ in inputs))
         self.output_names = (c_char_p * len(outputs))(*(n.encode() for n, _, _ in outputs))
-        self.seconds = 0.0  # the shortest run timed at load
+        self.seconds = 0.0  # the median run timed at load
 
     def bind(self) -> Binding:
         return Binding(self)
 
     def time_runs(self) -> float:
-        """The shortest of a few runs of zeros (after an untimed one)."""
+        """The median of a few runs of zeros (after an untimed one): a typical run, which
+        HOLD_GIL_UNDER_US bounds."""
         binding = self.bind()
         binding.run_bound()
-        best = float("inf")
+        times = []
         for _ in range(_TIMED_RUNS):
             start = time.perf_counter()
             binding.run_bound()
-            best = min(best, time.perf_counter() - start)
-        return best
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
 
 
 class Binding:
