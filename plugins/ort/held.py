@@ -40,9 +40,9 @@ from typing import Any
 
 import numpy as np
 import onnx
-from onnx import AttributeProto, ModelProto
+from onnx import ModelProto
 
-from plugserve.plugins.ir import np_dtype
+from plugserve.plugins.ir import attribute_graphs, np_dtype, onnx_dtype
 from plugserve.plugins.ort import backend
 
 __all__ = ["MAX_BYTES", "Binding", "HeldSession", "open_held", "unavailable"]
@@ -81,21 +81,15 @@ _FUNCTIONS: dict[str, tuple[int, Any, tuple[Any, ...]]] = {
 #: GraphOptimizationLevel's values in the C API
 _LEVELS = {"DISABLE_ALL": 0, "BASIC": 1, "EXTENDED": 2, "ALL": 99}
 
-#: ONNXTensorElementDataType of the numpy types the lane takes (as ONNX's TensorProto numbers)
-_ELEMENTS = {
-    np.dtype(np.float32): 1,
-    np.dtype(np.uint8): 2,
-    np.dtype(np.int8): 3,
-    np.dtype(np.uint16): 4,
-    np.dtype(np.int16): 5,
-    np.dtype(np.int32): 6,
-    np.dtype(np.int64): 7,
-    np.dtype(np.bool_): 9,
-    np.dtype(np.float16): 10,
-    np.dtype(np.float64): 11,
-    np.dtype(np.uint32): 12,
-    np.dtype(np.uint64): 13,
-}
+#: the element types the lane takes: numbers and bool (onnxruntime's ONNXTensorElementDataType
+#: numbers them as ONNX's TensorProto does, so ``onnx_dtype`` gives its value)
+_DTYPES = frozenset(
+    np.dtype(t)
+    for t in (
+        np.float16, np.float32, np.float64, np.int8, np.int16, np.int32, np.int64,
+        np.uint8, np.uint16, np.uint32, np.uint64, np.bool_,
+    )
+)  # fmt: skip
 
 #: a value of the signature: name, static shape, element type
 Value = tuple[str, tuple[int, ...], np.dtype]
@@ -190,7 +184,6 @@ class HeldSession:
         self.outputs = outputs
         self.input_names = (c_char_p * len(inputs))(*(n.encode() for n, _, _ in inputs))
         self.output_names = (c_char_p * len(outputs))(*(n.encode() for n, _, _ in outputs))
-        self.seconds = 0.0  # the median run timed at load
 
     def bind(self) -> Binding:
         return Binding(self)
@@ -253,7 +246,7 @@ class Binding:
             array.nbytes,
             shape,
             array.ndim,
-            _ELEMENTS[array.dtype],
+            onnx_dtype(array.dtype),
         )
 
     def run_bound(self) -> None:
@@ -294,7 +287,7 @@ def _signature(proto: ModelProto, names: list[str]) -> tuple[list[Value], list[V
     node has subgraphs; else ValueError saying why not."""
     graph = proto.graph
     for node in graph.node:
-        if any(a.type in (AttributeProto.GRAPH, AttributeProto.GRAPHS) for a in node.attribute):
+        if any(attribute_graphs(a) for a in node.attribute):
             raise ValueError(f"node {node.name or node.op_type!r} has subgraphs")
     concrete = ModelProto()
     concrete.CopyFrom(proto)
@@ -339,7 +332,7 @@ def _static(value: onnx.ValueInfoProto | None, name: str) -> tuple[int, ...]:
 
 def _dtype(value: onnx.ValueInfoProto) -> np.dtype:
     dtype = np_dtype(value.type.tensor_type.elem_type)
-    if dtype is None or dtype not in _ELEMENTS:
+    if dtype is None or dtype not in _DTYPES:
         raise ValueError(f"value {value.name!r} is {dtype}")
     return dtype
 
@@ -354,27 +347,27 @@ def open_held(
     session and a few runs: only for models of at most MAX_BYTES."""
     if under_us <= 0 or len(model) > MAX_BYTES:
         return None
-    api = _load()
-    if api is None:
-        return None
     try:
         inputs, outputs = _signature(proto, names)
         size = sum(int(np.prod(s)) * d.itemsize for _, s, d in (*inputs, *outputs))
         if size > MAX_BYTES:
             raise ValueError(f"its inputs and outputs take {size} bytes")
+        api = _load()  # the library only once a network qualifies (18 MB RSS)
+        if api is None:
+            return None
         held = HeldSession(api, model, level, inputs, outputs)
-        held.seconds = held.time_runs()
+        seconds = held.time_runs()
     except Exception as exc:  # not a failure of the load: the network runs the other way
         log.debug("network %s: runs release the GIL (%s)", network, exc)
         return None
-    if held.seconds * 1e6 >= under_us:
-        log.debug("network %s: runs release the GIL (%.0f us at load)", network, held.seconds * 1e6)
+    if seconds * 1e6 >= under_us:
+        log.debug("network %s: runs release the GIL (%.0f us at load)", network, seconds * 1e6)
         return None
     shapes = ", ".join(f"{n} {list(s)}" for n, s, _ in inputs)
     log.info(
         "network %s: runs of %s hold the GIL (%.0f us at load)",
         network,
         shapes,
-        held.seconds * 1e6,
+        seconds * 1e6,
     )
     return held

@@ -146,3 +146,41 @@ def test_matches_onnxruntime(core, name: str, device: str) -> None:
                     assert_same(got[output], fused[output], model, f"{name} on {device}: {output}")
     finally:
         network.close()
+
+
+#: real exports whose ORT networks run a batch-1 request holding the GIL (plugins/ort/held.py):
+#: both torch exporters' conv net and transformer encoder, one with float16 at its edges, and a
+#: skl2onnx classifier (a label and probabilities)
+HELD_ON_ORT = (
+    "resnet_script",
+    "resnet_dynamo",
+    "whisper_encoder_script",
+    "whisper_encoder_dynamo",
+    "whisper_encoder_fp16_io",
+    "sk_logreg",
+)
+
+
+@pytest.mark.parametrize("name", [n for n in HELD_ON_ORT if n in ZOO])
+def test_ort_runs_a_batch_one_request_of_a_real_export_holding_the_gil(name: str) -> None:
+    from plugserve.plugins.ort import OrtPlugin
+
+    model = ZOO[name]
+    # the bound at its most: this test is about the answers, not about this machine's speed
+    config = {"EXECUTION_MODE_HINT": "ACCURACY", "HOLD_GIL_UNDER_US": "1000"}
+    network = OrtPlugin().load_network(str(model.path()), config)
+    try:
+        assert network.held is not None, f"{name}: no held session"
+        feeds = {k: v[:1] for k, v in model.feeds(np.random.default_rng(0)).items()}
+        assert [(n, s) for n, s, _ in network.held.inputs] == [
+            (n, feeds[n].shape) for n in network.input_names
+        ]
+        request = network.create_infer_request()
+        got = request.infer(feeds)
+        for output, bound in zip(network.output_names, request._held.outputs):
+            assert np.array_equal(got[output], bound), f"{name}: {output} not from the held run"
+        want = reference(model, feeds)
+        for output in want:
+            assert_same(got[output], want[output], model, f"{name} held on ORT: {output}")
+    finally:
+        network.close()
