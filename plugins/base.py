@@ -595,12 +595,19 @@ class InferRequest(abc.ABC):
 
     def _checked(self, arrays: list[Any]) -> dict[str, np.ndarray]:
         """The run of checked inputs under its token (both :meth:`infer` and
-        :meth:`infer_checked`: a plugin overriding one of them calls the other's base)."""
+        :meth:`infer_checked`: a plugin overriding one of them calls the other's base).
+        :meth:`_under` written out: every small server request passes here."""
         token = cancel.current()
         if token is None:
             with cancel.running(cancel.Token()) as token:
                 return self._under(token, self._infer, arrays)
-        return self._under(token, self._infer, arrays)
+        if token.error is not None:
+            raise token.failure()
+        self._token = token
+        try:
+            return self._infer(arrays)
+        finally:
+            self._token = None
 
     def _under(
         self, token: cancel.Token, run: Callable[[_Prepared], dict[str, np.ndarray]], value: Any

@@ -116,10 +116,10 @@ class Token:
 
     def finish(self) -> None:
         """The run is over (its owner says so): later cancels are no-ops, and the callbacks
-        (and what they hold) are let go."""
-        with self._lock:
-            self.finished = True
-            self._callbacks = []
+        (and what they hold) are let go. No lock: a cancel under way already took the
+        callbacks it runs, and one registered from now on is never run."""
+        self.finished = True
+        self._callbacks = []
 
     def on_cancel(self, callback: Callable[[], object]) -> Callable[[], None]:
         """Call ``callback`` when cancelled (now, if it is); returns what unregisters it."""
@@ -190,19 +190,14 @@ def running(token: Token) -> Iterator[Token]:
         _token.reset(reset)
 
 
-def enter(token: Token) -> contextvars.Token:
-    """:func:`running` without a context manager, for a per-request hot path: pass what it
-    returns to :func:`leave`."""
-    return _token.set(token)
+#: :func:`running` without a context manager, for a per-request hot path: ``entered =
+#: enter(token)`` ... ``leave(entered)``. The context variable's own methods, so that a
+#: request pays no Python call for them.
+enter: Callable[[Token], contextvars.Token] = _token.set
+leave: Callable[[contextvars.Token], None] = _token.reset
 
-
-def leave(entered: contextvars.Token) -> None:
-    _token.reset(entered)
-
-
-def current() -> Token | None:
-    """The token of the run under way on this thread (None outside a run)."""
-    return _token.get()
+#: The token of the run under way on this thread (None outside a run).
+current: Callable[[], Token | None] = _token.get
 
 
 def checkpoint() -> None:

@@ -202,7 +202,8 @@ class StreamsExecutor:
                 return None
             index = self._idle.pop()
         try:
-            return Finished(fn(self._state(index)))
+            state = self._states[index]
+            return Finished(fn(state if state is not _UNMADE else self._state(index)))
         except BaseException as exc:
             return Finished(exception=exc)
         finally:

@@ -100,7 +100,8 @@ class Charge:
     def release(self) -> None:
         budget, self._budget = self._budget, None
         if budget is not None:
-            budget._give_back(self.nbytes)
+            with budget._lock:
+                budget.used -= self.nbytes
 
 
 #: The charge of nothing (a request whose bytes its protocol charged already).
@@ -138,10 +139,6 @@ class MemoryBudget:
             "(--max-inflight-bytes / PLUGSERVE_MAX_INFLIGHT_BYTES); retry later, or send "
             "large tensors as binary data (JSON costs 20x its size to decode)"
         )
-
-    def _give_back(self, nbytes: int) -> None:
-        with self._lock:
-            self.used -= nbytes
 
 
 def _mib(nbytes: int) -> str:

@@ -84,6 +84,20 @@ def check_batch(name: str, max_batch_size: int, arrays: list[Any]) -> None:
             )
 
 
+def _past_deadline(name: str, admitted: float) -> DeadlineExceeded:
+    return DeadlineExceeded(
+        f"network {name!r}: stopped, the request passed its deadline "
+        f"({time.monotonic() - admitted:.3f} s after it was admitted)"
+    )
+
+
+def _past_limit(name: str, limit: float) -> DeadlineExceeded:
+    return DeadlineExceeded(
+        f"network {name!r}: stopped, the request ran past the server's limit "
+        f"of {limit:g} s (--max-request-seconds)"
+    )
+
+
 class DataPlane:
     """Admits, runs and completes the requests to the networks in :attr:`table`."""
 
@@ -173,11 +187,11 @@ class DataPlane:
         step: Step | None = None,
         checked: list[np.ndarray] | None = None,
     ) -> Future | Finished:
-        """Admit one inference (see :meth:`_admit`); ``step``: the request's place in a
+        """Admit one inference (see :meth:`admit`); ``step``: the request's place in a
         sequence (its ``sequence_*`` parameters), which a network with Triton's sequence
         batching requires and others refuse."""
         if step is None and entry.sequences is None:
-            return self._admit(
+            return self.admit(
                 entry, inputs, outputs, deadline, inline, token, holds, after, checked
             )
         if entry.sequences is None:
@@ -206,10 +220,11 @@ class DataPlane:
             entry.recorder.refused("invalid")
             raise
 
-    def _admit(
+    def admit(
         self, entry, inputs, outputs, deadline, inline, token, holds, after=None, checked=None
     ):
-        """(:meth:`submit`'s arguments but ``step``.) Queue one inference on ``entry`` (the
+        """(:meth:`submit`'s arguments but ``step``, for a request known to be no sequence's:
+        a protocol's plain lane calls it directly.) Queue one inference on ``entry`` (the
         caller's one :meth:`get`, which its response also names, so an unload or load meanwhile
         cannot relabel or lose a finished request); the future holds ``{output: array}`` or a
         typed error.
@@ -242,7 +257,7 @@ class DataPlane:
             )
             if entry.max_batch_size > 0:
                 check_batch(name, entry.max_batch_size, arrays)
-            wanted = self._outputs(entry, outputs)
+            wanted = self._outputs(entry, outputs) if outputs else entry.output_names
         except PlugserveError:
             recorder.refused("invalid")
             raise
@@ -273,7 +288,7 @@ class DataPlane:
                 ) from exc
             finally:
                 cancel.leave(entered)
-            answer = {k: result[k] for k in wanted}
+            answer = dict(zip(wanted, map(result.__getitem__, wanted)))
             if after is not None:
                 answer = after(answer)
             finished = time.perf_counter()
@@ -295,7 +310,7 @@ class DataPlane:
         if retired:  # reloaded since the caller's lookup: its replacement answers
             if checked is not None:  # checked against this network; the replacement checks
                 inputs = {spec.name: a for spec, a in zip(entry.network.inputs, checked)}
-            return self._admit(
+            return self.admit(
                 self.get(name, entry.version),
                 inputs,
                 outputs,
@@ -342,23 +357,9 @@ class DataPlane:
         limit = self.max_request_seconds
         server_end = now + limit if limit else float("inf")
         if deadline is not None and deadline <= server_end:
-            self.deadlines.watch(
-                token,
-                deadline,
-                lambda: DeadlineExceeded(
-                    f"network {name!r}: stopped, the request passed its deadline "
-                    f"({time.monotonic() - now:.3f} s after it was admitted)"
-                ),
-            )
+            self.deadlines.watch(token, deadline, _past_deadline, name, now)
         else:
-            self.deadlines.watch(
-                token,
-                server_end,
-                lambda: DeadlineExceeded(
-                    f"network {name!r}: stopped, the request ran past the server's limit "
-                    f"of {limit:g} s (--max-request-seconds)"
-                ),
-            )
+            self.deadlines.watch(token, server_end, _past_limit, name, limit)
 
     def drain(self) -> None:
         """Refuse new requests and loads (UNAVAILABLE); admitted ones still run."""
@@ -409,13 +410,13 @@ class DataPlane:
     # --- what model control needs of the request path
 
     def admission(self, entry: LoadedNetwork) -> Callable[..., Future | Finished]:
-        """``entry``'s plain admission (:meth:`_admit` for it), which its sequence batcher
+        """``entry``'s plain admission (:meth:`admit` for it), which its sequence batcher
         submits each run through."""
-        return functools.partial(self._admit, entry)
+        return functools.partial(self.admit, entry)
 
     def retire(self, entry: LoadedNetwork) -> None:
         """``entry`` was replaced (a reload): a request that reaches it from now on goes to
-        its replacement (see :meth:`_admit`)."""
+        its replacement (see :meth:`admit`)."""
         with self._inflight_lock:
             entry.retired = True
 

@@ -7,9 +7,11 @@ the :class:`DeadlineExceeded` the client gets; the run stops at its next checkpo
 request still queued leaves its queue. Checking only when a stream picks a request up (as
 before) let a run that never ends hold its stream, and its CPU, forever.
 
-Watching costs a request one dict insert and one delete under a lock; the thread sleeps until
-the earliest time, woken only by a request due earlier than that, so the usual case (every
-request due ``--max-request-seconds`` from now) adds no wake-ups.
+Watching costs a request one dict insert under a lock and one delete without (a pop is one
+step under the GIL, and the thread only pops); the error is made only for a request that
+expires. The thread sleeps until the earliest time, woken only by a request due earlier than
+that, so the usual case (every request due ``--max-request-seconds`` from now) adds no
+wake-ups.
 """
 
 from __future__ import annotations
@@ -33,19 +35,20 @@ _LONGEST_SLEEP = 1.0
 class DeadlineWatch:
     def __init__(self, name: str = "deadline-watch") -> None:
         self._name = name
-        self._due: dict[Token, tuple[float, Callable[[], PlugserveError]]] = {}
-        # watch and forget (twice per request) take the lock itself, not the Condition's
-        # Python-level ``with``
-        self._lock = threading.Lock()
+        #: token -> (when, error, its arguments)
+        self._due: dict[Token, tuple[float, Callable[..., PlugserveError], tuple]] = {}
+        self._lock = threading.Lock()  # the thread's start, its wake-up time, closing
         self._cond = threading.Condition(self._lock)
         self._wake_at = float("inf")  # when the thread looks next
         self._thread: threading.Thread | None = None
         self._closed = False
 
-    def watch(self, token: Token, when: float, error: Callable[[], PlugserveError]) -> None:
-        """Cancel ``token`` with ``error()`` once ``time.monotonic()`` passes ``when``."""
-        with self._lock:
-            self._due[token] = (when, error)
+    def watch(
+        self, token: Token, when: float, error: Callable[..., PlugserveError], *args: object
+    ) -> None:
+        """Cancel ``token`` with ``error(*args)`` once ``time.monotonic()`` passes ``when``."""
+        with self._lock:  # the thread sets its wake-up time from what it found under it
+            self._due[token] = (when, error, args)
             if self._thread is None and not self._closed:
                 self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
                 self._thread.start()
@@ -55,14 +58,14 @@ class DeadlineWatch:
 
     def forget(self, token: Token) -> None:
         """The request is done: no more watching."""
-        with self._lock:
-            self._due.pop(token, None)
+        self._due.pop(token, None)
 
     def cancel_all(self, error: Callable[[], PlugserveError]) -> int:
         """Cancel every watched token now with ``error()``; returns how many."""
-        with self._cond:
-            tokens = list(self._due)
-            self._due.clear()
+        tokens = []
+        for token in list(self._due):
+            if self._due.pop(token, None) is not None:
+                tokens.append(token)
         for token in tokens:
             token.cancel(error())
         return len(tokens)
@@ -74,24 +77,24 @@ class DeadlineWatch:
 
     def _run(self) -> None:
         while True:
-            expired: list[tuple[Token, Callable[[], PlugserveError]]] = []
+            expired: list[tuple[Token, Callable[..., PlugserveError], tuple]] = []
             with self._cond:
                 if self._closed:
                     return
                 now = time.monotonic()
                 earliest = now + _LONGEST_SLEEP
-                for token, (when, error) in list(self._due.items()):
+                for token, (when, error, args) in list(self._due.items()):
                     if when <= now:
-                        del self._due[token]
-                        expired.append((token, error))
+                        if self._due.pop(token, None) is not None:  # not done meanwhile
+                            expired.append((token, error, args))
                     elif when < earliest:
                         earliest = when
                 if not expired:
                     self._wake_at = earliest
                     self._cond.wait(earliest - now)
                     continue
-            for token, error in expired:
+            for token, error, args in expired:
                 try:
-                    token.cancel(error())
+                    token.cancel(error(*args))
                 except Exception:  # one bad message must not stop the watch
                     log.exception("cancelling a request past its deadline failed")

@@ -148,7 +148,8 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         token: Any = None,
     ):
         """One lookup: the entry runs the request and names the response."""
-        entry = self.plane.get(request.model_name, parse_version(request.model_version))
+        version = request.model_version
+        entry = self.plane.get(request.model_name, parse_version(version) if version else 0)
         when = deadline(context)
         step = None
         if request.parameters:
@@ -160,17 +161,19 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
                 when = own if when is None else min(when, own)
         # a request of a sequence, or to a sequence model, is the sequence batcher's
         # (server/sequences.py): the plain lane is for the rest
-        sequenced = step is not None or entry.sequences is not None
-        plain = None if sequenced else plain_lane(entry).decode(request)
+        plain = None
+        if step is None and entry.sequences is None:
+            lane = entry.lanes.get("kserve") or plain_lane(entry)
+            plain = lane.decode(request)
         if plain is not None:
-            checked, outputs = plain
-            future = self.plane.submit(
+            checked, outputs, nbytes = plain
+            future = self.plane.admit(
                 entry,
                 {},
                 outputs,
                 when,
                 token=token,
-                holds=request.ByteSize() * GRPC_FACTOR,
+                holds=nbytes * GRPC_FACTOR,
                 inline=inline,
                 checked=checked,
             )

@@ -393,32 +393,47 @@ class PlainLane:
         #: input name -> its _PlainInput (empty: this network's requests take the general path)
         self.inputs = {s.name: _PlainInput(i, s) for i, s in enumerate(specs)} if plain else {}
         self.outputs = frozenset(entry.output_names)
+        #: at most what a request the lane takes carries besides its tensors' data and its
+        #: id: the names it may use, shapes of the inputs' ranks, tags and lengths (so that
+        #: charging it to the memory budget needs no ``ByteSize()``, which serializes the
+        #: whole message: 0.1 s for 64 MB)
+        self.overhead = (
+            64
+            + len(entry.name.encode())
+            + sum(48 + len(s.name.encode()) + 11 * len(s.shape or range(MAX_DIMS)) for s in specs)
+            + sum(16 + len(name.encode()) for name in self.outputs)
+        )
         self.head = pb.ModelInferResponse(
             model_name=entry.name, model_version=str(entry.version)
         ).SerializeToString()
         #: ((name, dtype, shape) per output) -> :func:`_output_header`
         self.headers: dict[tuple, tuple[bytes, list[bytes | None]]] = {}
 
-    def decode(self, request: pb.ModelInferRequest) -> tuple[list[np.ndarray], list[str]] | None:
-        """The inputs in the network's order and the outputs asked for, or None."""
+    def decode(
+        self, request: pb.ModelInferRequest
+    ) -> tuple[list[np.ndarray], list[str], int] | None:
+        """The inputs in the network's order, the outputs asked for and at least the bytes
+        the request took on the wire; or None."""
         inputs = self.inputs
         tensors, raw = request.inputs, request.raw_input_contents
         if not inputs or len(tensors) != len(inputs) or len(raw) != len(inputs):
             return None
         arrays: list[Any] = [None] * len(inputs)
+        nbytes = self.overhead + len(request.id)
         for tensor, data in zip(tensors, raw):
             slot = inputs.get(tensor.name)
             if slot is None or arrays[slot.index] is not None:
                 return None
+            size = len(data)
+            nbytes += size
             if tensor == slot.tensor:
-                if len(data) != slot.nbytes:
+                if size != slot.nbytes:
                     return None
                 arrays[slot.index] = np.frombuffer(data, slot.dtype).reshape(slot.shape)
                 continue
             if tensor.datatype != slot.datatype or tensor.parameters or tensor.HasField("contents"):
                 return None
             shape = tuple(tensor.shape)
-            size = len(data)
             if not (size == slot.nbytes if shape == slot.shape else slot.fits(shape, size)):
                 return None
             arrays[slot.index] = np.frombuffer(data, slot.dtype).reshape(shape)
@@ -428,7 +443,7 @@ class PlainLane:
             if output.parameters or name not in self.outputs or name in names:
                 return None
             names.append(name)
-        return arrays, names
+        return arrays, names, nbytes
 
     def encode(self, request: pb.ModelInferRequest, outputs: dict[str, Any]) -> Pieces | None:
         """:func:`infer_response`'s pieces for plain outputs (arrays, none asked for in shared
@@ -502,7 +517,8 @@ def compose_response(
 ) -> Pieces:
     """The answer's pieces: the network's :class:`PlainLane` when it takes the outputs, else
     :func:`infer_response`."""
-    pieces = plain_lane(entry).encode(request, outputs)
+    lane = entry.lanes.get("kserve") or plain_lane(entry)
+    pieces = lane.encode(request, outputs)
     return pieces if pieces is not None else infer_response(request, entry, outputs, shm)
 
 

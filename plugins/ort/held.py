@@ -252,25 +252,25 @@ class Binding:
     def run_bound(self) -> None:
         self.session.api.check(self._run(*self._arguments))
 
-    def run(self, feeds: dict[str, Any]) -> list[np.ndarray] | None:
-        """The outputs for ``feeds`` (name: array), or None when they are not of the signature
-        or the request is busy on another thread (the caller then runs it the other way)."""
+    def run(self, arrays: list[Any]) -> list[np.ndarray] | None:
+        """The outputs for ``arrays`` (the inputs in the network's order), or None when they
+        are not of the signature or the request is busy on another thread (the caller then
+        runs it the other way)."""
         signature = self.session.inputs
-        if len(feeds) != len(signature):
+        if len(arrays) != len(signature):
             return None
-        for name, shape, dtype in signature:
-            array = feeds.get(name)
+        for array, (_, shape, dtype) in zip(arrays, signature):
             if array is None or array.shape != shape or array.dtype != dtype:
                 return None
         if not self._lock.acquire(blocking=False):
             return None
         try:
-            for buffer, (name, _, _) in zip(self.inputs, signature):
-                np.copyto(buffer, feeds[name])
+            for buffer, array in zip(self.inputs, arrays):
+                buffer[...] = array
             status = self._run(*self._arguments)
             if status:
                 self.session.api.check(status)
-            return [output.copy() for output in self.outputs]
+            return list(map(np.ndarray.copy, self.outputs))
         finally:
             self._lock.release()
 

@@ -56,21 +56,39 @@ class OrtInferRequest(InferRequest):
     def _feed(self, arrays: list[Any]) -> dict[str, Any]:
         return {n: a for n, a in zip(self.network.input_names, arrays) if a is not None}
 
+    def _infer(self, arrays: list[Any]) -> dict[str, np.ndarray]:
+        """A held run straight from the checked arrays (no feeds built), else :meth:`_run`."""
+        if self._held is not None:
+            try:
+                outputs = self._held.run(arrays)
+            except Exception as exc:
+                raise self._failure(exc, self._feed(arrays)) from None
+            if outputs is not None:
+                return dict(zip(self.network.output_names, outputs))
+        return self._run(self._feed(arrays))
+
     def _run(self, feeds: dict[str, Any]) -> dict[str, np.ndarray]:
-        token = cancel.current()
         try:
-            outputs = self._held.run(feeds) if self._held is not None else None
+            outputs = None
+            if self._held is not None:
+                outputs = self._held.run([feeds.get(n) for n in self.network.input_names])
             if outputs is None:
-                outputs = self._released(feeds, token)
+                outputs = self._released(feeds, self._token)
         except Exception as exc:
-            if token is not None and token.cancelled:
-                raise token.failure() from None
-            error = InferenceError(
-                f"network {self.network.name}: onnxruntime failed: {backend.message(exc)}"
-            )
-            shapes = {k: tuple(v.shape) for k, v in feeds.items() if hasattr(v, "shape")}
-            raise translate(error, self.network.name, self.network.shape_model, shapes) from None
+            raise self._failure(exc, feeds) from None
         return dict(zip(self.network.output_names, outputs))
+
+    def _failure(self, exc: Exception, feeds: dict[str, Any]) -> Exception:
+        """The error a failed run raises: the token's when it was cancelled, else
+        onnxruntime's message with the shapes the network was given."""
+        token = self._token
+        if token is not None and token.cancelled:
+            return token.failure()
+        error = InferenceError(
+            f"network {self.network.name}: onnxruntime failed: {backend.message(exc)}"
+        )
+        shapes = {k: tuple(v.shape) for k, v in feeds.items() if hasattr(v, "shape")}
+        return translate(error, self.network.name, self.network.shape_model, shapes)
 
     def _released(self, feeds: dict[str, Any], token: cancel.Token | None) -> list[Any]:
         """The run through onnxruntime's binding, which releases the GIL while it runs and
