@@ -164,6 +164,15 @@ class DataPlane:
                 "the request names no network: set its name (plugserve.v1 'network' or "
                 "'name', KServe 'model_name' or 'name')"
             )
+        # without the table's lock: each step is one under the GIL, and model control
+        # replaces or drops a version only while holding it (a lookup that races one of
+        # those takes the lock and looks again)
+        versions = self.table.by_name.get(name)
+        if versions:
+            try:
+                return versions[version or max(versions)]
+            except (KeyError, ValueError):
+                pass
         with self.table.lock:
             versions = self.table.by_name.get(name)
             if versions and not version:
