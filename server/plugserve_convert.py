@@ -32,6 +32,7 @@ __all__ = [
     "metric_json",
     "network_info",
     "request_inputs",
+    "request_size",
     "respond",
     "sequence_of",
     "stream_error",
@@ -124,6 +125,19 @@ def from_tensor(tensor: pb.Tensor):
 
 def metric_json(value: Any) -> str:
     return json.dumps(value, default=lambda v: list(v) if isinstance(v, tuple | set) else str(v))
+
+
+def request_size(request: pb.InferRequest) -> int:
+    """At least the bytes ``request`` took on the wire, for the memory budget, without
+    ``ByteSize()``: upb computes that by serializing the whole message (0.11 s for 64 MB).
+    Each field's tag and length take at most 11 bytes, a text at most 4 per character."""
+    size = 64 + 4 * (len(request.network) + len(request.id)) + request.sequence.ByteSize()
+    for tensor in request.inputs:
+        size += 48 + 4 * (len(tensor.name) + len(tensor.dtype)) + 11 * len(tensor.shape)
+        size += len(tensor.data)
+    for name in request.outputs:
+        size += 11 + 4 * len(name)
+    return size
 
 
 def request_inputs(request: pb.InferRequest, entry: LoadedNetwork) -> dict[str, Any]:

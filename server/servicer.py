@@ -24,6 +24,7 @@ from plugserve.server.plugserve_convert import (
     metric_json,
     network_info,
     request_inputs,
+    request_size,
     respond,
     sequence_of,
     stream_error,
@@ -158,7 +159,7 @@ class PlugserveServicer(pb_grpc.PlugserveServicer):
             list(request.outputs),
             deadline(context),
             token=token,
-            holds=request.ByteSize() * GRPC_FACTOR,
+            holds=request_size(request) * GRPC_FACTOR,
             inline=inline,
             step=sequence_of(request),
         )

@@ -177,6 +177,41 @@ def test_grpc_requests_are_charged_too(server):
         assert client.infer("add", inputs).as_numpy("sum")[0] == 2.0  # 2 MB fits
 
 
+def test_plugserve_v1_requests_are_charged_their_size_on_the_wire(server):
+    """plugserve.v1 Infer is charged what its message took (twice, as every gRPC message),
+    counted from its fields rather than by re-serializing it."""
+    import grpc
+
+    from plugserve.client import Client
+
+    with (
+        RunningServer(
+            "--model-repository", str(server.args[1]), "--max-inflight-bytes", str(64 * MB)
+        ) as small,
+        Client(small.target, timeout=60) as client,
+    ):
+        big = {name: np.zeros(4 * MB, np.float32) for name in ("a", "b")}  # 32 MB on the wire
+        with pytest.raises(grpc.RpcError) as refused:
+            client.infer("add", big)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "--max-inflight-bytes" in refused.value.details()
+        fits = {name: np.ones(MB, np.float32) for name in ("a", "b")}  # 8 MB: charged 16
+        for _ in range(6):  # each charge is given back
+            assert client.infer("add", fits)["sum"][0] == 2.0
+
+
+def test_the_v1_charge_covers_the_message():
+    from plugserve.proto import plugserve_pb2 as pb
+    from plugserve.server.plugserve_convert import request_size
+
+    request = pb.InferRequest(network="ñ" * 300, id="i" * 5000, outputs=["ü" * 40, "b"])
+    request.sequence.name = "s" * 1000
+    request.inputs.add(name="€" * 50, dtype="float32", shape=[2**62] * 8, data=b"x" * 300_000)
+    request.inputs.add(name="", dtype="", shape=[], data=b"")
+    assert request.ByteSize() <= request_size(request) < 1.1 * request.ByteSize() + 4096
+    assert pb.InferRequest().ByteSize() <= request_size(pb.InferRequest())
+
+
 def test_charges_are_given_back_once_requests_are_answered(server):
     """Under a budget that holds one such request at a time, the same request served over and
     over: a charge that is not given back (plain, or a gzip body charged as it inflates) would
