@@ -63,7 +63,7 @@ assert lane.decode(plain)[1] == ["z"]
 # long its id, names, version and shapes
 assert plain.ByteSize() <= nbytes < plain.ByteSize() + 2048
 big = request(n=("INT64", np.zeros((40000, 3), np.int64)), any=("UINT8", a), x=("FP32", x))
-big.id = "i" * 100_000
+big.id = "\u20ac" * 100_000  # three bytes each in UTF-8
 big.model_version = "99999999"
 for name in ("y", "z"):
     big.outputs.add(name=name)
