@@ -182,9 +182,13 @@ def check_shape(shape: list[int], where: str) -> tuple[int, ...]:
     return tuple(map(int, shape))
 
 
-def from_tensor(tensor, where: str = "") -> np.ndarray:
-    """An array from a ``Tensor`` message; a byte count that does not fit the shape raises."""
+def from_tensor(tensor, where: str = "", data: bytes | None = None) -> np.ndarray:
+    """An array from a ``Tensor`` message; a byte count that does not fit the shape raises.
+    ``data``: its ``data`` field, if the caller read it already (each read of a bytes field
+    copies it out of the message)."""
     where = where or f"input {tensor.name!r}"
+    if data is None:
+        data = tensor.data
     dtype = DTYPES.get(tensor.dtype)
     if dtype is None:
         raise InvalidInput(
@@ -195,14 +199,14 @@ def from_tensor(tensor, where: str = "") -> np.ndarray:
     for dim in shape:
         count *= dim
     if dtype == np.dtype(object):
-        return decode_strings(tensor.data, count, where).reshape(shape)
+        return decode_strings(data, count, where).reshape(shape)
     expected = count * dtype.itemsize
-    if len(tensor.data) != expected:
+    if len(data) != expected:
         raise InvalidInput(
-            f"{where}: {len(tensor.data)} bytes of data, but shape {list(shape)} "
+            f"{where}: {len(data)} bytes of data, but shape {list(shape)} "
             f"of {tensor.dtype} needs {expected}"
         )
-    return np.frombuffer(tensor.data, dtype=dtype.newbyteorder("<")).reshape(shape)
+    return np.frombuffer(data, dtype=dtype.newbyteorder("<")).reshape(shape)
 
 
 def to_tensor(message, name: str, array: np.ndarray) -> None:

@@ -148,8 +148,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         token: Any = None,
     ):
         """One lookup: the entry runs the request and names the response."""
-        version = request.model_version
-        entry = self.plane.get(request.model_name, parse_version(version) if version else 0)
+        entry = self.plane.get(request.model_name, parse_version(request.model_version))
         when = deadline(context)
         step = None
         if request.parameters:
@@ -163,8 +162,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         # (server/sequences.py): the plain lane is for the rest
         plain = None
         if step is None and entry.sequences is None:
-            lane = entry.lanes.get("kserve") or plain_lane(entry)
-            plain = lane.decode(request)
+            plain = plain_lane(entry).decode(request)
         if plain is not None:
             checked, outputs, nbytes = plain
             future = self.plane.admit(

@@ -517,8 +517,7 @@ def compose_response(
 ) -> Pieces:
     """The answer's pieces: the network's :class:`PlainLane` when it takes the outputs, else
     :func:`infer_response`."""
-    lane = entry.lanes.get("kserve") or plain_lane(entry)
-    pieces = lane.encode(request, outputs)
+    pieces = plain_lane(entry).encode(request, outputs)
     return pieces if pieces is not None else infer_response(request, entry, outputs, shm)
 
 

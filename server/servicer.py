@@ -152,14 +152,14 @@ class PlugserveServicer(pb_grpc.PlugserveServicer):
     def _submit(self, request: pb.InferRequest, context, inline: bool = False, token=None):
         """One lookup: the entry runs the request and names the response."""
         entry = self.plane.get(request.network, request.version)
-        inputs = request_inputs(request, entry)
+        inputs, data = request_inputs(request, entry)
         future = self.plane.submit(
             entry,
             inputs,
             list(request.outputs),
             deadline(context),
             token=token,
-            holds=request_size(request) * GRPC_FACTOR,
+            holds=request_size(request, data) * GRPC_FACTOR,
             inline=inline,
             step=sequence_of(request),
         )

@@ -57,7 +57,8 @@ class OrtInferRequest(InferRequest):
         return {n: a for n, a in zip(self.network.input_names, arrays) if a is not None}
 
     def _infer(self, arrays: list[Any]) -> dict[str, np.ndarray]:
-        """A held run straight from the checked arrays (no feeds built), else :meth:`_run`."""
+        """A held run straight from the checked arrays (no feeds built), else through the
+        binding."""
         if self._held is not None:
             try:
                 outputs = self._held.run(arrays)
@@ -65,15 +66,17 @@ class OrtInferRequest(InferRequest):
                 raise self._failure(exc, self._feed(arrays)) from None
             if outputs is not None:
                 return dict(zip(self.network.output_names, outputs))
-        return self._run(self._feed(arrays))
+        return self._through_binding(self._feed(arrays))
 
     def _run(self, feeds: dict[str, Any]) -> dict[str, np.ndarray]:
+        """A run started with ``start_async`` (its inputs already fed)."""
+        if self._held is not None:
+            return self._infer([feeds.get(n) for n in self.network.input_names])
+        return self._through_binding(feeds)
+
+    def _through_binding(self, feeds: dict[str, Any]) -> dict[str, np.ndarray]:
         try:
-            outputs = None
-            if self._held is not None:
-                outputs = self._held.run([feeds.get(n) for n in self.network.input_names])
-            if outputs is None:
-                outputs = self._released(feeds, self._token)
+            outputs = self._released(feeds, self._token)
         except Exception as exc:
             raise self._failure(exc, feeds) from None
         return dict(zip(self.network.output_names, outputs))
