@@ -17,8 +17,10 @@ What a request is charged (measured here; ``tests/server/test_budget.py``):
 * any other REST body (Triton's binary tensor extension, its JSON header small): 2x (the
   body as read, then joined);
 * another REST body (a repository load's JSON, its files in base64): 3x;
-* a gRPC message: 2x its size (grpcio has already received it when the handler runs: it is
-  bounded before that by --max-message-bytes only; the tensors are views of it).
+* a gRPC message: 2x its size on the wire (grpcio has already received it when the handler
+  runs: it is bounded before that by --max-message-bytes only; raw tensors are views of it,
+  and each read of a field copies it once), plus what decoding its tensors allocates
+  (:func:`decoded_nbytes`: KServe's typed contents, strings), charged before they are decoded.
 
 The default is half of the memory the process may use: the cgroup's limit (v2
 ``memory.max``, v1 ``memory.limit_in_bytes``) when one is set, else the machine's MemTotal.
@@ -28,6 +30,8 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+
+import numpy as np
 
 from plugserve.plugins.api import ResourceExhausted
 
@@ -39,6 +43,7 @@ __all__ = [
     "Charge",
     "MemoryBudget",
     "body_factor",
+    "decoded_nbytes",
     "default_limit",
 ]
 
@@ -46,6 +51,8 @@ JSON_FACTOR = 20
 BINARY_FACTOR = 2
 OTHER_FACTOR = 3
 GRPC_FACTOR = 2
+#: a decoded string's cost beyond its characters: the object's header and its array slot
+STRING_OBJECT_BYTES = 64
 
 _CGROUP_LIMITS = (
     Path("/sys/fs/cgroup/memory.max"),
@@ -139,6 +146,13 @@ class MemoryBudget:
             "(--max-inflight-bytes / PLUGSERVE_MAX_INFLIGHT_BYTES); retry later, or send "
             "large tensors as binary data (JSON costs 20x its size to decode)"
         )
+
+
+def decoded_nbytes(count: int, dtype: np.dtype) -> int:
+    """What ``count`` values of ``dtype`` decoded from a message hold beyond it: the array, or
+    for strings an object per value (their characters are at most the message's size again,
+    which :data:`GRPC_FACTOR` covers)."""
+    return count * (STRING_OBJECT_BYTES if dtype.kind == "O" else dtype.itemsize)
 
 
 def _mib(nbytes: int) -> str:

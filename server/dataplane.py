@@ -330,12 +330,11 @@ class DataPlane:
                 after,
             )
         try:
-            charge = self.budget.charge(holds, f"a request to network {name!r}")
+            charge = self.reserve(entry, holds)
         except ResourceExhausted:
             with self._inflight_lock:
                 self._inflight -= 1
                 entry.inflight -= 1
-            recorder.refused("overloaded")
             raise
         self._watch(name, token, deadline)
         try:
@@ -358,6 +357,17 @@ class DataPlane:
         else:
             future.add_done_callback(lambda f: self._finished(entry, f, token, charge))
         return future
+
+    def reserve(self, entry: LoadedNetwork, nbytes: int) -> Charge:
+        """``nbytes`` of --max-inflight-bytes for a request to ``entry``, or ResourceExhausted
+        (counted as the network's refusal). A protocol that decodes a request into memory of
+        its own charges it so before decoding, admits it with ``holds=0`` and releases the
+        charge once its future is done."""
+        try:
+            return self.budget.charge(nbytes, f"a request to network {entry.name!r}")
+        except ResourceExhausted:
+            entry.recorder.refused("overloaded")
+            raise
 
     def _watch(self, name: str, token: cancel.Token, deadline: float | None) -> None:
         """Have the deadline watch cancel ``token`` at the client's deadline or the server's

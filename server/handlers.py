@@ -70,17 +70,30 @@ def _guarded(method: Callable[[Any, grpc.ServicerContext], Any]) -> Callable[...
     return unary
 
 
+def _sized(parse: Callable[[bytes], Any]) -> Callable[[bytes], tuple[Any, int]]:
+    """``parse`` that also gives the bytes the message took on the wire: what an inference
+    request is charged to the memory budget, known exactly and for free here, where counting
+    it from the parsed message means reading (copying) its fields or serializing it again."""
+
+    def sized(data: bytes) -> tuple[Any, int]:
+        return parse(data), len(data)
+
+    return sized
+
+
 def add_service(server: grpc.Server, service: ServiceDescriptor, servicer: Any) -> str:
     """Register every method of ``service`` on ``server``, served by ``servicer``'s method of
-    the same name under the error guard; returns the service's full name (for reflection)."""
-    handlers = {
-        method.name: _KINDS[method.client_streaming, method.server_streaming](
-            _guarded(getattr(servicer, method.name)),
-            request_deserializer=GetMessageClass(method.input_type).FromString,
-            response_serializer=_serialize,
+    the same name under the error guard; returns the service's full name (for reflection).
+    An :class:`Inference` call gets each request as ``(message, size on the wire)``."""
+    handlers = {}
+    for method in service.methods:
+        behaviour = getattr(servicer, method.name)
+        parse = GetMessageClass(method.input_type).FromString
+        if isinstance(getattr(behaviour, "__self__", None), Inference):
+            parse = _sized(parse)
+        handlers[method.name] = _KINDS[method.client_streaming, method.server_streaming](
+            _guarded(behaviour), request_deserializer=parse, response_serializer=_serialize
         )
-        for method in service.methods
-    }
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(service.full_name, handlers),)
     )
@@ -127,19 +140,19 @@ STREAM_WINDOW_BYTES = 64 << 20
 
 
 def pump(
-    requests: Iterator[Any],
+    requests: Iterator[tuple[Any, int]],
     context: grpc.ServicerContext,
-    submit: Callable[[Any, grpc.ServicerContext], tuple[Any, Future]],
+    submit: Callable[[Any, grpc.ServicerContext, int], tuple[Any, Future]],
     respond: Callable[[Any, Any, Any], Any],
     fail: Callable[[Any, BaseException], Any],
     name: str,
 ) -> Iterator[Any]:
-    """A bidirectional inference stream: requests are admitted as they arrive (on a reader
-    thread), responses leave in completion order, and every request read gets exactly one
-    response: ``respond(request, entry, outputs)`` for ``submit(request, context) ->
-    (entry, future)``, or ``fail(request, error)``. At most ``STREAM_WINDOW`` requests (or
-    ``STREAM_WINDOW_BYTES`` of responses) are unanswered at once; when the call ends, what is
-    still queued is cancelled and the reader stops."""
+    """A bidirectional inference stream: requests (each with its size on the wire) are
+    admitted as they arrive (on a reader thread), responses leave in completion order, and
+    every request read gets exactly one response: ``respond(request, entry, outputs)`` for
+    ``submit(request, context, size) -> (entry, future)``, or ``fail(request, error)``. At
+    most ``STREAM_WINDOW`` requests (or ``STREAM_WINDOW_BYTES`` of responses) are unanswered
+    at once; when the call ends, what is still queued is cancelled and the reader stops."""
     done: queue.Queue = queue.Queue()
     window = threading.Condition()
     unsent = [0, 0]  # requests read and not yet answered on the wire; bytes of those finished
@@ -173,13 +186,14 @@ def pump(
     def read() -> None:
         try:
             while room():
-                request = next(requests, None)
-                if request is None:
+                item = next(requests, None)
+                if item is None:
                     break
+                request, size = item
                 with window:
                     admitted[0] += 1
                 try:
-                    entry, future = submit(request, context)
+                    entry, future = submit(request, context, size)
                 except Exception as exc:
                     finished(fail(request, exc))
                     continue
@@ -225,10 +239,11 @@ def pump(
 class Inference:
     """A protocol's two inference calls, the same for every protocol over gRPC (a servicer
     serves its unary and streaming infer methods with :meth:`unary` and :meth:`stream`, which
-    :func:`add_service` registers under the error guard like any method): ``submit(request,
-    context, inline)`` decodes a request, looks its network up once and admits it (-> ``(entry,
-    future)``); ``respond`` encodes the outputs as wire pieces, ``stream_respond`` as a stream
-    message, ``fail`` a stream request's error; ``reader`` names the stream's reader thread."""
+    :func:`add_service` registers under the error guard like any method, each request with
+    its size on the wire): ``submit(request, context, size, inline)`` decodes a request, looks
+    its network up once and admits it (-> ``(entry, future)``); ``respond`` encodes the
+    outputs as wire pieces, ``stream_respond`` as a stream message, ``fail`` a stream
+    request's error; ``reader`` names the stream's reader thread."""
 
     submit: Callable[..., tuple[Any, Future | Finished]]
     respond: Callable[[Any, Any, Any], list[Any]]
@@ -236,17 +251,20 @@ class Inference:
     fail: Callable[[Any, BaseException], Any]
     reader: str
 
-    def unary(self, request: Any, context: grpc.ServicerContext) -> bytes:
+    def unary(self, sized: tuple[Any, int], context: grpc.ServicerContext) -> bytes:
         """Runs inline when a stream is idle; the answer is composed without extra copies.
         A request queued behind others waits as :func:`blocked`: its thread runs nothing
         meanwhile, so another call may start."""
-        entry, future = self.submit(request, context, inline=True, token=call_token(context))
+        request, size = sized
+        entry, future = self.submit(request, context, size, inline=True, token=call_token(context))
         if type(future) is not Finished:
             with blocked():
                 future.exception()  # waits; result() below raises what it holds
         return b"".join(self.respond(request, entry, future.result()))
 
-    def stream(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+    def stream(
+        self, requests: Iterator[tuple[Any, int]], context: grpc.ServicerContext
+    ) -> Iterator[Any]:
         """Requests are admitted as they arrive; responses leave in completion order
         (:func:`pump`)."""
         yield from pump(requests, context, self.submit, self.stream_respond, self.fail, self.reader)

@@ -60,6 +60,7 @@ from plugserve.server.handlers import Inference, add_service, deadline
 from plugserve.server.kserve_convert import (
     EXTENSIONS,
     compose_response,
+    decoding_nbytes,
     model_config,
     model_metadata,
     model_statistics,
@@ -144,10 +145,12 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         self,
         request: pb.ModelInferRequest,
         context: grpc.ServicerContext,
+        size: int,
         inline: bool = False,
         token: Any = None,
     ):
-        """One lookup: the entry runs the request and names the response."""
+        """One lookup: the entry runs the request and names the response. ``size``: the bytes
+        the message took on the wire, which it is charged for (twice: ``GRPC_FACTOR``)."""
         entry = self.plane.get(request.model_name, parse_version(request.model_version))
         when = deadline(context)
         step = None
@@ -163,32 +166,38 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         plain = None
         if step is None and entry.sequences is None:
             plain = plain_lane(entry).decode(request)
-        if plain is not None:
-            checked, outputs, nbytes = plain
+        if plain is not None:  # views of the message: charged when admitted
+            checked, outputs = plain
             future = self.plane.admit(
                 entry,
                 {},
                 outputs,
                 when,
                 token=token,
-                holds=nbytes * GRPC_FACTOR,
+                holds=size * GRPC_FACTOR,
                 inline=inline,
                 checked=checked,
             )
             return entry, future
-        inputs = request_inputs(request, entry, self.shm)
-        targets = output_targets(request, self.shm)
-        future = self.plane.submit(
-            entry,
-            inputs,
-            requested_outputs(request),
-            when,
-            token=token,
-            holds=request.ByteSize() * GRPC_FACTOR,
-            inline=inline,
-            after=functools.partial(write_outputs, targets) if targets else None,
-            step=step,
-        )
+        # typed contents and strings are decoded into memory of their own: charged first
+        charge = self.plane.reserve(entry, size * GRPC_FACTOR + decoding_nbytes(request))
+        try:
+            inputs = request_inputs(request, entry, self.shm)
+            targets = output_targets(request, self.shm)
+            future = self.plane.submit(
+                entry,
+                inputs,
+                requested_outputs(request),
+                when,
+                token=token,
+                inline=inline,
+                after=functools.partial(write_outputs, targets) if targets else None,
+                step=step,
+            )
+        except BaseException:
+            charge.release()
+            raise
+        future.add_done_callback(lambda _: charge.release())
         return entry, future
 
     # --- system shared memory

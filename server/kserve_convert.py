@@ -18,6 +18,7 @@ import numpy as np
 from plugserve.plugins.api import InvalidInput, TensorSpec, Unsupported
 from plugserve.proto import grpc_service_pb2 as pb
 from plugserve.proto import model_config_pb2 as mc
+from plugserve.proto import tensors
 from plugserve.proto.tensors import (
     MAX_DIMS,
     Pieces,
@@ -30,8 +31,10 @@ from plugserve.proto.tensors import (
     text_or_bytes,
     varint,
 )
+from plugserve.server.budget import decoded_nbytes
 from plugserve.server.classification import class_count, classify
 from plugserve.server.errors import status_of
+from plugserve.server.kserve_contents import decode_contents
 from plugserve.server.networks import LoadedNetwork
 from plugserve.server.shm import OutputTarget, SharedMemory, uses_region
 from plugserve.server.triton_config import VersionPolicy
@@ -211,7 +214,7 @@ def input_array(tensor, raw: bytes | None, entry: LoadedNetwork) -> np.ndarray:
         array[:] = [text_or_bytes(v) for v in values]
         return array.reshape(shape)
     try:
-        array = np.array(values, dtype=dtype)
+        array = decode_contents(tensor.contents, field, dtype) if count else np.empty(0, dtype)
     except (OverflowError, ValueError) as exc:
         raise InvalidInput(f"{where}: a value does not fit {tensor.datatype}: {exc}") from None
     try:
@@ -258,6 +261,30 @@ def request_inputs(
         else:
             inputs[tensor.name] = input_array(tensor, next(contents) if raw else None, entry)
     return inputs
+
+
+def decoding_nbytes(request: pb.ModelInferRequest) -> int:
+    """What decoding the request's inputs (:func:`request_inputs`) allocates beyond the
+    message: the arrays of typed contents and the objects of strings (raw numbers and shared
+    memory are read as views). A string tensor over --max-string-elements counts nothing: its
+    decoding refuses it before it allocates."""
+    total = 0
+    for tensor in request.inputs:
+        dtype = DATATYPES.get(tensor.datatype)
+        if dtype is None:
+            continue  # refused by its decoding
+        if tensor.HasField("contents"):
+            field = CONTENTS.get(tensor.datatype)
+            count = len(getattr(tensor.contents, field)) if field else 0
+        elif dtype.kind == "O":
+            count = 1
+            for dim in tensor.shape:
+                count *= max(dim, 0)
+        else:
+            continue
+        if dtype.kind != "O" or count <= tensors.MAX_STRING_ELEMENTS:
+            total += decoded_nbytes(count, dtype)
+    return total
 
 
 def output_targets(
@@ -393,39 +420,25 @@ class PlainLane:
         #: input name -> its _PlainInput (empty: this network's requests take the general path)
         self.inputs = {s.name: _PlainInput(i, s) for i, s in enumerate(specs)} if plain else {}
         self.outputs = frozenset(entry.output_names)
-        #: at most what a request the lane takes carries besides its tensors' data and its
-        #: id (counted 4 bytes a character): the names it may use, shapes of the inputs'
-        #: ranks, tags and lengths (so that charging it to the memory budget needs no
-        #: ``ByteSize()``, which serializes the whole message: 0.1 s for 64 MB)
-        self.overhead = (
-            64
-            + len(entry.name.encode())
-            + sum(48 + len(s.name.encode()) + 11 * len(s.shape or range(MAX_DIMS)) for s in specs)
-            + sum(16 + len(name.encode()) for name in self.outputs)
-        )
         self.head = pb.ModelInferResponse(
             model_name=entry.name, model_version=str(entry.version)
         ).SerializeToString()
         #: ((name, dtype, shape) per output) -> :func:`_output_header`
         self.headers: dict[tuple, tuple[bytes, list[bytes | None]]] = {}
 
-    def decode(
-        self, request: pb.ModelInferRequest
-    ) -> tuple[list[np.ndarray], list[str], int] | None:
-        """The inputs in the network's order, the outputs asked for and at least the bytes
-        the request took on the wire; or None."""
+    def decode(self, request: pb.ModelInferRequest) -> tuple[list[np.ndarray], list[str]] | None:
+        """The inputs in the network's order (views of the message) and the outputs asked
+        for; or None."""
         inputs = self.inputs
         tensors, raw = request.inputs, request.raw_input_contents
         if not inputs or len(tensors) != len(inputs) or len(raw) != len(inputs):
             return None
         arrays: list[Any] = [None] * len(inputs)
-        nbytes = self.overhead + 4 * len(request.id)  # UTF-8: at most 4 bytes a character
         for tensor, data in zip(tensors, raw):
             slot = inputs.get(tensor.name)
             if slot is None or arrays[slot.index] is not None:
                 return None
             size = len(data)
-            nbytes += size
             if tensor == slot.tensor:
                 if size != slot.nbytes:
                     return None
@@ -443,7 +456,7 @@ class PlainLane:
             if output.parameters or name not in self.outputs or name in names:
                 return None
             names.append(name)
-        return arrays, names, nbytes
+        return arrays, names
 
     def encode(self, request: pb.ModelInferRequest, outputs: dict[str, Any]) -> Pieces | None:
         """:func:`infer_response`'s pieces for plain outputs (arrays, none asked for in shared

@@ -13,6 +13,7 @@ import numpy as np
 
 from plugserve.plugins.api import InvalidInput, listing
 from plugserve.proto import plugserve_pb2 as pb
+from plugserve.proto import tensors
 from plugserve.proto.tensors import (
     DTYPES,
     Pieces,
@@ -23,16 +24,17 @@ from plugserve.proto.tensors import (
     spec_to_proto,
 )
 from plugserve.proto.tensors import from_tensor as _from_tensor
+from plugserve.server.budget import decoded_nbytes
 from plugserve.server.errors import status_of
 from plugserve.server.networks import LoadedNetwork
 from plugserve.server.sequences import Step, sequence_step
 
 __all__ = [
+    "decoding_nbytes",
     "infer_response",
     "metric_json",
     "network_info",
     "request_inputs",
-    "request_size",
     "respond",
     "sequence_of",
     "stream_error",
@@ -127,35 +129,32 @@ def metric_json(value: Any) -> str:
     return json.dumps(value, default=lambda v: list(v) if isinstance(v, tuple | set) else str(v))
 
 
-def request_size(request: pb.InferRequest, data: int) -> int:
-    """At least the bytes ``request`` took on the wire, given its tensors' ``data`` bytes
-    (:func:`request_inputs` counts them), for the memory budget: ``ByteSize()`` would
-    serialize the whole message again (0.1 s for 64 MB). Each field's tag and length take at
-    most 11 bytes, a text at most 4 per character."""
-    size = 64 + 4 * (len(request.network) + len(request.id)) + request.sequence.ByteSize()
+def decoding_nbytes(request: pb.InferRequest) -> int:
+    """What decoding the request's inputs allocates beyond the message: an object per string
+    (numbers are read as views of the message). A string tensor over --max-string-elements
+    counts nothing: its decoding refuses it before it allocates."""
+    total = 0
     for tensor in request.inputs:
-        size += 48 + 4 * (len(tensor.name) + len(tensor.dtype)) + 11 * len(tensor.shape)
-    for name in request.outputs:
-        size += 11 + 4 * len(name)
-    return size + data
+        if tensor.dtype == "string":
+            count = 1
+            for dim in tensor.shape:
+                count *= max(dim, 0)
+            if count <= tensors.MAX_STRING_ELEMENTS:
+                total += decoded_nbytes(count, np.dtype(object))
+    return total
 
 
-def request_inputs(request: pb.InferRequest, entry: LoadedNetwork) -> tuple[dict[str, Any], int]:
+def request_inputs(request: pb.InferRequest, entry: LoadedNetwork) -> dict[str, Any]:
     """The request's tensors as arrays, each element type checked against the network's
-    before its data is decoded, and the bytes of their data (each read once: a read copies
-    it out of the message); an input sent twice is refused, as KServe refuses it."""
+    before its data is decoded (each tensor's data read once: a read copies it out of the
+    message); an input sent twice is refused, as KServe refuses it."""
     for tensor in request.inputs:
         if tensor.dtype in DTYPES:
             entry.expect(tensor.name, DTYPES[tensor.dtype])
-    inputs = {}
-    nbytes = 0
-    for tensor in request.inputs:
-        data = tensor.data
-        nbytes += len(data)
-        inputs[tensor.name] = from_tensor(tensor, data=data)
+    inputs = {tensor.name: from_tensor(tensor, data=tensor.data) for tensor in request.inputs}
     if len(inputs) != len(request.inputs):
         raise InvalidInput(f"input(s) sent more than once: {_repeated(request.inputs)}")
-    return inputs, nbytes
+    return inputs
 
 
 def _repeated(tensors: Any) -> str:

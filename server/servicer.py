@@ -21,10 +21,10 @@ from plugserve.server.dataplane import DataPlane
 from plugserve.server.handlers import Inference, deadline
 from plugserve.server.model_control import ModelControl, failed_to_load
 from plugserve.server.plugserve_convert import (
+    decoding_nbytes,
     metric_json,
     network_info,
     request_inputs,
-    request_size,
     respond,
     sequence_of,
     stream_error,
@@ -149,20 +149,28 @@ class PlugserveServicer(pb_grpc.PlugserveServicer):
                 logging.getLogger(__name__).exception("ListNetworks: %r left out", entry.name)
         return response
 
-    def _submit(self, request: pb.InferRequest, context, inline: bool = False, token=None):
-        """One lookup: the entry runs the request and names the response."""
+    def _submit(
+        self, request: pb.InferRequest, context, size: int, inline: bool = False, token=None
+    ):
+        """One lookup: the entry runs the request and names the response. ``size``: the bytes
+        the message took on the wire; it is charged for them (twice: ``GRPC_FACTOR``) and for
+        its strings before they are decoded."""
         entry = self.plane.get(request.network, request.version)
-        inputs, data = request_inputs(request, entry)
-        future = self.plane.submit(
-            entry,
-            inputs,
-            list(request.outputs),
-            deadline(context),
-            token=token,
-            holds=request_size(request, data) * GRPC_FACTOR,
-            inline=inline,
-            step=sequence_of(request),
-        )
+        charge = self.plane.reserve(entry, size * GRPC_FACTOR + decoding_nbytes(request))
+        try:
+            future = self.plane.submit(
+                entry,
+                request_inputs(request, entry),
+                list(request.outputs),
+                deadline(context),
+                token=token,
+                inline=inline,
+                step=sequence_of(request),
+            )
+        except BaseException:
+            charge.release()
+            raise
+        future.add_done_callback(lambda _: charge.release())
         return entry, future
 
     def ExportNetwork(self, request, context):

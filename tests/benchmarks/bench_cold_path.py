@@ -76,7 +76,7 @@ def worker(device: str) -> dict[str, float]:
         "decode": lane.decode,
         "run": lambda r: entry.executor.run_inline(lambda q: q.infer_checked([x])),
         "compose": lambda r: b"".join(compose_response(r, entry, {"output": x})),
-        "path": lambda r: infer(r, _Context()),
+        "path": lambda r: infer((r, len(data)), _Context()),
     }
     echo = subprocess.Popen(
         [sys.executable, str(HERE / "bench_echo.py")], stdout=subprocess.PIPE, text=True

@@ -178,8 +178,8 @@ def test_grpc_requests_are_charged_too(server):
 
 
 def test_plugserve_v1_requests_are_charged_their_size_on_the_wire(server):
-    """plugserve.v1 Infer is charged what its message took (twice, as every gRPC message),
-    counted from its fields rather than by re-serializing it."""
+    """plugserve.v1 Infer is charged what its message took on the wire (twice, as every gRPC
+    message), as grpcio hands it over: neither counted from its fields nor serialized again."""
     import grpc
 
     from plugserve.client import Client
@@ -198,19 +198,6 @@ def test_plugserve_v1_requests_are_charged_their_size_on_the_wire(server):
         fits = {name: np.ones(MB, np.float32) for name in ("a", "b")}  # 8 MB: charged 16
         for _ in range(6):  # each charge is given back
             assert client.infer("add", fits)["sum"][0] == 2.0
-
-
-def test_the_v1_charge_covers_the_message():
-    from plugserve.proto import plugserve_pb2 as pb
-    from plugserve.server.plugserve_convert import request_size
-
-    request = pb.InferRequest(network="ñ" * 300, id="i" * 5000, outputs=["ü" * 40, "b"])
-    request.sequence.name = "s" * 1000
-    request.inputs.add(name="€" * 50, dtype="float32", shape=[2**62] * 8, data=b"x" * 300_000)
-    request.inputs.add(name="", dtype="", shape=[], data=b"")
-    data = sum(len(t.data) for t in request.inputs)
-    assert request.ByteSize() <= request_size(request, data) < 1.1 * request.ByteSize() + 4096
-    assert pb.InferRequest().ByteSize() <= request_size(pb.InferRequest(), 0)
 
 
 def test_charges_are_given_back_once_requests_are_answered(server):
