@@ -330,11 +330,12 @@ class DataPlane:
                 after,
             )
         try:
-            charge = self.reserve(entry, holds)
+            charge = self.budget.charge(holds, f"a request to network {name!r}")
         except ResourceExhausted:
             with self._inflight_lock:
                 self._inflight -= 1
                 entry.inflight -= 1
+            recorder.refused("overloaded")
             raise
         self._watch(name, token, deadline)
         try:
