@@ -26,11 +26,11 @@ SCRIPT = textwrap.dedent(
 
     http, target = sys.argv[1:3]
 
-    def inputs():
-        a = InferInput("a", [3], "FP32")
-        a.set_data_from_numpy(np.array([1, 2, 3], np.float32))
-        b = InferInput("b", [3], "FP32")
-        b.set_data_from_numpy(np.array([0.5, 0.5, 0.5], np.float32))
+    def inputs(binary=True, n=3):
+        a = InferInput("a", [n], "FP32")
+        a.set_data_from_numpy(np.arange(1, n + 1, dtype=np.float32), binary_data=binary)
+        b = InferInput("b", [n], "FP32")
+        b.set_data_from_numpy(np.full(n, 0.5, np.float32), binary_data=binary)
         return [a, b]
 
     async def main():
@@ -54,6 +54,19 @@ SCRIPT = textwrap.dedent(
         out["grpc_ready"] = await grpc.is_server_ready()
         result = await grpc.infer(InferRequest(model_name="add", infer_inputs=inputs()))
         out["grpc_sum"] = result.outputs[0].as_numpy().tolist()
+        # binary_data=False: the values travel in the request's typed contents
+        result = await grpc.infer(InferRequest(model_name="add", infer_inputs=inputs(False)))
+        out["grpc_typed_sum"] = result.outputs[0].as_numpy().tolist()
+        result = await grpc.infer(
+            InferRequest(model_name="add", infer_inputs=inputs(False, 100_000)))
+        big = result.outputs[0].as_numpy()
+        out["grpc_typed_big"] = [len(big), big[:2].tolist(), big[-1].item()]
+        text = InferInput("text", [2], "BYTES")
+        text.set_data_from_numpy(np.array([b"hello", b"world"], dtype=np.object_),
+                                 binary_data=False)
+        result = await grpc.infer(InferRequest(model_name="echo", infer_inputs=[text]))
+        out["grpc_typed_echo"] = [v.decode() if isinstance(v, bytes) else v
+                                  for v in result.outputs[0].as_numpy().tolist()]
         await grpc.close()
         print(json.dumps(out))
 
@@ -86,6 +99,8 @@ def test_the_kserve_sdk_over_rest_and_grpc(sdk_python, server, tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     got = json.loads(done.stdout.strip().splitlines()[-1])
     assert got["live"] is True and got["ready"] is True and got["model_ready"] is True
-    assert got["rest_sum"] == got["grpc_sum"] == [1.5, 2.5, 3.5]
+    assert got["rest_sum"] == got["grpc_sum"] == got["grpc_typed_sum"] == [1.5, 2.5, 3.5]
+    assert got["grpc_typed_big"] == [100_000, [1.5, 2.5], 100_000.5]
+    assert got["grpc_typed_echo"] == ["hello", "world"]
     assert got["rest_echo"] == ["hello", "world"]
     assert got["grpc_ready"] is True
