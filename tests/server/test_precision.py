@@ -91,8 +91,6 @@ def test_a_bad_execution_mode_is_refused_naming_the_choices(server):
     import grpc
 
     with Client(server.target, timeout=120) as client, pytest.raises(grpc.RpcError) as refused:
-        client.load(
-            "bad_mode", mlp().SerializeToString(), "NUMPY", {"EXECUTION_MODE_HINT": "X"}
-        )
+        client.load("bad_mode", mlp().SerializeToString(), "NUMPY", {"EXECUTION_MODE_HINT": "X"})
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "PERFORMANCE or ACCURACY" in refused.value.details()
