@@ -6,6 +6,7 @@
 protoc is run by grpcio-tools on a temporary tree where the sources sit under
 ``plugserve/proto/``, so the generated modules import each other as ``plugserve.proto.X_pb2``
 (protoc derives Python imports from proto paths; the sources import each other that way too).
+The KServe modules are then changed to add their files to a pool of their own (``pools.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+#: the modules whose files go to a descriptor pool of their own (pools.py; not imported from
+#: there: this script runs before the package may be importable)
+PRIVATE = ("grpc_service", "model_config")
 
 
 def generate(out_dir: Path) -> list[Path]:
@@ -45,9 +49,32 @@ def generate(out_dir: Path) -> list[Path]:
         written = []
         for path in sorted(pkg.glob("*_pb2*.py*")):
             target = out_dir / path.name
-            shutil.copy(path, target)
+            text = path.read_text()
+            if path.name in {f"{stem}_pb2.py" for stem in PRIVATE}:
+                text = _in_private_pool(text)
+            target.write_text(text)
             written.append(target)
         return written
+
+
+def _in_private_pool(text: str) -> str:
+    """A generated module that adds its file to ``pools.KSERVE`` instead of the default pool
+    (``pools.py`` says why)."""
+    for old, new in (
+        (
+            "from google.protobuf.internal import builder as _builder\n",
+            "from google.protobuf.internal import builder as _builder\n"
+            "from plugserve.proto import pools as _pools\n",
+        ),
+        (
+            "DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(",
+            "DESCRIPTOR = _pools.KSERVE.AddSerializedFile(",
+        ),
+    ):
+        if text.count(old) != 1:
+            raise SystemExit(f"protoc's output changed: {old.strip()!r} is not there once")
+        text = text.replace(old, new)
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:

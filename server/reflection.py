@@ -6,15 +6,20 @@ same messages under another package: every field has the same number and type, s
 servicer answers both, its bytes read and written by the ``v1alpha`` message classes. The
 ``v1`` file is the ``v1alpha`` one with its package and name changed, added to the default
 descriptor pool, so a tool that describes ``grpc.reflection.v1.ServerReflection`` finds it.
+Described symbols are looked up in the KServe messages' own pool (``proto/pools.py``), then in
+the default one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool
 from grpc_reflection.v1alpha import reflection, reflection_pb2
+
+from plugserve.proto import pools
 
 __all__ = ["SERVICE_NAMES", "enable"]
 
@@ -45,10 +50,35 @@ def _add_v1_descriptor() -> None:
     pool.Add(file)
 
 
+class _Pools:
+    """The pools a described symbol or file may be in, looked up in order: plugserve's KServe
+    messages have a pool of their own (``proto/pools.py``), the rest are in the default one."""
+
+    def __init__(self, *pools: descriptor_pool.DescriptorPool) -> None:
+        self._pools = pools
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        if not name.startswith("Find"):
+            raise AttributeError(name)
+
+        def find(*args: Any) -> Any:
+            for pool in self._pools[:-1]:
+                try:
+                    return getattr(pool, name)(*args)
+                except KeyError:
+                    continue
+            return getattr(self._pools[-1], name)(*args)
+
+        return find
+
+
 def enable(service_names: Sequence[str], server: grpc.Server) -> None:
     """Reflection of ``service_names`` (and of itself, both versions) on ``server``."""
     _add_v1_descriptor()
-    servicer = reflection.ReflectionServicer([*service_names, *SERVICE_NAMES])
+    servicer = reflection.ReflectionServicer(
+        [*service_names, *SERVICE_NAMES],
+        pool=_Pools(pools.KSERVE, descriptor_pool.Default()),  # type: ignore[arg-type]
+    )
     handler = grpc.stream_stream_rpc_method_handler(
         servicer.ServerReflectionInfo,
         request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,

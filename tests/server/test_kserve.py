@@ -1,9 +1,7 @@
 """KServe v2 (``inference.GRPCInferenceService``) through a real server, with tritonclient.
 
-tritonclient's generated modules and plugserve's (``plugserve.proto.grpc_service_pb2``) define
-the same ``inference.*`` symbols, so this module (like every module in a process that imports
-``tritonclient.grpc``) never imports ours. Requests tritonclient's high-level API cannot make
-(typed ``contents``, malformed raw bytes) are built with tritonclient's own ``service_pb2``.
+Requests tritonclient's high-level API cannot make (typed ``contents``, malformed raw bytes) are
+built with tritonclient's own ``service_pb2``, as a user of tritonclient would build them.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The KServe fast path (``kserve_convert.PlainLane``) takes only what the general path takes,
 gives the same arrays and the same response bytes, and leaves everything else to it.
 
-In a subprocess: our KServe modules and tritonclient's (imported by other test modules) cannot
-share one process (tests/server/test_kserve_proto.py says why).
+In a subprocess (written when our KServe modules and tritonclient's could not share one
+process; see proto/pools.py).
 """
 
 from __future__ import annotations

@@ -68,8 +68,8 @@ print("same")
 
 
 def test_composed_kserve_response_is_protobufs_own_serialization():
-    """In a subprocess: our KServe modules and tritonclient's (imported by other test modules)
-    cannot share one process (tests/server/test_kserve_proto.py says why)."""
+    """In a subprocess (written when our KServe modules and tritonclient's could not share
+    one process; see proto/pools.py)."""
     run = subprocess.run(
         [sys.executable, "-c", _KSERVE_CHECK],
         capture_output=True,

@@ -211,10 +211,11 @@ def test_idle_threads_spin_only_as_long_as_spin_duration_us_says(ort_plugin):
             spent += time.process_time() - start
         return spent
 
-    # up to 100 ms of spinning after each run (~40 ms measured here, onnxruntime backs off)
-    # shows as CPU while nothing runs; none without it (~0.3 ms in all)
-    assert idle_cpu({"SPIN_DURATION_US": "100000"}) > 0.06
-    assert idle_cpu({"SPIN_DURATION_US": "0"}) < 0.03
+    # up to 100 ms of spinning after each run shows as CPU while nothing runs (onnxruntime
+    # backs off: 0.11-0.15 s in all measured alone, 0.047 s once inside a full suite run);
+    # none without it (~0.4 ms in all)
+    assert idle_cpu({"SPIN_DURATION_US": "100000"}) > 0.02
+    assert idle_cpu({"SPIN_DURATION_US": "0"}) < 0.01
 
 
 # --------------------------------------------------------------------------- QueryNetwork
