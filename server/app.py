@@ -137,6 +137,7 @@ class Server:
             self.metrics,
             settings.max_request_seconds,
             default_limit() if settings.max_inflight_bytes < 0 else settings.max_inflight_bytes,
+            settings.max_message_bytes,
         )
         self.plane.shm = SharedMemory(
             settings.shared_memory == "system", settings.shared_memory_prefix, self.plane.budget

@@ -40,6 +40,7 @@ from plugserve.plugins.streams import Finished, StreamsExecutor
 from plugserve.server.budget import Charge, MemoryBudget
 from plugserve.server.callpool import blocked
 from plugserve.server.deadlines import DeadlineWatch
+from plugserve.server.errors import forget_frames
 from plugserve.server.metrics import Metrics, failure_status
 from plugserve.server.networks import LoadedNetwork, NetworkTable
 from plugserve.server.sequences import Step
@@ -91,6 +92,15 @@ def _past_deadline(name: str, admitted: float) -> DeadlineExceeded:
     )
 
 
+def _answer_too_large(name: str, outputs: dict[str, Any], most: int) -> ResourceExhausted:
+    sizes = ", ".join(f"{k} {getattr(v, 'nbytes', 0):,}" for k, v in outputs.items())
+    return ResourceExhausted(
+        f"network {name!r}: its outputs take more bytes ({sizes}) than the largest answer this "
+        f"server sends, {most:,} bytes (--max-message-bytes / PLUGSERVE_MAX_MESSAGE_BYTES); "
+        "send smaller inputs, ask for fewer outputs, or have them written to shared memory"
+    )
+
+
 def _past_limit(name: str, limit: float) -> DeadlineExceeded:
     return DeadlineExceeded(
         f"network {name!r}: stopped, the request ran past the server's limit "
@@ -106,10 +116,13 @@ class DataPlane:
         metrics: Metrics,
         max_request_seconds: float = 0.0,
         max_inflight_bytes: int = 0,
+        max_answer_bytes: int = 0,
     ) -> None:
-        """``max_request_seconds`` / ``max_inflight_bytes``: --max-request-seconds and
-        --max-inflight-bytes (0: no limit)."""
+        """``max_request_seconds`` / ``max_inflight_bytes`` / ``max_answer_bytes``:
+        --max-request-seconds, --max-inflight-bytes and --max-message-bytes (0: no limit)."""
         self.max_request_seconds = max_request_seconds
+        #: the most bytes of outputs an answer may carry (see :meth:`admit`)
+        self.max_answer_bytes = max_answer_bytes
         #: --max-inflight-bytes: what the protocols charge their requests against
         self.budget = MemoryBudget(max_inflight_bytes)
         #: Triton's system shared memory regions (the server sets its own, with its flags)
@@ -250,6 +263,12 @@ class DataPlane:
         ``after``: applied to the outputs on the thread that ran the request, before it counts
         as done (outputs written into shared memory regions).
 
+        Outputs over :attr:`max_answer_bytes` in all (--max-message-bytes, the largest message
+        the server sends) fail the request with ResourceExhausted once it has run, before any
+        protocol encodes them: the encoding would copy them at least once more (a 180-byte
+        request to ``ConstantOfShape`` made 8 GB of outputs, and the gRPC answer another 8 GB
+        before grpcio refused to send it), and the answer could not leave anyway.
+
         ``holds``: the bytes the request holds until it is answered, charged to
         --max-inflight-bytes before it is admitted (a protocol that charged it already, as
         REST does when a body's headers arrive, passes 0).
@@ -271,6 +290,7 @@ class DataPlane:
             recorder.refused("invalid")
             raise
         executor = entry.executor
+        most = self.max_answer_bytes
         admitted = time.perf_counter()
         token = token if token is not None else cancel.Token()
 
@@ -300,6 +320,12 @@ class DataPlane:
             answer = dict(zip(wanted, map(result.__getitem__, wanted)))
             if after is not None:
                 answer = after(answer)
+            elif most:
+                total = 0
+                for array in answer.values():
+                    total += getattr(array, "nbytes", 0)
+                if total > most:
+                    raise _answer_too_large(name, answer, most)
             finished = time.perf_counter()
             entry.run_seconds += (finished - started - entry.run_seconds) * 0.125
             if entry.perf_enabled:
@@ -410,6 +436,7 @@ class DataPlane:
         exc = future.exception()
         if exc is not None:
             entry.recorder.failure(failure_status(exc))
+            forget_frames(exc)
 
     def cancel_all(self, why: str) -> int:
         """Cancel every admitted request, queued or running (a shutdown that stops waiting

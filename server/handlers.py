@@ -31,7 +31,7 @@ from plugserve.plugins import cancel
 from plugserve.plugins.errors import Cancelled, DeadlineExceeded
 from plugserve.plugins.streams import Finished
 from plugserve.server.callpool import blocked
-from plugserve.server.errors import abort
+from plugserve.server.errors import abort, forget_frames
 
 __all__ = ["Inference", "add_service", "call_token", "deadline", "pump"]
 
@@ -56,6 +56,7 @@ def _guarded(method: Callable[[Any, grpc.ServicerContext], Any]) -> Callable[...
             try:
                 yield from method(request, context)
             except Exception as exc:
+                forget_frames(exc)  # answered: its frames would only keep the call's data
                 abort(context, exc)
 
         return streaming
@@ -65,6 +66,7 @@ def _guarded(method: Callable[[Any, grpc.ServicerContext], Any]) -> Callable[...
         try:
             return method(request, context)
         except Exception as exc:
+            forget_frames(exc)  # answered: its frames would only keep the call's data
             abort(context, exc)
 
     return unary
@@ -172,6 +174,9 @@ def pump(
             message = respond(request, entry, future.result())
         except BaseException as exc:
             message = fail(request, exc)
+            forget_frames(exc)
+        finally:
+            future = None  # type: ignore[assignment]  # no cycle through the traceback (Finished)
         finished(message)
 
     def room() -> bool:
@@ -260,7 +265,11 @@ class Inference:
         if type(future) is not Finished:
             with blocked():
                 future.exception()  # waits; result() below raises what it holds
-        return b"".join(self.respond(request, entry, future.result()))
+        try:
+            outputs = future.result()
+        finally:
+            future = None  # no cycle through the traceback (see Finished)
+        return b"".join(self.respond(request, entry, outputs))
 
     def stream(
         self, requests: Iterator[tuple[Any, int]], context: grpc.ServicerContext

@@ -449,14 +449,20 @@ class RestApp:
             step=request.step,
         )
         if future.done():  # ran inline: answered without leaving the parser's callback
-            outputs = future.result()
+            try:
+                outputs = future.result()
+            finally:
+                future = None  # no cycle through the traceback (streams.Finished)
             if _bytes_of(outputs) <= INLINE_BYTES:
                 return _infer_reply(entry, request, outputs)
             return self._in_worker(_infer_reply, entry, request, outputs)
         return self._infer_later(entry, request, future)
 
     async def _infer_later(self, entry: LoadedNetwork, request: InferCall, future: Any) -> Reply:
-        outputs = await asyncio.wrap_future(future)
+        try:
+            outputs = await asyncio.wrap_future(future)
+        finally:
+            future = None  # no cycle through the traceback (streams.Finished)
         if _bytes_of(outputs) <= INLINE_BYTES:
             return _infer_reply(entry, request, outputs)
         return await self._in_worker(_infer_reply, entry, request, outputs)
@@ -482,7 +488,11 @@ class RestApp:
             after=_writer(request),
             step=request.step,
         )
-        return _infer_reply(entry, request, future.result())
+        try:
+            outputs = future.result()
+        finally:
+            future = None  # no cycle through the traceback (streams.Finished)
+        return _infer_reply(entry, request, outputs)
 
     def _in_worker(
         self, fn: Callable[..., Any], *args: Any, token: cancel.Token | None = None

@@ -46,7 +46,7 @@ import orjson
 
 from plugserve.plugins.api import PlugserveError
 from plugserve.server.budget import Charge, MemoryBudget, body_factor
-from plugserve.server.errors import http_status_of
+from plugserve.server.errors import forget_frames, http_status_of
 
 __all__ = ["EVICT_AFTER", "MAX_HEADER_BYTES", "HttpServer", "Reply", "error_reply"]
 
@@ -376,6 +376,7 @@ class Connection(asyncio.Protocol):
                 reply = self.server.dispatch(method, path, headers, body, self.peer)
             except Exception as exc:
                 reply = error_reply(*http_status_of(exc))
+                forget_frames(exc)  # answered: its frames would only keep the request's data
             if not isinstance(reply, tuple):  # its handler awaits: finish on the loop
                 self.busy = True
                 self.task = self.loop.create_task(self._later(method, reply, keep_alive))
@@ -392,6 +393,7 @@ class Connection(asyncio.Protocol):
             done = await reply
         except Exception as exc:
             done = error_reply(*http_status_of(exc))
+            forget_frames(exc)  # answered: its frames would only keep the request's data
         self.busy = False
         if self._reply(method, done, keep_alive) and not self.paused:
             self._next()

@@ -91,7 +91,9 @@ class Settings:
         "connection goes to one of them); 0: an occupied port is an error",
     )
     max_message_bytes: int = _field(
-        1 << 30, "largest gRPC message accepted or sent, and largest REST request body"
+        1 << 30,
+        "largest gRPC message accepted or sent, largest REST request body, and the most bytes "
+        "of outputs one answer carries on any protocol",
     )
     queue_size: int = _field(0, "requests waiting per network (0: 16 per stream, at least 64)")
     grpc_workers: int = _field(

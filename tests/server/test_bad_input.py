@@ -574,6 +574,86 @@ def test_messages_over_the_size_limit(tmp_path):
     assert running.process.returncode == 0
 
 
+def _filler(folder: Path, device: str) -> Path:
+    """A model whose output size is its input's value: ConstantOfShape(n) of ones."""
+    graph = helper.make_graph(
+        [
+            helper.make_node(
+                "ConstantOfShape",
+                ["n"],
+                ["y"],
+                value=helper.make_tensor("one", TensorProto.FLOAT, [1], [1.0]),
+            )
+        ],
+        "filler",
+        [helper.make_tensor_value_info("n", TensorProto.INT64, [1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["count"])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    (folder / "filler" / "1").mkdir(parents=True)
+    onnx.save(model, folder / "filler" / "1" / "model.onnx")
+    (folder / "filler" / "config.json").write_text(json.dumps({"device": device}))
+    return folder
+
+
+@pytest.mark.parametrize("device", ["NUMPY", "ORT"])
+def test_an_answer_over_the_message_limit_is_refused_before_it_is_encoded(tmp_path, device):
+    """A 20-byte input asking for 4 MB of outputs under a 1 MiB --max-message-bytes: refused
+    with RESOURCE_EXHAUSTED naming the flag on gRPC (tritonclient, plugserve.v1, a stream) and
+    429 on REST. Before, gRPC copied the outputs into an answer grpcio then refused to send
+    ("Sent message larger than max") and REST sent all 4 MB."""
+    if device not in Core().available_devices:
+        pytest.skip(f"{device} is not available here")
+    import urllib.error
+    import urllib.request
+
+    limit = 1 << 20
+    repo = _filler(tmp_path, device)
+    with (
+        RunningServer(
+            "--model-repository", str(repo), "--max-message-bytes", str(limit)
+        ) as running,
+        Client(running.target, timeout=60) as client,
+        tc.InferenceServerClient(running.target) as triton,
+    ):
+
+        def ask(count: int) -> list:
+            tensor = tc.InferInput("n", [1], "INT64")
+            tensor.set_data_from_numpy(np.array([count], np.int64))
+            return [tensor]
+
+        with pytest.raises(InferenceServerException) as exc:
+            triton.infer("filler", ask(limit))  # 4 MB of float32 ones
+        assert exc.value.status() == str(EXHAUSTED), exc.value.message()
+        assert "--max-message-bytes" in exc.value.message(), exc.value.message()
+        assert "filler" in exc.value.message()
+        with pytest.raises(grpc.RpcError) as info:
+            client.infer("filler", {"n": np.array([limit], np.int64)})
+        assert info.value.code() == EXHAUSTED and "--max-message-bytes" in info.value.details()
+        answers: list = []
+        triton.start_stream(callback=lambda result, error: answers.append((result, error)))
+        try:
+            triton.async_stream_infer("filler", ask(limit))
+            triton.async_stream_infer("filler", ask(3))
+        finally:
+            triton.stop_stream()
+        errors = [e for _, e in answers if e is not None]
+        assert len(answers) == 2 and len(errors) == 1, answers
+        assert "--max-message-bytes" in str(errors[0])
+        body = json.dumps(
+            {"inputs": [{"name": "n", "shape": [1], "datatype": "INT64", "data": [limit]}]}
+        ).encode()
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(f"{running.http_url}/v2/models/filler/infer", body, timeout=60)
+        assert refused.value.code == 429
+        assert b"--max-message-bytes" in refused.value.read()
+        # what fits is answered, and the server goes on
+        result = triton.infer("filler", ask(limit // 8))  # 0.5 MB
+        assert result.as_numpy("y").shape == (limit // 8,)
+        assert client.infer("filler", {"n": np.array([5], np.int64)})["y"].tolist() == [1.0] * 5
+
+
 def test_no_unexpected_errors_were_logged(server):
     """Every bad input above was a typed error: nothing reached the catch-all handler."""
     assert server.process.poll() is None
