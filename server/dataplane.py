@@ -436,7 +436,8 @@ class DataPlane:
         exc = future.exception()
         if exc is not None:
             entry.recorder.failure(failure_status(exc))
-            forget_frames(exc)
+            if isinstance(exc, PlugserveError):  # an unexpected one is logged whole, later
+                forget_frames(exc)
 
     def cancel_all(self, why: str) -> int:
         """Cancel every admitted request, queued or running (a shutdown that stops waiting

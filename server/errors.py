@@ -79,7 +79,10 @@ def _bounded(message: str) -> str:
 
 
 def abort(context: grpc.ServicerContext, exc: BaseException) -> NoReturn:
+    """End the call with ``exc``'s status; an unexpected error is logged with its traceback
+    first, then its frames are forgotten (:func:`forget_frames`)."""
     code, message = status_of(exc)
+    forget_frames(exc)
     context.abort(code, message)
     raise AssertionError("unreachable")  # context.abort raises
 

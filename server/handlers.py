@@ -56,7 +56,6 @@ def _guarded(method: Callable[[Any, grpc.ServicerContext], Any]) -> Callable[...
             try:
                 yield from method(request, context)
             except Exception as exc:
-                forget_frames(exc)  # answered: its frames would only keep the call's data
                 abort(context, exc)
 
         return streaming
@@ -66,7 +65,6 @@ def _guarded(method: Callable[[Any, grpc.ServicerContext], Any]) -> Callable[...
         try:
             return method(request, context)
         except Exception as exc:
-            forget_frames(exc)  # answered: its frames would only keep the call's data
             abort(context, exc)
 
     return unary

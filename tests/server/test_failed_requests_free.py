@@ -129,8 +129,10 @@ def test_over_grpc_unary_and_stream(server, count):
     try:
         with grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}") as client:
             for _ in range(3):
-                with pytest.raises(InferenceServerException):
+                with pytest.raises(InferenceServerException) as failed:
                     client.infer("fill", _ask(count))
+                why = "failing with" if count < 0 else "--max-message-bytes"
+                assert why in failed.value.message(), failed.value.message()
             assert len(MADE) == 3 and _all_freed(), "a failed unary call kept its arrays"
             answers: list = []
             client.start_stream(callback=lambda result, error: answers.append(error))
