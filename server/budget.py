@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from plugserve.plugins.api import ResourceExhausted
+from plugserve.proto import tensors
 
 __all__ = [
     "BINARY_FACTOR",
@@ -151,8 +152,11 @@ class MemoryBudget:
 def decoded_nbytes(count: int, dtype: np.dtype) -> int:
     """What ``count`` values of ``dtype`` decoded from a message hold beyond it: the array, or
     for strings an object per value (their characters are at most the message's size again,
-    which :data:`GRPC_FACTOR` covers)."""
-    return count * (STRING_OBJECT_BYTES if dtype.kind == "O" else dtype.itemsize)
+    which :data:`GRPC_FACTOR` covers). Strings over --max-string-elements count nothing: their
+    decoding refuses them before it allocates."""
+    if dtype.kind != "O":
+        return count * dtype.itemsize
+    return count * STRING_OBJECT_BYTES if count <= tensors.MAX_STRING_ELEMENTS else 0
 
 
 def _mib(nbytes: int) -> str:

@@ -385,16 +385,26 @@ class DataPlane:
             future.add_done_callback(lambda f: self._finished(entry, f, token, charge))
         return future
 
-    def reserve(self, entry: LoadedNetwork, nbytes: int) -> Charge:
-        """``nbytes`` of --max-inflight-bytes for a request to ``entry``, or ResourceExhausted
-        (counted as the network's refusal). A protocol that decodes a request into memory of
-        its own charges it so before decoding, admits it with ``holds=0`` and releases the
-        charge once its future is done."""
+    def charged(
+        self, entry: LoadedNetwork, nbytes: int, submit: Callable[[], Future | Finished]
+    ) -> Future | Finished:
+        """``submit()`` (which decodes a request to ``entry`` and calls :meth:`submit` with
+        ``holds=0``) with ``nbytes`` of --max-inflight-bytes charged first and held until its
+        future is done: for a protocol whose decoding allocates memory of its own (KServe's
+        typed contents, strings), which must be charged before it is allocated. A charge that
+        does not fit is ResourceExhausted, counted as the network's refusal."""
         try:
-            return self.budget.charge(nbytes, f"a request to network {entry.name!r}")
+            charge = self.budget.charge(nbytes, f"a request to network {entry.name!r}")
         except ResourceExhausted:
             entry.recorder.refused("overloaded")
             raise
+        try:
+            future = submit()
+        except BaseException:
+            charge.release()
+            raise
+        future.add_done_callback(lambda _: charge.release())
+        return future
 
     def _watch(self, name: str, token: cancel.Token, deadline: float | None) -> None:
         """Have the deadline watch cancel ``token`` at the client's deadline or the server's

@@ -173,8 +173,6 @@ def pump(
         except BaseException as exc:
             message = fail(request, exc)
             forget_frames(exc)
-        finally:
-            future = None  # type: ignore[assignment]  # no cycle through the traceback (Finished)
         finished(message)
 
     def room() -> bool:
@@ -263,11 +261,7 @@ class Inference:
         if type(future) is not Finished:
             with blocked():
                 future.exception()  # waits; result() below raises what it holds
-        try:
-            outputs = future.result()
-        finally:
-            future = None  # no cycle through the traceback (see Finished)
-        return b"".join(self.respond(request, entry, outputs))
+        return b"".join(self.respond(request, entry, future.result()))
 
     def stream(
         self, requests: Iterator[tuple[Any, int]], context: grpc.ServicerContext

@@ -179,12 +179,11 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
                 checked=checked,
             )
             return entry, future
-        # typed contents and strings are decoded into memory of their own: charged first
-        charge = self.plane.reserve(entry, size * GRPC_FACTOR + decoding_nbytes(request))
-        try:
+
+        def decode_and_submit():
             inputs = request_inputs(request, entry, self.shm)
             targets = output_targets(request, self.shm)
-            future = self.plane.submit(
+            return self.plane.submit(
                 entry,
                 inputs,
                 requested_outputs(request),
@@ -194,10 +193,10 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
                 after=functools.partial(write_outputs, targets) if targets else None,
                 step=step,
             )
-        except BaseException:
-            charge.release()
-            raise
-        future.add_done_callback(lambda _: charge.release())
+
+        # typed contents and strings are decoded into memory of their own: charged first
+        nbytes = size * GRPC_FACTOR + decoding_nbytes(request)
+        future = self.plane.charged(entry, nbytes, decode_and_submit)
         return entry, future
 
     # --- system shared memory

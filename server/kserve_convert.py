@@ -8,6 +8,7 @@ chosen where KServe leaves room."""
 from __future__ import annotations
 
 import functools
+import math
 import types
 from collections.abc import Mapping
 from typing import Any
@@ -18,7 +19,6 @@ import numpy as np
 from plugserve.plugins.api import InvalidInput, TensorSpec, Unsupported
 from plugserve.proto import grpc_service_pb2 as pb
 from plugserve.proto import model_config_pb2 as mc
-from plugserve.proto import tensors
 from plugserve.proto.tensors import (
     MAX_DIMS,
     Pieces,
@@ -266,8 +266,7 @@ def request_inputs(
 def decoding_nbytes(request: pb.ModelInferRequest) -> int:
     """What decoding the request's inputs (:func:`request_inputs`) allocates beyond the
     message: the arrays of typed contents and the objects of strings (raw numbers and shared
-    memory are read as views). A string tensor over --max-string-elements counts nothing: its
-    decoding refuses it before it allocates."""
+    memory are read as views)."""
     total = 0
     for tensor in request.inputs:
         dtype = DATATYPES.get(tensor.datatype)
@@ -275,15 +274,9 @@ def decoding_nbytes(request: pb.ModelInferRequest) -> int:
             continue  # refused by its decoding
         if tensor.HasField("contents"):
             field = CONTENTS.get(tensor.datatype)
-            count = len(getattr(tensor.contents, field)) if field else 0
+            total += decoded_nbytes(len(getattr(tensor.contents, field)) if field else 0, dtype)
         elif dtype.kind == "O":
-            count = 1
-            for dim in tensor.shape:
-                count *= max(dim, 0)
-        else:
-            continue
-        if dtype.kind != "O" or count <= tensors.MAX_STRING_ELEMENTS:
-            total += decoded_nbytes(count, dtype)
+            total += decoded_nbytes(math.prod(max(d, 0) for d in tensor.shape), dtype)
     return total
 
 

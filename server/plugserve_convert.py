@@ -6,6 +6,7 @@ checked before the data is decoded), responses out (composed as wire bytes, see
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -13,7 +14,6 @@ import numpy as np
 
 from plugserve.plugins.api import InvalidInput, listing
 from plugserve.proto import plugserve_pb2 as pb
-from plugserve.proto import tensors
 from plugserve.proto.tensors import (
     DTYPES,
     Pieces,
@@ -131,17 +131,13 @@ def metric_json(value: Any) -> str:
 
 def decoding_nbytes(request: pb.InferRequest) -> int:
     """What decoding the request's inputs allocates beyond the message: an object per string
-    (numbers are read as views of the message). A string tensor over --max-string-elements
-    counts nothing: its decoding refuses it before it allocates."""
-    total = 0
-    for tensor in request.inputs:
-        if tensor.dtype == "string":
-            count = 1
-            for dim in tensor.shape:
-                count *= max(dim, 0)
-            if count <= tensors.MAX_STRING_ELEMENTS:
-                total += decoded_nbytes(count, np.dtype(object))
-    return total
+    (numbers are read as views of the message)."""
+    strings = np.dtype(object)
+    return sum(
+        decoded_nbytes(math.prod(max(d, 0) for d in t.shape), strings)
+        for t in request.inputs
+        if t.dtype == "string"
+    )
 
 
 def request_inputs(request: pb.InferRequest, entry: LoadedNetwork) -> dict[str, Any]:

@@ -449,20 +449,14 @@ class RestApp:
             step=request.step,
         )
         if future.done():  # ran inline: answered without leaving the parser's callback
-            try:
-                outputs = future.result()
-            finally:
-                future = None  # no cycle through the traceback (streams.Finished)
+            outputs = future.result()
             if _bytes_of(outputs) <= INLINE_BYTES:
                 return _infer_reply(entry, request, outputs)
             return self._in_worker(_infer_reply, entry, request, outputs)
         return self._infer_later(entry, request, future)
 
     async def _infer_later(self, entry: LoadedNetwork, request: InferCall, future: Any) -> Reply:
-        try:
-            outputs = await asyncio.wrap_future(future)
-        finally:
-            future = None  # no cycle through the traceback (streams.Finished)
+        outputs = await asyncio.wrap_future(future)
         if _bytes_of(outputs) <= INLINE_BYTES:
             return _infer_reply(entry, request, outputs)
         return await self._in_worker(_infer_reply, entry, request, outputs)
@@ -488,11 +482,7 @@ class RestApp:
             after=_writer(request),
             step=request.step,
         )
-        try:
-            outputs = future.result()
-        finally:
-            future = None  # no cycle through the traceback (streams.Finished)
-        return _infer_reply(entry, request, outputs)
+        return _infer_reply(entry, request, future.result())
 
     def _in_worker(
         self, fn: Callable[..., Any], *args: Any, token: cancel.Token | None = None

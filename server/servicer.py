@@ -156,9 +156,10 @@ class PlugserveServicer(pb_grpc.PlugserveServicer):
         the message took on the wire; it is charged for them (twice: ``GRPC_FACTOR``) and for
         its strings before they are decoded."""
         entry = self.plane.get(request.network, request.version)
-        charge = self.plane.reserve(entry, size * GRPC_FACTOR + decoding_nbytes(request))
-        try:
-            future = self.plane.submit(
+        future = self.plane.charged(
+            entry,
+            size * GRPC_FACTOR + decoding_nbytes(request),
+            lambda: self.plane.submit(
                 entry,
                 request_inputs(request, entry),
                 list(request.outputs),
@@ -166,11 +167,8 @@ class PlugserveServicer(pb_grpc.PlugserveServicer):
                 token=token,
                 inline=inline,
                 step=sequence_of(request),
-            )
-        except BaseException:
-            charge.release()
-            raise
-        future.add_done_callback(lambda _: charge.release())
+            ),
+        )
         return entry, future
 
     def ExportNetwork(self, request, context):

@@ -106,6 +106,16 @@ def _identities(folder: Path) -> Path:
     model.ir_version = 8
     (folder / "typed" / "1").mkdir(parents=True)
     (folder / "typed" / "1" / "model.onnx").write_bytes(model.SerializeToString())
+    text = helper.make_graph(
+        [helper.make_node("Identity", ["s"], ["s_out"])],
+        "text",
+        [helper.make_tensor_value_info("s", TensorProto.STRING, ["n"])],
+        [helper.make_tensor_value_info("s_out", TensorProto.STRING, ["n"])],
+    )
+    model = helper.make_model(text, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    (folder / "text" / "1").mkdir(parents=True)
+    (folder / "text" / "1" / "model.onnx").write_bytes(model.SerializeToString())
     return folder
 
 
@@ -196,3 +206,23 @@ def test_typed_contents_are_charged_what_they_decode_into_before_decoding(served
         result = grpcclient.InferResult(stub.ModelInfer(fits, timeout=60))
         out = result.as_numpy("int64_out")
         assert out.shape == (MB // 2,) and not out.any()
+
+
+def test_strings_are_charged_the_objects_they_decode_into_before_decoding(served):
+    """1.2M two-byte strings in bytes_contents take 4.8 MB on the wire and a Python object
+    each once decoded (~50 bytes): charged by the message alone (2 x 4.8 MB) they were
+    admitted into a 64 MB budget and decoded; now refused first, naming the flag."""
+    _, stub = served
+
+    def strings(count: int):
+        request = service_pb2.ModelInferRequest(model_name="text")
+        tensor = request.inputs.add(name="s", datatype="BYTES", shape=[count])
+        tensor.contents.bytes_contents.extend([b"ab"] * count)
+        return request
+
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.ModelInfer(strings(1_200_000), timeout=120)
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "--max-inflight-bytes" in refused.value.details()
+    result = grpcclient.InferResult(stub.ModelInfer(strings(1000), timeout=60))
+    assert result.as_numpy("s_out").tolist() == [b"ab"] * 1000
