@@ -80,11 +80,7 @@ from plugserve.server.versions import parse_version
 
 __all__ = ["KServeServicer", "add_kserve_service", "load"]
 
-_CUDA = "CUDA shared memory (its devices run on the CPU: use system shared memory)"
 _UNIMPLEMENTED = {
-    "CudaSharedMemoryStatus": _CUDA,
-    "CudaSharedMemoryRegister": _CUDA,
-    "CudaSharedMemoryUnregister": _CUDA,
     "TraceSetting": "trace settings",
     "LogSettings": "log settings",
 }
@@ -216,6 +212,17 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
     def SystemSharedMemoryUnregister(self, request, context):
         self.shm.unregister(request.name)
         return pb.SystemSharedMemoryUnregisterResponse()
+
+    def CudaSharedMemoryStatus(self, request, context):
+        self.shm.cuda_status(request.name)
+        return pb.CudaSharedMemoryStatusResponse()
+
+    def CudaSharedMemoryRegister(self, request, context):
+        self.shm.cuda_register(request.name)
+
+    def CudaSharedMemoryUnregister(self, request, context):
+        self.shm.cuda_unregister(request.name)
+        return pb.CudaSharedMemoryUnregisterResponse()
 
     # --- statistics and repository
 

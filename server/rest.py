@@ -169,10 +169,8 @@ class RestApp:
         model = r"/v2/models/(?P<name>[^/]+)(?:/versions/(?P<version>[^/]+))?"
         shm = r"/v2/systemsharedmemory"
         region = shm + r"/region/(?P<name>[^/]+)"
+        cuda = r"/v2/cudasharedmemory"
         unsupported = {
-            r"/v2/cudasharedmemory(?:/.*)?": (
-                "CUDA shared memory (its devices run on the CPU: use system shared memory)"
-            ),
             r"/v2(?:/models/[^/]+)?/trace/setting": "trace settings",
             r"/v2/logging": "log settings",
         }
@@ -228,6 +226,25 @@ class RestApp:
                         ("POST",),
                         "SystemSharedMemoryUnregister",
                         self.shm_unregister,
+                    ),
+                    (cuda + "/status", ("GET", "POST"), "CudaSharedMemoryStatus", self.cuda_status),
+                    (
+                        cuda + r"/region/(?P<name>[^/]+)/status",
+                        ("GET", "POST"),
+                        "CudaSharedMemoryStatus",
+                        self.cuda_status,
+                    ),
+                    (
+                        cuda + r"/region/(?P<name>[^/]+)/register",
+                        ("POST",),
+                        "CudaSharedMemoryRegister",
+                        self.cuda_register,
+                    ),
+                    (
+                        cuda + r"(?:/region/(?P<name>[^/]+))?/unregister",
+                        ("POST",),
+                        "CudaSharedMemoryUnregister",
+                        self.cuda_unregister,
                     ),
                 )
             ),
@@ -394,6 +411,16 @@ class RestApp:
 
     def shm_unregister(self, call: Call) -> Reply:
         self.plane.shm.unregister(call.path.get("name") or "")
+        return 200, [b""], _JSON
+
+    def cuda_status(self, call: Call) -> Reply:
+        return _json(self.plane.shm.cuda_status(call.path.get("name") or ""))
+
+    def cuda_register(self, call: Call) -> Reply:
+        self.plane.shm.cuda_register(call.path["name"])
+
+    def cuda_unregister(self, call: Call) -> Reply:
+        self.plane.shm.cuda_unregister(call.path.get("name") or "")
         return 200, [b""], _JSON
 
     def model_ready(self, call: Call) -> Reply:

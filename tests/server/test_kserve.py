@@ -579,9 +579,6 @@ def test_load_errors(client):
 @pytest.mark.parametrize(
     ("call", "feature"),
     [
-        (lambda c: c.get_cuda_shared_memory_status(), "CUDA shared memory"),
-        (lambda c: c.register_cuda_shared_memory("r", b"aGFuZGxl", 0, 16), "CUDA shared memory"),
-        (lambda c: c.unregister_cuda_shared_memory("r"), "CUDA shared memory"),
         (lambda c: c.get_trace_settings(), "trace settings"),
         (lambda c: c.update_trace_settings(settings={"trace_rate": "1"}), "trace settings"),
         (lambda c: c.get_log_settings(), "log settings"),

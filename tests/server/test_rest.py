@@ -197,14 +197,14 @@ def test_repository_index_unload_and_load(client):
     assert info.value.status() == "400"
 
 
-def test_a_bad_class_count_and_cuda_shared_memory_are_refused(client):
+def test_a_bad_class_count_and_a_cuda_registration_are_refused(client):
     outputs = [httpclient.InferRequestedOutput("sum", class_count=-1)]
     with pytest.raises(InferenceServerException, match="class count from 1") as info:
         client.infer("add", _add([1], [2]), outputs=outputs)
     assert info.value.status() == "400"
-    with pytest.raises(InferenceServerException, match="CUDA shared memory") as info:
-        client.get_cuda_shared_memory_status()
-    assert info.value.status() == "501"
+    with pytest.raises(InferenceServerException, match="GPUs not supported") as info:
+        client.register_cuda_shared_memory("r", b"handle", 0, 16)
+    assert info.value.status() == "400"
 
 
 # --- raw HTTP: what a client library never sends

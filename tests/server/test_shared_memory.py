@@ -128,7 +128,7 @@ def test_hostile_keys_offsets_and_sizes_are_refused_clearly(connected, regions):
     outside = shm.create_shared_memory_region("outside", f"/not-ours-{uuid.uuid4().hex}", 64)
     try:
         cases = [
-            (("outside", shm_key(outside), 64), "not under this server's prefix"),
+            (("outside", shm_key(outside), 64), "start the server with --shared-memory-prefix"),
             ((name, "/plugserve/../../etc/passwd", 64), "expected '/' and then"),
             ((name, key, 65), "past the end"),  # bigger than the object
             ((name, key + "-missing", 64), "no shared memory object"),
@@ -166,11 +166,35 @@ def shm_key(handle) -> str:
     return handle._shm_key if hasattr(handle, "_shm_key") else handle.shm_key
 
 
-def test_cuda_shared_memory_is_unimplemented_and_says_why(connected):
-    _, client, _ = connected
-    with pytest.raises(InferenceServerException, match="CUDA shared memory") as refused:
-        client.get_cuda_shared_memory_status()
-    assert "system shared memory" in str(refused.value)
+def test_cuda_shared_memory_answers_as_triton_without_gpus(connected, regions):
+    """Triton's shared memory example clients (simple_grpc_shm_client.py and its kin) begin by
+    unregistering every CUDA region and reading the CUDA status; a Triton built without GPU
+    support answers both with success and nothing registered, and refuses only a registration.
+    Then the example goes on to system shared memory, as here."""
+    module, client, protocol = connected
+    client.unregister_cuda_shared_memory()
+    client.unregister_cuda_shared_memory("never-registered")
+    status = client.get_cuda_shared_memory_status()
+    assert (status == []) if protocol == "http" else not status.regions
+    with pytest.raises(InferenceServerException, match="Unable to find cuda shared memory"):
+        client.get_cuda_shared_memory_status("never-registered")
+    with pytest.raises(
+        InferenceServerException,
+        match="failed to register CUDA shared memory region: 'gpu0', GPUs not supported",
+    ) as refused:
+        client.register_cuda_shared_memory("gpu0", b"\0" * 64, 0, 64)
+    status = str(refused.value.status())
+    assert ("INVALID_ARGUMENT" in status) if protocol == "grpc" else status == "400", status
+    name, key, handle = regions(128)  # the example's next step: system shared memory
+    shm.set_shared_memory_region(handle, [np.arange(16, dtype=np.float32)])
+    shm.set_shared_memory_region(handle, [np.ones(16, dtype=np.float32)], offset=64)
+    client.register_system_shared_memory(name, key, 128)
+    a = module.InferInput("a", [16], "FP32")
+    a.set_shared_memory(name, 64)
+    b = module.InferInput("b", [16], "FP32")
+    b.set_shared_memory(name, 64, offset=64)
+    got = client.infer("add", [a, b]).as_numpy("sum")
+    np.testing.assert_array_equal(got, np.arange(16, dtype=np.float32) + 1)
 
 
 def test_the_extension_can_be_turned_off(tmp_path):
