@@ -22,6 +22,7 @@ __all__ = [
     "InvalidModel",
     "NotFound",
     "PlugserveError",
+    "QueueFull",
     "ResourceExhausted",
     "Unsupported",
     "listing",
@@ -70,6 +71,11 @@ class ResourceExhausted(PlugserveError, RuntimeError):
     """A queue or pool is full; the caller may retry later."""
 
     code = "RESOURCE_EXHAUSTED"
+
+
+class QueueFull(ResourceExhausted):
+    """A network's queue is full: RESOURCE_EXHAUSTED on gRPC, and on HTTP 503 Service
+    Unavailable, as Triton answers it (its message, "Exceeds maximum queue size", starts ours)."""
 
 
 class FailedPrecondition(PlugserveError, RuntimeError):

@@ -5,8 +5,9 @@ or only ever run inline (below), keeps none.
 Each stream owns whatever backend state its network needs (``state_factory``; a compiled
 network's executor keeps one infer request per stream, as OpenVINO's streams executors do), so
 backends that are not re-entrant still run N requests at once. A full queue raises
-:class:`ResourceExhausted` at once rather than blocking the caller; a caller that admits work
-under a tighter bound of its own (the server's ``--queue-size``) passes it as ``limit``.
+:class:`QueueFull` (a ResourceExhausted) at once rather than blocking the caller; a caller that
+admits work under a tighter bound of its own (the server's ``--queue-size``) passes it as
+``limit``.
 
 A synchronous caller may run its request on its own thread when a stream is idle and nothing
 is queued (:meth:`StreamsExecutor.run_inline`), the way OpenVINO's ``InferRequest::infer()``
@@ -28,7 +29,7 @@ from plugserve.plugins.errors import (
     Cancelled,
     FailedPrecondition,
     PlugserveError,
-    ResourceExhausted,
+    QueueFull,
 )
 
 __all__ = ["Finished", "RequestFuture", "StreamsExecutor"]
@@ -167,8 +168,9 @@ class StreamsExecutor:
             if self._closed:
                 raise FailedPrecondition(f"{self.name}: executor is shut down")
             if len(self._pending) >= bound:
-                raise ResourceExhausted(
-                    f"{self.name}: queue full ({bound} requests waiting); retry later"
+                raise QueueFull(
+                    f"Exceeds maximum queue size: {self.name}: queue full ({bound} requests "
+                    "waiting); retry later"
                 )
             self._pending.append((fn, future, stateless))
             self._grow()

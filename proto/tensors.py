@@ -166,7 +166,10 @@ def decode_strings(data: bytes, count: int, where: str) -> np.ndarray:
     return array
 
 
-def check_shape(shape: list[int], where: str) -> tuple[int, ...]:
+def check_shape(shape: list[int], where: str, itemsize: int = 0) -> tuple[int, ...]:
+    """``shape`` as a tuple of ints, refused (with Triton's words for each refusal) when its
+    rank, a negative dimension, its element count or, given ``itemsize``, its byte size cannot
+    be held."""
     if len(shape) > MAX_DIMS:
         raise InvalidInput(f"{where}: rank {len(shape)} is over the limit of {MAX_DIMS}")
     if shape and min(shape) < 0:
@@ -176,8 +179,13 @@ def check_shape(shape: list[int], where: str) -> tuple[int, ...]:
         count *= int(dim)
     if count > MAX_ELEMENTS:
         raise InvalidInput(
-            f"{where}: shape {list(shape)} holds {count} elements, more than an int64 counts "
-            "(as Triton, an element count that overflows is refused)"
+            f"shape {list(shape)} of {where} causes total element count to exceed maximum "
+            f"size of {MAX_ELEMENTS} ({count} elements: more than an int64 counts)"
+        )
+    if count * itemsize > MAX_ELEMENTS:
+        raise InvalidInput(
+            f"byte size overflow for {where}: shape {list(shape)} of {itemsize}-byte "
+            f"elements is {count * itemsize} bytes, more than an int64 counts"
         )
     return tuple(map(int, shape))
 
@@ -194,7 +202,7 @@ def from_tensor(tensor, where: str = "", data: bytes | None = None) -> np.ndarra
         raise InvalidInput(
             f"{where}: unknown dtype {tensor.dtype!r}; expected one of {', '.join(DTYPES)}"
         )
-    shape = check_shape(list(tensor.shape), where)
+    shape = check_shape(list(tensor.shape), where, dtype.itemsize)
     count = 1
     for dim in shape:
         count *= dim

@@ -9,7 +9,7 @@ from typing import NoReturn
 
 import grpc
 
-from plugserve.plugins.api import PlugserveError
+from plugserve.plugins.api import PlugserveError, QueueFull
 
 __all__ = [
     "HTTP_STATUS",
@@ -88,8 +88,12 @@ def abort(context: grpc.ServicerContext, exc: BaseException) -> NoReturn:
 
 
 def http_status_of(exc: BaseException) -> tuple[int, str]:
-    """HTTP status and message for an error (see :func:`status_of`)."""
+    """HTTP status and message for an error (see :func:`status_of`); a full queue is 503, as
+    Triton answers it over HTTP (RESOURCE_EXHAUSTED on gRPC, 429 for every other exhaustion:
+    the memory budget, the sequence slots)."""
     code, message = status_of(exc)
+    if isinstance(exc, QueueFull):
+        return 503, message
     return HTTP_STATUS.get(code, 500), message
 
 

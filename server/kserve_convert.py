@@ -191,7 +191,7 @@ def input_array(tensor, raw: bytes | None, entry: LoadedNetwork) -> np.ndarray:
             )
         return _from_raw(tensor, dtype, raw, where)
     try:
-        shape = list(check_shape(list(tensor.shape), where))
+        shape = list(check_shape(list(tensor.shape), where, dtype.itemsize))
     except TensorFormatError as exc:
         raise InvalidInput(str(exc)) from None
     count = 1
@@ -301,7 +301,8 @@ def requested_outputs(request: pb.ModelInferRequest) -> list[str]:
             class_count(parameter_values(output.parameters)["classification"], output.name)
         if output.name in names:
             raise InvalidInput(
-                f"output {output.name!r} is requested more than once; ask for it once"
+                f"output {output.name!r} already exists in request: it is requested more "
+                "than once; ask for it once"
             )
         names.append(output.name)
     return names

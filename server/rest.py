@@ -134,6 +134,11 @@ class Call:
         return kserve.parse_version(self.path.get("version") or "")
 
 
+_NOT_A_BOOLEAN = "Invalid value for 'ready': expected a boolean (true or false)"
+#: a repository index body whose 'ready' opens a value other than true or false
+_NOT_A_BOOLEAN_READY = re.compile(rb'\s*\{\s*"ready"\s*:\s*[^\stf]')
+
+
 def _json(value: Any, status: int = 200) -> Reply:
     return status, [dumps(value)], _JSON
 
@@ -359,8 +364,9 @@ class RestApp:
 
     def too_large(self, size: int) -> str:
         return (
-            f"the request body is {size} bytes or more, over this server's limit of "
-            f"{self.max_body} bytes (--max-message-bytes / PLUGSERVE_MAX_MESSAGE_BYTES)"
+            f"Request JSON size of {size} exceeds the maximum allowed value of {self.max_body} "
+            "(the body is that many bytes or more); use --max-message-bytes "
+            "(PLUGSERVE_MAX_MESSAGE_BYTES) to increase the limit"
         )
 
     # --- health and metadata
@@ -462,7 +468,9 @@ class RestApp:
             token = cancel.Token()
             return self._in_worker(self._infer_whole, entry, call, token, token=token)
         if header_length == "0":  # Triton's raw binary request: the body is the one input
-            request = parse_raw(call.body, entry.inputs, entry.expect)
+            request = parse_raw(
+                call.body, entry.name, entry.inputs, entry.expect, entry.max_batch_size
+            )
         else:
             request = parse_infer(call.body, header_length, entry.expect, self.plane.shm)
         deadline = time.monotonic() + request.timeout if request.timeout else None
@@ -539,9 +547,16 @@ class RestApp:
     # --- repository
 
     def index(self, call: Call) -> Reply:
-        ready = call.json().get("ready", False)
+        try:
+            ready = call.json().get("ready", False)
+        except InvalidInput:
+            # a 'ready' that is no boolean is named as such even where the body is nested too
+            # deep to be read whole (Triton checks the value before its depth limit)
+            if _NOT_A_BOOLEAN_READY.match(call.body):
+                raise InvalidInput(_NOT_A_BOOLEAN) from None
+            raise
         if not isinstance(ready, bool):
-            raise InvalidInput(f"'ready' must be true or false, not {ready!r}")
+            raise InvalidInput(f"{_NOT_A_BOOLEAN}, not {ready!r}")
         return _json(
             [
                 {"name": name, "version": str(version)}

@@ -28,6 +28,7 @@ The REST counterpart of the gRPC converters in ``kserve.py``; it holds no busine
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -45,6 +46,7 @@ from plugserve.proto.tensors import (
     check_shape,
     check_string_count,
     decode_strings,
+    text_or_bytes,
 )
 from plugserve.server.classification import class_count, classify
 from plugserve.server.kserve_convert import (
@@ -229,7 +231,10 @@ def parse_infer(
         if "classification" in options:
             classes[name] = class_count(options["classification"], name)
         if name in outputs:
-            raise InvalidInput(f"output {name!r} is requested more than once; ask for it once")
+            raise InvalidInput(
+                f"output {name!r} already exists in request: it is requested more than once; "
+                "ask for it once"
+            )
         outputs.append(name)
         if uses_region(options):
             if shm is None:
@@ -250,45 +255,55 @@ def parse_infer(
     )
 
 
-def parse_raw(body: bytes, inputs: list[Any], expect: Expect) -> InferCall:
+def parse_raw(
+    body: bytes, model: str, inputs: list[Any], expect: Expect, max_batch_size: int = 0
+) -> InferCall:
     """Triton's raw binary request (``Inference-Header-Content-Length: 0``): the body is the
-    data of a one-input model's input, in its element type, its shape the model's with the
-    one varying dimension worked out from the body's size (BYTES: the body is one element).
-    Every output comes back as binary data."""
+    data of a one-input model's input, in its element type, its shape worked out by Triton's
+    rule (core's ``InferenceRequest``): a batching model (``max_batch_size`` > 0) gets batch 1,
+    and one varying dimension of the rest takes what the body's size leaves; BYTES is one
+    element, the body's bytes unchanged (text when they are UTF-8, as every protocol hands
+    strings to a model), so its input must hold exactly one. Every output comes back as binary
+    data. The refusals begin with Triton's words for them."""
     if len(inputs) != 1:
         raise InvalidInput(
-            f"a raw binary request (Inference-Header-Content-Length: 0) is for a model with one "
-            f"input; this one has {len(inputs)}: send a JSON header naming each"
+            f"Raw request must only have 1 input (found 1) to be deduced but got {len(inputs)} "
+            f"inputs in '{model}' model configuration; send a JSON header naming each"
         )
     spec = inputs[0]
     where = f"input {spec.name!r} (raw binary request)"
     if spec.dtype is None or spec.shape is None:
         raise InvalidInput(f"{where}: the model does not say its element type and rank")
     dims = [d if isinstance(d, int) and d >= 0 else None for d in spec.shape]
-    known = 1
-    for dim in dims:
-        known *= dim or 1
-    varying = dims.count(None)
+    if max_batch_size > 0 and dims:
+        dims[0] = 1  # the batch dimension: one request, one row
+    if dims.count(None) > 1:
+        raise InvalidInput(
+            f"The shape of the raw input '{spec.name}' can not be deduced because there are "
+            f"more than one variable-sized dimension (the model's shape is {list(spec.shape)}); "
+            "send a JSON header with the shape"
+        )
+    known = math.prod(d for d in dims if d is not None)
     if spec.dtype == np.dtype(object):
-        if known != 1:
-            raise InvalidInput(f"{where}: a raw BYTES body is one element; the input has {known}")
-        shape = tuple(1 for _ in dims)
+        if None in dims or known != 1:
+            raise InvalidInput(
+                f"For BYTE datatype raw input '{spec.name}', the model must have input shape "
+                f"[1] (this one's is {list(spec.shape)}); send a JSON header with the shape"
+            )
+        shape = tuple(dims)
         array = np.empty(1, dtype=object)
-        array[0] = bytes(body)
+        array[0] = text_or_bytes(bytes(body))
         expect(spec.name, spec.dtype, shape)
         return InferCall("", {spec.name: array.reshape(shape)}, [], {}, True)
     itemsize = spec.dtype.itemsize
     if len(body) % itemsize:
         raise InvalidInput(f"{where}: {len(body)} bytes is not a whole number of {spec.dtype}")
     count = len(body) // itemsize
-    if (
-        varying > 1
-        or (varying and (known == 0 or count % known))
-        or (not varying and count != known)
-    ):
+    if (None in dims and (known == 0 or count % known)) or (None not in dims and count != known):
         raise InvalidInput(
-            f"{where}: {count} elements do not make the model's shape {list(spec.shape)} with "
-            "at most one varying dimension; send a JSON header with the shape"
+            f"{where}: {count} elements do not make the model's shape {list(spec.shape)}"
+            + (" with batch 1" if max_batch_size > 0 else "")
+            + "; send a JSON header with the shape"
         )
     shape = tuple(d if d is not None else count // known for d in dims)
     expect(spec.name, spec.dtype, shape)
@@ -324,7 +339,7 @@ def _input_array(
     if not all(isinstance(d, int) and not isinstance(d, bool) for d in shape_value):
         raise InvalidInput(f"{where}: shape {shape_value} must be a list of integers")
     try:
-        shape = check_shape(shape_value, where)
+        shape = check_shape(shape_value, where, dtype.itemsize)
     except TensorFormatError as exc:
         raise InvalidInput(str(exc)) from None
     expect(name, dtype, shape)  # the declared shape too, before its data is converted
@@ -383,8 +398,9 @@ MAX_JSON_DEPTH = 100
 
 def _depth_error(where: str) -> InvalidInput:
     return InvalidInput(
-        f"{where}: 'data' is nested more than {MAX_JSON_DEPTH} levels deep; send it flat (the "
-        "shape says how it is laid out)"
+        f"JSON nesting depth exceeds maximum allowed limit ({MAX_JSON_DEPTH}): {where}: 'data' "
+        f"is nested more than {MAX_JSON_DEPTH} levels deep; send it flat (the shape says how "
+        "it is laid out)"
     )
 
 

@@ -195,8 +195,10 @@ def _kserve_requests(name: str, n: int, hold: threading.Event):
     hold.wait(60)
 
 
-def test_rest_gets_429_when_the_queue_is_full(crowded):
-    """The same admission over KServe v2 REST: a full queue is 429 with the queue's message."""
+def test_rest_gets_503_when_the_queue_is_full(crowded):
+    """The same admission over KServe v2 REST: a full queue is 503 with Triton's words for it
+    ("Exceeds maximum queue size", which Triton's HTTP answer and its QA tests use), then the
+    queue's own."""
     import json
     import urllib.error
     import urllib.request
@@ -219,8 +221,10 @@ def test_rest_gets_429_when_the_queue_is_full(crowded):
             assert wait_for(lambda: depth(crowded) == QUEUE)
             with pytest.raises(urllib.error.HTTPError) as info:
                 urllib.request.urlopen(urllib.request.Request(url, body), timeout=30)
-            assert info.value.code == 429
-            assert f"queue full ({QUEUE} requests waiting)" in json.load(info.value)["error"]
+            assert info.value.code == 503
+            message = json.load(info.value)["error"]
+            assert message.startswith("Exceeds maximum queue size"), message
+            assert f"queue full ({QUEUE} requests waiting)" in message
         finally:
             crowded.gates.open(name)
         for future in held:

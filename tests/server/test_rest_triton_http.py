@@ -1,6 +1,13 @@
 """Triton's HTTP behaviour that clients rely on, over a real server: the raw binary request, and
 the refusals Triton makes (duplicate outputs, JSON nested too deep, element counts that
-overflow), each with a message a person can act on and the server unharmed."""
+overflow), each with a message a person can act on and the server unharmed.
+
+The second half runs the cases of Triton's own HTTP QA test (qa/L0_http/http_test.py: raw
+binary, longer raw binary, manual chunked encoding, BYTES, too many BYTES elements, several
+variable dimensions, several inputs, buffer overflows, JSON depth) against a Triton repository
+of its QA "zero" models (identities, config.pbtxt, ``max_batch_size: 8``) made here, with
+Triton's expected statuses and the words of its messages; where Triton answers 500 for a
+caller's mistake (a negative dimension), plugserve keeps its 400."""
 
 from __future__ import annotations
 
@@ -41,16 +48,17 @@ def _binary_outputs(headers: dict[str, str], body: bytes) -> tuple[dict, bytes]:
 
 
 def test_a_raw_binary_request_is_the_one_inputs_data(server):
-    """Inference-Header-Content-Length: 0: the body is the input's bytes, the varying
-    dimension worked out from their count; every output comes back as binary data."""
-    x = np.random.default_rng(0).normal(size=(3, 16)).astype(np.float32)
+    """Inference-Header-Content-Length: 0: the body is the input's bytes; a batching model
+    (the mlp: max_batch_size 8) gets batch 1, as Triton deduces it; every output comes back as
+    binary data."""
+    x = np.random.default_rng(0).normal(size=(1, 16)).astype(np.float32)
     status, headers, body = _post(
         server, "/v2/models/mlp/infer", x.tobytes(), {"Inference-Header-Content-Length": "0"}
     )
     assert status == 200, body
     header, data = _binary_outputs(headers, body)
     (output,) = header["outputs"]
-    assert output["shape"][0] == 3 and output["parameters"]["binary_data_size"] == len(data)
+    assert output["shape"][0] == 1 and output["parameters"]["binary_data_size"] == len(data)
     from plugserve.server import Core
 
     model = server.repository / "mlp" / "1" / "model.onnx"
@@ -58,23 +66,18 @@ def test_a_raw_binary_request_is_the_one_inputs_data(server):
     np.testing.assert_allclose(np.frombuffer(data, np.float32).reshape(want.shape), want, 1e-5)
 
 
-def test_a_raw_binary_request_for_bytes_is_one_element(server):
-    raw = b"\xff\x00 not utf-8"
-    status, headers, body = _post(
-        server, "/v2/models/echo/infer", raw, {"Inference-Header-Content-Length": "0"}
-    )
-    assert status == 200, body
-    header, data = _binary_outputs(headers, body)
-    assert header["outputs"][0]["shape"] == [1]
-    assert data == struct.pack("<I", len(raw)) + raw  # byte for byte
-
-
 @pytest.mark.parametrize(
     ("model", "body", "message"),
     [
-        ("add", np.ones(4, np.float32).tobytes(), "is for a model with one input; this one has 2"),
+        (
+            "add",
+            np.ones(4, np.float32).tobytes(),
+            "Raw request must only have 1 input (found 1) to be deduced but got 2 inputs in "
+            "'add' model configuration",
+        ),
         ("mlp", b"\x00" * 7, "is not a whole number of float32"),
         ("mlp", np.ones(17, np.float32).tobytes(), "do not make the model's shape"),
+        ("mlp", np.ones(32, np.float32).tobytes(), "with batch 1"),  # two rows: not deduced
     ],
 )
 def test_a_raw_binary_request_that_cannot_be_read_is_refused(server, model, body, message):
@@ -92,18 +95,22 @@ def test_json_data_nested_deeper_than_the_limit_is_refused(server):
         deeper = "[" * depth + "1" + "]" * depth
         status, _, answer = _post(server, "/v2/models/add/infer", _add(deeper))
         assert status == 400, answer
-        assert f"nested more than {MAX_JSON_DEPTH} levels" in json.loads(answer)["error"]
+        message = json.loads(answer)["error"]
+        assert message.startswith(
+            f"JSON nesting depth exceeds maximum allowed limit ({MAX_JSON_DEPTH})"
+        ), message
 
 
 def test_an_output_requested_twice_is_refused_on_both_protocols(server):
     status, _, answer = _post(
         server, "/v2/models/add/infer", _add("[1]", ',"outputs":[{"name":"sum"},{"name":"sum"}]')
     )
-    assert status == 400 and "requested more than once" in json.loads(answer)["error"]
+    message = json.loads(answer)["error"]
+    assert status == 400 and message.startswith("output 'sum' already exists in request"), message
     request = _grpc_add()
     request.outputs.add(name="sum")
     request.outputs.add(name="sum")
-    _refused_over_grpc(server, request, "requested more than once")
+    _refused_over_grpc(server, request, "output 'sum' already exists in request")
 
 
 def _refused_over_grpc(server, request, message: str) -> None:
@@ -132,8 +139,9 @@ def test_a_shape_whose_element_count_overflows_is_refused(server):
         b'"data":[1]},{"name":"b","shape":[1],"datatype":"FP32","data":[1]}]}'
     )
     status, _, answer = _post(server, "/v2/models/add/infer", body)
-    assert status == 400 and "more than an int64 counts" in json.loads(answer)["error"]
-    _refused_over_grpc(server, _grpc_add((1 << 32, 1 << 32, 4)), "more than an int64 counts")
+    overflow = "causes total element count to exceed maximum size of"
+    assert status == 400 and overflow in json.loads(answer)["error"]
+    _refused_over_grpc(server, _grpc_add((1 << 32, 1 << 32, 4)), overflow)
     status, _, _ = _post(server, "/v2/models/add/infer", _add("[1]"))
     assert status == 200  # and the server still serves
 
@@ -152,3 +160,223 @@ def test_a_chunked_body_is_read_as_triton_reads_it(server):
         connection.close()
     assert response.status == 200, answer
     assert answer["outputs"][0]["data"] == [3.0]
+
+
+# ------------------------------------------------------------------ Triton's HTTP QA cases
+
+
+def _zero_model(inputs: list[tuple[str, int, list]], batching: bool):
+    """An identity per input (INPUTi -> OUTPUTi), as Triton's QA "zero" models."""
+    import onnx
+    from onnx import helper
+
+    nodes, ins, outs = [], [], []
+    for i, (dtype, _, dims) in enumerate(inputs):
+        shape = (["B"] if batching else []) + [
+            d if d >= 0 else f"d{i}_{j}" for j, d in enumerate(dims)
+        ]
+        ins.append(helper.make_tensor_value_info(f"INPUT{i}", dtype, shape))
+        outs.append(helper.make_tensor_value_info(f"OUTPUT{i}", dtype, shape))
+        nodes.append(helper.make_node("Identity", [f"INPUT{i}"], [f"OUTPUT{i}"]))
+    graph = helper.make_graph(nodes, "zero", ins, outs)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return onnx.TensorProto, model
+
+
+_TYPES = {"FP32": ("TYPE_FP32", 1), "FP16": ("TYPE_FP16", 10), "BYTES": ("TYPE_STRING", 8)}
+
+
+def _zero_entry(root, name: str, datatype: str, dims: list[int], count: int = 1) -> None:
+    import onnx
+
+    config_type, onnx_type = _TYPES[datatype]
+    _, model = _zero_model([(onnx_type, 0, dims)] * count, batching=True)
+    (root / name / "1").mkdir(parents=True)
+    onnx.save(model, root / name / "1" / "model.onnx")
+    tensors = lambda kind: ",".join(  # noqa: E731
+        f'{{ name: "{kind}{i}" data_type: {config_type} dims: {dims} }}' for i in range(count)
+    )
+    (root / name / "config.pbtxt").write_text(
+        f'name: "{name}"\nplatform: "onnxruntime_onnx"\nmax_batch_size: 8\n'
+        f"input [ {tensors('INPUT')} ]\noutput [ {tensors('OUTPUT')} ]\n"
+    )
+
+
+@pytest.fixture(scope="module")
+def triton_qa(tmp_path_factory):
+    """A server on a Triton repository of qa/L0_http's models (on ORT, as Triton's platform
+    onnxruntime_onnx says)."""
+    from serving import RunningServer
+
+    root = tmp_path_factory.mktemp("triton-qa")
+    _zero_entry(root, "onnx_zero_1_float32", "FP32", [-1])
+    _zero_entry(root, "onnx_zero_1_float16", "FP16", [-1, -1])
+    _zero_entry(root, "onnx_zero_3_float32", "FP32", [-1], count=3)
+    _zero_entry(root, "onnx_zero_1_object", "BYTES", [-1])
+    _zero_entry(root, "onnx_zero_1_object_1_element", "BYTES", [1])
+    with RunningServer("--model-repository", str(root)) as running:
+        running.repository = root
+        yield running
+
+
+RAW = {"Inference-Header-Content-Length": "0"}
+
+
+@pytest.mark.parametrize("count", [8, 32])
+def test_triton_raw_binary_and_longer_raw_binary(triton_qa, count):
+    """test_raw_binary, test_raw_binary_longer: [-1] with batching takes the body's count."""
+    data = np.arange(count, dtype=np.float32).tobytes()
+    status, headers, body = _post(triton_qa, "/v2/models/onnx_zero_1_float32/infer", data, RAW)
+    assert status == 200, body
+    header, out = _binary_outputs(headers, body)
+    assert header["outputs"][0]["shape"] == [1, count]
+    assert out == data
+
+
+def test_triton_manually_chunked_raw_binary(triton_qa):
+    """test_content_encoding_chunked_manually: a body sent in chunked transfer encoding."""
+    data = np.arange(8, dtype=np.float32).tobytes()
+    chunked = f"{len(data):X}\r\n".encode() + data + b"\r\n0\r\n\r\n"
+    url = urlsplit(triton_qa.http_url)
+    connection = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+    try:
+        connection.putrequest("POST", "/v2/models/onnx_zero_1_float32/infer")
+        connection.putheader("Inference-Header-Content-Length", "0")
+        connection.putheader("Transfer-Encoding", "chunked")
+        connection.endheaders()
+        connection.send(chunked)
+        response = connection.getresponse()
+        status, headers = response.status, {k.lower(): v for k, v in response.getheaders()}
+        body = response.read()
+    finally:
+        connection.close()
+    assert status == 200, body
+    assert _binary_outputs(headers, body)[1] == data
+
+
+@pytest.mark.parametrize("device", ["ORT", "NUMPY"])
+def test_triton_raw_bytes_are_the_elements_bytes_unchanged(triton_qa, device):
+    """test_byte: the body '427' is the one element's bytes, in what the model saw and in the
+    answer, on every device (ORT once answered b"b'427'", the Python repr of the bytes). Bytes
+    that are not UTF-8 pass through NUMPY's Identity unchanged; ORT, which reads strings as
+    text, refuses them with a 400 that says so."""
+    name = "onnx_zero_1_object_1_element"
+    if device == "NUMPY":
+        from plugserve.client import Client
+
+        with Client(triton_qa.target, timeout=60) as control:
+            _, model = _zero_model([(8, 0, [1])], batching=False)  # [1], no batching
+            control.load("raw_bytes_numpy", model.SerializeToString(), "NUMPY")
+        name = "raw_bytes_numpy"
+    for raw in (b"427", b"\xff\x00 not utf-8"):
+        status, headers, body = _post(triton_qa, f"/v2/models/{name}/infer", raw, RAW)
+        if device == "ORT" and raw != b"427":
+            assert status == 400 and b"is not UTF-8 text" in body, body
+            continue
+        assert status == 200, body
+        header, out = _binary_outputs(headers, body)
+        assert header["outputs"][0]["shape"] == ([1, 1] if device == "ORT" else [1])
+        assert out == struct.pack("<I", len(raw)) + raw  # byte for byte
+
+
+@pytest.mark.parametrize(
+    ("model", "body", "message"),
+    [
+        (  # test_byte_too_many_elements
+            "onnx_zero_1_object",
+            b"427",
+            "For BYTE datatype raw input 'INPUT0', the model must have input shape [1]",
+        ),
+        (  # test_multi_variable_dimensions
+            "onnx_zero_1_float16",
+            np.ones([2, 2], np.float16).tobytes(),
+            "The shape of the raw input 'INPUT0' can not be deduced because there are more "
+            "than one variable-sized dimension",
+        ),
+        (  # test_multi_inputs
+            "onnx_zero_3_float32",
+            np.arange(24, dtype=np.float32).tobytes(),
+            "Raw request must only have 1 input (found 1) to be deduced but got 3 inputs in",
+        ),
+    ],
+)
+def test_triton_raw_binary_refusals(triton_qa, model, body, message):
+    status, _, answer = _post(triton_qa, f"/v2/models/{model}/infer", body, RAW)
+    assert status == 400, answer
+    assert json.loads(answer)["error"].startswith(message), answer
+
+
+@pytest.mark.parametrize(
+    ("rows", "message"),
+    [
+        (2**4, "causes total element count to exceed maximum size of"),
+        (2**2, "byte size overflow for input"),
+    ],
+)
+def test_triton_buffer_size_overflow(triton_qa, rows, message):
+    """test_buffer_size_overflow: an element count, then a byte size, past an int64."""
+    payload = {
+        "inputs": [
+            {"name": "INPUT0", "shape": [rows, 2**60 + 2], "datatype": "FP32", "data": [1.0]}
+        ]
+    }
+    status, _, answer = _post(
+        triton_qa, "/v2/models/onnx_zero_1_float32/infer", json.dumps(payload).encode()
+    )
+    assert status == 400 and message in json.loads(answer)["error"], answer
+
+
+def test_triton_negative_dimension_is_a_400(triton_qa):
+    """test_negative_dimensions: Triton answers 500 for the caller's mistake; plugserve 400."""
+    payload = {"inputs": [{"name": "INPUT0", "shape": [2, -5], "datatype": "FP32", "data": [1]}]}
+    status, _, answer = _post(
+        triton_qa, "/v2/models/onnx_zero_1_float32/infer", json.dumps(payload).encode()
+    )
+    assert status == 400 and "negative dimension" in json.loads(answer)["error"], answer
+
+
+@pytest.mark.parametrize(("depth", "ok"), [(120, False), (50, True)])
+@pytest.mark.parametrize(("datatype", "value"), [("BYTES", '"hello"'), ("FP32", "123")])
+def test_triton_json_recursion_depth_limit(triton_qa, depth, ok, datatype, value):
+    """test_json_recursion_depth_limit: a [1, 1] tensor's data nested 50 deep is read; 120
+    deep is refused with Triton's words."""
+    model = "onnx_zero_1_object" if datatype == "BYTES" else "onnx_zero_1_float32"
+    data = "[" * depth + value + "]" * depth
+    body = f'{{"inputs":[{{"name":"INPUT0","datatype":"{datatype}","shape":[1,1],"data":{data}}}]}}'
+    status, _, answer = _post(triton_qa, f"/v2/models/{model}/infer", body.encode())
+    if ok:
+        assert status == 200, answer
+    else:
+        assert status == 400, answer
+        assert (
+            "JSON nesting depth exceeds maximum allowed limit (100)" in json.loads(answer)["error"]
+        )
+
+
+@pytest.mark.parametrize(
+    "body", [b'{"ready": 1}', b'{"ready": "yes"}', b'{"ready": ' + b"[" * 2000 + b"]" * 2000 + b"}"]
+)
+def test_repository_index_ready_must_be_a_boolean(triton_qa, body):
+    """Triton's words for a 'ready' that is no boolean, even one nested past the depth a JSON
+    reader will go (the value is checked first)."""
+    status, _, answer = _post(triton_qa, "/v2/repository/index", body)
+    assert status == 400, answer
+    assert json.loads(answer)["error"].startswith(
+        "Invalid value for 'ready': expected a boolean"
+    ), answer
+
+
+def test_an_oversized_body_says_request_json_size(tmp_path):
+    """Triton's words for a body over the limit ("Request JSON size of N exceeds the maximum
+    allowed value of M"), then the flag that raises it."""
+    from serving import RunningServer, examples_repository
+
+    repo = examples_repository(tmp_path)
+    with RunningServer("--model-repository", str(repo), "--max-message-bytes", "65536") as running:
+        status, _, answer = _post(running, "/v2/models/add/infer", b" " * 70000)
+        assert status == 413, answer
+        message = json.loads(answer)["error"]
+        assert message.startswith("Request JSON size of"), message
+        assert "exceeds the maximum allowed value of 65536" in message
+        assert "--max-message-bytes" in message
