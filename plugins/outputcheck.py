@@ -19,6 +19,18 @@ Shapes do not catch a wrong value. So a device is also run on made-up data
 (:func:`compare_outputs`): op by op when OPENVINO answers QueryNetwork (``openvino/verify.py``)
 and piece by piece when HETERO loads a network, which catches what one op alone does not
 show (openvino 2026.4 computes ReduceSum(keepdims=0) -> Mul -> Sub wrongly, each op right).
+
+The tolerance follows what the device computes in and what each output's element type can
+hold, so a device is refused for being wrong, not for rounding as its type rounds. An output
+whose element type is narrower than f32 (float16, bfloat16) is compared within a few of that
+type's own steps (:data:`NARROW_ULPS`) of the value, and of the output's largest magnitude
+for values a sum brought near zero: an fp16 value near 4 moves
+in steps of 0.0039, and openvino on a CPU with AVX512-FP16 or AMX computes an fp16 model in
+fp16 even at f32 precision (its ACCURACY mode keeps the model's own precision), so a
+LayerNormalization or Conv whose fp16 answers differ from NUMPY's f32-computed ones by a step
+or two is right (a Xeon with AMX refused four fp16 zoo models for differences of
+0.002-0.004). A wrong kernel is still caught: for fp16 that is 0.2 % of a value plus 0.1 % of
+the output's largest, so a 1 % error in an output of values up to 8 is refused.
 """
 
 from __future__ import annotations
@@ -126,6 +138,10 @@ def made_up_inputs(single: onnx.ModelProto) -> dict[str, np.ndarray] | None:
 
 #: (rtol, atol) element by element at f32
 F32_TOLERANCE = (1e-3, 1e-4)
+#: an output of a narrower float type than f32 may differ from the reference by this many of
+#: its own steps relative to the value, and half as many at the output's largest magnitude
+#: (a value that a sum brought near zero carries its terms' rounding, not its own)
+NARROW_ULPS = 2
 #: a reduced precision (bf16: 8 significant bits) is judged on a whole output: its error's
 #: norm within this share of the reference's; element by element, values near zero after a
 #: long sum differ by more than any rtol while the output as a whole is right
@@ -156,17 +172,37 @@ def compare_outputs(
         if expected.dtype.kind not in "biuf":
             continue
         a, b = value.astype(np.float64), expected.astype(np.float64)
-        why = _differs(a, b, precision, expected.dtype.kind in "biu") if a.size else ""
+        why = _differs(a, b, precision, expected.dtype) if a.size else ""
         if why:
             return f"output {name!r} differs from {reference} result {why} on test data"
     return ""
 
 
-def _differs(a: np.ndarray, b: np.ndarray, precision: str, integral: bool) -> str:
+def _step(dtype: np.dtype) -> float:
+    """The relative step (machine epsilon) of a float type narrower than f32; 0 otherwise."""
+    if dtype.kind != "f" and dtype.name != "bfloat16":
+        return 0.0
+    if dtype.itemsize >= 4:
+        return 0.0
+    import ml_dtypes  # numpy has no finfo for bfloat16
+
+    return float(ml_dtypes.finfo(dtype).eps)
+
+
+def _differs(a: np.ndarray, b: np.ndarray, precision: str, dtype: np.dtype) -> str:
+    integral = dtype.kind in "biu"
     if precision == "f32":
-        if np.allclose(a, b, *F32_TOLERANCE, equal_nan=True):
+        rtol, atol = F32_TOLERANCE
+        step = _step(dtype)
+        if step:  # the output's own type rounds coarser than f32: a few of its steps
+            finite = np.abs(b[np.isfinite(b)])
+            largest = float(finite.max()) if finite.size else 0.0
+            rtol = max(rtol, NARROW_ULPS * step)
+            atol = max(atol, NARROW_ULPS * step * largest / 2)
+        if np.allclose(a, b, rtol, atol, equal_nan=True):
             return ""
-        return f"by up to {float(np.nanmax(np.abs(a - b))):.3g}"
+        type_note = f" ({dtype.name}: {NARROW_ULPS} of its steps allowed)" if step else ""
+        return f"by up to {float(np.nanmax(np.abs(a - b))):.3g}{type_note}"
     same_nan = np.isnan(a) == np.isnan(b)
     if not same_nan.all():
         return "in where it is NaN"
