@@ -104,9 +104,9 @@ def disagreement(expected: Expected, value: Any) -> str:
     return ""
 
 
-def made_up_inputs(single: onnx.ModelProto) -> dict[str, np.ndarray] | None:
+def made_up_inputs(single: onnx.ModelProto, dim: int = DIM) -> dict[str, np.ndarray] | None:
     """Data for a model's graph inputs (its constants are initializers): the declared sizes,
-    :data:`DIM` for a symbolic one; None when an input's rank or element type is unknown or
+    ``dim`` for a symbolic one; None when an input's rank or element type is unknown or
     not numeric."""
     rng = np.random.default_rng(0)
     feeds: dict[str, np.ndarray] = {}
@@ -124,7 +124,7 @@ def made_up_inputs(single: onnx.ModelProto) -> dict[str, np.ndarray] | None:
         if dtype.kind not in "biuf":
             return None
         shape = [
-            d.dim_value if d.HasField("dim_value") and d.dim_value >= 0 else DIM
+            d.dim_value if d.HasField("dim_value") and d.dim_value >= 0 else dim
             for d in tensor.shape.dim
         ]
         if dtype.kind == "f":

@@ -51,6 +51,11 @@ __all__ = ["Extension", "NumpyPlugin"]
 
 log = logging.getLogger(__name__)
 
+#: symbolic dimensions of :meth:`NumpyPlugin.computed_types`'s made-up inputs, tried in turn:
+#: small first (cheap), then long enough for a window over the input (Silero VAD's STFT is a
+#: Conv of 256 taps over its samples)
+_PROBE_DIMS = (3, 512)
+
 #: Held while a load times its kernels: loads run in parallel (the server's
 #: --model-load-threads), and two tunings timing at once would each see the other's work as
 #: their kernels' cost.
@@ -135,14 +140,16 @@ class NumpyPlugin(Plugin):
 
         For values ONNX's inference leaves without a rank, though the graph fixes it (a Conv
         after an If whose branches differ in rank): HETERO must declare them where it cuts.
+        Symbolic dimensions are made up small, then long (:data:`_PROBE_DIMS`) when the small
+        ones are refused.
         A value whose rank differs between the two runs is the data's choice and is left out,
         as is one that is not a tensor; one the data decides beyond both runs is caught at run
         time by the check of every value a piece hands on. The dimensions stay unknown. Empty
         when the inputs cannot be made up or a run fails.
         """
         wanted = [n for n in dict.fromkeys(names) if n]
-        feeds = made_up_inputs(graph.to_model())
-        if not wanted or feeds is None:
+        model = graph.to_model()
+        if not wanted or made_up_inputs(model) is None:
             return {}
         producers = graph.producers()
         needed: set[int] = set()
@@ -157,13 +164,23 @@ class NumpyPlugin(Plugin):
             nodes=[n for n in graph.nodes if id(n) in needed],
             outputs=[graph.spec(n) or TensorSpec(n, None, None) for n in wanted],
         )
-        opposite = {k: ~v if v.dtype == bool else 1 - v if v.dtype.kind in "iu" else -v
-                    for k, v in feeds.items()}  # fmt: skip
         try:
             plan = compile_plan(probe, self.registry)
-            runs = [plan.run([f[s.name] for s in probe.inputs]) for f in (feeds, opposite)]
         except Exception:  # no answer: the caller says what it cannot type
-            log.debug("NUMPY: running %r on made-up inputs failed", graph.name, exc_info=True)
+            log.debug("NUMPY: compiling a probe of %r failed", graph.name, exc_info=True)
+            return {}
+        runs = None
+        for dim in _PROBE_DIMS:  # a window (an STFT's Conv of 256 taps) wants long inputs
+            feeds = made_up_inputs(model, dim)
+            opposite = {k: ~v if v.dtype == bool else 1 - v if v.dtype.kind in "iu" else -v
+                        for k, v in feeds.items()}  # fmt: skip
+            try:
+                runs = [plan.run([f[s.name] for s in probe.inputs]) for f in (feeds, opposite)]
+                break
+            except Exception:
+                log.debug("NUMPY: %r on made-up inputs of size %d failed", graph.name, dim,
+                          exc_info=True)  # fmt: skip
+        if runs is None:
             return {}
         found: dict[str, TensorSpec] = {}
         for name, first, second in zip(wanted, *runs):

@@ -80,6 +80,13 @@ def _vad_feeds(rng: np.random.Generator) -> dict[str, np.ndarray]:
     }
 
 
+def _vad_feeds_16k(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """The half-precision export takes no sample rate."""
+    feeds = _vad_feeds(rng)
+    del feeds["sr"]
+    return feeds
+
+
 def _text_feeds(rng: np.random.Generator) -> dict[str, np.ndarray]:
     seq = int(rng.integers(4, 16))
     ids = rng.integers(1000, 30000, size=(1, seq)).astype(np.int64)
@@ -88,16 +95,20 @@ def _text_feeds(rng: np.random.Generator) -> dict[str, np.ndarray]:
     return {"input_ids": ids, "attention_mask": mask, "token_type_ids": np.zeros_like(ids)}
 
 
-for _name, _member in (
-    ("silero_vad", "silero_vad/data/silero_vad.onnx"),
-    ("silero_vad_ifless", "silero_vad/data/silero_vad_op18_ifless.onnx"),
+# the four exports the wheel ships; op15 and half read a Sigmoid's output only inside an If's
+# branches, in a piece of its own on HETERO:OPENVINO,NUMPY (issue 38)
+for _name, _member, _feeds in (
+    ("silero_vad", "silero_vad/data/silero_vad.onnx", _vad_feeds),
+    ("silero_vad_ifless", "silero_vad/data/silero_vad_op18_ifless.onnx", _vad_feeds),
+    ("silero_vad_16k_op15", "silero_vad/data/silero_vad_16k_op15.onnx", _vad_feeds),
+    ("silero_vad_half", "silero_vad/data/silero_vad_half.onnx", _vad_feeds_16k),
 ):
     entry(
         ZooModel(
             _name,
             "wheels",
             _from_wheel(*SILERO, _member),
-            _vad_feeds,
+            _feeds,
             batch_axis=None,  # the state's batch is its second axis, and sr is a scalar
         )
     )
