@@ -394,6 +394,9 @@ class CompiledNetwork(abc.ABC):
     _executor: StreamsExecutor | None = None
     #: ``{state input: state output}`` its requests keep between runs (:meth:`keep_states`)
     state_pairs: Mapping[str, str] = {}
+    #: what computes, before a run, the sizes of the outputs the request's values decide
+    #: (``plugins/amplify.py``; set at load by a device that runs a graph whole), or None
+    amplifying: Any = None
 
     def __init__(self, plugin: Plugin, name: str, config: Configuration) -> None:
         self.plugin = plugin
@@ -603,6 +606,9 @@ class InferRequest(abc.ABC):
                 return self._under(token, self._infer, arrays)
         if token.error is not None:
             raise token.failure()
+        probe = self.network.amplifying
+        if probe is not None and token.room:  # outputs its values size: judged first
+            probe.check(self.network.inputs, arrays)
         self._token = token
         try:
             return self._infer(arrays)

@@ -83,11 +83,16 @@ class Token:
     briefly); one registered after the cancellation runs at once.
     """
 
-    __slots__ = ("_callbacks", "_lock", "error", "finished")
+    __slots__ = ("_callbacks", "_lock", "error", "finished", "room")
 
     def __init__(self) -> None:
         #: the error the run raises once cancelled (None: not cancelled)
         self.error: PlugserveError | None = None
+        #: bytes one output of the run may hold at most, set by its owner (0: no bound): the
+        #: outputs whose size the request's values decide are checked against it before they
+        #: are allocated (``plugins/amplify.py``); it travels with the token to every thread
+        #: and piece of the run
+        self.room = 0
         #: the run is over: cancelling now does nothing (and costs nothing)
         self.finished = False
         self._callbacks: list[Callable[[], object]] = []

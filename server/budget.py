@@ -123,6 +123,13 @@ class MemoryBudget:
         self.used = 0
         self._lock = threading.Lock()
 
+    def free(self) -> int:
+        """Bytes not held now (0: no limit): the most one output of a run admitted now may
+        hold (``plugins/amplify.py`` refuses more before it is allocated)."""
+        if not self.limit:
+            return 0
+        return max(self.limit - self.used, 1)
+
     def holder(self) -> Charge:
         """An empty charge to add to step by step (:meth:`charge` ``onto`` it)."""
         return Charge(self if self.limit else None, 0)

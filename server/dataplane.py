@@ -291,6 +291,7 @@ class DataPlane:
             raise
         executor = entry.executor
         most = self.max_answer_bytes
+        budget = self.budget
         admitted = time.perf_counter()
         token = token if token is not None else cancel.Token()
 
@@ -303,6 +304,7 @@ class DataPlane:
                     f"network {name!r}: the deadline passed while queued "
                     f"({started - admitted:.3f} s in the queue)"
                 )
+            token.room = budget.free()  # what an output its values size may hold at most
             entered = cancel.enter(token)
             try:
                 result = request.infer_checked(arrays)  # checked once, above

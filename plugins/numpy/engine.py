@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 from onnx import AttributeProto
 
-from plugserve.plugins import cancel
+from plugserve.plugins import amplify, cancel
 from plugserve.plugins.api import InferenceError, PerfCount, PlugserveError, TensorSpec, Unsupported
 from plugserve.plugins.ir import Graph, Node, graph_from_proto, subgraph_free_names
 from plugserve.plugins.numpy.kernels.registry import KernelContext, Registry, build_kernel
@@ -236,6 +236,8 @@ def compile_plan(
                     + registry.why_unsupported(node.domain, node.op_type, opset)
                 )
             fn = _build(entry, node, graph, registry, specs, constants, captured, tuner)
+            if amplify.amplifies(node, constants.__contains__):
+                fn = _bounded(fn, node)  # its output's size comes from the request's values
         except Unsupported as exc:
             if unsupported is None:
                 raise
@@ -251,6 +253,16 @@ def compile_plan(
     output_slots = [slot_of(spec.name) for spec in graph.outputs]
     _plan_lifetimes(steps, set(output_slots) | set(input_slots), len(template))
     return Plan(graph, steps, template, input_slots, output_slots)
+
+
+def _bounded(fn: Callable[..., Any], node: Node) -> Callable[..., Any]:
+    """``fn``, refusing first an output over the run's room (``plugins/amplify.py``)."""
+
+    def run(*args: Any) -> Any:
+        amplify.check_node(node, args)
+        return fn(*args)
+
+    return run
 
 
 def _build(

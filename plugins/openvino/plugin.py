@@ -19,6 +19,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from plugserve.plugins import amplify
 from plugserve.plugins.api import (
     STATE_PAIRS,
     BackendUnavailable,
@@ -241,6 +242,7 @@ class OpenvinoPlugin(Plugin):
         )
         network.shape_model = shape_model(proto)
         network.open_ended = has_loop(graph)
+        network.amplifying = amplify.probe(proto)
         log.info(
             "OPENVINO compiled %s in %s (%s)",
             graph.name,

@@ -17,6 +17,7 @@ from typing import Any
 
 import onnx
 
+from plugserve.plugins import amplify
 from plugserve.plugins.api import (
     BackendUnavailable,
     InvalidArgument,
@@ -112,6 +113,7 @@ class OrtPlugin(Plugin):
         except Exception as exc:
             raise self._load_error(graph, exc) from None
         held = self._held(data, proto, graph, cfg)
+        amplifying = amplify.probe(proto)
         del proto  # the sessions parse their own
         # a network that profiles makes sessions while it serves: from its own copy, which a
         # change to the repository's file cannot take away
@@ -133,6 +135,7 @@ class OrtPlugin(Plugin):
         network.shape_model = shapes
         network.open_ended = has_loop(graph)
         network.held = held
+        network.amplifying = amplifying
         return network
 
     @staticmethod

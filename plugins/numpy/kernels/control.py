@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from plugserve.plugins import cancel
+from plugserve.plugins import amplify, cancel
 from plugserve.plugins.numpy.kernels.registry import KernelContext, register
 
 _VERSIONS = (1, 11, 13, 16, 19, 21, 23, 24, 25)
@@ -80,6 +80,7 @@ def loop(ctx: KernelContext):
         go = True if cond is None else _truth(cond)
         cond_value = true if cond is None else np.asarray(cond, dtype=bool).reshape(())
         scans: list[list] = [[] for _ in range(n_scan)]
+        held = 0  # what the scan outputs hold so far: within the run's room as they grow
         i = 0
         while go and (limit is None or i < limit):
             cancel.checkpoint()  # the trip count and the condition come from the request
@@ -88,7 +89,11 @@ def loop(ctx: KernelContext):
             go = bool(cond_value)
             carried = outs[1 : 1 + n_carried]
             for k in range(n_scan):
-                scans[k].append(outs[1 + n_carried + k])
+                value = outs[1 + n_carried + k]
+                scans[k].append(value)
+                held += getattr(value, "nbytes", 0)
+            if n_scan:  # twice: the stacked outputs are made beside the per-step values
+                amplify.check_bytes(2 * held, f"node {ctx.name!r} (Loop) after {i + 1} trips")
             i += 1
         stacked = [
             _stack(values) if values else _empty_scan(out_specs[1 + n_carried + k], scan_dtypes[k])

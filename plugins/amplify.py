@@ -1,0 +1,390 @@
+"""Outputs whose size a request's values decide, bounded before they are allocated.
+
+A 100-byte request can ask ``ConstantOfShape`` for a [100000, 100000] tensor, ``Expand``,
+``Tile``, ``Pad``, ``Resize`` or ``OneHot`` to grow a small input by factors it sends, ``Range``
+for 10^12 steps, or a ``Loop`` for 10^9 iterations each keeping a scan output: gigabytes from
+nothing, on any device, before any check after the run could refuse the answer. So each such
+output's size is worked out from the node's input *values* before the node runs and compared
+with what the run may still allocate, its room (:func:`room`): the server sets it on the run's
+token from its memory budget (``--max-inflight-bytes``: what the budget has free when the
+request is admitted, at most), and a node asking for more is refused with
+:class:`ResourceExhausted` naming the node, the op and the sizes; nothing else is harmed.
+
+Where each device asks:
+
+* NUMPY, from the node's real inputs, just before its kernel (:func:`check_node`; the engine
+  wraps only the nodes :func:`amplifies` picks at load, so other networks pay nothing);
+* ORT and OPENVINO run a graph whole, so the values that decide these sizes are computed
+  first by a small model of their own (:func:`probe`: the nodes those values depend on, when
+  they are cheap shape arithmetic on the inputs; built once at load), on the device's own
+  backend, and the same rules (:data:`OUTPUT_BYTES`) judge them before the real run starts.
+  A deciding value that needs the network's real work (a Conv's output) cannot be known
+  before the run; those nodes are left to the answer's own limit after it.
+
+The rules are a registry of small functions, one per op: what the node's outputs hold, in
+bytes, from its input arrays (``None`` where an input is unknown).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from plugserve.plugins import cancel
+from plugserve.plugins.errors import ResourceExhausted
+
+__all__ = [
+    "OUTPUT_BYTES",
+    "Probe",
+    "amplifies",
+    "check_bytes",
+    "check_node",
+    "probe",
+    "room",
+]
+
+Sizer = Callable[[Any, Sequence[Any]], int]
+#: op -> (bytes its outputs hold, from (node, inputs)); the inputs whose values decide it
+OUTPUT_BYTES: dict[str, tuple[Sizer, tuple[int, ...]]] = {}
+
+
+def rule(op: str, deciding: tuple[int, ...]) -> Callable[[Sizer], Sizer]:
+    def register(fn: Sizer) -> Sizer:
+        OUTPUT_BYTES[op] = (fn, deciding)
+        return fn
+
+    return register
+
+
+def _ints(value: Any) -> list[int]:
+    return [int(v) for v in np.asarray(value).reshape(-1)]
+
+
+def _itemsize(value: Any, default: int = 4) -> int:
+    dtype = getattr(value, "dtype", None)
+    return default if dtype is None else max(np.dtype(dtype).itemsize, 1)
+
+
+def _shape(value: Any) -> tuple[int, ...]:
+    return tuple(getattr(value, "shape", ()))
+
+
+def _attr(node: Any, name: str, default: Any = None) -> Any:
+    attrs = getattr(node, "attrs", None)
+    if attrs is not None:  # plugserve's IR node
+        value = attrs.get(name)
+        return default if value is None else helper.get_attribute_value(value)
+    for attribute in node.attribute:  # an onnx.NodeProto
+        if attribute.name == name:
+            return helper.get_attribute_value(attribute)
+    return default
+
+
+@rule("ConstantOfShape", (0,))
+def _constant_of_shape(node: Any, ins: Sequence[Any]) -> int:
+    value = _attr(node, "value")
+    itemsize = (
+        4 if value is None else np.dtype(helper.tensor_dtype_to_np_dtype(value.data_type)).itemsize
+    )
+    return math.prod(max(d, 0) for d in _ints(ins[0])) * itemsize
+
+
+@rule("Expand", (1,))
+def _expand(node: Any, ins: Sequence[Any]) -> int:
+    target = _ints(ins[1])
+    shape = _shape(ins[0])
+    rank = max(len(target), len(shape))
+    a = (1,) * (rank - len(shape)) + shape
+    b = (1,) * (rank - len(target)) + tuple(target)
+    return math.prod(max(x, y, 0) if 1 in (x, y) else max(x, 0) for x, y in zip(a, b)) * (
+        _itemsize(ins[0])
+    )
+
+
+@rule("Tile", (1,))
+def _tile(node: Any, ins: Sequence[Any]) -> int:
+    reps = _ints(ins[1])
+    shape = _shape(ins[0]) or (1,) * len(reps)
+    return math.prod(max(n, 1) * max(r, 0) for n, r in zip(shape, reps)) * _itemsize(ins[0])
+
+
+@rule("Range", (0, 1, 2))
+def _range(node: Any, ins: Sequence[Any]) -> int:
+    start, limit, delta = (float(np.asarray(v).reshape(-1)[0]) for v in ins[:3])
+    if delta == 0 or not all(map(math.isfinite, (start, limit, delta))):
+        return 0  # refused by the op itself
+    return max(math.ceil((limit - start) / delta), 0) * _itemsize(ins[0], 8)
+
+
+@rule("Pad", (1,))
+def _pad(node: Any, ins: Sequence[Any]) -> int:
+    pads = _ints(ins[1]) if len(ins) > 1 and ins[1] is not None else _ints(_attr(node, "pads", []))
+    shape = list(_shape(ins[0]))
+    axes = _ints(ins[3]) if len(ins) > 3 and ins[3] is not None else list(range(len(shape)))
+    half = len(pads) // 2
+    for i, axis in enumerate(axes[:half]):
+        if -len(shape) <= axis < len(shape):
+            shape[axis] = max(shape[axis] + pads[i] + pads[i + half], 0)
+    return math.prod(shape) * _itemsize(ins[0])
+
+
+@rule("Resize", (1, 2, 3))
+def _resize(node: Any, ins: Sequence[Any]) -> int:
+    shape = _shape(ins[0])
+    sizes = ins[3] if len(ins) > 3 else None
+    if sizes is not None and np.asarray(sizes).size:
+        out = _ints(sizes)
+        if len(out) == len(shape):
+            return math.prod(max(d, 0) for d in out) * _itemsize(ins[0])
+        shape = tuple(shape)  # with axes: the named axes only; bound by the largest
+        return math.prod(shape) * max(max(out), 1) * _itemsize(ins[0])
+    scales = ins[2] if len(ins) > 2 else (ins[1] if len(ins) > 1 else None)
+    if scales is None or not np.asarray(scales).size:
+        return 0
+    factors = [float(s) for s in np.asarray(scales).reshape(-1)]
+    if len(factors) != len(shape):
+        factors = factors + [1.0] * (len(shape) - len(factors))
+    return math.prod(math.floor(max(n, 0) * max(f, 0.0)) for n, f in zip(shape, factors)) * (
+        _itemsize(ins[0])
+    )
+
+
+OUTPUT_BYTES["Upsample"] = (lambda node, ins: _resize(node, [ins[0], ins[1]]), (1,))
+
+
+@rule("OneHot", (1,))
+def _one_hot(node: Any, ins: Sequence[Any]) -> int:
+    depth = int(np.asarray(ins[1]).reshape(-1)[0])
+    values = ins[2] if len(ins) > 2 else None
+    return math.prod(_shape(ins[0])) * max(depth, 0) * _itemsize(values)
+
+
+@rule("Loop", (0,))
+def _loop(node: Any, ins: Sequence[Any]) -> int:
+    """A Loop's trip count times what one iteration's scan outputs hold, as its body declares
+    them (unknown dimensions counted as 1): a lower bound, which an iteration's real outputs
+    refine on NUMPY (its kernel checks the scans as they grow)."""
+    if ins[0] is None or not np.asarray(ins[0]).size:
+        return 0
+    trips = int(np.asarray(ins[0]).reshape(-1)[0])
+    body = _attr(node, "body")
+    if body is None or trips <= 0:
+        return 0
+    carried = max(len(list(getattr(node, "inputs", None) or node.input)) - 2, 0)
+    per_trip = 0
+    for output in list(body.output)[1 + carried :]:
+        tensor = output.type.tensor_type
+        dims = [d.dim_value if d.HasField("dim_value") else 1 for d in tensor.shape.dim]
+        try:
+            itemsize = np.dtype(helper.tensor_dtype_to_np_dtype(tensor.elem_type)).itemsize
+        except Exception:
+            itemsize = 1
+        per_trip += math.prod(max(d, 1) for d in dims) * itemsize
+    return trips * per_trip
+
+
+def room() -> int:
+    """What the run under way may still allocate at once, in bytes (0: no bound)."""
+    token = cancel.current()
+    return 0 if token is None else token.room
+
+
+def check_bytes(nbytes: int, what: str) -> None:
+    """Refuse ``nbytes`` of one output over the run's room, before it is allocated."""
+    bound = room()
+    if bound and nbytes > bound:
+        raise ResourceExhausted(
+            f"{what} would allocate {nbytes:,} bytes, more than this request may hold "
+            f"({bound:,} bytes free of the server's --max-inflight-bytes); send smaller "
+            "sizes, or raise --max-inflight-bytes"
+        )
+
+
+def check_node(node: Any, inputs: Sequence[Any]) -> None:
+    """Before ``node`` runs on its ``inputs``: its outputs' bytes within the run's room."""
+    entry = OUTPUT_BYTES.get(node.op_type)
+    if entry is None or not room():
+        return
+    try:
+        nbytes = entry[0](node, inputs)
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return  # inputs the op itself refuses: its kernel says why
+    check_bytes(nbytes, f"node {node.name!r} ({node.op_type})")
+
+
+def amplifies(node: Any, constant: Callable[[str], bool]) -> bool:
+    """Whether ``node``'s output size depends on a value a request decides: one of its
+    deciding inputs is not a constant (``constant(name)``) of the model's."""
+    entry = OUTPUT_BYTES.get(node.op_type)
+    if entry is None or getattr(node, "domain", "") not in ("", "ai.onnx"):
+        return False
+    names = list(getattr(node, "inputs", None) or node.input)
+    return any(i < len(names) and names[i] and not constant(names[i]) for i in entry[1])
+
+
+# ------------------------------------------------------------------ the probe (ORT, OPENVINO)
+
+#: ops a probe may run: shape arithmetic on small tensors, whose cost is nothing beside the run
+CHEAP = frozenset(
+    {"Shape", "Size", "Gather", "GatherElements", "Concat", "Unsqueeze", "Squeeze", "Reshape",
+     "Cast", "Add", "Sub", "Mul", "Div", "Mod", "Neg", "Abs", "Max", "Min", "Floor", "Ceil",
+     "Round", "Slice", "Identity", "Constant", "ReduceProd", "ReduceSum", "ReduceMax",
+     "ReduceMin", "Equal", "Less", "Greater", "Not", "And", "Or", "Where", "Range", "Sqrt",
+     "Clip", "Flatten", "Transpose"}
+)  # fmt: skip
+
+
+class Probe:
+    """What a device runs before each request of a network with amplifying nodes: ``model``
+    computes each such node's deciding inputs and the shape of its data input; ``judge``
+    applies the rules to one run of it."""
+
+    def __init__(
+        self,
+        model: onnx.ModelProto,
+        plan: list[tuple[onnx.NodeProto, list[str]]],
+        constants: dict[str, np.ndarray],
+    ) -> None:
+        self.model = model
+        #: the network inputs the probe reads, and the values it returns, by name
+        self.inputs = [i.name for i in model.graph.input]
+        self.outputs = [o.name for o in model.graph.output]
+        self._plan = plan
+        self._constants = constants
+        self._wanted = frozenset(self.inputs)
+        self._evaluator: Any = None  # made on first use, on the thread that needs it
+
+    def check(self, inputs: Sequence[Any], arrays: Sequence[Any]) -> None:
+        """Before a run of checked ``arrays`` (the network's ``inputs``' specs, in order): the
+        probe computes the deciding values (onnx's reference evaluator: a few small nodes),
+        and :meth:`judge` refuses what outgrows the run's room."""
+        feeds = {s.name: a for s, a in zip(inputs, arrays) if s.name in self._wanted}
+        if self._evaluator is None:
+            from onnx.reference import ReferenceEvaluator
+
+            self._evaluator = ReferenceEvaluator(self.model)
+        try:
+            values = self._evaluator.run(None, feeds)
+        except Exception:  # inputs the network itself will refuse: its run says why
+            return
+        self.judge(dict(zip(self.outputs, values)))
+
+    def judge(self, values: dict[str, Any]) -> None:
+        """Refuse the request when an amplifying node would outgrow the run's room
+        (``values``: the probe's outputs by name)."""
+        for node, names in self._plan:
+            inputs: list[Any] = []
+            for name in names:
+                if name.startswith(_SHAPE):
+                    shape = values.get(name)
+                    inputs.append(None if shape is None else _Shaped(_ints(shape)))
+                elif name:
+                    inputs.append(values.get(name, self._constants.get(name)))
+                else:
+                    inputs.append(None)
+            check_node(node, inputs)
+
+
+_SHAPE = "plugserve_amplify_shape_of/"
+
+
+class _Shaped:
+    """An input known only by its shape (the rules read ``shape`` and ``dtype``)."""
+
+    __slots__ = ("dtype", "shape")
+
+    def __init__(self, shape: list[int], dtype: Any = np.float32) -> None:
+        self.shape = tuple(shape)
+        self.dtype = np.dtype(dtype)
+
+
+def probe(model: onnx.ModelProto) -> Probe | None:
+    """The probe of ``model`` (None when no node's size depends on a request's values, or no
+    such node's deciding values are cheap to compute before the run)."""
+    graph = model.graph
+    constants = {i.name for i in graph.initializer}
+    constants |= {o for n in graph.node if n.op_type == "Constant" for o in n.output}
+    producers = {o: n for n in graph.node for o in n.output if o}
+    graph_inputs = {i.name for i in graph.input if i.name not in constants}
+
+    def cheap_closure(name: str, seen: dict[str, bool]) -> bool:
+        if name in seen:
+            return seen[name]
+        seen[name] = True  # a cycle cannot happen in ONNX; this guards recursion
+        if not name or name in constants or name in graph_inputs:
+            return True
+        node = producers.get(name)
+        ok = (
+            node is not None
+            and node.domain in ("", "ai.onnx")
+            and node.op_type in CHEAP
+            and all(cheap_closure(i, seen) for i in node.input if i)
+        )
+        seen[name] = ok
+        return ok
+
+    def shape_known(name: str) -> bool:
+        """Whether Shape(name) is cheap: its producer chain is cheap, or it is an input."""
+        return name in graph_inputs or name in constants or cheap_closure(name, seen)
+
+    seen: dict[str, bool] = {}
+    plan: list[tuple[onnx.NodeProto, list[str]]] = []
+    wanted: list[str] = []
+    extra: list[onnx.NodeProto] = []
+    for position, node in enumerate(graph.node):
+        if not amplifies(node, lambda n: n in constants):
+            continue
+        if not node.name:  # named as plugserve's IR names it, for the refusal's message
+            named = onnx.NodeProto()
+            named.CopyFrom(node)
+            named.name = f"{node.op_type}_{position}"
+            node = named
+        deciding = OUTPUT_BYTES[node.op_type][1]
+        names: list[str] = []
+        usable = True
+        for index, name in enumerate(node.input):
+            if index in deciding or not name:
+                if name and not cheap_closure(name, seen):
+                    usable = False
+                names.append(name)
+                if name and name not in constants:
+                    wanted.append(name)
+            elif index == 0 or node.op_type == "OneHot":
+                if shape_known(name):
+                    shape_name = f"{_SHAPE}{name}"
+                    extra.append(helper.make_node("Shape", [name], [shape_name]))
+                    wanted.append(shape_name)
+                    names.append(shape_name)
+                else:
+                    names.append("")  # unknown: the rules count nothing for it
+            else:
+                names.append(name if name in constants else "")
+        if usable:
+            plan.append((node, names))
+    if not plan:
+        return None
+    wanted = list(dict.fromkeys(wanted))
+    keep: list[onnx.NodeProto] = []
+    needed = set(wanted)
+    for node in reversed(list(graph.node) + extra):
+        if any(o in needed for o in node.output):
+            keep.append(node)
+            needed.update(i for i in node.input if i)
+    keep.reverse()
+    kept_inputs = [i for i in graph.input if i.name in needed and i.name not in constants]
+    initializers = [t for t in graph.initializer if t.name in needed]
+    outputs = [helper.make_empty_tensor_value_info(name) for name in wanted]
+    sub = helper.make_graph(keep, f"{graph.name}-probe", kept_inputs, outputs, initializers)
+    made = helper.make_model(sub, opset_imports=list(model.opset_import))
+    made.ir_version = model.ir_version
+    constant_values = {
+        t.name: onnx.numpy_helper.to_array(t)
+        for t in graph.initializer
+        if any(t.name in names for _, names in plan)
+    }
+    return Probe(made, plan, constant_values)
