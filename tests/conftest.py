@@ -1,9 +1,20 @@
 from __future__ import annotations
 
+import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
+
+# The whole run, and every server it starts, writes its temporary files into a folder of its
+# own, so that what a test leaves behind can be found (and another process's files on the
+# machine are not counted): a run that leaves anything but pytest's own folders there fails.
+_SYSTEM_TMP = tempfile.gettempdir()
+_RUN_TMP = tempfile.mkdtemp(prefix="plugserve-tests-", dir=_SYSTEM_TMP)
+os.environ["TMPDIR"] = _RUN_TMP
+tempfile.tempdir = None  # gettempdir() reads TMPDIR again
 
 # tests/support holds the helpers every folder imports (serving, models, reference); tests/ holds
 # the zoo package. Test files sit in folders by area: plugins/<device>, server, client, deploy, zoo.
@@ -34,3 +45,23 @@ def server(tmp_path_factory):
     with RunningServer("--model-repository", str(repo)) as running:
         running.repository = repo
         yield running
+
+
+def _leftovers() -> list[str]:
+    return sorted(n for n in os.listdir(_RUN_TMP) if not n.startswith("pytest-of-"))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Fail a run that leaves files in the temporary folder (a test's servers, caches and
+    scratch folders must be removed by the test), then remove the run's folder."""
+    try:
+        left = _leftovers()
+        if left and exitstatus == 0:
+            sys.stderr.write(
+                f"\nthe test run left {len(left)} entries in its temporary folder: "
+                + ", ".join(left[:20])
+                + "\n"
+            )
+            session.exitstatus = 1
+    finally:
+        shutil.rmtree(_RUN_TMP, ignore_errors=True)

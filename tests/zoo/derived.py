@@ -77,3 +77,90 @@ _derived(
     half_inputs=True,
     **HALF,
 )
+
+
+# onnxruntime's own tools write com.microsoft ops into what they save (issue 38): the transformer
+# optimizer (SkipLayerNormalization, BiasGelu, FastGelu), the dynamic quantizer over its
+# output, and the static quantizer in QOperator format (QLinearConv, QLinearAdd,
+# QLinearGlobalAveragePool); NUMPY runs each (plugins/numpy/kernels/contrib.py).
+
+
+def _ort_optimized(model_type: str, heads: int, hidden: int):
+    def make(source: Path, target: Path) -> None:
+        from onnxruntime.transformers.optimizer import optimize_model
+
+        optimize_model(
+            str(source), model_type=model_type, num_heads=heads, hidden_size=hidden, opt_level=1
+        ).save_model_to_file(str(target))
+
+    return make
+
+
+def _ort_optimized_int8(model_type: str, heads: int, hidden: int):
+    def make(source: Path, target: Path) -> None:
+        import onnx
+        from onnxruntime.quantization import QuantType, quantize_dynamic
+
+        optimized = target.with_name("optimized.onnx")
+        _ort_optimized(model_type, heads, hidden)(source, optimized)
+        quantize_dynamic(
+            str(optimized),
+            str(target),
+            weight_type=QuantType.QInt8,
+            extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT},  # contrib outputs
+        )
+        optimized.unlink()
+
+    return make
+
+
+def _quantize_qoperator(source: Path, target: Path) -> None:
+    """Static quantization in QOperator format (the quantizer's own QLinear* ops), calibrated
+    on a few seeded images, after onnxruntime's pre-processing."""
+    from onnxruntime.quantization import (
+        CalibrationDataReader,
+        QuantFormat,
+        QuantType,
+        quantize_static,
+    )
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    class Images(CalibrationDataReader):
+        def __init__(self) -> None:
+            rng = np.random.default_rng(1)
+            self.batches = iter(
+                [{"x": rng.normal(size=(1, 3, 32, 32)).astype(np.float32)} for _ in range(4)]
+            )
+
+        def get_next(self):
+            return next(self.batches, None)
+
+    prepared = target.with_name("prepared.onnx")
+    quant_pre_process(str(source), str(prepared))
+    import onnx
+
+    Images.name = onnx.load(str(prepared)).graph.input[0].name
+    reader = Images()
+    reader.batches = iter([{Images.name: b["x"]} for b in reader.batches])
+    quantize_static(
+        str(prepared),
+        str(target),
+        reader,
+        quant_format=QuantFormat.QOperator,
+        activation_type=QuantType.QUInt8,
+        weight_type=QuantType.QInt8,
+    )
+    prepared.unlink()
+
+
+_derived("bert_ortopt", "bert_script", _ort_optimized("bert", 2, 32))
+_derived("vit_ortopt", "vit_script", _ort_optimized("vit", 2, 32))
+_derived("gpt2_past_ortopt", "gpt2_past_script", _ort_optimized("gpt2", 0, 0))
+_derived(
+    "bert_ortopt_int8",
+    "bert_script",
+    _ort_optimized_int8("bert", 2, 32),
+    unbatchable=DYNAMIC_SCALE,
+)
+# QLinear ops end in integers: within one output step of onnxruntime (its SIMD requantization)
+_derived("resnet_int8_qop", "resnet_script", _quantize_qoperator, atol=0.05, rtol=0.0)

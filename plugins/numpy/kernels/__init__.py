@@ -1,9 +1,11 @@
-"""NUMPY's kernels for the ONNX standard domains, one family of ops per module.
+"""NUMPY's kernels for the ONNX standard domains (and onnxruntime's contrib ops its tools
+write: :mod:`contrib`), one family of ops per module.
 
 Importing this package registers every kernel in :data:`registry.default_registry`.
 """
 
 from plugserve.plugins.numpy.kernels import (  # noqa: F401  (imported to register kernels)
+    contrib,
     control,
     conv,
     elementwise,
