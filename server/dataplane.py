@@ -211,7 +211,8 @@ class DataPlane:
     ) -> Future | Finished:
         """Admit one inference (see :meth:`admit`); ``step``: the request's place in a
         sequence (its ``sequence_*`` parameters), which a network with Triton's sequence
-        batching requires and others refuse."""
+        batching requires and others refuse. For a sequence, ``checked`` only says that
+        ``inputs`` (by name) were checked against the network's client-facing specs."""
         if step is None and entry.sequences is None:
             return self.admit(
                 entry, inputs, outputs, deadline, inline, token, holds, after, checked
@@ -233,7 +234,7 @@ class DataPlane:
                 )
             wanted = self._outputs(entry, outputs)
             return entry.sequences.submit(
-                step, inputs, wanted, deadline, token, holds, after, inline
+                step, inputs, wanted, deadline, token, holds, after, inline, checked is not None
             )
         except ResourceExhausted:
             entry.recorder.refused("overloaded")

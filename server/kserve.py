@@ -157,23 +157,33 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             if timeout is not None:
                 own = time.monotonic() + timeout
                 when = own if when is None else min(when, own)
-        # a request of a sequence, or to a sequence model, is the sequence batcher's
-        # (server/sequences.py): the plain lane is for the rest
-        plain = None
-        if step is None and entry.sequences is None:
-            plain = plain_lane(entry).decode(request)
+        lane = plain_lane(entry)
+        plain = lane.decode(request)
         if plain is not None:  # views of the message: charged when admitted
             checked, outputs = plain
-            future = self.plane.admit(
-                entry,
-                {},
-                outputs,
-                when,
-                token=token,
-                holds=size * GRPC_FACTOR,
-                inline=inline,
-                checked=checked,
-            )
+            if step is None and entry.sequences is None:
+                future = self.plane.admit(
+                    entry,
+                    {},
+                    outputs,
+                    when,
+                    token=token,
+                    holds=size * GRPC_FACTOR,
+                    inline=inline,
+                    checked=checked,
+                )
+            else:  # a request of a sequence: the sequence batcher's (server/sequences.py)
+                future = self.plane.submit(
+                    entry,
+                    dict(zip(lane.names, checked)),
+                    outputs,
+                    when,
+                    inline=inline,
+                    token=token,
+                    holds=size * GRPC_FACTOR,
+                    step=step,
+                    checked=checked,
+                )
             return entry, future
 
         def decode_and_submit():

@@ -409,10 +409,14 @@ class PlainLane:
     HEADERS = 64
 
     def __init__(self, entry: LoadedNetwork) -> None:
-        specs = entry.network.inputs
+        # a sequence model's requests carry what its client sends (the batcher adds the
+        # controls and states): the lane reads those, and they go on by name
+        specs = entry.inputs if entry.sequences is not None else entry.network.inputs
         plain = all(_plain_spec(spec) for spec in specs)
         #: input name -> its _PlainInput (empty: this network's requests take the general path)
         self.inputs = {s.name: _PlainInput(i, s) for i, s in enumerate(specs)} if plain else {}
+        #: the inputs' names in the lane's order (a sequence request's arrays go by name)
+        self.names = [s.name for s in specs]
         self.outputs = frozenset(entry.output_names)
         self.head = pb.ModelInferResponse(
             model_name=entry.name, model_version=str(entry.version)

@@ -410,13 +410,17 @@ def sequence_step(parameters: Mapping[str, Any] | None) -> Step | None:
 
 
 class _Item:
-    """One admitted request of a sequence, waiting for its turn or running."""
+    """One admitted request of a sequence, waiting for its turn or running; ``checked``: its
+    inputs were checked against the network's specs already (a protocol's plain lane)."""
 
-    __slots__ = ("after", "deadline", "future", "holds", "inputs", "step", "token", "wanted")
+    __slots__ = (
+        "after", "checked", "deadline", "future", "holds", "inputs", "step", "token", "wanted"
+    )  # fmt: skip
 
-    def __init__(self, step, inputs, wanted, deadline, token, holds, after) -> None:
+    def __init__(self, step, inputs, wanted, deadline, token, holds, after, checked) -> None:
         self.step, self.inputs, self.wanted = step, inputs, wanted
         self.deadline, self.token, self.holds, self.after = deadline, token, holds, after
+        self.checked = checked
         self.future: Future = Future()
 
 
@@ -513,6 +517,8 @@ class SequenceBatcher:
         self._shared = shared
         self._joined = joined
         inputs = [spec.name for spec in specs]
+        #: the network's inputs in its order (a checked run's arrays are passed so)
+        self._order = inputs
         missing = [
             n
             for n in [c.name for c in settings.controls] + [s.input for s in settings.states]
@@ -567,10 +573,12 @@ class SequenceBatcher:
         holds: int,
         after: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None,
         inline: bool = False,
+        checked: bool = False,
     ) -> Future:
         """Admit one request of a sequence; its future holds the outputs ``wanted``.
         ``inline``: the caller waits for it (a unary call), so when it can run at once it runs
-        on the caller's thread."""
+        on the caller's thread. ``checked``: ``inputs`` passed the network's checks already,
+        so its run (one row) is admitted without checking them again."""
         if self._ovms:
             inputs, step = self._ovms_step(inputs, step)
         elif step is None or step.id in (0, ""):
@@ -579,7 +587,7 @@ class SequenceBatcher:
                 "correlation ID"
             )
         self._check(step, inputs)
-        item = _Item(step, inputs, wanted, deadline, token, holds, after)
+        item = _Item(step, inputs, wanted, deadline, token, holds, after, checked)
         with self._lock:
             if self._closed:
                 raise ResourceExhausted(
@@ -857,6 +865,7 @@ class SequenceBatcher:
                 inline,
                 token,
                 sum(i.holds for _, i in rows),
+                checked=self._checked(rows, feed),
             )
         except BaseException as exc:
             forget()
@@ -864,6 +873,13 @@ class SequenceBatcher:
                 self._done(sequence, item, None, exc)
             return
         future.add_done_callback(lambda f: (forget(), self._finish(rows, f)))
+
+    def _checked(self, rows: list[tuple[_Sequence, _Item]], feed: dict[str, Any]) -> list | None:
+        """One row whose inputs a protocol's lane checked: the run's arrays in the network's
+        order (the rest are the batcher's own), which its admission takes as checked."""
+        if len(rows) == 1 and rows[0][1].checked:
+            return [feed[n] for n in self._order]
+        return None
 
     def _finish(self, rows: list[tuple[_Sequence, _Item]], future: Any) -> None:
         exc = future.exception()

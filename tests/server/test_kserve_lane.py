@@ -28,6 +28,7 @@ class Network:
 class Entry:
     name, version, network = "net", 4, Network()
     output_names = ["y", "z"]
+    sequences = None
 
     def __init__(self):
         self.lanes = {}
