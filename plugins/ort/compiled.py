@@ -165,6 +165,10 @@ class OrtCompiledNetwork(CompiledNetwork):
     def close(self) -> None:
         super().close()
         self.source.close()
+        with self._lock:  # a request that profiles after this makes a folder of its own again
+            profiles, self._profiles = self._profiles, None
+        if profiles is not None:
+            profiles.cleanup()
 
     def __del__(self) -> None:
         super().__del__()

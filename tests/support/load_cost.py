@@ -18,6 +18,7 @@ import contextlib
 import gc
 import json
 import os
+import shutil
 import sys
 import tempfile
 from collections.abc import Callable
@@ -140,9 +141,15 @@ def measure(device: str, copies: int, sizes: tuple[int, ...] = DEFAULT_SIZES) ->
 
     reuse_freed_memory(Settings().malloc_reuse_bytes)
     folder = Path(tempfile.mkdtemp(prefix="plugserve-load-cost-"))
-    path = save_mlp(folder, sizes)
-    result = per_copy({"bare": bare(device, path), "plugserve": plugserve(device, path)}, copies)
-    return {"device": device, "copies": copies, "model_mb": path.stat().st_size / 1e6, **result}
+    try:
+        path = save_mlp(folder, sizes)
+        result = per_copy(
+            {"bare": bare(device, path), "plugserve": plugserve(device, path)}, copies
+        )
+        megabytes = path.stat().st_size / 1e6
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return {"device": device, "copies": copies, "model_mb": megabytes, **result}
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import shutil
@@ -37,6 +38,9 @@ def serve_command(*args: str, python: str = "") -> list[str]:
     ]
 
 
+_SCRATCH = itertools.count()
+
+
 class RunningServer:
     """Call :meth:`start`; ``target`` is host:port for gRPC, ``metrics_url`` the scrape URL,
     ``http_url`` the KServe v2 REST base (``http_port``; 0 when the server runs without it)."""
@@ -55,7 +59,10 @@ class RunningServer:
         # never in the checkout the tests run from; one made here is removed when the server
         # stops (and made again if it is started again).
         self._scratch = cwd is None
-        self.cwd = cwd or tempfile.mkdtemp(prefix="plugserve-server-")
+        # named now, made when the server starts (a server never started leaves nothing)
+        self.cwd = cwd or os.path.join(
+            tempfile.gettempdir(), f"plugserve-server-{os.getpid()}-{next(_SCRATCH)}"
+        )
         self.process: subprocess.Popen | None = None
         self.lines: list[str] = []
         self.grpc_port = 0
