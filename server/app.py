@@ -43,6 +43,7 @@ from plugserve.server.examples import build_examples, default_examples_dir
 from plugserve.server.handlers import add_service
 from plugserve.server.metrics import Metrics
 from plugserve.server.model_control import ModelControl
+from plugserve.server.pipelines.python.device import PythonPlugin
 from plugserve.server.repository import Repository, single_model_repository
 from plugserve.server.rest import RestApp, RestServer
 from plugserve.server.security import (
@@ -109,7 +110,9 @@ class Server:
         self.settings = settings
         self.metrics = Metrics(plugserve_version())
         tensors.set_max_string_elements(settings.max_string_elements)
-        self.core = Core()
+        # Triton's python backend is a device of the server's (its models run in processes
+        # of their own: server/pipelines/python)
+        self.core = Core(plugins={"PYTHON": PythonPlugin})
         self.plugin_settings = load_plugins_file(settings.plugins) if settings.plugins else None
         self._configure_plugins()
         # after the operator's --plugins file: the caps bound what clients ask for

@@ -70,6 +70,7 @@ _DEVICES = {
     "onnxruntime_onnx": "ORT",
     "onnxruntime": "ORT",
     "openvino": "OPENVINO",
+    "python": "PYTHON",  # Triton's python backend: server/pipelines/python
 }
 _ACTED_ON = {
     "name",
@@ -113,6 +114,8 @@ class VersionPolicy:
 
 EVERY_VERSION = VersionPolicy("all")
 MODEL_FILE = "model.onnx"
+#: a python-backend model's file in each version folder, as Triton names it
+PYTHON_MODEL_FILE = "model.py"
 
 
 @dataclasses.dataclass
@@ -151,7 +154,7 @@ def read_triton(path: Path) -> ModelSettings:
     return dataclasses.replace(_parse_triton(str(path), text))  # a copy: callers may edit it
 
 
-def _messages() -> Any:
+def messages() -> Any:
     """The generated ``model_config_pb2``, imported on first use: a process that also imports
     tritonclient (tests, tools) cannot hold both modules (their proto packages clash), and
     only servers with a Triton repository or load overrides need it."""
@@ -163,7 +166,7 @@ def _messages() -> Any:
 @functools.lru_cache(maxsize=256)
 def _parse_triton(where: str, text: str) -> ModelSettings:
     path = Path(where)
-    mc = _messages()
+    mc = messages()
     try:
         config = text_format.Parse(text, mc.ModelConfig())
     except text_format.ParseError as exc:
@@ -214,8 +217,9 @@ def _parse_triton(where: str, text: str) -> ModelSettings:
     if streams:
         out.config["NUM_STREAMS"] = str(streams)
     out.policy = policy_of(config.version_policy, path)
+    own_file = PYTHON_MODEL_FILE if out.device == "PYTHON" else MODEL_FILE
     out.model_file = plain_file_name(
-        config.default_model_filename or MODEL_FILE, f"{path}: default_model_filename"
+        config.default_model_filename or own_file, f"{path}: default_model_filename"
     )
     for key, value in config.parameters.items():
         if key.isupper():
@@ -240,7 +244,7 @@ def read_sequence_json(
 ) -> SequenceSettings:
     """A ``config.json``'s ``sequence_batching``: Triton's message in its JSON form (as in
     Triton's JSON model configurations and load overrides), read as config.pbtxt's."""
-    mc = _messages()
+    mc = messages()
     try:
         message = json_format.ParseDict(raw, mc.ModelSequenceBatching())
     except json_format.ParseError as exc:
@@ -439,7 +443,7 @@ def write_overrides(folder: Path, name: str, config: str | None, files: dict[str
     config.pbtxt, each ``<version>/<file name>`` written inside ``folder`` and nowhere else."""
     if config is not None:
         try:
-            message = json_format.Parse(config, _messages().ModelConfig())
+            message = json_format.Parse(config, messages().ModelConfig())
         except (json_format.ParseError, ValueError) as exc:
             raise InvalidArgument(f"model {name!r}: the 'config' override: {exc}") from None
         (folder / TRITON_FILE).write_text(text_format.MessageToString(message))

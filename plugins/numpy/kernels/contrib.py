@@ -21,7 +21,7 @@ import math
 import numpy as np
 
 from plugserve.plugins.numpy.kernels.elementwise import gelu_erf_halved_f32
-from plugserve.plugins.numpy.kernels.quantize import _RANGES, _centered
+from plugserve.plugins.numpy.kernels.quantize import RANGES, centered
 from plugserve.plugins.numpy.kernels.registry import KernelContext, register
 
 MS = "com.microsoft"
@@ -285,8 +285,8 @@ def _attention_op(ctx: KernelContext, quantized: bool):
     def run_quantized(
         x, weight, bias, x_scale, w_scale, mask=None, x_zp=None, w_zp=None, past=None
     ):
-        xs = _centered(x, x_zp) * np.float64(np.asarray(x_scale).reshape(()))
-        ws = _centered(weight, w_zp) * np.asarray(w_scale, np.float64)
+        xs = centered(x, x_zp) * np.float64(np.asarray(x_scale).reshape(()))
+        ws = centered(weight, w_zp) * np.asarray(w_scale, np.float64)
         return attend(xs.astype(np.float32), ws.astype(np.float32), bias, mask, past)
 
     return run_quantized
@@ -335,11 +335,11 @@ def embed_layer_normalization(ctx: KernelContext):
 
 
 def _dequant(x, scale, zp) -> np.ndarray:
-    return _centered(x, zp) * np.asarray(scale, np.float64)
+    return centered(x, zp) * np.asarray(scale, np.float64)
 
 
 def _quant(y: np.ndarray, scale, zp, dtype: np.dtype) -> np.ndarray:
-    lo, hi = _RANGES[np.dtype(dtype)]
+    lo, hi = RANGES[np.dtype(dtype)]
     q = np.rint(y / np.asarray(scale, np.float64))
     if zp is not None:
         q += np.asarray(zp, np.float64)
@@ -413,8 +413,8 @@ def qgemm(ctx: KernelContext):
     ta, tb = bool(ctx.attr("transA", 0)), bool(ctx.attr("transB", 0))
 
     def run(a, a_scale, a_zp, b, b_scale, b_zp, c=None, y_scale=None, y_zp=None):
-        am = _centered(a.T if ta else a, a_zp)
-        bm = _centered(b.T if tb else b, _column(b_zp, tb))
+        am = centered(a.T if ta else a, a_zp)
+        bm = centered(b.T if tb else b, _column(b_zp, tb))
         scale = np.asarray(a_scale, np.float64) * _column(np.asarray(b_scale, np.float64), tb)
         acc = np.matmul(am, bm)
         if c is not None:

@@ -189,6 +189,11 @@ def _centered(v: np.ndarray, zp) -> np.ndarray:
     return out
 
 
+#: for the contrib ops' quantized kernels (plugins/numpy/kernels/contrib.py)
+RANGES = _RANGES
+centered = _centered
+
+
 def _check_int8(ctx: KernelContext, *inputs: int) -> None:
     for i in inputs:
         dtype = ctx.input_dtype(i)

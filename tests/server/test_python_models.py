@@ -1,0 +1,236 @@
+"""Triton python-backend models (issue 36) against a real server, with tritonclient over gRPC
+and HTTP: Triton's add_sub example laid out as its README lays it out (our own model.py with
+the same API calls, names and client flow), ``async def execute``, and everything a model can
+do wrong, each showing the server keeps serving the other models: an exception, a process
+that dies, a request that hangs past its deadline, a model that fails to import or to
+initialize, an output missing or of the wrong type, a response count that does not match."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+grpcclient = pytest.importorskip("tritonclient.grpc", reason="pip install 'tritonclient[all]'")
+httpclient = pytest.importorskip("tritonclient.http", reason="pip install 'tritonclient[all]'")
+from tritonclient.utils import InferenceServerException  # noqa: E402
+
+ADD_SUB_CONFIG = """
+name: "{name}"
+backend: "python"
+input [ {{ name: "INPUT0" data_type: TYPE_FP32 dims: [ 4 ] }} ]
+input [ {{ name: "INPUT1" data_type: TYPE_FP32 dims: [ 4 ] }} ]
+output [ {{ name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] }} ]
+output [ {{ name: "OUTPUT1" data_type: TYPE_FP32 dims: [ 4 ] }} ]
+instance_group [ {{ kind: KIND_CPU count: {count} }} ]
+{extra}
+"""
+
+#: Triton's add_sub example, as its README writes it (the same calls; our own text)
+ADD_SUB = """
+import json
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.model_config = model_config = json.loads(args["model_config"])
+        assert args["model_name"] and args["model_instance_kind"] == "CPU"
+        output0_config = pb_utils.get_output_config_by_name(model_config, "OUTPUT0")
+        output1_config = pb_utils.get_output_config_by_name(model_config, "OUTPUT1")
+        self.output0_dtype = pb_utils.triton_string_to_numpy(output0_config["data_type"])
+        self.output1_dtype = pb_utils.triton_string_to_numpy(output1_config["data_type"])
+
+    {execute_prefix}def execute(self, requests):
+        responses = []
+        for request in requests:
+            in_0 = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
+            in_1 = pb_utils.get_input_tensor_by_name(request, "INPUT1").as_numpy()
+            {behaviour}
+            out_0 = pb_utils.Tensor("OUTPUT0", (in_0 + in_1).astype(self.output0_dtype))
+            out_1 = pb_utils.Tensor("OUTPUT1", (in_0 - in_1).astype(self.output1_dtype))
+            responses.append(pb_utils.InferenceResponse(output_tensors=[out_0, out_1]))
+        return responses
+
+    def finalize(self):
+        print("Cleaning up...")
+"""
+
+#: what a misbehaving model does when INPUT0[0] is this value (else it adds and subtracts)
+BEHAVIOURS = {
+    "raises": "if in_0[0] == 7: raise ValueError('seven is not allowed here')",
+    "dies": "if in_0[0] == 7: import os; os._exit(3)",
+    "hangs": "if in_0[0] == 7: import time; time.sleep(600)",
+    "wrong_type": (
+        "if in_0[0] == 7: responses.append(pb_utils.InferenceResponse("
+        "output_tensors=[pb_utils.Tensor('OUTPUT0', in_0.astype(np.int32)), "
+        "pb_utils.Tensor('OUTPUT1', in_1)])); continue"
+    ),
+    "missing": (
+        "if in_0[0] == 7: responses.append(pb_utils.InferenceResponse("
+        "output_tensors=[pb_utils.Tensor('OUTPUT1', in_1)])); continue"
+    ),
+    "too_many": "if in_0[0] == 7: responses.append(pb_utils.InferenceResponse([]))",
+}
+
+
+def _entry(root: Path, name: str, model: str, count: int = 1, extra: str = "") -> None:
+    (root / name / "1").mkdir(parents=True)
+    (root / name / "config.pbtxt").write_text(
+        ADD_SUB_CONFIG.format(name=name, count=count, extra=extra)
+    )
+    (root / name / "1" / "model.py").write_text(textwrap.dedent(model))
+
+
+def _add_sub(behaviour: str = "pass", execute_prefix: str = "") -> str:
+    return ADD_SUB.format(behaviour=behaviour, execute_prefix=execute_prefix)
+
+
+@pytest.fixture(scope="module")
+def running(tmp_path_factory):
+    from serving import RunningServer
+
+    root = tmp_path_factory.mktemp("python-repo")
+    _entry(root, "add_sub", _add_sub(), count=2)
+    _entry(root, "add_sub_async", _add_sub(execute_prefix="async "))
+    for name, behaviour in BEHAVIOURS.items():
+        _entry(root, name, _add_sub(behaviour))
+    _entry(root, "fails_import", "import no_such_module_anywhere\n")
+    _entry(root, "fails_initialize", _add_sub().replace(
+        "self.model_config = model_config", "raise RuntimeError('no GPU here'); model_config"
+    ))  # fmt: skip
+    _entry(
+        root,
+        "own_python",
+        _add_sub(),
+        extra=f'parameters {{ key: "EXECUTION_ENV_PATH" value: {{ string_value: '
+        f'"{sys.executable}" }} }}',
+    )
+    with RunningServer(
+        "--model-repository", str(root), "--exit-on-error", "0", "--max-request-seconds", "60"
+    ) as server:
+        server.repository = root
+        yield server
+
+
+def _inputs(module, a: np.ndarray, b: np.ndarray):
+    i0 = module.InferInput("INPUT0", [4], "FP32")
+    i0.set_data_from_numpy(a)
+    i1 = module.InferInput("INPUT1", [4], "FP32")
+    i1.set_data_from_numpy(b)
+    return [i0, i1]
+
+
+def _client(running, protocol: str):
+    if protocol == "grpc":
+        return grpcclient, grpcclient.InferenceServerClient(running.target)
+    return httpclient, httpclient.InferenceServerClient(running.http_target)
+
+
+def _serves(running, model: str = "add_sub", protocol: str = "grpc") -> None:
+    module, client = _client(running, protocol)
+    try:
+        a = np.random.default_rng(0).random(4, dtype=np.float32)
+        b = np.random.default_rng(1).random(4, dtype=np.float32)
+        outputs = [module.InferRequestedOutput("OUTPUT0"), module.InferRequestedOutput("OUTPUT1")]
+        result = client.infer(model, _inputs(module, a, b), outputs=outputs)
+        np.testing.assert_allclose(result.as_numpy("OUTPUT0"), a + b)
+        np.testing.assert_allclose(result.as_numpy("OUTPUT1"), a - b)
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+@pytest.mark.parametrize("model", ["add_sub", "add_sub_async", "own_python"])
+def test_add_sub_as_triton_serves_it(running, model, protocol):
+    """Triton's add_sub example client flow (INPUT0 + INPUT1, INPUT0 - INPUT1), plain and
+    ``async def execute``, and under a Python the model names (EXECUTION_ENV_PATH)."""
+    _serves(running, model, protocol)
+    _module, client = _client(running, protocol)
+    try:
+        assert client.is_model_ready(model)
+        metadata = client.get_model_metadata(model)
+        names = (
+            [i["name"] for i in metadata["inputs"]]
+            if protocol == "http"
+            else [i.name for i in metadata.inputs]
+        )
+        assert names == ["INPUT0", "INPUT1"]
+    finally:
+        client.close()
+
+
+def _refused(running, model: str, protocol: str = "grpc", timeout: float | None = None):
+    module, client = _client(running, protocol)
+    try:
+        a = np.full(4, 7, np.float32)
+        with pytest.raises(InferenceServerException) as refused:
+            if timeout is not None and protocol == "grpc":
+                client.infer(model, _inputs(module, a, a), client_timeout=timeout)
+            else:
+                client.infer(model, _inputs(module, a, a))
+        return refused.value
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_an_exception_answers_its_request_with_its_message(running, protocol):
+    error = _refused(running, "raises", protocol)
+    assert "seven is not allowed here" in str(error), error
+    assert "ValueError" in str(error)
+    _serves(running, "raises", protocol)  # the same process answers the next request
+    _serves(running)
+
+
+def test_a_process_that_dies_fails_its_request_and_is_started_again(running):
+    error = _refused(running, "dies")
+    assert "its process ended while running the request" in str(error), error
+    assert "exit code 3" in str(error)
+    _serves(running)  # other models meanwhile
+    _serves(running, "dies")  # and it again, in a new process
+    assert running.process.poll() is None
+
+
+def test_a_request_that_hangs_ends_at_its_deadline_and_the_process_is_replaced(running):
+    error = _refused(running, "hangs", timeout=2.0)
+    assert "DEADLINE_EXCEEDED" in str(error.status()), error
+    _serves(running)
+    _serves(running, "hangs")  # a new process answers at once
+
+
+@pytest.mark.parametrize(
+    ("model", "words"),
+    [
+        ("wrong_type", ["output 'OUTPUT0' is int32", "config.pbtxt says float32"]),
+        ("missing", ["has no output 'OUTPUT0'"]),
+        ("too_many", ["execute returned 2 responses for 1 requests"]),
+    ],
+)
+def test_bad_responses_name_the_model_and_the_tensor(running, model, words):
+    error = _refused(running, model)
+    assert f"python model '{model}'" in str(error), error
+    for word in words:
+        assert word in str(error), error
+    _serves(running, model)
+
+
+@pytest.mark.parametrize(
+    ("model", "reason"),
+    [
+        ("fails_import", "No module named 'no_such_module_anywhere'"),
+        ("fails_initialize", "RuntimeError: no GPU here"),
+    ],
+)
+def test_a_model_that_cannot_load_says_why_and_the_others_serve(running, model, reason):
+    _module, client = _client(running, "http")
+    try:
+        assert not client.is_model_ready(model)
+    finally:
+        client.close()
+    assert reason in running.log, running.log[-3000:]
+    _serves(running)
