@@ -62,6 +62,9 @@ WORKER = Path(__file__).resolve().parent / "worker.py"
 INITIALIZE_SECONDS = 300.0
 #: how long finalize may take when a model is unloaded
 FINALIZE_SECONDS = 10.0
+#: each instance's two arenas (requests in, answers out): larger tensors travel in a memfd of
+#: their own; memory is taken only as pages are touched
+ARENA_BYTES = 8 << 20
 
 _DTYPES = {
     "TYPE_BOOL": np.bool_, "TYPE_UINT8": np.uint8, "TYPE_UINT16": np.uint16,
@@ -145,6 +148,8 @@ class Worker:
         self.sock: socket.socket | None = None
         self.lock = threading.Lock()
         self.restarts = 0
+        self.inbox: ipc.Arena | None = None  # the process reads requests from it
+        self.outbox: ipc.Arena | None = None  # and writes answers into this one
 
     def start(self) -> None:
         """Spawn the process and initialize the model in it; InvalidModel with the model's
@@ -160,10 +165,11 @@ class Worker:
         finally:
             theirs.close()
         self.sock = ours
+        self.inbox, self.outbox = ipc.Arena(ARENA_BYTES), ipc.Arena(ARENA_BYTES, writable=False)
         ours.settimeout(INITIALIZE_SECONDS)
         try:
             ipc.send(ours, {"op": "initialize", "model_path": str(self.model_path),
-                            "args": self.args})  # fmt: skip
+                            "args": self.args}, self.inbox.fd, self.outbox.fd)  # fmt: skip
             reply, _ = ipc.receive(ours)
         except (OSError, EOFError, ValueError) as exc:
             self.kill()
@@ -184,37 +190,68 @@ class Worker:
         if sock is not None:
             sock.close()
         self.sock = None
+        for arena in (self.inbox, self.outbox):
+            if arena is not None:
+                arena.close()
+        self.inbox = self.outbox = None
 
-    def execute(self, header: dict[str, Any], fd: int) -> tuple[dict[str, Any], int]:
+    def run(self, tensors: dict[str, np.ndarray], header: dict[str, Any]) -> Any:
+        """``header`` with ``tensors`` to the process, and its answer: ``(reply, outputs)``,
+        the outputs copied out of the answer's memory (the next request reuses it)."""
+        with self.lock:
+            self._ready()
+            inbox, outbox = self.inbox, self.outbox  # a cancel may close them meanwhile
+            described = inbox.pack(tensors)
+            fd = -1
+            if described is None:
+                described, fd = ipc.pack_tensors(tensors)
+            else:
+                header["arena"] = True
+            header["tensors"] = described
+            try:
+                reply, out_fd = self._exchange(header, fd)
+            finally:
+                if fd >= 0:
+                    os.close(fd)
+            if "error" in reply:
+                if out_fd >= 0:
+                    os.close(out_fd)
+                return reply, {}
+            if reply.get("arena"):
+                return reply, outbox.unpack(reply.get("tensors", []), copy=True)
+            return reply, ipc.unpack_tensors(reply.get("tensors", []), out_fd)
+
+    def _ready(self) -> None:
+        if not self.alive():
+            if self.process is not None:
+                self.restarts += 1
+                log.warning("%s: starting its process again", self.label)
+            self.kill()
+            self.start()
+
+    def _exchange(self, header: dict[str, Any], fd: int) -> tuple[dict[str, Any], int]:
         """One exchange with the process, answering to the run's token: cancelled (its
         deadline, its client gone), the process is killed and started again next time."""
-        with self.lock:
-            if not self.alive():
-                if self.process is not None:
-                    self.restarts += 1
-                    log.warning("%s: starting its process again", self.label)
-                self.kill()
-                self.start()
-            token = cancel.current()
-            forget = token.on_cancel(self.kill) if token is not None else None
-            try:
-                ipc.send(self.sock, header, fd)
-                return ipc.receive(self.sock)
-            except (OSError, EOFError, ValueError, AttributeError) as exc:
-                if token is not None and token.error is not None:
-                    raise token.failure() from None
-                code = None
-                if self.process is not None:  # its socket closed: it is exiting, or hung up
-                    with contextlib.suppress(subprocess.TimeoutExpired):
-                        code = self.process.wait(2)
-                self.kill()
-                raise InferenceError(
-                    f"{self.label}: its process ended while running the request (exit code "
-                    f"{code}: {exc or 'no answer'}); it is started again for the next request"
-                ) from None
-            finally:
-                if forget is not None:
-                    forget()
+        token = cancel.current()
+        forget = token.on_cancel(self.kill) if token is not None else None
+        try:
+            ipc.send(self.sock, header, fd)
+            return ipc.receive(self.sock)
+        except (OSError, EOFError, ValueError, AttributeError) as exc:
+            if token is not None and token.error is not None:
+                raise token.failure() from None
+            code = None
+            if self.process is not None:  # its socket closed: it is exiting, or hung up
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    code = self.process.wait(2)
+            self.kill()
+            raise InferenceError(
+                f"{self.label}: its process ended while running the request (exit code "
+                f"{code}: {exc or 'no answer'}); it is started again for the next request"
+            ) from None
+        finally:
+            if forget is not None:
+                forget()
 
     def finalize(self) -> None:
         with self.lock:
@@ -309,30 +346,23 @@ class PythonInferRequest(InferRequest):
     def _infer(self, arrays: list[Any]) -> dict[str, np.ndarray]:
         network = self.network
         names = [spec.name for spec in network.inputs]
-        described, fd = ipc.pack_tensors(
-            {f"0/{n}": a for n, a in zip(names, arrays) if a is not None}
-        )
         header = {
             "op": "execute",
             "model": network.name,
-            "tensors": described,
             "requests": [
                 {"inputs": [n for n, a in zip(names, arrays) if a is not None],
                  "outputs": [s.name for s in network.outputs]}
             ],
         }  # fmt: skip
-        try:
-            reply, out_fd = self.worker.execute(header, fd)
-        finally:
-            if fd >= 0:
-                os.close(fd)
         where = f"python model {network.name!r}"
-        if "error" in reply:
-            raise InferenceError(f"{where}: {reply['error']}")
         try:
-            tensors = ipc.unpack_tensors(reply.get("tensors", []), out_fd)
+            reply, tensors = self.worker.run(
+                {f"0/{n}": a for n, a in zip(names, arrays) if a is not None}, header
+            )
         except ValueError as exc:
             raise InferenceError(f"{where}: its answer cannot be read: {exc}") from None
+        if "error" in reply:
+            raise InferenceError(f"{where}: {reply['error']}")
         (response,) = reply["responses"]
         if response.get("error"):
             message, code = response["error"]

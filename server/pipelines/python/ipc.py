@@ -15,17 +15,27 @@ Standard library and numpy only: the worker side may run under a model's own Pyt
 from __future__ import annotations
 
 import array
+import contextlib
 import fcntl
 import json
 import mmap
 import os
 import socket
 import struct
+import time
 from typing import Any
 
 import numpy as np
 
-__all__ = ["MAX_HEADER", "pack_tensors", "receive", "send", "unpack_tensors"]
+__all__ = [
+    "MAX_HEADER",
+    "Arena",
+    "pack_tensors",
+    "receive",
+    "receive_all",
+    "send",
+    "unpack_tensors",
+]
 
 #: the largest header a side reads (tensors travel in the memfd, not here)
 MAX_HEADER = 1 << 20
@@ -34,18 +44,36 @@ _ADD_SEALS = getattr(fcntl, "F_ADD_SEALS", 1033)
 _GET_SEALS = getattr(fcntl, "F_GET_SEALS", 1034)
 
 
-def send(sock: socket.socket, header: dict[str, Any], fd: int = -1) -> None:
+def send(sock: socket.socket, header: dict[str, Any], fd: int = -1, *more: int) -> None:
     data = json.dumps(header).encode()
-    if fd >= 0:
-        sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+    fds = [f for f in (fd, *more) if f >= 0]
+    if fds:
+        sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
     else:
         sock.sendmsg([data])
 
 
 def receive(sock: socket.socket) -> tuple[dict[str, Any], int]:
     """The next message and its descriptor (-1: none); EOFError when the peer is gone."""
+    header, fds = receive_all(sock, 1)
+    return header, (fds[0] if fds else -1)
+
+
+def receive_all(
+    sock: socket.socket, most: int, spin: float = 0.0
+) -> tuple[dict[str, Any], list[int]]:
+    """The next message and up to ``most`` descriptors (others are closed). ``spin``: seconds
+    to poll for it before sleeping in the kernel (a process woken from an idle core answers
+    tens of microseconds later; one that polls briefly after each answer does not)."""
     fds = array.array("i")
-    data, ancillary, flags, _ = sock.recvmsg(MAX_HEADER, socket.CMSG_SPACE(fds.itemsize * 4))
+    space = socket.CMSG_SPACE(fds.itemsize * 4)
+    received = None
+    if spin > 0:
+        end = time.perf_counter() + spin
+        while received is None and time.perf_counter() < end:
+            with contextlib.suppress(BlockingIOError):
+                received = sock.recvmsg(MAX_HEADER, space, socket.MSG_DONTWAIT)
+    data, ancillary, flags, _ = received or sock.recvmsg(MAX_HEADER, space)
     if not data and not ancillary:
         raise EOFError("the peer closed its end")
     received: list[int] = []
@@ -54,13 +82,14 @@ def receive(sock: socket.socket) -> tuple[dict[str, Any], int]:
             got = array.array("i")
             got.frombytes(payload[: len(payload) - len(payload) % got.itemsize])
             received.extend(got)
-    for extra in received[1:]:
+    for extra in received[most:]:
         os.close(extra)
+    received = received[:most]
     if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
-        if received:
-            os.close(received[0])
+        for fd in received:
+            os.close(fd)
         raise ValueError("a message over the protocol's size limit")
-    return json.loads(data), (received[0] if received else -1)
+    return json.loads(data), received
 
 
 def _encoded(value: np.ndarray) -> tuple[np.ndarray | bytes, str]:
@@ -76,9 +105,8 @@ def _encoded(value: np.ndarray) -> tuple[np.ndarray | bytes, str]:
     return array_, array_.dtype.str
 
 
-def pack_tensors(tensors: dict[str, np.ndarray]) -> tuple[list[dict[str, Any]], int]:
-    """``tensors`` written into a sealed memfd: their descriptions, and its descriptor (-1 when
-    there is nothing to send)."""
+def _layout(tensors: dict[str, np.ndarray]) -> tuple[list[dict[str, Any]], list[Any], int]:
+    """Each tensor's description (its offset 64-byte aligned), its bytes, and the total."""
     described, pieces, offset = [], [], 0
     for name, value in tensors.items():
         value = np.asarray(value)
@@ -90,13 +118,23 @@ def pack_tensors(tensors: dict[str, np.ndarray]) -> tuple[list[dict[str, Any]], 
         )  # fmt: skip
         pieces.append(data)
         offset += (nbytes + 63) // 64 * 64
-    if not offset:
+    return described, pieces, offset
+
+
+def _flat(data: Any) -> memoryview:
+    return memoryview(data if isinstance(data, bytes) else data.reshape(-1).view(np.uint8))
+
+
+def pack_tensors(tensors: dict[str, np.ndarray]) -> tuple[list[dict[str, Any]], int]:
+    """``tensors`` written into a sealed memfd of their own: their descriptions, and its
+    descriptor (-1 when there is nothing to send). For what does not fit an :class:`Arena`."""
+    described, pieces, size = _layout(tensors)
+    if not size:
         return described, -1
-    fd = os.memfd_create("plugserve-tensors", os.MFD_CLOEXEC | getattr(os, "MFD_ALLOW_SEALING", 2))
+    fd = _memfd(size)
     try:
-        os.ftruncate(fd, offset)
         for info, data in zip(described, pieces):
-            view = memoryview(data if isinstance(data, bytes) else data.reshape(-1).view(np.uint8))
+            view = _flat(data)
             done = 0
             while done < len(view):
                 done += os.pwritev(fd, [view[done:]], info["offset"] + done)
@@ -105,6 +143,75 @@ def pack_tensors(tensors: dict[str, np.ndarray]) -> tuple[list[dict[str, Any]], 
         os.close(fd)
         raise
     return described, fd
+
+
+def _memfd(size: int) -> int:
+    fd = os.memfd_create("plugserve-tensors", os.MFD_CLOEXEC | getattr(os, "MFD_ALLOW_SEALING", 2))
+    try:
+        os.ftruncate(fd, size)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _sealed_map(fd: int, writable: bool) -> mmap.mmap:
+    """``fd`` mapped, once its seals forbid shrinking and growing (a mapping of memory that
+    cannot shrink never faults)."""
+    seals = fcntl.fcntl(fd, _GET_SEALS)
+    if seals & _SEALS != _SEALS:
+        raise ValueError("the peer's tensor memory is not sealed against shrinking")
+    size = os.fstat(fd).st_size
+    prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+    return mmap.mmap(fd, size, mmap.MAP_SHARED, prot)
+
+
+class Arena:
+    """A fixed-size memfd both sides map once (the server makes and seals it, and hands its
+    descriptor over when the worker starts): one message's tensors at a time go through it
+    with one copy in and no system call, where a memfd per message costs a few of them.
+    Tensors too large for it travel in a memfd of their own (:func:`pack_tensors`). The
+    reader of an arena uses its tensors before the next message overwrites them (the server
+    copies a response's outputs out; a worker's inputs are valid during its ``execute``)."""
+
+    def __init__(self, size: int = 0, fd: int = -1, writable: bool = True) -> None:
+        own = fd < 0
+        if own:
+            fd = _memfd(size)
+            fcntl.fcntl(fd, _ADD_SEALS, _SEALS)
+        try:
+            self.mapping = _sealed_map(fd, writable)
+        except BaseException:
+            os.close(fd)
+            raise
+        self.fd = fd  # kept open by its maker, to hand over; closed by a peer at once
+        if not own:
+            os.close(fd)
+            self.fd = -1
+        self.size = len(self.mapping)
+        self.view = memoryview(self.mapping)
+
+    def pack(self, tensors: dict[str, np.ndarray]) -> list[dict[str, Any]] | None:
+        """``tensors`` written into the arena, or None when they do not fit."""
+        described, pieces, size = _layout(tensors)
+        if size > self.size:
+            return None
+        for info, data in zip(described, pieces):
+            flat = _flat(data)
+            start = info["offset"]
+            self.view[start : start + len(flat)] = flat
+        return described
+
+    def unpack(self, described: list[dict[str, Any]], copy: bool) -> dict[str, np.ndarray]:
+        out = _read(self.view, described)
+        return {k: v.copy() for k, v in out.items()} if copy else out
+
+    def close(self) -> None:
+        self.view.release()
+        self.mapping.close()
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 def _decode_bytes(data: memoryview, count: int) -> np.ndarray:
@@ -123,8 +230,8 @@ def _decode_bytes(data: memoryview, count: int) -> np.ndarray:
 
 
 def unpack_tensors(described: list[dict[str, Any]], fd: int) -> dict[str, np.ndarray]:
-    """The tensors a peer sent: views of its memfd, mapped once its seals are checked (the
-    descriptor is closed here; the mapping lives as long as the arrays)."""
+    """The tensors a peer sent in a memfd of their own: views of it, mapped once its seals are
+    checked (the descriptor is closed here; the mapping lives as long as the arrays)."""
     if not described:
         if fd >= 0:
             os.close(fd)
@@ -132,14 +239,13 @@ def unpack_tensors(described: list[dict[str, Any]], fd: int) -> dict[str, np.nda
     if fd < 0:
         raise ValueError("tensors described but no memory sent")
     try:
-        seals = fcntl.fcntl(fd, _GET_SEALS)
-        if seals & _SEALS != _SEALS:
-            raise ValueError("the peer's tensor memory is not sealed against shrinking")
-        size = os.fstat(fd).st_size
-        mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ) if size else b""
+        mapping = _sealed_map(fd, writable=False) if os.fstat(fd).st_size else b""
     finally:
         os.close(fd)
-    buffer = memoryview(mapping)
+    return _read(memoryview(mapping), described)
+
+
+def _read(buffer: memoryview, described: list[dict[str, Any]]) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
     for info in described:
         start, nbytes = int(info["offset"]), int(info["nbytes"])

@@ -1,0 +1,182 @@
+"""A Python model's process hop against the same op as an ONNX model (issue 36): Triton's
+add_sub (INPUT0 + INPUT1, INPUT0 - INPUT1 on [4] float32) as a python-backend model and as an
+ONNX graph on NUMPY, in one server, beside a bare grpcio echo, through one raw-bytes gRPC
+client (harness.RawRunner: what differs is the server's), interleaved rounds, medians. The
+goal: the Python model's p50 within 1.35x of the ONNX model's. Then a model whose ``execute``
+holds the GIL for 2 ms, with one instance and with as many as the machine has cores, 16
+requests in flight: the goal is >= 0.8 x cores x one instance's requests/s (each instance is a
+process of its own, with its own GIL).
+
+``env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python tests/benchmarks/bench_python_model.py
+[--rounds N] [--seconds S]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import harness  # sets sys.path for the imports below
+import numpy as np
+
+METHOD = "/inference.GRPCInferenceService/ModelInfer"
+CONFIG = """name: "{name}"
+{kind}
+input [ {{ name: "INPUT0" data_type: TYPE_FP32 dims: [ 4 ] }} ]
+input [ {{ name: "INPUT1" data_type: TYPE_FP32 dims: [ 4 ] }} ]
+output [ {{ name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] }} ]
+output [ {{ name: "OUTPUT1" data_type: TYPE_FP32 dims: [ 4 ] }} ]
+"""
+MODEL = """
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            a = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
+            b = pb_utils.get_input_tensor_by_name(request, "INPUT1").as_numpy()
+            responses.append(pb_utils.InferenceResponse(output_tensors=[
+                pb_utils.Tensor("OUTPUT0", a + b), pb_utils.Tensor("OUTPUT1", a - b)]))
+        return responses
+"""
+
+
+GIL = """
+import time
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            a = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
+            end = time.perf_counter() + 0.002
+            while time.perf_counter() < end:  # 2 ms holding the GIL
+                pass
+            responses.append(pb_utils.InferenceResponse(output_tensors=[
+                pb_utils.Tensor("OUTPUT0", a), pb_utils.Tensor("OUTPUT1", a)]))
+        return responses
+"""
+
+
+def _repository(root: Path) -> None:
+    import onnx
+    from onnx import TensorProto, helper
+
+    (root / "add_sub" / "1").mkdir(parents=True)
+    (root / "add_sub" / "config.pbtxt").write_text(
+        CONFIG.format(name="add_sub", kind='backend: "python"')
+    )
+    (root / "add_sub" / "1" / "model.py").write_text(MODEL)
+    for name, count in (("gil_one", 1), ("gil_cores", os.cpu_count() or 1)):
+        (root / name / "1").mkdir(parents=True)
+        (root / name / "config.pbtxt").write_text(
+            CONFIG.format(name=name, kind='backend: "python"')
+            + f"instance_group [ {{ kind: KIND_CPU count: {count} }} ]\n"
+        )
+        (root / name / "1" / "model.py").write_text(GIL)
+    value = [4]
+    graph = helper.make_graph(
+        [
+            helper.make_node("Add", ["INPUT0", "INPUT1"], ["OUTPUT0"]),
+            helper.make_node("Sub", ["INPUT0", "INPUT1"], ["OUTPUT1"]),
+        ],
+        "add_sub",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, value) for n in ("INPUT0", "INPUT1")],
+        [
+            helper.make_tensor_value_info(n, TensorProto.FLOAT, value)
+            for n in ("OUTPUT0", "OUTPUT1")
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    (root / "add_sub_onnx" / "1").mkdir(parents=True)
+    onnx.save(model, root / "add_sub_onnx" / "1" / "model.onnx")
+    (root / "add_sub_onnx" / "config.json").write_text('{"device": "NUMPY"}')
+
+
+def _request(model: str) -> bytes:
+    import tritonclient.grpc as grpcclient
+    from tritonclient.grpc import _utils
+
+    inputs = []
+    for name in ("INPUT0", "INPUT1"):
+        tensor = grpcclient.InferInput(name, [4], "FP32")
+        tensor.set_data_from_numpy(np.arange(4, dtype=np.float32))
+        inputs.append(tensor)
+    return _utils._get_inference_request(
+        model_name=model, inputs=inputs, model_version="", request_id="", outputs=None,
+        sequence_id=0, sequence_start=False, sequence_end=False, priority=0, timeout=None,
+        parameters=None,
+    ).SerializeToString()  # fmt: skip
+
+
+def _timed(call, seconds: float) -> dict:
+    for _ in range(20):
+        call()
+    times, end = [], time.monotonic() + seconds
+    while time.monotonic() < end:
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return {"p50_ms": statistics.median(times) * 1e3}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--seconds", type=float, default=1.5)
+    args = parser.parse_args(argv)
+    from serving import RunningServer
+
+    log = print if sys.stderr.isatty() else (lambda s: print(s, file=sys.stderr))
+    folder = Path(tempfile.mkdtemp(prefix="plugserve-python-model-"))
+    with contextlib.ExitStack() as stack:
+        stack.callback(shutil.rmtree, folder, True)
+        _repository(folder)
+        echo = stack.enter_context(harness.echo_server("thread", "--reuse-freed-memory"))
+        server = stack.enter_context(RunningServer("--model-repository", str(folder)))
+        runners = {
+            "echo": harness.RawRunner(echo, "/bench.Echo/Echo", _request("add_sub")),
+            "onnx on NUMPY": harness.RawRunner(server.target, METHOD, _request("add_sub_onnx")),
+            "python model": harness.RawRunner(server.target, METHOD, _request("add_sub")),
+        }
+        for runner in runners.values():
+            stack.callback(runner.close)
+        cases = {name: (lambda r=r: _timed(r.call, args.seconds)) for name, r in runners.items()}
+        for name in ("gil_one", "gil_cores"):
+            runner = harness.RawRunner(server.target, METHOD, _request(name))
+            stack.callback(runner.close)
+            cases[name] = harness.block(runner, args.seconds, mode="async", concurrency=16)
+        blocks = harness.interleave(cases, args.rounds, log, alternate=True)
+    result: dict = {"machine": harness.machine(), "precision": "NUMPY: f32; python: numpy"}
+    for name, runs in blocks.items():
+        if name.startswith("gil"):
+            result[f"{name} requests/s"] = round(harness.median_of(runs, "throughput_rps"), 1)
+        else:
+            result[name] = round(harness.median_of(runs, "p50_ms"), 4)
+    cores = os.cpu_count() or 1
+    result["gil: cores instances / (cores x one instance)"] = round(
+        result["gil_cores requests/s"] / (cores * result["gil_one requests/s"]), 3
+    )
+    ratios = [
+        p["p50_ms"] / o["p50_ms"] for p, o in zip(blocks["python model"], blocks["onnx on NUMPY"])
+    ]
+    result["python / onnx"] = round(statistics.median(ratios), 3)
+    result["python / onnx, per round"] = [round(r, 3) for r in ratios]
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
