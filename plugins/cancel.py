@@ -83,7 +83,7 @@ class Token:
     briefly); one registered after the cancellation runs at once.
     """
 
-    __slots__ = ("_callbacks", "_lock", "error", "finished", "room")
+    __slots__ = ("_callbacks", "_lock", "error", "finished", "outputs", "room")
 
     def __init__(self) -> None:
         #: the error the run raises once cancelled (None: not cancelled)
@@ -93,6 +93,9 @@ class Token:
         #: are allocated (``plugins/amplify.py``); it travels with the token to every thread
         #: and piece of the run
         self.room = 0
+        #: the outputs the run's caller asked for (None: every one), set by its owner: a
+        #: network that can skip work for outputs nobody wants reads it (an ensemble's steps)
+        self.outputs: list[str] | None = None
         #: the run is over: cancelling now does nothing (and costs nothing)
         self.finished = False
         self._callbacks: list[Callable[[], object]] = []

@@ -43,6 +43,7 @@ from plugserve.server.examples import build_examples, default_examples_dir
 from plugserve.server.handlers import add_service
 from plugserve.server.metrics import Metrics
 from plugserve.server.model_control import ModelControl
+from plugserve.server.pipelines.ensemble import EnsemblePlugin
 from plugserve.server.pipelines.python.device import PythonPlugin
 from plugserve.server.repository import Repository, single_model_repository
 from plugserve.server.rest import RestApp, RestServer
@@ -112,7 +113,7 @@ class Server:
         tensors.set_max_string_elements(settings.max_string_elements)
         # Triton's python backend is a device of the server's (its models run in processes
         # of their own: server/pipelines/python)
-        self.core = Core(plugins={"PYTHON": PythonPlugin})
+        self.core = Core(plugins={"PYTHON": PythonPlugin, "ENSEMBLE": EnsemblePlugin})
         self.plugin_settings = load_plugins_file(settings.plugins) if settings.plugins else None
         self._configure_plugins()
         # after the operator's --plugins file: the caps bound what clients ask for
@@ -145,6 +146,8 @@ class Server:
         self.plane.shm = SharedMemory(
             settings.shared_memory == "system", settings.shared_memory_prefix, self.plane.budget
         )
+        if "ENSEMBLE" in self.core.available_devices:  # its steps run through the data plane
+            self.core.plugin("ENSEMBLE").plane = self.plane
         self.control = ModelControl(
             self.plane,
             self.core,

@@ -306,6 +306,7 @@ class DataPlane:
                     f"({started - admitted:.3f} s in the queue)"
                 )
             token.room = budget.free()  # what an output its values size may hold at most
+            token.outputs = wanted
             entered = cancel.enter(token)
             try:
                 result = request.infer_checked(arrays)  # checked once, above

@@ -554,7 +554,10 @@ class ModelControl:
                          sorted(set(names) - found)]  # fmt: skip
             entries = [e for e in entries if e.name in names]
         ready: list[LoadedNetwork] = []
-        for outcome in self._each(self._load_entry, entries):
+        # ensembles after the models their steps run (their load checks the steps' types)
+        first = [e for e in entries if e.device != "ENSEMBLE"]
+        then = [e for e in entries if e.device == "ENSEMBLE"]
+        for outcome in [*self._each(self._load_entry, first), *self._each(self._load_entry, then)]:
             if isinstance(outcome, LoadedNetwork):
                 ready.append(outcome)
             else:

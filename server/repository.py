@@ -33,6 +33,7 @@ from plugserve.server.triton_config import (
     MODEL_FILE,
     OVMS_KEYS,
     TRITON_FILE,
+    VERSION_FOLDER,
     ModelSettings,
     OvmsModel,
     read_ovms,
@@ -378,7 +379,10 @@ class Repository:
 
 
 def model_in(version_folder: Path, model_file: str) -> Path | None:
-    """The model file of a version folder: ``model_file``, or ("") its one .onnx file."""
+    """The model file of a version folder: ``model_file``, or ("") its one .onnx file, or
+    (``VERSION_FOLDER``) the folder itself (an ensemble's)."""
+    if model_file == VERSION_FOLDER:
+        return version_folder if version_folder.is_dir() else None
     if model_file:
         path = version_folder / model_file
         return path if path.is_file() else None

@@ -71,6 +71,7 @@ _DEVICES = {
     "onnxruntime": "ORT",
     "openvino": "OPENVINO",
     "python": "PYTHON",  # Triton's python backend: server/pipelines/python
+    "ensemble": "ENSEMBLE",  # Triton's ensembles: server/pipelines/ensemble.py
 }
 _ACTED_ON = {
     "name",
@@ -116,6 +117,8 @@ EVERY_VERSION = VersionPolicy("all")
 MODEL_FILE = "model.onnx"
 #: a python-backend model's file in each version folder, as Triton names it
 PYTHON_MODEL_FILE = "model.py"
+#: the "file" of a model whose version folder is all it has (an ensemble's, empty)
+VERSION_FOLDER = "."
 
 
 @dataclasses.dataclass
@@ -221,6 +224,8 @@ def _parse_triton(where: str, text: str) -> ModelSettings:
     out.model_file = plain_file_name(
         config.default_model_filename or own_file, f"{path}: default_model_filename"
     )
+    if out.device == "ENSEMBLE":
+        out.model_file = VERSION_FOLDER  # an ensemble's version folder holds no file
     for key, value in config.parameters.items():
         if key.isupper():
             out.config[key] = value.string_value

@@ -52,6 +52,7 @@ from plugserve.plugins.api import (
 )
 from plugserve.plugins.streams import StreamsExecutor
 from plugserve.server.pipelines.python import ipc
+from plugserve.server.pipelines.types import DTYPES
 
 __all__ = ["PythonPlugin"]
 
@@ -66,13 +67,6 @@ FINALIZE_SECONDS = 10.0
 #: their own; memory is taken only as pages are touched
 ARENA_BYTES = 8 << 20
 
-_DTYPES = {
-    "TYPE_BOOL": np.bool_, "TYPE_UINT8": np.uint8, "TYPE_UINT16": np.uint16,
-    "TYPE_UINT32": np.uint32, "TYPE_UINT64": np.uint64, "TYPE_INT8": np.int8,
-    "TYPE_INT16": np.int16, "TYPE_INT32": np.int32, "TYPE_INT64": np.int64,
-    "TYPE_FP16": np.float16, "TYPE_FP32": np.float32, "TYPE_FP64": np.float64,
-    "TYPE_STRING": np.object_,
-}  # fmt: skip
 #: a response's TritonError code -> the typed error its request fails with
 _ERRORS = {"INVALID_ARG": InvalidInput, "NOT_FOUND": NotFound, "UNSUPPORTED": Unsupported}
 
@@ -114,11 +108,11 @@ def _specs(config: dict[str, Any], kind: str, where: str) -> list[TensorSpec]:
     batched = int(config.get("max_batch_size", 0)) > 0
     specs = []
     for entry in config.get(kind, []):
-        dtype = _DTYPES.get(entry.get("data_type", ""))
+        dtype = DTYPES.get(entry.get("data_type", ""))
         if dtype is None:
             raise InvalidModel(
                 f"{where}: {kind} {entry.get('name')!r} has data_type "
-                f"{entry.get('data_type')!r}; use one of {', '.join(_DTYPES)}"
+                f"{entry.get('data_type')!r}; use one of {', '.join(DTYPES)}"
             )
         dims = [None if d < 0 else d for d in entry["dims"]]
         shape = tuple(([None] if batched else []) + dims)
