@@ -146,8 +146,9 @@ class Server:
         self.plane.shm = SharedMemory(
             settings.shared_memory == "system", settings.shared_memory_prefix, self.plane.budget
         )
-        if "ENSEMBLE" in self.core.available_devices:  # its steps run through the data plane
-            self.core.plugin("ENSEMBLE").plane = self.plane
+        for device in ("ENSEMBLE", "PYTHON"):  # ensembles' steps and BLS calls run through it
+            if device in self.core.available_devices:
+                self.core.plugin(device).plane = self.plane
         self.control = ModelControl(
             self.plane,
             self.core,

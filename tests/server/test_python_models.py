@@ -78,6 +78,43 @@ BEHAVIOURS = {
 }
 
 
+#: Triton's bls example in short: execute calls another model (Python or ONNX) through BLS
+BLS = """
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    {execute_prefix}def execute(self, requests):
+        responses = []
+        for request in requests:
+            in_0 = pb_utils.get_input_tensor_by_name(request, "INPUT0")
+            in_1 = pb_utils.get_input_tensor_by_name(request, "INPUT1")
+            target = "no_such_model" if in_0.as_numpy()[0] == 7 else "{target}"
+            call = pb_utils.InferenceRequest(
+                model_name=target,
+                requested_output_names=["OUTPUT0", "OUTPUT1"],
+                inputs=[in_0, in_1],
+            )
+            answer = {await_}call.{method}()
+            if answer.has_error():
+                raise pb_utils.TritonModelException(answer.error().message())
+            responses.append(pb_utils.InferenceResponse(output_tensors=[
+                pb_utils.get_output_tensor_by_name(answer, "OUTPUT0"),
+                pb_utils.get_output_tensor_by_name(answer, "OUTPUT1"),
+            ]))
+        return responses
+"""
+
+
+def _bls(target: str, asynchronous: bool = False) -> str:
+    return BLS.format(
+        target=target,
+        execute_prefix="async " if asynchronous else "",
+        await_="await " if asynchronous else "",
+        method="async_exec" if asynchronous else "exec",
+    )
+
+
 def _entry(root: Path, name: str, model: str, count: int = 1, extra: str = "") -> None:
     (root / name / "1").mkdir(parents=True)
     (root / name / "config.pbtxt").write_text(
@@ -90,6 +127,25 @@ def _add_sub(behaviour: str = "pass", execute_prefix: str = "") -> str:
     return ADD_SUB.format(behaviour=behaviour, execute_prefix=execute_prefix)
 
 
+def _add_sub_onnx() -> bytes:
+    from onnx import TensorProto, helper
+
+    value = [4]
+    graph = helper.make_graph(
+        [
+            helper.make_node("Add", ["INPUT0", "INPUT1"], ["OUTPUT0"]),
+            helper.make_node("Sub", ["INPUT0", "INPUT1"], ["OUTPUT1"]),
+        ],
+        "add_sub",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, value) for n in ("INPUT0", "INPUT1")],
+        [
+            helper.make_tensor_value_info(n, TensorProto.FLOAT, value)
+            for n in ("OUTPUT0", "OUTPUT1")
+        ],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+
+
 @pytest.fixture(scope="module")
 def running(tmp_path_factory):
     from serving import RunningServer
@@ -99,6 +155,11 @@ def running(tmp_path_factory):
     _entry(root, "add_sub_async", _add_sub(execute_prefix="async "))
     for name, behaviour in BEHAVIOURS.items():
         _entry(root, name, _add_sub(behaviour))
+    _entry(root, "bls_python", _bls("add_sub"))
+    _entry(root, "bls_onnx_async", _bls("add_sub_onnx", asynchronous=True))
+    (root / "add_sub_onnx" / "1").mkdir(parents=True)
+    (root / "add_sub_onnx" / "1" / "model.onnx").write_bytes(_add_sub_onnx())
+    (root / "add_sub_onnx" / "config.json").write_text('{"device": "NUMPY"}')
     _entry(root, "fails_import", "import no_such_module_anywhere\n")
     _entry(root, "fails_initialize", _add_sub().replace(
         "self.model_config = model_config", "raise RuntimeError('no GPU here'); model_config"
@@ -234,3 +295,15 @@ def test_a_model_that_cannot_load_says_why_and_the_others_serve(running, model, 
         client.close()
     assert reason in running.log, running.log[-3000:]
     _serves(running)
+
+
+@pytest.mark.parametrize("model", ["bls_python", "bls_onnx_async"])
+def test_bls_calls_a_python_or_onnx_model(running, model):
+    """Triton's bls example: execute runs another model through InferenceRequest.exec (or
+    ``await async_exec``), a Python model or an ONNX one on NUMPY, and an error that model
+    answers comes back as the response's error, as Triton returns it."""
+    _serves(running, model, "grpc")
+    _serves(running, model, "http")
+    error = _refused(running, model)
+    assert "Request for unknown model: 'no_such_model' is not found" in str(error), error
+    _serves(running, model)

@@ -47,6 +47,7 @@ from plugserve.plugins.api import (
     NotFound,
     PerfCount,
     Plugin,
+    PlugserveError,
     TensorSpec,
     Unsupported,
 )
@@ -69,6 +70,10 @@ ARENA_BYTES = 8 << 20
 
 #: a response's TritonError code -> the typed error its request fails with
 _ERRORS = {"INVALID_ARG": InvalidInput, "NOT_FOUND": NotFound, "UNSUPPORTED": Unsupported}
+#: a typed error's gRPC code -> the TritonError code a BLS call's response carries
+_CODES = {"INVALID_ARGUMENT": "INVALID_ARG", "NOT_FOUND": "NOT_FOUND",
+          "UNIMPLEMENTED": "UNSUPPORTED", "UNAVAILABLE": "UNAVAILABLE",
+          "CANCELLED": "CANCELLED", "DEADLINE_EXCEEDED": "UNAVAILABLE"}  # fmt: skip
 
 
 class PythonConfiguration(Configuration):
@@ -142,6 +147,8 @@ class Worker:
         self.sock: socket.socket | None = None
         self.lock = threading.Lock()
         self.restarts = 0
+        #: the server's data plane, which the model's BLS calls run through
+        self.plane: Any = None
         self.inbox: ipc.Arena | None = None  # the process reads requests from it
         self.outbox: ipc.Arena | None = None  # and writes answers into this one
 
@@ -230,7 +237,11 @@ class Worker:
         forget = token.on_cancel(self.kill) if token is not None else None
         try:
             ipc.send(self.sock, header, fd)
-            return ipc.receive(self.sock)
+            while True:
+                reply, reply_fd = ipc.receive(self.sock)
+                if reply.get("op") != "bls":
+                    return reply, reply_fd
+                self._serve_bls(reply, reply_fd)  # the model calls a model meanwhile
         except (OSError, EOFError, ValueError, AttributeError) as exc:
             if token is not None and token.error is not None:
                 raise token.failure() from None
@@ -246,6 +257,29 @@ class Worker:
         finally:
             if forget is not None:
                 forget()
+
+    def _serve_bls(self, header: dict[str, Any], fd: int) -> None:
+        """One BLS request from the model: run through the data plane as any client's (its
+        deadline the model's request's; errors answered as Triton returns them)."""
+        try:
+            inputs = ipc.unpack_tensors(header.get("tensors", []), fd)
+            if self.plane is None:
+                raise Unsupported("BLS calls need the server's data plane")
+            version = int(header.get("version") or -1)
+            entry = self.plane.get(str(header["model"]), max(version, 0))
+            outputs = self.plane.submit(
+                entry, inputs, list(header.get("outputs") or []) or None, inline=True
+            ).result()
+        except PlugserveError as exc:
+            code = _CODES.get(getattr(exc, "code", ""), "INTERNAL")
+            ipc.send(self.sock, {"error": [str(exc), code]})
+            return
+        described, out_fd = ipc.pack_tensors(dict(outputs))
+        try:
+            ipc.send(self.sock, {"tensors": described}, out_fd)
+        finally:
+            if out_fd >= 0:
+                os.close(out_fd)
 
     def finalize(self) -> None:
         with self.lock:
@@ -295,6 +329,8 @@ class PythonNetwork(CompiledNetwork):
             for i in range(count)
         ]
         self._next = 0
+        for worker in self.workers:
+            worker.plane = plugin.plane
         try:
             for worker in self.workers:
                 worker.start()
@@ -404,6 +440,11 @@ class PythonPlugin(Plugin):
     name = "PYTHON"
     config_class = PythonConfiguration
     cancellation = "at once: the model's process is stopped, and started again for the next"
+
+    def __init__(self) -> None:
+        super().__init__()
+        #: the server's data plane (its models' BLS calls run through it), set by the server
+        self.plane: Any = None
 
     def device_name(self) -> str:
         return f"Python {sys.version.split()[0]} worker processes (Triton python backend)"

@@ -13,6 +13,9 @@ from typing import Any
 
 import numpy as np
 
+#: how a worker sends a BLS request to the server and waits for its answer (set by worker.py)
+_bls: Any = None
+
 TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
 TRITONSERVER_REQUEST_FLAG_SEQUENCE_START = 1
 TRITONSERVER_REQUEST_FLAG_SEQUENCE_END = 2
@@ -163,13 +166,28 @@ class InferenceRequest:
     def is_cancelled(self) -> bool:
         return self._cancelled
 
-    def exec(self, *args: Any, **kwargs: Any) -> InferenceResponse:
-        raise TritonModelException(
-            "BLS (InferenceRequest.exec) is not served by this plugserve yet"
-        )
+    def exec(self, decoupled: bool = False) -> InferenceResponse:
+        """Business Logic Scripting: run this request on any model the server serves (ONNX on
+        any device, another Python model, an ensemble) and return its response; an error the
+        model answers is the response's ``error()``, as Triton returns it."""
+        if decoupled:
+            raise TritonModelException("decoupled BLS calls are not served by this plugserve yet")
+        if _bls is None:
+            raise TritonModelException("BLS calls are made from a model's execute")
+        return _bls(self)
 
-    async def async_exec(self, *args: Any, **kwargs: Any) -> InferenceResponse:
-        return self.exec(*args, **kwargs)
+    async def async_exec(self, decoupled: bool = False) -> InferenceResponse:
+        return self.exec(decoupled)
+
+    def _bls_header(self) -> dict[str, Any]:
+        return {
+            "op": "bls",
+            "model": self._model_name,
+            "version": self._model_version,
+            "outputs": self._outputs,
+            "id": self._id,
+            "parameters": self._parameters,
+        }
 
 
 def get_input_tensor_by_name(inference_request: InferenceRequest, name: str) -> Tensor | None:
