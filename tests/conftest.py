@@ -37,6 +37,28 @@ def numpy_plugin():
     return NumpyPlugin()
 
 
+@pytest.fixture
+def regions():
+    """System shared memory regions under the server's default key prefix (tritonclient's
+    utilities): ``make(byte_size) -> (name, key, handle)``; destroyed afterwards."""
+    import uuid
+
+    shm = pytest.importorskip(
+        "tritonclient.utils.shared_memory", reason="pip install 'tritonclient[grpc,http]'"
+    )
+    made = []
+
+    def make(byte_size: int):
+        tag = uuid.uuid4().hex[:12]
+        handle = shm.create_shared_memory_region(f"r{tag}", f"/plugserve-test-{tag}", byte_size)
+        made.append(handle)
+        return f"r{tag}", f"/plugserve-test-{tag}", handle
+
+    yield make
+    for handle in made:
+        shm.destroy_shared_memory_region(handle)  # unmaps without touching a page
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """A real server on the bundled example models, shared by a test module."""

@@ -13,10 +13,8 @@ import argparse
 import contextlib
 import json
 import shutil
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import harness  # sets sys.path for the imports below
@@ -65,30 +63,6 @@ def _repository(root: Path) -> None:
     (root / "chain" / "config.pbtxt").write_text(ENSEMBLE)
 
 
-def _request(model: str) -> bytes:
-    import tritonclient.grpc as grpcclient
-    from tritonclient.grpc import _utils
-
-    tensor = grpcclient.InferInput("x", [1, 16], "FP32")
-    tensor.set_data_from_numpy(np.zeros((1, 16), np.float32))
-    return _utils._get_inference_request(
-        model_name=model, inputs=[tensor], model_version="", request_id="", outputs=None,
-        sequence_id=0, sequence_start=False, sequence_end=False, priority=0, timeout=None,
-        parameters=None,
-    ).SerializeToString()  # fmt: skip
-
-
-def _timed(call, seconds: float) -> dict:
-    for _ in range(20):
-        call()
-    times, end = [], time.monotonic() + seconds
-    while time.monotonic() < end:
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return {"p50_ms": statistics.median(times) * 1e3}
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
@@ -102,8 +76,12 @@ def main(argv: list[str] | None = None) -> int:
         stack.callback(shutil.rmtree, folder, True)
         _repository(folder)
         server = stack.enter_context(RunningServer("--model-repository", str(folder)))
-        ensemble = harness.RawRunner(server.target, METHOD, _request("chain"))
-        steps = [harness.RawRunner(server.target, METHOD, _request(f"step{i}")) for i in (1, 2, 3)]
+        x = {"x": np.zeros((1, 16), np.float32)}
+        ensemble = harness.RawRunner(server.target, METHOD, harness.kserve_request("chain", x))
+        steps = [
+            harness.RawRunner(server.target, METHOD, harness.kserve_request(f"step{i}", x))
+            for i in (1, 2, 3)
+        ]
         for runner in (ensemble, *steps):
             stack.callback(runner.close)
 
@@ -112,19 +90,16 @@ def main(argv: list[str] | None = None) -> int:
                 step.call()
 
         cases = {
-            "ensemble": lambda: _timed(ensemble.call, args.seconds),
-            "client's three calls": lambda: _timed(three_calls, args.seconds),
+            "ensemble": lambda: harness.p50_block(ensemble.call, args.seconds),
+            "client's three calls": lambda: harness.p50_block(three_calls, args.seconds),
         }
         blocks = harness.interleave(cases, args.rounds, log, alternate=True)
     result: dict = {"machine": harness.machine(), "precision": "NUMPY: f32"}
     for name, runs in blocks.items():
         result[name] = round(harness.median_of(runs, "p50_ms"), 4)
-    ratios = [
-        e["p50_ms"] / c["p50_ms"]
-        for e, c in zip(blocks["ensemble"], blocks["client's three calls"])
-    ]
-    result["ensemble / three calls"] = round(statistics.median(ratios), 3)
-    result["per round"] = [round(r, 3) for r in ratios]
+    result["ensemble / three calls"], result["per round"] = harness.ratio_of(
+        blocks, "ensemble", "client's three calls"
+    )
     print(json.dumps(result, indent=2))
     return 0
 

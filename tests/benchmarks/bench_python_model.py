@@ -18,10 +18,8 @@ import contextlib
 import json
 import os
 import shutil
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import harness  # sets sys.path for the imports below
@@ -72,7 +70,7 @@ class TritonPythonModel:
 
 def _repository(root: Path) -> None:
     import onnx
-    from onnx import TensorProto, helper
+    from models import add_sub
 
     (root / "add_sub" / "1").mkdir(parents=True)
     (root / "add_sub" / "config.pbtxt").write_text(
@@ -86,50 +84,15 @@ def _repository(root: Path) -> None:
             + f"instance_group [ {{ kind: KIND_CPU count: {count} }} ]\n"
         )
         (root / name / "1" / "model.py").write_text(GIL)
-    value = [4]
-    graph = helper.make_graph(
-        [
-            helper.make_node("Add", ["INPUT0", "INPUT1"], ["OUTPUT0"]),
-            helper.make_node("Sub", ["INPUT0", "INPUT1"], ["OUTPUT1"]),
-        ],
-        "add_sub",
-        [helper.make_tensor_value_info(n, TensorProto.FLOAT, value) for n in ("INPUT0", "INPUT1")],
-        [
-            helper.make_tensor_value_info(n, TensorProto.FLOAT, value)
-            for n in ("OUTPUT0", "OUTPUT1")
-        ],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model = add_sub()
     (root / "add_sub_onnx" / "1").mkdir(parents=True)
     onnx.save(model, root / "add_sub_onnx" / "1" / "model.onnx")
     (root / "add_sub_onnx" / "config.json").write_text('{"device": "NUMPY"}')
 
 
 def _request(model: str) -> bytes:
-    import tritonclient.grpc as grpcclient
-    from tritonclient.grpc import _utils
-
-    inputs = []
-    for name in ("INPUT0", "INPUT1"):
-        tensor = grpcclient.InferInput(name, [4], "FP32")
-        tensor.set_data_from_numpy(np.arange(4, dtype=np.float32))
-        inputs.append(tensor)
-    return _utils._get_inference_request(
-        model_name=model, inputs=inputs, model_version="", request_id="", outputs=None,
-        sequence_id=0, sequence_start=False, sequence_end=False, priority=0, timeout=None,
-        parameters=None,
-    ).SerializeToString()  # fmt: skip
-
-
-def _timed(call, seconds: float) -> dict:
-    for _ in range(20):
-        call()
-    times, end = [], time.monotonic() + seconds
-    while time.monotonic() < end:
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return {"p50_ms": statistics.median(times) * 1e3}
+    x = np.arange(4, dtype=np.float32)
+    return harness.kserve_request(model, {"INPUT0": x, "INPUT1": x})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,7 +116,10 @@ def main(argv: list[str] | None = None) -> int:
         }
         for runner in runners.values():
             stack.callback(runner.close)
-        cases = {name: (lambda r=r: _timed(r.call, args.seconds)) for name, r in runners.items()}
+        cases = {
+            name: (lambda r=r: harness.p50_block(r.call, args.seconds))
+            for name, r in runners.items()
+        }
         for name in ("gil_one", "gil_cores"):
             runner = harness.RawRunner(server.target, METHOD, _request(name))
             stack.callback(runner.close)
@@ -169,11 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     result["gil: cores instances / (cores x one instance)"] = round(
         result["gil_cores requests/s"] / (cores * result["gil_one requests/s"]), 3
     )
-    ratios = [
-        p["p50_ms"] / o["p50_ms"] for p, o in zip(blocks["python model"], blocks["onnx on NUMPY"])
-    ]
-    result["python / onnx"] = round(statistics.median(ratios), 3)
-    result["python / onnx, per round"] = [round(r, 3) for r in ratios]
+    result["python / onnx"], result["python / onnx, per round"] = harness.ratio_of(
+        blocks, "python model", "onnx on NUMPY"
+    )
     print(json.dumps(result, indent=2))
     return 0
 

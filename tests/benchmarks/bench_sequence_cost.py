@@ -17,10 +17,8 @@ import contextlib
 import json
 import queue
 import shutil
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import harness  # sets sys.path for the imports below
@@ -49,39 +47,16 @@ def _repository(root: Path) -> None:
 
 
 def _requests() -> dict[str, bytes]:
-    import tritonclient.grpc as grpcclient
-    from tritonclient.grpc import _utils
-
     rng = np.random.default_rng(0)
-    values = {
+    chunk = {
         "input": (rng.normal(size=(1, CHUNK)) * 0.1).astype(np.float32),
-        "state": np.zeros((2, 1, 128), np.float32),
         "sr": np.array(16000, np.int64),
     }
-
-    def tensors(names):
-        made = []
-        for name in names:
-            value = values[name]
-            tensor = grpcclient.InferInput(
-                name, list(value.shape), "INT64" if value.dtype == np.int64 else "FP32"
-            )
-            tensor.set_data_from_numpy(value)
-            made.append(tensor)
-        return made
-
-    def request(model, names, **sequence):
-        return _utils._get_inference_request(
-            model_name=model, inputs=tensors(names), model_version="", request_id="",
-            outputs=None, sequence_id=sequence.get("id", 0),
-            sequence_start=sequence.get("start", False), sequence_end=False, priority=0,
-            timeout=None, parameters=None,
-        ).SerializeToString()  # fmt: skip
-
+    stateless = {**chunk, "state": np.zeros((2, 1, 128), np.float32)}
     return {
-        "start": request("vad", ["input", "sr"], id=7, start=True),
-        "sequence": request("vad", ["input", "sr"], id=7),
-        "stateless": request("vad_plain", ["input", "state", "sr"]),
+        "start": harness.kserve_request("vad", chunk, id=7, start=True),
+        "sequence": harness.kserve_request("vad", chunk, id=7),
+        "stateless": harness.kserve_request("vad_plain", stateless),
     }
 
 
@@ -107,17 +82,6 @@ class StreamRunner:
     def close(self) -> None:
         self.outgoing.put(None)
         self.channel.close()
-
-
-def _timed(call, seconds: float) -> dict:
-    for _ in range(20):
-        call()
-    times, end = [], time.monotonic() + seconds
-    while time.monotonic() < end:
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return {"p50_ms": statistics.median(times) * 1e3, "n": len(times)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -148,18 +112,18 @@ def main(argv: list[str] | None = None) -> int:
         }
         for runner in runners.values():
             stack.callback(runner.close)
-        cases = {name: (lambda r=r: _timed(r.call, args.seconds)) for name, r in runners.items()}
+        cases = {
+            name: (lambda r=r: harness.p50_block(r.call, args.seconds))
+            for name, r in runners.items()
+        }
         blocks = harness.interleave(cases, args.rounds, log, alternate=True)
     result: dict = {"machine": harness.machine(), "precision": "ORT: f32"}
     for name, runs in blocks.items():
         result[name] = round(harness.median_of(runs, "p50_ms"), 4)
     for mode in ("unary", "stream"):
-        ratios = [
-            s["p50_ms"] / p["p50_ms"]
-            for s, p in zip(blocks[f"sequence {mode}"], blocks[f"stateless {mode}"])
-        ]
-        result[f"sequence / stateless, {mode}"] = round(statistics.median(ratios), 3)
-        result[f"sequence / stateless, {mode}, per round"] = [round(r, 3) for r in ratios]
+        median, rounds = harness.ratio_of(blocks, f"sequence {mode}", f"stateless {mode}")
+        result[f"sequence / stateless, {mode}"] = median
+        result[f"sequence / stateless, {mode}, per round"] = rounds
     result["stateless unary / echo"] = round(result["stateless unary"] / result["echo"], 3)
     print(json.dumps(result, indent=2))
     return 0

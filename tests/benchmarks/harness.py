@@ -36,6 +36,43 @@ CORES = os.cpu_count() or 1
 # --------------------------------------------------------------------------- blocks
 
 
+def p50_block(call: Callable[[], Any], seconds: float, warmup: int = 20) -> dict[str, Any]:
+    """A case: ``call`` one at a time for ``seconds`` (after ``warmup`` calls), its p50."""
+    for _ in range(warmup):
+        call()
+    times, end = [], time.monotonic() + seconds
+    while time.monotonic() < end:
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return {"p50_ms": statistics.median(times) * 1e3, "n": len(times)}
+
+
+def kserve_request(model: str, arrays: Mapping[str, np.ndarray], **sequence: Any) -> bytes:
+    """A ``ModelInferRequest``'s bytes as tritonclient sends them (``sequence``: ``id`` and
+    ``start`` for a request of a sequence)."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.grpc import _utils
+    from tritonclient.utils import np_to_triton_dtype
+
+    inputs = []
+    for name, value in arrays.items():
+        tensor = grpcclient.InferInput(name, list(value.shape), np_to_triton_dtype(value.dtype))
+        tensor.set_data_from_numpy(value)
+        inputs.append(tensor)
+    return _utils._get_inference_request(
+        model_name=model, inputs=inputs, model_version="", request_id="", outputs=None,
+        sequence_id=sequence.get("id", 0), sequence_start=sequence.get("start", False),
+        sequence_end=False, priority=0, timeout=None, parameters=None,
+    ).SerializeToString()  # fmt: skip
+
+
+def ratio_of(blocks: Mapping[str, list[dict[str, Any]]], top: str, bottom: str) -> tuple:
+    """The median of each round's ``top`` / ``bottom`` p50, and the rounds' ratios."""
+    ratios = [t["p50_ms"] / b["p50_ms"] for t, b in zip(blocks[top], blocks[bottom])]
+    return round(statistics.median(ratios), 3), [round(r, 3) for r in ratios]
+
+
 def interleave(
     cases: Mapping[str, Callable[[], dict[str, Any]]],
     rounds: int,

@@ -44,27 +44,6 @@ class TritonPythonModel:
 OUT = {"OUTPUT0": "OUTPUT0", "OUTPUT1": "OUTPUT1"}
 
 
-def _simple_onnx():
-    from onnx import TensorProto, helper
-
-    value = ["batch", 16]
-    graph = helper.make_graph(
-        [
-            helper.make_node("Add", ["INPUT0", "INPUT1"], ["OUTPUT0"]),
-            helper.make_node("Sub", ["INPUT0", "INPUT1"], ["OUTPUT1"]),
-        ],
-        "simple",
-        [helper.make_tensor_value_info(n, TensorProto.INT32, value) for n in ("INPUT0", "INPUT1")],
-        [
-            helper.make_tensor_value_info(n, TensorProto.INT32, value)
-            for n in ("OUTPUT0", "OUTPUT1")
-        ],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    return model
-
-
 def _ensemble(name: str, inputs: str, outputs: str, steps: list[str]) -> str:
     body = ",\n".join(steps)
     return textwrap.dedent(
@@ -110,7 +89,10 @@ def running(tmp_path_factory):
     from serving import RunningServer
 
     root = tmp_path_factory.mktemp("ensembles")
-    simple = _simple_onnx().SerializeToString()
+    from models import add_sub
+    from onnx import TensorProto
+
+    simple = add_sub(TensorProto.INT32, ("batch", 16)).SerializeToString()
     _write(root, "simple", SIMPLE, {"1/model.onnx": simple, "2/model.onnx": simple})
     _write(
         root,

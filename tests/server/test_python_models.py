@@ -127,27 +127,9 @@ def _add_sub(behaviour: str = "pass", execute_prefix: str = "") -> str:
     return ADD_SUB.format(behaviour=behaviour, execute_prefix=execute_prefix)
 
 
-def _add_sub_onnx() -> bytes:
-    from onnx import TensorProto, helper
-
-    value = [4]
-    graph = helper.make_graph(
-        [
-            helper.make_node("Add", ["INPUT0", "INPUT1"], ["OUTPUT0"]),
-            helper.make_node("Sub", ["INPUT0", "INPUT1"], ["OUTPUT1"]),
-        ],
-        "add_sub",
-        [helper.make_tensor_value_info(n, TensorProto.FLOAT, value) for n in ("INPUT0", "INPUT1")],
-        [
-            helper.make_tensor_value_info(n, TensorProto.FLOAT, value)
-            for n in ("OUTPUT0", "OUTPUT1")
-        ],
-    )
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
-
-
 @pytest.fixture(scope="module")
 def running(tmp_path_factory):
+    from models import add_sub
     from serving import RunningServer
 
     root = tmp_path_factory.mktemp("python-repo")
@@ -158,7 +140,7 @@ def running(tmp_path_factory):
     _entry(root, "bls_python", _bls("add_sub"))
     _entry(root, "bls_onnx_async", _bls("add_sub_onnx", asynchronous=True))
     (root / "add_sub_onnx" / "1").mkdir(parents=True)
-    (root / "add_sub_onnx" / "1" / "model.onnx").write_bytes(_add_sub_onnx())
+    (root / "add_sub_onnx" / "1" / "model.onnx").write_bytes(add_sub().SerializeToString())
     (root / "add_sub_onnx" / "config.json").write_text('{"device": "NUMPY"}')
     _entry(root, "fails_import", "import no_such_module_anywhere\n")
     _entry(root, "fails_initialize", _add_sub().replace(

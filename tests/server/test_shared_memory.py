@@ -37,22 +37,6 @@ def connected(request, server):
     client.close()
 
 
-@pytest.fixture
-def regions():
-    """Creates regions under the server's default key prefix; destroys them afterwards."""
-    made = []
-
-    def make(byte_size: int):
-        tag = uuid.uuid4().hex[:12]
-        handle = shm.create_shared_memory_region(f"r{tag}", f"/plugserve-test-{tag}", byte_size)
-        made.append(handle)
-        return f"r{tag}", f"/plugserve-test-{tag}", handle
-
-    yield make
-    for handle in made:
-        shm.destroy_shared_memory_region(handle)
-
-
 def test_inputs_and_outputs_in_shared_memory_with_offsets(connected, regions):
     module, client, protocol = connected
     a = np.arange(16, dtype=np.float32)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-import uuid
 
 import numpy as np
 import pytest
@@ -40,21 +39,6 @@ def running(tmp_path_factory):
     (repo / "spin" / "config.json").write_text('{"device": "NUMPY"}')
     with RunningServer("--model-repository", str(repo)) as server:
         yield server
-
-
-@pytest.fixture
-def regions():
-    made = []
-
-    def make(byte_size: int):
-        tag = uuid.uuid4().hex[:12]
-        handle = shm.create_shared_memory_region(f"r{tag}", f"/plugserve-test-{tag}", byte_size)
-        made.append(handle)
-        return f"r{tag}", f"/plugserve-test-{tag}", handle
-
-    yield make
-    for handle in made:
-        shm.destroy_shared_memory_region(handle)  # unmaps without touching a page
 
 
 def client_for(protocol: str, running):

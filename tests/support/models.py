@@ -397,3 +397,20 @@ OUTER_READ_PINS = {
     "/Greater": "OPENVINO",
     "/model/If": "NUMPY",
 }
+
+
+def add_sub(dtype=TensorProto.FLOAT, shape=(4,)) -> onnx.ModelProto:
+    """Triton's add_sub as an ONNX graph: OUTPUT0 = INPUT0 + INPUT1, OUTPUT1 = INPUT0 - INPUT1."""
+    value = list(shape)
+    graph = helper.make_graph(
+        [
+            helper.make_node("Add", ["INPUT0", "INPUT1"], ["OUTPUT0"]),
+            helper.make_node("Sub", ["INPUT0", "INPUT1"], ["OUTPUT1"]),
+        ],
+        "add_sub",
+        [helper.make_tensor_value_info(n, dtype, value) for n in ("INPUT0", "INPUT1")],
+        [helper.make_tensor_value_info(n, dtype, value) for n in ("OUTPUT0", "OUTPUT1")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
