@@ -260,11 +260,8 @@ def group_query_attention(ctx: KernelContext):
             k = key.reshape(b, s, kv_heads, head)
             v = value.reshape(b, s, kv_heads, head)
         capacity = past_key.shape[2] if past_key is not None else 0
-        past_len, totals, _, total = _positions(seqlens_k, total_seqlen, s, b, capacity)
-        # Rows of the first prompt shorter than S are padding; their positions are onnxruntime's
-        # (1), so their cached keys match its too.
-        positions = past_len[:, None] + np.arange(s)
-        positions = np.where(positions < totals[:, None], positions, 1)
+        past_len, _, _, total = _positions(seqlens_k, total_seqlen, s, b, capacity)
+        positions = past_len[:, None] + np.arange(s)  # padding rows too, as onnxruntime
         if do_rotary:
             cc = caches[0] if caches[0] is not None else _f32(cos_cache)
             sc = caches[1] if caches[1] is not None else _f32(sin_cache)
@@ -275,13 +272,13 @@ def group_query_attention(ctx: KernelContext):
         length = max(total, capacity)
         present_k = _present(past_key, k, past_len, length, uniform)
         present_v = _present(past_value, v, past_len, length, uniform)
-        y = _attend(q, present_k, present_v, past_len, totals, head, attention_bias, head_sink)
+        y = _attend(q, present_k, present_v, past_len, head, attention_bias, head_sink)
         y = y.reshape(b, s, heads * head)
         out = y if y.dtype == query.dtype else y.astype(query.dtype)
         results = (out, present_k, present_v)
         return results[:outputs]
 
-    def _attend(q, present_k, present_v, past_len, totals, head, attention_bias, head_sink):
+    def _attend(q, present_k, present_v, past_len, head, attention_bias, head_sink):
         """softmax(scale * Q K^T + masks) V for [B, S, N, h] queries: [B, S, N, h]."""
         b, s = q.shape[:2]
         ends = past_len + s  # one past each row's last key
@@ -324,7 +321,7 @@ def group_query_attention(ctx: KernelContext):
             last = (past_len[:, None] + np.arange(lo, hi))[:, :, None]  # [B, rows, 1]
             allowed = col <= last
             if window > 0:
-                allowed &= col >= last - window
+                allowed &= col > last - window  # window keys, this one included
             if not allowed.all():
                 scores += np.where(allowed, _F32.type(0), _F32.type(-np.inf))[:, None, None]
             _softmax_rows(scores, sink)
@@ -378,7 +375,7 @@ def gather_block_quantized(ctx: KernelContext):
         zp = None if zps is None else _unpack(zps, bits, scales.shape[-1])
     elif dtype.name in ("int4", "uint4", "int8", "uint8"):
         values = data.astype(np.int16)
-        default_zp = 8 if dtype.name == "uint4" else (128 if dtype.name == "uint8" else 0)
+        default_zp = 0  # onnxruntime: no zero point is 0 for the ONNX int types
         zp = None if zps is None else zps.astype(np.int16)
     else:
         raise ctx.unsupported(f"table of type {dtype}")
@@ -451,6 +448,11 @@ def matmul_nbits(ctx: KernelContext):
     if block < 16 or block & (block - 1):
         raise ctx.unsupported(f"block_size={block} (a power of two from 16)")
     consts = {i: ctx.constant(i) for i in (1, 2, 3, 4, 5)}
+    if ctx.has_input(3) and ctx.has_input(4) and ctx.input_dtype(3) == np.uint8:
+        raise ctx.unsupported(
+            "packed uint8 zero points with g_idx: onnxruntime ignores such zero points (it "
+            "takes 2^(bits-1)), so the model's numbers are undefined; store them as floats"
+        )
     ready = None
     if all(consts[i] is not None or not ctx.has_input(i) for i in (1, 2, 3, 4)):
         ready = dequantize_nbits(consts[1], consts[2], consts[3], consts[4], k, n, bits, block)
