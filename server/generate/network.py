@@ -208,9 +208,9 @@ def load_generative(
         network.close()
         raise
     log.info(
-        "generative model %s on %s: %s graph (%s), context %d, %d sequences x %d MiB of cache",
+        "generative model %s on %s: %s graph (%s), context %d, %d sequences x %.1f MiB of cache",
         folder.path, device, folder.kind, type(decoder).__name__, capacity, rows,
-        per_slot >> 20,
+        per_slot / (1 << 20),
     )  # fmt: skip
     return network
 
