@@ -21,8 +21,10 @@ attention op), never from the model family's name:
     the copy is the graph's design, bounded by the longest row, not the context), and the new
     token's keys and values are written back at each row's own position.
 
-The OpenVINO IR of optimum-intel (stateful: the cache in the model's variables, ``beam_idx``
-choosing rows) would be a third backend with the same three calls; it is not written yet.
+``PagedDecoder`` (:mod:`.decoder_openvino`)
+    optimum-intel's OpenVINO IR, loaded on OPENVINO in openvino's paged-attention form: the
+    cache in blocks, a slot a run of them, and each step's decoding rows and prompt chunks
+    in one forward (:attr:`Decoder.mixed`, :meth:`Decoder.step`).
 
 Every forward takes rows of the cache (``SlotTable`` rows) and returns float32 logits of the
 last position of each row's tokens.
@@ -66,6 +68,28 @@ class Decoder(abc.ABC):
         self.positions_dtype = positions.dtype if positions is not None else None
         self.binds = bool(self.request.binds_outputs)
         self.forwards = 0  # runs made (for stats)
+
+    #: whether :meth:`step` runs a step's decoding rows and prompt chunks in one forward
+    #: (the engine then makes one call a step instead of decode, first and extend)
+    mixed = False
+
+    def new_cache(self, rows: int) -> KVCache:
+        """The cache the engine keeps for this backend, ``rows`` slots (the dense arrays of
+        :class:`.kvcache.KVCache`; a backend with its own layout returns its own kind)."""
+        return KVCache(self.layout, rows)
+
+    def step(
+        self,
+        cache: KVCache,
+        rows: Sequence[int],
+        tokens: Sequence[int],
+        lens: Sequence[int],
+        chunks: Sequence[tuple[int, int, Sequence[int]]],
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Mixed backends only: decoding ``rows`` (``tokens[i]`` at position ``lens[i]``)
+        and prompt ``chunks`` (``(row, start, tokens)``) in one forward; the logits of each
+        decoding row ``[len(rows), vocab]`` and of each chunk's last token."""
+        raise NotImplementedError(f"{type(self).__name__} runs decode, first and extend")
 
     def _arrays(self, values: dict[str, Any]) -> list[Any]:
         return [values.get(name, _CONSTANT_INPUTS.get(name)) for name in self.order]
@@ -312,7 +336,12 @@ def choose_decoder(
     genai: dict[str, Any],
     capacity: int,
 ) -> Decoder:
-    """The backend for this graph: shared buffers for GroupQueryAttention, else concat."""
+    """The backend for this graph: paged for openvino's paged-attention form, shared
+    buffers for GroupQueryAttention, else concat."""
+    from plugserve.server.generate.decoder_openvino import PagedDecoder, is_paged
+
+    if is_paged(network):
+        return PagedDecoder.create(network, config, capacity)
     names = genai.get("model", {}).get("decoder", {}) or {}
     templates = {**names.get("inputs", {}), **names.get("outputs", {})}
     layout = cache_layout(network, config, capacity, templates)

@@ -167,6 +167,10 @@ def load_generative(
     capacity = min(settings.max_model_len or context, context)
     if capacity < 2:
         raise InvalidArgument(f"max_model_len must be at least 2, got {capacity}")
+    if folder.kind == "openvino":  # an IR runs on OPENVINO, in the paged-attention form
+        from plugserve.server.generate.decoder_openvino import serving_device
+
+        device, device_config = serving_device(folder.graph, device, device_config)
     decoder_network = core.load_network(str(folder.graph), device, device_config)
     try:
         decoder = choose_decoder(
