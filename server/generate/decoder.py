@@ -336,12 +336,9 @@ def choose_decoder(
     genai: dict[str, Any],
     capacity: int,
 ) -> Decoder:
-    """The backend for this graph: paged for openvino's paged-attention form, shared
-    buffers for GroupQueryAttention, else concat."""
-    from plugserve.server.generate.decoder_openvino import PagedDecoder, is_paged
-
-    if is_paged(network):
-        return PagedDecoder.create(network, config, capacity)
+    """The backend for this graph: shared buffers for GroupQueryAttention, else concat (a
+    network in openvino's paged-attention form takes :mod:`.decoder_openvino`'s, which
+    ``load_generative`` picks before this)."""
     names = genai.get("model", {}).get("decoder", {}) or {}
     templates = {**names.get("inputs", {}), **names.get("outputs", {})}
     layout = cache_layout(network, config, capacity, templates)

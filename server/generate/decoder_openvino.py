@@ -13,6 +13,8 @@ layer that the ``PagedAttentionExtension`` op reads and writes in place. The CPU
 ACCURACY; under PERFORMANCE what the CPU computes fastest, f16 on an AVX2 CPU, bf16 or u8
 where it has them); this backend allocates what the compiled network declares.
 
+Chosen by ``load_generative`` when the compiled network is in that form (:func:`is_paged`).
+
 The engine's slots on blocks. The engine thinks in slots (:mod:`.kvcache`: one per sequence,
 the whole context long). Here a slot is a contiguous run of ``ceil(capacity / block_size)``
 blocks, its block table ``run * blocks_per_slot + 0, 1, 2...``, so nothing is gathered or

@@ -48,6 +48,7 @@ from plugserve.plugins.api import (
 )
 from plugserve.plugins.responses import Response
 from plugserve.server.generate.decoder import choose_decoder
+from plugserve.server.generate.decoder_openvino import PagedDecoder, is_paged, serving_device
 from plugserve.server.generate.engine import Engine, EngineSettings, QueueSender
 from plugserve.server.generate.folder import ModelFolder
 from plugserve.server.generate.tokenizer import Tokenizer
@@ -168,15 +169,16 @@ def load_generative(
     if capacity < 2:
         raise InvalidArgument(f"max_model_len must be at least 2, got {capacity}")
     if folder.kind == "openvino":  # an IR runs on OPENVINO, in the paged-attention form
-        from plugserve.server.generate.decoder_openvino import serving_device
-
         device, device_config = serving_device(folder.graph, device, device_config)
     decoder_network = core.load_network(str(folder.graph), device, device_config)
     try:
-        decoder = choose_decoder(
-            decoder_network, folder.graph, folder.kind, folder.text_config, folder.genai_config,
-            capacity,
-        )  # fmt: skip
+        if is_paged(decoder_network):
+            decoder = PagedDecoder.create(decoder_network, folder.text_config, capacity)
+        else:
+            decoder = choose_decoder(
+                decoder_network, folder.graph, folder.kind, folder.text_config,
+                folder.genai_config, capacity,
+            )  # fmt: skip
         per_slot = decoder.layout.bytes_per_slot
         budget = settings.kv_cache_bytes or min(
             settings.max_num_seqs * per_slot, int(_physical_memory() * AUTO_KV_SHARE)
