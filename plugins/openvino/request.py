@@ -136,7 +136,6 @@ class OpenvinoInferRequest(InferRequest):
         token = cancel.current() or self._token
         with self._lock:
             self._refuse_if_busy()
-            self._shapes = shapes_of([s.name for s in self.network.inputs], arrays)
             try:
                 for port, array in zip(self.network.input_ports, arrays):
                     if port is not None and array is not None:
@@ -160,6 +159,8 @@ class OpenvinoInferRequest(InferRequest):
                 self._forget_bindings()
                 if token is not None and token.cancelled:
                     raise token.failure() from None
+                # the shapes only for the message (a step of a generation runs here often)
+                self._shapes = shapes_of([s.name for s in self.network.inputs], arrays)
                 raise self._error(exc) from None
             finally:
                 if forget is not None:

@@ -165,7 +165,14 @@ class PagedDecoder(Decoder):
         super().__init__(network, layout, vocab)
         self.layout: PagedLayout = layout
         self.sampled = _SAMPLED in self.specs
+        logits = next(s for s in network.outputs if s.name == "logits")
+        self.logits_dtype = np.dtype(logits.dtype or np.float32)
         self.step_dtypes = {name: self.specs[name].dtype for name in _STEP_INPUTS}
+        if self.sampled:
+            self.step_dtypes[_SAMPLED] = self.specs[_SAMPLED].dtype
+        #: the step's inputs and logits, kept while their shapes repeat (decode steps do):
+        #: the request keeps a binding to an array whose memory and shape are unchanged
+        self._buffers: dict[str, np.ndarray] = {}
         self.steps = 0  # forwards that held decoding rows and prompt chunks together
 
     @classmethod
@@ -290,7 +297,6 @@ class PagedDecoder(Decoder):
         """Sequences in ``rows``, each ``counts[i]`` tokens (``ids``, one after the other)
         written from position ``starts[i]``; the logits of each one's last token."""
         assert isinstance(cache, PagedKVCache), "the paged backend runs on its own cache"
-        dt = self.step_dtypes
         seqs = len(rows)
         ends = starts + counts
         begins = np.zeros(seqs + 1, np.int64)
@@ -304,21 +310,36 @@ class PagedDecoder(Decoder):
         block_indices = np.arange(int(block_begins[-1]), dtype=np.int64) + np.repeat(
             first_block - block_begins[:-1], blocks
         )
-        values: dict[str, Any] = {
-            "input_ids": ids.astype(dt["input_ids"], copy=False),
-            "position_ids": positions.astype(dt["position_ids"], copy=False),
-            "past_lens": starts.astype(dt["past_lens"]),
-            "subsequence_begins": begins.astype(dt["subsequence_begins"]),
-            "block_indices": block_indices.astype(dt["block_indices"]),
-            "block_indices_begins": block_begins.astype(dt["block_indices_begins"]),
-            "max_context_len": np.array(int(ends.max()), dt["max_context_len"]),
-        }
         last = begins[1:] - 1
+        values: dict[str, Any] = {
+            "input_ids": self._filled("input_ids", ids),
+            "position_ids": self._filled("position_ids", positions),
+            "past_lens": self._filled("past_lens", starts),
+            "subsequence_begins": self._filled("subsequence_begins", begins),
+            "block_indices": self._filled("block_indices", block_indices),
+            "block_indices_begins": self._filled("block_indices_begins", block_begins),
+            "max_context_len": self._filled("max_context_len", ends.max()),
+        }
+        outputs: dict[str, np.ndarray] = {}
         if self.sampled:
-            values[_SAMPLED] = last.astype(self.specs[_SAMPLED].dtype)
+            values[_SAMPLED] = self._filled(_SAMPLED, last)
+            outputs["logits"] = self._buffer("logits", (seqs, 1, self.vocab), self.logits_dtype)
         values.update(cache.arrays)
         self.forwards += 1
-        out = self.request.infer_into(self._arrays(values), {})
+        out = self.request.infer_into(self._arrays(values), outputs)
         logits = self._logits(out)
         logits = logits.reshape(logits.shape[0], -1)  # [seqs or tokens, 1, vocab] -> 2-D
         return logits if self.sampled else logits[last]
+
+    def _buffer(self, name: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        """The kept array for ``name`` when it has this shape, else a new one kept instead."""
+        buffer = self._buffers.get(name)
+        if buffer is None or buffer.shape != shape:
+            buffer = self._buffers[name] = np.empty(shape, dtype)
+        return buffer
+
+    def _filled(self, name: str, value: Any) -> np.ndarray:
+        value = np.asarray(value)
+        buffer = self._buffer(name, value.shape, self.step_dtypes[name])
+        buffer[...] = value
+        return buffer
