@@ -17,7 +17,11 @@ ignored:
   same way;
 - ``plugserve x1`` and ``genai x1``: one prompt; the time to its first token and the mean
   time per token after it (genai: ``add_request`` then ``step`` until done, reading the
-  handle after each step).
+  handle after each step);
+- with ``--long-prompt 2000``: the N streams decoding, then a 2,000-token prompt sent once
+  each has its first token: its time to first token and the streams' gaps between two
+  tokens meanwhile (both split the prompt into ``max_num_batched_tokens`` chunks computed
+  beside the decoding rows, in the same forward).
 
 Cases run interleaved, alternating order, for ``--rounds`` rounds; each figure is a median, and
 the ratios are medians of the rounds' ratios. The issue's aim: plugserve's tokens/s at 8
@@ -27,12 +31,13 @@ load average and versions are printed: on a shared machine the numbers move with
 runs.
 
     python tests/benchmarks/bench_generate_openvino.py [--rounds 3] [--new-tokens 64]
-        [--prompt-tokens 32] [--streams 8] [--precision f32]
+        [--prompt-tokens 32] [--streams 8] [--precision f32] [--long-prompt 2000]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import threading
 import time
@@ -92,6 +97,32 @@ class Plugserve:
             thread.join()
         return summary(start, times, tokens)
 
+    def long_prompt(self, ids: list[list[int]], long: list[int], new: int) -> dict:
+        """``ids`` decoding, then ``long`` sent once each has its first token."""
+        from plugserve.server.generate.types import GenerationRequest, SamplingParams
+
+        times: dict[str, list[float]] = {}
+        started = threading.Barrier(len(ids) + 1)
+
+        def one(name: str, prompt: list[int], tokens: int) -> None:
+            params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+            request = GenerationRequest(f"{name}-{time.monotonic_ns()}", prompt, params)
+            stamps = times.setdefault(name, [])
+            for _event in self.engine.generate(request):
+                stamps.append(time.perf_counter())
+                if len(stamps) == 1 and name != "long":
+                    started.wait()
+
+        threads = [threading.Thread(target=one, args=(str(i), r, new)) for i, r in enumerate(ids)]
+        for thread in threads:
+            thread.start()
+        started.wait()
+        sent = time.perf_counter()
+        one("long", long, 4)
+        for thread in threads:
+            thread.join()
+        return gaps_while(times, sent)
+
     def close(self) -> None:
         self.network.close()
 
@@ -148,6 +179,51 @@ class Genai:
         return summary(start, {0: stamps}, {0: out})
 
 
+def genai_long_prompt(genai: Genai, ids: list[list[int]], long: list[int], new: int) -> dict:
+    """The same with openvino-genai: ``add_request`` for each, ``step`` until done, each
+    handle read after every step."""
+    import openvino as ov
+
+    handles = {}
+    for i, row in enumerate(ids):
+        genai.next_id += 1
+        tensor = ov.Tensor(np.array([row], np.int64))
+        handles[str(i)] = genai.pipe.add_request(genai.next_id, tensor, genai.config(new))
+    times: dict[str, list[float]] = {}
+    sent = 0.0
+    while genai.pipe.has_non_finished_requests():
+        genai.pipe.step()
+        now = time.perf_counter()
+        for name, handle in handles.items():
+            if handle.can_read():
+                for _output in handle.read().values():
+                    times.setdefault(name, []).append(now)
+        if not sent and len(times) == len(ids):
+            sent = time.perf_counter()
+            genai.next_id += 1
+            tensor = ov.Tensor(np.array([long], np.int64))
+            handles["long"] = genai.pipe.add_request(genai.next_id, tensor, genai.config(4))
+    return gaps_while(times, sent)
+
+
+def gaps_while(times: dict[str, list[float]], sent: float) -> dict:
+    """The long prompt's time to first token, and the streams' gaps between two tokens
+    that ended while it was computed."""
+    first = times["long"][0]
+    gaps = [
+        b - a
+        for name, stamps in times.items()
+        if name != "long"
+        for a, b in itertools.pairwise(stamps)
+        if sent <= b <= first + 1e-3
+    ]
+    return {
+        "long_ttft_ms": (first - sent) * 1e3,
+        "gap_p50_ms": statistics.median(gaps) * 1e3 if gaps else float("nan"),
+        "gap_max_ms": max(gaps) * 1e3 if gaps else float("nan"),
+    }
+
+
 def summary(start: float, times: dict[int, list[float]], tokens: dict[int, list[int]]) -> dict:
     end = max(t[-1] for t in times.values())
     count = sum(len(t) for t in tokens.values())
@@ -185,6 +261,13 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--precision", default="", choices=["", "f32", "bf16", "f16"])
     parser.add_argument("--max-num-batched-tokens", type=int, default=256)
+    parser.add_argument(
+        "--long-prompt",
+        type=int,
+        default=0,
+        help="also: a prompt of this many tokens sent while the streams decode (its time to "
+        "first token, the streams' gaps between tokens meanwhile)",
+    )
     args = parser.parse_args()
     folder = args.folder
     if folder is None:
@@ -201,7 +284,7 @@ def main() -> None:
     cpu = ov.Core()
     print(f"openvino CPU: {cpu.get_property('CPU', 'FULL_DEVICE_NAME')}, capabilities "
           f"{cpu.get_property('CPU', 'OPTIMIZATION_CAPABILITIES')}")  # fmt: skip
-    seqs = args.streams
+    seqs = args.streams + (1 if args.long_prompt else 0)  # the long prompt needs a slot too
     ours = Plugserve(folder, args.precision, seqs, args.max_num_batched_tokens)
     blocks = ours.engine.cache.rows * ours.engine.cache.per_slot
     theirs = Genai(folder, args.precision, seqs, args.max_num_batched_tokens, blocks)
@@ -222,6 +305,10 @@ def main() -> None:
     }
     for name, run in list(cases.items()):
         cases[name] = timed(run)
+    if args.long_prompt:
+        long = prompts(1, args.long_prompt, vocab)[0]
+        cases["plugserve long"] = lambda: ours.long_prompt(many, long, new)
+        cases["genai long"] = lambda: genai_long_prompt(theirs, many, long, new)
     for run in cases.values():  # warm up: first compilation of each shape
         run()
     results: dict[str, list[dict]] = {name: [] for name in cases}
@@ -241,12 +328,13 @@ def main() -> None:
             a[key] / b[key] for a, b in zip(results[top], results[bottom], strict=True)
         )
 
+    speed = [name for name in names if "tokens_per_s" in results[name][0]]
     agree = []
     for a, b in zip(results[f"plugserve x{n}"], results[f"genai x{n}"], strict=True):
         pairs = [(a["tokens"][i], b["tokens"][i]) for i in range(n)]
         agree.append(sum(x == y for x, y in pairs) / n)
     print(f"\n{'case':<16}{'tokens/s':>10}{'first ms':>10}{'ms/token':>10}{'CPU ms/tok':>12}")
-    for name in names:
+    for name in speed:
         first = med(name, "first_ms") if "first_ms" in results[name][0] else float("nan")
         per = med(name, "per_token_ms") if "per_token_ms" in results[name][0] else float("nan")
         cpu = med(name, "cpu_ms_per_token")
@@ -263,6 +351,14 @@ def main() -> None:
         f"x{n} CPU time per token: plugserve / genai = "
         f"{ratio(f'plugserve x{n}', f'genai x{n}', 'cpu_ms_per_token'):.2f}"
     )
+    if args.long_prompt:
+        print(f"\n{args.long_prompt}-token prompt while {n} streams decode:")
+        print(f"{'case':<16}{'TTFT ms':>10}{'gap p50':>10}{'gap max':>10}")
+        for name in ("plugserve long", "genai long"):
+            print(
+                f"{name:<16}{med(name, 'long_ttft_ms'):>10.0f}{med(name, 'gap_p50_ms'):>10.0f}"
+                f"{med(name, 'gap_max_ms'):>10.0f}"
+            )
     print(f"greedy answers identical at x{n}: {statistics.median(agree):.0%} of the streams")
     ours.close()
 
