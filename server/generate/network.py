@@ -164,6 +164,12 @@ def load_generative(
 ) -> GenerativeNetwork:
     """Load a transformers folder as a generative network on ``device``."""
     folder = ModelFolder.read(path)
+    if folder.kind == "openvino":
+        raise Unsupported(
+            f"{folder.path}: optimum-intel's stateful OpenVINO IR is not served by the engine "
+            "yet (its cache lives in the model's variables); serve the same model's ONNX "
+            "export (optimum-cli export onnx, or onnxruntime-genai's model builder) on OPENVINO"
+        )
     settings, device_config = engine_settings(defaults or EngineSettings(), dict(config or {}))
     tokenizer = Tokenizer.from_folder(folder.path)
     context = folder.context_length or DEFAULT_CONTEXT
