@@ -145,6 +145,9 @@ class ModelSettings:
     formats: dict[str, int] = dataclasses.field(default_factory=dict)
     #: Triton's sequence_batching: the model's requests belong to sequences
     sequence: SequenceSettings | None = None
+    #: an OVMS pipeline (``server/pipelines/ovms_dag.py``): what the ENSEMBLE device loads
+    #: instead of a file
+    pipeline: Any = None
 
 
 def read_triton(path: Path) -> ModelSettings:
@@ -349,7 +352,9 @@ def read_ovms(path: Path) -> list[OvmsModel]:
     items = raw.get(OVMS_KEYS) if isinstance(raw, dict) else None
     if not isinstance(items, list):
         raise InvalidArgument(f"{path}: expected an object with a '{OVMS_KEYS}' list")
-    ignored_top = [k for k in raw if k != OVMS_KEYS]
+    from plugserve.server.pipelines.ovms_dag import PIPELINE_KEYS  # read by the repository
+
+    ignored_top = [k for k in raw if k != OVMS_KEYS and k not in PIPELINE_KEYS]
     if ignored_top:
         log.warning("%s: not acted on: %s", path, ", ".join(ignored_top))
     models = []
