@@ -86,6 +86,7 @@ _ACTED_ON = {
     "default_model_filename",
     "parameters",
     "sequence_batching",
+    "ensemble_scheduling",  # server/pipelines/ensemble.py reads it
 }
 
 

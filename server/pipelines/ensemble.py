@@ -82,8 +82,8 @@ class Step:
         index: int,
         model: str,
         version: int,
-        inputs: Mapping[str, str],
-        outputs: Mapping[str, str],
+        inputs: Mapping[str, str] | list[tuple[str, str]],
+        outputs: Mapping[str, str] | list[tuple[str, str]],
         label: str = "",
     ) -> None:
         self.index = index
@@ -258,7 +258,14 @@ def read_triton_ensemble(path: Path) -> Definition:
     name = message.name or path.parent.name
     where = f"ensemble {name!r}"
     steps = [
-        Step(i, s.model_name, s.model_version, s.input_map, s.output_map)
+        # protobuf's maps iterate in no set order: sorted, so messages name the same tensor
+        Step(
+            i,
+            s.model_name,
+            s.model_version,
+            sorted(s.input_map.items()),
+            sorted(s.output_map.items()),
+        )
         for i, s in enumerate(message.ensemble_scheduling.step)
     ]
     outputs = _specs(message, "output", where)

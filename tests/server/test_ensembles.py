@@ -1,8 +1,11 @@
 """Triton ensembles (issue 36) against a real server with tritonclient: Triton's QA ensemble of
-``simple`` over its two versions, a partial-output ensemble with a Python step (only the steps
-the requested outputs need run, as the per-version statistics show), and the ensembles whose
-steps do not connect, each refused at load with what does not connect while the others
-serve."""
+``simple`` over its two versions, a partial-output ensemble with a Python step and two branches
+over two versions (only the steps the requested outputs need run, as the per-version statistics
+show), two Python steps that can only finish when they run at once, Triton's sequence examples
+through an ensemble (the correlation id and flags pass on), the tensors between steps passed by
+reference (an in-process check: the answer is the request's own array), and the ensembles whose
+steps do not connect (a missing tensor, a cycle, a type mismatch, an ensemble that runs itself),
+each refused at load with what does not connect while the others serve."""
 
 from __future__ import annotations
 
@@ -39,6 +42,53 @@ class TritonPythonModel:
             for r in requests
         ]
 """
+
+
+#: Two Python models that each finish only once the other has started on the same request
+#: (marker files in a folder, named by the request's first value): run one after the other,
+#: the first gives up after a minute and fails its request.
+MEET = """
+import json
+import os
+import time
+
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        self.folder = config["parameters"]["folder"]["string_value"]
+        self.me = config["name"]
+        self.other = "meet_b" if self.me == "meet_a" else "meet_a"
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
+            nonce = int(x.flat[0])
+            open(os.path.join(self.folder, f"{self.me}-{nonce}"), "w").close()
+            other = os.path.join(self.folder, f"{self.other}-{nonce}")
+            end = time.monotonic() + 60
+            while not os.path.exists(other):
+                if time.monotonic() > end:
+                    raise pb_utils.TritonModelException(
+                        f"{self.other} did not start while {self.me} ran: steps ran in turn")
+                time.sleep(0.005)
+            add = 1 if self.me == "meet_a" else 2
+            responses.append(pb_utils.InferenceResponse(
+                output_tensors=[pb_utils.Tensor("OUTPUT0", x + add)]))
+        return responses
+"""
+
+
+def _meet_config(name: str, folder: Path) -> str:
+    return (
+        f'name: "{name}"\nbackend: "python"\nmax_batch_size: 8\n'
+        'input [ { name: "INPUT0" data_type: TYPE_INT32 dims: [ 16 ] } ]\n'
+        'output [ { name: "OUTPUT0" data_type: TYPE_INT32 dims: [ 16 ] } ]\n'
+        f'parameters {{ key: "folder" value: {{ string_value: "{folder}" }} }}\n'
+    )
 
 
 OUT = {"OUTPUT0": "OUTPUT0", "OUTPUT1": "OUTPUT1"}
@@ -125,6 +175,34 @@ def running(tmp_path_factory):
     _write(root, "mismatch", _ensemble("mismatch", float_in, INT32_OUT, [
         _step("simple", 1, BOTH, {"OUTPUT0": "OUTPUT0", "OUTPUT1": "OUTPUT1"}),
     ]))  # fmt: skip
+    # two branches over the two versions: OUTPUT0 from version 1, OUTPUT1 from version 2
+    _write(root, "versions", _ensemble("versions", INT32_IN, INT32_OUT, [
+        _step("simple", 1, BOTH, {"OUTPUT0": "OUTPUT0"}),
+        _step("simple", 2, BOTH, {"OUTPUT1": "OUTPUT1"}),
+    ]))  # fmt: skip
+    meeting = root / "meeting"
+    meeting.mkdir()
+    for name in ("meet_a", "meet_b"):
+        _write(root, name, _meet_config(name, meeting), {"1/model.py": MEET})
+    _write(root, "meet", _ensemble("meet", INT32_IN, INT32_OUT, [
+        _step("meet_a", 1, {"INPUT0": "INPUT0"}, {"OUTPUT0": "OUTPUT0"}),
+        _step("meet_b", 1, {"INPUT0": "INPUT0"}, {"OUTPUT0": "OUTPUT1"}),
+    ]))  # fmt: skip
+    # Triton's sequence examples, each behind a one-step ensemble
+    from sequence_models import triton_examples
+
+    triton_examples(root)
+    seq_in = '{ name: "INPUT" data_type: TYPE_INT32 dims: [ 1 ] }'
+    seq_out = '{ name: "OUTPUT" data_type: TYPE_INT32 dims: [ 1 ] }'
+    for model in ("simple_sequence", "simple_dyna_sequence"):
+        _write(root, f"{model}_ensemble", _ensemble(f"{model}_ensemble", seq_in, seq_out, [
+            _step(model, -1, {"INPUT": "INPUT"}, {"OUTPUT": "OUTPUT"}),
+        ]))  # fmt: skip
+    # two ensembles that run each other: the second to load is refused
+    for name, other in (("loop_a", "loop_b"), ("loop_b", "loop_a")):
+        _write(root, name, _ensemble(name, INT32_IN, INT32_OUT, [
+            _step(other, -1, BOTH, OUT),
+        ]))  # fmt: skip
     with RunningServer("--model-repository", str(root), "--exit-on-error", "0") as server:
         yield server
 
@@ -193,12 +271,131 @@ def test_only_the_steps_the_requested_outputs_need_run(running):
         client.close()
 
 
+def test_unneeded_branches_do_not_run_per_version(running):
+    """Triton prunes the steps no requested output needs: each version's own statistics."""
+    client = grpcclient.InferenceServerClient(running.target)
+    try:
+        before = [_count(client, "simple", v) for v in ("1", "2")]
+        one = client.infer(
+            "versions",
+            _inputs(grpcclient, A, B),
+            outputs=[grpcclient.InferRequestedOutput("OUTPUT1")],
+        )
+        np.testing.assert_array_equal(one.as_numpy("OUTPUT1"), A - B)
+        assert one.as_numpy("OUTPUT0") is None
+        assert [_count(client, "simple", v) for v in ("1", "2")] == [before[0], before[1] + 1]
+        both = client.infer("versions", _inputs(grpcclient, A, B))
+        np.testing.assert_array_equal(both.as_numpy("OUTPUT0"), A + B)
+        np.testing.assert_array_equal(both.as_numpy("OUTPUT1"), A - B)
+        assert [_count(client, "simple", v) for v in ("1", "2")] == [before[0] + 1, before[1] + 2]
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_steps_that_do_not_depend_on_each_other_run_at_once(running, protocol):
+    """meet_a and meet_b each wait for the other to start: they answer only when the ensemble
+    sent both before either finished."""
+    module = grpcclient if protocol == "grpc" else httpclient
+    target = running.target if protocol == "grpc" else running.http_target
+    client = module.InferenceServerClient(target)
+    try:
+        for nonce in (101, 102) if protocol == "grpc" else (201, 202):
+            a = A + nonce
+            result = client.infer("meet", _inputs(module, a, B))
+            np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a + 1)
+            np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), a + 2)
+    finally:
+        client.close()
+
+
+def _sequence(client, model: str, sequence_id: int, values: list[int]) -> list[int]:
+    answers = []
+    for i, value in enumerate(values):
+        tensor = grpcclient.InferInput("INPUT", [1, 1], "INT32")
+        tensor.set_data_from_numpy(np.full((1, 1), value, np.int32))
+        result = client.infer(
+            model,
+            [tensor],
+            sequence_id=sequence_id,
+            sequence_start=i == 0,
+            sequence_end=i == len(values) - 1,
+        )
+        answers.append(int(result.as_numpy("OUTPUT")[0][0]))
+    return answers
+
+
+@pytest.mark.parametrize("model", ["simple_sequence", "simple_dyna_sequence"])
+def test_sequence_requests_pass_through_an_ensemble(running, model):
+    """Triton's sequence examples, sent to an ensemble of the sequence model, answer as the
+    model itself does: the ensemble hands its requests' correlation id and start/end flags on
+    (the dyna model adds the correlation id at the end)."""
+    values = [0, 11, 7, 5, 3, 2, 0, 1]
+    client = grpcclient.InferenceServerClient(running.target)
+    try:
+        direct = _sequence(client, model, 4242, values)
+        through = _sequence(client, f"{model}_ensemble", 4242, values)
+        assert through == direct
+        assert direct != values  # the model accumulates: the flags did reach it
+        with pytest.raises(Exception, match="must specify a non-zero or non-empty correlation"):
+            tensor = grpcclient.InferInput("INPUT", [1, 1], "INT32")
+            tensor.set_data_from_numpy(np.ones((1, 1), np.int32))
+            client.infer(f"{model}_ensemble", [tensor])
+    finally:
+        client.close()
+
+
+def test_tensors_between_steps_are_passed_by_reference(tmp_path):
+    """Three NUMPY Identity steps over 4 MB: the answer is the request's own array, so no step
+    boundary copied it (the scheduler, the data plane and the device pass references)."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    from plugserve.server.app import Server
+    from plugserve.server.settings import Settings
+
+    root = tmp_path / "models"
+    shape = [1024, 1024]
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["x"], ["y"])],
+        "identity",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    names = ["x", "a", "b", "y"]
+    steps = []
+    for i in range(3):
+        (root / f"s{i}" / "1").mkdir(parents=True)
+        onnx.save(model, root / f"s{i}" / "1" / "model.onnx")
+        (root / f"s{i}" / "config.json").write_text('{"device": "NUMPY"}')
+        steps.append(_step(f"s{i}", -1, {"x": names[i]}, {"y": names[i + 1]}))
+    spec = '{ name: "%s" data_type: TYPE_FP32 dims: [ 1024, 1024 ] }'
+    text = _ensemble("chain", spec % "x", spec % "y", steps).replace("max_batch_size: 8", "")
+    _write(root, "chain", text)
+    server = Server(
+        Settings(model_repository=str(root), host="127.0.0.1", grpc_port=0, http_port=-1,
+                 metrics_port=-1, health_port=-1)
+    )  # fmt: skip
+    server.start()
+    try:
+        plane = server.plane
+        x = np.random.default_rng(0).random(shape, dtype=np.float32)
+        for inline in (False, True):  # on the ensemble's stream, and on the caller's thread
+            answer = plane.submit(plane.get("chain"), {"x": x}, inline=inline).result()
+            assert answer["y"] is x
+    finally:
+        server.stop(0)
+
+
 @pytest.mark.parametrize(
     ("model", "reason"),
     [
         ("missing", "reads tensor 'nowhere', which no step writes"),
         ("cycle", "its steps form a cycle"),
         ("mismatch", "tensor 'INPUT0' is float32 where step 0 (model 'simple') takes"),
+        ("loop_b", "it runs itself: step 0 (model 'loop_a') -> step 0 (model 'loop_b')"),
     ],
 )
 def test_an_ensemble_whose_steps_do_not_connect_is_refused_at_load(running, model, reason):
