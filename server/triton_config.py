@@ -233,7 +233,7 @@ def _parse_triton(where: str, text: str) -> ModelSettings:
     for key, value in config.parameters.items():
         if key.isupper():
             out.config[key] = value.string_value
-        else:
+        elif out.device != "PYTHON":  # a Python model's own: it reads them in initialize
             ignored.append(f"parameters[{key!r}]")
     ignored += _check_tensors(config, path)
     if config.HasField("sequence_batching"):
