@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 from plugserve.plugins.api import InvalidArgument, NotFound
-from plugserve.server.pipelines.ovms_dag import read_pipelines
 from plugserve.server.triton_config import (
     MODEL_FILE,
     OVMS_KEYS,
@@ -138,6 +137,8 @@ class Repository:
         per pipeline refused."""
         if self.ovms_file is None:
             return {}, []
+        from plugserve.server.pipelines.ovms_dag import read_pipelines  # OVMS's only
+
         models = self._ovms()
         try:
             raw = json.loads(self.ovms_file.read_text())
