@@ -32,8 +32,9 @@ whether that input is optional), and an ensemble output left unset is missing fr
 Refused at load, each with what does not connect: a step reading a tensor no step writes and
 the ensemble does not take, an ensemble output no step writes, a cycle, a tensor two steps
 write, a step of a loaded model mapping a tensor it does not have, a tensor whose element type
-differs between the step that writes it and the ensemble or the step that reads it, and an
-ensemble that runs itself through another ensemble.
+differs between the step that writes it and the ensemble or the step that reads it, a step
+whose model is decoupled (not run in ensembles yet), and an ensemble that runs itself through
+another ensemble.
 """
 
 from __future__ import annotations
@@ -345,6 +346,12 @@ class EnsembleNetwork(CompiledNetwork):
             entry = self._loaded(step)
             if entry is None:
                 continue
+            if getattr(entry.network, "decoupled", False):
+                raise InvalidModel(
+                    f"{where}: {step}: model {step.model!r} is decoupled (any number of "
+                    "responses per request), which ensembles do not run yet; call it on its "
+                    "own with a streaming client"
+                )
             specs = {s.name: s for s in [*entry.inputs, *entry.outputs]}
             for model_tensor, tensor in [*step.inputs.items(), *step.outputs.items()]:
                 spec = specs.get(model_tensor)

@@ -4,7 +4,8 @@ over two versions (only the steps the requested outputs need run, as the per-ver
 show), two Python steps that can only finish when they run at once, Triton's sequence examples
 through an ensemble (the correlation id and flags pass on), the tensors between steps passed by
 reference (an in-process check: the answer is the request's own array), and the ensembles whose
-steps do not connect (a missing tensor, a cycle, a type mismatch, an ensemble that runs itself),
+steps do not connect (a missing tensor, a cycle, a type mismatch, an ensemble that runs itself,
+a decoupled step),
 each refused at load with what does not connect while the others serve."""
 
 from __future__ import annotations
@@ -216,6 +217,19 @@ def running(tmp_path_factory):
     _write(root, "optional", _ensemble("optional", INT32_IN, INT32_OUT, [
         _step("simple", 1, BOTH, {"OUTPUT0": "OUTPUT0"}),
         _step("sometimes", 1, {"INPUT0": "INPUT0"}, {"OUTPUT0": "OUTPUT1"}),
+    ]))  # fmt: skip
+    _write(
+        root,
+        "streaming",
+        'name: "streaming"\nbackend: "python"\nmax_batch_size: 8\n'
+        "model_transaction_policy { decoupled: true }\n"
+        'input [ { name: "INPUT0" data_type: TYPE_INT32 dims: [ 16 ] } ]\n'
+        'output [ { name: "OUTPUT0" data_type: TYPE_INT32 dims: [ 16 ] } ]\n',
+        {"1/model.py": DOUBLE},
+    )
+    _write(root, "of_streaming", _ensemble("of_streaming", INT32_IN, INT32_OUT, [
+        _step("simple", 1, BOTH, {"OUTPUT0": "OUTPUT0"}),
+        _step("streaming", 1, {"INPUT0": "INPUT0"}, {"OUTPUT0": "OUTPUT1"}),
     ]))  # fmt: skip
     # Triton's sequence examples, each behind a one-step ensemble
     from sequence_models import triton_examples
@@ -443,6 +457,7 @@ def test_tensors_between_steps_are_passed_by_reference(tmp_path):
         ("cycle", "its steps form a cycle"),
         ("mismatch", "tensor 'INPUT0' is float32 where step 0 (model 'simple') takes"),
         ("loop_b", "it runs itself: step 0 (model 'loop_a') -> step 0 (model 'loop_b')"),
+        ("of_streaming", "step 1 (model 'streaming'): model 'streaming' is decoupled"),
     ],
 )
 def test_an_ensemble_whose_steps_do_not_connect_is_refused_at_load(running, model, reason):
