@@ -1,12 +1,12 @@
 """Triton ensembles (issue 36) against a real server with tritonclient: Triton's QA ensemble of
 ``simple`` over its two versions, a partial-output ensemble with a Python step and two branches
 over two versions (only the steps the requested outputs need run, as the per-version statistics
-show), two Python steps that can only finish when they run at once, Triton's sequence examples
-through an ensemble (the correlation id and flags pass on), the tensors between steps passed by
-reference (an in-process check: the answer is the request's own array), and the ensembles whose
-steps do not connect (a missing tensor, a cycle, a type mismatch, an ensemble that runs itself,
-a decoupled step),
-each refused at load with what does not connect while the others serve."""
+show), two Python steps that can only finish when they run at once, a running step cancelled
+with the request, Triton's sequence examples through an ensemble (the correlation id and flags
+pass on), the tensors between steps passed by reference (an in-process check: the answer is the
+request's own array), and the ensembles whose steps do not connect (a missing tensor, a cycle, a
+type mismatch, an ensemble that runs itself, a decoupled step), each refused at load with what
+does not connect while the others serve."""
 
 from __future__ import annotations
 
@@ -96,6 +96,26 @@ class TritonPythonModel:
             x = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
             tensors = [pb_utils.Tensor("OUTPUT0", x * 2)] if int(x.flat[0]) % 2 else []
             responses.append(pb_utils.InferenceResponse(output_tensors=tensors))
+        return responses
+"""
+
+
+#: A Python model that takes a minute over a first value of 7 (else doubles at once).
+SLOW = """
+import time
+
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
+            if int(x.flat[0]) == 7:
+                time.sleep(60)
+            responses.append(pb_utils.InferenceResponse(
+                output_tensors=[pb_utils.Tensor("OUTPUT0", x * 2)]))
         return responses
 """
 
@@ -230,6 +250,18 @@ def running(tmp_path_factory):
     _write(root, "of_streaming", _ensemble("of_streaming", INT32_IN, INT32_OUT, [
         _step("simple", 1, BOTH, {"OUTPUT0": "OUTPUT0"}),
         _step("streaming", 1, {"INPUT0": "INPUT0"}, {"OUTPUT0": "OUTPUT1"}),
+    ]))  # fmt: skip
+    _write(
+        root,
+        "slow",
+        'name: "slow"\nbackend: "python"\nmax_batch_size: 8\n'
+        'input [ { name: "INPUT0" data_type: TYPE_INT32 dims: [ 16 ] } ]\n'
+        'output [ { name: "OUTPUT0" data_type: TYPE_INT32 dims: [ 16 ] } ]\n',
+        {"1/model.py": SLOW},
+    )
+    _write(root, "with_slow", _ensemble("with_slow", INT32_IN, INT32_OUT, [
+        _step("simple", 1, BOTH, {"OUTPUT0": "OUTPUT0"}),
+        _step("slow", 1, {"INPUT0": "INPUT0"}, {"OUTPUT0": "OUTPUT1"}),
     ]))  # fmt: skip
     # Triton's sequence examples, each behind a one-step ensemble
     from sequence_models import triton_examples
@@ -366,6 +398,30 @@ def test_an_output_a_step_did_not_produce_is_missing_from_the_answer(running):
         even = client.infer("optional", _inputs(grpcclient, A, B))
         np.testing.assert_array_equal(even.as_numpy("OUTPUT0"), A + B)
         assert even.as_numpy("OUTPUT1") is None
+    finally:
+        client.close()
+
+
+def _failures(client, model: str) -> int:
+    stats = client.get_inference_statistics(model_name=model, model_version="1")
+    return int(stats.model_stats[0].inference_stats.fail.count)
+
+
+def test_a_step_running_when_the_request_is_cancelled_stops(running):
+    """The client's deadline passes while the slow step runs (a minute): the ensemble's request
+    is cancelled, and so is the step's, which fails long before its minute is over; the
+    ensemble answers the next request."""
+    from serving import wait_for
+
+    client = grpcclient.InferenceServerClient(running.target)
+    try:
+        before = _failures(client, "slow")
+        stuck = np.full((1, 16), 7, np.int32)
+        with pytest.raises(Exception, match="Deadline"):
+            client.infer("with_slow", _inputs(grpcclient, stuck, B), client_timeout=2)
+        assert wait_for(lambda: _failures(client, "slow") > before, timeout=40)
+        result = client.infer("with_slow", _inputs(grpcclient, A, B))
+        np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), 2 * A)
     finally:
         client.close()
 
