@@ -20,6 +20,13 @@ the others to their own models' executors (each bounded by its model's streams a
 then waits for the next step to finish. So one request holds one thread of its own, whatever
 its number of steps; what runs beside it runs on threads the step models own anyway.
 
+OVMS's demultiplexers (``ovms_dag.py``) are steps of their own (:class:`Fan`): the nodes after
+the splitting node are an ensemble of their own (the fan's region), run once per item of the
+split outputs, each branch a request on the region's streams (NUM_STREAMS, default
+:data:`STREAMS`, each branch holding one thread while it runs; at most :data:`MAX_BRANCHES`
+per request, queued there), its items views of the split outputs; the request's thread waits
+for the last branch and stacks what they give.
+
 Sequences (Triton passes the correlation id and start/end flags of the ensemble's request to
 its steps): an ensemble one of whose steps' models has sequence batching takes sequence
 requests (:class:`SequenceRelay`), and passes the request's sequence on to each step that is a
@@ -40,6 +47,7 @@ another ensemble.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import queue
 import threading
 from collections.abc import Callable, Mapping
@@ -53,6 +61,7 @@ from plugserve.plugins.api import (
     CompiledNetwork,
     Configuration,
     InferRequest,
+    InvalidInput,
     InvalidModel,
     PerfCount,
     Plugin,
@@ -63,7 +72,7 @@ from plugserve.plugins.api import (
 from plugserve.plugins.streams import Finished
 from plugserve.server.pipelines.types import DTYPES
 
-__all__ = ["STREAMS", "Definition", "EnsemblePlugin", "Graph", "SequenceRelay", "Step"]
+__all__ = ["STREAMS", "Definition", "EnsemblePlugin", "Fan", "Graph", "SequenceRelay", "Step"]
 
 #: Ensemble requests one ensemble runs at once by default (its NUM_STREAMS): each holds a
 #: thread while its steps run. Triton's ensemble scheduler holds none (it is event driven on
@@ -97,6 +106,49 @@ class Step:
 
     def __str__(self) -> str:
         return f"{self.label} (model {self.model!r})"
+
+
+class Fan(Step):
+    """OVMS's demultiplexer as one step of the graph: the nodes after a node that splits its
+    outputs (``region``, an ensemble of their own) run once per item of the split outputs'
+    first dimension, each branch a request of the region's network on its own streams, and
+    what leaves the region is gathered: stacked along a new first dimension, in branch order.
+    Its inputs and outputs are the region's, under the same tensor names."""
+
+    __slots__ = ("count", "network", "region", "split")
+
+    def __init__(
+        self,
+        index: int,
+        label: str,
+        region: Definition,
+        split: list[str],
+        count: int,
+        outer_inputs: list[str],
+        outer_outputs: list[str],
+    ) -> None:
+        super().__init__(
+            index,
+            "",
+            0,
+            [(t, t) for t in outer_inputs],
+            [(t, t) for t in outer_outputs],
+            label=label,
+        )
+        self.region = region
+        #: the tensors split per branch (the demultiplexer's outputs the region reads)
+        self.split = split
+        #: demultiply_count: the branches (-1: as many as the split outputs' first dimension)
+        self.count = count
+        self.network: EnsembleNetwork | None = None  # made with the ensemble
+
+    def __str__(self) -> str:
+        return self.label
+
+
+#: branches one demultiplexer runs per request at most (OVMS's schema allows 10000; each
+#: branch is a request queued on the region's streams, whose queue holds this many)
+MAX_BRANCHES = 1024
 
 
 @dataclasses.dataclass
@@ -291,7 +343,14 @@ class EnsembleNetwork(CompiledNetwork):
         steps = definition.steps
         names = [s if isinstance(s, str) else s.name for s in definition.inputs]
         self.graph = Graph(where, steps, set(names), set(definition.outputs.values()))
-        self._inputs, self._outputs = self._specs()
+        self.fans = [s for s in steps if isinstance(s, Fan)]
+        try:
+            for fan in self.fans:
+                fan.network = EnsembleNetwork(plugin, config, fan.region)
+            self._inputs, self._outputs = self._specs()
+        except BaseException:
+            self.close()
+            raise
         self.answers = dict(definition.outputs)  # output -> tensor
         self._every = frozenset(self.answers.values())
         #: per sequence request under way (its run's token), its place in the sequence
@@ -302,6 +361,8 @@ class EnsembleNetwork(CompiledNetwork):
     # --- load-time checks
 
     def _loaded(self, step: Step) -> Any:
+        if isinstance(step, Fan):
+            return None  # no model of its own: its region's steps were checked with it
         try:
             return self.plane.get(step.model, step.version)
         except PlugserveError:
@@ -315,6 +376,20 @@ class EnsembleNetwork(CompiledNetwork):
             return list(d.inputs), list(d.output_specs)  # type: ignore[arg-type]
         found: dict[str, TensorSpec] = {}
         for step in self.graph.ordered:
+            if isinstance(step, Fan):  # its region's specs; what it gathers, one dim more
+                region = step.network
+                for spec in region.inputs:  # type: ignore[union-attr]
+                    known = found.setdefault(spec.name, spec)
+                    if None not in (known.dtype, spec.dtype) and known.dtype != spec.dtype:
+                        raise InvalidModel(
+                            f"{self.where}: tensor {spec.name!r} is {known.dtype} where "
+                            f"{step} takes {spec.dtype}"
+                        )
+                for spec in region.outputs:  # type: ignore[union-attr]
+                    batch = None if step.count < 0 else step.count
+                    shape = (batch, *spec.shape) if spec.shape is not None else None
+                    found.setdefault(spec.name, dataclasses.replace(spec, shape=shape))
+                continue
             entry = self._loaded(step)
             if entry is None:
                 raise InvalidModel(
@@ -407,6 +482,12 @@ class EnsembleNetwork(CompiledNetwork):
 
     def export(self) -> bytes:
         raise Unsupported(f"{self.where} cannot be exported; serve its configuration")
+
+    def close(self) -> None:
+        for fan in getattr(self, "fans", ()):
+            if fan.network is not None:
+                fan.network.close()
+        super().close()
 
 
 class SequenceRelay:
@@ -508,6 +589,9 @@ class _Run:
     def _send(self, step: Step, inline: bool) -> Finished | None:
         """Submit ``step``; its outcome when it ran on this thread, else None (it is handed
         in when done)."""
+        if isinstance(step, Fan):
+            self._fan(step)
+            return None
         network = self.network
         plane = network.plane
         try:
@@ -533,11 +617,65 @@ class _Run:
         with self.lock:
             del self.running[step.index]
         outputs = outcome.result()  # a step's error is the request's
+        if isinstance(step, Fan):
+            outputs = _gather(step, outputs)
         tensors = self.tensors
         for model_output, tensor in step.outputs.items():
             value = outputs.get(model_output)
             if value is not None:  # not produced: left unset (Triton's optional outputs)
                 tensors[tensor] = value
+
+    def _fan(self, fan: Fan) -> None:
+        """Send one request of ``fan``'s region per branch; the list of their outputs is
+        handed in once all are done, or the first error at once (the others are cancelled)."""
+        tensors = self.tensors
+        parts = {t: tensors[t] for t in fan.split if t in tensors}
+        count = _branches(fan, parts)
+        region = fan.network
+        assert region is not None
+        token = cancel.Token()  # the fan's: cancelling it cancels every branch
+        with self.lock:
+            self.running[fan.index] = token
+        parent = self.parent
+        if parent is not None and parent.error is not None:
+            token.cancel(parent.failure())
+        results: list[Any] = [None] * count
+        left = [count]
+        lock = threading.Lock()
+        done = self.done
+
+        def finished(index: int, future: Any) -> None:
+            error = future.exception()
+            with lock:
+                if left[0] <= 0:
+                    return  # an error was handed in already
+                if error is not None:
+                    left[0] = 0
+                else:
+                    results[index] = future.result()
+                    left[0] -= 1
+                last = left[0] == 0
+            if error is not None:
+                token.cancel(error if isinstance(error, PlugserveError) else None)
+                done.put((fan, Finished(exception=error)))
+            elif last:
+                done.put((fan, Finished(results)))
+
+        wanted = [s.name for s in region.outputs]
+        names = [s.name for s in region.inputs]
+        for index in range(count):
+            arrays = [parts[n][index] if n in parts else tensors[n] for n in names]
+            branch = cancel.Token()
+            branch.outputs = wanted
+            token.on_cancel(lambda b=branch: b.cancel(token.failure()))
+            try:
+                future = region.executor.submit(
+                    functools.partial(_run_branch, arrays, branch), token=branch
+                )
+            except PlugserveError as exc:  # its queue is full: the branches sent stop
+                token.cancel(exc)
+                raise
+            future.add_done_callback(functools.partial(finished, index))
 
     def _stop(self) -> None:
         """Cancel the steps under way (the request was cancelled, or failed)."""
@@ -549,6 +687,54 @@ class _Run:
             token.cancel(error)
         if error is not None:
             self.done.put(None)
+
+
+def _branches(fan: Fan, parts: dict[str, Any]) -> int:
+    """How many branches ``fan`` splits its tensors into: their first dimension, the same for
+    each, at least 2 dimensions each (OVMS's rules), demultiply_count unless that is -1."""
+    counts = set()
+    for tensor, value in parts.items():
+        shape = getattr(value, "shape", ())
+        if len(shape) < 2:
+            raise InvalidInput(
+                f"{fan}: output {tensor!r} has shape {list(shape)}; a demultiplexer's outputs "
+                "need at least 2 dimensions (the first is split into branches)"
+            )
+        counts.add(int(shape[0]))
+    if len(counts) != 1:
+        raise InvalidInput(
+            f"{fan}: its outputs' first dimensions differ ({sorted(counts)}); each must hold "
+            "one item per branch"
+        )
+    (count,) = counts
+    if fan.count >= 0 and count != fan.count:
+        raise InvalidInput(
+            f"{fan}: demultiply_count is {fan.count} but its outputs hold {count} items; send "
+            f"inputs that make {fan.count}, or set demultiply_count -1"
+        )
+    if not 0 < count <= MAX_BRANCHES:
+        raise InvalidInput(
+            f"{fan}: its outputs hold {count} items; a demultiplexer runs 1 to {MAX_BRANCHES} "
+            "branches per request"
+        )
+    return count
+
+
+def _run_branch(arrays: list[Any], token: cancel.Token, request: InferRequest) -> Any:
+    """One branch of a fan, on a stream of its region's network (``request``: the stream's)."""
+    with cancel.running(token):
+        return request.infer_checked(arrays)
+
+
+def _gather(fan: Fan, branches: list[dict[str, Any]]) -> dict[str, Any]:
+    """The branches' outputs stacked along a new first dimension, in branch order (an output
+    a branch left unset is left unset)."""
+    out = {}
+    for tensor in fan.outputs:
+        values = [b.get(tensor) for b in branches]
+        if all(v is not None for v in values):
+            out[tensor] = np.stack(values)
+    return out
 
 
 class EnsembleInferRequest(InferRequest):

@@ -27,7 +27,19 @@ node ``outputs``                                ``{data_item: model output, alia
 node ``type: "custom"``, ``library_name``,      refused, naming the node: custom nodes are
 ``params``, ``custom_node_library_config_list``  C++ libraries; write the node as a Triton
                                                 Python model in a Triton ensemble instead
-``demultiply_count``, ``gather_from_node``      refused, naming the node (not served yet)
+node ``demultiply_count``                        the nodes after it (up to those that gather
+                                                from it) run once per item of its outputs'
+                                                first dimension (-1: as many as there are),
+                                                each branch on the items' slices (views), at
+                                                most ``ensemble.MAX_BRANCHES`` per request:
+                                                one :class:`~.ensemble.Fan` step
+node ``gather_from_node``                        its inputs from the branches stacked along a
+                                                new first dimension; without one, the
+                                                pipeline's outputs are (OVMS's response
+                                                gathering)
+pipeline ``demultiply_count``                   refused: demultiplex in a node
+nested demultiplexers (a node in the branches   refused, naming the node: gather first
+of another that demultiplexes or gathers)
 ==============================================  ============================================
 
 Each pipeline is read on its own: one that is wrong is reported (file, pipeline, node and
@@ -42,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from plugserve.plugins.api import InvalidArgument
-from plugserve.server.pipelines.ensemble import Definition, Step
+from plugserve.server.pipelines.ensemble import Definition, Fan, Step
 
 __all__ = ["PIPELINE_KEYS", "read_pipelines"]
 
@@ -136,6 +148,8 @@ def _pipeline(item: Any, where: str, models: Collection[str]) -> Definition:
         _step(i, node, f"{where}: node {node['name']!r}", models, inputs, aliases)
         for i, node in enumerate(nodes)
     ]
+    demux = {n["name"]: n["demultiply_count"] for n in nodes if "demultiply_count" in n}
+    gathers = {n["name"]: n["gather_from_node"] for n in nodes if "gather_from_node" in n}
     outputs = item["outputs"]
     if not isinstance(outputs, list) or not outputs:
         raise InvalidArgument(f"{where}: 'outputs' must be a non-empty list")
@@ -145,7 +159,99 @@ def _pipeline(item: Any, where: str, models: Collection[str]) -> Definition:
         if out in answers:
             raise InvalidArgument(f"{where}: output {out!r} is named twice")
         answers[out] = _tensor(source, f"{where}: output {out!r}", inputs, aliases)
+    if demux or gathers:
+        names = [n["name"] for n in nodes]
+        steps = _fan_out(where, name, steps, names, demux, gathers, set(answers.values()))
     return Definition(name, steps, list(inputs), answers, kind="pipeline")
+
+
+def _fan_out(
+    where: str,
+    name: str,
+    steps: list[Step],
+    names: list[str],
+    demux: dict[str, int],
+    gathers: dict[str, str],
+    answered: set[str],
+) -> list[Step]:
+    """``steps`` with the nodes after each demultiplexer (up to the nodes that gather from it,
+    else to the pipeline's outputs) made one :class:`Fan` step that runs them per branch."""
+    node_of = {names[s.index]: s for s in steps}
+    for gather, source in gathers.items():
+        if source not in demux:
+            raise InvalidArgument(
+                f"{where}: node {gather!r}: gather_from_node {source!r} names no node with "
+                "demultiply_count"
+            )
+    for node, count in demux.items():
+        if not isinstance(count, int) or isinstance(count, bool) or not -1 <= count <= 10000:
+            raise InvalidArgument(
+                f"{where}: node {node!r}: demultiply_count must be -1 (as many branches as "
+                "the outputs' first dimension) or a number of branches up to 10000"
+            )
+        if count == 0:
+            raise InvalidArgument(f"{where}: node {node!r}: demultiply_count 0 runs nothing")
+    fans: list[Step] = []
+    inside_any: set[str] = set()
+    next_index = len(steps)
+    for source, count in demux.items():
+        front = set(node_of[source].outputs.values())
+        region: list[Step] = []
+        grew = True
+        while grew:
+            grew = False
+            for step in steps:
+                label = names[step.index]
+                if step in region or label == source or gathers.get(label) == source:
+                    continue
+                if front & set(step.inputs.values()):
+                    region.append(step)
+                    front |= set(step.outputs.values())
+                    grew = True
+        if not region:
+            raise InvalidArgument(
+                f"{where}: node {source!r}: demultiply_count, but no node reads its outputs "
+                "(no node would run per branch)"
+            )
+        for step in region:
+            label = names[step.index]
+            if label in demux or label in gathers or label in inside_any:
+                raise InvalidArgument(
+                    f"{where}: {step} runs in the branches of node {source!r} and demultiplexes "
+                    "or gathers too: nested demultiplexing is not served; gather first"
+                )
+        inside_any |= {names[s.index] for s in region}
+        region.sort(key=lambda s: s.index)
+        written = {t for s in region for t in s.outputs.values()}
+        reads: list[str] = []
+        for step in region:
+            reads += [t for t in step.inputs.values() if t not in written and t not in reads]
+        outside = [s for s in steps if s not in region]
+        read_outside = {t for s in outside for t in s.inputs.values()} | answered
+        gives = [t for s in region for t in s.outputs.values() if t in read_outside]
+        if not gives:
+            raise InvalidArgument(
+                f"{where}: the branches of node {source!r} give nothing a gathering node or "
+                "the pipeline's outputs read"
+            )
+        for gather, of in gathers.items():
+            if of == source and not set(node_of[gather].inputs.values()) & set(gives):
+                raise InvalidArgument(
+                    f"{where}: node {gather!r} gathers from {source!r} but reads nothing of "
+                    "its branches"
+                )
+        own = [
+            Step(i, s.model, s.version, s.inputs, s.outputs, label=s.label)
+            for i, s in enumerate(region)
+        ]
+        branch = Definition(name, own, reads, {t: t for t in gives}, kind="branch of pipeline")
+        split = [t for t in reads if t in node_of[source].outputs.values()]
+        fan = Fan(next_index, f"the branches of node {source!r}", branch, split, count, reads,
+                  gives)  # fmt: skip
+        next_index += 1
+        fans.append(fan)
+        steps = outside
+    return [*steps, *fans]
 
 
 def _aliases(node: dict[str, Any], where: str) -> set[str]:
@@ -185,12 +291,6 @@ def _step(
         raise InvalidArgument(f"{where}: type 'custom': {_CUSTOM}")
     if kind != "DL model":
         raise InvalidArgument(f"{where}: type {kind!r}: expected 'DL model' (or 'custom')")
-    for key in ("demultiply_count", "gather_from_node"):
-        if key in node:
-            raise InvalidArgument(
-                f"{where}: {key} (branching a pipeline per item of a batch) is not served "
-                "here; have the node's model take the whole batch instead"
-            )
     if "library_name" in node or "params" in node:
         raise InvalidArgument(f"{where}: library_name and params belong to custom nodes")
     model = node.get("model_name")

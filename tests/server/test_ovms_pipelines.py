@@ -21,13 +21,13 @@ httpclient = pytest.importorskip("tritonclient.http", reason="pip install 'trito
 pytest.importorskip("openvino", reason="pip install -e '.[openvino]'")
 
 
-def _unary(op: str, constant: float, name: str) -> onnx.ModelProto:
-    """``out = in <op> constant`` over float32 [1, 4], input and output named for the model."""
+def _unary(op: str, constant: float, name: str, shape=(1, 4)) -> onnx.ModelProto:
+    """``out = in <op> constant`` over float32 ``shape``, input and output named for it."""
     graph = helper.make_graph(
         [helper.make_node(op, [f"{name}_in", "c"], [f"{name}_out"])],
         name,
-        [helper.make_tensor_value_info(f"{name}_in", TensorProto.FLOAT, [1, 4])],
-        [helper.make_tensor_value_info(f"{name}_out", TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor_value_info(f"{name}_in", TensorProto.FLOAT, list(shape))],
+        [helper.make_tensor_value_info(f"{name}_out", TensorProto.FLOAT, list(shape))],
         [helper.make_tensor("c", TensorProto.FLOAT, [1], [constant])],
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
@@ -41,6 +41,20 @@ def _sub() -> onnx.ModelProto:
         "sub",
         [helper.make_tensor_value_info(n, TensorProto.FLOAT, [1, 4]) for n in ("a", "b")],
         [helper.make_tensor_value_info("d", TensorProto.FLOAT, [1, 4])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    return model
+
+
+def _total() -> onnx.ModelProto:
+    """The sum over the first dimension: [n, 1, 4] -> [1, 4]."""
+    graph = helper.make_graph(
+        [helper.make_node("ReduceSum", ["parts", "axis"], ["total"], keepdims=0)],
+        "total",
+        [helper.make_tensor_value_info("parts", TensorProto.FLOAT, ["n", 1, 4])],
+        [helper.make_tensor_value_info("total", TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor("axis", TensorProto.INT64, [1], [0])],
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 9
@@ -81,6 +95,35 @@ DIAMOND = {
 }  # fmt: skip
 
 
+#: OVMS's demultiplexing: split (x + 1 over [3, 1, 4]) runs per branch "each" (mul at version
+#: 1: x * 2 over [1, 4]), gathered at the response into [3, 1, 4]
+BRANCHES = {
+    "name": "branches",
+    "inputs": ["x"],
+    "nodes": [
+        _node("split", "split3", {"split3_in": _source("request", "x")}, {"split3_out": "items"},
+              demultiply_count=3),
+        _node("each", "mul", {"mul_in": _source("split", "items")}, {"mul_out": "product"},
+              version=1),
+    ],
+    "outputs": [{"y": _source("each", "product")}],
+}  # fmt: skip
+#: as many branches as the request's first dimension (-1), gathered by a node that sums them
+GATHERED = {
+    "name": "gathered",
+    "inputs": ["x"],
+    "nodes": [
+        _node("split", "split_any", {"split_any_in": _source("request", "x")},
+              {"split_any_out": "items"}, demultiply_count=-1),
+        _node("each", "mul", {"mul_in": _source("split", "items")}, {"mul_out": "product"},
+              version=1),
+        _node("sum", "total", {"parts": _source("each", "product")}, {"total": "total"},
+              gather_from_node="split"),
+    ],
+    "outputs": [{"total": _source("sum", "total")}, {"items": _source("split", "items")}],
+}  # fmt: skip
+
+
 def _refused(name: str, node: dict) -> dict:
     return {
         "name": name,
@@ -116,7 +159,7 @@ REFUSED = [
                 demultiply_count=4,
             ),
         ),
-        "node 'n': demultiply_count (branching a pipeline per item of a batch) is not served",
+        "node 'n': demultiply_count, but no node reads its outputs",
     ),
     (
         _refused(
@@ -129,6 +172,19 @@ REFUSED = [
             "unknown_model", _node("n", "nowhere", {"x": _source("request", "x")}, {"y": "y"})
         ),
         "model_name 'nowhere' is not a model of model_config_list",
+    ),
+    (
+        _refused(
+            "gather_nothing",
+            _node(
+                "n",
+                "add",
+                {"add_in": _source("request", "x")},
+                {"add_out": "y"},
+                gather_from_node="request",
+            ),
+        ),
+        "node 'n': gather_from_node 'request' names no node with demultiply_count",
     ),
     (
         {
@@ -155,7 +211,9 @@ def running(tmp_path_factory):
     from serving import RunningServer
 
     root: Path = tmp_path_factory.mktemp("ovms")
-    models = {"add": [_unary("Add", 1.0, "add")], "sub": [_sub()]}
+    models = {"add": [_unary("Add", 1.0, "add")], "sub": [_sub()], "total": [_total()]}
+    models["split3"] = [_unary("Add", 1.0, "split3", (3, 1, 4))]
+    models["split_any"] = [_unary("Add", 1.0, "split_any", ("n", 1, 4))]
     # two versions of mul: the pipeline pins version 1 (x*2), the latest is version 2 (x*3)
     models["mul"] = [_unary("Mul", 2.0, "mul"), _unary("Mul", 3.0, "mul")]
     config_list = []
@@ -165,7 +223,7 @@ def running(tmp_path_factory):
             onnx.save(model, root / name / str(number) / "model.onnx")
         policy = {"model_version_policy": {"all": {}}} if len(versions) > 1 else {}
         config_list.append({"config": {"name": name, "base_path": name, **policy}})
-    pipelines = [DIAMOND, *(p for p, _ in REFUSED)]
+    pipelines = [DIAMOND, BRANCHES, GATHERED, *(p for p, _ in REFUSED)]
     config = {"model_config_list": config_list, "pipeline_config_list": pipelines}
     (root / "config.json").write_text(json.dumps(config, indent=1))
     with RunningServer("--model-repository", str(root / "config.json"),
@@ -245,3 +303,53 @@ def test_a_wrong_pipeline_is_refused_naming_what_is_wrong(running, pipeline, rea
     finally:
         client.close()
     assert reason in running.log, running.log[-3000:]
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_a_demultiplexer_runs_the_nodes_after_it_per_item(running, protocol):
+    """OVMS's demultiply_count: the node after the split runs once per item (its model's
+    statistics count each), and the response gathers the branches along a new dimension."""
+    module, client = _client(running, protocol)
+    grpc = grpcclient.InferenceServerClient(running.target)
+    try:
+        x = np.arange(12, dtype=np.float32).reshape(3, 1, 4)
+        before = _count(grpc, "mul", "1")
+        tensor = module.InferInput("x", [3, 1, 4], "FP32")
+        tensor.set_data_from_numpy(x)
+        result = client.infer("branches", [tensor])
+        np.testing.assert_allclose(result.as_numpy("y"), (x + 1) * 2)
+        assert result.as_numpy("y").shape == (3, 1, 4)
+        assert _count(grpc, "mul", "1") == before + 3
+    finally:
+        client.close()
+        grpc.close()
+
+
+@pytest.mark.parametrize("items", [1, 5])
+def test_a_gathering_node_sums_the_branches(running, items):
+    """demultiply_count -1: as many branches as the request brings; gather_from_node: the sum
+    node runs once over the branches' stacked results."""
+    client = grpcclient.InferenceServerClient(running.target)
+    try:
+        x = np.random.default_rng(items).random((items, 1, 4), dtype=np.float32)
+        before = _count(client, "mul", "1")
+        tensor = grpcclient.InferInput("x", list(x.shape), "FP32")
+        tensor.set_data_from_numpy(x)
+        result = client.infer("gathered", [tensor])
+        np.testing.assert_allclose(result.as_numpy("total"), ((x + 1) * 2).sum(axis=0), rtol=1e-6)
+        np.testing.assert_allclose(result.as_numpy("items"), x + 1)
+        assert _count(client, "mul", "1") == before + items
+    finally:
+        client.close()
+
+
+def test_a_demultiplexer_with_too_few_dimensions_is_the_clients_error(running):
+    client = grpcclient.InferenceServerClient(running.target)
+    try:
+        tensor = grpcclient.InferInput("x", [0, 1, 4], "FP32")
+        tensor.set_data_from_numpy(np.zeros((0, 1, 4), np.float32))
+        with pytest.raises(Exception, match="a demultiplexer runs 1 to"):
+            client.infer("gathered", [tensor])
+        assert client.is_model_ready("gathered")
+    finally:
+        client.close()
