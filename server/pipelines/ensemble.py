@@ -27,10 +27,12 @@ split outputs, each branch a request on the region's streams (NUM_STREAMS, defau
 per request, queued there), its items views of the split outputs; the request's thread waits
 for the last branch and stacks what they give.
 
-Sequences (Triton passes the correlation id and start/end flags of the ensemble's request to
-its steps): an ensemble one of whose steps' models has sequence batching takes sequence
-requests (:class:`SequenceRelay`), and passes the request's sequence on to each step that is a
-sequence model (or an ensemble that passes it on); other steps run as plain requests.
+The request's own parameters (KServe's ``parameters``, on its token) reach every step, as Triton
+hands each step the ensemble request's. Sequences (Triton passes the correlation id and
+start/end flags of the ensemble's request to its steps): an ensemble one of whose steps' models
+has sequence batching takes sequence requests (:class:`SequenceRelay`), and passes the request's
+sequence on to each step that is a sequence model (or an ensemble that passes it on); other
+steps run as plain requests.
 
 A step's output it did not produce (Triton's optional outputs: a Python model may leave one
 out) leaves its tensor unset: a step reading it runs without that input (its model decides
@@ -604,8 +606,10 @@ class _Run:
         with self.lock:
             self.running[step.index] = token
         parent = self.parent
-        if parent is not None and parent.error is not None:
-            token.cancel(parent.failure())
+        if parent is not None:
+            token.parameters = parent.parameters  # Triton hands each step the request's
+            if parent.error is not None:
+                token.cancel(parent.failure())
         sequence = self.sequence if entry.sequences is not None else None
         future = plane.submit(entry, inputs, step.asked, inline=inline, token=token, step=sequence)
         if type(future) is Finished:
@@ -667,6 +671,7 @@ class _Run:
             arrays = [parts[n][index] if n in parts else tensors[n] for n in names]
             branch = cancel.Token()
             branch.outputs = wanted
+            branch.parameters = parent.parameters if parent is not None else None
             token.on_cancel(lambda b=branch: b.cancel(token.failure()))
             try:
                 future = region.executor.submit(

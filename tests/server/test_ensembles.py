@@ -2,11 +2,11 @@
 ``simple`` over its two versions, a partial-output ensemble with a Python step and two branches
 over two versions (only the steps the requested outputs need run, as the per-version statistics
 show), two Python steps that can only finish when they run at once, a running step cancelled
-with the request, Triton's sequence examples through an ensemble (the correlation id and flags
-pass on), the tensors between steps passed by reference (an in-process check: the answer is the
-request's own array), and the ensembles whose steps do not connect (a missing tensor, a cycle, a
-type mismatch, an ensemble that runs itself, a decoupled step), each refused at load with what
-does not connect while the others serve."""
+with the request, the request's parameters handed to its steps, Triton's sequence examples
+through an ensemble (the correlation id and flags pass on), the tensors between steps passed by
+reference (an in-process check: the answer is the request's own array), and the ensembles whose
+steps do not connect (a missing tensor, a cycle, a type mismatch, an ensemble that runs itself,
+a decoupled step), each refused at load with what does not connect while the others serve."""
 
 from __future__ import annotations
 
@@ -116,6 +116,25 @@ class TritonPythonModel:
                 time.sleep(60)
             responses.append(pb_utils.InferenceResponse(
                 output_tensors=[pb_utils.Tensor("OUTPUT0", x * 2)]))
+        return responses
+"""
+
+
+#: A Python model scaling its input by the request's "scale" parameter (1 without one).
+SCALE = """
+import json
+
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
+            scale = int(json.loads(request.parameters()).get("scale", 1))
+            responses.append(pb_utils.InferenceResponse(
+                output_tensors=[pb_utils.Tensor("OUTPUT0", x * scale)]))
         return responses
 """
 
@@ -263,6 +282,18 @@ def running(tmp_path_factory):
         _step("simple", 1, BOTH, {"OUTPUT0": "OUTPUT0"}),
         _step("slow", 1, {"INPUT0": "INPUT0"}, {"OUTPUT0": "OUTPUT1"}),
     ]))  # fmt: skip
+    _write(
+        root,
+        "scale",
+        'name: "scale"\nbackend: "python"\nmax_batch_size: 8\n'
+        'input [ { name: "INPUT0" data_type: TYPE_INT32 dims: [ 16 ] } ]\n'
+        'output [ { name: "OUTPUT0" data_type: TYPE_INT32 dims: [ 16 ] } ]\n',
+        {"1/model.py": SCALE},
+    )
+    _write(root, "scaled", _ensemble("scaled", INT32_IN, INT32_OUT, [
+        _step("simple", 1, BOTH, {"OUTPUT0": "OUTPUT0"}),
+        _step("scale", 1, {"INPUT0": "INPUT0"}, {"OUTPUT0": "OUTPUT1"}),
+    ]))  # fmt: skip
     # Triton's sequence examples, each behind a one-step ensemble
     from sequence_models import triton_examples
 
@@ -398,6 +429,21 @@ def test_an_output_a_step_did_not_produce_is_missing_from_the_answer(running):
         even = client.infer("optional", _inputs(grpcclient, A, B))
         np.testing.assert_array_equal(even.as_numpy("OUTPUT0"), A + B)
         assert even.as_numpy("OUTPUT1") is None
+    finally:
+        client.close()
+
+
+def test_the_requests_parameters_reach_its_steps(running):
+    """Triton hands each step the ensemble request's parameters (over gRPC: REST's infer does
+    not hand a request's parameters to its model yet, ensemble or not)."""
+    client = grpcclient.InferenceServerClient(running.target)
+    try:
+        direct = client.infer("scale", _inputs(grpcclient, A, B)[:1], parameters={"scale": 3})
+        np.testing.assert_array_equal(direct.as_numpy("OUTPUT0"), 3 * A)
+        scaled = client.infer("scaled", _inputs(grpcclient, A, B), parameters={"scale": 3})
+        np.testing.assert_array_equal(scaled.as_numpy("OUTPUT1"), 3 * A)
+        plain = client.infer("scaled", _inputs(grpcclient, A, B))
+        np.testing.assert_array_equal(plain.as_numpy("OUTPUT1"), A)
     finally:
         client.close()
 
