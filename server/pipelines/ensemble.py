@@ -470,6 +470,18 @@ class EnsembleNetwork(CompiledNetwork):
         answers = self.answers
         return self.graph.plan(frozenset(answers[n] for n in wanted if n in answers))
 
+    def scheduling(self) -> list[tuple[str, int, dict[str, str], dict[str, str]]]:
+        """Its steps as Triton's ``ensemble_scheduling`` lists them, for the model config it
+        reports: ``(model, version (-1: latest), input_map, output_map)``; a demultiplexer's
+        branch steps are listed in its place."""
+        out = []
+        for step in self.graph.ordered:
+            if isinstance(step, Fan) and step.network is not None:
+                out += step.network.scheduling()
+            else:
+                out.append((step.model, step.version or -1, step.inputs, step.outputs))
+        return out
+
     def sequences_for(self, admission: Callable[..., Any]) -> SequenceRelay | None:
         """What passes sequence requests on to its steps, when one of its steps' models takes
         them (model control gives it the ensemble's admission); None otherwise."""

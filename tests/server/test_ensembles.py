@@ -344,6 +344,32 @@ def test_an_ensemble_of_simple_over_its_two_versions(running, protocol):
         client.close()
 
 
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_its_metadata_and_config_say_ensemble(running, protocol):
+    """As Triton reports them: platform "ensemble", and the steps in ensemble_scheduling."""
+    module = grpcclient if protocol == "grpc" else httpclient
+    target = running.target if protocol == "grpc" else running.http_target
+    client = module.InferenceServerClient(target)
+    try:
+        metadata = client.get_model_metadata("simple_chain")
+        config = client.get_model_config("simple_chain")
+        if protocol == "grpc":
+            platform = metadata.platform
+            steps = [(s.model_name, s.model_version, dict(s.input_map), dict(s.output_map))
+                     for s in config.config.ensemble_scheduling.step]  # fmt: skip
+        else:
+            platform = metadata["platform"]
+            steps = [(s["model_name"], int(s["model_version"]), s["input_map"], s["output_map"])
+                     for s in config["ensemble_scheduling"]["step"]]  # fmt: skip
+        assert platform == "ensemble"
+        assert steps == [
+            ("simple", 1, BOTH, {"OUTPUT0": "sum", "OUTPUT1": "diff"}),
+            ("simple", 2, {"INPUT0": "sum", "INPUT1": "diff"}, OUT),
+        ]
+    finally:
+        client.close()
+
+
 def test_each_step_is_counted_on_its_own_version(running):
     client = grpcclient.InferenceServerClient(running.target)
     try:
