@@ -117,7 +117,7 @@ class Fan(Step):
     what leaves the region is gathered: stacked along a new first dimension, in branch order.
     Its inputs and outputs are the region's, under the same tensor names."""
 
-    __slots__ = ("count", "network", "region", "split")
+    __slots__ = ("count", "region", "split")
 
     def __init__(
         self,
@@ -142,7 +142,6 @@ class Fan(Step):
         self.split = split
         #: demultiply_count: the branches (-1: as many as the split outputs' first dimension)
         self.count = count
-        self.network: EnsembleNetwork | None = None  # made with the ensemble
 
     def __str__(self) -> str:
         return self.label
@@ -345,10 +344,12 @@ class EnsembleNetwork(CompiledNetwork):
         steps = definition.steps
         names = [s if isinstance(s, str) else s.name for s in definition.inputs]
         self.graph = Graph(where, steps, set(names), set(definition.outputs.values()))
-        self.fans = [s for s in steps if isinstance(s, Fan)]
+        #: each demultiplexer's region, a network of its own (by the fan's step index)
+        self.regions: dict[int, EnsembleNetwork] = {}
         try:
-            for fan in self.fans:
-                fan.network = EnsembleNetwork(plugin, config, fan.region)
+            for fan in steps:
+                if isinstance(fan, Fan):
+                    self.regions[fan.index] = EnsembleNetwork(plugin, config, fan.region)
             self._inputs, self._outputs = self._specs()
         except BaseException:
             self.close()
@@ -379,15 +380,15 @@ class EnsembleNetwork(CompiledNetwork):
         found: dict[str, TensorSpec] = {}
         for step in self.graph.ordered:
             if isinstance(step, Fan):  # its region's specs; what it gathers, one dim more
-                region = step.network
-                for spec in region.inputs:  # type: ignore[union-attr]
+                region = self.regions[step.index]
+                for spec in region.inputs:
                     known = found.setdefault(spec.name, spec)
                     if None not in (known.dtype, spec.dtype) and known.dtype != spec.dtype:
                         raise InvalidModel(
                             f"{self.where}: tensor {spec.name!r} is {known.dtype} where "
                             f"{step} takes {spec.dtype}"
                         )
-                for spec in region.outputs:  # type: ignore[union-attr]
+                for spec in region.outputs:
                     batch = None if step.count < 0 else step.count
                     shape = (batch, *spec.shape) if spec.shape is not None else None
                     found.setdefault(spec.name, dataclasses.replace(spec, shape=shape))
@@ -476,8 +477,8 @@ class EnsembleNetwork(CompiledNetwork):
         branch steps are listed in its place."""
         out = []
         for step in self.graph.ordered:
-            if isinstance(step, Fan) and step.network is not None:
-                out += step.network.scheduling()
+            if isinstance(step, Fan):
+                out += self.regions[step.index].scheduling()
             else:
                 out.append((step.model, step.version or -1, step.inputs, step.outputs))
         return out
@@ -498,9 +499,8 @@ class EnsembleNetwork(CompiledNetwork):
         raise Unsupported(f"{self.where} cannot be exported; serve its configuration")
 
     def close(self) -> None:
-        for fan in getattr(self, "fans", ()):
-            if fan.network is not None:
-                fan.network.close()
+        for region in getattr(self, "regions", {}).values():
+            region.close()
         super().close()
 
 
@@ -647,8 +647,7 @@ class _Run:
         tensors = self.tensors
         parts = {t: tensors[t] for t in fan.split if t in tensors}
         count = _branches(fan, parts)
-        region = fan.network
-        assert region is not None
+        region = self.network.regions[fan.index]
         token = cancel.Token()  # the fan's: cancelling it cancels every branch
         with self.lock:
             self.running[fan.index] = token
