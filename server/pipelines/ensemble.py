@@ -285,11 +285,10 @@ def _specs(message: Any, kind: str, where: str) -> list[TensorSpec]:
         if name not in DTYPES:
             raise InvalidModel(f"{where}: {kind} {entry.name!r} has data_type {name}")
         dims = [None if d < 0 else int(d) for d in entry.dims]
-        out.append(
-            TensorSpec(
-                entry.name, np.dtype(DTYPES[name]), tuple(([None] if batched else []) + dims)
-            )
-        )
+        dtype = np.dtype(DTYPES[name])
+        shape = tuple(([None] if batched else []) + dims)
+        # an ensemble only moves its strings: each step's own check says what it takes
+        out.append(TensorSpec(entry.name, dtype, shape, binary=dtype == np.dtype(object)))
     return out
 
 

@@ -294,6 +294,18 @@ def running(tmp_path_factory):
         _step("simple", 1, BOTH, {"OUTPUT0": "OUTPUT0"}),
         _step("scale", 1, {"INPUT0": "INPUT0"}, {"OUTPUT0": "OUTPUT1"}),
     ]))  # fmt: skip
+    # bytes that are no text, through an ensemble to a step that only moves them
+    from plugserve.server.examples import echo
+
+    (root / "echo" / "1").mkdir(parents=True)
+    (root / "echo" / "1" / "model.onnx").write_bytes(echo().SerializeToString())
+    (root / "echo" / "config.json").write_text('{"device": "NUMPY"}')
+    _write(root, "bytes_through", _ensemble(
+        "bytes_through",
+        '{ name: "B" data_type: TYPE_STRING dims: [ -1 ] }',
+        '{ name: "B_OUT" data_type: TYPE_STRING dims: [ -1 ] }',
+        [_step("echo", 1, {"text": "B"}, {"echo": "B_OUT"})],
+    ).replace("max_batch_size: 8", "max_batch_size: 0"))  # fmt: skip
     # Triton's sequence examples, each behind a one-step ensemble
     from sequence_models import triton_examples
 
@@ -470,6 +482,20 @@ def test_the_requests_parameters_reach_its_steps(running):
         np.testing.assert_array_equal(scaled.as_numpy("OUTPUT1"), 3 * A)
         plain = client.infer("scaled", _inputs(grpcclient, A, B))
         np.testing.assert_array_equal(plain.as_numpy("OUTPUT1"), A)
+    finally:
+        client.close()
+
+
+def test_bytes_that_are_not_text_pass_through_to_a_step_that_moves_them(running):
+    """An ensemble only moves its BYTES: whether a step takes bytes that are not UTF-8 is the
+    step's to say (NUMPY's Identity moves them as they are)."""
+    client = grpcclient.InferenceServerClient(running.target)
+    try:
+        data = np.array([b"\x89PNG\r\n\x1a\n\xff\xfe", b"text"], dtype=object)
+        tensor = grpcclient.InferInput("B", [2], "BYTES")
+        tensor.set_data_from_numpy(data)
+        result = client.infer("bytes_through", [tensor])
+        assert result.as_numpy("B_OUT").tolist() == data.tolist()
     finally:
         client.close()
 
