@@ -26,8 +26,9 @@ each hash to the slot holding it. A finished sequence's slot keeps its tokens an
 while it is free; a new prompt whose first blocks are in the table reuses them: it takes
 that slot when it is free (nothing copied), or copies the blocks from a slot in use. A hit
 is checked token by token before it is used, so a hash collision can never serve another
-prompt's cache. Free slots are reused least recently freed first, empty ones before those
-holding a cache.
+prompt's cache. A new sequence takes a free slot holding no whole block first (the lowest, so
+new rows tend to follow the running ones), else the least recently freed: short prompts come
+and go without evicting a long one's blocks.
 """
 
 from __future__ import annotations
@@ -140,14 +141,14 @@ class SlotTable:
         return len(self.free)
 
     def take(self, owner: object, prefer: Slot | None = None) -> Slot:
-        """A free slot for ``owner``: ``prefer`` when given (a prefix hit), else an empty
-        one, else the least recently freed (its cache is dropped)."""
+        """A free slot for ``owner``: ``prefer`` when given (a prefix hit), else the lowest
+        one holding no whole block (nothing a prompt could reuse), else the least recently
+        freed (its cache is dropped)."""
         slot = prefer
         if slot is None:
-            slot = next((s for s in self.free.values() if not s.tokens), None)
-            if slot is None:
-                slot = next(iter(self.free.values()))
-                self.truncate(slot, 0)
+            spare = [s for s in self.free.values() if not s.hashes]
+            slot = min(spare, key=lambda s: s.index) if spare else next(iter(self.free.values()))
+            self.truncate(slot, 0)
         del self.free[slot.index]
         slot.owner = owner
         return slot
