@@ -51,6 +51,7 @@ from plugserve.server.generate.kvcache import KVCache, Slot, SlotTable
 from plugserve.server.generate.sampler import Sampler, SamplingState
 from plugserve.server.generate.scheduler import (
     DECODE,
+    FINISHED,
     FORK,
     PREFILL,
     WAITING,
@@ -374,6 +375,8 @@ class Engine:
                 seq.last_at = now
             stats.generation_tokens += len(group)
         for seq, token, entry in zip(group, tokens, logprobs):
+            if seq.status == FINISHED:  # its request was ended by a sibling's failed send
+                continue
             token = int(token)
             seq.tokens.append(token)
             seq.generated += 1
@@ -407,7 +410,7 @@ class Engine:
     def _stops(self, seq: Seq, token: int) -> str | None:
         """Why the sequence ends with ``token`` (and its text updated), or None."""
         params = seq.sampling.params
-        if token in seq.sampling.stop_ids:  # eos (unless ignore_eos) or a stop token id
+        if token in seq.sampling.stop_set:  # eos (unless ignore_eos) or a stop token id
             seq.stop_reason = token if token in params.stop_token_ids else None
             return "stop"
         if seq.detokenizer.add(token):
@@ -427,7 +430,7 @@ class Engine:
             return
         self.scheduler.drop_waiting(state)
         for seq in state.sequences:
-            if seq.status == "finished":
+            if seq.status == FINISHED:
                 continue
             self.scheduler.finish(seq)
             seq.finish_reason = reason
@@ -449,7 +452,7 @@ class Engine:
             return
         self.scheduler.drop_waiting(state)
         for seq in state.sequences:
-            if seq.status != "finished":
+            if seq.status != FINISHED:
                 self.scheduler.finish(seq)
                 seq.finish_reason = "abort"
                 state.done += 1
