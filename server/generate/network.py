@@ -178,8 +178,10 @@ def load_generative(
         raise InvalidArgument(f"max_model_len must be at least 2, got {capacity}")
     if parse_device(device).kind == "ORT":
         # onnxruntime's threads do not spin between runs: the engine's own thread samples and
-        # streams there, and on 2 loaded cores a spinning pool took a 169 M model's decode
-        # step from 96 to 208 ms (batch 1) and 240 to 417 ms (batch 8) (docs/generate.md)
+        # streams there. On 2 shared cores a 169 M model's decode step in the engine took 88
+        # ms at batch 1 and 147 at 8 without spinning, 92/153 spinning 20 us, 107/170
+        # spinning 100 us; onnxruntime's default (unbounded) made raw steps up to 2x slower
+        # (docs/generate.md)
         device_config.setdefault("SPIN_DURATION_US", "0")
     decoder_network = core.load_network(str(folder.graph), device, device_config)
     try:
