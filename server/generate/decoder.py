@@ -22,7 +22,9 @@ attention op), never from the model family's name:
     token's keys and values are written back at each row's own position.
 
 The OpenVINO IR of optimum-intel (stateful: the cache in the model's variables, ``beam_idx``
-choosing rows) would be a third backend with the same three calls; it is not written yet.
+choosing rows) would be a third backend with the same calls (``new_cache``, ``decode``,
+``first``, ``extend``), its cache's row moves done on the request's variable states
+(``query_state``); it is not written yet.
 
 Every forward takes rows of the cache (``SlotTable`` rows) and returns float32 logits of the
 last position of each row's tokens.
@@ -69,6 +71,12 @@ class Decoder(abc.ABC):
         self.logits_dtype = logits.dtype if logits is not None else np.dtype(np.float32)
         self._logits_buffer: np.ndarray | None = None
         self.forwards = 0  # runs made (for stats)
+
+    def new_cache(self, rows: int) -> KVCache:
+        """The cache this backend reads and writes, ``rows`` slots (a backend whose graph
+        keeps its cache itself, as a stateful OpenVINO IR, returns one whose ``view``,
+        ``copy`` and ``swap`` move rows of the model's variable states instead)."""
+        return KVCache(self.layout, rows)
 
     def _arrays(self, values: dict[str, Any]) -> list[Any]:
         return [values.get(name, _CONSTANT_INPUTS.get(name)) for name in self.order]

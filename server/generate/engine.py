@@ -47,7 +47,7 @@ from plugserve.plugins.api import (
     ResourceExhausted,
 )
 from plugserve.server.generate.decoder import Decoder
-from plugserve.server.generate.kvcache import KVCache, Slot, SlotTable
+from plugserve.server.generate.kvcache import Slot, SlotTable
 from plugserve.server.generate.sampler import Sampler, SamplingState
 from plugserve.server.generate.scheduler import (
     DECODE,
@@ -105,7 +105,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.settings = settings
         self.capacity = decoder.layout.capacity
-        self.cache = KVCache(decoder.layout, rows)
+        self.cache = decoder.new_cache(rows)
         self.table = SlotTable(self.cache, settings.block_size, settings.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.table,
