@@ -10,6 +10,7 @@ from __future__ import annotations
 import http.client
 import json
 import queue
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -274,3 +275,30 @@ def test_200_streams_against_4_slots_all_complete(folder, tiny_reference, tmp_pa
         case = cases[i % len(cases)]
         assert texts[str(i)] == continuation(tokenizer, case["prompt_ids"], case["ids"][:8])
     assert finished - before == 200
+
+
+@pytest.mark.parametrize(
+    ("body", "words"),
+    [
+        ({"sampling_parameters": "{}"}, "text_input or as input_ids"),
+        ({"text_input": "hi", "sampling_parameters": "{not json"}, "not valid JSON"),
+        ({"text_input": "hi", "sampling_parameters": '{"beams": 2}'}, "unknown key(s) ['beams']"),
+        ({"text_input": "hi", "sampling_parameters": '{"temperature": -1}'}, "temperature"),
+        ({"text_input": "hi", "sampling_parameters": '{"top_p": 0}'}, "top_p"),
+        ({"text_input": "hi", "sampling_parameters": '{"n": 2}'}, "n must be 1"),
+        ({"text_input": "hi " * 600}, "context holds"),
+    ],
+)
+def test_bad_requests_are_refused_naming_what_is_wrong(served, body, words):
+    request = urllib.request.Request(
+        served.http_url + "/v2/models/tiny-ort/generate",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        urllib.request.urlopen(request, timeout=60)
+    assert caught.value.code == 400
+    assert words in json.loads(caught.value.read())["error"]
+    # and the model goes on answering
+    good = {"text_input": "hi", "sampling_parameters": '{"max_tokens": 2}'}
+    assert "text_output" in json.loads(post(served, "/v2/models/tiny-ort/generate", good))
