@@ -171,9 +171,7 @@ class Engine:
             self._inbox.append(state)
             self._woken = True
             self._lock.notify()
-        on_cancel = getattr(sender, "on_cancel", None)
-        if on_cancel is not None:
-            on_cancel(lambda: self.abort(request.request_id))
+        sender.on_cancel(lambda: self.abort(request.request_id))
 
     def abort(self, request_id: str) -> None:
         """End a request at the next step (its slots freed, ``finish_reason`` "abort")."""
@@ -456,12 +454,10 @@ class Engine:
                 self.scheduler.finish(seq)
                 seq.finish_reason = "abort"
                 state.done += 1
-        fail = getattr(state.sender, "fail", None)
-        if fail is not None:
-            try:
-                fail(error)
-            except Exception:  # a consumer's failure must not stop the loop
-                log.exception("model %s: failing a request's stream failed", self.name)
+        try:
+            state.sender.fail(error)
+        except Exception:  # a consumer's failure must not stop the loop
+            log.exception("model %s: failing a request's stream failed", self.name)
         self._forget(state, time.monotonic())
 
     def _forget(self, state: RequestState, now: float) -> None:
@@ -480,8 +476,8 @@ class Engine:
 
 def _cancelled(sender: Any) -> bool:
     try:
-        return bool(getattr(sender, "cancelled", False))
-    except Exception:
+        return bool(sender.cancelled)
+    except Exception:  # a broken sender has no consumer left
         return True
 
 
@@ -496,9 +492,9 @@ def _send(sender: Any, event: GenerationEvent, final: bool) -> bool:
 
 class QueueSender:
     """The sender of an in-process consumer (``Engine.generate``, the network's blocking
-    ``infer``): events queue here and are read by iterating; the queue is bounded by the
-    request's own tokens. ``close`` (the consumer leaving) makes the engine drop the request
-    at its next step."""
+    ``infer``), with plugins/responses.py's ``ResponseSender`` methods: events queue here and
+    are read by iterating; the queue is bounded by the request's own tokens. ``close`` (the
+    consumer leaving) makes the engine drop the request at its next step."""
 
     def __init__(self) -> None:
         self._items: list[Any] = []
@@ -506,6 +502,19 @@ class QueueSender:
         self._final = False
         self._error: BaseException | None = None
         self._closed = False
+        self._callbacks: list[Any] = []
+
+    def on_cancel(self, callback: Any) -> Any:
+        """Call ``callback`` once the consumer leaves (:meth:`close`); returns what
+        unregisters it."""
+        with self._cond:
+            if not self._closed:
+                self._callbacks.append(callback)
+                return lambda: (
+                    self._callbacks.remove(callback) if callback in self._callbacks else None
+                )
+        callback()
+        return lambda: None
 
     @property
     def cancelled(self) -> bool:
@@ -528,8 +537,13 @@ class QueueSender:
 
     def close(self) -> None:
         with self._cond:
+            if self._closed:
+                return
             self._closed = True
+            callbacks, self._callbacks = self._callbacks, []
             self._cond.notify()
+        for callback in callbacks:
+            callback()
 
     def __iter__(self) -> Iterator[Any]:
         while True:

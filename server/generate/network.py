@@ -429,8 +429,7 @@ class _Face:
         return bool(self.sender.cancelled)
 
     def on_cancel(self, callback: Any) -> Any:
-        on_cancel = getattr(self.sender, "on_cancel", None)
-        return on_cancel(callback) if on_cancel is not None else None
+        return self.sender.on_cancel(callback)
 
     def fail(self, error: BaseException) -> None:
         self.sender.fail(error)
