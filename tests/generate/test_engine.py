@@ -124,3 +124,20 @@ def test_optimums_export_runs_on_every_device(core, device, tiny_reference):
             assert ids == case["ids"][:16], (device, case["name"])
     finally:
         net.close()
+
+
+@pytest.mark.parametrize("device", ["NUMPY", "ORT"])
+def test_the_int4_export_runs_batched_as_alone(core, device, tiny_reference):
+    """The builder's int4 graph (MatMulNBits) through the engine: the answers of four prompts
+    batched are those of each prompt alone (onnxruntime at accuracy_level 4 quantizes the
+    activations to int8 and NUMPY does not, so the devices' answers are not compared)."""
+    folder = exported("tiny-llama", "genai-int4")
+    cases = tiny_reference["cases"][:4]
+    net = core.load_network(str(folder), device)
+    try:
+        batched = run_all(net.engine, [greedy(c, 16) for c in cases])
+        for case in cases:
+            alone = list(net.engine.generate(greedy({**case, "name": "alone"}, 16)))
+            assert [e.token_ids for e in alone] == [e.token_ids for e in batched[case["name"]]]
+    finally:
+        net.close()
