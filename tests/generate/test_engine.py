@@ -108,13 +108,23 @@ def test_seeded_sampling_does_not_depend_on_the_batch(network, tiny_reference):
     assert by_index(alone)[0] != by_index(alone)[1]  # n=2 draws two answers
 
 
-@pytest.mark.parametrize("device", ["OPENVINO", "AUTO", "HETERO:ORT,NUMPY"])
-def test_optimums_export_runs_on_every_device(core, device, tiny_reference):
-    """OPENVINO and the virtual devices run the concat graph through the Plugin API too (in
-    f32: EXECUTION_MODE_HINT ACCURACY keeps OPENVINO from bf16 where the CPU has it)."""
+@pytest.mark.parametrize(
+    ("kind", "device"),
+    [
+        ("optimum-onnx", "OPENVINO"),
+        ("optimum-onnx", "AUTO"),
+        ("optimum-onnx", "HETERO:ORT,NUMPY"),
+        ("genai-fp32", "OPENVINO"),
+    ],
+)
+def test_the_exports_run_on_every_device(core, kind, device, tiny_reference):
+    """OPENVINO and the virtual devices run the graphs through the Plugin API too (in f32:
+    EXECUTION_MODE_HINT ACCURACY keeps OPENVINO from bf16 where the CPU has it); OPENVINO runs
+    the builder's GroupQueryAttention graph without binding its cache (the new positions are
+    read back from its present)."""
     if device.split(":")[0] not in core.available_devices:
         pytest.skip(f"{device} is not available here")
-    folder = exported("tiny-llama", "optimum-onnx")
+    folder = exported("tiny-llama", kind)
     net = core.load_network(str(folder), device, {"EXECUTION_MODE_HINT": "ACCURACY"})
     try:
         cases = tiny_reference["cases"][:3]
