@@ -287,11 +287,22 @@ class Engine:
         self._sample(group, logits)
 
     def _first(self, chunks: list[tuple[Seq, int]]) -> None:
-        chunks = sorted(
-            ((s, c) for s, c in chunks if s.status == PREFILL), key=lambda x: x[0].slot.index
-        )
-        if not chunks:
-            return
+        """First prompt chunks, right-padded into batches of at most
+        ``max_num_batched_tokens`` tokens padding included (a batch's logits are rows x
+        longest chunk x vocabulary: a long chunk beside short ones must not multiply them)."""
+        chunks = sorted(((s, c) for s, c in chunks if s.status == PREFILL), key=lambda x: x[1])
+        budget = self.settings.max_num_batched_tokens
+        batch: list[tuple[Seq, int]] = []
+        for item in chunks:
+            if batch and (len(batch) + 1) * item[1] > budget:
+                self._first_batch(batch)
+                batch = []
+            batch.append(item)
+        if batch:
+            self._first_batch(batch)
+
+    def _first_batch(self, chunks: list[tuple[Seq, int]]) -> None:
+        chunks = sorted(chunks, key=lambda x: x[0].slot.index)
         rows = [s.slot.index for s, _c in chunks]
         pieces = [s.tokens[:c] for s, c in chunks]
         try:
