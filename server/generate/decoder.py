@@ -53,7 +53,6 @@ _CONSTANT_INPUTS = {"use_cache_branch": np.array([True])}
 class Decoder(abc.ABC):
     """One decoder graph compiled on a device, run from the engine's one thread."""
 
-    #: the attention keeps its own positions (True) or takes ``position_ids`` (False)
     def __init__(self, network: CompiledNetwork, layout: CacheLayout, vocab: int) -> None:
         self.network = network
         self.layout = layout

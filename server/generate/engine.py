@@ -54,7 +54,6 @@ from plugserve.server.generate.scheduler import (
     FINISHED,
     FORK,
     PREFILL,
-    WAITING,
     Plan,
     RequestState,
     Scheduler,
@@ -569,7 +568,3 @@ class QueueSender:
                 raise error
             if done:
                 return
-
-
-# the statuses a sequence passes through, for readers of this module
-STATUSES = (WAITING, PREFILL, FORK, DECODE)
