@@ -161,6 +161,8 @@ class Server:
             settings.load_threads(),
             settings.max_sequences,
         )
+        if "PYTHON" in self.core.available_devices:  # its models' load_model calls
+            self.core.plugin("PYTHON").control = self.control
         self.health = health.HealthServicer()
         self.grpc_server: grpc.Server | None = None
         self.grpc_port = 0

@@ -119,10 +119,10 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
     def ModelReady(self, request, context):
         version = parse_version(request.version)
         try:
-            self.plane.get(request.name, version)
+            entry = self.plane.get(request.name, version)
         except NotFound:
             return pb.ModelReadyResponse(ready=False)
-        return pb.ModelReadyResponse(ready=True)
+        return pb.ModelReadyResponse(ready=entry.network.ready())
 
     def ServerMetadata(self, request, context):
         return pb.ServerMetadataResponse(

@@ -447,9 +447,11 @@ class RestApp:
         self.plane.shm.cuda_unregister(call.path.get("name") or "")
         return 200, [b""], _JSON
 
-    def model_ready(self, call: Call) -> Reply:
+    def model_ready(self, call: Call) -> Reply | Awaitable[Reply]:
         entry = self.plane.get(call.path["name"], call.version)  # NotFound: 404
-        return _json({"name": entry.name, "ready": True})
+        if entry.network.slow_readiness:  # it asks the model's processes: off the loop
+            return self._in_worker(_readiness, entry)
+        return _readiness(entry)
 
     def model_metadata(self, call: Call) -> Reply:
         entry = self.plane.get(call.path["name"], call.version)
@@ -706,6 +708,13 @@ class RestApp:
 def _writer(request: InferCall) -> Callable[[dict[str, Any]], dict[str, Any]] | None:
     """What writes a request's shared memory outputs when it has run (None: it has none)."""
     return functools.partial(write_outputs, request.regions) if request.regions else None
+
+
+def _readiness(entry: LoadedNetwork) -> Reply:
+    """200 when the model is ready; 400 when it is loaded but not (as Triton answers)."""
+    if entry.network.ready():
+        return _json({"name": entry.name, "ready": True})
+    return _json({"error": f"model '{entry.name}' is not ready"}, 400)
 
 
 def _infer_reply(entry: LoadedNetwork, request: InferCall, outputs: dict[str, Any]) -> Reply:

@@ -57,6 +57,7 @@ __all__ = [
     "TRITON_FILE",
     "ModelSettings",
     "VersionPolicy",
+    "python_settings",
     "read_ovms",
     "read_triton",
     "write_overrides",
@@ -145,6 +146,15 @@ class ModelSettings:
     formats: dict[str, int] = dataclasses.field(default_factory=dict)
     #: Triton's sequence_batching: the model's requests belong to sequences
     sequence: SequenceSettings | None = None
+
+
+def python_settings() -> ModelSettings:
+    """A Python model's settings when its folder has no config.pbtxt (Triton's minimal model
+    configuration: ``auto_complete_config`` in its model.py completes the rest)."""
+    return ModelSettings(
+        "PYTHON", dynamic_batching=False, policy=VersionPolicy("latest", 1),
+        model_file=PYTHON_MODEL_FILE,
+    )  # fmt: skip
 
 
 def read_triton(path: Path) -> ModelSettings:
