@@ -83,7 +83,10 @@ class Token:
     briefly); one registered after the cancellation runs at once.
     """
 
-    __slots__ = ("_callbacks", "_lock", "error", "finished", "outputs", "parameters", "room")
+    __slots__ = (
+        "_callbacks", "_lock", "error", "finished", "outputs", "parameters", "request_id", "room",
+        "sequence",
+    )  # fmt: skip
 
     def __init__(self) -> None:
         #: the error the run raises once cancelled (None: not cancelled)
@@ -100,6 +103,13 @@ class Token:
         #: sequence ids, timeout, ...), set by its owner, for a network that hands them to its
         #: model (Triton's ``request.parameters()`` in a Python model); None: none
         self.parameters: dict | None = None
+        #: the client's id for the request (KServe's ``id``), set by its owner for a network
+        #: that hands it to its model (a Python model's ``request_id()``); "": none
+        self.request_id = ""
+        #: the request's sequence as ``(sequence id, flags)`` (flags: 1 its start, 2 its end,
+        #: Triton's), set by its owner for a network that hands them to its model (a Python
+        #: model's ``correlation_id()`` and ``flags()``); None: none
+        self.sequence: tuple[int | str, int] | None = None
         #: the run is over: cancelling now does nothing (and costs nothing)
         self.finished = False
         self._callbacks: list[Callable[[], object]] = []

@@ -170,6 +170,12 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             if own_parameters is not None:
                 token = token if token is not None else cancel.Token()
                 token.parameters = own_parameters
+            if step is not None:  # a Python model's correlation_id() and flags()
+                token = token if token is not None else cancel.Token()
+                token.sequence = (step.id, int(step.start) | int(step.end) << 1)
+        if request.id:  # a Python model's request_id()
+            token = token if token is not None else cancel.Token()
+            token.request_id = request.id
         if entry.network.decoupled:
             return entry, self._submit_decoupled(request, entry, size, when, token, streaming)
         lane = plain_lane(entry)

@@ -37,9 +37,9 @@ from plugserve.server.triton_config import (
     VERSION_FOLDER,
     ModelSettings,
     OvmsModel,
+    python_settings,
     read_ovms,
     read_sequence_json,
-    python_settings,
     read_triton,
 )
 from plugserve.server.versions import MAX_VERSION, is_version
@@ -403,9 +403,7 @@ def _python_model(folder: Path) -> bool:
         versions = [p for p in folder.iterdir() if is_version(p.name) and p.is_dir()]
     except OSError:
         return False
-    return any(
-        (v / PYTHON_MODEL_FILE).is_file() and not any(v.glob("*.onnx")) for v in versions
-    )
+    return any((v / PYTHON_MODEL_FILE).is_file() and not any(v.glob("*.onnx")) for v in versions)
 
 
 def _is_ovms(path: Path) -> bool:

@@ -21,6 +21,7 @@ A model may name its own Python: the ``EXECUTION_ENV_PATH`` parameter, a virtual
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import json
@@ -32,6 +33,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future, InvalidStateError
 from pathlib import Path
 from typing import Any
 
@@ -830,6 +832,156 @@ def _checked_outputs(
     return outputs
 
 
+#: streams a dynamically batched model's requests may wait on at once, all instances together
+MAX_GATHER_STREAMS = 64
+
+
+class _Waiting:
+    """One request in a :class:`Gatherer`: its inputs, its header entry, its rows, and the
+    future its stream waits on."""
+
+    __slots__ = ("arrays", "arrived", "future", "request", "rows", "token")
+
+    def __init__(self, arrays: list[Any], request: dict[str, Any], rows: int, token: Any) -> None:
+        self.arrays, self.request, self.rows, self.token = arrays, request, rows, token
+        self.arrived = time.monotonic()
+        self.future: Future = Future()
+
+
+class Gatherer:
+    """Triton's dynamic batcher for a Python model (``dynamic_batching`` with
+    ``max_batch_size`` > 0): the requests waiting for the model are handed to one instance's
+    ``execute`` together, as the list Triton's contract says ``requests`` may be, until their
+    rows reach the largest ``preferred_batch_size`` (else ``max_batch_size``) or
+    ``max_queue_delay_microseconds`` after the first of them (Triton's default 0: what waits
+    now). A request with more rows runs alone. Unlike BATCH, nothing is concatenated: each
+    request keeps its own tensors and gets its own response.
+
+    One dispatcher thread per instance takes the next batch when its instance is free; the
+    requests wait on the network's streams (at most :data:`MAX_GATHER_STREAMS`), so the
+    queue is the data plane's, bounded as any model's."""
+
+    def __init__(self, network: PythonNetwork, size: int, delay: float) -> None:
+        self.network, self.size, self.delay = network, max(1, size), max(0.0, delay)
+        self._cond = threading.Condition()
+        self._queue: collections.deque[_Waiting] = collections.deque()
+        self._closed = False
+        #: batches run, by how many requests they held (statistics and tests)
+        self.executions: dict[int, int] = {}
+        for worker in network.workers:
+            threading.Thread(
+                target=self._dispatch, args=(worker,), name=f"{worker.label}-batcher", daemon=True
+            ).start()
+
+    def run(self, arrays: list[Any], request: dict[str, Any], rows: int) -> Any:
+        """Queue one request; its outputs once the batch it joined has run."""
+        token = cancel.current()
+        item = _Waiting(arrays, request, rows, token)
+        with self._cond:
+            if self._closed:
+                raise Cancelled(f"python model {self.network.name!r} is unloaded")
+            self._queue.append(item)
+            self._cond.notify()
+        forget = None
+        if token is not None:
+            forget = token.on_cancel(lambda: _settle(item.future, token.failure()))
+        try:
+            return item.future.result()
+        finally:
+            if forget is not None:
+                forget()
+
+    def _take(self) -> list[_Waiting] | None:
+        with self._cond:
+            while True:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return None
+                first = self._queue[0].arrived
+                while sum(i.rows for i in self._queue) < self.size and not self._closed:
+                    left = first + self.delay - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._cond.wait(left)
+                if self._queue:
+                    break
+            batch = [self._queue.popleft()]
+            rows = batch[0].rows
+            while self._queue and rows + self._queue[0].rows <= self.size:
+                rows += self._queue[0].rows
+                batch.append(self._queue.popleft())
+            return batch
+
+    def _dispatch(self, worker: Worker) -> None:
+        while True:
+            batch = self._take()
+            if batch is None:
+                return
+            live = [i for i in batch if not i.future.done()]  # cancelled while waiting
+            if live:
+                with self._cond:
+                    self.executions[len(live)] = self.executions.get(len(live), 0) + 1
+                self._run(worker, live)
+
+    def _run(self, worker: Worker, batch: list[_Waiting]) -> None:
+        network = self.network
+        names = [spec.name for spec in network.inputs]
+        where = f"python model {network.name!r}"
+        tensors = {
+            f"{k}/{n}": a
+            for k, item in enumerate(batch)
+            for n, a in zip(names, item.arrays)
+            if a is not None
+        }
+        header = {"op": "execute", "model": network.name, "requests": [i.request for i in batch]}
+        token, forget = cancel.every(
+            [i.token for i in batch],
+            lambda: Cancelled(f"{where}: every request of its batch was cancelled"),
+        )
+        try:
+            with cancel.running(token or cancel.Token()):
+                reply, outputs = worker.run(tensors, header)
+            if reply.get("error"):
+                raise InferenceError(f"{where}: {reply['error']}")
+        except BaseException as exc:
+            if isinstance(exc, ValueError):
+                exc = InferenceError(f"{where}: its answer cannot be read: {exc}")
+            for item in batch:
+                _settle(item.future, exc)
+            return
+        finally:
+            forget()
+        specs = {s.name: s for s in network.outputs}
+        for k, (item, response) in enumerate(zip(batch, reply["responses"])):
+            try:
+                if response.get("error"):
+                    message, code = response["error"]
+                    raise _ERRORS.get(code, InferenceError)(f"{where}: {message}")
+                result = _checked_outputs(where, response["outputs"], outputs, specs, f"{k}/", True)
+            except PlugserveError as exc:
+                _settle(item.future, exc)
+                continue
+            _settle(item.future, result=result)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            waiting = list(self._queue)
+            self._queue.clear()
+            self._cond.notify_all()
+        for item in waiting:
+            _settle(item.future, Cancelled("the model was unloaded before its batch ran"))
+
+
+def _settle(future: Future, error: BaseException | None = None, result: Any = None) -> None:
+    with contextlib.suppress(InvalidStateError):
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+
 class PythonNetwork(CompiledNetwork):
     #: readiness asks the model's processes (and its is_ready(), up to READY_SECONDS)
     slow_readiness = True
@@ -847,6 +999,9 @@ class PythonNetwork(CompiledNetwork):
         self._owner = self._custom.owner() if self._custom is not None else 0
         self.workers = [Worker(python, path, {}, f"{where} (instance {i})") for i in range(count)]
         self._next = 0
+        #: dynamic batching: (rows, seconds) and what gathers the requests; None: one at a time
+        self.batching_settings: tuple[int, float] | None = None
+        self.gatherer: Gatherer | None = None
         for worker in self.workers:
             worker.plane, worker.control, worker.owner = plane, plugin.control, self._owner
         try:
@@ -856,6 +1011,8 @@ class PythonNetwork(CompiledNetwork):
             self._configure(model_config, path)
             for worker in self.workers:
                 worker.start()
+            if self.batching_settings is not None:
+                self.gatherer = Gatherer(self, *self.batching_settings)
         except BaseException:
             for worker in self.workers:
                 worker.kill()
@@ -872,6 +1029,12 @@ class PythonNetwork(CompiledNetwork):
         self.decoupled = bool(model_config.get("model_transaction_policy", {}).get("decoupled"))
         self.max_batch_size = int(model_config.get("max_batch_size", 0))
         self.model_config = model_config
+        batching = model_config.get("dynamic_batching")
+        if batching is not None and self.max_batch_size > 0 and not self.decoupled:
+            preferred = [int(n) for n in batching.get("preferred_batch_size", [])]
+            size = min(max(preferred, default=self.max_batch_size), self.max_batch_size)
+            delay = int(batching.get("max_queue_delay_microseconds", 0)) / 1e6
+            self.batching_settings = (size, delay)
         for i, worker in enumerate(self.workers):
             worker.args = {
                 "model_config": json.dumps(model_config),
@@ -898,16 +1061,31 @@ class PythonNetwork(CompiledNetwork):
 
     def _metric(self, name: str) -> Any:
         if name == "OPTIMAL_NUMBER_OF_INFER_REQUESTS":
-            return len(self.workers)
+            return self._streams()
         return super()._metric(name)
 
+    def _streams(self) -> int:
+        """One stream per instance; with dynamic batching, enough for every instance's batch
+        to gather (at most MAX_GATHER_STREAMS)."""
+        if self.batching_settings is None:
+            return len(self.workers)
+        size = self.batching_settings[0]
+        return max(len(self.workers), min(MAX_GATHER_STREAMS, len(self.workers) * (size + 1)))
+
     def _new_executor(self) -> StreamsExecutor:
-        """One stream per instance, each with its own process."""
+        """One stream per instance, each with its own process (with dynamic batching, the
+        streams wait for their batch and the gatherer's threads run the instances)."""
         return StreamsExecutor(
             f"PYTHON/{self.name}",
-            len(self.workers),
-            state_factory=lambda i: PythonInferRequest(self, self.workers[i]),
+            self._streams(),
+            state_factory=lambda i: PythonInferRequest(self, self.workers[i % len(self.workers)]),
         )
+
+    def batching(self) -> tuple[int, float] | None:
+        if self.batching_settings is None:
+            return None
+        size, delay = self.batching_settings
+        return size, delay * 1000.0
 
     def create_infer_request(self) -> InferRequest:
         worker = self.workers[self._next % len(self.workers)]
@@ -919,6 +1097,8 @@ class PythonNetwork(CompiledNetwork):
 
     def close(self) -> None:
         super().close()
+        if self.gatherer is not None:
+            self.gatherer.close()
         for worker in self.workers:
             worker.finalize()
         if self._custom is not None:  # its metric families leave /metrics with it
@@ -940,14 +1120,24 @@ class PythonInferRequest(InferRequest):
             "inputs": [n for n, a in zip(names, arrays) if a is not None],
             "outputs": [s.name for s in network.outputs],
         }
-        if token is not None and token.parameters:
-            request["parameters"] = json.dumps(token.parameters)
+        if token is not None:
+            if token.parameters:
+                request["parameters"] = json.dumps(token.parameters)
+            if token.request_id:  # the client's id: request_id()
+                request["id"] = token.request_id
+            if token.sequence is not None:  # correlation_id() and flags()
+                request["correlation_id"], request["flags"] = token.sequence
         if rid is not None:
             request["rid"] = rid
         return {"op": "execute", "model": network.name, "requests": [request]}
 
     def _infer(self, arrays: list[Any]) -> dict[str, np.ndarray]:
         network = self.network
+        if network.gatherer is not None:  # dynamic batching: with the requests waiting
+            (request,) = self._header(arrays)["requests"]
+            first = next((a for a in arrays if a is not None), None)
+            rows = int(first.shape[0]) if first is not None and first.ndim else 1
+            return network.gatherer.run(arrays, request, rows)
         names = [spec.name for spec in network.inputs]
         where = f"python model {network.name!r}"
         try:
