@@ -404,7 +404,8 @@ class Worker:
         except (OSError, EOFError, ValueError) as exc:
             return False, f"its process did not answer is_ready(): {exc}"
         if header.get("error"):
-            return False, f"its is_ready() failed: {header['error']}"
+            last = str(header["error"]).strip().splitlines() or [""]
+            return False, f"its is_ready() failed: {last[-1]}"
         if header.get("ready"):
             return True, ""
         return False, "its is_ready() returned False"
