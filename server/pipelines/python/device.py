@@ -17,6 +17,13 @@ against shrinking, so no worker can make the server fault.
 
 A model may name its own Python: the ``EXECUTION_ENV_PATH`` parameter, a virtual environment
 (its ``bin/python``) or an interpreter, which needs numpy only.
+
+At load, the first instance's process runs the model's ``auto_complete_config`` (when it has
+one) before ``initialize``; its result is the model's configuration. Model readiness asks each
+instance (:meth:`Worker.readiness`: the process runs, and the model's ``is_ready()`` answers True
+on a socket of its own within READY_SECONDS). With dynamic batching, a :class:`Gatherer` hands
+several waiting requests to one ``execute``. What a model asks the server besides BLS (custom
+metrics, the model loading API) is in ``calls.py``; its Logger lines reach the server's log.
 """
 
 from __future__ import annotations
