@@ -245,6 +245,29 @@ class TritonPythonModel:
 """
 
 
+#: correlation_id() and flags() of a sequence model's requests
+SEQ_CONFIG = """
+backend: "python"
+sequence_batching { }
+input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 1 ] } ]
+output [ { name: "CORR" data_type: TYPE_STRING dims: [ 1 ] } ]
+"""
+SEQ = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            text = f"{request.correlation_id()}:{request.flags()}".encode()
+            out = pb_utils.Tensor("CORR", np.array([text], dtype=object))
+            responses.append(pb_utils.InferenceResponse([out]))
+        return responses
+"""
+
+
 def _write(root: Path, name: str, model: str, config: str | None) -> None:
     (root / name / "1").mkdir(parents=True)
     (root / name / "1" / "model.py").write_text(textwrap.dedent(model))
@@ -268,11 +291,12 @@ def running(tmp_path_factory):
     for name, body in BAD_AUTO.items():
         _write(root, name, BAD_AUTO_MODEL.format(body=body), None)
     _write(root, "ids", IDS, IDS_CONFIG)
+    _write(root, "seq", SEQ, SEQ_CONFIG)
     (root / "simple_onnx" / "1").mkdir(parents=True)
     (root / "simple_onnx" / "1" / "model.onnx").write_bytes(add_sub().SerializeToString())
     onnx_file = root / "add_sub.onnx"
     onnx_file.write_bytes(add_sub().SerializeToString())
-    startup = "metrics,loader,ready_plain,ready_async,auto,ids"
+    startup = "metrics,loader,ready_plain,ready_async,auto,ids,seq"
     args = ["--model-repository", str(root), "--model-control-mode", "explicit"]
     with RunningServer(*args, "--load-model", startup) as server:
         server.root, server.onnx_file = root, onnx_file
@@ -548,6 +572,17 @@ def test_request_id_and_instances_serving_at_once(running):
     for thread in threads:
         thread.join()
     assert sorted(instances) == [b"ids_0_0", b"ids_0_1"]
+
+
+def test_correlation_id_and_flags_of_a_sequence(running):
+    client = grpcclient.InferenceServerClient(running.target)
+    x = grpcclient.InferInput("INPUT0", [1], "FP32")
+    x.set_data_from_numpy(np.array([1], dtype=np.float32))
+    seen = [
+        client.infer("seq", [x], sequence_id=42, **flags).as_numpy("CORR")[0]
+        for flags in ({"sequence_start": True}, {}, {"sequence_end": True})
+    ]
+    assert seen == [b"42:1", b"42:0", b"42:2"]  # Triton's START 1, END 2
 
 
 def test_dynamic_batching_hands_several_requests_to_one_execute(running):
