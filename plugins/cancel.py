@@ -84,9 +84,17 @@ class Token:
     """
 
     __slots__ = (
-        "_callbacks", "_lock", "error", "finished", "outputs", "parameters", "request_id", "room",
+        "_callbacks",
+        "_lock",
+        "error",
+        "finished",
+        "outputs",
+        "parameters",
+        "partial_outputs",
+        "request_id",
+        "room",
         "sequence",
-    )  # fmt: skip
+    )
 
     def __init__(self) -> None:
         #: the error the run raises once cancelled (None: not cancelled)
@@ -103,6 +111,10 @@ class Token:
         #: sequence ids, timeout, ...), set by its owner, for a network that hands them to its
         #: model (Triton's ``request.parameters()`` in a Python model); None: none
         self.parameters: dict | None = None
+        #: outputs the model does not produce may be missing from the answer (Triton's
+        #: ensemble steps: an output a step leaves out leaves the ensemble's out); otherwise a
+        #: model that leaves out an output the request wants fails it, naming the output
+        self.partial_outputs = False
         #: the client's id for the request (KServe's ``id``), set by its owner for a network
         #: that hands it to its model (a Python model's ``request_id()``); "": none
         self.request_id = ""

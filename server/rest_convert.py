@@ -106,7 +106,7 @@ class InferCall:
     classes: dict[str, int] = dataclasses.field(default_factory=dict)
     #: its place in a sequence (sequence_id, sequence_start, sequence_end)
     step: Step | None = None
-    #: the request's parameters its model sees (a Python model's ``parameters()``); None: none
+    #: the request's parameters its model sees (Triton's ``request.parameters()``), or None
     parameters: dict[str, Any] | None = None
 
 

@@ -614,6 +614,7 @@ class _Run:
         tensors = self.tensors
         inputs = {m: tensors[t] for m, t in step.inputs.items() if t in tensors}
         token = cancel.Token()
+        token.partial_outputs = True  # an output a step leaves out is left unset
         with self.lock:
             self.running[step.index] = token
         parent = self.parent

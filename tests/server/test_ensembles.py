@@ -453,12 +453,6 @@ def test_steps_that_do_not_depend_on_each_other_run_at_once(running, protocol):
         client.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the data plane (DataPlane.admit's run) takes every output a request names from a "
-    "run's answer, and the Python device refuses a response without one of its outputs; "
-    "Triton answers without it. The scheduler leaves such a tensor unset already.",
-)
 def test_an_output_a_step_did_not_produce_is_missing_from_the_answer(running):
     client = grpcclient.InferenceServerClient(running.target)
     try:
@@ -471,16 +465,18 @@ def test_an_output_a_step_did_not_produce_is_missing_from_the_answer(running):
         client.close()
 
 
-def test_the_requests_parameters_reach_its_steps(running):
-    """Triton hands each step the ensemble request's parameters (over gRPC: REST's infer does
-    not hand a request's parameters to its model yet, ensemble or not)."""
-    client = grpcclient.InferenceServerClient(running.target)
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_the_requests_parameters_reach_its_steps(running, protocol):
+    """Triton hands each step the ensemble request's parameters, and a model its own."""
+    module = grpcclient if protocol == "grpc" else httpclient
+    target = running.target if protocol == "grpc" else running.http_target
+    client = module.InferenceServerClient(target)
     try:
-        direct = client.infer("scale", _inputs(grpcclient, A, B)[:1], parameters={"scale": 3})
+        direct = client.infer("scale", _inputs(module, A, B)[:1], parameters={"scale": 3})
         np.testing.assert_array_equal(direct.as_numpy("OUTPUT0"), 3 * A)
-        scaled = client.infer("scaled", _inputs(grpcclient, A, B), parameters={"scale": 3})
+        scaled = client.infer("scaled", _inputs(module, A, B), parameters={"scale": 3})
         np.testing.assert_array_equal(scaled.as_numpy("OUTPUT1"), 3 * A)
-        plain = client.infer("scaled", _inputs(grpcclient, A, B))
+        plain = client.infer("scaled", _inputs(module, A, B))
         np.testing.assert_array_equal(plain.as_numpy("OUTPUT1"), A)
     finally:
         client.close()
