@@ -1,24 +1,26 @@
-"""One decode step of onnxruntime-genai's ~153 M-parameter Llama-style builder folder on NUMPY
-against onnxruntime, in process, the same feeds to both.
+"""One decode step of onnxruntime-genai's builder folder of the ~169 M-parameter Llama-style
+benchmark model on NUMPY against onnxruntime, in process, the same feeds to both.
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python tests/benchmarks/bench_decoder_step.py \\
         [--precision fp32 int4] [--batch 1] [--past 128] [--cache shared|growing] \\
         [--rounds 5] [--seconds 2]
 
-The model (hidden 768, 12 layers, 12 query and 4 key/value heads, MLP 3072, vocabulary 32000,
-seeded random weights) is built once by the model builder (tests/support/genai_builder.py,
-cached). A step is one new token per sequence after ``--past`` cached tokens: with ``shared``
-(the builder's CPU form) the caches are the context's full 2,048 positions, with ``growing``
-exactly the past. Cases run interleaved, each a p50 over ``--seconds``, after warm-up runs
-enough for NUMPY's tuner to settle on this shape; the ratio is NUMPY's p50 over onnxruntime's
-per round, and its median. Precision: NUMPY computes in float32 (int4 weights dequantized to
-float32 at load); onnxruntime in float32, its int4 MatMulNBits at the builder's
-accuracy_level 4 (activations rounded to int8). Nothing here asserts on time.
+The model is tests/support/llm.py's ``bench-llama`` (hidden 1024, 12 layers, 16 query and 4
+key/value heads, MLP 2816, vocabulary 16384, seeded weights), exported by the model builder in
+its own venv once and cached. A step is one new token per sequence after ``--past`` cached
+tokens: with ``shared`` (the builder's CPU form) the caches are the context's full 4,096
+positions, with ``growing`` exactly the past. Cases run interleaved, each a p50 over
+``--seconds``, after warm-up runs enough for NUMPY's tuner to settle on this shape; the ratio
+is NUMPY's p50 over onnxruntime's per round, and its median. Precision: NUMPY computes in
+float32 (int4 weights dequantized to float32 at load); onnxruntime in float32, its int4
+MatMulNBits at the builder's accuracy_level 4 (activations rounded to int8). Nothing here
+asserts on time.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 
@@ -30,10 +32,20 @@ def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def feeds(path, batch: int, past: int, shared: bool) -> dict[str, np.ndarray]:
-    import genai_builder
+def cache_shapes(path) -> tuple[int, int, int, int]:
+    """(layers, kv heads, head size, context length) from the folder's genai_config.json."""
+    model = json.loads((path / "genai_config.json").read_text())["model"]
+    decoder = model["decoder"]
+    return (
+        decoder["num_hidden_layers"],
+        decoder["num_key_value_heads"],
+        decoder["head_size"],
+        model["context_length"],
+    )
 
-    layers, kv, head, context = genai_builder.cache_shapes(path)
+
+def feeds(path, batch: int, past: int, shared: bool) -> dict[str, np.ndarray]:
+    layers, kv, head, context = cache_shapes(path)
     rng = np.random.default_rng(0)
     capacity = context if shared else past
     made = {
@@ -76,11 +88,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--seconds", type=float, default=2.0)
     args = parser.parse_args()
-    import genai_builder
+    import llm
 
-    why = genai_builder.missing()
-    if why:
-        sys.exit(why)
     from plugserve.server import Core
 
     info = machine()
@@ -92,7 +101,10 @@ def main() -> None:
     rows = []
     for precision in args.precision:
         log(f"building or finding the {precision} folder ...")
-        path = genai_builder.folder(genai_builder.LLAMA_150M, precision)
+        try:
+            path = llm.export("bench-llama", f"genai-{precision}")
+        except llm.Unavailable as error:
+            sys.exit(str(error))
         step = feeds(path, args.batch, args.past, args.cache == "shared")
         rows.append((precision, *compare(str(path / "model.onnx"), step, core, args)))
     print(f"\ndecode step, batch {args.batch}, past {args.past}, cache {args.cache}:")
