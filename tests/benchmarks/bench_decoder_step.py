@@ -98,7 +98,6 @@ def main() -> None:
     print("precision: NUMPY float32 (int4 weights dequantized at load); onnxruntime float32, "
           "int4 MatMulNBits at accuracy_level 4 (int8 activations)")  # fmt: skip
     core = Core()
-    rows = []
     for precision in args.precision:
         log(f"building or finding the {precision} folder ...")
         try:
@@ -106,13 +105,14 @@ def main() -> None:
         except llm.Unavailable as error:
             sys.exit(str(error))
         step = feeds(path, args.batch, args.past, args.cache == "shared")
-        rows.append((precision, *compare(str(path / "model.onnx"), step, core, args)))
-    print(f"\ndecode step, batch {args.batch}, past {args.past}, cache {args.cache}:")
-    print("| precision | NUMPY p50 | onnxruntime p50 | NUMPY / onnxruntime (rounds) |")
-    print("|---|---|---|---|")
-    for precision, numpy_ms, ort_ms, ratio, ratios in rows:
+        numpy_ms, ort_ms, ratio, ratios = compare(str(path / "model.onnx"), step, core, args)
         each = ", ".join(f"{r:.2f}" for r in ratios)
-        print(f"| {precision} | {numpy_ms:.1f} ms | {ort_ms:.1f} ms | {ratio:.2f}x ({each}) |")
+        print(
+            f"decode step, {precision}, batch {args.batch}, past {args.past}, cache "
+            f"{args.cache}: NUMPY {numpy_ms:.1f} ms, onnxruntime {ort_ms:.1f} ms, "
+            f"NUMPY / onnxruntime {ratio:.2f}x (rounds: {each})",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":
