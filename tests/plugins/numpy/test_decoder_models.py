@@ -8,10 +8,11 @@ growing one, one sequence and a batch of two prompts of different lengths. The k
 a time are test_decoder_kernels.py's; optimum's exports of the same models are
 test_decoder_exports.py's.
 
-Measured here (2026-11-25): fp32 and int4 with ``accuracy_level=1`` within 1e-6 of
-onnxruntime (relative to the largest logit); int4 with the builder's default
-``accuracy_level=4`` within 3.5 % (onnxruntime rounds the activations to int8 there, NUMPY
-computes the op's exact product), greedy tokens still equal.
+Measured here (2026-11-25), the worst error relative to the output's largest value: fp32 and
+int4 with ``accuracy_level=1`` 0.7-2.5e-6 of onnxruntime; int4 with the builder's default
+``accuracy_level=4`` 2.0 % (Llama) and 4.2 % (Qwen2, whose residual stream is large):
+onnxruntime rounds the activations to int8 there, NUMPY computes the op's exact product.
+Greedy tokens are equal in every case.
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ def built(request, core):
 def test_builder_decoder_generates_as_onnxruntime(built, lengths, shared):
     name, path, net = built
     worst, agreed = _generate(path, net, lengths, shared)
-    limit = 5e-2 if name == "genai-int4" else 1e-4  # int8 activations in onnxruntime
+    limit = 1e-1 if name == "genai-int4" else 1e-4  # int8 activations in onnxruntime
     assert max(worst.values()) <= limit, worst
     assert agreed, "greedy tokens differ from onnxruntime's"
 
