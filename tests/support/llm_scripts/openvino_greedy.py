@@ -1,6 +1,7 @@
 """Run inside the openvino venv (openvino-genai): greedy ids of an optimum-intel IR folder for
-each prompt's ids, as openvino-genai's LLMPipeline generates them in f32 (cache too) with ``ignore_eos``, and
-its tokenizer's (openvino_tokenizer.xml) ids for each prompt's text. Prints one JSON line.
+each prompt's ids, as openvino-genai's LLMPipeline generates them in f32 (its cache too) with
+``ignore_eos``, and its tokenizer's (openvino_tokenizer.xml) ids for each prompt's text. Prints
+one JSON line.
 
     python openvino_greedy.py FOLDER CASES_JSON MAX_NEW_TOKENS
 """
