@@ -120,9 +120,15 @@ def dims_of(spec: TensorSpec) -> list[int]:
     return [d if isinstance(d, int) and d >= 0 else -1 for d in spec.shape or ()]
 
 
+def platform_of(entry: LoadedNetwork) -> str:
+    """What metadata and configs call the network's platform: Triton's ``ensemble`` for an
+    ensemble (clients such as perf_analyzer look its steps up by it), else ONNX's."""
+    return "ensemble" if entry.device == "ENSEMBLE" else PLATFORM
+
+
 def model_metadata(entry: LoadedNetwork, versions: list[int]) -> pb.ModelMetadataResponse:
     response = pb.ModelMetadataResponse(
-        name=entry.name, versions=[str(v) for v in versions], platform=PLATFORM
+        name=entry.name, versions=[str(v) for v in versions], platform=platform_of(entry)
     )
     for specs, out in (
         (entry.inputs, response.inputs),
@@ -143,12 +149,18 @@ def config_data_type(dtype: np.dtype | None) -> int:
 def model_config(entry: LoadedNetwork, policy: VersionPolicy) -> mc.ModelConfig:
     """As Triton: with max_batch_size > 0 the leading (batch) dimension is not in ``dims``;
     ``policy``: the versions the repository loads of it (see ``ModelControl.version_policy``)."""
+    platform = platform_of(entry)
     config = mc.ModelConfig(
         name=entry.name,
-        platform=PLATFORM,
-        backend=BACKEND,
+        platform=platform,
+        backend=BACKEND if platform == PLATFORM else "",
         max_batch_size=entry.max_batch_size,
     )
+    scheduling = getattr(entry.network, "scheduling", None)
+    for model, version, inputs, outputs in scheduling() if scheduling else ():
+        step = config.ensemble_scheduling.step.add(model_name=model, model_version=version)
+        step.input_map.update(inputs)
+        step.output_map.update(outputs)
     policy.to_proto(config.version_policy)
     config.parameters["device"].string_value = entry.device
     config.parameters["precision"].string_value = entry.network.precision
@@ -540,6 +552,71 @@ def stream_response(
 ) -> bytes:
     pieces = compose_response(request, entry, outputs, shm)
     return b"".join(field_pieces(_STREAM_INFER_RESPONSE, pieces))
+
+
+def set_parameter(parameter: Any, value: Any) -> None:
+    """An ``InferParameter`` set from a plain value (bool, int, float or str)."""
+    if isinstance(value, bool):
+        parameter.bool_param = value
+    elif isinstance(value, int):
+        parameter.int64_param = value
+    elif isinstance(value, float):
+        parameter.double_param = value
+    else:
+        parameter.string_param = str(value)
+
+
+def stream_decoupled(
+    request: pb.ModelInferRequest, entry: LoadedNetwork, response: Any, final: bool
+) -> bytes | None:
+    """One response of a decoupled request as a ``ModelStreamInferResponse``, as Triton sends
+    it: its outputs, its parameters, and ``triton_final_response`` (whether it is the
+    request's last); a final flag sent without a response is an empty response only when the
+    request set ``triton_enable_empty_final_response`` (else None: nothing is sent)."""
+    if response is None:
+        flag = request.parameters.get("triton_enable_empty_final_response")
+        if not (final and flag is not None and flag.bool_param):
+            return None
+        pieces: Pieces = [
+            pb.ModelInferResponse(
+                model_name=entry.name, model_version=str(entry.version), id=request.id
+            ).SerializeToString()
+        ]
+        parameters: Mapping[str, Any] = {}
+    elif response.error is not None:  # this response failed; the request goes on
+        message = stream_error(request, response.error)
+        message.infer_response.parameters["triton_final_response"].bool_param = final
+        return message.SerializeToString()
+    else:
+        pieces = compose_response(request, entry, response.outputs)
+        parameters = response.parameters
+    extra = pb.ModelInferResponse()  # serialized after the rest: protobuf merges the two
+    for key, value in parameters.items():
+        set_parameter(extra.parameters[key], value)
+    extra.parameters["triton_final_response"].bool_param = final
+    pieces.append(extra.SerializeToString())
+    return b"".join(field_pieces(_STREAM_INFER_RESPONSE, pieces))
+
+
+#: request parameters the server acts on itself; the others reach the model (Triton's
+#: ``request.parameters()`` in a Python model)
+SERVER_PARAMETERS = frozenset(
+    {
+        "sequence_id",
+        "sequence_start",
+        "sequence_end",
+        "priority",
+        "timeout",
+        "binary_data_output",
+        "triton_enable_empty_final_response",
+    }
+)
+
+
+def model_parameters(parameters: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The request parameters its model sees (None: none)."""
+    own = {k: v for k, v in parameters.items() if k not in SERVER_PARAMETERS}
+    return own or None
 
 
 def stream_error(request: pb.ModelInferRequest, exc: BaseException) -> pb.ModelStreamInferResponse:
