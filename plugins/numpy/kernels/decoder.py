@@ -48,8 +48,11 @@ What each costs, and why:
   2.5-3x faster than sgemm with one row: 13 against 33 ms for a 768 x 32000 head). The
   trade: 4 bytes per weight in memory instead of half a byte (a ~150 M-parameter int4 model
   takes the memory of its fp32 export, 610 MB instead of 180), for the speed of an fp32
-  GEMM; numpy has no int4 GEMM, and dequantizing blocks on every run costs more than the
-  product itself. A weight that is not a constant is dequantized per run.
+  GEMM; numpy has no int4 GEMM, and dequantizing on every run costs more than the product
+  itself. That is done when memory allows: when the float32 matrix takes more than half the
+  memory free at its load (a model too large for the machine in float32), or the weight is
+  not a constant, each run dequantizes it in slabs of output columns of at most
+  :data:`BLOCKED_SLAB_BYTES` (16 MiB) and multiplies slab by slab: memory bounded, slower.
 - onnxruntime's MatMulNBits with ``accuracy_level=4`` (the builder's CPU default) quantizes
   A to int8 before the product; NUMPY computes the exact product of A and the dequantized
   weight, as the op defines it, so its results differ from onnxruntime's there by that
@@ -60,6 +63,7 @@ from __future__ import annotations
 
 import math
 import mmap
+import os
 
 import numpy as np
 
@@ -74,6 +78,8 @@ _F32 = np.dtype(np.float32)
 SCORE_BYTES = 64 << 20
 #: presents at least this large are fresh anonymous mappings (see :func:`_zeros`)
 LAZY_ZEROS_BYTES = 1 << 20
+#: MatMulNBits without the memory to dequantize at load: float32 slabs of at most this size
+BLOCKED_SLAB_BYTES = 16 << 20
 
 
 def _f32(x: np.ndarray) -> np.ndarray:
@@ -457,6 +463,32 @@ def dequantize_nbits(
     return np.ascontiguousarray(weights.T)
 
 
+def _free_memory() -> int:
+    """Bytes of memory free now (not counting the page cache): what a load may still take."""
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 1 << 62
+
+
+def _blocked_product(a2, b, scales, zero_points, g_idx, k, n, bits, block) -> np.ndarray:
+    """a2 @ B with B dequantized a slab of output columns at a time (at most
+    :data:`BLOCKED_SLAB_BYTES` of float32 each): memory bounded, each run pays the unpacking."""
+    rows_per_n = np.asarray(b).reshape(n, -1)
+    per_n_scales = np.asarray(scales).reshape(n, -1)
+    per_n_zps = None if zero_points is None else np.asarray(zero_points).reshape(n, -1)
+    step = max(16, BLOCKED_SLAB_BYTES // (4 * k))
+    y = np.empty((a2.shape[0], n), _F32)
+    for lo in range(0, n, step):
+        hi = min(n, lo + step)
+        zps = None if per_n_zps is None else per_n_zps[lo:hi]
+        slab = dequantize_nbits(
+            rows_per_n[lo:hi], per_n_scales[lo:hi], zps, g_idx, k, hi - lo, bits, block
+        )
+        y[:, lo:hi] = _matmul(a2, slab)
+    return y
+
+
 @register("MatMulNBits", 1, domain=MS)
 def matmul_nbits(ctx: KernelContext):
     """A [..., K] @ B (dequantized, see :func:`dequantize_nbits`) + bias: [..., N]."""
@@ -473,7 +505,10 @@ def matmul_nbits(ctx: KernelContext):
             "takes 2^(bits-1)), so the model's numbers are undefined; store them as floats"
         )
     ready = None
-    if all(consts[i] is not None or not ctx.has_input(i) for i in (1, 2, 3, 4)):
+    constant = all(consts[i] is not None or not ctx.has_input(i) for i in (1, 2, 3, 4))
+    # dequantized once when the float32 matrix fits in half the memory free now (so the
+    # nodes loaded first take what they need and the later ones see what is left)
+    if constant and 4 * k * n <= _free_memory() // 2:
         ready = dequantize_nbits(consts[1], consts[2], consts[3], consts[4], k, n, bits, block)
         ready.setflags(write=False)
     bias = consts[5]
@@ -481,14 +516,14 @@ def matmul_nbits(ctx: KernelContext):
         bias = np.ascontiguousarray(_f32(bias).reshape(n))
 
     def run(a, b, scales, zero_points=None, g_idx=None, b_bias=None):
-        weights = ready
-        if weights is None:
-            weights = dequantize_nbits(b, scales, zero_points, g_idx, k, n, bits, block)
         lead = a.shape[:-1]
         rows = math.prod(lead)
         a2 = np.ascontiguousarray(_f32(a).reshape(rows, k))
         add = bias if bias is not None else (None if b_bias is None else _f32(b_bias).reshape(n))
-        y = _matmul(a2, weights)  # one row (a decode step): numpy's sgemv, ~3x sgemm's speed
+        if ready is not None:
+            y = _matmul(a2, ready)  # one row (a decode step): numpy's sgemv, ~3x sgemm's speed
+        else:
+            y = _blocked_product(a2, b, scales, zero_points, g_idx, k, n, bits, block)
         if add is not None:
             y += add
         y = y.reshape(*lead, n)

@@ -406,3 +406,15 @@ def test_matmul_nbits_refuses_packed_zero_points_with_g_idx(core):
     model = _model(node, [_vi("a", F, [1, k])], [_out("y", F, 2)], consts)
     with pytest.raises(Unsupported, match="store them as floats"):
         core.load_network(model, "NUMPY")
+
+
+def test_matmul_nbits_blocked_when_memory_is_short(core, monkeypatch):
+    """Without the memory to dequantize at load, each run dequantizes slabs of columns: the
+    same numbers (slabs of 16 columns here, so several)."""
+    from plugserve.plugins.numpy.kernels import decoder
+
+    monkeypatch.setattr(decoder, "_free_memory", lambda: 0)
+    monkeypatch.setattr(decoder, "BLOCKED_SLAB_BYTES", 16 * 4 * 64)
+    test_matmul_nbits(core, 4, "packed", False, True, 64)
+    test_matmul_nbits(core, 4, "float", True, False, 64)
+    test_matmul_nbits(core, 8, None, False, False, 80)
