@@ -86,11 +86,18 @@ def failed_to_load(name: str, exc: PlugserveError) -> PlugserveError:
 RETIRE_TIMEOUT = 300.0
 
 
+#: devices that give their models several requests at once themselves (a Python model's
+#: ``execute`` takes a list of requests) where BATCH would concatenate their rows into one
+GATHER_THEMSELVES = frozenset({"PYTHON"})
+
+
 def batch_device(device: str, max_batch_size: int) -> str:
     """``BATCH:<device>(<max_batch_size>)`` for a plain device when ``max_batch_size`` > 0."""
     if max_batch_size <= 0:
         return device
     parsed = parse_device(device)
+    if parsed.kind in GATHER_THEMSELVES:
+        return device
     if parsed.is_virtual:
         if parsed.kind != "BATCH":
             log.info("device %s is virtual: no dynamic batching for it", device)
@@ -221,6 +228,8 @@ class ModelControl:
         max_batch_size: int,
     ) -> LoadedNetwork:
         kind = str(parse_device(device))
+        if network.max_batch_size is not None:  # its own config decided (auto_complete_config)
+            max_batch_size = network.max_batch_size
         recorder = self.metrics.recorder(kind, name, version, network.precision)
         return LoadedNetwork(
             name, version, kind, network, persisted, max_batch_size, recorder, self.queue_size

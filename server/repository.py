@@ -40,11 +40,13 @@ from plugserve.server.generate.folder import is_transformers_folder
 from plugserve.server.triton_config import (
     MODEL_FILE,
     OVMS_KEYS,
+    PYTHON_MODEL_FILE,
     TRITON_FILE,
     VERSION_FOLDER,
     ModelSettings,
     OvmsModel,
     VersionPolicy,
+    python_settings,
     read_ovms,
     read_sequence_json,
     read_triton,
@@ -272,6 +274,10 @@ class Repository:
             )
         elif (folder / TRITON_FILE).is_file():
             base = read_triton(folder / TRITON_FILE)
+            if not base.device and base.model_file == MODEL_FILE and _python_model(folder):
+                base.device, base.model_file = "PYTHON", PYTHON_MODEL_FILE
+        elif not (folder / CONFIG_FILE).is_file() and _python_model(folder):
+            base = python_settings()
         found = {} if ovms else _read_settings_file(folder / CONFIG_FILE)
         if version:
             found.update(_read_settings_file(folder / str(version) / CONFIG_FILE))
@@ -445,6 +451,16 @@ def model_in(version_folder: Path, model_file: str) -> Path | None:
         return path if path.is_file() else None
     found = sorted(version_folder.glob("*.onnx")) if version_folder.is_dir() else []
     return found[0] if len(found) == 1 else None
+
+
+def _python_model(folder: Path) -> bool:
+    """Whether a model folder is a Python model's by its files alone (as Triton's auto-complete
+    tells a backend from them): a version folder holds model.py and no .onnx file."""
+    try:
+        versions = [p for p in folder.iterdir() if is_version(p.name) and p.is_dir()]
+    except OSError:
+        return False
+    return any((v / PYTHON_MODEL_FILE).is_file() and not any(v.glob("*.onnx")) for v in versions)
 
 
 def _is_ovms(path: Path) -> bool:

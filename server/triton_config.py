@@ -57,6 +57,7 @@ __all__ = [
     "TRITON_FILE",
     "ModelSettings",
     "VersionPolicy",
+    "python_settings",
     "read_ovms",
     "read_triton",
     "write_overrides",
@@ -149,6 +150,15 @@ class ModelSettings:
     #: an OVMS pipeline (``server/pipelines/ovms_dag.py``): what the ENSEMBLE device loads
     #: instead of a file
     pipeline: Any = None
+
+
+def python_settings() -> ModelSettings:
+    """A Python model's settings when its folder has no config.pbtxt (Triton's minimal model
+    configuration: ``auto_complete_config`` in its model.py completes the rest)."""
+    return ModelSettings(
+        "PYTHON", dynamic_batching=False, policy=VersionPolicy("latest", 1),
+        model_file=PYTHON_MODEL_FILE,
+    )  # fmt: skip
 
 
 def read_triton(path: Path) -> ModelSettings:
