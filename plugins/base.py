@@ -402,6 +402,12 @@ class CompiledNetwork(abc.ABC):
     #: transaction policy, a generative model's tokens): run with
     #: :meth:`InferRequest.infer_decoupled`, never with ``infer`` (``plugins/responses.py``).
     decoupled: bool = False
+    #: The largest batch its own configuration allows, for a network that decides it itself
+    #: (a Python model's ``auto_complete_config``); None: the repository's setting decides.
+    max_batch_size: int | None = None
+    #: Whether :meth:`ready` may take time (it asks a model's process): callers that serve
+    #: other clients on the same thread (the REST event loop) call it on a worker thread.
+    slow_readiness: bool = False
 
     def __init__(self, plugin: Plugin, name: str, config: Configuration) -> None:
         self.plugin = plugin
@@ -506,6 +512,11 @@ class CompiledNetwork(abc.ABC):
         return StreamsExecutor(
             f"{self.device}/{self.name}", streams, state_factory=lambda _i: _new_request(ref)
         )
+
+    def ready(self) -> bool:
+        """Whether the network serves now, as model readiness reports it (a Python model's
+        processes running and its ``is_ready()``); a loaded network is, unless it says."""
+        return True
 
     def batch_statistics(self) -> dict[int, tuple[int, int]] | None:
         """``{rows: (batches run, nanoseconds)}`` of a network that gathers requests into

@@ -164,6 +164,8 @@ class Server:
             settings.max_sequences,
         )
         self.metrics.watch_generation(self._generation_stats)
+        if "PYTHON" in self.core.available_devices:  # its models' load_model calls
+            self.core.plugin("PYTHON").control = self.control
         self.health = health.HealthServicer()
         self.grpc_server: grpc.Server | None = None
         self.grpc_port = 0

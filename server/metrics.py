@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import dataclasses
+import gzip
 import platform
 import socket
 import sys
@@ -20,16 +21,18 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
+from urllib.parse import parse_qs
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, make_wsgi_app
 from prometheus_client import metrics as prometheus_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
-from prometheus_client.exposition import ThreadingWSGIServer
+from prometheus_client.exposition import ThreadingWSGIServer, choose_encoder, generate_latest
 from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
 from plugserve.plugins.errors import Cancelled, DeadlineExceeded, InvalidInput
+from plugserve.server.custom_metrics import CustomMetrics
 
 __all__ = ["Metrics", "Recorder", "Stats", "failure_status"]
 
@@ -286,6 +289,8 @@ class Metrics:
         )
         self._precisions: dict[tuple[str, str, str], str] = {}
         self._op_types: dict[tuple[str, str, str], set[str]] = {}
+        #: the families models declare (a Python model's pb_utils.MetricFamily)
+        self.custom = CustomMetrics()
         self._server = None
 
     def watch_executors(self, read: Callable[[], list[tuple[str, int, int, int, int]]]) -> None:
@@ -348,6 +353,8 @@ class Metrics:
 
         def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
             if environ.get("PATH_INFO") == "/metrics":
+                if self.custom.names():
+                    return self._scrape_with_custom(environ, start_response)
                 return scrape(environ, start_response)
             body = b"not found: this port serves Prometheus metrics on /metrics only\n"
             start_response(
@@ -368,6 +375,37 @@ class Metrics:
         threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
         self._server = server
         return server.server_port
+
+    def _scrape_with_custom(
+        self, environ: dict[str, Any], start_response: Callable[..., Any]
+    ) -> Iterable[bytes]:
+        """The scrape when models declared metrics: the server's families, then theirs, in
+        the format asked for (see server/custom_metrics.py for why theirs are written there);
+        ``name[]`` chooses families as prometheus_client's own scrape does."""
+        query = parse_qs(environ.get("QUERY_STRING", ""))
+        names = query.get("name[]")
+        registry = self.registry.restricted_registry(names) if names else self.registry
+        encoder, content_type = choose_encoder(environ.get("HTTP_ACCEPT"))
+        if encoder is generate_latest:
+            body = generate_latest(registry) + self.custom.text(names)
+        else:
+            custom = self.custom
+
+            class Both:
+                def collect(self) -> Iterable[Any]:
+                    yield from registry.collect()
+                    for family in custom.collect():
+                        if not names or family.name in names:
+                            yield family
+
+            body = encoder(Both())
+        headers = [("Content-Type", content_type)]
+        if "gzip" in environ.get("HTTP_ACCEPT_ENCODING", ""):
+            body = gzip.compress(body)
+            headers.append(("Content-Encoding", "gzip"))
+        headers.append(("Content-Length", str(len(body))))
+        start_response("200 OK", headers)
+        return [body]
 
     def close(self) -> None:
         if self._server is not None:

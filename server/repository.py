@@ -40,10 +40,13 @@ from plugserve.server.generate.folder import is_transformers_folder
 from plugserve.server.triton_config import (
     MODEL_FILE,
     OVMS_KEYS,
+    PYTHON_MODEL_FILE,
     TRITON_FILE,
     VERSION_FOLDER,
     ModelSettings,
     OvmsModel,
+    VersionPolicy,
+    python_settings,
     read_ovms,
     read_sequence_json,
     read_triton,
@@ -139,6 +142,31 @@ class Repository:
             return {}
         return {m.name: m for m in read_ovms(self.ovms_file)}
 
+    def _pipelines(self) -> tuple[dict[str, ModelSettings], list[str]]:
+        """An OVMS config.json's pipelines, as ENSEMBLE entries' settings, and one message
+        per pipeline refused."""
+        if self.ovms_file is None:
+            return {}, []
+        from plugserve.server.pipelines.ovms_dag import read_pipelines  # OVMS's only
+
+        models = self._ovms()
+        try:
+            raw = json.loads(self.ovms_file.read_text())
+        except (OSError, ValueError) as exc:
+            raise InvalidArgument(f"{self.ovms_file}: not valid JSON ({exc})") from None
+        found, problems = read_pipelines(raw, self.ovms_file, models)
+        settings = {
+            d.name: ModelSettings(
+                "ENSEMBLE",
+                dynamic_batching=False,
+                policy=VersionPolicy("latest", 1),
+                model_file=VERSION_FOLDER,
+                pipeline=d,
+            )
+            for d in found
+        }
+        return settings, problems
+
     def folder(self, name: str) -> Path:
         """Where model ``name``'s version folders are."""
         check_name(name)
@@ -200,6 +228,13 @@ class Repository:
                     continue
                 path = model_in(folder / str(version), own.model_file)
                 entries.append(ModelEntry(name, version, path, own))  # type: ignore[arg-type]
+        try:
+            pipelines, refused = self._pipelines()
+        except InvalidArgument as exc:
+            pipelines, refused = {}, [str(exc)]
+        problems += refused
+        for name, settings in pipelines.items():  # OVMS pipelines are version 1, unversioned
+            entries.append(ModelEntry(name, 1, self.ovms_file, settings))  # type: ignore[arg-type]
         return entries, problems
 
     @staticmethod
@@ -225,6 +260,10 @@ class Repository:
         folder = self.folder(name)
         base = ModelSettings()
         ovms = self._ovms().get(name)
+        if ovms is None and self.ovms_file is not None:
+            pipeline = self._pipelines()[0].get(name)
+            if pipeline is not None:
+                return dataclasses.replace(pipeline)
         if ovms is not None:
             base = ModelSettings(
                 ovms.device,
@@ -235,6 +274,10 @@ class Repository:
             )
         elif (folder / TRITON_FILE).is_file():
             base = read_triton(folder / TRITON_FILE)
+            if not base.device and base.model_file == MODEL_FILE and _python_model(folder):
+                base.device, base.model_file = "PYTHON", PYTHON_MODEL_FILE
+        elif not (folder / CONFIG_FILE).is_file() and _python_model(folder):
+            base = python_settings()
         found = {} if ovms else _read_settings_file(folder / CONFIG_FILE)
         if version:
             found.update(_read_settings_file(folder / str(version) / CONFIG_FILE))
@@ -253,6 +296,10 @@ class Repository:
     def model_path(self, name: str, version: int = 0) -> Path:
         """The model file for ``name`` (latest version when 0); NotFound names what is missing."""
         folder = self.folder(name)
+        if self.ovms_file is not None and name in self._pipelines()[0]:
+            if version not in (0, 1):
+                raise NotFound(f"pipeline {name!r} has no version {version} (pipelines are 1)")
+            return self.ovms_file
         if not folder.is_dir():
             raise NotFound(f"model {name!r} is not in the repository {str(self.root)!r}")
         if is_transformers_folder(folder) and version in (0, 1):
@@ -404,6 +451,16 @@ def model_in(version_folder: Path, model_file: str) -> Path | None:
         return path if path.is_file() else None
     found = sorted(version_folder.glob("*.onnx")) if version_folder.is_dir() else []
     return found[0] if len(found) == 1 else None
+
+
+def _python_model(folder: Path) -> bool:
+    """Whether a model folder is a Python model's by its files alone (as Triton's auto-complete
+    tells a backend from them): a version folder holds model.py and no .onnx file."""
+    try:
+        versions = [p for p in folder.iterdir() if is_version(p.name) and p.is_dir()]
+    except OSError:
+        return False
+    return any((v / PYTHON_MODEL_FILE).is_file() and not any(v.glob("*.onnx")) for v in versions)
 
 
 def _is_ovms(path: Path) -> bool:

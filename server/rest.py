@@ -447,9 +447,11 @@ class RestApp:
         self.plane.shm.cuda_unregister(call.path.get("name") or "")
         return 200, [b""], _JSON
 
-    def model_ready(self, call: Call) -> Reply:
+    def model_ready(self, call: Call) -> Reply | Awaitable[Reply]:
         entry = self.plane.get(call.path["name"], call.version)  # NotFound: 404
-        return _json({"name": entry.name, "ready": True})
+        if entry.network.slow_readiness:  # it asks the model's processes: off the loop
+            return self._in_worker(_readiness, entry)
+        return _readiness(entry)
 
     def model_metadata(self, call: Call) -> Reply:
         entry = self.plane.get(call.path["name"], call.version)
@@ -505,6 +507,7 @@ class RestApp:
             request.outputs,
             deadline,
             inline=_fast(entry),
+            token=_model_token(request),
             after=_writer(request),
             step=request.step,
         )
@@ -532,6 +535,7 @@ class RestApp:
         else:
             request = parse_infer(call.body, header_length, entry.expect, self.plane.shm)
         deadline = time.monotonic() + request.timeout if request.timeout else None
+        _model_token(request, token)
         future = self.plane.submit(
             entry,
             request.inputs,
@@ -706,6 +710,26 @@ class RestApp:
 def _writer(request: InferCall) -> Callable[[dict[str, Any]], dict[str, Any]] | None:
     """What writes a request's shared memory outputs when it has run (None: it has none)."""
     return functools.partial(write_outputs, request.regions) if request.regions else None
+
+
+def _model_token(request: InferCall, token: cancel.Token | None = None) -> cancel.Token | None:
+    """``token`` (or a new one, when there is something to carry) with what a Python model
+    reads of its request: the client's id, its parameters, its sequence."""
+    if token is None and not (request.id or request.parameters or request.step):
+        return None
+    token = token if token is not None else cancel.Token()
+    token.request_id = request.id or ""
+    token.parameters = request.parameters
+    if request.step is not None:
+        token.sequence = (request.step.id, int(request.step.start) | int(request.step.end) << 1)
+    return token
+
+
+def _readiness(entry: LoadedNetwork) -> Reply:
+    """200 when the model is ready; 400 when it is loaded but not (as Triton answers)."""
+    if entry.network.ready():
+        return _json({"name": entry.name, "ready": True})
+    return _json({"error": f"model '{entry.name}' is not ready"}, 400)
 
 
 def _infer_reply(entry: LoadedNetwork, request: InferCall, outputs: dict[str, Any]) -> Reply:

@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 
 from plugserve.plugins.api import CompiledNetwork, InvalidArgument, InvalidModel
+from plugserve.server.devices import parse_device
 from plugserve.server.generate.decoder import Decoder
 from plugserve.server.generate.kvcache import CacheLayout, KVCache
 
@@ -74,10 +75,14 @@ def serving_device(graph: Any, device: str, config: Mapping[str, Any]) -> tuple[
     """The device and device config an OpenVINO IR folder loads with: OPENVINO (what AUTO
     picks: only openvino runs an IR) in the paged-attention form; InvalidArgument for a
     device that cannot read an IR."""
-    base = device.split(":", 1)[0].split(".", 1)[0].upper()
-    if base == "AUTO":
+    name = parse_device(device)
+    if (
+        name.kind == "AUTO"
+        and "OPENVINO" not in name.excluded
+        and (not name.children or any(c.kind == "OPENVINO" for c in name.children))
+    ):
         device = "OPENVINO"
-    elif base != "OPENVINO":
+    elif name.kind != "OPENVINO":
         raise InvalidArgument(
             f"{graph}: an OpenVINO IR (optimum-intel's export) is served on OPENVINO, not "
             f"{device}; set the model's device to OPENVINO, or export the model to ONNX "

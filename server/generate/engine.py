@@ -51,9 +51,9 @@ from plugserve.server.generate.kvcache import Slot, SlotTable
 from plugserve.server.generate.sampler import Sampler, SamplingState
 from plugserve.server.generate.scheduler import (
     DECODE,
+    FINISHED,
     FORK,
     PREFILL,
-    WAITING,
     Plan,
     RequestState,
     Scheduler,
@@ -170,9 +170,7 @@ class Engine:
             self._inbox.append(state)
             self._woken = True
             self._lock.notify()
-        on_cancel = getattr(sender, "on_cancel", None)
-        if on_cancel is not None:
-            on_cancel(lambda: self.abort(request.request_id))
+        sender.on_cancel(lambda: self.abort(request.request_id))
 
     def abort(self, request_id: str) -> None:
         """End a request at the next step (its slots freed, ``finish_reason`` "abort")."""
@@ -325,11 +323,22 @@ class Engine:
         self._sample(group, logits)
 
     def _first(self, chunks: list[tuple[Seq, int]]) -> None:
-        chunks = sorted(
-            ((s, c) for s, c in chunks if s.status == PREFILL), key=lambda x: x[0].slot.index
-        )
-        if not chunks:
-            return
+        """First prompt chunks, right-padded into batches of at most
+        ``max_num_batched_tokens`` tokens padding included (a batch's logits are rows x
+        longest chunk x vocabulary: a long chunk beside short ones must not multiply them)."""
+        chunks = sorted(((s, c) for s, c in chunks if s.status == PREFILL), key=lambda x: x[1])
+        budget = self.settings.max_num_batched_tokens
+        batch: list[tuple[Seq, int]] = []
+        for item in chunks:
+            if batch and (len(batch) + 1) * item[1] > budget:
+                self._first_batch(batch)
+                batch = []
+            batch.append(item)
+        if batch:
+            self._first_batch(batch)
+
+    def _first_batch(self, chunks: list[tuple[Seq, int]]) -> None:
+        chunks = sorted(chunks, key=lambda x: x[0].slot.index)
         rows = [s.slot.index for s, _c in chunks]
         pieces = [s.tokens[:c] for s, c in chunks]
         try:
@@ -411,6 +420,8 @@ class Engine:
                 seq.last_at = now
             stats.generation_tokens += len(group)
         for seq, token, entry in zip(group, tokens, logprobs):
+            if seq.status == FINISHED:  # its request was ended by a sibling's failed send
+                continue
             token = int(token)
             seq.tokens.append(token)
             seq.generated += 1
@@ -444,7 +455,7 @@ class Engine:
     def _stops(self, seq: Seq, token: int) -> str | None:
         """Why the sequence ends with ``token`` (and its text updated), or None."""
         params = seq.sampling.params
-        if token in seq.sampling.stop_ids:  # eos (unless ignore_eos) or a stop token id
+        if token in seq.sampling.stop_set:  # eos (unless ignore_eos) or a stop token id
             seq.stop_reason = token if token in params.stop_token_ids else None
             return "stop"
         if seq.detokenizer.add(token):
@@ -464,7 +475,7 @@ class Engine:
             return
         self.scheduler.drop_waiting(state)
         for seq in state.sequences:
-            if seq.status == "finished":
+            if seq.status == FINISHED:
                 continue
             self.scheduler.finish(seq)
             seq.finish_reason = reason
@@ -486,16 +497,14 @@ class Engine:
             return
         self.scheduler.drop_waiting(state)
         for seq in state.sequences:
-            if seq.status != "finished":
+            if seq.status != FINISHED:
                 self.scheduler.finish(seq)
                 seq.finish_reason = "abort"
                 state.done += 1
-        fail = getattr(state.sender, "fail", None)
-        if fail is not None:
-            try:
-                fail(error)
-            except Exception:  # a consumer's failure must not stop the loop
-                log.exception("model %s: failing a request's stream failed", self.name)
+        try:
+            state.sender.fail(error)
+        except Exception:  # a consumer's failure must not stop the loop
+            log.exception("model %s: failing a request's stream failed", self.name)
         self._forget(state, time.monotonic())
 
     def _forget(self, state: RequestState, now: float) -> None:
@@ -514,8 +523,8 @@ class Engine:
 
 def _cancelled(sender: Any) -> bool:
     try:
-        return bool(getattr(sender, "cancelled", False))
-    except Exception:
+        return bool(sender.cancelled)
+    except Exception:  # a broken sender has no consumer left
         return True
 
 
@@ -530,9 +539,9 @@ def _send(sender: Any, event: GenerationEvent, final: bool) -> bool:
 
 class QueueSender:
     """The sender of an in-process consumer (``Engine.generate``, the network's blocking
-    ``infer``): events queue here and are read by iterating; the queue is bounded by the
-    request's own tokens. ``close`` (the consumer leaving) makes the engine drop the request
-    at its next step."""
+    ``infer``), with plugins/responses.py's ``ResponseSender`` methods: events queue here and
+    are read by iterating; the queue is bounded by the request's own tokens. ``close`` (the
+    consumer leaving) makes the engine drop the request at its next step."""
 
     def __init__(self) -> None:
         self._items: list[Any] = []
@@ -540,6 +549,19 @@ class QueueSender:
         self._final = False
         self._error: BaseException | None = None
         self._closed = False
+        self._callbacks: list[Any] = []
+
+    def on_cancel(self, callback: Any) -> Any:
+        """Call ``callback`` once the consumer leaves (:meth:`close`); returns what
+        unregisters it."""
+        with self._cond:
+            if not self._closed:
+                self._callbacks.append(callback)
+                return lambda: (
+                    self._callbacks.remove(callback) if callback in self._callbacks else None
+                )
+        callback()
+        return lambda: None
 
     @property
     def cancelled(self) -> bool:
@@ -562,8 +584,13 @@ class QueueSender:
 
     def close(self) -> None:
         with self._cond:
+            if self._closed:
+                return
             self._closed = True
+            callbacks, self._callbacks = self._callbacks, []
             self._cond.notify()
+        for callback in callbacks:
+            callback()
 
     def __iter__(self) -> Iterator[Any]:
         while True:
@@ -578,7 +605,3 @@ class QueueSender:
                 raise error
             if done:
                 return
-
-
-# the statuses a sequence passes through, for readers of this module
-STATUSES = (WAITING, PREFILL, FORK, DECODE)

@@ -26,8 +26,9 @@ each hash to the slot holding it. A finished sequence's slot keeps its tokens an
 while it is free; a new prompt whose first blocks are in the table reuses them: it takes
 that slot when it is free (nothing copied), or copies the blocks from a slot in use. A hit
 is checked token by token before it is used, so a hash collision can never serve another
-prompt's cache. Free slots are reused least recently freed first, empty ones before those
-holding a cache.
+prompt's cache. A new sequence takes a free slot holding no whole block first (the lowest, so
+new rows tend to follow the running ones), else the one holding the fewest blocks (least
+recently freed first): short prompts come and go without evicting a long one's blocks.
 """
 
 from __future__ import annotations
@@ -132,6 +133,8 @@ class SlotTable:
         self.index: dict[int, Slot] = {}
         self.hits = 0  # prompt tokens served from the cache
         self.queries = 0  # prompt tokens looked up
+        #: rows of free slots that requests about to be admitted will reuse (evicted last)
+        self.wanted: set[int] = set()
 
     # --- allocation
 
@@ -140,14 +143,19 @@ class SlotTable:
         return len(self.free)
 
     def take(self, owner: object, prefer: Slot | None = None) -> Slot:
-        """A free slot for ``owner``: ``prefer`` when given (a prefix hit), else an empty
-        one, else the least recently freed (its cache is dropped)."""
+        """A free slot for ``owner``: ``prefer`` when given (a prefix hit), else the lowest
+        one holding no whole block (nothing a prompt could reuse), else the one holding the
+        fewest blocks, least recently freed first (its cache is dropped)."""
         slot = prefer
         if slot is None:
-            slot = next((s for s in self.free.values() if not s.tokens), None)
-            if slot is None:
-                slot = next(iter(self.free.values()))
-                self.truncate(slot, 0)
+            spare = [s for s in self.free.values() if not s.hashes]
+            if spare:
+                slot = min(spare, key=lambda s: s.index)
+            else:  # free slots in the order they were freed: min keeps the first of a tie
+                slot = min(
+                    self.free.values(), key=lambda s: (s.index in self.wanted, len(s.hashes))
+                )
+            self.truncate(slot, 0)
         del self.free[slot.index]
         slot.owner = owner
         return slot
@@ -185,15 +193,17 @@ class SlotTable:
                 del self.index[value]
         del slot.hashes[keep:]
 
-    def lookup(self, prompt: Sequence[int]) -> tuple[Slot | None, int]:
+    def lookup(self, prompt: Sequence[int], count: bool = True) -> tuple[Slot | None, int]:
         """The slot holding the longest cached prefix of ``prompt`` in whole blocks, leaving
         at least one prompt token to compute (its logits start the answer), and its length;
-        ``(None, 0)`` without a hit."""
+        ``(None, 0)`` without a hit. ``count``: a lookup for admission (counted in
+        :attr:`hits` and :attr:`queries`), not a look ahead."""
         if not self.prefix_caching:
             return None, 0
         size = self.block_size
         blocks = (len(prompt) - 1) // size
-        self.queries += len(prompt)
+        if count:
+            self.queries += len(prompt)
         found: Slot | None = None
         hit = 0
         previous = 0
@@ -211,7 +221,8 @@ class SlotTable:
             hit = int(np.argmin(same)) // size * size
             if hit == 0:
                 return None, 0
-        self.hits += hit
+        if count:
+            self.hits += hit
         return found, hit
 
     def swap(self, a: Slot, b: Slot) -> None:

@@ -52,6 +52,7 @@ class SamplingState:
         "processed",
         "prompt_ids",
         "stop_ids",
+        "stop_set",
     )
 
     def __init__(
@@ -66,6 +67,8 @@ class SamplingState:
         self.generator = generator
         self.constraint = constraint
         self.stop_ids = np.asarray(sorted(set(stop_ids)), dtype=np.int64)
+        #: the same ids, for the engine's check of each chosen token
+        self.stop_set = frozenset(int(i) for i in stop_ids)
         p = params
         #: whether its logits are changed before choosing (else they are used as they are)
         self.processed = bool(

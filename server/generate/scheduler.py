@@ -28,6 +28,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -181,6 +182,7 @@ class Scheduler:
                 count = min(seq.pending, budget)
                 plan.first.append((seq, count))
                 budget -= count
+        self._look_ahead()
         while self.waiting and budget > 0:
             state = self.waiting[0]
             need = len(state.sequences)
@@ -195,6 +197,19 @@ class Scheduler:
                 plan.extend.append((leader, count))
             budget -= count
         return plan
+
+    def _look_ahead(self) -> None:
+        """The free slots the next requests to be admitted will reuse, so that those admitted
+        before them in this step evict other slots first (six prompts cycling through four
+        slots otherwise evicted each prompt's blocks just before its next request came)."""
+        table = self.table
+        table.wanted = set()
+        if not table.prefix_caching or not self.waiting:
+            return
+        for state in itertools.islice(self.waiting, table.free_count):
+            slot, _hit = table.lookup(state.sequences[0].tokens, count=False)
+            if slot is not None and slot.owner is None:
+                table.wanted.add(slot.index)
 
     def _admit(self, state: RequestState) -> Sequence:
         """Slots for every sequence of ``state``; the leader's prompt prefix from the cache."""

@@ -6,9 +6,6 @@ the test with the reason and the install line.
         folder = llm_folder("tiny-llama", "optimum-onnx")  # or "hf", "genai-fp32",
         ref = llm_reference("tiny-llama")                  # "genai-int4", "openvino"
         case = ref["cases"][0]  # prompt_ids, ids, stop, logprobs, top_logprobs, ...
-
-Also ``exported(name, kind)``, ``reference(name)`` and ``continuation`` as plain functions
-(the engine tests' helpers).
 """
 
 from __future__ import annotations
@@ -65,6 +62,9 @@ def encoder_embeddings() -> Callable[[str], dict]:
     import llm
 
     return lambda name: _or_skip(lambda: llm.embeddings(name))
+
+
+# --- the engine tests' helpers
 
 
 def exported(name: str, kind: str):

@@ -159,11 +159,28 @@ def test_onnxruntime_reproduces_transformers(name, kind, llm_folder, llm_referen
     assert worst < LOGPROB_ATOL
 
 
+def ort_prompt_logits(model: Path, prompt: list[int]) -> np.ndarray:
+    """The logits of every prompt position, by plain onnxruntime from an empty cache."""
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    feeds = {
+        "input_ids": np.array([prompt], np.int64),
+        "attention_mask": np.ones((1, len(prompt)), np.int64),
+    }
+    for info in session.get_inputs():
+        if info.name.startswith("past_key_values."):
+            feeds[info.name] = np.zeros((1, info.shape[1], 0, _head_dim(model)), np.float32)
+    return session.run(["logits"], feeds)[0][0]
+
+
 @pytest.mark.parametrize("name", DECODERS)
 def test_int4_graph_runs_on_matmulnbits(name, llm_folder, llm_reference):
     """The builder's int4 graph quantizes every projection to com.microsoft MatMulNBits and
-    still starts each answer as the f32 model does (int4 error is far below the first step's
-    margin on these models), then drifts: onnxruntime-genai must agree with it exactly."""
+    approximates its fp32 graph: the logits of every prompt position correlate above 0.7
+    (measured 0.95-0.98 on tiny-llama, 0.75-0.94 on tiny-qwen2, whose strong residual
+    writes amplify the int4 error; a mis-scaled or miswired graph gives about 0). Its greedy
+    ids drift from the f32 ones within a few tokens, so it has no transformers reference."""
     import onnx
 
     folder = llm_folder(name, "genai-int4")
@@ -171,9 +188,11 @@ def test_int4_graph_runs_on_matmulnbits(name, llm_folder, llm_reference):
     ops = {(n.domain, n.op_type) for n in graph.node}
     assert ("com.microsoft", "MatMulNBits") in ops
     assert ("", "MatMul") not in ops
-    case = llm_reference(name)["cases"][0]
-    ids, _ = ort_greedy(folder / "model.onnx", case["prompt_ids"], 4)
-    assert ids[0] == case["ids"][0]
+    fp32 = llm_folder(name, "genai-fp32")
+    for case in llm_reference(name)["cases"]:
+        int4 = ort_prompt_logits(folder / "model.onnx", case["prompt_ids"])
+        full = ort_prompt_logits(fp32 / "model.onnx", case["prompt_ids"])
+        assert np.corrcoef(int4.ravel(), full.ravel())[0, 1] > 0.7, case["name"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -207,17 +226,23 @@ def _run_or_skip(tool: llm.Tool, script: str, *args: str) -> dict:
 def test_onnxruntime_genai_runs_the_builder_folder(name, kind, llm_folder, llm_reference, tmp_path):
     """onnxruntime-genai generates transformers' greedy ids from the fp32 folder (stopping at
     the first EOS), the same ids as hand-stepped onnxruntime from the int4 one, and its own
-    tokenizer (onnxruntime-extensions on tokenizer.json) gives the reference's prompt ids."""
+    tokenizer (onnxruntime-extensions on tokenizer.json) gives the reference's prompt ids, but
+    for the BOS: onnxruntime-genai 0.18 does not run tokenizer.json's post-processor, so a raw
+    prompt to the Llama-style folder starts without the BOS transformers adds (seen with the
+    builder's tokenizer_config.json and with ours, add_bos_token true)."""
     folder = llm_folder(name, kind)
     reference = llm_reference(name)
     steps = reference["max_new_tokens"]
     got = _run_or_skip(
         llm.GENAI, "genai_greedy.py", str(folder), str(_cases_file(tmp_path, reference)), str(steps)
     )["cases"]
+    bos = json.loads((llm_folder(name, "hf") / "tokenizer_config.json").read_text())
+    bos_id = reference["cases"][0]["prompt_ids"][0] if bos["add_bos_token"] else None
     for case in reference["cases"]:
         mine = got[case["name"]]
         if "messages" not in case:
-            assert mine["tokenized"] == case["prompt_ids"], case["name"]
+            without_bos = [t for i, t in enumerate(case["prompt_ids"]) if i or t != bos_id]
+            assert mine["tokenized"] == without_bos, case["name"]
         if kind == "genai-fp32":
             expected = case["ids"][: case["stop"] or steps]
         else:
@@ -230,7 +255,8 @@ def test_onnxruntime_genai_runs_the_builder_folder(name, kind, llm_folder, llm_r
 @pytest.mark.parametrize("name", DECODERS)
 def test_openvino_runs_the_stateful_ir(name, llm_folder, llm_reference):
     """The IR's key/value cache is the infer request's state: the prompt, then one token a
-    call with the attention mask grown and beam_idx 0, gives transformers' greedy ids in f32."""
+    call with the attention mask grown and beam_idx 0, gives transformers' greedy ids and
+    logprobs in f32."""
     ov = pytest.importorskip("openvino", reason="pip install -e '.[openvino]'")
     folder = llm_folder(name, "openvino")
     _common_files(folder)
@@ -245,7 +271,10 @@ def test_openvino_runs_the_stateful_ir(name, llm_folder, llm_reference):
     core = ov.Core()
     model = core.read_model(folder / "openvino_model.xml")
     assert model.get_sinks(), "the IR is not stateful"
-    compiled = core.compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
+    # f32 compute and an f32 cache: the CPU plugin keeps the cache in f16 by default, which
+    # alone moves these logprobs by 7e-3 (7.7e-6 with an f32 cache)
+    f32 = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"}
+    compiled = core.compile_model(model, "CPU", f32)
     reference = llm_reference(name)
     worst = 0.0
     for case in reference["cases"]:

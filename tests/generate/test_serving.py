@@ -2,13 +2,15 @@
 (tritonclient's ModelStreamInfer, REST generate and generate_stream): transformers' greedy
 answers on NUMPY and ORT, and the engine's behaviour seen from outside: a client that leaves
 frees its sequence's cache, a full cache makes requests wait and then answers them, and 200
-streams at once against a cache of 4 slots all complete with the right answers."""
+streams at once against a cache of 4 slots all complete with the right answers (the prefix cache
+is checked where its hits are certain: test_engine.py, test_scheduler.py)."""
 
 from __future__ import annotations
 
 import http.client
 import json
 import queue
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -39,8 +41,9 @@ def repository(root: Path, folder: Path, models: dict[str, dict]) -> Path:
 
 
 def serve(root: Path, *flags: str) -> RunningServer:
+    """A server of ``root`` (started by ``with``)."""
     args = ["--model-repository", str(root), "--grpc-port", "0", "--http-port", "0"]
-    return RunningServer(*args, "--metrics-port", "0", *flags).start()
+    return RunningServer(*args, "--metrics-port", "0", *flags)
 
 
 def metric(server: RunningServer, name: str, model: str, **labels: str) -> float:
@@ -250,6 +253,8 @@ def test_200_streams_against_4_slots_all_complete(folder, tiny_reference, tmp_pa
     cases = [c for c in tiny_reference["cases"] if "prompt" in c]
     params = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
     with serve(root) as server:
+        before = metric(server, "plugserve_generate_sequences_finished_total", "small",
+                        finish_reason="length")  # fmt: skip
         stream = Stream(server)
         try:
             for i in range(200):
@@ -263,8 +268,37 @@ def test_200_streams_against_4_slots_all_complete(folder, tiny_reference, tmp_pa
                     done.add(rid)
         finally:
             stream.close()
-        cached = metric(server, "plugserve_generate_prompt_tokens_cached_total", "small")
+        assert wait_for(lambda: metric(server, "plugserve_generate_requests_running", "small") == 0)
+        finished = metric(server, "plugserve_generate_sequences_finished_total", "small",
+                          finish_reason="length")  # fmt: skip
     for i in range(200):
         case = cases[i % len(cases)]
         assert texts[str(i)] == continuation(tokenizer, case["prompt_ids"], case["ids"][:8])
-    assert cached > 0  # the repeated prompts came from the prefix cache
+    assert finished - before == 200
+
+
+@pytest.mark.parametrize(
+    ("body", "words"),
+    [
+        ({"sampling_parameters": "{}"}, "text_input or as input_ids"),
+        ({"text_input": "hi", "sampling_parameters": "{not json"}, "not valid JSON"),
+        ({"text_input": "hi", "sampling_parameters": '{"beams": 2}'}, "unknown key(s) ['beams']"),
+        ({"text_input": "hi", "sampling_parameters": '{"temperature": -1}'}, "temperature"),
+        ({"text_input": "hi", "sampling_parameters": '{"top_p": 0}'}, "top_p"),
+        ({"text_input": "hi", "sampling_parameters": '{"n": 2}'}, "n must be 1"),
+        ({"text_input": "hi " * 600}, "context holds"),
+    ],
+)
+def test_bad_requests_are_refused_naming_what_is_wrong(served, body, words):
+    request = urllib.request.Request(
+        served.http_url + "/v2/models/tiny-ort/generate",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        urllib.request.urlopen(request, timeout=60)
+    assert caught.value.code == 400
+    assert words in json.loads(caught.value.read())["error"]
+    # and the model goes on answering
+    good = {"text_input": "hi", "sampling_parameters": '{"max_tokens": 2}'}
+    assert "text_output" in json.loads(post(served, "/v2/models/tiny-ort/generate", good))

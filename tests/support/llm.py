@@ -22,7 +22,8 @@ broken exporter in every test; :class:`Unavailable` carries the reason and the i
 
 Command line (the docs' way to make the same folders by hand)::
 
-    python tests/support/llm.py prepare [--bench]   # venvs, tiny models, exports, references
+    python tests/support/llm.py prepare               # venvs, tiny models, exports, references
+    python tests/support/llm.py prepare bench-llama   # the benchmark model (~169 M parameters)
     python tests/support/llm.py path tiny-llama optimum-onnx
 """
 
@@ -71,7 +72,7 @@ MODELS: dict[str, DecoderSpec] = {
         corpus_lines=5000,
         sampling=(("temperature", 0.6), ("top_p", 0.9)),
     ),
-    # ~0.3 M parameters: GQA 6:2, biased q/k/v, tied head, ChatML, no BOS
+    # ~0.44 M parameters: GQA 6:2, biased q/k/v, tied head, ChatML, no BOS
     "tiny-qwen2": DecoderSpec(
         family="qwen2",
         hidden=96,
@@ -224,6 +225,8 @@ class Export:
     tool: Tool
     command: Callable[[Path, Path, Path], list[str]]  # (python, hf folder, out) -> argv
     extra_files: tuple[str, ...] = ()
+    #: the models it is made for (empty: every model)
+    only: tuple[str, ...] = ()
 
     def key(self, name: str) -> str:
         argv = self.command(Path("PY"), Path("IN"), Path("OUT"))
@@ -243,9 +246,12 @@ def _optimum_cli(py: Path, hf: Path, out: Path) -> list[str]:
     ]
 
 
-def _builder(precision: str) -> Callable[[Path, Path, Path], list[str]]:
+def _builder(precision: str, *options: str) -> Callable[[Path, Path, Path], list[str]]:
+    """The model builder's command line; ``options`` are its ``--extra_options`` (key=value)."""
+
     def argv(py: Path, hf: Path, out: Path) -> list[str]:
         cache = out.parent / f"{out.name}.builder-cache"
+        extra = ["--extra_options", *options] if options else []
         return [
             str(py),
             "-m",
@@ -260,6 +266,7 @@ def _builder(precision: str) -> Callable[[Path, Path, Path], list[str]]:
             "cpu",
             "-c",
             str(cache),
+            *extra,
         ]
 
     return argv
@@ -286,6 +293,25 @@ EXPORTS: dict[str, Export] = {
     # the builder writes genai_config.json and the tokenizer files but no config.json
     "genai-fp32": Export(GENAI, _builder("fp32"), HF_EXTRAS),
     "genai-int4": Export(GENAI, _builder("int4"), HF_EXTRAS),
+    # int4 whose MatMulNBits onnxruntime computes in float32 (its CPU default, accuracy_level
+    # 4, rounds the activations to int8), so NUMPY's kernels compare with it exactly
+    "genai-int4-exact": Export(GENAI, _builder("int4", "accuracy_level=1"), HF_EXTRAS),
+    # the builder's other quantized forms, for the untied model: zero points (uint4), the
+    # embedding table quantized too (GatherBlockQuantized of uint4) and an int8 head. For a
+    # tied model builder 0.18.0 writes graphs onnxruntime refuses with any of these (a Reshape
+    # typed float over the head's uint8 bytes; a weight read but never stored)
+    "genai-int4-asym": Export(
+        GENAI,
+        _builder(
+            "int4",
+            "accuracy_level=1",
+            "is_symmetric=false",
+            "op_types_to_quantize=MatMul/Gather",
+            "matmul_mixed_precision=last_matmul:int8",
+        ),
+        HF_EXTRAS,
+        only=("tiny-llama",),
+    ),
     "openvino": Export(OPENVINO, _openvino_cli, ("special_tokens_map.json",)),
 }
 
@@ -309,6 +335,8 @@ def hf_folder(name: str) -> Path:
 def export(name: str, kind: str) -> Path:
     """Decoder ``name`` exported by ``kind`` (a key of :data:`EXPORTS`)."""
     how = EXPORTS[kind]
+    if how.only and name not in how.only:
+        raise ValueError(f"export {kind!r} is made for {', '.join(how.only)}, not {name!r}")
     hf = hf_folder(name)
     base = hf.parent
     target = base / f"{kind}-{how.key(name)}"
@@ -563,39 +591,59 @@ def _run(argv: list[str], timeout: float, what: str) -> str:
 # command line
 
 
-def prepare(bench: bool = False) -> int:
-    """Make every venv, tiny model, export and reference (CI runs this before the tests, in
-    the background), timing each step; returns the number of steps that failed."""
-    steps: list[tuple[str, Callable[[], object]]] = []
-    for tool in TOOLS.values():
-        steps.append((f"venv {tool.venv}", tool.python))
-    names = [n for n in MODELS if n.startswith("tiny") or (bench and n.startswith("bench"))]
-    for name in names:
-        steps.append((f"{name} hf", lambda n=name: hf_folder(n)))
-        steps.append((f"{name} reference", lambda n=name: reference_path(n)))
-        for kind in EXPORTS:
-            steps.append((f"{name} {kind}", lambda n=name, k=kind: export(n, k)))
-    for name in ENCODERS:
-        steps.append((f"{name} hf", lambda n=name: encoder_folder(n)))
-        steps.append((f"{name} onnx", lambda n=name: encoder_onnx(n)))
-        steps.append((f"{name} embeddings", lambda n=name: embeddings_path(n)))
+def prepare(names: list[str]) -> int:
+    """Make the exporters' venvs (at once: each is mostly pip unpacking torch) and then each
+    named model's folder, exports and references, printing the time of each step; returns
+    the number of steps that failed (their tests skip with the reason)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     failed = 0
-    for label, step in steps:
+
+    def step(label: str, make: Callable[[], object]) -> None:
+        nonlocal failed
         started = time.monotonic()
         try:
-            result = step()
+            result = make()
             print(f"{label}: {time.monotonic() - started:.1f} s  {result}", flush=True)
         except Unavailable as error:
             failed += 1
             print(f"{label}: FAILED after {time.monotonic() - started:.1f} s: {error}", flush=True)
+
+    with ThreadPoolExecutor(len(TOOLS)) as pool:
+        for tool in TOOLS.values():
+            pool.submit(step, f"venv {tool.venv}", tool.python)
+    for name in names:
+        if name in ENCODERS:
+            step(f"{name} hf", lambda n=name: encoder_folder(n))
+            step(f"{name} onnx", lambda n=name: encoder_onnx(n))
+            step(f"{name} embeddings", lambda n=name: embeddings_path(n))
+            continue
+        step(f"{name} hf", lambda n=name: hf_folder(n))
+        step(f"{name} reference", lambda n=name: reference_path(n))
+        for kind in [k for k, e in EXPORTS.items() if not e.only or name in e.only]:
+            step(f"{name} {kind}", lambda n=name, k=kind: export(n, k))
     return failed
 
 
 def main(argv: list[str]) -> int:
-    if argv[:1] == ["prepare"]:
-        return 1 if prepare(bench="--bench" in argv) else 0
-    if argv[:1] == ["path"] and len(argv) == 3:
-        name, kind = argv[1], argv[2]
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="llm.py", description=__doc__.split("\n\n")[0])
+    verbs = parser.add_subparsers(dest="verb", required=True)
+    made = verbs.add_parser("prepare", help="make venvs, folders, exports and references")
+    made.add_argument("names", nargs="*", help="models (default: every tiny one and encoder)")
+    path = verbs.add_parser("path", help="print one folder or reference file (made if needed)")
+    path.add_argument("name", choices=[*MODELS, *ENCODERS])
+    path.add_argument("kind", choices=["hf", "reference", "onnx", "embeddings", *EXPORTS])
+    args = parser.parse_args(argv)
+    if args.verb == "prepare":
+        default = [n for n in [*MODELS, *ENCODERS] if n.startswith("tiny")]
+        unknown = set(args.names) - set(MODELS) - set(ENCODERS)
+        if unknown:
+            parser.error(f"unknown models {sorted(unknown)}: choose from {[*MODELS, *ENCODERS]}")
+        return 1 if prepare(args.names or default) else 0
+    name, kind = args.name, args.kind
+    try:
         if kind == "hf":
             print(hf_folder(name) if name in MODELS else encoder_folder(name))
         elif kind == "reference":
@@ -606,9 +654,10 @@ def main(argv: list[str]) -> int:
             print(embeddings_path(name))
         else:
             print(export(name, kind))
-        return 0
-    print(__doc__)
-    return 2
+    except Unavailable as error:
+        print(error, file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

@@ -32,7 +32,10 @@ What each costs, and why:
   query heads that share a kv head stacked as rows of one product (the grouped heads read
   their keys once), the causal and window masks one broadcast add. The only Python loops are
   over batch rows for the cache copies, when rows' pasts differ in length.
-- Attention reads the cache only up to the batch's longest row, not the buffer's full length.
+- Attention reads the cache only up to the batch's longest row, not the buffer's full length,
+  and a large ``present`` is a fresh anonymous mapping, whose pages past the rows' tokens stay
+  untouched zero pages (:func:`_zeros`: a decode step's 24 presents of a 4,096-position
+  buffer cost 4 ms instead of 36).
 - The score buffer is at most :data:`SCORE_BYTES` (64 MiB): a longer prompt's queries are
   taken in blocks of rows, so its memory stays linear in the prompt's length, not quadratic.
 - Every size a run allocates follows from its input arrays' sizes: ``total_sequence_length``
@@ -40,11 +43,16 @@ What each costs, and why:
   lengths that do not fit the buffers, or positions beyond the cos/sin caches are refused
   with the values named.
 - MatMulNBits dequantizes its constant weight once, at load, into a float32 [K, N] matrix,
-  and each run is one BLAS sgemm (split over the request's threads as every GEMM on NUMPY:
-  :mod:`plugserve.plugins.numpy.parallel`). The trade: 4 bytes per weight in memory instead of
-  half a byte (a ~150 M-parameter int4 model takes the memory of its fp32 export), for the
-  speed of an fp32 GEMM; numpy has no int4 GEMM, and dequantizing blocks on every run costs
-  more than the product itself. A weight that is not a constant is dequantized per run.
+  and each run is one BLAS product (split over the request's threads as every GEMM on NUMPY:
+  :mod:`plugserve.plugins.numpy.parallel`; a single row, a decode step, is numpy's sgemv,
+  2.5-3x faster than sgemm with one row: 13 against 33 ms for a 768 x 32000 head). The
+  trade: 4 bytes per weight in memory instead of half a byte (a ~150 M-parameter int4 model
+  takes the memory of its fp32 export, 610 MB instead of 180), for the speed of an fp32
+  GEMM; numpy has no int4 GEMM, and dequantizing on every run costs more than the product
+  itself. That is done when memory allows: when the float32 matrix takes more than half the
+  memory free at its load (a model too large for the machine in float32), or the weight is
+  not a constant, each run dequantizes it in slabs of output columns of at most
+  :data:`BLOCKED_SLAB_BYTES` (16 MiB) and multiplies slab by slab: memory bounded, slower.
 - onnxruntime's MatMulNBits with ``accuracy_level=4`` (the builder's CPU default) quantizes
   A to int8 before the product; NUMPY computes the exact product of A and the dequantized
   weight, as the op defines it, so its results differ from onnxruntime's there by that
@@ -54,12 +62,12 @@ What each costs, and why:
 from __future__ import annotations
 
 import math
+import mmap
+import os
 
 import numpy as np
 
-from plugserve.plugins.numpy.blas import sgemm
 from plugserve.plugins.numpy.kernels.registry import KernelContext, register
-from plugserve.plugins.numpy.parallel import gemm_into
 from plugserve.plugins.numpy.parallel import matmul as _matmul
 
 MS = "com.microsoft"
@@ -68,6 +76,10 @@ _F32 = np.dtype(np.float32)
 #: The most bytes one GroupQueryAttention score block may take; longer prompts run in blocks
 #: of query rows (64 MiB: 2,048 prompt tokens x 2,048 keys x 4 heads at once).
 SCORE_BYTES = 64 << 20
+#: presents at least this large are fresh anonymous mappings (see :func:`_zeros`)
+LAZY_ZEROS_BYTES = 1 << 20
+#: MatMulNBits without the memory to dequantize at load: float32 slabs of at most this size
+BLOCKED_SLAB_BYTES = 16 << 20
 
 
 def _f32(x: np.ndarray) -> np.ndarray:
@@ -173,12 +185,25 @@ def _positions(seqlens_k, total_seqlen, s: int, b: int, past_capacity: int):
     return past, totals, first, total
 
 
+def _zeros(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """Zeros whose pages the kernel never touches cost nothing: a present of the builder's
+    shared buffer (a 4,096-position context: 4 MiB a layer's keys) holds a few hundred tokens.
+    np.zeros of such a size comes from the heap once glibc has freed a few (its mmap threshold
+    grows), and is memset whole: 1.5 ms each, 36 ms a decode step for 12 layers, more than
+    half the step. An anonymous mapping is zero pages until written: the same present costs
+    0.16 ms with its past copied in. Small arrays stay np.zeros."""
+    nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+    if nbytes < LAZY_ZEROS_BYTES:
+        return np.zeros(shape, dtype)
+    return np.frombuffer(mmap.mmap(-1, nbytes), dtype).reshape(shape)
+
+
 def _present(past, new, past_len: np.ndarray, length: int, uniform: bool) -> np.ndarray:
     """[B, kv, length, head]: each row's past (its first past_len[b] positions), its new
     tokens after it, zeros after those."""
     b, s, kv, d = new.shape
     dtype = past.dtype if past is not None else new.dtype
-    present = np.zeros((b, kv, length, d), dtype)
+    present = _zeros((b, kv, length, d), dtype)
     if past is not None and past_len.max() > 0:
         if uniform:
             p = int(past_len[0])
@@ -438,6 +463,32 @@ def dequantize_nbits(
     return np.ascontiguousarray(weights.T)
 
 
+def _free_memory() -> int:
+    """Bytes of memory free now (not counting the page cache): what a load may still take."""
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 1 << 62
+
+
+def _blocked_product(a2, b, scales, zero_points, g_idx, k, n, bits, block) -> np.ndarray:
+    """a2 @ B with B dequantized a slab of output columns at a time (at most
+    :data:`BLOCKED_SLAB_BYTES` of float32 each): memory bounded, each run pays the unpacking."""
+    rows_per_n = np.asarray(b).reshape(n, -1)
+    per_n_scales = np.asarray(scales).reshape(n, -1)
+    per_n_zps = None if zero_points is None else np.asarray(zero_points).reshape(n, -1)
+    step = max(16, BLOCKED_SLAB_BYTES // (4 * k))
+    y = np.empty((a2.shape[0], n), _F32)
+    for lo in range(0, n, step):
+        hi = min(n, lo + step)
+        zps = None if per_n_zps is None else per_n_zps[lo:hi]
+        slab = dequantize_nbits(
+            rows_per_n[lo:hi], per_n_scales[lo:hi], zps, g_idx, k, hi - lo, bits, block
+        )
+        y[:, lo:hi] = _matmul(a2, slab)
+    return y
+
+
 @register("MatMulNBits", 1, domain=MS)
 def matmul_nbits(ctx: KernelContext):
     """A [..., K] @ B (dequantized, see :func:`dequantize_nbits`) + bias: [..., N]."""
@@ -454,7 +505,10 @@ def matmul_nbits(ctx: KernelContext):
             "takes 2^(bits-1)), so the model's numbers are undefined; store them as floats"
         )
     ready = None
-    if all(consts[i] is not None or not ctx.has_input(i) for i in (1, 2, 3, 4)):
+    constant = all(consts[i] is not None or not ctx.has_input(i) for i in (1, 2, 3, 4))
+    # dequantized once when the float32 matrix fits in half the memory free now (so the
+    # nodes loaded first take what they need and the later ones see what is left)
+    if constant and 4 * k * n <= _free_memory() // 2:
         ready = dequantize_nbits(consts[1], consts[2], consts[3], consts[4], k, n, bits, block)
         ready.setflags(write=False)
     bias = consts[5]
@@ -462,28 +516,16 @@ def matmul_nbits(ctx: KernelContext):
         bias = np.ascontiguousarray(_f32(bias).reshape(n))
 
     def run(a, b, scales, zero_points=None, g_idx=None, b_bias=None):
-        weights = ready
-        if weights is None:
-            weights = dequantize_nbits(b, scales, zero_points, g_idx, k, n, bits, block)
         lead = a.shape[:-1]
         rows = math.prod(lead)
         a2 = np.ascontiguousarray(_f32(a).reshape(rows, k))
         add = bias if bias is not None else (None if b_bias is None else _f32(b_bias).reshape(n))
-        y = np.empty((rows, n), _F32)
-        if sgemm is None:  # no BLAS entry point found: numpy's matmul
-            y = _matmul(a2, weights)
-            if add is not None:
-                y += add
-        elif rows and n and k:
-            beta = 0.0
-            if add is not None:
-                np.copyto(y, add)
-                beta = 1.0
-            gemm_into(a2, weights, y, beta)
-        elif add is not None:
-            y[:] = add
+        if ready is not None:
+            y = _matmul(a2, ready)  # one row (a decode step): numpy's sgemv, ~3x sgemm's speed
         else:
-            y[:] = 0
+            y = _blocked_product(a2, b, scales, zero_points, g_idx, k, n, bits, block)
+        if add is not None:
+            y += add
         y = y.reshape(*lead, n)
         return y if y.dtype == a.dtype else y.astype(a.dtype)
 

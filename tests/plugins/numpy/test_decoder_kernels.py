@@ -218,6 +218,18 @@ def test_gqa_long_prompt_in_score_blocks(core, monkeypatch):
     _compare(core, _gqa(2, 20, 24), _feeds(2, 20, 24, [0, 0], 20))
 
 
+def test_gqa_presents_as_fresh_mappings(core, monkeypatch):
+    """A large present is an anonymous mapping (zero pages where no token was written): the
+    same values as onnxruntime's, and a writable array of its own."""
+    from plugserve.plugins.numpy.kernels import decoder
+
+    monkeypatch.setattr(decoder, "LAZY_ZEROS_BYTES", 0)
+    _compare(core, _gqa(3, 1, 16), _feeds(3, 1, 16, [3, 9, 5], 10))
+    _compare(core, _gqa(1, 6, 16), _feeds(1, 6, 16, [0], 6))
+    out = core.load_network(_gqa(1, 1, 16), "NUMPY").infer(_feeds(1, 1, 16, [4], 5))
+    assert out["present_key"].flags.writeable and not out["present_key"][:, :, 5:].any()
+
+
 def test_gqa_refuses_lengths_beyond_its_buffers(core):
     """A total length no buffer holds is refused before anything is allocated for it."""
     from plugserve.plugins.api import InferenceError
@@ -394,3 +406,15 @@ def test_matmul_nbits_refuses_packed_zero_points_with_g_idx(core):
     model = _model(node, [_vi("a", F, [1, k])], [_out("y", F, 2)], consts)
     with pytest.raises(Unsupported, match="store them as floats"):
         core.load_network(model, "NUMPY")
+
+
+def test_matmul_nbits_blocked_when_memory_is_short(core, monkeypatch):
+    """Without the memory to dequantize at load, each run dequantizes slabs of columns: the
+    same numbers (slabs of 16 columns here, so several)."""
+    from plugserve.plugins.numpy.kernels import decoder
+
+    monkeypatch.setattr(decoder, "_free_memory", lambda: 0)
+    monkeypatch.setattr(decoder, "BLOCKED_SLAB_BYTES", 16 * 4 * 64)
+    test_matmul_nbits(core, 4, "packed", False, True, 64)
+    test_matmul_nbits(core, 4, "float", True, False, 64)
+    test_matmul_nbits(core, 8, None, False, False, 80)

@@ -1,6 +1,7 @@
 """Run inside the openvino venv (openvino-genai): greedy ids of an optimum-intel IR folder for
-each prompt's ids, as openvino-genai's LLMPipeline generates them in f32 with ``ignore_eos``, and
-its tokenizer's (openvino_tokenizer.xml) ids for each prompt's text. Prints one JSON line.
+each prompt's ids, as openvino-genai's LLMPipeline generates them in f32 (its cache too) with
+``ignore_eos``, and its tokenizer's (openvino_tokenizer.xml) ids for each prompt's text. Prints
+one JSON line.
 
     python openvino_greedy.py FOLDER CASES_JSON MAX_NEW_TOKENS
 """
@@ -15,7 +16,10 @@ import openvino_genai as ov_genai
 
 
 def main(folder: str, cases_path: str, max_new: str) -> None:
-    pipe = ov_genai.LLMPipeline(folder, "CPU", INFERENCE_PRECISION_HINT="f32")
+    # f32 compute and cache (the CPU plugin's default cache is f16)
+    pipe = ov_genai.LLMPipeline(
+        folder, "CPU", INFERENCE_PRECISION_HINT="f32", KV_CACHE_PRECISION="f32"
+    )
     tokenizer = pipe.get_tokenizer()
     config = ov_genai.GenerationConfig()
     config.max_new_tokens = int(max_new)
