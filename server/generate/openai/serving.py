@@ -477,6 +477,8 @@ class _Answer:
         self.cached = [0] * len(prompts)
         self.prompt_logprobs: list[Any] = [None] * len(prompts)
         self.offsets = [0] * count
+        #: the choices whose stream has sent the echoed prompt
+        self.echoed: set[int] = set()
 
     def index(self, prompt: int, event: GenerationEvent) -> int:
         return prompt * self.ask.n + event.index
@@ -599,8 +601,9 @@ class _Answer:
 
     def chunk(self, prompt: int, event: GenerationEvent) -> bytes | None:
         """The chunk for one event (None: it carries nothing to send)."""
-        first_echo = self.echo and not self.texts[self.index(prompt, event)]
         i = self.add(prompt, event)
+        first_echo = self.echo and i not in self.echoed
+        self.echoed.add(i)
         finish = self.finish[i] if event.finish_reason is not None else None
         text = event.text
         if not text and not event.logprobs and finish is None and not first_echo:
