@@ -596,6 +596,29 @@ class InferRequest(abc.ABC):
         stops it either way."""
         return self._checked(arrays)
 
+    #: whether :meth:`infer_into` has the device write the named outputs straight into the
+    #: caller's arrays (and lets an output share an input's memory: a key/value cache
+    #: updated in place, as onnxruntime's past/present buffer sharing); else the base runs
+    #: the network and copies each output into its array
+    binds_outputs: ClassVar[bool] = False
+
+    def infer_into(
+        self, arrays: list[Any], outputs: Mapping[str, np.ndarray]
+    ) -> dict[str, np.ndarray]:
+        """:meth:`infer_checked` with the named outputs written into the given arrays
+        (OpenVINO's ``set_output_tensor``): each must be C-contiguous with the output's element
+        type and the shape this run gives it. Returns every output, the given arrays for the
+        named ones. A device whose requests do not bind outputs (:attr:`binds_outputs` False)
+        computes them elsewhere and copies them in; an output sharing an input's memory then
+        sees the input read before it is written, as in a device that binds."""
+        result = self.infer_checked(arrays)
+        for name, target in outputs.items():
+            value = result[name]
+            if value is not target:
+                np.copyto(target, value)
+            result[name] = target
+        return result
+
     def _checked(self, arrays: list[Any]) -> dict[str, np.ndarray]:
         """The run of checked inputs under its token (both :meth:`infer` and
         :meth:`infer_checked`: a plugin overriding one of them calls the other's base).

@@ -144,6 +144,9 @@ class Tokenizer:
         config = read_json(folder / "tokenizer_config.json")
         eos = _ids(read_json(folder / "generation_config.json").get("eos_token_id"))
         eos += _ids(read_json(folder / "config.json").get("eos_token_id"))
+        genai = read_json(folder / "genai_config.json").get("model")
+        if isinstance(genai, dict):  # a model builder's folder has no config.json
+            eos += _ids(genai.get("eos_token_id"))
         return cls(backend, config, _chat_template(folder, config), eos, where=str(folder))
 
     # --- text <-> ids

@@ -118,8 +118,8 @@ class GenerationRequest:
 @dataclasses.dataclass
 class TokenLogprob:
     """One generated (or prompt) token's log probability, and the ``top`` most likely tokens
-    at that position as ``(token_id, logprob)``, most likely first (log-softmax of the logits
-    after the penalties and before temperature, as OpenAI's)."""
+    at that position as ``(token_id, logprob)``, most likely first: the log-softmax of the
+    model's raw logits, before penalties and temperature (vLLM's default ``raw_logprobs``)."""
 
     token_id: int
     logprob: float
