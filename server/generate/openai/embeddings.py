@@ -67,7 +67,7 @@ def _read(path: Path) -> Any:
 def _folder_of(model_file: Path) -> Path | None:
     """The sentence-transformers folder a model file belongs to (its own folder, or the one
     above an ``onnx/`` folder), if it is one."""
-    for folder in (model_file.parent, model_file.parent.parent):
+    for folder in (model_file, model_file.parent, model_file.parent.parent):
         if (folder / "modules.json").is_file():
             return folder
     return None

@@ -67,7 +67,7 @@ def _sse(value: Any) -> bytes:
 class _Model:
     """A generative model as the adapter uses it: its entry, engine and tokenizer."""
 
-    __slots__ = ("context", "engine", "entry", "name", "tokenizer", "vocab_size")
+    __slots__ = ("context", "engine", "entry", "max_n", "name", "tokenizer", "vocab_size")
 
     def __init__(self, entry: Any) -> None:
         network = entry.network
@@ -75,8 +75,12 @@ class _Model:
         self.name = entry.name
         self.engine = network.engine
         self.tokenizer = network.tokenizer
-        self.context: int = network.context_length
-        self.vocab_size: int = network.vocab_size
+        #: the longest sequence, prompt and answer (the engine's max_model_len)
+        self.context: int = self.engine.max_model_len
+        #: the decoder's logits (a padded embedding may have more rows than the tokenizer)
+        self.vocab_size: int = self.engine.decoder.vocab or self.tokenizer.vocab_size
+        #: choices per request at most (the engine's sequences at once)
+        self.max_n: int = self.engine.scheduler.max_num_seqs
 
 
 class OpenAIRoutes:
@@ -159,7 +163,7 @@ class OpenAIRoutes:
             "owned_by": "plugserve",
         }
         if _is_generative(entry):
-            card["max_model_len"] = entry.network.context_length
+            card["max_model_len"] = entry.network.engine.max_model_len
         return card
 
     def models(self, call: Any) -> Reply:
@@ -270,6 +274,12 @@ class OpenAIRoutes:
         field: str,
     ) -> Any:
         self._check_prompts(model, prompts, field)
+        if ask.n > model.max_n:
+            raise OpenAIError(
+                f"'n' is {ask.n}; this model runs at most {model.max_n} sequences at once "
+                "(its max_num_seqs)",
+                "n",
+            )
         longest = max(len(p) for p in prompts)
         max_tokens = self._max_tokens(model, ask, longest)
         bias = ask.sampling.get("logit_bias") or {}
@@ -365,7 +375,9 @@ class OpenAIRoutes:
 
 
 def _is_generative(entry: Any) -> bool:
-    return getattr(entry.network, "engine", None) is not None
+    from plugserve.server.generate.network import GenerativeNetwork
+
+    return isinstance(entry.network, GenerativeNetwork)
 
 
 def _is_encoder(entry: Any, control: Any) -> bool:
