@@ -13,6 +13,7 @@ lives in a module of its own, each importing only those before it:
 - ``inputs``: :class:`TensorSpec` and the checks of inputs against it
 - ``base``: the :class:`Plugin`, :class:`CompiledNetwork` and :class:`InferRequest` bases and
   the :class:`Devices` protocol (above ``cancel``, ``streams`` and ``blob``)
+- ``responses``: :class:`Response` and :class:`ResponseSender`, for decoupled networks
 - ``virtual``: what the virtual devices share (``refusal_reasons``, ``device_refusals``)
 """
 
@@ -66,6 +67,7 @@ from plugserve.plugins.inputs import (
     names_of,
     refuse_non_tensors,
 )
+from plugserve.plugins.responses import Response, ResponseSender
 from plugserve.plugins.virtual import device_refusals, refusal_reasons
 
 __all__ = [
@@ -94,6 +96,8 @@ __all__ = [
     "PlugserveError",
     "QueueFull",
     "ResourceExhausted",
+    "Response",
+    "ResponseSender",
     "TensorSpec",
     "Unsupported",
     "VariableState",

@@ -30,6 +30,7 @@ from plugserve.plugins.errors import (
     Unsupported,
 )
 from plugserve.plugins.inputs import TensorSpec, check_inputs
+from plugserve.plugins.responses import Response, ResponseSender
 from plugserve.plugins.streams import StreamsExecutor
 
 __all__ = [
@@ -397,6 +398,10 @@ class CompiledNetwork(abc.ABC):
     #: what computes, before a run, the sizes of the outputs the request's values decide
     #: (``plugins/amplify.py``; set at load by a device that runs a graph whole), or None
     amplifying: Any = None
+    #: Whether a request is answered by zero or many responses (Triton's decoupled
+    #: transaction policy, a generative model's tokens): run with
+    #: :meth:`InferRequest.infer_decoupled`, never with ``infer`` (``plugins/responses.py``).
+    decoupled: bool = False
 
     def __init__(self, plugin: Plugin, name: str, config: Configuration) -> None:
         self.plugin = plugin
@@ -618,6 +623,13 @@ class InferRequest(abc.ABC):
                 np.copyto(target, value)
             result[name] = target
         return result
+
+    def infer_decoupled(self, arrays: list[Any], sender: ResponseSender) -> None:
+        """Run checked inputs, answering through ``sender`` (``plugins/responses.py``): a
+        decoupled network's requests send zero or many responses, possibly after this returns,
+        and end with ``final``. This default serves a network that is not decoupled (a
+        decoupled BLS call or a generate_stream to an ordinary model): its one answer, final."""
+        sender.send(Response(self.infer_checked(arrays)), final=True)
 
     def _checked(self, arrays: list[Any]) -> dict[str, np.ndarray]:
         """The run of checked inputs under its token (both :meth:`infer` and

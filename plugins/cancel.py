@@ -83,7 +83,7 @@ class Token:
     briefly); one registered after the cancellation runs at once.
     """
 
-    __slots__ = ("_callbacks", "_lock", "error", "finished", "outputs", "room")
+    __slots__ = ("_callbacks", "_lock", "error", "finished", "outputs", "parameters", "room")
 
     def __init__(self) -> None:
         #: the error the run raises once cancelled (None: not cancelled)
@@ -96,6 +96,10 @@ class Token:
         #: the outputs the run's caller asked for (None: every one), set by its owner: a
         #: network that can skip work for outputs nobody wants reads it (an ensemble's steps)
         self.outputs: list[str] | None = None
+        #: the request's own parameters (KServe's ``parameters`` but those the server acts on:
+        #: sequence ids, timeout, ...), set by its owner, for a network that hands them to its
+        #: model (Triton's ``request.parameters()`` in a Python model); None: none
+        self.parameters: dict | None = None
         #: the run is over: cancelling now does nothing (and costs nothing)
         self.finished = False
         self._callbacks: list[Callable[[], object]] = []

@@ -314,14 +314,16 @@ class Status(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class InferStreamResponse(_message.Message):
-    __slots__ = ("id", "response", "error")
+    __slots__ = ("id", "response", "error", "more")
     ID_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
     id: str
     response: InferResponse
     error: Status
-    def __init__(self, id: _Optional[str] = ..., response: _Optional[_Union[InferResponse, _Mapping]] = ..., error: _Optional[_Union[Status, _Mapping]] = ...) -> None: ...
+    more: bool
+    def __init__(self, id: _Optional[str] = ..., response: _Optional[_Union[InferResponse, _Mapping]] = ..., error: _Optional[_Union[Status, _Mapping]] = ..., more: bool = ...) -> None: ...
 
 class ExportNetworkRequest(_message.Message):
     __slots__ = ("name", "version")

@@ -40,6 +40,7 @@ from plugserve.server.callpool import CallPool
 from plugserve.server.core import ConfigLimits, Core
 from plugserve.server.dataplane import DataPlane
 from plugserve.server.examples import build_examples, default_examples_dir
+from plugserve.server.generate.network import GenerativeNetwork
 from plugserve.server.handlers import add_service
 from plugserve.server.metrics import Metrics
 from plugserve.server.model_control import ModelControl
@@ -120,6 +121,7 @@ class Server:
         self.core.limits = ConfigLimits.of(
             settings.max_num_streams, settings.max_batch_size, settings.max_inference_threads
         )
+        self.core.generate_defaults = settings.generate_defaults()
         root = settings.model_repository or str(build_examples(default_examples_dir()))
         if settings.exit_on_error and not Path(root).exists():
             raise SystemExit(
@@ -161,6 +163,7 @@ class Server:
             settings.load_threads(),
             settings.max_sequences,
         )
+        self.metrics.watch_generation(self._generation_stats)
         self.health = health.HealthServicer()
         self.grpc_server: grpc.Server | None = None
         self.grpc_port = 0
@@ -173,6 +176,18 @@ class Server:
         self._hurry = threading.Event()  # a second signal: stop waiting for admitted requests
         self._done = threading.Event()  # stop() finished
         self.abandoned = 0  # requests and loads still running when stop() gave up on them
+
+    def _generation_stats(self) -> list[tuple[str, str, str, Any]]:
+        """Each loaded generative model's engine statistics, for /metrics."""
+        with self.plane.table.lock:
+            entries = [
+                e for versions in self.plane.table.by_name.values() for e in versions.values()
+            ]
+        return [
+            (e.device, e.name, str(e.version), e.network.engine.stats().snapshot())
+            for e in entries
+            if isinstance(e.network, GenerativeNetwork)
+        ]
 
     def _configure_plugins(self) -> None:
         if self.plugin_settings is None:

@@ -43,6 +43,7 @@ from plugserve.server.deadlines import DeadlineWatch
 from plugserve.server.errors import forget_frames
 from plugserve.server.metrics import Metrics, failure_status
 from plugserve.server.networks import LoadedNetwork, NetworkTable
+from plugserve.server.response_stream import ResponseStream
 from plugserve.server.sequences import Step
 from plugserve.server.shm import SharedMemory
 
@@ -99,6 +100,14 @@ def _answer_too_large(name: str, outputs: dict[str, Any], most: int) -> Resource
         f"server sends, {most:,} bytes (--max-message-bytes / PLUGSERVE_MAX_MESSAGE_BYTES); "
         "send smaller inputs, ask for fewer outputs, or have them written to shared memory"
     )
+
+
+def _fail_from(stream: ResponseStream, future: Future) -> None:
+    """End ``stream`` with what its run raised before it could send (queued past its
+    deadline, cancelled while queued, its executor shut down)."""
+    error = future.exception()
+    if error is not None:
+        stream.fail(error)
 
 
 def _past_limit(name: str, limit: float) -> DeadlineExceeded:
@@ -409,6 +418,129 @@ class DataPlane:
             raise
         future.add_done_callback(lambda _: charge.release())
         return future
+
+    def open_stream(
+        self,
+        entry: LoadedNetwork,
+        start: Callable[[ResponseStream], object],
+        deadline: float | None = None,
+        token: cancel.Token | None = None,
+        holds: int = 0,
+        outputs: list[str] | None = None,
+    ) -> ResponseStream:
+        """A request answered by a stream of responses (a decoupled network, a generative
+        model): admitted and accounted as :meth:`admit` does (draining, the memory budget,
+        the deadline watch, in-flight counts, the recorder), then ``start(stream)`` begins
+        producing into the returned :class:`ResponseStream` (from any thread, for as long as
+        the request lasts). An error ``start`` raises is the caller's (a refusal: nothing was
+        admitted); one the producer sends later ends the stream. The request counts as done
+        when its final response is sent, it fails, or it is cancelled."""
+        name = entry.name
+        recorder = entry.recorder
+        token = token if token is not None else cancel.Token()
+        with self._inflight_lock:
+            if self.draining:
+                raise ShuttingDown(
+                    f"network {name!r}: the server is shutting down; send the request elsewhere"
+                )
+            self._inflight += 1
+            entry.inflight += 1
+        try:
+            charge = self.budget.charge(holds, f"a request to network {name!r}")
+        except ResourceExhausted:
+            with self._inflight_lock:
+                self._inflight -= 1
+                entry.inflight -= 1
+            recorder.refused("overloaded")
+            raise
+        stream = ResponseStream(token, name, outputs)
+        admitted = time.perf_counter()
+        refused: list[BaseException] = []
+
+        def ended(error: BaseException | None) -> None:
+            self.deadlines.forget(token)
+            token.finish()
+            charge.release()
+            with self._inflight_lock:
+                self._inflight -= 1
+                entry.inflight -= 1
+            if refused:
+                recorder.refused("overloaded" if isinstance(error, ResourceExhausted) else "")
+            elif error is None:
+                recorder.success(0.0, time.perf_counter() - admitted)
+            else:
+                recorder.failure(failure_status(error))
+                if isinstance(error, PlugserveError):
+                    forget_frames(error)
+
+        stream.when_ended(ended)
+        self._watch(name, token, deadline)
+        try:
+            start(stream)
+        except BaseException as exc:
+            refused.append(exc)
+            stream.fail(exc)
+            raise
+        return stream
+
+    def submit_decoupled(
+        self,
+        entry: LoadedNetwork,
+        inputs: Mapping[str, Any],
+        outputs: list[str] | None = None,
+        deadline: float | None = None,
+        token: cancel.Token | None = None,
+        holds: int = 0,
+    ) -> ResponseStream:
+        """One request to a network answered by a stream of responses: its inputs checked
+        as :meth:`admit` checks them, then run on the network's executor with
+        :meth:`InferRequest.infer_decoupled` (a network that is not decoupled answers one
+        final response). The stream slot is held while ``infer_decoupled`` runs; a model
+        that goes on sending after it returns (a Python model's threads) holds none."""
+        name = entry.name
+        try:
+            arrays = check_inputs(name, entry.network.inputs, inputs)
+            if entry.max_batch_size > 0:
+                check_batch(name, entry.max_batch_size, arrays)
+            wanted = self._outputs(entry, outputs) if outputs else None
+        except PlugserveError:
+            entry.recorder.refused("invalid")
+            raise
+        if entry.sequences is not None:
+            entry.recorder.refused("invalid")
+            raise InvalidInput(
+                f"network {name!r}: a sequence model's requests are not streamed as "
+                "decoupled responses; send them as ordinary requests"
+            )
+        token = token if token is not None else cancel.Token()
+        budget = self.budget
+
+        def start(stream: ResponseStream) -> None:
+            def run(request: InferRequest) -> None:
+                if token.error is not None:
+                    raise token.failure()
+                if deadline is not None and time.monotonic() > deadline:
+                    raise DeadlineExceeded(f"network {name!r}: the deadline passed while queued")
+                token.room = budget.free()
+                entered = cancel.enter(token)
+                try:
+                    request.infer_decoupled(arrays, stream)
+                except PlugserveError as exc:
+                    stream.fail(exc)
+                except Exception as exc:  # the device's own failure: INTERNAL, naming it
+                    log.exception("network %s on %s failed", name, entry.device)
+                    stream.fail(
+                        InferenceError(
+                            f"network {name!r} on {entry.device}: {type(exc).__name__}: {exc}"
+                        )
+                    )
+                finally:
+                    cancel.leave(entered)
+
+            future = entry.executor.submit(run, entry.queue_limit, token=token)
+            future.add_done_callback(lambda f: f.cancelled() or _fail_from(stream, f))
+
+        return self.open_stream(entry, start, deadline, token, holds, wanted)
 
     def _watch(self, name: str, token: cancel.Token, deadline: float | None) -> None:
         """Have the deadline watch cancel ``token`` at the client's deadline or the server's

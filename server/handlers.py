@@ -32,6 +32,7 @@ from plugserve.plugins.errors import Cancelled, DeadlineExceeded
 from plugserve.plugins.streams import Finished
 from plugserve.server.callpool import blocked
 from plugserve.server.errors import abort, forget_frames
+from plugserve.server.response_stream import ResponseStream
 
 __all__ = ["Inference", "add_service", "call_token", "deadline", "pump"]
 
@@ -139,26 +140,40 @@ STREAM_WINDOW = 64
 STREAM_WINDOW_BYTES = 64 << 20
 
 
+class _Ready:
+    """A decoupled request's stream has responses (or its end) to send: the pump's marker."""
+
+    __slots__ = ("entry", "request", "stream")
+
+    def __init__(self, request: Any, entry: Any, stream: ResponseStream) -> None:
+        self.request, self.entry, self.stream = request, entry, stream
+
+
 def pump(
     requests: Iterator[tuple[Any, int]],
     context: grpc.ServicerContext,
-    submit: Callable[[Any, grpc.ServicerContext, int], tuple[Any, Future]],
+    submit: Callable[[Any, grpc.ServicerContext, int], tuple[Any, Future | ResponseStream]],
     respond: Callable[[Any, Any, Any], Any],
     fail: Callable[[Any, BaseException], Any],
     name: str,
+    decoupled: Callable[[Any, Any, Any, bool], Any] | None = None,
 ) -> Iterator[Any]:
     """A bidirectional inference stream: requests (each with its size on the wire) are
-    admitted as they arrive (on a reader thread), responses leave in completion order, and
-    every request read gets exactly one response: ``respond(request, entry, outputs)`` for
-    ``submit(request, context, size) -> (entry, future)``, or ``fail(request, error)``. At
-    most ``STREAM_WINDOW`` requests (or ``STREAM_WINDOW_BYTES`` of responses) are unanswered
-    at once; when the call ends, what is still queued is cancelled and the reader stops."""
+    admitted as they arrive (on a reader thread), responses leave in completion order. A
+    request answered by a future gets exactly one response: ``respond(request, entry,
+    outputs)`` for ``submit(request, context, size) -> (entry, future)``, or ``fail(request,
+    error)``; one answered by a :class:`ResponseStream` (a decoupled network) gets
+    ``decoupled(request, entry, item, final)`` for each of its items (None: nothing to send
+    for it), or ``fail`` once if it fails. At most ``STREAM_WINDOW`` requests are open (read
+    and not completed) at once, and ``STREAM_WINDOW_BYTES`` of finished responses wait to be
+    sent; when the call ends, what is still queued or streaming is cancelled and the reader
+    stops."""
     done: queue.Queue = queue.Queue()
     window = threading.Condition()
-    unsent = [0, 0]  # requests read and not yet answered on the wire; bytes of those finished
+    unsent = [0, 0]  # requests read and not yet completed on the wire; bytes of those finished
     admitted = [0]  # requests read so far
     ended = threading.Event()
-    outstanding: set[Future] = set()
+    outstanding: set[Any] = set()
 
     def finished(message: Any) -> None:
         with window:
@@ -198,6 +213,12 @@ def pump(
                 except Exception as exc:
                     finished(fail(request, exc))
                     continue
+                if isinstance(future, ResponseStream):
+                    outstanding.add(future)
+                    future.when_ended(lambda _e, f=future: outstanding.discard(f))
+                    ready = _Ready(request, entry, future)
+                    future.add_listener(lambda r=ready: done.put(r))
+                    continue
                 outstanding.add(future)
                 future.add_done_callback(outstanding.discard)
                 future.add_done_callback(lambda f, r=request, e=entry: complete(r, e, f))
@@ -213,16 +234,41 @@ def pump(
         for future in list(outstanding):
             future.cancel()
 
+    def drain(ready: _Ready) -> tuple[list[Any], bool]:
+        """The stream's waiting responses as messages, and whether it is complete."""
+        messages = []
+        try:
+            for item, final in ready.stream.take():
+                message = decoupled(ready.request, ready.entry, item, final)
+                if message is not None:
+                    messages.append(message)
+        except BaseException as exc:
+            messages.append(fail(ready.request, exc))
+            forget_frames(exc)
+            return messages, True
+        return messages, ready.stream.exhausted
+
     context.add_callback(end)
     threading.Thread(target=read, name=name, daemon=True).start()
-    sent, reading = 0, True
+    completed, reading = 0, True
+    draining: set[ResponseStream] = set()  # streams already complete (markers may still come)
     try:
         while True:
             message = done.get()
             if message is None:
                 reading = False
+            elif type(message) is _Ready:
+                if message.stream not in draining:
+                    messages, complete_now = drain(message)
+                    yield from messages
+                    if complete_now:
+                        draining.add(message.stream)
+                        completed += 1
+                        with window:
+                            unsent[0] -= 1
+                            window.notify_all()
             else:
-                sent += 1
+                completed += 1
                 yield message
                 with window:
                     unsent[0] -= 1
@@ -230,7 +276,7 @@ def pump(
                     window.notify_all()
             with window:
                 total = admitted[0]
-            if not reading and sent >= total:
+            if not reading and completed >= total:
                 return
     finally:
         end()
@@ -250,6 +296,8 @@ class Inference:
     respond: Callable[[Any, Any, Any], list[Any]]
     stream_respond: Callable[[Any, Any, Any], Any]
     fail: Callable[[Any, BaseException], Any]
+    #: a decoupled request's response as a stream message (None: nothing to send for it)
+    stream_decoupled: Callable[[Any, Any, Any, bool], Any] | None
     reader: str
 
     def unary(self, sized: tuple[Any, int], context: grpc.ServicerContext) -> bytes:
@@ -268,4 +316,13 @@ class Inference:
     ) -> Iterator[Any]:
         """Requests are admitted as they arrive; responses leave in completion order
         (:func:`pump`)."""
-        yield from pump(requests, context, self.submit, self.stream_respond, self.fail, self.reader)
+        submit = functools.partial(self.submit, streaming=True)
+        yield from pump(
+            requests,
+            context,
+            submit,
+            self.stream_respond,
+            self.fail,
+            self.reader,
+            self.stream_decoupled,
+        )

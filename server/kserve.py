@@ -45,6 +45,7 @@ from typing import Any
 
 import grpc
 
+from plugserve.plugins import cancel
 from plugserve.plugins.api import (
     InvalidInput,
     NotFound,
@@ -63,6 +64,7 @@ from plugserve.server.kserve_convert import (
     decoding_nbytes,
     model_config,
     model_metadata,
+    model_parameters,
     model_statistics,
     output_targets,
     parameter_values,
@@ -70,6 +72,7 @@ from plugserve.server.kserve_convert import (
     request_inputs,
     request_timeout,
     requested_outputs,
+    stream_decoupled,
     stream_error,
     stream_response,
 )
@@ -99,6 +102,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             functools.partial(compose_response, shm=self.shm),
             functools.partial(stream_response, shm=self.shm),
             stream_error,
+            stream_decoupled,
             "kserve-stream-reader",
         )
         # ModelInfer and ModelStreamInfer: the calls every protocol shares (_submit is this one's)
@@ -144,12 +148,17 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         size: int,
         inline: bool = False,
         token: Any = None,
+        streaming: bool = False,
     ):
         """One lookup: the entry runs the request and names the response. ``size``: the bytes
-        the message took on the wire, which it is charged for (twice: ``GRPC_FACTOR``)."""
+        the message took on the wire, which it is charged for (twice: ``GRPC_FACTOR``).
+        ``streaming``: the request came on ModelStreamInfer, where a decoupled network's
+        responses (a :class:`ResponseStream`) may go; ModelInfer refuses such a network as
+        Triton does."""
         entry = self.plane.get(request.model_name, parse_version(request.model_version))
         when = deadline(context)
         step = None
+        parameters: dict[str, Any] = {}
         if request.parameters:
             parameters = parameter_values(request.parameters)
             step = sequence_step(parameters)
@@ -157,6 +166,12 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             if timeout is not None:
                 own = time.monotonic() + timeout
                 when = own if when is None else min(when, own)
+            own_parameters = model_parameters(parameters)
+            if own_parameters is not None:
+                token = token if token is not None else cancel.Token()
+                token.parameters = own_parameters
+        if entry.network.decoupled:
+            return entry, self._submit_decoupled(request, entry, size, when, token, streaming)
         lane = plain_lane(entry)
         plain = lane.decode(request)
         if plain is not None:  # views of the message: charged when admitted
@@ -204,6 +219,27 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         nbytes = size * GRPC_FACTOR + decoding_nbytes(request)
         future = self.plane.charged(entry, nbytes, decode_and_submit)
         return entry, future
+
+    def _submit_decoupled(self, request, entry, size, when, token, streaming):
+        """A request to a decoupled network: its responses as a stream, on ModelStreamInfer
+        only (Triton's refusal on ModelInfer)."""
+        if not streaming:
+            entry.recorder.refused("invalid")
+            raise Unsupported(
+                "ModelInfer RPC doesn't support models with decoupled transaction policy: "
+                f"model {entry.name!r} answers a request with any number of responses; send "
+                "it on ModelStreamInfer (tritonclient's start_stream / async_stream_infer)"
+            )
+        if output_targets(request, self.shm):
+            raise Unsupported(
+                f"model {entry.name!r} is decoupled: its outputs cannot be written to shared "
+                "memory; ask for them in the responses"
+            )
+        nbytes = size * GRPC_FACTOR + decoding_nbytes(request)
+        inputs = request_inputs(request, entry, self.shm)
+        return self.plane.submit_decoupled(
+            entry, inputs, requested_outputs(request), when, token, holds=nbytes
+        )
 
     # --- system shared memory
 

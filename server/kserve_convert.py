@@ -542,6 +542,71 @@ def stream_response(
     return b"".join(field_pieces(_STREAM_INFER_RESPONSE, pieces))
 
 
+def set_parameter(parameter: Any, value: Any) -> None:
+    """An ``InferParameter`` set from a plain value (bool, int, float or str)."""
+    if isinstance(value, bool):
+        parameter.bool_param = value
+    elif isinstance(value, int):
+        parameter.int64_param = value
+    elif isinstance(value, float):
+        parameter.double_param = value
+    else:
+        parameter.string_param = str(value)
+
+
+def stream_decoupled(
+    request: pb.ModelInferRequest, entry: LoadedNetwork, response: Any, final: bool
+) -> bytes | None:
+    """One response of a decoupled request as a ``ModelStreamInferResponse``, as Triton sends
+    it: its outputs, its parameters, and ``triton_final_response`` (whether it is the
+    request's last); a final flag sent without a response is an empty response only when the
+    request set ``triton_enable_empty_final_response`` (else None: nothing is sent)."""
+    if response is None:
+        flag = request.parameters.get("triton_enable_empty_final_response")
+        if not (final and flag is not None and flag.bool_param):
+            return None
+        pieces: Pieces = [
+            pb.ModelInferResponse(
+                model_name=entry.name, model_version=str(entry.version), id=request.id
+            ).SerializeToString()
+        ]
+        parameters: Mapping[str, Any] = {}
+    elif response.error is not None:  # this response failed; the request goes on
+        message = stream_error(request, response.error)
+        message.infer_response.parameters["triton_final_response"].bool_param = final
+        return message.SerializeToString()
+    else:
+        pieces = compose_response(request, entry, response.outputs)
+        parameters = response.parameters
+    extra = pb.ModelInferResponse()  # serialized after the rest: protobuf merges the two
+    for key, value in parameters.items():
+        set_parameter(extra.parameters[key], value)
+    extra.parameters["triton_final_response"].bool_param = final
+    pieces.append(extra.SerializeToString())
+    return b"".join(field_pieces(_STREAM_INFER_RESPONSE, pieces))
+
+
+#: request parameters the server acts on itself; the others reach the model (Triton's
+#: ``request.parameters()`` in a Python model)
+SERVER_PARAMETERS = frozenset(
+    {
+        "sequence_id",
+        "sequence_start",
+        "sequence_end",
+        "priority",
+        "timeout",
+        "binary_data_output",
+        "triton_enable_empty_final_response",
+    }
+)
+
+
+def model_parameters(parameters: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The request parameters its model sees (None: none)."""
+    own = {k: v for k, v in parameters.items() if k not in SERVER_PARAMETERS}
+    return own or None
+
+
 def stream_error(request: pb.ModelInferRequest, exc: BaseException) -> pb.ModelStreamInferResponse:
     _, message = status_of(exc)
     response = pb.ModelStreamInferResponse(error_message=message)

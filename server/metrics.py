@@ -180,6 +180,83 @@ class _SequenceCollector:
         yield from (active, held)
 
 
+class _GenerationCollector:
+    """Per generative model (``server/generate/``), read at scrape time from its engine's
+    statistics: histograms of time to first token, inter-token latency and end-to-end
+    latency, counters of prompt (and prompt-from-cache) and generated tokens and of finished
+    sequences by reason, gauges of running and waiting requests and of the key/value cache
+    (the share of its slots held, and its bytes). vLLM's names, plugserve's prefix."""
+
+    _HISTOGRAMS = (
+        ("time_to_first_token", "Seconds from a request's arrival to its first token"),
+        ("inter_token_latency", "Seconds between two tokens of a sequence"),
+        ("e2e_request_latency", "Seconds from a request's arrival to its end"),
+    )
+
+    def __init__(self, read: Callable[[], list[tuple[str, str, str, Any]]]) -> None:
+        self._read = read
+
+    def collect(self):
+        labels = ["device", "model", "version"]
+        histograms = {
+            name: HistogramMetricFamily(f"plugserve_generate_{name}_seconds", text, labels=labels)
+            for name, text in self._HISTOGRAMS
+        }
+        prompt = CounterMetricFamily(
+            "plugserve_generate_prompt_tokens", "Prompt tokens of requests started",
+            labels=labels,
+        )  # fmt: skip
+        cached = CounterMetricFamily(
+            "plugserve_generate_prompt_tokens_cached",
+            "Prompt tokens whose key/value cache came from the prefix cache",
+            labels=labels,
+        )
+        generated = CounterMetricFamily(
+            "plugserve_generate_generation_tokens", "Tokens generated", labels=labels
+        )
+        finished = CounterMetricFamily(
+            "plugserve_generate_sequences_finished",
+            "Sequences ended, by reason (stop, length, abort)",
+            labels=[*labels, "finish_reason"],
+        )
+        running = GaugeMetricFamily(
+            "plugserve_generate_requests_running", "Sequences holding a cache slot",
+            labels=labels,
+        )  # fmt: skip
+        waiting = GaugeMetricFamily(
+            "plugserve_generate_requests_waiting", "Requests waiting for a cache slot",
+            labels=labels,
+        )  # fmt: skip
+        usage = GaugeMetricFamily(
+            "plugserve_generate_kv_cache_usage_ratio",
+            "Share of the key/value cache's slots held by running sequences (0 to 1)",
+            labels=labels,
+        )
+        size = GaugeMetricFamily(
+            "plugserve_generate_kv_cache_bytes", "Bytes of the key/value cache", labels=labels
+        )
+        for device, model, version, snap in self._read():
+            key = [device, model, version]
+            for name, family in histograms.items():
+                bounds, counts, total = snap.histograms[name]
+                cumulative, buckets = 0, []
+                for bound, count in zip((*bounds, float("inf")), counts):
+                    cumulative += count
+                    buckets.append((floatToGoString(bound), cumulative))
+                family.add_metric(key, buckets, total)
+            prompt.add_metric(key, snap.prompt_tokens)
+            cached.add_metric(key, snap.cached_prompt_tokens)
+            generated.add_metric(key, snap.generation_tokens)
+            for reason, count in sorted(snap.finished.items()):
+                finished.add_metric([*key, reason], count)
+            running.add_metric(key, snap.running)
+            waiting.add_metric(key, snap.waiting)
+            usage.add_metric(key, snap.kv_cache_usage)
+            size.add_metric(key, snap.kv_cache_bytes)
+        yield from histograms.values()
+        yield from (prompt, cached, generated, finished, running, waiting, usage, size)
+
+
 class Metrics:
     def __init__(self, version: str) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -216,6 +293,10 @@ class Metrics:
 
     def watch_sequences(self, read: Callable[[], list[tuple[str, str, str, int, int]]]) -> None:
         self.registry.register(_SequenceCollector(read))
+
+    def watch_generation(self, read: Callable[[], list[tuple[str, str, str, Any]]]) -> None:
+        """``read()``: ``(device, model, version, stats snapshot)`` of each generative model."""
+        self.registry.register(_GenerationCollector(read))
 
     def _series_of(self, device: str, model: str, version: str) -> _Series:
         with self._series_lock:

@@ -107,6 +107,22 @@ def stream_response(request: pb.InferRequest, entry: LoadedNetwork, outputs: dic
     return b"".join([head, *field_pieces(_STREAM_RESPONSE, pieces)])
 
 
+def stream_decoupled(
+    request: pb.InferRequest, entry: LoadedNetwork, response: Any, final: bool
+) -> bytes:
+    """One response of a decoupled request: its outputs (none for a bare final flag), with
+    ``more`` set while others follow."""
+    if response is not None and response.error is not None:  # this one failed; more may come
+        failed = stream_error(request, response.error)
+        failed.more = not final
+        return failed.SerializeToString()
+    head = pb.InferStreamResponse(id=request.id, more=not final).SerializeToString()
+    if response is None:
+        return head
+    pieces = respond(request, entry, response.outputs)
+    return b"".join([head, *field_pieces(_STREAM_RESPONSE, pieces)])
+
+
 def stream_error(request: pb.InferRequest, exc: BaseException) -> pb.InferStreamResponse:
     code, message = status_of(exc)
     return pb.InferStreamResponse(

@@ -8,6 +8,13 @@ version 2 on another device leaves version 1 as it was acknowledged. (Repositori
 before kept the settings of persisted loads only in the model's ``config.json``: their versions
 go on using it, and it is never rewritten by a load any more.)
 
+A model's folder (or its version folder) holding a Hugging Face model's files, a
+``config.json`` with ``model_type`` (transformers') or onnxruntime-genai's ``genai_config.json``
+beside a decoder graph, is a generative model (``server/generate/``): its entry's path is the
+folder, served as version 1 when the files are in the model's folder itself. Its
+``config.json`` is transformers', so plugserve's settings for such a model go in
+``DIR/<name>/config.json`` beside a version folder ``1/`` holding the files.
+
 Scanning never stops at a bad entry: each problem is reported with the file and what is wrong,
 and the other models still load. Writes (networks loaded with ``persist``) are atomic: the
 version folder, model and settings, is written under a temporary name, synced, then renamed
@@ -29,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from plugserve.plugins.api import InvalidArgument, NotFound
+from plugserve.server.generate.folder import is_transformers_folder
 from plugserve.server.triton_config import (
     MODEL_FILE,
     OVMS_KEYS,
@@ -168,6 +176,9 @@ class Repository:
             except InvalidArgument as exc:
                 problems.append(str(exc))
                 continue
+            if is_transformers_folder(folder):  # a model's files as people have them
+                entries.append(ModelEntry(name, 1, folder, settings))
+                continue
             try:
                 versions = self._versions(folder, problems, settings.model_file)
             except OSError as exc:
@@ -244,6 +255,8 @@ class Repository:
         folder = self.folder(name)
         if not folder.is_dir():
             raise NotFound(f"model {name!r} is not in the repository {str(self.root)!r}")
+        if is_transformers_folder(folder) and version in (0, 1):
+            return folder
         model_file = self.read_settings(name).model_file
         if not version:
             versions = sorted(
@@ -380,7 +393,10 @@ class Repository:
 
 def model_in(version_folder: Path, model_file: str) -> Path | None:
     """The model file of a version folder: ``model_file``, or ("") its one .onnx file, or
-    (``VERSION_FOLDER``) the folder itself (an ensemble's)."""
+    (``VERSION_FOLDER``) the folder itself (an ensemble's); a transformers folder (a
+    generative model's files, ``server/generate/folder.py``) is the folder itself too."""
+    if is_transformers_folder(version_folder):
+        return version_folder
     if model_file == VERSION_FOLDER:
         return version_folder if version_folder.is_dir() else None
     if model_file:
@@ -408,6 +424,8 @@ def _read_settings_file(path: Path) -> dict[str, Any]:
         raise InvalidArgument(f"{path}: not valid JSON ({exc})") from None
     if not isinstance(raw, dict):
         raise InvalidArgument(f"{path}: expected a JSON object")
+    if "model_type" in raw:  # transformers' config.json of a model folder, not ours
+        return {}
     unknown = set(raw) - {"device", "config", "max_batch_size", "sequence_batching"}
     if unknown:
         raise InvalidArgument(

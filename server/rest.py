@@ -43,24 +43,27 @@ import ssl
 import threading
 import time
 import zlib
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
+import orjson
 import uvloop
 
 from plugserve.plugins import cancel
 from plugserve.plugins.api import InvalidInput, PlugserveError, ResourceExhausted, Unsupported
 from plugserve.plugins.version import plugserve_version
 from plugserve.proto import grpc_service_pb2 as pb
-from plugserve.server import kserve, kserve_convert, rest_offload
+from plugserve.server import kserve, kserve_convert, rest_offload, sse
 from plugserve.server.budget import body_factor
 from plugserve.server.dataplane import DataPlane
-from plugserve.server.errors import HTTP_STATUS
+from plugserve.server.errors import HTTP_STATUS, status_of
+from plugserve.server.kserve_convert import model_parameters, request_timeout
 from plugserve.server.model_control import ModelControl
 from plugserve.server.networks import LoadedNetwork
+from plugserve.server.response_stream import ResponseStream
 from plugserve.server.rest_convert import (
     HEADER_LENGTH,
     InferCall,
@@ -71,7 +74,8 @@ from plugserve.server.rest_convert import (
     parse_infer,
     parse_raw,
 )
-from plugserve.server.rest_http import HttpServer, Reply, error_reply
+from plugserve.server.rest_generate import GenerateCall, parse_generate, response_json
+from plugserve.server.rest_http import HttpServer, Reply, StreamReply, error_reply
 from plugserve.server.security import HEALTH, KSERVE, AuthInterceptor, control_refusal
 from plugserve.server.settings import Settings
 from plugserve.server.shm import write_outputs
@@ -184,6 +188,11 @@ class RestApp:
         # the one whose lookup is paid per inference
         table: list[tuple[str, dict[str, tuple[str, Callable[[Call], Any]]]]] = [
             (model + "/infer", {"POST": (f"/{KSERVE}/ModelInfer", self.infer)}),
+            (model + "/generate", {"POST": (f"/{KSERVE}/ModelInfer", self.generate)}),
+            (
+                model + "/generate_stream",
+                {"POST": (f"/{KSERVE}/ModelStreamInfer", self.generate_stream)},
+            ),
             (r"/v2/health/live", {"GET": (f"/{HEALTH}/Check", self.live)}),
             (r"/v2/health/ready", {"GET": (f"/{HEALTH}/Check", self.ready)}),
             (r"/v2", {"GET": (f"/{KSERVE}/ServerMetadata", self.server_metadata)}),
@@ -259,6 +268,15 @@ class RestApp:
             (model + "/stats", {"GET": (f"/{KSERVE}/ModelStatistics", self.statistics)}),
         ]
         self.routes = [(re.compile(pattern + "/?"), methods) for pattern, methods in table]
+
+    def add_routes(
+        self, table: list[tuple[str, dict[str, tuple[str, Callable[[Call], Any]]]]]
+    ) -> None:
+        """More routes, after the KServe ones: ``(pattern, {method: (the gRPC method it is
+        authorized as, handler)})``, as the table above (a package such as the OpenAI adapter
+        brings its own). A handler takes a :class:`Call` and returns a reply, an awaitable of
+        one, or a :class:`StreamReply`."""
+        self.routes += [(re.compile(pattern + "/?"), methods) for pattern, methods in table]
 
     # --- the entry point (server/rest_http.py calls it with the request read whole)
 
@@ -461,6 +479,13 @@ class RestApp:
 
     def infer(self, call: Call) -> Reply | Awaitable[Reply]:
         entry = self.plane.get(call.path["name"], call.version)
+        if entry.network.decoupled:
+            entry.recorder.refused("invalid")
+            raise InvalidInput(
+                "HTTP end point doesn't support models with decoupled transaction policy: "
+                f"model {entry.name!r} answers a request with any number of responses; use "
+                f"/v2/models/{entry.name}/generate_stream (or gRPC ModelStreamInfer)"
+            )
         header_length = _text(call.headers.get(HEADER_LENGTH.encode()))
         if header_length is None and len(call.body) > INLINE_BYTES:
             # decoding this much JSON would stall the loop: a worker does it all (binary
@@ -543,6 +568,93 @@ class RestApp:
             raise
         finally:
             self._in_workers -= 1
+
+    # --- Triton's generate extension (server/rest_generate.py)
+
+    async def _generate_call(self, call: Call) -> tuple[LoadedNetwork, GenerateCall, Any]:
+        """Decode a generate request and submit it: its entry, the decoded call, and a
+        future (an ordinary network) or a :class:`ResponseStream` (a decoupled one)."""
+        entry = self.plane.get(call.path["name"], call.version)
+        if len(call.body) > INLINE_BYTES:  # parsing this much would stall the loop
+            request = await self._in_worker(lambda: parse_generate(call.json(), entry))
+        else:
+            request = parse_generate(call.json(), entry)
+        token = cancel.Token()
+        token.parameters = model_parameters(request.parameters)
+        timeout = request_timeout(request.parameters)
+        deadline = time.monotonic() + timeout if timeout else None
+        if entry.network.decoupled:
+            stream = self.plane.submit_decoupled(entry, request.inputs, None, deadline, token)
+            return entry, request, stream
+        future = self.plane.submit(entry, request.inputs, None, deadline, token=token)
+        return entry, request, future
+
+    async def generate(self, call: Call) -> Reply:
+        """One response, as JSON (a decoupled model must answer exactly one)."""
+        entry, request, answer = await self._generate_call(call)
+        if not isinstance(answer, ResponseStream):
+            outputs = await asyncio.wrap_future(answer)
+            return 200, [response_json(entry, request.id, outputs)], _JSON
+        responses = []
+        try:
+            async for item, _final in answer:
+                if item is not None:
+                    responses.append(item)
+        except asyncio.CancelledError:
+            answer.cancel()
+            raise
+        if len(responses) != 1:
+            raise InvalidInput(
+                "generate expects model to produce exactly 1 response, use generate stream "
+                "for model that generates various number of responses "
+                f"(model {entry.name!r} answered {len(responses)})"
+            )
+        (only,) = responses
+        if only.error is not None:
+            raise only.error
+        return 200, [response_json(entry, request.id, only.outputs, only.parameters)], _JSON
+
+    async def generate_stream(self, call: Call) -> Reply | StreamReply:
+        """Each response as a server-sent event. The status is decided by the first response:
+        a request that fails before it is answered with a JSON error and that status; a
+        later failure is an event ``{"error": ...}`` (Triton's generate_stream)."""
+        entry, request, answer = await self._generate_call(call)
+        if not isinstance(answer, ResponseStream):
+            outputs = await asyncio.wrap_future(answer)
+            event = sse.event(response_json(entry, request.id, outputs))
+            return 200, [event], sse.HEADERS
+        items = answer.__aiter__()
+        try:
+            first = await items.__anext__()
+        except StopAsyncIteration:
+            first = None
+        except asyncio.CancelledError:
+            answer.cancel()
+            raise
+
+        async def events() -> AsyncIterator[bytes]:
+            try:
+                pending = [first] if first is not None else []
+                while True:
+                    for item, _final in pending:
+                        if item is not None and item.error is not None:
+                            yield sse.event(orjson.dumps({"error": status_of(item.error)[1]}))
+                        elif item is not None:
+                            data = response_json(entry, request.id, item.outputs, item.parameters)
+                            yield sse.event(data)
+                    try:
+                        pending = [await items.__anext__()]
+                    except StopAsyncIteration:
+                        return
+                    except PlugserveError as exc:
+                        yield sse.event(orjson.dumps({"error": status_of(exc)[1]}))
+                        return
+            finally:
+                await items.aclose()
+                if not answer.exhausted:
+                    answer.cancel()
+
+        return StreamReply(200, sse.HEADERS, events())
 
     # --- repository
 

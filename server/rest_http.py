@@ -35,7 +35,7 @@ import asyncio
 import http
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from email.utils import formatdate
 from typing import Any
 from urllib.parse import unquote
@@ -48,7 +48,7 @@ from plugserve.plugins.api import PlugserveError
 from plugserve.server.budget import Charge, MemoryBudget, body_factor
 from plugserve.server.errors import forget_frames, http_status_of
 
-__all__ = ["EVICT_AFTER", "MAX_HEADER_BYTES", "HttpServer", "Reply", "error_reply"]
+__all__ = ["EVICT_AFTER", "MAX_HEADER_BYTES", "HttpServer", "Reply", "StreamReply", "error_reply"]
 
 #: A connection waiting this long for a request's headers may be closed to make room.
 EVICT_AFTER = 0.5
@@ -69,6 +69,21 @@ _STATUS_LINES = {
 
 #: A body with a Content-Length of at least this is read into one buffer made for it.
 _PREALLOCATE = 1 << 20
+
+
+class StreamReply:
+    """A reply whose body is written as it is made, with chunked transfer encoding: Triton's
+    generate_stream and OpenAI's streams (server-sent events, ``server/sse.py``). ``chunks``
+    is an async iterator of bytes; the connection waits for the peer to read before asking it
+    for more (flow control), and a peer that goes away closes it (its ``finally`` cancels the
+    request that feeds it)."""
+
+    __slots__ = ("chunks", "headers", "status")
+
+    def __init__(
+        self, status: int, headers: list[tuple[bytes, bytes]], chunks: AsyncIterator[bytes]
+    ) -> None:
+        self.status, self.headers, self.chunks = status, headers, chunks
 
 
 def error_reply(status: int, message: str) -> Reply:
@@ -182,6 +197,7 @@ class Connection(asyncio.Protocol):
         self.busy = False  # a request is being served
         self.task: asyncio.Task | None = None  # what a request being served awaits, if any
         self.paused = False  # the peer is not reading: no further request until it does
+        self._drained: asyncio.Event | None = None  # a streamed reply waits for the peer
         self.closed = False
         self.last = False  # the parser reads no further request: close after those taken
         self.reading = False  # a request's first bytes came, not yet all of it
@@ -245,6 +261,8 @@ class Connection(asyncio.Protocol):
     def resume_writing(self) -> None:
         self.paused = False
         self.stalled_until = _NEVER
+        if self._drained is not None:
+            self._drained.set()
         if not self.busy:
             self._next()
 
@@ -377,7 +395,7 @@ class Connection(asyncio.Protocol):
             except Exception as exc:
                 reply = error_reply(*http_status_of(exc))
                 forget_frames(exc)  # answered: its frames would only keep the request's data
-            if not isinstance(reply, tuple):  # its handler awaits: finish on the loop
+            if not isinstance(reply, tuple):  # it awaits, or streams: finish on the loop
                 self.busy = True
                 self.task = self.loop.create_task(self._later(method, reply, keep_alive))
                 return
@@ -388,15 +406,64 @@ class Connection(asyncio.Protocol):
             if not self.reading:  # (else its headers are in, its body is timed)
                 self._wait_for_headers()
 
-    async def _later(self, method: str, reply: Awaitable[Reply], keep_alive: bool) -> None:
+    async def _later(
+        self, method: str, reply: Awaitable[Reply] | StreamReply, keep_alive: bool
+    ) -> None:
         try:
-            done = await reply
+            done = reply if isinstance(reply, StreamReply) else await reply
         except Exception as exc:
             done = error_reply(*http_status_of(exc))
             forget_frames(exc)  # answered: its frames would only keep the request's data
+        if isinstance(done, StreamReply):
+            open_ = await self._stream(method, done, keep_alive)
+        else:
+            open_ = self._reply(method, done, keep_alive)
         self.busy = False
-        if self._reply(method, done, keep_alive) and not self.paused:
+        if open_ and not self.paused:
             self._next()
+
+    async def _stream(self, method: str, reply: StreamReply, keep_alive: bool) -> bool:
+        """Write a :class:`StreamReply` chunk by chunk; whether the connection stays open.
+        The request's memory charge ends when its head is written (its body was read)."""
+        self._release(self.serving)
+        self.serving = None
+        chunks = reply.chunks
+        try:
+            if self.closed:
+                return False
+            keep_alive = keep_alive and not (self.last and not self.pending)
+            head = [
+                _STATUS_LINES.get(reply.status) or f"HTTP/1.1 {reply.status} \r\n".encode(),
+                _Date.header(),
+            ]
+            for name, value in reply.headers:
+                head += (name, b": ", value, b"\r\n")
+            head.append(b"transfer-encoding: chunked\r\n")
+            if not keep_alive:
+                head.append(b"connection: close\r\n")
+            head.append(b"\r\n")
+            self.transport.write(b"".join(head))
+            if method != "HEAD":
+                async for chunk in chunks:
+                    if self.closed:
+                        return False
+                    if chunk:
+                        self.transport.writelines([b"%x\r\n" % len(chunk), chunk, b"\r\n"])
+                    while self.paused and not self.closed:  # the peer reads: then more
+                        self._drained = asyncio.Event()
+                        await self._drained.wait()
+                    if self.closed:
+                        return False
+            self.transport.write(b"0\r\n\r\n")
+        finally:
+            self._drained = None
+            close = getattr(chunks, "aclose", None)
+            if close is not None:
+                await close()
+        if not keep_alive:
+            self.close()
+            return False
+        return True
 
     def _reply(self, method: str, reply: Reply, keep_alive: bool) -> bool:
         """Write ``reply``; whether the connection stays open. The request's memory charge

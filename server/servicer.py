@@ -13,7 +13,7 @@ from typing import Any
 import grpc
 
 from plugserve.plugins import cancel
-from plugserve.plugins.api import FailedPrecondition, InvalidArgument, PlugserveError
+from plugserve.plugins.api import FailedPrecondition, InvalidArgument, PlugserveError, Unsupported
 from plugserve.proto import plugserve_pb2 as pb
 from plugserve.proto import plugserve_pb2_grpc as pb_grpc
 from plugserve.server.budget import GRPC_FACTOR
@@ -27,6 +27,7 @@ from plugserve.server.plugserve_convert import (
     request_inputs,
     respond,
     sequence_of,
+    stream_decoupled,
     stream_error,
     stream_response,
 )
@@ -51,7 +52,12 @@ class PlugserveServicer(pb_grpc.PlugserveServicer):
         self.plane = plane
         self.control = control
         inference = Inference(
-            self._submit, respond, stream_response, stream_error, "infer-stream-reader"
+            self._submit,
+            respond,
+            stream_response,
+            stream_error,
+            stream_decoupled,
+            "infer-stream-reader",
         )
         # Infer and InferStream: the calls every protocol shares (_submit is this one's)
         self.Infer, self.InferStream = inference.unary, inference.stream
@@ -150,12 +156,35 @@ class PlugserveServicer(pb_grpc.PlugserveServicer):
         return response
 
     def _submit(
-        self, request: pb.InferRequest, context, size: int, inline: bool = False, token=None
+        self,
+        request: pb.InferRequest,
+        context,
+        size: int,
+        inline: bool = False,
+        token=None,
+        streaming: bool = False,
     ):
         """One lookup: the entry runs the request and names the response. ``size``: the bytes
         the message took on the wire; it is charged for them (twice: ``GRPC_FACTOR``) and for
-        its strings before they are decoded."""
+        its strings before they are decoded. A decoupled network answers on InferStream
+        (``streaming``) only."""
         entry = self.plane.get(request.network, request.version)
+        if entry.network.decoupled:
+            if not streaming:
+                entry.recorder.refused("invalid")
+                raise Unsupported(
+                    f"network {entry.name!r} is decoupled (it answers a request with any "
+                    "number of responses): send its requests on InferStream"
+                )
+            nbytes = size * GRPC_FACTOR + decoding_nbytes(request)
+            return entry, self.plane.submit_decoupled(
+                entry,
+                request_inputs(request, entry),
+                list(request.outputs),
+                deadline(context),
+                token,
+                holds=nbytes,
+            )
         future = self.plane.charged(
             entry,
             size * GRPC_FACTOR + decoding_nbytes(request),

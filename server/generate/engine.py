@@ -230,6 +230,7 @@ class Engine:
                 for seq in self._plan_sequences(plan):
                     if seq.request.request_id in self._requests:
                         self._fail(seq.request, RuntimeError("the generation step failed"))
+            self._gauges()  # what the step ended (an idle engine's gauges read zero)
 
     def _busy(self) -> bool:
         return bool(self.scheduler.running or self.scheduler.waiting)

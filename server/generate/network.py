@@ -46,24 +46,12 @@ from plugserve.plugins.api import (
     TensorSpec,
     Unsupported,
 )
+from plugserve.plugins.responses import Response
 from plugserve.server.generate.decoder import choose_decoder
 from plugserve.server.generate.engine import Engine, EngineSettings, QueueSender
 from plugserve.server.generate.folder import ModelFolder
 from plugserve.server.generate.tokenizer import Tokenizer
 from plugserve.server.generate.types import GenerationEvent, GenerationRequest, SamplingParams
-
-try:  # the lead's streaming path (plugins/responses.py)
-    from plugserve.plugins.responses import Response
-except ImportError:  # pragma: no cover - until it lands
-
-    class Response:  # type: ignore[no-redef]
-        __slots__ = ("error", "outputs", "parameters")
-
-        def __init__(self, outputs=None, parameters=None, error=None) -> None:
-            self.outputs = dict(outputs or {})
-            self.parameters = dict(parameters or {})
-            self.error = error
-
 
 __all__ = ["ENGINE_KEYS", "GenerativeNetwork", "engine_settings", "load_generative"]
 
@@ -208,9 +196,9 @@ def load_generative(
         network.close()
         raise
     log.info(
-        "generative model %s on %s: %s graph (%s), context %d, %d sequences x %d MiB of cache",
+        "generative model %s on %s: %s graph (%s), context %d, %d sequences x %.1f MiB of cache",
         folder.path, device, folder.kind, type(decoder).__name__, capacity, rows,
-        per_slot >> 20,
+        per_slot / (1 << 20),
     )  # fmt: skip
     return network
 

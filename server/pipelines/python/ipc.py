@@ -22,7 +22,10 @@ import mmap
 import os
 import socket
 import struct
+import threading
 import time
+from collections import deque
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import numpy as np
@@ -30,6 +33,7 @@ import numpy as np
 __all__ = [
     "MAX_HEADER",
     "Arena",
+    "Mailbox",
     "pack_tensors",
     "receive",
     "receive_all",
@@ -44,13 +48,18 @@ _ADD_SEALS = getattr(fcntl, "F_ADD_SEALS", 1033)
 _GET_SEALS = getattr(fcntl, "F_GET_SEALS", 1034)
 
 
-def send(sock: socket.socket, header: dict[str, Any], fd: int = -1, *more: int) -> None:
+def send(
+    sock: socket.socket, header: dict[str, Any], fd: int = -1, *more: int, flags: int = 0
+) -> None:
+    """``header`` (and the descriptors) as one message; ``flags``: ``MSG_DONTWAIT`` for a
+    sender that must not block on a peer that does not read (BlockingIOError then)."""
     data = json.dumps(header).encode()
     fds = [f for f in (fd, *more) if f >= 0]
     if fds:
-        sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+        ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
+        sock.sendmsg([data], ancillary, flags)
     else:
-        sock.sendmsg([data])
+        sock.sendmsg([data], [], flags)
 
 
 def receive(sock: socket.socket) -> tuple[dict[str, Any], int]:
@@ -74,6 +83,12 @@ def receive_all(
             with contextlib.suppress(BlockingIOError):
                 received = sock.recvmsg(MAX_HEADER, space, socket.MSG_DONTWAIT)
     data, ancillary, flags, _ = received or sock.recvmsg(MAX_HEADER, space)
+    return _message(data, ancillary, flags, most)
+
+
+def _message(
+    data: bytes, ancillary: list[Any], flags: int, most: int
+) -> tuple[dict[str, Any], list[int]]:
     if not data and not ancillary:
         raise EOFError("the peer closed its end")
     received: list[int] = []
@@ -258,3 +273,119 @@ def _read(buffer: memoryview, described: list[dict[str, Any]]) -> dict[str, np.n
         else:
             out[info["name"]] = np.frombuffer(data, np.dtype(info["dtype"])).reshape(shape)
     return out
+
+
+class Mailbox:
+    """One end of the socket, shared by the threads of a side: each waits for the messages
+    meant for it (a key: ``route(header)``), and whichever waits reads the socket for all
+    (leader and followers: a side runs no reader thread of its own, so the common case, one
+    thread waiting for the answer to what it sent, reads that answer itself with no hand-off
+    between threads). A message ``route`` gives no key is handled at once by ``handle``, on
+    the reading thread (it must not block). Sends are serialized by a lock: any thread sends.
+
+    When the peer is gone (or a read fails), every waiter raises EOFError."""
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        route: Callable[[dict[str, Any]], Hashable | None],
+        handle: Callable[[dict[str, Any], list[int]], None] | None = None,
+        most_fds: int = 2,
+    ) -> None:
+        self.sock = sock
+        self.route, self.handle, self.most_fds = route, handle, most_fds
+        self._cond = threading.Condition()
+        self._send_lock = threading.Lock()
+        self._boxes: dict[Hashable, deque[tuple[dict[str, Any], list[int]]]] = {}
+        self._reading = False
+        self.closed: str = ""  # why the mailbox is closed ("": open)
+
+    def send(self, header: dict[str, Any], *fds: int, block: bool = True) -> None:
+        with self._send_lock:
+            send(self.sock, header, *fds, flags=0 if block else socket.MSG_DONTWAIT)
+
+    def wait(self, key: Hashable, spin: float = 0.0) -> tuple[dict[str, Any], list[int]]:
+        """The next message for ``key`` (reading the socket while nobody else does)."""
+        while True:
+            with self._cond:
+                while True:
+                    box = self._boxes.get(key)
+                    if box:
+                        message = box.popleft()
+                        if not box:
+                            del self._boxes[key]
+                        return message
+                    if self.closed:
+                        raise EOFError(self.closed)
+                    if not self._reading:
+                        self._reading = True
+                        break
+                    self._cond.wait()
+            self._read_one(spin)
+
+    def poll(self) -> None:
+        """Read what has arrived, without blocking, when nobody else is reading (a thread
+        that only sends, or a model asking ``is_cancelled()``, sees notices this way)."""
+        while True:
+            with self._cond:
+                if self._reading or self.closed:
+                    return
+                self._reading = True
+            if not self._read_one(0.0, block=False):
+                return
+
+    def _read_one(self, spin: float, block: bool = True) -> bool:
+        """Read one message and deliver it (the caller holds the reading role, which this
+        gives back); False when ``block`` is off and nothing waited."""
+        try:
+            if block:
+                header, fds = receive_all(self.sock, self.most_fds, spin)
+            else:
+                try:
+                    header, fds = _receive_now(self.sock, self.most_fds)
+                except BlockingIOError:
+                    with self._cond:
+                        self._reading = False
+                        self._cond.notify_all()
+                    return False
+        except (EOFError, OSError, ValueError) as exc:
+            self.close(str(exc) or type(exc).__name__)
+            return False
+        key = self.route(header)
+        if key is None:
+            try:
+                if self.handle is not None:
+                    self.handle(header, fds)
+            finally:
+                with self._cond:
+                    self._reading = False
+                    self._cond.notify_all()
+            return True
+        with self._cond:
+            self._boxes.setdefault(key, deque()).append((header, fds))
+            self._reading = False
+            self._cond.notify_all()
+        return True
+
+    def discard(self, key: Hashable) -> None:
+        """Drop what waits for ``key`` (closing its descriptors): nobody will take it."""
+        with self._cond:
+            box = self._boxes.pop(key, None)
+        for _, fds in box or ():
+            for fd in fds:
+                os.close(fd)
+
+    def close(self, why: str = "closed") -> None:
+        with self._cond:
+            if not self.closed:
+                self.closed = why or "closed"
+            self._reading = False
+            self._cond.notify_all()
+
+
+def _receive_now(sock: socket.socket, most: int) -> tuple[dict[str, Any], list[int]]:
+    """:func:`receive_all` that raises BlockingIOError when no message waits."""
+    fds = array.array("i")
+    space = socket.CMSG_SPACE(fds.itemsize * 4)
+    data, ancillary, flags, _ = sock.recvmsg(MAX_HEADER, space, socket.MSG_DONTWAIT)
+    return _message(data, ancillary, flags, most)

@@ -9,12 +9,17 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import threading
 from typing import Any
 
 import numpy as np
 
-#: how a worker sends a BLS request to the server and waits for its answer (set by worker.py)
+#: set by worker.py: the process's worker, how a BLS request goes to the server
+#: (``_bls(request, decoupled)``), and how a decoupled response does (``_send(rid, response,
+#: final)``)
+_worker: Any = None
 _bls: Any = None
+_send: Any = None
 
 TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
 TRITONSERVER_REQUEST_FLAG_SEQUENCE_START = 1
@@ -31,6 +36,12 @@ _TYPES = {
 
 def triton_string_to_numpy(triton_type_string: str) -> Any:
     return _TYPES[triton_type_string]
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, bytes | bytearray | np.bytes_):
+        return bytes(value).decode("utf-8", "replace")
+    return str(value)
 
 
 class TritonError(Exception):
@@ -117,8 +128,72 @@ class InferenceResponse:
         return self._parameters
 
 
+class InferenceResponseSender:
+    """A decoupled request's sender (``request.get_response_sender()``): any number of
+    responses, from any thread, until one is sent with ``TRITONSERVER_RESPONSE_COMPLETE_FINAL``
+    (alone, or with the last response)."""
+
+    def __init__(self, rid: int) -> None:
+        self._rid = rid
+        self._closed = False
+        self._lock = threading.Lock()
+
+    def send(self, response: InferenceResponse | None = None, flags: int = 0) -> None:
+        final = bool(flags & TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        if response is not None and not isinstance(response, InferenceResponse):
+            raise TritonModelException(
+                f"send takes an InferenceResponse, not a {type(response).__name__}"
+            )
+        with self._lock:
+            if self._closed:
+                raise TritonModelException(
+                    "Unable to send response. Response sender has been closed."
+                )
+            if response is None and not final:
+                return
+            self._closed = final
+            _send(self._rid, response, final)
+
+    def is_cancelled(self) -> bool:
+        return _worker is not None and _worker.is_cancelled(self._rid)
+
+    def _fail(self, message: str) -> None:
+        """Fail the request with ``message`` unless its final response went already."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            _send(self._rid, InferenceResponse(error=TritonError(message)), True)
+
+
+class ResponseIterator:
+    """The responses of a decoupled BLS call (``exec(decoupled=True)``), ending with the
+    final one (an empty response when the model sent the final flag alone)."""
+
+    def __init__(self, take: Any, cancel: Any) -> None:
+        self._take, self._cancel = take, cancel
+        self._done = False
+
+    def __iter__(self) -> ResponseIterator:
+        return self
+
+    def __next__(self) -> InferenceResponse:
+        if self._done:
+            raise StopIteration
+        response, final = self._take()
+        if final or response.has_error():
+            self._done = True
+        return response
+
+    def cancel(self) -> None:
+        """Ask the called model to stop (Triton's request cancellation)."""
+        if not self._done:
+            self._cancel()
+
+
 class InferenceRequest:
-    """A request ``execute`` receives (its inputs, parameters, ...)."""
+    """A request ``execute`` receives (its inputs, parameters, ...), or one a model makes to
+    call another model (Business Logic Scripting: :meth:`exec`)."""
 
     def __init__(
         self,
@@ -131,16 +206,23 @@ class InferenceRequest:
         parameters: dict[str, Any] | str | None = None,
         model_version: int = -1,
         timeout: int = 0,
+        _rid: int | None = None,
+        _worker: Any = None,
         **_: Any,
     ) -> None:
-        self._model_name, self._model_version = model_name, model_version
-        self._outputs = list(requested_output_names or [])
+        # a name read from a BYTES tensor is bytes; Triton takes it as the string it holds
+        self._model_name, self._model_version = _text(model_name), model_version
+        self._outputs = [_text(name) for name in requested_output_names or []]
         self._inputs = list(inputs or [])
         self._id, self._correlation, self._flags = request_id, correlation_id, flags
+        if not isinstance(parameters, str | dict | None):
+            raise TritonModelException("parameters must be a dict or a JSON string")
         self._parameters = (
             parameters if isinstance(parameters, str) else json.dumps(parameters or {})
         )
-        self._cancelled = False
+        self._timeout = int(timeout or 0)
+        self._rid = _rid
+        self._sender: InferenceResponseSender | None = None
 
     def inputs(self) -> list[Tensor]:
         return self._inputs
@@ -163,21 +245,46 @@ class InferenceRequest:
     def model_name(self) -> str:
         return self._model_name
 
-    def is_cancelled(self) -> bool:
-        return self._cancelled
+    def timeout(self) -> int:
+        return self._timeout
 
-    def exec(self, decoupled: bool = False) -> InferenceResponse:
+    def is_cancelled(self) -> bool:
+        """Whether the server cancelled the request (its client gone, its deadline)."""
+        return self._rid is not None and _worker is not None and _worker.is_cancelled(self._rid)
+
+    def get_response_sender(self) -> InferenceResponseSender:
+        if self._rid is None or _worker is None or not _worker.decoupled:
+            raise TritonModelException(
+                "get_response_sender is for decoupled models (model_transaction_policy "
+                "{ decoupled: true } in config.pbtxt); return the responses from execute"
+            )
+        if self._sender is None:
+            self._sender = InferenceResponseSender(self._rid)
+        return self._sender
+
+    def _fail_open(self, message: str) -> None:
+        """A decoupled execute failed: the request gets ``message`` unless it is complete."""
+        if self._rid is not None:
+            self.get_response_sender()._fail(message)
+
+    def exec(self, decoupled: bool = False) -> Any:
         """Business Logic Scripting: run this request on any model the server serves (ONNX on
-        any device, another Python model, an ensemble) and return its response; an error the
-        model answers is the response's ``error()``, as Triton returns it."""
-        if decoupled:
-            raise TritonModelException("decoupled BLS calls are not served by this plugserve yet")
+        any device, another Python model, an ensemble) and return its response (with
+        ``decoupled``, an iterator of its responses); an error the model answers is the
+        response's ``error()``, as Triton returns it."""
         if _bls is None:
             raise TritonModelException("BLS calls are made from a model's execute")
-        return _bls(self)
+        return _bls(self, decoupled)
 
-    async def async_exec(self, decoupled: bool = False) -> InferenceResponse:
-        return self.exec(decoupled)
+    async def async_exec(self, decoupled: bool = False) -> Any:
+        """:meth:`exec` without blocking the model's event loop: calls made at once (say with
+        ``asyncio.gather``) run at once."""
+        import asyncio
+
+        if _worker is None:
+            return self.exec(decoupled)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(_worker.pool, self.exec, decoupled)
 
     def _bls_header(self) -> dict[str, Any]:
         return {
@@ -187,6 +294,9 @@ class InferenceRequest:
             "outputs": self._outputs,
             "id": self._id,
             "parameters": self._parameters,
+            "timeout": self._timeout,
+            "correlation_id": self._correlation,
+            "flags": self._flags,
         }
 
 

@@ -3,6 +3,13 @@ of a Unix socket to the server. It imports the model's ``model.py``, makes its
 ``TritonPythonModel``, calls ``initialize(args)``, then answers ``execute`` messages until the
 server says ``finalize`` or goes away (``ipc.py`` is the protocol). Standard library and numpy
 only, run by whichever Python the model names, so its dependencies need not be the server's.
+
+The process runs no reader thread: the main thread reads the socket while it waits for the next
+request, and a thread that waits for an answer (a BLS call's, a decoupled BLS call's
+responses) reads while it waits (``ipc.Mailbox``). The server's notices (a request cancelled)
+are read with them, or by ``is_cancelled()`` itself. A decoupled model's responses go out from
+whichever thread sends them (``InferenceResponseSender``); its ``async def execute`` runs on an
+event loop of its own thread, so the next request starts while earlier ones wait (Triton 24.04).
 """
 
 from __future__ import annotations
@@ -10,10 +17,14 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import inspect
+import itertools
+import json
 import os
 import socket
 import sys
+import threading
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +39,10 @@ REASON_LINES = 6
 #: process woken on an idle core answers ~100 us later on these machines (its own core; the
 #: server's threads are not held)
 SPIN_SECONDS = 0.002
+#: threads that run ``async_exec`` calls at once (each waits for its answer)
+BLS_THREADS = 8
+
+_calls = itertools.count(1)
 
 
 def _reason(exc: BaseException) -> str:
@@ -44,29 +59,210 @@ def _load(path: str) -> Any:
     return module.TritonPythonModel()
 
 
-def _requests(header: dict[str, Any], tensors: dict[str, Any]) -> list[pb_utils.InferenceRequest]:
-    made = []
-    for index, request in enumerate(header["requests"]):
-        inputs = [pb_utils.Tensor(name, tensors[f"{index}/{name}"]) for name in request["inputs"]]
-        made.append(
-            pb_utils.InferenceRequest(
-                model_name=header.get("model", ""),
-                requested_output_names=request.get("outputs", []),
-                inputs=inputs,
-                request_id=request.get("id", ""),
-                correlation_id=request.get("correlation_id", 0),
-                flags=request.get("flags", 0),
-                parameters=request.get("parameters", "{}"),
+def _route(header: dict[str, Any]) -> Any:
+    """Where a message from the server goes: a call's answer to the thread that waits for
+    it, a notice handled at once, anything else to the main thread."""
+    call = header.get("call")
+    if call is not None:
+        return ("call", call)
+    if header.get("op") == "cancel":
+        return None
+    return "main"
+
+
+class Worker:
+    """The process's side of the protocol: the mailbox, the model, and what is in flight."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.mailbox = ipc.Mailbox(sock, _route, self._notice)
+        #: requests the server cancelled (their ids), as ``is_cancelled()`` reports them
+        self.cancelled: set[int] = set()
+        self.model: Any = None
+        self.model_name = ""
+        self.instance_name = ""
+        self.decoupled = False
+        self.loop = asyncio.new_event_loop()
+        self.background: asyncio.AbstractEventLoop | None = None  # a decoupled async model's
+        self.pool = ThreadPoolExecutor(BLS_THREADS, thread_name_prefix="bls")
+        self.inbox: ipc.Arena | None = None  # the server's arenas: requests come in one,
+        self.outbox: ipc.Arena | None = None  # answers go out the other
+
+    # --- notices and calls
+
+    def _notice(self, header: dict[str, Any], fds: list[int]) -> None:
+        for fd in fds:
+            os.close(fd)
+        if header.get("op") == "cancel":
+            self.cancelled.add(int(header.get("rid", -1)))
+
+    def is_cancelled(self, rid: int) -> bool:
+        self.mailbox.poll()
+        return rid in self.cancelled
+
+    def call(self, header: dict[str, Any], tensors: dict[str, Any]) -> tuple[dict, list[int]]:
+        """Send a call to the server (a BLS request, ...) and wait for its first answer."""
+        number = next(_calls)
+        header["call"] = number
+        described, fd = ipc.pack_tensors(tensors)
+        header["tensors"] = described
+        try:
+            self.mailbox.send(header, fd)
+        finally:
+            if fd >= 0:
+                os.close(fd)
+        return self.mailbox.wait(("call", number))
+
+    def next_answer(self, number: int) -> tuple[dict, list[int]]:
+        return self.mailbox.wait(("call", number))
+
+    # --- the main loop
+
+    def serve(self) -> None:
+        while True:
+            try:
+                header, fds = self.mailbox.wait("main", SPIN_SECONDS if self.model else 0.0)
+            except EOFError:
+                return
+            op = header.get("op")
+            if op == "initialize":
+                if not self._initialize(header, fds):
+                    return
+            elif op == "execute":
+                self._execute(header, fds)
+            elif op == "finalize":
+                try:
+                    if self.model is not None and hasattr(self.model, "finalize"):
+                        self.model.finalize()
+                finally:
+                    self.mailbox.send({"op": "finalized"})
+                return
+            else:
+                for fd in fds:
+                    os.close(fd)
+
+    def _initialize(self, header: dict[str, Any], fds: list[int]) -> bool:
+        try:
+            if len(fds) == 2:
+                self.inbox = ipc.Arena(fd=fds[0], writable=False)
+                self.outbox = ipc.Arena(fd=fds[1], writable=True)
+            args = header["args"]
+            self.model_name = args.get("model_name", "")
+            self.instance_name = args.get("model_instance_name", "")
+            self.decoupled = bool(header.get("decoupled"))
+            self.model = _load(header["model_path"])
+            if hasattr(self.model, "initialize"):
+                result = self.model.initialize(args)
+                if inspect.isawaitable(result):
+                    self.loop.run_until_complete(result)
+            self.mailbox.send({"op": "initialized"})
+            return True
+        except BaseException as exc:  # the load fails with the reason; the worker ends
+            self.mailbox.send({"op": "initialized", "error": _reason(exc)})
+            return False
+
+    def _tensors(self, header: dict[str, Any], fds: list[int]) -> dict[str, Any]:
+        fd = fds[0] if fds else -1
+        if header.get("arena") and self.inbox is not None:
+            # a decoupled model's threads may read inputs after execute returns, when the
+            # arena holds the next request: they get copies
+            return self.inbox.unpack(header["tensors"], copy=self.decoupled)
+        return ipc.unpack_tensors(header["tensors"], fd)
+
+    def _requests(self, header: dict[str, Any], tensors: dict[str, Any]) -> list[Any]:
+        made = []
+        for index, request in enumerate(header["requests"]):
+            inputs = [
+                pb_utils.Tensor(name, tensors[f"{index}/{name}"]) for name in request["inputs"]
+            ]
+            made.append(
+                pb_utils.InferenceRequest(
+                    model_name=header.get("model", ""),
+                    requested_output_names=request.get("outputs", []),
+                    inputs=inputs,
+                    request_id=request.get("id", ""),
+                    correlation_id=request.get("correlation_id", 0),
+                    flags=request.get("flags", 0),
+                    parameters=request.get("parameters") or "{}",
+                    _rid=request.get("rid"),
+                    _worker=self,
+                )
             )
-        )
-    return made
+        return made
+
+    def _execute(self, header: dict[str, Any], fds: list[int]) -> None:
+        try:
+            requests = self._requests(header, self._tensors(header, fds))
+        except Exception as exc:
+            self.mailbox.send({"op": "result", "error": _reason(exc)})
+            return
+        if self.decoupled:
+            self._execute_decoupled(requests)
+            return
+        try:
+            result = self.model.execute(requests)
+            if inspect.isawaitable(result):
+                result = self.loop.run_until_complete(result)
+            reply, outputs = _answer(result, len(requests))
+            described = self.outbox.pack(outputs) if self.outbox is not None else None
+            out_fd = -1
+            if described is None:
+                described, out_fd = ipc.pack_tensors(outputs)
+            else:
+                reply["arena"] = True
+            reply["tensors"] = described
+            try:
+                self.mailbox.send(reply, out_fd)
+            finally:
+                if out_fd >= 0:
+                    os.close(out_fd)
+        except Exception as exc:  # the requests fail with the reason; the worker goes on
+            self.mailbox.send({"op": "result", "error": _reason(exc)})
+
+    def _execute_decoupled(self, requests: list[Any]) -> None:
+        """A decoupled model's execute: it answers through its requests' senders; the server
+        hears ``result`` once execute returned (its stream is free for the next request). An
+        ``async def execute`` runs on the background loop: the next request need not wait."""
+        try:
+            result = self.model.execute(requests)
+            if inspect.isawaitable(result):
+                loop = self._background()
+                future = asyncio.run_coroutine_threadsafe(_awaited(result), loop)
+                future.add_done_callback(lambda f, r=requests: self._settled(f, r))
+                self.mailbox.send({"op": "result"})
+                return
+            self._check_none(result, requests)
+            self.mailbox.send({"op": "result"})
+        except Exception as exc:
+            self.mailbox.send({"op": "result", "error": _reason(exc)})
+
+    def _settled(self, future: Any, requests: list[Any]) -> None:
+        """An async decoupled execute finished: its failure fails the requests still open."""
+        try:
+            self._check_none(future.result(), requests)
+        except Exception as exc:
+            for request in requests:
+                request._fail_open(_reason(exc))
+
+    def _check_none(self, result: Any, requests: list[Any]) -> None:
+        if result is not None:
+            message = (
+                f"Python model '{self.instance_name}' is using the decoupled mode and the "
+                "execute function must return None."
+            )
+            for request in requests:
+                request._fail_open(message)
+
+    def _background(self) -> asyncio.AbstractEventLoop:
+        if self.background is None:
+            self.background = asyncio.new_event_loop()
+            threading.Thread(
+                target=self.background.run_forever, name="decoupled-execute", daemon=True
+            ).start()
+        return self.background
 
 
-def _execute(model: Any, requests: list[Any], loop: asyncio.AbstractEventLoop) -> Any:
-    result = model.execute(requests)
-    if inspect.isawaitable(result):
-        result = loop.run_until_complete(result)
-    return result
+async def _awaited(awaitable: Any) -> Any:
+    return await awaitable
 
 
 def _answer(responses: Any, count: int) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -84,111 +280,96 @@ def _answer(responses: Any, count: int) -> tuple[dict[str, Any], dict[str, Any]]
             raise pb_utils.TritonModelException(
                 f"response {index} is a {type(response).__name__}, not an InferenceResponse"
             )
-        error = response.error()
         names = []
         for tensor in response.output_tensors():
             tensors[f"{index}/{tensor.name()}"] = tensor.as_numpy()
             names.append(tensor.name())
-        described.append(
-            {
-                "outputs": names,
-                "error": None if error is None else [error.message(), error.code_name()],
-                "parameters": response.parameters(),
-            }
-        )
-    return {"responses": described}, tensors
+        described.append(_described(response, names))
+    return {"op": "result", "responses": described}, tensors
 
 
-def _bls(sock: socket.socket):
-    """What ``InferenceRequest.exec`` calls: the request to the server, its answer back."""
-
-    def call(request: pb_utils.InferenceRequest) -> pb_utils.InferenceResponse:
-        header = request._bls_header()
-        described, fd = ipc.pack_tensors({t.name(): t.as_numpy() for t in request.inputs()})
-        header["tensors"] = described
-        try:
-            ipc.send(sock, header, fd)
-        finally:
-            if fd >= 0:
-                os.close(fd)
-        reply, out_fd = ipc.receive(sock)
-        if "error" in reply:
-            if out_fd >= 0:
-                os.close(out_fd)
-            message, code = reply["error"]
-            codes = pb_utils.TritonError._NAMES
-            error = pb_utils.TritonError(message, codes.index(code) if code in codes else 1)
-            return pb_utils.InferenceResponse(error=error)
-        tensors = ipc.unpack_tensors(reply["tensors"], out_fd)
-        return pb_utils.InferenceResponse(
-            output_tensors=[pb_utils.Tensor(n, a) for n, a in tensors.items()]
-        )
-
-    return call
+def _described(response: Any, names: list[str]) -> dict[str, Any]:
+    error = response.error()
+    return {
+        "outputs": names,
+        "error": None if error is None else [error.message(), error.code_name()],
+        "parameters": response.parameters(),
+    }
 
 
-def serve(sock: socket.socket) -> None:
-    pb_utils._bls = _bls(sock)
-    loop = asyncio.new_event_loop()
-    model = None
-    inbox = outbox = None  # the server's arenas: requests come in one, answers go out the other
-    while True:
-        try:
-            header, fds = ipc.receive_all(sock, 2, SPIN_SECONDS if model is not None else 0.0)
-        except (EOFError, ConnectionError):
-            return
-        fd = fds[0] if fds else -1
-        op = header.get("op")
-        if op == "initialize":
-            try:
-                if len(fds) == 2:
-                    inbox = ipc.Arena(fd=fds[0], writable=False)
-                    outbox = ipc.Arena(fd=fds[1], writable=True)
-                model = _load(header["model_path"])
-                if hasattr(model, "initialize"):
-                    result = model.initialize(header["args"])
-                    if inspect.isawaitable(result):
-                        loop.run_until_complete(result)
-                ipc.send(sock, {"ok": True})
-            except BaseException as exc:  # the load fails with the reason; the worker ends
-                ipc.send(sock, {"error": _reason(exc)})
-                return
-        elif op == "execute":
-            try:
-                if header.get("arena") and inbox is not None:
-                    tensors = inbox.unpack(header["tensors"], copy=False)
-                else:
-                    tensors = ipc.unpack_tensors(header["tensors"], fd)
-                requests = _requests(header, tensors)
-                reply, outputs = _answer(_execute(model, requests, loop), len(requests))
-                described = outbox.pack(outputs) if outbox is not None else None
-                out_fd = -1
-                if described is None:
-                    described, out_fd = ipc.pack_tensors(outputs)
-                else:
-                    reply["arena"] = True
-                reply["tensors"] = described
-                try:
-                    ipc.send(sock, reply, out_fd)
-                finally:
-                    if out_fd >= 0:
-                        os.close(out_fd)
-            except Exception as exc:  # the requests fail with the reason; the worker goes on
-                ipc.send(sock, {"error": _reason(exc)})
-        elif op == "finalize":
-            try:
-                if model is not None and hasattr(model, "finalize"):
-                    model.finalize()
-            finally:
-                ipc.send(sock, {"ok": True})
-            return
+def send_response(worker: Worker, rid: int, response: Any, final: bool) -> None:
+    """A decoupled request's response (or its bare final flag) to the server."""
+    header: dict[str, Any] = {"op": "send", "rid": rid, "final": final, "response": None}
+    tensors: dict[str, Any] = {}
+    if response is not None:
+        names = []
+        for tensor in response.output_tensors():
+            tensors[tensor.name()] = tensor.as_numpy()
+            names.append(tensor.name())
+        header["response"] = _described(response, names)
+    described, fd = ipc.pack_tensors(tensors)
+    header["tensors"] = described
+    try:
+        worker.mailbox.send(header, fd)
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def bls_request(worker: Worker, request: Any, decoupled: bool) -> Any:
+    """``InferenceRequest.exec``: the call to the server; a response, or for ``decoupled`` an
+    iterator of them ending with the final one."""
+    header = request._bls_header()
+    header["decoupled"] = decoupled
+    tensors = {t.name(): t.as_numpy() for t in request.inputs()}
+    if not decoupled:
+        reply, fds = worker.call(header, tensors)
+        return _bls_response(reply, fds)
+    number = next(_calls)
+    header["call"] = number
+    described, fd = ipc.pack_tensors(tensors)
+    header["tensors"] = described
+    try:
+        worker.mailbox.send(header, fd)
+    finally:
+        if fd >= 0:
+            os.close(fd)
+    return pb_utils.ResponseIterator(
+        lambda: _next_bls(worker, number),
+        lambda: worker.mailbox.send({"op": "bls_cancel", "call": number}),
+    )
+
+
+def _next_bls(worker: Worker, number: int) -> tuple[Any, bool]:
+    reply, fds = worker.next_answer(number)
+    return _bls_response(reply, fds), bool(reply.get("final", True))
+
+
+def _bls_response(reply: dict[str, Any], fds: list[int]) -> Any:
+    fd = fds[0] if fds else -1
+    if reply.get("error"):
+        if fd >= 0:
+            os.close(fd)
+        message, code = reply["error"]
+        codes = pb_utils.TritonError._NAMES
+        error = pb_utils.TritonError(message, codes.index(code) if code in codes else 1)
+        return pb_utils.InferenceResponse(error=error)
+    tensors = ipc.unpack_tensors(reply.get("tensors", []), fd)
+    return pb_utils.InferenceResponse(
+        output_tensors=[pb_utils.Tensor(n, a) for n, a in tensors.items()],
+        parameters=json.dumps(reply.get("parameters") or {}),
+    )
 
 
 def main() -> None:
     fd = int(sys.argv[1])
     sock = socket.socket(fileno=fd)
+    worker = Worker(sock)
+    pb_utils._worker = worker
+    pb_utils._bls = lambda request, decoupled: bls_request(worker, request, decoupled)
+    pb_utils._send = lambda rid, response, final: send_response(worker, rid, response, final)
     try:
-        serve(sock)
+        worker.serve()
     finally:
         sock.close()
 

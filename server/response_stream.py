@@ -1,0 +1,216 @@
+"""One decoupled request's responses, between the thread that makes them and the protocol that
+sends them (``plugins/responses.py`` is the producer's interface; this is the server's side).
+
+The producer (a Python model's worker process, through its reader; the generation engine's
+loop; a network's stream) calls :meth:`ResponseStream.send` from any thread and never blocks:
+a producer serves many requests, and one slow client must not stall the others. What is sent
+waits in the stream until the protocol's consumer takes it: blocking iteration on a gRPC
+thread (``for item, final in stream``), ``async for`` on the REST event loop, or a listener
+that wakes a stream pump. The buffer is bounded: a consumer that leaves more than
+``MAX_ITEMS`` responses or ``MAX_BYTES`` of them unread has its request cancelled
+(ResourceExhausted, "not reading its responses"), so a client that stops reading costs the
+server a bounded amount of memory, never an unbounded one.
+
+The request's cancellation token is the stream's: the client going away, its deadline or the
+server's limit cancel the token, which ends the stream with the token's error (the consumer
+raises it), tells the producer (:attr:`cancelled`, :meth:`on_cancel`: a Python model's
+``is_cancelled()``, the engine freeing the sequence's cache at its next step), and makes
+further sends return False. The stream ends exactly once (final response, failure or
+cancellation); :meth:`when_ended` callbacks then run once (the data plane's accounting).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+from plugserve.plugins import cancel
+from plugserve.plugins.api import (
+    Cancelled,
+    InferenceError,
+    PlugserveError,
+    ResourceExhausted,
+    Response,
+    ResponseSender,
+)
+
+__all__ = ["MAX_BYTES", "MAX_ITEMS", "ResponseStream"]
+
+#: responses a stream holds unread at most, by count and by bytes (a generated token is one
+#: small response; a decoupled model's tensors may be large)
+MAX_ITEMS = 4096
+MAX_BYTES = 64 << 20
+
+
+class ResponseStream(ResponseSender):
+    """The responses of one request: the producer sends, the protocol consumes."""
+
+    def __init__(
+        self,
+        token: cancel.Token,
+        name: str,
+        outputs: list[str] | None = None,
+        max_items: int = MAX_ITEMS,
+        max_bytes: int = MAX_BYTES,
+    ) -> None:
+        """``token``: the request's cancellation; ``name``: its network, for messages;
+        ``outputs``: the outputs the client asked for (a :class:`Response`'s others are left
+        out; None: all)."""
+        self.token = token
+        self.name = name
+        self.wanted = set(outputs) if outputs else None
+        self.max_items, self.max_bytes = max_items, max_bytes
+        self._cond = threading.Condition(threading.Lock())
+        self._items: deque[tuple[Any, bool]] = deque()
+        self._bytes = 0
+        self._ended = False  # the final response was sent, or the stream failed
+        self._error: BaseException | None = None
+        self._taken_final = False  # the consumer took the last item (or the error)
+        self._listeners: list[Callable[[], object]] = []
+        self._on_end: list[Callable[[BaseException | None], object]] = []
+        #: responses sent so far (the consumer may not have read them all)
+        self.sent = 0
+        self._unhook = token.on_cancel(self._cancelled_by_token)
+
+    # --- the producer's side
+
+    @property
+    def cancelled(self) -> bool:
+        return self._ended or self.token.error is not None
+
+    def on_cancel(self, callback: Callable[[], object]) -> Callable[[], None]:
+        return self.token.on_cancel(callback)
+
+    def send(self, item: Any = None, final: bool = False) -> bool:
+        if self.wanted is not None and isinstance(item, Response):
+            item.outputs = {k: v for k, v in item.outputs.items() if k in self.wanted}
+        size = getattr(item, "nbytes", 0) if item is not None else 0
+        with self._cond:
+            if self._ended:
+                return False
+            if item is not None or final:
+                self._items.append((item, final))
+                self._bytes += size
+                self.sent += item is not None
+            overflow = len(self._items) > self.max_items or self._bytes > self.max_bytes
+            if final and not overflow:
+                self._ended = True
+            self._cond.notify_all()
+        if overflow:
+            self.token.cancel(
+                ResourceExhausted(
+                    f"network {self.name!r}: stopped, the client is not reading its responses "
+                    f"({len(self._items)} responses, {self._bytes:,} bytes wait unread; at "
+                    f"most {self.max_items} or {self.max_bytes:,} bytes may)"
+                )
+            )
+            return False
+        self._wake()
+        if final:
+            self._end(None)
+        return True
+
+    def fail(self, error: BaseException) -> None:
+        if not isinstance(error, PlugserveError):
+            error = InferenceError(f"network {self.name!r}: {type(error).__name__}: {error}")
+        with self._cond:
+            if self._ended:
+                return
+            self._ended = True
+            self._error = error
+            self._cond.notify_all()
+        self._wake()
+        self._end(error)
+
+    def _cancelled_by_token(self) -> None:
+        self.fail(self.token.error or Cancelled(f"network {self.name!r}: cancelled"))
+
+    def when_ended(self, callback: Callable[[BaseException | None], object]) -> None:
+        """Call ``callback(error or None)`` once the stream has ended (at once if it has)."""
+        with self._cond:
+            if not self._ended:
+                self._on_end.append(callback)
+                return
+            error = self._error
+        callback(error)
+
+    def _end(self, error: BaseException | None) -> None:
+        self._unhook()
+        with self._cond:
+            callbacks, self._on_end = self._on_end, []
+        for callback in callbacks:
+            callback(error)
+
+    # --- the consumer's side
+
+    @property
+    def ended(self) -> bool:
+        """Nothing more will be sent (there may still be items to take)."""
+        return self._ended
+
+    def add_listener(self, listener: Callable[[], object]) -> None:
+        """Call ``listener()`` (on the producer's thread; it must not block) whenever an item
+        or the end arrives; at once if one is waiting."""
+        with self._cond:
+            self._listeners.append(listener)
+            ready = bool(self._items) or self._ended
+        if ready:
+            listener()
+
+    def _wake(self) -> None:
+        for listener in self._listeners:
+            listener()
+
+    def take(self) -> list[tuple[Any, bool]]:
+        """What waits now, without blocking: ``[(item, final), ...]``; raises the stream's
+        error once its items are taken. An empty list: nothing yet (or the stream is over)."""
+        with self._cond:
+            if self._items:
+                items = list(self._items)
+                self._items.clear()
+                self._bytes = 0
+                if items[-1][1]:
+                    self._taken_final = True
+                return items
+            error = self._error
+            if error is not None and not self._taken_final:
+                self._taken_final = True
+                raise error
+        return []
+
+    @property
+    def exhausted(self) -> bool:
+        """The consumer has taken everything, the end included."""
+        return self._taken_final or (self._ended and self._error is None and not self._items)
+
+    def __iter__(self) -> Iterator[tuple[Any, bool]]:
+        """``(item, final)`` until the final one; raises the error the stream ended with."""
+        while True:
+            with self._cond:
+                while not self._items and not self._ended:
+                    self._cond.wait()
+            items = self.take()
+            yield from items
+            if self.exhausted:
+                return
+
+    async def __aiter__(self) -> AsyncIterator[tuple[Any, bool]]:
+        loop = asyncio.get_running_loop()
+        ready = asyncio.Event()
+        self.add_listener(lambda: loop.call_soon_threadsafe(ready.set))
+        while True:
+            ready.clear()
+            items = self.take()
+            for item in items:
+                yield item
+            if self.exhausted:
+                return
+            if not items:
+                await ready.wait()
+
+    def cancel(self, error: PlugserveError | None = None) -> None:
+        """The consumer is gone: cancel the request (the producer hears it)."""
+        self.token.cancel(error or Cancelled(f"network {self.name!r}: the client went away"))
