@@ -33,21 +33,18 @@ from typing import Any
 import orjson
 
 from plugserve.plugins.api import Cancelled, InvalidArgument, NotFound, PlugserveError
+from plugserve.server import sse
 from plugserve.server.generate.openai import encode, protocol
 from plugserve.server.generate.openai.errors import OpenAIError, reply_of, stream_error
 from plugserve.server.generate.types import GenerationEvent, GenerationRequest, SamplingParams
+from plugserve.server.rest_http import StreamReply
+from plugserve.server.security import KSERVE
 
 __all__ = ["MAX_QUEUED", "OpenAIRoutes"]
 
 log = logging.getLogger(__name__)
 
 _JSON = [(b"content-type", b"application/json")]
-_SSE = [
-    (b"content-type", b"text/event-stream"),
-    (b"cache-control", b"no-cache"),
-    (b"x-accel-buffering", b"no"),
-]
-_DONE = b"data: [DONE]\n\n"
 #: a body larger than this is rendered and tokenized on a worker thread
 INLINE_BYTES = 64 << 10
 #: jobs waiting for the adapter's worker threads, at most
@@ -61,7 +58,7 @@ Reply = tuple[int, list[bytes], list[tuple[bytes, bytes]]]
 
 
 def _sse(value: Any) -> bytes:
-    return b"data: " + orjson.dumps(value) + b"\n\n"
+    return sse.event(orjson.dumps(value))
 
 
 class _Model:
@@ -96,15 +93,22 @@ class OpenAIRoutes:
         self._queued = 0
         self.created = int(time.time())
 
-    def routes(self) -> list[tuple[str, dict[str, Callable[[Any], Any]]]]:
-        table: list[tuple[str, dict[str, Callable[[Any], Any]]]] = []
+    def routes(self) -> list[tuple[str, dict[str, tuple[str, Callable[[Any], Any]]]]]:
+        """``RestApp.add_routes``' table: each path authorized as the KServe method it stands
+        for (generating and embedding as ModelInfer, listing as ModelMetadata: the ``infer``
+        role), so ``--auth-tokens`` governs these routes as it does /v2's."""
+        infer, metadata = f"/{KSERVE}/ModelInfer", f"/{KSERVE}/ModelMetadata"
+        table: list[tuple[str, dict[str, tuple[str, Callable[[Any], Any]]]]] = []
         for prefix in ("/v1", "/v3"):
             table += [
-                (prefix + "/chat/completions", {"POST": _guarded(self.chat)}),
-                (prefix + "/completions", {"POST": _guarded(self.completions)}),
-                (prefix + "/embeddings", {"POST": _guarded(self.embeddings)}),
-                (prefix + "/models", {"GET": _guarded(self.models)}),
-                (prefix + r"/models/(?P<model>[^/]+)", {"GET": _guarded(self.model)}),
+                (prefix + "/chat/completions", {"POST": (infer, _guarded(self.chat))}),
+                (prefix + "/completions", {"POST": (infer, _guarded(self.completions))}),
+                (prefix + "/embeddings", {"POST": (infer, _guarded(self.embeddings))}),
+                (prefix + "/models", {"GET": (metadata, _guarded(self.models))}),
+                (
+                    prefix + r"/models/(?P<model>[^/]+)",
+                    {"GET": (metadata, _guarded(self.model))},
+                ),
             ]
         return table
 
@@ -428,8 +432,9 @@ async def _awaited(reply: Awaitable[Any]) -> Any:
 async def _merged(streams: list[Any]) -> AsyncIterator[tuple[int, GenerationEvent]]:
     """The events of every prompt's stream as they come, with the prompt's number."""
     if len(streams) == 1:
-        async for event in streams[0]:
-            yield 0, event
+        async for event, _final in streams[0]:
+            if event is not None:
+                yield 0, event
         return
     queue: asyncio.Queue[tuple[int, Any, BaseException | None]] = asyncio.Queue(
         maxsize=4 * len(streams)
@@ -438,8 +443,9 @@ async def _merged(streams: list[Any]) -> AsyncIterator[tuple[int, GenerationEven
 
     async def pump(i: int, stream: Any) -> None:
         try:
-            async for event in stream:
-                await queue.put((i, event, None))
+            async for event, _final in stream:
+                if event is not None:
+                    await queue.put((i, event, None))
             await queue.put((i, finished, None))
         except Exception as exc:
             await queue.put((i, finished, exc))
@@ -667,9 +673,7 @@ def _finish_reason(reason: str) -> str:
     return reason
 
 
-def _stream_reply(answer: _Answer, streams: list[Any]) -> Any:
-    from plugserve.server.rest_http import StreamReply
-
+def _stream_reply(answer: _Answer, streams: list[Any]) -> StreamReply:
     async def chunks() -> AsyncIterator[bytes]:
         try:
             for piece in answer.opening():
@@ -684,13 +688,13 @@ def _stream_reply(answer: _Answer, streams: list[Any]) -> Any:
             except (PlugserveError, OpenAIError) as exc:
                 # the status line is out: the failure is the stream's last event, as vLLM's
                 yield _sse(stream_error(exc))
-            yield _DONE
+            yield sse.DONE
         finally:
             for stream in streams:
                 with contextlib.suppress(Exception):
                     stream.cancel()
 
-    return StreamReply(200, _SSE, chunks())
+    return StreamReply(200, sse.HEADERS, chunks())
 
 
 def _echo_only(model: _Model, ask: Any, prompts: list[list[int]]) -> Reply | Any:
@@ -700,7 +704,6 @@ def _echo_only(model: _Model, ask: Any, prompts: list[list[int]]) -> Reply | Any
         answer.finish[i] = "length"
     if not ask.stream:
         return 200, [orjson.dumps(answer.body())], _JSON
-    from plugserve.server.rest_http import StreamReply
 
     async def chunks() -> AsyncIterator[bytes]:
         for i in range(len(answer.texts)):
@@ -714,6 +717,6 @@ def _echo_only(model: _Model, ask: Any, prompts: list[list[int]]) -> Reply | Any
             yield _sse(answer._chunk([choice]))
         for piece in answer.closing():
             yield piece
-        yield _DONE
+        yield sse.DONE
 
-    return StreamReply(200, _SSE, chunks())
+    return StreamReply(200, sse.HEADERS, chunks())
