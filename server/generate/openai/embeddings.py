@@ -37,7 +37,7 @@ from plugserve.plugins.api import InvalidModel
 from plugserve.server.generate.openai.errors import OpenAIError
 from plugserve.server.generate.openai.protocol import EmbeddingRequest
 
-__all__ = ["BATCH_TOKENS", "Encoder", "embed", "encoder_of", "is_encoder"]
+__all__ = ["BATCH_TOKENS", "Encoder", "embed", "encoder_graph", "encoder_of", "is_encoder"]
 
 #: padded tokens per encoder run, at most (a 32-input batch of 256 tokens)
 BATCH_TOKENS = 8192
@@ -71,6 +71,21 @@ def _folder_of(model_file: Path) -> Path | None:
         if (folder / "modules.json").is_file():
             return folder
     return None
+
+
+def encoder_graph(folder: str | Path) -> Path | None:
+    """The encoder graph of a sentence-transformers folder (``modules.json`` beside a
+    transformers folder's graph): the model folder is then loaded as that plain network, and
+    this module does the rest at each request; None for any other folder (a decoder's)."""
+    from plugserve.server.generate.folder import graph_of
+
+    folder = Path(folder)
+    if not (folder / "modules.json").is_file():
+        return None
+    found = graph_of(folder)
+    if found is None or found[0] != "onnx":
+        return None
+    return found[1]
 
 
 class Encoder:

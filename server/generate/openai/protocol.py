@@ -99,6 +99,8 @@ class GenerationAsk:
     logprobs: int | None = None
     #: the JSON schema the answer must follow (response_format), as text
     schema: str | None = None
+    #: vLLM's extension: each choice also carries its token ids (and the prompt's)
+    return_token_ids: bool = False
 
 
 @dataclasses.dataclass
@@ -349,6 +351,7 @@ def _sampling(body: dict[str, Any], ask: GenerationAsk) -> None:
     }
     ask.sampling = {k: v for k, v in ask.sampling.items() if v is not None}
     ask.schema = _response_format(body)
+    ask.return_token_ids = _boolean(body, "return_token_ids")
 
 
 def _text_content(content: Any, where: str) -> str | None:

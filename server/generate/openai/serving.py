@@ -488,6 +488,7 @@ class _Answer:
         self.names = encode.token_names(model.tokenizer) if ask.logprobs is not None else None
         count = ask.n * len(prompts)
         self.texts: list[list[str]] = [[] for _ in range(count)]
+        self.token_ids: list[list[int]] = [[] for _ in range(count)]
         self.logprobs: list[list[Any]] = [[] for _ in range(count)]
         self.finish: list[str | None] = [None] * count
         self.completion = [0] * count
@@ -495,8 +496,8 @@ class _Answer:
         self.cached = [0] * len(prompts)
         self.prompt_logprobs: list[Any] = [None] * len(prompts)
         self.offsets = [0] * count
-        #: the choices whose stream has sent the echoed prompt
-        self.echoed: set[int] = set()
+        #: the choices whose stream has begun
+        self.started: set[int] = set()
 
     def index(self, prompt: int, event: GenerationEvent) -> int:
         return prompt * self.ask.n + event.index
@@ -505,6 +506,8 @@ class _Answer:
         i = self.index(prompt, event)
         if event.text:
             self.texts[i].append(event.text)
+        if self.ask.return_token_ids:
+            self.token_ids[i].extend(event.token_ids)
         if event.logprobs:
             self.logprobs[i].extend(event.logprobs)
         if event.prompt_logprobs is not None:
@@ -541,6 +544,13 @@ class _Answer:
         rest, _ = encode.completion_logprobs(self.logprobs[i], self.names, top, offset)
         return encode.join_logprobs(first, rest)
 
+    def _ids(self, choice: dict[str, Any], i: int, prompt: int, new: bool = True) -> None:
+        """vLLM's ``return_token_ids``: the choice's token ids, and the prompt's."""
+        if self.ask.return_token_ids:
+            if new:
+                choice["prompt_token_ids"] = self.prompts[prompt]
+            choice["token_ids"] = self.token_ids[i]
+
     def body(self) -> dict[str, Any]:
         choices = []
         for i in range(len(self.texts)):
@@ -562,6 +572,7 @@ class _Answer:
                         "finish_reason": self.finish[i] or "stop",
                     }
                 )
+                self._ids(choices[-1], i, prompt)
             else:
                 if self.echo:
                     text = self._prompt_text(prompt) + text
@@ -573,6 +584,7 @@ class _Answer:
                         "finish_reason": self.finish[i] or "stop",
                     }
                 )
+                self._ids(choices[-1], i, prompt)
         return {
             "id": self.rid,
             "object": "chat.completion" if self.kind == "chat" else "text_completion",
@@ -620,11 +632,14 @@ class _Answer:
     def chunk(self, prompt: int, event: GenerationEvent) -> bytes | None:
         """The chunk for one event (None: it carries nothing to send)."""
         i = self.add(prompt, event)
-        first_echo = self.echo and i not in self.echoed
-        self.echoed.add(i)
+        first = i not in self.started
+        self.started.add(i)
+        first_echo = self.echo and first
         finish = self.finish[i] if event.finish_reason is not None else None
         text = event.text
-        if not text and not event.logprobs and finish is None and not first_echo:
+        if not (text or event.logprobs or finish is not None or first_echo) and not (
+            self.ask.return_token_ids and event.token_ids
+        ):
             return None
         if self.kind == "chat":
             logprobs = None
@@ -655,6 +670,10 @@ class _Answer:
                 )
                 logprobs = encode.join_logprobs(logprobs, more)
             choice = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        if self.ask.return_token_ids:
+            if first:
+                choice["prompt_token_ids"] = self.prompts[prompt]
+            choice["token_ids"] = list(event.token_ids)
         return _sse(self._chunk([choice]))
 
     def closing(self) -> list[bytes]:
