@@ -20,8 +20,8 @@ Where OpenAI and vLLM differ or are silent, the choice is written here and in do
   (OpenAI says 4; clients send more);
 * fields this server does not know are ignored, as vLLM does (clients send ``user``,
   ``metadata``, ``store`` and their own extensions); fields it knows but cannot honour
-  (``tool_choice`` naming a function, image parts, ``best_of`` over ``n``, ``suffix``) are
-  refused, never silently dropped.
+  (``tool_choice`` naming a function, image parts, ``best_of`` over ``n``, ``suffix``,
+  ``echo`` with ``logprobs``) are refused, never silently dropped.
 """
 
 from __future__ import annotations
@@ -480,6 +480,14 @@ def completion_request(body: dict[str, Any]) -> CompletionRequest:
     ask.echo = _boolean(body, "echo")
     ask.max_tokens = _integer(body, "max_tokens", None, 0 if ask.echo else 1)
     ask.logprobs = _integer(body, "logprobs", None, 0, MAX_LOGPROBS)
+    if ask.echo and ask.logprobs is not None:
+        # the answer would need the prompt's logprobs (SamplingParams.prompt_logprobs), which
+        # the engine does not compute yet; encode.prompt_logprobs writes them once it does
+        raise OpenAIError(
+            "'echo' with 'logprobs' needs the prompt's logprobs, which this server does not "
+            "compute yet; ask for one or the other",
+            "echo",
+        )
     if body.get("suffix"):
         raise OpenAIError("'suffix' (insertion) is not supported by this server", "suffix")
     choices = ask.n * len(ask.prompts)
