@@ -323,7 +323,7 @@ class Server:
             )
             # the OpenAI-compatible API over generative models (server/generate/openai/)
             self.openai = OpenAIRoutes(self.plane, self.control, s.max_completion_tokens)
-            rest_app.add_routes(self.openai.routes())
+            rest_app.add_routes(self.openai.routes(), self.openai.refusal)
             self.rest = RestServer(rest_app, s)
             self.http_port = self.rest.start()
         rest = f", HTTP {'https' if credentials else 'http'}://{s.host}:{self.http_port}"

@@ -32,10 +32,21 @@ from typing import Any
 
 import orjson
 
-from plugserve.plugins.api import Cancelled, InvalidArgument, NotFound, PlugserveError
+from plugserve.plugins.api import (
+    Cancelled,
+    InvalidArgument,
+    NotFound,
+    PlugserveError,
+    ResourceExhausted,
+)
 from plugserve.server import sse
 from plugserve.server.generate.openai import encode, protocol
-from plugserve.server.generate.openai.errors import OpenAIError, reply_of, stream_error
+from plugserve.server.generate.openai.errors import (
+    OpenAIError,
+    error_reply,
+    reply_of,
+    stream_error,
+)
 from plugserve.server.generate.types import GenerationEvent, GenerationRequest, SamplingParams
 from plugserve.server.rest_http import StreamReply
 from plugserve.server.security import KSERVE
@@ -114,6 +125,15 @@ class OpenAIRoutes:
 
     def close(self) -> None:
         self.workers.shutdown(wait=False, cancel_futures=True)
+
+    @staticmethod
+    def refusal(status: int, message: str, error: PlugserveError | None) -> Reply:
+        """A request to these routes refused before its handler runs (``add_routes``): its
+        body does not fit --max-inflight-bytes (429, as OpenAI says "retry later"), is over
+        --max-message-bytes (413), or came too slowly (408); OpenAI's body either way."""
+        if isinstance(error, ResourceExhausted):
+            status = 429
+        return error_reply(status, message)
 
     # --- helpers
 
