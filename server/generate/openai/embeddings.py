@@ -117,6 +117,10 @@ class Encoder:
             raise InvalidModel(f"{folder}: 1_Pooling/config.json turns on no pooling mode")
         self.normalize = any(k.endswith("Normalize") for k in kinds)
         self.tokenizer = Tokenizer.from_folder(folder)
+        # a tokenizer.json may cut or pad by itself (sentence-transformers saves them so):
+        # an input over the model's length is refused here instead, and batches padded here
+        self.tokenizer.backend.no_truncation()
+        self.tokenizer.backend.no_padding()
         bert = folder / "sentence_bert_config.json"
         settings = _read(bert) if bert.is_file() else {}
         self.lower = bool(settings.get("do_lower_case"))
