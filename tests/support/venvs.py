@@ -14,8 +14,9 @@ from pathlib import Path
 ROOT = Path(os.environ.get("PLUGSERVE_TEST_CACHE", Path.home() / ".cache" / "plugserve-tests"))
 
 
-def cached_venv(name: str, packages: list[str]) -> Path:
-    """The virtual environment ``name`` with ``packages`` installed, made on first use. A lock
+def cached_venv(name: str, packages: list[str], uninstall: tuple[str, ...] = ()) -> Path:
+    """The virtual environment ``name`` with ``packages`` installed, made on first use, then
+    ``uninstall`` removed (a dependency a package declares but that breaks it here). A lock
     serializes concurrent test runs; a marker written last tells a finished environment from
     one a killed run left half made."""
     venv = ROOT / name
@@ -30,5 +31,11 @@ def cached_venv(name: str, packages: list[str]) -> Path:
                 check=True,
                 timeout=900,
             )
+            if uninstall:
+                subprocess.run(
+                    [str(venv / "bin" / "pip"), "uninstall", "--quiet", "--yes", *uninstall],
+                    check=True,
+                    timeout=300,
+                )
             (venv / ".complete").touch()
     return venv

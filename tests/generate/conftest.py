@@ -1,0 +1,64 @@
+"""Fixtures of the generative test models (tests/support/llm.py): real folders from real
+exporters, made once and cached. A folder whose exporter cannot be set up on this machine skips
+the test with the reason and the install line.
+
+    def test_x(llm_folder, llm_reference):
+        folder = llm_folder("tiny-llama", "optimum-onnx")  # or "hf", "genai-fp32",
+        ref = llm_reference("tiny-llama")                  # "genai-int4", "openvino"
+        case = ref["cases"][0]  # prompt_ids, ids, stop, logprobs, top_logprobs, ...
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+
+def _or_skip(make: Callable[[], object]):
+    import llm
+
+    try:
+        return make()
+    except llm.Unavailable as error:
+        pytest.skip(str(error))
+
+
+@pytest.fixture(scope="session")
+def llm_folder() -> Callable[[str, str], Path]:
+    """``get(name, kind)``: decoder ``name`` (a key of llm.MODELS) as ``kind``: "hf" or an
+    export (a key of llm.EXPORTS)."""
+    import llm
+
+    def get(name: str, kind: str = "optimum-onnx") -> Path:
+        if kind == "hf":
+            return _or_skip(lambda: llm.hf_folder(name))
+        return _or_skip(lambda: llm.export(name, kind))
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def llm_reference() -> Callable[[str], dict]:
+    """``get(name)``: transformers' f32 greedy answers of decoder ``name`` to llm.PROMPTS."""
+    import llm
+
+    return lambda name: _or_skip(lambda: llm.reference(name))
+
+
+@pytest.fixture(scope="session")
+def encoder_folder() -> Callable[[str], Path]:
+    """``get(name)``: encoder ``name`` (a key of llm.ENCODERS) in the sentence-transformers
+    hub layout, optimum's graph as ``onnx/model.onnx``."""
+    import llm
+
+    return lambda name: _or_skip(lambda: llm.encoder_onnx(name))
+
+
+@pytest.fixture(scope="session")
+def encoder_embeddings() -> Callable[[str], dict]:
+    """``get(name)``: sentence-transformers' embeddings of llm.SENTENCES by encoder ``name``."""
+    import llm
+
+    return lambda name: _or_skip(lambda: llm.embeddings(name))
