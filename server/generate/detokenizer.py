@@ -14,6 +14,9 @@ ends the sequence and the text is cut before it (or after it with
 still grow into a stop string is held back (``"Hel"`` while ``"Hello"`` is a stop string),
 and released when the next token shows it is not one, or when the sequence ends.
 
+At the end, a character the last tokens left incomplete is sent as decoding the whole sequence
+gives it (U+FFFD), so the pieces add up to the decoded answer.
+
 Bounds: the text kept is the sequence's own (at most its max_tokens' worth); each token costs
 the stop strings' lengths squared at most (the adapter bounds their count and length).
 """
@@ -34,10 +37,14 @@ class IncrementalDetokenizer:
     """One sequence's text: :meth:`add` each generated token, :meth:`take` what may be sent."""
 
     __slots__ = (
+        "_ids",
         "_include_stop",
+        "_pending",
         "_sent",
+        "_skip",
         "_stops",
         "_stream",
+        "_tail",
         "_tokenizer",
         "stop_reason",
         "text",
@@ -56,6 +63,10 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer.backend
         tail = [int(i) for i in prompt_ids[-PRIMING:]]
         self._stream = DecodeStream(ids=tail or None, skip_special_tokens=skip_special_tokens)
+        self._tail = tail
+        self._skip = skip_special_tokens
+        self._ids: list[int] = []  # the generated tokens
+        self._pending = 0  # of them, how many the stream has not turned into text yet
         self._stops = tuple(s for s in stop if s)
         self._include_stop = include_stop
         #: the text generated so far (cut at a stop string once one is found)
@@ -69,9 +80,12 @@ class IncrementalDetokenizer:
         cut there and nothing more should be added)."""
         if self.stop_reason is not None:
             return True
+        self._ids.append(int(token_id))
         piece = self._stream.step(self._tokenizer, int(token_id))
         if not piece:
+            self._pending += 1
             return False
+        self._pending = 0
         start = len(self.text)
         self.text += piece
         if self._stops:
@@ -94,6 +108,8 @@ class IncrementalDetokenizer:
     def take(self, final: bool = False) -> str:
         """The text not sent yet that may be sent now: all of it when ``final`` or once a
         stop string was found, else all but an end that could still become a stop string."""
+        if final and self._pending and self.stop_reason is None:
+            self._flush()
         end = len(self.text)
         if not final and self.stop_reason is None and self._stops:
             end -= self._held()
@@ -102,6 +118,16 @@ class IncrementalDetokenizer:
         out = self.text[self._sent : end]
         self._sent = end
         return out
+
+    def _flush(self) -> None:
+        """The text of tokens the stream still holds (a character cut short by the end of
+        the sequence), as decoding the whole sequence gives it ("\ufffd")."""
+        decode = self._tokenizer.decode
+        before = decode(self._tail, skip_special_tokens=self._skip)
+        whole = decode([*self._tail, *self._ids], skip_special_tokens=self._skip)[len(before) :]
+        self._pending = 0
+        if whole.startswith(self.text):
+            self.text = whole
 
     def _held(self) -> int:
         """Characters at the end of the text that are a proper beginning of a stop string."""
