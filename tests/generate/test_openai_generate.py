@@ -15,20 +15,24 @@ openai = pytest.importorskip("openai", reason="pip install openai (the test extr
 
 from openai_serving import client, serving  # noqa: E402
 
-#: (entry name, export, device) served by the module's server
+#: (entry name, recipe, export, device) served by the module's server: a Llama-style and a
+#: Qwen2-style model (ChatML, no BOS, tied head), so nothing keys on one family
 ENTRIES = [
-    ("llama-onnx-numpy", "optimum-onnx", "NUMPY"),
-    ("llama-onnx-ort", "optimum-onnx", "ORT"),
-    ("llama-genai-numpy", "genai-fp32", "NUMPY"),
-    ("llama-genai-ort", "genai-fp32", "ORT"),
+    ("llama-onnx-numpy", "tiny-llama", "optimum-onnx", "NUMPY"),
+    ("llama-onnx-ort", "tiny-llama", "optimum-onnx", "ORT"),
+    ("llama-genai-numpy", "tiny-llama", "genai-fp32", "NUMPY"),
+    ("llama-genai-ort", "tiny-llama", "genai-fp32", "ORT"),
+    ("qwen-onnx-numpy", "tiny-qwen2", "optimum-onnx", "NUMPY"),
+    ("qwen-genai-ort", "tiny-qwen2", "genai-fp32", "ORT"),
 ]
 NAMES = [e[0] for e in ENTRIES]
+RECIPE = {e[0]: e[1] for e in ENTRIES}
 TOLERANCE = 2e-3
 
 
 @pytest.fixture(scope="module")
 def server(llm_folder):
-    entries = {name: (llm_folder("tiny-llama", kind), device) for name, kind, device in ENTRIES}
+    entries = {name: (llm_folder(recipe, kind), device) for name, recipe, kind, device in ENTRIES}
     with serving(entries) as running:
         yield running
 
@@ -41,6 +45,11 @@ def api(server):
 @pytest.fixture(scope="module")
 def reference(llm_reference):
     return llm_reference("tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def references(llm_reference):
+    return {recipe: llm_reference(recipe) for recipe in set(RECIPE.values())}
 
 
 def _raw(reference):
@@ -56,7 +65,8 @@ def _ignore_eos(**extra):
 
 
 @pytest.mark.parametrize("model", NAMES)
-def test_greedy_completions_are_transformers_token_for_token(api, reference, model):
+def test_greedy_completions_are_transformers_token_for_token(api, references, model):
+    reference = references[RECIPE[model]]
     count = reference["max_new_tokens"]
     for case in _raw(reference):
         answer = api.completions.create(
@@ -74,7 +84,8 @@ def test_greedy_completions_are_transformers_token_for_token(api, reference, mod
 
 
 @pytest.mark.parametrize("model", NAMES)
-def test_greedy_chats_are_transformers_token_for_token(api, reference, model):
+def test_greedy_chats_are_transformers_token_for_token(api, references, model):
+    reference = references[RECIPE[model]]
     count = reference["max_new_tokens"]
     for case in _chats(reference):
         answer = api.chat.completions.create(
@@ -93,8 +104,9 @@ def test_greedy_chats_are_transformers_token_for_token(api, reference, model):
         assert answer.usage.completion_tokens == count
 
 
-@pytest.mark.parametrize("model", ["llama-onnx-numpy", "llama-genai-ort"])
-def test_streamed_answers_are_the_same_tokens(api, reference, model):
+@pytest.mark.parametrize("model", ["llama-onnx-numpy", "llama-genai-ort", "qwen-onnx-numpy"])
+def test_streamed_answers_are_the_same_tokens(api, references, model):
+    reference = references[RECIPE[model]]
     count = reference["max_new_tokens"]
     for case in reference["cases"]:
         if "prompt" in case:
