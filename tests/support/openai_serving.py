@@ -44,3 +44,20 @@ def client(server: RunningServer, prefix: str = "/v1", **kwargs):
     return openai.OpenAI(
         base_url=f"{server.http_url}{prefix}", api_key="unused", max_retries=0, **kwargs
     )
+
+
+def metric(server: RunningServer, name: str, model: str, **labels: str) -> float:
+    """One sample of the server's /metrics for ``model`` (0 when absent)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(server.metrics_url, timeout=30) as response:
+        text = response.read().decode()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name != name or sample.labels.get("model") != model:
+                continue
+            if all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return 0.0
