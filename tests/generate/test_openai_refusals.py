@@ -209,3 +209,31 @@ def test_a_thousand_clients_are_served_or_refused_within_the_budget(llm_folder):
             model=MODEL, messages=CHAT, max_tokens=4, temperature=0
         )
         assert after.usage.completion_tokens == 4, "the server serves on"
+
+
+def test_tokens_govern_the_openai_routes_as_the_others(llm_folder, tmp_path):
+    """With --auth-tokens, the client's api_key is its bearer token (OpenAI's own header): an
+    infer token may generate and list, none or a wrong one is 401."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text("s3cret-infer infer\n")
+    tokens.chmod(0o600)
+    entries = {MODEL: (llm_folder("tiny-llama", "optimum-onnx"), "NUMPY")}
+    with serving(entries, "--auth-tokens", str(tokens)) as server:
+        allowed = client(server, api_key="s3cret-infer")
+        answer = allowed.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+        assert answer.usage.completion_tokens == 2
+        assert [m.id for m in allowed.models.list().data] == [MODEL]
+        with pytest.raises(openai.AuthenticationError):
+            client(server, api_key="wrong").completions.create(
+                model=MODEL, prompt="Hi", max_tokens=2
+            )
+        with pytest.raises(openai.AuthenticationError):
+            client(server, api_key="wrong").models.list()
+        request = urllib.request.Request(  # no token at all
+            server.http_url + "/v1/completions",
+            data=json.dumps({"model": MODEL, "prompt": "Hi", "max_tokens": 2}).encode(),
+            headers={"content-type": "application/json"},
+        )
+        with pytest.raises(urllib.error.HTTPError) as caught:
+            urllib.request.urlopen(request, timeout=30)
+        assert caught.value.code == 401

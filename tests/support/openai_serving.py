@@ -38,11 +38,13 @@ def serving(entries: dict[str, tuple[Path, str]], *args: str) -> Iterator[Runnin
         shutil.rmtree(root, ignore_errors=True)
 
 
-def client(server: RunningServer, prefix: str = "/v1", **kwargs):
+def client(server: RunningServer, prefix: str = "/v1", api_key: str = "unused", **kwargs):
+    """The official client on the server's REST port; ``api_key`` is sent as the bearer token
+    (``--auth-tokens``)."""
     import openai
 
     return openai.OpenAI(
-        base_url=f"{server.http_url}{prefix}", api_key="unused", max_retries=0, **kwargs
+        base_url=f"{server.http_url}{prefix}", api_key=api_key, max_retries=0, **kwargs
     )
 
 
