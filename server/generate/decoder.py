@@ -65,6 +65,9 @@ class Decoder(abc.ABC):
         positions = self.specs.get("position_ids")
         self.positions_dtype = positions.dtype if positions is not None else None
         self.binds = bool(self.request.binds_outputs)
+        logits = next((s for s in network.outputs if s.name == "logits"), None)
+        self.logits_dtype = logits.dtype if logits is not None else np.dtype(np.float32)
+        self._logits_buffer: np.ndarray | None = None
         self.forwards = 0  # runs made (for stats)
 
     def _arrays(self, values: dict[str, Any]) -> list[Any]:
@@ -120,6 +123,9 @@ class SharedBufferDecoder(Decoder):
         self.forwards += 1
         if self.binds:
             outputs = {present: views[past] for past, present, _h, _d in self.layout.entries}
+            tokens = feeds["input_ids"].shape[1]
+            if tokens == 1:  # a decode step's logits into one buffer: bound once
+                outputs["logits"] = self._decode_logits(stop - start)
             out = self.request.infer_into(arrays, outputs)
         else:
             out = self.request.infer_checked(arrays)
@@ -131,6 +137,15 @@ class SharedBufferDecoder(Decoder):
                         row - start, :, first : first + count
                     ]
         return self._logits(out)
+
+    def _decode_logits(self, rows: int) -> np.ndarray:
+        """Rows ``0..rows-1`` of one ``[rows, 1, vocab]`` buffer, grown when needed."""
+        buffer = self._logits_buffer
+        if buffer is None or buffer.shape[0] < rows:
+            buffer = self._logits_buffer = np.empty(
+                (max(rows, 8), 1, self.vocab), self.logits_dtype
+            )
+        return buffer[:rows]
 
     def decode(self, cache: KVCache, rows: int, tokens: np.ndarray, lens: np.ndarray) -> np.ndarray:
         width = int(lens.max()) + 1

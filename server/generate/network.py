@@ -13,7 +13,8 @@ Triton ``config.pbtxt``'s ``parameters``, or a load's config) over the server's 
 (``--max-num-seqs`` ...); the other keys go to the device.
 
 The KServe face (Triton's LLM convention, as its vLLM backend's ``model.json``): the network
-is decoupled, its inputs ``text_input`` (BYTES), and, optional, ``stream`` (BOOL),
+is decoupled, its inputs ``text_input`` (BYTES; or ``input_ids``, INT32, the prompt's token ids
+as TensorRT-LLM's models take them), and, optional, ``stream`` (BOOL),
 ``sampling_parameters`` (BYTES: a JSON object of vLLM's sampling parameters),
 ``exclude_input_in_output`` (BOOL), ``max_tokens`` (INT32), ``temperature``, ``top_p``
 (FP32), ``top_k`` (INT32), ``seed`` (INT64), ``return_num_input_tokens``,
@@ -47,6 +48,7 @@ from plugserve.plugins.api import (
     Unsupported,
 )
 from plugserve.plugins.responses import Response
+from plugserve.server.devices import parse_device
 from plugserve.server.generate.decoder import choose_decoder
 from plugserve.server.generate.engine import Engine, EngineSettings, QueueSender
 from plugserve.server.generate.folder import ModelFolder
@@ -74,7 +76,8 @@ AUTO_KV_SHARE = 0.25
 
 _OBJECT = np.dtype(object)
 _INPUTS = [
-    TensorSpec("text_input", _OBJECT, (1,)),
+    TensorSpec("text_input", _OBJECT, (1,), optional=True),
+    TensorSpec("input_ids", np.dtype(np.int32), (None,), optional=True),
     TensorSpec("stream", np.dtype(bool), (1,), optional=True),
     TensorSpec("sampling_parameters", _OBJECT, (1,), optional=True),
     TensorSpec("exclude_input_in_output", np.dtype(bool), (1,), optional=True),
@@ -161,12 +164,23 @@ def load_generative(
 ) -> GenerativeNetwork:
     """Load a transformers folder as a generative network on ``device``."""
     folder = ModelFolder.read(path)
+    if folder.kind == "openvino":
+        raise Unsupported(
+            f"{folder.path}: optimum-intel's stateful OpenVINO IR is not served by the engine "
+            "yet (its cache lives in the model's variables); serve the same model's ONNX "
+            "export (optimum-cli export onnx, or onnxruntime-genai's model builder) on OPENVINO"
+        )
     settings, device_config = engine_settings(defaults or EngineSettings(), dict(config or {}))
     tokenizer = Tokenizer.from_folder(folder.path)
     context = folder.context_length or DEFAULT_CONTEXT
     capacity = min(settings.max_model_len or context, context)
     if capacity < 2:
         raise InvalidArgument(f"max_model_len must be at least 2, got {capacity}")
+    if parse_device(device).kind == "ORT":
+        # onnxruntime's threads do not spin between runs: the engine's own thread samples and
+        # streams there, and on 2 loaded cores a spinning pool took a 169 M model's decode
+        # step from 96 to 208 ms (batch 1) and 240 to 417 ms (batch 8) (docs/generate.md)
+        device_config.setdefault("SPIN_DURATION_US", "0")
     decoder_network = core.load_network(str(folder.graph), device, device_config)
     try:
         decoder = choose_decoder(
@@ -387,7 +401,11 @@ class _Face:
     __slots__ = ("_parts", "_prompt", "_returns", "exclude", "request", "sender", "stream")
 
     def __init__(self, network: GenerativeNetwork, values: Mapping[str, Any], sender: Any) -> None:
-        prompt = _text(_scalar(values, "text_input"), "text_input")
+        raw_ids = values.get("input_ids")
+        text = values.get("text_input")
+        if (raw_ids is None) == (text is None):
+            raise InvalidInput("give the prompt as text_input or as input_ids (one of them)")
+        prompt = _text(_scalar(values, "text_input"), "text_input") if text is not None else ""
         self.stream = bool(_scalar(values, "stream") or False)
         self.exclude = bool(_scalar(values, "exclude_input_in_output") or False)
         self._returns = {
@@ -395,7 +413,10 @@ class _Face:
             for name in ("num_input_tokens", "num_output_tokens", "finish_reason")
         }
         params = sampling_from(values)
-        ids = network.tokenizer.encode(prompt, add_special_tokens=True)
+        if raw_ids is not None:  # TensorRT-LLM's way: the prompt's token ids
+            ids = [int(i) for i in np.asarray(raw_ids).reshape(-1)]
+        else:
+            ids = network.tokenizer.encode(prompt, add_special_tokens=True)
         self.request = GenerationRequest(f"kserve-{uuid.uuid4().hex}", ids, params)
         self.sender = sender
         self._prompt = prompt
