@@ -3,6 +3,7 @@
     plugserve devices | metric DEVICE NAME | config DEVICE [KEY[=VALUE]...] | list
     plugserve load NAME MODEL.onnx [--device D] [--config K=V] [--persist] | unload NAME [--remove]
     plugserve query MODEL.onnx --device D | infer NAME [--input x=file.npy] [--output-dir DIR]
+    plugserve infer text_sentiment --text "a wonderful film" | infer image_color --file cat.png
     plugserve export NAME FILE | import NAME FILE --device D
 
 ``--target`` (env ``PLUGSERVE_TARGET``, default 127.0.0.1:8001) picks the server;
@@ -26,7 +27,7 @@ import grpc
 import numpy as np
 
 from plugserve.client.client import DEFAULT_TARGET, Client
-from plugserve.client.inputs import make_inputs, spec_dtype
+from plugserve.client.inputs import bytes_inputs, make_inputs, spec_dtype
 
 __all__ = ["VERBS", "run"]
 
@@ -203,7 +204,9 @@ def _infer(client: Client, args: argparse.Namespace) -> int:
         if network is not None
         else []
     )
-    inputs = make_inputs(specs, 1, args.input, args.seed, verb="infer")
+    given = bytes_inputs(args.text, args.file, specs)
+    rest = [s for s in specs if s[0] not in given]
+    inputs = {**given, **make_inputs(rest, 1, args.input, args.seed, verb="infer")}
     outputs = client.infer(args.name, inputs, version=args.version)
     if args.output_dir:
         Path(args.output_dir).mkdir(parents=True, exist_ok=True)
@@ -216,8 +219,20 @@ def _infer(client: Client, args: argparse.Namespace) -> int:
             print(f"{name}: {array.dtype}{list(array.shape)} -> {path}")
         else:
             print(f"{name}: {array.dtype}{list(array.shape)}")
-            print(np.array2string(array, threshold=64))
+            print(np.array2string(_readable(array), threshold=64))
     return 0
+
+
+def _readable(array: np.ndarray) -> np.ndarray:
+    """BYTES elements that are UTF-8 text, printed as text (``positive``, not
+    ``b'positive'``)."""
+    if array.dtype != object:
+        return array
+    try:
+        return np.vectorize(lambda v: v.decode("utf-8") if isinstance(v, bytes) else v,
+                            otypes=[object])(array)  # fmt: skip
+    except UnicodeDecodeError:
+        return array
 
 
 def _export(client: Client, args: argparse.Namespace) -> int:
@@ -326,6 +341,21 @@ def _arguments(verb: str, parser: argparse.ArgumentParser) -> None:
                 action="append",
                 default=[],
                 help="NAME=file.npy or file.npz; missing inputs are random from the metadata",
+            )
+            add(
+                "--text",
+                action="append",
+                default=[],
+                metavar="[NAME=]TEXT",
+                help="one element of a BYTES (string) input; repeat for several rows",
+            )
+            add(
+                "--file",
+                action="append",
+                default=[],
+                metavar="[NAME=]PATH",
+                help="a file's bytes: the whole of a UINT8 input (an encoded image) or one "
+                "element of a BYTES input",
             )
             add("--output-dir", default="", help="save outputs as .npy instead of printing")
             add("--seed", type=int, default=0)

@@ -83,7 +83,16 @@ class Token:
     briefly); one registered after the cancellation runs at once.
     """
 
-    __slots__ = ("_callbacks", "_lock", "error", "finished", "outputs", "parameters", "room")
+    __slots__ = (
+        "_callbacks",
+        "_lock",
+        "error",
+        "finished",
+        "outputs",
+        "parameters",
+        "partial_outputs",
+        "room",
+    )
 
     def __init__(self) -> None:
         #: the error the run raises once cancelled (None: not cancelled)
@@ -100,6 +109,10 @@ class Token:
         #: sequence ids, timeout, ...), set by its owner, for a network that hands them to its
         #: model (Triton's ``request.parameters()`` in a Python model); None: none
         self.parameters: dict | None = None
+        #: outputs the model does not produce may be missing from the answer (Triton's
+        #: ensemble steps: an output a step leaves out leaves the ensemble's out); otherwise a
+        #: model that leaves out an output the request wants fails it, naming the output
+        self.partial_outputs = False
         #: the run is over: cancelling now does nothing (and costs nothing)
         self.finished = False
         self._callbacks: list[Callable[[], object]] = []

@@ -330,7 +330,10 @@ class DataPlane:
                 ) from exc
             finally:
                 cancel.leave(entered)
-            answer = dict(zip(wanted, map(result.__getitem__, wanted)))
+            try:
+                answer = dict(zip(wanted, map(result.__getitem__, wanted)))
+            except KeyError:  # left out by a model that may (token.partial_outputs)
+                answer = {name: result[name] for name in wanted if name in result}
             if after is not None:
                 answer = after(answer)
             elif most:

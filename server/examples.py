@@ -1,8 +1,11 @@
 """The bundled example repository ``plugserve serve`` serves when given none.
 
 Small models built in code (nothing binary in git): an MLP classifier, a tiny CNN, an
-element-wise ``add`` of two inputs, and a string ``echo``. ``build_examples(DIR)`` writes them
-as a model repository; the server builds them into a cache folder on first start.
+element-wise ``add`` of two inputs, and a string ``echo``; and two applications as Triton
+ensembles, ``text_sentiment`` (text in, label out) and ``image_color`` (image bytes in, label
+out), each a Python step, an ONNX step and a Python step (``example_pipelines.py``).
+``build_examples(DIR)`` writes them as a model repository; the server builds them into a cache
+folder on first start.
 """
 
 from __future__ import annotations
@@ -139,13 +142,20 @@ def echo() -> onnx.ModelProto:
     return _model(graph)
 
 
-def build_examples(root: str | os.PathLike) -> Path:
+def build_examples(root: str | os.PathLike, pipelines: bool = True) -> Path:
+    """Write the examples into ``root``; ``pipelines``: the example applications too
+    (``example_pipelines.py``: Triton ensembles with Python steps, which start a worker
+    process per Python model when served)."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     _save(root, "mlp", mlp(), {"device": "NUMPY", "config": {}, "max_batch_size": 8})
     _save(root, "cnn", cnn())
     _save(root, "add", add())
     _save(root, "echo", echo())
+    if pipelines:
+        from plugserve.server.example_pipelines import build_pipelines
+
+        build_pipelines(root)
     return root
 
 

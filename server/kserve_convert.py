@@ -120,9 +120,15 @@ def dims_of(spec: TensorSpec) -> list[int]:
     return [d if isinstance(d, int) and d >= 0 else -1 for d in spec.shape or ()]
 
 
+def platform_of(entry: LoadedNetwork) -> str:
+    """What metadata and configs call the network's platform: Triton's ``ensemble`` for an
+    ensemble (clients such as perf_analyzer look its steps up by it), else ONNX's."""
+    return "ensemble" if entry.device == "ENSEMBLE" else PLATFORM
+
+
 def model_metadata(entry: LoadedNetwork, versions: list[int]) -> pb.ModelMetadataResponse:
     response = pb.ModelMetadataResponse(
-        name=entry.name, versions=[str(v) for v in versions], platform=PLATFORM
+        name=entry.name, versions=[str(v) for v in versions], platform=platform_of(entry)
     )
     for specs, out in (
         (entry.inputs, response.inputs),
@@ -143,12 +149,18 @@ def config_data_type(dtype: np.dtype | None) -> int:
 def model_config(entry: LoadedNetwork, policy: VersionPolicy) -> mc.ModelConfig:
     """As Triton: with max_batch_size > 0 the leading (batch) dimension is not in ``dims``;
     ``policy``: the versions the repository loads of it (see ``ModelControl.version_policy``)."""
+    platform = platform_of(entry)
     config = mc.ModelConfig(
         name=entry.name,
-        platform=PLATFORM,
-        backend=BACKEND,
+        platform=platform,
+        backend=BACKEND if platform == PLATFORM else "",
         max_batch_size=entry.max_batch_size,
     )
+    scheduling = getattr(entry.network, "scheduling", None)
+    for model, version, inputs, outputs in scheduling() if scheduling else ():
+        step = config.ensemble_scheduling.step.add(model_name=model, model_version=version)
+        step.input_map.update(inputs)
+        step.output_map.update(outputs)
     policy.to_proto(config.version_policy)
     config.parameters["device"].string_value = entry.device
     config.parameters["precision"].string_value = entry.network.precision

@@ -228,8 +228,12 @@ class ModelControl:
 
     def _sequenced(self, entry: LoadedNetwork, settings: SequenceSettings | None) -> None:
         """Give ``entry`` its sequence batcher (Triton's sequence_batching); its state outputs
-        are then the server's, not an answer's."""
+        are then the server's, not an answer's. A network that passes sequence requests on
+        (an ensemble of a sequence model: ``sequences_for``) gets what relays them instead."""
         if settings is None:
+            relay = getattr(entry.network, "sequences_for", None)
+            if relay is not None:
+                entry.sequences = relay(self.plane.admission(entry))
             return
         try:
             entry.sequences = SequenceBatcher(
@@ -417,6 +421,9 @@ class ModelControl:
         if repository is None:
             raise FailedPrecondition("this server has no model repository")
         model = repository.model_path(name, version)
+        settings = repository.read_settings(name)
+        if settings.pipeline is not None:  # an OVMS pipeline: its config.json, version 1
+            return model, settings
         return model, repository.read_settings(name, int(model.parent.name))
 
     def versions(self, name: str, version: int = 0) -> list[LoadedNetwork]:
@@ -482,7 +489,8 @@ class ModelControl:
             raise ShuttingDown(f"model {name!r}: the server is shutting down; not loading it")
         model, settings = self._stored(name, version, repository)
         stamp = self.repository.stamp(name, model) if self.repository else ()
-        version = int(model.parent.name)  # the repository layout is NAME/VERSION/model.onnx
+        # the repository layout is NAME/VERSION/model.onnx; an OVMS pipeline is version 1
+        version = 1 if settings.pipeline is not None else int(model.parent.name)
         self._check_model_size(model, "RepositoryModelLoad")
         device, config, batch = settings.device, settings.config, settings.max_batch_size
         device = device or self.default_device
@@ -496,7 +504,8 @@ class ModelControl:
                 self._check_network_count(name, version, len(self.table.loading))
             self.table.loading.add((name, version))
         try:
-            network = self._compile(name, model, device, dict(config))
+            source = settings.pipeline if settings.pipeline is not None else model
+            network = self._compile(name, source, device, dict(config))
             network.name = name
             entry = self._entry(name, version, device, network, True, batch)
             entry.labels = dict(settings.labels)
@@ -557,7 +566,8 @@ class ModelControl:
         # ensembles after the models their steps run (their load checks the steps' types)
         first = [e for e in entries if e.device != "ENSEMBLE"]
         then = [e for e in entries if e.device == "ENSEMBLE"]
-        for outcome in [*self._each(self._load_entry, first), *self._each(self._load_entry, then)]:
+        # one at a time: an ensemble refuses to run itself through one loaded before it
+        for outcome in [*self._each(self._load_entry, first), *map(self._load_entry, then)]:
             if isinstance(outcome, LoadedNetwork):
                 ready.append(outcome)
             else:
@@ -567,9 +577,10 @@ class ModelControl:
     def _load_entry(self, entry: ModelEntry) -> LoadedNetwork | str:
         """One repository version loaded, or what went wrong with it (its file first)."""
         try:
+            pipeline = entry.settings.pipeline
             loaded, _ = self.load(
                 entry.name,
-                entry.path,
+                pipeline if pipeline is not None else entry.path,
                 entry.device,
                 entry.config,
                 version=entry.version,

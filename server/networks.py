@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -27,6 +27,9 @@ from plugserve.plugins.api import (
 from plugserve.plugins.streams import StreamsExecutor
 from plugserve.server.metrics import Recorder
 from plugserve.server.sequences import SequenceBatcher
+
+if TYPE_CHECKING:
+    from plugserve.server.pipelines.ensemble import SequenceRelay
 
 __all__ = ["LoadedNetwork", "NetworkTable", "NotReady"]
 
@@ -70,8 +73,9 @@ class LoadedNetwork:
     labels: dict[str, tuple[str, ...]] = dataclasses.field(init=False, default_factory=dict)
     #: per input, config.pbtxt's image format, for ModelConfig
     formats: dict[str, int] = dataclasses.field(init=False, default_factory=dict)
-    #: Triton's sequence batcher, for a model whose config.pbtxt has sequence_batching
-    sequences: SequenceBatcher | None = dataclasses.field(init=False, default=None)
+    #: Triton's sequence batcher, for a model whose config.pbtxt has sequence_batching; for
+    #: an ensemble of a sequence model, what passes its sequence requests on to its steps
+    sequences: SequenceBatcher | SequenceRelay | None = dataclasses.field(init=False, default=None)
     #: what a client sends and gets (metadata, model config): the network's inputs and
     #: outputs but those a sequence batcher feeds and keeps
     inputs: list[TensorSpec] = dataclasses.field(init=False)

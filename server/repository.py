@@ -44,6 +44,7 @@ from plugserve.server.triton_config import (
     VERSION_FOLDER,
     ModelSettings,
     OvmsModel,
+    VersionPolicy,
     read_ovms,
     read_sequence_json,
     read_triton,
@@ -139,6 +140,31 @@ class Repository:
             return {}
         return {m.name: m for m in read_ovms(self.ovms_file)}
 
+    def _pipelines(self) -> tuple[dict[str, ModelSettings], list[str]]:
+        """An OVMS config.json's pipelines, as ENSEMBLE entries' settings, and one message
+        per pipeline refused."""
+        if self.ovms_file is None:
+            return {}, []
+        from plugserve.server.pipelines.ovms_dag import read_pipelines  # OVMS's only
+
+        models = self._ovms()
+        try:
+            raw = json.loads(self.ovms_file.read_text())
+        except (OSError, ValueError) as exc:
+            raise InvalidArgument(f"{self.ovms_file}: not valid JSON ({exc})") from None
+        found, problems = read_pipelines(raw, self.ovms_file, models)
+        settings = {
+            d.name: ModelSettings(
+                "ENSEMBLE",
+                dynamic_batching=False,
+                policy=VersionPolicy("latest", 1),
+                model_file=VERSION_FOLDER,
+                pipeline=d,
+            )
+            for d in found
+        }
+        return settings, problems
+
     def folder(self, name: str) -> Path:
         """Where model ``name``'s version folders are."""
         check_name(name)
@@ -200,6 +226,13 @@ class Repository:
                     continue
                 path = model_in(folder / str(version), own.model_file)
                 entries.append(ModelEntry(name, version, path, own))  # type: ignore[arg-type]
+        try:
+            pipelines, refused = self._pipelines()
+        except InvalidArgument as exc:
+            pipelines, refused = {}, [str(exc)]
+        problems += refused
+        for name, settings in pipelines.items():  # OVMS pipelines are version 1, unversioned
+            entries.append(ModelEntry(name, 1, self.ovms_file, settings))  # type: ignore[arg-type]
         return entries, problems
 
     @staticmethod
@@ -225,6 +258,10 @@ class Repository:
         folder = self.folder(name)
         base = ModelSettings()
         ovms = self._ovms().get(name)
+        if ovms is None and self.ovms_file is not None:
+            pipeline = self._pipelines()[0].get(name)
+            if pipeline is not None:
+                return dataclasses.replace(pipeline)
         if ovms is not None:
             base = ModelSettings(
                 ovms.device,
@@ -253,6 +290,10 @@ class Repository:
     def model_path(self, name: str, version: int = 0) -> Path:
         """The model file for ``name`` (latest version when 0); NotFound names what is missing."""
         folder = self.folder(name)
+        if self.ovms_file is not None and name in self._pipelines()[0]:
+            if version not in (0, 1):
+                raise NotFound(f"pipeline {name!r} has no version {version} (pipelines are 1)")
+            return self.ovms_file
         if not folder.is_dir():
             raise NotFound(f"model {name!r} is not in the repository {str(self.root)!r}")
         if is_transformers_folder(folder) and version in (0, 1):

@@ -519,12 +519,17 @@ class RestApp:
         else:
             request = parse_infer(call.body, header_length, entry.expect, self.plane.shm)
         deadline = time.monotonic() + request.timeout if request.timeout else None
+        token = None
+        if request.parameters:
+            token = cancel.Token()
+            token.parameters = request.parameters
         future = self.plane.submit(
             entry,
             request.inputs,
             request.outputs,
             deadline,
             inline=_fast(entry),
+            token=token,
             after=_writer(request),
             step=request.step,
         )
@@ -552,6 +557,7 @@ class RestApp:
         else:
             request = parse_infer(call.body, header_length, entry.expect, self.plane.shm)
         deadline = time.monotonic() + request.timeout if request.timeout else None
+        token.parameters = request.parameters
         future = self.plane.submit(
             entry,
             request.inputs,

@@ -52,6 +52,7 @@ from plugserve.server.classification import class_count, classify
 from plugserve.server.kserve_convert import (
     DATATYPES,
     datatype_of,
+    model_parameters,
     request_timeout,
 )
 from plugserve.server.sequences import Step, sequence_step
@@ -105,6 +106,8 @@ class InferCall:
     classes: dict[str, int] = dataclasses.field(default_factory=dict)
     #: its place in a sequence (sequence_id, sequence_start, sequence_end)
     step: Step | None = None
+    #: the request's parameters its model sees (Triton's ``request.parameters()``), or None
+    parameters: dict[str, Any] | None = None
 
 
 def _object(value: Any, what: str) -> dict[str, Any]:
@@ -252,6 +255,7 @@ def parse_infer(
         regions,
         classes,
         step,
+        model_parameters(parameters),
     )
 
 

@@ -86,6 +86,7 @@ _ACTED_ON = {
     "default_model_filename",
     "parameters",
     "sequence_batching",
+    "ensemble_scheduling",  # server/pipelines/ensemble.py reads it
 }
 
 
@@ -145,6 +146,9 @@ class ModelSettings:
     formats: dict[str, int] = dataclasses.field(default_factory=dict)
     #: Triton's sequence_batching: the model's requests belong to sequences
     sequence: SequenceSettings | None = None
+    #: an OVMS pipeline (``server/pipelines/ovms_dag.py``): what the ENSEMBLE device loads
+    #: instead of a file
+    pipeline: Any = None
 
 
 def read_triton(path: Path) -> ModelSettings:
@@ -229,7 +233,7 @@ def _parse_triton(where: str, text: str) -> ModelSettings:
     for key, value in config.parameters.items():
         if key.isupper():
             out.config[key] = value.string_value
-        else:
+        elif out.device != "PYTHON":  # a Python model's own: it reads them in initialize
             ignored.append(f"parameters[{key!r}]")
     ignored += _check_tensors(config, path)
     if config.HasField("sequence_batching"):
@@ -349,7 +353,9 @@ def read_ovms(path: Path) -> list[OvmsModel]:
     items = raw.get(OVMS_KEYS) if isinstance(raw, dict) else None
     if not isinstance(items, list):
         raise InvalidArgument(f"{path}: expected an object with a '{OVMS_KEYS}' list")
-    ignored_top = [k for k in raw if k != OVMS_KEYS]
+    from plugserve.server.pipelines.ovms_dag import PIPELINE_KEYS  # read by the repository
+
+    ignored_top = [k for k in raw if k != OVMS_KEYS and k not in PIPELINE_KEYS]
     if ignored_top:
         log.warning("%s: not acted on: %s", path, ", ".join(ignored_top))
     models = []

@@ -122,6 +122,9 @@ class OrtInferRequest(InferRequest):
             for name in outputs:
                 bound.pop(("out", name), None)
             bound[_REST] = rest
+        else:  # what onnxruntime allocated last run stays bound at that run's shape
+            for name in rest:
+                binding.bind_output(name)
         for name, array in outputs.items():
             kept.append(array)
             _bind_once(bound, binding.bind_output, ("out", name), array)

@@ -17,12 +17,18 @@ the ratios are medians of the rounds' ratios. The issue's targets: tokens/s at 8
 >= 1.0x genai's batch, single-stream time per token <= 1.3x genai's. The CPU, load average and
 versions are printed: on a shared machine the numbers move with what else runs.
 
+With ``--long-prompt 2000``: a 2,000-token prompt sent while the 8 streams decode, its time to
+first token and the streams' gaps between two tokens meanwhile (prompts are computed in chunks
+of ``max_num_batched_tokens``, 256 by default, so the streams keep going).
+
     python tests/benchmarks/bench_generate.py [--rounds 3] [--new-tokens 64] [--prompt-tokens 32]
+        [--long-prompt 2000]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import queue
 import statistics
@@ -116,6 +122,67 @@ def plugserve_run(target: str, model: str, ids: np.ndarray, new: int) -> dict:
     }
 
 
+def long_prompt_run(
+    target: str, model: str, streams: np.ndarray, long: np.ndarray, new: int
+) -> dict:
+    """``streams`` decoding (``new`` tokens each), then ``long`` sent once each has its first
+    token: the long prompt's time to first token, and the streams' gaps between two tokens
+    while it was computed (split prefill keeps them short)."""
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(target)
+    answers: queue.Queue = queue.Queue()
+    client.start_stream(
+        callback=lambda result, error: answers.put((time.perf_counter(), result, error))
+    )
+
+    def send(rid: str, row: np.ndarray, tokens: int) -> None:
+        params = json.dumps({"max_tokens": tokens, "temperature": 0, "ignore_eos": True}).encode()
+        inputs = [
+            grpcclient.InferInput("input_ids", [len(row)], "INT32"),
+            grpcclient.InferInput("stream", [1], "BOOL"),
+            grpcclient.InferInput("sampling_parameters", [1], "BYTES"),
+        ]
+        inputs[0].set_data_from_numpy(row.astype(np.int32))
+        inputs[1].set_data_from_numpy(np.array([True]))
+        inputs[2].set_data_from_numpy(np.array([params], dtype=object))
+        client.async_stream_infer(model, inputs, request_id=rid, enable_empty_final_response=True)
+
+    for i, row in enumerate(streams):
+        send(str(i), row, new)
+    times: dict[str, list[float]] = {}
+    finals: set[str] = set()
+    sent_long = first_long = 0.0
+    while len(finals) < len(streams) + 1:
+        when, result, error = answers.get(timeout=3600)
+        if error is not None:
+            raise RuntimeError(error)
+        response = result.get_response()
+        times.setdefault(response.id, []).append(when)
+        if response.parameters["triton_final_response"].bool_param:
+            finals.add(response.id)
+        if response.id == "long" and not first_long:
+            first_long = when
+        if not sent_long and len(times) == len(streams):
+            sent_long = time.perf_counter()
+            send("long", long, 4)
+    client.stop_stream()
+    client.close()
+    gaps = [
+        b - a
+        for rid, stamps in times.items()
+        if rid != "long"
+        for a, b in itertools.pairwise(stamps)
+        if sent_long <= b <= first_long + 1e-3
+    ]
+    return {
+        "long_prompt_ttft_s": first_long - sent_long,
+        "streams_gap_p50_ms": statistics.median(gaps) * 1e3 if gaps else float("nan"),
+        "streams_gap_max_ms": max(gaps) * 1e3 if gaps else float("nan"),
+        "streams_gaps": len(gaps),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -126,6 +193,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument(
+        "--long-prompt",
+        type=int,
+        default=0,
+        help="also: a prompt of this many tokens sent while the streams decode (its time to "
+        "first token, the streams' gaps meanwhile); 0: not run",
+    )
     args = parser.parse_args(argv)
 
     import llm
@@ -139,10 +213,10 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(tempfile.mkdtemp(prefix="plugserve-bench-generate-"))
     (root / "bench").mkdir()
     (root / "bench" / "1").symlink_to(folder, target_is_directory=True)
-    context = args.prompt_tokens + args.new_tokens + 16
+    context = max(args.prompt_tokens, args.long_prompt) + args.new_tokens + 16
     settings = {
         "device": args.device,
-        "config": {"MAX_NUM_SEQS": str(args.streams), "MAX_MODEL_LEN": str(context)},
+        "config": {"MAX_NUM_SEQS": str(args.streams + 1), "MAX_MODEL_LEN": str(context)},
     }
     (root / "bench" / "config.json").write_text(json.dumps(settings))
     server = RunningServer(
@@ -162,6 +236,10 @@ def main(argv: list[str] | None = None) -> int:
         for case in cases.values():  # warm-up
             case()
         results = harness.interleave(cases, args.rounds, lambda m: print(m, file=sys.stderr), True)
+        if args.long_prompt:
+            long = np.random.default_rng(1).integers(100, min(vocab, 10000), args.long_prompt)
+            # the streams go on long enough to decode through the whole prompt's chunks
+            split = long_prompt_run(server.target, "bench", ids, long, 4 * args.new_tokens)
     finally:
         genai.close()
         server.stop()
@@ -189,6 +267,10 @@ def main(argv: list[str] | None = None) -> int:
             "per_token_ms", f"plugserve {one}", f"genai {one}"
         ),
     }
+    if args.long_prompt:
+        summary[f"a {args.long_prompt}-token prompt while {args.streams} streams decode"] = {
+            k: round(v, 3) for k, v in split.items()
+        }
     summary["load_average"] = harness.load_average()
     print(json.dumps(summary, indent=1))
     return 0

@@ -106,3 +106,21 @@ def test_seeded_sampling_does_not_depend_on_the_batch(network, tiny_reference):
 
     assert by_index(alone) == by_index(together)
     assert by_index(alone)[0] != by_index(alone)[1]  # n=2 draws two answers
+
+
+@pytest.mark.parametrize("device", ["OPENVINO", "AUTO", "HETERO:ORT,NUMPY"])
+def test_optimums_export_runs_on_every_device(core, device, tiny_reference):
+    """OPENVINO and the virtual devices run the concat graph through the Plugin API too (in
+    f32: EXECUTION_MODE_HINT ACCURACY keeps OPENVINO from bf16 where the CPU has it)."""
+    if device.split(":")[0] not in core.available_devices:
+        pytest.skip(f"{device} is not available here")
+    folder = exported("tiny-llama", "optimum-onnx")
+    net = core.load_network(str(folder), device, {"EXECUTION_MODE_HINT": "ACCURACY"})
+    try:
+        cases = tiny_reference["cases"][:3]
+        results = run_all(net.engine, [greedy(c, 16) for c in cases])
+        for case in cases:
+            ids = [t for e in results[case["name"]] for t in e.token_ids]
+            assert ids == case["ids"][:16], (device, case["name"])
+    finally:
+        net.close()

@@ -35,7 +35,7 @@ def test_examples_name_real_files(tmp_path) -> None:
         [*PLUGSERVE, "examples"], capture_output=True, text=True, check=True
     ).stdout.split("\n")
     names = [line.split()[0] for line in listed if line]
-    assert names == ["add", "cnn", "echo", "mlp"]
+    assert names == ["add", "cnn", "echo", "image_classifier", "mlp", "text_encoder"]
     path = subprocess.run(
         [*PLUGSERVE, "examples", "cnn"], capture_output=True, text=True, check=True
     ).stdout.strip()
@@ -43,7 +43,8 @@ def test_examples_name_real_files(tmp_path) -> None:
 
     onnx.checker.check_model(path)
     unknown = subprocess.run([*PLUGSERVE, "examples", "nope"], capture_output=True, text=True)
-    assert unknown.returncode == 2 and "examples: add, cnn, echo, mlp" in unknown.stderr
+    assert unknown.returncode == 2
+    assert "examples: add, cnn, echo, image_classifier" in unknown.stderr
 
 
 def test_readme_commands_on_the_examples(server) -> None:

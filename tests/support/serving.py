@@ -175,8 +175,10 @@ def wait_for(predicate, timeout: float = 30, interval: float = 0.05) -> bool:
     return False
 
 
-def examples_repository(tmp_path: Path) -> Path:
-    """A fresh copy of the bundled example repository (tests may write into it)."""
+def examples_repository(tmp_path: Path, pipelines: bool = False) -> Path:
+    """A fresh copy of the bundled example repository (tests may write into it);
+    ``pipelines``: with the example applications (ensembles whose Python steps each start a
+    process, which the tests of other things need not pay for)."""
     from plugserve.server.examples import build_examples
 
-    return build_examples(tmp_path / "models")
+    return build_examples(tmp_path / "models", pipelines=pipelines)

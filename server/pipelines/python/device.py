@@ -127,7 +127,9 @@ def _specs(config: dict[str, Any], kind: str, where: str) -> list[TensorSpec]:
             )
         dims = [None if d < 0 else d for d in entry["dims"]]
         shape = tuple(([None] if batched else []) + dims)
-        specs.append(TensorSpec(entry["name"], np.dtype(dtype), shape))
+        # a Python model gets BYTES as Triton hands them over: the bytes, whatever they hold
+        binary = np.dtype(dtype) == np.dtype(object)
+        specs.append(TensorSpec(entry["name"], np.dtype(dtype), shape, binary=binary))
     return specs
 
 
@@ -221,10 +223,12 @@ class Worker:
             reply, _ = mailbox.wait("main")
         except (OSError, EOFError, ValueError) as exc:
             self.kill()
+            self._discard()
             raise InvalidModel(f"{self.label}: its process did not initialize: {exc}") from None
         ours.settimeout(None)
         if reply.get("error"):
             self.kill()
+            self._discard()
             raise InvalidModel(f"{self.label}: {reply['error']}")
         if self.decoupled:  # responses come while no execute waits: read them
             threading.Thread(
@@ -255,6 +259,9 @@ class Worker:
         return self.process is not None and self.process.poll() is None
 
     def kill(self) -> None:
+        """Stop the process (from any thread: a cancelled run's token calls it) and wake
+        whoever waits on its socket. What a run may be using (the arenas) is left to the
+        next :meth:`_ready` or :meth:`finalize`, which hold the run lock."""
         process, mailbox = self.process, self.mailbox
         if process is not None and process.poll() is None:
             process.kill()
@@ -262,11 +269,14 @@ class Worker:
         if mailbox is not None:
             mailbox.close("its process was stopped")
             mailbox.sock.close()
-        self.mailbox = None
+
+    def _discard(self) -> None:
+        """The stopped process's arenas and mailbox let go (with the run lock held)."""
         for arena in (self.inbox, self.outbox):
             if arena is not None:
                 arena.close()
         self.inbox = self.outbox = None
+        self.mailbox = None
 
     def _ready(self) -> ipc.Mailbox:
         if not self.alive() or self.mailbox is None or self.mailbox.closed:
@@ -274,6 +284,7 @@ class Worker:
                 self.restarts += 1
                 log.warning("%s: starting its process again", self.label)
             self.kill()
+            self._discard()
             self.start()
         return self.mailbox
 
@@ -545,6 +556,7 @@ class Worker:
                 except (OSError, EOFError, ValueError, subprocess.TimeoutExpired):
                     pass
             self.kill()
+            self._discard()
 
 
 def _code_of(exc: BaseException) -> str:
@@ -665,6 +677,7 @@ class PythonNetwork(CompiledNetwork):
         except BaseException:
             for worker in self.workers:
                 worker.kill()
+                worker._discard()
             raise
 
     def _metric(self, name: str) -> Any:
@@ -732,7 +745,9 @@ class PythonInferRequest(InferRequest):
             message, code = response["error"]
             raise _ERRORS.get(code, InferenceError)(f"{where}: {message}")
         specs = {s.name: s for s in network.outputs}
-        return _checked_outputs(where, response["outputs"], tensors, specs, "0/", True)
+        token = cancel.current()
+        partial = token is not None and token.partial_outputs
+        return _checked_outputs(where, response["outputs"], tensors, specs, "0/", not partial)
 
     def infer_decoupled(self, arrays: list[Any], sender: ResponseSender) -> None:
         """A decoupled model's request: its execute runs here (holding this stream); its

@@ -73,7 +73,9 @@ def receive_all(
 ) -> tuple[dict[str, Any], list[int]]:
     """The next message and up to ``most`` descriptors (others are closed). ``spin``: seconds
     to poll for it before sleeping in the kernel (a process woken from an idle core answers
-    tens of microseconds later; one that polls briefly after each answer does not)."""
+    tens of microseconds later; one that polls briefly after each answer does not). Each poll
+    yields the core (``sched_yield``): on a machine whose cores are all busy (an instance per
+    core), the server's threads that make the next request run instead of the poll."""
     fds = array.array("i")
     space = socket.CMSG_SPACE(fds.itemsize * 4)
     received = None
@@ -82,6 +84,8 @@ def receive_all(
         while received is None and time.perf_counter() < end:
             with contextlib.suppress(BlockingIOError):
                 received = sock.recvmsg(MAX_HEADER, space, socket.MSG_DONTWAIT)
+            if received is None:
+                os.sched_yield()
     data, ancillary, flags, _ = received or sock.recvmsg(MAX_HEADER, space)
     return _message(data, ancillary, flags, most)
 
