@@ -15,10 +15,10 @@ from typing import Any
 
 import orjson
 
-from plugserve.plugins.api import InvalidArgument, NotFound, PlugserveError
+from plugserve.plugins.api import InvalidArgument, NotFound
 from plugserve.server.errors import forget_frames, http_status_of
 
-__all__ = ["OpenAIError", "error_reply", "model_not_found", "reply_of"]
+__all__ = ["OpenAIError", "error_reply", "reply_of", "stream_error"]
 
 #: OpenAI's ``type`` for a status (what its API answers; a 5xx is ``server_error``)
 _TYPES = {
@@ -47,11 +47,6 @@ class OpenAIError(InvalidArgument):
         self.param = param
         self.status = status
         self.code_name = code
-
-
-def model_not_found(name: str, error: PlugserveError) -> OpenAIError:
-    """OpenAI's 404 for an unknown model (``model_not_found``), with what is served."""
-    return OpenAIError(str(error), "model", 404, "model_not_found")
 
 
 def body(status: int, message: str, param: str | None = None, code: str | None = None) -> bytes:
