@@ -41,6 +41,7 @@ from plugserve.server.core import ConfigLimits, Core
 from plugserve.server.dataplane import DataPlane
 from plugserve.server.examples import build_examples, default_examples_dir
 from plugserve.server.generate.network import GenerativeNetwork
+from plugserve.server.generate.openai import OpenAIRoutes
 from plugserve.server.handlers import add_service
 from plugserve.server.metrics import Metrics
 from plugserve.server.model_control import ModelControl
@@ -173,6 +174,7 @@ class Server:
         self.health_port = 0
         self.metrics_port = 0
         self.rest: RestServer | None = None
+        self.openai: OpenAIRoutes | None = None
         self.http_port = 0
         self._stopped = threading.Event()  # stop() began
         self._hurry = threading.Event()  # a second signal: stop waiting for admitted requests
@@ -321,6 +323,9 @@ class Server:
                 auth,
                 local_control=not s.allow_remote_control,
             )
+            # the OpenAI-compatible API over generative models (server/generate/openai/)
+            self.openai = OpenAIRoutes(self.plane, self.control, s.max_completion_tokens)
+            rest_app.add_routes(self.openai.routes(), self.openai.refusal)
             self.rest = RestServer(rest_app, s)
             self.http_port = self.rest.start()
         rest = f", HTTP {'https' if credentials else 'http'}://{s.host}:{self.http_port}"
@@ -428,6 +433,8 @@ class Server:
         self._stop_grpc(0 if left else max(1.0, end - time.monotonic()))
         self.plane.close()
         self.control.close()
+        if self.openai is not None:
+            self.openai.close()
         self.metrics.close()
         if self._scratch is not None:
             shutil.rmtree(self._scratch, ignore_errors=True)

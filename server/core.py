@@ -248,7 +248,12 @@ class Core:
     ) -> CompiledNetwork:
         """Compile ``model`` on ``device``; with ``CACHE_DIR`` set, reuse an earlier export.
         ``should_stop``: when it turns true the work stops with Cancelled (see cancel.py)."""
-        if _is_model_folder(model):  # a transformers folder: a generative model
+        if _is_model_folder(model):  # a transformers folder: a generative model or an encoder
+            from plugserve.server.generate.openai.embeddings import encoder_graph
+
+            graph = encoder_graph(model)  # a sentence-transformers folder: a plain network
+            if graph is not None:
+                return self.load_network(str(graph), device, config, should_stop)
             from plugserve.server.generate.network import load_generative
 
             with _stopping(should_stop):

@@ -47,6 +47,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import unquote
 
 import grpc
 import orjson
@@ -268,15 +269,34 @@ class RestApp:
             (model + "/stats", {"GET": (f"/{KSERVE}/ModelStatistics", self.statistics)}),
         ]
         self.routes = [(re.compile(pattern + "/?"), methods) for pattern, methods in table]
+        #: routes with an error body of their own, and its renderer (add_routes)
+        self._refusals: list[tuple[list[re.Pattern[str]], Callable[..., Reply]]] = []
 
     def add_routes(
-        self, table: list[tuple[str, dict[str, tuple[str, Callable[[Call], Any]]]]]
+        self,
+        table: list[tuple[str, dict[str, tuple[str, Callable[[Call], Any]]]]],
+        refusal: Callable[[int, str, PlugserveError | None], Reply] | None = None,
     ) -> None:
         """More routes, after the KServe ones: ``(pattern, {method: (the gRPC method it is
         authorized as, handler)})``, as the table above (a package such as the OpenAI adapter
         brings its own). A handler takes a :class:`Call` and returns a reply, an awaitable of
-        one, or a :class:`StreamReply`."""
-        self.routes += [(re.compile(pattern + "/?"), methods) for pattern, methods in table]
+        one, or a :class:`StreamReply`. ``refusal(status, message, error)``: the reply for a
+        request to these routes refused before its handler runs (its body over the memory
+        budget, too large, too slow), in the routes' own error body."""
+        compiled = [(re.compile(pattern + "/?"), methods) for pattern, methods in table]
+        self.routes += compiled
+        if refusal is not None:
+            self._refusals.append(([pattern for pattern, _ in compiled], refusal))
+
+    def refusal(self, url: bytes, status: int, message: str, error: PlugserveError | None) -> Reply:
+        """The reply refusing a request to ``url`` before it is routed (rest_http's): the
+        error body of the routes it is for."""
+        if self._refusals:
+            path = unquote(url.split(b"?", 1)[0].decode("latin-1"))
+            for patterns, render in self._refusals:
+                if any(p.fullmatch(path) for p in patterns):
+                    return render(status, message, error)
+        return _error(status, message)
 
     # --- the entry point (server/rest_http.py calls it with the request read whole)
 
@@ -821,6 +841,7 @@ class RestServer:
             4 * s.grpc_workers,  # as gRPC's maximum_concurrent_rpcs
             self.app.too_large,
             self.app.plane.budget,
+            self.app.refusal,
         )
         started = threading.Event()
         self._thread = threading.Thread(

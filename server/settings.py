@@ -113,6 +113,12 @@ class Settings:
         "request is refused at once (RESOURCE_EXHAUSTED / 503); -1: half of the cgroup's "
         "memory limit or of the machine's memory; 0: no limit",
     )
+    max_completion_tokens: int = _field(
+        0,
+        "most tokens one OpenAI completion or chat request may ask to generate per choice "
+        "(max_tokens / max_completion_tokens above it: 400; unset: the model's remaining context "
+        "up to this); 0: the model's context length only",
+    )
     max_request_seconds: float = _field(
         300.0,
         "longest an inference request may take from admission to its answer, queued and "
@@ -250,6 +256,7 @@ class Settings:
             ("exit_timeout", 0, None),
             ("max_request_seconds", 0, None),
             ("max_inflight_bytes", -1, None),
+            ("max_completion_tokens", 0, None),
             ("max_networks", 0, None),
             ("max_sequences", 0, None),
             ("max_model_bytes", 0, None),
