@@ -1,7 +1,8 @@
 """optimum-intel's OpenVINO IR export of the generative test models, served on OPENVINO in
 openvino's paged-attention form (server/generate/decoder_openvino.py): every reference prompt
 at once, of different lengths, answering transformers' own f32 greedy tokens, in process
-through the engine and through a real server (KServe generate and ModelStreamInfer).
+through the engine and through a real server (KServe generate and ModelStreamInfer, and the
+OpenAI API with the official client).
 
 The IR folders are made by tests/support/llm.py with optimum-intel 2.2.0 in a venv of its
 own; the tests skip, naming the reason and the install line, where it cannot run.
@@ -270,3 +271,55 @@ def test_streamed_pieces_over_model_stream_infer_add_up(served):
 def test_the_server_names_the_paged_backend_in_its_log(served):
     server, _folder = served
     assert any("PagedDecoder" in line for line in server.lines), "\n".join(server.lines[-20:])
+
+
+def test_the_openai_client_gets_transformers_completions_and_chats(served):
+    openai = pytest.importorskip("openai", reason="pip install openai (the test extra)")
+    server, _folder = served
+    ref = reference("tiny-llama")
+    api = openai.OpenAI(base_url=f"{server.http_url}/v1", api_key="unused", max_retries=0)
+    count = ref["max_new_tokens"]
+    extra = {"extra_body": {"ignore_eos": True, "return_token_ids": True}}
+    for case in ref["cases"]:
+        if "prompt" in case:
+            answer = api.completions.create(
+                model="tiny-ov", prompt=case["prompt"], max_tokens=count, temperature=0, **extra
+            )
+            text = answer.choices[0].text
+        else:
+            answer = api.chat.completions.create(
+                model="tiny-ov", messages=case["messages"], max_completion_tokens=count,
+                temperature=0, **extra,
+            )  # fmt: skip
+            text = answer.choices[0].message.content
+        choice = answer.choices[0]
+        assert choice.model_extra["prompt_token_ids"] == case["prompt_ids"], case["name"]
+        assert choice.model_extra["token_ids"] == case["ids"], case["name"]
+        assert text == case["completion_ignore_eos"], case["name"]
+        assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (
+            len(case["prompt_ids"]),
+            count,
+        )
+        assert choice.finish_reason == "length"
+
+
+def test_an_openai_stream_sends_the_same_tokens_as_they_come(served):
+    openai = pytest.importorskip("openai", reason="pip install openai (the test extra)")
+    server, _folder = served
+    ref = reference("tiny-llama")
+    api = openai.OpenAI(base_url=f"{server.http_url}/v1", api_key="unused", max_retries=0)
+    case = next(c for c in ref["cases"] if c["name"] == "chat-turns")
+    count = ref["max_new_tokens"]
+    stream = api.chat.completions.create(
+        model="tiny-ov", messages=case["messages"], max_tokens=count, temperature=0,
+        stream=True, stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )  # fmt: skip
+    chunks = list(stream)
+    assert chunks[-1].usage.completion_tokens == count
+    choices = [ch for c in chunks[:-1] for ch in c.choices]
+    ids = [t for ch in choices for t in ch.model_extra.get("token_ids") or []]
+    text = "".join(ch.delta.content or "" for ch in choices)
+    assert ids == case["ids"]
+    assert text == case["completion_ignore_eos"]
+    assert len(chunks) > count // 2, "tokens arrive as they are made"
