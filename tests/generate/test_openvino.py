@@ -164,6 +164,24 @@ def test_the_device_precision_serves_too(core):
         net.close()
 
 
+def test_a_kv_budget_of_two_slots_makes_the_others_wait_and_all_answer(core, model):
+    """The budget counts the paged cache's bytes (whole blocks per slot): room for two
+    sequences holds two, and five requests at once all answer, transformers' tokens each."""
+    name, net, ref = model
+    per_slot = net.engine.decoder.layout.bytes_per_slot
+    config = {**F32, "KV_CACHE_BYTES": str(2 * per_slot + per_slot // 2)}
+    small = core.load_network(str(exported(name, "openvino")), "OPENVINO", config)
+    try:
+        assert small.engine.cache.rows == 2
+        assert small.engine.cache.nbytes == 2 * per_slot
+        cases = ref["cases"][:5]
+        results = run_all(small.engine, [greedy(c, 8) for c in cases])
+        for case in cases:
+            assert [t for e in results[case["name"]] for t in e.token_ids] == case["ids"][:8]
+    finally:
+        small.close()
+
+
 def test_an_ir_folder_is_refused_on_a_device_that_cannot_read_it(core):
     folder = exported("tiny-llama", "openvino")
     with pytest.raises(InvalidArgument, match="served on OPENVINO, not NUMPY"):
