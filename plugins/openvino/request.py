@@ -120,14 +120,18 @@ class OpenvinoInferRequest(InferRequest):
             self._ran = True
             return outputs
 
-    binds_outputs = True
+    # binds_outputs stays False: openvino writes a bound output into the caller's array, but
+    # not one sharing an input's memory (the model builder's GroupQueryAttention present,
+    # bound to its past, fails openvino's shape check), so callers that alias past and
+    # present read the present back instead
 
     def infer_into(
         self, arrays: list[Any], outputs: Mapping[str, np.ndarray]
     ) -> dict[str, np.ndarray]:
         """Each input bound as an openvino tensor over the array's own memory (no copy in: an
         input the network writes, a paged key/value cache, is updated in place), the named
-        outputs written straight into the given arrays, the other outputs copied out once.
+        outputs written straight into the given arrays (each its own memory, not an input's),
+        the other outputs copied out once.
 
         A binding is kept from run to run and made again only when the array's memory,
         shape or type changed: a generation step binds the same cache arrays every time (24

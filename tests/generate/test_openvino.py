@@ -182,6 +182,24 @@ def test_a_kv_budget_of_two_slots_makes_the_others_wait_and_all_answer(core, mod
         small.close()
 
 
+def test_the_builders_shared_buffer_graph_still_reads_its_present_back_on_openvino(core):
+    """OPENVINO's infer_into shares inputs but does not let an output alias an input
+    (binds_outputs False): the model builder's GroupQueryAttention graph, whose past and
+    present are one buffer on ORT, keeps reading its present back here (one sequence: see
+    docs/generate.md's limits)."""
+    available(core)
+    folder = exported("tiny-llama", "genai-fp32")
+    ref = reference("tiny-llama")
+    net = core.load_network(str(folder), "OPENVINO", F32)
+    try:
+        assert not net.engine.decoder.binds
+        case = ref["cases"][1]
+        events = list(net.engine.generate(greedy(case, 16)))
+        assert [t for e in events for t in e.token_ids] == case["ids"][:16]
+    finally:
+        net.close()
+
+
 def test_an_ir_folder_is_refused_on_a_device_that_cannot_read_it(core):
     folder = exported("tiny-llama", "openvino")
     with pytest.raises(InvalidArgument, match="served on OPENVINO, not NUMPY"):
