@@ -6,6 +6,10 @@ frontend and compiles them for openvino's CPU device with the properties the con
 stands for. ``query_network`` asks openvino's own ``query_model`` and maps its op names back to
 the original ONNX node names (see :mod:`.query`). Export is openvino's compiled-model blob under
 plugserve's shared header.
+
+A path to an OpenVINO IR (``.xml`` with its ``.bin``) is read by openvino itself and compiled
+whole (:mod:`.ir`); ``PAGED_ATTENTION=YES`` rewrites an LLM's IR into openvino's
+paged-attention form first (:mod:`.paged`), the form generative models are served in.
 """
 
 from __future__ import annotations
