@@ -39,8 +39,10 @@ from plugserve.server.core import Core
 from plugserve.server.dataplane import DataPlane, ShuttingDown
 from plugserve.server.devices import parse_device
 from plugserve.server.metrics import Metrics
+from plugserve.server.model_names import check_name
 from plugserve.server.networks import LoadedNetwork
-from plugserve.server.repository import ModelEntry, Repository, check_name, is_version
+from plugserve.server.pipelines.ensemble import EnsembleNetwork
+from plugserve.server.repository import ModelEntry, Repository, is_version
 from plugserve.server.security import refuse_server_keys
 from plugserve.server.sequences import SequenceBatcher, Sequences, SequenceSettings
 from plugserve.server.triton_config import (
@@ -240,9 +242,8 @@ class ModelControl:
         are then the server's, not an answer's. A network that passes sequence requests on
         (an ensemble of a sequence model: ``sequences_for``) gets what relays them instead."""
         if settings is None:
-            relay = getattr(entry.network, "sequences_for", None)
-            if relay is not None:
-                entry.sequences = relay(self.plane.admission(entry))
+            if isinstance(entry.network, EnsembleNetwork):
+                entry.sequences = entry.network.sequences_for(self.plane.admission(entry))
             return
         try:
             entry.sequences = SequenceBatcher(

@@ -37,6 +37,7 @@ from typing import Any
 
 from plugserve.plugins.api import InvalidArgument, NotFound
 from plugserve.server.generate.folder import is_transformers_folder
+from plugserve.server.model_names import check_name
 from plugserve.server.triton_config import (
     MODEL_FILE,
     OVMS_KEYS,
@@ -53,24 +54,12 @@ from plugserve.server.triton_config import (
 )
 from plugserve.server.versions import MAX_VERSION, is_version
 
-__all__ = ["ModelEntry", "ModelSettings", "Repository", "check_name", "is_version"]
+__all__ = ["ModelEntry", "ModelSettings", "Repository", "is_version"]
 
 log = logging.getLogger(__name__)
 
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}")
 _STAGING = re.compile(r"\.(trash\..+|.+\.[0-9]+\..+)")
 CONFIG_FILE = "config.json"
-
-
-def check_name(name: str) -> str:
-    """Refuse a model name that could escape the repository or confuse a shell or a log."""
-    # fullmatch, not match with '$': '$' also matches before a trailing newline
-    if not isinstance(name, str) or not _NAME.fullmatch(name) or ".." in name:
-        raise InvalidArgument(
-            f"invalid model name {name!r}: use 1-128 letters, digits, '_', '-' or '.', "
-            "starting with a letter or digit (no '/', '..' or control characters)"
-        )
-    return name
 
 
 def single_model_repository(source: str | os.PathLike, name: str) -> Path:

@@ -1,7 +1,7 @@
 """What a Python model asks the server besides BLS: Triton's custom metrics (``MetricFamily``,
 ``Metric``) and its model loading API (``load_model``, ``unload_model``, ``is_model_ready``).
 
-Each is a small function in :data:`device.CALLS` under the name the model's
+Each is a small function in :data:`CALLS` under the name the model's
 ``triton_python_backend_utils`` sends (``{"op": "call", "what": NAME, ...}``), run on a thread
 of the server with the model's worker, the call's header and its tensors, and answering a
 dict (or raising a typed error, which the model sees as TritonModelException with its
@@ -14,17 +14,23 @@ API needs explicit model control; plugserve's default mode allows loads too).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from plugserve.plugins.api import InvalidArgument, NotFound, Unsupported
 from plugserve.server.networks import NotReady
-from plugserve.server.pipelines.python.device import CALLS, Worker
 
-__all__ = ["call"]
+if TYPE_CHECKING:
+    from plugserve.server.pipelines.python.device import Worker
 
-Handler = Callable[[Worker, dict[str, Any], dict[str, np.ndarray]], dict[str, Any]]
+__all__ = ["CALLS", "call"]
+
+Handler = Callable[["Worker", dict[str, Any], dict[str, np.ndarray]], dict[str, Any]]
+#: what a model may ask the server besides BLS (``{"op": "call", "what": NAME}``): NAME ->
+#: ``handler(worker, header, inputs) -> reply``, run on a worker thread by the device
+#: (``device.Worker``); each answers ``{"call": id, ...}``
+CALLS: dict[str, Handler] = {}
 
 
 def call(name: str) -> Callable[[Handler], Handler]:

@@ -39,7 +39,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import Future, InvalidStateError
 from pathlib import Path
 from typing import Any
@@ -68,6 +68,7 @@ from plugserve.plugins.api import (
 )
 from plugserve.plugins.streams import StreamsExecutor
 from plugserve.server.pipelines.python import ipc
+from plugserve.server.pipelines.python.calls import CALLS
 from plugserve.server.pipelines.types import DTYPES
 
 __all__ = ["PythonPlugin"]
@@ -222,10 +223,6 @@ _HANDLED = frozenset({"bls", "bls_cancel", "send", "call", "log"})
 #: seconds a decoupled model's execute may go on after its request was cancelled, to see
 #: ``is_cancelled()`` and return, before its process is stopped (Triton's models poll it)
 CANCEL_GRACE = 5.0
-#: what a model may ask the server besides BLS (``{"op": "call", "what": NAME}``): NAME ->
-#: ``handler(worker, header, inputs) -> reply``, run on a worker thread (custom metrics, the
-#: model loading API); each answers ``{"call": id, ...}``
-CALLS: dict[str, Callable[[Worker, dict[str, Any], dict[str, np.ndarray]], dict[str, Any]]] = {}
 
 _rids = itertools.count(1)
 
@@ -1248,6 +1245,3 @@ class PythonPlugin(Plugin):
 
     def import_network(self, blob: bytes, config: Any = None) -> CompiledNetwork:
         raise Unsupported("python models are not exported; serve the model's folder")
-
-
-from plugserve.server.pipelines.python import calls as _calls  # noqa: E402,F401 (registers them)
