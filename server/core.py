@@ -33,6 +33,7 @@ from plugserve.plugins.api import (
     NotFound,
     Plugin,
     PlugserveError,
+    Unsupported,
     parse_state_pairs,
 )
 from plugserve.plugins.version import plugserve_version
@@ -306,6 +307,8 @@ class Core:
             _write_atomically(path, stamp + network.export())
         except OSError as exc:
             log.warning("could not write cache entry %s: %s", path, exc)
+        except Unsupported as exc:  # a network that cannot be exported is compiled each time
+            log.info("not cached: %s", exc)
         return network
 
     def import_network(
@@ -388,7 +391,12 @@ def _model_bytes(model: Model) -> bytes:
         path = Path(model)
         try:
             stat = path.stat()
-            return path.read_bytes() + f"{path.resolve()}:{stat.st_mtime_ns}".encode()
+            data = path.read_bytes() + f"{path.resolve()}:{stat.st_mtime_ns}".encode()
+            weights = path.with_suffix(".bin")  # an OpenVINO IR's weights beside its .xml
+            if path.suffix == ".xml" and weights.is_file():
+                held = weights.stat()
+                data += f"{weights.resolve()}:{held.st_size}:{held.st_mtime_ns}".encode()
+            return data
         except OSError as exc:
             raise InvalidArgument(f"model file {str(path)!r} cannot be read: {exc}") from None
     raise InvalidArgument(

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from plugserve.plugins import blob
-from plugserve.plugins.api import CompiledNetwork, TensorSpec
+from plugserve.plugins.api import CompiledNetwork, TensorSpec, Unsupported
 from plugserve.plugins.openvino.config import OpenvinoConfiguration, precision_name
 from plugserve.plugins.openvino.request import OpenvinoInferRequest
 from plugserve.plugins.streams import StreamsExecutor
@@ -107,6 +107,14 @@ class OpenvinoCompiledNetwork(CompiledNetwork):
         return super()._metric(name)
 
     def export(self) -> bytes:
+        if self.config.get("PAGED_ATTENTION"):
+            # openvino 2026.4 exports such a model but cannot import it again (its paged
+            # attention op loses k_head_size / num_k_heads): refuse rather than write a blob
+            # nothing can read (a CACHE_DIR entry of 675 MB for a 169 M model)
+            raise Unsupported(
+                f"network {self.name!r}: a paged-attention network is not exported (openvino "
+                "cannot import it again); load the IR folder instead"
+            )
         payload = self.compiled.export_model()
         if hasattr(payload, "getvalue"):
             payload = payload.getvalue()

@@ -163,3 +163,34 @@ def test_the_paged_form_batches_rows_of_different_lengths(core, llm_ir):
     np.testing.assert_allclose(long_rows[0], expected_long[0], rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(long_rows[1], expected_long[-1], rtol=1e-4, atol=1e-4)
     net.close()
+
+
+def test_a_cached_ir_is_compiled_again_when_its_weights_change(core, ir_of_mlp, tmp_path):
+    """CACHE_DIR's key covers the IR's .bin beside its .xml: new weights are never served
+    from an entry compiled with the old ones."""
+    xml, _proto = ir_of_mlp
+    config = {**F32, "CACHE_DIR": str(tmp_path / "cache")}
+    core.load_network(str(xml), DEVICE, config).close()
+    again = core.load_network(str(xml), DEVICE, config)
+    assert again.loaded_from_cache
+    again.close()
+    weights = xml.with_suffix(".bin")
+    data = bytearray(weights.read_bytes())
+    data[-4:] = bytes(4)  # one weight of the last layer changed, the size kept
+    weights.write_bytes(bytes(data))
+    changed = core.load_network(str(xml), DEVICE, config)
+    assert not changed.loaded_from_cache
+    changed.close()
+
+
+def test_a_paged_network_is_compiled_each_time_rather_than_cached(core, llm_ir, tmp_path):
+    """openvino 2026.4 cannot import a compiled paged-attention model it exported: nothing is
+    written to CACHE_DIR for one (it was a useless blob of the model's size), and loads
+    compile it."""
+    cache = tmp_path / "cache"
+    config = {**F32, "PAGED_ATTENTION": "YES", "CACHE_DIR": str(cache)}
+    for _ in range(2):
+        net = core.load_network(str(llm_ir), DEVICE, config)
+        assert not net.loaded_from_cache
+        net.close()
+    assert not list(cache.glob("*.blob"))
