@@ -48,6 +48,19 @@ def test_hf_folder_is_complete(name, llm_folder):
     assert tokenizer.get_vocab_size() == spec.vocab
     for role in ("user", "assistant", "system"):  # chat words are whole tokens
         assert len(tokenizer.encode(role, add_special_tokens=False).ids) == 1
+    from safetensors.numpy import load_file
+
+    tensors = load_file(str(folder / "model.safetensors"))
+    assert sum(t.size for t in tensors.values()) == spec.parameters()
+    assert all(t.dtype == np.float32 for t in tensors.values())
+
+
+def test_bench_recipe_is_the_size_benchmarks_need():
+    """~150-200 M parameters (compute matters) and a context for a 2,000-token prompt."""
+    spec = llm.MODELS["bench-llama"]
+    assert 150e6 <= spec.parameters() <= 200e6
+    assert spec.context >= 2048 + 256
+    assert spec.kv_heads < spec.heads
 
 
 @pytest.mark.parametrize("name", DECODERS)

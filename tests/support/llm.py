@@ -57,6 +57,9 @@ SCRIPTS = Path(__file__).parent / "llm_scripts"
 CACHE = ROOT / "llm"
 #: how long a failed build is believed before it is tried again
 FAILED_FOR_S = 3600
+#: pip's time to make one exporter venv: 3-6 minutes alone on 2 cores, over 15 when three
+#: are made at once while the machine's load average is 12
+VENV_TIMEOUT_S = 2400
 
 MODELS: dict[str, DecoderSpec] = {
     # ~0.4 M parameters, 1.5 MB: GQA 4:2, untied head, BOS added by the tokenizer
@@ -171,7 +174,7 @@ class Tool:
         when it cannot be made."""
 
         def make() -> Path:
-            venv = cached_venv(self.venv, list(self.packages), self.uninstall)
+            venv = cached_venv(self.venv, list(self.packages), self.uninstall, VENV_TIMEOUT_S)
             return venv / "bin" / "python"
 
         return _attempt(f"venv-{self.venv}", make, self.install_line())
