@@ -12,6 +12,7 @@ hand-stepped onnxruntime must agree on it.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import llm
@@ -53,6 +54,34 @@ def test_hf_folder_is_complete(name, llm_folder):
     tensors = load_file(str(folder / "model.safetensors"))
     assert sum(t.size for t in tensors.values()) == spec.parameters()
     assert all(t.dtype == np.float32 for t in tensors.values())
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-bert-mean"])
+def test_tokenizer_training_is_reproducible(name, llm_folder, encoder_folder):
+    """Trained again in another process (another string-hash seed), the tokenizer is the
+    cached one to the byte: tokenizers' own trainers were not (llm_bpe says why)."""
+    import subprocess
+    import sys
+
+    folder = llm_folder(name, "hf") if name in llm.MODELS else encoder_folder(name)
+    support = Path(llm.__file__).parent
+    module, specs = ("llm_hf", "MODELS") if name in llm.MODELS else ("llm_encoder", "ENCODERS")
+    code = (
+        f"import sys; sys.path.insert(0, {str(support)!r}); import llm, {module}; "
+        f"print({module}.train_tokenizer(llm.{specs}[{name!r}]).to_str())"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "PYTHONHASHSEED": "12345"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    saved = folder / "tokenizer.json"
+    if not saved.exists():  # the encoder's hub layout keeps it at the top too
+        saved = folder.parent / "hf" / "tokenizer.json"
+    assert json.loads(done.stdout) == json.loads(saved.read_text())
 
 
 def test_bench_recipe_is_the_size_benchmarks_need():

@@ -52,7 +52,7 @@ from llm_hf import write as write_decoder
 from venvs import ROOT, cached_venv
 
 #: bumped when a change to this package changes the files a recipe makes
-FORMAT = 1
+FORMAT = 2
 SCRIPTS = Path(__file__).parent / "llm_scripts"
 CACHE = ROOT / "llm"
 #: how long a failed build is believed before it is tried again
@@ -73,6 +73,7 @@ MODELS: dict[str, DecoderSpec] = {
         vocab=2048,
         context=512,
         corpus_lines=5000,
+        eos_gain=1.6,
         sampling=(("temperature", 0.6), ("top_p", 0.9)),
     ),
     # ~0.44 M parameters: GQA 6:2, biased q/k/v, tied head, ChatML, no BOS
@@ -87,6 +88,7 @@ MODELS: dict[str, DecoderSpec] = {
         context=512,
         corpus_lines=5000,
         residual_gain=10.0,
+        eos_gain=1.6,
     ),
     # ~169 M parameters, 4096 context: for benchmarks (compute matters), never built by tests
     "bench-llama": DecoderSpec(
@@ -573,32 +575,38 @@ def prepare(names: list[str]) -> int:
     the number of steps that failed (their tests skip with the reason)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    failed = 0
+    failed: list[str] = []
 
     def step(label: str, make: Callable[[], object]) -> None:
-        nonlocal failed
         started = time.monotonic()
         try:
             result = make()
             print(f"{label}: {time.monotonic() - started:.1f} s  {result}", flush=True)
         except Unavailable as error:
-            failed += 1
+            failed.append(label)
             print(f"{label}: FAILED after {time.monotonic() - started:.1f} s: {error}", flush=True)
 
     with ThreadPoolExecutor(len(TOOLS)) as pool:
-        for tool in TOOLS.values():
-            pool.submit(step, f"venv {tool.venv}", tool.python)
-    for name in names:
+        venvs = [pool.submit(step, f"venv {t.venv}", t.python) for t in TOOLS.values()]
+        for future in venvs:
+            future.result()
+
+    def model(name: str) -> None:
         if name in ENCODERS:
-            step(f"{name} hf", lambda n=name: encoder_folder(n))
-            step(f"{name} onnx", lambda n=name: encoder_onnx(n))
-            step(f"{name} embeddings", lambda n=name: embeddings_path(n))
-            continue
-        step(f"{name} hf", lambda n=name: hf_folder(n))
-        step(f"{name} reference", lambda n=name: reference_path(n))
+            step(f"{name} hf", lambda: encoder_folder(name))
+            step(f"{name} onnx", lambda: encoder_onnx(name))
+            step(f"{name} embeddings", lambda: embeddings_path(name))
+            return
+        step(f"{name} hf", lambda: hf_folder(name))
+        step(f"{name} reference", lambda: reference_path(name))
         for kind in EXPORTS:
-            step(f"{name} {kind}", lambda n=name, k=kind: export(n, k))
-    return failed
+            step(f"{name} {kind}", lambda k=kind: export(name, k))
+
+    # two models at a time: an export is one busy process (tracing, saving) on two cores
+    with ThreadPoolExecutor(2) as pool:
+        for future in [pool.submit(model, name) for name in names]:
+            future.result()
+    return len(failed)
 
 
 def main(argv: list[str]) -> int:
