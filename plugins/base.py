@@ -402,6 +402,12 @@ class CompiledNetwork(abc.ABC):
     #: transaction policy, a generative model's tokens): run with
     #: :meth:`InferRequest.infer_decoupled`, never with ``infer`` (``plugins/responses.py``).
     decoupled: bool = False
+    #: The largest batch its own configuration allows, for a network that decides it itself
+    #: (a Python model's ``auto_complete_config``); None: the repository's setting decides.
+    max_batch_size: int | None = None
+    #: Whether :meth:`ready` may take time (it asks a model's process): callers that serve
+    #: other clients on the same thread (the REST event loop) call it on a worker thread.
+    slow_readiness: bool = False
 
     def __init__(self, plugin: Plugin, name: str, config: Configuration) -> None:
         self.plugin = plugin
@@ -507,6 +513,11 @@ class CompiledNetwork(abc.ABC):
             f"{self.device}/{self.name}", streams, state_factory=lambda _i: _new_request(ref)
         )
 
+    def ready(self) -> bool:
+        """Whether the network serves now, as model readiness reports it (a Python model's
+        processes running and its ``is_ready()``); a loaded network is, unless it says."""
+        return True
+
     def batch_statistics(self) -> dict[int, tuple[int, int]] | None:
         """``{rows: (batches run, nanoseconds)}`` of a network that gathers requests into
         batches; None for one that does not batch."""
@@ -600,6 +611,29 @@ class InferRequest(abc.ABC):
         virtual device's parent request's), else to a token of its own, so :meth:`cancel`
         stops it either way."""
         return self._checked(arrays)
+
+    #: whether :meth:`infer_into` has the device write the named outputs straight into the
+    #: caller's arrays (and lets an output share an input's memory: a key/value cache
+    #: updated in place, as onnxruntime's past/present buffer sharing); else the base runs
+    #: the network and copies each output into its array
+    binds_outputs: ClassVar[bool] = False
+
+    def infer_into(
+        self, arrays: list[Any], outputs: Mapping[str, np.ndarray]
+    ) -> dict[str, np.ndarray]:
+        """:meth:`infer_checked` with the named outputs written into the given arrays
+        (OpenVINO's ``set_output_tensor``): each must be C-contiguous with the output's element
+        type and the shape this run gives it. Returns every output, the given arrays for the
+        named ones. A device whose requests do not bind outputs (:attr:`binds_outputs` False)
+        computes them elsewhere and copies them in; an output sharing an input's memory then
+        sees the input read before it is written, as in a device that binds."""
+        result = self.infer_checked(arrays)
+        for name, target in outputs.items():
+            value = result[name]
+            if value is not target:
+                np.copyto(target, value)
+            result[name] = target
+        return result
 
     def infer_decoupled(self, arrays: list[Any], sender: ResponseSender) -> None:
         """Run checked inputs, answering through ``sender`` (``plugins/responses.py``): a

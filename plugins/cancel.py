@@ -91,7 +91,9 @@ class Token:
         "outputs",
         "parameters",
         "partial_outputs",
+        "request_id",
         "room",
+        "sequence",
     )
 
     def __init__(self) -> None:
@@ -113,6 +115,13 @@ class Token:
         #: ensemble steps: an output a step leaves out leaves the ensemble's out); otherwise a
         #: model that leaves out an output the request wants fails it, naming the output
         self.partial_outputs = False
+        #: the client's id for the request (KServe's ``id``), set by its owner for a network
+        #: that hands it to its model (a Python model's ``request_id()``); "": none
+        self.request_id = ""
+        #: the request's sequence as ``(sequence id, flags)`` (flags: 1 its start, 2 its end,
+        #: Triton's), set by its owner for a network that hands them to its model (a Python
+        #: model's ``correlation_id()`` and ``flags()``); None: none
+        self.sequence: tuple[int | str, int] | None = None
         #: the run is over: cancelling now does nothing (and costs nothing)
         self.finished = False
         self._callbacks: list[Callable[[], object]] = []

@@ -35,6 +35,9 @@ class TensorSpec:
     ``"map"``, ``"optional"``): those have no element type or shape here, run in-process
     (lists, dicts, None) and have no encoding on the wire.
 
+    ``optional``: an input a request may leave out (Triton's ``optional: true``), as the
+    text-generation inputs of a generative model's KServe face are.
+
     ``binary``: a string input whose elements may be ``bytes`` that are not UTF-8 text. BYTES
     travel byte for byte (``proto.tensors``); a network that reads its strings as text
     (StringNormalizer, a tokenizer, onnxruntime, whose Python API carries text only) would
@@ -47,6 +50,8 @@ class TensorSpec:
     shape: tuple[int | str | None, ...] | None
     kind: str = "tensor"
     binary: bool = False
+    #: the input may be left out (Triton's ``optional``): :func:`check_inputs` gives None
+    optional: bool = False
 
     def describe(self) -> str:
         if self.kind != "tensor":
@@ -89,6 +94,9 @@ def check_inputs(
     arrays: list[np.ndarray] = []
     for spec in specs:
         if spec.name not in inputs:
+            if spec.optional:
+                arrays.append(None)  # type: ignore[arg-type]
+                continue
             raise InvalidInput(f"network {network_name}: missing input {spec.describe()}")
         arrays.append(_check_one(network_name, spec, inputs[spec.name]))
     return arrays

@@ -24,6 +24,7 @@ import onnx
 from google.protobuf.message import Message
 from onnx import AttributeProto, GraphProto, ModelProto, TensorProto, helper, numpy_helper
 
+from plugserve.plugins import schemas  # noqa: F401  (onnxruntime's ONNX-domain ops, for the checker)
 from plugserve.plugins.api import InvalidModel, TensorSpec, Unsupported
 
 __all__ = [
@@ -596,6 +597,7 @@ def load_model(model: Any, name: str | None = None) -> Graph:
     label = name or proto.graph.name or "model"
     _check_opsets(proto, label)
     _sort_nodes(proto.graph, label)
+    _drop_contradicted_value_info(proto.graph)
     try:
         onnx.checker.check_model(proto)
     except onnx.checker.ValidationError as exc:
@@ -705,6 +707,41 @@ def _infer_shapes(proto: ModelProto, label: str) -> ModelProto:
                 f"model {label!r}: {node} ({found['op']}): {found['reason'].strip()}"
             ) from None
     return onnx.shape_inference.infer_shapes(data, check_type=True, data_prop=True)
+
+
+def _drop_contradicted_value_info(graph: GraphProto) -> None:
+    """Forget the ``value_info`` shapes that a Constant node's own value contradicts.
+
+    ``value_info`` is a hint about intermediate values; the node that makes the value is the
+    truth. onnxruntime-genai's model builder declares its shape constants as scalars (a
+    ``[1]`` tensor written with rank 0, a ``[320, 32]`` Reshape shape too), which onnxruntime
+    ignores and onnx's strict shape inference refuses ("Inferred shape and existing shape
+    differ in rank"), so every decoder it exports failed to load. Only Constant outputs are
+    judged here (their shape is in the node itself); the value_info of every other value
+    stays as the model gives it.
+    """
+    made: dict[str, tuple[int, ...]] = {}
+    for node in graph.node:
+        if node.op_type == "Constant" and node.domain in ("", "ai.onnx") and node.output:
+            for attr in node.attribute:
+                if attr.name == "value" and attr.HasField("t"):
+                    made[node.output[0]] = tuple(attr.t.dims)
+    if not made:
+        return
+    keep = []
+    for info in graph.value_info:
+        dims = made.get(info.name)
+        declared = info.type.tensor_type
+        if dims is not None and declared.HasField("shape"):
+            shown = [d.dim_value if d.HasField("dim_value") else None for d in declared.shape.dim]
+            if len(shown) != len(dims) or any(
+                d is not None and d != real for d, real in zip(shown, dims)
+            ):
+                continue
+        keep.append(info)
+    if len(keep) != len(graph.value_info):
+        del graph.value_info[:]
+        graph.value_info.extend(keep)
 
 
 def _sort_nodes(graph: GraphProto, label: str) -> None:

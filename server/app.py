@@ -40,6 +40,8 @@ from plugserve.server.callpool import CallPool
 from plugserve.server.core import ConfigLimits, Core
 from plugserve.server.dataplane import DataPlane
 from plugserve.server.examples import build_examples, default_examples_dir
+from plugserve.server.generate.network import GenerativeNetwork
+from plugserve.server.generate.openai import OpenAIRoutes
 from plugserve.server.handlers import add_service
 from plugserve.server.metrics import Metrics
 from plugserve.server.model_control import ModelControl
@@ -120,6 +122,7 @@ class Server:
         self.core.limits = ConfigLimits.of(
             settings.max_num_streams, settings.max_batch_size, settings.max_inference_threads
         )
+        self.core.generate_defaults = settings.generate_defaults()
         root = settings.model_repository or str(build_examples(default_examples_dir()))
         if settings.exit_on_error and not Path(root).exists():
             raise SystemExit(
@@ -161,6 +164,9 @@ class Server:
             settings.load_threads(),
             settings.max_sequences,
         )
+        self.metrics.watch_generation(self._generation_stats)
+        if "PYTHON" in self.core.available_devices:  # its models' load_model calls
+            self.core.plugin("PYTHON").control = self.control
         self.health = health.HealthServicer()
         self.grpc_server: grpc.Server | None = None
         self.grpc_port = 0
@@ -168,11 +174,24 @@ class Server:
         self.health_port = 0
         self.metrics_port = 0
         self.rest: RestServer | None = None
+        self.openai: OpenAIRoutes | None = None
         self.http_port = 0
         self._stopped = threading.Event()  # stop() began
         self._hurry = threading.Event()  # a second signal: stop waiting for admitted requests
         self._done = threading.Event()  # stop() finished
         self.abandoned = 0  # requests and loads still running when stop() gave up on them
+
+    def _generation_stats(self) -> list[tuple[str, str, str, Any]]:
+        """Each loaded generative model's engine statistics, for /metrics."""
+        with self.plane.table.lock:
+            entries = [
+                e for versions in self.plane.table.by_name.values() for e in versions.values()
+            ]
+        return [
+            (e.device, e.name, str(e.version), e.network.engine.stats().snapshot())
+            for e in entries
+            if isinstance(e.network, GenerativeNetwork)
+        ]
 
     def _configure_plugins(self) -> None:
         if self.plugin_settings is None:
@@ -304,6 +323,9 @@ class Server:
                 auth,
                 local_control=not s.allow_remote_control,
             )
+            # the OpenAI-compatible API over generative models (server/generate/openai/)
+            self.openai = OpenAIRoutes(self.plane, self.control, s.max_completion_tokens)
+            rest_app.add_routes(self.openai.routes(), self.openai.refusal)
             self.rest = RestServer(rest_app, s)
             self.http_port = self.rest.start()
         rest = f", HTTP {'https' if credentials else 'http'}://{s.host}:{self.http_port}"
@@ -411,6 +433,8 @@ class Server:
         self._stop_grpc(0 if left else max(1.0, end - time.monotonic()))
         self.plane.close()
         self.control.close()
+        if self.openai is not None:
+            self.openai.close()
         self.metrics.close()
         if self._scratch is not None:
             shutil.rmtree(self._scratch, ignore_errors=True)

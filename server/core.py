@@ -106,6 +106,9 @@ class Core:
         self._plugins: dict[str, Plugin] = {}
         self._unavailable: dict[str, str] = {}
         self.limits = ConfigLimits()  # the server sets its caps here
+        #: a generative model's engine settings where its config sets none (the server's
+        #: --max-num-seqs ... flags; server/generate/engine.py)
+        self.generate_defaults: Any = None
         factories: dict[str, Callable[[], Plugin]] = {}
         if discover:
             for ep in entry_points(group=ENTRY_POINT_GROUP):
@@ -245,6 +248,16 @@ class Core:
     ) -> CompiledNetwork:
         """Compile ``model`` on ``device``; with ``CACHE_DIR`` set, reuse an earlier export.
         ``should_stop``: when it turns true the work stops with Cancelled (see cancel.py)."""
+        if _is_model_folder(model):  # a transformers folder: a generative model or an encoder
+            from plugserve.server.generate.openai.embeddings import encoder_graph
+
+            graph = encoder_graph(model)  # a sentence-transformers folder: a plain network
+            if graph is not None:
+                return self.load_network(str(graph), device, config, should_stop)
+            from plugserve.server.generate.network import load_generative
+
+            with _stopping(should_stop):
+                return load_generative(self, model, device, config, self.generate_defaults)
         pairs: dict[str, str] = {}
         if (
             not isinstance(config, Configuration)
@@ -342,6 +355,15 @@ def name_config(name: DeviceName) -> dict[str, str]:
     if name.batch_size:
         config["BATCH_SIZE"] = str(name.batch_size)
     return config
+
+
+def _is_model_folder(model: Any) -> bool:
+    """A transformers model folder (config.json with model_type, and a graph)."""
+    if not isinstance(model, str | os.PathLike) or not os.path.isdir(model):
+        return False
+    from plugserve.server.generate.folder import is_transformers_folder
+
+    return is_transformers_folder(model)
 
 
 def _stopping(should_stop: Callable[[], bool] | None) -> contextlib.AbstractContextManager:

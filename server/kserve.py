@@ -119,10 +119,10 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
     def ModelReady(self, request, context):
         version = parse_version(request.version)
         try:
-            self.plane.get(request.name, version)
+            entry = self.plane.get(request.name, version)
         except NotFound:
             return pb.ModelReadyResponse(ready=False)
-        return pb.ModelReadyResponse(ready=True)
+        return pb.ModelReadyResponse(ready=entry.network.ready())
 
     def ServerMetadata(self, request, context):
         return pb.ServerMetadataResponse(
@@ -170,6 +170,12 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             if own_parameters is not None:
                 token = token if token is not None else cancel.Token()
                 token.parameters = own_parameters
+            if step is not None:  # a Python model's correlation_id() and flags()
+                token = token if token is not None else cancel.Token()
+                token.sequence = (step.id, int(step.start) | int(step.end) << 1)
+        if request.id:  # a Python model's request_id()
+            token = token if token is not None else cancel.Token()
+            token.request_id = request.id
         if entry.network.decoupled:
             return entry, self._submit_decoupled(request, entry, size, when, token, streaming)
         lane = plain_lane(entry)

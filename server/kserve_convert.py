@@ -36,6 +36,7 @@ from plugserve.server.classification import class_count, classify
 from plugserve.server.errors import status_of
 from plugserve.server.kserve_contents import decode_contents
 from plugserve.server.networks import LoadedNetwork
+from plugserve.server.pipelines.ensemble import EnsembleNetwork
 from plugserve.server.shm import OutputTarget, SharedMemory, uses_region
 from plugserve.server.triton_config import VersionPolicy
 
@@ -156,8 +157,8 @@ def model_config(entry: LoadedNetwork, policy: VersionPolicy) -> mc.ModelConfig:
         backend=BACKEND if platform == PLATFORM else "",
         max_batch_size=entry.max_batch_size,
     )
-    scheduling = getattr(entry.network, "scheduling", None)
-    for model, version, inputs, outputs in scheduling() if scheduling else ():
+    steps = entry.network.scheduling() if isinstance(entry.network, EnsembleNetwork) else ()
+    for model, version, inputs, outputs in steps:
         step = config.ensemble_scheduling.step.add(model_name=model, model_version=version)
         step.input_map.update(inputs)
         step.output_map.update(outputs)

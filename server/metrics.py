@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import dataclasses
+import gzip
 import platform
 import socket
 import sys
@@ -20,16 +21,18 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
+from urllib.parse import parse_qs
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, make_wsgi_app
 from prometheus_client import metrics as prometheus_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
-from prometheus_client.exposition import ThreadingWSGIServer
+from prometheus_client.exposition import ThreadingWSGIServer, choose_encoder, generate_latest
 from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
 from plugserve.plugins.errors import Cancelled, DeadlineExceeded, InvalidInput
+from plugserve.server.custom_metrics import CustomMetrics
 
 __all__ = ["Metrics", "Recorder", "Stats", "failure_status"]
 
@@ -180,6 +183,83 @@ class _SequenceCollector:
         yield from (active, held)
 
 
+class _GenerationCollector:
+    """Per generative model (``server/generate/``), read at scrape time from its engine's
+    statistics: histograms of time to first token, inter-token latency and end-to-end
+    latency, counters of prompt (and prompt-from-cache) and generated tokens and of finished
+    sequences by reason, gauges of running and waiting requests and of the key/value cache
+    (the share of its slots held, and its bytes). vLLM's names, plugserve's prefix."""
+
+    _HISTOGRAMS = (
+        ("time_to_first_token", "Seconds from a request's arrival to its first token"),
+        ("inter_token_latency", "Seconds between two tokens of a sequence"),
+        ("e2e_request_latency", "Seconds from a request's arrival to its end"),
+    )
+
+    def __init__(self, read: Callable[[], list[tuple[str, str, str, Any]]]) -> None:
+        self._read = read
+
+    def collect(self):
+        labels = ["device", "model", "version"]
+        histograms = {
+            name: HistogramMetricFamily(f"plugserve_generate_{name}_seconds", text, labels=labels)
+            for name, text in self._HISTOGRAMS
+        }
+        prompt = CounterMetricFamily(
+            "plugserve_generate_prompt_tokens", "Prompt tokens of requests started",
+            labels=labels,
+        )  # fmt: skip
+        cached = CounterMetricFamily(
+            "plugserve_generate_prompt_tokens_cached",
+            "Prompt tokens whose key/value cache came from the prefix cache",
+            labels=labels,
+        )
+        generated = CounterMetricFamily(
+            "plugserve_generate_generation_tokens", "Tokens generated", labels=labels
+        )
+        finished = CounterMetricFamily(
+            "plugserve_generate_sequences_finished",
+            "Sequences ended, by reason (stop, length, abort)",
+            labels=[*labels, "finish_reason"],
+        )
+        running = GaugeMetricFamily(
+            "plugserve_generate_requests_running", "Sequences holding a cache slot",
+            labels=labels,
+        )  # fmt: skip
+        waiting = GaugeMetricFamily(
+            "plugserve_generate_requests_waiting", "Requests waiting for a cache slot",
+            labels=labels,
+        )  # fmt: skip
+        usage = GaugeMetricFamily(
+            "plugserve_generate_kv_cache_usage_ratio",
+            "Share of the key/value cache's slots held by running sequences (0 to 1)",
+            labels=labels,
+        )
+        size = GaugeMetricFamily(
+            "plugserve_generate_kv_cache_bytes", "Bytes of the key/value cache", labels=labels
+        )
+        for device, model, version, snap in self._read():
+            key = [device, model, version]
+            for name, family in histograms.items():
+                bounds, counts, total = snap.histograms[name]
+                cumulative, buckets = 0, []
+                for bound, count in zip((*bounds, float("inf")), counts):
+                    cumulative += count
+                    buckets.append((floatToGoString(bound), cumulative))
+                family.add_metric(key, buckets, total)
+            prompt.add_metric(key, snap.prompt_tokens)
+            cached.add_metric(key, snap.cached_prompt_tokens)
+            generated.add_metric(key, snap.generation_tokens)
+            for reason, count in sorted(snap.finished.items()):
+                finished.add_metric([*key, reason], count)
+            running.add_metric(key, snap.running)
+            waiting.add_metric(key, snap.waiting)
+            usage.add_metric(key, snap.kv_cache_usage)
+            size.add_metric(key, snap.kv_cache_bytes)
+        yield from histograms.values()
+        yield from (prompt, cached, generated, finished, running, waiting, usage, size)
+
+
 class Metrics:
     def __init__(self, version: str) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -209,6 +289,8 @@ class Metrics:
         )
         self._precisions: dict[tuple[str, str, str], str] = {}
         self._op_types: dict[tuple[str, str, str], set[str]] = {}
+        #: the families models declare (a Python model's pb_utils.MetricFamily)
+        self.custom = CustomMetrics()
         self._server = None
 
     def watch_executors(self, read: Callable[[], list[tuple[str, int, int, int, int]]]) -> None:
@@ -216,6 +298,10 @@ class Metrics:
 
     def watch_sequences(self, read: Callable[[], list[tuple[str, str, str, int, int]]]) -> None:
         self.registry.register(_SequenceCollector(read))
+
+    def watch_generation(self, read: Callable[[], list[tuple[str, str, str, Any]]]) -> None:
+        """``read()``: ``(device, model, version, stats snapshot)`` of each generative model."""
+        self.registry.register(_GenerationCollector(read))
 
     def _series_of(self, device: str, model: str, version: str) -> _Series:
         with self._series_lock:
@@ -267,6 +353,8 @@ class Metrics:
 
         def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
             if environ.get("PATH_INFO") == "/metrics":
+                if self.custom.names():
+                    return self._scrape_with_custom(environ, start_response)
                 return scrape(environ, start_response)
             body = b"not found: this port serves Prometheus metrics on /metrics only\n"
             start_response(
@@ -287,6 +375,37 @@ class Metrics:
         threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
         self._server = server
         return server.server_port
+
+    def _scrape_with_custom(
+        self, environ: dict[str, Any], start_response: Callable[..., Any]
+    ) -> Iterable[bytes]:
+        """The scrape when models declared metrics: the server's families, then theirs, in
+        the format asked for (see server/custom_metrics.py for why theirs are written there);
+        ``name[]`` chooses families as prometheus_client's own scrape does."""
+        query = parse_qs(environ.get("QUERY_STRING", ""))
+        names = query.get("name[]")
+        registry = self.registry.restricted_registry(names) if names else self.registry
+        encoder, content_type = choose_encoder(environ.get("HTTP_ACCEPT"))
+        if encoder is generate_latest:
+            body = generate_latest(registry) + self.custom.text(names)
+        else:
+            custom = self.custom
+
+            class Both:
+                def collect(self) -> Iterable[Any]:
+                    yield from registry.collect()
+                    for family in custom.collect():
+                        if not names or family.name in names:
+                            yield family
+
+            body = encoder(Both())
+        headers = [("Content-Type", content_type)]
+        if "gzip" in environ.get("HTTP_ACCEPT_ENCODING", ""):
+            body = gzip.compress(body)
+            headers.append(("Content-Encoding", "gzip"))
+        headers.append(("Content-Length", str(len(body))))
+        start_response("200 OK", headers)
+        return [body]
 
     def close(self) -> None:
         if self._server is not None:

@@ -39,8 +39,10 @@ from plugserve.server.core import Core
 from plugserve.server.dataplane import DataPlane, ShuttingDown
 from plugserve.server.devices import parse_device
 from plugserve.server.metrics import Metrics
+from plugserve.server.model_names import check_name
 from plugserve.server.networks import LoadedNetwork
-from plugserve.server.repository import ModelEntry, Repository, check_name, is_version
+from plugserve.server.pipelines.ensemble import EnsembleNetwork
+from plugserve.server.repository import ModelEntry, Repository, is_version
 from plugserve.server.security import refuse_server_keys
 from plugserve.server.sequences import SequenceBatcher, Sequences, SequenceSettings
 from plugserve.server.triton_config import (
@@ -86,11 +88,18 @@ def failed_to_load(name: str, exc: PlugserveError) -> PlugserveError:
 RETIRE_TIMEOUT = 300.0
 
 
+#: devices that give their models several requests at once themselves (a Python model's
+#: ``execute`` takes a list of requests) where BATCH would concatenate their rows into one
+GATHER_THEMSELVES = frozenset({"PYTHON"})
+
+
 def batch_device(device: str, max_batch_size: int) -> str:
     """``BATCH:<device>(<max_batch_size>)`` for a plain device when ``max_batch_size`` > 0."""
     if max_batch_size <= 0:
         return device
     parsed = parse_device(device)
+    if parsed.kind in GATHER_THEMSELVES:
+        return device
     if parsed.is_virtual:
         if parsed.kind != "BATCH":
             log.info("device %s is virtual: no dynamic batching for it", device)
@@ -221,6 +230,8 @@ class ModelControl:
         max_batch_size: int,
     ) -> LoadedNetwork:
         kind = str(parse_device(device))
+        if network.max_batch_size is not None:  # its own config decided (auto_complete_config)
+            max_batch_size = network.max_batch_size
         recorder = self.metrics.recorder(kind, name, version, network.precision)
         return LoadedNetwork(
             name, version, kind, network, persisted, max_batch_size, recorder, self.queue_size
@@ -231,9 +242,8 @@ class ModelControl:
         are then the server's, not an answer's. A network that passes sequence requests on
         (an ensemble of a sequence model: ``sequences_for``) gets what relays them instead."""
         if settings is None:
-            relay = getattr(entry.network, "sequences_for", None)
-            if relay is not None:
-                entry.sequences = relay(self.plane.admission(entry))
+            if isinstance(entry.network, EnsembleNetwork):
+                entry.sequences = entry.network.sequences_for(self.plane.admission(entry))
             return
         try:
             entry.sequences = SequenceBatcher(

@@ -8,6 +8,13 @@ version 2 on another device leaves version 1 as it was acknowledged. (Repositori
 before kept the settings of persisted loads only in the model's ``config.json``: their versions
 go on using it, and it is never rewritten by a load any more.)
 
+A model's folder (or its version folder) holding a Hugging Face model's files, a
+``config.json`` with ``model_type`` (transformers') or onnxruntime-genai's ``genai_config.json``
+beside a decoder graph, is a generative model (``server/generate/``): its entry's path is the
+folder, served as version 1 when the files are in the model's folder itself. Its
+``config.json`` is transformers', so plugserve's settings for such a model go in
+``DIR/<name>/config.json`` beside a version folder ``1/`` holding the files.
+
 Scanning never stops at a bad entry: each problem is reported with the file and what is wrong,
 and the other models still load. Writes (networks loaded with ``persist``) are atomic: the
 version folder, model and settings, is written under a temporary name, synced, then renamed
@@ -29,38 +36,30 @@ from pathlib import Path
 from typing import Any
 
 from plugserve.plugins.api import InvalidArgument, NotFound
+from plugserve.server.generate.folder import is_transformers_folder
+from plugserve.server.model_names import check_name
 from plugserve.server.triton_config import (
     MODEL_FILE,
     OVMS_KEYS,
+    PYTHON_MODEL_FILE,
     TRITON_FILE,
     VERSION_FOLDER,
     ModelSettings,
     OvmsModel,
     VersionPolicy,
+    python_settings,
     read_ovms,
     read_sequence_json,
     read_triton,
 )
 from plugserve.server.versions import MAX_VERSION, is_version
 
-__all__ = ["ModelEntry", "ModelSettings", "Repository", "check_name", "is_version"]
+__all__ = ["ModelEntry", "ModelSettings", "Repository", "is_version"]
 
 log = logging.getLogger(__name__)
 
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}")
 _STAGING = re.compile(r"\.(trash\..+|.+\.[0-9]+\..+)")
 CONFIG_FILE = "config.json"
-
-
-def check_name(name: str) -> str:
-    """Refuse a model name that could escape the repository or confuse a shell or a log."""
-    # fullmatch, not match with '$': '$' also matches before a trailing newline
-    if not isinstance(name, str) or not _NAME.fullmatch(name) or ".." in name:
-        raise InvalidArgument(
-            f"invalid model name {name!r}: use 1-128 letters, digits, '_', '-' or '.', "
-            "starting with a letter or digit (no '/', '..' or control characters)"
-        )
-    return name
 
 
 def single_model_repository(source: str | os.PathLike, name: str) -> Path:
@@ -194,6 +193,9 @@ class Repository:
             except InvalidArgument as exc:
                 problems.append(str(exc))
                 continue
+            if is_transformers_folder(folder):  # a model's files as people have them
+                entries.append(ModelEntry(name, 1, folder, settings))
+                continue
             try:
                 versions = self._versions(folder, problems, settings.model_file)
             except OSError as exc:
@@ -261,6 +263,10 @@ class Repository:
             )
         elif (folder / TRITON_FILE).is_file():
             base = read_triton(folder / TRITON_FILE)
+            if not base.device and base.model_file == MODEL_FILE and _python_model(folder):
+                base.device, base.model_file = "PYTHON", PYTHON_MODEL_FILE
+        elif not (folder / CONFIG_FILE).is_file() and _python_model(folder):
+            base = python_settings()
         found = {} if ovms else _read_settings_file(folder / CONFIG_FILE)
         if version:
             found.update(_read_settings_file(folder / str(version) / CONFIG_FILE))
@@ -285,6 +291,8 @@ class Repository:
             return self.ovms_file
         if not folder.is_dir():
             raise NotFound(f"model {name!r} is not in the repository {str(self.root)!r}")
+        if is_transformers_folder(folder) and version in (0, 1):
+            return folder
         model_file = self.read_settings(name).model_file
         if not version:
             versions = sorted(
@@ -421,7 +429,10 @@ class Repository:
 
 def model_in(version_folder: Path, model_file: str) -> Path | None:
     """The model file of a version folder: ``model_file``, or ("") its one .onnx file, or
-    (``VERSION_FOLDER``) the folder itself (an ensemble's)."""
+    (``VERSION_FOLDER``) the folder itself (an ensemble's); a transformers folder (a
+    generative model's files, ``server/generate/folder.py``) is the folder itself too."""
+    if is_transformers_folder(version_folder):
+        return version_folder
     if model_file == VERSION_FOLDER:
         return version_folder if version_folder.is_dir() else None
     if model_file:
@@ -429,6 +440,16 @@ def model_in(version_folder: Path, model_file: str) -> Path | None:
         return path if path.is_file() else None
     found = sorted(version_folder.glob("*.onnx")) if version_folder.is_dir() else []
     return found[0] if len(found) == 1 else None
+
+
+def _python_model(folder: Path) -> bool:
+    """Whether a model folder is a Python model's by its files alone (as Triton's auto-complete
+    tells a backend from them): a version folder holds model.py and no .onnx file."""
+    try:
+        versions = [p for p in folder.iterdir() if is_version(p.name) and p.is_dir()]
+    except OSError:
+        return False
+    return any((v / PYTHON_MODEL_FILE).is_file() and not any(v.glob("*.onnx")) for v in versions)
 
 
 def _is_ovms(path: Path) -> bool:
@@ -449,6 +470,8 @@ def _read_settings_file(path: Path) -> dict[str, Any]:
         raise InvalidArgument(f"{path}: not valid JSON ({exc})") from None
     if not isinstance(raw, dict):
         raise InvalidArgument(f"{path}: expected a JSON object")
+    if "model_type" in raw:  # transformers' config.json of a model folder, not ours
+        return {}
     unknown = set(raw) - {"device", "config", "max_batch_size", "sequence_batching"}
     if unknown:
         raise InvalidArgument(

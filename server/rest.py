@@ -47,6 +47,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import unquote
 
 import grpc
 import orjson
@@ -268,15 +269,34 @@ class RestApp:
             (model + "/stats", {"GET": (f"/{KSERVE}/ModelStatistics", self.statistics)}),
         ]
         self.routes = [(re.compile(pattern + "/?"), methods) for pattern, methods in table]
+        #: routes with an error body of their own, and its renderer (add_routes)
+        self._refusals: list[tuple[list[re.Pattern[str]], Callable[..., Reply]]] = []
 
     def add_routes(
-        self, table: list[tuple[str, dict[str, tuple[str, Callable[[Call], Any]]]]]
+        self,
+        table: list[tuple[str, dict[str, tuple[str, Callable[[Call], Any]]]]],
+        refusal: Callable[[int, str, PlugserveError | None], Reply] | None = None,
     ) -> None:
         """More routes, after the KServe ones: ``(pattern, {method: (the gRPC method it is
         authorized as, handler)})``, as the table above (a package such as the OpenAI adapter
         brings its own). A handler takes a :class:`Call` and returns a reply, an awaitable of
-        one, or a :class:`StreamReply`."""
-        self.routes += [(re.compile(pattern + "/?"), methods) for pattern, methods in table]
+        one, or a :class:`StreamReply`. ``refusal(status, message, error)``: the reply for a
+        request to these routes refused before its handler runs (its body over the memory
+        budget, too large, too slow), in the routes' own error body."""
+        compiled = [(re.compile(pattern + "/?"), methods) for pattern, methods in table]
+        self.routes += compiled
+        if refusal is not None:
+            self._refusals.append(([pattern for pattern, _ in compiled], refusal))
+
+    def refusal(self, url: bytes, status: int, message: str, error: PlugserveError | None) -> Reply:
+        """The reply refusing a request to ``url`` before it is routed (rest_http's): the
+        error body of the routes it is for."""
+        if self._refusals:
+            path = unquote(url.split(b"?", 1)[0].decode("latin-1"))
+            for patterns, render in self._refusals:
+                if any(p.fullmatch(path) for p in patterns):
+                    return render(status, message, error)
+        return _error(status, message)
 
     # --- the entry point (server/rest_http.py calls it with the request read whole)
 
@@ -447,9 +467,11 @@ class RestApp:
         self.plane.shm.cuda_unregister(call.path.get("name") or "")
         return 200, [b""], _JSON
 
-    def model_ready(self, call: Call) -> Reply:
+    def model_ready(self, call: Call) -> Reply | Awaitable[Reply]:
         entry = self.plane.get(call.path["name"], call.version)  # NotFound: 404
-        return _json({"name": entry.name, "ready": True})
+        if entry.network.slow_readiness:  # it asks the model's processes: off the loop
+            return self._in_worker(_readiness, entry)
+        return _readiness(entry)
 
     def model_metadata(self, call: Call) -> Reply:
         entry = self.plane.get(call.path["name"], call.version)
@@ -499,17 +521,13 @@ class RestApp:
         else:
             request = parse_infer(call.body, header_length, entry.expect, self.plane.shm)
         deadline = time.monotonic() + request.timeout if request.timeout else None
-        token = None
-        if request.parameters:
-            token = cancel.Token()
-            token.parameters = request.parameters
         future = self.plane.submit(
             entry,
             request.inputs,
             request.outputs,
             deadline,
             inline=_fast(entry),
-            token=token,
+            token=_model_token(request),
             after=_writer(request),
             step=request.step,
         )
@@ -537,7 +555,7 @@ class RestApp:
         else:
             request = parse_infer(call.body, header_length, entry.expect, self.plane.shm)
         deadline = time.monotonic() + request.timeout if request.timeout else None
-        token.parameters = request.parameters
+        _model_token(request, token)
         future = self.plane.submit(
             entry,
             request.inputs,
@@ -714,6 +732,26 @@ def _writer(request: InferCall) -> Callable[[dict[str, Any]], dict[str, Any]] | 
     return functools.partial(write_outputs, request.regions) if request.regions else None
 
 
+def _model_token(request: InferCall, token: cancel.Token | None = None) -> cancel.Token | None:
+    """``token`` (or a new one, when there is something to carry) with what a Python model
+    reads of its request: the client's id, its parameters, its sequence."""
+    if token is None and not (request.id or request.parameters or request.step):
+        return None
+    token = token if token is not None else cancel.Token()
+    token.request_id = request.id or ""
+    token.parameters = request.parameters
+    if request.step is not None:
+        token.sequence = (request.step.id, int(request.step.start) | int(request.step.end) << 1)
+    return token
+
+
+def _readiness(entry: LoadedNetwork) -> Reply:
+    """200 when the model is ready; 400 when it is loaded but not (as Triton answers)."""
+    if entry.network.ready():
+        return _json({"name": entry.name, "ready": True})
+    return _json({"error": f"model '{entry.name}' is not ready"}, 400)
+
+
 def _infer_reply(entry: LoadedNetwork, request: InferCall, outputs: dict[str, Any]) -> Reply:
     """The answer; JSON tensors over rest_offload.PROCESS_BYTES are written by the helper
     process (only ever on a worker thread: larger answers never reach here on the loop)."""
@@ -803,6 +841,7 @@ class RestServer:
             4 * s.grpc_workers,  # as gRPC's maximum_concurrent_rpcs
             self.app.too_large,
             self.app.plane.budget,
+            self.app.refusal,
         )
         started = threading.Event()
         self._thread = threading.Thread(

@@ -57,6 +57,8 @@ MAX_HEADER_BYTES = 64 * 1024
 
 #: what a handler returns: status, body pieces, extra headers
 Reply = tuple[int, list[bytes | memoryview], list[tuple[bytes, bytes]]]
+#: the request's URL, the status, the message and the typed error behind it -> the reply
+Refusal = Callable[[bytes, int, str, "PlugserveError | None"], Reply]
 #: method, path, headers (lower-case names), body -> a reply, or an awaitable of one
 Dispatch = Callable[..., "Reply | Awaitable[Reply]"]  # (method, path, headers, body, peer)
 
@@ -93,10 +95,11 @@ def error_reply(status: int, message: str) -> Reply:
 class _Refused(Exception):
     """Raised in a parser callback: answer ``status`` and close the connection."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, error: PlugserveError | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
+        self.error = error  # the typed error behind it (the memory budget's), if any
 
 
 class _Date:
@@ -125,11 +128,15 @@ class HttpServer:
         limit: int,
         too_large: Callable[[int], str],
         budget: MemoryBudget | None = None,
+        refusal: Refusal | None = None,
     ) -> None:
         """``too_large(size)``: the 413 message for a body of ``size`` bytes; ``budget``:
         --max-inflight-bytes, which each request's body is charged against before it is read
-        (see server/budget.py)."""
+        (see server/budget.py); ``refusal(url, status, message, error)``: the reply refusing a
+        request before it reaches its handler (a route family with an error body of its own,
+        OpenAI's, answers in it; None: ``error_reply``)."""
         self.dispatch = dispatch
+        self.refusal = refusal
         self.budget = budget
         self.max_body = max_body
         self.read_timeout = read_timeout
@@ -236,7 +243,7 @@ class Connection(asyncio.Protocol):
             refused = exc.__context__
             if not isinstance(refused, _Refused):
                 raise
-            self._fail(refused.status, refused.message)
+            self._fail(refused.status, refused.message, refused.error)
         except httptools.HttpParserUpgrade:
             # The request asking for the upgrade was read whole and is answered as a plain one
             # (a server may ignore Upgrade); the parser reads nothing after it, so the
@@ -351,7 +358,7 @@ class Connection(asyncio.Protocol):
         try:
             return self.server.budget.charge(nbytes, "this request", onto)  # type: ignore[union-attr]
         except PlugserveError as exc:
-            raise _Refused(503, str(exc)) from None
+            raise _Refused(503, str(exc), exc) from None
 
     def on_message_complete(self) -> None:
         self.reading = False
@@ -495,14 +502,20 @@ class Connection(asyncio.Protocol):
             return False
         return True
 
-    def _fail(self, status: int, message: str) -> None:
+    def _fail(self, status: int, message: str, error: PlugserveError | None = None) -> None:
         """Answer a request that cannot be read further, and close (without an answer when
         earlier pipelined requests are still to be answered: replies go out in order)."""
         self.deadline = _NEVER
         if self.busy or self.pending:
             self.close()
         elif not self.closed:
-            self._reply("", error_reply(status, message), False)
+            refusal = self.server.refusal
+            reply = (
+                refusal(self._url, status, message, error)
+                if refusal is not None
+                else error_reply(status, message)
+            )
+            self._reply("", reply, False)
 
     def close(self) -> None:
         """Close now, and take it off the count at once (the close completes later)."""

@@ -113,6 +113,12 @@ class Settings:
         "request is refused at once (RESOURCE_EXHAUSTED / 503); -1: half of the cgroup's "
         "memory limit or of the machine's memory; 0: no limit",
     )
+    max_completion_tokens: int = _field(
+        0,
+        "most tokens one OpenAI completion or chat request may ask to generate per choice "
+        "(max_tokens / max_completion_tokens above it: 400; unset: the model's remaining context "
+        "up to this); 0: the model's context length only",
+    )
     max_request_seconds: float = _field(
         300.0,
         "longest an inference request may take from admission to its answer, queued and "
@@ -197,6 +203,43 @@ class Settings:
         "glibc: freed blocks up to this size are reused, not unmapped and faulted in again "
         "per request (0: the C library's defaults; at most 32 MiB)",
     )
+    # generative models (server/generate/): defaults for models whose config sets none
+    # (MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS, KV_CACHE_BYTES, MAX_MODEL_LEN, ENABLE_PREFIX_CACHING)
+    max_num_seqs: int = _field(
+        16,
+        "generative models: sequences generated at once (each holds a cache slot of the whole "
+        "context); more requests wait",
+    )
+    max_num_batched_tokens: int = _field(
+        256,
+        "generative models: tokens computed in one engine step (each decoding sequence's one, "
+        "plus prompt tokens; a longer prompt is computed in chunks of what is left)",
+    )
+    kv_cache_bytes: int = _field(
+        0,
+        "generative models: bytes of key/value cache per model (0: --max-num-seqs sequences of "
+        "the whole context, at most a quarter of the machine's memory)",
+    )
+    max_model_len: int = _field(
+        0,
+        "generative models: longest sequence, prompt and answer (0: the model's context "
+        "length); a shorter one makes each cache slot smaller",
+    )
+    enable_prefix_caching: int = _field(
+        1, "generative models: 1: reuse the cache of prompts' common beginnings; 0: never"
+    )
+
+    def generate_defaults(self) -> Any:
+        """The engine settings these flags give (server/generate/engine.py)."""
+        from plugserve.server.generate.engine import EngineSettings
+
+        return EngineSettings(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            kv_cache_bytes=self.kv_cache_bytes,
+            max_model_len=self.max_model_len,
+            enable_prefix_caching=bool(self.enable_prefix_caching),
+        )
 
     def problems(self) -> list[str]:
         """What is out of range, one message per field (empty when all is well)."""
@@ -213,6 +256,7 @@ class Settings:
             ("exit_timeout", 0, None),
             ("max_request_seconds", 0, None),
             ("max_inflight_bytes", -1, None),
+            ("max_completion_tokens", 0, None),
             ("max_networks", 0, None),
             ("max_sequences", 0, None),
             ("max_model_bytes", 0, None),
@@ -227,6 +271,10 @@ class Settings:
             ("repository_poll_secs", 0.1, None),
             ("model_load_threads", 0, 1024),
             ("malloc_reuse_bytes", 0, 32 << 20),
+            ("max_num_seqs", 1, None),
+            ("max_num_batched_tokens", 1, None),
+            ("kv_cache_bytes", 0, None),
+            ("max_model_len", 0, None),
         ):
             value = getattr(self, name)
             if value != value or value < low or (high is not None and value > high):  # NaN too
@@ -234,7 +282,12 @@ class Settings:
                     f"{name}={value!r} must be "
                     + (f"between {low} and {high}" if high is not None else f">= {low}")
                 )
-        for name in ("exit_on_error", "reuse_grpc_port", "allow_remote_control"):
+        for name in (
+            "exit_on_error",
+            "reuse_grpc_port",
+            "allow_remote_control",
+            "enable_prefix_caching",
+        ):
             if getattr(self, name) not in (0, 1):
                 found.append(f"{name}={getattr(self, name)!r} must be 0 or 1")
         if self.model_control_mode not in _CONTROL_MODES:

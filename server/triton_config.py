@@ -57,6 +57,7 @@ __all__ = [
     "TRITON_FILE",
     "ModelSettings",
     "VersionPolicy",
+    "python_settings",
     "read_ovms",
     "read_triton",
     "write_overrides",
@@ -149,6 +150,15 @@ class ModelSettings:
     #: an OVMS pipeline (``server/pipelines/ovms_dag.py``): what the ENSEMBLE device loads
     #: instead of a file
     pipeline: Any = None
+
+
+def python_settings() -> ModelSettings:
+    """A Python model's settings when its folder has no config.pbtxt (Triton's minimal model
+    configuration: ``auto_complete_config`` in its model.py completes the rest)."""
+    return ModelSettings(
+        "PYTHON", dynamic_batching=False, policy=VersionPolicy("latest", 1),
+        model_file=PYTHON_MODEL_FILE,
+    )  # fmt: skip
 
 
 def read_triton(path: Path) -> ModelSettings:
@@ -319,6 +329,8 @@ def policy_of(message: Any, where: Path) -> VersionPolicy:
 
 #: What a ``config.json`` of OpenVINO Model Server names a model with.
 OVMS_KEYS = "model_config_list"
+#: an OVMS config.json's pipeline lists (``server/pipelines/ovms_dag.py`` reads them)
+OVMS_PIPELINE_KEYS = ("pipeline_config_list", "custom_node_library_config_list")
 _OVMS_ACTED_ON = {
     "name",
     "base_path",
@@ -353,9 +365,7 @@ def read_ovms(path: Path) -> list[OvmsModel]:
     items = raw.get(OVMS_KEYS) if isinstance(raw, dict) else None
     if not isinstance(items, list):
         raise InvalidArgument(f"{path}: expected an object with a '{OVMS_KEYS}' list")
-    from plugserve.server.pipelines.ovms_dag import PIPELINE_KEYS  # read by the repository
-
-    ignored_top = [k for k in raw if k != OVMS_KEYS and k not in PIPELINE_KEYS]
+    ignored_top = [k for k in raw if k != OVMS_KEYS and k not in OVMS_PIPELINE_KEYS]
     if ignored_top:
         log.warning("%s: not acted on: %s", path, ", ".join(ignored_top))
     models = []

@@ -27,7 +27,8 @@ __all__ = ["NumpyCompiledNetwork"]
 #: Ops whose kernels run BLAS GEMMs: a network with none has no threading to choose.
 _GEMM_OPS = frozenset(
     {"Conv", "FusedConv", "FusedConvPool", "Gemm", "FusedGemm", "MatMul", "FusedMatMul",
-     "Linear", "Attention", "ConvTranspose", "QLinearConv", "ConvInteger", "MatMulInteger"}
+     "Linear", "Attention", "ConvTranspose", "QLinearConv", "ConvInteger", "MatMulInteger",
+     "MatMulNBits", "GroupQueryAttention"}
 )  # fmt: skip
 
 #: Ops whose kernels move string elements without reading them: a string input that reaches

@@ -9,6 +9,7 @@ and an export has onnxruntime optimize it again at most at EXTENDED (portable).
 
 from __future__ import annotations
 
+import logging
 import os
 import platform
 from collections.abc import Mapping
@@ -37,7 +38,7 @@ from plugserve.plugins.ir import (
     refuse_external_data,
     refuse_narrow_io,
 )
-from plugserve.plugins.ort import backend, locales
+from plugserve.plugins.ort import backend, locales, saturation
 from plugserve.plugins.ort.compiled import OrtCompiledNetwork, spec_from_json
 from plugserve.plugins.ort.config import OrtConfiguration
 from plugserve.plugins.ort.held import HeldSession, open_held
@@ -47,6 +48,8 @@ from plugserve.plugins.passes.sizes import check_load_constants
 from plugserve.plugins.shapecheck import shape_model
 
 __all__ = ["OrtPlugin"]
+
+log = logging.getLogger(__name__)
 
 
 class OrtPlugin(Plugin):
@@ -92,6 +95,13 @@ class OrtPlugin(Plugin):
         graph = load_model(proto)
         check_load_constants(graph, self.name)  # onnxruntime folds constants without a limit
         locales.settle(proto, f"model {graph.name!r}")  # a StringNormalizer's missing locale
+        if saturation.saturates():  # this CPU's int8 GEMMs would saturate: make them exact
+            rewritten = saturation.exact_integer_gemms(proto)
+            if rewritten:
+                log.info(
+                    "model %s: %d int8 GEMM weights run as uint8 (this CPU has no VNNI, where "
+                    "onnxruntime's int8 kernel saturates)", graph.name, rewritten,
+                )  # fmt: skip
         try:
             data = proto.SerializeToString()
         except ValueError as exc:  # a model over protobuf's 2 GB limit

@@ -335,6 +335,9 @@ class EnsembleConfiguration(Configuration):
 
 
 class EnsembleNetwork(CompiledNetwork):
+    #: each demultiplexer's region (set in ``__init__``; empty if it failed before)
+    regions: dict[int, EnsembleNetwork] = {}
+
     def __init__(self, plugin: EnsemblePlugin, config: Any, definition: Definition) -> None:
         super().__init__(plugin, definition.name, config)
         self.definition = definition
@@ -423,7 +426,7 @@ class EnsembleNetwork(CompiledNetwork):
             entry = self._loaded(step)
             if entry is None:
                 continue
-            if getattr(entry.network, "decoupled", False):
+            if entry.network.decoupled:
                 raise InvalidModel(
                     f"{where}: {step}: model {step.model!r} is decoupled (any number of "
                     "responses per request), which ensembles do not run yet; call it on its "
@@ -456,9 +459,10 @@ class EnsembleNetwork(CompiledNetwork):
                     f"{self.where}: it runs itself: {' -> '.join(path)} (a circular dependency)"
                 )
             entry = self._loaded(step)
-            inner = getattr(entry.network, "graph", None) if entry is not None else None
-            if inner is None or step.model in seen:
+            network = entry.network if entry is not None else None
+            if not isinstance(network, EnsembleNetwork) or step.model in seen:
                 continue
+            inner = network.graph
             seen.add(step.model)
             todo += [(s, [*path, str(s)]) for s in inner.ordered]
 
@@ -498,7 +502,7 @@ class EnsembleNetwork(CompiledNetwork):
         raise Unsupported(f"{self.where} cannot be exported; serve its configuration")
 
     def close(self) -> None:
-        for region in getattr(self, "regions", {}).values():
+        for region in self.regions.values():
             region.close()
         super().close()
 

@@ -54,12 +54,12 @@ from pathlib import Path
 from typing import Any
 
 from plugserve.plugins.api import InvalidArgument
+from plugserve.server.model_names import check_name
 from plugserve.server.pipelines.ensemble import Definition, Fan, Step
 
-__all__ = ["PIPELINE_KEYS", "read_pipelines"]
+__all__ = ["read_pipelines"]
 
 #: The top-level keys of an OVMS config.json this module reads.
-PIPELINE_KEYS = ("pipeline_config_list", "custom_node_library_config_list")
 _REQUEST = "request"
 _PIPELINE_KEYS = {"name", "inputs", "outputs", "nodes", "demultiply_count"}
 _NODE_KEYS = {
@@ -117,8 +117,6 @@ def _pipeline(item: Any, where: str, models: Collection[str]) -> Definition:
     name = item["name"]
     if not isinstance(name, str) or not name:
         raise InvalidArgument(f"{where}: 'name' must be a non-empty string")
-    from plugserve.server.repository import check_name
-
     check_name(name)
     if "demultiply_count" in item:
         raise InvalidArgument(

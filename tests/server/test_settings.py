@@ -39,7 +39,12 @@ def _values(field: dataclasses.Field) -> tuple[str, str]:
         return "off", "system"
     if field.name == "shared_memory_prefix":
         return "/", "/mine"
-    if field.name in ("exit_on_error", "reuse_grpc_port", "allow_remote_control"):  # 0 or 1
+    if field.name in (
+        "exit_on_error",
+        "reuse_grpc_port",
+        "allow_remote_control",
+        "enable_prefix_caching",
+    ):  # 0 or 1
         return str(1 - field.default), str(field.default)
     if isinstance(field.default, float):
         return "2.5", "4.0"

@@ -24,7 +24,8 @@ pytest.importorskip("torch", reason="the pytorch example's model needs torch: pi
 
 CHECKOUT = os.environ.get("PLUGSERVE_TRITON_PYTHON_BACKEND", "")
 
-#: repository entry -> (example folder, model file, config file), as the READMEs copy them
+#: repository entry -> (example folder, model file, config file or None), as the READMEs copy
+#: them
 MODELS = {
     "add_sub": ("add_sub", "model.py", "config.pbtxt"),
     "pytorch": ("pytorch", "model.py", "config.pbtxt"),
@@ -34,6 +35,10 @@ MODELS = {
     "square_int32": ("decoupled", "square_model.py", "square_config.pbtxt"),
     "bls_decoupled_sync": ("bls_decoupled", "sync_model.py", "sync_config.pbtxt"),
     "bls_decoupled_async": ("bls_decoupled", "async_model.py", "async_config.pbtxt"),
+    "custom_metrics": ("custom_metrics", "model.py", "config.pbtxt"),
+    # no config.pbtxt: auto_complete_config in the model says what it is
+    "nobatch_auto_complete": ("auto_complete", "nobatch_model.py", None),
+    "batch_auto_complete": ("auto_complete", "batch_model.py", None),
 }
 CLIENTS = [
     "add_sub/client.py",
@@ -44,6 +49,8 @@ CLIENTS = [
     "decoupled/square_client.py",
     "bls_decoupled/sync_client.py",
     "bls_decoupled/async_client.py",
+    "custom_metrics/client.py",
+    "auto_complete/client.py",
 ]
 
 
@@ -68,7 +75,8 @@ def examples(tmp_path_factory):
     for name, (folder, model, config) in MODELS.items():
         (root / name / "1").mkdir(parents=True)
         shutil.copy(source / folder / model, root / name / "1" / "model.py")
-        shutil.copy(source / folder / config, root / name / "config.pbtxt")
+        if config is not None:
+            shutil.copy(source / folder / config, root / name / "config.pbtxt")
     command = ["--grpc-port", "8001", "--http-port", "8000", "--metrics-port", "8002"]
     with RunningServer("--model-repository", str(root), *command) as server:
         server.examples = source

@@ -230,6 +230,8 @@ class Export:
     tool: Tool
     command: Callable[[Path, Path, Path], list[str]]  # (python, hf folder, out) -> argv
     extra_files: tuple[str, ...] = ()
+    #: the models it is made for (empty: every model)
+    only: tuple[str, ...] = ()
 
     def key(self, name: str) -> str:
         argv = self.command(Path("PY"), Path("IN"), Path("OUT"))
@@ -249,9 +251,12 @@ def _optimum_cli(py: Path, hf: Path, out: Path) -> list[str]:
     ]
 
 
-def _builder(precision: str) -> Callable[[Path, Path, Path], list[str]]:
+def _builder(precision: str, *options: str) -> Callable[[Path, Path, Path], list[str]]:
+    """The model builder's command line; ``options`` are its ``--extra_options`` (key=value)."""
+
     def argv(py: Path, hf: Path, out: Path) -> list[str]:
         cache = out.parent / f"{out.name}.builder-cache"
+        extra = ["--extra_options", *options] if options else []
         return [
             str(py),
             "-m",
@@ -266,6 +271,7 @@ def _builder(precision: str) -> Callable[[Path, Path, Path], list[str]]:
             "cpu",
             "-c",
             str(cache),
+            *extra,
         ]
 
     return argv
@@ -292,6 +298,25 @@ EXPORTS: dict[str, Export] = {
     # the builder writes genai_config.json and the tokenizer files but no config.json
     "genai-fp32": Export(GENAI, _builder("fp32"), HF_EXTRAS),
     "genai-int4": Export(GENAI, _builder("int4"), HF_EXTRAS),
+    # int4 whose MatMulNBits onnxruntime computes in float32 (its CPU default, accuracy_level
+    # 4, rounds the activations to int8), so NUMPY's kernels compare with it exactly
+    "genai-int4-exact": Export(GENAI, _builder("int4", "accuracy_level=1"), HF_EXTRAS),
+    # the builder's other quantized forms, for the untied model: zero points (uint4), the
+    # embedding table quantized too (GatherBlockQuantized of uint4) and an int8 head. For a
+    # tied model builder 0.18.0 writes graphs onnxruntime refuses with any of these (a Reshape
+    # typed float over the head's uint8 bytes; a weight read but never stored)
+    "genai-int4-asym": Export(
+        GENAI,
+        _builder(
+            "int4",
+            "accuracy_level=1",
+            "is_symmetric=false",
+            "op_types_to_quantize=MatMul/Gather",
+            "matmul_mixed_precision=last_matmul:int8",
+        ),
+        HF_EXTRAS,
+        only=("tiny-llama",),
+    ),
     "openvino": Export(OPENVINO, _openvino_cli, ("special_tokens_map.json",)),
 }
 
@@ -315,6 +340,8 @@ def hf_folder(name: str) -> Path:
 def export(name: str, kind: str) -> Path:
     """Decoder ``name`` exported by ``kind`` (a key of :data:`EXPORTS`)."""
     how = EXPORTS[kind]
+    if how.only and name not in how.only:
+        raise ValueError(f"export {kind!r} is made for {', '.join(how.only)}, not {name!r}")
     hf = hf_folder(name)
     base = hf.parent
     target = base / f"{kind}-{how.key(name)}"
@@ -599,7 +626,7 @@ def prepare(names: list[str]) -> int:
             return
         step(f"{name} hf", lambda: hf_folder(name))
         step(f"{name} reference", lambda: reference_path(name))
-        for kind in EXPORTS:
+        for kind in [k for k, e in EXPORTS.items() if not e.only or name in e.only]:
             step(f"{name} {kind}", lambda k=kind: export(name, k))
 
     # two models at a time: an export is one busy process (tracing, saving) on two cores

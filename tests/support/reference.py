@@ -32,12 +32,27 @@ def skip_without_locales(path: str) -> None:
         )
 
 
+def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    return copy
+
+
+@functools.cache
+def _source(path: str) -> str | bytes:
+    """What onnxruntime loads for the model at ``path``: the file, or the model with its
+    integer GEMMs' weights as uint8 (:func:`unsaturated`) when it has such weights."""
+    exact = unsaturated(onnx.load(path))
+    return exact.SerializeToString() if exact is not None else path
+
+
 def ort_run(model, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
     ort = pytest.importorskip("onnxruntime")
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    exact = unsaturated(_copy(model))
     session = ort.InferenceSession(
-        model.SerializeToString(), options, providers=["CPUExecutionProvider"]
+        (exact or model).SerializeToString(), options, providers=["CPUExecutionProvider"]
     )
     return session.run(None, feeds)
 
@@ -50,6 +65,19 @@ def ort_outputs(model, feeds, optimized: bool = False) -> dict[str, np.ndarray]:
     if not optimized:
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     skip_without_locales(str(model.path()))
-    session = ort.InferenceSession(str(model.path()), options, providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(
+        _source(str(model.path())), options, providers=["CPUExecutionProvider"]
+    )
     names = [o.name for o in session.get_outputs()]
     return dict(zip(names, session.run(None, feeds)))
+
+
+def unsaturated(model: onnx.ModelProto) -> onnx.ModelProto | None:
+    """``model`` with every int8 constant weight of an integer GEMM as uint8, or None when it
+    has none: the same op's exact answer, where onnxruntime's int8 kernel saturates on x86
+    CPUs without VNNI (``plugins/ort/saturation.py``; the ORT device does the same there).
+    NUMPY and OPENVINO, which do not use it, are compared with it: a rewrite that changed an
+    answer would show there."""
+    from plugserve.plugins.ort.saturation import exact_integer_gemms
+
+    return model if exact_integer_gemms(model) else None

@@ -1,5 +1,5 @@
 """NUMPY's kernels for the ONNX standard domains (and onnxruntime's contrib ops its tools
-write: :mod:`contrib`), one family of ops per module.
+write: :mod:`contrib`, :mod:`decoder`), one family of ops per module.
 
 Importing this package registers every kernel in :data:`registry.default_registry`.
 """
@@ -8,6 +8,7 @@ from plugserve.plugins.numpy.kernels import (  # noqa: F401  (imported to regist
     contrib,
     control,
     conv,
+    decoder,
     elementwise,
     fused,
     gemm,

@@ -95,7 +95,9 @@ def linear(ctx: KernelContext) -> Callable[..., tuple[np.ndarray, ...]]:
             return _plain(x, r)
         rows = math.prod(lead)
         x2 = x.reshape(rows, k)
-        if sgemm is None or not (rows and k and n):  # BLAS wants leading dims >= 1
+        # BLAS wants leading dims >= 1; one row (a decoder's step) is numpy's sgemv, 2.5-3x
+        # faster than sgemm with M = 1 (1 x 768 @ 768 x 3072: 0.40 against 1.37 ms)
+        if sgemm is None or rows == 1 or not (rows and k and n):
             y = _gemm(x2, w)
             if bias is not None:
                 y += bias

@@ -4,8 +4,9 @@ onnxruntime's transformer optimizer fuses a BERT's or GPT-2's subgraphs into
 SkipLayerNormalization, BiasGelu, FastGelu, Gelu, Attention and EmbedLayerNormalization; its
 quantizer writes QLinearAdd, QLinearMul, QLinearGlobalAveragePool, QLinearConcat, QGemm and
 QAttention (QOperator format) and MatMulInteger16; onnxruntime-genai's model builder writes
-SimplifiedLayerNormalization, SkipSimplifiedLayerNormalization and MatMulNBits (int4). A model
-saved by those tools runs on NUMPY with these, each as onnxruntime's ContribOperators.md
+SimplifiedLayerNormalization and SkipSimplifiedLayerNormalization (its attention, rotary and
+quantized-weight ops are :mod:`decoder`'s). A model saved by those tools runs on NUMPY with
+these, each as onnxruntime's ContribOperators.md
 defines it (the specification), checked against onnxruntime on real optimized and quantized
 exports (tests/plugins/numpy/test_contrib.py, the zoo's ``*_ortopt`` and ``*_qop`` models).
 
@@ -438,57 +439,3 @@ def _column(value, transposed: bool):
 @register("MatMulInteger16", 1, domain=MS)
 def matmul_integer16(ctx: KernelContext):
     return lambda a, b: np.matmul(a.astype(np.float64), b.astype(np.float64)).astype(np.int32)
-
-
-# ------------------------------------------------------------------ int4 weights (genai builder)
-
-
-@register("MatMulNBits", 1, domain=MS)
-def matmul_nbits(ctx: KernelContext):
-    """A [..., K] @ dequantized B^T: B is [N, K / block_size, block_size * bits / 8] uint8,
-    low nibble first for 4 bits; one scale per (n, block) and a zero point per (n, block)
-    (packed like B; 2^(bits-1) when absent). Dequantized once at load when B, the scales and
-    zero points are constants (they always are in the builder's graphs)."""
-    k, n = int(ctx.attr("K")), int(ctx.attr("N"))
-    bits, block = int(ctx.attr("bits", 4)), int(ctx.attr("block_size"))
-    if bits not in (2, 4, 8):
-        raise ctx.unsupported(f"bits={bits}")
-    if ctx.has_input(4):
-        raise ctx.unsupported("g_idx")
-    blocks = -(-k // block)
-
-    def dequantize(b, scales, zero_points) -> np.ndarray:
-        per_byte = 8 // bits
-        packed = np.asarray(b, np.uint8).reshape(n, blocks, -1)
-        shifts = np.arange(per_byte, dtype=np.uint8) * bits
-        values = (packed[..., None] >> shifts) & np.uint8((1 << bits) - 1)
-        values = values.reshape(n, blocks, -1)[:, :, :block].astype(np.float32)
-        scale = _f32(np.asarray(scales)).reshape(n, blocks, 1)
-        if zero_points is None:
-            zp = np.float32(1 << (bits - 1))
-        elif zero_points.dtype == np.uint8:
-            zpacked = np.asarray(zero_points, np.uint8).reshape(n, -1)
-            zvals = (zpacked[..., None] >> shifts) & np.uint8((1 << bits) - 1)
-            zp = zvals.reshape(n, -1)[:, :blocks].astype(np.float32)[..., None]
-        else:
-            zp = _f32(np.asarray(zero_points)).reshape(n, blocks, 1)
-        weights = ((values - zp) * scale).reshape(n, blocks * block)[:, :k]
-        return np.ascontiguousarray(weights.T)  # [K, N]
-
-    consts = [ctx.constant(i) for i in (1, 2, 3)]
-    ready = None
-    if (
-        consts[0] is not None
-        and consts[1] is not None
-        and (consts[2] is not None or not ctx.has_input(3))
-    ):
-        ready = dequantize(*consts)
-
-    def run(a, b, scales, zero_points=None, g_idx=None, bias=None):
-        weights = ready if ready is not None else dequantize(b, scales, zero_points)
-        y = np.matmul(_f32(a), weights)
-        if bias is not None:
-            y += _f32(bias)
-        return _like(y, a)
-
-    return run

@@ -54,6 +54,7 @@ EXACT_OPS = frozenset(
         "Split",
         "Slice",
         "Gather",
+        "GatherBlockQuantized",
         "Expand",
         "Tile",
         "BitCast",

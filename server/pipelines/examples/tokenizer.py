@@ -1,7 +1,7 @@
 """The text pipeline's first step (a Triton Python model): text in, token ids out.
 
 BERT's WordPiece over the ``vocab.txt`` beside this file (one token a line, its line number its
-id, written with the pipeline by ``plugserve.server.example_pipelines``): each text is
+id, written with the pipeline by ``plugserve.server.examples.pipelines``): each text is
 lower-cased and split into words and punctuation, each word into the longest vocabulary pieces
 from its start (continuations spelled ``##piece``), a word with no spelling in the vocabulary
 is ``[UNK]``; ``[CLS]`` first and ``[SEP]`` last, cut to the output's length and padded with

@@ -17,10 +17,18 @@ against shrinking, so no worker can make the server fault.
 
 A model may name its own Python: the ``EXECUTION_ENV_PATH`` parameter, a virtual environment
 (its ``bin/python``) or an interpreter, which needs numpy only.
+
+At load, the first instance's process runs the model's ``auto_complete_config`` (when it has
+one) before ``initialize``; its result is the model's configuration. Model readiness asks each
+instance (:meth:`Worker.readiness`: the process runs, and the model's ``is_ready()`` answers True
+on a socket of its own within READY_SECONDS). With dynamic batching, a :class:`Gatherer` hands
+several waiting requests to one ``execute``. What a model asks the server besides BLS (custom
+metrics, the model loading API) is in ``calls.py``; its Logger lines reach the server's log.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import json
@@ -31,7 +39,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
+from concurrent.futures import Future, InvalidStateError
 from pathlib import Path
 from typing import Any
 
@@ -59,17 +68,25 @@ from plugserve.plugins.api import (
 )
 from plugserve.plugins.streams import StreamsExecutor
 from plugserve.server.pipelines.python import ipc
+from plugserve.server.pipelines.python.calls import CALLS
 from plugserve.server.pipelines.types import DTYPES
 
 __all__ = ["PythonPlugin"]
 
 log = logging.getLogger(__name__)
+#: where a model's Logger lines go, each at its level and with the model's name
+model_log = logging.getLogger(f"{__name__}.model")
+#: Triton's Logger levels -> the server's (VERBOSE shows with --log-level DEBUG)
+_LOG_LEVELS = {"INFO": logging.INFO, "WARNING": logging.WARNING, "ERROR": logging.ERROR,
+               "VERBOSE": logging.DEBUG}  # fmt: skip
 
 WORKER = Path(__file__).resolve().parent / "worker.py"
 #: how long a model's initialize may take before its load fails
 INITIALIZE_SECONDS = 300.0
 #: how long finalize may take when a model is unloaded
 FINALIZE_SECONDS = 10.0
+#: how long a model's readiness check may take (Triton's is_ready timeout)
+READY_SECONDS = 5.0
 #: each instance's two arenas (requests in, answers out): larger tensors travel in a memfd of
 #: their own; memory is taken only as pages are touched
 ARENA_BYTES = 8 << 20
@@ -95,8 +112,9 @@ class PythonConfiguration(Configuration):
 
 
 def _model_config(path: Path) -> tuple[Any, dict[str, Any]]:
-    """The entry's ``config.pbtxt`` as Triton's message and as the JSON models read."""
-    from google.protobuf import json_format, text_format
+    """The entry's ``config.pbtxt`` as Triton's message and as the JSON models read (none:
+    the name alone, and ``auto_complete_config`` may complete it)."""
+    from google.protobuf import text_format
 
     from plugserve.server.triton_config import messages
 
@@ -106,13 +124,67 @@ def _model_config(path: Path) -> tuple[Any, dict[str, Any]]:
         text_format.Parse(file.read_text(), message)
     if not message.name:
         message.name = path.parent.parent.name
+    if not message.backend:
+        message.backend = "python"  # Triton's auto-complete says so for a model.py
+    return message, _as_json(message)
+
+
+def _as_json(message: Any) -> dict[str, Any]:
+    from google.protobuf import json_format
+
     as_json = json_format.MessageToDict(message, preserving_proto_field_name=True)
     for kind in ("input", "output"):  # int64 dims are strings in protobuf's JSON: Triton's ints
         for entry in as_json.get(kind, []):
             entry["dims"] = [int(d) for d in entry.get("dims", [])]
             entry.setdefault("data_type", "TYPE_INVALID")
     as_json.setdefault("max_batch_size", 0)
-    return message, as_json
+    as_json.setdefault("input", [])
+    as_json.setdefault("output", [])
+    return as_json
+
+
+#: what auto_complete_config may change (Triton's ModelConfig setters); the rest is the
+#: repository's (instances, parameters, versions), and a change there is not acted on
+_COMPLETABLE = ("input", "output", "max_batch_size", "dynamic_batching", "model_transaction_policy")
+
+
+def _completed(where: str, original: Any, completed: Any) -> dict[str, Any]:
+    """What ``auto_complete_config`` returned, checked as Triton's ModelConfig: the model's
+    configuration from now on (InvalidModel naming what is wrong)."""
+    from google.protobuf import json_format
+
+    from plugserve.server.triton_config import messages
+
+    if not isinstance(completed, dict):
+        raise InvalidModel(f"{where}: auto_complete_config gave {completed!r}, not a configuration")
+    message = messages().ModelConfig()
+    try:
+        json_format.ParseDict(completed, message)
+    except (json_format.ParseError, TypeError, ValueError) as exc:
+        raise InvalidModel(
+            f"{where}: auto_complete_config returned a configuration that is not Triton's "
+            f"ModelConfig: {exc}"
+        ) from None
+    final = messages().ModelConfig()
+    final.CopyFrom(original)
+    for field in _COMPLETABLE:
+        final.ClearField(field)
+        if field in ("input", "output"):
+            getattr(final, field).extend(getattr(message, field))
+        elif field == "max_batch_size":
+            final.max_batch_size = message.max_batch_size
+        elif message.HasField(field):
+            getattr(final, field).CopyFrom(getattr(message, field))
+    if final.max_batch_size < 0:
+        raise InvalidModel(f"{where}: auto_complete_config set max_batch_size below 0")
+    ignored = [
+        f.name for f, _ in message.ListFields()
+        if f.name not in _COMPLETABLE and f.name != "name" and getattr(original, f.name) != _
+    ]  # fmt: skip
+    if ignored:
+        log.warning("%s: auto_complete_config changed %s: not acted on (the repository's)",
+                    where, ", ".join(ignored))  # fmt: skip
+    return _as_json(final)
 
 
 def _specs(config: dict[str, Any], kind: str, where: str) -> list[TensorSpec]:
@@ -147,14 +219,10 @@ def _interpreter(setting: str, where: str) -> str:
 
 
 #: what the server handles at once when it reads them (the rest answer the thread that waits)
-_HANDLED = frozenset({"bls", "bls_cancel", "send", "call"})
+_HANDLED = frozenset({"bls", "bls_cancel", "send", "call", "log"})
 #: seconds a decoupled model's execute may go on after its request was cancelled, to see
 #: ``is_cancelled()`` and return, before its process is stopped (Triton's models poll it)
 CANCEL_GRACE = 5.0
-#: what a model may ask the server besides BLS (``{"op": "call", "what": NAME}``): NAME ->
-#: ``handler(worker, header, inputs) -> reply``, run on a worker thread (custom metrics, the
-#: model loading API); each answers ``{"call": id, ...}``
-CALLS: dict[str, Callable[[Worker, dict[str, Any], dict[str, np.ndarray]], dict[str, Any]]] = {}
 
 _rids = itertools.count(1)
 
@@ -185,6 +253,10 @@ class Worker:
         self.restarts = 0
         #: the server's data plane, which the model's BLS calls run through
         self.plane: Any = None
+        #: the server's model control (the model loading API), when it has one
+        self.control: Any = None
+        #: who owns the metric families the model declares (one load of the model)
+        self.owner = 0
         self.inbox: ipc.Arena | None = None  # the process reads requests from it
         self.outbox: ipc.Arena | None = None  # and writes answers into this one
         #: a decoupled model's requests not yet complete: request id -> its sender
@@ -194,12 +266,22 @@ class Worker:
         #: the model's BLS calls in flight: call id -> their tokens (to cancel them)
         self.calls: dict[int, cancel.Token] = {}
         self._calls_lock = threading.Lock()
+        #: readiness checks: the socket (a model with is_ready()), the check under way, the
+        #: last result, and whether a restart runs in the background
+        self.checks: socket.socket | None = None
+        self._check_cond = threading.Condition()
+        self._checking = False
+        self._checked = 0
+        self._check_result: tuple[bool, str] = (True, "")
+        self._reviving = False
+        #: the network was closed: nothing starts its process again
+        self.closed = False
 
     # --- the process
 
-    def start(self) -> None:
-        """Spawn the process and initialize the model in it; InvalidModel with the model's
-        own reason when it cannot."""
+    def spawn(self) -> None:
+        """Start the process (its model not yet initialized: :meth:`auto_complete` may run
+        first, then :meth:`start`)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self.process = subprocess.Popen(
@@ -210,8 +292,40 @@ class Worker:
             )
         finally:
             theirs.close()
-        mailbox = self.mailbox = ipc.Mailbox(ours, _route, self._handle, most_fds=1)
+        self.mailbox = ipc.Mailbox(ours, _route, self._handle, most_fds=1)
         self.inbox, self.outbox = ipc.Arena(ARENA_BYTES), ipc.Arena(ARENA_BYTES, writable=False)
+
+    def auto_complete(self, config: dict[str, Any]) -> dict[str, Any] | None:
+        """The model's ``auto_complete_config`` run on ``config`` (Triton's JSON form) in the
+        process, before ``initialize``: the config it returns, or None when the model has no
+        such function. InvalidModel with the model's own reason when it fails."""
+        if self.mailbox is None:
+            self.spawn()
+        mailbox = self.mailbox
+        mailbox.sock.settimeout(INITIALIZE_SECONDS)
+        try:
+            mailbox.send(
+                {"op": "auto_complete", "model_path": str(self.model_path), "config": config}
+            )
+            reply, _ = mailbox.wait("main")
+        except (OSError, EOFError, ValueError) as exc:
+            self.kill()
+            self._discard()
+            raise InvalidModel(f"{self.label}: its process did not answer: {exc}") from None
+        mailbox.sock.settimeout(None)
+        if reply.get("error"):
+            self.kill()
+            self._discard()
+            raise InvalidModel(f"{self.label}: auto_complete_config failed: {reply['error']}")
+        return reply.get("config")
+
+    def start(self) -> None:
+        """Spawn the process (unless :meth:`spawn` did) and initialize the model in it;
+        InvalidModel with the model's own reason when it cannot."""
+        if self.mailbox is None:
+            self.spawn()
+        mailbox = self.mailbox
+        ours = mailbox.sock
         ours.settimeout(INITIALIZE_SECONDS)
         try:
             mailbox.send(
@@ -230,10 +344,101 @@ class Worker:
             self.kill()
             self._discard()
             raise InvalidModel(f"{self.label}: {reply['error']}")
+        if reply.get("is_ready"):  # the model has is_ready(): a socket of its own for it
+            self._open_checks(mailbox)
         if self.decoupled:  # responses come while no execute waits: read them
             threading.Thread(
                 target=self._serve, args=(mailbox,), name=f"{self.label}-reader", daemon=True
             ).start()
+
+    # --- readiness (Triton's is_ready)
+
+    def _open_checks(self, mailbox: ipc.Mailbox) -> None:
+        """A socket for readiness checks, served by a thread of the process: a check is
+        answered while an execute runs (which reads nothing of the model's socket)."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            mailbox.send({"op": "checks"}, theirs.fileno())
+        except OSError:
+            ours.close()
+            return
+        finally:
+            theirs.close()
+        self.checks = ours
+
+    def readiness(self, timeout: float) -> tuple[bool, str]:
+        """Whether this instance serves: its process runs and, when the model has
+        ``is_ready()``, that says True within ``timeout`` (Triton's five seconds). One check
+        at a time: a check asked while another runs takes its result. A process that is not
+        running is started again in the background (and the instance is not ready
+        meanwhile)."""
+        if not self.alive():
+            self.revive()
+            return False, "its process is not running; it is being started again"
+        sock = self.checks
+        if sock is None:
+            return True, ""
+        with self._check_cond:
+            if self._checking:
+                seen = self._checked
+                if not self._check_cond.wait_for(lambda: self._checked != seen, timeout):
+                    return False, "timed out waiting for the is_ready() check under way"
+                return self._check_result
+            self._checking = True
+        result = (False, "is_ready() was not asked")
+        try:
+            result = self._ask_ready(sock, timeout)
+        finally:
+            with self._check_cond:
+                self._checking = False
+                self._checked += 1
+                self._check_result = result
+                self._check_cond.notify_all()
+        return result
+
+    def _ask_ready(self, sock: socket.socket, timeout: float) -> tuple[bool, str]:
+        number = next(_rids)
+        end = time.monotonic() + timeout
+        try:
+            ipc.send(sock, {"op": "is_ready", "id": number}, flags=socket.MSG_DONTWAIT)
+            while True:  # a late answer to an earlier check that timed out is skipped
+                left = end - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError
+                sock.settimeout(left)
+                header, _ = ipc.receive_all(sock, 0)
+                if header.get("id") == number:
+                    break
+        except TimeoutError:
+            return False, f"its is_ready() did not answer within {timeout:g} s"
+        except (OSError, EOFError, ValueError) as exc:
+            return False, f"its process did not answer is_ready(): {exc}"
+        if header.get("error"):
+            last = str(header["error"]).strip().splitlines() or [""]
+            return False, f"its is_ready() failed: {last[-1]}"
+        if header.get("ready"):
+            return True, ""
+        return False, "its is_ready() returned False"
+
+    def revive(self) -> None:
+        """Start a process that is not running again, in the background (one at a time)."""
+        with self._check_cond:
+            if self._reviving or self.closed:
+                return
+            self._reviving = True
+
+        def run() -> None:
+            try:
+                with self.lock:  # after a run under way
+                    if not self.closed and not self.alive():
+                        self._ready()
+            except PlugserveError as exc:
+                log.warning("%s: its process could not be started again: %s", self.label, exc)
+            finally:
+                with self._check_cond:
+                    self._reviving = False
+
+        threading.Thread(target=run, name=f"{self.label}-revive", daemon=True).start()
 
     def _serve(self, mailbox: ipc.Mailbox) -> None:
         """A decoupled model's reader: keeps the socket read between executes, and fails the
@@ -269,6 +474,9 @@ class Worker:
         if mailbox is not None:
             mailbox.close("its process was stopped")
             mailbox.sock.close()
+        checks, self.checks = self.checks, None
+        if checks is not None:
+            checks.close()
 
     def _discard(self) -> None:
         """The stopped process's arenas and mailbox let go (with the run lock held)."""
@@ -388,6 +596,11 @@ class Worker:
                     os.close(fd)
             elif op == "call":
                 self._start_call(header, fd)
+            elif op == "log":
+                if fd >= 0:
+                    os.close(fd)
+                level = _LOG_LEVELS.get(str(header.get("level")), logging.INFO)
+                model_log.log(level, "%s: %s", self.label, str(header.get("message", "")))
         except Exception:  # a model's malformed message must not stop the reader
             log.exception("%s: a message from its process could not be handled", self.label)
 
@@ -545,6 +758,7 @@ class Worker:
         threading.Thread(target=run, name=f"{self.label}-call", daemon=True).start()
 
     def finalize(self) -> None:
+        self.closed = True
         with self.lock:
             mailbox = self.mailbox
             if self.alive() and mailbox is not None:
@@ -637,61 +851,261 @@ def _checked_outputs(
     return outputs
 
 
+#: streams a dynamically batched model's requests may wait on at once, all instances together
+MAX_GATHER_STREAMS = 64
+
+
+class _Waiting:
+    """One request in a :class:`Gatherer`: its inputs, its header entry, its rows, and the
+    future its stream waits on."""
+
+    __slots__ = ("arrays", "arrived", "future", "request", "rows", "token")
+
+    def __init__(self, arrays: list[Any], request: dict[str, Any], rows: int, token: Any) -> None:
+        self.arrays, self.request, self.rows, self.token = arrays, request, rows, token
+        self.arrived = time.monotonic()
+        self.future: Future = Future()
+
+
+class Gatherer:
+    """Triton's dynamic batcher for a Python model (``dynamic_batching`` with
+    ``max_batch_size`` > 0): the requests waiting for the model are handed to one instance's
+    ``execute`` together, as the list Triton's contract says ``requests`` may be, until their
+    rows reach the largest ``preferred_batch_size`` (else ``max_batch_size``) or
+    ``max_queue_delay_microseconds`` after the first of them (Triton's default 0: what waits
+    now). A request with more rows runs alone. Unlike BATCH, nothing is concatenated: each
+    request keeps its own tensors and gets its own response.
+
+    One dispatcher thread per instance takes the next batch when its instance is free; the
+    requests wait on the network's streams (at most :data:`MAX_GATHER_STREAMS`), so the
+    queue is the data plane's, bounded as any model's."""
+
+    def __init__(self, network: PythonNetwork, size: int, delay: float) -> None:
+        self.network, self.size, self.delay = network, max(1, size), max(0.0, delay)
+        self._cond = threading.Condition()
+        self._queue: collections.deque[_Waiting] = collections.deque()
+        self._closed = False
+        #: batches run, by how many requests they held (statistics and tests)
+        self.executions: dict[int, int] = {}
+        for worker in network.workers:
+            threading.Thread(
+                target=self._dispatch, args=(worker,), name=f"{worker.label}-batcher", daemon=True
+            ).start()
+
+    def run(self, arrays: list[Any], request: dict[str, Any], rows: int) -> Any:
+        """Queue one request; its outputs once the batch it joined has run."""
+        token = cancel.current()
+        item = _Waiting(arrays, request, rows, token)
+        with self._cond:
+            if self._closed:
+                raise Cancelled(f"python model {self.network.name!r} is unloaded")
+            self._queue.append(item)
+            self._cond.notify()
+        forget = None
+        if token is not None:
+            forget = token.on_cancel(lambda: _settle(item.future, token.failure()))
+        try:
+            return item.future.result()
+        finally:
+            if forget is not None:
+                forget()
+
+    def _take(self) -> list[_Waiting] | None:
+        with self._cond:
+            while True:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return None
+                first = self._queue[0].arrived
+                while sum(i.rows for i in self._queue) < self.size and not self._closed:
+                    left = first + self.delay - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._cond.wait(left)
+                if self._queue:
+                    break
+            batch = [self._queue.popleft()]
+            rows = batch[0].rows
+            while self._queue and rows + self._queue[0].rows <= self.size:
+                rows += self._queue[0].rows
+                batch.append(self._queue.popleft())
+            return batch
+
+    def _dispatch(self, worker: Worker) -> None:
+        while True:
+            batch = self._take()
+            if batch is None:
+                return
+            live = [i for i in batch if not i.future.done()]  # cancelled while waiting
+            if live:
+                with self._cond:
+                    self.executions[len(live)] = self.executions.get(len(live), 0) + 1
+                self._run(worker, live)
+
+    def _run(self, worker: Worker, batch: list[_Waiting]) -> None:
+        network = self.network
+        names = [spec.name for spec in network.inputs]
+        where = f"python model {network.name!r}"
+        tensors = {
+            f"{k}/{n}": a
+            for k, item in enumerate(batch)
+            for n, a in zip(names, item.arrays)
+            if a is not None
+        }
+        header = {"op": "execute", "model": network.name, "requests": [i.request for i in batch]}
+        token, forget = cancel.every(
+            [i.token for i in batch],
+            lambda: Cancelled(f"{where}: every request of its batch was cancelled"),
+        )
+        try:
+            with cancel.running(token or cancel.Token()):
+                reply, outputs = worker.run(tensors, header)
+            if reply.get("error"):
+                raise InferenceError(f"{where}: {reply['error']}")
+        except BaseException as exc:
+            if isinstance(exc, ValueError):
+                exc = InferenceError(f"{where}: its answer cannot be read: {exc}")
+            for item in batch:
+                _settle(item.future, exc)
+            return
+        finally:
+            forget()
+        specs = {s.name: s for s in network.outputs}
+        for k, (item, response) in enumerate(zip(batch, reply["responses"])):
+            try:
+                if response.get("error"):
+                    message, code = response["error"]
+                    raise _ERRORS.get(code, InferenceError)(f"{where}: {message}")
+                result = _checked_outputs(where, response["outputs"], outputs, specs, f"{k}/", True)
+            except PlugserveError as exc:
+                _settle(item.future, exc)
+                continue
+            _settle(item.future, result=result)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            waiting = list(self._queue)
+            self._queue.clear()
+            self._cond.notify_all()
+        for item in waiting:
+            _settle(item.future, Cancelled("the model was unloaded before its batch ran"))
+
+
+def _settle(future: Future, error: BaseException | None = None, result: Any = None) -> None:
+    with contextlib.suppress(InvalidStateError):
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+
 class PythonNetwork(CompiledNetwork):
+    #: readiness asks the model's processes (and its is_ready(), up to READY_SECONDS)
+    slow_readiness = True
+
     def __init__(self, plugin: PythonPlugin, config: Configuration, path: Path) -> None:
         message, model_config = _model_config(path)
         name = message.name
         super().__init__(plugin, name, config)
         where = f"python model {name!r}"
-        self._inputs = _specs(model_config, "input", where)
-        self._outputs = _specs(model_config, "output", where)
-        self.decoupled = bool(model_config.get("model_transaction_policy", {}).get("decoupled"))
         python = _interpreter(str(config.get("EXECUTION_ENV_PATH") or ""), where)
         count = max(config.streams(), 1)
-        folder = path.parent.parent
-        self.workers = [
-            Worker(
-                python,
-                path,
-                {
-                    "model_config": json.dumps(model_config),
-                    "model_instance_kind": "CPU",
-                    "model_instance_name": f"{name}_0_{i}",
-                    "model_instance_device_id": "0",
-                    "model_repository": str(folder),
-                    "model_version": path.parent.name,
-                    "model_name": name,
-                },
-                f"{where} (instance {i})",
-                self.decoupled,
-                self._outputs,
-            )
-            for i in range(count)
-        ]
+        plane = plugin.plane
+        #: the metric families the model declares belong to this load (dropped at close)
+        self._custom = plane.metrics.custom if plane is not None else None
+        self._owner = self._custom.owner() if self._custom is not None else 0
+        self.workers = [Worker(python, path, {}, f"{where} (instance {i})") for i in range(count)]
         self._next = 0
+        #: dynamic batching: (rows, seconds) and what gathers the requests; None: one at a time
+        self.batching_settings: tuple[int, float] | None = None
+        self.gatherer: Gatherer | None = None
         for worker in self.workers:
-            worker.plane = plugin.plane
+            worker.plane, worker.control, worker.owner = plane, plugin.control, self._owner
         try:
+            completed = self.workers[0].auto_complete(model_config)
+            if completed is not None:
+                model_config = _completed(where, message, completed)
+            self._configure(model_config, path)
             for worker in self.workers:
                 worker.start()
+            if self.batching_settings is not None:
+                self.gatherer = Gatherer(self, *self.batching_settings)
         except BaseException:
             for worker in self.workers:
                 worker.kill()
                 worker._discard()
+            if self._custom is not None:
+                self._custom.drop(self._owner)
             raise
+
+    def _configure(self, model_config: dict[str, Any], path: Path) -> None:
+        """The model's final configuration (config.pbtxt's, or what auto_complete_config made
+        of it): its tensors, transaction policy and batch size, and its instances' ``args``."""
+        name, where = self.name, f"python model {self.name!r}"
+        self._inputs = _specs(model_config, "input", where)
+        self._outputs = _specs(model_config, "output", where)
+        self.decoupled = bool(model_config.get("model_transaction_policy", {}).get("decoupled"))
+        self.max_batch_size = int(model_config.get("max_batch_size", 0))
+        self.model_config = model_config
+        batching = model_config.get("dynamic_batching")
+        if batching is not None and self.max_batch_size > 0 and not self.decoupled:
+            preferred = [int(n) for n in batching.get("preferred_batch_size", [])]
+            size = min(max(preferred, default=self.max_batch_size), self.max_batch_size)
+            delay = int(batching.get("max_queue_delay_microseconds", 0)) / 1e6
+            self.batching_settings = (size, delay)
+        for i, worker in enumerate(self.workers):
+            worker.args = {
+                "model_config": json.dumps(model_config),
+                "model_instance_kind": "CPU",
+                "model_instance_name": f"{name}_0_{i}",
+                "model_instance_device_id": "0",
+                "model_repository": str(path.parent.parent),
+                "model_version": path.parent.name,
+                "model_name": name,
+            }
+            worker.decoupled = self.decoupled
+            worker.specs = {spec.name: spec for spec in self._outputs}
+
+    def ready(self) -> bool:
+        """Every instance's process runs and, when the model has ``is_ready()``, says so
+        within READY_SECONDS (one deadline for the whole model)."""
+        end = time.monotonic() + READY_SECONDS
+        for worker in self.workers:
+            ok, why = worker.readiness(max(0.0, end - time.monotonic()))
+            if not ok:
+                log.info("%s is not ready: %s", worker.label, why)
+                return False
+        return True
 
     def _metric(self, name: str) -> Any:
         if name == "OPTIMAL_NUMBER_OF_INFER_REQUESTS":
-            return len(self.workers)
+            return self._streams()
         return super()._metric(name)
 
+    def _streams(self) -> int:
+        """One stream per instance; with dynamic batching, enough for every instance's batch
+        to gather (at most MAX_GATHER_STREAMS)."""
+        if self.batching_settings is None:
+            return len(self.workers)
+        size = self.batching_settings[0]
+        return max(len(self.workers), min(MAX_GATHER_STREAMS, len(self.workers) * (size + 1)))
+
     def _new_executor(self) -> StreamsExecutor:
-        """One stream per instance, each with its own process."""
+        """One stream per instance, each with its own process (with dynamic batching, the
+        streams wait for their batch and the gatherer's threads run the instances)."""
         return StreamsExecutor(
             f"PYTHON/{self.name}",
-            len(self.workers),
-            state_factory=lambda i: PythonInferRequest(self, self.workers[i]),
+            self._streams(),
+            state_factory=lambda i: PythonInferRequest(self, self.workers[i % len(self.workers)]),
         )
+
+    def batching(self) -> tuple[int, float] | None:
+        if self.batching_settings is None:
+            return None
+        size, delay = self.batching_settings
+        return size, delay * 1000.0
 
     def create_infer_request(self) -> InferRequest:
         worker = self.workers[self._next % len(self.workers)]
@@ -703,8 +1117,12 @@ class PythonNetwork(CompiledNetwork):
 
     def close(self) -> None:
         super().close()
+        if self.gatherer is not None:
+            self.gatherer.close()
         for worker in self.workers:
             worker.finalize()
+        if self._custom is not None:  # its metric families leave /metrics with it
+            self._custom.drop(self._owner)
 
 
 class PythonInferRequest(InferRequest):
@@ -722,14 +1140,24 @@ class PythonInferRequest(InferRequest):
             "inputs": [n for n, a in zip(names, arrays) if a is not None],
             "outputs": [s.name for s in network.outputs],
         }
-        if token is not None and token.parameters:
-            request["parameters"] = json.dumps(token.parameters)
+        if token is not None:
+            if token.parameters:
+                request["parameters"] = json.dumps(token.parameters)
+            if token.request_id:  # the client's id: request_id()
+                request["id"] = token.request_id
+            if token.sequence is not None:  # correlation_id() and flags()
+                request["correlation_id"], request["flags"] = token.sequence
         if rid is not None:
             request["rid"] = rid
         return {"op": "execute", "model": network.name, "requests": [request]}
 
     def _infer(self, arrays: list[Any]) -> dict[str, np.ndarray]:
         network = self.network
+        if network.gatherer is not None:  # dynamic batching: with the requests waiting
+            (request,) = self._header(arrays)["requests"]
+            first = next((a for a in arrays if a is not None), None)
+            rows = int(first.shape[0]) if first is not None and first.ndim else 1
+            return network.gatherer.run(arrays, request, rows)
         names = [spec.name for spec in network.inputs]
         where = f"python model {network.name!r}"
         try:
@@ -798,6 +1226,8 @@ class PythonPlugin(Plugin):
         super().__init__()
         #: the server's data plane (its models' BLS calls run through it), set by the server
         self.plane: Any = None
+        #: the server's model control (its models' load_model calls), set by the server
+        self.control: Any = None
 
     def device_name(self) -> str:
         return f"Python {sys.version.split()[0]} worker processes (Triton python backend)"

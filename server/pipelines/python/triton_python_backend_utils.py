@@ -7,7 +7,6 @@ specification), over plugserve's worker protocol (``ipc.py``). Standard library 
 from __future__ import annotations
 
 import json
-import logging
 import sys
 import threading
 from typing import Any
@@ -333,27 +332,296 @@ def using_decoupled_model_transaction_policy(model_config: dict[str, Any]) -> bo
     return bool(model_config.get("model_transaction_policy", {}).get("decoupled", False))
 
 
-class Logger:
-    """Triton's logger: lines on the server's log (the worker's standard error)."""
+def _call(what: str, **fields: Any) -> dict[str, Any]:
+    """A call to the server (``worker.py``'s ``Worker.call``): its answer, or the server's
+    refusal raised as TritonModelException."""
+    if _worker is None:
+        raise TritonModelException(
+            f"{what}: this is for a model served by plugserve (from its initialize, execute or "
+            "finalize)"
+        )
+    tensors = fields.pop("_tensors", {})
+    reply, fds = _worker.call({"op": "call", "what": what, **fields}, tensors)
+    for fd in fds:
+        import os
 
-    _log = logging.getLogger("triton_python_backend")
+        os.close(fd)
+    if reply.get("error"):
+        raise TritonModelException(reply["error"][0])
+    return reply
+
+
+class Logger:
+    """Triton's logger: each line goes to the server's log at its level, with the model's
+    name (VERBOSE is the server's DEBUG)."""
+
+    class LogLevel:
+        INFO, WARNING, ERROR, VERBOSE = 0, 1, 2, 3
+
+    INFO, WARNING, ERROR, VERBOSE = 0, 1, 2, 3
 
     @staticmethod
-    def log(message: str, level: int = logging.INFO) -> None:
-        print(message, file=sys.stderr, flush=True)
+    def log(message: str, level: int = 0) -> None:
+        if _worker is None:
+            print(message, file=sys.stderr, flush=True)
+            return
+        _worker.log(int(level), str(message))
 
     @staticmethod
     def log_info(message: str) -> None:
-        Logger.log(message)
+        Logger.log(message, Logger.INFO)
 
     @staticmethod
     def log_warn(message: str) -> None:
-        Logger.log(message)
+        Logger.log(message, Logger.WARNING)
 
     @staticmethod
     def log_error(message: str) -> None:
-        Logger.log(message)
+        Logger.log(message, Logger.ERROR)
 
     @staticmethod
     def log_verbose(message: str) -> None:
-        Logger.log(message)
+        Logger.log(message, Logger.VERBOSE)
+
+
+# --- custom metrics (Triton's Custom Metrics API; the server keeps them: server/custom_metrics.py)
+
+
+class MetricFamily:
+    """A family of metrics on the server's ``/metrics``: ``kind`` COUNTER, GAUGE or HISTOGRAM.
+    The same name twice is the same family (the first description stays); with another kind
+    it is refused."""
+
+    COUNTER, GAUGE, HISTOGRAM = 0, 1, 2
+
+    def __init__(self, name: str, description: str, kind: int) -> None:
+        if isinstance(kind, bool) or not isinstance(kind, int | str):
+            kind = repr(kind)  # refused by the server, which names it
+        reply = _call("metric_family", name=name, description=description, kind=kind)
+        self._name, self._kind = name, reply["kind"]
+
+    def Metric(self, labels: dict[str, str] | None = None, buckets: list[float] | None = None):
+        """A series of this family: its ``labels`` (a dict of strings); a HISTOGRAM's also
+        its ``buckets`` (increasing upper bounds)."""
+        if labels is not None and not isinstance(labels, dict):
+            raise TritonModelException("Failed to create metric. Labels must be a dictionary.")
+        if buckets is not None and not isinstance(buckets, list):
+            raise TritonModelException("Failed to create metric. Buckets must be a list.")
+        return Metric(self, labels, buckets)
+
+
+def _metric_value(value: Any, op: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
+        raise TritonModelException(f"Metric.{op} takes a number, not {value!r}")
+    return float(value)
+
+
+class Metric:
+    """One series of a :class:`MetricFamily` (made by ``family.Metric(labels)``)."""
+
+    def __init__(
+        self, family: MetricFamily, labels: dict[str, str] | None, buckets: list[float] | None
+    ) -> None:
+        try:
+            json.dumps(labels)
+            json.dumps(buckets)
+        except (TypeError, ValueError) as exc:
+            raise TritonModelException(f"Failed to create metric: {exc}") from None
+        reply = _call("metric", family=family._name, labels=labels, buckets=buckets)
+        self._family, self._handle = family, reply["metric"]
+
+    def _op(self, op: str, value: Any = 0.0) -> float:
+        reply = _call("metric_op", metric=self._handle, do=op, value=value)
+        return float(reply["value"])
+
+    def increment(self, value: float) -> None:
+        """Add ``value`` (a COUNTER's must not be negative)."""
+        self._op("increment", _metric_value(value, "increment"))
+
+    def set(self, value: float) -> None:
+        """Set a GAUGE to ``value``."""
+        self._op("set", _metric_value(value, "set"))
+
+    def observe(self, value: float) -> None:
+        """Count ``value`` into a HISTOGRAM's buckets."""
+        self._op("observe", _metric_value(value, "observe"))
+
+    def value(self) -> float:
+        """A COUNTER's or GAUGE's value now."""
+        return self._op("value")
+
+
+# --- the model loading API (Triton 23.07; the server's model control does it)
+
+
+def _loading(what: str) -> None:
+    phase = getattr(_worker, "phase", "")
+    if phase in ("auto_complete_config", "finalize"):
+        raise TritonModelException(
+            f"{what} is not supported during {phase} (as in Triton); call it from initialize "
+            "or execute"
+        )
+
+
+def load_model(model_name: str, config: str = "", files: dict[str, bytes] | None = None) -> None:
+    """Load (or load again) ``model_name`` from the server's repository: with ``config`` (a
+    model configuration as JSON) and ``files`` (``{"file:<version>/<name>": bytes}``, which
+    need ``config``) as Triton's overrides. The server must allow model control
+    (``--model-control-mode explicit``, or plugserve's default)."""
+    _loading("load_model")
+    if not isinstance(model_name, str) or not isinstance(config, str):
+        raise TritonModelException("load_model takes a model name and a config as strings")
+    tensors = {}
+    for key, data in (files or {}).items():
+        if not isinstance(key, str) or not key.startswith("file:"):
+            raise TritonModelException(
+                f"load_model: file {key!r} must be named 'file:<version>/<file name>'"
+            )
+        if not isinstance(data, bytes | bytearray):
+            raise TritonModelException(f"load_model: file {key!r} must be bytes")
+        value = np.empty(1, dtype=object)
+        value[0] = bytes(data)
+        tensors[key] = value
+    _call("load_model", model_name=model_name, config=config, _tensors=tensors)
+
+
+def unload_model(model_name: str, unload_dependents: bool = False) -> None:
+    """Unload every version of ``model_name`` (``unload_dependents`` is accepted as Triton's;
+    plugserve has no dependents to unload with it)."""
+    _loading("unload_model")
+    if not isinstance(model_name, str):
+        raise TritonModelException("unload_model takes a model name as a string")
+    _call("unload_model", model_name=model_name, unload_dependents=bool(unload_dependents))
+
+
+def is_model_ready(model_name: str, model_version: str = "") -> bool:
+    """Whether ``model_name`` (``model_version``; "": the server's choice) is loaded and
+    ready (its own readiness check included)."""
+    _loading("is_model_ready")
+    if not isinstance(model_name, str) or not isinstance(model_version, str):
+        raise TritonModelException("is_model_ready takes a model name and a version as strings")
+    return bool(
+        _call("is_model_ready", model_name=model_name, model_version=model_version)["ready"]
+    )
+
+
+# --- auto_complete_config's argument
+
+
+class ModelConfig:
+    """The model's configuration as ``auto_complete_config`` completes it (Triton's JSON form:
+    ``as_dict()``): its inputs, outputs, ``max_batch_size``, dynamic batching and transaction
+    policy. Conflicts with what config.pbtxt says raise ValueError, as Triton's do."""
+
+    _INPUT_KEYS = ("name", "data_type", "dims", "optional")
+    _OUTPUT_KEYS = ("name", "data_type", "dims")
+
+    def __init__(self, model_config: str | dict[str, Any]) -> None:
+        config = json.loads(model_config) if isinstance(model_config, str) else model_config
+        config.setdefault("input", [])
+        config.setdefault("output", [])
+        config.setdefault("max_batch_size", 0)
+        self._model_config = config
+
+    @property
+    def _name(self) -> str:
+        return str(self._model_config.get("name", ""))
+
+    def as_dict(self) -> dict[str, Any]:
+        return self._model_config
+
+    def set_max_batch_size(self, max_batch_size: int) -> None:
+        if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int):
+            raise ValueError(
+                f"auto-complete-config function for model '{self._name}' gave max_batch_size "
+                f"{max_batch_size!r}; it must be an integer"
+            )
+        if self._model_config["max_batch_size"] > max_batch_size:
+            raise ValueError(
+                f"configuration specified max_batch_size {self._model_config['max_batch_size']}, "
+                f"but in auto-complete-config function for model '{self._name}' specified "
+                f"max_batch_size {max_batch_size}"
+            )
+        self._model_config["max_batch_size"] = max_batch_size
+
+    def set_dynamic_batching(self) -> None:
+        for scheduler in ("sequence_batching", "ensemble_scheduling"):
+            if scheduler in self._model_config:
+                raise ValueError(
+                    f"Configuration specified scheduling_choice as '{scheduler}', but "
+                    f"auto-complete-config function for model '{self._name}' tries to set "
+                    "scheduling_choice as 'dynamic_batching'"
+                )
+        self._model_config.setdefault("dynamic_batching", {})
+
+    def _add(self, kind: str, tensor: dict[str, Any], allowed: tuple[str, ...]) -> None:
+        where = f"in auto-complete-config function for model '{self._name}'"
+        if not isinstance(tensor, dict):
+            raise ValueError(f"{kind} {where} must be a dict, not {type(tensor).__name__}")
+        extra = [key for key in tensor if key not in allowed]
+        if extra:
+            raise ValueError(
+                f"{kind} '{tensor.get('name')}' {where} contains property other than "
+                f"{', '.join(repr(k) for k in allowed)}: {', '.join(map(repr, extra))}"
+            )
+        for key in ("name", "data_type", "dims"):
+            if key not in tensor:
+                raise ValueError(
+                    f"{kind} '{tensor.get('name', '')}' {where} is missing '{key}' property."
+                )
+        for current in self._model_config[kind]:
+            if current.get("name") != tensor["name"]:
+                continue
+            if current.get("data_type", "TYPE_INVALID") not in (
+                "TYPE_INVALID",
+                tensor["data_type"],
+            ):
+                raise ValueError(
+                    f"unable to load model '{self._name}', configuration expects datatype "
+                    f"{current['data_type']} for {kind} '{tensor['name']}', model provides "
+                    f"{tensor['data_type']}"
+                )
+            if current.get("dims") and list(current["dims"]) != list(tensor["dims"]):
+                raise ValueError(
+                    f"model '{self._name}', tensor '{tensor['name']}': the model expects dims "
+                    f"{tensor['dims']} but the model configuration specifies dims "
+                    f"{current['dims']}"
+                )
+            if (
+                "optional" in current
+                and "optional" in tensor
+                and current["optional"] != tensor["optional"]
+            ):
+                raise ValueError(
+                    f"model '{self._name}', tensor '{tensor['name']}': the model expects "
+                    f"optional {tensor['optional']} but the model configuration specifies "
+                    f"optional {current['optional']}"
+                )
+            current.update(tensor)
+            return
+        self._model_config[kind].append(dict(tensor))
+
+    def add_input(self, input: dict[str, Any]) -> None:
+        self._add("input", input, self._INPUT_KEYS)
+
+    def add_output(self, output: dict[str, Any]) -> None:
+        self._add("output", output, self._OUTPUT_KEYS)
+
+    def set_model_transaction_policy(self, transaction_policy_dict: dict[str, Any]) -> None:
+        where = f"auto-complete-config function for model '{self._name}'"
+        if not isinstance(transaction_policy_dict, dict):
+            raise ValueError(f"model transaction policy in {where} must be a dict")
+        extra = [k for k in transaction_policy_dict if k != "decoupled"]
+        if extra:
+            raise ValueError(
+                f"model transaction property in {where} contains property other than 'decoupled'."
+            )
+        policy = self._model_config.setdefault("model_transaction_policy", {})
+        if "decoupled" in transaction_policy_dict:
+            wanted = transaction_policy_dict["decoupled"]
+            if "decoupled" in policy and policy["decoupled"] != wanted:
+                raise ValueError(
+                    f"trying to change decoupled property in {where}, which is already set "
+                    f"to '{policy['decoupled']}'."
+                )
+            policy["decoupled"] = wanted

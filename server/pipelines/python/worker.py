@@ -28,6 +28,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import ipc
@@ -41,6 +43,10 @@ REASON_LINES = 6
 SPIN_SECONDS = 0.002
 #: threads that run ``async_exec`` calls at once (each waits for its answer)
 BLS_THREADS = 8
+#: characters of one Logger line sent to the server (longer ones are cut)
+MAX_LOG_CHARS = 16384
+#: Triton's Logger levels, by their number
+LOG_LEVELS = ("INFO", "WARNING", "ERROR", "VERBOSE")
 
 _calls = itertools.count(1)
 
@@ -51,12 +57,17 @@ def _reason(exc: BaseException) -> str:
     return "\n".join(text[-REASON_LINES:])
 
 
-def _load(path: str) -> Any:
+def _import(path: str) -> Any:
     spec = importlib.util.spec_from_file_location("model", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules["model"] = module
     spec.loader.exec_module(module)
-    return module.TritonPythonModel()
+    if not hasattr(module, "TritonPythonModel"):
+        raise pb_utils.TritonModelException(
+            f"{path} defines no class TritonPythonModel (the name Triton's python backend "
+            "looks for)"
+        )
+    return module
 
 
 def _route(header: dict[str, Any]) -> Any:
@@ -65,7 +76,7 @@ def _route(header: dict[str, Any]) -> Any:
     call = header.get("call")
     if call is not None:
         return ("call", call)
-    if header.get("op") == "cancel":
+    if header.get("op") in ("cancel", "checks"):
         return None
     return "main"
 
@@ -78,6 +89,9 @@ class Worker:
         #: requests the server cancelled (their ids), as ``is_cancelled()`` reports them
         self.cancelled: set[int] = set()
         self.model: Any = None
+        self.module: Any = None  # model.py, imported once (auto_complete_config, then the model)
+        #: what the model is doing: the model loading API refuses some (as Triton's)
+        self.phase = ""
         self.model_name = ""
         self.instance_name = ""
         self.decoupled = False
@@ -90,10 +104,42 @@ class Worker:
     # --- notices and calls
 
     def _notice(self, header: dict[str, Any], fds: list[int]) -> None:
+        if header.get("op") == "checks" and fds:  # the socket readiness checks come on
+            checks = socket.socket(fileno=fds.pop(0))
+            threading.Thread(
+                target=self._serve_checks, args=(checks,), name="is_ready", daemon=True
+            ).start()
         for fd in fds:
             os.close(fd)
         if header.get("op") == "cancel":
             self.cancelled.add(int(header.get("rid", -1)))
+
+    def _serve_checks(self, checks: socket.socket) -> None:
+        """Answer the server's readiness checks with the model's ``is_ready()`` (plain or
+        ``async def``, on a loop of this thread's own), while executes go on."""
+        loop: asyncio.AbstractEventLoop | None = None
+        while True:
+            try:
+                header, _ = ipc.receive_all(checks, 0)
+            except (EOFError, OSError, ValueError):
+                return
+            reply: dict[str, Any] = {"id": header.get("id")}
+            try:
+                result = self.model.is_ready()
+                if inspect.isawaitable(result):
+                    loop = loop or asyncio.new_event_loop()
+                    result = loop.run_until_complete(result)
+                if not isinstance(result, bool | np.bool_):
+                    raise pb_utils.TritonModelException(
+                        f"is_ready() returned {type(result).__name__}; it must return a bool"
+                    )
+                reply["ready"] = bool(result)
+            except Exception as exc:
+                reply["error"] = _reason(exc)
+            try:
+                ipc.send(checks, reply)
+            except OSError:
+                return
 
     def is_cancelled(self, rid: int) -> bool:
         self.mailbox.poll()
@@ -112,6 +158,17 @@ class Worker:
                 os.close(fd)
         return self.mailbox.wait(("call", number))
 
+    def log(self, level: int, message: str) -> None:
+        """A Logger line to the server's log, never blocking the model: when the server is
+        not reading (between requests, a full socket), it goes to standard error instead."""
+        name = LOG_LEVELS[level] if 0 <= level < len(LOG_LEVELS) else "INFO"
+        if len(message) > MAX_LOG_CHARS:
+            message = message[:MAX_LOG_CHARS] + " [cut]"
+        try:
+            self.mailbox.send({"op": "log", "level": name, "message": message}, block=False)
+        except OSError:
+            print(f"{self.instance_name} {name}: {message}", file=sys.stderr, flush=True)
+
     def next_answer(self, number: int) -> tuple[dict, list[int]]:
         return self.mailbox.wait(("call", number))
 
@@ -127,9 +184,13 @@ class Worker:
             if op == "initialize":
                 if not self._initialize(header, fds):
                     return
+            elif op == "auto_complete":
+                if not self._auto_complete(header):
+                    return
             elif op == "execute":
                 self._execute(header, fds)
             elif op == "finalize":
+                self.phase = "finalize"
                 try:
                     if self.model is not None and hasattr(self.model, "finalize"):
                         self.model.finalize()
@@ -149,15 +210,45 @@ class Worker:
             self.model_name = args.get("model_name", "")
             self.instance_name = args.get("model_instance_name", "")
             self.decoupled = bool(header.get("decoupled"))
-            self.model = _load(header["model_path"])
+            if self.module is None:
+                self.module = _import(header["model_path"])
+            self.model = self.module.TritonPythonModel()
+            self.phase = "initialize"
             if hasattr(self.model, "initialize"):
                 result = self.model.initialize(args)
                 if inspect.isawaitable(result):
                     self.loop.run_until_complete(result)
-            self.mailbox.send({"op": "initialized"})
+            self.phase = "execute"
+            ready = callable(getattr(self.model, "is_ready", None))
+            self.mailbox.send({"op": "initialized", "is_ready": ready})
             return True
         except BaseException as exc:  # the load fails with the reason; the worker ends
             self.mailbox.send({"op": "initialized", "error": _reason(exc)})
+            return False
+
+    def _auto_complete(self, header: dict[str, Any]) -> bool:
+        """Triton's ``auto_complete_config``: the model's static function completes the
+        configuration before ``initialize`` (None: it has none); False when it failed."""
+        self.phase = "auto_complete_config"
+        try:
+            self.module = _import(header["model_path"])
+            function = getattr(self.module.TritonPythonModel, "auto_complete_config", None)
+            if function is None:
+                self.mailbox.send({"op": "completed", "config": None})
+                return True
+            given = pb_utils.ModelConfig(json.dumps(header["config"]))
+            result = function(given)
+            if not isinstance(result, pb_utils.ModelConfig):
+                raise pb_utils.TritonModelException(
+                    f"auto_complete_config returned {type(result).__name__}; it must return the "
+                    "pb_utils.ModelConfig it was given (auto_complete_model_config)"
+                )
+            config = result.as_dict()
+            json.dumps(config)  # what cannot travel as JSON is the model's error, said here
+            self.mailbox.send({"op": "completed", "config": config})
+            return True
+        except BaseException as exc:
+            self.mailbox.send({"op": "completed", "error": _reason(exc)})
             return False
 
     def _tensors(self, header: dict[str, Any], fds: list[int]) -> dict[str, Any]:

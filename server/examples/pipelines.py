@@ -26,7 +26,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from plugserve.server.examples import _model, _write_if_changed
+from plugserve.server.examples.files import model as onnx_model
+from plugserve.server.examples.files import write_if_changed
 
 __all__ = ["IMAGE_LABELS", "SEQUENCE_LENGTH", "TEXT_LABELS", "build_pipelines", "vocabulary"]
 
@@ -127,7 +128,7 @@ def text_encoder(vocab: list[str], width: int = 32, seed: int = 5) -> onnx.Model
         [helper.make_tensor_value_info("LOGITS", TensorProto.FLOAT, ["batch", 2])],
         initializer=initializers,
     )
-    return _model(graph)
+    return onnx_model(graph)
 
 
 def image_classifier() -> onnx.ModelProto:
@@ -156,7 +157,7 @@ def image_classifier() -> onnx.ModelProto:
             numpy_helper.from_array(bias, "bias"),
         ],
     )
-    return _model(graph)
+    return onnx_model(graph)
 
 
 def _tensor(name: str, kind: str, dims: list[int]) -> str:
@@ -179,7 +180,7 @@ def _python(name: str, source: str, inputs: list[str], outputs: list[str], label
     extra = 'backend: "python"\n'
     if labels:
         extra += f'parameters {{ key: "labels" value: {{ string_value: "{",".join(labels)}" }} }}\n'
-    code = (Path(__file__).parent / "pipelines" / "examples" / source).read_bytes()
+    code = (Path(__file__).parent.parent / "pipelines" / "examples" / source).read_bytes()
     return {"config.pbtxt": _config(name, inputs, outputs, extra).encode(), "1/model.py": code}
 
 
@@ -257,5 +258,5 @@ def build_pipelines(root: Path) -> list[str]:
                 path.mkdir(parents=True, exist_ok=True)
                 continue
             path.parent.mkdir(parents=True, exist_ok=True)
-            _write_if_changed(path, data)
+            write_if_changed(path, data)
     return list(models)

@@ -3,14 +3,13 @@
 Small models built in code (nothing binary in git): an MLP classifier, a tiny CNN, an
 element-wise ``add`` of two inputs, and a string ``echo``; and two applications as Triton
 ensembles, ``text_sentiment`` (text in, label out) and ``image_color`` (image bytes in, label
-out), each a Python step, an ONNX step and a Python step (``example_pipelines.py``).
+out), each a Python step, an ONNX step and a Python step (``pipelines.py``).
 ``build_examples(DIR)`` writes them as a model repository; the server builds them into a cache
 folder on first start.
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
 import os
@@ -21,9 +20,11 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-__all__ = ["build_examples", "default_examples_dir"]
+from plugserve.server.examples.files import model as onnx_model
+from plugserve.server.examples.files import write_if_changed
+from plugserve.server.examples.pipelines import build_pipelines
 
-OPSET = 17
+__all__ = ["build_examples", "default_examples_dir"]
 
 
 def _save(root: Path, name: str, model: onnx.ModelProto, config: dict | None = None) -> None:
@@ -35,37 +36,11 @@ def _save(root: Path, name: str, model: onnx.ModelProto, config: dict | None = N
     onnx.checker.check_model(model)
     folder = root / name / "1"
     folder.mkdir(parents=True, exist_ok=True)
-    _write_if_changed(folder / "model.onnx", model.SerializeToString(deterministic=True))
+    write_if_changed(folder / "model.onnx", model.SerializeToString(deterministic=True))
     if config is not None:
-        _write_if_changed(
+        write_if_changed(
             root / name / "config.json", (json.dumps(config, indent=2) + "\n").encode()
         )
-
-
-def _write_if_changed(path: Path, data: bytes) -> None:
-    try:
-        if path.read_bytes() == data:
-            return  # unchanged: keep its mtime (the model cache keys on it)
-    except OSError:
-        pass
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, path.parent.stat().st_mode & 0o666)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
-def _model(graph: onnx.GraphProto) -> onnx.ModelProto:
-    model = helper.make_model(
-        graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="plugserve-examples"
-    )
-    model.ir_version = 8
-    return model
 
 
 def mlp() -> onnx.ModelProto:
@@ -92,7 +67,7 @@ def mlp() -> onnx.ModelProto:
         [helper.make_tensor_value_info("probabilities", TensorProto.FLOAT, ["batch", sizes[-1]])],
         initializer=inits,
     )
-    return _model(graph)
+    return onnx_model(graph)
 
 
 def cnn() -> onnx.ModelProto:
@@ -116,7 +91,7 @@ def cnn() -> onnx.ModelProto:
         [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 10])],
         initializer=inits,
     )
-    return _model(graph)
+    return onnx_model(graph)
 
 
 def add() -> onnx.ModelProto:
@@ -129,7 +104,7 @@ def add() -> onnx.ModelProto:
         ],
         [helper.make_tensor_value_info("sum", TensorProto.FLOAT, ["n"])],
     )
-    return _model(graph)
+    return onnx_model(graph)
 
 
 def echo() -> onnx.ModelProto:
@@ -139,12 +114,12 @@ def echo() -> onnx.ModelProto:
         [helper.make_tensor_value_info("text", TensorProto.STRING, ["n"])],
         [helper.make_tensor_value_info("echo", TensorProto.STRING, ["n"])],
     )
-    return _model(graph)
+    return onnx_model(graph)
 
 
 def build_examples(root: str | os.PathLike, pipelines: bool = True) -> Path:
     """Write the examples into ``root``; ``pipelines``: the example applications too
-    (``example_pipelines.py``: Triton ensembles with Python steps, which start a worker
+    (``pipelines.py``: Triton ensembles with Python steps, which start a worker
     process per Python model when served)."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
@@ -153,8 +128,6 @@ def build_examples(root: str | os.PathLike, pipelines: bool = True) -> Path:
     _save(root, "add", add())
     _save(root, "echo", echo())
     if pipelines:
-        from plugserve.server.example_pipelines import build_pipelines
-
         build_pipelines(root)
     return root
 
@@ -167,9 +140,3 @@ def default_examples_dir() -> Path:
     except OSError:
         path = Path(tempfile.gettempdir()) / "plugserve-examples"
     return path
-
-
-if __name__ == "__main__":
-    import sys
-
-    print(build_examples(sys.argv[1] if len(sys.argv) > 1 else default_examples_dir()))

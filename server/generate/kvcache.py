@@ -1,0 +1,246 @@
+"""The key/value cache: one slot per sequence, owned by the engine, bounded by bytes.
+
+Layout. Each of the decoder's cache inputs (``past_key_values.N.key`` / ``.value``) has one
+array ``[slots, kv_heads, capacity, head_dim]`` allocated at load; a sequence holds one slot
+(row) from its admission to its end, its token at position p in column p. ``capacity`` is the
+model's context length (``max_model_len``), ``slots`` what the byte budget holds
+(``kv_cache_bytes // bytes per slot``, at most ``max_num_seqs`` plus the slots kept for the
+prefix cache). A slot is a contiguous row, so the running sequences in rows ``0..B-1`` are
+one ``[B, heads, capacity, dim]`` view: onnxruntime-genai's GroupQueryAttention graphs read
+and write it in place (past and present bound to the same memory, per-row lengths in the
+attention mask), and optimum's graphs read the rows' first columns. This is
+onnxruntime-genai's buffer layout (``past_present_share_buffer``), not vLLM's pages: its
+attention ops take a dense buffer per row, and a page table would cost a gather of the whole
+cache every step. The price: a slot holds the whole context's bytes however short its
+sequence, so the budget admits ``kv_cache_bytes / (capacity x bytes per token)`` sequences
+at once; the operator sizes ``max_model_len`` to what the deployment needs.
+
+Memory: the arrays are allocated with ``np.zeros`` (pages the kernel maps on first write),
+so what the budget allows is reserved, and resident only as far as sequences have written.
+Nothing is allocated per request or per step; moving a sequence between rows copies its
+own written columns.
+
+Prefix caching (vLLM's block hashes, on slots): a slot's written tokens are hashed by blocks
+of ``block_size``, each hash covering every token before it (a chain), and the table maps
+each hash to the slot holding it. A finished sequence's slot keeps its tokens and hashes
+while it is free; a new prompt whose first blocks are in the table reuses them: it takes
+that slot when it is free (nothing copied), or copies the blocks from a slot in use. A hit
+is checked token by token before it is used, so a hash collision can never serve another
+prompt's cache. A new sequence takes a free slot holding no whole block first (the lowest, so
+new rows tend to follow the running ones), else the one holding the fewest blocks (least
+recently freed first): short prompts come and go without evicting a long one's blocks.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+__all__ = ["CacheLayout", "KVCache", "Slot", "SlotTable"]
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheLayout:
+    """The decoder's cache arrays: ``(past input, present output, heads, head_dim)`` each,
+    their element type, and the tokens a slot holds."""
+
+    entries: tuple[tuple[str, str, int, int], ...]
+    dtype: np.dtype
+    capacity: int
+
+    @property
+    def bytes_per_token(self) -> int:
+        return sum(h * d for _p, _o, h, d in self.entries) * self.dtype.itemsize
+
+    @property
+    def bytes_per_slot(self) -> int:
+        return self.bytes_per_token * self.capacity
+
+
+class KVCache:
+    """The cache arrays, ``rows`` slots of ``layout.capacity`` tokens."""
+
+    def __init__(self, layout: CacheLayout, rows: int) -> None:
+        self.layout = layout
+        self.rows = rows
+        self.arrays: dict[str, np.ndarray] = {
+            past: np.zeros((rows, heads, layout.capacity, dim), layout.dtype)
+            for past, _present, heads, dim in layout.entries
+        }
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays.values())
+
+    def view(self, start: int, stop: int) -> dict[str, np.ndarray]:
+        """Rows ``start..stop-1`` of every array (contiguous views, no copy)."""
+        return {name: array[start:stop] for name, array in self.arrays.items()}
+
+    def copy(self, src: int, dst: int, length: int) -> None:
+        """The first ``length`` positions of slot ``src`` into slot ``dst``."""
+        if length <= 0 or src == dst:
+            return
+        for array in self.arrays.values():
+            array[dst, :, :length] = array[src, :, :length]
+
+    def swap(self, a: int, length_a: int, b: int, length_b: int) -> None:
+        """Exchange the written positions of slots ``a`` and ``b`` (what lies beyond a slot's
+        length is never read, so only the written columns move)."""
+        if a == b:
+            return
+        for array in self.arrays.values():
+            keep = array[a, :, :length_a].copy()
+            array[a, :, :length_b] = array[b, :, :length_b]
+            array[b, :, :length_a] = keep
+
+
+class Slot:
+    """One row of the cache: its tokens written (in order, from position 0), their block
+    hashes, and the sequence holding it (None: free; its tokens stay as a prefix cache)."""
+
+    __slots__ = ("hashes", "index", "owner", "tokens")
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.tokens: list[int] = []
+        self.hashes: list[int] = []
+        self.owner: object | None = None
+
+    def __repr__(self) -> str:
+        return f"Slot({self.index}, {len(self.tokens)} tokens, owner={self.owner is not None})"
+
+
+def _chain(previous: int, block: Sequence[int]) -> int:
+    return hash((previous, tuple(block)))
+
+
+class SlotTable:
+    """Which slot holds what, the free slots, and the prefix cache's index."""
+
+    def __init__(self, cache: KVCache, block_size: int = 16, prefix_caching: bool = True) -> None:
+        self.cache = cache
+        self.block_size = block_size
+        self.prefix_caching = prefix_caching
+        self.slots = [Slot(i) for i in range(cache.rows)]
+        #: free slots, least recently freed first
+        self.free: collections.OrderedDict[int, Slot] = collections.OrderedDict(
+            (s.index, s) for s in self.slots
+        )
+        #: block chain hash -> the slot holding that block (and every block before it)
+        self.index: dict[int, Slot] = {}
+        self.hits = 0  # prompt tokens served from the cache
+        self.queries = 0  # prompt tokens looked up
+        #: rows of free slots that requests about to be admitted will reuse (evicted last)
+        self.wanted: set[int] = set()
+
+    # --- allocation
+
+    @property
+    def free_count(self) -> int:
+        return len(self.free)
+
+    def take(self, owner: object, prefer: Slot | None = None) -> Slot:
+        """A free slot for ``owner``: ``prefer`` when given (a prefix hit), else the lowest
+        one holding no whole block (nothing a prompt could reuse), else the one holding the
+        fewest blocks, least recently freed first (its cache is dropped)."""
+        slot = prefer
+        if slot is None:
+            spare = [s for s in self.free.values() if not s.hashes]
+            if spare:
+                slot = min(spare, key=lambda s: s.index)
+            else:  # free slots in the order they were freed: min keeps the first of a tie
+                slot = min(
+                    self.free.values(), key=lambda s: (s.index in self.wanted, len(s.hashes))
+                )
+            self.truncate(slot, 0)
+        del self.free[slot.index]
+        slot.owner = owner
+        return slot
+
+    def release(self, slot: Slot) -> None:
+        """``slot`` is free again; its tokens stay cached (or are dropped without caching)."""
+        slot.owner = None
+        if not self.prefix_caching:
+            self.truncate(slot, 0)
+        self.free[slot.index] = slot
+
+    # --- contents
+
+    def written(self, slot: Slot, tokens: Sequence[int]) -> None:
+        """``tokens`` were written at the slot's next positions."""
+        slot.tokens.extend(int(t) for t in tokens)
+        if not self.prefix_caching:
+            return
+        size = self.block_size
+        while (len(slot.hashes) + 1) * size <= len(slot.tokens):
+            start = len(slot.hashes) * size
+            previous = slot.hashes[-1] if slot.hashes else 0
+            value = _chain(previous, slot.tokens[start : start + size])
+            slot.hashes.append(value)
+            self.index[value] = slot
+
+    def truncate(self, slot: Slot, length: int) -> None:
+        """Forget the slot's tokens from ``length`` on (they are about to be overwritten)."""
+        if length >= len(slot.tokens):
+            return
+        del slot.tokens[length:]
+        keep = length // self.block_size
+        for value in slot.hashes[keep:]:
+            if self.index.get(value) is slot:
+                del self.index[value]
+        del slot.hashes[keep:]
+
+    def lookup(self, prompt: Sequence[int], count: bool = True) -> tuple[Slot | None, int]:
+        """The slot holding the longest cached prefix of ``prompt`` in whole blocks, leaving
+        at least one prompt token to compute (its logits start the answer), and its length;
+        ``(None, 0)`` without a hit. ``count``: a lookup for admission (counted in
+        :attr:`hits` and :attr:`queries`), not a look ahead."""
+        if not self.prefix_caching:
+            return None, 0
+        size = self.block_size
+        blocks = (len(prompt) - 1) // size
+        if count:
+            self.queries += len(prompt)
+        found: Slot | None = None
+        hit = 0
+        previous = 0
+        for b in range(blocks):
+            previous = _chain(previous, prompt[b * size : (b + 1) * size])
+            slot = self.index.get(previous)
+            if slot is None:
+                break
+            found, hit = slot, (b + 1) * size
+        if found is None:
+            return None, 0
+        # the blocks' tokens themselves, so a collision of hashes never serves them
+        same = np.asarray(found.tokens[:hit]) == np.asarray(prompt[:hit])
+        if not same.all():
+            hit = int(np.argmin(same)) // size * size
+            if hit == 0:
+                return None, 0
+        if count:
+            self.hits += hit
+        return found, hit
+
+    def swap(self, a: Slot, b: Slot) -> None:
+        """Exchange two rows' contents (data, tokens, hashes and owners move together; the
+        Slot objects change rows)."""
+        if a is b:
+            return
+        self.cache.swap(a.index, len(a.tokens), b.index, len(b.tokens))
+        ia, ib = a.index, b.index
+        self.slots[ia], self.slots[ib] = b, a
+        a.index, b.index = ib, ia
+        fa, fb = self.free.pop(ia, None), self.free.pop(ib, None)
+        # free-list entries are keyed by row: re-key them (their order matters less than
+        # their membership here)
+        if fa is not None:
+            self.free[ib] = fa
+        if fb is not None:
+            self.free[ia] = fb
+
+    def held(self) -> int:
+        return len(self.slots) - len(self.free)
