@@ -15,12 +15,21 @@ from plugserve.plugins.api import BOOL, STATE_PAIRS, ConfigKey, Configuration, p
 __all__ = ["OpenvinoConfiguration", "compile_properties", "precision_name"]
 
 PRECISIONS = ("f32", "bf16", "f16")
+#: what the CPU plugin keeps a paged or stateful key/value cache in
+KV_PRECISIONS = ("f32", "f16", "bf16", "u8")
 
 
 def _precision(value: str) -> str:
     text = str(value).strip().lower()
     if text not in ("", *PRECISIONS):
         raise ValueError("expected f32, bf16 or f16 (empty: openvino's choice)")
+    return text
+
+
+def _kv_precision(value: str) -> str:
+    text = str(value).strip().lower()
+    if text not in ("", *KV_PRECISIONS):
+        raise ValueError(f"expected {', '.join(KV_PRECISIONS)} (empty: openvino's choice)")
     return text
 
 
@@ -46,6 +55,27 @@ class OpenvinoConfiguration(Configuration):
                 "YES: run Loops whose trip count comes from the request; openvino cannot stop "
                 "a Loop once it runs, so a cancelled or late request keeps the device busy "
                 "until the Loop ends (NO, the default: such Loops are left to other devices)"
+            ),
+        ),
+        ConfigKey(
+            "PAGED_ATTENTION",
+            False,
+            **BOOL,
+            doc=(
+                "YES: load an OpenVINO IR of a decoder (optimum-intel's stateful export) in "
+                "openvino's paged-attention form, the one openvino-genai's continuous "
+                "batching runs: rows of different lengths in one forward, the key/value "
+                "cache in blocks the caller binds (plugins/openvino/paged.py)"
+            ),
+        ),
+        ConfigKey(
+            "KV_CACHE_PRECISION",
+            "",
+            _kv_precision,
+            doc=(
+                "the element type of a paged or stateful key/value cache: empty (default) is "
+                "openvino's choice (f16 under PERFORMANCE on CPUs without bf16, the "
+                "inference precision under ACCURACY), or f32, f16, bf16, u8"
             ),
         ),
         ConfigKey(
@@ -75,6 +105,8 @@ def compile_properties(config: Configuration) -> dict[str, Any]:
         # off on 96 % of its embedding. f32 promises the other devices' results: off
         # (ACCURACY turns it off itself).
         props["DYNAMIC_QUANTIZATION_GROUP_SIZE"] = 0
+    if config.get("KV_CACHE_PRECISION"):
+        props["KV_CACHE_PRECISION"] = config.get("KV_CACHE_PRECISION")
     if config.get("PERFORMANCE_HINT"):
         props["PERFORMANCE_HINT"] = config.get("PERFORMANCE_HINT")
     if config.get("NUM_STREAMS"):

@@ -6,6 +6,10 @@ frontend and compiles them for openvino's CPU device with the properties the con
 stands for. ``query_network`` asks openvino's own ``query_model`` and maps its op names back to
 the original ONNX node names (see :mod:`.query`). Export is openvino's compiled-model blob under
 plugserve's shared header.
+
+A path to an OpenVINO IR (``.xml`` with its ``.bin``) is read by openvino itself and compiled
+whole (:mod:`.ir`); ``PAGED_ATTENTION=YES`` rewrites an LLM's IR into openvino's
+paged-attention form first (:mod:`.paged`), the form generative models are served in.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import io
 import logging
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -47,6 +52,9 @@ from plugserve.plugins.openvino.config import (
     compile_properties,
     precision_name,
 )
+from plugserve.plugins.openvino.ir import has_loop as ir_has_loop
+from plugserve.plugins.openvino.ir import is_ir, ports, read_ir
+from plugserve.plugins.openvino.paged import to_paged
 from plugserve.plugins.openvino.query import (
     Names,
     cut_model,
@@ -188,6 +196,13 @@ class OpenvinoPlugin(Plugin):
         self, model: Model, config: Mapping[str, Any] | None = None
     ) -> OpenvinoCompiledNetwork:
         cfg = self.merged_config(config)
+        if is_ir(model):
+            return self._load_ir(Path(model), cfg)
+        if cfg.get("PAGED_ATTENTION"):
+            raise InvalidArgument(
+                "PAGED_ATTENTION applies to an OpenVINO IR (an .xml path, as optimum-intel "
+                "exports openvino_model.xml), not to an ONNX model"
+            )
         graph, proto, data = self._read(model)
         strings = string_nodes(graph)
         if strings:
@@ -251,6 +266,45 @@ class OpenvinoPlugin(Plugin):
         )
         return network
 
+    def _load_ir(self, path: Path, cfg: OpenvinoConfiguration) -> OpenvinoCompiledNetwork:
+        """An OpenVINO IR compiled whole (see :mod:`.ir`); in the paged-attention form when
+        ``PAGED_ATTENTION`` asks (see :mod:`.paged`: decided here, at load, so each run is
+        only the forward)."""
+        name = path.stem
+        if cfg.get(STATE_PAIRS):
+            raise InvalidArgument(
+                "STATE_PAIRS names ONNX inputs and outputs; an OpenVINO IR keeps its states "
+                "as its own variables"
+            )
+        ov_model = read_ir(self.core, path)
+        if cfg.get("PAGED_ATTENTION"):
+            to_paged(ov_model, name)
+        try:
+            compiled = self.core.compile_model(ov_model, TARGET, compile_properties(cfg))
+        except Exception as exc:
+            raise Unsupported(
+                f"model {name!r}: openvino could not compile it: {_first_line(exc)}"
+            ) from None
+        network = OpenvinoCompiledNetwork(
+            self,
+            cfg,
+            name,
+            ports(compiled.inputs, "input", name),
+            ports(compiled.outputs, "output", name),
+            compiled,
+            {},
+            {},
+        )
+        network.open_ended = ir_has_loop(ov_model)
+        log.info(
+            "OPENVINO compiled IR %s in %s%s (%s)",
+            path,
+            network.precision,
+            ", paged attention" if cfg.get("PAGED_ATTENTION") else "",
+            ", ".join(f"{k}={v}" for k, v in sorted(compile_properties(cfg).items())),
+        )
+        return network
+
     def query_network(
         self, model: Model, config: Mapping[str, Any] | None = None
     ) -> dict[str, str]:
@@ -269,6 +323,11 @@ class OpenvinoPlugin(Plugin):
         """What :meth:`_ask_openvino` answers, without the nodes that touch float8, float4,
         int4 or int2 values (load refuses those: see :func:`refuse_narrow_io`)."""
         cfg = self.merged_config(config, strict=False)
+        if is_ir(model):
+            raise Unsupported(
+                f"an OpenVINO IR ({model}) is loaded whole on {self.name}: QueryNetwork and "
+                "HETERO read ONNX models"
+            )
         graph, proto, data = self._read(model)
         supported, why = self._ask_openvino(cfg, graph, proto, data)
         if not cfg.get("UNBOUNDED_LOOPS"):

@@ -45,6 +45,10 @@ class OpenvinoInferRequest(InferRequest):
         self._request.set_callback(_on_done, weakref.ref(self))
         self._lock = threading.Lock()
         self._shapes: dict[str, tuple[int, ...]] = {}  # of the last run's inputs
+        #: infer_into's bindings kept between runs: port key -> (address, shape, type) of
+        #: the array bound there, and the arrays bound (kept alive while openvino holds them)
+        self._bound: dict[tuple[str, int], tuple[int, tuple[int, ...], str]] = {}
+        self._kept: dict[tuple[str, int], np.ndarray] = {}
         self._ran = False
         self._native = {
             spec.name + output: _NativeState(spec, initial_value(spec))
@@ -63,10 +67,10 @@ class OpenvinoInferRequest(InferRequest):
             if port is not None
         }
 
-    def _outputs(self) -> dict[str, np.ndarray]:
+    def _outputs(self, skip: set[str] | frozenset[str] = frozenset()) -> dict[str, np.ndarray]:
         results: dict[str, np.ndarray] = {}
         for spec, port in zip(self.network.outputs, self.network.output_ports):
-            if port is None:
+            if port is None or spec.name in skip:
                 continue
             data = np.array(self._request.get_output_tensor(port).data, copy=True)
             if spec.dtype == _BF16 and data.dtype.itemsize == 2:
@@ -101,6 +105,7 @@ class OpenvinoInferRequest(InferRequest):
         token = self._token
         with self._lock:
             self._refuse_if_busy()
+            self._forget_bindings()  # openvino's infer sets tensors of its own for these
             forget = token.on_cancel(self._request.cancel) if token is not None else None
             try:
                 self._request.infer(feeds, share_inputs=False, share_outputs=True)
@@ -114,6 +119,88 @@ class OpenvinoInferRequest(InferRequest):
                     forget()
             self._ran = True
             return outputs
+
+    # binds_outputs stays False: openvino writes a bound output into the caller's array, but
+    # not one sharing an input's memory (the model builder's GroupQueryAttention present,
+    # bound to its past, fails openvino's shape check), so callers that alias past and
+    # present read the present back instead
+
+    def infer_into(
+        self, arrays: list[Any], outputs: Mapping[str, np.ndarray]
+    ) -> dict[str, np.ndarray]:
+        """Each input bound as an openvino tensor over the array's own memory (no copy in: an
+        input the network writes, a paged key/value cache, is updated in place), the named
+        outputs written straight into the given arrays (each its own memory, not an input's),
+        the other outputs copied out once.
+
+        A binding is kept from run to run and made again only when the array's memory,
+        shape or type changed: a generation step binds the same cache arrays every time (24
+        of them for a 12-layer model), and openvino-genai too sets its cache tensors once.
+        The request keeps the bound arrays alive until they are replaced."""
+        token = cancel.current() or self._token
+        with self._lock:
+            self._refuse_if_busy()
+            try:
+                for port, array in zip(self.network.input_ports, arrays):
+                    if port is not None and array is not None:
+                        self._bind(("in", port), array, self._request.set_input_tensor)
+                bound = set()
+                for spec, port in zip(self.network.outputs, self.network.output_ports):
+                    target = outputs.get(spec.name)
+                    if port is not None and target is not None:
+                        self._bind(("out", port), target, self._request.set_output_tensor)
+                        bound.add(spec.name)
+            except (TypeError, ValueError, RuntimeError) as exc:
+                self._forget_bindings()
+                raise InferenceError(
+                    f"network {self.network.name}: an array cannot be bound: {exc}"
+                ) from None
+            forget = token.on_cancel(self._request.cancel) if token is not None else None
+            try:
+                self._request.infer()
+                result = self._outputs(skip=bound)
+            except Exception as exc:
+                self._forget_bindings()
+                if token is not None and token.cancelled:
+                    raise token.failure() from None
+                # the shapes only for the message (a step of a generation runs here often)
+                self._shapes = shapes_of([s.name for s in self.network.inputs], arrays)
+                raise self._error(exc) from None
+            finally:
+                if forget is not None:
+                    forget()
+            self._ran = True
+        for name in bound:
+            result[name] = outputs[name]
+        return result
+
+    def _bind(self, key: tuple[str, int], array: np.ndarray, bind: Any) -> None:
+        """``bind(port, tensor)`` over ``array``'s memory unless that port holds it already."""
+        import openvino as ov
+
+        if not array.flags.c_contiguous:
+            raise ValueError(f"a bound array must be C-contiguous ({key[0]}put {key[1]})")
+        where = (array.__array_interface__["data"][0], array.shape, array.dtype.str)
+        if self._bound.get(key) == where:
+            return
+        if array.dtype == _BF16:  # openvino's numpy bridge knows no bfloat16: its bits
+            tensor = ov.Tensor(array.view(np.uint16), ov.Shape(list(array.shape)), ov.Type.bf16)
+        else:
+            tensor = ov.Tensor(array, shared_memory=True)
+        bind(key[1], tensor)
+        self._bound[key] = where
+        self._kept[key] = array
+
+    def _forget_bindings(self) -> None:
+        """The next :meth:`infer_into` binds every array again. The arrays stay referenced
+        (openvino may still hold tensors over them until they are replaced); a request that
+        had outputs bound is made anew, so that a plain run never writes into the caller's
+        arrays (its variable states start again)."""
+        if any(kind == "out" for kind, _port in self._bound):
+            self._request = self.network.compiled.create_infer_request()
+            self._request.set_callback(_on_done, weakref.ref(self))
+            self._kept.clear()
+        self._bound.clear()
 
     # --- variable states (STATE_PAIRS as openvino's own, see compiled.native_states)
 
@@ -141,6 +228,7 @@ class OpenvinoInferRequest(InferRequest):
         feeds = self._prepare(inputs)
         with self._lock:
             self._refuse_if_busy()
+            self._forget_bindings()  # openvino's start_async sets tensors of its own
             token = cancel.Token()
             future: Future = RequestFuture(token)
             future.set_running_or_notify_cancel()

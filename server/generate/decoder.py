@@ -21,10 +21,10 @@ attention op), never from the model family's name:
     the copy is the graph's design, bounded by the longest row, not the context), and the new
     token's keys and values are written back at each row's own position.
 
-The OpenVINO IR of optimum-intel (stateful: the cache in the model's variables, ``beam_idx``
-choosing rows) would be a third backend with the same calls (``new_cache``, ``decode``,
-``first``, ``extend``), its cache's row moves done on the request's variable states
-(``query_state``); it is not written yet.
+``PagedDecoder`` (:mod:`.decoder_openvino`)
+    optimum-intel's OpenVINO IR, loaded on OPENVINO in openvino's paged-attention form: the
+    cache in blocks, a slot a run of them, and each step's decoding rows and prompt chunks
+    in one forward (:attr:`Decoder.mixed`, :meth:`Decoder.step`).
 
 Every forward takes rows of the cache (``SlotTable`` rows) and returns float32 logits of the
 last position of each row's tokens.
@@ -76,6 +76,23 @@ class Decoder(abc.ABC):
         keeps its cache itself, as a stateful OpenVINO IR, returns one whose ``view``,
         ``copy`` and ``swap`` move rows of the model's variable states instead)."""
         return KVCache(self.layout, rows)
+
+    #: whether :meth:`step` runs a step's decoding rows and prompt chunks in one forward
+    #: (the engine then makes one call a step instead of decode, first and extend)
+    mixed = False
+
+    def step(
+        self,
+        cache: KVCache,
+        rows: Sequence[int],
+        tokens: Sequence[int],
+        lens: Sequence[int],
+        chunks: Sequence[tuple[int, int, Sequence[int]]],
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Mixed backends only: decoding ``rows`` (``tokens[i]`` at position ``lens[i]``)
+        and prompt ``chunks`` (``(row, start, tokens)``) in one forward; the logits of each
+        decoding row ``[len(rows), vocab]`` and of each chunk's last token."""
+        raise NotImplementedError(f"{type(self).__name__} runs decode, first and extend")
 
     def _arrays(self, values: dict[str, Any]) -> list[Any]:
         return [values.get(name, _CONSTANT_INPUTS.get(name)) for name in self.order]
@@ -334,7 +351,9 @@ def choose_decoder(
     genai: dict[str, Any],
     capacity: int,
 ) -> Decoder:
-    """The backend for this graph: shared buffers for GroupQueryAttention, else concat."""
+    """The backend for this graph: shared buffers for GroupQueryAttention, else concat (a
+    network in openvino's paged-attention form takes :mod:`.decoder_openvino`'s, which
+    ``load_generative`` picks before this)."""
     names = genai.get("model", {}).get("decoder", {}) or {}
     templates = {**names.get("inputs", {}), **names.get("outputs", {})}
     layout = cache_layout(network, config, capacity, templates)

@@ -249,6 +249,9 @@ class Engine:
     # --- one step
 
     def _step(self, plan: Plan) -> None:
+        if self.decoder.mixed:
+            self._step_mixed(plan)
+            return
         if plan.decode:
             self._decode(plan.decode)
         if plan.first:
@@ -266,6 +269,40 @@ class Engine:
             self._computed(seq, chunk)
             if seq.pending == 0:
                 self._prompt_done(seq, logits[None])
+
+    def _step_mixed(self, plan: Plan) -> None:
+        """The whole plan in one forward (a backend whose graph takes decoding rows and
+        prompt chunks together: :attr:`.decoder.Decoder.mixed`); the rows stay where they
+        are (no arranging), the decoding rows' tokens are sampled first."""
+        group = [s for s in plan.decode if s.status == DECODE]
+        chunks = [(s, c) for s, c in (*plan.extend, *plan.first) if s.status == PREFILL and c > 0]
+        if not group and not chunks:
+            return
+        tokens = [s.tokens[s.computed] for s in group]
+        pieces = [s.tokens[s.computed : s.computed + c] for s, c in chunks]
+        try:
+            decoded, prompted = self.decoder.step(
+                self.cache,
+                [s.slot.index for s in group],
+                tokens,
+                [s.computed for s in group],
+                [(s.slot.index, s.computed, p) for (s, _c), p in zip(chunks, pieces)],
+            )
+        except PlugserveError as exc:
+            states = {id(s.request): s.request for s in (*group, *(s for s, _c in chunks))}
+            for state in states.values():
+                self._fail(state, exc)
+            return
+        for seq, token in zip(group, tokens):
+            self._computed(seq, [token])
+        if group:
+            self._sample(group, decoded)
+        for (seq, _c), piece, row in zip(chunks, pieces, prompted):
+            if seq.status != PREFILL:
+                continue  # ended by the decoding rows' events (an abort)
+            self._computed(seq, piece)
+            if seq.pending == 0:
+                self._prompt_done(seq, row[None])
 
     def _decode(self, group: list[Seq]) -> None:
         group = [s for s in group if s.status == DECODE]

@@ -50,6 +50,7 @@ from plugserve.plugins.api import (
 from plugserve.plugins.responses import Response
 from plugserve.server.devices import parse_device
 from plugserve.server.generate.decoder import choose_decoder
+from plugserve.server.generate.decoder_openvino import PagedDecoder, is_paged, serving_device
 from plugserve.server.generate.engine import Engine, EngineSettings, QueueSender
 from plugserve.server.generate.folder import ModelFolder
 from plugserve.server.generate.tokenizer import Tokenizer
@@ -164,18 +165,14 @@ def load_generative(
 ) -> GenerativeNetwork:
     """Load a transformers folder as a generative network on ``device``."""
     folder = ModelFolder.read(path)
-    if folder.kind == "openvino":
-        raise Unsupported(
-            f"{folder.path}: optimum-intel's stateful OpenVINO IR is not served by the engine "
-            "yet (its cache lives in the model's variables); serve the same model's ONNX "
-            "export (optimum-cli export onnx, or onnxruntime-genai's model builder) on OPENVINO"
-        )
     settings, device_config = engine_settings(defaults or EngineSettings(), dict(config or {}))
     tokenizer = Tokenizer.from_folder(folder.path)
     context = folder.context_length or DEFAULT_CONTEXT
     capacity = min(settings.max_model_len or context, context)
     if capacity < 2:
         raise InvalidArgument(f"max_model_len must be at least 2, got {capacity}")
+    if folder.kind == "openvino":  # an IR runs on OPENVINO, in the paged-attention form
+        device, device_config = serving_device(folder.graph, device, device_config)
     if parse_device(device).kind == "ORT":
         # onnxruntime's threads do not spin between runs: the engine's own thread samples and
         # streams there. On 2 shared cores a 169 M model's decode step in the engine took 88
@@ -185,10 +182,13 @@ def load_generative(
         device_config.setdefault("SPIN_DURATION_US", "0")
     decoder_network = core.load_network(str(folder.graph), device, device_config)
     try:
-        decoder = choose_decoder(
-            decoder_network, folder.graph, folder.kind, folder.text_config, folder.genai_config,
-            capacity,
-        )  # fmt: skip
+        if is_paged(decoder_network):
+            decoder = PagedDecoder.create(decoder_network, folder.text_config, capacity)
+        else:
+            decoder = choose_decoder(
+                decoder_network, folder.graph, folder.kind, folder.text_config,
+                folder.genai_config, capacity,
+            )  # fmt: skip
         per_slot = decoder.layout.bytes_per_slot
         budget = settings.kv_cache_bytes or min(
             settings.max_num_seqs * per_slot, int(_physical_memory() * AUTO_KV_SHARE)
