@@ -6,12 +6,13 @@ agree, and engine tests can trust both).
 Plain onnxruntime runs optimum's export and the model builder's graphs, plain openvino the
 stateful IR (both in process, no torch); onnxruntime-genai and openvino-genai run their folders
 in the exporters' venvs. The int4 graph has no f32 reference: onnxruntime-genai and our
-hand-stepped onnxruntime must agree on it.
+hand-stepped onnxruntime must agree on it, and its logits follow the fp32 graph's.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import llm
@@ -48,6 +49,44 @@ def test_hf_folder_is_complete(name, llm_folder):
     assert tokenizer.get_vocab_size() == spec.vocab
     for role in ("user", "assistant", "system"):  # chat words are whole tokens
         assert len(tokenizer.encode(role, add_special_tokens=False).ids) == 1
+    from safetensors.numpy import load_file
+
+    tensors = load_file(str(folder / "model.safetensors"))
+    assert sum(t.size for t in tensors.values()) == spec.parameters()
+    assert all(t.dtype == np.float32 for t in tensors.values())
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-bert-mean"])
+def test_tokenizer_training_is_reproducible(name, llm_folder):
+    """Trained again in another process (another string-hash seed), the tokenizer is the
+    cached one, every merge and id: tokenizers' own trainers are not (llm_bpe says why)."""
+    import subprocess
+    import sys
+
+    folder = llm_folder(name, "hf") if name in llm.MODELS else llm.encoder_folder(name)
+    support = Path(llm.__file__).parent
+    module, specs = ("llm_hf", "MODELS") if name in llm.MODELS else ("llm_encoder", "ENCODERS")
+    code = (
+        f"import sys; sys.path.insert(0, {str(support)!r}); import llm, {module}; "
+        f"print({module}.train_tokenizer(llm.{specs}[{name!r}]).to_str())"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "PYTHONHASHSEED": "12345"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    assert json.loads(done.stdout) == json.loads((folder / "tokenizer.json").read_text())
+
+
+def test_bench_recipe_is_the_size_benchmarks_need():
+    """~150-200 M parameters (compute matters) and a context for a 2,000-token prompt."""
+    spec = llm.MODELS["bench-llama"]
+    assert 150e6 <= spec.parameters() <= 200e6
+    assert spec.context >= 2048 + 256
+    assert spec.kv_heads < spec.heads
 
 
 @pytest.mark.parametrize("name", DECODERS)

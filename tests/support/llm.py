@@ -52,11 +52,14 @@ from llm_hf import write as write_decoder
 from venvs import ROOT, cached_venv
 
 #: bumped when a change to this package changes the files a recipe makes
-FORMAT = 1
+FORMAT = 2
 SCRIPTS = Path(__file__).parent / "llm_scripts"
 CACHE = ROOT / "llm"
 #: how long a failed build is believed before it is tried again
 FAILED_FOR_S = 3600
+#: pip's time to make one exporter venv: 3-6 minutes alone on 2 cores, over 15 when three
+#: are made at once while the machine's load average is 12
+VENV_TIMEOUT_S = 2400
 
 MODELS: dict[str, DecoderSpec] = {
     # ~0.4 M parameters, 1.5 MB: GQA 4:2, untied head, BOS added by the tokenizer
@@ -70,6 +73,7 @@ MODELS: dict[str, DecoderSpec] = {
         vocab=2048,
         context=512,
         corpus_lines=5000,
+        eos_gain=1.6,
         sampling=(("temperature", 0.6), ("top_p", 0.9)),
     ),
     # ~0.44 M parameters: GQA 6:2, biased q/k/v, tied head, ChatML, no BOS
@@ -84,6 +88,7 @@ MODELS: dict[str, DecoderSpec] = {
         context=512,
         corpus_lines=5000,
         residual_gain=10.0,
+        eos_gain=1.6,
     ),
     # ~169 M parameters, 4096 context: for benchmarks (compute matters), never built by tests
     "bench-llama": DecoderSpec(
@@ -171,7 +176,7 @@ class Tool:
         when it cannot be made."""
 
         def make() -> Path:
-            venv = cached_venv(self.venv, list(self.packages), self.uninstall)
+            venv = cached_venv(self.venv, list(self.packages), self.uninstall, VENV_TIMEOUT_S)
             return venv / "bin" / "python"
 
         return _attempt(f"venv-{self.venv}", make, self.install_line())
@@ -597,32 +602,38 @@ def prepare(names: list[str]) -> int:
     the number of steps that failed (their tests skip with the reason)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    failed = 0
+    failed: list[str] = []
 
     def step(label: str, make: Callable[[], object]) -> None:
-        nonlocal failed
         started = time.monotonic()
         try:
             result = make()
             print(f"{label}: {time.monotonic() - started:.1f} s  {result}", flush=True)
         except Unavailable as error:
-            failed += 1
+            failed.append(label)
             print(f"{label}: FAILED after {time.monotonic() - started:.1f} s: {error}", flush=True)
 
     with ThreadPoolExecutor(len(TOOLS)) as pool:
-        for tool in TOOLS.values():
-            pool.submit(step, f"venv {tool.venv}", tool.python)
-    for name in names:
+        venvs = [pool.submit(step, f"venv {t.venv}", t.python) for t in TOOLS.values()]
+        for future in venvs:
+            future.result()
+
+    def model(name: str) -> None:
         if name in ENCODERS:
-            step(f"{name} hf", lambda n=name: encoder_folder(n))
-            step(f"{name} onnx", lambda n=name: encoder_onnx(n))
-            step(f"{name} embeddings", lambda n=name: embeddings_path(n))
-            continue
-        step(f"{name} hf", lambda n=name: hf_folder(n))
-        step(f"{name} reference", lambda n=name: reference_path(n))
+            step(f"{name} hf", lambda: encoder_folder(name))
+            step(f"{name} onnx", lambda: encoder_onnx(name))
+            step(f"{name} embeddings", lambda: embeddings_path(name))
+            return
+        step(f"{name} hf", lambda: hf_folder(name))
+        step(f"{name} reference", lambda: reference_path(name))
         for kind in [k for k, e in EXPORTS.items() if not e.only or name in e.only]:
-            step(f"{name} {kind}", lambda n=name, k=kind: export(n, k))
-    return failed
+            step(f"{name} {kind}", lambda k=kind: export(name, k))
+
+    # two models at a time: an export is one busy process (tracing, saving) on two cores
+    with ThreadPoolExecutor(2) as pool:
+        for future in [pool.submit(model, name) for name in names]:
+            future.result()
+    return len(failed)
 
 
 def main(argv: list[str]) -> int:

@@ -17,6 +17,7 @@ import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import llm_bpe
 import numpy as np
 from llm_text import corpus
 
@@ -42,24 +43,30 @@ class EncoderSpec:
 
 
 def train_tokenizer(spec: EncoderSpec):
+    """BERT's WordPiece (lower-cased, ``##`` continuations, ``[CLS] ... [SEP]``), its
+    vocabulary learned by :mod:`llm_bpe` as tokenizers' WordPieceTrainer would (a BPE with the
+    ``##`` prefix; that trainer itself is not deterministic)."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
-    from tokenizers.trainers import WordPieceTrainer
 
-    tokenizer = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-    tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
-    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    tokenizer.decoder = decoders.WordPiece()
-    trainer = WordPieceTrainer(
-        vocab_size=spec.vocab, special_tokens=list(SPECIALS), show_progress=False
+    normalizer = normalizers.BertNormalizer(lowercase=True)
+    pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    words = llm_bpe.count_words(
+        (normalizer.normalize_str(t) for t in corpus(spec.corpus_lines, seed=spec.seed)),
+        pre_tokenizer.pre_tokenize_str,
     )
-    tokenizer.train_from_iterator(corpus(spec.corpus_lines, seed=spec.seed), trainer=trainer)
-    if tokenizer.get_vocab_size() != spec.vocab:
-        raise RuntimeError(f"WordPiece trained {tokenizer.get_vocab_size()}, not {spec.vocab}")
-    cls, sep = tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]")
+    size = spec.vocab - len(SPECIALS)
+    tokens, _ = llm_bpe.train(words, size, prefix="##")
+    if len(tokens) != size:
+        raise RuntimeError(f"WordPiece trained {len(tokens)} tokens, not {size}")
+    vocab = {t: i for i, t in enumerate([*SPECIALS, *tokens])}
+    tokenizer = Tokenizer(models.WordPiece(vocab=vocab, unk_token="[UNK]"))
+    tokenizer.normalizer = normalizer
+    tokenizer.pre_tokenizer = pre_tokenizer
+    tokenizer.decoder = decoders.WordPiece()
     tokenizer.post_processor = processors.TemplateProcessing(
         single="[CLS] $A [SEP]",
         pair="[CLS] $A [SEP] $B:1 [SEP]:1",
-        special_tokens=[("[CLS]", cls), ("[SEP]", sep)],
+        special_tokens=[("[CLS]", vocab["[CLS]"]), ("[SEP]", vocab["[SEP]"])],
     )
     tokenizer.enable_truncation(spec.max_seq_length)
     return tokenizer

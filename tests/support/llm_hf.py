@@ -22,6 +22,7 @@ import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import llm_bpe
 import numpy as np
 from llm_text import corpus
 
@@ -115,6 +116,9 @@ class DecoderSpec:
     #: the scale of what attention and the MLP add to the residual stream, relative to unit
     #: variance; a tied head favours the current token's own embedding unless it is small there
     residual_gain: float = 1.0
+    #: the EOS token's head row is scaled by this, so greedy answers sometimes end on it
+    #: (finish_reason "stop") and sometimes run to the length limit
+    eos_gain: float = 1.0
     #: generation_config.json's sampling defaults (greedy tests override them)
     sampling: tuple[tuple[str, float], ...] = ()
 
@@ -137,26 +141,26 @@ class DecoderSpec:
 
 def train_tokenizer(spec: DecoderSpec):
     """The trained ``tokenizers.Tokenizer``: byte-level BPE (every string encodes, nothing is
-    unknown), GPT-2's pre-tokenizer regex, the style's specials appended after the merges."""
+    unknown) with GPT-2's pre-tokenizer regex, merges learned by :mod:`llm_bpe` (tokenizers'
+    own trainer is not deterministic), the style's specials appended after them."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
-    from tokenizers.trainers import BpeTrainer
 
     style = STYLES[spec.family]
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = BpeTrainer(
-        vocab_size=spec.vocab - len(style.specials),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
+    pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    words = llm_bpe.count_words(
+        corpus(spec.corpus_lines, seed=spec.seed), pre_tokenizer.pre_tokenize_str
     )
-    tokenizer.train_from_iterator(corpus(spec.corpus_lines, seed=spec.seed), trainer=trainer)
-    trained = tokenizer.get_vocab_size()
-    if trained != spec.vocab - len(style.specials):
+    size = spec.vocab - len(style.specials)
+    tokens, merges = llm_bpe.train(words, size, initial=pre_tokenizers.ByteLevel.alphabet())
+    if len(tokens) != size:
         raise RuntimeError(
-            f"the corpus of {spec.corpus_lines} lines trains only {trained} tokens, "
-            f"{spec.vocab - len(style.specials)} asked: raise corpus_lines"
+            f"the corpus of {spec.corpus_lines} lines trains only {len(tokens)} tokens, "
+            f"{size} asked: raise corpus_lines"
         )
+    model = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges)
+    tokenizer = Tokenizer(model)
+    tokenizer.pre_tokenizer = pre_tokenizer
+    tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens(
         [AddedToken(t, special=True, normalized=False) for t in style.specials]
     )
@@ -229,8 +233,9 @@ def _tensor(spec: DecoderSpec, name: str, shape: tuple[int, ...], std: float, me
     return (mean + std * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
 
 
-def weights(spec: DecoderSpec) -> dict[str, np.ndarray]:
-    """The state dict under transformers' names ([out, in] projections as torch's Linear)."""
+def weights(spec: DecoderSpec, eos_id: int | None = None) -> dict[str, np.ndarray]:
+    """The state dict under transformers' names ([out, in] projections as torch's Linear);
+    ``eos_id``'s head row (the tied embedding's for Qwen2) scaled by ``spec.eos_gain``."""
     h, hd, v, i = spec.hidden, spec.head_dim, spec.vocab, spec.intermediate
     q, kv = spec.heads * hd, spec.kv_heads * hd
     out = {"model.embed_tokens.weight": _tensor(spec, "model.embed_tokens.weight", (v, h), 1.0)}
@@ -262,6 +267,9 @@ def weights(spec: DecoderSpec) -> dict[str, np.ndarray]:
         out["model.norm.weight"] *= spec.logit_std / h**0.5
     else:
         out["lm_head.weight"] = _tensor(spec, "lm_head.weight", (v, h), spec.logit_std / h**0.5)
+    if eos_id is not None and spec.eos_gain != 1.0:
+        head = out["lm_head.weight" if "lm_head.weight" in out else "model.embed_tokens.weight"]
+        head[eos_id] *= spec.eos_gain
     return out
 
 
@@ -317,4 +325,5 @@ def write(spec: DecoderSpec, folder: Path) -> None:
     for name, content in files.items():
         (folder / name).write_text(json.dumps(content, indent=2) + "\n")
     (folder / "chat_template.jinja").write_text(style.template)
-    save_file(weights(spec), str(folder / "model.safetensors"), metadata={"format": "pt"})
+    tensors = weights(spec, eos_id=ids[style.eos])
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})

@@ -14,9 +14,12 @@ from pathlib import Path
 ROOT = Path(os.environ.get("PLUGSERVE_TEST_CACHE", Path.home() / ".cache" / "plugserve-tests"))
 
 
-def cached_venv(name: str, packages: list[str], uninstall: tuple[str, ...] = ()) -> Path:
-    """The virtual environment ``name`` with ``packages`` installed, made on first use, then
-    ``uninstall`` removed (a dependency a package declares but that breaks it here). A lock
+def cached_venv(
+    name: str, packages: list[str], uninstall: tuple[str, ...] = (), timeout: float = 900
+) -> Path:
+    """The virtual environment ``name`` with ``packages`` installed (within ``timeout``
+    seconds), made on first use, then ``uninstall`` removed (a dependency a package declares
+    but that breaks it here). A lock
     serializes concurrent test runs; a marker written last tells a finished environment from
     one a killed run left half made."""
     venv = ROOT / name
@@ -29,7 +32,7 @@ def cached_venv(name: str, packages: list[str], uninstall: tuple[str, ...] = ())
             subprocess.run(
                 [str(venv / "bin" / "pip"), "install", "--quiet", *packages],
                 check=True,
-                timeout=900,
+                timeout=timeout,
             )
             if uninstall:
                 subprocess.run(
