@@ -1,7 +1,7 @@
 """``plugserve serve``: the long-running server.
 
 One gRPC port serves plugserve.v1, KServe v2 (``inference.GRPCInferenceService``), health and
-reflection; KServe v2 over HTTP/REST has its own port (``server/rest.py``, same data plane and
+reflection; KServe v2 over HTTP/REST has its own port (``server/rest/``, same data plane and
 model control, auth, TLS and limits); Prometheus scrapes ``/metrics`` on its own port. The
 gRPC server is grpcio's thread-pool server, chosen by measurement: a 602 KB echo takes 1.1 ms
 on it and 2.0 ms on grpc.aio here (64 B: 0.6 ms on both), and inference itself runs on the
@@ -48,7 +48,7 @@ from plugserve.server.model_control import ModelControl
 from plugserve.server.pipelines.ensemble import EnsemblePlugin
 from plugserve.server.pipelines.python.device import PythonPlugin
 from plugserve.server.repository import Repository, single_model_repository
-from plugserve.server.rest import RestApp, RestServer
+from plugserve.server.rest.server import RestApp, RestServer
 from plugserve.server.security import (
     AuthInterceptor,
     load_tokens,
@@ -396,7 +396,7 @@ class Server:
 
     def _add_kserve(self, server: grpc.Server) -> list[str]:
         try:
-            from plugserve.server.kserve import add_kserve_service
+            from plugserve.server.kserve.service import add_kserve_service
         except ImportError:
             return []
         return add_kserve_service(self.plane, self.control, server)

@@ -81,7 +81,7 @@ class LoadedNetwork:
     inputs: list[TensorSpec] = dataclasses.field(init=False)
     outputs: list[TensorSpec] = dataclasses.field(init=False)
     #: what a protocol prepared for this network's requests on first use, by protocol (its
-    #: fast path for the common request: see ``kserve_convert.PlainLane``)
+    #: fast path for the common request: see ``kserve/convert.py``'s ``PlainLane``)
     lanes: dict[str, Any] = dataclasses.field(init=False, default_factory=dict)
     #: how long this network's runs take, in seconds: a moving average over the last few,
     #: which tells whether a run inline on a gRPC handler thread should give that thread's

@@ -53,8 +53,8 @@ def worker(device: str) -> dict[str, float]:
 
     from plugserve.proto import grpc_service_pb2 as kpb
     from plugserve.server.app import Server
-    from plugserve.server.kserve import KServeServicer
-    from plugserve.server.kserve_convert import compose_response, plain_lane
+    from plugserve.server.kserve.convert import compose_response, plain_lane
+    from plugserve.server.kserve.service import KServeServicer
     from plugserve.server.settings import Settings
 
     folder = Path(tempfile.mkdtemp(prefix="plugserve-cold-"))

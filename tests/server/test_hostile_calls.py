@@ -29,9 +29,10 @@ from serving import RunningServer, wait_for
 
 from plugserve.client import Client
 from plugserve.proto import plugserve_pb2 as pb
-from plugserve.server import callgate, rest_http
+from plugserve.server import callgate
 from plugserve.server.examples import build_examples
 from plugserve.server.handlers import STREAM_WINDOW
+from plugserve.server.rest import http_server as rest_http
 
 MB = 1 << 20
 TOKEN = "infer-token-0123456789abcdef"

@@ -1,5 +1,5 @@
-"""The KServe fast path (``kserve_convert.PlainLane``) takes only what the general path takes,
-gives the same arrays and the same response bytes, and leaves everything else to it.
+"""The KServe fast path (``PlainLane`` in ``kserve/convert.py``) takes only what the general
+path takes, gives the same arrays and the same response bytes, and leaves everything else to it.
 
 In a subprocess (written when our KServe modules and tritonclient's could not share one
 process; see proto/pools.py).
@@ -16,7 +16,7 @@ import numpy as np
 from test_wire import COMPOSED_ARRAYS
 from plugserve.plugins.api import TensorSpec
 from plugserve.proto import grpc_service_pb2 as kpb
-from plugserve.server.kserve_convert import infer_response, plain_lane, request_inputs
+from plugserve.server.kserve.convert import infer_response, plain_lane, request_inputs
 
 class Network:
     inputs = [

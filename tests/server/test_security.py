@@ -288,7 +288,7 @@ def test_mtls_with_a_client_certificate_works(mutual, pki):
         assert client.infer("add", {"a": A, "b": B})["sum"].tolist() == [4, 6]
 
 
-# --- the same over KServe v2 REST (server/rest.py)
+# --- the same over KServe v2 REST (server/rest/server.py)
 
 
 def _https(server, pki: Path, path: str, token: str | None, body: bytes | None = None, cert=False):

@@ -46,7 +46,7 @@ import numpy as np
 from test_wire import COMPOSED_ARRAYS
 from plugserve.proto import grpc_service_pb2 as kpb
 from plugserve.proto.tensors import encode_strings
-from plugserve.server.kserve_convert import datatype_of, infer_response
+from plugserve.server.kserve.convert import datatype_of, infer_response
 
 class Entry:
     name, version = "net", 2

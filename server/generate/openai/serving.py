@@ -1,6 +1,6 @@
 """The OpenAI routes: check, render, tokenize, generate through the data plane, encode.
 
-A thin adapter like the KServe ones (``server/rest.py``): each handler checks the body
+A thin adapter like the KServe ones (``server/rest/server.py``): each handler checks the body
 (``protocol.py``), looks the model up once (``DataPlane.get``), renders the chat template and
 tokenizes with the model's own :class:`Tokenizer`, checks what needs the model (the context
 length, the vocabulary, the schema), opens one stream per prompt through
@@ -39,7 +39,6 @@ from plugserve.plugins.api import (
     PlugserveError,
     ResourceExhausted,
 )
-from plugserve.server import sse
 from plugserve.server.generate.openai import encode, protocol
 from plugserve.server.generate.openai.errors import (
     OpenAIError,
@@ -48,7 +47,8 @@ from plugserve.server.generate.openai.errors import (
     stream_error,
 )
 from plugserve.server.generate.types import GenerationEvent, GenerationRequest, SamplingParams
-from plugserve.server.rest_http import StreamReply
+from plugserve.server.rest import sse
+from plugserve.server.rest.http_server import StreamReply
 from plugserve.server.security import KSERVE
 
 __all__ = ["MAX_QUEUED", "OpenAIRoutes"]

@@ -98,7 +98,7 @@ def _name(header: dict[str, Any], worker: Worker) -> str:
 
 @call("load_model")
 def load_model(worker: Worker, header: dict[str, Any], inputs: Any) -> dict[str, Any]:
-    from plugserve.server.kserve import load  # RepositoryModelLoad's own path
+    from plugserve.server.kserve.service import load  # RepositoryModelLoad's own path
 
     control = _control(worker)
     name = _name(header, worker)

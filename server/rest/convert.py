@@ -1,6 +1,6 @@
 """KServe v2 REST bodies to and from numpy: JSON tensors and Triton's binary tensor extension.
 
-The REST counterpart of the gRPC converters in ``kserve.py``; it holds no business logic.
+The REST counterpart of the gRPC converters in ``kserve/convert.py``; it holds no business logic.
 
 * An infer body is JSON, or JSON followed by binary tensor data when the request has an
   ``Inference-Header-Content-Length`` header (the JSON's length). An input whose parameters
@@ -49,7 +49,7 @@ from plugserve.proto.tensors import (
     text_or_bytes,
 )
 from plugserve.server.classification import class_count, classify
-from plugserve.server.kserve_convert import (
+from plugserve.server.kserve.convert import (
     DATATYPES,
     datatype_of,
     model_parameters,

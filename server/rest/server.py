@@ -1,7 +1,7 @@
 """KServe v2 over HTTP/REST (Triton's paths and its binary tensor extension) on its own port.
 
-A thin adapter, the REST twin of ``kserve.py``: each route decodes its body
-(``rest_convert``), calls the :class:`DataPlane` (inference) or :class:`ModelControl` (the
+A thin adapter, the REST twin of ``kserve/service.py``: each route decodes its body
+(``convert.py``), calls the :class:`DataPlane` (inference) or :class:`ModelControl` (the
 repository, what is loaded), and encodes the answer; errors are
 ``{"error": "..."}`` with the HTTP status of the typed error (``errors.http_status_of``). A
 route is authorized as the gRPC method it stands for (``security.AuthInterceptor.authorize``),
@@ -9,7 +9,7 @@ so one table decides who may call what on both protocols; the health routes foll
 ``--open-health`` like the gRPC health service, so probes need no token.
 
 The stack was chosen by measurement (BENCHMARKS.md, "REST stack" and "REST without ASGI"):
-httptools' parser under an asyncio protocol of our own (``rest_http.py``, which reads each
+httptools' parser under an asyncio protocol of our own (``http_server.py``, which reads each
 request whole and calls :meth:`RestApp.dispatch`) on uvloop, JSON by orjson. It runs its own
 event loop on a thread of the server process, next to the gRPC server, so both share the
 DataPlane and ModelControl. A network whose mean compute is under 1 ms runs inline on the loop
@@ -57,15 +57,18 @@ from plugserve.plugins import cancel
 from plugserve.plugins.api import InvalidInput, PlugserveError, ResourceExhausted, Unsupported
 from plugserve.plugins.version import plugserve_version
 from plugserve.proto import grpc_service_pb2 as pb
-from plugserve.server import kserve, kserve_convert, rest_offload, sse
 from plugserve.server.budget import body_factor
 from plugserve.server.dataplane import DataPlane
 from plugserve.server.errors import HTTP_STATUS, status_of
-from plugserve.server.kserve_convert import model_parameters, request_timeout
+from plugserve.server.kserve import convert as kserve_convert
+from plugserve.server.kserve import service as kserve
+from plugserve.server.kserve.convert import model_parameters, request_timeout
 from plugserve.server.model_control import ModelControl
 from plugserve.server.networks import LoadedNetwork
 from plugserve.server.response_stream import ResponseStream
-from plugserve.server.rest_convert import (
+from plugserve.server.rest import offload as rest_offload
+from plugserve.server.rest import sse
+from plugserve.server.rest.convert import (
     HEADER_LENGTH,
     InferCall,
     dumps,
@@ -75,8 +78,8 @@ from plugserve.server.rest_convert import (
     parse_infer,
     parse_raw,
 )
-from plugserve.server.rest_generate import GenerateCall, parse_generate, response_json
-from plugserve.server.rest_http import HttpServer, Reply, StreamReply, error_reply
+from plugserve.server.rest.generate import GenerateCall, parse_generate, response_json
+from plugserve.server.rest.http_server import HttpServer, Reply, StreamReply, error_reply
 from plugserve.server.security import HEALTH, KSERVE, AuthInterceptor, control_refusal
 from plugserve.server.settings import Settings
 from plugserve.server.shm import write_outputs
@@ -298,7 +301,7 @@ class RestApp:
                     return render(status, message, error)
         return _error(status, message)
 
-    # --- the entry point (server/rest_http.py calls it with the request read whole)
+    # --- the entry point (server/rest/http_server.py calls it with the request read whole)
 
     def dispatch(
         self,
@@ -593,7 +596,7 @@ class RestApp:
         finally:
             self._in_workers -= 1
 
-    # --- Triton's generate extension (server/rest_generate.py)
+    # --- Triton's generate extension (server/rest/generate.py)
 
     async def _generate_call(self, call: Call) -> tuple[LoadedNetwork, GenerateCall, Any]:
         """Decode a generate request and submit it: its entry, the decoded call, and a
@@ -803,7 +806,7 @@ def _refuse(feature: str) -> Callable[[Call], Reply]:
 
 
 class RestServer:
-    """:class:`RestApp` over HTTP/1.1 (``server/rest_http.py``) on its own thread and uvloop
+    """:class:`RestApp` over HTTP/1.1 (``server/rest/http_server.py``) on its own thread and uvloop
     event loop."""
 
     def __init__(self, app: RestApp, settings: Settings) -> None:

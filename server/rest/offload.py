@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from plugserve.plugins.api import InferenceError
-from plugserve.server.rest_convert import InferCall, encode_infer, parse_infer
+from plugserve.server.rest.convert import InferCall, encode_infer, parse_infer
 
 __all__ = ["HELPERS", "PROCESS_BYTES", "decode", "encode"]
 

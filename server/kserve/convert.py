@@ -2,7 +2,7 @@
 contents, each element type checked against the network's before any data is decoded),
 responses out (composed as wire bytes), model metadata, configuration and statistics, and the
 request parameters plugserve refuses. :mod:`plugserve.server.kserve` (the service) and
-:mod:`plugserve.server.rest_convert` (REST) use it; see the service module for the behaviour
+:mod:`plugserve.server.rest.convert` (REST) use it; see the service module for the behaviour
 chosen where KServe leaves room."""
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from plugserve.proto.tensors import (
 from plugserve.server.budget import decoded_nbytes
 from plugserve.server.classification import class_count, classify
 from plugserve.server.errors import status_of
-from plugserve.server.kserve_contents import decode_contents
+from plugserve.server.kserve.contents import decode_contents
 from plugserve.server.networks import LoadedNetwork
 from plugserve.server.pipelines.ensemble import EnsembleNetwork
 from plugserve.server.shm import OutputTarget, SharedMemory, uses_region

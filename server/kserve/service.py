@@ -58,7 +58,7 @@ from plugserve.proto import grpc_service_pb2_grpc as pb_grpc
 from plugserve.server.budget import GRPC_FACTOR
 from plugserve.server.dataplane import DataPlane
 from plugserve.server.handlers import Inference, add_service, deadline
-from plugserve.server.kserve_convert import (
+from plugserve.server.kserve.convert import (
     EXTENSIONS,
     compose_response,
     decoding_nbytes,

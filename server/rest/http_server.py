@@ -75,7 +75,7 @@ _PREALLOCATE = 1 << 20
 
 class StreamReply:
     """A reply whose body is written as it is made, with chunked transfer encoding: Triton's
-    generate_stream and OpenAI's streams (server-sent events, ``server/sse.py``). ``chunks``
+    generate_stream and OpenAI's streams (server-sent events, ``server/rest/sse.py``). ``chunks``
     is an async iterator of bytes; the connection waits for the peer to read before asking it
     for more (flow control), and a peer that goes away closes it (its ``finally`` cancels the
     request that feeds it)."""
