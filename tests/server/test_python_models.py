@@ -78,6 +78,16 @@ BEHAVIOURS = {
 }
 
 
+#: a model that keeps 80 MB more at each request (INPUT0[0] == 7), or asks for 4 GB at once
+#: (INPUT0[0] == 8), in a process bounded to 300 MB
+LEAKS = (
+    "if in_0[0] == 7: import builtins; builtins.__dict__.setdefault('kept', []).append("
+    "np.ones(10_000_000))\n"
+    "            if in_0[0] == 8: np.ones(500_000_000)"
+)
+LEAK_LIMIT = 'parameters { key: "MAX_PROCESS_BYTES" value: { string_value: "314572800" } }'
+
+
 #: Triton's bls example in short: execute calls another model (Python or ONNX) through BLS
 BLS = """
 import triton_python_backend_utils as pb_utils
@@ -137,6 +147,7 @@ def running(tmp_path_factory):
     _entry(root, "add_sub_async", _add_sub(execute_prefix="async "))
     for name, behaviour in BEHAVIOURS.items():
         _entry(root, name, _add_sub(behaviour))
+    _entry(root, "leaks", _add_sub(LEAKS), extra=LEAK_LIMIT)
     _entry(root, "bls_python", _bls("add_sub"))
     _entry(root, "bls_onnx_async", _bls("add_sub_onnx", asynchronous=True))
     (root / "add_sub_onnx" / "1").mkdir(parents=True)
@@ -289,3 +300,31 @@ def test_bls_calls_a_python_or_onnx_model(running, model):
     error = _refused(running, model)
     assert "Request for unknown model: 'no_such_model' is not found" in str(error), error
     _serves(running, model)
+
+
+def test_a_process_that_leaks_is_started_again_and_its_requests_answered(running):
+    """Each request keeps 80 MB in the model's process: once it holds more than 80 % of its
+    MAX_PROCESS_BYTES (300 MB) after a request, the process is started again, and every
+    request is answered; one request asking for 4 GB at once gets MemoryError from the
+    process's own bound (the server's memory is never the model's to take)."""
+    module, client = _client(running, "grpc")
+    try:
+        a = np.full(4, 7, np.float32)
+        for _ in range(8):  # 640 MB kept in all, if nothing stopped it
+            result = client.infer("leaks", _inputs(module, a, a))
+            np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a + a)
+    finally:
+        client.close()
+    assert any("of its MAX_PROCESS_BYTES" in line for line in running.lines)
+    huge = np.full(4, 8, np.float32)
+    module, client = _client(running, "grpc")
+    try:
+        with pytest.raises(InferenceServerException) as refused:
+            client.infer("leaks", _inputs(module, huge, huge))
+        assert "MemoryError" in str(refused.value), refused.value
+        a = np.ones(4, np.float32)
+        result = client.infer("leaks", _inputs(module, a, a))  # the same process goes on
+        np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a + a)
+    finally:
+        client.close()
+    _serves(running)

@@ -66,7 +66,9 @@ from plugserve.plugins.api import (
     TensorSpec,
     Unsupported,
 )
+from plugserve.plugins.configuration import parse_non_negative_int
 from plugserve.plugins.streams import StreamsExecutor
+from plugserve.server import budget
 from plugserve.server.pipelines.python import ipc
 from plugserve.server.pipelines.python.calls import CALLS
 from plugserve.server.pipelines.types import DTYPES
@@ -107,6 +109,16 @@ class PythonConfiguration(Configuration):
             "",
             str,
             doc="the model's own Python: a virtual environment folder or an interpreter",
+        ),
+        ConfigKey(
+            "MAX_PROCESS_BYTES",
+            0,
+            parse_non_negative_int,
+            doc=(
+                "memory one instance's process may hold (0: half of what the server may use): "
+                "its allocations past it fail in the model, and a process found over it after "
+                "a request is started again"
+            ),
         ),
     )
 
@@ -225,6 +237,10 @@ _HANDLED = frozenset({"bls", "bls_cancel", "send", "call", "log"})
 CANCEL_GRACE = 5.0
 
 _rids = itertools.count(1)
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+#: a process whose data is past this share of its MAX_PROCESS_BYTES after a request is started
+#: again (its next allocations would soon fail)
+RESTART_AT = 0.8
 
 
 def _route(header: dict[str, Any]) -> Any:
@@ -276,6 +292,8 @@ class Worker:
         self._reviving = False
         #: the network was closed: nothing starts its process again
         self.closed = False
+        #: bytes the process may hold (its data segment's limit; checked after each request)
+        self.max_bytes = 0
 
     # --- the process
 
@@ -285,7 +303,7 @@ class Worker:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self.process = subprocess.Popen(
-                [self.python, str(WORKER), str(theirs.fileno())],
+                [self.python, str(WORKER), str(theirs.fileno()), str(self.max_bytes)],
                 pass_fds=(theirs.fileno(),),
                 stdin=subprocess.DEVNULL,
                 close_fds=True,
@@ -519,10 +537,36 @@ class Worker:
             if reply.get("error") or self.decoupled:
                 if out_fd >= 0:
                     os.close(out_fd)
+                self._bound_memory()
                 return reply, {}
             if reply.get("arena"):
-                return reply, outbox.unpack(reply.get("tensors", []), copy=True)
-            return reply, ipc.unpack_tensors(reply.get("tensors", []), out_fd)
+                outputs = outbox.unpack(reply.get("tensors", []), copy=True)
+            else:
+                outputs = ipc.unpack_tensors(reply.get("tensors", []), out_fd)
+            self._bound_memory()
+            return reply, outputs
+
+    def _bound_memory(self) -> None:
+        """Stop a process whose data (what its ``RLIMIT_DATA`` counts: heap and private
+        mappings) is past ``RESTART_AT`` of ``max_bytes`` after a request, so the next request
+        starts a fresh one before the model's allocations begin to fail (a model that leaks
+        would otherwise fail every request from then on); one read of ``/proc``. Not while
+        a decoupled request of the process is open."""
+        process = self.process
+        if not self.max_bytes or process is None or self.open:
+            return
+        try:
+            with open(f"/proc/{process.pid}/statm", "rb") as statm:
+                data = int(statm.read().split()[5]) * _PAGE  # data + stack, in pages
+        except (OSError, ValueError, IndexError):
+            return
+        if data > self.max_bytes * RESTART_AT:
+            log.warning(
+                "%s: its process holds %d MiB, over %d%% of its MAX_PROCESS_BYTES (%d MiB): "
+                "started again for the next request", self.label, data >> 20,
+                RESTART_AT * 100, self.max_bytes >> 20,
+            )  # fmt: skip
+            self.kill()
 
     def _exchange(
         self, mailbox: ipc.Mailbox, header: dict[str, Any], fd: int
@@ -1021,8 +1065,10 @@ class PythonNetwork(CompiledNetwork):
         #: dynamic batching: (rows, seconds) and what gathers the requests; None: one at a time
         self.batching_settings: tuple[int, float] | None = None
         self.gatherer: Gatherer | None = None
+        limit = int(config.get("MAX_PROCESS_BYTES") or 0) or budget.default_limit()
         for worker in self.workers:
             worker.plane, worker.control, worker.owner = plane, plugin.control, self._owner
+            worker.max_bytes = limit
         try:
             completed = self.workers[0].auto_complete(model_config)
             if completed is not None:
@@ -1210,6 +1256,7 @@ class PythonInferRequest(InferRequest):
         if reply.get("error"):
             worker.open.pop(rid, None)
             sender.fail(InferenceError(f"{where}: {reply['error']}"))
+        worker._bound_memory()  # (only while none of its requests is open)
 
     def get_performance_counts(self) -> list[PerfCount]:
         return []

@@ -15,6 +15,7 @@ event loop of its own thread, so the next request starts while earlier ones wait
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import inspect
 import itertools
@@ -452,8 +453,23 @@ def _bls_response(reply: dict[str, Any], fds: list[int]) -> Any:
     )
 
 
+def _bound(max_bytes: int) -> None:
+    """The process's own bounds, before the model is imported: its data (heap and private
+    mappings, where numpy's arrays live) at most ``max_bytes``, so a model that leaks or
+    allocates too much gets MemoryError instead of the machine's memory; and it is the first
+    the kernel's out-of-memory killer picks, never the server."""
+    import resource
+
+    if max_bytes > 0:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_DATA, (max_bytes, max_bytes))
+    with contextlib.suppress(OSError), open("/proc/self/oom_score_adj", "w") as adj:
+        adj.write("1000")
+
+
 def main() -> None:
     fd = int(sys.argv[1])
+    _bound(int(sys.argv[2]) if len(sys.argv) > 2 else 0)
     sock = socket.socket(fileno=fd)
     worker = Worker(sock)
     pb_utils._worker = worker
