@@ -200,10 +200,15 @@ def test_image_serves_and_is_healthy(image, tmp_path):
         threading.Thread(target=read, daemon=True).start()
         try:
             assert ready.wait(300) and process.poll() is None, "\n".join(lines)
-            assert "server ready: 4 model version(s) from /models" in "\n".join(lines)
+            # the four graphs and the two example pipelines' eight models (Python models run
+            # as worker processes in the read-only, non-root container)
+            assert "server ready: 12 model version(s) from /models" in "\n".join(lines)
             with Client(f"127.0.0.1:{grpc_port}", timeout=60) as client:
                 a, b = np.arange(3, dtype=np.float32), np.ones(3, np.float32)
                 np.testing.assert_array_equal(client.infer("add", {"a": a, "b": b})["sum"], a + b)
+                text = np.array([b"a wonderful film"], dtype=object)
+                label = client.infer("text_sentiment", {"TEXT": text})["LABEL"]
+                assert label.tolist() == [b"positive"] or label.tolist() == ["positive"], label
                 x = np.ones((2, 16), np.float32)
                 assert client.infer("mlp", {"input": x})["probabilities"].shape == (2, 4)
             cli = [sys.executable, "-m", "plugserve.server.cli"]
