@@ -151,10 +151,11 @@ def model_config(entry: LoadedNetwork, policy: VersionPolicy) -> mc.ModelConfig:
     """As Triton: with max_batch_size > 0 the leading (batch) dimension is not in ``dims``;
     ``policy``: the versions the repository loads of it (see ``ModelControl.version_policy``)."""
     platform = platform_of(entry)
+    python = entry.device == "PYTHON"  # Triton's config names the backend, no platform
     config = mc.ModelConfig(
         name=entry.name,
-        platform=platform,
-        backend=BACKEND if platform == PLATFORM else "",
+        platform="" if python else platform,
+        backend="python" if python else BACKEND if platform == PLATFORM else "",
         max_batch_size=entry.max_batch_size,
     )
     steps = entry.network.scheduling() if isinstance(entry.network, EnsembleNetwork) else ()
@@ -163,6 +164,8 @@ def model_config(entry: LoadedNetwork, policy: VersionPolicy) -> mc.ModelConfig:
         step.input_map.update(inputs)
         step.output_map.update(outputs)
     policy.to_proto(config.version_policy)
+    if entry.network.decoupled:  # perf_analyzer and genai-perf stream such a model's requests
+        config.model_transaction_policy.decoupled = True
     config.parameters["device"].string_value = entry.device
     config.parameters["precision"].string_value = entry.network.precision
     batching = entry.network.batching()
@@ -177,6 +180,7 @@ def model_config(entry: LoadedNetwork, policy: VersionPolicy) -> mc.ModelConfig:
             data_type=config_data_type(spec.dtype),
             dims=dims_of(spec)[skip:],
             format=entry.formats.get(spec.name, 0),
+            optional=spec.optional,
         )
     for spec in entry.outputs:
         config.output.add(
