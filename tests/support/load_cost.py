@@ -107,8 +107,10 @@ def plugserve(device: str, path: Path) -> Callable[[], Any]:
 
 def per_copy(makers: dict[str, Callable[[], Any]], copies: int) -> dict[str, float]:
     """MB of RSS one more copy adds, for each maker: its copies made one after another and
-    held, one maker after the other, each starting from a heap trimmed of what earlier work
-    freed (or the next maker's copies would fit in it and look free)."""
+    held, one maker after the other. RSS is read on a heap trimmed of what earlier work freed,
+    before and after: what the copies hold, not what their loads freed and glibc kept (that
+    varied by a whole model's bytes from run to run, 17 to 21 MB a copy, and is the
+    allocator's, measured by the budget tests)."""
     for make in makers.values():  # the first of each pays for imports, caches and pools
         make()
     held = []
@@ -119,9 +121,12 @@ def per_copy(makers: dict[str, Callable[[], Any]], copies: int) -> dict[str, flo
         # uncounted: the first copies also make the load's scratch memory resident, which
         # later loads reuse; the cost of one more network is what is counted after them
         held += [make() for _ in range(max(2, copies // 2))]
+        gc.collect()
+        _trim()
         before = rss_bytes()
         held += [make() for _ in range(copies)]
         gc.collect()
+        _trim()  # what the copies hold, not what their loads freed and the heap kept
         added[name] = (rss_bytes() - before) / copies / 1e6
     return added
 
