@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import sys
@@ -78,6 +79,9 @@ def pytest_sessionfinish(session, exitstatus):
     """Fail a run that leaves files in the temporary folder (a test's servers, caches and
     scratch folders must be removed by the test), then remove the run's folder."""
     try:
+        # networks the tests dropped in reference cycles go now, not at interpreter exit (after
+        # this check): an ORT network's profiling folder is removed when its network goes
+        gc.collect()
         left = _leftovers()
         if left and exitstatus == 0:
             sys.stderr.write(

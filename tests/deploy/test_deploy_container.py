@@ -149,6 +149,7 @@ def image(tmp_path_factory):
         _buildah("rmi", "--prune")
 
 
+@pytest.mark.slow  # builds the image: about 100 s
 @pytest.mark.timeout(1800)  # the first user of the fixture: its time includes the build
 def test_image_config(image):
     config = image["Docker"]["config"]
@@ -158,6 +159,7 @@ def test_image_config(image):
     assert config["Healthcheck"]["Test"][0] == "CMD"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_image_serves_and_is_healthy(image, tmp_path):
     models = tmp_path / "models"

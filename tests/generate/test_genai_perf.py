@@ -17,6 +17,9 @@ from pathlib import Path
 
 import pytest
 
+# genai-perf's first run of each module makes and loads its datasets: about 2 minutes
+pytestmark = pytest.mark.slow
+
 GENAI_PERF = "0.0.16"
 REQUESTS = 12
 
