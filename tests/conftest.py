@@ -1,8 +1,10 @@
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import shutil
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -75,20 +77,49 @@ def _leftovers() -> list[str]:
     return sorted(n for n in os.listdir(_RUN_TMP) if n.startswith("plugserve"))
 
 
+def _stray_processes() -> list[tuple[int, str]]:
+    """Processes other than this one whose command line names the run's temporary folder: a
+    server (or model process) a test started and did not stop, alive after the run."""
+    found = []
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                command = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if _RUN_TMP in command:
+            found.append((int(entry), command.strip()[:160]))
+    return found
+
+
 def pytest_sessionfinish(session, exitstatus):
     """Fail a run that leaves files in the temporary folder (a test's servers, caches and
-    scratch folders must be removed by the test), then remove the run's folder."""
+    scratch folders must be removed by the test) or processes running (which are killed),
+    then remove the run's folder."""
     try:
         # networks the tests dropped in reference cycles go now, not at interpreter exit (after
         # this check): an ORT network's profiling folder is removed when its network goes
         gc.collect()
+        stray = _stray_processes()
+        for pid, _ in stray:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
         left = _leftovers()
-        if left and exitstatus == 0:
-            sys.stderr.write(
-                f"\nthe test run left {len(left)} entries in its temporary folder: "
-                + ", ".join(left[:20])
-                + "\n"
-            )
+        if (left or stray) and exitstatus == 0:
+            if stray:
+                sys.stderr.write(
+                    f"\nthe test run left {len(stray)} processes running (killed now): "
+                    + "; ".join(f"{pid} {command}" for pid, command in stray[:5])
+                    + "\n"
+                )
+            if left:
+                sys.stderr.write(
+                    f"\nthe test run left {len(left)} entries in its temporary folder: "
+                    + ", ".join(left[:20])
+                    + "\n"
+                )
             session.exitstatus = 1
     finally:
         shutil.rmtree(_RUN_TMP, ignore_errors=True)

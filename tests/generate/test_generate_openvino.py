@@ -231,7 +231,7 @@ def served(core, tmp_path_factory):
     settings = {"device": "OPENVINO", "config": {**F32, "MAX_NUM_SEQS": "4"}}
     (root / "tiny-ov" / "config.json").write_text(json.dumps(settings))
     args = ["--model-repository", str(root), "--grpc-port", "0", "--http-port", "0"]
-    with RunningServer(*args, "--metrics-port", "0").start() as server:
+    with RunningServer(*args, "--metrics-port", "0") as server:
         yield server, folder
 
 

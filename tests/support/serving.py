@@ -94,8 +94,14 @@ class RunningServer:
         return "\n".join(self.lines)
 
     def start(self, wait_ready: bool = True, timeout: float = 120) -> RunningServer:
+        if self.process is not None and self.process.poll() is None:
+            # a second process would replace the first's handle, and the first would outlive
+            # the test (``with RunningServer(...).start()`` started two)
+            raise RuntimeError("this server is running: stop() it before starting it again")
         if self._scratch:
             os.makedirs(self.cwd, exist_ok=True)
+        for event in (self._ready, self._listening, self._exited):  # a restart waits anew
+            event.clear()
         self.process = subprocess.Popen(
             serve_command(*self.args, python=self.python),
             stdout=subprocess.PIPE,
