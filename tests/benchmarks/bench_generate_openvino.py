@@ -277,7 +277,13 @@ def main() -> None:
     for key, value in harness.machine().items():
         print(f"{key}: {value}")
     import openvino as ov
-    import openvino_genai as og
+
+    try:
+        import openvino_genai as og
+    except ImportError:
+        raise SystemExit(
+            "openvino-genai is the anchor: pip install openvino-genai==2026.4.1.0"
+        ) from None
 
     print(f"openvino_genai: {og.__version__}")
     print(f"load average: {harness.load_average()}")
