@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import tempfile
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -55,9 +54,6 @@ class OrtCompiledNetwork(CompiledNetwork):
     """
 
     plugin: OrtPlugin
-    #: the folder of profiling sessions' files, made on first use (declared here so that
-    #: ``__del__`` of a half-made network reads None)
-    _profiles: tempfile.TemporaryDirectory | None = None
     #: the session whose short runs keep the GIL (:mod:`.held`); None: every run releases it
     held: HeldSession | None = None
 
@@ -86,21 +82,12 @@ class OrtCompiledNetwork(CompiledNetwork):
         self.sessions = list(sessions)
         self._next = itertools.count()
         self._lock = threading.Lock()
-        self._profiles: tempfile.TemporaryDirectory | None = None
         self._producers: dict[str, str] | None = None
 
     def new_session(self, profile_prefix: str | None = None) -> Any:
         return backend.session(
             self.source.read(), self.level, self.threads, self.spin_us, profile_prefix
         )
-
-    @property
-    def profile_folder(self) -> str:
-        """Where profiling sessions write their JSON (removed with the network)."""
-        with self._lock:
-            if self._profiles is None:
-                self._profiles = tempfile.TemporaryDirectory(prefix="plugserve-ort-profile-")
-            return self._profiles.name
 
     def original_names(self, node: str) -> tuple[str, ...]:
         """The original node a profiled node comes from, when it can be told.
@@ -165,14 +152,3 @@ class OrtCompiledNetwork(CompiledNetwork):
     def close(self) -> None:
         super().close()
         self.source.close()
-        with self._lock:  # a request that profiles after this makes a folder of its own again
-            profiles, self._profiles = self._profiles, None
-        if profiles is not None:
-            profiles.cleanup()
-
-    def __del__(self) -> None:
-        super().__del__()
-        # not in close(): a request still alive may profile again after its network closed
-        profiles = self._profiles  # None too in __del__ of a half-made network
-        if profiles is not None:
-            profiles.cleanup()

@@ -14,6 +14,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
+import tempfile
 import threading
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -49,6 +51,10 @@ class OrtInferRequest(InferRequest):
         #: this request's buffers bound to the network's held session (short runs keep the GIL)
         self._held = network.held.bind() if network.held is not None else None
         self._profiling: Any = None  # this request's profiling session, made on first run
+        #: the private folder its file is written into, from the session's start until the
+        #: counts are read (then removed: a server that ends abruptly leaves at most the
+        #: folders of sessions whose counts nobody read)
+        self._profile_folder = ""
         self._ran_since_counts = False
         self._counts: list[PerfCount] = []
         self._lock = threading.Lock()
@@ -166,7 +172,8 @@ class OrtInferRequest(InferRequest):
             if self._perf:
                 with self._lock:
                     if self._profiling is None:
-                        prefix = os.path.join(self.network.profile_folder, f"request{id(self)}")
+                        self._profile_folder = tempfile.mkdtemp(prefix="plugserve-ort-profile-")
+                        prefix = os.path.join(self._profile_folder, "run")
                         self._profiling = self.network.new_session(prefix)
                     outputs = self._profiling.run(self.network.output_names, feeds, options)
                     self._ran_since_counts = True
@@ -175,6 +182,16 @@ class OrtInferRequest(InferRequest):
         finally:
             if forget is not None:
                 forget()
+
+    def _remove_profile_folder(self) -> None:
+        folder, self._profile_folder = self._profile_folder, ""
+        if folder:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # half-made, or at interpreter exit
+            self._profiling = None
+            self._remove_profile_folder()
 
     def get_performance_counts(self) -> list[PerfCount]:
         """Per-node timings of the last run (ends this request's profiling session; see above)."""
@@ -189,8 +206,7 @@ class OrtInferRequest(InferRequest):
                         events = json.load(f)
                     self._counts = parse_profile(events, self.network.original_names)
                 finally:
-                    with contextlib.suppress(OSError):
-                        os.remove(path)
+                    self._remove_profile_folder()
             return list(self._counts)
 
 
