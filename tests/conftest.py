@@ -99,8 +99,8 @@ def pytest_sessionfinish(session, exitstatus):
     scratch folders must be removed by the test) or processes running (which are killed),
     then remove the run's folder."""
     try:
-        # networks the tests dropped in reference cycles go now, not at interpreter exit (after
-        # this check): an ORT network's profiling folder is removed when its network goes
+        # objects the tests dropped in reference cycles go now, not at interpreter exit (after
+        # this check): an ORT request's unread profiling folder is removed when it goes
         gc.collect()
         stray = _stray_processes()
         for pid, _ in stray:

@@ -172,6 +172,7 @@ class OrtInferRequest(InferRequest):
             if self._perf:
                 with self._lock:
                     if self._profiling is None:
+                        self._remove_profile_folder()  # a session that failed to start
                         self._profile_folder = tempfile.mkdtemp(prefix="plugserve-ort-profile-")
                         prefix = os.path.join(self._profile_folder, "run")
                         self._profiling = self.network.new_session(prefix)

@@ -10,6 +10,9 @@ the test with the reason and the install line.
 
 from __future__ import annotations
 
+import json
+import threading
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -83,6 +86,40 @@ def reference(name: str) -> dict:
         return llm.reference(name)
     except llm.Unavailable as exc:
         pytest.skip(f"transformers' reference answers of {name} unavailable: {exc}")
+
+
+def run_all(engine, requests) -> dict[str, list]:
+    """Every request at once, a thread each, through ``engine.generate``; each one's events."""
+    results: dict[str, list] = {}
+
+    def one(request):
+        results[request.request_id] = list(engine.generate(request))
+
+    threads = [threading.Thread(target=one, args=(r,)) for r in requests]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results
+
+
+def greedy(case: dict, max_tokens: int, **extra):
+    """A reference case's prompt as a greedy request ignoring end of sequence, 5 logprobs."""
+    from plugserve.server.generate.types import GenerationRequest, SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=5)
+    return GenerationRequest(case["name"], list(case["prompt_ids"]), params, **extra)
+
+
+def post(server, path: str, body: dict) -> bytes:
+    """``body`` as JSON to a running server's REST ``path``; the answer's bytes."""
+    request = urllib.request.Request(
+        server.http_url + path,
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return response.read()
 
 
 def continuation(tokenizer, prompt_ids: list[int], ids: list[int]) -> str:

@@ -6,10 +6,8 @@ same answers."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
-from conftest import exported
+from conftest import exported, greedy, run_all
 
 from plugserve.server.generate.types import GenerationRequest, SamplingParams
 
@@ -29,26 +27,6 @@ def network(request, core):
     )
     yield net
     net.close()
-
-
-def run_all(engine, requests):
-    """Every request at once; each one's events."""
-    results: dict[str, list] = {}
-
-    def one(request):
-        results[request.request_id] = list(engine.generate(request))
-
-    threads = [threading.Thread(target=one, args=(r,)) for r in requests]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return results
-
-
-def greedy(case, max_tokens, **extra):
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=5)
-    return GenerationRequest(case["name"], list(case["prompt_ids"]), params, **extra)
 
 
 def test_greedy_answers_are_transformers_token_for_token(network, tiny_reference):

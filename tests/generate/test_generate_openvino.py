@@ -13,11 +13,10 @@ from __future__ import annotations
 import json
 import queue
 import threading
-import urllib.request
 
 import numpy as np
 import pytest
-from conftest import continuation, exported, reference
+from conftest import continuation, exported, greedy, post, reference, run_all
 from serving import RunningServer
 
 from plugserve.plugins.api import InvalidArgument
@@ -49,26 +48,6 @@ def model(request, core):
     net = core.load_network(str(folder), "OPENVINO", {**F32, **SMALL})
     yield name, net, reference(name)
     net.close()
-
-
-def run_all(engine, requests) -> dict[str, list]:
-    """Every request at once; each one's events."""
-    results: dict[str, list] = {}
-
-    def one(request):
-        results[request.request_id] = list(engine.generate(request))
-
-    threads = [threading.Thread(target=one, args=(r,)) for r in requests]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return results
-
-
-def greedy(case: dict, max_tokens: int, **extra) -> GenerationRequest:
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=5)
-    return GenerationRequest(case["name"], list(case["prompt_ids"]), params, **extra)
 
 
 def test_an_ir_folder_runs_in_the_paged_form_with_its_cache_in_blocks(model):
@@ -209,16 +188,6 @@ def test_an_ir_folder_is_refused_on_a_device_that_cannot_read_it(core):
 # --------------------------------------------------------------------------- a real server
 
 
-def post(server: RunningServer, path: str, body: dict) -> dict:
-    request = urllib.request.Request(
-        server.http_url + path,
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(request, timeout=120) as response:
-        return json.loads(response.read())
-
-
 @pytest.fixture(scope="module")
 def served(core, tmp_path_factory):
     """A server whose repository holds tiny-llama's IR folder as model ``tiny-ov`` (OPENVINO,
@@ -251,7 +220,7 @@ def test_generate_over_rest_answers_transformers_text(served):
             "exclude_input_in_output": True,
             "return_num_output_tokens": True,
         }
-        answers[case["name"]] = post(server, "/v2/models/tiny-ov/generate", body)
+        answers[case["name"]] = json.loads(post(server, "/v2/models/tiny-ov/generate", body))
 
     threads = [threading.Thread(target=ask, args=(c,)) for c in cases]  # 6 against 4 slots
     for thread in threads:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import continuation, exported
+from conftest import continuation, exported, post
 from serving import RunningServer, wait_for
 
 from plugserve.server.generate.tokenizer import Tokenizer
@@ -58,16 +58,6 @@ def metric(server: RunningServer, name: str, model: str, **labels: str) -> float
             if all(sample.labels.get(k) == v for k, v in labels.items()):
                 return sample.value
     return 0.0
-
-
-def post(server: RunningServer, path: str, body: dict) -> bytes:
-    request = urllib.request.Request(
-        server.http_url + path,
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(request, timeout=120) as response:
-        return response.read()
 
 
 def stream_inputs(prompt: str, params: dict, stream: bool = True) -> list:
