@@ -5,10 +5,15 @@ client (harness.RawRunner: what differs is the server's), interleaved rounds, me
 goal: the Python model's p50 within 1.35x of the ONNX model's. Then a model whose ``execute``
 holds the GIL for 2 ms, with one instance and with as many as the machine has cores, 16
 requests in flight: the goal is >= 0.8 x cores x one instance's requests/s (each instance is a
-process of its own, with its own GIL).
+process of its own, with its own GIL); the same again with the processes at the server's own
+priority (PROCESS_NICENESS 0, where the default runs them 10 below it).
 
 ``env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python tests/benchmarks/bench_python_model.py
-[--rounds N] [--seconds S]``
+[--rounds N] [--seconds S] [--baseline PYTHON]``
+
+``--baseline``: another interpreter's plugserve (a base commit's virtual environment) serves the
+same repository beside this one, and its add_sub p50 and GIL-bound requests/s are measured in the
+same interleaved rounds (a change to the process hop, before and after, on one noisy machine).
 """
 
 from __future__ import annotations
@@ -68,6 +73,10 @@ class TritonPythonModel:
 """
 
 
+#: the processes at the server's own priority (the default runs them 10 below it)
+NICENESS = 'parameters {{ key: "PROCESS_NICENESS" value: {{ string_value: "{}" }} }}\n'
+
+
 def _repository(root: Path) -> None:
     import onnx
     from models import add_sub
@@ -77,11 +86,17 @@ def _repository(root: Path) -> None:
         CONFIG.format(name="add_sub", kind='backend: "python"')
     )
     (root / "add_sub" / "1" / "model.py").write_text(MODEL)
-    for name, count in (("gil_one", 1), ("gil_cores", os.cpu_count() or 1)):
+    cores = os.cpu_count() or 1
+    for name, count, niceness in (
+        ("gil_one", 1, ""),
+        ("gil_cores", cores, ""),
+        ("gil_cores_nice0", cores, "0"),
+    ):
         (root / name / "1").mkdir(parents=True)
         (root / name / "config.pbtxt").write_text(
             CONFIG.format(name=name, kind='backend: "python"')
             + f"instance_group [ {{ kind: KIND_CPU count: {count} }} ]\n"
+            + (NICENESS.format(niceness) if niceness else "")
         )
         (root / name / "1" / "model.py").write_text(GIL)
     model = add_sub()
@@ -99,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--seconds", type=float, default=1.5)
+    parser.add_argument("--baseline", default="", metavar="PYTHON")
     args = parser.parse_args(argv)
     from serving import RunningServer
 
@@ -120,10 +136,22 @@ def main(argv: list[str] | None = None) -> int:
             name: (lambda r=r: harness.p50_block(r.call, args.seconds))
             for name, r in runners.items()
         }
-        for name in ("gil_one", "gil_cores"):
-            runner = harness.RawRunner(server.target, METHOD, _request(name))
+        servers = {"": server}
+        if args.baseline:
+            base = RunningServer("--model-repository", str(folder), python=args.baseline)
+            servers[" (baseline)"] = stack.enter_context(base)
+            runner = harness.RawRunner(base.target, METHOD, _request("add_sub"))
             stack.callback(runner.close)
-            cases[name] = harness.block(runner, args.seconds, mode="async", concurrency=16)
+            cases["python model (baseline)"] = lambda r=runner: harness.p50_block(
+                r.call, args.seconds
+            )
+        for suffix, running in servers.items():
+            for name in ("gil_one", "gil_cores", "gil_cores_nice0")[: 3 if not suffix else 2]:
+                runner = harness.RawRunner(running.target, METHOD, _request(name))
+                stack.callback(runner.close)
+                cases[name + suffix] = harness.block(
+                    runner, args.seconds, mode="async", concurrency=16
+                )
         blocks = harness.interleave(cases, args.rounds, log, alternate=True)
     result: dict = {"machine": harness.machine(), "precision": "NUMPY: f32; python: numpy"}
     for name, runs in blocks.items():
@@ -132,12 +160,19 @@ def main(argv: list[str] | None = None) -> int:
         else:
             result[name] = round(harness.median_of(runs, "p50_ms"), 4)
     cores = os.cpu_count() or 1
-    result["gil: cores instances / (cores x one instance)"] = round(
-        result["gil_cores requests/s"] / (cores * result["gil_one requests/s"]), 3
-    )
-    result["python / onnx"], result["python / onnx, per round"] = harness.ratio_of(
-        blocks, "python model", "onnx on NUMPY"
-    )
+    for suffix in ("", " (baseline)") if args.baseline else ("",):
+        result[f"gil: cores instances / (cores x one instance){suffix}"] = round(
+            result[f"gil_cores{suffix} requests/s"]
+            / (cores * result[f"gil_one{suffix} requests/s"]),
+            3,
+        )
+        if not suffix:
+            result["gil: the same at PROCESS_NICENESS 0"] = round(
+                result["gil_cores_nice0 requests/s"] / (cores * result["gil_one requests/s"]), 3
+            )
+        result[f"python / onnx{suffix}"], result[f"python / onnx{suffix}, per round"] = (
+            harness.ratio_of(blocks, f"python model{suffix}", "onnx on NUMPY")
+        )
     print(json.dumps(result, indent=2))
     return 0
 

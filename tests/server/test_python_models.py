@@ -133,6 +133,10 @@ def _entry(root: Path, name: str, model: str, count: int = 1, extra: str = "") -
     (root / name / "1" / "model.py").write_text(textwrap.dedent(model))
 
 
+def _niceness(value: str) -> str:
+    return f'parameters {{ key: "PROCESS_NICENESS" value: {{ string_value: "{value}" }} }}'
+
+
 def _add_sub(behaviour: str = "pass", execute_prefix: str = "") -> str:
     return ADD_SUB.format(behaviour=behaviour, execute_prefix=execute_prefix)
 
@@ -153,6 +157,8 @@ def running(tmp_path_factory):
     (root / "add_sub_onnx" / "1").mkdir(parents=True)
     (root / "add_sub_onnx" / "1" / "model.onnx").write_bytes(add_sub().SerializeToString())
     (root / "add_sub_onnx" / "config.json").write_text('{"device": "NUMPY"}')
+    _entry(root, "nice_3", _add_sub(), extra=_niceness("3"))
+    _entry(root, "nice_25", _add_sub(), extra=_niceness("25"))
     _entry(root, "fails_import", "import no_such_module_anywhere\n")
     _entry(root, "fails_initialize", _add_sub().replace(
         "self.model_config = model_config", "raise RuntimeError('no GPU here'); model_config"
@@ -327,4 +333,40 @@ def test_a_process_that_leaks_is_started_again_and_its_requests_answered(running
         np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a + a)
     finally:
         client.close()
+    _serves(running)
+
+
+def _workers(server_pid: int) -> dict[int, tuple[int, int]]:
+    """The server's model processes: pid -> (the niceness it was started with, its own)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()  # after the command's name
+        if int(fields[1]) == server_pid and argv[1:2] and argv[1].endswith(b"worker.py"):
+            found[int(entry.name)] = (int(argv[4]), int(fields[16]))  # stat's 19th: nice
+    return found
+
+
+def test_model_processes_run_below_the_servers_priority(running):
+    """Each model process runs PROCESS_NICENESS (default 10) below the server, so a model busy
+    on every core leaves the server the core it needs to route requests; a model may set its
+    own (0 to 19), and a value outside that fails its load with the key named."""
+    _serves(running, "nice_3")
+    workers = _workers(running.process.pid)
+    assert workers, "no model process found under the server"
+    for pid, (asked, niceness) in workers.items():
+        assert niceness == asked, (pid, asked, niceness)
+    assert {asked for asked, _ in workers.values()} == {10, 3}, workers
+    _module, client = _client(running, "http")
+    try:
+        assert not client.is_model_ready("nice_25")
+    finally:
+        client.close()
+    assert "PROCESS_NICENESS" in running.log, running.log[-3000:]
     _serves(running)

@@ -453,12 +453,18 @@ def _bls_response(reply: dict[str, Any], fds: list[int]) -> Any:
     )
 
 
-def _bound(max_bytes: int) -> None:
+def _bound(max_bytes: int, niceness: int = 0) -> None:
     """The process's own bounds, before the model is imported: its data (heap and private
     mappings, where numpy's arrays live) at most ``max_bytes``, so a model that leaks or
-    allocates too much gets MemoryError instead of the machine's memory; and it is the first
-    the kernel's out-of-memory killer picks, never the server."""
+    allocates too much gets MemoryError instead of the machine's memory; it is the first
+    the kernel's out-of-memory killer picks, never the server; and it runs ``niceness``
+    below the server's priority, so a model busy on every core never keeps the server from
+    the core it needs to answer and route requests (its own next request among them)."""
     import resource
+
+    if niceness > 0:
+        with contextlib.suppress(OSError):
+            os.nice(niceness)
 
     if max_bytes > 0:
         with contextlib.suppress(ValueError, OSError):
@@ -468,8 +474,8 @@ def _bound(max_bytes: int) -> None:
 
 
 def main() -> None:
-    fd = int(sys.argv[1])
-    _bound(int(sys.argv[2]) if len(sys.argv) > 2 else 0)
+    fd, max_bytes, niceness = (int(arg) for arg in (*sys.argv[1:4], 0, 0)[:3])
+    _bound(max_bytes, niceness)
     sock = socket.socket(fileno=fd)
     worker = Worker(sock)
     pb_utils._worker = worker
