@@ -198,6 +198,8 @@ def _parse_triton(where: str, text: str) -> ModelSettings:
                 f"{', '.join(sorted(_DEVICES))} (or none: the server's default device)"
             )
         out.device = _DEVICES[kind]
+    if out.device == "PYTHON" and "model_transaction_policy" in ignored:
+        ignored.remove("model_transaction_policy")  # the PYTHON device reads it (decoupled)
     if config.max_batch_size < 0:
         raise InvalidArgument(f"{path}: max_batch_size must be >= 0")
     out.max_batch_size = config.max_batch_size

@@ -38,12 +38,32 @@ A step's output it did not produce (Triton's optional outputs: a Python model ma
 out) leaves its tensor unset: a step reading it runs without that input (its model decides
 whether that input is optional), and an ensemble output left unset is missing from the answer.
 
+Decoupled steps (a model that answers a request with zero or many responses, as Triton runs
+them in ensembles): an ensemble with one is decoupled itself, streamed like any decoupled model.
+Each response of a decoupled step starts the steps that read its outputs once more, on those
+outputs (a *context* of the request: Triton's iteration of the step's tensors), and each context
+answers the requested outputs made in it as one response of the ensemble's; the final flag
+follows when every decoupled step has sent its own and every context has run. Which context a
+step runs in is decided at load, as Triton labels the tensors (``ensemble_utils.cc``): the
+outputs of a decoupled step start a label of their own, a step's outputs take the label of its
+inputs, and a step whose inputs come from two decoupled steps that are not one after the other
+is refused ("receives inputs originated from different decoupled models"). Triton refuses a step
+that reads an ensemble input beside a decoupled step's output too; here a context also sees the
+tensors of the context it came from, so such a step runs in the decoupled step's context, with
+the input it shares with every response. Contexts run one after another on the request's
+thread, in the order their responses came (the ensemble's responses keep the decoupled step's
+order: a token stream stays a token stream), each context's independent steps at once as in any
+request; a decoupled step's unread responses are bounded by its own stream (``MAX_ITEMS``,
+``MAX_BYTES`` of ``server/response_stream.py``: past them the step is cancelled and the request
+fails, ResourceExhausted). A decoupled step runs with its request's parameters, and is cancelled
+with it.
+
 Refused at load, each with what does not connect: a step reading a tensor no step writes and
 the ensemble does not take, an ensemble output no step writes, a cycle, a tensor two steps
 write, a step of a loaded model mapping a tensor it does not have, a tensor whose element type
 differs between the step that writes it and the ensemble or the step that reads it, a step
-whose model is decoupled (not run in ensembles yet), and an ensemble that runs itself through
-another ensemble.
+reading the responses of two decoupled steps neither of which follows the other, a decoupled
+step in a demultiplexer's branches, and an ensemble that runs itself through another ensemble.
 """
 
 from __future__ import annotations
@@ -71,6 +91,7 @@ from plugserve.plugins.api import (
     TensorSpec,
     Unsupported,
 )
+from plugserve.plugins.responses import Response, ResponseSender
 from plugserve.plugins.streams import Finished
 from plugserve.server.pipelines.types import DTYPES
 
@@ -179,10 +200,13 @@ class Plan:
     ``waits[i]`` steps must finish before step ``i`` runs, ``then[i]`` are the steps that
     wait on step ``i``."""
 
-    __slots__ = ("first", "steps", "then", "waits")
+    __slots__ = ("first", "parts", "steps", "then", "waits", "writer")
 
     def __init__(self, steps: list[Step], writer: dict[str, Step]) -> None:
         self.steps = steps
+        self.writer = writer
+        #: a decoupled ensemble's plan, by context label: the steps that run in each context
+        self.parts: dict[int, Plan] = {}
         needed = {s.index for s in steps}
         self.waits: dict[int, int] = {}
         self.then: dict[int, list[Step]] = {s.index: [] for s in steps}
@@ -196,6 +220,15 @@ class Plan:
             for index in sorted(before):
                 self.then[index].append(step)
         self.first = [s for s in steps if not self.waits[s.index]]
+
+    def part(self, label: int, labels: Mapping[int, int]) -> Plan:
+        """The steps of this plan that run in a context of ``label`` (``labels``: each step's),
+        as a plan of their own (kept: a plan's parts are asked at every response)."""
+        found = self.parts.get(label)
+        if found is None:
+            found = Plan([s for s in self.steps if labels[s.index] == label], self.writer)
+            self.parts[label] = found
+        return found
 
 
 class Graph:
@@ -360,7 +393,14 @@ class EnsembleNetwork(CompiledNetwork):
         self._every = frozenset(self.answers.values())
         #: per sequence request under way (its run's token), its place in the sequence
         self.sequence_of: dict[cancel.Token, Any] = {}
+        #: each step's context label (0: the request's own), the label its outputs take, and
+        #: each context label's parent (set by :meth:`_label`; all 0 with no decoupled step)
+        self.labels: dict[int, int] = {}
+        self.output_labels: dict[int, int] = {}
+        self.tensor_labels: dict[str, int] = {}
+        self.parents: dict[int, int] = {0: 0}
         self._check_types()
+        self._label()
         self._check_nesting()
 
     # --- load-time checks
@@ -426,12 +466,6 @@ class EnsembleNetwork(CompiledNetwork):
             entry = self._loaded(step)
             if entry is None:
                 continue
-            if entry.network.decoupled:
-                raise InvalidModel(
-                    f"{where}: {step}: model {step.model!r} is decoupled (any number of "
-                    "responses per request), which ensembles do not run yet; call it on its "
-                    "own with a streaming client"
-                )
             specs = {s.name: s for s in [*entry.inputs, *entry.outputs]}
             for model_tensor, tensor in [*step.inputs.items(), *step.outputs.items()]:
                 spec = specs.get(model_tensor)
@@ -446,6 +480,57 @@ class EnsembleNetwork(CompiledNetwork):
                         f"{where}: tensor {tensor!r} is {known} where {step} takes or gives "
                         f"{spec.dtype} ({model_tensor!r} of model {step.model!r})"
                     )
+
+    def _label(self) -> None:
+        """Which context each step runs in (Triton's decouple labels, on the steps' loaded
+        models): a decoupled step's outputs start a new label, a step's outputs take its
+        inputs' label, and the labels a step reads must lie on one line of descent (Triton:
+        all equal); the ensemble is decoupled when any step is."""
+        names = [s if isinstance(s, str) else s.name for s in self.definition.inputs]
+        tensors = dict.fromkeys(names, 0)
+        parents = self.parents
+        for step in self.graph.ordered:
+            entry = self._loaded(step)
+            read = {tensors.get(t, 0) for t in step.inputs.values()}
+            here = max(read, key=lambda label: self._depth(label), default=0)
+            line = self._line(here)
+            strays = sorted(label for label in read if label not in line)
+            if strays:
+                origins = sorted(
+                    {t for t in step.inputs.values() if tensors.get(t, 0) in (here, *strays)}
+                )
+                raise InvalidModel(
+                    f"{self.where}: {step} receives inputs originated from different decoupled "
+                    f"models ({', '.join(map(repr, origins))} come from the responses of "
+                    "decoupled steps neither of which follows the other)"
+                )
+            out = here
+            if isinstance(step, Fan):
+                region = self.regions[step.index]
+                if region.decoupled:
+                    raise InvalidModel(
+                        f"{self.where}: {step}: its branches run a decoupled model, which a "
+                        "demultiplexer cannot gather; run it after the gathering node"
+                    )
+            elif entry is not None and entry.network.decoupled:
+                out = len(parents)
+                parents[out] = here
+                self.decoupled = True
+            self.labels[step.index] = here
+            self.output_labels[step.index] = out
+            for tensor in step.outputs.values():
+                tensors[tensor] = out
+        self.tensor_labels = tensors
+
+    def _depth(self, label: int) -> int:
+        return len(self._line(label))
+
+    def _line(self, label: int) -> list[int]:
+        """``label`` and the labels it descends from, to the request's own (0)."""
+        line = [label]
+        while line[-1]:
+            line.append(self.parents[line[-1]])
+        return line
 
     def _check_nesting(self) -> None:
         """Refuse an ensemble that would run itself: a step's ensemble whose steps, at any
@@ -556,12 +641,22 @@ class _Run:
     steps waiting on them. Everything but :meth:`_hand_in` and :meth:`_stop` runs on the
     request's thread."""
 
-    __slots__ = ("done", "lock", "network", "parent", "plan", "running", "sequence", "tensors")
+    __slots__ = (
+        "done", "flow", "lock", "network", "parent", "plan", "running", "sequence", "tensors",
+    )  # fmt: skip
 
-    def __init__(self, network: EnsembleNetwork, tensors: dict[str, Any], plan: Plan) -> None:
+    def __init__(
+        self,
+        network: EnsembleNetwork,
+        tensors: dict[str, Any],
+        plan: Plan,
+        flow: _Flow | None = None,
+    ) -> None:
         self.network = network
         self.tensors = tensors
         self.plan = plan
+        #: a decoupled ensemble's request: where a decoupled step's responses go
+        self.flow = flow
         self.parent = cancel.current()
         self.sequence = network.sequence_of.get(self.parent) if self.parent else None
         self.running: dict[int, cancel.Token] = {}
@@ -619,13 +714,20 @@ class _Run:
         inputs = {m: tensors[t] for m, t in step.inputs.items() if t in tensors}
         token = cancel.Token()
         token.partial_outputs = True  # an output a step leaves out is left unset
-        with self.lock:
-            self.running[step.index] = token
         parent = self.parent
         if parent is not None:
             token.parameters = parent.parameters  # Triton hands each step the request's
             if parent.error is not None:
                 token.cancel(parent.failure())
+        if entry.network.decoupled:
+            if self.flow is None or network.output_labels[step.index] == 0:
+                raise Unsupported(
+                    f"{network.where}: {step}: model {step.model!r} is decoupled, and was not "
+                    "when the ensemble loaded; load the ensemble again to stream it"
+                )
+            return self.flow.open(step, entry, inputs, token, self.tensors)
+        with self.lock:
+            self.running[step.index] = token
         sequence = self.sequence if entry.sequences is not None else None
         future = plane.submit(entry, inputs, step.asked, inline=inline, token=token, step=sequence)
         if type(future) is Finished:
@@ -635,7 +737,7 @@ class _Run:
 
     def _finish(self, step: Step, outcome: Any) -> None:
         with self.lock:
-            del self.running[step.index]
+            self.running.pop(step.index, None)  # a decoupled step's stream is the flow's
         outputs = outcome.result()  # a step's error is the request's
         if isinstance(step, Fan):
             outputs = _gather(step, outputs)
@@ -709,6 +811,112 @@ class _Run:
             self.done.put(None)
 
 
+class _Flow:
+    """One request of a decoupled ensemble: its decoupled steps' streams, and the contexts
+    their responses start (module docstring). The streams' listeners only queue a wake-up;
+    everything else runs on the request's thread."""
+
+    __slots__ = ("events", "network", "parent", "plan", "sender", "streaming", "tokens", "wanted")
+
+    def __init__(
+        self, network: EnsembleNetwork, plan: Plan, sender: ResponseSender, wanted: list[str]
+    ) -> None:
+        self.network = network
+        self.plan = plan
+        self.sender = sender
+        #: the ensemble outputs the request asked for
+        self.wanted = wanted
+        self.parent = cancel.current()
+        #: (step, stream, the tensors of the context it ran in); None: the request was
+        #: cancelled
+        self.events: queue.SimpleQueue = queue.SimpleQueue()
+        #: the decoupled steps' streams not yet final, and their tokens
+        self.streaming = 0
+        self.tokens: list[cancel.Token] = []
+
+    def open(
+        self, step: Step, entry: Any, inputs: dict[str, Any], token: Any, tensors: dict
+    ) -> Finished:
+        """Start decoupled ``step`` (on the request's thread): its responses wake the request's
+        thread as they come. Done at once for the context it runs in (what it makes starts
+        contexts of its own)."""
+        stream = self.network.plane.submit_decoupled(entry, inputs, step.asked, token=token)
+        self.tokens.append(token)
+        self.streaming += 1
+        events = self.events
+        stream.add_listener(lambda: events.put((step, stream, tensors)))
+        return Finished({})
+
+    def run(self, tensors: dict[str, Any]) -> None:
+        """The request's own context, then each response's, in the order they come; the
+        final flag once every stream is final."""
+        network, plan, parent = self.network, self.plan, self.parent
+        unhook = parent.on_cancel(lambda: self.events.put(None)) if parent is not None else None
+        try:
+            _Run(network, tensors, plan.part(0, network.labels), self).go()
+            if not self._answer(tensors, 0):
+                return
+            while self.streaming:
+                event = self.events.get()
+                if event is None:
+                    raise parent.failure()  # type: ignore[union-attr]
+                step, stream, base = event
+                try:
+                    items = stream.take()
+                except PlugserveError as exc:
+                    raise type(exc)(f"{network.where}: {step}: {exc}") from None
+                for item, final in items:
+                    self.streaming -= final
+                    if item is None:
+                        continue
+                    if item.error is not None:
+                        error = item.error
+                        kind = type(error) if isinstance(error, PlugserveError) else InvalidInput
+                        raise kind(f"{network.where}: {step}: {error}") from None
+                    if not self._context(step, item, base):
+                        return
+            self.sender.send(None, final=True)
+        finally:
+            if unhook is not None:
+                unhook()
+            self._stop()
+
+    def _context(self, step: Step, response: Response, base: dict[str, Any]) -> bool:
+        """The steps that read ``step``'s outputs, run on ``response``'s; False once the
+        client no longer reads."""
+        network = self.network
+        label = network.output_labels[step.index]
+        tensors = dict(base)  # the context it came from, as that context ended
+        for model_output, tensor in step.outputs.items():
+            value = response.outputs.get(model_output)
+            if value is not None:
+                tensors[tensor] = value
+        _Run(network, tensors, self.plan.part(label, network.labels), self).go()
+        return self._answer(tensors, label)
+
+    def _answer(self, tensors: dict[str, Any], label: int) -> bool:
+        """The requested outputs made in a context of ``label``, as one response (none when
+        it made none); False once the client no longer reads."""
+        network = self.network
+        answers, labels = network.answers, network.tensor_labels
+        outputs = {}
+        for name in self.wanted:
+            tensor = answers.get(name)
+            if tensor in tensors and labels.get(tensor, 0) == label:
+                outputs[name] = tensors[tensor]
+        return not outputs or self.sender.send(Response(outputs))
+
+    def _stop(self) -> None:
+        """Cancel the decoupled steps still streaming (the request ended: done, failed,
+        cancelled, or its client gone)."""
+        if not self.streaming:
+            return
+        parent = self.parent
+        error = parent.failure() if parent is not None and parent.error is not None else None
+        for token in self.tokens:
+            token.cancel(error)
+
+
 def _branches(fan: Fan, parts: dict[str, Any]) -> int:
     """How many branches ``fan`` splits its tensors into: their first dimension, the same for
     each, at least 2 dimensions each (OVMS's rules), demultiply_count unless that is -1."""
@@ -769,6 +977,21 @@ class EnsembleInferRequest(InferRequest):
         answers = network.answers
         names = wanted or [s.name for s in network.outputs]
         return {n: tensors[answers[n]] for n in names if answers.get(n) in tensors}
+
+    def infer_decoupled(self, arrays: list[Any], sender: ResponseSender) -> None:
+        """A decoupled ensemble's request (one with a decoupled step): a response per context
+        that makes requested outputs, then the final flag (:class:`_Flow`); an ensemble
+        without one answers once, final."""
+        network = self.network
+        if not network.decoupled:
+            super().infer_decoupled(arrays, sender)
+            return
+        tensors: dict[str, Any] = {s.name: a for s, a in zip(network.inputs, arrays)}
+        parent = cancel.current()
+        wanted = (parent.outputs if parent is not None else None) or [
+            s.name for s in network.outputs
+        ]
+        _Flow(network, network.plan_for(wanted), sender, wanted).run(tensors)
 
     def get_performance_counts(self) -> list[PerfCount]:
         return []

@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import http.client
 import json
-import queue
 import textwrap
 import time
-from functools import partial
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 grpcclient = pytest.importorskip("tritonclient.grpc", reason="pip install 'tritonclient[all]'")
+from triton_stream import TritonStream  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
 #: Triton's square_int32 example in short: a thread per request sends IN responses of IN
@@ -234,16 +233,11 @@ def running(tmp_path_factory):
         yield server
 
 
-class Stream:
-    """tritonclient's stream, its callback's results in a queue (Triton's example clients)."""
+class Stream(TritonStream):
+    """A stream of requests with one IN value each."""
 
     def __init__(self, running) -> None:
-        self.client = grpcclient.InferenceServerClient(running.target)
-        self.results: queue.Queue = queue.Queue()
-        self.client.start_stream(callback=partial(self._callback))
-
-    def _callback(self, result, error) -> None:
-        self.results.put(error if error else result)
+        super().__init__(running.target)
 
     def send(self, model: str, value: int, request_id: str = "", **kwargs) -> None:
         tensor = grpcclient.InferInput("IN", [1], "INT32")
@@ -251,13 +245,6 @@ class Stream:
         self.client.async_stream_infer(
             model_name=model, inputs=[tensor], request_id=request_id, **kwargs
         )
-
-    def get(self, timeout: float = 30):
-        return self.results.get(timeout=timeout)
-
-    def close(self, cancel: bool = False) -> None:
-        self.client.stop_stream(cancel_requests=cancel)
-        self.client.close()
 
 
 def test_square_as_triton_example_client(running):

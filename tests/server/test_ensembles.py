@@ -6,7 +6,8 @@ with the request, the request's parameters handed to its steps, Triton's sequenc
 through an ensemble (the correlation id and flags pass on), the tensors between steps passed by
 reference (an in-process check: the answer is the request's own array), and the ensembles whose
 steps do not connect (a missing tensor, a cycle, a type mismatch, an ensemble that runs itself,
-a decoupled step), each refused at load with what does not connect while the others serve."""
+a step fed by two decoupled steps), each refused at load with what does not connect while the
+others serve. Ensembles with a decoupled step: test_ensembles_decoupled.py."""
 
 from __future__ import annotations
 
@@ -266,9 +267,11 @@ def running(tmp_path_factory):
         'output [ { name: "OUTPUT0" data_type: TYPE_INT32 dims: [ 16 ] } ]\n',
         {"1/model.py": DOUBLE},
     )
-    _write(root, "of_streaming", _ensemble("of_streaming", INT32_IN, INT32_OUT, [
-        _step("simple", 1, BOTH, {"OUTPUT0": "OUTPUT0"}),
-        _step("streaming", 1, {"INPUT0": "INPUT0"}, {"OUTPUT0": "OUTPUT1"}),
+    # Triton's invalid_decoupled_branching: two decoupled steps' responses meet in one step
+    _write(root, "crossed", _ensemble("crossed", INT32_IN, INT32_OUT, [
+        _step("streaming", 1, {"INPUT0": "INPUT0"}, {"OUTPUT0": "a"}),
+        _step("streaming", 1, {"INPUT0": "INPUT1"}, {"OUTPUT0": "b"}),
+        _step("simple", 1, {"INPUT0": "a", "INPUT1": "b"}, OUT),
     ]))  # fmt: skip
     _write(
         root,
@@ -607,7 +610,10 @@ def test_tensors_between_steps_are_passed_by_reference(tmp_path):
         ("cycle", "its steps form a cycle"),
         ("mismatch", "tensor 'INPUT0' is float32 where step 0 (model 'simple') takes"),
         ("loop_b", "it runs itself: step 0 (model 'loop_a') -> step 0 (model 'loop_b')"),
-        ("of_streaming", "step 1 (model 'streaming'): model 'streaming' is decoupled"),
+        (
+            "crossed",
+            "step 2 (model 'simple') receives inputs originated from different decoupled models",
+        ),
     ],
 )
 def test_an_ensemble_whose_steps_do_not_connect_is_refused_at_load(running, model, reason):
