@@ -116,6 +116,38 @@ class TritonPythonModel:
 """
 
 
+#: BLS into Triton's simple_sequence example: INPUT0 is [value, correlation id, start, end];
+#: OUTPUT0 the sequence model's answer, four times
+BLS_SEQUENCE = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            given = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
+            value, correlation, start, end = (int(v) for v in given)
+            flags = (pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START if start else 0) | (
+                pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END if end else 0)
+            answer = pb_utils.InferenceRequest(
+                model_name="simple_sequence",
+                requested_output_names=["OUTPUT"],
+                inputs=[pb_utils.Tensor("INPUT", np.full((1, 1), value, np.int32))],
+                correlation_id=correlation,
+                flags=flags,
+            ).exec()
+            if answer.has_error():
+                raise pb_utils.TritonModelException(answer.error().message())
+            out = pb_utils.get_output_tensor_by_name(answer, "OUTPUT").as_numpy()
+            responses.append(pb_utils.InferenceResponse(output_tensors=[
+                pb_utils.Tensor("OUTPUT0", np.full(4, out[0][0], np.float32)),
+                pb_utils.Tensor("OUTPUT1", given)]))
+        return responses
+"""
+
+
 def _bls(target: str, asynchronous: bool = False) -> str:
     return BLS.format(
         target=target,
@@ -157,6 +189,10 @@ def running(tmp_path_factory):
     (root / "add_sub_onnx" / "1").mkdir(parents=True)
     (root / "add_sub_onnx" / "1" / "model.onnx").write_bytes(add_sub().SerializeToString())
     (root / "add_sub_onnx" / "config.json").write_text('{"device": "NUMPY"}')
+    _entry(root, "bls_sequence", BLS_SEQUENCE)
+    from sequence_models import triton_examples
+
+    triton_examples(root)
     _entry(root, "nice_3", _add_sub(), extra=_niceness("3"))
     _entry(root, "nice_25", _add_sub(), extra=_niceness("25"))
     _entry(root, "fails_import", "import no_such_module_anywhere\n")
@@ -306,6 +342,36 @@ def test_bls_calls_a_python_or_onnx_model(running, model):
     error = _refused(running, model)
     assert "Request for unknown model: 'no_such_model' is not found" in str(error), error
     _serves(running, model)
+
+
+def test_bls_calls_carry_their_sequence(running):
+    """A BLS call with ``correlation_id`` and the sequence flags reaches Triton's
+    simple_sequence as a client's sequence request does: the same answers as the model sends
+    a client, and a call naming no sequence is refused as the model refuses a client's."""
+    values = [0, 11, 7, 5, 3, 2, 0, 1]
+    module, client = _client(running, "grpc")
+    try:
+        direct, through = [], []
+        for i, value in enumerate(values):
+            start, end = i == 0, i == len(values) - 1
+            tensor = module.InferInput("INPUT", [1, 1], "INT32")
+            tensor.set_data_from_numpy(np.full((1, 1), value, np.int32))
+            result = client.infer(
+                "simple_sequence", [tensor], sequence_id=31, sequence_start=start,
+                sequence_end=end,
+            )  # fmt: skip
+            direct.append(int(result.as_numpy("OUTPUT")[0][0]))
+            given = np.array([value, 32, start, end], np.float32)
+            result = client.infer("bls_sequence", _inputs(module, given, given))
+            through.append(int(result.as_numpy("OUTPUT0")[0]))
+        assert through == direct
+        assert direct != values  # it accumulates: the flags reached the sequence model
+        given = np.array([1, 0, 0, 0], np.float32)
+        with pytest.raises(InferenceServerException) as refused:
+            client.infer("bls_sequence", _inputs(module, given, given))
+        assert "must specify a non-zero or non-empty correlation" in str(refused.value)
+    finally:
+        client.close()
 
 
 def test_a_process_that_leaks_is_started_again_and_its_requests_answered(running):

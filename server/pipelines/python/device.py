@@ -72,6 +72,7 @@ from plugserve.server import budget
 from plugserve.server.pipelines.python import ipc
 from plugserve.server.pipelines.python.calls import CALLS
 from plugserve.server.pipelines.types import DTYPES
+from plugserve.server.sequences import sequence_step
 
 __all__ = ["PythonPlugin"]
 
@@ -769,14 +770,20 @@ class Worker:
             timeout = int(header.get("timeout") or 0)
             deadline = time.monotonic() + timeout / 1e6 if timeout > 0 else None
             outputs = list(header.get("outputs") or []) or None
+            step = _sequence_of(header)
             with self._calls_lock:
                 self.calls[call] = token
+            if decoupled and step is not None:
+                raise InvalidInput(
+                    f"model {entry.name!r}: a decoupled BLS call carries no sequence "
+                    "(correlation_id, flags); call a sequence model with exec()"
+                )
             if decoupled:
                 stream = plane.submit_decoupled(entry, inputs, outputs, deadline, token)
                 lock = threading.Lock()
                 stream.add_listener(lambda: self._forward(call, stream, lock))
             else:
-                future = plane.submit(entry, inputs, outputs, deadline, token=token)
+                future = plane.submit(entry, inputs, outputs, deadline, token=token, step=step)
                 future.add_done_callback(lambda f: self._bls_done(call, f))
         except PlugserveError as exc:
             with self._calls_lock:
@@ -863,6 +870,22 @@ class Worker:
                     pass
             self.kill()
             self._discard()
+
+
+def _sequence_of(header: Mapping[str, Any]) -> Any:
+    """A BLS request's place in a sequence: its ``correlation_id`` and ``flags`` (Triton's
+    TRITONSERVER_REQUEST_FLAG_SEQUENCE_START 1, _END 2), as a client's sequence_* parameters
+    say it; None for a request that names no sequence."""
+    flags = header.get("flags") or 0
+    if type(flags) is not int:
+        raise InvalidInput(f"a BLS request's flags must be an integer, not {flags!r}")
+    return sequence_step(
+        {
+            "sequence_id": header.get("correlation_id") or 0,
+            "sequence_start": bool(flags & 1),
+            "sequence_end": bool(flags & 2),
+        }
+    )
 
 
 def _code_of(exc: BaseException) -> str:
