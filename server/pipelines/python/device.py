@@ -40,7 +40,7 @@ import sys
 import threading
 import time
 from collections.abc import Mapping
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -266,6 +266,12 @@ CANCEL_GRACE = 5.0
 
 _rids = itertools.count(1)
 _PAGE = os.sysconf("SC_PAGE_SIZE")
+#: threads that run one instance's calls (custom metrics, the model loading API) at once, and
+#: the calls that may run or wait at once: a model waits for each answer, so only a model that
+#: floods its socket with calls meets the bound (its calls past it are refused at once, not
+#: given a thread each)
+CALL_THREADS = 4
+MAX_CALLS = 256
 #: a process whose data is past this share of its MAX_PROCESS_BYTES after a request is started
 #: again (its next allocations would soon fail)
 RESTART_AT = 0.8
@@ -310,6 +316,10 @@ class Worker:
         #: the model's BLS calls in flight: call id -> their tokens (to cancel them)
         self.calls: dict[int, cancel.Token] = {}
         self._calls_lock = threading.Lock()
+        #: the threads the model's calls run on (made at its first call), and how many of
+        #: its calls run or wait there
+        self._call_pool: ThreadPoolExecutor | None = None
+        self._calls_waiting = 0
         #: readiness checks: the socket (a model with is_ready()), the check under way, the
         #: last result, and whether a restart runs in the background
         self.checks: socket.socket | None = None
@@ -580,10 +590,16 @@ class Worker:
                     os.close(out_fd)
                 self._bound_memory()
                 return reply, {}
-            if reply.get("arena"):
-                outputs = outbox.unpack(reply.get("tensors", []), copy=True)
-            else:
-                outputs = ipc.unpack_tensors(reply.get("tensors", []), out_fd)
+            try:
+                if reply.get("arena"):
+                    outputs = outbox.unpack(reply.get("tensors", []), copy=True)
+                else:
+                    outputs = ipc.unpack_tensors(reply.get("tensors", []), out_fd)
+            except ValueError:
+                # an answer the worker would never send: the process is not trusted with
+                # another request (what it sends next may answer this one)
+                self.kill()
+                raise
             self._bound_memory()
             return reply, outputs
 
@@ -778,12 +794,15 @@ class Worker:
                     f"model {entry.name!r}: a decoupled BLS call carries no sequence "
                     "(correlation_id, flags); call a sequence model with exec()"
                 )
+            holds = sum(getattr(a, "nbytes", 0) for a in inputs.values())  # the budget's
             if decoupled:
-                stream = plane.submit_decoupled(entry, inputs, outputs, deadline, token)
+                stream = plane.submit_decoupled(entry, inputs, outputs, deadline, token, holds)
                 lock = threading.Lock()
                 stream.add_listener(lambda: self._forward(call, stream, lock))
             else:
-                future = plane.submit(entry, inputs, outputs, deadline, token=token, step=step)
+                future = plane.submit(
+                    entry, inputs, outputs, deadline, token=token, holds=holds, step=step
+                )
                 future.add_done_callback(lambda f: self._bls_done(call, f))
         except PlugserveError as exc:
             with self._calls_lock:
@@ -844,6 +863,20 @@ class Worker:
         if handler is None:
             self._reply(call, {"error": [f"unknown call {header.get('what')!r}", "UNSUPPORTED"]})
             return
+        with self._calls_lock:
+            if self._calls_waiting >= MAX_CALLS:
+                pool = None
+            else:
+                self._calls_waiting += 1
+                pool = self._call_pool
+                if pool is None:
+                    pool = self._call_pool = ThreadPoolExecutor(
+                        CALL_THREADS, thread_name_prefix=f"{self.label}-call"
+                    )
+        if pool is None:
+            message = f"{self.label}: {MAX_CALLS} of its calls wait already; wait for their answers"
+            self._reply(call, {"error": [message, "UNAVAILABLE"]})
+            return
 
         def run() -> None:
             try:
@@ -853,11 +886,22 @@ class Worker:
             except Exception as exc:
                 log.exception("%s: its call %r failed", self.label, header.get("what"))
                 self._reply(call, {"error": [f"{type(exc).__name__}: {exc}", "INTERNAL"]})
+            finally:
+                with self._calls_lock:
+                    self._calls_waiting -= 1
 
-        threading.Thread(target=run, name=f"{self.label}-call", daemon=True).start()
+        try:
+            pool.submit(run)
+        except RuntimeError:  # the network is closing: its pool is shut down
+            with self._calls_lock:
+                self._calls_waiting -= 1
 
     def finalize(self) -> None:
         self.closed = True
+        with self._calls_lock:
+            pool, self._call_pool = self._call_pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
         with self.lock:
             mailbox = self.mailbox
             if self.alive() and mailbox is not None:
@@ -1079,7 +1123,10 @@ class Gatherer:
                 raise InferenceError(f"{where}: {reply['error']}")
         except BaseException as exc:
             if isinstance(exc, ValueError):
-                exc = InferenceError(f"{where}: its answer cannot be read: {exc}")
+                exc = InferenceError(
+                    f"{where}: its answer cannot be read: {exc}; its process is started again "
+                    "for the next request"
+                )
             for item in batch:
                 _settle(item.future, exc)
             return
@@ -1284,7 +1331,10 @@ class PythonInferRequest(InferRequest):
                 {f"0/{n}": a for n, a in zip(names, arrays) if a is not None}, self._header(arrays)
             )
         except ValueError as exc:
-            raise InferenceError(f"{where}: its answer cannot be read: {exc}") from None
+            raise InferenceError(
+                f"{where}: its answer cannot be read: {exc}; its process is started again for "
+                "the next request"
+            ) from None
         if reply.get("error"):
             raise InferenceError(f"{where}: {reply['error']}")
         (response,) = reply["responses"]
