@@ -95,13 +95,26 @@ from plugserve.plugins.responses import Response, ResponseSender
 from plugserve.plugins.streams import Finished
 from plugserve.server.pipelines.types import DTYPES
 
-__all__ = ["STREAMS", "Definition", "EnsemblePlugin", "Fan", "Graph", "SequenceRelay", "Step"]
+__all__ = [
+    "DECOUPLED_STREAMS",
+    "STREAMS",
+    "Definition",
+    "EnsemblePlugin",
+    "Fan",
+    "Graph",
+    "SequenceRelay",
+    "Step",
+]
 
 #: Ensemble requests one ensemble runs at once by default (its NUM_STREAMS): each holds a
 #: thread while its steps run. Triton's ensemble scheduler holds none (it is event driven on
 #: its composing models' callbacks); plugserve's devices answer a run synchronously, so the
 #: bound is on requests in flight, not on steps.
 STREAMS = 16
+#: ... and a decoupled one's: its request holds the thread for its whole stream (a stream of
+#: tokens lasts seconds, and its thread mostly waits for the next response), so more of them
+#: run at once before the next waits in the queue
+DECOUPLED_STREAMS = 64
 
 
 class Step:
@@ -521,6 +534,8 @@ class EnsembleNetwork(CompiledNetwork):
             for tensor in step.outputs.values():
                 tensors[tensor] = out
         self.tensor_labels = tensors
+        if self.decoupled and not self.config.get("NUM_STREAMS"):
+            self.config = type(self.config)({"NUM_STREAMS": DECOUPLED_STREAMS}, self.config)
 
     def _depth(self, label: int) -> int:
         return len(self._line(label))

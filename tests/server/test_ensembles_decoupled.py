@@ -25,15 +25,22 @@ from tritonclient.utils import InferenceServerException  # noqa: E402
 
 #: a decoupled Python model: one response per element of IN (OUT = [element]) from a thread,
 #: then the final flag; 13 answers an error response; -1 sends slowly until cancelled, and
-#: says so in the server's log
+#: says so in the server's log; -3 answers 1 once 20 requests wait for it at once (else 0)
 REPEAT = """
+import os
 import threading
 import time
+import uuid
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+MEETING = 20
+
 
 class TritonPythonModel:
+    def initialize(self, args):
+        self.meeting = os.path.join(args["model_repository"], "..", "meeting")
+
     def execute(self, requests):
         for request in requests:
             values = pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()
@@ -44,6 +51,16 @@ class TritonPythonModel:
 
     def respond(self, request, sender, values):
         for value in values:
+            if value == -3:  # answers once MEETING requests wait here at once (30 s at most)
+                os.makedirs(self.meeting, exist_ok=True)
+                open(os.path.join(self.meeting, uuid.uuid4().hex), "w").close()
+                end = time.monotonic() + 30
+                while len(os.listdir(self.meeting)) < MEETING and time.monotonic() < end:
+                    time.sleep(0.05)
+                met = len(os.listdir(self.meeting)) >= MEETING
+                sender.send(pb_utils.InferenceResponse(
+                    [pb_utils.Tensor("OUT", np.array([int(met)], np.int32))]))
+                break
             if value == -1:
                 for _ in range(300):
                     if request.is_cancelled():
@@ -265,6 +282,21 @@ def test_a_client_that_goes_away_cancels_the_decoupled_step(running):
         assert _values(after.responses()[0], "SUM") == 11
     finally:
         after.close()
+
+
+def test_more_streams_than_an_ensembles_default_run_at_once(running):
+    """20 streams at once, each waiting in the decoupled step until all 20 are there: a
+    decoupled ensemble's request holds its thread for its whole stream, so it runs more at
+    once than an ordinary ensemble's 16 (DECOUPLED_STREAMS), and all 20 meet."""
+    streams = [Stream(running) for _ in range(20)]
+    try:
+        for stream in streams:
+            stream.send([-3], bias=0)
+        met = [_values(stream.responses(timeout=60)[0], "SUM") for stream in streams]
+        assert met == [1] * 20
+    finally:
+        for stream in streams:
+            stream.close()
 
 
 def test_a_step_fed_by_two_decoupled_steps_is_refused_at_load(running):
