@@ -5,9 +5,10 @@ the server). The model is ordinary Triton python-backend code that reaches past
 tensor descriptions that lie outside the memory sent, a BYTES tensor claiming more elements
 than its bytes hold, an element type that is not a number, a memfd not sealed against
 shrinking and then shrunk (which would SIGBUS a server that mapped it), a header that is not a
-JSON object, and hundreds of calls to the server at once without reading the answers. Each
-request fails with a reason naming the model (or the process is started again), the server
-keeps its threads bounded, and the other models keep serving."""
+JSON object, responses that are no list, an output named and never sent, and hundreds of calls
+to the server at once without reading the answers. Each request fails with a reason naming the
+model (and the process is started again), the server keeps its threads bounded, and the other
+models keep serving."""
 
 from __future__ import annotations
 
@@ -66,6 +67,12 @@ class TritonPythonModel:
             worker.mailbox.sock.sendmsg([b"[1, 2, 3]"])
         elif what == 6:  # a description that is no list at all
             reply.update(arena=True, tensors={"0/OUTPUT0": "everything"})
+            worker.mailbox.send(reply)
+        elif what == 8:  # responses that are no list of the request's responses
+            reply.update(responses="everything", tensors=[])
+            worker.mailbox.send(reply)
+        elif what == 9:  # an output named in its response and never sent
+            reply.update(tensors=[])
             worker.mailbox.send(reply)
         elif what == 7:  # hundreds of calls at once, their answers never read
             for number in range(300):
@@ -139,6 +146,8 @@ def _threads(pid: int) -> int:
         (4, "not sealed against shrinking"),
         (5, "its process ended while running the request"),
         (6, "descriptions are not a list"),
+        (8, "its answer holds no list of 1 responses"),
+        (9, "output 'OUTPUT0' is named in its response but not sent"),
     ],
 )
 def test_a_forged_answer_fails_its_request_and_the_server_serves_on(running, attack, words):

@@ -591,6 +591,7 @@ class Worker:
                 self._bound_memory()
                 return reply, {}
             try:
+                _check_responses(reply, len(header.get("requests", ())))
                 if reply.get("arena"):
                     outputs = outbox.unpack(reply.get("tensors", []), copy=True)
                 else:
@@ -787,13 +788,13 @@ class Worker:
             deadline = time.monotonic() + timeout / 1e6 if timeout > 0 else None
             outputs = list(header.get("outputs") or []) or None
             step = _sequence_of(header)
-            with self._calls_lock:
-                self.calls[call] = token
             if decoupled and step is not None:
                 raise InvalidInput(
                     f"model {entry.name!r}: a decoupled BLS call carries no sequence "
                     "(correlation_id, flags); call a sequence model with exec()"
                 )
+            with self._calls_lock:
+                self.calls[call] = token
             holds = sum(getattr(a, "nbytes", 0) for a in inputs.values())  # the budget's
             if decoupled:
                 stream = plane.submit_decoupled(entry, inputs, outputs, deadline, token, holds)
@@ -916,6 +917,25 @@ class Worker:
             self._discard()
 
 
+def _check_responses(reply: Mapping[str, Any], count: int) -> None:
+    """ValueError unless ``reply`` holds ``count`` responses as the worker writes them (each
+    its output names, an error or None, its parameters): what the requests' answers are read
+    from is checked once, here, not trusted by every reader."""
+    responses = reply.get("responses")
+    if not isinstance(responses, list) or len(responses) != count:
+        raise ValueError(f"its answer holds no list of {count} responses")
+    for response in responses:
+        if not isinstance(response, dict):
+            raise ValueError("a response of its answer is not an object")
+        names, error = response.get("outputs", []), response.get("error")
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise ValueError("a response of its answer names its outputs wrongly")
+        if error is not None and not (
+            isinstance(error, list) and len(error) == 2 and all(isinstance(e, str) for e in error)
+        ):
+            raise ValueError("a response of its answer has a malformed error")
+
+
 def _sequence_of(header: Mapping[str, Any]) -> Any:
     """A BLS request's place in a sequence: its ``correlation_id`` and ``flags`` (Triton's
     TRITONSERVER_REQUEST_FLAG_SEQUENCE_START 1, _END 2), as a client's sequence_* parameters
@@ -992,7 +1012,9 @@ def _checked_outputs(
                 f"{where}: output {name!r} is not an output of its config.pbtxt "
                 f"({', '.join(specs) or 'none'})"
             )
-        value = tensors[f"{prefix}{name}"]
+        value = tensors.get(f"{prefix}{name}")
+        if value is None:
+            raise InferenceError(f"{where}: output {name!r} is named in its response but not sent")
         if value.dtype != spec.dtype and not (spec.dtype == object and value.dtype == object):
             value = _as_config_type(where, name, value, np.dtype(spec.dtype))
         if spec.shape is not None and len(value.shape) != len(spec.shape):
