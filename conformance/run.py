@@ -1,8 +1,8 @@
 """Running cases on a device and comparing what it returns with the expected outputs.
 
 The runner is a user of the in-process API (``plugserve.server.Core``), above it: nothing in
-``server`` imports this package but the ``plugserve`` command (``server/cli.py``), which sits
-above every package and loads a verb's module when the verb runs.
+``server`` imports this package but the ``plugserve`` command (``server/process/cli.py``), which
+sits above every package and loads a verb's module when the verb runs.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import onnx
 from plugserve.conformance.cases import Case, load_cases
 from plugserve.conformance.report import CaseResult, Report
 from plugserve.plugins.numpy.kernels import narrow
-from plugserve.server.core import Core
+from plugserve.server.control.core import Core
 
 __all__ = ["compare", "run_case", "run_conformance"]
 

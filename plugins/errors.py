@@ -1,8 +1,8 @@
 """plugserve's typed errors: the ground floor every other module may import.
 
 Each names the gRPC status the server answers with (``code``), so the server maps them in one
-place (``server/errors.py``) and users catch what they can act on. This module imports nothing
-of plugserve's, so the modules below the Plugin API (streams, cancellation, blobs) can raise
+place (``server/protocols/status.py``) and users catch what they can act on. This module imports
+nothing of plugserve's, so the modules below the Plugin API (streams, cancellation, blobs) can raise
 them without importing the API itself.
 """
 

@@ -5,7 +5,8 @@ model streams its tokens.
 A network that answers so sets :attr:`CompiledNetwork.decoupled`; its infer request's
 :meth:`InferRequest.infer_decoupled` is handed a :class:`ResponseSender` and sends through it,
 from any thread and for as long as it likes after ``infer_decoupled`` returned, until it sends
-with ``final=True`` (or fails). The server's side of the sender (``server/response_stream.py``)
+with ``final=True`` (or fails). The server's side of the sender
+(``server/plane/response_stream.py``)
 bounds what is buffered, carries the request's cancellation (its client gone, its deadline) back
 to the producer through :attr:`ResponseSender.cancelled` and :meth:`ResponseSender.on_cancel`,
 and counts the request done once the final response is sent.

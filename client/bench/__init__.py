@@ -14,7 +14,7 @@ One module a job: ``runners`` (how a request is sent), ``measure`` (driving a ru
 summary), ``server_metrics`` (what the server counted, from its ``/metrics``), ``plot`` and
 ``verb`` (arguments, the run, the report). The measuring core is a library too: the benchmark
 suite in ``tests/benchmarks`` drives it directly. The client package needs only the generated
-protocol code: the in-process runner (:mod:`plugserve.server.bench_inprocess`) is handed to
+protocol code: the in-process runner (:mod:`plugserve.server.process.bench_inprocess`) is handed to
 :func:`bench` by the ``plugserve`` command, which is the server package's.
 """
 

@@ -166,7 +166,7 @@ def _server_runner(client: Any, args: argparse.Namespace) -> tuple[Runner, dict[
 
 
 #: Makes the runner of ``--inprocess`` from the parsed arguments and the concurrency: given by
-#: whoever can load models (``plugserve.server.bench_inprocess.runner``); the client package
+#: whoever can load models (``plugserve.server.process.bench_inprocess.runner``); the client package
 #: itself needs only the protocol.
 InprocessFactory = Callable[[argparse.Namespace, int], tuple[Runner, dict[str, np.ndarray]]]
 

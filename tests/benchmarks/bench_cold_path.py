@@ -52,10 +52,10 @@ def worker(device: str) -> dict[str, float]:
     from bench_before_after import identity16
 
     from plugserve.proto import grpc_service_pb2 as kpb
-    from plugserve.server.app import Server
-    from plugserve.server.kserve.convert import compose_response, plain_lane
-    from plugserve.server.kserve.service import KServeServicer
-    from plugserve.server.settings import Settings
+    from plugserve.server.process.app import Server
+    from plugserve.server.process.settings import Settings
+    from plugserve.server.protocols.kserve.codec import compose_response, plain_lane
+    from plugserve.server.protocols.kserve.grpc_service import KServeServicer
 
     folder = Path(tempfile.mkdtemp(prefix="plugserve-cold-"))
     (folder / "repo").mkdir()

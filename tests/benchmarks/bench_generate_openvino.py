@@ -75,7 +75,7 @@ class Plugserve:
         self.kv_mib = self.engine.cache.nbytes / (1 << 20)
 
     def run(self, ids: list[list[int]], new: int) -> dict:
-        from plugserve.server.generate.types import GenerationRequest, SamplingParams
+        from plugserve.server.apps.generate.types import GenerationRequest, SamplingParams
 
         params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
         times: dict[int, list[float]] = {}
@@ -99,7 +99,7 @@ class Plugserve:
 
     def long_prompt(self, ids: list[list[int]], long: list[int], new: int) -> dict:
         """``ids`` decoding, then ``long`` sent once each has its first token."""
-        from plugserve.server.generate.types import GenerationRequest, SamplingParams
+        from plugserve.server.apps.generate.types import GenerationRequest, SamplingParams
 
         times: dict[str, list[float]] = {}
         started = threading.Barrier(len(ids) + 1)

@@ -33,7 +33,7 @@ import numpy as np
 from bench_before_after import identity16
 
 from plugserve.proto import grpc_service_pb2 as kpb
-from plugserve.server.settings import Settings
+from plugserve.server.process.settings import Settings
 
 METHOD = "/inference.GRPCInferenceService/ModelInfer"
 

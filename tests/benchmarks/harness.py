@@ -459,7 +459,7 @@ def _build_runner(spec: Mapping[str, Any]) -> Runner:
         return OrtSession(spec["model"], x)
     if kind == "openvino":
         return OvCompiled(spec["model"], x)
-    from plugserve.server.bench_inprocess import InprocessRunner, load
+    from plugserve.server.process.bench_inprocess import InprocessRunner, load
 
     network = load(spec["model"], spec["device"], spec.get("config") or {})
     return InprocessRunner(network, x, spec.get("nireq", 1))

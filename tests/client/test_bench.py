@@ -20,7 +20,7 @@ LATENCY_KEYS = {"min", "p50", "p90", "p99", "max", "mean"}
 
 def bench(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "plugserve.server.cli", "bench", *args],
+        [sys.executable, "-m", "plugserve.server.process.cli", "bench", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -197,7 +197,8 @@ def test_plot_without_matplotlib(model_file, tmp_path):
     (shadow / "__init__.py").write_text("raise ImportError('no matplotlib here')\n")
     png = tmp_path / "plot.png"
     result = subprocess.run(
-        [sys.executable, "-m", "plugserve.server.cli", "bench", "--inprocess", str(model_file),
+        [sys.executable, "-m", "plugserve.server.process.cli", "bench", "--inprocess",
+        str(model_file),
          "--iterations", "5", "--plot", str(png)],
         capture_output=True,
         text=True,

@@ -164,7 +164,9 @@ def test_image_config(image):
 def test_image_serves_and_is_healthy(image, tmp_path):
     models = tmp_path / "models"
     subprocess.run(  # as deploy/README.md says
-        [sys.executable, "-m", "plugserve.server.examples", str(models)], check=True, timeout=120
+        [sys.executable, "-m", "plugserve.server.control.examples", str(models)],
+        check=True,
+        timeout=120,
     )
     for path in [models, *models.rglob("*")]:
         path.chmod(0o755 if path.is_dir() else 0o644)
@@ -213,7 +215,7 @@ def test_image_serves_and_is_healthy(image, tmp_path):
                 assert label.tolist() == [b"positive"] or label.tolist() == ["positive"], label
                 x = np.ones((2, 16), np.float32)
                 assert client.infer("mlp", {"input": x})["probabilities"].shape == (2, 4)
-            cli = [sys.executable, "-m", "plugserve.server.cli"]
+            cli = [sys.executable, "-m", "plugserve.server.process.cli"]
             target = ["--target", f"127.0.0.1:{grpc_port}"]
             listed = subprocess.run(
                 [*cli, "list", *target], capture_output=True, text=True, timeout=120

@@ -625,7 +625,7 @@ def test_servingruntime_serves_a_single_model_file(tmp_path):
 
 def test_servingruntime_serves_a_model_repository(tmp_path):
     """storageUri naming a plugserve repository folder: every model under its own name."""
-    from plugserve.server.examples import build_examples
+    from plugserve.server.control.examples import build_examples
 
     mnt = build_examples(tmp_path / "mnt" / "models")
     env = _runtime_env(tmp_path)

@@ -22,7 +22,7 @@ graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g",
 model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 out = Core().load_network(model, "NUMPY").infer({"x": np.array([-1, 0, 2], np.float32)})
 print("RESULT", out["y"].tolist())
-import plugserve.plugins.numpy.kernels as k, plugserve.server.core as c
+import plugserve.plugins.numpy.kernels as k, plugserve.server.control.core as c
 print("FROM", k.__file__, c.__file__)
 """
 

@@ -105,7 +105,7 @@ def run_all(engine, requests) -> dict[str, list]:
 
 def greedy(case: dict, max_tokens: int, **extra):
     """A reference case's prompt as a greedy request ignoring end of sequence, 5 logprobs."""
-    from plugserve.server.generate.types import GenerationRequest, SamplingParams
+    from plugserve.server.apps.generate.types import GenerationRequest, SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=5)
     return GenerationRequest(case["name"], list(case["prompt_ids"]), params, **extra)

@@ -1,4 +1,4 @@
-"""Text as tokens arrive (server/generate/detokenizer.py), with a tokenizer trained here by the
+"""Text as tokens arrive (server/apps/generate/detokenizer.py), with a tokenizer trained here by the
 ``tokenizers`` library: the pieces add up to the whole, multi-byte characters are never split,
 and stop strings end the text without a character of them ever being sent."""
 
@@ -8,8 +8,8 @@ import pytest
 
 tokenizers = pytest.importorskip("tokenizers")
 
-from plugserve.server.generate.tokenizer import Tokenizer  # noqa: E402
-from plugserve.server.generate.types import SamplingParams  # noqa: E402
+from plugserve.server.apps.generate.tokenizer import Tokenizer  # noqa: E402
+from plugserve.server.apps.generate.types import SamplingParams  # noqa: E402
 
 TEXT = (
     "The quick brown fox jumps over the lazy dog. Ünïcödé 日本語のテキスト and emoji 🙂🚀 "

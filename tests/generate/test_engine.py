@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from conftest import exported, greedy, run_all
 
-from plugserve.server.generate.types import GenerationRequest, SamplingParams
+from plugserve.server.apps.generate.types import GenerationRequest, SamplingParams
 
 EXPORTS = ["genai-fp32", "optimum-onnx"]
 DEVICES = ["NUMPY", "ORT"]

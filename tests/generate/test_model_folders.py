@@ -1,5 +1,5 @@
-"""Which repository entries are generative models (server/repository.py with
-server/generate/folder.py): a Hugging Face folder as downloaded, or as version 1 with
+"""Which repository entries are generative models (server/control/repository.py with
+server/apps/generate/folder.py): a Hugging Face folder as downloaded, or as version 1 with
 plugserve's settings beside it, is one entry; its config.json is transformers', not ours."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from plugserve.server.generate.folder import ModelFolder, graph_of
-from plugserve.server.repository import Repository
+from plugserve.server.apps.generate.folder import ModelFolder, graph_of
+from plugserve.server.control.repository import Repository
 
 
 def hf_folder(path: Path, graph: str = "model.onnx", config: dict | None = None) -> Path:

@@ -22,7 +22,7 @@ def server(llm_folder):
 
 def bench(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "plugserve.server.cli", "bench", *args],
+        [sys.executable, "-m", "plugserve.server.process.cli", "bench", *args],
         capture_output=True,
         text=True,
         timeout=300,

@@ -1,4 +1,4 @@
-"""The scheduler's rules and the cache's slots (server/generate/scheduler.py, kvcache.py), with
+"""The scheduler's rules and the cache's slots (server/apps/generate/scheduler.py, kvcache.py), with
 the real scheduler, slot table and cache arrays: what each step computes, who waits, and what
 the prefix cache reuses."""
 
@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from plugserve.server.generate.kvcache import CacheLayout, KVCache, SlotTable
-from plugserve.server.generate.scheduler import DECODE, FORK, PREFILL, RequestState, Scheduler
-from plugserve.server.generate.types import GenerationRequest, SamplingParams
+from plugserve.server.apps.generate.kvcache import CacheLayout, KVCache, SlotTable
+from plugserve.server.apps.generate.scheduler import DECODE, FORK, PREFILL, RequestState, Scheduler
+from plugserve.server.apps.generate.types import GenerationRequest, SamplingParams
 
 LAYOUT = CacheLayout(
     (

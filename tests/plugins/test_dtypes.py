@@ -20,7 +20,7 @@ from onnx.reference import ReferenceEvaluator
 
 from plugserve.conformance import load_cases, run_conformance
 from plugserve.plugins.api import InvalidInput, Unsupported
-from plugserve.server.core import Core
+from plugserve.server.control.core import Core
 
 NARROW = {
     "BFLOAT16": ml_dtypes.bfloat16,
@@ -225,7 +225,7 @@ def test_image_decoder_without_pillow_is_unsupported_with_the_install_command(tm
     code = (
         "import sys; sys.modules['PIL'] = None\n"  # as if Pillow were not installed
         "from plugserve.plugins.api import Unsupported\n"
-        "from plugserve.server.core import Core\n"
+        "from plugserve.server.control.core import Core\n"
         "try:\n"
         f"    Core().load_network({str(path)!r}, 'NUMPY')\n"
         "except Unsupported as exc:\n"
@@ -241,7 +241,7 @@ def test_image_decoder_without_pillow_is_unsupported_with_the_install_command(tm
 
 def _cli():
     exe = shutil.which("plugserve")
-    return [exe] if exe else [sys.executable, "-m", "plugserve.server.cli"]
+    return [exe] if exe else [sys.executable, "-m", "plugserve.server.process.cli"]
 
 
 def test_conformance_op_filter_takes_op_names_as_users_type_them():

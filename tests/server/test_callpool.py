@@ -1,5 +1,5 @@
-"""The gRPC handler pool (server/callpool.py): few threads run calls while calls keep starting;
-more start when calls wait (declared with ``blocked``) or stall; extra threads leave."""
+"""The gRPC handler pool (server/plane/callpool.py): few threads run calls while calls keep
+starting; more start when calls wait (declared with ``blocked``) or stall; extra threads leave."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from serving import wait_for
 
-from plugserve.server.callpool import CallPool, blocked
+from plugserve.server.plane.callpool import CallPool, blocked
 
 
 @pytest.fixture
@@ -176,14 +176,14 @@ def test_a_long_run_inline_lets_another_call_start(pools, tmp_path):
 
     from plugserve.plugins import cancel
     from plugserve.plugins.errors import Cancelled
-    from plugserve.server.core import Core
-    from plugserve.server.dataplane import LONG_RUN, DataPlane
-    from plugserve.server.metrics import Metrics
-    from plugserve.server.model_control import ModelControl
-    from plugserve.server.repository import Repository
-    from plugserve.server.settings import Settings
+    from plugserve.server.control.core import Core
+    from plugserve.server.control.model_control import ModelControl
+    from plugserve.server.control.repository import Repository
+    from plugserve.server.plane.dataplane import LONG_RUN, DataPlane
+    from plugserve.server.plane.metrics import Metrics
+    from plugserve.server.process.settings import Settings
 
-    # the server's two halves without its protocols (server/app.py's Server imports the
+    # the server's two halves without its protocols (server/process/app.py's Server imports the
     # KServe protos, which clash with tritonclient's in one test process)
     s = Settings()
     metrics = Metrics("test")

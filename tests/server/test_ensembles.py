@@ -298,7 +298,7 @@ def running(tmp_path_factory):
         _step("scale", 1, {"INPUT0": "INPUT0"}, {"OUTPUT0": "OUTPUT1"}),
     ]))  # fmt: skip
     # bytes that are no text, through an ensemble to a step that only moves them
-    from plugserve.server.examples import echo
+    from plugserve.server.control.examples import echo
 
     (root / "echo" / "1").mkdir(parents=True)
     (root / "echo" / "1" / "model.onnx").write_bytes(echo().SerializeToString())
@@ -565,8 +565,8 @@ def test_tensors_between_steps_are_passed_by_reference(tmp_path):
     import onnx
     from onnx import TensorProto, helper
 
-    from plugserve.server.app import Server
-    from plugserve.server.settings import Settings
+    from plugserve.server.process.app import Server
+    from plugserve.server.process.settings import Settings
 
     root = tmp_path / "models"
     shape = [1024, 1024]

@@ -18,7 +18,7 @@ httpclient = pytest.importorskip("tritonclient.http", reason="pip install 'trito
 Image = pytest.importorskip("PIL.Image", reason="pip install -e '.[image]'")
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
-PLUGSERVE = [sys.executable, "-m", "plugserve.server.cli"]
+PLUGSERVE = [sys.executable, "-m", "plugserve.server.process.cli"]
 
 TEXTS = [
     b"I love this wonderful movie, the acting was brilliant!",

@@ -46,8 +46,8 @@ def _fill(n: np.ndarray) -> np.ndarray:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     from plugserve.plugins.numpy import Extension
-    from plugserve.server.app import Server
-    from plugserve.server.settings import Settings
+    from plugserve.server.process.app import Server
+    from plugserve.server.process.settings import Settings
 
     folder: Path = tmp_path_factory.mktemp("frees")
     graph = helper.make_graph(

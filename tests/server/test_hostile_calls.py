@@ -29,10 +29,10 @@ from serving import RunningServer, wait_for
 
 from plugserve.client import Client
 from plugserve.proto import plugserve_pb2 as pb
-from plugserve.server import callgate
-from plugserve.server.examples import build_examples
-from plugserve.server.handlers import STREAM_WINDOW
-from plugserve.server.rest import http_server as rest_http
+from plugserve.server.control.examples import build_examples
+from plugserve.server.protocols.grpc import callgate
+from plugserve.server.protocols.grpc.handlers import STREAM_WINDOW
+from plugserve.server.protocols.http import http_server as rest_http
 
 MB = 1 << 20
 TOKEN = "infer-token-0123456789abcdef"

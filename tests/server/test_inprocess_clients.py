@@ -28,11 +28,11 @@ import sys
 import numpy as np
 if sys.argv[1] == "client-first":
     import tritonclient.grpc as grpcclient
-    from plugserve.server.app import Server
+    from plugserve.server.process.app import Server
 else:
-    from plugserve.server.app import Server
+    from plugserve.server.process.app import Server
     import tritonclient.grpc as grpcclient
-from plugserve.server.settings import Settings
+from plugserve.server.process.settings import Settings
 
 server = Server(Settings(
     model_repository=sys.argv[2], host="127.0.0.1", grpc_port=0, http_port=-1, metrics_port=-1,

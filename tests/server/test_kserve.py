@@ -81,7 +81,7 @@ def _status(info) -> str:
 
 def _mlp_expected(x: np.ndarray) -> np.ndarray:
     from plugserve.server import Core
-    from plugserve.server.examples import mlp
+    from plugserve.server.control.examples import mlp
 
     return Core().load_network(mlp(), "NUMPY").infer({"input": x})["probabilities"]
 

@@ -16,7 +16,7 @@ import numpy as np
 from test_wire import COMPOSED_ARRAYS
 from plugserve.plugins.api import TensorSpec
 from plugserve.proto import grpc_service_pb2 as kpb
-from plugserve.server.kserve.convert import infer_response, plain_lane, request_inputs
+from plugserve.server.protocols.kserve.codec import infer_response, plain_lane, request_inputs
 
 class Network:
     inputs = [

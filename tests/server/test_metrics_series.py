@@ -7,7 +7,7 @@ import re
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from plugserve.server.metrics import _LATENCY_BUCKETS, Metrics
+from plugserve.server.plane.metrics import _LATENCY_BUCKETS, Metrics
 
 # on a bucket's bound, either side of it, zero, past the last bound
 TIMES = [0.0, 0.0005, 0.00050001, 0.001, 0.0024, 0.3, 30.0, 31.0, 1e-9, 2.5]

@@ -110,7 +110,7 @@ def test_a_load_model_not_in_the_repository_stops_startup(repo):
 
 def test_load_model_needs_explicit_mode():
     done = subprocess.run(
-        [sys.executable, "-m", "plugserve.server.cli", "serve", "--load-model", "a"],
+        [sys.executable, "-m", "plugserve.server.process.cli", "serve", "--load-model", "a"],
         capture_output=True,
         text=True,
         timeout=60,

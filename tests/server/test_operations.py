@@ -11,7 +11,7 @@ from importlib.metadata import version
 
 from serving import RunningServer, examples_repository, serve_command
 
-PLUGSERVE = [sys.executable, "-m", "plugserve.server.cli"]
+PLUGSERVE = [sys.executable, "-m", "plugserve.server.process.cli"]
 
 
 def serve(*args: str, cwd, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -25,7 +25,7 @@ from plugserve.client import Client
 from plugserve.server import Core
 
 HOOKS = '''
-import plugserve.server.repository as _repository
+import plugserve.server.control.repository as _repository
 
 
 def _step(name):

@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from plugserve.client import Client
 
-PLUGSERVE = [sys.executable, "-m", "plugserve.server.cli"]
+PLUGSERVE = [sys.executable, "-m", "plugserve.server.process.cli"]
 
 
 @pytest.fixture(scope="module")

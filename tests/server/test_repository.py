@@ -14,7 +14,7 @@ from serving import RunningServer
 
 from plugserve.client import Client
 from plugserve.plugins.api import InvalidArgument
-from plugserve.server.examples import build_examples
+from plugserve.server.control.examples import build_examples
 
 
 @pytest.fixture(scope="module")
@@ -182,7 +182,7 @@ def test_model_name_serves_a_single_file_as_version_1(tmp_path, monkeypatch):
     """--model-name: KServe's storage layout (one .onnx file, or a folder holding one)."""
     import tempfile
 
-    from plugserve.server.repository import Repository, single_model_repository
+    from plugserve.server.control.repository import Repository, single_model_repository
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "scratch"))  # what $TMPDIR sets
     (tmp_path / "scratch").mkdir()
@@ -201,7 +201,7 @@ def test_model_name_serves_a_single_file_as_version_1(tmp_path, monkeypatch):
 
 
 def test_model_name_leaves_a_repository_and_refuses_several_files(tmp_path):
-    from plugserve.server.repository import single_model_repository
+    from plugserve.server.control.repository import single_model_repository
 
     repo = tmp_path / "repo"
     (repo / "a" / "1").mkdir(parents=True)

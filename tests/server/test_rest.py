@@ -561,7 +561,7 @@ def test_an_occupied_port_is_a_one_line_error(flag, tmp_path):
         ports = {"--grpc-port": "0", "--http-port": "0", "--metrics-port": "0"}
         ports[flag] = str(busy.getsockname()[1])
         result = subprocess.run(
-            [sys.executable, "-m", "plugserve.server.cli", "serve", "--host", "127.0.0.1",
+            [sys.executable, "-m", "plugserve.server.process.cli", "serve", "--host", "127.0.0.1",
              "--model-repository", str(examples_repository(tmp_path)),
              *[part for item in ports.items() for part in item]],
             capture_output=True, text=True, timeout=120, check=False,

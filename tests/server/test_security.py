@@ -23,7 +23,8 @@ from plugserve.client import AsyncClient, Client
 from plugserve.client.cli import run as run_cli
 from plugserve.proto import plugserve_pb2 as pb
 from plugserve.proto import plugserve_pb2_grpc as pb_grpc
-from plugserve.server.security import (
+from plugserve.server.process.settings import Settings
+from plugserve.server.protocols.security import (
     ADMIN,
     INFER,
     Tokens,
@@ -31,7 +32,6 @@ from plugserve.server.security import (
     required_role,
     security_problems,
 )
-from plugserve.server.settings import Settings
 
 ADMIN_TOKEN = "adm-3f9c1e7b2a6d4c58b0e1f2a3"
 INFER_TOKEN = "inf-8a7b6c5d4e3f2a1b0c9d8e7f"
@@ -288,7 +288,7 @@ def test_mtls_with_a_client_certificate_works(mutual, pki):
         assert client.infer("add", {"a": A, "b": B})["sum"].tolist() == [4, 6]
 
 
-# --- the same over KServe v2 REST (server/rest/server.py)
+# --- the same over KServe v2 REST (server/protocols/kserve/rest.py)
 
 
 def _https(server, pki: Path, path: str, token: str | None, body: bytes | None = None, cert=False):
@@ -467,7 +467,7 @@ def test_the_server_refuses_to_start_with_half_a_tls_setup(tmp_path):
     cert.write_text("x")
     result = subprocess.run(
         [
-            *(sys.executable, "-m", "plugserve.server.cli", "serve", "--grpc-port", "0"),
+            *(sys.executable, "-m", "plugserve.server.process.cli", "serve", "--grpc-port", "0"),
             *("--metrics-port", "-1", "--model-repository", str(tmp_path), "--tls-cert", str(cert)),
         ],
         capture_output=True,

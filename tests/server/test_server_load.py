@@ -79,7 +79,7 @@ class SecondPlugin(NumpyPlugin):
 
 
 def add_model_bytes() -> bytes:
-    from plugserve.server.examples import add
+    from plugserve.server.control.examples import add
 
     return add().SerializeToString()
 

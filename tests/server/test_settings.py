@@ -15,7 +15,7 @@ from models import with_custom_op
 from serving import RunningServer
 
 from plugserve.client import Client
-from plugserve.server.settings import Settings
+from plugserve.server.process.settings import Settings
 
 FIELDS = dataclasses.fields(Settings)
 
@@ -100,7 +100,7 @@ def test_a_bad_env_value_is_a_clear_error(monkeypatch, env, value, message):
 
 def _serve(*args: str, **env: str) -> subprocess.CompletedProcess:
     """``plugserve serve`` that is expected to refuse to start."""
-    command = [sys.executable, "-m", "plugserve.server.cli", "serve", "--host", "127.0.0.1"]
+    command = [sys.executable, "-m", "plugserve.server.process.cli", "serve", "--host", "127.0.0.1"]
     command += ["--grpc-port", "0", "--metrics-port", "-1", *args]
     result = subprocess.run(
         command,

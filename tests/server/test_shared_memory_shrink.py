@@ -2,7 +2,7 @@
 shrinks its object (``ftruncate``) before a request reads an input from it, before one writes
 an output into it, and while a request that uses it runs. A mapped region faults (SIGBUS) on
 the first touch past the object's new end and kills the server; plugserve never maps a
-client's object (server/shm.py), so each answers INVALID_ARGUMENT / 400 naming the region, and
+client's object (server/plane/shm.py), so each answers INVALID_ARGUMENT / 400 naming the region, and
 the server keeps serving everyone."""
 
 from __future__ import annotations

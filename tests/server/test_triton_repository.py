@@ -15,7 +15,7 @@ from models import add_constant
 from serving import RunningServer
 
 from plugserve.plugins.api import InvalidArgument
-from plugserve.server.triton_config import read_ovms
+from plugserve.server.control.triton_config import read_ovms
 
 grpcclient = pytest.importorskip("tritonclient.grpc")
 httpclient = pytest.importorskip("tritonclient.http")

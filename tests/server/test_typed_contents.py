@@ -59,8 +59,8 @@ def _values(rng: np.random.Generator, dtype: np.dtype, n: int) -> np.ndarray:
 @pytest.mark.parametrize("slice_bytes", [None, 7])  # 7: varints straddle every slice's end
 def test_the_decoder_reads_what_protobuf_reads(monkeypatch, slice_bytes):
     from plugserve.proto import grpc_service_pb2 as pb
-    from plugserve.server.kserve import contents as kserve_contents
-    from plugserve.server.kserve.convert import CONTENTS, DATATYPES
+    from plugserve.server.protocols.kserve import contents as kserve_contents
+    from plugserve.server.protocols.kserve.codec import CONTENTS, DATATYPES
 
     monkeypatch.setattr(kserve_contents, "FEW", 2)  # the numpy decode for all but one value
     if slice_bytes:
@@ -83,8 +83,8 @@ def test_the_decoder_reads_what_protobuf_reads(monkeypatch, slice_bytes):
 
 def test_the_decoder_refuses_a_value_that_does_not_fit_as_numpy_does():
     from plugserve.proto import grpc_service_pb2 as pb
-    from plugserve.server.kserve import contents as kserve_contents
-    from plugserve.server.kserve.convert import CONTENTS, DATATYPES
+    from plugserve.server.protocols.kserve import contents as kserve_contents
+    from plugserve.server.protocols.kserve.codec import CONTENTS, DATATYPES
 
     for datatype, bad in (("INT8", 128), ("INT16", -40000), ("UINT8", 256), ("UINT16", 70000)):
         contents = pb.InferTensorContents()

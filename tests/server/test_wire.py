@@ -26,7 +26,7 @@ COMPOSED_ARRAYS = {
 
 @pytest.mark.parametrize("names", [list(COMPOSED_ARRAYS), ["empty"], []])
 def test_composed_plugserve_response_is_protobufs_own_serialization(names):
-    from plugserve.server.plugserve_convert import infer_response
+    from plugserve.server.protocols.v1.convert import infer_response
 
     outputs = {name: COMPOSED_ARRAYS[name] for name in names}
     composed = b"".join(infer_response("req-1", "net", 3, outputs))
@@ -46,7 +46,7 @@ import numpy as np
 from test_wire import COMPOSED_ARRAYS
 from plugserve.proto import grpc_service_pb2 as kpb
 from plugserve.proto.tensors import encode_strings
-from plugserve.server.kserve.convert import datatype_of, infer_response
+from plugserve.server.protocols.kserve.codec import datatype_of, infer_response
 
 class Entry:
     name, version = "net", 2

@@ -29,7 +29,7 @@ def serve_command(*args: str, python: str = "") -> list[str]:
     return [
         python or sys.executable,
         "-m",
-        "plugserve.server.cli",
+        "plugserve.server.process.cli",
         "serve",
         "--host",
         "127.0.0.1",
@@ -185,6 +185,6 @@ def examples_repository(tmp_path: Path, pipelines: bool = False) -> Path:
     """A fresh copy of the bundled example repository (tests may write into it);
     ``pipelines``: with the example applications (ensembles whose Python steps each start a
     process, which the tests of other things need not pay for)."""
-    from plugserve.server.examples import build_examples
+    from plugserve.server.control.examples import build_examples
 
     return build_examples(tmp_path / "models", pipelines=pipelines)

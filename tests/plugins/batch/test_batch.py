@@ -392,7 +392,7 @@ def test_server_batch_on_ort(running, reference):
 
 
 def test_max_batch_size_device_rule():
-    from plugserve.server.model_control import batch_device
+    from plugserve.server.control.model_control import batch_device
 
     assert batch_device("NUMPY", 0) == "NUMPY"
     assert batch_device("ort.1", 16) == "BATCH:ORT.1(16)"

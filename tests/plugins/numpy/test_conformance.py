@@ -15,7 +15,7 @@ REQUIRED_FRACTION = 0.99
 
 def test_runner_cli_reports_in_the_documented_format():
     exe = shutil.which("plugserve")
-    cmd = [exe] if exe else [sys.executable, "-m", "plugserve.server.cli"]
+    cmd = [exe] if exe else [sys.executable, "-m", "plugserve.server.process.cli"]
     out = subprocess.run(
         [
             *cmd,

@@ -12,7 +12,7 @@ from onnx import TensorProto, helper
 from onnx.reference import ReferenceEvaluator
 
 from plugserve.plugins.api import InvalidInput
-from plugserve.server.core import Core
+from plugserve.server.control.core import Core
 
 SHAPE = [4, 8, 16]
 

@@ -1,0 +1,1 @@
+"""Applications on the data plane: generation, Python models, ensembles and DAGs."""

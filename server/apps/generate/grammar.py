@@ -1,0 +1,170 @@
+"""``response_format``'s JSON schemas as constrained decoding: llguidance, a token mask a step.
+
+The engine asks each constrained sequence, before it samples, which tokens may come next
+(``constraint.mask(vocab_size)``), tells it the token chosen (``accept``) and stops the
+sequence when the grammar is complete (``done``); see ``server/apps/generate/types.py``.
+
+Why llguidance, not xgrammar (measured here on a 32,000-token byte-level BPE vocabulary and a
+five-property schema with a nested object, an enum array and a pattern; /tmp-free script in
+the commit message): compiling a schema took 1.5-10 ms with llguidance and 0.8-1.9 s with
+xgrammar (without its cache; a server sees new schemas all the time, and xgrammar's cache
+holds them in memory); a mask took 40 us (median) against 5-7 us, both under 6.3 ms at the
+worst step, far below a decode step of a model worth serving; importing and using it raised
+the process's peak memory by 28 MiB against 251 MiB; and llguidance needs no other package,
+where xgrammar requires torch, transformers and triton (hundreds of MB, a CUDA compiler) and
+hands out its masks as torch tensors. Both refuse bad schemas with a clear message.
+
+Bounds: the vocabulary is read into llguidance once per model (0.5-0.9 s for 32,000 tokens,
+on the first constrained request, under a lock; the tokenizer is kept while the model's
+tokenizer lives); a schema's compilation and each mask are bounded by llguidance's parser
+limits (lexer fuel, items per step, grammar size: :data:`LIMITS`), which turn a hostile
+schema into a refusal or an error state, never a hang; a schema is at most
+:data:`MAX_SCHEMA_BYTES`. Compiling releases the GIL, so the adapter runs it on a worker
+thread, never on the REST event loop.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+import numpy as np
+
+from plugserve.server.protocols.openai.errors import OpenAIError
+
+__all__ = ["MAX_SCHEMA_BYTES", "JsonConstraint", "compile_schema"]
+
+#: the largest schema (as JSON text) a request may send
+MAX_SCHEMA_BYTES = 256 << 10
+
+_lock = threading.Lock()
+#: the model's tokenizer -> llguidance's tokenizer built from its vocabulary
+_tokenizers: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
+def _llguidance() -> Any:
+    try:
+        import llguidance
+    except ImportError:
+        raise OpenAIError(
+            "response_format with a JSON schema needs llguidance on the server "
+            "(pip install llguidance)",
+            "response_format",
+            501,
+        ) from None
+    return llguidance
+
+
+def _limits(llguidance: Any) -> Any:
+    # llguidance's defaults, written down: per mask at most 200k lexer fuel (~14 ms) and 50k
+    # Earley items (~2.5 ms); a grammar of at most 500k symbols and 250k lexer states
+    return llguidance.LLParserLimits(
+        step_lexer_fuel=200_000,
+        step_max_items=50_000,
+        max_grammar_size=500_000,
+        max_lexer_states=250_000,
+    )
+
+
+def _vocabulary(tokenizer: Any, vocab_size: int) -> Any:
+    """llguidance's view of ``tokenizer`` (the model's ``Tokenizer``), built once per model."""
+    with _lock:
+        found = _tokenizers.get(tokenizer)
+        if found is not None:
+            return found
+        llguidance = _llguidance()
+        eos = sorted(tokenizer.eos_token_ids)
+        made = llguidance.LLTokenizer(
+            tokenizer.backend.to_str(),
+            n_vocab=max(vocab_size, tokenizer.backend.get_vocab_size(with_added_tokens=True)),
+            eos_token=eos or None,
+        )
+        _tokenizers[tokenizer] = made
+        return made
+
+
+class JsonConstraint:
+    """One sequence's grammar state: the ``constraint`` of its ``SamplingParams``."""
+
+    def __init__(self, matcher: Any, words: int) -> None:
+        self._matcher = matcher
+        self._bits = np.full((1, words), -1, dtype=np.int32)
+        self._fill = _llguidance_numpy().fill_next_token_bitmask
+
+    def mask(self, vocab_size: int) -> np.ndarray:
+        """Which of the model's ``vocab_size`` tokens may come next (bool)."""
+        self._fill(self._matcher, self._bits, 0)
+        allowed = np.unpackbits(self._bits.view(np.uint8), bitorder="little").astype(bool)
+        if allowed.size >= vocab_size:
+            return allowed[:vocab_size]
+        return np.concatenate([allowed, np.zeros(vocab_size - allowed.size, dtype=bool)])
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by the token chosen; False when the grammar does not allow it."""
+        return bool(self._matcher.consume_token(int(token_id)))
+
+    def done(self) -> bool:
+        """Nothing may follow: the value is complete (or the matcher failed)."""
+        return bool(self._matcher.is_stopped() or self._matcher.is_error())
+
+    @property
+    def error(self) -> str:
+        return str(self._matcher.get_error() or "")
+
+
+def _llguidance_numpy() -> Any:
+    import llguidance.numpy
+
+    return llguidance.numpy
+
+
+class CompiledSchema:
+    """A request's schema compiled against its model's vocabulary; :meth:`constraint` makes
+    one fresh state per sequence (``n`` choices each follow the schema on their own)."""
+
+    def __init__(self, vocabulary: Any, grammar: str) -> None:
+        self._vocabulary = vocabulary
+        self._grammar = grammar
+
+    def constraint(self) -> JsonConstraint:
+        llguidance = _llguidance()
+        matcher = llguidance.LLMatcher(
+            self._vocabulary, self._grammar, log_level=0, limits=_limits(llguidance)
+        )
+        if matcher.is_error():
+            raise OpenAIError(
+                f"response_format: the schema cannot be used: {matcher.get_error()}",
+                "response_format",
+            )
+        return JsonConstraint(matcher, (self._vocabulary.vocab_size + 31) // 32)
+
+
+def compile_schema(schema: str, tokenizer: Any, vocab_size: int) -> CompiledSchema:
+    """``schema`` (JSON text) against ``tokenizer``'s vocabulary, or a 400 naming
+    ``response_format`` with llguidance's reason. Blocking (0.5-0.9 s the first time per
+    model, a few ms after): call it off the event loop."""
+    if len(schema) > MAX_SCHEMA_BYTES:
+        raise OpenAIError(
+            f"response_format: the schema is {len(schema)} bytes; at most {MAX_SCHEMA_BYTES}",
+            "response_format",
+        )
+    llguidance = _llguidance()
+    try:
+        # compact separators, as a model writes JSON most often; whitespace stays the
+        # model's to choose between tokens only where JSON allows it
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(
+            schema, defaults={"whitespace_flexible": False}
+        )
+    except (ValueError, TypeError, RuntimeError) as exc:
+        raise OpenAIError(
+            f"response_format: the grammar library refuses the schema: {exc}", "response_format"
+        ) from None
+    why = llguidance.LLMatcher.validate_grammar(grammar, None, limits=_limits(llguidance))
+    if why:
+        raise OpenAIError(
+            f"response_format: the grammar library refuses the schema: {why}", "response_format"
+        )
+    compiled = CompiledSchema(_vocabulary(tokenizer, vocab_size), grammar)
+    compiled.constraint()  # a schema past the parser's limits fails here, before generating
+    return compiled

@@ -1,0 +1,462 @@
+"""A transformers model folder as a network the server serves: :class:`GenerativeNetwork`.
+
+``load_generative(core, folder, device, config)`` (the Core's ``load_network`` calls it for a
+folder, so a repository entry, a LoadNetwork and an in-process user get the same thing) reads
+the folder (:mod:`.folder`), loads its tokenizer, compiles the decoder graph on ``device``
+through the Core like any network (so every device that runs the graph serves it: NUMPY, ORT,
+OPENVINO, HETERO, AUTO...), sizes the cache from the settings and starts the engine. One
+request of two tokens runs before the network is returned, so a graph that does not run on
+the device fails its load, not its first request.
+
+Settings: the config keys of :data:`ENGINE_KEYS` (in a model's ``config.json`` ``config``, a
+Triton ``config.pbtxt``'s ``parameters``, or a load's config) over the server's flags
+(``--max-num-seqs`` ...); the other keys go to the device.
+
+The KServe face (Triton's LLM convention, as its vLLM backend's ``model.json``): the network
+is decoupled, its inputs ``text_input`` (BYTES; or ``input_ids``, INT32, the prompt's token ids
+as TensorRT-LLM's models take them), and, optional, ``stream`` (BOOL),
+``sampling_parameters`` (BYTES: a JSON object of vLLM's sampling parameters),
+``exclude_input_in_output`` (BOOL), ``max_tokens`` (INT32), ``temperature``, ``top_p``
+(FP32), ``top_k`` (INT32), ``seed`` (INT64), ``return_num_input_tokens``,
+``return_num_output_tokens`` and ``return_finish_reason`` (BOOL); its outputs ``text_output``
+(BYTES), and, when asked by the ``return_*`` inputs, ``num_input_tokens``,
+``num_output_tokens`` (UINT32) and ``finish_reason`` (BYTES). Streaming, each response carries
+the new text; not streaming, one response carries the prompt and the answer (the answer alone
+with ``exclude_input_in_output``), as Triton's vLLM backend answers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from plugserve.plugins.api import (
+    CompiledNetwork,
+    InferRequest,
+    InvalidArgument,
+    InvalidInput,
+    PerfCount,
+    TensorSpec,
+    Unsupported,
+)
+from plugserve.plugins.responses import Response
+from plugserve.server.apps.generate.decoder import choose_decoder
+from plugserve.server.apps.generate.decoder_openvino import PagedDecoder, is_paged, serving_device
+from plugserve.server.apps.generate.engine import Engine, EngineSettings, QueueSender
+from plugserve.server.apps.generate.folder import ModelFolder
+from plugserve.server.apps.generate.tokenizer import Tokenizer
+from plugserve.server.apps.generate.types import GenerationEvent, GenerationRequest, SamplingParams
+from plugserve.server.control.devices import parse_device
+
+__all__ = ["ENGINE_KEYS", "GenerativeNetwork", "engine_settings", "load_generative"]
+
+log = logging.getLogger(__name__)
+
+#: config keys the engine takes (the rest are the device's), and the EngineSettings field
+ENGINE_KEYS = {
+    "MAX_NUM_SEQS": "max_num_seqs",
+    "MAX_NUM_BATCHED_TOKENS": "max_num_batched_tokens",
+    "KV_CACHE_BYTES": "kv_cache_bytes",
+    "MAX_MODEL_LEN": "max_model_len",
+    "BLOCK_SIZE": "block_size",
+    "ENABLE_PREFIX_CACHING": "enable_prefix_caching",
+    "MAX_WAITING": "max_waiting",
+}
+#: without a context length in the config, the longest sequence served by default
+DEFAULT_CONTEXT = 2048
+#: the share of the machine's memory an unset kv_cache_bytes may take at most
+AUTO_KV_SHARE = 0.25
+
+_OBJECT = np.dtype(object)
+_INPUTS = [
+    TensorSpec("text_input", _OBJECT, (1,), optional=True),
+    TensorSpec("input_ids", np.dtype(np.int32), (None,), optional=True),
+    TensorSpec("stream", np.dtype(bool), (1,), optional=True),
+    TensorSpec("sampling_parameters", _OBJECT, (1,), optional=True),
+    TensorSpec("exclude_input_in_output", np.dtype(bool), (1,), optional=True),
+    TensorSpec("max_tokens", np.dtype(np.int32), (1,), optional=True),
+    TensorSpec("temperature", np.dtype(np.float32), (1,), optional=True),
+    TensorSpec("top_p", np.dtype(np.float32), (1,), optional=True),
+    TensorSpec("top_k", np.dtype(np.int32), (1,), optional=True),
+    TensorSpec("seed", np.dtype(np.int64), (1,), optional=True),
+    TensorSpec("return_num_input_tokens", np.dtype(bool), (1,), optional=True),
+    TensorSpec("return_num_output_tokens", np.dtype(bool), (1,), optional=True),
+    TensorSpec("return_finish_reason", np.dtype(bool), (1,), optional=True),
+]
+_OUTPUTS = [
+    TensorSpec("text_output", _OBJECT, (None,)),
+    TensorSpec("num_input_tokens", np.dtype(np.uint32), (1,)),
+    TensorSpec("num_output_tokens", np.dtype(np.uint32), (1,)),
+    TensorSpec("finish_reason", _OBJECT, (1,)),
+]
+#: sampling_parameters keys and their types (vLLM's SamplingParams names)
+_SAMPLING_KEYS: dict[str, tuple[type, ...]] = {
+    "max_tokens": (int,),
+    "temperature": (int, float),
+    "top_p": (int, float),
+    "top_k": (int,),
+    "min_p": (int, float),
+    "seed": (int,),
+    "stop": (str, list),
+    "stop_token_ids": (list,),
+    "ignore_eos": (bool,),
+    "min_tokens": (int,),
+    "presence_penalty": (int, float),
+    "frequency_penalty": (int, float),
+    "repetition_penalty": (int, float),
+    "skip_special_tokens": (bool,),
+    "include_stop_str_in_output": (bool,),
+    "n": (int,),
+}
+
+
+def engine_settings(
+    defaults: EngineSettings, config: Mapping[str, Any]
+) -> tuple[EngineSettings, dict[str, Any]]:
+    """The engine's settings (``config``'s :data:`ENGINE_KEYS` over ``defaults``) and the
+    rest of ``config`` (the device's keys)."""
+    values: dict[str, Any] = {}
+    rest: dict[str, Any] = {}
+    for key, value in config.items():
+        field = ENGINE_KEYS.get(key.upper()) if isinstance(key, str) else None
+        if field is None:
+            rest[key] = value
+            continue
+        if field == "enable_prefix_caching":
+            text = str(value).strip().upper()
+            if text not in ("YES", "NO", "TRUE", "FALSE", "1", "0"):
+                raise InvalidArgument(f"config key {key!r}: expected YES or NO, got {value!r}")
+            values[field] = text in ("YES", "TRUE", "1")
+            continue
+        try:
+            number = int(str(value))
+        except ValueError:
+            raise InvalidArgument(
+                f"config key {key!r}: expected an integer, got {value!r}"
+            ) from None
+        least = 0 if field in ("kv_cache_bytes", "max_model_len") else 1
+        if number < least:
+            raise InvalidArgument(f"config key {key!r}: must be at least {least}, got {number}")
+        values[field] = number
+    return dataclasses.replace(defaults, **values), rest
+
+
+def _physical_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - not Linux
+        return 8 << 30
+
+
+def load_generative(
+    core: Any,
+    path: str | Path,
+    device: str,
+    config: Mapping[str, Any] | None = None,
+    defaults: EngineSettings | None = None,
+) -> GenerativeNetwork:
+    """Load a transformers folder as a generative network on ``device``."""
+    folder = ModelFolder.read(path)
+    settings, device_config = engine_settings(defaults or EngineSettings(), dict(config or {}))
+    tokenizer = Tokenizer.from_folder(folder.path)
+    context = folder.context_length or DEFAULT_CONTEXT
+    capacity = min(settings.max_model_len or context, context)
+    if capacity < 2:
+        raise InvalidArgument(f"max_model_len must be at least 2, got {capacity}")
+    if folder.kind == "openvino":  # an IR runs on OPENVINO, in the paged-attention form
+        device, device_config = serving_device(folder.graph, device, device_config)
+    if parse_device(device).kind == "ORT":
+        # onnxruntime's threads do not spin between runs: the engine's own thread samples and
+        # streams there. On 2 shared cores a 169 M model's decode step in the engine took 88
+        # ms at batch 1 and 147 at 8 without spinning, 92/153 spinning 20 us, 107/170
+        # spinning 100 us; onnxruntime's default (unbounded) made raw steps up to 2x slower
+        # (docs/generate.md)
+        device_config.setdefault("SPIN_DURATION_US", "0")
+    decoder_network = core.load_network(str(folder.graph), device, device_config)
+    try:
+        if is_paged(decoder_network):
+            decoder = PagedDecoder.create(decoder_network, folder.text_config, capacity)
+        else:
+            decoder = choose_decoder(
+                decoder_network, folder.graph, folder.kind, folder.text_config,
+                folder.genai_config, capacity,
+            )  # fmt: skip
+        per_slot = decoder.layout.bytes_per_slot
+        budget = settings.kv_cache_bytes or min(
+            settings.max_num_seqs * per_slot, int(_physical_memory() * AUTO_KV_SHARE)
+        )
+        rows = min(settings.max_num_seqs, budget // per_slot)
+        if rows < 1:
+            raise InvalidArgument(
+                f"{folder.path}: kv_cache_bytes {budget} holds no sequence: one takes "
+                f"{per_slot} bytes (max_model_len {capacity} x {decoder.layout.bytes_per_token} "
+                "bytes a token); raise KV_CACHE_BYTES or lower MAX_MODEL_LEN"
+            )
+        network = GenerativeNetwork(
+            decoder_network, folder, tokenizer, decoder, settings, rows, device
+        )
+    except BaseException:
+        decoder_network.close()
+        raise
+    try:
+        network.warm_up()
+    except BaseException:
+        network.close()
+        raise
+    log.info(
+        "generative model %s on %s: %s graph (%s), context %d, %d sequences x %.1f MiB of cache",
+        folder.path, device, folder.kind, type(decoder).__name__, capacity, rows,
+        per_slot / (1 << 20),
+    )  # fmt: skip
+    return network
+
+
+class GenerativeNetwork(CompiledNetwork):
+    """A generative model: its engine (``.engine``), tokenizer (``.tokenizer``), and the
+    KServe face's tensors (decoupled)."""
+
+    decoupled = True
+    open_ended = True
+
+    def __init__(
+        self,
+        decoder_network: CompiledNetwork,
+        folder: ModelFolder,
+        tokenizer: Tokenizer,
+        decoder: Any,
+        settings: EngineSettings,
+        rows: int,
+        device: str,
+    ) -> None:
+        super().__init__(decoder_network.plugin, folder.path.name, decoder_network.config)
+        self.decoder_network = decoder_network
+        self.folder = folder
+        self.tokenizer = tokenizer
+        self.settings = settings
+        self.device_name = device
+        self._inputs = list(_INPUTS)
+        self._outputs = list(_OUTPUTS)
+        self.engine = Engine(folder.path.name, decoder, tokenizer, settings, rows)
+
+    @property
+    def precision(self) -> str:
+        return self.decoder_network.precision
+
+    def _metric(self, name: str) -> Any:
+        if name == "OPTIMAL_NUMBER_OF_INFER_REQUESTS":
+            return self.engine.scheduler.max_num_seqs
+        return super()._metric(name)
+
+    def warm_up(self) -> None:
+        """Two tokens for a two-token prompt: the graph runs on its device, or the load fails."""
+        first = self.tokenizer.bos_token_id or 0
+        request = GenerationRequest(
+            f"warm-up-{uuid.uuid4().hex}",
+            [first, first],
+            SamplingParams(max_tokens=2, temperature=0.0),
+        )
+        for _event in self.engine.generate(request):
+            pass
+
+    def create_infer_request(self) -> GenerativeInferRequest:
+        return GenerativeInferRequest(self)
+
+    def export(self) -> bytes:
+        raise Unsupported("a generative model is not exported; serve its folder")
+
+    def close(self) -> None:
+        self.engine.close()
+        self.decoder_network.close()
+        super().close()
+
+
+class GenerativeInferRequest(InferRequest):
+    """The KServe face's requests (see the module docstring)."""
+
+    network: GenerativeNetwork
+
+    def _infer(self, arrays: list[Any]) -> dict[str, np.ndarray]:
+        """A blocking run (in-process, or a unary call): the whole answer in one response."""
+        sender = QueueSender()
+        values = dict(zip((s.name for s in self.network.inputs), arrays))
+        values["stream"] = None  # one response
+        collected: list[Any] = []
+        face = _Face(self.network, values, sender)
+        self.network.engine.add(face.request, face)
+        try:
+            for item in sender:
+                collected.append(item)
+        finally:
+            sender.close()
+        return dict(collected[-1].outputs) if collected else {}
+
+    def infer_decoupled(self, arrays: list[Any], sender: Any) -> None:
+        """Start the generation; its responses go to ``sender`` (the last with final)."""
+        values = dict(zip((s.name for s in self.network.inputs), arrays))
+        face = _Face(self.network, values, sender)
+        self.network.engine.add(face.request, face)
+
+    def get_performance_counts(self) -> list[PerfCount]:
+        return []
+
+
+def _scalar(values: Mapping[str, Any], name: str) -> Any:
+    value = values.get(name)
+    if value is None:
+        return None
+    array = np.asarray(value)
+    if array.size != 1:
+        raise InvalidInput(f"input {name!r}: expected one element, got {array.size}")
+    item = array.reshape(-1)[0]
+    return item.item() if isinstance(item, np.generic) else item
+
+
+def _text(value: Any, name: str) -> str:
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError:
+            raise InvalidInput(f"input {name!r}: not UTF-8 text") from None
+    if isinstance(value, str):
+        return value
+    raise InvalidInput(f"input {name!r}: expected text, got {type(value).__name__}")
+
+
+def sampling_from(values: Mapping[str, Any]) -> SamplingParams:
+    """The request's sampling: ``sampling_parameters`` JSON, then the single inputs over it."""
+    params: dict[str, Any] = {}
+    raw = _scalar(values, "sampling_parameters")
+    if raw is not None:
+        text = _text(raw, "sampling_parameters")
+        try:
+            parsed = json.loads(text) if text.strip() else {}
+        except ValueError as exc:
+            raise InvalidInput(f"input 'sampling_parameters': not valid JSON ({exc})") from None
+        if not isinstance(parsed, dict):
+            raise InvalidInput("input 'sampling_parameters': expected a JSON object")
+        unknown = sorted(set(parsed) - set(_SAMPLING_KEYS))
+        if unknown:
+            raise InvalidInput(
+                f"input 'sampling_parameters': unknown key(s) {unknown}; known: "
+                f"{', '.join(sorted(_SAMPLING_KEYS))}"
+            )
+        for key, value in parsed.items():
+            kinds = _SAMPLING_KEYS[key]
+            if value is None:
+                continue
+            if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+                raise InvalidInput(
+                    f"input 'sampling_parameters': {key!r} must be "
+                    f"{' or '.join(k.__name__ for k in kinds)}, got {value!r}"
+                )
+            params[key] = value
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed"):
+        value = _scalar(values, name)
+        if value is not None:
+            params[name] = value
+    if params.pop("n", 1) != 1:
+        raise InvalidInput("input 'sampling_parameters': n must be 1 on this protocol")
+    if isinstance(params.get("stop"), str):
+        params["stop"] = [params["stop"]]
+    return check_sampling(SamplingParams(**params))
+
+
+def check_sampling(p: SamplingParams) -> SamplingParams:
+    """InvalidArgument naming the first parameter out of range."""
+    rules = (
+        ("max_tokens", p.max_tokens >= 1, "at least 1"),
+        ("temperature", p.temperature >= 0, "at least 0"),
+        ("top_p", 0 < p.top_p <= 1, "in (0, 1]"),
+        ("top_k", p.top_k >= -1, "-1, 0 (all) or more"),
+        ("min_p", 0 <= p.min_p <= 1, "in [0, 1]"),
+        ("min_tokens", p.min_tokens >= 0, "at least 0"),
+        ("presence_penalty", -2 <= p.presence_penalty <= 2, "in [-2, 2]"),
+        ("frequency_penalty", -2 <= p.frequency_penalty <= 2, "in [-2, 2]"),
+        ("repetition_penalty", p.repetition_penalty > 0, "above 0"),
+        (
+            "stop",
+            all(isinstance(s, str) for s in p.stop) and len(p.stop) <= 16,
+            "16 strings at most",
+        ),
+        ("stop_token_ids", all(isinstance(t, int) for t in p.stop_token_ids), "integers"),
+        ("seed", p.seed is None or 0 <= p.seed < 2**63, "in [0, 2**63)"),
+    )
+    for name, ok, what in rules:
+        if not ok:
+            raise InvalidArgument(f"{name} must be {what}, got {getattr(p, name)!r}")
+    if p.top_k < 0:
+        p.top_k = 0
+    return p
+
+
+class _Face:
+    """A KServe request's sender for the engine: events into Triton-style responses."""
+
+    __slots__ = ("_parts", "_prompt", "_returns", "exclude", "request", "sender", "stream")
+
+    def __init__(self, network: GenerativeNetwork, values: Mapping[str, Any], sender: Any) -> None:
+        raw_ids = values.get("input_ids")
+        text = values.get("text_input")
+        if (raw_ids is None) == (text is None):
+            raise InvalidInput("give the prompt as text_input or as input_ids (one of them)")
+        prompt = _text(_scalar(values, "text_input"), "text_input") if text is not None else ""
+        self.stream = bool(_scalar(values, "stream") or False)
+        self.exclude = bool(_scalar(values, "exclude_input_in_output") or False)
+        self._returns = {
+            name: bool(_scalar(values, f"return_{name}") or False)
+            for name in ("num_input_tokens", "num_output_tokens", "finish_reason")
+        }
+        params = sampling_from(values)
+        if raw_ids is not None:  # TensorRT-LLM's way: the prompt's token ids
+            ids = [int(i) for i in np.asarray(raw_ids).reshape(-1)]
+        else:
+            ids = network.tokenizer.encode(prompt, add_special_tokens=True)
+        self.request = GenerationRequest(f"kserve-{uuid.uuid4().hex}", ids, params)
+        self.sender = sender
+        self._prompt = prompt
+        self._parts: list[str] = []
+
+    @property
+    def cancelled(self) -> bool:
+        return bool(self.sender.cancelled)
+
+    def on_cancel(self, callback: Any) -> Any:
+        return self.sender.on_cancel(callback)
+
+    def fail(self, error: BaseException) -> None:
+        self.sender.fail(error)
+
+    def send(self, event: GenerationEvent, final: bool = False) -> bool:
+        if self.stream:
+            if not event.text and not final:
+                return not self.sender.cancelled
+            return self.sender.send(self._response(event.text, event, final), final)
+        self._parts.append(event.text)
+        if not final:
+            return not self.sender.cancelled
+        text = "".join(self._parts)
+        if not self.exclude:
+            text = self._prompt + text
+        return self.sender.send(self._response(text, event, True), True)
+
+    def _response(self, text: str, event: GenerationEvent, final: bool) -> Any:
+        outputs: dict[str, np.ndarray] = {
+            "text_output": np.array([text.encode("utf-8")], dtype=object)
+        }
+        if final and self._returns["num_input_tokens"]:
+            outputs["num_input_tokens"] = np.array([event.prompt_tokens], np.uint32)
+        if final and self._returns["num_output_tokens"]:
+            outputs["num_output_tokens"] = np.array([event.completion_tokens], np.uint32)
+        if final and self._returns["finish_reason"]:
+            outputs["finish_reason"] = np.array(
+                [(event.finish_reason or "").encode()], dtype=object
+            )
+        return Response(outputs)

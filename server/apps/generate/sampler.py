@@ -1,0 +1,222 @@
+"""Choosing each sequence's next token from one step's logits, for the whole batch at once.
+
+One call per step takes the ``[rows, vocab]`` logits of every sequence that produces a token
+this step and returns one token per row. What most requests use runs over the batch as one
+numpy operation (greedy rows: one ``argmax``; sampled rows: temperature, softmax, cumulative
+sums and the draws' positions together); what only some rows ask for (penalties, bias,
+top-k, top-p, min-p, a grammar's mask) is applied to those rows alone.
+
+Order, vLLM's: ``logit_bias``, the constraint's mask, ``min_tokens`` (stop tokens masked),
+repetition penalty (prompt and output tokens, as transformers' ``RepetitionPenaltyLogitsProcessor``:
+positive logits divided, negative multiplied), frequency and presence penalties (output tokens,
+OpenAI's formula); then greedy rows take the argmax, sampled rows divide by the temperature
+and cut by top-k, top-p (the smallest set whose probability reaches p) and min-p (below
+``min_p`` times the most likely token's probability) before drawing.
+
+Log probabilities are those of the model's own distribution (log-softmax of the raw logits,
+before any processing: vLLM's default ``raw_logprobs``), so they compare with the model's
+f32 answer whatever sampling asked.
+
+Each row draws from its own generator when its request has a seed (numpy's PCG64 seeded with
+it, one uniform number per token), so a seeded request's tokens do not depend on what else
+shares its batches; rows without a seed draw from the engine's generator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from plugserve.server.apps.generate.types import SamplingParams, TokenLogprob
+
+__all__ = ["Sampler", "SamplingState", "log_softmax"]
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """Row-wise log-softmax in float32 (the max subtracted first)."""
+    shifted = logits - logits.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+class SamplingState:
+    """What the sampler keeps for one sequence: its parameters, its generator, the stop ids
+    ``min_tokens`` masks, and the tokens its penalties look at."""
+
+    __slots__ = (
+        "constraint",
+        "counts",
+        "generator",
+        "params",
+        "processed",
+        "prompt_ids",
+        "stop_ids",
+        "stop_set",
+    )
+
+    def __init__(
+        self,
+        params: SamplingParams,
+        prompt_ids: Sequence[int],
+        stop_ids: Sequence[int],
+        generator: np.random.Generator | None = None,
+        constraint: Any = None,
+    ) -> None:
+        self.params = params
+        self.generator = generator
+        self.constraint = constraint
+        self.stop_ids = np.asarray(sorted(set(stop_ids)), dtype=np.int64)
+        #: the same ids, for the engine's check of each chosen token
+        self.stop_set = frozenset(int(i) for i in stop_ids)
+        p = params
+        #: whether its logits are changed before choosing (else they are used as they are)
+        self.processed = bool(
+            p.logit_bias
+            or constraint is not None
+            or (p.min_tokens > 0 and len(self.stop_ids))
+            or p.repetition_penalty != 1.0
+            or p.frequency_penalty != 0.0
+            or p.presence_penalty != 0.0
+        )
+        self.prompt_ids = (
+            np.unique(np.asarray(prompt_ids, dtype=np.int64))
+            if p.repetition_penalty != 1.0
+            else None
+        )
+        #: output token id -> times generated (only kept when a penalty needs it)
+        self.counts: dict[int, int] | None = (
+            {}
+            if (
+                p.repetition_penalty != 1.0
+                or p.frequency_penalty != 0.0
+                or p.presence_penalty != 0.0
+            )
+            else None
+        )
+
+    def accepted(self, token_id: int) -> None:
+        """Record the token chosen for this sequence."""
+        if self.counts is not None:
+            self.counts[token_id] = self.counts.get(token_id, 0) + 1
+        if self.constraint is not None:
+            self.constraint.accept(token_id)
+
+
+class Sampler:
+    """The batch's next tokens. ``seed``: the engine's generator, for unseeded requests."""
+
+    def __init__(self, seed: int | None = None) -> None:
+        self.generator = np.random.default_rng(seed)
+
+    def __call__(
+        self, logits: np.ndarray, rows: Sequence[SamplingState], generated: Sequence[int]
+    ) -> tuple[np.ndarray, list[TokenLogprob | None]]:
+        """``logits``: float32 ``[len(rows), vocab]``; ``generated``: how many tokens each row's
+        sequence has generated so far (for ``min_tokens``). Returns the tokens (int64) and, per
+        row, its logprob entry (None where not asked)."""
+        count = len(rows)
+        raw = logits
+        logprobs: list[TokenLogprob | None] = [None] * count
+        asked = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        raw_lp = log_softmax(raw[asked]) if asked else None
+        if any(r.processed for r in rows):
+            logits = logits.copy()
+            for i, row in enumerate(rows):
+                if row.processed:
+                    _process(logits[i], row, generated[i])
+        tokens = np.empty(count, dtype=np.int64)
+        greedy = [i for i, r in enumerate(rows) if r.params.temperature == 0.0]
+        if greedy:
+            tokens[greedy] = np.argmax(logits[greedy], axis=-1)
+        drawn = [i for i, r in enumerate(rows) if r.params.temperature != 0.0]
+        if drawn:
+            tokens[drawn] = self._draw(logits[drawn], [rows[i] for i in drawn])
+        if raw_lp is not None:
+            for j, i in enumerate(asked):
+                logprobs[i] = _entry(raw_lp[j], int(tokens[i]), rows[i].params.logprobs or 0)
+        for i, row in enumerate(rows):
+            row.accepted(int(tokens[i]))
+        return tokens, logprobs
+
+    def _draw(self, logits: np.ndarray, rows: Sequence[SamplingState]) -> np.ndarray:
+        temperatures = np.array([r.params.temperature for r in rows], dtype=np.float32)
+        scaled = logits / temperatures[:, None]
+        for i, row in enumerate(rows):
+            p = row.params
+            if 0 < p.top_k < scaled.shape[1]:
+                kth = np.partition(scaled[i], -p.top_k)[-p.top_k]
+                scaled[i][scaled[i] < kth] = -np.inf
+        scaled -= scaled.max(axis=-1, keepdims=True)
+        probs = np.exp(scaled, dtype=np.float32)
+        probs /= probs.sum(axis=-1, keepdims=True)
+        for i, row in enumerate(rows):
+            p = row.params
+            if p.top_p < 1.0:
+                _top_p(probs[i], p.top_p)
+            if p.min_p > 0.0:
+                probs[i][probs[i] < p.min_p * probs[i].max()] = 0.0
+        uniforms = np.array(
+            [(r.generator or self.generator).random() for r in rows], dtype=np.float64
+        )
+        cdf = np.cumsum(probs, axis=-1, dtype=np.float64)
+        targets = uniforms * cdf[:, -1]
+        # the first token whose cumulative probability passes the draw (never a zero one)
+        chosen = np.array(
+            [np.searchsorted(cdf[i], targets[i], side="right") for i in range(len(rows))],
+            dtype=np.int64,
+        )
+        return np.minimum(chosen, probs.shape[1] - 1)
+
+
+def _process(row: np.ndarray, state: SamplingState, generated: int) -> None:
+    """The processing of one row's logits, in place."""
+    p = state.params
+    if p.logit_bias:
+        ids = np.fromiter(p.logit_bias.keys(), dtype=np.int64)
+        values = np.fromiter(p.logit_bias.values(), dtype=np.float32)
+        keep = ids < row.shape[0]
+        row[ids[keep]] += values[keep]
+    if state.constraint is not None:
+        allowed = np.asarray(state.constraint.mask(row.shape[0]), dtype=bool)
+        row[: allowed.shape[0]][~allowed] = -np.inf
+        row[allowed.shape[0] :] = -np.inf
+    if generated < p.min_tokens and len(state.stop_ids):
+        stop = state.stop_ids[state.stop_ids < row.shape[0]]
+        row[stop] = -np.inf
+    if state.counts is not None:
+        out_ids = np.fromiter(state.counts.keys(), dtype=np.int64, count=len(state.counts))
+        if p.repetition_penalty != 1.0:
+            seen = (
+                np.union1d(state.prompt_ids, out_ids) if state.prompt_ids is not None else out_ids
+            )
+            seen = seen[seen < row.shape[0]]
+            values = row[seen]
+            row[seen] = np.where(
+                values > 0, values / p.repetition_penalty, values * p.repetition_penalty
+            )
+        if len(out_ids) and (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0):
+            counts = np.fromiter(state.counts.values(), dtype=np.float32, count=len(out_ids))
+            keep = out_ids < row.shape[0]
+            row[out_ids[keep]] -= p.frequency_penalty * counts[keep] + p.presence_penalty * (
+                counts[keep] > 0
+            )
+
+
+def _top_p(probs: np.ndarray, top_p: float) -> None:
+    """Zero every probability outside the smallest set of most likely tokens whose sum
+    reaches ``top_p`` (the token that crosses it is kept), in place."""
+    order = np.argsort(-probs, kind="stable")
+    cumulative = np.cumsum(probs[order])
+    cut = int(np.searchsorted(cumulative, top_p, side="left")) + 1
+    probs[order[cut:]] = 0.0
+
+
+def _entry(row_lp: np.ndarray, token: int, top: int) -> TokenLogprob:
+    best: list[tuple[int, float]] = []
+    if top > 0:
+        k = min(top, row_lp.shape[0])
+        ids = np.argpartition(-row_lp, k - 1)[:k]
+        ids = ids[np.argsort(-row_lp[ids], kind="stable")]
+        best = [(int(i), float(row_lp[i])) for i in ids]
+    return TokenLogprob(token, float(row_lp[token]), best)

@@ -1,0 +1,253 @@
+"""Which sequences run in the next step, and how many prompt tokens each computes.
+
+One decision per step (iteration-level scheduling, as Orca and vLLM): requests join between
+steps and leave as soon as they finish. The step's work is bounded by ``max_num_batched_tokens``
+(the tokens computed in one step: each decoding sequence's one token, plus prompt tokens):
+
+1. every decoding sequence gets its token (a running stream is never starved by prompts);
+2. sequences whose prompt is partly computed continue, first come first served, each taking
+   what is left of the budget (a long prompt is split into chunks across steps: chunked
+   prefill, so it never stalls the streams already decoding for more than one chunk);
+3. waiting requests are admitted, oldest first, while the budget has tokens, a request's
+   ``n`` sequences fit under ``max_num_seqs`` and the cache has a free slot for each; the
+   first blocked request stops admission (no overtaking: a large ``n`` is not starved).
+
+Admission looks the prompt up in the prefix cache (:class:`.kvcache.SlotTable`): its cached
+blocks are not computed again. A request's sequences share the prompt: the first computes
+it and the others copy its cache into their own slots when it is done (``n`` > 1 costs one
+prompt's compute).
+
+Held, not preempted: a sequence's slot holds the whole context (see :mod:`.kvcache`), so a
+running sequence never needs more cache than it has; when the slots are all held, requests
+wait in the queue (never an out-of-memory, never a preemption that recomputes work). The
+queue is bounded (``max_waiting``): beyond it ``add`` refuses with ResourceExhausted.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+from plugserve.server.apps.generate.kvcache import Slot, SlotTable
+
+__all__ = ["Plan", "RequestState", "Scheduler", "Sequence"]
+
+WAITING, PREFILL, FORK, DECODE, FINISHED = "waiting", "prefill", "fork", "decode", "finished"
+
+
+class Sequence:
+    """One sequence of a request: its tokens (prompt then generated), how many are in its
+    slot (``computed``), and its state."""
+
+    __slots__ = (
+        "computed",
+        "detokenizer",
+        "finish_reason",
+        "first_at",
+        "generated",
+        "index",
+        "last_at",
+        "request",
+        "sampling",
+        "slot",
+        "status",
+        "stop_reason",
+        "tokens",
+    )
+
+    def __init__(self, request: RequestState, index: int, prompt: list[int]) -> None:
+        self.request = request
+        self.index = index
+        self.tokens = list(prompt)
+        self.computed = 0
+        self.generated = 0
+        self.slot: Slot | None = None
+        self.status = WAITING
+        self.sampling: Any = None
+        self.detokenizer: Any = None
+        self.first_at = 0.0
+        self.last_at = 0.0
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+
+    @property
+    def pending(self) -> int:
+        """Tokens to compute before the next one can be chosen."""
+        return len(self.tokens) - self.computed
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.request.request_id}#{self.index}, {self.status}, "
+            f"{self.computed}/{len(self.tokens)})"
+        )
+
+
+class RequestState:
+    """A request in the engine: its sequences, its consumer, its timings."""
+
+    __slots__ = (
+        "arrival",
+        "cached",
+        "done",
+        "prompt_len",
+        "request",
+        "request_id",
+        "sender",
+        "sequences",
+        "started",
+    )
+
+    def __init__(self, request: Any, sender: Any, arrival: float) -> None:
+        self.request = request
+        self.request_id = request.request_id
+        self.sender = sender
+        self.arrival = arrival
+        self.prompt_len = len(request.prompt_token_ids)
+        self.sequences = [
+            Sequence(self, i, request.prompt_token_ids) for i in range(max(1, request.n))
+        ]
+        self.cached = 0  # prompt tokens taken from the prefix cache
+        self.done = 0  # sequences finished
+        self.started = 0.0  # when it was admitted (monotonic)
+
+    @property
+    def finished(self) -> bool:
+        return self.done == len(self.sequences)
+
+
+@dataclasses.dataclass
+class Plan:
+    """One step's work: decoding sequences (one token each), first prompt chunks (nothing in
+    their slot yet: one batch) and continuing chunks (``(sequence, count)``)."""
+
+    decode: list[Sequence] = dataclasses.field(default_factory=list)
+    first: list[tuple[Sequence, int]] = dataclasses.field(default_factory=list)
+    extend: list[tuple[Sequence, int]] = dataclasses.field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.decode or self.first or self.extend)
+
+    @property
+    def tokens(self) -> int:
+        return len(self.decode) + sum(c for _s, c in self.first) + sum(c for _s, c in self.extend)
+
+
+class Scheduler:
+    """The waiting queue, the running sequences, and each step's plan."""
+
+    def __init__(
+        self,
+        table: SlotTable,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_waiting: int,
+        copy_prefix: Callable[[Slot, Slot, int], None],
+    ) -> None:
+        self.table = table
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_waiting = max_waiting
+        self.copy_prefix = copy_prefix
+        self.waiting: collections.deque[RequestState] = collections.deque()
+        #: sequences holding a slot, in admission order
+        self.running: list[Sequence] = []
+
+    @property
+    def held(self) -> int:
+        return len(self.running)
+
+    def schedule(self) -> Plan:
+        plan = Plan()
+        budget = self.max_num_batched_tokens
+        for seq in self.running:
+            if seq.status == DECODE:
+                plan.decode.append(seq)
+        budget -= len(plan.decode)
+        for seq in self.running:
+            if budget <= 0:
+                break
+            if seq.status == PREFILL and seq.computed > 0:
+                count = min(seq.pending, budget)
+                plan.extend.append((seq, count))
+                budget -= count
+        for seq in self.running:  # admitted earlier with no token computed yet
+            if budget <= 0:
+                break
+            if seq.status == PREFILL and seq.computed == 0:
+                count = min(seq.pending, budget)
+                plan.first.append((seq, count))
+                budget -= count
+        self._look_ahead()
+        while self.waiting and budget > 0:
+            state = self.waiting[0]
+            need = len(state.sequences)
+            if self.held + need > self.max_num_seqs or self.table.free_count < need:
+                break
+            self.waiting.popleft()
+            leader = self._admit(state)
+            count = min(leader.pending, budget)
+            if leader.computed == 0:
+                plan.first.append((leader, count))
+            else:
+                plan.extend.append((leader, count))
+            budget -= count
+        return plan
+
+    def _look_ahead(self) -> None:
+        """The free slots the next requests to be admitted will reuse, so that those admitted
+        before them in this step evict other slots first (six prompts cycling through four
+        slots otherwise evicted each prompt's blocks just before its next request came)."""
+        table = self.table
+        table.wanted = set()
+        if not table.prefix_caching or not self.waiting:
+            return
+        for state in itertools.islice(self.waiting, table.free_count):
+            slot, _hit = table.lookup(state.sequences[0].tokens, count=False)
+            if slot is not None and slot.owner is None:
+                table.wanted.add(slot.index)
+
+    def _admit(self, state: RequestState) -> Sequence:
+        """Slots for every sequence of ``state``; the leader's prompt prefix from the cache."""
+        leader = state.sequences[0]
+        prompt = leader.tokens
+        source, hit = self.table.lookup(prompt)
+        if source is not None and source.owner is None:
+            leader.slot = self.table.take(leader, prefer=source)
+            self.table.truncate(leader.slot, hit)
+        else:
+            leader.slot = self.table.take(leader)
+            if source is not None:
+                self.table.truncate(leader.slot, 0)
+                self.copy_prefix(source, leader.slot, hit)
+                self.table.written(leader.slot, prompt[:hit])
+        leader.computed = hit
+        state.cached = hit
+        leader.status = PREFILL
+        self.running.append(leader)
+        for seq in state.sequences[1:]:
+            seq.slot = self.table.take(seq)
+            seq.status = FORK
+            self.running.append(seq)
+        return leader
+
+    def finish(self, seq: Sequence) -> None:
+        """``seq`` ended: its slot is free (its tokens stay as a prefix cache)."""
+        if seq.slot is not None:
+            self.table.release(seq.slot)
+            seq.slot = None
+        if seq.status != WAITING:
+            with contextlib.suppress(ValueError):
+                self.running.remove(seq)
+        seq.status = FINISHED
+
+    def drop_waiting(self, state: RequestState) -> bool:
+        try:
+            self.waiting.remove(state)
+        except ValueError:
+            return False
+        return True

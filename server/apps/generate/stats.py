@@ -1,0 +1,92 @@
+"""One engine's numbers for Prometheus: histograms of time to first token, inter-token latency
+and end-to-end latency, token counters, and the present's gauges.
+
+The engine's loop thread updates plain lists and numbers under one lock as tokens come out
+(no prometheus_client objects on the hot path, as ``server/plane/metrics.py`` does for requests);
+``server/plane/metrics.py`` turns a :meth:`GenerationStats.snapshot` into families when /metrics is
+scraped.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import threading
+
+__all__ = ["BUCKETS", "GenerationStats", "Histogram", "Snapshot"]
+
+#: seconds: from a fast inter-token latency (ms) to a long queued request (minutes)
+BUCKETS = {
+    "time_to_first_token": (
+        0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+        7.5, 10.0, 20.0, 40.0, 80.0,
+    ),
+    "inter_token_latency": (
+        0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
+        0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+    ),
+    "e2e_request_latency": (
+        0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+        240.0, 480.0,
+    ),
+}  # fmt: skip
+
+
+class Histogram:
+    """Per-bucket counts (not cumulative; the last is +Inf) and the sum."""
+
+    __slots__ = ("bounds", "counts", "total")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.total = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.total += value
+
+
+@dataclasses.dataclass
+class Snapshot:
+    """What one scrape reads."""
+
+    histograms: dict[str, tuple[tuple[float, ...], list[int], float]]
+    prompt_tokens: int
+    generation_tokens: int
+    cached_prompt_tokens: int
+    finished: dict[str, int]
+    running: int
+    waiting: int
+    kv_cache_usage: float
+    kv_cache_bytes: int
+
+
+class GenerationStats:
+    """Updated by the engine's loop; read by scrapes (both under :attr:`lock`)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.histograms = {name: Histogram(bounds) for name, bounds in BUCKETS.items()}
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.cached_prompt_tokens = 0
+        self.finished: dict[str, int] = {"stop": 0, "length": 0, "abort": 0}
+        self.running = 0
+        self.waiting = 0
+        self.kv_cache_usage = 0.0
+        self.kv_cache_bytes = 0
+
+    def snapshot(self) -> Snapshot:
+        with self.lock:
+            return Snapshot(
+                {n: (h.bounds, list(h.counts), h.total) for n, h in self.histograms.items()},
+                self.prompt_tokens,
+                self.generation_tokens,
+                self.cached_prompt_tokens,
+                dict(self.finished),
+                self.running,
+                self.waiting,
+                self.kv_cache_usage,
+                self.kv_cache_bytes,
+            )

@@ -1,0 +1,256 @@
+"""A Hugging Face model folder's tokenizer: ``tokenizer.json`` run by the ``tokenizers`` library,
+the special tokens and chat template of ``tokenizer_config.json`` (or ``chat_template.jinja``),
+and the end-of-sequence ids of ``generation_config.json`` and ``config.json``.
+
+What ``transformers``' ``AutoTokenizer`` does with the same files, without importing it (it
+takes seconds and a gigabyte of dependencies): ``encode`` runs the tokenizer's own pipeline
+(normalizer, pre-tokenizer, model, post-processor: BOS/EOS insertion is the post-processor's,
+as in fast tokenizers), ``decode`` its decoder, and the chat template renders as
+``apply_chat_template`` does (see :mod:`.chat_template`).
+
+End of sequence: the union of ``generation_config.json``'s ``eos_token_id`` (what
+``transformers``' ``generate`` stops at), ``config.json``'s, and the tokenizer's ``eos_token``
+(vLLM's rule: some folders name only one of them).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from plugserve.plugins.api import InvalidArgument, InvalidModel
+
+__all__ = ["TOKENIZER_FILE", "Tokenizer", "read_json"]
+
+log = logging.getLogger(__name__)
+
+TOKENIZER_FILE = "tokenizer.json"
+#: the special tokens a chat template may name, as transformers passes them
+_SPECIAL = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
+#: the most bytes of JSON a settings file of the folder may have (a tokenizer.json of a
+#: 256k-token vocabulary is ~30 MB; it is read by ``tokenizers`` itself)
+MAX_JSON_BYTES = 16 << 20
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """A folder's JSON settings file as a dict ({} when absent); InvalidModel naming the file
+    when it is not a JSON object or too large."""
+    if not path.is_file():
+        return {}
+    try:
+        if path.stat().st_size > MAX_JSON_BYTES:
+            raise InvalidModel(f"{path}: over {MAX_JSON_BYTES >> 20} MiB; not a settings file")
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise InvalidModel(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise InvalidModel(f"{path}: expected a JSON object")
+    return raw
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or an AddedToken dict."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+def _ids(value: Any) -> list[int]:
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, list):
+        return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
+    return []
+
+
+class Tokenizer:
+    """The tokenizer of one model folder; thread-safe (``tokenizers`` releases the GIL and
+    keeps no state between calls; the chat template is compiled once)."""
+
+    def __init__(
+        self,
+        backend: Any,
+        config: Mapping[str, Any],
+        chat_template: str | None = None,
+        eos_token_ids: Iterable[int] = (),
+        where: str = "tokenizer",
+    ) -> None:
+        self.backend = backend
+        self.where = where
+        #: the special tokens a template may name (bos_token, eos_token, ...)
+        self.special_tokens: dict[str, str] = {}
+        for key in _SPECIAL:
+            text = _token_text(config.get(key))
+            if text is not None:
+                self.special_tokens[key] = text
+        extra = config.get("additional_special_tokens") or config.get("extra_special_tokens")
+        self.additional_special_tokens = [
+            t for t in (_token_text(v) for v in (extra or [])) if t is not None
+        ]
+        self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+        #: the added tokens marked special (left out of text with skip_special_tokens)
+        self.special_ids: frozenset[int] = frozenset(
+            i for i, t in backend.get_added_tokens_decoder().items() if t.special
+        )
+        eos = list(dict.fromkeys(eos_token_ids))
+        eos_text = self.special_tokens.get("eos_token")
+        if eos_text is not None:
+            found = backend.token_to_id(eos_text)
+            if found is not None and found not in eos:
+                eos.append(found)
+        #: the ids that end a sequence (unless ``ignore_eos``)
+        self.eos_token_ids: tuple[int, ...] = tuple(eos)
+        bos = self.special_tokens.get("bos_token")
+        self.bos_token_id: int | None = backend.token_to_id(bos) if bos is not None else None
+        self.chat_template = chat_template
+        self._template: Any = None  # compiled on first use (jinja2 is imported then)
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> Tokenizer:
+        """The tokenizer of a Hugging Face model folder (its ``tokenizer.json`` is required)."""
+        folder = Path(folder)
+        path = folder / TOKENIZER_FILE
+        if not path.is_file():
+            raise InvalidModel(
+                f"{folder}: no {TOKENIZER_FILE}; a generative model folder needs the fast "
+                "tokenizer's file (save it with transformers' tokenizer.save_pretrained)"
+            )
+        try:
+            from tokenizers import Tokenizer as Backend
+        except ImportError:  # pragma: no cover - a dependency of the generate extra
+            raise InvalidModel(
+                "serving a generative model needs the tokenizers package: "
+                "pip install 'plugserve[generate]'"
+            ) from None
+        try:
+            backend = Backend.from_file(str(path))
+        except Exception as exc:
+            raise InvalidModel(f"{path}: the tokenizers library cannot read it ({exc})") from None
+        config = read_json(folder / "tokenizer_config.json")
+        eos = _ids(read_json(folder / "generation_config.json").get("eos_token_id"))
+        eos += _ids(read_json(folder / "config.json").get("eos_token_id"))
+        genai = read_json(folder / "genai_config.json").get("model")
+        if isinstance(genai, dict):  # a model builder's folder has no config.json
+            eos += _ids(genai.get("eos_token_id"))
+        return cls(backend, config, _chat_template(folder, config), eos, where=str(folder))
+
+    # --- text <-> ids
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; ``add_special_tokens`` runs the post-processor (BOS and the
+        like), as transformers' ``encode`` does by default. A chat prompt rendered from the
+        template carries its own special tokens: encode it with False."""
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_batch(
+        self, texts: Sequence[str], add_special_tokens: bool = True
+    ) -> list[list[int]]:
+        found = self.backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)
+        return [e.ids for e in found]
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's own text (special tokens included), as logprobs name tokens."""
+        return self.backend.decode([int(token_id)], skip_special_tokens=False)
+
+    def token_id(self, text: str) -> int | None:
+        return self.backend.token_to_id(text)
+
+    def is_special(self, token_id: int) -> bool:
+        return int(token_id) in self.special_ids
+
+    # --- chat
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        **kwargs: Any,
+    ) -> str:
+        """The prompt text of a chat, rendered by the folder's template as transformers'
+        ``apply_chat_template(..., tokenize=False)`` renders it; InvalidArgument when the
+        folder has no template or the template refuses the messages (its own words)."""
+        from plugserve.server.apps.generate import chat_template
+
+        if self.chat_template is None:
+            raise InvalidArgument(
+                f"{self.where}: this model has no chat template (chat_template in "
+                "tokenizer_config.json or chat_template.jinja); use completions instead"
+            )
+        if self._template is None:
+            self._template = chat_template.compile_template(self.chat_template, self.where)
+        context = {**self.special_tokens, **kwargs}
+        if self.additional_special_tokens:
+            context.setdefault("additional_special_tokens", self.additional_special_tokens)
+        return chat_template.render(
+            self._template, messages, add_generation_prompt, tools, context, self.where
+        )
+
+    def encode_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        **kwargs: Any,
+    ) -> list[int]:
+        """The chat's prompt ids: the rendered template encoded without added special tokens
+        (the template writes them), as ``apply_chat_template(tokenize=True)``."""
+        text = self.apply_chat_template(messages, add_generation_prompt, tools, **kwargs)
+        return self.encode(text, add_special_tokens=False)
+
+    # --- streaming
+
+    def detokenizer(self, prompt_ids: Sequence[int], params: Any) -> Any:
+        """An incremental detokenizer for one sequence continuing ``prompt_ids``
+        (:class:`.detokenizer.IncrementalDetokenizer`): new text per token, stop strings
+        found and held back."""
+        from plugserve.server.apps.generate.detokenizer import IncrementalDetokenizer
+
+        return IncrementalDetokenizer(
+            self,
+            prompt_ids,
+            stop=params.stop,
+            skip_special_tokens=params.skip_special_tokens,
+            include_stop=params.include_stop_str_in_output,
+        )
+
+
+def _chat_template(folder: Path, config: Mapping[str, Any]) -> str | None:
+    """The folder's chat template: ``chat_template.jinja`` (transformers writes it since
+    4.50), else ``chat_template.json``'s, else ``tokenizer_config.json``'s (a string, or a
+    list of named templates whose ``default`` is taken)."""
+    path = folder / "chat_template.jinja"
+    if path.is_file():
+        try:
+            return path.read_text(encoding="utf-8")
+        except (OSError, ValueError) as exc:
+            raise InvalidModel(f"{path}: cannot read it ({exc})") from None
+    raw = read_json(folder / "chat_template.json").get("chat_template")
+    if raw is None:
+        raw = config.get("chat_template")
+    if isinstance(raw, list):
+        named = {
+            t.get("name"): t.get("template")
+            for t in raw
+            if isinstance(t, Mapping) and isinstance(t.get("template"), str)
+        }
+        raw = named.get("default") or next(iter(named.values()), None)
+    return raw if isinstance(raw, str) else None

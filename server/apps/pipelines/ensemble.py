@@ -1,0 +1,1050 @@
+"""Ensembles: Triton's ``platform: "ensemble"`` models and OVMS's DAG pipelines, whose steps run
+other models the server serves, tensors handed from step to step by name.
+
+An ensemble is a network of the ``ENSEMBLE`` device, so the data plane, protocols, deadlines,
+statistics and the memory budget treat it as any model. Its steps are a small graph decided at
+load (:class:`Graph`): which step writes each tensor, which steps wait on which. A request runs
+them as Triton's ensemble scheduler does (``ensemble_scheduler.cc``): a step is sent as soon as
+the tensors it reads are there, so steps that do not depend on each other run at once; only the
+steps the requested outputs need run (the run's outputs travel on its token); each step is a
+request of the data plane to its own model and version (counted there, cancelled with the
+ensemble's request), and the tensors between steps are arrays in the server's memory, passed
+by reference (never serialized or copied: tests/server/test_ensembles.py checks the answer of
+a chain of NUMPY steps shares the request's memory).
+
+Threads, and their bounds: a request runs on one stream of the ensemble's executor (NUM_STREAMS,
+default :data:`STREAMS`: at most that many ensemble requests run at once, more wait in its
+bounded queue), or inline on the caller's thread when one is idle. That thread runs one ready
+step itself (inline, as a unary call does: a chain of steps costs no thread hand-off) and hands
+the others to their own models' executors (each bounded by its model's streams and queue); it
+then waits for the next step to finish. So one request holds one thread of its own, whatever
+its number of steps; what runs beside it runs on threads the step models own anyway.
+
+OVMS's demultiplexers (``ovms_dag.py``) are steps of their own (:class:`Fan`): the nodes after
+the splitting node are an ensemble of their own (the fan's region), run once per item of the
+split outputs, each branch a request on the region's streams (NUM_STREAMS, default
+:data:`STREAMS`, each branch holding one thread while it runs; at most :data:`MAX_BRANCHES`
+per request, queued there), its items views of the split outputs; the request's thread waits
+for the last branch and stacks what they give.
+
+The request's own parameters (KServe's ``parameters``, on its token) reach every step, as Triton
+hands each step the ensemble request's. Sequences (Triton passes the correlation id and
+start/end flags of the ensemble's request to its steps): an ensemble one of whose steps' models
+has sequence batching takes sequence requests (:class:`SequenceRelay`), and passes the request's
+sequence on to each step that is a sequence model (or an ensemble that passes it on); other
+steps run as plain requests.
+
+A step's output it did not produce (Triton's optional outputs: a Python model may leave one
+out) leaves its tensor unset: a step reading it runs without that input (its model decides
+whether that input is optional), and an ensemble output left unset is missing from the answer.
+
+Decoupled steps (a model that answers a request with zero or many responses, as Triton runs
+them in ensembles): an ensemble with one is decoupled itself, streamed like any decoupled model.
+Each response of a decoupled step starts the steps that read its outputs once more, on those
+outputs (a *context* of the request: Triton's iteration of the step's tensors), and each context
+answers the requested outputs made in it as one response of the ensemble's; the final flag
+follows when every decoupled step has sent its own and every context has run. Which context a
+step runs in is decided at load, as Triton labels the tensors (``ensemble_utils.cc``): the
+outputs of a decoupled step start a label of their own, a step's outputs take the label of its
+inputs, and a step whose inputs come from two decoupled steps that are not one after the other
+is refused ("receives inputs originated from different decoupled models"). Triton refuses a step
+that reads an ensemble input beside a decoupled step's output too; here a context also sees the
+tensors of the context it came from, so such a step runs in the decoupled step's context, with
+the input it shares with every response. Contexts run one after another on the request's
+thread, in the order their responses came (the ensemble's responses keep the decoupled step's
+order: a token stream stays a token stream), each context's independent steps at once as in any
+request; a decoupled step's unread responses are bounded by its own stream (``MAX_ITEMS``,
+``MAX_BYTES`` of ``server/plane/response_stream.py``: past them the step is cancelled and the
+request
+fails, ResourceExhausted). A decoupled step runs with its request's parameters, and is cancelled
+with it.
+
+Refused at load, each with what does not connect: a step reading a tensor no step writes and
+the ensemble does not take, an ensemble output no step writes, a cycle, a tensor two steps
+write, a step of a loaded model mapping a tensor it does not have, a tensor whose element type
+differs between the step that writes it and the ensemble or the step that reads it, a step
+reading the responses of two decoupled steps neither of which follows the other, a decoupled
+step in a demultiplexer's branches, and an ensemble that runs itself through another ensemble.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import queue
+import threading
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from plugserve.plugins import cancel
+from plugserve.plugins.api import (
+    CompiledNetwork,
+    Configuration,
+    InferRequest,
+    InvalidInput,
+    InvalidModel,
+    PerfCount,
+    Plugin,
+    PlugserveError,
+    TensorSpec,
+    Unsupported,
+)
+from plugserve.plugins.responses import Response, ResponseSender
+from plugserve.plugins.streams import Finished
+from plugserve.server.apps.pipelines.types import DTYPES
+
+__all__ = [
+    "DECOUPLED_STREAMS",
+    "STREAMS",
+    "Definition",
+    "EnsemblePlugin",
+    "Fan",
+    "Graph",
+    "SequenceRelay",
+    "Step",
+]
+
+#: Ensemble requests one ensemble runs at once by default (its NUM_STREAMS): each holds a
+#: thread while its steps run. Triton's ensemble scheduler holds none (it is event driven on
+#: its composing models' callbacks); plugserve's devices answer a run synchronously, so the
+#: bound is on requests in flight, not on steps.
+STREAMS = 16
+#: ... and a decoupled one's: its request holds the thread for its whole stream (a stream of
+#: tokens lasts seconds, and its thread mostly waits for the next response), so more of them
+#: run at once before the next waits in the queue
+DECOUPLED_STREAMS = 64
+
+
+class Step:
+    """One step: its model and version (0: the latest), which tensor each of the model's
+    inputs reads and each of its outputs writes, and how messages name it."""
+
+    __slots__ = ("asked", "index", "inputs", "label", "model", "outputs", "version")
+
+    def __init__(
+        self,
+        index: int,
+        model: str,
+        version: int,
+        inputs: Mapping[str, str] | list[tuple[str, str]],
+        outputs: Mapping[str, str] | list[tuple[str, str]],
+        label: str = "",
+    ) -> None:
+        self.index = index
+        self.model = model
+        self.version = max(int(version), 0)
+        self.inputs = dict(inputs)  # model input -> tensor
+        self.outputs = dict(outputs)  # model output -> tensor
+        self.asked = list(self.outputs)
+        self.label = label or f"step {index}"
+
+    def __str__(self) -> str:
+        return f"{self.label} (model {self.model!r})"
+
+
+class Fan(Step):
+    """OVMS's demultiplexer as one step of the graph: the nodes after a node that splits its
+    outputs (``region``, an ensemble of their own) run once per item of the split outputs'
+    first dimension, each branch a request of the region's network on its own streams, and
+    what leaves the region is gathered: stacked along a new first dimension, in branch order.
+    Its inputs and outputs are the region's, under the same tensor names."""
+
+    __slots__ = ("count", "region", "split")
+
+    def __init__(
+        self,
+        index: int,
+        label: str,
+        region: Definition,
+        split: list[str],
+        count: int,
+        outer_inputs: list[str],
+        outer_outputs: list[str],
+    ) -> None:
+        super().__init__(
+            index,
+            "",
+            0,
+            [(t, t) for t in outer_inputs],
+            [(t, t) for t in outer_outputs],
+            label=label,
+        )
+        self.region = region
+        #: the tensors split per branch (the demultiplexer's outputs the region reads)
+        self.split = split
+        #: demultiply_count: the branches (-1: as many as the split outputs' first dimension)
+        self.count = count
+
+    def __str__(self) -> str:
+        return self.label
+
+
+#: branches one demultiplexer runs per request at most (OVMS's schema allows 10000; each
+#: branch is a request queued on the region's streams, whose queue holds this many)
+MAX_BRANCHES = 1024
+
+
+@dataclasses.dataclass
+class Definition:
+    """An ensemble as its configuration says it, whichever format (Triton's config.pbtxt,
+    OVMS's pipeline_config_list)."""
+
+    name: str
+    steps: list[Step]
+    #: the tensors a request brings: specs, or (OVMS) names whose specs are those of the
+    #: step inputs that read them
+    inputs: list[TensorSpec] | list[str]
+    #: each output the ensemble answers -> the tensor it answers with
+    outputs: dict[str, str]
+    #: the outputs' specs (None: those of the step outputs that write them)
+    output_specs: list[TensorSpec] | None = None
+    #: what messages call it ("ensemble 'x'", "pipeline 'x'")
+    kind: str = "ensemble"
+
+    @property
+    def where(self) -> str:
+        return f"{self.kind} {self.name!r}"
+
+
+class Plan:
+    """The steps one set of requested outputs needs, and their order: ``first`` run at once,
+    ``waits[i]`` steps must finish before step ``i`` runs, ``then[i]`` are the steps that
+    wait on step ``i``."""
+
+    __slots__ = ("first", "parts", "steps", "then", "waits", "writer")
+
+    def __init__(self, steps: list[Step], writer: dict[str, Step]) -> None:
+        self.steps = steps
+        self.writer = writer
+        #: a decoupled ensemble's plan, by context label: the steps that run in each context
+        self.parts: dict[int, Plan] = {}
+        needed = {s.index for s in steps}
+        self.waits: dict[int, int] = {}
+        self.then: dict[int, list[Step]] = {s.index: [] for s in steps}
+        for step in steps:
+            before = {
+                writer[t].index
+                for t in step.inputs.values()
+                if t in writer and writer[t].index in needed
+            }
+            self.waits[step.index] = len(before)
+            for index in sorted(before):
+                self.then[index].append(step)
+        self.first = [s for s in steps if not self.waits[s.index]]
+
+    def part(self, label: int, labels: Mapping[int, int]) -> Plan:
+        """The steps of this plan that run in a context of ``label`` (``labels``: each step's),
+        as a plan of their own (kept: a plan's parts are asked at every response)."""
+        found = self.parts.get(label)
+        if found is None:
+            found = Plan([s for s in self.steps if labels[s.index] == label], self.writer)
+            self.parts[label] = found
+        return found
+
+
+class Graph:
+    """The steps of an ensemble as a graph, checked at load: each tensor written once, read
+    only after it is, no cycle; the plans of the sets of outputs requests ask for."""
+
+    #: plans kept per ensemble: one per set of requested outputs (2^outputs at most)
+    MAX_PLANS = 64
+
+    def __init__(self, where: str, steps: list[Step], inputs: set[str], outputs: set[str]):
+        if not steps:
+            raise InvalidModel(f"{where}: it has no step")
+        self.where = where
+        writer: dict[str, Step] = {}
+        for step in steps:
+            for tensor in step.outputs.values():
+                if tensor in inputs:
+                    raise InvalidModel(f"{where}: {step} writes {tensor!r}, an input of it")
+                if tensor in writer:
+                    raise InvalidModel(
+                        f"{where}: tensor {tensor!r} is written by {writer[tensor]} and by {step}"
+                    )
+                writer[tensor] = step
+        for step in steps:
+            for tensor in step.inputs.values():
+                if tensor not in inputs and tensor not in writer:
+                    raise InvalidModel(
+                        f"{where}: {step} reads tensor {tensor!r}, which no step writes and the "
+                        f"{where.split()[0]} does not take as an input"
+                    )
+        for tensor in sorted(outputs):
+            if tensor not in writer and tensor not in inputs:
+                raise InvalidModel(f"{where}: output {tensor!r} is written by no step")
+        self.writer = writer
+        self.ordered = self._order(steps)
+        self._plans: dict[frozenset[str], Plan] = {}
+        self._lock = threading.Lock()
+
+    def _order(self, steps: list[Step]) -> list[Step]:
+        ordered: list[Step] = []
+        state: dict[int, str] = {}
+
+        def visit(step: Step, path: list[Step]) -> None:
+            if state.get(step.index) == "done":
+                return
+            if state.get(step.index) == "open":
+                cycle = " -> ".join(str(s) for s in [*path[path.index(step) :], step])
+                raise InvalidModel(f"{self.where}: its steps form a cycle: {cycle}")
+            state[step.index] = "open"
+            for tensor in step.inputs.values():
+                if tensor in self.writer:
+                    visit(self.writer[tensor], [*path, step])
+            state[step.index] = "done"
+            ordered.append(step)
+
+        for step in steps:
+            visit(step, [])
+        return ordered
+
+    def needed(self, wanted: set[str]) -> list[Step]:
+        """The steps that ``wanted`` tensors need, in dependency order."""
+        want = set(wanted)
+        keep: list[Step] = []
+        for step in reversed(self.ordered):
+            if want & set(step.outputs.values()):
+                keep.append(step)
+                want |= set(step.inputs.values())
+        keep.reverse()
+        return keep
+
+    def plan(self, tensors: frozenset[str]) -> Plan:
+        """The plan that computes ``tensors`` (kept for the next request that asks the same)."""
+        found = self._plans.get(tensors)
+        if found is None:
+            found = Plan(self.needed(set(tensors)), self.writer)
+            with self._lock:
+                if len(self._plans) < self.MAX_PLANS:
+                    self._plans[tensors] = found
+        return found
+
+
+def _specs(message: Any, kind: str, where: str) -> list[TensorSpec]:
+    batched = message.max_batch_size > 0
+    out = []
+    for entry in getattr(message, kind):
+        name = _type_name(entry.data_type)
+        if name not in DTYPES:
+            raise InvalidModel(f"{where}: {kind} {entry.name!r} has data_type {name}")
+        dims = [None if d < 0 else int(d) for d in entry.dims]
+        dtype = np.dtype(DTYPES[name])
+        shape = tuple(([None] if batched else []) + dims)
+        # an ensemble only moves its strings: each step's own check says what it takes
+        out.append(TensorSpec(entry.name, dtype, shape, binary=dtype == np.dtype(object)))
+    return out
+
+
+def _type_name(value: int) -> str:
+    from plugserve.server.control.triton_config import messages
+
+    return messages().DataType.Name(value)
+
+
+def read_triton_ensemble(path: Path) -> Definition:
+    """The ensemble of a Triton repository entry's ``config.pbtxt`` (``path``: its version
+    folder)."""
+    from google.protobuf import text_format
+
+    from plugserve.server.control.triton_config import messages
+
+    file = path.parent / "config.pbtxt"
+    message = messages().ModelConfig()
+    text_format.Parse(file.read_text(), message)
+    name = message.name or path.parent.name
+    where = f"ensemble {name!r}"
+    steps = [
+        # protobuf's maps iterate in no set order: sorted, so messages name the same tensor
+        Step(
+            i,
+            s.model_name,
+            s.model_version,
+            sorted(s.input_map.items()),
+            sorted(s.output_map.items()),
+        )
+        for i, s in enumerate(message.ensemble_scheduling.step)
+    ]
+    outputs = _specs(message, "output", where)
+    return Definition(
+        name, steps, _specs(message, "input", where), {s.name: s.name for s in outputs}, outputs
+    )
+
+
+class EnsembleConfiguration(Configuration):
+    """An ensemble's streams: :data:`STREAMS` requests at once unless NUM_STREAMS says."""
+
+    def streams(self, cores: int | None = None) -> int:
+        return int(self.get("NUM_STREAMS") or 0) or STREAMS
+
+
+class EnsembleNetwork(CompiledNetwork):
+    #: each demultiplexer's region (set in ``__init__``; empty if it failed before)
+    regions: dict[int, EnsembleNetwork] = {}
+
+    def __init__(self, plugin: EnsemblePlugin, config: Any, definition: Definition) -> None:
+        super().__init__(plugin, definition.name, config)
+        self.definition = definition
+        self.where = where = definition.where
+        self.plane = plugin.plane
+        steps = definition.steps
+        names = [s if isinstance(s, str) else s.name for s in definition.inputs]
+        self.graph = Graph(where, steps, set(names), set(definition.outputs.values()))
+        #: each demultiplexer's region, a network of its own (by the fan's step index)
+        self.regions: dict[int, EnsembleNetwork] = {}
+        try:
+            for fan in steps:
+                if isinstance(fan, Fan):
+                    self.regions[fan.index] = EnsembleNetwork(plugin, config, fan.region)
+            self._inputs, self._outputs = self._specs()
+        except BaseException:
+            self.close()
+            raise
+        self.answers = dict(definition.outputs)  # output -> tensor
+        self._every = frozenset(self.answers.values())
+        #: per sequence request under way (its run's token), its place in the sequence
+        self.sequence_of: dict[cancel.Token, Any] = {}
+        #: each step's context label (0: the request's own), the label its outputs take, and
+        #: each context label's parent (set by :meth:`_label`; all 0 with no decoupled step)
+        self.labels: dict[int, int] = {}
+        self.output_labels: dict[int, int] = {}
+        self.tensor_labels: dict[str, int] = {}
+        self.parents: dict[int, int] = {0: 0}
+        self._check_types()
+        self._label()
+        self._check_nesting()
+
+    # --- load-time checks
+
+    def _loaded(self, step: Step) -> Any:
+        if isinstance(step, Fan):
+            return None  # no model of its own: its region's steps were checked with it
+        try:
+            return self.plane.get(step.model, step.version)
+        except PlugserveError:
+            return None  # not loaded yet: its requests say so if it never is
+
+    def _specs(self) -> tuple[list[TensorSpec], list[TensorSpec]]:
+        """The definition's specs; where it gives names only (OVMS), the specs of the step
+        tensors they connect to, renamed (their models must be loaded)."""
+        d = self.definition
+        if d.output_specs is not None and all(not isinstance(s, str) for s in d.inputs):
+            return list(d.inputs), list(d.output_specs)  # type: ignore[arg-type]
+        found: dict[str, TensorSpec] = {}
+        for step in self.graph.ordered:
+            if isinstance(step, Fan):  # its region's specs; what it gathers, one dim more
+                region = self.regions[step.index]
+                for spec in region.inputs:
+                    known = found.setdefault(spec.name, spec)
+                    if None not in (known.dtype, spec.dtype) and known.dtype != spec.dtype:
+                        raise InvalidModel(
+                            f"{self.where}: tensor {spec.name!r} is {known.dtype} where "
+                            f"{step} takes {spec.dtype}"
+                        )
+                for spec in region.outputs:
+                    batch = None if step.count < 0 else step.count
+                    shape = (batch, *spec.shape) if spec.shape is not None else None
+                    found.setdefault(spec.name, dataclasses.replace(spec, shape=shape))
+                continue
+            entry = self._loaded(step)
+            if entry is None:
+                raise InvalidModel(
+                    f"{self.where}: {step} runs model {step.model!r}"
+                    + (f" version {step.version}" if step.version else "")
+                    + ", which is not loaded (see its own load's error)"
+                )
+            own = {s.name: s for s in [*entry.inputs, *entry.outputs]}
+            for model_tensor, tensor in [*step.inputs.items(), *step.outputs.items()]:
+                if model_tensor not in own:
+                    raise InvalidModel(
+                        f"{self.where}: {step} maps {model_tensor!r}, which model "
+                        f"{step.model!r} does not have (it has {', '.join(own)})"
+                    )
+                found.setdefault(tensor, own[model_tensor])
+        inputs = [dataclasses.replace(found[n], name=n) for n in d.inputs if n in found]
+        unread = [n for n in d.inputs if n not in found]
+        if unread:
+            raise InvalidModel(f"{self.where}: input {unread[0]!r} is read by no node")
+        outputs = [dataclasses.replace(found[t], name=n) for n, t in d.outputs.items()]
+        return inputs, outputs
+
+    def _check_types(self) -> None:
+        """Element types along each connection, for the steps whose models are loaded."""
+        where = self.where
+        types = {s.name: s.dtype for s in self._inputs}
+        types.update({self.definition.outputs[s.name]: s.dtype for s in self._outputs})
+        for step in self.graph.ordered:
+            entry = self._loaded(step)
+            if entry is None:
+                continue
+            specs = {s.name: s for s in [*entry.inputs, *entry.outputs]}
+            for model_tensor, tensor in [*step.inputs.items(), *step.outputs.items()]:
+                spec = specs.get(model_tensor)
+                if spec is None:
+                    raise InvalidModel(
+                        f"{where}: {step} maps {model_tensor!r}, which model {step.model!r} "
+                        f"does not have (it has {', '.join(specs)})"
+                    )
+                known = types.setdefault(tensor, spec.dtype)
+                if spec.dtype is not None and known is not None and known != spec.dtype:
+                    raise InvalidModel(
+                        f"{where}: tensor {tensor!r} is {known} where {step} takes or gives "
+                        f"{spec.dtype} ({model_tensor!r} of model {step.model!r})"
+                    )
+
+    def _label(self) -> None:
+        """Which context each step runs in (Triton's decouple labels, on the steps' loaded
+        models): a decoupled step's outputs start a new label, a step's outputs take its
+        inputs' label, and the labels a step reads must lie on one line of descent (Triton:
+        all equal); the ensemble is decoupled when any step is."""
+        names = [s if isinstance(s, str) else s.name for s in self.definition.inputs]
+        tensors = dict.fromkeys(names, 0)
+        parents = self.parents
+        for step in self.graph.ordered:
+            entry = self._loaded(step)
+            read = {tensors.get(t, 0) for t in step.inputs.values()}
+            here = max(read, key=lambda label: self._depth(label), default=0)
+            line = self._line(here)
+            strays = sorted(label for label in read if label not in line)
+            if strays:
+                origins = sorted(
+                    {t for t in step.inputs.values() if tensors.get(t, 0) in (here, *strays)}
+                )
+                raise InvalidModel(
+                    f"{self.where}: {step} receives inputs originated from different decoupled "
+                    f"models ({', '.join(map(repr, origins))} come from the responses of "
+                    "decoupled steps neither of which follows the other)"
+                )
+            out = here
+            if isinstance(step, Fan):
+                region = self.regions[step.index]
+                if region.decoupled:
+                    raise InvalidModel(
+                        f"{self.where}: {step}: its branches run a decoupled model, which a "
+                        "demultiplexer cannot gather; run it after the gathering node"
+                    )
+            elif entry is not None and entry.network.decoupled:
+                out = len(parents)
+                parents[out] = here
+                self.decoupled = True
+            self.labels[step.index] = here
+            self.output_labels[step.index] = out
+            for tensor in step.outputs.values():
+                tensors[tensor] = out
+        self.tensor_labels = tensors
+        if self.decoupled and not self.config.get("NUM_STREAMS"):
+            self.config = type(self.config)({"NUM_STREAMS": DECOUPLED_STREAMS}, self.config)
+
+    def _depth(self, label: int) -> int:
+        return len(self._line(label))
+
+    def _line(self, label: int) -> list[int]:
+        """``label`` and the labels it descends from, to the request's own (0)."""
+        line = [label]
+        while line[-1]:
+            line.append(self.parents[line[-1]])
+        return line
+
+    def _check_nesting(self) -> None:
+        """Refuse an ensemble that would run itself: a step's ensemble whose steps, at any
+        depth, name this one (Triton's "circular dependency")."""
+        seen: set[str] = set()
+        todo = [(s, [str(s)]) for s in self.graph.ordered]
+        while todo:
+            step, path = todo.pop()
+            if step.model == self.name:
+                raise InvalidModel(
+                    f"{self.where}: it runs itself: {' -> '.join(path)} (a circular dependency)"
+                )
+            entry = self._loaded(step)
+            network = entry.network if entry is not None else None
+            if not isinstance(network, EnsembleNetwork) or step.model in seen:
+                continue
+            inner = network.graph
+            seen.add(step.model)
+            todo += [(s, [*path, str(s)]) for s in inner.ordered]
+
+    # --- requests
+
+    def plan_for(self, wanted: list[str] | None) -> Plan:
+        if not wanted:
+            return self.graph.plan(self._every)
+        answers = self.answers
+        return self.graph.plan(frozenset(answers[n] for n in wanted if n in answers))
+
+    def scheduling(self) -> list[tuple[str, int, dict[str, str], dict[str, str]]]:
+        """Its steps as Triton's ``ensemble_scheduling`` lists them, for the model config it
+        reports: ``(model, version (-1: latest), input_map, output_map)``; a demultiplexer's
+        branch steps are listed in its place."""
+        out = []
+        for step in self.graph.ordered:
+            if isinstance(step, Fan):
+                out += self.regions[step.index].scheduling()
+            else:
+                out.append((step.model, step.version or -1, step.inputs, step.outputs))
+        return out
+
+    def sequences_for(self, admission: Callable[..., Any]) -> SequenceRelay | None:
+        """What passes sequence requests on to its steps, when one of its steps' models takes
+        them (model control gives it the ensemble's admission); None otherwise."""
+        for step in self.graph.ordered:
+            entry = self._loaded(step)
+            if entry is not None and entry.sequences is not None:
+                return SequenceRelay(self, admission)
+        return None
+
+    def create_infer_request(self) -> InferRequest:
+        return EnsembleInferRequest(self)
+
+    def export(self) -> bytes:
+        raise Unsupported(f"{self.where} cannot be exported; serve its configuration")
+
+    def close(self) -> None:
+        for region in self.regions.values():
+            region.close()
+        super().close()
+
+
+class SequenceRelay:
+    """Sequence requests to an ensemble (Triton passes their correlation id and flags on to the
+    ensemble's steps): admitted as any request of the ensemble, their place in the sequence
+    kept by their run's token for the run to hand on. It holds no state of its own: the step
+    models' sequence batchers keep the sequences. It stands where a sequence model's batcher
+    stands (``LoadedNetwork.sequences``), so the protocols route sequence requests to it."""
+
+    hidden_outputs: frozenset[str] = frozenset()
+    hidden_inputs: frozenset[str] = frozenset()
+    active = 0
+    state_bytes = 0
+
+    def __init__(self, network: EnsembleNetwork, admission: Callable[..., Any]) -> None:
+        self.network = network
+        self.admission = admission
+
+    def submit(
+        self,
+        step: Any,
+        inputs: Mapping[str, Any],
+        wanted: list[str],
+        deadline: float | None,
+        token: cancel.Token | None,
+        holds: int,
+        after: Any,
+        inline: bool = False,
+        checked: bool = False,
+    ) -> Any:
+        token = token if token is not None else cancel.Token()
+        keep = self.network.sequence_of
+        if step is not None:
+            keep[token] = step
+        try:
+            future = self.admission(inputs, wanted, deadline, inline, token, holds, after)
+        except BaseException:
+            keep.pop(token, None)
+            raise
+        future.add_done_callback(lambda _f: keep.pop(token, None))
+        return future
+
+    def close(self) -> int:
+        return 0
+
+
+class _Run:
+    """One request's steps: ready ones are sent, finished ones fill the tensors and free the
+    steps waiting on them. Everything but :meth:`_hand_in` and :meth:`_stop` runs on the
+    request's thread."""
+
+    __slots__ = (
+        "done", "flow", "lock", "network", "parent", "plan", "running", "sequence", "tensors",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        network: EnsembleNetwork,
+        tensors: dict[str, Any],
+        plan: Plan,
+        flow: _Flow | None = None,
+    ) -> None:
+        self.network = network
+        self.tensors = tensors
+        self.plan = plan
+        #: a decoupled ensemble's request: where a decoupled step's responses go
+        self.flow = flow
+        self.parent = cancel.current()
+        self.sequence = network.sequence_of.get(self.parent) if self.parent else None
+        self.running: dict[int, cancel.Token] = {}
+        self.lock = threading.Lock()
+        #: finished steps handed in by other threads (None: the request was cancelled)
+        self.done: queue.SimpleQueue = queue.SimpleQueue()
+
+    def go(self) -> None:
+        plan = self.plan
+        waits = dict(plan.waits)
+        ready = list(reversed(plan.first))  # popped from the end: the plan's order
+        parent = self.parent
+        unhook = parent.on_cancel(self._stop) if parent is not None else None
+        try:
+            left = len(plan.steps)
+            while left:
+                while len(ready) > 1:  # the others on their own models' streams
+                    self._send(ready.pop(), inline=False)
+                if ready:  # one on this thread, when its model has a stream idle
+                    step = ready.pop()
+                    outcome = self._send(step, inline=True)
+                    if outcome is None:
+                        continue  # queued: it comes back through self.done
+                else:
+                    item = self.done.get()
+                    if item is None:
+                        raise parent.failure()  # type: ignore[union-attr]
+                    step, outcome = item
+                left -= 1
+                self._finish(step, outcome)
+                for after in plan.then[step.index]:
+                    waits[after.index] -= 1
+                    if not waits[after.index]:
+                        ready.append(after)
+        except BaseException:
+            self._stop()  # the steps still running are of no use now
+            raise
+        finally:
+            if unhook is not None:
+                unhook()
+
+    def _send(self, step: Step, inline: bool) -> Finished | None:
+        """Submit ``step``; its outcome when it ran on this thread, else None (it is handed
+        in when done)."""
+        if isinstance(step, Fan):
+            self._fan(step)
+            return None
+        network = self.network
+        plane = network.plane
+        try:
+            entry = plane.get(step.model, step.version)
+        except PlugserveError as exc:  # unloaded since the ensemble loaded
+            raise type(exc)(f"{network.where}: {step}: {exc}") from None
+        tensors = self.tensors
+        inputs = {m: tensors[t] for m, t in step.inputs.items() if t in tensors}
+        token = cancel.Token()
+        token.partial_outputs = True  # an output a step leaves out is left unset
+        parent = self.parent
+        if parent is not None:
+            token.parameters = parent.parameters  # Triton hands each step the request's
+            if parent.error is not None:
+                token.cancel(parent.failure())
+        if entry.network.decoupled:
+            if self.flow is None or network.output_labels[step.index] == 0:
+                raise Unsupported(
+                    f"{network.where}: {step}: model {step.model!r} is decoupled, and was not "
+                    "when the ensemble loaded; load the ensemble again to stream it"
+                )
+            return self.flow.open(step, entry, inputs, token, self.tensors)
+        with self.lock:
+            self.running[step.index] = token
+        sequence = self.sequence if entry.sequences is not None else None
+        future = plane.submit(entry, inputs, step.asked, inline=inline, token=token, step=sequence)
+        if type(future) is Finished:
+            return future
+        future.add_done_callback(lambda f, s=step: self.done.put((s, f)))
+        return None
+
+    def _finish(self, step: Step, outcome: Any) -> None:
+        with self.lock:
+            self.running.pop(step.index, None)  # a decoupled step's stream is the flow's
+        outputs = outcome.result()  # a step's error is the request's
+        if isinstance(step, Fan):
+            outputs = _gather(step, outputs)
+        tensors = self.tensors
+        for model_output, tensor in step.outputs.items():
+            value = outputs.get(model_output)
+            if value is not None:  # not produced: left unset (Triton's optional outputs)
+                tensors[tensor] = value
+
+    def _fan(self, fan: Fan) -> None:
+        """Send one request of ``fan``'s region per branch; the list of their outputs is
+        handed in once all are done, or the first error at once (the others are cancelled)."""
+        tensors = self.tensors
+        parts = {t: tensors[t] for t in fan.split if t in tensors}
+        count = _branches(fan, parts)
+        region = self.network.regions[fan.index]
+        token = cancel.Token()  # the fan's: cancelling it cancels every branch
+        with self.lock:
+            self.running[fan.index] = token
+        parent = self.parent
+        if parent is not None and parent.error is not None:
+            token.cancel(parent.failure())
+        results: list[Any] = [None] * count
+        left = [count]
+        lock = threading.Lock()
+        done = self.done
+
+        def finished(index: int, future: Any) -> None:
+            error = future.exception()
+            with lock:
+                if left[0] <= 0:
+                    return  # an error was handed in already
+                if error is not None:
+                    left[0] = 0
+                else:
+                    results[index] = future.result()
+                    left[0] -= 1
+                last = left[0] == 0
+            if error is not None:
+                token.cancel(error if isinstance(error, PlugserveError) else None)
+                done.put((fan, Finished(exception=error)))
+            elif last:
+                done.put((fan, Finished(results)))
+
+        wanted = [s.name for s in region.outputs]
+        names = [s.name for s in region.inputs]
+        for index in range(count):
+            arrays = [parts[n][index] if n in parts else tensors[n] for n in names]
+            branch = cancel.Token()
+            branch.outputs = wanted
+            branch.parameters = parent.parameters if parent is not None else None
+            token.on_cancel(lambda b=branch: b.cancel(token.failure()))
+            try:
+                future = region.executor.submit(
+                    functools.partial(_run_branch, arrays, branch), token=branch
+                )
+            except PlugserveError as exc:  # its queue is full: the branches sent stop
+                token.cancel(exc)
+                raise
+            future.add_done_callback(functools.partial(finished, index))
+
+    def _stop(self) -> None:
+        """Cancel the steps under way (the request was cancelled, or failed)."""
+        parent = self.parent
+        error = parent.failure() if parent is not None and parent.error is not None else None
+        with self.lock:
+            tokens = list(self.running.values())
+        for token in tokens:
+            token.cancel(error)
+        if error is not None:
+            self.done.put(None)
+
+
+class _Flow:
+    """One request of a decoupled ensemble: its decoupled steps' streams, and the contexts
+    their responses start (module docstring). The streams' listeners only queue a wake-up;
+    everything else runs on the request's thread."""
+
+    __slots__ = ("events", "network", "parent", "plan", "sender", "streaming", "tokens", "wanted")
+
+    def __init__(
+        self, network: EnsembleNetwork, plan: Plan, sender: ResponseSender, wanted: list[str]
+    ) -> None:
+        self.network = network
+        self.plan = plan
+        self.sender = sender
+        #: the ensemble outputs the request asked for
+        self.wanted = wanted
+        self.parent = cancel.current()
+        #: (step, stream, the tensors of the context it ran in); None: the request was
+        #: cancelled
+        self.events: queue.SimpleQueue = queue.SimpleQueue()
+        #: the decoupled steps' streams not yet final, and their tokens
+        self.streaming = 0
+        self.tokens: list[cancel.Token] = []
+
+    def open(
+        self, step: Step, entry: Any, inputs: dict[str, Any], token: Any, tensors: dict
+    ) -> Finished:
+        """Start decoupled ``step`` (on the request's thread): its responses wake the request's
+        thread as they come. Done at once for the context it runs in (what it makes starts
+        contexts of its own)."""
+        stream = self.network.plane.submit_decoupled(entry, inputs, step.asked, token=token)
+        self.tokens.append(token)
+        self.streaming += 1
+        events = self.events
+        stream.add_listener(lambda: events.put((step, stream, tensors)))
+        return Finished({})
+
+    def run(self, tensors: dict[str, Any]) -> None:
+        """The request's own context, then each response's, in the order they come; the
+        final flag once every stream is final."""
+        network, plan, parent = self.network, self.plan, self.parent
+        unhook = parent.on_cancel(lambda: self.events.put(None)) if parent is not None else None
+        try:
+            _Run(network, tensors, plan.part(0, network.labels), self).go()
+            if not self._answer(tensors, 0):
+                return
+            while self.streaming:
+                event = self.events.get()
+                if event is None:
+                    raise parent.failure()  # type: ignore[union-attr]
+                step, stream, base = event
+                try:
+                    items = stream.take()
+                except PlugserveError as exc:
+                    raise type(exc)(f"{network.where}: {step}: {exc}") from None
+                for item, final in items:
+                    self.streaming -= final
+                    if item is None:
+                        continue
+                    if item.error is not None:
+                        error = item.error
+                        kind = type(error) if isinstance(error, PlugserveError) else InvalidInput
+                        raise kind(f"{network.where}: {step}: {error}") from None
+                    if not self._context(step, item, base):
+                        return
+            self.sender.send(None, final=True)
+        finally:
+            if unhook is not None:
+                unhook()
+            self._stop()
+
+    def _context(self, step: Step, response: Response, base: dict[str, Any]) -> bool:
+        """The steps that read ``step``'s outputs, run on ``response``'s; False once the
+        client no longer reads."""
+        network = self.network
+        label = network.output_labels[step.index]
+        tensors = dict(base)  # the context it came from, as that context ended
+        for model_output, tensor in step.outputs.items():
+            value = response.outputs.get(model_output)
+            if value is not None:
+                tensors[tensor] = value
+        _Run(network, tensors, self.plan.part(label, network.labels), self).go()
+        return self._answer(tensors, label)
+
+    def _answer(self, tensors: dict[str, Any], label: int) -> bool:
+        """The requested outputs made in a context of ``label``, as one response (none when
+        it made none); False once the client no longer reads."""
+        network = self.network
+        answers, labels = network.answers, network.tensor_labels
+        outputs = {}
+        for name in self.wanted:
+            tensor = answers.get(name)
+            if tensor in tensors and labels.get(tensor, 0) == label:
+                outputs[name] = tensors[tensor]
+        return not outputs or self.sender.send(Response(outputs))
+
+    def _stop(self) -> None:
+        """Cancel the decoupled steps still streaming (the request ended: done, failed,
+        cancelled, or its client gone)."""
+        if not self.streaming:
+            return
+        parent = self.parent
+        error = parent.failure() if parent is not None and parent.error is not None else None
+        for token in self.tokens:
+            token.cancel(error)
+
+
+def _branches(fan: Fan, parts: dict[str, Any]) -> int:
+    """How many branches ``fan`` splits its tensors into: their first dimension, the same for
+    each, at least 2 dimensions each (OVMS's rules), demultiply_count unless that is -1."""
+    counts = set()
+    for tensor, value in parts.items():
+        shape = getattr(value, "shape", ())
+        if len(shape) < 2:
+            raise InvalidInput(
+                f"{fan}: output {tensor!r} has shape {list(shape)}; a demultiplexer's outputs "
+                "need at least 2 dimensions (the first is split into branches)"
+            )
+        counts.add(int(shape[0]))
+    if len(counts) != 1:
+        raise InvalidInput(
+            f"{fan}: its outputs' first dimensions differ ({sorted(counts)}); each must hold "
+            "one item per branch"
+        )
+    (count,) = counts
+    if fan.count >= 0 and count != fan.count:
+        raise InvalidInput(
+            f"{fan}: demultiply_count is {fan.count} but its outputs hold {count} items; send "
+            f"inputs that make {fan.count}, or set demultiply_count -1"
+        )
+    if not 0 < count <= MAX_BRANCHES:
+        raise InvalidInput(
+            f"{fan}: its outputs hold {count} items; a demultiplexer runs 1 to {MAX_BRANCHES} "
+            "branches per request"
+        )
+    return count
+
+
+def _run_branch(arrays: list[Any], token: cancel.Token, request: InferRequest) -> Any:
+    """One branch of a fan, on a stream of its region's network (``request``: the stream's)."""
+    with cancel.running(token):
+        return request.infer_checked(arrays)
+
+
+def _gather(fan: Fan, branches: list[dict[str, Any]]) -> dict[str, Any]:
+    """The branches' outputs stacked along a new first dimension, in branch order (an output
+    a branch left unset is left unset)."""
+    out = {}
+    for tensor in fan.outputs:
+        values = [b.get(tensor) for b in branches]
+        if all(v is not None for v in values):
+            out[tensor] = np.stack(values)
+    return out
+
+
+class EnsembleInferRequest(InferRequest):
+    network: EnsembleNetwork
+
+    def _infer(self, arrays: list[Any]) -> dict[str, np.ndarray]:
+        network = self.network
+        tensors: dict[str, Any] = {s.name: a for s, a in zip(network.inputs, arrays)}
+        parent = cancel.current()
+        wanted = parent.outputs if parent is not None else None
+        _Run(network, tensors, network.plan_for(wanted)).go()
+        answers = network.answers
+        names = wanted or [s.name for s in network.outputs]
+        return {n: tensors[answers[n]] for n in names if answers.get(n) in tensors}
+
+    def infer_decoupled(self, arrays: list[Any], sender: ResponseSender) -> None:
+        """A decoupled ensemble's request (one with a decoupled step): a response per context
+        that makes requested outputs, then the final flag (:class:`_Flow`); an ensemble
+        without one answers once, final."""
+        network = self.network
+        if not network.decoupled:
+            super().infer_decoupled(arrays, sender)
+            return
+        tensors: dict[str, Any] = {s.name: a for s, a in zip(network.inputs, arrays)}
+        parent = cancel.current()
+        wanted = (parent.outputs if parent is not None else None) or [
+            s.name for s in network.outputs
+        ]
+        _Flow(network, network.plan_for(wanted), sender, wanted).run(tensors)
+
+    def get_performance_counts(self) -> list[PerfCount]:
+        return []
+
+
+class EnsemblePlugin(Plugin):
+    """Ensembles as a device of the server (its data plane runs their steps)."""
+
+    name = "ENSEMBLE"
+    config_class = EnsembleConfiguration
+    cancellation = "at once: its running steps are cancelled, each stopping as its device can"
+
+    def __init__(self) -> None:
+        super().__init__()
+        #: the server's data plane, set when the server is made
+        self.plane: Any = None
+
+    def device_name(self) -> str:
+        return "Triton ensembles and OVMS pipelines (steps run through the server's data plane)"
+
+    def load_network(self, model: Any, config: Any = None) -> CompiledNetwork:
+        if self.plane is None:
+            raise InvalidModel("an ensemble runs its steps through a server: serve it")
+        if isinstance(model, Definition):
+            definition = model
+        else:
+            path = Path(model)
+            if not (path.parent / "config.pbtxt").is_file():
+                raise InvalidModel(
+                    "an ensemble is a repository entry whose config.pbtxt says platform: "
+                    '"ensemble", or a pipeline of an OVMS config.json'
+                )
+            definition = read_triton_ensemble(path)
+        return EnsembleNetwork(self, self.merged_config(config, strict=False), definition)
+
+    def query_network(self, model: Any, config: Any = None) -> dict[str, str]:
+        return {}
+
+    def import_network(self, blob: bytes, config: Any = None) -> CompiledNetwork:
+        raise Unsupported("ensembles are not exported; serve their configuration")

@@ -1,0 +1,667 @@
+"""Model control: which networks are loaded, from where, and when that changes.
+
+Triton keeps this apart from the request path (its ModelRepositoryManager; MLServer's
+ModelRepositoryHandlers), and so does plugserve, so that loading's concerns (compiling, the
+repository, the limits on what is loaded) stay out of the path every request pays for: loads,
+unloads, reloads, load overrides, the repository's startup load and polling, import/export and
+query are here.
+
+The dependency runs one way. This module fills the table of loaded networks (``networks.py``)
+and uses the data plane (``dataplane.py``) for what belongs to the request path: a sequence
+model's runs go through its admission, a reload hands late requests over through it, and loads
+are refused while it drains. The data plane never imports this module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Collection, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar
+
+from plugserve.plugins.api import (
+    CompiledNetwork,
+    FailedPrecondition,
+    InferenceError,
+    InvalidArgument,
+    NotFound,
+    PlugserveError,
+    ResourceExhausted,
+    refuse_non_tensors,
+)
+from plugserve.server.apps.pipelines.ensemble import EnsembleNetwork
+from plugserve.server.control.core import Core
+from plugserve.server.control.devices import parse_device
+from plugserve.server.control.model_names import check_name
+from plugserve.server.control.repository import ModelEntry, Repository, is_version
+from plugserve.server.control.triton_config import (
+    EVERY_VERSION,
+    ModelSettings,
+    VersionPolicy,
+    write_overrides,
+)
+from plugserve.server.plane.dataplane import DataPlane, ShuttingDown
+from plugserve.server.plane.metrics import Metrics
+from plugserve.server.plane.networks import LoadedNetwork
+from plugserve.server.plane.sequences import SequenceBatcher, Sequences, SequenceSettings
+from plugserve.server.plane.versions import check_version, next_version
+from plugserve.server.process.allocator import give_back_freed_memory
+from plugserve.server.protocols.security import refuse_server_keys
+
+__all__ = ["ControlDisabled", "ModelControl", "batch_device", "failed_to_load"]
+
+log = logging.getLogger(__name__)
+
+_Item = TypeVar("_Item")
+_Outcome = TypeVar("_Outcome")
+
+
+# Messages begin with Triton's own words for the condition (triton-inference-server/core:
+# model_repository_manager.cc, model_lifecycle.cc), which Triton's example clients and users'
+# scripts match on ("failed to load"); plugserve's explanation and what to do follow them.
+
+
+class ControlDisabled(PlugserveError):
+    """A load or unload request under --model-control-mode none or poll (as Triton)."""
+
+    code = "UNAVAILABLE"
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(
+            f"explicit model load / unload is not allowed if polling is enabled: {detail}"
+        )
+
+
+def failed_to_load(name: str, exc: PlugserveError) -> PlugserveError:
+    """``exc`` (same type, so the same status) with Triton's ``failed to load 'NAME'`` first."""
+    if str(exc).startswith("failed to load"):
+        return exc
+    return type(exc)(f"failed to load {name!r}: {exc}")
+
+
+#: The longest a replaced network waits for its admitted requests before it closes anyway.
+RETIRE_TIMEOUT = 300.0
+
+
+#: devices that give their models several requests at once themselves (a Python model's
+#: ``execute`` takes a list of requests) where BATCH would concatenate their rows into one
+GATHER_THEMSELVES = frozenset({"PYTHON"})
+
+
+def batch_device(device: str, max_batch_size: int) -> str:
+    """``BATCH:<device>(<max_batch_size>)`` for a plain device when ``max_batch_size`` > 0."""
+    if max_batch_size <= 0:
+        return device
+    parsed = parse_device(device)
+    if parsed.kind in GATHER_THEMSELVES:
+        return device
+    if parsed.is_virtual:
+        if parsed.kind != "BATCH":
+            log.info("device %s is virtual: no dynamic batching for it", device)
+        return device
+    return f"BATCH:{parsed}({max_batch_size})"
+
+
+class ModelControl:
+    """Loads, reloads and unloads networks into the data plane's table, from a call or from
+    the model repository, and answers what is loaded or stored."""
+
+    def __init__(
+        self,
+        plane: DataPlane,
+        core: Core,
+        metrics: Metrics,
+        repository: Repository | None,
+        default_device: str = "NUMPY",
+        queue_size: int = 0,
+        max_networks: int = 0,
+        max_model_bytes: int = 0,
+        load_threads: int = 1,
+        max_sequences: int = 0,
+    ) -> None:
+        """``plane``: the data plane that serves what is loaded here, and whose table of
+        networks this fills. ``max_networks`` / ``max_model_bytes`` / ``max_sequences``:
+        --max-networks, --max-model-bytes and --max-sequences (0: no limit);
+        ``load_threads``: --model-load-threads, made concrete."""
+        self.plane = plane
+        self.table = plane.table
+        self.load_threads = max(1, load_threads)
+        #: every sequence model's bounds and idle reaper (--max-sequences)
+        self.sequences = Sequences(max_sequences, plane.budget)
+        self.max_networks = max_networks
+        self.max_model_bytes = max_model_bytes
+        self.core = core
+        self.metrics = metrics
+        self.repository = repository
+        self.default_device = default_device
+        self.queue_size = queue_size
+        #: --model-control-mode
+        self.control_mode = ""
+        #: what each repository version was loaded from (poll)
+        self._stamps: dict[tuple[str, int], tuple] = {}
+
+    # --- networks
+
+    def load(
+        self,
+        name: str,
+        model: bytes | str | Path,
+        device: str = "",
+        config: Mapping[str, str] | None = None,
+        persist: bool = False,
+        version: int = 0,
+        max_batch_size: int = 0,
+        dynamic_batching: bool = True,
+        batch_size: int = 0,
+        sequence: SequenceSettings | None = None,
+    ) -> tuple[LoadedNetwork, bool]:
+        """Compile and register a network; returns it and whether it came from the cache.
+
+        Dynamic batching: a network with ``max_batch_size`` > 0 (a repository model's
+        ``config.json``) is loaded as ``BATCH:<device>(<max_batch_size>)``, so concurrent
+        requests are gathered into batches of up to that many rows, unless its device already
+        is a BATCH device (which then decides the batch size). BATCH wraps one plain device:
+        a HETERO, MULTI or AUTO device is loaded as it is, without dynamic batching.
+        ``dynamic_batching=False`` (a Triton config.pbtxt without dynamic_batching): no BATCH.
+        ``batch_size``: the rows BATCH gathers, when not ``max_batch_size`` (Triton's preferred
+        size). ``max_batch_size`` always bounds each request's rows.
+        """
+        check_name(name)
+        check_version(version)
+        if self.plane.draining:
+            raise ShuttingDown(f"network {name!r}: the server is shutting down; not loading it")
+        self._check_model_size(model, "LoadNetwork")
+        device = device or self.default_device
+        if dynamic_batching:
+            device = batch_device(device, batch_size or max_batch_size)
+        config = dict(config or {})
+        if persist and self.repository is None:
+            raise FailedPrecondition("persist needs a server started with --model-repository")
+        if persist and not isinstance(model, bytes):
+            raise InvalidArgument("persist needs the model as bytes")
+        with self.table.lock:
+            if not version:
+                loaded = max(self.table.by_name.get(name, {}), default=0)
+                stored = (
+                    self.repository.next_version(name) - 1 if (persist and self.repository) else 0
+                )
+                version = next_version(max(loaded, stored), name)
+            if version in self.table.by_name.get(name, {}) or (name, version) in self.table.loading:
+                raise InvalidArgument(
+                    f"network {name!r} version {version} is already loaded; unload it first "
+                    "or load another version"
+                )
+            self._check_network_count(name, version, len(self.table.loading))
+            self.table.loading.add((name, version))
+        try:
+            network = self._compile(name, model, device, config)
+            network.name = name
+            if persist:
+                self.repository.persist(name, version, model, device, config, max_batch_size)
+            entry = self._entry(name, version, device, network, persist, max_batch_size)
+            self._sequenced(entry, sequence)
+            with self.table.lock:
+                self.table.by_name.setdefault(name, {})[version] = entry
+        finally:
+            with self.table.lock:
+                self.table.loading.discard((name, version))
+        log.info(
+            "network %s version %d ready on %s in %s%s",
+            name,
+            version,
+            entry.device,
+            network.precision,
+            " (from cache)" if network.loaded_from_cache else "",
+        )
+        return entry, network.loaded_from_cache
+
+    def _entry(
+        self,
+        name: str,
+        version: int,
+        device: str,
+        network: CompiledNetwork,
+        persisted: bool,
+        max_batch_size: int,
+    ) -> LoadedNetwork:
+        kind = str(parse_device(device))
+        if network.max_batch_size is not None:  # its own config decided (auto_complete_config)
+            max_batch_size = network.max_batch_size
+        recorder = self.metrics.recorder(kind, name, version, network.precision)
+        return LoadedNetwork(
+            name, version, kind, network, persisted, max_batch_size, recorder, self.queue_size
+        )
+
+    def _sequenced(self, entry: LoadedNetwork, settings: SequenceSettings | None) -> None:
+        """Give ``entry`` its sequence batcher (Triton's sequence_batching); its state outputs
+        are then the server's, not an answer's. A network that passes sequence requests on
+        (an ensemble of a sequence model: ``sequences_for``) gets what relays them instead."""
+        if settings is None:
+            if isinstance(entry.network, EnsembleNetwork):
+                entry.sequences = entry.network.sequences_for(self.plane.admission(entry))
+            return
+        try:
+            entry.sequences = SequenceBatcher(
+                entry.name,
+                settings,
+                entry.max_batch_size,
+                entry.network.inputs,
+                entry.output_names,
+                self.plane.admission(entry),
+                self.sequences,
+                entry.recorder.joined,
+            )
+        except PlugserveError:
+            self._close(entry)
+            raise
+        batcher = entry.sequences
+        entry.output_names = [n for n in entry.output_names if n not in batcher.hidden_outputs]
+        entry.inputs = [s for s in entry.inputs if s.name not in batcher.hidden_inputs]
+        entry.outputs = [s for s in entry.outputs if s.name not in batcher.hidden_outputs]
+
+    def unload(self, name: str, version: int = 0, remove: bool = False) -> list[LoadedNetwork]:
+        """Unload a version (every version when 0); ``remove`` also deletes it from the
+        repository. Files are never deleted implicitly: an operator's models stay on disk."""
+        with self.table.lock:
+            versions = self.table.by_name.get(name)
+            if not versions or (version and version not in versions):
+                raise self.table.missing(name, version)
+            targets = [versions.pop(version)] if version else list(versions.values())
+            if version == 0 or not versions:
+                versions.clear()
+                del self.table.by_name[name]
+        for entry in targets:
+            if remove and entry.persisted and self.repository is not None:
+                self.repository.remove(name, entry.version)
+            self.metrics.forget(entry.device, name, entry.version)
+            self._close(entry)
+        return targets
+
+    @staticmethod
+    def _end_sequences(entry: LoadedNetwork) -> None:
+        """Its sequences end with it (unload, reload, shutdown): their clients start again."""
+        ended = entry.sequences.close() if entry.sequences is not None else 0
+        if ended:
+            log.info(
+                "network %s version %d: %d active sequence(s) ended with it",
+                entry.name,
+                entry.version,
+                ended,
+            )
+
+    @classmethod
+    def _close(cls, entry: LoadedNetwork) -> None:
+        cls._end_sequences(entry)
+        try:
+            entry.network.close()
+        except Exception as exc:  # a failed device must not keep a network loaded
+            log.warning(
+                "network %s version %d: closing it on %s failed (%s: %s); it is unloaded",
+                entry.name,
+                entry.version,
+                entry.device,
+                type(exc).__name__,
+                exc,
+            )
+
+    def _compile(
+        self, name: str, model: bytes | str | Path, device: str, config: Mapping[str, str]
+    ) -> CompiledNetwork:
+        """Core.load_network, with a device's own exceptions as a typed INTERNAL error."""
+        try:
+            network = self.core.load_network(model, device, config)
+        except PlugserveError:
+            raise
+        except Exception as exc:
+            log.exception("network %s: loading on %s failed", name, device)
+            raise InferenceError(
+                f"network {name!r}: loading on {device} failed: {type(exc).__name__}: {exc}"
+            ) from exc
+        try:
+            refuse_non_tensors(network, f"network {name!r}")
+        except PlugserveError:
+            network.close()
+            raise
+        return network
+
+    def _check_model_size(self, model: Any, what: str) -> None:
+        """--max-model-bytes, before anything parses the model (a file path is the
+        operator's repository and is not limited)."""
+        limit = self.max_model_bytes
+        if limit and isinstance(model, bytes | bytearray | memoryview) and len(model) > limit:
+            raise InvalidArgument(
+                f"{what}: the model is {len(model)} bytes, over this server's limit of "
+                f"{limit} bytes (--max-model-bytes / PLUGSERVE_MAX_MODEL_BYTES)"
+            )
+
+    def _check_network_count(self, name: str, version: int, loading: int) -> None:
+        """--max-networks: loaded plus loading network versions (call with the lock held)."""
+        limit = self.max_networks
+        loaded = sum(len(v) for v in self.table.by_name.values()) + loading
+        if limit and loaded >= limit:
+            raise ResourceExhausted(
+                f"cannot load network {name!r}"
+                + (f" version {version}" if version else "")
+                + f": {loaded} network version(s) are loaded or loading, the limit is {limit} "
+                "(--max-networks / PLUGSERVE_MAX_NETWORKS); unload one first"
+            )
+
+    def networks(self) -> list[LoadedNetwork]:
+        """Every loaded network version."""
+        return self.table.all()
+
+    # --- the rest of the plugin API
+
+    def subgraphs(
+        self, model: bytes | str | Path, device: str, config: Mapping[str, str] | None = None
+    ) -> list[dict[str, Any]]:
+        """The split a HETERO load would make (empty for devices that do not split)."""
+        plugin, merged = self.core.resolve(device, config)
+        try:
+            return plugin.subgraphs(model, merged)
+        except PlugserveError:  # some node has no device: the query itself says which
+            return []
+
+    def refusals(
+        self, model: bytes | str | Path, device: str, config: Mapping[str, str] | None = None
+    ) -> list[tuple[str, str, str]]:
+        """``(node, device, why)`` for the nodes a virtual device's devices did not take
+        (empty for a real device: ``query`` gives its reasons)."""
+        plugin, merged = self.core.resolve(device, config)
+        return plugin.refusals(model, merged)
+
+    def query(
+        self, model: bytes | str | Path, device: str, config: Mapping[str, str] | None = None
+    ) -> tuple[dict[str, str], dict[str, str]]:
+        self._check_model_size(model, "QueryNetwork")
+        supported = self.core.query_network(model, device, config)
+        plugin = self.core.plugin(device)
+        reasons = plugin.unsupported_nodes(model, config)
+        return supported, {k: v for k, v in reasons.items() if k not in supported}
+
+    def export(self, name: str, version: int = 0) -> bytes:
+        return self.plane.get(name, version).network.export()
+
+    def import_network(
+        self, name: str, blob: bytes, device: str, config: Mapping[str, str] | None = None
+    ) -> LoadedNetwork:
+        check_name(name)
+        if self.plane.draining:
+            raise ShuttingDown(f"network {name!r}: the server is shutting down; not loading it")
+        self._check_model_size(blob, "ImportNetwork")
+        device = device or self.default_device
+        with self.table.lock:
+            self._check_network_count(name, 0, len(self.table.loading))
+        network = self.core.import_network(blob, device, config)
+        network.name = name
+        with self.table.lock:
+            version = next_version(max(self.table.by_name.get(name, {}), default=0), name)
+            self._check_network_count(name, version, len(self.table.loading))
+            entry = self._entry(name, version, device, network, False, 0)
+            self.table.by_name.setdefault(name, {})[version] = entry
+        return entry
+
+    def repository_model(self, path: str) -> tuple[Path, str, dict[str, str], int]:
+        """A model named by ``name`` or ``name/version`` in the repository, with its settings."""
+        if self.repository is None:
+            raise FailedPrecondition("this server has no model repository")
+        name, _, version = path.partition("/")
+        if version and not is_version(version):
+            raise InvalidArgument(f"repository path {path!r}: expected NAME or NAME/VERSION")
+        model, settings = self._stored(name, int(version or 0))
+        return model, settings.device, settings.config, settings.max_batch_size
+
+    def version_policy(self, name: str) -> VersionPolicy:
+        """Which versions of ``name`` the repository loads (every one for a model loaded by an
+        RPC, or kept by config.json; Triton's and OVMS's own policy for theirs)."""
+        if self.repository is not None:
+            with contextlib.suppress(PlugserveError, OSError):
+                return self.repository.read_settings(name).policy
+        return EVERY_VERSION
+
+    def _stored(
+        self, name: str, version: int = 0, repository: Repository | None = None
+    ) -> tuple[Path, ModelSettings]:
+        repository = repository or self.repository
+        if repository is None:
+            raise FailedPrecondition("this server has no model repository")
+        model = repository.model_path(name, version)
+        settings = repository.read_settings(name)
+        if settings.pipeline is not None:  # an OVMS pipeline: its config.json, version 1
+            return model, settings
+        return model, repository.read_settings(name, int(model.parent.name))
+
+    def versions(self, name: str, version: int = 0) -> list[LoadedNetwork]:
+        """The loaded version asked for, or every loaded version of ``name`` (0); NotFound
+        names what is loaded."""
+        with self.table.lock:
+            found = self.table.by_name.get(name, {})
+            if version in found or (not version and found):
+                return [found[version]] if version else [found[v] for v in sorted(found)]
+            raise self.table.missing(name, version)
+
+    def check_control(self, what: str) -> None:
+        """Load and unload requests are refused in Triton's none and poll modes."""
+        if self.control_mode in ("none", "poll"):
+            raise ControlDisabled(
+                f"{what}: model load and unload requests are not allowed with "
+                f"--model-control-mode {self.control_mode} (the repository decides what is "
+                "loaded); start the server with --model-control-mode explicit to allow them"
+            )
+
+    def load_with_overrides(self, name: str, config: str | None, files: dict[str, bytes]) -> None:
+        """Triton's RepositoryModelLoad with overrides: ``config`` (a ModelConfig as JSON)
+        replaces the model's configuration, ``files`` (``<version>/<file name>`` -> bytes) its
+        version folders (then ``config`` is required, as in Triton). They are written to a
+        private folder, loaded from it (seamlessly, as :meth:`reload`), and removed; the
+        repository on disk is left as it is."""
+        check_name(name)
+        if files and config is None:
+            raise InvalidArgument(
+                f"model {name!r}: file overrides need a 'config' override too (as in Triton)"
+            )
+        for data in files.values():
+            self._check_model_size(data, "RepositoryModelLoad")
+        with tempfile.TemporaryDirectory(prefix="plugserve-override-") as tmp:
+            folder = Path(tmp) / name
+            folder.mkdir()
+            write_overrides(folder, name, config, files)
+            if not files:  # the repository's versions, with the new configuration
+                source = self._stored(name)[0].parent.parent
+                for version in source.iterdir():
+                    if is_version(version.name):
+                        (folder / version.name).symlink_to(version.resolve())
+            overridden = Repository(tmp)
+            entries, problems = overridden.scan()
+            if problems:
+                raise InvalidArgument(f"model {name!r}: {'; '.join(problems)}")
+            for entry in entries:
+                settings = self._stored(name, entry.version, overridden)[1]
+                refuse_server_keys(settings.config, f"model {name!r}: the load's 'config'")
+            if not entries:
+                raise InvalidArgument(f"model {name!r}: the overrides give no version to load")
+            for entry in entries:
+                self.reload(name, entry.version, overridden)
+
+    def reload(
+        self, name: str, version: int = 0, repository: Repository | None = None
+    ) -> LoadedNetwork:
+        """Load the repository's ``version`` of ``name`` (0: its latest), as Triton reloads:
+        the new network is compiled while the loaded one (if any) still serves, then takes its
+        place in one step; requests admitted by the old one finish there, and it closes after
+        them. ``repository``: another than the server's (load overrides)."""
+        if self.plane.draining:
+            raise ShuttingDown(f"model {name!r}: the server is shutting down; not loading it")
+        model, settings = self._stored(name, version, repository)
+        stamp = self.repository.stamp(name, model) if self.repository else ()
+        # the repository layout is NAME/VERSION/model.onnx; an OVMS pipeline is version 1
+        version = 1 if settings.pipeline is not None else int(model.parent.name)
+        self._check_model_size(model, "RepositoryModelLoad")
+        device, config, batch = settings.device, settings.config, settings.max_batch_size
+        device = device or self.default_device
+        if settings.dynamic_batching:
+            device = batch_device(device, settings.batch_size or batch)
+        with self.table.lock:
+            old = self.table.by_name.get(name, {}).get(version)
+            if (name, version) in self.table.loading:
+                raise InvalidArgument(f"model {name!r} version {version} is being loaded")
+            if old is None:
+                self._check_network_count(name, version, len(self.table.loading))
+            self.table.loading.add((name, version))
+        try:
+            source = settings.pipeline if settings.pipeline is not None else model
+            network = self._compile(name, source, device, dict(config))
+            network.name = name
+            entry = self._entry(name, version, device, network, True, batch)
+            entry.labels = dict(settings.labels)
+            entry.formats = dict(settings.formats)
+            self._sequenced(entry, settings.sequence)
+            with self.table.lock:
+                self.table.by_name.setdefault(name, {})[version] = entry
+                self._stamps[(name, version)] = stamp
+        finally:
+            with self.table.lock:
+                self.table.loading.discard((name, version))
+        log.info("network %s version %d %s on %s", name, version,
+                 "reloaded" if old else "ready", entry.device)  # fmt: skip
+        if old is not None:
+            self._retire(old, keep_series=old.device == entry.device)
+        return entry
+
+    def _retire(self, entry: LoadedNetwork, keep_series: bool) -> None:
+        """Close a replaced network once the requests it admitted are done (its replacement
+        takes any that reach it later; see :meth:`submit`)."""
+        self.plane.retire(entry)
+
+        def close_when_idle() -> None:
+            end = time.monotonic() + RETIRE_TIMEOUT
+            while entry.inflight and time.monotonic() < end:
+                time.sleep(0.02)
+            if not keep_series:
+                self.metrics.forget(entry.device, entry.name, entry.version)
+            self._close(entry)
+
+        threading.Thread(target=close_when_idle, name=f"retire-{entry.name}", daemon=True).start()
+
+    def index(self, ready_only: bool = False) -> list[tuple[str, int, bool]]:
+        """``(name, version, loaded)`` for every loaded or stored network version, sorted."""
+        loaded = {(n.name, n.version) for n in self.networks()}
+        stored: set[tuple[str, int]] = set()
+        if self.repository is not None:
+            entries, _ = self.repository.scan()
+            stored = {(e.name, e.version) for e in entries}
+        rows = [(name, version, (name, version) in loaded) for name, version in loaded | stored]
+        return sorted(row for row in rows if row[2] or not ready_only)
+
+    def load_repository(
+        self, names: Collection[str] | None = None
+    ) -> tuple[list[LoadedNetwork], list[str]]:
+        """Load every model of the repository (only ``names``, when given); one bad model does
+        not stop the others."""
+        if self.repository is None:
+            return [], []
+        self.repository.clean_staging()
+        entries, problems = self.repository.scan()
+        if names is not None:
+            found = {e.name for e in entries}
+            problems += [f"--load-model {n}: no such model in the repository" for n in
+                         sorted(set(names) - found)]  # fmt: skip
+            entries = [e for e in entries if e.name in names]
+        ready: list[LoadedNetwork] = []
+        # ensembles after the models their steps run (their load checks the steps' types)
+        first = [e for e in entries if e.device != "ENSEMBLE"]
+        then = [e for e in entries if e.device == "ENSEMBLE"]
+        # one at a time: an ensemble refuses to run itself through one loaded before it
+        for outcome in [*self._each(self._load_entry, first), *map(self._load_entry, then)]:
+            if isinstance(outcome, LoadedNetwork):
+                ready.append(outcome)
+            else:
+                problems.append(outcome)
+        return ready, problems
+
+    def _load_entry(self, entry: ModelEntry) -> LoadedNetwork | str:
+        """One repository version loaded, or what went wrong with it (its file first)."""
+        try:
+            pipeline = entry.settings.pipeline
+            loaded, _ = self.load(
+                entry.name,
+                pipeline if pipeline is not None else entry.path,
+                entry.device,
+                entry.config,
+                version=entry.version,
+                max_batch_size=entry.max_batch_size,
+                dynamic_batching=entry.settings.dynamic_batching,
+                batch_size=entry.settings.batch_size,
+                sequence=entry.settings.sequence,
+            )
+        except PlugserveError as exc:
+            return f"{entry.path}: {exc}"
+        loaded.persisted = True
+        loaded.labels = dict(entry.settings.labels)
+        loaded.formats = dict(entry.settings.formats)
+        stamp = self.repository.stamp(entry.name, entry.path)
+        with self.table.lock:
+            self._stamps[(entry.name, entry.version)] = stamp
+        return loaded
+
+    def _each(self, load: Callable[[_Item], _Outcome], items: list[_Item]) -> list[_Outcome]:
+        """``load`` of every item, ``load_threads`` at a time (Triton's model load threads), in
+        the items' order. Each version loads on its own: one that fails or is slow holds up
+        none of the others, and the caller sees every outcome once all are done. Then the
+        loads' scratch memory goes back to the system (see give_back_freed_memory)."""
+        if not items:
+            return []
+        if self.load_threads == 1 or len(items) == 1:
+            outcomes = [load(item) for item in items]
+        else:
+            threads = min(self.load_threads, len(items))
+            with ThreadPoolExecutor(threads, thread_name_prefix="model-load") as pool:
+                outcomes = list(pool.map(load, items))
+        give_back_freed_memory()
+        return outcomes
+
+    def poll_repository(self) -> list[str]:
+        """One look at the repository (--model-control-mode poll): versions added are loaded,
+        removed ones unloaded, changed ones (model or config file) reloaded seamlessly.
+        Networks loaded by request without ``persist`` are not the repository's: left alone.
+        Returns what went wrong, one line each."""
+        if self.repository is None or self.plane.draining:
+            return []
+        entries, problems = self.repository.scan()
+        wanted = {(e.name, e.version): e for e in entries}
+        ours = {(n.name, n.version) for n in self.networks() if n.persisted}
+        for name, version in sorted(ours - wanted.keys()):
+            with contextlib.suppress(NotFound):
+                self.unload(name, version)
+                self._stamps.pop((name, version), None)
+                log.info("repository poll: %s version %d removed: unloaded", name, version)
+        changed = [
+            entry
+            for (name, version), entry in sorted(wanted.items())
+            if (name, version) not in ours
+            or self._stamps.get((name, version)) != self.repository.stamp(name, entry.path)
+        ]
+        problems += [p for p in self._each(self._reload_entry, changed) if p]
+        for problem in problems:
+            log.error("repository poll: %s", problem)
+        return problems
+
+    def _reload_entry(self, entry: ModelEntry) -> str:
+        """:meth:`reload` of a repository version; what went wrong, or "" when it loaded."""
+        try:
+            self.reload(entry.name, entry.version)
+        except PlugserveError as exc:
+            return f"{entry.path}: {exc}"
+        return ""
+
+    def close(self) -> None:
+        """Stop every network's streams: what is queued still runs, nothing new is taken."""
+        self.sequences.close()
+        for entry in self.networks():
+            self._end_sequences(entry)
+            entry.executor.shutdown(wait=False)

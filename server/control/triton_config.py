@@ -1,0 +1,482 @@
+"""Triton's ``config.pbtxt`` and OpenVINO Model Server's ``config.json``, read into the settings
+plugserve's repository uses, so a Triton or OVMS model repository is served as it is.
+
+Each is read with its own format's parser (protobuf's text format into the ``ModelConfig`` of
+``proto/model_config.proto``; JSON for OVMS) and mapped field by field. A field plugserve does
+not act on is logged by name once, at load, never dropped silently.
+
+Triton -> plugserve:
+
+==========================================  =================================================
+``platform`` / ``backend``                  onnxruntime_onnx, onnxruntime -> ORT; openvino ->
+                                            OPENVINO; empty -> the server's default device
+``max_batch_size``                          requests with more rows are INVALID_ARGUMENT;
+                                            ModelConfig reports it
+``dynamic_batching``                        BATCH:<device>(n): n is the largest preferred
+                                            size (else max_batch_size);
+                                            ``max_queue_delay_microseconds`` -> BATCH_TIMEOUT_MS
+``instance_group``                          the counts summed -> NUM_STREAMS
+``version_policy``                          which versions load (Triton's default: latest 1)
+``default_model_filename``                  the model file in each version folder
+``parameters``                              UPPER_CASE keys are device config keys (OpenVINO's
+                                            NUM_STREAMS, PERFORMANCE_HINT...); others logged
+``name``, ``input``, ``output``             the folder names the model; the model's own
+                                            inputs and outputs are served
+``input``/``output`` ``reshape``            refused at load, naming the tensor: the client
+                                            would send shapes the model does not take;
+                                            other entries' fields: the model's own
+``input`` ``format``                        reported in ModelConfig (image clients read it)
+``label_filename``                          the output's class labels, named in classified
+                                            answers ("value:index:label")
+==========================================  =================================================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from google.protobuf import json_format, text_format
+
+from plugserve.plugins.api import InvalidArgument
+from plugserve.server.plane.sequences import (
+    SequenceSettings,
+    read_ovms_stateful,
+    read_sequence_batching,
+)
+from plugserve.server.plane.versions import MAX_VERSION
+
+__all__ = [
+    "EVERY_VERSION",
+    "MODEL_FILE",
+    "OVMS_KEYS",
+    "TRITON_FILE",
+    "ModelSettings",
+    "VersionPolicy",
+    "python_settings",
+    "read_ovms",
+    "read_triton",
+    "write_overrides",
+]
+
+log = logging.getLogger(__name__)
+
+TRITON_FILE = "config.pbtxt"
+
+_DEVICES = {
+    "onnxruntime_onnx": "ORT",
+    "onnxruntime": "ORT",
+    "openvino": "OPENVINO",
+    "python": "PYTHON",  # Triton's python backend: server/apps/pipelines/python
+    "ensemble": "ENSEMBLE",  # Triton's ensembles: server/apps/pipelines/ensemble.py
+}
+_ACTED_ON = {
+    "name",
+    "platform",
+    "backend",
+    "max_batch_size",
+    "input",
+    "output",
+    "dynamic_batching",
+    "instance_group",
+    "version_policy",
+    "default_model_filename",
+    "parameters",
+    "sequence_batching",
+    "ensemble_scheduling",  # server/apps/pipelines/ensemble.py reads it
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class VersionPolicy:
+    """Which of a model's versions load: ``all``, the ``latest`` n, or ``specific`` ones."""
+
+    kind: str = "all"
+    count: int = 0
+    versions: tuple[int, ...] = ()
+
+    def select(self, found: list[int]) -> list[int]:
+        if self.kind == "latest":
+            return sorted(found)[-self.count :] if self.count else []
+        if self.kind == "specific":
+            return sorted(v for v in found if v in self.versions)
+        return sorted(found)
+
+    def to_proto(self, message: Any) -> None:
+        if self.kind == "latest":
+            message.latest.num_versions = self.count
+        elif self.kind == "specific":
+            message.specific.versions.extend(self.versions)
+        else:
+            message.all.SetInParent()
+
+
+EVERY_VERSION = VersionPolicy("all")
+MODEL_FILE = "model.onnx"
+#: a python-backend model's file in each version folder, as Triton names it
+PYTHON_MODEL_FILE = "model.py"
+#: the "file" of a model whose version folder is all it has (an ensemble's, empty)
+VERSION_FOLDER = "."
+
+
+@dataclasses.dataclass
+class ModelSettings:
+    """How one model of a repository is served, whichever format said so (plugserve's
+    config.json, Triton's config.pbtxt, OVMS's config.json)."""
+
+    device: str = ""
+    config: dict[str, str] = dataclasses.field(default_factory=dict)
+    max_batch_size: int = 0
+    #: requests are gathered into batches (BATCH): always with config.json's max_batch_size,
+    #: with Triton's when it asks for dynamic_batching
+    dynamic_batching: bool = True
+    #: rows a batch gathers (Triton's largest preferred_batch_size); 0: max_batch_size
+    batch_size: int = 0
+    #: config.json: every version loads; Triton and OVMS: their version_policy (latest 1)
+    policy: VersionPolicy = EVERY_VERSION
+    #: the file in each version folder ("": the one .onnx file there, as OVMS finds it)
+    model_file: str = MODEL_FILE
+    #: per output, its class labels (Triton's label_filename, one label a line)
+    labels: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    #: per input, its image format as config.pbtxt says (Triton's ``format``: FORMAT_NCHW=2,
+    #: FORMAT_NHWC=1), reported back in ModelConfig, where image clients read the layout
+    formats: dict[str, int] = dataclasses.field(default_factory=dict)
+    #: Triton's sequence_batching: the model's requests belong to sequences
+    sequence: SequenceSettings | None = None
+    #: an OVMS pipeline (``server/apps/pipelines/ovms_dag.py``): what the ENSEMBLE device loads
+    #: instead of a file
+    pipeline: Any = None
+
+
+def python_settings() -> ModelSettings:
+    """A Python model's settings when its folder has no config.pbtxt (Triton's minimal model
+    configuration: ``auto_complete_config`` in its model.py completes the rest)."""
+    return ModelSettings(
+        "PYTHON", dynamic_batching=False, policy=VersionPolicy("latest", 1),
+        model_file=PYTHON_MODEL_FILE,
+    )  # fmt: skip
+
+
+def read_triton(path: Path) -> ModelSettings:
+    """``path``: a model folder's config.pbtxt. Errors name the file and the line. Read once
+    per content (what is not acted on is logged once, not at every lookup)."""
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidArgument(f"{path}: not a Triton model configuration ({exc})") from None
+    return dataclasses.replace(_parse_triton(str(path), text))  # a copy: callers may edit it
+
+
+def messages() -> Any:
+    """The generated ``model_config_pb2``, imported on first use: a process that also imports
+    tritonclient (tests, tools) cannot hold both modules (their proto packages clash), and
+    only servers with a Triton repository or load overrides need it."""
+    from plugserve.proto import model_config_pb2
+
+    return model_config_pb2
+
+
+@functools.lru_cache(maxsize=256)
+def _parse_triton(where: str, text: str) -> ModelSettings:
+    path = Path(where)
+    mc = messages()
+    try:
+        config = text_format.Parse(text, mc.ModelConfig())
+    except text_format.ParseError as exc:
+        raise InvalidArgument(f"{path}: not a Triton model configuration ({exc})") from None
+    out = ModelSettings(dynamic_batching=False, policy=VersionPolicy("latest", 1))
+    ignored = [field.name for field, _ in config.ListFields() if field.name not in _ACTED_ON]
+    kind = config.backend or config.platform
+    if kind:
+        if kind not in _DEVICES:
+            raise InvalidArgument(
+                f"{path}: platform/backend {kind!r} is not served here; use one of "
+                f"{', '.join(sorted(_DEVICES))} (or none: the server's default device)"
+            )
+        out.device = _DEVICES[kind]
+    if out.device == "PYTHON" and "model_transaction_policy" in ignored:
+        ignored.remove("model_transaction_policy")  # the PYTHON device reads it (decoupled)
+    if config.max_batch_size < 0:
+        raise InvalidArgument(f"{path}: max_batch_size must be >= 0")
+    out.max_batch_size = config.max_batch_size
+    if config.HasField("dynamic_batching"):
+        batching = config.dynamic_batching
+        if config.max_batch_size <= 0:
+            raise InvalidArgument(f"{path}: dynamic_batching needs max_batch_size > 0")
+        out.dynamic_batching = True
+        preferred = list(batching.preferred_batch_size)
+        if preferred:
+            if max(preferred) > config.max_batch_size:
+                raise InvalidArgument(
+                    f"{path}: preferred_batch_size {max(preferred)} is over max_batch_size "
+                    f"{config.max_batch_size}"
+                )
+            out.batch_size = max(preferred)
+            if len(preferred) > 1:
+                log.warning(
+                    "%s: dynamic_batching gathers up to %d rows (the largest preferred size); "
+                    "the other preferred sizes are not used",
+                    path,
+                    max(preferred),
+                )
+        if batching.max_queue_delay_microseconds:
+            out.config["BATCH_TIMEOUT_MS"] = str(batching.max_queue_delay_microseconds / 1000)
+        used = {"preferred_batch_size", "max_queue_delay_microseconds"}
+        extra = [f.name for f, _ in batching.ListFields() if f.name not in used]
+        ignored += [f"dynamic_batching.{n}" for n in extra]
+    streams = 0
+    for group in config.instance_group:
+        if group.kind not in (mc.ModelInstanceGroup.KIND_AUTO, mc.ModelInstanceGroup.KIND_CPU):
+            ignored.append(f"instance_group kind {mc.ModelInstanceGroup.Kind.Name(group.kind)}")
+        streams += group.count or 1
+    if streams:
+        out.config["NUM_STREAMS"] = str(streams)
+    out.policy = policy_of(config.version_policy, path)
+    own_file = PYTHON_MODEL_FILE if out.device == "PYTHON" else MODEL_FILE
+    out.model_file = plain_file_name(
+        config.default_model_filename or own_file, f"{path}: default_model_filename"
+    )
+    if out.device == "ENSEMBLE":
+        out.model_file = VERSION_FOLDER  # an ensemble's version folder holds no file
+    for key, value in config.parameters.items():
+        if key.isupper():
+            out.config[key] = value.string_value
+        elif out.device != "PYTHON":  # a Python model's own: it reads them in initialize
+            ignored.append(f"parameters[{key!r}]")
+    ignored += _check_tensors(config, path)
+    if config.HasField("sequence_batching"):
+        out.sequence, unused = read_sequence_batching(
+            config.sequence_batching, config.max_batch_size, path.parent, str(path)
+        )
+        ignored += unused
+    out.labels = _labels(config, path)
+    out.formats = {t.name: int(t.format) for t in config.input if t.format}
+    if ignored:
+        log.warning("%s: not acted on: %s", path, ", ".join(ignored))
+    return out
+
+
+def read_sequence_json(
+    raw: dict[str, Any], max_batch_size: int, folder: Path, path: Path
+) -> SequenceSettings:
+    """A ``config.json``'s ``sequence_batching``: Triton's message in its JSON form (as in
+    Triton's JSON model configurations and load overrides), read as config.pbtxt's."""
+    mc = messages()
+    try:
+        message = json_format.ParseDict(raw, mc.ModelSequenceBatching())
+    except json_format.ParseError as exc:
+        raise InvalidArgument(f"{path}: sequence_batching: {exc}") from None
+    settings, ignored = read_sequence_batching(message, max_batch_size, folder, str(path))
+    if ignored:
+        log.warning("%s: not acted on: %s", path, ", ".join(ignored))
+    return settings
+
+
+def _check_tensors(config: Any, path: Path) -> list[str]:
+    """What an input or output entry says that plugserve does not act on; a ``reshape``
+    (which would change the shapes clients send) refuses the model."""
+    ignored = []
+    for kind, tensors in (("input", config.input), ("output", config.output)):
+        for tensor in tensors:
+            if tensor.HasField("reshape"):
+                raise InvalidArgument(
+                    f"{path}: {kind} {tensor.name!r} has reshape {list(tensor.reshape.shape)}, "
+                    "which plugserve does not apply: remove it and send the model's own shape "
+                    f"({kind}s are served as the ONNX model declares them)"
+                )
+    return ignored
+
+
+#: the largest label file read (Triton's are a few kB: ImageNet's 1,000 labels, 21 kB)
+MAX_LABEL_BYTES = 1 << 20
+
+
+def _labels(config: Any, path: Path) -> dict[str, tuple[str, ...]]:
+    """Each output's labels from its ``label_filename``, a file in the model's folder."""
+    labels = {}
+    for output in config.output:
+        if not output.label_filename:
+            continue
+        where = f"{path}: output {output.name!r} label_filename"
+        file = path.parent / plain_file_name(output.label_filename, where)
+        try:
+            with open(file, "rb") as f:
+                data = f.read(MAX_LABEL_BYTES + 1)
+        except OSError as exc:
+            raise InvalidArgument(f"{where}: cannot read {file.name!r}: {exc.strerror}") from None
+        if len(data) > MAX_LABEL_BYTES:
+            raise InvalidArgument(f"{where}: {file.name!r} is over {MAX_LABEL_BYTES} bytes")
+        labels[output.name] = tuple(data.decode("utf-8", "replace").splitlines())
+    return labels
+
+
+def policy_of(message: Any, where: Path) -> VersionPolicy:
+    choice = message.WhichOneof("policy_choice")
+    if choice == "all":
+        return VersionPolicy("all")
+    if choice == "specific":
+        return VersionPolicy("specific", 0, tuple(sorted(set(message.specific.versions))))
+    if choice == "latest":
+        if message.latest.num_versions < 1:
+            raise InvalidArgument(f"{where}: version_policy latest needs num_versions >= 1")
+        return VersionPolicy("latest", message.latest.num_versions)
+    return VersionPolicy("latest", 1)  # Triton's default
+
+
+# --------------------------------------------------------------------------- OVMS
+
+#: What a ``config.json`` of OpenVINO Model Server names a model with.
+OVMS_KEYS = "model_config_list"
+#: an OVMS config.json's pipeline lists (``server/apps/pipelines/ovms_dag.py`` reads them)
+OVMS_PIPELINE_KEYS = ("pipeline_config_list", "custom_node_library_config_list")
+_OVMS_ACTED_ON = {
+    "name",
+    "base_path",
+    "model_version_policy",
+    "plugin_config",
+    "target_device",
+    "stateful",
+    "max_sequence_number",
+    "idle_sequence_cleanup",
+    "low_latency_transformation",
+}
+
+
+@dataclasses.dataclass
+class OvmsModel:
+    name: str
+    base_path: Path
+    device: str
+    config: dict[str, str]
+    policy: VersionPolicy
+    #: OVMS's stateful models (``stateful`` and its keys)
+    sequence: SequenceSettings | None = None
+
+
+def read_ovms(path: Path) -> list[OvmsModel]:
+    """An OVMS ``config.json``: each model of ``model_config_list``. ``base_path`` is read
+    relative to the file's folder; ``target_device`` CPU (OVMS's default) is OPENVINO."""
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise InvalidArgument(f"{path}: not valid JSON ({exc})") from None
+    items = raw.get(OVMS_KEYS) if isinstance(raw, dict) else None
+    if not isinstance(items, list):
+        raise InvalidArgument(f"{path}: expected an object with a '{OVMS_KEYS}' list")
+    ignored_top = [k for k in raw if k != OVMS_KEYS and k not in OVMS_PIPELINE_KEYS]
+    if ignored_top:
+        log.warning("%s: not acted on: %s", path, ", ".join(ignored_top))
+    models = []
+    for index, item in enumerate(items):
+        where = f"{path}: {OVMS_KEYS}[{index}]"
+        config = item.get("config") if isinstance(item, dict) else None
+        if not isinstance(config, dict) or not isinstance(config.get("name"), str):
+            raise InvalidArgument(f"{where}: expected {{'config': {{'name': ..., ...}}}}")
+        if not isinstance(config.get("base_path"), str):
+            raise InvalidArgument(f"{where}: 'base_path' must name the model's folder")
+        device = config.get("target_device", "CPU")
+        if device != "CPU":
+            log.warning("%s: target_device %r: served on OPENVINO's CPU", where, device)
+        plugin = config.get("plugin_config", {})
+        if not isinstance(plugin, dict):
+            raise InvalidArgument(f"{where}: 'plugin_config' must be an object")
+        ignored = [k for k in config if k not in _OVMS_ACTED_ON]
+        if ignored:
+            log.warning("%s (%s): not acted on: %s", path, config["name"], ", ".join(ignored))
+        device_config = {k: str(v) for k, v in plugin.items()}
+        models.append(
+            OvmsModel(
+                config["name"],
+                (path.parent / config["base_path"]).resolve(),
+                "OPENVINO",
+                device_config,
+                _ovms_policy(config.get("model_version_policy"), where),
+                read_ovms_stateful(config, device_config, where),
+            )
+        )
+    return models
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _ovms_policy(raw: Any, where: str) -> VersionPolicy:
+    if raw is None:
+        return VersionPolicy("latest", 1)  # OVMS's default
+    if isinstance(raw, dict) and len(raw) == 1:
+        ((kind, value),) = raw.items()
+        if kind == "all":
+            return VersionPolicy("all")
+        if kind == "latest" and isinstance(value, dict):
+            count = value.get("num_versions", 1)
+            if not _positive(count):
+                raise InvalidArgument(
+                    f"{where}: model_version_policy latest: num_versions {count!r} must be a "
+                    "whole number >= 1"
+                )
+            return VersionPolicy("latest", count)
+        if kind == "specific" and isinstance(value, dict):
+            versions = value.get("versions")
+            if (
+                not isinstance(versions, list)
+                or not versions
+                or not all(_positive(v) and v <= MAX_VERSION for v in versions)
+            ):
+                raise InvalidArgument(
+                    f"{where}: model_version_policy specific: versions {versions!r} must be a "
+                    "list of version numbers >= 1"
+                )
+            return VersionPolicy("specific", 0, tuple(sorted(versions)))
+    raise InvalidArgument(
+        f"{where}: model_version_policy {raw!r}: expected {{'all': {{}}}}, "
+        "{'latest': {'num_versions': N}} or {'specific': {'versions': [...]}}"
+    )
+
+
+# --------------------------------------------------------------------------- load overrides
+
+
+def plain_file_name(value: str, where: str) -> str:
+    """``value`` if it names a file in one folder (no separator, not ``.``/``..`` or hidden,
+    no NUL or control character), else InvalidArgument: a model's configuration and a load's
+    overrides name files the server opens or writes, inside the model's folder only."""
+    if (
+        not value
+        or "/" in value
+        or "\\" in value
+        or value.startswith(".")
+        or any(ord(c) < 32 or ord(c) == 127 for c in value)
+        or len(value.encode("utf-8", "replace")) > 255  # NAME_MAX: OSError, not the client's
+        or any(0xD800 <= ord(c) <= 0xDFFF for c in value)  # a lone surrogate cannot be encoded
+    ):
+        raise InvalidArgument(
+            f"{where}: {value[:80]!r} must be a plain file name (no folders, no control "
+            "characters, not starting with '.', at most 255 bytes of UTF-8)"
+        )
+    return value
+
+
+def write_overrides(folder: Path, name: str, config: str | None, files: dict[str, bytes]) -> None:
+    """A model folder from Triton's load overrides: ``config`` (ModelConfig JSON) as its
+    config.pbtxt, each ``<version>/<file name>`` written inside ``folder`` and nowhere else."""
+    if config is not None:
+        try:
+            message = json_format.Parse(config, messages().ModelConfig())
+        except (json_format.ParseError, ValueError) as exc:
+            raise InvalidArgument(f"model {name!r}: the 'config' override: {exc}") from None
+        (folder / TRITON_FILE).write_text(text_format.MessageToString(message))
+    for key, data in files.items():
+        version, _, file_name = key.partition("/")
+        if not version.isdigit() or version.startswith("0") or not file_name:
+            raise InvalidArgument(
+                f"model {name!r}: override {'file:' + key!r}: expected file:<version>/<file name>, "
+                "a version number and a plain file name (no folders)"
+            )
+        plain_file_name(file_name, f"model {name!r}: override {'file:' + key!r}")
+        (folder / version).mkdir(exist_ok=True)
+        (folder / version / file_name).write_bytes(data)

@@ -1,0 +1,622 @@
+"""The data plane: the request path every protocol shares, from lookup to completion.
+
+The servicers (plugserve.v1, KServe v2 and REST) translate messages and call this for each
+inference; what is loaded is model control's (``model_control.py``), which fills the table of
+loaded networks (``networks.py``) this reads. Keeping the two apart keeps the path a request
+pays for free of loading's concerns, and lets either change without the other. A request runs
+on its network's own streams executor (:attr:`CompiledNetwork.executor`, one infer request per
+stream); the data plane adds what a server needs on top of it and no scheduler of its own:
+admission into a bounded queue (``--queue-size``; a full queue is ``ResourceExhausted`` at
+once), the deadline checked when a stream picks the request up, metrics, and completion
+through a future so the RPC layer never waits on a queue.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from typing import Any
+
+import numpy as np
+
+from plugserve.plugins import cancel
+from plugserve.plugins.api import (
+    Cancelled,
+    DeadlineExceeded,
+    InferenceError,
+    InferRequest,
+    InvalidArgument,
+    InvalidInput,
+    PlugserveError,
+    ResourceExhausted,
+    check_inputs,
+    listing,
+)
+from plugserve.plugins.streams import Finished, StreamsExecutor
+from plugserve.server.plane.budget import Charge, MemoryBudget
+from plugserve.server.plane.callpool import blocked
+from plugserve.server.plane.deadlines import DeadlineWatch
+from plugserve.server.plane.metrics import Metrics, failure_status
+from plugserve.server.plane.networks import LoadedNetwork, NetworkTable
+from plugserve.server.plane.response_stream import ResponseStream
+from plugserve.server.plane.sequences import Step
+from plugserve.server.plane.shm import SharedMemory
+from plugserve.server.protocols.status import forget_frames
+
+__all__ = ["DataPlane", "ShuttingDown", "check_batch"]
+
+log = logging.getLogger(__name__)
+
+#: A run inline on a gRPC handler thread that is expected to take longer than this (its
+#: network's runs average more) gives the thread's turn to another call while it runs
+#: (``callpool.blocked``), so that call's decoding overlaps the run: devices compute without
+#: the GIL, and the few handler threads that run calls at once would otherwise all sit in
+#: runs while calls wait. A shorter run keeps its turn: giving it away and back costs a
+#: thread more fighting for the GIL, which on a tiny request costs more than the run.
+LONG_RUN = 250e-6
+
+
+# Messages begin with Triton's own words for the condition (triton-inference-server/core:
+# server.cc), which Triton's example clients and users' scripts match on ("Server not
+# ready"); plugserve's explanation and what to do follow them (as in networks.py and
+# model_control.py).
+
+
+class ShuttingDown(PlugserveError):
+    """The server is draining for shutdown: new work is refused; the caller may retry elsewhere."""
+
+    code = "UNAVAILABLE"
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(f"Server not ready: {detail}")
+
+
+def check_batch(name: str, max_batch_size: int, arrays: list[Any]) -> None:
+    """As Triton: a model with max_batch_size > 0 takes at most that many rows per request."""
+    for array in arrays:
+        rows = array.shape[0] if getattr(array, "ndim", 0) else 0
+        if rows > max_batch_size:
+            raise InvalidInput(
+                f"network {name!r}: a batch of {rows} rows is over its max_batch_size "
+                f"{max_batch_size}; split the request"
+            )
+
+
+def _past_deadline(name: str, admitted: float) -> DeadlineExceeded:
+    return DeadlineExceeded(
+        f"network {name!r}: stopped, the request passed its deadline "
+        f"({time.monotonic() - admitted:.3f} s after it was admitted)"
+    )
+
+
+def _answer_too_large(name: str, outputs: dict[str, Any], most: int) -> ResourceExhausted:
+    sizes = ", ".join(f"{k} {getattr(v, 'nbytes', 0):,}" for k, v in outputs.items())
+    return ResourceExhausted(
+        f"network {name!r}: its outputs take more bytes ({sizes}) than the largest answer this "
+        f"server sends, {most:,} bytes (--max-message-bytes / PLUGSERVE_MAX_MESSAGE_BYTES); "
+        "send smaller inputs, ask for fewer outputs, or have them written to shared memory"
+    )
+
+
+def _fail_from(stream: ResponseStream, future: Future) -> None:
+    """End ``stream`` with what its run raised before it could send (queued past its
+    deadline, cancelled while queued, its executor shut down)."""
+    error = future.exception()
+    if error is not None:
+        stream.fail(error)
+
+
+def _past_limit(name: str, limit: float) -> DeadlineExceeded:
+    return DeadlineExceeded(
+        f"network {name!r}: stopped, the request ran past the server's limit "
+        f"of {limit:g} s (--max-request-seconds)"
+    )
+
+
+class DataPlane:
+    """Admits, runs and completes the requests to the networks in :attr:`table`."""
+
+    def __init__(
+        self,
+        metrics: Metrics,
+        max_request_seconds: float = 0.0,
+        max_inflight_bytes: int = 0,
+        max_answer_bytes: int = 0,
+    ) -> None:
+        """``max_request_seconds`` / ``max_inflight_bytes`` / ``max_answer_bytes``:
+        --max-request-seconds, --max-inflight-bytes and --max-message-bytes (0: no limit)."""
+        self.max_request_seconds = max_request_seconds
+        #: the most bytes of outputs an answer may carry (see :meth:`admit`)
+        self.max_answer_bytes = max_answer_bytes
+        #: --max-inflight-bytes: what the protocols charge their requests against
+        self.budget = MemoryBudget(max_inflight_bytes)
+        #: Triton's system shared memory regions (the server sets its own, with its flags)
+        self.shm = SharedMemory(budget=self.budget)
+        #: cancels requests past their client's deadline or --max-request-seconds
+        self.deadlines = DeadlineWatch()
+        self.metrics = metrics
+        #: the loaded networks requests are served from (model control fills it)
+        self.table = NetworkTable()
+        self.ready = False
+        self.draining = False  # set by drain(): new requests and loads are UNAVAILABLE
+        #: the ports the server listens on (-1: off), for clients that ask (GetMetric
+        #: SERVER_PORTS): grpc, http, metrics, health
+        self.ports: dict[str, int] = {}
+        self._inflight = 0  # admitted requests not yet finished (queued or running)
+        self._inflight_lock = threading.Lock()
+        metrics.watch_executors(self._executor_gauges)
+        metrics.watch_sequences(self._sequence_gauges)
+
+    # --- executors
+
+    def _executor_gauges(self) -> list[tuple[str, int, int, int, int]]:
+        with self.table.lock:
+            per_device: dict[str, list[StreamsExecutor]] = {}
+            for versions in self.table.by_name.values():
+                for net in versions.values():
+                    per_device.setdefault(net.device, []).append(net.executor)
+        return [
+            (
+                kind,
+                sum(ex.pending for ex in group),
+                sum(ex.busy for ex in group),
+                sum(ex.streams for ex in group),
+                len(group),
+            )
+            for kind, group in sorted(per_device.items())
+        ]
+
+    def _sequence_gauges(self) -> list[tuple[str, str, str, int, int]]:
+        return [
+            (n.device, n.name, str(n.version), n.sequences.active, n.sequences.state_bytes)
+            for n in self.table.all()
+            if n.sequences is not None
+        ]
+
+    # --- networks
+
+    def get(self, name: str, version: int = 0) -> LoadedNetwork:
+        """A request's one lookup: ``name``'s ``version`` (0: its latest)."""
+        if not name:
+            raise InvalidArgument(
+                "the request names no network: set its name (plugserve.v1 'network' or "
+                "'name', KServe 'model_name' or 'name')"
+            )
+        # without the table's lock: each step is one under the GIL, and model control
+        # replaces or drops a version only while holding it (a lookup that races one of
+        # those takes the lock and looks again)
+        versions = self.table.by_name.get(name)
+        if versions:
+            try:
+                return versions[version or max(versions)]
+            except (KeyError, ValueError):
+                pass
+        with self.table.lock:
+            versions = self.table.by_name.get(name)
+            if versions and not version:
+                return versions[max(versions)]
+            if versions and version in versions:
+                return versions[version]
+            raise self.table.missing(name, version)
+
+    # --- inference
+
+    def submit(
+        self,
+        entry: LoadedNetwork,
+        inputs: Mapping[str, Any],
+        outputs: list[str] | None = None,
+        deadline: float | None = None,
+        inline: bool = False,
+        token: cancel.Token | None = None,
+        holds: int = 0,
+        after: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None = None,
+        step: Step | None = None,
+        checked: list[np.ndarray] | None = None,
+    ) -> Future | Finished:
+        """Admit one inference (see :meth:`admit`); ``step``: the request's place in a
+        sequence (its ``sequence_*`` parameters), which a network with Triton's sequence
+        batching requires and others refuse. For a sequence, ``checked`` only says that
+        ``inputs`` (by name) were checked against the network's client-facing specs."""
+        if step is None and entry.sequences is None:
+            return self.admit(
+                entry, inputs, outputs, deadline, inline, token, holds, after, checked
+            )
+        if entry.sequences is None:
+            entry.recorder.refused("invalid")
+            raise InvalidInput(
+                f"inference request to model '{entry.name}' names a sequence (sequence_id "
+                f"{step.id!r}), but the model has no sequence batching (Triton's "
+                "sequence_batching in its config.pbtxt); send it without the sequence_* "
+                "parameters"
+            )
+        hidden = sorted(entry.sequences.hidden_outputs.intersection(outputs or ()))
+        try:
+            if hidden:
+                raise InvalidInput(
+                    f"network {entry.name!r}: {listing(hidden)} are state outputs, which the "
+                    "server keeps for the sequence; ask for the model's other outputs"
+                )
+            wanted = self._outputs(entry, outputs)
+            return entry.sequences.submit(
+                step, inputs, wanted, deadline, token, holds, after, inline, checked is not None
+            )
+        except ResourceExhausted:
+            entry.recorder.refused("overloaded")
+            raise
+        except PlugserveError:
+            entry.recorder.refused("invalid")
+            raise
+
+    def admit(
+        self, entry, inputs, outputs, deadline, inline, token, holds, after=None, checked=None
+    ):
+        """(:meth:`submit`'s arguments but ``step``, for a request known to be no sequence's:
+        a protocol's plain lane calls it directly.) Queue one inference on ``entry`` (the
+        caller's one :meth:`get`, which its response also names, so an unload or load meanwhile
+        cannot relabel or lose a finished request); the future holds ``{output: array}`` or a
+        typed error.
+
+        ``inline``: the caller waits for the result anyway (a unary RPC), so when one of the
+        network's streams is idle the inference runs on the caller's thread (see
+        :meth:`StreamsExecutor.run_inline`) and its outcome is returned :class:`Finished`.
+
+        ``token``: the request's cancellation token, which the caller cancels when its client
+        goes away (a unary call hooks it to the call's end before the run may start inline);
+        cancelling the returned future does the same. The request is also cancelled, queued
+        or running, once ``deadline`` (``time.monotonic``) or --max-request-seconds passes.
+
+        ``after``: applied to the outputs on the thread that ran the request, before it counts
+        as done (outputs written into shared memory regions).
+
+        Outputs over :attr:`max_answer_bytes` in all (--max-message-bytes, the largest message
+        the server sends) fail the request with ResourceExhausted once it has run, before any
+        protocol encodes them: the encoding would copy them at least once more (a 180-byte
+        request to ``ConstantOfShape`` made 8 GB of outputs, and the gRPC answer another 8 GB
+        before grpcio refused to send it), and the answer could not leave anyway.
+
+        ``holds``: the bytes the request holds until it is answered, charged to
+        --max-inflight-bytes before it is admitted (a protocol that charged it already, as
+        REST does when a body's headers arrive, passes 0).
+
+        ``checked``: the inputs as arrays in the network's order, already known to pass
+        :func:`check_inputs` against ``entry`` (a protocol's fast path decided that from the
+        network's specs); ``inputs`` is then unused.
+        """
+        name = entry.name
+        recorder = entry.recorder
+        try:
+            arrays = (
+                checked if checked is not None else check_inputs(name, entry.network.inputs, inputs)
+            )
+            if entry.max_batch_size > 0:
+                check_batch(name, entry.max_batch_size, arrays)
+            wanted = self._outputs(entry, outputs) if outputs else entry.output_names
+        except PlugserveError:
+            recorder.refused("invalid")
+            raise
+        executor = entry.executor
+        most = self.max_answer_bytes
+        budget = self.budget
+        admitted = time.perf_counter()
+        token = token if token is not None else cancel.Token()
+
+        def run(request: InferRequest) -> dict[str, np.ndarray]:
+            started = time.perf_counter()
+            if token.error is not None:
+                raise token.failure()
+            if deadline is not None and time.monotonic() > deadline:
+                raise DeadlineExceeded(
+                    f"network {name!r}: the deadline passed while queued "
+                    f"({started - admitted:.3f} s in the queue)"
+                )
+            token.room = budget.free()  # what an output its values size may hold at most
+            token.outputs = wanted
+            entered = cancel.enter(token)
+            try:
+                result = request.infer_checked(arrays)  # checked once, above
+            except PlugserveError:
+                raise
+            except Exception as exc:  # the device's own failure: INTERNAL, naming it
+                log.exception(
+                    "network %s version %d on %s failed", name, entry.version, entry.device
+                )
+                raise InferenceError(
+                    f"network {name!r} on {entry.device}: {type(exc).__name__}: {exc}"
+                ) from exc
+            finally:
+                cancel.leave(entered)
+            try:
+                answer = dict(zip(wanted, map(result.__getitem__, wanted)))
+            except KeyError:  # left out by a model that may (token.partial_outputs)
+                answer = {name: result[name] for name in wanted if name in result}
+            if after is not None:
+                answer = after(answer)
+            elif most:
+                total = 0
+                for array in answer.values():
+                    total += getattr(array, "nbytes", 0)
+                if total > most:
+                    raise _answer_too_large(name, answer, most)
+            finished = time.perf_counter()
+            entry.run_seconds += (finished - started - entry.run_seconds) * 0.125
+            if entry.perf_enabled:
+                recorder.layers(request.get_performance_counts())
+            recorder.success(started - admitted, finished - started)
+            return answer
+
+        with self._inflight_lock:
+            if self.draining:
+                raise ShuttingDown(
+                    f"network {name!r}: the server is shutting down; send the request elsewhere"
+                )
+            retired = entry.retired
+            if not retired:
+                self._inflight += 1
+                entry.inflight += 1
+        if retired:  # reloaded since the caller's lookup: its replacement answers
+            if checked is not None:  # checked against this network; the replacement checks
+                inputs = {spec.name: a for spec, a in zip(entry.network.inputs, checked)}
+            return self.admit(
+                self.get(name, entry.version),
+                inputs,
+                outputs,
+                deadline,
+                inline,
+                token,
+                holds,
+                after,
+            )
+        try:
+            charge = self.budget.charge(holds, f"a request to network {name!r}")
+        except ResourceExhausted:
+            with self._inflight_lock:
+                self._inflight -= 1
+                entry.inflight -= 1
+            recorder.refused("overloaded")
+            raise
+        self._watch(name, token, deadline)
+        try:
+            if inline and entry.run_seconds > LONG_RUN:
+                with blocked():
+                    future = executor.run_inline(run)
+            else:
+                future = inline and executor.run_inline(run)
+            future = future or executor.submit(run, entry.queue_limit, token=token)
+        except BaseException as exc:
+            self.deadlines.forget(token)
+            charge.release()
+            with self._inflight_lock:
+                self._inflight -= 1
+                entry.inflight -= 1
+            recorder.refused("overloaded" if isinstance(exc, ResourceExhausted) else "")
+            raise
+        if type(future) is Finished:  # ran inline: its callback would run now anyway
+            self._finished(entry, future, token, charge)
+        else:
+            future.add_done_callback(lambda f: self._finished(entry, f, token, charge))
+        return future
+
+    def charged(
+        self, entry: LoadedNetwork, nbytes: int, submit: Callable[[], Future | Finished]
+    ) -> Future | Finished:
+        """``submit()`` (which decodes a request to ``entry`` and calls :meth:`submit` with
+        ``holds=0``) with ``nbytes`` of --max-inflight-bytes charged first and held until its
+        future is done: for a protocol whose decoding allocates memory of its own (KServe's
+        typed contents, strings), which must be charged before it is allocated. A charge that
+        does not fit is ResourceExhausted, counted as the network's refusal."""
+        try:
+            charge = self.budget.charge(nbytes, f"a request to network {entry.name!r}")
+        except ResourceExhausted:
+            entry.recorder.refused("overloaded")
+            raise
+        try:
+            future = submit()
+        except BaseException:
+            charge.release()
+            raise
+        future.add_done_callback(lambda _: charge.release())
+        return future
+
+    def open_stream(
+        self,
+        entry: LoadedNetwork,
+        start: Callable[[ResponseStream], object],
+        deadline: float | None = None,
+        token: cancel.Token | None = None,
+        holds: int = 0,
+        outputs: list[str] | None = None,
+    ) -> ResponseStream:
+        """A request answered by a stream of responses (a decoupled network, a generative
+        model): admitted and accounted as :meth:`admit` does (draining, the memory budget,
+        the deadline watch, in-flight counts, the recorder), then ``start(stream)`` begins
+        producing into the returned :class:`ResponseStream` (from any thread, for as long as
+        the request lasts). An error ``start`` raises is the caller's (a refusal: nothing was
+        admitted); one the producer sends later ends the stream. The request counts as done
+        when its final response is sent, it fails, or it is cancelled."""
+        name = entry.name
+        recorder = entry.recorder
+        token = token if token is not None else cancel.Token()
+        with self._inflight_lock:
+            if self.draining:
+                raise ShuttingDown(
+                    f"network {name!r}: the server is shutting down; send the request elsewhere"
+                )
+            self._inflight += 1
+            entry.inflight += 1
+        try:
+            charge = self.budget.charge(holds, f"a request to network {name!r}")
+        except ResourceExhausted:
+            with self._inflight_lock:
+                self._inflight -= 1
+                entry.inflight -= 1
+            recorder.refused("overloaded")
+            raise
+        stream = ResponseStream(token, name, outputs)
+        admitted = time.perf_counter()
+        refused: list[BaseException] = []
+
+        def ended(error: BaseException | None) -> None:
+            self.deadlines.forget(token)
+            token.finish()
+            charge.release()
+            with self._inflight_lock:
+                self._inflight -= 1
+                entry.inflight -= 1
+            if refused:
+                recorder.refused("overloaded" if isinstance(error, ResourceExhausted) else "")
+            elif error is None:
+                recorder.success(0.0, time.perf_counter() - admitted)
+            else:
+                recorder.failure(failure_status(error))
+                if isinstance(error, PlugserveError):
+                    forget_frames(error)
+
+        stream.when_ended(ended)
+        self._watch(name, token, deadline)
+        try:
+            start(stream)
+        except BaseException as exc:
+            refused.append(exc)
+            stream.fail(exc)
+            raise
+        return stream
+
+    def submit_decoupled(
+        self,
+        entry: LoadedNetwork,
+        inputs: Mapping[str, Any],
+        outputs: list[str] | None = None,
+        deadline: float | None = None,
+        token: cancel.Token | None = None,
+        holds: int = 0,
+    ) -> ResponseStream:
+        """One request to a network answered by a stream of responses: its inputs checked
+        as :meth:`admit` checks them, then run on the network's executor with
+        :meth:`InferRequest.infer_decoupled` (a network that is not decoupled answers one
+        final response). The stream slot is held while ``infer_decoupled`` runs; a model
+        that goes on sending after it returns (a Python model's threads) holds none."""
+        name = entry.name
+        try:
+            arrays = check_inputs(name, entry.network.inputs, inputs)
+            if entry.max_batch_size > 0:
+                check_batch(name, entry.max_batch_size, arrays)
+            wanted = self._outputs(entry, outputs) if outputs else None
+        except PlugserveError:
+            entry.recorder.refused("invalid")
+            raise
+        if entry.sequences is not None:
+            entry.recorder.refused("invalid")
+            raise InvalidInput(
+                f"network {name!r}: a sequence model's requests are not streamed as "
+                "decoupled responses; send them as ordinary requests"
+            )
+        token = token if token is not None else cancel.Token()
+        budget = self.budget
+
+        def start(stream: ResponseStream) -> None:
+            def run(request: InferRequest) -> None:
+                if token.error is not None:
+                    raise token.failure()
+                if deadline is not None and time.monotonic() > deadline:
+                    raise DeadlineExceeded(f"network {name!r}: the deadline passed while queued")
+                token.room = budget.free()
+                entered = cancel.enter(token)
+                try:
+                    request.infer_decoupled(arrays, stream)
+                except PlugserveError as exc:
+                    stream.fail(exc)
+                except Exception as exc:  # the device's own failure: INTERNAL, naming it
+                    log.exception("network %s on %s failed", name, entry.device)
+                    stream.fail(
+                        InferenceError(
+                            f"network {name!r} on {entry.device}: {type(exc).__name__}: {exc}"
+                        )
+                    )
+                finally:
+                    cancel.leave(entered)
+
+            future = entry.executor.submit(run, entry.queue_limit, token=token)
+            future.add_done_callback(lambda f: f.cancelled() or _fail_from(stream, f))
+
+        return self.open_stream(entry, start, deadline, token, holds, wanted)
+
+    def _watch(self, name: str, token: cancel.Token, deadline: float | None) -> None:
+        """Have the deadline watch cancel ``token`` at the client's deadline or the server's
+        --max-request-seconds, whichever comes first."""
+        now = time.monotonic()
+        limit = self.max_request_seconds
+        server_end = now + limit if limit else float("inf")
+        if deadline is not None and deadline <= server_end:
+            self.deadlines.watch(token, deadline, _past_deadline, name, now)
+        else:
+            self.deadlines.watch(token, server_end, _past_limit, name, limit)
+
+    def drain(self) -> None:
+        """Refuse new requests and loads (UNAVAILABLE); admitted ones still run."""
+        with self._inflight_lock:
+            self.draining = True
+
+    def wait_idle(self, timeout: float, give_up: threading.Event | None = None) -> int:
+        """Wait until every admitted request finished and no load is running, at most
+        ``timeout`` seconds (or until ``give_up`` is set); returns how many are left."""
+        end = time.monotonic() + timeout
+        while True:
+            with self.table.lock:
+                left = self._inflight + len(self.table.loading)
+            if not left or time.monotonic() >= end or (give_up and give_up.is_set()):
+                return left
+            time.sleep(0.02)
+
+    def _finished(
+        self, entry: LoadedNetwork, future: Future | Finished, token: cancel.Token, charge: Charge
+    ) -> None:
+        """Successes are recorded where they ran; here the admitted ones that failed."""
+        self.deadlines.forget(token)
+        token.finish()
+        charge.release()
+        with self._inflight_lock:
+            self._inflight -= 1
+            entry.inflight -= 1
+        exc = future.exception()
+        if exc is not None:
+            entry.recorder.failure(failure_status(exc))
+            if isinstance(exc, PlugserveError):  # an unexpected one is logged whole, later
+                forget_frames(exc)
+
+    def cancel_all(self, why: str) -> int:
+        """Cancel every admitted request, queued or running (a shutdown that stops waiting
+        for them); returns how many there were."""
+        return self.deadlines.cancel_all(lambda: Cancelled(why))
+
+    def _outputs(self, entry: LoadedNetwork, outputs: list[str] | None) -> list[str]:
+        if not outputs:
+            return entry.output_names
+        unknown = [o for o in outputs if o not in entry._known_outputs]
+        if unknown:
+            raise InvalidInput(
+                f"network {entry.name!r}: unknown output(s) {listing(unknown)}; "
+                f"its outputs are {listing(entry.output_names)}"
+            )
+        return list(outputs)
+
+    # --- what model control needs of the request path
+
+    def admission(self, entry: LoadedNetwork) -> Callable[..., Future | Finished]:
+        """``entry``'s plain admission (:meth:`admit` for it), which its sequence batcher
+        submits each run through."""
+        return functools.partial(self.admit, entry)
+
+    def retire(self, entry: LoadedNetwork) -> None:
+        """``entry`` was replaced (a reload): a request that reaches it from now on goes to
+        its replacement (see :meth:`admit`)."""
+        with self._inflight_lock:
+            entry.retired = True
+
+    def close(self) -> None:
+        """Stop the deadline watch (model control's ``close`` stops the networks' streams)."""
+        self.deadlines.close()

@@ -1,0 +1,526 @@
+"""Prometheus metrics: per device and model, named ``plugserve_*`` with units in the name.
+
+Request counts and latency histograms are plain numbers a request updates under one lock as it
+finishes (:class:`_Series`), turned into Prometheus families only when /metrics is scraped:
+prometheus_client's Counter and two Histogram observes took three locks and ~15 Python calls
+per request, a tenth of a small request's server time. Gauges that describe the present (queue
+depth, busy streams) are read from the executors at scrape time, so they are never stale and
+cost nothing per request.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import dataclasses
+import gzip
+import platform
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+from urllib.parse import parse_qs
+from wsgiref.simple_server import WSGIRequestHandler, make_server
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, make_wsgi_app
+from prometheus_client import metrics as prometheus_metrics
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.exposition import ThreadingWSGIServer, choose_encoder, generate_latest
+from prometheus_client.samples import Sample
+from prometheus_client.utils import floatToGoString
+
+from plugserve.plugins.errors import Cancelled, DeadlineExceeded, InvalidInput
+from plugserve.server.plane.custom_metrics import CustomMetrics
+
+__all__ = ["Metrics", "Recorder", "Stats", "failure_status"]
+
+_FAILURES = {DeadlineExceeded: "deadline", Cancelled: "cancelled", InvalidInput: "invalid"}
+
+
+def failure_status(error: BaseException) -> str:
+    """The ``status`` label of a request that failed with ``error`` after its admission."""
+    return _FAILURES.get(type(error), "error")
+
+
+_LATENCY_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+)
+_BOUNDS = (*_LATENCY_BUCKETS, float("inf"))
+_LE = [floatToGoString(b) for b in _BOUNDS]
+_LABELS = ["device", "model", "version"]
+
+
+class _Series:
+    """One network's request counts by status and its two latency histograms (per-bucket
+    counts, not cumulative, and sums), as Prometheus would hold them for its labels; updated
+    under ``lock`` by its :class:`Recorder` (a reload on the same device shares it, so its
+    series go on counting, as the labels of a Prometheus metric would)."""
+
+    __slots__ = ("compute", "compute_sum", "created", "lock", "queue", "queue_sum", "statuses")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.created = time.time()
+        #: status -> [count, when its series appeared]; success from the start, as before
+        self.statuses: dict[str, list[float]] = {"success": [0, self.created]}
+        self.queue = [0] * len(_BOUNDS)
+        self.compute = [0] * len(_BOUNDS)
+        self.queue_sum = 0.0
+        self.compute_sum = 0.0
+
+    def count(self, status: str, requests: int = 1) -> None:
+        """``requests`` more under ``status`` (call with the lock held)."""
+        counted = self.statuses.get(status)
+        if counted is None:
+            self.statuses[status] = [requests, time.time()]
+        else:
+            counted[0] += requests
+
+
+class _RequestCollector:
+    """``plugserve_inference_requests`` and the queue-wait and compute histograms, from the
+    series at scrape time."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def collect(self):
+        requests = CounterMetricFamily(
+            "plugserve_inference_requests",
+            "Inference requests by outcome",
+            labels=[*_LABELS, "status"],
+        )
+        queue = HistogramMetricFamily(
+            "plugserve_queue_wait_seconds", "Time a request waited for a stream", labels=_LABELS
+        )
+        compute = HistogramMetricFamily(
+            "plugserve_compute_seconds", "Time a request ran on a stream", labels=_LABELS
+        )
+        created = getattr(prometheus_metrics, "_use_created", True)
+        for labels, series in self._metrics.series():
+            with series.lock:
+                statuses = [(k, v[0], v[1]) for k, v in series.statuses.items()]
+                histograms = (
+                    (queue, list(series.queue), series.queue_sum),
+                    (compute, list(series.compute), series.compute_sum),
+                )
+            for status, value, since in statuses:
+                requests.add_metric([*labels, status], value, since if created else None)
+            for family, counts, total in histograms:
+                cumulative, buckets = 0, []
+                for le, n in zip(_LE, counts):
+                    cumulative += n
+                    buckets.append((le, cumulative))
+                family.add_metric(labels, buckets, total)
+                if created:
+                    named = dict(zip(_LABELS, labels))
+                    family.samples.append(Sample(f"{family.name}_created", named, series.created))
+        yield from (requests, queue, compute)
+
+
+class _ExecutorCollector:
+    """Gauges read at scrape time: queue depth, busy streams, streams, loaded networks."""
+
+    def __init__(self, read: Callable[[], list[tuple[str, int, int, int, int]]]) -> None:
+        self._read = read
+
+    def collect(self):
+        depth = GaugeMetricFamily(
+            "plugserve_queue_depth", "Requests waiting for a stream", labels=["device"]
+        )
+        busy = GaugeMetricFamily(
+            "plugserve_busy_streams", "Streams running a request", labels=["device"]
+        )
+        streams = GaugeMetricFamily(
+            "plugserve_streams", "Streams of the device's executor", labels=["device"]
+        )
+        loaded = GaugeMetricFamily(
+            "plugserve_loaded_networks", "Networks loaded on the device", labels=["device"]
+        )
+        for device, pending, running, total, networks in self._read():
+            depth.add_metric([device], pending)
+            busy.add_metric([device], running)
+            streams.add_metric([device], total)
+            loaded.add_metric([device], networks)
+        yield from (depth, busy, streams, loaded)
+
+
+class _SequenceCollector:
+    """Per sequence model, read at scrape time: its active sequences and the bytes of state
+    they hold (Triton's sequence batching)."""
+
+    def __init__(self, read: Callable[[], list[tuple[str, str, str, int, int]]]) -> None:
+        self._read = read
+
+    def collect(self):
+        labels = ["device", "model", "version"]
+        active = GaugeMetricFamily(
+            "plugserve_sequences_active", "Sequences started and not yet ended", labels=labels
+        )
+        held = GaugeMetricFamily(
+            "plugserve_sequence_state_bytes", "Bytes of implicit state the sequences hold",
+            labels=labels,
+        )  # fmt: skip
+        for device, model, version, count, nbytes in self._read():
+            active.add_metric([device, model, version], count)
+            held.add_metric([device, model, version], nbytes)
+        yield from (active, held)
+
+
+class _GenerationCollector:
+    """Per generative model (``server/apps/generate/``), read at scrape time from its engine's
+    statistics: histograms of time to first token, inter-token latency and end-to-end
+    latency, counters of prompt (and prompt-from-cache) and generated tokens and of finished
+    sequences by reason, gauges of running and waiting requests and of the key/value cache
+    (the share of its slots held, and its bytes). vLLM's names, plugserve's prefix."""
+
+    _HISTOGRAMS = (
+        ("time_to_first_token", "Seconds from a request's arrival to its first token"),
+        ("inter_token_latency", "Seconds between two tokens of a sequence"),
+        ("e2e_request_latency", "Seconds from a request's arrival to its end"),
+    )
+
+    def __init__(self, read: Callable[[], list[tuple[str, str, str, Any]]]) -> None:
+        self._read = read
+
+    def collect(self):
+        labels = ["device", "model", "version"]
+        histograms = {
+            name: HistogramMetricFamily(f"plugserve_generate_{name}_seconds", text, labels=labels)
+            for name, text in self._HISTOGRAMS
+        }
+        prompt = CounterMetricFamily(
+            "plugserve_generate_prompt_tokens", "Prompt tokens of requests started",
+            labels=labels,
+        )  # fmt: skip
+        cached = CounterMetricFamily(
+            "plugserve_generate_prompt_tokens_cached",
+            "Prompt tokens whose key/value cache came from the prefix cache",
+            labels=labels,
+        )
+        generated = CounterMetricFamily(
+            "plugserve_generate_generation_tokens", "Tokens generated", labels=labels
+        )
+        finished = CounterMetricFamily(
+            "plugserve_generate_sequences_finished",
+            "Sequences ended, by reason (stop, length, abort)",
+            labels=[*labels, "finish_reason"],
+        )
+        running = GaugeMetricFamily(
+            "plugserve_generate_requests_running", "Sequences holding a cache slot",
+            labels=labels,
+        )  # fmt: skip
+        waiting = GaugeMetricFamily(
+            "plugserve_generate_requests_waiting", "Requests waiting for a cache slot",
+            labels=labels,
+        )  # fmt: skip
+        usage = GaugeMetricFamily(
+            "plugserve_generate_kv_cache_usage_ratio",
+            "Share of the key/value cache's slots held by running sequences (0 to 1)",
+            labels=labels,
+        )
+        size = GaugeMetricFamily(
+            "plugserve_generate_kv_cache_bytes", "Bytes of the key/value cache", labels=labels
+        )
+        for device, model, version, snap in self._read():
+            key = [device, model, version]
+            for name, family in histograms.items():
+                bounds, counts, total = snap.histograms[name]
+                cumulative, buckets = 0, []
+                for bound, count in zip((*bounds, float("inf")), counts):
+                    cumulative += count
+                    buckets.append((floatToGoString(bound), cumulative))
+                family.add_metric(key, buckets, total)
+            prompt.add_metric(key, snap.prompt_tokens)
+            cached.add_metric(key, snap.cached_prompt_tokens)
+            generated.add_metric(key, snap.generation_tokens)
+            for reason, count in sorted(snap.finished.items()):
+                finished.add_metric([*key, reason], count)
+            running.add_metric(key, snap.running)
+            waiting.add_metric(key, snap.waiting)
+            usage.add_metric(key, snap.kv_cache_usage)
+            size.add_metric(key, snap.kv_cache_bytes)
+        yield from histograms.values()
+        yield from (prompt, cached, generated, finished, running, waiting, usage, size)
+
+
+class Metrics:
+    def __init__(self, version: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = _LABELS
+        #: (device, model, version) -> its request counts and histograms
+        self._series: dict[tuple[str, str, str], _Series] = {}
+        self._series_lock = threading.Lock()
+        self.registry.register(_RequestCollector(self))
+        self.layer_seconds = Counter(
+            "plugserve_layer_seconds",
+            "Per-layer compute time by op type (PERF_COUNT=YES)",
+            [*labels, "op_type"],
+            registry=self.registry,
+        )
+        self.build = Gauge(
+            "plugserve_build_info",
+            "plugserve build information",
+            ["version", "python", "platform"],
+            registry=self.registry,
+        )
+        self.build.labels(version, platform.python_version(), sys.platform).set(1)
+        self.networks = Gauge(
+            "plugserve_model_info",
+            "A loaded network: its device and the precision it computes float32 values in",
+            [*labels, "precision"],
+            registry=self.registry,
+        )
+        self._precisions: dict[tuple[str, str, str], str] = {}
+        self._op_types: dict[tuple[str, str, str], set[str]] = {}
+        #: the families models declare (a Python model's pb_utils.MetricFamily)
+        self.custom = CustomMetrics()
+        self._server = None
+
+    def watch_executors(self, read: Callable[[], list[tuple[str, int, int, int, int]]]) -> None:
+        self.registry.register(_ExecutorCollector(read))
+
+    def watch_sequences(self, read: Callable[[], list[tuple[str, str, str, int, int]]]) -> None:
+        self.registry.register(_SequenceCollector(read))
+
+    def watch_generation(self, read: Callable[[], list[tuple[str, str, str, Any]]]) -> None:
+        """``read()``: ``(device, model, version, stats snapshot)`` of each generative model."""
+        self.registry.register(_GenerationCollector(read))
+
+    def _series_of(self, device: str, model: str, version: str) -> _Series:
+        with self._series_lock:
+            series = self._series.get((device, model, version))
+            if series is None:
+                series = self._series[device, model, version] = _Series()
+            return series
+
+    def series(self) -> list[tuple[tuple[str, str, str], _Series]]:
+        with self._series_lock:
+            return list(self._series.items())
+
+    def recorder(self, device: str, model: str, version: int, precision: str) -> Recorder:
+        """The bookkeeping of one loaded network (see :class:`Recorder`); its info series
+        says the precision it runs in (bf16 on OPENVINO by default on CPUs with it)."""
+        v = str(version)
+        self._precisions[device, model, v] = precision
+        self.networks.labels(device, model, v, precision).set(1)
+        return Recorder(self, device, model, version, self._series_of(device, model, v))
+
+    def observe_layers(self, device: str, model: str, version: int, counts: Iterable[Any]) -> None:
+        """Add one run's per-node times (``PerfCount``s) to the per-op-type counters."""
+        v = str(version)
+        seen = self._op_types.setdefault((device, model, v), set())
+        for count in counts:
+            seen.add(count.op_type)
+            self.layer_seconds.labels(device, model, v, count.op_type).inc(count.real_time_s)
+
+    def forget(self, device: str, model: str, version: int) -> None:
+        """Drop an unloaded network's series so dashboards do not show ghosts."""
+        v = str(version)
+        precision = self._precisions.pop((device, model, v), None)
+        if precision is not None:
+            with contextlib.suppress(KeyError):
+                self.networks.remove(device, model, v, precision)
+        for op_type in self._op_types.pop((device, model, v), ()):
+            with contextlib.suppress(KeyError):
+                self.layer_seconds.remove(device, model, v, op_type)
+        with self._series_lock:
+            self._series.pop((device, model, v), None)
+
+    def serve(self, host: str, port: int) -> int:
+        """Start the /metrics HTTP endpoint; returns the port (useful when 0 picks one).
+
+        Only ``/metrics`` answers (404 elsewhere): prometheus_client's own server answers every
+        path with the metrics, so an HTTP client probing ``/v2/health/ready`` here would see
+        200 and take the metrics port for a ready KServe endpoint."""
+        scrape = make_wsgi_app(self.registry)
+
+        def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+            if environ.get("PATH_INFO") == "/metrics":
+                if self.custom.names():
+                    return self._scrape_with_custom(environ, start_response)
+                return scrape(environ, start_response)
+            body = b"not found: this port serves Prometheus metrics on /metrics only\n"
+            start_response(
+                "404 Not Found",
+                [("Content-Type", "text/plain"), ("Content-Length", str(len(body)))],
+            )
+            return [body]
+
+        class Server(ThreadingWSGIServer):
+            address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+        try:
+            server = make_server(host, port, app, Server, handler_class=_Quiet)
+        except OSError as exc:
+            raise SystemExit(
+                f"plugserve: cannot listen on {host}:{port} (--metrics-port): {exc.strerror}"
+            ) from None
+        threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
+        self._server = server
+        return server.server_port
+
+    def _scrape_with_custom(
+        self, environ: dict[str, Any], start_response: Callable[..., Any]
+    ) -> Iterable[bytes]:
+        """The scrape when models declared metrics: the server's families, then theirs, in
+        the format asked for (see server/plane/custom_metrics.py for why theirs are written there);
+        ``name[]`` chooses families as prometheus_client's own scrape does."""
+        query = parse_qs(environ.get("QUERY_STRING", ""))
+        names = query.get("name[]")
+        registry = self.registry.restricted_registry(names) if names else self.registry
+        encoder, content_type = choose_encoder(environ.get("HTTP_ACCEPT"))
+        if encoder is generate_latest:
+            body = generate_latest(registry) + self.custom.text(names)
+        else:
+            custom = self.custom
+
+            class Both:
+                def collect(self) -> Iterable[Any]:
+                    yield from registry.collect()
+                    for family in custom.collect():
+                        if not names or family.name in names:
+                            yield family
+
+            body = encoder(Both())
+        headers = [("Content-Type", content_type)]
+        if "gzip" in environ.get("HTTP_ACCEPT_ENCODING", ""):
+            body = gzip.compress(body)
+            headers.append(("Content-Encoding", "gzip"))
+        headers.append(("Content-Length", str(len(body))))
+        start_response("200 OK", headers)
+        return [body]
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server = None
+
+
+class _Quiet(WSGIRequestHandler):
+    """No access log on stderr for every scrape."""
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+@dataclasses.dataclass
+class Stats:
+    """Per-network counters for KServe's statistics extension (nanoseconds, as Triton)."""
+
+    success: int = 0
+    failure: int = 0
+    queue_ns: int = 0
+    compute_ns: int = 0
+    last_inference_ms: int = 0
+    execution_count: int = 0
+
+
+class Recorder:
+    """One network's bookkeeping, made when it is loaded: KServe's :class:`Stats`, the
+    Prometheus series and the per-node time totals, one object for all of them so that they
+    cannot disagree: they change together under one lock (its series', which a reload on the
+    same device shares). Safe to call from every stream and RPC thread."""
+
+    def __init__(
+        self, metrics: Metrics, device: str, model: str, version: int, series: _Series
+    ) -> None:
+        self._metrics = metrics
+        self._labels = (device, model, version)
+        self._series = series
+        self._lock = series.lock
+        self._stats = Stats()
+        #: node name -> [its last PerfCount, total seconds, runs]
+        self._perf: dict[str, list[Any]] = {}
+
+    def success(self, queue_wait: float, compute: float) -> None:
+        queue_bucket = bisect.bisect_left(_BOUNDS, queue_wait)
+        compute_bucket = bisect.bisect_left(_BOUNDS, compute)
+        now_ms = int(time.time() * 1000)
+        series = self._series
+        with self._lock:
+            series.statuses["success"][0] += 1
+            series.queue[queue_bucket] += 1
+            series.compute[compute_bucket] += 1
+            series.queue_sum += queue_wait
+            series.compute_sum += compute
+            s = self._stats
+            s.success += 1
+            s.execution_count += 1
+            s.queue_ns += int(queue_wait * 1e9)
+            s.compute_ns += int(compute * 1e9)
+            s.last_inference_ms = now_ms
+
+    def joined(self, requests: int, error: BaseException | None = None) -> None:
+        """``requests`` more requests answered by the run :meth:`success` (or, with
+        ``error``, :meth:`failure`) counted: a sequence batch of many rows is one execution,
+        and Triton's statistics count each row, succeeded or failed."""
+        with self._lock:
+            if error is None:
+                self._series.statuses["success"][0] += requests
+                self._stats.success += requests
+                return
+            self._stats.failure += requests
+            self._stats.last_inference_ms = int(time.time() * 1000)
+            self._series.count(failure_status(error), requests)
+
+    def failure(self, status: str) -> None:
+        """A request that did not succeed: refused at admission (invalid, overloaded) or
+        failed after (deadline, cancelled, error). KServe's ``fail`` counts both, as Triton
+        counts rejected requests (perf_analyzer reads it)."""
+        now_ms = int(time.time() * 1000)
+        with self._lock:
+            self._stats.failure += 1
+            self._stats.last_inference_ms = now_ms
+            self._series.count(status)
+
+    def refused(self, status: str) -> None:
+        """A request refused before admission (invalid, overloaded, shutting down): a failure
+        in KServe's statistics too, as Triton counts rejected requests (perf_analyzer reads
+        them), and counted under ``status`` in Prometheus (``""``: not there)."""
+        with self._lock:
+            self._stats.failure += 1
+            if status:
+                self._series.count(status)
+
+    def layers(self, counts: list[Any]) -> None:
+        """One run's per-node times (``PerfCount``s), into the totals and the metrics."""
+        with self._lock:
+            for c in counts:
+                entry = self._perf.setdefault(c.node_name, [c, 0.0, 0])
+                entry[0] = c
+                entry[1] += c.real_time_s
+                entry[2] += 1
+        self._metrics.observe_layers(*self._labels, counts)
+
+    def mean_compute_below(self, limit_ns: int) -> bool:
+        """Whether requests have run and their mean compute is under ``limit_ns``: a hint
+        read per request without the lock (two counters, possibly one update apart)."""
+        s = self._stats
+        return s.success > 0 and s.compute_ns < s.success * limit_ns
+
+    def stats(self) -> Stats:
+        """A consistent copy of the counters."""
+        with self._lock:
+            return dataclasses.replace(self._stats)
+
+    def perf_totals(self) -> list[tuple[Any, float, int]]:
+        """``(last PerfCount, total seconds, runs)`` per node, so far."""
+        with self._lock:
+            return [(c, total, runs) for c, total, runs in self._perf.values()]

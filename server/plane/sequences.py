@@ -1,0 +1,1014 @@
+"""Triton's sequence batcher: requests that carry a sequence's state from one to the next.
+
+A model whose ``config.pbtxt`` has ``sequence_batching`` is served as Triton serves it. Each
+request names its sequence (``sequence_id``, a uint64 or a string) and marks its first and last
+(``sequence_start``, ``sequence_end``). The batcher, which sits beside the data plane's
+request path as Triton's sits beside its dynamic batcher, then:
+
+- feeds the model the control inputs the config names (START, END, READY, CORRID), in the
+  config's own encodings;
+- keeps each sequence's implicit state (the config's ``state`` pairs: the model's state
+  output of one request is its state input of the next, zeros or ``initial_state`` at the
+  start) here, in the server, so a client never sends or receives it;
+- runs a sequence's requests one at a time and in order (``direct``), or gathers the ready
+  requests of many sequences into one batch (``oldest``: up to the largest preferred batch
+  size, waiting at most ``max_queue_delay_microseconds`` for more);
+- ends a sequence at its END request, or once it has been idle for
+  ``max_sequence_idle_microseconds`` (Triton's default: 1 s), and frees its state.
+
+Bounds: a server-wide ``--max-sequences`` and a per-model cap (``oldest``'s
+``max_candidate_sequences``) refuse a new sequence beyond them (RESOURCE_EXHAUSTED, where
+Triton would hold it in a backlog), and every sequence's state is charged to
+``--max-inflight-bytes`` while it is held. One reaper thread serves every model.
+
+Messages begin with Triton's own words (triton-inference-server/core:
+sequence_batch_scheduler.cc, sequence_utils.h), which clients match on.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from plugserve.plugins import cancel
+from plugserve.plugins.api import (
+    Cancelled,
+    DeadlineExceeded,
+    InvalidArgument,
+    InvalidInput,
+    PlugserveError,
+    ResourceExhausted,
+    TensorSpec,
+    initial_value,
+    listing,
+)
+from plugserve.server.plane.budget import Charge, MemoryBudget
+
+__all__ = [
+    "Control",
+    "SequenceBatcher",
+    "SequenceSettings",
+    "Sequences",
+    "State",
+    "Step",
+    "read_sequence_batching",
+    "sequence_step",
+]
+
+log = logging.getLogger(__name__)
+
+#: Triton's default max_sequence_idle_microseconds (model_config_utils.cc).
+DEFAULT_IDLE_SECONDS = 1.0
+
+#: Triton's data types (model_config.proto's TYPE_*) as numpy's.
+_TYPES = {
+    "TYPE_BOOL": np.dtype(bool),
+    "TYPE_UINT8": np.dtype(np.uint8),
+    "TYPE_UINT16": np.dtype(np.uint16),
+    "TYPE_UINT32": np.dtype(np.uint32),
+    "TYPE_UINT64": np.dtype(np.uint64),
+    "TYPE_INT8": np.dtype(np.int8),
+    "TYPE_INT16": np.dtype(np.int16),
+    "TYPE_INT32": np.dtype(np.int32),
+    "TYPE_INT64": np.dtype(np.int64),
+    "TYPE_FP16": np.dtype(np.float16),
+    "TYPE_FP32": np.dtype(np.float32),
+    "TYPE_FP64": np.dtype(np.float64),
+    "TYPE_STRING": np.dtype(object),
+}
+_CORRID_TYPES = ("TYPE_UINT64", "TYPE_INT64", "TYPE_UINT32", "TYPE_INT32", "TYPE_STRING")
+_KINDS = {
+    "CONTROL_SEQUENCE_START": "START",
+    "CONTROL_SEQUENCE_END": "END",
+    "CONTROL_SEQUENCE_READY": "READY",
+    "CONTROL_SEQUENCE_CORRID": "CORRID",
+}
+_PROTOCOL = {"TYPE_STRING": "BYTES"}
+
+
+# --------------------------------------------------------------------------- settings
+
+
+@dataclasses.dataclass(frozen=True)
+class Control:
+    """One control input: ``kind`` START, END, READY or CORRID; ``values`` its false and
+    true values (CORRID: none; its ``dtype`` is the id's)."""
+
+    kind: str
+    name: str
+    dtype: np.dtype
+    values: tuple[Any, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class State:
+    """One implicit state: the model's ``output`` of a request is its ``input`` of the
+    next; ``initial`` (without the batch dimension) starts every sequence. Without ``dtype``
+    and ``initial`` (an OVMS config names the pair only) they are the model input's, zeros
+    with a varying dimension taken as 1, as Triton takes it."""
+
+    input: str
+    output: str
+    dtype: np.dtype | None = None
+    initial: np.ndarray | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceSettings:
+    controls: tuple[Control, ...] = ()
+    states: tuple[State, ...] = ()
+    #: "direct": a sequence's requests run alone; "oldest": ready ones of many are batched
+    strategy: str = "direct"
+    #: the sequences the model holds at once (0: only the server's --max-sequences)
+    max_sequences: int = 0
+    #: the rows an ``oldest`` batch gathers at most, and how long it waits for them
+    batch_size: int = 1
+    queue_delay: float = 0.0
+    #: 0: sequences are never ended for being idle
+    idle_seconds: float = DEFAULT_IDLE_SECONDS
+    #: "triton": Triton's sequence parameters and refusals; "ovms": OpenVINO Model Server's
+    #: sequence_id / sequence_control_input inputs, its refusals, and ids it hands out
+    style: str = "triton"
+
+    @property
+    def corrid(self) -> Control | None:
+        return next((c for c in self.controls if c.kind == "CORRID"), None)
+
+
+def _enum_name(message: Any, field: str) -> str:
+    number = getattr(message, field)
+    return message.DESCRIPTOR.fields_by_name[field].enum_type.values_by_number[number].name
+
+
+def read_sequence_batching(
+    message: Any, max_batch_size: int, folder: Path, where: str
+) -> tuple[SequenceSettings, list[str]]:
+    """config.pbtxt's ``sequence_batching`` (``message``); returns the settings and what in it
+    is not acted on. ``folder``: the model's folder (``initial_state`` data files are read
+    from its ``initial_state/``)."""
+    where = f"{where}: sequence_batching"
+    ignored = []
+    controls = []
+    for entry in message.control_input:
+        if not entry.name:
+            raise InvalidArgument(f"{where}: a control_input must have a name")
+        for control in entry.control:
+            kind = _KINDS.get(_enum_name(control, "kind"))
+            if kind is None:
+                ignored.append(f"sequence_batching control {_enum_name(control, 'kind')}")
+                continue
+            controls.append(_control(kind, entry.name, control, f"{where}: {entry.name!r}"))
+    kinds = [c.kind for c in controls]
+    twice = sorted({k for k in kinds if kinds.count(k) > 1})
+    if twice:
+        raise InvalidArgument(f"{where}: specifies multiple {', '.join(twice)} controls")
+    states = tuple(_state(s, max_batch_size, folder, where) for s in message.state)
+    names = [s.input for s in states] + [c.name for c in controls]
+    if len(set(names)) != len(names):
+        raise InvalidArgument(f"{where}: a state or control input name is used twice")
+    choice = message.WhichOneof("strategy_choice") or "direct"
+    settings = SequenceSettings(
+        controls=tuple(controls),
+        states=states,
+        strategy=choice,
+        idle_seconds=(message.max_sequence_idle_microseconds / 1e6) or DEFAULT_IDLE_SECONDS,
+    )
+    if choice == "oldest":
+        oldest = message.oldest
+        preferred = list(oldest.preferred_batch_size)
+        if preferred and max(preferred) > max(max_batch_size, 1):
+            raise InvalidArgument(
+                f"{where}: oldest.preferred_batch_size {max(preferred)} is over max_batch_size "
+                f"{max_batch_size}"
+            )
+        settings = dataclasses.replace(
+            settings,
+            max_sequences=oldest.max_candidate_sequences,
+            batch_size=max(preferred or [max(max_batch_size, 1)]),
+            queue_delay=oldest.max_queue_delay_microseconds / 1e6,
+        )
+        if oldest.preserve_ordering:
+            ignored.append("sequence_batching.oldest.preserve_ordering")
+    elif message.HasField("direct"):
+        ignored += [f"sequence_batching.direct.{f.name}" for f, _ in message.direct.ListFields()]
+    if message.iterative_sequence:
+        ignored.append("sequence_batching.iterative_sequence")
+    return settings, ignored
+
+
+def _control(kind: str, name: str, control: Any, where: str) -> Control:
+    if kind == "CORRID":
+        datatype = _enum_name(control, "data_type")
+        if datatype not in _CORRID_TYPES:
+            raise InvalidArgument(
+                f"{where}: the CORRID control's data_type must be one of "
+                f"{', '.join(_CORRID_TYPES)}, not {datatype}"
+            )
+        return Control(kind, name, _TYPES[datatype])
+    given = [
+        (field, dtype)
+        for field, dtype in (
+            ("int32_false_true", np.int32),
+            ("fp32_false_true", np.float32),
+            ("bool_false_true", np.bool_),
+        )
+        if len(getattr(control, field))
+    ]
+    if len(given) != 1:
+        raise InvalidArgument(
+            f"{where}: the {kind} control must give exactly one of int32_false_true, "
+            "fp32_false_true or bool_false_true"
+        )
+    field, dtype = given[0]
+    values = tuple(getattr(control, field))
+    if len(values) != 2:
+        raise InvalidArgument(f"{where}: {field} must have exactly 2 entries (false, true)")
+    return Control(kind, name, np.dtype(dtype), values)
+
+
+def _state(message: Any, max_batch_size: int, folder: Path, where: str) -> State:
+    if not message.input_name or not message.output_name:
+        raise InvalidArgument(f"{where}: a state needs input_name and output_name")
+    where = f"{where}: state {message.input_name!r}"
+    datatype = _enum_name(message, "data_type")
+    if datatype not in _TYPES or datatype == "TYPE_STRING":
+        raise InvalidArgument(f"{where}: data_type {datatype} is not served for a state")
+    dtype = _TYPES[datatype]
+    dims = list(message.dims)
+    if len(message.initial_state) > 1:
+        raise InvalidArgument(
+            f"initial_state field for state input '{message.input_name}' must contain exactly "
+            f"one or zero element. Found '{len(message.initial_state)}' elements."
+        )
+    if not message.initial_state:  # Triton: zeros, a variable dimension taken as 1
+        return State(
+            message.input_name,
+            message.output_name,
+            dtype,
+            np.zeros([max(d, 1) for d in dims], dtype),
+        )
+    initial = message.initial_state[0]
+    if _enum_name(initial, "data_type") != datatype:
+        raise InvalidArgument(
+            f"The data type used for 'initial_state' field of state '{message.input_name}' does "
+            "not match the state data type."
+        )
+    shape = list(initial.dims)
+    if len(shape) != len(dims) or any(s < 0 or (d >= 0 and s != d) for s, d in zip(shape, dims)):
+        raise InvalidArgument(f"{where}: initial_state dims {shape} do not fit dims {dims}")
+    count = int(np.prod(shape, dtype=np.int64))
+    if initial.WhichOneof("state_data") == "data_file":
+        path = folder / "initial_state" / initial.data_file
+        if path.resolve().parent != (folder / "initial_state").resolve():
+            raise InvalidArgument(f"{where}: data_file must name a file in initial_state/")
+        try:
+            data = path.read_bytes()[: count * dtype.itemsize + 1]
+        except OSError as exc:
+            raise InvalidArgument(f"{where}: cannot read {path.name!r}: {exc.strerror}") from None
+        if len(data) < count * dtype.itemsize:
+            raise InvalidArgument(
+                f"initial_state setting expects {count * dtype.itemsize} bytes, but the data "
+                f"provided from {initial.data_file} only has {len(data)} bytes."
+            )
+        array = np.frombuffer(data[: count * dtype.itemsize], dtype.newbyteorder("<"))
+        return State(
+            message.input_name, message.output_name, dtype, array.astype(dtype).reshape(shape)
+        )
+    return State(message.input_name, message.output_name, dtype, np.zeros(shape, dtype))
+
+
+def _resolved(state: State, spec: TensorSpec, max_batch_size: int) -> State:
+    """A pair named without its type and start: the model input's, as the Plugin API starts
+    a variable state (:func:`initial_value`), less the batch dimension a batched model has."""
+    initial = initial_value(spec)
+    if max_batch_size > 0 and initial.ndim:
+        initial = initial[0]
+    return State(state.input, state.output, initial.dtype, initial)
+
+
+#: OVMS's defaults (its stateful models' docs): sequences per model; idle cleanup's scan
+OVMS_MAX_SEQUENCES = 500
+OVMS_IDLE_SECONDS = 300.0
+#: the plugin_config key naming a model's state pairs, ``"input:output,input:output"``
+STATE_PAIRS = "STATE_PAIRS"
+_OVMS_KEYS = (
+    "stateful",
+    "max_sequence_number",
+    "idle_sequence_cleanup",
+    "low_latency_transformation",
+)
+
+
+def read_ovms_stateful(
+    config: Mapping[str, Any], plugin: dict[str, str], where: str
+) -> SequenceSettings | None:
+    """An OVMS model's ``stateful`` keys. An ONNX model keeps its state as input/output
+    pairs, which ``plugin_config``'s STATE_PAIRS names (taken out of ``plugin``: the device
+    does not see it); the pairs' element types and start values are the model's."""
+    given = [k for k in _OVMS_KEYS[1:] if k in config]
+    if not config.get("stateful", False):
+        if given or STATE_PAIRS in plugin:
+            raise InvalidArgument(
+                f"{where}: {', '.join(given) or STATE_PAIRS} needs 'stateful': true"
+            )
+        return None
+    pairs = plugin.pop(STATE_PAIRS, "")
+    states = []
+    for pair in filter(None, (p.strip() for p in pairs.split(","))):
+        name, sep, output = pair.partition(":")
+        if not sep or not name or not output:
+            raise InvalidArgument(f"{where}: {STATE_PAIRS} {pairs!r}: expected 'input:output,...'")
+        states.append(State(name.strip(), output.strip()))
+    if not states:
+        raise InvalidArgument(
+            f"{where}: a stateful ONNX model names its state pairs: plugin_config "
+            f'{{"{STATE_PAIRS}": "state_input:state_output,..."}}'
+        )
+    number = config.get("max_sequence_number", OVMS_MAX_SEQUENCES)
+    if isinstance(number, bool) or not isinstance(number, int) or number < 1:
+        raise InvalidArgument(f"{where}: max_sequence_number must be a whole number >= 1")
+    for key in ("idle_sequence_cleanup", "low_latency_transformation"):
+        if not isinstance(config.get(key, False), bool):
+            raise InvalidArgument(f"{where}: {key} must be true or false")
+    if config.get("low_latency_transformation"):
+        log.info(
+            "%s: low_latency_transformation: not needed, the server keeps the state pairs", where
+        )
+    return SequenceSettings(
+        states=tuple(states),
+        max_sequences=number,
+        idle_seconds=OVMS_IDLE_SECONDS if config.get("idle_sequence_cleanup", True) else 0.0,
+        style="ovms",
+    )
+
+
+class SequenceExists(PlugserveError):
+    """OVMS: a START for an id that is in use."""
+
+    code = "ALREADY_EXISTS"
+
+
+class SequenceMissing(PlugserveError):
+    """OVMS: a request for an id that is not in use."""
+
+    code = "NOT_FOUND"
+
+
+class SequencesFull(PlugserveError):
+    """OVMS: max_sequence_number reached."""
+
+    code = "UNAVAILABLE"
+
+
+# --------------------------------------------------------------------------- requests
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One request's place in its sequence (KServe's sequence_id / _start / _end)."""
+
+    id: int | str
+    start: bool
+    end: bool
+
+
+def sequence_step(parameters: Mapping[str, Any] | None) -> Step | None:
+    """The request parameters' sequence, or None when they name none (an id of 0 or "",
+    Triton's "no sequence")."""
+    if not parameters:
+        return None
+    ident = parameters.get("sequence_id", 0)
+    flags = {}
+    for key in ("sequence_start", "sequence_end"):
+        value = parameters.get(key, False)
+        if not isinstance(value, bool):
+            raise InvalidInput(f"request parameter {key!r} must be a boolean, not {value!r}")
+        flags[key] = value
+    if isinstance(ident, bool) or not isinstance(ident, int | str):
+        raise InvalidInput(
+            f"request parameter 'sequence_id' must be an unsigned integer or a string, "
+            f"not {ident!r}"
+        )
+    if isinstance(ident, int) and not 0 <= ident < 1 << 64:
+        raise InvalidInput(f"request parameter 'sequence_id' {ident} is not a uint64")
+    if isinstance(ident, str) and len(ident) > 256:
+        raise InvalidInput("request parameter 'sequence_id' is over 256 characters")
+    if ident in (0, ""):
+        if flags["sequence_start"] or flags["sequence_end"]:
+            return Step(ident, flags["sequence_start"], flags["sequence_end"])
+        return None
+    return Step(ident, flags["sequence_start"], flags["sequence_end"])
+
+
+class _Item:
+    """One admitted request of a sequence, waiting for its turn or running; ``checked``: its
+    inputs were checked against the network's specs already (a protocol's plain lane)."""
+
+    __slots__ = (
+        "after", "checked", "deadline", "future", "holds", "inputs", "step", "token", "wanted"
+    )  # fmt: skip
+
+    def __init__(self, step, inputs, wanted, deadline, token, holds, after, checked) -> None:
+        self.step, self.inputs, self.wanted = step, inputs, wanted
+        self.deadline, self.token, self.holds, self.after = deadline, token, holds, after
+        self.checked = checked
+        self.future: Future = Future()
+
+
+class _Sequence:
+    __slots__ = ("busy", "charge", "ended", "id", "last", "nbytes", "pending", "states")
+
+    def __init__(self, ident: int | str, charge: Charge) -> None:
+        self.id = ident
+        self.states: dict[str, np.ndarray] | None = None  # None: the initial ones
+        self.pending: collections.deque[_Item] = collections.deque()
+        self.busy = False
+        self.last = time.monotonic()
+        self.ended = False
+        self.charge = charge
+        self.nbytes = 0  # of its states, whether or not the budget counts them
+
+
+#: ``submit(feed, outputs, deadline, inline, token, holds) -> Future``: the data plane's
+#: plain admission of one run (its queue, deadline, budget and statistics).
+Submit = Callable[..., Any]
+
+
+class Sequences:
+    """What every model's batcher shares: --max-sequences, the state budget, one reaper."""
+
+    def __init__(self, max_sequences: int, budget: MemoryBudget) -> None:
+        self.max_sequences = max_sequences
+        self.budget = budget
+        self.active = 0
+        self._lock = threading.Lock()
+        self._batchers: list[SequenceBatcher] = []
+        self._stop = threading.Event()
+        self._reaper: threading.Thread | None = None
+
+    def add(self, batcher: SequenceBatcher) -> None:
+        with self._lock:
+            self._batchers.append(batcher)
+            if self._reaper is None:
+                self._reaper = threading.Thread(
+                    target=self._reap, name="sequence-reaper", daemon=True
+                )
+                self._reaper.start()
+
+    def remove(self, batcher: SequenceBatcher) -> None:
+        with self._lock:
+            if batcher in self._batchers:
+                self._batchers.remove(batcher)
+
+    def take(self, model: str) -> None:
+        with self._lock:
+            if self.max_sequences and self.active >= self.max_sequences:
+                raise ResourceExhausted(
+                    f"model '{model}': {self.active} sequences are active on this server "
+                    f"(--max-sequences {self.max_sequences}); end one (sequence_end) or retry "
+                    "once an idle one has timed out"
+                )
+            self.active += 1
+
+    def give_back(self) -> None:
+        with self._lock:
+            self.active -= 1
+
+    def _reap(self) -> None:
+        while not self._stop.wait(0.05):
+            with self._lock:
+                batchers = list(self._batchers)
+            now = time.monotonic()
+            for batcher in batchers:
+                batcher.reap(now)
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+class SequenceBatcher:
+    """One model version's sequences (see the module's docstring). ``submit`` is the data
+    plane's admission of one plain run; ``name`` the model's."""
+
+    def __init__(
+        self,
+        name: str,
+        settings: SequenceSettings,
+        max_batch_size: int,
+        specs: list[TensorSpec],
+        outputs: list[str],
+        submit: Submit,
+        shared: Sequences,
+        joined: Callable[[int, BaseException | None], None] = lambda requests, error: None,
+    ) -> None:
+        self.name = name
+        self.settings = settings
+        self.max_batch_size = max_batch_size
+        self._submit = submit
+        self._shared = shared
+        self._joined = joined
+        inputs = [spec.name for spec in specs]
+        #: the network's inputs in its order (a checked run's arrays are passed so)
+        self._order = inputs
+        missing = [
+            n
+            for n in [c.name for c in settings.controls] + [s.input for s in settings.states]
+            if n not in inputs
+        ] + [s.output for s in settings.states if s.output not in outputs]
+        if missing:
+            raise InvalidArgument(
+                f"model '{name}': sequence_batching names {listing(missing)}, which the model "
+                f"does not have (its inputs {listing(inputs)}, outputs {listing(outputs)})"
+            )
+        #: what a client sends and may ask for: the rest is the batcher's
+        self.hidden_inputs = frozenset(
+            [c.name for c in settings.controls] + [s.input for s in settings.states]
+        )
+        self.hidden_outputs = frozenset(s.output for s in settings.states)
+        self._state_outputs = [s.output for s in settings.states]
+        if any(s.initial is None for s in settings.states):
+            by_name = {spec.name: spec for spec in specs}
+            resolved = tuple(
+                _resolved(s, by_name[s.input], max_batch_size) for s in settings.states
+            )
+            settings = self.settings = dataclasses.replace(settings, states=resolved)
+        self._ovms = settings.style == "ovms"
+        self._next_id = 1
+        #: a new sequence's state, charged before it starts (a growing one is charged again
+        #: as it grows, once the run that grew it is done)
+        self._initial_bytes = sum(s.initial.nbytes for s in settings.states)
+        self._lock = threading.Lock()
+        self._sequences: dict[int | str, _Sequence] = {}
+        self.state_bytes = 0
+        self._ready: collections.deque[_Sequence] = collections.deque()
+        self._wake = threading.Condition(self._lock)
+        self._closed = False
+        self._batching = settings.strategy == "oldest" and max_batch_size > 0
+        if self._batching:
+            threading.Thread(target=self._gather, name=f"{name}-oldest", daemon=True).start()
+        shared.add(self)
+
+    @property
+    def active(self) -> int:
+        return len(self._sequences)
+
+    # --- admission
+
+    def submit(
+        self,
+        step: Step | None,
+        inputs: Mapping[str, Any],
+        wanted: list[str],
+        deadline: float | None,
+        token: Any,
+        holds: int,
+        after: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None,
+        inline: bool = False,
+        checked: bool = False,
+    ) -> Future:
+        """Admit one request of a sequence; its future holds the outputs ``wanted``.
+        ``inline``: the caller waits for it (a unary call), so when it can run at once it runs
+        on the caller's thread. ``checked``: ``inputs`` passed the network's checks already,
+        so its run (one row) is admitted without checking them again."""
+        if self._ovms:
+            inputs, step = self._ovms_step(inputs, step)
+        elif step is None or step.id in (0, ""):
+            raise InvalidInput(
+                f"inference request to model '{self.name}' must specify a non-zero or non-empty "
+                "correlation ID"
+            )
+        self._check(step, inputs)
+        item = _Item(step, inputs, wanted, deadline, token, holds, after, checked)
+        with self._lock:
+            if self._closed:
+                raise ResourceExhausted(
+                    f"model '{self.name}' is unloading; start the sequence again"
+                )
+            if self._ovms and step.start and step.id == 0:
+                step = item.step = self._free_id(step)
+            sequence = self._sequences.get(step.id)
+            if self._ovms:
+                self._ovms_check(step, sequence)
+            if step.start:
+                if sequence is not None:
+                    log.warning(
+                        "sequence %s for model '%s' has a conflict. The previous sequence did "
+                        "not end before this sequence start. Previous sequence will be "
+                        "terminated early.",
+                        step.id,
+                        self.name,
+                    )
+                    self._end(sequence)
+                sequence = self._open(step.id)
+            elif sequence is None:
+                raise InvalidInput(
+                    f"inference request for sequence {step.id} to model '{self.name}' must "
+                    "specify the START flag on the first request of the sequence"
+                )
+            sequence.last = time.monotonic()
+            sequence.pending.append(item)
+            if step.end:
+                self._end(sequence)
+            rows = None if sequence.busy else self._make_ready(sequence)
+        if rows:
+            self._run(rows, inline)
+        return item.future
+
+    def _ovms_step(
+        self, inputs: Mapping[str, Any], step: Step | None
+    ) -> tuple[dict[str, Any], Step]:
+        """OVMS: the sequence from the ``sequence_id`` (uint64) and ``sequence_control_input``
+        (uint32: 0 none, 1 start, 2 end) inputs, one element each, taken out of ``inputs``."""
+        inputs = dict(inputs)
+        values = {}
+        for key, dtype in (("sequence_id", np.uint64), ("sequence_control_input", np.uint32)):
+            value = inputs.pop(key, None)
+            if value is None:
+                values[key] = 0
+                continue
+            array = np.asarray(value)
+            if array.size != 1 or array.dtype != dtype:
+                raise InvalidInput(
+                    f"model '{self.name}': special input {key!r} must be one {np.dtype(dtype)} "
+                    f"value (shape [1]), not {array.dtype} of shape {list(array.shape)}"
+                )
+            values[key] = int(array.reshape(-1)[0])
+        control = values["sequence_control_input"]
+        if control not in (0, 1, 2):
+            raise InvalidInput(
+                f"model '{self.name}': unexpected value of sequence_control_input {control}: "
+                "0 (none), 1 (SEQUENCE_START) or 2 (SEQUENCE_END)"
+            )
+        if step is not None:
+            raise InvalidInput(
+                f"model '{self.name}' is an OVMS stateful model: name its sequence with the "
+                "sequence_id and sequence_control_input inputs, not request parameters"
+            )
+        ident = values["sequence_id"]
+        if ident == 0 and control != 1:
+            raise InvalidInput(
+                f"model '{self.name}': sequence id has not been provided in request inputs "
+                "(sequence_id is needed unless sequence_control_input is 1, SEQUENCE_START)"
+            )
+        return inputs, Step(ident, control == 1, control == 2)
+
+    def _free_id(self, step: Step) -> Step:
+        """(lock held) OVMS hands out an id for a START without one."""
+        while self._next_id in self._sequences:
+            self._next_id += 1
+        ident, self._next_id = self._next_id, self._next_id + 1
+        return Step(ident, step.start, step.end)
+
+    def _ovms_check(self, step: Step, sequence: _Sequence | None) -> None:
+        """(lock held) OVMS's refusals: a START for an id in use, a request for one not."""
+        if step.start and sequence is not None:
+            raise SequenceExists(
+                f"model '{self.name}': sequence with provided ID already exists ({step.id}); "
+                "end it first (sequence_control_input 2) or start another id"
+            )
+        if not step.start and sequence is None:
+            raise SequenceMissing(
+                f"model '{self.name}': sequence with provided ID does not exist ({step.id}); "
+                "start it with sequence_control_input 1"
+            )
+        if step.start and len(self._sequences) >= self.settings.max_sequences:
+            raise SequencesFull(
+                f"model '{self.name}': max sequence number has been reached "
+                f"({self.settings.max_sequences}, max_sequence_number); could not create a new "
+                "sequence: end one, or retry once an idle one is cleaned up"
+            )
+
+    def _check(self, step: Step, inputs: Mapping[str, Any]) -> None:
+        corrid = self.settings.corrid
+        if corrid is not None:
+            string = corrid.dtype == np.dtype(object)
+            if isinstance(step.id, str) != string:
+                given = "BYTES" if isinstance(step.id, str) else "UINT64"
+                wants = "BYTES" if string else str(corrid.dtype).upper()
+                raise InvalidInput(
+                    f"sequence batching control '{corrid.name}' data-type is '{given}', but "
+                    f"model '{self.name}' expects '{wants}'"
+                )
+        sent = sorted(self.hidden_inputs.intersection(inputs))
+        if sent:
+            raise InvalidInput(
+                f"model '{self.name}': {listing(sent)} are the sequence batcher's (control or "
+                "state inputs); send only the model's other inputs"
+            )
+        if self.max_batch_size > 0:
+            for name, value in inputs.items():
+                shape = np.shape(value)
+                if not shape or shape[0] != 1:
+                    raise InvalidInput(
+                        f"inference request to model '{self.name}' must specify batch-size 1 "
+                        f"due to requirements of sequence batcher (input {name!r} has shape "
+                        f"{list(shape)})"
+                    )
+
+    def _open(self, ident: int | str) -> _Sequence:
+        """A new sequence, within the model's and the server's bounds (lock held)."""
+        cap = self.settings.max_sequences
+        if cap and len(self._sequences) >= cap:
+            raise ResourceExhausted(
+                f"model '{self.name}': its {cap} sequence slots are taken "
+                "(sequence_batching max_candidate_sequences); end a sequence or retry once an "
+                "idle one has timed out"
+            )
+        nbytes = self._initial_bytes
+        charge = self._shared.budget.charge(
+            nbytes, f"a new sequence of model '{self.name}' (its initial state)"
+        )
+        try:
+            self._shared.take(self.name)
+        except ResourceExhausted:
+            charge.release()
+            raise
+        sequence = _Sequence(ident, charge)
+        sequence.nbytes = nbytes
+        self.state_bytes += nbytes
+        self._sequences[ident] = sequence
+        return sequence
+
+    def _end(self, sequence: _Sequence) -> None:
+        """No request may join ``sequence`` any more; its state goes once its own are done
+        (lock held)."""
+        if self._sequences.get(sequence.id) is sequence:
+            del self._sequences[sequence.id]
+            self._shared.give_back()
+        sequence.ended = True
+        if not sequence.busy and not sequence.pending:
+            self._free(sequence)
+
+    def _free(self, sequence: _Sequence) -> None:
+        self.state_bytes -= sequence.nbytes
+        sequence.nbytes = 0
+        sequence.charge.release()
+        sequence.states = None
+
+    # --- running
+
+    def _make_ready(self, sequence: _Sequence) -> list[tuple[_Sequence, _Item]] | None:
+        """(lock held) ``sequence``'s next request may run now: queued for the ``oldest``
+        gatherer, or returned for the caller to run once it has let go of the lock (a run may
+        finish, and call back here, before it returns)."""
+        if not sequence.pending:
+            return None
+        sequence.busy = True
+        if self._batching:
+            self._ready.append(sequence)
+            self._wake.notify()
+            return None
+        return [(sequence, sequence.pending.popleft())]
+
+    def _gather(self) -> None:
+        """``oldest``: the ready sequences' next requests, the longest waiting first, in
+        batches of up to ``batch_size`` rows, waiting at most ``queue_delay`` for a full one."""
+        size, delay = self.settings.batch_size, self.settings.queue_delay
+        while True:
+            with self._lock:
+                while not self._ready and not self._closed:
+                    self._wake.wait()
+                if self._closed and not self._ready:
+                    return
+                end = time.monotonic() + delay
+                while len(self._ready) < size and not self._closed:
+                    left = end - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._wake.wait(left)
+                batch = []
+                while self._ready and len(batch) < size:
+                    sequence = self._ready.popleft()
+                    batch.append((sequence, sequence.pending.popleft()))
+            self._run_batches(batch)
+
+    def _run_batches(self, batch: list[tuple[_Sequence, _Item]]) -> None:
+        """Rows whose tensors differ in shape (a growing state) cannot share a run: each group
+        of equal shapes runs as one."""
+        groups: dict[tuple, list[tuple[_Sequence, _Item]]] = {}
+        for sequence, item in batch:
+            groups.setdefault(self._signature(sequence, item), []).append((sequence, item))
+        for rows in groups.values():
+            self._run(rows)
+
+    def _signature(self, sequence: _Sequence, item: _Item) -> tuple:
+        states = sequence.states or {}
+        return tuple((k, np.shape(v)[1:]) for k, v in sorted(item.inputs.items())) + tuple(
+            (s.input, np.shape(states.get(s.input, s.initial))) for s in self.settings.states
+        )
+
+    def _feed(self, sequence: _Sequence, item: _Item) -> dict[str, Any]:
+        """One request's inputs with its controls and its sequence's states (batch dim 1)."""
+        batched = self.max_batch_size > 0
+        feed = dict(item.inputs)
+        for control in self.settings.controls:
+            if control.kind == "CORRID":
+                value: Any = item.step.id
+            else:
+                on = {"START": item.step.start, "END": item.step.end, "READY": True}[control.kind]
+                value = control.values[on]
+            array = np.array([value], dtype=control.dtype)
+            feed[control.name] = array[None] if batched else array
+        states = sequence.states
+        for state in self.settings.states:
+            value = states[state.input] if states is not None else state.initial
+            feed[state.input] = value[None] if batched else value
+        return feed
+
+    def _run(self, rows: list[tuple[_Sequence, _Item]], inline: bool = False) -> None:
+        """One run of ``rows`` (``inline``: on this thread when a stream is idle; a unary
+        call's own thread, which waits for the answer anyway). A request whose caller gave up
+        (its stream ended) or whose deadline passed while it waited is dropped here, its
+        sequence's state untouched. Several rows run under the latest of their deadlines (none
+        if one has none): one row's tight deadline must not fail the others' run."""
+        live = []
+        now = time.monotonic()
+        for sequence, item in rows:
+            if not item.future.set_running_or_notify_cancel():
+                self._done(sequence, item, None, Cancelled("the request was cancelled"))
+            elif item.deadline is not None and now >= item.deadline:
+                late = DeadlineExceeded(
+                    f"network {self.name!r}: the request's deadline passed while it waited for "
+                    "its turn in the sequence batcher"
+                )
+                self._done(sequence, item, None, late)
+            else:
+                live.append((sequence, item))
+        if not live:
+            return
+        rows = live
+        feeds = [self._feed(s, i) for s, i in rows]
+        if len(rows) == 1:
+            feed = feeds[0]
+        else:
+            feed = {k: np.concatenate([f[k] for f in feeds]) for k in feeds[0]}
+        wanted = list(dict.fromkeys([w for _, i in rows for w in i.wanted] + self._state_outputs))
+        deadlines = [i.deadline for _, i in rows if i.deadline is not None]
+        token, forget = cancel.every(
+            [i.token for _, i in rows],
+            lambda: Cancelled("every request of the batch was cancelled"),
+        )
+        try:
+            future = self._submit(
+                feed,
+                wanted,
+                max(deadlines) if len(deadlines) == len(rows) else None,
+                inline,
+                token,
+                sum(i.holds for _, i in rows),
+                checked=self._checked(rows, feed),
+            )
+        except BaseException as exc:
+            forget()
+            for sequence, item in rows:
+                self._done(sequence, item, None, exc)
+            return
+        future.add_done_callback(lambda f: (forget(), self._finish(rows, f)))
+
+    def _checked(self, rows: list[tuple[_Sequence, _Item]], feed: dict[str, Any]) -> list | None:
+        """One row whose inputs a protocol's lane checked: the run's arrays in the network's
+        order (the rest are the batcher's own), which its admission takes as checked."""
+        if len(rows) == 1 and rows[0][1].checked:
+            return [feed[n] for n in self._order]
+        return None
+
+    def _finish(self, rows: list[tuple[_Sequence, _Item]], future: Any) -> None:
+        exc = future.exception()
+        outputs = None if exc is not None else future.result()
+        if len(rows) > 1:  # the run was counted once, as its first row
+            self._joined(len(rows) - 1, exc)
+        for index, (sequence, item) in enumerate(rows):
+            if exc is not None:
+                self._done(sequence, item, None, exc)
+                continue
+            if len(rows) > 1:
+                row = {k: v[index : index + 1] for k, v in outputs.items()}
+            else:
+                row = outputs
+            self._done(sequence, item, row, None)
+
+    def _done(
+        self,
+        sequence: _Sequence,
+        item: _Item,
+        outputs: dict[str, np.ndarray] | None,
+        exc: BaseException | None,
+    ) -> None:
+        """One request answered: its sequence's states move on (a failed run leaves them as
+        they were), and its next request may run. A state that no longer fits the memory
+        budget ends the sequence, failing its queued requests too."""
+        answer = states = None
+        lost = False
+        if outputs is not None:
+            try:
+                states = self._states(outputs)
+                self._hold(sequence, states)
+            except ResourceExhausted as error:
+                exc, states, lost = error, None, True
+            except BaseException as error:
+                exc, states = error, None
+        if states is not None:
+            try:
+                answer = {k: outputs[k] for k in item.wanted}
+                if self._ovms:  # OVMS appends the sequence's id to every answer
+                    answer["sequence_id"] = np.array([item.step.id], np.uint64)
+                if item.after is not None:
+                    answer = item.after(answer)
+            except BaseException as error:
+                exc, answer = error, None
+        rows, failed = None, []
+        with self._lock:
+            if states is not None:
+                sequence.states = states
+            sequence.busy = False
+            sequence.last = time.monotonic()
+            if lost:
+                failed = list(sequence.pending)
+                sequence.pending.clear()
+                self._end(sequence)
+            elif sequence.pending:
+                rows = self._make_ready(sequence)
+            elif sequence.ended:
+                self._free(sequence)
+        if item.future.cancelled():
+            pass  # dropped before it ran: nobody waits for it
+        elif exc is not None:
+            item.future.set_exception(exc)
+        else:
+            item.future.set_result(answer)
+        for queued in failed:
+            if queued.future.set_running_or_notify_cancel():
+                queued.future.set_exception(
+                    ResourceExhausted(f"sequence {sequence.id} of model '{self.name}' ended: {exc}")
+                )
+        if rows:
+            self._run(rows)
+
+    def _states(self, outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        states = {}
+        for state in self.settings.states:
+            value = np.asarray(outputs[state.output], dtype=state.dtype)
+            if self.max_batch_size > 0:
+                value = value[0]
+            # a row of a batch, or a view of a device's buffer, is copied: a state must own
+            # what it holds (a whole batch's memory, or a buffer the device reuses, would not do)
+            if value.base is not None or not value.flags.c_contiguous:
+                value = value.copy()
+            states[state.input] = value
+        return states
+
+    def _hold(self, sequence: _Sequence, states: dict[str, np.ndarray]) -> None:
+        """Charge the budget for the sequence's new states; the old ones' charge goes once the
+        new is taken (both exist until then)."""
+        nbytes = sum(v.nbytes for v in states.values())
+        if nbytes != sequence.nbytes:
+            charge = self._shared.budget.charge(
+                nbytes, f"sequence {sequence.id} of model '{self.name}' (its state)"
+            )
+            sequence.charge.release()
+            sequence.charge = charge
+        with self._lock:
+            self.state_bytes += nbytes - sequence.nbytes
+            sequence.nbytes = nbytes
+
+    # --- ends
+
+    def reap(self, now: float) -> None:
+        """End the sequences idle for longer than max_sequence_idle_microseconds."""
+        idle = self.settings.idle_seconds
+        if not idle:
+            return
+        with self._lock:
+            late = [
+                s for s in self._sequences.values()
+                if not s.busy and not s.pending and now - s.last > idle
+            ]  # fmt: skip
+            for sequence in late:
+                log.info(
+                    "model '%s': sequence %s idle for over %g s: ended, its state freed",
+                    self.name,
+                    sequence.id,
+                    idle,
+                )
+                self._end(sequence)
+
+    def close(self) -> int:
+        """Unload: every sequence ends (a reload does not carry them: their clients start
+        again); returns how many were active."""
+        with self._lock:
+            self._closed = True
+            self._wake.notify_all()
+            ended = list(self._sequences.values())
+            for sequence in ended:
+                self._end(sequence)
+        self._shared.remove(self)
+        return len(ended)

@@ -1,0 +1,1 @@
+"""The server process: its settings, its wiring (app), its command line."""

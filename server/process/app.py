@@ -1,0 +1,556 @@
+"""``plugserve serve``: the long-running server.
+
+One gRPC port serves plugserve.v1, KServe v2 (``inference.GRPCInferenceService``), health and
+reflection; KServe v2 over HTTP/REST has its own port (``server/rest/``, same data plane and
+model control, auth, TLS and limits); Prometheus scrapes ``/metrics`` on its own port. The
+gRPC server is grpcio's thread-pool server, chosen by measurement: a 602 KB echo takes 1.1 ms
+on it and 2.0 ms on grpc.aio here (64 B: 0.6 ms on both), and inference itself runs on the
+device executors, so handler threads only wait on futures. Its threads come from a
+:class:`CallPool` (``server/plane/callpool.py``): a few run calls at once, so they do not fight over
+the GIL, and more start only while calls wait. ``maximum_concurrent_rpcs`` bounds what is
+admitted.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+from concurrent import futures
+from pathlib import Path
+from typing import Any, cast
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from plugserve.plugins.api import PlugserveError
+from plugserve.plugins.version import plugserve_version
+from plugserve.proto import plugserve_pb2, tensors
+from plugserve.server.apps.generate.network import GenerativeNetwork
+from plugserve.server.apps.pipelines.ensemble import EnsemblePlugin
+from plugserve.server.apps.pipelines.python.device import PythonPlugin
+from plugserve.server.control.core import ConfigLimits, Core
+from plugserve.server.control.examples import build_examples, default_examples_dir
+from plugserve.server.control.model_control import ModelControl
+from plugserve.server.control.repository import Repository, single_model_repository
+from plugserve.server.plane.budget import default_limit
+from plugserve.server.plane.callpool import CallPool
+from plugserve.server.plane.dataplane import DataPlane
+from plugserve.server.plane.metrics import Metrics
+from plugserve.server.plane.shm import SharedMemory
+from plugserve.server.process.allocator import reuse_freed_memory
+from plugserve.server.process.settings import Settings
+from plugserve.server.protocols.grpc import reflection
+from plugserve.server.protocols.grpc.callgate import CallGate, keepalive_options
+from plugserve.server.protocols.grpc.handlers import add_service
+from plugserve.server.protocols.grpc.wrapping import Wrap, WrappingServer
+from plugserve.server.protocols.kserve.rest import RestApp, RestServer
+from plugserve.server.protocols.openai import OpenAIRoutes
+from plugserve.server.protocols.security import (
+    AuthInterceptor,
+    load_tokens,
+    local_control,
+    security_problems,
+    server_credentials,
+)
+from plugserve.server.protocols.v1.servicer import PlugserveServicer
+
+__all__ = ["Server", "main"]
+
+log = logging.getLogger("plugserve")
+
+
+_PLUGIN_KEYS = ("config", "extensions")
+
+
+def load_plugins_file(path: str) -> dict[str, Any]:
+    """The ``--plugins`` file: which plugins to load, their config and extensions (JSON).
+
+    ``{"plugins": {"NUMPY": {"config": {"NUM_STREAMS": "2"}, "extensions": ["pkg.mod:ext"]}}}``
+    Like OpenVINO's plugins.xml: only the devices named are used. The shape is checked here
+    (an unknown key is an error, not ignored); device names and config keys are checked
+    against the devices when they are configured.
+    """
+    where = f"plugserve: --plugins {path}"
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"{where}: {exc}") from None
+    plugins = data.get("plugins") if isinstance(data, dict) else None
+    if not isinstance(plugins, dict) or set(data) != {"plugins"}:
+        raise SystemExit(f'{where}: expected {{"plugins": {{NAME: {{...}}}}}} and nothing else')
+    for name, entry in plugins.items():
+        if entry is None:
+            continue
+        if not isinstance(entry, dict):
+            raise SystemExit(f"{where}: plugin {name!r}: expected an object")
+        unknown = sorted(set(entry) - set(_PLUGIN_KEYS))
+        if unknown:
+            raise SystemExit(
+                f"{where}: plugin {name!r}: unknown key(s) {unknown}; "
+                f"expected {', '.join(_PLUGIN_KEYS)}"
+            )
+        if not isinstance(entry.get("config", {}), dict):
+            raise SystemExit(f"{where}: plugin {name!r}: 'config' must be an object of key: value")
+        extensions = entry.get("extensions", [])
+        if not isinstance(extensions, list) or not all(
+            isinstance(e, str) and e.count(":") == 1 and all(e.split(":")) for e in extensions
+        ):
+            raise SystemExit(
+                f"{where}: plugin {name!r}: 'extensions' must be a list of \"module:attribute\""
+            )
+    return plugins
+
+
+class Server:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.metrics = Metrics(plugserve_version())
+        tensors.set_max_string_elements(settings.max_string_elements)
+        # Triton's python backend is a device of the server's (its models run in processes
+        # of their own: server/apps/pipelines/python)
+        self.core = Core(plugins={"PYTHON": PythonPlugin, "ENSEMBLE": EnsemblePlugin})
+        self.plugin_settings = load_plugins_file(settings.plugins) if settings.plugins else None
+        self._configure_plugins()
+        # after the operator's --plugins file: the caps bound what clients ask for
+        self.core.limits = ConfigLimits.of(
+            settings.max_num_streams, settings.max_batch_size, settings.max_inference_threads
+        )
+        self.core.generate_defaults = settings.generate_defaults()
+        root = settings.model_repository or str(build_examples(default_examples_dir()))
+        if settings.exit_on_error and not Path(root).exists():
+            raise SystemExit(
+                f"plugserve: --model-repository {root}: no such file or folder "
+                "(--exit-on-error 0 starts without it)"
+            )
+        #: a folder this server made (--model-name over a single file), removed when it stops
+        self._scratch: Path | None = None
+        if settings.model_name:
+            try:
+                served = single_model_repository(root, settings.model_name)
+            except PlugserveError as exc:
+                raise SystemExit(f"plugserve: --model-name {settings.model_name}: {exc}") from None
+            if served != Path(root):
+                self._scratch = served
+            root = str(served)
+        self.repository = Repository(root)
+        self.plane = DataPlane(
+            self.metrics,
+            settings.max_request_seconds,
+            default_limit() if settings.max_inflight_bytes < 0 else settings.max_inflight_bytes,
+            settings.max_message_bytes,
+        )
+        self.plane.shm = SharedMemory(
+            settings.shared_memory == "system", settings.shared_memory_prefix, self.plane.budget
+        )
+        for device in ("ENSEMBLE", "PYTHON"):  # ensembles' steps and BLS calls run through it
+            if device in self.core.available_devices:
+                self.core.plugin(device).plane = self.plane
+        self.control = ModelControl(
+            self.plane,
+            self.core,
+            self.metrics,
+            self.repository,
+            settings.default_device,
+            settings.queue_size,
+            settings.max_networks,
+            settings.max_model_bytes,
+            settings.load_threads(),
+            settings.max_sequences,
+        )
+        self.metrics.watch_generation(self._generation_stats)
+        if "PYTHON" in self.core.available_devices:  # its models' load_model calls
+            self.core.plugin("PYTHON").control = self.control
+        self.health = health.HealthServicer()
+        self.grpc_server: grpc.Server | None = None
+        self.grpc_port = 0
+        self.health_server: grpc.Server | None = None
+        self.health_port = 0
+        self.metrics_port = 0
+        self.rest: RestServer | None = None
+        self.openai: OpenAIRoutes | None = None
+        self.http_port = 0
+        self._stopped = threading.Event()  # stop() began
+        self._hurry = threading.Event()  # a second signal: stop waiting for admitted requests
+        self._done = threading.Event()  # stop() finished
+        self.abandoned = 0  # requests and loads still running when stop() gave up on them
+
+    def _generation_stats(self) -> list[tuple[str, str, str, Any]]:
+        """Each loaded generative model's engine statistics, for /metrics."""
+        with self.plane.table.lock:
+            entries = [
+                e for versions in self.plane.table.by_name.values() for e in versions.values()
+            ]
+        return [
+            (e.device, e.name, str(e.version), e.network.engine.stats().snapshot())
+            for e in entries
+            if isinstance(e.network, GenerativeNetwork)
+        ]
+
+    def _configure_plugins(self) -> None:
+        if self.plugin_settings is None:
+            return
+        where = f"plugserve: --plugins {self.settings.plugins}"
+        known = {info.name for info in self.core.devices()}
+        listed = {k.upper(): v or {} for k, v in self.plugin_settings.items()}
+        unknown = sorted(set(listed) - known)
+        if unknown:
+            raise SystemExit(
+                f"{where}: unknown device(s) {', '.join(unknown)}; "
+                f"known devices: {', '.join(sorted(known)) or 'none'}"
+            )
+        for name in list(self.core.available_devices):
+            if name not in listed:
+                self.core.disable(name)
+                log.info("device %s not listed in --plugins: not used", name)
+        for name, entry in listed.items():
+            if name not in self.core.available_devices:
+                log.warning("device %s from --plugins is unavailable", name)
+                continue
+            if entry.get("config"):
+                try:
+                    self.core.set_config({k: str(v) for k, v in entry["config"].items()}, name)
+                except PlugserveError as exc:
+                    raise SystemExit(f"{where}: device {name}: {exc}") from None
+                log.info("device %s: config %s", name, entry["config"])
+            for ref in entry.get("extensions", []):
+                module, _, attr = ref.partition(":")
+                try:
+                    extension = getattr(importlib.import_module(module), attr)
+                except Exception as exc:  # ImportError, AttributeError, or the module's own
+                    raise SystemExit(
+                        f"{where}: device {name}: extension {ref!r} cannot be loaded: "
+                        f"{type(exc).__name__}: {exc}"
+                    ) from None
+                try:
+                    for item in extension if isinstance(extension, list) else [extension]:
+                        self.core.add_extension(item, name)
+                except PlugserveError as exc:
+                    raise SystemExit(f"{where}: device {name}: extension {ref!r}: {exc}") from None
+                log.info("device %s: extension %s added", name, ref)
+
+    def start(self) -> None:
+        s = self.settings
+        if reuse_freed_memory(s.malloc_reuse_bytes):
+            log.debug("malloc: freed blocks up to %d bytes are reused", s.malloc_reuse_bytes)
+        for info in self.core.devices():
+            if info.available:
+                log.info("device %s loaded: %s", info.name, info.full_name)
+            else:
+                log.warning("device %s skipped: %s", info.name, info.reason)
+        problems = security_problems(s)
+        if problems:
+            raise SystemExit(f"plugserve: invalid settings: {'; '.join(problems)}")
+        credentials = server_credentials(s)
+        self.gate = CallGate(
+            s.max_open_streams or max(1, s.grpc_workers // 2),
+            max(1, s.grpc_workers // 4),
+            s.request_read_timeout,
+            s.stream_idle_timeout,
+        )
+        wraps: list[Wrap] = [self.gate.wrap]
+        interceptors: list[grpc.ServerInterceptor] = []
+        auth = None
+        if s.auth_tokens:
+            tokens = load_tokens(s.auth_tokens)
+            auth = AuthInterceptor(tokens, bool(s.open_health), bool(s.open_reflection))
+            interceptors.append(auth)
+            log.info(
+                "token auth on: %d token(s); health %s, reflection %s",
+                len(tokens),
+                "open" if s.open_health else "needs a token",
+                "open" if s.open_reflection else "needs a token",
+            )
+            if credentials is None:
+                log.warning("token auth without TLS: tokens cross the network in plaintext")
+        elif not s.allow_remote_control:
+            wraps.append(local_control)
+            log.info("no tokens: model control is taken from this machine only")
+        else:
+            log.warning(
+                "no tokens and --allow-remote-control 1: any client that reaches the ports "
+                "may load models and set device config"
+            )
+        options = [
+            ("grpc.max_send_message_length", s.max_message_bytes),
+            ("grpc.max_receive_message_length", s.max_message_bytes),
+            # grpcio shares a port with any process listening on it unless told not to: a
+            # second server would silently take some of the first one's connections
+            ("grpc.so_reuseport", s.reuse_grpc_port),
+        ]
+        options += keepalive_options(s.stream_idle_timeout)
+        if s.max_streams_per_connection:
+            options.append(("grpc.max_concurrent_streams", s.max_streams_per_connection))
+        server = grpc.server(
+            CallPool(s.grpc_workers, s.active_grpc_workers()),
+            interceptors=interceptors,
+            options=options,
+            maximum_concurrent_rpcs=4 * s.grpc_workers,
+        )
+        # the gate and the local-control check wrap each handler here, once, not per call
+        registrar = cast(grpc.Server, WrappingServer(server, wraps))
+        plugserve = plugserve_pb2.DESCRIPTOR.services_by_name["Plugserve"]
+        services = [add_service(registrar, plugserve, PlugserveServicer(self.plane, self.control))]
+        services += self._add_kserve(registrar)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, registrar)
+        services.append(health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)
+        reflection.enable(services, registrar)
+        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.grpc_port = _bind(server, s.host, s.grpc_port, "--grpc-port", credentials)
+        if credentials is not None:
+            log.info("TLS on%s", " with client certificates (mTLS)" if s.tls_client_ca else "")
+        server.start()
+        self.grpc_server = server
+        if s.health_port >= 0:
+            self._serve_health(s.host, s.health_port)
+        if s.metrics_port >= 0:
+            try:
+                self.metrics_port = self.metrics.serve(s.host, s.metrics_port)
+            except SystemExit:  # the port is taken: one line, and nothing left running
+                self._stop_grpc(0)
+                raise
+        if s.http_port >= 0:
+            rest_app = RestApp(
+                self.plane,
+                self.control,
+                s.max_message_bytes,
+                auth,
+                local_control=not s.allow_remote_control,
+            )
+            # the OpenAI-compatible API over generative models (server/protocols/openai/)
+            self.openai = OpenAIRoutes(self.plane, self.control, s.max_completion_tokens)
+            rest_app.add_routes(self.openai.routes(), self.openai.refusal)
+            self.rest = RestServer(rest_app, s)
+            self.http_port = self.rest.start()
+        rest = f", HTTP {'https' if credentials else 'http'}://{s.host}:{self.http_port}"
+        log.info(
+            "listening: gRPC %s:%d, metrics http://%s:%d/metrics%s",
+            s.host,
+            self.grpc_port,
+            s.host,
+            self.metrics_port,
+            rest if self.rest else "",
+        )
+        self.plane.ports = {
+            "grpc": self.grpc_port,
+            "http": self.http_port if self.rest else -1,
+            "metrics": self.metrics_port if s.metrics_port >= 0 else -1,
+            "health": self.health_port if s.health_port >= 0 else -1,
+        }
+        self.control.control_mode = s.model_control_mode
+        names = None
+        if s.model_control_mode == "explicit":
+            names = {n.strip() for n in s.load_model.split(",") if n.strip()}
+            if "*" in names:
+                names = None
+        ready, problems = self.control.load_repository(names)
+        for problem in problems:
+            log.error("model repository: %s", problem)
+        # the bundled examples are a demo: one that needs a device --plugins left out is skipped
+        if problems and s.exit_on_error and s.model_repository:
+            self._stop_grpc(0)
+            self.plane.close()
+            self.control.close()
+            raise SystemExit(
+                f"plugserve: {len(problems)} problem(s) in the model repository at startup "
+                "(logged above); --exit-on-error 0 serves the models that loaded"
+            )
+        for entry in ready:
+            log.info("model %s version %d is ready on %s", entry.name, entry.version, entry.device)
+        self.plane.ready = True
+        self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        if s.model_control_mode == "poll" and self.repository is not None:
+            threading.Thread(target=self._poll, name="repository-poll", daemon=True).start()
+        log.info("server ready: %d model version(s) from %s", len(ready), self.repository.root)
+
+    def _poll(self) -> None:
+        """--model-control-mode poll: the repository's changes, every --repository-poll-secs."""
+        while not self._stopped.wait(self.settings.repository_poll_secs):
+            try:
+                self.control.poll_repository()
+            except Exception:  # a bad look at the repository must not end polling
+                log.exception("repository poll failed; trying again")
+
+    def _serve_health(self, host: str, port: int) -> None:
+        """The health service alone on a plaintext port: the same statuses as on the main port
+        (it reveals nothing else), for probes that cannot present TLS or a token."""
+        # 4 threads: one Watch stream, two calls waiting for their message, one answering
+        self.health_gate = CallGate(1, 2, self.settings.request_read_timeout, 60.0, "health")
+        server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="health"),
+            options=keepalive_options(60.0),
+            maximum_concurrent_rpcs=16,
+        )
+        registrar = cast(grpc.Server, WrappingServer(server, [self.health_gate.wrap]))
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, registrar)
+        self.health_port = _bind(server, host, port, "--health-port")
+        server.start()
+        self.health_server = server
+        log.info("health (plaintext, health service only): %s:%d", host, self.health_port)
+
+    def _add_kserve(self, server: grpc.Server) -> list[str]:
+        try:
+            from plugserve.server.protocols.kserve.grpc_service import add_kserve_service
+        except ImportError:
+            return []
+        return add_kserve_service(self.plane, self.control, server)
+
+    def _set_health(self, status: int) -> None:
+        self.health.set("", status)
+        self.health.set("plugserve.v1.Plugserve", status)
+        self.health.set("inference.GRPCInferenceService", status)
+
+    def stop(self, grace: float | None = None) -> None:
+        """Drain, then stop: health NOT_SERVING and new requests and loads UNAVAILABLE at once;
+        admitted and queued requests (and loads under way) run to the end for up to ``grace``
+        seconds (``--exit-timeout``); then the gRPC server stops and the executors close."""
+        if self._stopped.is_set():
+            self._hurry.set()  # a second signal: stop waiting for admitted requests
+            return
+        self._stopped.set()
+        timeout = self.settings.exit_timeout if grace is None else grace
+        end = time.monotonic() + timeout
+        self.health.enter_graceful_shutdown()  # NOT_SERVING for good, even if start() goes on
+        self.plane.drain()
+        left = self.abandoned = self.plane.wait_idle(timeout, self._hurry)
+        if left:
+            log.warning(
+                "shutdown: %d admitted request(s) or load(s) still running after %.1f s; "
+                "their runs and calls are cancelled",
+                left,
+                time.monotonic() - end + timeout,
+            )
+            self.plane.cancel_all("the server is shutting down (--exit-timeout passed)")
+        else:
+            log.info("shutdown: every admitted request finished")
+        # responses of finished requests may still be on their way: a short grace for them
+        self._stop_grpc(0 if left else max(1.0, end - time.monotonic()))
+        self.plane.close()
+        self.control.close()
+        if self.openai is not None:
+            self.openai.close()
+        self.metrics.close()
+        if self._scratch is not None:
+            shutil.rmtree(self._scratch, ignore_errors=True)
+        self._done.set()
+
+    def _stop_grpc(self, grace: float) -> None:
+        if self.rest is not None:
+            self.rest.stop(grace)
+        stopping = []
+        for server in (self.grpc_server, self.health_server):
+            if server is None:
+                continue
+            try:  # a stop with a grace period starts a thread to end it
+                stopping.append(server.stop(grace))
+            except RuntimeError:  # none can be started (all taken): stop at once instead
+                log.warning("shutdown: no thread left for a grace period; stopping now")
+                stopping.append(server.stop(None))
+        for stopped in stopping:
+            stopped.wait()
+
+    def wait(self) -> None:
+        """Block until :meth:`stop` has finished (signals still reach their handlers)."""
+        while not self._done.wait(0.5):
+            pass
+
+
+def _bind(
+    server: grpc.Server,
+    host: str,
+    port: int,
+    flag: str,
+    credentials: grpc.ServerCredentials | None = None,
+) -> int:
+    """Listen on ``host:port``, or exit with one line saying which flag's port is taken."""
+    address = f"{host}:{port}"
+    try:
+        if credentials is None:
+            bound = server.add_insecure_port(address)
+        else:
+            bound = server.add_secure_port(address, credentials)
+    except RuntimeError:
+        bound = 0
+    if not bound:
+        raise SystemExit(
+            f"plugserve: cannot listen on {address} ({flag}): the port is in use or the "
+            "address is not this machine's"
+        )
+    return bound
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line, for log collectors that parse fields rather than text."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {
+            "time": self.formatTime(record),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry, ensure_ascii=False)
+
+
+def configure_logging(settings: Settings) -> None:
+    """Logs go to stdout, where container runtimes collect them (docs/operations.md)."""
+    handler = logging.StreamHandler(sys.stdout)
+    if settings.log_format == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=settings.log_level.upper(), handlers=[handler], force=True)
+
+
+def main(argv: list[str]) -> int:
+    settings = Settings.from_argv(argv)
+    configure_logging(settings)
+    server = Server(settings)
+
+    signalled = threading.Event()
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        # No thread is started here: with every thread slot taken (a flood of streams), a
+        # handler that needs one could not shut the server down. The shutdown thread waits
+        # from the start; a second signal only tells a stop under way to hurry.
+        if signalled.is_set():
+            log.warning(
+                "signal %s again: not waiting any longer for admitted requests",
+                signal.Signals(signum).name,
+            )
+            server._hurry.set()
+            return
+        log.info(
+            "signal %s: shutting down (up to %.0f s for admitted requests)",
+            signal.Signals(signum).name,
+            settings.exit_timeout,
+        )
+        signalled.set()
+
+    def shutdown() -> None:
+        signalled.wait()
+        server.stop()
+        if server.abandoned:
+            # Threads stuck in a device (or in startup loading) cannot be interrupted and would
+            # keep the interpreter from exiting: their calls are already cancelled, so go now.
+            log.warning("stopped, abandoning %d stuck request(s) or load(s)", server.abandoned)
+            logging.shutdown()
+            os._exit(0)
+
+    threading.Thread(target=shutdown, name="shutdown", daemon=True).start()
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    server.start()
+    if server._stopped.is_set():
+        server._stop_grpc(0)  # a signal during startup may have come before the port was up
+    server.wait()
+    log.info("stopped")
+    return 0

@@ -1,0 +1,101 @@
+"""The ``plugserve`` command: ``serve``, ``examples`` and ``conformance`` (the test runner in
+:mod:`plugserve.conformance`) run here; the user verbs (devices, load, infer, ...) talk to a
+server and live in :mod:`plugserve.client.cli`.
+
+This module sits above every package (server, client, conformance); none of them imports it.
+Each verb's module is imported when the verb runs, so ``plugserve devices`` does not load the
+server or the plugins.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+
+__all__ = ["main"]
+
+
+def _conformance(argv: Sequence[str]) -> int:
+    from plugserve.conformance.cli import main as conformance_main
+
+    return conformance_main(argv)
+
+
+def _examples(argv: Sequence[str]) -> int:
+    """Where the bundled example models are, so README's commands can name a real file."""
+    import argparse
+
+    from plugserve.server.control.examples import build_examples, default_examples_dir
+
+    parser = argparse.ArgumentParser(
+        prog="plugserve examples",
+        description="Build the bundled example models if needed and print their files.",
+    )
+    parser.add_argument("name", nargs="?", help="print only this model's file")
+    args = parser.parse_args(argv)
+    root = build_examples(default_examples_dir())
+    models = {p.parts[-3]: p for p in sorted(root.glob("*/*/model.onnx"))}
+    if args.name is not None:
+        if args.name not in models:
+            print(
+                f"plugserve examples: no example {args.name!r}; examples: {', '.join(models)}",
+                file=sys.stderr,
+            )
+            return 2
+        print(models[args.name])
+        return 0
+    for name, path in models.items():
+        print(f"{name:6} {path}")
+    return 0
+
+
+def _serve(argv: Sequence[str]) -> int:
+    from plugserve.server.process.app import main as serve_main
+
+    return serve_main(list(argv))
+
+
+VERBS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
+    "serve": (_serve, "run the server (with no arguments: on the bundled example models)"),
+    "conformance": (_conformance, "run the ONNX backend node tests on a device"),
+    "examples": (_examples, "print the bundled example models' files (plugserve examples mlp)"),
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] in ("--version", "-V"):
+        from plugserve.plugins.version import plugserve_version
+
+        print(f"plugserve {plugserve_version()}")
+        return 0
+    if not args or args[0] in ("-h", "--help"):
+        from plugserve.client.cli import VERBS as CLIENT_VERBS
+
+        print(
+            "usage: plugserve VERB [options]   "
+            "(plugserve VERB --help for a verb's options; plugserve --version)"
+        )
+        print("\nverbs:")
+        for verb, (_, help_text) in {**VERBS, **CLIENT_VERBS}.items():
+            print(f"  {verb:13} {help_text}")
+        return 0 if args else 2
+    verb = args[0]
+    from plugserve.client.cli import VERBS as CLIENT_VERBS
+    from plugserve.client.cli import run as run_client
+
+    if verb in CLIENT_VERBS:
+        from plugserve.server.process.bench_inprocess import runner as inprocess_runner
+
+        return run_client(verb, args[1:], inprocess=inprocess_runner)
+    if verb not in VERBS:
+        print(
+            f"plugserve: unknown verb {verb!r}; try: {', '.join([*VERBS, *CLIENT_VERBS])}",
+            file=sys.stderr,
+        )
+        return 2
+    return VERBS[verb][0](args[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,387 @@
+"""Server settings in one place: each field has a CLI flag and a ``PLUGSERVE_*`` env variable.
+
+Precedence: command-line flag, then environment variable, then the default here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from plugserve.plugins.api import available_cores
+
+__all__ = ["Settings"]
+
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+_CONTROL_MODES = ("", "none", "explicit", "poll")
+_LOG_FORMATS = ("text", "json")
+
+
+def _field(default: Any, help: str, flag: str | None = None, repeat: bool = False) -> Any:
+    """``repeat``: the flag may be given several times; the values are joined with commas."""
+    return dataclasses.field(
+        default=default, metadata={"help": help, "flag": flag, "repeat": repeat}
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    host: str = _field("0.0.0.0", "address to listen on")
+    grpc_port: int = _field(
+        8001, "gRPC port (plugserve.v1, KServe v2, health, reflection); 0: any free port"
+    )
+    http_port: int = _field(
+        8000,
+        "KServe v2 REST port (health, metadata, infer with JSON or binary tensors, repository); "
+        "0: any free port, -1: off",
+    )
+    metrics_port: int = _field(8002, "Prometheus /metrics port; 0: any free port, -1: off")
+    health_port: int = _field(
+        -1,
+        "a plaintext port serving only the gRPC health service, for probes that cannot speak "
+        "TLS to --grpc-port (Kubernetes' grpc probes); -1: off, 0: any free port",
+    )
+    model_repository: str = _field(
+        "", "model repository DIR/<name>/<version>/model.onnx; empty: the bundled examples"
+    )
+    model_name: str = _field(
+        "",
+        "serve --model-repository as this one model when it is a single .onnx file or a folder "
+        "holding one (KServe's storage layout); a repository layout is served as it is",
+    )
+    model_control_mode: str = _field(
+        "",
+        "as Triton: none (load every model at startup; load/unload requests refused), explicit "
+        "(load only --load-model at startup; load/unload by request), poll (load every model, "
+        "then follow the repository's changes every --repository-poll-secs; load/unload "
+        "requests refused); empty: load every model at startup and allow load/unload",
+    )
+    load_model: str = _field(
+        "",
+        "with --model-control-mode explicit: a model to load at startup (repeat the flag or "
+        "separate by commas; '*': every model)",
+        repeat=True,
+    )
+    repository_poll_secs: float = _field(
+        15.0, "with --model-control-mode poll: seconds between two looks at the repository"
+    )
+    model_load_threads: int = _field(
+        0,
+        "models loaded at once when the server starts and when --model-control-mode poll finds "
+        "new or changed versions (as Triton's --model-load-thread-count); 1: one after "
+        "another; 0: as many as the cores, at most 4",
+    )
+    plugins: str = _field("", "JSON file naming the plugins to load and their config")
+    default_device: str = _field("NUMPY", "device for models whose config names none")
+    log_level: str = _field("INFO", "DEBUG, INFO, WARNING or ERROR")
+    log_format: str = _field(
+        "text", "text: 'time LEVEL logger: message' lines; json: one JSON object per line"
+    )
+    exit_on_error: int = _field(
+        1,
+        "1: exit with status 1 when the model repository is missing or a model in it fails to "
+        "load at startup (as Triton); 0: log it and serve what loaded",
+    )
+    reuse_grpc_port: int = _field(
+        0,
+        "1: share --grpc-port with other processes listening on it (SO_REUSEPORT; each "
+        "connection goes to one of them); 0: an occupied port is an error",
+    )
+    max_message_bytes: int = _field(
+        1 << 30,
+        "largest gRPC message accepted or sent, largest REST request body, and the most bytes "
+        "of outputs one answer carries on any protocol",
+    )
+    queue_size: int = _field(0, "requests waiting per network (0: 16 per stream, at least 64)")
+    grpc_workers: int = _field(
+        64, "gRPC handler threads at most (streams and calls waiting on a busy network hold one)"
+    )
+    grpc_active_workers: int = _field(
+        0,
+        "gRPC handler threads that run calls at once; more start, up to --grpc-workers, only "
+        "while calls wait or stall (fewer threads contend less for Python's GIL; 0: the cores, "
+        "at least 2)",
+    )
+    exit_timeout: float = _field(30.0, "seconds to finish admitted requests on SIGTERM")
+    max_inflight_bytes: int = _field(
+        -1,
+        "memory all requests in flight may hold at once, on every protocol, charged before "
+        "a request is read or decoded (JSON tensors at 20x their size, binary 2x); over it a "
+        "request is refused at once (RESOURCE_EXHAUSTED / 503); -1: half of the cgroup's "
+        "memory limit or of the machine's memory; 0: no limit",
+    )
+    max_completion_tokens: int = _field(
+        0,
+        "most tokens one OpenAI completion or chat request may ask to generate per choice "
+        "(max_tokens / max_completion_tokens above it: 400; unset: the model's remaining context "
+        "up to this); 0: the model's context length only",
+    )
+    max_request_seconds: float = _field(
+        300.0,
+        "longest an inference request may take from admission to its answer, queued and "
+        "running; past it the run is stopped and the client gets DEADLINE_EXCEEDED (504), as "
+        "for its own deadline (0: no server limit)",
+    )
+    tls_cert: str = _field(
+        "", "PEM certificate chain for TLS on the gRPC and REST ports; empty: plaintext"
+    )
+    tls_key: str = _field("", "PEM private key of --tls-cert")
+    tls_client_ca: str = _field(
+        "", "PEM CA bundle: clients must present a certificate it signed (mutual TLS)"
+    )
+    auth_tokens: str = _field(
+        "", "file of 'TOKEN ROLE' lines (roles: infer, admin); empty: no token auth"
+    )
+    open_health: int = _field(1, "1: the health service needs no token; 0: it needs one")
+    allow_remote_control: int = _field(
+        0,
+        "without --auth-tokens: 1 lets any client load, unload, import, export and set device "
+        "config; 0 takes them from this machine (loopback) only. With tokens, roles decide",
+    )
+    open_reflection: int = _field(0, "1: reflection needs no token; 0: it needs one")
+    max_networks: int = _field(0, "most network versions loaded at once (0: no limit)")
+    max_sequences: int = _field(
+        1024,
+        "most sequences (Triton's sequence batching) active at once over every model; a new "
+        "one beyond is refused with RESOURCE_EXHAUSTED (0: no limit)",
+    )
+    max_model_bytes: int = _field(
+        0, "largest model or blob LoadNetwork/ImportNetwork accepts (0: no limit)"
+    )
+    max_string_elements: int = _field(
+        1 << 22,
+        "most BYTES elements one request tensor may hold, checked before any is decoded (each "
+        "becomes a Python object: short strings grow ~15x in memory); more: INVALID_ARGUMENT",
+    )
+    max_num_streams: int = _field(
+        64,
+        "largest NUM_STREAMS a load, import or SetConfig may ask for (each stream is a thread "
+        "and backend state); 0: no limit",
+    )
+    max_batch_size: int = _field(
+        256,
+        "largest BATCH_SIZE (BATCH:D(n)) a load, import or SetConfig may ask for (a BATCH "
+        "network waits with twice that many threads); 0: no limit",
+    )
+    max_inference_threads: int = _field(
+        256,
+        "largest INFERENCE_NUM_THREADS a load, import or SetConfig may ask for; 0: no limit",
+    )
+    max_open_streams: int = _field(
+        0,
+        "streaming gRPC calls open at once, server-wide; the rest of the --grpc-workers threads "
+        "stay for unary calls (0: half of --grpc-workers)",
+    )
+    request_read_timeout: float = _field(
+        30.0,
+        "seconds a gRPC call may take to send its request message, and an HTTP connection its "
+        "request headers and body, before it is cancelled (HTTP: closed, or 408)",
+    )
+    stream_idle_timeout: float = _field(
+        300.0,
+        "seconds a gRPC stream (or connection) may stay without a message before it is closed "
+        "(0: never)",
+    )
+    max_streams_per_connection: int = _field(
+        0, "concurrent gRPC streams per client connection (0: gRPC's default)"
+    )
+    shared_memory: str = _field(
+        "system",
+        "system: Triton's system shared memory extension for clients on this machine; off: "
+        "refused (UNIMPLEMENTED / 501)",
+    )
+    shared_memory_prefix: str = _field(
+        "/plugserve",
+        "keys a client may register as shared memory regions must start with this (a key "
+        "names a file in /dev/shm; '/' allows any, as Triton)",
+    )
+    malloc_reuse_bytes: int = _field(
+        32 << 20,
+        "glibc: freed blocks up to this size are reused, not unmapped and faulted in again "
+        "per request (0: the C library's defaults; at most 32 MiB)",
+    )
+    # generative models (server/apps/generate/): defaults for models whose config sets none
+    # (MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS, KV_CACHE_BYTES, MAX_MODEL_LEN, ENABLE_PREFIX_CACHING)
+    max_num_seqs: int = _field(
+        16,
+        "generative models: sequences generated at once (each holds a cache slot of the whole "
+        "context); more requests wait",
+    )
+    max_num_batched_tokens: int = _field(
+        256,
+        "generative models: tokens computed in one engine step (each decoding sequence's one, "
+        "plus prompt tokens; a longer prompt is computed in chunks of what is left)",
+    )
+    kv_cache_bytes: int = _field(
+        0,
+        "generative models: bytes of key/value cache per model (0: --max-num-seqs sequences of "
+        "the whole context, at most a quarter of the machine's memory)",
+    )
+    max_model_len: int = _field(
+        0,
+        "generative models: longest sequence, prompt and answer (0: the model's context "
+        "length); a shorter one makes each cache slot smaller",
+    )
+    enable_prefix_caching: int = _field(
+        1, "generative models: 1: reuse the cache of prompts' common beginnings; 0: never"
+    )
+
+    def generate_defaults(self) -> Any:
+        """The engine settings these flags give (server/apps/generate/engine.py)."""
+        from plugserve.server.apps.generate.engine import EngineSettings
+
+        return EngineSettings(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            kv_cache_bytes=self.kv_cache_bytes,
+            max_model_len=self.max_model_len,
+            enable_prefix_caching=bool(self.enable_prefix_caching),
+        )
+
+    def problems(self) -> list[str]:
+        """What is out of range, one message per field (empty when all is well)."""
+        found = []
+        for name, low, high in (
+            ("grpc_port", 0, 65535),
+            ("http_port", -1, 65535),
+            ("metrics_port", -1, 65535),
+            ("health_port", -1, 65535),
+            ("max_message_bytes", 1, 2**31 - 1),  # gRPC keeps message limits in an int32
+            ("queue_size", 0, None),
+            ("grpc_workers", 1, None),
+            ("grpc_active_workers", 0, None),
+            ("exit_timeout", 0, None),
+            ("max_request_seconds", 0, None),
+            ("max_inflight_bytes", -1, None),
+            ("max_completion_tokens", 0, None),
+            ("max_networks", 0, None),
+            ("max_sequences", 0, None),
+            ("max_model_bytes", 0, None),
+            ("max_string_elements", 1, None),
+            ("max_num_streams", 0, None),
+            ("max_batch_size", 0, None),
+            ("max_inference_threads", 0, None),
+            ("max_streams_per_connection", 0, 2**31 - 1),
+            ("max_open_streams", 0, None),
+            ("request_read_timeout", 0.1, None),
+            ("stream_idle_timeout", 0, None),
+            ("repository_poll_secs", 0.1, None),
+            ("model_load_threads", 0, 1024),
+            ("malloc_reuse_bytes", 0, 32 << 20),
+            ("max_num_seqs", 1, None),
+            ("max_num_batched_tokens", 1, None),
+            ("kv_cache_bytes", 0, None),
+            ("max_model_len", 0, None),
+        ):
+            value = getattr(self, name)
+            if value != value or value < low or (high is not None and value > high):  # NaN too
+                found.append(
+                    f"{name}={value!r} must be "
+                    + (f"between {low} and {high}" if high is not None else f">= {low}")
+                )
+        for name in (
+            "exit_on_error",
+            "reuse_grpc_port",
+            "allow_remote_control",
+            "enable_prefix_caching",
+        ):
+            if getattr(self, name) not in (0, 1):
+                found.append(f"{name}={getattr(self, name)!r} must be 0 or 1")
+        if self.model_control_mode not in _CONTROL_MODES:
+            found.append(
+                f"model_control_mode={self.model_control_mode!r} must be one of "
+                "none, explicit, poll (or empty)"
+            )
+        if self.load_model and self.model_control_mode != "explicit":
+            found.append(f"load_model={self.load_model!r} needs --model-control-mode explicit")
+        if self.shared_memory not in ("system", "off"):
+            found.append(f"shared_memory={self.shared_memory!r} must be system or off")
+        if not self.shared_memory_prefix.startswith("/"):
+            found.append(f"shared_memory_prefix={self.shared_memory_prefix!r} must start with '/'")
+        if self.log_format not in _LOG_FORMATS:
+            found.append(f"log_format={self.log_format!r} must be one of {', '.join(_LOG_FORMATS)}")
+        if self.log_level.upper() not in _LOG_LEVELS:
+            found.append(f"log_level={self.log_level!r} must be one of {', '.join(_LOG_LEVELS)}")
+        return found
+
+    def load_threads(self) -> int:
+        """--model-load-threads, 0 made concrete: loads are CPU work (parsing, checking and
+        optimizing models), so more at once than cores only adds contention."""
+        if self.model_load_threads:
+            return self.model_load_threads
+        return min(4, available_cores())
+
+    def active_grpc_workers(self) -> int:
+        """--grpc-active-workers, 0 made concrete: a thread per core, at least two (the cores
+        this process may run on: a container's CPU set, not the host's). Every thread beyond
+        that only queues for the GIL: on 2 cores, 2 threads served a tiny request ~1.25x as
+        fast at 16 in flight as 3 did and ~1.75x as fast as 6 (BENCHMARKS.md, "A tiny
+        request's cost, fourth pass"). Threads waiting, or in a long run, do not count (see
+        ``callpool.blocked``), so the few that run calls are the ones running Python."""
+        return min(self.grpc_workers, self.grpc_active_workers or max(2, available_cores()))
+
+    @classmethod
+    def env_name(cls, field: str) -> str:
+        return f"PLUGSERVE_{field.upper()}"
+
+    @classmethod
+    def flag(cls, field: str) -> str:
+        f = next(f for f in dataclasses.fields(cls) if f.name == field)
+        return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        for f in dataclasses.fields(cls):
+            parser.add_argument(
+                cls.flag(f.name),
+                dest=f.name,
+                default=None,
+                type=type(f.default),
+                action="append" if f.metadata["repeat"] else "store",
+                help=f"{f.metadata['help']} (env {cls.env_name(f.name)}, default {f.default!r})",
+            )
+
+    @classmethod
+    def load(
+        cls, args: argparse.Namespace | None = None, environ: Mapping[str, str] | None = None
+    ) -> Settings:
+        environ = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        sources: dict[str, str] = {}
+        for f in dataclasses.fields(cls):
+            raw = getattr(args, f.name, None) if args is not None else None
+            if isinstance(raw, list):  # a repeated flag
+                raw = ",".join(raw)
+            if raw is not None:
+                sources[f.name] = cls.flag(f.name)
+            elif cls.env_name(f.name) in environ:
+                text = environ[cls.env_name(f.name)]
+                try:
+                    raw = type(f.default)(
+                        text.strip() if isinstance(f.default, int | float) else text
+                    )
+                except ValueError:
+                    raise SystemExit(
+                        f"plugserve: {cls.env_name(f.name)}={text!r} is not a valid "
+                        f"{type(f.default).__name__}"
+                    ) from None
+                sources[f.name] = cls.env_name(f.name)
+            if raw is not None:
+                values[f.name] = raw
+        settings = cls(**values)
+        problems = settings.problems()
+        if problems:
+            detail = "; ".join(
+                f"{p} (from {sources.get(p.partition('=')[0], 'the default')})" for p in problems
+            )
+            raise SystemExit(f"plugserve: invalid settings: {detail}")
+        return settings
+
+    @classmethod
+    def from_argv(cls, argv: Sequence[str], prog: str = "plugserve serve") -> Settings:
+        parser = argparse.ArgumentParser(prog=prog, description="Run the plugserve server.")
+        cls.add_arguments(parser)
+        return cls.load(parser.parse_args(argv))

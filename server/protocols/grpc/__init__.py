@@ -1,0 +1,1 @@
+"""gRPC plumbing every gRPC adapter shares: handlers, the call gate, wrapping, reflection."""

@@ -1,0 +1,567 @@
+"""HTTP/1.1 for the REST port: an asyncio protocol on httptools' parser, and its bounds.
+
+httptools (llhttp) parses; this module only keeps the connection's state and writes replies.
+It replaced uvicorn's ASGI server, measured to be the difference on small requests
+(BENCHMARKS.md, "REST without ASGI"): no task, receive/send messages or scope per request, a
+request whose handler finishes at once (an inline inference) answered within the parser's
+callback. Each request's body is read whole before its handler runs, so handlers see bytes.
+
+The bounds, the twin of ``server/protocols/grpc/callgate.py`` for HTTP:
+
+- a connection that has not finished a request's headers within --request-read-timeout of
+  opening (or of its last response) is closed; that is the keep-alive timeout too. Deadlines
+  are checked by one sweep per port (each second, or each quarter of a shorter timeout), not a
+  timer per request: two timers made and cancelled per request were 3 % of a batch-1 request;
+- headers (request line included) over ``MAX_HEADER_BYTES`` are 431; a body over
+  --max-message-bytes is 413, declared or as it arrives; a body that has not arrived within
+  --request-read-timeout of its headers is 408; the connection is closed after each of these;
+- at most ``limit`` connections (4 x --grpc-workers, as gRPC's maximum_concurrent_rpcs): a new
+  connection past it first closes those that have waited longest for a request's headers,
+  once they have waited ``EVICT_AFTER`` seconds (a real client sends its headers with the
+  connection); a request on a connection still past the limit is answered 503;
+- one request per connection at a time: pipelined requests wait (reading paused), and so does
+  the next request while the peer does not read its replies (transport flow control);
+- a peer that reads nothing of its replies for --request-read-timeout (the transport's buffer
+  stays above its high-water mark) is cut off, its buffered reply dropped: otherwise each such
+  connection would hold its slot and a reply's memory for as long as it liked.
+
+A client that disconnects cancels the request it waits for: queued, it leaves its queue;
+running, it stops at its device's next checkpoint (``plugins/cancel.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
+from email.utils import formatdate
+from typing import Any
+from urllib.parse import unquote
+
+import httptools
+import numpy as np
+import orjson
+
+from plugserve.plugins.api import PlugserveError
+from plugserve.server.plane.budget import Charge, MemoryBudget, body_factor
+from plugserve.server.protocols.status import forget_frames, http_status_of
+
+__all__ = ["EVICT_AFTER", "MAX_HEADER_BYTES", "HttpServer", "Reply", "StreamReply", "error_reply"]
+
+#: A connection waiting this long for a request's headers may be closed to make room.
+EVICT_AFTER = 0.5
+#: The request line and headers of one request, at most (as Node's default, about).
+MAX_HEADER_BYTES = 64 * 1024
+
+#: what a handler returns: status, body pieces, extra headers
+Reply = tuple[int, list[bytes | memoryview], list[tuple[bytes, bytes]]]
+#: the request's URL, the status, the message and the typed error behind it -> the reply
+Refusal = Callable[[bytes, int, str, "PlugserveError | None"], Reply]
+#: method, path, headers (lower-case names), body -> a reply, or an awaitable of one
+Dispatch = Callable[..., "Reply | Awaitable[Reply]"]  # (method, path, headers, body, peer)
+
+_JSON = [(b"content-type", b"application/json")]
+_NEVER = float("inf")
+_STATUS_LINES = {
+    s.value: f"HTTP/1.1 {s.value} {s.phrase}\r\n".encode("latin-1") for s in http.HTTPStatus
+}
+
+
+#: A body with a Content-Length of at least this is read into one buffer made for it.
+_PREALLOCATE = 1 << 20
+
+
+class StreamReply:
+    """A reply whose body is written as it is made, with chunked transfer encoding: Triton's
+    generate_stream and OpenAI's streams (server-sent events, ``server/protocols/http/sse.py``).
+    ``chunks``
+    is an async iterator of bytes; the connection waits for the peer to read before asking it
+    for more (flow control), and a peer that goes away closes it (its ``finally`` cancels the
+    request that feeds it)."""
+
+    __slots__ = ("chunks", "headers", "status")
+
+    def __init__(
+        self, status: int, headers: list[tuple[bytes, bytes]], chunks: AsyncIterator[bytes]
+    ) -> None:
+        self.status, self.headers, self.chunks = status, headers, chunks
+
+
+def error_reply(status: int, message: str) -> Reply:
+    return status, [orjson.dumps({"error": message})], _JSON
+
+
+class _Refused(Exception):
+    """Raised in a parser callback: answer ``status`` and close the connection."""
+
+    def __init__(self, status: int, message: str, error: PlugserveError | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.error = error  # the typed error behind it (the memory budget's), if any
+
+
+class _Date:
+    """The Date header, formatted once a second."""
+
+    second = -1
+    value = b""
+
+    @classmethod
+    def header(cls) -> bytes:
+        now = int(time.time())
+        if now != cls.second:
+            cls.value = b"date: " + formatdate(now, usegmt=True).encode() + b"\r\n"
+            cls.second = now
+        return cls.value
+
+
+class HttpServer:
+    """What the connections of one port share: the handler and the bounds."""
+
+    def __init__(
+        self,
+        dispatch: Dispatch,
+        max_body: int,
+        read_timeout: float,
+        limit: int,
+        too_large: Callable[[int], str],
+        budget: MemoryBudget | None = None,
+        refusal: Refusal | None = None,
+    ) -> None:
+        """``too_large(size)``: the 413 message for a body of ``size`` bytes; ``budget``:
+        --max-inflight-bytes, which each request's body is charged against before it is read
+        (see server/plane/budget.py); ``refusal(url, status, message, error)``: the reply refusing a
+        request before it reaches its handler (a route family with an error body of its own,
+        OpenAI's, answers in it; None: ``error_reply``)."""
+        self.dispatch = dispatch
+        self.refusal = refusal
+        self.budget = budget
+        self.max_body = max_body
+        self.read_timeout = read_timeout
+        self.limit = limit
+        self.too_large = too_large
+        self.connections: set[Connection] = set()
+        self.sweep_every = max(0.05, min(1.0, read_timeout / 4))
+        self._sweep: asyncio.TimerHandle | None = None
+
+    def protocol(self) -> Connection:
+        return Connection(self)
+
+    def watch(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Sweep the connections' deadlines while there are connections."""
+        if self._sweep is None:
+            self._sweep = loop.call_later(self.sweep_every, self._sweep_deadlines, loop)
+
+    def _sweep_deadlines(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._sweep = None
+        now = time.monotonic()
+        for connection in [c for c in self.connections if c.deadline <= now]:
+            connection.expire()
+        for connection in [c for c in self.connections if c.stalled_until <= now]:
+            connection.abort()
+        if self.connections:
+            self.watch(loop)
+
+    def evict(self, count: int, now: float) -> None:
+        """Close up to ``count`` of the connections waiting longest for a request's headers
+        (those past EVICT_AFTER)."""
+        waiting = sorted(
+            (c.waiting_since, id(c), c)
+            for c in self.connections
+            if c.waiting_since is not None and now - c.waiting_since >= EVICT_AFTER
+        )
+        for _, _, connection in waiting[:count]:
+            connection.close()
+
+    def close_idle(self) -> None:
+        """Close every connection not serving a request (shutdown)."""
+        for connection in list(self.connections):
+            if not connection.busy:
+                connection.close()
+
+    @property
+    def busy(self) -> int:
+        return sum(c.busy for c in self.connections)
+
+
+class Connection(asyncio.Protocol):
+    """One client connection: parse, bound, dispatch, reply, in order."""
+
+    def __init__(self, server: HttpServer) -> None:
+        self.server = server
+        self.loop = asyncio.get_running_loop()
+        self.transport: Any = None
+        self.peer = ""  # the client's address
+        self.parser = httptools.HttpRequestParser(self)
+        #: since when it waits for a request's headers (None: a request is under way)
+        self.waiting_since: float | None = None
+        #: when the headers or body being waited for are late (inf: nothing is awaited)
+        self.deadline = _NEVER
+        #: when a peer that stopped reading its replies is cut off (inf: it reads)
+        self.stalled_until = _NEVER
+        self.busy = False  # a request is being served
+        self.task: asyncio.Task | None = None  # what a request being served awaits, if any
+        self.paused = False  # the peer is not reading: no further request until it does
+        self._drained: asyncio.Event | None = None  # a streamed reply waits for the peer
+        self.closed = False
+        self.last = False  # the parser reads no further request: close after those taken
+        self.reading = False  # a request's first bytes came, not yet all of it
+        self.pending: deque[
+            tuple[str, str, list[tuple[bytes, bytes]], bytes, bool, Charge | None]
+        ] = deque()
+        #: what the request being read holds of the memory budget, and at what factor
+        self._charge: Charge | None = None
+        self._factor = 0
+        #: what the request being served holds (released once its reply is handed over)
+        self.serving: Charge | None = None
+        self._url = b""
+        self._headers: list[tuple[bytes, bytes]] = []
+        self._size = 0  # header bytes, then body bytes, of the request being read
+        self._body: list[bytes] = []
+        self._buffer: memoryview | None = None  # a large body with a Content-Length, read here
+
+    # --- asyncio
+
+    def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+        self.transport = transport
+        peer = transport.get_extra_info("peername")
+        self.peer = str(peer[0]) if isinstance(peer, tuple) and peer else "unix:"
+        server = self.server
+        if len(server.connections) >= server.limit:
+            # room for this one, with its request still under the limit when it comes
+            server.evict(len(server.connections) - server.limit + 2, time.monotonic())
+        server.connections.add(self)
+        server.watch(self.loop)
+        self._wait_for_headers()
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserCallbackError as exc:
+            refused = exc.__context__
+            if not isinstance(refused, _Refused):
+                raise
+            self._fail(refused.status, refused.message, refused.error)
+        except httptools.HttpParserUpgrade:
+            # The request asking for the upgrade was read whole and is answered as a plain one
+            # (a server may ignore Upgrade); the parser reads nothing after it, so the
+            # connection closes once it is answered (a second, 400 reply followed it before).
+            self.last = True
+            if not self.busy and not self.pending:
+                self.close()
+        except httptools.HttpParserError as exc:
+            self._fail(400, f"malformed HTTP request: {exc}")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._forget()
+        if self.task is not None and not self.task.done():
+            # the client is gone: cancelling what its request awaits stops the run too
+            # (asyncio cancels the request's future, whose cancel() cancels its token)
+            self.task.cancel()
+
+    def pause_writing(self) -> None:
+        self.paused = True
+        self.stalled_until = time.monotonic() + self.server.read_timeout
+
+    def resume_writing(self) -> None:
+        self.paused = False
+        self.stalled_until = _NEVER
+        if self._drained is not None:
+            self._drained.set()
+        if not self.busy:
+            self._next()
+
+    # --- httptools' callbacks
+
+    def on_message_begin(self) -> None:
+        self.reading = True
+        self._url = b""
+        self._headers = []
+        self._size = 0
+        self._body = []
+        self._buffer = None
+        self._charge = None
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+        self._count_header(len(url))
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._headers.append((name.lower(), value))
+        self._count_header(len(name) + len(value))
+
+    def _count_header(self, size: int) -> None:
+        self._size += size
+        if self._size > MAX_HEADER_BYTES:
+            raise _Refused(
+                431, f"the request's headers are over this server's {MAX_HEADER_BYTES} bytes"
+            )
+
+    def on_headers_complete(self) -> None:
+        self.waiting_since = None
+        self._size = 0
+        server = self.server
+        length = None
+        expect = False
+        binary = False
+        for name, value in self._headers:
+            if name == b"content-length":
+                length = value
+            elif name == b"expect":
+                expect = value.strip().lower() == b"100-continue"
+            elif name == b"inference-header-content-length":
+                binary = True
+            elif name == b"transfer-encoding":
+                codings = [c.strip() for c in value.lower().split(b",") if c.strip()]
+                if codings != [b"chunked"]:  # RFC 9112 6.1: an unknown coding is 501
+                    raise _Refused(
+                        501,
+                        f"Transfer-Encoding {value.decode('latin-1')!r} is not supported: send "
+                        "the body plain or chunked, and compress it with Content-Encoding "
+                        "(gzip or deflate) instead",
+                    )
+        if self.parser.get_method() == b"CONNECT":
+            raise _Refused(501, "CONNECT is not served: this is an inference server, not a proxy")
+        if length is not None and length.isdigit() and int(length) > server.max_body:
+            raise _Refused(413, server.too_large(int(length)))
+        if server.budget is not None and server.budget.limit:
+            self._factor = body_factor(self._url, binary)
+            if length is not None and length.isdigit() and int(length):
+                self._charge = self._take(int(length) * self._factor)
+        if length is not None and length.isdigit() and int(length) >= _PREALLOCATE:
+            # read straight into place: joining 200 MB of chunks at the end would hold the
+            # loop (and the GIL) for tens of milliseconds, and so would bytearray(n), which
+            # zeroes its memory (120 ms for 200 MB); numpy's empty buffer is mapped lazily
+            self._buffer = memoryview(np.empty(int(length), np.uint8))
+        if expect and not self.busy:
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        self.deadline = time.monotonic() + server.read_timeout  # for the body
+
+    def on_body(self, body: bytes) -> None:
+        self._size += len(body)
+        if self._size > self.server.max_body:
+            raise _Refused(413, self.server.too_large(self._size))
+        if self._factor:  # a body without Content-Length (chunked) is charged as it comes
+            held = self._charge.nbytes if self._charge is not None else 0
+            if self._size * self._factor > held:
+                self._charge = self._take(self._size * self._factor - held, self._charge)
+        buffer = self._buffer
+        if buffer is not None and self._size <= len(buffer):
+            buffer[self._size - len(body) : self._size] = body
+        else:
+            self._body.append(body)
+
+    def _take(self, nbytes: int, onto: Charge | None = None) -> Charge:
+        """``nbytes`` more of the memory budget for the request being read, or a 503 now."""
+        try:
+            return self.server.budget.charge(nbytes, "this request", onto)  # type: ignore[union-attr]
+        except PlugserveError as exc:
+            raise _Refused(503, str(exc), exc) from None
+
+    def on_message_complete(self) -> None:
+        self.reading = False
+        self.deadline = _NEVER
+        if self._buffer is not None and not self._body:
+            body: bytes | memoryview = self._buffer
+        else:
+            body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
+        self._body = []
+        self._buffer = None
+        url = self._url
+        if b"%" in url or b"?" in url or not url.startswith(b"/"):
+            path = unquote(httptools.parse_url(url).path.decode("latin-1"))
+        else:
+            path = url.decode("latin-1")
+        method = self.parser.get_method().decode("latin-1")
+        charge, self._charge = self._charge, None
+        self.pending.append(
+            (method, path, self._headers, body, self.parser.should_keep_alive(), charge)
+        )
+        if self.busy or self.paused:
+            self.transport.pause_reading()
+        else:
+            self._next()
+
+    # --- serving
+
+    def _next(self) -> None:
+        """Serve the oldest pending request, if any, else wait for the next one's headers."""
+        while self.pending and not self.paused and not self.closed:
+            method, path, headers, body, keep_alive, self.serving = self.pending.popleft()
+            if len(self.server.connections) > self.server.limit:
+                self._reply(
+                    method,
+                    error_reply(503, "the server has too many connections open; retry later"),
+                    False,
+                )
+                return
+            try:
+                reply = self.server.dispatch(method, path, headers, body, self.peer)
+            except Exception as exc:
+                reply = error_reply(*http_status_of(exc))
+                forget_frames(exc)  # answered: its frames would only keep the request's data
+            if not isinstance(reply, tuple):  # it awaits, or streams: finish on the loop
+                self.busy = True
+                self.task = self.loop.create_task(self._later(method, reply, keep_alive))
+                return
+            if not self._reply(method, reply, keep_alive):
+                return
+        if not self.closed and not self.pending:
+            self.transport.resume_reading()
+            if not self.reading:  # (else its headers are in, its body is timed)
+                self._wait_for_headers()
+
+    async def _later(
+        self, method: str, reply: Awaitable[Reply] | StreamReply, keep_alive: bool
+    ) -> None:
+        try:
+            done = reply if isinstance(reply, StreamReply) else await reply
+        except Exception as exc:
+            done = error_reply(*http_status_of(exc))
+            forget_frames(exc)  # answered: its frames would only keep the request's data
+        if isinstance(done, StreamReply):
+            open_ = await self._stream(method, done, keep_alive)
+        else:
+            open_ = self._reply(method, done, keep_alive)
+        self.busy = False
+        if open_ and not self.paused:
+            self._next()
+
+    async def _stream(self, method: str, reply: StreamReply, keep_alive: bool) -> bool:
+        """Write a :class:`StreamReply` chunk by chunk; whether the connection stays open.
+        The request's memory charge ends when its head is written (its body was read)."""
+        self._release(self.serving)
+        self.serving = None
+        chunks = reply.chunks
+        try:
+            if self.closed:
+                return False
+            keep_alive = keep_alive and not (self.last and not self.pending)
+            head = [
+                _STATUS_LINES.get(reply.status) or f"HTTP/1.1 {reply.status} \r\n".encode(),
+                _Date.header(),
+            ]
+            for name, value in reply.headers:
+                head += (name, b": ", value, b"\r\n")
+            head.append(b"transfer-encoding: chunked\r\n")
+            if not keep_alive:
+                head.append(b"connection: close\r\n")
+            head.append(b"\r\n")
+            self.transport.write(b"".join(head))
+            if method != "HEAD":
+                async for chunk in chunks:
+                    if self.closed:
+                        return False
+                    if chunk:
+                        self.transport.writelines([b"%x\r\n" % len(chunk), chunk, b"\r\n"])
+                    while self.paused and not self.closed:  # the peer reads: then more
+                        self._drained = asyncio.Event()
+                        await self._drained.wait()
+                    if self.closed:
+                        return False
+            self.transport.write(b"0\r\n\r\n")
+        finally:
+            self._drained = None
+            close = getattr(chunks, "aclose", None)
+            if close is not None:
+                await close()
+        if not keep_alive:
+            self.close()
+            return False
+        return True
+
+    def _reply(self, method: str, reply: Reply, keep_alive: bool) -> bool:
+        """Write ``reply``; whether the connection stays open. The request's memory charge
+        ends here: its reply is the transport's now (bounded by the peer's reading)."""
+        self._release(self.serving)
+        self.serving = None
+        if self.closed:  # the client left: its answer is dropped
+            return False
+        status, pieces, headers = reply
+        keep_alive = keep_alive and not (self.last and not self.pending)
+        length = 0
+        for piece in pieces:
+            length += memoryview(piece).nbytes
+        head = [_STATUS_LINES.get(status) or f"HTTP/1.1 {status} \r\n".encode(), _Date.header()]
+        for name, value in headers:
+            head += (name, b": ", value, b"\r\n")
+        head.append(b"content-length: %d\r\n" % length)
+        if not keep_alive:
+            head.append(b"connection: close\r\n")
+        head.append(b"\r\n")
+        if method == "HEAD" or not length:
+            self.transport.write(b"".join(head))
+        elif length < 65536:
+            self.transport.write(b"".join([*head, *pieces]))
+        else:
+            self.transport.writelines([b"".join(head), *pieces])
+        if not keep_alive:
+            self.close()
+            return False
+        return True
+
+    def _fail(self, status: int, message: str, error: PlugserveError | None = None) -> None:
+        """Answer a request that cannot be read further, and close (without an answer when
+        earlier pipelined requests are still to be answered: replies go out in order)."""
+        self.deadline = _NEVER
+        if self.busy or self.pending:
+            self.close()
+        elif not self.closed:
+            refusal = self.server.refusal
+            reply = (
+                refusal(self._url, status, message, error)
+                if refusal is not None
+                else error_reply(status, message)
+            )
+            self._reply("", reply, False)
+
+    def close(self) -> None:
+        """Close now, and take it off the count at once (the close completes later)."""
+        self._forget()
+        if not self.transport.is_closing():
+            self.transport.close()
+
+    def abort(self) -> None:
+        """Cut the connection off, dropping what it has not sent (a peer that does not read
+        would keep a closing transport open as long as its buffer is not written out)."""
+        self._forget()
+        self.transport.abort()
+
+    @staticmethod
+    def _release(charge: Charge | None) -> None:
+        if charge is not None:
+            charge.release()
+
+    def _forget(self) -> None:
+        for *_, charge in self.pending:
+            self._release(charge)
+        self.pending.clear()
+        self._release(self._charge)
+        self._release(self.serving)
+        self._charge = self.serving = None
+        self.closed = True
+        self.waiting_since = None
+        self.deadline = self.stalled_until = _NEVER
+        self.server.connections.discard(self)
+
+    # --- deadlines
+
+    def _wait_for_headers(self) -> None:
+        self.waiting_since = time.monotonic()
+        self.deadline = self.waiting_since + self.server.read_timeout
+
+    def expire(self) -> None:
+        """Past the deadline: a connection waiting for headers is closed, a request whose body
+        is late answered 408."""
+        self.deadline = _NEVER
+        if self.waiting_since is not None:
+            self.close()
+        elif self.reading:
+            self._fail(
+                408,
+                f"the request body did not arrive within {self.server.read_timeout:g} s "
+                "(--request-read-timeout)",
+            )

@@ -1,0 +1,900 @@
+"""KServe v2 over HTTP/REST (Triton's paths and its binary tensor extension) on its own port.
+
+A thin adapter, the REST twin of ``kserve/service.py``: each route decodes its body
+(``convert.py``), calls the :class:`DataPlane` (inference) or :class:`ModelControl` (the
+repository, what is loaded), and encodes the answer; errors are
+``{"error": "..."}`` with the HTTP status of the typed error (``errors.http_status_of``). A
+route is authorized as the gRPC method it stands for (``security.AuthInterceptor.authorize``),
+so one table decides who may call what on both protocols; the health routes follow
+``--open-health`` like the gRPC health service, so probes need no token.
+
+The stack was chosen by measurement (BENCHMARKS.md, "REST stack" and "REST without ASGI"):
+httptools' parser under an asyncio protocol of our own (``http_server.py``, which reads each
+request whole and calls :meth:`RestApp.dispatch`) on uvloop, JSON by orjson. It runs its own
+event loop on a thread of the server process, next to the gRPC server, so both share the
+DataPlane and ModelControl. A network whose mean compute is under 1 ms runs inline on the loop
+when a stream is idle (answered within the parser's callback); others run on the network's
+streams while the loop awaits the future; loads and unloads run on a worker thread.
+
+Choices where Triton or KServe leave room:
+
+* Not ready is 503 for ``/v2/health/ready`` (body ``{"ready": false, "error": ...}``); an
+  unknown model or version is 404 everywhere (``/ready`` too); a body over
+  ``--max-message-bytes`` is 413; a method a path does not take is 405 with ``Allow``.
+* Request bodies may be gzip or deflate (``Content-Encoding``, as tritonclient's
+  ``request_compression_algorithm`` sends them; inflated no further than
+  ``--max-message-bytes``); any other encoding is 415. Responses are never compressed
+  (``Accept-Encoding`` is a preference: compressing a 600 KB tensor costs more than sending it
+  over the networks a server like this runs on). Shared memory, trace and log settings are
+  501, as their gRPC methods are UNIMPLEMENTED.
+* A client that disconnects cancels its request, queued or running (``plugins/cancel.py``).
+  A request past the server's --max-request-seconds is stopped and answered 504.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import functools
+import os
+import re
+import socket
+import ssl
+import threading
+import time
+import zlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import unquote
+
+import grpc
+import orjson
+import uvloop
+
+from plugserve.plugins import cancel
+from plugserve.plugins.api import InvalidInput, PlugserveError, ResourceExhausted, Unsupported
+from plugserve.plugins.version import plugserve_version
+from plugserve.proto import grpc_service_pb2 as pb
+from plugserve.server.control.model_control import ModelControl
+from plugserve.server.plane.budget import body_factor
+from plugserve.server.plane.dataplane import DataPlane
+from plugserve.server.plane.networks import LoadedNetwork
+from plugserve.server.plane.response_stream import ResponseStream
+from plugserve.server.plane.shm import write_outputs
+from plugserve.server.process.settings import Settings
+from plugserve.server.protocols.http import offload as rest_offload
+from plugserve.server.protocols.http import sse
+from plugserve.server.protocols.http.http_server import HttpServer, Reply, StreamReply, error_reply
+from plugserve.server.protocols.kserve import codec as kserve_convert
+from plugserve.server.protocols.kserve import grpc_service as kserve
+from plugserve.server.protocols.kserve.codec import model_parameters, request_timeout
+from plugserve.server.protocols.kserve.json_codec import (
+    HEADER_LENGTH,
+    InferCall,
+    dumps,
+    encode_infer,
+    loads,
+    message_json,
+    parse_infer,
+    parse_raw,
+)
+from plugserve.server.protocols.kserve.rest_generate import (
+    GenerateCall,
+    parse_generate,
+    response_json,
+)
+from plugserve.server.protocols.security import HEALTH, KSERVE, AuthInterceptor, control_refusal
+from plugserve.server.protocols.status import HTTP_STATUS, status_of
+
+__all__ = ["RestApp", "RestServer"]
+
+_JSON = [(b"content-type", b"application/json")]
+# Content-Encoding of a request body -> zlib's wbits (0: plain)
+_WBITS = {b"identity": 0, b"gzip": 31, b"deflate": 15}
+_BINARY = b"application/octet-stream"
+
+
+class WorkersBusy(PlugserveError):
+    """Every REST worker is taken and their queue is full (503)."""
+
+    code = "UNAVAILABLE"
+
+
+#: A JSON request body (and a reply's tensors) up to this size is decoded (encoded) on the
+#: event loop: a 64 KiB JSON body parses in about 0.1 ms here, so the loop stalls no longer
+#: than that; a larger one goes to a worker thread, so a 200 MB body delays nobody else.
+INLINE_BYTES = 64 << 10
+#: A compressed body is inflated, and charged to the memory budget, a step at a time: the
+#: first this small, each next as large as what came so far (charged at most 2x), at most
+#: _INFLATE_STEP.
+_FIRST_INFLATE_STEP = 64 << 10
+_INFLATE_STEP = 16 << 20
+#: REST worker threads: decoding is CPU-bound and holds the GIL part of the time.
+_WORKERS = max(2, min(8, os.cpu_count() or 2))
+
+
+def _bytes_of(outputs: dict[str, Any]) -> int:
+    return sum(getattr(v, "nbytes", 0) for v in outputs.values())
+
+
+class TooLarge(PlugserveError):
+    """A body over --max-message-bytes (413)."""
+
+    code = "INVALID_ARGUMENT"
+
+
+@dataclass
+class Call:
+    """One HTTP request as the handlers see it."""
+
+    path: dict[str, str]
+    body: bytes
+    headers: dict[bytes, bytes]
+
+    def json(self) -> dict[str, Any]:
+        if not self.body:
+            return {}
+        value = loads(self.body, "the request body")
+        if not isinstance(value, dict):
+            raise InvalidInput("the request body must be a JSON object")
+        return value
+
+    @property
+    def version(self) -> int:
+        return kserve.parse_version(self.path.get("version") or "")
+
+
+_NOT_A_BOOLEAN = "Invalid value for 'ready': expected a boolean (true or false)"
+#: a repository index body whose 'ready' opens a value other than true or false
+_NOT_A_BOOLEAN_READY = re.compile(rb'\s*\{\s*"ready"\s*:\s*[^\stf]')
+
+
+def _json(value: Any, status: int = 200) -> Reply:
+    return status, [dumps(value)], _JSON
+
+
+_error = error_reply
+
+
+class RestApp:
+    """The application: route, authorize, inflate the body, call a handler, answer."""
+
+    def __init__(
+        self,
+        plane: DataPlane,
+        control: ModelControl,
+        max_body: int,
+        auth: AuthInterceptor | None = None,
+        local_control: bool = False,
+    ) -> None:
+        """``local_control``: without tokens, the admin routes answer this machine only
+        (``security.control_refusal``)."""
+        self.plane = plane
+        self.control = control
+        self.max_body = max_body
+        self.auth = auth
+        self.local_control = local_control and auth is None
+        #: large requests' decoding, running and encoding (the loop only does I/O for them)
+        self.workers = ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="rest-worker")
+        #: most large requests given to the workers at once (queued or working); more: 503.
+        #: Each connection has one request served at a time, so the connection limit bounds
+        #: them already (RestServer sets it to that); this is a backstop.
+        self.worker_queue = 256
+        self._in_workers = 0  # only the loop's thread counts
+        model = r"/v2/models/(?P<name>[^/]+)(?:/versions/(?P<version>[^/]+))?"
+        shm = r"/v2/systemsharedmemory"
+        region = shm + r"/region/(?P<name>[^/]+)"
+        cuda = r"/v2/cudasharedmemory"
+        unsupported = {
+            r"/v2(?:/models/[^/]+)?/trace/setting": "trace settings",
+            r"/v2/logging": "log settings",
+        }
+        # (pattern, {method: (gRPC method it stands for, handler)})
+        # the infer route first (no other route's pattern matches a path ending in /infer):
+        # the one whose lookup is paid per inference
+        table: list[tuple[str, dict[str, tuple[str, Callable[[Call], Any]]]]] = [
+            (model + "/infer", {"POST": (f"/{KSERVE}/ModelInfer", self.infer)}),
+            (model + "/generate", {"POST": (f"/{KSERVE}/ModelInfer", self.generate)}),
+            (
+                model + "/generate_stream",
+                {"POST": (f"/{KSERVE}/ModelStreamInfer", self.generate_stream)},
+            ),
+            (r"/v2/health/live", {"GET": (f"/{HEALTH}/Check", self.live)}),
+            (r"/v2/health/ready", {"GET": (f"/{HEALTH}/Check", self.ready)}),
+            (r"/v2", {"GET": (f"/{KSERVE}/ServerMetadata", self.server_metadata)}),
+            (r"/v2/models/stats", {"GET": (f"/{KSERVE}/ModelStatistics", self.statistics)}),
+            (r"/v2/repository/index", {"POST": (f"/{KSERVE}/RepositoryIndex", self.index)}),
+            (
+                r"/v2/repository/models/(?P<name>[^/]+)/load",
+                {"POST": (f"/{KSERVE}/RepositoryModelLoad", self.load)},
+            ),
+            (
+                r"/v2/repository/models/(?P<name>[^/]+)/unload",
+                {"POST": (f"/{KSERVE}/RepositoryModelUnload", self.unload)},
+            ),
+            *(
+                (
+                    pattern,
+                    {m: (f"/{KSERVE}/ServerMetadata", _refuse(feature)) for m in ("GET", "POST")},
+                )
+                for pattern, feature in unsupported.items()
+            ),
+            *(
+                (pattern, {m: (f"/{KSERVE}/{method}", handler) for m in verbs})
+                for pattern, verbs, method, handler in (
+                    (shm + "/status", ("GET", "POST"), "SystemSharedMemoryStatus", self.shm_status),
+                    (
+                        region + "/status",
+                        ("GET", "POST"),
+                        "SystemSharedMemoryStatus",
+                        self.shm_status,
+                    ),
+                    (
+                        region + "/register",
+                        ("POST",),
+                        "SystemSharedMemoryRegister",
+                        self.shm_register,
+                    ),
+                    (
+                        shm + "/unregister",
+                        ("POST",),
+                        "SystemSharedMemoryUnregister",
+                        self.shm_unregister,
+                    ),
+                    (
+                        region + "/unregister",
+                        ("POST",),
+                        "SystemSharedMemoryUnregister",
+                        self.shm_unregister,
+                    ),
+                    (cuda + "/status", ("GET", "POST"), "CudaSharedMemoryStatus", self.cuda_status),
+                    (
+                        cuda + r"/region/(?P<name>[^/]+)/status",
+                        ("GET", "POST"),
+                        "CudaSharedMemoryStatus",
+                        self.cuda_status,
+                    ),
+                    (
+                        cuda + r"/region/(?P<name>[^/]+)/register",
+                        ("POST",),
+                        "CudaSharedMemoryRegister",
+                        self.cuda_register,
+                    ),
+                    (
+                        cuda + r"(?:/region/(?P<name>[^/]+))?/unregister",
+                        ("POST",),
+                        "CudaSharedMemoryUnregister",
+                        self.cuda_unregister,
+                    ),
+                )
+            ),
+            (model, {"GET": (f"/{KSERVE}/ModelMetadata", self.model_metadata)}),
+            (model + "/ready", {"GET": (f"/{KSERVE}/ModelReady", self.model_ready)}),
+            (model + "/config", {"GET": (f"/{KSERVE}/ModelConfig", self.model_config)}),
+            (model + "/stats", {"GET": (f"/{KSERVE}/ModelStatistics", self.statistics)}),
+        ]
+        self.routes = [(re.compile(pattern + "/?"), methods) for pattern, methods in table]
+        #: routes with an error body of their own, and its renderer (add_routes)
+        self._refusals: list[tuple[list[re.Pattern[str]], Callable[..., Reply]]] = []
+
+    def add_routes(
+        self,
+        table: list[tuple[str, dict[str, tuple[str, Callable[[Call], Any]]]]],
+        refusal: Callable[[int, str, PlugserveError | None], Reply] | None = None,
+    ) -> None:
+        """More routes, after the KServe ones: ``(pattern, {method: (the gRPC method it is
+        authorized as, handler)})``, as the table above (a package such as the OpenAI adapter
+        brings its own). A handler takes a :class:`Call` and returns a reply, an awaitable of
+        one, or a :class:`StreamReply`. ``refusal(status, message, error)``: the reply for a
+        request to these routes refused before its handler runs (its body over the memory
+        budget, too large, too slow), in the routes' own error body."""
+        compiled = [(re.compile(pattern + "/?"), methods) for pattern, methods in table]
+        self.routes += compiled
+        if refusal is not None:
+            self._refusals.append(([pattern for pattern, _ in compiled], refusal))
+
+    def refusal(self, url: bytes, status: int, message: str, error: PlugserveError | None) -> Reply:
+        """The reply refusing a request to ``url`` before it is routed (rest_http's): the
+        error body of the routes it is for."""
+        if self._refusals:
+            path = unquote(url.split(b"?", 1)[0].decode("latin-1"))
+            for patterns, render in self._refusals:
+                if any(p.fullmatch(path) for p in patterns):
+                    return render(status, message, error)
+        return _error(status, message)
+
+    # --- the entry point (server/protocols/http/http_server.py calls it with the request read
+    # whole)
+
+    def dispatch(
+        self,
+        method: str,
+        path: str,
+        raw_headers: list[tuple[bytes, bytes]],
+        body: bytes,
+        peer: str = "127.0.0.1",
+    ) -> Reply | Awaitable[Reply]:
+        """Route, authorize, inflate and call a handler: its reply, or an awaitable of it
+        when the handler has to wait (an inference queued on its streams, a load). ``peer``:
+        the client's address (in process: this machine)."""
+        for pattern, handlers in self.routes:
+            match = pattern.fullmatch(path)
+            if match is not None:
+                methods = handlers
+                break
+        else:
+            return _error(404, f"no such path {path!r}; KServe v2 REST paths start with /v2")
+        entry = methods.get(method)
+        if entry is None:  # RFC 9110: a 405 names the methods the path allows
+            status, pieces, extra = _error(
+                405, f"{path} accepts {', '.join(methods)}, not {method}"
+            )
+            return status, pieces, [*extra, (b"allow", ", ".join(methods).encode())]
+        rpc, handler = entry
+        headers = dict(raw_headers)
+        if self.auth is not None:
+            metadata = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in raw_headers]
+            code, message = self.auth.authorize(rpc, metadata)
+            if code is not None:
+                status, pieces, extra = _error(HTTP_STATUS[code], message)
+                if code == grpc.StatusCode.UNAUTHENTICATED:
+                    extra = [*extra, (b"www-authenticate", b"Bearer")]
+                return status, pieces, extra
+        elif self.local_control:
+            why = control_refusal(rpc, peer)
+            if why:
+                return _error(403, why)
+        encoding = headers.get(b"content-encoding", b"identity").strip().lower()
+        if encoding not in _WBITS:
+            return _error(
+                415,
+                f"Content-Encoding {encoding.decode('latin-1')!r} is not supported; "
+                "send the body plain, gzip or deflate",
+            )
+        params = {k: v for k, v in match.groupdict().items() if v is not None}
+        if _WBITS[encoding]:
+            factor = body_factor(path.encode(), HEADER_LENGTH.encode() in headers)
+            return self._inflated(handler, params, body, headers, _WBITS[encoding], factor)
+        return handler(Call(params, body, headers))
+
+    async def _inflated(
+        self,
+        handler: Callable[[Call], Any],
+        path: dict[str, str],
+        body: bytes,
+        headers: dict[bytes, bytes],
+        wbits: int,
+        factor: int,
+    ) -> Reply:
+        """A compressed body, inflated on a worker (a 1 MB gzip body can be 1 GB inflated)
+        and charged as it inflates; then its handler, the charge held until it answers."""
+        charge = self.plane.budget.holder()
+        try:
+            try:
+                data = await self._in_worker(self._inflate, body, wbits, factor, charge)
+            except TooLarge as exc:
+                return _error(413, str(exc))
+            except ResourceExhausted as exc:
+                return _error(503, str(exc))
+            reply = handler(Call(path, data, headers))
+            return await reply if not isinstance(reply, tuple) else reply
+        finally:
+            charge.release()
+
+    def _inflate(self, body: bytes, wbits: int, factor: int = 0, charge: Any = None) -> bytes:
+        """A gzip or deflate (zlib) body, never inflated past --max-message-bytes; each
+        piece is charged to ``charge`` (at ``factor`` per byte) before it is inflated."""
+        inflater = zlib.decompressobj(wbits)
+        pieces: list[bytes] = []
+        size = 0
+        try:
+            while True:  # steps grow with what came (a small body is not charged 16 MiB)
+                step = min(max(_FIRST_INFLATE_STEP, size), _INFLATE_STEP, self.max_body + 1 - size)
+                if charge is not None:
+                    self.plane.budget.charge(step * factor, "this compressed request", charge)
+                piece = inflater.decompress(body, step)
+                body = inflater.unconsumed_tail
+                pieces.append(piece)
+                size += len(piece)
+                if size > self.max_body:
+                    raise TooLarge(self.too_large(size) + " once inflated")
+                if not body or not piece:
+                    break
+        except zlib.error as exc:
+            raise InvalidInput(f"the compressed body cannot be inflated: {exc}") from None
+        if not inflater.eof:
+            raise InvalidInput("the compressed body is truncated")
+        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+
+    def too_large(self, size: int) -> str:
+        return (
+            f"Request JSON size of {size} exceeds the maximum allowed value of {self.max_body} "
+            "(the body is that many bytes or more); use --max-message-bytes "
+            "(PLUGSERVE_MAX_MESSAGE_BYTES) to increase the limit"
+        )
+
+    # --- health and metadata
+
+    # The Open Inference Protocol's bodies ({"live": true}, {"ready": true}, {"name", "ready"}):
+    # Triton sends none and its clients read only the status, but the KServe SDK's
+    # is_server_live / is_server_ready / is_model_ready parse them and fail on an empty body.
+
+    def live(self, call: Call) -> Reply:
+        return _json({"live": True})
+
+    def ready(self, call: Call) -> Reply:
+        if self.plane.ready and not self.plane.draining:
+            return _json({"ready": True})
+        why = "shutting down" if self.plane.draining else "still loading its models"
+        return _json({"ready": False, "error": f"the server is not ready: {why}"}, 503)
+
+    def server_metadata(self, call: Call) -> Reply:
+        return _json(
+            {
+                "name": "plugserve",
+                "version": plugserve_version(),
+                "extensions": kserve_convert.EXTENSIONS,
+            }
+        )
+
+    # --- system shared memory (server/plane/shm.py)
+
+    def shm_status(self, call: Call) -> Reply:
+        regions = self.plane.shm.status(call.path.get("name") or "")
+        return _json(
+            [
+                {"name": r.name, "key": r.key, "offset": r.offset, "byte_size": r.byte_size}
+                for r in regions
+            ]
+        )
+
+    def shm_register(self, call: Call) -> Reply:
+        body = call.json()
+        key, offset, size = body.get("key"), body.get("offset", 0), body.get("byte_size")
+        if not isinstance(key, str):
+            raise InvalidInput("the register request needs a 'key' (a string)")
+        for what, value in (("offset", offset), ("byte_size", size)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise InvalidInput(f"the register request's {what!r} must be an integer")
+        self.plane.shm.register(call.path["name"], key, offset, size)
+        return 200, [b""], _JSON
+
+    def shm_unregister(self, call: Call) -> Reply:
+        self.plane.shm.unregister(call.path.get("name") or "")
+        return 200, [b""], _JSON
+
+    def cuda_status(self, call: Call) -> Reply:
+        return _json(self.plane.shm.cuda_status(call.path.get("name") or ""))
+
+    def cuda_register(self, call: Call) -> Reply:
+        self.plane.shm.cuda_register(call.path["name"])
+
+    def cuda_unregister(self, call: Call) -> Reply:
+        self.plane.shm.cuda_unregister(call.path.get("name") or "")
+        return 200, [b""], _JSON
+
+    def model_ready(self, call: Call) -> Reply | Awaitable[Reply]:
+        entry = self.plane.get(call.path["name"], call.version)  # NotFound: 404
+        if entry.network.slow_readiness:  # it asks the model's processes: off the loop
+            return self._in_worker(_readiness, entry)
+        return _readiness(entry)
+
+    def model_metadata(self, call: Call) -> Reply:
+        entry = self.plane.get(call.path["name"], call.version)
+        versions = sorted(n.version for n in self.control.networks() if n.name == entry.name)
+        body = message_json(kserve_convert.model_metadata(entry, versions))
+        # as MLServer's metadata: gRPC's message has no parameters (the model config has them)
+        body["parameters"] = {"device": entry.device, "precision": entry.network.precision}
+        return _json(body)
+
+    def model_config(self, call: Call) -> Reply:
+        entry = self.plane.get(call.path["name"], call.version)
+        policy = self.control.version_policy(entry.name)
+        return _json(message_json(kserve_convert.model_config(entry, policy)))
+
+    def statistics(self, call: Call) -> Reply:
+        if "name" in call.path:
+            entries = self.control.versions(call.path["name"], call.version)
+        else:
+            entries = self.control.networks()
+        entries.sort(key=lambda n: (n.name, n.version))
+        response = pb.ModelStatisticsResponse(
+            model_stats=[kserve_convert.model_statistics(n) for n in entries]
+        )
+        return _json(message_json(response))
+
+    # --- inference
+
+    def infer(self, call: Call) -> Reply | Awaitable[Reply]:
+        entry = self.plane.get(call.path["name"], call.version)
+        if entry.network.decoupled:
+            entry.recorder.refused("invalid")
+            raise InvalidInput(
+                "HTTP end point doesn't support models with decoupled transaction policy: "
+                f"model {entry.name!r} answers a request with any number of responses; use "
+                f"/v2/models/{entry.name}/generate_stream (or gRPC ModelStreamInfer)"
+            )
+        header_length = _text(call.headers.get(HEADER_LENGTH.encode()))
+        if header_length is None and len(call.body) > INLINE_BYTES:
+            # decoding this much JSON would stall the loop: a worker does it all (binary
+            # tensors are views of the body, decoded in no time: they stay)
+            token = cancel.Token()
+            return self._in_worker(self._infer_whole, entry, call, token, token=token)
+        if header_length == "0":  # Triton's raw binary request: the body is the one input
+            request = parse_raw(
+                call.body, entry.name, entry.inputs, entry.expect, entry.max_batch_size
+            )
+        else:
+            request = parse_infer(call.body, header_length, entry.expect, self.plane.shm)
+        deadline = time.monotonic() + request.timeout if request.timeout else None
+        future = self.plane.submit(
+            entry,
+            request.inputs,
+            request.outputs,
+            deadline,
+            inline=_fast(entry),
+            token=_model_token(request),
+            after=_writer(request),
+            step=request.step,
+        )
+        if future.done():  # ran inline: answered without leaving the parser's callback
+            outputs = future.result()
+            if _bytes_of(outputs) <= INLINE_BYTES:
+                return _infer_reply(entry, request, outputs)
+            return self._in_worker(_infer_reply, entry, request, outputs)
+        return self._infer_later(entry, request, future)
+
+    async def _infer_later(self, entry: LoadedNetwork, request: InferCall, future: Any) -> Reply:
+        outputs = await asyncio.wrap_future(future)
+        if _bytes_of(outputs) <= INLINE_BYTES:
+            return _infer_reply(entry, request, outputs)
+        return await self._in_worker(_infer_reply, entry, request, outputs)
+
+    def _infer_whole(self, entry: LoadedNetwork, call: Call, token: cancel.Token) -> Reply:
+        """A large request, on a worker thread: decode, run (inline when a stream is idle,
+        as a gRPC unary call does), encode."""
+        header_length = _text(call.headers.get(HEADER_LENGTH.encode()))
+        if header_length is None and len(call.body) > rest_offload.PROCESS_BYTES:
+            request = rest_offload.decode(call.body)  # parsing here would stall the loop
+            for name, array in request.inputs.items():
+                entry.expect(name, array.dtype, list(array.shape))
+        else:
+            request = parse_infer(call.body, header_length, entry.expect, self.plane.shm)
+        deadline = time.monotonic() + request.timeout if request.timeout else None
+        _model_token(request, token)
+        future = self.plane.submit(
+            entry,
+            request.inputs,
+            request.outputs,
+            deadline,
+            inline=True,
+            token=token,
+            after=_writer(request),
+            step=request.step,
+        )
+        return _infer_reply(entry, request, future.result())
+
+    def _in_worker(
+        self, fn: Callable[..., Any], *args: Any, token: cancel.Token | None = None
+    ) -> Awaitable[Any]:
+        """``fn(*args)`` on the bounded worker pool, or a 503 at once when it is full. A
+        client that goes away cancels what awaits this, and so ``token``."""
+        if self._in_workers >= self.worker_queue:
+            raise WorkersBusy(
+                f"the REST workers are busy with {self._in_workers} large requests "
+                "(decoding, running or encoding); retry later"
+            )
+        self._in_workers += 1
+        return self._await_worker(fn, args, token)
+
+    async def _await_worker(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], token: cancel.Token | None
+    ) -> Any:
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.workers, fn, *args)
+        except asyncio.CancelledError:
+            if token is not None:
+                token.cancel()
+            raise
+        finally:
+            self._in_workers -= 1
+
+    # --- Triton's generate extension (server/protocols/kserve/rest_generate.py)
+
+    async def _generate_call(self, call: Call) -> tuple[LoadedNetwork, GenerateCall, Any]:
+        """Decode a generate request and submit it: its entry, the decoded call, and a
+        future (an ordinary network) or a :class:`ResponseStream` (a decoupled one)."""
+        entry = self.plane.get(call.path["name"], call.version)
+        if len(call.body) > INLINE_BYTES:  # parsing this much would stall the loop
+            request = await self._in_worker(lambda: parse_generate(call.json(), entry))
+        else:
+            request = parse_generate(call.json(), entry)
+        token = cancel.Token()
+        token.parameters = model_parameters(request.parameters)
+        timeout = request_timeout(request.parameters)
+        deadline = time.monotonic() + timeout if timeout else None
+        if entry.network.decoupled:
+            stream = self.plane.submit_decoupled(entry, request.inputs, None, deadline, token)
+            return entry, request, stream
+        future = self.plane.submit(entry, request.inputs, None, deadline, token=token)
+        return entry, request, future
+
+    async def generate(self, call: Call) -> Reply:
+        """One response, as JSON (a decoupled model must answer exactly one)."""
+        entry, request, answer = await self._generate_call(call)
+        if not isinstance(answer, ResponseStream):
+            outputs = await asyncio.wrap_future(answer)
+            return 200, [response_json(entry, request.id, outputs)], _JSON
+        responses = []
+        try:
+            async for item, _final in answer:
+                if item is not None:
+                    responses.append(item)
+        except asyncio.CancelledError:
+            answer.cancel()
+            raise
+        if len(responses) != 1:
+            raise InvalidInput(
+                "generate expects model to produce exactly 1 response, use generate stream "
+                "for model that generates various number of responses "
+                f"(model {entry.name!r} answered {len(responses)})"
+            )
+        (only,) = responses
+        if only.error is not None:
+            raise only.error
+        return 200, [response_json(entry, request.id, only.outputs, only.parameters)], _JSON
+
+    async def generate_stream(self, call: Call) -> Reply | StreamReply:
+        """Each response as a server-sent event. The status is decided by the first response:
+        a request that fails before it is answered with a JSON error and that status; a
+        later failure is an event ``{"error": ...}`` (Triton's generate_stream)."""
+        entry, request, answer = await self._generate_call(call)
+        if not isinstance(answer, ResponseStream):
+            outputs = await asyncio.wrap_future(answer)
+            event = sse.event(response_json(entry, request.id, outputs))
+            return 200, [event], sse.HEADERS
+        items = answer.__aiter__()
+        try:
+            first = await items.__anext__()
+        except StopAsyncIteration:
+            first = None
+        except asyncio.CancelledError:
+            answer.cancel()
+            raise
+
+        async def events() -> AsyncIterator[bytes]:
+            try:
+                pending = [first] if first is not None else []
+                while True:
+                    for item, _final in pending:
+                        if item is not None and item.error is not None:
+                            yield sse.event(orjson.dumps({"error": status_of(item.error)[1]}))
+                        elif item is not None:
+                            data = response_json(entry, request.id, item.outputs, item.parameters)
+                            yield sse.event(data)
+                    try:
+                        pending = [await items.__anext__()]
+                    except StopAsyncIteration:
+                        return
+                    except PlugserveError as exc:
+                        yield sse.event(orjson.dumps({"error": status_of(exc)[1]}))
+                        return
+            finally:
+                await items.aclose()
+                if not answer.exhausted:
+                    answer.cancel()
+
+        return StreamReply(200, sse.HEADERS, events())
+
+    # --- repository
+
+    def index(self, call: Call) -> Reply:
+        try:
+            ready = call.json().get("ready", False)
+        except InvalidInput:
+            # a 'ready' that is no boolean is named as such even where the body is nested too
+            # deep to be read whole (Triton checks the value before its depth limit)
+            if _NOT_A_BOOLEAN_READY.match(call.body):
+                raise InvalidInput(_NOT_A_BOOLEAN) from None
+            raise
+        if not isinstance(ready, bool):
+            raise InvalidInput(f"{_NOT_A_BOOLEAN}, not {ready!r}")
+        return _json(
+            [
+                {"name": name, "version": str(version)}
+                | ({"state": "READY", "reason": ""} if loaded else
+                   {"state": "UNAVAILABLE", "reason": "unloaded"})
+                for name, version, loaded in self.control.index(ready)
+            ]
+        )  # fmt: skip
+
+    async def load(self, call: Call) -> Reply:
+        parameters = call.json().get("parameters", {})
+        if not isinstance(parameters, dict):
+            raise InvalidInput("'parameters' must be a JSON object")
+        self.control.check_control(f"load of model {call.path['name']!r}")
+        files = {}
+        for key, value in parameters.items():  # tritonclient.http sends files as base64
+            if key.startswith("file:"):
+                if not isinstance(value, str):
+                    raise InvalidInput(f"'{key}' must be the file's bytes in base64")
+                try:
+                    files[key] = base64.b64decode(value, validate=True)
+                except ValueError:
+                    raise InvalidInput(f"'{key}' is not valid base64") from None
+        values = {**parameters, **files}
+        await asyncio.to_thread(kserve.load, self.control, call.path["name"], values)
+        return 200, [], []
+
+    async def unload(self, call: Call) -> Reply:
+        call.json()  # unload_dependents and other parameters: checked as JSON, nothing to do
+        self.control.check_control(f"unload of model {call.path['name']!r}")
+        await asyncio.to_thread(self.control.unload, call.path["name"], 0, False)
+        return 200, [], []
+
+
+def _writer(request: InferCall) -> Callable[[dict[str, Any]], dict[str, Any]] | None:
+    """What writes a request's shared memory outputs when it has run (None: it has none)."""
+    return functools.partial(write_outputs, request.regions) if request.regions else None
+
+
+def _model_token(request: InferCall, token: cancel.Token | None = None) -> cancel.Token | None:
+    """``token`` (or a new one, when there is something to carry) with what a Python model
+    reads of its request: the client's id, its parameters, its sequence."""
+    if token is None and not (request.id or request.parameters or request.step):
+        return None
+    token = token if token is not None else cancel.Token()
+    token.request_id = request.id or ""
+    token.parameters = request.parameters
+    if request.step is not None:
+        token.sequence = (request.step.id, int(request.step.start) | int(request.step.end) << 1)
+    return token
+
+
+def _readiness(entry: LoadedNetwork) -> Reply:
+    """200 when the model is ready; 400 when it is loaded but not (as Triton answers)."""
+    if entry.network.ready():
+        return _json({"name": entry.name, "ready": True})
+    return _json({"error": f"model '{entry.name}' is not ready"}, 400)
+
+
+def _infer_reply(entry: LoadedNetwork, request: InferCall, outputs: dict[str, Any]) -> Reply:
+    """The answer; JSON tensors over rest_offload.PROCESS_BYTES are written by the helper
+    process (only ever on a worker thread: larger answers never reach here on the loop)."""
+    if (
+        not request.regions
+        and not request.classes
+        and _bytes_of(outputs) > rest_offload.PROCESS_BYTES
+        and any(not request.binary.get(name, request.binary_default) for name in outputs)
+    ):
+        pieces, header_length = rest_offload.encode(entry.name, entry.version, request, outputs)
+    else:
+        pieces, header_length = encode_infer(
+            entry.name, entry.version, request, outputs, entry.max_batch_size > 0, entry.labels
+        )
+    if header_length is None:
+        return 200, pieces, _JSON
+    return (
+        200,
+        pieces,
+        [(b"content-type", _BINARY), (HEADER_LENGTH.encode(), str(header_length).encode())],
+    )
+
+
+#: a network whose mean compute is below this runs on the event loop when a stream is idle
+_INLINE_NS = 1_000_000
+
+
+def _fast(entry: LoadedNetwork) -> bool:
+    """Run inline on the loop: two thread hand-offs saved (~0.25 ms at batch 1 here), and the
+    loop stalls no longer than the JSON decoding of a request does. A slower network (or one
+    not yet measured) runs on its streams so the loop keeps admitting requests meanwhile, and
+    so does one whose run the request can lengthen at will (a Loop: ``open_ended``), whose
+    client could otherwise hold the loop until --max-request-seconds."""
+    return not entry.network.open_ended and entry.recorder.mean_compute_below(_INLINE_NS)
+
+
+def _text(value: bytes | None) -> str | None:
+    return None if value is None else value.decode("latin-1").strip()
+
+
+def _refuse(feature: str) -> Callable[[Call], Reply]:
+    def refuse(call: Call) -> Reply:
+        raise Unsupported(
+            f"plugserve does not support {feature}; send tensors in the request and "
+            "configure the server from its command line"
+        )
+
+    return refuse
+
+
+class RestServer:
+    """:class:`RestApp` over HTTP/1.1 (``server/protocols/http/http_server.py``) on its own thread
+    and uvloop event loop."""
+
+    def __init__(self, app: RestApp, settings: Settings) -> None:
+        self.app = app
+        self.settings = settings
+        self.port = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._grace = 5.0
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> int:
+        """Bind the port (an occupied one is a one-line SystemExit) and serve; the port."""
+        s = self.settings
+        family = socket.AF_INET6 if ":" in s.host else socket.AF_INET
+        try:
+            sock = socket.create_server((s.host, s.http_port), family=family, backlog=2048)
+        except OSError as exc:
+            raise SystemExit(
+                f"plugserve: cannot listen on {s.host}:{s.http_port} (--http-port): {exc.strerror}"
+            ) from None
+        self.port = sock.getsockname()[1]
+        context = None
+        if s.tls_cert:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.load_cert_chain(s.tls_cert, s.tls_key)
+            if s.tls_client_ca:
+                context.load_verify_locations(s.tls_client_ca)
+                context.verify_mode = ssl.CERT_REQUIRED
+        self.app.worker_queue = 4 * s.grpc_workers  # the connection limit below
+        server = HttpServer(
+            self.app.dispatch,
+            self.app.max_body,
+            s.request_read_timeout,
+            4 * s.grpc_workers,  # as gRPC's maximum_concurrent_rpcs
+            self.app.too_large,
+            self.app.plane.budget,
+            self.app.refusal,
+        )
+        started = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, args=(sock, context, server, started), name="rest", daemon=True
+        )
+        self._thread.start()
+        started.wait(30)
+        return self.port
+
+    def _run(
+        self,
+        sock: socket.socket,
+        context: ssl.SSLContext | None,
+        server: HttpServer,
+        started: threading.Event,
+    ) -> None:
+        async def serve() -> None:
+            self._loop = asyncio.get_running_loop()
+            self._stop = asyncio.Event()
+            tls: dict[str, Any] = {}
+            if context is not None:  # a handshake is bounded as a request's headers are
+                tls = {"ssl": context, "ssl_handshake_timeout": server.read_timeout}
+            listener = await self._loop.create_server(server.protocol, sock=sock, **tls)
+            started.set()
+            await self._stop.wait()
+            listener.close()
+            server.close_idle()
+            end = time.monotonic() + self._grace  # admitted requests finish, within the grace
+            while server.busy and time.monotonic() < end:
+                await asyncio.sleep(0.02)
+            for connection in list(server.connections):
+                connection.close()
+
+        try:
+            uvloop.run(serve())
+        finally:
+            started.set()
+
+    def stop(self, grace: float = 5.0) -> None:
+        self.app.workers.shutdown(wait=False, cancel_futures=True)
+        rest_offload.shutdown()
+        if self._loop is None or self._stop is None:
+            return
+        self._grace = min(grace, 5.0)
+        self._loop.call_soon_threadsafe(self._stop.set)
+        if self._thread is not None:
+            self._thread.join(grace + 5)
+        self._loop = None

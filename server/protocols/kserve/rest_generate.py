@@ -1,0 +1,150 @@
+"""Triton's generate extension (``POST /v2/models/{m}/generate`` and ``generate_stream``):
+a flat JSON object in, a flat JSON object out per response, for models answered by text
+(Triton's LLM convention: ``text_input`` in, ``text_output`` out) or anything else.
+
+The request's members map as Triton maps them (``docs/protocol/extension_generate.md``,
+``src/http_server.cc``): a member named like one of the model's inputs is that input (a JSON
+value or array of its element type, its shape the model's with the free dimensions taken from
+the element count: the last free one gets them, the others 1); ``parameters`` is an object of
+request parameters; ``id`` is the request's id unless an input has that name; any other member
+is a request parameter too. Parameters are strings, numbers or booleans. A response is an object
+of ``model_name``, ``model_version``, ``id`` (when the request had one), the response's
+parameters and its outputs (a one-element output as its value, others as a flat array).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import orjson
+
+from plugserve.plugins.api import InvalidInput, TensorSpec
+from plugserve.server.plane.networks import LoadedNetwork
+
+__all__ = ["GenerateCall", "parse_generate", "response_json"]
+
+#: most elements one JSON member may give an input (the body's size bounds it too)
+_MAX_ELEMENTS = 1 << 24
+
+
+class GenerateCall:
+    """A generate request decoded: inputs by name, the model's parameters, the request id."""
+
+    __slots__ = ("id", "inputs", "parameters")
+
+    def __init__(self, inputs: dict[str, np.ndarray], parameters: dict[str, Any], id_: str):
+        self.inputs, self.parameters, self.id = inputs, parameters, id_
+
+
+def _parameter(name: str, value: Any) -> Any:
+    if isinstance(value, bool | int | float | str):
+        return value
+    raise InvalidInput(
+        f"generate request member {name!r} is a request parameter (the model has no input of "
+        f"that name) and must be a string, number or boolean, not {type(value).__name__}"
+    )
+
+
+def _shape(spec: TensorSpec, count: int, batched: bool) -> list[int]:
+    dims = [] if spec.shape is None else [-1 if d is None else int(d) for d in spec.shape]
+    if spec.shape is None:
+        return [count]
+    left = count
+    for dim in dims:
+        if dim >= 0:
+            if dim == 0 or left % dim:
+                raise InvalidInput(
+                    f"The schema can not convert input '{spec.name}' to tensor with proper "
+                    f"shape: {count} elements do not fill its shape {dims}"
+                )
+            left //= dim
+    shape = list(dims)
+    for axis in range(len(shape) - 1, -1, -1):
+        if shape[axis] == -1:
+            shape[axis], left = left, 1
+    if left != 1:
+        raise InvalidInput(
+            f"The schema can not convert input '{spec.name}' to tensor with proper shape: "
+            f"{count} elements for its shape {dims}"
+        )
+    return shape
+
+
+def _tensor(spec: TensorSpec, value: Any, batched: bool) -> np.ndarray:
+    values = value if isinstance(value, list) else [value]
+    if len(values) > _MAX_ELEMENTS:
+        raise InvalidInput(f"input '{spec.name}' has more than {_MAX_ELEMENTS} elements")
+    dtype = np.dtype(spec.dtype) if spec.dtype is not None else np.dtype(object)
+    if dtype.kind in "OSU":
+        items = []
+        for item in values:
+            if isinstance(item, list | dict):
+                raise InvalidInput(f"input '{spec.name}' takes strings, not nested JSON")
+            items.append(item.encode() if isinstance(item, str) else str(item).encode())
+        array = np.empty(len(items), dtype=object)
+        array[:] = items
+    else:
+        try:
+            array = np.asarray(values, dtype=dtype)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise InvalidInput(
+                f"input '{spec.name}' takes {dtype} values: {type(exc).__name__}: {exc}"
+            ) from None
+        if array.ndim != 1:
+            raise InvalidInput(f"input '{spec.name}' takes a value or a flat array of values")
+    return array.reshape(_shape(spec, len(values), batched))
+
+
+def parse_generate(body: Mapping[str, Any], entry: LoadedNetwork) -> GenerateCall:
+    """The request's inputs, parameters and id, as Triton maps a generate request."""
+    specs = {spec.name: spec for spec in entry.inputs}
+    batched = entry.max_batch_size > 0
+    inputs: dict[str, np.ndarray] = {}
+    parameters: dict[str, Any] = {}
+    request_id = ""
+    for name, value in body.items():
+        if name in specs:
+            inputs[name] = _tensor(specs[name], value, batched)
+        elif name == "parameters":
+            if not isinstance(value, dict):
+                raise InvalidInput("Expected JSON object for keyword: 'parameters'")
+            for key, item in value.items():
+                parameters[key] = _parameter(key, item)
+        elif name == "id":
+            if not isinstance(value, str):
+                raise InvalidInput("generate request member 'id' must be a string")
+            request_id = value
+        else:
+            parameters[name] = _parameter(name, value)
+    return GenerateCall(inputs, parameters, request_id)
+
+
+def _json_value(array: Any) -> Any:
+    array = np.asarray(array)
+    if array.dtype.kind in "OSU":
+        flat = [
+            item.decode("utf-8", "replace") if isinstance(item, bytes | bytearray) else str(item)
+            for item in array.reshape(-1)
+        ]
+    else:
+        flat = array.reshape(-1).tolist()
+    return flat[0] if len(flat) == 1 else flat
+
+
+def response_json(
+    entry: LoadedNetwork,
+    request_id: str,
+    outputs: Mapping[str, Any],
+    parameters: Mapping[str, Any] | None = None,
+) -> bytes:
+    """One response as the generate extension writes it."""
+    document: dict[str, Any] = {"model_name": entry.name, "model_version": str(entry.version)}
+    if request_id:
+        document["id"] = request_id
+    for key, value in (parameters or {}).items():
+        document[key] = value
+    for name, array in outputs.items():
+        document[name] = _json_value(array)
+    return orjson.dumps(document)

@@ -1,0 +1,106 @@
+"""OpenAI's error body and status codes for every refusal of the /v1 and /v3 routes.
+
+OpenAI answers ``{"error": {"message", "type", "param", "code"}}``; its clients read ``message``
+and raise by status (400 ``BadRequestError``, 404 ``NotFoundError``, 429 ``RateLimitError``,
+...). The adapter raises :class:`OpenAIError` for what it refuses itself (naming the request
+field in ``param``); plugserve's typed errors from below (the data plane, the engine, the memory
+budget) keep their status from ``server/protocols/status.py`` and get the body here, so one function
+answers every failure of these routes in OpenAI's shape. A refusal of the REST layer itself
+(a path not served, a missing token) keeps the REST port's own body.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from plugserve.plugins.api import InvalidArgument, NotFound
+from plugserve.server.protocols.status import forget_frames, http_status_of
+
+__all__ = ["OpenAIError", "error_reply", "reply_of", "stream_error"]
+
+#: OpenAI's ``type`` for a status (what its API answers; a 5xx is ``server_error``)
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    429: "rate_limit_exceeded",
+    499: "cancelled",
+    501: "not_implemented",
+    503: "service_unavailable",
+    504: "timeout",
+}
+_JSON = [(b"content-type", b"application/json")]
+
+
+class OpenAIError(InvalidArgument):
+    """A request the OpenAI adapter refuses: 400 unless ``status`` says otherwise, naming the
+    field (``param``, as OpenAI's dotted path: ``messages[2].role``)."""
+
+    def __init__(
+        self, message: str, param: str | None = None, status: int = 400, code: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.param = param
+        self.status = status
+        self.code_name = code
+
+
+def body(status: int, message: str, param: str | None = None, code: str | None = None) -> bytes:
+    return orjson.dumps(
+        {
+            "error": {
+                "message": message,
+                "type": _TYPES.get(
+                    status, "server_error" if status >= 500 else "invalid_request_error"
+                ),
+                "param": param,
+                "code": code,
+            }
+        }
+    )
+
+
+def error_reply(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> tuple[int, list[bytes], list[tuple[bytes, bytes]]]:
+    return status, [body(status, message, param, code)], _JSON
+
+
+def status_of(exc: BaseException) -> tuple[int, str, str | None, str | None]:
+    """Status, message, param and code for any error a route met (an unexpected one is
+    logged whole by ``http_status_of`` and answered 500)."""
+    if isinstance(exc, OpenAIError):
+        return exc.status, str(exc), exc.param, exc.code_name
+    status, message = http_status_of(exc)
+    code = None
+    if isinstance(exc, NotFound):
+        code = "model_not_found"
+    return status, message, None, code
+
+
+def reply_of(exc: BaseException) -> tuple[int, list[bytes], list[tuple[bytes, bytes]]]:
+    """The error reply for ``exc``; its frames are forgotten once answered."""
+    status, message, param, code = status_of(exc)
+    forget_frames(exc)
+    return error_reply(status, message, param, code)
+
+
+def stream_error(exc: BaseException) -> dict[str, Any]:
+    """The error object a stream sends as its last event when it fails midway (the status
+    line went out with its first event), as vLLM does."""
+    status, message, param, code = status_of(exc)
+    forget_frames(exc)
+    return {
+        "error": {
+            "message": message,
+            "type": _TYPES.get(
+                status, "server_error" if status >= 500 else "invalid_request_error"
+            ),
+            "param": param,
+            "code": code if code is not None else status,
+        }
+    }

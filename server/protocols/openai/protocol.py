@@ -1,0 +1,533 @@
+"""OpenAI request bodies, checked field by field into what the engine is asked.
+
+One function per route (:func:`chat_request`, :func:`completion_request`,
+:func:`embedding_request`) reads the body's JSON and refuses the first field that cannot be
+right with an :class:`OpenAIError` naming it (``param``), before anything is tokenized or
+generated. What needs the model (the prompt's length against its context, ``logit_bias``'s
+token ids against its vocabulary, a schema the grammar library refuses) is checked in
+``serving.py`` once the model is known.
+
+Where OpenAI and vLLM differ or are silent, the choice is written here and in docs/openai.md:
+
+* ranges are OpenAI's (temperature >= 0, top_p in (0, 1], penalties in [-2, 2], logit_bias
+  values in [-100, 100]) with vLLM's extensions (top_k, min_p, repetition_penalty,
+  ignore_eos, min_tokens, stop_token_ids) and their ranges;
+* ``n`` is at most :data:`MAX_N` and a request's choices (``n`` x its prompts) at most
+  :data:`MAX_CHOICES`: each is a sequence the engine runs, with its own key/value cache;
+* ``top_logprobs`` (chat) and ``logprobs`` (completions) are at most :data:`MAX_LOGPROBS`
+  (OpenAI's 20; its legacy completions said 5);
+* at most :data:`MAX_STOP` stop strings of at most :data:`MAX_STOP_CHARS` characters each
+  (OpenAI says 4; clients send more);
+* fields this server does not know are ignored, as vLLM does (clients send ``user``,
+  ``metadata``, ``store`` and their own extensions); fields it knows but cannot honour
+  (``tool_choice`` naming a function, image parts, ``best_of`` over ``n``, ``suffix``,
+  ``echo`` with ``logprobs``) are refused, never silently dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import orjson
+
+from plugserve.server.protocols.openai.errors import OpenAIError
+
+__all__ = [
+    "MAX_CHOICES",
+    "MAX_LOGPROBS",
+    "MAX_N",
+    "ChatRequest",
+    "CompletionRequest",
+    "EmbeddingRequest",
+    "GenerationAsk",
+    "chat_request",
+    "completion_request",
+    "embedding_request",
+    "parse_json",
+]
+
+#: most choices (``n``) per prompt
+MAX_N = 16
+#: most sequences one request starts (``n`` x its prompts)
+MAX_CHOICES = 64
+#: most alternatives per token in logprobs
+MAX_LOGPROBS = 20
+MAX_STOP = 16
+MAX_STOP_CHARS = 1024
+#: most chat messages, prompts in one completion request, and inputs in one embedding request
+MAX_MESSAGES = 4096
+MAX_PROMPTS = 64
+MAX_EMBEDDING_INPUTS = 2048
+#: seeds are 64-bit, as vLLM's
+_SEED_RANGE = (-(2**63), 2**63 - 1)
+
+#: the chat roles a template may see (OpenAI's, with 'function' of its older API)
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+
+def parse_json(data: bytes | memoryview) -> dict[str, Any]:
+    """The body as a JSON object, or a 400 saying where it is broken."""
+    try:
+        value = orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        raise OpenAIError(
+            f"the request body is not valid JSON ({exc}); send a JSON object with "
+            "Content-Type: application/json"
+        ) from None
+    if not isinstance(value, dict):
+        raise OpenAIError(f"the request body must be a JSON object, not {_kind(value)}")
+    return value
+
+
+@dataclasses.dataclass
+class GenerationAsk:
+    """What a chat or completion request asks of the engine, checked against its ranges;
+    ``sampling`` holds the keyword arguments of ``SamplingParams`` but ``max_tokens`` (which
+    needs the prompt's length) and ``constraint`` (made per sequence)."""
+
+    model: str
+    stream: bool = False
+    include_usage: bool = False
+    n: int = 1
+    max_tokens: int | None = None
+    #: the field max_tokens came from, for the message refusing it
+    max_tokens_field: str = "max_tokens"
+    sampling: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: top-k alternatives per token (None: no logprobs; 0: only the chosen token's)
+    logprobs: int | None = None
+    #: the JSON schema the answer must follow (response_format), as text
+    schema: str | None = None
+    #: vLLM's extension: each choice also carries its token ids (and the prompt's)
+    return_token_ids: bool = False
+
+
+@dataclasses.dataclass
+class ChatRequest(GenerationAsk):
+    messages: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    tools: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class CompletionRequest(GenerationAsk):
+    #: each a text or token ids
+    prompts: list[str | list[int]] = dataclasses.field(default_factory=list)
+    echo: bool = False
+
+
+@dataclasses.dataclass
+class EmbeddingRequest:
+    model: str
+    #: each a text or token ids
+    inputs: list[str | list[int]]
+    base64: bool = False
+    dimensions: int | None = None
+
+
+# --- field readers: each names the field it refuses
+
+
+def _kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    return "an object"
+
+
+def _number(
+    body: dict[str, Any],
+    key: str,
+    default: float | None,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+) -> float | None:
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise OpenAIError(f"'{key}' must be a number, not {_kind(value)}", key)
+    if low is not None and (value <= low if low_open else value < low):
+        bound = f"greater than {low:g}" if low_open else f"at least {low:g}"
+        raise OpenAIError(f"'{key}' must be {bound}, not {value:g}", key)
+    if high is not None and value > high:
+        raise OpenAIError(f"'{key}' must be at most {high:g}, not {value:g}", key)
+    return float(value)
+
+
+def _integer(
+    body: dict[str, Any],
+    key: str,
+    default: int | None,
+    low: int | None = None,
+    high: int | None = None,
+    why: str = "",
+) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise OpenAIError(f"'{key}' must be an integer, not {_kind(value)}", key)
+    if (low is not None and value < low) or (high is not None and value > high):
+        span = (
+            f"between {low} and {high}"
+            if low is not None and high is not None
+            else f"at least {low}"
+            if low is not None
+            else f"at most {high}"
+        )
+        raise OpenAIError(f"'{key}' must be {span}{why}, not {value}", key)
+    return value
+
+
+def _boolean(body: dict[str, Any], key: str, default: bool = False) -> bool:
+    value = body.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise OpenAIError(f"'{key}' must be true or false, not {_kind(value)}", key)
+    return value
+
+
+def _model(body: dict[str, Any]) -> str:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise OpenAIError(
+            "'model' must name a served model (GET /v1/models lists them)"
+            if model is None
+            else f"'model' must be a string, not {_kind(model)}",
+            "model",
+        )
+    return model
+
+
+def _stop(body: dict[str, Any]) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise OpenAIError("'stop' must be a string or an array of strings", "stop")
+    if len(stop) > MAX_STOP:
+        raise OpenAIError(f"'stop' holds {len(stop)} strings; at most {MAX_STOP}", "stop")
+    for i, s in enumerate(stop):
+        if not s or len(s) > MAX_STOP_CHARS:
+            raise OpenAIError(
+                f"'stop[{i}]' must be 1 to {MAX_STOP_CHARS} characters, not {len(s)}", "stop"
+            )
+    return stop
+
+
+def _token_ids(value: Any, key: str, most: int) -> list[int]:
+    if not isinstance(value, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value
+    ):
+        raise OpenAIError(f"'{key}' must be an array of token ids (integers >= 0)", key)
+    if len(value) > most:
+        raise OpenAIError(f"'{key}' holds {len(value)} token ids; at most {most}", key)
+    return value
+
+
+def _logit_bias(body: dict[str, Any]) -> dict[int, float]:
+    bias = body.get("logit_bias")
+    if bias is None:
+        return {}
+    if not isinstance(bias, dict):
+        raise OpenAIError("'logit_bias' must map token ids to numbers", "logit_bias")
+    if len(bias) > 1024:
+        raise OpenAIError(f"'logit_bias' holds {len(bias)} tokens; at most 1024", "logit_bias")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            token = -1
+        if token < 0 or str(token) != key.strip():
+            raise OpenAIError(
+                f"'logit_bias' keys must be token ids (integers as strings), not {key!r}",
+                "logit_bias",
+            )
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not (-100 <= value <= 100)
+        ):
+            raise OpenAIError(
+                f"'logit_bias[{key}]' must be a number between -100 and 100, not {value!r}",
+                "logit_bias",
+            )
+        out[token] = float(value)
+    return out
+
+
+def _response_format(body: dict[str, Any]) -> str | None:
+    """The JSON schema (as text) response_format asks for; None for plain text."""
+    fmt = body.get("response_format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise OpenAIError("'response_format' must be an object with a 'type'", "response_format")
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return '{"type": "object"}'
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict):
+            raise OpenAIError(
+                "'response_format.json_schema' must be an object holding 'name' and 'schema'",
+                "response_format.json_schema",
+            )
+        schema = spec.get("schema", {})
+        if not isinstance(schema, (dict, bool)):
+            raise OpenAIError(
+                f"'response_format.json_schema.schema' must be a JSON schema (an object), not "
+                f"{_kind(schema)}",
+                "response_format.json_schema.schema",
+            )
+        return orjson.dumps(schema).decode()
+    raise OpenAIError(
+        f"'response_format.type' must be 'text', 'json_object' or 'json_schema', not {kind!r}",
+        "response_format.type",
+    )
+
+
+def _stream(body: dict[str, Any], ask: GenerationAsk) -> None:
+    ask.stream = _boolean(body, "stream")
+    options = body.get("stream_options")
+    if options is None:
+        return
+    if not ask.stream:
+        raise OpenAIError(
+            "'stream_options' is only allowed when 'stream' is true", "stream_options"
+        )
+    if not isinstance(options, dict):
+        raise OpenAIError("'stream_options' must be an object", "stream_options")
+    ask.include_usage = _boolean(options, "include_usage")
+
+
+def _sampling(body: dict[str, Any], ask: GenerationAsk) -> None:
+    """The sampling fields common to chat and completions."""
+    ask.n = _integer(body, "n", 1, 1, MAX_N)  # type: ignore[assignment]
+    best_of = _integer(body, "best_of", None, 1)
+    if best_of is not None and best_of != ask.n:
+        raise OpenAIError(
+            "'best_of' other than 'n' is not supported (this server does not rank "
+            "candidates); leave it out",
+            "best_of",
+        )
+    temperature = _number(body, "temperature", None, 0.0)
+    top_k = _integer(body, "top_k", None, -1)
+    seed = _integer(body, "seed", None, *_SEED_RANGE)
+    ask.sampling = {
+        "temperature": temperature,
+        "top_p": _number(body, "top_p", None, 0.0, 1.0, low_open=True),
+        "top_k": None if top_k is not None and top_k <= 0 else top_k,
+        "min_p": _number(body, "min_p", None, 0.0, 1.0),
+        "seed": seed,
+        "stop": _stop(body),
+        "stop_token_ids": _token_ids(body.get("stop_token_ids") or [], "stop_token_ids", 1024),
+        "ignore_eos": _boolean(body, "ignore_eos"),
+        "min_tokens": _integer(body, "min_tokens", 0, 0),
+        "presence_penalty": _number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        "frequency_penalty": _number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        "repetition_penalty": _number(body, "repetition_penalty", 1.0, 0.0, low_open=True),
+        "logit_bias": _logit_bias(body),
+    }
+    ask.sampling = {k: v for k, v in ask.sampling.items() if v is not None}
+    ask.schema = _response_format(body)
+    ask.return_token_ids = _boolean(body, "return_token_ids")
+
+
+def _text_content(content: Any, where: str) -> str | None:
+    """A message's content as text: a string, or the text of an array of text parts."""
+    if content is None or isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise OpenAIError(f"'{where}' must be a string or an array of content parts", where)
+    texts = []
+    for i, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise OpenAIError(
+                f'\'{where}[{i}]\' must be a text part ({{"type": "text", "text": ...}}); '
+                f"this server serves text models, not {kind!r} parts",
+                f"{where}[{i}]",
+            )
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise OpenAIError("'messages' must be a non-empty array of messages", "messages")
+    if len(messages) > MAX_MESSAGES:
+        raise OpenAIError(f"'messages' holds {len(messages)}; at most {MAX_MESSAGES}", "messages")
+    out = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise OpenAIError(f"'{where}' must be an object with a 'role'", where)
+        role = message.get("role")
+        if role not in ROLES:
+            raise OpenAIError(
+                f"'{where}.role' is {role!r}; a message's role is one of {', '.join(ROLES)}",
+                f"{where}.role",
+            )
+        checked = dict(message)
+        checked["content"] = _text_content(message.get("content"), f"{where}.content")
+        if checked["content"] is None and role != "assistant":
+            raise OpenAIError(f"'{where}.content' is missing", f"{where}.content")
+        if role == "developer":  # OpenAI's newer name; the templates people have know 'system'
+            checked["role"] = "system"
+        out.append(checked)
+    return out
+
+
+def chat_request(body: dict[str, Any]) -> ChatRequest:
+    """POST /v1/chat/completions: the body checked."""
+    ask = ChatRequest(model=_model(body), messages=_messages(body))
+    _stream(body, ask)
+    _sampling(body, ask)
+    for key in ("max_completion_tokens", "max_tokens"):
+        if body.get(key) is not None:
+            ask.max_tokens = _integer(body, key, None, 1)
+            ask.max_tokens_field = key
+            break
+    if _boolean(body, "logprobs"):
+        ask.logprobs = _integer(body, "top_logprobs", 0, 0, MAX_LOGPROBS)
+    elif body.get("top_logprobs") is not None:
+        _integer(body, "top_logprobs", 0, 0, MAX_LOGPROBS)
+        raise OpenAIError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    tools = body.get("tools")
+    if tools is not None and (
+        not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)
+    ):
+        raise OpenAIError("'tools' must be an array of tool objects", "tools")
+    ask.tools = tools or None
+    choice = body.get("tool_choice")
+    if choice not in (None, "none", "auto"):
+        raise OpenAIError(
+            "'tool_choice' may be 'none' or 'auto': this server passes tools to the model's "
+            "chat template but does not force or parse tool calls",
+            "tool_choice",
+        )
+    ask.continue_final_message = _boolean(body, "continue_final_message")
+    ask.add_generation_prompt = _boolean(
+        body, "add_generation_prompt", not ask.continue_final_message
+    )
+    if ask.continue_final_message and ask.add_generation_prompt:
+        raise OpenAIError(
+            "'continue_final_message' and 'add_generation_prompt' cannot both be true",
+            "continue_final_message",
+        )
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise OpenAIError("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+    ask.template_kwargs = dict(kwargs or {})
+    return ask
+
+
+def _prompts(body: dict[str, Any]) -> list[str | list[int]]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            prompts: list[str | list[int]] = list(prompt)
+        elif all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+            prompts = [_token_ids(prompt, "prompt", 1 << 20)]
+        elif all(isinstance(p, list) for p in prompt):
+            prompts = [_token_ids(p, f"prompt[{i}]", 1 << 20) for i, p in enumerate(prompt)]
+        else:
+            prompts = []
+        if prompts:
+            if len(prompts) > MAX_PROMPTS:
+                raise OpenAIError(
+                    f"'prompt' holds {len(prompts)} prompts; at most {MAX_PROMPTS}", "prompt"
+                )
+            if any(isinstance(p, list) and not p for p in prompts):
+                raise OpenAIError("'prompt' holds an empty array of token ids", "prompt")
+            return prompts
+    raise OpenAIError(
+        "'prompt' must be a string, an array of strings, an array of token ids or an array of "
+        "arrays of token ids",
+        "prompt",
+    )
+
+
+def completion_request(body: dict[str, Any]) -> CompletionRequest:
+    """POST /v1/completions: the body checked."""
+    ask = CompletionRequest(model=_model(body), prompts=_prompts(body))
+    _stream(body, ask)
+    _sampling(body, ask)
+    ask.echo = _boolean(body, "echo")
+    ask.max_tokens = _integer(body, "max_tokens", None, 0 if ask.echo else 1)
+    ask.logprobs = _integer(body, "logprobs", None, 0, MAX_LOGPROBS)
+    if ask.echo and ask.logprobs is not None:
+        # the answer would need the prompt's logprobs (SamplingParams.prompt_logprobs), which
+        # the engine does not compute yet; encode.prompt_logprobs writes them once it does
+        raise OpenAIError(
+            "'echo' with 'logprobs' needs the prompt's logprobs, which this server does not "
+            "compute yet; ask for one or the other",
+            "echo",
+        )
+    if body.get("suffix"):
+        raise OpenAIError("'suffix' (insertion) is not supported by this server", "suffix")
+    choices = ask.n * len(ask.prompts)
+    if choices > MAX_CHOICES:
+        raise OpenAIError(
+            f"'n' x the prompts is {choices} sequences; at most {MAX_CHOICES} per request", "n"
+        )
+    return ask
+
+
+def embedding_request(body: dict[str, Any]) -> EmbeddingRequest:
+    """POST /v1/embeddings: the body checked."""
+    model = _model(body)
+    value = body.get("input")
+    inputs: list[str | list[int]] = []
+    if isinstance(value, str):
+        inputs = [value]
+    elif isinstance(value, list) and value:
+        if all(isinstance(v, str) for v in value):
+            inputs = list(value)
+        elif all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            inputs = [_token_ids(value, "input", 1 << 20)]
+        elif all(isinstance(v, list) for v in value):
+            inputs = [_token_ids(v, f"input[{i}]", 1 << 20) for i, v in enumerate(value)]
+    if not inputs:
+        raise OpenAIError(
+            "'input' must be a string, an array of strings, an array of token ids or an array "
+            "of arrays of token ids",
+            "input",
+        )
+    if len(inputs) > MAX_EMBEDDING_INPUTS:
+        raise OpenAIError(
+            f"'input' holds {len(inputs)} inputs; at most {MAX_EMBEDDING_INPUTS}", "input"
+        )
+    for i, item in enumerate(inputs):
+        if not item:
+            raise OpenAIError(f"'input[{i}]' is empty", "input")
+    fmt = body.get("encoding_format", "float")
+    if fmt not in ("float", "base64"):
+        raise OpenAIError(
+            f"'encoding_format' must be 'float' or 'base64', not {fmt!r}", "encoding_format"
+        )
+    return EmbeddingRequest(model, inputs, fmt == "base64", _integer(body, "dimensions", None, 1))

@@ -1,0 +1,761 @@
+"""The OpenAI routes: check, render, tokenize, generate through the data plane, encode.
+
+A thin adapter like the KServe ones (``server/protocols/kserve/rest.py``): each handler checks the
+body (``protocol.py``), looks the model up once (``DataPlane.get``), renders the chat template and
+tokenizes with the model's own :class:`Tokenizer`, checks what needs the model (the context
+length, the vocabulary, the schema), opens one stream per prompt through
+``DataPlane.open_stream`` (admission, the in-flight count, the deadline watch, the memory
+budget, the recorder: what every request gets) whose producer is the model's engine, and
+encodes the engine's events as OpenAI's bodies (``encode.py``) or server-sent events.
+
+Paths: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``, ``/v1/models`` and
+``/v1/models/{id}``, each also under ``/v3`` (OpenVINO Model Server's prefix). Every refusal is
+OpenAI's error body (``errors.py``). What the adapter holds per request is bounded before it
+starts: the body (the REST port's --max-message-bytes), the prompt (the model's context), the
+answer (``n`` x ``max_tokens``, charged to --max-inflight-bytes with the stream: over the
+budget is 429 at once), the schema (``grammar.MAX_SCHEMA_BYTES``). Work that can take long
+(rendering and tokenizing a body over 64 KiB, compiling a schema) runs on the adapter's two
+worker threads, never on the REST event loop; more than :data:`MAX_QUEUED` such jobs waiting
+is 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import orjson
+
+from plugserve.plugins.api import (
+    Cancelled,
+    InvalidArgument,
+    NotFound,
+    PlugserveError,
+    ResourceExhausted,
+)
+from plugserve.server.apps.generate.types import GenerationEvent, GenerationRequest, SamplingParams
+from plugserve.server.protocols.http import sse
+from plugserve.server.protocols.http.http_server import StreamReply
+from plugserve.server.protocols.openai import encode, protocol
+from plugserve.server.protocols.openai.errors import (
+    OpenAIError,
+    error_reply,
+    reply_of,
+    stream_error,
+)
+from plugserve.server.protocols.security import KSERVE
+
+__all__ = ["MAX_QUEUED", "OpenAIRoutes"]
+
+log = logging.getLogger(__name__)
+
+_JSON = [(b"content-type", b"application/json")]
+#: a body larger than this is rendered and tokenized on a worker thread
+INLINE_BYTES = 64 << 10
+#: jobs waiting for the adapter's worker threads, at most
+MAX_QUEUED = 256
+#: what an answer holds per generated token, to charge the memory budget before it starts:
+#: its text and bookkeeping, and per logprob alternative its token, number and bytes
+_TOKEN_BYTES = 64
+_LOGPROB_BYTES = 160
+
+Reply = tuple[int, list[bytes], list[tuple[bytes, bytes]]]
+
+
+def _sse(value: Any) -> bytes:
+    return sse.event(orjson.dumps(value))
+
+
+class _Model:
+    """A generative model as the adapter uses it: its entry, engine and tokenizer."""
+
+    __slots__ = ("context", "engine", "entry", "max_n", "name", "tokenizer", "vocab_size")
+
+    def __init__(self, entry: Any) -> None:
+        network = entry.network
+        self.entry = entry
+        self.name = entry.name
+        self.engine = network.engine
+        self.tokenizer = network.tokenizer
+        #: the longest sequence, prompt and answer (the engine's max_model_len)
+        self.context: int = self.engine.max_model_len
+        #: the decoder's logits (a padded embedding may have more rows than the tokenizer)
+        self.vocab_size: int = self.engine.decoder.vocab or self.tokenizer.vocab_size
+        #: choices per request at most (the engine's sequences at once)
+        self.max_n: int = self.engine.scheduler.max_num_seqs
+
+
+class OpenAIRoutes:
+    """The handlers, and the route table ``RestApp.add_routes`` takes."""
+
+    def __init__(self, plane: Any, control: Any, max_completion_tokens: int = 0) -> None:
+        """``max_completion_tokens``: the server's limit on ``max_tokens`` (0: the model's
+        context only)."""
+        self.plane = plane
+        self.control = control
+        self.max_completion_tokens = max_completion_tokens
+        self.workers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="openai")
+        self._queued = 0
+        self.created = int(time.time())
+
+    def routes(self) -> list[tuple[str, dict[str, tuple[str, Callable[[Any], Any]]]]]:
+        """``RestApp.add_routes``' table: each path authorized as the KServe method it stands
+        for (generating and embedding as ModelInfer, listing as ModelMetadata: the ``infer``
+        role), so ``--auth-tokens`` governs these routes as it does /v2's."""
+        infer, metadata = f"/{KSERVE}/ModelInfer", f"/{KSERVE}/ModelMetadata"
+        table: list[tuple[str, dict[str, tuple[str, Callable[[Any], Any]]]]] = []
+        for prefix in ("/v1", "/v3"):
+            table += [
+                (prefix + "/chat/completions", {"POST": (infer, _guarded(self.chat))}),
+                (prefix + "/completions", {"POST": (infer, _guarded(self.completions))}),
+                (prefix + "/embeddings", {"POST": (infer, _guarded(self.embeddings))}),
+                (prefix + "/models", {"GET": (metadata, _guarded(self.models))}),
+                (
+                    prefix + r"/models/(?P<model>[^/]+)",
+                    {"GET": (metadata, _guarded(self.model))},
+                ),
+            ]
+        return table
+
+    def close(self) -> None:
+        self.workers.shutdown(wait=False, cancel_futures=True)
+
+    @staticmethod
+    def refusal(status: int, message: str, error: PlugserveError | None) -> Reply:
+        """A request to these routes refused before its handler runs (``add_routes``): its
+        body does not fit --max-inflight-bytes (429, as OpenAI says "retry later"), is over
+        --max-message-bytes (413), or came too slowly (408); OpenAI's body either way."""
+        if isinstance(error, ResourceExhausted):
+            status = 429
+        return error_reply(status, message)
+
+    # --- helpers
+
+    async def _in_worker(self, fn: Callable[..., Any], *args: Any) -> Any:
+        if self._queued >= MAX_QUEUED:
+            raise OpenAIError(
+                f"the server is busy preparing {self._queued} requests (templates, "
+                "tokenizing, schemas); retry later",
+                status=503,
+            )
+        self._queued += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.workers, fn, *args)
+        finally:
+            self._queued -= 1
+
+    def _lookup(self, name: str) -> Any:
+        try:
+            return self.plane.get(name)
+        except NotFound as exc:
+            raise OpenAIError(
+                f"The model '{name}' does not exist ({exc})", "model", 404, "model_not_found"
+            ) from None
+
+    def _generative(self, name: str) -> _Model:
+        entry = self._lookup(name)
+        if not _is_generative(entry):
+            raise OpenAIError(
+                f"model '{name}' is not a generative model (a Hugging Face model folder with a "
+                "decoder); chat and completions serve those only",
+                "model",
+            )
+        return _Model(entry)
+
+    # --- GET /v1/models
+
+    def _served(self) -> list[Any]:
+        seen: dict[str, Any] = {}
+        for entry in sorted(self.control.networks(), key=lambda e: (e.name, -e.version)):
+            if entry.name not in seen and (
+                _is_generative(entry) or _is_encoder(entry, self.control)
+            ):
+                seen[entry.name] = entry
+        return list(seen.values())
+
+    def _card(self, entry: Any) -> dict[str, Any]:
+        card: dict[str, Any] = {
+            "id": entry.name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "plugserve",
+        }
+        if _is_generative(entry):
+            card["max_model_len"] = entry.network.engine.max_model_len
+        return card
+
+    def models(self, call: Any) -> Reply:
+        body = {"object": "list", "data": [self._card(e) for e in self._served()]}
+        return 200, [orjson.dumps(body)], _JSON
+
+    def model(self, call: Any) -> Reply:
+        name = call.path["model"]
+        entry = self._lookup(name)
+        if not (_is_generative(entry) or _is_encoder(entry, self.control)):
+            raise OpenAIError(
+                f"The model '{name}' is not served on the OpenAI API (it is a tensor model: "
+                "use /v2/models)",
+                "model",
+                404,
+                "model_not_found",
+            )
+        return 200, [orjson.dumps(self._card(entry))], _JSON
+
+    # --- POST /v1/chat/completions
+
+    async def chat(self, call: Any) -> Any:
+        ask = protocol.chat_request(protocol.parse_json(call.body))
+        model = self._generative(ask.model)
+
+        def prompt() -> list[int]:
+            try:
+                return model.tokenizer.encode_chat(
+                    ask.messages,
+                    ask.add_generation_prompt,
+                    ask.tools,
+                    continue_final_message=ask.continue_final_message,
+                    **ask.template_kwargs,
+                )
+            except InvalidArgument as exc:
+                raise OpenAIError(f"messages: {exc}", "messages") from None
+
+        if len(call.body) > INLINE_BYTES:
+            ids = await self._in_worker(prompt)
+        else:
+            ids = prompt()
+        return await self._generate(model, ask, [ids], "chat", "messages")
+
+    # --- POST /v1/completions
+
+    async def completions(self, call: Any) -> Any:
+        ask = protocol.completion_request(protocol.parse_json(call.body))
+        model = self._generative(ask.model)
+
+        def prompts() -> list[list[int]]:
+            texts = [p for p in ask.prompts if isinstance(p, str)]
+            encoded = iter(model.tokenizer.encode_batch(texts, True) if texts else [])
+            return [next(encoded) if isinstance(p, str) else p for p in ask.prompts]
+
+        if len(call.body) > INLINE_BYTES:
+            ids = await self._in_worker(prompts)
+        else:
+            ids = prompts()
+        return await self._generate(model, ask, ids, "completion", "prompt")
+
+    # --- generation, shared
+
+    def _max_tokens(self, model: _Model, ask: protocol.GenerationAsk, longest: int) -> int:
+        room = model.context - longest
+        limit = self.max_completion_tokens
+        field = ask.max_tokens_field
+        if ask.max_tokens is None:
+            return max(0, min(room, limit) if limit else room)
+        if limit and ask.max_tokens > limit:
+            raise OpenAIError(
+                f"'{field}' is {ask.max_tokens}, above this server's limit of {limit} tokens "
+                "(--max-completion-tokens)",
+                field,
+            )
+        if ask.max_tokens > room:
+            raise OpenAIError(
+                f"This model's maximum context length is {model.context} tokens. However, you "
+                f"requested {longest + ask.max_tokens} tokens ({longest} in the prompt, "
+                f"{ask.max_tokens} for the completion). Please reduce the prompt or "
+                f"'{field}'.",
+                field,
+            )
+        return ask.max_tokens
+
+    def _check_prompts(self, model: _Model, prompts: list[list[int]], field: str) -> None:
+        for i, ids in enumerate(prompts):
+            where = field if len(prompts) == 1 else f"{field}[{i}]"
+            if len(ids) >= model.context:
+                raise OpenAIError(
+                    f"This model's maximum context length is {model.context} tokens. However, "
+                    f"your {'messages' if field == 'messages' else 'prompt'} resulted in "
+                    f"{len(ids)} tokens, leaving no room to generate. Please shorten it.",
+                    where,
+                )
+            if ids and max(ids) >= model.vocab_size:
+                raise OpenAIError(
+                    f"'{where}' holds token id {max(ids)}; this model's vocabulary has "
+                    f"{model.vocab_size} tokens",
+                    where,
+                )
+
+    async def _generate(
+        self,
+        model: _Model,
+        ask: protocol.GenerationAsk,
+        prompts: list[list[int]],
+        kind: str,
+        field: str,
+    ) -> Any:
+        self._check_prompts(model, prompts, field)
+        if ask.n > model.max_n:
+            raise OpenAIError(
+                f"'n' is {ask.n}; this model runs at most {model.max_n} sequences at once "
+                "(its max_num_seqs)",
+                "n",
+            )
+        longest = max(len(p) for p in prompts)
+        max_tokens = self._max_tokens(model, ask, longest)
+        bias = ask.sampling.get("logit_bias") or {}
+        for token in bias:
+            if token >= model.vocab_size:
+                raise OpenAIError(
+                    f"'logit_bias' names token {token}; this model's vocabulary has "
+                    f"{model.vocab_size} tokens",
+                    "logit_bias",
+                )
+        for token in ask.sampling.get("stop_token_ids") or ():
+            if token >= model.vocab_size:
+                raise OpenAIError(
+                    f"'stop_token_ids' names token {token}; this model's vocabulary has "
+                    f"{model.vocab_size} tokens",
+                    "stop_token_ids",
+                )
+        compiled = None
+        if ask.schema is not None:
+            from plugserve.server.apps.generate import grammar
+
+            compiled = await self._in_worker(
+                grammar.compile_schema, ask.schema, model.tokenizer, model.vocab_size
+            )
+        echo = isinstance(ask, protocol.CompletionRequest) and ask.echo
+        if echo and max_tokens == 0:
+            return _echo_only(model, ask, prompts)
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            logprobs=ask.logprobs,
+            prompt_logprobs=ask.logprobs if echo and ask.logprobs is not None else None,
+            **ask.sampling,
+        )
+        rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        holds = _answer_bytes(ask, max_tokens) * len(prompts)
+        streams = []
+        try:
+            for i, ids in enumerate(prompts):
+                request = GenerationRequest(
+                    request_id=f"{rid}-{i}",
+                    prompt_token_ids=ids,
+                    params=params,
+                    n=ask.n,
+                    arrival=time.time(),
+                )
+                if compiled is not None:
+                    if ask.n == 1:
+                        params_i = SamplingParams(**{**vars(params)})
+                        params_i.constraint = compiled.constraint()
+                        request.params = params_i
+                    else:
+                        request.constraints = [compiled.constraint() for _ in range(ask.n)]
+                streams.append(self._open(model, request, holds if i == 0 else 0))
+        except BaseException:
+            for stream in streams:
+                stream.cancel()
+            raise
+        answer = _Answer(model, ask, kind, rid, prompts, echo)
+        if ask.stream:
+            return _stream_reply(answer, streams)
+        try:
+            async for index, event in _merged(streams):
+                answer.add(index, event)
+        finally:
+            for stream in streams:
+                stream.cancel()
+        return 200, [orjson.dumps(answer.body())], _JSON
+
+    def _open(self, model: _Model, request: GenerationRequest, holds: int) -> Any:
+        engine = model.engine
+
+        def start(sender: Any) -> None:
+            engine.add(request, sender)
+
+        return self.plane.open_stream(model.entry, start, holds=holds)
+
+    # --- POST /v1/embeddings
+
+    async def embeddings(self, call: Any) -> Reply:
+        from plugserve.server.apps.generate import embeddings
+
+        ask = protocol.embedding_request(protocol.parse_json(call.body))
+        entry = self._lookup(ask.model)
+        encoder = embeddings.encoder_of(entry, self.control)
+        if encoder is None:
+            raise OpenAIError(
+                f"model '{ask.model}' is not an embedding model (a sentence-transformers folder "
+                "with an ONNX encoder); /v1/embeddings serves those only",
+                "model",
+            )
+        body = await embeddings.embed(self.plane, entry, encoder, ask, self._in_worker)
+        return 200, [body], _JSON
+
+
+def _is_generative(entry: Any) -> bool:
+    from plugserve.server.apps.generate.network import GenerativeNetwork
+
+    return isinstance(entry.network, GenerativeNetwork)
+
+
+def _is_encoder(entry: Any, control: Any) -> bool:
+    from plugserve.server.apps.generate import embeddings
+
+    if _is_generative(entry):
+        return False
+    try:
+        return embeddings.encoder_of(entry, control) is not None
+    except PlugserveError as exc:  # a broken folder: said at each listing, served by none
+        log.warning("model %r: not an embedding model: %s", entry.name, exc)
+        return False
+
+
+def _answer_bytes(ask: protocol.GenerationAsk, max_tokens: int) -> int:
+    """What one prompt's answer may hold until it is sent (the whole answer without stream;
+    streamed, the stream's own bounded buffer holds it, so only a token's worth)."""
+    per_token = _TOKEN_BYTES
+    if ask.logprobs is not None:
+        per_token += _LOGPROB_BYTES * (ask.logprobs + 1)
+    tokens = 1 if ask.stream else max_tokens
+    return ask.n * tokens * per_token
+
+
+def _guarded(handler: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """``handler`` answering every error it raises in OpenAI's body (a coroutine's too)."""
+
+    def guarded(call: Any) -> Any:
+        try:
+            reply = handler(call)
+        except Exception as exc:
+            return reply_of(exc)
+        if asyncio.iscoroutine(reply):
+            return _awaited(reply)
+        return reply
+
+    guarded.__name__ = handler.__name__
+    return guarded
+
+
+async def _awaited(reply: Awaitable[Any]) -> Any:
+    try:
+        return await reply
+    except Exception as exc:
+        return reply_of(exc)
+
+
+async def _merged(streams: list[Any]) -> AsyncIterator[tuple[int, GenerationEvent]]:
+    """The events of every prompt's stream as they come, with the prompt's number."""
+    if len(streams) == 1:
+        async for event, _final in streams[0]:
+            if event is not None:
+                yield 0, event
+        return
+    queue: asyncio.Queue[tuple[int, Any, BaseException | None]] = asyncio.Queue(
+        maxsize=4 * len(streams)
+    )
+    finished = object()
+
+    async def pump(i: int, stream: Any) -> None:
+        try:
+            async for event, _final in stream:
+                if event is not None:
+                    await queue.put((i, event, None))
+            await queue.put((i, finished, None))
+        except Exception as exc:
+            await queue.put((i, finished, exc))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        left = len(streams)
+        while left:
+            i, event, error = await queue.get()
+            if error is not None:
+                raise error
+            if event is finished:
+                left -= 1
+                continue
+            yield i, event
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+class _Answer:
+    """One request's choices as they grow: text, tokens, logprobs, finish reasons, counts."""
+
+    def __init__(
+        self,
+        model: _Model,
+        ask: protocol.GenerationAsk,
+        kind: str,
+        rid: str,
+        prompts: list[list[int]],
+        echo: bool,
+    ) -> None:
+        self.model = model
+        self.ask = ask
+        self.kind = kind
+        self.rid = rid
+        self.created = int(time.time())
+        self.prompts = prompts
+        self.echo = echo
+        self.names = encode.token_names(model.tokenizer) if ask.logprobs is not None else None
+        count = ask.n * len(prompts)
+        self.texts: list[list[str]] = [[] for _ in range(count)]
+        self.token_ids: list[list[int]] = [[] for _ in range(count)]
+        self.logprobs: list[list[Any]] = [[] for _ in range(count)]
+        self.finish: list[str | None] = [None] * count
+        self.completion = [0] * count
+        self.prompt_tokens = [len(p) for p in prompts]
+        self.cached = [0] * len(prompts)
+        self.prompt_logprobs: list[Any] = [None] * len(prompts)
+        self.offsets = [0] * count
+        #: the choices whose stream has begun
+        self.started: set[int] = set()
+
+    def index(self, prompt: int, event: GenerationEvent) -> int:
+        return prompt * self.ask.n + event.index
+
+    def add(self, prompt: int, event: GenerationEvent) -> int:
+        i = self.index(prompt, event)
+        if event.text:
+            self.texts[i].append(event.text)
+        if self.ask.return_token_ids:
+            self.token_ids[i].extend(event.token_ids)
+        if event.logprobs:
+            self.logprobs[i].extend(event.logprobs)
+        if event.prompt_logprobs is not None:
+            self.prompt_logprobs[prompt] = event.prompt_logprobs
+        if event.prompt_tokens:
+            self.prompt_tokens[prompt] = event.prompt_tokens
+        self.cached[prompt] = max(self.cached[prompt], event.cached_tokens)
+        self.completion[i] = max(self.completion[i], event.completion_tokens)
+        if event.finish_reason is not None:
+            self.finish[i] = _finish_reason(event.finish_reason)
+        return i
+
+    def usage(self) -> dict[str, Any]:
+        return encode.usage(sum(self.prompt_tokens), sum(self.completion), sum(self.cached))
+
+    def _prompt_text(self, prompt: int) -> str:
+        source = (
+            self.ask.prompts[prompt] if isinstance(self.ask, protocol.CompletionRequest) else ""
+        )
+        if isinstance(source, str):
+            return source
+        return self.model.tokenizer.decode(source)
+
+    def _completion_logprobs(self, i: int, prompt: int) -> dict[str, Any] | None:
+        if self.names is None:
+            return None
+        top = self.ask.logprobs or 0
+        first = None
+        offset = 0
+        if self.echo:
+            first, offset = encode.prompt_logprobs(
+                self.prompts[prompt], self.prompt_logprobs[prompt], self.names, top
+            )
+        rest, _ = encode.completion_logprobs(self.logprobs[i], self.names, top, offset)
+        return encode.join_logprobs(first, rest)
+
+    def _ids(self, choice: dict[str, Any], i: int, prompt: int, new: bool = True) -> None:
+        """vLLM's ``return_token_ids``: the choice's token ids, and the prompt's."""
+        if self.ask.return_token_ids:
+            if new:
+                choice["prompt_token_ids"] = self.prompts[prompt]
+            choice["token_ids"] = self.token_ids[i]
+
+    def body(self) -> dict[str, Any]:
+        choices = []
+        for i in range(len(self.texts)):
+            prompt = i // self.ask.n
+            text = "".join(self.texts[i])
+            if self.kind == "chat":
+                logprobs = None
+                if self.names is not None:
+                    logprobs = {
+                        "content": encode.chat_logprobs(
+                            self.logprobs[i], self.names, self.ask.logprobs or 0
+                        )
+                    }
+                choices.append(
+                    {
+                        "index": i,
+                        "message": {"role": "assistant", "content": text},
+                        "logprobs": logprobs,
+                        "finish_reason": self.finish[i] or "stop",
+                    }
+                )
+                self._ids(choices[-1], i, prompt)
+            else:
+                if self.echo:
+                    text = self._prompt_text(prompt) + text
+                choices.append(
+                    {
+                        "index": i,
+                        "text": text,
+                        "logprobs": self._completion_logprobs(i, prompt),
+                        "finish_reason": self.finish[i] or "stop",
+                    }
+                )
+                self._ids(choices[-1], i, prompt)
+        return {
+            "id": self.rid,
+            "object": "chat.completion" if self.kind == "chat" else "text_completion",
+            "created": self.created,
+            "model": self.model.name,
+            "choices": choices,
+            "usage": self.usage(),
+            "system_fingerprint": None,
+        }
+
+    # --- streaming
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        chunk: dict[str, Any] = {
+            "id": self.rid,
+            "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
+            "created": self.created,
+            "model": self.model.name,
+            "choices": choices,
+        }
+        if self.ask.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def opening(self) -> list[bytes]:
+        """Chat's first chunk per choice (the role), as OpenAI sends it."""
+        if self.kind != "chat":
+            return []
+        return [
+            _sse(
+                self._chunk(
+                    [
+                        {
+                            "index": i,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ]
+                )
+            )
+            for i in range(len(self.texts))
+        ]
+
+    def chunk(self, prompt: int, event: GenerationEvent) -> bytes | None:
+        """The chunk for one event (None: it carries nothing to send)."""
+        i = self.add(prompt, event)
+        first = i not in self.started
+        self.started.add(i)
+        first_echo = self.echo and first
+        finish = self.finish[i] if event.finish_reason is not None else None
+        text = event.text
+        if not (text or event.logprobs or finish is not None or first_echo) and not (
+            self.ask.return_token_ids and event.token_ids
+        ):
+            return None
+        if self.kind == "chat":
+            logprobs = None
+            if self.names is not None and event.logprobs:
+                logprobs = {
+                    "content": encode.chat_logprobs(
+                        event.logprobs, self.names, self.ask.logprobs or 0
+                    )
+                }
+            choice = {
+                "index": i,
+                "delta": {"content": text} if text else {},
+                "logprobs": logprobs,
+                "finish_reason": finish,
+            }
+        else:
+            logprobs = None
+            if first_echo:
+                text = self._prompt_text(prompt) + text
+                if self.names is not None:
+                    logprobs, self.offsets[i] = encode.prompt_logprobs(
+                        self.prompts[prompt], self.prompt_logprobs[prompt], self.names,
+                        self.ask.logprobs or 0,
+                    )  # fmt: skip
+            if self.names is not None:
+                more, self.offsets[i] = encode.completion_logprobs(
+                    event.logprobs or [], self.names, self.ask.logprobs or 0, self.offsets[i]
+                )
+                logprobs = encode.join_logprobs(logprobs, more)
+            choice = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        if self.ask.return_token_ids:
+            if first:
+                choice["prompt_token_ids"] = self.prompts[prompt]
+            choice["token_ids"] = list(event.token_ids)
+        return _sse(self._chunk([choice]))
+
+    def closing(self) -> list[bytes]:
+        if not self.ask.include_usage:
+            return []
+        chunk = self._chunk([])
+        chunk["usage"] = self.usage()
+        return [_sse(chunk)]
+
+
+def _finish_reason(reason: str) -> str:
+    if reason == "abort":
+        # the engine ends a sequence so when its request was cancelled or passed its
+        # deadline; the stream's failure says which (and the client is usually gone)
+        raise Cancelled("the request was aborted before it finished")
+    return reason
+
+
+def _stream_reply(answer: _Answer, streams: list[Any]) -> StreamReply:
+    async def chunks() -> AsyncIterator[bytes]:
+        try:
+            for piece in answer.opening():
+                yield piece
+            try:
+                async for prompt, event in _merged(streams):
+                    piece = answer.chunk(prompt, event)
+                    if piece is not None:
+                        yield piece
+                for piece in answer.closing():
+                    yield piece
+            except (PlugserveError, OpenAIError) as exc:
+                # the status line is out: the failure is the stream's last event, as vLLM's
+                yield _sse(stream_error(exc))
+            yield sse.DONE
+        finally:
+            for stream in streams:
+                with contextlib.suppress(Exception):
+                    stream.cancel()
+
+    return StreamReply(200, sse.HEADERS, chunks())
+
+
+def _echo_only(model: _Model, ask: Any, prompts: list[list[int]]) -> Reply | Any:
+    """A completion with ``echo`` and ``max_tokens`` 0: the prompt back, nothing generated."""
+    answer = _Answer(model, ask, "completion", f"cmpl-{uuid.uuid4().hex}", prompts, True)
+    for i in range(len(answer.texts)):
+        answer.finish[i] = "length"
+    if not ask.stream:
+        return 200, [orjson.dumps(answer.body())], _JSON
+
+    async def chunks() -> AsyncIterator[bytes]:
+        for i in range(len(answer.texts)):
+            prompt = i // ask.n
+            choice = {
+                "index": i,
+                "text": answer._prompt_text(prompt),
+                "logprobs": answer._completion_logprobs(i, prompt),
+                "finish_reason": "length",
+            }
+            yield _sse(answer._chunk([choice]))
+        for piece in answer.closing():
+            yield piece
+        yield sse.DONE
+
+    return StreamReply(200, sse.HEADERS, chunks())

@@ -1,0 +1,396 @@
+"""Transport security and token auth for the gRPC port (see docs/security.md).
+
+* TLS: ``--tls-cert`` + ``--tls-key`` (PEM); ``--tls-client-ca`` also requires every client to
+  present a certificate signed by that CA (mutual TLS).
+* Tokens: ``--auth-tokens FILE``, one ``TOKEN ROLE`` pair per line (``#`` comments and blank
+  lines allowed). Clients send the gRPC metadata ``authorization: Bearer TOKEN``. Roles:
+  ``infer`` (inference, metadata, health) and ``admin`` (also load, unload, import/export, set
+  config). Every call is checked in one :class:`AuthInterceptor`; a method not listed here
+  needs ``admin`` (fail closed).
+
+Tokens are kept only as SHA-256 digests and compared with :func:`hmac.compare_digest` against
+every known token (no early exit), so neither the value nor the length of a token leaks through
+timing. Tokens are never logged: log lines name the role and the method only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import logging
+import os
+import stat
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from plugserve.plugins.api import InvalidArgument
+from plugserve.server.process.settings import Settings
+
+__all__ = [
+    "ADMIN",
+    "INFER",
+    "REMOTE_CONTROL",
+    "SERVER_KEYS",
+    "AuthInterceptor",
+    "Tokens",
+    "control_refusal",
+    "is_loopback",
+    "load_tokens",
+    "local_control",
+    "refuse_server_keys",
+    "required_role",
+    "security_problems",
+    "server_credentials",
+]
+
+log = logging.getLogger("plugserve.security")
+
+INFER = "infer"
+ADMIN = "admin"
+ROLES = (INFER, ADMIN)
+_RANK = {INFER: 1, ADMIN: 2}
+OPEN = ""  # needs no token at all
+
+PLUGSERVE = "plugserve.v1.Plugserve"
+KSERVE = "inference.GRPCInferenceService"
+HEALTH = "grpc.health.v1.Health"
+REFLECTION = ("grpc.reflection.v1alpha.ServerReflection", "grpc.reflection.v1.ServerReflection")
+
+_PLUGSERVE_INFER = {
+    "ListDevices",
+    "GetMetric",
+    "GetConfig",
+    "QueryNetwork",
+    "ListNetworks",
+    "Infer",
+    "InferStream",
+    "GetPerformanceCounts",
+}
+_PLUGSERVE_ADMIN = {"SetConfig", "LoadNetwork", "UnloadNetwork", "ExportNetwork", "ImportNetwork"}
+_KSERVE_INFER = {
+    "ServerLive",
+    "ServerReady",
+    "ModelReady",
+    "ServerMetadata",
+    "ModelMetadata",
+    "ModelInfer",
+    "ModelStreamInfer",
+    "ModelConfig",
+    "ModelStatistics",
+    "RepositoryIndex",
+    "SystemSharedMemoryStatus",
+    "CudaSharedMemoryStatus",
+}
+_KSERVE_ADMIN = {
+    "RepositoryModelLoad",
+    "RepositoryModelUnload",
+    "SystemSharedMemoryRegister",
+    "SystemSharedMemoryUnregister",
+    "CudaSharedMemoryRegister",
+    "CudaSharedMemoryUnregister",
+}
+# get-or-set in one RPC: reading (no ``settings`` in the request) needs ``infer``, setting ``admin``
+_KSERVE_SETTERS = {"TraceSetting", "LogSettings"}
+
+_TABLE: dict[str, str] = {
+    **{f"/{PLUGSERVE}/{m}": INFER for m in _PLUGSERVE_INFER},
+    **{f"/{PLUGSERVE}/{m}": ADMIN for m in _PLUGSERVE_ADMIN},
+    **{f"/{KSERVE}/{m}": INFER for m in _KSERVE_INFER},
+    **{f"/{KSERVE}/{m}": ADMIN for m in _KSERVE_ADMIN},
+}
+
+HOW = (
+    "send 'authorization: Bearer TOKEN' (gRPC metadata or an HTTP header) with a token from "
+    "the server's --auth-tokens file (tritonclient: headers={'authorization': 'Bearer TOKEN'})"
+)
+
+
+def required_role(method: str, open_health: bool = True, open_reflection: bool = False) -> str:
+    """The least role a method needs: ``""`` (open), ``infer`` or ``admin``.
+
+    ``method`` is the gRPC path, ``/package.Service/Method``. Methods not known here need
+    ``admin``. For KServe's TraceSetting/LogSettings this is the role to *read*; setting needs
+    ``admin`` (checked once the request is in, see :class:`AuthInterceptor`).
+    """
+    service, _, name = method.lstrip("/").partition("/")
+    if service == HEALTH:
+        return OPEN if open_health else INFER
+    if service in REFLECTION:
+        return OPEN if open_reflection else INFER
+    if service == KSERVE and name in _KSERVE_SETTERS:
+        return INFER
+    return _TABLE.get(method, ADMIN)
+
+
+#: Config keys only the server's operator sets (its --plugins file, the repository's files on
+#: disk): CACHE_DIR names a folder the server writes compiled networks into, and a remote
+#: client that chose it (a load with {"CACHE_DIR": "/etc"} was accepted) would choose where
+#: the server writes.
+SERVER_KEYS = frozenset({"CACHE_DIR"})
+
+
+def refuse_server_keys(config: Mapping[str, Any] | None, where: str) -> None:
+    """A client's config (a load's, an import's, SetConfig's, a load override's) may not set
+    :data:`SERVER_KEYS`: InvalidArgument saying where the operator sets them."""
+    taken = sorted(SERVER_KEYS.intersection(config or ()))
+    if taken:
+        raise InvalidArgument(
+            f"{where}: {', '.join(taken)} is the server's own setting, not a client's: the "
+            "folder the server writes compiled networks into is set by its operator (the "
+            "device config in the --plugins file), never by a request"
+        )
+
+
+def is_loopback(peer: str) -> bool:
+    """Whether a gRPC peer (``ipv4:127.0.0.1:5000``, ``ipv6:[::1]:5000``, ``unix:...``) or a
+    socket's host is on this machine."""
+    if peer.startswith("unix:") or peer.startswith("unix-abstract:"):
+        return True
+    host = peer
+    if peer.startswith(("ipv4:", "ipv6:")):
+        host = peer.split(":", 1)[1].rsplit(":", 1)[0].strip("[]")
+    host = host.split("%", 1)[0]
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return address.is_loopback
+
+
+def _digest(token: str | bytes) -> bytes:
+    data = token.encode("utf-8", "surrogateescape") if isinstance(token, str) else token
+    return hashlib.sha256(data).digest()
+
+
+class Tokens:
+    """Known tokens as (SHA-256 digest, role); :meth:`role` checks one in constant time."""
+
+    def __init__(self, pairs: Iterable[tuple[str, str]]) -> None:
+        self._entries = [(_digest(token), role) for token, role in pairs]
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def role(self, token: str | bytes) -> str | None:
+        """The role of ``token``, or None. Compares against every entry: no early exit."""
+        presented = _digest(token)
+        found = 0
+        for digest, role in self._entries:
+            match = hmac.compare_digest(presented, digest)
+            found |= _RANK[role] * match  # no branch on the comparison either
+        return next((r for r, rank in _RANK.items() if rank == found), None)
+
+
+def load_tokens(path: str) -> Tokens:
+    """Read an ``--auth-tokens`` file; a bad line stops startup (its number, never its token)."""
+    where = f"plugserve: --auth-tokens {path}"
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+        mode = os.stat(path).st_mode
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SystemExit(f"{where}: cannot read it: {exc}") from None
+    pairs: list[tuple[str, str]] = []
+    seen: set[bytes] = set()
+    for number, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        fields = line.split()
+        if len(fields) != 2:
+            raise SystemExit(
+                f"{where}: line {number}: expected 'TOKEN ROLE' (two fields), found {len(fields)}"
+            )
+        token, role = fields[0], fields[1].lower()
+        if role not in ROLES:
+            raise SystemExit(
+                f"{where}: line {number}: unknown role {fields[1]!r}; roles: {', '.join(ROLES)}"
+            )
+        if _digest(token) in seen:
+            raise SystemExit(f"{where}: line {number}: this token is already listed above")
+        seen.add(_digest(token))
+        if len(token) < 16:
+            log.warning("--auth-tokens line %d: a token shorter than 16 characters is weak", number)
+        pairs.append((token, role))
+    if not pairs:
+        raise SystemExit(f"{where}: no 'TOKEN ROLE' lines; every call would be refused")
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        log.warning("--auth-tokens %s is readable by other users: chmod 600 it", path)
+    return Tokens(pairs)
+
+
+def _flag_value(settings: Settings, name: str) -> list[str]:
+    value = getattr(settings, name)
+    if value not in (0, 1):
+        return [f"{Settings.flag(name)}={value!r} must be 0 (off) or 1 (on)"]
+    return []
+
+
+def security_problems(settings: Settings) -> list[str]:
+    """What is wrong with the TLS/auth settings (checked when the server starts)."""
+    s = settings
+    found = _flag_value(s, "open_health") + _flag_value(s, "open_reflection")
+    if bool(s.tls_cert) != bool(s.tls_key):
+        found.append("--tls-cert and --tls-key go together: give both or neither")
+    if s.health_port >= 0 and s.auth_tokens and not s.open_health:
+        found.append(
+            "--health-port serves health without TLS or a token, which --open-health 0 forbids"
+        )
+    if s.tls_client_ca and not s.tls_cert:
+        found.append("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
+    for name in ("tls_cert", "tls_key", "tls_client_ca", "auth_tokens"):
+        path = getattr(s, name)
+        if path and not os.access(path, os.R_OK):
+            found.append(f"{Settings.flag(name)} {path}: not a readable file")
+    return found
+
+
+def server_credentials(settings: Settings) -> grpc.ServerCredentials | None:
+    """TLS credentials from the settings, or None for a plaintext port."""
+    if not settings.tls_cert:
+        return None
+    key = Path(settings.tls_key).read_bytes()
+    cert = Path(settings.tls_cert).read_bytes()
+    client_ca = Path(settings.tls_client_ca).read_bytes() if settings.tls_client_ca else None
+    return grpc.ssl_server_credentials(
+        [(key, cert)], root_certificates=client_ca, require_client_auth=client_ca is not None
+    )
+
+
+def _bearer(metadata: Sequence[tuple[str, Any]] | None) -> str | bytes | None:
+    for key, value in metadata or ():
+        if key.lower() == "authorization":
+            scheme, _, token = value.partition(" ") if isinstance(value, str) else ("", "", "")
+            return token.strip() if scheme.lower() == "bearer" else b""
+    return None
+
+
+def _denied(code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+    """A handler that refuses the call at once. It is client-streaming whatever the method's
+    kind, so grpcio runs it without first waiting for a request message: a caller without a
+    token who sends headers and nothing else holds no thread."""
+
+    def refuse(requests: Any, context: grpc.ServicerContext) -> Any:
+        context.abort(code, message)
+        yield  # pragma: no cover - abort raises
+
+    return grpc.stream_stream_rpc_method_handler(refuse)
+
+
+def _setter_checked(handler: grpc.RpcMethodHandler, method: str, role: str):
+    """TraceSetting/LogSettings: an ``infer`` token may read them (no settings), not set them."""
+    behavior: Callable[..., Any] = handler.unary_unary
+
+    def checked(request: Any, context: grpc.ServicerContext) -> Any:
+        if len(request.settings) and _RANK[role] < _RANK[ADMIN]:
+            log.warning("denied %s (setting): role %s, needs admin", method, role)
+            context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"{_short(method)} with settings needs a token with the 'admin' role; "
+                f"this token has the '{role}' role",
+            )
+        return behavior(request, context)
+
+    return grpc.unary_unary_rpc_method_handler(
+        checked,
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
+
+
+def _short(method: str) -> str:
+    return method.rpartition("/")[2] or method
+
+
+class AuthInterceptor(grpc.ServerInterceptor):
+    """The one place every call's token and role are checked."""
+
+    def __init__(self, tokens: Tokens, open_health: bool = True, open_reflection: bool = False):
+        self.tokens = tokens
+        self.open_health = open_health
+        self.open_reflection = open_reflection
+
+    def authorize(
+        self, method: str, metadata: Sequence[tuple[str, Any]] | None
+    ) -> tuple[grpc.StatusCode | None, str]:
+        """``(None, role)`` when ``method`` may be called with ``metadata``'s token, else
+        ``(UNAUTHENTICATED or PERMISSION_DENIED, message)``. Every protocol asks here: the REST
+        adapter names its routes by the gRPC method they stand for."""
+        needed = required_role(method, self.open_health, self.open_reflection)
+        if needed == OPEN:
+            return None, OPEN
+        token = _bearer(metadata)
+        if token is None:
+            log.warning("denied %s: no token", method)
+            return grpc.StatusCode.UNAUTHENTICATED, f"{_short(method)} needs a token: {HOW}"
+        role = self.tokens.role(token) if token else None
+        if role is None:
+            log.warning("denied %s: unknown token", method)
+            return grpc.StatusCode.UNAUTHENTICATED, (
+                f"{_short(method)}: the token is not valid (or the header is not "
+                f"'Bearer TOKEN'): {HOW}"
+            )
+        if _RANK[role] < _RANK[needed]:
+            log.warning("denied %s: role %s, needs %s", method, role, needed)
+            return grpc.StatusCode.PERMISSION_DENIED, (
+                f"{_short(method)} needs a token with the '{needed}' role; this token has the "
+                f"'{role}' role"
+            )
+        log.debug("allowed %s: role %s", method, role)
+        return None, role
+
+    def intercept_service(self, continuation, handler_call_details):
+        method = handler_call_details.method
+        handler = continuation(handler_call_details)
+        code, role = self.authorize(method, handler_call_details.invocation_metadata)
+        if code is not None:
+            return _denied(code, role)
+        if role == OPEN:
+            return handler
+        service, _, name = method.lstrip("/").partition("/")
+        if handler is not None and service == KSERVE and name in _KSERVE_SETTERS:
+            return _setter_checked(handler, method, role)
+        return handler
+
+
+REMOTE_CONTROL = (
+    "model control (loads, unloads, imports, exports, SetConfig) is taken from this machine "
+    "only while no --auth-tokens are set; give the server --allow-remote-control 1, or "
+    "--auth-tokens with an 'admin' token for this client"
+)
+
+
+def control_refusal(method: str, peer: str) -> str:
+    """Why ``method`` (an admin one) may not be called from ``peer``: '' when it may."""
+    if required_role(method) != ADMIN or is_loopback(peer):
+        return ""
+    return f"{_short(method)} from {peer or 'a remote client'}: {REMOTE_CONTROL}"
+
+
+def local_control(method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """Without tokens, the admin methods answer callers on this machine only (as Triton, whose
+    model control is off unless asked for): a server listening on 0.0.0.0 without
+    --auth-tokens no longer lets every network client load models or set device config.
+    The peer is known only once the call runs, so the handler is wrapped (once, where it is
+    registered: see ``wrapping.py``)."""
+    if required_role(method) != ADMIN or handler.unary_unary is None:
+        return handler
+    behavior = handler.unary_unary
+
+    def local_only(request: Any, context: grpc.ServicerContext) -> Any:
+        why = control_refusal(method, context.peer())
+        if why:
+            log.warning("denied %s: remote peer %s, no tokens", method, context.peer())
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
+        return behavior(request, context)
+
+    return grpc.unary_unary_rpc_method_handler(
+        local_only,
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )

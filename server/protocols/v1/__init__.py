@@ -1,0 +1,1 @@
+"""The plugserve.v1 plugin-API service."""
