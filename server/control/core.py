@@ -38,12 +38,32 @@ from plugserve.plugins.api import (
 )
 from plugserve.plugins.version import plugserve_version
 from plugserve.server.control.devices import DeviceName, parse_device
+from plugserve.server.control.formats import format_of
 
-__all__ = ["ConfigLimits", "Core", "DeviceInfo"]
+__all__ = ["SERVER_KEYS", "ConfigLimits", "Core", "DeviceInfo", "refuse_server_keys"]
 
 log = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "plugserve.plugins"
+
+
+#: Config keys only the server's operator sets (its --plugins file, the repository's files on
+#: disk): CACHE_DIR names a folder the server writes compiled networks into, and a remote
+#: client that chose it (a load with {"CACHE_DIR": "/etc"} was accepted) would choose where
+#: the server writes.
+SERVER_KEYS = frozenset({"CACHE_DIR"})
+
+
+def refuse_server_keys(config: Mapping[str, Any] | None, where: str) -> None:
+    """A client's config (a load's, an import's, SetConfig's, a load override's) may not set
+    :data:`SERVER_KEYS`: InvalidArgument saying where the operator sets them."""
+    taken = sorted(SERVER_KEYS.intersection(config or ()))
+    if taken:
+        raise InvalidArgument(
+            f"{where}: {', '.join(taken)} is the server's own setting, not a client's: the "
+            "folder the server writes compiled networks into is set by its operator (the "
+            "device config in the --plugins file), never by a request"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,9 +127,10 @@ class Core:
         self._plugins: dict[str, Plugin] = {}
         self._unavailable: dict[str, str] = {}
         self.limits = ConfigLimits()  # the server sets its caps here
-        #: a generative model's engine settings where its config sets none (the server's
-        #: --max-num-seqs ... flags; server/apps/generate/engine.py)
-        self.generate_defaults: Any = None
+        #: the server's defaults per folder format (``formats.py``), by the format's name: the
+        #: generation engine's settings where a model's config sets none ("transformers": the
+        #: --max-num-seqs ... flags)
+        self.format_settings: dict[str, Any] = {}
         factories: dict[str, Callable[[], Plugin]] = {}
         if discover:
             for ep in entry_points(group=ENTRY_POINT_GROUP):
@@ -249,16 +270,10 @@ class Core:
     ) -> CompiledNetwork:
         """Compile ``model`` on ``device``; with ``CACHE_DIR`` set, reuse an earlier export.
         ``should_stop``: when it turns true the work stops with Cancelled (see cancel.py)."""
-        if _is_model_folder(model):  # a transformers folder: a generative model or an encoder
-            from plugserve.server.apps.generate.embeddings import encoder_graph
-
-            graph = encoder_graph(model)  # a sentence-transformers folder: a plain network
-            if graph is not None:
-                return self.load_network(str(graph), device, config, should_stop)
-            from plugserve.server.apps.generate.network import load_generative
-
+        fmt = format_of(model)
+        if fmt is not None:  # a folder an application serves (a Hugging Face model's)
             with _stopping(should_stop):
-                return load_generative(self, model, device, config, self.generate_defaults)
+                return fmt.load(self, os.fspath(model), device, config)
         pairs: dict[str, str] = {}
         if (
             not isinstance(config, Configuration)
@@ -358,15 +373,6 @@ def name_config(name: DeviceName) -> dict[str, str]:
     if name.batch_size:
         config["BATCH_SIZE"] = str(name.batch_size)
     return config
-
-
-def _is_model_folder(model: Any) -> bool:
-    """A transformers model folder (config.json with model_type, and a graph)."""
-    if not isinstance(model, str | os.PathLike) or not os.path.isdir(model):
-        return False
-    from plugserve.server.apps.generate.folder import is_transformers_folder
-
-    return is_transformers_folder(model)
 
 
 def _stopping(should_stop: Callable[[], bool] | None) -> contextlib.AbstractContextManager:

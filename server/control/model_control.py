@@ -29,13 +29,15 @@ from plugserve.plugins.api import (
     FailedPrecondition,
     InferenceError,
     InvalidArgument,
+    InvalidInput,
     NotFound,
     PlugserveError,
     ResourceExhausted,
     refuse_non_tensors,
 )
 from plugserve.server.apps.pipelines.ensemble import EnsembleNetwork
-from plugserve.server.control.core import Core
+from plugserve.server.control.allocator import give_back_freed_memory
+from plugserve.server.control.core import Core, refuse_server_keys
 from plugserve.server.control.devices import parse_device
 from plugserve.server.control.model_names import check_name
 from plugserve.server.control.repository import ModelEntry, Repository, is_version
@@ -50,8 +52,6 @@ from plugserve.server.plane.metrics import Metrics
 from plugserve.server.plane.networks import LoadedNetwork
 from plugserve.server.plane.sequences import SequenceBatcher, Sequences, SequenceSettings
 from plugserve.server.plane.versions import check_version, next_version
-from plugserve.server.process.allocator import give_back_freed_memory
-from plugserve.server.protocols.security import refuse_server_keys
 
 __all__ = ["ControlDisabled", "ModelControl", "batch_device", "failed_to_load"]
 
@@ -487,6 +487,28 @@ class ModelControl:
                 raise InvalidArgument(f"model {name!r}: the overrides give no version to load")
             for entry in entries:
                 self.reload(name, entry.version, overridden)
+
+    def load_request(self, name: str, parameters: Mapping[str, Any]) -> None:
+        """RepositoryModelLoad for both protocols: a reload, or one with Triton's overrides
+        (``config``: ModelConfig JSON; ``file:<version>/<name>``: a file's bytes). Whatever
+        fails says Triton's ``failed to load 'NAME'`` first, which its clients match on."""
+        try:
+            config = parameters.get("config")
+            if config is not None and not isinstance(config, str):
+                raise InvalidInput(f"model {name!r}: the 'config' parameter must be a JSON string")
+            files = {k[5:]: v for k, v in parameters.items() if k.startswith("file:")}
+            for key, value in files.items():
+                if not isinstance(value, bytes):
+                    raise InvalidInput(f"model {name!r}: 'file:{key}' must carry the file's bytes")
+            if config is None and not files:
+                self.reload(name)
+            else:
+                self.load_with_overrides(name, config, files)
+        except PlugserveError as exc:
+            error = failed_to_load(name, exc)
+            if error is exc:
+                raise
+            raise error from exc
 
     def reload(
         self, name: str, version: int = 0, repository: Repository | None = None

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from plugserve.plugins.api import InvalidArgument, NotFound
-from plugserve.server.apps.generate.folder import is_transformers_folder
+from plugserve.server.control.formats import format_of
 from plugserve.server.control.model_names import check_name
 from plugserve.server.control.triton_config import (
     MODEL_FILE,
@@ -193,7 +193,7 @@ class Repository:
             except InvalidArgument as exc:
                 problems.append(str(exc))
                 continue
-            if is_transformers_folder(folder):  # a model's files as people have them
+            if format_of(folder):  # a model's files as people have them (formats.py)
                 entries.append(ModelEntry(name, 1, folder, settings))
                 continue
             try:
@@ -291,7 +291,7 @@ class Repository:
             return self.ovms_file
         if not folder.is_dir():
             raise NotFound(f"model {name!r} is not in the repository {str(self.root)!r}")
-        if is_transformers_folder(folder) and version in (0, 1):
+        if version in (0, 1) and format_of(folder):
             return folder
         model_file = self.read_settings(name).model_file
         if not version:
@@ -429,9 +429,9 @@ class Repository:
 
 def model_in(version_folder: Path, model_file: str) -> Path | None:
     """The model file of a version folder: ``model_file``, or ("") its one .onnx file, or
-    (``VERSION_FOLDER``) the folder itself (an ensemble's); a transformers folder (a
-    generative model's files, ``server/apps/generate/folder.py``) is the folder itself too."""
-    if is_transformers_folder(version_folder):
+    (``VERSION_FOLDER``) the folder itself (an ensemble's); a folder an application serves (a
+    generative model's files: ``formats.py``) is the folder itself too."""
+    if format_of(version_folder):
         return version_folder
     if model_file == VERSION_FOLDER:
         return version_folder if version_folder.is_dir() else None

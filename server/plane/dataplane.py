@@ -40,12 +40,12 @@ from plugserve.plugins.streams import Finished, StreamsExecutor
 from plugserve.server.plane.budget import Charge, MemoryBudget
 from plugserve.server.plane.callpool import blocked
 from plugserve.server.plane.deadlines import DeadlineWatch
+from plugserve.server.plane.errors import forget_frames
 from plugserve.server.plane.metrics import Metrics, failure_status
 from plugserve.server.plane.networks import LoadedNetwork, NetworkTable
 from plugserve.server.plane.response_stream import ResponseStream
 from plugserve.server.plane.sequences import Step
 from plugserve.server.plane.shm import SharedMemory
-from plugserve.server.protocols.status import forget_frames
 
 __all__ = ["DataPlane", "ShuttingDown", "check_batch"]
 

@@ -35,6 +35,7 @@ from plugserve.proto import plugserve_pb2, tensors
 from plugserve.server.apps.generate.network import GenerativeNetwork
 from plugserve.server.apps.pipelines.ensemble import EnsemblePlugin
 from plugserve.server.apps.pipelines.python.device import PythonPlugin
+from plugserve.server.control.allocator import reuse_freed_memory
 from plugserve.server.control.core import ConfigLimits, Core
 from plugserve.server.control.examples import build_examples, default_examples_dir
 from plugserve.server.control.model_control import ModelControl
@@ -44,21 +45,15 @@ from plugserve.server.plane.callpool import CallPool
 from plugserve.server.plane.dataplane import DataPlane
 from plugserve.server.plane.metrics import Metrics
 from plugserve.server.plane.shm import SharedMemory
-from plugserve.server.process.allocator import reuse_freed_memory
+from plugserve.server.process.security import security_problems, server_credentials
 from plugserve.server.process.settings import Settings
+from plugserve.server.protocols.auth import AuthInterceptor, load_tokens, local_control
 from plugserve.server.protocols.grpc import reflection
 from plugserve.server.protocols.grpc.callgate import CallGate, keepalive_options
 from plugserve.server.protocols.grpc.handlers import add_service
 from plugserve.server.protocols.grpc.wrapping import Wrap, WrappingServer
 from plugserve.server.protocols.kserve.rest import RestApp, RestServer
 from plugserve.server.protocols.openai import OpenAIRoutes
-from plugserve.server.protocols.security import (
-    AuthInterceptor,
-    load_tokens,
-    local_control,
-    security_problems,
-    server_credentials,
-)
 from plugserve.server.protocols.v1.servicer import PlugserveServicer
 
 __all__ = ["Server", "main"]
@@ -122,7 +117,7 @@ class Server:
         self.core.limits = ConfigLimits.of(
             settings.max_num_streams, settings.max_batch_size, settings.max_inference_threads
         )
-        self.core.generate_defaults = settings.generate_defaults()
+        self.core.format_settings["transformers"] = settings.generate_defaults()
         root = settings.model_repository or str(build_examples(default_examples_dir()))
         if settings.exit_on_error and not Path(root).exists():
             raise SystemExit(

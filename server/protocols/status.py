@@ -10,11 +10,11 @@ from typing import NoReturn
 import grpc
 
 from plugserve.plugins.api import PlugserveError, QueueFull
+from plugserve.server.plane.errors import forget_frames
 
 __all__ = [
     "HTTP_STATUS",
     "MAX_MESSAGE_CHARS",
-    "forget_frames",
     "grpc_code",
     "http_status_of",
     "status_of",
@@ -95,21 +95,3 @@ def http_status_of(exc: BaseException) -> tuple[int, str]:
     if isinstance(exc, QueueFull):
         return 503, message
     return HTTP_STATUS.get(code, 500), message
-
-
-def forget_frames(exc: BaseException) -> None:
-    """Forget the frames a request's error (and the errors it came from) holds, once it has
-    been answered or logged.
-
-    Each frame in a traceback keeps its callers too, and on the request path those held the
-    request's future (or an asyncio task), which held the error: a reference cycle that kept
-    the request's arrays (inputs, outputs, the run's locals) until Python's cycle collector
-    ran, which counts objects, not bytes: three refused 2 GB answers held 6 GB. A device's own
-    failure is logged with its traceback where it is caught (``DataPlane.admit``)."""
-    pending = [exc]
-    for _ in range(16):  # a chain is short; the bound keeps a cyclic one from looping
-        if not pending:
-            return
-        error = pending.pop()
-        error.__traceback__ = None
-        pending += [e for e in (error.__cause__, error.__context__) if e is not None]

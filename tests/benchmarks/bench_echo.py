@@ -11,7 +11,7 @@ protobuf and a response built from its raw inputs and serialized, no model at al
 array, one onnxruntime ``run``, the outputs' bytes in the response (no checks, no limits, no
 cancellation, no metrics): what a bare KServe server on onnxruntime costs.
 ``--reuse-freed-memory`` gives it the malloc tuning plugserve's server applies to itself
-(``server/process/allocator.py``), for a floor that has it too.
+(``server/control/allocator.py``), for a floor that has it too.
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", help="the ONNX model kserve-ort runs")
     args = parser.parse_args(argv)
     if args.reuse_freed_memory:
-        from plugserve.server.process.allocator import reuse_freed_memory
+        from plugserve.server.control.allocator import reuse_freed_memory
 
         reuse_freed_memory(32 << 20)
     if args.kind == "aio":

@@ -141,7 +141,7 @@ def _trim() -> None:
 
 
 def measure(device: str, copies: int, sizes: tuple[int, ...] = DEFAULT_SIZES) -> dict[str, Any]:
-    from plugserve.server.process.allocator import reuse_freed_memory
+    from plugserve.server.control.allocator import reuse_freed_memory
     from plugserve.server.process.settings import Settings
 
     reuse_freed_memory(Settings().malloc_reuse_bytes)

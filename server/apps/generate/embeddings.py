@@ -28,14 +28,16 @@ import base64
 import json
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import orjson
 
 from plugserve.plugins.api import InvalidModel
-from plugserve.server.protocols.openai.errors import OpenAIError
-from plugserve.server.protocols.openai.protocol import EmbeddingRequest
+from plugserve.server.plane.errors import FieldError
+
+if TYPE_CHECKING:
+    from plugserve.server.protocols.openai.protocol import EmbeddingRequest
 
 __all__ = ["BATCH_TOKENS", "Encoder", "embed", "encoder_graph", "encoder_of", "is_encoder"]
 
@@ -145,13 +147,13 @@ class Encoder:
         ids = [next(encoded) if isinstance(t, str) else t for t in inputs]
         for i, row in enumerate(ids):
             if len(row) > self.max_length:
-                raise OpenAIError(
+                raise FieldError(
                     f"'input[{i}]' is {len(row)} tokens; this model takes at most "
                     f"{self.max_length} (shorten or split it)",
                     "input",
                 )
             if row and max(row) >= self.tokenizer.vocab_size:
-                raise OpenAIError(
+                raise FieldError(
                     f"'input[{i}]' holds token id {max(row)}; the vocabulary has "
                     f"{self.tokenizer.vocab_size} tokens",
                     "input",
@@ -277,7 +279,7 @@ async def embed(
         assert vector is not None
         if ask.dimensions is not None:
             if ask.dimensions > vector.shape[0]:
-                raise OpenAIError(
+                raise FieldError(
                     f"'dimensions' is {ask.dimensions}; this model's vectors have "
                     f"{vector.shape[0]}",
                     "dimensions",

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from plugserve.server.protocols.openai.errors import OpenAIError
+from plugserve.server.plane.errors import FieldError
 
 __all__ = ["MAX_SCHEMA_BYTES", "JsonConstraint", "compile_schema"]
 
@@ -47,7 +47,7 @@ def _llguidance() -> Any:
     try:
         import llguidance
     except ImportError:
-        raise OpenAIError(
+        raise FieldError(
             "response_format with a JSON schema needs llguidance on the server "
             "(pip install llguidance)",
             "response_format",
@@ -133,7 +133,7 @@ class CompiledSchema:
             self._vocabulary, self._grammar, log_level=0, limits=_limits(llguidance)
         )
         if matcher.is_error():
-            raise OpenAIError(
+            raise FieldError(
                 f"response_format: the schema cannot be used: {matcher.get_error()}",
                 "response_format",
             )
@@ -145,7 +145,7 @@ def compile_schema(schema: str, tokenizer: Any, vocab_size: int) -> CompiledSche
     ``response_format`` with llguidance's reason. Blocking (0.5-0.9 s the first time per
     model, a few ms after): call it off the event loop."""
     if len(schema) > MAX_SCHEMA_BYTES:
-        raise OpenAIError(
+        raise FieldError(
             f"response_format: the schema is {len(schema)} bytes; at most {MAX_SCHEMA_BYTES}",
             "response_format",
         )
@@ -157,12 +157,12 @@ def compile_schema(schema: str, tokenizer: Any, vocab_size: int) -> CompiledSche
             schema, defaults={"whitespace_flexible": False}
         )
     except (ValueError, TypeError, RuntimeError) as exc:
-        raise OpenAIError(
+        raise FieldError(
             f"response_format: the grammar library refuses the schema: {exc}", "response_format"
         ) from None
     why = llguidance.LLMatcher.validate_grammar(grammar, None, limits=_limits(llguidance))
     if why:
-        raise OpenAIError(
+        raise FieldError(
             f"response_format: the grammar library refuses the schema: {why}", "response_format"
         )
     compiled = CompiledSchema(_vocabulary(tokenizer, vocab_size), grammar)

@@ -176,11 +176,11 @@ def _config(name: str, inputs: list[str], outputs: list[str], extra: str = "") -
 
 def _python(name: str, source: str, inputs: list[str], outputs: list[str], labels=()) -> dict:
     """A Python model's files: its config.pbtxt and 1/model.py (``source``, a file of
-    ``server/apps/pipelines/examples``)."""
+    ``server/control/examples/python_models``)."""
     extra = 'backend: "python"\n'
     if labels:
         extra += f'parameters {{ key: "labels" value: {{ string_value: "{",".join(labels)}" }} }}\n'
-    code = (Path(__file__).parent.parent / "pipelines" / "examples" / source).read_bytes()
+    code = (Path(__file__).parent / "python_models" / source).read_bytes()
     return {"config.pbtxt": _config(name, inputs, outputs, extra).encode(), "1/model.py": code}
 
 

@@ -31,8 +31,9 @@ from plugserve.plugins import cancel
 from plugserve.plugins.errors import Cancelled, DeadlineExceeded
 from plugserve.plugins.streams import Finished
 from plugserve.server.plane.callpool import blocked
+from plugserve.server.plane.errors import forget_frames
 from plugserve.server.plane.response_stream import ResponseStream
-from plugserve.server.protocols.status import abort, forget_frames
+from plugserve.server.protocols.status import abort
 
 __all__ = ["Inference", "add_service", "call_token", "deadline", "pump"]
 

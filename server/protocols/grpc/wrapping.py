@@ -1,6 +1,6 @@
 """Method handlers wrapped once, where they are registered, instead of by interceptors per call.
 
-What the call gate (``callgate.py``) and the local-control check (``security.py``) do to a
+What the call gate (``callgate.py``) and the local-control check (``auth.py``) do to a
 method's handler depends on the method alone, not on the call. As grpcio interceptors they
 ran for every call: the interceptor pipeline made a handler-call-details object and two
 closures per interceptor each time, and took a call off grpcio's registered-method fast path.

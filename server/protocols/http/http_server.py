@@ -46,7 +46,8 @@ import orjson
 
 from plugserve.plugins.api import PlugserveError
 from plugserve.server.plane.budget import Charge, MemoryBudget, body_factor
-from plugserve.server.protocols.status import forget_frames, http_status_of
+from plugserve.server.plane.errors import forget_frames
+from plugserve.server.protocols.status import http_status_of
 
 __all__ = ["EVICT_AFTER", "MAX_HEADER_BYTES", "HttpServer", "Reply", "StreamReply", "error_reply"]
 

@@ -40,22 +40,19 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Mapping
 from typing import Any
 
 import grpc
 
 from plugserve.plugins import cancel
 from plugserve.plugins.api import (
-    InvalidInput,
     NotFound,
-    PlugserveError,
     Unsupported,
 )
 from plugserve.plugins.version import plugserve_version
 from plugserve.proto import grpc_service_pb2 as pb
 from plugserve.proto import grpc_service_pb2_grpc as pb_grpc
-from plugserve.server.control.model_control import ModelControl, failed_to_load
+from plugserve.server.control.model_control import ModelControl
 from plugserve.server.plane.budget import GRPC_FACTOR
 from plugserve.server.plane.dataplane import DataPlane
 from plugserve.server.plane.sequences import sequence_step
@@ -81,7 +78,7 @@ from plugserve.server.protocols.kserve.codec import (
     stream_response,
 )
 
-__all__ = ["KServeServicer", "add_kserve_service", "load"]
+__all__ = ["KServeServicer", "add_kserve_service"]
 
 _UNIMPLEMENTED = {
     "TraceSetting": "trace settings",
@@ -300,7 +297,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     def RepositoryModelLoad(self, request, context):
         self.control.check_control(f"load of model {request.model_name!r}")
-        load(self.control, request.model_name, parameter_values(request.parameters))
+        self.control.load_request(request.model_name, parameter_values(request.parameters))
         return pb.RepositoryModelLoadResponse()
 
     def RepositoryModelUnload(self, request, context):
@@ -308,29 +305,6 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         self.control.check_control(f"unload of model {request.model_name!r}")
         self.control.unload(request.model_name, 0, remove=False)
         return pb.RepositoryModelUnloadResponse()
-
-
-def load(control: ModelControl, name: str, parameters: Mapping[str, Any]) -> None:
-    """RepositoryModelLoad for both protocols: a reload, or one with Triton's overrides
-    (``config``: ModelConfig JSON; ``file:<version>/<name>``: a file's bytes). Whatever
-    fails says Triton's ``failed to load 'NAME'`` first, which its clients match on."""
-    try:
-        config = parameters.get("config")
-        if config is not None and not isinstance(config, str):
-            raise InvalidInput(f"model {name!r}: the 'config' parameter must be a JSON string")
-        files = {k[5:]: v for k, v in parameters.items() if k.startswith("file:")}
-        for key, value in files.items():
-            if not isinstance(value, bytes):
-                raise InvalidInput(f"model {name!r}: 'file:{key}' must carry the file's bytes")
-        if config is None and not files:
-            control.reload(name)
-        else:
-            control.load_with_overrides(name, config, files)
-    except PlugserveError as exc:
-        error = failed_to_load(name, exc)
-        if error is exc:
-            raise
-        raise error from exc
 
 
 def _unimplemented(method: str, feature: str):

@@ -4,7 +4,7 @@ A thin adapter, the REST twin of ``kserve/service.py``: each route decodes its b
 (``convert.py``), calls the :class:`DataPlane` (inference) or :class:`ModelControl` (the
 repository, what is loaded), and encodes the answer; errors are
 ``{"error": "..."}`` with the HTTP status of the typed error (``errors.http_status_of``). A
-route is authorized as the gRPC method it stands for (``security.AuthInterceptor.authorize``),
+route is authorized as the gRPC method it stands for (``auth.AuthInterceptor.authorize``),
 so one table decides who may call what on both protocols; the health routes follow
 ``--open-health`` like the gRPC health service, so probes need no token.
 
@@ -46,7 +46,7 @@ import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote
 
 import grpc
@@ -63,7 +63,7 @@ from plugserve.server.plane.dataplane import DataPlane
 from plugserve.server.plane.networks import LoadedNetwork
 from plugserve.server.plane.response_stream import ResponseStream
 from plugserve.server.plane.shm import write_outputs
-from plugserve.server.process.settings import Settings
+from plugserve.server.protocols.auth import HEALTH, KSERVE, AuthInterceptor, control_refusal
 from plugserve.server.protocols.http import offload as rest_offload
 from plugserve.server.protocols.http import sse
 from plugserve.server.protocols.http.http_server import HttpServer, Reply, StreamReply, error_reply
@@ -85,8 +85,10 @@ from plugserve.server.protocols.kserve.rest_generate import (
     parse_generate,
     response_json,
 )
-from plugserve.server.protocols.security import HEALTH, KSERVE, AuthInterceptor, control_refusal
 from plugserve.server.protocols.status import HTTP_STATUS, status_of
+
+if TYPE_CHECKING:
+    from plugserve.server.process.settings import Settings
 
 __all__ = ["RestApp", "RestServer"]
 
@@ -170,7 +172,7 @@ class RestApp:
         local_control: bool = False,
     ) -> None:
         """``local_control``: without tokens, the admin routes answer this machine only
-        (``security.control_refusal``)."""
+        (``auth.control_refusal``)."""
         self.plane = plane
         self.control = control
         self.max_body = max_body
@@ -725,7 +727,7 @@ class RestApp:
                 except ValueError:
                     raise InvalidInput(f"'{key}' is not valid base64") from None
         values = {**parameters, **files}
-        await asyncio.to_thread(kserve.load, self.control, call.path["name"], values)
+        await asyncio.to_thread(self.control.load_request, call.path["name"], values)
         return 200, [], []
 
     async def unload(self, call: Call) -> Reply:

@@ -15,8 +15,9 @@ from typing import Any
 
 import orjson
 
-from plugserve.plugins.api import InvalidArgument, NotFound
-from plugserve.server.protocols.status import forget_frames, http_status_of
+from plugserve.plugins.api import NotFound
+from plugserve.server.plane.errors import FieldError, forget_frames
+from plugserve.server.protocols.status import http_status_of
 
 __all__ = ["OpenAIError", "error_reply", "reply_of", "stream_error"]
 
@@ -36,17 +37,9 @@ _TYPES = {
 _JSON = [(b"content-type", b"application/json")]
 
 
-class OpenAIError(InvalidArgument):
-    """A request the OpenAI adapter refuses: 400 unless ``status`` says otherwise, naming the
-    field (``param``, as OpenAI's dotted path: ``messages[2].role``)."""
-
-    def __init__(
-        self, message: str, param: str | None = None, status: int = 400, code: str | None = None
-    ) -> None:
-        super().__init__(message)
-        self.param = param
-        self.status = status
-        self.code_name = code
+#: what the adapter raises for a request it refuses: the request path's :class:`FieldError`
+#: (the applications below raise it too), answered in OpenAI's shape by :func:`status_of`
+OpenAIError = FieldError
 
 
 def body(status: int, message: str, param: str | None = None, code: str | None = None) -> bytes:
@@ -73,7 +66,7 @@ def error_reply(
 def status_of(exc: BaseException) -> tuple[int, str, str | None, str | None]:
     """Status, message, param and code for any error a route met (an unexpected one is
     logged whole by ``http_status_of`` and answered 500)."""
-    if isinstance(exc, OpenAIError):
+    if isinstance(exc, FieldError):
         return exc.status, str(exc), exc.param, exc.code_name
     status, message = http_status_of(exc)
     code = None

@@ -40,6 +40,7 @@ from plugserve.plugins.api import (
     ResourceExhausted,
 )
 from plugserve.server.apps.generate.types import GenerationEvent, GenerationRequest, SamplingParams
+from plugserve.server.protocols.auth import KSERVE
 from plugserve.server.protocols.http import sse
 from plugserve.server.protocols.http.http_server import StreamReply
 from plugserve.server.protocols.openai import encode, protocol
@@ -49,7 +50,6 @@ from plugserve.server.protocols.openai.errors import (
     reply_of,
     stream_error,
 )
-from plugserve.server.protocols.security import KSERVE
 
 __all__ = ["MAX_QUEUED", "OpenAIRoutes"]
 

@@ -16,11 +16,11 @@ from plugserve.plugins import cancel
 from plugserve.plugins.api import FailedPrecondition, InvalidArgument, PlugserveError, Unsupported
 from plugserve.proto import plugserve_pb2 as pb
 from plugserve.proto import plugserve_pb2_grpc as pb_grpc
+from plugserve.server.control.core import refuse_server_keys
 from plugserve.server.control.model_control import ModelControl, failed_to_load
 from plugserve.server.plane.budget import GRPC_FACTOR
 from plugserve.server.plane.dataplane import DataPlane
 from plugserve.server.protocols.grpc.handlers import Inference, deadline
-from plugserve.server.protocols.security import refuse_server_keys
 from plugserve.server.protocols.v1.convert import (
     decoding_nbytes,
     metric_json,

@@ -12,7 +12,7 @@ from onnx import TensorProto, helper
 from serving import RunningServer
 
 from plugserve.client.client import Client
-from plugserve.server.process.allocator import reuse_freed_memory
+from plugserve.server.control.allocator import reuse_freed_memory
 
 pytestmark = pytest.mark.skipif(
     platform.libc_ver()[0] != "glibc", reason="the tuning is glibc's mallopt"
@@ -66,7 +66,7 @@ def test_the_server_reuses_request_buffers(tmp_path):
 
 _PROBE = """
 import ctypes, sys
-from plugserve.server.process.allocator import reuse_freed_memory
+from plugserve.server.control.allocator import reuse_freed_memory
 
 class MallInfo2(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in (

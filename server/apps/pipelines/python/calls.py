@@ -98,10 +98,6 @@ def _name(header: dict[str, Any], worker: Worker) -> str:
 
 @call("load_model")
 def load_model(worker: Worker, header: dict[str, Any], inputs: Any) -> dict[str, Any]:
-    from plugserve.server.protocols.kserve.grpc_service import (
-        load,  # RepositoryModelLoad's own path
-    )
-
     control = _control(worker)
     name = _name(header, worker)
     control.check_control(f"{worker.label}: load_model({name!r})")
@@ -111,7 +107,7 @@ def load_model(worker: Worker, header: dict[str, Any], inputs: Any) -> dict[str,
         parameters["config"] = config
     for key, value in inputs.items():  # "file:<version>/<name>": one BYTES element each
         parameters[key] = bytes(value.reshape(-1)[0])
-    load(control, name, parameters)
+    control.load_request(name, parameters)  # RepositoryModelLoad's own path
     return {}
 
 

@@ -21,30 +21,23 @@ import ipaddress
 import logging
 import os
 import stat
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import grpc
 
-from plugserve.plugins.api import InvalidArgument
-from plugserve.server.process.settings import Settings
-
 __all__ = [
     "ADMIN",
     "INFER",
     "REMOTE_CONTROL",
-    "SERVER_KEYS",
     "AuthInterceptor",
     "Tokens",
     "control_refusal",
     "is_loopback",
     "load_tokens",
     "local_control",
-    "refuse_server_keys",
     "required_role",
-    "security_problems",
-    "server_credentials",
 ]
 
 log = logging.getLogger("plugserve.security")
@@ -126,25 +119,6 @@ def required_role(method: str, open_health: bool = True, open_reflection: bool =
     return _TABLE.get(method, ADMIN)
 
 
-#: Config keys only the server's operator sets (its --plugins file, the repository's files on
-#: disk): CACHE_DIR names a folder the server writes compiled networks into, and a remote
-#: client that chose it (a load with {"CACHE_DIR": "/etc"} was accepted) would choose where
-#: the server writes.
-SERVER_KEYS = frozenset({"CACHE_DIR"})
-
-
-def refuse_server_keys(config: Mapping[str, Any] | None, where: str) -> None:
-    """A client's config (a load's, an import's, SetConfig's, a load override's) may not set
-    :data:`SERVER_KEYS`: InvalidArgument saying where the operator sets them."""
-    taken = sorted(SERVER_KEYS.intersection(config or ()))
-    if taken:
-        raise InvalidArgument(
-            f"{where}: {', '.join(taken)} is the server's own setting, not a client's: the "
-            "folder the server writes compiled networks into is set by its operator (the "
-            "device config in the --plugins file), never by a request"
-        )
-
-
 def is_loopback(peer: str) -> bool:
     """Whether a gRPC peer (``ipv4:127.0.0.1:5000``, ``ipv6:[::1]:5000``, ``unix:...``) or a
     socket's host is on this machine."""
@@ -222,44 +196,6 @@ def load_tokens(path: str) -> Tokens:
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
         log.warning("--auth-tokens %s is readable by other users: chmod 600 it", path)
     return Tokens(pairs)
-
-
-def _flag_value(settings: Settings, name: str) -> list[str]:
-    value = getattr(settings, name)
-    if value not in (0, 1):
-        return [f"{Settings.flag(name)}={value!r} must be 0 (off) or 1 (on)"]
-    return []
-
-
-def security_problems(settings: Settings) -> list[str]:
-    """What is wrong with the TLS/auth settings (checked when the server starts)."""
-    s = settings
-    found = _flag_value(s, "open_health") + _flag_value(s, "open_reflection")
-    if bool(s.tls_cert) != bool(s.tls_key):
-        found.append("--tls-cert and --tls-key go together: give both or neither")
-    if s.health_port >= 0 and s.auth_tokens and not s.open_health:
-        found.append(
-            "--health-port serves health without TLS or a token, which --open-health 0 forbids"
-        )
-    if s.tls_client_ca and not s.tls_cert:
-        found.append("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
-    for name in ("tls_cert", "tls_key", "tls_client_ca", "auth_tokens"):
-        path = getattr(s, name)
-        if path and not os.access(path, os.R_OK):
-            found.append(f"{Settings.flag(name)} {path}: not a readable file")
-    return found
-
-
-def server_credentials(settings: Settings) -> grpc.ServerCredentials | None:
-    """TLS credentials from the settings, or None for a plaintext port."""
-    if not settings.tls_cert:
-        return None
-    key = Path(settings.tls_key).read_bytes()
-    cert = Path(settings.tls_cert).read_bytes()
-    client_ca = Path(settings.tls_client_ca).read_bytes() if settings.tls_client_ca else None
-    return grpc.ssl_server_credentials(
-        [(key, cert)], root_certificates=client_ca, require_client_auth=client_ca is not None
-    )
 
 
 def _bearer(metadata: Sequence[tuple[str, Any]] | None) -> str | bytes | None:
