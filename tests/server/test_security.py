@@ -23,8 +23,8 @@ from plugserve.client import AsyncClient, Client
 from plugserve.client.cli import run as run_cli
 from plugserve.proto import plugserve_pb2 as pb
 from plugserve.proto import plugserve_pb2_grpc as pb_grpc
-from plugserve.server.process.settings import Settings
 from plugserve.server.process.security import security_problems
+from plugserve.server.process.settings import Settings
 from plugserve.server.protocols.auth import ADMIN, INFER, Tokens, load_tokens, required_role
 
 ADMIN_TOKEN = "adm-3f9c1e7b2a6d4c58b0e1f2a3"
