@@ -13,11 +13,10 @@ through a future so the RPC layer never waits on a queue.
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -43,8 +42,8 @@ from plugserve.server.plane.deadlines import DeadlineWatch
 from plugserve.server.plane.errors import forget_frames
 from plugserve.server.plane.metrics import Metrics, failure_status
 from plugserve.server.plane.networks import LoadedNetwork, NetworkTable
+from plugserve.server.plane.request import Request
 from plugserve.server.plane.response_stream import ResponseStream
-from plugserve.server.plane.sequences import Step
 from plugserve.server.plane.shm import SharedMemory
 
 __all__ = ["DataPlane", "ShuttingDown", "check_batch"]
@@ -203,29 +202,110 @@ class DataPlane:
                 return versions[version]
             raise self.table.missing(name, version)
 
-    # --- inference
+    # --- inference: one way in for a request answered once, one for a stream of responses
 
-    def submit(
-        self,
-        entry: LoadedNetwork,
-        inputs: Mapping[str, Any],
-        outputs: list[str] | None = None,
-        deadline: float | None = None,
-        inline: bool = False,
-        token: cancel.Token | None = None,
-        holds: int = 0,
-        after: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None = None,
-        step: Step | None = None,
-        checked: list[np.ndarray] | None = None,
-    ) -> Future | Finished:
-        """Admit one inference (see :meth:`admit`); ``step``: the request's place in a
-        sequence (its ``sequence_*`` parameters), which a network with Triton's sequence
-        batching requires and others refuse. For a sequence, ``checked`` only says that
-        ``inputs`` (by name) were checked against the network's client-facing specs."""
-        if step is None and entry.sequences is None:
-            return self.admit(
-                entry, inputs, outputs, deadline, inline, token, holds, after, checked
-            )
+    def infer(self, request: Request) -> Future | Finished:
+        """Admit ``request`` (built by its adapter; see ``request.py``); the future holds
+        ``{output: array}`` or a typed error. A request of a sequence goes through its
+        network's sequence batcher, which admits each of its runs here in turn.
+
+        ``request.inline``: the caller waits for the result anyway (a unary RPC), so when one
+        of the network's streams is idle the inference runs on the caller's thread (see
+        :meth:`StreamsExecutor.run_inline`) and its outcome is returned :class:`Finished`.
+
+        The request is cancelled, queued or running, when its token is (its client gone) and
+        once its deadline or --max-request-seconds passes.
+
+        Outputs over :attr:`max_answer_bytes` in all (--max-message-bytes, the largest message
+        the server sends) fail the request with ResourceExhausted once it has run, before any
+        protocol encodes them: the encoding would copy them at least once more (a 180-byte
+        request to ``ConstantOfShape`` made 8 GB of outputs, and the gRPC answer another 8 GB
+        before grpcio refused to send it), and the answer could not leave anyway.
+        """
+        if request.decode is not None:
+            return self._decoded(request, self.infer)
+        entry = request.entry
+        if request.step is None and entry.sequences is None:
+            return self._admit(request)
+        return self._sequenced(request)
+
+    def stream(
+        self, request: Request, start: Callable[[ResponseStream], object] | None = None
+    ) -> ResponseStream:
+        """Admit ``request`` answered by a stream of responses (a decoupled network, a
+        generative model) and return the :class:`ResponseStream` they come in.
+
+        ``start(stream)`` begins producing into it (from any thread, for as long as the
+        request lasts: the generation engine's loop); without one, the request's inputs are
+        checked and run on the network's executor with :meth:`InferRequest.infer_decoupled`
+        (a network that is not decoupled answers one final response; the stream slot is held
+        while ``infer_decoupled`` runs, and a model that goes on sending after it returns, a
+        Python model's threads, holds none). An error ``start`` raises is the caller's (a
+        refusal: nothing was admitted); one the producer sends later ends the stream. The
+        request counts as done when its final response is sent, it fails, or it is cancelled.
+        """
+        if request.decode is not None:
+            return self._decoded(request, lambda r: self.stream(r, start))
+        entry = request.entry
+        if start is None:
+            start = self._decoupled_start(request)
+        recorder = entry.recorder
+        token = request.run
+        charge = self._enter(request)
+        assert charge is not None
+        stream = ResponseStream(token, entry.name, request.outputs)
+        admitted = time.perf_counter()
+        refused: list[BaseException] = []
+
+        def ended(error: BaseException | None) -> None:
+            self._leave(request, charge)
+            if refused:
+                recorder.refused("overloaded" if isinstance(error, ResourceExhausted) else "")
+            elif error is None:
+                recorder.success(0.0, time.perf_counter() - admitted)
+            else:
+                recorder.failure(failure_status(error))
+                if isinstance(error, PlugserveError):
+                    forget_frames(error)
+
+        stream.when_ended(ended)
+        try:
+            start(stream)
+        except BaseException as exc:
+            refused.append(exc)
+            stream.fail(exc)
+            raise
+        return stream
+
+    def _decoded(self, request: Request, then: Callable[[Request], Any]) -> Any:
+        """``then(request)`` once its bytes are charged and its inputs decoded: for a
+        protocol whose decoding allocates memory of its own (KServe's typed contents,
+        strings), which must be charged before it is allocated. The charge is held until the
+        request is answered. A charge that does not fit is ResourceExhausted, counted as the
+        network's refusal."""
+        entry = request.entry
+        try:
+            charge = self.budget.charge(request.holds, f"a request to network {entry.name!r}")
+        except ResourceExhausted:
+            entry.recorder.refused("overloaded")
+            raise
+        try:
+            request.inputs, request.decode, request.holds = request.decode(), None, 0
+            answer = then(request)
+        except BaseException:
+            charge.release()
+            raise
+        if isinstance(answer, ResponseStream):
+            answer.when_ended(lambda _error: charge.release())
+        else:
+            answer.add_done_callback(lambda _: charge.release())
+        return answer
+
+    def _sequenced(self, request: Request) -> Future:
+        """A request that names a sequence, or to a network that keeps sequences: its
+        network's sequence batcher (or an ensemble's relay) admits it."""
+        entry = request.entry
+        step = request.step
         if entry.sequences is None:
             entry.recorder.refused("invalid")
             raise InvalidInput(
@@ -234,17 +314,17 @@ class DataPlane:
                 "sequence_batching in its config.pbtxt); send it without the sequence_* "
                 "parameters"
             )
-        hidden = sorted(entry.sequences.hidden_outputs.intersection(outputs or ()))
+        hidden = sorted(entry.sequences.hidden_outputs.intersection(request.outputs or ()))
         try:
             if hidden:
                 raise InvalidInput(
                     f"network {entry.name!r}: {listing(hidden)} are state outputs, which the "
                     "server keeps for the sequence; ask for the model's other outputs"
                 )
-            wanted = self._outputs(entry, outputs)
-            return entry.sequences.submit(
-                step, inputs, wanted, deadline, token, holds, after, inline, checked is not None
-            )
+            wanted = self._outputs(entry, request.outputs)
+            if request.checked is not None:  # the batcher reads inputs by name: a client's
+                request.inputs = dict(zip((s.name for s in entry.inputs), request.checked))
+            return entry.sequences.submit(request, wanted)
         except ResourceExhausted:
             entry.recorder.refused("overloaded")
             raise
@@ -252,49 +332,23 @@ class DataPlane:
             entry.recorder.refused("invalid")
             raise
 
-    def admit(
-        self, entry, inputs, outputs, deadline, inline, token, holds, after=None, checked=None
-    ):
-        """(:meth:`submit`'s arguments but ``step``, for a request known to be no sequence's:
-        a protocol's plain lane calls it directly.) Queue one inference on ``entry`` (the
-        caller's one :meth:`get`, which its response also names, so an unload or load meanwhile
-        cannot relabel or lose a finished request); the future holds ``{output: array}`` or a
-        typed error.
-
-        ``inline``: the caller waits for the result anyway (a unary RPC), so when one of the
-        network's streams is idle the inference runs on the caller's thread (see
-        :meth:`StreamsExecutor.run_inline`) and its outcome is returned :class:`Finished`.
-
-        ``token``: the request's cancellation token, which the caller cancels when its client
-        goes away (a unary call hooks it to the call's end before the run may start inline);
-        cancelling the returned future does the same. The request is also cancelled, queued
-        or running, once ``deadline`` (``time.monotonic``) or --max-request-seconds passes.
-
-        ``after``: applied to the outputs on the thread that ran the request, before it counts
-        as done (outputs written into shared memory regions).
-
-        Outputs over :attr:`max_answer_bytes` in all (--max-message-bytes, the largest message
-        the server sends) fail the request with ResourceExhausted once it has run, before any
-        protocol encodes them: the encoding would copy them at least once more (a 180-byte
-        request to ``ConstantOfShape`` made 8 GB of outputs, and the gRPC answer another 8 GB
-        before grpcio refused to send it), and the answer could not leave anyway.
-
-        ``holds``: the bytes the request holds until it is answered, charged to
-        --max-inflight-bytes before it is admitted (a protocol that charged it already, as
-        REST does when a body's headers arrive, passes 0).
-
-        ``checked``: the inputs as arrays in the network's order, already known to pass
-        :func:`check_inputs` against ``entry`` (a protocol's fast path decided that from the
-        network's specs); ``inputs`` is then unused.
-        """
+    def _admit(self, request: Request) -> Future | Finished:
+        """Queue one plain inference (no sequence's) on its network's executor, or run it
+        inline; what :meth:`infer` does for a request of no sequence, and what a sequence
+        batcher admits each of its runs through (:meth:`admission`)."""
+        entry = request.entry
         name = entry.name
         recorder = entry.recorder
         try:
+            checked = request.checked
             arrays = (
-                checked if checked is not None else check_inputs(name, entry.network.inputs, inputs)
+                checked
+                if checked is not None
+                else check_inputs(name, entry.network.inputs, request.inputs)
             )
             if entry.max_batch_size > 0:
                 check_batch(name, entry.max_batch_size, arrays)
+            outputs = request.outputs
             wanted = self._outputs(entry, outputs) if outputs else entry.output_names
         except PlugserveError:
             recorder.refused("invalid")
@@ -302,10 +356,12 @@ class DataPlane:
         executor = entry.executor
         most = self.max_answer_bytes
         budget = self.budget
+        deadline = request.deadline
+        after = request.after
+        token = request.run
         admitted = time.perf_counter()
-        token = token if token is not None else cancel.Token()
 
-        def run(request: InferRequest) -> dict[str, np.ndarray]:
+        def run(device: InferRequest) -> dict[str, np.ndarray]:
             started = time.perf_counter()
             if token.error is not None:
                 raise token.failure()
@@ -318,7 +374,7 @@ class DataPlane:
             token.outputs = wanted
             entered = cancel.enter(token)
             try:
-                result = request.infer_checked(arrays)  # checked once, above
+                result = device.infer_checked(arrays)  # checked once, above
             except PlugserveError:
                 raise
             except Exception as exc:  # the device's own failure: INTERNAL, naming it
@@ -345,42 +401,15 @@ class DataPlane:
             finished = time.perf_counter()
             entry.run_seconds += (finished - started - entry.run_seconds) * 0.125
             if entry.perf_enabled:
-                recorder.layers(request.get_performance_counts())
+                recorder.layers(device.get_performance_counts())
             recorder.success(started - admitted, finished - started)
             return answer
 
-        with self._inflight_lock:
-            if self.draining:
-                raise ShuttingDown(
-                    f"network {name!r}: the server is shutting down; send the request elsewhere"
-                )
-            retired = entry.retired
-            if not retired:
-                self._inflight += 1
-                entry.inflight += 1
-        if retired:  # reloaded since the caller's lookup: its replacement answers
-            if checked is not None:  # checked against this network; the replacement checks
-                inputs = {spec.name: a for spec, a in zip(entry.network.inputs, checked)}
-            return self.admit(
-                self.get(name, entry.version),
-                inputs,
-                outputs,
-                deadline,
-                inline,
-                token,
-                holds,
-                after,
-            )
+        charge = self._enter(request, reroute=True)
+        if charge is None:  # reloaded since the caller's lookup: its replacement answers
+            return self._readmit(request, arrays)
         try:
-            charge = self.budget.charge(holds, f"a request to network {name!r}")
-        except ResourceExhausted:
-            with self._inflight_lock:
-                self._inflight -= 1
-                entry.inflight -= 1
-            recorder.refused("overloaded")
-            raise
-        self._watch(name, token, deadline)
-        try:
+            inline = request.inline
             if inline and entry.run_seconds > LONG_RUN:
                 with blocked():
                     future = executor.run_inline(run)
@@ -388,124 +417,38 @@ class DataPlane:
                 future = inline and executor.run_inline(run)
             future = future or executor.submit(run, entry.queue_limit, token=token)
         except BaseException as exc:
-            self.deadlines.forget(token)
-            charge.release()
-            with self._inflight_lock:
-                self._inflight -= 1
-                entry.inflight -= 1
+            self._leave(request, charge)
             recorder.refused("overloaded" if isinstance(exc, ResourceExhausted) else "")
             raise
         if type(future) is Finished:  # ran inline: its callback would run now anyway
-            self._finished(entry, future, token, charge)
+            self._finished(request, future, charge)
         else:
-            future.add_done_callback(lambda f: self._finished(entry, f, token, charge))
+            future.add_done_callback(lambda f: self._finished(request, f, charge))
         return future
 
-    def charged(
-        self, entry: LoadedNetwork, nbytes: int, submit: Callable[[], Future | Finished]
-    ) -> Future | Finished:
-        """``submit()`` (which decodes a request to ``entry`` and calls :meth:`submit` with
-        ``holds=0``) with ``nbytes`` of --max-inflight-bytes charged first and held until its
-        future is done: for a protocol whose decoding allocates memory of its own (KServe's
-        typed contents, strings), which must be charged before it is allocated. A charge that
-        does not fit is ResourceExhausted, counted as the network's refusal."""
-        try:
-            charge = self.budget.charge(nbytes, f"a request to network {entry.name!r}")
-        except ResourceExhausted:
-            entry.recorder.refused("overloaded")
-            raise
-        try:
-            future = submit()
-        except BaseException:
-            charge.release()
-            raise
-        future.add_done_callback(lambda _: charge.release())
-        return future
+    def _readmit(self, request: Request, arrays: list[Any]) -> Future | Finished:
+        """``request``, whose network was replaced (a reload) after the caller's lookup, to
+        the replacement: checked again against it, by name."""
+        entry = request.entry
+        request.inputs = {spec.name: a for spec, a in zip(entry.network.inputs, arrays)}
+        request.checked = None
+        request.entry = self.get(entry.name, entry.version)
+        return self._admit(request)
 
-    def open_stream(
-        self,
-        entry: LoadedNetwork,
-        start: Callable[[ResponseStream], object],
-        deadline: float | None = None,
-        token: cancel.Token | None = None,
-        holds: int = 0,
-        outputs: list[str] | None = None,
-    ) -> ResponseStream:
-        """A request answered by a stream of responses (a decoupled network, a generative
-        model): admitted and accounted as :meth:`admit` does (draining, the memory budget,
-        the deadline watch, in-flight counts, the recorder), then ``start(stream)`` begins
-        producing into the returned :class:`ResponseStream` (from any thread, for as long as
-        the request lasts). An error ``start`` raises is the caller's (a refusal: nothing was
-        admitted); one the producer sends later ends the stream. The request counts as done
-        when its final response is sent, it fails, or it is cancelled."""
+    def _decoupled_start(self, request: Request) -> Callable[[ResponseStream], None]:
+        """How :meth:`stream` starts a request to a network's own decoupled run: its inputs
+        checked as :meth:`_admit` checks them, then ``infer_decoupled`` on its executor."""
+        entry = request.entry
         name = entry.name
-        recorder = entry.recorder
-        token = token if token is not None else cancel.Token()
-        with self._inflight_lock:
-            if self.draining:
-                raise ShuttingDown(
-                    f"network {name!r}: the server is shutting down; send the request elsewhere"
-                )
-            self._inflight += 1
-            entry.inflight += 1
         try:
-            charge = self.budget.charge(holds, f"a request to network {name!r}")
-        except ResourceExhausted:
-            with self._inflight_lock:
-                self._inflight -= 1
-                entry.inflight -= 1
-            recorder.refused("overloaded")
-            raise
-        stream = ResponseStream(token, name, outputs)
-        admitted = time.perf_counter()
-        refused: list[BaseException] = []
-
-        def ended(error: BaseException | None) -> None:
-            self.deadlines.forget(token)
-            token.finish()
-            charge.release()
-            with self._inflight_lock:
-                self._inflight -= 1
-                entry.inflight -= 1
-            if refused:
-                recorder.refused("overloaded" if isinstance(error, ResourceExhausted) else "")
-            elif error is None:
-                recorder.success(0.0, time.perf_counter() - admitted)
+            if request.checked is not None:
+                arrays = request.checked
             else:
-                recorder.failure(failure_status(error))
-                if isinstance(error, PlugserveError):
-                    forget_frames(error)
-
-        stream.when_ended(ended)
-        self._watch(name, token, deadline)
-        try:
-            start(stream)
-        except BaseException as exc:
-            refused.append(exc)
-            stream.fail(exc)
-            raise
-        return stream
-
-    def submit_decoupled(
-        self,
-        entry: LoadedNetwork,
-        inputs: Mapping[str, Any],
-        outputs: list[str] | None = None,
-        deadline: float | None = None,
-        token: cancel.Token | None = None,
-        holds: int = 0,
-    ) -> ResponseStream:
-        """One request to a network answered by a stream of responses: its inputs checked
-        as :meth:`admit` checks them, then run on the network's executor with
-        :meth:`InferRequest.infer_decoupled` (a network that is not decoupled answers one
-        final response). The stream slot is held while ``infer_decoupled`` runs; a model
-        that goes on sending after it returns (a Python model's threads) holds none."""
-        name = entry.name
-        try:
-            arrays = check_inputs(name, entry.network.inputs, inputs)
+                arrays = check_inputs(name, entry.network.inputs, request.inputs)
             if entry.max_batch_size > 0:
                 check_batch(name, entry.max_batch_size, arrays)
-            wanted = self._outputs(entry, outputs) if outputs else None
+            if request.outputs:
+                request.outputs = self._outputs(entry, request.outputs)
         except PlugserveError:
             entry.recorder.refused("invalid")
             raise
@@ -515,11 +458,12 @@ class DataPlane:
                 f"network {name!r}: a sequence model's requests are not streamed as "
                 "decoupled responses; send them as ordinary requests"
             )
-        token = token if token is not None else cancel.Token()
+        token = request.run
+        deadline = request.deadline
         budget = self.budget
 
         def start(stream: ResponseStream) -> None:
-            def run(request: InferRequest) -> None:
+            def run(device: InferRequest) -> None:
                 if token.error is not None:
                     raise token.failure()
                 if deadline is not None and time.monotonic() > deadline:
@@ -527,7 +471,7 @@ class DataPlane:
                 token.room = budget.free()
                 entered = cancel.enter(token)
                 try:
-                    request.infer_decoupled(arrays, stream)
+                    device.infer_decoupled(arrays, stream)
                 except PlugserveError as exc:
                     stream.fail(exc)
                 except Exception as exc:  # the device's own failure: INTERNAL, naming it
@@ -543,7 +487,58 @@ class DataPlane:
             future = entry.executor.submit(run, entry.queue_limit, token=token)
             future.add_done_callback(lambda f: f.cancelled() or _fail_from(stream, f))
 
-        return self.open_stream(entry, start, deadline, token, holds, wanted)
+        return start
+
+    # --- admission's bookkeeping, written once for every kind of request
+
+    def _enter(self, request: Request, reroute: bool = False) -> Charge | None:
+        """Admit ``request`` into the server: refused while draining; counted in flight (what
+        draining and an unload wait for); its :attr:`Request.holds` charged to
+        --max-inflight-bytes; its deadline watched. :meth:`_leave` undoes each, once.
+        ``reroute``: None, and nothing done, when a reload retired its network since the
+        caller's lookup (decided under the same lock as the count a retired network's close
+        waits for)."""
+        entry = request.entry
+        with self._inflight_lock:
+            if self.draining:
+                raise ShuttingDown(
+                    f"network {entry.name!r}: the server is shutting down; send the request "
+                    "elsewhere"
+                )
+            if reroute and entry.retired:
+                return None
+            self._inflight += 1
+            entry.inflight += 1
+        try:
+            charge = self.budget.charge(request.holds, f"a request to network {entry.name!r}")
+        except ResourceExhausted:
+            with self._inflight_lock:
+                self._inflight -= 1
+                entry.inflight -= 1
+            entry.recorder.refused("overloaded")
+            raise
+        self._watch(entry.name, request.run, request.deadline)
+        return charge
+
+    def _leave(self, request: Request, charge: Charge) -> None:
+        """The request is over (answered, failed, cancelled, or refused after :meth:`_enter`)."""
+        token = request.run
+        self.deadlines.forget(token)
+        token.finish()
+        charge.release()
+        entry = request.entry
+        with self._inflight_lock:
+            self._inflight -= 1
+            entry.inflight -= 1
+
+    def _finished(self, request: Request, future: Future | Finished, charge: Charge) -> None:
+        """Successes are recorded where they ran; here the admitted ones that failed."""
+        self._leave(request, charge)
+        exc = future.exception()
+        if exc is not None:
+            request.entry.recorder.failure(failure_status(exc))
+            if isinstance(exc, PlugserveError):  # an unexpected one is logged whole, later
+                forget_frames(exc)
 
     def _watch(self, name: str, token: cancel.Token, deadline: float | None) -> None:
         """Have the deadline watch cancel ``token`` at the client's deadline or the server's
@@ -572,22 +567,6 @@ class DataPlane:
                 return left
             time.sleep(0.02)
 
-    def _finished(
-        self, entry: LoadedNetwork, future: Future | Finished, token: cancel.Token, charge: Charge
-    ) -> None:
-        """Successes are recorded where they ran; here the admitted ones that failed."""
-        self.deadlines.forget(token)
-        token.finish()
-        charge.release()
-        with self._inflight_lock:
-            self._inflight -= 1
-            entry.inflight -= 1
-        exc = future.exception()
-        if exc is not None:
-            entry.recorder.failure(failure_status(exc))
-            if isinstance(exc, PlugserveError):  # an unexpected one is logged whole, later
-                forget_frames(exc)
-
     def cancel_all(self, why: str) -> int:
         """Cancel every admitted request, queued or running (a shutdown that stops waiting
         for them); returns how many there were."""
@@ -607,9 +586,18 @@ class DataPlane:
     # --- what model control needs of the request path
 
     def admission(self, entry: LoadedNetwork) -> Callable[..., Future | Finished]:
-        """``entry``'s plain admission (:meth:`admit` for it), which its sequence batcher
-        submits each run through."""
-        return functools.partial(self.admit, entry)
+        """How ``entry``'s sequence batcher (or an ensemble's relay) admits each run it makes:
+        ``admit(inputs, outputs, deadline, inline, token, holds, after=None, checked=None)``,
+        a :class:`Request` of no sequence to ``entry`` through :meth:`_admit`."""
+
+        def admit(inputs, outputs, deadline, inline, token, holds, after=None, checked=None):
+            request = Request(
+                entry, inputs, outputs=outputs, checked=checked, deadline=deadline, run=token,
+                holds=holds, inline=inline, after=after, protocol="sequence",
+            )  # fmt: skip
+            return self._admit(request)
+
+        return admit
 
     def retire(self, entry: LoadedNetwork) -> None:
         """``entry`` was replaced (a reload): a request that reaches it from now on goes to

@@ -31,7 +31,7 @@ def forget_frames(exc: BaseException) -> None:
     request's future (or an asyncio task), which held the error: a reference cycle that kept
     the request's arrays (inputs, outputs, the run's locals) until Python's cycle collector
     ran, which counts objects, not bytes: three refused 2 GB answers held 6 GB. A device's own
-    failure is logged with its traceback where it is caught (``DataPlane.admit``)."""
+    failure is logged with its traceback where it is caught (``DataPlane._admit``)."""
     pending = [exc]
     for _ in range(16):  # a chain is short; the bound keeps a cyclic one from looping
         if not pending:

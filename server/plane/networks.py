@@ -85,7 +85,7 @@ class LoadedNetwork:
     lanes: dict[str, Any] = dataclasses.field(init=False, default_factory=dict)
     #: how long this network's runs take, in seconds: a moving average over the last few,
     #: which tells whether a run inline on a gRPC handler thread should give that thread's
-    #: turn away while it runs (``DataPlane.admit``)
+    #: turn away while it runs (``DataPlane._admit``)
     run_seconds: float = dataclasses.field(init=False, default=0.0)
 
     def __post_init__(self, queue_size: int) -> None:

@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -52,6 +52,9 @@ from plugserve.plugins.api import (
     listing,
 )
 from plugserve.server.plane.budget import Charge, MemoryBudget
+
+if TYPE_CHECKING:
+    from plugserve.server.plane.request import Request
 
 __all__ = [
     "Control",
@@ -563,22 +566,15 @@ class SequenceBatcher:
 
     # --- admission
 
-    def submit(
-        self,
-        step: Step | None,
-        inputs: Mapping[str, Any],
-        wanted: list[str],
-        deadline: float | None,
-        token: Any,
-        holds: int,
-        after: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None,
-        inline: bool = False,
-        checked: bool = False,
-    ) -> Future:
+    def submit(self, request: Request, wanted: list[str]) -> Future:
         """Admit one request of a sequence; its future holds the outputs ``wanted``.
-        ``inline``: the caller waits for it (a unary call), so when it can run at once it runs
-        on the caller's thread. ``checked``: ``inputs`` passed the network's checks already,
-        so its run (one row) is admitted without checking them again."""
+        ``request.inline``: the caller waits for it (a unary call), so when it can run at once
+        it runs on the caller's thread. ``request.checked``: its inputs (by name in
+        ``request.inputs``) passed the network's checks already, so its run (one row) is
+        admitted without checking them again."""
+        step, inputs, inline = request.step, request.inputs, request.inline
+        checked = request.checked is not None
+        deadline, token, holds, after = request.deadline, request.run, request.holds, request.after
         if self._ovms:
             inputs, step = self._ovms_step(inputs, step)
         elif step is None or step.id in (0, ""):

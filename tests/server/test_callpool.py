@@ -181,6 +181,7 @@ def test_a_long_run_inline_lets_another_call_start(pools, tmp_path):
     from plugserve.server.control.repository import Repository
     from plugserve.server.plane.dataplane import LONG_RUN, DataPlane
     from plugserve.server.plane.metrics import Metrics
+    from plugserve.server.plane.request import Request
     from plugserve.server.process.settings import Settings
 
     # the server's two halves without its protocols (server/process/app.py's Server imports the
@@ -192,13 +193,13 @@ def test_a_long_run_inline_lets_another_call_start(pools, tmp_path):
     try:
         entry, _ = control.load("spinner", spinner().SerializeToString(), "NUMPY")
         state = np.zeros((1, 4), np.float32)
-        plane.submit(entry, {"M": np.array([[2000]]), "STATE_IN": state}).result(60)
+        plane.infer(Request(entry, {"M": np.array([[2000]]), "STATE_IN": state})).result(60)
         assert entry.run_seconds > LONG_RUN
         pool = pools(8, 1, stall=3600)
         token = cancel.Token()
         endless = {"M": np.array([[FOREVER]]), "STATE_IN": state}
         spinning = pool.submit(
-            lambda: plane.submit(entry, endless, inline=True, token=token).result()
+            lambda: plane.infer(Request(entry, endless, inline=True, run=token)).result()
         )
         assert pool.submit(lambda: "answered").result(60) == "answered"
         assert not spinning.done()

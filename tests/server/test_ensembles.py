@@ -565,6 +565,7 @@ def test_tensors_between_steps_are_passed_by_reference(tmp_path):
     import onnx
     from onnx import TensorProto, helper
 
+    from plugserve.server.plane.request import Request
     from plugserve.server.process.app import Server
     from plugserve.server.process.settings import Settings
 
@@ -597,7 +598,7 @@ def test_tensors_between_steps_are_passed_by_reference(tmp_path):
         plane = server.plane
         x = np.random.default_rng(0).random(shape, dtype=np.float32)
         for inline in (False, True):  # on the ensemble's stream, and on the caller's thread
-            answer = plane.submit(plane.get("chain"), {"x": x}, inline=inline).result()
+            answer = plane.infer(Request(plane.get("chain"), {"x": x}, inline=inline)).result()
             assert answer["y"] is x
     finally:
         server.stop(0)

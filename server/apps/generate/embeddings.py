@@ -35,6 +35,7 @@ import orjson
 
 from plugserve.plugins.api import InvalidModel
 from plugserve.server.plane.errors import FieldError
+from plugserve.server.plane.request import Request
 
 if TYPE_CHECKING:
     from plugserve.server.protocols.openai.protocol import EmbeddingRequest
@@ -265,7 +266,7 @@ async def embed(
     vectors: list[np.ndarray | None] = [None] * len(rows)
     for batch in _batches([len(r) for r in rows]):
         feed, mask = encoder.feed([rows[i] for i in batch])
-        future = plane.submit(entry, feed)
+        future = plane.infer(Request(entry, feed, protocol="openai"))
         outputs = future.result() if future.done() else await asyncio.wrap_future(future)
         tokens = _token_output(outputs)
         if tokens.size > _INLINE_VALUES:

@@ -95,6 +95,7 @@ from plugserve.plugins.api import (
 from plugserve.plugins.responses import Response, ResponseSender
 from plugserve.plugins.streams import Finished
 from plugserve.server.apps.pipelines.types import DTYPES
+from plugserve.server.plane.request import Request
 
 __all__ = [
     "DECOUPLED_STREAMS",
@@ -624,19 +625,11 @@ class SequenceRelay:
         self.network = network
         self.admission = admission
 
-    def submit(
-        self,
-        step: Any,
-        inputs: Mapping[str, Any],
-        wanted: list[str],
-        deadline: float | None,
-        token: cancel.Token | None,
-        holds: int,
-        after: Any,
-        inline: bool = False,
-        checked: bool = False,
-    ) -> Any:
-        token = token if token is not None else cancel.Token()
+    def submit(self, request: Any, wanted: list[str]) -> Any:
+        step, inputs, token = request.step, request.inputs, request.run
+        deadline, holds, after, inline = (
+            request.deadline, request.holds, request.after, request.inline
+        )  # fmt: skip
         keep = self.network.sequence_of
         if step is not None:
             keep[token] = step
@@ -745,7 +738,11 @@ class _Run:
         with self.lock:
             self.running[step.index] = token
         sequence = self.sequence if entry.sequences is not None else None
-        future = plane.submit(entry, inputs, step.asked, inline=inline, token=token, step=sequence)
+        request = Request(
+            entry, inputs, outputs=step.asked, run=token, step=sequence, inline=inline,
+            protocol="ensemble",
+        )  # fmt: skip
+        future = plane.infer(request)
         if type(future) is Finished:
             return future
         future.add_done_callback(lambda f, s=step: self.done.put((s, f)))
@@ -856,7 +853,8 @@ class _Flow:
         """Start decoupled ``step`` (on the request's thread): its responses wake the request's
         thread as they come. Done at once for the context it runs in (what it makes starts
         contexts of its own)."""
-        stream = self.network.plane.submit_decoupled(entry, inputs, step.asked, token=token)
+        request = Request(entry, inputs, outputs=step.asked, run=token, protocol="ensemble")
+        stream = self.network.plane.stream(request)
         self.tokens.append(token)
         self.streaming += 1
         events = self.events

@@ -44,7 +44,6 @@ from typing import Any
 
 import grpc
 
-from plugserve.plugins import cancel
 from plugserve.plugins.api import (
     NotFound,
     Unsupported,
@@ -55,6 +54,7 @@ from plugserve.proto import grpc_service_pb2_grpc as pb_grpc
 from plugserve.server.control.model_control import ModelControl
 from plugserve.server.plane.budget import GRPC_FACTOR
 from plugserve.server.plane.dataplane import DataPlane
+from plugserve.server.plane.request import Request
 from plugserve.server.plane.sequences import sequence_step
 from plugserve.server.plane.shm import write_outputs
 from plugserve.server.plane.versions import parse_version
@@ -153,79 +153,39 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         responses (a :class:`ResponseStream`) may go; ModelInfer refuses such a network as
         Triton does."""
         entry = self.plane.get(request.model_name, parse_version(request.model_version))
-        when = deadline(context)
-        step = None
-        parameters: dict[str, Any] = {}
+        when, step, own = deadline(context), None, None
         if request.parameters:
             parameters = parameter_values(request.parameters)
             step = sequence_step(parameters)
+            own = model_parameters(parameters)
             timeout = request_timeout(parameters)
             if timeout is not None:
-                own = time.monotonic() + timeout
-                when = own if when is None else min(when, own)
-            own_parameters = model_parameters(parameters)
-            if own_parameters is not None:
-                token = token if token is not None else cancel.Token()
-                token.parameters = own_parameters
-            if step is not None:  # a Python model's correlation_id() and flags()
-                token = token if token is not None else cancel.Token()
-                token.sequence = (step.id, int(step.start) | int(step.end) << 1)
-        if request.id:  # a Python model's request_id()
-            token = token if token is not None else cancel.Token()
-            token.request_id = request.id
+                own_end = time.monotonic() + timeout
+                when = own_end if when is None else min(when, own_end)
+        ask = Request(
+            entry, deadline=when, run=token, id=request.id, parameters=own, step=step,
+            inline=inline, holds=size * GRPC_FACTOR, protocol="grpc",
+        )  # fmt: skip
         if entry.network.decoupled:
-            return entry, self._submit_decoupled(request, entry, size, when, token, streaming)
+            return entry, self._submit_decoupled(request, ask, streaming)
         lane = plain_lane(entry)
         plain = lane.decode(request)
         if plain is not None:  # views of the message: charged when admitted
-            checked, outputs = plain
-            if step is None and entry.sequences is None:
-                future = self.plane.admit(
-                    entry,
-                    {},
-                    outputs,
-                    when,
-                    token=token,
-                    holds=size * GRPC_FACTOR,
-                    inline=inline,
-                    checked=checked,
-                )
-            else:  # a request of a sequence: the sequence batcher's (server/plane/sequences.py)
-                future = self.plane.submit(
-                    entry,
-                    dict(zip(lane.names, checked)),
-                    outputs,
-                    when,
-                    inline=inline,
-                    token=token,
-                    holds=size * GRPC_FACTOR,
-                    step=step,
-                    checked=checked,
-                )
-            return entry, future
-
-        def decode_and_submit():
-            inputs = request_inputs(request, entry, self.shm)
-            targets = output_targets(request, self.shm)
-            return self.plane.submit(
-                entry,
-                inputs,
-                requested_outputs(request),
-                when,
-                token=token,
-                inline=inline,
-                after=functools.partial(write_outputs, targets) if targets else None,
-                step=step,
-            )
-
+            ask.checked, ask.outputs = plain
+            return entry, self.plane.infer(ask)
         # typed contents and strings are decoded into memory of their own: charged first
-        nbytes = size * GRPC_FACTOR + decoding_nbytes(request)
-        future = self.plane.charged(entry, nbytes, decode_and_submit)
-        return entry, future
+        ask.holds += decoding_nbytes(request)
+        ask.decode = functools.partial(request_inputs, request, entry, self.shm)
+        ask.outputs = requested_outputs(request)
+        targets = output_targets(request, self.shm)
+        if targets:
+            ask.after = functools.partial(write_outputs, targets)
+        return entry, self.plane.infer(ask)
 
-    def _submit_decoupled(self, request, entry, size, when, token, streaming):
+    def _submit_decoupled(self, request, ask: Request, streaming: bool):
         """A request to a decoupled network: its responses as a stream, on ModelStreamInfer
         only (Triton's refusal on ModelInfer)."""
+        entry = ask.entry
         if not streaming:
             entry.recorder.refused("invalid")
             raise Unsupported(
@@ -238,11 +198,10 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
                 f"model {entry.name!r} is decoupled: its outputs cannot be written to shared "
                 "memory; ask for them in the responses"
             )
-        nbytes = size * GRPC_FACTOR + decoding_nbytes(request)
-        inputs = request_inputs(request, entry, self.shm)
-        return self.plane.submit_decoupled(
-            entry, inputs, requested_outputs(request), when, token, holds=nbytes
-        )
+        ask.holds += decoding_nbytes(request)
+        ask.inputs = request_inputs(request, entry, self.shm)
+        ask.outputs = requested_outputs(request)
+        return self.plane.stream(ask)
 
     # --- system shared memory
 

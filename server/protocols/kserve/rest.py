@@ -61,6 +61,7 @@ from plugserve.server.control.model_control import ModelControl
 from plugserve.server.plane.budget import body_factor
 from plugserve.server.plane.dataplane import DataPlane
 from plugserve.server.plane.networks import LoadedNetwork
+from plugserve.server.plane.request import Request
 from plugserve.server.plane.response_stream import ResponseStream
 from plugserve.server.plane.shm import write_outputs
 from plugserve.server.protocols.auth import HEALTH, KSERVE, AuthInterceptor, control_refusal
@@ -530,17 +531,7 @@ class RestApp:
             )
         else:
             request = parse_infer(call.body, header_length, entry.expect, self.plane.shm)
-        deadline = time.monotonic() + request.timeout if request.timeout else None
-        future = self.plane.submit(
-            entry,
-            request.inputs,
-            request.outputs,
-            deadline,
-            inline=_fast(entry),
-            token=_model_token(request),
-            after=_writer(request),
-            step=request.step,
-        )
+        future = self.plane.infer(_request(entry, request, _fast(entry)))
         if future.done():  # ran inline: answered without leaving the parser's callback
             outputs = future.result()
             if _bytes_of(outputs) <= INLINE_BYTES:
@@ -564,18 +555,7 @@ class RestApp:
                 entry.expect(name, array.dtype, list(array.shape))
         else:
             request = parse_infer(call.body, header_length, entry.expect, self.plane.shm)
-        deadline = time.monotonic() + request.timeout if request.timeout else None
-        _model_token(request, token)
-        future = self.plane.submit(
-            entry,
-            request.inputs,
-            request.outputs,
-            deadline,
-            inline=True,
-            token=token,
-            after=_writer(request),
-            step=request.step,
-        )
+        future = self.plane.infer(_request(entry, request, True, token))
         return _infer_reply(entry, request, future.result())
 
     def _in_worker(
@@ -613,15 +593,14 @@ class RestApp:
             request = await self._in_worker(lambda: parse_generate(call.json(), entry))
         else:
             request = parse_generate(call.json(), entry)
-        token = cancel.Token()
-        token.parameters = model_parameters(request.parameters)
         timeout = request_timeout(request.parameters)
-        deadline = time.monotonic() + timeout if timeout else None
+        ask = Request(
+            entry, request.inputs, parameters=model_parameters(request.parameters),
+            deadline=time.monotonic() + timeout if timeout else None, protocol="rest",
+        )  # fmt: skip
         if entry.network.decoupled:
-            stream = self.plane.submit_decoupled(entry, request.inputs, None, deadline, token)
-            return entry, request, stream
-        future = self.plane.submit(entry, request.inputs, None, deadline, token=token)
-        return entry, request, future
+            return entry, request, self.plane.stream(ask)
+        return entry, request, self.plane.infer(ask)
 
     async def generate(self, call: Call) -> Reply:
         """One response, as JSON (a decoupled model must answer exactly one)."""
@@ -737,22 +716,18 @@ class RestApp:
         return 200, [], []
 
 
-def _writer(request: InferCall) -> Callable[[dict[str, Any]], dict[str, Any]] | None:
-    """What writes a request's shared memory outputs when it has run (None: it has none)."""
-    return functools.partial(write_outputs, request.regions) if request.regions else None
-
-
-def _model_token(request: InferCall, token: cancel.Token | None = None) -> cancel.Token | None:
-    """``token`` (or a new one, when there is something to carry) with what a Python model
-    reads of its request: the client's id, its parameters, its sequence."""
-    if token is None and not (request.id or request.parameters or request.step):
-        return None
-    token = token if token is not None else cancel.Token()
-    token.request_id = request.id or ""
-    token.parameters = request.parameters
-    if request.step is not None:
-        token.sequence = (request.step.id, int(request.step.start) | int(request.step.end) << 1)
-    return token
+def _request(
+    entry: LoadedNetwork, request: InferCall, inline: bool, token: cancel.Token | None = None
+) -> Request:
+    """The data plane's request for a decoded infer call: with what a Python model reads of
+    it (the client's id, its parameters, its sequence) and its shared memory outputs."""
+    return Request(
+        entry, request.inputs, outputs=request.outputs,
+        deadline=time.monotonic() + request.timeout if request.timeout else None, run=token,
+        id=request.id or "", parameters=request.parameters, step=request.step, inline=inline,
+        after=functools.partial(write_outputs, request.regions) if request.regions else None,
+        protocol="rest",
+    )  # fmt: skip
 
 
 def _readiness(entry: LoadedNetwork) -> Reply:

@@ -4,7 +4,7 @@ A thin adapter like the KServe ones (``server/protocols/kserve/rest.py``): each 
 body (``protocol.py``), looks the model up once (``DataPlane.get``), renders the chat template and
 tokenizes with the model's own :class:`Tokenizer`, checks what needs the model (the context
 length, the vocabulary, the schema), opens one stream per prompt through
-``DataPlane.open_stream`` (admission, the in-flight count, the deadline watch, the memory
+``DataPlane.stream`` (admission, the in-flight count, the deadline watch, the memory
 budget, the recorder: what every request gets) whose producer is the model's engine, and
 encodes the engine's events as OpenAI's bodies (``encode.py``) or server-sent events.
 
@@ -40,6 +40,7 @@ from plugserve.plugins.api import (
     ResourceExhausted,
 )
 from plugserve.server.apps.generate.types import GenerationEvent, GenerationRequest, SamplingParams
+from plugserve.server.plane.request import Request
 from plugserve.server.protocols.auth import KSERVE
 from plugserve.server.protocols.http import sse
 from plugserve.server.protocols.http.http_server import StreamReply
@@ -378,7 +379,7 @@ class OpenAIRoutes:
         def start(sender: Any) -> None:
             engine.add(request, sender)
 
-        return self.plane.open_stream(model.entry, start, holds=holds)
+        return self.plane.stream(Request(model.entry, holds=holds, protocol="openai"), start)
 
     # --- POST /v1/embeddings
 

@@ -20,6 +20,7 @@ from plugserve.server.control.core import refuse_server_keys
 from plugserve.server.control.model_control import ModelControl, failed_to_load
 from plugserve.server.plane.budget import GRPC_FACTOR
 from plugserve.server.plane.dataplane import DataPlane
+from plugserve.server.plane.request import Request
 from plugserve.server.protocols.grpc.handlers import Inference, deadline
 from plugserve.server.protocols.v1.convert import (
     decoding_nbytes,
@@ -169,6 +170,11 @@ class PlugserveServicer(pb_grpc.PlugserveServicer):
         its strings before they are decoded. A decoupled network answers on InferStream
         (``streaming``) only."""
         entry = self.plane.get(request.network, request.version)
+        ask = Request(
+            entry, outputs=list(request.outputs), deadline=deadline(context), run=token,
+            step=sequence_of(request), inline=inline,
+            holds=size * GRPC_FACTOR + decoding_nbytes(request), protocol="v1",
+        )  # fmt: skip
         if entry.network.decoupled:
             if not streaming:
                 entry.recorder.refused("invalid")
@@ -176,29 +182,10 @@ class PlugserveServicer(pb_grpc.PlugserveServicer):
                     f"network {entry.name!r} is decoupled (it answers a request with any "
                     "number of responses): send its requests on InferStream"
                 )
-            nbytes = size * GRPC_FACTOR + decoding_nbytes(request)
-            return entry, self.plane.submit_decoupled(
-                entry,
-                request_inputs(request, entry),
-                list(request.outputs),
-                deadline(context),
-                token,
-                holds=nbytes,
-            )
-        future = self.plane.charged(
-            entry,
-            size * GRPC_FACTOR + decoding_nbytes(request),
-            lambda: self.plane.submit(
-                entry,
-                request_inputs(request, entry),
-                list(request.outputs),
-                deadline(context),
-                token=token,
-                inline=inline,
-                step=sequence_of(request),
-            ),
-        )
-        return entry, future
+            ask.inputs = request_inputs(request, entry)
+            return entry, self.plane.stream(ask)
+        ask.decode = functools.partial(request_inputs, request, entry)
+        return entry, self.plane.infer(ask)
 
     def ExportNetwork(self, request, context):
         return pb.ExportNetworkResponse(blob=self.control.export(request.name, request.version))

@@ -72,6 +72,7 @@ from plugserve.server.apps.pipelines.python import ipc
 from plugserve.server.apps.pipelines.python.calls import CALLS
 from plugserve.server.apps.pipelines.types import DTYPES
 from plugserve.server.plane import budget
+from plugserve.server.plane.request import Request
 from plugserve.server.plane.sequences import sequence_step
 
 __all__ = ["PythonPlugin"]
@@ -781,9 +782,7 @@ class Worker:
                 raise InvalidInput(
                     f"model {entry.name!r} is decoupled: call it with exec(decoupled=True)"
                 )
-            token = cancel.Token()
             parameters = json.loads(header.get("parameters") or "{}")
-            token.parameters = parameters if isinstance(parameters, dict) and parameters else None
             timeout = int(header.get("timeout") or 0)
             deadline = time.monotonic() + timeout / 1e6 if timeout > 0 else None
             outputs = list(header.get("outputs") or []) or None
@@ -793,17 +792,20 @@ class Worker:
                     f"model {entry.name!r}: a decoupled BLS call carries no sequence "
                     "(correlation_id, flags); call a sequence model with exec()"
                 )
+            request = Request(
+                entry, inputs, outputs=outputs, deadline=deadline, step=step,
+                parameters=parameters if isinstance(parameters, dict) and parameters else None,
+                holds=sum(getattr(a, "nbytes", 0) for a in inputs.values()),  # the budget's
+                protocol="bls",
+            )  # fmt: skip
             with self._calls_lock:
-                self.calls[call] = token
-            holds = sum(getattr(a, "nbytes", 0) for a in inputs.values())  # the budget's
+                self.calls[call] = request.run
             if decoupled:
-                stream = plane.submit_decoupled(entry, inputs, outputs, deadline, token, holds)
+                stream = plane.stream(request)
                 lock = threading.Lock()
                 stream.add_listener(lambda: self._forward(call, stream, lock))
             else:
-                future = plane.submit(
-                    entry, inputs, outputs, deadline, token=token, holds=holds, step=step
-                )
+                future = plane.infer(request)
                 future.add_done_callback(lambda f: self._bls_done(call, f))
         except PlugserveError as exc:
             with self._calls_lock:

@@ -1,0 +1,142 @@
+"""One inference request as the server holds it, from its adapter to its answer.
+
+Every protocol adapter (KServe v2 over gRPC and REST, plugserve.v1, OpenAI, Triton's generate
+extension) and every application that calls a model (an ensemble's step, a Python model's BLS
+call, an embeddings run) builds one :class:`Request` where it decodes the call, and hands it to
+:meth:`DataPlane.infer` (one answer) or :meth:`DataPlane.stream` (a stream of responses).
+Nothing about the request travels beside it: its identity, deadline, cancellation, the bytes it
+is charged, the outputs it wants, its parameters, its place in a sequence and its trace context
+are fields here, so the data plane admits it, accounts for it and releases it in one place
+(``DataPlane._admit``), as MLServer's ``_infer_contextmanager`` and vLLM's
+``EngineCoreRequest`` keep a request in one object.
+
+The device sees the part of it a device may act on, :attr:`Request.run` (a
+:class:`plugserve.plugins.cancel.Token`: cancellation, the room an output may take, the outputs
+wanted, and what a Python model reads of its request: id, parameters, sequence), handed to the
+device explicitly by the data plane when it runs the request: plugins never import the server.
+
+The fields are set once, by the adapter, before the request is admitted; the data plane only
+reads them (but for :attr:`deadline`, which a request's ``timeout`` parameter and its client's
+own deadline meet in, and :attr:`holds`, what is charged).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from plugserve.plugins import cancel
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from plugserve.server.plane.networks import LoadedNetwork
+    from plugserve.server.plane.sequences import Step
+
+__all__ = ["Request"]
+
+
+class Request:
+    """One request to one loaded network (``entry``, the adapter's one lookup).
+
+    Inputs come one of three ways: ``inputs`` by name; ``checked``, arrays in the network's
+    order that a protocol's fast path already knows pass the network's checks; or ``decode``,
+    a callable that decodes them once the request's bytes are charged (KServe's typed contents
+    and strings allocate memory of their own, which must be charged before it is allocated).
+    """
+
+    __slots__ = (
+        "after",
+        "checked",
+        "deadline",
+        "decode",
+        "entry",
+        "holds",
+        "inline",
+        "inputs",
+        "outputs",
+        "priority",
+        "protocol",
+        "run",
+        "step",
+        "trace",
+    )
+
+    def __init__(
+        self,
+        entry: LoadedNetwork,
+        inputs: Mapping[str, Any] | None = None,
+        *,
+        outputs: list[str] | None = None,
+        checked: list[np.ndarray] | None = None,
+        decode: Callable[[], Mapping[str, Any]] | None = None,
+        deadline: float | None = None,
+        run: cancel.Token | None = None,
+        id: str = "",
+        parameters: dict[str, Any] | None = None,
+        step: Step | None = None,
+        holds: int = 0,
+        inline: bool = False,
+        after: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+        priority: int = 0,
+        protocol: str = "",
+        trace: Any = None,
+    ) -> None:
+        self.entry = entry
+        #: the inputs by name (unused when ``checked`` or ``decode`` gives them)
+        self.inputs = inputs
+        #: the outputs the client asked for, by name (None: every one the network answers)
+        self.outputs = outputs
+        self.checked = checked
+        self.decode = decode
+        #: when the request stops waiting (``time.monotonic``): the client's deadline and its
+        #: ``timeout`` parameter, whichever comes first; the server's --max-request-seconds is
+        #: the data plane's own
+        self.deadline = deadline
+        #: bytes charged to --max-inflight-bytes when it is admitted, held until it is answered
+        #: (0: the adapter charged them itself, as REST does when a body's headers arrive)
+        self.holds = holds
+        #: its caller waits for the answer anyway (a unary call): run on the caller's thread
+        #: when one of the network's streams is idle
+        self.inline = inline
+        #: applied to the outputs on the thread that ran the request, before it counts as
+        #: done (outputs written into shared memory regions)
+        self.after = after
+        #: the place in a sequence (Triton's ``sequence_*`` parameters), or None
+        self.step = step
+        #: Triton's request priority (1 is the highest; 0: the model's default)
+        self.priority = priority
+        #: which face it came in by ("grpc", "rest", "v1", "openai", "bls", "ensemble"), for
+        #: traces and logs
+        self.protocol = protocol
+        #: the request's trace context (``process/tracing.py``), None when it is not traced
+        self.trace = trace
+        if run is None:
+            run = cancel.Token()
+        #: what the device sees: cancellation and what a model reads of its request
+        self.run = run
+        if id:
+            run.request_id = id
+        if parameters is not None:
+            run.parameters = parameters
+        if step is not None:  # a Python model's correlation_id() and flags()
+            run.sequence = (step.id, int(step.start) | int(step.end) << 1)
+
+    @property
+    def id(self) -> str:
+        """The client's id for the request (KServe's ``id``), "" when it gave none."""
+        return self.run.request_id
+
+    @property
+    def parameters(self) -> dict[str, Any] | None:
+        """The request's own parameters (those the server does not act on itself)."""
+        return self.run.parameters
+
+    def until(self, deadline: float | None) -> None:
+        """Stop waiting at ``deadline`` too (a ``timeout`` parameter beside the client's)."""
+        if deadline is not None and (self.deadline is None or deadline < self.deadline):
+            self.deadline = deadline
+
+    def __repr__(self) -> str:
+        entry = self.entry
+        return f"<Request {entry.name}:{entry.version} id={self.id!r} via {self.protocol or '?'}>"
