@@ -150,7 +150,11 @@ def _metadata(meta: Any) -> Iterator[str]:
             len(label) <= 63 and _LABEL_NAME.fullmatch(label)
         ):
             yield f"metadata.labels: invalid key {key!r}"
-        if not isinstance(value, str) or len(value) > 63 or (value and not _LABEL_NAME.fullmatch(value)):
+        if (
+            not isinstance(value, str)
+            or len(value) > 63
+            or (value and not _LABEL_NAME.fullmatch(value))
+        ):
             yield f"metadata.labels[{key}]: invalid value {value!r}"
     for key, value in (meta.get("annotations") or {}).items():
         if not isinstance(value, str):
