@@ -5,7 +5,8 @@ finishes (:class:`_Series`), turned into Prometheus families only when /metrics 
 prometheus_client's Counter and two Histogram observes took three locks and ~15 Python calls
 per request, a tenth of a small request's server time. Gauges that describe the present (queue
 depth, busy streams) are read from the executors at scrape time, so they are never stale and
-cost nothing per request.
+cost nothing per request. The same readings, summed over the server into one unlabelled
+series each (:class:`_ServerCollector`), are what a router in front of many servers reads.
 """
 
 from __future__ import annotations
