@@ -5,7 +5,8 @@ finishes (:class:`_Series`), turned into Prometheus families only when /metrics 
 prometheus_client's Counter and two Histogram observes took three locks and ~15 Python calls
 per request, a tenth of a small request's server time. Gauges that describe the present (queue
 depth, busy streams) are read from the executors at scrape time, so they are never stale and
-cost nothing per request.
+cost nothing per request. The same readings, summed over the server into one unlabelled
+series each (:class:`_ServerCollector`), are what a router in front of many servers reads.
 """
 
 from __future__ import annotations
@@ -260,6 +261,72 @@ class _GenerationCollector:
         yield from (prompt, cached, generated, finished, running, waiting, usage, size)
 
 
+class _ServerCollector:
+    """The server's load as one unlabelled series per metric: what a router in front of many
+    servers reads of each one. The inference gateway's endpoint picker (its model server
+    protocol: queued requests, running requests, KV-cache utilization, and the cache's block
+    size and blocks) takes the first series of a family that matches its selector and never
+    sums, so the per-device and per-model gauges above would give it one model's share;
+    these add them up, read at scrape time from the same executors and engines:
+
+    - ``plugserve_num_requests_waiting``: requests queued for a device's stream, plus
+      generation requests not yet holding a cache slot (counted from their arrival);
+    - ``plugserve_num_requests_running``: streams running a request, plus sequences holding
+      a cache slot (vLLM's ``num_requests_running`` counts these too);
+    - ``plugserve_kv_cache_usage_ratio``: the share of every generative model's cache held by
+      running sequences, weighted by bytes, in [0, 1] (0 without a generative model);
+    - ``plugserve_cache_config_info{block_size, num_blocks}``: vLLM's ``cache_config_info``:
+      the prefix cache's block size in tokens and the blocks all the caches hold (a slot holds
+      ``max_model_len`` tokens: slots x max_model_len / block_size); models with different
+      block sizes are counted in the smallest; absent while no generative model is loaded.
+
+    deploy/gateway's engine profile names these; tests/deploy/test_gateway_contract.py reads
+    them as the picker does."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def collect(self):
+        waiting = running = 0
+        held = total = 0.0
+        caches: list[tuple[int, int]] = []
+        for _device, pending, busy, _streams, _networks in self._metrics.executor_gauges():
+            waiting += pending
+            running += busy
+        for _device, _model, _version, snap in self._metrics.generation_stats():
+            waiting += snap.waiting
+            running += snap.running
+            held += snap.kv_cache_usage * snap.kv_cache_bytes
+            total += snap.kv_cache_bytes
+            if snap.block_size > 0:
+                caches.append((snap.block_size, snap.kv_cache_blocks))
+        yield GaugeMetricFamily(
+            "plugserve_num_requests_waiting",
+            "Requests waiting in this server: for a device's stream, or for a cache slot",
+            value=waiting,
+        )
+        yield GaugeMetricFamily(
+            "plugserve_num_requests_running",
+            "Requests running in this server: on a device's stream, or holding a cache slot",
+            value=running,
+        )
+        yield GaugeMetricFamily(
+            "plugserve_kv_cache_usage_ratio",
+            "Share of the server's key/value caches held by running sequences (0 to 1)",
+            value=min(1.0, held / total) if total else 0.0,
+        )
+        info = GaugeMetricFamily(
+            "plugserve_cache_config_info",
+            "The key/value caches: prefix-cache block size (tokens) and blocks in all",
+            labels=["block_size", "num_blocks"],
+        )
+        if caches:
+            size = min(b for b, _n in caches)
+            blocks = sum(n * b // size for b, n in caches)
+            info.add_metric([str(size), str(blocks)], 1)
+        yield info
+
+
 class Metrics:
     def __init__(self, version: str) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -292,8 +359,20 @@ class Metrics:
         #: the families models declare (a Python model's pb_utils.MetricFamily)
         self.custom = CustomMetrics()
         self._server = None
+        self._executors: Callable[[], list[tuple[str, int, int, int, int]]] = list
+        self._generation: Callable[[], list[tuple[str, str, str, Any]]] = list
+        self.registry.register(_ServerCollector(self))
+
+    def executor_gauges(self) -> list[tuple[str, int, int, int, int]]:
+        """``(device, queued, running, streams, networks)`` of each device, now."""
+        return self._executors()
+
+    def generation_stats(self) -> list[tuple[str, str, str, Any]]:
+        """``(device, model, version, stats snapshot)`` of each generative model, now."""
+        return self._generation()
 
     def watch_executors(self, read: Callable[[], list[tuple[str, int, int, int, int]]]) -> None:
+        self._executors = read
         self.registry.register(_ExecutorCollector(read))
 
     def watch_sequences(self, read: Callable[[], list[tuple[str, str, str, int, int]]]) -> None:
@@ -301,6 +380,7 @@ class Metrics:
 
     def watch_generation(self, read: Callable[[], list[tuple[str, str, str, Any]]]) -> None:
         """``read()``: ``(device, model, version, stats snapshot)`` of each generative model."""
+        self._generation = read
         self.registry.register(_GenerationCollector(read))
 
     def _series_of(self, device: str, model: str, version: str) -> _Series:

@@ -3,8 +3,10 @@
 - ``kubectl kustomize`` renders the base and each overlay; ``kubernetes-validate --strict``
   checks every built-in object against the Kubernetes schemas (a typo'd copy must fail, so
   strictness is checked too). Custom resources (ServiceMonitor, ServingRuntime,
-  InferenceService) are not in those schemas: their structure is checked here, and the
-  ServingRuntime's container is validated as a core/v1 Container inside a Pod.
+  InferenceService, and the inference-gateway overlay's InferencePool and HTTPRoute) are not
+  in those schemas: test_deploy_crds.py checks them against their projects' CRDs, their
+  structure is checked here, and the ServingRuntime's container is validated as a core/v1
+  Container inside a Pod.
 - The manifests' commands run here: the Deployment's initContainer command builds the model
   repository, the server container's command and args (ports moved to free ones, paths to
   temporary folders, the plugins file taken from the generated ConfigMap) start a real
@@ -41,8 +43,15 @@ yaml = pytest.importorskip("yaml", reason="PyYAML missing (it comes with kuberne
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
 KSERVE = ROOT / "deploy" / "kserve"
-OVERLAYS = ("queue-depth", "pvc", "tls")
-CUSTOM_KINDS = {"ServiceMonitor", "ServingRuntime", "InferenceService"}
+OVERLAYS = ("queue-depth", "pvc", "tls", "inference-gateway")
+#: checked against their CRDs by test_deploy_crds.py
+CUSTOM_KINDS = {
+    "ServiceMonitor",
+    "ServingRuntime",
+    "InferenceService",
+    "InferencePool",
+    "HTTPRoute",
+}
 POD_LABELS = {"app.kubernetes.io/name": "plugserve", "app.kubernetes.io/component": "server"}
 
 
@@ -144,7 +153,8 @@ def test_rendered_objects_pass_kubernetes_validate_strict(overlay, tmp_path):
     docs = render(K8S / "overlays" / overlay if overlay else K8S)
     builtin = [d for d in docs if d["kind"] not in CUSTOM_KINDS]
     custom = {d["kind"] for d in docs if d["kind"] in CUSTOM_KINDS}
-    assert custom == {"ServiceMonitor"}  # checked by test_servicemonitor below
+    gateway = {"InferencePool", "HTTPRoute"} if overlay == "inference-gateway" else set()
+    assert custom == {"ServiceMonitor", *gateway}  # and by test_servicemonitor below
     result = _validate(builtin, tmp_path, overlay or "base")
     output = result.stdout + result.stderr
     assert result.returncode == 0, output

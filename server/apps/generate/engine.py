@@ -116,6 +116,8 @@ class Engine:
         self.sampler = Sampler(seed)
         self.stats_ = GenerationStats()
         self.stats_.kv_cache_bytes = self.cache.nbytes
+        self.stats_.block_size = settings.block_size
+        self.stats_.kv_cache_blocks = self.cache.rows * self.capacity // settings.block_size
         self.eos = frozenset(tokenizer.eos_token_ids)
         self._lock = threading.Condition()
         self._inbox: list[RequestState] = []
@@ -170,6 +172,8 @@ class Engine:
             self._inbox.append(state)
             self._woken = True
             self._lock.notify()
+        with self.stats_.lock:  # waiting from its arrival on, not from the loop's next turn
+            self.stats_.waiting += 1
         sender.on_cancel(lambda: self.abort(request.request_id))
 
     def abort(self, request_id: str) -> None:
@@ -243,7 +247,7 @@ class Engine:
         stats = self.stats_
         with stats.lock:
             stats.running = self.scheduler.held
-            stats.waiting = len(self.scheduler.waiting)
+            stats.waiting = len(self.scheduler.waiting) + len(self._inbox)
             stats.kv_cache_usage = self.table.held() / max(1, self.cache.rows)
 
     # --- one step

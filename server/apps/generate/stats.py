@@ -60,6 +60,10 @@ class Snapshot:
     waiting: int
     kv_cache_usage: float
     kv_cache_bytes: int
+    #: tokens per block of the prefix cache, and the blocks the cache holds in all
+    #: (slots x context / block size): what vLLM's ``cache_config_info`` says
+    block_size: int = 0
+    kv_cache_blocks: int = 0
 
 
 class GenerationStats:
@@ -76,6 +80,8 @@ class GenerationStats:
         self.waiting = 0
         self.kv_cache_usage = 0.0
         self.kv_cache_bytes = 0
+        self.block_size = 0  # set once by the engine, with kv_cache_bytes
+        self.kv_cache_blocks = 0
 
     def snapshot(self) -> Snapshot:
         with self.lock:
@@ -89,4 +95,6 @@ class GenerationStats:
                 self.waiting,
                 self.kv_cache_usage,
                 self.kv_cache_bytes,
+                self.block_size,
+                self.kv_cache_blocks,
             )
