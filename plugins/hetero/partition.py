@@ -213,33 +213,126 @@ def partition(
     :class:`TooManySubgraphsError`, which keeps the work linear in the graph.
     """
     preds = _validate(successors, predecessors, affinities, devices)
-    n = len(successors)
-    nbytes = (n + 7) // 8
-    # adjacency in visiting order: successors first, then predecessors
-    adjacent = [tuple(s) + tuple(p) for s, p in zip(successors, preds, strict=True)]
-    code = {d: k for k, d in enumerate(devices)}
-    aff = [code[a] for a in affinities]
+    selector = _Selector(successors, preds, affinities, devices, trace)
+    result: list[Subgraph] = []
+    for dev, device in enumerate(devices):
+        selector.start_device(dev)
+        while True:
+            best = selector.select_round(dev, device)
+            if best is None:
+                break
+            result.append(Subgraph(device, tuple(best)))
+            if max_subgraphs and len(result) > max_subgraphs:
+                raise TooManySubgraphsError(
+                    f"the affinities need more than {max_subgraphs} subgraphs"
+                )
+            selector.take(best, through_subgraphs)
+    return result
 
-    # transitive closure, strict: desc[i] / anc[i] exclude i itself
-    desc = [0] * n
-    for u in range(n - 1, -1, -1):
-        bits = 0
-        for v in successors[u]:
-            bits |= desc[v] | (1 << v)
-        desc[u] = bits
-    anc = [0] * n
-    for v in range(n):
-        bits = 0
-        for u in preds[v]:
-            bits |= anc[u] | (1 << u)
-        anc[v] = bits
 
-    available = bytearray(b"\x01") * n
-    unassigned = (1 << n) - 1  # `available` as a bitset
+class _Selector:
+    """The state one :func:`partition` shares between its rounds: the strict transitive
+    closure (``desc[i]`` / ``anc[i]`` exclude ``i``), what is still available, and the
+    growths cached per root.
 
-    def grow(root: int, dev: int, growth: Growth | None) -> _Candidate:
+    The growth from a root reads only the availability and (through the rows of the nodes
+    it accepted) the closure bits of the nodes it visited, so it is reused in later rounds
+    until one of those changes (exactly the same result and steps as growing it again).
+    """
+
+    def __init__(
+        self,
+        successors: Sequence[Sequence[int]],
+        preds: Sequence[Sequence[int]],
+        affinities: Sequence[str],
+        devices: Sequence[str],
+        trace: list | None,
+    ) -> None:
+        n = self.n = len(successors)
+        self.nbytes = (n + 7) // 8
+        self.trace = trace
+        # adjacency in visiting order: successors first, then predecessors
+        self.adjacent = [tuple(s) + tuple(p) for s, p in zip(successors, preds, strict=True)]
+        code = {d: k for k, d in enumerate(devices)}
+        self.aff = [code[a] for a in affinities]
+        desc = self.desc = [0] * n
+        for u in range(n - 1, -1, -1):
+            bits = 0
+            for v in successors[u]:
+                bits |= desc[v] | (1 << v)
+            desc[u] = bits
+        anc = self.anc = [0] * n
+        for v in range(n):
+            bits = 0
+            for u in preds[v]:
+                bits |= anc[u] | (1 << u)
+            anc[v] = bits
+        self.available = bytearray(b"\x01") * n
+        self.unassigned = (1 << n) - 1  # `available` as a bitset
+        self.roots: list[int] = []
+        self.cache: dict[int, _Candidate] = {}
+        self.by_visited: dict[int, list[_Candidate]] = {}
+        self.by_touched: dict[int, list[_Candidate]] = {}
+
+    def start_device(self, dev: int) -> None:
+        self.roots = [i for i in range(self.n) if self.aff[i] == dev]
+        self.cache.clear()
+        self.by_visited.clear()
+        self.by_touched.clear()
+
+    def select_round(self, dev: int, device: str) -> list[int] | None:
+        """One round for ``dev``: a candidate grown from every root not covered by an earlier
+        one, and the largest of them (the first on a tie); None when no root is left."""
+        available, trace = self.available, self.trace
+        roots = self.roots = [r for r in self.roots if available[r]]
+        if not roots:
+            return None
+        covered = bytearray(self.n)
+        candidates: list[list[int]] = []
+        for r in roots:
+            if covered[r]:
+                continue
+            growth = None
+            if trace is not None:
+                growth = Growth(device, tuple(x for x in roots if not covered[x]), r)
+                trace.append(growth)
+            cand = self.cache.get(r)
+            if cand is None:
+                cand = self.cache[r] = self.grow(r, dev, growth)
+                for v in cand.visited:
+                    self.by_visited.setdefault(v, []).append(cand)
+                for v in cand.touched:
+                    self.by_touched.setdefault(v, []).append(cand)
+            elif growth is not None:
+                growth.steps = list(cand.steps)
+            nodes = cand.nodes
+            if growth is not None:
+                growth.result = tuple(nodes)
+            candidates.append(nodes)
+            for v in nodes:
+                covered[v] = 1
+        best = candidates[0]
+        for c in candidates[1:]:
+            if len(c) > len(best):
+                best = c
+        if trace is not None:
+            trace.append(Selection(device, tuple(map(tuple, candidates)), tuple(best)))
+        return best
+
+    def take(self, best: list[int], through_subgraphs: bool) -> None:
+        """``best`` is selected: its nodes leave, and the growths it made stale are dropped."""
+        for v in best:
+            self.available[v] = 0
+        self.unassigned &= ~_bits(best, self.nbytes)
+        self.forget(best, self.contract(best) if through_subgraphs else None)
+
+    def grow(self, root: int, dev: int, growth: Growth | None) -> _Candidate:
+        """The candidate subgraph of ``root`` (steps 2 to 7 of the algorithm)."""
+        desc, anc, adjacent, available, aff = (
+            self.desc, self.anc, self.adjacent, self.available, self.aff
+        )  # fmt: skip
         # state: 0 unvisited, 1 accepted, 2 rejected
-        state = bytearray(n)
+        state = bytearray(self.n)
         state[root] = 1
         visited = [root]  # every node accepted or rejected, in order
         touched = [root]  # every node ever accepted (whose closure rows were read)
@@ -301,15 +394,16 @@ def partition(
             merged,
             visited,
             touched,
-            _bits(visited, nbytes),
+            _bits(visited, self.nbytes),
             growth.steps if growth is not None else None,
         )
 
-    def contract(nodes: list[int]) -> tuple[list[int], int, list[int], int]:
-        # make the selected subgraph one node for reachability: whatever reaches a
-        # node of it reaches everything any node of it reaches, and vice versa.
-        # Only the rows of nodes still available are ever read again. Returns the
-        # rows that changed and the bits they gained, for `desc` and for `anc`.
+    def contract(self, nodes: list[int]) -> tuple[list[int], int, list[int], int]:
+        """Make the selected subgraph one node for reachability: whatever reaches a node of
+        it reaches everything any node of it reaches, and vice versa. Only the rows of nodes
+        still available are ever read again. Returns the rows that changed and the bits they
+        gained, for ``desc`` and for ``anc``."""
+        desc, anc, nbytes = self.desc, self.anc, self.nbytes
         members = _bits(nodes, nbytes)
         down, up = members, members
         reach_all, reached_by_all = -1, -1  # reach every member / reached by every one
@@ -326,7 +420,7 @@ def partition(
             (anc, down & ~reached_by_all, up),
         ):
             rows_changed, bits_gained = [], 0
-            for v in _indices(candidates & unassigned, nbytes):
+            for v in _indices(candidates & self.unassigned, nbytes):
                 old = rows[v]
                 new = old | gained
                 if new != old:
@@ -336,15 +430,9 @@ def partition(
             changed += [rows_changed, bits_gained]
         return changed[0], changed[1], changed[2], changed[3]
 
-    # The growth from a root reads only the availability and (through the rows of
-    # the nodes it accepted) the closure bits of the nodes it visited, so it is
-    # reused in later rounds until one of those changes (exactly the same result
-    # and steps as growing it again).
-    cache: dict[int, _Candidate] = {}
-    by_visited: dict[int, list[_Candidate]] = {}
-    by_touched: dict[int, list[_Candidate]] = {}
-
-    def forget(selected: list[int], changes) -> None:
+    def forget(self, selected: list[int], changes) -> None:
+        """Drop the cached growths that visited a selected node or read a changed row."""
+        cache, by_visited, by_touched = self.cache, self.by_visited, self.by_touched
         stale: dict[int, _Candidate] = {}
         for v in selected:
             for c in by_visited.get(v, ()):
@@ -363,58 +451,6 @@ def partition(
                     by_visited[v].remove(c)
                 for v in c.touched:
                     by_touched[v].remove(c)
-
-    result: list[Subgraph] = []
-    for dev, device in enumerate(devices):
-        roots = [i for i in range(n) if aff[i] == dev]
-        cache.clear()
-        by_visited.clear()
-        by_touched.clear()
-        while True:
-            roots = [r for r in roots if available[r]]
-            if not roots:
-                break
-            covered = bytearray(n)
-            candidates: list[list[int]] = []
-            for r in roots:
-                if covered[r]:
-                    continue
-                growth = None
-                if trace is not None:
-                    possible = tuple(x for x in roots if not covered[x])
-                    growth = Growth(device, possible, r)
-                    trace.append(growth)
-                cand = cache.get(r)
-                if cand is None:
-                    cand = cache[r] = grow(r, dev, growth)
-                    for v in cand.visited:
-                        by_visited.setdefault(v, []).append(cand)
-                    for v in cand.touched:
-                        by_touched.setdefault(v, []).append(cand)
-                elif growth is not None:
-                    growth.steps = list(cand.steps)
-                nodes = cand.nodes
-                if growth is not None:
-                    growth.result = tuple(nodes)
-                candidates.append(nodes)
-                for v in nodes:
-                    covered[v] = 1
-            best = candidates[0]
-            for c in candidates[1:]:
-                if len(c) > len(best):
-                    best = c
-            if trace is not None:
-                trace.append(Selection(device, tuple(map(tuple, candidates)), tuple(best)))
-            for v in best:
-                available[v] = 0
-            unassigned &= ~_bits(best, nbytes)
-            result.append(Subgraph(device, tuple(best)))
-            if max_subgraphs and len(result) > max_subgraphs:
-                raise TooManySubgraphsError(
-                    f"the affinities need more than {max_subgraphs} subgraphs"
-                )
-            forget(best, contract(best) if through_subgraphs else None)
-    return result
 
 
 def _snapshot(state: bytearray, merged: list[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
