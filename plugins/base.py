@@ -527,6 +527,13 @@ class CompiledNetwork(abc.ABC):
         """``(batch size, timeout ms)`` of a network that gathers requests into batches."""
         return None
 
+    def sequences_for(self, admission: Callable[..., Any]) -> Any:
+        """What passes sequence requests (Triton's correlation id and flags) on to networks
+        this one runs, given the server's admission for it: an ensemble whose step is a
+        sequence model answers its relay. None (the default): the network keeps no sequences
+        of its own and passes none on."""
+        return None
+
     def close(self) -> None:
         """Stop the streams: queued requests still run, new ones are refused.
 

@@ -35,7 +35,6 @@ from plugserve.plugins.api import (
     ResourceExhausted,
     refuse_non_tensors,
 )
-from plugserve.server.apps.pipelines.ensemble import EnsembleNetwork
 from plugserve.server.control.allocator import give_back_freed_memory
 from plugserve.server.control.core import Core, refuse_server_keys
 from plugserve.server.control.devices import parse_device
@@ -241,9 +240,8 @@ class ModelControl:
         """Give ``entry`` its sequence batcher (Triton's sequence_batching); its state outputs
         are then the server's, not an answer's. A network that passes sequence requests on
         (an ensemble of a sequence model: ``sequences_for``) gets what relays them instead."""
-        if settings is None:
-            if isinstance(entry.network, EnsembleNetwork):
-                entry.sequences = entry.network.sequences_for(self.plane.admission(entry))
+        if settings is None:  # an ensemble of a sequence model relays its sequences
+            entry.sequences = entry.network.sequences_for(self.plane.admission(entry))
             return
         try:
             entry.sequences = SequenceBatcher(

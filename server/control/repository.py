@@ -136,7 +136,7 @@ class Repository:
         per pipeline refused."""
         if self.ovms_file is None:
             return {}, []
-        from plugserve.server.apps.pipelines.ovms_dag import read_pipelines  # OVMS's only
+        from plugserve.server.control.ovms_pipelines import read_pipelines  # OVMS's only
 
         models = self._ovms()
         try:

@@ -147,7 +147,7 @@ class ModelSettings:
     formats: dict[str, int] = dataclasses.field(default_factory=dict)
     #: Triton's sequence_batching: the model's requests belong to sequences
     sequence: SequenceSettings | None = None
-    #: an OVMS pipeline (``server/apps/pipelines/ovms_dag.py``): what the ENSEMBLE device loads
+    #: an OVMS pipeline (``server/control/ovms_pipelines.py``): what the ENSEMBLE device loads
     #: instead of a file
     pipeline: Any = None
 
@@ -331,7 +331,7 @@ def policy_of(message: Any, where: Path) -> VersionPolicy:
 
 #: What a ``config.json`` of OpenVINO Model Server names a model with.
 OVMS_KEYS = "model_config_list"
-#: an OVMS config.json's pipeline lists (``server/apps/pipelines/ovms_dag.py`` reads them)
+#: an OVMS config.json's pipeline lists (``server/control/ovms_pipelines.py`` reads them)
 OVMS_PIPELINE_KEYS = ("pipeline_config_list", "custom_node_library_config_list")
 _OVMS_ACTED_ON = {
     "name",

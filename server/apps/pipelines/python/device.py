@@ -70,7 +70,7 @@ from plugserve.plugins.configuration import parse_non_negative_int
 from plugserve.plugins.streams import StreamsExecutor
 from plugserve.server.apps.pipelines.python import ipc
 from plugserve.server.apps.pipelines.python.calls import CALLS
-from plugserve.server.apps.pipelines.types import DTYPES
+from plugserve.server.control.triton_types import DTYPES
 from plugserve.server.plane import budget
 from plugserve.server.plane.request import Request
 from plugserve.server.plane.sequences import sequence_step

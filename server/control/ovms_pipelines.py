@@ -1,6 +1,6 @@
 """OpenVINO Model Server's DAG pipelines (``pipeline_config_list`` in its ``config.json``, see
 OVMS's docs/dag_scheduler.md and the schema in its src/schema.cpp) as ensembles: each
-pipeline becomes a :class:`~plugserve.server.apps.pipelines.ensemble.Definition` run by the same
+pipeline becomes a :class:`~plugserve.server.control.pipelines.Definition` run by the same
 scheduler as Triton's ensembles (``ensemble.py``).
 
 OVMS -> plugserve, field by field:
@@ -32,7 +32,7 @@ node ``demultiply_count``                        the nodes after it (up to those
                                                 first dimension (-1: as many as there are),
                                                 each branch on the items' slices (views), at
                                                 most ``ensemble.MAX_BRANCHES`` per request:
-                                                one :class:`~.ensemble.Fan` step
+                                                one :class:`~.pipelines.Fan` step
 node ``gather_from_node``                        its inputs from the branches stacked along a
                                                 new first dimension; without one, the
                                                 pipeline's outputs are (OVMS's response
@@ -54,8 +54,8 @@ from pathlib import Path
 from typing import Any
 
 from plugserve.plugins.api import InvalidArgument
-from plugserve.server.apps.pipelines.ensemble import Definition, Fan, Step
 from plugserve.server.control.model_names import check_name
+from plugserve.server.control.pipelines import Definition, Fan, Step
 
 __all__ = ["read_pipelines"]
 
