@@ -159,7 +159,9 @@ class Sampler:
             for j, i in enumerate(asked):
                 if i not in bad:
                     try:
-                        logprobs[i] = _entry(raw_lp[j], int(tokens[i]), rows[i].params.logprobs or 0)
+                        logprobs[i] = _entry(
+                            raw_lp[j], int(tokens[i]), rows[i].params.logprobs or 0
+                        )
                     except Exception as exc:
                         bad[i] = exc
         for i, row in enumerate(rows):

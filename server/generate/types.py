@@ -76,6 +76,7 @@ def seeded_generator(seed: int, index: int = 0) -> np.random.Generator:
     index``), any 64-bit seed taken modulo 2**64 (a negative one as its two's complement)."""
     return np.random.default_rng((int(seed) + index) % 2**64)
 
+
 #: why a sequence ended: a stop token or string ("stop"), max_tokens or the context length
 #: ("length"), or it was aborted (client gone, cancelled, deadline, engine closing: "abort")
 FINISH_REASONS = ("stop", "length", "abort")
@@ -239,9 +240,7 @@ def _integer(value: Any, low: int, high: int | None = None) -> bool:
     )
 
 
-def _number(
-    value: Any, low: float, high: float | None = None, low_open: bool = False
-) -> bool:
+def _number(value: Any, low: float, high: float | None = None, low_open: bool = False) -> bool:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return False
     if not math.isfinite(value) or (value <= low if low_open else value < low):

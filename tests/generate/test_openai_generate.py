@@ -96,7 +96,10 @@ def test_greedy_chats_are_transformers_token_for_token(api, references, model):
             **_ignore_eos(),
         )
         choice = answer.choices[0]
-        assert choice.model_extra["prompt_token_ids"] == case["prompt_ids"], case["name"]
+        # vLLM's return_token_ids: a chat's prompt ids are the response's, its choices' ids
+        # their own
+        assert answer.model_extra["prompt_token_ids"] == case["prompt_ids"], case["name"]
+        assert "prompt_token_ids" not in choice.model_extra
         assert choice.model_extra["token_ids"] == case["ids"], case["name"]
         assert choice.message.role == "assistant"
         assert choice.message.content == case["completion_ignore_eos"], case["name"]
@@ -135,6 +138,12 @@ def test_streamed_answers_are_the_same_tokens(api, references, model):
         assert all(c.usage is None for c in chunks[:-1])
         assert usage.prompt_tokens == len(case["prompt_ids"])
         assert usage.completion_tokens == count
+        # vLLM's return_token_ids: the prompt's ids on the first chunk only (a chat's at its
+        # top, a completion's in its choice)
+        first = chunks[0] if "prompt" not in case else chunks[0].choices[0]
+        assert first.model_extra.get("prompt_token_ids") == case["prompt_ids"], case["name"]
+        later = [c if "prompt" not in case else c.choices[0] for c in chunks[1:-1]]
+        assert all(c.model_extra.get("prompt_token_ids") is None for c in later), case["name"]
         ids, text, finish = [], [], []
         for chunk in chunks[:-1]:
             for choice in chunk.choices:
