@@ -3,10 +3,13 @@ the special tokens and chat template of ``tokenizer_config.json`` (or ``chat_tem
 and the end-of-sequence ids of ``generation_config.json`` and ``config.json``.
 
 What ``transformers``' ``AutoTokenizer`` does with the same files, without importing it (it
-takes seconds and a gigabyte of dependencies): ``encode`` runs the tokenizer's own pipeline
+takes seconds and a gigabyte of dependencies): ``encode`` runs the tokenizer's pipeline
 (normalizer, pre-tokenizer, model, post-processor: BOS/EOS insertion is the post-processor's,
 as in fast tokenizers), ``decode`` its decoder, and the chat template renders as
-``apply_chat_template`` does (see :mod:`.chat_template`).
+``apply_chat_template`` does (see :mod:`.chat_template`). The pipeline is ``tokenizer.json``'s
+as transformers 5 runs it: the class it loads the folder as may rebuild parts of it, and the
+tokenizer config's ``add_bos_token`` / ``add_eos_token`` rewrite its post-processor (see
+:mod:`.tokenizer_class`).
 
 End of sequence: the union of ``generation_config.json``'s ``eos_token_id`` (what
 ``transformers``' ``generate`` stops at), ``config.json``'s, and the tokenizer's ``eos_token``
@@ -142,8 +145,17 @@ class Tokenizer:
         except Exception as exc:
             raise InvalidModel(f"{path}: the tokenizers library cannot read it ({exc})") from None
         config = read_json(folder / "tokenizer_config.json")
+        model_config = read_json(folder / "config.json")
+        from plugserve.server.generate import tokenizer_class
+
+        try:
+            tokenizer_class.apply(backend, config, model_config, str(folder))
+        except Exception as exc:  # the tokenizers library refusing the class's pipeline
+            raise InvalidModel(
+                f"{path}: cannot run it as transformers 5 does ({type(exc).__name__}: {exc})"
+            ) from None
         eos = _ids(read_json(folder / "generation_config.json").get("eos_token_id"))
-        eos += _ids(read_json(folder / "config.json").get("eos_token_id"))
+        eos += _ids(model_config.get("eos_token_id"))
         genai = read_json(folder / "genai_config.json").get("model")
         if isinstance(genai, dict):  # a model builder's folder has no config.json
             eos += _ids(genai.get("eos_token_id"))
