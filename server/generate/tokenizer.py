@@ -26,13 +26,13 @@ from typing import Any
 
 from plugserve.plugins.api import InvalidArgument, InvalidModel
 
-__all__ = ["TOKENIZER_FILE", "Tokenizer", "read_json"]
+__all__ = ["SPECIAL_TOKENS", "TOKENIZER_FILE", "Tokenizer", "read_json", "token_text"]
 
 log = logging.getLogger(__name__)
 
 TOKENIZER_FILE = "tokenizer.json"
 #: the special tokens a chat template may name, as transformers passes them
-_SPECIAL = (
+SPECIAL_TOKENS = (
     "bos_token",
     "eos_token",
     "unk_token",
@@ -62,7 +62,7 @@ def read_json(path: Path) -> dict[str, Any]:
     return raw
 
 
-def _token_text(value: Any) -> str | None:
+def token_text(value: Any) -> str | None:
     """A special token as tokenizer_config.json writes it: a string or an AddedToken dict."""
     if isinstance(value, str):
         return value
@@ -97,13 +97,13 @@ class Tokenizer:
         self.where = where
         #: the special tokens a template may name (bos_token, eos_token, ...)
         self.special_tokens: dict[str, str] = {}
-        for key in _SPECIAL:
-            text = _token_text(config.get(key))
+        for key in SPECIAL_TOKENS:
+            text = token_text(config.get(key))
             if text is not None:
                 self.special_tokens[key] = text
         extra = config.get("additional_special_tokens") or config.get("extra_special_tokens")
         self.additional_special_tokens = [
-            t for t in (_token_text(v) for v in (extra or [])) if t is not None
+            t for t in (token_text(v) for v in (extra or [])) if t is not None
         ]
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
         #: the added tokens marked special (left out of text with skip_special_tokens)

@@ -38,6 +38,8 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+from plugserve.server.generate.tokenizer import token_text
+
 __all__ = [
     "GENERIC_MODEL_TYPES",
     "INCORRECT_HUB_CLASS",
@@ -58,177 +60,38 @@ GENERIC = (
     "MistralCommonBackend",
 )
 
+
+def _names(text: str) -> frozenset[str]:
+    return frozenset(text.split())
+
+
 #: model types registered with Qwen2Tokenizer (transformers 5.24's TOKENIZER_MAPPING_NAMES)
-QWEN2_MODEL_TYPES = frozenset(
-    [
-        "audioflamingo3",
-        "colqwen2",
-        "cosmos3_omni",
-        "dots3_note",
-        "fun_asr_nano",
-        "hunyuan_vl",
-        "internvl",
-        "lighton_ocr",
-        "moss_transcribe_diarize",
-        "ovis2",
-        "qianfan_ocr",
-        "qwen2",
-        "qwen2_5_omni",
-        "qwen2_5_vl",
-        "qwen2_audio",
-        "qwen2_moe",
-        "qwen2_vl",
-        "qwen3",
-        "qwen3_asr",
-        "qwen3_moe",
-        "qwen3_next",
-        "qwen3_omni_moe",
-        "qwen3_vl",
-        "qwen3_vl_moe",
-        "vibevoice",
-    ]
+QWEN2_MODEL_TYPES = _names(
+    "audioflamingo3 colqwen2 cosmos3_omni dots3_note fun_asr_nano hunyuan_vl internvl "
+    "lighton_ocr moss_transcribe_diarize ovis2 qianfan_ocr qwen2 qwen2_5_omni qwen2_5_vl "
+    "qwen2_audio qwen2_moe qwen2_vl qwen3 qwen3_asr qwen3_moe qwen3_next qwen3_omni_moe "
+    "qwen3_vl qwen3_vl_moe vibevoice"
 )
 #: model types registered with Qwen3_5Tokenizer
-QWEN3_5_MODEL_TYPES = frozenset(
-    ["qwen3_5", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_5_text", "qwen4_exp"]
-)
-#: model types registered with a generic class (the file as it is)
-GENERIC_MODEL_TYPES = frozenset(
-    [
-        "EvollaModel",
-        "arctic",
-        "aria",
-        "beam",
-        "bigbird_pegasus",
-        "camembertv2-base",
-        "canary",
-        "chatlm",
-        "cohere_asr",
-        "ernie4_5",
-        "ernie4_5_moe",
-        "flex_olmo",
-        "fuyu",
-        "glm",
-        "glm4",
-        "glm4_moe",
-        "glm4_moe_lite",
-        "glm4v",
-        "glm4v_moe",
-        "glm_image",
-        "glmasr",
-        "got_ocr2",
-        "gpt_bigcode",
-        "gradium_phonon_tts",
-        "granite",
-        "granitemoe",
-        "granitemoehybrid",
-        "granitemoeshared",
-        "h2ovl_chat",
-        "hyperclovax",
-        "hyperclovax_vision_v2",
-        "hyperclovax_vlm",
-        "internlm2",
-        "internlm3",
-        "iquestcoder",
-        "jamba",
-        "kimi_k25",
-        "kimi_linear",
-        "kosmos-2",
-        "llava",
-        "llava_next",
-        "mimo_v2_flash",
-        "minicpm3",
-        "minicpm_ocr",
-        "minicpmv",
-        "minicpmv4_6",
-        "minicpmv4_7",
-        "minimax_m2",
-        "ministral",
-        "ministral3",
-        "mistral",
-        "mistral3",
-        "mistral_large4",
-        "mixtral",
-        "modernbert",
-        "modernbert-decoder",
-        "molmo",
-        "molmo2",
-        "nemo_speechlm",
-        "nemotron",
-        "nvfp4",
-        "nystromformer",
-        "olmo2",
-        "olmo3",
-        "olmo_hybrid",
-        "omniasr",
-        "opencua",
-        "openvla",
-        "paddleocr_vl",
-        "pegasus_x",
-        "persimmon",
-        "phi3",
-        "phi3_v",
-        "phimoe",
-        "pix2struct",
-        "pixtral",
-        "pocket_tts",
-        "siglip2",
-        "smolvlm",
-        "stablelm",
-        "step3_vl",
-        "umt5",
-        "vipllava",
-        "voxtral",
-        "voxtral_realtime",
-        "xlm-roberta-xl",
-    ]
+QWEN3_5_MODEL_TYPES = _names("qwen3_5 qwen3_5_moe qwen3_5_moe_text qwen3_5_text qwen4_exp")
+#: model types registered with a generic class (the file as it is), besides those of
+#: INCORRECT_HUB_CLASS that transformers registers with the generic class too
+GENERIC_MODEL_TYPES = _names(
+    "EvollaModel aria beam bigbird_pegasus canary flex_olmo glm glm4 glm4_moe glm4_moe_lite "
+    "glm4v glm4v_moe glm_image glmasr got_ocr2 gpt_bigcode gradium_phonon_tts granite "
+    "granitemoe granitemoehybrid granitemoeshared kimi_k25 kimi_linear kosmos-2 mimo_v2_flash "
+    "minicpm_ocr minicpmv4_6 minicpmv4_7 ministral ministral3 mistral mistral3 mistral_large4 "
+    "mixtral nemo_speechlm nystromformer olmo2 olmo3 olmo_hybrid omniasr pegasus_x persimmon "
+    "pix2struct pixtral pocket_tts stablelm umt5 voxtral voxtral_realtime xlm-roberta-xl"
 )
 #: model types whose folders transformers believes declare a wrong tokenizer class: their
 #: registered class is used whatever the folder declares
-INCORRECT_HUB_CLASS = frozenset(
-    [
-        "arctic",
-        "camembertv2-base",
-        "chatlm",
-        "cohere_asr",
-        "ernie4_5",
-        "ernie4_5_moe",
-        "fuyu",
-        "h2ovl_chat",
-        "hyperclovax",
-        "hyperclovax_vision_v2",
-        "hyperclovax_vlm",
-        "internlm2",
-        "internlm3",
-        "iquestcoder",
-        "jamba",
-        "llava",
-        "llava_next",
-        "minicpm3",
-        "minicpmv",
-        "minimax_m2",
-        "modernbert",
-        "modernbert-decoder",
-        "molmo",
-        "molmo2",
-        "nemotron",
-        "nvfp4",
-        "opencua",
-        "openvla",
-        "paddleocr_vl",
-        "phi3",
-        "phi3_v",
-        "phimoe",
-        "qwen2",
-        "qwen3_5",
-        "qwen3_5_moe",
-        "qwen3_5_moe_text",
-        "qwen4_exp",
-        "siglip2",
-        "smolvlm",
-        "step3_vl",
-        "vipllava",
-    ]
+INCORRECT_HUB_CLASS = _names(
+    "arctic camembertv2-base chatlm cohere_asr ernie4_5 ernie4_5_moe fuyu h2ovl_chat "
+    "hyperclovax hyperclovax_vision_v2 hyperclovax_vlm internlm2 internlm3 iquestcoder jamba "
+    "llava llava_next minicpm3 minicpmv minimax_m2 modernbert modernbert-decoder molmo molmo2 "
+    "nemotron nvfp4 opencua openvla paddleocr_vl phi3 phi3_v phimoe qwen2 qwen3_5 qwen3_5_moe "
+    "qwen3_5_moe_text qwen4_exp siglip2 smolvlm step3_vl vipllava"
 )
 
 _QWEN2_REGEX = (
@@ -346,14 +209,6 @@ def _rebuild(backend: Any, regex: str, add_prefix_space: bool, where: str) -> No
     backend.decoder = decoders.ByteLevel()
 
 
-def _token(value: Any) -> str | None:
-    if isinstance(value, str):
-        return value
-    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
-        return value["content"]
-    return None
-
-
 def _post_processor(backend: Any, config: Mapping[str, Any]) -> None:
     """transformers' ``update_post_processor``: when the config says whether to add BOS and
     EOS (or the file has no post-processor), a template adding what it says."""
@@ -365,7 +220,7 @@ def _post_processor(backend: Any, config: Mapping[str, Any]) -> None:
     special: list[tuple[str, int]] = []
     parts: dict[str, str] = {}
     for key, flag in (("bos", "add_bos_token"), ("eos", "add_eos_token")):
-        token = _token(config.get(f"{key}_token"))
+        token = token_text(config.get(f"{key}_token"))
         token_id = backend.token_to_id(token) if token is not None else None
         if config.get(flag) and token is not None and token_id is not None:
             parts[key] = token

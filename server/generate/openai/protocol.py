@@ -40,6 +40,7 @@ from typing import Any
 import orjson
 
 from plugserve.server.generate.openai.errors import OpenAIError
+from plugserve.server.generate.tokenizer import SPECIAL_TOKENS
 from plugserve.server.generate.types import (
     MAX_LOGPROBS,
     MAX_STOP,
@@ -91,16 +92,7 @@ TEMPLATE_OWN = {
     "continue_final_message": "the request field 'continue_final_message'",
     **{
         token: "the model's own special token"
-        for token in (
-            "bos_token",
-            "eos_token",
-            "unk_token",
-            "sep_token",
-            "pad_token",
-            "cls_token",
-            "mask_token",
-            "additional_special_tokens",
-        )
+        for token in (*SPECIAL_TOKENS, "additional_special_tokens")
     },
     **{name: "a function the template calls" for name in ("raise_exception", "strftime_now")},
     "namespace": "a function the template calls",
