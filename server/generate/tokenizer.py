@@ -25,8 +25,10 @@ from pathlib import Path
 from typing import Any
 
 from plugserve.plugins.api import InvalidArgument, InvalidModel
+from plugserve.server.generate import tokenizer_class
+from plugserve.server.generate.tokenizer_class import token_text
 
-__all__ = ["SPECIAL_TOKENS", "TOKENIZER_FILE", "Tokenizer", "read_json", "token_text"]
+__all__ = ["SPECIAL_TOKENS", "TOKENIZER_FILE", "Tokenizer", "read_json"]
 
 log = logging.getLogger(__name__)
 
@@ -60,15 +62,6 @@ def read_json(path: Path) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise InvalidModel(f"{path}: expected a JSON object")
     return raw
-
-
-def token_text(value: Any) -> str | None:
-    """A special token as tokenizer_config.json writes it: a string or an AddedToken dict."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
-        return value["content"]
-    return None
 
 
 def _ids(value: Any) -> list[int]:
@@ -146,8 +139,6 @@ class Tokenizer:
             raise InvalidModel(f"{path}: the tokenizers library cannot read it ({exc})") from None
         config = read_json(folder / "tokenizer_config.json")
         model_config = read_json(folder / "config.json")
-        from plugserve.server.generate import tokenizer_class
-
         try:
             tokenizer_class.apply(backend, config, model_config, str(folder))
         except Exception as exc:  # the tokenizers library refusing the class's pipeline

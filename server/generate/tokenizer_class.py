@@ -38,14 +38,13 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from plugserve.server.generate.tokenizer import token_text
-
 __all__ = [
     "GENERIC_MODEL_TYPES",
     "INCORRECT_HUB_CLASS",
     "PIPELINES",
     "QWEN2_MODEL_TYPES",
     "apply",
+    "token_text",
     "transformers_class",
 ]
 
@@ -207,6 +206,15 @@ def _rebuild(backend: Any, regex: str, add_prefix_space: bool, where: str) -> No
         ]
     )
     backend.decoder = decoders.ByteLevel()
+
+
+def token_text(value: Any) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or an AddedToken dict."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
 
 
 def _post_processor(backend: Any, config: Mapping[str, Any]) -> None:
