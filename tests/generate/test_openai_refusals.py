@@ -170,7 +170,7 @@ def test_broken_json_is_a_400_with_openai_s_body(server):
 
 
 def test_a_body_not_declared_json_is_refused_as_vllm_refuses_it(server):
-    """text/plain, form encoding, or no Content-Type at all: a 400 with vLLM's words, even
+    """text/plain, form encoding, or an empty Content-Type: a 400 with vLLM's words, even
     when the body is valid JSON (it is not read); JSON with a charset is served."""
     body = json.dumps({"model": MODEL, "prompt": "Hi", "max_tokens": 2}).encode()
     for path in ("/v1/completions", "/v1/chat/completions", "/v3/completions", "/v1/embeddings"):
@@ -178,7 +178,7 @@ def test_a_body_not_declared_json_is_refused_as_vllm_refuses_it(server):
             request = urllib.request.Request(server.http_url + path, data=body)
             if content_type is not None:
                 request.add_header("Content-Type", content_type)
-            else:  # urllib adds form encoding to a body without one
+            else:  # empty: urllib would add form encoding to a body without one
                 request.add_unredirected_header("Content-Type", "")
             with pytest.raises(urllib.error.HTTPError) as caught:
                 urllib.request.urlopen(request, timeout=30)
