@@ -432,7 +432,7 @@ class ModelControl:
         settings = repository.read_settings(name)
         if settings.pipeline is not None:  # an OVMS pipeline: its config.json, version 1
             return model, settings
-        return model, repository.read_settings(name, int(model.parent.name))
+        return model, repository.read_settings(name, Repository.version_of(model))
 
     def versions(self, name: str, version: int = 0) -> list[LoadedNetwork]:
         """The loaded version asked for, or every loaded version of ``name`` (0); NotFound
@@ -470,9 +470,11 @@ class ModelControl:
             folder.mkdir()
             write_overrides(folder, name, config, files)
             if not files:  # the repository's versions, with the new configuration
-                source = self._stored(name)[0].parent.parent
-                for version in source.iterdir():
-                    if is_version(version.name):
+                model = self._stored(name)[0]
+                if model == self.repository.folder(name):  # a transformers folder as it is
+                    (folder / "1").symlink_to(model.resolve(), target_is_directory=True)
+                for version in self.repository.folder(name).iterdir():
+                    if is_version(version.name) and version.is_dir():
                         (folder / version.name).symlink_to(version.resolve())
             overridden = Repository(tmp)
             entries, problems = overridden.scan()
@@ -519,8 +521,9 @@ class ModelControl:
             raise ShuttingDown(f"model {name!r}: the server is shutting down; not loading it")
         model, settings = self._stored(name, version, repository)
         stamp = self.repository.stamp(name, model) if self.repository else ()
-        # the repository layout is NAME/VERSION/model.onnx; an OVMS pipeline is version 1
-        version = 1 if settings.pipeline is not None else int(model.parent.name)
+        # the repository layout is NAME/VERSION/model.onnx (a transformers folder: NAME/VERSION/
+        # or NAME/ itself, version 1); an OVMS pipeline is version 1
+        version = 1 if settings.pipeline is not None else Repository.version_of(model)
         self._check_model_size(model, "RepositoryModelLoad")
         device, config, batch = settings.device, settings.config, settings.max_batch_size
         device = device or self.default_device

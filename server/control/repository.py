@@ -308,6 +308,15 @@ class Repository:
             raise NotFound(f"model {name!r} version {version} is not in the repository")
         return path
 
+    @staticmethod
+    def version_of(model: Path) -> int:
+        """The version a stored model path (``model_path``'s answer) is: its version folder's
+        number; a transformers folder is itself the version folder (``NAME/VERSION/`` holding
+        the files) or, served as it is (``NAME/`` holding them), version 1."""
+        if is_transformers_folder(model):
+            return int(model.name) if is_version(model.name) else 1
+        return int(model.parent.name)
+
     def stamp(self, name: str, model: Path) -> tuple:
         """What a version was loaded from, to see it changed: the model file's and the
         settings files' sizes and modification times."""

@@ -81,3 +81,47 @@ def test_held_back_text_is_released_when_it_is_not_a_stop_string(tokenizer):
     pieces, detok = stream(tokenizer, ids[:1], ids[1:], stop=["Hello there!"])
     assert detok.stop_reason is None
     assert "".join(pieces).endswith("hello world!")
+
+
+def _naive(text: str, stops: list[str], fed: int) -> tuple[tuple[int, str] | None, int]:
+    """What the scan must find after ``text``'s last piece (which began at ``fed``): the stop
+    string that begins first among those completed in that piece, and the longest end of the
+    text that is a proper beginning of a stop string."""
+    found = None
+    for stop in stops:
+        at = text.find(stop, max(0, fed - len(stop) + 1))
+        if at >= 0 and at + len(stop) > fed and (found is None or at < found[0]):
+            found = (at, stop)
+    held = max(
+        (n for stop in stops for n in range(1, len(stop)) if text.endswith(stop[:n])), default=0
+    )
+    return found, held
+
+
+hypothesis = pytest.importorskip("hypothesis", reason="pip install hypothesis (the test extra)")
+strategies = hypothesis.strategies
+
+
+@hypothesis.given(
+    pieces=strategies.lists(strategies.text(alphabet="abc", max_size=5), max_size=40),
+    stops=strategies.lists(
+        strategies.text(alphabet="abc", min_size=1, max_size=6), min_size=1, max_size=4
+    ),
+)
+@hypothesis.settings(max_examples=300, deadline=None)
+def test_the_stop_scan_finds_what_searching_the_whole_text_finds(pieces, stops):
+    """The KMP scan (one automaton a stop string, fed each piece once) against searching the
+    whole text again after every piece: the same first stop string and the same held end."""
+    from plugserve.server.apps.generate.detokenizer import StopScan
+
+    scan = StopScan(stops)
+    text = ""
+    for piece in pieces:
+        fed = len(text)
+        text += piece
+        found = scan.feed(piece, fed)
+        expected, held = _naive(text, stops, fed)
+        assert found == expected, (text, stops)
+        if found is not None:
+            break
+        assert scan.held() == held, (text, stops)

@@ -128,3 +128,57 @@ def test_the_int4_export_runs_batched_as_alone(core, device, tiny_reference):
             assert [e.token_ids for e in alone] == [e.token_ids for e in batched[case["name"]]]
     finally:
         net.close()
+
+
+class _FailingGrammar:
+    """A constraint whose mask raises at the sequence's ``at``-th token: what a grammar
+    library failing mid-answer does to the engine (the Constraint protocol is the engine's
+    extension point; llguidance stands behind it in the server)."""
+
+    def __init__(self, at: int) -> None:
+        self.at, self.seen = at, 0
+
+    def mask(self, vocab_size: int):
+        import numpy as np
+
+        if self.seen >= self.at:
+            raise RuntimeError("the grammar's matcher broke")
+        return np.ones(vocab_size, dtype=bool)
+
+    def accept(self, token_id: int) -> None:
+        self.seen += 1
+
+    def done(self) -> bool:
+        return False
+
+
+def test_a_sequence_failing_in_its_sampling_fails_only_its_request(network, tiny_reference):
+    """Its mask raises at its third token, sampled in the same batch as four greedy prompts:
+    it fails with that error named; the four get transformers' answer; the engine goes on."""
+    from plugserve.plugins.api import InferenceError
+
+    cases = tiny_reference["cases"][:4]
+    params = SamplingParams(max_tokens=16, temperature=0.0, constraint=_FailingGrammar(2))
+    failing = GenerationRequest("failing", list(cases[0]["prompt_ids"]), params)
+    outcome: dict[str, object] = {}
+
+    def run_failing():
+        try:
+            outcome["events"] = list(network.engine.generate(failing))
+        except Exception as exc:
+            outcome["error"] = exc
+
+    import threading
+
+    thread = threading.Thread(target=run_failing)
+    thread.start()
+    results = run_all(network.engine, [greedy(c, 24) for c in cases])
+    thread.join(timeout=120)
+    error = outcome.get("error")
+    assert isinstance(error, InferenceError), outcome
+    assert "sampling" in str(error) and "matcher broke" in str(error)
+    for case in cases:
+        ids = [t for e in results[case["name"]] for t in e.token_ids]
+        assert ids == case["ids"][:24], case["name"]
+    again = list(network.engine.generate(greedy({**cases[0], "name": "after"}, 4)))
+    assert [t for e in again for t in e.token_ids] == cases[0]["ids"][:4]

@@ -61,6 +61,21 @@ REFUSALS = [
     ("chat", {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("completions", {"prompt": "Hi", "logprobs": 21}, "logprobs"),
     ("chat", {"messages": CHAT, "temperature": -0.5}, "temperature"),
+    ("chat", {"messages": CHAT, "temperature": 2.5}, "temperature"),
+    ("completions", {"prompt": "Hi", "temperature": 2.01}, "temperature"),
+    ("completions", {"prompt": "Hi", "logprobs": 6}, "logprobs"),
+    ("chat", {"messages": CHAT, "chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+    (
+        "chat",
+        {"messages": CHAT, "chat_template_kwargs": {"add_generation_prompt": False}},
+        "chat_template_kwargs",
+    ),
+    (
+        "chat",
+        {"messages": CHAT, "chat_template_kwargs": {"bos_token": "x"}},
+        "chat_template_kwargs",
+    ),
+    ("completions", {"prompt": "Hi", "seed": 2**63}, "seed"),
     ("completions", {"prompt": "Hi", "top_p": 0}, "top_p"),
     ("completions", {"prompt": "Hi", "presence_penalty": 3}, "presence_penalty"),
     ("chat", {"messages": [{"role": "wizard", "content": "Hi"}]}, "messages[0].role"),
@@ -152,6 +167,32 @@ def test_broken_json_is_a_400_with_openai_s_body(server):
         assert body["error"]["type"] == "invalid_request_error"
         assert "not valid JSON" in body["error"]["message"]
         assert set(body["error"]) == {"message", "type", "param", "code"}
+
+
+def test_a_body_not_declared_json_is_refused_as_vllm_refuses_it(server):
+    """text/plain, form encoding, or an empty Content-Type: a 400 with vLLM's words, even
+    when the body is valid JSON (it is not read); JSON with a charset is served."""
+    body = json.dumps({"model": MODEL, "prompt": "Hi", "max_tokens": 2}).encode()
+    for path in ("/v1/completions", "/v1/chat/completions", "/v3/completions", "/v1/embeddings"):
+        for content_type in ("text/plain", "application/x-www-form-urlencoded", None):
+            request = urllib.request.Request(server.http_url + path, data=body)
+            if content_type is not None:
+                request.add_header("Content-Type", content_type)
+            else:  # empty: urllib would add form encoding to a body without one
+                request.add_unredirected_header("Content-Type", "")
+            with pytest.raises(urllib.error.HTTPError) as caught:
+                urllib.request.urlopen(request, timeout=30)
+            assert caught.value.code == 400, (path, content_type)
+            error = json.loads(caught.value.read())["error"]
+            assert "Only 'application/json' is allowed" in error["message"], error
+            assert error["type"] == "invalid_request_error"
+    request = urllib.request.Request(
+        server.http_url + "/v1/completions",
+        data=body,
+        headers={"Content-Type": "Application/JSON; charset=utf-8"},
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        assert json.loads(response.read())["usage"]["completion_tokens"] == 2
 
 
 def test_a_thousand_clients_are_served_or_refused_within_the_budget(llm_folder):

@@ -20,9 +20,15 @@ A step, on the loop thread:
 4. first prompt chunks as one right-padded forward, continuing chunks one per forward; a
    prompt's last chunk gives its first token.
 
-A device failure fails the requests of that forward (their senders get the error, their slots
-are freed); the engine goes on with the others. ``close`` ends every request with
-``finish_reason`` "abort" and stops the thread.
+A failure belongs to the requests it comes from. A device failure fails the requests of that
+forward (their senders get the error, their slots are freed). What runs per sequence after the
+forward (making its sampler state and detokenizer, its logits processing and grammar mask,
+its draw, its logprobs, its detokenizing and stop check) fails only the request the sequence
+belongs to, with that error (a typed one as it is; anything else as an INTERNAL error naming
+the stage, logged with its traceback): every other sequence of the step gets its token. A
+request's parameters are checked against their ranges before it enters
+(:meth:`.types.SamplingParams.check`), so a value the sampler cannot take is a 400, not a step
+failure. ``close`` ends every request with ``finish_reason`` "abort" and stops the thread.
 
 ``n`` > 1 is the engine's: the request's sequences share one prompt computation (the leader's
 cache is copied into each other sequence's slot when the prompt is done) and each draws with
@@ -42,6 +48,7 @@ import numpy as np
 
 from plugserve.plugins.api import (
     Cancelled,
+    InferenceError,
     InvalidArgument,
     PlugserveError,
     ResourceExhausted,
@@ -60,7 +67,11 @@ from plugserve.server.apps.generate.scheduler import (
 )
 from plugserve.server.apps.generate.scheduler import Sequence as Seq
 from plugserve.server.apps.generate.stats import GenerationStats
-from plugserve.server.apps.generate.types import GenerationEvent, GenerationRequest
+from plugserve.server.apps.generate.types import (
+    GenerationEvent,
+    GenerationRequest,
+    seeded_generator,
+)
 
 __all__ = ["Engine", "EngineSettings", "QueueSender"]
 
@@ -136,8 +147,8 @@ class Engine:
 
     def add(self, request: GenerationRequest, sender: Any) -> None:
         """Queue ``request``; its events go to ``sender``. InvalidArgument when it cannot fit
-        the model (an empty or too long prompt, n beyond the slots); ResourceExhausted when
-        the queue is full."""
+        the model (an empty or too long prompt, n beyond the slots) or a parameter is out of
+        its range; ResourceExhausted when the queue is full."""
         prompt = request.prompt_token_ids
         if not prompt:
             raise InvalidArgument("the prompt has no token")
@@ -153,8 +164,9 @@ class Engine:
             raise InvalidArgument(
                 f"n must be 1 to {self.scheduler.max_num_seqs} for this model (max_num_seqs)"
             )
-        if request.params.max_tokens < 1:
-            raise InvalidArgument("max_tokens must be at least 1")
+        request.params.check(vocab or 0)
+        if request.constraints is not None and len(request.constraints) != request.n:
+            raise InvalidArgument(f"{len(request.constraints)} constraints for n={request.n}")
         state = RequestState(request, sender, time.monotonic())
         if request.arrival:
             state.arrival -= max(0.0, time.time() - request.arrival)
@@ -398,7 +410,7 @@ class Engine:
         params = request.params
         generator = None
         if params.seed is not None:
-            generator = np.random.default_rng(params.seed + seq.index)
+            generator = seeded_generator(params.seed, seq.index)
         constraint = request.constraints[seq.index] if request.constraints else params.constraint
         stops = list(params.stop_token_ids) + ([] if params.ignore_eos else list(self.eos))
         seq.sampling = SamplingState(params, request.prompt_token_ids, stops, generator, constraint)
@@ -406,31 +418,48 @@ class Engine:
 
     def _sample(self, group: list[Seq], logits: np.ndarray) -> None:
         for seq in group:
-            if seq.sampling is None:
-                self._prepare(seq)
+            if seq.sampling is None and seq.status != FINISHED:
+                try:
+                    self._prepare(seq)
+                except Exception as exc:
+                    self._failed(seq, "preparing its sampler and detokenizer", exc)
+        keep = [i for i, seq in enumerate(group) if seq.status != FINISHED]
+        if len(keep) < len(group):  # the sequences of requests that failed just now
+            group, logits = [group[i] for i in keep], logits[keep]
+        if not group:
+            return
+        failures: dict[int, Exception] = {}
         tokens, logprobs = self.sampler(
-            logits, [s.sampling for s in group], [s.generated for s in group]
+            logits, [s.sampling for s in group], [s.generated for s in group], failures
         )
+        for row, exc in failures.items():
+            self._failed(group[row], "sampling", exc)
         now = time.monotonic()
         finished_states: list[RequestState] = []
         stats = self.stats_
         with stats.lock:
             for seq in group:
+                if seq.status == FINISHED:
+                    continue
                 if seq.generated == 0:
                     seq.first_at = now
                     stats.histograms["time_to_first_token"].observe(now - seq.request.arrival)
                 else:
                     stats.histograms["inter_token_latency"].observe(now - seq.last_at)
                 seq.last_at = now
-            stats.generation_tokens += len(group)
+                stats.generation_tokens += 1
         for seq, token, entry in zip(group, tokens, logprobs):
-            if seq.status == FINISHED:  # its request was ended by a sibling's failed send
+            if seq.status == FINISHED:  # its request failed, or was ended by a sibling's send
                 continue
             token = int(token)
             seq.tokens.append(token)
             seq.generated += 1
-            reason = self._stops(seq, token)
-            text = seq.detokenizer.take(final=reason is not None)
+            try:
+                reason = self._stops(seq, token)
+                text = seq.detokenizer.take(final=reason is not None)
+            except Exception as exc:
+                self._failed(seq, "detokenizing and checking for stop strings", exc)
+                continue
             state = seq.request
             event = GenerationEvent(
                 index=seq.index,
@@ -455,6 +484,23 @@ class Engine:
                 finished_states.append(state)
         for state in finished_states:
             self._forget(state, now)
+
+    def _failed(self, seq: Seq, stage: str, exc: Exception) -> None:
+        """``seq`` failed at ``stage`` of a step: its request fails with that error (a typed
+        one as it is, anything else as an INTERNAL error saying where, logged whole); the
+        step's other sequences go on."""
+        if isinstance(exc, PlugserveError):
+            error: Exception = exc
+        else:
+            log.error(
+                "model %s: request %s failed while %s; the other sequences of the step go on",
+                self.name, seq.request.request_id, stage, exc_info=exc,
+            )  # fmt: skip
+            error = InferenceError(
+                f"model {self.name}: generation failed while {stage} for this request "
+                f"({type(exc).__name__}: {exc})"
+            )
+        self._fail(seq.request, error)
 
     def _stops(self, seq: Seq, token: int) -> str | None:
         """Why the sequence ends with ``token`` (and its text updated), or None."""

@@ -330,8 +330,9 @@ def _text(value: Any, name: str) -> str:
     raise InvalidInput(f"input {name!r}: expected text, got {type(value).__name__}")
 
 
-def sampling_from(values: Mapping[str, Any]) -> SamplingParams:
-    """The request's sampling: ``sampling_parameters`` JSON, then the single inputs over it."""
+def sampling_from(values: Mapping[str, Any], vocab: int = 0) -> SamplingParams:
+    """The request's sampling: ``sampling_parameters`` JSON, then the single inputs over it,
+    each checked against its range (``vocab``: the model's, for token ids)."""
     params: dict[str, Any] = {}
     raw = _scalar(values, "sampling_parameters")
     if raw is not None:
@@ -366,32 +367,13 @@ def sampling_from(values: Mapping[str, Any]) -> SamplingParams:
         raise InvalidInput("input 'sampling_parameters': n must be 1 on this protocol")
     if isinstance(params.get("stop"), str):
         params["stop"] = [params["stop"]]
-    return check_sampling(SamplingParams(**params))
+    return check_sampling(SamplingParams(**params), vocab)
 
 
-def check_sampling(p: SamplingParams) -> SamplingParams:
-    """InvalidArgument naming the first parameter out of range."""
-    rules = (
-        ("max_tokens", p.max_tokens >= 1, "at least 1"),
-        ("temperature", p.temperature >= 0, "at least 0"),
-        ("top_p", 0 < p.top_p <= 1, "in (0, 1]"),
-        ("top_k", p.top_k >= -1, "-1, 0 (all) or more"),
-        ("min_p", 0 <= p.min_p <= 1, "in [0, 1]"),
-        ("min_tokens", p.min_tokens >= 0, "at least 0"),
-        ("presence_penalty", -2 <= p.presence_penalty <= 2, "in [-2, 2]"),
-        ("frequency_penalty", -2 <= p.frequency_penalty <= 2, "in [-2, 2]"),
-        ("repetition_penalty", p.repetition_penalty > 0, "above 0"),
-        (
-            "stop",
-            all(isinstance(s, str) for s in p.stop) and len(p.stop) <= 16,
-            "16 strings at most",
-        ),
-        ("stop_token_ids", all(isinstance(t, int) for t in p.stop_token_ids), "integers"),
-        ("seed", p.seed is None or 0 <= p.seed < 2**63, "in [0, 2**63)"),
-    )
-    for name, ok, what in rules:
-        if not ok:
-            raise InvalidArgument(f"{name} must be {what}, got {getattr(p, name)!r}")
+def check_sampling(p: SamplingParams, vocab: int = 0) -> SamplingParams:
+    """InvalidArgument naming the first parameter out of its range (the engine's table,
+    ``SamplingParams.check``: the same bounds on every face); ``top_k`` -1 becomes 0."""
+    p.check(vocab)
     if p.top_k < 0:
         p.top_k = 0
     return p
@@ -414,7 +396,7 @@ class _Face:
             name: bool(_scalar(values, f"return_{name}") or False)
             for name in ("num_input_tokens", "num_output_tokens", "finish_reason")
         }
-        params = sampling_from(values)
+        params = sampling_from(values, network.engine.decoder.vocab or 0)
         if raw_ids is not None:  # TensorRT-LLM's way: the prompt's token ids
             ids = [int(i) for i in np.asarray(raw_ids).reshape(-1)]
         else:

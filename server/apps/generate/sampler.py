@@ -20,6 +20,13 @@ f32 answer whatever sampling asked.
 Each row draws from its own generator when its request has a seed (numpy's PCG64 seeded with
 it, one uniform number per token), so a seeded request's tokens do not depend on what else
 shares its batches; rows without a seed draw from the engine's generator.
+
+A row's failure is its own: what one row asks for (its processing, a grammar's mask or its
+``accept``, its logprobs entry) runs in a ``try`` of its own, and if the batched choice
+itself raises, each row is chosen again alone, so only the rows that fail alone fail. The
+uniform numbers are drawn before the choice, once per row, so a seeded row draws the same
+numbers whether or not another row's failure made its choice run again. The engine passes
+``failures`` and fails those rows' requests; the others in the batch get their tokens.
 """
 
 from __future__ import annotations
@@ -110,36 +117,87 @@ class Sampler:
         self.generator = np.random.default_rng(seed)
 
     def __call__(
-        self, logits: np.ndarray, rows: Sequence[SamplingState], generated: Sequence[int]
+        self,
+        logits: np.ndarray,
+        rows: Sequence[SamplingState],
+        generated: Sequence[int],
+        failures: dict[int, Exception] | None = None,
     ) -> tuple[np.ndarray, list[TokenLogprob | None]]:
         """``logits``: float32 ``[len(rows), vocab]``; ``generated``: how many tokens each row's
         sequence has generated so far (for ``min_tokens``). Returns the tokens (int64) and, per
-        row, its logprob entry (None where not asked)."""
+        row, its logprob entry (None where not asked). ``failures``: where a row that fails
+        is recorded (row -> its exception; its token is -1 and its state is not advanced);
+        without it, the first failure is raised."""
         count = len(rows)
-        raw = logits
+        bad: dict[int, Exception] = {}
         logprobs: list[TokenLogprob | None] = [None] * count
         asked = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-        raw_lp = log_softmax(raw[asked]) if asked else None
+        raw_lp = log_softmax(logits[asked]) if asked else None
         if any(r.processed for r in rows):
             logits = logits.copy()
             for i, row in enumerate(rows):
                 if row.processed:
-                    _process(logits[i], row, generated[i])
-        tokens = np.empty(count, dtype=np.int64)
-        greedy = [i for i, r in enumerate(rows) if r.params.temperature == 0.0]
-        if greedy:
-            tokens[greedy] = np.argmax(logits[greedy], axis=-1)
-        drawn = [i for i, r in enumerate(rows) if r.params.temperature != 0.0]
-        if drawn:
-            tokens[drawn] = self._draw(logits[drawn], [rows[i] for i in drawn])
+                    try:
+                        _process(logits[i], row, generated[i])
+                    except Exception as exc:
+                        bad[i] = exc
+        live = [i for i in range(count) if i not in bad]
+        uniforms = np.zeros(count, dtype=np.float64)
+        for i in live:
+            if rows[i].params.temperature != 0.0:
+                uniforms[i] = (rows[i].generator or self.generator).random()
+        tokens = np.full(count, -1, dtype=np.int64)
+        try:
+            self._choose(logits, rows, live, uniforms, tokens)
+        except Exception:  # whose is it? each row alone
+            for i in live:
+                try:
+                    self._choose(logits, rows, [i], uniforms, tokens)
+                except Exception as exc:
+                    bad[i] = exc
         if raw_lp is not None:
             for j, i in enumerate(asked):
-                logprobs[i] = _entry(raw_lp[j], int(tokens[i]), rows[i].params.logprobs or 0)
+                if i not in bad:
+                    try:
+                        logprobs[i] = _entry(
+                            raw_lp[j], int(tokens[i]), rows[i].params.logprobs or 0
+                        )
+                    except Exception as exc:
+                        bad[i] = exc
         for i, row in enumerate(rows):
-            row.accepted(int(tokens[i]))
+            if i not in bad:
+                try:
+                    row.accepted(int(tokens[i]))
+                except Exception as exc:
+                    bad[i] = exc
+        if bad:
+            if failures is None:
+                raise next(iter(bad.values()))
+            failures.update(bad)
+            for i in bad:
+                tokens[i], logprobs[i] = -1, None
         return tokens, logprobs
 
-    def _draw(self, logits: np.ndarray, rows: Sequence[SamplingState]) -> np.ndarray:
+    def _choose(
+        self,
+        logits: np.ndarray,
+        rows: Sequence[SamplingState],
+        which: list[int],
+        uniforms: np.ndarray,
+        tokens: np.ndarray,
+    ) -> None:
+        """The tokens of rows ``which`` into ``tokens``: greedy ones by one argmax, sampled
+        ones by one draw over the batch."""
+        greedy = [i for i in which if rows[i].params.temperature == 0.0]
+        if greedy:
+            tokens[greedy] = np.argmax(logits[greedy], axis=-1)
+        drawn = [i for i in which if rows[i].params.temperature != 0.0]
+        if drawn:
+            tokens[drawn] = self._draw(logits[drawn], [rows[i] for i in drawn], uniforms[drawn])
+
+    def _draw(
+        self, logits: np.ndarray, rows: Sequence[SamplingState], uniforms: np.ndarray
+    ) -> np.ndarray:
         temperatures = np.array([r.params.temperature for r in rows], dtype=np.float32)
         scaled = logits / temperatures[:, None]
         for i, row in enumerate(rows):
@@ -156,9 +214,6 @@ class Sampler:
                 _top_p(probs[i], p.top_p)
             if p.min_p > 0.0:
                 probs[i][probs[i] < p.min_p * probs[i].max()] = 0.0
-        uniforms = np.array(
-            [(r.generator or self.generator).random() for r in rows], dtype=np.float64
-        )
         cdf = np.cumsum(probs, axis=-1, dtype=np.float64)
         targets = uniforms * cdf[:, -1]
         # the first token whose cumulative probability passes the draw (never a zero one)

@@ -3,10 +3,13 @@ the special tokens and chat template of ``tokenizer_config.json`` (or ``chat_tem
 and the end-of-sequence ids of ``generation_config.json`` and ``config.json``.
 
 What ``transformers``' ``AutoTokenizer`` does with the same files, without importing it (it
-takes seconds and a gigabyte of dependencies): ``encode`` runs the tokenizer's own pipeline
+takes seconds and a gigabyte of dependencies): ``encode`` runs the tokenizer's pipeline
 (normalizer, pre-tokenizer, model, post-processor: BOS/EOS insertion is the post-processor's,
 as in fast tokenizers), ``decode`` its decoder, and the chat template renders as
-``apply_chat_template`` does (see :mod:`.chat_template`).
+``apply_chat_template`` does (see :mod:`.chat_template`). The pipeline is ``tokenizer.json``'s
+as transformers 5 runs it: the class it loads the folder as may rebuild parts of it, and the
+tokenizer config's ``add_bos_token`` / ``add_eos_token`` rewrite its post-processor (see
+:mod:`.tokenizer_class`).
 
 End of sequence: the union of ``generation_config.json``'s ``eos_token_id`` (what
 ``transformers``' ``generate`` stops at), ``config.json``'s, and the tokenizer's ``eos_token``
@@ -22,14 +25,16 @@ from pathlib import Path
 from typing import Any
 
 from plugserve.plugins.api import InvalidArgument, InvalidModel
+from plugserve.server.apps.generate import tokenizer_class
+from plugserve.server.apps.generate.tokenizer_class import token_text
 
-__all__ = ["TOKENIZER_FILE", "Tokenizer", "read_json"]
+__all__ = ["SPECIAL_TOKENS", "TOKENIZER_FILE", "Tokenizer", "read_json"]
 
 log = logging.getLogger(__name__)
 
 TOKENIZER_FILE = "tokenizer.json"
 #: the special tokens a chat template may name, as transformers passes them
-_SPECIAL = (
+SPECIAL_TOKENS = (
     "bos_token",
     "eos_token",
     "unk_token",
@@ -59,15 +64,6 @@ def read_json(path: Path) -> dict[str, Any]:
     return raw
 
 
-def _token_text(value: Any) -> str | None:
-    """A special token as tokenizer_config.json writes it: a string or an AddedToken dict."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
-        return value["content"]
-    return None
-
-
 def _ids(value: Any) -> list[int]:
     if isinstance(value, bool):
         return []
@@ -94,13 +90,13 @@ class Tokenizer:
         self.where = where
         #: the special tokens a template may name (bos_token, eos_token, ...)
         self.special_tokens: dict[str, str] = {}
-        for key in _SPECIAL:
-            text = _token_text(config.get(key))
+        for key in SPECIAL_TOKENS:
+            text = token_text(config.get(key))
             if text is not None:
                 self.special_tokens[key] = text
         extra = config.get("additional_special_tokens") or config.get("extra_special_tokens")
         self.additional_special_tokens = [
-            t for t in (_token_text(v) for v in (extra or [])) if t is not None
+            t for t in (token_text(v) for v in (extra or [])) if t is not None
         ]
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
         #: the added tokens marked special (left out of text with skip_special_tokens)
@@ -142,8 +138,15 @@ class Tokenizer:
         except Exception as exc:
             raise InvalidModel(f"{path}: the tokenizers library cannot read it ({exc})") from None
         config = read_json(folder / "tokenizer_config.json")
+        model_config = read_json(folder / "config.json")
+        try:
+            tokenizer_class.apply(backend, config, model_config, str(folder))
+        except Exception as exc:  # the tokenizers library refusing the class's pipeline
+            raise InvalidModel(
+                f"{path}: cannot run it as transformers 5 does ({type(exc).__name__}: {exc})"
+            ) from None
         eos = _ids(read_json(folder / "generation_config.json").get("eos_token_id"))
-        eos += _ids(read_json(folder / "config.json").get("eos_token_id"))
+        eos += _ids(model_config.get("eos_token_id"))
         genai = read_json(folder / "genai_config.json").get("model")
         if isinstance(genai, dict):  # a model builder's folder has no config.json
             eos += _ids(genai.get("eos_token_id"))

@@ -2,9 +2,33 @@
 OpenAI adapter, the KServe decoupled network) and the engine itself.
 
 A protocol adapter validates its request into a :class:`GenerationRequest` (token ids and
-:class:`SamplingParams`, every value already in range: the engine refuses nothing a face
-checked), hands it to ``Engine.add`` with a sender, and receives one :class:`GenerationEvent`
-per step in which the request's text or tokens advanced, the last with its ``finish_reason``.
+:class:`SamplingParams`), hands it to ``Engine.add`` with a sender, and receives one
+:class:`GenerationEvent` per step in which the request's text or tokens advanced, the last with
+its ``finish_reason``.
+
+Every parameter's range is written once, here (:meth:`SamplingParams.check`): each face checks
+its own fields first (naming them as its protocol does: OpenAI's ``param``, a KServe input),
+and ``Engine.add`` checks again before the request enters the engine, so a value out of range
+is one request's 400, never an engine step that fails for every sequence in it (a seed numpy
+cannot take failed every request decoding beside it). The bounds, vLLM's where it has them:
+
+==========================  ===========================================================
+``max_tokens``              at least 1
+``temperature``             finite, at least 0 (the OpenAI face: at most 2, OpenAI's)
+``top_p``                   in (0, 1]
+``top_k``                   -1, 0 (no cut) or more
+``min_p``                   in [0, 1]
+``seed``                    a 64-bit integer, signed or not (:data:`SEED_RANGE`); a negative
+                            one seeds as its two's complement, as torch's ``manual_seed``
+``stop``                    at most :data:`MAX_STOP` strings of 1 to :data:`MAX_STOP_CHARS`
+                            characters (the detokenizer's scan costs each token the longest)
+``stop_token_ids``          at most :data:`MAX_TOKEN_LIST` ids, each in the vocabulary
+``min_tokens``              at least 0
+penalties                   presence and frequency in [-2, 2], repetition finite above 0
+``logprobs``                0 to :data:`MAX_LOGPROBS` (also ``prompt_logprobs``)
+``logit_bias``              at most :data:`MAX_TOKEN_LIST` ids in the vocabulary, values in
+                            [-100, 100]
+==========================  ===========================================================
 
 The field names follow vLLM's ``SamplingParams`` where they mean the same, because the OpenAI
 API's extra parameters (``min_p``, ``ignore_eos``, ``repetition_penalty``) are vLLM's names.
@@ -13,18 +37,45 @@ API's extra parameters (``min_p``, ``ignore_eos``, ``repetition_penalty``) are v
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol, runtime_checkable
+import math
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from plugserve.plugins.api import InvalidArgument
+
 __all__ = [
     "FINISH_REASONS",
+    "MAX_LOGPROBS",
+    "MAX_STOP",
+    "MAX_STOP_CHARS",
+    "MAX_TOKEN_LIST",
+    "SEED_RANGE",
     "Constraint",
     "GenerationEvent",
     "GenerationRequest",
     "SamplingParams",
     "TokenLogprob",
+    "seeded_generator",
 ]
+
+#: seeds are 64-bit: vLLM takes a signed one (its protocol's bound), numpy an unsigned one
+SEED_RANGE = (-(2**63), 2**64 - 1)
+#: stop strings per request, and characters per stop string (OpenAI says 4 strings; clients
+#: send more)
+MAX_STOP = 16
+MAX_STOP_CHARS = 1024
+#: token ids in ``stop_token_ids`` and in ``logit_bias``, at most
+MAX_TOKEN_LIST = 1024
+#: alternatives per token in logprobs (OpenAI's chat bound; its completions' is 5)
+MAX_LOGPROBS = 20
+
+
+def seeded_generator(seed: int, index: int = 0) -> np.random.Generator:
+    """The generator of sequence ``index`` of a request seeded ``seed`` (vLLM's ``seed +
+    index``), any 64-bit seed taken modulo 2**64 (a negative one as its two's complement)."""
+    return np.random.default_rng((int(seed) + index) % 2**64)
+
 
 #: why a sequence ended: a stop token or string ("stop"), max_tokens or the context length
 #: ("length"), or it was aborted (client gone, cancelled, deadline, engine closing: "abort")
@@ -97,6 +148,109 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def check(self, vocab: int = 0) -> None:
+        """InvalidArgument naming the first parameter out of its range (the module's table);
+        ``vocab``: the model's vocabulary (0: token ids are not checked against it). Costs the
+        lengths of the lists it reads, each bounded before it is read."""
+        for name, ok, what in (
+            ("max_tokens", _integer(self.max_tokens, 1), "an integer, at least 1"),
+            ("temperature", _number(self.temperature, 0.0), "a finite number, at least 0"),
+            ("top_p", _number(self.top_p, 0.0, 1.0, low_open=True), "in (0, 1]"),
+            ("top_k", _integer(self.top_k, -1), "-1, 0 (no cut) or more"),
+            ("min_p", _number(self.min_p, 0.0, 1.0), "in [0, 1]"),
+            ("seed", self.seed is None or _integer(self.seed, *SEED_RANGE), "a 64-bit integer"),
+            ("min_tokens", _integer(self.min_tokens, 0), "an integer, at least 0"),
+            ("presence_penalty", _number(self.presence_penalty, -2.0, 2.0), "in [-2, 2]"),
+            ("frequency_penalty", _number(self.frequency_penalty, -2.0, 2.0), "in [-2, 2]"),
+            (
+                "repetition_penalty",
+                _number(self.repetition_penalty, 0.0, low_open=True),
+                "a finite number above 0",
+            ),
+            (
+                "logprobs",
+                self.logprobs is None or _integer(self.logprobs, 0, MAX_LOGPROBS),
+                f"0 to {MAX_LOGPROBS}",
+            ),
+            (
+                "prompt_logprobs",
+                self.prompt_logprobs is None or _integer(self.prompt_logprobs, 0, MAX_LOGPROBS),
+                f"0 to {MAX_LOGPROBS}",
+            ),
+            ("ignore_eos", isinstance(self.ignore_eos, bool), "true or false"),
+            ("skip_special_tokens", isinstance(self.skip_special_tokens, bool), "true or false"),
+            (
+                "include_stop_str_in_output",
+                isinstance(self.include_stop_str_in_output, bool),
+                "true or false",
+            ),
+            (
+                "constraint",
+                self.constraint is None or isinstance(self.constraint, Constraint),
+                "a grammar's matcher",
+            ),
+        ):
+            if not ok:
+                raise InvalidArgument(f"{name} must be {what}, not {_shown(getattr(self, name))}")
+        self._check_stop()
+        self._check_ids("stop_token_ids", self.stop_token_ids, vocab)
+        if not isinstance(self.logit_bias, dict):
+            raise InvalidArgument("logit_bias must map token ids to numbers")
+        self._check_ids("logit_bias", list(self.logit_bias), vocab)
+        for token, value in self.logit_bias.items():
+            if not _number(value, -100.0, 100.0):
+                raise InvalidArgument(
+                    f"logit_bias[{token}] must be a number in [-100, 100], not {_shown(value)}"
+                )
+
+    def _check_stop(self) -> None:
+        stop = self.stop
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise InvalidArgument("stop must be a list of strings")
+        if len(stop) > MAX_STOP:
+            raise InvalidArgument(f"stop holds {len(stop)} strings; at most {MAX_STOP}")
+        for i, text in enumerate(stop):
+            if not 1 <= len(text) <= MAX_STOP_CHARS:
+                raise InvalidArgument(
+                    f"stop[{i}] must be 1 to {MAX_STOP_CHARS} characters, not {len(text)}"
+                )
+
+    @staticmethod
+    def _check_ids(name: str, ids: Any, vocab: int) -> None:
+        if not isinstance(ids, list):
+            raise InvalidArgument(f"{name} must be a list of token ids")
+        if len(ids) > MAX_TOKEN_LIST:
+            raise InvalidArgument(f"{name} holds {len(ids)} token ids; at most {MAX_TOKEN_LIST}")
+        top = vocab - 1 if vocab > 0 else 2**63 - 1
+        for token in ids:
+            if not _integer(token, 0, top):
+                raise InvalidArgument(
+                    f"{name} holds {_shown(token)}; token ids are integers in 0..{top}"
+                    + (" (this model's vocabulary)" if vocab > 0 else "")
+                )
+
+
+def _integer(value: Any, low: int, high: int | None = None) -> bool:
+    return (
+        isinstance(value, int)
+        and not isinstance(value, bool)
+        and value >= low
+        and (high is None or value <= high)
+    )
+
+
+def _number(value: Any, low: float, high: float | None = None, low_open: bool = False) -> bool:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    if not math.isfinite(value) or (value <= low if low_open else value < low):
+        return False
+    return high is None or value <= high
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 @dataclasses.dataclass

@@ -9,15 +9,22 @@ token ids against its vocabulary, a schema the grammar library refuses) is check
 
 Where OpenAI and vLLM differ or are silent, the choice is written here and in docs/openai.md:
 
-* ranges are OpenAI's (temperature >= 0, top_p in (0, 1], penalties in [-2, 2], logit_bias
-  values in [-100, 100]) with vLLM's extensions (top_k, min_p, repetition_penalty,
-  ignore_eos, min_tokens, stop_token_ids) and their ranges;
+* ranges are OpenAI's (temperature in [0, 2], top_p in (0, 1], penalties in [-2, 2],
+  logit_bias values in [-100, 100]) with vLLM's extensions (top_k, min_p,
+  repetition_penalty, ignore_eos, min_tokens, stop_token_ids, a 64-bit seed) and their
+  ranges; the engine's own table of them is ``types.SamplingParams.check``, which the engine
+  applies again to whatever a face sends it;
 * ``n`` is at most :data:`MAX_N` and a request's choices (``n`` x its prompts) at most
   :data:`MAX_CHOICES`: each is a sequence the engine runs, with its own key/value cache;
-* ``top_logprobs`` (chat) and ``logprobs`` (completions) are at most :data:`MAX_LOGPROBS`
-  (OpenAI's 20; its legacy completions said 5);
+* ``top_logprobs`` (chat) is at most :data:`MAX_LOGPROBS` (OpenAI's 20) and ``logprobs``
+  (completions) at most :data:`MAX_COMPLETION_LOGPROBS` (OpenAI's 5);
 * at most :data:`MAX_STOP` stop strings of at most :data:`MAX_STOP_CHARS` characters each
   (OpenAI says 4; clients send more);
+* a body is JSON only when it says so: a ``Content-Type`` other than ``application/json``
+  (or none) is a 400 before the body is read, as vLLM answers (its message);
+* ``chat_template_kwargs`` may not set what the renderer sets itself (:data:`TEMPLATE_OWN`:
+  the messages, tools, the generation prompt's switches, the tokenizer's special tokens and
+  the template's helper functions): 400 naming the key, where it was a 500;
 * fields this server does not know are ignored, as vLLM does (clients send ``user``,
   ``metadata``, ``store`` and their own extensions); fields it knows but cannot honour
   (``tool_choice`` naming a function, image parts, ``best_of`` over ``n``, ``suffix``,
@@ -32,17 +39,27 @@ from typing import Any
 
 import orjson
 
+from plugserve.server.apps.generate.tokenizer import SPECIAL_TOKENS
+from plugserve.server.apps.generate.types import (
+    MAX_LOGPROBS,
+    MAX_STOP,
+    MAX_STOP_CHARS,
+    MAX_TOKEN_LIST,
+)
 from plugserve.server.protocols.openai.errors import OpenAIError
 
 __all__ = [
     "MAX_CHOICES",
+    "MAX_COMPLETION_LOGPROBS",
     "MAX_LOGPROBS",
     "MAX_N",
+    "TEMPLATE_OWN",
     "ChatRequest",
     "CompletionRequest",
     "EmbeddingRequest",
     "GenerationAsk",
     "chat_request",
+    "check_content_type",
     "completion_request",
     "embedding_request",
     "parse_json",
@@ -52,10 +69,11 @@ __all__ = [
 MAX_N = 16
 #: most sequences one request starts (``n`` x its prompts)
 MAX_CHOICES = 64
-#: most alternatives per token in logprobs
-MAX_LOGPROBS = 20
-MAX_STOP = 16
-MAX_STOP_CHARS = 1024
+#: most alternatives per token in completions' logprobs (OpenAI's legacy bound; chat's
+#: top_logprobs is MAX_LOGPROBS, 20)
+MAX_COMPLETION_LOGPROBS = 5
+#: OpenAI's temperature range
+MAX_TEMPERATURE = 2.0
 #: most chat messages, prompts in one completion request, and inputs in one embedding request
 MAX_MESSAGES = 4096
 MAX_PROMPTS = 64
@@ -65,6 +83,34 @@ _SEED_RANGE = (-(2**63), 2**63 - 1)
 
 #: the chat roles a template may see (OpenAI's, with 'function' of its older API)
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+#: the template's own variables, which ``chat_template_kwargs`` may not replace, and why
+TEMPLATE_OWN = {
+    "messages": "the request's 'messages'",
+    "tools": "the request's 'tools'",
+    "add_generation_prompt": "the request field 'add_generation_prompt'",
+    "continue_final_message": "the request field 'continue_final_message'",
+    **{
+        token: "the model's own special token"
+        for token in (*SPECIAL_TOKENS, "additional_special_tokens")
+    },
+    **{name: "a function the template calls" for name in ("raise_exception", "strftime_now")},
+    "namespace": "a function the template calls",
+}
+
+
+def check_content_type(value: bytes | None) -> None:
+    """A 400 unless the body is declared JSON (``application/json``, any parameters), as
+    vLLM refuses it: a body of another type is not read as JSON."""
+    media = (value or b"").split(b";", 1)[0].strip().lower()
+    if media != b"application/json":
+        sent = (value or b"").decode("latin-1")[:100]
+        raise OpenAIError(
+            "Unsupported Media Type: Only 'application/json' is allowed (this request's "
+            + (f"Content-Type is {sent!r}" if sent else "Content-Type is missing")
+            + "); send the JSON body with Content-Type: application/json",
+            code="unsupported_content_type",
+        )
 
 
 def parse_json(data: bytes | memoryview) -> dict[str, Any]:
@@ -248,8 +294,10 @@ def _logit_bias(body: dict[str, Any]) -> dict[int, float]:
         return {}
     if not isinstance(bias, dict):
         raise OpenAIError("'logit_bias' must map token ids to numbers", "logit_bias")
-    if len(bias) > 1024:
-        raise OpenAIError(f"'logit_bias' holds {len(bias)} tokens; at most 1024", "logit_bias")
+    if len(bias) > MAX_TOKEN_LIST:
+        raise OpenAIError(
+            f"'logit_bias' holds {len(bias)} tokens; at most {MAX_TOKEN_LIST}", "logit_bias"
+        )
     out: dict[int, float] = {}
     for key, value in bias.items():
         try:
@@ -331,7 +379,7 @@ def _sampling(body: dict[str, Any], ask: GenerationAsk) -> None:
             "candidates); leave it out",
             "best_of",
         )
-    temperature = _number(body, "temperature", None, 0.0)
+    temperature = _number(body, "temperature", None, 0.0, MAX_TEMPERATURE)
     top_k = _integer(body, "top_k", None, -1)
     seed = _integer(body, "seed", None, *_SEED_RANGE)
     ask.sampling = {
@@ -341,7 +389,9 @@ def _sampling(body: dict[str, Any], ask: GenerationAsk) -> None:
         "min_p": _number(body, "min_p", None, 0.0, 1.0),
         "seed": seed,
         "stop": _stop(body),
-        "stop_token_ids": _token_ids(body.get("stop_token_ids") or [], "stop_token_ids", 1024),
+        "stop_token_ids": _token_ids(
+            body.get("stop_token_ids") or [], "stop_token_ids", MAX_TOKEN_LIST
+        ),
         "ignore_eos": _boolean(body, "ignore_eos"),
         "min_tokens": _integer(body, "min_tokens", 0, 0),
         "presence_penalty": _number(body, "presence_penalty", 0.0, -2.0, 2.0),
@@ -440,6 +490,13 @@ def chat_request(body: dict[str, Any]) -> ChatRequest:
     kwargs = body.get("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise OpenAIError("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+    for key in kwargs or ():
+        if key in TEMPLATE_OWN:
+            raise OpenAIError(
+                f"'chat_template_kwargs' may not set {key!r}: the chat template gets it from "
+                f"{TEMPLATE_OWN[key]}",
+                "chat_template_kwargs",
+            )
     ask.template_kwargs = dict(kwargs or {})
     return ask
 
@@ -479,7 +536,7 @@ def completion_request(body: dict[str, Any]) -> CompletionRequest:
     _sampling(body, ask)
     ask.echo = _boolean(body, "echo")
     ask.max_tokens = _integer(body, "max_tokens", None, 0 if ask.echo else 1)
-    ask.logprobs = _integer(body, "logprobs", None, 0, MAX_LOGPROBS)
+    ask.logprobs = _integer(body, "logprobs", None, 0, MAX_COMPLETION_LOGPROBS)
     if ask.echo and ask.logprobs is not None:
         # the answer would need the prompt's logprobs (SamplingParams.prompt_logprobs), which
         # the engine does not compute yet; encode.prompt_logprobs writes them once it does

@@ -211,6 +211,7 @@ class OpenAIRoutes:
     # --- POST /v1/chat/completions
 
     async def chat(self, call: Any) -> Any:
+        protocol.check_content_type(call.headers.get(b"content-type"))
         ask = protocol.chat_request(protocol.parse_json(call.body))
         model = self._generative(ask.model)
 
@@ -235,6 +236,7 @@ class OpenAIRoutes:
     # --- POST /v1/completions
 
     async def completions(self, call: Any) -> Any:
+        protocol.check_content_type(call.headers.get(b"content-type"))
         ask = protocol.completion_request(protocol.parse_json(call.body))
         model = self._generative(ask.model)
 
@@ -386,6 +388,7 @@ class OpenAIRoutes:
     async def embeddings(self, call: Any) -> Reply:
         from plugserve.server.apps.generate import embeddings
 
+        protocol.check_content_type(call.headers.get(b"content-type"))
         ask = protocol.embedding_request(protocol.parse_json(call.body))
         entry = self._lookup(ask.model)
         encoder = embeddings.encoder_of(entry, self.control)
@@ -565,10 +568,11 @@ class _Answer:
         rest, _ = encode.completion_logprobs(self.logprobs[i], self.names, top, offset)
         return encode.join_logprobs(first, rest)
 
-    def _ids(self, choice: dict[str, Any], i: int, prompt: int, new: bool = True) -> None:
-        """vLLM's ``return_token_ids``: the choice's token ids, and the prompt's."""
+    def _ids(self, choice: dict[str, Any], i: int, prompt: int) -> None:
+        """vLLM's ``return_token_ids``: the choice's token ids, and (completions) the prompt's
+        beside them; chat's prompt ids are the response's own (:meth:`body`)."""
         if self.ask.return_token_ids:
-            if new:
+            if self.kind != "chat":
                 choice["prompt_token_ids"] = self.prompts[prompt]
             choice["token_ids"] = self.token_ids[i]
 
@@ -606,7 +610,7 @@ class _Answer:
                     }
                 )
                 self._ids(choices[-1], i, prompt)
-        return {
+        body = {
             "id": self.rid,
             "object": "chat.completion" if self.kind == "chat" else "text_completion",
             "created": self.created,
@@ -615,6 +619,9 @@ class _Answer:
             "usage": self.usage(),
             "system_fingerprint": None,
         }
+        if self.kind == "chat" and self.ask.return_token_ids:  # vLLM: the response's own
+            body["prompt_token_ids"] = self.prompts[0]
+        return body
 
     # --- streaming
 
@@ -631,24 +638,23 @@ class _Answer:
         return chunk
 
     def opening(self) -> list[bytes]:
-        """Chat's first chunk per choice (the role), as OpenAI sends it."""
+        """Chat's first chunk per choice (the role), as OpenAI sends it; with vLLM's
+        ``return_token_ids`` each carries the prompt's ids at its top, as vLLM's do."""
         if self.kind != "chat":
             return []
-        return [
-            _sse(
-                self._chunk(
-                    [
-                        {
-                            "index": i,
-                            "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None,
-                            "finish_reason": None,
-                        }
-                    ]
-                )
-            )
-            for i in range(len(self.texts))
-        ]
+        chunks = []
+        for i in range(len(self.texts)):
+            role = {
+                "index": i,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+            chunk = self._chunk([role])
+            if self.ask.return_token_ids:
+                chunk["prompt_token_ids"] = self.prompts[0]
+            chunks.append(_sse(chunk))
+        return chunks
 
     def chunk(self, prompt: int, event: GenerationEvent) -> bytes | None:
         """The chunk for one event (None: it carries nothing to send)."""
@@ -692,7 +698,7 @@ class _Answer:
                 logprobs = encode.join_logprobs(logprobs, more)
             choice = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish}
         if self.ask.return_token_ids:
-            if first:
+            if first and self.kind != "chat":  # completions: in the choice's first chunk
                 choice["prompt_token_ids"] = self.prompts[prompt]
             choice["token_ids"] = list(event.token_ids)
         return _sse(self._chunk([choice]))
