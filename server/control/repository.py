@@ -313,7 +313,7 @@ class Repository:
         """The version a stored model path (``model_path``'s answer) is: its version folder's
         number; a transformers folder is itself the version folder (``NAME/VERSION/`` holding
         the files) or, served as it is (``NAME/`` holding them), version 1."""
-        if is_transformers_folder(model):
+        if format_of(model):
             return int(model.name) if is_version(model.name) else 1
         return int(model.parent.name)
 
