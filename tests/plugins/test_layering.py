@@ -1,5 +1,12 @@
-"""The shape of the code itself (issue 25), read with ``ast`` so it cannot drift back.
+"""The shape of the code itself (issues 25 and 43), read with ``ast`` so it cannot drift back.
 
+- ``server/`` is laid out by its layers, and the arrows between its folders run one way:
+  ``process`` (the server process) above ``protocols`` (adapters and their plumbing), above
+  ``apps`` (generation, Python models, ensembles), above ``control`` (what is loaded), above
+  ``plane`` (the request path); a folder imports only its own modules and those of folders
+  below it (so no circle can join two folders), and no protocol adapter (``kserve``,
+  ``openai``, ``v1``) imports another: what they share (the gRPC and HTTP plumbing, the status
+  mapping, auth) is its own module.
 - No import circle between plugserve's modules: every ``import``, at module level or inside a
   function, is an edge (``if TYPE_CHECKING:`` blocks are not, nor are the optional backends a
   plugin imports when it is asked for: onnxruntime, openvino).
@@ -137,6 +144,62 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_import_circle() -> None:
     assert _cycles(_graph()) == []
+
+
+#: ``server/`` folders from the top down: each may import its own and those after it.
+SERVER_LAYERS = ("process", "protocols", "apps", "control", "plane")
+#: the protocol adapters under ``server/protocols/``, which never import each other
+ADAPTERS = ("kserve", "openai", "v1")
+
+
+def _room(module: str) -> str | None:
+    """The ``server/`` folder a module lives in (``protocols.kserve`` for an adapter's, the
+    folder for the rest), None outside ``server/`` and for its package facade."""
+    parts = module.split(".")
+    if parts[1] != "server" or len(parts) < 4:
+        return None
+    if parts[2] == "protocols" and parts[3] in ADAPTERS:
+        return f"protocols.{parts[3]}"
+    return parts[2]
+
+
+def _crossings(graph: dict[str, set[str]]) -> list[str]:
+    """Every import from a ``server/`` folder to one above it, or between two adapters."""
+    rank = {layer: i for i, layer in enumerate(SERVER_LAYERS)}
+    found = []
+    for source, targets in sorted(graph.items()):
+        a = _room(source)
+        if a is None:
+            continue
+        for target in sorted(targets):
+            b = _room(target)
+            if b is None or a == b:
+                continue
+            up = rank[b.split(".")[0]] < rank[a.split(".")[0]]
+            across = a.startswith("protocols.") and b.startswith("protocols.")
+            if up or across:
+                found.append(f"{source} ({a}) -> {target} ({b})")
+    return found
+
+
+def test_server_folders_import_downwards_only() -> None:
+    rooms = {p.name for p in (ROOT / "server").iterdir() if (p / "__init__.py").is_file()}
+    assert rooms == set(SERVER_LAYERS), "a server/ folder the layering does not place"
+    assert _crossings(_graph()) == []
+
+
+def test_the_layering_check_sees_an_upward_import_and_an_adapter_crossing() -> None:
+    graph = {
+        "plugserve.server.plane.dataplane": {"plugserve.server.control.model_control"},
+        "plugserve.server.protocols.openai.serving": {"plugserve.server.protocols.kserve.rest"},
+        "plugserve.server.protocols.kserve.rest": {"plugserve.server.protocols.http.sse"},
+    }
+    assert _crossings(graph) == [
+        "plugserve.server.plane.dataplane (plane) -> plugserve.server.control.model_control "
+        "(control)",
+        "plugserve.server.protocols.openai.serving (protocols.openai) -> "
+        "plugserve.server.protocols.kserve.rest (protocols.kserve)",
+    ]
 
 
 def test_plugins_import_plugserve_at_module_level_only() -> None:
