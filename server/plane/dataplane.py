@@ -46,6 +46,7 @@ from plugserve.server.plane.networks import LoadedNetwork, NetworkTable
 from plugserve.server.plane.response_stream import ResponseStream
 from plugserve.server.plane.sequences import Step
 from plugserve.server.plane.shm import SharedMemory
+from plugserve.server.plane.tracing import Stage, Tracing
 
 __all__ = ["DataPlane", "ShuttingDown", "check_batch"]
 
@@ -138,6 +139,8 @@ class DataPlane:
         self.shm = SharedMemory(budget=self.budget)
         #: cancels requests past their client's deadline or --max-request-seconds
         self.deadlines = DeadlineWatch()
+        #: which requests are traced (off until the server configures it: --trace-config)
+        self.tracing = Tracing(known=self.table_has)
         self.metrics = metrics
         #: the loaded networks requests are served from (model control fills it)
         self.table = NetworkTable()
@@ -178,6 +181,10 @@ class DataPlane:
         ]
 
     # --- networks
+
+    def table_has(self, name: str) -> bool:
+        """Whether a version of ``name`` is loaded."""
+        return bool(self.table.by_name.get(name))
 
     def get(self, name: str, version: int = 0) -> LoadedNetwork:
         """A request's one lookup: ``name``'s ``version`` (0: its latest)."""
@@ -304,6 +311,7 @@ class DataPlane:
         budget = self.budget
         admitted = time.perf_counter()
         token = token if token is not None else cancel.Token()
+        stage: Stage | None = None  # a traced request's model span, queue wait and run
 
         def run(request: InferRequest) -> dict[str, np.ndarray]:
             started = time.perf_counter()
@@ -317,6 +325,8 @@ class DataPlane:
             token.room = budget.free()  # what an output its values size may hold at most
             token.outputs = wanted
             entered = cancel.enter(token)
+            if stage is not None:
+                stage.running()
             try:
                 result = request.infer_checked(arrays)  # checked once, above
             except PlugserveError:
@@ -330,6 +340,8 @@ class DataPlane:
                 ) from exc
             finally:
                 cancel.leave(entered)
+                if stage is not None:
+                    stage.left()
             try:
                 answer = dict(zip(wanted, map(result.__getitem__, wanted)))
             except KeyError:  # left out by a model that may (token.partial_outputs)
@@ -347,6 +359,8 @@ class DataPlane:
             if entry.perf_enabled:
                 recorder.layers(request.get_performance_counts())
             recorder.success(started - admitted, finished - started)
+            if stage is not None:
+                stage.ran(answer)
             return answer
 
         with self._inflight_lock:
@@ -380,6 +394,8 @@ class DataPlane:
             recorder.refused("overloaded")
             raise
         self._watch(name, token, deadline)
+        if token.trace is not None:
+            stage = Stage(token.trace, entry, arrays)
         try:
             if inline and entry.run_seconds > LONG_RUN:
                 with blocked():
@@ -394,11 +410,13 @@ class DataPlane:
                 self._inflight -= 1
                 entry.inflight -= 1
             recorder.refused("overloaded" if isinstance(exc, ResourceExhausted) else "")
+            if stage is not None:
+                stage.finished(exc)
             raise
         if type(future) is Finished:  # ran inline: its callback would run now anyway
-            self._finished(entry, future, token, charge)
+            self._finished(entry, future, token, charge, stage)
         else:
-            future.add_done_callback(lambda f: self._finished(entry, f, token, charge))
+            future.add_done_callback(lambda f: self._finished(entry, f, token, charge, stage))
         return future
 
     def charged(
@@ -459,8 +477,12 @@ class DataPlane:
         stream = ResponseStream(token, name, outputs)
         admitted = time.perf_counter()
         refused: list[BaseException] = []
+        # a traced request's model span, from admission to its last response
+        stage = None if token.trace is None else Stage(token.trace, entry, queued=False)
 
         def ended(error: BaseException | None) -> None:
+            if stage is not None:
+                stage.finished(error)
             self.deadlines.forget(token)
             token.finish()
             charge.release()
@@ -573,7 +595,12 @@ class DataPlane:
             time.sleep(0.02)
 
     def _finished(
-        self, entry: LoadedNetwork, future: Future | Finished, token: cancel.Token, charge: Charge
+        self,
+        entry: LoadedNetwork,
+        future: Future | Finished,
+        token: cancel.Token,
+        charge: Charge,
+        stage: Stage | None = None,
     ) -> None:
         """Successes are recorded where they ran; here the admitted ones that failed."""
         self.deadlines.forget(token)
@@ -583,6 +610,8 @@ class DataPlane:
             self._inflight -= 1
             entry.inflight -= 1
         exc = future.exception()
+        if stage is not None:
+            stage.finished(exc)
         if exc is not None:
             entry.recorder.failure(failure_status(exc))
             if isinstance(exc, PlugserveError):  # an unexpected one is logged whole, later
