@@ -106,7 +106,8 @@ class Span:
         #: the request's root (``self`` for the root itself)
         self.trace: Trace = trace if trace is not None else self  # type: ignore[assignment]
         self.parent = parent
-        self.attributes: dict[str, Any] = attributes if attributes is not None else {}
+        #: None until the first is set (a span of the request path often has none of its own)
+        self.attributes: dict[str, Any] | None = attributes
         self.events: list[tuple[str, int, Mapping[str, Any] | None]] | None = None
         #: ``"Type: message"`` of the error that ended the stage (None: it succeeded)
         self.error: str | None = None
@@ -123,7 +124,10 @@ class Span:
 
     def set(self, key: str, value: Any) -> None:
         """An attribute (str, bool, int, float, or a list of one of them)."""
-        self.attributes[key] = value
+        if self.attributes is None:
+            self.attributes = {key: value}
+        else:
+            self.attributes[key] = value
 
     def event(self, name: str, attributes: Mapping[str, Any] | None = None) -> None:
         """A moment within the stage (a token batch of a generation)."""
@@ -133,9 +137,8 @@ class Span:
         if len(events) < MAX_EVENTS:
             events.append((name, _clock(), attributes))
         else:
-            self.attributes["plugserve.dropped_events"] = (
-                self.attributes.get("plugserve.dropped_events", 0) + 1
-            )
+            dropped = (self.attributes or {}).get("plugserve.dropped_events", 0)
+            self.set("plugserve.dropped_events", dropped + 1)
 
     def fail(self, error: BaseException | str) -> None:
         """Record what failed the stage (the first error stays)."""
@@ -191,7 +194,7 @@ class Trace(Span):
         #: the client's id for the request (KServe's ``id``), for the spans' attributes
         self.request_id = request_id
         self.trace_id, self.parent_span_id = remote if remote is not None else (0, 0)
-        super().__init__(name, None)
+        super().__init__(name, None, None, {})
         self.spans.append(self)
 
     def keep(self, span: Span) -> None:
@@ -215,7 +218,7 @@ class Trace(Span):
             return
         self.end_ns = _clock()
         if self.dropped:
-            self.attributes["plugserve.dropped_spans"] = self.dropped
+            self.set("plugserve.dropped_spans", self.dropped)
         self.sink(self)
 
 

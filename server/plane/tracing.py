@@ -23,9 +23,10 @@ and model name are kept to :data:`MAX_NAME` characters in attributes.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import re
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from plugserve.plugins import tracing
@@ -84,8 +85,8 @@ class _Setting:
     log_frequency: int
     #: the fields this setting sets itself (a model's others follow the global setting)
     specified: frozenset[str] = frozenset()
-    #: requests seen since the setting was made (Triton's ``sample_``)
-    seen: int = 0
+    #: requests seen since the setting was made (Triton's ``sample_``), counting from 1
+    seen: Iterator[int] = dataclasses.field(default_factory=lambda: itertools.count(1))
 
 
 def _level_names(level: int) -> list[str]:
@@ -120,7 +121,7 @@ class Tracing:
         self._lock = threading.Lock()
         self._opening = threading.Lock()
         self._default = _Setting(level, rate, count, log_frequency)
-        self._global = dataclasses.replace(self._default)
+        self._global = _Setting(level, rate, count, log_frequency)
         self._models: dict[str, _Setting] = {}
         if level:  # may raise (no exporter to be had): the caller decides
             self._ensure_sink()
@@ -142,25 +143,28 @@ class Tracing:
         if not setting.level:
             return None
         remote = parse_traceparent(traceparent) if traceparent else None
-        with self._lock:
-            if setting.rate:
+        if not setting.rate:
+            hit = False
+        elif setting.count < 0:  # no count to keep: the counter alone (atomic under the GIL)
+            hit = next(setting.seen) % setting.rate == 0
+        else:
+            with self._lock:
                 if remote is None and not setting.count:
                     return None
-                setting.seen += 1
-                hit = setting.seen % setting.rate == 0
+                hit = next(setting.seen) % setting.rate == 0
                 if hit and setting.count > 0:
                     setting.count -= 1
-                elif hit and setting.count == 0:
+                elif hit:  # the count is spent
                     hit = False
-            else:
-                hit = False
         sink = self._sink
         if not (hit or remote is not None) or sink is None:
             return None
-        trace = Trace(sink, remote, bool(setting.level & LEVELS["TENSORS"]))
-        trace.attributes["triton.model_name"] = model[:MAX_NAME]
-        trace.attributes["plugserve.protocol"] = protocol
-        name_request(trace, request_id)
+        trace = Trace(sink, remote, setting.level > 1)  # TENSORS
+        attributes = trace.attributes
+        attributes["triton.model_name"] = model[:MAX_NAME]
+        attributes["plugserve.protocol"] = protocol
+        if request_id:
+            name_request(trace, request_id)
         return trace
 
     # --- the trace-setting routes (KServe's TraceSetting, REST /v2[/models/M]/trace/setting)
@@ -323,10 +327,11 @@ def _merged(
 class Stage:
     """The spans the data plane opens for one admitted request: the model's span (Triton's,
     named after the model) under the request's span, and under it the wait in the network's
-    queue and the device's run. Every one carries the model's name, version and device and
-    the request's id; the model's span also counts the inputs and outputs and their bytes."""
+    queue and the device's run. The model's span names the model, its version and device and
+    the request's id (the exporter gives them to the spans under it, which record none: see
+    ``server/process/tracing.py``), and counts the inputs and outputs and their bytes."""
 
-    __slots__ = ("_entered", "base", "compute", "model", "queue")
+    __slots__ = ("_entered", "compute", "model", "queue")
 
     def __init__(
         self, parent: Span, entry: Any, arrays: list[Any] | None = None, queued: bool = True
@@ -334,20 +339,22 @@ class Stage:
         """``queued``: the request waits in the network's queue and runs on its streams (a
         stream of responses from another producer has the model's span only)."""
         root = parent.trace
-        base = {
+        identity = {
             "triton.model_name": entry.name,
             "triton.model_version": entry.version,
             "plugserve.device": entry.device,
         }
         if root.request_id:
-            base["triton.request_id"] = root.request_id
+            identity["triton.request_id"] = root.request_id
         if parent is root:  # the request's own span learns what its lookup found
-            root.attributes.update(base)
-        self.base = base
-        model = self.model = parent.span(entry.name, dict(base))
+            root.attributes.update(identity)
+        self.model = model = Span(entry.name, root, parent, identity)
         if arrays is not None:
-            _count(model, "input", arrays, entry.network.inputs, root.detail)
-        self.queue = model.span("queue", dict(base)) if queued else None
+            identity["plugserve.inputs"] = len(arrays)
+            identity["plugserve.input_bytes"] = sum([getattr(a, "nbytes", 0) for a in arrays])
+            if root.detail:
+                _shapes(model, "input", [s.name for s in entry.network.inputs], arrays)
+        self.queue = Span("queue", root, model) if queued else None
         self.compute: Span | None = None
         self._entered: Any = None
 
@@ -357,7 +364,7 @@ class Stage:
         queue = self.queue
         if queue is not None:
             queue.end()
-        self.compute = compute = self.model.span("compute", dict(self.base))
+        self.compute = compute = Span("compute", self.model.trace, self.model)
         self._entered = tracing.enter(compute)
 
     def left(self) -> None:
@@ -368,13 +375,16 @@ class Stage:
 
     def ran(self, outputs: Mapping[str, Any]) -> None:
         """The run succeeded with ``outputs``."""
-        model = self.model
-        model.set("plugserve.outputs", len(outputs))
-        model.set("plugserve.output_bytes", sum(getattr(a, "nbytes", 0) for a in outputs.values()))
-        if model.trace.detail:
-            _shapes(model, "output", list(outputs), list(outputs.values()))
         if self.compute is not None:
             self.compute.end()
+        model = self.model
+        attributes = model.attributes
+        attributes["plugserve.outputs"] = len(outputs)
+        attributes["plugserve.output_bytes"] = sum(
+            [getattr(a, "nbytes", 0) for a in outputs.values()]
+        )
+        if model.trace.detail:
+            _shapes(model, "output", list(outputs), list(outputs.values()))
 
     def finished(self, error: BaseException | None) -> None:
         """The request is over (answered, failed, or cancelled queued or running)."""
@@ -383,13 +393,6 @@ class Stage:
                 if error is not None:
                     span.fail(error)
                 span.end()
-
-
-def _count(span: Span, kind: str, arrays: list[Any], specs: list[Any], detail: bool) -> None:
-    span.set(f"plugserve.{kind}s", len(arrays))
-    span.set(f"plugserve.{kind}_bytes", sum(getattr(a, "nbytes", 0) for a in arrays))
-    if detail:
-        _shapes(span, kind, [s.name for s in specs], arrays)
 
 
 def _shapes(span: Span, kind: str, names: list[str], arrays: list[Any]) -> None:
