@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import socket
 import uuid
 from pathlib import Path
@@ -187,6 +188,31 @@ def test_a_grpc_request_continues_the_clients_trace(server, receiver, client):
     assert root.resource["service.name"] == "plugserve"
     assert root.resource["deployment.environment"] == "test"
     assert root.scope == "plugserve"
+
+
+def test_each_request_of_a_grpc_stream_is_traced(server, receiver, client):
+    """ModelStreamInfer with a traceparent on the call: each request of the stream is an
+    InferRequest of its own under the client's span, with its model's spans under it."""
+    header, trace_id, parent = _traceparent()
+    answers: queue.Queue = queue.Queue()
+    with grpcclient.InferenceServerClient(server.target) as triton:
+        triton.start_stream(
+            lambda result, error: answers.put(error), headers={"traceparent": header}
+        )
+        for i in range(3):
+            triton.async_stream_infer("add_sub", _grpc_inputs(), request_id=f"s{i}")
+        errors = [answers.get(timeout=60) for _ in range(3)]
+        triton.stop_stream()
+    assert errors == [None] * 3
+
+    def roots(r):
+        return [s for s in r.traces().get(trace_id, []) if s.name == "InferRequest"]
+
+    assert receiver.wait(lambda r: len(roots(r)) == 3 and len(r.traces()[trace_id]) == 12)
+    assert {s.attributes["triton.request_id"] for s in roots(receiver)} == {"s0", "s1", "s2"}
+    assert {s.parent_span_id for s in roots(receiver)} == {parent}
+    models = _tree(receiver, trace_id)["add_sub"]
+    assert {m.parent_span_id for m in models} == {s.span_id for s in roots(receiver)}
 
 
 def test_a_rest_request_continues_the_clients_trace(server, receiver, client):

@@ -178,17 +178,10 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             )
         return entry, answer
 
-    def _admit(
-        self,
-        request: pb.ModelInferRequest,
-        context: grpc.ServicerContext,
-        size: int,
-        inline: bool = False,
-        token: Any = None,
-        streaming: bool = False,
-    ):
-        """One lookup: the entry runs the request and names the response. ``size``: the bytes
-        the message took on the wire, which it is charged for (twice: ``GRPC_FACTOR``).
+    def _admit(self, request, context, size, inline, token, streaming):
+        """(:meth:`_submit`'s arguments.) One lookup: the entry runs the request and names
+        the response. ``size``: the bytes the message took on the wire, which it is charged
+        for (twice: ``GRPC_FACTOR``).
         ``streaming``: the request came on ModelStreamInfer, where a decoupled network's
         responses (a :class:`ResponseStream`) may go; ModelInfer refuses such a network as
         Triton does."""

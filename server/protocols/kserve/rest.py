@@ -558,21 +558,12 @@ class RestApp:
 
     # --- inference
 
-    def infer(self, call: Call) -> Reply | Awaitable[Reply]:
-        """:meth:`_infer`, traced when the trace settings sample the request."""
-        tracing = self.plane.tracing
-        if tracing.on:
-            trace = tracing.start(call.path["name"], "", call.headers.get(b"traceparent"), "HTTP")
-            if trace is not None:
-                return self._traced(trace, call)
-        return self._infer(call)
-
     def _traced(self, trace: Trace, call: Call) -> Reply | Awaitable[Reply]:
-        """:meth:`_infer` within the request's span, which ends once the reply is made (the
+        """:meth:`infer` within the request's span, which ends once the reply is made (the
         bytes of its body counted) or the request fails."""
         trace.set("plugserve.request_bytes", len(call.body))
         try:
-            reply = self._infer(call, trace)
+            reply = self.infer(call, trace)
         except BaseException as exc:
             _end(trace, None, exc)
             raise
@@ -590,7 +581,15 @@ class RestApp:
         _end(trace, done)
         return done
 
-    def _infer(self, call: Call, trace: Trace | None = None) -> Reply | Awaitable[Reply]:
+    def infer(self, call: Call, trace: Trace | None = None) -> Reply | Awaitable[Reply]:
+        """``trace``: the request's span (:meth:`_traced` passes it); a request the trace
+        settings sample is traced from here."""
+        if trace is None and self.plane.tracing.on:
+            trace = self.plane.tracing.start(
+                call.path["name"], "", call.headers.get(b"traceparent"), "HTTP"
+            )
+            if trace is not None:
+                return self._traced(trace, call)
         entry = self.plane.get(call.path["name"], call.version)
         if entry.network.decoupled:
             entry.recorder.refused("invalid")
