@@ -28,6 +28,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 
 from plugserve.plugins.errors import Cancelled, PlugserveError
+from plugserve.plugins.tracing import Span
 
 __all__ = [
     "Token",
@@ -94,6 +95,7 @@ class Token:
         "request_id",
         "room",
         "sequence",
+        "trace",
     )
 
     def __init__(self) -> None:
@@ -122,6 +124,9 @@ class Token:
         #: Triton's), set by its owner for a network that hands them to its model (a Python
         #: model's ``correlation_id()`` and ``flags()``); None: none
         self.sequence: tuple[int | str, int] | None = None
+        #: the span the request's stages open theirs under (``plugins/tracing.py``), set by its
+        #: owner when the request is traced; None: not traced
+        self.trace: Span | None = None
         #: the run is over: cancelling now does nothing (and costs nothing)
         self.finished = False
         self._callbacks: list[Callable[[], object]] = []

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from plugserve.plugins import cancel
+from plugserve.plugins import cancel, tracing
 from plugserve.plugins.api import (
     Callback,
     InferRequest,
@@ -38,7 +38,11 @@ class BatchInferRequest(InferRequest):
         return network.submit(arrays, key, rows.pop(), self._token)
 
     def _infer(self, arrays: list[Any]) -> dict[str, np.ndarray]:
-        return self._queue(arrays).result()
+        waiting = tracing.child("batch", {"plugserve.device": self.network.child_device})
+        if waiting is None:
+            return self._queue(arrays).result()
+        with waiting:  # the wait for a batch and its run on the batch's device
+            return self._queue(arrays).result()
 
     def start_async(self, inputs: Mapping[str, Any], callback: Callback | None = None) -> None:
         """Not on the network's streams: the batcher's future is this run's future (whose

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from plugserve.plugins import tracing
 from plugserve.plugins.api import (
     InferenceError,
     InferRequest,
@@ -32,9 +33,13 @@ class HeteroInferRequest(InferRequest):
 
     def _run(self, values: dict[str, Any]) -> dict[str, np.ndarray]:
         checks = self.network.checks
+        traced = tracing.current()  # the run's span when the request is traced
         for index, (step, request) in enumerate(zip(self.network.steps, self._requests)):
             start = time.perf_counter()
-            outputs = request.infer({name: values[name] for name in step.inputs})
+            if traced is None:
+                outputs = request.infer({name: values[name] for name in step.inputs})
+            else:
+                outputs = _traced_piece(traced, index, step, request, values)
             self._times[index] = time.perf_counter() - start
             for expected in checks[index]:
                 problem = disagreement(expected, outputs.get(expected[0]))
@@ -81,6 +86,26 @@ class HeteroInferRequest(InferRequest):
                     )
                 )
         return counts
+
+
+def _traced_piece(
+    traced: tracing.Span, index: int, step: Step, request: InferRequest, values: dict[str, Any]
+) -> dict[str, Any]:
+    """A piece's run as a span of its own (named as its performance counts are), the span
+    its device's pieces open theirs under."""
+    piece = traced.span(
+        f"subgraph{index}",
+        {"plugserve.device": step.device, "plugserve.nodes": len(step.node_names)},
+    )
+    entered = tracing.enter(piece)
+    try:
+        return request.infer({name: values[name] for name in step.inputs})
+    except BaseException as exc:
+        piece.fail(exc)
+        raise
+    finally:
+        tracing.leave(entered)
+        piece.end()
 
 
 def _wrong_answer(step: Step, value: str, problem: str) -> InferenceError:

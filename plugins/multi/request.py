@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from plugserve.plugins import tracing
 from plugserve.plugins.api import (
     Callback,
     Cancelled,
@@ -47,6 +48,8 @@ class MultiInferRequest(InferRequest):
     def _run_on(self, pool: Any, request: InferRequest, arrays: list[Any]) -> dict[str, Any]:
         """On one device: the values checked here against the same specs go as they are."""
         self.last_device = pool.device
+        piece = tracing.child(pool.device, {"plugserve.device": pool.device})
+        entered = None if piece is None else tracing.enter(piece)
         try:
             outputs = request.infer_checked(arrays)
             if self._perf:
@@ -56,9 +59,15 @@ class MultiInferRequest(InferRequest):
                     ]
                 except PlugserveError:
                     self._counts = []
-        except BaseException:
+        except BaseException as exc:
             self.network.release(pool, request, failed=True)
+            if piece is not None:
+                piece.fail(exc)
             raise
+        finally:
+            if piece is not None:
+                tracing.leave(entered)
+                piece.end()
         self.network.release(pool, request)
         return outputs
 

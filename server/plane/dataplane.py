@@ -45,6 +45,7 @@ from plugserve.server.plane.networks import LoadedNetwork, NetworkTable
 from plugserve.server.plane.request import Request
 from plugserve.server.plane.response_stream import ResponseStream
 from plugserve.server.plane.shm import SharedMemory
+from plugserve.server.plane.tracing import Stage, Tracing
 
 __all__ = ["DataPlane", "ShuttingDown", "check_batch"]
 
@@ -137,6 +138,8 @@ class DataPlane:
         self.shm = SharedMemory(budget=self.budget)
         #: cancels requests past their client's deadline or --max-request-seconds
         self.deadlines = DeadlineWatch()
+        #: which requests are traced (off until the server configures it: --trace-config)
+        self.tracing = Tracing(known=self.table_has)
         self.metrics = metrics
         #: the loaded networks requests are served from (model control fills it)
         self.table = NetworkTable()
@@ -177,6 +180,10 @@ class DataPlane:
         ]
 
     # --- networks
+
+    def table_has(self, name: str) -> bool:
+        """Whether a version of ``name`` is loaded."""
+        return bool(self.table.by_name.get(name))
 
     def get(self, name: str, version: int = 0) -> LoadedNetwork:
         """A request's one lookup: ``name``'s ``version`` (0: its latest)."""
@@ -256,8 +263,12 @@ class DataPlane:
         stream = ResponseStream(token, entry.name, request.outputs)
         admitted = time.perf_counter()
         refused: list[BaseException] = []
+        # a traced request's model span, from admission to its last response
+        stage = None if token.trace is None else Stage(token.trace, entry, queued=False)
 
         def ended(error: BaseException | None) -> None:
+            if stage is not None:
+                stage.finished(error)
             self._leave(request, charge)
             if refused:
                 recorder.refused("overloaded" if isinstance(error, ResourceExhausted) else "")
@@ -360,6 +371,7 @@ class DataPlane:
         after = request.after
         token = request.run
         admitted = time.perf_counter()
+        stage: Stage | None = None  # a traced request's model span, queue wait and run
 
         def run(device: InferRequest) -> dict[str, np.ndarray]:
             started = time.perf_counter()
@@ -373,6 +385,8 @@ class DataPlane:
             token.room = budget.free()  # what an output its values size may hold at most
             token.outputs = wanted
             entered = cancel.enter(token)
+            if stage is not None:
+                stage.running()
             try:
                 result = device.infer_checked(arrays)  # checked once, above
             except PlugserveError:
@@ -386,6 +400,8 @@ class DataPlane:
                 ) from exc
             finally:
                 cancel.leave(entered)
+                if stage is not None:
+                    stage.left()
             try:
                 answer = dict(zip(wanted, map(result.__getitem__, wanted)))
             except KeyError:  # left out by a model that may (token.partial_outputs)
@@ -403,11 +419,15 @@ class DataPlane:
             if entry.perf_enabled:
                 recorder.layers(device.get_performance_counts())
             recorder.success(started - admitted, finished - started)
+            if stage is not None:
+                stage.ran(answer)
             return answer
 
         charge = self._enter(request, reroute=True)
         if charge is None:  # reloaded since the caller's lookup: its replacement answers
             return self._readmit(request, arrays)
+        if token.trace is not None:
+            stage = Stage(token.trace, entry, arrays)
         try:
             inline = request.inline
             if inline and entry.run_seconds > LONG_RUN:
@@ -419,11 +439,13 @@ class DataPlane:
         except BaseException as exc:
             self._leave(request, charge)
             recorder.refused("overloaded" if isinstance(exc, ResourceExhausted) else "")
+            if stage is not None:
+                stage.finished(exc)
             raise
         if type(future) is Finished:  # ran inline: its callback would run now anyway
-            self._finished(request, future, charge)
+            self._finished(request, future, charge, stage)
         else:
-            future.add_done_callback(lambda f: self._finished(request, f, charge))
+            future.add_done_callback(lambda f: self._finished(request, f, charge, stage))
         return future
 
     def _readmit(self, request: Request, arrays: list[Any]) -> Future | Finished:
@@ -531,10 +553,18 @@ class DataPlane:
             self._inflight -= 1
             entry.inflight -= 1
 
-    def _finished(self, request: Request, future: Future | Finished, charge: Charge) -> None:
+    def _finished(
+        self,
+        request: Request,
+        future: Future | Finished,
+        charge: Charge,
+        stage: Stage | None = None,
+    ) -> None:
         """Successes are recorded where they ran; here the admitted ones that failed."""
         self._leave(request, charge)
         exc = future.exception()
+        if stage is not None:
+            stage.finished(exc)
         if exc is not None:
             request.entry.recorder.failure(failure_status(exc))
             if isinstance(exc, PlugserveError):  # an unexpected one is logged whole, later

@@ -59,7 +59,6 @@ class Request:
         "protocol",
         "run",
         "step",
-        "trace",
     )
 
     def __init__(
@@ -109,8 +108,6 @@ class Request:
         #: which face it came in by ("grpc", "rest", "v1", "openai", "bls", "ensemble"), for
         #: traces and logs
         self.protocol = protocol
-        #: the request's trace context (``process/tracing.py``), None when it is not traced
-        self.trace = trace
         if run is None:
             run = cancel.Token()
         #: what the device sees: cancellation and what a model reads of its request
@@ -121,6 +118,8 @@ class Request:
             run.parameters = parameters
         if step is not None:  # a Python model's correlation_id() and flags()
             run.sequence = (step.id, int(step.start) | int(step.end) << 1)
+        if trace is not None:
+            run.trace = trace
 
     @property
     def id(self) -> str:
@@ -131,6 +130,12 @@ class Request:
     def parameters(self) -> dict[str, Any] | None:
         """The request's own parameters (those the server does not act on itself)."""
         return self.run.parameters
+
+    @property
+    def trace(self) -> Any:
+        """The request's trace (``plugins/tracing.py``: its spans, which the devices it runs on
+        open theirs under), None when it is not traced: that check is tracing's only cost."""
+        return self.run.trace
 
     def until(self, deadline: float | None) -> None:
         """Stop waiting at ``deadline`` too (a ``timeout`` parameter beside the client's)."""

@@ -46,8 +46,10 @@ from plugserve.server.plane.callpool import CallPool
 from plugserve.server.plane.dataplane import DataPlane
 from plugserve.server.plane.metrics import Metrics
 from plugserve.server.plane.shm import SharedMemory
+from plugserve.server.plane.tracing import Tracing
 from plugserve.server.process.security import security_problems, server_credentials
 from plugserve.server.process.settings import Settings
+from plugserve.server.process.tracing import Exporter, TraceConfig, TracingUnavailable
 from plugserve.server.protocols.auth import AuthInterceptor, load_tokens, local_control
 from plugserve.server.protocols.grpc import reflection
 from plugserve.server.protocols.grpc.callgate import CallGate, keepalive_options
@@ -145,6 +147,9 @@ class Server:
         self.plane.shm = SharedMemory(
             settings.shared_memory == "system", settings.shared_memory_prefix, self.plane.budget
         )
+        #: the OpenTelemetry exporter, made when a trace setting first turns tracing on
+        self.exporter: Exporter | None = None
+        self.plane.tracing = self._tracing(settings.trace())
         for device in ("ENSEMBLE", "PYTHON"):  # ensembles' steps and BLS calls run through it
             if device in self.core.available_devices:
                 self.core.plugin(device).plane = self.plane
@@ -176,6 +181,31 @@ class Server:
         self._hurry = threading.Event()  # a second signal: stop waiting for admitted requests
         self._done = threading.Event()  # stop() finished
         self.abandoned = 0  # requests and loads still running when stop() gave up on them
+
+    def _tracing(self, config: TraceConfig) -> Tracing:
+        """The trace settings --trace-config starts with. Asking for traces without the
+        OpenTelemetry packages is logged with the install line, and the server serves
+        untraced (a trace-setting request that turns tracing on is refused with the same)."""
+
+        def open_sink() -> Exporter:
+            if self.exporter is None:
+                self.exporter = Exporter(config)
+            return self.exporter
+
+        level = config.level
+        while True:
+            try:
+                return Tracing(
+                    level,
+                    config.rate,
+                    config.count,
+                    open_sink=open_sink,
+                    options=config.options(),
+                    known=self.plane.table_has,
+                )
+            except TracingUnavailable as exc:
+                log.error("--trace-config asks for traces: %s; nothing is traced", exc)
+                level = 0
 
     def _generation_stats(self) -> list[tuple[str, str, str, Any]]:
         """Each loaded generative model's engine statistics, for /metrics."""
@@ -431,6 +461,9 @@ class Server:
         self.control.close()
         if self.openai is not None:
             self.openai.close()
+        self.plane.tracing.close()
+        if self.exporter is not None:  # the last requests' traces leave, or are given up
+            self.exporter.close()
         self.metrics.close()
         if self._scratch is not None:
             shutil.rmtree(self._scratch, ignore_errors=True)

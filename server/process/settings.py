@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from plugserve.plugins.api import available_cores
+from plugserve.server.process.tracing import TraceConfig
 
 __all__ = ["Settings"]
 
@@ -203,6 +204,16 @@ class Settings:
         "glibc: freed blocks up to this size are reused, not unmapped and faulted in again "
         "per request (0: the C library's defaults; at most 32 MiB)",
     )
+    trace_config: str = _field(
+        "",
+        "OpenTelemetry traces, as Triton's flag (repeat it): level=OFF|TIMESTAMPS|TENSORS, "
+        "rate=N (1 in N requests), count=N (-1: no end), mode=opentelemetry, "
+        "opentelemetry,url=HOST:PORT/v1/traces, opentelemetry,resource=KEY=VALUE, "
+        "opentelemetry,bsp_max_queue_size=N (bsp_schedule_delay, bsp_max_export_batch_size); "
+        "empty: nothing traced until a trace-setting request turns it on (docs/tracing.md; "
+        "needs pip install 'plugserve[trace]')",
+        repeat=True,
+    )
     # generative models (server/apps/generate/): defaults for models whose config sets none
     # (MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS, KV_CACHE_BYTES, MAX_MODEL_LEN, ENABLE_PREFIX_CACHING)
     max_num_seqs: int = _field(
@@ -303,9 +314,17 @@ class Settings:
             found.append(f"shared_memory_prefix={self.shared_memory_prefix!r} must start with '/'")
         if self.log_format not in _LOG_FORMATS:
             found.append(f"log_format={self.log_format!r} must be one of {', '.join(_LOG_FORMATS)}")
+        try:
+            self.trace()
+        except ValueError as exc:
+            found.append(f"trace_config={self.trace_config!r}: {exc}")
         if self.log_level.upper() not in _LOG_LEVELS:
             found.append(f"log_level={self.log_level!r} must be one of {', '.join(_LOG_LEVELS)}")
         return found
+
+    def trace(self) -> TraceConfig:
+        """--trace-config read (raises ValueError naming a wrong option)."""
+        return TraceConfig.parse(self.trace_config)
 
     def load_threads(self) -> int:
         """--model-load-threads, 0 made concrete: loads are CPU work (parsing, checking and

@@ -579,8 +579,6 @@ def test_load_errors(client):
 @pytest.mark.parametrize(
     ("call", "feature"),
     [
-        (lambda c: c.get_trace_settings(), "trace settings"),
-        (lambda c: c.update_trace_settings(settings={"trace_rate": "1"}), "trace settings"),
         (lambda c: c.get_log_settings(), "log settings"),
         (lambda c: c.update_log_settings({"log_verbose_level": 1}), "log settings"),
     ],

@@ -39,6 +39,8 @@ def _values(field: dataclasses.Field) -> tuple[str, str]:
         return "off", "system"
     if field.name == "shared_memory_prefix":
         return "/", "/mine"
+    if field.name == "trace_config":
+        return "rate=7", "level=TIMESTAMPS,opentelemetry,url=127.0.0.1:4318/v1/traces"
     if field.name in (
         "exit_on_error",
         "reuse_grpc_port",

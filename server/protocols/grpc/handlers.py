@@ -306,11 +306,22 @@ class Inference:
         A request queued behind others waits as :func:`blocked`: its thread runs nothing
         meanwhile, so another call may start."""
         request, size = sized
-        entry, future = self.submit(request, context, size, inline=True, token=call_token(context))
-        if type(future) is not Finished:
-            with blocked():
-                future.exception()  # waits; result() below raises what it holds
-        return b"".join(self.respond(request, entry, future.result()))
+        token = call_token(context)
+        try:
+            entry, future = self.submit(request, context, size, inline=True, token=token)
+            if type(future) is not Finished:
+                with blocked():
+                    future.exception()  # waits; result() below raises what it holds
+            answer = b"".join(self.respond(request, entry, future.result()))
+        except BaseException as exc:
+            if token.trace is not None:  # a traced request (its adapter's ``submit`` says)
+                token.trace.fail(exc)
+                token.trace.end()
+            raise
+        if token.trace is not None:
+            token.trace.set("plugserve.response_bytes", len(answer))
+            token.trace.end()
+        return answer
 
     def stream(
         self, requests: Iterator[tuple[Any, int]], context: grpc.ServicerContext

@@ -51,6 +51,7 @@ EXTENSIONS = [
     "classification",
     "sequence",
     "sequence(string_id)",
+    "trace",
 ]
 
 # KServe datatype -> numpy dtype (BF16 is ml_dtypes', as tritonclient's; the float8/int4 types

@@ -33,7 +33,10 @@ Choices where KServe/Triton leave room or plugserve differs:
   count and compute time; elsewhere ``execution_count`` equals ``inference_count``. The model
   configuration of such a network shows ``dynamic_batching`` (preferred size = the batch size,
   queue delay = BATCH_TIMEOUT_MS).
-* Shared memory, trace and log settings are UNIMPLEMENTED.
+* Log settings are UNIMPLEMENTED. ``TraceSetting`` reads and changes Triton's trace settings
+  (``server/plane/tracing.py``); a sampled ``ModelInfer`` or ``ModelStreamInfer`` request is
+  traced from here (its ``InferRequest`` span, continuing the W3C ``traceparent`` of the call's
+  metadata) until its answer is composed (unary) or ready (streams). See docs/tracing.md.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ from plugserve.server.control.model_control import ModelControl
 from plugserve.server.plane.budget import GRPC_FACTOR
 from plugserve.server.plane.dataplane import DataPlane
 from plugserve.server.plane.request import Request
+from plugserve.server.plane.response_stream import ResponseStream
 from plugserve.server.plane.sequences import sequence_step
 from plugserve.server.plane.shm import write_outputs
 from plugserve.server.plane.versions import parse_version
@@ -81,7 +85,6 @@ from plugserve.server.protocols.kserve.codec import (
 __all__ = ["KServeServicer", "add_kserve_service"]
 
 _UNIMPLEMENTED = {
-    "TraceSetting": "trace settings",
     "LogSettings": "log settings",
 }
 
@@ -147,8 +150,36 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         token: Any = None,
         streaming: bool = False,
     ):
-        """One lookup: the entry runs the request and names the response. ``size``: the bytes
-        the message took on the wire, which it is charged for (twice: ``GRPC_FACTOR``).
+        """:meth:`_admit`, traced when the trace settings sample the request."""
+        tracing = self.plane.tracing
+        if tracing.on:
+            trace = tracing.start(request.model_name, request.id, _traceparent(context), "GRPC")
+            if trace is not None:
+                return self._traced(trace, request, context, size, inline, token, streaming)
+        return self._admit(request, context, size, inline, token, streaming)
+
+    def _traced(self, trace, request, context, size, inline, token, streaming):
+        """:meth:`_admit` with the request's span on its token, ended when the answer is
+        ready (a stream's) or by :meth:`Inference.unary` once it is composed."""
+        trace.set("plugserve.request_bytes", size)
+        try:
+            entry, answer = self._admit(request, context, size, inline, token, streaming, trace)
+        except BaseException as exc:
+            trace.fail(exc)
+            trace.end()
+            raise
+        if isinstance(answer, ResponseStream):
+            answer.when_ended(functools.partial(_end, trace))
+        elif streaming:
+            answer.add_done_callback(
+                lambda f: _end(trace, None if f.cancelled() else f.exception())
+            )
+        return entry, answer
+
+    def _admit(self, request, context, size, inline, token, streaming, trace=None):
+        """(:meth:`_submit`'s arguments.) One lookup: the entry runs the request and names
+        the response. ``size``: the bytes the message took on the wire, which it is charged
+        for (twice: ``GRPC_FACTOR``).
         ``streaming``: the request came on ModelStreamInfer, where a decoupled network's
         responses (a :class:`ResponseStream`) may go; ModelInfer refuses such a network as
         Triton does."""
@@ -164,7 +195,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
                 when = own_end if when is None else min(when, own_end)
         ask = Request(
             entry, deadline=when, run=token, id=request.id, parameters=own, step=step,
-            inline=inline, holds=size * GRPC_FACTOR, protocol="grpc",
+            inline=inline, holds=size * GRPC_FACTOR, protocol="grpc", trace=trace,
         )  # fmt: skip
         if entry.network.decoupled:
             return entry, self._submit_decoupled(request, ask, streaming)
@@ -202,6 +233,22 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         ask.inputs = request_inputs(request, entry, self.shm)
         ask.outputs = requested_outputs(request)
         return self.plane.stream(ask)
+
+    # --- trace settings (Triton's trace extension)
+
+    def TraceSetting(self, request, context):
+        """Reads (no settings) or changes (auth: an admin token) the global trace setting or
+        ``model_name``'s; an empty value clears a field, as Triton's."""
+        tracing = self.plane.tracing
+        if request.settings:
+            changes = {k: list(v.value) or None for k, v in request.settings.items()}
+            answer = tracing.update(request.model_name, changes)
+        else:
+            answer = tracing.setting(request.model_name)
+        response = pb.TraceSettingResponse()
+        for key, values in answer.items():
+            response.settings[key].value.extend(values)
+        return response
 
     # --- system shared memory
 
@@ -264,6 +311,20 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         self.control.check_control(f"unload of model {request.model_name!r}")
         self.control.unload(request.model_name, 0, remove=False)
         return pb.RepositoryModelUnloadResponse()
+
+
+def _traceparent(context: grpc.ServicerContext) -> str | None:
+    """The call's W3C ``traceparent`` metadata (None: it has none)."""
+    for key, value in context.invocation_metadata() or ():
+        if key == "traceparent":
+            return value
+    return None
+
+
+def _end(trace: Any, error: BaseException | None) -> None:
+    if error is not None:
+        trace.fail(error)
+    trace.end()
 
 
 def _unimplemented(method: str, feature: str):

@@ -25,8 +25,12 @@ Choices where Triton or KServe leave room:
   ``request_compression_algorithm`` sends them; inflated no further than
   ``--max-message-bytes``); any other encoding is 415. Responses are never compressed
   (``Accept-Encoding`` is a preference: compressing a 600 KB tensor costs more than sending it
-  over the networks a server like this runs on). Shared memory, trace and log settings are
-  501, as their gRPC methods are UNIMPLEMENTED.
+  over the networks a server like this runs on). Log settings are 501, as their gRPC method
+  is UNIMPLEMENTED.
+* Trace settings are Triton's (``GET``/``POST /v2[/models/NAME]/trace/setting``, answered as
+  ``TraceSetting`` is; setting needs an admin token when tokens are on). A sampled ``/infer``
+  request is traced from its routing to its reply (its ``InferRequest`` span, continuing the
+  W3C ``traceparent`` header); docs/tracing.md.
 * A client that disconnects cancels its request, queued or running (``plugins/cancel.py``).
   A request past the server's --max-request-seconds is stopped and answered 504.
 """
@@ -55,6 +59,7 @@ import uvloop
 
 from plugserve.plugins import cancel
 from plugserve.plugins.api import InvalidInput, PlugserveError, ResourceExhausted, Unsupported
+from plugserve.plugins.tracing import Trace
 from plugserve.plugins.version import plugserve_version
 from plugserve.proto import grpc_service_pb2 as pb
 from plugserve.server.control.model_control import ModelControl
@@ -64,7 +69,14 @@ from plugserve.server.plane.networks import LoadedNetwork
 from plugserve.server.plane.request import Request
 from plugserve.server.plane.response_stream import ResponseStream
 from plugserve.server.plane.shm import write_outputs
-from plugserve.server.protocols.auth import HEALTH, KSERVE, AuthInterceptor, control_refusal
+from plugserve.server.plane.tracing import name_request
+from plugserve.server.protocols.auth import (
+    ADMIN,
+    HEALTH,
+    KSERVE,
+    AuthInterceptor,
+    control_refusal,
+)
 from plugserve.server.protocols.http import offload as rest_offload
 from plugserve.server.protocols.http import sse
 from plugserve.server.protocols.http.http_server import HttpServer, Reply, StreamReply, error_reply
@@ -94,6 +106,8 @@ if TYPE_CHECKING:
 __all__ = ["RestApp", "RestServer"]
 
 _JSON = [(b"content-type", b"application/json")]
+#: the get-or-set routes: setting (a POST with fields) needs an admin token, as on gRPC
+_SETTERS = {f"/{KSERVE}/TraceSetting"}
 # Content-Encoding of a request body -> zlib's wbits (0: plain)
 _WBITS = {b"identity": 0, b"gzip": 31, b"deflate": 15}
 _BINARY = b"application/octet-stream"
@@ -190,10 +204,8 @@ class RestApp:
         shm = r"/v2/systemsharedmemory"
         region = shm + r"/region/(?P<name>[^/]+)"
         cuda = r"/v2/cudasharedmemory"
-        unsupported = {
-            r"/v2(?:/models/[^/]+)?/trace/setting": "trace settings",
-            r"/v2/logging": "log settings",
-        }
+        unsupported = {r"/v2/logging": "log settings"}
+        trace = r"/v2(?:/models/(?P<name>[^/]+))?/trace/setting"
         # (pattern, {method: (gRPC method it stands for, handler)})
         # the infer route first (no other route's pattern matches a path ending in /infer):
         # the one whose lookup is paid per inference
@@ -223,6 +235,13 @@ class RestApp:
                     {m: (f"/{KSERVE}/ServerMetadata", _refuse(feature)) for m in ("GET", "POST")},
                 )
                 for pattern, feature in unsupported.items()
+            ),
+            (
+                trace,
+                {
+                    "GET": (f"/{KSERVE}/TraceSetting", self.trace_setting),
+                    "POST": (f"/{KSERVE}/TraceSetting", self.update_trace_setting),
+                },
             ),
             *(
                 (pattern, {m: (f"/{KSERVE}/{method}", handler) for m in verbs})
@@ -345,6 +364,13 @@ class RestApp:
                 if code == grpc.StatusCode.UNAUTHENTICATED:
                     extra = [*extra, (b"www-authenticate", b"Bearer")]
                 return status, pieces, extra
+            if method == "POST" and rpc in _SETTERS and message != ADMIN and body.strip(b" {}"):
+                # as the gRPC setters (auth.py): an infer token reads the settings, sets none
+                return _error(
+                    403,
+                    f"{rpc.rpartition('/')[2]} with settings needs a token with the 'admin' "
+                    f"role; this token has the '{message}' role",
+                )
         elif self.local_control:
             why = control_refusal(rpc, peer)
             if why:
@@ -508,9 +534,63 @@ class RestApp:
         )
         return _json(message_json(response))
 
+    # --- trace settings (Triton's trace extension: server/plane/tracing.py)
+
+    def trace_setting(self, call: Call) -> Reply:
+        return _json(_setting_json(self.plane.tracing.setting(call.path.get("name") or "")))
+
+    def update_trace_setting(self, call: Call) -> Reply:
+        """Triton's body: each field a string (a list for ``trace_level``), null to clear."""
+        changes: dict[str, list[str] | None] = {}
+        for key, value in call.json().items():
+            if value is None:
+                changes[key] = None
+            elif isinstance(value, list) and all(isinstance(v, str) for v in value):
+                changes[key] = value
+            elif isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool)):
+                changes[key] = [str(value)]
+            else:
+                raise InvalidInput(
+                    f"trace setting {key!r} must be a string (a list of strings for "
+                    f"trace_level) or null, not {value!r}"
+                )
+        answer = self.plane.tracing.update(call.path.get("name") or "", changes)
+        return _json(_setting_json(answer))
+
     # --- inference
 
-    def infer(self, call: Call) -> Reply | Awaitable[Reply]:
+    def _traced(self, trace: Trace, call: Call) -> Reply | Awaitable[Reply]:
+        """:meth:`infer` within the request's span, which ends once the reply is made (the
+        bytes of its body counted) or the request fails."""
+        trace.set("plugserve.request_bytes", len(call.body))
+        try:
+            reply = self.infer(call, trace)
+        except BaseException as exc:
+            _end(trace, None, exc)
+            raise
+        if isinstance(reply, tuple):
+            _end(trace, reply)
+            return reply
+        return self._traced_later(trace, reply)
+
+    async def _traced_later(self, trace: Trace, reply: Awaitable[Reply]) -> Reply:
+        try:
+            done = await reply
+        except BaseException as exc:
+            _end(trace, None, exc)
+            raise
+        _end(trace, done)
+        return done
+
+    def infer(self, call: Call, trace: Trace | None = None) -> Reply | Awaitable[Reply]:
+        """``trace``: the request's span (:meth:`_traced` passes it); a request the trace
+        settings sample is traced from here."""
+        if trace is None and self.plane.tracing.on:
+            trace = self.plane.tracing.start(
+                call.path["name"], "", call.headers.get(b"traceparent"), "HTTP"
+            )
+            if trace is not None:
+                return self._traced(trace, call)
         entry = self.plane.get(call.path["name"], call.version)
         if entry.network.decoupled:
             entry.recorder.refused("invalid")
@@ -524,6 +604,7 @@ class RestApp:
             # decoding this much JSON would stall the loop: a worker does it all (binary
             # tensors are views of the body, decoded in no time: they stay)
             token = cancel.Token()
+            token.trace = trace
             return self._in_worker(self._infer_whole, entry, call, token, token=token)
         if header_length == "0":  # Triton's raw binary request: the body is the one input
             request = parse_raw(
@@ -531,7 +612,11 @@ class RestApp:
             )
         else:
             request = parse_infer(call.body, header_length, entry.expect, self.plane.shm)
-        future = self.plane.infer(_request(entry, request, _fast(entry)))
+        ask = _request(entry, request, _fast(entry))
+        if trace is not None:
+            ask.run.trace = trace
+            name_request(trace, request.id)
+        future = self.plane.infer(ask)
         if future.done():  # ran inline: answered without leaving the parser's callback
             outputs = future.result()
             if _bytes_of(outputs) <= INLINE_BYTES:
@@ -555,6 +640,8 @@ class RestApp:
                 entry.expect(name, array.dtype, list(array.shape))
         else:
             request = parse_infer(call.body, header_length, entry.expect, self.plane.shm)
+        if token.trace is not None:
+            name_request(token.trace, request.id)
         future = self.plane.infer(_request(entry, request, True, token))
         return _infer_reply(entry, request, future.result())
 
@@ -728,6 +815,25 @@ def _request(
         after=functools.partial(write_outputs, request.regions) if request.regions else None,
         protocol="rest",
     )  # fmt: skip
+
+
+def _setting_json(setting: dict[str, list[str]]) -> dict[str, Any]:
+    """Triton's JSON: each value a string, ``trace_level`` (and a repeated one) a list."""
+    return {
+        key: values if key == "trace_level" or len(values) != 1 else values[0]
+        for key, values in setting.items()
+    }
+
+
+def _end(trace: Trace, reply: Reply | None, error: BaseException | None = None) -> None:
+    """End a traced request's span with its reply's body size, or the error that ended it."""
+    if error is not None:
+        trace.fail(error)
+    elif reply is not None:
+        if reply[0] >= 400:
+            trace.fail(f"HTTP {reply[0]}")
+        trace.set("plugserve.response_bytes", sum(len(piece) for piece in reply[1]))
+    trace.end()
 
 
 def _readiness(entry: LoadedNetwork) -> Reply:

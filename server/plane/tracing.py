@@ -1,0 +1,407 @@
+"""Which requests are traced, decided as Triton decides it, and the spans the data plane opens.
+
+Triton's trace settings (``src/tracer.cc``, ``docs/protocol/extension_trace.md``): a level
+(``OFF``, ``TIMESTAMPS``; ``TENSORS`` is Triton's word for more: here each tensor's name, type
+and shape besides the counts and bytes every span has), a rate (1 in N requests is traced; 0:
+only requests that carry a W3C ``traceparent``), a count (traces left to take; -1: no end) and
+``log_frequency`` (kept and answered as Triton does, though nothing here writes files). The
+global setting starts from ``--trace-config``; a model may have its own, each field it does not
+set following the global one; ``null`` (REST) or an empty value (gRPC) clears a field back to
+the global (a model's) or the startup value (the global's), as Triton's ``TraceManager`` does.
+A setting is replaced, never changed, by an update, so its counter restarts: after
+``trace_rate`` 2 the second, fourth, ... requests are traced. A request that continues a
+client's trace (``traceparent``) is traced whatever the rate and count, when the level is not
+OFF (Triton's context propagation).
+
+Cost: an adapter asks :attr:`Tracing.on` (one attribute read) before anything else; only when
+some setting's level is not OFF does it call :meth:`Tracing.start`, which takes one lock for
+the sampling counters. Bounds: at most :data:`MAX_MODEL_SETTINGS` models with settings of
+their own (each named model must be loaded when its setting is made); a client's request id
+and model name are kept to :data:`MAX_NAME` characters in attributes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import re
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from plugserve.plugins import tracing
+from plugserve.plugins.api import (
+    InvalidArgument,
+    ResourceExhausted,
+    Unsupported,
+    listing,
+)
+from plugserve.plugins.tracing import Span, Trace
+
+__all__ = [
+    "LEVELS",
+    "MAX_MODEL_SETTINGS",
+    "Stage",
+    "Tracing",
+    "name_request",
+    "parse_traceparent",
+]
+
+#: Triton's level names and their bits (OFF alone, or any of the others)
+LEVELS = {"TIMESTAMPS": 1, "TENSORS": 2}
+#: The fields a client may set (Triton's keys)
+FIELDS = ("trace_level", "trace_rate", "trace_count", "log_frequency")
+MAX_MODEL_SETTINGS = 1024
+MAX_NAME = 256
+_UINT32 = 2**32 - 1
+_INT32 = 2**31 - 1
+
+# W3C trace context: version 00 (or a later one, read as 00), 32 + 16 hex digits, flags
+_TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?")
+
+
+def parse_traceparent(header: str | bytes | None) -> tuple[int, int] | None:
+    """``(trace id, parent span id)`` of a valid W3C ``traceparent``; None otherwise (an
+    invalid header is ignored, as the W3C spec asks: the request starts a trace of its own)."""
+    if not header:
+        return None
+    text = header.decode("latin-1") if isinstance(header, bytes) else header
+    match = _TRACEPARENT.fullmatch(text.strip())
+    if match is None or match[1] == "ff" or (match[1] == "00" and match[5]):
+        return None
+    trace_id, span_id = int(match[2], 16), int(match[3], 16)
+    if not trace_id or not span_id:
+        return None
+    return trace_id, span_id
+
+
+@dataclasses.dataclass
+class _Setting:
+    """One setting in force (the global one or a model's): replaced whole on update."""
+
+    level: int
+    rate: int
+    count: int
+    log_frequency: int
+    #: the fields this setting sets itself (a model's others follow the global setting)
+    specified: frozenset[str] = frozenset()
+    #: requests seen since the setting was made (Triton's ``sample_``), counting from 1
+    seen: Iterator[int] = dataclasses.field(default_factory=lambda: itertools.count(1))
+
+
+def _level_names(level: int) -> list[str]:
+    return [name for name, bit in LEVELS.items() if level & bit] or ["OFF"]
+
+
+class Tracing:
+    """The trace settings in force and the sampling of requests by them.
+
+    ``known(name)``: whether a model of that name is loaded (a model's setting needs one, as
+    Triton asks for a ready model). ``open_sink()``: the exporter's sink, made the first time a
+    setting turns tracing on (it may raise: the OpenTelemetry packages are an optional extra);
+    ``options``: what ``--trace-config`` set for the exporter, answered beside the settings
+    (Triton's ``url``, ``resource``, ``bsp_*``), read-only."""
+
+    def __init__(
+        self,
+        level: int = 0,
+        rate: int = 1000,
+        count: int = -1,
+        log_frequency: int = 0,
+        open_sink: Callable[[], Callable[[Trace], object]] | None = None,
+        options: Mapping[str, list[str]] | None = None,
+        known: Callable[[str], bool] = lambda name: False,
+    ) -> None:
+        #: whether any setting's level is not OFF: the one thing an adapter reads per request
+        self.on = False
+        self.options = dict(options or {})
+        self.known = known
+        self._open_sink = open_sink
+        self._sink: Callable[[Trace], object] | None = None
+        self._lock = threading.Lock()
+        self._opening = threading.Lock()
+        self._default = _Setting(level, rate, count, log_frequency)
+        self._global = _Setting(level, rate, count, log_frequency)
+        self._models: dict[str, _Setting] = {}
+        if level:  # may raise (no exporter to be had): the caller decides
+            self._ensure_sink()
+            self.on = self._sink is not None
+
+    # --- per request
+
+    def start(
+        self,
+        model: str,
+        request_id: str,
+        traceparent: str | bytes | None,
+        protocol: str,
+    ) -> Trace | None:
+        """The root span of a request to ``model``, or None when its setting does not sample
+        it. ``protocol``: Triton's names (``GRPC``, ``HTTP``). The model's version and device
+        join its attributes once the data plane has looked it up (:class:`Stage`)."""
+        setting = self._models.get(model, self._global) if self._models else self._global
+        if not setting.level:
+            return None
+        remote = parse_traceparent(traceparent) if traceparent else None
+        if not setting.rate:
+            hit = False
+        elif setting.count < 0:  # no count to keep: the counter alone (atomic under the GIL)
+            hit = next(setting.seen) % setting.rate == 0
+        else:
+            with self._lock:
+                if remote is None and not setting.count:
+                    return None
+                hit = next(setting.seen) % setting.rate == 0
+                if hit and setting.count > 0:
+                    setting.count -= 1
+                elif hit:  # the count is spent
+                    hit = False
+        sink = self._sink
+        if not (hit or remote is not None) or sink is None:
+            return None
+        trace = Trace(sink, remote, setting.level > 1)  # TENSORS
+        attributes = trace.attributes
+        attributes["triton.model_name"] = model[:MAX_NAME]
+        attributes["plugserve.protocol"] = protocol
+        if request_id:
+            name_request(trace, request_id)
+        return trace
+
+    # --- the trace-setting routes (KServe's TraceSetting, REST /v2[/models/M]/trace/setting)
+
+    def setting(self, model: str = "") -> dict[str, list[str]]:
+        """What the routes answer: Triton's keys, each value a list of strings."""
+        self._check_model(model)
+        setting = self._models.get(model, self._global) if model else self._global
+        return {
+            "trace_level": _level_names(setting.level),
+            "trace_rate": [str(setting.rate)],
+            "trace_count": [str(setting.count)],
+            "trace_mode": ["opentelemetry"],
+            **self.options,
+        }
+
+    def update(self, model: str, changes: Mapping[str, list[str] | None]) -> dict[str, list[str]]:
+        """Apply ``changes`` (a field: its new values, or None to clear it) to the global
+        setting (``model`` empty) or to ``model``'s; answers :meth:`setting` after it. Checked
+        whole before anything changes, with Triton's messages."""
+        self._check_model(model)
+        new = _parse_changes(changes)
+        if new.get("trace_level"):  # the exporter first: without it nothing changes
+            self._ensure_sink()
+        with self._lock:
+            if model:
+                self._update_model(model, new)
+            else:
+                self._global = _merged(self._global, self._default, new, specified=False)
+                # the models' settings follow the global one where they set nothing
+                for name, own in list(self._models.items()):
+                    self._models[name] = _merged(own, self._global, {}, specified=True)
+            level = self._global.level or any(s.level for s in self._models.values())
+        self.on = bool(level) and self._sink is not None
+        return self.setting(model)
+
+    def _update_model(self, model: str, new: dict[str, Any]) -> None:
+        current = self._models.get(model)
+        if current is None and len(self._models) >= MAX_MODEL_SETTINGS:
+            raise ResourceExhausted(
+                f"{MAX_MODEL_SETTINGS} models have trace settings of their own already; clear "
+                "one (set its fields to null) before giving another model its own"
+            )
+        base = current if current is not None else _Setting(0, 0, 0, 0)
+        merged = _merged(base, self._global, new, specified=True)
+        if merged.specified:
+            self._models[model] = merged
+        else:  # every field cleared: the model follows the global setting again
+            self._models.pop(model, None)
+
+    def _check_model(self, model: str) -> None:
+        if model and not self.known(model):
+            raise InvalidArgument(
+                f"Request for unknown model : {model}: no version of it is loaded (a model's "
+                "trace settings need the model loaded)"
+            )
+
+    def _ensure_sink(self) -> None:
+        with self._opening:
+            if self._sink is None and self._open_sink is not None:
+                self._sink = self._open_sink()
+
+    def close(self) -> None:
+        """No request is traced from now on (the server stops its exporter after this)."""
+        self.on = False
+        self._sink = None
+
+
+def name_request(trace: Trace, request_id: str) -> None:
+    """The client's id for a traced request, once its adapter has read it (REST's is in the
+    body): the root and the spans the data plane opens carry it."""
+    if request_id:
+        trace.request_id = request_id[:MAX_NAME]
+        trace.attributes["triton.request_id"] = trace.request_id
+
+
+def _parse_changes(changes: Mapping[str, list[str] | None]) -> dict[str, Any]:
+    """Triton's checks of a trace-setting request: field -> new value, or None (clear)."""
+    if "trace_file" in changes:
+        raise Unsupported(
+            "trace file location can not be updated through network protocol (plugserve "
+            "exports traces over OTLP; --trace-config opentelemetry,url=... names the collector)"
+        )
+    unknown = sorted(set(changes) - set(FIELDS))
+    if unknown:
+        raise InvalidArgument(
+            f"unknown trace setting(s) {listing(unknown)}; a client may set "
+            f"{listing(list(FIELDS))} (the exporter's options are set at startup with "
+            "--trace-config)"
+        )
+    new: dict[str, Any] = {}
+    for field, values in changes.items():
+        if values is None:
+            new[field] = None
+        elif field == "trace_level":
+            new[field] = _parse_level(values)
+        else:
+            if len(values) != 1:
+                raise InvalidArgument(f"expect only 1 value for '{field}'")
+            new[field] = _parse_number(field, values[0])
+    return new
+
+
+def _parse_level(values: list[str]) -> int:
+    if "OFF" in values:
+        if len(values) != 1:
+            raise InvalidArgument("Expect only one trace level 'OFF' is specified")
+        return 0
+    level = 0
+    for value in values:
+        if value not in LEVELS:
+            raise InvalidArgument(
+                f"unknown trace level {value!r}; the levels are OFF, TIMESTAMPS and TENSORS"
+            )
+        level |= LEVELS[value]
+    return level
+
+
+def _parse_number(field: str, text: str) -> int:
+    low, high = (-1, _INT32) if field == "trace_count" else (0, _UINT32)
+    try:
+        value = int(str(text).strip())
+    except ValueError:
+        raise InvalidArgument(f"Unable to parse '{field}', got: {text}") from None
+    if not low <= value <= high:
+        raise InvalidArgument(
+            f"Unable to parse '{field}', value is out of range [ {low}, {high} ], got: {text}"
+        )
+    return value
+
+
+_KEYS = {
+    "trace_level": "level",
+    "trace_rate": "rate",
+    "trace_count": "count",
+    "log_frequency": "log_frequency",
+}
+
+
+def _merged(
+    current: _Setting, fallback: _Setting, new: dict[str, Any], specified: bool
+) -> _Setting:
+    """A new setting: each field from ``new``, else from ``current`` where it was set there,
+    else from ``fallback`` (Triton's ``UpdateTraceSettingInternal``). ``specified``: track
+    which fields are set (a model's setting); the global one's fields always are."""
+    values = {}
+    kept = set()
+    for field, key in _KEYS.items():
+        if field in new and new[field] is not None:
+            values[key] = new[field]
+            kept.add(field)
+        elif field not in new and (not specified or field in current.specified):
+            values[key] = getattr(current, key)
+            kept.add(field)
+        else:  # cleared, or never set by this model
+            values[key] = getattr(fallback, key)
+    return _Setting(**values, specified=frozenset(kept) if specified else frozenset())
+
+
+class Stage:
+    """The spans the data plane opens for one admitted request: the model's span (Triton's,
+    named after the model) under the request's span, and under it the wait in the network's
+    queue and the device's run. The model's span names the model, its version and device and
+    the request's id (the exporter gives them to the spans under it, which record none: see
+    ``server/process/tracing.py``), and counts the inputs and outputs and their bytes."""
+
+    __slots__ = ("_entered", "compute", "model", "queue")
+
+    def __init__(
+        self, parent: Span, entry: Any, arrays: list[Any] | None = None, queued: bool = True
+    ) -> None:
+        """``queued``: the request waits in the network's queue and runs on its streams (a
+        stream of responses from another producer has the model's span only)."""
+        root = parent.trace
+        identity = {
+            "triton.model_name": entry.name,
+            "triton.model_version": entry.version,
+            "plugserve.device": entry.device,
+        }
+        if root.request_id:
+            identity["triton.request_id"] = root.request_id
+        if parent is root:  # the request's own span learns what its lookup found
+            root.attributes.update(identity)
+        self.model = model = Span(entry.name, root, parent, identity)
+        if arrays is not None:
+            identity["plugserve.inputs"] = len(arrays)
+            identity["plugserve.input_bytes"] = sum([getattr(a, "nbytes", 0) for a in arrays])
+            if root.detail:
+                _shapes(model, "input", [s.name for s in entry.network.inputs], arrays)
+        self.queue = Span("queue", root, model) if queued else None
+        self.compute: Span | None = None
+        self._entered: Any = None
+
+    def running(self) -> None:
+        """The request left the queue and its run starts on this thread: devices open their
+        spans under the run (:func:`plugins.tracing.current`)."""
+        queue = self.queue
+        if queue is not None:
+            queue.end()
+        self.compute = compute = Span("compute", self.model.trace, self.model)
+        self._entered = tracing.enter(compute)
+
+    def left(self) -> None:
+        """The device returned (or raised): the run is no longer this thread's span."""
+        if self._entered is not None:
+            tracing.leave(self._entered)
+            self._entered = None
+
+    def ran(self, outputs: Mapping[str, Any]) -> None:
+        """The run succeeded with ``outputs``."""
+        if self.compute is not None:
+            self.compute.end()
+        model = self.model
+        attributes = model.attributes
+        attributes["plugserve.outputs"] = len(outputs)
+        attributes["plugserve.output_bytes"] = sum(
+            [getattr(a, "nbytes", 0) for a in outputs.values()]
+        )
+        if model.trace.detail:
+            _shapes(model, "output", list(outputs), list(outputs.values()))
+
+    def finished(self, error: BaseException | None) -> None:
+        """The request is over (answered, failed, or cancelled queued or running)."""
+        for span in (self.queue, self.compute, self.model):
+            if span is not None and not span.end_ns:
+                if error is not None:
+                    span.fail(error)
+                span.end()
+
+
+def _shapes(span: Span, kind: str, names: list[str], arrays: list[Any]) -> None:
+    """Triton's TENSORS level, without the values: each tensor's name, type and shape."""
+    span.set(f"plugserve.{kind}_names", names)
+    span.set(
+        f"plugserve.{kind}_types", [str(getattr(a, "dtype", type(a).__name__)) for a in arrays]
+    )
+    span.set(
+        f"plugserve.{kind}_shapes",
+        ["x".join(map(str, getattr(a, "shape", ()))) for a in arrays],
+    )
