@@ -176,7 +176,7 @@ class DataPlane:
         return [
             (n.device, n.name, str(n.version), n.sequences.active, n.sequences.state_bytes)
             for n in self.table.all()
-            if n.sequences is not None
+            if n.sequences is not None and not n.sequences.relay
         ]
 
     # --- networks
@@ -231,8 +231,8 @@ class DataPlane:
         """
         if request.decode is not None:
             return self._decoded(request, self.infer)
-        entry = request.entry
-        if request.step is None and entry.sequences is None:
+        sequences = request.entry.sequences
+        if request.step is None and (sequences is None or sequences.relay):
             return self._admit(request)
         return self._sequenced(request)
 
@@ -474,7 +474,7 @@ class DataPlane:
         except PlugserveError:
             entry.recorder.refused("invalid")
             raise
-        if entry.sequences is not None:
+        if entry.sequences is not None and not entry.sequences.relay:
             entry.recorder.refused("invalid")
             raise InvalidInput(
                 f"network {name!r}: a sequence model's requests are not streamed as "

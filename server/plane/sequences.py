@@ -412,6 +412,15 @@ def sequence_step(parameters: Mapping[str, Any] | None) -> Step | None:
     return Step(ident, flags["sequence_start"], flags["sequence_end"])
 
 
+def echoed(entry_sequences: Any, step: Step | None) -> dict[str, Any] | None:
+    """The parameters an answer carries back for a request of a sequence: Triton's ensembles
+    answer each with its ``sequence_id``, ``sequence_start`` and ``sequence_end`` (a relay's,
+    :attr:`SequenceRelay.relay`); a sequence model's answers carry none, as Triton's."""
+    if step is None or entry_sequences is None or not entry_sequences.relay:
+        return None
+    return {"sequence_id": step.id, "sequence_start": step.start, "sequence_end": step.end}
+
+
 class _Item:
     """One admitted request of a sequence, waiting for its turn or running; ``checked``: its
     inputs were checked against the network's specs already (a protocol's plain lane)."""
@@ -501,6 +510,10 @@ class Sequences:
 class SequenceBatcher:
     """One model version's sequences (see the module's docstring). ``submit`` is the data
     plane's admission of one plain run; ``name`` the model's."""
+
+    #: it keeps the sequences itself (an ensemble's relay passes them on: ``relay`` True, and
+    #: a request of no sequence is then an ordinary one)
+    relay = False
 
     def __init__(
         self,

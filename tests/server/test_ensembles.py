@@ -233,6 +233,16 @@ def running(tmp_path_factory):
     _write(root, "mismatch", _ensemble("mismatch", float_in, INT32_OUT, [
         _step("simple", 1, BOTH, {"OUTPUT0": "OUTPUT0", "OUTPUT1": "OUTPUT1"}),
     ]))  # fmt: skip
+    # qa/L0_simple_ensemble's ensemble_add_sub_int32_int32_int32: six stateless steps over
+    # simple's two versions, (INPUT0 + INPUT1, INPUT0 - INPUT1) in the end
+    _write(root, "add_sub_6", _ensemble("add_sub_6", INT32_IN, INT32_OUT, [
+        _step("simple", -1, {"INPUT0": "INPUT0", "INPUT1": "INPUT0"}, {"OUTPUT0": "twice0"}),
+        _step("simple", 1, {"INPUT0": "INPUT1", "INPUT1": "INPUT1"}, {"OUTPUT0": "twice1"}),
+        _step("simple", -1, {"INPUT0": "twice0", "INPUT1": "INPUT0"}, {"OUTPUT1": "value0"}),
+        _step("simple", 1, {"INPUT0": "twice1", "INPUT1": "INPUT1"}, {"OUTPUT1": "value1"}),
+        _step("simple", -1, {"INPUT0": "value0", "INPUT1": "INPUT1"}, {"OUTPUT0": "OUTPUT0"}),
+        _step("simple", 1, {"INPUT0": "INPUT0", "INPUT1": "value1"}, {"OUTPUT1": "OUTPUT1"}),
+    ]))  # fmt: skip
     # two branches over the two versions: OUTPUT0 from version 1, OUTPUT1 from version 2
     _write(root, "versions", _ensemble("versions", INT32_IN, INT32_OUT, [
         _step("simple", 1, BOTH, {"OUTPUT0": "OUTPUT0"}),
@@ -557,6 +567,68 @@ def test_sequence_requests_pass_through_an_ensemble(running, model):
             client.infer(f"{model}_ensemble", [tensor])
     finally:
         client.close()
+
+
+def test_sequence_flags_come_back_on_each_response_of_a_stream(running):
+    """qa/L0_simple_ensemble's test_ensemble_sequence_flags: three requests of one sequence to
+    an ensemble of stateless steps, on one gRPC stream; each response carries its request's
+    sequence_start and sequence_end back, as Triton's ensembles answer (its steps, which keep
+    no sequence, run them as any request)."""
+    import queue
+
+    a = np.random.default_rng(1).integers(0, 100, (1, 16), dtype=np.int32)
+    b = np.random.default_rng(2).integers(0, 100, (1, 16), dtype=np.int32)
+    answers: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(running.target)
+    try:
+        client.start_stream(callback=lambda result, error: answers.put((result, error)))
+        for count in range(3):
+            client.async_stream_infer(
+                "add_sub_6", _inputs(grpcclient, a, b), request_id=f"7_{count}",
+                sequence_id=7, sequence_start=count == 0, sequence_end=count == 2,
+            )  # fmt: skip
+        flags = {}
+        for _ in range(3):
+            result, error = answers.get(timeout=60)
+            assert error is None, error
+            response = result.get_response()
+            flags[response.id] = [
+                response.parameters["sequence_start"].bool_param,
+                response.parameters["sequence_end"].bool_param,
+            ]
+            assert response.parameters["sequence_id"].int64_param == 7
+            np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a + b)
+            np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), a - b)
+        assert [flags[f"7_{i}"] for i in range(3)] == [[True, False], [False, False], [False, True]]
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+def test_sequence_flags_come_back_over_rest_and_a_plain_request_carries_none(running):
+    """The same over REST (Triton's JSON ``parameters``); a request naming no sequence gets
+    none back."""
+    import requests as http
+
+    a = np.arange(16, dtype=np.int32).reshape(1, 16)
+    body = {
+        "inputs": [
+            {"name": n, "shape": [1, 16], "datatype": "INT32", "data": a.ravel().tolist()}
+            for n in ("INPUT0", "INPUT1")
+        ]
+    }
+    url = f"http://127.0.0.1:{running.http_port}/v2/models/add_sub_6/infer"
+    with http.Session() as session:
+        plain = session.post(url, json=body, timeout=60)
+        assert plain.status_code == 200, plain.text
+        assert "parameters" not in plain.json()
+        ended = session.post(
+            url, json={**body, "parameters": {"sequence_id": 9, "sequence_end": True}}, timeout=60
+        )
+        assert ended.status_code == 200, ended.text
+        assert ended.json()["parameters"] == {
+            "sequence_id": 9, "sequence_start": False, "sequence_end": True,
+        }  # fmt: skip
 
 
 def test_tensors_between_steps_are_passed_by_reference(tmp_path):

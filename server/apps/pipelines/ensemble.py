@@ -450,13 +450,11 @@ class EnsembleNetwork(CompiledNetwork):
         return out
 
     def sequences_for(self, admission: Callable[..., Any]) -> SequenceRelay | None:
-        """What passes sequence requests on to its steps, when one of its steps' models takes
-        them (model control gives it the ensemble's admission); None otherwise."""
-        for step in self.graph.ordered:
-            entry = self._loaded(step)
-            if entry is not None and entry.sequences is not None:
-                return SequenceRelay(self, admission)
-        return None
+        """What passes sequence requests on to its steps (model control gives it the
+        ensemble's admission): a step whose model keeps sequences gets the request's place in
+        its sequence, the others run it as any request, as Triton's ensembles pass a request's
+        correlation id and flags to every step and answer with them."""
+        return SequenceRelay(self, admission)
 
     def create_infer_request(self) -> InferRequest:
         return EnsembleInferRequest(self)
@@ -481,6 +479,8 @@ class SequenceRelay:
     hidden_inputs: frozenset[str] = frozenset()
     active = 0
     state_bytes = 0
+    #: a request of no sequence runs as any; answers carry the request's sequence flags back
+    relay = True
 
     def __init__(self, network: EnsembleNetwork, admission: Callable[..., Any]) -> None:
         self.network = network

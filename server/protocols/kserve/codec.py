@@ -35,6 +35,7 @@ from plugserve.server.apps.pipelines.ensemble import EnsembleNetwork
 from plugserve.server.control.triton_config import VersionPolicy
 from plugserve.server.plane.budget import decoded_nbytes
 from plugserve.server.plane.networks import LoadedNetwork
+from plugserve.server.plane.sequences import echoed, sequence_step
 from plugserve.server.plane.shm import OutputTarget, SharedMemory, uses_region
 from plugserve.server.protocols.kserve.classification import class_count, classify
 from plugserve.server.protocols.kserve.contents import decode_contents
@@ -331,14 +332,18 @@ def infer_response(
     entry: LoadedNetwork,
     outputs: dict[str, np.ndarray],
     shm: SharedMemory | None = None,
+    parameters: Mapping[str, Any] | None = None,
 ) -> Pieces:
     """A ``ModelInferResponse`` as wire pieces (see ``proto.tensors``): the outputs travel as
     ``raw_output_contents``, and their data is not copied until the pieces are joined. An
     output the request asked for in a shared memory region (``shm``) is written there, and its
-    ``raw_output_contents`` entry is left empty (the entries stay one per output)."""
+    ``raw_output_contents`` entry is left empty (the entries stay one per output).
+    ``parameters``: the response's own (an ensemble's sequence flags)."""
     response = pb.ModelInferResponse(
         model_name=entry.name, model_version=str(entry.version), id=request.id
     )
+    for key, value in (parameters or {}).items():
+        set_parameter(response.parameters[key], value)
     regions = {
         o.name: parameter_values(o.parameters)
         for o in request.outputs
@@ -546,8 +551,20 @@ def compose_response(
 ) -> Pieces:
     """The answer's pieces: the network's :class:`PlainLane` when it takes the outputs, else
     :func:`infer_response`."""
-    pieces = plain_lane(entry).encode(request, outputs)
-    return pieces if pieces is not None else infer_response(request, entry, outputs, shm)
+    echo = _echo(request, entry)
+    if echo is None:
+        pieces = plain_lane(entry).encode(request, outputs)
+        if pieces is not None:
+            return pieces
+    return infer_response(request, entry, outputs, shm, echo)
+
+
+def _echo(request: pb.ModelInferRequest, entry: LoadedNetwork) -> dict[str, Any] | None:
+    """The sequence parameters an ensemble's answer carries back (``sequences.echoed``)."""
+    sequences = entry.sequences
+    if sequences is None or not sequences.relay or not request.parameters:
+        return None
+    return echoed(sequences, sequence_step(parameter_values(request.parameters)))
 
 
 def stream_response(

@@ -548,9 +548,11 @@ def encode_infer(
     outputs: dict[str, np.ndarray],
     batched: bool = False,
     labels: Mapping[str, tuple[str, ...]] | None = None,
+    parameters: Mapping[str, Any] | None = None,
 ) -> tuple[list[bytes | memoryview], int | None]:
     """The response body as pieces, and the JSON part's length when binary data follows; an
-    output asked for in a shared memory region is written there and only described."""
+    output asked for in a shared memory region is written there and only described.
+    ``parameters``: the response's own (an ensemble's sequence flags)."""
     described = []
     payloads: list[bytes | memoryview] = []
     for name, array in outputs.items():
@@ -578,6 +580,8 @@ def encode_infer(
     response: dict[str, Any] = {"model_name": model, "model_version": str(version)}
     if call.id:
         response["id"] = call.id
+    if parameters:
+        response["parameters"] = dict(parameters)
     response["outputs"] = described
     header = dumps(response)
     if not payloads:

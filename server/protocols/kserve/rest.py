@@ -68,6 +68,7 @@ from plugserve.server.plane.dataplane import DataPlane
 from plugserve.server.plane.networks import LoadedNetwork
 from plugserve.server.plane.request import Request
 from plugserve.server.plane.response_stream import ResponseStream
+from plugserve.server.plane.sequences import echoed
 from plugserve.server.plane.shm import write_outputs
 from plugserve.server.plane.tracing import name_request
 from plugserve.server.protocols.auth import (
@@ -855,8 +856,9 @@ def _infer_reply(entry: LoadedNetwork, request: InferCall, outputs: dict[str, An
         pieces, header_length = rest_offload.encode(entry.name, entry.version, request, outputs)
     else:
         pieces, header_length = encode_infer(
-            entry.name, entry.version, request, outputs, entry.max_batch_size > 0, entry.labels
-        )
+            entry.name, entry.version, request, outputs, entry.max_batch_size > 0, entry.labels,
+            echoed(entry.sequences, request.step),
+        )  # fmt: skip
     if header_length is None:
         return 200, pieces, _JSON
     return (
