@@ -420,9 +420,16 @@ class RestApp:
         return _json({"live": True})
 
     def ready(self, call: Call) -> Reply:
-        if self.plane.ready and not self.plane.draining:
+        unready = self.control.unready() if self.plane.ready else []
+        if self.plane.ready and not self.plane.draining and not unready:
             return _json({"ready": True})
-        why = "shutting down" if self.plane.draining else "still loading its models"
+        why = (
+            "shutting down"
+            if self.plane.draining
+            else "still loading its models"
+            if not self.plane.ready
+            else "; ".join(unready[:8]) + (f"; {len(unready) - 8} more" if len(unready) > 8 else "")
+        )
         return _json({"ready": False, "error": f"the server is not ready: {why}"}, 503)
 
     def server_metadata(self, call: Call) -> Reply:

@@ -41,6 +41,7 @@ def _values(field: dataclasses.Field) -> tuple[str, str]:
         return "/", "/mine"
     if field.name in (
         "exit_on_error",
+        "strict_readiness",
         "reuse_grpc_port",
         "allow_remote_control",
         "enable_prefix_caching",
