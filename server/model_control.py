@@ -635,8 +635,9 @@ class ModelControl:
                 with self.table.lock:
                     self.table.failed[(n, 0)] = problems[-1]
             entries = [e for e in entries if e.name in names]
-        for problem in problems:
-            self._failed_at(problem)
+        if self.repository.root.is_dir():  # else no model failed: there is none to serve
+            for problem in problems:
+                self._failed_at(problem)
         ready: list[LoadedNetwork] = []
         # ensembles after the models their steps run (their load checks the steps' types)
         first = [e for e in entries if e.device != "ENSEMBLE"]
@@ -704,8 +705,9 @@ class ModelControl:
         wanted = {(e.name, e.version): e for e in entries}
         with self.table.lock:  # the repository decides anew: what fails again is retried below
             self.table.failed.clear()
-        for problem in problems:
-            self._failed_at(problem)
+        if self.repository.root.is_dir():
+            for problem in problems:
+                self._failed_at(problem)
         ours = {(n.name, n.version) for n in self.networks() if n.persisted}
         for name, version in sorted(ours - wanted.keys()):
             with contextlib.suppress(NotFound):
