@@ -581,6 +581,7 @@ class ModelControl:
             entry = self._entry(name, version, device, network, True, batch)
             entry.labels = dict(settings.labels)
             entry.formats = dict(settings.formats)
+            entry.dims = dict(settings.dims)
             self._sequenced(entry, settings.sequence)
             with self.table.lock:
                 self.table.by_name.setdefault(name, {})[version] = entry
@@ -673,6 +674,7 @@ class ModelControl:
         loaded.persisted = True
         loaded.labels = dict(entry.settings.labels)
         loaded.formats = dict(entry.settings.formats)
+        loaded.dims = dict(entry.settings.dims)
         stamp = self.repository.stamp(entry.name, entry.path)
         with self.table.lock:
             self._stamps[(entry.name, entry.version)] = stamp

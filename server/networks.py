@@ -73,6 +73,8 @@ class LoadedNetwork:
     labels: dict[str, tuple[str, ...]] = dataclasses.field(init=False, default_factory=dict)
     #: per input, config.pbtxt's image format, for ModelConfig
     formats: dict[str, int] = dataclasses.field(init=False, default_factory=dict)
+    #: per input, config.pbtxt's dims (no batch dimension), for a raw binary request's shape
+    dims: dict[str, tuple[int, ...]] = dataclasses.field(init=False, default_factory=dict)
     #: Triton's sequence batcher, for a model whose config.pbtxt has sequence_batching; for
     #: an ensemble of a sequence model, what passes its sequence requests on to its steps
     sequences: SequenceBatcher | SequenceRelay | None = dataclasses.field(init=False, default=None)
