@@ -653,7 +653,7 @@ class InferRequest(abc.ABC):
         if token.error is not None:
             raise token.failure()
         probe = self.network.amplifying
-        if probe is not None and token.room:  # outputs its values size: judged first
+        if probe is not None and (token.room or token.answer):  # sizes its values decide
             probe.check(self.network.inputs, arrays)
         self._token = token
         try:

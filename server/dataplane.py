@@ -277,7 +277,9 @@ class DataPlane:
         the server sends) fail the request with ResourceExhausted once it has run, before any
         protocol encodes them: the encoding would copy them at least once more (a 180-byte
         request to ``ConstantOfShape`` made 8 GB of outputs, and the gRPC answer another 8 GB
-        before grpcio refused to send it), and the answer could not leave anyway.
+        before grpcio refused to send it), and the answer could not leave anyway. One whose
+        size the request's values decide is refused before it is computed (the run's token
+        carries the bound: ``plugins/amplify.py``).
 
         ``holds``: the bytes the request holds until it is answered, charged to
         --max-inflight-bytes before it is admitted (a protocol that charged it already, as
@@ -315,6 +317,7 @@ class DataPlane:
                     f"({started - admitted:.3f} s in the queue)"
                 )
             token.room = budget.free()  # what an output its values size may hold at most
+            token.answer = 0 if after is not None else most  # shared memory: not in the answer
             token.outputs = wanted
             entered = cancel.enter(token)
             try:
