@@ -24,7 +24,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from plugserve.plugins import amplify
+from plugserve.plugins import amplify, memory
 from plugserve.plugins.api import (
     STATE_PAIRS,
     BackendUnavailable,
@@ -193,6 +193,15 @@ class OpenvinoPlugin(Plugin):
     # --- networks
 
     def load_network(
+        self, model: Model, config: Mapping[str, Any] | None = None
+    ) -> OpenvinoCompiledNetwork:
+        """The network, then its load's scratch memory given back (``plugins/memory.py``)."""
+        try:
+            return self._load_network(model, config)
+        finally:
+            memory.give_back()
+
+    def _load_network(
         self, model: Model, config: Mapping[str, Any] | None = None
     ) -> OpenvinoCompiledNetwork:
         cfg = self.merged_config(config)
@@ -449,6 +458,14 @@ class OpenvinoPlugin(Plugin):
     def import_network(
         self, data: bytes, config: Mapping[str, Any] | None = None
     ) -> OpenvinoCompiledNetwork:  # a blob of a string model cannot exist: load refuses it
+        try:
+            return self._import_network(data, config)
+        finally:
+            memory.give_back()  # as a load's
+
+    def _import_network(
+        self, data: bytes, config: Mapping[str, Any] | None = None
+    ) -> OpenvinoCompiledNetwork:
         header, payload, cfg = self._unpack(data, config)
         # the blob holds a graph compiled for one precision: that one stays
         saved = OpenvinoConfiguration(header.get("config", {}), throw_on_unsupported=False)

@@ -18,7 +18,7 @@ from typing import Any
 
 import onnx
 
-from plugserve.plugins import amplify
+from plugserve.plugins import amplify, memory
 from plugserve.plugins.api import (
     BackendUnavailable,
     InvalidArgument,
@@ -114,6 +114,16 @@ class OrtPlugin(Plugin):
     def load_network(
         self, model: Model, config: Mapping[str, Any] | None = None
     ) -> OrtCompiledNetwork:
+        """The network, then its load's scratch memory given back (``plugins/memory.py``: the
+        parsed model, its IR, its bytes and onnxruntime's own parse are gone by then)."""
+        try:
+            return self._load_network(model, config)
+        finally:
+            memory.give_back()
+
+    def _load_network(
+        self, model: Model, config: Mapping[str, Any] | None = None
+    ) -> OrtCompiledNetwork:
         cfg = self.merged_config(config)
         graph, data, proto = self._read(model)
         shapes = shape_model(proto)
@@ -202,6 +212,14 @@ class OrtPlugin(Plugin):
         return self._unsupported(load_model(model))
 
     def import_network(
+        self, data: bytes, config: Mapping[str, Any] | None = None
+    ) -> OrtCompiledNetwork:
+        try:
+            return self._import_network(data, config)
+        finally:
+            memory.give_back()  # as a load's: what the import parsed is gone
+
+    def _import_network(
         self, data: bytes, config: Mapping[str, Any] | None = None
     ) -> OrtCompiledNetwork:
         header, payload, cfg = self._unpack(data, config)
