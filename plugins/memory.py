@@ -17,9 +17,12 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
-__all__ = ["give_back"]
+__all__ = ["give_back", "giving_back"]
+
+_Load = TypeVar("_Load", bound=Callable[..., Any])
 
 
 def give_back() -> None:
@@ -27,6 +30,20 @@ def give_back() -> None:
     libc = _libc()
     if libc is not None:
         libc.malloc_trim(0)
+
+
+def giving_back(load: _Load) -> _Load:
+    """``load`` (a plugin's load or import), then :func:`give_back` once it has returned or
+    failed: its frame, and the scratch copies its locals held, are gone by then."""
+
+    @functools.wraps(load)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return load(*args, **kwargs)
+        finally:
+            give_back()
+
+    return run  # type: ignore[return-value]
 
 
 @functools.cache

@@ -192,16 +192,8 @@ class OpenvinoPlugin(Plugin):
 
     # --- networks
 
+    @memory.giving_back  # the parsed model, its IR, openvino's conversion
     def load_network(
-        self, model: Model, config: Mapping[str, Any] | None = None
-    ) -> OpenvinoCompiledNetwork:
-        """The network, then its load's scratch memory given back (``plugins/memory.py``)."""
-        try:
-            return self._load_network(model, config)
-        finally:
-            memory.give_back()
-
-    def _load_network(
         self, model: Model, config: Mapping[str, Any] | None = None
     ) -> OpenvinoCompiledNetwork:
         cfg = self.merged_config(config)
@@ -455,17 +447,10 @@ class OpenvinoPlugin(Plugin):
                 why.setdefault(node.name, "goes with the node that reads it (a Constant)")
         return supported, why
 
+    @memory.giving_back
     def import_network(
         self, data: bytes, config: Mapping[str, Any] | None = None
     ) -> OpenvinoCompiledNetwork:  # a blob of a string model cannot exist: load refuses it
-        try:
-            return self._import_network(data, config)
-        finally:
-            memory.give_back()  # as a load's
-
-    def _import_network(
-        self, data: bytes, config: Mapping[str, Any] | None = None
-    ) -> OpenvinoCompiledNetwork:
         header, payload, cfg = self._unpack(data, config)
         # the blob holds a graph compiled for one precision: that one stays
         saved = OpenvinoConfiguration(header.get("config", {}), throw_on_unsupported=False)

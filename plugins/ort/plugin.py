@@ -111,17 +111,8 @@ class OrtPlugin(Plugin):
     def _read_file(self, path: Path) -> bytes:
         return self._read(path)[1]
 
+    @memory.giving_back  # the parsed model, its IR, its bytes, onnxruntime's own parse
     def load_network(
-        self, model: Model, config: Mapping[str, Any] | None = None
-    ) -> OrtCompiledNetwork:
-        """The network, then its load's scratch memory given back (``plugins/memory.py``: the
-        parsed model, its IR, its bytes and onnxruntime's own parse are gone by then)."""
-        try:
-            return self._load_network(model, config)
-        finally:
-            memory.give_back()
-
-    def _load_network(
         self, model: Model, config: Mapping[str, Any] | None = None
     ) -> OrtCompiledNetwork:
         cfg = self.merged_config(config)
@@ -211,15 +202,8 @@ class OrtPlugin(Plugin):
         """Why each unsupported original node is refused (for error messages and the CLI)."""
         return self._unsupported(load_model(model))
 
+    @memory.giving_back
     def import_network(
-        self, data: bytes, config: Mapping[str, Any] | None = None
-    ) -> OrtCompiledNetwork:
-        try:
-            return self._import_network(data, config)
-        finally:
-            memory.give_back()  # as a load's: what the import parsed is gone
-
-    def _import_network(
         self, data: bytes, config: Mapping[str, Any] | None = None
     ) -> OrtCompiledNetwork:
         header, payload, cfg = self._unpack(data, config)

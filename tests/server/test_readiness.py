@@ -116,13 +116,17 @@ def _infer(client, model: str) -> np.ndarray:
     return client.infer(model, [tensor]).as_numpy("Y")
 
 
-def test_a_broken_model_and_an_ensemble_over_it_stop_the_server_by_default(repository):
-    server = RunningServer("--model-repository", str(repository))
+def _exit_line(server: RunningServer) -> str:
+    """The line a server that must exit at startup ends with (it exits with status 1)."""
     with pytest.raises(RuntimeError):
         server.start()
     assert server.process is not None and server.process.wait(30) == 1
-    last = server.lines[-1]
-    assert "2 model(s) cannot be served at startup" in last, server.log
+    return server.lines[-1]
+
+
+def test_a_broken_model_and_an_ensemble_over_it_stop_the_server_by_default(repository):
+    last = _exit_line(RunningServer("--model-repository", str(repository)))
+    assert "2 model(s) cannot be served at startup" in last, last
     assert "model 'broken' version 1:" in last, last
     assert "ensemble 'ens_broken' is not ready: step 1 (model 'broken')" in last, last
     assert "--exit-on-error 0" in last
@@ -212,12 +216,10 @@ def test_the_bundled_examples_stop_the_server_when_a_device_they_need_is_left_ou
     Python models, and the ensembles over them, unserved."""
     plugins = tmp_path / "plugins.json"
     plugins.write_text(json.dumps({"plugins": {"NUMPY": {}, "ENSEMBLE": {}}}))
-    server = RunningServer("--plugins", str(plugins), env={"XDG_CACHE_HOME": str(tmp_path)})
-    with pytest.raises(RuntimeError):
-        server.start()
-    assert server.process is not None and server.process.wait(30) == 1
-    last = server.lines[-1]
-    assert "cannot be served at startup" in last, server.log
+    last = _exit_line(
+        RunningServer("--plugins", str(plugins), env={"XDG_CACHE_HOME": str(tmp_path)})
+    )
+    assert "cannot be served at startup" in last, last
     assert "ensemble 'text_sentiment' is not ready" in last, last
     with RunningServer(
         "--plugins", str(plugins), "--exit-on-error", "0", env={"XDG_CACHE_HOME": str(tmp_path)}
