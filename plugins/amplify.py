@@ -269,6 +269,8 @@ def check_node(node: Any, inputs: Sequence[Any], sent: frozenset[str] = frozense
     except (TypeError, ValueError, IndexError, OverflowError):
         return  # inputs the op itself refuses: its kernel says why
     what = f"node {node.name!r} ({node.op_type})"
+    if token.network:
+        what = f"network {token.network!r}: {what}"
     check_bytes(nbytes, what)
     most = token.answer
     if sent and most and nbytes > most:

@@ -89,6 +89,7 @@ class Token:
         "answer",
         "error",
         "finished",
+        "network",
         "outputs",
         "parameters",
         "partial_outputs",
@@ -109,6 +110,9 @@ class Token:
         #: output the request asked for that its values size past it could never be sent
         #: (--max-message-bytes), so it is refused before it is computed, whatever the room
         self.answer = 0
+        #: the name of the network the run is for, set by its owner, for the messages of
+        #: refusals made deep in a device (``plugins/amplify.py``); "": unnamed
+        self.network = ""
         #: the outputs the run's caller asked for (None: every one), set by its owner: a
         #: network that can skip work for outputs nobody wants reads it (an ensemble's steps)
         self.outputs: list[str] | None = None

@@ -319,6 +319,7 @@ class DataPlane:
             token.room = budget.free()  # what an output its values size may hold at most
             token.answer = 0 if after is not None else most  # shared memory: not in the answer
             token.outputs = wanted
+            token.network = name
             entered = cancel.enter(token)
             try:
                 result = request.infer_checked(arrays)  # checked once, above
