@@ -546,3 +546,19 @@ def test_a_refused_body_is_drained_so_its_client_reads_the_answer(small_body_ser
             reply += chunk
     assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
     assert b"request JSON size of 67108864 bytes" in reply
+
+
+def test_l0_repository_index_deeply_nested_json(triton_qa):
+    """test_repository_index_deeply_nested_json: 'ready' nested 250,000 deep (500 KB)."""
+    depth = 250000
+    payload = '{"ready":' + "[" * depth + "true" + "]" * depth + "}"
+    response = _requests().post(
+        f"{triton_qa.http_url}/v2/repository/index",
+        data=payload,
+        headers={"Content-Type": "application/json"},
+        timeout=60,
+    )
+    assert response.status_code == 400, response.text[:300]
+    assert "Invalid value for 'ready': expected a boolean" in response.json()["error"]
+    live = _requests().get(f"{triton_qa.http_url}/v2/health/live", timeout=10)
+    assert live.status_code == 200
