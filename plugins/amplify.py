@@ -23,6 +23,23 @@ Where each device asks:
 
 The rules are a registry of small functions, one per op: what the node's outputs hold, in
 bytes, from its input arrays (``None`` where an input is unknown).
+
+An output that could never be sent is refused the same way, before it is computed, whatever
+the budget has free: the answer's bound (the run token's ``answer``, --max-message-bytes,
+set by the server) caps a node whose output *is* an output the request asked for, or reaches
+one through ops that keep its size or grow it (:data:`KEEPS`: an Expand followed by an Add,
+a ConstantOfShape then a Relu; :func:`sent_as`, worked out once at load). A 6.4 GB
+ConstantOfShape under the default budget (half the machine's memory) was computed first and
+refused after, NUMPY's peak memory 6.1 GB higher; it is now refused with nothing allocated.
+
+What holds, per device: NUMPY checks every such node from its real inputs, as it runs; ORT
+and OPENVINO check before the run those whose deciding values are cheap shape arithmetic on
+the inputs (the probe), and a size that needs the network's real work is known only after
+the run (then the answer's own bound refuses it before it is encoded); HETERO runs each piece
+on its device under the same token (a piece's outputs are checked against the answer's
+bound where they are the request's outputs); MULTI and AUTO run one device's network; BATCH
+runs a batch of one request under its token, and a batch of several under one whose answer
+bound is the sum of theirs.
 """
 
 from __future__ import annotations
@@ -194,6 +211,40 @@ def room() -> int:
     return 0 if token is None else token.room
 
 
+#: ops whose first output holds at least as many bytes as each input it is computed from (the
+#: same element type, and as many elements or more): an amplified tensor that reaches a
+#: network output through them makes that output at least as large
+KEEPS = frozenset(
+    {"Identity", "Relu", "LeakyRelu", "Elu", "Selu", "Celu", "Sigmoid", "HardSigmoid", "Tanh",
+     "Softplus", "Softsign", "Gelu", "Erf", "Exp", "Log", "Sqrt", "Reciprocal", "Neg", "Abs",
+     "Sign", "Floor", "Ceil", "Round", "Sin", "Cos", "Tan", "Clip", "Add", "Sub", "Mul", "Div",
+     "Pow", "Max", "Min", "Sum", "Mean", "Mod", "PRelu", "Where", "Reshape", "Flatten",
+     "Squeeze", "Unsqueeze", "Transpose", "Expand", "Tile", "Concat", "Softmax", "LogSoftmax",
+     "Dropout"}
+)  # fmt: skip
+
+
+def sent_as(nodes: Sequence[Any], outputs: Sequence[str]) -> dict[str, frozenset[str]]:
+    """For each tensor of a graph (``nodes`` in order, plugserve's IR or onnx's), the graph
+    ``outputs`` it is, or reaches through :data:`KEEPS` ops: each of those is at least as large
+    as it. (Where's condition is a bool, one byte an element: a lower bound still.)"""
+    reach: dict[str, set[str]] = {name: {name} for name in outputs}
+    for node in reversed(list(nodes)):
+        if node.op_type not in KEEPS or getattr(node, "domain", "") not in ("", "ai.onnx"):
+            continue
+        names = list(getattr(node, "outputs", None) or node.output)
+        found = reach.get(names[0]) if names else None
+        if not found:
+            continue
+        data = list(getattr(node, "inputs", None) or node.input)
+        if node.op_type in ("Reshape", "Expand", "Tile"):
+            data = data[:1]  # the shape and repeats inputs are not the data
+        for name in data:
+            if name:
+                reach.setdefault(name, set()).update(found)
+    return {name: frozenset(found) for name, found in reach.items()}
+
+
 def check_bytes(nbytes: int, what: str) -> None:
     """Refuse ``nbytes`` of one output over the run's room, before it is allocated."""
     bound = room()
@@ -205,16 +256,33 @@ def check_bytes(nbytes: int, what: str) -> None:
         )
 
 
-def check_node(node: Any, inputs: Sequence[Any]) -> None:
-    """Before ``node`` runs on its ``inputs``: its outputs' bytes within the run's room."""
+def check_node(node: Any, inputs: Sequence[Any], sent: frozenset[str] = frozenset()) -> None:
+    """Before ``node`` runs on its ``inputs``: its outputs' bytes within the run's room, and,
+    where its output is (or reaches unreduced) one of the network outputs ``sent`` and the
+    request asked for it, within what the answer may carry."""
     entry = OUTPUT_BYTES.get(node.op_type)
-    if entry is None or not room():
+    token = cancel.current()
+    if entry is None or token is None or not (token.room or (sent and token.answer)):
         return
     try:
         nbytes = entry[0](node, inputs)
     except (TypeError, ValueError, IndexError, OverflowError):
         return  # inputs the op itself refuses: its kernel says why
-    check_bytes(nbytes, f"node {node.name!r} ({node.op_type})")
+    what = f"node {node.name!r} ({node.op_type})"
+    if token.network:
+        what = f"network {token.network!r}: {what}"
+    check_bytes(nbytes, what)
+    most = token.answer
+    if sent and most and nbytes > most:
+        wanted = token.outputs
+        asked = sorted(sent if wanted is None else sent.intersection(wanted))
+        if asked:
+            raise ResourceExhausted(
+                f"{what} would make output {asked[0]!r} at least {nbytes:,} bytes, more than "
+                f"the largest answer this server sends ({most:,} bytes, --max-message-bytes / "
+                "PLUGSERVE_MAX_MESSAGE_BYTES): refused before it is computed; send smaller "
+                "sizes, or ask for other outputs"
+            )
 
 
 def amplifies(node: Any, constant: Callable[[str], bool]) -> bool:
@@ -247,7 +315,7 @@ class Probe:
     def __init__(
         self,
         model: onnx.ModelProto,
-        plan: list[tuple[onnx.NodeProto, list[str]]],
+        plan: list[tuple[onnx.NodeProto, list[str], frozenset[str]]],
         constants: dict[str, np.ndarray],
     ) -> None:
         self.model = model
@@ -277,7 +345,7 @@ class Probe:
     def judge(self, values: dict[str, Any]) -> None:
         """Refuse the request when an amplifying node would outgrow the run's room
         (``values``: the probe's outputs by name)."""
-        for node, names in self._plan:
+        for node, names, sent in self._plan:
             inputs: list[Any] = []
             for name in names:
                 if name.startswith(_SHAPE):
@@ -287,7 +355,7 @@ class Probe:
                     inputs.append(values.get(name, self._constants.get(name)))
                 else:
                     inputs.append(None)
-            check_node(node, inputs)
+            check_node(node, inputs, sent)
 
 
 _SHAPE = "plugserve_amplify_shape_of/"
@@ -333,7 +401,8 @@ def probe(model: onnx.ModelProto) -> Probe | None:
         return name in graph_inputs or name in constants or cheap_closure(name, seen)
 
     seen: dict[str, bool] = {}
-    plan: list[tuple[onnx.NodeProto, list[str]]] = []
+    plan: list[tuple[onnx.NodeProto, list[str], frozenset[str]]] = []
+    sent = sent_as(graph.node, [o.name for o in graph.output])
     wanted: list[str] = []
     extra: list[onnx.NodeProto] = []
     for position, node in enumerate(graph.node):
@@ -365,7 +434,7 @@ def probe(model: onnx.ModelProto) -> Probe | None:
             else:
                 names.append(name if name in constants else "")
         if usable:
-            plan.append((node, names))
+            plan.append((node, names, sent.get(node.output[0], frozenset())))
     if not plan:
         return None
     wanted = list(dict.fromkeys(wanted))
@@ -385,6 +454,6 @@ def probe(model: onnx.ModelProto) -> Probe | None:
     constant_values = {
         t.name: onnx.numpy_helper.to_array(t)
         for t in graph.initializer
-        if any(t.name in names for _, names in plan)
+        if any(t.name in names for _, names, _ in plan)
     }
     return Probe(made, plan, constant_values)

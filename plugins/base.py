@@ -518,6 +518,12 @@ class CompiledNetwork(abc.ABC):
         processes running and its ``is_ready()``); a loaded network is, unless it says."""
         return True
 
+    def unready_reasons(self) -> list[str]:
+        """Why the network cannot serve now, one line each, as the server's readiness reports
+        it (an ensemble whose step's model is not loaded); empty (the default): it can. Asked
+        at every readiness request, so it must be cheap."""
+        return []
+
     def batch_statistics(self) -> dict[int, tuple[int, int]] | None:
         """``{rows: (batches run, nanoseconds)}`` of a network that gathers requests into
         batches; None for one that does not batch."""
@@ -660,7 +666,7 @@ class InferRequest(abc.ABC):
         if token.error is not None:
             raise token.failure()
         probe = self.network.amplifying
-        if probe is not None and token.room:  # outputs its values size: judged first
+        if probe is not None and (token.room or token.answer):  # sizes its values decide
             probe.check(self.network.inputs, arrays)
         self._token = token
         try:

@@ -87,8 +87,10 @@ class Token:
     __slots__ = (
         "_callbacks",
         "_lock",
+        "answer",
         "error",
         "finished",
+        "network",
         "outputs",
         "parameters",
         "partial_outputs",
@@ -106,6 +108,13 @@ class Token:
         #: are allocated (``plugins/amplify.py``); it travels with the token to every thread
         #: and piece of the run
         self.room = 0
+        #: bytes the run's answer may carry at most, set by its owner (0: no bound): an
+        #: output the request asked for that its values size past it could never be sent
+        #: (--max-message-bytes), so it is refused before it is computed, whatever the room
+        self.answer = 0
+        #: the name of the network the run is for, set by its owner, for the messages of
+        #: refusals made deep in a device (``plugins/amplify.py``); "": unnamed
+        self.network = ""
         #: the outputs the run's caller asked for (None: every one), set by its owner: a
         #: network that can skip work for outputs nobody wants reads it (an ensemble's steps)
         self.outputs: list[str] | None = None
@@ -200,6 +209,12 @@ def every(
     if any(t is None for t in tokens):
         return None, _nothing
     run = Token()
+    # its answers are theirs together: bounded by their bounds' sum (none if one has none)
+    answers = [t.answer for t in tokens if t is not None]
+    run.answer = sum(answers) if all(answers) else 0
+    asked: list[list[str] | None] = [t.outputs for t in tokens if t is not None]
+    if all(a is not None for a in asked):
+        run.outputs = sorted({name for a in asked for name in a or ()})
     left = [len(tokens)]
     lock = threading.Lock()
 

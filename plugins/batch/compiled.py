@@ -242,8 +242,14 @@ class BatchCompiledNetwork(OneNetwork, CompiledNetwork):
             parts = self._split(outputs, batch, rows)
         except BaseException as exc:
             cause = f"{type(exc).__name__}: {exc}"
+            # a typed refusal keeps its status (an output over the answer's bound is
+            # RESOURCE_EXHAUSTED, not the device's failure)
+            kind = type(exc) if isinstance(exc, PlugserveError) else InferenceError
             for item in batch:
-                error = InferenceError(f"{what} failed: {cause}")
+                try:
+                    error = kind(f"{what} failed: {cause}")
+                except TypeError:  # an error type made otherwise
+                    error = InferenceError(f"{what} failed: {cause}")
                 error.__cause__ = exc
                 item.settle(error=error)
             return

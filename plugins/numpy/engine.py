@@ -223,6 +223,7 @@ def compile_plan(
     specs = dict(outer_specs or {})
     specs.update(graph.value_info)
     constants = dict(graph.initializers)
+    sent: dict[str, frozenset[str]] | None = None  # what reaches an output (made if needed)
 
     steps: list[Step] = []
     for node in graph.nodes:
@@ -237,7 +238,10 @@ def compile_plan(
                 )
             fn = _build(entry, node, graph, registry, specs, constants, captured, tuner)
             if amplify.amplifies(node, constants.__contains__):
-                fn = _bounded(fn, node)  # its output's size comes from the request's values
+                if sent is None:
+                    sent = amplify.sent_as(graph.nodes, [spec.name for spec in graph.outputs])
+                reaches = sent.get(node.outputs[0], frozenset()) if node.outputs else frozenset()
+                fn = _bounded(fn, node, reaches)  # its output's size: the request's values
         except Unsupported as exc:
             if unsupported is None:
                 raise
@@ -255,11 +259,14 @@ def compile_plan(
     return Plan(graph, steps, template, input_slots, output_slots)
 
 
-def _bounded(fn: Callable[..., Any], node: Node) -> Callable[..., Any]:
-    """``fn``, refusing first an output over the run's room (``plugins/amplify.py``)."""
+def _bounded(
+    fn: Callable[..., Any], node: Node, sent: frozenset[str] = frozenset()
+) -> Callable[..., Any]:
+    """``fn``, refusing first an output over the run's room, or over the answer's bound where
+    it reaches the network outputs ``sent`` (``plugins/amplify.py``)."""
 
     def run(*args: Any) -> Any:
-        amplify.check_node(node, args)
+        amplify.check_node(node, args, sent)
         return fn(*args)
 
     return run

@@ -24,7 +24,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from plugserve.plugins import amplify
+from plugserve.plugins import amplify, memory
 from plugserve.plugins.api import (
     STATE_PAIRS,
     BackendUnavailable,
@@ -192,6 +192,7 @@ class OpenvinoPlugin(Plugin):
 
     # --- networks
 
+    @memory.giving_back  # the parsed model, its IR, openvino's conversion
     def load_network(
         self, model: Model, config: Mapping[str, Any] | None = None
     ) -> OpenvinoCompiledNetwork:
@@ -446,6 +447,7 @@ class OpenvinoPlugin(Plugin):
                 why.setdefault(node.name, "goes with the node that reads it (a Constant)")
         return supported, why
 
+    @memory.giving_back
     def import_network(
         self, data: bytes, config: Mapping[str, Any] | None = None
     ) -> OpenvinoCompiledNetwork:  # a blob of a string model cannot exist: load refuses it

@@ -18,7 +18,7 @@ from typing import Any
 
 import onnx
 
-from plugserve.plugins import amplify
+from plugserve.plugins import amplify, memory
 from plugserve.plugins.api import (
     BackendUnavailable,
     InvalidArgument,
@@ -111,6 +111,7 @@ class OrtPlugin(Plugin):
     def _read_file(self, path: Path) -> bytes:
         return self._read(path)[1]
 
+    @memory.giving_back  # the parsed model, its IR, its bytes, onnxruntime's own parse
     def load_network(
         self, model: Model, config: Mapping[str, Any] | None = None
     ) -> OrtCompiledNetwork:
@@ -201,6 +202,7 @@ class OrtPlugin(Plugin):
         """Why each unsupported original node is refused (for error messages and the CLI)."""
         return self._unsupported(load_model(model))
 
+    @memory.giving_back
     def import_network(
         self, data: bytes, config: Mapping[str, Any] | None = None
     ) -> OrtCompiledNetwork:

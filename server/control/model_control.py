@@ -141,6 +141,8 @@ class ModelControl:
         self.queue_size = queue_size
         #: --model-control-mode
         self.control_mode = ""
+        #: --strict-readiness: a model that failed keeps the server not ready (as Triton)
+        self.strict_readiness = True
         #: what each repository version was loaded from (poll)
         self._stamps: dict[tuple[str, int], tuple] = {}
 
@@ -267,12 +269,16 @@ class ModelControl:
         repository. Files are never deleted implicitly: an operator's models stay on disk."""
         with self.table.lock:
             versions = self.table.by_name.get(name)
+            if not versions and not version and any(k[0] == name for k in self.table.failed):
+                self._loaded(name)  # a model that failed to load, unloaded: no longer failed
+                return []
             if not versions or (version and version not in versions):
                 raise self.table.missing(name, version)
             targets = [versions.pop(version)] if version else list(versions.values())
             if version == 0 or not versions:
                 versions.clear()
                 del self.table.by_name[name]
+                self._loaded(name)  # an unloaded model is not a failed one (as Triton's)
         for entry in targets:
             if remove and entry.persisted and self.repository is not None:
                 self.repository.remove(name, entry.version)
@@ -352,6 +358,46 @@ class ModelControl:
     def networks(self) -> list[LoadedNetwork]:
         """Every loaded network version."""
         return self.table.all()
+
+    # --- readiness
+
+    def unready(self) -> list[str]:
+        """Why the server is not ready (empty: it is): :meth:`failures` under Triton's strict
+        readiness (``--strict-readiness``, on by default); nothing with it off."""
+        return self.failures() if self.strict_readiness else []
+
+    def failures(self) -> list[str]:
+        """One line per model that cannot be served: a model the server was asked to serve
+        that failed to load (at startup, by a poll, by a repository load request), or an
+        ensemble or pipeline with a step whose model is not loaded."""
+        with self.table.lock:
+            failed = sorted(self.table.failed.items())
+            entries = self.table.all()
+        reasons = [
+            f"model {name!r}" + (f" version {version}" if version else "") + f": {why}"
+            for (name, version), why in failed
+        ]
+        for entry in sorted(entries, key=lambda e: (e.name, e.version)):
+            reasons += entry.network.unready_reasons()  # an ensemble's missing steps
+        return reasons
+
+    def _loaded(self, name: str, version: int | None = None) -> None:
+        """``version`` of ``name`` loaded (None: the model was unloaded): it, and the model
+        as a whole, have failed no longer."""
+        with self.table.lock:
+            for key in [k for k in self.table.failed if k[0] == name]:
+                if version is None or key[1] in (0, version):
+                    del self.table.failed[key]
+
+    def _failed_at(self, problem: str) -> None:
+        """Keep a repository problem (its message begins with the file it is about) as the
+        failure of the model whose folder that is; one outside any model's folder (an OVMS
+        config.json) stands for itself."""
+        root = str(self.repository.root) if self.repository is not None else ""
+        where = problem.partition(": ")[0]
+        name = where[len(root) + 1 :].partition("/")[0] if where.startswith(root + "/") else ""
+        with self.table.lock:
+            self.table.failed[(name or problem, 0)] = problem
 
     # --- the rest of the plugin API
 
@@ -519,6 +565,20 @@ class ModelControl:
         them. ``repository``: another than the server's (load overrides)."""
         if self.plane.draining:
             raise ShuttingDown(f"model {name!r}: the server is shutting down; not loading it")
+        try:
+            entry = self._reload(name, version, repository)
+        except NotFound:
+            raise  # no such model or version: nothing the server was asked to serve failed
+        except PlugserveError as exc:
+            with self.table.lock:
+                loaded = self.table.by_name.get(name, {})
+                if not (version in loaded if version else loaded):  # the old one serves on
+                    self.table.failed[(name, version)] = str(exc)
+            raise
+        self._loaded(name, entry.version)
+        return entry
+
+    def _reload(self, name: str, version: int, repository: Repository | None) -> LoadedNetwork:
         model, settings = self._stored(name, version, repository)
         stamp = self.repository.stamp(name, model) if self.repository else ()
         # the repository layout is NAME/VERSION/model.onnx (a transformers folder: NAME/VERSION/
@@ -543,6 +603,7 @@ class ModelControl:
             entry = self._entry(name, version, device, network, True, batch)
             entry.labels = dict(settings.labels)
             entry.formats = dict(settings.formats)
+            entry.dims = dict(settings.dims)
             self._sequenced(entry, settings.sequence)
             with self.table.lock:
                 self.table.by_name.setdefault(name, {})[version] = entry
@@ -592,9 +653,14 @@ class ModelControl:
         entries, problems = self.repository.scan()
         if names is not None:
             found = {e.name for e in entries}
-            problems += [f"--load-model {n}: no such model in the repository" for n in
-                         sorted(set(names) - found)]  # fmt: skip
+            for n in sorted(set(names) - found):
+                problems.append(f"--load-model {n}: no such model in the repository")
+                with self.table.lock:
+                    self.table.failed[(n, 0)] = problems[-1]
             entries = [e for e in entries if e.name in names]
+        if self.repository.root.is_dir():  # else no model failed: there is none to serve
+            for problem in problems:
+                self._failed_at(problem)
         ready: list[LoadedNetwork] = []
         # ensembles after the models their steps run (their load checks the steps' types)
         first = [e for e in entries if e.device != "ENSEMBLE"]
@@ -623,10 +689,14 @@ class ModelControl:
                 sequence=entry.settings.sequence,
             )
         except PlugserveError as exc:
+            with self.table.lock:
+                self.table.failed[(entry.name, entry.version)] = str(exc)
             return f"{entry.path}: {exc}"
+        self._loaded(entry.name, entry.version)
         loaded.persisted = True
         loaded.labels = dict(entry.settings.labels)
         loaded.formats = dict(entry.settings.formats)
+        loaded.dims = dict(entry.settings.dims)
         stamp = self.repository.stamp(entry.name, entry.path)
         with self.table.lock:
             self._stamps[(entry.name, entry.version)] = stamp
@@ -657,6 +727,11 @@ class ModelControl:
             return []
         entries, problems = self.repository.scan()
         wanted = {(e.name, e.version): e for e in entries}
+        with self.table.lock:  # the repository decides anew: what fails again is retried below
+            self.table.failed.clear()
+        if self.repository.root.is_dir():
+            for problem in problems:
+                self._failed_at(problem)
         ours = {(n.name, n.version) for n in self.networks() if n.persisted}
         for name, version in sorted(ours - wanted.keys()):
             with contextlib.suppress(NotFound):

@@ -26,6 +26,8 @@ Triton -> plugserve:
                                             would send shapes the model does not take;
                                             other entries' fields: the model's own
 ``input`` ``format``                        reported in ModelConfig (image clients read it)
+``input`` ``dims``                          a raw binary request's shape (Triton's rule
+                                            reads the config's dims, not the model's)
 ``label_filename``                          the output's class labels, named in classified
                                             answers ("value:index:label")
 ==========================================  =================================================
@@ -145,6 +147,9 @@ class ModelSettings:
     #: per input, its image format as config.pbtxt says (Triton's ``format``: FORMAT_NCHW=2,
     #: FORMAT_NHWC=1), reported back in ModelConfig, where image clients read the layout
     formats: dict[str, int] = dataclasses.field(default_factory=dict)
+    #: per input, its dims as config.pbtxt says (without the batch dimension; -1: any), which
+    #: Triton's raw binary request deduces its shape from (``rest/convert.parse_raw``)
+    dims: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     #: Triton's sequence_batching: the model's requests belong to sequences
     sequence: SequenceSettings | None = None
     #: an OVMS pipeline (``server/control/ovms_pipelines.py``): what the ENSEMBLE device loads
@@ -255,6 +260,7 @@ def _parse_triton(where: str, text: str) -> ModelSettings:
         ignored += unused
     out.labels = _labels(config, path)
     out.formats = {t.name: int(t.format) for t in config.input if t.format}
+    out.dims = {t.name: tuple(int(d) for d in t.dims) for t in config.input}
     if ignored:
         log.warning("%s: not acted on: %s", path, ", ".join(ignored))
     return out

@@ -227,7 +227,9 @@ class DataPlane:
         the server sends) fail the request with ResourceExhausted once it has run, before any
         protocol encodes them: the encoding would copy them at least once more (a 180-byte
         request to ``ConstantOfShape`` made 8 GB of outputs, and the gRPC answer another 8 GB
-        before grpcio refused to send it), and the answer could not leave anyway.
+        before grpcio refused to send it), and the answer could not leave anyway. One whose
+        size the request's values decide is refused before it is computed (the run's token
+        carries the bound: ``plugins/amplify.py``).
         """
         if request.decode is not None:
             return self._decoded(request, self.infer)
@@ -383,7 +385,9 @@ class DataPlane:
                     f"({started - admitted:.3f} s in the queue)"
                 )
             token.room = budget.free()  # what an output its values size may hold at most
+            token.answer = 0 if after is not None else most  # shared memory: not in the answer
             token.outputs = wanted
+            token.network = name
             entered = cancel.enter(token)
             if stage is not None:
                 stage.running()

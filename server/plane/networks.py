@@ -73,6 +73,8 @@ class LoadedNetwork:
     labels: dict[str, tuple[str, ...]] = dataclasses.field(init=False, default_factory=dict)
     #: per input, config.pbtxt's image format, for ModelConfig
     formats: dict[str, int] = dataclasses.field(init=False, default_factory=dict)
+    #: per input, config.pbtxt's dims (no batch dimension), for a raw binary request's shape
+    dims: dict[str, tuple[int, ...]] = dataclasses.field(init=False, default_factory=dict)
     #: Triton's sequence batcher, for a model whose config.pbtxt has sequence_batching; for
     #: an ensemble of a sequence model, what passes its sequence requests on to its steps
     sequences: SequenceBatcher | SequenceRelay | None = dataclasses.field(init=False, default=None)
@@ -131,6 +133,12 @@ class NetworkTable:
         self.by_name: dict[str, dict[int, LoadedNetwork]] = {}
         #: (name, version) of the loads under way
         self.loading: set[tuple[str, int]] = set()
+        #: (name, version) -> why it did not load: a repository model the server was asked to
+        #: serve (at startup, by a poll, by a repository load request) that failed, until a
+        #: version of it loads or it is unloaded; version 0: the model as a whole (a config
+        #: that cannot be read). While any is here the server is not ready (Triton's strict
+        #: readiness: model_control.ModelControl.unready)
+        self.failed: dict[tuple[str, int], str] = {}
 
     def all(self) -> list[LoadedNetwork]:
         with self.lock:
@@ -157,4 +165,6 @@ class NetworkTable:
                 f"{head} version {version} is not found; its loaded versions: {versions}"
             )
         loaded = listing(sorted(self.by_name), plain=True) or "none"
-        return NotFound(f"{head} is not found; loaded networks: {loaded}")
+        failed = [why for (n, v), why in sorted(self.failed.items()) if n == name]
+        because = f"; it failed to load: {failed[-1]}" if failed else ""
+        return NotFound(f"{head} is not found; loaded networks: {loaded}{because}")

@@ -23,6 +23,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent import futures
 from pathlib import Path
 from typing import Any, cast
@@ -106,6 +107,22 @@ def load_plugins_file(path: str) -> dict[str, Any]:
     return plugins
 
 
+class ReadinessHealth(health.HealthServicer):
+    """grpc.health.v1 as Triton's gRPC health answers: ``Check`` says SERVING only while the
+    server is ready, asked at each call (a load or an unload changes it:
+    ``ModelControl.unready``); ``Watch`` streams the statuses set (started, shutting down)."""
+
+    def __init__(self, unready: Callable[[], list[str]]) -> None:
+        super().__init__()
+        self._unready = unready
+
+    def Check(self, request: Any, context: Any) -> Any:
+        response = super().Check(request, context)
+        if response.status == health_pb2.HealthCheckResponse.SERVING and self._unready():
+            return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.NOT_SERVING)
+        return response
+
+
 class Server:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -168,7 +185,7 @@ class Server:
         self.metrics.watch_generation(self._generation_stats)
         if "PYTHON" in self.core.available_devices:  # its models' load_model calls
             self.core.plugin("PYTHON").control = self.control
-        self.health = health.HealthServicer()
+        self.health = ReadinessHealth(self.control.unready)
         self.grpc_server: grpc.Server | None = None
         self.grpc_port = 0
         self.health_server: grpc.Server | None = None
@@ -375,17 +392,22 @@ class Server:
             names = {n.strip() for n in s.load_model.split(",") if n.strip()}
             if "*" in names:
                 names = None
+        self.control.strict_readiness = bool(s.strict_readiness)
         ready, problems = self.control.load_repository(names)
         for problem in problems:
             log.error("model repository: %s", problem)
-        # the bundled examples are a demo: one that needs a device --plugins left out is skipped
-        if problems and s.exit_on_error and s.model_repository:
+        # what failed, and the ensembles whose steps it leaves without a model (Triton's
+        # --exit-on-error: the bundled examples too, so a --plugins file that leaves out a
+        # device they need is an error, not a server serving part of them)
+        unready = self.control.failures()
+        if unready and s.exit_on_error:
             self._stop_grpc(0)
             self.plane.close()
             self.control.close()
             raise SystemExit(
-                f"plugserve: {len(problems)} problem(s) in the model repository at startup "
-                "(logged above); --exit-on-error 0 serves the models that loaded"
+                f"plugserve: {len(unready)} model(s) cannot be served at startup: "
+                f"{'; '.join(unready)} (each logged above); --exit-on-error 0 serves the models "
+                "that loaded, not ready"
             )
         for entry in ready:
             log.info("model %s version %d is ready on %s", entry.name, entry.version, entry.device)
@@ -393,7 +415,18 @@ class Server:
         self._set_health(health_pb2.HealthCheckResponse.SERVING)
         if s.model_control_mode == "poll" and self.repository is not None:
             threading.Thread(target=self._poll, name="repository-poll", daemon=True).start()
-        log.info("server ready: %d model version(s) from %s", len(ready), self.repository.root)
+        root = self.repository.root
+        if unready and s.strict_readiness:
+            log.warning(
+                "server not ready: %d model version(s) from %s; %d cannot be served "
+                "(--strict-readiness 0 reports ready regardless): %s",
+                len(ready),
+                root,
+                len(unready),
+                "; ".join(unready),
+            )
+        else:
+            log.info("server ready: %d model version(s) from %s", len(ready), root)
 
     def _poll(self) -> None:
         """--model-control-mode poll: the repository's changes, every --repository-poll-secs."""

@@ -83,8 +83,16 @@ class Settings:
     )
     exit_on_error: int = _field(
         1,
-        "1: exit with status 1 when the model repository is missing or a model in it fails to "
-        "load at startup (as Triton); 0: log it and serve what loaded",
+        "1: exit with status 1, naming the models, when the model repository is missing or a "
+        "model in it (or in the bundled examples) fails to load at startup, an ensemble's step "
+        "among them (as Triton); 0: log it and serve what loaded, not ready while "
+        "--strict-readiness is 1",
+    )
+    strict_readiness: int = _field(
+        1,
+        "1: the server is ready (/v2/health/ready, ServerReady, gRPC health) only while every "
+        "model it was asked to serve is loaded and every ensemble's steps are (as Triton); "
+        "0: ready once started, whatever failed",
     )
     reuse_grpc_port: int = _field(
         0,
@@ -295,6 +303,7 @@ class Settings:
                 )
         for name in (
             "exit_on_error",
+            "strict_readiness",
             "reuse_grpc_port",
             "allow_remote_control",
             "enable_prefix_caching",

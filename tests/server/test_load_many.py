@@ -1,10 +1,12 @@
 """Many networks in one server (issue 22): what each costs in memory and threads, and loading
 them in parallel (--model-load-threads).
 
-The memory test measures in one process per device (tests/support/load_cost.py): the bare
-backend's copies, then plugserve's, held side by side; before, an ORT network held its model
-twice beside its session (1.75x a bare InferenceSession) and a NUMPY network its parsed model
-beside its weights (1.97x).
+The memory test measures as users see it (tests/support/load_cost.py): the RSS 10 copies add
+in a fresh process, the bare backend's in one and plugserve's in another, nothing trimmed by
+the measurement. Before, an ORT network held its model twice beside its session (1.75x a bare
+InferenceSession) and a NUMPY network its parsed model beside its weights (1.97x); then, with
+nothing more held alive, an ORT network's RSS still grew 1.41-1.6x a session's, the load's
+freed scratch copies kept by the heap (issue 42; plugins/memory.py gives them back).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ def _device_available(device: str) -> bool:
 @pytest.mark.parametrize("device", ["ORT", "NUMPY", "OPENVINO"])
 def test_a_loaded_network_costs_what_its_backend_costs(device):
     """One more loaded 11.5 MB MLP adds at most 1.2x the resident memory one more bare
-    backend copy adds (in the same process, measured the same way: see load_cost.py)."""
+    backend copy adds (RSS over 10 copies in a fresh process each: see load_cost.py)."""
     if not _device_available(device):
         pytest.skip(f"{device} is not available here")
     done = subprocess.run(
@@ -102,7 +104,7 @@ def test_parallel_startup_loads_every_model_and_reports_the_broken_one(tmp_path)
         for name in [*names, "two"]:
             assert client.infer(name, X)["y"].shape == (1, 10)
     assert any(f"model repository: {broken}: " in line for line in server.lines), server.log
-    assert "server ready: 40 model version(s)" in server.log
+    assert "server not ready: 40 model version(s)" in server.log  # broken: --exit-on-error 0
 
 
 def test_parallel_startup_exits_on_a_broken_model_after_loading_the_others(tmp_path):

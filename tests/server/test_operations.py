@@ -129,7 +129,7 @@ def test_a_model_that_fails_to_load_stops_startup(tmp_path) -> None:
     (broken / "model.onnx").write_bytes(b"not a model")
     done = serve("--model-repository", str(repo), cwd=tmp_path)
     assert done.returncode == 1
-    assert "1 problem(s) in the model repository" in done.stderr
+    assert "1 model(s) cannot be served at startup: model 'broken' version 1:" in done.stderr
     assert f"{broken / 'model.onnx'}" in done.stdout  # the problem itself, in the log
 
 

@@ -82,7 +82,7 @@ def test_bad_entries_are_reported_and_the_good_models_load(tmp_path, examples):
             problem,
             server.log,
         )
-    assert "server ready: 2 model version(s)" in server.log
+    assert "server not ready: 2 model version(s)" in server.log  # --exit-on-error 0
 
 
 @pytest.fixture(scope="module")

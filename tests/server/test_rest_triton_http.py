@@ -7,10 +7,16 @@ binary, longer raw binary, manual chunked encoding, BYTES, too many BYTES elemen
 variable dimensions, several inputs, buffer overflows, JSON depth) against a Triton repository
 of its QA "zero" models (identities, config.pbtxt, ``max_batch_size: 8``) made here, with
 Triton's expected statuses and the words of its messages; where Triton answers 500 for a
-caller's mistake (a negative dimension), plugserve keeps its 400."""
+caller's mistake (a negative dimension, a file name too long to load), plugserve keeps its 400.
+
+The last part sends L0_http's cases with Python's requests, as http_test.py does (issue 42):
+a manually chunked body that requests also gives a Content-Length, a raw BYTES body to a
+model whose config says dims [1] over a graph of [-1], and a load request over the input
+limit, answered in Triton's words to a client that sends its whole body first."""
 
 from __future__ import annotations
 
+import base64
 import http.client
 import json
 import struct
@@ -188,15 +194,20 @@ def _zero_model(inputs: list[tuple[str, int, list]], batching: bool):
 _TYPES = {"FP32": ("TYPE_FP32", 1), "FP16": ("TYPE_FP16", 10), "BYTES": ("TYPE_STRING", 8)}
 
 
-def _zero_entry(root, name: str, datatype: str, dims: list[int], count: int = 1) -> None:
+def _zero_entry(
+    root, name: str, datatype: str, dims: list[int], count: int = 1, config_dims=None
+) -> None:
+    """``config_dims``: what config.pbtxt says when it is not the graph's own ``dims`` (Triton's
+    L0_http copies onnx_zero_1_object, whose graph is [-1, -1], and edits its config to [1])."""
     import onnx
 
     config_type, onnx_type = _TYPES[datatype]
     _, model = _zero_model([(onnx_type, 0, dims)] * count, batching=True)
     (root / name / "1").mkdir(parents=True)
     onnx.save(model, root / name / "1" / "model.onnx")
+    said = dims if config_dims is None else config_dims
     tensors = lambda kind: ",".join(  # noqa: E731
-        f'{{ name: "{kind}{i}" data_type: {config_type} dims: {dims} }}' for i in range(count)
+        f'{{ name: "{kind}{i}" data_type: {config_type} dims: {said} }}' for i in range(count)
     )
     (root / name / "config.pbtxt").write_text(
         f'name: "{name}"\nplatform: "onnxruntime_onnx"\nmax_batch_size: 8\n'
@@ -215,7 +226,7 @@ def triton_qa(tmp_path_factory):
     _zero_entry(root, "onnx_zero_1_float16", "FP16", [-1, -1])
     _zero_entry(root, "onnx_zero_3_float32", "FP32", [-1], count=3)
     _zero_entry(root, "onnx_zero_1_object", "BYTES", [-1])
-    _zero_entry(root, "onnx_zero_1_object_1_element", "BYTES", [1])
+    _zero_entry(root, "onnx_zero_1_object_1_element", "BYTES", [-1], config_dims=[1])
     with RunningServer("--model-repository", str(root)) as running:
         running.repository = root
         yield running
@@ -369,8 +380,8 @@ def test_repository_index_ready_must_be_a_boolean(triton_qa, body):
 
 
 def test_an_oversized_body_says_request_json_size(tmp_path):
-    """Triton's words for a body over the limit ("Request JSON size of N exceeds the maximum
-    allowed value of M"), then the flag that raises it."""
+    """Triton's words for a body over the limit ("request JSON size of N bytes exceeds the
+    maximum allowed input size of M bytes"), then the flag that raises it."""
     from serving import RunningServer, examples_repository
 
     repo = examples_repository(tmp_path)
@@ -378,6 +389,177 @@ def test_an_oversized_body_says_request_json_size(tmp_path):
         status, _, answer = _post(running, "/v2/models/add/infer", b" " * 70000)
         assert status == 413, answer
         message = json.loads(answer)["error"]
-        assert message.startswith("Request JSON size of"), message
-        assert "exceeds the maximum allowed value of 65536" in message
+        assert message.startswith("request JSON size of 70000 bytes"), message
+        assert "exceeds the maximum allowed input size of 65536 bytes" in message
         assert "--max-message-bytes" in message
+
+
+# ------------------------------------------- Triton's qa/L0_http/http_test.py, as it is written
+# Its cases send with Python's requests, which adds what http.client above does not: a
+# Content-Length beside a manual Transfer-Encoding, a whole body sent before the answer is read.
+
+
+def _requests():
+    return pytest.importorskip("requests", reason="pip install requests")
+
+
+def _raw_binary_helper(server, model, input_bytes, expected_output_bytes, extra_headers=None):
+    """http_test.py's _raw_binary_helper: the answer's binary output is the input's bytes."""
+    headers = {"Inference-Header-Content-Length": "0", **(extra_headers or {})}
+    r = _requests().post(f"{server.http_url}/v2/models/{model}/infer", data=input_bytes,
+                         headers=headers, timeout=60)  # fmt: skip
+    r.raise_for_status()
+    header_size = int(r.headers["Inference-Header-Content-Length"])
+    assert r.content[header_size:] == expected_output_bytes
+    return r
+
+
+@pytest.mark.parametrize("count", [8, 32])
+def test_l0_raw_binary(triton_qa, count):
+    """test_raw_binary, test_raw_binary_longer."""
+    input_bytes = np.arange(count, dtype=np.float32).tobytes()
+    _raw_binary_helper(triton_qa, "onnx_zero_1_float32", input_bytes, input_bytes)
+
+
+def test_l0_byte_reads_the_configs_dims(triton_qa):
+    """test_byte: the model's config says dims [1] (batching on) where its graph says [-1]:
+    Triton's rule reads the config, so '427' is the one element."""
+    r = _requests().post(f"{triton_qa.http_url}/v2/models/onnx_zero_1_object_1_element/infer",
+                         data="427", headers=RAW, timeout=60)  # fmt: skip
+    r.raise_for_status()
+    header_size = int(r.headers["Inference-Header-Content-Length"])
+    assert r.content[header_size + 4 :].decode() == "427"
+
+
+def test_l0_content_encoding_chunked_manually(triton_qa):
+    """test_content_encoding_chunked_manually: requests sends the chunked body with a
+    Content-Length too (the encoded length); the chunks decide, and the connection closes
+    after the answer (a pair of framings is how requests are smuggled past proxies)."""
+    input_bytes = np.arange(8, dtype=np.float32).tobytes()
+    chunk_encoded_input = f"{len(input_bytes):X}\r\n".encode() + input_bytes + b"\r\n0\r\n\r\n"
+    r = _raw_binary_helper(
+        triton_qa, "onnx_zero_1_float32", chunk_encoded_input, input_bytes,
+        {"Transfer-Encoding": "chunked"},
+    )  # fmt: skip
+    assert r.headers["Connection"] == "close"
+
+
+def test_l0_content_encoding_unsupported_client(triton_qa):
+    """test_content_encoding_unsupported_client: tritonclient refuses the header itself."""
+    from tritonclient.utils import InferenceServerException
+
+    for encoding in ["chunked", "compress", "deflate", "gzip"]:
+        np_input = np.arange(8, dtype=np.float32).reshape(1, -1)
+        inputs = [httpclient_module().InferInput("INPUT0", np_input.shape, "FP32")]
+        inputs[0].set_data_from_numpy(np_input)
+        with (
+            httpclient_module().InferenceServerClient(triton_qa.http_target) as client,
+            pytest.raises(InferenceServerException, match="Unsupported HTTP header"),
+        ):
+            client.infer("onnx_zero_1_float32", inputs, headers={"Transfer-Encoding": encoding})
+
+
+def httpclient_module():
+    return pytest.importorskip("tritonclient.http", reason="pip install 'tritonclient[http]'")
+
+
+def test_l0_inference_header_content_length_out_of_range(triton_qa):
+    r = _requests().post(f"{triton_qa.http_url}/v2/models/onnx_zero_1_float32/infer",
+                         json={"inputs": []}, timeout=60,
+                         headers={"Inference-Header-Content-Length": "99999999999"})  # fmt: skip
+    assert r.status_code == 400, r.text
+    assert _requests().get(f"{triton_qa.http_url}/v2/health/live", timeout=10).status_code == 200
+
+
+def test_l0_load_oversized_file_parameter(triton_qa):
+    """test_load_oversized_file_parameter: a file name longer than a path component may be is
+    refused, the server stays up and ready (Triton answers 500 for the caller's mistake;
+    plugserve 400, naming it)."""
+    payload = {"parameters": {"file:" + "A" * 256: "YQ==", "config": "{}"}}
+    r = _requests().post(f"{triton_qa.http_url}/v2/repository/models/onnx_zero_1_float32/load",
+                         json=payload, timeout=60)  # fmt: skip
+    assert r.status_code == 400, r.text
+    assert "failed to load 'onnx_zero_1_float32'" in r.json()["error"], r.text
+    health = _requests().get(f"{triton_qa.http_url}/v2/health/ready", timeout=10)
+    assert health.status_code == 200, health.text
+
+
+@pytest.fixture(scope="module")
+def small_body_server(tmp_path_factory):
+    from serving import RunningServer, examples_repository
+
+    repo = examples_repository(tmp_path_factory.mktemp("small-body"))
+    with RunningServer("--model-repository", str(repo), "--max-message-bytes", "1048576") as s:
+        yield s
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_l0_loading_large_invalid_model(small_body_server, chunked):
+    """test_loading_large_invalid_model (its 2.9 GB of base64 over Triton's default limit;
+    here 64 MiB over a 1 MiB --max-message-bytes, the same path, and more than the sockets'
+    buffers hold): the load request's JSON is refused in Triton's words, and a client that
+    sends its whole body before it reads (requests) gets that answer, not a reset (the server
+    answers at the headers, then reads what still comes and drops it). Chunked (a generator
+    body), it is refused as it arrives."""
+    encoded = base64.b64encode(b"A" * (48 << 20)).decode()
+    payload = json.dumps(
+        {
+            "parameters": {
+                "config": json.dumps({"backend": "onnxruntime"}),
+                "file:1/model.onnx": encoded,
+            }
+        }
+    ).encode()
+    data = (
+        iter([payload[i : i + 65536] for i in range(0, len(payload), 65536)])
+        if chunked
+        else payload
+    )
+    response = _requests().post(
+        f"{small_body_server.http_url}/v2/repository/models/invalid_onnx/load",
+        headers={"Content-Type": "application/json"}, data=data, timeout=60,
+    )  # fmt: skip
+    assert response.status_code != 200
+    error_message = response.json().get("error", "")
+    assert "request JSON size" in error_message, error_message
+    assert " exceeds the maximum allowed input size" in error_message, error_message
+    live = _requests().get(f"{small_body_server.http_url}/v2/health/live", timeout=10)
+    assert live.status_code == 200
+
+
+def test_a_refused_body_is_drained_so_its_client_reads_the_answer(small_body_server):
+    """A client that writes its whole body before reading (a plain socket here; curl, Java's
+    HttpURLConnection) reads the 413 sent at the headers: the server reads and drops the rest
+    (up to --request-read-timeout) before closing, where a close with the body unread would
+    reset the connection under the client's writes and lose the answer."""
+    import socket
+
+    body = b"x" * (64 << 20)
+    head = (
+        b"POST /v2/models/add/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n" % len(body)
+    )
+    with socket.create_connection(("127.0.0.1", small_body_server.http_port), timeout=60) as sock:
+        sock.sendall(head)
+        sock.sendall(body)
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
+    assert b"request JSON size of 67108864 bytes" in reply
+
+
+def test_l0_repository_index_deeply_nested_json(triton_qa):
+    """test_repository_index_deeply_nested_json: 'ready' nested 250,000 deep (500 KB)."""
+    depth = 250000
+    payload = '{"ready":' + "[" * depth + "true" + "]" * depth + "}"
+    response = _requests().post(
+        f"{triton_qa.http_url}/v2/repository/index",
+        data=payload,
+        headers={"Content-Type": "application/json"},
+        timeout=60,
+    )
+    assert response.status_code == 400, response.text[:300]
+    assert "Invalid value for 'ready': expected a boolean" in response.json()["error"]
+    live = _requests().get(f"{triton_qa.http_url}/v2/health/live", timeout=10)
+    assert live.status_code == 200

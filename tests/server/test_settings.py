@@ -43,6 +43,7 @@ def _values(field: dataclasses.Field) -> tuple[str, str]:
         return "rate=7", "level=TIMESTAMPS,opentelemetry,url=127.0.0.1:4318/v1/traces"
     if field.name in (
         "exit_on_error",
+        "strict_readiness",
         "reuse_grpc_port",
         "allow_remote_control",
         "enable_prefix_caching",

@@ -1,24 +1,31 @@
-"""What one loaded network costs in resident memory, beside what its backend alone costs.
+"""What one loaded network costs in resident memory, beside what its backend alone costs,
+measured as users and orchestrators see it: RSS.
 
-Run as ``python load_cost.py DEVICE N [SIZES]``: in this one process, N copies of an MLP
-(``SIZES``, default 256-1024-2048-256: 11.5 MB of float32 weights) made by the bare backend
-from the file with the same options, then N loaded through plugserve's Core, each run once
-(buffers a first run allocates count on both sides); prints one JSON line with the
-megabytes of RSS each kind added per copy.
+Run as ``python load_cost.py DEVICE N [SIZES]``: each kind is measured in a fresh process of
+its own, N copies of an MLP (``SIZES``, default 256-1024-2048-256: 11.5 MB of float32 weights)
+made one after another and held, each run once (buffers a first run allocates count on both
+sides); the RSS the N copies added, divided by N, nothing trimmed by the measurement; prints
+one JSON line with the megabytes each kind added per copy. The kinds: the bare backend made
+from the file with the device's options, and the network loaded through plugserve's Core.
 
 The bare backends: onnxruntime's InferenceSession with the ORT device's session options;
 NUMPY's weights as arrays (what its kernels must hold at least); openvino's compiled model
 with the properties the OPENVINO device compiles with. glibc is tuned as the server tunes it
 (``--malloc-reuse-bytes``), since that decides what freed memory stays resident.
+
+It read RSS on a trimmed heap before (``malloc_trim`` before and after the copies, both kinds
+in one process): what a network holds alive, not what a user's ``ps`` shows. ORT read 1.0x
+that way while RSS grew 1.41-1.6x a bare session's per load (the load's freed scratch copies
+kept by the heap); see ``plugins/ort/backend.trim``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
@@ -105,58 +112,55 @@ def plugserve(device: str, path: Path) -> Callable[[], Any]:
     return make
 
 
-def per_copy(makers: dict[str, Callable[[], Any]], copies: int) -> dict[str, float]:
-    """MB of RSS one more copy adds, for each maker: its copies made one after another and
-    held, one maker after the other. RSS is read on a heap trimmed of what earlier work freed,
-    before and after: what the copies hold, not what their loads freed and glibc kept (that
-    varied by a whole model's bytes from run to run, 17 to 21 MB a copy, and is the
-    allocator's, measured by the budget tests)."""
-    for make in makers.values():  # the first of each pays for imports, caches and pools
-        make()
-    held = []
-    added = {}
-    for name, make in makers.items():
-        gc.collect()
-        _trim()
-        # uncounted: the first copies also make the load's scratch memory resident, which
-        # later loads reuse; the cost of one more network is what is counted after them
-        held += [make() for _ in range(max(2, copies // 2))]
-        gc.collect()
-        _trim()
-        before = rss_bytes()
-        held += [make() for _ in range(copies)]
-        gc.collect()
-        _trim()  # what the copies hold, not what their loads freed and the heap kept
-        added[name] = (rss_bytes() - before) / copies / 1e6
+def one_kind(device: str, kind: str, path: Path, copies: int) -> float:
+    """MB of RSS one more copy of ``kind`` adds, in this process (call it in a fresh one):
+    what ``copies`` copies made and held added, divided by their number, nothing trimmed."""
+    make = (bare if kind == "bare" else plugserve)(device, path)
+    gc.collect()
+    before = rss_bytes()
+    held = [make() for _ in range(copies)]
+    gc.collect()
+    added = (rss_bytes() - before) / copies / 1e6
+    del held
     return added
 
 
-def _trim() -> None:
-    """glibc's malloc_trim: free heap pages go back to the system."""
-    import ctypes
-    import ctypes.util
-
-    with contextlib.suppress(OSError, AttributeError, TypeError):
-        ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
-
-
 def measure(device: str, copies: int, sizes: tuple[int, ...] = DEFAULT_SIZES) -> dict[str, Any]:
-    from plugserve.server.control.allocator import reuse_freed_memory
-    from plugserve.server.process.settings import Settings
-
-    reuse_freed_memory(Settings().malloc_reuse_bytes)
+    """Both kinds, each in a fresh process of its own (this script with ``--one``)."""
     folder = Path(tempfile.mkdtemp(prefix="plugserve-load-cost-"))
     try:
         path = save_mlp(folder, sizes)
-        result = per_copy(
-            {"bare": bare(device, path), "plugserve": plugserve(device, path)}, copies
-        )
+        result = {}
+        for kind in ("bare", "plugserve"):
+            done = subprocess.run(
+                [sys.executable, __file__, "--one", device, kind, str(path), str(copies)],
+                capture_output=True,
+                text=True,
+                cwd=Path(__file__).parent,
+                timeout=600,
+            )
+            if done.returncode:
+                raise RuntimeError(f"{kind} on {device} failed:\n{done.stderr}")
+            result[kind] = float(done.stdout.strip().splitlines()[-1])
         megabytes = path.stat().st_size / 1e6
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     return {"device": device, "copies": copies, "model_mb": megabytes, **result}
 
 
+def _one(device: str, kind: str, path: str, copies: int) -> None:
+    from plugserve.server.control.allocator import reuse_freed_memory
+    from plugserve.server.process.settings import Settings
+
+    reuse_freed_memory(Settings().malloc_reuse_bytes)
+    print(one_kind(device, kind, Path(path), copies))
+
+
 if __name__ == "__main__":
-    sizes = tuple(int(s) for s in sys.argv[3].split(",")) if len(sys.argv) > 3 else DEFAULT_SIZES
-    print(json.dumps(measure(sys.argv[1], int(sys.argv[2]), sizes)))
+    if sys.argv[1] == "--one":
+        _one(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]))
+    else:
+        sizes = (
+            tuple(int(s) for s in sys.argv[3].split(",")) if len(sys.argv) > 3 else DEFAULT_SIZES
+        )
+        print(json.dumps(measure(sys.argv[1], int(sys.argv[2]), sizes)))

@@ -136,7 +136,7 @@ class RunningServer:
                 self.grpc_port, self.metrics_port = int(match.group(1)), int(match.group(2))
                 self.http_port = int(match.group(3) or 0)
                 self._listening.set()
-            if "server ready:" in line:
+            if "server ready:" in line or "server not ready:" in line:  # started either way
                 self._ready.set()
         self._exited.set()
 

@@ -81,6 +81,7 @@ import numpy as np
 
 from plugserve.plugins import cancel
 from plugserve.plugins.api import (
+    BackendUnavailable,
     CompiledNetwork,
     Configuration,
     InferRequest,
@@ -429,6 +430,60 @@ class EnsembleNetwork(CompiledNetwork):
             seen.add(step.model)
             todo += [(s, [*path, str(s)]) for s in inner.ordered]
 
+    # --- readiness
+
+    def _model_steps(self) -> list[Step]:
+        """Every step that runs a model, a demultiplexer's branches' too."""
+        steps: list[Step] = []
+        for step in self.graph.ordered:
+            if isinstance(step, Fan):
+                steps += self.regions[step.index]._model_steps()
+            else:
+                steps.append(step)
+        return steps
+
+    def unready_reasons(self) -> list[str]:
+        """Why it cannot serve now, one line per step whose model is not loaded (empty: every
+        step's is). Cheap (a lookup per step), so the server's readiness asks it every time."""
+        missing = []
+        for step in self._model_steps():
+            if self._loaded(step) is None:
+                missing.append(
+                    f"{self.where} is not ready: {step} runs model {step.model!r}"
+                    + (f" version {step.version}" if step.version else "")
+                    + ", which is not loaded"
+                )
+        return missing
+
+    def ready(self) -> bool:
+        """Ready when every step's model is loaded and ready (Triton never reports an
+        ensemble ready whose composing model is not); a step that is an ensemble is asked the
+        same, once per request of readiness whatever the nesting."""
+        return self._ready(set())
+
+    def _ready(self, seen: set[str]) -> bool:
+        seen.add(self.name)
+        for step in self._model_steps():
+            entry = self._loaded(step)
+            if entry is None:
+                return False
+            network = entry.network
+            if isinstance(network, EnsembleNetwork):
+                if network.name not in seen and not network._ready(seen):
+                    return False
+            elif not network.ready():
+                return False
+        return True
+
+    @property
+    def slow_readiness(self) -> bool:  # type: ignore[override]
+        """Asking is slow when a step's model's readiness is (a Python model's processes)."""
+        for step in self._model_steps():
+            entry = self._loaded(step)
+            if entry is not None and entry.network.slow_readiness:
+                return True
+        return False
+
     # --- requests
 
     def plan_for(self, wanted: list[str] | None) -> Plan:
@@ -578,8 +633,11 @@ class _Run:
         plane = network.plane
         try:
             entry = plane.get(step.model, step.version)
-        except PlugserveError as exc:  # unloaded since the ensemble loaded
-            raise type(exc)(f"{network.where}: {step}: {exc}") from None
+        except PlugserveError as exc:  # not loaded, or unloaded since: not ready, not unknown
+            raise BackendUnavailable(
+                f"{network.where} is not ready: {step}: {exc}; retry when "
+                f"/v2/models/{network.name}/ready says it is"
+            ) from None
         tensors = self.tensors
         inputs = {m: tensors[t] for m, t in step.inputs.items() if t in tensors}
         token = cancel.Token()

@@ -14,7 +14,16 @@ The bounds, the twin of ``server/protocols/grpc/callgate.py`` for HTTP:
   timer per request: two timers made and cancelled per request were 3 % of a batch-1 request;
 - headers (request line included) over ``MAX_HEADER_BYTES`` are 431; a body over
   --max-message-bytes is 413, declared or as it arrives; a body that has not arrived within
-  --request-read-timeout of its headers is 408; the connection is closed after each of these;
+  --request-read-timeout of its headers is 408; the connection is closed after each of these
+  (but 408) once the peer has stopped sending, for at most --request-read-timeout: what it
+  still sends is read and dropped, so that a client that sends its whole body before it reads
+  (Python's ``requests``, curl) gets the answer rather than a reset (nginx's lingering close);
+- a body sent with ``Transfer-Encoding: chunked`` is read as HTTP/1.1 requires, bounded as one
+  with a Content-Length (--max-message-bytes counted as it arrives, the memory budget charged
+  as it arrives); one that also carries a Content-Length (Python's ``requests`` adds it to a
+  body given as bytes, which Triton's own HTTP tests do) is read by its chunks, the length
+  ignored, and its connection closed once it is answered, nothing after it read (RFC 9112
+  6.1: the pair is how requests are smuggled past a proxy that reads the other header);
 - at most ``limit`` connections (4 x --grpc-workers, as gRPC's maximum_concurrent_rpcs): a new
   connection past it first closes those that have waited longest for a request's headers,
   once they have waited ``EVICT_AFTER`` seconds (a real client sends its headers with the
@@ -102,6 +111,10 @@ class _Refused(Exception):
         self.status = status
         self.message = message
         self.error = error  # the typed error behind it (the memory budget's), if any
+
+
+class _Discard(Exception):
+    """Raised in a parser callback: what the peer sends from here on is not read."""
 
 
 class _Date:
@@ -197,6 +210,11 @@ class Connection(asyncio.Protocol):
         self.transport: Any = None
         self.peer = ""  # the client's address
         self.parser = httptools.HttpRequestParser(self)
+        # both Transfer-Encoding and Content-Length: read by the chunks (see the docstring;
+        # on_headers_complete makes it the connection's last request)
+        self.parser.set_dangerous_leniencies(lenient_chunked_length=True)
+        #: the rest of what the peer sends is dropped unread (after such a request)
+        self.discard = False
         #: since when it waits for a request's headers (None: a request is under way)
         self.waiting_since: float | None = None
         #: when the headers or body being waited for are late (inf: nothing is awaited)
@@ -209,6 +227,7 @@ class Connection(asyncio.Protocol):
         self._drained: asyncio.Event | None = None  # a streamed reply waits for the peer
         self.closed = False
         self.last = False  # the parser reads no further request: close after those taken
+        self.lingering = False  # refused: what the peer still sends is dropped, then closed
         self.reading = False  # a request's first bytes came, not yet all of it
         self.pending: deque[
             tuple[str, str, list[tuple[bytes, bytes]], bytes, bool, Charge | None]
@@ -239,10 +258,15 @@ class Connection(asyncio.Protocol):
         self._wait_for_headers()
 
     def data_received(self, data: bytes) -> None:
+        if self.discard:
+            return
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserCallbackError as exc:
             refused = exc.__context__
+            if isinstance(refused, _Discard):
+                self.discard = True
+                return
             if not isinstance(refused, _Refused):
                 raise
             self._fail(refused.status, refused.message, refused.error)
@@ -278,6 +302,8 @@ class Connection(asyncio.Protocol):
     # --- httptools' callbacks
 
     def on_message_begin(self) -> None:
+        if self.last:  # a request after one that closes the connection: not read
+            raise _Discard
         self.reading = True
         self._url = b""
         self._headers = []
@@ -308,6 +334,7 @@ class Connection(asyncio.Protocol):
         length = None
         expect = False
         binary = False
+        chunked = False
         for name, value in self._headers:
             if name == b"content-length":
                 length = value
@@ -324,6 +351,10 @@ class Connection(asyncio.Protocol):
                         "the body plain or chunked, and compress it with Content-Encoding "
                         "(gzip or deflate) instead",
                     )
+                chunked = True
+        if chunked and length is not None:  # the chunks decide; the connection ends with it
+            length = None
+            self.last = True
         if self.parser.get_method() == b"CONNECT":
             raise _Refused(501, "CONNECT is not served: this is an inference server, not a proxy")
         if length is not None and length.isdigit() and int(length) > server.max_body:
@@ -474,9 +505,10 @@ class Connection(asyncio.Protocol):
             return False
         return True
 
-    def _reply(self, method: str, reply: Reply, keep_alive: bool) -> bool:
+    def _reply(self, method: str, reply: Reply, keep_alive: bool, linger: bool = False) -> bool:
         """Write ``reply``; whether the connection stays open. The request's memory charge
-        ends here: its reply is the transport's now (bounded by the peer's reading)."""
+        ends here: its reply is the transport's now (bounded by the peer's reading).
+        ``linger``: a connection closed after it first drops what the peer still sends."""
         self._release(self.serving)
         self.serving = None
         if self.closed:  # the client left: its answer is dropped
@@ -499,10 +531,25 @@ class Connection(asyncio.Protocol):
             self.transport.write(b"".join([*head, *pieces]))
         else:
             self.transport.writelines([b"".join(head), *pieces])
+        if not keep_alive and linger and self.transport.can_write_eof():
+            self._linger()
+            return False
         if not keep_alive:
             self.close()
             return False
         return True
+
+    def _linger(self) -> None:
+        """Close once the peer has sent what it was sending, or --request-read-timeout from
+        now: the reply is sent with the write side shut (the peer reads it, then closes, and
+        ``eof_received`` closes this side); what comes meanwhile is dropped unread."""
+        self._release(self._charge)  # nothing it sends is kept
+        self._charge = None
+        self.discard = self.lingering = True
+        self.reading = False
+        self.waiting_since = None
+        self.deadline = time.monotonic() + self.server.read_timeout
+        self.transport.write_eof()
 
     def _fail(self, status: int, message: str, error: PlugserveError | None = None) -> None:
         """Answer a request that cannot be read further, and close (without an answer when
@@ -517,7 +564,7 @@ class Connection(asyncio.Protocol):
                 if refusal is not None
                 else error_reply(status, message)
             )
-            self._reply("", reply, False)
+            self._reply("", reply, False, linger=status != 408)
 
     def close(self) -> None:
         """Close now, and take it off the count at once (the close completes later)."""
@@ -558,7 +605,7 @@ class Connection(asyncio.Protocol):
         """Past the deadline: a connection waiting for headers is closed, a request whose body
         is late answered 408."""
         self.deadline = _NEVER
-        if self.waiting_since is not None:
+        if self.waiting_since is not None or self.lingering:
             self.close()
         elif self.reading:
             self._fail(

@@ -114,7 +114,10 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         return pb.ServerLiveResponse(live=True)
 
     def ServerReady(self, request, context):
-        return pb.ServerReadyResponse(ready=self.plane.ready)
+        plane = self.plane
+        return pb.ServerReadyResponse(
+            ready=plane.ready and not plane.draining and not self.control.unready()
+        )
 
     def ModelReady(self, request, context):
         version = parse_version(request.version)

@@ -260,15 +260,21 @@ def parse_infer(
 
 
 def parse_raw(
-    body: bytes, model: str, inputs: list[Any], expect: Expect, max_batch_size: int = 0
+    body: bytes,
+    model: str,
+    inputs: list[Any],
+    expect: Expect,
+    max_batch_size: int = 0,
+    dims: Mapping[str, tuple[int, ...]] | None = None,
 ) -> InferCall:
     """Triton's raw binary request (``Inference-Header-Content-Length: 0``): the body is the
     data of a one-input model's input, in its element type, its shape worked out by Triton's
-    rule (core's ``InferenceRequest``): a batching model (``max_batch_size`` > 0) gets batch 1,
-    and one varying dimension of the rest takes what the body's size leaves; BYTES is one
-    element, the body's bytes unchanged (text when they are UTF-8, as every protocol hands
-    strings to a model), so its input must hold exactly one. Every output comes back as binary
-    data. The refusals begin with Triton's words for them."""
+    rule (core's ``InferenceRequest``): from the input's dims in the model's configuration
+    (``dims``: config.pbtxt's, by input; else the model's own shape), a batching model
+    (``max_batch_size`` > 0) gets batch 1, and one varying dimension of the rest takes what
+    the body's size leaves; BYTES is one element, the body's bytes unchanged (text when they
+    are UTF-8, as every protocol hands strings to a model), so its input must hold exactly
+    one. Every output comes back as binary data. The refusals begin with Triton's words."""
     if len(inputs) != 1:
         raise InvalidInput(
             f"Raw request must only have 1 input (found 1) to be deduced but got {len(inputs)} "
@@ -278,23 +284,28 @@ def parse_raw(
     where = f"input {spec.name!r} (raw binary request)"
     if spec.dtype is None or spec.shape is None:
         raise InvalidInput(f"{where}: the model does not say its element type and rank")
-    dims = [d if isinstance(d, int) and d >= 0 else None for d in spec.shape]
-    if max_batch_size > 0 and dims:
-        dims[0] = 1  # the batch dimension: one request, one row
-    if dims.count(None) > 1:
+    configured = (dims or {}).get(spec.name)
+    if configured is not None:  # Triton's rule reads the configuration, not the graph
+        shape_of = [*([-1] if max_batch_size > 0 else []), *configured]
+    else:
+        shape_of = [d if isinstance(d, int) and d >= 0 else -1 for d in spec.shape]
+    known_dims = [d if isinstance(d, int) and d >= 0 else None for d in shape_of]
+    if max_batch_size > 0 and known_dims:
+        known_dims[0] = 1  # the batch dimension: one request, one row
+    if known_dims.count(None) > 1:
         raise InvalidInput(
             f"The shape of the raw input '{spec.name}' can not be deduced because there are "
-            f"more than one variable-sized dimension (the model's shape is {list(spec.shape)}); "
+            f"more than one variable-sized dimension (the model's shape is {shape_of}); "
             "send a JSON header with the shape"
         )
-    known = math.prod(d for d in dims if d is not None)
+    known = math.prod(d for d in known_dims if d is not None)
     if spec.dtype == np.dtype(object):
-        if None in dims or known != 1:
+        if None in known_dims or known != 1:
             raise InvalidInput(
                 f"For BYTE datatype raw input '{spec.name}', the model must have input shape "
-                f"[1] (this one's is {list(spec.shape)}); send a JSON header with the shape"
+                f"[1] (this one's is {shape_of}); send a JSON header with the shape"
             )
-        shape = tuple(dims)
+        shape = tuple(known_dims)
         array = np.empty(1, dtype=object)
         array[0] = text_or_bytes(bytes(body))
         expect(spec.name, spec.dtype, shape)
@@ -303,13 +314,15 @@ def parse_raw(
     if len(body) % itemsize:
         raise InvalidInput(f"{where}: {len(body)} bytes is not a whole number of {spec.dtype}")
     count = len(body) // itemsize
-    if (None in dims and (known == 0 or count % known)) or (None not in dims and count != known):
+    if (None in known_dims and (known == 0 or count % known)) or (
+        None not in known_dims and count != known
+    ):
         raise InvalidInput(
-            f"{where}: {count} elements do not make the model's shape {list(spec.shape)}"
+            f"{where}: {count} elements do not make the model's shape {shape_of}"
             + (" with batch 1" if max_batch_size > 0 else "")
             + "; send a JSON header with the shape"
         )
-    shape = tuple(d if d is not None else count // known for d in dims)
+    shape = tuple(d if d is not None else count // known for d in known_dims)
     expect(spec.name, spec.dtype, shape)
     array = np.frombuffer(body, dtype=spec.dtype.newbyteorder("<")).reshape(shape)
     return InferCall("", {spec.name: array}, [], {}, True)

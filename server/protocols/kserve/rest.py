@@ -439,10 +439,12 @@ class RestApp:
         return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
     def too_large(self, size: int) -> str:
+        """Triton's words (``EVBufferToJson``), which its L0_http test matches; ``size``: the
+        declared length, or what has come of a body still arriving."""
         return (
-            f"Request JSON size of {size} exceeds the maximum allowed value of {self.max_body} "
-            "(the body is that many bytes or more); use --max-message-bytes "
-            "(PLUGSERVE_MAX_MESSAGE_BYTES) to increase the limit"
+            f"request JSON size of {size} bytes exceeds the maximum allowed input size of "
+            f"{self.max_body} bytes. Use --max-message-bytes (PLUGSERVE_MAX_MESSAGE_BYTES) to "
+            "increase the limit"
         )
 
     # --- health and metadata
@@ -455,9 +457,16 @@ class RestApp:
         return _json({"live": True})
 
     def ready(self, call: Call) -> Reply:
-        if self.plane.ready and not self.plane.draining:
+        unready = self.control.unready() if self.plane.ready else []
+        if self.plane.ready and not self.plane.draining and not unready:
             return _json({"ready": True})
-        why = "shutting down" if self.plane.draining else "still loading its models"
+        why = (
+            "shutting down"
+            if self.plane.draining
+            else "still loading its models"
+            if not self.plane.ready
+            else "; ".join(unready[:8]) + (f"; {len(unready) - 8} more" if len(unready) > 8 else "")
+        )
         return _json({"ready": False, "error": f"the server is not ready: {why}"}, 503)
 
     def server_metadata(self, call: Call) -> Reply:
@@ -609,7 +618,7 @@ class RestApp:
             return self._in_worker(self._infer_whole, entry, call, token, token=token)
         if header_length == "0":  # Triton's raw binary request: the body is the one input
             request = parse_raw(
-                call.body, entry.name, entry.inputs, entry.expect, entry.max_batch_size
+                call.body, entry.name, entry.inputs, entry.expect, entry.max_batch_size, entry.dims
             )
         else:
             request = parse_infer(call.body, header_length, entry.expect, self.plane.shm)
