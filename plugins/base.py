@@ -579,8 +579,14 @@ class InferRequest(abc.ABC):
         super().__init_subclass__(**kwargs)
         if "infer" in cls.__dict__ and "infer_checked" not in cls.__dict__:
 
-            def through_infer(self: InferRequest, arrays: list[Any]) -> dict[str, np.ndarray]:
-                return self.infer({s.name: a for s, a in zip(self.network.inputs, arrays)})
+            def through_infer(
+                self: InferRequest, arrays: list[Any], run: cancel.Token | None = None
+            ) -> dict[str, np.ndarray]:
+                feed = {s.name: a for s, a in zip(self.network.inputs, arrays)}
+                if run is None:
+                    return self.infer(feed)
+                with cancel.running(run):  # what the plugin's own infer answers to
+                    return self.infer(feed)
 
             cls.infer_checked = through_infer  # type: ignore[method-assign]
 
@@ -615,15 +621,19 @@ class InferRequest(abc.ABC):
         for state in self.query_state():
             state.reset()
 
-    def infer_checked(self, arrays: list[Any]) -> dict[str, np.ndarray]:
+    def infer_checked(
+        self, arrays: list[Any], run: cancel.Token | None = None
+    ) -> dict[str, np.ndarray]:
         """:meth:`infer` for inputs already checked by :func:`check_inputs` (in declared
         order): the server's DataPlane checks once at its edge, and MULTI, AUTO and BATCH hand
         their device the values they checked against the same specs.
 
-        The run answers to the token of the run under way on this thread (the server's, or a
-        virtual device's parent request's), else to a token of its own, so :meth:`cancel`
-        stops it either way."""
-        return self._checked(arrays)
+        ``run``: the request the run serves, as the device sees it (``plugins/cancel.py``'s
+        :class:`Token`: its cancellation, the room an output may take, the outputs wanted, its
+        id, parameters, sequence and trace), handed down explicitly by the server and by a
+        virtual device to its children. Without one the run answers to the run under way on
+        this thread, else to a token of its own, so :meth:`cancel` stops it either way."""
+        return self._checked(arrays, run)
 
     #: whether :meth:`infer_into` has the device write the named outputs straight into the
     #: caller's arrays (and lets an output share an input's memory: a key/value cache
@@ -632,7 +642,10 @@ class InferRequest(abc.ABC):
     binds_outputs: ClassVar[bool] = False
 
     def infer_into(
-        self, arrays: list[Any], outputs: Mapping[str, np.ndarray]
+        self,
+        arrays: list[Any],
+        outputs: Mapping[str, np.ndarray],
+        run: cancel.Token | None = None,
     ) -> dict[str, np.ndarray]:
         """:meth:`infer_checked` with the named outputs written into the given arrays
         (OpenVINO's ``set_output_tensor``): each must be C-contiguous with the output's element
@@ -640,7 +653,7 @@ class InferRequest(abc.ABC):
         named ones. A device whose requests do not bind outputs (:attr:`binds_outputs` False)
         computes them elsewhere and copies them in; an output sharing an input's memory then
         sees the input read before it is written, as in a device that binds."""
-        result = self.infer_checked(arrays)
+        result = self.infer_checked(arrays, run)
         for name, target in outputs.items():
             value = result[name]
             if value is not target:
@@ -648,17 +661,28 @@ class InferRequest(abc.ABC):
             result[name] = target
         return result
 
-    def infer_decoupled(self, arrays: list[Any], sender: ResponseSender) -> None:
+    def infer_decoupled(
+        self, arrays: list[Any], sender: ResponseSender, run: cancel.Token | None = None
+    ) -> None:
         """Run checked inputs, answering through ``sender`` (``plugins/responses.py``): a
         decoupled network's requests send zero or many responses, possibly after this returns,
         and end with ``final``. This default serves a network that is not decoupled (a
-        decoupled BLS call or a generate_stream to an ordinary model): its one answer, final."""
-        sender.send(Response(self.infer_checked(arrays)), final=True)
+        decoupled BLS call or a generate_stream to an ordinary model): its one answer, final.
+        ``run``: as :meth:`infer_checked`'s."""
+        sender.send(Response(self.infer_checked(arrays, run)), final=True)
 
-    def _checked(self, arrays: list[Any]) -> dict[str, np.ndarray]:
+    def _checked(self, arrays: list[Any], run: cancel.Token | None = None) -> dict[str, np.ndarray]:
         """The run of checked inputs under its token (both :meth:`infer` and
         :meth:`infer_checked`: a plugin overriding one of them calls the other's base).
-        :meth:`_under` written out: every small server request passes here."""
+        :meth:`_under` written out: every small server request passes here. A ``run`` handed
+        in is the run under way on this thread while it runs (what the device's kernels and a
+        virtual device's children without one of their own answer to)."""
+        if run is not None:
+            entered = cancel.enter(run)
+            try:
+                return self._checked(arrays)
+            finally:
+                cancel.leave(entered)
         token = cancel.current()
         if token is None:
             with cancel.running(cancel.Token()) as token:

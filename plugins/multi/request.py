@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from plugserve.plugins import tracing
+from plugserve.plugins import cancel, tracing
 from plugserve.plugins.api import (
     Callback,
     Cancelled,
@@ -51,7 +51,7 @@ class MultiInferRequest(InferRequest):
         piece = tracing.child(pool.device, {"plugserve.device": pool.device})
         entered = None if piece is None else tracing.enter(piece)
         try:
-            outputs = request.infer_checked(arrays)
+            outputs = request.infer_checked(arrays, self._token)
             if self._perf:
                 try:
                     self._counts = [
@@ -132,8 +132,10 @@ class AutoInferRequest(InferRequest):
     def reset_state(self) -> None:
         self.request.reset_state()
 
-    def infer_checked(self, arrays: list[Any]) -> dict[str, np.ndarray]:
-        return self.request.infer_checked(arrays)
+    def infer_checked(
+        self, arrays: list[Any], run: cancel.Token | None = None
+    ) -> dict[str, np.ndarray]:
+        return self.request.infer_checked(arrays, run)
 
     def start_async(self, inputs: Mapping[str, Any], callback: Callback | None = None) -> None:
         self.request.start_async(inputs, callback)

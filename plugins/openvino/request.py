@@ -126,7 +126,10 @@ class OpenvinoInferRequest(InferRequest):
     # present read the present back instead
 
     def infer_into(
-        self, arrays: list[Any], outputs: Mapping[str, np.ndarray]
+        self,
+        arrays: list[Any],
+        outputs: Mapping[str, np.ndarray],
+        run: cancel.Token | None = None,
     ) -> dict[str, np.ndarray]:
         """Each input bound as an openvino tensor over the array's own memory (no copy in: an
         input the network writes, a paged key/value cache, is updated in place), the named
@@ -137,7 +140,7 @@ class OpenvinoInferRequest(InferRequest):
         shape or type changed: a generation step binds the same cache arrays every time (24
         of them for a 12-layer model), and openvino-genai too sets its cache tensors once.
         The request keeps the bound arrays alive until they are replaced."""
-        token = cancel.current() or self._token
+        token = run or cancel.current() or self._token
         with self._lock:
             self._refuse_if_busy()
             try:

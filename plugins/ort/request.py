@@ -95,7 +95,10 @@ class OrtInferRequest(InferRequest):
     binds_outputs = True
 
     def infer_into(
-        self, arrays: list[Any], outputs: Mapping[str, np.ndarray]
+        self,
+        arrays: list[Any],
+        outputs: Mapping[str, np.ndarray],
+        run: cancel.Token | None = None,
     ) -> dict[str, np.ndarray]:
         """The run through onnxruntime's IOBinding: every input and the named outputs bound
         to the arrays' own memory (no copy in or out; an output bound to an input's memory is
@@ -108,8 +111,8 @@ class OrtInferRequest(InferRequest):
         layer took ~30 us each to bind again). It refers to the caller's arrays, which this
         request keeps alive until its next run."""
         if self._perf:
-            return super().infer_into(arrays, outputs)
-        token = cancel.current()
+            return super().infer_into(arrays, outputs, run)
+        token = run if run is not None else cancel.current()
         if self._binding is None:
             self._binding = self.session.io_binding()
             self._bound = {}

@@ -388,11 +388,10 @@ class DataPlane:
             token.answer = 0 if after is not None else most  # shared memory: not in the answer
             token.outputs = wanted
             token.network = name
-            entered = cancel.enter(token)
             if stage is not None:
                 stage.running()
             try:
-                result = device.infer_checked(arrays)  # checked once, above
+                result = device.infer_checked(arrays, token)  # checked once, above
             except PlugserveError:
                 raise
             except Exception as exc:  # the device's own failure: INTERNAL, naming it
@@ -403,7 +402,6 @@ class DataPlane:
                     f"network {name!r} on {entry.device}: {type(exc).__name__}: {exc}"
                 ) from exc
             finally:
-                cancel.leave(entered)
                 if stage is not None:
                     stage.left()
             try:
@@ -495,9 +493,8 @@ class DataPlane:
                 if deadline is not None and time.monotonic() > deadline:
                     raise DeadlineExceeded(f"network {name!r}: the deadline passed while queued")
                 token.room = budget.free()
-                entered = cancel.enter(token)
                 try:
-                    device.infer_decoupled(arrays, stream)
+                    device.infer_decoupled(arrays, stream, token)
                 except PlugserveError as exc:
                     stream.fail(exc)
                 except Exception as exc:  # the device's own failure: INTERNAL, naming it
@@ -507,8 +504,6 @@ class DataPlane:
                             f"network {name!r} on {entry.device}: {type(exc).__name__}: {exc}"
                         )
                     )
-                finally:
-                    cancel.leave(entered)
 
             future = entry.executor.submit(run, entry.queue_limit, token=token)
             future.add_done_callback(lambda f: f.cancelled() or _fail_from(stream, f))

@@ -298,7 +298,7 @@ class GenerativeInferRequest(InferRequest):
             sender.close()
         return dict(collected[-1].outputs) if collected else {}
 
-    def infer_decoupled(self, arrays: list[Any], sender: Any) -> None:
+    def infer_decoupled(self, arrays: list[Any], sender: Any, run: Any = None) -> None:
         """Start the generation; its responses go to ``sender`` (the last with final)."""
         values = dict(zip((s.name for s in self.network.inputs), arrays))
         face = _Face(self.network, values, sender)

@@ -575,6 +575,7 @@ class _Run:
         network: EnsembleNetwork,
         tensors: dict[str, Any],
         plan: Plan,
+        parent: cancel.Token | None,
         flow: _Flow | None = None,
     ) -> None:
         self.network = network
@@ -582,7 +583,8 @@ class _Run:
         self.plan = plan
         #: a decoupled ensemble's request: where a decoupled step's responses go
         self.flow = flow
-        self.parent = cancel.current()
+        #: the ensemble request's run, which each step's request answers to
+        self.parent = parent
         self.sequence = network.sequence_of.get(self.parent) if self.parent else None
         self.running: dict[int, cancel.Token] = {}
         self.lock = threading.Lock()
@@ -751,14 +753,19 @@ class _Flow:
     __slots__ = ("events", "network", "parent", "plan", "sender", "streaming", "tokens", "wanted")
 
     def __init__(
-        self, network: EnsembleNetwork, plan: Plan, sender: ResponseSender, wanted: list[str]
+        self,
+        network: EnsembleNetwork,
+        plan: Plan,
+        sender: ResponseSender,
+        wanted: list[str],
+        parent: cancel.Token | None,
     ) -> None:
         self.network = network
         self.plan = plan
         self.sender = sender
         #: the ensemble outputs the request asked for
         self.wanted = wanted
-        self.parent = cancel.current()
+        self.parent = parent
         #: (step, stream, the tensors of the context it ran in); None: the request was
         #: cancelled
         self.events: queue.SimpleQueue = queue.SimpleQueue()
@@ -786,7 +793,7 @@ class _Flow:
         network, plan, parent = self.network, self.plan, self.parent
         unhook = parent.on_cancel(lambda: self.events.put(None)) if parent is not None else None
         try:
-            _Run(network, tensors, plan.part(0, network.labels), self).go()
+            _Run(network, tensors, plan.part(0, network.labels), parent, self).go()
             if not self._answer(tensors, 0):
                 return
             while self.streaming:
@@ -824,7 +831,7 @@ class _Flow:
             value = response.outputs.get(model_output)
             if value is not None:
                 tensors[tensor] = value
-        _Run(network, tensors, self.plan.part(label, network.labels), self).go()
+        _Run(network, tensors, self.plan.part(label, network.labels), self.parent, self).go()
         return self._answer(tensors, label)
 
     def _answer(self, tensors: dict[str, Any], label: int) -> bool:
@@ -883,8 +890,7 @@ def _branches(fan: Fan, parts: dict[str, Any]) -> int:
 
 def _run_branch(arrays: list[Any], token: cancel.Token, request: InferRequest) -> Any:
     """One branch of a fan, on a stream of its region's network (``request``: the stream's)."""
-    with cancel.running(token):
-        return request.infer_checked(arrays)
+    return request.infer_checked(arrays, token)
 
 
 def _gather(fan: Fan, branches: list[dict[str, Any]]) -> dict[str, Any]:
@@ -904,27 +910,29 @@ class EnsembleInferRequest(InferRequest):
     def _infer(self, arrays: list[Any]) -> dict[str, np.ndarray]:
         network = self.network
         tensors: dict[str, Any] = {s.name: a for s, a in zip(network.inputs, arrays)}
-        parent = cancel.current()
+        parent = self._token  # the request's run (``InferRequest._checked``)
         wanted = parent.outputs if parent is not None else None
-        _Run(network, tensors, network.plan_for(wanted)).go()
+        _Run(network, tensors, network.plan_for(wanted), parent).go()
         answers = network.answers
         names = wanted or [s.name for s in network.outputs]
         return {n: tensors[answers[n]] for n in names if answers.get(n) in tensors}
 
-    def infer_decoupled(self, arrays: list[Any], sender: ResponseSender) -> None:
+    def infer_decoupled(
+        self, arrays: list[Any], sender: ResponseSender, run: cancel.Token | None = None
+    ) -> None:
         """A decoupled ensemble's request (one with a decoupled step): a response per context
         that makes requested outputs, then the final flag (:class:`_Flow`); an ensemble
         without one answers once, final."""
         network = self.network
         if not network.decoupled:
-            super().infer_decoupled(arrays, sender)
+            super().infer_decoupled(arrays, sender, run)
             return
         tensors: dict[str, Any] = {s.name: a for s, a in zip(network.inputs, arrays)}
-        parent = cancel.current()
+        parent = run if run is not None else cancel.current()
         wanted = (parent.outputs if parent is not None else None) or [
             s.name for s in network.outputs
         ]
-        _Flow(network, network.plan_for(wanted), sender, wanted).run(tensors)
+        _Flow(network, network.plan_for(wanted), sender, wanted, parent).run(tensors)
 
     def get_performance_counts(self) -> list[PerfCount]:
         return []

@@ -1370,9 +1370,15 @@ class PythonInferRequest(InferRequest):
         partial = token is not None and token.partial_outputs
         return _checked_outputs(where, response["outputs"], tensors, specs, "0/", not partial)
 
-    def infer_decoupled(self, arrays: list[Any], sender: ResponseSender) -> None:
+    def infer_decoupled(
+        self, arrays: list[Any], sender: ResponseSender, run: cancel.Token | None = None
+    ) -> None:
         """A decoupled model's request: its execute runs here (holding this stream); its
-        responses reach ``sender`` through the worker's reader, during and after it."""
+        responses reach ``sender`` through the worker's reader, during and after it. ``run``
+        is the run under way on this thread while it runs (what the worker answers to)."""
+        if run is not None:
+            with cancel.running(run):
+                return self.infer_decoupled(arrays, sender)
         if not self.network.decoupled:
             super().infer_decoupled(arrays, sender)
             return
