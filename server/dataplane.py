@@ -9,6 +9,12 @@ stream); the data plane adds what a server needs on top of it and no scheduler o
 admission into a bounded queue (``--queue-size``; a full queue is ``ResourceExhausted`` at
 once), the deadline checked when a stream picks the request up, metrics, and completion
 through a future so the RPC layer never waits on a queue.
+
+A model whose configuration has Triton's queue policies (``LoadedNetwork.queue``,
+``queue_policy.py``) has its requests admitted through them: its levels' bounds, priorities
+and waiting timeouts, with the request's ``timeout`` read as the policy says. Any other
+model takes a request's ``timeout`` (``Token.timeout``) as its deadline, beside the call's
+own; it pays one attribute test for the policies it does not have.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from plugserve.server.deadlines import DeadlineWatch
 from plugserve.server.errors import forget_frames
 from plugserve.server.metrics import Metrics, failure_status
 from plugserve.server.networks import LoadedNetwork, NetworkTable
+from plugserve.server.queue_policy import QueueRejected, Ticket
 from plugserve.server.response_stream import ResponseStream
 from plugserve.server.sequences import Step
 from plugserve.server.shm import SharedMemory
@@ -110,6 +117,21 @@ def _fail_from(stream: ResponseStream, future: Future) -> None:
         stream.fail(error)
 
 
+def _earlier(deadline: float | None, other: float) -> float:
+    return other if deadline is None or other < deadline else deadline
+
+
+def _overload(exc: BaseException) -> bool:
+    """A refusal for lack of room (counted "overloaded"), not for what the request holds."""
+    return isinstance(exc, ResourceExhausted | QueueRejected)
+
+
+def _follow(ticket: Ticket, future: Future | Finished, executor: StreamsExecutor) -> None:
+    """``ticket`` follows its request: where it waits, and when it is done."""
+    ticket.queued(future, executor)
+    future.add_done_callback(ticket.ended)
+
+
 def _past_limit(name: str, limit: float) -> DeadlineExceeded:
     return DeadlineExceeded(
         f"network {name!r}: stopped, the request ran past the server's limit "
@@ -138,6 +160,8 @@ class DataPlane:
         self.shm = SharedMemory(budget=self.budget)
         #: cancels requests past their client's deadline or --max-request-seconds
         self.deadlines = DeadlineWatch()
+        #: acts on requests that waited past their model's queue policy's timeout
+        self.queue_timeouts = DeadlineWatch("queue-timeouts")
         self.metrics = metrics
         #: the loaded networks requests are served from (model control fills it)
         self.table = NetworkTable()
@@ -226,6 +250,8 @@ class DataPlane:
             return self.admit(
                 entry, inputs, outputs, deadline, inline, token, holds, after, checked
             )
+        if token is not None and token.timeout and entry.queue is None:
+            deadline = _earlier(deadline, time.monotonic() + token.timeout)
         if entry.sequences is None:
             entry.recorder.refused("invalid")
             raise InvalidInput(
@@ -304,6 +330,9 @@ class DataPlane:
         budget = self.budget
         admitted = time.perf_counter()
         token = token if token is not None else cancel.Token()
+        if token.timeout and entry.queue is None:  # no queue policy: the request's deadline
+            deadline = _earlier(deadline, time.monotonic() + token.timeout)
+        gathers = entry.network.gathers
 
         def run(request: InferRequest) -> dict[str, np.ndarray]:
             started = time.perf_counter()
@@ -314,6 +343,8 @@ class DataPlane:
                     f"network {name!r}: the deadline passed while queued "
                     f"({started - admitted:.3f} s in the queue)"
                 )
+            if token.on_start is not None and not gathers:
+                cancel.started(token)
             token.room = budget.free()  # what an output its values size may hold at most
             token.outputs = wanted
             entered = cancel.enter(token)
@@ -371,13 +402,18 @@ class DataPlane:
                 holds,
                 after,
             )
+        ticket = None
         try:
+            if entry.queue is not None:
+                ticket = entry.queue.enter(token)
             charge = self.budget.charge(holds, f"a request to network {name!r}")
-        except ResourceExhausted:
+        except PlugserveError as exc:
+            if ticket is not None:
+                ticket.ended()
             with self._inflight_lock:
                 self._inflight -= 1
                 entry.inflight -= 1
-            recorder.refused("overloaded")
+            recorder.refused("overloaded" if _overload(exc) else "")
             raise
         self._watch(name, token, deadline)
         try:
@@ -386,15 +422,21 @@ class DataPlane:
                     future = executor.run_inline(run)
             else:
                 future = inline and executor.run_inline(run)
-            future = future or executor.submit(run, entry.queue_limit, token=token)
+            if not future:
+                place = ticket.place if ticket is not None else 0
+                future = executor.submit(run, entry.queue_limit, token=token, place=place)
         except BaseException as exc:
             self.deadlines.forget(token)
+            if ticket is not None:
+                ticket.ended()
             charge.release()
             with self._inflight_lock:
                 self._inflight -= 1
                 entry.inflight -= 1
             recorder.refused("overloaded" if isinstance(exc, ResourceExhausted) else "")
             raise
+        if ticket is not None:
+            _follow(ticket, future, executor)
         if type(future) is Finished:  # ran inline: its callback would run now anyway
             self._finished(entry, future, token, charge)
         else:
@@ -517,6 +559,10 @@ class DataPlane:
             )
         token = token if token is not None else cancel.Token()
         budget = self.budget
+        queue = entry.queue
+        if token.timeout and queue is None:  # no queue policy: the request's deadline
+            deadline = _earlier(deadline, time.monotonic() + token.timeout)
+        gathers = entry.network.gathers
 
         def start(stream: ResponseStream) -> None:
             def run(request: InferRequest) -> None:
@@ -524,6 +570,8 @@ class DataPlane:
                     raise token.failure()
                 if deadline is not None and time.monotonic() > deadline:
                     raise DeadlineExceeded(f"network {name!r}: the deadline passed while queued")
+                if token.on_start is not None and not gathers:
+                    cancel.started(token)
                 token.room = budget.free()
                 entered = cancel.enter(token)
                 try:
@@ -540,7 +588,16 @@ class DataPlane:
                 finally:
                     cancel.leave(entered)
 
-            future = entry.executor.submit(run, entry.queue_limit, token=token)
+            ticket = queue.enter(token) if queue is not None else None
+            place = ticket.place if ticket is not None else 0
+            try:
+                future = entry.executor.submit(run, entry.queue_limit, token=token, place=place)
+            except BaseException:
+                if ticket is not None:
+                    ticket.ended()
+                raise
+            if ticket is not None:
+                _follow(ticket, future, entry.executor)
             future.add_done_callback(lambda f: f.cancelled() or _fail_from(stream, f))
 
         return self.open_stream(entry, start, deadline, token, holds, wanted)
@@ -618,5 +675,6 @@ class DataPlane:
             entry.retired = True
 
     def close(self) -> None:
-        """Stop the deadline watch (model control's ``close`` stops the networks' streams)."""
+        """Stop the deadline watches (model control's ``close`` stops the networks' streams)."""
         self.deadlines.close()
+        self.queue_timeouts.close()

@@ -39,7 +39,6 @@ Choices where KServe/Triton leave room or plugserve differs:
 from __future__ import annotations
 
 import functools
-import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -70,6 +69,7 @@ from plugserve.server.kserve.convert import (
     parameter_values,
     plain_lane,
     request_inputs,
+    request_priority,
     request_timeout,
     requested_outputs,
     stream_decoupled,
@@ -162,10 +162,10 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         if request.parameters:
             parameters = parameter_values(request.parameters)
             step = sequence_step(parameters)
-            timeout = request_timeout(parameters)
-            if timeout is not None:
-                own = time.monotonic() + timeout
-                when = own if when is None else min(when, own)
+            timeout, priority = request_timeout(parameters), request_priority(parameters)
+            if timeout is not None or priority:  # the model's queue policy, or a deadline
+                token = token if token is not None else cancel.Token()
+                token.timeout, token.priority = timeout, priority
             own_parameters = model_parameters(parameters)
             if own_parameters is not None:
                 token = token if token is not None else cancel.Token()

@@ -62,7 +62,7 @@ from plugserve.server.dataplane import DataPlane
 from plugserve.server.errors import HTTP_STATUS, status_of
 from plugserve.server.kserve import convert as kserve_convert
 from plugserve.server.kserve import service as kserve
-from plugserve.server.kserve.convert import model_parameters, request_timeout
+from plugserve.server.kserve.convert import model_parameters, request_priority, request_timeout
 from plugserve.server.model_control import ModelControl
 from plugserve.server.networks import LoadedNetwork
 from plugserve.server.response_stream import ResponseStream
@@ -523,12 +523,11 @@ class RestApp:
             )
         else:
             request = parse_infer(call.body, header_length, entry.expect, self.plane.shm)
-        deadline = time.monotonic() + request.timeout if request.timeout else None
         future = self.plane.submit(
             entry,
             request.inputs,
             request.outputs,
-            deadline,
+            None,  # the request's 'timeout' travels on its token (_model_token)
             inline=_fast(entry),
             token=_model_token(request),
             after=_writer(request),
@@ -557,13 +556,12 @@ class RestApp:
                 entry.expect(name, array.dtype, list(array.shape))
         else:
             request = parse_infer(call.body, header_length, entry.expect, self.plane.shm)
-        deadline = time.monotonic() + request.timeout if request.timeout else None
         _model_token(request, token)
         future = self.plane.submit(
             entry,
             request.inputs,
             request.outputs,
-            deadline,
+            None,
             inline=True,
             token=token,
             after=_writer(request),
@@ -608,8 +606,9 @@ class RestApp:
             request = parse_generate(call.json(), entry)
         token = cancel.Token()
         token.parameters = model_parameters(request.parameters)
-        timeout = request_timeout(request.parameters)
-        deadline = time.monotonic() + timeout if timeout else None
+        token.timeout = request_timeout(request.parameters)
+        token.priority = request_priority(request.parameters)
+        deadline = None  # the 'timeout' is the token's: the model's queue policy, or a deadline
         if entry.network.decoupled:
             stream = self.plane.submit_decoupled(entry, request.inputs, None, deadline, token)
             return entry, request, stream
@@ -737,12 +736,16 @@ def _writer(request: InferCall) -> Callable[[dict[str, Any]], dict[str, Any]] | 
 
 def _model_token(request: InferCall, token: cancel.Token | None = None) -> cancel.Token | None:
     """``token`` (or a new one, when there is something to carry) with what a Python model
-    reads of its request: the client's id, its parameters, its sequence."""
-    if token is None and not (request.id or request.parameters or request.step):
+    reads of its request (the client's id, its parameters, its sequence) and what the data plane
+    does (its ``timeout`` and ``priority``)."""
+    if token is None and not (
+        request.id or request.parameters or request.step or request.timeout or request.priority
+    ):
         return None
     token = token if token is not None else cancel.Token()
     token.request_id = request.id or ""
     token.parameters = request.parameters
+    token.timeout, token.priority = request.timeout, request.priority
     if request.step is not None:
         token.sequence = (request.step.id, int(request.step.start) | int(request.step.end) << 1)
     return token
