@@ -108,6 +108,16 @@ def batch_device(device: str, max_batch_size: int) -> str:
     return f"BATCH:{parsed}({max_batch_size})"
 
 
+def version_of(model: Path) -> int:
+    """The version a repository's model path is of: NAME/VERSION/<file>, or the version folder
+    itself (an ensemble's, whose file is the folder), or a folder that is the whole model (a
+    generative model's: version 1)."""
+    for part in (model.parent.name, model.name):
+        if is_version(part):
+            return int(part)
+    return 1
+
+
 class ModelControl:
     """Loads, reloads and unloads networks into the data plane's table, from a call or from
     the model repository, and answers what is loaded or stored."""
@@ -444,7 +454,7 @@ class ModelControl:
         settings = repository.read_settings(name)
         if settings.pipeline is not None:  # an OVMS pipeline: its config.json, version 1
             return model, settings
-        return model, repository.read_settings(name, int(model.parent.name))
+        return model, repository.read_settings(name, version_of(model))
 
     def versions(self, name: str, version: int = 0) -> list[LoadedNetwork]:
         """The loaded version asked for, or every loaded version of ``name`` (0); NotFound
@@ -509,8 +519,7 @@ class ModelControl:
             raise ShuttingDown(f"model {name!r}: the server is shutting down; not loading it")
         model, settings = self._stored(name, version, repository)
         stamp = self.repository.stamp(name, model) if self.repository else ()
-        # the repository layout is NAME/VERSION/model.onnx; an OVMS pipeline is version 1
-        version = 1 if settings.pipeline is not None else int(model.parent.name)
+        version = 1 if settings.pipeline is not None else version_of(model)
         self._check_model_size(model, "RepositoryModelLoad")
         device, config, batch = settings.device, settings.config, settings.max_batch_size
         device = device or self.default_device
