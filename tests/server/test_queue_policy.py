@@ -166,7 +166,7 @@ def _raw_binary(server, model: str, data: bytes) -> tuple[int, bytes]:
 def test_triton_descriptive_status_code(server):
     """Triton's test_descriptive_status_code: the first request waits for its batch (up to
     1 s); a second while it waits finds the queue of 1 full and is answered 503 at once; the
-    first is then answered whole."""
+    first is then answered whole, and once its batch started, the queue takes the next."""
     if "ORT" not in server.devices:
         pytest.skip("needs onnxruntime: pip install 'plugserve[ort]'")
     model, data = "onnx_zero_1_float32_queue", np.arange(8, dtype=np.float32).tobytes()
@@ -179,6 +179,8 @@ def test_triton_descriptive_status_code(server):
         status, body = first.result(timeout=60)
     assert status == 200, body
     assert body.endswith(data)
+    status, body = _raw_binary(server, model, data)  # its batch ran: the queue is empty again
+    assert status == 200, body
 
 
 def test_a_full_queue_is_unavailable_on_grpc_with_tritons_words(server):
