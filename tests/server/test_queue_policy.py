@@ -70,6 +70,16 @@ POLICIES = {
 }
 
 
+ENSEMBLE = """
+name: "through"
+platform: "ensemble"
+input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 1 ] } ]
+output [ { name: "ORDER" data_type: TYPE_INT64 dims: [ 1 ] } ]
+ensemble_scheduling { step [ { model_name: "priority" model_version: -1
+  input_map { key: "INPUT0" value: "INPUT0" } output_map { key: "ORDER" value: "ORDER" } } ] }
+"""
+
+
 def _qa_queue_model(root) -> None:
     """Triton's onnx_zero_1_float32_queue (qa/L0_http/test.sh): an FP32 identity with
     max_batch_size 8, batching up to 8 rows for 1 s, and a queue of 1."""
@@ -116,6 +126,8 @@ def server(tmp_path_factory):
             COUNTER_CONFIG.format(name=name, batching=batching)
         )
         (root / name / "1" / "model.py").write_text(textwrap.dedent(COUNTER))
+    (root / "through" / "1").mkdir(parents=True)  # an ensemble of the priority model
+    (root / "through" / "config.pbtxt").write_text(ENSEMBLE)
     devices = []
     try:
         import onnxruntime  # noqa: F401
@@ -263,6 +275,24 @@ def test_priority_levels_are_served_in_order(server):
     busy_order, high_order, *low_orders = orders
     assert busy_order < high_order < min(low_orders), orders
     assert low_orders == sorted(low_orders), orders
+
+
+def test_an_ensemble_hands_its_priority_to_its_steps(server):
+    """As Triton's ensemble scheduler: a request's priority reaches its steps, whose queue
+    policies order them; one sent through the ensemble with priority 1 after two without runs
+    before them at the step."""
+    with ThreadPoolExecutor(4) as pool:
+        busy = pool.submit(_infer, server, "priority", 1.5, "grpc")
+        time.sleep(0.3)
+        low = []
+        for _ in range(2):
+            low.append(pool.submit(_infer, server, "through", 0.0, "grpc"))
+            time.sleep(0.1)
+        high = pool.submit(_infer, server, "through", 0.0, "grpc", priority=1)
+        orders = [f.result(timeout=60)[1] for f in (busy, high, *low)]
+    assert all(isinstance(o, int) for o in orders), orders
+    busy_order, high_order, *low_orders = orders
+    assert busy_order < high_order < min(low_orders), orders
 
 
 @pytest.mark.parametrize(
