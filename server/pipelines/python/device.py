@@ -45,6 +45,7 @@ import itertools
 import json
 import logging
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -359,6 +360,9 @@ class Worker:
         #: the process was stopped because its execute ran past max_execute_seconds
         self.hung = False
         self.shm_warned = False
+        self._hangup: select.poll | None = None
+        #: messages sent to the process since the execute under way (notices, answers)
+        self.sent_since = 0
         #: the model's BLS calls in flight: call id -> their tokens (to cancel them)
         self.calls: dict[int, cancel.Token] = {}
         self._calls_lock = threading.Lock()
@@ -411,6 +415,8 @@ class Worker:
         PUMP.add(os.dup(output.fileno()), self.output)
         output.close()
         self.mailbox = ipc.Mailbox(ours, _route, self._handle, most_fds=1)
+        self._hangup = select.poll()  # the process closed its end (one poll(2), no wait)
+        self._hangup.register(ours, select.POLLRDHUP | select.POLLHUP)
         self.inbox, self.outbox = ipc.Arena(ARENA_BYTES), ipc.Arena(ARENA_BYTES, writable=False)
 
     def auto_complete(self, config: dict[str, Any]) -> dict[str, Any] | None:
@@ -576,7 +582,7 @@ class Worker:
                     os.close(fd)
         except EOFError:
             pass
-        code = self.process.poll() if self.process is not None else None
+        code = _exit_code(self.process) if self.process is not None else None
         for rid, sender in list(self.open.items()):
             self.open.pop(rid, None)
             sender.fail(
@@ -587,7 +593,7 @@ class Worker:
             )
 
     def alive(self) -> bool:
-        return self.process is not None and self.process.poll() is None
+        return self.process is not None and _exit_code(self.process) is None
 
     def kill(self) -> None:
         """Stop the process (from any thread: a cancelled run's token calls it) and wake
@@ -595,8 +601,9 @@ class Worker:
         next :meth:`_ready` or :meth:`finalize`, which hold the run lock."""
         process, mailbox = self.process, self.mailbox
         if process is not None:
-            with contextlib.suppress(OSError):  # its group: what the model started goes too
-                os.killpg(process.pid, signal.SIGKILL)
+            if process.returncode is None:  # not reaped: its id is still its group's
+                with contextlib.suppress(OSError):  # what the model started goes with it
+                    os.killpg(process.pid, signal.SIGKILL)
             if process.poll() is None:
                 process.kill()
                 process.wait(10)
@@ -623,7 +630,14 @@ class Worker:
                 os.close(statm[1])
 
     def _ready(self) -> ipc.Mailbox:
-        if not self.alive() or self.mailbox is None or self.mailbox.closed:
+        mailbox = self.mailbox
+        if (
+            mailbox is None
+            or mailbox.closed
+            or not self.alive()
+            or (self._hangup is not None and self._hangup.poll(0))
+        ):  # a process that closed its socket is exiting (its mount namespace's teardown
+            # takes a while): the next request goes to a new one, not into its exit
             if self.process is not None:
                 self.restarts += 1
                 log.warning("%s: starting its process again", self.label)
@@ -645,20 +659,16 @@ class Worker:
         ``waits``: each request's id and token: a token cancelled meanwhile tells the model
         (``is_cancelled()`` for that request), never stops the process."""
         with self.lock:
-            mailbox = self._ready()
-            inbox, outbox = self.inbox, self.outbox  # a cancel may close them meanwhile
-            described = inbox.pack(tensors)
-            fd = -1
-            if described is None:
-                described, fd = ipc.pack_tensors(tensors)
-            else:
-                header["arena"] = True
-            header["tensors"] = described
             try:
-                reply, out_fd = self._exchange(mailbox, header, fd, waits)
-            finally:
-                if fd >= 0:
-                    os.close(fd)
+                _, outbox, reply, out_fd = self._send(tensors, header, waits)
+            except _NotTaken:  # it ended without reading the request: its successor's
+                try:
+                    _, outbox, reply, out_fd = self._send(tensors, header, waits)
+                except _NotTaken:
+                    raise InferenceError(
+                        f"{self.label}: its process ended before reading the request, twice; "
+                        "it is started again for the next request"
+                    ) from None
             if reply.get("error") or self.decoupled:
                 if out_fd >= 0:
                     os.close(out_fd)
@@ -677,6 +687,31 @@ class Worker:
                 raise
             self._bound_memory()
             return reply, outputs
+
+    def _send(
+        self,
+        tensors: dict[str, np.ndarray],
+        header: dict[str, Any],
+        waits: list[tuple[int, cancel.Token | None]],
+    ) -> tuple[ipc.Mailbox, ipc.Arena, dict[str, Any], int]:
+        """One execute on the process (started again first if it is gone): its mailbox and
+        answer arena, the reply, and the reply's descriptor."""
+        mailbox = self._ready()
+        inbox, outbox = self.inbox, self.outbox  # a cancel may close them meanwhile
+        described = inbox.pack(tensors)
+        fd = -1
+        if described is None:
+            described, fd = ipc.pack_tensors(tensors)
+            header.pop("arena", None)
+        else:
+            header["arena"] = True
+        header["tensors"] = described
+        try:
+            reply, out_fd = self._exchange(mailbox, header, fd, waits)
+        finally:
+            if fd >= 0:
+                os.close(fd)
+        return mailbox, outbox, reply, out_fd
 
     def _bound_memory(self) -> None:
         """Stop a process whose data (what its ``RLIMIT_DATA`` counts: heap and private
@@ -719,6 +754,7 @@ class Worker:
             if token is not None:
                 forgets.append(token.on_cancel(lambda rid=rid: self.tell_cancelled(rid)))
         self.hung = False
+        self.sent_since = 0
         try:
             within = self.answers_within
             start = time.perf_counter()
@@ -731,9 +767,17 @@ class Worker:
         except (OSError, EOFError, ValueError, AttributeError) as exc:
             code = None
             if self.process is not None:  # its socket closed: it is exiting, or hung up
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    code = self.process.wait(2)
+                end = time.monotonic() + 2
+                while (code := _exit_code(self.process)) is None and time.monotonic() < end:
+                    time.sleep(0.01)
             self.kill()
+            reset = isinstance(exc, ConnectionResetError) or isinstance(
+                mailbox.failure, ConnectionResetError
+            )
+            if reset and not self.sent_since and not self.hung:
+                # it closed with this request unread (nothing else was sent since: the kernel
+                # resets a socket closed with messages unread): it never ran it
+                raise _NotTaken from None
             if self.hung:
                 raise InferenceError(
                     f"{self.label}: its execute ran past MAX_EXECUTE_SECONDS "
@@ -755,6 +799,7 @@ class Worker:
         mailbox = self.mailbox
         if mailbox is None or mailbox.closed:
             return
+        self.sent_since += 1
         with contextlib.suppress(OSError):
             mailbox.send({"op": "cancel", "rid": rid}, block=False)
 
@@ -842,6 +887,7 @@ class Worker:
         mailbox = self.mailbox
         if mailbox is None:
             return
+        self.sent_since += 1
         reply["call"] = call
         described, fd = ipc.pack_tensors(tensors or {})
         reply["tensors"] = described
@@ -1011,6 +1057,25 @@ class Worker:
                     pass
             self.kill()
             self._discard()
+
+
+class _NotTaken(Exception):
+    """The process ended with the request unread: it goes to the next process, once."""
+
+
+def _exit_code(process: subprocess.Popen) -> int | None:
+    """``process``'s exit code once it ended (negative: the signal that ended it), else None,
+    without reaping it: until :meth:`Worker.kill` does, its id cannot name another process's
+    group, so stopping its group never reaches one that is not the model's."""
+    if process.returncode is not None:
+        return process.returncode
+    try:
+        found = os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:  # reaped meanwhile
+        return process.poll()
+    if found is None:
+        return None
+    return found.si_status if found.si_code == os.CLD_EXITED else -found.si_status
 
 
 class HangWatch:
