@@ -258,41 +258,38 @@ def test_delay_runs_a_late_request_after_the_others(server):
     assert busy_order < later_order < late_order, orders
 
 
+def _orders_behind_a_busy_one(server, model: str, lows: int) -> tuple[int, int, list[int]]:
+    """The order the ``priority`` model ran: a busy request, then ``lows`` requests to
+    ``model`` at the default level, then one with priority 1 (sent last)."""
+    with ThreadPoolExecutor(lows + 2) as pool:
+        busy = pool.submit(_infer, server, "priority", 1.5, "grpc")
+        time.sleep(0.3)
+        low = []
+        for _ in range(lows):
+            low.append(pool.submit(_infer, server, model, 0.0, "grpc"))
+            time.sleep(0.1)
+        high = pool.submit(_infer, server, model, 0.0, "grpc", priority=1)
+        orders = [f.result(timeout=60)[1] for f in (busy, high, *low)]
+    assert all(isinstance(o, int) for o in orders), orders
+    busy_order, high_order, *low_orders = orders
+    return busy_order, high_order, low_orders
+
+
 def test_priority_levels_are_served_in_order(server):
     """priority_levels 2: three requests at the default level (2) wait behind a busy one;
     one sent after them with priority 1 runs before them; the default level's run in the
     order they came."""
-    with ThreadPoolExecutor(5) as pool:
-        busy = pool.submit(_infer, server, "priority", 1.5, "grpc")
-        time.sleep(0.3)
-        low = []
-        for _ in range(3):
-            low.append(pool.submit(_infer, server, "priority", 0.0, "grpc"))
-            time.sleep(0.1)
-        high = pool.submit(_infer, server, "priority", 0.0, "grpc", priority=1)
-        orders = [f.result(timeout=60)[1] for f in (busy, high, *low)]
-    assert all(isinstance(o, int) for o in orders), orders
-    busy_order, high_order, *low_orders = orders
-    assert busy_order < high_order < min(low_orders), orders
-    assert low_orders == sorted(low_orders), orders
+    busy, high, low = _orders_behind_a_busy_one(server, "priority", 3)
+    assert busy < high < min(low), (busy, high, low)
+    assert low == sorted(low), low
 
 
 def test_an_ensemble_hands_its_priority_to_its_steps(server):
     """As Triton's ensemble scheduler: a request's priority reaches its steps, whose queue
     policies order them; one sent through the ensemble with priority 1 after two without runs
     before them at the step."""
-    with ThreadPoolExecutor(4) as pool:
-        busy = pool.submit(_infer, server, "priority", 1.5, "grpc")
-        time.sleep(0.3)
-        low = []
-        for _ in range(2):
-            low.append(pool.submit(_infer, server, "through", 0.0, "grpc"))
-            time.sleep(0.1)
-        high = pool.submit(_infer, server, "through", 0.0, "grpc", priority=1)
-        orders = [f.result(timeout=60)[1] for f in (busy, high, *low)]
-    assert all(isinstance(o, int) for o in orders), orders
-    busy_order, high_order, *low_orders = orders
-    assert busy_order < high_order < min(low_orders), orders
+    busy, high, low = _orders_behind_a_busy_one(server, "through", 2)
+    assert busy < high < min(low), (busy, high, low)
 
 
 @pytest.mark.parametrize(
