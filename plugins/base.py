@@ -408,6 +408,10 @@ class CompiledNetwork(abc.ABC):
     #: Whether :meth:`ready` may take time (it asks a model's process): callers that serve
     #: other clients on the same thread (the REST event loop) call it on a worker thread.
     slow_readiness: bool = False
+    #: Whether a request taken by a stream may still wait inside the network for others to
+    #: batch with (BATCH's batcher, a Python model's dynamic batching): the network then says
+    #: when each starts (``cancel.started``), which a queue policy counts waiting until.
+    gathers: bool = False
 
     def __init__(self, plugin: Plugin, name: str, config: Configuration) -> None:
         self.plugin = plugin

@@ -39,6 +39,7 @@ __all__ = [
     "every",
     "leave",
     "running",
+    "started",
     "stop_when",
 ]
 
@@ -91,12 +92,15 @@ class Token:
         "error",
         "finished",
         "network",
+        "on_start",
         "outputs",
         "parameters",
         "partial_outputs",
+        "priority",
         "request_id",
         "room",
         "sequence",
+        "timeout",
         "trace",
     )
 
@@ -136,6 +140,15 @@ class Token:
         #: the span the request's stages open theirs under (``plugins/tracing.py``), set by its
         #: owner when the request is traced; None: not traced
         self.trace: Span | None = None
+        #: the request's ``priority`` and ``timeout`` parameters (Triton's: a level, 0 none;
+        #: seconds, None none), set by its owner: a model's queue policy reads them
+        #: (``server/queue_policy.py``), and a model without one takes the timeout as the
+        #: request's deadline
+        self.priority = 0
+        self.timeout: float | None = None
+        #: called once when the request starts on its model (:func:`started`), set by what
+        #: counts it as waiting until then (a queue policy); None: nobody asked
+        self.on_start: Callable[[], object] | None = None
         #: the run is over: cancelling now does nothing (and costs nothing)
         self.finished = False
         self._callbacks: list[Callable[[], object]] = []
@@ -194,6 +207,16 @@ class Token:
         if error is None:
             return Cancelled("the request was cancelled")
         return type(error)(str(error))
+
+
+def started(token: Token | None) -> None:
+    """``token``'s request starts on its model now: a stream took it, or a device that gathers
+    requests (``CompiledNetwork.gathers``) started the batch it is in."""
+    if token is not None:
+        hook = token.on_start
+        if hook is not None:
+            token.on_start = None
+            hook()
 
 
 def every(

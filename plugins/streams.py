@@ -14,14 +14,26 @@ is queued (:meth:`StreamsExecutor.run_inline`), the way OpenVINO's ``InferReques
 runs the pipeline on the calling thread: the stream is still claimed, so at most N requests run
 at once and none overtakes a queued one, but the two thread hand-offs of a queued request
 (tens of microseconds each on a busy machine) are saved.
+
+The queue is served in order of each request's ``place`` (Triton's priority levels: a smaller
+number first, arrival order within one; the server's queue policies give it, see
+``server/queue_policy.py``), and a request may be moved behind the others of its level
+(:meth:`StreamsExecutor.delay`: Triton's DELAY) or taken out and failed
+(:meth:`StreamsExecutor.reject`: its REJECT). Requests that all share one place (every network
+without a policy) cost an append, as a plain FIFO. A queued request whose token is cancelled
+(its deadline, its client gone) leaves the queue and its future holds the token's error at once:
+an error, not a cancelled future, which ``asyncio.wrap_future`` would hand its awaiting REST
+handler as its own cancellation (the answer was never written: 38 of 40 REST requests queued
+past a 50 ms deadline got nothing within 60 s).
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import CancelledError, Future
+from concurrent.futures import CancelledError, Future, InvalidStateError
 from typing import Any
 
 from plugserve.plugins import cancel
@@ -35,6 +47,9 @@ from plugserve.plugins.errors import (
 __all__ = ["Finished", "RequestFuture", "StreamsExecutor"]
 
 _UNMADE = object()  # a stream whose state has not been made yet (None is a valid state)
+#: what :meth:`StreamsExecutor.delay` adds to a request's place: behind every request of its
+#: priority level that has not been delayed, before the next level's (places are ``2 * level``)
+DELAYED = 1
 
 
 class RequestFuture(Future):
@@ -122,7 +137,8 @@ class StreamsExecutor:
         self.name = name
         self.streams = max(1, streams)
         self.queue_size = queue_size or 64 * self.streams
-        self._pending: deque[tuple[Callable[[Any], Any], Future, bool]] = deque()
+        #: (fn, future, stateless, place), in order of place, then arrival
+        self._pending: deque[tuple[Callable[[Any], Any], Future, bool, int]] = deque()
         # the hot paths (run_inline, _release) take the lock itself: a Condition's ``with``
         # is two Python-level calls more per request
         self._lock = threading.RLock()
@@ -150,6 +166,7 @@ class StreamsExecutor:
         limit: int = 0,
         stateless: bool = False,
         token: cancel.Token | None = None,
+        place: int = 0,
     ) -> RequestFuture:
         """Queue ``fn(stream_state)``; its result or error lands in the returned future.
 
@@ -157,28 +174,76 @@ class StreamsExecutor:
         queue size). ``stateless``: ``fn`` brings its own state (an in-process async request)
         and gets None, so a stream does not make state nobody uses. ``token``: the run's
         cancellation token, which ``fn`` answers to: cancelling the token takes a queued
-        request out of the queue, and cancelling the future stops a running one.
+        request out of the queue (its future then holds the token's error), and cancelling
+        the future stops a running one. ``place``: where the request queues (smaller first;
+        equal places in arrival order).
 
         Cancelling the future before a stream picks it up takes it out of the queue at once,
         so abandoned requests (a client gone, a deadline passed) free their place.
         """
         future = RequestFuture(token)
         bound = min(limit, self.queue_size) if limit else self.queue_size
+        item = (fn, future, stateless, place)
         with self._ready:
             if self._closed:
                 raise FailedPrecondition(f"{self.name}: executor is shut down")
-            if len(self._pending) >= bound:
+            pending = self._pending
+            if len(pending) >= bound:
                 raise QueueFull(
                     f"Exceeds maximum queue size: {self.name}: queue full ({bound} requests "
                     "waiting); retry later"
                 )
-            self._pending.append((fn, future, stateless))
+            if not pending or pending[-1][3] <= place:
+                pending.append(item)
+            else:
+                _insert(pending, item)
             self._grow()
             self._ready.notify()
         future.add_done_callback(self._discard)
         if token is not None:
-            token.on_cancel(future.cancel)
+            token.on_cancel(lambda: self._withdraw(future, token))
         return future
+
+    def _withdraw(self, future: RequestFuture, token: cancel.Token) -> None:
+        """``token`` was cancelled: a request still queued leaves the queue with its error; a
+        running one is stopped by its token (the future is answered when the run ends)."""
+        if self._take_out(future):
+            with contextlib.suppress(InvalidStateError):
+                future.set_exception(token.failure())
+
+    def _take_out(self, future: Future) -> bool:
+        """Remove ``future``'s request from the queue; False when it is not there (running,
+        done, or never queued here)."""
+        with self._ready:
+            pending = self._pending
+            for i, item in enumerate(pending):
+                if item[1] is future:
+                    del pending[i]
+                    return True
+        return False
+
+    def reject(self, future: Future, error: BaseException) -> bool:
+        """Fail a request that still waits with ``error`` (Triton's REJECT of a request past
+        its queue timeout); False when a stream took it already (then it runs)."""
+        if not self._take_out(future):
+            return False
+        with contextlib.suppress(InvalidStateError):
+            future.set_exception(error)
+        return True
+
+    def delay(self, future: Future) -> bool:
+        """Move a request that still waits behind every request of its place that was not
+        delayed (Triton's DELAY); False when a stream took it already."""
+        with self._ready:
+            pending = self._pending
+            for i, item in enumerate(pending):
+                if item[1] is future:
+                    if item[3] & DELAYED:
+                        return True
+                    del pending[i]
+                    _insert(pending, (*item[:3], item[3] | DELAYED))
+                    return True
+        return False
 
     def _grow(self) -> None:
         """A worker thread more when the queue holds more requests than the workers not
@@ -238,13 +303,8 @@ class StreamsExecutor:
                 self._ready.notify()
 
     def _discard(self, future: Future) -> None:
-        if not future.cancelled():
-            return
-        with self._ready:
-            for i, item in enumerate(self._pending):
-                if item[1] is future:
-                    del self._pending[i]
-                    return
+        if future.cancelled():
+            self._take_out(future)
 
     def _work(self) -> None:
         while True:
@@ -256,7 +316,7 @@ class StreamsExecutor:
                 if not self._pending:
                     self._ready.notify()  # closed and drained: let the next worker see it
                     return
-                fn, future, stateless = self._pending.popleft()
+                fn, future, stateless, _ = self._pending.popleft()
                 if not future.set_running_or_notify_cancel():
                     continue
                 index = self._idle.pop()
@@ -278,3 +338,13 @@ class StreamsExecutor:
             for thread in threads:
                 if thread is not threading.current_thread():
                     thread.join()
+
+
+def _insert(pending: deque, item: tuple) -> None:
+    """``item`` into ``pending`` after every request whose place is not after its own (the
+    queue is at most a few hundred long: a scan from the end)."""
+    place = item[3]
+    index = len(pending)
+    while index and pending[index - 1][3] > place:
+        index -= 1
+    pending.insert(index, item)

@@ -111,6 +111,7 @@ class _Item:
 class BatchCompiledNetwork(OneNetwork, CompiledNetwork):
     plugin: BatchPlugin
     config: BatchConfiguration
+    gathers = True  # a request waits in the batcher until its batch starts
 
     def __init__(
         self,
@@ -222,6 +223,8 @@ class BatchCompiledNetwork(OneNetwork, CompiledNetwork):
         live = [i for i in batch if i.future.set_running_or_notify_cancel()]
         if not live:
             return
+        for item in live:
+            cancel.started(item.token)
         if len(live) != len(batch):
             batch, rows = live, sum(i.rows for i in live)
         token, forget = cancel.every(

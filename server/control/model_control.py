@@ -49,6 +49,7 @@ from plugserve.server.control.triton_config import (
 from plugserve.server.plane.dataplane import DataPlane, ShuttingDown
 from plugserve.server.plane.metrics import Metrics
 from plugserve.server.plane.networks import LoadedNetwork
+from plugserve.server.plane.queue_policy import PolicyQueue, QueuePolicy
 from plugserve.server.plane.sequences import SequenceBatcher, Sequences, SequenceSettings
 from plugserve.server.plane.versions import check_version, next_version
 
@@ -160,6 +161,7 @@ class ModelControl:
         dynamic_batching: bool = True,
         batch_size: int = 0,
         sequence: SequenceSettings | None = None,
+        queue: QueuePolicy | None = None,
     ) -> tuple[LoadedNetwork, bool]:
         """Compile and register a network; returns it and whether it came from the cache.
 
@@ -170,7 +172,8 @@ class ModelControl:
         a HETERO, MULTI or AUTO device is loaded as it is, without dynamic batching.
         ``dynamic_batching=False`` (a Triton config.pbtxt without dynamic_batching): no BATCH.
         ``batch_size``: the rows BATCH gathers, when not ``max_batch_size`` (Triton's preferred
-        size). ``max_batch_size`` always bounds each request's rows.
+        size). ``max_batch_size`` always bounds each request's rows. ``queue``: Triton's queue
+        policies, which admit its requests.
         """
         check_name(name)
         check_version(version)
@@ -205,6 +208,7 @@ class ModelControl:
             if persist:
                 self.repository.persist(name, version, model, device, config, max_batch_size)
             entry = self._entry(name, version, device, network, persist, max_batch_size)
+            self._queued(entry, queue)
             self._sequenced(entry, sequence)
             with self.table.lock:
                 self.table.by_name.setdefault(name, {})[version] = entry
@@ -237,6 +241,12 @@ class ModelControl:
         return LoadedNetwork(
             name, version, kind, network, persisted, max_batch_size, recorder, self.queue_size
         )
+
+    def _queued(self, entry: LoadedNetwork, policy: QueuePolicy | None) -> None:
+        """Give ``entry`` Triton's queue policies (its config's dynamic_batching), before it
+        serves a request."""
+        if policy is not None:
+            entry.queue = PolicyQueue(entry.name, policy, self.plane.queue_timeouts)
 
     def _sequenced(self, entry: LoadedNetwork, settings: SequenceSettings | None) -> None:
         """Give ``entry`` its sequence batcher (Triton's sequence_batching); its state outputs
@@ -604,6 +614,7 @@ class ModelControl:
             entry.labels = dict(settings.labels)
             entry.formats = dict(settings.formats)
             entry.dims = dict(settings.dims)
+            self._queued(entry, settings.queue)
             self._sequenced(entry, settings.sequence)
             with self.table.lock:
                 self.table.by_name.setdefault(name, {})[version] = entry
@@ -687,6 +698,7 @@ class ModelControl:
                 dynamic_batching=entry.settings.dynamic_batching,
                 batch_size=entry.settings.batch_size,
                 sequence=entry.settings.sequence,
+                queue=entry.settings.queue,
             )
         except PlugserveError as exc:
             with self.table.lock:

@@ -315,7 +315,10 @@ class Repository:
         the files) or, served as it is (``NAME/`` holding them), version 1."""
         if format_of(model):
             return int(model.name) if is_version(model.name) else 1
-        return int(model.parent.name)
+        for part in (model.parent.name, model.name):  # NAME/VERSION/<file>, or an ensemble's
+            if is_version(part):  # version folder, which is its model itself
+                return int(part)
+        return 1
 
     def stamp(self, name: str, model: Path) -> tuple:
         """What a version was loaded from, to see it changed: the model file's and the

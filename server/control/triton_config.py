@@ -13,8 +13,15 @@ Triton -> plugserve:
 ``max_batch_size``                          requests with more rows are INVALID_ARGUMENT;
                                             ModelConfig reports it
 ``dynamic_batching``                        BATCH:<device>(n): n is the largest preferred
-                                            size (else max_batch_size);
+                                            size (else max_batch_size; max_batch_size 0: no
+                                            BATCH, as Triton batches by 1);
                                             ``max_queue_delay_microseconds`` -> BATCH_TIMEOUT_MS
+``dynamic_batching`` queue policies         ``default_queue_policy`` (``max_queue_size``,
+                                            ``default_timeout_microseconds``,
+                                            ``allow_timeout_override``, ``timeout_action``),
+                                            ``priority_levels``, ``default_priority_level``,
+                                            ``priority_queue_policy``: the model's requests
+                                            are admitted by them (``queue_policy.py``)
 ``instance_group``                          the counts summed -> NUM_STREAMS
 ``version_policy``                          which versions load (Triton's default: latest 1)
 ``default_model_filename``                  the model file in each version folder
@@ -45,6 +52,7 @@ from typing import Any
 from google.protobuf import json_format, text_format
 
 from plugserve.plugins.api import InvalidArgument
+from plugserve.server.plane.queue_policy import QueuePolicy, read_queue_policy
 from plugserve.server.plane.sequences import (
     SequenceSettings,
     read_ovms_stateful,
@@ -155,6 +163,8 @@ class ModelSettings:
     #: an OVMS pipeline (``server/control/ovms_pipelines.py``): what the ENSEMBLE device loads
     #: instead of a file
     pipeline: Any = None
+    #: Triton's queue policies (dynamic_batching's), which admit the model's requests
+    queue: QueuePolicy | None = None
 
 
 def python_settings() -> ModelSettings:
@@ -210,8 +220,6 @@ def _parse_triton(where: str, text: str) -> ModelSettings:
     out.max_batch_size = config.max_batch_size
     if config.HasField("dynamic_batching"):
         batching = config.dynamic_batching
-        if config.max_batch_size <= 0:
-            raise InvalidArgument(f"{path}: dynamic_batching needs max_batch_size > 0")
         out.dynamic_batching = True
         preferred = list(batching.preferred_batch_size)
         if preferred:
@@ -230,7 +238,15 @@ def _parse_triton(where: str, text: str) -> ModelSettings:
                 )
         if batching.max_queue_delay_microseconds:
             out.config["BATCH_TIMEOUT_MS"] = str(batching.max_queue_delay_microseconds / 1000)
-        used = {"preferred_batch_size", "max_queue_delay_microseconds"}
+        out.queue = read_queue_policy(batching, str(path))
+        used = {
+            "preferred_batch_size",
+            "max_queue_delay_microseconds",
+            "default_queue_policy",
+            "priority_levels",
+            "default_priority_level",
+            "priority_queue_policy",
+        }
         extra = [f.name for f, _ in batching.ListFields() if f.name not in used]
         ignored += [f"dynamic_batching.{n}" for n in extra]
     streams = 0

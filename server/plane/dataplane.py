@@ -9,6 +9,12 @@ stream); the data plane adds what a server needs on top of it and no scheduler o
 admission into a bounded queue (``--queue-size``; a full queue is ``ResourceExhausted`` at
 once), the deadline checked when a stream picks the request up, metrics, and completion
 through a future so the RPC layer never waits on a queue.
+
+A model whose configuration has Triton's queue policies (``LoadedNetwork.queue``,
+``queue_policy.py``) has its requests admitted through them: its levels' bounds, priorities
+and waiting timeouts, with the request's ``timeout`` read as the policy says. Any other
+model takes a request's ``timeout`` (``Token.timeout``) as its deadline, beside the call's
+own; it pays one attribute test for the policies it does not have.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from plugserve.server.plane.deadlines import DeadlineWatch
 from plugserve.server.plane.errors import forget_frames
 from plugserve.server.plane.metrics import Metrics, failure_status
 from plugserve.server.plane.networks import LoadedNetwork, NetworkTable
+from plugserve.server.plane.queue_policy import QueueRejected, Ticket
 from plugserve.server.plane.request import Request
 from plugserve.server.plane.response_stream import ResponseStream
 from plugserve.server.plane.shm import SharedMemory
@@ -110,6 +117,17 @@ def _fail_from(stream: ResponseStream, future: Future) -> None:
         stream.fail(error)
 
 
+def _overload(exc: BaseException) -> bool:
+    """A refusal for lack of room (counted "overloaded"), not for what the request holds."""
+    return isinstance(exc, ResourceExhausted | QueueRejected)
+
+
+def _follow(ticket: Ticket, future: Future | Finished, executor: StreamsExecutor) -> None:
+    """``ticket`` follows its request: where it waits, and when it is done."""
+    ticket.queued(future, executor)
+    future.add_done_callback(ticket.ended)
+
+
 def _past_limit(name: str, limit: float) -> DeadlineExceeded:
     return DeadlineExceeded(
         f"network {name!r}: stopped, the request ran past the server's limit "
@@ -138,6 +156,8 @@ class DataPlane:
         self.shm = SharedMemory(budget=self.budget)
         #: cancels requests past their client's deadline or --max-request-seconds
         self.deadlines = DeadlineWatch()
+        #: acts on requests that waited past their model's queue policy's timeout
+        self.queue_timeouts = DeadlineWatch("queue-timeouts")
         #: which requests are traced (off until the server configures it: --trace-config)
         self.tracing = Tracing(known=self.table_has)
         self.metrics = metrics
@@ -233,6 +253,8 @@ class DataPlane:
         """
         if request.decode is not None:
             return self._decoded(request, self.infer)
+        if request.run.timeout and request.entry.queue is None:
+            request.until(time.monotonic() + request.run.timeout)  # no queue policy reads it
         sequences = request.entry.sequences
         if request.step is None and (sequences is None or sequences.relay):
             return self._admit(request)
@@ -255,6 +277,8 @@ class DataPlane:
         """
         if request.decode is not None:
             return self._decoded(request, lambda r: self.stream(r, start))
+        if request.run.timeout and request.entry.queue is None:
+            request.until(time.monotonic() + request.run.timeout)  # no queue policy reads it
         entry = request.entry
         if start is None:
             start = self._decoupled_start(request)
@@ -373,6 +397,7 @@ class DataPlane:
         after = request.after
         token = request.run
         admitted = time.perf_counter()
+        gathers = entry.network.gathers  # its runs start when their batch does
         stage: Stage | None = None  # a traced request's model span, queue wait and run
 
         def run(device: InferRequest) -> dict[str, np.ndarray]:
@@ -384,6 +409,8 @@ class DataPlane:
                     f"network {name!r}: the deadline passed while queued "
                     f"({started - admitted:.3f} s in the queue)"
                 )
+            if token.on_start is not None and not gathers:
+                cancel.started(token)
             token.room = budget.free()  # what an output its values size may hold at most
             token.answer = 0 if after is not None else most  # shared memory: not in the answer
             token.outputs = wanted
@@ -428,6 +455,14 @@ class DataPlane:
         charge = self._enter(request, reroute=True)
         if charge is None:  # reloaded since the caller's lookup: its replacement answers
             return self._readmit(request, arrays)
+        ticket = None
+        if entry.queue is not None:  # Triton's queue policies: a level's bound, its timeout
+            try:
+                ticket = entry.queue.enter(token)
+            except PlugserveError as exc:
+                self._leave(request, charge)
+                recorder.refused("overloaded" if _overload(exc) else "")
+                raise
         if token.trace is not None:
             stage = Stage(token.trace, entry, arrays)
         try:
@@ -437,13 +472,19 @@ class DataPlane:
                     future = executor.run_inline(run)
             else:
                 future = inline and executor.run_inline(run)
-            future = future or executor.submit(run, entry.queue_limit, token=token)
+            if not future:
+                place = ticket.place if ticket is not None else 0
+                future = executor.submit(run, entry.queue_limit, token=token, place=place)
         except BaseException as exc:
+            if ticket is not None:
+                ticket.ended()
             self._leave(request, charge)
             recorder.refused("overloaded" if isinstance(exc, ResourceExhausted) else "")
             if stage is not None:
                 stage.finished(exc)
             raise
+        if ticket is not None:
+            _follow(ticket, future, executor)
         if type(future) is Finished:  # ran inline: its callback would run now anyway
             self._finished(request, future, charge, stage)
         else:
@@ -485,6 +526,8 @@ class DataPlane:
         token = request.run
         deadline = request.deadline
         budget = self.budget
+        queue = entry.queue
+        gathers = entry.network.gathers
 
         def start(stream: ResponseStream) -> None:
             def run(device: InferRequest) -> None:
@@ -492,6 +535,8 @@ class DataPlane:
                     raise token.failure()
                 if deadline is not None and time.monotonic() > deadline:
                     raise DeadlineExceeded(f"network {name!r}: the deadline passed while queued")
+                if token.on_start is not None and not gathers:
+                    cancel.started(token)
                 token.room = budget.free()
                 try:
                     device.infer_decoupled(arrays, stream, token)
@@ -505,7 +550,16 @@ class DataPlane:
                         )
                     )
 
-            future = entry.executor.submit(run, entry.queue_limit, token=token)
+            ticket = queue.enter(token) if queue is not None else None
+            place = ticket.place if ticket is not None else 0
+            try:
+                future = entry.executor.submit(run, entry.queue_limit, token=token, place=place)
+            except BaseException:
+                if ticket is not None:
+                    ticket.ended()
+                raise
+            if ticket is not None:
+                _follow(ticket, future, entry.executor)
             future.add_done_callback(lambda f: f.cancelled() or _fail_from(stream, f))
 
         return start
@@ -635,5 +689,6 @@ class DataPlane:
             entry.retired = True
 
     def close(self) -> None:
-        """Stop the deadline watch (model control's ``close`` stops the networks' streams)."""
+        """Stop the deadline watches (model control's ``close`` stops the networks' streams)."""
         self.deadlines.close()
+        self.queue_timeouts.close()

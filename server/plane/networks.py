@@ -30,6 +30,7 @@ from plugserve.server.plane.sequences import SequenceBatcher
 
 if TYPE_CHECKING:
     from plugserve.server.apps.pipelines.ensemble import SequenceRelay
+    from plugserve.server.plane.queue_policy import PolicyQueue
 
 __all__ = ["LoadedNetwork", "NetworkTable", "NotReady"]
 
@@ -78,6 +79,9 @@ class LoadedNetwork:
     #: Triton's sequence batcher, for a model whose config.pbtxt has sequence_batching; for
     #: an ensemble of a sequence model, what passes its sequence requests on to its steps
     sequences: SequenceBatcher | SequenceRelay | None = dataclasses.field(init=False, default=None)
+    #: Triton's queue policies from its config (``queue_policy.py``), which admit its requests;
+    #: None: none (set by model control before the network serves)
+    queue: PolicyQueue | None = dataclasses.field(init=False, default=None)
     #: what a client sends and gets (metadata, model config): the network's inputs and
     #: outputs but those a sequence batcher feeds and keeps
     inputs: list[TensorSpec] = dataclasses.field(init=False)

@@ -5,8 +5,9 @@ extension) and every application that calls a model (an ensemble's step, a Pytho
 call, an embeddings run) builds one :class:`Request` where it decodes the call, and hands it to
 :meth:`DataPlane.infer` (one answer) or :meth:`DataPlane.stream` (a stream of responses).
 Nothing about the request travels beside it: its identity, deadline, cancellation, the bytes it
-is charged, the outputs it wants, its parameters, its place in a sequence and its trace context
-are fields here, so the data plane admits it, accounts for it and releases it in one place
+is charged, the outputs it wants, its parameters, its place in a sequence, its ``timeout`` and
+``priority`` (which a model's queue policy reads) and its trace context are fields here, so the
+data plane admits it, accounts for it and releases it in one place
 (``DataPlane._admit``), as MLServer's ``_infer_contextmanager`` and vLLM's
 ``EngineCoreRequest`` keep a request in one object.
 
@@ -55,7 +56,6 @@ class Request:
         "inline",
         "inputs",
         "outputs",
-        "priority",
         "protocol",
         "run",
         "step",
@@ -77,6 +77,7 @@ class Request:
         holds: int = 0,
         inline: bool = False,
         after: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+        timeout: float | None = None,
         priority: int = 0,
         protocol: str = "",
         trace: Any = None,
@@ -103,8 +104,6 @@ class Request:
         self.after = after
         #: the place in a sequence (Triton's ``sequence_*`` parameters), or None
         self.step = step
-        #: Triton's request priority (1 is the highest; 0: the model's default)
-        self.priority = priority
         #: which face it came in by ("grpc", "rest", "v1", "openai", "bls", "ensemble"), for
         #: traces and logs
         self.protocol = protocol
@@ -120,6 +119,8 @@ class Request:
             run.sequence = (step.id, int(step.start) | int(step.end) << 1)
         if trace is not None:
             run.trace = trace
+        if timeout is not None or priority:  # Triton's: the model's queue policy reads them,
+            run.timeout, run.priority = timeout, priority  # else the timeout is a deadline
 
     @property
     def id(self) -> str:
@@ -130,6 +131,11 @@ class Request:
     def parameters(self) -> dict[str, Any] | None:
         """The request's own parameters (those the server does not act on itself)."""
         return self.run.parameters
+
+    @property
+    def priority(self) -> int:
+        """Triton's request priority (1 is the highest; 0: the model's default level)."""
+        return self.run.priority
 
     @property
     def trace(self) -> Any:

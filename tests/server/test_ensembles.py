@@ -113,8 +113,10 @@ class TritonPythonModel:
         responses = []
         for request in requests:
             x = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
-            if int(x.flat[0]) == 7:
-                time.sleep(60)
+            if int(x.flat[0]) == 7:  # a minute, unless its request is cancelled (as Triton's
+                end = time.monotonic() + 60  # models stop: the process is never killed for it)
+                while time.monotonic() < end and not request.is_cancelled():
+                    time.sleep(0.05)
             responses.append(pb_utils.InferenceResponse(
                 output_tensors=[pb_utils.Tensor("OUTPUT0", x * 2)]))
         return responses
@@ -516,8 +518,8 @@ def _failures(client, model: str) -> int:
 
 def test_a_step_running_when_the_request_is_cancelled_stops(running):
     """The client's deadline passes while the slow step runs (a minute): the ensemble's request
-    is cancelled, and so is the step's, which fails long before its minute is over; the
-    ensemble answers the next request."""
+    is cancelled, and so is the step's, which its model sees (``is_cancelled()``) and stops
+    for, long before its minute is over; the ensemble answers the next request."""
     from serving import wait_for
 
     client = grpcclient.InferenceServerClient(running.target)

@@ -2,8 +2,9 @@
 and HTTP: Triton's add_sub example laid out as its README lays it out (our own model.py with
 the same API calls, names and client flow), ``async def execute``, and everything a model can
 do wrong, each showing the server keeps serving the other models: an exception, a process
-that dies, a request that hangs past its deadline, a model that fails to import or to
-initialize, an output missing or of the wrong type, a response count that does not match."""
+that dies, an execute that hangs past the server's bound (MAX_EXECUTE_SECONDS), a model that
+fails to import or to initialize, an output missing or of the wrong type, a response count
+that does not match."""
 
 from __future__ import annotations
 
@@ -85,6 +86,8 @@ LEAKS = (
     "np.ones(10_000_000))\n"
     "            if in_0[0] == 8: np.ones(500_000_000)"
 )
+#: the hang bound of the model that hangs: its execute is stopped 3 s after it started
+HANG_BOUND = 'parameters { key: "MAX_EXECUTE_SECONDS" value: { string_value: "3" } }'
 LEAK_LIMIT = 'parameters { key: "MAX_PROCESS_BYTES" value: { string_value: "314572800" } }'
 
 
@@ -182,7 +185,7 @@ def running(tmp_path_factory):
     _entry(root, "add_sub", _add_sub(), count=2)
     _entry(root, "add_sub_async", _add_sub(execute_prefix="async "))
     for name, behaviour in BEHAVIOURS.items():
-        _entry(root, name, _add_sub(behaviour))
+        _entry(root, name, _add_sub(behaviour), extra=HANG_BOUND if name == "hangs" else "")
     _entry(root, "leaks", _add_sub(LEAKS), extra=LEAK_LIMIT)
     _entry(root, "bls_python", _bls("add_sub"))
     _entry(root, "bls_onnx_async", _bls("add_sub_onnx", asynchronous=True))
@@ -292,11 +295,15 @@ def test_a_process_that_dies_fails_its_request_and_is_started_again(running):
     assert running.process.poll() is None
 
 
-def test_a_request_that_hangs_ends_at_its_deadline_and_the_process_is_replaced(running):
+def test_an_execute_that_hangs_is_stopped_past_the_servers_bound(running):
+    """The client's deadline (2 s) answers the client and leaves the process be; the
+    operator's bound (MAX_EXECUTE_SECONDS 3) stops the hung execute: the request queued behind
+    it is answered by a new process, and the log says why."""
     error = _refused(running, "hangs", timeout=2.0)
     assert "DEADLINE_EXCEEDED" in str(error.status()), error
     _serves(running)
-    _serves(running, "hangs")  # a new process answers at once
+    _serves(running, "hangs")  # waits for the bound, then a new process answers
+    assert "past MAX_EXECUTE_SECONDS (3 s): taken as hung" in running.log
 
 
 @pytest.mark.parametrize(
@@ -414,7 +421,7 @@ def _workers(server_pid: int) -> dict[int, tuple[int, int]]:
         except OSError:
             continue
         fields = stat[stat.rindex(")") + 2 :].split()  # after the command's name
-        if int(fields[1]) == server_pid and argv[1:2] and argv[1].endswith(b"worker.py"):
+        if int(fields[1]) == server_pid and argv[1:2] and argv[1].endswith(b"sandbox.py"):
             found[int(entry.name)] = (int(argv[4]), int(fields[16]))  # stat's 19th: nice
     return found
 

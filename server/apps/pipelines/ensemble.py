@@ -647,6 +647,7 @@ class _Run:
         parent = self.parent
         if parent is not None:
             token.parameters = parent.parameters  # Triton hands each step the request's
+            token.priority, token.timeout = parent.priority, parent.timeout  # as Triton's
             if parent.error is not None:
                 token.cancel(parent.failure())
         if entry.network.decoupled:

@@ -119,7 +119,10 @@ def decode(body: bytes) -> InferCall:
         array = np.frombuffer(packed, dtype=np.dtype(dtype), count=size // np.dtype(dtype).itemsize
                               if size else 0, offset=offset).reshape(shape)  # fmt: skip
         inputs[name] = array
-    return InferCall(fields[0], inputs, fields[1], fields[2], fields[3], fields[4], step=fields[5])
+    return InferCall(
+        fields[0], inputs, fields[1], fields[2], fields[3], fields[4], step=fields[5],
+        priority=fields[6],
+    )  # fmt: skip
 
 
 def encode(model: str, version: int, call: InferCall, outputs: dict[str, np.ndarray]) -> tuple:
@@ -169,7 +172,10 @@ def _decode_in_helper(name: str, size: int) -> tuple:
         out.buf[offset : offset + array.nbytes] = memoryview(array).cast("B")  # type: ignore[union-attr]
         tensors.append((key, array.dtype.str, array.shape, offset, array.nbytes, None))
         offset += array.nbytes
-    fields = (call.id, call.outputs, call.binary, call.binary_default, call.timeout, call.step)
+    fields = (
+        call.id, call.outputs, call.binary, call.binary_default, call.timeout, call.step,
+        call.priority,
+    )  # fmt: skip
     if out is None:
         return fields, tensors, "", 0
     out.close()  # the server unlinks it once copied

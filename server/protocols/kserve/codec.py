@@ -696,6 +696,19 @@ def request_timeout(parameters: Mapping[str, Any]) -> float | None:
     return value / 1e6
 
 
+def request_priority(parameters: Mapping[str, Any]) -> int:
+    """Triton's ``priority`` request parameter (tritonclient's ``priority=``): the level a
+    model's queue policy serves it at (0 or absent: its default level)."""
+    value = parameters.get("priority") if parameters else None
+    if value in (None, 0):
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidInput(
+            f"request parameter 'priority' must be a whole number >= 0, not {value!r}"
+        )
+    return value
+
+
 def parameter_values(parameters: Mapping[str, Any]) -> dict[str, Any]:
     """A gRPC request's ``InferParameter`` map as plain values."""
     return {

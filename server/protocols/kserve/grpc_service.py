@@ -42,7 +42,6 @@ Choices where KServe/Triton leave room or plugserve differs:
 from __future__ import annotations
 
 import functools
-import time
 from typing import Any
 
 import grpc
@@ -75,6 +74,7 @@ from plugserve.server.protocols.kserve.codec import (
     parameter_values,
     plain_lane,
     request_inputs,
+    request_priority,
     request_timeout,
     requested_outputs,
     stream_decoupled,
@@ -187,18 +187,16 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         responses (a :class:`ResponseStream`) may go; ModelInfer refuses such a network as
         Triton does."""
         entry = self.plane.get(request.model_name, parse_version(request.model_version))
-        when, step, own = deadline(context), None, None
+        when, step, own, timeout, priority = deadline(context), None, None, None, 0
         if request.parameters:
             parameters = parameter_values(request.parameters)
             step = sequence_step(parameters)
             own = model_parameters(parameters)
-            timeout = request_timeout(parameters)
-            if timeout is not None:
-                own_end = time.monotonic() + timeout
-                when = own_end if when is None else min(when, own_end)
+            timeout, priority = request_timeout(parameters), request_priority(parameters)
         ask = Request(
             entry, deadline=when, run=token, id=request.id, parameters=own, step=step,
-            inline=inline, holds=size * GRPC_FACTOR, protocol="grpc", trace=trace,
+            timeout=timeout, priority=priority, inline=inline, holds=size * GRPC_FACTOR,
+            protocol="grpc", trace=trace,
         )  # fmt: skip
         if entry.network.decoupled:
             return entry, self._submit_decoupled(request, ask, streaming)

@@ -55,6 +55,7 @@ from plugserve.server.protocols.kserve.codec import (
     DATATYPES,
     datatype_of,
     model_parameters,
+    request_priority,
     request_timeout,
 )
 
@@ -108,6 +109,8 @@ class InferCall:
     step: Step | None = None
     #: the request's parameters its model sees (Triton's ``request.parameters()``), or None
     parameters: dict[str, Any] | None = None
+    #: Triton's 'priority' parameter (0: none)
+    priority: int = 0
 
 
 def _object(value: Any, what: str) -> dict[str, Any]:
@@ -256,6 +259,7 @@ def parse_infer(
         classes,
         step,
         model_parameters(parameters),
+        request_priority(parameters),
     )
 
 

@@ -83,7 +83,11 @@ from plugserve.server.protocols.http import sse
 from plugserve.server.protocols.http.http_server import HttpServer, Reply, StreamReply, error_reply
 from plugserve.server.protocols.kserve import codec as kserve_convert
 from plugserve.server.protocols.kserve import grpc_service as kserve
-from plugserve.server.protocols.kserve.codec import model_parameters, request_timeout
+from plugserve.server.protocols.kserve.codec import (
+    model_parameters,
+    request_priority,
+    request_timeout,
+)
 from plugserve.server.protocols.kserve.json_codec import (
     HEADER_LENGTH,
     InferCall,
@@ -690,10 +694,10 @@ class RestApp:
             request = await self._in_worker(lambda: parse_generate(call.json(), entry))
         else:
             request = parse_generate(call.json(), entry)
-        timeout = request_timeout(request.parameters)
         ask = Request(
             entry, request.inputs, parameters=model_parameters(request.parameters),
-            deadline=time.monotonic() + timeout if timeout else None, protocol="rest",
+            timeout=request_timeout(request.parameters),
+            priority=request_priority(request.parameters), protocol="rest",
         )  # fmt: skip
         if entry.network.decoupled:
             return entry, request, self.plane.stream(ask)
@@ -819,9 +823,9 @@ def _request(
     """The data plane's request for a decoded infer call: with what a Python model reads of
     it (the client's id, its parameters, its sequence) and its shared memory outputs."""
     return Request(
-        entry, request.inputs, outputs=request.outputs,
-        deadline=time.monotonic() + request.timeout if request.timeout else None, run=token,
-        id=request.id or "", parameters=request.parameters, step=request.step, inline=inline,
+        entry, request.inputs, outputs=request.outputs, run=token, timeout=request.timeout,
+        priority=request.priority, id=request.id or "", parameters=request.parameters,
+        step=request.step, inline=inline,
         after=functools.partial(write_outputs, request.regions) if request.regions else None,
         protocol="rest",
     )  # fmt: skip

@@ -9,11 +9,22 @@ pickled.
 
 What a model cannot do to the server: an exception answers its request with the traceback's
 last lines; a process that dies answers its request with an error and is started again for
-the next one; a request that hangs ends at its deadline (or ``--max-request-seconds``), its
-process killed and started again; a model that fails to import or to initialize fails its
-load with the reason, and other models load. A process's memory is its own (a leak grows the
-worker, which the operator bounds like any process), and the server maps only memfds sealed
-against shrinking, so no worker can make the server fault.
+the next one; an ``execute`` that runs past ``MAX_EXECUTE_SECONDS`` (default 300 s, the
+operator's hang bound) is taken as hung: its process is killed and started again, its
+requests answered with an error; a model that fails to import or to initialize fails its
+load with the reason, and other models load.
+
+A client's deadline never kills a process other clients share (Triton never kills its stub
+for one): a request still queued when its deadline (or ``--max-request-seconds``) passes is
+answered at once (DEADLINE_EXCEEDED, 504) and never reaches the model; one already in
+``execute`` is told (``request.is_cancelled()`` turns true, each request of a batch its own)
+and is answered with its deadline's error when ``execute`` returns. Before, every deadline
+killed the process: a 50 ms deadline on a model whose execute takes 200 ms restarted it each
+time, and the next client waited 3.5-3.9 s for ``initialize`` instead of 0.2 s.
+
+A process's memory is its own (a leak grows the worker, which the operator bounds like any
+process), and the server maps only memfds sealed against shrinking, so no worker can make the
+server fault.
 
 A model may name its own Python: the ``EXECUTION_ENV_PATH`` parameter, a virtual environment
 (its ``bin/python``) or an interpreter, which needs numpy only.
@@ -34,11 +45,14 @@ import itertools
 import json
 import logging
 import os
+import select
+import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Mapping
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from pathlib import Path
@@ -70,6 +84,7 @@ from plugserve.plugins.configuration import parse_non_negative_int
 from plugserve.plugins.streams import StreamsExecutor
 from plugserve.server.apps.pipelines.python import ipc
 from plugserve.server.apps.pipelines.python.calls import CALLS
+from plugserve.server.apps.pipelines.python.output import PUMP, LineBudget
 from plugserve.server.control.triton_types import DTYPES
 from plugserve.server.plane import budget
 from plugserve.server.plane.request import Request
@@ -84,7 +99,8 @@ model_log = logging.getLogger(f"{__name__}.model")
 _LOG_LEVELS = {"INFO": logging.INFO, "WARNING": logging.WARNING, "ERROR": logging.ERROR,
                "VERBOSE": logging.DEBUG}  # fmt: skip
 
-WORKER = Path(__file__).resolve().parent / "worker.py"
+#: what the server runs: the process's bounds (sandbox.py), then the worker (worker.py)
+SANDBOX = Path(__file__).resolve().parent / "sandbox.py"
 #: how long a model's initialize may take before its load fails
 INITIALIZE_SECONDS = 300.0
 #: how long finalize may take when a model is unloaded
@@ -113,6 +129,13 @@ _CODES = {"INVALID_ARGUMENT": "INVALID_ARG", "NOT_FOUND": "NOT_FOUND",
           "CANCELLED": "CANCELLED", "DEADLINE_EXCEEDED": "UNAVAILABLE"}  # fmt: skip
 
 
+def parse_non_negative_seconds(value: str) -> float:
+    number = float(str(value).strip())
+    if not 0 <= number < 1e9:
+        raise ValueError("expected a number of seconds >= 0")
+    return number
+
+
 def parse_niceness(value: str) -> int:
     number = int(str(value).strip())
     if not 0 <= number <= 19:
@@ -137,6 +160,25 @@ class PythonConfiguration(Configuration):
                 "memory one instance's process may hold (0: half of what the server may use): "
                 "its allocations past it fail in the model, and a process found over it after "
                 "a request is started again"
+            ),
+        ),
+        ConfigKey(
+            "MAX_SHM_BYTES",
+            64 << 20,
+            parse_non_negative_int,
+            doc=(
+                "size of each instance's own /dev/shm, a tmpfs gone with its process (0: the "
+                "host's /dev/shm, unbounded): files past it fail to grow in the model"
+            ),
+        ),
+        ConfigKey(
+            "MAX_EXECUTE_SECONDS",
+            300.0,
+            parse_non_negative_seconds,
+            doc=(
+                "longest one execute may run (0: no bound): past it the model is taken as "
+                "hung, its process killed and started again, its requests answered with an "
+                "error; a client's deadline never stops a process"
             ),
         ),
         ConfigKey(
@@ -261,9 +303,9 @@ def _interpreter(setting: str, where: str) -> str:
 
 #: what the server handles at once when it reads them (the rest answer the thread that waits)
 _HANDLED = frozenset({"bls", "bls_cancel", "send", "call", "log"})
-#: seconds a decoupled model's execute may go on after its request was cancelled, to see
-#: ``is_cancelled()`` and return, before its process is stopped (Triton's models poll it)
-CANCEL_GRACE = 5.0
+#: how often the hang watch looks at the executes under way, at most (it looks at least four
+#: times per the smallest MAX_EXECUTE_SECONDS of the models it watches)
+HANG_LOOK_SECONDS = 1.0
 
 _rids = itertools.count(1)
 _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -312,8 +354,16 @@ class Worker:
         self.outbox: ipc.Arena | None = None  # and writes answers into this one
         #: a decoupled model's requests not yet complete: request id -> its sender
         self.open: dict[int, ResponseSender] = {}
-        #: request ids whose execute runs now
-        self.executing: set[int] = set()
+        #: when the execute under way started (``time.monotonic``; 0: none runs), and the
+        #: longest one may run (MAX_EXECUTE_SECONDS; 0: no bound): the hang watch reads both
+        self.execute_started = 0.0
+        self.max_execute_seconds = 0.0
+        #: the process was stopped because its execute ran past max_execute_seconds
+        self.hung = False
+        self.shm_warned = False
+        self._hangup: select.poll | None = None
+        #: messages sent to the process since the execute under way (notices, answers)
+        self.sent_since = 0
         #: the model's BLS calls in flight: call id -> their tokens (to cancel them)
         self.calls: dict[int, cancel.Token] = {}
         self._calls_lock = threading.Lock()
@@ -335,6 +385,10 @@ class Worker:
         self.max_bytes = 0
         #: how far below the server's priority the process runs (PROCESS_NICENESS)
         self.niceness = 0
+        #: the size of the process's own /dev/shm (MAX_SHM_BYTES; 0: the host's)
+        self.shm_bytes = 0
+        #: what the process may put in the server's log (its output, its Logger lines)
+        self.output = LineBudget(label, model_log)
         self._statm: tuple[int, int] | None = None  # (pid, descriptor of its /proc statm)
         #: the running share of answers that came within ANSWER_SPIN of their request
         self.answers_within = 1.0
@@ -346,16 +400,24 @@ class Worker:
         first, then :meth:`start`)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            command = [self.python, str(WORKER), str(theirs.fileno())]
+            command = [self.python, str(SANDBOX), str(theirs.fileno()), str(self.max_bytes)]
             self.process = subprocess.Popen(
-                [*command, str(self.max_bytes), str(self.niceness)],
+                [*command, str(self.niceness), str(self.shm_bytes)],
                 pass_fds=(theirs.fileno(),),
                 stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,  # one pipe: their lines in the order written
                 close_fds=True,
+                start_new_session=True,  # a group of its own, which kill() stops whole
             )
         finally:
             theirs.close()
+        output = self.process.stdout
+        PUMP.add(os.dup(output.fileno()), self.output)
+        output.close()
         self.mailbox = ipc.Mailbox(ours, _route, self._handle, most_fds=1)
+        self._hangup = select.poll()  # the process closed its end (one poll(2), no wait)
+        self._hangup.register(ours, select.POLLRDHUP | select.POLLHUP)
         self.inbox, self.outbox = ipc.Arena(ARENA_BYTES), ipc.Arena(ARENA_BYTES, writable=False)
 
     def auto_complete(self, config: dict[str, Any]) -> dict[str, Any] | None:
@@ -407,6 +469,14 @@ class Worker:
             self.kill()
             self._discard()
             raise InvalidModel(f"{self.label}: {reply['error']}")
+        shm = reply.get("shm")
+        if self.shm_bytes and shm and not self.shm_warned:
+            self.shm_warned = True
+            log.warning(
+                "%s: its process uses the host's /dev/shm (%s): files it makes there are not "
+                "bounded by MAX_SHM_BYTES; run the server as root or where unprivileged user "
+                "namespaces are allowed", self.label, shm,
+            )  # fmt: skip
         if reply.get("is_ready"):  # the model has is_ready(): a socket of its own for it
             self._open_checks(mailbox)
         if self.decoupled:  # responses come while no execute waits: read them
@@ -513,7 +583,7 @@ class Worker:
                     os.close(fd)
         except EOFError:
             pass
-        code = self.process.poll() if self.process is not None else None
+        code = _exit_code(self.process) if self.process is not None else None
         for rid, sender in list(self.open.items()):
             self.open.pop(rid, None)
             sender.fail(
@@ -524,16 +594,20 @@ class Worker:
             )
 
     def alive(self) -> bool:
-        return self.process is not None and self.process.poll() is None
+        return self.process is not None and _exit_code(self.process) is None
 
     def kill(self) -> None:
         """Stop the process (from any thread: a cancelled run's token calls it) and wake
         whoever waits on its socket. What a run may be using (the arenas) is left to the
         next :meth:`_ready` or :meth:`finalize`, which hold the run lock."""
         process, mailbox = self.process, self.mailbox
-        if process is not None and process.poll() is None:
-            process.kill()
-            process.wait(10)
+        if process is not None:
+            if process.returncode is None:  # not reaped: its id is still its group's
+                with contextlib.suppress(OSError):  # what the model started goes with it
+                    os.killpg(process.pid, signal.SIGKILL)
+            if process.poll() is None:
+                process.kill()
+                process.wait(10)
         if mailbox is not None:
             mailbox.close("its process was stopped")
             mailbox.sock.close()
@@ -557,7 +631,14 @@ class Worker:
                 os.close(statm[1])
 
     def _ready(self) -> ipc.Mailbox:
-        if not self.alive() or self.mailbox is None or self.mailbox.closed:
+        mailbox = self.mailbox
+        if (
+            mailbox is None
+            or mailbox.closed
+            or not self.alive()
+            or (self._hangup is not None and self._hangup.poll(0))
+        ):  # a process that closed its socket is exiting (its mount namespace's teardown
+            # takes a while): the next request goes to a new one, not into its exit
             if self.process is not None:
                 self.restarts += 1
                 log.warning("%s: starting its process again", self.label)
@@ -568,24 +649,27 @@ class Worker:
 
     # --- execute
 
-    def run(self, tensors: dict[str, np.ndarray], header: dict[str, Any]) -> Any:
+    def run(
+        self,
+        tensors: dict[str, np.ndarray],
+        header: dict[str, Any],
+        waits: list[tuple[int, cancel.Token | None]] = (),
+    ) -> Any:
         """``header`` with ``tensors`` to the process, and its answer: ``(reply, outputs)``,
-        the outputs copied out of the answer's memory (the next request reuses it)."""
+        the outputs copied out of the answer's memory (the next request reuses it).
+        ``waits``: each request's id and token: a token cancelled meanwhile tells the model
+        (``is_cancelled()`` for that request), never stops the process."""
         with self.lock:
-            mailbox = self._ready()
-            inbox, outbox = self.inbox, self.outbox  # a cancel may close them meanwhile
-            described = inbox.pack(tensors)
-            fd = -1
-            if described is None:
-                described, fd = ipc.pack_tensors(tensors)
-            else:
-                header["arena"] = True
-            header["tensors"] = described
             try:
-                reply, out_fd = self._exchange(mailbox, header, fd)
-            finally:
-                if fd >= 0:
-                    os.close(fd)
+                _, outbox, reply, out_fd = self._send(tensors, header, waits)
+            except _NotTaken:  # it ended without reading the request: its successor's
+                try:
+                    _, outbox, reply, out_fd = self._send(tensors, header, waits)
+                except _NotTaken:
+                    raise InferenceError(
+                        f"{self.label}: its process ended before reading the request, twice; "
+                        "it is started again for the next request"
+                    ) from None
             if reply.get("error") or self.decoupled:
                 if out_fd >= 0:
                     os.close(out_fd)
@@ -604,6 +688,31 @@ class Worker:
                 raise
             self._bound_memory()
             return reply, outputs
+
+    def _send(
+        self,
+        tensors: dict[str, np.ndarray],
+        header: dict[str, Any],
+        waits: list[tuple[int, cancel.Token | None]],
+    ) -> tuple[ipc.Mailbox, ipc.Arena, dict[str, Any], int]:
+        """One execute on the process (started again first if it is gone): its mailbox and
+        answer arena, the reply, and the reply's descriptor."""
+        mailbox = self._ready()
+        inbox, outbox = self.inbox, self.outbox  # a cancel may close them meanwhile
+        described = inbox.pack(tensors)
+        fd = -1
+        if described is None:
+            described, fd = ipc.pack_tensors(tensors)
+            header.pop("arena", None)
+        else:
+            header["arena"] = True
+        header["tensors"] = described
+        try:
+            reply, out_fd = self._exchange(mailbox, header, fd, waits)
+        finally:
+            if fd >= 0:
+                os.close(fd)
+        return mailbox, outbox, reply, out_fd
 
     def _bound_memory(self) -> None:
         """Stop a process whose data (what its ``RLIMIT_DATA`` counts: heap and private
@@ -632,61 +741,89 @@ class Worker:
             self.kill()
 
     def _exchange(
-        self, mailbox: ipc.Mailbox, header: dict[str, Any], fd: int
+        self,
+        mailbox: ipc.Mailbox,
+        header: dict[str, Any],
+        fd: int,
+        waits: list[tuple[int, cancel.Token | None]],
     ) -> tuple[dict[str, Any], int]:
-        """One execute, answering to the run's token: cancelled (its deadline, its client
-        gone), the process is stopped and started again next time (a decoupled model's is
-        told first, and stopped only if its execute does not return within CANCEL_GRACE)."""
-        token = cancel.current()
-        forget = None
-        if token is not None:
-            forget = token.on_cancel(self.kill if not self.decoupled else lambda: None)
+        """One execute. A request's token cancelled meanwhile (its deadline, its client gone)
+        is told to the model, which may stop early; the process is stopped only by the hang
+        watch (past MAX_EXECUTE_SECONDS), or when it ends by itself."""
+        forgets = []
+        for rid, token in waits:
+            if token is not None:
+                forgets.append(token.on_cancel(lambda rid=rid: self.tell_cancelled(rid)))
+        self.hung = False
+        self.sent_since = 0
         try:
             within = self.answers_within
             start = time.perf_counter()
+            self.execute_started = time.monotonic()
             mailbox.send(header, fd)
             reply, fds = mailbox.wait("main", ANSWER_SPIN if within >= 0.5 else 0.0)
             fast = time.perf_counter() - start < ANSWER_SPIN
             self.answers_within = within + (fast - within) * ANSWER_WEIGHT
             return reply, (fds[0] if fds else -1)
         except (OSError, EOFError, ValueError, AttributeError) as exc:
-            if token is not None and token.error is not None and not self.decoupled:
-                raise token.failure() from None
             code = None
             if self.process is not None:  # its socket closed: it is exiting, or hung up
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    code = self.process.wait(2)
+                end = time.monotonic() + 2
+                while (code := _exit_code(self.process)) is None and time.monotonic() < end:
+                    time.sleep(0.01)
             self.kill()
+            reset = isinstance(exc, ConnectionResetError) or isinstance(
+                mailbox.failure, ConnectionResetError
+            )
+            if reset and not self.sent_since and not self.hung:
+                # it closed with this request unread (nothing else was sent since: the kernel
+                # resets a socket closed with messages unread): it never ran it
+                raise _NotTaken from None
+            if self.hung:
+                raise InferenceError(
+                    f"{self.label}: its execute ran past MAX_EXECUTE_SECONDS "
+                    f"({self.max_execute_seconds:g} s), taken as hung: its process was stopped "
+                    "and is started again for the next request"
+                ) from None
             raise InferenceError(
                 f"{self.label}: its process ended while running the request (exit code "
                 f"{code}: {exc or 'no answer'}); it is started again for the next request"
             ) from None
         finally:
-            if forget is not None:
+            self.execute_started = 0.0
+            for forget in forgets:
                 forget()
 
-    def cancel_request(self, rid: int) -> None:
-        """A decoupled request was cancelled: tell the model (``is_cancelled()``), stop
-        expecting its responses, and stop the process if its execute has not returned
-        within CANCEL_GRACE."""
-        self.open.pop(rid, None)
+    def tell_cancelled(self, rid: int) -> None:
+        """Tell the model request ``rid`` was cancelled (its ``is_cancelled()``), without
+        blocking: a model that does not read its socket misses the notice, nothing else."""
         mailbox = self.mailbox
-        if mailbox is None:
+        if mailbox is None or mailbox.closed:
             return
+        self.sent_since += 1
         with contextlib.suppress(OSError):
             mailbox.send({"op": "cancel", "rid": rid}, block=False)
-        if rid in self.executing:
-            timer = threading.Timer(CANCEL_GRACE, self._stop_if_running, (rid, mailbox))
-            timer.daemon = True
-            timer.start()
 
-    def _stop_if_running(self, rid: int, mailbox: ipc.Mailbox) -> None:
-        if rid in self.executing and self.mailbox is mailbox:
-            log.warning(
-                "%s: its execute went on %g s after its request was cancelled; stopping its "
-                "process", self.label, CANCEL_GRACE,
-            )  # fmt: skip
-            self.kill()
+    def cancel_request(self, rid: int) -> None:
+        """A decoupled request was cancelled: tell the model (``is_cancelled()``) and stop
+        expecting its responses (its execute, if it runs on, is the hang watch's)."""
+        self.open.pop(rid, None)
+        self.tell_cancelled(rid)
+
+    def past_bound(self, now: float) -> bool:
+        """The hang watch's look: stop the process when its execute has run past
+        MAX_EXECUTE_SECONDS (True when it did)."""
+        started, bound = self.execute_started, self.max_execute_seconds
+        if not started or not bound or now - started <= bound:
+            return False
+        log.warning(
+            "%s: its execute has run %.1f s, past MAX_EXECUTE_SECONDS (%g s): taken as hung, "
+            "its process is stopped and started again", self.label, now - started, bound,
+        )  # fmt: skip
+        self.hung = True
+        self.execute_started = 0.0
+        self.kill()
+        return True
 
     # --- what the model sends while it runs (on the reading thread: nothing here blocks)
 
@@ -711,7 +848,7 @@ class Worker:
                 if fd >= 0:
                     os.close(fd)
                 level = _LOG_LEVELS.get(str(header.get("level")), logging.INFO)
-                model_log.log(level, "%s: %s", self.label, str(header.get("message", "")))
+                self.output.emit(level, str(header.get("message", "")))
         except Exception:  # a model's malformed message must not stop the reader
             log.exception("%s: a message from its process could not be handled", self.label)
 
@@ -751,6 +888,7 @@ class Worker:
         mailbox = self.mailbox
         if mailbox is None:
             return
+        self.sent_since += 1
         reply["call"] = call
         described, fd = ipc.pack_tensors(tensors or {})
         reply["tensors"] = described
@@ -783,8 +921,9 @@ class Worker:
                     f"model {entry.name!r} is decoupled: call it with exec(decoupled=True)"
                 )
             parameters = json.loads(header.get("parameters") or "{}")
-            timeout = int(header.get("timeout") or 0)
-            deadline = time.monotonic() + timeout / 1e6 if timeout > 0 else None
+            timeout = header.get("timeout") or 0
+            if type(timeout) is not int or timeout < 0:
+                raise InvalidInput(f"a BLS request's timeout must be microseconds, not {timeout!r}")
             outputs = list(header.get("outputs") or []) or None
             step = _sequence_of(header)
             if decoupled and step is not None:
@@ -793,7 +932,8 @@ class Worker:
                     "(correlation_id, flags); call a sequence model with exec()"
                 )
             request = Request(
-                entry, inputs, outputs=outputs, deadline=deadline, step=step,
+                entry, inputs, outputs=outputs, step=step,
+                timeout=timeout / 1e6 if timeout else None,  # its deadline, or queue policy's
                 parameters=parameters if isinstance(parameters, dict) and parameters else None,
                 holds=sum(getattr(a, "nbytes", 0) for a in inputs.values()),  # the budget's
                 protocol="bls",
@@ -901,6 +1041,7 @@ class Worker:
 
     def finalize(self) -> None:
         self.closed = True
+        HANGS.discard(self)
         with self._calls_lock:
             pool, self._call_pool = self._call_pool, None
         if pool is not None:
@@ -917,6 +1058,67 @@ class Worker:
                     pass
             self.kill()
             self._discard()
+
+
+class _NotTaken(Exception):
+    """The process ended with the request unread: it goes to the next process, once."""
+
+
+def _exit_code(process: subprocess.Popen) -> int | None:
+    """``process``'s exit code once it ended (negative: the signal that ended it), else None,
+    without reaping it: until :meth:`Worker.kill` does, its id cannot name another process's
+    group, so stopping its group never reaches one that is not the model's."""
+    if process.returncode is not None:
+        return process.returncode
+    try:
+        found = os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:  # reaped meanwhile
+        return process.poll()
+    if found is None:
+        return None
+    return found.si_status if found.si_code == os.CLD_EXITED else -found.si_status
+
+
+class HangWatch:
+    """One thread for every Python model's instances: stops a process whose execute has run
+    past its MAX_EXECUTE_SECONDS (:meth:`Worker.past_bound`). A request pays nothing for it
+    but two stores (when its execute starts and ends); the thread looks once a second (more
+    often for a bound under four seconds), started with the first model and idle between
+    looks."""
+
+    def __init__(self) -> None:
+        self._workers: weakref.WeakSet[Worker] = weakref.WeakSet()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def add(self, worker: Worker) -> None:
+        with self._lock:
+            self._workers.add(worker)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="python-hangs", daemon=True)
+                self._thread.start()
+
+    def discard(self, worker: Worker) -> None:
+        with self._lock:
+            self._workers.discard(worker)
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                workers = list(self._workers)
+            bounds = [w.max_execute_seconds for w in workers if w.max_execute_seconds]
+            time.sleep(min([HANG_LOOK_SECONDS, *(b / 4 for b in bounds)]))
+            now = time.monotonic()
+            for worker in workers:
+                try:
+                    worker.past_bound(now)
+                except Exception:  # one process that cannot be stopped must not stop the watch
+                    log.exception("%s: stopping its hung process failed", worker.label)
+            del workers
+
+
+#: the server's one hang watch
+HANGS = HangWatch()
 
 
 def _check_responses(reply: Mapping[str, Any], count: int) -> None:
@@ -1121,6 +1323,8 @@ class Gatherer:
             if batch is None:
                 return
             live = [i for i in batch if not i.future.done()]  # cancelled while waiting
+            for item in live:
+                cancel.started(item.token)
             if live:
                 with self._cond:
                     self.executions[len(live)] = self.executions.get(len(live), 0) + 1
@@ -1136,13 +1340,10 @@ class Gatherer:
             if a is not None
         }
         header = {"op": "execute", "model": network.name, "requests": [i.request for i in batch]}
-        token, forget = cancel.every(
-            [i.token for i in batch],
-            lambda: Cancelled(f"{where}: every request of its batch was cancelled"),
-        )
         try:
-            with cancel.running(token or cancel.Token()):
-                reply, outputs = worker.run(tensors, header)
+            reply, outputs = worker.run(
+                tensors, header, [(i.request["rid"], i.token) for i in batch]
+            )
             if reply.get("error"):
                 raise InferenceError(f"{where}: {reply['error']}")
         except BaseException as exc:
@@ -1154,8 +1355,6 @@ class Gatherer:
             for item in batch:
                 _settle(item.future, exc)
             return
-        finally:
-            forget()
         specs = network.output_specs
         for k, (item, response) in enumerate(zip(batch, reply["responses"])):
             try:
@@ -1211,6 +1410,9 @@ class PythonNetwork(CompiledNetwork):
             worker.plane, worker.control, worker.owner = plane, plugin.control, self._owner
             worker.max_bytes = limit
             worker.niceness = int(config.get("PROCESS_NICENESS"))
+            worker.shm_bytes = int(config.get("MAX_SHM_BYTES"))
+            worker.max_execute_seconds = float(config.get("MAX_EXECUTE_SECONDS"))
+            HANGS.add(worker)
         try:
             completed = self.workers[0].auto_complete(model_config)
             if completed is not None:
@@ -1220,6 +1422,7 @@ class PythonNetwork(CompiledNetwork):
                 worker.start()
             if self.batching_settings is not None:
                 self.gatherer = Gatherer(self, *self.batching_settings)
+                self.gathers = True  # a request waits in the gatherer until its batch starts
         except BaseException:
             for worker in self.workers:
                 worker.kill()
@@ -1323,13 +1526,16 @@ class PythonInferRequest(InferRequest):
         super().__init__(network)
         self.worker = worker
 
-    def _header(self, arrays: list[Any], rid: int | None = None) -> dict[str, Any]:
+    def _header(self, arrays: list[Any], rid: int) -> dict[str, Any]:
+        """The execute message for one request; ``rid``: its id, which the model's
+        ``is_cancelled()`` and a decoupled model's responses name."""
         network = self.network
         names = network.input_names
         token = cancel.current()
         request: dict[str, Any] = {
             "inputs": [n for n, a in zip(names, arrays) if a is not None],
             "outputs": list(network.output_specs),
+            "rid": rid,
         }
         if token is not None:
             if token.parameters:
@@ -1338,27 +1544,33 @@ class PythonInferRequest(InferRequest):
                 request["id"] = token.request_id
             if token.sequence is not None:  # correlation_id() and flags()
                 request["correlation_id"], request["flags"] = token.sequence
-        if rid is not None:
-            request["rid"] = rid
+            if token.timeout:  # timeout(), in microseconds
+                request["timeout"] = round(token.timeout * 1e6)
         return {"op": "execute", "model": network.name, "requests": [request]}
 
     def _infer(self, arrays: list[Any]) -> dict[str, np.ndarray]:
         network = self.network
+        rid = next(_rids)
         if network.gatherer is not None:  # dynamic batching: with the requests waiting
-            (request,) = self._header(arrays)["requests"]
+            (request,) = self._header(arrays, rid)["requests"]
             first = next((a for a in arrays if a is not None), None)
             rows = int(first.shape[0]) if first is not None and first.ndim else 1
             return network.gatherer.run(arrays, request, rows)
         names, where = network.input_names, network.where
+        token = cancel.current()
         try:
             reply, tensors = self.worker.run(
-                {f"0/{n}": a for n, a in zip(names, arrays) if a is not None}, self._header(arrays)
+                {f"0/{n}": a for n, a in zip(names, arrays) if a is not None},
+                self._header(arrays, rid),
+                [(rid, token)],
             )
         except ValueError as exc:
             raise InferenceError(
                 f"{where}: its answer cannot be read: {exc}; its process is started again for "
                 "the next request"
             ) from None
+        if token is not None and token.error is not None:  # told, and its execute returned
+            raise token.failure()
         if reply.get("error"):
             raise InferenceError(f"{where}: {reply['error']}")
         (response,) = reply["responses"]
@@ -1366,7 +1578,6 @@ class PythonInferRequest(InferRequest):
             message, code = response["error"]
             raise _ERRORS.get(code, InferenceError)(f"{where}: {message}")
         specs = network.output_specs
-        token = cancel.current()
         partial = token is not None and token.partial_outputs
         return _checked_outputs(where, response["outputs"], tensors, specs, "0/", not partial)
 
@@ -1386,7 +1597,6 @@ class PythonInferRequest(InferRequest):
         names, where = network.input_names, network.where
         rid = next(_rids)
         worker.open[rid] = sender
-        worker.executing.add(rid)
         forget = sender.on_cancel(lambda: worker.cancel_request(rid))
         try:
             reply, _ = worker.run(
@@ -1402,7 +1612,6 @@ class PythonInferRequest(InferRequest):
             sender.fail(InferenceError(f"{where}: its answer cannot be read: {exc}"))
             return
         finally:
-            worker.executing.discard(rid)
             if sender.cancelled:
                 forget()
         if reply.get("error"):
@@ -1419,7 +1628,10 @@ class PythonPlugin(Plugin):
 
     name = "PYTHON"
     config_class = PythonConfiguration
-    cancellation = "at once: the model's process is stopped, and started again for the next"
+    cancellation = (
+        "queued: at once; in execute: the model is told (is_cancelled()), and its process is "
+        "stopped only past MAX_EXECUTE_SECONDS"
+    )
 
     def __init__(self) -> None:
         super().__init__()

@@ -351,6 +351,9 @@ class Mailbox:
         self._reading = False
         self._waiting = 0  # threads asleep on the condition (none: nobody to notify)
         self.closed: str = ""  # why the mailbox is closed ("": open)
+        #: what reading the socket failed with, when that closed it (ConnectionResetError: the
+        #: peer closed with messages of ours unread)
+        self.failure: BaseException | None = None
 
     def send(self, header: dict[str, Any], *fds: int, block: bool = True) -> None:
         with self._send_lock:
@@ -411,6 +414,7 @@ class Mailbox:
                     self._give_back()
                     return False
         except (EOFError, OSError, ValueError) as exc:
+            self.failure = exc
             self.close(str(exc) or type(exc).__name__)
             return False
         try:

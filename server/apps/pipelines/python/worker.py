@@ -1,8 +1,9 @@
 """A Python model's worker process (Triton's stub process): ``python worker.py FD``, FD one end
-of a Unix socket to the server. It imports the model's ``model.py``, makes its
-``TritonPythonModel``, calls ``initialize(args)``, then answers ``execute`` messages until the
-server says ``finalize`` or goes away (``ipc.py`` is the protocol). Standard library and numpy
-only, run by whichever Python the model names, so its dependencies need not be the server's.
+of a Unix socket to the server, run by ``sandbox.py`` once the process's bounds are set. It
+imports the model's ``model.py``, makes its ``TritonPythonModel``, calls ``initialize(args)``,
+then answers ``execute`` messages until the server says ``finalize`` or goes away (``ipc.py``
+is the protocol). Standard library and numpy only, run by whichever Python the model names, so
+its dependencies need not be the server's.
 
 The process runs no reader thread: the main thread reads the socket while it waits for the next
 request, and a thread that waits for an answer (a BLS call's, a decoupled BLS call's
@@ -15,7 +16,6 @@ event loop of its own thread, so the next request starts while earlier ones wait
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import importlib.util
 import inspect
 import itertools
@@ -46,6 +46,11 @@ SPIN_SECONDS = 0.002
 BLS_THREADS = 8
 #: characters of one Logger line sent to the server (longer ones are cut)
 MAX_LOG_CHARS = 16384
+#: cancelled requests remembered at once (their ids, for ``is_cancelled()``): an ordinary
+#: request's is forgotten when its execute returns, a decoupled one's after this many more
+MAX_CANCELLED = 4096
+#: how sandbox.py says whether this process's /dev/shm is its own
+SHM_NOTE = "PLUGSERVE_SHM"
 #: Triton's Logger levels, by their number
 LOG_LEVELS = ("INFO", "WARNING", "ERROR", "VERBOSE")
 
@@ -87,8 +92,9 @@ class Worker:
 
     def __init__(self, sock: socket.socket) -> None:
         self.mailbox = ipc.Mailbox(sock, _route, self._notice)
-        #: requests the server cancelled (their ids), as ``is_cancelled()`` reports them
-        self.cancelled: set[int] = set()
+        #: requests the server cancelled (their ids, oldest first), as ``is_cancelled()``
+        #: reports them
+        self.cancelled: dict[int, None] = {}
         self.model: Any = None
         self.module: Any = None  # model.py, imported once (auto_complete_config, then the model)
         #: what the model is doing: the model loading API refuses some (as Triton's)
@@ -113,7 +119,10 @@ class Worker:
         for fd in fds:
             os.close(fd)
         if header.get("op") == "cancel":
-            self.cancelled.add(int(header.get("rid", -1)))
+            cancelled = self.cancelled
+            cancelled[int(header.get("rid", -1))] = None
+            if len(cancelled) > MAX_CANCELLED:
+                del cancelled[next(iter(cancelled))]
 
     def _serve_checks(self, checks: socket.socket) -> None:
         """Answer the server's readiness checks with the model's ``is_ready()`` (plain or
@@ -221,7 +230,8 @@ class Worker:
                     self.loop.run_until_complete(result)
             self.phase = "execute"
             ready = callable(getattr(self.model, "is_ready", None))
-            self.mailbox.send({"op": "initialized", "is_ready": ready})
+            shm = os.environ.pop(SHM_NOTE, "not bounded")  # sandbox.py's: "" when private
+            self.mailbox.send({"op": "initialized", "is_ready": ready, "shm": shm})
             return True
         except BaseException as exc:  # the load fails with the reason; the worker ends
             self.mailbox.send({"op": "initialized", "error": _reason(exc)})
@@ -274,6 +284,7 @@ class Worker:
                     request_id=request.get("id", ""),
                     correlation_id=request.get("correlation_id", 0),
                     flags=request.get("flags", 0),
+                    timeout=request.get("timeout", 0),
                     parameters=request.get("parameters") or "{}",
                     _rid=request.get("rid"),
                     _worker=self,
@@ -290,6 +301,13 @@ class Worker:
         if self.decoupled:
             self._execute_decoupled(requests)
             return
+        try:
+            self._execute_plain(requests)
+        finally:  # answered: a cancellation of these requests means nothing from now on
+            for request in requests:
+                self.cancelled.pop(request._rid, None)
+
+    def _execute_plain(self, requests: list[Any]) -> None:
         try:
             result = self.model.execute(requests)
             if inspect.isawaitable(result):
@@ -453,29 +471,8 @@ def _bls_response(reply: dict[str, Any], fds: list[int]) -> Any:
     )
 
 
-def _bound(max_bytes: int, niceness: int = 0) -> None:
-    """The process's own bounds, before the model is imported: its data (heap and private
-    mappings, where numpy's arrays live) at most ``max_bytes``, so a model that leaks or
-    allocates too much gets MemoryError instead of the machine's memory; it is the first
-    the kernel's out-of-memory killer picks, never the server; and it runs ``niceness``
-    below the server's priority, so a model busy on every core never keeps the server from
-    the core it needs to answer and route requests (its own next request among them)."""
-    import resource
-
-    if niceness > 0:
-        with contextlib.suppress(OSError):
-            os.nice(niceness)
-
-    if max_bytes > 0:
-        with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(resource.RLIMIT_DATA, (max_bytes, max_bytes))
-    with contextlib.suppress(OSError), open("/proc/self/oom_score_adj", "w") as adj:
-        adj.write("1000")
-
-
 def main() -> None:
-    fd, max_bytes, niceness = (int(arg) for arg in (*sys.argv[1:4], 0, 0)[:3])
-    _bound(max_bytes, niceness)
+    fd = int(sys.argv[1])  # bounded by sandbox.py, which runs this
     sock = socket.socket(fileno=fd)
     worker = Worker(sock)
     pb_utils._worker = worker

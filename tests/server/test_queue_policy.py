@@ -1,0 +1,335 @@
+"""Triton's queue policies from a model's ``config.pbtxt`` (``dynamic_batching``: issue 42),
+against a real server with tritonclient and plain HTTP: ``max_queue_size`` refused at once with
+503 / UNAVAILABLE and Triton's words, ``default_timeout_microseconds`` with REJECT (answered
+at its bound) and DELAY (run after the others), a request's own ``timeout`` where the policy
+allows it, and ``priority_levels`` served in order. Triton's own HTTP QA case
+(``qa/L0_http`` ``test_descriptive_status_code``) runs as Triton's repository lays it out."""
+
+from __future__ import annotations
+
+import http.client
+import textwrap
+import time
+from concurrent.futures import ThreadPoolExecutor
+from urllib.parse import urlsplit
+
+import numpy as np
+import pytest
+
+grpcclient = pytest.importorskip("tritonclient.grpc", reason="pip install 'tritonclient[all]'")
+httpclient = pytest.importorskip("tritonclient.http", reason="pip install 'tritonclient[all]'")
+from tritonclient.utils import InferenceServerException  # noqa: E402
+
+#: execute sleeps INPUT0 seconds, then answers the order in which its process ran it
+COUNTER = """
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.count = 0
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            time.sleep(float(pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()[0]))
+            self.count += 1
+            order = pb_utils.Tensor("ORDER", np.array([self.count], np.int64))
+            responses.append(pb_utils.InferenceResponse(output_tensors=[order]))
+        return responses
+"""
+
+COUNTER_CONFIG = """
+name: "{name}"
+backend: "python"
+input [ {{ name: "INPUT0" data_type: TYPE_FP32 dims: [ 1 ] }} ]
+output [ {{ name: "ORDER" data_type: TYPE_INT64 dims: [ 1 ] }} ]
+instance_group [ {{ kind: KIND_CPU count: 1 }} ]
+dynamic_batching {{ {batching} }}
+"""
+
+POLICIES = {
+    # a request waits 0.3 s at most, then is refused
+    "reject": "default_queue_policy { default_timeout_microseconds: 300000 }",
+    # ... or 10 s, unless its own timeout is shorter
+    "override": (
+        "default_queue_policy { default_timeout_microseconds: 10000000 "
+        "allow_timeout_override: true }"
+    ),
+    # a request past its own shorter timeout runs after the others
+    "delay": (
+        "default_queue_policy { default_timeout_microseconds: 10000000 "
+        "allow_timeout_override: true timeout_action: DELAY }"
+    ),
+    # level 1 first; a request that names none is level 2
+    "priority": "priority_levels: 2 default_priority_level: 2",
+    "bounded": "default_queue_policy { max_queue_size: 2 }",
+}
+
+
+ENSEMBLE = """
+name: "through"
+platform: "ensemble"
+input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 1 ] } ]
+output [ { name: "ORDER" data_type: TYPE_INT64 dims: [ 1 ] } ]
+ensemble_scheduling { step [ { model_name: "priority" model_version: -1
+  input_map { key: "INPUT0" value: "INPUT0" } output_map { key: "ORDER" value: "ORDER" } } ] }
+"""
+
+
+def _qa_queue_model(root) -> None:
+    """Triton's onnx_zero_1_float32_queue (qa/L0_http/test.sh): an FP32 identity with
+    max_batch_size 8, batching up to 8 rows for 1 s, and a queue of 1."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["INPUT0"], ["OUTPUT0"])],
+        "zero",
+        [helper.make_tensor_value_info("INPUT0", TensorProto.FLOAT, ["B", "d"])],
+        [helper.make_tensor_value_info("OUTPUT0", TensorProto.FLOAT, ["B", "d"])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    name = "onnx_zero_1_float32_queue"
+    (root / name / "1").mkdir(parents=True)
+    onnx.save(model, root / name / "1" / "model.onnx")
+    (root / name / "config.pbtxt").write_text(
+        textwrap.dedent(f"""
+        name: "{name}"
+        platform: "onnxruntime_onnx"
+        max_batch_size: 8
+        input [ {{ name: "INPUT0" data_type: TYPE_FP32 dims: [ -1 ] }} ]
+        output [ {{ name: "OUTPUT0" data_type: TYPE_FP32 dims: [ -1 ] }} ]
+        dynamic_batching {{
+            max_queue_delay_microseconds: 1000000
+            preferred_batch_size: [ 8 ]
+            default_queue_policy {{
+                max_queue_size: 1
+            }}
+        }}
+        """)
+    )
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from serving import RunningServer
+
+    root = tmp_path_factory.mktemp("queue-policies")
+    for name, batching in POLICIES.items():
+        (root / name / "1").mkdir(parents=True)
+        (root / name / "config.pbtxt").write_text(
+            COUNTER_CONFIG.format(name=name, batching=batching)
+        )
+        (root / name / "1" / "model.py").write_text(textwrap.dedent(COUNTER))
+    (root / "through" / "1").mkdir(parents=True)  # an ensemble of the priority model
+    (root / "through" / "config.pbtxt").write_text(ENSEMBLE)
+    devices = []
+    try:
+        import onnxruntime  # noqa: F401
+
+        _qa_queue_model(root)
+        devices.append("ORT")
+    except ImportError:
+        pass
+    with RunningServer("--model-repository", str(root)) as running:
+        running.devices = devices
+        yield running
+
+
+def _infer(server, model: str, seconds: float, protocol: str = "http", **options):
+    """(seconds the answer took, the order its process ran it in, or the error)."""
+    module = httpclient if protocol == "http" else grpcclient
+    if protocol == "http":
+        client = module.InferenceServerClient(server.http_target, network_timeout=120)
+    else:
+        client = module.InferenceServerClient(server.target)
+    given = module.InferInput("INPUT0", [1], "FP32")
+    given.set_data_from_numpy(np.array([seconds], np.float32))
+    try:
+        start = time.monotonic()
+        try:
+            answer = client.infer(model, [given], **options)
+            return time.monotonic() - start, int(answer.as_numpy("ORDER")[0])
+        except InferenceServerException as exc:
+            return time.monotonic() - start, exc
+    finally:
+        client.close()
+
+
+def _raw_binary(server, model: str, data: bytes) -> tuple[int, bytes]:
+    """qa/L0_http's _raw_binary_helper: the body is the one input's bytes."""
+    url = urlsplit(server.http_url)
+    connection = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+    try:
+        connection.request(
+            "POST", f"/v2/models/{model}/infer", data, {"Inference-Header-Content-Length": "0"}
+        )
+        response = connection.getresponse()
+        return response.status, response.read()
+    finally:
+        connection.close()
+
+
+def test_triton_descriptive_status_code(server):
+    """Triton's test_descriptive_status_code: the first request waits for its batch (up to
+    1 s); a second while it waits finds the queue of 1 full and is answered 503 at once; the
+    first is then answered whole, and once its batch started, the queue takes the next."""
+    if "ORT" not in server.devices:
+        pytest.skip("needs onnxruntime: pip install 'plugserve[ort]'")
+    model, data = "onnx_zero_1_float32_queue", np.arange(8, dtype=np.float32).tobytes()
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(_raw_binary, server, model, data)
+        time.sleep(0.5)
+        status, body = _raw_binary(server, model, data)
+        assert status == 503, body
+        assert b"Exceeds maximum queue size" in body, body
+        status, body = first.result(timeout=60)
+    assert status == 200, body
+    assert body.endswith(data)
+    status, body = _raw_binary(server, model, data)  # its batch ran: the queue is empty again
+    assert status == 200, body
+
+
+def test_a_full_queue_is_unavailable_on_grpc_with_tritons_words(server):
+    """max_queue_size 2 behind a busy instance: the third waiting request is refused at once
+    with UNAVAILABLE, "Exceeds maximum queue size"; the two that waited are served."""
+    with ThreadPoolExecutor(3) as pool:
+        busy = pool.submit(_infer, server, "bounded", 1.5, "grpc")
+        time.sleep(0.3)
+        waiting = [pool.submit(_infer, server, "bounded", 0.0, "grpc") for _ in range(2)]
+        time.sleep(0.3)
+        _, refused = _infer(server, "bounded", 0.0, "grpc")
+        assert isinstance(refused, InferenceServerException), refused
+        assert refused.status() == "StatusCode.UNAVAILABLE", refused
+        assert "Exceeds maximum queue size" in refused.message(), refused
+        answers = [f.result(timeout=60)[1] for f in [busy, *waiting]]
+    assert all(isinstance(a, int) for a in answers), answers
+
+
+def test_reject_answers_a_request_at_its_queue_timeout(server):
+    """default_timeout_microseconds 300000 (REJECT, Triton's default action): a request
+    waiting behind a 2 s execute is answered 503 "Request timeout expired" while the busy one
+    still runs, not when it ends."""
+    with ThreadPoolExecutor(1) as pool:
+        busy = pool.submit(_infer, server, "reject", 2.0)
+        time.sleep(0.3)
+        _, refused = _infer(server, "reject", 0.0)
+        still_running = not busy.done()
+        _, order = busy.result(timeout=60)
+    assert isinstance(refused, InferenceServerException), refused
+    assert refused.status() == "503" and "Request timeout expired" in refused.message(), refused
+    assert still_running, "the refusal came only once the busy request was done"
+    assert isinstance(order, int), order
+
+
+def test_a_requests_timeout_overrides_a_longer_default(server):
+    """allow_timeout_override: a request's own timeout (50 ms) under the default (10 s) is
+    its bound; a request without one waits the default and is served."""
+    with ThreadPoolExecutor(2) as pool:
+        busy = pool.submit(_infer, server, "override", 1.5)
+        time.sleep(0.3)
+        patient = pool.submit(_infer, server, "override", 0.0)
+        _, refused = _infer(server, "override", 0.0, timeout=50_000)
+        still_running = not busy.done()
+        served = [busy.result(timeout=60)[1], patient.result(timeout=60)[1]]
+    assert isinstance(refused, InferenceServerException), refused
+    assert "Request timeout expired" in refused.message(), refused
+    assert still_running, "the refusal came only once the busy request was done"
+    assert all(isinstance(order, int) for order in served), served
+
+
+def test_delay_runs_a_late_request_after_the_others(server):
+    """timeout_action DELAY: a request past its bound (its own 50 ms) is not refused; it runs
+    after a request that came later but has not waited past its own."""
+    with ThreadPoolExecutor(3) as pool:
+        busy = pool.submit(_infer, server, "delay", 2.0)
+        time.sleep(0.3)
+        late = pool.submit(_infer, server, "delay", 0.0, timeout=50_000)
+        time.sleep(0.6)  # well past its 50 ms: delayed
+        later = pool.submit(_infer, server, "delay", 0.0)
+        orders = [f.result(timeout=60)[1] for f in (busy, late, later)]
+    assert all(isinstance(o, int) for o in orders), orders
+    busy_order, late_order, later_order = orders
+    assert busy_order < later_order < late_order, orders
+
+
+def _orders_behind_a_busy_one(server, model: str, lows: int) -> tuple[int, int, list[int]]:
+    """The order the ``priority`` model ran: a busy request, then ``lows`` requests to
+    ``model`` at the default level, then one with priority 1 (sent last)."""
+    with ThreadPoolExecutor(lows + 2) as pool:
+        busy = pool.submit(_infer, server, "priority", 1.5, "grpc")
+        time.sleep(0.3)
+        low = []
+        for _ in range(lows):
+            low.append(pool.submit(_infer, server, model, 0.0, "grpc"))
+            time.sleep(0.1)
+        high = pool.submit(_infer, server, model, 0.0, "grpc", priority=1)
+        orders = [f.result(timeout=60)[1] for f in (busy, high, *low)]
+    assert all(isinstance(o, int) for o in orders), orders
+    busy_order, high_order, *low_orders = orders
+    return busy_order, high_order, low_orders
+
+
+def test_priority_levels_are_served_in_order(server):
+    """priority_levels 2: three requests at the default level (2) wait behind a busy one;
+    one sent after them with priority 1 runs before them; the default level's run in the
+    order they came."""
+    busy, high, low = _orders_behind_a_busy_one(server, "priority", 3)
+    assert busy < high < min(low), (busy, high, low)
+    assert low == sorted(low), low
+
+
+def test_an_ensemble_hands_its_priority_to_its_steps(server):
+    """As Triton's ensemble scheduler: a request's priority reaches its steps, whose queue
+    policies order them; one sent through the ensemble with priority 1 after two without runs
+    before them at the step."""
+    busy, high, low = _orders_behind_a_busy_one(server, "through", 2)
+    assert busy < high < min(low), (busy, high, low)
+
+
+@pytest.mark.parametrize(
+    ("batching", "words"),
+    [
+        ("priority_levels: 2", "default_priority_level 0 must be in range [1, 2]"),
+        (
+            "priority_levels: 2 default_priority_level: 1 priority_queue_policy { key: 3 "
+            "value: { max_queue_size: 1 } }",
+            "priority level 3",
+        ),
+    ],
+)
+def test_a_policy_triton_refuses_fails_the_load_naming_it(tmp_path, batching, words):
+    from serving import RunningServer
+
+    (tmp_path / "bad" / "1").mkdir(parents=True)
+    (tmp_path / "bad" / "config.pbtxt").write_text(
+        COUNTER_CONFIG.format(name="bad", batching=batching)
+    )
+    (tmp_path / "bad" / "1" / "model.py").write_text(textwrap.dedent(COUNTER))
+    with RunningServer("--model-repository", str(tmp_path), "--exit-on-error", "0") as running:
+        with pytest.raises(InferenceServerException) as failed:
+            client = httpclient.InferenceServerClient(running.http_target)
+            try:
+                client.get_model_metadata("bad")
+            finally:
+                client.close()
+        assert "bad" in str(failed.value)
+        assert words in running.log, running.log[-2000:]
+
+
+def test_a_policy_without_override_leaves_a_requests_timeout_aside(server):
+    """As Triton: a model whose policy does not allow a timeout override (here no
+    default_queue_policy at all) does not bound a request's wait by its own ``timeout``: the
+    request waits behind the busy one and is served (a model without queue policies takes the
+    same timeout as its deadline: test_python_deadlines.py)."""
+    with ThreadPoolExecutor(1) as pool:
+        busy = pool.submit(_infer, server, "priority", 1.0)
+        time.sleep(0.3)
+        _, served = _infer(server, "priority", 0.0, timeout=50_000)
+        busy.result(timeout=60)
+    assert isinstance(served, int), served
