@@ -40,6 +40,7 @@ from plugserve.server.callpool import CallPool
 from plugserve.server.core import ConfigLimits, Core
 from plugserve.server.dataplane import DataPlane
 from plugserve.server.examples import build_examples, default_examples_dir
+from plugserve.server.generate import limits as generate_limits
 from plugserve.server.generate.network import GenerativeNetwork
 from plugserve.server.generate.openai import OpenAIRoutes
 from plugserve.server.handlers import add_service
@@ -148,6 +149,9 @@ class Server:
         )
         self.plane.shm = SharedMemory(
             settings.shared_memory == "system", settings.shared_memory_prefix, self.plane.budget
+        )
+        generate_limits.configure(  # what a generation request may make the server do
+            self.plane.budget, settings.max_prompt_bytes, settings.max_stream_unread_bytes
         )
         for device in ("ENSEMBLE", "PYTHON"):  # ensembles' steps and BLS calls run through it
             if device in self.core.available_devices:

@@ -9,7 +9,10 @@ thread (``for item, final in stream``), ``async for`` on the REST event loop, or
 that wakes a stream pump. The buffer is bounded: a consumer that leaves more than
 ``MAX_ITEMS`` responses or ``MAX_BYTES`` of them unread has its request cancelled
 (ResourceExhausted, "not reading its responses"), so a client that stops reading costs the
-server a bounded amount of memory, never an unbounded one.
+server a bounded amount of memory, never an unbounded one. A response counts its tensors'
+bytes and its strings' (an object array's ``nbytes`` is only its pointers); any other item its
+own ``nbytes`` (a generation event's Python size). A producer may tighten the bounds before its
+first send (a generation stream holds 1 MiB: ``server/generate/limits.py``).
 
 The request's cancellation token is the stream's: the client going away, its deadline or the
 server's limit cancel the token, which ends the stream with the token's error (the consumer
@@ -43,6 +46,20 @@ __all__ = ["MAX_BYTES", "MAX_ITEMS", "ResponseStream"]
 #: small response; a decoupled model's tensors may be large)
 MAX_ITEMS = 4096
 MAX_BYTES = 64 << 20
+
+
+def _size(item: Any) -> int:
+    """What ``item`` holds as the buffer counts it (see the module's docstring)."""
+    if not isinstance(item, Response):
+        return int(getattr(item, "nbytes", 0))
+    total = 0
+    for value in item.outputs.values():
+        total += getattr(value, "nbytes", 0)
+        if getattr(value, "dtype", None) == object:  # each element an object of its own
+            total += 64 * value.size
+            if value.size <= 4096:  # (more: the count above, not a walk on the producer)
+                total += sum(len(v) for v in value.flat if isinstance(v, bytes | str))
+    return total
 
 
 class ResponseStream(ResponseSender):
@@ -87,7 +104,7 @@ class ResponseStream(ResponseSender):
     def send(self, item: Any = None, final: bool = False) -> bool:
         if self.wanted is not None and isinstance(item, Response):
             item.outputs = {k: v for k, v in item.outputs.items() if k in self.wanted}
-        size = getattr(item, "nbytes", 0) if item is not None else 0
+        size = _size(item) if item is not None else 0
         with self._cond:
             if self._ended:
                 return False

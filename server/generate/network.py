@@ -49,6 +49,7 @@ from plugserve.plugins.api import (
 )
 from plugserve.plugins.responses import Response
 from plugserve.server.devices import parse_device
+from plugserve.server.generate import limits
 from plugserve.server.generate.decoder import choose_decoder
 from plugserve.server.generate.decoder_openvino import PagedDecoder, is_paged, serving_device
 from plugserve.server.generate.engine import Engine, EngineSettings, QueueSender
@@ -407,7 +408,13 @@ class _Face:
         text = values.get("text_input")
         if (raw_ids is None) == (text is None):
             raise InvalidInput("give the prompt as text_input or as input_ids (one of them)")
-        prompt = _text(_scalar(values, "text_input"), "text_input") if text is not None else ""
+        raw = _scalar(values, "text_input") if text is not None else None
+        size = limits.text_bytes(raw) if isinstance(raw, bytes | str) else 0
+        if raw is not None:  # refused before it is decoded or tokenized (server/generate/limits.py)
+            limits.check_prompt(
+                size, network.tokenizer, network.engine.max_model_len, "input 'text_input'"
+            )
+        prompt = _text(raw, "text_input") if raw is not None else ""
         self.stream = bool(_scalar(values, "stream") or False)
         self.exclude = bool(_scalar(values, "exclude_input_in_output") or False)
         self._returns = {
@@ -418,8 +425,10 @@ class _Face:
         if raw_ids is not None:  # TensorRT-LLM's way: the prompt's token ids
             ids = [int(i) for i in np.asarray(raw_ids).reshape(-1)]
         else:
-            ids = network.tokenizer.encode(prompt, add_special_tokens=True)
+            with limits.tokenizing(size, "input 'text_input'"):
+                ids = network.tokenizer.encode(prompt, add_special_tokens=True)
         self.request = GenerationRequest(f"kserve-{uuid.uuid4().hex}", ids, params)
+        limits.stream_bounded(sender)
         self.sender = sender
         self._prompt = prompt
         self._parts: list[str] = []
