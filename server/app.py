@@ -151,7 +151,10 @@ class Server:
             settings.shared_memory == "system", settings.shared_memory_prefix, self.plane.budget
         )
         generate_limits.configure(  # what a generation request may make the server do
-            self.plane.budget, settings.max_prompt_bytes, settings.max_stream_unread_bytes
+            self.plane.budget,
+            settings.max_prompt_bytes,
+            settings.max_stream_unread_bytes,
+            settings.request_read_timeout,
         )
         for device in ("ENSEMBLE", "PYTHON"):  # ensembles' steps and BLS calls run through it
             if device in self.core.available_devices:

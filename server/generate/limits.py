@@ -19,10 +19,13 @@ The bounds, each checked before the work it bounds:
   released when it ends; over the budget the request is refused (429 / RESOURCE_EXHAUSTED).
 * **Unread events.** A generation stream keeps at most ``--max-stream-unread-bytes`` (1 MiB by
   default) of events its client has not taken (each event counted at its Python size:
-  ``GenerationEvent.nbytes``, about 320 bytes, 2.9 KB with 20 logprob alternatives); past it
-  the request is cancelled (``ResourceExhausted``: the client is not reading) and the engine
-  frees its sequence's cache slot at its next step. See ``server/response_stream.py`` and, for
-  what a REST peer that stops reading holds besides, ``server/rest/http_server.py``.
+  ``GenerationEvent.nbytes``, about 320 bytes, 2.9 KB with 20 logprob alternatives), none
+  of them for longer than ``--request-read-timeout`` (30 s; checked as each event comes);
+  past either the request is cancelled (``ResourceExhausted``: the client is not reading)
+  and the engine frees its sequence's cache slot at its next step. What the client's
+  connection holds besides is the transport's: REST at most 64 KiB of send buffer and the
+  event loop's 64 KiB (``server/rest/http_server.py``), gRPC the HTTP/2 stream's window. See
+  ``server/response_stream.py``.
 
 The server sets these once at startup (:func:`configure`, from ``server/settings.py``); an
 in-process user of a generative network gets the defaults and no memory budget.
@@ -60,19 +63,25 @@ class _Limits:
     budget: MemoryBudget | None = None
     max_prompt_bytes: int = 0
     stream_unread_bytes: int = 1 << 20
+    stream_unread_seconds: float = 30.0
 
 
 _limits = _Limits()
 
 
 def configure(
-    budget: MemoryBudget | None, max_prompt_bytes: int = 0, stream_unread_bytes: int = 1 << 20
+    budget: MemoryBudget | None,
+    max_prompt_bytes: int = 0,
+    stream_unread_bytes: int = 1 << 20,
+    stream_unread_seconds: float = 30.0,
 ) -> None:
     """The server's settings: its memory budget, ``--max-prompt-bytes`` (0: the context's
-    bound only) and ``--max-stream-unread-bytes``."""
+    bound only), ``--max-stream-unread-bytes`` and ``--request-read-timeout`` (how long an
+    event may wait unread)."""
     _limits.budget = budget
     _limits.max_prompt_bytes = max_prompt_bytes
     _limits.stream_unread_bytes = stream_unread_bytes
+    _limits.stream_unread_seconds = stream_unread_seconds
 
 
 class PromptTooLong(InvalidArgument):
@@ -130,3 +139,4 @@ def stream_bounded(sender: Any) -> None:
     called before the stream's first event (a sender that is no stream is left alone)."""
     if isinstance(sender, ResponseStream):
         sender.max_bytes = min(sender.max_bytes, _limits.stream_unread_bytes)
+        sender.max_wait = _limits.stream_unread_seconds
