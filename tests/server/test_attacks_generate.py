@@ -114,19 +114,19 @@ def test_a_few_mb_chat_message_is_a_400_and_stalls_nobody(server):
     body = _chat(BIG, max_tokens=4)
     with Probe(server) as probe:
         status, answer = _post(server, "/v1/chat/completions", body)
+    probe.check(len(json.dumps(body)), FIXED)
     assert status == 400, answer
     assert answer["error"]["param"] == "messages"
     assert "context of 32,768 tokens holds at most 1,048,576 bytes" in answer["error"]["message"]
-    probe.check(len(json.dumps(body)), FIXED)
 
 
 def test_a_few_mb_kserve_generate_text_input_is_a_400_and_stalls_nobody(server):
     body = {"text_input": BIG, "max_tokens": 4}
     with Probe(server) as probe:
         status, answer = _post(server, f"/v2/models/{MODEL}/generate", body)
+    probe.check(len(json.dumps(body)), FIXED)
     assert status == 400, answer
     assert "input 'text_input' is at least 3,000,000 bytes" in answer["error"]
-    probe.check(len(json.dumps(body)), FIXED)
 
 
 def test_a_few_mb_triton_text_input_over_grpc_is_invalid_and_stalls_nobody(server):
@@ -143,9 +143,9 @@ def test_a_few_mb_triton_text_input_over_grpc_is_invalid_and_stalls_nobody(serve
             answer = stream.get(timeout=60)
     finally:
         stream.close()
+    probe.check(len(BIG), FIXED)
     assert isinstance(answer, InferenceServerException), answer  # the stream's error_message
     assert "input 'text_input' is at least 3,000,000 bytes" in answer.message()
-    probe.check(len(BIG), FIXED)
 
 
 # --- a large schema with n at its maximum: compiled once, off the loop
@@ -161,18 +161,18 @@ def test_a_239_kb_schema_with_n_at_its_maximum_is_compiled_off_the_loop(server):
         # the same schema broken at its end: all the work, then refused
         schema["properties"]["field_00001"]["pattern"] = "^[a-z"
         status_bad, refused = _post(server, "/v1/chat/completions", body)
-    # a valid schema is served (n sequences, each constrained): the attack is its cost
-    assert status == 200, answer
-    assert len(answer["choices"]) == 16
-    assert all(c["message"]["content"].startswith("{") for c in answer["choices"])
-    assert status_bad == 400, refused
-    assert refused["error"]["param"] == "response_format"
     # compiling takes up to GRAMMAR_BYTES_PER_BYTE a byte of schema, and a schema is at most
     # MAX_SCHEMA_BYTES: a fixed bound of its own (what the request is charged at most)
     from plugserve.server.generate.openai import grammar
 
     compiling = grammar.GRAMMAR_BYTES_PER_BYTE * grammar.MAX_SCHEMA_BYTES
     probe.check(2 * len(json.dumps(body)), FIXED + compiling)
+    # a valid schema is served (n sequences, each constrained): the attack is its cost
+    assert status == 200, answer
+    assert len(answer["choices"]) == 16
+    assert all(c["message"]["content"].startswith("{") for c in answer["choices"])
+    assert status_bad == 400, refused
+    assert refused["error"]["param"] == "response_format"
 
 
 # --- four clients sending 60 KB chats at once, again and again
@@ -197,10 +197,10 @@ def test_four_clients_sending_60_kb_chats_are_refused_off_the_loop(server):
             thread.start()
         for thread in threads:
             thread.join()
+    probe.check(4 * len(json.dumps(body)), FIXED)
     # rendered and tokenized (60,000 tokens: one a byte), then refused for the context
     assert len(statuses) >= 8 and set(statuses) == {400}, statuses
     assert "resulted in 60" in messages[0], messages[0]
-    probe.check(4 * len(json.dumps(body)), FIXED)
 
 
 # --- 16 streams whose clients never read
