@@ -292,3 +292,41 @@ def test_sixteen_never_reading_streams_free_their_slots_within_the_bound(server)
         channel.close()
     status, _ = _post(server, "/v1/chat/completions", _chat("hello", max_tokens=4))
     assert status == 200, "served as before"
+
+
+# --- what tokenizing will take is charged before it starts; the operator's bound
+
+
+@pytest.fixture(scope="module")
+def budgeted(tmp_path_factory):
+    root = tmp_path_factory.mktemp("budgeted")
+    write_model(root / MODEL / "1", context=CONTEXT, long_token=32)
+    (root / MODEL / "config.json").write_text(json.dumps({"device": "NUMPY"}))
+    args = ["--max-inflight-bytes", str(64 << 20), "--max-prompt-bytes", "600000"]
+    with RunningServer("--model-repository", str(root), *args) as running:
+        yield running
+
+
+def test_tokenizing_is_charged_to_the_budget_before_it_starts(budgeted):
+    # 300 KB fits --max-prompt-bytes, and its tokenizing (320 bytes a byte: 96 MB) does not
+    # fit a 64 MiB budget: 429 on both faces, before anything is tokenized
+    text = "a" * 300_000
+    status, answer = _post(budgeted, "/v1/completions", {"model": MODEL, "prompt": text})
+    assert status == 429, answer
+    assert "tokenizing the prompts" in answer["error"]["message"]
+    assert "--max-inflight-bytes" in answer["error"]["message"]
+    status, answer = _post(budgeted, f"/v2/models/{MODEL}/generate", {"text_input": text})
+    assert status == 429, answer
+    assert "tokenizing input 'text_input'" in answer["error"]
+    # 100 KB does fit (32 MB): tokenized, then refused for the context it cannot fit
+    status, answer = _post(budgeted, "/v1/completions", {"model": MODEL, "prompt": text[:100_000]})
+    assert status == 400, answer
+    assert "resulted in 100000 tokens" in answer["error"]["message"]
+    # over the operator's bound: refused unread, naming the flag
+    status, answer = _post(budgeted, "/v1/chat/completions", _chat("b" * 700_000))
+    assert status == 400, answer
+    assert "--max-prompt-bytes" in answer["error"]["message"]
+    status, _ = _post(
+        budgeted, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    )
+    assert status == 200
