@@ -289,7 +289,7 @@ class Settings:
             ("kv_cache_bytes", 0, None),
             ("max_model_len", 0, None),
             ("max_prompt_bytes", 0, None),
-            ("max_stream_unread_bytes", 4096, None),
+            ("max_stream_unread_bytes", 1, None),
         ):
             value = getattr(self, name)
             if value != value or value < low or (high is not None and value > high):  # NaN too

@@ -381,6 +381,9 @@ class OpenAIRoutes:
         finally:
             for stream in streams:
                 stream.cancel()
+        if sum(len(t) for t in answer.token_ids) + sum(answer.completion) > INLINE_BYTES // 64:
+            # a long answer (many choices, logprobs) is written on a worker, as REST's are
+            return 200, [await self._in_worker(_dumped, answer)], _JSON
         return 200, [orjson.dumps(answer.body())], _JSON
 
     def _open(self, model: _Model, request: GenerationRequest, holds: int) -> Any:
@@ -448,6 +451,10 @@ def _completion_ids(model: _Model, texts: list[str]) -> list[list[int]]:
         _check_prompt(size, model, f"'{where}'", where)
     with limits.tokenizing(sum(sizes), "the prompts"):
         return model.tokenizer.encode_batch(texts, True)
+
+
+def _dumped(answer: _Answer) -> bytes:
+    return orjson.dumps(answer.body())
 
 
 def _compiled(schema: str, tokenizer: Any, vocab_size: int, count: int) -> list[Any]:
