@@ -46,6 +46,7 @@ def server(tmp_path_factory):
     running = RunningServer(
         "--model-repository", str(root), "--request-read-timeout", str(UNREAD_SECONDS)
     )
+    running.folder = root / MODEL / "1"
     running.start(timeout=300)
     try:
         _warm(running)
@@ -330,3 +331,19 @@ def test_tokenizing_is_charged_to_the_budget_before_it_starts(budgeted):
         budgeted, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2}
     )
     assert status == 200
+
+
+# --- the work moved off the loop answers as before
+
+
+def test_prompt_ids_are_echoed_as_their_text(server):
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(server.folder / "tokenizer.json"))
+    ids = tokenizer.encode("Hello there, échos").ids
+    for most in (0, 3):
+        body = {"model": MODEL, "prompt": ids, "echo": True, "max_tokens": most}
+        status, answer = _post(server, "/v1/completions", body)
+        assert status == 200, answer
+        assert answer["choices"][0]["text"].startswith("Hello there, échos")
+        assert len(answer["choices"][0]["text"]) > len("Hello there, échos") or most == 0

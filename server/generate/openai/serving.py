@@ -339,6 +339,10 @@ class OpenAIRoutes:
             finally:
                 charge.release()  # held again by the request's stream, below
         echo = isinstance(ask, protocol.CompletionRequest) and ask.echo
+        if echo and not all(isinstance(p, str) for p in ask.prompts):
+            # prompts given as ids are echoed as text: decoded on a worker (decode holds the
+            # GIL, 84 ms for 128k ids), not as the answer is written on the loop
+            ask.prompts = await self._in_worker(_texts_of, model, ask.prompts)
         if echo and max_tokens == 0:
             return _echo_only(model, ask, prompts)
         params = SamplingParams(
@@ -451,6 +455,13 @@ def _completion_ids(model: _Model, texts: list[str]) -> list[list[int]]:
         _check_prompt(size, model, f"'{where}'", where)
     with limits.tokenizing(sum(sizes), "the prompts"):
         return model.tokenizer.encode_batch(texts, True)
+
+
+def _texts_of(model: _Model, prompts: list[Any]) -> list[str]:
+    """Each prompt as text (ids decoded with decode_batch, which releases the GIL)."""
+    ids = [p for p in prompts if not isinstance(p, str)]
+    decoded = iter(model.tokenizer.decode_batch(ids))
+    return [p if isinstance(p, str) else next(decoded) for p in prompts]
 
 
 def _dumped(answer: _Answer) -> bytes:
