@@ -217,10 +217,12 @@ class ResponseStream(ResponseSender):
                 self._waiting_since = 0.0
                 if items[-1][1]:
                     self._taken_final = True
+                    self._listeners = []  # (a pump's listener holds the request it answers)
                 return items
             error = self._error
             if error is not None and not self._taken_final:
                 self._taken_final = True
+                self._listeners = []
                 raise error
         return []
 

@@ -75,6 +75,8 @@ MAX_QUEUED = 4096
 #: its text and bookkeeping, and per logprob alternative its token, number and bytes
 _TOKEN_BYTES = 64
 _LOGPROB_BYTES = 160
+#: a prompt's token id as a Python int in a list (its object and its slot)
+_ID_BYTES = 36
 
 Reply = tuple[int, list[bytes], list[tuple[bytes, bytes]]]
 
@@ -353,6 +355,7 @@ class OpenAIRoutes:
         )
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         holds = _answer_bytes(ask, max_tokens) * len(prompts) + schema_bytes
+        holds += _ID_BYTES * sum(len(p) for p in prompts)  # the prompts' ids, while it runs
         streams = []
         try:
             for i, ids in enumerate(prompts):
