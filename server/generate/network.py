@@ -423,7 +423,14 @@ class _Face:
         }
         params = sampling_from(values)
         if raw_ids is not None:  # TensorRT-LLM's way: the prompt's token ids
-            ids = [int(i) for i in np.asarray(raw_ids).reshape(-1)]
+            flat = np.asarray(raw_ids).reshape(-1)
+            context = network.engine.max_model_len
+            if flat.size >= context:  # refused before a Python int is made of each
+                raise InvalidInput(
+                    f"input 'input_ids' has {flat.size} tokens; this model's context holds "
+                    f"{context} (max_model_len), prompt and answer together"
+                )
+            ids = flat.astype(np.int64).tolist()
         else:
             with limits.tokenizing(size, "input 'text_input'"):
                 ids = network.tokenizer.encode(prompt, add_special_tokens=True)

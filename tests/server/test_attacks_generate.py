@@ -370,3 +370,13 @@ def test_prompt_ids_are_echoed_as_their_text(server):
         assert status == 200, answer
         assert answer["choices"][0]["text"].startswith("Hello there, échos")
         assert len(answer["choices"][0]["text"]) > len("Hello there, échos") or most == 0
+
+
+def test_prompt_ids_over_the_context_are_refused_before_they_are_read(server):
+    body = {"input_ids": [65] * (CONTEXT + 1000), "max_tokens": 2}
+    status, answer = _post(server, f"/v2/models/{MODEL}/generate", body)
+    assert status == 400, answer
+    assert f"input 'input_ids' has {CONTEXT + 1000} tokens" in answer["error"]
+    status, answer = _post(server, f"/v2/models/{MODEL}/generate", {**body, "input_ids": [65] * 9})
+    assert status == 200, answer
+    assert len(answer["text_output"]) > 0
