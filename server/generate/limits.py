@@ -6,9 +6,9 @@ The bounds, each checked before the work it bounds:
 
 * **Prompt text.** A prompt of more UTF-8 bytes than the model's context times its longest
   token's bytes (``Tokenizer.max_token_bytes``) cannot fit the context whatever it says: it is
-  refused with 400 before it is rendered or tokenized (tokenizing first cost 213 bytes of
+  refused with 400 before it is rendered or tokenized (tokenizing first cost 214 bytes of
   resident memory per byte of text and held the GIL: a 2.7 MB prompt stalled every protocol
-  for 2.4-2.6 s and grew the server by 578 MB before its 400). ``--max-prompt-bytes`` lowers
+  for 2.4-2.7 s and grew the server by 578 MB before its 400). ``--max-prompt-bytes`` lowers
   the bound server-wide. A chat is checked on its messages' characters first (characters are
   at most bytes), then rendered with the bound (a template stops at it), then its text's
   bytes are checked.
@@ -22,9 +22,10 @@ The bounds, each checked before the work it bounds:
   ``GenerationEvent.nbytes``, about 320 bytes, 2.9 KB with 20 logprob alternatives), none
   of them for longer than ``--request-read-timeout`` (30 s; checked as each event comes);
   past either the request is cancelled (``ResourceExhausted``: the client is not reading)
-  and the engine frees its sequence's cache slot at its next step. What the client's
-  connection holds besides is the transport's: REST at most 64 KiB of send buffer and the
-  event loop's 64 KiB (``server/rest/http_server.py``), gRPC the HTTP/2 stream's window. See
+  and the engine frees its sequence's cache slot at its next step. Besides, the stream's
+  consumer may hold what it took last (at most as much again) and its connection what the
+  transport took: REST the socket's 128 KiB and the event loop's 64 KiB
+  (``server/rest/http_server.py``), gRPC the HTTP/2 stream's window. See
   ``server/response_stream.py``.
 
 The server sets these once at startup (:func:`configure`, from ``server/settings.py``); an
