@@ -180,8 +180,13 @@ def test_a_239_kb_schema_with_n_at_its_maximum_is_compiled_off_the_loop(server):
     assert 230_000 < len(json.dumps(schema)) < 240_000
     fmt = {"type": "json_schema", "json_schema": {"name": "big", "schema": schema}}
     body = _chat("Fill the form.", max_tokens=6, n=16, response_format=fmt)
+    # completions' n x prompts reaches 64 sequences: 64 matchers of one compiled schema
+    many = {"model": MODEL, "prompt": ["A", "B", "C", "D"], "n": 16, "max_tokens": 4}
     with Probe(server) as probe:
         status, answer = _post(server, "/v1/chat/completions", body)
+        status_many, answer_many = _post(
+            server, "/v1/completions", {**many, "response_format": fmt}
+        )
         # the same schema broken at its end: all the work, then refused
         schema["properties"]["field_00001"]["pattern"] = "^[a-z"
         status_bad, refused = _post(server, "/v1/chat/completions", body)
@@ -190,11 +195,14 @@ def test_a_239_kb_schema_with_n_at_its_maximum_is_compiled_off_the_loop(server):
     from plugserve.server.generate.openai import grammar
 
     compiling = grammar.GRAMMAR_BYTES_PER_BYTE * grammar.MAX_SCHEMA_BYTES
-    probe.check(2 * len(json.dumps(body)), FIXED + compiling)
+    probe.check(3 * len(json.dumps(body)), FIXED + compiling)
     # a valid schema is served (n sequences, each constrained): the attack is its cost
     assert status == 200, answer
     assert len(answer["choices"]) == 16
     assert all(c["message"]["content"].startswith("{") for c in answer["choices"])
+    assert status_many == 200, answer_many
+    assert len(answer_many["choices"]) == 64
+    assert all(c["text"].startswith("{") for c in answer_many["choices"])
     assert status_bad == 400, refused
     assert refused["error"]["param"] == "response_format"
 
