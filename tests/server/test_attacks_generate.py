@@ -30,6 +30,9 @@ from tiny_decoder import write as write_model
 
 MODEL = "tiny"
 CONTEXT = 32768
+#: the model's layer before its logits: a step of 16 sequences takes a few milliseconds, as a
+#: small real model's (the 4 M-parameter decoder of the issue) does, not a fraction of one
+WIDTH = 4096
 #: what the server may grow by during an attack whatever its size: the probe's own requests,
 #: the attack's connections and threads, and the freed blocks glibc keeps for reuse in the
 #: arena of each thread a request passed through (the server keeps blocks up to
@@ -45,7 +48,7 @@ KSERVE = "/inference.GRPCInferenceService/"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("attacks")
-    write_model(root / MODEL / "1", context=CONTEXT, long_token=32)
+    write_model(root / MODEL / "1", context=CONTEXT, long_token=32, width=WIDTH)
     (root / MODEL / "config.json").write_text(json.dumps({"device": "NUMPY"}))
     running = RunningServer(
         "--model-repository", str(root), "--request-read-timeout", str(UNREAD_SECONDS)
@@ -307,10 +310,14 @@ def test_sixteen_never_reading_streams_free_their_slots_within_the_bound(server)
             # the bound: once a client's buffers are full, its events wait unread at most
             # --request-read-timeout (or 1 MiB of them); the engine then frees its slot at its
             # next step. Each would otherwise generate for minutes: all 16 are cancelled
-            cancelled = wait_for(lambda: _aborted(server) >= before + 16, UNREAD_SECONDS + 20)
+            # (the server's metrics read 4 times a second: parsing them more often took the
+            # probes' own process's time)
+            cancelled = wait_for(
+                lambda: _aborted(server) >= before + 16, UNREAD_SECONDS + 20, interval=0.25
+            )
             took = time.monotonic() - sent
             assert cancelled, f"{_aborted(server) - before:g} of 16 cancelled after {took:.1f} s"
-            assert wait_for(lambda: _running(server) == 0, 5), "their slots are free"
+            assert wait_for(lambda: _running(server) == 0, 5, 0.25), "their slots are free"
         assert metric(server, "plugserve_generate_kv_cache_usage_ratio", MODEL) == 0
         assert _aborted(server) == before + 16
         # each holds at most 1 MiB of unread events and its transport's buffers; the model's

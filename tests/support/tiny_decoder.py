@@ -51,18 +51,20 @@ def _tokenizer(folder: Path, long_token: int) -> tuple[int, int, int, list[int]]
     return tokenizer.get_vocab_size(with_added_tokens=True), bos, eos, words
 
 
-def _graph(vocab: int, words: list[int], seed: int):
+def _graph(vocab: int, words: list[int], seed: int, width: int):
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(seed)
     embedding = rng.standard_normal((vocab, HEAD)).astype(np.float32)
-    head = rng.standard_normal((HEAD, vocab)).astype(np.float32)
+    inner = (rng.standard_normal((HEAD, width or HEAD)) / np.sqrt(HEAD)).astype(np.float32)
+    head = rng.standard_normal((width or HEAD, vocab)).astype(np.float32)
     bias = np.full(vocab, -1e4, np.float32)  # only letters and spaces are ever likely:
     bias[words] = 0.0  # the end of sequence never is, so a request runs to max_tokens
     nodes = [
         helper.make_node("Gather", ["embedding", "input_ids"], ["hidden"]),
-        helper.make_node("MatMul", ["hidden", "head"], ["scores"]),
+        helper.make_node("MatMul", ["hidden", "inner"], ["wide"]),
+        helper.make_node("MatMul", ["wide", "head"], ["scores"]),
         helper.make_node("Add", ["scores", "bias"], ["logits"]),
         helper.make_node("Unsqueeze", ["hidden", "axis1"], ["new"]),
         helper.make_node("Concat", ["past_key_values.0.key", "new"], ["present.0.key"], axis=2),
@@ -95,6 +97,7 @@ def _graph(vocab: int, words: list[int], seed: int):
         ],
         [
             numpy_helper.from_array(embedding, "embedding"),
+            numpy_helper.from_array(inner, "inner"),
             numpy_helper.from_array(head, "head"),
             numpy_helper.from_array(bias, "bias"),
             numpy_helper.from_array(np.array([1], np.int64), "axis1"),
@@ -105,14 +108,19 @@ def _graph(vocab: int, words: list[int], seed: int):
     return model
 
 
-def write(folder: Path, context: int = 4096, long_token: int = 32, seed: int = 0) -> Path:
+def write(
+    folder: Path, context: int = 4096, long_token: int = 32, seed: int = 0, width: int = 0
+) -> Path:
     """The model folder at ``folder`` (made): a context of ``context`` tokens, whose longest
-    token is ``long_token`` bytes."""
+    token is ``long_token`` bytes, and a layer ``width`` wide before the logits (0: as wide as
+    the embedding, 8): a wide one makes each step compute for a while, in BLAS without the
+    GIL, as a small real model's does, instead of racing through thousands of tokens a
+    second."""
     import onnx
 
     folder.mkdir(parents=True, exist_ok=True)
     vocab, bos, eos, words = _tokenizer(folder, long_token)
-    onnx.save(_graph(vocab, words, seed), str(folder / "model.onnx"))
+    onnx.save(_graph(vocab, words, seed, width), str(folder / "model.onnx"))
     config = {
         "model_type": "llama",
         "architectures": ["LlamaForCausalLM"],
