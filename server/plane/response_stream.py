@@ -9,7 +9,12 @@ thread (``for item, final in stream``), ``async for`` on the REST event loop, or
 that wakes a stream pump. The buffer is bounded: a consumer that leaves more than
 ``MAX_ITEMS`` responses or ``MAX_BYTES`` of them unread has its request cancelled
 (ResourceExhausted, "not reading its responses"), so a client that stops reading costs the
-server a bounded amount of memory, never an unbounded one.
+server a bounded amount of memory, never an unbounded one. A response counts its tensors'
+bytes and its strings' (an object array's ``nbytes`` is only its pointers); any other item its
+own ``nbytes`` (a generation event's Python size). A producer may tighten the bounds before its
+first send (a generation stream holds 1 MiB: ``server/apps/generate/limits.py``), and bound the
+time a response may wait unread (:attr:`ResponseStream.max_wait`, checked at each send: a
+generation stream's is --request-read-timeout).
 
 The request's cancellation token is the stream's: the client going away, its deadline or the
 server's limit cancel the token, which ends the stream with the token's error (the consumer
@@ -23,9 +28,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
+
+import numpy as np
 
 from plugserve.plugins import cancel
 from plugserve.plugins.api import (
@@ -43,6 +51,23 @@ __all__ = ["MAX_BYTES", "MAX_ITEMS", "ResponseStream"]
 #: small response; a decoupled model's tensors may be large)
 MAX_ITEMS = 4096
 MAX_BYTES = 64 << 20
+
+
+_OBJECT = np.dtype(object)
+
+
+def _size(item: Any) -> int:
+    """What ``item`` holds as the buffer counts it (see the module's docstring)."""
+    if not isinstance(item, Response):
+        return int(getattr(item, "nbytes", 0))
+    total = 0
+    for value in item.outputs.values():
+        total += getattr(value, "nbytes", 0)
+        if getattr(value, "dtype", None) == _OBJECT:  # each element an object of its own
+            total += 64 * value.size
+            if value.size <= 4096:  # (more: the count above, not a walk on the producer)
+                total += sum(len(v) for v in value.flat if isinstance(v, bytes | str))
+    return total
 
 
 class ResponseStream(ResponseSender):
@@ -63,9 +88,13 @@ class ResponseStream(ResponseSender):
         self.name = name
         self.wanted = set(outputs) if outputs else None
         self.max_items, self.max_bytes = max_items, max_bytes
+        #: seconds a response may wait unread before the request is cancelled, checked at each
+        #: send (0: no bound; a generation stream's is --request-read-timeout)
+        self.max_wait = 0.0
         self._cond = threading.Condition(threading.Lock())
         self._items: deque[tuple[Any, bool]] = deque()
         self._bytes = 0
+        self._waiting_since = 0.0  # when the oldest unread item came (0: none waits)
         self._ended = False  # the final response was sent, or the stream failed
         self._error: BaseException | None = None
         self._taken_final = False  # the consumer took the last item (or the error)
@@ -87,7 +116,8 @@ class ResponseStream(ResponseSender):
     def send(self, item: Any = None, final: bool = False) -> bool:
         if self.wanted is not None and isinstance(item, Response):
             item.outputs = {k: v for k, v in item.outputs.items() if k in self.wanted}
-        size = getattr(item, "nbytes", 0) if item is not None else 0
+        size = _size(item) if item is not None else 0
+        stalled = 0.0
         with self._cond:
             if self._ended:
                 return False
@@ -95,16 +125,28 @@ class ResponseStream(ResponseSender):
                 self._items.append((item, final))
                 self._bytes += size
                 self.sent += item is not None
-            overflow = len(self._items) > self.max_items or self._bytes > self.max_bytes
+                if self.max_wait:
+                    now = time.monotonic()
+                    if not self._waiting_since:
+                        self._waiting_since = now
+                    elif now - self._waiting_since > self.max_wait:
+                        stalled = now - self._waiting_since
+            overflow = len(self._items) > self.max_items or self._bytes > self.max_bytes or stalled
             if final and not overflow:
                 self._ended = True
             self._cond.notify_all()
         if overflow:
+            if stalled:
+                why = (
+                    f"its oldest unread response has waited {stalled:.1f} s; at most "
+                    f"{self.max_wait:g} s may"
+                )
+            else:
+                why = f"at most {self.max_items} or {self.max_bytes:,} bytes may"
             self.token.cancel(
                 ResourceExhausted(
                     f"network {self.name!r}: stopped, the client is not reading its responses "
-                    f"({len(self._items)} responses, {self._bytes:,} bytes wait unread; at "
-                    f"most {self.max_items} or {self.max_bytes:,} bytes may)"
+                    f"({len(self._items)} responses, {self._bytes:,} bytes wait unread; {why})"
                 )
             )
             return False
@@ -172,12 +214,15 @@ class ResponseStream(ResponseSender):
                 items = list(self._items)
                 self._items.clear()
                 self._bytes = 0
+                self._waiting_since = 0.0
                 if items[-1][1]:
                     self._taken_final = True
+                    self._listeners = []  # (a pump's listener holds the request it answers)
                 return items
             error = self._error
             if error is not None and not self._taken_final:
                 self._taken_final = True
+                self._listeners = []
                 raise error
         return []
 

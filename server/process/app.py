@@ -34,6 +34,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from plugserve.plugins.api import PlugserveError
 from plugserve.plugins.version import plugserve_version
 from plugserve.proto import plugserve_pb2, tensors
+from plugserve.server.apps.generate import limits as generate_limits
 from plugserve.server.apps.generate.network import GenerativeNetwork
 from plugserve.server.apps.pipelines.ensemble import EnsemblePlugin
 from plugserve.server.apps.pipelines.python.device import PythonPlugin
@@ -167,6 +168,12 @@ class Server:
         #: the OpenTelemetry exporter, made when a trace setting first turns tracing on
         self.exporter: Exporter | None = None
         self.plane.tracing = self._tracing(settings.trace())
+        generate_limits.configure(  # what a generation request may make the server do
+            self.plane.budget,
+            settings.max_prompt_bytes,
+            settings.max_stream_unread_bytes,
+            settings.request_read_timeout,
+        )
         for device in ("ENSEMBLE", "PYTHON"):  # ensembles' steps and BLS calls run through it
             if device in self.core.available_devices:
                 self.core.plugin(device).plane = self.plane

@@ -247,6 +247,19 @@ class Settings:
     enable_prefix_caching: int = _field(
         1, "generative models: 1: reuse the cache of prompts' common beginnings; 0: never"
     )
+    max_prompt_bytes: int = _field(
+        0,
+        "generative models: most bytes of prompt text (UTF-8) a request may send on any face "
+        "(OpenAI, KServe generate, Triton's text_input), refused with 400 before it is "
+        "rendered or tokenized; 0: what the model's context could hold, its context length "
+        "times its longest token's bytes (server/apps/generate/limits.py)",
+    )
+    max_stream_unread_bytes: int = _field(
+        1 << 20,
+        "generative models: bytes of events a generation stream (OpenAI or KServe "
+        "generate_stream server-sent events, gRPC ModelStreamInfer) may leave unread in the "
+        "server; past it the request is cancelled and its sequence's cache slot freed",
+    )
 
     def generate_defaults(self) -> Any:
         """The engine settings these flags give (server/apps/generate/engine.py)."""
@@ -294,6 +307,8 @@ class Settings:
             ("max_num_batched_tokens", 1, None),
             ("kv_cache_bytes", 0, None),
             ("max_model_len", 0, None),
+            ("max_prompt_bytes", 0, None),
+            ("max_stream_unread_bytes", 1, None),
         ):
             value = getattr(self, name)
             if value != value or value < low or (high is not None and value > high):  # NaN too

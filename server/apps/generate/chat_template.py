@@ -11,9 +11,12 @@ extension, its ``tojson`` (no HTML escaping; ``indent``, ``separators``, ``sort_
 tokens (``bos_token``, ``eos_token``, ...) and the caller's keyword arguments (the OpenAI
 face's ``chat_template_kwargs``, such as ``enable_thinking``).
 
-Bound: the rendered prompt is at most :data:`MAX_PROMPT_CHARS` characters, counted as the
-template writes it (a template looping over a client's message could otherwise make a string
-far larger than the request).
+Bound: the rendered prompt is at most :data:`MAX_PROMPT_CHARS` characters, or the caller's
+tighter ``max_chars`` (the model's prompt bound, ``server/apps/generate/limits.py``), counted as the
+template writes it: rendering stops at the first piece past it (a template looping over a
+client's message could otherwise make a string far larger than the request), with
+:class:`TooLong`. Rendering holds the GIL (jinja2 is Python): callers run it off the REST
+event loop.
 """
 
 from __future__ import annotations
@@ -25,10 +28,18 @@ from typing import Any
 
 from plugserve.plugins.api import InvalidArgument, InvalidModel
 
-__all__ = ["MAX_PROMPT_CHARS", "compile_template", "render"]
+__all__ = ["MAX_PROMPT_CHARS", "TooLong", "compile_template", "render"]
 
 #: the longest prompt a template may render (characters); a context of 128k tokens is ~500k
 MAX_PROMPT_CHARS = 4 << 20
+
+
+class TooLong(InvalidArgument):
+    """The rendered prompt passed its bound (``chars``: the bound it passed)."""
+
+    def __init__(self, message: str, chars: int) -> None:
+        super().__init__(message)
+        self.chars = chars
 
 
 def _environment() -> Any:
@@ -118,8 +129,11 @@ def render(
     tools: Sequence[Mapping[str, Any]] | None,
     context: Mapping[str, Any],
     where: str,
+    max_chars: int = 0,
 ) -> str:
-    """The prompt text; InvalidArgument with the template's own message when it refuses."""
+    """The prompt text; InvalidArgument with the template's own message when it refuses,
+    :class:`TooLong` past ``max_chars`` characters (0, or above it: :data:`MAX_PROMPT_CHARS`)."""
+    most = min(max_chars, MAX_PROMPT_CHARS) if max_chars > 0 else MAX_PROMPT_CHARS
     import jinja2
 
     chat = _plain(list(messages))
@@ -138,11 +152,11 @@ def render(
     try:
         for piece in template.generate(**variables):  # bounded as it grows, not after
             size += len(piece)
-            if size > MAX_PROMPT_CHARS:
-                raise InvalidArgument(
-                    f"the chat template rendered over {MAX_PROMPT_CHARS} characters"
-                )
+            if size > most:
+                raise TooLong(f"the chat template rendered over {most} characters", most)
             pieces.append(piece)
+    except TooLong:
+        raise
     except jinja2.exceptions.SecurityError as exc:
         raise InvalidArgument(f"the chat template refused to run: {exc}") from None
     except jinja2.exceptions.TemplateError as exc:

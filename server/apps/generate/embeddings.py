@@ -14,7 +14,10 @@ is refused at the first request with what to do.
 
 Bounds: an input longer than the model's ``max_seq_length`` (``sentence_bert_config.json``,
 else the tokenizer's ``model_max_length``, else the config's ``max_position_embeddings``) is a
-400 naming it (sentence-transformers would cut it silently); inputs run in batches of at most
+400 naming it (sentence-transformers would cut it silently), refused before it is tokenized
+when its text is longer than that many of its longest tokens could be
+(``server/apps/generate/limits.py``); inputs are tokenized on the adapter's workers, their memory
+charged to --max-inflight-bytes first; inputs run in batches of at most
 :data:`BATCH_TOKENS` padded tokens, sorted by length so little is padding; each run's
 outputs are charged to --max-inflight-bytes as it is admitted. ``dimensions`` shortens each
 vector (the first ``dimensions`` values, normalized again when the model normalizes: how
@@ -34,6 +37,7 @@ import numpy as np
 import orjson
 
 from plugserve.plugins.api import InvalidModel
+from plugserve.server.apps.generate import limits
 from plugserve.server.plane.errors import FieldError
 from plugserve.server.plane.request import Request
 
@@ -45,9 +49,8 @@ __all__ = ["BATCH_TOKENS", "Encoder", "embed", "encoder_graph", "encoder_of", "i
 #: padded tokens per encoder run, at most (a 32-input batch of 256 tokens)
 BATCH_TOKENS = 8192
 _LANE = "openai.embeddings"
-#: inputs of more characters are tokenized, and token embeddings of more values pooled, on
-#: the adapter's worker threads (about a millisecond of the event loop's time, at most)
-_INLINE_CHARS = 64 << 10
+#: token embeddings of more values are pooled on the adapter's worker threads (about a
+#: millisecond of the event loop's time, at most)
 _INLINE_VALUES = 1 << 18
 _MODULE = "sentence_transformers.models."
 #: sentence-transformers' pooling modes, in the order it concatenates them
@@ -142,9 +145,26 @@ class Encoder:
         found = self.tokenizer.token_id(pad) if pad is not None else None
         self.pad_id = found if found is not None else 0
 
+    def check(self, inputs: list[str | list[int]], exact: bool = False) -> int:
+        """The inputs' text bytes (characters unless ``exact``: never more than their bytes),
+        each checked against the model's text bound; a 400 naming the first over it."""
+        total = 0
+        for i, item in enumerate(inputs):
+            if isinstance(item, str):
+                size = limits.text_bytes(item) if exact else len(item)
+                try:
+                    limits.check_prompt(size, self.tokenizer, self.max_length, f"'input[{i}]'")
+                except limits.PromptTooLong as exc:
+                    raise FieldError(str(exc), "input") from None
+                total += size
+        return total
+
     def tokenize(self, inputs: list[str | list[int]]) -> list[list[int]]:
+        """Each input's ids (blocking: a worker's job), their tokenizing's memory charged."""
+        size = self.check(inputs, exact=True)
         texts = [(t.lower() if self.lower else t) for t in inputs if isinstance(t, str)]
-        encoded = iter(self.tokenizer.encode_batch(texts, True) if texts else [])
+        with limits.tokenizing(size, "the inputs"):
+            encoded = iter(self.tokenizer.encode_batch(texts, True) if texts else [])
         ids = [next(encoded) if isinstance(t, str) else t for t in inputs]
         for i, row in enumerate(ids):
             if len(row) > self.max_length:
@@ -258,11 +278,8 @@ async def embed(
     in_worker: Callable[..., Awaitable[Any]],
 ) -> bytes:
     """The response body for ``ask``: each input through the encoder, pooled."""
-    chars = sum(len(t) for t in ask.inputs)
-    if chars > _INLINE_CHARS:  # tokenizing this much would stall the event loop
-        rows = await in_worker(encoder.tokenize, ask.inputs)
-    else:
-        rows = encoder.tokenize(ask.inputs)
+    encoder.check(ask.inputs)  # refused unread when its characters alone cannot fit
+    rows = await in_worker(encoder.tokenize, ask.inputs)
     vectors: list[np.ndarray | None] = [None] * len(rows)
     for batch in _batches([len(r) for r in rows]):
         feed, mask = encoder.feed([rows[i] for i in batch])

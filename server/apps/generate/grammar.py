@@ -17,10 +17,17 @@ hands out its masks as torch tensors. Both refuse bad schemas with a clear messa
 Bounds: the vocabulary is read into llguidance once per model (0.5-0.9 s for 32,000 tokens,
 on the first constrained request, under a lock; the tokenizer is kept while the model's
 tokenizer lives); a schema's compilation and each mask are bounded by llguidance's parser
-limits (lexer fuel, items per step, grammar size: :data:`LIMITS`), which turn a hostile
+limits (lexer fuel, items per step, grammar size: :func:`_limits`), which turn a hostile
 schema into a refusal or an error state, never a hang; a schema is at most
-:data:`MAX_SCHEMA_BYTES`. Compiling releases the GIL, so the adapter runs it on a worker
-thread, never on the REST event loop.
+:data:`MAX_SCHEMA_BYTES`. A request's schema is compiled into one matcher, once (0.25-1.6 s
+for a 210-240 KB schema here, the GIL released), and each of its ``n`` sequences gets a deep
+copy of it (0.02-7 ms each, the compiled grammar shared): building a matcher per sequence on
+the REST event loop held it for 46-50 s with a 239 KB schema and ``n`` 64. Both run on the
+adapter's worker threads (:meth:`CompiledSchema.constraints`), never on the loop. Memory:
+compiling a schema took up to 300 bytes per byte of it (its grammar and the first matcher;
+a copy 130 KB at most, measured for 64 copies): the adapter charges
+:func:`memory` to ``--max-inflight-bytes`` before compiling, and holds it while the request
+runs.
 """
 
 from __future__ import annotations
@@ -33,10 +40,21 @@ import numpy as np
 
 from plugserve.server.plane.errors import FieldError
 
-__all__ = ["MAX_SCHEMA_BYTES", "JsonConstraint", "compile_schema"]
+__all__ = ["MAX_SCHEMA_BYTES", "JsonConstraint", "compile_schema", "memory"]
 
 #: the largest schema (as JSON text) a request may send
 MAX_SCHEMA_BYTES = 256 << 10
+#: what compiling a schema holds per byte of it, and what each sequence's copy of its matcher
+#: holds (measured: see the module's docstring)
+GRAMMAR_BYTES_PER_BYTE = 320
+MATCHER_BYTES = 256 << 10
+
+
+def memory(schema: str, sequences: int) -> int:
+    """What a request's ``schema`` holds for ``sequences`` sequences, to charge before it is
+    compiled."""
+    return GRAMMAR_BYTES_PER_BYTE * len(schema) + MATCHER_BYTES * sequences
+
 
 _lock = threading.Lock()
 #: the model's tokenizer -> llguidance's tokenizer built from its vocabulary
@@ -120,30 +138,27 @@ def _llguidance_numpy() -> Any:
 
 
 class CompiledSchema:
-    """A request's schema compiled against its model's vocabulary; :meth:`constraint` makes
-    one fresh state per sequence (``n`` choices each follow the schema on their own)."""
+    """A request's schema compiled against its model's vocabulary into one matcher;
+    :meth:`constraints` gives each sequence a state of its own (``n`` choices each follow the
+    schema on their own)."""
 
-    def __init__(self, vocabulary: Any, grammar: str) -> None:
-        self._vocabulary = vocabulary
-        self._grammar = grammar
+    def __init__(self, vocabulary: Any, matcher: Any) -> None:
+        self._words = (vocabulary.vocab_size + 31) // 32
+        self._matcher = matcher
+
+    def constraints(self, count: int) -> list[JsonConstraint]:
+        """``count`` fresh states, copies of the compiled matcher (blocking: off the loop)."""
+        return [JsonConstraint(self._matcher.deep_copy(), self._words) for _ in range(count)]
 
     def constraint(self) -> JsonConstraint:
-        llguidance = _llguidance()
-        matcher = llguidance.LLMatcher(
-            self._vocabulary, self._grammar, log_level=0, limits=_limits(llguidance)
-        )
-        if matcher.is_error():
-            raise FieldError(
-                f"response_format: the schema cannot be used: {matcher.get_error()}",
-                "response_format",
-            )
-        return JsonConstraint(matcher, (self._vocabulary.vocab_size + 31) // 32)
+        (one,) = self.constraints(1)
+        return one
 
 
 def compile_schema(schema: str, tokenizer: Any, vocab_size: int) -> CompiledSchema:
     """``schema`` (JSON text) against ``tokenizer``'s vocabulary, or a 400 naming
     ``response_format`` with llguidance's reason. Blocking (0.5-0.9 s the first time per
-    model, a few ms after): call it off the event loop."""
+    model, a few ms to seconds after, the GIL released): call it off the event loop."""
     if len(schema) > MAX_SCHEMA_BYTES:
         raise FieldError(
             f"response_format: the schema is {len(schema)} bytes; at most {MAX_SCHEMA_BYTES}",
@@ -165,6 +180,11 @@ def compile_schema(schema: str, tokenizer: Any, vocab_size: int) -> CompiledSche
         raise FieldError(
             f"response_format: the grammar library refuses the schema: {why}", "response_format"
         )
-    compiled = CompiledSchema(_vocabulary(tokenizer, vocab_size), grammar)
-    compiled.constraint()  # a schema past the parser's limits fails here, before generating
-    return compiled
+    vocabulary = _vocabulary(tokenizer, vocab_size)
+    matcher = llguidance.LLMatcher(vocabulary, grammar, log_level=0, limits=_limits(llguidance))
+    if matcher.is_error():  # a schema past the parser's limits fails here, before generating
+        raise FieldError(
+            f"response_format: the schema cannot be used: {matcher.get_error()}",
+            "response_format",
+        )
+    return CompiledSchema(vocabulary, matcher)

@@ -48,6 +48,7 @@ from plugserve.plugins.api import (
     Unsupported,
 )
 from plugserve.plugins.responses import Response
+from plugserve.server.apps.generate import limits
 from plugserve.server.apps.generate.decoder import choose_decoder
 from plugserve.server.apps.generate.decoder_openvino import PagedDecoder, is_paged, serving_device
 from plugserve.server.apps.generate.engine import Engine, EngineSettings, QueueSender
@@ -389,7 +390,15 @@ class _Face:
         text = values.get("text_input")
         if (raw_ids is None) == (text is None):
             raise InvalidInput("give the prompt as text_input or as input_ids (one of them)")
-        prompt = _text(_scalar(values, "text_input"), "text_input") if text is not None else ""
+        raw = _scalar(values, "text_input") if text is not None else None
+        size = limits.text_bytes(raw) if isinstance(raw, bytes | str) else 0
+        if (
+            raw is not None
+        ):  # refused before it is decoded or tokenized (server/apps/generate/limits.py)
+            limits.check_prompt(
+                size, network.tokenizer, network.engine.max_model_len, "input 'text_input'"
+            )
+        prompt = _text(raw, "text_input") if raw is not None else ""
         self.stream = bool(_scalar(values, "stream") or False)
         self.exclude = bool(_scalar(values, "exclude_input_in_output") or False)
         self._returns = {
@@ -398,10 +407,19 @@ class _Face:
         }
         params = sampling_from(values, network.engine.decoder.vocab or 0)
         if raw_ids is not None:  # TensorRT-LLM's way: the prompt's token ids
-            ids = [int(i) for i in np.asarray(raw_ids).reshape(-1)]
+            flat = np.asarray(raw_ids).reshape(-1)
+            context = network.engine.max_model_len
+            if flat.size >= context:  # refused before a Python int is made of each
+                raise InvalidInput(
+                    f"input 'input_ids' has {flat.size} tokens; this model's context holds "
+                    f"{context} (max_model_len), prompt and answer together"
+                )
+            ids = flat.astype(np.int64).tolist()
         else:
-            ids = network.tokenizer.encode(prompt, add_special_tokens=True)
+            with limits.tokenizing(size, "input 'text_input'"):
+                ids = network.tokenizer.encode(prompt, add_special_tokens=True)
         self.request = GenerationRequest(f"kserve-{uuid.uuid4().hex}", ids, params)
+        limits.stream_bounded(sender)
         self.sender = sender
         self._prompt = prompt
         self._parts: list[str] = []

@@ -308,3 +308,14 @@ class GenerationEvent:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def nbytes(self) -> int:
+        """About what the event holds in memory (Python objects: measured 315 bytes without
+        logprobs, 590 with the chosen token's, 2.9 KB with 20 alternatives), as a stream's
+        buffer counts it (``server/plane/response_stream.py``)."""
+        size = 320 + len(self.text) + 36 * len(self.token_ids)
+        for entries in (self.logprobs, self.prompt_logprobs):
+            for entry in entries or ():
+                size += 280 + 113 * len(entry.top) if entry is not None else 8
+        return size

@@ -252,18 +252,18 @@ def pump(
     context.add_callback(end)
     threading.Thread(target=read, name=name, daemon=True).start()
     completed, reading = 0, True
-    draining: set[ResponseStream] = set()  # streams already complete (markers may still come)
     try:
         while True:
             message = done.get()
             if message is None:
                 reading = False
             elif type(message) is _Ready:
-                if message.stream not in draining:
+                # a stream taken to its end ignores the markers still queued for it (a set of
+                # such streams kept each one's request message for as long as the call lasted)
+                if not message.stream.exhausted:
                     messages, complete_now = drain(message)
                     yield from messages
                     if complete_now:
-                        draining.add(message.stream)
                         completed += 1
                         with window:
                             unsent[0] -= 1

@@ -32,7 +32,14 @@ The bounds, the twin of ``server/protocols/grpc/callgate.py`` for HTTP:
   the next request while the peer does not read its replies (transport flow control);
 - a peer that reads nothing of its replies for --request-read-timeout (the transport's buffer
   stays above its high-water mark) is cut off, its buffered reply dropped: otherwise each such
-  connection would hold its slot and a reply's memory for as long as it liked.
+  connection would hold its slot and a reply's memory for as long as it liked;
+- a streamed reply (:class:`StreamReply`: server-sent events of a generation) gets a socket
+  send buffer of ``STREAM_SEND_BUFFER`` (the kernel doubles it: 128 KiB, where Linux would
+  grow it to 4 MiB for a peer that does not read: a never-reading client of a generation
+  stream had taken 2.9 MB of events into the kernel in 25 s and was still generating), so a
+  peer that stops reading is seen after its own receive window, 128 KiB of the kernel's and
+  the transport's 64 KiB high-water mark; the stream's producer is then stopped by its own
+  bounds (a generation's: ``server/apps/generate/limits.py``) and the connection by the rule above.
 
 A client that disconnects cancels the request it waits for: queued, it leaves its queue;
 running, it stops at its device's next checkpoint (``plugins/cancel.py``).
@@ -41,7 +48,9 @@ running, it stops at its device's next checkpoint (``plugins/cancel.py``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http
+import socket
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -58,10 +67,21 @@ from plugserve.server.plane.budget import Charge, MemoryBudget, body_factor
 from plugserve.server.plane.errors import forget_frames
 from plugserve.server.protocols.status import http_status_of
 
-__all__ = ["EVICT_AFTER", "MAX_HEADER_BYTES", "HttpServer", "Reply", "StreamReply", "error_reply"]
+__all__ = [
+    "EVICT_AFTER",
+    "MAX_HEADER_BYTES",
+    "STREAM_SEND_BUFFER",
+    "HttpServer",
+    "Reply",
+    "StreamReply",
+    "error_reply",
+]
 
 #: A connection waiting this long for a request's headers may be closed to make room.
 EVICT_AFTER = 0.5
+#: The socket send buffer of a streamed reply (SO_SNDBUF; Linux doubles it). Token events are
+#: small: 64 KiB a round trip is 1.3 MB/s at 50 ms, thousands of events a second.
+STREAM_SEND_BUFFER = 64 << 10
 #: The request line and headers of one request, at most (as Node's default, about).
 MAX_HEADER_BYTES = 64 * 1024
 
@@ -471,6 +491,7 @@ class Connection(asyncio.Protocol):
         try:
             if self.closed:
                 return False
+            self._bound_send_buffer()
             keep_alive = keep_alive and not (self.last and not self.pending)
             head = [
                 _STATUS_LINES.get(reply.status) or f"HTTP/1.1 {reply.status} \r\n".encode(),
@@ -504,6 +525,13 @@ class Connection(asyncio.Protocol):
             self.close()
             return False
         return True
+
+    def _bound_send_buffer(self) -> None:
+        """A small kernel send buffer for a streamed reply (see STREAM_SEND_BUFFER)."""
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            with contextlib.suppress(OSError):  # a socket that refuses: the kernel's default
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, STREAM_SEND_BUFFER)
 
     def _reply(self, method: str, reply: Reply, keep_alive: bool, linger: bool = False) -> bool:
         """Write ``reply``; whether the connection stays open. The request's memory charge

@@ -11,12 +11,19 @@ encodes the engine's events as OpenAI's bodies (``encode.py``) or server-sent ev
 Paths: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``, ``/v1/models`` and
 ``/v1/models/{id}``, each also under ``/v3`` (OpenVINO Model Server's prefix). Every refusal is
 OpenAI's error body (``errors.py``). What the adapter holds per request is bounded before it
-starts: the body (the REST port's --max-message-bytes), the prompt (the model's context), the
-answer (``n`` x ``max_tokens``, charged to --max-inflight-bytes with the stream: over the
-budget is 429 at once), the schema (``grammar.MAX_SCHEMA_BYTES``). Work that can take long
-(rendering and tokenizing a body over 64 KiB, compiling a schema) runs on the adapter's two
-worker threads, never on the REST event loop; more than :data:`MAX_QUEUED` such jobs waiting
-is 503.
+starts: the body (the REST port's --max-message-bytes), the prompt's text (the model's context
+times its longest token's bytes, or --max-prompt-bytes: ``server/apps/generate/limits.py``; a 400
+before anything is rendered or tokenized), tokenizing's memory and the schema's (charged to
+--max-inflight-bytes before the work), the answer (``n`` x ``max_tokens``, charged with the
+stream: over the budget is 429 at once), the unread events of a stream
+(--max-stream-unread-bytes), the schema (``grammar.MAX_SCHEMA_BYTES``).
+
+No request's CPU work runs on the REST event loop: a body over 64 KiB is parsed and checked on
+the adapter's two worker threads, and every chat is rendered and every prompt tokenized there
+(``tokenizers`` releasing the GIL), a schema compiled there once and copied for each sequence;
+more than :data:`MAX_QUEUED` jobs waiting is 503. Four clients sending 60 KB chats for 3 s
+had held REST health up to 1.8 s (p99) while the loop rendered and tokenized bodies up to
+64 KiB itself; 21-46 ms since (tests/server/test_attacks_generate.py).
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from plugserve.plugins.api import (
     PlugserveError,
     ResourceExhausted,
 )
+from plugserve.server.apps.generate import chat_template, limits
 from plugserve.server.apps.generate.types import GenerationEvent, GenerationRequest, SamplingParams
 from plugserve.server.plane.request import Request
 from plugserve.server.protocols.auth import KSERVE
@@ -57,14 +65,20 @@ __all__ = ["MAX_QUEUED", "OpenAIRoutes"]
 log = logging.getLogger(__name__)
 
 _JSON = [(b"content-type", b"application/json")]
-#: a body larger than this is rendered and tokenized on a worker thread
+#: a body larger than this is parsed and checked on a worker thread (every chat is rendered
+#: and every prompt tokenized there, whatever its size)
 INLINE_BYTES = 64 << 10
-#: jobs waiting for the adapter's worker threads, at most
-MAX_QUEUED = 256
+#: jobs waiting for the adapter's worker threads, at most: a backstop, since every request
+#: is now one job (its chat rendered, its prompts tokenized there) and the REST port's
+#: connection limit (4 x --grpc-workers: 256 by default) bounds them first; a waiting job's
+#: body is charged to --max-inflight-bytes already, so the budget refuses (429) before this
+MAX_QUEUED = 4096
 #: what an answer holds per generated token, to charge the memory budget before it starts:
 #: its text and bookkeeping, and per logprob alternative its token, number and bytes
 _TOKEN_BYTES = 64
 _LOGPROB_BYTES = 160
+#: a prompt's token id as a Python int in a list (its object and its slot)
+_ID_BYTES = 36
 
 Reply = tuple[int, list[bytes], list[tuple[bytes, bytes]]]
 
@@ -210,45 +224,35 @@ class OpenAIRoutes:
 
     # --- POST /v1/chat/completions
 
-    async def chat(self, call: Any) -> Any:
+    async def _body(self, call: Any, check: Callable[[dict[str, Any]], Any]) -> Any:
+        """The body parsed and checked field by field: on the loop up to INLINE_BYTES (a
+        64 KiB body parses in about 0.1 ms), on a worker above."""
         protocol.check_content_type(call.headers.get(b"content-type"))
-        ask = protocol.chat_request(protocol.parse_json(call.body))
-        model = self._generative(ask.model)
-
-        def prompt() -> list[int]:
-            try:
-                return model.tokenizer.encode_chat(
-                    ask.messages,
-                    ask.add_generation_prompt,
-                    ask.tools,
-                    continue_final_message=ask.continue_final_message,
-                    **ask.template_kwargs,
-                )
-            except InvalidArgument as exc:
-                raise OpenAIError(f"messages: {exc}", "messages") from None
-
         if len(call.body) > INLINE_BYTES:
-            ids = await self._in_worker(prompt)
-        else:
-            ids = prompt()
+            return await self._in_worker(lambda: check(protocol.parse_json(call.body)))
+        return check(protocol.parse_json(call.body))
+
+    async def chat(self, call: Any) -> Any:
+        ask = await self._body(call, protocol.chat_request)
+        model = self._generative(ask.model)
+        # refused at once, unrendered, when its text alone cannot fit (characters <= bytes)
+        chars = sum(len(m["content"]) for m in ask.messages if isinstance(m["content"], str))
+        _check_prompt(chars, model, "'messages'", "messages")
+        ids = await self._in_worker(_chat_ids, model, ask)
         return await self._generate(model, ask, [ids], "chat", "messages")
 
     # --- POST /v1/completions
 
     async def completions(self, call: Any) -> Any:
-        protocol.check_content_type(call.headers.get(b"content-type"))
-        ask = protocol.completion_request(protocol.parse_json(call.body))
+        ask = await self._body(call, protocol.completion_request)
         model = self._generative(ask.model)
-
-        def prompts() -> list[list[int]]:
-            texts = [p for p in ask.prompts if isinstance(p, str)]
-            encoded = iter(model.tokenizer.encode_batch(texts, True) if texts else [])
-            return [next(encoded) if isinstance(p, str) else p for p in ask.prompts]
-
-        if len(call.body) > INLINE_BYTES:
-            ids = await self._in_worker(prompts)
-        else:
-            ids = prompts()
+        for i, prompt in enumerate(ask.prompts):
+            if isinstance(prompt, str):
+                where = "prompt" if len(ask.prompts) == 1 else f"prompt[{i}]"
+                _check_prompt(len(prompt), model, f"'{where}'", where)
+        texts = [p for p in ask.prompts if isinstance(p, str)]
+        encoded = iter(await self._in_worker(_completion_ids, model, texts) if texts else [])
+        ids = [next(encoded) if isinstance(p, str) else p for p in ask.prompts]
         return await self._generate(model, ask, ids, "completion", "prompt")
 
     # --- generation, shared
@@ -324,14 +328,26 @@ class OpenAIRoutes:
                     f"{model.vocab_size} tokens",
                     "stop_token_ids",
                 )
-        compiled = None
+        constraints: list[Any] = []
+        schema_bytes = 0
         if ask.schema is not None:
             from plugserve.server.apps.generate import grammar
 
-            compiled = await self._in_worker(
-                grammar.compile_schema, ask.schema, model.tokenizer, model.vocab_size
-            )
+            # compiled once and copied for each sequence, on a worker; its memory charged first
+            count = ask.n * len(prompts)
+            schema_bytes = grammar.memory(ask.schema, count)
+            charge = self.plane.budget.charge(schema_bytes, "this request's response_format")
+            try:
+                constraints = await self._in_worker(
+                    _compiled, ask.schema, model.tokenizer, model.vocab_size, count
+                )
+            finally:
+                charge.release()  # held again by the request's stream, below
         echo = isinstance(ask, protocol.CompletionRequest) and ask.echo
+        if echo and not all(isinstance(p, str) for p in ask.prompts):
+            # prompts given as ids are echoed as text: decoded on a worker (decode holds the
+            # GIL, 84 ms for 128k ids), not as the answer is written on the loop
+            ask.prompts = await self._in_worker(_texts_of, model, ask.prompts)
         if echo and max_tokens == 0:
             return _echo_only(model, ask, prompts)
         params = SamplingParams(
@@ -341,7 +357,8 @@ class OpenAIRoutes:
             **ask.sampling,
         )
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-        holds = _answer_bytes(ask, max_tokens) * len(prompts)
+        holds = _answer_bytes(ask, max_tokens) * len(prompts) + schema_bytes
+        holds += _ID_BYTES * sum(len(p) for p in prompts)  # the prompts' ids, while it runs
         streams = []
         try:
             for i, ids in enumerate(prompts):
@@ -352,13 +369,14 @@ class OpenAIRoutes:
                     n=ask.n,
                     arrival=time.time(),
                 )
-                if compiled is not None:
+                if constraints:
+                    mine = constraints[i * ask.n : (i + 1) * ask.n]
                     if ask.n == 1:
                         params_i = SamplingParams(**{**vars(params)})
-                        params_i.constraint = compiled.constraint()
+                        params_i.constraint = mine[0]
                         request.params = params_i
                     else:
-                        request.constraints = [compiled.constraint() for _ in range(ask.n)]
+                        request.constraints = mine
                 streams.append(self._open(model, request, holds if i == 0 else 0))
         except BaseException:
             for stream in streams:
@@ -373,12 +391,16 @@ class OpenAIRoutes:
         finally:
             for stream in streams:
                 stream.cancel()
+        if sum(len(t) for t in answer.token_ids) + sum(answer.completion) > INLINE_BYTES // 64:
+            # a long answer (many choices, logprobs) is written on a worker, as REST's are
+            return 200, [await self._in_worker(_dumped, answer)], _JSON
         return 200, [orjson.dumps(answer.body())], _JSON
 
     def _open(self, model: _Model, request: GenerationRequest, holds: int) -> Any:
         engine = model.engine
 
         def start(sender: Any) -> None:
+            limits.stream_bounded(sender)
             engine.add(request, sender)
 
         return self.plane.stream(Request(model.entry, holds=holds, protocol="openai"), start)
@@ -400,6 +422,64 @@ class OpenAIRoutes:
             )
         body = await embeddings.embed(self.plane, entry, encoder, ask, self._in_worker)
         return 200, [body], _JSON
+
+
+def _check_prompt(size: int, model: _Model, what: str, field: str) -> None:
+    """A 400 naming ``field`` when ``size`` bytes (or characters) of prompt cannot fit."""
+    try:
+        limits.check_prompt(size, model.tokenizer, model.context, what)
+    except limits.PromptTooLong as exc:
+        raise OpenAIError(str(exc), field) from None
+
+
+def _chat_ids(model: _Model, ask: protocol.ChatRequest) -> list[int]:
+    """The chat's prompt ids (a worker's job): rendered with the prompt's bound, its bytes
+    checked, tokenized with its memory charged."""
+    tokenizer = model.tokenizer
+    variables = {**ask.template_kwargs, "continue_final_message": ask.continue_final_message}
+    bound = limits.prompt_limit(tokenizer, model.context)
+    try:
+        text = tokenizer.render_chat(
+            ask.messages, ask.add_generation_prompt, ask.tools, variables, bound
+        )
+    except chat_template.TooLong as exc:
+        _check_prompt(exc.chars + 1, model, "the rendered chat", "messages")
+        raise OpenAIError(f"messages: {exc}", "messages") from None  # the template's own bound
+    except InvalidArgument as exc:
+        raise OpenAIError(f"messages: {exc}", "messages") from None
+    size = limits.text_bytes(text)
+    _check_prompt(size, model, "the rendered chat", "messages")
+    with limits.tokenizing(size, "the chat"):
+        return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _completion_ids(model: _Model, texts: list[str]) -> list[list[int]]:
+    """The prompts' ids (a worker's job): each one's bytes checked, their tokenizing's memory
+    charged."""
+    sizes = [limits.text_bytes(t) for t in texts]
+    for i, size in enumerate(sizes):
+        where = "prompt" if len(texts) == 1 else f"prompt[{i}]"
+        _check_prompt(size, model, f"'{where}'", where)
+    with limits.tokenizing(sum(sizes), "the prompts"):
+        return model.tokenizer.encode_batch(texts, True)
+
+
+def _texts_of(model: _Model, prompts: list[Any]) -> list[str]:
+    """Each prompt as text (ids decoded with decode_batch, which releases the GIL)."""
+    ids = [p for p in prompts if not isinstance(p, str)]
+    decoded = iter(model.tokenizer.decode_batch(ids))
+    return [p if isinstance(p, str) else next(decoded) for p in prompts]
+
+
+def _dumped(answer: _Answer) -> bytes:
+    return orjson.dumps(answer.body())
+
+
+def _compiled(schema: str, tokenizer: Any, vocab_size: int, count: int) -> list[Any]:
+    """``count`` constraints of ``schema`` (a worker's job: compiled once, then copied)."""
+    from plugserve.server.apps.generate import grammar
+
+    return grammar.compile_schema(schema, tokenizer, vocab_size).constraints(count)
 
 
 def _is_generative(entry: Any) -> bool:
