@@ -205,10 +205,14 @@ class Server:
                 f"{where}: unknown device(s) {', '.join(unknown)}; "
                 f"known devices: {', '.join(sorted(known)) or 'none'}"
             )
-        for name in list(self.core.available_devices):
-            if name not in listed:
-                self.core.disable(name)
-                log.info("device %s not listed in --plugins: not used", name)
+        unlisted = [name for name in self.core.available_devices if name not in listed]
+        for name in unlisted:
+            self.core.disable(name)
+        if unlisted:  # models on them will not load: say so before they fail
+            log.warning(
+                "devices not listed in --plugins are not used: %s (list them to keep them)",
+                ", ".join(unlisted),
+            )
         for name, entry in listed.items():
             if name not in self.core.available_devices:
                 log.warning("device %s from --plugins is unavailable", name)

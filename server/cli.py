@@ -9,6 +9,7 @@ server or the plugins.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -44,8 +45,9 @@ def _examples(argv: Sequence[str]) -> int:
             return 2
         print(models[args.name])
         return 0
+    width = max(map(len, models), default=0)
     for name, path in models.items():
-        print(f"{name:6} {path}")
+        print(f"{name:{width}}  {path}")
     return 0
 
 
@@ -63,7 +65,19 @@ VERBS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run a verb; Ctrl-C ends any of them with one line (``plugserve VERB: interrupted``) and
+    the shell's status for it, 130, never a traceback."""
     args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _dispatch(args)
+    except KeyboardInterrupt:
+        verb = f" {args[0]}" if args and not args[0].startswith("-") else ""
+        newline = "\n" if sys.stderr.isatty() else ""  # after the ^C the terminal echoed
+        sys.stderr.write(f"{newline}plugserve{verb}: interrupted\n")
+        return 130
+
+
+def _dispatch(args: list[str]) -> int:
     if args and args[0] in ("--version", "-V"):
         from plugserve.plugins.version import plugserve_version
 
@@ -81,6 +95,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"  {verb:13} {help_text}")
         return 0 if args else 2
     verb = args[0]
+    # gRPC's own log lines (a failed TLS handshake's, say) would repeat what the verb says
+    os.environ.setdefault("GRPC_VERBOSITY", "NONE")
     from plugserve.client.cli import VERBS as CLIENT_VERBS
     from plugserve.client.cli import run as run_client
 

@@ -211,11 +211,11 @@ class ModelControl:
             with self.table.lock:
                 self.table.loading.discard((name, version))
         log.info(
-            "network %s version %d ready on %s in %s%s",
+            "network %s version %d ready on %s%s%s",
             name,
             version,
             entry.device,
-            network.precision,
+            f" in {network.precision}" if network.precision else "",
             " (from cache)" if network.loaded_from_cache else "",
         )
         return entry, network.loaded_from_cache
@@ -434,7 +434,11 @@ class ModelControl:
         settings = repository.read_settings(name)
         if settings.pipeline is not None:  # an OVMS pipeline: its config.json, version 1
             return model, settings
-        return model, repository.read_settings(name, int(model.parent.name))
+        # the model file's version folder; an ensemble's "model" is that folder itself, and a
+        # transformers folder served as it is (the model's own folder) is version 1
+        folder = model if model.is_dir() else model.parent
+        number = int(folder.name) if is_version(folder.name) else 1
+        return model, repository.read_settings(name, number)
 
     def versions(self, name: str, version: int = 0) -> list[LoadedNetwork]:
         """The loaded version asked for, or every loaded version of ``name`` (0); NotFound
