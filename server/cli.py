@@ -1,6 +1,6 @@
-"""The ``plugserve`` command: ``serve``, ``examples`` and ``conformance`` (the test runner in
-:mod:`plugserve.conformance`) run here; the user verbs (devices, load, infer, ...) talk to a
-server and live in :mod:`plugserve.client.cli`.
+"""The ``plugserve`` command: ``serve``, ``examples``, ``make-model`` and ``conformance`` (the
+test runner in :mod:`plugserve.conformance`) run here; the user verbs (devices, load, infer,
+...) talk to a server and live in :mod:`plugserve.client.cli`.
 
 This module sits above every package (server, client, conformance); none of them imports it.
 Each verb's module is imported when the verb runs, so ``plugserve devices`` does not load the
@@ -51,6 +51,34 @@ def _examples(argv: Sequence[str]) -> int:
     return 0
 
 
+def _make_model(argv: Sequence[str]) -> int:
+    """A small model folder made offline (``server/examples/tiny_decoder.py``), for trying the
+    generative routes where nothing can be downloaded."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="plugserve make-model",
+        description="Make a small generative model folder offline (seeded random weights: its "
+        "answers are nonsense) to try the OpenAI routes without downloading a model.",
+    )
+    parser.add_argument(
+        "kind", choices=["tiny-llama"], help="tiny-llama: a Llama-style decoder, 0.23 M weights"
+    )
+    parser.add_argument("folder", help="where to write it; its name is the served model's name")
+    args = parser.parse_args(argv)
+    try:
+        from plugserve.server.examples.tiny_decoder import make_tiny_llama
+    except ImportError as exc:  # tokenizers
+        print(f"plugserve make-model: {exc}: pip install 'plugserve[generate]'", file=sys.stderr)
+        return 2
+    from plugserve.client.progress import progress
+
+    with progress(f"making {args.kind} in {args.folder}"):
+        folder = make_tiny_llama(args.folder)
+    print(folder)
+    return 0
+
+
 def _serve(argv: Sequence[str]) -> int:
     from plugserve.server.app import main as serve_main
 
@@ -61,6 +89,7 @@ VERBS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
     "serve": (_serve, "run the server (with no arguments: on the bundled example models)"),
     "conformance": (_conformance, "run the ONNX backend node tests on a device"),
     "examples": (_examples, "print the bundled example models' files (plugserve examples mlp)"),
+    "make-model": (_make_model, "make a small generative model folder offline (tiny-llama DIR)"),
 }
 
 
