@@ -16,8 +16,8 @@ import ssl
 
 __all__ = ["explain"]
 
-#: how long the one probe connection (connect and handshake) may take
-PROBE_SECONDS = 2.0
+#: how long each step of the one probe connection (connect, handshake) may take
+PROBE_SECONDS = 5.0
 
 _TLS_FAILURES = ("handshake failed", "ssl_error", "certificate_verify_failed", "tsi_")
 
@@ -44,6 +44,8 @@ def speaks_tls(target: str) -> bool | None:
             try:
                 with context.wrap_socket(raw, server_hostname=address[0]):
                     return True
+            except TimeoutError:
+                return None  # it listens and said nothing in time: not known
             except (ssl.SSLError, OSError):
                 return False  # it listens, and what it says is not TLS
     except OSError:
@@ -53,13 +55,6 @@ def speaks_tls(target: str) -> bool | None:
 def explain(target: str, details: str, tls: bool) -> str:
     """One sentence saying why the server at ``target`` was not reached (``details``: gRPC's
     message; ``tls``: whether the client used TLS)."""
-    lowered = details.lower()
-    if tls and any(word in lowered for word in _TLS_FAILURES):
-        return (
-            f"the TLS handshake with {target} failed (the server's certificate is not signed "
-            "by the CA given, names another host, or TLS is not spoken there): check --tls-ca "
-            "(env PLUGSERVE_TLS_CA) and the host in --target"
-        )
     spoken = speaks_tls(target)
     if spoken is True and not tls:
         return (
@@ -70,6 +65,13 @@ def explain(target: str, details: str, tls: bool) -> str:
         return (
             f"the server at {target} does not speak TLS: leave out --tls, --tls-ca and "
             "--client-cert (and PLUGSERVE_TLS_CA)"
+        )
+    if tls and any(word in details.lower() for word in _TLS_FAILURES):
+        return (
+            f"the TLS handshake with {target} failed: the server's certificate is not signed "
+            "by the CA given, or names another host (or the server wants a client "
+            "certificate): check --tls-ca (env PLUGSERVE_TLS_CA), the host in --target and "
+            "--client-cert"
         )
     return (
         f"no server answers at {target}: start one with `plugserve serve`, or point --target "
