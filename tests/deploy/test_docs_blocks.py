@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from checkout import copy_checkout
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -284,18 +285,7 @@ class Reader:
 
 @pytest.fixture
 def reader(tmp_path):
-    if shutil.which("git") is None or not (ROOT / ".git").exists():
-        pytest.skip("needs a git checkout (git ls-files names the files a clone has)")
-    listed = subprocess.run(
-        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-        cwd=ROOT, capture_output=True, check=True, timeout=60,
-    ).stdout.decode().split("\0")  # fmt: skip
-    folder = tmp_path / "clone"
-    for name in filter(None, listed):
-        source = ROOT / name
-        if source.is_file():
-            (folder / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(source, folder / name)
+    folder = copy_checkout(tmp_path / "clone")
     tools = tmp_path / "bin"
     tools.mkdir()
     (tools / "pip").write_text(PIP.format(python=sys.executable, root=str(folder)))
