@@ -243,11 +243,9 @@ class Server:
         s = self.settings
         if reuse_freed_memory(s.malloc_reuse_bytes):
             log.debug("malloc: freed blocks up to %d bytes are reused", s.malloc_reuse_bytes)
-        for info in self.core.devices():
+        for info in self.core.devices():  # one line each: the Core warned of unavailable ones
             if info.available:
                 log.info("device %s loaded: %s", info.name, info.full_name)
-            else:
-                log.warning("device %s skipped: %s", info.name, info.reason)
         problems = security_problems(s)
         if problems:
             raise SystemExit(f"plugserve: invalid settings: {'; '.join(problems)}")

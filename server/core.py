@@ -124,12 +124,11 @@ class Core:
         except Exception as exc:  # any failure means the device is not usable here
             reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             self._unavailable[name] = reason
-            # the server logs each device once (app.py); a caller of load_network on it is
-            # told this reason (NotFound), and devices() lists it
-            log.debug("device %s is unavailable: %s", name, reason)
+            log.warning("device %s is unavailable: %s", name, reason)
             return
         plugin.devices = self
         self._plugins[name] = plugin
+        # at DEBUG: the server logs each device it uses once, with its full name (app.py)
         log.debug("device %s loaded (%s)", name, type(plugin).__name__)
 
     # --- devices
