@@ -372,3 +372,15 @@ def test_the_marks_are_known_and_the_docs_have_blocks():
     readme = blocks(ROOT / "README.md")
     assert readme[0].code.startswith("# 1. install and start the server")
     assert sum(_runnable(b) for b in readme) >= 8
+
+
+def test_the_model_folders_readme_makes_are_ignored_by_git():
+    """README's generation section downloads or makes models/qwen (and models/minilm) at the
+    checkout's root: git ignores them (and ruff, by pyproject.toml; README's last block runs
+    its lint command after the others made them)."""
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("needs a git checkout")
+    for path in ("models/qwen/model.onnx", "models/minilm/onnx/model.onnx"):
+        done = subprocess.run(["git", "check-ignore", "-q", path], cwd=ROOT, timeout=60)
+        assert done.returncode == 0, f"git does not ignore {path}"
+    assert "ruff check plugins server client conformance tests" in blocks(DOCS[0])[-1].code
