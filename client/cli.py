@@ -2,6 +2,7 @@
 
     plugserve devices | metric DEVICE NAME | config DEVICE [KEY[=VALUE]...] | list
     plugserve load NAME MODEL.onnx [--device D] [--config K=V] [--persist] | unload NAME [--remove]
+    plugserve load NAME --repository [--version N]   (a model of the server's own repository)
     plugserve query MODEL.onnx --device D | infer NAME [--input x=file.npy] [--output-dir DIR]
     plugserve infer text_sentiment --text "a wonderful film" | infer image_color --file cat.png
     plugserve export NAME FILE | import NAME FILE --device D
