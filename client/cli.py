@@ -401,6 +401,8 @@ def run(verb: str, argv: Sequence[str], inprocess: Callable[..., Any] | None = N
             secure = bool(args.tls or args.tls_ca or args.client_cert)
             print(f"plugserve {verb}: {explain(args.target, details, secure)}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # stdout's reader left (| head): the command ends quietly
+        raise
     except OSError as exc:  # a model, blob or output file that cannot be read or written
         print(f"plugserve {verb}: {exc}", file=sys.stderr)
         return 1

@@ -95,10 +95,13 @@ VERBS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run a verb; Ctrl-C ends any of them with one line (``plugserve VERB: interrupted``) and
-    the shell's status for it, 130, never a traceback."""
+    the shell's status for it, 130, never a traceback; nor does a closed pipe (``| head``)."""
     args = list(sys.argv[1:] if argv is None else argv)
     try:
         return _dispatch(args)
+    except BrokenPipeError:  # `plugserve examples | head`: the reader left, nothing to add
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
+        return 141  # as a shell's command killed by SIGPIPE
     except KeyboardInterrupt:
         verb = f" {args[0]}" if args and not args[0].startswith("-") else ""
         newline = "\n" if sys.stderr.isatty() else ""  # after the ^C the terminal echoed

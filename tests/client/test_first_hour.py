@@ -201,6 +201,18 @@ def test_examples_table_aligns():
     assert len(columns) == 1, done.stdout
 
 
+def test_a_closed_pipe_ends_a_verb_quietly():
+    """``plugserve examples | head -1``, the reader gone before the verb writes (``true``
+    exits at once; the verb starts in about half a second): no BrokenPipeError traceback,
+    and the status a shell gives a command SIGPIPE ended."""
+    done = subprocess.run(
+        ["bash", "-c", f"'{PLUGSERVE}' examples | true; echo ${{PIPESTATUS[0]}}"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.stdout.strip() == "141", done.stdout
+    assert done.stderr == "", done.stderr
+
+
 def test_bench_histogram_keeps_the_percentiles_apart():
     """One request 900x slower than the rest used to stretch the axis so p50 and p90 were one
     pixel apart; the axis now ends at 2 x p99 and the outlier is counted in the title."""
