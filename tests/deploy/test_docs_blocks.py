@@ -118,8 +118,6 @@ PIP = '''#!{python}
 import importlib.metadata as md, re, sys
 from packaging.requirements import Requirement
 
-ROOT = {root!r}
-
 
 def extras_of(spec):
     match = re.fullmatch(r"\\.?/?(?:\\[(.*)\\])?", spec.strip("'\\""))
@@ -288,7 +286,7 @@ def reader(tmp_path):
     folder = copy_checkout(tmp_path / "clone")
     tools = tmp_path / "bin"
     tools.mkdir()
-    (tools / "pip").write_text(PIP.format(python=sys.executable, root=str(folder)))
+    (tools / "pip").write_text(PIP.format(python=sys.executable))
     curl = shutil.which("curl")
     if curl is not None:
         (tools / "curl").write_text(CURL.format(curl=curl))
