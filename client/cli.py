@@ -399,7 +399,7 @@ def run(verb: str, argv: Sequence[str], inprocess: Callable[..., Any] | None = N
         print(f"plugserve {verb}: {exc.code().name}: {details}", file=sys.stderr)
         if exc.code() == grpc.StatusCode.UNAVAILABLE and "connect" in details:
             secure = bool(args.tls or args.tls_ca or args.client_cert)
-            print(f"plugserve {verb}: {explain(args.target, details, secure)}", file=sys.stderr)
+            print(f"plugserve {verb}: {explain(args.target, secure)}", file=sys.stderr)
         return 1
     except BrokenPipeError:  # stdout's reader left (| head): the command ends quietly
         raise

@@ -1,9 +1,10 @@
 """Why a verb could not reach its server, in words a person can act on.
 
 gRPC says UNAVAILABLE for every way a connection fails: nothing listens, a plaintext client
-met a TLS server ("Socket closed"), a TLS client met a plaintext one, or the server's
-certificate is not signed by the CA given. The first three look alike in its message, so
-after such a failure :func:`explain` asks the port itself once: a TCP connection and a TLS
+met a TLS server ("Socket closed"), a TLS client met a plaintext one, the server's
+certificate is not signed by the CA given, or the port is not gRPC's (REST's 8000). Its
+message names only the last address it tried (``localhost`` is two), so after such a failure
+:func:`explain` asks the port itself once: a TCP connection and a TLS
 handshake that checks no certificate (it learns only whether TLS is spoken), bounded by
 ``PROBE_SECONDS`` and made to ``host:port`` targets only (a ``dns:///`` or ``unix:`` target
 gets the general answer).
@@ -18,8 +19,6 @@ __all__ = ["explain"]
 
 #: how long each step of the one probe connection (connect, handshake) may take
 PROBE_SECONDS = 5.0
-
-_TLS_FAILURES = ("handshake failed", "ssl_error", "certificate_verify_failed", "tsi_")
 
 
 def _host_port(target: str) -> tuple[str, int] | None:
@@ -52,26 +51,31 @@ def speaks_tls(target: str) -> bool | None:
         return None
 
 
-def explain(target: str, details: str, tls: bool) -> str:
-    """One sentence saying why the server at ``target`` was not reached (``details``: gRPC's
-    message; ``tls``: whether the client used TLS)."""
+def explain(target: str, tls: bool) -> str:
+    """One sentence saying why the server at ``target`` was not reached, after gRPC's
+    UNAVAILABLE (``tls``: whether the client used TLS)."""
     spoken = speaks_tls(target)
     if spoken is True and not tls:
         return (
             f"the server at {target} speaks TLS and this client did not: pass --tls-ca CA.pem "
             "(env PLUGSERVE_TLS_CA), or --tls when a CA the system trusts signed its certificate"
         )
-    if spoken is False and tls:
-        return (
-            f"the server at {target} does not speak TLS: leave out --tls, --tls-ca and "
-            "--client-cert (and PLUGSERVE_TLS_CA)"
-        )
-    if tls and any(word in details.lower() for word in _TLS_FAILURES):
+    if spoken is True:
         return (
             f"the TLS handshake with {target} failed: the server's certificate is not signed "
             "by the CA given, or names another host (or the server wants a client "
             "certificate): check --tls-ca (env PLUGSERVE_TLS_CA), the host in --target and "
             "--client-cert"
+        )
+    if spoken is False and tls:
+        return (
+            f"the server at {target} does not speak TLS: leave out --tls, --tls-ca and "
+            "--client-cert (and PLUGSERVE_TLS_CA)"
+        )
+    if spoken is False:
+        return (
+            f"something listens at {target} but does not answer as a gRPC server: --target "
+            "names plugserve's gRPC port (8001 by default; 8000 is its REST port)"
         )
     return (
         f"no server answers at {target}: start one with `plugserve serve`, or point --target "

@@ -129,7 +129,7 @@ def test_a_client_without_tls_at_a_tls_server_is_told_tls(tls_server):
     assert done.returncode == 0 and "mlp v1 on" in done.stdout, done.stderr
 
 
-def test_a_tls_client_at_a_plaintext_server_and_at_no_server(server, tmp_path):
+def test_a_tls_client_at_a_plaintext_server_no_server_and_the_rest_port(server, tmp_path):
     ca = tmp_path / "ca.pem"
     ca.write_text(make_other_ca(tmp_path).read_text())
     done = run("list", "--target", server.target, "--tls-ca", str(ca))
@@ -142,6 +142,9 @@ def test_a_tls_client_at_a_plaintext_server_and_at_no_server(server, tmp_path):
         free = s.getsockname()[1]
     done = run("list", "--target", f"127.0.0.1:{free}")
     assert done.returncode == 1 and f"no server answers at 127.0.0.1:{free}" in done.stderr
+    done = run("list", "--target", server.http_target)  # REST's port, not gRPC's
+    assert done.returncode == 1
+    assert "does not answer as a gRPC server: --target names plugserve's gRPC port" in done.stderr
 
 
 def make_other_ca(folder: Path) -> Path:
