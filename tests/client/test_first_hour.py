@@ -59,6 +59,10 @@ def test_a_missing_pillow_is_named_at_load_and_a_load_after_installing_finds_it(
     log = server.log
     assert "image_decoder needs Pillow" in log and "pip install pillow" in log, log
     assert "plugserve load image_decoder --repository" in log
+    # one log line says it, the model's words without a traceback around them
+    line = next(line for line in server.lines if "needs Pillow" in line)
+    assert " ERROR " in line and "python model 'image_decoder' (instance 0): image_decoder" in line
+    assert "Traceback" not in log and "TritonModelException" not in log
     # the other models loaded and serve
     done = run("infer", "text_sentiment", "--text", "a wonderful film", "--target", server.target)
     assert done.returncode == 0 and "positive" in done.stdout, done.stderr
