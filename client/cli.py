@@ -2,6 +2,7 @@
 
     plugserve devices | metric DEVICE NAME | config DEVICE [KEY[=VALUE]...] | list
     plugserve load NAME MODEL.onnx [--device D] [--config K=V] [--persist] | unload NAME [--remove]
+    plugserve load NAME --repository [--version N]   (a model of the server's own repository)
     plugserve query MODEL.onnx --device D | infer NAME [--input x=file.npy] [--output-dir DIR]
     plugserve infer text_sentiment --text "a wonderful film" | infer image_color --file cat.png
     plugserve export NAME FILE | import NAME FILE --device D
@@ -13,13 +14,10 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
-import threading
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,35 +26,10 @@ import numpy as np
 
 from plugserve.client.client import DEFAULT_TARGET, Client
 from plugserve.client.inputs import bytes_inputs, make_inputs, spec_dtype
+from plugserve.client.progress import progress
+from plugserve.client.reach import explain
 
 __all__ = ["VERBS", "run"]
-
-
-@contextlib.contextmanager
-def progress(label: str) -> Iterator[None]:
-    """An elapsed-time ticker on stderr while a long call runs (a final line when not a tty)."""
-    stop = threading.Event()
-    start = time.monotonic()
-    tty = sys.stderr.isatty()
-
-    def tick() -> None:
-        while not stop.wait(0.25):
-            sys.stderr.write(f"\r{label} ... {time.monotonic() - start:.1f} s")
-            sys.stderr.flush()
-
-    thread = threading.Thread(target=tick, daemon=True)
-    if tty:
-        thread.start()
-    outcome = "failed after"
-    try:
-        yield
-        outcome = "done in"
-    finally:
-        stop.set()
-        if tty:
-            thread.join()
-            sys.stderr.write("\r")
-        sys.stderr.write(f"{label}: {outcome} {time.monotonic() - start:.1f} s\n")
 
 
 def _config(items: Sequence[str]) -> dict[str, str]:
@@ -130,6 +103,10 @@ def _describe(network) -> str:
 
 
 def _load(client: Client, args: argparse.Namespace) -> int:
+    if not args.model:
+        if not args.repository:
+            raise SystemExit("plugserve load: name the model's .onnx file (or --repository)")
+        args.model = args.name
     with progress(f"loading {args.name} on {args.device or 'the default device'}"):
         response = client.load(
             args.name,
@@ -310,7 +287,9 @@ def _arguments(verb: str, parser: argparse.ArgumentParser) -> None:
             add("name")
         add(
             "model",
-            help="an .onnx file (or with --repository: NAME[/VERSION] in the server's repository)",
+            **({"nargs": "?", "default": ""} if verb == "load" else {}),
+            help="an .onnx file (or with --repository: NAME[/VERSION] in the server's "
+            "repository, NAME itself when left out)",
         )
         add("--device", default="" if verb == "load" else "NUMPY")
         add("--config", action="append", default=[], metavar="KEY=VALUE")
@@ -416,14 +395,14 @@ def run(verb: str, argv: Sequence[str], inprocess: Callable[..., Any] | None = N
         with client:
             return function(client, args)
     except grpc.RpcError as exc:
-        print(f"plugserve {verb}: {exc.code().name}: {exc.details()}", file=sys.stderr)
-        if exc.code() == grpc.StatusCode.UNAVAILABLE and "connect" in (exc.details() or ""):
-            print(
-                f"plugserve {verb}: no server answers at {args.target}: start one with "
-                "`plugserve serve`, or point --target (env PLUGSERVE_TARGET) at yours",
-                file=sys.stderr,
-            )
+        details = exc.details() or ""
+        print(f"plugserve {verb}: {exc.code().name}: {details}", file=sys.stderr)
+        if exc.code() == grpc.StatusCode.UNAVAILABLE and "connect" in details:
+            secure = bool(args.tls or args.tls_ca or args.client_cert)
+            print(f"plugserve {verb}: {explain(args.target, secure)}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # stdout's reader left (| head): the command ends quietly
+        raise
     except OSError as exc:  # a model, blob or output file that cannot be read or written
         print(f"plugserve {verb}: {exc}", file=sys.stderr)
         return 1

@@ -15,6 +15,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from plugserve.client.progress import progress
+from plugserve.conformance.report import CaseResult
 from plugserve.conformance.run import run_conformance
 
 __all__ = ["main"]
@@ -58,8 +60,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="also write the report as Markdown (docs/conformance.md)",
     )
     args = parser.parse_args(argv)
+    failed = []
+    results = []
+
+    def counted(result: CaseResult) -> None:
+        results.append(result)
+        if result.status != "passed":
+            failed.append(result)
+
+    def count() -> str:
+        return f"{len(results)} cases, {len(failed)} failed"
+
     try:
-        report = run_conformance(args.device, args.patterns, args.ops, data=args.data)
+        # the cases are built and the devices found first (~20 s) before any case runs
+        with progress(f"plugserve conformance on {args.device}", count):
+            report = run_conformance(
+                args.device, args.patterns, args.ops, data=args.data, on_result=counted
+            )
     except FileNotFoundError as exc:
         print(f"plugserve conformance: {exc}", file=sys.stderr)
         return 2

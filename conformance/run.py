@@ -91,9 +91,11 @@ def run_conformance(
     ops: Sequence[str] = (),
     load: Callable[[onnx.ModelProto], Any] | None = None,
     data: str | None = None,
+    on_result: Callable[[CaseResult], None] | None = None,
 ) -> Report:
     """Run the cases whose name matches a pattern and that use one of ``ops`` (all by default;
-    op names match whatever their case, ``"Relu,Add"`` is two) on ``device``."""
+    op names match whatever their case, ``"Relu,Add"`` is two) on ``device``; ``on_result``
+    is told each case's result as it is known (the command's progress line)."""
     if load is None:
         core = Core()
 
@@ -111,6 +113,8 @@ def run_conformance(
         if wanted and not wanted & _op_names(case.model.graph):
             continue
         results.append(run_case(case, load))
+        if on_result is not None:
+            on_result(results[-1])
     return Report(device, results, time.perf_counter() - start)
 
 

@@ -58,10 +58,14 @@ class _Progress:
             self.thread.start()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, kind: type[BaseException] | None, *exc: Any) -> None:
         self.stop.set()
         if self.tty:
             self.thread.join()
+        if kind is KeyboardInterrupt:  # the command's one line says it
+            if self.tty:
+                sys.stderr.write("\r\x1b[K")
+        elif self.tty:
             sys.stderr.write(self._line() + "\n")
         elif self.enabled:
             sys.stderr.write(f"{self.label}: {self.count()} requests done\n")

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["plot", "plot_generation"]
+import numpy as np
+
+__all__ = ["histogram", "plot", "plot_generation"]
+
+#: latencies whose largest is over this many times their median are drawn on log axes
+LOG_SPREAD = 10.0
+#: the histogram's axis ends at this many times p99 (the slower requests are counted)
+CLIP_OVER_P99 = 2.0
 
 
 def plot(report: Mapping[str, Any], path: str) -> str:
@@ -23,16 +30,10 @@ def plot(report: Mapping[str, Any], path: str) -> str:
     lat = report.get("latencies_ms") or []
     starts = report.get("starts_s") or []
     fig, (hist, line) = plt.subplots(1, 2, figsize=(12, 4.5))
-    hist.hist(lat, bins=min(60, max(5, len(lat) // 4)), color="#4878a8")
-    for q, style in (("p50", "-"), ("p90", "--"), ("p99", ":")):
-        value = report["latency_ms"][q]
-        if value == value:
-            hist.axvline(value, color="black", linestyle=style, label=f"{q} {value:.2f} ms")
-    hist.set_xlabel("latency (ms)")
-    hist.set_ylabel("requests")
-    hist.set_title("latency histogram")
-    hist.legend()
+    histogram(hist, report)
     line.plot(starts, lat, ".", markersize=3, color="#4878a8")
+    if _logarithmic(lat):
+        line.set_yscale("log")
     line.set_xlabel("time since start (s)")
     line.set_ylabel("latency (ms)")
     line.set_title("latency over time")
@@ -45,6 +46,46 @@ def plot(report: Mapping[str, Any], path: str) -> str:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return f"plot -> {path}"
+
+
+def _logarithmic(latencies: Sequence[float]) -> bool:
+    """Whether latencies spread over more than :data:`LOG_SPREAD` times their median."""
+    positive = np.asarray([v for v in latencies if v > 0])
+    if len(positive) < 2:
+        return False
+    return bool(positive.max() > LOG_SPREAD * np.median(positive))
+
+
+def histogram(axis: Any, report: Mapping[str, Any]) -> None:
+    """The latency histogram with the p50, p90 and p99 lines, drawn so they stand apart: its
+    axis ends at :data:`CLIP_OVER_P99` times p99 (one 2 s request beside a thousand of 1 ms
+    would otherwise put p50 and p90 in one bin), the requests past it counted in the title;
+    what is still spread over :data:`LOG_SPREAD` times the median is drawn on a log axis
+    with log-spaced bins."""
+    lat = [v for v in report.get("latencies_ms") or [] if v == v]
+    p99 = report["latency_ms"]["p99"]
+    beyond = 0
+    if lat and p99 == p99 and max(lat) > CLIP_OVER_P99 * p99:
+        drawn = [v for v in lat if v <= CLIP_OVER_P99 * p99]
+        beyond = len(lat) - len(drawn)
+        lat = drawn
+    bins: Any = min(60, max(5, len(lat) // 4))
+    if _logarithmic(lat):
+        lat = [v for v in lat if v > 0]
+        bins = np.geomspace(min(lat), max(lat), bins + 1)
+        axis.set_xscale("log")
+    axis.hist(lat, bins=bins, color="#4878a8")
+    for q, style in (("p50", "-"), ("p90", "--"), ("p99", ":")):
+        value = report["latency_ms"][q]
+        if value == value:
+            axis.axvline(value, color="black", linestyle=style, label=f"{q} {value:.2f} ms")
+    axis.set_xlabel("latency (ms)" + (", log scale" if axis.get_xscale() == "log" else ""))
+    axis.set_ylabel("requests")
+    title = "latency histogram"
+    if beyond:
+        title += f" ({beyond} slower than {CLIP_OVER_P99:g} x p99 left out)"
+    axis.set_title(title)
+    axis.legend()
 
 
 def plot_generation(report: Mapping[str, Any], path: str) -> str:

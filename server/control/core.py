@@ -149,7 +149,8 @@ class Core:
             return
         plugin.devices = self
         self._plugins[name] = plugin
-        log.info("device %s loaded (%s)", name, type(plugin).__name__)
+        # at DEBUG: the server logs each device it uses once, with its full name (app.py)
+        log.debug("device %s loaded (%s)", name, type(plugin).__name__)
 
     # --- devices
 

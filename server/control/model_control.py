@@ -216,11 +216,11 @@ class ModelControl:
             with self.table.lock:
                 self.table.loading.discard((name, version))
         log.info(
-            "network %s version %d ready on %s in %s%s",
+            "network %s version %d ready on %s%s%s",
             name,
             version,
             entry.device,
-            network.precision,
+            f" in {network.precision}" if network.precision else "",
             " (from cache)" if network.loaded_from_cache else "",
         )
         return entry, network.loaded_from_cache

@@ -255,10 +255,14 @@ class Server:
                 f"{where}: unknown device(s) {', '.join(unknown)}; "
                 f"known devices: {', '.join(sorted(known)) or 'none'}"
             )
-        for name in list(self.core.available_devices):
-            if name not in listed:
-                self.core.disable(name)
-                log.info("device %s not listed in --plugins: not used", name)
+        unlisted = [name for name in self.core.available_devices if name not in listed]
+        for name in unlisted:
+            self.core.disable(name)
+        if unlisted:  # models on them will not load: say so before they fail
+            log.warning(
+                "devices not listed in --plugins are not used: %s (list them to keep them)",
+                ", ".join(unlisted),
+            )
         for name, entry in listed.items():
             if name not in self.core.available_devices:
                 log.warning("device %s from --plugins is unavailable", name)
@@ -289,11 +293,9 @@ class Server:
         s = self.settings
         if reuse_freed_memory(s.malloc_reuse_bytes):
             log.debug("malloc: freed blocks up to %d bytes are reused", s.malloc_reuse_bytes)
-        for info in self.core.devices():
+        for info in self.core.devices():  # one line each: the Core warned of unavailable ones
             if info.available:
                 log.info("device %s loaded: %s", info.name, info.full_name)
-            else:
-                log.warning("device %s skipped: %s", info.name, info.reason)
         problems = security_problems(s)
         if problems:
             raise SystemExit(f"plugserve: invalid settings: {'; '.join(problems)}")

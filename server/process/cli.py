@@ -1,6 +1,6 @@
-"""The ``plugserve`` command: ``serve``, ``examples`` and ``conformance`` (the test runner in
-:mod:`plugserve.conformance`) run here; the user verbs (devices, load, infer, ...) talk to a
-server and live in :mod:`plugserve.client.cli`.
+"""The ``plugserve`` command: ``serve``, ``examples``, ``make-model`` and ``conformance`` (the
+test runner in :mod:`plugserve.conformance`) run here; the user verbs (devices, load, infer,
+...) talk to a server and live in :mod:`plugserve.client.cli`.
 
 This module sits above every package (server, client, conformance); none of them imports it.
 Each verb's module is imported when the verb runs, so ``plugserve devices`` does not load the
@@ -9,6 +9,7 @@ server or the plugins.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -44,8 +45,37 @@ def _examples(argv: Sequence[str]) -> int:
             return 2
         print(models[args.name])
         return 0
+    width = max(map(len, models), default=0)
     for name, path in models.items():
-        print(f"{name:6} {path}")
+        print(f"{name:{width}}  {path}")
+    return 0
+
+
+def _make_model(argv: Sequence[str]) -> int:
+    """A small model folder made offline (``server/control/examples/tiny_decoder.py``), for trying
+    the generative routes where nothing can be downloaded."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="plugserve make-model",
+        description="Make a small generative model folder offline (seeded random weights: its "
+        "answers are nonsense) to try the OpenAI routes without downloading a model.",
+    )
+    parser.add_argument(
+        "kind", choices=["tiny-llama"], help="tiny-llama: a Llama-style decoder, 0.23 M weights"
+    )
+    parser.add_argument("folder", help="where to write it; its name is the served model's name")
+    args = parser.parse_args(argv)
+    try:
+        from plugserve.server.control.examples.tiny_decoder import make_tiny_llama
+    except ImportError as exc:  # tokenizers
+        print(f"plugserve make-model: {exc}: pip install 'plugserve[generate]'", file=sys.stderr)
+        return 2
+    from plugserve.client.progress import progress
+
+    with progress(f"making {args.kind} in {args.folder}"):
+        folder = make_tiny_llama(args.folder)
+    print(folder)
     return 0
 
 
@@ -59,11 +89,27 @@ VERBS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
     "serve": (_serve, "run the server (with no arguments: on the bundled example models)"),
     "conformance": (_conformance, "run the ONNX backend node tests on a device"),
     "examples": (_examples, "print the bundled example models' files (plugserve examples mlp)"),
+    "make-model": (_make_model, "make a small generative model folder offline (tiny-llama DIR)"),
 }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run a verb; Ctrl-C ends any of them with one line (``plugserve VERB: interrupted``) and
+    the shell's status for it, 130, never a traceback; nor does a closed pipe (``| head``)."""
     args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _dispatch(args)
+    except BrokenPipeError:  # `plugserve examples | head`: the reader left, nothing to add
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
+        return 141  # as a shell's command killed by SIGPIPE
+    except KeyboardInterrupt:
+        verb = f" {args[0]}" if args and not args[0].startswith("-") else ""
+        newline = "\n" if sys.stderr.isatty() else ""  # after the ^C the terminal echoed
+        sys.stderr.write(f"{newline}plugserve{verb}: interrupted\n")
+        return 130
+
+
+def _dispatch(args: list[str]) -> int:
     if args and args[0] in ("--version", "-V"):
         from plugserve.plugins.version import plugserve_version
 
@@ -81,6 +127,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"  {verb:13} {help_text}")
         return 0 if args else 2
     verb = args[0]
+    # gRPC's own log lines (a failed TLS handshake's, say) would repeat what the verb says
+    os.environ.setdefault("GRPC_VERBOSITY", "NONE")
     from plugserve.client.cli import VERBS as CLIENT_VERBS
     from plugserve.client.cli import run as run_client
 

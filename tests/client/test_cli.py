@@ -16,8 +16,8 @@ from plugserve.client import Client
 PLUGSERVE = shutil.which("plugserve")
 pytestmark = pytest.mark.skipif(PLUGSERVE is None, reason="the plugserve script is not on PATH")
 
-VERBS = ["serve", "conformance", "examples", "devices", "metric", "config", "load", "unload"]
-VERBS += ["list", "query", "infer", "export", "import", "bench"]
+VERBS = ["serve", "conformance", "examples", "make-model", "devices", "metric", "config", "load"]
+VERBS += ["unload", "list", "query", "infer", "export", "import", "bench"]
 
 
 def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:

@@ -162,7 +162,8 @@ def test_a_plugin_raising_at_construction_is_skipped(faulty):
             client.load("on_broken", add_model_bytes(), device="BROKEN")
         assert info.value.code() == grpc.StatusCode.NOT_FOUND
         assert "device 'BROKEN' is unavailable: RuntimeError: no BROKEN" in info.value.details()
-    assert "device BROKEN skipped: RuntimeError: no BROKEN accelerator" in faulty.log
+    assert "device BROKEN is unavailable: RuntimeError: no BROKEN accelerator" in faulty.log
+    assert faulty.log.count("device BROKEN is unavailable") == 1  # logged once
 
 
 def test_a_network_whose_device_failed_can_be_unloaded_and_reloaded(faulty):

@@ -26,18 +26,12 @@ import llm_bpe
 import numpy as np
 from llm_text import corpus
 
-#: Llama-3's chat format, shortened: the BOS is part of the rendered text, so the rendered
-#: prompt must be tokenized without adding special tokens again (as transformers does)
-LLAMA_TEMPLATE = (
-    "{{- bos_token }}"
-    "{%- for message in messages %}"
-    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'"
-    " + message['content'] | trim + '<|eot_id|>' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}"
-    "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
-    "{%- endif %}"
-)
+from plugserve.server.control.examples.tiny_decoder import TEMPLATE
+
+#: Llama-3's chat format, shortened (plugserve make-model's tiny-llama writes the same): the
+#: BOS is part of the rendered text, so the rendered prompt must be tokenized without adding
+#: special tokens again (as transformers does)
+LLAMA_TEMPLATE = TEMPLATE
 
 #: Qwen2's ChatML with its default system message when the conversation has none
 CHATML_TEMPLATE = (

@@ -248,6 +248,11 @@ class EnsembleNetwork(CompiledNetwork):
     #: each demultiplexer's region (set in ``__init__``; empty if it failed before)
     regions: dict[int, EnsembleNetwork] = {}
 
+    @property
+    def precision(self) -> str:
+        """None to name: each step's network says its own."""
+        return ""
+
     def __init__(self, plugin: EnsemblePlugin, config: Any, definition: Definition) -> None:
         super().__init__(plugin, definition.name, config)
         self.definition = definition

@@ -24,7 +24,7 @@ from plugserve.server.control.examples.files import model as onnx_model
 from plugserve.server.control.examples.files import write_if_changed
 from plugserve.server.control.examples.pipelines import build_pipelines
 
-__all__ = ["build_examples", "default_examples_dir"]
+__all__ = ["build_examples", "default_examples_dir", "example_file"]
 
 
 def _save(root: Path, name: str, model: onnx.ModelProto, config: dict | None = None) -> None:
@@ -139,4 +139,15 @@ def default_examples_dir() -> Path:
         path.mkdir(parents=True, exist_ok=True)
     except OSError:
         path = Path(tempfile.gettempdir()) / "plugserve-examples"
+    return path
+
+
+def example_file(name: str) -> Path:
+    """A bundled example's ``model.onnx`` (built into the cache folder if needed), for the
+    in-process API: ``core.load_network(example_file("cnn"), "NUMPY")``; KeyError names the
+    examples when there is no such one."""
+    path = build_examples(default_examples_dir(), pipelines=False) / name / "1" / "model.onnx"
+    if not path.is_file():
+        models = sorted(p.parts[-3] for p in path.parents[2].glob("*/1/model.onnx"))
+        raise KeyError(f"no example {name!r}; examples with an .onnx file: {', '.join(models)}")
     return path

@@ -1389,6 +1389,11 @@ class PythonNetwork(CompiledNetwork):
     #: readiness asks the model's processes (and its is_ready(), up to READY_SECONDS)
     slow_readiness = True
 
+    @property
+    def precision(self) -> str:
+        """None to name: the model's own code decides what it computes in (not "f32")."""
+        return ""
+
     def __init__(self, plugin: PythonPlugin, config: Configuration, path: Path) -> None:
         message, model_config = _model_config(path)
         name = message.name

@@ -234,7 +234,10 @@ class Worker:
             self.mailbox.send({"op": "initialized", "is_ready": ready, "shm": shm})
             return True
         except BaseException as exc:  # the load fails with the reason; the worker ends
-            self.mailbox.send({"op": "initialized", "error": _reason(exc)})
+            # a TritonModelException is the model's own words (a missing dependency, say):
+            # they are the reason, without the traceback's lines
+            mine = isinstance(exc, pb_utils.TritonModelException) and str(exc)
+            self.mailbox.send({"op": "initialized", "error": str(exc) if mine else _reason(exc)})
             return False
 
     def _auto_complete(self, header: dict[str, Any]) -> bool:

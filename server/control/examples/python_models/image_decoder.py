@@ -6,6 +6,11 @@ to [0, 1], channels first, one image per request.
 Bounds: an image over ``MAX_PIXELS`` pixels is refused before it is decoded (Pillow reads the
 size from the header), and JPEGs are decoded at a reduced scale when that is still larger than
 the output (Pillow's ``draft``), so a request's memory is bounded by its picture's size.
+
+Pillow is imported when the model loads, not at its first request: without it the load fails
+saying what to install, and the server's other models load. Each load starts the model's
+process anew, so once Pillow is installed, loading the model again (``plugserve load
+image_decoder --repository``) or a restart finds it.
 """
 
 import io
@@ -16,14 +21,25 @@ import triton_python_backend_utils as pb_utils
 
 MAX_PIXELS = 40_000_000
 
-try:
-    from PIL import Image
-except ImportError:  # the answer says how to get it
-    Image = None
+#: what the load's error says when this Python has no Pillow
+NEEDS_PILLOW = (
+    "image_decoder needs Pillow to read images and {python} has none: pip install pillow "
+    "(or 'plugserve[image]'), then load it again: plugserve load image_decoder --repository "
+    "(or restart the server)"
+)
 
 
 class TritonPythonModel:
     def initialize(self, args):
+        try:
+            from PIL import Image
+        except ImportError:
+            import sys
+
+            raise pb_utils.TritonModelException(
+                NEEDS_PILLOW.format(python=sys.executable)
+            ) from None
+        self.image = Image
         config = json.loads(args["model_config"])
         output = pb_utils.get_output_config_by_name(config, "PIXELS")
         self.height, self.width = (int(d) for d in output["dims"][-2:])
@@ -46,8 +62,7 @@ class TritonPythonModel:
         return responses
 
     def decode(self, data):
-        if Image is None:
-            raise ValueError("decoding needs Pillow: pip install 'plugserve[image]'")
+        Image = self.image
         try:
             opened = Image.open(io.BytesIO(data))
         except Image.UnidentifiedImageError:
