@@ -251,6 +251,33 @@ class GenerativeNetwork(CompiledNetwork):
     def precision(self) -> str:
         return self.decoder_network.precision
 
+    # --- generation's one entry, which every face uses (OpenAI, KServe, in-process)
+
+    def generate(self, request: GenerationRequest, sender: Any) -> None:
+        """Start ``request``: its events go to ``sender`` (a :class:`ResponseStream` of the
+        data plane, or a :class:`QueueSender` in process), the last one final. Its bound on
+        unread events (``limits.stream_bounded``) is put on the sender here, once for every
+        face, and the engine checks what it needs (the prompt against the context and the
+        vocabulary, ``n`` against the slots, each sampling parameter's range) before the
+        request enters it: a refusal raises here, for the caller's request alone."""
+        limits.stream_bounded(sender)
+        self.engine.add(request, sender)
+
+    @property
+    def context(self) -> int:
+        """The longest sequence, prompt and answer (the engine's max_model_len)."""
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        """The decoder's logits (a padded embedding may have more rows than the tokenizer)."""
+        return self.engine.decoder.vocab or self.tokenizer.vocab_size
+
+    @property
+    def max_n(self) -> int:
+        """Choices one request may ask for at most (the engine's sequences at once)."""
+        return self.engine.scheduler.max_num_seqs
+
     def _metric(self, name: str) -> Any:
         if name == "OPTIMAL_NUMBER_OF_INFER_REQUESTS":
             return self.engine.scheduler.max_num_seqs
@@ -291,7 +318,7 @@ class GenerativeInferRequest(InferRequest):
         values["stream"] = None  # one response
         collected: list[Any] = []
         face = _Face(self.network, values, sender)
-        self.network.engine.add(face.request, face)
+        self.network.generate(face.request, face)
         try:
             for item in sender:
                 collected.append(item)
@@ -303,7 +330,7 @@ class GenerativeInferRequest(InferRequest):
         """Start the generation; its responses go to ``sender`` (the last with final)."""
         values = dict(zip((s.name for s in self.network.inputs), arrays))
         face = _Face(self.network, values, sender)
-        self.network.engine.add(face.request, face)
+        self.network.generate(face.request, face)
 
     def get_performance_counts(self) -> list[PerfCount]:
         return []

@@ -88,22 +88,23 @@ def _sse(value: Any) -> bytes:
 
 
 class _Model:
-    """A generative model as the adapter uses it: its entry, engine and tokenizer."""
+    """A generative model as the adapter uses it: its entry, network and tokenizer, and what
+    the network says of its bounds (the adapter reads nothing of its engine)."""
 
-    __slots__ = ("context", "engine", "entry", "max_n", "name", "tokenizer", "vocab_size")
+    __slots__ = ("context", "entry", "max_n", "name", "network", "tokenizer", "vocab_size")
 
     def __init__(self, entry: Any) -> None:
         network = entry.network
         self.entry = entry
         self.name = entry.name
-        self.engine = network.engine
+        self.network = network
         self.tokenizer = network.tokenizer
-        #: the longest sequence, prompt and answer (the engine's max_model_len)
-        self.context: int = self.engine.max_model_len
+        #: the longest sequence, prompt and answer
+        self.context: int = network.context
         #: the decoder's logits (a padded embedding may have more rows than the tokenizer)
-        self.vocab_size: int = self.engine.decoder.vocab or self.tokenizer.vocab_size
-        #: choices per request at most (the engine's sequences at once)
-        self.max_n: int = self.engine.scheduler.max_num_seqs
+        self.vocab_size: int = network.vocab_size
+        #: choices per request at most
+        self.max_n: int = network.max_n
 
 
 class OpenAIRoutes:
@@ -202,7 +203,7 @@ class OpenAIRoutes:
             "owned_by": "plugserve",
         }
         if _is_generative(entry):
-            card["max_model_len"] = entry.network.engine.max_model_len
+            card["max_model_len"] = entry.network.context
         return card
 
     def models(self, call: Any) -> Reply:
@@ -397,13 +398,9 @@ class OpenAIRoutes:
         return 200, [orjson.dumps(answer.body())], _JSON
 
     def _open(self, model: _Model, request: GenerationRequest, holds: int) -> Any:
-        engine = model.engine
-
-        def start(sender: Any) -> None:
-            limits.stream_bounded(sender)
-            engine.add(request, sender)
-
-        return self.plane.stream(Request(model.entry, holds=holds, protocol="openai"), start)
+        network = model.network
+        ask = Request(model.entry, holds=holds, protocol="openai")
+        return self.plane.stream(ask, lambda sender: network.generate(request, sender))
 
     # --- POST /v1/embeddings
 
