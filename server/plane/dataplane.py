@@ -128,6 +128,30 @@ def _follow(ticket: Ticket, future: Future | Finished, executor: StreamsExecutor
     future.add_done_callback(ticket.ended)
 
 
+def _answer(
+    name: str,
+    result: dict[str, Any],
+    wanted: list[str],
+    after: Callable[[dict[str, Any]], dict[str, Any]] | None,
+    most: int,
+) -> dict[str, Any]:
+    """A run's answer: the outputs ``wanted``, in their order; written to shared memory by
+    ``after``, else over ``most`` bytes in all refused (:func:`_answer_too_large`)."""
+    try:
+        answer = dict(zip(wanted, map(result.__getitem__, wanted)))
+    except KeyError:  # left out by a model that may (token.partial_outputs)
+        answer = {name: result[name] for name in wanted if name in result}
+    if after is not None:
+        return after(answer)
+    if most:
+        total = 0
+        for array in answer.values():
+            total += getattr(array, "nbytes", 0)
+        if total > most:
+            raise _answer_too_large(name, answer, most)
+    return answer
+
+
 def _past_limit(name: str, limit: float) -> DeadlineExceeded:
     return DeadlineExceeded(
         f"network {name!r}: stopped, the request ran past the server's limit "
@@ -376,20 +400,7 @@ class DataPlane:
         entry = request.entry
         name = entry.name
         recorder = entry.recorder
-        try:
-            checked = request.checked
-            arrays = (
-                checked
-                if checked is not None
-                else check_inputs(name, entry.network.inputs, request.inputs)
-            )
-            if entry.max_batch_size > 0:
-                check_batch(name, entry.max_batch_size, arrays)
-            outputs = request.outputs
-            wanted = self._outputs(entry, outputs) if outputs else entry.output_names
-        except PlugserveError:
-            recorder.refused("invalid")
-            raise
+        arrays, wanted = self._checked(request)
         executor = entry.executor
         most = self.max_answer_bytes
         budget = self.budget
@@ -431,18 +442,7 @@ class DataPlane:
             finally:
                 if stage is not None:
                     stage.left()
-            try:
-                answer = dict(zip(wanted, map(result.__getitem__, wanted)))
-            except KeyError:  # left out by a model that may (token.partial_outputs)
-                answer = {name: result[name] for name in wanted if name in result}
-            if after is not None:
-                answer = after(answer)
-            elif most:
-                total = 0
-                for array in answer.values():
-                    total += getattr(array, "nbytes", 0)
-                if total > most:
-                    raise _answer_too_large(name, answer, most)
+            answer = _answer(name, result, wanted, after, most)
             finished = time.perf_counter()
             entry.run_seconds += (finished - started - entry.run_seconds) * 0.125
             if entry.perf_enabled:
@@ -455,14 +455,7 @@ class DataPlane:
         charge = self._enter(request, reroute=True)
         if charge is None:  # reloaded since the caller's lookup: its replacement answers
             return self._readmit(request, arrays)
-        ticket = None
-        if entry.queue is not None:  # Triton's queue policies: a level's bound, its timeout
-            try:
-                ticket = entry.queue.enter(token)
-            except PlugserveError as exc:
-                self._leave(request, charge)
-                recorder.refused("overloaded" if _overload(exc) else "")
-                raise
+        ticket = None if entry.queue is None else self._ticket(request, charge)
         if token.trace is not None:
             stage = Stage(token.trace, entry, arrays)
         try:
@@ -491,6 +484,32 @@ class DataPlane:
             future.add_done_callback(lambda f: self._finished(request, f, charge, stage))
         return future
 
+    def _checked(self, request: Request) -> tuple[list[Any], list[str]]:
+        """The request's inputs as checked arrays in the network's order (once: a protocol's
+        fast path may have done it), and the outputs it wants; a refusal counted as invalid."""
+        entry = request.entry
+        try:
+            arrays = request.checked
+            if arrays is None:
+                arrays = check_inputs(entry.name, entry.network.inputs, request.inputs)
+            if entry.max_batch_size > 0:
+                check_batch(entry.name, entry.max_batch_size, arrays)
+            outputs = request.outputs
+            return arrays, self._outputs(entry, outputs) if outputs else entry.output_names
+        except PlugserveError:
+            entry.recorder.refused("invalid")
+            raise
+
+    def _ticket(self, request: Request, charge: Charge) -> Ticket:
+        """The request's place under its model's queue policies (Triton's: its level's bound
+        and waiting timeout); a refusal releases what :meth:`_enter` took."""
+        try:
+            return request.entry.queue.enter(request.run)
+        except PlugserveError as exc:
+            self._leave(request, charge)
+            request.entry.recorder.refused("overloaded" if _overload(exc) else "")
+            raise
+
     def _readmit(self, request: Request, arrays: list[Any]) -> Future | Finished:
         """``request``, whose network was replaced (a reload) after the caller's lookup, to
         the replacement: checked again against it, by name."""
@@ -505,18 +524,9 @@ class DataPlane:
         checked as :meth:`_admit` checks them, then ``infer_decoupled`` on its executor."""
         entry = request.entry
         name = entry.name
-        try:
-            if request.checked is not None:
-                arrays = request.checked
-            else:
-                arrays = check_inputs(name, entry.network.inputs, request.inputs)
-            if entry.max_batch_size > 0:
-                check_batch(name, entry.max_batch_size, arrays)
-            if request.outputs:
-                request.outputs = self._outputs(entry, request.outputs)
-        except PlugserveError:
-            entry.recorder.refused("invalid")
-            raise
+        arrays, wanted = self._checked(request)
+        if request.outputs:
+            request.outputs = wanted
         if entry.sequences is not None and not entry.sequences.relay:
             entry.recorder.refused("invalid")
             raise InvalidInput(
