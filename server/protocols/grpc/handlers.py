@@ -169,118 +169,138 @@ def pump(
     and not completed) at once, and ``STREAM_WINDOW_BYTES`` of finished responses wait to be
     sent; when the call ends, what is still queued or streaming is cancelled and the reader
     stops."""
-    done: queue.Queue = queue.Queue()
-    window = threading.Condition()
-    unsent = [0, 0]  # requests read and not yet completed on the wire; bytes of those finished
-    admitted = [0]  # requests read so far
-    ended = threading.Event()
-    outstanding: set[Any] = set()
+    stream = _Pump(requests, context, submit, respond, fail, decoupled)
+    context.add_callback(stream.end)
+    threading.Thread(target=stream.read, name=name, daemon=True).start()
+    try:
+        yield from stream.responses()
+    finally:
+        stream.end()
 
-    def finished(message: Any) -> None:
-        with window:
-            unsent[1] += len(message) if isinstance(message, bytes) else 0
-        done.put(message)
 
-    def complete(request: Any, entry: Any, future: Future) -> None:
+class _Pump:
+    """One inference stream's state, shared by its reader thread (:meth:`read`) and the
+    thread that writes its responses (:meth:`responses`); see :func:`pump`."""
+
+    def __init__(self, requests, context, submit, respond, fail, decoupled) -> None:
+        self.requests, self.context = requests, context
+        self.submit, self.respond, self.fail, self.decoupled = submit, respond, fail, decoupled
+        self.done: queue.Queue = queue.Queue()
+        self.window = threading.Condition()
+        #: requests read and not yet completed on the wire; bytes of those finished
+        self.unsent = [0, 0]
+        self.admitted = 0  # requests read so far
+        self.ended = threading.Event()
+        self.outstanding: set[Any] = set()
+
+    def finished(self, message: Any) -> None:
+        with self.window:
+            self.unsent[1] += len(message) if isinstance(message, bytes) else 0
+        self.done.put(message)
+
+    def complete(self, request: Any, entry: Any, future: Future) -> None:
         if future.cancelled():  # by end(): the call is over, nobody reads an answer
             return
         try:
-            message = respond(request, entry, future.result())
+            message = self.respond(request, entry, future.result())
         except BaseException as exc:
-            message = fail(request, exc)
+            message = self.fail(request, exc)
             forget_frames(exc)
-        finished(message)
+        self.finished(message)
 
-    def room() -> bool:
+    def room(self) -> bool:
+        """Wait until the window lets one more request in; False once the call ended."""
+        window, unsent = self.window, self.unsent
         with window:
             while unsent[0] >= STREAM_WINDOW or unsent[1] >= STREAM_WINDOW_BYTES:
-                if ended.is_set():
+                if self.ended.is_set():
                     return False
                 window.wait(0.5)
             unsent[0] += 1
-            return not ended.is_set()
+            return not self.ended.is_set()
 
-    def read() -> None:
+    def read(self) -> None:
+        """The reader thread: admit each request as it arrives, while the window has room."""
+        outstanding, done = self.outstanding, self.done
         try:
-            while room():
-                item = next(requests, None)
+            while self.room():
+                item = next(self.requests, None)
                 if item is None:
                     break
                 request, size = item
-                with window:
-                    admitted[0] += 1
+                with self.window:
+                    self.admitted += 1
                 try:
-                    entry, future = submit(request, context, size)
+                    entry, future = self.submit(request, self.context, size)
                 except Exception as exc:
-                    finished(fail(request, exc))
+                    self.finished(self.fail(request, exc))
                     continue
+                outstanding.add(future)
                 if isinstance(future, ResponseStream):
-                    outstanding.add(future)
                     future.when_ended(lambda _e, f=future: outstanding.discard(f))
                     ready = _Ready(request, entry, future)
                     future.add_listener(lambda r=ready: done.put(r))
                     continue
-                outstanding.add(future)
                 future.add_done_callback(outstanding.discard)
-                future.add_done_callback(lambda f, r=request, e=entry: complete(r, e, f))
+                future.add_done_callback(lambda f, r=request, e=entry: self.complete(r, e, f))
         except grpc.RpcError:
             pass  # the client went away
         finally:
             done.put(None)
 
-    def end() -> None:
-        ended.set()
-        with window:
-            window.notify_all()
-        for future in list(outstanding):
+    def end(self) -> None:
+        self.ended.set()
+        with self.window:
+            self.window.notify_all()
+        for future in list(self.outstanding):
             future.cancel()
 
-    def drain(ready: _Ready) -> tuple[list[Any], bool]:
+    def drain(self, ready: _Ready) -> tuple[list[Any], bool]:
         """The stream's waiting responses as messages, and whether it is complete."""
         messages = []
         try:
             for item, final in ready.stream.take():
-                message = decoupled(ready.request, ready.entry, item, final)
+                message = self.decoupled(ready.request, ready.entry, item, final)
                 if message is not None:
                     messages.append(message)
         except BaseException as exc:
-            messages.append(fail(ready.request, exc))
+            messages.append(self.fail(ready.request, exc))
             forget_frames(exc)
             return messages, True
         return messages, ready.stream.exhausted
 
-    context.add_callback(end)
-    threading.Thread(target=read, name=name, daemon=True).start()
-    completed, reading = 0, True
-    try:
+    def _sent(self, nbytes: int = 0) -> None:
+        """One request's last response left: the window has room for another."""
+        with self.window:
+            self.unsent[0] -= 1
+            self.unsent[1] -= nbytes
+            self.window.notify_all()
+
+    def responses(self) -> Iterator[Any]:
+        """The call's responses in completion order, until the reader has stopped and every
+        request it admitted is complete."""
+        completed, reading = 0, True
         while True:
-            message = done.get()
+            message = self.done.get()
             if message is None:
                 reading = False
             elif type(message) is _Ready:
                 # a stream taken to its end ignores the markers still queued for it (a set of
                 # such streams kept each one's request message for as long as the call lasted)
                 if not message.stream.exhausted:
-                    messages, complete_now = drain(message)
+                    messages, complete_now = self.drain(message)
                     yield from messages
                     if complete_now:
                         completed += 1
-                        with window:
-                            unsent[0] -= 1
-                            window.notify_all()
+                        self._sent()
             else:
                 completed += 1
                 yield message
-                with window:
-                    unsent[0] -= 1
-                    unsent[1] -= len(message) if isinstance(message, bytes) else 0
-                    window.notify_all()
-            with window:
-                total = admitted[0]
+                self._sent(len(message) if isinstance(message, bytes) else 0)
+            with self.window:
+                total = self.admitted
             if not reading and completed >= total:
                 return
-    finally:
-        end()
 
 
 @dataclasses.dataclass(frozen=True)
