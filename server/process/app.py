@@ -290,6 +290,8 @@ class Server:
                 log.info("device %s: extension %s added", name, ref)
 
     def start(self) -> None:
+        """Start the ports (gRPC, health, metrics, REST), then load the repository: the
+        server answers health (not serving) while it loads, and is ready once it has."""
         s = self.settings
         if reuse_freed_memory(s.malloc_reuse_bytes):
             log.debug("malloc: freed blocks up to %d bytes are reused", s.malloc_reuse_bytes)
@@ -300,6 +302,38 @@ class Server:
         if problems:
             raise SystemExit(f"plugserve: invalid settings: {'; '.join(problems)}")
         credentials = server_credentials(s)
+        auth = self._start_grpc(credentials)
+        if s.health_port >= 0:
+            self._serve_health(s.host, s.health_port)
+        if s.metrics_port >= 0:
+            try:
+                self.metrics_port = self.metrics.serve(s.host, s.metrics_port)
+            except SystemExit:  # the port is taken: one line, and nothing left running
+                self._stop_grpc(0)
+                raise
+        if s.http_port >= 0:
+            self._start_rest(auth)
+        rest = f", HTTP {'https' if credentials else 'http'}://{s.host}:{self.http_port}"
+        log.info(
+            "listening: gRPC %s:%d, metrics http://%s:%d/metrics%s",
+            s.host,
+            self.grpc_port,
+            s.host,
+            self.metrics_port,
+            rest if self.rest else "",
+        )
+        self.plane.ports = {
+            "grpc": self.grpc_port,
+            "http": self.http_port if self.rest else -1,
+            "metrics": self.metrics_port if s.metrics_port >= 0 else -1,
+            "health": self.health_port if s.health_port >= 0 else -1,
+        }
+        self._load_models()
+
+    def _start_grpc(self, credentials: grpc.ServerCredentials | None) -> AuthInterceptor | None:
+        """The gRPC port with its call gate, auth and services; the auth interceptor (None
+        without tokens), which the REST port shares."""
+        s = self.settings
         self.gate = CallGate(
             s.max_open_streams or max(1, s.grpc_workers // 2),
             max(1, s.grpc_workers // 4),
@@ -308,27 +342,9 @@ class Server:
         )
         wraps: list[Wrap] = [self.gate.wrap]
         interceptors: list[grpc.ServerInterceptor] = []
-        auth = None
-        if s.auth_tokens:
-            tokens = load_tokens(s.auth_tokens)
-            auth = AuthInterceptor(tokens, bool(s.open_health), bool(s.open_reflection))
+        auth = self._auth(credentials, wraps)
+        if auth is not None:
             interceptors.append(auth)
-            log.info(
-                "token auth on: %d token(s); health %s, reflection %s",
-                len(tokens),
-                "open" if s.open_health else "needs a token",
-                "open" if s.open_reflection else "needs a token",
-            )
-            if credentials is None:
-                log.warning("token auth without TLS: tokens cross the network in plaintext")
-        elif not s.allow_remote_control:
-            wraps.append(local_control)
-            log.info("no tokens: model control is taken from this machine only")
-        else:
-            log.warning(
-                "no tokens and --allow-remote-control 1: any client that reaches the ports "
-                "may load models and set device config"
-            )
         options = [
             ("grpc.max_send_message_length", s.max_message_bytes),
             ("grpc.max_receive_message_length", s.max_message_bytes),
@@ -359,42 +375,55 @@ class Server:
             log.info("TLS on%s", " with client certificates (mTLS)" if s.tls_client_ca else "")
         server.start()
         self.grpc_server = server
-        if s.health_port >= 0:
-            self._serve_health(s.host, s.health_port)
-        if s.metrics_port >= 0:
-            try:
-                self.metrics_port = self.metrics.serve(s.host, s.metrics_port)
-            except SystemExit:  # the port is taken: one line, and nothing left running
-                self._stop_grpc(0)
-                raise
-        if s.http_port >= 0:
-            rest_app = RestApp(
-                self.plane,
-                self.control,
-                s.max_message_bytes,
-                auth,
-                local_control=not s.allow_remote_control,
+        return auth
+
+    def _auth(
+        self, credentials: grpc.ServerCredentials | None, wraps: list[Wrap]
+    ) -> AuthInterceptor | None:
+        """Token auth from --auth-tokens, or (without tokens) model control from this machine
+        only unless --allow-remote-control: added to ``wraps``."""
+        s = self.settings
+        if s.auth_tokens:
+            tokens = load_tokens(s.auth_tokens)
+            log.info(
+                "token auth on: %d token(s); health %s, reflection %s",
+                len(tokens),
+                "open" if s.open_health else "needs a token",
+                "open" if s.open_reflection else "needs a token",
             )
-            # the OpenAI-compatible API over generative models (server/protocols/openai/)
-            self.openai = OpenAIRoutes(self.plane, self.control, s.max_completion_tokens)
-            rest_app.add_routes(self.openai.routes(), self.openai.refusal)
-            self.rest = RestServer(rest_app, s)
-            self.http_port = self.rest.start()
-        rest = f", HTTP {'https' if credentials else 'http'}://{s.host}:{self.http_port}"
-        log.info(
-            "listening: gRPC %s:%d, metrics http://%s:%d/metrics%s",
-            s.host,
-            self.grpc_port,
-            s.host,
-            self.metrics_port,
-            rest if self.rest else "",
+            if credentials is None:
+                log.warning("token auth without TLS: tokens cross the network in plaintext")
+            return AuthInterceptor(tokens, bool(s.open_health), bool(s.open_reflection))
+        if not s.allow_remote_control:
+            wraps.append(local_control)
+            log.info("no tokens: model control is taken from this machine only")
+        else:
+            log.warning(
+                "no tokens and --allow-remote-control 1: any client that reaches the ports "
+                "may load models and set device config"
+            )
+        return None
+
+    def _start_rest(self, auth: AuthInterceptor | None) -> None:
+        """KServe v2 over HTTP, with the OpenAI routes on the same port."""
+        s = self.settings
+        rest_app = RestApp(
+            self.plane,
+            self.control,
+            s.max_message_bytes,
+            auth,
+            local_control=not s.allow_remote_control,
         )
-        self.plane.ports = {
-            "grpc": self.grpc_port,
-            "http": self.http_port if self.rest else -1,
-            "metrics": self.metrics_port if s.metrics_port >= 0 else -1,
-            "health": self.health_port if s.health_port >= 0 else -1,
-        }
+        # the OpenAI-compatible API over generative models (server/protocols/openai/)
+        self.openai = OpenAIRoutes(self.plane, self.control, s.max_completion_tokens)
+        rest_app.add_routes(self.openai.routes(), self.openai.refusal)
+        self.rest = RestServer(rest_app, s)
+        self.http_port = self.rest.start()
+
+    def _load_models(self) -> None:
+        """The repository's models (--model-control-mode, --load-model), then ready; under
+        Triton's --exit-on-error a model that cannot be served stops the server."""
+        s = self.settings
         self.control.control_mode = s.model_control_mode
         names = None
         if s.model_control_mode == "explicit":
