@@ -205,106 +205,59 @@ class RestApp:
         #: them already (RestServer sets it to that); this is a backstop.
         self.worker_queue = 256
         self._in_workers = 0  # only the loop's thread counts
+        table = self._table()
+        merged: dict[str, dict[str, tuple[str, Callable[[Call], Any]]]] = {}
+        for pattern, verbs, method, handler in table:  # a path's methods in one route
+            merged.setdefault(pattern, {}).update({verb: (method, handler) for verb in verbs})
+        self.routes = [(re.compile(pattern + "/?"), methods) for pattern, methods in merged.items()]
+        #: routes with an error body of their own, and its renderer (add_routes)
+        self._refusals: list[tuple[list[re.Pattern[str]], Callable[..., Reply]]] = []
+
+    def _table(self) -> list[tuple[str, tuple[str, ...], str, Callable[[Call], Any]]]:
+        """The routes, one row each: (path pattern, HTTP methods, the gRPC method the route
+        stands for, which authorizes it as that method, handler). The infer route first (no
+        other route's pattern matches a path ending in /infer): the one whose lookup is paid
+        per inference."""
         model = r"/v2/models/(?P<name>[^/]+)(?:/versions/(?P<version>[^/]+))?"
         shm = r"/v2/systemsharedmemory"
         region = shm + r"/region/(?P<name>[^/]+)"
         cuda = r"/v2/cudasharedmemory"
-        unsupported = {r"/v2/logging": "log settings"}
+        cuda_region = cuda + r"/region/(?P<name>[^/]+)"
         trace = r"/v2(?:/models/(?P<name>[^/]+))?/trace/setting"
-        # (pattern, {method: (gRPC method it stands for, handler)})
-        # the infer route first (no other route's pattern matches a path ending in /infer):
-        # the one whose lookup is paid per inference
-        table: list[tuple[str, dict[str, tuple[str, Callable[[Call], Any]]]]] = [
-            (model + "/infer", {"POST": (f"/{KSERVE}/ModelInfer", self.infer)}),
-            (model + "/generate", {"POST": (f"/{KSERVE}/ModelInfer", self.generate)}),
-            (
-                model + "/generate_stream",
-                {"POST": (f"/{KSERVE}/ModelStreamInfer", self.generate_stream)},
-            ),
-            (r"/v2/health/live", {"GET": (f"/{HEALTH}/Check", self.live)}),
-            (r"/v2/health/ready", {"GET": (f"/{HEALTH}/Check", self.ready)}),
-            (r"/v2", {"GET": (f"/{KSERVE}/ServerMetadata", self.server_metadata)}),
-            (r"/v2/models/stats", {"GET": (f"/{KSERVE}/ModelStatistics", self.statistics)}),
-            (r"/v2/repository/index", {"POST": (f"/{KSERVE}/RepositoryIndex", self.index)}),
-            (
-                r"/v2/repository/models/(?P<name>[^/]+)/load",
-                {"POST": (f"/{KSERVE}/RepositoryModelLoad", self.load)},
-            ),
-            (
-                r"/v2/repository/models/(?P<name>[^/]+)/unload",
-                {"POST": (f"/{KSERVE}/RepositoryModelUnload", self.unload)},
-            ),
-            *(
-                (
-                    pattern,
-                    {m: (f"/{KSERVE}/ServerMetadata", _refuse(feature)) for m in ("GET", "POST")},
-                )
-                for pattern, feature in unsupported.items()
-            ),
-            (
-                trace,
-                {
-                    "GET": (f"/{KSERVE}/TraceSetting", self.trace_setting),
-                    "POST": (f"/{KSERVE}/TraceSetting", self.update_trace_setting),
-                },
-            ),
-            *(
-                (pattern, {m: (f"/{KSERVE}/{method}", handler) for m in verbs})
-                for pattern, verbs, method, handler in (
-                    (shm + "/status", ("GET", "POST"), "SystemSharedMemoryStatus", self.shm_status),
-                    (
-                        region + "/status",
-                        ("GET", "POST"),
-                        "SystemSharedMemoryStatus",
-                        self.shm_status,
-                    ),
-                    (
-                        region + "/register",
-                        ("POST",),
-                        "SystemSharedMemoryRegister",
-                        self.shm_register,
-                    ),
-                    (
-                        shm + "/unregister",
-                        ("POST",),
-                        "SystemSharedMemoryUnregister",
-                        self.shm_unregister,
-                    ),
-                    (
-                        region + "/unregister",
-                        ("POST",),
-                        "SystemSharedMemoryUnregister",
-                        self.shm_unregister,
-                    ),
-                    (cuda + "/status", ("GET", "POST"), "CudaSharedMemoryStatus", self.cuda_status),
-                    (
-                        cuda + r"/region/(?P<name>[^/]+)/status",
-                        ("GET", "POST"),
-                        "CudaSharedMemoryStatus",
-                        self.cuda_status,
-                    ),
-                    (
-                        cuda + r"/region/(?P<name>[^/]+)/register",
-                        ("POST",),
-                        "CudaSharedMemoryRegister",
-                        self.cuda_register,
-                    ),
-                    (
-                        cuda + r"(?:/region/(?P<name>[^/]+))?/unregister",
-                        ("POST",),
-                        "CudaSharedMemoryUnregister",
-                        self.cuda_unregister,
-                    ),
-                )
-            ),
-            (model, {"GET": (f"/{KSERVE}/ModelMetadata", self.model_metadata)}),
-            (model + "/ready", {"GET": (f"/{KSERVE}/ModelReady", self.model_ready)}),
-            (model + "/config", {"GET": (f"/{KSERVE}/ModelConfig", self.model_config)}),
-            (model + "/stats", {"GET": (f"/{KSERVE}/ModelStatistics", self.statistics)}),
-        ]
-        self.routes = [(re.compile(pattern + "/?"), methods) for pattern, methods in table]
-        #: routes with an error body of their own, and its renderer (add_routes)
-        self._refusals: list[tuple[list[re.Pattern[str]], Callable[..., Reply]]] = []
+        get, post, both = ("GET",), ("POST",), ("GET", "POST")
+        k = f"/{KSERVE}/"
+        return [
+            (model + "/infer", post, k + "ModelInfer", self.infer),
+            (model + "/generate", post, k + "ModelInfer", self.generate),
+            (model + "/generate_stream", post, k + "ModelStreamInfer", self.generate_stream),
+            (r"/v2/health/live", get, f"/{HEALTH}/Check", self.live),
+            (r"/v2/health/ready", get, f"/{HEALTH}/Check", self.ready),
+            (r"/v2", get, k + "ServerMetadata", self.server_metadata),
+            (r"/v2/models/stats", get, k + "ModelStatistics", self.statistics),
+            (r"/v2/repository/index", post, k + "RepositoryIndex", self.index),
+            (r"/v2/repository/models/(?P<name>[^/]+)/load", post, k + "RepositoryModelLoad",
+             self.load),
+            (r"/v2/repository/models/(?P<name>[^/]+)/unload", post,
+             k + "RepositoryModelUnload", self.unload),
+            (r"/v2/logging", both, k + "ServerMetadata", _refuse("log settings")),
+            (trace, get, k + "TraceSetting", self.trace_setting),
+            (trace, post, k + "TraceSetting", self.update_trace_setting),
+            (shm + "/status", both, k + "SystemSharedMemoryStatus", self.shm_status),
+            (region + "/status", both, k + "SystemSharedMemoryStatus", self.shm_status),
+            (region + "/register", post, k + "SystemSharedMemoryRegister", self.shm_register),
+            (shm + "/unregister", post, k + "SystemSharedMemoryUnregister", self.shm_unregister),
+            (region + "/unregister", post, k + "SystemSharedMemoryUnregister",
+             self.shm_unregister),
+            (cuda + "/status", both, k + "CudaSharedMemoryStatus", self.cuda_status),
+            (cuda_region + "/status", both, k + "CudaSharedMemoryStatus", self.cuda_status),
+            (cuda_region + "/register", post, k + "CudaSharedMemoryRegister", self.cuda_register),
+            (cuda + r"(?:/region/(?P<name>[^/]+))?/unregister", post,
+             k + "CudaSharedMemoryUnregister", self.cuda_unregister),
+            (model, get, k + "ModelMetadata", self.model_metadata),
+            (model + "/ready", get, k + "ModelReady", self.model_ready),
+            (model + "/config", get, k + "ModelConfig", self.model_config),
+            (model + "/stats", get, k + "ModelStatistics", self.statistics),
+        ]  # fmt: skip
 
     def add_routes(
         self,
