@@ -81,102 +81,121 @@ def measure(
     progress: str = "",
 ) -> BenchResult:
     """Run until ``iterations`` requests completed or ``duration`` seconds passed."""
+    if mode not in ("sync", "async"):
+        raise ValueError(f"mode: sync or async, not {mode!r}")
     if iterations is None and duration is None:
         duration = 10.0
     concurrency = max(1, concurrency)
     for _ in range(warmup):
         runner.call()
-    lock = threading.Lock()
-    latencies: list[float] = []
-    starts: list[float] = []
-    errors = [0]
-    first_error = [""]
-    sent = [0]
-    t0 = time.perf_counter()
-    end = t0 + duration if duration is not None else math.inf
-
-    def claim() -> bool:
-        with lock:
-            if iterations is not None and sent[0] >= iterations:
-                return False
-            if time.perf_counter() >= end:
-                return False
-            sent[0] += 1
-            return True
-
-    def record(start: float, error: BaseException | None) -> None:
-        now = time.perf_counter()
-        with lock:
-            if error is None:
-                latencies.append(now - start)
-                starts.append(start - t0)
-            else:
-                errors[0] += 1
-                if not first_error[0]:
-                    first_error[0] = _describe_error(error)
-
+    run = _Run(iterations, duration)
     bar = _Progress(
         progress or "bench",
         float(iterations) if iterations is not None else float(duration or 0),
         "",
         bool(progress),
     )
-    bar.count = lambda: len(latencies) + errors[0]
+    bar.count = lambda: len(run.latencies) + run.errors
     bar.value = (
-        (lambda: float(len(latencies) + errors[0]))
+        (lambda: float(len(run.latencies) + run.errors))
         if iterations is not None
-        else (lambda: time.perf_counter() - t0)
+        else (lambda: time.perf_counter() - run.t0)
     )
     with bar:
         if mode == "sync":
-
-            def worker() -> None:
-                while claim():
-                    start = time.perf_counter()
-                    try:
-                        runner.call()
-                    except Exception as exc:  # counted, the run goes on
-                        record(start, exc)
-                    else:
-                        record(start, None)
-
-            threads = [threading.Thread(target=worker, daemon=True) for _ in range(concurrency)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-        elif mode == "async":
-            completions: queue.SimpleQueue[int] = queue.SimpleQueue()
-            in_flight = 0
-
-            def start_one(slot: int) -> bool:
-                if not claim():
-                    return False
-                start = time.perf_counter()
-
-                def done(error: BaseException | None) -> None:
-                    record(start, error)
-                    completions.put(slot)
-
-                try:
-                    runner.submit(done)
-                except Exception as exc:
-                    record(start, exc)
-                    completions.put(slot)
-                return True
-
-            for slot in range(concurrency):
-                if start_one(slot):
-                    in_flight += 1
-            while in_flight:
-                slot = completions.get()
-                in_flight -= 1
-                if start_one(slot):
-                    in_flight += 1
+            _sync(run, runner, concurrency)
         else:
-            raise ValueError(f"mode: sync or async, not {mode!r}")
-    wall = time.perf_counter() - t0
-    return BenchResult(latencies, starts, errors[0], wall, first_error[0])
+            _async(run, runner, concurrency)
+    wall = time.perf_counter() - run.t0
+    return BenchResult(run.latencies, run.starts, run.errors, wall, run.first_error)
+
+
+class _Run:
+    """What the requests of one measurement share: how many may still start, and what
+    finished (latencies, start times, errors), under one lock."""
+
+    def __init__(self, iterations: int | None, duration: float | None) -> None:
+        self.lock = threading.Lock()
+        self.latencies: list[float] = []
+        self.starts: list[float] = []
+        self.errors = 0
+        self.first_error = ""
+        self.sent = 0
+        self.iterations = iterations
+        self.t0 = time.perf_counter()
+        self.end = self.t0 + duration if duration is not None else math.inf
+
+    def claim(self) -> bool:
+        """One more request may start."""
+        with self.lock:
+            if self.iterations is not None and self.sent >= self.iterations:
+                return False
+            if time.perf_counter() >= self.end:
+                return False
+            self.sent += 1
+            return True
+
+    def record(self, start: float, error: BaseException | None) -> None:
+        now = time.perf_counter()
+        with self.lock:
+            if error is None:
+                self.latencies.append(now - start)
+                self.starts.append(start - self.t0)
+            else:
+                self.errors += 1
+                if not self.first_error:
+                    self.first_error = _describe_error(error)
+
+
+def _sync(run: _Run, runner: Runner, concurrency: int) -> None:
+    """``concurrency`` threads, each sending its next request when its last is answered."""
+
+    def worker() -> None:
+        while run.claim():
+            start = time.perf_counter()
+            try:
+                runner.call()
+            except Exception as exc:  # counted, the run goes on
+                run.record(start, exc)
+            else:
+                run.record(start, None)
+
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def _async(run: _Run, runner: Runner, concurrency: int) -> None:
+    """``concurrency`` requests in flight from one thread, each completion starting the next."""
+    completions: queue.SimpleQueue[int] = queue.SimpleQueue()
+    in_flight = 0
+
+    def start_one(slot: int) -> bool:
+        if not run.claim():
+            return False
+        start = time.perf_counter()
+
+        def done(error: BaseException | None) -> None:
+            run.record(start, error)
+            completions.put(slot)
+
+        try:
+            runner.submit(done)
+        except Exception as exc:
+            run.record(start, exc)
+            completions.put(slot)
+        return True
+
+    for slot in range(concurrency):
+        if start_one(slot):
+            in_flight += 1
+    while in_flight:
+        slot = completions.get()
+        in_flight -= 1
+        if start_one(slot):
+            in_flight += 1
 
 
 def _describe_error(error: BaseException) -> str:
