@@ -167,8 +167,56 @@ class _Graph:
 
 def decoder_graph(size: DecoderSize) -> onnx.ModelProto:
     """The decoder as optimum exports it (see the module's docstring)."""
-    h, d, kv, heads = size.hidden, size.head_dim, size.kv_heads, size.heads
+    h, d, kv = size.hidden, size.head_dim, size.kv_heads
     g = _Graph()
+    _positions_and_mask(g, size)
+    x = g.op(
+        "Gather", [g.const("embed", _weight(size, "embed", (size.vocab, h), 1.0)), "input_ids"]
+    )
+    caches: list[str] = []
+    for layer in range(size.layers):
+        x = _layer(g, size, layer, x)
+        caches += [f"past_key_values.{layer}.key", f"past_key_values.{layer}.value"]
+    norm = g.const("norm", _weight(size, "norm", (h,), 0.2, 1.0))
+    head = g.const("lm_head", _weight(size, "lm_head", (h, size.vocab), 4.0 / h**0.5))
+    g.op("MatMul", [g.rms_norm(x, norm), head], ["logits"])
+
+    def tensor(name: str, kind: int, shape: list) -> onnx.ValueInfoProto:
+        return helper.make_tensor_value_info(name, kind, shape)
+
+    cache_in = ["batch", kv, "past", d]
+    cache_out = ["batch", kv, "total", d]
+    graph = helper.make_graph(
+        g.nodes,
+        "tiny_llama",
+        [
+            tensor("input_ids", TensorProto.INT64, ["batch", "sequence"]),
+            tensor("attention_mask", TensorProto.INT64, ["batch", "total"]),
+            tensor("position_ids", TensorProto.INT64, ["batch", "sequence"]),
+            *(tensor(n, TensorProto.FLOAT, cache_in) for n in caches),
+        ],
+        [
+            tensor("logits", TensorProto.FLOAT, ["batch", "sequence", size.vocab]),
+            *(
+                tensor(n.replace("past_key_values", "present"), TensorProto.FLOAT, cache_out)
+                for n in caches
+            ),
+        ],  # fmt: skip
+        initializer=g.initializers,
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="plugserve-make-model"
+    )
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    return model
+
+
+def _positions_and_mask(g: _Graph, size: DecoderSize) -> None:
+    """What every layer shares: the rotary tables read at the positions (``cos``, ``sin``:
+    [B, 1, S, d/2]), the attention bias (``bias``: [B, 1, S, T], key j seen by query i at cache
+    index T - S + i when the attention mask has it and j <= T - S + i), and the constants."""
+    d, kv, heads = size.head_dim, size.kv_heads, size.heads
     g.const("eps", np.array(1e-5, np.float32))
     g.const("halves", np.array([d // 2, d // 2], np.int64))
     inv = 1.0 / (500000.0 ** (np.arange(0, d, 2, dtype=np.float64) / d))
@@ -177,11 +225,8 @@ def decoder_graph(size: DecoderSize) -> onnx.ModelProto:
     g.const("sin_table", np.sin(angles).astype(np.float32))
     g.const("axis1", np.array([1], np.int64))
     g.const("axis2", np.array([2], np.int64))
-    # positions' angles [B, 1, S, d/2], shared by every layer's q and k
     g.op("Unsqueeze", [g.op("Gather", ["cos_table", "position_ids"]), "axis1"], ["cos"])
     g.op("Unsqueeze", [g.op("Gather", ["sin_table", "position_ids"]), "axis1"], ["sin"])
-    # the mask [B, 1, S, T]: key j is seen by query i (at cache index T - S + i) when the
-    # attention mask has it and j <= T - S + i
     g.const("zero", np.array(0, np.int64))
     g.const("one", np.array(1, np.int64))
     total = g.op("Gather", [g.op("Shape", ["attention_mask"]), "one"])
@@ -202,80 +247,48 @@ def decoder_graph(size: DecoderSize) -> onnx.ModelProto:
     g.const("merged_heads", np.array([0, heads, -1, d], np.int64))
     g.const("merged_width", np.array([0, 0, heads * d], np.int64))
 
-    x = g.op(
-        "Gather", [g.const("embed", _weight(size, "embed", (size.vocab, h), 1.0)), "input_ids"]
-    )
-    inputs, outputs = [], []
-    for layer in range(size.layers):
-        w = {
-            name: g.const(f"l{layer}.{name}", _weight(size, f"l{layer}.{name}", shape, std))
-            for name, shape, std in (
-                ("q", (h, heads * d), 2.0 / h**0.5),
-                ("k", (h, kv * d), 2.0 / h**0.5),
-                ("v", (h, kv * d), 1.0 / h**0.5),
-                ("o", (heads * d, h), 1.0 / (heads * d) ** 0.5),
-                ("gate", (h, size.intermediate), 1.0 / h**0.5),
-                ("up", (h, size.intermediate), 1.0 / h**0.5),
-                ("down", (size.intermediate, h), 1.0 / size.intermediate**0.5),
-            )
-        }
-        norm1 = g.const(f"l{layer}.norm1", _weight(size, f"l{layer}.norm1", (h,), 0.2, 1.0))
-        norm2 = g.const(f"l{layer}.norm2", _weight(size, f"l{layer}.norm2", (h,), 0.2, 1.0))
-        past_k, past_v = f"past_key_values.{layer}.key", f"past_key_values.{layer}.value"
-        present_k, present_v = f"present.{layer}.key", f"present.{layer}.value"
-        inputs += [past_k, past_v]
-        outputs += [present_k, present_v]
-        xn = g.rms_norm(x, norm1)
-        q = g.rotate(g.heads(g.op("MatMul", [xn, w["q"]]), heads, d))
-        k = g.rotate(g.heads(g.op("MatMul", [xn, w["k"]]), kv, d))
-        v = g.heads(g.op("MatMul", [xn, w["v"]]), kv, d)
-        g.op("Concat", [past_k, k], [present_k], axis=2)
-        g.op("Concat", [past_v, v], [present_v], axis=2)
 
-        def grouped(cache: str) -> str:  # [B, kv, T, d] -> [B, heads, T, d]
-            wide = g.op("Expand", [g.op("Unsqueeze", [cache, "axis2"]), "repeat"])
-            return g.op("Reshape", [wide, "merged_heads"])
+def _layer(g: _Graph, size: DecoderSize, layer: int, x: str) -> str:
+    """One decoder layer over ``x``: attention with its key/value cache (``past_key_values.N``
+    in, ``present.N`` out), then the gated MLP, each behind an RMS norm and a residual."""
+    h, d, kv, heads = size.hidden, size.head_dim, size.kv_heads, size.heads
+    w = {
+        name: g.const(f"l{layer}.{name}", _weight(size, f"l{layer}.{name}", shape, std))
+        for name, shape, std in (
+            ("q", (h, heads * d), 2.0 / h**0.5),
+            ("k", (h, kv * d), 2.0 / h**0.5),
+            ("v", (h, kv * d), 1.0 / h**0.5),
+            ("o", (heads * d, h), 1.0 / (heads * d) ** 0.5),
+            ("gate", (h, size.intermediate), 1.0 / h**0.5),
+            ("up", (h, size.intermediate), 1.0 / h**0.5),
+            ("down", (size.intermediate, h), 1.0 / size.intermediate**0.5),
+        )
+    }
+    norm1 = g.const(f"l{layer}.norm1", _weight(size, f"l{layer}.norm1", (h,), 0.2, 1.0))
+    norm2 = g.const(f"l{layer}.norm2", _weight(size, f"l{layer}.norm2", (h,), 0.2, 1.0))
+    past_k, past_v = f"past_key_values.{layer}.key", f"past_key_values.{layer}.value"
+    present_k, present_v = f"present.{layer}.key", f"present.{layer}.value"
+    xn = g.rms_norm(x, norm1)
+    q = g.rotate(g.heads(g.op("MatMul", [xn, w["q"]]), heads, d))
+    k = g.rotate(g.heads(g.op("MatMul", [xn, w["k"]]), kv, d))
+    v = g.heads(g.op("MatMul", [xn, w["v"]]), kv, d)
+    g.op("Concat", [past_k, k], [present_k], axis=2)
+    g.op("Concat", [past_v, v], [present_v], axis=2)
 
-        scores = g.op("MatMul", [q, g.op("Transpose", [grouped(present_k)], perm=[0, 1, 3, 2])])
-        scores = g.op("Add", [g.op("Mul", [scores, "scale"]), "bias"])
-        attended = g.op("MatMul", [g.op("Softmax", [scores], axis=-1), grouped(present_v)])
-        merged = g.op("Reshape", [g.op("Transpose", [attended], perm=[0, 2, 1, 3]), "merged_width"])
-        x = g.op("Add", [x, g.op("MatMul", [merged, w["o"]])])
-        xn = g.rms_norm(x, norm2)
-        gate = g.op("MatMul", [xn, w["gate"]])
-        silu = g.op("Mul", [gate, g.op("Sigmoid", [gate])])
-        mlp = g.op("MatMul", [g.op("Mul", [silu, g.op("MatMul", [xn, w["up"]])]), w["down"]])
-        x = g.op("Add", [x, mlp])
-    norm = g.const("norm", _weight(size, "norm", (h,), 0.2, 1.0))
-    head = g.const("lm_head", _weight(size, "lm_head", (h, size.vocab), 4.0 / h**0.5))
-    g.op("MatMul", [g.rms_norm(x, norm), head], ["logits"])
+    def grouped(cache: str) -> str:  # [B, kv, T, d] -> [B, heads, T, d]
+        wide = g.op("Expand", [g.op("Unsqueeze", [cache, "axis2"]), "repeat"])
+        return g.op("Reshape", [wide, "merged_heads"])
 
-    def tensor(name: str, kind: int, shape: list) -> onnx.ValueInfoProto:
-        return helper.make_tensor_value_info(name, kind, shape)
-
-    cache_in = ["batch", kv, "past", d]
-    cache_out = ["batch", kv, "total", d]
-    graph = helper.make_graph(
-        g.nodes,
-        "tiny_llama",
-        [
-            tensor("input_ids", TensorProto.INT64, ["batch", "sequence"]),
-            tensor("attention_mask", TensorProto.INT64, ["batch", "total"]),
-            tensor("position_ids", TensorProto.INT64, ["batch", "sequence"]),
-            *(tensor(n, TensorProto.FLOAT, cache_in) for n in inputs),
-        ],
-        [
-            tensor("logits", TensorProto.FLOAT, ["batch", "sequence", size.vocab]),
-            *(tensor(n, TensorProto.FLOAT, cache_out) for n in outputs),
-        ],
-        initializer=g.initializers,
-    )
-    model = helper.make_model(
-        graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="plugserve-make-model"
-    )
-    model.ir_version = 8
-    onnx.checker.check_model(model)
-    return model
+    scores = g.op("MatMul", [q, g.op("Transpose", [grouped(present_k)], perm=[0, 1, 3, 2])])
+    scores = g.op("Add", [g.op("Mul", [scores, "scale"]), "bias"])
+    attended = g.op("MatMul", [g.op("Softmax", [scores], axis=-1), grouped(present_v)])
+    merged = g.op("Reshape", [g.op("Transpose", [attended], perm=[0, 2, 1, 3]), "merged_width"])
+    x = g.op("Add", [x, g.op("MatMul", [merged, w["o"]])])
+    xn = g.rms_norm(x, norm2)
+    gate = g.op("MatMul", [xn, w["gate"]])
+    silu = g.op("Mul", [gate, g.op("Sigmoid", [gate])])
+    mlp = g.op("MatMul", [g.op("Mul", [silu, g.op("MatMul", [xn, w["up"]])]), w["down"]])
+    return g.op("Add", [x, mlp])
 
 
 def make_tiny_llama(folder: str | Path, size: DecoderSize = TINY) -> Path:
