@@ -201,7 +201,7 @@ def decoder_graph(size: DecoderSize) -> onnx.ModelProto:
                 tensor(n.replace("past_key_values", "present"), TensorProto.FLOAT, cache_out)
                 for n in caches
             ),
-        ],  # fmt: skip
+        ],
         initializer=g.initializers,
     )
     model = helper.make_model(
