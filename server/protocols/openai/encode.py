@@ -155,30 +155,8 @@ def completion_logprobs(
 ) -> tuple[dict[str, Any], int]:
     """Completions' ``logprobs`` object for ``entries`` (None: a token without one, the
     prompt's first) starting at text ``offset``; and the offset after them."""
-    tokens: list[str] = []
-    token_logprobs: list[float | None] = []
-    tops: list[dict[str, float] | None] = []
-    offsets: list[int] = []
-    for entry in entries:
-        if entry is None:
-            continue
-        text = names.text(entry.token_id)
-        tokens.append(text)
-        offsets.append(offset)
-        offset += len(text)
-        token_logprobs.append(finite(entry.logprob))
-        alternatives = {names.text(t): finite(lp) for t, lp in entry.top[:top]}
-        alternatives.setdefault(text, finite(entry.logprob))
-        tops.append(alternatives)
-    return (
-        {
-            "tokens": tokens,
-            "token_logprobs": token_logprobs,
-            "top_logprobs": tops,
-            "text_offset": offsets,
-        },
-        offset,
-    )
+    scored = [e for e in entries if e is not None]
+    return _completion_logprobs([e.token_id for e in scored], scored, names, top, offset)
 
 
 def prompt_logprobs(
@@ -189,23 +167,37 @@ def prompt_logprobs(
 ) -> tuple[dict[str, Any], int]:
     """Completions' ``logprobs`` for an echoed prompt: every prompt token, the first (and any
     the engine did not score) with ``null``."""
-    tokens, token_logprobs, tops, offsets = [], [], [], []
-    offset = 0
     scored = list(entries or [])
-    for i, token_id in enumerate(prompt_ids):
+    scored += [None] * (len(prompt_ids) - len(scored))
+    return _completion_logprobs(list(prompt_ids), scored, names, top, 0)
+
+
+def _completion_logprobs(
+    token_ids: list[int],
+    entries: Sequence[TokenLogprob | None],
+    names: TokenNames,
+    top: int,
+    offset: int,
+) -> tuple[dict[str, Any], int]:
+    """The ``logprobs`` object of ``token_ids`` (each with its entry, None: ``null``), text
+    offsets from ``offset``; and the offset after them."""
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    offsets: list[int] = []
+    for token_id, entry in zip(token_ids, entries):
         text = names.text(token_id)
-        entry = scored[i] if i < len(scored) else None
         tokens.append(text)
         offsets.append(offset)
         offset += len(text)
         if entry is None:
             token_logprobs.append(None)
             tops.append(None)
-        else:
-            token_logprobs.append(finite(entry.logprob))
-            alternatives = {names.text(t): finite(lp) for t, lp in entry.top[:top]}
-            alternatives.setdefault(text, finite(entry.logprob))
-            tops.append(alternatives)
+            continue
+        token_logprobs.append(finite(entry.logprob))
+        alternatives = {names.text(t): finite(lp) for t, lp in entry.top[:top]}
+        alternatives.setdefault(text, finite(entry.logprob))
+        tops.append(alternatives)
     return (
         {
             "tokens": tokens,
