@@ -27,8 +27,8 @@ import numpy as np
 import pytest
 
 #: Triton's limit, which plugserve.server.protocols.kserve.json_codec.MAX_JSON_DEPTH keeps (not
-#: imported here:
-#: plugserve's KServe protobuf module must not load before tritonclient's in this process)
+#: imported here: plugserve's KServe protobuf module must not load before tritonclient's in this
+#: process)
 MAX_JSON_DEPTH = 100
 
 
