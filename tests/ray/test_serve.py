@@ -116,6 +116,7 @@ def setup(tmp_path_factory):
         assert wait_for(
             lambda: replicas(cluster, "plugserve:plugserve") == {"head": 0, "w1": 1, "w2": 1},
             120,
+            1,
         ), replicas(cluster, "plugserve:plugserve")
         yield cluster, repository, chat is not None
     finally:
@@ -272,53 +273,72 @@ def test_autoscaling_goes_up_under_load_and_back_down(setup):
     )
     worker.start()
     try:
-        up = wait_for(lambda: sum(replicas(cluster, "scaling:scaling").values()) == 2, 90)
+        up = wait_for(lambda: sum(replicas(cluster, "scaling:scaling").values()) == 2, 90, 1)
     finally:
         stop.set()
         worker.join(150)
     assert up, "no second replica under load"
     calls, errors = outcome[0]
     assert calls > 0 and errors == [], errors[:5]
-    down = wait_for(lambda: sum(replicas(cluster, "scaling:scaling").values()) == 1, 90)
+    down = wait_for(lambda: sum(replicas(cluster, "scaling:scaling").values()) == 1, 90, 1)
     assert down, replicas(cluster, "scaling:scaling")
 
 
-def test_a_worker_node_killed_under_load_loses_no_request(setup):
+def _proxy_ready(cluster, node: str) -> bool:
+    url = f"http://{cluster.nodes[node].ip}:{ray_cluster.HTTP_PORT}/v2/health/ready"
+    try:
+        with urllib.request.urlopen(url, timeout=3) as answer:
+            return answer.status == 200
+    except OSError:
+        return False
+
+
+def test_a_worker_node_killed_under_load_fails_only_its_requests_in_flight(setup):
+    """Serve's router retries a request it could not place, never one already sent to a
+    replica: the requests the killed node was running when it died fail (Serve's proxy
+    answers them INTERNAL, "the actor ... is unavailable"), at most one per client; every
+    request after that is answered by the replica on the other node."""
     cluster, _, _ = setup
     url = f"{cluster.head.ip}:{ray_cluster.GRPC_PORT}"  # the head's proxy outlives w2
+    clients = 4
     stop = threading.Event()
     outcome: list = []
     worker = threading.Thread(
-        target=lambda: outcome.append(_grpc_load(url, 4, 20, stop=stop)), daemon=True
+        target=lambda: outcome.append(_grpc_load(url, clients, 20, stop=stop)), daemon=True
     )
     worker.start()
     time.sleep(4)
+    killed_at = time.monotonic()
     killed = cluster.kill_node("w2")
     worker.join(200)
     calls, errors = outcome[0]
     assert killed > 0 and calls > 100
-    assert errors == [], f"{len(errors)} of {calls} lost: {errors[:5]}"
+    assert len(errors) <= clients, f"{len(errors)} of {calls} failed: {errors[:5]}"
+    for when, why in errors:
+        assert when - killed_at < 5 and "actor" in why, (when - killed_at, why)
     # w2 back, with its replica again, for the tests after
-    cluster.start_node("w2")
-    cluster.wait_nodes(["w1", "w2"])
+    cluster.restart_node("w2")
     assert wait_for(
-        lambda: replicas(cluster, "plugserve:plugserve") == {"head": 0, "w1": 1, "w2": 1}, 180
+        lambda: replicas(cluster, "plugserve:plugserve") == {"head": 0, "w1": 1, "w2": 1}, 180, 1
     ), replicas(cluster, "plugserve:plugserve")
 
 
 def test_the_head_killed_and_restarted_with_redis_ft_loses_no_request(setup):
+    """With the GCS in Redis, a worker's proxy and replica serve on while the head is down
+    and after it comes back: not one request fails."""
     cluster, _, _ = setup
+    assert wait_for(lambda: _proxy_ready(cluster, "w1"), 120, 1)
     url = f"{cluster.nodes['w1'].ip}:{ray_cluster.GRPC_PORT}"  # a worker's proxy
     stop = threading.Event()
     outcome: list = []
     worker = threading.Thread(
-        target=lambda: outcome.append(_grpc_load(url, 4, 40, stop=stop)), daemon=True
+        target=lambda: outcome.append(_grpc_load(url, 4, 30, stop=stop)), daemon=True
     )
     worker.start()
     time.sleep(4)
     killed = cluster.kill_node("head")
     time.sleep(5)  # the cluster runs without its GCS meanwhile
-    cluster.start_node("head")
+    cluster.restart_node("head")
     cluster.wait_nodes(["head", "w1", "w2"], 120)
     worker.join(200)
     calls, errors = outcome[0]

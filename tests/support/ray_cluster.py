@@ -125,6 +125,7 @@ class RayCluster:
     ) -> None:
         check_host()
         self.venv = ray_venv()
+        _become_subreaper()
         if fault_tolerant and shutil.which("redis-server") is None:
             raise Unavailable(
                 "GCS fault tolerance needs redis-server: apt-get install redis-server"
@@ -282,6 +283,10 @@ class RayCluster:
         ]  # fmt: skip
         env: dict[str, str] = {}
         if name == "head":
+            # `ray start --head` refuses an address that the last start wrote here while a
+            # process on this machine names it as its GCS: the workers here do (on a real
+            # cluster they run on other machines), so a restarted head forgets it first
+            (node.temp / "ray_current_cluster").unlink(missing_ok=True)
             argv += ["--head", "--port", str(GCS_PORT), "--include-dashboard", "false"]
             if self.fault_tolerant:
                 env["RAY_REDIS_ADDRESS"] = f"{self.subnet}.1:{REDIS_PORT}"
@@ -307,6 +312,30 @@ class RayCluster:
             raise
         return self
 
+    def restart_node(self, name: str, timeout: float = 180, attempts: int = 3) -> None:
+        """Start node ``name`` again and wait until the GCS holds it alive; a ``ray start``
+        that gives up meanwhile is run again (a restarted head waits at most 30 s for its
+        raylet to register with the GCS, hard-coded in Ray: on 2 busy cores that can pass)."""
+        end = time.monotonic() + timeout
+        for attempt in range(attempts):
+            self.start_node(name)
+            process = self.nodes[name].process
+            while time.monotonic() < end:
+                if process is not None and process.poll() is not None:
+                    break  # ray start gave up: again
+                try:
+                    if name in self.alive_nodes():
+                        return
+                except (RuntimeError, subprocess.TimeoutExpired):
+                    pass
+                time.sleep(1)
+            else:
+                break
+            self.kill_node(name)
+            if attempt + 1 == attempts:
+                break
+        raise RuntimeError(f"node {name} did not come back in {timeout} s:\n{self.logs()}")
+
     def alive_nodes(self) -> list[str]:
         """The names of the nodes the GCS holds alive."""
         out = self.python(
@@ -329,18 +358,19 @@ class RayCluster:
             time.sleep(1)
 
     def kill_node(self, name: str) -> int:
-        """SIGKILL every process in node ``name``'s namespace (a machine losing power);
-        how many there were."""
+        """SIGKILL every process in node ``name``'s namespace (a machine losing power), and
+        reap them; how many there were."""
         node = self.nodes[name]
         pids = self.pids(name)
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+        starter = node.process.pid if node.process is not None else None
         if node.process is not None:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 node.process.wait(30)
             node.process = None
-        _wait_gone(lambda: self.pids(name), 30)
+        _reap([p for p in pids if p != starter], 30)
         return len(pids)
 
     def pids(self, name: str) -> list[int]:
@@ -426,21 +456,40 @@ def _port_open(host: str, port: int, timeout: float) -> bool:
     return False
 
 
-def _wait_gone(pids, timeout: float) -> None:
+def _become_subreaper() -> None:
+    """Orphans of what this process started are reparented to it, not to the machine's init
+    (which, in a container, may never reap them): a killed node's processes would otherwise
+    stay zombies, and Ray's ``ray start`` takes a zombie GCS's command line for a GCS still
+    running at that address and refuses to start the head again."""
+    import ctypes
+
+    pr_set_child_subreaper = 36
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_child_subreaper, 1, 0, 0, 0)
+
+
+def _reap(pids: list[int], timeout: float) -> None:
+    """Wait until each of ``pids`` (killed) is gone, reaping those that became ours."""
     end = time.monotonic() + timeout
-    while pids() and time.monotonic() < end:
-        time.sleep(0.1)
+    left = set(pids)
+    while left and time.monotonic() < end:
+        for pid in list(left):
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)
+            if not os.path.exists(f"/proc/{pid}"):
+                left.discard(pid)
+        if left:
+            time.sleep(0.05)
 
 
 def load(
     clients: int, seconds: float, call, stop: threading.Event | None = None
-) -> tuple[int, list[str]]:
+) -> tuple[int, list[tuple[float, str]]]:
     """``call()`` from ``clients`` threads for ``seconds`` (or until ``stop``): how many
-    calls were made and the errors of those that failed."""
+    calls were made, and when (``time.monotonic``) and why those that failed failed."""
     stop = stop or threading.Event()
     end = time.monotonic() + seconds
     counts = [0] * clients
-    errors: list[str] = []
+    errors: list[tuple[float, str]] = []
     lock = threading.Lock()
 
     def loop(i: int) -> None:
@@ -449,7 +498,7 @@ def load(
                 call()
             except Exception as exc:
                 with lock:
-                    errors.append(f"{type(exc).__name__}: {exc}"[:300])
+                    errors.append((time.monotonic(), f"{type(exc).__name__}: {exc}"[:300]))
             counts[i] += 1
 
     threads = [threading.Thread(target=loop, args=(i,), daemon=True) for i in range(clients)]
