@@ -52,6 +52,8 @@ HTTP_PORT = 8000
 GRPC_PORT = 9000
 GCS_PORT = 6379
 REDIS_PORT = 6380
+#: each node's Prometheus exposition of Ray's metrics (its metrics agent)
+METRICS_PORT = 8080
 
 
 class Unavailable(Exception):
@@ -178,6 +180,8 @@ class RayCluster:
             RAY_health_check_period_ms="1000",
             RAY_health_check_timeout_ms="1000",
             RAY_health_check_failure_threshold="3",
+            # metrics reach each node's exporter within a second, not ten
+            RAY_metrics_report_interval_ms="1000",
             PYTHONUNBUFFERED="1",
         )
         env.update(extra)
@@ -280,6 +284,7 @@ class RayCluster:
             "--object-store-memory", str(100 << 20),
             "--temp-dir", str(node.temp),
             "--disable-usage-stats",
+            "--metrics-export-port", str(METRICS_PORT),
         ]  # fmt: skip
         env: dict[str, str] = {}
         if name == "head":
