@@ -34,6 +34,7 @@ import asyncio
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import grpc
@@ -147,7 +148,7 @@ class _Requests:
                 raise StopIteration
             try:
                 request = future.result(_POLL_S)
-            except TimeoutError:
+            except FutureTimeout:  # (not the builtin one before Python 3.11)
                 continue
             if request is None:
                 raise StopIteration

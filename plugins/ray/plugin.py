@@ -95,12 +95,17 @@ class RayPlugin(Plugin):
         super().__init__()
         try:
             import ray
-            import ray.exceptions
-            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
         except ImportError as exc:
             raise BackendUnavailable(
                 f"ray cannot be imported ({exc}): pip install 'plugserve[ray]'"
             ) from None
+        if not hasattr(ray, "remote"):  # a folder named ray on sys.path, not Ray
+            raise BackendUnavailable(
+                f"the module 'ray' at {list(ray.__path__)} is not Ray: pip install 'plugserve[ray]'"
+            )
+        import ray.exceptions
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
         if not ray.is_initialized():
             address = os.environ.get("RAY_ADDRESS", "")
             if not address:

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import ray_cluster
-from conftest import make_cluster, replicas, serve_run
+from conftest import make_cluster
 from serving import wait_for
 
 pytestmark = pytest.mark.slow
@@ -103,8 +103,7 @@ def setup(tmp_path_factory):
             },
         ]
         head = f"http://{cluster.head.ip}:{ray_cluster.HTTP_PORT}"
-        serve_run(
-            cluster,
+        cluster.serve_run(
             apps,
             [
                 f"{head}/v2/health/ready",
@@ -114,10 +113,10 @@ def setup(tmp_path_factory):
         )
         # both replicas of plugserve running (the proxy answers once one is)
         assert wait_for(
-            lambda: replicas(cluster, "plugserve:plugserve") == {"head": 0, "w1": 1, "w2": 1},
+            lambda: cluster.replicas("plugserve:plugserve") == {"head": 0, "w1": 1, "w2": 1},
             120,
             1,
-        ), replicas(cluster, "plugserve:plugserve")
+        ), cluster.replicas("plugserve:plugserve")
         yield cluster, repository, chat is not None
     finally:
         cluster.close()
@@ -265,7 +264,7 @@ def _grpc_load(url: str, clients: int, seconds: float, app: str = "plugserve", s
 def test_autoscaling_goes_up_under_load_and_back_down(setup):
     cluster, _, _ = setup
     url = f"{cluster.head.ip}:{ray_cluster.GRPC_PORT}"
-    assert sum(replicas(cluster, "scaling:scaling").values()) == 1
+    assert sum(cluster.replicas("scaling:scaling").values()) == 1
     stop = threading.Event()
     outcome: list = []
     worker = threading.Thread(
@@ -273,15 +272,15 @@ def test_autoscaling_goes_up_under_load_and_back_down(setup):
     )
     worker.start()
     try:
-        up = wait_for(lambda: sum(replicas(cluster, "scaling:scaling").values()) == 2, 90, 1)
+        up = wait_for(lambda: sum(cluster.replicas("scaling:scaling").values()) == 2, 90, 1)
     finally:
         stop.set()
         worker.join(150)
     assert up, "no second replica under load"
     calls, errors = outcome[0]
     assert calls > 0 and errors == [], errors[:5]
-    down = wait_for(lambda: sum(replicas(cluster, "scaling:scaling").values()) == 1, 90, 1)
-    assert down, replicas(cluster, "scaling:scaling")
+    down = wait_for(lambda: sum(cluster.replicas("scaling:scaling").values()) == 1, 90, 1)
+    assert down, cluster.replicas("scaling:scaling")
 
 
 def _proxy_ready(cluster, node: str) -> bool:
@@ -319,8 +318,8 @@ def test_a_worker_node_killed_under_load_fails_only_its_requests_in_flight(setup
     # w2 back, with its replica again, for the tests after
     cluster.restart_node("w2")
     assert wait_for(
-        lambda: replicas(cluster, "plugserve:plugserve") == {"head": 0, "w1": 1, "w2": 1}, 180, 1
-    ), replicas(cluster, "plugserve:plugserve")
+        lambda: cluster.replicas("plugserve:plugserve") == {"head": 0, "w1": 1, "w2": 1}, 180, 1
+    ), cluster.replicas("plugserve:plugserve")
 
 
 def test_the_head_killed_and_restarted_with_redis_ft_loses_no_request(setup):

@@ -35,6 +35,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,6 +55,8 @@ GCS_PORT = 6379
 REDIS_PORT = 6380
 #: each node's Prometheus exposition of Ray's metrics (its metrics agent)
 METRICS_PORT = 8080
+#: what Serve's gRPC proxy registers: plugserve's KServe v2 servicer
+GRPC_SERVICER = "plugserve.proto.grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server"
 
 
 class Unavailable(Exception):
@@ -409,6 +412,56 @@ class RayCluster:
         if self in _LIVE:
             _LIVE.remove(self)
 
+    # --- Serve
+
+    def serve_run(
+        self, applications: list[dict], ready: list[str], timeout: float = 300
+    ) -> subprocess.Popen:
+        """``serve run`` of a config holding ``applications`` (each with its ``import_path``
+        and ``args``), a driver in the head's namespace, Serve's ports set explicitly and
+        plugserve's KServe servicer on the gRPC proxy; returns once each URL of ``ready``
+        answers 200 through Serve's HTTP proxy."""
+        config = {
+            "proxy_location": "EveryNode",
+            "http_options": {"host": "0.0.0.0", "port": HTTP_PORT},
+            "grpc_options": {"port": GRPC_PORT, "grpc_servicer_functions": [GRPC_SERVICER]},
+            "applications": applications,
+        }
+        path = self.root / "serve.json"
+        path.write_text(json.dumps(config))
+        log = self.root / "serve.log"
+        process = self.popen("head", [str(self.venv / "bin" / "serve"), "run", str(path)], log)
+        end = time.monotonic() + timeout
+        waiting = list(ready)
+        while waiting:
+            if process.poll() is not None or time.monotonic() > end:
+                raise RuntimeError(f"serve run did not deploy:\n{log.read_text()[-5000:]}")
+            try:
+                with urllib.request.urlopen(waiting[0], timeout=5) as answer:
+                    if answer.status == 200:
+                        waiting.pop(0)
+                        continue
+            except OSError:
+                pass
+            time.sleep(1)
+        return process
+
+    def replicas(self, deployment: str) -> dict[str, int]:
+        """How many replicas of ``deployment`` (``APP:NAME``: Serve's process title
+        ``ServeReplica:APP:NAME``) run on each node, read from each namespace's processes."""
+        title = f"ServeReplica:{deployment}".encode()
+        counts = {}
+        for name in self.nodes:
+            count = 0
+            for pid in self.pids(name):
+                try:
+                    command = Path(f"/proc/{pid}/cmdline").read_bytes()
+                except OSError:
+                    continue
+                count += title in command
+            counts[name] = count
+        return counts
+
     def __enter__(self) -> RayCluster:
         return self.start()
 
@@ -518,3 +571,14 @@ def load(
 def _close_all() -> None:
     for cluster in list(_LIVE):
         cluster.close()
+
+
+if __name__ == "__main__":
+    # ``python tests/support/ray_cluster.py venv``: make (or find) the cached Ray venv and
+    # print its path (CI makes it in the background before the tests)
+    if sys.argv[1:] != ["venv"]:
+        raise SystemExit("usage: python tests/support/ray_cluster.py venv")
+    try:
+        print(ray_venv())
+    except Unavailable as exc:
+        raise SystemExit(str(exc)) from None
