@@ -10,8 +10,9 @@ one for control calls (cancel, counts). Each run has a :class:`cancel.Token` reg
 the caller's run id, so a cancel from the caller stops it at its device's next checkpoint.
 
 Runs are counted per network in Ray's own metrics (``plugserve_ray_device_runs``, tagged with
-the node's name and the network's), which each node's metrics agent exports: where requests
-ran is read from the nodes themselves.
+the node's name, the network's and the run's outcome: ok, cancelled or failed), which each
+node's metrics agent exports: where requests ran, and that a cancelled one stopped there, is
+read from the nodes themselves.
 """
 
 from __future__ import annotations
@@ -117,7 +118,7 @@ class NetworkActor:
             self.counter = Counter(
                 "plugserve_ray_device_runs",
                 description="runs of networks loaded on the RAY device, on this node",
-                tag_keys=("node", "network"),
+                tag_keys=("node", "network", "outcome"),
             )
             self.counter.set_default_tags({"node": self.node, "network": network})
         except Exception as exc:  # metrics are a courtesy: the network serves without them
@@ -136,17 +137,22 @@ class NetworkActor:
             request = self.requests.get_nowait()
         except queue.Empty:
             request = network.create_infer_request()
+        outcome = "failed"
         try:
             with cancel.running(token):
                 outputs = request.infer_checked(arrays)
+            outcome = "ok"
+        except Cancelled:
+            outcome = "cancelled"
+            raise
         finally:
             token.finish()
             self.requests.put(request)
             with self.lock:
                 self.running.pop(run, None)
                 self.runs += 1
-        if self.counter is not None:
-            self.counter.inc()
+            if self.counter is not None:
+                self.counter.inc(tags={"outcome": outcome})
         return outputs
 
     def cancel(self, run: str, why: str) -> None:

@@ -8,7 +8,9 @@ w2, each in its own network namespace. ``plugserve serve`` runs on the head as a
 * ``mlp_multi``: ``MULTI:RAY.w1,RAY.w2`` (RUNTIME_FALLBACK=YES): one network per node;
 * ``mlp_hetero``: ``HETERO:RAY.w1,NUMPY``, its first Gemm and Relu pinned on w1 and the rest
   here, so one request crosses the network twice;
-* ``mlp_w2``: ``RAY.w2`` alone, a call bounded by RAY_CALL_TIMEOUT_S=3.
+* ``mlp_w2``: ``RAY.w2`` alone, a call bounded by RAY_CALL_TIMEOUT_S=3;
+* ``spin``: ``RAY.w1``, a Loop whose trip count the request sets (tests/support/models.py),
+  to show a request's deadline stopping its run on the node.
 
 Clients are tritonclient over gRPC from outside the cluster. Where requests ran is read from
 each node's own metrics (Ray's exporter on the node, port 8080), not from the server. The
@@ -25,9 +27,11 @@ import time
 import urllib.request
 
 import numpy as np
+import onnx
 import pytest
 import ray_cluster
 from conftest import make_cluster
+from models import FOREVER, spin_loop
 from serving import wait_for
 
 pytestmark = pytest.mark.slow
@@ -55,6 +59,9 @@ def setup(tmp_path_factory):
         (repository / name / "config.json").write_text(
             json.dumps({"device": device, "config": config})
         )
+    (repository / "spin" / "1").mkdir(parents=True)
+    onnx.save(spin_loop(), repository / "spin" / "1" / "model.onnx")
+    (repository / "spin" / "config.json").write_text(json.dumps({"device": "RAY.w1"}))
     cluster = make_cluster()
     server = ray_cluster.NodeServer(cluster, "head", "--model-repository", str(repository))
     try:
@@ -72,15 +79,20 @@ def _inputs(seed: int):
     return [item]
 
 
-def _runs(cluster, node: str, network: str = "") -> float:
-    """Runs of RAY networks counted on ``node`` by its own metrics exporter."""
+def _runs(cluster, node: str, network: str = "", outcome: str = "") -> float:
+    """Runs of RAY networks counted on ``node`` by its own metrics exporter (those of
+    ``network`` that ended with ``outcome``: ok, cancelled, failed)."""
     url = f"http://{cluster.nodes[node].ip}:{ray_cluster.METRICS_PORT}/metrics"
     with urllib.request.urlopen(url, timeout=10) as answer:
         text = answer.read().decode()
     total = 0.0
     for line in text.splitlines():
         mine = line.startswith("ray_plugserve_ray_device_runs") and f'node="{node}"' in line
-        if mine and (not network or f'network="{network}"' in line):
+        if (
+            mine
+            and (not network or f'network="{network}"' in line)
+            and (not outcome or f'outcome="{outcome}"' in line)
+        ):
             total += float(line.rsplit(" ", 1)[1])
     return total
 
@@ -91,7 +103,7 @@ def test_the_device_lists_the_nodes_and_loads_on_each(setup):
     index = {
         m["name"]: m["state"] for m in client.get_model_repository_index(as_json=True)["models"]
     }
-    assert index == dict.fromkeys(DEVICES, "READY"), server.log[-3000:]
+    assert index == dict.fromkeys([*DEVICES, "spin"], "READY"), server.log[-3000:]
     from plugserve.client import Client
 
     with Client(server.target) as plugserve_client:
@@ -146,6 +158,33 @@ def test_hetero_split_between_a_node_and_here_equals_numpy(setup):
         want = client.infer("mlp", _inputs(seed)).as_numpy("probabilities")
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     assert wait_for(lambda: _runs(cluster, "w1") >= before + 20, 30, 1)
+
+
+def _spin(trips: int):
+    m = grpcclient.InferInput("M", [], "INT64")
+    m.set_data_from_numpy(np.array(trips, np.int64))
+    x = grpcclient.InferInput("x", [4], "FP32")
+    x.set_data_from_numpy(np.ones(4, np.float32))
+    return [m, x]
+
+
+def test_a_deadline_stops_the_run_on_the_node(setup):
+    """A run of 10^12 trips past its client's 2 s deadline: the client hears
+    DEADLINE_EXCEEDED, the node's own metrics count the run cancelled there (not left
+    spinning), and the network serves the next request."""
+    from tritonclient.utils import InferenceServerException
+
+    cluster, server = setup
+    client = grpcclient.InferenceServerClient(server.target)
+    np.testing.assert_array_equal(client.infer("spin", _spin(3)).as_numpy("y"), np.full(4, 3.0))
+    before = _runs(cluster, "w1", "spin", "cancelled")
+    started = time.monotonic()
+    with pytest.raises(InferenceServerException) as failed:
+        client.infer("spin", _spin(FOREVER), client_timeout=2)
+    assert failed.value.status() == "StatusCode.DEADLINE_EXCEEDED", failed.value
+    assert wait_for(lambda: _runs(cluster, "w1", "spin", "cancelled") > before, 30, 0.5)
+    assert time.monotonic() - started < 30
+    np.testing.assert_array_equal(client.infer("spin", _spin(5)).as_numpy("y"), np.full(4, 5.0))
 
 
 def test_a_node_cut_off_fails_its_requests_unavailable_within_their_deadline(setup):
