@@ -10,6 +10,10 @@ application from its arguments, ``replica.py`` is a replica, ``http.py`` and
 ``kserve_grpc.py`` hand Serve's requests to the server's code. The RAY device (running a
 network on another node from any plugserve server) is ``plugserve.plugins.ray``.
 docs/scale-out.md says when to use which.
+
+The folder is ``rayserve/`` (mapped to ``plugserve.ray`` in pyproject's ``package-dir``), not
+``ray/``: a folder named ``ray`` at the checkout's top would be imported as Ray itself by any
+process started there (``serve run`` puts its working folder first on ``sys.path``).
 """
 
 from plugserve.ray.app import GRPC_SERVICER, app, serve_config

@@ -482,23 +482,7 @@ class NodeServer(RunningServer):
         )
         wrapper.chmod(0o755)
         super().__init__("--host", node.ip, *args, env=cluster.env(), python=str(wrapper))
-        self.ip = node.ip
-
-    @property
-    def target(self) -> str:
-        return f"{self.ip}:{self.grpc_port}"
-
-    @property
-    def metrics_url(self) -> str:
-        return f"http://{self.ip}:{self.metrics_port}/metrics"
-
-    @property
-    def http_url(self) -> str:
-        return f"http://{self.ip}:{self.http_port}"
-
-    @property
-    def http_target(self) -> str:
-        return f"{self.ip}:{self.http_port}"
+        self.host = node.ip
 
 
 def _port_open(host: str, port: int, timeout: float) -> bool:
