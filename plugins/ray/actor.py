@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import re
 import threading
 from importlib.metadata import entry_points
 from typing import Any
@@ -34,7 +35,7 @@ from plugserve.plugins.api import (
     PlugserveError,
 )
 
-__all__ = ["NetworkActor", "device_plugin"]
+__all__ = ["NetworkActor", "device_id", "device_plugin"]
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,26 @@ def device_plugin(name: str) -> Plugin:
     if not found:
         raise NotFound(f"RAY_DEVICE={name}: no such device plugin is installed on this node")
     return found[0].load()()
+
+
+_NOT_ID = re.compile(r"[^A-Za-z0-9_]")
+
+
+def device_id(node_name: str) -> str:
+    """A node's device id: its Ray name with every other character than letters, digits and
+    ``_`` made ``_`` (device ids are ``[A-Za-z0-9_]+``)."""
+    return _NOT_ID.sub("_", node_name) or "node"
+
+
+def _this_node() -> str:
+    """The device id of the node this actor runs on."""
+    import ray
+
+    here = ray.get_runtime_context().get_node_id()
+    for node in ray.nodes():
+        if node["NodeID"] == here:
+            return device_id(node["NodeName"])
+    return here[:8]
 
 
 class NetworkActor:
@@ -98,6 +119,8 @@ class NetworkActor:
     def _info(self) -> dict[str, Any]:
         network = self.network
         assert network is not None
+        if not self.node:  # placed by Ray: the node it landed on names it
+            self.node = _this_node()
         streams = max(1, int(network.get_metric("OPTIMAL_NUMBER_OF_INFER_REQUESTS")))
         self._count_runs(network.name)
         return {

@@ -35,7 +35,6 @@ import hashlib
 import json
 import logging
 import os
-import re
 import threading
 import time
 from collections.abc import Mapping
@@ -53,11 +52,11 @@ from plugserve.plugins.api import (
     Unsupported,
 )
 from plugserve.plugins.ir import read_model
-from plugserve.plugins.ray.actor import NetworkActor
+from plugserve.plugins.ray.actor import NetworkActor, device_id
 from plugserve.plugins.ray.compiled import RayCompiledNetwork
 from plugserve.plugins.ray.config import INNER_KEYS, RayConfiguration
 
-__all__ = ["KEPT_EXPORTS", "RayPlugin", "device_id"]
+__all__ = ["KEPT_EXPORTS", "RayPlugin"]
 
 log = logging.getLogger(__name__)
 
@@ -71,14 +70,6 @@ _CONTROL_CALLS = 2
 _MOST_CONCURRENCY = 64
 #: How often a load under way looks whether its caller is gone.
 _LOAD_POLL_S = 0.5
-
-_NOT_ID = re.compile(r"[^A-Za-z0-9_]")
-
-
-def device_id(node_name: str) -> str:
-    """A node's device id: its Ray name with every other character than letters, digits and
-    ``_`` made ``_`` (device ids are ``[A-Za-z0-9_]+``)."""
-    return _NOT_ID.sub("_", node_name) or "node"
 
 
 class RayPlugin(Plugin):
@@ -195,6 +186,7 @@ class RayPlugin(Plugin):
         actor = self.remote_class.options(**options).remote(inner, inner_config, node)
         timeout = float(cfg.get("RAY_LOAD_TIMEOUT_S"))
         key = ""
+        how = "imported"
         try:
             if exported is None and data is not None:
                 key = hashlib.sha256(
@@ -204,6 +196,7 @@ class RayPlugin(Plugin):
             if exported is not None:
                 info = self._wait(actor.import_network.remote(exported), where, timeout)
             else:
+                how = "compiled"
                 info_ref, exported = actor.load.options(num_returns=2).remote(
                     self.ray.put(data), True
                 )
@@ -213,7 +206,7 @@ class RayPlugin(Plugin):
         except BaseException:
             self.release(actor)
             raise
-        log.info("%s: loaded on node %s", where, info["node"])
+        log.info("%s: %s on node %s", where, how, info["node"])
         return RayCompiledNetwork(self, cfg, actor, info, exported)
 
     def _kept(self, key: str) -> Any:

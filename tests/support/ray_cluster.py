@@ -137,8 +137,7 @@ class RayCluster:
             )
         pid = os.getpid()
         self.tag = f"psr{pid % 100000}"
-        octet = 100 + pid % 150
-        self.subnet = f"10.213.{octet}"
+        self.subnet = _free_subnet(pid)
         self.bridge = f"{self.tag}b"
         # short: a node's sockets live under it, and a socket path is at most 107 bytes
         self.root = Path(tempfile.mkdtemp(prefix="psr-", dir="/tmp"))
@@ -483,6 +482,17 @@ class NodeServer(RunningServer):
         wrapper.chmod(0o755)
         super().__init__("--host", node.ip, *args, env=cluster.env(), python=str(wrapper))
         self.host = node.ip
+
+
+def _free_subnet(pid: int) -> str:
+    """A /24 under 10.213 that no interface of this machine is on (another cluster of ours
+    may be running: a second bridge on the same subnet would take its routes)."""
+    taken = _ip("-4", "addr", check=False).stdout
+    for step in range(150):
+        subnet = f"10.213.{100 + (pid + step) % 150}"
+        if f" {subnet}." not in taken:
+            return subnet
+    raise Unavailable("every 10.213.100-249 subnet is taken by another cluster here")
 
 
 def _port_open(host: str, port: int, timeout: float) -> bool:
