@@ -333,7 +333,7 @@ class RayCluster:
                 try:
                     if name in self.alive_nodes():
                         return
-                except (RuntimeError, subprocess.TimeoutExpired):
+                except (RuntimeError, subprocess.TimeoutExpired, StopIteration, ValueError):
                     pass
                 time.sleep(1)
             else:
@@ -346,11 +346,13 @@ class RayCluster:
     def alive_nodes(self) -> list[str]:
         """The names of the nodes the GCS holds alive."""
         out = self.python(
-            "import json, ray; ray.init(logging_level='ERROR'); "
-            "print(json.dumps([n['NodeName'] for n in ray.nodes() if n['Alive']]))",
+            "import json, ray; ray.init(logging_level='ERROR', log_to_driver=False); "
+            "print('NODES', json.dumps([n['NodeName'] for n in ray.nodes() if n['Alive']]))",
             timeout=120,
         )
-        return json.loads(out.strip().splitlines()[-1])
+        # Ray may print its own lines (the autoscaler's) to the driver's stdout too
+        line = next(line for line in out.splitlines() if line.startswith("NODES "))
+        return json.loads(line[len("NODES ") :])
 
     def wait_nodes(self, names: list[str], timeout: float = 180) -> None:
         end = time.monotonic() + timeout
@@ -358,7 +360,7 @@ class RayCluster:
             try:
                 if set(names) <= set(self.alive_nodes()):
                     return
-            except (RuntimeError, subprocess.TimeoutExpired):
+            except (RuntimeError, subprocess.TimeoutExpired, StopIteration, ValueError):
                 pass
             if time.monotonic() > end:
                 raise RuntimeError(f"nodes {names} did not all join in {timeout} s:\n{self.logs()}")
