@@ -83,7 +83,9 @@ def _split(args: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
 def app(args: dict[str, Any]) -> Application:
     """The application ``serve run plugserve.ray:app key=value ...`` deploys."""
     deployment, settings = _split(dict(args or {}))
-    Settings(**settings)  # a bad value fails here, before any replica starts
+    problems = Settings(**settings).problems()  # refused here, before any replica starts
+    if problems:
+        raise ValueError(f"plugserve.ray:app: invalid settings: {'; '.join(problems)}")
     ongoing = deployment.get("max_ongoing_requests", 32)
     options: dict[str, Any] = {
         "name": deployment.get("name", "plugserve"),
