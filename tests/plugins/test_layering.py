@@ -24,18 +24,26 @@ from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-#: The folders mapped into the ``plugserve`` namespace (pyproject's ``package-dir``).
-FOLDERS = ("plugins", "server", "client", "conformance")
+#: The folders mapped into the ``plugserve`` namespace (pyproject's ``package-dir``), by the
+#: package each is (``rayserve/`` is ``plugserve.ray``: a folder named ``ray`` at the top of a
+#: checkout would be imported as Ray itself by whatever runs there).
+FOLDERS = {
+    "plugins": "plugins",
+    "server": "server",
+    "client": "client",
+    "conformance": "conformance",
+    "rayserve": "ray",
+}
 
 
 def _modules() -> dict[str, Path]:
     found: dict[str, Path] = {}
-    for folder in FOLDERS:
+    for folder, package in FOLDERS.items():
         for path in sorted((ROOT / folder).rglob("*.py")):
-            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            parts = list(path.relative_to(ROOT / folder).with_suffix("").parts)
             if parts[-1] == "__init__":
                 parts.pop()
-            found[".".join(["plugserve", *parts])] = path
+            found[".".join(["plugserve", package, *parts])] = path
     return found
 
 

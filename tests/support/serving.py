@@ -68,26 +68,28 @@ class RunningServer:
         self.grpc_port = 0
         self.metrics_port = 0
         self.http_port = 0
+        #: the address clients reach it at (a server in a network namespace has its own)
+        self.host = "127.0.0.1"
         self._ready = threading.Event()
         self._listening = threading.Event()
         self._exited = threading.Event()  # its output ended: the process is gone
 
     @property
     def target(self) -> str:
-        return f"127.0.0.1:{self.grpc_port}"
+        return f"{self.host}:{self.grpc_port}"
 
     @property
     def metrics_url(self) -> str:
-        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+        return f"http://{self.host}:{self.metrics_port}/metrics"
 
     @property
     def http_url(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}"
+        return f"http://{self.host}:{self.http_port}"
 
     @property
     def http_target(self) -> str:
         """host:port of the REST port, as tritonclient.http wants it."""
-        return f"127.0.0.1:{self.http_port}"
+        return f"{self.host}:{self.http_port}"
 
     @property
     def log(self) -> str:

@@ -1,0 +1,127 @@
+"""KServe v2 REST and the OpenAI routes through Ray Serve's HTTP proxy: the request Serve
+hands a replica, given to plugserve's own REST application (``RestApp.dispatch``,
+``server/protocols/kserve/rest.py``), whose reply goes back as a Starlette response.
+
+Nothing of REST is written twice: routing, authorization, inflating, decoding, the inline
+fast path, the OpenAI adapter and Triton's generate extension are the server's. What this
+module adds is what the server's HTTP layer (``server/protocols/http/http_server.py``) does before
+``dispatch`` and that Serve's proxy does not do for us:
+
+* a body over ``--max-message-bytes`` is refused (413) from its Content-Length, before it is
+  read; one that grows past it as it arrives (chunked) is refused when it does;
+* the body is charged to the replica's memory budget (``--max-inflight-bytes``) at the
+  server's factors (``budget.body_factor``: 20x for a JSON infer body) before it is read, a
+  503 when it does not fit, and released when the reply has been handed to Serve;
+* an application deployed under a ``route_prefix`` serves its paths below it (Serve hands
+  the prefix as the request's root path);
+* a typed error becomes ``{"error": ...}`` with its HTTP status (``errors.http_status_of``);
+* a streamed reply (``StreamReply``: Triton's generate_stream, OpenAI's server-sent events)
+  goes out chunk by chunk as a ``StreamingResponse``: Serve streams it through the proxy; a
+  client that goes away cancels the generator, whose ``finally`` cancels the request (the
+  same ``aclose`` the server's own HTTP layer calls).
+
+A client that disconnects while its request is queued or running cancels it: Serve cancels
+the replica's task, and the awaited reply's ``CancelledError`` reaches the REST app's
+awaitables, which cancel their request (``plugins/cancel.py``).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response, StreamingResponse
+
+from plugserve.plugins.api import PlugserveError
+from plugserve.server.plane.budget import Charge, MemoryBudget, body_factor
+from plugserve.server.plane.errors import forget_frames
+from plugserve.server.protocols.http.http_server import Reply, StreamReply, error_reply
+from plugserve.server.protocols.kserve.rest import RestApp
+from plugserve.server.protocols.status import http_status_of
+
+__all__ = ["serve_http"]
+
+
+def _response(reply: Reply) -> Response:
+    status, pieces, headers = reply
+    body = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+    response = Response(bytes(body), status_code=status)
+    for name, value in headers:
+        response.headers[name.decode("latin-1")] = value.decode("latin-1")
+    return response
+
+
+def _streaming(reply: StreamReply) -> StreamingResponse:
+    async def chunks() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in reply.chunks:
+                if chunk:
+                    yield bytes(chunk)
+        finally:
+            close = getattr(reply.chunks, "aclose", None)
+            if close is not None:
+                await close()
+
+    response = StreamingResponse(chunks(), status_code=reply.status)
+    for name, value in reply.headers:
+        response.headers[name.decode("latin-1")] = value.decode("latin-1")
+    return response
+
+
+async def _read(request: Request, limit: int, too_large: Any) -> bytes | Reply:
+    """The body, read whole, or the 413 refusing it once it passes ``limit``."""
+    pieces: list[bytes] = []
+    size = 0
+    async for piece in request.stream():
+        size += len(piece)
+        if size > limit:
+            return error_reply(413, too_large(size))
+        if piece:
+            pieces.append(piece)
+    return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+
+
+async def serve_http(app: RestApp, budget: MemoryBudget, request: Request) -> Response:
+    """One HTTP request of Serve's proxy, answered by ``app`` (see the module's docstring)."""
+    headers = [(k.lower(), v) for k, v in request.headers.raw]
+    path = request.url.path
+    root = request.scope.get("root_path", "")  # the application's route_prefix
+    if root and path.startswith(root):
+        path = path[len(root) :] or "/"
+    length = request.headers.get("content-length", "")
+    declared = int(length) if length.isdigit() else None
+    if declared is not None and declared > app.max_body:
+        return _response(error_reply(413, app.too_large(declared)))
+    charge: Charge | None = None
+    try:
+        if budget.limit:
+            binary = any(k == b"inference-header-content-length" for k, _ in headers)
+            factor = body_factor(path.encode(), binary)
+            # a chunked body is charged as large as the server allows one to be
+            expected = declared if declared is not None else app.max_body
+            try:
+                charge = budget.charge(expected * factor, "this request")
+            except PlugserveError as exc:
+                return _response(app.refusal(path.encode(), 503, str(exc), exc))
+        try:
+            body = await _read(request, app.max_body, app.too_large)
+        except ClientDisconnect:
+            return _response(error_reply(499, "the client went away"))
+        if isinstance(body, tuple):
+            return _response(body)
+        peer = request.client.host if request.client is not None else "127.0.0.1"
+        try:
+            reply = app.dispatch(request.method, path, headers, body, peer)
+            if inspect.isawaitable(reply):
+                reply = await reply
+        except Exception as exc:
+            reply = error_reply(*http_status_of(exc))
+            forget_frames(exc)
+        if isinstance(reply, StreamReply):
+            return _streaming(reply)
+        return _response(reply)
+    finally:
+        if charge is not None:
+            charge.release()

@@ -1,0 +1,177 @@
+"""One Serve replica: a plugserve server without ports of its own, behind Serve's proxies.
+
+Each replica holds what ``plugserve serve`` holds (``server/process/app.py``'s :class:`Server`,
+built from the same :class:`Settings`: the Core with its devices, the data plane and its memory
+budget, model control over the repository, the metrics) and loads the repository when it
+starts, so Serve counts it running only once its models are ready. It binds no port: Serve's
+HTTP proxy hands it requests for the REST app (``http.py``), Serve's gRPC proxy calls its
+KServe v2 methods (``kserve_grpc.py``), both the server's own code.
+
+Health is plugserve's readiness: Serve calls :meth:`check_health` (every 10 s by default) and
+replaces a replica that is not ready or is draining. Shutting down drains as the server does
+on SIGTERM (admitted requests finish within ``--exit-timeout``).
+
+Many models over few replicas (``models_per_replica`` > 0): a request naming a model in
+Serve's multiplexed model id (HTTP header ``serve_multiplexed_model_id``, gRPC metadata
+``multiplexed_model_id``) has it loaded from the repository on the replica first, and Serve's
+router sends requests for a model to replicas that have it; at most that many models stay
+loaded per replica, the least recently used unloaded (``serve.multiplexed``). The replica
+then starts with nothing loaded (``--model-control-mode explicit``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ray import serve
+from starlette.requests import Request
+from starlette.responses import Response
+
+from plugserve.plugins.api import PlugserveError
+from plugserve.ray.http import serve_http
+from plugserve.ray.kserve_grpc import METHODS, STREAMING, KServeBridge
+from plugserve.server.process.app import Server
+from plugserve.server.process.settings import Settings
+from plugserve.server.protocols.auth import AuthInterceptor, load_tokens
+from plugserve.server.protocols.kserve.grpc_service import KServeServicer
+from plugserve.server.protocols.kserve.rest import RestApp
+from plugserve.server.protocols.openai import OpenAIRoutes
+
+__all__ = ["ReplicaBase", "replica_class"]
+
+log = logging.getLogger("plugserve.ray")
+
+
+class ReplicaBase:
+    """The replica's behaviour; :func:`replica_class` adds the gRPC methods Serve's proxy
+    calls and, when asked for, the multiplexed model loader."""
+
+    #: models kept per replica under multiplexing (0: off)
+    models_per_replica = 0
+
+    def __init__(self, settings: dict[str, Any], threads: int) -> None:
+        s = Settings.load(argparse.Namespace(**settings))
+        logging.getLogger("plugserve").setLevel(s.log_level.upper())
+        self.server = Server(s)
+        plane, control = self.server.plane, self.server.control
+        control.control_mode = s.model_control_mode
+        names = None
+        if s.model_control_mode == "explicit":
+            names = {n.strip() for n in s.load_model.split(",") if n.strip()}
+            names = None if "*" in names else names
+        ready, problems = control.load_repository(names)
+        if problems and s.exit_on_error and s.model_repository:
+            self.server.stop(0)
+            raise RuntimeError(
+                f"{len(problems)} problem(s) in the model repository: {'; '.join(problems)}"
+            )
+        for problem in problems:
+            log.error("model repository: %s", problem)
+        log.info("replica ready: %d model version(s) from %s", len(ready), s.model_repository)
+        auth = None
+        if s.auth_tokens:
+            auth = AuthInterceptor(
+                load_tokens(s.auth_tokens), bool(s.open_health), bool(s.open_reflection)
+            )
+        local = not s.allow_remote_control
+        self.rest = RestApp(plane, control, s.max_message_bytes, auth, local_control=local)
+        openai = OpenAIRoutes(plane, control, s.max_completion_tokens)
+        self.rest.add_routes(openai.routes(), openai.refusal)
+        self.server.openai = openai  # closed by Server.stop
+        self.kserve = KServeBridge(KServeServicer(plane, control), threads, auth, local)
+        plane.ready = True
+
+    # --- Serve's hooks
+
+    async def __call__(self, request: Request) -> Response:
+        await self._multiplexed()
+        return await serve_http(self.rest, self.server.plane.budget, request)
+
+    def check_health(self) -> None:
+        plane = self.server.plane
+        if not plane.ready or plane.draining:
+            raise RuntimeError("plugserve is not ready (still loading, or draining)")
+
+    def __del__(self) -> None:
+        server = getattr(self, "server", None)  # None: __init__ failed before making it
+        if server is not None:
+            server.stop()
+            self.rest.workers.shutdown(wait=False, cancel_futures=True)
+            self.kserve.close()
+
+    # --- multiplexing
+
+    async def _multiplexed(self) -> None:
+        if self.models_per_replica:
+            model_id = serve.get_multiplexed_model_id()
+            if model_id:
+                await self.model(model_id)
+
+    async def model(self, model_id: str) -> Any:
+        """Replaced by the multiplexed loader (:func:`replica_class`)."""
+        return None
+
+    async def _load(self, model_id: str) -> _Held:
+        control = self.server.control
+        await asyncio.to_thread(control.reload, model_id)
+        return _Held(control, model_id)
+
+
+class _Held:
+    """A model loaded for multiplexing; Serve calls ``__del__`` when it evicts it."""
+
+    def __init__(self, control: Any, name: str) -> None:
+        self.control = control
+        self.name = name
+        self.loaded = True
+
+    def __del__(self) -> None:
+        if self.loaded:
+            self.loaded = False
+            try:
+                self.control.unload(self.name, 0, remove=False)
+            except PlugserveError as exc:
+                log.warning("multiplexing: unloading %s: %s", self.name, exc)
+
+
+def _unary(name: str) -> Any:
+    async def method(self: ReplicaBase, request: Any, grpc_context: Any) -> Any:
+        await self._multiplexed()
+        return await self.kserve.unary(name, request, grpc_context)
+
+    method.__name__ = name
+    return method
+
+
+def _streaming(name: str) -> Any:
+    async def method(
+        self: ReplicaBase, requests: AsyncIterator[Any], grpc_context: Any
+    ) -> AsyncIterator[Any]:
+        await self._multiplexed()
+        async for response in self.kserve.stream(name, requests, grpc_context):
+            yield response
+
+    method.__name__ = name
+    return method
+
+
+def replica_class(models_per_replica: int = 0) -> type[ReplicaBase]:
+    """The deployment's class: :class:`ReplicaBase` with a method per KServe v2 gRPC method
+    (Serve's proxy calls the replica's method named as the RPC) and, when
+    ``models_per_replica`` > 0, ``model`` as Serve's multiplexed loader."""
+    namespace: dict[str, Any] = {
+        name: _streaming(name) if name in STREAMING else _unary(name) for name in METHODS
+    }
+    if models_per_replica:
+
+        @serve.multiplexed(max_num_models_per_replica=models_per_replica)
+        async def model(self: ReplicaBase, model_id: str) -> Any:
+            return await self._load(model_id)
+
+        namespace["model"] = model
+        namespace["models_per_replica"] = models_per_replica
+    return type("PlugserveReplica", (ReplicaBase,), namespace)
