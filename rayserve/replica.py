@@ -34,7 +34,7 @@ from starlette.responses import Response
 from plugserve.plugins.api import PlugserveError
 from plugserve.ray.http import serve_http
 from plugserve.ray.kserve_grpc import METHODS, STREAMING, KServeBridge
-from plugserve.server.process.app import Server
+from plugserve.server.process.app import NotServable, Server
 from plugserve.server.process.settings import Settings
 from plugserve.server.protocols.auth import AuthInterceptor, load_tokens
 from plugserve.server.protocols.kserve.grpc_service import KServeServicer
@@ -56,22 +56,15 @@ class ReplicaBase:
     def __init__(self, settings: dict[str, Any], threads: int) -> None:
         s = Settings.load(argparse.Namespace(**settings))
         logging.getLogger("plugserve").setLevel(s.log_level.upper())
+        self.rest: RestApp | None = None
+        self.kserve: KServeBridge | None = None
         self.server = Server(s)
         plane, control = self.server.plane, self.server.control
-        control.control_mode = s.model_control_mode
-        names = None
-        if s.model_control_mode == "explicit":
-            names = {n.strip() for n in s.load_model.split(",") if n.strip()}
-            names = None if "*" in names else names
-        ready, problems = control.load_repository(names)
-        if problems and s.exit_on_error and s.model_repository:
+        try:  # what `plugserve serve` loads, ready as it is (an ensemble with all its steps)
+            self.server.load_models()
+        except NotServable:
             self.server.stop(0)
-            raise RuntimeError(
-                f"{len(problems)} problem(s) in the model repository: {'; '.join(problems)}"
-            )
-        for problem in problems:
-            log.error("model repository: %s", problem)
-        log.info("replica ready: %d model version(s) from %s", len(ready), s.model_repository)
+            raise
         auth = None
         if s.auth_tokens:
             auth = AuthInterceptor(
@@ -83,7 +76,6 @@ class ReplicaBase:
         self.rest.add_routes(openai.routes(), openai.refusal)
         self.server.openai = openai  # closed by Server.stop
         self.kserve = KServeBridge(KServeServicer(plane, control), threads, auth, local)
-        plane.ready = True
 
     # --- Serve's hooks
 
@@ -100,7 +92,9 @@ class ReplicaBase:
         server = getattr(self, "server", None)  # None: __init__ failed before making it
         if server is not None:
             server.stop()
+        if getattr(self, "rest", None) is not None:
             self.rest.workers.shutdown(wait=False, cancel_futures=True)
+        if getattr(self, "kserve", None) is not None:
             self.kserve.close()
 
     # --- multiplexing

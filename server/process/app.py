@@ -61,7 +61,7 @@ from plugserve.server.protocols.kserve.rest import RestApp, RestServer
 from plugserve.server.protocols.openai import OpenAIRoutes
 from plugserve.server.protocols.v1.servicer import PlugserveServicer
 
-__all__ = ["Server", "main"]
+__all__ = ["NotServable", "Server", "main"]
 
 log = logging.getLogger("plugserve")
 
@@ -122,6 +122,10 @@ class ReadinessHealth(health.HealthServicer):
         if response.status == health_pb2.HealthCheckResponse.SERVING and self._unready():
             return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.NOT_SERVING)
         return response
+
+
+class NotServable(RuntimeError):
+    """A model the server was asked to serve cannot be, and --exit-on-error says to stop."""
 
 
 class Server:
@@ -328,7 +332,13 @@ class Server:
             "metrics": self.metrics_port if s.metrics_port >= 0 else -1,
             "health": self.health_port if s.health_port >= 0 else -1,
         }
-        self._load_models()
+        try:
+            self.load_models()
+        except NotServable as exc:
+            self._stop_grpc(0)
+            self.plane.close()
+            self.control.close()
+            raise SystemExit(f"plugserve: {exc}") from None
 
     def _start_grpc(self, credentials: grpc.ServerCredentials | None) -> AuthInterceptor | None:
         """The gRPC port with its call gate, auth and services; the auth interceptor (None
@@ -420,9 +430,10 @@ class Server:
         self.rest = RestServer(rest_app, s)
         self.http_port = self.rest.start()
 
-    def _load_models(self) -> None:
+    def load_models(self) -> None:
         """The repository's models (--model-control-mode, --load-model), then ready; under
-        Triton's --exit-on-error a model that cannot be served stops the server."""
+        Triton's --exit-on-error a model that cannot be served is :class:`NotServable` (the
+        server exits; a Ray Serve replica fails its start)."""
         s = self.settings
         self.control.control_mode = s.model_control_mode
         names = None
@@ -439,11 +450,8 @@ class Server:
         # device they need is an error, not a server serving part of them)
         unready = self.control.failures()
         if unready and s.exit_on_error:
-            self._stop_grpc(0)
-            self.plane.close()
-            self.control.close()
-            raise SystemExit(
-                f"plugserve: {len(unready)} model(s) cannot be served at startup: "
+            raise NotServable(
+                f"{len(unready)} model(s) cannot be served at startup: "
                 f"{'; '.join(unready)} (each logged above); --exit-on-error 0 serves the models "
                 "that loaded, not ready"
             )

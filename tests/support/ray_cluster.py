@@ -65,14 +65,15 @@ class Unavailable(Exception):
 
 def ray_venv() -> Path:
     """The cached venv with ``ray[serve]`` and this checkout (editable, with the ``ray``,
-    ``generate`` and ``ort`` extras); raises :class:`Unavailable` when pip cannot make it."""
+    ``generate``, ``ort`` and ``image`` extras: the bundled examples' image decoder needs Pillow);
+    raises :class:`Unavailable` when pip cannot make it."""
     key = hashlib.sha256(
         str(CHECKOUT).encode() + (CHECKOUT / "pyproject.toml").read_bytes()
     ).hexdigest()[:12]
     try:
         return cached_venv(
             f"ray-{RAY_VERSION}-{key}",
-            ["-e", f"{CHECKOUT}[ray,generate,ort]", f"ray[serve]=={RAY_VERSION}"],
+            ["-e", f"{CHECKOUT}[ray,generate,ort,image]", f"ray[serve]=={RAY_VERSION}"],
             timeout=1800,
         )
     except (subprocess.SubprocessError, OSError) as exc:
