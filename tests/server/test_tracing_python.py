@@ -13,6 +13,7 @@ ended.
 
 from __future__ import annotations
 
+import queue
 import textwrap
 import uuid
 from pathlib import Path
@@ -118,6 +119,42 @@ class TritonPythonModel:
         return None
 """
 
+BATCHED_CONFIG = """
+name: "batched"
+backend: "python"
+max_batch_size: 2
+dynamic_batching { preferred_batch_size: [ 2 ] max_queue_delay_microseconds: 5000000 }
+input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 4 ] } ]
+input [ { name: "INPUT1" data_type: TYPE_FP32 dims: [ 4 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] } ]
+output [ { name: "COUNT" data_type: TYPE_INT64 dims: [ 1 ] } ]
+"""
+
+#: dynamically batched: each request of the execute calls add_sub under its own trace
+#: (``trace=request.trace()``), and answers how many requests its execute had
+BATCHED = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            a = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
+            b = pb_utils.get_input_tensor_by_name(request, "INPUT1").as_numpy()
+            assert request.trace().get_context() is not None
+            call = pb_utils.InferenceRequest(
+                model_name="add_sub", requested_output_names=["OUTPUT0"],
+                inputs=[pb_utils.Tensor("INPUT0", a[0]), pb_utils.Tensor("INPUT1", b[0])],
+                trace=request.trace())
+            out = pb_utils.get_output_tensor_by_name(call.exec(), "OUTPUT0").as_numpy()
+            count = np.array([[len(requests)]], np.int64)
+            responses.append(pb_utils.InferenceResponse(output_tensors=[
+                pb_utils.Tensor("OUTPUT0", out[None]), pb_utils.Tensor("COUNT", count)]))
+        return responses
+"""
+
 
 def _repository(folder: Path) -> Path:
     repo = folder / "repo"
@@ -127,6 +164,7 @@ def _repository(folder: Path) -> Path:
     for name, config, model in (
         ("caller", CALLER_CONFIG, CALLER),
         ("streamer", STREAMER_CONFIG, STREAMER),
+        ("batched", BATCHED_CONFIG, BATCHED),
     ):
         (repo / name / "1").mkdir(parents=True)
         (repo / name / "config.pbtxt").write_text(textwrap.dedent(config))
@@ -167,10 +205,11 @@ def _traceparent() -> tuple[str, str, str]:
     return f"00-{trace_id}-{span_id}-01", trace_id, span_id
 
 
-def _inputs(first: float = 0.0) -> list:
-    inputs = [grpcclient.InferInput(n, [4], "FP32") for n in ("INPUT0", "INPUT1")]
-    inputs[0].set_data_from_numpy(X + first)
-    inputs[1].set_data_from_numpy(Y)
+def _inputs(first: float = 0.0, batch: bool = False) -> list:
+    shape = [1, 4] if batch else [4]
+    inputs = [grpcclient.InferInput(n, shape, "FP32") for n in ("INPUT0", "INPUT1")]
+    inputs[0].set_data_from_numpy((X + first).reshape(shape))
+    inputs[1].set_data_from_numpy(Y.reshape(shape))
     return inputs
 
 
@@ -272,21 +311,48 @@ def test_a_decoupled_models_execute_and_bls_call_are_traced(server, receiver, tr
     """A decoupled Python model answering over a gRPC stream: its execute is a span of the
     request's trace, and the BLS call it makes goes under it with the called model's spans."""
     header, trace_id, _ = _traceparent()
-    answers: list = []
-    triton.start_stream(lambda result, error: answers.append((result, error)),
-                        headers={"traceparent": header})  # fmt: skip
+    answers: queue.Queue = queue.Queue()
+    triton.start_stream(lambda result, error: answers.put(error), headers={"traceparent": header})
     try:
         triton.async_stream_infer("streamer", _inputs(), request_id="stream-1")
+        assert [answers.get(timeout=30) for _ in range(2)] == [None, None]
         spans = _spans(receiver, trace_id, ["InferRequest", "streamer", "execute", "bls"])
     finally:
         triton.stop_stream()
-    assert [e for _, e in answers] == [None, None]
     ids = {s.span_id for group in spans.values() for s in group}
     (execute,) = spans["execute"]
     assert execute.parent_span_id in ids and not execute.failed
     bls = _one(spans, "bls", execute)
     _one(spans, "add_sub", bls)
     _within(bls, execute)
+
+
+def test_requests_batched_into_one_execute_keep_their_own_traces(server, receiver, triton):
+    """Two traced requests that the dynamic batcher hands to one execute: each trace has an
+    execute span of that execute (the same times), and the BLS call each request's part made
+    with ``trace=request.trace()`` goes under its own request's execute, in its own trace."""
+    answers: queue.Queue = queue.Queue()
+    traces = [_traceparent() for _ in range(2)]
+    for header, _, _ in traces:
+        triton.async_infer(
+            "batched", _inputs(batch=True), lambda result, error: answers.put((result, error)),
+            headers={"traceparent": header},
+        )  # fmt: skip
+    for _ in traces:
+        result, error = answers.get(timeout=30)
+        assert error is None
+        assert result.as_numpy("COUNT").tolist() == [[2]]  # one execute for both
+        np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), (X + Y)[None])
+    executes = []
+    for _, trace_id, _ in traces:
+        spans = _spans(receiver, trace_id, ["InferRequest", "execute", "bls", "add_sub"])
+        (execute,) = spans["execute"]
+        bls = _one(spans, "bls", execute)
+        _one(spans, "add_sub", bls)
+        executes.append(execute)
+    first, second = executes
+    assert (first.start_ns, first.end_ns) == (second.start_ns, second.end_ns)
+    assert first.span_id != second.span_id
 
 
 def test_an_untraced_request_and_its_bls_call_leave_no_trace(server, receiver, triton):

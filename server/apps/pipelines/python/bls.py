@@ -105,9 +105,9 @@ class BlsCalls:
             self._failed(number, exc, span)
             return
         self._forget(number)
-        self.reply(number, {"final": True}, dict(outputs))
-        if span is not None:
+        if span is not None:  # ended before the model can read its answer and go on
             span.end()
+        self.reply(number, {"final": True}, dict(outputs))
 
     def _forward(self, number: int, stream: Any, lock: threading.Lock, span: Span | None) -> None:
         """A decoupled call's responses, in order, as they arrive."""
@@ -120,6 +120,8 @@ class BlsCalls:
             for item, final in items:
                 if final:
                     self._forget(number)
+                    if span is not None:
+                        span.end()
                 if item is None:
                     self.reply(number, {"final": final})
                 elif item.error is not None:
@@ -128,8 +130,6 @@ class BlsCalls:
                     self.reply(
                         number, {"final": final, "parameters": item.parameters}, item.outputs
                     )
-                if final and span is not None:
-                    span.end()
 
     def _failed(self, number: int, exc: BaseException, span: Span | None) -> None:
         """The call ended with ``exc``: its final reply says so."""
@@ -138,10 +138,10 @@ class BlsCalls:
             answer = protocol.failure(exc, final=True)
         else:
             answer = {"error": [f"{type(exc).__name__}: {exc}", "INTERNAL"], "final": True}
-        self.reply(number, answer)
         if span is not None:
             span.fail(exc)
             span.end()
+        self.reply(number, answer)
 
     def _forget(self, number: int) -> None:
         with self._lock:
