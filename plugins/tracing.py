@@ -28,12 +28,12 @@ handed to another thread takes its span along explicitly, as it takes its cancel
 * Ensemble and DAG steps: each step's request is a data plane request whose token carries the
   ensemble's model span as its ``trace``, so the step's model span (and its queue and run)
   open under the ensemble's, as Triton nests a composing model's spans under its ensemble.
-* Python models: the run's span crosses into the model's process as a W3C header
-  (:meth:`Span.traceparent`, a few bytes in the request's JSON header); the worker records
-  ``execute`` with the same :class:`Span` class (standard library only, as the worker's modules
-  must be) and sends its finished spans back with the answer, where the server keeps them in
-  the request's trace (:meth:`Trace.keep`). A BLS call from ``execute`` carries that header, so
-  the server opens the child request's root under it: BLS children are child spans.
+* Python models (built: ``server/apps/pipelines/python/``): the server opens an ``execute``
+  span under the run and sends it into the model's process as a W3C header
+  (:meth:`Span.traceparent`, a few bytes in the request's JSON header); the process times
+  ``execute`` and sends the times back with its answer, which become the span's start and end.
+  A BLS call from ``execute`` carries that header, so the server opens its ``bls`` span under
+  it and the called model's spans under that: BLS children are child spans.
 * Generation: the request's model span is open from admission to its last event; the engine
   records its waiting as a ``queue`` span, each prompt chunk as a ``prefill`` span and the
   decoding as one ``decode`` span with an event per token batch (:meth:`Span.event`, at most

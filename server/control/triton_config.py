@@ -236,7 +236,7 @@ def _parse_triton(where: str, text: str) -> ModelSettings:
                     path,
                     max(preferred),
                 )
-        if batching.max_queue_delay_microseconds:
+        if batching.max_queue_delay_microseconds and out.device != "PYTHON":  # (it reads its own)
             out.config["BATCH_TIMEOUT_MS"] = str(batching.max_queue_delay_microseconds / 1000)
         out.queue = read_queue_policy(batching, str(path))
         used = {

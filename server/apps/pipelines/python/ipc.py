@@ -35,6 +35,7 @@ __all__ = [
     "MAX_HEADER",
     "Arena",
     "Mailbox",
+    "pack_into",
     "pack_tensors",
     "receive",
     "receive_all",
@@ -183,6 +184,21 @@ def pack_tensors(tensors: dict[str, np.ndarray]) -> tuple[list[list[Any]], int]:
         os.close(fd)
         raise
     return described, fd
+
+
+def pack_into(header: dict[str, Any], tensors: dict[str, np.ndarray], arena: Arena | None) -> int:
+    """``tensors`` described in ``header["tensors"]``: written into ``arena`` when they fit
+    there (``header["arena"]`` says so), else into a sealed memfd of their own, whose
+    descriptor is returned for the caller to send beside the header and close (-1: none)."""
+    described = arena.pack(tensors) if arena is not None else None
+    fd = -1
+    if described is None:
+        described, fd = pack_tensors(tensors)
+        header.pop("arena", None)
+    else:
+        header["arena"] = True
+    header["tensors"] = described
+    return fd
 
 
 def _memfd(size: int) -> int:
@@ -358,6 +374,21 @@ class Mailbox:
     def send(self, header: dict[str, Any], *fds: int, block: bool = True) -> None:
         with self._send_lock:
             send(self.sock, header, *fds, flags=0 if block else _DONTWAIT)
+
+    def send_tensors(
+        self,
+        header: dict[str, Any],
+        tensors: dict[str, np.ndarray],
+        arena: Arena | None = None,
+        block: bool = True,
+    ) -> None:
+        """``header`` with ``tensors`` beside it (:func:`pack_into`)."""
+        fd = pack_into(header, tensors, arena)
+        try:
+            self.send(header, fd, block=block)
+        finally:
+            if fd >= 0:
+                os.close(fd)
 
     def wait(self, key: Hashable, spin: float = 0.0) -> tuple[dict[str, Any], list[int]]:
         """The next message for ``key`` (reading the socket while nobody else does; ``spin``:

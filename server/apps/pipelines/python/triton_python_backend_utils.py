@@ -1,7 +1,8 @@
 """The module a Triton python-backend model imports (``import triton_python_backend_utils as
 pb_utils``), as plugserve serves it: the same names and behaviour as Triton's own
 (python_backend's ``src/resources/triton_python_backend_utils.py`` and its README are the
-specification), over plugserve's worker protocol (``ipc.py``). Standard library and numpy only.
+specification), over plugserve's worker protocol (``ipc.py``, its kinds of message in
+``kinds.py``). Standard library and numpy only.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import threading
 from typing import Any
 
 import numpy as np
+from kinds import Call, Kind
 
 #: set by worker.py: the process's worker, how a BLS request goes to the server
 #: (``_bls(request, decoupled)``), and how a decoupled response does (``_send(rid, response,
@@ -190,6 +192,21 @@ class ResponseIterator:
             self._cancel()
 
 
+class InferenceTrace:
+    """A request's trace, as ``request.trace()`` gives it (Triton's): ``get_context()`` is
+    the request's span as W3C trace context (JSON: ``{"traceparent": ...}``), None when the
+    request is not traced. A BLS request made with ``trace=request.trace()`` is traced under
+    that request's execute; one made without it, under the execute it is made in."""
+
+    def __init__(self, traceparent: str | None = None) -> None:
+        self._traceparent = traceparent
+
+    def get_context(self) -> str | None:
+        if not self._traceparent:
+            return None
+        return json.dumps({"traceparent": self._traceparent})
+
+
 class InferenceRequest:
     """A request ``execute`` receives (its inputs, parameters, ...), or one a model makes to
     call another model (Business Logic Scripting: :meth:`exec`)."""
@@ -205,7 +222,9 @@ class InferenceRequest:
         parameters: dict[str, Any] | str | None = None,
         model_version: int = -1,
         timeout: int = 0,
+        trace: InferenceTrace | None = None,
         _rid: int | None = None,
+        _trace: str | None = None,
         _worker: Any = None,
         **_: Any,
     ) -> None:
@@ -221,6 +240,9 @@ class InferenceRequest:
         )
         self._timeout = int(timeout or 0)
         self._rid = _rid
+        #: the request's execute span (``traceparent``): the server's for a request execute
+        #: receives, the one ``trace`` names for a BLS request (None: its execute's)
+        self._trace = _trace if trace is None else getattr(trace, "_traceparent", None)
         self._sender: InferenceResponseSender | None = None
 
     def inputs(self) -> list[Tensor]:
@@ -246,6 +268,10 @@ class InferenceRequest:
 
     def timeout(self) -> int:
         return self._timeout
+
+    def trace(self) -> InferenceTrace:
+        """The request's trace (pass it as a BLS request's ``trace``)."""
+        return InferenceTrace(self._trace)
 
     def is_cancelled(self) -> bool:
         """Whether the server cancelled the request (its client gone, its deadline)."""
@@ -286,8 +312,8 @@ class InferenceRequest:
         return await loop.run_in_executor(_worker.pool, self.exec, decoupled)
 
     def _bls_header(self) -> dict[str, Any]:
-        return {
-            "op": "bls",
+        header = {
+            "op": Kind.BLS,
             "model": self._model_name,
             "version": self._model_version,
             "outputs": self._outputs,
@@ -297,6 +323,10 @@ class InferenceRequest:
             "correlation_id": self._correlation,
             "flags": self._flags,
         }
+        trace = self._trace or getattr(_worker, "tracing", None)
+        if trace:  # the execute span it is made under: its spans go there
+            header["trace"] = trace
+        return header
 
 
 def get_input_tensor_by_name(inference_request: InferenceRequest, name: str) -> Tensor | None:
@@ -341,7 +371,7 @@ def _call(what: str, **fields: Any) -> dict[str, Any]:
             "finalize)"
         )
     tensors = fields.pop("_tensors", {})
-    reply, fds = _worker.call({"op": "call", "what": what, **fields}, tensors)
+    reply, fds = _worker.call({"op": Kind.CALL, "what": what, **fields}, tensors)
     for fd in fds:
         import os
 
@@ -398,7 +428,7 @@ class MetricFamily:
     def __init__(self, name: str, description: str, kind: int) -> None:
         if isinstance(kind, bool) or not isinstance(kind, int | str):
             kind = repr(kind)  # refused by the server, which names it
-        reply = _call("metric_family", name=name, description=description, kind=kind)
+        reply = _call(Call.METRIC_FAMILY, name=name, description=description, kind=kind)
         self._name, self._kind = name, reply["kind"]
 
     def Metric(self, labels: dict[str, str] | None = None, buckets: list[float] | None = None):
@@ -428,11 +458,11 @@ class Metric:
             json.dumps(buckets)
         except (TypeError, ValueError) as exc:
             raise TritonModelException(f"Failed to create metric: {exc}") from None
-        reply = _call("metric", family=family._name, labels=labels, buckets=buckets)
+        reply = _call(Call.METRIC, family=family._name, labels=labels, buckets=buckets)
         self._family, self._handle = family, reply["metric"]
 
     def _op(self, op: str, value: Any = 0.0) -> float:
-        reply = _call("metric_op", metric=self._handle, do=op, value=value)
+        reply = _call(Call.METRIC_OP, metric=self._handle, do=op, value=value)
         return float(reply["value"])
 
     def increment(self, value: float) -> None:
@@ -483,7 +513,7 @@ def load_model(model_name: str, config: str = "", files: dict[str, bytes] | None
         value = np.empty(1, dtype=object)
         value[0] = bytes(data)
         tensors[key] = value
-    _call("load_model", model_name=model_name, config=config, _tensors=tensors)
+    _call(Call.LOAD_MODEL, model_name=model_name, config=config, _tensors=tensors)
 
 
 def unload_model(model_name: str, unload_dependents: bool = False) -> None:
@@ -492,7 +522,7 @@ def unload_model(model_name: str, unload_dependents: bool = False) -> None:
     _loading("unload_model")
     if not isinstance(model_name, str):
         raise TritonModelException("unload_model takes a model name as a string")
-    _call("unload_model", model_name=model_name, unload_dependents=bool(unload_dependents))
+    _call(Call.UNLOAD_MODEL, model_name=model_name, unload_dependents=bool(unload_dependents))
 
 
 def is_model_ready(model_name: str, model_version: str = "") -> bool:
@@ -502,7 +532,7 @@ def is_model_ready(model_name: str, model_version: str = "") -> bool:
     if not isinstance(model_name, str) or not isinstance(model_version, str):
         raise TritonModelException("is_model_ready takes a model name and a version as strings")
     return bool(
-        _call("is_model_ready", model_name=model_name, model_version=model_version)["ready"]
+        _call(Call.IS_MODEL_READY, model_name=model_name, model_version=model_version)["ready"]
     )
 
 

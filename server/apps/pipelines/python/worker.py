@@ -2,8 +2,8 @@
 of a Unix socket to the server, run by ``sandbox.py`` once the process's bounds are set. It
 imports the model's ``model.py``, makes its ``TritonPythonModel``, calls ``initialize(args)``,
 then answers ``execute`` messages until the server says ``finalize`` or goes away (``ipc.py``
-is the protocol). Standard library and numpy only, run by whichever Python the model names, so
-its dependencies need not be the server's.
+is the transport, ``kinds.py`` the kinds of message). Standard library and numpy only, run by
+whichever Python the model names, so its dependencies need not be the server's.
 
 The process runs no reader thread: the main thread reads the socket while it waits for the next
 request, and a thread that waits for an answer (a BLS call's, a decoupled BLS call's
@@ -11,6 +11,11 @@ responses) reads while it waits (``ipc.Mailbox``). The server's notices (a reque
 are read with them, or by ``is_cancelled()`` itself. A decoupled model's responses go out from
 whichever thread sends them (``InferenceResponseSender``); its ``async def execute`` runs on an
 event loop of its own thread, so the next request starts while earlier ones wait (Triton 24.04).
+
+A traced request (its entry names its execute span, a W3C ``traceparent``) has its ``execute``
+timed here (``time.time_ns`` at its call and return, sent back as the reply's ``times``: the
+server makes the span, so this process needs no OpenTelemetry), and the BLS calls made while it
+runs name that span, so the server puts their spans under it.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import os
 import socket
 import sys
 import threading
+import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -35,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import ipc
 import triton_python_backend_utils as pb_utils
+from kinds import LOG_LEVELS, PROCESS_HANDLES, Kind
 
 #: the lines of a traceback the server shows as a failure's reason
 REASON_LINES = 6
@@ -51,8 +58,6 @@ MAX_LOG_CHARS = 16384
 MAX_CANCELLED = 4096
 #: how sandbox.py says whether this process's /dev/shm is its own
 SHM_NOTE = "PLUGSERVE_SHM"
-#: Triton's Logger levels, by their number
-LOG_LEVELS = ("INFO", "WARNING", "ERROR", "VERBOSE")
 
 _calls = itertools.count(1)
 
@@ -82,7 +87,7 @@ def _route(header: dict[str, Any]) -> Any:
     call = header.get("call")
     if call is not None:
         return ("call", call)
-    if header.get("op") in ("cancel", "checks"):
+    if header.get("op") in PROCESS_HANDLES:
         return None
     return "main"
 
@@ -107,18 +112,22 @@ class Worker:
         self.pool = ThreadPoolExecutor(BLS_THREADS, thread_name_prefix="bls")
         self.inbox: ipc.Arena | None = None  # the server's arenas: requests come in one,
         self.outbox: ipc.Arena | None = None  # answers go out the other
+        #: the execute span of the traced execute under way (its ``traceparent``), which the
+        #: BLS calls made meanwhile name; None: none
+        self.tracing: str | None = None
 
     # --- notices and calls
 
     def _notice(self, header: dict[str, Any], fds: list[int]) -> None:
-        if header.get("op") == "checks" and fds:  # the socket readiness checks come on
+        op = header.get("op")
+        if op == Kind.CHECKS and fds:  # the socket readiness checks come on
             checks = socket.socket(fileno=fds.pop(0))
             threading.Thread(
                 target=self._serve_checks, args=(checks,), name="is_ready", daemon=True
             ).start()
         for fd in fds:
             os.close(fd)
-        if header.get("op") == "cancel":
+        if op == Kind.CANCEL:
             cancelled = self.cancelled
             cancelled[int(header.get("rid", -1))] = None
             if len(cancelled) > MAX_CANCELLED:
@@ -157,16 +166,14 @@ class Worker:
 
     def call(self, header: dict[str, Any], tensors: dict[str, Any]) -> tuple[dict, list[int]]:
         """Send a call to the server (a BLS request, ...) and wait for its first answer."""
+        return self.next_answer(self.post(header, tensors))
+
+    def post(self, header: dict[str, Any], tensors: dict[str, Any]) -> int:
+        """Send a call to the server, numbered: its number, which its answers name."""
         number = next(_calls)
         header["call"] = number
-        described, fd = ipc.pack_tensors(tensors)
-        header["tensors"] = described
-        try:
-            self.mailbox.send(header, fd)
-        finally:
-            if fd >= 0:
-                os.close(fd)
-        return self.mailbox.wait(("call", number))
+        self.mailbox.send_tensors(header, tensors)
+        return number
 
     def log(self, level: int, message: str) -> None:
         """A Logger line to the server's log, never blocking the model: when the server is
@@ -175,7 +182,7 @@ class Worker:
         if len(message) > MAX_LOG_CHARS:
             message = message[:MAX_LOG_CHARS] + " [cut]"
         try:
-            self.mailbox.send({"op": "log", "level": name, "message": message}, block=False)
+            self.mailbox.send({"op": Kind.LOG, "level": name, "message": message}, block=False)
         except OSError:
             print(f"{self.instance_name} {name}: {message}", file=sys.stderr, flush=True)
 
@@ -191,21 +198,21 @@ class Worker:
             except EOFError:
                 return
             op = header.get("op")
-            if op == "initialize":
+            if op == Kind.EXECUTE:
+                self._execute(header, fds)
+            elif op == Kind.INITIALIZE:
                 if not self._initialize(header, fds):
                     return
-            elif op == "auto_complete":
+            elif op == Kind.AUTO_COMPLETE:
                 if not self._auto_complete(header):
                     return
-            elif op == "execute":
-                self._execute(header, fds)
-            elif op == "finalize":
+            elif op == Kind.FINALIZE:
                 self.phase = "finalize"
                 try:
                     if self.model is not None and hasattr(self.model, "finalize"):
                         self.model.finalize()
                 finally:
-                    self.mailbox.send({"op": "finalized"})
+                    self.mailbox.send({"op": Kind.FINALIZED})
                 return
             else:
                 for fd in fds:
@@ -231,13 +238,13 @@ class Worker:
             self.phase = "execute"
             ready = callable(getattr(self.model, "is_ready", None))
             shm = os.environ.pop(SHM_NOTE, "not bounded")  # sandbox.py's: "" when private
-            self.mailbox.send({"op": "initialized", "is_ready": ready, "shm": shm})
+            self.mailbox.send({"op": Kind.INITIALIZED, "is_ready": ready, "shm": shm})
             return True
         except BaseException as exc:  # the load fails with the reason; the worker ends
             # a TritonModelException is the model's own words (a missing dependency, say):
             # they are the reason, without the traceback's lines
             mine = isinstance(exc, pb_utils.TritonModelException) and str(exc)
-            self.mailbox.send({"op": "initialized", "error": str(exc) if mine else _reason(exc)})
+            self.mailbox.send({"op": Kind.INITIALIZED, "error": str(exc) if mine else _reason(exc)})
             return False
 
     def _auto_complete(self, header: dict[str, Any]) -> bool:
@@ -248,7 +255,7 @@ class Worker:
             self.module = _import(header["model_path"])
             function = getattr(self.module.TritonPythonModel, "auto_complete_config", None)
             if function is None:
-                self.mailbox.send({"op": "completed", "config": None})
+                self.mailbox.send({"op": Kind.COMPLETED, "config": None})
                 return True
             given = pb_utils.ModelConfig(json.dumps(header["config"]))
             result = function(given)
@@ -259,10 +266,10 @@ class Worker:
                 )
             config = result.as_dict()
             json.dumps(config)  # what cannot travel as JSON is the model's error, said here
-            self.mailbox.send({"op": "completed", "config": config})
+            self.mailbox.send({"op": Kind.COMPLETED, "config": config})
             return True
         except BaseException as exc:
-            self.mailbox.send({"op": "completed", "error": _reason(exc)})
+            self.mailbox.send({"op": Kind.COMPLETED, "error": _reason(exc)})
             return False
 
     def _tensors(self, header: dict[str, Any], fds: list[int]) -> dict[str, Any]:
@@ -290,6 +297,7 @@ class Worker:
                     timeout=request.get("timeout", 0),
                     parameters=request.get("parameters") or "{}",
                     _rid=request.get("rid"),
+                    _trace=request.get("trace"),
                     _worker=self,
                 )
             )
@@ -299,39 +307,36 @@ class Worker:
         try:
             requests = self._requests(header, self._tensors(header, fds))
         except Exception as exc:
-            self.mailbox.send({"op": "result", "error": _reason(exc)})
+            self.mailbox.send({"op": Kind.RESULT, "error": _reason(exc)})
             return
-        if self.decoupled:
-            self._execute_decoupled(requests)
-            return
+        for request in requests:  # the first traced request's span is the BLS calls' parent
+            if request._trace is not None:
+                self.tracing = request._trace
+                break
+        started = time.time_ns() if self.tracing is not None else 0
         try:
-            self._execute_plain(requests)
+            if self.decoupled:
+                self._execute_decoupled(requests, started)
+            else:
+                self._execute_plain(requests, started)
         finally:  # answered: a cancellation of these requests means nothing from now on
-            for request in requests:
-                self.cancelled.pop(request._rid, None)
+            self.tracing = None
+            if not self.decoupled:
+                for request in requests:
+                    self.cancelled.pop(request._rid, None)
 
-    def _execute_plain(self, requests: list[Any]) -> None:
+    def _execute_plain(self, requests: list[Any], started: int) -> None:
         try:
             result = self.model.execute(requests)
             if inspect.isawaitable(result):
                 result = self.loop.run_until_complete(result)
             reply, outputs = _answer(result, len(requests))
-            described = self.outbox.pack(outputs) if self.outbox is not None else None
-            out_fd = -1
-            if described is None:
-                described, out_fd = ipc.pack_tensors(outputs)
-            else:
-                reply["arena"] = True
-            reply["tensors"] = described
-            try:
-                self.mailbox.send(reply, out_fd)
-            finally:
-                if out_fd >= 0:
-                    os.close(out_fd)
+            _timed(reply, started)
+            self.mailbox.send_tensors(reply, outputs, self.outbox)
         except Exception as exc:  # the requests fail with the reason; the worker goes on
-            self.mailbox.send({"op": "result", "error": _reason(exc)})
+            self.mailbox.send(_timed({"op": Kind.RESULT, "error": _reason(exc)}, started))
 
-    def _execute_decoupled(self, requests: list[Any]) -> None:
+    def _execute_decoupled(self, requests: list[Any], started: int) -> None:
         """A decoupled model's execute: it answers through its requests' senders; the server
         hears ``result`` once execute returned (its stream is free for the next request). An
         ``async def execute`` runs on the background loop: the next request need not wait."""
@@ -341,12 +346,11 @@ class Worker:
                 loop = self._background()
                 future = asyncio.run_coroutine_threadsafe(_awaited(result), loop)
                 future.add_done_callback(lambda f, r=requests: self._settled(f, r))
-                self.mailbox.send({"op": "result"})
-                return
-            self._check_none(result, requests)
-            self.mailbox.send({"op": "result"})
+            else:
+                self._check_none(result, requests)
+            self.mailbox.send(_timed({"op": Kind.RESULT}, started))
         except Exception as exc:
-            self.mailbox.send({"op": "result", "error": _reason(exc)})
+            self.mailbox.send(_timed({"op": Kind.RESULT, "error": _reason(exc)}, started))
 
     def _settled(self, future: Any, requests: list[Any]) -> None:
         """An async decoupled execute finished: its failure fails the requests still open."""
@@ -378,6 +382,14 @@ async def _awaited(awaitable: Any) -> Any:
     return await awaitable
 
 
+def _timed(reply: dict[str, Any], started: int) -> dict[str, Any]:
+    """``reply`` with its traced execute's times (``started``: when it was called; 0: the
+    execute is not traced)."""
+    if started:
+        reply["times"] = [started, time.time_ns()]
+    return reply
+
+
 def _answer(responses: Any, count: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """The reply's header and its tensors for what ``execute`` returned."""
     if not isinstance(responses, list | tuple) or len(responses) != count:
@@ -393,15 +405,17 @@ def _answer(responses: Any, count: int) -> tuple[dict[str, Any], dict[str, Any]]
             raise pb_utils.TritonModelException(
                 f"response {index} is a {type(response).__name__}, not an InferenceResponse"
             )
-        names = []
-        for tensor in response.output_tensors():
-            tensors[f"{index}/{tensor.name()}"] = tensor.as_numpy()
-            names.append(tensor.name())
-        described.append(_described(response, names))
-    return {"op": "result", "responses": described}, tensors
+        described.append(_described(response, tensors, f"{index}/"))
+    return {"op": Kind.RESULT, "responses": described}, tensors
 
 
-def _described(response: Any, names: list[str]) -> dict[str, Any]:
+def _described(response: Any, tensors: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``response`` as its reply describes it; its outputs go into ``tensors`` (each name
+    after ``prefix``)."""
+    names = []
+    for tensor in response.output_tensors():
+        tensors[prefix + tensor.name()] = tensor.as_numpy()
+        names.append(tensor.name())
     error = response.error()
     return {
         "outputs": names,
@@ -412,21 +426,11 @@ def _described(response: Any, names: list[str]) -> dict[str, Any]:
 
 def send_response(worker: Worker, rid: int, response: Any, final: bool) -> None:
     """A decoupled request's response (or its bare final flag) to the server."""
-    header: dict[str, Any] = {"op": "send", "rid": rid, "final": final, "response": None}
+    header: dict[str, Any] = {"op": Kind.SEND, "rid": rid, "final": final, "response": None}
     tensors: dict[str, Any] = {}
     if response is not None:
-        names = []
-        for tensor in response.output_tensors():
-            tensors[tensor.name()] = tensor.as_numpy()
-            names.append(tensor.name())
-        header["response"] = _described(response, names)
-    described, fd = ipc.pack_tensors(tensors)
-    header["tensors"] = described
-    try:
-        worker.mailbox.send(header, fd)
-    finally:
-        if fd >= 0:
-            os.close(fd)
+        header["response"] = _described(response, tensors)
+    worker.mailbox.send_tensors(header, tensors)
 
 
 def bls_request(worker: Worker, request: Any, decoupled: bool) -> Any:
@@ -438,18 +442,10 @@ def bls_request(worker: Worker, request: Any, decoupled: bool) -> Any:
     if not decoupled:
         reply, fds = worker.call(header, tensors)
         return _bls_response(reply, fds)
-    number = next(_calls)
-    header["call"] = number
-    described, fd = ipc.pack_tensors(tensors)
-    header["tensors"] = described
-    try:
-        worker.mailbox.send(header, fd)
-    finally:
-        if fd >= 0:
-            os.close(fd)
+    number = worker.post(header, tensors)
     return pb_utils.ResponseIterator(
         lambda: _next_bls(worker, number),
-        lambda: worker.mailbox.send({"op": "bls_cancel", "call": number}),
+        lambda: worker.mailbox.send({"op": Kind.BLS_CANCEL, "call": number}),
     )
 
 
