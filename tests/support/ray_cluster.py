@@ -67,15 +67,14 @@ def ray_venv() -> Path:
     """The cached venv with ``ray[serve]`` and this checkout (editable, with the ``ray``,
     ``generate``, ``ort`` and ``image`` extras: the bundled examples' image decoder needs Pillow);
     raises :class:`Unavailable` when pip cannot make it."""
+    packages = ["-e", f"{CHECKOUT}[ray,generate,ort,image]", f"ray[serve]=={RAY_VERSION}"]
     key = hashlib.sha256(
-        str(CHECKOUT).encode() + (CHECKOUT / "pyproject.toml").read_bytes()
+        str(CHECKOUT).encode()
+        + (CHECKOUT / "pyproject.toml").read_bytes()
+        + " ".join(packages).encode()
     ).hexdigest()[:12]
     try:
-        return cached_venv(
-            f"ray-{RAY_VERSION}-{key}",
-            ["-e", f"{CHECKOUT}[ray,generate,ort,image]", f"ray[serve]=={RAY_VERSION}"],
-            timeout=1800,
-        )
+        return cached_venv(f"ray-{RAY_VERSION}-{key}", packages, timeout=1800)
     except (subprocess.SubprocessError, OSError) as exc:
         raise Unavailable(f"the Ray venv cannot be made: {exc}; {INSTALL}") from None
 
