@@ -24,6 +24,13 @@ the adapter's two worker threads, and every chat is rendered and every prompt to
 more than :data:`MAX_QUEUED` jobs waiting is 503. Four clients sending 60 KB chats for 3 s
 had held REST health up to 1.8 s (p99) while the loop rendered and tokenized bodies up to
 64 KiB itself; 21-46 ms since (tests/server/test_attacks_generate.py).
+
+Traces: a request the trace settings sample for its model (or that carries a W3C
+``traceparent`` while tracing is on) gets Triton's root span, ``InferRequest``, opened once
+its body names the model and ended when its answer is composed, its stream's last event is
+written or its client leaves; each prompt's stream opens the model's span under it, and the
+engine its queue, prefill and decode spans under that (docs/tracing.md). A request that is
+not traced costs one attribute read.
 """
 
 from __future__ import annotations
@@ -344,21 +351,7 @@ class OpenAIRoutes:
                     f"{model.vocab_size} tokens",
                     "stop_token_ids",
                 )
-        constraints: list[Any] = []
-        schema_bytes = 0
-        if ask.schema is not None:
-            from plugserve.server.apps.generate import grammar
-
-            # compiled once and copied for each sequence, on a worker; its memory charged first
-            count = ask.n * len(prompts)
-            schema_bytes = grammar.memory(ask.schema, count)
-            charge = self.plane.budget.charge(schema_bytes, "this request's response_format")
-            try:
-                constraints = await self._in_worker(
-                    _compiled, ask.schema, model.tokenizer, model.vocab_size, count
-                )
-            finally:
-                charge.release()  # held again by the request's stream, below
+        constraints, schema_bytes = await self._constraints(model, ask, len(prompts))
         echo = isinstance(ask, protocol.CompletionRequest) and ask.echo
         if echo and not all(isinstance(p, str) for p in ask.prompts):
             # prompts given as ids are echoed as text: decoded on a worker (decode holds the
@@ -413,6 +406,27 @@ class OpenAIRoutes:
             # a long answer (many choices, logprobs) is written on a worker, as REST's are
             return 200, [await self._in_worker(_dumped, answer)], _JSON
         return 200, [orjson.dumps(answer.body())], _JSON
+
+    async def _constraints(
+        self, model: _Model, ask: protocol.GenerationAsk, prompts: int
+    ) -> tuple[list[Any], int]:
+        """The schema's matchers, one per sequence, and the bytes they hold (none without a
+        schema): compiled once and copied for each sequence, on a worker, their memory
+        charged first (and held again by the request's stream)."""
+        if ask.schema is None:
+            return [], 0
+        from plugserve.server.apps.generate import grammar
+
+        count = ask.n * prompts
+        schema_bytes = grammar.memory(ask.schema, count)
+        charge = self.plane.budget.charge(schema_bytes, "this request's response_format")
+        try:
+            constraints = await self._in_worker(
+                _compiled, ask.schema, model.tokenizer, model.vocab_size, count
+            )
+        finally:
+            charge.release()
+        return constraints, schema_bytes
 
     def _open(
         self, model: _Model, request: GenerationRequest, holds: int, trace: Trace | None
