@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 import pytest
+from conftest import FailingGrammar
 
 from plugserve.plugins.api import InferenceError
 from plugserve.plugins.tracing import MAX_EVENTS, Trace
@@ -41,28 +41,10 @@ def _spans(trace: Trace, name: str) -> list:
     return [s for s in trace.spans if s.name == name]
 
 
-class Breaks:
-    """A grammar's matcher that fails on the request's third token (as a bug in one would)."""
-
-    def __init__(self) -> None:
-        self.accepted = 0
-
-    def mask(self, vocab_size: int) -> np.ndarray:
-        if self.accepted == 2:
-            raise RuntimeError("the matcher broke")
-        return np.ones(vocab_size, dtype=bool)
-
-    def accept(self, token_id: int) -> None:
-        self.accepted += 1
-
-    def done(self) -> bool:
-        return False
-
-
 def test_a_sequence_that_fails_records_its_error_and_the_batch_goes_on(network):
     engine = network.engine
     finished, root, broken = _traced(
-        "broken", list(range(40, 60)), SamplingParams(max_tokens=8, constraint=Breaks())
+        "broken", list(range(40, 60)), SamplingParams(max_tokens=8, constraint=FailingGrammar(2))
     )
     beside = GenerationRequest("beside", list(range(60, 70)), SamplingParams(max_tokens=8))
     broken_events = engine.generate(broken)
@@ -72,7 +54,7 @@ def test_a_sequence_that_fails_records_its_error_and_the_batch_goes_on(network):
     assert sum(len(e.token_ids) for e in beside_events) == 8
     root.end()
     (decode,) = _spans(finished[0], "decode")
-    assert decode.end_ns and "the matcher broke" in decode.error
+    assert decode.end_ns and "matcher broke" in decode.error
     assert len(decode.events) == 2  # the two tokens chosen before it broke
     assert decode.attributes["gen_ai.response.finish_reasons"] == ["abort"]
     assert not any(s.error for s in _spans(finished[0], "prefill"))
