@@ -290,9 +290,13 @@ def main(argv: list[str] | None = None) -> int:
     if base is not None:
         for key, what in (("tokens_per_s", "tokens/s"), ("per_token_ms", "time per token")):
             for streams in (many, one):
+                after, before = results[f"plugserve {streams}"], results[f"before {streams}"]
                 summary["ratios"][f"{what} {streams}, after / before"] = ratio(
                     key, f"plugserve {streams}", f"before {streams}"
                 )
+                summary["ratios"][f"{what} {streams}, each round"] = [
+                    round(a[key] / b[key], 3) for a, b in zip(after, before)
+                ]
     if args.long_prompt:
         summary[f"a {args.long_prompt}-token prompt while {args.streams} streams decode"] = {
             k: round(v, 3) for k, v in split.items()

@@ -98,12 +98,6 @@ def api(server, receiver):
     receiver.clear()
 
 
-def _traceparent() -> tuple[str, str, str]:
-    """A client's W3C header: (header, its trace id, its span id)."""
-    trace_id, span_id = uuid.uuid4().hex, uuid.uuid4().hex[:16]
-    return f"00-{trace_id}-{span_id}-01", trace_id, span_id
-
-
 def _trace(receiver, trace_id: str) -> dict[str, list]:
     """The spans of one trace by name, once its request's span has arrived."""
     assert receiver.wait(lambda r: any(s.trace_id == trace_id for s in r.roots())), (
@@ -131,7 +125,7 @@ def test_a_streamed_chat_is_traced_end_to_end(api, receiver):
     """The issue's case: InferRequest continues the client's trace, the model's span under it,
     and under that the engine's queue, each prompt chunk and the decoding, with one event per
     step's tokens; the counts and the finish reason where the module says."""
-    header, trace_id, client_span = _traceparent()
+    header, trace_id, client_span = otlp.traceparent()
     stream = api.chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": _prompt(6)}],
@@ -206,7 +200,7 @@ def test_a_completion_of_two_choices_has_one_event_per_step(api, receiver):
 
 
 def test_a_refused_request_records_its_error_on_its_span(api, receiver):
-    header, trace_id, _span = _traceparent()
+    header, trace_id, _span = otlp.traceparent()
     with pytest.raises(openai.BadRequestError, match="maximum context length"):
         api.completions.create(
             model=MODEL, prompt="hello", max_tokens=10_000, extra_headers={"traceparent": header}
@@ -223,7 +217,7 @@ def test_a_client_that_leaves_ends_its_trace_with_the_tokens_made(api, server, r
     """The trace ends when the client leaves: the model's span says it was cancelled, the
     decoding span holds the tokens made until then; the engine frees the sequence and the
     server answers the next request."""
-    header, trace_id, _span = _traceparent()
+    header, trace_id, _span = otlp.traceparent()
     stream = api.completions.create(
         model=MODEL,
         prompt=_prompt(2),
@@ -248,7 +242,7 @@ def test_a_client_that_leaves_ends_its_trace_with_the_tokens_made(api, server, r
 def test_a_grpc_stream_to_the_model_is_traced(server, receiver):
     """tritonclient's ModelStreamInfer (Triton's LLM inputs): the engine's spans are in the
     client's trace, under its InferRequest."""
-    header, trace_id, client_span = _traceparent()
+    header, trace_id, client_span = otlp.traceparent()
     answers: queue.Queue = queue.Queue()
     with grpcclient.InferenceServerClient(server.target) as client:
         client.start_stream(
@@ -291,7 +285,7 @@ def test_a_grpc_stream_to_the_model_is_traced(server, receiver):
 def test_an_embeddings_request_is_traced(api, receiver, encoder):
     if encoder is None:
         pytest.skip("the tiny encoder needs its exporter: python tests/support/llm.py prepare")
-    header, trace_id, client_span = _traceparent()
+    header, trace_id, client_span = otlp.traceparent()
     answer = api.embeddings.create(
         model=ENCODER, input=["the sea", "a tide"], extra_headers={"traceparent": header}
     )

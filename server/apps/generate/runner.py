@@ -52,7 +52,7 @@ from plugserve.server.apps.generate.spans import RequestSpans
 __all__ = ["Forward", "ModelRunner"]
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Forward:
     """What one forward gave: the sequences that choose their next token now, one row of
     ``logits`` each; or the ``error`` it raised and the requests it fails. ``prompt``: the
