@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from plugserve.plugins import cancel
+from plugserve.plugins import cancel, tracing
 from plugserve.plugins.api import (
     Cancelled,
     DeadlineExceeded,
@@ -330,12 +330,18 @@ class DataPlane:
                     forget_frames(error)
 
         stream.when_ended(ended)
+        # the producer starts under the model's span: what it records opens under it (the
+        # generation engine's queue, prefill and decode spans)
+        entered = None if stage is None else tracing.enter(stage.model)
         try:
             start(stream)
         except BaseException as exc:
             refused.append(exc)
             stream.fail(exc)
             raise
+        finally:
+            if entered is not None:
+                tracing.leave(entered)
         return stream
 
     def _decoded(self, request: Request, then: Callable[[Request], Any]) -> Any:

@@ -21,8 +21,14 @@ With ``--long-prompt 2000``: a 2,000-token prompt sent while the 8 streams decod
 first token and the streams' gaps between two tokens meanwhile (prompts are computed in chunks
 of ``max_num_batched_tokens``, 256 by default, so the streams keep going).
 
+With ``--baseline PYTHON`` (a virtual environment with a base commit installed, as
+bench_before_after.py takes), that commit's server serves the same folder beside this
+checkout's, and its ``before x8`` and ``before x1`` run interleaved with the others: what a
+change to the engine costs a step shows as the ratios ``after / before`` (medians of the
+rounds'). ``--no-genai`` leaves onnxruntime-genai out (a before/after run only).
+
     python tests/benchmarks/bench_generate.py [--rounds 3] [--new-tokens 64] [--prompt-tokens 32]
-        [--long-prompt 2000]
+        [--long-prompt 2000] [--baseline /path/to/base/venv/bin/python] [--no-genai]
 """
 
 from __future__ import annotations
@@ -200,13 +206,17 @@ def main(argv: list[str] | None = None) -> int:
         help="also: a prompt of this many tokens sent while the streams decode (its time to "
         "first token, the streams' gaps meanwhile); 0: not run",
     )
+    parser.add_argument(
+        "--baseline", default="", metavar="PYTHON", help="a base commit's Python, served beside"
+    )
+    parser.add_argument("--no-genai", action="store_true", help="leave onnxruntime-genai out")
     args = parser.parse_args(argv)
 
     import llm
     from serving import RunningServer
 
     folder = Path(args.folder) if args.folder else llm.export("bench-llama", "genai-fp32")
-    genai_python = llm.GENAI.python()
+    genai_python = None if args.no_genai else llm.GENAI.python()
     vocab = json.loads((folder / "genai_config.json").read_text())["model"]["vocab_size"]
     print(json.dumps({"machine": harness.machine(), "folder": str(folder), "args": vars(args)}))
 
@@ -219,19 +229,25 @@ def main(argv: list[str] | None = None) -> int:
         "config": {"MAX_NUM_SEQS": str(args.streams + 1), "MAX_MODEL_LEN": str(context)},
     }
     (root / "bench" / "config.json").write_text(json.dumps(settings))
-    server = RunningServer(
-        "--model-repository", str(root), "--grpc-port", "0", "--http-port", "-1",
-        "--metrics-port", "-1",
-    ).start(timeout=600)  # fmt: skip
-    genai = Genai(genai_python, folder)
+    flags = ["--model-repository", str(root), "--grpc-port", "0", "--http-port", "-1"]
+    flags += ["--metrics-port", "-1"]
+    server = RunningServer(*flags).start(timeout=600)
+    base = RunningServer(*flags, python=args.baseline).start(timeout=600) if args.baseline else None
+    genai = Genai(genai_python, folder) if genai_python is not None else None
     ids = prompt_ids(args.streams, args.prompt_tokens, vocab)
     length, new = args.prompt_tokens, args.new_tokens
-    cases = {
-        f"genai x{args.streams}": lambda: genai.run(args.streams, length, new),
-        f"plugserve x{args.streams}": lambda: plugserve_run(server.target, "bench", ids, new),
-        "genai x1": lambda: genai.run(1, length, new),
-        "plugserve x1": lambda: plugserve_run(server.target, "bench", ids[:1], new),
-    }
+    many, one = f"x{args.streams}", "x1"
+    cases = {}
+    if genai is not None:
+        cases[f"genai {many}"] = lambda: genai.run(args.streams, length, new)
+    cases[f"plugserve {many}"] = lambda: plugserve_run(server.target, "bench", ids, new)
+    if base is not None:
+        cases[f"before {many}"] = lambda: plugserve_run(base.target, "bench", ids, new)
+    if genai is not None:
+        cases["genai x1"] = lambda: genai.run(1, length, new)
+    cases["plugserve x1"] = lambda: plugserve_run(server.target, "bench", ids[:1], new)
+    if base is not None:
+        cases["before x1"] = lambda: plugserve_run(base.target, "bench", ids[:1], new)
     try:
         for case in cases.values():  # warm-up
             case()
@@ -241,12 +257,14 @@ def main(argv: list[str] | None = None) -> int:
             # the streams go on long enough to decode through the whole prompt's chunks
             split = long_prompt_run(server.target, "bench", ids, long, 4 * args.new_tokens)
     finally:
-        genai.close()
+        if genai is not None:
+            genai.close()
+        if base is not None:
+            base.stop()
         server.stop()
         for path in sorted(root.rglob("*"), reverse=True):
             path.unlink() if path.is_symlink() or path.is_file() else path.rmdir()
         root.rmdir()
-    many, one = f"x{args.streams}", "x1"
 
     def ratio(key: str, top: str, bottom: str) -> float:
         rounds = zip(results[top], results[bottom])
@@ -259,14 +277,26 @@ def main(argv: list[str] | None = None) -> int:
         }
         for name, blocks in results.items()
     }
-    summary["ratios"] = {
-        f"tokens/s at {args.streams} streams, plugserve / genai (target >= 1.0)": ratio(
-            "tokens_per_s", f"plugserve {many}", f"genai {many}"
-        ),
-        "single-stream time per token, plugserve / genai (target <= 1.3)": ratio(
-            "per_token_ms", f"plugserve {one}", f"genai {one}"
-        ),
-    }
+    summary["ratios"] = {}
+    if genai is not None:
+        summary["ratios"] = {
+            f"tokens/s at {args.streams} streams, plugserve / genai (target >= 1.0)": ratio(
+                "tokens_per_s", f"plugserve {many}", f"genai {many}"
+            ),
+            "single-stream time per token, plugserve / genai (target <= 1.3)": ratio(
+                "per_token_ms", f"plugserve {one}", f"genai {one}"
+            ),
+        }
+    if base is not None:
+        for key, what in (("tokens_per_s", "tokens/s"), ("per_token_ms", "time per token")):
+            for streams in (many, one):
+                after, before = results[f"plugserve {streams}"], results[f"before {streams}"]
+                summary["ratios"][f"{what} {streams}, after / before"] = ratio(
+                    key, f"plugserve {streams}", f"before {streams}"
+                )
+                summary["ratios"][f"{what} {streams}, each round"] = [
+                    round(a[key] / b[key], 3) for a, b in zip(after, before)
+                ]
     if args.long_prompt:
         summary[f"a {args.long_prompt}-token prompt while {args.streams} streams decode"] = {
             k: round(v, 3) for k, v in split.items()

@@ -111,6 +111,28 @@ def greedy(case: dict, max_tokens: int, **extra):
     return GenerationRequest(case["name"], list(case["prompt_ids"]), params, **extra)
 
 
+class FailingGrammar:
+    """A constraint whose mask raises at the sequence's ``at``-th token: what a grammar
+    library failing mid-answer does to the engine (the Constraint protocol is the engine's
+    extension point; llguidance stands behind it in the server)."""
+
+    def __init__(self, at: int) -> None:
+        self.at, self.seen = at, 0
+
+    def mask(self, vocab_size: int):
+        import numpy as np
+
+        if self.seen >= self.at:
+            raise RuntimeError("the grammar's matcher broke")
+        return np.ones(vocab_size, dtype=bool)
+
+    def accept(self, token_id: int) -> None:
+        self.seen += 1
+
+    def done(self) -> bool:
+        return False
+
+
 def post(server, path: str, body: dict) -> bytes:
     """``body`` as JSON to a running server's REST ``path``; the answer's bytes."""
     request = urllib.request.Request(

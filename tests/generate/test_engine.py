@@ -7,7 +7,7 @@ same answers."""
 from __future__ import annotations
 
 import pytest
-from conftest import exported, greedy, run_all
+from conftest import FailingGrammar, exported, greedy, run_all
 
 from plugserve.server.apps.generate.types import GenerationRequest, SamplingParams
 
@@ -130,35 +130,13 @@ def test_the_int4_export_runs_batched_as_alone(core, device, tiny_reference):
         net.close()
 
 
-class _FailingGrammar:
-    """A constraint whose mask raises at the sequence's ``at``-th token: what a grammar
-    library failing mid-answer does to the engine (the Constraint protocol is the engine's
-    extension point; llguidance stands behind it in the server)."""
-
-    def __init__(self, at: int) -> None:
-        self.at, self.seen = at, 0
-
-    def mask(self, vocab_size: int):
-        import numpy as np
-
-        if self.seen >= self.at:
-            raise RuntimeError("the grammar's matcher broke")
-        return np.ones(vocab_size, dtype=bool)
-
-    def accept(self, token_id: int) -> None:
-        self.seen += 1
-
-    def done(self) -> bool:
-        return False
-
-
 def test_a_sequence_failing_in_its_sampling_fails_only_its_request(network, tiny_reference):
     """Its mask raises at its third token, sampled in the same batch as four greedy prompts:
     it fails with that error named; the four get transformers' answer; the engine goes on."""
     from plugserve.plugins.api import InferenceError
 
     cases = tiny_reference["cases"][:4]
-    params = SamplingParams(max_tokens=16, temperature=0.0, constraint=_FailingGrammar(2))
+    params = SamplingParams(max_tokens=16, temperature=0.0, constraint=FailingGrammar(2))
     failing = GenerationRequest("failing", list(cases[0]["prompt_ids"]), params)
     outcome: dict[str, object] = {}
 

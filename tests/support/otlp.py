@@ -12,6 +12,7 @@ import dataclasses
 import http.server
 import threading
 import time
+import uuid
 from typing import Any
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
@@ -19,7 +20,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 
-__all__ = ["MAX_SPANS", "Received", "Receiver"]
+__all__ = ["MAX_SPANS", "Received", "Receiver", "traceparent"]
 
 MAX_SPANS = 100_000
 
@@ -164,3 +165,10 @@ class Receiver:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def traceparent() -> tuple[str, str, str]:
+    """A traced client's W3C ``traceparent`` header, new: (the header, its trace id, its span
+    id), the ids as the receiver's spans write them."""
+    trace_id, span_id = uuid.uuid4().hex, uuid.uuid4().hex[:16]
+    return f"00-{trace_id}-{span_id}-01", trace_id, span_id

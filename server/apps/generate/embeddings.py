@@ -276,14 +276,16 @@ async def embed(
     encoder: Encoder,
     ask: EmbeddingRequest,
     in_worker: Callable[..., Awaitable[Any]],
+    trace: Any = None,
 ) -> bytes:
-    """The response body for ``ask``: each input through the encoder, pooled."""
+    """The response body for ``ask``: each input through the encoder, pooled. ``trace``: the
+    request's root span when it is traced (each batch's run is a request under it)."""
     encoder.check(ask.inputs)  # refused unread when its characters alone cannot fit
     rows = await in_worker(encoder.tokenize, ask.inputs)
     vectors: list[np.ndarray | None] = [None] * len(rows)
     for batch in _batches([len(r) for r in rows]):
         feed, mask = encoder.feed([rows[i] for i in batch])
-        future = plane.infer(Request(entry, feed, protocol="openai"))
+        future = plane.infer(Request(entry, feed, protocol="openai", trace=trace))
         outputs = future.result() if future.done() else await asyncio.wrap_future(future)
         tokens = _token_output(outputs)
         if tokens.size > _INLINE_VALUES:

@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from plugserve.plugins import tracing
 from plugserve.plugins.api import (
     CompiledNetwork,
     InferRequest,
@@ -259,8 +260,15 @@ class GenerativeNetwork(CompiledNetwork):
         unread events (``limits.stream_bounded``) is put on the sender here, once for every
         face, and the engine checks what it needs (the prompt against the context and the
         vocabulary, ``n`` against the slots, each sampling parameter's range) before the
-        request enters it: a refusal raises here, for the caller's request alone."""
+        request enters it: a refusal raises here, for the caller's request alone.
+
+        A request of a traced run is traced: its generation's spans open under the span under
+        way on this thread (the model's span, which the data plane makes current while a
+        stream's producer starts; a device run's), unless the face gave it one
+        (``request.trace``)."""
         limits.stream_bounded(sender)
+        if request.trace is None:
+            request.trace = tracing.current()
         self.engine.add(request, sender)
 
     @property
@@ -330,6 +338,8 @@ class GenerativeInferRequest(InferRequest):
         """Start the generation; its responses go to ``sender`` (the last with final)."""
         values = dict(zip((s.name for s in self.network.inputs), arrays))
         face = _Face(self.network, values, sender)
+        if run is not None and tracing.current() is None:  # the run's span: the request's
+            face.request.trace = run.trace
         self.network.generate(face.request, face)
 
     def get_performance_counts(self) -> list[PerfCount]:

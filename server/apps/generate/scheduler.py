@@ -93,11 +93,13 @@ class RequestState:
         "arrival",
         "cached",
         "done",
+        "ended",
         "prompt_len",
         "request",
         "request_id",
         "sender",
         "sequences",
+        "spans",
         "started",
     )
 
@@ -113,6 +115,10 @@ class RequestState:
         self.cached = 0  # prompt tokens taken from the prefix cache
         self.done = 0  # sequences finished
         self.started = 0.0  # when it was admitted (monotonic)
+        #: the engine is done with it (its consumer told, its slots free): once
+        self.ended = False
+        #: its spans when it is traced (:class:`.spans.RequestSpans`), else None
+        self.spans: Any = None
 
     @property
     def finished(self) -> bool:

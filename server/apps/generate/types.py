@@ -267,6 +267,10 @@ class GenerationRequest:
     #: seconds since the epoch when the request arrived (its time to first token counts from
     #: here); 0: when the engine receives it
     arrival: float = 0.0
+    #: the span its generation's spans open under when it is traced (``plugins/tracing.py``:
+    #: its queue, prompt chunks and decode, ``spans.py``); None: not traced.
+    #: :meth:`GenerativeNetwork.generate` sets it from the span under way when it is called
+    trace: Any = None
 
 
 @dataclasses.dataclass

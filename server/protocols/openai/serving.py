@@ -24,6 +24,13 @@ the adapter's two worker threads, and every chat is rendered and every prompt to
 more than :data:`MAX_QUEUED` jobs waiting is 503. Four clients sending 60 KB chats for 3 s
 had held REST health up to 1.8 s (p99) while the loop rendered and tokenized bodies up to
 64 KiB itself; 21-46 ms since (tests/server/test_attacks_generate.py).
+
+Traces: a request the trace settings sample for its model (or that carries a W3C
+``traceparent`` while tracing is on) gets Triton's root span, ``InferRequest``, opened once
+its body names the model and ended when its answer is composed, its stream's last event is
+written or its client leaves; each prompt's stream opens the model's span under it, and the
+engine its queue, prefill and decode spans under that (docs/tracing.md). A request that is
+not traced costs one attribute read.
 """
 
 from __future__ import annotations
@@ -46,9 +53,11 @@ from plugserve.plugins.api import (
     PlugserveError,
     ResourceExhausted,
 )
+from plugserve.plugins.tracing import Trace
 from plugserve.server.apps.generate import chat_template, limits
 from plugserve.server.apps.generate.types import GenerationEvent, GenerationRequest, SamplingParams
 from plugserve.server.plane.request import Request
+from plugserve.server.plane.tracing import name_request
 from plugserve.server.protocols.auth import KSERVE
 from plugserve.server.protocols.http import sse
 from plugserve.server.protocols.http.http_server import StreamReply
@@ -235,17 +244,29 @@ class OpenAIRoutes:
 
     async def chat(self, call: Any) -> Any:
         ask = await self._body(call, protocol.chat_request)
+        trace = self._trace(call, ask.model, "chat")
+        if trace is not None:
+            return await _traced(trace, self._chat(ask, trace))
+        return await self._chat(ask, None)
+
+    async def _chat(self, ask: protocol.ChatRequest, trace: Trace | None) -> Any:
         model = self._generative(ask.model)
         # refused at once, unrendered, when its text alone cannot fit (characters <= bytes)
         chars = sum(len(m["content"]) for m in ask.messages if isinstance(m["content"], str))
         _check_prompt(chars, model, "'messages'", "messages")
         ids = await self._in_worker(_chat_ids, model, ask)
-        return await self._generate(model, ask, [ids], "chat", "messages")
+        return await self._generate(model, ask, [ids], "chat", "messages", trace)
 
     # --- POST /v1/completions
 
     async def completions(self, call: Any) -> Any:
         ask = await self._body(call, protocol.completion_request)
+        trace = self._trace(call, ask.model, "text_completion")
+        if trace is not None:
+            return await _traced(trace, self._completions(ask, trace))
+        return await self._completions(ask, None)
+
+    async def _completions(self, ask: protocol.CompletionRequest, trace: Trace | None) -> Any:
         model = self._generative(ask.model)
         for i, prompt in enumerate(ask.prompts):
             if isinstance(prompt, str):
@@ -254,7 +275,7 @@ class OpenAIRoutes:
         texts = [p for p in ask.prompts if isinstance(p, str)]
         encoded = iter(await self._in_worker(_completion_ids, model, texts) if texts else [])
         ids = [next(encoded) if isinstance(p, str) else p for p in ask.prompts]
-        return await self._generate(model, ask, ids, "completion", "prompt")
+        return await self._generate(model, ask, ids, "completion", "prompt", trace)
 
     # --- generation, shared
 
@@ -304,6 +325,7 @@ class OpenAIRoutes:
         prompts: list[list[int]],
         kind: str,
         field: str,
+        trace: Trace | None = None,
     ) -> Any:
         self._check_prompts(model, prompts, field)
         if ask.n > model.max_n:
@@ -329,21 +351,7 @@ class OpenAIRoutes:
                     f"{model.vocab_size} tokens",
                     "stop_token_ids",
                 )
-        constraints: list[Any] = []
-        schema_bytes = 0
-        if ask.schema is not None:
-            from plugserve.server.apps.generate import grammar
-
-            # compiled once and copied for each sequence, on a worker; its memory charged first
-            count = ask.n * len(prompts)
-            schema_bytes = grammar.memory(ask.schema, count)
-            charge = self.plane.budget.charge(schema_bytes, "this request's response_format")
-            try:
-                constraints = await self._in_worker(
-                    _compiled, ask.schema, model.tokenizer, model.vocab_size, count
-                )
-            finally:
-                charge.release()  # held again by the request's stream, below
+        constraints, schema_bytes = await self._constraints(model, ask, len(prompts))
         echo = isinstance(ask, protocol.CompletionRequest) and ask.echo
         if echo and not all(isinstance(p, str) for p in ask.prompts):
             # prompts given as ids are echoed as text: decoded on a worker (decode holds the
@@ -358,6 +366,8 @@ class OpenAIRoutes:
             **ask.sampling,
         )
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        if trace is not None:
+            name_request(trace, rid)
         holds = _answer_bytes(ask, max_tokens) * len(prompts) + schema_bytes
         holds += _ID_BYTES * sum(len(p) for p in prompts)  # the prompts' ids, while it runs
         streams = []
@@ -378,7 +388,7 @@ class OpenAIRoutes:
                         request.params = params_i
                     else:
                         request.constraints = mine
-                streams.append(self._open(model, request, holds if i == 0 else 0))
+                streams.append(self._open(model, request, holds if i == 0 else 0, trace))
         except BaseException:
             for stream in streams:
                 stream.cancel()
@@ -397,18 +407,60 @@ class OpenAIRoutes:
             return 200, [await self._in_worker(_dumped, answer)], _JSON
         return 200, [orjson.dumps(answer.body())], _JSON
 
-    def _open(self, model: _Model, request: GenerationRequest, holds: int) -> Any:
+    async def _constraints(
+        self, model: _Model, ask: protocol.GenerationAsk, prompts: int
+    ) -> tuple[list[Any], int]:
+        """The schema's matchers, one per sequence, and the bytes they hold (none without a
+        schema): compiled once and copied for each sequence, on a worker, their memory
+        charged first (and held again by the request's stream)."""
+        if ask.schema is None:
+            return [], 0
+        from plugserve.server.apps.generate import grammar
+
+        count = ask.n * prompts
+        schema_bytes = grammar.memory(ask.schema, count)
+        charge = self.plane.budget.charge(schema_bytes, "this request's response_format")
+        try:
+            constraints = await self._in_worker(
+                _compiled, ask.schema, model.tokenizer, model.vocab_size, count
+            )
+        finally:
+            charge.release()
+        return constraints, schema_bytes
+
+    def _open(
+        self, model: _Model, request: GenerationRequest, holds: int, trace: Trace | None
+    ) -> Any:
         network = model.network
-        ask = Request(model.entry, holds=holds, protocol="openai")
+        ask = Request(model.entry, holds=holds, protocol="openai", trace=trace)
         return self.plane.stream(ask, lambda sender: network.generate(request, sender))
+
+    def _trace(self, call: Any, model: str, operation: str) -> Trace | None:
+        """The request's root span (``InferRequest``, as the KServe adapters open it) when
+        the trace settings sample it for ``model``, continuing the client's W3C
+        ``traceparent``; None (most requests) otherwise. ``operation``: OpenTelemetry's
+        ``gen_ai.operation.name`` (chat, text_completion, embeddings)."""
+        if not self.plane.tracing.on:
+            return None
+        trace = self.plane.tracing.start(model, "", call.headers.get(b"traceparent"), "HTTP")
+        if trace is not None:
+            trace.set("gen_ai.operation.name", operation)
+            trace.set("plugserve.request_bytes", len(call.body))
+        return trace
 
     # --- POST /v1/embeddings
 
     async def embeddings(self, call: Any) -> Reply:
-        from plugserve.server.apps.generate import embeddings
-
         protocol.check_content_type(call.headers.get(b"content-type"))
         ask = protocol.embedding_request(protocol.parse_json(call.body))
+        trace = self._trace(call, ask.model, "embeddings")
+        if trace is not None:
+            return await _traced(trace, self._embeddings(ask, trace))
+        return await self._embeddings(ask, None)
+
+    async def _embeddings(self, ask: Any, trace: Trace | None) -> Reply:
+        from plugserve.server.apps.generate import embeddings
+
         entry = self._lookup(ask.model)
         encoder = embeddings.encoder_of(entry, self.control)
         if encoder is None:
@@ -417,7 +469,7 @@ class OpenAIRoutes:
                 "with an ONNX encoder); /v1/embeddings serves those only",
                 "model",
             )
-        body = await embeddings.embed(self.plane, entry, encoder, ask, self._in_worker)
+        body = await embeddings.embed(self.plane, entry, encoder, ask, self._in_worker, trace)
         return 200, [body], _JSON
 
 
@@ -528,6 +580,44 @@ async def _awaited(reply: Awaitable[Any]) -> Any:
         return await reply
     except Exception as exc:
         return reply_of(exc)
+
+
+async def _traced(trace: Trace, answer: Awaitable[Any]) -> Any:
+    """``answer`` (a reply, or a stream's) within the request's root span, which ends once the
+    reply is made (its body's bytes counted), once a stream's last chunk is written or its
+    client left, or when the request fails (the error recorded)."""
+    try:
+        reply = await answer
+    except BaseException as exc:
+        trace.fail(exc)
+        trace.end()
+        raise
+    if isinstance(reply, StreamReply):
+        reply.chunks = _counted(trace, reply.chunks)
+        return reply
+    if reply[0] >= 400:
+        trace.fail(f"HTTP {reply[0]}")
+    trace.set("plugserve.response_bytes", sum(len(piece) for piece in reply[1]))
+    trace.end()
+    return reply
+
+
+async def _counted(trace: Trace, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """A stream's chunks, their bytes counted on its root span, which ends with them."""
+    size = 0
+    try:
+        async for piece in chunks:
+            size += len(piece)
+            yield piece
+    except BaseException as exc:
+        if not isinstance(exc, GeneratorExit):
+            trace.fail(exc)
+        raise
+    finally:
+        with contextlib.suppress(Exception):
+            await chunks.aclose()  # type: ignore[attr-defined]  # its own finally: cancels
+        trace.set("plugserve.response_bytes", size)
+        trace.end()
 
 
 async def _merged(streams: list[Any]) -> AsyncIterator[tuple[int, GenerationEvent]]:

@@ -1,0 +1,300 @@
+"""Output processing of the engine's steps: each forward's logits into tokens, stop checks,
+text, and events to the requests' senders (vLLM v1's output processor and the sampling its
+model runner applies, on the engine's loop thread).
+
+For each :class:`.runner.Forward` the engine hands it, :meth:`OutputProcessor.process`:
+
+1. makes each sequence's sampler state and detokenizer when it first chooses a token
+   (:meth:`~OutputProcessor._prepare`: its generator, seeded ``seed + index`` as vLLM when the
+   request has a seed; its stop ids; its grammar's matcher);
+2. chooses every row's token in one batched call of the :class:`.sampler.Sampler`;
+3. per sequence, appends the token, checks why it would stop (a stop token or the model's
+   end-of-sequence unless ``ignore_eos``, a stop string found by the detokenizer, the grammar
+   done, ``max_tokens`` or the context: :meth:`~OutputProcessor._stops`), takes the text that
+   may be sent, and sends one :class:`.types.GenerationEvent` through the request's sender
+   (``send(event, final) -> bool``; False: its consumer left, and the request ends "abort");
+   a sequence that stops leaves the scheduler at once (its slot is free for the next step).
+
+A failure belongs to the requests it comes from: a forward's error fails its requests; what
+runs per sequence (its sampler state and detokenizer, its logits processing and grammar mask,
+its draw, its logprobs, its detokenizing and stop check) fails only that sequence's request,
+with that error (a typed one as it is; anything else as an INTERNAL error naming the stage,
+logged with its traceback): every other sequence of the step gets its token.
+:meth:`OutputProcessor.end` ends a request's unfinished sequences with a reason (an abort: the
+sender is told, in case its consumer still reads), :meth:`OutputProcessor.fail` fails it; both
+happen once per request. The numbers for /metrics (time to first token, inter-token latency,
+tokens, finish reasons) are counted here, as tokens come out.
+
+A traced request's decode span gets one event per step that gave it tokens, and its spans end
+before its last event is sent (:mod:`.spans`): sending the last event ends the request's trace.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from plugserve.plugins.api import InferenceError, PlugserveError
+from plugserve.server.apps.generate.runner import Forward
+from plugserve.server.apps.generate.sampler import Sampler, SamplingState
+from plugserve.server.apps.generate.scheduler import FINISHED, RequestState, Scheduler
+from plugserve.server.apps.generate.scheduler import Sequence as Seq
+from plugserve.server.apps.generate.stats import GenerationStats
+from plugserve.server.apps.generate.types import GenerationEvent, seeded_generator
+
+__all__ = ["OutputProcessor", "cancelled", "send"]
+
+log = logging.getLogger(__name__)
+
+
+class OutputProcessor:
+    """Tokens, text and events of one engine's requests (see the module's docstring).
+
+    ``forget(state)`` is the engine's: the request is over (its registry lets it go)."""
+
+    def __init__(
+        self,
+        name: str,
+        tokenizer: Any,
+        capacity: int,
+        scheduler: Scheduler,
+        sampler: Sampler,
+        stats: GenerationStats,
+        forget: Callable[[RequestState], None],
+    ) -> None:
+        self.name = name
+        self.tokenizer = tokenizer
+        self.capacity = capacity
+        self.scheduler = scheduler
+        self.sampler = sampler
+        self.stats = stats
+        self.forget = forget
+        self.eos = frozenset(tokenizer.eos_token_ids)
+
+    def process(self, forward: Forward) -> None:
+        """One forward's outcome: its requests failed, or its rows' tokens chosen and sent."""
+        if forward.error is not None:
+            for state in forward.failed:
+                self.fail(state, forward.error)
+            return
+        if forward.prompt is not None:
+            self._prompt_done(forward.prompt)
+        self.sample(forward.group, forward.logits)
+
+    def _prompt_done(self, state: RequestState) -> None:
+        with self.stats.lock:
+            self.stats.prompt_tokens += state.prompt_len
+            self.stats.cached_prompt_tokens += state.cached
+        if state.spans is not None:
+            state.spans.decoding(state.cached)
+
+    # --- choosing and sending
+
+    def _prepare(self, seq: Seq) -> None:
+        """The sequence's sampler state and detokenizer, made when it first samples."""
+        request = seq.request.request
+        params = request.params
+        generator = None
+        if params.seed is not None:
+            generator = seeded_generator(params.seed, seq.index)
+        constraint = request.constraints[seq.index] if request.constraints else params.constraint
+        stops = list(params.stop_token_ids) + ([] if params.ignore_eos else list(self.eos))
+        seq.sampling = SamplingState(params, request.prompt_token_ids, stops, generator, constraint)
+        seq.detokenizer = self.tokenizer.detokenizer(request.prompt_token_ids, params)
+
+    def _prepared(self, group: list[Seq], logits: np.ndarray) -> tuple[list[Seq], np.ndarray]:
+        """``group`` with each sequence's state made, less the sequences whose requests have
+        failed (now, or earlier in the step), and their logits' rows."""
+        for seq in group:
+            if seq.sampling is None and seq.status != FINISHED:
+                try:
+                    self._prepare(seq)
+                except Exception as exc:
+                    self._failed(seq, "preparing its sampler and detokenizer", exc)
+        keep = [i for i, seq in enumerate(group) if seq.status != FINISHED]
+        if len(keep) < len(group):
+            group, logits = [group[i] for i in keep], logits[keep]
+        return group, logits
+
+    def _timed(self, group: list[Seq], now: float) -> None:
+        """Each sequence's time to first token or since its last one, and the tokens."""
+        stats = self.stats
+        with stats.lock:
+            for seq in group:
+                if seq.status == FINISHED:
+                    continue
+                if seq.generated == 0:
+                    seq.first_at = now
+                    stats.histograms["time_to_first_token"].observe(now - seq.request.arrival)
+                else:
+                    stats.histograms["inter_token_latency"].observe(now - seq.last_at)
+                seq.last_at = now
+                stats.generation_tokens += 1
+
+    def sample(self, group: list[Seq], logits: np.ndarray) -> None:
+        """Each sequence of ``group`` chooses its token from its row of ``logits``, and its
+        event is sent."""
+        group, logits = self._prepared(group, logits)
+        if not group:
+            return
+        failures: dict[int, Exception] = {}
+        tokens, logprobs = self.sampler(
+            logits, [s.sampling for s in group], [s.generated for s in group], failures
+        )
+        for row, exc in failures.items():
+            self._failed(group[row], "sampling", exc)
+        now = time.monotonic()
+        self._timed(group, now)
+        finished_states: list[RequestState] = []
+        traced: list[RequestState] | None = None
+        rows = len(group)
+        for seq, token, entry in zip(group, tokens, logprobs):
+            if seq.status == FINISHED:  # its request failed, or was ended by a sibling's send
+                continue
+            token = int(token)
+            seq.tokens.append(token)
+            seq.generated += 1
+            try:
+                reason = self._stops(seq, token)
+                text = seq.detokenizer.take(final=reason is not None)
+            except Exception as exc:
+                self._failed(seq, "detokenizing and checking for stop strings", exc)
+                continue
+            state = seq.request
+            event = GenerationEvent(
+                index=seq.index,
+                token_ids=[token],
+                text=text,
+                logprobs=[entry] if entry is not None else None,
+                finish_reason=reason,
+                prompt_tokens=state.prompt_len,
+                completion_tokens=seq.generated,
+                cached_tokens=state.cached,
+                stop_reason=seq.stop_reason,
+            )
+            if reason is not None:
+                seq.finish_reason = reason
+                self.scheduler.finish(seq)
+                state.done += 1
+            final = state.finished
+            spans = state.spans
+            if spans is not None and spans.token(rows, final, state):
+                traced = [*(traced or ()), state]
+            if not send(state.sender, event, final):
+                self.end(state, "abort")
+                continue
+            if final:
+                finished_states.append(state)
+        for state in traced or ():
+            state.spans.flush(state)
+        for state in finished_states:
+            self._forget(state, now)
+
+    def _stops(self, seq: Seq, token: int) -> str | None:
+        """Why the sequence ends with ``token`` (and its text updated), or None."""
+        params = seq.sampling.params
+        if token in seq.sampling.stop_set:  # eos (unless ignore_eos) or a stop token id
+            seq.stop_reason = token if token in params.stop_token_ids else None
+            return "stop"
+        if seq.detokenizer.add(token):
+            seq.stop_reason = seq.detokenizer.stop_reason
+            return "stop"
+        constraint = seq.sampling.constraint
+        if constraint is not None and constraint.done():
+            return "stop"
+        if seq.generated >= params.max_tokens or len(seq.tokens) >= self.capacity:
+            return "length"
+        return None
+
+    # --- ending requests
+
+    def _failed(self, seq: Seq, stage: str, exc: Exception) -> None:
+        """``seq`` failed at ``stage`` of a step: its request fails with that error (a typed
+        one as it is, anything else as an INTERNAL error saying where, logged whole); the
+        step's other sequences go on."""
+        if isinstance(exc, PlugserveError):
+            error: Exception = exc
+        else:
+            log.error(
+                "model %s: request %s failed while %s; the other sequences of the step go on",
+                self.name, seq.request.request_id, stage, exc_info=exc,
+            )  # fmt: skip
+            error = InferenceError(
+                f"model {self.name}: generation failed while {stage} for this request "
+                f"({type(exc).__name__}: {exc})"
+            )
+        self.fail(seq.request, error)
+
+    def end(self, state: RequestState, reason: str) -> None:
+        """End every unfinished sequence of ``state`` with ``reason`` (an abort: the sender
+        is told, in case its consumer still reads)."""
+        if state.ended:
+            return
+        self.scheduler.drop_waiting(state)
+        ended = [seq for seq in state.sequences if seq.status != FINISHED]
+        for seq in ended:
+            self.scheduler.finish(seq)
+            seq.finish_reason = reason
+            state.done += 1
+        if state.spans is not None:
+            state.spans.finished(state)
+        for i, seq in enumerate(ended):
+            event = GenerationEvent(
+                index=seq.index,
+                token_ids=[],
+                text="",
+                finish_reason=reason,
+                prompt_tokens=state.prompt_len,
+                completion_tokens=seq.generated,
+                cached_tokens=state.cached,
+            )
+            send(state.sender, event, i == len(ended) - 1)
+        self._forget(state, time.monotonic())
+
+    def fail(self, state: RequestState, error: Exception) -> None:
+        """``state`` fails with ``error``: its sequences leave, its sender fails."""
+        if state.ended:
+            return
+        self.scheduler.drop_waiting(state)
+        for seq in state.sequences:
+            if seq.status != FINISHED:
+                self.scheduler.finish(seq)
+                seq.finish_reason = "abort"
+                state.done += 1
+        if state.spans is not None:
+            state.spans.finished(state, error)
+        try:
+            state.sender.fail(error)
+        except Exception:  # a consumer's failure must not stop the loop
+            log.exception("model %s: failing a request's stream failed", self.name)
+        self._forget(state, time.monotonic())
+
+    def _forget(self, state: RequestState, now: float) -> None:
+        state.ended = True
+        self.forget(state)
+        with self.stats.lock:
+            self.stats.histograms["e2e_request_latency"].observe(now - state.arrival)
+            for seq in state.sequences:
+                reason = seq.finish_reason or "abort"
+                self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
+
+
+def cancelled(sender: Any) -> bool:
+    """Whether ``sender``'s consumer left (a broken sender has none left)."""
+    try:
+        return bool(sender.cancelled)
+    except Exception:
+        return True
+
+
+def send(sender: Any, event: GenerationEvent, final: bool) -> bool:
+    """``sender.send``; False when its consumer is gone (or the send itself failed)."""
+    try:
+        return sender.send(event, final) is not False
+    except Exception:
+        log.exception("sending a generation event failed")
+        return False

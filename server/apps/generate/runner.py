@@ -1,0 +1,247 @@
+"""The model run of one engine step: a scheduler's plan turned into the decoder's forwards, and
+the cache arranged for them (vLLM v1's model runner, without its sampling: that is the output
+processor's, :mod:`.output`).
+
+:meth:`ModelRunner.execute` yields one :class:`Forward` per forward as soon as it is done, and
+the engine's loop hands each to the output processor before the next runs, in this order:
+
+1. the decoding sequences, moved to rows ``0..B-1`` of the cache (a sequence moves when one
+   before it left: a row copy of its written tokens, :meth:`ModelRunner._arrange`), one
+   batched forward: their tokens are chosen and sent before any prompt chunk runs (a chunk
+   never delays tokens already made);
+2. first prompt chunks, right-padded into batches of at most ``max_num_batched_tokens``
+   tokens, padding included (a batch's logits are rows x longest chunk x vocabulary: a long
+   chunk beside short ones must not multiply them);
+3. continuing chunks, one per forward.
+
+A backend whose graph takes decoding rows and prompt chunks together
+(:attr:`.decoder.Decoder.mixed`: OpenVINO's paged attention) runs the whole plan as one
+forward and needs no arranging. A sequence the output processor ended meanwhile (its consumer
+left while an earlier forward's tokens were sent) is skipped, since each forward reads the
+sequences' status when it starts. A prompt's last chunk gives its first token: the request's
+other sequences (``n`` > 1) copy the leader's cache into their own slots then (the prompt is
+computed once) and all choose from the prompt's last logits.
+
+A forward that raises a typed error fails the requests whose sequences it ran
+(:attr:`Forward.error`); nothing is kept between steps here (the plan, the sequences and the
+cache are the engine's), and nothing is allocated per step but the forward's own inputs.
+A traced request's prompt chunks are spans (:mod:`.spans`), opened and ended around the
+forward that computes them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from plugserve.plugins.api import PlugserveError
+from plugserve.server.apps.generate.decoder import Decoder
+from plugserve.server.apps.generate.kvcache import KVCache, Slot, SlotTable
+from plugserve.server.apps.generate.scheduler import (
+    DECODE,
+    FORK,
+    PREFILL,
+    Plan,
+    RequestState,
+)
+from plugserve.server.apps.generate.scheduler import Sequence as Seq
+from plugserve.server.apps.generate.spans import RequestSpans
+
+__all__ = ["Forward", "ModelRunner"]
+
+
+@dataclasses.dataclass(slots=True)
+class Forward:
+    """What one forward gave: the sequences that choose their next token now, one row of
+    ``logits`` each; or the ``error`` it raised and the requests it fails. ``prompt``: the
+    request whose prompt it finished (``group`` is then that request's sequences)."""
+
+    group: list[Seq]
+    logits: np.ndarray | None = None
+    error: PlugserveError | None = None
+    failed: list[RequestState] = dataclasses.field(default_factory=list)
+    prompt: RequestState | None = None
+
+    @classmethod
+    def failure(cls, sequences: Sequence[Seq], error: PlugserveError) -> Forward:
+        """The requests of ``sequences`` (each once, in order) fail with ``error``."""
+        states = {id(s.request): s.request for s in sequences}
+        return cls([], error=error, failed=list(states.values()))
+
+
+class ModelRunner:
+    """Runs a plan's forwards on the decoder over the engine's cache."""
+
+    def __init__(
+        self, decoder: Decoder, cache: KVCache, table: SlotTable, max_num_batched_tokens: int
+    ) -> None:
+        self.decoder = decoder
+        self.cache = cache
+        self.table = table
+        self.max_num_batched_tokens = max_num_batched_tokens
+
+    def execute(self, plan: Plan) -> Iterator[Forward]:
+        """The plan's forwards in order (the module's docstring), each yielded when done."""
+        if self.decoder.mixed:
+            yield from self._mixed(plan)
+            return
+        if plan.decode:
+            yield from self._decode(plan.decode)
+        if plan.first:
+            yield from self._first(plan.first)
+        for seq, count in plan.extend:
+            if seq.status != PREFILL:
+                continue  # ended by the decode group's events (an abort)
+            yield from self._extend(seq, count)
+
+    def copy_prefix(self, source: Slot, target: Slot, length: int) -> None:
+        """A cached prompt prefix from ``source`` into ``target`` (the scheduler's admission)."""
+        self.cache.copy(source.index, target.index, length)
+
+    # --- the forwards
+
+    def _decode(self, group: list[Seq]) -> Iterator[Forward]:
+        group = [s for s in group if s.status == DECODE]
+        if not group:
+            return
+        self._arrange(group)
+        rows = len(group)
+        tokens = np.fromiter((s.tokens[s.computed] for s in group), np.int64, rows)
+        lens = np.fromiter((s.computed for s in group), np.int64, rows)
+        try:
+            logits = self.decoder.decode(self.cache, rows, tokens, lens)
+        except PlugserveError as exc:
+            yield Forward.failure(group, exc)
+            return
+        for seq, token in zip(group, tokens):
+            self._computed(seq, [int(token)])
+        yield Forward(group, logits)
+
+    def _first(self, chunks: list[tuple[Seq, int]]) -> Iterator[Forward]:
+        """First prompt chunks in batches of at most ``max_num_batched_tokens`` padded
+        tokens, shortest first."""
+        chunks = sorted(((s, c) for s, c in chunks if s.status == PREFILL), key=lambda x: x[1])
+        budget = self.max_num_batched_tokens
+        batch: list[tuple[Seq, int]] = []
+        for item in chunks:
+            if batch and (len(batch) + 1) * item[1] > budget:
+                yield from self._first_batch(batch)
+                batch = []
+            batch.append(item)
+        if batch:
+            yield from self._first_batch(batch)
+
+    def _first_batch(self, chunks: list[tuple[Seq, int]]) -> Iterator[Forward]:
+        chunks = sorted(chunks, key=lambda x: x[0].slot.index)
+        rows = [s.slot.index for s, _c in chunks]
+        pieces = [s.tokens[:c] for s, c in chunks]
+        traced = _chunks_start(chunks, len(rows))
+        try:
+            logits = self.decoder.first(self.cache, rows, pieces)
+        except PlugserveError as exc:
+            _chunks_end(traced, exc)
+            yield Forward.failure([s for s, _c in chunks], exc)
+            return
+        _chunks_end(traced)
+        for (seq, _c), piece, row in zip(chunks, pieces, logits):
+            self._computed(seq, piece)
+            if seq.pending == 0:
+                yield self._prompt_done(seq, row[None])
+
+    def _extend(self, seq: Seq, count: int) -> Iterator[Forward]:
+        """A prompt's next chunk, after the ones already in its slot."""
+        start = seq.computed
+        chunk = seq.tokens[start : start + count]
+        traced = _chunks_start([(seq, count)], 1)
+        try:
+            logits = self.decoder.extend(self.cache, seq.slot.index, start, chunk)
+        except PlugserveError as exc:
+            _chunks_end(traced, exc)
+            yield Forward.failure([seq], exc)
+            return
+        _chunks_end(traced)
+        self._computed(seq, chunk)
+        if seq.pending == 0:
+            yield self._prompt_done(seq, logits[None])
+
+    def _mixed(self, plan: Plan) -> Iterator[Forward]:
+        """The whole plan in one forward (:attr:`.decoder.Decoder.mixed`); the rows stay
+        where they are (no arranging), the decoding rows' tokens are chosen first."""
+        group = [s for s in plan.decode if s.status == DECODE]
+        chunks = [(s, c) for s, c in (*plan.extend, *plan.first) if s.status == PREFILL and c > 0]
+        if not group and not chunks:
+            return
+        tokens = [s.tokens[s.computed] for s in group]
+        pieces = [s.tokens[s.computed : s.computed + c] for s, c in chunks]
+        traced = _chunks_start(chunks, len(group) + len(chunks))
+        try:
+            decoded, prompted = self.decoder.step(
+                self.cache,
+                [s.slot.index for s in group],
+                tokens,
+                [s.computed for s in group],
+                [(s.slot.index, s.computed, p) for (s, _c), p in zip(chunks, pieces)],
+            )
+        except PlugserveError as exc:
+            _chunks_end(traced, exc)
+            yield Forward.failure([*group, *(s for s, _c in chunks)], exc)
+            return
+        _chunks_end(traced)
+        for seq, token in zip(group, tokens):
+            self._computed(seq, [token])
+        if group:
+            yield Forward(group, decoded)
+        for (seq, _c), piece, row in zip(chunks, pieces, prompted):
+            if seq.status != PREFILL:
+                continue  # ended by the decoding rows' events (an abort)
+            self._computed(seq, piece)
+            if seq.pending == 0:
+                yield self._prompt_done(seq, row[None])
+
+    # --- the cache's arrangement
+
+    def _arrange(self, group: list[Seq]) -> None:
+        """Decoding sequences into rows 0..B-1 in order (the batch is one view of the
+        cache); a sequence in a higher row trades rows with what holds its place."""
+        group.sort(key=lambda s: s.slot.index)
+        for row, seq in enumerate(group):
+            if seq.slot.index != row:
+                self.table.swap(seq.slot, self.table.slots[row])
+
+    def _computed(self, seq: Seq, tokens: Sequence[int]) -> None:
+        self.table.written(seq.slot, tokens)
+        seq.computed += len(tokens)
+
+    def _prompt_done(self, leader: Seq, logits: np.ndarray) -> Forward:
+        """The leader's prompt is in its slot: its forks copy it, then each chooses its
+        first token from the prompt's last logits."""
+        state = leader.request
+        group = [leader]
+        for seq in state.sequences[1:]:
+            if seq.status == FORK:
+                self.cache.copy(leader.slot.index, seq.slot.index, leader.computed)
+                self.table.truncate(seq.slot, 0)
+                self.table.written(seq.slot, leader.tokens[: leader.computed])
+                seq.computed = leader.computed
+                group.append(seq)
+        for seq in group:
+            seq.status = DECODE
+        return Forward(group, np.repeat(logits, len(group), axis=0), prompt=state)
+
+
+def _chunks_start(chunks: Sequence[tuple[Seq, int]], rows: int) -> list[RequestSpans] | None:
+    """The traced requests' ``prefill`` spans of these chunks, started (None: none traced)."""
+    traced = None
+    for seq, count in chunks:
+        spans = seq.request.spans
+        if spans is not None:
+            spans.chunk(seq.computed, count, rows)
+            traced = [*(traced or ()), spans]
+    return traced
+
+
+def _chunks_end(traced: list[RequestSpans] | None, error: BaseException | None = None) -> None:
+    for spans in traced or ():
+        spans.chunked(error)
