@@ -21,6 +21,7 @@ from plugserve.server.control.model_control import ModelControl, failed_to_load
 from plugserve.server.plane.budget import GRPC_FACTOR
 from plugserve.server.plane.dataplane import DataPlane
 from plugserve.server.plane.request import Request
+from plugserve.server.plane.tracing import follow, traceparent_in
 from plugserve.server.protocols.grpc.handlers import Inference, deadline
 from plugserve.server.protocols.v1.convert import (
     decoding_nbytes,
@@ -165,6 +166,23 @@ class PlugserveServicer(pb_grpc.PlugserveServicer):
         token=None,
         streaming: bool = False,
     ):
+        """:meth:`_admit`, traced when the trace settings sample the request (its
+        ``InferRequest`` span, continuing the W3C ``traceparent`` of the call's metadata, as
+        on KServe)."""
+        tracing = self.plane.tracing
+        if tracing.on:
+            parent = traceparent_in(context.invocation_metadata())
+            trace = tracing.start(request.network, request.id, parent, "GRPC")
+            if trace is not None:
+                return follow(
+                    trace,
+                    size,
+                    streaming,
+                    lambda: self._admit(request, context, size, inline, token, streaming, trace),
+                )
+        return self._admit(request, context, size, inline, token, streaming)
+
+    def _admit(self, request, context, size, inline, token, streaming, trace=None):
         """One lookup: the entry runs the request and names the response. ``size``: the bytes
         the message took on the wire; it is charged for them (twice: ``GRPC_FACTOR``) and for
         its strings before they are decoded. A decoupled network answers on InferStream
@@ -173,7 +191,7 @@ class PlugserveServicer(pb_grpc.PlugserveServicer):
         ask = Request(
             entry, outputs=list(request.outputs), deadline=deadline(context), run=token,
             step=sequence_of(request), inline=inline,
-            holds=size * GRPC_FACTOR + decoding_nbytes(request), protocol="v1",
+            holds=size * GRPC_FACTOR + decoding_nbytes(request), protocol="v1", trace=trace,
         )  # fmt: skip
         if entry.network.decoupled:
             if not streaming:
