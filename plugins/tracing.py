@@ -16,18 +16,19 @@ for that is all tracing costs it.
 **Who opens what.** A protocol adapter opens the root (``InferRequest``, Triton's name) when
 its settings sample the request (``server/plane/tracing.py``), continuing the client's W3C
 ``traceparent`` when it sent one; the data plane opens the model's span under it (named after
-the model, as Triton names it) and under that the queue wait and the device run
-(``server/plane/dataplane.py``). The run is this thread's :func:`current` span while the device
+the model, as Triton names it) and under that the device run (``server/plane/dataplane.py``;
+the exporter adds the wait in the queue of a request that waited, from the two). The run is this thread's :func:`current` span while the device
 computes, so a device that runs pieces opens one span per piece under it with :func:`child`
 (HETERO's subgraphs, the device a MULTI request ran on, a BATCH request's wait for its batch),
 and makes its piece current (:func:`enter` / :func:`leave`) while a nested device runs. Work
 handed to another thread takes its span along explicitly, as it takes its cancellation token.
 
-**The second step fits the same calls** (not built yet):
+**Applications fit the same calls**:
 
-* Ensemble and DAG steps: each step's request is a data plane request whose token carries the
-  ensemble's model span as its ``trace``, so the step's model span (and its queue and run)
-  open under the ensemble's, as Triton nests a composing model's spans under its ensemble.
+* Ensemble and DAG steps (``server/apps/pipelines/ensemble.py``): each step is a span under
+  the ensemble's model span, and the step's request is a data plane request whose token
+  carries the step's span as its ``trace``, so the step's model span (and its queue and run)
+  open under it, as Triton nests a composing model's spans under its ensemble.
 * Python models: the run's span crosses into the model's process as a W3C header
   (:meth:`Span.traceparent`, a few bytes in the request's JSON header); the worker records
   ``execute`` with the same :class:`Span` class (standard library only, as the worker's modules

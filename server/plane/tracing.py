@@ -32,14 +32,13 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from time import time_ns
 from typing import Any
 
-from plugserve.plugins import tracing
 from plugserve.plugins.api import (
     InvalidArgument,
     ResourceExhausted,
     Unsupported,
     listing,
 )
-from plugserve.plugins.tracing import MAX_SPANS, Span, Trace
+from plugserve.plugins.tracing import MAX_SPANS, Span, Trace, enter
 from plugserve.server.plane.response_stream import ResponseStream
 
 __all__ = [
@@ -60,6 +59,8 @@ FIELDS = ("trace_level", "trace_rate", "trace_count", "log_frequency")
 MAX_MODEL_SETTINGS = 1024
 MAX_NAME = 256
 _UINT32 = 2**32 - 1
+#: the request's span, as Triton names it
+_ROOT = "InferRequest"
 _INT32 = 2**31 - 1
 
 # W3C trace context: version 00 (or a later one, read as 00), 32 + 16 hex digits, flags
@@ -165,14 +166,11 @@ class Tracing:
         sink = self._sink
         if not (hit or remote is not None) or sink is None:
             return None
+        # (positional: a traced request makes one, and keywords cost it more)
         return Trace(
-            sink,
-            remote,
-            setting.level > 1,  # TENSORS
-            request_id[:MAX_NAME],
-            model=model[:MAX_NAME],
-            protocol=protocol,
-        )
+            sink, remote, setting.level > 1, request_id[:MAX_NAME], _ROOT, model[:MAX_NAME],
+            protocol,
+        )  # fmt: skip
 
     # --- the trace-setting routes (KServe's TraceSetting, REST /v2[/models/M]/trace/setting)
 
@@ -449,7 +447,7 @@ class Stage(Span):
         spans under the run (:func:`plugins.tracing.current`) until the caller gives what
         this returns to :func:`plugins.tracing.leave` (the device returned, or raised)."""
         self.compute = compute = Span("compute", self.trace, self)
-        return tracing.enter(compute)
+        return enter(compute)
 
     def ran(self, outputs: Mapping[str, Any] | None) -> None:
         """The run succeeded with ``outputs`` (None: a decoupled run returned, its responses

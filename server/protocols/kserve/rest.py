@@ -29,8 +29,9 @@ Choices where Triton or KServe leave room:
   is UNIMPLEMENTED.
 * Trace settings are Triton's (``GET``/``POST /v2[/models/NAME]/trace/setting``, answered as
   ``TraceSetting`` is; setting needs an admin token when tokens are on). A sampled ``/infer``
-  request is traced from its routing to its reply (its ``InferRequest`` span, continuing the
-  W3C ``traceparent`` header); docs/tracing.md.
+  or ``generate`` request is traced from its routing to its reply, a ``generate_stream`` to
+  its last response (its ``InferRequest`` span, continuing the W3C ``traceparent`` header);
+  docs/tracing.md.
 * A client that disconnects cancels its request, queued or running (``plugins/cancel.py``).
   A request past the server's --max-request-seconds is stopped and answered 504.
 """

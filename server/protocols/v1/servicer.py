@@ -1,6 +1,9 @@
 """The plugserve.v1 gRPC service: messages in, data-plane and model-control calls, messages out.
 
 No logic here: inference goes to the data plane, loading and the plugin API to model control.
+A sampled ``Infer`` or ``InferStream`` request is traced as a KServe one is (its
+``InferRequest`` span, continuing the W3C ``traceparent`` of the call's metadata;
+docs/tracing.md).
 """
 
 from __future__ import annotations
