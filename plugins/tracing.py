@@ -17,11 +17,12 @@ for that is all tracing costs it.
 its settings sample the request (``server/plane/tracing.py``), continuing the client's W3C
 ``traceparent`` when it sent one; the data plane opens the model's span under it (named after
 the model, as Triton names it) and under that the device run (``server/plane/dataplane.py``;
-the exporter adds the wait in the queue of a request that waited, from the two). The run is this thread's :func:`current` span while the device
-computes, so a device that runs pieces opens one span per piece under it with :func:`child`
-(HETERO's subgraphs, the device a MULTI request ran on, a BATCH request's wait for its batch),
-and makes its piece current (:func:`enter` / :func:`leave`) while a nested device runs. Work
-handed to another thread takes its span along explicitly, as it takes its cancellation token.
+the exporter adds the wait in the queue of a request that waited, from the two). The run
+is this thread's :func:`current` span while the device computes, so a device that runs
+pieces opens one span per piece under it with :func:`child` (HETERO's subgraphs, the device
+a MULTI request ran on, a BATCH request's wait for its batch), and makes its piece current
+(:func:`enter` / :func:`leave`) while a nested device runs. Work handed to another thread
+takes its span along explicitly, as it takes its cancellation token.
 
 **Applications fit the same calls**:
 
