@@ -348,6 +348,8 @@ IDENTITY = ("triton.model_name", "triton.model_version", "plugserve.device", "tr
 # --- the protobuf wire format of the OTLP messages written (opentelemetry/proto/trace/v1)
 
 _pack_q = struct.Struct("<Q").pack
+_ids = struct.Struct(">2sQ2sQ").pack  # two ids: a tag each, big-endian as W3C writes them
+_times = struct.Struct("<BQBQ").pack  # two fixed64 fields
 _pack_i = struct.Struct("<I").pack
 _pack_d = struct.Struct("<d").pack
 _SERVER, _INTERNAL = b"\x30\x02", b"\x30\x01"  # Span.kind (field 6)
@@ -542,14 +544,15 @@ class _Encoder:
         error: str | None,
     ) -> bytes:
         """One ``Span`` as ScopeSpans.spans (field 2)."""
+        span_id = span.span_id or span.ids()
         parts = [
             head,
-            b"\x12\x08" + span.ids().to_bytes(8, "big"),  # span_id
-            b"\x22\x08" + parent_id.to_bytes(8, "big") if parent_id else b"",  # parent_span_id
+            _ids(b"\x12\x08", span_id, b"\x22\x08", parent_id)  # span_id, parent_span_id
+            if parent_id
+            else b"\x12\x08" + span_id.to_bytes(8, "big"),
             self._name(span.name),
             kind,
-            b"\x39" + _pack_q(span.start_ns),  # start_time_unix_nano
-            b"\x41" + _pack_q(end_ns),  # end_time_unix_nano
+            _times(0x39, span.start_ns, 0x41, end_ns),  # start_, end_time_unix_nano
             *attributes,
         ]
         for name, at, extra in span.events or ():
@@ -578,12 +581,13 @@ _MODEL = IDENTITY[:3]
 class _Wait:
     """The queue span the exporter writes for a :class:`Stage` that waited."""
 
-    __slots__ = ("events", "name", "start_ns")
+    __slots__ = ("events", "name", "span_id", "start_ns")
 
     def __init__(self, start_ns: int) -> None:
         self.name = "queue"
         self.start_ns = start_ns
         self.events = None
+        self.span_id = 0
 
     def ids(self) -> int:
         return _bits(64) or 1
