@@ -13,7 +13,8 @@ KServe gRPC ``ModelInfer`` (``harness.RawRunner``) and REST ``/infer`` with JSON
 (``harness.HttpRawRunner``), one at a time, in interleaved blocks (the order reversed every
 other round); each figure is the median over the rounds of a block's p50, and each ratio the
 median of the rounds' ratios. Issue 43's goals: off within 2 % of the baseline, on within 15 %.
-The receiver's count of export requests and bytes shows the traces did leave. Beside the
+The receiver's count of export requests and bytes shows the traces did leave, and the traced
+server's log how many its exporter dropped (none, when it keeps up). Beside the
 latencies, each server's CPU time per request (all its threads: the exporter's too, from
 ``/proc``; Linux only), which a loaded machine disturbs far less than a latency: what tracing
 costs in all, where the p50 shows what a request waits for.
@@ -25,6 +26,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -135,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         ]
         servers = {"before": (args.baseline, []), "off": ("", []), "on": ("", traced)}
         cases = {}
+        logs = {}
         for label, (python, flags) in servers.items():
             extra = {"python": python} if python else {}
             running = stack.enter_context(
@@ -148,11 +151,14 @@ def main(argv: list[str] | None = None) -> int:
                 host, int(port), "/v2/models/identity16/infer", body, label=label, workers=1
             )
             stack.callback(rest_runner.close)
+            logs[label] = running
             pid = running.process.pid
             cases[f"grpc/{label}"] = _with_cpu(harness.block(grpc_runner, args.seconds), pid)
             cases[f"rest/{label}"] = _with_cpu(harness.block(rest_runner, args.seconds), pid)
         blocks = harness.interleave(cases, args.rounds, log, alternate=True)
         exports, sent = counts()
+        # traces the exporter dropped (its queue full: it could not keep up), from its log
+        dropped = sum(map(int, re.findall(r"tracing: (\d+) trace\(s\) dropped", logs["on"].log)))
     result: dict = {"machine": harness.machine(), "device": args.device}
     for protocol in ("grpc", "rest"):
         p50s = {
@@ -169,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
             row[f"{label}/before"] = round(statistics.median(ratios), 3)
             row[f"{label}/before rounds"] = [round(r, 3) for r in ratios]
         result[protocol] = row
-    result["receiver"] = {"export requests": exports, "bytes": sent}
+    result["receiver"] = {"export requests": exports, "bytes": sent, "traces dropped": dropped}
     print(json.dumps(result, indent=2))
     return 0
 
