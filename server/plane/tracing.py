@@ -49,6 +49,7 @@ __all__ = [
     "follow",
     "name_request",
     "parse_traceparent",
+    "traced",
     "traceparent_in",
 ]
 
@@ -245,6 +246,25 @@ def traceparent_in(metadata: Iterable[tuple[str, Any]] | None) -> str | None:
         if key == "traceparent":
             return value
     return None
+
+
+def traced(
+    tracing: Tracing,
+    model: str,
+    request_id: str,
+    metadata: Iterable[tuple[str, Any]] | None,
+    size: int,
+    streaming: bool,
+    admit: Callable[[Trace | None], tuple[Any, Any]],
+) -> tuple[Any, Any]:
+    """A gRPC adapter's admission of a request (``admit(trace)``), within the request's span
+    when the trace settings sample it (:meth:`Tracing.start`, continuing the ``traceparent``
+    of the call's ``metadata``; :func:`follow`), else untraced (``admit(None)``). The caller
+    asks :attr:`Tracing.on` first, so that an untraced server pays no call for it."""
+    trace = tracing.start(model, request_id, traceparent_in(metadata), "GRPC")
+    if trace is None:
+        return admit(None)
+    return follow(trace, size, streaming, lambda: admit(trace))
 
 
 def follow(

@@ -41,7 +41,7 @@ pytest.importorskip(
     reason="the OTLP/HTTP exporter: pip install 'plugserve[trace]'",
 )
 
-from models import add_sub  # noqa: E402
+from models import add_sub, chain  # noqa: E402
 from onnx import TensorProto  # noqa: E402
 from serving import RunningServer  # noqa: E402
 
@@ -274,25 +274,11 @@ def test_a_dags_demultiplexer_has_a_span_per_branch(tmp_path, receiver):
     each branch's node a step span (its model's spans under it) under its branch; a node's
     step span is named as messages name it (node 'split')."""
     pytest.importorskip("openvino", reason="pip install -e '.[openvino]'")
-    import onnx
-    from onnx import helper
-
-    def unary(op: str, constant: float, name: str, shape: tuple) -> onnx.ModelProto:
-        graph = helper.make_graph(
-            [helper.make_node(op, [f"{name}_in", "c"], [f"{name}_out"])],
-            name,
-            [helper.make_tensor_value_info(f"{name}_in", TensorProto.FLOAT, list(shape))],
-            [helper.make_tensor_value_info(f"{name}_out", TensorProto.FLOAT, list(shape))],
-            [helper.make_tensor("c", TensorProto.FLOAT, [1], [constant])],
-        )
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-        model.ir_version = 9
-        return model
-
-    for name, model in (("split3", unary("Add", 1.0, "split3", (3, 1, 4))),
-                        ("mul", unary("Mul", 2.0, "mul", (1, 4)))):  # fmt: skip
+    # split: Neg over [3, 1, 4], each: Abs over [1, 4] (x -> y, as models.chain names them)
+    for name, model in (("split3", chain([("Neg", {})], shape=(3, 1, 4), name="split3")),
+                        ("mul", chain([("Abs", {})], shape=(1, 4), name="mul"))):  # fmt: skip
         (tmp_path / name / "1").mkdir(parents=True)
-        onnx.save(model, tmp_path / name / "1" / "model.onnx")
+        (tmp_path / name / "1" / "model.onnx").write_bytes(model.SerializeToString())
 
     def node(name, model, inputs, outputs, **extra):
         return {
@@ -308,12 +294,11 @@ def test_a_dags_demultiplexer_has_a_span_per_branch(tmp_path, receiver):
         "name": "branches",
         "inputs": ["x"],
         "nodes": [
-            node("split", "split3", {"split3_in": ("request", "x")}, {"split3_out": "items"},
-                 demultiply_count=3),
-            node("each", "mul", {"mul_in": ("split", "items")}, {"mul_out": "product"}),
+            node("split", "split3", {"x": ("request", "x")}, {"y": "items"}, demultiply_count=3),
+            node("each", "mul", {"x": ("split", "items")}, {"y": "product"}),
         ],
         "outputs": [{"y": {"node_name": "each", "data_item": "product"}}],
-    }  # fmt: skip
+    }
     config = {
         "model_config_list": [{"config": {"name": n, "base_path": n}} for n in ("split3", "mul")],
         "pipeline_config_list": [pipeline],
@@ -327,7 +312,7 @@ def test_a_dags_demultiplexer_has_a_span_per_branch(tmp_path, receiver):
         grpcclient.InferenceServerClient(running.target) as triton,
     ):
         result = triton.infer("branches", [_float32("x", x)], headers={"traceparent": header})
-        np.testing.assert_allclose(result.as_numpy("y"), (x + 1) * 2)
+        np.testing.assert_allclose(result.as_numpy("y"), np.abs(-x))
         spans = _spans(receiver, trace_id)
     (pipeline_span,) = _named(spans, "branches")
     (split,) = _children(spans, pipeline_span, "node 'split'")

@@ -59,7 +59,7 @@ from plugserve.server.plane.dataplane import DataPlane
 from plugserve.server.plane.request import Request
 from plugserve.server.plane.sequences import sequence_step
 from plugserve.server.plane.shm import write_outputs
-from plugserve.server.plane.tracing import follow, traceparent_in
+from plugserve.server.plane.tracing import traced
 from plugserve.server.plane.versions import parse_version
 from plugserve.server.protocols.grpc.handlers import Inference, add_service, deadline
 from plugserve.server.protocols.kserve.codec import (
@@ -154,17 +154,12 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         streaming: bool = False,
     ):
         """:meth:`_admit`, traced when the trace settings sample the request."""
-        tracing = self.plane.tracing
-        if tracing.on:
-            parent = traceparent_in(context.invocation_metadata())
-            trace = tracing.start(request.model_name, request.id, parent, "GRPC")
-            if trace is not None:
-                return follow(
-                    trace,
-                    size,
-                    streaming,
-                    lambda: self._admit(request, context, size, inline, token, streaming, trace),
-                )
+        if self.plane.tracing.on:
+            admit = functools.partial(self._admit, request, context, size, inline, token, streaming)
+            metadata = context.invocation_metadata()
+            return traced(
+                self.plane.tracing, request.model_name, request.id, metadata, size, streaming, admit
+            )
         return self._admit(request, context, size, inline, token, streaming)
 
     def _admit(self, request, context, size, inline, token, streaming, trace=None):

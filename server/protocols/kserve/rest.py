@@ -723,21 +723,32 @@ class RestApp:
             return entry, request, self.plane.stream(ask)
         return entry, request, self.plane.infer(ask)
 
-    async def generate(self, call: Call) -> Reply:
-        """One response, as JSON (a decoupled model must answer exactly one); traced from
-        here to the reply when the trace settings sample it."""
+    def generate(self, call: Call) -> Awaitable[Reply]:
+        return self._traced_generate(call, self._generate)
+
+    def generate_stream(self, call: Call) -> Awaitable[Reply | StreamReply]:
+        return self._traced_generate(call, self._generate_stream)
+
+    async def _traced_generate(
+        self, call: Call, handler: Callable[[Call, Trace | None], Awaitable[Any]]
+    ) -> Any:
+        """``handler(call, trace)``, within the request's span when the trace settings
+        sample it: ended with its reply, or with its stream of responses (a ``StreamReply``:
+        :meth:`_generate_stream` ends it)."""
         trace = self._generate_trace(call)
         if trace is None:
-            return await self._generate(call, None)
+            return await handler(call, None)
         try:
-            reply = await self._generate(call, trace)
+            reply = await handler(call, trace)
         except BaseException as exc:
             _end(trace, None, exc)
             raise
-        _end(trace, reply)
+        if type(reply) is tuple:
+            _end(trace, reply)
         return reply
 
     async def _generate(self, call: Call, trace: Trace | None) -> Reply:
+        """One response, as JSON (a decoupled model must answer exactly one)."""
         entry, request, answer = await self._generate_call(call, trace)
         if not isinstance(answer, ResponseStream):
             outputs = await asyncio.wrap_future(answer)
@@ -761,25 +772,11 @@ class RestApp:
             raise only.error
         return 200, [response_json(entry, request.id, only.outputs, only.parameters)], _JSON
 
-    async def generate_stream(self, call: Call) -> Reply | StreamReply:
+    async def _generate_stream(self, call: Call, trace: Trace | None) -> Reply | StreamReply:
         """Each response as a server-sent event. The status is decided by the first response:
         a request that fails before it is answered with a JSON error and that status; a
-        later failure is an event ``{"error": ...}`` (Triton's generate_stream). Traced when
-        the trace settings sample it: to its reply (one event), or until its stream of
-        responses ends (as a gRPC stream's)."""
-        trace = self._generate_trace(call)
-        if trace is None:
-            return await self._generate_stream(call, None)
-        try:
-            reply = await self._generate_stream(call, trace)
-        except BaseException as exc:
-            _end(trace, None, exc)
-            raise
-        if type(reply) is tuple:
-            _end(trace, reply)
-        return reply
-
-    async def _generate_stream(self, call: Call, trace: Trace | None) -> Reply | StreamReply:
+        later failure is an event ``{"error": ...}`` (Triton's generate_stream). A traced
+        request's span lasts until its stream of responses ends (as a gRPC stream's)."""
         entry, request, answer = await self._generate_call(call, trace)
         if not isinstance(answer, ResponseStream):
             outputs = await asyncio.wrap_future(answer)

@@ -24,7 +24,7 @@ from plugserve.server.control.model_control import ModelControl, failed_to_load
 from plugserve.server.plane.budget import GRPC_FACTOR
 from plugserve.server.plane.dataplane import DataPlane
 from plugserve.server.plane.request import Request
-from plugserve.server.plane.tracing import follow, traceparent_in
+from plugserve.server.plane.tracing import traced
 from plugserve.server.protocols.grpc.handlers import Inference, deadline
 from plugserve.server.protocols.v1.convert import (
     decoding_nbytes,
@@ -172,17 +172,12 @@ class PlugserveServicer(pb_grpc.PlugserveServicer):
         """:meth:`_admit`, traced when the trace settings sample the request (its
         ``InferRequest`` span, continuing the W3C ``traceparent`` of the call's metadata, as
         on KServe)."""
-        tracing = self.plane.tracing
-        if tracing.on:
-            parent = traceparent_in(context.invocation_metadata())
-            trace = tracing.start(request.network, request.id, parent, "GRPC")
-            if trace is not None:
-                return follow(
-                    trace,
-                    size,
-                    streaming,
-                    lambda: self._admit(request, context, size, inline, token, streaming, trace),
-                )
+        if self.plane.tracing.on:
+            admit = functools.partial(self._admit, request, context, size, inline, token, streaming)
+            metadata = context.invocation_metadata()
+            return traced(
+                self.plane.tracing, request.network, request.id, metadata, size, streaming, admit
+            )
         return self._admit(request, context, size, inline, token, streaming)
 
     def _admit(self, request, context, size, inline, token, streaming, trace=None):
