@@ -323,7 +323,10 @@ class Exporter:
 
     def _send(self, pieces: list[bytes]) -> None:
         if time.monotonic() < self._give_up:
-            self._sender.send(pieces)
+            try:
+                self._sender.send(pieces)
+            except Exception:  # the batch is lost; the thread, and tracing, go on
+                log.exception("tracing: a batch of traces could not be sent")
 
     def close(self) -> None:
         """Send what is queued, waiting at most :data:`SHUTDOWN_SECONDS` (the thread is a
