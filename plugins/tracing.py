@@ -16,18 +16,20 @@ for that is all tracing costs it.
 **Who opens what.** A protocol adapter opens the root (``InferRequest``, Triton's name) when
 its settings sample the request (``server/plane/tracing.py``), continuing the client's W3C
 ``traceparent`` when it sent one; the data plane opens the model's span under it (named after
-the model, as Triton names it) and under that the queue wait and the device run
-(``server/plane/dataplane.py``). The run is this thread's :func:`current` span while the device
-computes, so a device that runs pieces opens one span per piece under it with :func:`child`
-(HETERO's subgraphs, the device a MULTI request ran on, a BATCH request's wait for its batch),
-and makes its piece current (:func:`enter` / :func:`leave`) while a nested device runs. Work
-handed to another thread takes its span along explicitly, as it takes its cancellation token.
+the model, as Triton names it) and under that the device run (``server/plane/dataplane.py``;
+the exporter adds the wait in the queue of a request that waited, from the two). The run
+is this thread's :func:`current` span while the device computes, so a device that runs
+pieces opens one span per piece under it with :func:`child` (HETERO's subgraphs, the device
+a MULTI request ran on, a BATCH request's wait for its batch), and makes its piece current
+(:func:`enter` / :func:`leave`) while a nested device runs. Work handed to another thread
+takes its span along explicitly, as it takes its cancellation token.
 
-**The second step fits the same calls** (not built yet):
+**Applications fit the same calls**:
 
-* Ensemble and DAG steps: each step's request is a data plane request whose token carries the
-  ensemble's model span as its ``trace``, so the step's model span (and its queue and run)
-  open under the ensemble's, as Triton nests a composing model's spans under its ensemble.
+* Ensemble and DAG steps (``server/apps/pipelines/ensemble.py``): each step is a span under
+  the ensemble's model span, and the step's request is a data plane request whose token
+  carries the step's span as its ``trace``, so the step's model span (and its queue and run)
+  open under it, as Triton nests a composing model's spans under its ensemble.
 * Python models (built: ``server/apps/pipelines/python/``): the server opens an ``execute``
   span under the run and sends it into the model's process as a W3C header
   (:meth:`Span.traceparent`, a few bytes in the request's JSON header); the process times
@@ -115,8 +117,12 @@ class Span:
         self.span_id = 0
         self.end_ns = 0
         self.start_ns = _clock()
-        if trace is not None:
-            trace.keep(self)
+        if trace is not None:  # Trace.keep, inline: a traced request makes a few per stage
+            spans = trace.spans
+            if len(spans) < MAX_SPANS:
+                spans.append(self)
+            else:
+                trace.dropped += 1
 
     def span(self, name: str, attributes: dict[str, Any] | None = None) -> Span:
         """A child stage, started now."""
@@ -175,9 +181,25 @@ class Trace(Span):
     ``sink`` receives the trace once the root ends (the exporter's queue: it never blocks).
     ``remote`` is the client's ``traceparent`` as ``(trace id, parent span id)``: the trace
     continues the client's. ``detail``: the setting asked for Triton's TENSORS level (more
-    attributes: each tensor's name, type and shape)."""
+    attributes: each tensor's name, type and shape). ``model`` and ``protocol`` name what the
+    request asked for and how it came (the root's ``triton.model_name`` and
+    ``plugserve.protocol``, written at export: the request path only keeps them, as it keeps
+    the sizes on the wire in :attr:`request_bytes` and :attr:`response_bytes`)."""
 
-    __slots__ = ("detail", "dropped", "parent_span_id", "request_id", "sink", "spans", "trace_id")
+    __slots__ = (
+        "detail",
+        "dropped",
+        "model",
+        "parent_span_id",
+        "protocol",
+        "request_bytes",
+        "request_id",
+        "response_bytes",
+        "sink",
+        "spans",
+        "stage",
+        "trace_id",
+    )
 
     def __init__(
         self,
@@ -186,16 +208,34 @@ class Trace(Span):
         detail: bool = False,
         request_id: str = "",
         name: str = "InferRequest",
+        model: str = "",
+        protocol: str = "",
     ) -> None:
-        self.spans: list[Span] = []
+        # Span.__init__ written out: this runs once per traced request
+        self.name = name
+        self.trace = self
+        self.parent = None
+        self.attributes = None
+        self.events = None
+        self.error = None
+        self.span_id = 0
+        self.end_ns = 0
+        self.start_ns = _clock()
+        self.spans: list[Span] = [self]
         self.dropped = 0
         self.sink = sink
         self.detail = detail
         #: the client's id for the request (KServe's ``id``), for the spans' attributes
         self.request_id = request_id
+        self.model = model
+        self.protocol = protocol
+        #: the request's and its answer's bytes on the wire, set by the adapter (-1: unknown;
+        #: ``plugserve.request_bytes``, ``plugserve.response_bytes`` at export)
+        self.request_bytes = self.response_bytes = -1
+        #: the first model span opened under the root (``server/plane/tracing.py``'s
+        #: ``Stage``): the root's version and device at export are its
+        self.stage: Span | None = None
         self.trace_id, self.parent_span_id = remote if remote is not None else (0, 0)
-        super().__init__(name, None, None, {})
-        self.spans.append(self)
 
     def keep(self, span: Span) -> None:
         """Keep ``span`` for export (list appends are atomic: children may come from any
@@ -210,6 +250,17 @@ class Trace(Span):
         if not self.trace_id:
             self.trace_id = _bits(128) or 1
         return self.trace_id
+
+    def release(self) -> None:
+        """Let go of the spans once the trace is exported (or dropped): a span points at its
+        parent and the trace at every span, so without this a finished trace would wait for
+        the cycle collector, whose collections of the whole heap it would bring about (they
+        cost a tiny request ~14 us of CPU at rate 1). Each span is freed by its last
+        reference instead. A span still open may still be ended, and open children."""
+        spans, self.spans = self.spans, []
+        for span in spans:
+            span.parent = None
+        self.stage = None
 
     def end(self) -> None:
         """End the request: the trace goes to its sink (once). A span still open is exported

@@ -19,6 +19,7 @@ own; it pays one attribute test for the policies it does not have.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -304,7 +305,8 @@ class DataPlane:
         if request.run.timeout and request.entry.queue is None:
             request.until(time.monotonic() + request.run.timeout)  # no queue policy reads it
         entry = request.entry
-        if start is None:
+        decoupled = start is None  # the network's own decoupled run, on its streams
+        if decoupled:
             start = self._decoupled_start(request)
         recorder = entry.recorder
         token = request.run
@@ -313,11 +315,17 @@ class DataPlane:
         stream = ResponseStream(token, entry.name, request.outputs)
         admitted = time.perf_counter()
         refused: list[BaseException] = []
-        # a traced request's model span, from admission to its last response
-        stage = None if token.trace is None else Stage(token.trace, entry, queued=False)
+        # a traced request's model span, from admission to its last response; a decoupled
+        # run's wait in the queue and its run (infer_decoupled) under it
+        stage = None
+        if token.trace is not None:
+            stage = Stage(token.trace, entry, request.checked, queued=decoupled)
+            if decoupled:
+                start = functools.partial(start, stage=stage)
 
         def ended(error: BaseException | None) -> None:
             if stage is not None:
+                stage.set("plugserve.responses", stream.sent)
                 stage.finished(error)
             self._leave(request, charge)
             if refused:
@@ -432,8 +440,7 @@ class DataPlane:
             token.answer = 0 if after is not None else most  # shared memory: not in the answer
             token.outputs = wanted
             token.network = name
-            if stage is not None:
-                stage.running()
+            entered = None if stage is None else stage.running()
             try:
                 result = device.infer_checked(arrays, token)  # checked once, above
             except PlugserveError:
@@ -446,8 +453,8 @@ class DataPlane:
                     f"network {name!r} on {entry.device}: {type(exc).__name__}: {exc}"
                 ) from exc
             finally:
-                if stage is not None:
-                    stage.left()
+                if entered is not None:
+                    tracing.leave(entered)
             answer = _answer(name, result, wanted, after, most)
             finished = time.perf_counter()
             entry.run_seconds += (finished - started - entry.run_seconds) * 0.125
@@ -473,6 +480,8 @@ class DataPlane:
                 future = inline and executor.run_inline(run)
             if not future:
                 place = ticket.place if ticket is not None else 0
+                if stage is not None:  # it waits in the queue: the trace shows its wait
+                    stage.queued = True
                 future = executor.submit(run, entry.queue_limit, token=token, place=place)
         except BaseException as exc:
             if ticket is not None:
@@ -539,13 +548,14 @@ class DataPlane:
                 f"network {name!r}: a sequence model's requests are not streamed as "
                 "decoupled responses; send them as ordinary requests"
             )
+        request.checked = arrays  # (what a traced request's span counts)
         token = request.run
         deadline = request.deadline
         budget = self.budget
         queue = entry.queue
         gathers = entry.network.gathers
 
-        def start(stream: ResponseStream) -> None:
+        def start(stream: ResponseStream, stage: Stage | None = None) -> None:
             def run(device: InferRequest) -> None:
                 if token.error is not None:
                     raise token.failure()
@@ -554,6 +564,7 @@ class DataPlane:
                 if token.on_start is not None and not gathers:
                     cancel.started(token)
                 token.room = budget.free()
+                entered = None if stage is None else stage.running()
                 try:
                     device.infer_decoupled(arrays, stream, token)
                 except PlugserveError as exc:
@@ -565,6 +576,10 @@ class DataPlane:
                             f"network {name!r} on {entry.device}: {type(exc).__name__}: {exc}"
                         )
                     )
+                finally:
+                    if entered is not None:
+                        tracing.leave(entered)
+                        stage.ran(None)  # type: ignore[union-attr]
 
             ticket = queue.enter(token) if queue is not None else None
             place = ticket.place if ticket is not None else 0

@@ -22,29 +22,35 @@ and model name are kept to :data:`MAX_NAME` characters in attributes.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
+import functools
 import itertools
 import re
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from time import time_ns
 from typing import Any
 
-from plugserve.plugins import tracing
 from plugserve.plugins.api import (
     InvalidArgument,
     ResourceExhausted,
     Unsupported,
     listing,
 )
-from plugserve.plugins.tracing import Span, Trace
+from plugserve.plugins.tracing import MAX_SPANS, Span, Trace, enter
+from plugserve.server.plane.response_stream import ResponseStream
 
 __all__ = [
     "LEVELS",
     "MAX_MODEL_SETTINGS",
     "Stage",
     "Tracing",
+    "follow",
     "name_request",
     "parse_traceparent",
+    "traced",
+    "traceparent_in",
 ]
 
 #: Triton's level names and their bits (OFF alone, or any of the others)
@@ -54,6 +60,8 @@ FIELDS = ("trace_level", "trace_rate", "trace_count", "log_frequency")
 MAX_MODEL_SETTINGS = 1024
 MAX_NAME = 256
 _UINT32 = 2**32 - 1
+#: the request's span, as Triton names it
+_ROOT = "InferRequest"
 _INT32 = 2**31 - 1
 
 # W3C trace context: version 00 (or a later one, read as 00), 32 + 16 hex digits, flags
@@ -159,13 +167,11 @@ class Tracing:
         sink = self._sink
         if not (hit or remote is not None) or sink is None:
             return None
-        trace = Trace(sink, remote, setting.level > 1)  # TENSORS
-        attributes = trace.attributes
-        attributes["triton.model_name"] = model[:MAX_NAME]
-        attributes["plugserve.protocol"] = protocol
-        if request_id:
-            name_request(trace, request_id)
-        return trace
+        # (positional: a traced request makes one, and keywords cost it more)
+        return Trace(
+            sink, remote, setting.level > 1, request_id[:MAX_NAME], _ROOT, model[:MAX_NAME],
+            protocol,
+        )  # fmt: skip
 
     # --- the trace-setting routes (KServe's TraceSetting, REST /v2[/models/M]/trace/setting)
 
@@ -233,12 +239,71 @@ class Tracing:
         self._sink = None
 
 
+def traceparent_in(metadata: Iterable[tuple[str, Any]] | None) -> str | None:
+    """The W3C ``traceparent`` among a call's metadata (gRPC's ``(key, value)`` pairs,
+    lowercase keys), None when it has none."""
+    for key, value in metadata or ():
+        if key == "traceparent":
+            return value
+    return None
+
+
+def traced(
+    tracing: Tracing,
+    model: str,
+    request_id: str,
+    metadata: Iterable[tuple[str, Any]] | None,
+    size: int,
+    streaming: bool,
+    admit: Callable[[Trace | None], tuple[Any, Any]],
+) -> tuple[Any, Any]:
+    """A gRPC adapter's admission of a request (``admit(trace)``), within the request's span
+    when the trace settings sample it (:meth:`Tracing.start`, continuing the ``traceparent``
+    of the call's ``metadata``; :func:`follow`), else untraced (``admit(None)``). The caller
+    asks :attr:`Tracing.on` first, so that an untraced server pays no call for it."""
+    trace = tracing.start(model, request_id, traceparent_in(metadata), "GRPC")
+    if trace is None:
+        return admit(None)
+    return follow(trace, size, streaming, lambda: admit(trace))
+
+
+def follow(
+    trace: Trace,
+    size: int,
+    streaming: bool,
+    admit: Callable[[], tuple[Any, Any]],
+) -> tuple[Any, Any]:
+    """``admit()`` (an adapter's admission of a request, ``-> (entry, answer)``) within the
+    request's span ``trace``, which counts the request's ``size`` on the wire and ends when
+    its answer is ready: at once when admission fails; when the stream ends for a stream of
+    responses (a :class:`ResponseStream`); when the future is done for a request of a gRPC
+    stream (``streaming``). A unary call's span is its caller's to end, once the answer is
+    composed (``grpc/handlers.py``'s ``Inference.unary``)."""
+    trace.request_bytes = size
+    try:
+        entry, answer = admit()
+    except BaseException as exc:
+        trace.fail(exc)
+        trace.end()
+        raise
+    if isinstance(answer, ResponseStream):
+        answer.when_ended(functools.partial(_ended, trace))
+    elif streaming:
+        answer.add_done_callback(lambda f: _ended(trace, None if f.cancelled() else f.exception()))
+    return entry, answer
+
+
+def _ended(trace: Span, error: BaseException | None) -> None:
+    if error is not None:
+        trace.fail(error)
+    trace.end()
+
+
 def name_request(trace: Trace, request_id: str) -> None:
     """The client's id for a traced request, once its adapter has read it (REST's is in the
     body): the root and the spans the data plane opens carry it."""
     if request_id:
         trace.request_id = request_id[:MAX_NAME]
-        trace.attributes["triton.request_id"] = trace.request_id
 
 
 def _parse_changes(changes: Mapping[str, list[str] | None]) -> dict[str, Any]:
@@ -324,75 +389,114 @@ def _merged(
     return _Setting(**values, specified=frozenset(kept) if specified else frozenset())
 
 
-class Stage:
-    """The spans the data plane opens for one admitted request: the model's span (Triton's,
-    named after the model) under the request's span, and under it the wait in the network's
-    queue and the device's run. The model's span names the model, its version and device and
-    the request's id (the exporter gives them to the spans under it, which record none: see
-    ``server/process/tracing.py``), and counts the inputs and outputs and their bytes."""
+class Stage(Span):
+    """The model's span of one admitted request (Triton's, named after the model), under the
+    request's span, with the device's run (``compute``) under it, and what the exporter makes
+    of it: its wait in the network's queue.
 
-    __slots__ = ("_entered", "compute", "model", "queue")
+    It records as little as a request can pay for: the model's name, version and device and
+    the request's id are the exporter's to write (from :attr:`entry` and the root, on its own
+    thread; the spans under this one inherit them there, ``server/process/tracing.py``); the
+    inputs' and outputs' counts and bytes are four integers; and the queue wait is no span of
+    its own here but :attr:`queued` and two timestamps this span has anyway (its start, the
+    run's start): the exporter writes a ``queue`` span for a request that waited in the queue
+    (:attr:`queued`, set by the data plane when it hands the request to the network's streams;
+    a request run at once on its caller's thread waited for nothing and has none).
+
+    Each Python call counts: on the tiny REST request a call of these costs ~3x what it costs
+    in a loop (its code and data are cold by the time the next request comes), so the
+    request pays one per stage: made (the span's fields written out), :meth:`running` (which
+    hands back what the data plane gives to :func:`plugins.tracing.leave`), :meth:`ran` and
+    :meth:`finished`."""
+
+    __slots__ = (
+        "compute",
+        "entry",
+        "input_bytes",
+        "inputs",
+        "output_bytes",
+        "outputs",
+        "queued",
+    )
 
     def __init__(
-        self, parent: Span, entry: Any, arrays: list[Any] | None = None, queued: bool = True
+        self, parent: Span, entry: Any, arrays: list[Any] | None = None, queued: bool = False
     ) -> None:
-        """``queued``: the request waits in the network's queue and runs on its streams (a
-        stream of responses from another producer has the model's span only)."""
+        """``queued``: the request waits in the network's queue before its run (the data
+        plane sets it when it does; a stream of responses from another producer has the
+        model's span only)."""
         root = parent.trace
-        identity = {
-            "triton.model_name": entry.name,
-            "triton.model_version": entry.version,
-            "plugserve.device": entry.device,
-        }
-        if root.request_id:
-            identity["triton.request_id"] = root.request_id
-        if parent is root:  # the request's own span learns what its lookup found
-            root.attributes.update(identity)
-        self.model = model = Span(entry.name, root, parent, identity)
-        if arrays is not None:
-            identity["plugserve.inputs"] = len(arrays)
-            identity["plugserve.input_bytes"] = sum([getattr(a, "nbytes", 0) for a in arrays])
-            if root.detail:
-                _shapes(model, "input", [s.name for s in entry.network.inputs], arrays)
-        self.queue = Span("queue", root, model) if queued else None
+        # Span.__init__ written out (a call less)
+        self.name = entry.name
+        self.trace = root
+        self.parent = parent
+        self.attributes = self.events = self.error = None
+        self.span_id = self.end_ns = 0
+        self.start_ns = time_ns()
+        spans = root.spans
+        if len(spans) < MAX_SPANS:
+            spans.append(self)
+        else:
+            root.dropped += 1
+        #: the network that runs it (its name, version and device, read at export)
+        self.entry = entry
+        self.queued = queued
+        #: the device's run (None: it has not started)
         self.compute: Span | None = None
-        self._entered: Any = None
+        #: inputs and outputs and their bytes (-1: not known, not written)
+        self.outputs = self.output_bytes = -1
+        if arrays is not None:
+            total = 0
+            for array in arrays:
+                total += getattr(array, "nbytes", 0)
+            self.inputs, self.input_bytes = len(arrays), total
+            if root.detail:
+                _shapes(self, "input", [s.name for s in entry.network.inputs], arrays)
+        else:
+            self.inputs = self.input_bytes = -1
+        if parent is root and root.stage is None:  # the request's own span learns its lookup
+            root.stage = self
 
-    def running(self) -> None:
+    @property
+    def model(self) -> Span:
+        """The model's span (this one): what a producer opens its spans under."""
+        return self
+
+    def running(self) -> contextvars.Token:
         """The request left the queue and its run starts on this thread: devices open their
-        spans under the run (:func:`plugins.tracing.current`)."""
-        queue = self.queue
-        if queue is not None:
-            queue.end()
-        self.compute = compute = Span("compute", self.model.trace, self.model)
-        self._entered = tracing.enter(compute)
+        spans under the run (:func:`plugins.tracing.current`) until the caller gives what
+        this returns to :func:`plugins.tracing.leave` (the device returned, or raised)."""
+        self.compute = compute = Span("compute", self.trace, self)
+        return enter(compute)
 
-    def left(self) -> None:
-        """The device returned (or raised): the run is no longer this thread's span."""
-        if self._entered is not None:
-            tracing.leave(self._entered)
-            self._entered = None
-
-    def ran(self, outputs: Mapping[str, Any]) -> None:
-        """The run succeeded with ``outputs``."""
-        if self.compute is not None:
-            self.compute.end()
-        model = self.model
-        attributes = model.attributes
-        attributes["plugserve.outputs"] = len(outputs)
-        attributes["plugserve.output_bytes"] = sum(
-            [getattr(a, "nbytes", 0) for a in outputs.values()]
-        )
-        if model.trace.detail:
-            _shapes(model, "output", list(outputs), list(outputs.values()))
+    def ran(self, outputs: Mapping[str, Any] | None) -> None:
+        """The run succeeded with ``outputs`` (None: a decoupled run returned, its responses
+        sent or still to come: its span counts them when they end)."""
+        compute = self.compute
+        if compute is not None and not compute.end_ns:
+            compute.end_ns = time_ns()
+        if outputs is None:
+            return
+        total = 0
+        for array in outputs.values():
+            total += getattr(array, "nbytes", 0)
+        self.outputs, self.output_bytes = len(outputs), total
+        if self.trace.detail:
+            _shapes(self, "output", list(outputs), list(outputs.values()))
 
     def finished(self, error: BaseException | None) -> None:
-        """The request is over (answered, failed, or cancelled queued or running)."""
-        for span in (self.queue, self.compute, self.model):
-            if span is not None and not span.end_ns:
-                if error is not None:
-                    span.fail(error)
-                span.end()
+        """The request is over (answered, failed, or cancelled queued or running); ``error``
+        is recorded on the spans it ended."""
+        now = time_ns()
+        compute = self.compute
+        if compute is not None and not compute.end_ns:
+            if error is not None:
+                compute.fail(error)
+            compute.end_ns = now
+        if not self.end_ns:
+            if error is not None:
+                self.fail(error)
+            self.end_ns = now
 
 
 def _shapes(span: Span, kind: str, names: list[str], arrays: list[Any]) -> None:

@@ -29,21 +29,26 @@ hold, never a request. At shutdown, what is queued gets :data:`SHUTDOWN_SECONDS`
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import os
+import random
+import struct
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from plugserve.plugins.api import PlugserveError
 from plugserve.plugins.tracing import Trace
 from plugserve.plugins.version import plugserve_version
-from plugserve.server.plane.tracing import LEVELS
+from plugserve.server.plane.tracing import LEVELS, Stage
 
 __all__ = ["INSTALL", "SHUTDOWN_SECONDS", "Exporter", "TraceConfig", "TracingUnavailable"]
 
 log = logging.getLogger("plugserve.tracing")
+_bits = random.getrandbits
 
 INSTALL = "pip install 'plugserve[trace]'"
 #: Longest a stopping server waits for queued traces to reach the collector.
@@ -196,29 +201,46 @@ def _number(option: str, value: str, low: int, high: int = 2**31 - 1) -> int:
 
 
 class Exporter:
-    """The OpenTelemetry side: the SDK's batch span processor, OTLP's protobuf messages and
-    the OTLP/HTTP exporter's client.
+    """The OpenTelemetry side: a bounded queue of finished traces, and a thread that encodes
+    them as OTLP's ``ExportTraceServiceRequest`` and sends them with the OTLP/HTTP exporter's
+    client.
 
     Calling it with a finished :class:`Trace` queues it (never blocks); :meth:`close` sends
     what is queued, for at most :data:`SHUTDOWN_SECONDS`. Making one without the extra raises
     :class:`TracingUnavailable` naming the install line.
 
-    Traces are encoded here, straight from the records into OTLP's ``ExportTraceServiceRequest``
-    (``opentelemetry-proto``'s own messages), not through the SDK's spans and encoder: those
-    cost ~125 us a span on this machine (``encode_spans`` builds each message from Python
-    keyword arguments and hashes the resource as JSON per span), four times a whole tiny
-    request's time for its four spans, on a thread that takes the GIL from requests. The
+    The SDK's ``BatchSpanProcessor``'s contract, kept by hand because of what the processor
+    costs a request. Bounds: at most ``bsp_max_queue_size`` traces wait to be encoded (a full
+    queue drops its oldest, counted, and logged by the thread), and at most
+    ``bsp_max_export_batch_size`` encoded ones wait to be sent, which they are as soon as that
+    many are, or ``bsp_schedule_delay`` ms after the first of them was queued. The thread
+    encodes a trace soon after it comes, :data:`CHUNK` at a time (the request that queues the
+    :data:`CHUNK`-th wakes it): a trace held until its batch leaves, ~50 ms at 10,000 requests
+    a second, outlives the collector's young generations and brings about collections of the
+    whole heap; its bytes do not. Encoding a chunk holds the GIL ~0.5 ms, so a request that
+    wants it meanwhile waits at most that, not a whole batch's ~4 ms. (Giving the GIL away
+    more often starves the thread instead: every 8 traces, it got it back only at the
+    interpreter's 5 ms switch interval, the request thread taking it first at each of its own
+    system calls, and dropped 2,658 traces of 11 s at 7,000 REST requests a second; none
+    without.)
+
+    Measured on the tiny REST request (~95 us) at rate 1, against the SDK's processor: an
+    append where its ``on_end`` asked the kernel for the process id (0.4 us here) and counted
+    through its metrics (~2.5 us a request in all); and an encoder writing the protobuf wire
+    format itself (:class:`_Encoder`, ~9 us a three-span trace) where the SDK's spans and
+    encoder took ~125 us a span and ``opentelemetry-proto``'s messages ~20 us a trace. The
     payload goes out through the OTLP/HTTP exporter's client, so its environment variables
     (``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``, ``_HEADERS``, ``_TIMEOUT``, ``_COMPRESSION``,
     certificates) and retries apply; an exporter without that client (another version) is
     sent to with one plain POST instead."""
 
+    #: traces queued that wake the thread to encode them
+    CHUNK = 64
+
     def __init__(self, config: TraceConfig) -> None:
         try:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
             from opentelemetry.sdk.resources import Resource
-            from opentelemetry.sdk.trace.export import BatchSpanProcessor
-            from opentelemetry.trace import SpanContext, TraceFlags
         except ImportError as exc:
             raise TracingUnavailable(
                 f"tracing needs the OpenTelemetry SDK and its OTLP/HTTP exporter, which are "
@@ -231,15 +253,21 @@ class Exporter:
         ):
             resource = resource.merge(Resource({"service.name": "plugserve"}))
         otlp = OTLPSpanExporter(endpoint=config.endpoint())
-        self._processor = BatchSpanProcessor(
-            _Sender(otlp, _Encoder(dict(resource.attributes))),
-            max_queue_size=config.bsp_max_queue_size,
-            schedule_delay_millis=config.bsp_schedule_delay,
-            max_export_batch_size=config.bsp_max_export_batch_size,
-        )
-        # the processor queues what says it is sampled: one constant context says so for all
-        _Finished.context = SpanContext(1, 1, False, TraceFlags(TraceFlags.SAMPLED))
-        self._queue = self._processor.on_end
+        self._encoder = _Encoder(dict(resource.attributes))
+        self._sender = _Sender(otlp, self._encoder)
+        self._queue: collections.deque[Trace] = collections.deque()
+        self._most = config.bsp_max_queue_size
+        self._batch = config.bsp_max_export_batch_size
+        self._chunk = min(self.CHUNK, self._batch)
+        self._delay = config.bsp_schedule_delay / 1000
+        self._wake = threading.Event()
+        self._stopping = False
+        #: when a stopping exporter gives up sending (SHUTDOWN_SECONDS after close)
+        self._give_up = float("inf")
+        #: traces dropped because the queue was full (counted by requests, logged by the thread)
+        self.dropped = 0
+        self._thread = threading.Thread(target=self._work, name="trace-export", daemon=True)
+        self._thread.start()
         log.info(
             "tracing: OTLP/HTTP to %s, up to %d traces queued",
             config.endpoint() or "the OTEL_EXPORTER_OTLP_* endpoint (default localhost:4318)",
@@ -247,165 +275,326 @@ class Exporter:
         )
 
     def __call__(self, trace: Trace) -> None:
-        self._queue(_Finished(trace))
+        """Queue a finished trace (a request's thread: a few appends, never a wait)."""
+        queue = self._queue
+        if len(queue) >= self._most:
+            try:
+                queue.popleft().release()
+                self.dropped += 1
+            except IndexError:  # the thread took them meanwhile
+                pass
+        queue.append(trace)
+        if len(queue) >= self._chunk and not self._wake.is_set():
+            self._wake.set()
+
+    def _work(self) -> None:
+        """The exporter's thread: encode what is queued when a chunk waits or a batch is
+        due, send a batch when it is whole or due, until :meth:`close`."""
+        queue, encode = self._queue, self._encoder.spans
+        pending: list[bytes] = []
+        due = float("inf")  # when the pending batch must leave
+        logged = 0
+        while True:
+            wait = self._delay if not pending else max(0.0, due - time.monotonic())
+            timed_out = not self._wake.wait(wait)
+            self._wake.clear()
+            stopping = self._stopping
+            while queue:
+                trace = queue.popleft()
+                if not pending:
+                    due = time.monotonic() + self._delay
+                pending.append(encode(trace))
+                if len(pending) >= self._batch:
+                    self._send(pending)
+                    pending, due = [], float("inf")
+            if pending and (timed_out or stopping or time.monotonic() >= due):
+                self._send(pending)
+                pending, due = [], float("inf")
+            if self.dropped != logged:
+                log.warning(
+                    "tracing: %d trace(s) dropped, the queue of %d was full (the collector is "
+                    "slow or down; --trace-config opentelemetry,bsp_max_queue_size=N)",
+                    self.dropped - logged,
+                    self._most,
+                )
+                logged = self.dropped
+            if stopping:
+                return
+
+    def _send(self, pieces: list[bytes]) -> None:
+        if time.monotonic() < self._give_up:
+            try:
+                self._sender.send(pieces)
+            except Exception:  # the batch is lost; the thread, and tracing, go on
+                log.exception("tracing: a batch of traces could not be sent")
 
     def close(self) -> None:
-        """Send what is queued, waiting at most :data:`SHUTDOWN_SECONDS` (the processor's
-        thread is a daemon: what it has not sent by then is lost with the process)."""
-        done = threading.Thread(target=self._processor.shutdown, name="trace-flush", daemon=True)
-        done.start()
-        done.join(SHUTDOWN_SECONDS)
-        if done.is_alive():
+        """Send what is queued, waiting at most :data:`SHUTDOWN_SECONDS` (the thread is a
+        daemon: what it has not sent by then is lost with the process)."""
+        self._give_up = time.monotonic() + SHUTDOWN_SECONDS
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(SHUTDOWN_SECONDS)
+        if self._thread.is_alive():
             log.warning("tracing: the collector did not take the last traces in time")
+        else:
+            self._sender.shutdown()
 
 
-class _Finished:
-    """A finished trace as the batch span processor queues it (it only reads ``context``)."""
-
-    __slots__ = ("trace",)
-    context: Any = None
-
-    def __init__(self, trace: Trace) -> None:
-        self.trace = trace
-
-
-#: The attributes naming a stage's model and request, found on the model's span and given at
-#: export to the spans under it that do not name their own (the request path records them
-#: once); the model's three are encoded once per model (:meth:`_Encoder._identity`).
+#: The attributes naming a stage's model and request: the spans under a model's span name
+#: them as it does, unless they name their own (a HETERO piece's device).
 IDENTITY = ("triton.model_name", "triton.model_version", "plugserve.device", "triton.request_id")
-_MODEL = IDENTITY[:3]
+
+# --- the protobuf wire format of the OTLP messages written (opentelemetry/proto/trace/v1)
+
+_pack_q = struct.Struct("<Q").pack
+_ids = struct.Struct(">2sQ2sQ").pack  # two ids: a tag each, big-endian as W3C writes them
+_times = struct.Struct("<BQBQ").pack  # two fixed64 fields
+_pack_i = struct.Struct("<I").pack
+_pack_d = struct.Struct("<d").pack
+_SERVER, _INTERNAL = b"\x30\x02", b"\x30\x01"  # Span.kind (field 6)
+#: Span.flags (field 16, fixed32): sampled, and whether the parent is known to be remote
+_LOCAL_PARENT = b"\x85\x01" + _pack_i(0x101)
+_REMOTE_PARENT = b"\x85\x01" + _pack_i(0x301)
+_ERROR = b"\x18\x02"  # Status.code (field 3) STATUS_CODE_ERROR
+
+
+def _varint(value: int) -> bytes:
+    if value < 0x80:
+        return _SMALL[value]
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+_SMALL = [bytes((n,)) for n in range(0x80)]
+
+
+def _sized(tag: bytes, payload: bytes) -> bytes:
+    """A length-delimited field: its tag, its length, its bytes."""
+    size = len(payload)
+    return tag + (_SMALL[size] if size < 0x80 else _varint(size)) + payload
+
+
+def _any(value: Any) -> bytes:
+    """An ``AnyValue`` (str, bool, int, float, or a list of one of them)."""
+    if isinstance(value, str):
+        return _sized(b"\x0a", value.encode("utf-8", "replace"))
+    if isinstance(value, bool):
+        return b"\x10\x01" if value else b"\x10\x00"
+    if isinstance(value, int):
+        return b"\x18" + _varint(value & 0xFFFFFFFFFFFFFFFF)  # int64: two's complement
+    if isinstance(value, float):
+        return b"\x21" + _pack_d(value)
+    if isinstance(value, list | tuple):
+        return _sized(b"\x2a", b"".join([_sized(b"\x0a", _any(v)) for v in value]))
+    return _any(str(value))
+
+
+def _pair(tag: bytes, key: str, value: Any) -> bytes:
+    """One ``KeyValue`` as the field ``tag`` (Span.attributes, Event.attributes, ...)."""
+    pair = _sized(b"\x0a", key.encode("utf-8", "replace")) + _sized(b"\x12", _any(value))
+    return _sized(tag, pair)
 
 
 class _Encoder:
-    """Finished traces as one OTLP ``ExportTraceServiceRequest`` (its serialized bytes)."""
+    """Finished traces as one OTLP ``ExportTraceServiceRequest`` (its serialized bytes),
+    written field by field. What repeats is encoded once and kept (at most :data:`MEMO`
+    entries, then the memo starts again): the resource and scope, span names, and attributes
+    by their value (a model's name, version and device; a request's counts and sizes, which
+    repeat in a steady load). A tiny request's trace of three spans takes ~10 us here."""
+
+    #: encodings kept (names and attributes)
+    MEMO = 4096
 
     def __init__(self, resource: Mapping[str, Any]) -> None:
-        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-            ExportTraceServiceRequest,
-        )
-        from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, Span
+        #: ResourceSpans.resource (Resource.attributes), ScopeSpans.scope (name, version)
+        attributes = [_pair(b"\x0a", key, value) for key, value in resource.items()]
+        self._resource = _sized(b"\x0a", b"".join(attributes))
+        scope = _sized(b"\x0a", b"plugserve") + _sized(b"\x12", plugserve_version().encode())
+        self._scope = _sized(b"\x0a", scope)
+        self._memo: dict[Any, bytes] = {}
 
-        self._request = ExportTraceServiceRequest
-        self._span = Span
-        #: the identity attributes' encoding (a span's field 9, KeyValues), by their values:
-        #: a model's spans share them, so they are encoded once, not per span
-        self._identities: dict[tuple, bytes] = {}
-        head = ResourceSpans()
-        for key, value in resource.items():
-            _attribute(head.resource.attributes.add(), key, value)
-        scope = head.scope_spans.add().scope
-        scope.name, scope.version = "plugserve", plugserve_version()
-        self._head = head.SerializeToString()
+    def spans(self, trace: Trace) -> bytes:
+        """A finished trace's spans, as they stand in a ScopeSpans (its field 2, repeated);
+        the trace lets go of them (``Trace.release``)."""
+        out: list[bytes] = []
+        try:
+            self._encode_trace(out, trace)
+        except Exception:  # one bad trace must not stop the exporter
+            log.exception("tracing: a trace could not be encoded; it is dropped")
+            out = []
+        trace.release()
+        if len(self._memo) > self.MEMO:
+            self._memo.clear()
+        return b"".join(out)
+
+    def request(self, pieces: Sequence[bytes]) -> bytes:
+        """An ``ExportTraceServiceRequest`` of encoded traces (:meth:`spans`)."""
+        scope_spans = self._scope + b"".join(pieces)
+        resource_spans = self._resource + _sized(b"\x12", scope_spans)
+        return _sized(b"\x0a", resource_spans)
 
     def __call__(self, traces: Sequence[Trace]) -> bytes:
-        request = self._request()
-        resource_spans = request.resource_spans.add()
-        resource_spans.MergeFromString(self._head)
-        spans = resource_spans.scope_spans[0].spans
-        for trace in traces:
-            try:
-                self._encode_trace(spans, trace)
-            except Exception:  # one bad trace must not lose the batch
-                log.exception("tracing: a trace could not be encoded; it is dropped")
-            # its spans point at it and it at them: let go of them now, not at the next
-            # collection of reference cycles
-            trace.spans = []
-        return request.SerializeToString()
+        """The ``ExportTraceServiceRequest`` of ``traces``."""
+        return self.request([self.spans(trace) for trace in traces])
 
-    def _encode_trace(self, spans: Any, trace: Trace) -> None:
-        trace_id = trace.ids_of_trace().to_bytes(16, "big")
-        identities: dict[int, dict[str, Any]] = {}
+    def _attribute(self, key: str, value: Any) -> bytes:
+        """A span's attribute (Span.attributes), from the memo when it was seen."""
+        memo_key = (key, value, value.__class__)  # True and 1 are one key otherwise
+        try:
+            return self._memo[memo_key]
+        except KeyError:
+            self._memo[memo_key] = found = _pair(b"\x4a", key, value)
+            return found
+        except TypeError:  # a list: not kept
+            return _pair(b"\x4a", key, value)
+
+    def _name(self, name: str) -> bytes:
+        """A span's name (Span.name)."""
+        found = self._memo.get(name)
+        if found is None:
+            self._memo[name] = found = _sized(b"\x2a", name.encode("utf-8", "replace"))
+        return found
+
+    def _model(self, key: tuple[Any, ...]) -> bytes:
+        """The model's name, version and device as a span's attributes."""
+        found = self._memo.get(key)
+        if found is None:
+            parts = [self._attribute(k, v) for k, v in zip(IDENTITY, key) if v is not None]
+            self._memo[key] = found = b"".join(parts)
+        return found
+
+    def _encode_trace(self, out: list[bytes], trace: Trace) -> None:
+        attribute = self._attribute
+        head = b"\x0a\x10" + trace.ids_of_trace().to_bytes(16, "big")  # Span.trace_id
+        end_ns = trace.end_ns
+        request = attribute(IDENTITY[3], trace.request_id) if trace.request_id else b""
+        #: each span's (model, version, device) and their encoding with the request's id
+        identities: dict[int, tuple[tuple[Any, ...], bytes]] = {}
+        nobody = ((None, None, None), request)
         for span in list(trace.spans):
-            own = span.attributes or {}
             parent = span.parent
-            # what the spans above say, but what this one says itself (a HETERO piece's device)
-            identity = {} if parent is None else identities.get(id(parent), {})
-            named = [k for k in IDENTITY if k in own]
-            if named:
-                identity = {**identity, **{k: own[k] for k in named}}
-            identities[id(span)] = identity
-            message = spans.add(
-                trace_id=trace_id,
-                span_id=span.ids().to_bytes(8, "big"),
-                name=span.name,
-                kind=2 if parent is None else 1,  # SERVER for the request, INTERNAL within it
-                start_time_unix_nano=span.start_ns,
-                end_time_unix_nano=span.end_ns or trace.end_ns,
-            )
-            if parent is not None:
-                message.parent_span_id = parent.ids().to_bytes(8, "big")
-                message.flags = 0x101  # sampled; the parent is not remote
-            elif trace.parent_span_id:
-                message.parent_span_id = trace.parent_span_id.to_bytes(8, "big")
-                message.flags = 0x301  # sampled; the parent is the client's (remote)
-            else:
-                message.flags = 0x101
-            cached = "triton.model_version" in identity  # a model's: encoded once
-            if cached:
-                message.MergeFromString(self._identity(identity))
-            attributes = message.attributes
-            for key, value in identity.items():
-                if not cached or key not in _MODEL:
-                    _attribute(attributes.add(), key, value)
-            for key, value in own.items():
-                if key not in identity:
-                    _attribute(attributes.add(), key, value)
-            for name, at, extra in span.events or ():
-                event = message.events.add(name=name, time_unix_nano=at)
-                for key, value in (extra or {}).items():
-                    _attribute(event.attributes.add(), key, value)
-            if span.error is not None:  # OpenTelemetry's exception event, as record_exception
-                kind, _, text = span.error.partition(": ")
-                event = message.events.add(
-                    name="exception", time_unix_nano=span.end_ns or trace.end_ns
+            own = span.attributes
+            extra: list[bytes] = []
+            if parent is None:  # the request's span: what it asked for, and what was found
+                entry = getattr(trace.stage, "entry", None)
+                key = (
+                    trace.model or None,
+                    None if entry is None else entry.version,
+                    None if entry is None else entry.device,
                 )
-                _attribute(event.attributes.add(), "exception.type", kind)
-                _attribute(event.attributes.add(), "exception.message", text)
-                message.status.code = 2  # STATUS_CODE_ERROR
-                message.status.message = span.error
+                if trace.protocol:
+                    extra.append(attribute("plugserve.protocol", trace.protocol))
+                if trace.request_bytes >= 0:
+                    extra.append(attribute("plugserve.request_bytes", trace.request_bytes))
+                if trace.response_bytes >= 0:
+                    extra.append(attribute("plugserve.response_bytes", trace.response_bytes))
+            elif isinstance(span, Stage):
+                entry = span.entry
+                key = (entry.name, entry.version, entry.device)
+                if span.inputs >= 0:
+                    extra.append(attribute("plugserve.inputs", span.inputs))
+                    extra.append(attribute("plugserve.input_bytes", span.input_bytes))
+                if span.outputs >= 0:
+                    extra.append(attribute("plugserve.outputs", span.outputs))
+                    extra.append(attribute("plugserve.output_bytes", span.output_bytes))
+            else:
+                key = identities.get(id(parent), nobody)[0]
+            if own and any(k in own for k in _MODEL):  # its own (a HETERO piece's device)
+                key = tuple(own.get(k, v) for k, v in zip(_MODEL, key))
+            identity = self._model(key) + request
+            identities[id(span)] = (key, identity)
+            if parent is None:
+                parent_id = trace.parent_span_id
+                flags = _REMOTE_PARENT if parent_id else _LOCAL_PARENT
+                kind = _SERVER
+            else:
+                parent_id, flags, kind = parent.ids(), _LOCAL_PARENT, _INTERNAL
+            attributes = [identity, *extra]
+            if own:
+                attributes += [attribute(k, v) for k, v in own.items() if k not in IDENTITY]
+            span_end = span.end_ns or end_ns
+            out.append(
+                self._span(head, span, parent_id, flags, kind, span_end, attributes, span.error)
+            )
+            if isinstance(span, Stage) and span.queued:  # its wait, up to its run (or end)
+                compute = span.compute
+                waited = compute.start_ns if compute is not None else span_end
+                error = span.error if compute is None else None
+                queue = _Wait(span.start_ns)
+                out.append(
+                    self._span(
+                        head, queue, span.ids(), _LOCAL_PARENT, _INTERNAL, waited, [identity], error
+                    )
+                )
 
-    def _identity(self, identity: dict[str, Any]) -> bytes:
-        """The model's name, version and device as a span's encoded attributes."""
-        key = tuple(identity.get(name) for name in _MODEL)
-        encoded = self._identities.get(key)
-        if encoded is None:
-            span = self._span()
-            for name, value in zip(_MODEL, key):
-                if value is not None:
-                    _attribute(span.attributes.add(), name, value)
-            encoded = span.SerializeToString()
-            if len(self._identities) >= 1024:  # bounded: the models seen
-                self._identities.clear()
-            self._identities[key] = encoded
-        return encoded
+    def _span(
+        self,
+        head: bytes,
+        span: Any,
+        parent_id: int,
+        flags: bytes,
+        kind: bytes,
+        end_ns: int,
+        attributes: list[bytes],
+        error: str | None,
+    ) -> bytes:
+        """One ``Span`` as ScopeSpans.spans (field 2)."""
+        span_id = span.span_id or span.ids()
+        parts = [
+            head,
+            _ids(b"\x12\x08", span_id, b"\x22\x08", parent_id)  # span_id, parent_span_id
+            if parent_id
+            else b"\x12\x08" + span_id.to_bytes(8, "big"),
+            self._name(span.name),
+            kind,
+            _times(0x39, span.start_ns, 0x41, end_ns),  # start_, end_time_unix_nano
+            *attributes,
+        ]
+        for name, at, extra in span.events or ():
+            event = [b"\x09" + _pack_q(at), _sized(b"\x12", name.encode("utf-8", "replace"))]
+            event += [_pair(b"\x1a", k, v) for k, v in (extra or {}).items()]
+            parts.append(_sized(b"\x5a", b"".join(event)))
+        if error is not None:  # OpenTelemetry's exception event (as record_exception), status
+            type_name, _, text = error.partition(": ")
+            event = [
+                b"\x09" + _pack_q(end_ns),
+                b"\x12\x09exception",
+                _pair(b"\x1a", "exception.type", type_name),
+                _pair(b"\x1a", "exception.message", text),
+            ]
+            parts.append(_sized(b"\x5a", b"".join(event)))
+            message = _sized(b"\x12", error.encode("utf-8", "replace"))
+            parts.append(_sized(b"\x7a", message + _ERROR))
+        parts.append(flags)
+        return _sized(b"\x12", b"".join(parts))
 
 
-def _attribute(pair: Any, key: str, value: Any) -> None:
-    """One OTLP ``KeyValue`` (str, bool, int, float, or a list of one of them)."""
-    pair.key = key
-    _value(pair.value, value)
+#: the model's three of :data:`IDENTITY`
+_MODEL = IDENTITY[:3]
 
 
-def _value(target: Any, value: Any) -> None:
-    if isinstance(value, str):
-        target.string_value = value
-    elif isinstance(value, bool):
-        target.bool_value = value
-    elif isinstance(value, int):
-        target.int_value = value
-    elif isinstance(value, float):
-        target.double_value = value
-    elif isinstance(value, list | tuple):
-        values = target.array_value.values
-        for item in value:
-            _value(values.add(), item)
-    else:
-        target.string_value = str(value)
+class _Wait:
+    """The queue span the exporter writes for a :class:`Stage` that waited."""
+
+    __slots__ = ("events", "name", "span_id", "start_ns")
+
+    def __init__(self, start_ns: int) -> None:
+        self.name = "queue"
+        self.start_ns = start_ns
+        self.events = None
+        self.span_id = 0
+
+    def ids(self) -> int:
+        return _bits(64) or 1
 
 
 class _Sender:
-    """The processor's exporter: a batch of traces encoded once and sent. Runs on the
-    processor's thread."""
+    """A batch of traces encoded once and sent (on the exporter's thread)."""
 
     def __init__(self, otlp: Any, encode: _Encoder) -> None:
         self._otlp = otlp
@@ -416,14 +605,17 @@ class _Sender:
         self._url = getattr(otlp, "_endpoint", "") or "http://localhost:4318/v1/traces"
         self._failures = 0
 
-    def export(self, finished: Sequence[_Finished]) -> Any:
-        from opentelemetry.sdk.trace.export import SpanExportResult
-
-        payload = self._encode([item.trace for item in finished])
-        sent = self._client.export(payload).success if self._client else self._post(payload)
+    def send(self, pieces: Sequence[bytes]) -> bool:
+        """Send encoded traces (``_Encoder.spans``) as one request."""
+        payload = self._encode.request(pieces)
+        try:
+            sent = self._client.export(payload).success if self._client else self._post(payload)
+        except Exception:  # the client's own failure: the batch is lost, the thread goes on
+            log.exception("tracing: sending a batch of traces failed")
+            sent = False
         if sent:
             self._failures = 0
-            return SpanExportResult.SUCCESS
+            return True
         self._failures += 1
         if self._failures in (1, 10, 100) or self._failures % 1000 == 0:
             log.warning(
@@ -431,7 +623,7 @@ class _Sender:
                 "they are dropped (requests are not affected)",
                 self._failures,
             )
-        return SpanExportResult.FAILURE
+        return False
 
     def _post(self, payload: bytes) -> bool:
         import urllib.request
@@ -447,6 +639,3 @@ class _Sender:
 
     def shutdown(self) -> None:
         self._otlp.shutdown()
-
-    def force_flush(self, timeout_millis: int = 30000) -> bool:
-        return True

@@ -13,7 +13,11 @@ KServe gRPC ``ModelInfer`` (``harness.RawRunner``) and REST ``/infer`` with JSON
 (``harness.HttpRawRunner``), one at a time, in interleaved blocks (the order reversed every
 other round); each figure is the median over the rounds of a block's p50, and each ratio the
 median of the rounds' ratios. Issue 43's goals: off within 2 % of the baseline, on within 15 %.
-The receiver's count of export requests and bytes shows the traces did leave.
+The receiver's count of export requests and bytes shows the traces did leave, and the traced
+server's log how many its exporter dropped (none, when it keeps up). Beside the
+latencies, each server's CPU time per request (all its threads: the exporter's too, from
+``/proc``; Linux only), which a loaded machine disturbs far less than a latency: what tracing
+costs in all, where the p50 shows what a request waits for.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -79,6 +85,30 @@ def receiver():
             process.wait(10)
 
 
+def _cpu_seconds(pid: int) -> float | None:
+    """A process's user and system CPU time so far (None: no /proc here)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _with_cpu(case, pid: int):
+    """``case`` (a block), its summary with the server's CPU time per request added."""
+
+    def run() -> dict:
+        before = _cpu_seconds(pid)
+        summary = case()
+        after = _cpu_seconds(pid)
+        spent = None if before is None or after is None else after - before
+        summary["cpu_us"] = None if spent is None else spent / summary["requests"] * 1e6
+        return summary
+
+    return run
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--baseline", required=True, metavar="PYTHON")
@@ -107,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         ]
         servers = {"before": (args.baseline, []), "off": ("", []), "on": ("", traced)}
         cases = {}
+        logs = {}
         for label, (python, flags) in servers.items():
             extra = {"python": python} if python else {}
             running = stack.enter_context(
@@ -120,10 +151,14 @@ def main(argv: list[str] | None = None) -> int:
                 host, int(port), "/v2/models/identity16/infer", body, label=label, workers=1
             )
             stack.callback(rest_runner.close)
-            cases[f"grpc/{label}"] = harness.block(grpc_runner, args.seconds)
-            cases[f"rest/{label}"] = harness.block(rest_runner, args.seconds)
+            logs[label] = running
+            pid = running.process.pid
+            cases[f"grpc/{label}"] = _with_cpu(harness.block(grpc_runner, args.seconds), pid)
+            cases[f"rest/{label}"] = _with_cpu(harness.block(rest_runner, args.seconds), pid)
         blocks = harness.interleave(cases, args.rounds, log, alternate=True)
         exports, sent = counts()
+        # traces the exporter dropped (its queue full: it could not keep up), from its log
+        dropped = sum(map(int, re.findall(r"tracing: (\d+) trace\(s\) dropped", logs["on"].log)))
     result: dict = {"machine": harness.machine(), "device": args.device}
     for protocol in ("grpc", "rest"):
         p50s = {
@@ -131,12 +166,16 @@ def main(argv: list[str] | None = None) -> int:
             for label in servers
         }
         row: dict = {f"{label} p50 ms": round(statistics.median(v), 4) for label, v in p50s.items()}
+        for label in servers:
+            cpu = [b["cpu_us"] for b in blocks[f"{protocol}/{label}"] if b["cpu_us"] is not None]
+            if cpu:
+                row[f"{label} server cpu us/request"] = round(statistics.median(cpu), 1)
         for label in ("off", "on"):
             ratios = [a / b for a, b in zip(p50s[label], p50s["before"])]
             row[f"{label}/before"] = round(statistics.median(ratios), 3)
             row[f"{label}/before rounds"] = [round(r, 3) for r in ratios]
         result[protocol] = row
-    result["receiver"] = {"export requests": exports, "bytes": sent}
+    result["receiver"] = {"export requests": exports, "bytes": sent, "traces dropped": dropped}
     print(json.dumps(result, indent=2))
     return 0
 

@@ -79,7 +79,7 @@ from typing import Any
 
 import numpy as np
 
-from plugserve.plugins import cancel
+from plugserve.plugins import cancel, tracing
 from plugserve.plugins.api import (
     BackendUnavailable,
     CompiledNetwork,
@@ -572,7 +572,8 @@ class _Run:
     request's thread."""
 
     __slots__ = (
-        "done", "flow", "lock", "network", "parent", "plan", "running", "sequence", "tensors",
+        "done", "flow", "lock", "network", "parent", "plan", "running", "sequence", "span",
+        "spans", "tensors",
     )  # fmt: skip
 
     def __init__(
@@ -582,6 +583,7 @@ class _Run:
         plan: Plan,
         parent: cancel.Token | None,
         flow: _Flow | None = None,
+        span: tracing.Span | None = None,
     ) -> None:
         self.network = network
         self.tensors = tensors
@@ -590,6 +592,10 @@ class _Run:
         self.flow = flow
         #: the ensemble request's run, which each step's request answers to
         self.parent = parent
+        #: what each step's span opens under (None: the request is not traced; _traced_under)
+        self.span = span
+        #: the spans of the steps under way, by step index
+        self.spans: dict[int, tracing.Span] = {}
         self.sequence = network.sequence_of.get(self.parent) if self.parent else None
         self.running: dict[int, cancel.Token] = {}
         self.lock = threading.Lock()
@@ -623,32 +629,51 @@ class _Run:
                     waits[after.index] -= 1
                     if not waits[after.index]:
                         ready.append(after)
-        except BaseException:
+        except BaseException as exc:
             self._stop()  # the steps still running are of no use now
+            for span in list(self.spans.values()):  # their spans end with the request's error
+                _close(span, exc)
             raise
         finally:
             if unhook is not None:
                 unhook()
 
+    def _step_span(self, step: Step) -> tracing.Span | None:
+        """``step``'s span (its label: Triton's "step N", an OVMS node's name), when the
+        request is traced: the step's request opens its own spans under it."""
+        if self.span is None:
+            return None
+        attributes: dict[str, Any] = {"plugserve.step": step.index}
+        if step.model:
+            attributes["plugserve.step_model"] = step.model
+        if step.version:
+            attributes["plugserve.step_version"] = step.version
+        return self.span.span(step.label, attributes)
+
     def _send(self, step: Step, inline: bool) -> Finished | None:
         """Submit ``step``; its outcome when it ran on this thread, else None (it is handed
         in when done)."""
+        span = self._step_span(step)
         if isinstance(step, Fan):
-            self._fan(step)
+            self._keep(step, span)
+            self._fan(step, span)
             return None
         network = self.network
         plane = network.plane
         try:
             entry = plane.get(step.model, step.version)
         except PlugserveError as exc:  # not loaded, or unloaded since: not ready, not unknown
-            raise BackendUnavailable(
+            error = BackendUnavailable(
                 f"{network.where} is not ready: {step}: {exc}; retry when "
                 f"/v2/models/{network.name}/ready says it is"
-            ) from None
+            )
+            _close(span, error)
+            raise error from None
         tensors = self.tensors
         inputs = {m: tensors[t] for m, t in step.inputs.items() if t in tensors}
         token = cancel.Token()
         token.partial_outputs = True  # an output a step leaves out is left unset
+        token.trace = span  # the step's request opens its spans under the step's
         parent = self.parent
         if parent is not None:
             token.parameters = parent.parameters  # Triton hands each step the request's
@@ -657,11 +682,14 @@ class _Run:
                 token.cancel(parent.failure())
         if entry.network.decoupled:
             if self.flow is None or network.output_labels[step.index] == 0:
-                raise Unsupported(
+                error = Unsupported(
                     f"{network.where}: {step}: model {step.model!r} is decoupled, and was not "
                     "when the ensemble loaded; load the ensemble again to stream it"
                 )
-            return self.flow.open(step, entry, inputs, token, self.tensors)
+                _close(span, error)
+                raise error
+            return self.flow.open(step, entry, inputs, token, self.tensors, span)
+        self._keep(step, span)
         with self.lock:
             self.running[step.index] = token
         sequence = self.sequence if entry.sequences is not None else None
@@ -675,9 +703,18 @@ class _Run:
         future.add_done_callback(lambda f, s=step: self.done.put((s, f)))
         return None
 
+    def _keep(self, step: Step, span: tracing.Span | None) -> None:
+        """Keep ``step``'s span until :meth:`_finish` ends it (or the request's failure)."""
+        if span is not None:
+            self.spans[step.index] = span
+
     def _finish(self, step: Step, outcome: Any) -> None:
         with self.lock:
             self.running.pop(step.index, None)  # a decoupled step's stream is the flow's
+        if self.spans:
+            span = self.spans.pop(step.index, None)
+            if span is not None:
+                _close(span, outcome.exception())
         outputs = outcome.result()  # a step's error is the request's
         if isinstance(step, Fan):
             outputs = _gather(step, outputs)
@@ -687,9 +724,11 @@ class _Run:
             if value is not None:  # not produced: left unset (Triton's optional outputs)
                 tensors[tensor] = value
 
-    def _fan(self, fan: Fan) -> None:
+    def _fan(self, fan: Fan, span: tracing.Span | None) -> None:
         """Send one request of ``fan``'s region per branch; the list of their outputs is
-        handed in once all are done, or the first error at once (the others are cancelled)."""
+        handed in once all are done, or the first error at once (the others are cancelled).
+        A traced request's branches each have a span under the fan's (``span``), which the
+        region's steps open theirs under."""
         tensors = self.tensors
         parts = {t: tensors[t] for t in fan.split if t in tensors}
         count = _branches(fan, parts)
@@ -705,8 +744,9 @@ class _Run:
         lock = threading.Lock()
         done = self.done
 
-        def finished(index: int, future: Any) -> None:
+        def finished(index: int, future: Any, branch_span: tracing.Span | None) -> None:
             error = future.exception()
+            _close(branch_span, error)
             with lock:
                 if left[0] <= 0:
                     return  # an error was handed in already
@@ -724,20 +764,24 @@ class _Run:
 
         wanted = [s.name for s in region.outputs]
         names = [s.name for s in region.inputs]
+        if span is not None:
+            span.set("plugserve.branches", count)
         for index in range(count):
             arrays = [parts[n][index] if n in parts else tensors[n] for n in names]
             branch = cancel.Token()
             branch.outputs = wanted
             branch.parameters = parent.parameters if parent is not None else None
+            branch.trace = None if span is None else span.span(f"branch {index}")
             token.on_cancel(lambda b=branch: b.cancel(token.failure()))
             try:
                 future = region.executor.submit(
                     functools.partial(_run_branch, arrays, branch), token=branch
                 )
             except PlugserveError as exc:  # its queue is full: the branches sent stop
+                _close(branch.trace, exc)
                 token.cancel(exc)
                 raise
-            future.add_done_callback(functools.partial(finished, index))
+            future.add_done_callback(functools.partial(finished, index, branch_span=branch.trace))
 
     def _stop(self) -> None:
         """Cancel the steps under way (the request was cancelled, or failed)."""
@@ -756,7 +800,9 @@ class _Flow:
     their responses start (module docstring). The streams' listeners only queue a wake-up;
     everything else runs on the request's thread."""
 
-    __slots__ = ("events", "network", "parent", "plan", "sender", "streaming", "tokens", "wanted")
+    __slots__ = (
+        "events", "network", "parent", "plan", "sender", "span", "streaming", "tokens", "wanted",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -765,6 +811,7 @@ class _Flow:
         sender: ResponseSender,
         wanted: list[str],
         parent: cancel.Token | None,
+        span: tracing.Span | None = None,
     ) -> None:
         self.network = network
         self.plan = plan
@@ -772,6 +819,8 @@ class _Flow:
         #: the ensemble outputs the request asked for
         self.wanted = wanted
         self.parent = parent
+        #: what the steps' spans open under (None: not traced)
+        self.span = span
         #: (step, stream, the tensors of the context it ran in); None: the request was
         #: cancelled
         self.events: queue.SimpleQueue = queue.SimpleQueue()
@@ -780,13 +829,25 @@ class _Flow:
         self.tokens: list[cancel.Token] = []
 
     def open(
-        self, step: Step, entry: Any, inputs: dict[str, Any], token: Any, tensors: dict
+        self,
+        step: Step,
+        entry: Any,
+        inputs: dict[str, Any],
+        token: Any,
+        tensors: dict,
+        span: tracing.Span | None = None,
     ) -> Finished:
         """Start decoupled ``step`` (on the request's thread): its responses wake the request's
         thread as they come. Done at once for the context it runs in (what it makes starts
-        contexts of its own)."""
+        contexts of its own). ``span``: the step's, which ends with its stream."""
         request = Request(entry, inputs, outputs=step.asked, run=token, protocol="ensemble")
-        stream = self.network.plane.stream(request)
+        try:
+            stream = self.network.plane.stream(request)
+        except BaseException as exc:
+            _close(span, exc)
+            raise
+        if span is not None:
+            stream.when_ended(functools.partial(_close, span))
         self.tokens.append(token)
         self.streaming += 1
         events = self.events
@@ -799,7 +860,7 @@ class _Flow:
         network, plan, parent = self.network, self.plan, self.parent
         unhook = parent.on_cancel(lambda: self.events.put(None)) if parent is not None else None
         try:
-            _Run(network, tensors, plan.part(0, network.labels), parent, self).go()
+            _Run(network, tensors, plan.part(0, network.labels), parent, self, self.span).go()
             if not self._answer(tensors, 0):
                 return
             while self.streaming:
@@ -837,7 +898,8 @@ class _Flow:
             value = response.outputs.get(model_output)
             if value is not None:
                 tensors[tensor] = value
-        _Run(network, tensors, self.plan.part(label, network.labels), self.parent, self).go()
+        part = self.plan.part(label, network.labels)
+        _Run(network, tensors, part, self.parent, self, self.span).go()
         return self._answer(tensors, label)
 
     def _answer(self, tensors: dict[str, Any], label: int) -> bool:
@@ -894,6 +956,26 @@ def _branches(fan: Fan, parts: dict[str, Any]) -> int:
     return count
 
 
+def _traced_under(run: cancel.Token | None) -> tracing.Span | None:
+    """The span a traced ensemble request's steps open theirs under (None: it is not traced):
+    the ensemble's model span, which is the parent of the run the data plane made this
+    thread's span (``server/plane/tracing.py``'s ``Stage``), as Triton nests a composing
+    model's spans under its ensemble's; for a demultiplexer's branch, which its region runs
+    without the data plane, the branch's span its fan put on its token."""
+    if run is None or run.trace is None:
+        return None
+    here = tracing.current()
+    return run.trace if here is None or here.parent is None else here.parent
+
+
+def _close(span: tracing.Span | None, error: BaseException | None = None) -> None:
+    """End a step's (or branch's) span, with the error that ended the step."""
+    if span is not None:
+        if error is not None:
+            span.fail(error)
+        span.end()
+
+
 def _run_branch(arrays: list[Any], token: cancel.Token, request: InferRequest) -> Any:
     """One branch of a fan, on a stream of its region's network (``request``: the stream's)."""
     return request.infer_checked(arrays, token)
@@ -918,7 +1000,7 @@ class EnsembleInferRequest(InferRequest):
         tensors: dict[str, Any] = {s.name: a for s, a in zip(network.inputs, arrays)}
         parent = self._token  # the request's run (``InferRequest._checked``)
         wanted = parent.outputs if parent is not None else None
-        _Run(network, tensors, network.plan_for(wanted), parent).go()
+        _Run(network, tensors, network.plan_for(wanted), parent, span=_traced_under(parent)).go()
         answers = network.answers
         names = wanted or [s.name for s in network.outputs]
         return {n: tensors[answers[n]] for n in names if answers.get(n) in tensors}
@@ -938,7 +1020,8 @@ class EnsembleInferRequest(InferRequest):
         wanted = (parent.outputs if parent is not None else None) or [
             s.name for s in network.outputs
         ]
-        _Flow(network, network.plan_for(wanted), sender, wanted, parent).run(tensors)
+        plan = network.plan_for(wanted)
+        _Flow(network, plan, sender, wanted, parent, _traced_under(parent)).run(tensors)
 
     def get_performance_counts(self) -> list[PerfCount]:
         return []

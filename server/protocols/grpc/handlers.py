@@ -339,7 +339,7 @@ class Inference:
                 token.trace.end()
             raise
         if token.trace is not None:
-            token.trace.set("plugserve.response_bytes", len(answer))
+            token.trace.response_bytes = len(answer)
             token.trace.end()
         return answer
 

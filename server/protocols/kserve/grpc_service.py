@@ -57,9 +57,9 @@ from plugserve.server.control.model_control import ModelControl
 from plugserve.server.plane.budget import GRPC_FACTOR
 from plugserve.server.plane.dataplane import DataPlane
 from plugserve.server.plane.request import Request
-from plugserve.server.plane.response_stream import ResponseStream
 from plugserve.server.plane.sequences import sequence_step
 from plugserve.server.plane.shm import write_outputs
+from plugserve.server.plane.tracing import traced
 from plugserve.server.plane.versions import parse_version
 from plugserve.server.protocols.grpc.handlers import Inference, add_service, deadline
 from plugserve.server.protocols.kserve.codec import (
@@ -154,30 +154,13 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         streaming: bool = False,
     ):
         """:meth:`_admit`, traced when the trace settings sample the request."""
-        tracing = self.plane.tracing
-        if tracing.on:
-            trace = tracing.start(request.model_name, request.id, _traceparent(context), "GRPC")
-            if trace is not None:
-                return self._traced(trace, request, context, size, inline, token, streaming)
-        return self._admit(request, context, size, inline, token, streaming)
-
-    def _traced(self, trace, request, context, size, inline, token, streaming):
-        """:meth:`_admit` with the request's span on its token, ended when the answer is
-        ready (a stream's) or by :meth:`Inference.unary` once it is composed."""
-        trace.set("plugserve.request_bytes", size)
-        try:
-            entry, answer = self._admit(request, context, size, inline, token, streaming, trace)
-        except BaseException as exc:
-            trace.fail(exc)
-            trace.end()
-            raise
-        if isinstance(answer, ResponseStream):
-            answer.when_ended(functools.partial(_end, trace))
-        elif streaming:
-            answer.add_done_callback(
-                lambda f: _end(trace, None if f.cancelled() else f.exception())
+        if self.plane.tracing.on:
+            admit = functools.partial(self._admit, request, context, size, inline, token, streaming)
+            metadata = context.invocation_metadata()
+            return traced(
+                self.plane.tracing, request.model_name, request.id, metadata, size, streaming, admit
             )
-        return entry, answer
+        return self._admit(request, context, size, inline, token, streaming)
 
     def _admit(self, request, context, size, inline, token, streaming, trace=None):
         """(:meth:`_submit`'s arguments.) One lookup: the entry runs the request and names
@@ -312,20 +295,6 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         self.control.check_control(f"unload of model {request.model_name!r}")
         self.control.unload(request.model_name, 0, remove=False)
         return pb.RepositoryModelUnloadResponse()
-
-
-def _traceparent(context: grpc.ServicerContext) -> str | None:
-    """The call's W3C ``traceparent`` metadata (None: it has none)."""
-    for key, value in context.invocation_metadata() or ():
-        if key == "traceparent":
-            return value
-    return None
-
-
-def _end(trace: Any, error: BaseException | None) -> None:
-    if error is not None:
-        trace.fail(error)
-    trace.end()
 
 
 def _unimplemented(method: str, feature: str):

@@ -29,8 +29,9 @@ Choices where Triton or KServe leave room:
   is UNIMPLEMENTED.
 * Trace settings are Triton's (``GET``/``POST /v2[/models/NAME]/trace/setting``, answered as
   ``TraceSetting`` is; setting needs an admin token when tokens are on). A sampled ``/infer``
-  request is traced from its routing to its reply (its ``InferRequest`` span, continuing the
-  W3C ``traceparent`` header); docs/tracing.md.
+  or ``generate`` request is traced from its routing to its reply, a ``generate_stream`` to
+  its last response (its ``InferRequest`` span, continuing the W3C ``traceparent`` header);
+  docs/tracing.md.
 * A client that disconnects cancels its request, queued or running (``plugins/cancel.py``).
   A request past the server's --max-request-seconds is stopped and answered 504.
 """
@@ -529,14 +530,15 @@ class RestApp:
     def _traced(self, trace: Trace, call: Call) -> Reply | Awaitable[Reply]:
         """:meth:`infer` within the request's span, which ends once the reply is made (the
         bytes of its body counted) or the request fails."""
-        trace.set("plugserve.request_bytes", len(call.body))
+        trace.request_bytes = len(call.body)
         try:
             reply = self.infer(call, trace)
         except BaseException as exc:
             _end(trace, None, exc)
             raise
-        if isinstance(reply, tuple):
-            _end(trace, reply)
+        if type(reply) is tuple:  # answered at once (200: a failure raises)
+            trace.response_bytes = sum(map(len, reply[1]))
+            trace.end()
             return reply
         return self._traced_later(trace, reply)
 
@@ -582,7 +584,8 @@ class RestApp:
         ask = _request(entry, request, _fast(entry))
         if trace is not None:
             ask.run.trace = trace
-            name_request(trace, request.id)
+            if request.id:
+                name_request(trace, request.id)
         future = self.plane.infer(ask)
         if future.done():  # ran inline: answered without leaving the parser's callback
             outputs = future.result()
@@ -639,9 +642,24 @@ class RestApp:
 
     # --- Triton's generate extension (server/protocols/kserve/rest_generate.py)
 
-    async def _generate_call(self, call: Call) -> tuple[LoadedNetwork, GenerateCall, Any]:
+    def _generate_trace(self, call: Call) -> Trace | None:
+        """A generate request's span, when the trace settings sample it (continuing the W3C
+        ``traceparent`` header, as ``/infer``)."""
+        if not self.plane.tracing.on:
+            return None
+        trace = self.plane.tracing.start(
+            call.path["name"], "", call.headers.get(b"traceparent"), "HTTP"
+        )
+        if trace is not None:
+            trace.request_bytes = len(call.body)
+        return trace
+
+    async def _generate_call(
+        self, call: Call, trace: Trace | None = None
+    ) -> tuple[LoadedNetwork, GenerateCall, Any]:
         """Decode a generate request and submit it: its entry, the decoded call, and a
-        future (an ordinary network) or a :class:`ResponseStream` (a decoupled one)."""
+        future (an ordinary network) or a :class:`ResponseStream` (a decoupled one).
+        ``trace``: the request's span."""
         entry = self.plane.get(call.path["name"], call.version)
         if len(call.body) > INLINE_BYTES:  # parsing this much would stall the loop
             request = await self._in_worker(lambda: parse_generate(call.json(), entry))
@@ -650,15 +668,41 @@ class RestApp:
         ask = Request(
             entry, request.inputs, parameters=model_parameters(request.parameters),
             timeout=request_timeout(request.parameters),
-            priority=request_priority(request.parameters), protocol="rest",
+            priority=request_priority(request.parameters), protocol="rest", trace=trace,
         )  # fmt: skip
+        if trace is not None and request.id:
+            name_request(trace, request.id)
         if entry.network.decoupled:
             return entry, request, self.plane.stream(ask)
         return entry, request, self.plane.infer(ask)
 
-    async def generate(self, call: Call) -> Reply:
+    def generate(self, call: Call) -> Awaitable[Reply]:
+        return self._traced_generate(call, self._generate)
+
+    def generate_stream(self, call: Call) -> Awaitable[Reply | StreamReply]:
+        return self._traced_generate(call, self._generate_stream)
+
+    async def _traced_generate(
+        self, call: Call, handler: Callable[[Call, Trace | None], Awaitable[Any]]
+    ) -> Any:
+        """``handler(call, trace)``, within the request's span when the trace settings
+        sample it: ended with its reply, or with its stream of responses (a ``StreamReply``:
+        :meth:`_generate_stream` ends it)."""
+        trace = self._generate_trace(call)
+        if trace is None:
+            return await handler(call, None)
+        try:
+            reply = await handler(call, trace)
+        except BaseException as exc:
+            _end(trace, None, exc)
+            raise
+        if type(reply) is tuple:
+            _end(trace, reply)
+        return reply
+
+    async def _generate(self, call: Call, trace: Trace | None) -> Reply:
         """One response, as JSON (a decoupled model must answer exactly one)."""
-        entry, request, answer = await self._generate_call(call)
+        entry, request, answer = await self._generate_call(call, trace)
         if not isinstance(answer, ResponseStream):
             outputs = await asyncio.wrap_future(answer)
             return 200, [response_json(entry, request.id, outputs)], _JSON
@@ -681,15 +725,18 @@ class RestApp:
             raise only.error
         return 200, [response_json(entry, request.id, only.outputs, only.parameters)], _JSON
 
-    async def generate_stream(self, call: Call) -> Reply | StreamReply:
+    async def _generate_stream(self, call: Call, trace: Trace | None) -> Reply | StreamReply:
         """Each response as a server-sent event. The status is decided by the first response:
         a request that fails before it is answered with a JSON error and that status; a
-        later failure is an event ``{"error": ...}`` (Triton's generate_stream)."""
-        entry, request, answer = await self._generate_call(call)
+        later failure is an event ``{"error": ...}`` (Triton's generate_stream). A traced
+        request's span lasts until its stream of responses ends (as a gRPC stream's)."""
+        entry, request, answer = await self._generate_call(call, trace)
         if not isinstance(answer, ResponseStream):
             outputs = await asyncio.wrap_future(answer)
             event = sse.event(response_json(entry, request.id, outputs))
             return 200, [event], sse.HEADERS
+        if trace is not None:  # the request's span ends with its stream of responses
+            answer.when_ended(lambda error: _end(trace, None, error))
         items = answer.__aiter__()
         try:
             first = await items.__anext__()
@@ -793,13 +840,14 @@ def _setting_json(setting: dict[str, list[str]]) -> dict[str, Any]:
 
 
 def _end(trace: Trace, reply: Reply | None, error: BaseException | None = None) -> None:
-    """End a traced request's span with its reply's body size, or the error that ended it."""
+    """End a traced request's span with its reply's body size, or the error that ended it
+    (neither: it ended without a reply of its own, a stream of responses)."""
     if error is not None:
         trace.fail(error)
     elif reply is not None:
         if reply[0] >= 400:
             trace.fail(f"HTTP {reply[0]}")
-        trace.set("plugserve.response_bytes", sum(len(piece) for piece in reply[1]))
+        trace.response_bytes = sum(map(len, reply[1]))
     trace.end()
 
 

@@ -1,6 +1,9 @@
 """The plugserve.v1 gRPC service: messages in, data-plane and model-control calls, messages out.
 
 No logic here: inference goes to the data plane, loading and the plugin API to model control.
+A sampled ``Infer`` or ``InferStream`` request is traced as a KServe one is (its
+``InferRequest`` span, continuing the W3C ``traceparent`` of the call's metadata;
+docs/tracing.md).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from plugserve.server.control.model_control import ModelControl, failed_to_load
 from plugserve.server.plane.budget import GRPC_FACTOR
 from plugserve.server.plane.dataplane import DataPlane
 from plugserve.server.plane.request import Request
+from plugserve.server.plane.tracing import traced
 from plugserve.server.protocols.grpc.handlers import Inference, deadline
 from plugserve.server.protocols.v1.convert import (
     decoding_nbytes,
@@ -165,6 +169,18 @@ class PlugserveServicer(pb_grpc.PlugserveServicer):
         token=None,
         streaming: bool = False,
     ):
+        """:meth:`_admit`, traced when the trace settings sample the request (its
+        ``InferRequest`` span, continuing the W3C ``traceparent`` of the call's metadata, as
+        on KServe)."""
+        if self.plane.tracing.on:
+            admit = functools.partial(self._admit, request, context, size, inline, token, streaming)
+            metadata = context.invocation_metadata()
+            return traced(
+                self.plane.tracing, request.network, request.id, metadata, size, streaming, admit
+            )
+        return self._admit(request, context, size, inline, token, streaming)
+
+    def _admit(self, request, context, size, inline, token, streaming, trace=None):
         """One lookup: the entry runs the request and names the response. ``size``: the bytes
         the message took on the wire; it is charged for them (twice: ``GRPC_FACTOR``) and for
         its strings before they are decoded. A decoupled network answers on InferStream
@@ -173,7 +189,7 @@ class PlugserveServicer(pb_grpc.PlugserveServicer):
         ask = Request(
             entry, outputs=list(request.outputs), deadline=deadline(context), run=token,
             step=sequence_of(request), inline=inline,
-            holds=size * GRPC_FACTOR + decoding_nbytes(request), protocol="v1",
+            holds=size * GRPC_FACTOR + decoding_nbytes(request), protocol="v1", trace=trace,
         )  # fmt: skip
         if entry.network.decoupled:
             if not streaming:
