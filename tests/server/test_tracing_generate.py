@@ -276,7 +276,10 @@ def test_a_grpc_stream_to_the_model_is_traced(server, receiver):
         return span is root
 
     decode = _one(spans, "decode")
-    for span in (_one(spans, "queue"), decode, *spans["prefill"]):
+    # two queues: the data plane's (the request's wait for the network's stream, as any
+    # decoupled request's) and the engine's (its wait for a sequence slot)
+    assert len(spans["queue"]) == 2
+    for span in (*spans["queue"], decode, *spans["prefill"]):
         assert under_root(span), span.name
     assert sum(a["plugserve.tokens"] for _n, a in decode.events) == 6
     assert decode.attributes["gen_ai.response.finish_reasons"] == ["length"]
