@@ -10,6 +10,8 @@ the W3C ``traceparent`` a traced client sends:
   wait and run as spans;
 * an OVMS DAG with a demultiplexer: a span per branch under the fan's step, the nodes of each
   branch under their branch;
+* an ensemble whose Python step makes a BLS call: the step's model span, its ``execute``
+  timed in the model's process, the ``bls`` call under it and the called model under that;
 * plugserve.v1 ``Infer`` (its own gRPC stub), and REST ``generate`` and ``generate_stream``.
 
 Every span of a request carries the client's trace id; a trace's spans reach the receiver in
@@ -68,6 +70,40 @@ class TritonPythonModel:
         sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 """
 
+#: a Python model that adds through a BLS call to add_sub (OUT = IN + BIAS)
+CALLER = """
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            value = pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()
+            bias = pb_utils.get_input_tensor_by_name(request, "BIAS").as_numpy()
+            call = pb_utils.InferenceRequest(
+                model_name="add_sub",
+                requested_output_names=["OUTPUT0"],
+                inputs=[pb_utils.Tensor("INPUT0", value), pb_utils.Tensor("INPUT1", bias)],
+                trace=request.trace(),
+            )
+            answer = call.exec()
+            if answer.has_error():
+                raise pb_utils.TritonModelException(answer.error().message())
+            out = pb_utils.get_output_tensor_by_name(answer, "OUTPUT0").as_numpy()
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", out)]))
+        return responses
+"""
+
+CALLER_CONFIG = """
+name: "caller"
+backend: "python"
+max_batch_size: 0
+input [ { name: "IN" data_type: TYPE_INT32 dims: [ 1 ] },
+        { name: "BIAS" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+"""
+
 REPEAT_CONFIG = """
 name: "repeat"
 backend: "python"
@@ -117,7 +153,16 @@ def _repository(root: Path) -> Path:
         _step("add_sub", {"INPUT0": "token", "INPUT1": "BIAS"},
               {"OUTPUT0": "SUM", "OUTPUT1": "DIFF"}),
     ])  # fmt: skip
-    for name, config in (("chain", chain), ("stream_add", stream_add)):
+    (root / "caller" / "1").mkdir(parents=True)
+    (root / "caller" / "config.pbtxt").write_text(CALLER_CONFIG)
+    (root / "caller" / "1" / "model.py").write_text(CALLER)
+    # the Python step's BLS call adds BIAS to IN, then add_sub adds and subtracts BIAS again
+    with_bls = _ensemble("with_bls", "1", [
+        _step("caller", {"IN": "IN", "BIAS": "BIAS"}, {"OUT": "added"}),
+        _step("add_sub", {"INPUT0": "added", "INPUT1": "BIAS"},
+              {"OUTPUT0": "SUM", "OUTPUT1": "DIFF"}),
+    ])  # fmt: skip
+    for name, config in (("chain", chain), ("stream_add", stream_add), ("with_bls", with_bls)):
         (root / name / "1").mkdir(parents=True)
         (root / name / "config.pbtxt").write_text(config)
     return root
@@ -207,6 +252,50 @@ def test_an_ensembles_steps_are_spans_under_its_model_span(server, receiver):
         assert step.start_ns <= model.start_ns and model.end_ns <= step.end_ns
     assert [c.name for c in _children(spans, ensemble, "compute")] == ["compute"]
     assert {s.attributes["triton.request_id"] for s in spans} == {"chain-1"}
+    assert not any(s.failed for s in spans)
+
+
+def test_an_ensembles_python_step_and_its_bls_call_are_in_the_clients_trace(server, receiver):
+    """with_bls over KServe gRPC with a traceparent: the ensemble's model span has a span per
+    step; under the Python step's model span its run's ``execute`` (timed in the model's own
+    process), under that the BLS call's ``bls`` span and the called model's spans; the ONNX
+    step after it is a step of its own; one trace, the client's, from root to the BLS call."""
+    header, trace_id, parent = _traceparent()
+    with grpcclient.InferenceServerClient(server.target) as triton:
+        result = triton.infer(
+            "with_bls",
+            [_int32("IN", [5]), _int32("BIAS", [3])],
+            request_id="bls-1",
+            headers={"traceparent": header},
+        )
+    assert result.as_numpy("SUM").tolist() == [11] and result.as_numpy("DIFF").tolist() == [5]
+    spans = _spans(receiver, trace_id)
+    by_id = {s.span_id: s for s in spans}
+
+    def path(span) -> list[str]:
+        names = []
+        while span is not None:
+            names.append(span.name)
+            span = by_id.get(span.parent_span_id)
+        return names[::-1]
+
+    (root,) = _named(spans, "InferRequest")
+    assert root.parent_span_id == parent
+    (ensemble,) = _children(spans, root, "with_bls")
+    step0, step1 = _children(spans, ensemble, "step 0"), _children(spans, ensemble, "step 1")
+    assert len(step0) == len(step1) == 1
+    (caller,) = _children(spans, step0[0], "caller")
+    (execute,) = _named(spans, "execute")
+    assert "caller" in path(execute) and path(execute)[:3] == ["InferRequest", "with_bls", "step 0"]
+    (bls,) = _named(spans, "bls")
+    assert bls.parent_span_id == execute.span_id
+    assert bls.attributes["plugserve.bls_model"] == "add_sub"
+    called = [s for s in _named(spans, "add_sub") if "bls" in path(s)]
+    assert len(called) == 1 and _children(spans, called[0], "compute")
+    assert execute.start_ns <= bls.start_ns and bls.end_ns <= execute.end_ns
+    (after,) = _children(spans, step1[0], "add_sub")
+    assert "bls" not in path(after)
+    assert caller.start_ns <= execute.start_ns
     assert not any(s.failed for s in spans)
 
 
