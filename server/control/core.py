@@ -155,8 +155,10 @@ class Core:
     # --- devices
 
     def disable(self, name: str) -> None:
-        """Stop offering a device (a ``--plugins`` file that does not list it)."""
+        """Stop offering a device, and stop listing it (a ``--plugins`` file that does not
+        list it, whether its plugin started or not)."""
         self._plugins.pop(name.upper(), None)
+        self._unavailable.pop(name.upper(), None)
 
     @property
     def available_devices(self) -> list[str]:

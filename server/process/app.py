@@ -260,7 +260,7 @@ class Server:
                 f"known devices: {', '.join(sorted(known)) or 'none'}"
             )
         unlisted = [name for name in self.core.available_devices if name not in listed]
-        for name in unlisted:
+        for name in known - set(listed):  # unavailable ones too: the file says what is used
             self.core.disable(name)
         if unlisted:  # models on them will not load: say so before they fail
             log.warning(
