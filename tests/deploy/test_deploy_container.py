@@ -43,8 +43,21 @@ def test_hadolint_clean():
     assert result.returncode == 0 and not result.stdout.strip(), result.stdout + result.stderr
 
 
+def _package_folders() -> list[str]:
+    """The folders pyproject maps into the ``plugserve`` namespace (its package-dir line; read
+    as text: tomllib is Python 3.11's)."""
+    import re
+
+    line = re.search(r"^package-dir = \{(.*)\}$", (ROOT / "pyproject.toml").read_text(), re.M)
+    assert line is not None, "pyproject.toml: no package-dir line"
+    return sorted(set(re.findall(r'= "([^"]+)"', line.group(1))))
+
+
 def test_dockerfile_shape():
     text = DOCKERFILE.read_text()
+    # every folder of the package is in the build (a new one left out fails its pip wheel)
+    for folder in _package_folders():
+        assert f"COPY {folder}/ {folder}/" in text, folder
     stages = [line for line in text.splitlines() if line.startswith("FROM ")]
     assert len(stages) == 2 and " AS builder" in stages[0]
     assert "ARG PYTHON_IMAGE=python:3.11-slim" in text
@@ -124,7 +137,7 @@ def image(tmp_path_factory):
     context.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, context / name)
-    for name in ("plugins", "server", "client", "conformance", "proto"):
+    for name in _package_folders():
         shutil.copytree(ROOT / name, context / name, ignore=shutil.ignore_patterns("__pycache__"))
     (context / "deploy").mkdir()
     shutil.copy(DOCKERFILE, context / "deploy" / "Dockerfile")
