@@ -32,10 +32,6 @@ otlp = pytest.importorskip(
     reason="the OpenTelemetry packages: pip install 'plugserve[trace]'",
     exc_type=ImportError,
 )
-pytest.importorskip(
-    "opentelemetry.exporter.otlp.proto.http",
-    reason="the OTLP/HTTP exporter: pip install 'plugserve[trace]'",
-)
 
 from models import add_sub, chain  # noqa: E402
 from serving import RunningServer  # noqa: E402
@@ -79,12 +75,6 @@ def _http_inputs():
     inputs[0].set_data_from_numpy(X, binary_data=False)
     inputs[1].set_data_from_numpy(Y, binary_data=False)
     return inputs
-
-
-@pytest.fixture(scope="module")
-def receiver():
-    with otlp.Receiver() as running:
-        yield running
 
 
 @pytest.fixture(scope="module")

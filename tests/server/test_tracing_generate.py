@@ -31,10 +31,6 @@ otlp = pytest.importorskip(
     reason="the OpenTelemetry packages: pip install 'plugserve[trace]'",
     exc_type=ImportError,
 )
-pytest.importorskip(
-    "opentelemetry.exporter.otlp.proto.http",
-    reason="the OTLP/HTTP exporter: pip install 'plugserve[trace]'",
-)
 
 from openai_serving import client as openai_client  # noqa: E402
 from serving import RunningServer  # noqa: E402
@@ -53,12 +49,6 @@ def _encoder() -> Path | None:
         return llm.encoder_onnx("tiny-bert-mean")
     except Exception:  # llm.Unavailable, or its exporter's venv missing
         return None
-
-
-@pytest.fixture(scope="module")
-def receiver():
-    with otlp.Receiver() as running:
-        yield running
 
 
 @pytest.fixture(scope="module")
@@ -81,10 +71,7 @@ def server(receiver, encoder):
             (root / ENCODER / "config.json").write_text(json.dumps({"device": "NUMPY"}))
         args = [
             "--model-repository", str(root),
-            "--trace-config", f"opentelemetry,url={receiver.url}",
-            "--trace-config", "opentelemetry,bsp_schedule_delay=50",
-            "--trace-config", "level=TIMESTAMPS",
-            "--trace-config", "rate=1",
+            *otlp.server_flags(receiver.url, rate=1),
         ]  # fmt: skip
         with RunningServer(*args) as running:
             yield running

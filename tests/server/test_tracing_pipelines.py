@@ -38,10 +38,6 @@ otlp = pytest.importorskip(
     reason="the OpenTelemetry packages: pip install 'plugserve[trace]'",
     exc_type=ImportError,
 )
-pytest.importorskip(
-    "opentelemetry.exporter.otlp.proto.http",
-    reason="the OTLP/HTTP exporter: pip install 'plugserve[trace]'",
-)
 
 from models import add_sub, chain  # noqa: E402
 from onnx import TensorProto  # noqa: E402
@@ -169,19 +165,7 @@ def _repository(root: Path) -> Path:
 
 
 def _traced_flags(receiver) -> list[str]:
-    return [
-        *("--trace-config", f"opentelemetry,url={receiver.url}"),
-        *("--trace-config", "opentelemetry,bsp_schedule_delay=50"),
-        *("--trace-config", "level=TIMESTAMPS"),
-        # only what a client traces: each test's trace is its own
-        *("--trace-config", "rate=0"),
-    ]
-
-
-@pytest.fixture(scope="module")
-def receiver():
-    with otlp.Receiver() as running:
-        yield running
+    return otlp.server_flags(receiver.url)
 
 
 @pytest.fixture(scope="module")

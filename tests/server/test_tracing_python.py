@@ -29,10 +29,6 @@ otlp = pytest.importorskip(
     reason="the OpenTelemetry packages: pip install 'plugserve[trace]'",
     exc_type=ImportError,
 )
-pytest.importorskip(
-    "opentelemetry.exporter.otlp.proto.http",
-    reason="the OTLP/HTTP exporter: pip install 'plugserve[trace]'",
-)
 
 from models import add_sub  # noqa: E402
 from serving import RunningServer  # noqa: E402
@@ -173,20 +169,11 @@ def _repository(folder: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def receiver():
-    with otlp.Receiver() as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
 def server(tmp_path_factory, receiver):
     repo = _repository(tmp_path_factory.mktemp("tracing-python"))
     args = [
         "--model-repository", str(repo),
-        "--trace-config", f"opentelemetry,url={receiver.url}",
-        "--trace-config", "opentelemetry,bsp_schedule_delay=50",
-        "--trace-config", "level=TIMESTAMPS",
-        "--trace-config", "rate=0",  # only requests with a traceparent
+        *otlp.server_flags(receiver.url),  # only requests with a traceparent
     ]  # fmt: skip
     with RunningServer(*args) as running:
         yield running

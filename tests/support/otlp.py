@@ -15,12 +15,28 @@ import time
 import uuid
 from typing import Any
 
+import opentelemetry.exporter.otlp.proto.http  # noqa: F401  (the server's exporter: a test of
+
+# traces needs it as much as the receiver's messages; importing this module checks both)
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
 )
 
-__all__ = ["MAX_SPANS", "Received", "Receiver", "traceparent"]
+__all__ = ["MAX_SPANS", "Received", "Receiver", "server_flags", "traceparent"]
+
+
+def server_flags(url: str, rate: int = 0) -> list[str]:
+    """A server's flags to trace to ``url`` at once (a 50 ms export delay): every ``rate``-th
+    request, and with rate 0 only those that carry a client's traceparent (each test's trace
+    its own)."""
+    return [
+        *("--trace-config", f"opentelemetry,url={url}"),
+        *("--trace-config", "opentelemetry,bsp_schedule_delay=50"),
+        *("--trace-config", "level=TIMESTAMPS"),
+        *("--trace-config", f"rate={rate}"),
+    ]
+
 
 MAX_SPANS = 100_000
 
