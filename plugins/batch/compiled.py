@@ -35,6 +35,7 @@ from plugserve.plugins.api import (
 from plugserve.plugins.batch.config import BatchConfiguration
 from plugserve.plugins.batch.request import BatchInferRequest
 from plugserve.plugins.streams import RequestFuture
+from plugserve.plugins.threads import start_daemon
 from plugserve.plugins.virtual import OneNetwork
 
 if TYPE_CHECKING:
@@ -147,13 +148,9 @@ class BatchCompiledNetwork(OneNetwork, CompiledNetwork):
             if self._closed:
                 raise FailedPrecondition(f"network {self.name}: BATCH network is closed")
             if self._collector is None:
-                self._collector = threading.Thread(
-                    target=_collect,
-                    args=(weakref.ref(self),),
-                    name=f"BATCH/{self.name}-collector",
-                    daemon=True,
+                self._collector = start_daemon(
+                    f"BATCH/{self.name}-collector", _collect, weakref.ref(self)
                 )
-                self._collector.start()
             self._queues.setdefault(key, []).append(item)
             self._cond.notify()
         if token is not None:

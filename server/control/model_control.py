@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -35,6 +34,7 @@ from plugserve.plugins.api import (
     ResourceExhausted,
     refuse_non_tensors,
 )
+from plugserve.plugins.threads import start_daemon
 from plugserve.server.control.allocator import give_back_freed_memory
 from plugserve.server.control.core import Core, refuse_server_keys
 from plugserve.server.control.devices import parse_device
@@ -641,7 +641,7 @@ class ModelControl:
                 self.metrics.forget(entry.device, entry.name, entry.version)
             self._close(entry)
 
-        threading.Thread(target=close_when_idle, name=f"retire-{entry.name}", daemon=True).start()
+        start_daemon(f"retire-{entry.name}", close_when_idle)
 
     def index(self, ready_only: bool = False) -> list[tuple[str, int, bool]]:
         """``(name, version, loaded)`` for every loaded or stored network version, sorted."""

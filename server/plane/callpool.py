@@ -38,6 +38,8 @@ import time
 from concurrent import futures
 from typing import Any
 
+from plugserve.plugins.threads import start_daemon
+
 __all__ = ["CallPool", "blocked"]
 
 _here = threading.local()
@@ -145,9 +147,7 @@ class CallPool(futures.Executor):
                     self._stalls.notify()
                 elif not self._watching:
                     self._watching = True
-                    threading.Thread(
-                        target=self._watcher, name=f"{self.name}-stalls", daemon=True
-                    ).start()
+                    start_daemon(f"{self.name}-stalls", self._watcher)
         return future
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
@@ -189,12 +189,7 @@ class CallPool(futures.Executor):
         self._cores += worker.core
         self._threads += 1
         self._running += 1
-        threading.Thread(
-            target=self._work,
-            args=(worker,),
-            name=f"{self.name}-{next(self._ids)}",
-            daemon=True,
-        ).start()
+        start_daemon(f"{self.name}-{next(self._ids)}", self._work, worker)
         return True
 
     def _fill(self) -> None:

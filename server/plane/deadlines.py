@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 from plugserve.plugins.cancel import Token
 from plugserve.plugins.errors import PlugserveError
+from plugserve.plugins.threads import start_daemon
 
 __all__ = ["DeadlineWatch"]
 
@@ -50,8 +51,7 @@ class DeadlineWatch:
         with self._lock:  # the thread sets its wake-up time from what it found under it
             self._due[token] = (when, error, args)
             if self._thread is None and not self._closed:
-                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
-                self._thread.start()
+                self._thread = start_daemon(self._name, self._run)
             if when < self._wake_at:
                 self._wake_at = when
                 self._cond.notify()

@@ -33,6 +33,7 @@ from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
 from plugserve.plugins.errors import Cancelled, DeadlineExceeded, InvalidInput
+from plugserve.plugins.threads import start_daemon
 from plugserve.server.plane.custom_metrics import CustomMetrics
 
 __all__ = ["Metrics", "Recorder", "Stats", "failure_status"]
@@ -452,7 +453,7 @@ class Metrics:
             raise SystemExit(
                 f"plugserve: cannot listen on {host}:{port} (--metrics-port): {exc.strerror}"
             ) from None
-        threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
+        start_daemon("metrics", server.serve_forever)
         self._server = server
         return server.server_port
 

@@ -51,6 +51,7 @@ from plugserve.plugins.api import (
     initial_value,
     listing,
 )
+from plugserve.plugins.threads import LazyDaemon, start_daemon
 from plugserve.server.plane.budget import Charge, MemoryBudget
 
 if TYPE_CHECKING:
@@ -465,16 +466,12 @@ class Sequences:
         self._lock = threading.Lock()
         self._batchers: list[SequenceBatcher] = []
         self._stop = threading.Event()
-        self._reaper: threading.Thread | None = None
+        self._reaper = LazyDaemon("sequence-reaper", self._reap)
 
     def add(self, batcher: SequenceBatcher) -> None:
         with self._lock:
             self._batchers.append(batcher)
-            if self._reaper is None:
-                self._reaper = threading.Thread(
-                    target=self._reap, name="sequence-reaper", daemon=True
-                )
-                self._reaper.start()
+            self._reaper.ensure()
 
     def remove(self, batcher: SequenceBatcher) -> None:
         with self._lock:
@@ -570,7 +567,7 @@ class SequenceBatcher:
         self._closed = False
         self._batching = settings.strategy == "oldest" and max_batch_size > 0
         if self._batching:
-            threading.Thread(target=self._gather, name=f"{name}-oldest", daemon=True).start()
+            start_daemon(f"{name}-oldest", self._gather)
         shared.add(self)
 
     @property

@@ -32,6 +32,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from plugserve.plugins.api import PlugserveError
+from plugserve.plugins.threads import start_daemon
 from plugserve.plugins.version import plugserve_version
 from plugserve.proto import plugserve_pb2, tensors
 from plugserve.server.apps.generate import limits as generate_limits
@@ -460,7 +461,7 @@ class Server:
         self.plane.ready = True
         self._set_health(health_pb2.HealthCheckResponse.SERVING)
         if s.model_control_mode == "poll" and self.repository is not None:
-            threading.Thread(target=self._poll, name="repository-poll", daemon=True).start()
+            start_daemon("repository-poll", self._poll)
         root = self.repository.root
         if unready and s.strict_readiness:
             log.warning(
@@ -653,7 +654,7 @@ def main(argv: list[str]) -> int:
             logging.shutdown()
             os._exit(0)
 
-    threading.Thread(target=shutdown, name="shutdown", daemon=True).start()
+    start_daemon("shutdown", shutdown)
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     server.start()

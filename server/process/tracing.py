@@ -41,6 +41,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from plugserve.plugins.api import PlugserveError
+from plugserve.plugins.threads import start_daemon
 from plugserve.plugins.tracing import Trace
 from plugserve.plugins.version import plugserve_version
 from plugserve.server.plane.tracing import LEVELS, Stage
@@ -266,8 +267,7 @@ class Exporter:
         self._give_up = float("inf")
         #: traces dropped because the queue was full (counted by requests, logged by the thread)
         self.dropped = 0
-        self._thread = threading.Thread(target=self._work, name="trace-export", daemon=True)
-        self._thread.start()
+        self._thread = start_daemon("trace-export", self._work)
         log.info(
             "tracing: OTLP/HTTP to %s, up to %d traces queued",
             config.endpoint() or "the OTEL_EXPORTER_OTLP_* endpoint (default localhost:4318)",

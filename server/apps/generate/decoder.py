@@ -24,7 +24,7 @@ attention op), never from the model family's name:
 ``PagedDecoder`` (:mod:`.decoder_openvino`)
     optimum-intel's OpenVINO IR, loaded on OPENVINO in openvino's paged-attention form: the
     cache in blocks, a slot a run of them, and each step's decoding rows and prompt chunks
-    in one forward (:attr:`Decoder.mixed`, :meth:`Decoder.step`).
+    in one forward (:attr:`Decoder.mixed`, :meth:`PagedDecoder.step`).
 
 Every forward takes rows of the cache (``SlotTable`` rows) and returns float32 logits of the
 last position of each row's tokens.
@@ -77,22 +77,10 @@ class Decoder(abc.ABC):
         ``copy`` and ``swap`` move rows of the model's variable states instead)."""
         return KVCache(self.layout, rows)
 
-    #: whether :meth:`step` runs a step's decoding rows and prompt chunks in one forward
-    #: (the engine then makes one call a step instead of decode, first and extend)
+    #: whether the decoder runs a step's decoding rows and prompt chunks in one forward, its
+    #: ``step`` (:meth:`.decoder_openvino.PagedDecoder.step`): the engine then makes one call
+    #: a step instead of decode, first and extend
     mixed = False
-
-    def step(
-        self,
-        cache: KVCache,
-        rows: Sequence[int],
-        tokens: Sequence[int],
-        lens: Sequence[int],
-        chunks: Sequence[tuple[int, int, Sequence[int]]],
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Mixed backends only: decoding ``rows`` (``tokens[i]`` at position ``lens[i]``)
-        and prompt ``chunks`` (``(row, start, tokens)``) in one forward; the logits of each
-        decoding row ``[len(rows), vocab]`` and of each chunk's last token."""
-        raise NotImplementedError(f"{type(self).__name__} runs decode, first and extend")
 
     def _arrays(self, values: dict[str, Any]) -> list[Any]:
         return [values.get(name, _CONSTANT_INPUTS.get(name)) for name in self.order]

@@ -64,6 +64,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from plugserve.plugins.api import Cancelled, InvalidArgument, ResourceExhausted
+from plugserve.plugins.threads import start_daemon
 from plugserve.server.apps.generate.decoder import Decoder
 from plugserve.server.apps.generate.kvcache import SlotTable
 from plugserve.server.apps.generate.output import OutputProcessor, cancelled
@@ -142,8 +143,7 @@ class Engine:
         self._woken = False
         self._closing = False
         self._requests: dict[str, RequestState] = {}
-        self._thread = threading.Thread(target=self._loop, name=f"generate/{name}", daemon=True)
-        self._thread.start()
+        self._thread = start_daemon(f"generate/{name}", self._loop)
 
     @property
     def eos(self) -> frozenset[int]:

@@ -177,7 +177,7 @@ class ModelRunner:
         pieces = [s.tokens[s.computed : s.computed + c] for s, c in chunks]
         traced = _chunks_start(chunks, len(group) + len(chunks))
         try:
-            decoded, prompted = self.decoder.step(
+            decoded, prompted = self.decoder.step(  # type: ignore[attr-defined]
                 self.cache,
                 [s.slot.index for s in group],
                 tokens,

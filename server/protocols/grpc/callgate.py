@@ -32,6 +32,7 @@ from typing import Any
 
 import grpc
 
+from plugserve.plugins.threads import start_daemon
 from plugserve.server.plane.callpool import blocked
 
 __all__ = ["CallGate", "keepalive_options"]
@@ -87,8 +88,7 @@ class CallGate:
         self._reading: dict[int, _Open] = {}  # insertion order: the longest waiting first
         self._streams: dict[int, _Open] = {}
         self._stop = threading.Event()
-        self._watchdog = threading.Thread(target=self._watch, name=f"{name}-gate", daemon=True)
-        self._watchdog.start()
+        self._watchdog = start_daemon(f"{name}-gate", self._watch)
 
     def close(self) -> None:
         self._stop.set()

@@ -30,9 +30,11 @@ from google.protobuf.message_factory import GetMessageClass
 from plugserve.plugins import cancel
 from plugserve.plugins.errors import Cancelled, DeadlineExceeded
 from plugserve.plugins.streams import Finished
+from plugserve.plugins.threads import start_daemon
 from plugserve.server.plane.callpool import blocked
 from plugserve.server.plane.errors import forget_frames
 from plugserve.server.plane.response_stream import ResponseStream
+from plugserve.server.plane.tracing import Tracing, traced
 from plugserve.server.protocols.status import abort
 
 __all__ = ["Inference", "add_service", "call_token", "deadline", "pump"]
@@ -171,7 +173,7 @@ def pump(
     stops."""
     stream = _Pump(requests, context, submit, respond, fail, decoupled)
     context.add_callback(stream.end)
-    threading.Thread(target=stream.read, name=name, daemon=True).start()
+    start_daemon(name, stream.read)
     try:
         yield from stream.responses()
     finally:
@@ -308,18 +310,39 @@ class Inference:
     """A protocol's two inference calls, the same for every protocol over gRPC (a servicer
     serves its unary and streaming infer methods with :meth:`unary` and :meth:`stream`, which
     :func:`add_service` registers under the error guard like any method, each request with
-    its size on the wire): ``submit(request, context, size, inline)`` decodes a request, looks
-    its network up once and admits it (-> ``(entry, future)``); ``respond`` encodes the
-    outputs as wire pieces, ``stream_respond`` as a stream message, ``fail`` a stream
-    request's error; ``reader`` names the stream's reader thread."""
+    its size on the wire): ``admit(request, context, size, inline, token, streaming, trace)``
+    decodes a request, looks its network up once and admits it (-> ``(entry, future)``);
+    ``names(request)`` gives its model and id for its trace; ``respond`` encodes the outputs
+    as wire pieces, ``stream_respond`` as a stream message, ``fail`` a stream request's
+    error; ``reader`` names the stream's reader thread."""
 
-    submit: Callable[..., tuple[Any, Future | Finished]]
+    tracing: Tracing
+    admit: Callable[..., tuple[Any, Future | Finished]]
+    names: Callable[[Any], tuple[str, str]]
     respond: Callable[[Any, Any, Any], list[Any]]
     stream_respond: Callable[[Any, Any, Any], Any]
     fail: Callable[[Any, BaseException], Any]
     #: a decoupled request's response as a stream message (None: nothing to send for it)
     stream_decoupled: Callable[[Any, Any, Any, bool], Any] | None
     reader: str
+
+    def submit(
+        self,
+        request: Any,
+        context: grpc.ServicerContext,
+        size: int,
+        inline: bool = False,
+        token: Any = None,
+        streaming: bool = False,
+    ) -> tuple[Any, Future | Finished]:
+        """:attr:`admit`, within the request's ``InferRequest`` span when the trace settings
+        sample it (continuing the W3C ``traceparent`` of the call's metadata)."""
+        if self.tracing.on:
+            admit = functools.partial(self.admit, request, context, size, inline, token, streaming)
+            model, id = self.names(request)
+            metadata = context.invocation_metadata()
+            return traced(self.tracing, model, id, metadata, size, streaming, admit)
+        return self.admit(request, context, size, inline, token, streaming)
 
     def unary(self, sized: tuple[Any, int], context: grpc.ServicerContext) -> bytes:
         """Runs inline when a stream is idle; the answer is composed without extra copies.

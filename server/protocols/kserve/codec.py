@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import math
 import types
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import ml_dtypes
@@ -535,14 +535,6 @@ def _output_header(key: tuple) -> tuple[bytes, list[bytes | None]]:
     return response.SerializeToString(), prefixes
 
 
-def plain_lane(entry: LoadedNetwork) -> PlainLane:
-    """The network's :class:`PlainLane`, made on its first request."""
-    lane = entry.lanes.get("kserve")
-    if lane is None:
-        lane = entry.lanes["kserve"] = PlainLane(entry)
-    return lane
-
-
 def compose_response(
     request: pb.ModelInferRequest,
     entry: LoadedNetwork,
@@ -559,6 +551,14 @@ def compose_response(
     return infer_response(request, entry, outputs, shm, echo)
 
 
+def plain_lane(entry: LoadedNetwork) -> PlainLane:
+    """The network's :class:`PlainLane`, made on its first request."""
+    lane = entry.lanes.get("kserve")
+    if lane is None:
+        lane = entry.lanes["kserve"] = PlainLane(entry)
+    return lane
+
+
 def _echo(request: pb.ModelInferRequest, entry: LoadedNetwork) -> dict[str, Any] | None:
     """The sequence parameters an ensemble's answer carries back (``sequences.echoed``)."""
     sequences = entry.sequences
@@ -567,14 +567,15 @@ def _echo(request: pb.ModelInferRequest, entry: LoadedNetwork) -> dict[str, Any]
     return echoed(sequences, sequence_step(parameter_values(request.parameters)))
 
 
-def stream_response(
-    request: pb.ModelInferRequest,
-    entry: LoadedNetwork,
-    outputs: dict[str, np.ndarray],
-    shm: SharedMemory | None = None,
-) -> bytes:
-    pieces = compose_response(request, entry, outputs, shm)
-    return b"".join(field_pieces(_STREAM_INFER_RESPONSE, pieces))
+def stream_response(shm: SharedMemory | None) -> Callable[[Any, LoadedNetwork, Any], bytes]:
+    """What answers a ModelStreamInfer request: :func:`compose_response`'s pieces as one
+    ``ModelStreamInferResponse`` message."""
+
+    def respond(request: pb.ModelInferRequest, entry: LoadedNetwork, outputs: Any) -> bytes:
+        pieces = compose_response(request, entry, outputs, shm)
+        return b"".join(field_pieces(_STREAM_INFER_RESPONSE, pieces))
+
+    return respond
 
 
 def set_parameter(parameter: Any, value: Any) -> None:

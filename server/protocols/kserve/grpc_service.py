@@ -42,7 +42,6 @@ Choices where KServe/Triton leave room or plugserve differs:
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import grpc
 
@@ -59,7 +58,6 @@ from plugserve.server.plane.dataplane import DataPlane
 from plugserve.server.plane.request import Request
 from plugserve.server.plane.sequences import sequence_step
 from plugserve.server.plane.shm import write_outputs
-from plugserve.server.plane.tracing import traced
 from plugserve.server.plane.versions import parse_version
 from plugserve.server.protocols.grpc.handlers import Inference, add_service, deadline
 from plugserve.server.protocols.kserve.codec import (
@@ -98,14 +96,16 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         self.control = control
         self.shm = plane.shm
         inference = Inference(
-            self._submit,
+            plane.tracing,
+            self._admit,
+            _names,
             functools.partial(compose_response, shm=self.shm),
-            functools.partial(stream_response, shm=self.shm),
+            stream_response(self.shm),
             stream_error,
             stream_decoupled,
             "kserve-stream-reader",
         )
-        # ModelInfer and ModelStreamInfer: the calls every protocol shares (_submit is this one's)
+        # ModelInfer and ModelStreamInfer: the calls every protocol shares (_admit is this one's)
         self.ModelInfer, self.ModelStreamInfer = inference.unary, inference.stream
 
     # --- health and metadata
@@ -144,26 +144,8 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     # --- inference
 
-    def _submit(
-        self,
-        request: pb.ModelInferRequest,
-        context: grpc.ServicerContext,
-        size: int,
-        inline: bool = False,
-        token: Any = None,
-        streaming: bool = False,
-    ):
-        """:meth:`_admit`, traced when the trace settings sample the request."""
-        if self.plane.tracing.on:
-            admit = functools.partial(self._admit, request, context, size, inline, token, streaming)
-            metadata = context.invocation_metadata()
-            return traced(
-                self.plane.tracing, request.model_name, request.id, metadata, size, streaming, admit
-            )
-        return self._admit(request, context, size, inline, token, streaming)
-
     def _admit(self, request, context, size, inline, token, streaming, trace=None):
-        """(:meth:`_submit`'s arguments.) One lookup: the entry runs the request and names
+        """One lookup: the entry runs the request and names
         the response. ``size``: the bytes the message took on the wire, which it is charged
         for (twice: ``GRPC_FACTOR``).
         ``streaming``: the request came on ModelStreamInfer, where a decoupled network's
@@ -316,3 +298,8 @@ def add_kserve_service(plane: DataPlane, control: ModelControl, server: grpc.Ser
     """Register the KServe v2 service on ``server``; the service names, for reflection."""
     service = KServeServicer(plane, control)
     return [add_service(server, pb.DESCRIPTOR.services_by_name["GRPCInferenceService"], service)]
+
+
+def _names(request) -> tuple[str, str]:
+    """A request's network and id, which name its trace."""
+    return request.model_name, request.id

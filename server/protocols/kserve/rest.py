@@ -60,6 +60,7 @@ import uvloop
 
 from plugserve.plugins import cancel
 from plugserve.plugins.api import InvalidInput, PlugserveError, ResourceExhausted, Unsupported
+from plugserve.plugins.threads import start_daemon
 from plugserve.plugins.tracing import Trace
 from plugserve.plugins.version import plugserve_version
 from plugserve.proto import grpc_service_pb2 as pb
@@ -951,10 +952,7 @@ class RestServer:
             self.app.refusal,
         )
         started = threading.Event()
-        self._thread = threading.Thread(
-            target=self._run, args=(sock, context, server, started), name="rest", daemon=True
-        )
-        self._thread.start()
+        self._thread = start_daemon("rest", self._run, sock, context, server, started)
         started.wait(30)
         return self.port
 

@@ -24,7 +24,6 @@ from plugserve.server.control.model_control import ModelControl, failed_to_load
 from plugserve.server.plane.budget import GRPC_FACTOR
 from plugserve.server.plane.dataplane import DataPlane
 from plugserve.server.plane.request import Request
-from plugserve.server.plane.tracing import traced
 from plugserve.server.protocols.grpc.handlers import Inference, deadline
 from plugserve.server.protocols.v1.convert import (
     decoding_nbytes,
@@ -57,14 +56,16 @@ class PlugserveServicer(pb_grpc.PlugserveServicer):
         self.plane = plane
         self.control = control
         inference = Inference(
-            self._submit,
+            plane.tracing,
+            self._admit,
+            _names,
             respond,
             stream_response,
             stream_error,
             stream_decoupled,
             "infer-stream-reader",
         )
-        # Infer and InferStream: the calls every protocol shares (_submit is this one's)
+        # Infer and InferStream: the calls every protocol shares (_admit is this one's)
         self.Infer, self.InferStream = inference.unary, inference.stream
 
     def _model(self, source: pb.ModelSource):
@@ -160,26 +161,6 @@ class PlugserveServicer(pb_grpc.PlugserveServicer):
                 logging.getLogger(__name__).exception("ListNetworks: %r left out", entry.name)
         return response
 
-    def _submit(
-        self,
-        request: pb.InferRequest,
-        context,
-        size: int,
-        inline: bool = False,
-        token=None,
-        streaming: bool = False,
-    ):
-        """:meth:`_admit`, traced when the trace settings sample the request (its
-        ``InferRequest`` span, continuing the W3C ``traceparent`` of the call's metadata, as
-        on KServe)."""
-        if self.plane.tracing.on:
-            admit = functools.partial(self._admit, request, context, size, inline, token, streaming)
-            metadata = context.invocation_metadata()
-            return traced(
-                self.plane.tracing, request.network, request.id, metadata, size, streaming, admit
-            )
-        return self._admit(request, context, size, inline, token, streaming)
-
     def _admit(self, request, context, size, inline, token, streaming, trace=None):
         """One lookup: the entry runs the request and names the response. ``size``: the bytes
         the message took on the wire; it is charged for them (twice: ``GRPC_FACTOR``) and for
@@ -235,3 +216,8 @@ class PlugserveServicer(pb_grpc.PlugserveServicer):
                 count=runs,
             )
         return response
+
+
+def _names(request) -> tuple[str, str]:
+    """A request's network and id, which name its trace."""
+    return request.network, request.id

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from plugserve.plugins import cancel
 from plugserve.plugins.api import Cancelled, InferenceError, PlugserveError
+from plugserve.plugins.threads import start_daemon
 from plugserve.server.apps.pipelines.python import protocol
 
 if TYPE_CHECKING:
@@ -61,12 +62,7 @@ class Gatherer:
         #: batches run, by how many requests they held (statistics and tests)
         self.executions: dict[int, int] = {}
         for instance in network.instances:
-            threading.Thread(
-                target=self._dispatch,
-                args=(instance,),
-                name=f"{instance.label}-batcher",
-                daemon=True,
-            ).start()
+            start_daemon(f"{instance.label}-batcher", self._dispatch, instance)
 
     def run(self, arrays: list[Any], request: dict[str, Any], rows: int, span: Any = None) -> Any:
         """Queue one request; its outputs once the batch it joined has run."""

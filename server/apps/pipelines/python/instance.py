@@ -14,7 +14,6 @@ the next process, once.
 from __future__ import annotations
 
 import os
-import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from plugserve.plugins.api import InferenceError, TensorSpec
+from plugserve.plugins.threads import start_daemon
 from plugserve.server.apps.pipelines.python import ipc, protocol
 from plugserve.server.apps.pipelines.python.calls import Host
 from plugserve.server.apps.pipelines.python.inflight import Inflight
@@ -72,12 +72,9 @@ class Instance:
 
     def _started(self, mailbox: ipc.Mailbox) -> None:
         if self.decoupled:  # responses come while no execute waits: read them
-            threading.Thread(
-                target=self.inflight.serve,
-                args=(mailbox, self.process.exit_code),
-                name=f"{self.label}-reader",
-                daemon=True,
-            ).start()
+            start_daemon(
+                f"{self.label}-reader", self.inflight.serve, mailbox, self.process.exit_code
+            )
 
     # --- execute
 

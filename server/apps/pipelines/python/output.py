@@ -32,6 +32,8 @@ import selectors
 import threading
 import time
 
+from plugserve.plugins.threads import start_daemon
+
 __all__ = ["PUMP", "LineBudget", "OutputPump"]
 
 log = logging.getLogger(__name__)
@@ -140,8 +142,7 @@ class OutputPump:
                 self._wake_r, self._wake_w = os.pipe()
                 os.set_blocking(self._wake_r, False)
                 self._selector.register(self._wake_r, selectors.EVENT_READ, None)
-                self._thread = threading.Thread(target=self._run, name="python-output", daemon=True)
-                self._thread.start()
+                self._thread = start_daemon("python-output", self._run)
             self._added.append(_Pipe(fd, budget))
         with contextlib.suppress(OSError):
             os.write(self._wake_w, b"x")

@@ -28,7 +28,6 @@ process's own end do (``device.py`` says why).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import select
@@ -40,9 +39,10 @@ import time
 import weakref
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from plugserve.plugins.api import InvalidModel
+from plugserve.plugins.threads import LazyDaemon
 from plugserve.server.apps.pipelines.python import ipc, protocol
 from plugserve.server.apps.pipelines.python.kinds import Kind
 from plugserve.server.apps.pipelines.python.output import PUMP, LineBudget
@@ -69,8 +69,7 @@ HANG_LOOK_SECONDS = 1.0
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
-@dataclasses.dataclass(frozen=True)
-class Limits:
+class Limits(NamedTuple):
     """What bounds one instance's process (its model's configuration keys)."""
 
     #: bytes of data it may hold (MAX_PROCESS_BYTES; checked after each request)
@@ -355,14 +354,12 @@ class HangWatch:
     def __init__(self) -> None:
         self._processes: weakref.WeakSet[ModelProcess] = weakref.WeakSet()
         self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
+        self._thread = LazyDaemon("python-hangs", self._run)
 
     def add(self, process: ModelProcess) -> None:
         with self._lock:
             self._processes.add(process)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="python-hangs", daemon=True)
-                self._thread.start()
+            self._thread.ensure()
 
     def discard(self, process: ModelProcess) -> None:
         with self._lock:

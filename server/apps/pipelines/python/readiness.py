@@ -18,6 +18,7 @@ import threading
 import time
 
 from plugserve.plugins.api import PlugserveError
+from plugserve.plugins.threads import start_daemon
 from plugserve.server.apps.pipelines.python import ipc
 from plugserve.server.apps.pipelines.python.kinds import Kind
 from plugserve.server.apps.pipelines.python.process import ModelProcess
@@ -85,7 +86,7 @@ class Readiness:
                 with self._cond:
                     self._reviving = False
 
-        threading.Thread(target=run, name=f"{process.label}-revive", daemon=True).start()
+        start_daemon(f"{process.label}-revive", run)
 
 
 def _ask(sock: socket.socket, timeout: float) -> tuple[bool, str]:

@@ -28,7 +28,6 @@ import json
 import os
 import socket
 import sys
-import threading
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
@@ -42,6 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ipc
 import triton_python_backend_utils as pb_utils
 from kinds import LOG_LEVELS, PROCESS_HANDLES, Kind
+
+from plugserve.plugins.threads import start_daemon
 
 #: the lines of a traceback the server shows as a failure's reason
 REASON_LINES = 6
@@ -122,9 +123,7 @@ class Worker:
         op = header.get("op")
         if op == Kind.CHECKS and fds:  # the socket readiness checks come on
             checks = socket.socket(fileno=fds.pop(0))
-            threading.Thread(
-                target=self._serve_checks, args=(checks,), name="is_ready", daemon=True
-            ).start()
+            start_daemon("is_ready", self._serve_checks, checks)
         for fd in fds:
             os.close(fd)
         if op == Kind.CANCEL:
@@ -372,9 +371,7 @@ class Worker:
     def _background(self) -> asyncio.AbstractEventLoop:
         if self.background is None:
             self.background = asyncio.new_event_loop()
-            threading.Thread(
-                target=self.background.run_forever, name="decoupled-execute", daemon=True
-            ).start()
+            start_daemon("decoupled-execute", self.background.run_forever)
         return self.background
 
 
