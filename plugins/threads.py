@@ -8,10 +8,13 @@ the rule is written once and a reader finds every such thread by its name."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
-from typing import Any
+import weakref
+from collections.abc import Callable, MutableSet
+from typing import Any, Generic, TypeVar
 
-__all__ = ["LazyDaemon", "start_daemon"]
+__all__ = ["LazyDaemon", "Watchlist", "start_daemon"]
+
+_T = TypeVar("_T")
 
 
 def start_daemon(name: str, target: Callable[..., Any], *args: Any) -> threading.Thread:
@@ -34,3 +37,28 @@ class LazyDaemon:
         """Start the thread unless it was started (call with the owner's lock held)."""
         if self.thread is None:
             self.thread = start_daemon(self.name, self.target, *self.args)
+
+
+class Watchlist(Generic[_T]):
+    """The objects one watcher thread looks at in turn (a reaper's sequence batchers, the
+    hang watch's model processes): the thread starts when the first is added, and looks at
+    :meth:`items`, a copy taken under the list's lock, so that adding and removing never wait
+    for a look. ``weak``: an object no one else holds leaves the list by itself."""
+
+    def __init__(self, name: str, look: Callable[[], Any], weak: bool = False) -> None:
+        self._lock = threading.Lock()
+        self._items: MutableSet[_T] = weakref.WeakSet() if weak else set()
+        self._thread = LazyDaemon(name, look)
+
+    def add(self, item: _T) -> None:
+        with self._lock:
+            self._items.add(item)
+            self._thread.ensure()
+
+    def discard(self, item: _T) -> None:
+        with self._lock:
+            self._items.discard(item)
+
+    def items(self) -> list[_T]:
+        with self._lock:
+            return list(self._items)

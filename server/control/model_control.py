@@ -39,7 +39,7 @@ from plugserve.server.control.allocator import give_back_freed_memory
 from plugserve.server.control.core import Core, refuse_server_keys
 from plugserve.server.control.devices import parse_device
 from plugserve.server.control.model_names import check_name
-from plugserve.server.control.repository import ModelEntry, Repository, is_version
+from plugserve.server.control.repository import ModelEntry, Repository
 from plugserve.server.control.triton_config import (
     EVERY_VERSION,
     ModelSettings,
@@ -51,7 +51,7 @@ from plugserve.server.plane.metrics import Metrics
 from plugserve.server.plane.networks import LoadedNetwork
 from plugserve.server.plane.queue_policy import PolicyQueue, QueuePolicy
 from plugserve.server.plane.sequences import SequenceBatcher, Sequences, SequenceSettings
-from plugserve.server.plane.versions import check_version, next_version
+from plugserve.server.plane.versions import check_version, is_version, next_version
 
 __all__ = ["ControlDisabled", "ModelControl", "batch_device", "failed_to_load"]
 

@@ -54,7 +54,7 @@ from plugserve.server.control.triton_config import (
 )
 from plugserve.server.plane.versions import MAX_VERSION, is_version
 
-__all__ = ["ModelEntry", "ModelSettings", "Repository", "is_version"]
+__all__ = ["ModelEntry", "Repository", "single_model_repository"]
 
 log = logging.getLogger(__name__)
 

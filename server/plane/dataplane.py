@@ -55,7 +55,7 @@ from plugserve.server.plane.response_stream import ResponseStream
 from plugserve.server.plane.shm import SharedMemory
 from plugserve.server.plane.tracing import Stage, Tracing
 
-__all__ = ["DataPlane", "ShuttingDown", "check_batch"]
+__all__ = ["DataPlane", "ShuttingDown"]
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ class ShuttingDown(PlugserveError):
         super().__init__(f"Server not ready: {detail}")
 
 
-def check_batch(name: str, max_batch_size: int, arrays: list[Any]) -> None:
+def _check_batch(name: str, max_batch_size: int, arrays: list[Any]) -> None:
     """As Triton: a model with max_batch_size > 0 takes at most that many rows per request."""
     for array in arrays:
         rows = array.shape[0] if getattr(array, "ndim", 0) else 0
@@ -508,7 +508,7 @@ class DataPlane:
             if arrays is None:
                 arrays = check_inputs(entry.name, entry.network.inputs, request.inputs)
             if entry.max_batch_size > 0:
-                check_batch(entry.name, entry.max_batch_size, arrays)
+                _check_batch(entry.name, entry.max_batch_size, arrays)
             outputs = request.outputs
             return arrays, self._outputs(entry, outputs) if outputs else entry.output_names
         except PlugserveError:

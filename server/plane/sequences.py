@@ -51,7 +51,7 @@ from plugserve.plugins.api import (
     initial_value,
     listing,
 )
-from plugserve.plugins.threads import LazyDaemon, start_daemon
+from plugserve.plugins.threads import Watchlist, start_daemon
 from plugserve.server.plane.budget import Charge, MemoryBudget
 
 if TYPE_CHECKING:
@@ -464,19 +464,9 @@ class Sequences:
         self.budget = budget
         self.active = 0
         self._lock = threading.Lock()
-        self._batchers: list[SequenceBatcher] = []
+        #: the batchers whose idle sequences the reaper ends
+        self.batchers: Watchlist[SequenceBatcher] = Watchlist("sequence-reaper", self._reap)
         self._stop = threading.Event()
-        self._reaper = LazyDaemon("sequence-reaper", self._reap)
-
-    def add(self, batcher: SequenceBatcher) -> None:
-        with self._lock:
-            self._batchers.append(batcher)
-            self._reaper.ensure()
-
-    def remove(self, batcher: SequenceBatcher) -> None:
-        with self._lock:
-            if batcher in self._batchers:
-                self._batchers.remove(batcher)
 
     def take(self, model: str) -> None:
         with self._lock:
@@ -494,8 +484,7 @@ class Sequences:
 
     def _reap(self) -> None:
         while not self._stop.wait(0.05):
-            with self._lock:
-                batchers = list(self._batchers)
+            batchers = self.batchers.items()
             now = time.monotonic()
             for batcher in batchers:
                 batcher.reap(now)
@@ -568,7 +557,7 @@ class SequenceBatcher:
         self._batching = settings.strategy == "oldest" and max_batch_size > 0
         if self._batching:
             start_daemon(f"{name}-oldest", self._gather)
-        shared.add(self)
+        shared.batchers.add(self)
 
     @property
     def active(self) -> int:
@@ -1016,5 +1005,5 @@ class SequenceBatcher:
             ended = list(self._sequences.values())
             for sequence in ended:
                 self._end(sequence)
-        self._shared.remove(self)
+        self._shared.batchers.discard(self)
         return len(ended)

@@ -58,7 +58,7 @@ from plugserve.server.apps.generate.tokenizer import Tokenizer
 from plugserve.server.apps.generate.types import GenerationEvent, GenerationRequest, SamplingParams
 from plugserve.server.control.devices import parse_device
 
-__all__ = ["ENGINE_KEYS", "GenerativeNetwork", "engine_settings", "load_generative"]
+__all__ = ["GenerativeNetwork", "load_generative"]
 
 log = logging.getLogger(__name__)
 

@@ -62,7 +62,7 @@ class Instance:
         self.decoupled = False
         #: the running share of answers that came within ANSWER_SPIN of their request
         self.answers_within = 1.0
-        HANGS.add(self.process)
+        HANGS.processes.add(self.process)
 
     def configure(self, args: dict[str, Any], decoupled: bool, outputs: list[TensorSpec]) -> None:
         """The model's final configuration: what initializes it, and its outputs."""

@@ -36,13 +36,12 @@ import socket
 import subprocess
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from plugserve.plugins.api import InvalidModel
-from plugserve.plugins.threads import LazyDaemon
+from plugserve.plugins.threads import Watchlist
 from plugserve.server.apps.pipelines.python import ipc, protocol
 from plugserve.server.apps.pipelines.python.kinds import Kind
 from plugserve.server.apps.pipelines.python.output import PUMP, LineBudget
@@ -315,7 +314,7 @@ class ModelProcess:
         """The model is unloaded: its ``finalize`` runs (FINALIZE_SECONDS at most), then the
         process is stopped, never to start again."""
         self.closed = True
-        HANGS.discard(self)
+        HANGS.processes.discard(self)
         with self.lock:
             mailbox = self.mailbox
             if self.alive() and mailbox is not None:
@@ -352,23 +351,12 @@ class HangWatch:
     looks."""
 
     def __init__(self) -> None:
-        self._processes: weakref.WeakSet[ModelProcess] = weakref.WeakSet()
-        self._lock = threading.Lock()
-        self._thread = LazyDaemon("python-hangs", self._run)
-
-    def add(self, process: ModelProcess) -> None:
-        with self._lock:
-            self._processes.add(process)
-            self._thread.ensure()
-
-    def discard(self, process: ModelProcess) -> None:
-        with self._lock:
-            self._processes.discard(process)
+        #: the processes watched (weakly: one dropped without ``discard`` leaves by itself)
+        self.processes: Watchlist[ModelProcess] = Watchlist("python-hangs", self._run, weak=True)
 
     def _run(self) -> None:
         while True:
-            with self._lock:
-                processes = list(self._processes)
+            processes = self.processes.items()
             bounds = [b for p in processes if (b := p.limits.max_execute_seconds)]
             time.sleep(min([HANG_LOOK_SECONDS, *(b / 4 for b in bounds)]))
             now = time.monotonic()
