@@ -258,11 +258,7 @@ def _aliases(node: dict[str, Any], where: str) -> set[str]:
         raise InvalidArgument(f"{where}: 'outputs' must be a list of {{data_item, alias}}")
     found: set[str] = set()
     for entry in outputs:
-        if (
-            not isinstance(entry, dict)
-            or set(entry) != {"data_item", "alias"}
-            or not all(isinstance(v, str) and v for v in entry.values())
-        ):
+        if not _names_of(entry, {"data_item", "alias"}):
             raise InvalidArgument(
                 f"{where}: each of 'outputs' must be {{\"data_item\": model output, "
                 f'"alias": name}}, not {entry!r}'
@@ -316,6 +312,15 @@ def _step(
     return Step(index, model, version, mapped, outputs, label=f"node {name!r}")
 
 
+def _names_of(entry: Any, keys: set[str]) -> bool:
+    """Whether ``entry`` is an object of exactly ``keys``, each a name (a non-empty string)."""
+    return (
+        isinstance(entry, dict)
+        and set(entry) == keys
+        and all(isinstance(v, str) and v for v in entry.values())
+    )
+
+
 def _mapping(entry: Any, where: str) -> tuple[str, dict[str, str]]:
     """``{name: {"node_name": ..., "data_item": ...}}`` as its name and source."""
     if not isinstance(entry, dict) or len(entry) != 1:
@@ -324,11 +329,7 @@ def _mapping(entry: Any, where: str) -> tuple[str, dict[str, str]]:
             f"not {entry!r}"
         )
     ((name, source),) = entry.items()
-    if (
-        not isinstance(source, dict)
-        or set(source) != {"node_name", "data_item"}
-        or not all(isinstance(v, str) and v for v in source.values())
-    ):
+    if not _names_of(source, {"node_name", "data_item"}):
         raise InvalidArgument(
             f'{where}: {name!r} must map to {{"node_name": ..., "data_item": ...}}, not {source!r}'
         )

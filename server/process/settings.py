@@ -21,10 +21,18 @@ _CONTROL_MODES = ("", "none", "explicit", "poll")
 _LOG_FORMATS = ("text", "json")
 
 
-def _field(default: Any, help: str, flag: str | None = None, repeat: bool = False) -> Any:
+def _field(
+    default: Any,
+    help: str,
+    flag: str | None = None,
+    repeat: bool = False,
+    low: float | None = None,
+    high: float | None = None,
+) -> Any:
     """``repeat``: the flag may be given several times; the values are joined with commas."""
     return dataclasses.field(
-        default=default, metadata={"help": help, "flag": flag, "repeat": repeat}
+        default=default,
+        metadata={"help": help, "flag": flag, "repeat": repeat, "low": low, "high": high},
     )
 
 
@@ -32,18 +40,27 @@ def _field(default: Any, help: str, flag: str | None = None, repeat: bool = Fals
 class Settings:
     host: str = _field("0.0.0.0", "address to listen on")
     grpc_port: int = _field(
-        8001, "gRPC port (plugserve.v1, KServe v2, health, reflection); 0: any free port"
+        8001,
+        "gRPC port (plugserve.v1, KServe v2, health, reflection); 0: any free port",
+        low=0,
+        high=65535,
     )
     http_port: int = _field(
         8000,
         "KServe v2 REST port (health, metadata, infer with JSON or binary tensors, repository); "
         "0: any free port, -1: off",
+        low=-1,
+        high=65535,
     )
-    metrics_port: int = _field(8002, "Prometheus /metrics port; 0: any free port, -1: off")
+    metrics_port: int = _field(
+        8002, "Prometheus /metrics port; 0: any free port, -1: off", low=-1, high=65535
+    )
     health_port: int = _field(
         -1,
         "a plaintext port serving only the gRPC health service, for probes that cannot speak "
         "TLS to --grpc-port (Kubernetes' grpc probes); -1: off, 0: any free port",
+        low=-1,
+        high=65535,
     )
     model_repository: str = _field(
         "", "model repository DIR/<name>/<version>/model.onnx; empty: the bundled examples"
@@ -67,13 +84,17 @@ class Settings:
         repeat=True,
     )
     repository_poll_secs: float = _field(
-        15.0, "with --model-control-mode poll: seconds between two looks at the repository"
+        15.0,
+        "with --model-control-mode poll: seconds between two looks at the repository",
+        low=0.1,
     )
     model_load_threads: int = _field(
         0,
         "models loaded at once when the server starts and when --model-control-mode poll finds "
         "new or changed versions (as Triton's --model-load-thread-count); 1: one after "
         "another; 0: as many as the cores, at most 4",
+        low=0,
+        high=1024,
     )
     plugins: str = _field("", "JSON file naming the plugins to load and their config")
     default_device: str = _field("NUMPY", "device for models whose config names none")
@@ -103,36 +124,46 @@ class Settings:
         1 << 30,
         "largest gRPC message accepted or sent, largest REST request body, and the most bytes "
         "of outputs one answer carries on any protocol",
+        low=1,
+        high=2**31 - 1,  # gRPC keeps message limits in an int32
     )
-    queue_size: int = _field(0, "requests waiting per network (0: 16 per stream, at least 64)")
+    queue_size: int = _field(
+        0, "requests waiting per network (0: 16 per stream, at least 64)", low=0
+    )
     grpc_workers: int = _field(
-        64, "gRPC handler threads at most (streams and calls waiting on a busy network hold one)"
+        64,
+        "gRPC handler threads at most (streams and calls waiting on a busy network hold one)",
+        low=1,
     )
     grpc_active_workers: int = _field(
         0,
         "gRPC handler threads that run calls at once; more start, up to --grpc-workers, only "
         "while calls wait or stall (fewer threads contend less for Python's GIL; 0: the cores, "
         "at least 2)",
+        low=0,
     )
-    exit_timeout: float = _field(30.0, "seconds to finish admitted requests on SIGTERM")
+    exit_timeout: float = _field(30.0, "seconds to finish admitted requests on SIGTERM", low=0)
     max_inflight_bytes: int = _field(
         -1,
         "memory all requests in flight may hold at once, on every protocol, charged before "
         "a request is read or decoded (JSON tensors at 20x their size, binary 2x); over it a "
         "request is refused at once (RESOURCE_EXHAUSTED / 503); -1: half of the cgroup's "
         "memory limit or of the machine's memory; 0: no limit",
+        low=-1,
     )
     max_completion_tokens: int = _field(
         0,
         "most tokens one OpenAI completion or chat request may ask to generate per choice "
         "(max_tokens / max_completion_tokens above it: 400; unset: the model's remaining context "
         "up to this); 0: the model's context length only",
+        low=0,
     )
     max_request_seconds: float = _field(
         300.0,
         "longest an inference request may take from admission to its answer, queued and "
         "running; past it the run is stopped and the client gets DEADLINE_EXCEEDED (504), as "
         "for its own deadline (0: no server limit)",
+        low=0,
     )
     tls_cert: str = _field(
         "", "PEM certificate chain for TLS on the gRPC and REST ports; empty: plaintext"
@@ -151,51 +182,64 @@ class Settings:
         "config; 0 takes them from this machine (loopback) only. With tokens, roles decide",
     )
     open_reflection: int = _field(0, "1: reflection needs no token; 0: it needs one")
-    max_networks: int = _field(0, "most network versions loaded at once (0: no limit)")
+    max_networks: int = _field(0, "most network versions loaded at once (0: no limit)", low=0)
     max_sequences: int = _field(
         1024,
         "most sequences (Triton's sequence batching) active at once over every model; a new "
         "one beyond is refused with RESOURCE_EXHAUSTED (0: no limit)",
+        low=0,
     )
     max_model_bytes: int = _field(
-        0, "largest model or blob LoadNetwork/ImportNetwork accepts (0: no limit)"
+        0,
+        "largest model or blob LoadNetwork/ImportNetwork accepts (0: no limit)",
+        low=0,
     )
     max_string_elements: int = _field(
         1 << 22,
         "most BYTES elements one request tensor may hold, checked before any is decoded (each "
         "becomes a Python object: short strings grow ~15x in memory); more: INVALID_ARGUMENT",
+        low=1,
     )
     max_num_streams: int = _field(
         64,
         "largest NUM_STREAMS a load, import or SetConfig may ask for (each stream is a thread "
         "and backend state); 0: no limit",
+        low=0,
     )
     max_batch_size: int = _field(
         256,
         "largest BATCH_SIZE (BATCH:D(n)) a load, import or SetConfig may ask for (a BATCH "
         "network waits with twice that many threads); 0: no limit",
+        low=0,
     )
     max_inference_threads: int = _field(
         256,
         "largest INFERENCE_NUM_THREADS a load, import or SetConfig may ask for; 0: no limit",
+        low=0,
     )
     max_open_streams: int = _field(
         0,
         "streaming gRPC calls open at once, server-wide; the rest of the --grpc-workers threads "
         "stay for unary calls (0: half of --grpc-workers)",
+        low=0,
     )
     request_read_timeout: float = _field(
         30.0,
         "seconds a gRPC call may take to send its request message, and an HTTP connection its "
         "request headers and body, before it is cancelled (HTTP: closed, or 408)",
+        low=0.1,
     )
     stream_idle_timeout: float = _field(
         300.0,
         "seconds a gRPC stream (or connection) may stay without a message before it is closed "
         "(0: never)",
+        low=0,
     )
     max_streams_per_connection: int = _field(
-        0, "concurrent gRPC streams per client connection (0: gRPC's default)"
+        0,
+        "concurrent gRPC streams per client connection (0: gRPC's default)",
+        low=0,
+        high=2**31 - 1,
     )
     shared_memory: str = _field(
         "system",
@@ -211,6 +255,8 @@ class Settings:
         32 << 20,
         "glibc: freed blocks up to this size are reused, not unmapped and faulted in again "
         "per request (0: the C library's defaults; at most 32 MiB)",
+        low=0,
+        high=32 << 20,
     )
     trace_config: str = _field(
         "",
@@ -228,21 +274,25 @@ class Settings:
         16,
         "generative models: sequences generated at once (each holds a cache slot of the whole "
         "context); more requests wait",
+        low=1,
     )
     max_num_batched_tokens: int = _field(
         256,
         "generative models: tokens computed in one engine step (each decoding sequence's one, "
         "plus prompt tokens; a longer prompt is computed in chunks of what is left)",
+        low=1,
     )
     kv_cache_bytes: int = _field(
         0,
         "generative models: bytes of key/value cache per model (0: --max-num-seqs sequences of "
         "the whole context, at most a quarter of the machine's memory)",
+        low=0,
     )
     max_model_len: int = _field(
         0,
         "generative models: longest sequence, prompt and answer (0: the model's context "
         "length); a shorter one makes each cache slot smaller",
+        low=0,
     )
     enable_prefix_caching: int = _field(
         1, "generative models: 1: reuse the cache of prompts' common beginnings; 0: never"
@@ -253,12 +303,14 @@ class Settings:
         "(OpenAI, KServe generate, Triton's text_input), refused with 400 before it is "
         "rendered or tokenized; 0: what the model's context could hold, its context length "
         "times its longest token's bytes (server/apps/generate/limits.py)",
+        low=0,
     )
     max_stream_unread_bytes: int = _field(
         1 << 20,
         "generative models: bytes of events a generation stream (OpenAI or KServe "
         "generate_stream server-sent events, gRPC ModelStreamInfer) may leave unread in the "
         "server; past it the request is cancelled and its sequence's cache slot freed",
+        low=1,
     )
 
     def generate_defaults(self) -> Any:
@@ -276,44 +328,14 @@ class Settings:
     def problems(self) -> list[str]:
         """What is out of range, one message per field (empty when all is well)."""
         found = []
-        for name, low, high in (
-            ("grpc_port", 0, 65535),
-            ("http_port", -1, 65535),
-            ("metrics_port", -1, 65535),
-            ("health_port", -1, 65535),
-            ("max_message_bytes", 1, 2**31 - 1),  # gRPC keeps message limits in an int32
-            ("queue_size", 0, None),
-            ("grpc_workers", 1, None),
-            ("grpc_active_workers", 0, None),
-            ("exit_timeout", 0, None),
-            ("max_request_seconds", 0, None),
-            ("max_inflight_bytes", -1, None),
-            ("max_completion_tokens", 0, None),
-            ("max_networks", 0, None),
-            ("max_sequences", 0, None),
-            ("max_model_bytes", 0, None),
-            ("max_string_elements", 1, None),
-            ("max_num_streams", 0, None),
-            ("max_batch_size", 0, None),
-            ("max_inference_threads", 0, None),
-            ("max_streams_per_connection", 0, 2**31 - 1),
-            ("max_open_streams", 0, None),
-            ("request_read_timeout", 0.1, None),
-            ("stream_idle_timeout", 0, None),
-            ("repository_poll_secs", 0.1, None),
-            ("model_load_threads", 0, 1024),
-            ("malloc_reuse_bytes", 0, 32 << 20),
-            ("max_num_seqs", 1, None),
-            ("max_num_batched_tokens", 1, None),
-            ("kv_cache_bytes", 0, None),
-            ("max_model_len", 0, None),
-            ("max_prompt_bytes", 0, None),
-            ("max_stream_unread_bytes", 1, None),
-        ):
-            value = getattr(self, name)
-            if value != value or value < low or (high is not None and value > high):  # NaN too
+        for f in dataclasses.fields(self):
+            low, high = f.metadata["low"], f.metadata["high"]
+            value = getattr(self, f.name)
+            if low is not None and (
+                value != value or value < low or (high is not None and value > high)
+            ):  # NaN too
                 found.append(
-                    f"{name}={value!r} must be "
+                    f"{f.name}={value!r} must be "
                     + (f"between {low} and {high}" if high is not None else f">= {low}")
                 )
         for name in (

@@ -31,6 +31,7 @@ before its last event is sent (:mod:`.spans`): sending the last event ends the r
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -51,29 +52,22 @@ __all__ = ["OutputProcessor", "cancelled", "send"]
 log = logging.getLogger(__name__)
 
 
+@dataclasses.dataclass(eq=False)
 class OutputProcessor:
     """Tokens, text and events of one engine's requests (see the module's docstring).
 
     ``forget(state)`` is the engine's: the request is over (its registry lets it go)."""
 
-    def __init__(
-        self,
-        name: str,
-        tokenizer: Any,
-        capacity: int,
-        scheduler: Scheduler,
-        sampler: Sampler,
-        stats: GenerationStats,
-        forget: Callable[[RequestState], None],
-    ) -> None:
-        self.name = name
-        self.tokenizer = tokenizer
-        self.capacity = capacity
-        self.scheduler = scheduler
-        self.sampler = sampler
-        self.stats = stats
-        self.forget = forget
-        self.eos = frozenset(tokenizer.eos_token_ids)
+    name: str
+    tokenizer: Any
+    capacity: int
+    scheduler: Scheduler
+    sampler: Sampler
+    stats: GenerationStats
+    forget: Callable[[RequestState], None]
+
+    def __post_init__(self) -> None:
+        self.eos = frozenset(self.tokenizer.eos_token_ids)
 
     def process(self, forward: Forward) -> None:
         """One forward's outcome: its requests failed, or its rows' tokens chosen and sent."""

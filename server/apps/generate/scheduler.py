@@ -143,25 +143,20 @@ class Plan:
         return len(self.decode) + sum(c for _s, c in self.first) + sum(c for _s, c in self.extend)
 
 
+@dataclasses.dataclass(eq=False)
 class Scheduler:
     """The waiting queue, the running sequences, and each step's plan."""
 
-    def __init__(
-        self,
-        table: SlotTable,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        max_waiting: int,
-        copy_prefix: Callable[[Slot, Slot, int], None],
-    ) -> None:
-        self.table = table
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_waiting = max_waiting
-        self.copy_prefix = copy_prefix
-        self.waiting: collections.deque[RequestState] = collections.deque()
-        #: sequences holding a slot, in admission order
-        self.running: list[Sequence] = []
+    table: SlotTable
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_waiting: int
+    copy_prefix: Callable[[Slot, Slot, int], None]
+    waiting: collections.deque[RequestState] = dataclasses.field(
+        default_factory=collections.deque, init=False
+    )
+    #: sequences holding a slot, in admission order
+    running: list[Sequence] = dataclasses.field(default_factory=list, init=False)
 
     @property
     def held(self) -> int:

@@ -566,41 +566,32 @@ class SequenceRelay:
         return 0
 
 
+@dataclasses.dataclass(slots=True, eq=False)
 class _Run:
     """One request's steps: ready ones are sent, finished ones fill the tensors and free the
     steps waiting on them. Everything but :meth:`_hand_in` and :meth:`_stop` runs on the
     request's thread."""
 
-    __slots__ = (
-        "done", "flow", "lock", "network", "parent", "plan", "running", "sequence", "span",
-        "spans", "tensors",
-    )  # fmt: skip
+    network: EnsembleNetwork
+    tensors: dict[str, Any]
+    plan: Plan
+    #: the ensemble request's run, which each step's request answers to
+    parent: cancel.Token | None
+    #: a decoupled ensemble's request: where a decoupled step's responses go
+    flow: _Flow | None = None
+    #: what each step's span opens under (None: the request is not traced; _traced_under)
+    span: tracing.Span | None = None
+    #: the spans of the steps under way, by step index
+    spans: dict[int, tracing.Span] = dataclasses.field(default_factory=dict, init=False)
+    sequence: Any = dataclasses.field(default=None, init=False)
+    running: dict[int, cancel.Token] = dataclasses.field(default_factory=dict, init=False)
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, init=False)
+    #: finished steps handed in by other threads (None: the request was cancelled)
+    done: queue.SimpleQueue = dataclasses.field(default_factory=queue.SimpleQueue, init=False)
 
-    def __init__(
-        self,
-        network: EnsembleNetwork,
-        tensors: dict[str, Any],
-        plan: Plan,
-        parent: cancel.Token | None,
-        flow: _Flow | None = None,
-        span: tracing.Span | None = None,
-    ) -> None:
-        self.network = network
-        self.tensors = tensors
-        self.plan = plan
-        #: a decoupled ensemble's request: where a decoupled step's responses go
-        self.flow = flow
-        #: the ensemble request's run, which each step's request answers to
-        self.parent = parent
-        #: what each step's span opens under (None: the request is not traced; _traced_under)
-        self.span = span
-        #: the spans of the steps under way, by step index
-        self.spans: dict[int, tracing.Span] = {}
-        self.sequence = network.sequence_of.get(self.parent) if self.parent else None
-        self.running: dict[int, cancel.Token] = {}
-        self.lock = threading.Lock()
-        #: finished steps handed in by other threads (None: the request was cancelled)
-        self.done: queue.SimpleQueue = queue.SimpleQueue()
+    def __post_init__(self) -> None:
+        if self.parent:
+            self.sequence = self.network.sequence_of.get(self.parent)
 
     def go(self) -> None:
         plan = self.plan
@@ -795,38 +786,25 @@ class _Run:
             self.done.put(None)
 
 
+@dataclasses.dataclass(slots=True, eq=False)
 class _Flow:
     """One request of a decoupled ensemble: its decoupled steps' streams, and the contexts
     their responses start (module docstring). The streams' listeners only queue a wake-up;
     everything else runs on the request's thread."""
 
-    __slots__ = (
-        "events", "network", "parent", "plan", "sender", "span", "streaming", "tokens", "wanted",
-    )  # fmt: skip
-
-    def __init__(
-        self,
-        network: EnsembleNetwork,
-        plan: Plan,
-        sender: ResponseSender,
-        wanted: list[str],
-        parent: cancel.Token | None,
-        span: tracing.Span | None = None,
-    ) -> None:
-        self.network = network
-        self.plan = plan
-        self.sender = sender
-        #: the ensemble outputs the request asked for
-        self.wanted = wanted
-        self.parent = parent
-        #: what the steps' spans open under (None: not traced)
-        self.span = span
-        #: (step, stream, the tensors of the context it ran in); None: the request was
-        #: cancelled
-        self.events: queue.SimpleQueue = queue.SimpleQueue()
-        #: the decoupled steps' streams not yet final, and their tokens
-        self.streaming = 0
-        self.tokens: list[cancel.Token] = []
+    network: EnsembleNetwork
+    plan: Plan
+    sender: ResponseSender
+    #: the ensemble outputs the request asked for
+    wanted: list[str]
+    parent: cancel.Token | None
+    #: what the steps' spans open under (None: not traced)
+    span: tracing.Span | None = None
+    #: (step, stream, the tensors of the context it ran in); None: the request was cancelled
+    events: queue.SimpleQueue = dataclasses.field(default_factory=queue.SimpleQueue, init=False)
+    #: the decoupled steps' streams not yet final, and their tokens
+    streaming: int = dataclasses.field(default=0, init=False)
+    tokens: list[cancel.Token] = dataclasses.field(default_factory=list, init=False)
 
     def open(
         self,

@@ -197,10 +197,35 @@ def _ensemble(name: str, inputs: list[str], outputs: list[str], steps: list[tupl
     return {"config.pbtxt": text.encode(), "1/": b""}
 
 
+def _labelled(
+    name: str, input: str, steps: list[tuple[str, str]], labeller: tuple[str, str, tuple]
+) -> dict[str, dict[str, bytes]]:
+    """An application's last model and the application: ``labeller``, ``(model, its LOGITS
+    input, labels)``, names the logits that ``steps`` compute from the ensemble's ``input``
+    (:func:`_chain`), and answers LABEL and SCORE."""
+    model, logits, labels = labeller
+    outputs = [_tensor("LABEL", "TYPE_STRING", [-1]), _tensor("SCORE", "TYPE_FP32", [-1])]
+    return {
+        model: _python(model, "labels.py", [logits], outputs, labels),
+        name: _ensemble(name, [input], outputs, _chain(steps, model)),
+    }
+
+
+def _chain(steps: list[tuple[str, str]], labeller: str) -> list[tuple]:
+    """Both pipelines' steps, one after another: ``(model, its input)``, each input fed the one
+    output of the step before (the first, the ensemble's input of that name), then
+    ``labeller``, which reads LOGITS and answers the ensemble's LABEL and SCORE."""
+    inputs = [key for _model, key in steps[1:]] + ["LOGITS"]
+    chained = [
+        (model, {key: key.lower() if i else key}, {out: out.lower()})
+        for i, ((model, key), out) in enumerate(zip(steps, inputs))
+    ]
+    return [*chained, (labeller, {"LOGITS": "logits"}, {"LABEL": "LABEL", "SCORE": "SCORE"})]
+
+
 def pipeline_models() -> dict[str, dict[str, bytes]]:
     """Every model folder of the two pipelines: ``{model: {relative file: bytes}}``."""
     vocab = vocabulary()
-    label_outputs = [_tensor("LABEL", "TYPE_STRING", [-1]), _tensor("SCORE", "TYPE_FP32", [-1])]
     text = _tensor("TEXT", "TYPE_STRING", [-1])
     ids = _tensor("INPUT_IDS", "TYPE_INT64", [-1, SEQUENCE_LENGTH])
     image = _tensor("IMAGE", "TYPE_UINT8", [-1])
@@ -209,40 +234,25 @@ def pipeline_models() -> dict[str, dict[str, bytes]]:
     image_logits = _tensor("LOGITS", "TYPE_FP32", [1, len(IMAGE_LABELS)])
     encoder = text_encoder(vocab).SerializeToString(deterministic=True)
     classifier = image_classifier().SerializeToString(deterministic=True)
-    labels = {"LABEL": "LABEL", "SCORE": "SCORE"}
     return {
         "text_tokenizer": {
             **_python("text_tokenizer", "tokenizer.py", [text], [ids]),
             "1/vocab.txt": ("\n".join(vocab) + "\n").encode(),
         },
         "text_encoder": {"1/model.onnx": encoder},
-        "text_labels": _python(
-            "text_labels", "labels.py", [text_logits], label_outputs, TEXT_LABELS
-        ),
-        "text_sentiment": _ensemble(
+        **_labelled(
             "text_sentiment",
-            [text],
-            label_outputs,
-            [
-                ("text_tokenizer", {"TEXT": "TEXT"}, {"INPUT_IDS": "ids"}),
-                ("text_encoder", {"INPUT_IDS": "ids"}, {"LOGITS": "logits"}),
-                ("text_labels", {"LOGITS": "logits"}, labels),
-            ],
+            text,
+            [("text_tokenizer", "TEXT"), ("text_encoder", "INPUT_IDS")],
+            ("text_labels", text_logits, TEXT_LABELS),
         ),
         "image_decoder": _python("image_decoder", "image_decoder.py", [image], [pixels]),
         "image_classifier": {"1/model.onnx": classifier},
-        "image_labels": _python(
-            "image_labels", "labels.py", [image_logits], label_outputs, IMAGE_LABELS
-        ),
-        "image_color": _ensemble(
+        **_labelled(
             "image_color",
-            [image],
-            label_outputs,
-            [
-                ("image_decoder", {"IMAGE": "IMAGE"}, {"PIXELS": "pixels"}),
-                ("image_classifier", {"PIXELS": "pixels"}, {"LOGITS": "logits"}),
-                ("image_labels", {"LOGITS": "logits"}, labels),
-            ],
+            image,
+            [("image_decoder", "IMAGE"), ("image_classifier", "PIXELS")],
+            ("image_labels", image_logits, IMAGE_LABELS),
         ),
     }
 

@@ -242,12 +242,24 @@ class OpenAIRoutes:
             return await self._in_worker(lambda: check(protocol.parse_json(call.body)))
         return check(protocol.parse_json(call.body))
 
+    async def _answer(
+        self,
+        call: Any,
+        check: Callable[[dict[str, Any]], Any],
+        operation: str,
+        answer: Callable[[Any, Trace | None], Awaitable[Any]],
+    ) -> Any:
+        """A POST route's request: its body parsed and checked (:meth:`_body`), then
+        ``answer(ask, trace)``, within the request's span when the trace settings sample it
+        (:meth:`_trace`; ``operation`` names it)."""
+        ask = await self._body(call, check)
+        trace = self._trace(call, ask.model, operation)
+        if trace is None:
+            return await answer(ask, None)
+        return await _traced(trace, answer(ask, trace))
+
     async def chat(self, call: Any) -> Any:
-        ask = await self._body(call, protocol.chat_request)
-        trace = self._trace(call, ask.model, "chat")
-        if trace is not None:
-            return await _traced(trace, self._chat(ask, trace))
-        return await self._chat(ask, None)
+        return await self._answer(call, protocol.chat_request, "chat", self._chat)
 
     async def _chat(self, ask: protocol.ChatRequest, trace: Trace | None) -> Any:
         model = self._generative(ask.model)
@@ -260,11 +272,9 @@ class OpenAIRoutes:
     # --- POST /v1/completions
 
     async def completions(self, call: Any) -> Any:
-        ask = await self._body(call, protocol.completion_request)
-        trace = self._trace(call, ask.model, "text_completion")
-        if trace is not None:
-            return await _traced(trace, self._completions(ask, trace))
-        return await self._completions(ask, None)
+        return await self._answer(
+            call, protocol.completion_request, "text_completion", self._completions
+        )
 
     async def _completions(self, ask: protocol.CompletionRequest, trace: Trace | None) -> Any:
         model = self._generative(ask.model)
@@ -451,12 +461,7 @@ class OpenAIRoutes:
     # --- POST /v1/embeddings
 
     async def embeddings(self, call: Any) -> Reply:
-        protocol.check_content_type(call.headers.get(b"content-type"))
-        ask = protocol.embedding_request(protocol.parse_json(call.body))
-        trace = self._trace(call, ask.model, "embeddings")
-        if trace is not None:
-            return await _traced(trace, self._embeddings(ask, trace))
-        return await self._embeddings(ask, None)
+        return await self._answer(call, protocol.embedding_request, "embeddings", self._embeddings)
 
     async def _embeddings(self, ask: Any, trace: Trace | None) -> Reply:
         from plugserve.server.apps.generate import embeddings
