@@ -3,6 +3,13 @@
 MULTI holds one compiled network per device and a pool of infer requests for each, as many as
 the device's network says it can run at once (OPTIMAL_NUMBER_OF_INFER_REQUESTS). AUTO holds the
 one network of the device it chose.
+
+A device whose run fails UNAVAILABLE (its backend or its node is gone: a RAY node lost or cut
+off) is set aside for ``UNAVAILABLE_BACKOFF_S``, twice as long after each further such failure
+(at most 60 times as long), while another device is up: the requests that come meanwhile go to
+the others instead of each failing on it, or each waiting out a cut-off node's call timeout.
+When the time is up the next request tries it again; one that succeeds takes it back. With
+every device set aside, requests try them all as before (and fail with their reasons).
 """
 
 from __future__ import annotations
@@ -10,12 +17,14 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import logging
 import threading
+import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from plugserve.plugins import blob
-from plugserve.plugins.api import CompiledNetwork, InferRequest, joined_precision
+from plugserve.plugins.api import CompiledNetwork, InferRequest, PlugserveError, joined_precision
 from plugserve.plugins.multi.config import AutoConfiguration, MultiConfiguration
 from plugserve.plugins.multi.request import AutoInferRequest, MultiInferRequest
 from plugserve.plugins.virtual import OneNetwork
@@ -24,6 +33,8 @@ if TYPE_CHECKING:
     from plugserve.plugins.multi.plugin import AutoPlugin, MultiPlugin
 
 __all__ = ["AutoCompiledNetwork", "DevicePool", "MultiCompiledNetwork"]
+
+log = logging.getLogger(__name__)
 
 
 class DevicePool:
@@ -40,6 +51,10 @@ class DevicePool:
         self.in_use = 0
         self.count = 0  # requests this device ran
         self.failures = 0
+        #: set aside until then (``time.monotonic``) after failing UNAVAILABLE
+        self.down_until = 0.0
+        #: UNAVAILABLE failures in a row (each doubles the time set aside)
+        self.downs = 0
 
     @property
     def has_room(self) -> bool:
@@ -61,6 +76,7 @@ class MultiCompiledNetwork(CompiledNetwork):
         self.pools = [DevicePool(device, network) for device, network in networks]
         self.open_ended = any(network.open_ended for _, network in networks)
         self.fallback = bool(config.get("RUNTIME_FALLBACK"))
+        self.backoff = float(config.get("UNAVAILABLE_BACKOFF_S"))
         self._inputs = list(first.inputs)
         self._outputs = list(first.outputs)
         self._cond = threading.Condition()
@@ -80,8 +96,8 @@ class MultiCompiledNetwork(CompiledNetwork):
         """A request on the first device (priority order) with room; when all are busy, the
         next device in round robin, waiting for its room."""
         exclude = exclude or set()
-        pools = [p for p in self.pools if p.device not in exclude]
         with self._cond:
+            pools = self.up([p for p in self.pools if p.device not in exclude])
             pool = next((p for p in pools if p.has_room), None)
             if pool is None:
                 pool = pools[self._next % len(pools)]
@@ -119,14 +135,43 @@ class MultiCompiledNetwork(CompiledNetwork):
                 raise
         return pool, request
 
-    def release(self, pool: DevicePool, request: InferRequest | None, failed: bool = False) -> None:
+    def up(self, pools: list[DevicePool]) -> list[DevicePool]:
+        """Those of ``pools`` not set aside (all of them when every one is)."""
+        now = time.monotonic()
+        with self._cond:
+            return [p for p in pools if p.down_until <= now] or pools
+
+    def release(
+        self, pool: DevicePool, request: InferRequest | None, failed: BaseException | None = None
+    ) -> None:
         with self._cond:
             pool.in_use -= 1
-            if failed:
+            if failed is not None:
                 pool.failures += 1
+                if isinstance(failed, PlugserveError) and failed.code == "UNAVAILABLE":
+                    self._set_aside(pool, failed)
+            elif pool.downs:
+                log.warning("network %s: %s answers again", self.name, pool.device)
+                pool.downs, pool.down_until = 0, 0.0
             if request is not None:
                 pool.free.append(request)
             self._cond.notify_all()
+
+    def _set_aside(self, pool: DevicePool, error: PlugserveError) -> None:
+        """(The lock held.) ``pool``'s device failed UNAVAILABLE: skipped for a while."""
+        if not self.backoff:
+            return
+        seconds = self.backoff * min(2**pool.downs, 60)
+        pool.downs += 1
+        pool.down_until = time.monotonic() + seconds
+        log.warning(
+            "network %s: %s is unavailable (%s); its requests go to the other devices for "
+            "%g s (UNAVAILABLE_BACKOFF_S)",
+            self.name,
+            pool.device,
+            error,
+            seconds,
+        )
 
     # --- the CompiledNetwork API
 

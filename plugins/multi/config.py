@@ -66,6 +66,14 @@ class MultiConfiguration(_Devices):
             **BOOL,
             doc="YES: a request that fails on one device is retried on the next one",
         ),
+        ConfigKey(
+            "UNAVAILABLE_BACKOFF_S",
+            5.0,
+            _seconds,
+            doc="a device whose run fails UNAVAILABLE (its backend or node gone) gets no "
+            "requests for this long while another is up, doubled after each further failure "
+            "up to 60x; 0: never set aside",
+        ),
     )
 
     def streams(self, cores: int | None = None) -> int:

@@ -4,7 +4,8 @@
 a free request: the first in priority order with room, round robin when all are busy. A device
 that fails to load is dropped with a warning (all failing is an error naming each reason). A
 request that fails on a device fails, unless ``RUNTIME_FALLBACK=YES``: then it runs again on the
-next device in priority order.
+next device in priority order. A device that fails UNAVAILABLE is set aside for a while
+(``UNAVAILABLE_BACKOFF_S``, see :mod:`.compiled`).
 
 ``AUTO`` (``AUTO:A,B``, ``AUTO:-X``) picks one device for the model among those of
 ``DEVICE_PRIORITIES`` (default OPENVINO, ORT, NUMPY) that are available, not excluded

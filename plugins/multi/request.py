@@ -60,7 +60,7 @@ class MultiInferRequest(InferRequest):
                 except PlugserveError:
                     self._counts = []
         except BaseException as exc:
-            self.network.release(pool, request, failed=True)
+            self.network.release(pool, request, failed=exc)
             if piece is not None:
                 piece.fail(exc)
             raise
@@ -83,7 +83,9 @@ class MultiInferRequest(InferRequest):
                 raise InferenceError(
                     f"MULTI device {pool.device}: {type(exc).__name__}: {exc}"
                 ) from exc
-        order = network.devices
+        # each device once, those set aside last (a cut-off node is tried when nothing else is)
+        up = network.up(network.pools)
+        order = [p.device for p in up] + [p.device for p in network.pools if p not in up]
         start = order.index(pool.device)
         reasons: list[str] = []
         for step in range(len(order)):

@@ -24,8 +24,9 @@ plugserve, so the same answer as on the node).
 
 Every remote call is bounded: a load by ``RAY_LOAD_TIMEOUT_S``, a run by
 ``RAY_CALL_TIMEOUT_S`` and by its own deadline (``request.py``). An actor whose node died or
-was declared dead fails its calls at once; all of these are UNAVAILABLE, so MULTI with
-``RUNTIME_FALLBACK=YES`` runs such a request again on its next device.
+was declared dead fails its calls at once; all of these are UNAVAILABLE, so MULTI sets the
+node aside for the requests that follow (``UNAVAILABLE_BACKOFF_S``), and with
+``RUNTIME_FALLBACK=YES`` runs the failed request again on its next device.
 """
 
 from __future__ import annotations

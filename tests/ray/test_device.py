@@ -9,6 +9,8 @@ w2, each in its own network namespace. ``plugserve serve`` runs on the head as a
 * ``mlp_hetero``: ``HETERO:RAY.w1,NUMPY``, its first Gemm and Relu pinned on w1 and the rest
   here, so one request crosses the network twice;
 * ``mlp_w2``: ``RAY.w2`` alone, a call bounded by RAY_CALL_TIMEOUT_S=3;
+* ``mlp_w2_first``: ``MULTI:RAY.w2,RAY.w1`` without fallback, RAY_CALL_TIMEOUT_S=3: every
+  request goes to w2 while it has room;
 * ``mlp_placed``: ``RAY`` with no node: Ray places it;
 * ``spin``: ``RAY.w1``, a Loop whose trip count the request sets (tests/support/models.py),
   to show a request's deadline stopping its run on the node.
@@ -16,7 +18,8 @@ w2, each in its own network namespace. ``plugserve serve`` runs on the head as a
 Clients are tritonclient over gRPC from outside the cluster. Where requests ran is read from
 each node's own metrics (Ray's exporter on the node, port 8080), not from the server. The
 last test cuts w2 off the others (its link down) and asserts that its requests fail
-UNAVAILABLE within their deadline while MULTI goes on serving on w1.
+UNAVAILABLE within their deadline while MULTI goes on serving on w1, even where w2 comes
+first and nothing retries a request (w2 set aside after its first failure).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ DEVICES = {
     "mlp_multi": ("MULTI:RAY.w1,RAY.w2", {"RUNTIME_FALLBACK": "YES"}),
     "mlp_hetero": ("HETERO:RAY.w1,NUMPY", {"AFFINITY": json.dumps(AFFINITY)}),
     "mlp_w2": ("RAY.w2", {"RAY_CALL_TIMEOUT_S": "3"}),
+    "mlp_w2_first": ("MULTI:RAY.w2,RAY.w1", {"RAY_CALL_TIMEOUT_S": "3"}),
     "mlp_placed": ("RAY", {}),
 }
 
@@ -198,6 +202,7 @@ def test_a_node_cut_off_fails_its_requests_unavailable_within_their_deadline(set
     cluster, server = setup
     client = grpcclient.InferenceServerClient(server.target)
     client.infer("mlp_w2", _inputs(0))  # it serves before
+    client.infer("mlp_w2_first", _inputs(0))
     cluster.partition("w2")
     deadline = 10.0
     outcomes = []
@@ -212,6 +217,18 @@ def test_a_node_cut_off_fails_its_requests_unavailable_within_their_deadline(set
     # MULTI goes on serving on the node that is left
     for seed in range(10):
         got = client.infer("mlp_multi", _inputs(seed), client_timeout=deadline)
+        want = client.infer("mlp", _inputs(seed))
+        np.testing.assert_allclose(
+            got.as_numpy("probabilities"), want.as_numpy("probabilities"), rtol=1e-5, atol=1e-6
+        )
+    # without fallback, w2 first: its one request fails UNAVAILABLE, then w2 is set aside
+    started = time.monotonic()
+    with pytest.raises(InferenceServerException) as failed:
+        client.infer("mlp_w2_first", _inputs(0), client_timeout=deadline)
+    assert failed.value.status() == "StatusCode.UNAVAILABLE", str(failed.value)
+    assert time.monotonic() - started < deadline
+    for seed in range(10):
+        got = client.infer("mlp_w2_first", _inputs(seed), client_timeout=deadline)
         want = client.infer("mlp", _inputs(seed))
         np.testing.assert_allclose(
             got.as_numpy("probabilities"), want.as_numpy("probabilities"), rtol=1e-5, atol=1e-6

@@ -1,5 +1,5 @@
 """A third-party device package as source text: NUMPY under other names with faults built in
-(SECOND, HELD, FAULTY, NOLOAD, PARTIAL, BROKEN, SLOW, WRONG...). MULTI/AUTO and BATCH tests
+(SECOND, HELD, FAULTY, GONE, NOLOAD, PARTIAL, BROKEN, SLOW, WRONG...). MULTI/AUTO and BATCH tests
 write it into a site folder with an entry-point dist-info, so the server discovers it as a
 user's plugin."""
 
@@ -70,6 +70,20 @@ class Faulty2Plugin(FaultyPlugin):
     name = "FAULTY2"
 
 
+class GoneRequest(NumpyInferRequest):
+    # its card is off the bus until the test opens the gate "back"
+    def infer(self, inputs):
+        if not os.path.exists(os.path.join(os.environ["PLUGSERVE_TEST_GATES"], "back")):
+            raise BackendUnavailable("the acme card fell off the bus")
+        return super().infer(inputs)
+
+
+
+class GonePlugin(WrappedPlugin):
+    name = "GONE"
+    request_class = GoneRequest
+
+
 class NoLoadPlugin(NumpyPlugin):
     name = "NOLOAD"
 
@@ -124,6 +138,7 @@ CLASSES = {
     "HELD": "HeldPlugin",
     "FAULTY": "FaultyPlugin",
     "FAULTY2": "Faulty2Plugin",
+    "GONE": "GonePlugin",
     "NOLOAD": "NoLoadPlugin",
     "NOLOAD2": "NoLoad2Plugin",
     "PARTIAL": "PartialPlugin",

@@ -16,6 +16,7 @@ import logging
 import os
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import grpc
@@ -26,7 +27,13 @@ from models import mlp
 from serving import RunningServer, wait_for
 
 from plugserve.client import AsyncClient, Client
-from plugserve.plugins.api import InferenceError, InvalidArgument, NotFound, Unsupported
+from plugserve.plugins.api import (
+    InferenceError,
+    InvalidArgument,
+    NotFound,
+    PlugserveError,
+    Unsupported,
+)
 from plugserve.server import Core
 
 
@@ -157,6 +164,52 @@ def test_multi_runtime_fallback_retries_on_the_next_device(core, reference, capl
     with pytest.raises(InferenceError) as info:
         every.infer(feeds(0))
     assert "FAULTY:" in str(info.value) and "FAULTY2:" in str(info.value)
+
+
+def test_multi_sets_an_unavailable_device_aside_until_it_answers(
+    core, reference, tmp_path, monkeypatch
+):
+    """GONE fails UNAVAILABLE (its backend is gone, as a lost RAY node): without fallback its
+    request fails, and the next ones go to NUMPY instead of failing on it in turn; after
+    UNAVAILABLE_BACKOFF_S the next request tries it again (and fails: set aside twice as
+    long); once it answers it takes its share again."""
+    monkeypatch.setenv("PLUGSERVE_TEST_GATES", str(tmp_path))
+    network = core.load_network(mlp(), "MULTI:GONE,NUMPY", {"UNAVAILABLE_BACKOFF_S": "1"})
+    assert network.get_config("UNAVAILABLE_BACKOFF_S") == 1.0
+
+    def counts():
+        return network.get_metric("DEVICE_REQUEST_COUNTS")
+
+    def served(seed):
+        np.testing.assert_allclose(
+            network.infer(feeds(seed))["y"], reference(feeds(seed)), rtol=1e-5
+        )
+
+    with pytest.raises(PlugserveError, match="fell off the bus") as info:
+        network.infer(feeds(0))
+    assert info.value.code == "UNAVAILABLE" and "MULTI device GONE" in str(info.value)
+    started = time.monotonic()
+    for seed in range(1, 6):
+        served(seed)
+    if time.monotonic() - started < 1:  # (a machine this slow has tried GONE again by now)
+        assert counts() == {"GONE": 1, "NUMPY": 5}
+    time.sleep(1.05)
+    with pytest.raises(PlugserveError, match="fell off the bus"):
+        network.infer(feeds(0))  # tried again: still gone, now set aside for 2 s
+    gone = counts()["GONE"]
+    served(7)
+    assert counts()["GONE"] == gone
+    (tmp_path / "back").touch()
+    time.sleep(2.05)
+    served(8)  # tried again, and it answers: set aside no more
+    served(9)
+    assert counts()["GONE"] == gone + 2
+    # with UNAVAILABLE_BACKOFF_S=0 every request goes to the first device with room, as before
+    (tmp_path / "back").unlink()
+    never = core.load_network(mlp(), "MULTI:GONE,NUMPY", {"UNAVAILABLE_BACKOFF_S": "0"})
+    for seed in range(3):
+        with pytest.raises(PlugserveError, match="fell off the bus"):
+            never.infer(feeds(seed))
 
 
 def test_multi_config_keys_reach_only_children_that_know_them(core):
