@@ -170,6 +170,21 @@ class RayPlugin(Plugin):
     def _compile(
         self, cfg: RayConfiguration, name: str, data: bytes | None = None, exported: Any = None
     ) -> RayCompiledNetwork:
+        started = self.start(cfg, name, data, exported, float(cfg.get("RAY_LOAD_TIMEOUT_S")))
+        return RayCompiledNetwork(self, cfg, *started, data)
+
+    def start(
+        self,
+        cfg: RayConfiguration,
+        name: str,
+        data: bytes | None,
+        exported: Any,
+        timeout: float,
+        reuse: bool = True,
+    ) -> tuple[Any, dict[str, Any], Any, str | None]:
+        """A network's actor on its node, the model compiled there from ``data`` (or imported
+        from ``exported``, or from an export kept of the same model when ``reuse``) within
+        ``timeout``: ``(actor, its info, the export or None, the node's id)``."""
         node_id, node, cpus = self._place(str(cfg.get("DEVICE_ID")))
         inner = str(cfg.get("RAY_DEVICE"))
         inner_config = {k: cfg.get_string(k) for k in INNER_KEYS}
@@ -185,7 +200,6 @@ class RayPlugin(Plugin):
         if node_id is not None:
             options["scheduling_strategy"] = self.affinity(node_id, soft=False)
         actor = self.remote_class.options(**options).remote(inner, inner_config, node)
-        timeout = float(cfg.get("RAY_LOAD_TIMEOUT_S"))
         key = ""
         how = "imported"
         try:
@@ -193,7 +207,7 @@ class RayPlugin(Plugin):
                 key = hashlib.sha256(
                     data + json.dumps([inner, inner_config], sort_keys=True).encode()
                 ).hexdigest()
-                exported = self._kept(key)
+                exported = self._kept(key) if reuse else None
             if exported is not None:
                 info = self._wait(actor.import_network.remote(exported), where, timeout)
             else:
@@ -208,7 +222,7 @@ class RayPlugin(Plugin):
             self.release(actor)
             raise
         log.info("%s: %s on node %s", where, how, info["node"])
-        return RayCompiledNetwork(self, cfg, actor, info, exported)
+        return actor, info, exported, node_id
 
     def _kept(self, key: str) -> Any:
         with self._exports_lock:

@@ -48,6 +48,8 @@ class RayInferRequest(InferRequest):
             try:
                 return future.result()
             except Exception as exc:
+                if isinstance(exc, network.plugin.errors.RayActorError):
+                    network.revive()  # its node may be back: compiled there again meanwhile
                 raise network.plugin.failure(exc, network.where) from None
         if token is not None and token.cancelled:
             network.actor.cancel.remote(run, str(token.error))

@@ -16,10 +16,11 @@ w2, each in its own network namespace. ``plugserve serve`` runs on the head as a
   to show a request's deadline stopping its run on the node.
 
 Clients are tritonclient over gRPC from outside the cluster. Where requests ran is read from
-each node's own metrics (Ray's exporter on the node, port 8080), not from the server. The
-last test cuts w2 off the others (its link down) and asserts that its requests fail
-UNAVAILABLE within their deadline while MULTI goes on serving on w1, even where w2 comes
-first and nothing retries a request (w2 set aside after its first failure).
+each node's own metrics (Ray's exporter on the node, port 8080), not from the server. A test
+cuts w2 off the others (its link down) and asserts that its requests fail UNAVAILABLE within
+their deadline while MULTI goes on serving on w1, even where w2 comes first and nothing
+retries a request (w2 set aside after its first failure). The last kills w2 and starts it
+again: its network is compiled there again.
 """
 
 from __future__ import annotations
@@ -196,7 +197,7 @@ def test_a_deadline_stops_the_run_on_the_node(setup):
 
 
 def test_a_node_cut_off_fails_its_requests_unavailable_within_their_deadline(setup):
-    """The last test: w2 stays cut off."""
+    """w2 stays cut off until the next test."""
     from tritonclient.utils import InferenceServerException
 
     cluster, server = setup
@@ -233,3 +234,37 @@ def test_a_node_cut_off_fails_its_requests_unavailable_within_their_deadline(set
         np.testing.assert_allclose(
             got.as_numpy("probabilities"), want.as_numpy("probabilities"), rtol=1e-5, atol=1e-6
         )
+
+
+def test_a_network_whose_node_comes_back_is_compiled_there_again(setup):
+    """After the cut (healed first), w2 killed (every process of its namespace, a machine
+    losing power): its network's
+    requests fail UNAVAILABLE; w2 started again (a new node under the same name): the first
+    request that finds the actor dead has the network compiled there again (in the
+    background), and the requests after it are answered from w2, as before."""
+    from tritonclient.utils import InferenceServerException
+
+    cluster, server = setup
+    client = grpcclient.InferenceServerClient(server.target)
+    want = client.infer("mlp", _inputs(5)).as_numpy("probabilities")
+    cluster.heal("w2")
+    cluster.kill_node("w2")
+    with pytest.raises(InferenceServerException) as failed:
+        client.infer("mlp_w2", _inputs(5), client_timeout=10)
+    assert failed.value.status() == "StatusCode.UNAVAILABLE", str(failed.value)
+    cluster.restart_node("w2")
+
+    answers = []
+
+    def answered():
+        try:
+            answers.append(client.infer("mlp_w2", _inputs(5), client_timeout=10))
+        except InferenceServerException as exc:  # UNAVAILABLE until it is compiled there
+            assert exc.status() == "StatusCode.UNAVAILABLE", str(exc)
+        return bool(answers)
+
+    assert wait_for(answered, 120, 1), server.log[-3000:]
+    np.testing.assert_allclose(answers[0].as_numpy("probabilities"), want, rtol=1e-5, atol=1e-6)
+    assert "compiled there again" in server.log
+    # the restarted node's own exporter counts the run (its counters start at 0)
+    assert wait_for(lambda: _runs(cluster, "w2", "mlp", "ok") >= 1, 30, 1)
