@@ -77,6 +77,8 @@ class MultiCompiledNetwork(CompiledNetwork):
         self.open_ended = any(network.open_ended for _, network in networks)
         self.fallback = bool(config.get("RUNTIME_FALLBACK"))
         self.backoff = float(config.get("UNAVAILABLE_BACKOFF_S"))
+        #: devices failing UNAVAILABLE (set aside now or last time they were tried)
+        self._troubled = 0
         self._inputs = list(first.inputs)
         self._outputs = list(first.outputs)
         self._cond = threading.Condition()
@@ -137,6 +139,8 @@ class MultiCompiledNetwork(CompiledNetwork):
 
     def up(self, pools: list[DevicePool]) -> list[DevicePool]:
         """Those of ``pools`` not set aside (all of them when every one is)."""
+        if not self._troubled:  # (every request asks: nothing more while all is well)
+            return pools
         now = time.monotonic()
         with self._cond:
             return [p for p in pools if p.down_until <= now] or pools
@@ -153,6 +157,7 @@ class MultiCompiledNetwork(CompiledNetwork):
             elif pool.downs:
                 log.warning("network %s: %s answers again", self.name, pool.device)
                 pool.downs, pool.down_until = 0, 0.0
+                self._troubled -= 1
             if request is not None:
                 pool.free.append(request)
             self._cond.notify_all()
@@ -162,6 +167,7 @@ class MultiCompiledNetwork(CompiledNetwork):
         if not self.backoff:
             return
         seconds = self.backoff * min(2**pool.downs, 60)
+        self._troubled += pool.downs == 0
         pool.downs += 1
         pool.down_until = time.monotonic() + seconds
         log.warning(
