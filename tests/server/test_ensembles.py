@@ -245,6 +245,20 @@ def running(tmp_path_factory):
         _step("simple", -1, {"INPUT0": "value0", "INPUT1": "INPUT1"}, {"OUTPUT0": "OUTPUT0"}),
         _step("simple", 1, {"INPUT0": "INPUT0", "INPUT1": "value1"}, {"OUTPUT1": "OUTPUT1"}),
     ]))  # fmt: skip
+    # one step over any length: answers large enough that REST writes their JSON in its
+    # helper process (over 1 MiB)
+    wide_io = "\n".join(
+        f'{kind} [ {{ name: "{kind.upper()}0" data_type: TYPE_INT32 dims: [ -1 ] }}, '
+        f'{{ name: "{kind.upper()}1" data_type: TYPE_INT32 dims: [ -1 ] }} ]'
+        for kind in ("input", "output")
+    )
+    wide = add_sub(TensorProto.INT32, ("n",)).SerializeToString()
+    _write(root, "wide", f'name: "wide"\nplatform: "onnxruntime_onnx"\n{wide_io}\n',
+           {"1/model.onnx": wide})  # fmt: skip
+    _write(root, "wide_pass", (
+        f'name: "wide_pass"\nplatform: "ensemble"\n{wide_io}\n'
+        f"ensemble_scheduling {{ step [ {_step('wide', -1, BOTH, OUT)} ] }}\n"
+    ))  # fmt: skip
     # two branches over the two versions: OUTPUT0 from version 1, OUTPUT1 from version 2
     _write(root, "versions", _ensemble("versions", INT32_IN, INT32_OUT, [
         _step("simple", 1, BOTH, {"OUTPUT0": "OUTPUT0"}),
@@ -631,6 +645,30 @@ def test_sequence_flags_come_back_over_rest_and_a_plain_request_carries_none(run
         assert ended.json()["parameters"] == {
             "sequence_id": 9, "sequence_start": False, "sequence_end": True,
         }  # fmt: skip
+
+
+def test_sequence_flags_come_back_on_a_rest_answer_written_by_the_helper_process(running):
+    """A JSON answer over 1 MiB is encoded in REST's helper process (as is a body over 1 MiB
+    decoded there): it carries the request's sequence flags back too."""
+    import requests as http
+
+    a = np.arange(150_000, dtype=np.int32)
+    body = {
+        "inputs": [
+            {"name": n, "shape": [a.size], "datatype": "INT32", "data": a.tolist()}
+            for n in ("INPUT0", "INPUT1")
+        ],
+        "parameters": {"sequence_id": 11, "sequence_start": True},
+    }
+    url = f"http://127.0.0.1:{running.http_port}/v2/models/wide_pass/infer"
+    answer = http.post(url, json=body, timeout=120)
+    assert answer.status_code == 200, answer.text[:500]
+    got = answer.json()
+    assert got["parameters"] == {
+        "sequence_id": 11, "sequence_start": True, "sequence_end": False,
+    }  # fmt: skip
+    outputs = {o["name"]: o["data"] for o in got["outputs"]}
+    np.testing.assert_array_equal(outputs["OUTPUT0"], a + a)
 
 
 def test_tensors_between_steps_are_passed_by_reference(tmp_path):

@@ -125,8 +125,15 @@ def decode(body: bytes) -> InferCall:
     )  # fmt: skip
 
 
-def encode(model: str, version: int, call: InferCall, outputs: dict[str, np.ndarray]) -> tuple:
-    """``encode_infer`` in the helper: the answer's pieces and JSON length, as it gives them."""
+def encode(
+    model: str,
+    version: int,
+    call: InferCall,
+    outputs: dict[str, np.ndarray],
+    parameters: dict[str, Any] | None = None,
+) -> tuple:
+    """``encode_infer`` in the helper: the answer's pieces and JSON length, as it gives them
+    (``parameters``: the response's own, an ensemble's sequence flags)."""
     numeric = {k: np.ascontiguousarray(v) for k, v in outputs.items() if v.dtype != object}
     objects = {k: v for k, v in outputs.items() if v.dtype == object}
     layout, offset = [], 0
@@ -142,7 +149,7 @@ def encode(model: str, version: int, call: InferCall, outputs: dict[str, np.ndar
         order = list(outputs)
         bare = dataclasses.replace(call, inputs={})  # the answer needs no inputs: not pickled
         out_name, out_size, header_length = _run(
-            _encode_in_helper, model, version, bare, shm.name, layout, objects, order
+            _encode_in_helper, model, version, bare, shm.name, layout, objects, order, parameters
         )
     finally:
         shm.close()
@@ -190,6 +197,7 @@ def _encode_in_helper(
     layout: list,
     objects: dict[str, np.ndarray],
     order: list[str],
+    parameters: dict[str, Any] | None = None,
 ) -> tuple[str, int, int | None]:
     shm = shared_memory.SharedMemory(name=name)
     try:
@@ -202,7 +210,8 @@ def _encode_in_helper(
     finally:
         shm.close()
     arrays.update(objects)
-    pieces, header_length = encode_infer(model, version, call, {k: arrays[k] for k in order})
+    ordered = {k: arrays[k] for k in order}
+    pieces, header_length = encode_infer(model, version, call, ordered, parameters=parameters)
     body = b"".join(pieces)
     out = shared_memory.SharedMemory(create=True, size=max(1, len(body)))
     out.buf[: len(body)] = body

@@ -861,18 +861,22 @@ def _readiness(entry: LoadedNetwork) -> Reply:
 
 def _infer_reply(entry: LoadedNetwork, request: InferCall, outputs: dict[str, Any]) -> Reply:
     """The answer; JSON tensors over rest_offload.PROCESS_BYTES are written by the helper
-    process (only ever on a worker thread: larger answers never reach here on the loop)."""
+    process (only ever on a worker thread: larger answers never reach here on the loop).
+    Either way it carries an ensemble's sequence flags back (``echoed``)."""
+    echo = echoed(entry.sequences, request.step)
     if (
         not request.regions
         and not request.classes
         and _bytes_of(outputs) > rest_offload.PROCESS_BYTES
         and any(not request.binary.get(name, request.binary_default) for name in outputs)
     ):
-        pieces, header_length = rest_offload.encode(entry.name, entry.version, request, outputs)
+        pieces, header_length = rest_offload.encode(
+            entry.name, entry.version, request, outputs, echo
+        )
     else:
         pieces, header_length = encode_infer(
             entry.name, entry.version, request, outputs, entry.max_batch_size > 0, entry.labels,
-            echoed(entry.sequences, request.step),
+            echo,
         )  # fmt: skip
     if header_length is None:
         return 200, pieces, _JSON
