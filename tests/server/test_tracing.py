@@ -21,20 +21,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-grpcclient = pytest.importorskip(
-    "tritonclient.grpc", reason="pip install 'tritonclient[grpc,http]'"
-)
 httpclient = pytest.importorskip(
     "tritonclient.http", reason="pip install 'tritonclient[grpc,http]'"
 )
-otlp = pytest.importorskip(
-    "otlp",
-    reason="the OpenTelemetry packages: pip install 'plugserve[trace]'",
-    exc_type=ImportError,
-)
-
 from models import add_sub, chain  # noqa: E402
 from serving import RunningServer  # noqa: E402
+from traced import grpcclient  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
 CLEAR = {"trace_level": None, "trace_rate": None, "trace_count": None, "log_frequency": None}

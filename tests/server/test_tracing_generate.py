@@ -23,18 +23,10 @@ import numpy as np
 import pytest
 
 openai = pytest.importorskip("openai", reason="pip install openai (the test extra)")
-grpcclient = pytest.importorskip(
-    "tritonclient.grpc", reason="pip install 'tritonclient[grpc,http]'"
-)
-otlp = pytest.importorskip(
-    "otlp",
-    reason="the OpenTelemetry packages: pip install 'plugserve[trace]'",
-    exc_type=ImportError,
-)
-
 from openai_serving import client as openai_client  # noqa: E402
 from serving import RunningServer  # noqa: E402
 from tiny_decoder import write as write_model  # noqa: E402
+from traced import grpcclient, otlp  # noqa: E402
 
 MODEL = "tiny"
 ENCODER = "encoder"

@@ -29,19 +29,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-grpcclient = pytest.importorskip(
-    "tritonclient.grpc", reason="pip install 'tritonclient[grpc,http]'"
-)
-otlp = pytest.importorskip(
-    "otlp",
-    reason="the OpenTelemetry packages: pip install 'plugserve[trace]'",
-    exc_type=ImportError,
-)
-
-from models import add_sub, chain  # noqa: E402
-from onnx import TensorProto  # noqa: E402
-from serving import RunningServer  # noqa: E402
+from models import add_sub, chain
+from onnx import TensorProto
+from serving import RunningServer
+from traced import grpcclient, otlp
 
 #: a decoupled Python model: one response per element of IN (OUT = [element]) from a thread,
 #: then the final flag

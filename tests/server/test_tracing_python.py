@@ -20,19 +20,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-grpcclient = pytest.importorskip(
-    "tritonclient.grpc", reason="pip install 'tritonclient[grpc,http]'"
-)
-otlp = pytest.importorskip(
-    "otlp",
-    reason="the OpenTelemetry packages: pip install 'plugserve[trace]'",
-    exc_type=ImportError,
-)
-
-from models import add_sub  # noqa: E402
-from serving import RunningServer  # noqa: E402
-from tritonclient.utils import InferenceServerException  # noqa: E402
+from models import add_sub
+from serving import RunningServer
+from traced import grpcclient, otlp
+from tritonclient.utils import InferenceServerException
 
 X = np.arange(4, dtype=np.float32)
 Y = np.ones(4, dtype=np.float32)
