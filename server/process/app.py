@@ -53,7 +53,12 @@ from plugserve.server.plane.tracing import Tracing
 from plugserve.server.process.security import security_problems, server_credentials
 from plugserve.server.process.settings import Settings
 from plugserve.server.process.tracing import Exporter, TraceConfig, TracingUnavailable
-from plugserve.server.protocols.auth import AuthInterceptor, load_tokens, local_control
+from plugserve.server.protocols.auth import (
+    AuthInterceptor,
+    guard_settings,
+    load_tokens,
+    local_control,
+)
 from plugserve.server.protocols.grpc import reflection
 from plugserve.server.protocols.grpc.callgate import CallGate, keepalive_options
 from plugserve.server.protocols.grpc.handlers import add_service
@@ -404,9 +409,11 @@ class Server:
             )
             if credentials is None:
                 log.warning("token auth without TLS: tokens cross the network in plaintext")
-            return AuthInterceptor(tokens, bool(s.open_health), bool(s.open_reflection))
+            auth = AuthInterceptor(tokens, bool(s.open_health), bool(s.open_reflection))
+            wraps.append(guard_settings(auth, local=False))
+            return auth
         if not s.allow_remote_control:
-            wraps.append(local_control)
+            wraps += [local_control, guard_settings(None, local=True)]
             log.info("no tokens: model control is taken from this machine only")
         else:
             log.warning(
