@@ -334,13 +334,18 @@ def guard_settings(auth: AuthInterceptor | None, local: bool) -> Callable[..., A
                     context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
             return behavior(request, context)
 
-        return grpc.unary_unary_rpc_method_handler(
-            checked,
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
+        return _unary_like(handler, checked)
 
     return wrap
+
+
+def _unary_like(handler: grpc.RpcMethodHandler, behavior: Callable[..., Any]):
+    """A unary handler running ``behavior`` with ``handler``'s (de)serializers."""
+    return grpc.unary_unary_rpc_method_handler(
+        behavior,
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
 
 
 def local_control(method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
@@ -360,8 +365,4 @@ def local_control(method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethod
             context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
         return behavior(request, context)
 
-    return grpc.unary_unary_rpc_method_handler(
-        local_only,
-        request_deserializer=handler.request_deserializer,
-        response_serializer=handler.response_serializer,
-    )
+    return _unary_like(handler, local_only)
