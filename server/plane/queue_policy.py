@@ -34,7 +34,9 @@ first request waits for its batch, and a second one is refused with 503. Priorit
 waits for a stream (``plugins/streams.py``) and what a device's batcher gathers (BATCH, a Python
 model's dynamic batching: the token's ``place``): a batch takes the highest priority first,
 arrival order within a level, as Triton's dynamic batcher (issue 52: 8 of 16 pairs of a high
-and a low priority request ran low first).
+and a low priority request ran low first). BATCH forms a batch as soon as it is full or due
+(not when its device is free, as Triton's): its batches wait for the device in priority order,
+but a formed batch keeps its requests.
 
 A model with a queue policy reads a request's ``timeout`` as Triton does, as its wait's bound
 (when the policy allows an override); a model without one keeps plugserve's meaning, the
