@@ -120,6 +120,7 @@ def test_trace_settings_over_grpc_work_under_tokens(guarded):
     assert list(again.settings["trace_rate"].value) == ["7"]
 
 
+@pytest.mark.slow
 def test_without_tokens_settings_change_from_this_machine_only(repo):
     """Finding 8: no tokens, a peer on another host reads trace settings but changes none
     (gRPC TraceSetting and LogSettings, REST global and per model, /v2/logging), and every
