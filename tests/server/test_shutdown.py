@@ -281,7 +281,11 @@ class TritonPythonModel:
 """
 
 
+#: answers its input; its finalize (run at shutdown, as the model is idle) leaves a mark
 ECHO_MODEL = """
+import os
+from pathlib import Path
+
 import triton_python_backend_utils as pb_utils
 
 
@@ -291,6 +295,9 @@ class TritonPythonModel:
             pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", r.inputs()[0].as_numpy())])
             for r in requests
         ]
+
+    def finalize(self):
+        (Path(os.environ["PIDS_DIR"]).parent / "echo-finalized").write_text("")
 """
 
 
@@ -357,9 +364,10 @@ def _big_json() -> bytes:
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
 def test_a_stopped_server_leaves_no_process_running(tmp_path, signum):
     """Two Python models hung in execute (one spinning in Python with a subprocess of its own,
-    one holding the GIL in C) and the REST helper process: after SIGTERM (exit within
-    --exit-timeout + STOP_SECONDS + margin) or SIGKILL, none of the server's processes runs
-    30 s later (before: each hung model's process stayed, for an hour and more)."""
+    one holding the GIL in C), an idle one and the REST helper process: after SIGTERM (exit 0
+    within --exit-timeout + STOP_SECONDS + margin, 2.6 s here; the idle model runs finalize)
+    or SIGKILL, none of the server's processes runs 30 s later (before: each hung model's
+    process stayed, for an hour and more)."""
     from serving import RunningServer
 
     root, pids = tmp_path / "models", tmp_path / "pids"
@@ -401,6 +409,7 @@ def test_a_stopped_server_leaves_no_process_running(tmp_path, signum):
         if signum == signal.SIGTERM:
             assert running.process.returncode == 0, running.log
             assert took < exit_timeout + STOP_SECONDS + 60
+            assert (tmp_path / "echo-finalized").exists()  # the idle model ran finalize
         assert wait_for(lambda: not _running(started), 30), (
             {pid: _command(pid) for pid in _running(started)},
             running.log[-3000:],
