@@ -25,8 +25,9 @@ __all__ = ["READS_TEXT", "OrtCompiledNetwork", "spec_from_json", "spec_to_json"]
 
 #: who reads an ORT network's string inputs as text (named when an element is not UTF-8):
 #: onnxruntime's Python binding takes a string element as ``str`` only (measured on 1.32: a
-#: ``bytes`` element becomes its repr, ``b'\xff'`` the text ``"b'\\xff'"``, and a numpy bytes
-#: array is decoded as UTF-8), though onnxruntime itself holds any bytes
+#: ``bytes`` element becomes its repr, ``b'\xff'`` the text ``"b'\\xff'"``, a numpy bytes
+#: array is decoded as UTF-8, and OrtValue and IOBinding take no string tensor at all), though
+#: onnxruntime itself holds any bytes
 READS_TEXT = "onnxruntime (its Python binding carries string elements as text)"
 
 
