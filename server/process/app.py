@@ -44,6 +44,7 @@ from plugserve.server.control.core import ConfigLimits, Core
 from plugserve.server.control.examples import build_examples, default_examples_dir
 from plugserve.server.control.model_control import ModelControl
 from plugserve.server.control.repository import Repository, single_model_repository
+from plugserve.server.plane import children
 from plugserve.server.plane.budget import default_limit
 from plugserve.server.plane.callpool import CallPool
 from plugserve.server.plane.dataplane import DataPlane
@@ -522,7 +523,9 @@ class Server:
     def stop(self, grace: float | None = None) -> None:
         """Drain, then stop: health NOT_SERVING and new requests and loads UNAVAILABLE at once;
         admitted and queued requests (and loads under way) run to the end for up to ``grace``
-        seconds (``--exit-timeout``); then the gRPC server stops and the executors close."""
+        seconds (``--exit-timeout``); then the gRPC server stops, the executors close, and every
+        process the server started ends (``plane/children.py``: asked, then killed past
+        ``children.STOP_SECONDS``, hung or not)."""
         if self._stopped.is_set():
             self._hurry.set()  # a second signal: stop waiting for admitted requests
             return
@@ -546,6 +549,7 @@ class Server:
         self._stop_grpc(0 if left else max(1.0, end - time.monotonic()))
         self.plane.close()
         self.control.close()
+        children.stop_all()
         if self.openai is not None:
             self.openai.close()
         self.plane.tracing.close()
