@@ -20,6 +20,13 @@ slots in (a few hundred bytes), and the float32 logits of each sequence's last t
 (``[sequences, vocab]``): the engine's sampler (:mod:`.sampler`) runs on the host, on numpy.
 Sampling on the card (the issue's item 4) would bring only the chosen ids back.
 
+Threads: torch's own intra-op pool, all cores by default; ``INFERENCE_NUM_THREADS`` sets it
+(``torch.set_num_threads``, the process's pool, so the last torch model loaded with the key
+decides). On cores shared with other work, fewer is faster for a small model: the 12 prompts
+of tests/generate/test_generate_torch.py on the 0.4 M-parameter tiny-llama took 10.8 s with
+torch's 2 threads on 2 cores under a load average of 12 (steps of one shape from 2 ms to 1.6
+s: a thread barrier waiting for a descheduled thread) and 1.0 s with 1.
+
 CUDA graphs (:class:`DecodeGraphs`): on a CUDA device, a step made of decoding rows only is
 replayed from a graph captured for the next of a bounded set of batch sizes (the rows padded
 with a scratch slot), when ``CUDA_GRAPHS`` is on; prompts and mixed steps run eagerly. On the
@@ -178,9 +185,10 @@ class TorchDecoder(Decoder):
     mixed = True
 
     def __init__(
-        self, model: DecoderModel, layout: CacheLayout, graphs: bool = True
+        self, model: DecoderModel, layout: CacheLayout, graphs: bool = True, threads: int = 0
     ) -> None:  # no compiled network: the module is owned here
         self.model = model
+        self.threads = threads
         self.layout = layout
         self.vocab = model.shape.vocab
         self.forwards = 0
@@ -259,6 +267,8 @@ class TorchDecoder(Decoder):
     ) -> np.ndarray:
         import torch
 
+        if self.threads and torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)  # the process's pool: see the module's docstring
         try:
             with torch.inference_mode():
                 if self.graphs is not None and not prompts:
@@ -397,7 +407,12 @@ def load_torch_decoder(
     started = time.monotonic()
     model = DecoderModel.load(folder, dict(config), target, dtype)
     seconds = time.monotonic() - started
-    decoder = TorchDecoder(model, layout, graphs=bool(settings.get("CUDA_GRAPHS")))
+    decoder = TorchDecoder(
+        model,
+        layout,
+        graphs=bool(settings.get("CUDA_GRAPHS")),
+        threads=int(settings.get("INFERENCE_NUM_THREADS") or 0),
+    )
     report = {
         "precision": precision,
         "torch_device": str(target),
