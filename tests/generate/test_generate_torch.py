@@ -272,12 +272,16 @@ def test_sharded_weights_load_as_one_file(core, folders, tmp_path):
     )
     assert graph_of(folder) == ("safetensors", folder / "model.safetensors.index.json")
     prompts = dict(list(_prompt_ids(source).items())[:3])
-    network = core.load_network(str(folder), "TORCH", {"MAX_NUM_SEQS": "3", "INFERENCE_NUM_THREADS": "1"})
+    network = core.load_network(
+        str(folder), "TORCH", {"MAX_NUM_SEQS": "3", "INFERENCE_NUM_THREADS": "1"}
+    )
     try:
         got = _engine_greedy(network, prompts)
     finally:
         network.close()
-    single = core.load_network(str(source), "TORCH", {"MAX_NUM_SEQS": "3", "INFERENCE_NUM_THREADS": "1"})
+    single = core.load_network(
+        str(source), "TORCH", {"MAX_NUM_SEQS": "3", "INFERENCE_NUM_THREADS": "1"}
+    )
     try:
         assert got == _engine_greedy(single, prompts)
     finally:
