@@ -24,7 +24,7 @@ torch = pytest.importorskip("torch", reason="the torch decoder needs torch (pip 
 transformers = pytest.importorskip("transformers", reason="the reference is transformers'")
 pytest.importorskip("safetensors")
 
-from plugserve.plugins.api import InvalidArgument, InvalidModel  # noqa: E402
+from plugserve.plugins.api import InvalidArgument, InvalidModel, ResourceExhausted  # noqa: E402
 from plugserve.server.apps.generate.folder import graph_of, is_transformers_folder  # noqa: E402
 from plugserve.server.apps.generate.tokenizer import Tokenizer  # noqa: E402
 from plugserve.server.apps.generate.types import GenerationRequest, SamplingParams  # noqa: E402
@@ -203,10 +203,17 @@ def llama(core, folders):
     network.close()
 
 
-def test_a_safetensors_folder_is_a_generative_model(folders):
+def test_a_safetensors_folder_is_a_generative_model(folders, core):
     folder = folders("tiny-llama")
     assert is_transformers_folder(folder)
     assert graph_of(folder) == ("safetensors", folder / "model.safetensors")
+    if not torch.cuda.is_available():  # AUTO: the GPU when torch sees one, else the CPU
+        network = core.load_network(str(folder), "AUTO", {"INFERENCE_NUM_THREADS": "1"})
+        try:
+            assert network.device == "TORCH"
+            assert network.engine.decoder.model.device.type == "cpu"
+        finally:
+            network.close()
 
 
 @pytest.mark.parametrize("variant", ["tiny-llama", "tiny-qwen2"])
@@ -314,6 +321,14 @@ def test_refusals_are_typed_and_say_why(core, folders, tmp_path):
     folder = folders("tiny-llama")
     with pytest.raises(InvalidArgument, match="TORCH"):
         core.load_network(str(folder), "NUMPY")
+    if not torch.cuda.is_available():
+        with pytest.raises(InvalidArgument, match="no CUDA device"):
+            core.load_network(str(folder), "GPU")
+    # the cache's bytes are checked against the free memory before anything is allocated
+    with pytest.raises(ResourceExhausted, match="free"):
+        core.load_network(
+            str(folder), "TORCH", {"MAX_NUM_SEQS": str(10**8), "KV_CACHE_BYTES": str(2**50)}
+        )
     with pytest.raises(InvalidArgument, match="INFERENCE_PRECISION_HINT"):
         core.load_network(str(folder), "TORCH", {"INFERENCE_PRECISION_HINT": "f8"})
     config, tensors = _load(folder)
