@@ -378,3 +378,29 @@ def test_the_openai_chat_route_streams_transformers_answer(folders):
         assert len(chunks) > STEPS // 2, "tokens arrive as they are made, not in one piece"
         models = [m.id for m in api.models.list().data]
         assert "qwen" in models
+
+
+def test_the_fixed_shape_decode_step_gives_the_eager_steps_logits(llama, folders):
+    """What a CUDA graph captures (decoding rows over the whole slot, masked past each row's
+    position: ``DecoderModel.decode_plan``) computes the eager step's logits, here on the CPU."""
+    prompts = _prompt_ids(folders("tiny-llama"))
+    engine = llama.engine
+    run_all(engine, [_greedy(n, prompts[n], 4) for n in ("hello", "long", "chat")])
+    model = engine.decoder.model
+    tensors = engine.cache.tensors
+    capacity = engine.decoder.layout.capacity
+    rows = [slot.index for slot in engine.table.slots if len(slot.tokens) > 4]
+    assert len(rows) >= 2  # slots keep their tokens (the prefix cache)
+    lens = [len(engine.table.slots[r].tokens) for r in rows]
+    ids = torch.arange(7, 7 + len(rows))
+    positions = torch.tensor(lens)
+    slots = torch.tensor(rows)
+    with torch.inference_mode():
+        eager = model.forward(
+            tensors, ids, positions, slots, model.plan(lens, [1] * len(rows), rows, positions)
+        )
+        fixed = model.forward(
+            tensors, ids, positions, slots, model.decode_plan(slots, positions, capacity)
+        )
+    assert eager.shape == (len(rows), model.shape.vocab)
+    torch.testing.assert_close(fixed, eager, rtol=1e-5, atol=1e-5)
