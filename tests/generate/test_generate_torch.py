@@ -136,13 +136,21 @@ def _mistral(source: Path, target: Path) -> Path:
 
 
 def _gemma(source: Path, target: Path) -> Path:
-    """tiny-llama as Gemma: tied head, embeddings scaled by sqrt(hidden), norms as 1 + w."""
+    """tiny-llama as Gemma: tied head, embeddings scaled by sqrt(hidden), norms as 1 + w. The
+    table is divided by that scale (the residual stream starts at unit variance), attention's
+    and the MLP's outputs made 10x (else a tied head answers the last token again and again)
+    and the final norm 4x (logits of a standard deviation near 4)."""
     config, tensors = _load(source)
     config.update(
         model_type="gemma", architectures=["GemmaForCausalLM"], tie_word_embeddings=True,
         hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh",
     )  # fmt: skip
     tensors.pop("lm_head.weight")
+    tensors["model.embed_tokens.weight"] /= np.float32(config["hidden_size"] ** 0.5)
+    tensors["model.norm.weight"] *= np.float32(4.0)
+    for name in list(tensors):  # what attention and the MLP add outweighs the token's own
+        if name.endswith(("o_proj.weight", "down_proj.weight")):  # embedding (llm_hf's gain)
+            tensors[name] *= np.float32(10.0)
     for name in list(tensors):
         if name.endswith("norm.weight"):
             tensors[name] = tensors[name] - 1.0
