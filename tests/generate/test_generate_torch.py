@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import run_all
+from conftest import post, run_all
 
 torch = pytest.importorskip("torch", reason="the torch decoder needs torch (pip install torch)")
 transformers = pytest.importorskip("transformers", reason="the reference is transformers'")
@@ -386,6 +386,17 @@ def test_the_openai_chat_route_streams_transformers_answer(folders):
         assert len(chunks) > STEPS // 2, "tokens arrive as they are made, not in one piece"
         models = [m.id for m in api.models.list().data]
         assert "qwen" in models
+        # Triton's generate route, the same engine: a raw prompt's greedy answer
+        raw = _transformers_greedy(folder, {"capital": prompts["capital"]})["capital"]
+        body = {
+            "text_input": "The capital of France is",
+            "exclude_input_in_output": True,
+            "sampling_parameters": json.dumps(
+                {"max_tokens": STEPS, "temperature": 0, "ignore_eos": True}
+            ),
+        }
+        answer = json.loads(post(server, "/v2/models/qwen/generate", body))
+        assert answer["text_output"] == Tokenizer.from_folder(folder).decode(raw, True)
 
 
 def test_the_fixed_shape_decode_step_gives_the_eager_steps_logits(llama, folders):
