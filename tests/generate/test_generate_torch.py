@@ -423,3 +423,23 @@ def test_the_fixed_shape_decode_step_gives_the_eager_steps_logits(llama, folders
         )
     assert eager.shape == (len(rows), model.shape.vocab)
     torch.testing.assert_close(fixed, eager, rtol=1e-5, atol=1e-5)
+
+
+def test_without_torch_the_load_says_what_to_install(folders):
+    """The base server has no torch: a safetensors folder's load is refused, naming the
+    extra (torch made unimportable in a process of its own)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "from plugserve.server import Core\n"
+        "from plugserve.plugins.api import InvalidModel\n"
+        "try:\n"
+        f"    Core().load_network({str(folders('tiny-llama'))!r}, 'TORCH')\n"
+        "except InvalidModel as exc:\n"
+        "    print('REFUSED', exc)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert "REFUSED" in done.stdout, done.stdout + done.stderr
+    assert "plugserve[torch]" in done.stdout

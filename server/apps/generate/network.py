@@ -243,6 +243,9 @@ def _load_torch(
     """A safetensors folder on the torch decoder (:mod:`.decoder_torch`): torch and
     safetensors are imported here only (``pip install 'plugserve[torch]'``)."""
     try:
+        import safetensors  # noqa: F401
+        import torch  # noqa: F401
+
         from plugserve.server.apps.generate.decoder_torch import TorchConfig, load_torch_decoder
     except ImportError as exc:
         raise InvalidModel(
