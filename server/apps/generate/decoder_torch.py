@@ -395,7 +395,8 @@ def load_torch_decoder(
     per_slot = layout.bytes_per_slot
     rows = int(kv_rows(per_slot))
     weights = weight_bytes(safetensors_files(folder), itemsize)
-    needed = weights + rows * per_slot
+    graphs = bool(settings.get("CUDA_GRAPHS")) and target.type == "cuda"
+    needed = weights + (rows + graphs) * per_slot  # CUDA graphs' padding rows: a scratch slot
     free = _free_memory(target)
     if needed > free * LOAD_SHARE:
         raise ResourceExhausted(
@@ -410,7 +411,7 @@ def load_torch_decoder(
     decoder = TorchDecoder(
         model,
         layout,
-        graphs=bool(settings.get("CUDA_GRAPHS")),
+        graphs=graphs,
         threads=int(settings.get("INFERENCE_NUM_THREADS") or 0),
     )
     report = {
