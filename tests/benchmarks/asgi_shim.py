@@ -139,13 +139,24 @@ class KserveAsgi:
             memoryview(np.empty(length, np.uint8)) if length >= _PREALLOCATE else bytearray()
         )
         size = 0
-        loop = asyncio.get_running_loop()
-        end = loop.time() + self.read_timeout
+        # one deadline for the whole body: a timer that cancels this task (wait_for on each
+        # receive() would make a task and a timer per message)
+        task = asyncio.current_task()
+        expired: list[bool] = []
+
+        def expire() -> None:
+            expired.append(True)
+            task.cancel()  # type: ignore[union-attr]
+
+        timer = asyncio.get_running_loop().call_later(self.read_timeout, expire)
         try:
             while True:
                 try:
-                    message = await asyncio.wait_for(receive(), max(0.0, end - loop.time()))
-                except asyncio.TimeoutError:
+                    message = await receive()
+                except asyncio.CancelledError:
+                    if not expired:
+                        raise
+                    getattr(task, "uncancel", lambda: 0)()  # Python 3.11+
                     raise _Refused(
                         408,
                         f"the request body did not arrive within {self.read_timeout:g} s "
@@ -175,6 +186,8 @@ class KserveAsgi:
             if charge is not None:
                 charge.release()
             raise
+        finally:
+            timer.cancel()
         if isinstance(buffer, memoryview):
             return buffer[:size], charge
         return bytes(buffer), charge

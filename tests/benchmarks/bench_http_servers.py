@@ -2,7 +2,7 @@
 
     python tests/benchmarks/bench_http_servers.py --rounds 5 --seconds 2      # the comparison
     python tests/benchmarks/bench_http_servers.py --smoke                     # CI: < 60 s
-    python tests/benchmarks/bench_http_servers.py --servers plugserve,uvicorn --no-attacks
+    python tests/benchmarks/bench_http_servers.py --servers plugserve,uvicorn --attacks ''
 
 Each server is a process of its own serving the same repository (the bundled examples and a
 ``plugserve make-model`` tiny-llama) with the same flags: ``plugserve`` is ``plugserve serve``
@@ -29,8 +29,8 @@ failed, and the server's RSS (its process tree) at its peak and after, against b
   declared charge fills the memory budget (--max-inflight-bytes, 4 GiB here), and no body;
 - ``dribble``: 260 sockets send headers and then one body byte every 2 s;
 - ``1-byte chunks``: one chunked body of 1-byte chunks (4 MB full, 128 KB smoke);
-- ``raw BYTES``: one raw binary request (``Inference-Header-Content-Length: 0``) of 8-byte
-  BYTES elements to ``echo`` (64 MB full, 1 MB smoke).
+- ``raw BYTES``: one raw binary request (``Inference-Header-Content-Length: 0``) to ``echo1``
+  (a BYTES [1] identity): the whole body is one element (128 MiB full, 1 MiB smoke).
 
 The client runs in this process, on the same 2 cores as the servers: it compresses the ratios
 of the speed cases (the HTTP layer is a fraction of what each request costs here). Nothing
@@ -66,7 +66,7 @@ BUDGET = 4 << 30  # --max-inflight-bytes of every server, so the attack's size i
 PROFILES = {
     "smoke": {"seconds": 0.2, "rounds": 1, "attack_s": 1.0, "chunked": 128 << 10, "raw": 1 << 20,
               "big_s": 0.2, "sse_s": 0.2, "servers": ["plugserve", "uvicorn"]},
-    "full": {"seconds": 2.0, "rounds": 5, "attack_s": 8.0, "chunked": 4 << 20, "raw": 64 << 20,
+    "full": {"seconds": 2.0, "rounds": 5, "attack_s": 8.0, "chunked": 4 << 20, "raw": 128 << 20,
              "big_s": 3.0, "sse_s": 2.0, "servers": ["plugserve", "uvicorn", "granian"]},
 }  # fmt: skip
 #: a JSON /infer body is charged 20x (server/plane/budget.py): 64 sockets fill the budget
@@ -83,14 +83,31 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def echo_one() -> Any:
+    """``echo`` with input shape [1]: Triton takes a raw binary BYTES body only for that."""
+    from onnx import TensorProto, helper
+
+    from plugserve.server.control.examples import onnx_model
+
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["text"], ["echo"], name="identity")],
+        "echo1",
+        [helper.make_tensor_value_info("text", TensorProto.STRING, [1])],
+        [helper.make_tensor_value_info("echo", TensorProto.STRING, [1])],
+    )
+    return onnx_model(graph)
+
+
 def repository() -> tuple[Path, bool]:
     """The bundled examples and a tiny-llama (if ``tokenizers`` is installed); whether it has
     the generative model."""
-    from plugserve.server.control.examples import build_examples
+    from plugserve.server.control.examples import _save, build_examples
 
     root = Path(tempfile.gettempdir()) / "plugserve-bench-http-repo"
     if not (root / "add").exists():
         build_examples(root, pipelines=False)
+    if not (root / "echo1").exists():  # one BYTES element: what a raw binary body may be
+        _save(root, "echo1", echo_one())
     llm = root / "tiny-llama"
     if not (llm / "config.json").exists():
         try:
@@ -404,17 +421,16 @@ class RawBytes(Attack):
     def __init__(self, size: int) -> None:
         super().__init__()
         self.size = size
-        self.name = f"raw BYTES: one {size >> 20} MiB body of 8-byte elements"
+        self.name = f"raw BYTES: one {size >> 20} MiB element"
 
     def run(self, port: int) -> None:
         sock = self.connect(port)
         if sock is None:
             return
         sock.settimeout(120)
-        element = (8).to_bytes(4, "little") + b"abcdefgh"
-        body = element * (self.size // len(element))
+        body = b"x" * self.size
         head = (
-            f"POST /v2/models/echo/infer HTTP/1.1\r\nHost: x\r\nContent-Type: "
+            f"POST /v2/models/echo1/infer HTTP/1.1\r\nHost: x\r\nContent-Type: "
             f"application/octet-stream\r\nInference-Header-Content-Length: 0\r\n"
             f"Content-Length: {len(body)}\r\n\r\n"
         ).encode()
@@ -508,9 +524,10 @@ def available(kind: str) -> bool:
 def compare(
     profile: str = "full",
     kinds: list[str] | None = None,
-    attacks: bool = True,
+    attacks: str = "nobody,dribble,chunks,raw",
     rounds: int | None = None,
     seconds: float | None = None,
+    speed: bool = True,
 ) -> dict[str, Any]:
     """Start the servers, run the interleaved speed rounds, then the attacks; every figure."""
     p = dict(PROFILES[profile])
@@ -524,7 +541,7 @@ def compare(
         log(f"{k}: not installed (pip install {k}): left out")
     kinds = [k for k in kinds if k not in skipped]
     root, has_llm = repository()
-    models = ["add", "echo"] + (["tiny-llama"] if has_llm else [])
+    models = ["add", "echo1"] + (["tiny-llama"] if has_llm else [])
     servers: dict[str, Served] = {}
     figures: dict[str, Any] = {"kinds": kinds, "skipped": skipped, "profile": p, "speed": {},
                                "attacks": {}, "load": [harness.load_average()]}  # fmt: skip
@@ -554,29 +571,26 @@ def compare(
         # the order within a round: case by case, each case's servers in turn
         ordered = dict(sorted(cases.items(), key=lambda kv: kv[0].split("|")[1]))
         log(f"speed: {len(ordered)} cases x {p['rounds']} rounds, interleaved")
-        blocks = harness.interleave(ordered, p["rounds"], log, alternate=True)
+        blocks = harness.interleave(ordered, p["rounds"] if speed else 0, log, alternate=True)
         for closer in closers:
             closer()
         figures["speed"] = blocks
         figures["load"].append(harness.load_average())
-        if attacks:
-            made: list[Callable[[], Attack]] = [
-                NoBody,
-                Dribble,
-                lambda: OneByteChunks(p["chunked"]),
-                lambda: RawBytes(p["raw"]),
-            ]
-            for make in made:
-                for kind, served in servers.items():
-                    attack = make()
-                    log(f"attack {attack.name} -> {kind}")
-                    result = under_attack(served, attack, p["attack_s"])
-                    figures["attacks"].setdefault(attack.name, {})[kind] = result
-                    shown = {
-                        k: round(v, 1) if isinstance(v, float) else v for k, v in result.items()
-                    }
-                    log(f"    {json.dumps(shown)}")
-                    recovered(served.port)  # the next attack meets a server that has recovered
+        made: dict[str, Callable[[], Attack]] = {
+            "nobody": NoBody,
+            "dribble": Dribble,
+            "chunks": lambda: OneByteChunks(p["chunked"]),
+            "raw": lambda: RawBytes(p["raw"]),
+        }
+        for key in [a for a in attacks.split(",") if a]:
+            for kind, served in servers.items():
+                attack = made[key]()
+                log(f"attack {attack.name} -> {kind}")
+                result = under_attack(served, attack, p["attack_s"])
+                figures["attacks"].setdefault(attack.name, {})[kind] = result
+                shown = {k: round(v, 1) if isinstance(v, float) else v for k, v in result.items()}
+                log(f"    {json.dumps(shown)}")
+                recovered(served.port)  # the next attack meets a server that has recovered
         figures["load"].append(harness.load_average())
         figures["alive"] = {k: s.process.poll() is None for k, s in servers.items()}
     finally:
@@ -586,33 +600,40 @@ def compare(
 
 
 def table(figures: dict[str, Any]) -> str:
-    """The results as markdown: speed (medians, ratios to plugserve per round), attacks."""
+    """The results as markdown: speed (each server's median over rounds and, in brackets, its
+    best round: the least disturbed by the machine's other load; the median of the per-round
+    ratios to plugserve and their range), then the attacks."""
     kinds = figures["kinds"]
-    blocks = figures["speed"]
-    out = ["| case | " + " | ".join(kinds) + " | " + " | ".join(
-        f"{k} / plugserve" for k in kinds if k != "plugserve") + " |"]  # fmt: skip
-    out.append("|" + "---|" * (1 + 2 * len(kinds) - 1))
-    case_names = sorted({name.split("|")[1] for name in blocks}, key=["tiny", "tiny x4", "64 MB",
-                        "SSE"].index)  # fmt: skip
-    for case in case_names:
-        key = "throughput_rps" if case == "tiny x4" else "latency_ms.p50"
-        unit = "req/s" if case == "tiny x4" else "ms p50"
-        cells, ratios = [], []
-        base = blocks[f"plugserve|{case}"]
-        for k in kinds:
-            cells.append(f"{harness.median_of(blocks[f'{k}|{case}'], key):.3g}")
-            if k != "plugserve":
-                per = [
-                    harness.median_of([b], key) / harness.median_of([a], key)
-                    for a, b in zip(base, blocks[f"{k}|{case}"])
-                ]
-                ratios.append(f"{statistics.median(per):.2f}x ({min(per):.2f}-{max(per):.2f})")
-        out.append(f"| {case}, {unit} | " + " | ".join(cells + ratios) + " |")
-        if case == "SSE":
-            firsts = [f"{harness.median_of(blocks[f'{k}|SSE'], 'first_ms'):.3g}" for k in kinds]
-            out.append("| SSE first event, ms p50 | " + " | ".join(firsts) + " |"
-                       + " |" * (len(kinds) - 1))  # fmt: skip
-    out.append("")
+    blocks = {name: b for name, b in figures["speed"].items() if b}
+    out = []
+    if blocks:
+        others = [k for k in kinds if k != "plugserve"]
+        out.append("| case | " + " | ".join(kinds) + " | "
+                   + " | ".join(f"{k} / plugserve" for k in others) + " |")  # fmt: skip
+        out.append("|" + "---|" * (1 + len(kinds) + len(others)))
+        order = ["tiny", "tiny x4", "64 MB", "SSE"]
+        for case in sorted({name.split("|")[1] for name in blocks}, key=order.index):
+            rate = case == "tiny x4"
+            key = "throughput_rps" if rate else "latency_ms.p50"
+            cells, ratios = [], []
+            base = blocks[f"plugserve|{case}"]
+            for k in kinds:
+                values = [harness.median_of([b], key) for b in blocks[f"{k}|{case}"]]
+                best = max(values) if rate else min(values)
+                cells.append(f"{statistics.median(values):.3g} ({best:.3g})")
+                if k != "plugserve":
+                    per = [
+                        harness.median_of([b], key) / harness.median_of([a], key)
+                        for a, b in zip(base, blocks[f"{k}|{case}"])
+                    ]
+                    ratios.append(f"{statistics.median(per):.2f}x ({min(per):.2f}-{max(per):.2f})")
+            unit = "req/s" if rate else "ms p50"
+            out.append(f"| {case}, {unit} | " + " | ".join(cells + ratios) + " |")
+            if case == "SSE":
+                firsts = [f"{harness.median_of(blocks[f'{k}|SSE'], 'first_ms'):.3g}" for k in kinds]
+                out.append("| SSE first event, ms p50 | " + " | ".join(firsts) + " |"
+                           + " |" * len(others))  # fmt: skip
+        out.append("")
     if figures["attacks"]:
         out.append("| attack | server | health p50 / p99 ms | health failed | tiny infers ok / "
                    "failed | RSS before / peak / after MB | attacker got |")  # fmt: skip
@@ -636,7 +657,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--servers", default="", help="default: plugserve,uvicorn (smoke), and granian"
     )
-    parser.add_argument("--no-attacks", action="store_true")
+    parser.add_argument(
+        "--attacks", default="nobody,dribble,chunks,raw", help="which ('': none), in this order"
+    )
+    parser.add_argument("--no-speed", action="store_true", help="the attacks only")
     parser.add_argument("--json", default="", help="write every figure here")
     args = parser.parse_args(argv)
     start = time.perf_counter()
@@ -644,9 +668,10 @@ def main(argv: list[str] | None = None) -> int:
     figures = compare(
         "smoke" if args.smoke else "full",
         args.servers.split(",") if args.servers else None,
-        not args.no_attacks,
+        args.attacks,
         args.rounds or None,
         args.seconds or None,
+        not args.no_speed,
     )
     machine = harness.machine()
     print(f"bench_http_servers.py: {time.perf_counter() - start:.0f} s; load average "
