@@ -125,7 +125,9 @@ def repository() -> tuple[Path, bool]:
 class Served:
     """One server process on ``port``: ``plugserve`` (its own HTTP server) or an ASGI one."""
 
-    def __init__(self, kind: str, root: Path) -> None:
+    def __init__(self, kind: str, root: Path, python: str = "") -> None:
+        """``python``: the interpreter ``plugserve`` runs with (another checkout's virtual
+        environment: its HTTP server against the same uvicorn)."""
         self.kind = kind
         self.port = _free_port()
         serve = [
@@ -134,8 +136,8 @@ class Served:
             "--log-level", "warning",
         ]  # fmt: skip
         if kind == "plugserve":
-            command = [sys.executable, "-m", "plugserve.server.process.cli", "serve", *serve,
-                       "--http-port", str(self.port)]  # fmt: skip
+            command = [python or sys.executable, "-m", "plugserve.server.process.cli", "serve",
+                       *serve, "--http-port", str(self.port)]  # fmt: skip
         else:
             command = [sys.executable, str(SHIM), "--server", kind, "--port", str(self.port),
                        "--", *serve]  # fmt: skip
@@ -528,6 +530,7 @@ def compare(
     rounds: int | None = None,
     seconds: float | None = None,
     speed: bool = True,
+    python: str = "",
 ) -> dict[str, Any]:
     """Start the servers, run the interleaved speed rounds, then the attacks; every figure."""
     p = dict(PROFILES[profile])
@@ -547,7 +550,7 @@ def compare(
                                "attacks": {}, "load": [harness.load_average()]}  # fmt: skip
     try:
         for kind in kinds:
-            servers[kind] = Served(kind, root)
+            servers[kind] = Served(kind, root, python if kind == "plugserve" else "")
         for kind, served in servers.items():
             served.wait_ready(models)
             log(f"{kind}: ready on port {served.port}, RSS {served.rss_mb():.0f} MB")
@@ -661,6 +664,11 @@ def main(argv: list[str] | None = None) -> int:
         "--attacks", default="nobody,dribble,chunks,raw", help="which ('': none), in this order"
     )
     parser.add_argument("--no-speed", action="store_true", help="the attacks only")
+    parser.add_argument(
+        "--plugserve-python",
+        default="",
+        help="our server's interpreter (another checkout's venv: BRANCH/.venv/bin/python)",
+    )
     parser.add_argument("--json", default="", help="write every figure here")
     args = parser.parse_args(argv)
     start = time.perf_counter()
@@ -672,6 +680,7 @@ def main(argv: list[str] | None = None) -> int:
         args.rounds or None,
         args.seconds or None,
         not args.no_speed,
+        args.plugserve_python,
     )
     machine = harness.machine()
     print(f"bench_http_servers.py: {time.perf_counter() - start:.0f} s; load average "
