@@ -135,6 +135,9 @@ class Served:
             "--model-repository", str(root), "--max-inflight-bytes", str(BUDGET),
             "--log-level", "warning",
         ]  # fmt: skip
+        # PYTHONPATH kept: a folder holding another checkout as ``plugserve`` serves that code
+        # under both servers (an editable install's finder comes after it)
+        path = os.environ.get("PYTHONPATH", "")
         if kind == "plugserve":
             command = [python or sys.executable, "-m", "plugserve.server.process.cli", "serve",
                        *serve, "--http-port", str(self.port)]  # fmt: skip
@@ -144,7 +147,7 @@ class Served:
         self.log = tempfile.TemporaryFile(prefix=f"bench-http-{kind}-")  # noqa: SIM115
         self.process = subprocess.Popen(
             command, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, "PYTHONPATH": str(HERE)},
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), path]))},
         )  # fmt: skip
 
     def wait_ready(self, models: list[str], timeout: float = 240.0) -> None:
