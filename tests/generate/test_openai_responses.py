@@ -1,0 +1,332 @@
+"""OpenAI's Responses API (server/protocols/openai/responses.py) against a real server, with the
+real ``openai`` SDK: create from a string and from items (messages, function calls and their
+outputs), streamed (``responses.stream`` accumulates the events into the same response),
+``previous_response_id``, retrieve and delete, ``store: false``, the store's bounds (entries,
+bytes; a deep chain ends in a 400, not a growing prompt), and a 400 naming each refused field.
+
+The model is tests/support/tiny_decoder.py's (made in code, no exporter): its answers are fixed
+by its seed, it never ends a sequence itself (so a plain answer runs to ``max_output_tokens``:
+``incomplete``, as OpenAI says), and a ``text.format`` schema ends one (``completed``). Every
+responses answer is checked against the chat route's answer to the same conversation (greedy),
+which is what the route must be: the chat path run on the items.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+openai = pytest.importorskip("openai", reason="pip install openai (the test extra)")
+
+from openai_serving import client, serving  # noqa: E402
+
+MODEL = "tiny"
+ENTRIES = 6
+STORE_BYTES = 40 << 10
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    from tiny_decoder import write
+
+    return write(tmp_path_factory.mktemp("responses") / "tiny", context=2048, long_token=8)
+
+
+@pytest.fixture(scope="module")
+def server(folder):
+    args = ("--responses-store-entries", str(ENTRIES), "--responses-store-bytes", str(STORE_BYTES))
+    with serving({MODEL: (folder, "NUMPY")}, *args) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def api(server):
+    return client(server)
+
+
+def _chat(api, messages, **kwargs) -> str:
+    answer = api.chat.completions.create(model=MODEL, messages=messages, temperature=0, **kwargs)
+    return answer.choices[0].message.content
+
+
+ENUM = {
+    "format": {
+        "type": "json_schema",
+        "name": "answer",
+        "schema": {
+            "type": "object",
+            "properties": {"ok": {"type": "boolean"}},
+            "required": ["ok"],
+            "additionalProperties": False,
+        },
+    }
+}
+
+
+def test_a_string_input_with_instructions_is_the_chat_of_them(api):
+    response = api.responses.create(
+        model=MODEL, input="Hello there", instructions="Be brief.", temperature=0,
+        max_output_tokens=6,
+    )  # fmt: skip
+    assert response.id.startswith("resp_") and response.object == "response"
+    assert response.status == "incomplete"  # the tiny model never ends by itself
+    assert response.incomplete_details.reason == "max_output_tokens"
+    assert [item.type for item in response.output] == ["message"]
+    assert response.usage.output_tokens == 6
+    assert response.instructions == "Be brief."
+    chat = _chat(
+        api,
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}],
+        max_tokens=6,
+    )
+    assert response.output_text == chat and chat
+
+
+def test_items_render_as_chat_messages_with_tool_calls_and_outputs(api):
+    tools = [
+        {
+            "type": "function",
+            "name": "weather",
+            "description": "The weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        }
+    ]
+    items = [
+        {"role": "user", "content": [{"type": "input_text", "text": "Weather in Paris?"}]},
+        {
+            "type": "function_call",
+            "call_id": "call_1",
+            "name": "weather",
+            "arguments": '{"city": "Paris"}',
+        },
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny, 21 C"},
+    ]
+    response = api.responses.create(
+        model=MODEL, input=items, tools=tools, temperature=0, max_output_tokens=5
+    )
+    assert response.tools[0].name == "weather"
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+    ]
+    chat_tools = [
+        {"type": "function", "function": {k: v for k, v in tools[0].items() if k != "type"}}
+    ]
+    assert response.output_text == _chat(api, messages, max_tokens=5, tools=chat_tools)
+
+
+def test_text_format_makes_a_completed_json_answer(api):
+    response = api.responses.create(model=MODEL, input="Is it?", text=ENUM, max_output_tokens=64)
+    assert response.status == "completed"
+    assert set(json.loads(response.output_text)) == {"ok"}
+
+
+def test_a_stream_is_the_events_the_sdk_accumulates(api):
+    with api.responses.stream(
+        model=MODEL, input="Is it?", text=ENUM, max_output_tokens=64, temperature=0
+    ) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[2:4] == ["response.output_item.added", "response.content_part.added"]
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    numbers = [e.sequence_number for e in events]
+    assert numbers == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == final.output_text and json.loads(deltas)["ok"] in (True, False)
+    assert final.status == "completed" and final.usage.output_tokens > 0
+    # the same answer as not streamed, and kept: GET returns the final response
+    whole = api.responses.create(
+        model=MODEL, input="Is it?", text=ENUM, max_output_tokens=64, temperature=0
+    )
+    assert whole.output_text == final.output_text
+    assert api.responses.retrieve(final.id).output_text == final.output_text
+
+
+def test_a_stream_cut_by_max_output_tokens_ends_incomplete(api):
+    stream = api.responses.create(model=MODEL, input="Hi", max_output_tokens=4, stream=True)
+    events = list(stream)
+    assert events[-1].type == "response.incomplete"
+    assert events[-1].response.usage.output_tokens == 4
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert events[-1].response.output[0].content[0].text == text
+
+
+def test_previous_response_id_continues_the_conversation(api):
+    first = api.responses.create(
+        model=MODEL, input="Hi", instructions="Be brief.", temperature=0, max_output_tokens=4
+    )
+    second = api.responses.create(
+        model=MODEL, input="And then?", previous_response_id=first.id, temperature=0,
+        max_output_tokens=4,
+    )  # fmt: skip
+    assert second.previous_response_id == first.id
+    # the instructions are not carried over (OpenAI's rule)
+    messages = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "And then?"},
+    ]
+    assert second.output_text == _chat(api, messages, max_tokens=4)
+
+
+def test_retrieve_delete_and_store_false(api):
+    kept = api.responses.create(model=MODEL, input="Hi", max_output_tokens=2)
+    assert api.responses.retrieve(kept.id).output_text == kept.output_text
+    api.responses.delete(kept.id)
+    with pytest.raises(openai.NotFoundError):
+        api.responses.retrieve(kept.id)
+    with pytest.raises(openai.NotFoundError) as error:
+        api.responses.create(model=MODEL, input="x", previous_response_id=kept.id)
+    assert error.value.body["param"] == "previous_response_id"
+    with pytest.raises(openai.NotFoundError):
+        api.responses.delete(kept.id)
+    unkept = api.responses.create(model=MODEL, input="Hi", max_output_tokens=2, store=False)
+    assert unkept.store is False
+    with pytest.raises(openai.NotFoundError):
+        api.responses.retrieve(unkept.id)
+
+
+def test_the_store_keeps_at_most_its_entries_and_bytes(api):
+    ids = [
+        api.responses.create(model=MODEL, input=f"n{i}", max_output_tokens=1).id for i in range(10)
+    ]
+    kept = []
+    for rid in ids:
+        try:
+            api.responses.retrieve(rid)
+            kept.append(rid)
+        except openai.NotFoundError:
+            pass
+    assert kept == ids[-ENTRIES:]  # the oldest went first
+    # large ones: the bytes bound keeps fewer (each ~3 x (its 1.5 KB prompt + 1 KB body))
+    big = "word " * 300
+    ids = [api.responses.create(model=MODEL, input=big, max_output_tokens=1).id for _ in range(8)]
+    kept = []
+    for rid in ids:
+        try:
+            api.responses.retrieve(rid)
+            kept.append(rid)
+        except openai.NotFoundError:
+            pass
+    assert kept and len(kept) < ENTRIES and kept == ids[-len(kept) :]
+
+
+def test_a_deep_chain_ends_in_a_400_when_its_conversation_cannot_fit(api, server):
+    previous = None
+    turn = "tell me more about it " * 10
+    depth = 0
+    for depth in range(200):  # noqa: B007  # read after the loop
+        try:
+            response = api.responses.create(
+                model=MODEL, input=turn, previous_response_id=previous, max_output_tokens=8
+            )
+        except openai.BadRequestError as error:
+            assert error.body["param"] in ("input", "max_output_tokens")
+            break
+        previous = response.id
+    else:
+        pytest.fail("a chain of 200 turns never passed the model's context of 2048 tokens")
+    assert 2 < depth < 20
+    # the server still answers
+    assert api.responses.create(model=MODEL, input="Hi", max_output_tokens=1).status
+
+
+REFUSED = [
+    ({"background": True}, "background"),
+    ({"include": ["message.output_text.logprobs"]}, "include"),
+    ({"truncation": "auto"}, "truncation"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"max_tool_calls": 3}, "max_tool_calls"),
+    ({"conversation": "conv_1"}, "conversation"),
+    ({"prompt": {"id": "pmpt_1"}}, "prompt"),
+    ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"temperature": 3}, "temperature"),
+    ({"text": {"format": {"type": "grammar"}}}, "text.format.type"),
+    (
+        {"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}}},
+        "text.format",
+    ),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
+    (
+        {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+        "input[0].content[0]",
+    ),
+    ({"input": [{"role": "wizard", "content": "x"}]}, "input[0].role"),
+    ({"input": "x " * 5000}, "input"),
+]
+
+
+@pytest.mark.parametrize(("fields", "param"), REFUSED, ids=[p for _f, p in REFUSED])
+def test_each_refused_field_is_a_400_naming_it(api, fields, param):
+    body = {"model": MODEL, "input": "Hi", "max_output_tokens": 2, **fields}
+    with pytest.raises(openai.BadRequestError) as error:
+        api.post("/responses", body=body, cast_to=openai.types.responses.Response)
+    assert error.value.body["param"] == param, error.value.body
+
+
+def _post(url: str, body: dict) -> tuple[int, dict]:
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(
+        url, json.dumps(body).encode(), {"content-type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def test_tokenize_and_detokenize_as_vllm(server, folder):
+    from plugserve.server.apps.generate.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_folder(folder)
+    url = server.http_url
+    _, answer = _post(f"{url}/tokenize", {"model": MODEL, "prompt": "Hello world"})
+    assert answer["tokens"] == tokenizer.encode("Hello world")
+    assert answer["count"] == len(answer["tokens"]) and answer["max_model_len"] == 2048
+    _, plain = _post(
+        f"{url}/tokenize", {"model": MODEL, "prompt": "Hello world", "add_special_tokens": False}
+    )
+    assert plain["tokens"] == tokenizer.encode("Hello world", add_special_tokens=False)
+    messages = [{"role": "user", "content": "Hi"}]
+    _, chat = _post(
+        f"{url}/tokenize", {"model": MODEL, "messages": messages, "return_token_strs": True}
+    )
+    rendered = tokenizer.apply_chat_template(messages)
+    assert chat["tokens"] == tokenizer.encode(rendered, add_special_tokens=False)
+    assert len(chat["token_strs"]) == chat["count"]
+    status, back = _post(f"{url}/detokenize", {"model": MODEL, "tokens": chat["tokens"]})
+    assert status == 200 and back == {"prompt": rendered}
+    for route, body, param in (
+        ("tokenize", {"model": MODEL, "prompt": "x" * 100_000}, "prompt"),
+        ("tokenize", {"model": MODEL, "messages": [{"role": "x", "content": "y"}]},
+         "messages[0].role"),
+        ("detokenize", {"model": MODEL, "tokens": [10**6]}, "tokens"),
+        ("detokenize", {"model": MODEL, "tokens": [1] * 5000}, "tokens"),
+        ("tokenize", {"model": "nope", "prompt": "x"}, "model"),
+    ):  # fmt: skip
+        status, refused = _post(f"{url}/{route}", body)
+        assert status in (400, 404), refused
+        assert refused["error"]["param"] == param
