@@ -142,7 +142,7 @@ class OpenAIRoutes:
         if responses_store is None:  # (an empty store is falsy: it has a length)
             responses_store = ResponseStore(plane.budget)
         self.responses = ResponsesRoutes(self, responses_store)
-        self.tokenize = TokenizeRoutes(self)
+        self.tokenize = TokenizeRoutes(self, _chat_ids, _completion_ids, _check_prompt)
 
     def routes(self) -> list[tuple[str, dict[str, tuple[str, Callable[[Any], Any]]]]]:
         """``RestApp.add_routes``' table: each path authorized as the KServe method it stands

@@ -36,10 +36,22 @@ _JSON = [(b"content-type", b"application/json")]
 
 class TokenizeRoutes:
     """The two routes over the chat routes' models, checks and workers (``openai``: their
-    :class:`~.serving.OpenAIRoutes`)."""
+    :class:`~.serving.OpenAIRoutes`), tokenizing as they do: ``chat_ids(model, ask,
+    add_special_tokens)``, ``completion_ids(model, texts, add_special_tokens)`` and
+    ``check_prompt(size, model, what, field)`` are serving.py's own (handed in: this module
+    is imported by it)."""
 
-    def __init__(self, openai: Any) -> None:
+    def __init__(
+        self,
+        openai: Any,
+        chat_ids: Callable[..., list[int]],
+        completion_ids: Callable[..., list[list[int]]],
+        check_prompt: Callable[..., None],
+    ) -> None:
         self.openai = openai
+        self._chat_ids = chat_ids
+        self._completion_ids = completion_ids
+        self._check_prompt = check_prompt
 
     def routes(self, infer: str, guarded: Callable[[Any], Any]) -> list[Any]:
         return [
@@ -54,17 +66,15 @@ class TokenizeRoutes:
         return await self.openai._answer(call, _detokenize_request, "detokenize", self._detokenize)
 
     async def _tokenize(self, ask: Any, trace: Any) -> Any:
-        from plugserve.server.protocols.openai import serving
-
         model = self.openai._generative(ask.model)
         if isinstance(ask, protocol.ChatRequest):
             chars = sum(len(m["content"]) for m in ask.messages if isinstance(m["content"], str))
-            serving._check_prompt(chars, model, "'messages'", "messages")
-            ids = await self.openai._in_worker(serving._chat_ids, model, ask, ask.special)
+            self._check_prompt(chars, model, "'messages'", "messages")
+            ids = await self.openai._in_worker(self._chat_ids, model, ask, ask.special)
         else:
-            serving._check_prompt(len(ask.prompt), model, "'prompt'", "prompt")
+            self._check_prompt(len(ask.prompt), model, "'prompt'", "prompt")
             found = await self.openai._in_worker(
-                serving._completion_ids, model, [ask.prompt], ask.special
+                self._completion_ids, model, [ask.prompt], ask.special
             )
             ids = found[0]
         body: dict[str, Any] = {
