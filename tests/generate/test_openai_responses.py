@@ -83,6 +83,12 @@ def test_a_string_input_with_instructions_is_the_chat_of_them(api):
     assert response.output_text == chat and chat
 
 
+def test_v3_serves_the_same_routes(server):
+    v3 = client(server, "/v3")
+    response = v3.responses.create(model=MODEL, input="Hi", max_output_tokens=2, temperature=0)
+    assert v3.responses.retrieve(response.id).output_text == response.output_text
+
+
 def test_items_render_as_chat_messages_with_tool_calls_and_outputs(api):
     tools = [
         {
@@ -330,3 +336,68 @@ def test_tokenize_and_detokenize_as_vllm(server, folder):
         status, refused = _post(f"{url}/{route}", body)
         assert status in (400, 404), refused
         assert refused["error"]["param"] == param
+
+
+def test_the_store_charges_the_memory_budget_and_gives_it_back():
+    """The store against the server's real budget object: what it keeps is charged, a full
+    budget evicts the oldest for a new one, a response larger than the store is not kept, an
+    expired one is gone, and clearing gives every byte back."""
+    import time
+
+    from plugserve.server.plane.budget import MemoryBudget
+    from plugserve.server.protocols.openai.responses_store import ResponseStore
+
+    budget = MemoryBudget(100_000)
+    store = ResponseStore(budget, max_entries=100, max_bytes=1 << 20, max_age_s=0)
+    body = {"output": "x" * 5000}
+    for i in range(10):
+        assert store.put(f"r{i}", body, [{"role": "user", "content": "hi"}])
+    assert budget.used == store.nbytes <= budget.limit
+    assert 0 < len(store) < 10 and store.get("r9") and not store.get("r0")
+    other = budget.charge(budget.limit - budget.used, "another request")  # the budget is full
+    assert store.put("r10", body, []) and store.get("r10")  # the store made room of its own
+    other.release()
+    assert not ResponseStore(budget, 10, 1000, 0).put("big", body, [])  # larger than its store
+    store.clear()
+    assert budget.used == 0 and store.nbytes == 0
+    aging = ResponseStore(budget, 10, 1 << 20, max_age_s=0.05)
+    assert aging.put("old", body, [])
+    time.sleep(0.2)
+    assert aging.get("old") is None and budget.used == 0
+
+
+def test_tokens_govern_the_new_routes_as_generating(folder, tmp_path):
+    """With --auth-tokens, /v1/responses (create, retrieve, delete) and /tokenize take an
+    ``infer`` token as generating does; none or a wrong one is 401."""
+    import urllib.error
+    import urllib.request
+
+    tokens = tmp_path / "tokens"
+    tokens.write_text("s3cret-infer infer\n")
+    tokens.chmod(0o600)
+    with serving({MODEL: (folder, "NUMPY")}, "--auth-tokens", str(tokens)) as running:
+        allowed = client(running, api_key="s3cret-infer")
+        made = allowed.responses.create(model=MODEL, input="Hi", max_output_tokens=2)
+        assert allowed.responses.retrieve(made.id).id == made.id
+        wrong = client(running, api_key="wrong")
+        for call in (
+            lambda: wrong.responses.create(model=MODEL, input="Hi", max_output_tokens=2),
+            lambda: wrong.responses.retrieve(made.id),
+            lambda: wrong.responses.delete(made.id),
+        ):
+            with pytest.raises(openai.AuthenticationError):
+                call()
+        allowed.responses.delete(made.id)
+        for token, status in (("s3cret-infer", 200), (None, 401)):
+            request = urllib.request.Request(
+                f"{running.http_url}/tokenize",
+                json.dumps({"model": MODEL, "prompt": "Hi"}).encode(),
+                {"content-type": "application/json"},
+            )
+            if token:
+                request.add_header("authorization", f"Bearer {token}")
+            try:
+                with urllib.request.urlopen(request, timeout=60) as answer:
+                    assert answer.status == status
+            except urllib.error.HTTPError as error:
+                assert error.code == status
