@@ -401,3 +401,66 @@ def test_tokens_govern_the_new_routes_as_generating(folder, tmp_path):
                     assert answer.status == status
             except urllib.error.HTTPError as error:
                 assert error.code == status
+
+
+def test_streamed_tool_calls_and_reasoning_reach_the_sdk_as_items():
+    """The seam the chat path's tool-call and reasoning parsers feed (responses_output.py):
+    chat deltas as vLLM streams them (reasoning, then text, then two calls, each its id and
+    name first and its arguments in pieces) made into events by EventStream and read by the
+    ``openai`` SDK's own accumulator, which must end with the same items as the whole
+    answer's output_items."""
+    from openai._models import construct_type
+    from openai.lib.streaming.responses._responses import ResponseStreamState
+    from openai.types.responses import ResponseStreamEvent
+
+    from plugserve.server.protocols.openai.responses_output import EventStream, output_items
+
+    def delta(**fields):
+        return {"choices": [{"index": 0, "delta": fields, "finish_reason": None}]}
+
+    def call(index, **fields):
+        return delta(tool_calls=[{"index": index, **fields}])
+
+    chunks = [
+        {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
+        delta(reasoning_content="I should "),
+        delta(reasoning_content="look it up."),
+        delta(content="Checking."),
+        call(0, id="call_a", type="function", function={"name": "weather", "arguments": ""}),
+        call(0, function={"arguments": '{"city": '}),
+        call(0, function={"arguments": '"Paris"}'}),
+        call(1, id="call_b", type="function", function={"name": "time", "arguments": "{}"}),
+        {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]},
+        {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 9, "total_tokens": 14}},
+    ]
+    echo = {"tools": [], "tool_choice": "auto", "parallel_tool_calls": True}
+    events = EventStream("resp_x", 0, MODEL, echo)
+    raw = list(events.opening())
+    for chunk in chunks:
+        raw += events.chunk(chunk)
+    raw += events.closing()
+    state = ResponseStreamState(
+        input_tools=[], text_format=getattr(openai, "omit", openai.NOT_GIVEN)
+    )
+    for piece in raw:
+        data = piece.split(b"data: ", 1)[1]
+        state.handle_event(construct_type(type_=ResponseStreamEvent, value=json.loads(data)))
+    final = state._completed_response
+    assert final is not None and final.status == "completed"
+    kinds = [item.type for item in final.output]
+    assert kinds == ["reasoning", "message", "function_call", "function_call"]
+    assert final.output[0].content[0].text == "I should look it up."
+    assert final.output_text == "Checking."
+    calls = [(i.call_id, i.name, json.loads(i.arguments)) for i in final.output[2:]]
+    assert calls == [("call_a", "weather", {"city": "Paris"}), ("call_b", "time", {})]
+    assert final.usage.output_tokens == 9
+    whole = output_items(
+        "Checking.",
+        [
+            {"id": "call_a", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}},
+            {"id": "call_b", "function": {"name": "time", "arguments": "{}"}},
+        ],
+        "I should look it up.",
+    )
+    assert [i["type"] for i in whole] == kinds
+    assert [(i["call_id"], i["name"]) for i in whole[2:]] == [c[:2] for c in calls]
