@@ -100,6 +100,18 @@ def test_echo_with_logprobs_scores_the_prompt_as_the_model_does(
     assert answer.usage.completion_tokens == 3
 
 
+def test_a_prompt_computed_in_chunks_is_scored_across_them(api, folder, tokenizer):
+    """A prompt longer than a step's tokens (max_num_batched_tokens, 256) is computed in
+    chunks: the last position of each chunk scores the next chunk's first token."""
+    text = " ".join(["the cat sat on a mat"] * 40)  # 840 tokens: four chunks
+    ids = tokenizer.encode(text)
+    assert len(ids) > 3 * 256
+    answer = api.completions.create(model=MODEL, prompt=ids, echo=True, logprobs=0, max_tokens=1)
+    found = answer.choices[0].logprobs.token_logprobs[: len(ids)]
+    assert found[0] is None and None not in found[1:]
+    np.testing.assert_allclose(found[1:], _expected(folder, ids), rtol=1e-4, atol=1e-3)
+
+
 def test_echo_logprobs_with_max_tokens_0_is_the_prompt_alone(api, folder, tokenizer):
     ids = tokenizer.encode(PROMPT)
     answer = api.completions.create(model=MODEL, prompt=PROMPT, echo=True, logprobs=1, max_tokens=0)
@@ -156,10 +168,17 @@ def test_vllm_prompt_logprobs_on_completions_and_chat(api, folder, tokenizer):
     )
 
 
-def test_prompt_logprobs_match_transformers_on_a_real_model(llm_folder, llm_reference):
-    """tiny-llama exported by optimum: the prompt's logprobs against transformers' own."""
+@pytest.mark.parametrize(
+    ("kind", "device"), [("optimum-onnx", "NUMPY"), ("genai-fp32", "ORT")], ids=str
+)
+def test_prompt_logprobs_match_transformers_on_a_real_model(
+    llm_folder, llm_reference, kind, device
+):
+    """tiny-llama exported by optimum (the concatenating decoder) and by onnxruntime-genai's
+    builder (GroupQueryAttention, its cache bound in place on ORT): the prompt's logprobs
+    against transformers' own."""
     reference = llm_reference("tiny-llama")
-    with serving({"llama": (llm_folder("tiny-llama", "optimum-onnx"), "NUMPY")}) as running:
+    with serving({"llama": (llm_folder("tiny-llama", kind), device)}) as running:
         api = client(running)
         for case in reference["cases"][:2]:
             ids = list(case["prompt_ids"])
