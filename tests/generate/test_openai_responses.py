@@ -464,3 +464,22 @@ def test_streamed_tool_calls_and_reasoning_reach_the_sdk_as_items():
     )
     assert [i["type"] for i in whole] == kinds
     assert [(i["call_id"], i["name"]) for i in whole[2:]] == [c[:2] for c in calls]
+
+
+def test_a_stream_failing_midway_ends_with_response_failed(tmp_path):
+    """The status line is out when the request passes --max-request-seconds mid-answer: the
+    stream's last event is ``response.failed`` with the error, and nothing is kept."""
+    from tiny_decoder import write
+
+    slow = write(tmp_path / "slow", context=4096, long_token=8, width=4096)
+    with serving({MODEL: (slow, "NUMPY")}, "--max-request-seconds", "1") as running:
+        api = client(running, timeout=120)
+        events = list(
+            api.responses.create(model=MODEL, input="Hi", max_output_tokens=4000, stream=True)
+        )
+        last = events[-1]
+        assert last.type == "response.failed", [e.type for e in events[-3:]]
+        assert last.response.status == "failed" and last.response.error.message
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+        with pytest.raises(openai.NotFoundError):
+            api.responses.retrieve(last.response.id)
