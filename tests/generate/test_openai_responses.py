@@ -133,6 +133,28 @@ def test_items_render_as_chat_messages_with_tool_calls_and_outputs(api):
     assert response.output_text == _chat(api, messages, max_tokens=5, tools=chat_tools)
 
 
+def test_top_logprobs_are_chats_in_the_output_text(api):
+    response = api.responses.create(
+        model=MODEL, input="Hi", max_output_tokens=4, temperature=0, top_logprobs=2
+    )
+    entries = response.output[0].content[0].logprobs
+    chat = api.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0,
+        logprobs=True, top_logprobs=2,
+    )  # fmt: skip
+    expected = chat.choices[0].logprobs.content
+    assert [(e.token, e.logprob) for e in entries] == [(e.token, e.logprob) for e in expected]
+    assert all(len(e.top_logprobs) == 2 for e in entries) and len(entries) == 4
+    events = list(
+        api.responses.create(
+            model=MODEL, input="Hi", max_output_tokens=4, temperature=0, stream=True,
+            include=["message.output_text.logprobs"],
+        )
+    )  # fmt: skip
+    streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in expected]
+
+
 def test_text_format_makes_a_completed_json_answer(api):
     response = api.responses.create(model=MODEL, input="Is it?", text=ENUM, max_output_tokens=64)
     assert response.status == "completed"
@@ -258,10 +280,10 @@ def test_a_deep_chain_ends_in_a_400_when_its_conversation_cannot_fit(api, server
 
 REFUSED = [
     ({"background": True}, "background"),
-    ({"include": ["message.output_text.logprobs"]}, "include"),
+    ({"include": ["reasoning.encrypted_content"]}, "include"),
     ({"truncation": "auto"}, "truncation"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
-    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"top_logprobs": 21}, "top_logprobs"),
     ({"max_tool_calls": 3}, "max_tool_calls"),
     ({"conversation": "conv_1"}, "conversation"),
     ({"prompt": {"id": "pmpt_1"}}, "prompt"),

@@ -174,6 +174,7 @@ class ResponsesRoutes:
             message.get("content"),
             message.get("tool_calls"),
             message.get("reasoning_content") or message.get("reasoning"),
+            logprobs=(choice.get("logprobs") or {}).get("content"),
         )
         body = response_object(
             rid, created, chat.model, ask.echo, state, output, usage(answer.get("usage"))

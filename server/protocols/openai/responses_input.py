@@ -13,10 +13,13 @@ to the template as ``reasoning_effort``) become a chat body (:attr:`ResponsesAsk
 chat's own checks read once the conversation is known, so what chat honours or refuses,
 responses does too.
 
+``top_logprobs`` (or ``include: ["message.output_text.logprobs"]``) is chat's ``logprobs``, its
+entries in the ``output_text`` part (and each delta) in chat's format, as OpenAI's.
+
 Refused with a 400 naming the field, never dropped: ``background``, ``conversation``,
-``prompt`` (stored prompts), ``include`` values, tools other than functions, ``truncation``
-``auto`` (nothing is truncated: a conversation too long for the context is a 400), image, file
-and audio parts, ``item_reference`` items, ``top_logprobs``, ``max_tool_calls``,
+``prompt`` (stored prompts), other ``include`` values, tools other than functions,
+``truncation`` ``auto`` (nothing is truncated: a conversation too long for the context is a
+400), image, file and audio parts, ``item_reference`` items, ``max_tool_calls``,
 ``text.verbosity`` other than ``medium``. Fields that only describe the request (``metadata``,
 ``user``) are kept in the response; others unknown are ignored, as chat ignores them.
 """
@@ -38,6 +41,8 @@ MAX_ITEMS = protocol.MAX_MESSAGES
 #: ``metadata``: OpenAI's bounds (16 keys, 64-character keys, 512-character values)
 MAX_METADATA = 16
 
+#: what ``include`` may ask for: the output text's logprobs (chat's, with ``top_logprobs``)
+_INCLUDE = ("message.output_text.logprobs",)
 #: request fields this server knows and refuses when set (the value that is allowed, if any)
 _REFUSED: dict[str, tuple[Any, str]] = {
     "background": (False, "runs in the background are not supported; leave it out"),
@@ -46,8 +51,6 @@ _REFUSED: dict[str, tuple[Any, str]] = {
     "prompt": (None, "stored prompt templates are not supported; send 'input'"),
     "max_tool_calls": (None, "a bound on built-in tool calls is not supported (this server "
                        "runs no built-in tools)"),
-    "top_logprobs": (None, "logprobs are not served on /v1/responses yet; use "
-                     "/v1/chat/completions with 'logprobs'"),
 }  # fmt: skip
 
 
@@ -260,11 +263,10 @@ def responses_request(body: dict[str, Any]) -> ResponsesAsk:
     for key, (allowed, why) in _REFUSED.items():
         if body.get(key) is not None and body.get(key) != allowed:
             raise OpenAIError(f"'{key}': {why}", key)
-    include = body.get("include")
-    if include:
+    include = body.get("include") or []
+    if not isinstance(include, list) or any(v not in _INCLUDE for v in include):
         raise OpenAIError(
-            f"'include' asks for {include!r}; this server adds nothing to the output on request "
-            "(leave it out)",
+            f"'include' asks for {include!r}; this server adds only {list(_INCLUDE)}",
             "include",
         )
     if body.get("truncation") not in (None, "disabled"):
@@ -299,6 +301,9 @@ def responses_request(body: dict[str, Any]) -> ResponsesAsk:
             chat[key] = body[key]
     if body.get("max_output_tokens") is not None:
         chat["max_completion_tokens"] = body["max_output_tokens"]
+    if body.get("top_logprobs") is not None or "message.output_text.logprobs" in include:
+        chat["logprobs"] = True  # chat checks top_logprobs' range, named the same
+        chat["top_logprobs"] = body.get("top_logprobs") or 0
     tools = _tools(body)
     if tools:
         chat["tools"] = tools

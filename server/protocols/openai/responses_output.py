@@ -49,17 +49,18 @@ def output_items(
     tool_calls: list[dict[str, Any]] | None = None,
     reasoning: str | None = None,
     status: str = "completed",
+    logprobs: list[dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
     """The output items of a chat answer: a ``reasoning`` item (when there is reasoning), a
     ``message`` (when there is text, or nothing else), and a ``function_call`` per tool call
     (chat's ``{"id", "function": {"name", "arguments"}}``). The only place a chat answer
     becomes items: the non-streamed path calls it, and :class:`EventStream` makes the same
-    items as it streams."""
+    items as it streams. ``logprobs``: chat's ``logprobs.content`` (the text's tokens)."""
     items = []
     if reasoning:
         items.append(reasoning_item(new_id("rs"), reasoning, status))
     if content or not tool_calls:
-        items.append(message_item(new_id("msg"), content or "", status))
+        items.append(message_item(new_id("msg"), content or "", status, logprobs))
     for call in tool_calls or ():
         function = call.get("function") or {}
         items.append(
@@ -74,18 +75,21 @@ def output_items(
     return items
 
 
-def message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
+def message_item(
+    item_id: str, text: str | None, status: str, logprobs: list[Any] | None = None
+) -> dict[str, Any]:
     return {
         "id": item_id,
         "type": "message",
         "role": "assistant",
         "status": status,
-        "content": [] if text is None else [_text_part(text)],
+        "content": [] if text is None else [_text_part(text, logprobs)],
     }
 
 
-def _text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _text_part(text: str, logprobs: list[Any] | None = None) -> dict[str, Any]:
+    """An ``output_text`` part; ``logprobs`` in chat's format (``top_logprobs`` asked)."""
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
 def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
@@ -193,6 +197,8 @@ class EventStream:
         self._text: list[str] = []
         #: chat's tool-call index -> the call item's output index
         self._calls: dict[int, int] = {}
+        #: the open message's logprobs so far (chat's ``logprobs.content`` entries)
+        self._logprobs: list[Any] = []
         self.finish_reason: str | None = None
         self.usage: dict[str, Any] | None = None
 
@@ -226,7 +232,8 @@ class EventStream:
         events = []
         item["status"] = "completed"
         if item["type"] == "message":
-            part = _text_part(text)
+            logprobs, self._logprobs = self._logprobs, []
+            part = _text_part(text, logprobs)
             item["content"] = [part]
             events.append(
                 self._event(
@@ -235,7 +242,7 @@ class EventStream:
                     output_index=index,
                     content_index=0,
                     text=text,
-                    logprobs=[],
+                    logprobs=logprobs,
                 )
             )
             events.append(
@@ -300,7 +307,7 @@ class EventStream:
             )
         return events
 
-    def _text_delta(self, kind: str, text: str) -> list[bytes]:
+    def _text_delta(self, kind: str, text: str, logprobs: list[Any] | None = None) -> list[bytes]:
         events: list[bytes] = []
         if self._open is None or self._open["type"] != kind:
             if kind == "message":
@@ -319,7 +326,8 @@ class EventStream:
             "delta": text,
         }
         if kind == "message":
-            fields["logprobs"] = []
+            fields["logprobs"] = logprobs or []
+            self._logprobs += logprobs or []
         events.append(self._event(name, **fields))
         return events
 
@@ -364,7 +372,8 @@ class EventStream:
             if reasoning:
                 events += self._text_delta("reasoning", reasoning)
             if delta.get("content"):
-                events += self._text_delta("message", delta["content"])
+                logprobs = (choice.get("logprobs") or {}).get("content")
+                events += self._text_delta("message", delta["content"], logprobs)
             for call in delta.get("tool_calls") or ():
                 events += self._call_delta(call)
             if choice.get("finish_reason") is not None:
