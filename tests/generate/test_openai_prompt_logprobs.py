@@ -288,3 +288,23 @@ def test_the_engines_own_parameters_are_honoured(api, tokenizer):
     assert bare.choices[0].model_extra["prompt_token_ids"] == tokenizer.encode(
         "Hi", add_special_tokens=False
     )
+
+
+def test_a_decoder_without_every_positions_logits_refuses_prompt_logprobs(llm_folder):
+    """optimum-intel's IR on OPENVINO (paged attention: each chunk's last logits only): echo
+    with logprobs and prompt_logprobs are a 400 naming the field, streamed too (checked before
+    the stream's status line), and the model serves on."""
+    from plugserve.server import Core
+
+    if "OPENVINO" not in Core().available_devices:
+        pytest.skip("OPENVINO is not available here (pip install 'plugserve[openvino]')")
+    with serving({"ir": (llm_folder("tiny-llama", "openvino"), "OPENVINO")}) as running:
+        api = client(running)
+        for fields, param in (
+            ({"echo": True, "logprobs": 1, "stream": True}, "echo"),
+            ({"extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs"),
+        ):
+            with pytest.raises(openai.BadRequestError) as error:
+                api.completions.create(model="ir", prompt="Hi", max_tokens=2, **fields)
+            assert error.value.body["param"] == param
+        assert api.completions.create(model="ir", prompt="Hi", max_tokens=2).choices

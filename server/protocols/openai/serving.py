@@ -389,6 +389,14 @@ class OpenAIRoutes:
             # GIL, 84 ms for 128k ids), not as the answer is written on the loop
             ask.prompts = await self._in_worker(_texts_of, model, ask.prompts)
         scored = _prompt_scored(ask, echo)
+        if scored is not None and not model.network.prompt_logits:  # before a stream starts
+            field = "prompt_logprobs" if ask.prompt_logprobs is not None else "echo"
+            raise OpenAIError(
+                f"model '{model.name}' cannot score its prompt (its decoder gives only the last "
+                f"logits of each chunk, as OpenVINO's paged-attention IR): '{field}' with "
+                "logprobs is not served for it",
+                field,
+            )
         if echo and max_tokens == 0 and scored is None:
             return _echo_only(model, ask, prompts)
         params = SamplingParams(
