@@ -70,12 +70,30 @@ class ResponsesRoutes:
         self.openai = openai
         self.store = store
 
-    def routes(self, prefix: str, infer: str, guarded: Callable[[Any], Any]) -> list[Any]:
+    @staticmethod
+    def table(
+        prefix: str,
+        infer: str,
+        guarded: Callable[[Any], Any],
+        owner: Callable[[], ResponsesRoutes],
+    ) -> list[Any]:
+        """The routes under ``prefix``, each authorized as ``infer`` (ModelInfer); ``owner()``
+        gives the handlers' instance when a request comes."""
+
+        def create(call: Any) -> Any:
+            return owner().create(call)
+
+        def retrieve(call: Any) -> Any:
+            return owner().retrieve(call)
+
+        def delete(call: Any) -> Any:
+            return owner().delete(call)
+
         return [
-            (prefix + "/responses", {"POST": (infer, guarded(self.create))}),
+            (prefix + "/responses", {"POST": (infer, guarded(create))}),
             (
                 prefix + r"/responses/(?P<response>[^/]+)",
-                {"GET": (infer, guarded(self.retrieve)), "DELETE": (infer, guarded(self.delete))},
+                {"GET": (infer, guarded(retrieve)), "DELETE": (infer, guarded(delete))},
             ),
         ]
 

@@ -53,10 +53,22 @@ class TokenizeRoutes:
         self._completion_ids = completion_ids
         self._check_prompt = check_prompt
 
-    def routes(self, infer: str, guarded: Callable[[Any], Any]) -> list[Any]:
+    @staticmethod
+    def table(
+        infer: str, guarded: Callable[[Any], Any], owner: Callable[[], TokenizeRoutes]
+    ) -> list[Any]:
+        """The two routes, authorized as ``infer`` (ModelInfer); ``owner()`` gives the
+        handlers' instance when a request comes."""
+
+        def tokenize(call: Any) -> Any:
+            return owner().tokenize(call)
+
+        def detokenize(call: Any) -> Any:
+            return owner().detokenize(call)
+
         return [
-            ("/tokenize", {"POST": (infer, guarded(self.tokenize))}),
-            ("/detokenize", {"POST": (infer, guarded(self.detokenize))}),
+            ("/tokenize", {"POST": (infer, guarded(tokenize))}),
+            ("/detokenize", {"POST": (infer, guarded(detokenize))}),
         ]
 
     async def tokenize(self, call: Any) -> Any:
