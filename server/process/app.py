@@ -66,6 +66,7 @@ from plugserve.server.protocols.grpc.handlers import add_service
 from plugserve.server.protocols.grpc.wrapping import Wrap, WrappingServer
 from plugserve.server.protocols.kserve.rest import RestApp, RestServer
 from plugserve.server.protocols.openai import OpenAIRoutes
+from plugserve.server.protocols.openai.responses_store import ResponseStore
 from plugserve.server.protocols.v1.servicer import PlugserveServicer
 
 __all__ = ["NotServable", "Server", "main"]
@@ -434,7 +435,13 @@ class Server:
             local_control=not s.allow_remote_control,
         )
         # the OpenAI-compatible API over generative models (server/protocols/openai/)
-        self.openai = OpenAIRoutes(self.plane, self.control, s.max_completion_tokens)
+        store = ResponseStore(
+            self.plane.budget,
+            s.responses_store_entries,
+            s.responses_store_bytes,
+            s.responses_store_seconds,
+        )
+        self.openai = OpenAIRoutes(self.plane, self.control, s.max_completion_tokens, store)
         rest_app.add_routes(self.openai.routes(), self.openai.refusal)
         self.rest = RestServer(rest_app, s)
         self.http_port = self.rest.start()

@@ -158,6 +158,25 @@ class Settings:
         "up to this); 0: the model's context length only",
         low=0,
     )
+    responses_store_entries: int = _field(
+        1024,
+        "OpenAI /v1/responses: most responses kept for previous_response_id and GET/DELETE by "
+        "id; the oldest goes first (docs/openai.md)",
+        low=0,
+    )
+    responses_store_bytes: int = _field(
+        64 << 20,
+        "OpenAI /v1/responses: most bytes the kept responses hold, charged to "
+        "--max-inflight-bytes while kept; the oldest goes first; 0: nothing is kept (every "
+        "request acts as store: false)",
+        low=0,
+    )
+    responses_store_seconds: float = _field(
+        3600.0,
+        "OpenAI /v1/responses: a kept response older than this is gone (0: kept until the "
+        "entries or bytes bounds evict it)",
+        low=0,
+    )
     max_request_seconds: float = _field(
         300.0,
         "longest an inference request may take from admission to its answer, queued and "

@@ -77,6 +77,12 @@ class Decoder(abc.ABC):
         ``copy`` and ``swap`` move rows of the model's variable states instead)."""
         return KVCache(self.layout, rows)
 
+    #: whether ``first`` and ``extend`` take ``all_positions=True`` and then return the logits
+    #: of every position of each chunk, not only its last (a prompt's logprobs: echo with
+    #: logprobs, vLLM's prompt_logprobs); the graph computes them anyway, so they cost only
+    #: their log-softmax
+    prompt_logits = False
+
     #: whether the decoder runs a step's decoding rows and prompt chunks in one forward, its
     #: ``step`` (:meth:`.decoder_openvino.PagedDecoder.step`): the engine then makes one call
     #: a step instead of decode, first and extend
@@ -119,6 +125,8 @@ def _right_padded(
 
 class SharedBufferDecoder(Decoder):
     """GroupQueryAttention graphs: per-row lengths in the mask, the cache rows bound in place."""
+
+    prompt_logits = True
 
     def _run(
         self,
@@ -172,10 +180,20 @@ class SharedBufferDecoder(Decoder):
         return self._run(cache, 0, rows, feeds, new)[:, 0, :]
 
     def first(
-        self, cache: KVCache, rows: Sequence[int], chunks: Sequence[Sequence[int]]
+        self,
+        cache: KVCache,
+        rows: Sequence[int],
+        chunks: Sequence[Sequence[int]],
+        all_positions: bool = False,
     ) -> np.ndarray:
         rows = list(rows)
         if rows != list(range(rows[0], rows[0] + len(rows))):  # bound rows must be one view
+            if all_positions:  # rows of different widths: padded to the longest
+                width = max(len(c) for c in chunks)
+                parts = [self.first(cache, [r], [c], True) for r, c in zip(rows, chunks)]
+                return np.concatenate(
+                    [np.pad(p, ((0, 0), (0, width - p.shape[1]), (0, 0))) for p in parts]
+                )
             return np.concatenate([self.first(cache, [r], [c]) for r, c in zip(rows, chunks)])
         ids, lengths = _right_padded(chunks, self.ids_dtype)
         width = ids.shape[1]
@@ -187,9 +205,18 @@ class SharedBufferDecoder(Decoder):
             )
         new = [(r, 0, len(c)) for r, c in zip(rows, chunks)]
         logits = self._run(cache, rows[0], rows[0] + len(rows), feeds, new)
+        if all_positions:
+            return logits
         return logits[np.arange(len(rows)), lengths - 1]
 
-    def extend(self, cache: KVCache, row: int, start: int, chunk: Sequence[int]) -> np.ndarray:
+    def extend(
+        self,
+        cache: KVCache,
+        row: int,
+        start: int,
+        chunk: Sequence[int],
+        all_positions: bool = False,
+    ) -> np.ndarray:
         count = len(chunk)
         feeds: dict[str, Any] = {
             "input_ids": np.asarray([chunk], dtype=self.ids_dtype),
@@ -199,11 +226,14 @@ class SharedBufferDecoder(Decoder):
             feeds["position_ids"] = np.arange(start, start + count, dtype=self.positions_dtype)[
                 None
             ]
-        return self._run(cache, row, row + 1, feeds, [(row, start, count)])[0, -1]
+        logits = self._run(cache, row, row + 1, feeds, [(row, start, count)])[0]
+        return logits if all_positions else logits[-1]
 
 
 class ConcatDecoder(Decoder):
     """Graphs that concatenate past and new keys, with explicit positions (optimum's)."""
+
+    prompt_logits = True
 
     def __init__(self, network: CompiledNetwork, layout: CacheLayout, vocab: int) -> None:
         super().__init__(network, layout, vocab)
@@ -236,7 +266,11 @@ class ConcatDecoder(Decoder):
         return self._logits(out)[:, 0, :]
 
     def first(
-        self, cache: KVCache, rows: Sequence[int], chunks: Sequence[Sequence[int]]
+        self,
+        cache: KVCache,
+        rows: Sequence[int],
+        chunks: Sequence[Sequence[int]],
+        all_positions: bool = False,
     ) -> np.ndarray:
         ids, lengths = _right_padded(chunks, self.ids_dtype)
         count, width = ids.shape
@@ -252,9 +286,18 @@ class ConcatDecoder(Decoder):
         for past, present, _h, _d in self.layout.entries:
             for i, row in enumerate(rows):
                 cache.arrays[past][row, :, : lengths[i]] = out[present][i, :, : lengths[i]]
+        if all_positions:
+            return self._logits(out)
         return self._logits(out)[np.arange(count), lengths - 1]
 
-    def extend(self, cache: KVCache, row: int, start: int, chunk: Sequence[int]) -> np.ndarray:
+    def extend(
+        self,
+        cache: KVCache,
+        row: int,
+        start: int,
+        chunk: Sequence[int],
+        all_positions: bool = False,
+    ) -> np.ndarray:
         count = len(chunk)
         feeds: dict[str, Any] = {
             "input_ids": np.asarray([chunk], dtype=self.ids_dtype),
@@ -266,7 +309,7 @@ class ConcatDecoder(Decoder):
         out = self._run(feeds)
         for past, present, _h, _d in self.layout.entries:
             cache.arrays[past][row, :, start : start + count] = out[present][0, :, start:]
-        return self._logits(out)[0, -1]
+        return self._logits(out)[0] if all_positions else self._logits(out)[0, -1]
 
 
 def _has_group_query_attention(graph: Path) -> bool:

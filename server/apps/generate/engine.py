@@ -202,6 +202,12 @@ class Engine:
                 f"n must be 1 to {self.scheduler.max_num_seqs} for this model (max_num_seqs)"
             )
         request.params.check(vocab or 0)
+        if request.params.prompt_logprobs is not None and not self.decoder.prompt_logits:
+            raise InvalidArgument(
+                f"model {self.name}: its decoder ({type(self.decoder).__name__}) gives the "
+                "logits of each chunk's last position only, so it cannot score the prompt "
+                "(prompt_logprobs, echo with logprobs)"
+            )
         if request.constraints is not None and len(request.constraints) != request.n:
             raise InvalidArgument(f"{len(request.constraints)} constraints for n={request.n}")
 

@@ -40,7 +40,7 @@ import numpy as np
 
 from plugserve.server.plane.errors import FieldError
 
-__all__ = ["MAX_SCHEMA_BYTES", "JsonConstraint", "compile_schema", "memory"]
+__all__ = ["GRAMMAR_KINDS", "MAX_SCHEMA_BYTES", "JsonConstraint", "compile_schema", "memory"]
 
 #: the largest schema (as JSON text) a request may send
 MAX_SCHEMA_BYTES = 256 << 10
@@ -155,36 +155,59 @@ class CompiledSchema:
         return one
 
 
-def compile_schema(schema: str, tokenizer: Any, vocab_size: int) -> CompiledSchema:
-    """``schema`` (JSON text) against ``tokenizer``'s vocabulary, or a 400 naming
-    ``response_format`` with llguidance's reason. Blocking (0.5-0.9 s the first time per
-    model, a few ms to seconds after, the GIL released): call it off the event loop."""
+#: the kinds of grammar :func:`compile_schema` takes besides a JSON schema (vLLM's guided
+#: decoding: ``regex``, ``choice`` (a JSON array of strings), ``grammar`` (Lark, or GBNF as
+#: llama.cpp and xgrammar write it, converted by llguidance's own converter)
+GRAMMAR_KINDS = ("json", "regex", "choice", "grammar")
+
+
+def _grammar(llguidance: Any, schema: str, kind: str) -> str:
+    """llguidance's grammar of ``schema`` read as ``kind``."""
+    if kind == "json":
+        # compact separators, as a model writes JSON most often; whitespace stays the
+        # model's to choose between tokens only where JSON allows it
+        return llguidance.LLMatcher.grammar_from_json_schema(
+            schema, defaults={"whitespace_flexible": False}
+        )
+    if kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(schema)
+    if kind == "choice":
+        import orjson
+
+        choices = orjson.loads(schema)
+        return llguidance.LLMatcher.grammar_from_lark(
+            "start: " + " | ".join(orjson.dumps(c).decode() for c in choices)
+        )
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    return llguidance.LLMatcher.grammar_from_lark(any_to_lark(schema))
+
+
+def compile_schema(
+    schema: str,
+    tokenizer: Any,
+    vocab_size: int,
+    kind: str = "json",
+    field: str = "response_format",
+) -> CompiledSchema:
+    """``schema`` (JSON text; or a grammar of another of :data:`GRAMMAR_KINDS`) against
+    ``tokenizer``'s vocabulary, or a 400 naming ``field`` with llguidance's reason.
+    Blocking (0.5-0.9 s the first time per model, a few ms to seconds after, the GIL
+    released): call it off the event loop."""
     if len(schema) > MAX_SCHEMA_BYTES:
         raise FieldError(
-            f"response_format: the schema is {len(schema)} bytes; at most {MAX_SCHEMA_BYTES}",
-            "response_format",
+            f"{field}: the grammar is {len(schema)} bytes; at most {MAX_SCHEMA_BYTES}", field
         )
     llguidance = _llguidance()
     try:
-        # compact separators, as a model writes JSON most often; whitespace stays the
-        # model's to choose between tokens only where JSON allows it
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(
-            schema, defaults={"whitespace_flexible": False}
-        )
-    except (ValueError, TypeError, RuntimeError) as exc:
-        raise FieldError(
-            f"response_format: the grammar library refuses the schema: {exc}", "response_format"
-        ) from None
+        grammar = _grammar(llguidance, schema, kind)
+    except Exception as exc:  # the library's parsers raise their own kinds of errors
+        raise FieldError(f"{field}: the grammar library refuses it: {exc}", field) from None
     why = llguidance.LLMatcher.validate_grammar(grammar, None, limits=_limits(llguidance))
     if why:
-        raise FieldError(
-            f"response_format: the grammar library refuses the schema: {why}", "response_format"
-        )
+        raise FieldError(f"{field}: the grammar library refuses it: {why}", field)
     vocabulary = _vocabulary(tokenizer, vocab_size)
     matcher = llguidance.LLMatcher(vocabulary, grammar, log_level=0, limits=_limits(llguidance))
-    if matcher.is_error():  # a schema past the parser's limits fails here, before generating
-        raise FieldError(
-            f"response_format: the schema cannot be used: {matcher.get_error()}",
-            "response_format",
-        )
+    if matcher.is_error():  # a grammar past the parser's limits fails here, before generating
+        raise FieldError(f"{field}: it cannot be used: {matcher.get_error()}", field)
     return CompiledSchema(vocabulary, matcher)

@@ -356,6 +356,11 @@ class GenerativeNetwork(CompiledNetwork):
         """Choices one request may ask for at most (the engine's sequences at once)."""
         return self.engine.scheduler.max_num_seqs
 
+    @property
+    def prompt_logits(self) -> bool:
+        """Whether the decoder scores prompts (``SamplingParams.prompt_logprobs``)."""
+        return bool(getattr(self.engine.decoder, "prompt_logits", False))
+
     def _metric(self, name: str) -> Any:
         if name == "OPTIMAL_NUMBER_OF_INFER_REQUESTS":
             return self.engine.scheduler.max_num_seqs

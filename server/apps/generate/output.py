@@ -169,7 +169,9 @@ class OutputProcessor:
                 completion_tokens=seq.generated,
                 cached_tokens=state.cached,
                 stop_reason=seq.stop_reason,
+                prompt_logprobs=state.prompt_logprobs,
             )
+            state.prompt_logprobs = None  # sent once, with the request's first event
             if reason is not None:
                 seq.finish_reason = reason
                 self.scheduler.finish(seq)

@@ -36,9 +36,10 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from plugserve.plugins.api import PlugserveError
+from plugserve.plugins.api import InferenceError, PlugserveError
 from plugserve.server.apps.generate.decoder import Decoder
 from plugserve.server.apps.generate.kvcache import KVCache, Slot, SlotTable
+from plugserve.server.apps.generate.sampler import log_softmax, logprob_entry
 from plugserve.server.apps.generate.scheduler import (
     DECODE,
     FORK,
@@ -138,14 +139,22 @@ class ModelRunner:
         rows = [s.slot.index for s, _c in chunks]
         pieces = [s.tokens[:c] for s, c in chunks]
         traced = _chunks_start(chunks, len(rows))
+        scored = any(s.request.prompt_logprobs is not None for s, _c in chunks)
         try:
-            logits = self.decoder.first(self.cache, rows, pieces)
+            if scored:
+                full = self.decoder.first(self.cache, rows, pieces, all_positions=True)
+                _check_positions(full, max(len(p) for p in pieces))
+                logits = full[np.arange(len(pieces)), [len(p) - 1 for p in pieces]]
+            else:
+                logits = self.decoder.first(self.cache, rows, pieces)
         except PlugserveError as exc:
             _chunks_end(traced, exc)
             yield Forward.failure([s for s, _c in chunks], exc)
             return
         _chunks_end(traced)
-        for (seq, _c), piece, row in zip(chunks, pieces, logits):
+        for i, ((seq, _c), piece, row) in enumerate(zip(chunks, pieces, logits)):
+            if scored and seq.request.prompt_logprobs is not None:
+                _score_prompt(seq, 0, full[i, : len(piece)])
             self._computed(seq, piece)
             if seq.pending == 0:
                 yield self._prompt_done(seq, row[None])
@@ -155,13 +164,23 @@ class ModelRunner:
         start = seq.computed
         chunk = seq.tokens[start : start + count]
         traced = _chunks_start([(seq, count)], 1)
+        scored = seq.request.prompt_logprobs is not None
         try:
-            logits = self.decoder.extend(self.cache, seq.slot.index, start, chunk)
+            if scored:
+                full = self.decoder.extend(
+                    self.cache, seq.slot.index, start, chunk, all_positions=True
+                )
+                _check_positions(full[None], len(chunk))
+                logits = full[-1]
+            else:
+                logits = self.decoder.extend(self.cache, seq.slot.index, start, chunk)
         except PlugserveError as exc:
             _chunks_end(traced, exc)
             yield Forward.failure([seq], exc)
             return
         _chunks_end(traced)
+        if scored:
+            _score_prompt(seq, start, full)
         self._computed(seq, chunk)
         if seq.pending == 0:
             yield self._prompt_done(seq, logits[None])
@@ -229,6 +248,37 @@ class ModelRunner:
         for seq in group:
             seq.status = DECODE
         return Forward(group, np.repeat(logits, len(group), axis=0), prompt=state)
+
+
+def _check_positions(logits: np.ndarray, width: int) -> None:
+    """InferenceError unless the graph gave logits for each of a chunk's ``width`` positions
+    (a graph may give only the last one's: then it cannot score a prompt)."""
+    if logits.ndim != 3 or logits.shape[1] < width:
+        raise InferenceError(
+            f"the decoder graph gives logits of shape {list(logits.shape)} for a chunk of "
+            f"{width} tokens, not one row per position: it cannot score the prompt "
+            "(prompt_logprobs, echo with logprobs)"
+        )
+
+
+def _score_prompt(seq: Seq, start: int, logits: np.ndarray) -> None:
+    """The logprobs of the prompt tokens that ``logits`` (one row per position of the chunk
+    written at ``start``) predict: position ``j`` predicts token ``j + 1``, up to the prompt's
+    last (the chunk's last position predicts the next chunk's first token, or the first
+    generated one, which the sampler scores). Raw logits, as vLLM's prompt logprobs."""
+    state = seq.request
+    prompt = seq.tokens[: state.prompt_len]
+    targets = prompt[start + 1 : start + 1 + logits.shape[0]]
+    if not targets:
+        return
+    entries = state.prompt_logprobs
+    assert entries is not None
+    rows = log_softmax(logits[: len(targets)].astype(np.float32, copy=False))
+    top = state.request.params.prompt_logprobs or 0
+    for row, token in zip(rows, targets):
+        entry = logprob_entry(row, int(token), top)
+        entry.rank = int(np.count_nonzero(row > row[token])) + 1
+        entries.append(entry)
 
 
 def _chunks_start(chunks: Sequence[tuple[Seq, int]], rows: int) -> list[RequestSpans] | None:

@@ -38,7 +38,7 @@ import numpy as np
 
 from plugserve.server.apps.generate.types import SamplingParams, TokenLogprob
 
-__all__ = ["Sampler", "SamplingState", "log_softmax"]
+__all__ = ["Sampler", "SamplingState", "log_softmax", "logprob_entry"]
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -159,7 +159,7 @@ class Sampler:
             for j, i in enumerate(asked):
                 if i not in bad:
                     try:
-                        logprobs[i] = _entry(
+                        logprobs[i] = logprob_entry(
                             raw_lp[j], int(tokens[i]), rows[i].params.logprobs or 0
                         )
                     except Exception as exc:
@@ -267,7 +267,8 @@ def _top_p(probs: np.ndarray, top_p: float) -> None:
     probs[order[cut:]] = 0.0
 
 
-def _entry(row_lp: np.ndarray, token: int, top: int) -> TokenLogprob:
+def logprob_entry(row_lp: np.ndarray, token: int, top: int) -> TokenLogprob:
+    """``token``'s logprob in ``row_lp`` (a log-softmax row) and the ``top`` most likely."""
     best: list[tuple[int, float]] = []
     if top > 0:
         k = min(top, row_lp.shape[0])

@@ -95,6 +95,7 @@ class RequestState:
         "done",
         "ended",
         "prompt_len",
+        "prompt_logprobs",
         "request",
         "request_id",
         "sender",
@@ -119,6 +120,12 @@ class RequestState:
         self.ended = False
         #: its spans when it is traced (:class:`.spans.RequestSpans`), else None
         self.spans: Any = None
+        #: the prompt tokens' logprobs as its prefill scores them (the first token has none),
+        #: when the request asks for them (``prompt_logprobs``), else None; sent with its
+        #: first event. Such a request computes its whole prompt: no prefix cache
+        self.prompt_logprobs: list[Any] | None = (
+            [None] if request.params.prompt_logprobs is not None else None
+        )
 
     @property
     def finished(self) -> bool:
@@ -208,6 +215,8 @@ class Scheduler:
         if not table.prefix_caching or not self.waiting:
             return
         for state in itertools.islice(self.waiting, table.free_count):
+            if state.prompt_logprobs is not None:
+                continue
             slot, _hit = table.lookup(state.sequences[0].tokens, count=False)
             if slot is not None and slot.owner is None:
                 table.wanted.add(slot.index)
@@ -216,7 +225,10 @@ class Scheduler:
         """Slots for every sequence of ``state``; the leader's prompt prefix from the cache."""
         leader = state.sequences[0]
         prompt = leader.tokens
-        source, hit = self.table.lookup(prompt)
+        if state.prompt_logprobs is None:
+            source, hit = self.table.lookup(prompt)
+        else:  # its prompt is scored as it is computed: all of it
+            source, hit = None, 0
         if source is not None and source.owner is None:
             leader.slot = self.table.take(leader, prefer=source)
             self.table.truncate(leader.slot, hit)

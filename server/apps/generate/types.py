@@ -282,6 +282,9 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = dataclasses.field(default_factory=list)
+    #: the token's place among the vocabulary, 1 the most likely (prompt tokens' only: vLLM's
+    #: prompt_logprobs give it); None where not computed
+    rank: int | None = None
 
 
 @dataclasses.dataclass

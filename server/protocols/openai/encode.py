@@ -214,6 +214,41 @@ def _completion_logprobs(
     )
 
 
+def vllm_prompt_logprobs(
+    prompt_ids: Sequence[int],
+    entries: Sequence[TokenLogprob | None] | None,
+    names: TokenNames,
+    top: int,
+) -> list[dict[str, Any] | None]:
+    """vLLM's ``prompt_logprobs``: per prompt token None (the first, which nothing precedes)
+    or ``{token id: {"logprob", "rank", "decoded_token"}}`` holding the token and the ``top``
+    most likely at its place (rank 1 the most likely)."""
+    scored = list(entries or [])
+    scored += [None] * (len(prompt_ids) - len(scored))
+    out: list[dict[str, Any] | None] = []
+    for token_id, entry in zip(prompt_ids, scored):
+        if entry is None:
+            out.append(None)
+            continue
+        found: dict[str, Any] = {}
+        for rank, (alt, logprob) in enumerate(entry.top[:top], 1):
+            found[str(alt)] = {
+                "logprob": finite(logprob),
+                "rank": rank,
+                "decoded_token": names.text(alt),
+            }
+        found.setdefault(
+            str(token_id),
+            {
+                "logprob": finite(entry.logprob),
+                "rank": entry.rank,
+                "decoded_token": names.text(token_id),
+            },
+        )
+        out.append(found)
+    return out
+
+
 def join_logprobs(first: dict[str, Any] | None, second: dict[str, Any]) -> dict[str, Any]:
     if first is None:
         return second

@@ -26,9 +26,10 @@ Where OpenAI and vLLM differ or are silent, the choice is written here and in do
   the messages, tools, the generation prompt's switches, the tokenizer's special tokens and
   the template's helper functions): 400 naming the key, where it was a 500;
 * fields this server does not know are ignored, as vLLM does (clients send ``user``,
-  ``metadata``, ``store`` and their own extensions); fields it knows but cannot honour
-  (``tool_choice`` naming a function, image parts, ``best_of`` over ``n``, ``suffix``,
-  ``echo`` with ``logprobs``) are refused, never silently dropped.
+  ``metadata``, ``store`` and their own extensions); vLLM's and OpenAI's other fields are
+  honoured or refused by ``vllm_fields.py``; fields it knows but cannot honour
+  (``tool_choice`` naming a function, image parts, ``best_of`` over ``n``, ``suffix``)
+  are refused, never silently dropped.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from plugserve.server.apps.generate.types import (
     MAX_STOP_CHARS,
     MAX_TOKEN_LIST,
 )
+from plugserve.server.protocols.openai import vllm_fields
 from plugserve.server.protocols.openai.errors import OpenAIError
 
 __all__ = [
@@ -143,10 +145,18 @@ class GenerationAsk:
     sampling: dict[str, Any] = dataclasses.field(default_factory=dict)
     #: top-k alternatives per token (None: no logprobs; 0: only the chosen token's)
     logprobs: int | None = None
-    #: the JSON schema the answer must follow (response_format), as text
+    #: the JSON schema the answer must follow (response_format), as text; or a grammar of
+    #: ``grammar_kind`` (vLLM's guided decoding: ``vllm_fields.py``) from ``grammar_field``
     schema: str | None = None
+    grammar_kind: str = "json"
+    grammar_field: str = "response_format"
+    #: the tokenizer's special tokens added to the prompt (vLLM's; completions: true)
+    add_special_tokens: bool = False
     #: vLLM's extension: each choice also carries its token ids (and the prompt's)
     return_token_ids: bool = False
+    #: vLLM's extension: the prompt tokens' logprobs with this many alternatives (None: not
+    #: asked); not with ``stream`` (vLLM's rule)
+    prompt_logprobs: int | None = None
 
 
 @dataclasses.dataclass
@@ -223,7 +233,9 @@ def _integer(
     value = body.get(key)
     if value is None:
         return default
-    if isinstance(value, float) and value.is_integer():
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+        # 4.0 is 4; a float past 2**53 is not exact (JSON's -9223372036854775809, past
+        # int64, parses as a float that rounds to -2**63: within the seed's range)
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
         raise OpenAIError(f"'{key}' must be an integer, not {_kind(value)}", key)
@@ -402,6 +414,13 @@ def _sampling(body: dict[str, Any], ask: GenerationAsk) -> None:
     ask.sampling = {k: v for k, v in ask.sampling.items() if v is not None}
     ask.schema = _response_format(body)
     ask.return_token_ids = _boolean(body, "return_token_ids")
+    ask.prompt_logprobs = _integer(body, "prompt_logprobs", None, 0, MAX_LOGPROBS)
+    if ask.prompt_logprobs is not None and ask.stream:
+        raise OpenAIError(
+            "'prompt_logprobs' is not available with 'stream' (vLLM's rule): the prompt's "
+            "logprobs come in the whole answer",
+            "prompt_logprobs",
+        )
 
 
 def _text_content(content: Any, where: str) -> str | None:
@@ -498,6 +517,7 @@ def chat_request(body: dict[str, Any]) -> ChatRequest:
                 "chat_template_kwargs",
             )
     ask.template_kwargs = dict(kwargs or {})
+    vllm_fields.read(body, ask, "chat")
     return ask
 
 
@@ -537,14 +557,6 @@ def completion_request(body: dict[str, Any]) -> CompletionRequest:
     ask.echo = _boolean(body, "echo")
     ask.max_tokens = _integer(body, "max_tokens", None, 0 if ask.echo else 1)
     ask.logprobs = _integer(body, "logprobs", None, 0, MAX_COMPLETION_LOGPROBS)
-    if ask.echo and ask.logprobs is not None:
-        # the answer would need the prompt's logprobs (SamplingParams.prompt_logprobs), which
-        # the engine does not compute yet; encode.prompt_logprobs writes them once it does
-        raise OpenAIError(
-            "'echo' with 'logprobs' needs the prompt's logprobs, which this server does not "
-            "compute yet; ask for one or the other",
-            "echo",
-        )
     if body.get("suffix"):
         raise OpenAIError("'suffix' (insertion) is not supported by this server", "suffix")
     choices = ask.n * len(ask.prompts)
@@ -552,6 +564,7 @@ def completion_request(body: dict[str, Any]) -> CompletionRequest:
         raise OpenAIError(
             f"'n' x the prompts is {choices} sequences; at most {MAX_CHOICES} per request", "n"
         )
+    vllm_fields.read(body, ask, "completion")
     return ask
 
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import time
@@ -69,6 +70,9 @@ from plugserve.server.protocols.openai.errors import (
     reply_of,
     stream_error,
 )
+from plugserve.server.protocols.openai.responses import ResponsesRoutes
+from plugserve.server.protocols.openai.responses_store import ResponseStore
+from plugserve.server.protocols.openai.tokenize import TokenizeRoutes
 
 __all__ = ["MAX_QUEUED", "OpenAIRoutes"]
 
@@ -120,15 +124,26 @@ class _Model:
 class OpenAIRoutes:
     """The handlers, and the route table ``RestApp.add_routes`` takes."""
 
-    def __init__(self, plane: Any, control: Any, max_completion_tokens: int = 0) -> None:
+    def __init__(
+        self,
+        plane: Any,
+        control: Any,
+        max_completion_tokens: int = 0,
+        responses_store: ResponseStore | None = None,
+    ) -> None:
         """``max_completion_tokens``: the server's limit on ``max_tokens`` (0: the model's
-        context only)."""
+        context only); ``responses_store``: where /v1/responses keeps responses (default:
+        :class:`ResponseStore`'s bounds)."""
         self.plane = plane
         self.control = control
         self.max_completion_tokens = max_completion_tokens
         self.workers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="openai")
         self._queued = 0
         self.created = int(time.time())
+        if responses_store is None:  # (an empty store is falsy: it has a length)
+            responses_store = ResponseStore(plane.budget)
+        self.responses = ResponsesRoutes(self, responses_store)
+        self.tokenize = TokenizeRoutes(self, _chat_ids, _completion_ids, _check_prompt)
 
     def routes(self) -> list[tuple[str, dict[str, tuple[str, Callable[[Any], Any]]]]]:
         """``RestApp.add_routes``' table: each path authorized as the KServe method it stands
@@ -147,6 +162,10 @@ class OpenAIRoutes:
                     {"GET": (metadata, _guarded(self.model))},
                 ),
             ]
+            # the handlers' owners are read when a request comes: the table is read without
+            # them too (tests/server/test_roles.py reads it from an uninitialized instance)
+            table += ResponsesRoutes.table(prefix, infer, _guarded, lambda: self.responses)
+        table += TokenizeRoutes.table(infer, _guarded, lambda: self.tokenize)
         return table
 
     def close(self) -> None:
@@ -267,7 +286,7 @@ class OpenAIRoutes:
         # refused at once, unrendered, when its text alone cannot fit (characters <= bytes)
         chars = sum(len(m["content"]) for m in ask.messages if isinstance(m["content"], str))
         _check_prompt(chars, model, "'messages'", "messages")
-        ids = await self._in_worker(_chat_ids, model, ask)
+        ids = await self._in_worker(_chat_ids, model, ask, ask.add_special_tokens)
         return await self._generate(model, ask, [ids], "chat", "messages", trace)
 
     # --- POST /v1/completions
@@ -284,7 +303,11 @@ class OpenAIRoutes:
                 where = "prompt" if len(ask.prompts) == 1 else f"prompt[{i}]"
                 _check_prompt(len(prompt), model, f"'{where}'", where)
         texts = [p for p in ask.prompts if isinstance(p, str)]
-        encoded = iter(await self._in_worker(_completion_ids, model, texts) if texts else [])
+        encoded = iter(
+            await self._in_worker(_completion_ids, model, texts, ask.add_special_tokens)
+            if texts
+            else []
+        )
         ids = [next(encoded) if isinstance(p, str) else p for p in ask.prompts]
         return await self._generate(model, ask, ids, "completion", "prompt", trace)
 
@@ -368,12 +391,23 @@ class OpenAIRoutes:
             # prompts given as ids are echoed as text: decoded on a worker (decode holds the
             # GIL, 84 ms for 128k ids), not as the answer is written on the loop
             ask.prompts = await self._in_worker(_texts_of, model, ask.prompts)
-        if echo and max_tokens == 0:
+        scored = _prompt_scored(ask, echo)
+        if scored is not None and not model.network.prompt_logits:  # before a stream starts
+            field = "prompt_logprobs" if ask.prompt_logprobs is not None else "echo"
+            raise OpenAIError(
+                f"model '{model.name}' cannot score its prompt (its decoder gives only the last "
+                f"logits of each chunk, as OpenVINO's paged-attention IR): '{field}' with "
+                "logprobs is not served for it",
+                field,
+            )
+        if echo and max_tokens == 0 and scored is None:
             return _echo_only(model, ask, prompts)
         params = SamplingParams(
-            max_tokens=max_tokens,
+            # echo, logprobs and max_tokens 0: one token is generated (the prompt's logprobs
+            # come with it) and left out of the answer
+            max_tokens=max(max_tokens, 1),
             logprobs=ask.logprobs,
-            prompt_logprobs=ask.logprobs if echo and ask.logprobs is not None else None,
+            prompt_logprobs=scored,
             **ask.sampling,
         )
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
@@ -381,6 +415,8 @@ class OpenAIRoutes:
             name_request(trace, rid)
         holds = _answer_bytes(ask, max_tokens) * len(prompts) + schema_bytes
         holds += _ID_BYTES * sum(len(p) for p in prompts)  # the prompts' ids, while it runs
+        if scored is not None:  # the prompts' logprobs, each token's k alternatives
+            holds += _LOGPROB_BYTES * (scored + 1) * sum(len(p) for p in prompts)
         streams = []
         try:
             for i, ids in enumerate(prompts):
@@ -405,6 +441,7 @@ class OpenAIRoutes:
                 stream.cancel()
             raise
         answer = _Answer(model, ask, kind, rid, prompts, echo)
+        answer.prompt_only = echo and max_tokens == 0
         if ask.stream:
             return _stream_reply(answer, streams)
         try:
@@ -414,7 +451,10 @@ class OpenAIRoutes:
             for stream in streams:
                 stream.cancel()
         tokens = sum(len(t) for t in answer.token_ids) + sum(answer.completion)
-        if tokens * (1 + (ask.logprobs or 0)) > INLINE_BYTES // 64:
+        size = tokens * (1 + (ask.logprobs or 0))
+        if scored is not None:  # the prompts' logprobs are written too
+            size += sum(len(p) for p in prompts) * (1 + scored)
+        if size > INLINE_BYTES // 64:
             # a long answer (many choices, logprobs: each alternative ~64 bytes) is built and
             # written on a worker, a bounded piece at a time (encode.json_pieces)
             return 200, [await self._in_worker(_dumped, answer)], _JSON
@@ -435,7 +475,7 @@ class OpenAIRoutes:
         charge = self.plane.budget.charge(schema_bytes, "this request's response_format")
         try:
             constraints = await self._in_worker(
-                _compiled, ask.schema, model.tokenizer, model.vocab_size, count
+                _compiled, ask, model.tokenizer, model.vocab_size, count
             )
         finally:
             charge.release()
@@ -489,9 +529,12 @@ def _check_prompt(size: int, model: _Model, what: str, field: str) -> None:
         raise OpenAIError(str(exc), field) from None
 
 
-def _chat_ids(model: _Model, ask: protocol.ChatRequest) -> list[int]:
+def _chat_ids(
+    model: _Model, ask: protocol.ChatRequest, add_special_tokens: bool = False
+) -> list[int]:
     """The chat's prompt ids (a worker's job): rendered with the prompt's bound, its bytes
-    checked, tokenized with its memory charged."""
+    checked, tokenized with its memory charged (``add_special_tokens``: /tokenize's, the
+    template writes its own)."""
     tokenizer = model.tokenizer
     variables = {**ask.template_kwargs, "continue_final_message": ask.continue_final_message}
     bound = limits.prompt_limit(tokenizer, model.context)
@@ -507,10 +550,12 @@ def _chat_ids(model: _Model, ask: protocol.ChatRequest) -> list[int]:
     size = limits.text_bytes(text)
     _check_prompt(size, model, "the rendered chat", "messages")
     with limits.tokenizing(size, "the chat"):
-        return tokenizer.encode(text, add_special_tokens=False)
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
-def _completion_ids(model: _Model, texts: list[str]) -> list[list[int]]:
+def _completion_ids(
+    model: _Model, texts: list[str], add_special_tokens: bool = True
+) -> list[list[int]]:
     """The prompts' ids (a worker's job): each one's bytes checked, their tokenizing's memory
     charged."""
     sizes = [limits.text_bytes(t) for t in texts]
@@ -518,7 +563,7 @@ def _completion_ids(model: _Model, texts: list[str]) -> list[list[int]]:
         where = "prompt" if len(texts) == 1 else f"prompt[{i}]"
         _check_prompt(size, model, f"'{where}'", where)
     with limits.tokenizing(sum(sizes), "the prompts"):
-        return model.tokenizer.encode_batch(texts, True)
+        return model.tokenizer.encode_batch(texts, add_special_tokens)
 
 
 def _texts_of(model: _Model, prompts: list[Any]) -> list[str]:
@@ -538,11 +583,18 @@ def _yield_gil() -> None:
     time.sleep(0)
 
 
-def _compiled(schema: str, tokenizer: Any, vocab_size: int, count: int) -> list[Any]:
-    """``count`` constraints of ``schema`` (a worker's job: compiled once, then copied)."""
+def _compiled(
+    ask: protocol.GenerationAsk, tokenizer: Any, vocab_size: int, count: int
+) -> list[Any]:
+    """``count`` constraints of the request's schema or grammar (a worker's job: compiled
+    once, then copied)."""
     from plugserve.server.apps.generate import grammar
 
-    return grammar.compile_schema(schema, tokenizer, vocab_size).constraints(count)
+    assert ask.schema is not None
+    compiled = grammar.compile_schema(
+        ask.schema, tokenizer, vocab_size, ask.grammar_kind, ask.grammar_field
+    )
+    return compiled.constraints(count)
 
 
 def _is_generative(entry: Any) -> bool:
@@ -561,6 +613,13 @@ def _is_encoder(entry: Any, control: Any) -> bool:
     except PlugserveError as exc:  # a broken folder: said at each listing, served by none
         log.warning("model %r: not an embedding model: %s", entry.name, exc)
         return False
+
+
+def _prompt_scored(ask: protocol.GenerationAsk, echo: bool) -> int | None:
+    """The alternatives per prompt token the answer needs (None: no prompt logprobs): echo
+    with logprobs' and vLLM's ``prompt_logprobs``, the larger."""
+    wanted = [k for k in (ask.logprobs if echo else None, ask.prompt_logprobs) if k is not None]
+    return max(wanted) if wanted else None
 
 
 def _answer_bytes(ask: protocol.GenerationAsk, max_tokens: int) -> int:
@@ -691,6 +750,8 @@ class _Answer:
         self.prompts = prompts
         self.echo = echo
         self.names = encode.token_names(model.tokenizer) if ask.logprobs is not None else None
+        #: echo, logprobs and max_tokens 0: the one token generated is left out
+        self.prompt_only = False
         count = ask.n * len(prompts)
         self.texts: list[list[str]] = [[] for _ in range(count)]
         self.token_ids: list[list[int]] = [[] for _ in range(count)]
@@ -707,7 +768,21 @@ class _Answer:
     def index(self, prompt: int, event: GenerationEvent) -> int:
         return prompt * self.ask.n + event.index
 
+    def bare(self, event: GenerationEvent) -> GenerationEvent:
+        """``event`` as the answer takes it: with :attr:`prompt_only`, nothing generated."""
+        if not self.prompt_only or not (event.token_ids or event.text or event.logprobs):
+            return event
+        return dataclasses.replace(
+            event,
+            token_ids=[],
+            text="",
+            logprobs=None,
+            completion_tokens=0,
+            finish_reason=None if event.finish_reason is None else "length",
+        )
+
     def add(self, prompt: int, event: GenerationEvent) -> int:
+        event = self.bare(event)
         i = self.index(prompt, event)
         if event.text:
             self.texts[i].append(event.text)
@@ -792,6 +867,8 @@ class _Answer:
                 "finish_reason": self.finish[i] or "stop",
             }
         self._ids(choice, i, prompt)
+        if self.kind != "chat" and self.ask.prompt_logprobs is not None:  # vLLM's: per choice
+            choice["prompt_logprobs"] = self._vllm_prompt_logprobs(prompt)
         return choice
 
     def body(self, lazy: bool = False) -> dict[str, Any]:
@@ -813,7 +890,17 @@ class _Answer:
         }
         if self.kind == "chat" and self.ask.return_token_ids:  # vLLM: the response's own
             body["prompt_token_ids"] = self.prompts[0]
+        if self.kind == "chat" and self.ask.prompt_logprobs is not None:  # vLLM: its own too
+            body["prompt_logprobs"] = self._vllm_prompt_logprobs(0)
         return body
+
+    def _vllm_prompt_logprobs(self, prompt: int) -> list[Any]:
+        return encode.vllm_prompt_logprobs(
+            self.prompts[prompt],
+            self.prompt_logprobs[prompt],
+            encode.token_names(self.model.tokenizer),
+            self.ask.prompt_logprobs or 0,
+        )
 
     # --- streaming
 
@@ -850,6 +937,7 @@ class _Answer:
 
     def chunk(self, prompt: int, event: GenerationEvent) -> bytes | None:
         """The chunk for one event (None: it carries nothing to send)."""
+        event = self.bare(event)
         i = self.add(prompt, event)
         first = i not in self.started
         self.started.add(i)

@@ -1,0 +1,246 @@
+"""OpenAI's Responses API (``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``),
+served by the chat path it stands on.
+
+A request is checked and its items turned into chat messages (:mod:`.responses_input`), the
+conversation of its ``previous_response_id`` put before them, and the whole run through the chat
+route's own code (``OpenAIRoutes._chat``: the same checks, template, tokenizing, engine, budget,
+trace), never an HTTP hop; its answer, the chat completion or its stream of chunks, becomes the
+response's output items or events (:mod:`.responses_output`, the one seam), and a refusal of
+chat's names the responses field (``max_output_tokens``, ``text.format``, ``input``).
+
+Kept responses (``store``, true unless said false) live in :mod:`.responses_store`, bounded in
+entries, bytes (charged to the memory budget) and age; ``previous_response_id`` continues the
+conversation a kept response ended (404 when it is not kept: evicted, expired, deleted, or
+made with ``store: false``). A streamed response is kept once its last event is made; one whose
+client left is not.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import orjson
+
+from plugserve.server.protocols.http.http_server import StreamReply
+from plugserve.server.protocols.openai import protocol
+from plugserve.server.protocols.openai.errors import OpenAIError
+from plugserve.server.protocols.openai.responses_input import ResponsesAsk, responses_request
+from plugserve.server.protocols.openai.responses_output import (
+    EventStream,
+    assistant_messages,
+    new_id,
+    output_items,
+    response_object,
+    status_of,
+    usage,
+)
+from plugserve.server.protocols.openai.responses_store import ResponseStore
+
+__all__ = ["ResponsesRoutes"]
+
+_JSON = [(b"content-type", b"application/json")]
+#: chat's field -> the responses field a refusal names
+_PARAMS = {
+    "messages": "input",
+    "max_completion_tokens": "max_output_tokens",
+    "response_format": "text.format",
+    "chat_template_kwargs": "reasoning",
+}
+#: a request with more items than this is made into its chat request on a worker thread
+_INLINE_ITEMS = 64
+
+
+def _sse_values(piece: bytes) -> list[Any]:
+    """The JSON values of the ``data:`` events in a chat stream's piece (``[DONE]`` left out)."""
+    values = []
+    for block in piece.split(b"\n\n"):
+        for line in block.split(b"\n"):
+            if line.startswith(b"data: ") and line[6:] != b"[DONE]":
+                values.append(orjson.loads(line[6:]))
+    return values
+
+
+class ResponsesRoutes:
+    """``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}`` over the chat
+    routes (``openai``: their :class:`~.serving.OpenAIRoutes`) and a bounded store."""
+
+    def __init__(self, openai: Any, store: ResponseStore) -> None:
+        self.openai = openai
+        self.store = store
+
+    @staticmethod
+    def table(
+        prefix: str,
+        infer: str,
+        guarded: Callable[[Any], Any],
+        owner: Callable[[], ResponsesRoutes],
+    ) -> list[Any]:
+        """The routes under ``prefix``, each authorized as ``infer`` (ModelInfer); ``owner()``
+        gives the handlers' instance when a request comes."""
+
+        def create(call: Any) -> Any:
+            return owner().create(call)
+
+        def retrieve(call: Any) -> Any:
+            return owner().retrieve(call)
+
+        def delete(call: Any) -> Any:
+            return owner().delete(call)
+
+        return [
+            (prefix + "/responses", {"POST": (infer, guarded(create))}),
+            (
+                prefix + r"/responses/(?P<response>[^/]+)",
+                {"GET": (infer, guarded(retrieve)), "DELETE": (infer, guarded(delete))},
+            ),
+        ]
+
+    # --- GET and DELETE
+
+    def _kept(self, rid: str) -> Any:
+        entry = self.store.get(rid)
+        if entry is None:
+            raise OpenAIError(
+                f"Response with id '{rid}' not found (never made with 'store', deleted, or "
+                f"evicted from this server's bounded store: {self._bounds()})",
+                "response_id",
+                404,
+            )
+        return entry
+
+    def _bounds(self) -> str:
+        s = self.store
+        if not s.on:
+            return "the store is off (--responses-store-bytes 0)"
+        return (
+            f"{s.max_entries} responses, {s.max_bytes >> 20} MiB, {s.max_age_s:g} s "
+            "(--responses-store-entries, --responses-store-bytes, --responses-store-seconds)"
+        )
+
+    def retrieve(self, call: Any) -> Any:
+        entry = self._kept(call.path["response"])
+        return 200, [entry.response], _JSON
+
+    def delete(self, call: Any) -> Any:
+        rid = call.path["response"]
+        if not self.store.delete(rid):
+            self._kept(rid)
+        body = {"id": rid, "object": "response.deleted", "deleted": True}
+        return 200, [orjson.dumps(body)], _JSON
+
+    # --- POST
+
+    async def create(self, call: Any) -> Any:
+        return await self.openai._answer(call, responses_request, "responses", self._create)
+
+    def _history(self, ask: ResponsesAsk) -> list[dict[str, Any]]:
+        if ask.previous_response_id is None:
+            return []
+        entry = self.store.get(ask.previous_response_id)
+        if entry is None:
+            raise OpenAIError(
+                f"Previous response with id '{ask.previous_response_id}' not found (never made "
+                f"with 'store', deleted, or evicted from this server's bounded store: "
+                f"{self._bounds()})",
+                "previous_response_id",
+                404,
+            )
+        return entry.messages()
+
+    def _chat_ask(
+        self, ask: ResponsesAsk, history: list[dict[str, Any]]
+    ) -> tuple[protocol.ChatRequest, list[dict[str, Any]]]:
+        """The chat request of ``ask`` after ``history`` (checked as chat checks it, a
+        refusal naming the responses field) and the conversation it continues."""
+        conversation = [*history, *ask.messages]
+        system = [{"role": "system", "content": ask.instructions}] if ask.instructions else []
+        body = {**ask.chat, "messages": [*system, *conversation]}
+        try:
+            chat = protocol.chat_request(body)
+        except OpenAIError as exc:
+            raise _renamed(exc) from None
+        chat.max_tokens_field = "max_output_tokens"
+        return chat, conversation
+
+    async def _create(self, ask: ResponsesAsk, trace: Any) -> Any:
+        history = self._history(ask)
+        if history or len(ask.messages) > _INLINE_ITEMS:
+            chat, conversation = await self.openai._in_worker(self._chat_ask, ask, history)
+        else:
+            chat, conversation = self._chat_ask(ask, history)
+        rid = new_id("resp")
+        created = int(time.time())
+        try:
+            reply = await self.openai._chat(chat, trace)
+        except OpenAIError as exc:
+            raise _renamed(exc) from None
+        if isinstance(reply, StreamReply):
+            events = EventStream(rid, created, chat.model, ask.echo)
+            kept = conversation if ask.store else None
+            reply.chunks = self._streamed(events, reply.chunks, kept)
+            return reply
+        status, pieces, _headers = reply
+        if status != 200:
+            return reply
+        answer = orjson.loads(b"".join(pieces))
+        choice = answer["choices"][0]
+        message = choice.get("message") or {}
+        state = status_of(choice.get("finish_reason"))
+        output = output_items(
+            message.get("content"),
+            message.get("tool_calls"),
+            message.get("reasoning_content") or message.get("reasoning"),
+            logprobs=(choice.get("logprobs") or {}).get("content"),
+        )
+        body = response_object(
+            rid, created, chat.model, ask.echo, state, output, usage(answer.get("usage"))
+        )
+        if ask.store:
+            self._keep(body, conversation)
+        return 200, [orjson.dumps(body)], _JSON
+
+    def _keep(self, body: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
+        self.store.put(body["id"], body, [*conversation, *assistant_messages(body["output"])])
+
+    async def _streamed(
+        self,
+        events: EventStream,
+        chunks: AsyncIterator[bytes],
+        conversation: list[dict[str, Any]] | None,
+    ) -> AsyncIterator[bytes]:
+        """The response's events from the chat stream's ``chunks``; kept (with
+        ``conversation``: None, not kept) once the last is made."""
+        try:
+            for piece in events.opening():
+                yield piece
+            async for piece in chunks:
+                for value in _sse_values(piece):
+                    if "error" in value and "choices" not in value:
+                        for event in events.failed(value["error"]):
+                            yield event
+                        return
+                    for event in events.chunk(value):
+                        yield event
+            finished = events.closing()
+            if conversation is not None:
+                self._keep(events.response(status_of(events.finish_reason)), conversation)
+            for event in finished:
+                yield event
+        finally:
+            await chunks.aclose()  # type: ignore[attr-defined]  # its own finally cancels
+
+
+def _renamed(exc: OpenAIError) -> OpenAIError:
+    """A chat refusal naming the responses field it came from."""
+    param = exc.param or ""
+    for chat_name, name in _PARAMS.items():
+        if (
+            param == chat_name
+            or param.startswith(chat_name + "[")
+            or param.startswith(chat_name + ".")
+        ):
+            exc.param = name + param[len(chat_name) :] if chat_name != "messages" else "input"
+            break
+    return exc
