@@ -426,7 +426,13 @@ class Server:
             local_control=not s.allow_remote_control,
         )
         # the OpenAI-compatible API over generative models (server/protocols/openai/)
-        self.openai = OpenAIRoutes(self.plane, self.control, s.max_completion_tokens)
+        self.openai = OpenAIRoutes(
+            self.plane,
+            self.control,
+            s.max_completion_tokens,
+            s.tool_call_parser,
+            s.reasoning_parser,
+        )
         rest_app.add_routes(self.openai.routes(), self.openai.refusal)
         self.rest = RestServer(rest_app, s)
         self.http_port = self.rest.start()

@@ -27,7 +27,7 @@ Where OpenAI and vLLM differ or are silent, the choice is written here and in do
   the template's helper functions): 400 naming the key, where it was a 500;
 * fields this server does not know are ignored, as vLLM does (clients send ``user``,
   ``metadata``, ``store`` and their own extensions); fields it knows but cannot honour
-  (``tool_choice`` naming a function, image parts, ``best_of`` over ``n``, ``suffix``,
+  (image parts, ``best_of`` over ``n``, ``suffix``,
   ``echo`` with ``logprobs``) are refused, never silently dropped.
 """
 
@@ -46,6 +46,7 @@ from plugserve.server.apps.generate.types import (
     MAX_STOP_CHARS,
     MAX_TOKEN_LIST,
 )
+from plugserve.server.protocols.openai import tools
 from plugserve.server.protocols.openai.errors import OpenAIError
 
 __all__ = [
@@ -153,6 +154,9 @@ class GenerationAsk:
 class ChatRequest(GenerationAsk):
     messages: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     tools: list[dict[str, Any]] | None = None
+    #: "none", "auto", "required" or {"name": ...} (tools.py)
+    tool_choice: Any = "none"
+    parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -465,19 +469,6 @@ def chat_request(body: dict[str, Any]) -> ChatRequest:
     elif body.get("top_logprobs") is not None:
         _integer(body, "top_logprobs", 0, 0, MAX_LOGPROBS)
         raise OpenAIError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-    tools = body.get("tools")
-    if tools is not None and (
-        not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)
-    ):
-        raise OpenAIError("'tools' must be an array of tool objects", "tools")
-    ask.tools = tools or None
-    choice = body.get("tool_choice")
-    if choice not in (None, "none", "auto"):
-        raise OpenAIError(
-            "'tool_choice' may be 'none' or 'auto': this server passes tools to the model's "
-            "chat template but does not force or parse tool calls",
-            "tool_choice",
-        )
     ask.continue_final_message = _boolean(body, "continue_final_message")
     ask.add_generation_prompt = _boolean(
         body, "add_generation_prompt", not ask.continue_final_message
@@ -498,6 +489,8 @@ def chat_request(body: dict[str, Any]) -> ChatRequest:
                 "chat_template_kwargs",
             )
     ask.template_kwargs = dict(kwargs or {})
+    tools.check_tools(body, ask)  # tools, tool_choice (forced: a schema), reasoning_effort
+    tools.history(ask.messages)
     return ask
 
 

@@ -61,7 +61,7 @@ from plugserve.server.plane.tracing import name_request
 from plugserve.server.protocols.auth import KSERVE
 from plugserve.server.protocols.http import sse
 from plugserve.server.protocols.http.http_server import StreamReply
-from plugserve.server.protocols.openai import encode, protocol
+from plugserve.server.protocols.openai import encode, protocol, tools
 from plugserve.server.protocols.openai.errors import (
     OpenAIError,
     error_reply,
@@ -119,12 +119,22 @@ class _Model:
 class OpenAIRoutes:
     """The handlers, and the route table ``RestApp.add_routes`` takes."""
 
-    def __init__(self, plane: Any, control: Any, max_completion_tokens: int = 0) -> None:
+    def __init__(
+        self,
+        plane: Any,
+        control: Any,
+        max_completion_tokens: int = 0,
+        tool_call_parser: str = "auto",
+        reasoning_parser: str = "auto",
+    ) -> None:
         """``max_completion_tokens``: the server's limit on ``max_tokens`` (0: the model's
-        context only)."""
+        context only); ``tool_call_parser`` and ``reasoning_parser``: the operator's choice
+        of parser (``auto``: from each model's chat template; ``none``: off)."""
         self.plane = plane
         self.control = control
         self.max_completion_tokens = max_completion_tokens
+        self.tool_call_parser = tool_call_parser
+        self.reasoning_parser = reasoning_parser
         self.workers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="openai")
         self._queued = 0
         self.created = int(time.time())
@@ -267,7 +277,9 @@ class OpenAIRoutes:
         chars = sum(len(m["content"]) for m in ask.messages if isinstance(m["content"], str))
         _check_prompt(chars, model, "'messages'", "messages")
         ids = await self._in_worker(_chat_ids, model, ask)
-        return await self._generate(model, ask, [ids], "chat", "messages", trace)
+        tail = model.tokenizer.decode(ids[-16:], skip_special_tokens=False)
+        plan = tools.plan(ask, model.tokenizer, tail, self.tool_call_parser, self.reasoning_parser)
+        return await self._generate(model, ask, [ids], "chat", "messages", trace, plan)
 
     # --- POST /v1/completions
 
@@ -336,6 +348,7 @@ class OpenAIRoutes:
         kind: str,
         field: str,
         trace: Trace | None = None,
+        plan: tools.Plan | None = None,
     ) -> Any:
         self._check_prompts(model, prompts, field)
         if ask.n > model.max_n:
@@ -362,6 +375,8 @@ class OpenAIRoutes:
                     "stop_token_ids",
                 )
         constraints, schema_bytes = await self._constraints(model, ask, len(prompts))
+        if plan is not None:  # a grammar waits for the reasoning to end
+            constraints = plan.gated(constraints, model.tokenizer)
         echo = isinstance(ask, protocol.CompletionRequest) and ask.echo
         if echo and not all(isinstance(p, str) for p in ask.prompts):
             # prompts given as ids are echoed as text: decoded on a worker (decode holds the
@@ -373,6 +388,7 @@ class OpenAIRoutes:
             max_tokens=max_tokens,
             logprobs=ask.logprobs,
             prompt_logprobs=ask.logprobs if echo and ask.logprobs is not None else None,
+            skip_special_tokens=not (plan is not None and plan.keeps_special_tokens),
             **ask.sampling,
         )
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
@@ -403,7 +419,7 @@ class OpenAIRoutes:
             for stream in streams:
                 stream.cancel()
             raise
-        answer = _Answer(model, ask, kind, rid, prompts, echo)
+        answer = _Answer(model, ask, kind, rid, prompts, echo, plan)
         if ask.stream:
             return _stream_reply(answer, streams)
         try:
@@ -673,6 +689,7 @@ class _Answer:
         rid: str,
         prompts: list[list[int]],
         echo: bool,
+        plan: tools.Plan | None = None,
     ) -> None:
         self.model = model
         self.ask = ask
@@ -694,6 +711,8 @@ class _Answer:
         self.offsets = [0] * count
         #: the choices whose stream has begun
         self.started: set[int] = set()
+        #: each chat choice's reasoning, content and tool calls (None: content only)
+        self.outputs = [plan.output() for _ in range(count)] if plan is not None else None
 
     def index(self, prompt: int, event: GenerationEvent) -> int:
         return prompt * self.ask.n + event.index
@@ -761,12 +780,18 @@ class _Answer:
                             self.logprobs[i], self.names, self.ask.logprobs or 0
                         )
                     }
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                if self.outputs is not None:  # the whole answer through the parsers
+                    output = self.outputs[i]
+                    output.feed(text)
+                    output.finish()
+                    message = output.message()
                 choices.append(
                     {
                         "index": i,
-                        "message": {"role": "assistant", "content": text},
+                        "message": message,
                         "logprobs": logprobs,
-                        "finish_reason": self.finish[i] or "stop",
+                        "finish_reason": self._chat_finish(i),
                     }
                 )
                 self._ids(choices[-1], i, prompt)
@@ -848,6 +873,8 @@ class _Answer:
                         event.logprobs, self.names, self.ask.logprobs or 0
                     )
                 }
+            if self.outputs is not None:
+                return self._parsed_chunks(i, text, logprobs, finish, event.token_ids)
             choice = {
                 "index": i,
                 "delta": {"content": text} if text else {},
@@ -874,6 +901,39 @@ class _Answer:
                 choice["prompt_token_ids"] = self.prompts[prompt]
             choice["token_ids"] = list(event.token_ids)
         return _sse(self._chunk([choice]))
+
+    def _chat_finish(self, i: int) -> str:
+        """OpenAI's ``tool_calls`` for a choice that ended by itself with calls."""
+        finish = self.finish[i] or "stop"
+        if finish == "stop" and self.outputs is not None and self.outputs[i].calls:
+            return "tool_calls"
+        return finish
+
+    def _parsed_chunks(
+        self, i: int, text: str, logprobs: Any, finish: str | None, ids: Any
+    ) -> bytes | None:
+        """A chat choice's event through its parsers: a chunk per delta (reasoning, content,
+        a call's head, its arguments), the logprobs on the first, the finish on the last."""
+        output = self.outputs[i]  # type: ignore[index]
+        deltas = output.feed(text) if text else []
+        if finish is not None:
+            deltas += output.finish()
+            finish = self._chat_finish(i)
+        ids = list(ids) if self.ask.return_token_ids else []
+        if not deltas and (logprobs is not None or finish is not None or ids):
+            deltas = [{}]
+        pieces = []
+        for k, delta in enumerate(deltas):
+            choice = {
+                "index": i,
+                "delta": delta,
+                "logprobs": logprobs if k == 0 else None,
+                "finish_reason": finish if k == len(deltas) - 1 else None,
+            }
+            if self.ask.return_token_ids:
+                choice["token_ids"] = ids if k == 0 else []
+            pieces.append(_sse(self._chunk([choice])))
+        return b"".join(pieces) or None
 
     def closing(self) -> list[bytes]:
         if not self.ask.include_usage:

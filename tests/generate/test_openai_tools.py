@@ -1,0 +1,343 @@
+"""Tool calls and reasoning on the OpenAI API, against a real server, with the official
+``openai`` client unchanged (issue 50, items 1-3 and 5).
+
+A random-weight model never calls a tool, so the answers here come from scripted decoders
+(tests/support/scripted_decoder.py): each family's real-format chat template and its markers as
+tokens, a decoder that writes a fixed transcript in the family's markup. The server picks each
+family's parser from the template (``--tool-call-parser auto``); the answers come back as
+``message.tool_calls`` (ids, ``finish_reason: tool_calls``, content before the call kept),
+streamed as OpenAI streams calls (id, type and name first, then the arguments) with no markup
+in the content deltas, and the same calls either way. Forced tool choice (``required``, a named
+function) is constrained decoding on a random-weight model (tests/support/tiny_decoder.py), so
+its calls are valid whatever the weights say. The history's arguments reach templates as
+objects. Reasoning is split into ``reasoning_content``, and a JSON schema binds only after it.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+openai = pytest.importorskip("openai", reason="pip install openai (the test extra)")
+pydantic = pytest.importorskip("pydantic")
+
+from openai_serving import client, serving  # noqa: E402
+from scripted_decoder import write  # noqa: E402
+from tiny_decoder import write as write_tiny  # noqa: E402
+
+from plugserve.server.apps.generate.tokenizer import Tokenizer  # noqa: E402
+
+WEATHER = {"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}
+TIME = {"name": "get_time", "arguments": {"zone": "Europe/Paris"}}
+
+#: entry -> (family, the decoder's answer, content expected, calls expected)
+SCRIPTS = {
+    "qwen": (
+        "qwen2_5",
+        'I will check the weather.\n\n<tool_call>\n{"name": "get_weather", "arguments": '
+        '{"city": "Paris", "days": 3}}\n</tool_call>\n<tool_call>\n{"name": "get_time", '
+        '"arguments": {"zone": "Europe/Paris"}}\n</tool_call>',
+        "I will check the weather.",
+        [WEATHER, TIME],
+    ),
+    "coder": (
+        "qwen3_coder",
+        "Let me look.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
+        "</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>",
+        "Let me look.",
+        [WEATHER],
+    ),
+    "llama": (
+        "llama3",
+        '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}',
+        None,
+        [WEATHER],
+    ),
+    "mistral": (
+        "mistral",
+        '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}, '
+        '{"name": "get_time", "arguments": {"zone": "Europe/Paris"}}]',
+        None,
+        [WEATHER, TIME],
+    ),
+    "llama4": (
+        "llama4",
+        '[get_weather(city="Paris", days=3), get_time(zone="Europe/Paris")]',
+        None,
+        [WEATHER, TIME],
+    ),
+    "qwen3": (
+        "qwen3",
+        "<think>\nThe user asks about Paris. I should call the tool.\n</think>\n\n"
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n'
+        "</tool_call>",
+        None,
+        [WEATHER],
+    ),
+    "r1": (
+        "deepseek_r1",
+        'The user wants JSON, so I answer with it.</think>{"city":"Paris"}',
+        None,
+        [],
+    ),
+    "broken": (
+        "qwen2_5",
+        'Calling: <tool_call>\n{"name": "get_weather", "arguments": {"city": </tool_call>',
+        'Calling: <tool_call>\n{"name": "get_weather", "arguments": {"city": </tool_call>',
+        [],
+    ),
+}
+CALLERS = ["qwen", "coder", "llama", "mistral", "llama4", "qwen3"]
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    # bounded, so a random-weight model's forced call ends
+                    "city": {"type": "string", "maxLength": 12},
+                    "days": {"type": "integer", "minimum": 1, "maximum": 9},
+                },
+                "required": ["city", "days"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "parameters": {
+                "type": "object",
+                "properties": {"zone": {"enum": ["Europe/Paris", "UTC"]}},
+                "required": ["zone"],
+                "additionalProperties": False,
+            },
+        },
+    },
+]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("scripted")
+    entries = {}
+    for name, (family, script, _, _) in SCRIPTS.items():
+        entries[name] = (write(root / name, family, script), "NUMPY")
+    entries["tiny"] = (write_tiny(root / "tiny", context=2048), "NUMPY")
+    with serving(entries) as running:
+        running.folders = {name: folder for name, (folder, _) in entries.items()}
+        yield running
+
+
+@pytest.fixture(scope="module")
+def api(server):
+    return client(server, timeout=120)
+
+
+def _calls(message) -> list[dict]:
+    return [
+        {"name": c.function.name, "arguments": json.loads(c.function.arguments)}
+        for c in message.tool_calls or []
+    ]
+
+
+@pytest.mark.parametrize("name", CALLERS)
+def test_each_familys_calls_come_back_as_tool_calls(api, name):
+    _, _, content, calls = SCRIPTS[name]
+    answer = api.chat.completions.create(model=name, messages=ASK, tools=TOOLS)
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert _calls(choice.message) == calls
+    assert choice.message.content == content
+    ids = [c.id for c in choice.message.tool_calls]
+    assert all(i.startswith("call_") for i in ids) and len(set(ids)) == len(ids)
+    assert all(c.type == "function" for c in choice.message.tool_calls)
+
+
+def _streamed(api, **ask) -> tuple[str, str, list[dict], str, list]:
+    """A streamed chat reassembled as the SDK's users do: content, reasoning, calls by index,
+    the finish reason, and the tool-call deltas as they came."""
+    content, reasoning, calls, finish, deltas = [], [], {}, None, []
+    for chunk in api.chat.completions.create(stream=True, **ask):
+        for choice in chunk.choices:
+            delta = choice.delta
+            if delta.content:
+                content.append(delta.content)
+            extra = getattr(delta, "model_extra", None) or {}
+            if extra.get("reasoning_content"):
+                reasoning.append(extra["reasoning_content"])
+            for call in delta.tool_calls or []:
+                deltas.append(call)
+                entry = calls.setdefault(call.index, {"name": "", "arguments": ""})
+                if call.function and call.function.name:
+                    entry["name"] += call.function.name
+                if call.function and call.function.arguments:
+                    entry["arguments"] += call.function.arguments
+            finish = choice.finish_reason or finish
+    made = [
+        {"name": c["name"], "arguments": json.loads(c["arguments"])}
+        for _, c in sorted(calls.items())
+    ]
+    return "".join(content), "".join(reasoning), made, finish, deltas
+
+
+@pytest.mark.parametrize("name", CALLERS)
+def test_streamed_calls_are_the_same_calls_and_no_markup_leaks(api, name):
+    _, _, content, calls = SCRIPTS[name]
+    text, _, made, finish, deltas = _streamed(api, model=name, messages=ASK, tools=TOOLS)
+    assert made == calls and finish == "tool_calls"
+    assert text == (content or "")
+    for marker in ("<tool_call>", "</tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "<think>"):
+        assert marker not in text
+    # each call opens with its id, type and name (arguments ""), then its arguments
+    heads = [d for d in deltas if d.id]
+    assert [d.index for d in heads] == list(range(len(calls)))
+    for head in heads:
+        assert head.type == "function" and head.function.name and head.function.arguments == ""
+
+
+def test_parallel_tool_calls_false_keeps_one_call(api):
+    answer = api.chat.completions.create(
+        model="qwen", messages=ASK, tools=TOOLS, parallel_tool_calls=False
+    )
+    assert _calls(answer.choices[0].message) == [WEATHER]
+    _, _, made, _, _ = _streamed(
+        api, model="mistral", messages=ASK, tools=TOOLS, parallel_tool_calls=False
+    )
+    assert made == [WEATHER]
+
+
+def test_tool_choice_none_and_no_tools_leave_the_text_as_it_is(api):
+    for extra in ({"tools": TOOLS, "tool_choice": "none"}, {}):
+        answer = api.chat.completions.create(model="qwen", messages=ASK, **extra)
+        assert answer.choices[0].message.tool_calls is None
+        assert answer.choices[0].message.content == SCRIPTS["qwen"][1]
+        assert answer.choices[0].finish_reason == "stop"
+
+
+def test_a_malformed_call_is_text_never_an_error(api):
+    answer = api.chat.completions.create(model="broken", messages=ASK, tools=TOOLS)
+    assert answer.choices[0].message.content == SCRIPTS["broken"][2]
+    assert answer.choices[0].message.tool_calls is None
+    assert answer.choices[0].finish_reason == "stop"
+    text, _, made, finish, _ = _streamed(api, model="broken", messages=ASK, tools=TOOLS)
+    assert (text, made, finish) == (SCRIPTS["broken"][2], [], "stop")
+
+
+def test_reasoning_is_split_out_streamed_and_not(api):
+    answer = api.chat.completions.create(model="qwen3", messages=ASK, tools=TOOLS)
+    message = answer.choices[0].message
+    thought = "\nThe user asks about Paris. I should call the tool.\n"
+    assert message.model_extra["reasoning_content"] == thought
+    assert _calls(message) == [WEATHER] and message.content is None
+    text, reasoning, made, _, _ = _streamed(api, model="qwen3", messages=ASK, tools=TOOLS)
+    assert (text, reasoning, made) == ("", thought, [WEATHER])
+    # DeepSeek-R1's template opens <think> in the prompt: the answer starts inside it
+    answer = api.chat.completions.create(model="r1", messages=ASK)
+    message = answer.choices[0].message
+    assert message.model_extra["reasoning_content"] == "The user wants JSON, so I answer with it."
+    assert message.content == '{"city":"Paris"}'
+
+
+class City(pydantic.BaseModel):
+    city: str
+
+
+def test_a_schema_binds_after_the_reasoning_ends(api):
+    """The scripted reasoning is no JSON: a grammar from the first token would forbid it (and
+    the answer would not be the script); after </think> it binds, and the SDK's parse reads
+    the content."""
+    parse = getattr(api.chat.completions, "parse", None) or api.beta.chat.completions.parse
+    answer = parse(model="r1", messages=ASK, response_format=City)
+    message = answer.choices[0].message
+    assert message.parsed == City(city="Paris")
+    assert message.model_extra["reasoning_content"].startswith("The user wants JSON")
+    assert answer.choices[0].finish_reason == "stop"
+
+
+def test_a_named_tool_choice_forces_a_valid_call(api):
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    answer = api.chat.completions.create(
+        model="tiny", messages=ASK, tools=TOOLS, tool_choice=choice, temperature=0,
+        max_tokens=200,
+    )  # fmt: skip
+    message = answer.choices[0].message
+    (call,) = message.tool_calls
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    arguments = json.loads(call.function.arguments)
+    assert set(arguments) == {"city", "days"} and 1 <= arguments["days"] <= 9
+    assert answer.choices[0].finish_reason == "tool_calls"
+    _, _, made, finish, deltas = _streamed(
+        api, model="tiny", messages=ASK, tools=TOOLS, tool_choice=choice, temperature=0,
+        max_tokens=200,
+    )  # fmt: skip
+    assert made == [{"name": "get_weather", "arguments": arguments}]
+    assert finish == "tool_calls" and deltas[0].function.name == "get_weather"
+
+
+def test_required_makes_at_least_one_call_and_one_without_parallel(api):
+    for parallel, most in ((True, 16), (False, 1)):
+        answer = api.chat.completions.create(
+            model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", temperature=0,
+            max_tokens=400, parallel_tool_calls=parallel,
+        )  # fmt: skip
+        calls = answer.choices[0].message.tool_calls
+        assert calls and len(calls) <= most, answer
+        for call in calls:
+            assert call.function.name in ("get_weather", "get_time")
+            assert isinstance(json.loads(call.function.arguments), dict)
+        assert answer.choices[0].finish_reason == "tool_calls"
+
+
+def test_a_named_tool_choice_not_in_tools_is_a_400(api):
+    with pytest.raises(openai.BadRequestError) as caught:
+        api.chat.completions.create(
+            model="tiny", messages=ASK, tools=TOOLS,
+            tool_choice={"type": "function", "function": {"name": "nope"}},
+        )  # fmt: skip
+    assert caught.value.body["param"] == "tool_choice"
+
+
+HISTORY = [
+    *ASK,
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 3}'},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+]
+
+
+@pytest.mark.parametrize(
+    "name, rendered",
+    [
+        ("qwen", '{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}'),
+        ("coder", "<function=get_weather>\n<parameter=city>\nParis\n</parameter>"),
+        ("llama4", '[get_weather(city="Paris", days=3)]'),
+        ("mistral", '"call_id": "call_1"'),
+    ],
+)
+def test_the_history_reaches_templates_with_arguments_as_objects(server, api, name, rendered):
+    answer = api.chat.completions.create(
+        model=name, messages=HISTORY, tools=TOOLS, extra_body={"return_token_ids": True},
+        max_tokens=1,
+    )  # fmt: skip
+    tokenizer = Tokenizer.from_folder(server.folders[name])
+    prompt = tokenizer.decode(answer.model_extra["prompt_token_ids"], skip_special_tokens=False)
+    assert rendered in prompt
+    assert '\\"city\\"' not in prompt  # never encoded twice
+    assert "sunny, 21 C" in prompt

@@ -1,0 +1,225 @@
+"""Each family's tool-call parser (server/apps/generate/tool_parsers) and the think splitter
+(server/apps/generate/reasoning) on transcripts in the family's exact format, streamed token by
+token through a trained tokenizer and the engine's own detokenizer, as a served answer
+arrives: the streamed pieces join to the same content and calls as the whole answer parses to,
+no marker reaches content, and broken or endless calls come back as text."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from plugserve.server.apps.generate import reasoning, tool_parsers
+from plugserve.server.apps.generate.detokenizer import IncrementalDetokenizer
+from plugserve.server.apps.generate.tokenizer import Tokenizer
+from plugserve.server.apps.generate.tool_parsers import ToolCall
+
+pytest.importorskip("tokenizers")
+
+from scripted_decoder import FAMILIES, write
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+            },
+        },
+    }
+]
+
+WEATHER = ToolCall("get_weather", '{"city": "Paris", "days": 3}')
+TIME = ToolCall("get_time", '{"zone": "Europe/Paris"}')
+
+#: (folder family, parser, answer, content, calls)
+CASES = [
+    (
+        "qwen2_5",
+        "hermes",
+        'I will check the weather.\n\n<tool_call>\n{"name": "get_weather", "arguments": '
+        '{"city": "Paris", "days": 3}}\n</tool_call>\n<tool_call>\n{"name": "get_time", '
+        '"arguments": {"zone": "Europe/Paris"}}\n</tool_call>',
+        "I will check the weather.",
+        [WEATHER, TIME],
+    ),
+    (
+        "qwen3_coder",
+        "qwen3_coder",
+        "Let me look.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
+        "</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>",
+        "Let me look.",
+        [WEATHER],
+    ),
+    (
+        "llama3",
+        "llama3_json",
+        '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}',
+        "",
+        [WEATHER],
+    ),
+    (
+        "llama3",
+        "llama3_json",
+        '{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}; '
+        '{"name": "get_time", "parameters": {"zone": "Europe/Paris"}}',
+        "",
+        [WEATHER, TIME],
+    ),
+    (
+        "mistral",
+        "mistral",
+        'Sure.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}, '
+        '{"name": "get_time", "arguments": {"zone": "Europe/Paris"}}]',
+        "Sure.",
+        [WEATHER, TIME],
+    ),
+    (
+        "mistral",
+        "mistral",
+        '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 3}',
+        "",
+        [WEATHER],
+    ),
+    (
+        "llama4",
+        "pythonic",
+        '[get_weather(city="Paris", days=3), get_time(zone="Europe/Paris")]',
+        "",
+        [WEATHER, TIME],
+    ),
+    (
+        "llama4",
+        "pythonic",
+        '<|python_start|>[get_weather(city="Paris", days=3)]<|python_end|>',
+        "",
+        [WEATHER],
+    ),
+    # not calls: plain answers, and markup that does not read as a call, kept as text
+    ("qwen2_5", "hermes", "The weather is fine.\n", "The weather is fine.\n", []),
+    (
+        "qwen2_5",
+        "hermes",
+        "Here: <tool_call>{not json}</tool_call> done",
+        "Here: <tool_call>{not json}</tool_call> done",
+        [],
+    ),
+    ("llama3", "llama3_json", '{"answer": 42}', '{"answer": 42}', []),
+    ("llama4", "pythonic", "[1, 2, 3] are numbers", "[1, 2, 3] are numbers", []),
+    ("llama4", "pythonic", "[os.system('x')]", "[os.system('x')]", []),
+    ("mistral", "mistral", "No tools needed.", "No tools needed.", []),
+]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """One tokenizer per family, trained on its template and every answer of the cases."""
+    made = {}
+    root = tmp_path_factory.mktemp("families")
+    for name in {case[0] for case in CASES} | {"qwen3", "deepseek_r1"}:
+        answers = [case[2] for case in CASES if case[0] == name] + list(THINKING.values())
+        folder = write(root / name, name, answers[0])
+        # the tokenizer trained on every answer of the family, so they split as real text does
+        from scripted_decoder import tokenizer
+
+        tokenizer(FAMILIES[name], answers).save(str(folder / "tokenizer.json"))
+        made[name] = Tokenizer.from_folder(folder)
+    return made
+
+
+def _pieces(tok: Tokenizer, text: str, skip_special: bool) -> list[str]:
+    """``text`` as the engine streams it: encoded, then detokenized a token at a time."""
+    ids = tok.encode(text, add_special_tokens=False)
+    assert len(ids) > 1
+    detok = IncrementalDetokenizer(tok, [], skip_special_tokens=skip_special)
+    pieces = []
+    for token in ids:
+        detok.add(token)
+        pieces.append(detok.take())
+    pieces.append(detok.take(final=True))
+    assert "".join(pieces) == text
+    return pieces
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[1]}-{c[2][:24]}")
+def test_streamed_token_by_token_the_calls_are_the_whole_answers(folders, case):
+    name, parser, answer, content, calls = case
+    family = tool_parsers.FAMILIES[parser](TOOLS)
+    assert tool_parsers.detect(FAMILIES[name].template) == parser.replace("qwen2_5", "hermes")
+    whole_content, whole_calls = tool_parsers.parse(family, answer)
+    assert (whole_content, whole_calls) == (content, calls)
+    streamer = tool_parsers.Streamer(family)
+    events = []
+    for piece in _pieces(folders[name], answer, not family.needs_special_tokens):
+        events += streamer.feed(piece)
+    events += streamer.finish()
+    streamed = [v for k, v in events if k == "content"]
+    assert "".join(streamed) == content
+    assert [v for k, v in events if k == "call"] == calls
+    if calls:  # no markup ever reached content
+        for marker in (*family.starts, family.end or "\0"):
+            if marker not in ("{", "["):
+                assert all(marker not in piece for piece in streamed)
+    for call in calls:
+        json.loads(call.arguments)
+
+
+THINKING = {
+    "qwen3": "<think>\nThe user asks about Paris. I should call the tool.\n</think>\n\n"
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n'
+    "</tool_call>",
+    "deepseek_r1": 'The user wants JSON.\n</think>\n\n{"city": "Paris"}',
+}
+
+
+@pytest.mark.parametrize("name", ["qwen3", "deepseek_r1"])
+def test_reasoning_split_token_by_token_is_the_whole_answers(folders, name):
+    template = FAMILIES[name].template
+    think = reasoning.family("auto", template)
+    assert think is not None
+    tok = folders[name]
+    prompt = tok.render_chat([{"role": "user", "content": "hi"}], True, None, {})
+    opened = think.opened(prompt[-40:])
+    assert opened == (name == "deepseek_r1")  # R1's template opens <think> in the prompt
+    answer = THINKING[name]
+    whole = think.splitter(opened)
+    r1, c1 = whole.feed(answer)
+    r2, c2 = whole.finish()
+    splitter = think.splitter(opened)
+    parts = [splitter.feed(p) for p in _pieces(tok, answer, True)] + [splitter.finish()]
+    assert "".join(r for r, _ in parts) == r1 + r2
+    assert "".join(c for _, c in parts) == c1 + c2
+    assert "think>" not in r1 + r2 + c1 + c2
+    assert (c1 + c2).startswith("<tool_call>" if name == "qwen3" else '{"city"')
+    assert "Paris" in r1 + r2 or name == "deepseek_r1"
+
+
+def test_an_endless_call_is_given_up_as_text_within_the_bound():
+    family = tool_parsers.FAMILIES["hermes"]()
+    streamer = tool_parsers.Streamer(family, limit=1000)
+    out = streamer.feed("ok <tool_call>")
+    for _ in range(300):
+        out += streamer.feed('{"name": "f", "arguments": {"x": "' + "a" * 10)
+    out += streamer.finish()
+    assert all(k == "content" for k, _ in out)
+    text = "".join(v for _, v in out)
+    assert text.startswith("ok <tool_call>{") and len(text) > 3000
+    assert len(streamer._buf) == 0 and streamer._region is None
+
+
+def test_detect_names_each_family_from_its_template():
+    assert {n: tool_parsers.detect(f.template) for n, f in FAMILIES.items()} == {
+        "qwen2_5": "hermes",
+        "qwen3": "hermes",
+        "qwen3_coder": "qwen3_coder",
+        "llama3": "llama3_json",
+        "mistral": "mistral",
+        "llama4": "pythonic",
+        "deepseek_r1": None,
+    }
+    assert reasoning.detect(FAMILIES["qwen2_5"].template) is None
+    assert tool_parsers.family("none", FAMILIES["qwen3"].template, TOOLS) is None
+    assert tool_parsers.family("mistral", None, TOOLS).name == "mistral"
