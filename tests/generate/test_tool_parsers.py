@@ -223,3 +223,14 @@ def test_detect_names_each_family_from_its_template():
     assert reasoning.detect(FAMILIES["qwen2_5"].template) is None
     assert tool_parsers.family("none", FAMILIES["qwen3"].template, TOOLS) is None
     assert tool_parsers.family("mistral", None, TOOLS).name == "mistral"
+
+
+def test_an_unknown_parser_name_is_refused_at_start():
+    from plugserve.server.process.settings import Settings
+
+    for flag in ("--tool-call-parser", "--reasoning-parser"):
+        with pytest.raises(SystemExit, match="must be one of auto, none"):
+            Settings.from_argv([flag, "bogus"])
+    assert Settings.from_argv(["--tool-call-parser", "qwen3_coder"]).tool_call_parser == (
+        "qwen3_coder"
+    )
