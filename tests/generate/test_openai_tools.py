@@ -341,3 +341,22 @@ def test_the_history_reaches_templates_with_arguments_as_objects(server, api, na
     assert rendered in prompt
     assert '\\"city\\"' not in prompt  # never encoded twice
     assert "sunny, 21 C" in prompt
+
+
+def test_ten_thousand_tools_are_a_400_and_the_server_serves_on(api):
+    many = [
+        {
+            "type": "function",
+            "function": {
+                "name": f"tool_{i}",
+                "parameters": {"type": "object", "properties": {"x": {"type": "string"}}},
+            },
+        }
+        for i in range(10_000)
+    ]
+    for choice, param in (("required", "tools"), ("auto", "messages")):
+        with pytest.raises(openai.BadRequestError) as caught:
+            api.chat.completions.create(model="qwen", messages=ASK, tools=many, tool_choice=choice)
+        assert caught.value.body["param"] == param, caught.value.body
+    answer = api.chat.completions.create(model="qwen", messages=ASK, tools=TOOLS)
+    assert _calls(answer.choices[0].message) == [WEATHER, TIME]

@@ -30,6 +30,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+from plugserve.server.apps.generate.grammar import MAX_SCHEMA_BYTES
 from plugserve.server.apps.generate.tool_parsers import Streamer, ToolCall
 from plugserve.server.protocols.openai.errors import OpenAIError
 
@@ -104,6 +105,13 @@ def check_tools(body: dict[str, Any], ask: Any) -> None:
                 "response_format",
             )
         ask.schema = json.dumps(forced_schema(tools or [], choice, ask.parallel_tool_calls))
+        if len(ask.schema) > MAX_SCHEMA_BYTES:  # a grammar over thousands of tools
+            raise OpenAIError(
+                f"'tool_choice' {choice if isinstance(choice, str) else 'naming a function'} "
+                f"makes a grammar of the tools' schemas, here {len(ask.schema)} bytes; at most "
+                f"{MAX_SCHEMA_BYTES}: send fewer tools or smaller schemas",
+                "tools",
+            )
     effort = body.get("reasoning_effort")
     if effort is not None:
         if effort not in EFFORTS:
