@@ -360,3 +360,49 @@ def test_ten_thousand_tools_are_a_400_and_the_server_serves_on(api):
         assert caught.value.body["param"] == param, caught.value.body
     answer = api.chat.completions.create(model="qwen", messages=ASK, tools=TOOLS)
     assert _calls(answer.choices[0].message) == [WEATHER, TIME]
+
+
+class Forecast(pydantic.BaseModel):
+    """What a forced call must fill: bounded fields and no others, so a random-weight model's
+    call ends."""
+
+    model_config = pydantic.ConfigDict(extra="forbid")
+
+    unit: str = pydantic.Field(json_schema_extra={"enum": ["c", "f"]})
+    days: int = pydantic.Field(ge=1, le=9)
+
+
+def test_langchain_bind_tools_stream_and_structured_output(server):
+    langchain_openai = pytest.importorskip("langchain_openai")
+
+    def chat(model: str):
+        return langchain_openai.ChatOpenAI(
+            model=model, base_url=f"{server.http_url}/v1", api_key="unused", max_retries=0,
+            timeout=120,
+        )  # fmt: skip
+
+    question = "What is the weather in Paris?"
+    calls = [(c["name"], c["arguments"]) for c in (WEATHER, TIME)]
+    answer = chat("qwen").bind_tools(TOOLS).invoke(question)
+    assert [(c["name"], c["args"]) for c in answer.tool_calls] == calls
+    chunks = list(chat("mistral").bind_tools(TOOLS).stream(question))
+    merged = chunks[0]
+    for chunk in chunks[1:]:
+        merged += chunk
+    assert [(c["name"], c["args"]) for c in merged.tool_calls] == calls
+    # json_schema (its default): the reasoning model thinks, then answers in the schema
+    assert chat("r1").with_structured_output(City).invoke(question) == City(city="Paris")
+    # function_calling: a tool_choice naming the schema's function, forced by the grammar
+    forced = chat("tiny").with_structured_output(Forecast, method="function_calling")
+    made = forced.invoke(question)
+    assert isinstance(made, Forecast) and made.unit in ("c", "f")
+
+
+def test_instructor_default_mode(server, api):
+    instructor = pytest.importorskip("instructor")
+    patched = instructor.from_openai(api)  # Mode.TOOLS: tool_choice names the model's function
+    made = patched.chat.completions.create(
+        model="tiny", messages=ASK, response_model=Forecast, max_retries=0, temperature=0,
+        max_tokens=100,
+    )  # fmt: skip
+    assert isinstance(made, Forecast) and 1 <= made.days <= 9
