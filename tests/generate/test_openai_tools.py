@@ -406,3 +406,34 @@ def test_instructor_default_mode(server, api):
         max_tokens=100,
     )  # fmt: skip
     assert isinstance(made, Forecast) and 1 <= made.days <= 9
+
+
+def test_calls_with_n_logprobs_usage_and_token_ids_streamed(api):
+    """Parsing composes with the other options: each of ``n`` choices has its own calls, the
+    logprobs and token ids of every token still arrive, usage comes last."""
+    answer = api.chat.completions.create(
+        model="qwen3", messages=ASK, tools=TOOLS, n=2, logprobs=True, top_logprobs=2,
+        extra_body={"return_token_ids": True},
+    )  # fmt: skip
+    for choice in answer.choices:
+        assert _calls(choice.message) == [WEATHER] and choice.finish_reason == "tool_calls"
+        assert len(choice.logprobs.content) == len(choice.model_extra["token_ids"])
+    stream = api.chat.completions.create(
+        model="qwen3", messages=ASK, tools=TOOLS, n=2, logprobs=True, stream=True,
+        stream_options={"include_usage": True}, extra_body={"return_token_ids": True},
+    )  # fmt: skip
+    tokens, finishes, heads, usage = {0: 0, 1: 0}, {}, {0: [], 1: []}, None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            tokens[choice.index] += len(choice.model_extra.get("token_ids") or [])
+            if choice.logprobs and choice.logprobs.content:
+                assert choice.model_extra.get("token_ids")
+            for call in choice.delta.tool_calls or []:
+                if call.id:
+                    heads[choice.index].append(call.function.name)
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+    assert finishes == {0: "tool_calls", 1: "tool_calls"}
+    assert heads == {0: ["get_weather"], 1: ["get_weather"]}
+    assert usage.completion_tokens == tokens[0] + tokens[1] > 0
