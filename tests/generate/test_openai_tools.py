@@ -437,3 +437,16 @@ def test_calls_with_n_logprobs_usage_and_token_ids_streamed(api):
     assert finishes == {0: "tool_calls", 1: "tool_calls"}
     assert heads == {0: ["get_weather"], 1: ["get_weather"]}
     assert usage.completion_tokens == tokens[0] + tokens[1] > 0
+
+
+def test_reasoning_effort_reaches_the_template(server, api):
+    answer = api.chat.completions.create(
+        model="r1", messages=ASK, reasoning_effort="high", max_tokens=1,
+        extra_body={"return_token_ids": True},
+    )  # fmt: skip
+    tokenizer = Tokenizer.from_folder(server.folders["r1"])
+    prompt = tokenizer.decode(answer.model_extra["prompt_token_ids"], skip_special_tokens=False)
+    assert prompt.startswith("<｜begin▁of▁sentence｜>Reasoning: high\n")  # noqa: RUF001
+    with pytest.raises(openai.BadRequestError) as caught:
+        api.chat.completions.create(model="r1", messages=ASK, extra_body={"reasoning_effort": 3})
+    assert caught.value.body["param"] == "reasoning_effort"

@@ -200,7 +200,10 @@ You SHOULD NOT include any other text in the response if you call a function.
 
 {% endif %}"""
 
-DEEPSEEK_R1 = """{{- bos_token }}{% for message in messages %}
+#: (with gpt-oss's line naming the reasoning effort, so a test sees the variable arrive)
+DEEPSEEK_R1 = """{{- bos_token }}{% if reasoning_effort is defined %}Reasoning: \
+{{ reasoning_effort }}
+{% endif %}{% for message in messages %}
 {%- if message.role == 'system' %}{{ message.content }}
 {%- elif message.role == 'user' %}<｜User｜>{{ message.content }}
 {%- elif message.role == 'assistant' %}<｜Assistant｜>{% set c = message.content %}
