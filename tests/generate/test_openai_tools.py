@@ -75,6 +75,21 @@ SCRIPTS = {
         None,
         [WEATHER],
     ),
+    "oss": (
+        "gpt_oss",
+        "<|channel|>analysis<|message|>Need the weather tool.<|end|><|start|>assistant"
+        "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+        '{"city": "Paris", "days": 3}',
+        None,
+        [WEATHER],
+    ),
+    "oss-final": (
+        "gpt_oss",
+        "<|channel|>analysis<|message|>Answer in JSON.<|end|><|start|>assistant"
+        '<|channel|>final<|message|>{"city":"Paris"}',
+        '{"city":"Paris"}',
+        [],
+    ),
     "r1": (
         "deepseek_r1",
         'The user wants JSON, so I answer with it.</think>{"city":"Paris"}',
@@ -88,7 +103,9 @@ SCRIPTS = {
         [],
     ),
 }
-CALLERS = ["qwen", "coder", "llama", "mistral", "llama4", "qwen3"]
+CALLERS = ["qwen", "coder", "llama", "mistral", "llama4", "qwen3", "oss"]
+#: the answers that end in another of the family's stop tokens than its first
+ENDS = {"oss": "<|call|>"}
 
 TOOLS = [
     {
@@ -129,7 +146,7 @@ def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("scripted")
     entries = {}
     for name, (family, script, _, _) in SCRIPTS.items():
-        entries[name] = (write(root / name, family, script), "NUMPY")
+        entries[name] = (write(root / name, family, script, end=ENDS.get(name)), "NUMPY")
     entries["tiny"] = (write_tiny(root / "tiny", context=2048), "NUMPY")
     with serving(entries) as running:
         running.folders = {name: folder for name, (folder, _) in entries.items()}
@@ -194,7 +211,7 @@ def test_streamed_calls_are_the_same_calls_and_no_markup_leaks(api, name):
     text, _, made, finish, deltas = _streamed(api, model=name, messages=ASK, tools=TOOLS)
     assert made == calls and finish == "tool_calls"
     assert text == (content or "")
-    for marker in ("<tool_call>", "</tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "<think>"):
+    for marker in ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "<think>", "<|channel|>"):
         assert marker not in text
     # each call opens with its id, type and name (arguments ""), then its arguments
     heads = [d for d in deltas if d.id]
@@ -239,6 +256,13 @@ def test_reasoning_is_split_out_streamed_and_not(api):
     assert _calls(message) == [WEATHER] and message.content is None
     text, reasoning, made, _, _ = _streamed(api, model="qwen3", messages=ASK, tools=TOOLS)
     assert (text, reasoning, made) == ("", thought, [WEATHER])
+    # gpt-oss: the analysis channel is reasoning, the commentary to functions.* a call
+    answer = api.chat.completions.create(model="oss", messages=ASK, tools=TOOLS)
+    message = answer.choices[0].message
+    assert message.model_extra["reasoning_content"] == "Need the weather tool."
+    assert _calls(message) == [WEATHER] and answer.choices[0].finish_reason == "tool_calls"
+    text, reasoning, made, _, _ = _streamed(api, model="oss", messages=ASK, tools=TOOLS)
+    assert (text, reasoning, made) == ("", "Need the weather tool.", [WEATHER])
     # DeepSeek-R1's template opens <think> in the prompt: the answer starts inside it
     answer = api.chat.completions.create(model="r1", messages=ASK)
     message = answer.choices[0].message
@@ -260,6 +284,9 @@ def test_a_schema_binds_after_the_reasoning_ends(api):
     assert message.parsed == City(city="Paris")
     assert message.model_extra["reasoning_content"].startswith("The user wants JSON")
     assert answer.choices[0].finish_reason == "stop"
+    answer = parse(model="oss-final", messages=ASK, response_format=City)  # gpt-oss's final
+    assert answer.choices[0].message.parsed == City(city="Paris")
+    assert answer.choices[0].message.model_extra["reasoning_content"] == "Answer in JSON."
 
 
 def test_a_named_tool_choice_forces_a_valid_call(api):

@@ -219,8 +219,11 @@ def test_detect_names_each_family_from_its_template():
         "mistral": "mistral",
         "llama4": "pythonic",
         "deepseek_r1": None,
+        "gpt_oss": None,  # its calls come with its channels: the reasoning parser's
     }
     assert reasoning.detect(FAMILIES["qwen2_5"].template) is None
+    assert reasoning.detect(FAMILIES["gpt_oss"].template) == "harmony"
+    assert reasoning.detect(FAMILIES["deepseek_r1"].template) == "think"
     assert tool_parsers.family("none", FAMILIES["qwen3"].template, TOOLS) is None
     assert tool_parsers.family("mistral", None, TOOLS).name == "mistral"
 
@@ -234,3 +237,43 @@ def test_an_unknown_parser_name_is_refused_at_start():
     assert Settings.from_argv(["--tool-call-parser", "qwen3_coder"]).tool_call_parser == (
         "qwen3_coder"
     )
+
+
+HARMONY = (
+    "<|channel|>analysis<|message|>The user wants the weather; call the tool.<|end|>"
+    "<|start|>assistant<|channel|>commentary<|message|>Checking now.<|end|>"
+    "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
+    '<|message|>{"city": "Paris", "days": 3}<|end|>'
+    "<|start|>assistant<|channel|>final<|message|>It is sunny."
+)
+
+
+def _harmony(pieces: list[str], calls: bool) -> tuple[str, str, list[ToolCall]]:
+    splitter = reasoning.family("auto", FAMILIES["gpt_oss"].template).splitter(True)
+    splitter.parse_calls = calls
+    reasoned, content, made = [], [], []
+    for piece in [*pieces, None]:
+        r, c = splitter.feed(piece) if piece is not None else splitter.finish()
+        reasoned.append(r)
+        content.append(c)
+        made += splitter.take_calls()
+    return "".join(reasoned), "".join(content), made
+
+
+def test_harmony_channels_token_by_token_are_the_whole_answers(tmp_path):
+    from scripted_decoder import tokenizer
+
+    folder = write(tmp_path / "oss", "gpt_oss", HARMONY)
+    tokenizer(FAMILIES["gpt_oss"], [HARMONY]).save(str(folder / "tokenizer.json"))
+    pieces = _pieces(Tokenizer.from_folder(folder), HARMONY, skip_special=False)
+    whole = _harmony([HARMONY], True)
+    assert whole == (
+        "The user wants the weather; call the tool.",
+        "Checking now.It is sunny.",
+        [WEATHER],
+    )
+    assert _harmony(pieces, True) == whole
+    # calls not parsed (no tools): the call's arguments are content
+    assert _harmony(pieces, False)[1] == 'Checking now.{"city": "Paris", "days": 3}It is sunny.'
+    # not harmony at all: plain text is content
+    assert _harmony(["Just text, no channels."], True) == ("", "Just text, no channels.", [])

@@ -13,9 +13,10 @@ The decoder (an ONNX graph, as optimum exports one: it loads as a ConcatDecoder 
 counts positions from the last *anchor* token of the prompt (the token the family's generation
 prompt starts with: ``<|im_start|>``, ``<|end_header_id|>``, ``[/INST]``...), through its
 key/value cache (each position caches ``position + 1`` where its token is an anchor, else 0;
-the anchor is the cache's maximum), and gives the script's next token a logit of 0 and every
-other -10000: greedy or not, the answer is the script then the end of sequence, whatever the
-chat before it, while the prompt's anchor is its last (the script itself has none).
+the anchor is the cache's maximum; only a prefill's tokens count, so a generated anchor, as
+gpt-oss writes ``<|start|>`` between its messages, does not), and gives the script's next
+token a logit of 0 and every other -10000: greedy or not, the answer is the script then the
+end of sequence, whatever the chat before it.
 """
 
 # DeepSeek's tokens are written with full-width bars, as its tokenizer has them
@@ -201,6 +202,34 @@ You SHOULD NOT include any other text in the response if you call a function.
 {% endif %}"""
 
 #: (with gpt-oss's line naming the reasoning effort, so a test sees the variable arrive)
+GPT_OSS = """<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.
+Reasoning: {{ reasoning_effort | default('medium') }}
+
+# Valid channels: analysis, commentary, final. Channel must be included for every message.
+{%- if tools %}
+Calls to these tools must go to the commentary channel: 'functions'.{% endif %}<|end|>
+{%- if tools %}<|start|>developer<|message|># Tools
+
+## functions
+
+namespace functions {
+{% for t in tools %}
+type {{ t.function.name }} = (_: {{ t.function.parameters | tojson }}) => any;
+{% endfor %}
+} // namespace functions<|end|>{% endif %}
+{%- for m in messages %}
+{%- if m.role == 'user' %}<|start|>user<|message|>{{ m.content }}<|end|>
+{%- elif m.role == 'system' %}<|start|>developer<|message|>{{ m.content }}<|end|>
+{%- elif m.role == 'assistant' and m.tool_calls %}{% for tc in m.tool_calls %}\
+<|start|>assistant to=functions.{{ tc.function.name }}<|channel|>commentary json<|message|>\
+{{ tc.function.arguments | tojson }}<|call|>{% endfor %}
+{%- elif m.role == 'assistant' %}<|start|>assistant<|channel|>final<|message|>{{ m.content }}\
+<|end|>
+{%- elif m.role == 'tool' %}<|start|>functions.tool to=assistant<|channel|>commentary\
+<|message|>{{ m.content }}<|end|>
+{%- endif %}{% endfor %}
+{%- if add_generation_prompt %}<|start|>assistant{% endif %}"""
+
 DEEPSEEK_R1 = """{{- bos_token }}{% if reasoning_effort is defined %}Reasoning: \
 {{ reasoning_effort }}
 {% endif %}{% for message in messages %}
@@ -226,6 +255,8 @@ class Family:
     anchors: tuple[str, ...]
     after_anchor: str
     bos: str | None = None
+    #: more tokens that end a sequence (generation_config's eos_token_id list)
+    stops: tuple[str, ...] = ()
 
 
 _QWEN_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -261,6 +292,12 @@ FAMILIES: dict[str, Family] = {
         ("<|begin_of_text|>", "<|header_start|>", "<|header_end|>", "<|eot|>",
          "<|python_start|>", "<|python_end|>"),
         (), "<|eot|>", ("<|header_end|>",), "\n\n", bos="<|begin_of_text|>",
+    ),
+    "gpt_oss": Family(
+        GPT_OSS,
+        ("<|startoftext|>", "<|start|>", "<|channel|>", "<|message|>", "<|end|>",
+         "<|constrain|>", "<|call|>", "<|return|>"),
+        (), "<|return|>", ("<|start|>",), "assistant", stops=("<|call|>",),
     ),
     "deepseek_r1": Family(
         DEEPSEEK_R1,
@@ -307,11 +344,18 @@ def _graph(vocab: int, anchors: list[int], script: list[int], after: int):
     table = np.full((len(script), vocab), -1e4, np.float32)
     table[np.arange(len(script)), script] = 0.0
     nodes = [
-        # where the token is an anchor: position + 1, cached as every position's key
+        # where the token is an anchor of the prompt (a step of several tokens: the prefill,
+        # never a generated token's step): position + 1, cached as every position's key
         helper.make_node("Gather", ["flags", "input_ids"], ["flag"]),
+        helper.make_node("Shape", ["input_ids"], ["ids_shape"]),
+        helper.make_node("Gather", ["ids_shape", "one_i"], ["seq"]),
+        helper.make_node("Cast", ["seq"], ["seq_f"], to=TensorProto.FLOAT),
+        helper.make_node("Sub", ["seq_f", "one"], ["more"]),
+        helper.make_node("Clip", ["more", "zero", "one"], ["prefill"]),
+        helper.make_node("Mul", ["flag", "prefill"], ["prompt_flag"]),
         helper.make_node("Cast", ["position_ids"], ["pos"], to=TensorProto.FLOAT),
         helper.make_node("Add", ["pos", "one"], ["pos1"]),
-        helper.make_node("Mul", ["flag", "pos1"], ["mark"]),
+        helper.make_node("Mul", ["prompt_flag", "pos1"], ["mark"]),
         helper.make_node("Unsqueeze", ["mark", "axes13"], ["mark4"]),
         helper.make_node("Mul", ["mark4", "ones_head"], ["new"]),
         helper.make_node("Concat", ["past_key_values.0.key", "new"], ["present.0.key"], axis=2),
@@ -351,6 +395,7 @@ def _graph(vocab: int, anchors: list[int], script: list[int], after: int):
             numpy_helper.from_array(flags, "flags"),
             numpy_helper.from_array(table, "table"),
             numpy_helper.from_array(np.array(1.0, np.float32), "one"),
+            numpy_helper.from_array(np.array(1, np.int64), "one_i"),
             numpy_helper.from_array(np.array(0.0, np.float32), "zero"),
             numpy_helper.from_array(np.array(float(after), np.float32), "after"),
             numpy_helper.from_array(np.array(float(len(script) - 1), np.float32), "end"),
@@ -364,9 +409,12 @@ def _graph(vocab: int, anchors: list[int], script: list[int], after: int):
     return model
 
 
-def write(folder: Path, family: str, script: str, context: int = 4096) -> Path:
+def write(
+    folder: Path, family: str, script: str, context: int = 4096, end: str | None = None
+) -> Path:
     """The folder at ``folder`` (made): ``family``'s template and tokens, answering ``script``
-    (then its end of sequence) to every chat."""
+    then ``end`` (the family's end of sequence unless given: one of its stops) to every
+    chat."""
     import onnx
 
     spec = FAMILIES[family]
@@ -381,7 +429,8 @@ def write(folder: Path, family: str, script: str, context: int = 4096) -> Path:
     }
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     eos = made.token_to_id(spec.eos)
-    ids = [*made.encode(script, add_special_tokens=False).ids, eos]
+    stops = [eos, *(made.token_to_id(t) for t in spec.stops)]
+    ids = [*made.encode(script, add_special_tokens=False).ids, made.token_to_id(end or spec.eos)]
     after = len(made.encode(spec.after_anchor, add_special_tokens=False).ids)
     anchors = [made.token_to_id(a) for a in spec.anchors]
     vocab = made.get_vocab_size(with_added_tokens=True)
@@ -399,5 +448,5 @@ def write(folder: Path, family: str, script: str, context: int = 4096) -> Path:
         "eos_token_id": eos,
     }
     (folder / "config.json").write_text(json.dumps(model))
-    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": stops}))
     return folder

@@ -220,6 +220,8 @@ class ChatOutput:
             if reasoning:
                 self.reasoning.append(reasoning)
                 deltas.append({"reasoning_content": reasoning})
+            for call in getattr(self.splitter, "take_calls", list)():
+                deltas += self._call(call)  # harmony's calls come with its channels
         if self.forced is not None:
             deltas += self._forced(text, final)
         elif self.streamer is not None:
@@ -305,16 +307,20 @@ class Plan:
         self.family = family
         self.forced = ask.tool_choice if ask.tool_choice not in ("none", "auto") else None
         self.parallel = ask.parallel_tool_calls
+        #: the reasoning format carries the calls itself (gpt-oss's harmony channels)
+        self.calls_in_channels = bool(ask.tools) and ask.tool_choice == "auto"
 
     @property
     def keeps_special_tokens(self) -> bool:
         """The family's markers are special tokens, which the text must keep."""
-        return (
-            self.family is not None and self.forced is None and (self.family.needs_special_tokens)
-        )
+        if getattr(self.think, "needs_special_tokens", False):
+            return True
+        return self.family is not None and self.forced is None and self.family.needs_special_tokens
 
     def output(self) -> ChatOutput:
         splitter = self.think.splitter(self.opened) if self.think is not None else None
+        if hasattr(splitter, "parse_calls"):
+            splitter.parse_calls = self.calls_in_channels
         return ChatOutput(splitter, self.family, self.forced, self.parallel)
 
     def gated(self, constraints: list[Any], tokenizer: Any) -> list[Any]:
