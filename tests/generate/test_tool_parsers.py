@@ -165,6 +165,11 @@ def test_streamed_token_by_token_the_calls_are_the_whole_answers(folders, case):
                 assert all(marker not in piece for piece in streamed)
     for call in calls:
         json.loads(call.arguments)
+    # and a character at a time: every marker split at every place
+    streamer = tool_parsers.Streamer(family)
+    events = [e for ch in answer for e in streamer.feed(ch)] + streamer.finish()
+    assert "".join(v for k, v in events if k == "content") == content
+    assert [v for k, v in events if k == "call"] == calls
 
 
 THINKING = {
@@ -207,7 +212,7 @@ def test_an_endless_call_is_given_up_as_text_within_the_bound():
     assert all(k == "content" for k, _ in out)
     text = "".join(v for _, v in out)
     assert text.startswith("ok <tool_call>{") and len(text) > 3000
-    assert len(streamer._buf) == 0 and streamer._region is None
+    assert not streamer._buf and streamer._region is None
 
 
 def test_detect_names_each_family_from_its_template():
@@ -277,3 +282,21 @@ def test_harmony_channels_token_by_token_are_the_whole_answers(tmp_path):
     assert _harmony(pieces, False)[1] == 'Checking now.{"city": "Paris", "days": 3}It is sunny.'
     # not harmony at all: plain text is content
     assert _harmony(["Just text, no channels."], True) == ("", "Just text, no channels.", [])
+
+
+def test_a_long_call_streamed_a_character_at_a_time_costs_its_length():
+    """The region is searched only where it grew: 200,000 characters a character at a time
+    take well under the time a quadratic search would (seconds of copying)."""
+    import time
+
+    family = tool_parsers.FAMILIES["hermes"]()
+    streamer = tool_parsers.Streamer(family)
+    text = '<tool_call>{"name": "f", "arguments": {"x": "' + "a" * 200_000 + '"}}</tool_call>'
+    began = time.process_time()
+    events = []
+    for ch in text:
+        events += streamer.feed(ch)
+    events += streamer.finish()
+    spent = time.process_time() - began
+    assert [k for k, _ in events] == ["call"]
+    assert spent < 20  # ~0.5 s here; a copy of the region per character is ~40 GB

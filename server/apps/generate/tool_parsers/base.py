@@ -98,7 +98,9 @@ class Streamer:
         self.limit = limit
         self._longest = max((len(m) for m in family.starts), default=0)
         self._buf = ""  # text not yet resolved (a marker's possible beginning)
-        self._region: str | None = None  # inside a call region: its text so far
+        self._region: list[str] | None = None  # inside a call region: its text so far
+        self._size = 0  # its characters
+        self._tail = ""  # its last characters that may begin the end marker
         self._opened = ""  # the marker that opened it
         self._ws = ""  # whitespace held until more content follows
         self._dropped = ""  # the whitespace held when a region opened
@@ -160,24 +162,32 @@ class Streamer:
                 if not self._find_start(final):
                     return
                 continue
-            self._region += self._buf
-            self._buf = ""
+            # the region grows by pieces and only the new piece (and the end marker's
+            # possible start before it) is searched: a long call costs its length, not its
+            # length squared
+            piece, self._buf = self._buf, ""
+            start = self._size - len(self._tail)  # where the searched window begins
+            self._region.append(piece)
+            self._size += len(piece)
             if family.end is not None:
-                at = self._region.find(family.end)
+                window = self._tail + piece
+                at = window.find(family.end)
                 if at >= 0:
-                    region, rest = self._region[:at], self._region[at + len(family.end) :]
+                    whole = "".join(self._region)
+                    cut = start + at
                     self._region = None
-                    self._resolve(region, closed=True)
-                    self._buf = rest
+                    self._resolve(whole[:cut], closed=True)
+                    self._buf = whole[cut + len(family.end) :]
                     continue
-            if len(self._region) > self.limit:  # given up: the region as text, and the rest
+                self._tail = window[max(0, len(window) - len(family.end) + 1) :]
+            if self._size > self.limit:  # given up: the region as text, and the rest
                 self._off = True
                 self._ws = self._dropped
-                self._content(self._opened + self._region)
+                self._content(self._opened + "".join(self._region))
                 self._region = None
                 continue
             if final:
-                region, self._region = self._region, None
+                region, self._region = "".join(self._region), None
                 self._resolve(region, closed=False)
             return
 
@@ -218,7 +228,9 @@ class Streamer:
     def _open(self, marker: str, keep: bool, rest: str) -> None:
         self._dropped, self._ws = self._ws, ""  # back if the region is not calls
         self._opened = "" if keep else marker
-        self._region = marker if keep else ""
+        self._region = [marker] if keep else []
+        self._size = len(marker) if keep else 0
+        self._tail = ""
         self._buf = rest
 
 
