@@ -277,8 +277,7 @@ class OpenAIRoutes:
         chars = sum(len(m["content"]) for m in ask.messages if isinstance(m["content"], str))
         _check_prompt(chars, model, "'messages'", "messages")
         ids = await self._in_worker(_chat_ids, model, ask)
-        tail = model.tokenizer.decode(ids[-16:], skip_special_tokens=False)
-        plan = tools.plan(ask, model.tokenizer, tail, self.tool_call_parser, self.reasoning_parser)
+        plan = tools.plan(ask, model.tokenizer, ids, self.tool_call_parser, self.reasoning_parser)
         return await self._generate(model, ask, [ids], "chat", "messages", trace, plan)
 
     # --- POST /v1/completions

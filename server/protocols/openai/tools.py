@@ -339,10 +339,11 @@ class Plan:
 
 
 def plan(
-    ask: Any, tokenizer: Any, prompt_tail: str, tool_setting: str, reasoning_setting: str
+    ask: Any, tokenizer: Any, prompt_ids: Sequence[int], tool_setting: str, reasoning_setting: str
 ) -> Plan | None:
     """The request's :class:`Plan`; None when its answers are plain content (no reasoning
-    parser, no tools to parse, nothing forced)."""
+    parser, no tools to parse, nothing forced). Whether the prompt opened the reasoning is
+    read from its last 16 tokens' text (DeepSeek-R1's template ends it so)."""
     from plugserve.server.apps.generate import reasoning, tool_parsers
 
     template = tokenizer.chat_template
@@ -352,5 +353,7 @@ def plan(
         family = tool_parsers.family(tool_setting, template, ask.tools)
     if think is None and family is None and ask.tool_choice in ("none", "auto"):
         return None
-    opened = think is not None and think.opened(prompt_tail)
+    opened = think is not None and think.opened(
+        tokenizer.decode(list(prompt_ids[-16:]), skip_special_tokens=False)
+    )
     return Plan(think, opened, family, ask)
