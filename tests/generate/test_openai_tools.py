@@ -148,8 +148,12 @@ def server(tmp_path_factory):
     for name, (family, script, _, _) in SCRIPTS.items():
         entries[name] = (write(root / name, family, script, end=ENDS.get(name)), "NUMPY")
     entries["tiny"] = (write_tiny(root / "tiny", context=2048), "NUMPY")
+    # the same folders with their own parser settings (config keys over the server's flags)
+    off = {"TOOL_CALL_PARSER": "none", "REASONING_PARSER": "none"}
+    entries["qwen3-raw"] = (entries["qwen3"][0], "NUMPY", off)
+    entries["qwen-named"] = (entries["qwen"][0], "NUMPY", {"tool_call_parser": "hermes"})
     with serving(entries) as running:
-        running.folders = {name: folder for name, (folder, _) in entries.items()}
+        running.folders = {name: entry[0] for name, entry in entries.items()}
         yield running
 
 
@@ -477,3 +481,12 @@ def test_reasoning_effort_reaches_the_template(server, api):
     with pytest.raises(openai.BadRequestError) as caught:
         api.chat.completions.create(model="r1", messages=ASK, extra_body={"reasoning_effort": 3})
     assert caught.value.body["param"] == "reasoning_effort"
+
+
+def test_a_models_own_parser_keys_override_the_servers(api):
+    answer = api.chat.completions.create(model="qwen3-raw", messages=ASK, tools=TOOLS)
+    message = answer.choices[0].message
+    assert message.content == SCRIPTS["qwen3"][1] and message.tool_calls is None
+    assert "reasoning_content" not in (message.model_extra or {})
+    answer = api.chat.completions.create(model="qwen-named", messages=ASK, tools=TOOLS)
+    assert _calls(answer.choices[0].message) == [WEATHER, TIME]

@@ -300,3 +300,14 @@ def test_a_long_call_streamed_a_character_at_a_time_costs_its_length():
     spent = time.process_time() - began
     assert [k for k, _ in events] == ["call"]
     assert spent < 20  # ~0.5 s here; a copy of the region per character is ~40 GB
+
+
+def test_a_models_parser_keys_are_checked_and_kept_from_the_device():
+    from plugserve.plugins.api import InvalidArgument
+    from plugserve.server.apps.generate.network import _parsers
+
+    config = {"tool_call_parser": "pythonic", "REASONING_PARSER": "none", "NUM_STREAMS": "1"}
+    assert _parsers(config) == {"tool_call_parser": "pythonic", "reasoning_parser": "none"}
+    assert config == {"NUM_STREAMS": "1"}  # what the device gets
+    with pytest.raises(InvalidArgument, match="'bogus' is not a parser"):
+        _parsers({"TOOL_CALL_PARSER": "bogus"})

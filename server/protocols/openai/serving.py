@@ -100,7 +100,16 @@ class _Model:
     """A generative model as the adapter uses it: its entry, network and tokenizer, and what
     the network says of its bounds (the adapter reads nothing of its engine)."""
 
-    __slots__ = ("context", "entry", "max_n", "name", "network", "tokenizer", "vocab_size")
+    __slots__ = (
+        "context",
+        "entry",
+        "max_n",
+        "name",
+        "network",
+        "parsers",
+        "tokenizer",
+        "vocab_size",
+    )
 
     def __init__(self, entry: Any) -> None:
         network = entry.network
@@ -114,6 +123,8 @@ class _Model:
         self.vocab_size: int = network.vocab_size
         #: choices per request at most
         self.max_n: int = network.max_n
+        #: the model's own parser settings (config keys), over the server's
+        self.parsers: dict[str, str] = getattr(network, "parsers", {})
 
 
 class OpenAIRoutes:
@@ -277,7 +288,13 @@ class OpenAIRoutes:
         chars = sum(len(m["content"]) for m in ask.messages if isinstance(m["content"], str))
         _check_prompt(chars, model, "'messages'", "messages")
         ids = await self._in_worker(_chat_ids, model, ask)
-        plan = tools.plan(ask, model.tokenizer, ids, self.tool_call_parser, self.reasoning_parser)
+        plan = tools.plan(
+            ask,
+            model.tokenizer,
+            ids,
+            model.parsers.get("tool_call_parser", self.tool_call_parser),
+            model.parsers.get("reasoning_parser", self.reasoning_parser),
+        )
         return await self._generate(model, ask, [ids], "chat", "messages", trace, plan)
 
     # --- POST /v1/completions
