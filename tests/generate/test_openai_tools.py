@@ -490,3 +490,25 @@ def test_a_models_own_parser_keys_override_the_servers(api):
     assert "reasoning_content" not in (message.model_extra or {})
     answer = api.chat.completions.create(model="qwen-named", messages=ASK, tools=TOOLS)
     assert _calls(answer.choices[0].message) == [WEATHER, TIME]
+
+
+class GetWeather(pydantic.BaseModel):
+    city: str
+    days: int
+
+
+def test_the_sdks_parse_reads_strict_function_tools(api):
+    """``chat.completions.parse`` with ``pydantic_function_tool`` (strict tools): the calls'
+    arguments come back parsed into the tool's model."""
+    parse = getattr(api.chat.completions, "parse", None) or api.beta.chat.completions.parse
+    tool = openai.pydantic_function_tool(GetWeather, name="get_weather")
+    answer = parse(model="coder", messages=ASK, tools=[tool])
+    (call,) = answer.choices[0].message.tool_calls
+    assert call.function.parsed_arguments == GetWeather(city="Paris", days=3)
+    streamed = api.chat.completions.stream if hasattr(api.chat.completions, "stream") else None
+    if streamed is None:
+        streamed = api.beta.chat.completions.stream
+    with streamed(model="qwen", messages=ASK, tools=[tool]) as stream:
+        final = stream.get_final_completion()
+    first = final.choices[0].message.tool_calls[0]
+    assert first.function.parsed_arguments == GetWeather(city="Paris", days=3)
