@@ -412,6 +412,8 @@ class OpenAIRoutes:
             name_request(trace, rid)
         holds = _answer_bytes(ask, max_tokens) * len(prompts) + schema_bytes
         holds += _ID_BYTES * sum(len(p) for p in prompts)  # the prompts' ids, while it runs
+        if plan is not None:  # a call being read, held until it closes
+            holds += plan.holds(ask.n * len(prompts), ask.stream)
         streams = []
         try:
             for i, ids in enumerate(prompts):

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from plugserve.server.apps.generate.grammar import MAX_SCHEMA_BYTES
-from plugserve.server.apps.generate.tool_parsers import Streamer, ToolCall
+from plugserve.server.apps.generate.tool_parsers import MAX_CALL_CHARS, Streamer, ToolCall
 from plugserve.server.protocols.openai.errors import OpenAIError
 
 __all__ = ["EFFORTS", "ChatOutput", "Plan", "check_tools", "forced_schema", "history", "plan"]
@@ -316,6 +316,11 @@ class Plan:
         if getattr(self.think, "needs_special_tokens", False):
             return True
         return self.family is not None and self.forced is None and self.family.needs_special_tokens
+
+    def holds(self, choices: int, stream: bool) -> int:
+        """What a stream's parsers may hold: a call region per choice, at most
+        ``MAX_CALL_CHARS`` (a whole answer is charged as the answer already)."""
+        return choices * MAX_CALL_CHARS if stream else 0
 
     def output(self) -> ChatOutput:
         splitter = self.think.splitter(self.opened) if self.think is not None else None
