@@ -103,6 +103,7 @@ SCRIPTS = {
         [],
     ),
 }
+AFTER_TOOL = "It is sunny in Paris, 21 C, for the next 3 days."
 CALLERS = ["qwen", "coder", "llama", "mistral", "llama4", "qwen3", "oss"]
 #: the answers that end in another of the family's stop tokens than its first
 ENDS = {"oss": "<|call|>"}
@@ -147,6 +148,11 @@ def server(tmp_path_factory):
     entries = {}
     for name, (family, script, _, _) in SCRIPTS.items():
         entries[name] = (write(root / name, family, script, end=ENDS.get(name)), "NUMPY")
+    # an agent's turn: the call, then (the tool's result in the chat) the answer
+    entries["agent"] = (
+        write(root / "agent", "qwen2_5", SCRIPTS["qwen"][1], after_tool=AFTER_TOOL),
+        "NUMPY",
+    )
     entries["tiny"] = (write_tiny(root / "tiny", context=2048), "NUMPY")
     # the same folders with their own parser settings (config keys over the server's flags)
     off = {"TOOL_CALL_PARSER": "none", "REASONING_PARSER": "none"}
@@ -512,3 +518,21 @@ def test_the_sdks_parse_reads_strict_function_tools(api):
         final = stream.get_final_completion()
     first = final.choices[0].message.tool_calls[0]
     assert first.function.parsed_arguments == GetWeather(city="Paris", days=3)
+
+
+def test_an_agents_turn_runs_the_tool_and_answers_with_its_result(api):
+    """The openai SDK's tool loop as agents run it: the model calls, the calls run, their
+    results go back as tool messages with their ids, and the model answers."""
+    results = {"get_weather": "sunny, 21 C", "get_time": "12:00"}
+    messages: list = list(ASK)
+    for _ in range(3):
+        answer = api.chat.completions.create(model="agent", messages=messages, tools=TOOLS)
+        message = answer.choices[0].message
+        if not message.tool_calls:
+            break
+        messages.append(message.model_dump(exclude_none=True))
+        for call in message.tool_calls:
+            content = results[call.function.name]
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": content})
+    assert message.content == AFTER_TOOL and answer.choices[0].finish_reason == "stop"
+    assert [m["role"] for m in messages] == ["user", "assistant", "tool", "tool"]

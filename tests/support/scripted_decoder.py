@@ -257,15 +257,24 @@ class Family:
     bos: str | None = None
     #: more tokens that end a sequence (generation_config's eos_token_id list)
     stops: tuple[str, ...] = ()
+    #: the token a tool's result opens with in the prompt
+    tool_marker: str | None = None
 
 
 _QWEN_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-_QWEN_ADDED = ("<tool_call>", "</tool_call>", "<think>", "</think>")
+_QWEN_ADDED = (
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+    "<think>",
+    "</think>",
+)
 
 FAMILIES: dict[str, Family] = {
     "qwen2_5": Family(
         QWEN.replace("{# THINK #}", ""), _QWEN_SPECIALS, _QWEN_ADDED,
-        "<|im_end|>", ("<|im_start|>",), "assistant\n",
+        "<|im_end|>", ("<|im_start|>",), "assistant\n", tool_marker="<tool_response>",
     ),
     "qwen3": Family(
         QWEN.replace("{# THINK #}", QWEN3_THINK), _QWEN_SPECIALS, _QWEN_ADDED,
@@ -335,14 +344,20 @@ def tokenizer(family: Family, scripts: list[str]):
     return made
 
 
-def _graph(vocab: int, anchors: list[int], script: list[int], after: int):
+def _graph(vocab: int, anchors: list[int], scripts: list[list[int]], after: int, tool: int | None):
+    """``scripts[1]`` (if any) answers a prompt holding the ``tool`` token (a tool's result),
+    ``scripts[0]`` any other."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
     flags = np.zeros(vocab, np.float32)
     flags[anchors] = 1.0
-    table = np.full((len(script), vocab), -1e4, np.float32)
-    table[np.arange(len(script)), script] = 0.0
+    if tool is not None:
+        flags[tool] = -1.0  # cached as -1: the prompt's minimum says a result is in it
+    first, second = scripts[0], scripts[-1]
+    rows = [*first, *second] if len(scripts) > 1 else first
+    table = np.full((len(rows), vocab), -1e4, np.float32)
+    table[np.arange(len(rows)), rows] = 0.0
     nodes = [
         # where the token is an anchor of the prompt (a step of several tokens: the prefill,
         # never a generated token's step): position + 1, cached as every position's key
@@ -355,7 +370,10 @@ def _graph(vocab: int, anchors: list[int], script: list[int], after: int):
         helper.make_node("Mul", ["flag", "prefill"], ["prompt_flag"]),
         helper.make_node("Cast", ["position_ids"], ["pos"], to=TensorProto.FLOAT),
         helper.make_node("Add", ["pos", "one"], ["pos1"]),
-        helper.make_node("Mul", ["prompt_flag", "pos1"], ["mark"]),
+        helper.make_node("Relu", ["prompt_flag"], ["anchor_flag"]),
+        helper.make_node("Sub", ["anchor_flag", "prompt_flag"], ["tool_flag"]),
+        helper.make_node("Mul", ["anchor_flag", "pos1"], ["anchor_mark"]),
+        helper.make_node("Sub", ["anchor_mark", "tool_flag"], ["mark"]),
         helper.make_node("Unsqueeze", ["mark", "axes13"], ["mark4"]),
         helper.make_node("Mul", ["mark4", "ones_head"], ["new"]),
         helper.make_node("Concat", ["past_key_values.0.key", "new"], ["present.0.key"], axis=2),
@@ -365,8 +383,17 @@ def _graph(vocab: int, anchors: list[int], script: list[int], after: int):
         helper.make_node("Unsqueeze", ["last", "axes1"], ["last2"]),
         helper.make_node("Sub", ["pos1", "last2"], ["since"]),
         helper.make_node("Sub", ["since", "after"], ["step"]),
-        helper.make_node("Clip", ["step", "zero", "end"], ["clipped"]),
-        helper.make_node("Cast", ["clipped"], ["index"], to=TensorProto.INT64),
+        # which script: 1 when a tool's result is in the prompt (the cache's minimum is -1)
+        helper.make_node("ReduceMin", ["present.0.key"], ["low"], axes=[1, 2, 3], keepdims=0),
+        helper.make_node("Neg", ["low"], ["which1"]),
+        helper.make_node("Unsqueeze", ["which1", "axes1"], ["which"]),
+        helper.make_node("Mul", ["which", "grow"], ["more_end"]),
+        helper.make_node("Add", ["end", "more_end"], ["last_step"]),
+        helper.make_node("Max", ["step", "zero"], ["from0"]),
+        helper.make_node("Min", ["from0", "last_step"], ["clipped"]),
+        helper.make_node("Mul", ["which", "offset"], ["base"]),
+        helper.make_node("Add", ["clipped", "base"], ["row"]),
+        helper.make_node("Cast", ["row"], ["index"], to=TensorProto.INT64),
         helper.make_node("Gather", ["table", "index"], ["logits"]),
         helper.make_node("Shape", ["attention_mask"], ["mask_shape"]),
     ]
@@ -398,7 +425,11 @@ def _graph(vocab: int, anchors: list[int], script: list[int], after: int):
             numpy_helper.from_array(np.array(1, np.int64), "one_i"),
             numpy_helper.from_array(np.array(0.0, np.float32), "zero"),
             numpy_helper.from_array(np.array(float(after), np.float32), "after"),
-            numpy_helper.from_array(np.array(float(len(script) - 1), np.float32), "end"),
+            numpy_helper.from_array(np.array(float(len(first) - 1), np.float32), "end"),
+            numpy_helper.from_array(np.array(float(len(second) - len(first)), np.float32), "grow"),
+            numpy_helper.from_array(
+                np.array(float(len(first) if len(scripts) > 1 else 0), np.float32), "offset"
+            ),
             numpy_helper.from_array(np.ones(HEAD, np.float32), "ones_head"),
             numpy_helper.from_array(np.array([1, 3], np.int64), "axes13"),
             numpy_helper.from_array(np.array([1], np.int64), "axes1"),
@@ -410,16 +441,22 @@ def _graph(vocab: int, anchors: list[int], script: list[int], after: int):
 
 
 def write(
-    folder: Path, family: str, script: str, context: int = 4096, end: str | None = None
+    folder: Path,
+    family: str,
+    script: str,
+    context: int = 4096,
+    end: str | None = None,
+    after_tool: str | None = None,
 ) -> Path:
     """The folder at ``folder`` (made): ``family``'s template and tokens, answering ``script``
-    then ``end`` (the family's end of sequence unless given: one of its stops) to every
-    chat."""
+    then ``end`` (the family's end of sequence unless given: one of its stops) to every chat,
+    or ``after_tool`` (then the end of sequence) to a chat holding a tool's result (the
+    family's ``tool_marker``), so an agent's turn runs: the call, then the answer."""
     import onnx
 
     spec = FAMILIES[family]
     folder.mkdir(parents=True, exist_ok=True)
-    made = tokenizer(spec, [script])
+    made = tokenizer(spec, [script, *([after_tool] if after_tool else [])])
     made.save(str(folder / "tokenizer.json"))
     config = {
         "eos_token": spec.eos,
@@ -431,10 +468,14 @@ def write(
     eos = made.token_to_id(spec.eos)
     stops = [eos, *(made.token_to_id(t) for t in spec.stops)]
     ids = [*made.encode(script, add_special_tokens=False).ids, made.token_to_id(end or spec.eos)]
+    scripts = [ids]
+    if after_tool is not None:
+        scripts.append([*made.encode(after_tool, add_special_tokens=False).ids, eos])
+    tool = made.token_to_id(spec.tool_marker) if after_tool and spec.tool_marker else None
     after = len(made.encode(spec.after_anchor, add_special_tokens=False).ids)
     anchors = [made.token_to_id(a) for a in spec.anchors]
     vocab = made.get_vocab_size(with_added_tokens=True)
-    onnx.save(_graph(vocab, anchors, ids, after), str(folder / "model.onnx"))
+    onnx.save(_graph(vocab, anchors, scripts, after, tool), str(folder / "model.onnx"))
     model = {
         "model_type": "llama",
         "architectures": ["LlamaForCausalLM"],
