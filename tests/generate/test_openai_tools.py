@@ -536,3 +536,38 @@ def test_an_agents_turn_runs_the_tool_and_answers_with_its_result(api):
             messages.append({"role": "tool", "tool_call_id": call.id, "content": content})
     assert message.content == AFTER_TOOL and answer.choices[0].finish_reason == "stop"
     assert [m["role"] for m in messages] == ["user", "assistant", "tool", "tool"]
+
+
+def test_the_openai_agents_sdk_runs_a_turn_with_function_tools(server):
+    """The OpenAI Agents SDK on the chat completions API (its OpenAIChatCompletionsModel): the
+    agent's function tools are called with the model's arguments and the run ends with the
+    answer the model gave once it read their results."""
+    agents = pytest.importorskip("agents", reason="pip install openai-agents")
+    agents.set_tracing_disabled(True)  # nothing exported anywhere
+    ran = []
+
+    @agents.function_tool
+    def get_weather(city: str, days: int) -> str:
+        """The weather in a city."""
+        ran.append(("get_weather", city, days))
+        return "sunny, 21 C"
+
+    @agents.function_tool
+    def get_time(zone: str) -> str:
+        """The time in a zone."""
+        ran.append(("get_time", zone))
+        return "12:00"
+
+    model = agents.OpenAIChatCompletionsModel(
+        model="agent",
+        openai_client=openai.AsyncOpenAI(
+            base_url=f"{server.http_url}/v1", api_key="unused", max_retries=0, timeout=120
+        ),
+    )
+    agent = agents.Agent(
+        name="weather", instructions="Answer about the weather.", model=model,
+        tools=[get_weather, get_time],
+    )  # fmt: skip
+    result = agents.Runner.run_sync(agent, "What is the weather in Paris?", max_turns=4)
+    assert result.final_output == AFTER_TOOL
+    assert ran == [("get_weather", "Paris", 3), ("get_time", "Europe/Paris")]
