@@ -571,3 +571,18 @@ def test_the_openai_agents_sdk_runs_a_turn_with_function_tools(server):
     result = agents.Runner.run_sync(agent, "What is the weather in Paris?", max_turns=4)
     assert result.final_output == AFTER_TOOL
     assert ran == [("get_weather", "Paris", 3), ("get_time", "Europe/Paris")]
+
+
+def test_pydantic_ai_default_output_type(server):
+    """Pydantic AI's default structured output: a ``final_result`` tool the model must call
+    (``tool_choice`` ``required``), forced by the grammar on a random-weight model."""
+    pytest.importorskip("pydantic_ai", reason="pip install 'pydantic-ai-slim[openai]'")
+    from pydantic_ai import Agent
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    provider = OpenAIProvider(base_url=f"{server.http_url}/v1", api_key="unused")
+    model = OpenAIChatModel("tiny", provider=provider)
+    agent = Agent(model, output_type=Forecast, model_settings={"temperature": 0})
+    made = agent.run_sync("What is the forecast?").output
+    assert isinstance(made, Forecast) and made.unit in ("c", "f") and 1 <= made.days <= 9
