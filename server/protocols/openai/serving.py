@@ -6,7 +6,10 @@ tokenizes with the model's own :class:`Tokenizer`, checks what needs the model (
 length, the vocabulary, the schema), opens one stream per prompt through
 ``DataPlane.stream`` (admission, the in-flight count, the deadline watch, the memory
 budget, the recorder: what every request gets) whose producer is the model's engine, and
-encodes the engine's events as OpenAI's bodies (``encode.py``) or server-sent events.
+encodes the engine's events as OpenAI's bodies (``encode.py``) or server-sent events. A chat's
+answer goes through ``tools.py`` when the model's family or the request asks it: reasoning
+split out, tool calls parsed (``server/apps/generate/tool_parsers``), a forced tool choice read
+back as its calls.
 
 Paths: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``, ``/v1/models`` and
 ``/v1/models/{id}``, each also under ``/v3`` (OpenVINO Model Server's prefix). Every refusal is
