@@ -189,6 +189,11 @@ def test_reasoning_split_token_by_token_is_the_whole_answers(folders, name):
     prompt = tok.render_chat([{"role": "user", "content": "hi"}], True, None, {})
     opened = think.opened(prompt[-40:])
     assert opened == (name == "deepseek_r1")  # R1's template opens <think> in the prompt
+    if name == "qwen3":  # thinking off: the template writes an empty thought, closed
+        off = tok.render_chat(
+            [{"role": "user", "content": "hi"}], True, None, {"enable_thinking": False}
+        )
+        assert off.endswith("<think>\n\n</think>\n\n") and not think.opened(off[-40:])
     answer = THINKING[name]
     whole = think.splitter(opened)
     r1, c1 = whole.feed(answer)
