@@ -586,3 +586,43 @@ def test_pydantic_ai_default_output_type(server):
     agent = Agent(model, output_type=Forecast, model_settings={"temperature": 0})
     made = agent.run_sync("What is the forecast?").output
     assert isinstance(made, Forecast) and made.unit in ("c", "f") and 1 <= made.days <= 9
+
+
+FUNCTIONS = """
+def get_weather(city: str, days: int) -> str:
+    "The weather in a city."
+    return "sunny, 21 C"
+
+
+def get_time(zone: str) -> str:
+    "The time in a zone."
+    return "12:00"
+"""
+
+
+def test_the_llm_cli_runs_its_tools(server, tmp_path):
+    """Simon Willison's ``llm`` CLI with Python functions as tools, on an OpenAI-compatible
+    model of its extra-openai-models.yaml: it runs the calls and prints the answer."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("llm", reason="pip install llm")
+    found = shutil.which("llm") or str(Path(sys.executable).parent / "llm")
+    (tmp_path / "extra-openai-models.yaml").write_text(
+        f"- model_id: agent\n  model_name: agent\n  api_base: {server.http_url}/v1\n"
+        "  supports_tools: true\n"
+    )
+    env = {**os.environ, "LLM_USER_PATH": str(tmp_path), "OPENAI_API_KEY": "unused"}
+    done = subprocess.run(
+        [found, "-m", "agent", "--functions", FUNCTIONS, "--td", "--no-stream",
+         "What is the weather in Paris?"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert AFTER_TOOL in done.stdout
+    # --td: the calls it ran, with the model's arguments, shown on stderr
+    assert "get_weather({'city': 'Paris', 'days': 3})" in done.stderr
+    assert "get_time({'zone': 'Europe/Paris'})" in done.stderr
