@@ -316,3 +316,24 @@ def test_a_models_parser_keys_are_checked_and_kept_from_the_device():
     assert config == {"NUM_STREAMS": "1"}  # what the device gets
     with pytest.raises(InvalidArgument, match="'bogus' is not a parser"):
         _parsers({"TOOL_CALL_PARSER": "bogus"})
+
+
+@pytest.mark.parametrize("parser", sorted(set(tool_parsers.FAMILIES) - {"qwen2_5", "qwen3"}))
+def test_hostile_regions_come_back_as_text(parser):
+    """JSON or Python nested past any parser's depth, and the markers alone: text, never an
+    exception (which would fail the request)."""
+    family = tool_parsers.FAMILIES[parser](TOOLS)
+    opening = next(iter(family.starts))
+    for body in ("[" * 100_000, '{"a":' * 50_000, "", "(" * 50_000, "\x00\ud800"):
+        text = opening + body + (family.end or "")
+        content, calls = tool_parsers.parse(family, text)
+        assert calls == [] and content == text
+
+
+def test_a_harmony_call_nested_past_the_parsers_depth_is_text():
+    splitter = reasoning.Harmony().splitter(True)
+    splitter.parse_calls = True
+    body = "[" * 100_000
+    text = "<|channel|>commentary to=functions.f <|constrain|>json<|message|>" + body + "<|call|>"
+    assert splitter.feed(text) + splitter.finish() == ("", body, "", "")
+    assert splitter.take_calls() == []

@@ -168,7 +168,7 @@ def history(messages: list[dict[str, Any]]) -> None:
             if isinstance(arguments, str):
                 try:
                     arguments = json.loads(arguments) if arguments.strip() else {}
-                except ValueError:
+                except (ValueError, RecursionError):
                     arguments = None
                 if not isinstance(arguments, dict):
                     raise OpenAIError(
@@ -270,7 +270,7 @@ class ChatOutput:
         answer = "".join(self._held)
         try:
             items = json.loads(answer)
-        except ValueError:
+        except (ValueError, RecursionError):
             items = None
         if not isinstance(items, list) or not all(
             isinstance(i, dict) and isinstance(i.get("name"), str) for i in items

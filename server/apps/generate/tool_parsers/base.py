@@ -47,7 +47,7 @@ def arguments_text(value: Any) -> str | None:
     if isinstance(value, str):
         try:
             value = json.loads(value)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
     if not isinstance(value, dict):
         return None
@@ -140,7 +140,10 @@ class Streamer:
             self._events.append(("content", body))
 
     def _resolve(self, region: str, closed: bool) -> None:
-        calls = self.family.calls(region)
+        try:
+            calls = self.family.calls(region)
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError, MemoryError):
+            calls = None  # odd text (JSON nested past the parser's depth...): text, no 500
         if calls:
             self._ws = ""
             self.made += len(calls)
