@@ -272,8 +272,13 @@ class HttpRawRunner(Runner):
         for attempt in (0, 1):  # a server may close an idle keep-alive connection: reopen once
             sock, parser, state = self._connection()
             state["done"] = False
-            sock.sendall(self.request)
-            data = sock.recv(1 << 20)
+            try:
+                sock.sendall(self.request)
+                data = sock.recv(1 << 20)
+            except (BrokenPipeError, ConnectionResetError):
+                if attempt:
+                    raise
+                data = b""
             if data or attempt:
                 break
             sock.close()

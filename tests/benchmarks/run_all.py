@@ -12,9 +12,10 @@ identity 1x3x224x224 fp32 against a bare grpcio echo of the same payload (and KS
 with binary tensors against the same echo); (4) BATCH vs no
 batching for the MLP at 64 requests in flight; (5) HETERO partitioning of 100 / 1,000 / 10,000
 node graphs; (6) peak RSS of a server holding each model on each device; (7) Seldon MLServer
-(when ``--mlserver`` or ``mlserver`` on PATH). Compared cases run interleaved in blocks and
-every figure is a median over blocks; ratios are within this one run. Nothing here asserts on
-time: the targets table says met or missed.
+(when ``--mlserver`` or ``mlserver`` on PATH); (8) our HTTP server against uvicorn (and
+granian) under the same REST routes, with the red team's attacks. Compared cases run interleaved
+in blocks and every figure is a median over blocks; ratios are within this one run. Nothing
+here asserts on time: the targets table says met or missed.
 """
 
 from __future__ import annotations
@@ -601,6 +602,33 @@ def mlserver_rows(
         results.target(f"{prefix}{model}: plugserve req/s / MLServer (x16)", goal, r, met)
 
 
+# --------------------------------------------------------------------------- (8) HTTP servers
+
+
+def http_servers(results: Results, p: dict, smoke: bool) -> None:
+    """Our HTTP/1.1 server against uvicorn (and granian, when installed) under the same REST
+    routes, speed and the red team's attacks (bench_http_servers.py)."""
+    import bench_http_servers
+
+    figures = bench_http_servers.compare(
+        "smoke" if smoke else "full",
+        rounds=None if smoke else p["rounds"],
+        seconds=None if smoke else p["seconds"],
+    )
+    rows = results.section(
+        "REST: our HTTP server against "
+        + (", ".join(k for k in figures["kinds"] if k != "plugserve") or "none installed")
+        + " under the same routes (bench_http_servers.py)",
+        ["table"],
+    )
+    for line in bench_http_servers.table(figures).splitlines():
+        if line.startswith("| ") and not line.startswith("|---"):
+            rows.append([line.strip("| ").replace("|", "/")])
+    results.data["http_servers"] = figures
+    if not all(figures.get("alive", {}).values()):
+        raise RuntimeError(f"a server died under the attacks: {figures.get('alive')}")
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -618,7 +646,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--sections",
-        default="latency,throughput,overhead,batch,partition,memory,mlserver",
+        default="latency,throughput,overhead,batch,partition,memory,mlserver,http",
         help="comma-separated subset",
     )
     args = parser.parse_args(argv)
@@ -640,6 +668,7 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
         step.append(("overhead", lambda: overhead(results, need_server(), paths, p, True)))
         step.append(("partition", lambda: partitioning(results, p, [1_000])))
+        step.append(("http", lambda: http_servers(results, p, True)))
     else:
         backends = ["NUMPY", "ORT", "OPENVINO", "onnxruntime", "openvino"]
         step += [
@@ -650,6 +679,7 @@ def main(argv: list[str] | None = None) -> int:
             ("batch", lambda: batching(results, need_server(), paths, p)),
             ("partition", lambda: partitioning(results, p, [100, 1_000, 10_000])),
             ("memory", lambda: memory(results, paths)),
+            ("http", lambda: http_servers(results, p, False)),
         ]  # fmt: skip
         from bench_mlserver import find_mlserver
 

@@ -74,11 +74,11 @@ from plugserve.server.plane.sequences import echoed
 from plugserve.server.plane.shm import write_outputs
 from plugserve.server.plane.tracing import name_request
 from plugserve.server.protocols.auth import (
-    ADMIN,
     HEALTH,
     KSERVE,
     AuthInterceptor,
     control_refusal,
+    setting_denial,
 )
 from plugserve.server.protocols.http import offload as rest_offload
 from plugserve.server.protocols.http import sse
@@ -114,7 +114,7 @@ __all__ = ["RestApp", "RestServer"]
 
 _JSON = [(b"content-type", b"application/json")]
 #: the get-or-set routes: setting (a POST with fields) needs an admin token, as on gRPC
-_SETTERS = {f"/{KSERVE}/TraceSetting"}
+_SETTERS = {f"/{KSERVE}/TraceSetting", f"/{KSERVE}/LogSettings"}
 # Content-Encoding of a request body -> zlib's wbits (0: plain)
 _WBITS = {b"identity": 0, b"gzip": 31, b"deflate": 15}
 _BINARY = b"application/octet-stream"
@@ -241,7 +241,7 @@ class RestApp:
              self.load),
             (r"/v2/repository/models/(?P<name>[^/]+)/unload", post,
              k + "RepositoryModelUnload", self.unload),
-            (r"/v2/logging", both, k + "ServerMetadata", _refuse("log settings")),
+            (r"/v2/logging", both, k + "LogSettings", _refuse("log settings")),
             (trace, get, k + "TraceSetting", self.trace_setting),
             (trace, post, k + "TraceSetting", self.update_trace_setting),
             (shm + "/status", both, k + "SystemSharedMemoryStatus", self.shm_status),
@@ -324,15 +324,12 @@ class RestApp:
                 if code == grpc.StatusCode.UNAUTHENTICATED:
                     extra = [*extra, (b"www-authenticate", b"Bearer")]
                 return status, pieces, extra
-            if method == "POST" and rpc in _SETTERS and message != ADMIN and body.strip(b" {}"):
-                # as the gRPC setters (auth.py): an infer token reads the settings, sets none
-                return _error(
-                    403,
-                    f"{rpc.rpartition('/')[2]} with settings needs a token with the 'admin' "
-                    f"role; this token has the '{message}' role",
-                )
+            # as the gRPC setters (auth.guard_settings): an infer token reads, sets nothing
+            why = setting_denial(rpc, message) if _sets(method, rpc, body) else ""
+            if why:
+                return _error(403, why)
         elif self.local_control:
-            why = control_refusal(rpc, peer)
+            why = control_refusal(rpc, peer, _sets(method, rpc, body))
             if why:
                 return _error(403, why)
         encoding = headers.get(b"content-encoding", b"identity").strip().lower()
@@ -902,6 +899,12 @@ def _fast(entry: LoadedNetwork) -> bool:
 
 def _text(value: bytes | None) -> str | None:
     return None if value is None else value.decode("latin-1").strip()
+
+
+def _sets(method: str, rpc: str, body: bytes) -> bool:
+    """Whether a request to a get-or-set route changes settings: a POST with a body other
+    than ``{}`` (a compressed one counts as setting: refused rather than guessed)."""
+    return method == "POST" and rpc in _SETTERS and bool(body.strip(b" \t\r\n{}"))
 
 
 def _refuse(feature: str) -> Callable[[Call], Reply]:

@@ -203,6 +203,7 @@ class ChatOutput:
         self.content: list[str] = []
         self.calls: list[dict[str, Any]] = []
         self._held: list[str] = []  # a forced answer's text
+        self._message: dict[str, Any] | None = None
 
     def feed(self, text: str) -> list[dict[str, Any]]:
         return self._step(text, False)
@@ -281,6 +282,14 @@ class ChatOutput:
             arguments = json.dumps(item.get("parameters") or {}, ensure_ascii=False)
             deltas += self._call(ToolCall(item["name"], arguments))
         return deltas
+
+    def whole(self, text: str) -> dict[str, Any]:
+        """The message of a whole answer ``text`` (read once, however often asked)."""
+        if self._message is None:
+            self.feed(text)
+            self.finish()
+            self._message = self.message()
+        return self._message
 
     def message(self) -> dict[str, Any]:
         """The choice's ``message``."""
