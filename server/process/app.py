@@ -441,7 +441,14 @@ class Server:
             s.responses_store_bytes,
             s.responses_store_seconds,
         )
-        self.openai = OpenAIRoutes(self.plane, self.control, s.max_completion_tokens, store)
+        self.openai = OpenAIRoutes(
+            self.plane,
+            self.control,
+            s.max_completion_tokens,
+            store,
+            s.tool_call_parser,
+            s.reasoning_parser,
+        )
         rest_app.add_routes(self.openai.routes(), self.openai.refusal)
         self.rest = RestServer(rest_app, s)
         self.http_port = self.rest.start()

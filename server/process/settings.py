@@ -177,6 +177,19 @@ class Settings:
         "entries or bytes bounds evict it)",
         low=0,
     )
+    tool_call_parser: str = _field(
+        "auto",
+        "how tool calls are read out of a chat's answer (OpenAI's tool_choice auto): auto (each "
+        "model's family, from its chat template's markup), none (calls stay text), or a "
+        "family: hermes (Qwen2.5, Qwen3), qwen3_coder, llama3_json, mistral, pythonic "
+        "(Llama 4); docs/openai.md",
+    )
+    reasoning_parser: str = _field(
+        "auto",
+        "how a reasoning model's thinking is split out of its answer (reasoning_content): "
+        "auto (a chat template writing <think> ... </think>), none, or think (Qwen3, "
+        "DeepSeek-R1; also named qwen3, deepseek_r1)",
+    )
     max_request_seconds: float = _field(
         300.0,
         "longest an inference request may take from admission to its answer, queued and "
@@ -377,6 +390,14 @@ class Settings:
             found.append(f"shared_memory={self.shared_memory!r} must be system or off")
         if not self.shared_memory_prefix.startswith("/"):
             found.append(f"shared_memory_prefix={self.shared_memory_prefix!r} must start with '/'")
+        from plugserve.server.apps.generate import reasoning, tool_parsers
+
+        for name, names in (
+            ("tool_call_parser", tool_parsers.NAMES),
+            ("reasoning_parser", reasoning.NAMES),
+        ):
+            if getattr(self, name) not in names:
+                found.append(f"{name}={getattr(self, name)!r} must be one of {', '.join(names)}")
         if self.log_format not in _LOG_FORMATS:
             found.append(f"log_format={self.log_format!r} must be one of {', '.join(_LOG_FORMATS)}")
         try:

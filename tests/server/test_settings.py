@@ -39,6 +39,10 @@ def _values(field: dataclasses.Field) -> tuple[str, str]:
         return "off", "system"
     if field.name == "shared_memory_prefix":
         return "/", "/mine"
+    if field.name == "tool_call_parser":
+        return "hermes", "none"
+    if field.name == "reasoning_parser":
+        return "none", "think"
     if field.name == "trace_config":
         return "rate=7", "level=TIMESTAMPS,opentelemetry,url=127.0.0.1:4318/v1/traces"
     if field.name in (

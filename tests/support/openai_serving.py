@@ -13,19 +13,21 @@ from pathlib import Path
 from serving import RunningServer
 
 
-def repository(entries: dict[str, tuple[Path, str]]) -> Path:
-    """A repository folder: each entry ``name -> (model folder, device)`` as ``name/1`` (a link
-    to the folder) beside ``name/config.json`` naming the device."""
+def repository(entries: dict[str, tuple]) -> Path:
+    """A repository folder: each entry ``name -> (model folder, device)`` (or ``(model folder,
+    device, config keys)``) as ``name/1`` (a link to the folder) beside ``name/config.json``
+    naming the device (and holding the keys as its ``config``)."""
     root = Path(tempfile.mkdtemp(prefix="plugserve-openai-"))
-    for name, (folder, device) in entries.items():
+    for name, (folder, device, *keys) in entries.items():
         (root / name).mkdir()
         (root / name / "1").symlink_to(folder.resolve(), target_is_directory=True)
-        (root / name / "config.json").write_text(json.dumps({"device": device}))
+        settings = {"device": device, **({"config": keys[0]} if keys else {})}
+        (root / name / "config.json").write_text(json.dumps(settings))
     return root
 
 
 @contextmanager
-def serving(entries: dict[str, tuple[Path, str]], *args: str) -> Iterator[RunningServer]:
+def serving(entries: dict[str, tuple], *args: str) -> Iterator[RunningServer]:
     """A server over ``entries`` (see :func:`repository`), stopped and its repository removed
     after."""
     root = repository(entries)

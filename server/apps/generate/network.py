@@ -74,6 +74,9 @@ ENGINE_KEYS = {
     "ENABLE_PREFIX_CACHING": "enable_prefix_caching",
     "MAX_WAITING": "max_waiting",
 }
+#: config keys the OpenAI face reads (each model's tool-call and reasoning parser, over the
+#: server's --tool-call-parser and --reasoning-parser), and the attribute of ``parsers``
+PARSER_KEYS = {"TOOL_CALL_PARSER": "tool_call_parser", "REASONING_PARSER": "reasoning_parser"}
 #: without a context length in the config, the longest sequence served by default
 DEFAULT_CONTEXT = 2048
 #: the share of the machine's memory an unset kv_cache_bytes may take at most
@@ -153,6 +156,23 @@ def engine_settings(
     return dataclasses.replace(defaults, **values), rest
 
 
+def _parsers(config: dict[str, Any]) -> dict[str, str]:
+    """The parser keys of ``config`` (removed from it), checked against the names known."""
+    from plugserve.server.apps.generate import reasoning, tool_parsers
+
+    names = {"tool_call_parser": tool_parsers.NAMES, "reasoning_parser": reasoning.NAMES}
+    found = {}
+    for key in [k for k in config if isinstance(k, str) and k.upper() in PARSER_KEYS]:
+        field = PARSER_KEYS[key.upper()]
+        value = str(config.pop(key)).strip()
+        if value not in names[field]:
+            raise InvalidArgument(
+                f"config key {key!r}: {value!r} is not a parser; one of {', '.join(names[field])}"
+            )
+        found[field] = value
+    return found
+
+
 def _physical_memory() -> int:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -169,7 +189,9 @@ def load_generative(
 ) -> GenerativeNetwork:
     """Load a transformers folder as a generative network on ``device``."""
     folder = ModelFolder.read(path)
-    settings, device_config = engine_settings(defaults or EngineSettings(), dict(config or {}))
+    config = dict(config or {})
+    parsers = _parsers(config)  # taken out: not the device's keys
+    settings, device_config = engine_settings(defaults or EngineSettings(), config)
     tokenizer = Tokenizer.from_folder(folder.path)
     context = folder.context_length or DEFAULT_CONTEXT
     capacity = min(settings.max_model_len or context, context)
@@ -200,6 +222,7 @@ def load_generative(
         network = GenerativeNetwork(
             decoder_network, folder, tokenizer, decoder, settings, rows, device
         )
+        network.parsers = parsers
     except BaseException:
         decoder_network.close()
         raise
@@ -285,6 +308,8 @@ class GenerativeNetwork(CompiledNetwork):
 
     decoupled = True
     open_ended = True
+    #: the model's own tool-call and reasoning parsers (config keys :data:`PARSER_KEYS`)
+    parsers: dict[str, str] = {}  # replaced per network, never changed in place
 
     def __init__(
         self,

@@ -28,8 +28,7 @@ Where OpenAI and vLLM differ or are silent, the choice is written here and in do
 * fields this server does not know are ignored, as vLLM does (clients send ``user``,
   ``metadata``, ``store`` and their own extensions); vLLM's and OpenAI's other fields are
   honoured or refused by ``vllm_fields.py``; fields it knows but cannot honour
-  (``tool_choice`` naming a function, image parts, ``best_of`` over ``n``, ``suffix``)
-  are refused, never silently dropped.
+  (image parts, ``best_of`` over ``n``, ``suffix``) are refused, never silently dropped.
 """
 
 from __future__ import annotations
@@ -48,6 +47,7 @@ from plugserve.server.apps.generate.types import (
     MAX_TOKEN_LIST,
 )
 from plugserve.server.protocols.openai import vllm_fields
+from plugserve.server.protocols.openai import tools
 from plugserve.server.protocols.openai.errors import OpenAIError
 
 __all__ = [
@@ -163,6 +163,9 @@ class GenerationAsk:
 class ChatRequest(GenerationAsk):
     messages: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     tools: list[dict[str, Any]] | None = None
+    #: "none", "auto", "required" or {"name": ...} (tools.py)
+    tool_choice: Any = "none"
+    parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -484,19 +487,6 @@ def chat_request(body: dict[str, Any]) -> ChatRequest:
     elif body.get("top_logprobs") is not None:
         _integer(body, "top_logprobs", 0, 0, MAX_LOGPROBS)
         raise OpenAIError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-    tools = body.get("tools")
-    if tools is not None and (
-        not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)
-    ):
-        raise OpenAIError("'tools' must be an array of tool objects", "tools")
-    ask.tools = tools or None
-    choice = body.get("tool_choice")
-    if choice not in (None, "none", "auto"):
-        raise OpenAIError(
-            "'tool_choice' may be 'none' or 'auto': this server passes tools to the model's "
-            "chat template but does not force or parse tool calls",
-            "tool_choice",
-        )
     ask.continue_final_message = _boolean(body, "continue_final_message")
     ask.add_generation_prompt = _boolean(
         body, "add_generation_prompt", not ask.continue_final_message
@@ -518,6 +508,8 @@ def chat_request(body: dict[str, Any]) -> ChatRequest:
             )
     ask.template_kwargs = dict(kwargs or {})
     vllm_fields.read(body, ask, "chat")
+    tools.check_tools(body, ask)  # tools, tool_choice (forced: a schema), reasoning_effort
+    tools.history(ask.messages)
     return ask
 
 

@@ -6,7 +6,10 @@ tokenizes with the model's own :class:`Tokenizer`, checks what needs the model (
 length, the vocabulary, the schema), opens one stream per prompt through
 ``DataPlane.stream`` (admission, the in-flight count, the deadline watch, the memory
 budget, the recorder: what every request gets) whose producer is the model's engine, and
-encodes the engine's events as OpenAI's bodies (``encode.py``) or server-sent events.
+encodes the engine's events as OpenAI's bodies (``encode.py``) or server-sent events. A chat's
+answer goes through ``tools.py`` when the model's family or the request asks it: reasoning
+split out, tool calls parsed (``server/apps/generate/tool_parsers``), a forced tool choice read
+back as its calls.
 
 Paths: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``, ``/v1/models`` and
 ``/v1/models/{id}``, each also under ``/v3`` (OpenVINO Model Server's prefix). Every refusal is
@@ -63,7 +66,7 @@ from plugserve.server.plane.tracing import name_request
 from plugserve.server.protocols.auth import KSERVE
 from plugserve.server.protocols.http import sse
 from plugserve.server.protocols.http.http_server import StreamReply
-from plugserve.server.protocols.openai import encode, protocol
+from plugserve.server.protocols.openai import encode, protocol, tools
 from plugserve.server.protocols.openai.errors import (
     OpenAIError,
     error_reply,
@@ -105,7 +108,16 @@ class _Model:
     """A generative model as the adapter uses it: its entry, network and tokenizer, and what
     the network says of its bounds (the adapter reads nothing of its engine)."""
 
-    __slots__ = ("context", "entry", "max_n", "name", "network", "tokenizer", "vocab_size")
+    __slots__ = (
+        "context",
+        "entry",
+        "max_n",
+        "name",
+        "network",
+        "parsers",
+        "tokenizer",
+        "vocab_size",
+    )
 
     def __init__(self, entry: Any) -> None:
         network = entry.network
@@ -119,6 +131,8 @@ class _Model:
         self.vocab_size: int = network.vocab_size
         #: choices per request at most
         self.max_n: int = network.max_n
+        #: the model's own parser settings (config keys), over the server's
+        self.parsers: dict[str, str] = getattr(network, "parsers", {})
 
 
 class OpenAIRoutes:
@@ -130,13 +144,18 @@ class OpenAIRoutes:
         control: Any,
         max_completion_tokens: int = 0,
         responses_store: ResponseStore | None = None,
+        tool_call_parser: str = "auto",
+        reasoning_parser: str = "auto",
     ) -> None:
         """``max_completion_tokens``: the server's limit on ``max_tokens`` (0: the model's
         context only); ``responses_store``: where /v1/responses keeps responses (default:
-        :class:`ResponseStore`'s bounds)."""
+        :class:`ResponseStore`'s bounds); ``tool_call_parser`` and ``reasoning_parser``: the
+        operator's choice of parser (``auto``: from each model's chat template; ``none``: off)."""
         self.plane = plane
         self.control = control
         self.max_completion_tokens = max_completion_tokens
+        self.tool_call_parser = tool_call_parser
+        self.reasoning_parser = reasoning_parser
         self.workers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="openai")
         self._queued = 0
         self.created = int(time.time())
@@ -287,7 +306,14 @@ class OpenAIRoutes:
         chars = sum(len(m["content"]) for m in ask.messages if isinstance(m["content"], str))
         _check_prompt(chars, model, "'messages'", "messages")
         ids = await self._in_worker(_chat_ids, model, ask, ask.add_special_tokens)
-        return await self._generate(model, ask, [ids], "chat", "messages", trace)
+        plan = tools.plan(
+            ask,
+            model.tokenizer,
+            ids,
+            model.parsers.get("tool_call_parser", self.tool_call_parser),
+            model.parsers.get("reasoning_parser", self.reasoning_parser),
+        )
+        return await self._generate(model, ask, [ids], "chat", "messages", trace, plan)
 
     # --- POST /v1/completions
 
@@ -360,6 +386,7 @@ class OpenAIRoutes:
         kind: str,
         field: str,
         trace: Trace | None = None,
+        plan: tools.Plan | None = None,
     ) -> Any:
         self._check_prompts(model, prompts, field)
         if ask.n > model.max_n:
@@ -386,6 +413,8 @@ class OpenAIRoutes:
                     "stop_token_ids",
                 )
         constraints, schema_bytes = await self._constraints(model, ask, len(prompts))
+        if plan is not None:  # a grammar waits for the reasoning to end
+            constraints = plan.gated(constraints, model.tokenizer)
         echo = isinstance(ask, protocol.CompletionRequest) and ask.echo
         if echo and not all(isinstance(p, str) for p in ask.prompts):
             # prompts given as ids are echoed as text: decoded on a worker (decode holds the
@@ -402,13 +431,16 @@ class OpenAIRoutes:
             )
         if echo and max_tokens == 0 and scored is None:
             return _echo_only(model, ask, prompts)
+        sampling = ask.sampling
+        if plan is not None and plan.keeps_special_tokens:  # the parsers read the markers
+            sampling = {**sampling, "skip_special_tokens": False}
         params = SamplingParams(
             # echo, logprobs and max_tokens 0: one token is generated (the prompt's logprobs
             # come with it) and left out of the answer
             max_tokens=max(max_tokens, 1),
             logprobs=ask.logprobs,
             prompt_logprobs=scored,
-            **ask.sampling,
+            **sampling,
         )
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         if trace is not None:
@@ -417,6 +449,8 @@ class OpenAIRoutes:
         holds += _ID_BYTES * sum(len(p) for p in prompts)  # the prompts' ids, while it runs
         if scored is not None:  # the prompts' logprobs, each token's k alternatives
             holds += _LOGPROB_BYTES * (scored + 1) * sum(len(p) for p in prompts)
+        if plan is not None:  # a call being read, held until it closes
+            holds += plan.holds(ask.n * len(prompts), ask.stream)
         streams = []
         try:
             for i, ids in enumerate(prompts):
@@ -440,7 +474,7 @@ class OpenAIRoutes:
             for stream in streams:
                 stream.cancel()
             raise
-        answer = _Answer(model, ask, kind, rid, prompts, echo)
+        answer = _Answer(model, ask, kind, rid, prompts, echo, plan)
         answer.prompt_only = echo and max_tokens == 0
         if ask.stream:
             return _stream_reply(answer, streams)
@@ -741,6 +775,7 @@ class _Answer:
         rid: str,
         prompts: list[list[int]],
         echo: bool,
+        plan: tools.Plan | None = None,
     ) -> None:
         self.model = model
         self.ask = ask
@@ -764,6 +799,8 @@ class _Answer:
         self.offsets = [0] * count
         #: the choices whose stream has begun
         self.started: set[int] = set()
+        #: each chat choice's reasoning, content and tool calls (None: content only)
+        self.outputs = [plan.output() for _ in range(count)] if plan is not None else None
 
     def index(self, prompt: int, event: GenerationEvent) -> int:
         return prompt * self.ask.n + event.index
@@ -851,11 +888,14 @@ class _Answer:
                     )
                 )
                 logprobs = {"content": content}
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if self.outputs is not None:  # the whole answer through the parsers
+                message = self.outputs[i].whole(text)
             choice = {
                 "index": i,
-                "message": {"role": "assistant", "content": text},
+                "message": message,
                 "logprobs": logprobs,
-                "finish_reason": self.finish[i] or "stop",
+                "finish_reason": self._chat_finish(i),
             }
         else:
             if self.echo:
@@ -956,6 +996,8 @@ class _Answer:
                         event.logprobs, self.names, self.ask.logprobs or 0
                     )
                 }
+            if self.outputs is not None:
+                return self._parsed_chunks(i, text, logprobs, finish, event.token_ids)
             choice = {
                 "index": i,
                 "delta": {"content": text} if text else {},
@@ -982,6 +1024,39 @@ class _Answer:
                 choice["prompt_token_ids"] = self.prompts[prompt]
             choice["token_ids"] = list(event.token_ids)
         return _sse(self._chunk([choice]))
+
+    def _chat_finish(self, i: int) -> str:
+        """OpenAI's ``tool_calls`` for a choice that ended by itself with calls."""
+        finish = self.finish[i] or "stop"
+        if finish == "stop" and self.outputs is not None and self.outputs[i].calls:
+            return "tool_calls"
+        return finish
+
+    def _parsed_chunks(
+        self, i: int, text: str, logprobs: Any, finish: str | None, ids: Any
+    ) -> bytes | None:
+        """A chat choice's event through its parsers: a chunk per delta (reasoning, content,
+        a call's head, its arguments), the logprobs on the first, the finish on the last."""
+        output = self.outputs[i]  # type: ignore[index]
+        deltas = output.feed(text) if text else []
+        if finish is not None:
+            deltas += output.finish()
+            finish = self._chat_finish(i)
+        ids = list(ids) if self.ask.return_token_ids else []
+        if not deltas and (logprobs is not None or finish is not None or ids):
+            deltas = [{}]
+        pieces = []
+        for k, delta in enumerate(deltas):
+            choice = {
+                "index": i,
+                "delta": delta,
+                "logprobs": logprobs if k == 0 else None,
+                "finish_reason": finish if k == len(deltas) - 1 else None,
+            }
+            if self.ask.return_token_ids:
+                choice["token_ids"] = ids if k == 0 else []
+            pieces.append(_sse(self._chunk([choice])))
+        return b"".join(pieces) or None
 
     def closing(self) -> list[bytes]:
         if not self.ask.include_usage:
