@@ -46,8 +46,7 @@ from plugserve.server.apps.generate.types import (
     MAX_STOP_CHARS,
     MAX_TOKEN_LIST,
 )
-from plugserve.server.protocols.openai import vllm_fields
-from plugserve.server.protocols.openai import tools
+from plugserve.server.protocols.openai import tools, vllm_fields
 from plugserve.server.protocols.openai.errors import OpenAIError
 
 __all__ = [

@@ -132,7 +132,7 @@ class _Model:
         #: choices per request at most
         self.max_n: int = network.max_n
         #: the model's own parser settings (config keys), over the server's
-        self.parsers: dict[str, str] = getattr(network, "parsers", {})
+        self.parsers: dict[str, str] = network.parsers
 
 
 class OpenAIRoutes:

@@ -98,12 +98,15 @@ def check_tools(body: dict[str, Any], ask: Any) -> None:
         raise OpenAIError("'tool_choice' is 'required' but 'tools' is empty", "tool_choice")
     ask.tool_choice = choice
     if choice not in ("none", "auto"):
-        if ask.schema is not None:
+        if ask.schema is not None and ask.grammar_field != "response_format":
             raise OpenAIError(
-                "'response_format' cannot be used with a forced 'tool_choice' (the answer is "
-                "the tool call's arguments)",
-                "response_format",
+                f"'{ask.grammar_field}' cannot be used with a forced 'tool_choice' (the answer "
+                "is the tool call's arguments)",
+                ask.grammar_field,
             )
+        # a response_format shapes an answer's text; a forced call's answer has none, so the
+        # call's schema decodes this turn (OpenAI's API, and the OpenAI Agents SDK sends both)
+        ask.grammar_kind, ask.grammar_field = "json", "tool_choice"
         ask.schema = json.dumps(forced_schema(tools or [], choice, ask.parallel_tool_calls))
         if len(ask.schema) > MAX_SCHEMA_BYTES:  # a grammar over thousands of tools
             raise OpenAIError(
