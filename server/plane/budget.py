@@ -105,11 +105,14 @@ class Charge:
         self._budget = budget
         self.nbytes = nbytes
 
-    def release(self) -> None:
+    def release(self) -> int:
+        """Give the bytes back; how many (0: given back already, or never counted)."""
         budget, self._budget = self._budget, None
-        if budget is not None:
-            with budget._lock:
-                budget.used -= self.nbytes
+        if budget is None:
+            return 0
+        with budget._lock:
+            budget.used -= self.nbytes
+        return self.nbytes
 
 
 #: The charge of nothing (a request whose bytes its protocol charged already).

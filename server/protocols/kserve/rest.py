@@ -50,11 +50,11 @@ import time
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote
 
 import grpc
+import numpy as np
 import orjson
 import uvloop
 
@@ -82,7 +82,13 @@ from plugserve.server.protocols.auth import (
 )
 from plugserve.server.protocols.http import offload as rest_offload
 from plugserve.server.protocols.http import sse
-from plugserve.server.protocols.http.http_server import HttpServer, Reply, StreamReply, error_reply
+from plugserve.server.protocols.http.http_server import (
+    Bounds,
+    HttpServer,
+    Reply,
+    StreamReply,
+    error_reply,
+)
 from plugserve.server.protocols.kserve import codec as kserve_convert
 from plugserve.server.protocols.kserve import grpc_service as kserve
 from plugserve.server.protocols.kserve.codec import (
@@ -130,6 +136,10 @@ class WorkersBusy(PlugserveError):
 #: event loop: a 64 KiB JSON body parses in about 0.1 ms here, so the loop stalls no longer
 #: than that; a larger one goes to a worker thread, so a 200 MB body delays nobody else.
 INLINE_BYTES = 64 << 10
+#: What a raw binary BYTES body (Triton's Inference-Header-Content-Length: 0 to a BYTES input)
+#: is charged beyond its body's 2x while it is decoded and run: the element's copy, its text
+#: (a str takes up to 4 bytes a character) and the answer made of it.
+RAW_BYTES_FACTOR = 6
 #: A compressed body is inflated, and charged to the memory budget, a step at a time: the
 #: first this small, each next as large as what came so far (charged at most 2x), at most
 #: _INFLATE_STEP.
@@ -149,21 +159,54 @@ class TooLarge(PlugserveError):
     code = "INVALID_ARGUMENT"
 
 
-@dataclass
 class Call:
-    """One HTTP request as the handlers see it."""
+    """One HTTP request as the handlers see it: made by :meth:`RestApp.admit` from its
+    headers (routed and authorized), its body set once it is read."""
 
-    path: dict[str, str]
-    body: bytes
-    headers: dict[bytes, bytes]
+    __slots__ = ("_json", "body", "handler", "headers", "path", "probe", "role", "rpc", "wbits")
+
+    def __init__(
+        self,
+        path: dict[str, str],
+        body: Any,
+        headers: dict[bytes, bytes],
+        handler: Callable[[Call], Any] | None = None,
+        rpc: str = "",
+        role: str = "",
+        wbits: int = 0,
+        probe: bool = False,
+    ) -> None:
+        self.path = path
+        self.body = body
+        self.headers = headers
+        self.handler = handler
+        self.rpc = rpc  # the gRPC method the route stands for
+        self.role = role  # the token's role ("" without tokens, or for an open route)
+        self.wbits = wbits  # the body's Content-Encoding, as zlib's wbits (0: plain)
+        self.probe = probe  # a health route: exempt from the connection limits
+        self._json: Any = None
 
     def json(self) -> dict[str, Any]:
+        """The body as a JSON object (decoded once: :meth:`RestApp.handle` decodes a large
+        one on a worker first)."""
+        if self._json is not None:
+            if isinstance(self._json, Exception):
+                raise self._json
+            return self._json
         if not self.body:
             return {}
         value = loads(self.body, "the request body")
         if not isinstance(value, dict):
             raise InvalidInput("the request body must be a JSON object")
+        self._json = value
         return value
+
+    def decode(self) -> None:
+        """:meth:`json` now, its value or its error kept for the handler (on a worker)."""
+        try:
+            self.json()
+        except InvalidInput as exc:
+            self._json = exc
 
     @property
     def version(self) -> int:
@@ -214,6 +257,16 @@ class RestApp:
         self.routes = [(re.compile(pattern + "/?"), methods) for pattern, methods in merged.items()]
         #: routes with an error body of their own, and its renderer (add_routes)
         self._refusals: list[tuple[list[re.Pattern[str]], Callable[..., Reply]]] = []
+        #: the health routes: answered whatever the connection limits (a probe is never
+        #: refused because infer traffic holds the port)
+        self._probes: set[Callable[[Call], Any]] = {self.live, self.ready}
+        #: handlers that decode a large body off the loop themselves (the others' bodies over
+        #: INLINE_BYTES are decoded on a worker before they run)
+        self._decode_own: set[Callable[[Call], Any]] = {
+            self.infer,
+            self.generate,
+            self.generate_stream,
+        }
 
     def _table(self) -> list[tuple[str, tuple[str, ...], str, Callable[[Call], Any]]]:
         """The routes, one row each: (path pattern, HTTP methods, the gRPC method the route
@@ -274,6 +327,8 @@ class RestApp:
         budget, too large, too slow), in the routes' own error body."""
         compiled = [(re.compile(pattern + "/?"), methods) for pattern, methods in table]
         self.routes += compiled
+        for _, methods in table:  # a package's handlers decode their bodies themselves
+            self._decode_own.update(handler for _, handler in methods.values())
         if refusal is not None:
             self._refusals.append(([pattern for pattern, _ in compiled], refusal))
 
@@ -287,8 +342,8 @@ class RestApp:
                     return render(status, message, error)
         return _error(status, message)
 
-    # --- the entry point (server/protocols/http/http_server.py calls it with the request read
-    # whole)
+    # --- the entry points: server/protocols/http/http_server.py calls admit on a request's
+    # headers, handle once its body is read
 
     def dispatch(
         self,
@@ -297,10 +352,20 @@ class RestApp:
         raw_headers: list[tuple[bytes, bytes]],
         body: bytes,
         peer: str = "127.0.0.1",
-    ) -> Reply | Awaitable[Reply]:
-        """Route, authorize, inflate and call a handler: its reply, or an awaitable of it
-        when the handler has to wait (an inference queued on its streams, a load). ``peer``:
-        the client's address (in process: this machine)."""
+    ) -> Reply | Awaitable[Reply] | StreamReply:
+        """:meth:`admit` and :meth:`handle` at once (a request read whole elsewhere: Ray
+        Serve's proxy)."""
+        call = self.admit(method, path, raw_headers, peer)
+        if type(call) is tuple:
+            return call
+        return self.handle(call, body)
+
+    def admit(
+        self, method: str, path: str, raw_headers: list[tuple[bytes, bytes]], peer: str
+    ) -> Reply | Call:
+        """Route and authorize a request on its headers: the :class:`Call` its handler will
+        take, or the refusal to answer before its body is read (404, 405, 401, 403, 415).
+        ``peer``: the client's address (in process: this machine)."""
         for pattern, handlers in self.routes:
             match = pattern.fullmatch(path)
             if match is not None:
@@ -316,58 +381,79 @@ class RestApp:
             return status, pieces, [*extra, (b"allow", ", ".join(methods).encode())]
         rpc, handler = entry
         headers = dict(raw_headers)
+        role = ""
         if self.auth is not None:
             metadata = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in raw_headers]
-            code, message = self.auth.authorize(rpc, metadata)
+            code, role = self.auth.authorize(rpc, metadata)
             if code is not None:
-                status, pieces, extra = _error(HTTP_STATUS[code], message)
+                status, pieces, extra = _error(HTTP_STATUS[code], role)
                 if code == grpc.StatusCode.UNAUTHENTICATED:
                     extra = [*extra, (b"www-authenticate", b"Bearer")]
                 return status, pieces, extra
-            if method == "POST" and rpc in _SETTERS and message != ADMIN and body.strip(b" {}"):
-                # as the gRPC setters (auth.py): an infer token reads the settings, sets none
-                return _error(
-                    403,
-                    f"{rpc.rpartition('/')[2]} with settings needs a token with the 'admin' "
-                    f"role; this token has the '{message}' role",
-                )
         elif self.local_control:
             why = control_refusal(rpc, peer)
             if why:
                 return _error(403, why)
         encoding = headers.get(b"content-encoding", b"identity").strip().lower()
-        if encoding not in _WBITS:
+        wbits = _WBITS.get(encoding)
+        if wbits is None:
             return _error(
                 415,
                 f"Content-Encoding {encoding.decode('latin-1')!r} is not supported; "
                 "send the body plain, gzip or deflate",
             )
         params = {k: v for k, v in match.groupdict().items() if v is not None}
-        if _WBITS[encoding]:
-            factor = body_factor(path.encode(), HEADER_LENGTH.encode() in headers)
-            return self._inflated(handler, params, body, headers, _WBITS[encoding], factor)
-        return handler(Call(params, body, headers))
+        return Call(params, b"", headers, handler, rpc, role, wbits, handler in self._probes)
 
-    async def _inflated(
-        self,
-        handler: Callable[[Call], Any],
-        path: dict[str, str],
-        body: bytes,
-        headers: dict[bytes, bytes],
-        wbits: int,
-        factor: int,
-    ) -> Reply:
+    def handle(self, call: Call, body: Any) -> Reply | Awaitable[Reply] | StreamReply:
+        """Call an admitted request's handler with its body: its reply, or an awaitable of it
+        when the handler has to wait (an inference queued on its streams, a load). A large
+        body is inflated or decoded on a worker first (the infer and generate routes decode
+        their own)."""
+        call.body = body
+        rpc = call.rpc
+        if (
+            rpc in _SETTERS
+            and self.auth is not None
+            and call.role != ADMIN
+            and call.handler == self.update_trace_setting
+            and bytes(body).strip(b" {}")
+        ):  # as the gRPC setters (auth.py): an infer token reads the settings, sets none
+            return _error(
+                403,
+                f"{rpc.rpartition('/')[2]} with settings needs a token with the 'admin' "
+                f"role; this token has the '{call.role}' role",
+            )
+        if call.wbits:
+            path = b"/infer" if call.handler == self.infer else b""
+            factor = body_factor(path, HEADER_LENGTH.encode() in call.headers)
+            return self._inflated(call, factor)
+        if len(body) > INLINE_BYTES and call.handler not in self._decode_own:
+            return self._decoded(call)
+        return call.handler(call)  # type: ignore[misc]
+
+    async def _decoded(self, call: Call) -> Reply:
+        """A large JSON body decoded on a worker, then its handler on the loop."""
+        await self._in_worker(call.decode)
+        reply = call.handler(call)  # type: ignore[misc]
+        return await reply if not isinstance(reply, tuple) else reply
+
+    async def _inflated(self, call: Call, factor: int) -> Reply:
         """A compressed body, inflated on a worker (a 1 MB gzip body can be 1 GB inflated)
         and charged as it inflates; then its handler, the charge held until it answers."""
         charge = self.plane.budget.holder()
         try:
             try:
-                data = await self._in_worker(self._inflate, body, wbits, factor, charge)
+                call.body = await self._in_worker(
+                    self._inflate, call.body, call.wbits, factor, charge
+                )
             except TooLarge as exc:
                 return _error(413, str(exc))
             except ResourceExhausted as exc:
                 return _error(503, str(exc))
-            reply = handler(Call(path, data, headers))
+            if len(call.body) > INLINE_BYTES and call.handler not in self._decode_own:
+                await self._in_worker(call.decode)
+            reply = call.handler(call)  # type: ignore[misc]
             return await reply if not isinstance(reply, tuple) else reply
         finally:
             charge.release()
@@ -570,9 +656,10 @@ class RestApp:
                 f"/v2/models/{entry.name}/generate_stream (or gRPC ModelStreamInfer)"
             )
         header_length = _text(call.headers.get(HEADER_LENGTH.encode()))
-        if header_length is None and len(call.body) > INLINE_BYTES:
-            # decoding this much JSON would stall the loop: a worker does it all (binary
-            # tensors are views of the body, decoded in no time: they stay)
+        if len(call.body) > INLINE_BYTES:
+            # decoding this much (JSON, a raw body, binary BYTES) or running a model on it
+            # would stall the loop, however fast the model is on average: a worker does it
+            # all (issue 52: a 320 MB binary tensor run inline held REST health 0.5 s)
             token = cancel.Token()
             token.trace = trace
             return self._in_worker(self._infer_whole, entry, call, token, token=token)
@@ -605,16 +692,31 @@ class RestApp:
         """A large request, on a worker thread: decode, run (inline when a stream is idle,
         as a gRPC unary call does), encode."""
         header_length = _text(call.headers.get(HEADER_LENGTH.encode()))
-        if header_length is None and len(call.body) > rest_offload.PROCESS_BYTES:
-            request = rest_offload.decode(call.body)  # parsing here would stall the loop
-            for name, array in request.inputs.items():
-                entry.expect(name, array.dtype, list(array.shape))
-        else:
-            request = parse_infer(call.body, header_length, entry.expect, self.plane.shm)
-        if token.trace is not None:
-            name_request(token.trace, request.id)
-        future = self.plane.infer(_request(entry, request, True, token))
-        return _infer_reply(entry, request, future.result())
+        extra = None
+        try:
+            if header_length == "0":  # Triton's raw binary request: the body is the input
+                if len(entry.inputs) == 1 and entry.inputs[0].dtype == np.dtype(object):
+                    # one BYTES element: its copy and its text (up to 4 bytes a character)
+                    extra = self.plane.budget.charge(
+                        RAW_BYTES_FACTOR * len(call.body), "this raw BYTES request"
+                    )
+                request = parse_raw(
+                    call.body, entry.name, entry.inputs, entry.expect, entry.max_batch_size,
+                    entry.dims,
+                )  # fmt: skip
+            elif header_length is None and len(call.body) > rest_offload.PROCESS_BYTES:
+                request = rest_offload.decode(call.body)  # parsing here would hold the GIL
+                for name, array in request.inputs.items():
+                    entry.expect(name, array.dtype, list(array.shape))
+            else:
+                request = parse_infer(call.body, header_length, entry.expect, self.plane.shm)
+            if token.trace is not None:
+                name_request(token.trace, request.id)
+            future = self.plane.infer(_request(entry, request, True, token))
+            return _infer_reply(entry, request, future.result())
+        finally:
+            if extra is not None:
+                extra.release()
 
     def _in_worker(
         self, fn: Callable[..., Any], *args: Any, token: cancel.Token | None = None
@@ -798,6 +900,12 @@ class RestApp:
         if not isinstance(parameters, dict):
             raise InvalidInput("'parameters' must be a JSON object")
         self.control.check_control(f"load of model {call.path['name']!r}")
+        await asyncio.to_thread(self._load, call.path["name"], parameters)
+        return 200, [], []
+
+    def _load(self, name: str, parameters: dict[str, Any]) -> None:
+        """A load request's files decoded (off the loop: they may be a model's megabytes),
+        then the load."""
         files = {}
         for key, value in parameters.items():  # tritonclient.http sends files as base64
             if key.startswith("file:"):
@@ -807,9 +915,7 @@ class RestApp:
                     files[key] = base64.b64decode(value, validate=True)
                 except ValueError:
                     raise InvalidInput(f"'{key}' is not valid base64") from None
-        values = {**parameters, **files}
-        await asyncio.to_thread(self.control.load_request, call.path["name"], values)
-        return 200, [], []
+        self.control.load_request(name, {**parameters, **files})
 
     async def unload(self, call: Call) -> Reply:
         call.json()  # unload_dependents and other parameters: checked as JSON, nothing to do
@@ -914,6 +1020,14 @@ def _refuse(feature: str) -> Callable[[Call], Reply]:
     return refuse
 
 
+def _bounds(s: Settings, limit: int, budget: int) -> Bounds:
+    """What one client may hold of the REST port (docs/security.md), from the settings: -1
+    is half of the port's connection limit, of the memory budget (0 without a budget)."""
+    peer_connections = limit // 2 if s.http_peer_connections < 0 else s.http_peer_connections
+    peer_bytes = budget // 2 if s.max_inflight_bytes_per_peer < 0 else s.max_inflight_bytes_per_peer
+    return Bounds(peer_connections, peer_bytes, s.http_min_body_rate, s.http_body_grace)
+
+
 class RestServer:
     """:class:`RestApp` over HTTP/1.1 (``server/protocols/http/http_server.py``) on its own thread
     and uvloop event loop."""
@@ -945,15 +1059,19 @@ class RestServer:
             if s.tls_client_ca:
                 context.load_verify_locations(s.tls_client_ca)
                 context.verify_mode = ssl.CERT_REQUIRED
-        self.app.worker_queue = 4 * s.grpc_workers  # the connection limit below
+        limit = 4 * s.grpc_workers  # as gRPC's maximum_concurrent_rpcs
+        self.app.worker_queue = limit
+        budget = self.app.plane.budget
         server = HttpServer(
-            self.app.dispatch,
+            self.app.admit,
+            self.app.handle,
             self.app.max_body,
             s.request_read_timeout,
-            4 * s.grpc_workers,  # as gRPC's maximum_concurrent_rpcs
+            limit,
             self.app.too_large,
-            self.app.plane.budget,
+            budget,
             self.app.refusal,
+            _bounds(s, limit, budget.limit),
         )
         started = threading.Event()
         self._thread = start_daemon("rest", self._run, sock, context, server, started)
