@@ -3,7 +3,9 @@
 Each limit a request meets on its own (``--max-message-bytes``, 1 GiB) bounds one request;
 a few connections at once could still take the machine: a 100 MB JSON body raised the
 server's peak RSS by 2 GB while it was decoded, four at once by 2.9 GB. So every request is
-charged what it will hold *before* it is read or decoded, against one process-wide
+charged what it will hold *before* it is decoded (a REST body as its bytes arrive, once its
+caller is authorized: a charge taken from a header's promise let bodiless sockets hold the
+whole budget), against one process-wide
 ``--max-inflight-bytes``; a request that does not fit is refused at once with
 RESOURCE_EXHAUSTED (REST 503) and a message naming the flag, and its charge is released when
 its answer has been handed to the transport (or its connection is gone).

@@ -146,7 +146,8 @@ class Settings:
     max_inflight_bytes: int = _field(
         -1,
         "memory all requests in flight may hold at once, on every protocol, charged before "
-        "a request is read or decoded (JSON tensors at 20x their size, binary 2x); over it a "
+        "a request is decoded (a REST body as it arrives; JSON tensors at 20x their size, "
+        "binary 2x); over it a "
         "request is refused at once (RESOURCE_EXHAUSTED / 503); -1: half of the cgroup's "
         "memory limit or of the machine's memory; 0: no limit",
         low=-1,

@@ -4,10 +4,22 @@ httptools (llhttp) parses; this module only keeps the connection's state and wri
 It replaced uvicorn's ASGI server, measured to be the difference on small requests
 (BENCHMARKS.md, "REST without ASGI"): no task, receive/send messages or scope per request, a
 request whose handler finishes at once (an inline inference) answered within the parser's
-callback. Each request's body is read whole before its handler runs, so handlers see bytes.
+callback. Each request's body is read whole before its handler runs, so handlers see bytes
+(or a bytearray or memoryview of them).
 
-The bounds, the twin of ``server/protocols/grpc/callgate.py`` for HTTP:
+The bounds, the twin of ``server/protocols/grpc/callgate.py`` for HTTP (docs/security.md, "The
+REST front door"; tests/server/test_attacks_front.py drives each):
 
+- nothing is read or charged before the caller is known: a request is routed and its token
+  checked on its headers (``admit``); a refusal (401, 403, 404, 405, 415) is answered then,
+  and a body coming with it is not read (the connection closed after the drain below);
+- the memory budget is charged as a body's bytes arrive (in _CHARGE_STEP steps), never from
+  the Content-Length a header promises: ~66 sockets that declared bodies and sent none held
+  the whole default budget (12 GiB) for 30 s, and authorized infers failed 144/159; one
+  client address holds at most --max-inflight-bytes-per-peer of it;
+- a body must come at --http-min-body-rate on average once --http-body-grace has passed
+  since its headers (and whole within --request-read-timeout), else 408: 264 sockets
+  dribbling a byte every 2 s held every slot until the read timeout, and health was 503;
 - a connection that has not finished a request's headers within --request-read-timeout of
   opening (or of its last response) is closed; that is the keep-alive timeout too. Deadlines
   are checked by one sweep per port (each second, or each quarter of a shorter timeout), not a
@@ -24,10 +36,17 @@ The bounds, the twin of ``server/protocols/grpc/callgate.py`` for HTTP:
   body given as bytes, which Triton's own HTTP tests do) is read by its chunks, the length
   ignored, and its connection closed once it is answered, nothing after it read (RFC 9112
   6.1: the pair is how requests are smuggled past a proxy that reads the other header);
-- at most ``limit`` connections (4 x --grpc-workers, as gRPC's maximum_concurrent_rpcs): a new
-  connection past it first closes those that have waited longest for a request's headers,
-  once they have waited ``EVICT_AFTER`` seconds (a real client sends its headers with the
-  connection); a request on a connection still past the limit is answered 503;
+- at most ``limit`` connections (4 x --grpc-workers, as gRPC's maximum_concurrent_rpcs), and
+  --http-peer-connections of them per client address: a new connection past either first
+  closes those that hold a slot without using it (of that address, for its share): refused
+  ones draining, then those that have waited longest for a request's headers, then bodies
+  coming under the minimum rate (408), once they have waited ``EVICT_AFTER`` seconds (a real
+  client sends its headers with the connection); a request on a connection still past a
+  limit is answered 503 on its headers, but for the health routes (a liveness probe stays
+  200 while the infer routes are refused);
+- a body in pieces is joined in one growing buffer (an object per piece: 12 MB of 1-byte
+  chunks took +1 GB), and a chunked body is parsed _SLICE bytes at a time, the loop's turn
+  given up after _PIECES_PER_TURN chunks;
 - one request per connection at a time: pipelined requests wait (reading paused), and so does
   the next request while the peer does not read its replies (transport flow control);
 - a peer that reads nothing of its replies for --request-read-timeout (the transport's buffer
