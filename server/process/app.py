@@ -58,7 +58,8 @@ from plugserve.server.protocols.grpc import reflection
 from plugserve.server.protocols.grpc.callgate import CallGate, keepalive_options
 from plugserve.server.protocols.grpc.handlers import add_service
 from plugserve.server.protocols.grpc.wrapping import Wrap, WrappingServer
-from plugserve.server.protocols.kserve.rest import RestApp, RestServer
+from plugserve.server.protocols.http.app import HttpService
+from plugserve.server.protocols.kserve.rest import RestApp
 from plugserve.server.protocols.openai import OpenAIRoutes
 from plugserve.server.protocols.v1.servicer import PlugserveServicer
 
@@ -203,7 +204,7 @@ class Server:
         self.health_server: grpc.Server | None = None
         self.health_port = 0
         self.metrics_port = 0
-        self.rest: RestServer | None = None
+        self.rest: HttpService | None = None
         self.openai: OpenAIRoutes | None = None
         self.http_port = 0
         self._stopped = threading.Event()  # stop() began
@@ -428,7 +429,7 @@ class Server:
         # the OpenAI-compatible API over generative models (server/protocols/openai/)
         self.openai = OpenAIRoutes(self.plane, self.control, s.max_completion_tokens)
         rest_app.add_routes(self.openai.routes(), self.openai.refusal)
-        self.rest = RestServer(rest_app, s)
+        self.rest = HttpService(rest_app.router, s)
         self.http_port = self.rest.start()
 
     def load_models(self) -> None:
