@@ -96,6 +96,7 @@ class Token:
         "outputs",
         "parameters",
         "partial_outputs",
+        "place",
         "priority",
         "request_id",
         "room",
@@ -146,6 +147,11 @@ class Token:
         #: request's deadline
         self.priority = 0
         self.timeout: float | None = None
+        #: where the request waits among its model's others, set by its model's queue policy
+        #: (``Ticket.place``: twice its priority level, +1 once delayed; smaller first): a
+        #: device that gathers requests into batches takes them in this order (Triton's
+        #: dynamic batcher serves the highest priority first); 0: every request alike
+        self.place = 0
         #: called once when the request starts on its model (:func:`started`), set by what
         #: counts it as waiting until then (a queue policy); None: nobody asked
         self.on_start: Callable[[], object] | None = None

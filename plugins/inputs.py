@@ -41,8 +41,12 @@ class TensorSpec:
     ``binary``: a string input whose elements may be ``bytes`` that are not UTF-8 text. BYTES
     travel byte for byte (``proto.tensors``); a network that reads its strings as text
     (StringNormalizer, a tokenizer, onnxruntime, whose Python API carries text only) would
-    garble or refuse such an element deep inside, so :func:`check_inputs` refuses it up front
-    unless the device says the input only moves its elements (NUMPY's Identity, Reshape...).
+    garble or refuse such an element deep inside, so :func:`check_inputs` gives it the text
+    its ``bytes`` elements encode, and refuses one that is not UTF-8 up front, unless the device
+    says the input only moves its elements (NUMPY's Identity, Reshape..., a Python model).
+
+    ``reads_text``: for a string input that is not ``binary``, who reads it as text (the
+    backend, or the node), named when an element is refused.
     """
 
     name: str
@@ -52,6 +56,7 @@ class TensorSpec:
     binary: bool = False
     #: the input may be left out (Triton's ``optional``): :func:`check_inputs` gives None
     optional: bool = False
+    reads_text: str = ""
 
     def describe(self) -> str:
         if self.kind != "tensor":
@@ -132,26 +137,36 @@ def _check_one(network_name: str, spec: TensorSpec, value: Any) -> np.ndarray:
         check_element_type(network_name, spec, value.dtype)
         value = value.astype(object)  # text given as numpy str for a string input
     if value.dtype == object and not spec.binary:
-        _refuse_binary(network_name, spec, value)
+        value = _as_text(network_name, spec, value)
     check_input_shape(network_name, spec, value.shape)
     return value
 
 
-def _refuse_binary(network_name: str, spec: TensorSpec, value: np.ndarray) -> None:
-    """A string input of a network that reads it as text: an element that is bytes must be
-    UTF-8 (see ``TensorSpec.binary``)."""
-    for index, item in enumerate(value.ravel()):
-        if type(item) is bytes:
-            try:
-                item.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise InvalidInput(
-                    f"network {network_name}: input {spec.name!r} element {index} is not UTF-8 "
-                    f"text ({item[:16]!r}{'...' if len(item) > 16 else ''}: {exc.reason} at "
-                    f"byte {exc.start}), and this network takes that input as text only; send "
-                    "UTF-8 text, or serve a model that only moves the bytes (Identity, Reshape, "
-                    "Concat, Gather...) on NUMPY"
-                ) from None
+def _as_text(network_name: str, spec: TensorSpec, value: np.ndarray) -> np.ndarray:
+    """A string input of a network that reads it as text: its ``bytes`` elements as the text
+    they encode (onnxruntime's binding passed ``b'abc'`` on as the text ``"b'abc'"``, and
+    NUMPY's text kernels read it so too: bytes from a Python model's BLS call or an ensemble's
+    step came out garbled), one that is not UTF-8 refused, naming who reads it (see
+    ``TensorSpec.binary``). The array itself when it holds no ``bytes``."""
+    flat = value.reshape(-1)
+    out: np.ndarray | None = None
+    for index, item in enumerate(flat):
+        if not isinstance(item, bytes):
+            continue
+        try:
+            text = item.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise InvalidInput(
+                f"network {network_name}: input {spec.name!r} element {index} is not UTF-8 "
+                f"text ({item[:16]!r}{'...' if len(item) > 16 else ''}: {exc.reason} at "
+                f"byte {exc.start}), and {spec.reads_text or 'this network'} takes that input "
+                "as text only; send UTF-8 text, or serve a model that only moves the bytes "
+                "(Identity, Reshape, Concat, Gather...) on NUMPY, or a Python model"
+            ) from None
+        if out is None:
+            out = flat.copy()
+        out[index] = text
+    return value if out is None else out.reshape(value.shape)
 
 
 def check_input_shape(network_name: str, spec: TensorSpec, shape: Sequence[int]) -> None:

@@ -4,7 +4,9 @@ Callers hand their inputs to :meth:`BatchCompiledNetwork.submit` and get a futur
 queued by their shape beyond the first dimension (and element type), so only requests that can
 be concatenated ever share a batch. A queue is sent as one batch when it holds ``BATCH_SIZE``
 rows or ``BATCH_TIMEOUT_MS`` after its oldest request arrived, whichever comes first; a request
-with more rows than ``BATCH_SIZE`` runs alone. Batches run on the device network's own executor,
+with more rows than ``BATCH_SIZE`` runs alone. A batch takes the waiting requests of the highest
+priority first (their queue policy's ``place``: Triton's dynamic batcher does so), in arrival
+order within one. Batches run on the device network's own executor,
 each stream with its own infer request of it; the outputs are split back along the first
 dimension. This network's own executor holds its callers while their batch fills.
 """
@@ -109,6 +111,18 @@ class _Item:
                 self.future.set_exception(error)
 
 
+def _place(item: _Item) -> int:
+    """Where ``item`` waits among the others: its queue policy's place (Triton's priority
+    level, ``cancel.Token.place``), 0 without one."""
+    return item.token.place if item.token is not None else 0
+
+
+def _oldest(queue: list[_Item]) -> float:
+    """When the longest waiting request of ``queue`` arrived (the queue is in priority order,
+    not arrival order, once a batch was taken from it)."""
+    return min(i.arrived for i in queue)
+
+
 class BatchCompiledNetwork(OneNetwork, CompiledNetwork):
     plugin: BatchPlugin
     config: BatchConfiguration
@@ -161,7 +175,7 @@ class BatchCompiledNetwork(OneNetwork, CompiledNetwork):
         for key, queue in self._queues.items():
             if (
                 sum(i.rows for i in queue) >= self.batch_size
-                or now >= queue[0].arrived + self.timeout_s
+                or now >= _oldest(queue) + self.timeout_s
             ):
                 return key
         return None
@@ -183,7 +197,7 @@ class BatchCompiledNetwork(OneNetwork, CompiledNetwork):
                 if key is not None:
                     break
                 wake = min(
-                    (q[0].arrived + self.timeout_s for q in self._queues.values()), default=None
+                    (_oldest(q) + self.timeout_s for q in self._queues.values()), default=None
                 )
                 if wake is None:
                     self._cond.wait(idle)
@@ -192,6 +206,7 @@ class BatchCompiledNetwork(OneNetwork, CompiledNetwork):
                 else:
                     self._cond.wait(max(0.0, wake - now))
             queue = self._queues[key]
+            queue.sort(key=_place)  # the highest priority first (stable: arrival order within)
             batch = [queue.pop(0)]
             rows = batch[0].rows
             while queue and rows + queue[0].rows <= self.batch_size:
@@ -205,7 +220,11 @@ class BatchCompiledNetwork(OneNetwork, CompiledNetwork):
         try:
             # a weak reference: a stream keeps its last task until the next one arrives
             ref = weakref.ref(self)
-            self.network.executor.submit(lambda request, b=batch: _run_batch(ref, request, b))
+            # batches waiting for the device's streams: the highest priority in them first
+            self.network.executor.submit(
+                lambda request, b=batch: _run_batch(ref, request, b),
+                place=min(_place(i) for i in batch),
+            )
         except PlugserveError as exc:
             for item in batch:
                 item.settle(error=exc)

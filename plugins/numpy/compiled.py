@@ -41,26 +41,27 @@ _MOVES_STRINGS = frozenset(
 )  # fmt: skip
 
 
-def binary_inputs(graph: Graph) -> set[str]:
-    """The string inputs of ``graph`` whose elements every consumer only moves (followed
-    through those consumers' outputs)."""
+def string_readers(graph: Graph) -> dict[str, str]:
+    """Each string input of ``graph``: "" when every consumer only moves its elements
+    (followed through those consumers' outputs), else the first node found to read them as
+    text (``TensorSpec.reads_text``)."""
     users = graph.consumers()
-    found = set()
+    found = {}
     for spec in graph.inputs:
         if spec.dtype != np.dtype(object):
             continue
-        todo, seen, moved = [spec.name], {spec.name}, True
-        while todo and moved:
+        todo, seen, reader = [spec.name], {spec.name}, ""
+        while todo and not reader:
             for node in users.get(todo.pop(), []):
                 if node.domain not in ("", "ai.onnx") or node.op_type not in _MOVES_STRINGS:
-                    moved = False
+                    named = f" {node.name!r}" if node.name else ""
+                    reader = f"NUMPY's {node.op_type} node{named}"
                     break
                 for out in node.outputs:
                     if out and out not in seen:
                         seen.add(out)
                         todo.append(out)
-        if moved:
-            found.add(spec.name)
+        found[spec.name] = reader
     return found
 
 
@@ -77,10 +78,13 @@ class NumpyCompiledNetwork(CompiledNetwork):
         tuner: Tuner,
     ) -> None:
         super().__init__(plugin, original.name, config)
-        binary = binary_inputs(original)
+        readers = string_readers(original)
         self._inputs = [
-            dataclasses.replace(s, binary=True) if s.name in binary else s for s in original.inputs
-        ]
+            s if s.name not in readers
+            else dataclasses.replace(s, binary=True) if not readers[s.name]
+            else dataclasses.replace(s, reads_text=readers[s.name])
+            for s in original.inputs
+        ]  # fmt: skip
         self._outputs = list(original.outputs)
         self.output_names = [o.name for o in self._outputs]
         self.transformed = transformed

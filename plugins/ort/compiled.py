@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 from typing import TYPE_CHECKING, Any
@@ -20,7 +21,14 @@ from plugserve.plugins.ort.source import ModelSource
 if TYPE_CHECKING:
     from plugserve.plugins.ort.plugin import OrtPlugin
 
-__all__ = ["OrtCompiledNetwork", "spec_from_json", "spec_to_json"]
+__all__ = ["READS_TEXT", "OrtCompiledNetwork", "spec_from_json", "spec_to_json"]
+
+#: who reads an ORT network's string inputs as text (named when an element is not UTF-8):
+#: onnxruntime's Python binding takes a string element as ``str`` only (measured on 1.32: a
+#: ``bytes`` element becomes its repr, ``b'\xff'`` the text ``"b'\\xff'"``, a numpy bytes
+#: array is decoded as UTF-8, and OrtValue and IOBinding take no string tensor at all), though
+#: onnxruntime itself holds any bytes
+READS_TEXT = "onnxruntime (its Python binding carries string elements as text)"
 
 
 def spec_to_json(spec: TensorSpec) -> dict[str, Any]:
@@ -70,7 +78,10 @@ class OrtCompiledNetwork(CompiledNetwork):
     ) -> None:
         super().__init__(plugin, name, config)
         self.source = source
-        self._inputs = inputs
+        self._inputs = [
+            dataclasses.replace(s, reads_text=READS_TEXT) if s.dtype == object else s
+            for s in inputs
+        ]
         self._outputs = outputs
         self.input_names = [s.name for s in inputs]
         self.output_names = [s.name for s in outputs]

@@ -276,13 +276,18 @@ class ModelControl:
 
     def unload(self, name: str, version: int = 0, remove: bool = False) -> list[LoadedNetwork]:
         """Unload a version (every version when 0); ``remove`` also deletes it from the
-        repository. Files are never deleted implicitly: an operator's models stay on disk."""
+        repository. Files are never deleted implicitly: an operator's models stay on disk.
+        A name nothing is loaded under is NOT_FOUND, or INVALID_ARGUMENT when it could never
+        name a model (``check_name``: ``..``, ``a/b``, control characters, empty); a model
+        that failed to load is unloaded (its failure forgotten), as Triton's."""
         with self.table.lock:
             versions = self.table.by_name.get(name)
             if not versions and not version and any(k[0] == name for k in self.table.failed):
                 self._loaded(name)  # a model that failed to load, unloaded: no longer failed
                 return []
             if not versions or (version and version not in versions):
+                if not versions:
+                    check_name(name)
                 raise self.table.missing(name, version)
             targets = [versions.pop(version)] if version else list(versions.values())
             if version == 0 or not versions:

@@ -31,8 +31,12 @@ device that gathers requests into batches (BATCH, a Python model with dynamic ba
 batch starts (``CompiledNetwork.gathers``; the device says so with ``cancel.started``). That is
 Triton's queue: in its QA test (``qa/L0_http``: ``max_queue_size: 1``, a 1 s batching delay) the
 first request waits for its batch, and a second one is refused with 503. Priorities order what
-waits for a stream (``plugins/streams.py``); within a device's batcher, requests keep their
-arrival order.
+waits for a stream (``plugins/streams.py``) and what a device's batcher gathers (BATCH, a Python
+model's dynamic batching: the token's ``place``): a batch takes the highest priority first,
+arrival order within a level, as Triton's dynamic batcher (issue 52: 8 of 16 pairs of a high
+and a low priority request ran low first). BATCH forms a batch as soon as it is full or due
+(not when its device is free, as Triton's): its batches wait for the device in priority order,
+but a formed batch keeps its requests.
 
 A model with a queue policy reads a request's ``timeout`` as Triton does, as its wait's bound
 (when the policy allows an override); a model without one keeps plugserve's meaning, the
@@ -159,6 +163,7 @@ class Ticket:
     def __init__(self, queue: PolicyQueue, level: int, token: Token, delay: bool) -> None:
         self._queue, self.level, self.token, self._delay = queue, level, token, delay
         self.place = 2 * level  # plugins/streams.py: smaller first; DELAYED adds 1
+        token.place = self.place  # a batcher's order (BATCH, a Python model's dynamic batching)
         self._state = _WAITING
         self._future: Future | None = None
         self._executor: Any = None
@@ -197,6 +202,7 @@ class Ticket:
             if not self._delay:
                 self._state = _EXPIRED  # counted until its future is done
         if self._delay:
+            self.token.place = self.place | 1  # behind its level's others in a batcher too
             executor, future = self._executor, self._future
             if executor is not None and future is not None:
                 executor.delay(future)

@@ -44,6 +44,7 @@ from plugserve.server.control.core import ConfigLimits, Core
 from plugserve.server.control.examples import build_examples, default_examples_dir
 from plugserve.server.control.model_control import ModelControl
 from plugserve.server.control.repository import Repository, single_model_repository
+from plugserve.server.plane import children
 from plugserve.server.plane.budget import default_limit
 from plugserve.server.plane.callpool import CallPool
 from plugserve.server.plane.dataplane import DataPlane
@@ -53,7 +54,12 @@ from plugserve.server.plane.tracing import Tracing
 from plugserve.server.process.security import security_problems, server_credentials
 from plugserve.server.process.settings import Settings
 from plugserve.server.process.tracing import Exporter, TraceConfig, TracingUnavailable
-from plugserve.server.protocols.auth import AuthInterceptor, load_tokens, local_control
+from plugserve.server.protocols.auth import (
+    AuthInterceptor,
+    guard_settings,
+    load_tokens,
+    local_control,
+)
 from plugserve.server.protocols.grpc import reflection
 from plugserve.server.protocols.grpc.callgate import CallGate, keepalive_options
 from plugserve.server.protocols.grpc.handlers import add_service
@@ -405,9 +411,11 @@ class Server:
             )
             if credentials is None:
                 log.warning("token auth without TLS: tokens cross the network in plaintext")
-            return AuthInterceptor(tokens, bool(s.open_health), bool(s.open_reflection))
+            auth = AuthInterceptor(tokens, bool(s.open_health), bool(s.open_reflection))
+            wraps.append(guard_settings(auth, local=False))
+            return auth
         if not s.allow_remote_control:
-            wraps.append(local_control)
+            wraps += [local_control, guard_settings(None, local=True)]
             log.info("no tokens: model control is taken from this machine only")
         else:
             log.warning(
@@ -516,7 +524,9 @@ class Server:
     def stop(self, grace: float | None = None) -> None:
         """Drain, then stop: health NOT_SERVING and new requests and loads UNAVAILABLE at once;
         admitted and queued requests (and loads under way) run to the end for up to ``grace``
-        seconds (``--exit-timeout``); then the gRPC server stops and the executors close."""
+        seconds (``--exit-timeout``); then the gRPC server stops, the executors close, and every
+        process the server started ends (``plane/children.py``: asked, then killed past
+        ``children.STOP_SECONDS``, hung or not)."""
         if self._stopped.is_set():
             self._hurry.set()  # a second signal: stop waiting for admitted requests
             return
@@ -540,6 +550,7 @@ class Server:
         self._stop_grpc(0 if left else max(1.0, end - time.monotonic()))
         self.plane.close()
         self.control.close()
+        children.stop_all()
         if self.openai is not None:
             self.openai.close()
         self.plane.tracing.close()

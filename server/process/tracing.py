@@ -54,6 +54,8 @@ _bits = random.getrandbits
 INSTALL = "pip install 'plugserve[trace]'"
 #: Longest a stopping server waits for queued traces to reach the collector.
 SHUTDOWN_SECONDS = 5.0
+#: traces dropped from a full queue are logged at most this often (one warning, its count)
+DROP_WARNING_SECONDS = 5.0
 _MODES = ("opentelemetry", "triton")
 _BSP = {
     "bsp_max_queue_size": ("OTEL_BSP_MAX_QUEUE_SIZE", 2048),
@@ -212,7 +214,8 @@ class Exporter:
 
     The SDK's ``BatchSpanProcessor``'s contract, kept by hand because of what the processor
     costs a request. Bounds: at most ``bsp_max_queue_size`` traces wait to be encoded (a full
-    queue drops its oldest, counted, and logged by the thread), and at most
+    queue drops its oldest, counted, and logged when it happens, at most every
+    :data:`DROP_WARNING_SECONDS`), and at most
     ``bsp_max_export_batch_size`` encoded ones wait to be sent, which they are as soon as that
     many are, or ``bsp_schedule_delay`` ms after the first of them was queued. The thread
     encodes a trace soon after it comes, :data:`CHUNK` at a time (the request that queues the
@@ -267,6 +270,9 @@ class Exporter:
         self._give_up = float("inf")
         #: traces dropped because the queue was full (counted by requests, logged by the thread)
         self.dropped = 0
+        self._logged = 0  # of them, those a warning counted
+        self._warn_at = 0.0  # when a request's thread may warn of drops again
+        self._warn_lock = threading.Lock()
         self._thread = start_daemon("trace-export", self._work)
         log.info(
             "tracing: OTLP/HTTP to %s, up to %d traces queued",
@@ -283,6 +289,9 @@ class Exporter:
                 self.dropped += 1
             except IndexError:  # the thread took them meanwhile
                 pass
+            else:
+                if time.monotonic() >= self._warn_at:
+                    self._warn_dropped()
         queue.append(trace)
         if len(queue) >= self._chunk and not self._wake.is_set():
             self._wake.set()
@@ -293,7 +302,6 @@ class Exporter:
         queue, encode = self._queue, self._encoder.spans
         pending: list[bytes] = []
         due = float("inf")  # when the pending batch must leave
-        logged = 0
         while True:
             wait = self._delay if not pending else max(0.0, due - time.monotonic())
             timed_out = not self._wake.wait(wait)
@@ -310,16 +318,28 @@ class Exporter:
             if pending and (timed_out or stopping or time.monotonic() >= due):
                 self._send(pending)
                 pending, due = [], float("inf")
-            if self.dropped != logged:
-                log.warning(
-                    "tracing: %d trace(s) dropped, the queue of %d was full (the collector is "
-                    "slow or down; --trace-config opentelemetry,bsp_max_queue_size=N)",
-                    self.dropped - logged,
-                    self._most,
-                )
-                logged = self.dropped
+            if self.dropped != self._logged:
+                self._warn_dropped()
             if stopping:
                 return
+
+    def _warn_dropped(self) -> None:
+        """Log the traces dropped since the last warning, at most once every
+        :data:`DROP_WARNING_SECONDS` from the requests' threads: the export thread may be
+        blocked in a send to a collector that does not answer (the OTLP client's timeout and
+        retries), and a warning left to it came only once that send returned (issue 52)."""
+        with self._warn_lock:
+            count = self.dropped - self._logged
+            if count <= 0:
+                return
+            self._logged += count
+            self._warn_at = time.monotonic() + DROP_WARNING_SECONDS
+        log.warning(
+            "tracing: %d trace(s) dropped, the queue of %d was full (the collector is "
+            "slow or down; --trace-config opentelemetry,bsp_max_queue_size=N)",
+            count,
+            self._most,
+        )
 
     def _send(self, pieces: list[bytes]) -> None:
         if time.monotonic() < self._give_up:

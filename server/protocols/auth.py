@@ -34,10 +34,13 @@ __all__ = [
     "AuthInterceptor",
     "Tokens",
     "control_refusal",
+    "guard_settings",
     "is_loopback",
+    "is_setter",
     "load_tokens",
     "local_control",
     "required_role",
+    "setting_denial",
 ]
 
 log = logging.getLogger("plugserve.security")
@@ -218,27 +221,6 @@ def _denied(code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
     return grpc.stream_stream_rpc_method_handler(refuse)
 
 
-def _setter_checked(handler: grpc.RpcMethodHandler, method: str, role: str):
-    """TraceSetting/LogSettings: an ``infer`` token may read them (no settings), not set them."""
-    behavior: Callable[..., Any] = handler.unary_unary
-
-    def checked(request: Any, context: grpc.ServicerContext) -> Any:
-        if len(request.settings) and _RANK[role] < _RANK[ADMIN]:
-            log.warning("denied %s (setting): role %s, needs admin", method, role)
-            context.abort(
-                grpc.StatusCode.PERMISSION_DENIED,
-                f"{_short(method)} with settings needs a token with the 'admin' role; "
-                f"this token has the '{role}' role",
-            )
-        return behavior(request, context)
-
-    return grpc.unary_unary_rpc_method_handler(
-        checked,
-        request_deserializer=handler.request_deserializer,
-        response_serializer=handler.response_serializer,
-    )
-
-
 def _short(method: str) -> str:
     return method.rpartition("/")[2] or method
 
@@ -286,26 +268,84 @@ class AuthInterceptor(grpc.ServerInterceptor):
         code, role = self.authorize(method, handler_call_details.invocation_metadata)
         if code is not None:
             return _denied(code, role)
-        if role == OPEN:
-            return handler
-        service, _, name = method.lstrip("/").partition("/")
-        if handler is not None and service == KSERVE and name in _KSERVE_SETTERS:
-            return _setter_checked(handler, method, role)
         return handler
 
 
 REMOTE_CONTROL = (
-    "model control (loads, unloads, imports, exports, SetConfig) is taken from this machine "
+    "model control (loads, unloads, imports, exports, SetConfig, trace and log settings) is "
+    "taken from this machine "
     "only while no --auth-tokens are set; give the server --allow-remote-control 1, or "
     "--auth-tokens with an 'admin' token for this client"
 )
 
 
-def control_refusal(method: str, peer: str) -> str:
-    """Why ``method`` (an admin one) may not be called from ``peer``: '' when it may."""
-    if required_role(method) != ADMIN or is_loopback(peer):
+def is_setter(method: str) -> bool:
+    """KServe's get-or-set methods (TraceSetting, LogSettings): reading needs ``infer``,
+    setting ``admin``."""
+    service, _, name = method.lstrip("/").partition("/")
+    return service == KSERVE and name in _KSERVE_SETTERS
+
+
+def control_refusal(method: str, peer: str, sets: bool = False) -> str:
+    """Why ``method`` (an admin one, or a setter when ``sets``: its request changes settings)
+    may not be called from ``peer`` without tokens: '' when it may."""
+    if not (required_role(method) == ADMIN or (sets and is_setter(method))) or is_loopback(peer):
         return ""
-    return f"{_short(method)} from {peer or 'a remote client'}: {REMOTE_CONTROL}"
+    what = f"{_short(method)} with settings" if sets and is_setter(method) else _short(method)
+    return f"{what} from {peer or 'a remote client'}: {REMOTE_CONTROL}"
+
+
+def setting_denial(method: str, role: str) -> str:
+    """Why a token of ``role`` may not change ``method``'s settings: '' when it may."""
+    if not is_setter(method) or _RANK.get(role, 0) >= _RANK[ADMIN]:
+        return ""
+    return (
+        f"{_short(method)} with settings needs a token with the 'admin' role; this token has "
+        f"the '{role}' role"
+    )
+
+
+def guard_settings(auth: AuthInterceptor | None, local: bool) -> Callable[..., Any]:
+    """A registration wrap (``wrapping.py``) for TraceSetting and LogSettings: a request that
+    carries settings needs an ``admin`` token (``auth``), or without tokens (``local``) a caller
+    on this machine, as every admin method; a read needs what reading needs.
+
+    Whether a request sets anything is known only from its message, so the check wraps the
+    method's own unary handler where it is registered, inside the call gate. It used to be done
+    by the auth interceptor on the handler the interceptor is given, which is the gate's
+    (a unary method served as client-streaming, ``callgate.py``): it took that handler's
+    ``unary_unary``, None there, and every TraceSetting call under --auth-tokens failed
+    UNKNOWN (issue 52)."""
+
+    def wrap(method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        if not is_setter(method) or handler.unary_unary is None:
+            return handler
+        behavior = handler.unary_unary
+
+        def checked(request: Any, context: grpc.ServicerContext) -> Any:
+            if len(request.settings):
+                if auth is not None:
+                    code, role = auth.authorize(method, context.invocation_metadata())
+                    why = role if code is not None else setting_denial(method, role)
+                else:
+                    why = control_refusal(method, context.peer(), sets=True) if local else ""
+                if why:
+                    log.warning("denied %s (setting): %s", method, why)
+                    context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
+            return behavior(request, context)
+
+        return _unary_like(handler, checked)
+
+    return wrap
+
+
+def _unary_like(handler: grpc.RpcMethodHandler, behavior: Callable[..., Any]):
+    """A unary handler running ``behavior`` with ``handler``'s (de)serializers."""
+    return grpc.unary_unary_rpc_method_handler(
+        behavior,
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
 
 
 def local_control(method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
@@ -325,8 +365,4 @@ def local_control(method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethod
             context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
         return behavior(request, context)
 
-    return grpc.unary_unary_rpc_method_handler(
-        local_only,
-        request_deserializer=handler.request_deserializer,
-        response_serializer=handler.response_serializer,
-    )
+    return _unary_like(handler, local_only)

@@ -397,3 +397,32 @@ def test_prompt_ids_over_the_context_are_refused_before_they_are_read(server):
     status, answer = _post(server, f"/v2/models/{MODEL}/generate", {**body, "input_ids": [65] * 9})
     assert status == 200, answer
     assert len(answer["text_output"]) > 0
+
+
+# --- large answers not streamed: built and written off the loop, a bounded piece at a time
+
+
+@pytest.mark.slow
+def test_large_non_streamed_answers_are_written_in_pieces_and_stall_nobody(server):
+    """n 16 x top_logprobs 20 (a chat answer of ~10 MB) and 64 choices with logprobs (four
+    prompts x n 16): written in one orjson call, such an answer held the GIL for a third of a
+    second (gRPC ServerLive p99 0.35 s, issue 52); written a slice at a time on a worker,
+    health stays within 250 ms. The answers are whole JSON, every choice with its logprobs."""
+    chat = _chat("Write.", max_tokens=512, n=16, logprobs=True, top_logprobs=20)
+    many = {"model": MODEL, "prompt": ["A", "B", "C", "D"], "n": 16, "max_tokens": 128}
+    many["logprobs"] = 5
+    with Probe(server) as probe:
+        status, answer = _post(server, "/v1/chat/completions", chat)
+        status_many, answer_many = _post(server, "/v1/completions", many)
+    print(probe.summary())
+    assert status == 200 and status_many == 200, (answer, answer_many)
+    assert len(answer["choices"]) == 16
+    for choice in answer["choices"]:
+        content = choice["logprobs"]["content"]
+        assert len(content) == 512 and all(len(e["top_logprobs"]) == 20 for e in content)
+    assert len(answer_many["choices"]) == 64
+    for choice in answer_many["choices"]:
+        assert len(choice["logprobs"]["top_logprobs"]) == 128
+    # the answers' own objects, while built, are the request's to hold: charged to the budget
+    # before generation (n x max_tokens x 64 bytes, 160 more per alternative)
+    probe.check(16 * 512 * (64 + 160 * 20) + 64 * 128 * (64 + 160 * 5), FIXED)

@@ -1,6 +1,8 @@
 """BYTES are bytes: an element that is not UTF-8 crosses every protocol byte for byte through
-a model that only moves it, a model that reads its strings as text refuses it by name, and
-the per-tensor string cap is a setting that answers INVALID_ARGUMENT, through a real server.
+a model that only moves it (NUMPY's Identity, a Python model as Triton's simple_identity), a
+model that reads its strings as text gets the text its bytes encode and refuses one that is
+not UTF-8, naming who reads it (onnxruntime's binding, NUMPY's node), and the per-tensor
+string cap is a setting that answers INVALID_ARGUMENT, through a real server.
 
 Like every module that imports ``tritonclient.grpc``, this one never imports plugserve's own
 ``inference.*`` modules; plugserve.v1's are distinct symbols.
@@ -28,6 +30,61 @@ from tritonclient.utils import InferenceServerException  # noqa: E402
 RAW = b"\xff\x00\x80"
 ELEMENTS = [RAW, "caf\u00e9".encode(), b""]
 CAP = 8
+
+#: a Python model that answers its input as it is, as Triton's simple_identity example does
+IDENTITY_MODEL = """
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            given = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
+            kinds = {type(item).__name__ for item in given.ravel()}
+            assert kinds <= {"bytes"}, kinds  # Triton's models get bytes, never str
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", given)]))
+        return responses
+"""
+
+#: simple_identity's configuration (Triton's docs/examples/model_repository)
+IDENTITY_CONFIG = """
+name: "{name}"
+backend: "python"
+max_batch_size: {batch}
+input [ {{ name: "INPUT0" data_type: TYPE_STRING dims: [ {dims} ] }} ]
+output [ {{ name: "OUTPUT0" data_type: TYPE_STRING dims: [ {dims} ] }} ]
+"""
+
+#: a Python model that hands its input to ORT's Identity through a BLS call (bytes, as every
+#: Python model's tensors are) and answers what comes back
+BLS_MODEL = """
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            given = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
+            answer = pb_utils.InferenceRequest(
+                model_name="ort_echo", requested_output_names=["y"],
+                inputs=[pb_utils.Tensor("x", given)],
+            ).exec()
+            if answer.has_error():
+                responses.append(pb_utils.InferenceResponse(error=answer.error()))
+                continue
+            out = pb_utils.get_output_tensor_by_name(answer, "y").as_numpy()
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", out)]))
+        return responses
+"""
+
+
+def _python_model(repo, name: str, code: str, dims: str = "-1", batch: int = 0) -> None:
+    (repo / name / "1").mkdir(parents=True)
+    (repo / name / "1" / "model.py").write_text(code)
+    config = IDENTITY_CONFIG.format(name=name, dims=dims, batch=batch)
+    (repo / name / "config.pbtxt").write_text(config)
 
 
 def _save(repo, name: str, model: onnx.ModelProto, device: str) -> None:
@@ -59,6 +116,9 @@ def server(tmp_path_factory):
     _save(repo, "echo", _strings("Identity"), "NUMPY")
     _save(repo, "lower", _strings("StringNormalizer", case_change_action="LOWER"), "NUMPY")
     _save(repo, "ort_echo", _strings("Identity"), "ORT")
+    _python_model(repo, "simple_identity", IDENTITY_MODEL, batch=8)
+    _python_model(repo, "identity_one", IDENTITY_MODEL, dims="1")
+    _python_model(repo, "bls_ort", BLS_MODEL)
     with RunningServer(
         "--model-repository", str(repo), "--max-string-elements", str(CAP)
     ) as running:
@@ -128,8 +188,8 @@ def test_plugserve_v1_carries_bytes_as_they_are(server):
 @pytest.mark.parametrize(
     ("model", "why"),
     [
-        ("lower", "takes that input as text only"),  # NUMPY StringNormalizer reads text
-        ("ort_echo", "takes that input as text only"),  # onnxruntime's API carries text only
+        ("lower", "NUMPY's StringNormalizer node"),  # NUMPY's StringNormalizer reads text
+        ("ort_echo", "onnxruntime (its Python binding carries string elements as text)"),
     ],
 )
 def test_a_model_that_reads_text_refuses_bytes_it_cannot_decode(server, model, why):
@@ -141,6 +201,7 @@ def test_a_model_that_reads_text_refuses_bytes_it_cannot_decode(server, model, w
         assert caught.value.status() == "StatusCode.INVALID_ARGUMENT"
         assert "input 'x' element 1 is not UTF-8 text" in caught.value.message()
         assert why in caught.value.message()
+        assert "takes that input as text only" in caught.value.message()
         inp.set_data_from_numpy(_array([b"Fine", "Caf\u00c9".encode()]))
         result = client.infer(model, [inp])
     lowered = [b"fine", "caf\u00e9".encode()]
@@ -178,3 +239,80 @@ def test_the_string_cap_is_a_setting_and_invalid_argument(server):
         connection.close()
     assert reply.status == 400
     assert f"over the limit of {CAP}" in answer["error"]
+
+
+def _random_elements(seed: int, count: int) -> list[bytes]:
+    rng = np.random.default_rng(seed)
+    return [RAW, b"\x00", *(rng.bytes(int(rng.integers(0, 64))) for _ in range(count - 2))]
+
+
+@pytest.mark.parametrize("model", ["simple_identity", "echo"])
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_tritonclient_round_trips_any_bytes(server, model, protocol):
+    """b'\\xff\\x00\\x80', a NUL and random bytes through Triton's simple_identity (a Python
+    model, which gets ``bytes``) and an ONNX Identity on NUMPY, each way tritonclient sends
+    them: gRPC raw contents, REST binary data with the output as binary data or as JSON
+    (which cannot carry them: they come as binary data), and REST JSON for text."""
+    module = grpcclient if protocol == "grpc" else httpclient
+    url = server.target if protocol == "grpc" else f"127.0.0.1:{server.http_port}"
+    batched = model == "simple_identity"
+    with module.InferenceServerClient(url) as client:
+        for seed in range(3):
+            elements = _random_elements(seed, 6)
+            array = _array(elements).reshape(1, -1) if batched else _array(elements)
+            inp = module.InferInput("INPUT0" if batched else "x", list(array.shape), "BYTES")
+            output = "OUTPUT0" if batched else "y"
+            if protocol == "grpc":
+                inp.set_data_from_numpy(array)
+                result = client.infer(model, [inp])
+                assert _as_bytes(result.as_numpy(output).ravel()) == elements
+                continue
+            for binary_out in (True, False):
+                inp.set_data_from_numpy(array, binary_data=True)
+                out = httpclient.InferRequestedOutput(output, binary_data=binary_out)
+                result = client.infer(model, [inp], outputs=[out])
+                assert _as_bytes(result.as_numpy(output).ravel()) == elements, binary_out
+        # JSON data is text: its UTF-8 bytes reach the model
+        text = ["caf\u00e9", "\u65e5\u672c", ""]
+        array = _array([t.encode() for t in text])
+        array = array.reshape(1, -1) if batched else array
+        if protocol == "http":
+            inp = module.InferInput("INPUT0" if batched else "x", list(array.shape), "BYTES")
+            inp.set_data_from_numpy(array, binary_data=False)
+            out = httpclient.InferRequestedOutput(output, binary_data=False)
+            result = client.infer(model, [inp], outputs=[out])
+            assert _as_bytes(result.as_numpy(output).ravel()) == [t.encode() for t in text]
+
+
+def test_raw_binary_request_carries_the_bytes_to_a_python_model(server):
+    """Triton's raw binary request (Inference-Header-Content-Length: 0): the body is the one
+    BYTES element, unchanged, and comes back as binary data."""
+    connection = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=30)
+    try:
+        connection.request(
+            "POST", "/v2/models/identity_one/infer", RAW,
+            {"Inference-Header-Content-Length": "0"},
+        )  # fmt: skip
+        reply = connection.getresponse()
+        body = reply.read()
+    finally:
+        connection.close()
+    assert reply.status == 200, body
+    header = int(reply.getheader("Inference-Header-Content-Length"))
+    assert body[header:] == _framed([RAW])
+
+
+def test_bytes_from_a_python_model_reach_onnxruntime_as_their_text(server):
+    """A Python model's tensors are bytes; its BLS call to ORT's Identity gets the text they
+    encode (before, onnxruntime's binding turned b'Fine' into the text "b'Fine'"), and one that
+    is not UTF-8 fails the call with onnxruntime and the element named."""
+    with grpcclient.InferenceServerClient(server.target) as client:
+        inp = grpcclient.InferInput("INPUT0", [2], "BYTES")
+        inp.set_data_from_numpy(_array([b"Fine", "Caf\u00c9".encode()]))
+        result = client.infer("bls_ort", [inp])
+        assert _as_bytes(result.as_numpy("OUTPUT0")) == [b"Fine", "Caf\u00c9".encode()]
+        inp.set_data_from_numpy(_array([b"Fine", RAW]))
+        with pytest.raises(InferenceServerException) as caught:
+            client.infer("bls_ort", [inp])
+    assert "input 'x' element 1 is not UTF-8 text" in caught.value.message()
+    assert "onnxruntime" in caught.value.message()

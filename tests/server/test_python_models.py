@@ -282,6 +282,9 @@ def test_an_exception_answers_its_request_with_its_message(running, protocol):
     error = _refused(running, "raises", protocol)
     assert "seven is not allowed here" in str(error), error
     assert "ValueError" in str(error)
+    # the traceback names the file from the repository, not where the server keeps it
+    assert "raises/1/model.py" in str(error), error
+    assert str(running.repository) not in str(error) and sys.prefix not in str(error), error
     _serves(running, "raises", protocol)  # the same process answers the next request
     _serves(running)
 
@@ -348,6 +351,7 @@ def test_bls_calls_a_python_or_onnx_model(running, model):
     _serves(running, model, "http")
     error = _refused(running, model)
     assert "Request for unknown model: 'no_such_model' is not found" in str(error), error
+    assert str(running.repository) not in str(error) and sys.prefix not in str(error), error
     _serves(running, model)
 
 

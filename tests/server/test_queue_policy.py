@@ -69,6 +69,12 @@ POLICIES = {
     "bounded": "default_queue_policy { max_queue_size: 2 }",
 }
 
+#: the priority model with Triton's dynamic batcher (max_batch_size 4): the requests waiting
+#: when its instance frees up are executed together, four rows at a time
+BATCHED_PRIORITY = COUNTER_CONFIG.replace(
+    'backend: "python"', 'backend: "python"\nmax_batch_size: 4'
+).format(name="priority_batched", batching="priority_levels: 2 default_priority_level: 2")
+
 
 ENSEMBLE = """
 name: "through"
@@ -126,6 +132,12 @@ def server(tmp_path_factory):
             COUNTER_CONFIG.format(name=name, batching=batching)
         )
         (root / name / "1" / "model.py").write_text(textwrap.dedent(COUNTER))
+    (root / "priority_batched" / "1").mkdir(parents=True)
+    (root / "priority_batched" / "config.pbtxt").write_text(BATCHED_PRIORITY)
+    batched = COUNTER.replace("np.array([self.count]", "np.array([[self.count]]").replace(
+        ".as_numpy()[0]", ".as_numpy().reshape(-1)[0]"
+    )
+    (root / "priority_batched" / "1" / "model.py").write_text(textwrap.dedent(batched))
     (root / "through" / "1").mkdir(parents=True)  # an ensemble of the priority model
     (root / "through" / "config.pbtxt").write_text(ENSEMBLE)
     devices = []
@@ -282,6 +294,38 @@ def test_priority_levels_are_served_in_order(server):
     busy, high, low = _orders_behind_a_busy_one(server, "priority", 3)
     assert busy < high < min(low), (busy, high, low)
     assert low == sorted(low), low
+
+
+def test_dynamic_batching_gathers_the_highest_priority_first(server):
+    """As Triton's dynamic batcher: behind a busy request, eight at the default level (2)
+    then eight with priority 1 wait; when the instance frees up, its batches take the eight
+    of priority 1 first, then the others in the order they came (before, the batcher kept
+    arrival order: the eight of level 2 ran first)."""
+
+    def infer(seconds: float, priority: int = 0):
+        given = grpcclient.InferInput("INPUT0", [1, 1], "FP32")  # a batch of one row
+        given.set_data_from_numpy(np.array([[seconds]], np.float32))
+        with grpcclient.InferenceServerClient(server.target) as client:
+            try:
+                answer = client.infer("priority_batched", [given], priority=priority)
+            except InferenceServerException as exc:
+                return exc
+            return int(answer.as_numpy("ORDER").reshape(-1)[0])
+
+    with ThreadPoolExecutor(17) as pool:
+        busy = pool.submit(infer, 3.0)
+        time.sleep(0.5)
+        low = []
+        for _ in range(8):
+            low.append(pool.submit(infer, 0.0))
+            time.sleep(0.05)
+        high = [pool.submit(infer, 0.0, 1) for _ in range(8)]
+        orders = [f.result(timeout=120) for f in (busy, *high, *low)]
+    assert all(isinstance(o, int) for o in orders), [str(o) for o in orders]
+    busy_order, high_orders, low_orders = orders[0], orders[1:9], orders[9:]
+    assert busy_order == 1, orders
+    assert max(high_orders) < min(low_orders), (high_orders, low_orders)
+    assert low_orders == sorted(low_orders), low_orders
 
 
 def test_an_ensemble_hands_its_priority_to_its_steps(server):

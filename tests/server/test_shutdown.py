@@ -6,11 +6,15 @@ in flight when the signal arrives and finish only when the test opens their gate
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import signal
 import threading
+import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -20,6 +24,7 @@ from serving import wait_for
 from test_server_load import add_model_bytes, gated_server, gauge, site
 
 from plugserve.client import Client
+from plugserve.server.plane.children import STOP_SECONDS
 
 tc = pytest.importorskip("tritonclient.grpc")
 from tritonclient.utils import InferenceServerException  # noqa: E402
@@ -234,3 +239,182 @@ def test_exit_timeout_bounds_the_drain(site, tmp_path):
     finally:
         gates.open(name)
         running.stop()
+
+
+# --- a stopped server leaves nothing running (issue 52, finding 11)
+
+HUNG_CONFIG = """
+name: "{name}"
+backend: "python"
+input [ {{ name: "INPUT0" data_type: TYPE_FP32 dims: [ -1 ] }} ]
+output [ {{ name: "OUTPUT0" data_type: TYPE_FP32 dims: [ -1 ] }} ]
+instance_group [ {{ kind: KIND_CPU count: 1 }} ]
+"""
+
+#: execute writes its process's id (and, for "spins", that of a subprocess it starts) into
+#: PIDS_DIR, then never returns: "spins" loops in Python with a child of its own, "stuck" holds
+#: the GIL in C (sum over a range), where no thread of its process runs again
+HUNG_MODEL = """
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.name = args["model_name"]
+
+    def execute(self, requests):
+        mark = Path(os.environ["PIDS_DIR"])
+        (mark / f"{self.name}-{os.getpid()}").write_text("model")
+        if self.name == "spins":
+            child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+            (mark / f"{self.name}-child-{child.pid}").write_text("child")
+            while True:
+                pass
+        sum(range(1 << 62))
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", np.zeros(1, np.float32))])]
+"""
+
+
+#: answers its input; its finalize (run at shutdown, as the model is idle) leaves a mark
+ECHO_MODEL = """
+import os
+from pathlib import Path
+
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [
+            pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", r.inputs()[0].as_numpy())])
+            for r in requests
+        ]
+
+    def finalize(self):
+        (Path(os.environ["PIDS_DIR"]).parent / "echo-finalized").write_text("")
+"""
+
+
+def _stat(pid: int) -> tuple[int, str, str] | None:
+    """(parent, state, start time) of a process, None when there is none."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return int(fields[1]), fields[0], fields[19]
+
+
+def _command(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:200]
+    except OSError:
+        return "(gone)"
+
+
+def _descendants(root: int) -> dict[int, str]:
+    """Every process under ``root`` (pid -> its start time)."""
+    parents: dict[int, list[int]] = {}
+    starts: dict[int, str] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (found := _stat(int(entry.name))) is not None:
+            parents.setdefault(found[0], []).append(int(entry.name))
+            starts[int(entry.name)] = found[2]
+    out, todo = {}, [root]
+    while todo:
+        for pid in parents.get(todo.pop(), []):
+            out[pid] = starts[pid]
+            todo.append(pid)
+    return out
+
+
+def _running(processes: dict[int, str]) -> list[int]:
+    """Those of ``processes`` still running (a zombie has ended; a new process with a reused
+    id has another start time)."""
+    left = []
+    for pid, start in processes.items():
+        found = _stat(pid)
+        if found is not None and found[2] == start and found[1] not in "ZX":
+            left.append(pid)
+    return left
+
+
+def _quietly(running, path: str, body: bytes) -> None:
+    """A REST call that the server's end cuts short."""
+    with contextlib.suppress(OSError, ValueError):
+        rest_status(running, path, body)
+
+
+def _big_json() -> bytes:
+    """A JSON body over the REST helper process's threshold (1 MiB): it starts the helper."""
+    n = 300_000
+    data = [0.5] * n
+    return json.dumps(
+        {"inputs": [{"name": "INPUT0", "shape": [n], "datatype": "FP32", "data": data}]}
+    ).encode()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_a_stopped_server_leaves_no_process_running(tmp_path, signum):
+    """Two Python models hung in execute (one spinning in Python with a subprocess of its own,
+    one holding the GIL in C), an idle one and the REST helper process: after SIGTERM (exit 0
+    within --exit-timeout + STOP_SECONDS + margin, 2.6 s here; the idle model runs finalize)
+    or SIGKILL, none of the server's processes runs 30 s later (before: each hung model's
+    process stayed, for an hour and more)."""
+    from serving import RunningServer
+
+    root, pids = tmp_path / "models", tmp_path / "pids"
+    pids.mkdir()
+    for name in ("spins", "stuck", "echo"):
+        (root / name / "1").mkdir(parents=True)
+        (root / name / "config.pbtxt").write_text(HUNG_CONFIG.format(name=name))
+    (root / "echo" / "1" / "model.py").write_text(ECHO_MODEL)
+    for name in ("spins", "stuck"):
+        (root / name / "1" / "model.py").write_text(HUNG_MODEL)
+    exit_timeout = 2
+    running = RunningServer(
+        "--model-repository", str(root), "--exit-timeout", str(exit_timeout),
+        env={"PIDS_DIR": str(pids)},
+    ).start()  # fmt: skip
+    started: dict[int, str] = {}
+    try:
+        status, message = rest_status(running, "/v2/models/echo/infer", _big_json())
+        assert status == 200, message
+        for name in ("spins", "stuck"):
+            body = json.dumps(
+                {"inputs": [{"name": "INPUT0", "shape": [1], "datatype": "FP32", "data": [1]}]}
+            ).encode()
+            threading.Thread(
+                target=_quietly, args=(running, f"/v2/models/{name}/infer", body), daemon=True
+            ).start()
+        # both models are in execute, the spinning one's subprocess started
+        assert wait_for(lambda: len(list(pids.iterdir())) == 3, 120), running.log
+        server = running.process.pid
+        started = _descendants(server)
+        marked = {int(path.name.rsplit("-", 1)[1]) for path in pids.iterdir()}
+        assert marked <= set(started), (marked, started)
+        commands = [_command(pid) for pid in started]
+        assert any("multiprocessing" in c for c in commands), commands  # the REST helper
+        began = time.monotonic()
+        running.signal(signum)
+        running.process.wait(exit_timeout + STOP_SECONDS + 60)
+        took = time.monotonic() - began
+        if signum == signal.SIGTERM:
+            assert running.process.returncode == 0, running.log
+            assert took < exit_timeout + STOP_SECONDS + 60
+            assert (tmp_path / "echo-finalized").exists()  # the idle model ran finalize
+        assert wait_for(lambda: not _running(started), 30), (
+            {pid: _command(pid) for pid in _running(started)},
+            running.log[-3000:],
+        )
+    finally:
+        running.stop()
+        for pid in _running(started):  # what a failed check left: never past the test
+            os.kill(pid, signal.SIGKILL)

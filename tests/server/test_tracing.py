@@ -11,10 +11,12 @@ tracing is back on and waits for it, since traces leave in the order their reque
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
 import socket
+import threading
 import uuid
 from pathlib import Path
 
@@ -25,7 +27,7 @@ httpclient = pytest.importorskip(
     "tritonclient.http", reason="pip install 'tritonclient[grpc,http]'"
 )
 from models import add_sub, chain  # noqa: E402
-from serving import RunningServer  # noqa: E402
+from serving import RunningServer, wait_for  # noqa: E402
 from traced import grpcclient  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
@@ -414,6 +416,43 @@ def test_a_collector_that_is_down_costs_no_request(tmp_path):
                 np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), X + Y)
             assert triton.is_server_ready()
         assert running.process.poll() is None
+
+
+@pytest.mark.slow
+def test_dropped_traces_are_logged_while_the_export_is_blocked(tmp_path):
+    """A collector that takes the connection and never answers holds the export thread in its
+    send (a 60 s timeout here); traces dropped from the full queue meanwhile are logged when
+    they are dropped, not once that send returns (before, nothing was said for 60 s)."""
+    silent = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+
+    def hold() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                held.append(silent.accept()[0])
+
+    threading.Thread(target=hold, daemon=True).start()
+    args = [
+        "--model-repository", str(_repository(tmp_path)),
+        "--trace-config", f"opentelemetry,url=127.0.0.1:{silent.getsockname()[1]}/v1/traces",
+        "--trace-config", "opentelemetry,bsp_max_queue_size=4",
+        "--trace-config", "opentelemetry,bsp_max_export_batch_size=2",
+        "--trace-config", "opentelemetry,bsp_schedule_delay=20",
+        "--trace-config", "level=TIMESTAMPS",
+        "--trace-config", "rate=1",
+    ]  # fmt: skip
+    try:
+        running = RunningServer(*args, env={"OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": "60"})
+        with running, grpcclient.InferenceServerClient(running.target) as triton:
+            for _ in range(40):
+                triton.infer("add_sub", _grpc_inputs())
+            logged = wait_for(lambda: "trace(s) dropped" in running.log, timeout=20)
+            assert logged, running.log[-3000:]
+            assert triton.is_server_ready()
+    finally:
+        silent.close()
+        for connection in held:
+            connection.close()
 
 
 def _token_file(folder: Path) -> tuple[Path, str, str]:

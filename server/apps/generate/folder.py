@@ -13,6 +13,11 @@ instead), and it holds a graph. The graph is looked for in this order, the first
 ``decoder_model_merged.onnx``       optimum's older merged decoder
 ``onnx/model.onnx``                 onnx-community's layout (``onnx/model*.onnx`` when
                                     it is the only one)
+``model.safetensors``               the weights as published (or the shards that
+                                    ``model.safetensors.index.json`` names), for a decoder
+                                    family the torch decoder computes
+                                    (:mod:`.torch_model`) or any ``*ForCausalLM``, with a
+                                    ``tokenizer.json``: served by :mod:`.decoder_torch`
 ==================================  =====================================================
 
 Whether the graph is a decoder (generation) or an encoder (embeddings) is decided when it is
@@ -34,6 +39,10 @@ HF_CONFIG = "config.json"
 GENAI_CONFIG = "genai_config.json"
 OPENVINO_IR = "openvino_model.xml"
 _ONNX_NAMES = ("model.onnx", "decoder_model_merged.onnx", "onnx/model.onnx")
+SAFETENSORS = ("model.safetensors", "model.safetensors.index.json")
+#: the model types the torch decoder computes (torch_model.FAMILIES, kept here so a scan
+#: imports no torch)
+TORCH_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3")
 
 
 def _hf_config(folder: Path) -> dict[str, Any] | None:
@@ -67,7 +76,8 @@ def _hf_config(folder: Path) -> dict[str, Any] | None:
 
 
 def graph_of(folder: Path) -> tuple[str, Path] | None:
-    """``(kind, path)`` of the folder's graph: kind ``genai``, ``openvino`` or ``onnx``."""
+    """``(kind, path)`` of the folder's graph: kind ``genai``, ``openvino``, ``onnx``, or
+    ``safetensors`` (the weights of a decoder, no graph: :func:`_safetensors_of`)."""
     if (folder / GENAI_CONFIG).is_file():
         try:
             name = read_json(folder / GENAI_CONFIG)["model"]["decoder"]["filename"]
@@ -83,6 +93,27 @@ def graph_of(folder: Path) -> tuple[str, Path] | None:
     found = sorted((folder / "onnx").glob("model*.onnx")) if (folder / "onnx").is_dir() else []
     if len(found) == 1:
         return "onnx", found[0]
+    return _safetensors_of(folder)
+
+
+def _safetensors_of(folder: Path) -> tuple[str, Path] | None:
+    """``("safetensors", weights)`` for a decoder's weights as published: a safetensors file
+    (or index), a ``tokenizer.json``, and a ``config.json`` whose ``model_type`` the torch
+    decoder computes or whose architecture is a ``*ForCausalLM`` (its load then says whether
+    it is computed); None otherwise, so an encoder's weights are not taken for a decoder."""
+    weights = next((folder / n for n in SAFETENSORS if (folder / n).is_file()), None)
+    if weights is None or not (folder / "tokenizer.json").is_file():
+        return None
+    try:
+        config = read_json(folder / HF_CONFIG)
+    except InvalidModel:
+        return None
+    architectures = config.get("architectures")
+    causal = isinstance(architectures, list) and any(
+        isinstance(a, str) and a.endswith("ForCausalLM") for a in architectures
+    )
+    if config.get("model_type") in TORCH_FAMILIES or causal:
+        return "safetensors", weights
     return None
 
 
@@ -115,8 +146,9 @@ class ModelFolder:
         if found is None:
             raise InvalidModel(
                 f"{folder}: no graph found; expected one of {GENAI_CONFIG} (onnxruntime-genai), "
-                f"{OPENVINO_IR} (optimum-intel), {', '.join(_ONNX_NAMES)} or a single "
-                "onnx/model*.onnx (optimum, onnx-community)"
+                f"{OPENVINO_IR} (optimum-intel), {', '.join(_ONNX_NAMES)}, a single "
+                "onnx/model*.onnx (optimum, onnx-community), or a decoder's model.safetensors "
+                "with its tokenizer.json"
             )
         kind, graph = found
         genai = read_json(folder / GENAI_CONFIG) if kind == "genai" else {}

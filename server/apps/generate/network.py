@@ -44,10 +44,12 @@ from plugserve.plugins.api import (
     InferRequest,
     InvalidArgument,
     InvalidInput,
+    InvalidModel,
     PerfCount,
     TensorSpec,
     Unsupported,
 )
+from plugserve.plugins.configuration import Configuration
 from plugserve.plugins.responses import Response
 from plugserve.server.apps.generate import limits
 from plugserve.server.apps.generate.decoder import choose_decoder
@@ -173,6 +175,8 @@ def load_generative(
     capacity = min(settings.max_model_len or context, context)
     if capacity < 2:
         raise InvalidArgument(f"max_model_len must be at least 2, got {capacity}")
+    if folder.kind == "safetensors":  # weights, no graph: the torch decoder
+        return _load_torch(folder, device, device_config, settings, tokenizer, capacity)
     if folder.kind == "openvino":  # an IR runs on OPENVINO, in the paged-attention form
         device, device_config = serving_device(folder.graph, device, device_config)
     if parse_device(device).kind == "ORT":
@@ -192,16 +196,7 @@ def load_generative(
                 folder.genai_config, capacity,
             )  # fmt: skip
         per_slot = decoder.layout.bytes_per_slot
-        budget = settings.kv_cache_bytes or min(
-            settings.max_num_seqs * per_slot, int(_physical_memory() * AUTO_KV_SHARE)
-        )
-        rows = min(settings.max_num_seqs, budget // per_slot)
-        if rows < 1:
-            raise InvalidArgument(
-                f"{folder.path}: kv_cache_bytes {budget} holds no sequence: one takes "
-                f"{per_slot} bytes (max_model_len {capacity} x {decoder.layout.bytes_per_token} "
-                "bytes a token); raise KV_CACHE_BYTES or lower MAX_MODEL_LEN"
-            )
+        rows = _slots(folder, settings, capacity, per_slot)
         network = GenerativeNetwork(
             decoder_network, folder, tokenizer, decoder, settings, rows, device
         )
@@ -221,6 +216,69 @@ def load_generative(
     return network
 
 
+def _slots(folder: ModelFolder, settings: EngineSettings, capacity: int, per_slot: int) -> int:
+    """The cache slots the budget holds (``kv_cache_bytes``, else ``max_num_seqs`` slots at
+    most a quarter of the machine), at most ``max_num_seqs``; InvalidArgument for none."""
+    budget = settings.kv_cache_bytes or min(
+        settings.max_num_seqs * per_slot, int(_physical_memory() * AUTO_KV_SHARE)
+    )
+    rows = min(settings.max_num_seqs, budget // per_slot)
+    if rows < 1:
+        raise InvalidArgument(
+            f"{folder.path}: kv_cache_bytes {budget} holds no sequence: one takes "
+            f"{per_slot} bytes (max_model_len {capacity} x {per_slot // capacity} "
+            "bytes a token); raise KV_CACHE_BYTES or lower MAX_MODEL_LEN"
+        )
+    return rows
+
+
+def _load_torch(
+    folder: ModelFolder,
+    device: str,
+    device_config: dict[str, Any],
+    settings: EngineSettings,
+    tokenizer: Tokenizer,
+    capacity: int,
+) -> GenerativeNetwork:
+    """A safetensors folder on the torch decoder (:mod:`.decoder_torch`): torch and
+    safetensors are imported here only (``pip install 'plugserve[torch]'``)."""
+    try:
+        import safetensors  # noqa: F401
+        import torch  # noqa: F401
+
+        from plugserve.server.apps.generate.decoder_torch import TorchConfig, load_torch_decoder
+    except ImportError as exc:
+        raise InvalidModel(
+            f"{folder.path}: a safetensors folder is served by the torch decoder, which needs "
+            f"torch and safetensors ({exc}): pip install 'plugserve[torch]'"
+        ) from None
+    decoder, rows, served, report = load_torch_decoder(
+        folder.path,
+        folder.text_config,
+        device,
+        device_config,
+        capacity,
+        lambda per_slot: _slots(folder, settings, capacity, per_slot),
+    )
+    network = GenerativeNetwork(
+        None, folder, tokenizer, decoder, settings, rows, served,
+        config=TorchConfig(device_config),
+    )  # fmt: skip
+    try:
+        network.warm_up()
+    except BaseException:
+        network.close()
+        raise
+    log.info(
+        "generative model %s on %s: safetensors (%s on %s, %s), context %d, %d sequences x "
+        "%.1f MiB of cache, weights read in %.2f s",
+        folder.path, served, type(decoder).__name__, report["torch_device"],
+        report["precision"], capacity, rows, decoder.layout.bytes_per_slot / (1 << 20),
+        report["load_seconds"],
+    )  # fmt: skip
+    return network
+
+
 class GenerativeNetwork(CompiledNetwork):
     """A generative model: its engine (``.engine``), tokenizer (``.tokenizer``), and the
     KServe face's tensors (decoupled)."""
@@ -230,15 +288,21 @@ class GenerativeNetwork(CompiledNetwork):
 
     def __init__(
         self,
-        decoder_network: CompiledNetwork,
+        decoder_network: CompiledNetwork | None,
         folder: ModelFolder,
         tokenizer: Tokenizer,
         decoder: Any,
         settings: EngineSettings,
         rows: int,
         device: str,
+        config: Configuration | None = None,
     ) -> None:
-        super().__init__(decoder_network.plugin, folder.path.name, decoder_network.config)
+        """``decoder_network``: the graph compiled on a device; None for a decoder that owns
+        its module (the torch decoder), which then gives its device config as ``config``."""
+        if decoder_network is not None:
+            super().__init__(decoder_network.plugin, folder.path.name, decoder_network.config)
+        else:
+            super().__init__(None, folder.path.name, config or Configuration())  # type: ignore[arg-type]
         self.decoder_network = decoder_network
         self.folder = folder
         self.tokenizer = tokenizer
@@ -249,7 +313,13 @@ class GenerativeNetwork(CompiledNetwork):
         self.engine = Engine(folder.path.name, decoder, tokenizer, settings, rows)
 
     @property
+    def device(self) -> str:
+        return self.plugin.name if self.decoder_network is not None else self.device_name
+
+    @property
     def precision(self) -> str:
+        if self.decoder_network is None:
+            return self.engine.decoder.precision
         return self.decoder_network.precision
 
     # --- generation's one entry, which every face uses (OpenAI, KServe, in-process)
@@ -310,7 +380,8 @@ class GenerativeNetwork(CompiledNetwork):
 
     def close(self) -> None:
         self.engine.close()
-        self.decoder_network.close()
+        if self.decoder_network is not None:
+            self.decoder_network.close()
         super().close()
 
 

@@ -43,7 +43,12 @@ from plugserve.plugins import cancel
 from plugserve.plugins.api import InvalidInput, PlugserveError, ResourceExhausted
 from plugserve.plugins.threads import start_daemon
 from plugserve.server.plane.budget import MemoryBudget, body_factor
-from plugserve.server.protocols.auth import ADMIN, AuthInterceptor, control_refusal
+from plugserve.server.protocols.auth import (
+    KSERVE,
+    AuthInterceptor,
+    control_refusal,
+    setting_denial,
+)
 from plugserve.server.protocols.http import offload as rest_offload
 from plugserve.server.protocols.http.http_server import (
     Bounds,
@@ -67,6 +72,9 @@ __all__ = [
     "WorkersBusy",
 ]
 
+#: the get-or-set routes: setting (a POST with fields) needs an admin token, as on gRPC (and
+#: without tokens, a caller on this machine: auth.guard_settings)
+_SETTERS = {f"/{KSERVE}/TraceSetting", f"/{KSERVE}/LogSettings"}
 # Content-Encoding of a request body -> zlib's wbits (0: plain)
 _WBITS = {b"identity": 0, b"gzip": 31, b"deflate": 15}
 #: Triton's binary tensor extension's header: a body with it is charged as binary
@@ -110,9 +118,11 @@ class Call:
         "handler",
         "headers",
         "path",
+        "peer",
         "probe",
         "role",
         "rpc",
+        "sets",
         "wbits",
     )
 
@@ -136,6 +146,8 @@ class Call:
         self.wbits = wbits  # the body's Content-Encoding, as zlib's wbits (0: plain)
         self.probe = probe  # a health route: exempt from the connection limits
         self.factor = 0  # a compressed body's charge per inflated byte
+        self.sets = False  # a POST to a get-or-set route (its body says whether it sets)
+        self.peer = ""  # the client's address (kept for get-or-set routes only)
         self._json: Any = None
 
     def json(self) -> dict[str, Any]:
@@ -205,8 +217,6 @@ class Router:
         self._probes: set[Handler] = set()
         #: handlers that decode a large body off the loop themselves
         self._decode_own: set[Handler] = set()
-        #: get-or-set handlers: setting needs an admin token
-        self._setters: set[Handler] = set()
 
     def add_routes(
         self,
@@ -215,7 +225,6 @@ class Router:
         *,
         decode_own: Iterable[Handler] | None = None,
         probes: Iterable[Handler] = (),
-        setters: Iterable[Handler] = (),
     ) -> None:
         """A face's routes, after those registered before: ``(pattern, {method: (the gRPC
         method it is authorized as, handler)})``. A handler takes a :class:`Call` and returns
@@ -224,15 +233,13 @@ class Router:
         (its body over the memory budget, too large, too slow), in the routes' own error body.
         ``decode_own``: the handlers that decode a large body off the loop themselves (None:
         all of them; the others' JSON bodies over INLINE_BYTES are decoded on a worker first);
-        ``probes``: health handlers, answered past the connection limits; ``setters``:
-        get-or-set handlers whose setting (a POST with fields) needs an ``admin`` token."""
+        ``probes``: health handlers, answered past the connection limits."""
         compiled = [(re.compile(pattern + "/?"), methods) for pattern, methods in table]
         self.routes += compiled
         if decode_own is None:
             decode_own = [handler for _, methods in table for _, handler in methods.values()]
         self._decode_own.update(decode_own)
         self._probes.update(probes)
-        self._setters.update(setters)
         if refusal is not None:
             self._refusals.append(([pattern for pattern, _ in compiled], refusal))
 
@@ -308,6 +315,9 @@ class Router:
             )
         params = {k: v for k, v in match.groupdict().items() if v is not None}
         call = Call(params, b"", headers, handler, rpc, role, wbits, handler in self._probes)
+        if rpc in _SETTERS:  # whether it sets anything is known from its body (handle)
+            call.sets = method == "POST"
+            call.peer = peer
         if wbits:  # charged per inflated byte as the body would be (server/plane/budget.py)
             call.factor = body_factor(path.encode(), _BINARY_HEADER in headers)
         return call
@@ -318,17 +328,16 @@ class Router:
         body is inflated or decoded on a worker first (the infer and generate routes decode
         their own)."""
         call.body = body
-        if (
-            self.auth is not None
-            and call.handler in self._setters
-            and call.role != ADMIN
-            and bytes(body).strip(b" {}")
-        ):  # as the gRPC setters (auth.py): an infer token reads the settings, sets none
-            return _error(
-                403,
-                f"{call.rpc.rpartition('/')[2]} with settings needs a token with the 'admin' "
-                f"role; this token has the '{call.role}' role",
-            )
+        if call.sets and bytes(body).strip(b" \t\r\n{}"):
+            # as the gRPC setters (auth.guard_settings): an infer token reads the settings,
+            # sets none; without tokens, only a caller on this machine sets them (a compressed
+            # body counts as setting: refused rather than guessed)
+            if self.auth is not None:
+                why = setting_denial(call.rpc, call.role)
+            else:
+                why = control_refusal(call.rpc, call.peer, True) if self.local_control else ""
+            if why:
+                return _error(403, why)
         if call.wbits:
             return self._inflated(call, call.factor)
         if len(body) > INLINE_BYTES and call.handler not in self._decode_own:

@@ -10,8 +10,9 @@ come back the same way, and the server's threads only copy, in slices short enou
 event loop gets the GIL between them.
 
 The helper is started on the first such request (about a second, once) and is replaced if it
-dies; one request is decoded or encoded at a time per helper (:data:`HELPERS`), the rest wait
-their turn on the REST worker threads. What a request holds in the helper is charged with it
+dies; it ends with the server, even one killed outright (:func:`_end_with`). One request is
+decoded or encoded at a time per helper (:data:`HELPERS`), the rest wait their turn on the REST
+worker threads. What a request holds in the helper is charged with it
 (server/plane/budget.py counts JSON at its decoding cost wherever that runs).
 """
 
@@ -20,7 +21,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import multiprocessing
+import os
 import threading
+import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from multiprocessing import shared_memory
@@ -29,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from plugserve.plugins.api import InferenceError
+from plugserve.plugins.threads import start_daemon
 from plugserve.server.protocols.kserve.json_codec import InferCall, encode_infer, parse_infer
 
 __all__ = ["HELPERS", "PROCESS_BYTES", "decode", "encode"]
@@ -41,6 +45,8 @@ PROCESS_BYTES = 1 << 20
 HELPERS = 1
 #: bytes copied at a time between the server's memory and shared memory (~1 ms a slice)
 _SLICE = 4 << 20
+#: how often a helper looks whether the server that started it is still there
+_WATCH_SECONDS = 0.5
 
 _pool: ProcessPoolExecutor | None = None
 _lock = threading.Lock()
@@ -50,7 +56,12 @@ def _helpers() -> ProcessPoolExecutor:
     global _pool
     with _lock:
         if _pool is None:
-            _pool = ProcessPoolExecutor(HELPERS, mp_context=multiprocessing.get_context("spawn"))
+            _pool = ProcessPoolExecutor(
+                HELPERS,
+                mp_context=multiprocessing.get_context("spawn"),
+                initializer=_end_with,
+                initargs=(os.getpid(),),
+            )
         return _pool
 
 
@@ -158,6 +169,19 @@ def encode(
 
 
 # --- the helper's side
+
+
+def _end_with(server: int) -> None:
+    """A helper ends when the server does. Its pipes do not tell it: it holds both ends of its
+    work queue (so a killed server's helper waited on it forever, with multiprocessing's
+    resource tracker, whose pipe it keeps open)."""
+
+    def watch() -> None:
+        while os.getppid() == server:  # a process whose parent ended has another one
+            time.sleep(_WATCH_SECONDS)
+        os._exit(1)
+
+    start_daemon("parent-watch", watch)
 
 
 def _decode_in_helper(name: str, size: int) -> tuple:

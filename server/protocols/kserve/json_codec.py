@@ -157,18 +157,23 @@ def _document(data: memoryview) -> Any:
         if parser is not None:
             try:
                 return parser.parse(data)
-            except RuntimeError:
-                pass
+            except RuntimeError as exc:
+                if "BIGINT_ERROR" in str(exc):
+                    raise
         parser = simdjson.Parser()
         if len(data) <= _REUSE_BYTES:
             _parsers.parser = parser
         return parser.parse(data)
-    except ValueError as exc:  # UnicodeDecodeError included
-        if "NUMBER_ERROR" in str(exc):
+    except (ValueError, RuntimeError) as exc:  # UnicodeDecodeError included
+        # simdjson: NUMBER_ERROR (a ValueError) for a number out of range, BIGINT_ERROR (a
+        # RuntimeError, which was a 500) for an integer past 64 bits anywhere in the body
+        if "NUMBER_ERROR" in str(exc) or "BIGINT_ERROR" in str(exc):
             raise InvalidInput(
                 "the request holds a number out of range: integers must fit 64 bits (signed "
                 "or unsigned) and other numbers a float64"
             ) from None
+        if isinstance(exc, RuntimeError):
+            raise
         raise InvalidInput(f"the request is not valid JSON: {exc}") from None
 
 

@@ -154,7 +154,6 @@ class RestApp:
             list(merged.items()),
             decode_own=[self.infer, self.generate, self.generate_stream],
             probes=[self.live, self.ready],
-            setters=[self.update_trace_setting],
         )
         # the router's, for those that hold the face (Ray Serve's replica, the process)
         self.dispatch = router.dispatch
@@ -189,7 +188,7 @@ class RestApp:
              self.load),
             (r"/v2/repository/models/(?P<name>[^/]+)/unload", post,
              k + "RepositoryModelUnload", self.unload),
-            (r"/v2/logging", both, k + "ServerMetadata", _refuse("log settings")),
+            (r"/v2/logging", both, k + "LogSettings", _refuse("log settings")),
             (trace, get, k + "TraceSetting", self.trace_setting),
             (trace, post, k + "TraceSetting", self.update_trace_setting),
             (shm + "/status", both, k + "SystemSharedMemoryStatus", self.shm_status),

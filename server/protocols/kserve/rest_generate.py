@@ -48,7 +48,8 @@ def _parameter(name: str, value: Any) -> Any:
 
 
 def _shape(spec: TensorSpec, count: int, batched: bool) -> list[int]:
-    dims = [] if spec.shape is None else [-1 if d is None else int(d) for d in spec.shape]
+    # a dimension that is not a number (None, or a symbolic one such as 'n') takes what is left
+    dims = [] if spec.shape is None else [d if isinstance(d, int) else -1 for d in spec.shape]
     if spec.shape is None:
         return [count]
     left = count

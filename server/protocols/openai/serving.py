@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 import uuid
@@ -412,8 +413,10 @@ class OpenAIRoutes:
         finally:
             for stream in streams:
                 stream.cancel()
-        if sum(len(t) for t in answer.token_ids) + sum(answer.completion) > INLINE_BYTES // 64:
-            # a long answer (many choices, logprobs) is written on a worker, as REST's are
+        tokens = sum(len(t) for t in answer.token_ids) + sum(answer.completion)
+        if tokens * (1 + (ask.logprobs or 0)) > INLINE_BYTES // 64:
+            # a long answer (many choices, logprobs: each alternative ~64 bytes) is built and
+            # written on a worker, a bounded piece at a time (encode.json_pieces)
             return 200, [await self._in_worker(_dumped, answer)], _JSON
         return 200, [orjson.dumps(answer.body())], _JSON
 
@@ -526,7 +529,13 @@ def _texts_of(model: _Model, prompts: list[Any]) -> list[str]:
 
 
 def _dumped(answer: _Answer) -> bytes:
-    return orjson.dumps(answer.body())
+    """A long answer's body, made and written a piece at a time (a worker's job), the GIL
+    given away between pieces (encode.json_pieces)."""
+    return b"".join(encode.json_pieces(answer.body(lazy=True), pause=_yield_gil))
+
+
+def _yield_gil() -> None:
+    time.sleep(0)
 
 
 def _compiled(schema: str, tokenizer: Any, vocab_size: int, count: int) -> list[Any]:
@@ -748,40 +757,51 @@ class _Answer:
                 choice["prompt_token_ids"] = self.prompts[prompt]
             choice["token_ids"] = self.token_ids[i]
 
-    def body(self) -> dict[str, Any]:
-        choices = []
-        for i in range(len(self.texts)):
-            prompt = i // self.ask.n
-            text = "".join(self.texts[i])
-            if self.kind == "chat":
-                logprobs = None
-                if self.names is not None:
-                    logprobs = {
-                        "content": encode.chat_logprobs(
-                            self.logprobs[i], self.names, self.ask.logprobs or 0
+    def _choice(self, i: int, lazy: bool) -> dict[str, Any]:
+        """Choice ``i``; ``lazy``: chat's logprobs made as they are written (encode.Slices)."""
+        prompt = i // self.ask.n
+        text = "".join(self.texts[i])
+        if self.kind == "chat":
+            logprobs = None
+            if self.names is not None:
+                entries, names, top = self.logprobs[i], self.names, self.ask.logprobs or 0
+                content: Any = (
+                    encode.chat_logprobs(entries, names, top)
+                    if not lazy
+                    else (
+                        encode.Slices(
+                            len(entries),
+                            lambda a, b: encode.chat_logprobs(entries[a:b], names, top),
                         )
-                    }
-                choices.append(
-                    {
-                        "index": i,
-                        "message": {"role": "assistant", "content": text},
-                        "logprobs": logprobs,
-                        "finish_reason": self.finish[i] or "stop",
-                    }
+                    )
                 )
-                self._ids(choices[-1], i, prompt)
-            else:
-                if self.echo:
-                    text = self._prompt_text(prompt) + text
-                choices.append(
-                    {
-                        "index": i,
-                        "text": text,
-                        "logprobs": self._completion_logprobs(i, prompt),
-                        "finish_reason": self.finish[i] or "stop",
-                    }
-                )
-                self._ids(choices[-1], i, prompt)
+                logprobs = {"content": content}
+            choice = {
+                "index": i,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": logprobs,
+                "finish_reason": self.finish[i] or "stop",
+            }
+        else:
+            if self.echo:
+                text = self._prompt_text(prompt) + text
+            choice = {
+                "index": i,
+                "text": text,
+                "logprobs": self._completion_logprobs(i, prompt),
+                "finish_reason": self.finish[i] or "stop",
+            }
+        self._ids(choice, i, prompt)
+        return choice
+
+    def body(self, lazy: bool = False) -> dict[str, Any]:
+        """The response; ``lazy``: each choice made when ``encode.json_pieces`` reaches it."""
+        choices: list[Any] = [
+            encode.Later(functools.partial(self._choice, i, True))
+            if lazy
+            else self._choice(i, False)
+            for i in range(len(self.texts))
+        ]
         body = {
             "id": self.rid,
             "object": "chat.completion" if self.kind == "chat" else "text_completion",

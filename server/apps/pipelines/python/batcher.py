@@ -2,7 +2,8 @@
 0): the requests waiting for the model are handed to one instance's ``execute`` together, as the
 list Triton's contract says ``requests`` may be, until their rows reach the largest
 ``preferred_batch_size`` (else ``max_batch_size``) or ``max_queue_delay_microseconds`` after the
-first of them (Triton's default 0: what waits now). A request with more rows runs alone. Unlike
+first of them (Triton's default 0: what waits now), the highest priority first (the queue
+policy's level, ``cancel.Token.place``), as Triton's. A request with more rows runs alone. Unlike
 BATCH, nothing is concatenated: each request keeps its own tensors and gets its own response.
 
 One dispatcher thread per instance takes the next batch when its instance is free; the requests
@@ -89,7 +90,7 @@ class Gatherer:
                     self._cond.wait()
                 if self._closed:
                     return None
-                first = self._queue[0].arrived
+                first = min(i.arrived for i in self._queue)
                 while sum(i.rows for i in self._queue) < self.size and not self._closed:
                     left = first + self.delay - time.monotonic()
                     if left <= 0:
@@ -97,6 +98,9 @@ class Gatherer:
                     self._cond.wait(left)
                 if self._queue:
                     break
+            # the highest priority first (the queue policy's place; stable: arrival order
+            # within a level), as Triton's dynamic batcher
+            self._queue = collections.deque(sorted(self._queue, key=_place))
             batch = [self._queue.popleft()]
             rows = batch[0].rows
             while self._queue and rows + self._queue[0].rows <= self.size:
@@ -163,6 +167,10 @@ class Gatherer:
             self._cond.notify_all()
         for item in waiting:
             settle(item.future, Cancelled("the model was unloaded before its batch ran"))
+
+
+def _place(item: _Waiting) -> int:
+    return item.token.place if item.token is not None else 0
 
 
 def settle(future: Future, error: BaseException | None = None, result: Any = None) -> None:

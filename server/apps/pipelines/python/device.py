@@ -141,6 +141,8 @@ class PythonNetwork(CompiledNetwork):
         self._next = 0
         #: dynamic batching: (rows, seconds) and what gathers the requests; None: one at a time
         self.batching_settings: tuple[int, float] | None = None
+        #: dynamic_batching's priority_levels (0: one level)
+        self.priority_levels = 0
         self.gatherer: Gatherer | None = None
         try:
             completed = self.instances[0].process.auto_complete(configured)
@@ -177,6 +179,7 @@ class PythonNetwork(CompiledNetwork):
             size = min(max(preferred, default=self.max_batch_size), self.max_batch_size)
             delay = int(batching.get("max_queue_delay_microseconds", 0)) / 1e6
             self.batching_settings = (size, delay)
+            self.priority_levels = int(batching.get("priority_levels", 0))
         for i, instance in enumerate(self.instances):
             args = {
                 "model_config": json.dumps(configured),
@@ -207,10 +210,16 @@ class PythonNetwork(CompiledNetwork):
 
     def _streams(self) -> int:
         """One stream per instance; with dynamic batching, enough for every instance's batch
-        to gather (at most MAX_GATHER_STREAMS)."""
+        to gather (at most MAX_GATHER_STREAMS). With priority levels, MAX_GATHER_STREAMS: a
+        request of a higher level must reach the gatherer while lower ones wait there (which
+        orders them), not wait for a stream behind them, as Triton's batcher sees its whole
+        queue (with streams for one batch, four requests of level 2 held the streams and ran
+        before eight of level 1 queued after them)."""
         count = len(self.instances)
         if self.batching_settings is None:
             return count
+        if self.priority_levels > 1:
+            return max(count, MAX_GATHER_STREAMS)
         return max(count, min(MAX_GATHER_STREAMS, count * (self.batching_settings[0] + 1)))
 
     def _new_executor(self) -> StreamsExecutor:

@@ -1,13 +1,15 @@
 """One instance's process: started in its sandbox, initialized, bounded, watched, started again,
 stopped.
 
-``python sandbox.py FD MAX_BYTES NICENESS SHM_BYTES`` sets the process's bounds before anything
-of the model runs (its data, its own ``/dev/shm``, its priority, its out-of-memory order:
-``sandbox.py``), then runs ``worker.py`` (Triton's stub) on its end of a ``SOCK_SEQPACKET``
-socket. Its output reaches the server's log through one pump for every process, rate-limited
-(``output.py``). The process leads a group of its own, which :meth:`ModelProcess.kill` stops
-whole, so what a model starts goes with it; its id is not reaped before, so the group stopped
-is never another process's.
+``python sandbox.py FD MAX_BYTES NICENESS SHM_BYTES PARENT LIFE`` sets the process's bounds
+before anything of the model runs (its data, its own ``/dev/shm``, its priority, its
+out-of-memory order, its end with the server's: ``sandbox.py``), then runs ``worker.py``
+(Triton's stub) on its end of a ``SOCK_SEQPACKET`` socket. Its output reaches the server's log
+through one pump for every process, rate-limited (``output.py``). The process leads a group of
+its own, which :meth:`ModelProcess.kill` stops whole, so what a model starts goes with it; its
+id is not reaped before, so the group stopped is never another process's. Every process is
+started from one thread that lives as long as the server (:class:`Spawner`), so the kernel's
+parent-death signal fires with the server only.
 
 ============================  ===============================================================
 a model that fails to import  its load fails with the reason (INITIALIZE_SECONDS, 300 s, for
@@ -19,6 +21,11 @@ an execute past               the hang watch (:class:`HangWatch`, one thread for
 MAX_EXECUTE_SECONDS           stops the process, its requests fail, the next starts it again
 a process holding more than   stopped after its request (``RESTART_AT``, 80 %), so the next
 RESTART_AT of its data limit  starts a fresh one before the model's allocations fail
+the server stopping           an idle process runs ``finalize``, a busy or hung one gets SIGTERM
+                              (its group), any left after STOP_SECONDS is killed
+                              (``server/plane/children.py``); none starts again
+the server killed outright    the process ends with it, and what it started (``sandbox.py``:
+                              the kernel's parent-death signal, and a watcher process)
 ============================  ===============================================================
 
 A client's deadline never stops a process: only the hang watch, a memory bound or the
@@ -28,8 +35,10 @@ process's own end do (``device.py`` says why).
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import os
+import queue
 import select
 import signal
 import socket
@@ -37,16 +46,18 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from plugserve.plugins.api import InvalidModel
-from plugserve.plugins.threads import Watchlist
+from plugserve.plugins.api import InferenceError, InvalidModel
+from plugserve.plugins.threads import LazyDaemon, Watchlist
 from plugserve.server.apps.pipelines.python import ipc, protocol
 from plugserve.server.apps.pipelines.python.kinds import Kind
 from plugserve.server.apps.pipelines.python.output import PUMP, LineBudget
+from plugserve.server.plane import children
 
-__all__ = ["HANGS", "HangWatch", "Limits", "ModelProcess", "exit_code"]
+__all__ = ["HANGS", "SPAWNER", "HangWatch", "Limits", "ModelProcess", "Spawner", "exit_code"]
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +77,40 @@ RESTART_AT = 0.8
 #: times per the smallest MAX_EXECUTE_SECONDS of the models it watches)
 HANG_LOOK_SECONDS = 1.0
 _PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+class Spawner:
+    """Starts every model process from one thread that lives as long as the server. A model's
+    process asks the kernel to kill it when its parent ends (``PR_SET_PDEATHSIG``,
+    ``sandbox.py``), and the kernel takes the *thread* that forked it for its parent: a process
+    started from a load's or a request's thread would be killed when that thread ends. A start
+    waits for a hand-off to this thread (microseconds, against the process's own start)."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._thread = LazyDaemon("python-spawn", self._run)
+
+    def popen(self, *args: Any, **kwargs: Any) -> subprocess.Popen:
+        """``subprocess.Popen(*args, **kwargs)``, run on the spawning thread."""
+        done: Future[subprocess.Popen] = Future()
+        with self._lock:
+            self._thread.ensure()
+        self._jobs.put((done, args, kwargs))
+        return done.result()
+
+    def _run(self) -> None:
+        while True:
+            done, args, kwargs = self._jobs.get()
+            try:
+                done.set_result(subprocess.Popen(*args, **kwargs))
+            except Exception as exc:  # the caller gets it; the thread goes on
+                done.set_exception(exc)
+            del done, args, kwargs
+
+
+#: the server's one spawning thread
+SPAWNER = Spawner()
 
 
 class Limits(NamedTuple):
@@ -116,6 +161,8 @@ class ModelProcess:
         self.closed = False
         self._hangup: select.poll | None = None
         self._statm: tuple[int, int] | None = None  # (pid, descriptor of its /proc statm)
+        #: the server's end of the process's life line (closed: its group is killed)
+        self._life: io.FileIO | None = None
         self._shm_warned = False
 
     # --- starting
@@ -123,21 +170,30 @@ class ModelProcess:
     def spawn(self) -> None:
         """Start the process (its model not yet initialized: :meth:`auto_complete` may run
         first, then :meth:`start`)."""
+        if self.closed:  # unloaded, or the server is stopping: nothing starts it again
+            raise InferenceError(f"{self.label}: its model is unloaded or the server is stopping")
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        life, self._life = _life_line()
         limits = self.limits
         try:
             command = [self.python, str(SANDBOX), str(theirs.fileno()), str(limits.max_bytes)]
-            self.process = subprocess.Popen(
-                [*command, str(limits.niceness), str(limits.shm_bytes)],
-                pass_fds=(theirs.fileno(),),
+            command += [str(limits.niceness), str(limits.shm_bytes), str(os.getpid()), str(life)]
+            self.process = SPAWNER.popen(
+                command,
+                pass_fds=(theirs.fileno(), life),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,  # one pipe: their lines in the order written
                 close_fds=True,
                 start_new_session=True,  # a group of its own, which kill() stops whole
             )
+        except BaseException:
+            self._life.close()
+            raise
         finally:
             theirs.close()
+            os.close(life)
+        children.register(self)  # stopped with the server
         output = self.process.stdout
         PUMP.add(os.dup(output.fileno()), self.output)
         output.close()
@@ -274,11 +330,37 @@ class ModelProcess:
 
     # --- stopping
 
+    def end(self) -> None:
+        """The server is stopping (``server/plane/children.py``): nothing starts the process
+        again; an idle one is asked to run its model's ``finalize`` and exit, a busy or hung one
+        gets SIGTERM, sent to its group. Waits for nothing."""
+        self.closed = True
+        HANGS.processes.discard(self)
+        process = self.process
+        if process is None or not self.alive():
+            return
+        if self.lock.acquire(blocking=False):  # no execute runs: finalize, as an unload does
+            try:
+                mailbox = self.mailbox
+                if mailbox is not None and not mailbox.closed:  # one message: no send lock
+                    ipc.send(mailbox.sock, {"op": Kind.FINALIZE}, flags=socket.MSG_DONTWAIT)
+                    return
+            except OSError:
+                pass
+            finally:
+                self.lock.release()
+        with contextlib.suppress(OSError):  # not reaped: its id is still its group's
+            os.killpg(process.pid, signal.SIGTERM)
+
+    def ended(self) -> bool:
+        return not self.alive()
+
     def kill(self) -> None:
         """Stop the process (from any thread: the hang watch calls it) and wake whoever waits
         on its socket. What a run may be using (the arenas) is left to the next
         :meth:`ensure` or :meth:`finalize`, which hold the lock."""
-        process, mailbox = self.process, self.mailbox
+        process, mailbox, life = self.process, self.mailbox, self._life  # this process's:
+        # a request may start the next one while this runs (the hang watch's kill)
         if process is not None:
             if process.returncode is None:  # not reaped: its id is still its group's
                 with contextlib.suppress(OSError):  # what the model started goes with it
@@ -286,6 +368,9 @@ class ModelProcess:
             if process.poll() is None:
                 process.kill()
                 process.wait(10)
+        if life is not None:
+            life.close()  # its watcher ends what is left of the group (closing twice is
+            # nothing: FileIO forgets its descriptor before it closes it)
         if mailbox is not None:
             mailbox.close("its process was stopped")
             mailbox.sock.close()
@@ -315,6 +400,7 @@ class ModelProcess:
         process is stopped, never to start again."""
         self.closed = True
         HANGS.processes.discard(self)
+        children.discard(self)
         with self.lock:
             mailbox = self.mailbox
             if self.alive() and mailbox is not None:
@@ -326,6 +412,14 @@ class ModelProcess:
                 except (OSError, EOFError, ValueError, subprocess.TimeoutExpired):
                     pass
             self.stop()
+
+
+def _life_line() -> tuple[int, io.FileIO]:
+    """A pipe whose read end a model's process keeps (sandbox.py's watcher waits on it) and
+    whose write end only the server holds (made close-on-exec, so no other process started
+    inherits it): when the server ends, however it ends, the watcher reads end of file."""
+    read, write = os.pipe()
+    return read, io.FileIO(write, "wb")
 
 
 def exit_code(process: subprocess.Popen) -> int | None:

@@ -1,7 +1,7 @@
 """What a Python model's process is bounded by, set before the model (or numpy) is imported:
-``python sandbox.py FD MAX_BYTES NICENESS SHM_BYTES`` sets the bounds, then runs ``worker.py
-FD`` in the same process. Standard library only (a model may run under its own Python, as old
-as 3.10: ``ctypes`` where ``os`` has no call yet).
+``python sandbox.py FD MAX_BYTES NICENESS SHM_BYTES PARENT LIFE`` sets the bounds, then runs
+``worker.py FD`` in the same process. Standard library only (a model may run under its own
+Python, as old as 3.10: ``ctypes`` where ``os`` has no call yet).
 
 ======================  ======================================================================
 its data                ``RLIMIT_DATA`` at MAX_BYTES (the model's MAX_PROCESS_BYTES): heap and
@@ -21,6 +21,14 @@ its kill order          the first the kernel's out-of-memory killer takes (``oom
                         1000), never the server
 its children            the process leads a session of its own (the server starts it so), and
                         the server stops the whole group: a model's own subprocesses go with it
+its end                 with the server's (PARENT, its process id; LIFE, a pipe only the server
+                        writes to), even when the server is killed outright and the model is
+                        stuck in ``execute``, holding the GIL or not: the kernel is asked to
+                        kill the process when its parent ends (``PR_SET_PDEATHSIG``), and a
+                        watcher process in its group kills the whole group (what the model
+                        started too) once the pipe closes (:func:`end_with`). A hung model's
+                        process used to outlive the server (and, on a GPU, would hold its
+                        memory); Triton's stub watches its parent too
 ======================  ======================================================================
 
 Namespaces are made while the process has one thread: ``unshare`` of a user namespace refuses a
@@ -35,6 +43,8 @@ import ctypes.util
 import os
 import resource
 import runpy
+import select
+import signal
 import sys
 from pathlib import Path
 
@@ -43,6 +53,14 @@ CLONE_NEWNS, CLONE_NEWUSER = 0x00020000, 0x10000000
 MS_NOSUID, MS_NODEV, MS_REC, MS_PRIVATE = 2, 4, 0x4000, 1 << 18
 #: where the worker learns how its /dev/shm is bounded ("" private; else why it is not)
 SHM_NOTE = "PLUGSERVE_SHM"
+#: (from <sys/prctl.h>)
+PR_SET_PDEATHSIG = 1
+#: the watcher's program: read the pipe until the server's end closes, then kill the group
+SHELL = "/bin/sh"
+WAIT_AND_KILL = 'read -r _ <&3; kill -s KILL -- "-$1"'
+#: how often a watcher without a shell looks whether the worker it watches has ended (the
+#: server's end is seen at once)
+WATCH_SECONDS = 1.0
 
 
 def _libc() -> ctypes.CDLL:
@@ -98,9 +116,69 @@ def bound(max_bytes: int, niceness: int, shm_bytes: int) -> str:
     return note
 
 
+def _end_group(group: int) -> None:
+    """Kill process group ``group`` (the worker's, with whatever the model started), or this
+    process alone when ``group`` is 0 (it leads none: never so when the server started it)."""
+    with contextlib.suppress(OSError):
+        if group:
+            os.killpg(group, signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
+    os._exit(1)
+
+
+def _watch(life: int, worker: int) -> None:
+    """The watcher's life (a process forked before the model runs): wait until the server's
+    end of ``life`` closes (the server ended, however, or stopped this process), then kill the
+    group. It holds nothing of the worker's (its socket, its output), so the server still sees
+    the worker's own end at once. It becomes ``/bin/sh`` waiting on the pipe (1.7 MB resident,
+    0.3 MB its own; as this forked Python it kept 5 MB of the interpreter's pages, private once
+    the worker writes its own); without a shell, it stays Python and also ends once the worker
+    has."""
+    try:
+        os.dup2(life, 3)
+        os.closerange(4, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+        null = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(null, fd)
+        with contextlib.suppress(OSError):
+            os.execv(SHELL, ["sh", "-c", WAIT_AND_KILL, "plugserve-watch", str(worker)])
+        poller = select.poll()
+        poller.register(3, select.POLLIN)  # the server writes nothing: only its end closing
+        while not poller.poll(WATCH_SECONDS * 1000) and os.getppid() == worker:
+            pass
+    finally:
+        _end_group(worker)
+
+
+def end_with(parent: int, life: int) -> None:
+    """End this process, and its group, when ``parent`` (the server) ends, even one killed
+    outright while the model holds the GIL. Two ways, since either alone can fail: the
+    kernel's parent-death signal (it kills this process but not what the model started),
+    asked after the namespaces are made (a change of credentials, as entering a user
+    namespace is, clears it); and a watcher process in the group, forked while the process
+    has one thread, which kills the whole group once ``life`` (the read end of a pipe whose
+    write end only the server holds) reads end of file (the server closes it when it stops the
+    process, too). A parent already gone ends the process now."""
+    with contextlib.suppress(OSError, AttributeError):
+        _libc().prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    leads = os.getpgid(0) == os.getpid()
+    if os.getppid() != parent:
+        _end_group(os.getpid() if leads else 0)
+    if life < 0:
+        return
+    if leads and os.fork() == 0:  # a watcher for its group
+        try:
+            _watch(life, os.getppid())
+        finally:
+            os._exit(0)
+    os.close(life)
+
+
 def main() -> None:
     fd, max_bytes, niceness, shm_bytes = (int(arg) for arg in sys.argv[1:5])
+    parent, life = (int(arg) for arg in sys.argv[5:7]) if len(sys.argv) > 6 else (os.getppid(), -1)
     os.environ[SHM_NOTE] = bound(max_bytes, niceness, shm_bytes)
+    end_with(parent, life)
     worker = str(Path(__file__).resolve().parent / "worker.py")
     sys.argv = [worker, str(fd)]
     runpy.run_path(worker, run_name="__main__")

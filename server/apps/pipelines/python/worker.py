@@ -66,10 +66,40 @@ _calls = itertools.count(1)
 def _reason(exc: BaseException) -> str:
     lines = traceback.format_exception(type(exc), exc, exc.__traceback__)
     text = "".join(lines).strip().splitlines()
-    return "\n".join(text[-REASON_LINES:])
+    return hide_folders("\n".join(text[-REASON_LINES:]))
+
+
+#: folders of this machine a failure's reason is told without, longest first: the model
+#: repository's (set when the model is imported), the interpreter's and its packages'
+_FOLDERS: list[str] = []
+
+
+def _known_folders(model_path: str | None = None) -> None:
+    found = {sys.prefix, sys.base_prefix, os.path.expanduser("~")}
+    found.update(p for p in sys.path if p and os.path.isabs(p) and os.path.isdir(p))
+    if model_path:  # <repository>/<model>/<version>/model.py: named from the repository
+        folder = os.path.dirname(os.path.abspath(model_path))
+        found.add(os.path.dirname(os.path.dirname(folder)))
+        real = os.path.dirname(os.path.realpath(model_path))
+        found.add(os.path.dirname(os.path.dirname(real)))
+    roots = {f.rstrip("/") + "/" for f in found if f and f.rstrip("/")}
+    _FOLDERS[:] = sorted(roots, key=len, reverse=True)
+
+
+def hide_folders(text: str) -> str:
+    """``text`` without this machine's folders: a reason reaches the client (Triton's answer
+    to a failed ``execute``), and a traceback's paths and an error's file names told it where
+    the server keeps its models and packages (issue 52). What stays names the file from the
+    repository (``add/1/model.py``) or its package (``json/decoder.py``)."""
+    if not _FOLDERS:
+        _known_folders()
+    for folder in _FOLDERS:
+        text = text.replace(folder, "")
+    return text
 
 
 def _import(path: str) -> Any:
+    _known_folders(path)
     spec = importlib.util.spec_from_file_location("model", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules["model"] = module
@@ -243,7 +273,8 @@ class Worker:
             # a TritonModelException is the model's own words (a missing dependency, say):
             # they are the reason, without the traceback's lines
             mine = isinstance(exc, pb_utils.TritonModelException) and str(exc)
-            self.mailbox.send({"op": Kind.INITIALIZED, "error": str(exc) if mine else _reason(exc)})
+            reason = hide_folders(str(exc)) if mine else _reason(exc)
+            self.mailbox.send({"op": Kind.INITIALIZED, "error": reason})
             return False
 
     def _auto_complete(self, header: dict[str, Any]) -> bool:
@@ -416,7 +447,7 @@ def _described(response: Any, tensors: dict[str, Any], prefix: str = "") -> dict
     error = response.error()
     return {
         "outputs": names,
-        "error": None if error is None else [error.message(), error.code_name()],
+        "error": None if error is None else [hide_folders(error.message()), error.code_name()],
         "parameters": response.parameters(),
     }
 
@@ -457,6 +488,7 @@ def _bls_response(reply: dict[str, Any], fds: list[int]) -> Any:
         if fd >= 0:
             os.close(fd)
         message, code = reply["error"]
+        message = hide_folders(message)  # the server's error, as the model's client sees it
         codes = pb_utils.TritonError._NAMES
         error = pb_utils.TritonError(message, codes.index(code) if code in codes else 1)
         return pb_utils.InferenceResponse(error=error)
