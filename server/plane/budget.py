@@ -3,7 +3,9 @@
 Each limit a request meets on its own (``--max-message-bytes``, 1 GiB) bounds one request;
 a few connections at once could still take the machine: a 100 MB JSON body raised the
 server's peak RSS by 2 GB while it was decoded, four at once by 2.9 GB. So every request is
-charged what it will hold *before* it is read or decoded, against one process-wide
+charged what it will hold *before* it is decoded (a REST body as its bytes arrive, once its
+caller is authorized: a charge taken from a header's promise let bodiless sockets hold the
+whole budget), against one process-wide
 ``--max-inflight-bytes``; a request that does not fit is refused at once with
 RESOURCE_EXHAUSTED (REST 503) and a message naming the flag, and its charge is released when
 its answer has been handed to the transport (or its connection is gone).
@@ -105,11 +107,14 @@ class Charge:
         self._budget = budget
         self.nbytes = nbytes
 
-    def release(self) -> None:
+    def release(self) -> int:
+        """Give the bytes back; how many (0: given back already, or never counted)."""
         budget, self._budget = self._budget, None
-        if budget is not None:
-            with budget._lock:
-                budget.used -= self.nbytes
+        if budget is None:
+            return 0
+        with budget._lock:
+            budget.used -= self.nbytes
+        return self.nbytes
 
 
 #: The charge of nothing (a request whose bytes its protocol charged already).

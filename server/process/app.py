@@ -64,7 +64,8 @@ from plugserve.server.protocols.grpc import reflection
 from plugserve.server.protocols.grpc.callgate import CallGate, keepalive_options
 from plugserve.server.protocols.grpc.handlers import add_service
 from plugserve.server.protocols.grpc.wrapping import Wrap, WrappingServer
-from plugserve.server.protocols.kserve.rest import RestApp, RestServer
+from plugserve.server.protocols.http.app import HttpService
+from plugserve.server.protocols.kserve.rest import RestApp
 from plugserve.server.protocols.openai import OpenAIRoutes
 from plugserve.server.protocols.openai.responses_store import ResponseStore
 from plugserve.server.protocols.v1.servicer import PlugserveServicer
@@ -210,7 +211,7 @@ class Server:
         self.health_server: grpc.Server | None = None
         self.health_port = 0
         self.metrics_port = 0
-        self.rest: RestServer | None = None
+        self.rest: HttpService | None = None
         self.openai: OpenAIRoutes | None = None
         self.http_port = 0
         self._stopped = threading.Event()  # stop() began
@@ -450,7 +451,7 @@ class Server:
             s.reasoning_parser,
         )
         rest_app.add_routes(self.openai.routes(), self.openai.refusal)
-        self.rest = RestServer(rest_app, s)
+        self.rest = HttpService(rest_app.router, s)
         self.http_port = self.rest.start()
 
     def load_models(self) -> None:

@@ -146,7 +146,8 @@ class Settings:
     max_inflight_bytes: int = _field(
         -1,
         "memory all requests in flight may hold at once, on every protocol, charged before "
-        "a request is read or decoded (JSON tensors at 20x their size, binary 2x); over it a "
+        "a request is decoded (a REST body as it arrives; JSON tensors at 20x their size, "
+        "binary 2x); over it a "
         "request is refused at once (RESOURCE_EXHAUSTED / 503); -1: half of the cgroup's "
         "memory limit or of the machine's memory; 0: no limit",
         low=-1,
@@ -260,6 +261,35 @@ class Settings:
         "seconds a gRPC call may take to send its request message, and an HTTP connection its "
         "request headers and body, before it is cancelled (HTTP: closed, or 408)",
         low=0.1,
+    )
+    http_min_body_rate: int = _field(
+        1024,
+        "slowest a REST request body may come, in bytes a second on average, once "
+        "--http-body-grace seconds have passed since its headers; slower: 408 and the "
+        "connection closed (sooner when the port is full and needs its slot); 0: no minimum. "
+        "The whole body must be in within --request-read-timeout too, whichever comes first",
+        low=0,
+    )
+    http_body_grace: float = _field(
+        5.0,
+        "seconds a REST request body may take before --http-min-body-rate applies to it",
+        low=0,
+    )
+    http_peer_connections: int = _field(
+        -1,
+        "most REST connections one client address may hold: past it, a new one first closes "
+        "that address's idle, refused or slow ones, and a request on a connection still past "
+        "it is answered 503 (health probes excepted); -1: half of the REST port's limit "
+        "(4 x --grpc-workers); 0: no bound but the port's (behind a proxy that hides client "
+        "addresses)",
+        low=-1,
+    )
+    max_inflight_bytes_per_peer: int = _field(
+        -1,
+        "memory the REST requests of one client address may hold at once, charged as their "
+        "bodies arrive (its share of --max-inflight-bytes); over it: 503 (OpenAI routes 429); "
+        "-1: half of --max-inflight-bytes; 0: no bound but the budget's",
+        low=-1,
     )
     stream_idle_timeout: float = _field(
         300.0,

@@ -198,7 +198,11 @@ def test_a_body_not_declared_json_is_refused_as_vllm_refuses_it(server):
 def test_a_thousand_clients_are_served_or_refused_within_the_budget(llm_folder):
     budget = 300_000
     entries = {MODEL: (llm_folder("tiny-llama", "optimum-onnx"), "NUMPY")}
-    with serving(entries, "--max-inflight-bytes", str(budget), "--grpc-workers", "300") as server:
+    # the thousand clients are one address here: the port's bound, not one address's share
+    # (--http-peer-connections: half of it), is what this test drives
+    args = ["--max-inflight-bytes", str(budget), "--grpc-workers", "300"]
+    args += ["--http-peer-connections", "0", "--max-inflight-bytes-per-peer", "0"]
+    with serving(entries, *args) as server:
         pid = server.process.pid
 
         def rss_kib(field: str) -> int:

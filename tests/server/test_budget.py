@@ -207,7 +207,12 @@ def test_charges_are_given_back_once_requests_are_answered(server):
     plain = json_body(MB // 2)  # a 2 MB body: charged 40 MB of a 64 MB budget
     packed = gzip.compress(json_body(MB // 8))  # inflates to 0.5 MB: charged at most ~20 MB
     with RunningServer(
-        "--model-repository", str(server.args[1]), "--max-inflight-bytes", str(64 * MB)
+        "--model-repository",
+        str(server.args[1]),
+        "--max-inflight-bytes",
+        str(64 * MB),
+        "--max-inflight-bytes-per-peer",
+        "0",  # the whole budget for this one client (its default share is half)
     ) as small:
         for _ in range(6):
             status, reply = post(small.http_port, plain)

@@ -59,8 +59,11 @@ class Probe:
     """Health timings and memory of a running server (``tests/support/serving.RunningServer``)
     while the ``with`` block runs."""
 
-    def __init__(self, server, interval: float = INTERVAL_S) -> None:
+    def __init__(self, server, interval: float = INTERVAL_S, metadata=None) -> None:
+        """``metadata``: what the gRPC probe sends (a token, for a server with
+        --auth-tokens: ServerLive needs the ``infer`` role)."""
         self.server = server
+        self.metadata = metadata
         self.pid = server.process.pid
         self.interval = interval
         self.rest: list[float] = []
@@ -98,7 +101,7 @@ class Probe:
 
         start = time.perf_counter()
         try:
-            reply = call(service_pb2.ServerLiveRequest(), timeout=TIMEOUT_S)
+            reply = call(service_pb2.ServerLiveRequest(), timeout=TIMEOUT_S, metadata=self.metadata)
         except grpc.RpcError as exc:
             self.failures.append(f"gRPC ServerLive: {exc.code()}")
             return TIMEOUT_S
@@ -122,7 +125,8 @@ class Probe:
                 request_serializer=service_pb2.ServerLiveRequest.SerializeToString,
                 response_deserializer=service_pb2.ServerLiveResponse.FromString,
             )
-            call(service_pb2.ServerLiveRequest(), timeout=30)  # connected before timing
+            # connected before timing
+            call(service_pb2.ServerLiveRequest(), timeout=30, metadata=self.metadata)
             self._loop(lambda: self._grpc_once(call), self.grpc)
 
     # --- the block

@@ -4,10 +4,22 @@ httptools (llhttp) parses; this module only keeps the connection's state and wri
 It replaced uvicorn's ASGI server, measured to be the difference on small requests
 (BENCHMARKS.md, "REST without ASGI"): no task, receive/send messages or scope per request, a
 request whose handler finishes at once (an inline inference) answered within the parser's
-callback. Each request's body is read whole before its handler runs, so handlers see bytes.
+callback. Each request's body is read whole before its handler runs, so handlers see bytes
+(or a bytearray or memoryview of them).
 
-The bounds, the twin of ``server/protocols/grpc/callgate.py`` for HTTP:
+The bounds, the twin of ``server/protocols/grpc/callgate.py`` for HTTP (docs/security.md, "The
+REST front door"; tests/server/test_attacks_front.py drives each):
 
+- nothing is read or charged before the caller is known: a request is routed and its token
+  checked on its headers (``admit``); a refusal (401, 403, 404, 405, 415) is answered then,
+  and a body coming with it is not read (the connection closed after the drain below);
+- the memory budget is charged as a body's bytes arrive (in _CHARGE_STEP steps), never from
+  the Content-Length a header promises: ~66 sockets that declared bodies and sent none held
+  the whole default budget (12 GiB) for 30 s, and authorized infers failed 144/159; one
+  client address holds at most --max-inflight-bytes-per-peer of it;
+- a body must come at --http-min-body-rate on average once --http-body-grace has passed
+  since its headers (and whole within --request-read-timeout), else 408: 264 sockets
+  dribbling a byte every 2 s held every slot until the read timeout, and health was 503;
 - a connection that has not finished a request's headers within --request-read-timeout of
   opening (or of its last response) is closed; that is the keep-alive timeout too. Deadlines
   are checked by one sweep per port (each second, or each quarter of a shorter timeout), not a
@@ -24,10 +36,17 @@ The bounds, the twin of ``server/protocols/grpc/callgate.py`` for HTTP:
   body given as bytes, which Triton's own HTTP tests do) is read by its chunks, the length
   ignored, and its connection closed once it is answered, nothing after it read (RFC 9112
   6.1: the pair is how requests are smuggled past a proxy that reads the other header);
-- at most ``limit`` connections (4 x --grpc-workers, as gRPC's maximum_concurrent_rpcs): a new
-  connection past it first closes those that have waited longest for a request's headers,
-  once they have waited ``EVICT_AFTER`` seconds (a real client sends its headers with the
-  connection); a request on a connection still past the limit is answered 503;
+- at most ``limit`` connections (4 x --grpc-workers, as gRPC's maximum_concurrent_rpcs), and
+  --http-peer-connections of them per client address: a new connection past either first
+  closes those that hold a slot without using it (of that address, for its share): refused
+  ones draining, then those that have waited longest for a request's headers, then bodies
+  coming under the minimum rate (408), once they have waited ``EVICT_AFTER`` seconds (a real
+  client sends its headers with the connection); a request on a connection still past a
+  limit is answered 503 on its headers, but for the health routes (a liveness probe stays
+  200 while the infer routes are refused);
+- a body in pieces is joined in one growing buffer (an object per piece: 12 MB of 1-byte
+  chunks took +1 GB), and a chunked body is parsed _SLICE bytes at a time, the loop's turn
+  given up after _PIECES_PER_TURN chunks;
 - one request per connection at a time: pipelined requests wait (reading paused), and so does
   the next request while the peer does not read its replies (transport flow control);
 - a peer that reads nothing of its replies for --request-read-timeout (the transport's buffer
@@ -62,7 +81,7 @@ import httptools
 import numpy as np
 import orjson
 
-from plugserve.plugins.api import PlugserveError
+from plugserve.plugins.api import PlugserveError, ResourceExhausted
 from plugserve.server.plane.budget import Charge, MemoryBudget, body_factor
 from plugserve.server.plane.errors import forget_frames
 from plugserve.server.protocols.status import http_status_of
@@ -71,6 +90,7 @@ __all__ = [
     "EVICT_AFTER",
     "MAX_HEADER_BYTES",
     "STREAM_SEND_BUFFER",
+    "Bounds",
     "HttpServer",
     "Reply",
     "StreamReply",
@@ -89,8 +109,12 @@ MAX_HEADER_BYTES = 64 * 1024
 Reply = tuple[int, list[bytes | memoryview], list[tuple[bytes, bytes]]]
 #: the request's URL, the status, the message and the typed error behind it -> the reply
 Refusal = Callable[[bytes, int, str, "PlugserveError | None"], Reply]
-#: method, path, headers (lower-case names), body -> a reply, or an awaitable of one
-Dispatch = Callable[..., "Reply | Awaitable[Reply]"]  # (method, path, headers, body, peer)
+#: method, path, headers (lower-case names), peer -> a refusal (a Reply, answered before the
+#: body is read) or what ``Handle`` takes (an object whose ``probe`` says whether it is a
+#: health route, exempt from the connection limits)
+Admit = Callable[[str, str, list[tuple[bytes, bytes]], str], Any]
+#: (what Admit returned, body) -> a reply, an awaitable of one, or a StreamReply
+Handle = Callable[[Any, Any], "Reply | Awaitable[Reply] | StreamReply"]
 
 _JSON = [(b"content-type", b"application/json")]
 _NEVER = float("inf")
@@ -101,6 +125,45 @@ _STATUS_LINES = {
 
 #: A body with a Content-Length of at least this is read into one buffer made for it.
 _PREALLOCATE = 1 << 20
+#: Body pieces (chunks) parsed in one turn of the loop before the connection waits for the
+#: next: 1,024 1-byte chunks take about 1-3 ms to parse here. A chunked body is parsed
+#: _SLICE bytes at a time to count them.
+_PIECES_PER_TURN = 1024
+_SLICE = 16 << 10
+#: The memory budget is charged as a body arrives, in steps of this many body bytes (times
+#: the body's factor): a body of 1-byte chunks takes a lock per 64 KiB, not per byte.
+_CHARGE_STEP = 64 << 10
+
+
+class Bounds:
+    """What one client may hold of the port (docs/security.md): ``peer_connections``
+    connections per client address and ``peer_bytes`` of the memory budget (0: no bound of
+    its own); a body must come at ``min_rate`` bytes a second on average once ``grace``
+    seconds have passed since its headers (0: no minimum)."""
+
+    __slots__ = ("grace", "min_rate", "peer_bytes", "peer_connections")
+
+    def __init__(
+        self,
+        peer_connections: int = 0,
+        peer_bytes: int = 0,
+        min_rate: float = 0.0,
+        grace: float = 5.0,
+    ) -> None:
+        self.peer_connections = peer_connections
+        self.peer_bytes = peer_bytes
+        self.min_rate = min_rate
+        self.grace = grace
+
+
+class _Share:
+    """What one client address holds: its connections, and its bytes of the budget."""
+
+    __slots__ = ("connections", "nbytes")
+
+    def __init__(self) -> None:
+        self.connections = 0
+        self.nbytes = 0
 
 
 class StreamReply:
@@ -126,11 +189,18 @@ def error_reply(status: int, message: str) -> Reply:
 class _Refused(Exception):
     """Raised in a parser callback: answer ``status`` and close the connection."""
 
-    def __init__(self, status: int, message: str, error: PlugserveError | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        error: PlugserveError | None = None,
+        reply: Reply | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.error = error  # the typed error behind it (the memory budget's), if any
+        self.reply = reply  # the answer made already (the router's: 401, 403, 404...)
 
 
 class _Discard(Exception):
@@ -157,29 +227,43 @@ class HttpServer:
 
     def __init__(
         self,
-        dispatch: Dispatch,
+        admit: Admit,
+        handle: Handle,
         max_body: int,
         read_timeout: float,
         limit: int,
         too_large: Callable[[int], str],
         budget: MemoryBudget | None = None,
         refusal: Refusal | None = None,
+        bounds: Bounds | None = None,
     ) -> None:
-        """``too_large(size)``: the 413 message for a body of ``size`` bytes; ``budget``:
-        --max-inflight-bytes, which each request's body is charged against before it is read
-        (see server/plane/budget.py); ``refusal(url, status, message, error)``: the reply refusing a
-        request before it reaches its handler (a route family with an error body of its own,
-        OpenAI's, answers in it; None: ``error_reply``)."""
-        self.dispatch = dispatch
+        """``admit(method, path, headers, peer)``: route and authorize a request on its
+        headers (a Reply refuses it before its body is read); ``handle(admitted, body)``:
+        serve it once its body is in. ``too_large(size)``: the 413 message for a body of
+        ``size`` bytes; ``budget``: --max-inflight-bytes, which each request's body is charged
+        against as it arrives (see server/plane/budget.py); ``refusal(url, status, message,
+        error)``: the reply refusing a request before it reaches its handler (a route family
+        with an error body of its own, OpenAI's, answers in it; None: ``error_reply``)."""
+        self.admit = admit
+        self.handle = handle
         self.refusal = refusal
         self.budget = budget
         self.max_body = max_body
         self.read_timeout = read_timeout
         self.limit = limit
         self.too_large = too_large
+        self.bounds = bounds or Bounds()
         self.connections: set[Connection] = set()
+        #: what each client address holds (connections, bytes of the budget)
+        self.peers: dict[str, _Share] = {}
         self.sweep_every = max(0.05, min(1.0, read_timeout / 4))
         self._sweep: asyncio.TimerHandle | None = None
+
+    def share(self, peer: str) -> _Share:
+        share = self.peers.get(peer)
+        if share is None:
+            share = self.peers[peer] = _Share()
+        return share
 
     def protocol(self) -> Connection:
         return Connection(self)
@@ -196,19 +280,42 @@ class HttpServer:
             connection.expire()
         for connection in [c for c in self.connections if c.stalled_until <= now]:
             connection.abort()
+        rate = self.bounds.min_rate
+        if rate:
+            since = now - self.bounds.grace
+            for connection in [
+                c
+                for c in self.connections
+                if c.body_since <= since and c._size < rate * (now - c.body_since)
+            ]:
+                connection.too_slow(now)
         if self.connections:
             self.watch(loop)
 
-    def evict(self, count: int, now: float) -> None:
-        """Close up to ``count`` of the connections waiting longest for a request's headers
-        (those past EVICT_AFTER)."""
-        waiting = sorted(
-            (c.waiting_since, id(c), c)
-            for c in self.connections
-            if c.waiting_since is not None and now - c.waiting_since >= EVICT_AFTER
-        )
-        for _, _, connection in waiting[:count]:
-            connection.close()
+    def evict(self, count: int, now: float, share: _Share | None = None) -> None:
+        """Close up to ``count`` connections (of ``share``'s address only, if given) that
+        hold a slot without using it, worst first: a refused one draining what its peer
+        still sends, then those waiting longest for a request's headers (past EVICT_AFTER),
+        then bodies coming slower than --http-min-body-rate (past EVICT_AFTER)."""
+        rate = self.bounds.min_rate
+        ranked = []
+        for c in self.connections:
+            if share is not None and c.share is not share:
+                continue
+            if c.lingering:
+                ranked.append((0, 0.0, id(c), c))
+            elif c.waiting_since is not None and now - c.waiting_since >= EVICT_AFTER:
+                ranked.append((1, c.waiting_since, id(c), c))
+            elif (
+                rate and now - c.body_since >= EVICT_AFTER and c._size < rate * (now - c.body_since)
+            ):
+                ranked.append((2, c.body_since, id(c), c))
+        ranked.sort()
+        for rank, _, _, connection in ranked[:count]:
+            if rank == 2:
+                connection.too_slow(now, evicted=True)
+            else:
+                connection.close()
 
     def close_idle(self) -> None:
         """Close every connection not serving a request (shutdown)."""
@@ -249,18 +356,30 @@ class Connection(asyncio.Protocol):
         self.last = False  # the parser reads no further request: close after those taken
         self.lingering = False  # refused: what the peer still sends is dropped, then closed
         self.reading = False  # a request's first bytes came, not yet all of it
-        self.pending: deque[
-            tuple[str, str, list[tuple[bytes, bytes]], bytes, bool, Charge | None]
-        ] = deque()
+        #: requests read whole, to serve in order: (method, what admit gave, body,
+        #: keep-alive, their charge)
+        self.pending: deque[tuple[str, Any, Any, bool, Charge | None]] = deque()
+        #: what this connection's address holds (set once connected)
+        self.share = _Share()
+        #: since when the body being read has come (inf: no body is being read)
+        self.body_since = _NEVER
         #: what the request being read holds of the memory budget, and at what factor
         self._charge: Charge | None = None
         self._factor = 0
+        self._held = 0  # bytes of the budget it holds
+        self._most = 0  # the most it will hold (its declared length x factor; 0: unknown)
+        self._method = ""
+        self._routed: Any = None  # what admit gave for the request being read
+        self._pieces = 0  # body pieces parsed of the slice being fed
+        self._chunked = False  # the body being read is chunked
+        self._stash: memoryview | None = None  # read, left for the loop's next turn
         #: what the request being served holds (released once its reply is handed over)
         self.serving: Charge | None = None
         self._url = b""
         self._headers: list[tuple[bytes, bytes]] = []
         self._size = 0  # header bytes, then body bytes, of the request being read
-        self._body: list[bytes] = []
+        #: the body as it comes: its one piece, or the bytearray the pieces are joined in
+        self._body: bytes | bytearray = b""
         self._buffer: memoryview | None = None  # a large body with a Content-Length, read here
 
     # --- asyncio
@@ -270,9 +389,14 @@ class Connection(asyncio.Protocol):
         peer = transport.get_extra_info("peername")
         self.peer = str(peer[0]) if isinstance(peer, tuple) and peer else "unix:"
         server = self.server
+        self.share = share = server.share(self.peer)
+        share.connections += 1
         if len(server.connections) >= server.limit:
             # room for this one, with its request still under the limit when it comes
             server.evict(len(server.connections) - server.limit + 2, time.monotonic())
+        most = server.bounds.peer_connections
+        if most and share.connections > most:  # room within its address's share
+            server.evict(share.connections - most, time.monotonic(), share)
         server.connections.add(self)
         server.watch(self.loop)
         self._wait_for_headers()
@@ -280,6 +404,39 @@ class Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.discard:
             return
+        if self._stash is not None:  # (what came before is still to be parsed)
+            self._stash = memoryview(bytes(self._stash) + data)
+        elif self._chunked and len(data) > _SLICE:
+            self._feed_slices(memoryview(data))
+        else:
+            self._feed(data)
+
+    def _feed_slices(self, view: memoryview) -> None:
+        """Parse a chunked body's bytes a slice at a time, and leave the rest for the loop's
+        next turn once a turn has parsed _PIECES_PER_TURN chunks: libuv reads up to 32 times
+        in one turn, and 8 MB of 1-byte chunks held the loop 4.6 s."""
+        pieces = self._pieces = 0
+        for start in range(0, len(view), _SLICE):
+            if self.discard or self.closed:
+                return
+            self._feed(view[start : start + _SLICE])
+            pieces += self._pieces
+            self._pieces = 0
+            if pieces > _PIECES_PER_TURN and start + _SLICE < len(view):
+                self._stash = view[start + _SLICE :]
+                self.transport.pause_reading()
+                self.loop.call_soon(self._go_on)
+                return
+
+    def _go_on(self) -> None:
+        view, self._stash = self._stash, None
+        if view is None or self.closed:
+            return
+        self._feed_slices(view)
+        if self._stash is None and not self.closed and not self.pending and not self.paused:
+            self.transport.resume_reading()
+
+    def _feed(self, data: bytes | memoryview) -> None:
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserCallbackError as exc:
@@ -289,7 +446,7 @@ class Connection(asyncio.Protocol):
                 return
             if not isinstance(refused, _Refused):
                 raise
-            self._fail(refused.status, refused.message, refused.error)
+            self._fail(refused.status, refused.message, refused.error, refused.reply)
         except httptools.HttpParserUpgrade:
             # The request asking for the upgrade was read whole and is answered as a plain one
             # (a server may ignore Upgrade); the parser reads nothing after it, so the
@@ -328,9 +485,11 @@ class Connection(asyncio.Protocol):
         self._url = b""
         self._headers = []
         self._size = 0
-        self._body = []
+        self._body = b""
         self._buffer = None
         self._charge = None
+        self._held = self._most = 0
+        self._chunked = False
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -372,17 +531,38 @@ class Connection(asyncio.Protocol):
                         "(gzip or deflate) instead",
                     )
                 chunked = True
+        self._chunked = chunked
         if chunked and length is not None:  # the chunks decide; the connection ends with it
             length = None
             self.last = True
-        if self.parser.get_method() == b"CONNECT":
+        method = self.parser.get_method()
+        if method == b"CONNECT":
             raise _Refused(501, "CONNECT is not served: this is an inference server, not a proxy")
+        self._method = method = method.decode("latin-1")
+        url = self._url
+        if b"%" in url or b"?" in url or not url.startswith(b"/"):
+            path = unquote(httptools.parse_url(url).path.decode("latin-1"))
+        else:
+            path = url.decode("latin-1")
+        # the caller is known before anything is read or charged: a refusal (no such route,
+        # no token, a wrong one) is answered now, and a body coming with it is not read
+        routed = server.admit(method, path, self._headers, self.peer)
+        if type(routed) is not tuple and not routed.probe:
+            most = server.bounds.peer_connections
+            if len(server.connections) > server.limit or (
+                most and self.share.connections > most
+            ):  # (health and readiness probes are answered whatever the count)
+                routed = self._crowded(routed)
+        self._routed = routed
+        coming = chunked or (length is not None and length != b"0")
+        if type(routed) is tuple and coming:
+            raise _Refused(routed[0], "", reply=routed)
         if length is not None and length.isdigit() and int(length) > server.max_body:
             raise _Refused(413, server.too_large(int(length)))
         if server.budget is not None and server.budget.limit:
-            self._factor = body_factor(self._url, binary)
-            if length is not None and length.isdigit() and int(length):
-                self._charge = self._take(int(length) * self._factor)
+            self._factor = body_factor(url, binary)
+            if length is not None and length.isdigit():
+                self._most = int(length) * self._factor
         if length is not None and length.isdigit() and int(length) >= _PREALLOCATE:
             # read straight into place: joining 200 MB of chunks at the end would hold the
             # loop (and the GIL) for tens of milliseconds, and so would bytearray(n), which
@@ -390,48 +570,103 @@ class Connection(asyncio.Protocol):
             self._buffer = memoryview(np.empty(int(length), np.uint8))
         if expect and not self.busy:
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-        self.deadline = time.monotonic() + server.read_timeout  # for the body
+        now = time.monotonic()
+        self.deadline = now + server.read_timeout  # for the body
+        if coming:
+            self.body_since = now
+
+    def _crowded(self, routed: Any) -> Any:
+        """A request on a connection past the port's limit or its address's share: room is
+        made by closing connections that hold a slot without using it (refused ones
+        draining, idle ones, slow bodies); if none, it is refused (503)."""
+        server = self.server
+        now = time.monotonic()
+        most = server.bounds.peer_connections
+        if len(server.connections) > server.limit:
+            server.evict(len(server.connections) - server.limit, now)
+        if most and self.share.connections > most:
+            server.evict(self.share.connections - most, now, self.share)
+        if len(server.connections) > server.limit:
+            return self._refusal(503, "the server has too many connections open; retry later")
+        if most and self.share.connections > most:
+            return self._refusal(
+                503,
+                f"{self.peer} has {self.share.connections} connections open to this server, "
+                f"over the {most} one client address may hold (--http-peer-connections); "
+                "retry later",
+            )
+        return routed
+
+    def _refusal(self, status: int, message: str) -> Reply:
+        refusal = self.server.refusal
+        if refusal is not None:
+            return refusal(self._url, status, message, None)
+        return error_reply(status, message)
 
     def on_body(self, body: bytes) -> None:
-        self._size += len(body)
-        if self._size > self.server.max_body:
-            raise _Refused(413, self.server.too_large(self._size))
-        if self._factor:  # a body without Content-Length (chunked) is charged as it comes
-            held = self._charge.nbytes if self._charge is not None else 0
-            if self._size * self._factor > held:
-                self._charge = self._take(self._size * self._factor - held, self._charge)
+        self._pieces += 1
+        size = self._size = self._size + len(body)
+        if size > self.server.max_body:
+            raise _Refused(413, self.server.too_large(size))
+        if self._factor and size * self._factor > self._held:  # charged as it comes
+            self._charge_for(size)
         buffer = self._buffer
-        if buffer is not None and self._size <= len(buffer):
-            buffer[self._size - len(body) : self._size] = body
-        else:
-            self._body.append(body)
+        if buffer is not None and size <= len(buffer):
+            buffer[size - len(body) : size] = body
+        elif not self._body:
+            self._body = body  # one piece (a small request's whole body): kept as it is
+        else:  # more: joined in one growing buffer, never an object per piece
+            kept = self._body
+            if type(kept) is bytes:
+                kept = self._body = bytearray(kept)
+            kept += body
+
+    def _charge_for(self, size: int) -> None:
+        """Charge what ``size`` bytes of body hold, in steps of _CHARGE_STEP bytes (never
+        past the declared length's charge)."""
+        factor = self._factor
+        step = _CHARGE_STEP * factor
+        want = -(-size * factor // step) * step
+        if self._most:
+            want = min(want, self._most)
+        want = max(want, size * factor)
+        self._charge = self._take(want - self._held, self._charge)
+        self._held = want
 
     def _take(self, nbytes: int, onto: Charge | None = None) -> Charge:
-        """``nbytes`` more of the memory budget for the request being read, or a 503 now."""
+        """``nbytes`` more of the memory budget for the request being read, or a 503 now:
+        within the budget, and within this address's share of it."""
+        share = self.share
+        most = self.server.bounds.peer_bytes
+        if most and share.nbytes + nbytes > most:
+            error = ResourceExhausted(
+                f"this request would hold about {_mib(nbytes)} more while in flight, and "
+                f"requests from {self.peer} already hold {_mib(share.nbytes)} of the "
+                f"{_mib(most)} one client address may hold (--max-inflight-bytes-per-peer / "
+                "PLUGSERVE_MAX_INFLIGHT_BYTES_PER_PEER); retry later, or send large tensors "
+                "as binary data (JSON costs 20x its size to decode)"
+            )
+            raise _Refused(503, str(error), error)
         try:
-            return self.server.budget.charge(nbytes, "this request", onto)  # type: ignore[union-attr]
+            charge = self.server.budget.charge(nbytes, "this request", onto)  # type: ignore[union-attr]
         except PlugserveError as exc:
             raise _Refused(503, str(exc), exc) from None
+        share.nbytes += nbytes
+        return charge
 
     def on_message_complete(self) -> None:
         self.reading = False
-        self.deadline = _NEVER
+        self.deadline = self.body_since = _NEVER
+        body: bytes | bytearray | memoryview
         if self._buffer is not None and not self._body:
-            body: bytes | memoryview = self._buffer
+            body = self._buffer
         else:
-            body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
-        self._body = []
+            body = self._body
+        self._body = b""
         self._buffer = None
-        url = self._url
-        if b"%" in url or b"?" in url or not url.startswith(b"/"):
-            path = unquote(httptools.parse_url(url).path.decode("latin-1"))
-        else:
-            path = url.decode("latin-1")
-        method = self.parser.get_method().decode("latin-1")
         charge, self._charge = self._charge, None
-        self.pending.append(
-            (method, path, self._headers, body, self.parser.should_keep_alive(), charge)
-        )
+        routed, self._routed = self._routed, None
+        self.pending.append((self._method, routed, body, self.parser.should_keep_alive(), charge))
         if self.busy or self.paused:
             self.transport.pause_reading()
         else:
@@ -442,19 +677,16 @@ class Connection(asyncio.Protocol):
     def _next(self) -> None:
         """Serve the oldest pending request, if any, else wait for the next one's headers."""
         while self.pending and not self.paused and not self.closed:
-            method, path, headers, body, keep_alive, self.serving = self.pending.popleft()
-            if len(self.server.connections) > self.server.limit:
-                self._reply(
-                    method,
-                    error_reply(503, "the server has too many connections open; retry later"),
-                    False,
-                )
-                return
-            try:
-                reply = self.server.dispatch(method, path, headers, body, self.peer)
-            except Exception as exc:
-                reply = error_reply(*http_status_of(exc))
-                forget_frames(exc)  # answered: its frames would only keep the request's data
+            method, routed, body, keep_alive, self.serving = self.pending.popleft()
+            if type(routed) is tuple:  # refused on its headers (it had no body)
+                reply = routed
+                keep_alive = keep_alive and routed[0] != 503  # (a slot it should not hold)
+            else:
+                try:
+                    reply = self.server.handle(routed, body)
+                except Exception as exc:
+                    reply = error_reply(*http_status_of(exc))
+                    forget_frames(exc)  # answered: its frames would only keep its data
             if not isinstance(reply, tuple):  # it awaits, or streams: finish on the loop
                 self.busy = True
                 self.task = self.loop.create_task(self._later(method, reply, keep_alive))
@@ -576,22 +808,31 @@ class Connection(asyncio.Protocol):
         self.discard = self.lingering = True
         self.reading = False
         self.waiting_since = None
+        self.body_since = _NEVER
         self.deadline = time.monotonic() + self.server.read_timeout
         self.transport.write_eof()
 
-    def _fail(self, status: int, message: str, error: PlugserveError | None = None) -> None:
+    def _fail(
+        self,
+        status: int,
+        message: str,
+        error: PlugserveError | None = None,
+        reply: Reply | None = None,
+    ) -> None:
         """Answer a request that cannot be read further, and close (without an answer when
-        earlier pipelined requests are still to be answered: replies go out in order)."""
-        self.deadline = _NEVER
+        earlier pipelined requests are still to be answered: replies go out in order).
+        ``reply``: the answer, made already (else the refusal of ``status``)."""
+        self.deadline = self.body_since = _NEVER
         if self.busy or self.pending:
             self.close()
         elif not self.closed:
-            refusal = self.server.refusal
-            reply = (
-                refusal(self._url, status, message, error)
-                if refusal is not None
-                else error_reply(status, message)
-            )
+            if reply is None:
+                refusal = self.server.refusal
+                reply = (
+                    refusal(self._url, status, message, error)
+                    if refusal is not None
+                    else error_reply(status, message)
+                )
             self._reply("", reply, False, linger=status != 408)
 
     def close(self) -> None:
@@ -606,10 +847,9 @@ class Connection(asyncio.Protocol):
         self._forget()
         self.transport.abort()
 
-    @staticmethod
-    def _release(charge: Charge | None) -> None:
+    def _release(self, charge: Charge | None) -> None:
         if charge is not None:
-            charge.release()
+            self.share.nbytes -= charge.release()
 
     def _forget(self) -> None:
         for *_, charge in self.pending:
@@ -618,9 +858,16 @@ class Connection(asyncio.Protocol):
         self._release(self._charge)
         self._release(self.serving)
         self._charge = self.serving = None
+        if not self.closed:
+            share = self.share
+            share.connections -= 1
+            if share.connections <= 0 and share.nbytes <= 0:
+                peers = self.server.peers
+                if peers.get(self.peer) is share:
+                    del peers[self.peer]
         self.closed = True
         self.waiting_since = None
-        self.deadline = self.stalled_until = _NEVER
+        self.deadline = self.stalled_until = self.body_since = _NEVER
         self.server.connections.discard(self)
 
     # --- deadlines
@@ -641,3 +888,19 @@ class Connection(asyncio.Protocol):
                 f"the request body did not arrive within {self.server.read_timeout:g} s "
                 "(--request-read-timeout)",
             )
+
+    def too_slow(self, now: float, evicted: bool = False) -> None:
+        """A body coming slower than --http-min-body-rate: 408, and closed (``evicted``: the
+        port is full and wants its slot, before its --http-body-grace is over)."""
+        bounds = self.server.bounds
+        rate = self._size / max(now - self.body_since, 1e-6)
+        self._fail(
+            408,
+            f"the request body came at {rate:,.0f} bytes/s, under this server's minimum of "
+            f"{bounds.min_rate:g} (--http-min-body-rate, after --http-body-grace "
+            f"{bounds.grace:g} s)" + ("; the server needed its connection" if evicted else ""),
+        )
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 20):,.0f} MiB"

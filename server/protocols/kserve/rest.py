@@ -3,18 +3,23 @@
 A thin adapter, the REST twin of ``kserve/service.py``: each route decodes its body
 (``convert.py``), calls the :class:`DataPlane` (inference) or :class:`ModelControl` (the
 repository, what is loaded), and encodes the answer; errors are
-``{"error": "..."}`` with the HTTP status of the typed error (``errors.http_status_of``). A
-route is authorized as the gRPC method it stands for (``auth.AuthInterceptor.authorize``),
-so one table decides who may call what on both protocols; the health routes follow
-``--open-health`` like the gRPC health service, so probes need no token.
+``{"error": "..."}`` with the HTTP status of the typed error (``errors.http_status_of``). Its
+routes are a table (:meth:`RestApp._table`) registered on the port's :class:`Router`
+(``server/protocols/http/app.py``), which routes, authorizes each route as the gRPC method it
+stands for (``auth.AuthInterceptor.authorize``: one table decides who may call what on both
+protocols) on the request's headers, before its body is read, inflates and decodes bodies;
+the health routes follow ``--open-health`` like the gRPC health service, so probes need no
+token. The OpenAI face registers its own table on the same router.
 
 The stack was chosen by measurement (BENCHMARKS.md, "REST stack" and "REST without ASGI"):
-httptools' parser under an asyncio protocol of our own (``http_server.py``, which reads each
-request whole and calls :meth:`RestApp.dispatch`) on uvloop, JSON by orjson. It runs its own
-event loop on a thread of the server process, next to the gRPC server, so both share the
-DataPlane and ModelControl. A network whose mean compute is under 1 ms runs inline on the loop
-when a stream is idle (answered within the parser's callback); others run on the network's
-streams while the loop awaits the future; loads and unloads run on a worker thread.
+httptools' parser under an asyncio protocol of our own (``http_server.py``, which admits each
+request on its headers and hands it to its handler once its body is read) on uvloop, JSON by
+orjson. It runs its own event loop on a thread of the server process, next to the gRPC server,
+so both share the DataPlane and ModelControl. A small request (body up to INLINE_BYTES) to a
+network whose mean compute is under 1 ms runs inline on the loop when a stream is idle
+(answered within the parser's callback); others run on the network's streams while the loop
+awaits the future, and a larger body is decoded and run on a worker whatever the network's
+mean (issue 52); loads and unloads run on a worker thread.
 
 Choices where Triton or KServe leave room:
 
@@ -41,31 +46,19 @@ from __future__ import annotations
 import asyncio
 import base64
 import functools
-import os
 import re
-import socket
-import ssl
-import threading
-import time
-import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-from urllib.parse import unquote
+from typing import Any
 
-import grpc
+import numpy as np
 import orjson
-import uvloop
 
 from plugserve.plugins import cancel
-from plugserve.plugins.api import InvalidInput, PlugserveError, ResourceExhausted, Unsupported
-from plugserve.plugins.threads import start_daemon
+from plugserve.plugins.api import InvalidInput, PlugserveError, Unsupported
 from plugserve.plugins.tracing import Trace
 from plugserve.plugins.version import plugserve_version
 from plugserve.proto import grpc_service_pb2 as pb
 from plugserve.server.control.model_control import ModelControl
-from plugserve.server.plane.budget import body_factor
 from plugserve.server.plane.dataplane import DataPlane
 from plugserve.server.plane.networks import LoadedNetwork
 from plugserve.server.plane.request import Request
@@ -77,12 +70,15 @@ from plugserve.server.protocols.auth import (
     HEALTH,
     KSERVE,
     AuthInterceptor,
-    control_refusal,
-    setting_denial,
 )
 from plugserve.server.protocols.http import offload as rest_offload
 from plugserve.server.protocols.http import sse
-from plugserve.server.protocols.http.http_server import HttpServer, Reply, StreamReply, error_reply
+from plugserve.server.protocols.http.app import INLINE_BYTES, Call, Router
+from plugserve.server.protocols.http.http_server import (
+    Reply,
+    StreamReply,
+    error_reply,
+)
 from plugserve.server.protocols.kserve import codec as kserve_convert
 from plugserve.server.protocols.kserve import grpc_service as kserve
 from plugserve.server.protocols.kserve.codec import (
@@ -95,7 +91,6 @@ from plugserve.server.protocols.kserve.json_codec import (
     InferCall,
     dumps,
     encode_infer,
-    loads,
     message_json,
     parse_infer,
     parse_raw,
@@ -105,69 +100,22 @@ from plugserve.server.protocols.kserve.rest_generate import (
     parse_generate,
     response_json,
 )
-from plugserve.server.protocols.status import HTTP_STATUS, status_of
+from plugserve.server.protocols.status import status_of
 
-if TYPE_CHECKING:
-    from plugserve.server.process.settings import Settings
-
-__all__ = ["RestApp", "RestServer"]
+__all__ = ["RestApp"]
 
 _JSON = [(b"content-type", b"application/json")]
-#: the get-or-set routes: setting (a POST with fields) needs an admin token, as on gRPC
-_SETTERS = {f"/{KSERVE}/TraceSetting", f"/{KSERVE}/LogSettings"}
-# Content-Encoding of a request body -> zlib's wbits (0: plain)
-_WBITS = {b"identity": 0, b"gzip": 31, b"deflate": 15}
 _BINARY = b"application/octet-stream"
 
 
-class WorkersBusy(PlugserveError):
-    """Every REST worker is taken and their queue is full (503)."""
-
-    code = "UNAVAILABLE"
-
-
-#: A JSON request body (and a reply's tensors) up to this size is decoded (encoded) on the
-#: event loop: a 64 KiB JSON body parses in about 0.1 ms here, so the loop stalls no longer
-#: than that; a larger one goes to a worker thread, so a 200 MB body delays nobody else.
-INLINE_BYTES = 64 << 10
-#: A compressed body is inflated, and charged to the memory budget, a step at a time: the
-#: first this small, each next as large as what came so far (charged at most 2x), at most
-#: _INFLATE_STEP.
-_FIRST_INFLATE_STEP = 64 << 10
-_INFLATE_STEP = 16 << 20
-#: REST worker threads: decoding is CPU-bound and holds the GIL part of the time.
-_WORKERS = max(2, min(8, os.cpu_count() or 2))
+#: What a raw binary BYTES body (Triton's Inference-Header-Content-Length: 0 to a BYTES input)
+#: is charged beyond its body's 2x while it is decoded and run: the element's copy, its text
+#: (a str takes up to 4 bytes a character) and the answer made of it.
+RAW_BYTES_FACTOR = 6
 
 
 def _bytes_of(outputs: dict[str, Any]) -> int:
     return sum(getattr(v, "nbytes", 0) for v in outputs.values())
-
-
-class TooLarge(PlugserveError):
-    """A body over --max-message-bytes (413)."""
-
-    code = "INVALID_ARGUMENT"
-
-
-@dataclass
-class Call:
-    """One HTTP request as the handlers see it."""
-
-    path: dict[str, str]
-    body: bytes
-    headers: dict[bytes, bytes]
-
-    def json(self) -> dict[str, Any]:
-        if not self.body:
-            return {}
-        value = loads(self.body, "the request body")
-        if not isinstance(value, dict):
-            raise InvalidInput("the request body must be a JSON object")
-        return value
-
-    @property
-    def version(self) -> int:
-        return kserve.parse_version(self.path.get("version") or "")
 
 
 _NOT_A_BOOLEAN = "Invalid value for 'ready': expected a boolean (true or false)"
@@ -194,26 +142,25 @@ class RestApp:
         local_control: bool = False,
     ) -> None:
         """``local_control``: without tokens, the admin routes answer this machine only
-        (``auth.control_refusal``)."""
+        (``auth.control_refusal``). The routes go on a :class:`Router` of their own
+        (``server/protocols/http/app.py``), which other faces add theirs to."""
         self.plane = plane
         self.control = control
-        self.max_body = max_body
-        self.auth = auth
-        self.local_control = local_control and auth is None
-        #: large requests' decoding, running and encoding (the loop only does I/O for them)
-        self.workers = ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="rest-worker")
-        #: most large requests given to the workers at once (queued or working); more: 503.
-        #: Each connection has one request served at a time, so the connection limit bounds
-        #: them already (RestServer sets it to that); this is a backstop.
-        self.worker_queue = 256
-        self._in_workers = 0  # only the loop's thread counts
-        table = self._table()
+        self.router = router = Router(plane.budget, max_body, auth, local_control)
         merged: dict[str, dict[str, tuple[str, Callable[[Call], Any]]]] = {}
-        for pattern, verbs, method, handler in table:  # a path's methods in one route
+        for pattern, verbs, method, handler in self._table():  # a path's methods in one route
             merged.setdefault(pattern, {}).update({verb: (method, handler) for verb in verbs})
-        self.routes = [(re.compile(pattern + "/?"), methods) for pattern, methods in merged.items()]
-        #: routes with an error body of their own, and its renderer (add_routes)
-        self._refusals: list[tuple[list[re.Pattern[str]], Callable[..., Reply]]] = []
+        router.add_routes(
+            list(merged.items()),
+            decode_own=[self.infer, self.generate, self.generate_stream],
+            probes=[self.live, self.ready],
+        )
+        # the router's, for those that hold the face (Ray Serve's replica, the process)
+        self.dispatch = router.dispatch
+        self.add_routes = router.add_routes
+        self.refusal = router.refusal
+        self.too_large = router.too_large
+        self._in_worker = router.in_worker
 
     def _table(self) -> list[tuple[str, tuple[str, ...], str, Callable[[Call], Any]]]:
         """The routes, one row each: (path pattern, HTTP methods, the gRPC method the route
@@ -260,148 +207,6 @@ class RestApp:
             (model + "/config", get, k + "ModelConfig", self.model_config),
             (model + "/stats", get, k + "ModelStatistics", self.statistics),
         ]  # fmt: skip
-
-    def add_routes(
-        self,
-        table: list[tuple[str, dict[str, tuple[str, Callable[[Call], Any]]]]],
-        refusal: Callable[[int, str, PlugserveError | None], Reply] | None = None,
-    ) -> None:
-        """More routes, after the KServe ones: ``(pattern, {method: (the gRPC method it is
-        authorized as, handler)})``, as the table above (a package such as the OpenAI adapter
-        brings its own). A handler takes a :class:`Call` and returns a reply, an awaitable of
-        one, or a :class:`StreamReply`. ``refusal(status, message, error)``: the reply for a
-        request to these routes refused before its handler runs (its body over the memory
-        budget, too large, too slow), in the routes' own error body."""
-        compiled = [(re.compile(pattern + "/?"), methods) for pattern, methods in table]
-        self.routes += compiled
-        if refusal is not None:
-            self._refusals.append(([pattern for pattern, _ in compiled], refusal))
-
-    def refusal(self, url: bytes, status: int, message: str, error: PlugserveError | None) -> Reply:
-        """The reply refusing a request to ``url`` before it is routed (rest_http's): the
-        error body of the routes it is for."""
-        if self._refusals:
-            path = unquote(url.split(b"?", 1)[0].decode("latin-1"))
-            for patterns, render in self._refusals:
-                if any(p.fullmatch(path) for p in patterns):
-                    return render(status, message, error)
-        return _error(status, message)
-
-    # --- the entry point (server/protocols/http/http_server.py calls it with the request read
-    # whole)
-
-    def dispatch(
-        self,
-        method: str,
-        path: str,
-        raw_headers: list[tuple[bytes, bytes]],
-        body: bytes,
-        peer: str = "127.0.0.1",
-    ) -> Reply | Awaitable[Reply]:
-        """Route, authorize, inflate and call a handler: its reply, or an awaitable of it
-        when the handler has to wait (an inference queued on its streams, a load). ``peer``:
-        the client's address (in process: this machine)."""
-        for pattern, handlers in self.routes:
-            match = pattern.fullmatch(path)
-            if match is not None:
-                methods = handlers
-                break
-        else:
-            return _error(404, f"no such path {path!r}; KServe v2 REST paths start with /v2")
-        entry = methods.get(method)
-        if entry is None:  # RFC 9110: a 405 names the methods the path allows
-            status, pieces, extra = _error(
-                405, f"{path} accepts {', '.join(methods)}, not {method}"
-            )
-            return status, pieces, [*extra, (b"allow", ", ".join(methods).encode())]
-        rpc, handler = entry
-        headers = dict(raw_headers)
-        if self.auth is not None:
-            metadata = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in raw_headers]
-            code, message = self.auth.authorize(rpc, metadata)
-            if code is not None:
-                status, pieces, extra = _error(HTTP_STATUS[code], message)
-                if code == grpc.StatusCode.UNAUTHENTICATED:
-                    extra = [*extra, (b"www-authenticate", b"Bearer")]
-                return status, pieces, extra
-            # as the gRPC setters (auth.guard_settings): an infer token reads, sets nothing
-            why = setting_denial(rpc, message) if _sets(method, rpc, body) else ""
-            if why:
-                return _error(403, why)
-        elif self.local_control:
-            why = control_refusal(rpc, peer, _sets(method, rpc, body))
-            if why:
-                return _error(403, why)
-        encoding = headers.get(b"content-encoding", b"identity").strip().lower()
-        if encoding not in _WBITS:
-            return _error(
-                415,
-                f"Content-Encoding {encoding.decode('latin-1')!r} is not supported; "
-                "send the body plain, gzip or deflate",
-            )
-        params = {k: v for k, v in match.groupdict().items() if v is not None}
-        if _WBITS[encoding]:
-            factor = body_factor(path.encode(), HEADER_LENGTH.encode() in headers)
-            return self._inflated(handler, params, body, headers, _WBITS[encoding], factor)
-        return handler(Call(params, body, headers))
-
-    async def _inflated(
-        self,
-        handler: Callable[[Call], Any],
-        path: dict[str, str],
-        body: bytes,
-        headers: dict[bytes, bytes],
-        wbits: int,
-        factor: int,
-    ) -> Reply:
-        """A compressed body, inflated on a worker (a 1 MB gzip body can be 1 GB inflated)
-        and charged as it inflates; then its handler, the charge held until it answers."""
-        charge = self.plane.budget.holder()
-        try:
-            try:
-                data = await self._in_worker(self._inflate, body, wbits, factor, charge)
-            except TooLarge as exc:
-                return _error(413, str(exc))
-            except ResourceExhausted as exc:
-                return _error(503, str(exc))
-            reply = handler(Call(path, data, headers))
-            return await reply if not isinstance(reply, tuple) else reply
-        finally:
-            charge.release()
-
-    def _inflate(self, body: bytes, wbits: int, factor: int = 0, charge: Any = None) -> bytes:
-        """A gzip or deflate (zlib) body, never inflated past --max-message-bytes; each
-        piece is charged to ``charge`` (at ``factor`` per byte) before it is inflated."""
-        inflater = zlib.decompressobj(wbits)
-        pieces: list[bytes] = []
-        size = 0
-        try:
-            while True:  # steps grow with what came (a small body is not charged 16 MiB)
-                step = min(max(_FIRST_INFLATE_STEP, size), _INFLATE_STEP, self.max_body + 1 - size)
-                if charge is not None:
-                    self.plane.budget.charge(step * factor, "this compressed request", charge)
-                piece = inflater.decompress(body, step)
-                body = inflater.unconsumed_tail
-                pieces.append(piece)
-                size += len(piece)
-                if size > self.max_body:
-                    raise TooLarge(self.too_large(size) + " once inflated")
-                if not body or not piece:
-                    break
-        except zlib.error as exc:
-            raise InvalidInput(f"the compressed body cannot be inflated: {exc}") from None
-        if not inflater.eof:
-            raise InvalidInput("the compressed body is truncated")
-        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
-
-    def too_large(self, size: int) -> str:
-        """Triton's words (``EVBufferToJson``), which its L0_http test matches; ``size``: the
-        declared length, or what has come of a body still arriving."""
-        return (
-            f"request JSON size of {size} bytes exceeds the maximum allowed input size of "
-            f"{self.max_body} bytes. Use --max-message-bytes (PLUGSERVE_MAX_MESSAGE_BYTES) to "
-            "increase the limit"
-        )
 
     # --- health and metadata
 
@@ -471,13 +276,13 @@ class RestApp:
         return 200, [b""], _JSON
 
     def model_ready(self, call: Call) -> Reply | Awaitable[Reply]:
-        entry = self.plane.get(call.path["name"], call.version)  # NotFound: 404
+        entry = self.plane.get(call.path["name"], _version(call))  # NotFound: 404
         if entry.network.slow_readiness:  # it asks the model's processes: off the loop
             return self._in_worker(_readiness, entry)
         return _readiness(entry)
 
     def model_metadata(self, call: Call) -> Reply:
-        entry = self.plane.get(call.path["name"], call.version)
+        entry = self.plane.get(call.path["name"], _version(call))
         versions = sorted(n.version for n in self.control.networks() if n.name == entry.name)
         body = message_json(kserve_convert.model_metadata(entry, versions))
         # as MLServer's metadata: gRPC's message has no parameters (the model config has them)
@@ -485,13 +290,13 @@ class RestApp:
         return _json(body)
 
     def model_config(self, call: Call) -> Reply:
-        entry = self.plane.get(call.path["name"], call.version)
+        entry = self.plane.get(call.path["name"], _version(call))
         policy = self.control.version_policy(entry.name)
         return _json(message_json(kserve_convert.model_config(entry, policy)))
 
     def statistics(self, call: Call) -> Reply:
         if "name" in call.path:
-            entries = self.control.versions(call.path["name"], call.version)
+            entries = self.control.versions(call.path["name"], _version(call))
         else:
             entries = self.control.networks()
         entries.sort(key=lambda n: (n.name, n.version))
@@ -558,7 +363,7 @@ class RestApp:
             )
             if trace is not None:
                 return self._traced(trace, call)
-        entry = self.plane.get(call.path["name"], call.version)
+        entry = self.plane.get(call.path["name"], _version(call))
         if entry.network.decoupled:
             entry.recorder.refused("invalid")
             raise InvalidInput(
@@ -567,9 +372,10 @@ class RestApp:
                 f"/v2/models/{entry.name}/generate_stream (or gRPC ModelStreamInfer)"
             )
         header_length = _text(call.headers.get(HEADER_LENGTH.encode()))
-        if header_length is None and len(call.body) > INLINE_BYTES:
-            # decoding this much JSON would stall the loop: a worker does it all (binary
-            # tensors are views of the body, decoded in no time: they stay)
+        if len(call.body) > INLINE_BYTES:
+            # decoding this much (JSON, a raw body, binary BYTES) or running a model on it
+            # would stall the loop, however fast the model is on average: a worker does it
+            # all (issue 52: a 320 MB binary tensor run inline held REST health 0.5 s)
             token = cancel.Token()
             token.trace = trace
             return self._in_worker(self._infer_whole, entry, call, token, token=token)
@@ -602,41 +408,31 @@ class RestApp:
         """A large request, on a worker thread: decode, run (inline when a stream is idle,
         as a gRPC unary call does), encode."""
         header_length = _text(call.headers.get(HEADER_LENGTH.encode()))
-        if header_length is None and len(call.body) > rest_offload.PROCESS_BYTES:
-            request = rest_offload.decode(call.body)  # parsing here would stall the loop
-            for name, array in request.inputs.items():
-                entry.expect(name, array.dtype, list(array.shape))
-        else:
-            request = parse_infer(call.body, header_length, entry.expect, self.plane.shm)
-        if token.trace is not None:
-            name_request(token.trace, request.id)
-        future = self.plane.infer(_request(entry, request, True, token))
-        return _infer_reply(entry, request, future.result())
-
-    def _in_worker(
-        self, fn: Callable[..., Any], *args: Any, token: cancel.Token | None = None
-    ) -> Awaitable[Any]:
-        """``fn(*args)`` on the bounded worker pool, or a 503 at once when it is full. A
-        client that goes away cancels what awaits this, and so ``token``."""
-        if self._in_workers >= self.worker_queue:
-            raise WorkersBusy(
-                f"the REST workers are busy with {self._in_workers} large requests "
-                "(decoding, running or encoding); retry later"
-            )
-        self._in_workers += 1
-        return self._await_worker(fn, args, token)
-
-    async def _await_worker(
-        self, fn: Callable[..., Any], args: tuple[Any, ...], token: cancel.Token | None
-    ) -> Any:
+        extra = None
         try:
-            return await asyncio.get_running_loop().run_in_executor(self.workers, fn, *args)
-        except asyncio.CancelledError:
-            if token is not None:
-                token.cancel()
-            raise
+            if header_length == "0":  # Triton's raw binary request: the body is the input
+                if len(entry.inputs) == 1 and entry.inputs[0].dtype == np.dtype(object):
+                    # one BYTES element: its copy and its text (up to 4 bytes a character)
+                    extra = self.plane.budget.charge(
+                        RAW_BYTES_FACTOR * len(call.body), "this raw BYTES request"
+                    )
+                request = parse_raw(
+                    call.body, entry.name, entry.inputs, entry.expect, entry.max_batch_size,
+                    entry.dims,
+                )  # fmt: skip
+            elif header_length is None and len(call.body) > rest_offload.PROCESS_BYTES:
+                request = rest_offload.decode(call.body)  # parsing here would hold the GIL
+                for name, array in request.inputs.items():
+                    entry.expect(name, array.dtype, list(array.shape))
+            else:
+                request = parse_infer(call.body, header_length, entry.expect, self.plane.shm)
+            if token.trace is not None:
+                name_request(token.trace, request.id)
+            future = self.plane.infer(_request(entry, request, True, token))
+            return _infer_reply(entry, request, future.result())
         finally:
-            self._in_workers -= 1
+            if extra is not None:
+                extra.release()
 
     # --- Triton's generate extension (server/protocols/kserve/rest_generate.py)
 
@@ -658,7 +454,7 @@ class RestApp:
         """Decode a generate request and submit it: its entry, the decoded call, and a
         future (an ordinary network) or a :class:`ResponseStream` (a decoupled one).
         ``trace``: the request's span."""
-        entry = self.plane.get(call.path["name"], call.version)
+        entry = self.plane.get(call.path["name"], _version(call))
         if len(call.body) > INLINE_BYTES:  # parsing this much would stall the loop
             request = await self._in_worker(lambda: parse_generate(call.json(), entry))
         else:
@@ -795,6 +591,12 @@ class RestApp:
         if not isinstance(parameters, dict):
             raise InvalidInput("'parameters' must be a JSON object")
         self.control.check_control(f"load of model {call.path['name']!r}")
+        await asyncio.to_thread(self._load, call.path["name"], parameters)
+        return 200, [], []
+
+    def _load(self, name: str, parameters: dict[str, Any]) -> None:
+        """A load request's files decoded (off the loop: they may be a model's megabytes),
+        then the load."""
         files = {}
         for key, value in parameters.items():  # tritonclient.http sends files as base64
             if key.startswith("file:"):
@@ -804,9 +606,7 @@ class RestApp:
                     files[key] = base64.b64decode(value, validate=True)
                 except ValueError:
                     raise InvalidInput(f"'{key}' is not valid base64") from None
-        values = {**parameters, **files}
-        await asyncio.to_thread(self.control.load_request, call.path["name"], values)
-        return 200, [], []
+        self.control.load_request(name, {**parameters, **files})
 
     async def unload(self, call: Call) -> Reply:
         call.json()  # unload_dependents and other parameters: checked as JSON, nothing to do
@@ -897,14 +697,12 @@ def _fast(entry: LoadedNetwork) -> bool:
     return not entry.network.open_ended and entry.recorder.mean_compute_below(_INLINE_NS)
 
 
+def _version(call: Call) -> int:
+    return kserve.parse_version(call.path.get("version") or "")
+
+
 def _text(value: bytes | None) -> str | None:
     return None if value is None else value.decode("latin-1").strip()
-
-
-def _sets(method: str, rpc: str, body: bytes) -> bool:
-    """Whether a request to a get-or-set route changes settings: a POST with a body other
-    than ``{}`` (a compressed one counts as setting: refused rather than guessed)."""
-    return method == "POST" and rpc in _SETTERS and bool(body.strip(b" \t\r\n{}"))
 
 
 def _refuse(feature: str) -> Callable[[Call], Reply]:
@@ -915,90 +713,3 @@ def _refuse(feature: str) -> Callable[[Call], Reply]:
         )
 
     return refuse
-
-
-class RestServer:
-    """:class:`RestApp` over HTTP/1.1 (``server/protocols/http/http_server.py``) on its own thread
-    and uvloop event loop."""
-
-    def __init__(self, app: RestApp, settings: Settings) -> None:
-        self.app = app
-        self.settings = settings
-        self.port = 0
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop: asyncio.Event | None = None
-        self._grace = 5.0
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> int:
-        """Bind the port (an occupied one is a one-line SystemExit) and serve; the port."""
-        s = self.settings
-        family = socket.AF_INET6 if ":" in s.host else socket.AF_INET
-        try:
-            sock = socket.create_server((s.host, s.http_port), family=family, backlog=2048)
-        except OSError as exc:
-            raise SystemExit(
-                f"plugserve: cannot listen on {s.host}:{s.http_port} (--http-port): {exc.strerror}"
-            ) from None
-        self.port = sock.getsockname()[1]
-        context = None
-        if s.tls_cert:
-            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-            context.load_cert_chain(s.tls_cert, s.tls_key)
-            if s.tls_client_ca:
-                context.load_verify_locations(s.tls_client_ca)
-                context.verify_mode = ssl.CERT_REQUIRED
-        self.app.worker_queue = 4 * s.grpc_workers  # the connection limit below
-        server = HttpServer(
-            self.app.dispatch,
-            self.app.max_body,
-            s.request_read_timeout,
-            4 * s.grpc_workers,  # as gRPC's maximum_concurrent_rpcs
-            self.app.too_large,
-            self.app.plane.budget,
-            self.app.refusal,
-        )
-        started = threading.Event()
-        self._thread = start_daemon("rest", self._run, sock, context, server, started)
-        started.wait(30)
-        return self.port
-
-    def _run(
-        self,
-        sock: socket.socket,
-        context: ssl.SSLContext | None,
-        server: HttpServer,
-        started: threading.Event,
-    ) -> None:
-        async def serve() -> None:
-            self._loop = asyncio.get_running_loop()
-            self._stop = asyncio.Event()
-            tls: dict[str, Any] = {}
-            if context is not None:  # a handshake is bounded as a request's headers are
-                tls = {"ssl": context, "ssl_handshake_timeout": server.read_timeout}
-            listener = await self._loop.create_server(server.protocol, sock=sock, **tls)
-            started.set()
-            await self._stop.wait()
-            listener.close()
-            server.close_idle()
-            end = time.monotonic() + self._grace  # admitted requests finish, within the grace
-            while server.busy and time.monotonic() < end:
-                await asyncio.sleep(0.02)
-            for connection in list(server.connections):
-                connection.close()
-
-        try:
-            uvloop.run(serve())
-        finally:
-            started.set()
-
-    def stop(self, grace: float = 5.0) -> None:
-        self.app.workers.shutdown(wait=False, cancel_futures=True)
-        rest_offload.shutdown()
-        if self._loop is None or self._stop is None:
-            return
-        self._grace = min(grace, 5.0)
-        self._loop.call_soon_threadsafe(self._stop.set)
-        if self._thread is not None:
-            self._thread.join(grace + 5)
-        self._loop = None

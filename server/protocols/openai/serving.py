@@ -136,7 +136,7 @@ class _Model:
 
 
 class OpenAIRoutes:
-    """The handlers, and the route table ``RestApp.add_routes`` takes."""
+    """The handlers, and the route table ``Router.add_routes`` takes (``protocols/http/app.py``)."""
 
     def __init__(
         self,
@@ -165,7 +165,7 @@ class OpenAIRoutes:
         self.tokenize = TokenizeRoutes(self, _chat_ids, _completion_ids, _check_prompt)
 
     def routes(self) -> list[tuple[str, dict[str, tuple[str, Callable[[Any], Any]]]]]:
-        """``RestApp.add_routes``' table: each path authorized as the KServe method it stands
+        """``Router.add_routes``' table: each path authorized as the KServe method it stands
         for (generating and embedding as ModelInfer, listing as ModelMetadata: the ``infer``
         role), so ``--auth-tokens`` governs these routes as it does /v2's."""
         infer, metadata = f"/{KSERVE}/ModelInfer", f"/{KSERVE}/ModelMetadata"
