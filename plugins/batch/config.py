@@ -22,10 +22,14 @@ def _positive(value: str) -> int:
     return number
 
 
+#: the most requests BATCH_WAITING lets wait in a batcher: each waits on a thread of its own
+MAX_WAITING = 1024
+
+
 def _waiting(value: str) -> int:
     number = int(str(value).strip())
-    if number < 0:
-        raise ValueError("expected an integer >= 0 (0: twice BATCH_SIZE)")
+    if not 0 <= number <= MAX_WAITING:
+        raise ValueError(f"expected an integer from 0 (twice BATCH_SIZE) to {MAX_WAITING}")
     return number
 
 
