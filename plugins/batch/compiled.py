@@ -4,11 +4,15 @@ Callers hand their inputs to :meth:`BatchCompiledNetwork.submit` and get a futur
 queued by their shape beyond the first dimension (and element type), so only requests that can
 be concatenated ever share a batch. A queue is sent as one batch when it holds ``BATCH_SIZE``
 rows or ``BATCH_TIMEOUT_MS`` after its oldest request arrived, whichever comes first; a request
-with more rows than ``BATCH_SIZE`` runs alone. A batch takes the waiting requests of the highest
-priority first (their queue policy's ``place``: Triton's dynamic batcher does so), in arrival
-order within one. Batches run on the device network's own executor,
-each stream with its own infer request of it; the outputs are split back along the first
-dimension. This network's own executor holds its callers while their batch fills.
+with more rows than ``BATCH_SIZE`` runs alone. As Triton's dynamic batcher, a batch is formed
+only when the device has a stream free for it (its executor's ``streams``), and then from the
+waiting requests of the highest priority first (their queue policy's ``place``), in arrival order
+within one: a request of a higher priority that arrives while the device is busy runs before the
+lower ones that waited longer (with batches formed as soon as they were full and queued on the
+device, 32 of 256 pairs of a low request and a high one sent after it ran low first). Batches run
+on the device network's own executor, each stream with its own infer request of it; the outputs
+are split back along the first dimension. This network's own executor holds its callers while
+their batch fills (``BatchConfiguration.streams``: how many may wait here at once).
 """
 
 from __future__ import annotations
@@ -144,6 +148,10 @@ class BatchCompiledNetwork(OneNetwork, CompiledNetwork):
         self.output_names = [s.name for s in network.outputs]
         self._cond = threading.Condition()
         self._queues: dict[tuple, list[_Item]] = {}
+        #: batches handed to the device and not finished, and how many it runs at once: a
+        #: batch is formed only when one of them is free
+        self._running = 0
+        self._slots = max(1, int(getattr(network.executor, "streams", 1)))
         self._closed = False
         self._collector: threading.Thread | None = None
         self._stats: dict[int, list[int]] = {}  # rows -> [batches, ns]
@@ -192,6 +200,11 @@ class BatchCompiledNetwork(OneNetwork, CompiledNetwork):
                             error=Cancelled(f"network {self.name}: closed before the batch ran")
                         )
                     return None
+                if self._running >= self._slots:  # the device is busy: gather, form later
+                    self._cond.wait(idle if not self._queues else None)
+                    if not self._queues and not self._closed:
+                        return []
+                    continue
                 now = time.monotonic()
                 key = self._ready(now)
                 if key is not None:
@@ -214,7 +227,14 @@ class BatchCompiledNetwork(OneNetwork, CompiledNetwork):
                 batch.append(queue.pop(0))
             if not queue:
                 del self._queues[key]
+            self._running += 1
             return batch
+
+    def _finished(self) -> None:
+        """A batch handed to the device is done (or never ran): its stream is free."""
+        with self._cond:
+            self._running -= 1
+            self._cond.notify_all()
 
     def _dispatch(self, batch: list[_Item]) -> None:
         try:
@@ -226,6 +246,7 @@ class BatchCompiledNetwork(OneNetwork, CompiledNetwork):
                 place=min(_place(i) for i in batch),
             )
         except PlugserveError as exc:
+            self._finished()
             for item in batch:
                 item.settle(error=exc)
 
@@ -369,4 +390,7 @@ def _run_batch(ref: weakref.ref, request: Any, batch: list[_Item]) -> None:
             if item.future.set_running_or_notify_cancel():
                 item.future.set_exception(Cancelled("the BATCH network was dropped"))
         return
-    network._run(request, batch)
+    try:
+        network._run(request, batch)
+    finally:
+        network._finished()

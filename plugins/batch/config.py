@@ -22,6 +22,17 @@ def _positive(value: str) -> int:
     return number
 
 
+#: the most requests BATCH_WAITING lets wait in a batcher: each waits on a thread of its own
+MAX_WAITING = 1024
+
+
+def _waiting(value: str) -> int:
+    number = int(str(value).strip())
+    if not 0 <= number <= MAX_WAITING:
+        raise ValueError(f"expected an integer from 0 (twice BATCH_SIZE) to {MAX_WAITING}")
+    return number
+
+
 def _timeout(value: str) -> float:
     number = float(str(value).strip())
     if not number >= 0:
@@ -45,19 +56,36 @@ class BatchConfiguration(VirtualConfiguration):
             _format_timeout,
             doc="how long a batch waits for more requests after its first one",
         ),
+        ConfigKey(
+            "BATCH_WAITING",
+            0,
+            _waiting,
+            doc="requests that may wait in the batcher at once (0: twice BATCH_SIZE)",
+        ),
     )
 
     OWN_KEYS = frozenset(
-        {"DEVICE_PRIORITIES", "BATCH_SIZE", "BATCH_TIMEOUT_MS", "DEVICE_ID", "CACHE_DIR"}
+        {
+            "DEVICE_PRIORITIES",
+            "BATCH_SIZE",
+            "BATCH_TIMEOUT_MS",
+            "BATCH_WAITING",
+            "DEVICE_ID",
+            "CACHE_DIR",
+        }
     )
 
     def device(self) -> str:
         return self.get("DEVICE_PRIORITIES")
 
     def streams(self, cores: int | None = None) -> int:
-        """Callers that may wait at once: twice the batch size, so one batch fills while the
-        previous one runs (and at least what the device itself runs, from its configuration
-        for this load: :meth:`child`, parsed once)."""
+        """Callers that may wait at once: ``BATCH_WAITING``, else twice the batch size, so one
+        batch fills while the previous one runs (and at least what the device itself runs,
+        from its configuration for this load: :meth:`child`, parsed once). Those past it wait
+        on this network's streams, in priority order but out of the batcher's sight: a model
+        with priority levels waits on more (the server sets ``BATCH_WAITING``), so a higher
+        priority reaches the batcher while lower ones wait there, as Triton's batcher sees its
+        whole queue."""
         child = 1
         device = self.device()
         if self.devices is not None and device:
@@ -65,4 +93,4 @@ class BatchConfiguration(VirtualConfiguration):
                 child = int(self.child(device).streams())
             except PlugserveError:  # an unknown device or a bad value: the load says which
                 child = 1
-        return max(2 * int(self.get("BATCH_SIZE")), child)
+        return max(2 * int(self.get("BATCH_SIZE")), int(self.get("BATCH_WAITING")), child)

@@ -93,6 +93,13 @@ RETIRE_TIMEOUT = 300.0
 GATHER_THEMSELVES = frozenset({"PYTHON"})
 
 
+#: requests that may wait in BATCH's batcher at once for a model with priority levels (else
+#: twice its batch size): past them, requests wait out of the batcher's sight, so a higher
+#: priority could not overtake the lower ones already there (the number a Python model's
+#: gatherer waits on, ``MAX_GATHER_STREAMS``)
+WAITING_WITH_PRIORITIES = 64
+
+
 def batch_device(device: str, max_batch_size: int) -> str:
     """``BATCH:<device>(<max_batch_size>)`` for a plain device when ``max_batch_size`` > 0."""
     if max_batch_size <= 0:
@@ -173,7 +180,8 @@ class ModelControl:
         ``dynamic_batching=False`` (a Triton config.pbtxt without dynamic_batching): no BATCH.
         ``batch_size``: the rows BATCH gathers, when not ``max_batch_size`` (Triton's preferred
         size). ``max_batch_size`` always bounds each request's rows. ``queue``: Triton's queue
-        policies, which admit its requests.
+        policies, which admit its requests (with priority levels, BATCH lets
+        :data:`WAITING_WITH_PRIORITIES` wait in its batcher, where they are ordered).
         """
         check_name(name)
         check_version(version)
@@ -184,6 +192,8 @@ class ModelControl:
         if dynamic_batching:
             device = batch_device(device, batch_size or max_batch_size)
         config = dict(config or {})
+        if queue is not None and queue.levels > 1 and parse_device(device).kind == "BATCH":
+            config.setdefault("BATCH_WAITING", str(WAITING_WITH_PRIORITIES))
         if persist and self.repository is None:
             raise FailedPrecondition("persist needs a server started with --model-repository")
         if persist and not isinstance(model, bytes):

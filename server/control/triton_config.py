@@ -21,7 +21,8 @@ Triton -> plugserve:
                                             ``allow_timeout_override``, ``timeout_action``),
                                             ``priority_levels``, ``default_priority_level``,
                                             ``priority_queue_policy``: the model's requests
-                                            are admitted by them (``queue_policy.py``)
+                                            are admitted by them (``queue_policy.py``); with
+                                            priority levels, BATCH_WAITING 64
 ``instance_group``                          the counts summed -> NUM_STREAMS
 ``version_policy``                          which versions load (Triton's default: latest 1)
 ``default_model_filename``                  the model file in each version folder

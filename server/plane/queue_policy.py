@@ -34,9 +34,10 @@ first request waits for its batch, and a second one is refused with 503. Priorit
 waits for a stream (``plugins/streams.py``) and what a device's batcher gathers (BATCH, a Python
 model's dynamic batching: the token's ``place``): a batch takes the highest priority first,
 arrival order within a level, as Triton's dynamic batcher (issue 52: 8 of 16 pairs of a high
-and a low priority request ran low first). BATCH forms a batch as soon as it is full or due
-(not when its device is free, as Triton's): its batches wait for the device in priority order,
-but a formed batch keeps its requests.
+and a low priority request ran low first). Both form a batch when their instance (BATCH: a
+stream of its device) is free, as Triton's, and a model with priority levels lets 64 requests
+wait in its batcher (``model_control.WAITING_WITH_PRIORITIES``, the Python gatherer's
+``MAX_GATHER_STREAMS``), so a higher priority reaches it while lower ones wait there.
 
 A model with a queue policy reads a request's ``timeout`` as Triton does, as its wait's bound
 (when the policy allows an override); a model without one keeps plugserve's meaning, the

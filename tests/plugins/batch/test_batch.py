@@ -154,6 +154,20 @@ def test_batch_with_the_default_timeout_runs_a_lone_request(core, reference):
     network.close()
 
 
+def test_batch_waiting_sets_how_many_callers_wait_in_the_batcher(core):
+    """Twice the batch size by default; BATCH_WAITING (the server sets 64 for a model with
+    priority levels, so every waiting request reaches the batcher, which orders them) raises
+    it, up to 1,024 (each waits on a thread)."""
+    network = core.load_network(mlp(), "BATCH:NUMPY(4)")
+    assert network.get_metric("OPTIMAL_NUMBER_OF_INFER_REQUESTS") == 8
+    network.close()
+    network = core.load_network(mlp(), "BATCH:NUMPY(4)", {"BATCH_WAITING": "64"})
+    assert network.get_metric("OPTIMAL_NUMBER_OF_INFER_REQUESTS") == 64
+    network.close()
+    with pytest.raises(InvalidArgument, match=r"BATCH_WAITING.*to 1024"):
+        core.load_network(mlp(), "BATCH:NUMPY(4)", {"BATCH_WAITING": "5000"})
+
+
 def test_batch_refuses_an_unbatchable_model(core):
     with pytest.raises(InvalidArgument) as info:
         core.load_network(small_cnn(), "BATCH:NUMPY(4)")
