@@ -73,8 +73,8 @@ class Converting:
         opset = self.graph.node_opset(node)
         entry = converters.lookup(node, opset)
         _check_types(node, self.types)
-        if entry.types is not None:
-            for name in [*node.inputs, *node.outputs]:
+        if entry.types is not None:  # the op's data: its first input and output
+            for name in [*node.inputs[:1], *node.outputs[:1]]:
                 if name and self.types[name].name not in entry.types:
                     raise Refused(f"{node.op_type} of {self.types[name]} ({name!r})")
         ctx = NodeContext(

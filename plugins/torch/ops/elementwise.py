@@ -25,11 +25,12 @@ def _unary(op: str, versions: tuple[int, ...], name: str, types: frozenset[str] 
 
 for _op, _versions, _name in [
     ("Exp", (6, 13), "exp"), ("Log", (6, 13), "log"), ("Sqrt", (6, 13), "sqrt"),
-    ("Sin", (7,), "sin"), ("Cos", (7,), "cos"), ("Tan", (7,), "tan"), ("Asin", (7,), "asin"),
-    ("Acos", (7,), "acos"), ("Atan", (7,), "atan"), ("Sinh", (9,), "sinh"), ("Cosh", (9,), "cosh"),
-    ("Asinh", (9,), "asinh"), ("Acosh", (9,), "acosh"), ("Atanh", (9,), "atanh"),
+    ("Sin", (7, 22), "sin"), ("Cos", (7, 22), "cos"), ("Tan", (7, 22), "tan"),
+    ("Asin", (7, 22), "asin"), ("Acos", (7, 22), "acos"), ("Atan", (7, 22), "atan"),
+    ("Sinh", (9, 22), "sinh"), ("Cosh", (9, 22), "cosh"),
+    ("Asinh", (9, 22), "asinh"), ("Acosh", (9, 22), "acosh"), ("Atanh", (9, 22), "atanh"),
     ("Erf", (9, 13), "erf"), ("Sigmoid", (6, 13), "sigmoid"), ("Tanh", (6, 13), "tanh"),
-    ("Floor", (6, 13), "floor"), ("Ceil", (6, 13), "ceil"), ("Round", (11,), "round"),
+    ("Floor", (6, 13), "floor"), ("Ceil", (6, 13), "ceil"), ("Round", (11, 22), "round"),
 ]:  # fmt: skip
     _unary(_op, _versions, _name)
 
@@ -93,7 +94,7 @@ def elu(ctx: NodeContext) -> Any:
     return lambda x: torch.where(x > 0, x, alpha * torch.expm1(x))
 
 
-@register("Celu", 12, types=FLOATS)
+@register("Celu", 12, 28, types=FLOATS)
 def celu(ctx: NodeContext) -> Any:
     alpha = float(ctx.attr("alpha", 1.0))
     fn = ctx.torch.nn.functional.celu
@@ -254,7 +255,7 @@ def where(ctx: NodeContext) -> Any:
     return ctx.torch.where
 
 
-@register("Cast", 6, 9, 13, 19, 21, 23, 24, 25)
+@register("Cast", 6, 9, 13, 19, 21, 23, 24, 25, 28)
 def cast(ctx: NodeContext) -> Any:
     to = int(ctx.attr("to"))
     target = ctx.onnx_dtype(to)
@@ -271,6 +272,12 @@ def cast_like(ctx: NodeContext) -> Any:
         torch = ctx.torch
         return lambda x, like: x.to(torch.float16).to(like.dtype)
     return lambda x, like: x.to(like.dtype)
+
+
+_binary("BitwiseAnd", (18,), "bitwise_and", INTS)
+_binary("BitwiseOr", (18,), "bitwise_or", INTS)
+_binary("BitwiseXor", (18,), "bitwise_xor", INTS)
+_unary("BitwiseNot", (18,), "bitwise_not", INTS)
 
 
 @register("BitShift", 11, types=frozenset({"uint8", "int16", "int32", "int64"}))

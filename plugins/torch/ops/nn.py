@@ -11,11 +11,15 @@ from plugserve.plugins.torch.ops.elementwise import FLOATS
 from plugserve.plugins.torch.ops.registry import NodeContext, Refused, register
 
 
-def _spatial(ctx: NodeContext, rank_from: str = "kernel_shape") -> int | None:
-    kernel = ctx.attr("kernel_shape")
-    if kernel is not None:
-        return len(kernel)
-    return None
+def _weight_kernel(ctx: NodeContext) -> list[int]:
+    """The kernel's spatial sizes from the weight: its value or its declared shape."""
+    weight = ctx.const(1)
+    if weight is not None:
+        return list(weight.shape[2:])
+    spec = ctx.graph.spec(ctx.inputs[1])
+    if spec is None or spec.shape is None or any(not isinstance(d, int) for d in spec.shape[2:]):
+        raise Refused(f"{ctx.node.op_type}: kernel_shape unknown at load")
+    return list(spec.shape[2:])
 
 
 def _same_pads(size: list[int], kernel: list[int], strides: list[int], dilations: list[int],
@@ -94,8 +98,7 @@ def conv(ctx: NodeContext) -> Any:
 @register("ConvTranspose", 1, 11, 22, types=FLOATS)
 def conv_transpose(ctx: NodeContext) -> Any:
     F = ctx.torch.nn.functional
-    weight = ctx.need_const(1, "weight")
-    kernel = list(ctx.attr("kernel_shape", weight.shape[2:]))
+    kernel = ctx.attr("kernel_shape") or _weight_kernel(ctx)
     dims = len(kernel)
     if dims not in (1, 2, 3):
         raise Refused(f"ConvTranspose of {dims} spatial dimensions")
@@ -115,16 +118,17 @@ def conv_transpose(ctx: NodeContext) -> Any:
         if output_shape is not None:
             for i in range(dims):
                 full = (x.shape[2 + i] - 1) * strides[i] + (kernel[i] - 1) * dilations[i] + 1
-                total = full + extra[i] - output_shape[-dims + i]
-                p[i], p[i + dims] = total // 2, total - total // 2
-                extra[i] = 0
-        if p[:dims] == p[dims:]:
+                total = full + extra[i] - output_shape[len(output_shape) - dims + i]
+                p[i], p[i + dims] = total - total // 2, total // 2
+        fits = all(e < max(s, d) for e, s, d in zip(extra, strides, dilations))
+        if p[:dims] == p[dims:] and min(p) >= 0 and fits:
             return fn(x, w, b, strides, p[:dims], extra, group, dilations)
-        y = fn(x, w, b, strides, 0, extra, group, dilations)
-        slices = [slice(None), slice(None)]
-        for i in range(dims):
-            slices.append(slice(p[i], y.shape[2 + i] - p[i + dims]))
-        return y[tuple(slices)]
+        # the full result, output_padding's zeros at the ends, then cut (or widened) by pads
+        y = fn(x, w, None, strides, 0, 0, group, dilations)
+        y = F.pad(y, _torch_pad([-v for v in p[:dims]] + [e - v for e, v in zip(extra, p[dims:])]))
+        if b is not None:
+            y = y + b.reshape(1, -1, *([1] * dims))
+        return y
 
     return run
 
@@ -155,7 +159,7 @@ def matmul(ctx: NodeContext) -> Any:
     return ctx.torch.matmul
 
 
-@register("Einsum", 12, types=FLOATS | {"int32", "int64"})
+@register("Einsum", 12, 28, types=FLOATS | {"int32", "int64"})
 def einsum(ctx: NodeContext) -> Any:
     torch = ctx.torch
     equation = str(ctx.attr("equation")).replace(" ", "")
@@ -189,21 +193,46 @@ def instance_norm(ctx: NodeContext) -> Any:
     return lambda x, scale, bias: F.instance_norm(x, weight=scale, bias=bias, eps=eps)
 
 
-@register("LayerNormalization", 17, types=FLOATS)
+@register("LayerNormalization", 17, multi_output=True, types=FLOATS)
 def layer_norm(ctx: NodeContext) -> Any:
-    if len([o for o in ctx.node.outputs if o]) > 1:
-        raise Refused("LayerNormalization's Mean and InvStdDev outputs")
     axis = int(ctx.attr("axis", -1))
     eps = float(ctx.attr("epsilon", 1e-5))
-    F = ctx.torch.nn.functional
+    torch = ctx.torch
+    F = torch.nn.functional
+    stats = any(ctx.node.outputs[1:])
 
     def run(x: Any, scale: Any, bias: Any = None) -> Any:
         start = axis % x.dim()
         shape = tuple(x.shape[start:])
-        scale = scale.expand(shape) if tuple(scale.shape) != shape else scale
-        if bias is not None and tuple(bias.shape) != shape:
-            bias = bias.expand(shape)
-        return F.layer_norm(x, shape, scale, bias, eps)
+        if (
+            not stats
+            and tuple(scale.shape) == shape
+            and (bias is None or tuple(bias.shape) == shape)
+        ):
+            return (F.layer_norm(x, shape, scale, bias, eps),)
+        dims = tuple(range(start, x.dim()))
+        mean = x.mean(dim=dims, keepdim=True)
+        centered = x - mean
+        inv = torch.rsqrt((centered * centered).mean(dim=dims, keepdim=True) + eps)
+        y = centered * inv * scale
+        if bias is not None:
+            y = y + bias
+        return y, mean, inv
+
+    return run
+
+
+@register("RMSNormalization", 23, types=FLOATS)
+def rms_norm(ctx: NodeContext) -> Any:
+    axis = int(ctx.attr("axis", -1))
+    eps = float(ctx.attr("epsilon", 1e-5))
+    torch = ctx.torch
+
+    def run(x: Any, scale: Any) -> Any:
+        dims = tuple(range(axis % x.dim(), x.dim()))
+        wide = x.to(torch.float32) if x.dtype != torch.float64 else x
+        inv = torch.rsqrt((wide * wide).mean(dim=dims, keepdim=True) + eps)
+        return (wide * inv).to(x.dtype) * scale
 
     return run
 
@@ -432,7 +461,7 @@ def flatten(ctx: NodeContext) -> Any:
     return run
 
 
-@register("DepthToSpace", 1, 11, 13)
+@register("DepthToSpace", 1, 11, 13, 28)
 def depth_to_space(ctx: NodeContext) -> Any:
     b = int(ctx.attr("blocksize"))
     crd = ctx.attr("mode", "DCR") == "CRD"
@@ -569,5 +598,78 @@ def resize(ctx: NodeContext) -> Any:
             source = x.to(torch.float64)
         y = F.interpolate(source, mode=mode_name, **kw, **extra)
         return y.to(x.dtype) if y.dtype != x.dtype else y
+
+    return run
+
+
+def _loss_common(ctx: NodeContext) -> tuple[str, int | None]:
+    reduction = ctx.attr("reduction", "mean")
+    if reduction not in ("none", "sum", "mean"):
+        raise Refused(f"{ctx.node.op_type} reduction={reduction!r}")
+    ignore = ctx.attr("ignore_index")
+    return reduction, int(ignore) if ignore is not None else None
+
+
+def _nll(torch: Any, log_prob: Any, target: Any, weight: Any, reduction: str,
+         ignore: int | None) -> Any:  # fmt: skip
+    """ONNX's NegativeLogLikelihoodLoss: -input[n, target[n], ...] * weight[target], the mean
+    divided by the weights of the targets not ignored."""
+    target = target.long()
+    keep = torch.ones_like(target, dtype=torch.bool) if ignore is None else target != ignore
+    safe = torch.where(keep, target, 0)
+    picked = -torch.gather(log_prob, 1, safe.unsqueeze(1)).squeeze(1)
+    w = weight[safe] if weight is not None else torch.ones_like(picked)
+    w = torch.where(keep, w, torch.zeros_like(w))
+    loss = picked * w
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return loss.sum()
+    return loss.sum() / w.sum()
+
+
+@register("NegativeLogLikelihoodLoss", 12, 13, 22, types=FLOATS)
+def nll_loss(ctx: NodeContext) -> Any:
+    reduction, ignore = _loss_common(ctx)
+    torch = ctx.torch
+
+    def run(x: Any, target: Any, weight: Any = None) -> Any:
+        return _nll(torch, x, target, weight, reduction, ignore)
+
+    return run
+
+
+@register("SoftmaxCrossEntropyLoss", 12, 13, multi_output=True, types=FLOATS)
+def softmax_cross_entropy(ctx: NodeContext) -> Any:
+    reduction, ignore = _loss_common(ctx)
+    torch = ctx.torch
+
+    def run(x: Any, target: Any, weight: Any = None) -> Any:
+        log_prob = torch.log_softmax(x, dim=1)
+        return _nll(torch, log_prob, target, weight, reduction, ignore), log_prob
+
+    return run
+
+
+@register("GridSample", 16, 20, 22, types=FLOATS)
+def grid_sample(ctx: NodeContext) -> Any:
+    mode = ctx.attr("mode", "bilinear" if ctx.opset < 20 else "linear")
+    mode = {"linear": "bilinear", "cubic": "bicubic"}.get(mode, mode)
+    if mode not in ("bilinear", "nearest", "bicubic"):
+        raise Refused(f"GridSample mode {mode!r}")
+    padding = ctx.attr("padding_mode", "zeros")
+    if padding not in ("zeros", "border", "reflection"):
+        raise Refused(f"GridSample padding_mode {padding!r}")
+    if mode == "nearest":
+        raise Refused("GridSample nearest (torch rounds halves to even, ONNX away from zero)")
+    align = bool(int(ctx.attr("align_corners", 0)))
+    torch = ctx.torch
+    F = torch.nn.functional
+
+    def run(x: Any, grid: Any) -> Any:
+        if x.dim() != 4 and mode == "bicubic":
+            raise ValueError("GridSample cubic of other than 2 spatial axes")
+        return F.grid_sample(x, grid.to(x.dtype), mode=mode, padding_mode=padding,
+                             align_corners=align)  # fmt: skip
 
     return run

@@ -28,7 +28,7 @@ def _check_blocks(ctx: NodeContext) -> None:
         raise Refused(f"{ctx.node.op_type} with output_dtype")
 
 
-@register("QuantizeLinear", 10, 13, 19, 21, 23, 24, 25, types=_Q | _F)
+@register("QuantizeLinear", 10, 13, 19, 21, 23, 24, 25, 28, types=_Q | _F)
 def quantize_linear(ctx: NodeContext) -> Any:
     _check_blocks(ctx)
     torch = ctx.torch
@@ -51,7 +51,7 @@ def quantize_linear(ctx: NodeContext) -> Any:
     return run
 
 
-@register("DequantizeLinear", 10, 13, 19, 21, 23, 24, 25, types=_Q | _F)
+@register("DequantizeLinear", 10, 13, 19, 21, 23, 24, 25, 28, types=_Q | _F)
 def dequantize_linear(ctx: NodeContext) -> Any:
     _check_blocks(ctx)
     torch = ctx.torch

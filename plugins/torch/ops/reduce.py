@@ -109,4 +109,6 @@ for _op, _fn, _types in [
     ("ReduceSumSquare", _sum_square, _NUM),
 ]:  # fmt: skip
     _versions = (1, 11, 13, 18, 20) if _op in ("ReduceMax", "ReduceMin") else (1, 11, 13, 18)
+    if _op in ("ReduceLogSum", "ReduceLogSumExp"):
+        _versions = (*_versions, 28)
     _reduce(_op, _versions, 18, _types, _fn)

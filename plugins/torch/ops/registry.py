@@ -42,7 +42,8 @@ class Entry:
     versions: frozenset[int]
     convert: Converter
     multi_output: bool = False
-    #: element types (numpy kinds + names) its inputs and outputs may have; None: the device's
+    #: element types (numpy names) its first input and first output may have (the op's data;
+    #: axes, shapes and indices are checked by the converter); None: any the device holds
     types: frozenset[str] | None = None
 
 

@@ -331,7 +331,7 @@ def _pad(torch: Any, F: Any, x: Any, pads: list[int], axes: list[int] | None, fi
     return x
 
 
-@register("TopK", 1, 10, 11, multi_output=True, types=NUMBERS)
+@register("TopK", 1, 10, 11, 24, multi_output=True, types=NUMBERS)
 def top_k(ctx: NodeContext) -> Any:
     torch = ctx.torch
     axis = int(ctx.attr("axis", -1))
@@ -377,21 +377,35 @@ _arg("ArgMax", "argmax")
 _arg("ArgMin", "argmin")
 
 
-@register("CumSum", 11, 14, types=FLOATS | {"int32", "int64"})
-def cum_sum(ctx: NodeContext) -> Any:
+def _cumulative(op: str, versions: tuple[int, ...], fn_name: str, undo: str) -> None:
+    @register(op, *versions, types=FLOATS | {"int32", "int64"})
+    def convert(ctx: NodeContext) -> Any:
+        return _cumulative_step(ctx, fn_name, undo)
+
+    convert.__name__ = f"convert_{op}"
+
+
+def _cumulative_step(ctx: NodeContext, fn_name: str, undo: str) -> Any:
     torch = ctx.torch
+    cumulate = getattr(torch, fn_name)
     exclusive = bool(int(ctx.attr("exclusive", 0)))
     reverse = bool(int(ctx.attr("reverse", 0)))
 
     def run(x: Any, axis: Any) -> Any:
         a = int(axis.reshape(-1)[0].item()) % x.dim()
         y = torch.flip(x, [a]) if reverse else x
-        out = torch.cumsum(y, dim=a).to(x.dtype)
-        if exclusive:
-            out = out - y
+        out = cumulate(y, dim=a).to(x.dtype)
+        if exclusive:  # the running result before each element: shifted by one
+            first = torch.ones_like if undo == "div" else torch.zeros_like
+            head = first(y.narrow(a, 0, 1))
+            out = torch.cat([head, out.narrow(a, 0, y.shape[a] - 1)], dim=a)
         return torch.flip(out, [a]) if reverse else out
 
     return run
+
+
+_cumulative("CumSum", (11, 14), "cumsum", "sub")
+_cumulative("CumProd", (26,), "cumprod", "div")
 
 
 @register("Trilu", 14)
@@ -408,7 +422,7 @@ def trilu(ctx: NodeContext) -> Any:
     return run
 
 
-@register("OneHot", 9, 11)
+@register("OneHot", 9, 11, 28)
 def one_hot(ctx: NodeContext) -> Any:
     torch = ctx.torch
     axis = int(ctx.attr("axis", -1))
