@@ -224,11 +224,12 @@ def to_tensor(torch: Any, value: np.ndarray, device: Any, compute: Any) -> Any:
     else:
         if array.dtype.name not in VALUE_TYPES:
             raise Refused(f"element type {array.dtype} is not held on this device")
-        tensor = torch.from_numpy(np.array(array, copy=True, order="C"))
+        if device.type == "cpu" or not array.flags.writeable or not array.flags.c_contiguous:
+            array = np.array(array, copy=True, order="C")  # the tensor must not share it
+        tensor = torch.from_numpy(array)
     held = held_dtype(torch, array.dtype, compute)
-    if tensor.dtype != held:
-        tensor = tensor.to(held)
-    return tensor.to(device)
+    tensor = tensor.to(device)  # copied to the card first: converted there, not on the CPU
+    return tensor.to(held) if tensor.dtype != held else tensor
 
 
 def to_numpy(torch: Any, tensor: Any, np_type: np.dtype) -> np.ndarray:
