@@ -5,8 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from plugserve.plugins.torch.ops.elementwise import FLOATS, NUMBERS
-from plugserve.plugins.torch.ops.registry import NodeContext, register
-from plugserve.plugins.torch.ops.tensor import _ints
+from plugserve.plugins.torch.ops.registry import NodeContext, ints, register
 
 
 def _reduce(op: str, versions: tuple[int, ...], axes_input_from: int, types: frozenset[str],
@@ -20,7 +19,7 @@ def _reduce(op: str, versions: tuple[int, ...], axes_input_from: int, types: fro
         from_input = ctx.opset >= axes_input_from
 
         def run(x: Any, axes: Any = None) -> Any:
-            wanted = (_ints(axes) if axes is not None else None) if from_input else attr_axes
+            wanted = (ints(axes) if axes is not None else None) if from_input else attr_axes
             if not wanted:
                 if noop and from_input:
                     return x

@@ -26,7 +26,7 @@ import onnx
 from plugserve.plugins.api import Unsupported
 from plugserve.plugins.ir import Graph, Node
 
-__all__ = ["NodeContext", "Refused", "Registry", "converters", "register"]
+__all__ = ["NodeContext", "Refused", "Registry", "converters", "ints", "register"]
 
 Step = Callable[..., Any]
 Converter = Callable[["NodeContext"], Step]
@@ -246,3 +246,10 @@ def to_numpy(torch: Any, tensor: Any, np_type: np.dtype) -> np.ndarray:
     if tensor.dtype != want:
         tensor = tensor.to(want)
     return tensor.contiguous().numpy()
+
+
+def ints(value: Any) -> list[int]:
+    """A tensor or array of integers as a list (a shape, axes, pads)."""
+    if hasattr(value, "tolist"):
+        value = value.tolist()
+    return [int(v) for v in np.asarray(value).ravel()]

@@ -7,14 +7,7 @@ from typing import Any
 import numpy as np
 
 from plugserve.plugins.torch.ops.elementwise import FLOATS, NUMBERS
-from plugserve.plugins.torch.ops.registry import NodeContext, Refused, register
-
-
-def _ints(value: Any) -> list[int]:
-    """A tensor or array of integers as a list (a shape, axes, pads)."""
-    if hasattr(value, "tolist"):
-        value = value.tolist()
-    return [int(v) for v in np.asarray(value).ravel()]
+from plugserve.plugins.torch.ops.registry import NodeContext, Refused, ints, register
 
 
 @register("Constant", 1, 9, 11, 12, 13, 19, 21, 23, 24, 25)
@@ -66,7 +59,7 @@ def reshape(ctx: NodeContext) -> Any:
     allowzero = int(ctx.attr("allowzero", 0))
 
     def run(x: Any, shape: Any) -> Any:
-        dims = _ints(shape)
+        dims = ints(shape)
         if not allowzero:
             dims = [x.shape[i] if d == 0 else d for i, d in enumerate(dims)]
         return x.reshape(dims)
@@ -101,7 +94,7 @@ def split(ctx: NodeContext) -> Any:
     chunks = ctx.attr("num_outputs")
 
     def run(x: Any, sizes: Any = None) -> Any:
-        parts = _ints(sizes) if sizes is not None else attr_split
+        parts = ints(sizes) if sizes is not None else attr_split
         if parts is None:
             n = x.shape[axis]
             k = int(chunks or count)
@@ -124,8 +117,8 @@ def slice_(ctx: NodeContext) -> Any:
 
     def run(x: Any, starts: Any, ends: Any, axes: Any = None, steps: Any = None) -> Any:
         return _slice(
-            x, _ints(starts), _ints(ends), _ints(axes) if axes is not None else None,
-            _ints(steps) if steps is not None else None,
+            x, ints(starts), ints(ends), ints(axes) if axes is not None else None,
+            ints(steps) if steps is not None else None,
         )  # fmt: skip
 
     return run
@@ -211,7 +204,7 @@ def unsqueeze(ctx: NodeContext) -> Any:
     attr_axes = ctx.attr("axes")
 
     def run(x: Any, axes: Any = None) -> Any:
-        wanted = _ints(axes) if axes is not None else list(attr_axes)
+        wanted = ints(axes) if axes is not None else list(attr_axes)
         rank = x.dim() + len(wanted)
         for axis in sorted(a % rank for a in wanted):
             x = x.unsqueeze(axis)
@@ -225,7 +218,7 @@ def squeeze(ctx: NodeContext) -> Any:
     attr_axes = ctx.attr("axes")
 
     def run(x: Any, axes: Any = None) -> Any:
-        wanted = _ints(axes) if axes is not None else attr_axes
+        wanted = ints(axes) if axes is not None else attr_axes
         if wanted is None:
             return x.reshape([d for d in x.shape if d != 1])
         drop = {a % x.dim() for a in wanted}
@@ -239,7 +232,7 @@ def squeeze(ctx: NodeContext) -> Any:
 @register("Expand", 8, 13)
 def expand(ctx: NodeContext) -> Any:
     def run(x: Any, shape: Any) -> Any:
-        dims = _ints(shape)
+        dims = ints(shape)
         rank = max(len(dims), x.dim())
         dims = [1] * (rank - len(dims)) + dims
         have = [1] * (rank - x.dim()) + list(x.shape)
@@ -251,7 +244,7 @@ def expand(ctx: NodeContext) -> Any:
 
 @register("Tile", 6, 13)
 def tile(ctx: NodeContext) -> Any:
-    return lambda x, repeats: x.repeat(*_ints(repeats)) if x.dim() else x
+    return lambda x, repeats: x.repeat(*ints(repeats)) if x.dim() else x
 
 
 @register("ConstantOfShape", 9, 20, 21, 23, 24, 25)
@@ -262,7 +255,7 @@ def constant_of_shape(ctx: NodeContext) -> Any:
     dtype = ctx.dtype(array.dtype)
     fill = array.ravel()[0].item()
     device = ctx.device
-    return lambda shape: torch.full(_ints(shape), fill, dtype=dtype, device=device)
+    return lambda shape: torch.full(ints(shape), fill, dtype=dtype, device=device)
 
 
 @register("Range", 11, types=NUMBERS)
@@ -295,7 +288,7 @@ def pad(ctx: NodeContext) -> Any:
 
     def run(x: Any, pads: Any, value: Any = None, axes: Any = None) -> Any:
         fill = value.item() if value is not None and value.numel() else 0
-        return _pad(torch, F, x, _ints(pads), _ints(axes) if axes is not None else None,
+        return _pad(torch, F, x, ints(pads), ints(axes) if axes is not None else None,
                     fill, mode)  # fmt: skip
 
     return run
