@@ -61,6 +61,12 @@ def _pads(ctx: NodeContext, dims: int, kernel: list[int] | None, strides: list[i
 
 @register("Conv", 1, 11, 22, types=FLOATS)
 def conv(ctx: NodeContext) -> Any:
+    return conv_step(ctx)
+
+
+def conv_step(ctx: NodeContext) -> Any:
+    """Conv's step (ConvInteger's too, over its centered values): ONNX's attributes and pads,
+    asymmetric ones padded before torch's convolution."""
     F = ctx.torch.nn.functional
     weight = ctx.const(1)
     kernel = ctx.attr("kernel_shape")

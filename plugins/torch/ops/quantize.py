@@ -83,3 +83,47 @@ def dynamic_quantize_linear(ctx: NodeContext) -> Any:
         return y.to(torch.uint8), scale.reshape(()), zero.to(torch.uint8).reshape(())
 
     return run
+
+
+def _centered(torch: Any, x: Any, zero: Any, axis: int | None) -> Any:
+    """``x - zero`` exact, in float64 (int8 products summed over thousands of terms pass
+    float32's 2^24; float64 holds them exactly, and torch multiplies it on every device)."""
+    v = x.to(torch.float64)
+    if zero is None:
+        return v
+    z = zero.to(torch.float64)
+    if axis is not None and z.dim() == 1 and z.numel() > 1:
+        shape = [1] * v.dim()
+        shape[axis] = z.numel()
+        z = z.reshape(shape)
+    return v - z
+
+
+@register("MatMulInteger", 10, types=frozenset({"int8", "uint8", "int32"}))
+def matmul_integer(ctx: NodeContext) -> Any:
+    torch = ctx.torch
+
+    def run(a: Any, b: Any, a_zero: Any = None, b_zero: Any = None) -> Any:
+        # a's zero point is per row (its axis -2) when a vector, b's per column (its last)
+        left = _centered(torch, a, a_zero, a.dim() - 2 if a.dim() > 1 else None)
+        right = _centered(torch, b, b_zero, b.dim() - 1)
+        return torch.matmul(left, right).to(torch.int32)
+
+    return run
+
+
+@register("ConvInteger", 10, types=frozenset({"int8", "uint8", "int32"}))
+def conv_integer(ctx: NodeContext) -> Any:
+    from plugserve.plugins.torch.ops.nn import conv_step
+
+    torch = ctx.torch
+    step = conv_step(ctx)
+
+    def run(x: Any, w: Any, x_zero: Any = None, w_zero: Any = None) -> Any:
+        if x_zero is not None and x_zero.numel() != 1:
+            raise ValueError("ConvInteger with a zero point per channel of its input")
+        left = _centered(torch, x, x_zero, None)
+        right = _centered(torch, w, w_zero, 0)
+        return step(left, right).to(torch.int32)
+
+    return run
