@@ -5,8 +5,10 @@ serves with.
 
 Precision is explicit (:mod:`.config`): float32 values compute in f32 (IEEE: TF32 off), f16 or
 bf16; the GPU's default is f16, the CPU's f32, and ``EXECUTION_MODE_HINT=ACCURACY`` is f32 on
-both. torch is imported when a device is made: without it (or, for GPU, without a CUDA device)
-the constructor raises and the Core lists the device unavailable with the reason.
+both. Without torch (or, for GPU, without a CUDA build of it or an NVIDIA driver) the
+constructor raises and the Core lists the device unavailable with the reason; it reads torch's
+installed files for that, and imports torch at the device's first load or query (9 s and
+190 MB that no server start pays otherwise, ``backend``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 
 from plugserve.plugins import memory
 from plugserve.plugins.api import (
+    BackendUnavailable,
     InvalidArgument,
     InvalidModel,
     Model,
@@ -46,9 +49,14 @@ class TorchPlugin(Plugin):
 
     def __init__(self) -> None:
         super().__init__()
-        self.torch = backend.torch_module()
-        major = self.torch.__version__.split(".")[0]
+        self.version = backend.installed()  # raises, saying how to install torch, without it
+        major = self.version.split(".")[0]
         self.architecture = f"{platform.machine() or 'unknown'}-torch{major}"
+
+    @property
+    def torch(self) -> Any:
+        """torch, imported at the device's first load or query (``backend``: not at start)."""
+        return backend.torch_module()
 
     # --- the device a load runs on
 
@@ -168,13 +176,39 @@ class GpuPlugin(TorchPlugin):
 
     def __init__(self) -> None:
         super().__init__()
-        self.cards = backend.require_cuda()
-        # f32 is IEEE float32 on every card: TF32 would lose precision silently (7.7e-2 on a
-        # detector, issue 49); a user who wants speed asks for f16 or bf16
-        self.torch.backends.cuda.matmul.allow_tf32 = False
-        self.torch.backends.cudnn.allow_tf32 = False
-        major = self.torch.__version__.split(".")[0]
-        self.architecture = f"{self.cards[0].architecture}-torch{major}"
+        cuda = backend.cuda_build()
+        if cuda is None:
+            raise BackendUnavailable(
+                f"torch {self.version} is a CPU-only build (no CUDA); for GPUs: "
+                f"{backend.INSTALL_CUDA}"
+            )
+        if not backend.driver_present():
+            raise BackendUnavailable(
+                f"torch {self.version} (CUDA {cuda}) sees no CUDA device (no GPU, no NVIDIA "
+                "driver, or CUDA_VISIBLE_DEVICES hides them)"
+            )
+        self._cards: list[backend.CudaCard] | None = None
+
+    @property
+    def cards(self) -> list[backend.CudaCard]:
+        """The CUDA cards, asked of torch at first use (torch is imported then)."""
+        if self._cards is None:
+            self._cards = backend.require_cuda()
+            # f32 is IEEE float32 on every card: TF32 would lose precision silently (7.7e-2 on
+            # a detector, issue 49); a user who wants speed asks for f16 or bf16
+            self.torch.backends.cuda.matmul.allow_tf32 = False
+            self.torch.backends.cudnn.allow_tf32 = False
+            major = self.version.split(".")[0]
+            self.architecture = f"{self._cards[0].architecture}-torch{major}"
+        return self._cards
+
+    def _unpack(self, data: bytes, config: Any) -> Any:
+        self.cards  # noqa: B018 (the architecture an import must match is the card's)
+        return super()._unpack(data, config)
+
+    def _compile(self, *args: Any, **kwargs: Any) -> TorchCompiledNetwork:
+        self.cards  # noqa: B018 (TF32 off before the first network)
+        return super()._compile(*args, **kwargs)
 
     def _card(self, device_id: Any) -> backend.CudaCard:
         text = str(device_id or "0").strip() or "0"
@@ -195,7 +229,7 @@ class GpuPlugin(TorchPlugin):
 
     def _full_name(self, card: backend.CudaCard) -> str:
         return (
-            f"{card.name} (torch {self.torch.__version__}, CUDA {self.torch.version.cuda}, "
+            f"{card.name} (torch {self.version}, CUDA {self.torch.version.cuda}, "
             f"compute capability {card.capability[0]}.{card.capability[1]})"
         )
 
@@ -222,6 +256,7 @@ class GpuPlugin(TorchPlugin):
         if name == "OPTIMIZATION_CAPABILITIES":
             return backend.cuda_capabilities(card)
         if name == "DEVICE_ARCHITECTURE":
+            self.cards  # noqa: B018
             return self.architecture
         if name == "RANGE_FOR_STREAMS":
             return (1, 8)
