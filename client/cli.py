@@ -164,7 +164,8 @@ def _query(client: Client, args: argparse.Namespace) -> int:
         crossing = copies(model, splits)
         print(
             f"{len(response.subgraphs)} subgraphs, {len(crossing)} copies between them"
-            + (": " + ", ".join(f"{v} ({a}->{b})" for v, a, b in crossing) if crossing else "")
+            + (": " + ", ".join(f"{v} ({a}->{b})" for v, a, b in crossing) if crossing else ""),
+            file=sys.stderr,  # the table on stdout stays rows only (scripts read it)
         )
     return 0
 

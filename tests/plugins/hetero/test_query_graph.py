@@ -77,7 +77,7 @@ def test_dot_output_has_devices_and_subgraph_clusters(second_device_server, tmp_
     assert '"2" -> "4" [color=red, penwidth=2, label="copy ' in dot
     assert '"4" -> "5" [color=red, penwidth=2, label="copy ' in dot
     assert "copies between subgraphs (red edges)" in dot
-    assert "3 subgraphs, " in run.stdout and " copies between them: " in run.stdout
+    assert "3 subgraphs, " in run.stderr and " copies between them: " in run.stderr
     assert "4       SECOND" in run.stdout.replace("  ", "    ") or "SECOND" in run.stdout
 
 

@@ -105,7 +105,7 @@ def test_query_graph_counts_the_copies_at_each_cut(server, tmp_path):
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert "no converter for op 'Det'" in out.stdout
-    assert "3 subgraphs, 2 copies between them: r (0->1), d (1->2)" in out.stdout, out.stdout
+    assert "3 subgraphs, 2 copies between them: r (0->1), d (1->2)" in out.stderr, out.stderr
     dot = (tmp_path / "split.dot").read_text()
     assert '"relu" -> "det" [color=red, penwidth=2, label="copy r"];' in dot
     assert "2 copies between subgraphs" in dot
