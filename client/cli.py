@@ -154,6 +154,19 @@ def _query(client: Client, args: argparse.Namespace) -> int:
             raise SystemExit(f"plugserve query: {exc}") from None
         print(f"graph -> {path}", file=sys.stderr)
     print(_table(_query_rows(response), ["NODE", "DEVICE", "WHY NOT"]))
+    if len(response.subgraphs) > 1:
+        import onnx
+
+        from plugserve.client.graph import copies
+
+        model = onnx.load(args.model, load_external_data=False)
+        splits = [(s.device, list(s.nodes)) for s in response.subgraphs]
+        crossing = copies(model, splits)
+        print(
+            f"{len(response.subgraphs)} subgraphs, {len(crossing)} copies between them"
+            + (": " + ", ".join(f"{v} ({a}->{b})" for v, a, b in crossing) if crossing else ""),
+            file=sys.stderr,  # the table on stdout stays rows only (scripts read it)
+        )
     return 0
 
 

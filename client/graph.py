@@ -15,7 +15,7 @@ from pathlib import Path
 
 import onnx
 
-__all__ = ["render", "to_dot"]
+__all__ = ["copies", "render", "to_dot"]
 
 _PALETTE = ("#8ecae6", "#ffb703", "#90be6d", "#f28482", "#cdb4db", "#f6bd60", "#84a59d")
 _UNSUPPORTED = "#d9d9d9"
@@ -37,6 +37,26 @@ def _quote(text: str) -> str:
     """A DOT string: backslashes, quotes and newlines escaped."""
     escaped = text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
     return f'"{escaped}"'
+
+
+def copies(
+    model: onnx.ModelProto, subgraphs: Sequence[tuple[str, Sequence[str]]]
+) -> list[tuple[str, int, int]]:
+    """The values a split copies: ``(value, producing subgraph, reading subgraph)``, once per
+    reading subgraph, in the model's order (what HETERO hands from one device to another at
+    each run; a graph input or an output is not counted)."""
+    graph = model.graph
+    names = _node_names(graph)
+    member = {n: k for k, (_device, nodes) in enumerate(subgraphs) for n in nodes}
+    made_in = {o: member.get(names[i]) for i, n in enumerate(graph.node) for o in n.output if o}
+    found: dict[tuple[str, int], int] = {}
+    for index, node in enumerate(graph.node):
+        reader = member.get(names[index])
+        for value in node.input:
+            source = made_in.get(value)
+            if source is not None and reader is not None and source != reader:
+                found.setdefault((value, reader), source)
+    return [(value, source, reader) for (value, reader), source in found.items()]
 
 
 def to_dot(
@@ -89,10 +109,20 @@ def to_dot(
             lines.append(node_line(index))
     producers = {o: names[i] for i, n in enumerate(graph.node) for o in n.output if o}
     graph_inputs = {v.name for v in graph.input} - initializers
+    crossing = copies(model, subgraphs)
+    copied = {(value, reader) for value, _source, reader in crossing}
+    member = {n: k for k, (_device, nodes) in enumerate(subgraphs) for n in nodes}
+    if crossing:
+        lines.append(
+            f"  label={_quote(f'{len(crossing)} copies between subgraphs (red edges)')}; "
+            "labelloc=b;"
+        )
     for index, node in enumerate(graph.node):
         for value in node.input:
             if value in producers:
-                lines.append(f"  {_quote(producers[value])} -> {_quote(names[index])};")
+                cut = (value, member.get(names[index])) in copied
+                style = f" [color=red, penwidth=2, label={_quote('copy ' + value)}]" if cut else ""
+                lines.append(f"  {_quote(producers[value])} -> {_quote(names[index])}{style};")
             elif value in graph_inputs:
                 lines.append(f"  {_quote('in:' + value)} -> {_quote(names[index])};")
     for value in graph.output:

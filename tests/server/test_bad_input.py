@@ -265,8 +265,8 @@ def test_unknown_model_version_device(client, triton, server):
         "Request for unknown model: 'add' version 7 is not found; its loaded versions: "
     )
     with pytest.raises(grpc.RpcError) as info:
-        client.load("m", mlp().SerializeToString(), device="GPU")
-    assert info.value.code() == NOT_FOUND and "unknown device 'GPU'" in info.value.details()
+        client.load("m", mlp().SerializeToString(), device="NPU")
+    assert info.value.code() == NOT_FOUND and "unknown device 'NPU'" in info.value.details()
 
     tensors = [("a", "FP32", [3], f32(A)), GOOD_B]
     status, message = kserve(triton, "nope", tensors)
@@ -281,10 +281,10 @@ def test_unknown_model_version_device(client, triton, server):
     folder = Path(server.repository) / "on_gpu"  # a repository model naming an unknown device
     (folder / "1").mkdir(parents=True, exist_ok=True)
     (folder / "1" / "model.onnx").write_bytes(mlp().SerializeToString())
-    (folder / "config.json").write_text(json.dumps({"device": "GPU"}))
+    (folder / "config.json").write_text(json.dumps({"device": "NPU"}))
     with pytest.raises(InferenceServerException) as info:
         triton.load_model("on_gpu")
-    assert info.value.status() == str(NOT_FOUND) and "unknown device 'GPU'" in info.value.message()
+    assert info.value.status() == str(NOT_FOUND) and "unknown device 'NPU'" in info.value.message()
     still_serving(client, triton)
 
 

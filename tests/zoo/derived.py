@@ -61,6 +61,7 @@ _derived(
         "NUMPY": "no NUMPY kernel for com.microsoft DynamicQuantizeLSTM",
         "OPENVINO": _OPENVINO_LSTM,
         "HETERO:OPENVINO,NUMPY": _OPENVINO_LSTM,
+        "HETERO:TORCH,NUMPY": "neither TORCH nor NUMPY runs com.microsoft DynamicQuantizeLSTM",
     },
 )
 # last_hidden_state is dequantized with scale 0.02572 (read from the model): one output step;
@@ -155,7 +156,17 @@ def _quantize_qoperator(source: Path, target: Path) -> None:
 
 _derived("bert_ortopt", "bert_script", _ort_optimized("bert", 2, 32))
 _derived("vit_ortopt", "vit_script", _ort_optimized("vit", 2, 32))
-_derived("gpt2_past_ortopt", "gpt2_past_script", _ort_optimized("gpt2", 0, 0))
+_derived(
+    "gpt2_past_ortopt",
+    "gpt2_past_script",
+    _ort_optimized("gpt2", 0, 0),
+    # TORCH takes the standard ops between the com.microsoft ones, whose outputs ONNX cannot
+    # type, and NUMPY's probe of the cut values fails on the past inputs' symbolic dims
+    known_failures={
+        "HETERO:TORCH,NUMPY": "HETERO cannot type a Split output it cuts between NUMPY pieces "
+        "(after com.microsoft ops ONNX's inference does not type)"
+    },
+)
 _derived(
     "bert_ortopt_int8",
     "bert_script",

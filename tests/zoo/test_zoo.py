@@ -23,6 +23,8 @@ DEVICES = [
     "OPENVINO",
     "HETERO:OPENVINO,NUMPY",
     "HETERO:NUMPY,ORT",
+    # torch's nodes on TORCH (the GPU device's code on the CPU), the rest on NUMPY
+    "HETERO:TORCH,NUMPY",
     "AUTO",
     "MULTI:NUMPY,ORT",
     "BATCH:NUMPY(2)",
@@ -105,6 +107,9 @@ def cases():
 def test_matches_onnxruntime(core, name: str, device: str) -> None:
     model = ZOO[name]
     path = str(model.path())
+    if "TORCH" in device and "TORCH" not in core.available_devices:
+        pytest.skip("TORCH needs torch: pip install torch --index-url "
+                    "https://download.pytorch.org/whl/cpu")  # fmt: skip
     rng = np.random.default_rng(0)
     requests = [model.feeds(rng) for _ in range(2)]
     accurate = {"EXECUTION_MODE_HINT": "ACCURACY"}

@@ -73,7 +73,11 @@ def test_dot_output_has_devices_and_subgraph_clusters(second_device_server, tmp_
     assert dot.count("subgraph cluster_") == 3
     assert 'label="subgraph 1: SECOND"' in dot and 'label="subgraph 0: NUMPY"' in dot
     assert '"4" [label="4\\nNeg\\nSECOND"' in dot
-    assert '"2" -> "4";' in dot and '"4" -> "5";' in dot
+    # the edges into and out of SECOND's subgraph are copies between devices, drawn and counted
+    assert '"2" -> "4" [color=red, penwidth=2, label="copy ' in dot
+    assert '"4" -> "5" [color=red, penwidth=2, label="copy ' in dot
+    assert "copies between subgraphs (red edges)" in dot
+    assert "3 subgraphs, " in run.stderr and " copies between them: " in run.stderr
     assert "4       SECOND" in run.stdout.replace("  ", "    ") or "SECOND" in run.stdout
 
 

@@ -1,0 +1,59 @@
+"""TORCH's and GPU's configuration: the common keys plus the precision float32 values compute
+in (INFERENCE_PRECISION_HINT) and, for the GPU, whether its input shapes are replayed as CUDA
+graphs."""
+
+from __future__ import annotations
+
+from plugserve.plugins.api import ConfigKey, Configuration
+
+__all__ = ["PRECISIONS", "GpuConfiguration", "TorchConfiguration"]
+
+PRECISIONS = ("f32", "f16", "bf16")
+
+
+def _precision(value: str) -> str:
+    text = str(value).strip().lower()
+    if text not in ("", *PRECISIONS):
+        raise ValueError("expected f32, f16 or bf16 (empty: the device's default)")
+    return text
+
+
+_HINT_DOC = (
+    "the precision float32 values compute in: f32, f16 or bf16; empty (the default): {default}. "
+    "EXECUTION_MODE_HINT=ACCURACY computes f32 whatever this says. f32 is IEEE float32 "
+    "everywhere (TF32 is never used)"
+)
+
+
+class TorchConfiguration(Configuration):
+    KEYS = (
+        *Configuration.KEYS,
+        ConfigKey(
+            "INFERENCE_PRECISION_HINT",
+            "",
+            _precision,
+            doc=_HINT_DOC.format(default="f32 on the CPU"),
+        ),
+    )
+
+
+class GpuConfiguration(Configuration):
+    KEYS = (
+        *Configuration.KEYS,
+        ConfigKey(
+            "INFERENCE_PRECISION_HINT",
+            "",
+            _precision,
+            doc=_HINT_DOC.format(
+                default="f16 on a GPU (the fastest within the tolerance the device claims, "
+                "1e-2 relative; as OPENVINO's bf16 default)"
+            ),
+        ),
+    )
+
+
+def precision(config: Configuration, default: str) -> str:
+    """The precision a load computes in: f32 under ACCURACY, else the hint, else ``default``."""
+    if config.get("EXECUTION_MODE_HINT") == "ACCURACY":
+        return "f32"
+    return config.get("INFERENCE_PRECISION_HINT") or default

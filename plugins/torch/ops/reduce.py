@@ -1,0 +1,113 @@
+"""Reductions: ReduceSum/Mean/Max/Min/Prod/L1/L2/LogSum/LogSumExp/SumSquare."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from plugserve.plugins.torch.ops.elementwise import FLOATS, NUMBERS
+from plugserve.plugins.torch.ops.registry import NodeContext, ints, register
+
+
+def _reduce(op: str, versions: tuple[int, ...], axes_input_from: int, types: frozenset[str],
+            body: Any) -> None:  # fmt: skip
+    @register(op, *versions, types=types)
+    def convert(ctx: NodeContext) -> Any:
+        torch = ctx.torch
+        keep = bool(int(ctx.attr("keepdims", 1)))
+        noop = bool(int(ctx.attr("noop_with_empty_axes", 0)))
+        attr_axes = ctx.attr("axes")
+        from_input = ctx.opset >= axes_input_from
+
+        def run(x: Any, axes: Any = None) -> Any:
+            wanted = (ints(axes) if axes is not None else None) if from_input else attr_axes
+            if not wanted:
+                if noop and from_input:
+                    return x
+                wanted = list(range(x.dim()))
+            dims = tuple(sorted({a % x.dim() for a in wanted})) if x.dim() else ()
+            return body(torch, x, dims, keep)
+
+        return run
+
+    convert.__name__ = f"convert_{op}"
+
+
+def _sum(torch: Any, x: Any, dims: tuple, keep: bool) -> Any:
+    return torch.sum(x, dim=dims, keepdim=keep, dtype=x.dtype) if dims else x.clone()
+
+
+def _mean(torch: Any, x: Any, dims: tuple, keep: bool) -> Any:
+    return torch.mean(x, dim=dims, keepdim=keep) if dims else x.clone()
+
+
+def _max(torch: Any, x: Any, dims: tuple, keep: bool) -> Any:
+    if not dims:
+        return x.clone()
+    if x.numel() == 0:
+        shape = (
+            [1 if i in dims else d for i, d in enumerate(x.shape)]
+            if keep
+            else [d for i, d in enumerate(x.shape) if i not in dims]
+        )
+        low = float("-inf") if x.is_floating_point() else torch.iinfo(x.dtype).min
+        return torch.full(shape, low, dtype=x.dtype, device=x.device)
+    return torch.amax(x, dim=dims, keepdim=keep)
+
+
+def _min(torch: Any, x: Any, dims: tuple, keep: bool) -> Any:
+    if not dims:
+        return x.clone()
+    if x.numel() == 0:
+        shape = (
+            [1 if i in dims else d for i, d in enumerate(x.shape)]
+            if keep
+            else [d for i, d in enumerate(x.shape) if i not in dims]
+        )
+        high = float("inf") if x.is_floating_point() else torch.iinfo(x.dtype).max
+        return torch.full(shape, high, dtype=x.dtype, device=x.device)
+    return torch.amin(x, dim=dims, keepdim=keep)
+
+
+def _prod(torch: Any, x: Any, dims: tuple, keep: bool) -> Any:
+    for d in sorted(dims, reverse=True):
+        x = torch.prod(x, dim=d, keepdim=keep)
+    return x
+
+
+def _l1(torch: Any, x: Any, dims: tuple, keep: bool) -> Any:
+    return _sum(torch, x.abs(), dims, keep)
+
+
+def _l2(torch: Any, x: Any, dims: tuple, keep: bool) -> Any:
+    y = _sum(torch, x * x, dims, keep)
+    return torch.sqrt(y.double()).to(x.dtype) if not x.is_floating_point() else torch.sqrt(y)
+
+
+def _log_sum(torch: Any, x: Any, dims: tuple, keep: bool) -> Any:
+    return torch.log(_sum(torch, x, dims, keep))
+
+
+def _log_sum_exp(torch: Any, x: Any, dims: tuple, keep: bool) -> Any:
+    if not dims:
+        return x.clone()
+    if not x.is_floating_point():
+        return torch.logsumexp(x.double(), dim=dims, keepdim=keep).to(x.dtype)
+    return torch.logsumexp(x, dim=dims, keepdim=keep)
+
+
+def _sum_square(torch: Any, x: Any, dims: tuple, keep: bool) -> Any:
+    return _sum(torch, x * x, dims, keep)
+
+
+_NUM = NUMBERS - {"int8", "uint8", "int16"}
+_reduce("ReduceSum", (1, 11, 13), 13, _NUM, _sum)
+for _op, _fn, _types in [
+    ("ReduceMean", _mean, FLOATS), ("ReduceMax", _max, NUMBERS), ("ReduceMin", _min, NUMBERS),
+    ("ReduceProd", _prod, _NUM), ("ReduceL1", _l1, _NUM), ("ReduceL2", _l2, _NUM),
+    ("ReduceLogSum", _log_sum, FLOATS), ("ReduceLogSumExp", _log_sum_exp, _NUM),
+    ("ReduceSumSquare", _sum_square, _NUM),
+]:  # fmt: skip
+    _versions = (1, 11, 13, 18, 20) if _op in ("ReduceMax", "ReduceMin") else (1, 11, 13, 18)
+    if _op in ("ReduceLogSum", "ReduceLogSumExp"):
+        _versions = (*_versions, 28)
+    _reduce(_op, _versions, 18, _types, _fn)

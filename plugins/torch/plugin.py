@@ -1,0 +1,263 @@
+"""The TORCH device (torch on the CPU) and the GPU device (torch on CUDA: ``GPU``, ``GPU.0``,
+``GPU.1``...): ONNX converted node by node (:mod:`.ops`) into a program of torch steps
+(:mod:`.program`). Both are the same code; TORCH is what CI tests, GPU what a CUDA machine
+serves with.
+
+Precision is explicit (:mod:`.config`): float32 values compute in f32 (IEEE: TF32 off), f16 or
+bf16; the GPU's default is f16, the CPU's f32, and ``EXECUTION_MODE_HINT=ACCURACY`` is f32 on
+both. Without torch (or, for GPU, without a CUDA build of it or an NVIDIA driver) the
+constructor raises and the Core lists the device unavailable with the reason; it reads torch's
+installed files for that, and imports torch at the device's first load or query (9 s and
+190 MB that no server start pays otherwise, ``backend``).
+"""
+
+from __future__ import annotations
+
+import platform
+from collections.abc import Mapping
+from typing import Any
+
+from plugserve.plugins import memory
+from plugserve.plugins.api import (
+    BackendUnavailable,
+    InvalidArgument,
+    InvalidModel,
+    Model,
+    Plugin,
+    Unsupported,
+    available_cores,
+)
+from plugserve.plugins.ir import Graph, load_model, read_model
+from plugserve.plugins.passes.sizes import check_load_constants
+from plugserve.plugins.shapecheck import shape_model
+from plugserve.plugins.torch import backend
+from plugserve.plugins.torch.compiled import TorchCompiledNetwork
+from plugserve.plugins.torch.config import GpuConfiguration, TorchConfiguration, precision
+from plugserve.plugins.torch.ops.registry import converters
+from plugserve.plugins.torch.program import Program
+from plugserve.plugins.torch.query import supported_nodes, unsupported_nodes
+
+__all__ = ["GpuPlugin", "TorchPlugin"]
+
+
+class TorchPlugin(Plugin):
+    name = "TORCH"
+    config_class = TorchConfiguration
+    cancellation = "before each node"
+    #: the precision a load computes in when neither the hint nor ACCURACY says
+    default_precision = "f32"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.version = backend.installed()  # raises, saying how to install torch, without it
+        major = self.version.split(".")[0]
+        self.architecture = f"{platform.machine() or 'unknown'}-torch{major}"
+
+    @property
+    def torch(self) -> Any:
+        """torch, imported at the device's first load or query (``backend``: not at start)."""
+        return backend.torch_module()
+
+    # --- the device a load runs on
+
+    def _device(self, config: Any) -> Any:
+        return self.torch.device("cpu")
+
+    def _compute(self, config: Any) -> tuple[str, Any]:
+        chosen = precision(config, self.default_precision)
+        table = {"f32": self.torch.float32, "f16": self.torch.float16, "bf16": self.torch.bfloat16}
+        return chosen, table[chosen]
+
+    # --- networks
+
+    def _graph(self, model: Model) -> tuple[Graph, bytes, Any]:
+        proto, _ = read_model(model)  # external data inlined here, safely
+        graph = load_model(proto)
+        check_load_constants(graph, self.name)
+        try:
+            data = proto.SerializeToString()
+        except ValueError as exc:
+            raise InvalidModel(f"model {graph.name!r} cannot be serialized: {exc}") from None
+        return graph, data, proto
+
+    def _compile(
+        self, graph: Graph, data: bytes, cfg: Any, name: str | None = None
+    ) -> TorchCompiledNetwork:
+        device = self._device(cfg)
+        chosen, compute = self._compute(cfg)
+        refused = unsupported_nodes(graph, self.torch, device, compute)
+        if refused:
+            shown = "; ".join(f"node {n!r}: {why}" for n, why in list(refused.items())[:8])
+            more = f" (and {len(refused) - 8} more)" if len(refused) > 8 else ""
+            raise Unsupported(
+                f"model {graph.name!r} has nodes {self.name} cannot run: {shown}{more}; "
+                f"HETERO:{self.name},NUMPY runs them on NUMPY"
+            )
+        program = Program(graph, self.torch, device, compute)
+        return TorchCompiledNetwork(
+            self,
+            cfg,
+            name or graph.name,
+            list(graph.inputs),
+            list(graph.outputs),
+            program,
+            data,
+            chosen,
+            device,
+        )
+
+    @memory.giving_back
+    def load_network(
+        self, model: Model, config: Mapping[str, Any] | None = None
+    ) -> TorchCompiledNetwork:
+        cfg = self.merged_config(config)
+        graph, data, proto = self._graph(model)
+        network = self._compile(graph, data, cfg)
+        network.shape_model = shape_model(proto)
+        return network
+
+    def query_network(
+        self, model: Model, config: Mapping[str, Any] | None = None
+    ) -> dict[str, str]:
+        cfg = self.merged_config(config, strict=False)
+        graph = load_model(model)
+        check_load_constants(graph, self.name)
+        _, compute = self._compute(cfg)
+        refused = unsupported_nodes(graph, self.torch, self._device(cfg), compute)
+        return {name: self.name for name in sorted(supported_nodes(graph, refused))}
+
+    def unsupported_nodes(
+        self, model: Model, config: Mapping[str, Any] | None = None
+    ) -> dict[str, str]:
+        cfg = self.merged_config(config, strict=False)
+        _, compute = self._compute(cfg)
+        return unsupported_nodes(load_model(model), self.torch, self._device(cfg), compute)
+
+    def import_network(
+        self, data: bytes, config: Mapping[str, Any] | None = None
+    ) -> TorchCompiledNetwork:
+        header, payload, cfg = self._unpack(data, config)
+        import onnx
+
+        proto = onnx.ModelProto()
+        try:
+            proto.ParseFromString(payload)
+            graph = load_model(proto)
+        except Exception as exc:
+            raise InvalidArgument(f"exported network is corrupt: {exc}") from None
+        return self._compile(graph, payload, cfg, str(header.get("network_name") or graph.name))
+
+    # --- metrics
+
+    def supported_metrics(self) -> list[str]:
+        return [*super().supported_metrics(), "SUPPORTED_OPS"]
+
+    def device_name(self) -> str:
+        return backend.cpu_full_name()
+
+    def capabilities(self) -> list[str]:
+        return backend.cpu_capabilities()
+
+    def _metric(self, name: str, options: Mapping[str, Any]) -> Any:
+        if name == "SUPPORTED_OPS":
+            return converters.ops()
+        if name == "RANGE_FOR_STREAMS":
+            return (1, available_cores())
+        return super()._metric(name, options)
+
+
+class GpuPlugin(TorchPlugin):
+    """CUDA GPUs: ``GPU`` is the first, ``GPU.<n>`` the n-th (DEVICE_ID), as OpenVINO users
+    address Intel GPUs."""
+
+    name = "GPU"
+    config_class = GpuConfiguration
+    default_precision = "f16"
+
+    def __init__(self) -> None:
+        super().__init__()
+        cuda = backend.cuda_build()
+        if cuda is None:
+            raise BackendUnavailable(
+                f"torch {self.version} is a CPU-only build (no CUDA); for GPUs: "
+                f"{backend.INSTALL_CUDA}"
+            )
+        if not backend.driver_present():
+            raise BackendUnavailable(
+                f"torch {self.version} (CUDA {cuda}) sees no CUDA device (no GPU, no NVIDIA "
+                "driver, or CUDA_VISIBLE_DEVICES hides them)"
+            )
+        self._cards: list[backend.CudaCard] | None = None
+
+    @property
+    def cards(self) -> list[backend.CudaCard]:
+        """The CUDA cards, asked of torch at first use (torch is imported then)."""
+        if self._cards is None:
+            self._cards = backend.require_cuda()
+            # f32 is IEEE float32 on every card: TF32 would lose precision silently (7.7e-2 on
+            # a detector, issue 49); a user who wants speed asks for f16 or bf16
+            self.torch.backends.cuda.matmul.allow_tf32 = False
+            self.torch.backends.cudnn.allow_tf32 = False
+            major = self.version.split(".")[0]
+            self.architecture = f"{self._cards[0].architecture}-torch{major}"
+        return self._cards
+
+    def _unpack(self, data: bytes, config: Any) -> Any:
+        self.cards  # noqa: B018 (the architecture an import must match is the card's)
+        return super()._unpack(data, config)
+
+    def _compile(self, *args: Any, **kwargs: Any) -> TorchCompiledNetwork:
+        self.cards  # noqa: B018 (TF32 off before the first network)
+        return super()._compile(*args, **kwargs)
+
+    def _card(self, device_id: Any) -> backend.CudaCard:
+        text = str(device_id or "0").strip() or "0"
+        try:
+            index = int(text)
+            return self.cards[index]
+        except (ValueError, IndexError):
+            raise InvalidArgument(
+                f"device GPU.{text}: no such GPU; GPUs: "
+                + ", ".join(f"GPU.{c.index} ({c.name})" for c in self.cards)
+            ) from None
+
+    def _device(self, config: Any) -> Any:
+        return self.torch.device("cuda", self._card(config.get("DEVICE_ID")).index)
+
+    def device_name(self) -> str:
+        return self._full_name(self.cards[0])
+
+    def _full_name(self, card: backend.CudaCard) -> str:
+        return (
+            f"{card.name} (torch {self.version}, CUDA {self.torch.version.cuda}, "
+            f"compute capability {card.capability[0]}.{card.capability[1]})"
+        )
+
+    def supported_metrics(self) -> list[str]:
+        return [
+            *super().supported_metrics(),
+            "GPU_DEVICE_TOTAL_MEM_SIZE",
+            "GPU_COMPUTE_CAPABILITY",
+            "DEVICE_UUID",
+        ]
+
+    def _metric(self, name: str, options: Mapping[str, Any]) -> Any:
+        card = self._card(options.get("DEVICE_ID") or self.config.get("DEVICE_ID"))
+        if name == "AVAILABLE_DEVICES":
+            return [str(c.index) for c in self.cards]
+        if name == "FULL_DEVICE_NAME":
+            return self._full_name(card)
+        if name == "GPU_DEVICE_TOTAL_MEM_SIZE":
+            return card.total_memory
+        if name == "GPU_COMPUTE_CAPABILITY":
+            return f"{card.capability[0]}.{card.capability[1]}"
+        if name == "DEVICE_UUID":
+            return card.uuid
+        if name == "OPTIMIZATION_CAPABILITIES":
+            return backend.cuda_capabilities(card)
+        if name == "DEVICE_ARCHITECTURE":
+            self.cards  # noqa: B018
+            return self.architecture
+        if name == "RANGE_FOR_STREAMS":
+            return (1, 8)
+        return super()._metric(name, options)

@@ -1,0 +1,204 @@
+"""An ONNX graph as a program of torch steps, decided at load: each node's converter
+(:mod:`.ops`) gives a function of tensors; the program runs them in the graph's order over a
+list of slots, freeing each value after its last reader, as NUMPY's plan does.
+
+QueryNetwork (:mod:`.query`) runs the same :class:`Converting` on every node.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from plugserve.plugins import cancel
+from plugserve.plugins.api import InferenceError, PlugserveError, Unsupported
+from plugserve.plugins.ir import Graph, Node, attribute_graphs
+from plugserve.plugins.torch import ops as _ops  # noqa: F401  (registers the converters)
+from plugserve.plugins.torch.ops.registry import (
+    VALUE_TYPES,
+    NodeContext,
+    Refused,
+    converters,
+    schema_version,
+    to_numpy,
+    to_tensor,
+)
+
+__all__ = ["Converting", "Program", "build_program"]
+
+log = logging.getLogger(__name__)
+
+
+def value_types(graph: Graph) -> dict[str, np.dtype]:
+    """The element type of every value ONNX's inference (or the model) types."""
+    types: dict[str, np.dtype] = {}
+    for spec in [*graph.value_info.values(), *graph.inputs, *graph.outputs]:
+        if spec.dtype is not None:
+            types[spec.name] = np.dtype(spec.dtype)
+    for name, value in graph.initializers.items():
+        types[name] = np.asarray(value).dtype
+    return types
+
+
+def _check_types(node: Node, types: dict[str, np.dtype]) -> None:
+    for name in [*node.inputs, *node.outputs]:
+        if not name:
+            continue
+        dtype = types.get(name)
+        if dtype is None:
+            raise Refused(f"the type of {name!r} is unknown (ONNX's inference leaves it open)")
+        if dtype.name not in VALUE_TYPES:
+            raise Refused(
+                f"{name!r} is {dtype} (this device holds {', '.join(sorted(VALUE_TYPES))})"
+            )
+
+
+class Converting:
+    """What converting a graph's nodes in order needs: the values known at load so far."""
+
+    def __init__(self, graph: Graph, torch: Any, device: Any, compute: Any) -> None:
+        self.graph = graph
+        self.torch = torch
+        self.device = device
+        self.compute = compute
+        self.types = value_types(graph)
+        self.constants: dict[str, np.ndarray] = dict(graph.initializers)
+
+    def convert(self, node: Node) -> tuple[Any, bool]:
+        if any(attribute_graphs(a) for a in node.attrs.values()):
+            raise Refused(f"op {node.op_type!r} with a subgraph (control flow is not converted)")
+        opset = self.graph.node_opset(node)
+        entry = converters.lookup(node, opset)
+        _check_types(node, self.types)
+        if entry.types is not None:  # the op's data: its first input and output
+            for name in [*node.inputs[:1], *node.outputs[:1]]:
+                if name and self.types[name].name not in entry.types:
+                    raise Refused(f"{node.op_type} of {self.types[name]} ({name!r})")
+        ctx = NodeContext(
+            node,
+            self.graph,
+            schema_version(node.op_type, opset) or 1,
+            self.constants,
+            self.torch,
+            self.device,
+            self.compute,
+            self.types,
+        )
+        step = entry.convert(ctx)
+        if node.op_type == "Constant":  # known at load: later converters may read it
+            value = getattr(step, "value", None)
+            if value is not None:
+                self.constants[node.outputs[0]] = value
+        halves = [bool(n) and ctx.rounds_to_f16(self.types[n]) for n in node.outputs]
+        if any(halves) and node.op_type != "Constant":
+            step = _rounding(step, halves, entry.multi_output, self.torch)
+        return step, entry.multi_output
+
+
+def _rounding(step: Any, halves: list[bool], multi: bool, torch: Any) -> Any:
+    """``step`` with its float16 outputs (held in float32) rounded to float16, as each op of
+    the ONNX reference rounds them: float16 arithmetic done in float32 and rounded per node."""
+    half = torch.float16
+
+    def rounded(*args: Any) -> Any:
+        result = step(*args)
+        if not multi:
+            return result.to(half).to(result.dtype)
+        return tuple(
+            r.to(half).to(r.dtype) if h and r is not None else r
+            for r, h in zip(result, halves + [False] * (len(result) - len(halves)))
+        )
+
+    return rounded
+
+
+class Program:
+    """The steps of one graph, run over slots; values in and out as numpy arrays."""
+
+    def __init__(self, graph: Graph, torch: Any, device: Any, compute: Any) -> None:
+        self.torch = torch
+        self.device = device
+        self.compute = compute
+        self.name = graph.name
+        converting = Converting(graph, torch, device, compute)
+        slots: dict[str, int] = {}
+
+        def slot(name: str) -> int:
+            if name not in slots:
+                slots[name] = len(slots)
+            return slots[name]
+
+        self.input_slots = [slot(s.name) for s in graph.inputs]
+        self.input_types = [
+            np.dtype(s.dtype) if s.dtype is not None else None for s in graph.inputs
+        ]
+        steps: list[tuple[Any, list[int], list[int], str]] = []
+        with torch.inference_mode():
+            for node in graph.nodes:
+                try:
+                    fn, multi = converting.convert(node)
+                except Unsupported as exc:
+                    raise Unsupported(
+                        f"model {graph.name!r}: node {node.name!r} ({node.op_type}): {exc}"
+                    ) from None
+                ins = [slot(n) if n else -1 for n in node.inputs]
+                outs = [slot(n) if n else -1 for n in node.outputs]
+                if not multi:  # one result: a list of one slot; several: a tuple to spread
+                    outs = outs[:1]
+                elif len(outs) == 1:
+                    outs = [*outs, -1]
+                steps.append((fn, ins, outs, f"{node.name} ({node.op_type})"))
+            self.template: list[Any] = [None] * len(slots)
+            for name, value in graph.initializers.items():
+                if name in slots:
+                    self.template[slots[name]] = to_tensor(torch, value, device, compute)
+        self.output_slots = [slot(s.name) for s in graph.outputs]
+        self.output_types = [converting.types.get(s.name) for s in graph.outputs]
+        keep = set(self.output_slots) | set(self.input_slots)
+        last: dict[int, int] = {}
+        for index, (_fn, ins, _outs, _what) in enumerate(steps):
+            for i in ins:
+                if i >= 0:
+                    last[i] = index
+        self.steps = [
+            (fn, ins, outs, what, [i for i in set(ins) if i >= 0 and last.get(i) == index
+                                   and i not in keep and self.template[i] is None])
+            for index, (fn, ins, outs, what) in enumerate(steps)
+        ]  # fmt: skip
+
+    def run(self, arrays: Sequence[Any]) -> list[np.ndarray]:
+        torch = self.torch
+        vals = list(self.template)
+        with torch.inference_mode():
+            for slot, array in zip(self.input_slots, arrays):
+                vals[slot] = to_tensor(torch, np.asarray(array), self.device, self.compute)
+            token = cancel.current()
+            what = ""
+            try:
+                for fn, ins, outs, what, free in self.steps:  # noqa: B007 (named in the error)
+                    if token is not None and token.error is not None:
+                        raise token.failure()
+                    result = fn(*[vals[i] if i >= 0 else None for i in ins])
+                    if len(outs) == 1:
+                        vals[outs[0]] = result
+                    else:
+                        for slot, value in zip(outs, result):
+                            if slot >= 0:
+                                vals[slot] = value
+                    for i in free:
+                        vals[i] = None
+                return [
+                    to_numpy(torch, vals[s], t if t is not None else np.dtype(np.float32))
+                    for s, t in zip(self.output_slots, self.output_types)
+                ]
+            except PlugserveError:
+                raise
+            except Exception as exc:
+                raise InferenceError(f"network {self.name!r}: node {what}: {exc}") from exc
+
+
+def build_program(graph: Graph, torch: Any, device: Any, compute: Any) -> Program:
+    return Program(graph, torch, device, compute)

@@ -1,0 +1,204 @@
+"""The prepared GPU check (issue 49): one script, run on a machine with a CUDA GPU and torch
+(no network needed), that writes what it found to a folder: ``checks`` (pass/fail each, with
+the reason), speed figures and the card, as ``gpu_check.json`` and ``gpu_check.txt``.
+
+    python tests/benchmarks/gpu_check.py OUT_DIR [--device GPU] [--budget 1.0]
+
+Checks, on ``--device`` (GPU; TORCH runs the same on the CPU, which is how it is tested here):
+the device is listed with its card, memory and compute capability; a CNN matches NUMPY in f32
+(TF32 off) and stays within f16's and bf16's tolerance; a Det node goes to NUMPY through
+HETERO; export/import gives the same answer. Speed: ResNet-50 (torchvision's, random weights,
+exported to ONNX here) at batch 32 and batch 1 through the device, numpy in and out, beside
+torch's own eager forward of the same module in fp16 in the same run (the issue's bar: at
+least 1.0x eager at batch 32). Without torchvision a small conv net stands in (said in the
+output). Bounded: each figure is timed for ``--budget`` seconds (default 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT / "tests" / "support"), str(ROOT / "tests" / "plugins" / "torch")]
+
+
+def timed(fn, budget: float, sync) -> float:
+    """Median milliseconds of ``fn`` over ``budget`` seconds (at least 5 runs, 3 warm-up)."""
+    for _ in range(3):
+        fn()
+    sync()
+    times: list[float] = []
+    end = time.perf_counter() + budget
+    while time.perf_counter() < end or len(times) < 5:
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--device", default="GPU")
+    ap.add_argument("--budget", type=float, default=1.0)
+    ap.add_argument("--resnet-batch", type=int, default=32)
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    import onnx
+    import torch
+    from models import small_cnn
+    from test_torch_device import _det_model
+
+    from plugserve.server import Core
+
+    core = Core()
+    device = args.device
+    result: dict = {"device": device, "torch": torch.__version__, "cuda": torch.version.cuda,
+                    "checks": {}, "figures": {}}  # fmt: skip
+    checks = result["checks"]
+
+    def check(name: str, fn) -> None:
+        try:
+            detail = fn()
+            checks[name] = {"pass": True, "detail": detail or ""}
+        except Exception as exc:  # every check reports, none stops the others
+            checks[name] = {"pass": False, "detail": f"{type(exc).__name__}: {exc}",
+                            "trace": traceback.format_exc()[-2000:]}  # fmt: skip
+        print(f"{'PASS' if checks[name]['pass'] else 'FAIL'} {name}: {checks[name]['detail']}",
+              flush=True)  # fmt: skip
+
+    def listed() -> str:
+        devices = {d.name: d for d in core.devices()}
+        info = devices.get(device.split(".")[0])
+        if info is None or not info.available:
+            raise RuntimeError(f"{device} unavailable: {info.reason if info else 'unknown'}")
+        skip = ("SUPPORTED_OPS", "SUPPORTED_METRICS", "SUPPORTED_CONFIG_KEYS")
+        names = [m for m in core.get_metric(device, "SUPPORTED_METRICS") if m not in skip]
+        facts = {m: core.get_metric(device, m) for m in names}
+        result["card"] = {k: str(v) for k, v in facts.items()}
+        return str(facts.get("FULL_DEVICE_NAME"))
+
+    check("listed", listed)
+    image = np.random.default_rng(1).normal(size=(4, 3, 16, 16)).astype(np.float32)
+    cnn = small_cnn(batch="n")
+    want = core.load_network(cnn, "NUMPY").infer({"x": image})["probs"]
+
+    def precision(hint: str, tolerance: float):
+        def run() -> str:
+            config = {"INFERENCE_PRECISION_HINT": hint} if hint else {}
+            network = core.load_network(cnn, device, config)
+            got = network.infer({"x": image})["probs"]
+            error = float(np.max(np.abs(got - want)))
+            if not error <= tolerance:
+                raise AssertionError(f"max error {error:.3g} over {tolerance}")
+            return f"{network.get_metric('INFERENCE_PRECISION')}: max error {error:.3g}"
+
+        return run
+
+    check("cnn_f32_equals_numpy", precision("f32", 1e-5))
+    check("cnn_default_precision", precision("", 2e-2))
+    check("cnn_f16", precision("f16", 2e-2))
+    check("cnn_bf16", precision("bf16", 6e-2))
+
+    def hetero() -> str:
+        model = _det_model()
+        placed = core.query_network(model, f"HETERO:{device},NUMPY")
+        x = np.random.default_rng(3).normal(size=(2, 3, 3)).astype(np.float32)
+        got = core.load_network(model, f"HETERO:{device},NUMPY").infer({"x": x})["y"]
+        ref = core.load_network(model, "NUMPY").infer({"x": x})["y"]
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+        return str(placed)
+
+    check("hetero_det_on_numpy", hetero)
+
+    def export_import() -> str:
+        network = core.load_network(cnn, device, {"INFERENCE_PRECISION_HINT": "f32"})
+        again = core.import_network(network.export(), device)
+        np.testing.assert_array_equal(again.infer({"x": image})["probs"],
+                                      network.infer({"x": image})["probs"])  # fmt: skip
+        return f"{len(network.export())} bytes"
+
+    check("export_import", export_import)
+
+    # --- speed: ResNet-50 through the device beside torch's own eager forward
+    cuda = torch.cuda.is_available() and device.startswith("GPU")
+    dev = "cuda" if cuda else "cpu"
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    try:
+        import torchvision
+
+        module = torchvision.models.resnet50(weights=None).eval()
+        label, size = "resnet50", 224
+    except ImportError:
+        module = torch.nn.Sequential(
+            torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.BatchNorm2d(16), torch.nn.ReLU(),
+            torch.nn.Conv2d(16, 32, 3, stride=2, padding=1), torch.nn.ReLU(),
+            torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(32, 10),
+        ).eval()  # fmt: skip
+        label, size = "small_convnet (no torchvision here)", 64
+    result["figures"]["model"] = label
+    buffer = io.BytesIO()
+    with torch.no_grad():
+        torch.onnx.export(module, torch.zeros(1, 3, size, size), buffer, input_names=["x"],
+                          output_names=["y"], dynamic_axes={"x": {0: "n"}}, dynamo=False,
+                          opset_version=17)  # fmt: skip
+    proto = onnx.load_from_string(buffer.getvalue())
+    half = torch.float16 if cuda else torch.float32
+    eager = module.to(dev, dtype=half)
+    if cuda:
+        eager = eager.to(memory_format=torch.channels_last)
+    for batch in (args.resnet_batch, 1):
+        x = np.random.default_rng(batch).random((batch, 3, size, size), dtype=np.float32)
+
+        def torch_eager(x=x):
+            with torch.inference_mode():
+                t = torch.from_numpy(x).to(dev, non_blocking=True).to(half)
+                return eager(t).float().cpu().numpy()
+
+        ms = timed(torch_eager, args.budget, sync)
+        rate = round(batch / ms * 1e3, 1)
+        result["figures"][f"torch_eager_b{batch}"] = {"ms": round(ms, 3), "img_per_s": rate}
+        try:
+            network = core.load_network(proto, device)
+            request = network.create_infer_request()
+            ms = timed(lambda x=x, r=request: r.infer({"x": x}), args.budget, sync)
+            result["figures"][f"{device}_b{batch}"] = {
+                "ms": round(ms, 3), "img_per_s": round(batch / ms * 1e3, 1),
+                "precision": network.get_metric("INFERENCE_PRECISION"),
+            }  # fmt: skip
+        except Exception as exc:
+            result["figures"][f"{device}_b{batch}"] = {"error": f"{type(exc).__name__}: {exc}"}
+        print(f"b{batch}: {result['figures'][f'torch_eager_b{batch}']} "
+              f"{device}: {result['figures'][f'{device}_b{batch}']}", flush=True)  # fmt: skip
+    big = result["figures"].get(f"{device}_b{args.resnet_batch}", {})
+    base = result["figures"][f"torch_eager_b{args.resnet_batch}"]
+    if "img_per_s" in big:
+        result["figures"]["ratio_to_eager"] = round(big["img_per_s"] / base["img_per_s"], 3)
+    (out / "gpu_check.json").write_text(json.dumps(result, indent=2))
+    lines = [f"{device} ({result.get('card', {}).get('FULL_DEVICE_NAME', '?')}), torch "
+             f"{result['torch']}, CUDA {result['cuda']}"]  # fmt: skip
+    lines += [f"{'PASS' if c['pass'] else 'FAIL'} {n}: {c['detail']}" for n, c in checks.items()]
+    lines += [f"{k}: {v}" for k, v in result["figures"].items()]
+    (out / "gpu_check.txt").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0 if all(c["pass"] for c in checks.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

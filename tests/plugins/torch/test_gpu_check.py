@@ -1,0 +1,34 @@
+"""The prepared GPU check (tests/benchmarks/gpu_check.py) runs here on TORCH, the GPU device's
+code on the CPU: every check passes and both files are written, so the script that waits for a
+GPU machine is known to work before it gets one."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip(
+    "torch",
+    reason="the TORCH device needs torch: pip install torch --index-url "
+    "https://download.pytorch.org/whl/cpu",
+)
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
+
+
+@pytest.mark.slow
+def test_the_gpu_check_passes_on_torch(tmp_path):
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), str(tmp_path), "--device", "TORCH", "--budget", "0.05",
+         "--resnet-batch", "4"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert result["checks"] and all(c["pass"] for c in result["checks"].values()), result
+    assert {"torch_eager_b4", "TORCH_b4", "torch_eager_b1", "TORCH_b1"} <= set(result["figures"])
+    assert "PASS listed" in (tmp_path / "gpu_check.txt").read_text()
