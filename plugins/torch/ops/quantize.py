@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from plugserve.plugins.torch.ops.nn import conv_step
 from plugserve.plugins.torch.ops.registry import NodeContext, Refused, register
 
 _Q = frozenset({"int8", "uint8", "int32"})
@@ -114,8 +115,6 @@ def matmul_integer(ctx: NodeContext) -> Any:
 
 @register("ConvInteger", 10, types=frozenset({"int8", "uint8", "int32"}))
 def conv_integer(ctx: NodeContext) -> Any:
-    from plugserve.plugins.torch.ops.nn import conv_step
-
     torch = ctx.torch
     step = conv_step(ctx)
 
