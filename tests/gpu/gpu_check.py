@@ -330,7 +330,9 @@ def make_folder(gpu: bool, work: Path) -> Path:
     return _big_folder(work / "decoder-220m")
 
 
-def _big_folder(folder: Path) -> Path:
+def _big_folder(
+    folder: Path, hidden: int = 1024, layers: int = 12, heads: int = 16, intermediate: int = 2816
+) -> Path:
     """hidden 1024, 12 layers, 16 heads (no GQA), intermediate 2816, vocab 32,000, f32 weights
     as llm_hf draws them. The tokenizer is llm_hf's trained byte-level BPE of 4,096 ids (its
     specials last), its vocabulary padded with unreachable tokens ``<pad_N>`` up to 32,000:
@@ -342,8 +344,8 @@ def _big_folder(folder: Path) -> Path:
     if (folder / "model.safetensors").exists():
         return folder
     spec = llm_hf.DecoderSpec(
-        family="llama", hidden=1024, layers=12, heads=16, kv_heads=16, intermediate=2816,
-        vocab=4096, context=2048, corpus_lines=8000,
+        family="llama", hidden=hidden, layers=layers, heads=heads, kv_heads=heads,
+        intermediate=intermediate, vocab=4096, context=2048, corpus_lines=8000,
     )  # fmt: skip
     small = folder.parent / "tokenizer-only"
     tiny = llm_hf.DecoderSpec(**{**spec.recipe(), "hidden": 64, "layers": 1, "heads": 4,
@@ -365,8 +367,9 @@ def _big_folder(folder: Path) -> Path:
     big = llm_hf.DecoderSpec(**{**spec.recipe(), "vocab": vocab})
     config = json.loads((folder / "config.json").read_text())
     config.update(
-        vocab_size=vocab, hidden_size=1024, intermediate_size=2816, num_hidden_layers=12,
-        num_attention_heads=16, num_key_value_heads=16, head_dim=64, max_position_embeddings=2048,
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+        head_dim=hidden // heads, max_position_embeddings=2048,
     )  # fmt: skip
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     eos = json.loads((folder / "generation_config.json").read_text())["eos_token_id"]
@@ -713,9 +716,19 @@ def run_generation(results: Results, args, device: str, work: Path) -> None:
 
 
 class VisionPlan:
+    """ResNet-50 at 224x224 on a GPU; on the CPU path ResNet-18 at 64x64, or, without
+    torchvision (CI installs none), a small residual CNN of the same ops (Conv, BatchNorm
+    folded by the exporter, Relu, MaxPool, Add, GlobalAveragePool, Gemm)."""
+
     def __init__(self, gpu: bool) -> None:
         self.gpu = gpu
-        self.model = "resnet50" if gpu else "resnet18"
+        try:
+            import torchvision  # noqa: F401
+
+            small = "resnet18"
+        except ImportError:
+            small = "small-cnn"
+        self.model = "resnet50" if gpu else small
         self.size = 224 if gpu else 64
         self.batch = 32 if gpu else 4
         self.time_s = 2.0 if gpu else 0.5
@@ -723,10 +736,14 @@ class VisionPlan:
 
 def export_resnet(plan: VisionPlan, work: Path) -> Path:
     import torch
-    import torchvision
 
     torch.manual_seed(0)
-    model = getattr(torchvision.models, plan.model)(weights=None).eval()
+    if plan.model == "small-cnn":
+        model = _small_cnn().eval()
+    else:
+        import torchvision
+
+        model = getattr(torchvision.models, plan.model)(weights=None).eval()
     x = torch.rand(1, 3, plan.size, plan.size)
     path = work / f"{plan.model}.onnx"
     torch.onnx.export(
@@ -734,6 +751,29 @@ def export_resnet(plan: VisionPlan, work: Path) -> Path:
         dynamic_axes={"x": {0: "n"}, "y": {0: "n"}}, opset_version=17, dynamo=False,
     )  # fmt: skip
     return path
+
+
+def _small_cnn():
+    import torch
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self, width: int) -> None:
+            super().__init__()
+            self.conv1 = nn.Conv2d(width, width, 3, padding=1, bias=False)
+            self.bn1 = nn.BatchNorm2d(width)
+            self.conv2 = nn.Conv2d(width, width, 3, padding=1, bias=False)
+            self.bn2 = nn.BatchNorm2d(width)
+
+        def forward(self, x):
+            y = torch.relu(self.bn1(self.conv1(x)))
+            return torch.relu(x + self.bn2(self.conv2(y)))
+
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 7, stride=2, padding=3, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
+        nn.MaxPool2d(3, stride=2, padding=1), Block(16), Block(16),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 1000),
+    )  # fmt: skip
 
 
 def check_accuracy(path: Path, device: str, precision: str, plan: VisionPlan) -> dict:
@@ -821,13 +861,21 @@ def check_serve_vision(path: Path, device: str, plan: VisionPlan, out: Path, box
             # system shared memory: the tensors' bytes never cross the wire
             in_bytes, out_bytes = x.nbytes, batch * 1000 * 4
             tag = f"b{batch}-{os.getpid()}"
-            h_in = shm.create_shared_memory_region(f"in-{tag}", f"/gpucheck-in-{tag}", in_bytes)
+            h_in = shm.create_shared_memory_region(
+                f"in-{tag}", f"/plugserve-gpucheck-in-{tag}", in_bytes
+            )
             handles.append(h_in)
-            h_out = shm.create_shared_memory_region(f"out-{tag}", f"/gpucheck-out-{tag}", out_bytes)
+            h_out = shm.create_shared_memory_region(
+                f"out-{tag}", f"/plugserve-gpucheck-out-{tag}", out_bytes
+            )
             handles.append(h_out)
             shm.set_shared_memory_region(h_in, [x])
-            client.register_system_shared_memory(f"in-{tag}", f"/gpucheck-in-{tag}", in_bytes)
-            client.register_system_shared_memory(f"out-{tag}", f"/gpucheck-out-{tag}", out_bytes)
+            client.register_system_shared_memory(
+                f"in-{tag}", f"/plugserve-gpucheck-in-{tag}", in_bytes
+            )
+            client.register_system_shared_memory(
+                f"out-{tag}", f"/plugserve-gpucheck-out-{tag}", out_bytes
+            )
             sin = grpcclient.InferInput("x", list(x.shape), "FP32")
             sin.set_shared_memory(f"in-{tag}", in_bytes)
             sout = grpcclient.InferRequestedOutput("y")
@@ -850,9 +898,6 @@ def check_serve_vision(path: Path, device: str, plan: VisionPlan, out: Path, box
             )
             client.unregister_system_shared_memory(f"in-{tag}")
             client.unregister_system_shared_memory(f"out-{tag}")
-        figures["shm_b32_img_per_s" if plan.batch == 32 else f"shm_b{plan.batch}_img_per_s"] = (
-            figures[f"shm_b{plan.batch}"]["img_per_s"]
-        )
         boxes["metrics"] = _scrape(server.metrics_url)
         boxes["cuda_shm"] = _cuda_shm(client, plan, plain_out) if plan.gpu else None
     finally:
@@ -986,10 +1031,6 @@ def run_vision(results: Results, args, device: str, work: Path) -> None:
     box: dict[str, Path] = {}
 
     def export() -> dict:
-        try:
-            import torchvision  # noqa: F401
-        except ImportError as exc:
-            raise Skip(f"torchvision is not installed here ({exc})") from exc
         box["onnx"] = export_resnet(plan, work)
         return {
             "model": plan.model,
