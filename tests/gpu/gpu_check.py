@@ -79,6 +79,14 @@ VISION_TARGETS = {"b32_x_eager_fp16": 1.0, "b1_x_graph_fp16": 1.3}
 TOLERANCE = {"f32": 1e-3, "f16": 3e-2}
 
 
+#: every check, in the order they run (one not reached when the run is stopped is recorded so)
+CHECKS = (
+    "info", "gen.folder", "gen.f32", "gen.bf16", "gen.serve", "gen.anchors", "gen.targets",
+    "vision.export", "vision.f32", "vision.f16", "vision.serve", "vision.metrics",
+    "vision.cuda_shm", "vision.anchors", "vision.targets",
+)  # fmt: skip
+
+
 class Skip(Exception):
     """A check that does not apply here, with the reason."""
 
@@ -129,14 +137,18 @@ class Results:
                 entry = {"status": SKIP, "reason": str(exc)}
             except Failed as exc:
                 entry = {"status": FAIL, "reason": str(exc), **exc.figures}
-            except BaseException as exc:
-                if isinstance(exc, KeyboardInterrupt):
-                    raise
+            except BaseException as exc:  # a check's error is its result
                 entry = {
                     "status": FAIL,
                     "reason": f"{type(exc).__name__}: {exc}"[:2000],
                     "traceback": traceback.format_exc(limit=8)[-4000:],
                 }
+                if isinstance(exc, (KeyboardInterrupt, SystemExit)):  # stopped: record, go
+                    entry["reason"] = f"stopped by a signal or the watchdog ({entry['reason']})"
+                    entry["seconds"] = round(time.monotonic() - t0, 2)
+                    self.data["checks"][name] = entry
+                    self.save()
+                    raise
         entry["seconds"] = round(time.monotonic() - t0, 2)
         self.data["checks"][name] = entry
         print(f"   {name}: {entry['status']} {entry.get('reason', '')[:300]}", flush=True)
@@ -176,6 +188,40 @@ class Results:
 
 # --------------------------------------------------------------------------- subprocesses
 
+#: the anchors running now (each the leader of its own process group), killed on the way out
+_CHILDREN: set[subprocess.Popen] = set()
+_CORE: list = []
+
+
+def _core():
+    """One Core for the run (plugin discovery once: seconds on a busy machine)."""
+    if not _CORE:
+        from plugserve.server import Core
+
+        _CORE.append(Core())
+    return _CORE[0]
+
+
+def _on_signal(signum: int, frame: Any) -> None:
+    """SIGTERM/SIGINT (an outer ``timeout``, the watchdog): the anchors' process groups are
+    killed now (a new session outlives its parent), then SystemExit unwinds through every
+    ``finally`` that stops a server and saves the results."""
+    for proc in list(_CHILDREN):
+        _kill_group(proc)
+    raise SystemExit(128 + signum)
+
+
+def _watchdog(hard_deadline: float) -> None:
+    """Past ``hard_deadline`` (the budget and a grace), SIGTERM ourselves: the run never hangs."""
+
+    def watch() -> None:
+        while time.monotonic() < hard_deadline:
+            time.sleep(1.0)
+        print("gpu_check: past the budget and its grace, stopping", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, daemon=True, name="watchdog").start()
+
 
 def run_bounded(cmd: list[str], timeout: float, log: Path, env: dict | None = None) -> int | None:
     """Run ``cmd`` in a process group of its own, output to ``log``; the group is killed at
@@ -185,6 +231,7 @@ def run_bounded(cmd: list[str], timeout: float, log: Path, env: dict | None = No
             cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         )  # fmt: skip
+        _CHILDREN.add(proc)
         try:
             return proc.wait(timeout=max(1.0, timeout))
         except subprocess.TimeoutExpired:
@@ -193,6 +240,7 @@ def run_bounded(cmd: list[str], timeout: float, log: Path, env: dict | None = No
         finally:
             if proc.poll() is None:
                 _kill_group(proc)
+            _CHILDREN.discard(proc)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -283,9 +331,7 @@ def collect_info(results: Results, device: str) -> dict:
         except Exception as exc:
             info[name] = f"missing: {type(exc).__name__}: {exc}"[:200]
     try:
-        from plugserve.server import Core
-
-        core = Core()
+        core = _core()
         devices = {}
         for dev in core.available_devices:
             entry = {}
@@ -404,14 +450,13 @@ def _no_tf32() -> None:
 
 def engine_greedy(folder: Path, device: str, precision: str, prompts: dict) -> tuple[dict, dict]:
     """The engine in process on ``device``: every prompt at once, greedy, STEPS tokens."""
-    from plugserve.server import Core
     from plugserve.server.apps.generate.types import GenerationRequest, SamplingParams
 
     config = {"INFERENCE_PRECISION_HINT": precision, "MAX_NUM_SEQS": str(len(prompts))}
     if device == "TORCH":
         config["INFERENCE_NUM_THREADS"] = "1"  # decoder_torch's docstring: tiny models, busy cores
     t0 = time.monotonic()
-    network = Core().load_network(str(folder), device, config)
+    network = _core().load_network(str(folder), device, config)
     load_s = time.monotonic() - t0
     try:
         results: dict[str, list[int]] = {}
@@ -780,8 +825,6 @@ def check_accuracy(path: Path, device: str, precision: str, plan: VisionPlan) ->
     import numpy as np
     import onnxruntime as ort
 
-    from plugserve.server import Core
-
     _no_tf32()
     x = np.random.default_rng(1).random((4, 3, plan.size, plan.size), dtype=np.float32)
     ref = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
@@ -790,7 +833,7 @@ def check_accuracy(path: Path, device: str, precision: str, plan: VisionPlan) ->
         if precision == "f32"
         else {"INFERENCE_PRECISION_HINT": precision}
     )
-    network = Core().load_network(str(path), device, config)
+    network = _core().load_network(str(path), device, config)
     try:
         got = np.asarray(network.infer({"x": x})["y"], dtype=np.float32)
         loaded = getattr(network, "precision", None)
@@ -898,8 +941,15 @@ def check_serve_vision(path: Path, device: str, plan: VisionPlan, out: Path, box
             )
             client.unregister_system_shared_memory(f"in-{tag}")
             client.unregister_system_shared_memory(f"out-{tag}")
-        boxes["metrics"] = _scrape(server.metrics_url)
-        boxes["cuda_shm"] = _cuda_shm(client, plan, plain_out) if plan.gpu else None
+        try:
+            boxes["metrics"] = _scrape(server.metrics_url)
+        except Exception as exc:  # its own check reports it
+            boxes["metrics_error"] = f"{type(exc).__name__}: {exc}"[:500]
+        if plan.gpu:
+            try:
+                boxes["cuda_shm"] = _cuda_shm(client, plan, plain_out)
+            except Exception as exc:
+                boxes["cuda_shm"] = {"status": FAIL, "reason": f"{type(exc).__name__}: {exc}"[:800]}
     finally:
         for h in handles:
             with contextlib.suppress(Exception):
@@ -1017,9 +1067,7 @@ def run_vision(results: Results, args, device: str, work: Path) -> None:
     names = ["vision.export", "vision.f32", "vision.f16", "vision.serve", "vision.metrics",
              "vision.cuda_shm", "vision.anchors", "vision.targets"]  # fmt: skip
     try:
-        from plugserve.server import Core
-
-        devices = Core().available_devices
+        devices = _core().available_devices
     except Exception as exc:
         devices, why = [], f"{type(exc).__name__}: {exc}"
     else:
@@ -1060,6 +1108,8 @@ def run_vision(results: Results, args, device: str, work: Path) -> None:
     def metrics() -> dict:
         if not gpu:
             raise Skip("CPU path: no GPU to report")
+        if "metrics_error" in extra:
+            raise Failed(f"the scrape failed: {extra['metrics_error']}")
         if "metrics" not in extra:
             raise Skip("no scrape (vision.serve did not get that far)")
         found = extra["metrics"]
@@ -1126,11 +1176,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu", action="store_true", help="the CPU path (tiny sizes) even with a GPU")
     ap.add_argument("--budget-s", type=float, default=360.0, help="the whole run's time")
     ap.add_argument("--gen-budget-s", type=float, default=180.0, help="the generation part's time")
+    ap.add_argument(
+        "--grace-s", type=float, default=60.0, help="past the budget by this, the run stops"
+    )
     ap.add_argument("--parts", default="gen,vision")
     ap.add_argument("--work", default="", help="scratch folder (default: a temporary one, removed)")
     args = ap.parse_args(argv)
     out = Path(args.out)
     results = Results(out, args.budget_s)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, _on_signal)
+    _watchdog(results.deadline + args.grace_s)
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="gpu-check-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
@@ -1161,6 +1217,14 @@ def main(argv: list[str] | None = None) -> int:
                 results.data.setdefault("errors", []).append(traceback.format_exc(limit=5)[-2000:])
                 print(f"vision part: {exc}", file=sys.stderr)
     finally:
+        parts = args.parts.split(",")
+        for name in CHECKS:
+            if name not in results.data["checks"] and (
+                name == "info" or name.split(".")[0] in parts
+            ):
+                results.data["checks"][name] = {
+                    "status": SKIP, "reason": "not reached: the run was stopped", "seconds": 0.0
+                }  # fmt: skip
         counts: dict[str, int] = {}
         for entry in results.data["checks"].values():
             counts[entry["status"]] = counts.get(entry["status"], 0) + 1
