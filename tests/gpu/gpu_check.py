@@ -620,11 +620,16 @@ def check_serve_generation(folder: Path, device: str, plan: GenPlan, out: Path) 
     config: dict[str, Any] = {"device": device}
     if device == "TORCH":
         config["config"] = {"INFERENCE_NUM_THREADS": "1"}
+    else:  # 32 streams at once (the engine's default is 16), their prompts in one step
+        config["config"] = {
+            "MAX_NUM_SEQS": "64", "MAX_MODEL_LEN": "512", "MAX_NUM_BATCHED_TOKENS": "4096"
+        }  # fmt: skip
     (root / "decoder" / "config.json").write_text(json.dumps(config))
     log = out / "server_gen.log"
     server = None
     figures: dict[str, Any] = {
         "device": device,
+        "config": config.get("config", {}),
         "prompt_tokens": plan.prompt_tokens,
         "new_tokens": plan.new_tokens,
     }
