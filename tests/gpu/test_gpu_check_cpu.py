@@ -82,3 +82,56 @@ def test_the_cpu_path_records_every_check(tmp_path):
         assert checks["vision.serve"]["shm_b1"]["ms"] > 0
     else:
         assert "no GPU plugin" in checks["vision.export"]["reason"]
+
+
+def _script():
+    """gpu_check.py as a module (its helpers, without running it)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_targets_read_the_anchors_figures():
+    """The GPU-only verdicts, on figures shaped as the anchors and the serving checks write
+    them: met, missed (with what missed), and missing figures are failures, never passes."""
+    g = _script()
+    static = {f"b{n}": {"tokens_per_s": t} for n, t in ((1, 553), (8, 4336), (32, 17654))}
+    anchor = {"anchor": {"static": static}}
+    good = {
+        "b1": {"tok_per_s": 1100, "ms_per_token": 0.9, "ttft_ms": 8.0},
+        "b8": {"tok_per_s": 9000, "ms_per_token": 0.9, "ttft_ms": 9.0},
+        "b32": {"tok_per_s": 27000, "ms_per_token": 1.1, "ttft_ms": 20.0},
+    }
+    assert g.gen_targets(good, anchor)["b8_x_static"] == round(9000 / 4336, 2)
+    slow = {**good, "b8": {**good["b8"], "tok_per_s": 5000}}
+    with pytest.raises(g.Failed, match="b8_x_static"):
+        g.gen_targets(slow, anchor)
+    with pytest.raises(g.Failed, match="no figure"):
+        g.gen_targets(good, None)
+    with pytest.raises(g.Skip):
+        g.gen_targets(None, anchor)
+    vision = {"anchor": {"eager_fp16_b32": {"img_per_s": 6000}, "graph_fp16_b1": {"ms": 1.04}}}
+    serve = {
+        "shm_b32": {"img_per_s": 5000},
+        "shm_b32_c4": {"img_per_s": 7000},
+        "shm_b1": {"ms": 1.2},
+    }
+    assert g.vision_targets(serve, vision)["b32_x_eager_fp16"] == round(7000 / 6000, 2)
+    with pytest.raises(g.Failed, match="CUDA graph"):
+        g.vision_targets({**serve, "shm_b1": {"ms": 2.0}}, vision)
+
+
+@pytest.mark.slow
+def test_the_gpu_paths_folder_is_transformers_own(tmp_path):
+    """The GPU path's decoder folder (anchors_generate.py's config; built here with small
+    dims): a 32,000-id vocabulary from a trained BPE padded with unreachable tokens, loaded by
+    the engine and by transformers, greedy ids equal on TORCH in f32."""
+    g = _script()
+    folder = g._big_folder(tmp_path / "decoder", hidden=64, layers=2, heads=4, intermediate=128)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["vocab_size"] == 32000 and config["num_key_value_heads"] == 4
+    figures = g.check_greedy(folder, "TORCH", "f32", g.STEPS)
+    assert figures["agree"] == figures["prompts"] == 12
