@@ -559,11 +559,15 @@ def _stream_worker(
                 stream=True, stream_options={"include_usage": True},
                 extra_body={"ignore_eos": True},
             )  # fmt: skip
+            chunks, usage = 0, None
             for chunk in stream:
-                if chunk.choices and first is None:
-                    first = time.monotonic()
+                if chunk.choices:
+                    chunks += 1
+                    if first is None:
+                        first = time.monotonic()
                 if chunk.usage is not None:
-                    tokens = chunk.usage.completion_tokens
+                    usage = chunk.usage.completion_tokens
+            tokens = usage if usage is not None else chunks  # a chunk a token without usage
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"[:300]
         out[i] = (t0, first, time.monotonic(), tokens, error)
