@@ -83,7 +83,7 @@ TOLERANCE = {"f32": 1e-3, "f16": 3e-2}
 CHECKS = (
     "info", "gen.folder", "gen.f32", "gen.bf16", "gen.serve", "gen.anchors", "gen.targets",
     "vision.export", "vision.f32", "vision.f16", "vision.serve", "vision.metrics",
-    "vision.cuda_shm", "vision.anchors", "vision.targets",
+    "vision.cuda_shm", "vision.anchors", "vision.targets", "device.checks",
 )  # fmt: skip
 
 
@@ -1255,6 +1255,29 @@ def run_vision(results: Results, args, device: str, work: Path) -> None:
 # --------------------------------------------------------------------------- main
 
 
+def run_device(out: Path, device: str, left: float) -> dict:
+    """The device's own checks (``device_check.py``: listing and metrics, f32/f16/bf16 against
+    NUMPY, HETERO's fallback, export/import, ResNet-50 beside torch's eager forward), as one
+    bounded subprocess; its figures and each of its checks come back in this entry."""
+    folder = out / "device"
+    folder.mkdir(parents=True, exist_ok=True)
+    script = Path(__file__).with_name("device_check.py")
+    budget = "1.0" if device == "GPU" else "0.05"
+    cmd = [sys.executable, str(script), str(folder), "--device", device, "--budget", budget]
+    if device != "GPU":
+        cmd += ["--resnet-batch", "4"]
+    code = run_bounded(cmd, min(90.0, max(5.0, left / 4)), folder / "log.txt")
+    found = folder / "gpu_check.json"
+    if not found.exists():
+        raise Failed(f"device_check.py wrote nothing (exit {code}; {folder / 'log.txt'})")
+    report = json.loads(found.read_text())
+    failed = [name for name, check in report.get("checks", {}).items() if not check.get("pass")]
+    figures = {"checks": report.get("checks", {}), "figures": report.get("figures", {})}
+    if code != 0 or failed:
+        raise Failed(f"exit {code}; failed: {', '.join(failed) or 'none'}", figures)
+    return figures
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", help="folder for results.json, results.txt, logs")
@@ -1267,7 +1290,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--grace-s", type=float, default=60.0, help="past the budget by this, the run stops"
     )
-    ap.add_argument("--parts", default="gen,vision")
+    ap.add_argument("--parts", default="device,gen,vision")
     ap.add_argument("--work", default="", help="scratch folder (default: a temporary one, removed)")
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -1292,6 +1315,8 @@ def main(argv: list[str] | None = None) -> int:
             "info", lambda: {"card": collect_info(results, device)["card"], "device": device}
         )
         parts = args.parts.split(",")
+        if "device" in parts:
+            results.run("device.checks", lambda: run_device(out, device, results.left()))
         if "gen" in parts:
             try:
                 run_generation(results, args, device, work)

@@ -26,6 +26,7 @@ SCRIPT = Path(__file__).with_name("gpu_check.py")
 #: every check the script records, whatever the machine
 CHECKS = {
     "info",
+    "device.checks",
     "gen.folder",
     "gen.f32",
     "gen.bf16",
@@ -77,7 +78,7 @@ def test_the_cpu_path_records_every_check(tmp_path):
     # the vision part runs where the TORCH device exists (the torch device plugin), else every
     # vision check skips naming why
     if "TORCH" in results["info"].get("devices", {}):
-        for name in ("vision.export", "vision.f32", "vision.serve"):
+        for name in ("device.checks", "vision.export", "vision.f32", "vision.serve"):
             assert checks[name]["status"] == "pass", (name, checks[name])
         assert checks["vision.serve"]["shm_b1"]["ms"] > 0
     else:

@@ -1,6 +1,6 @@
-"""The prepared GPU check (tests/benchmarks/gpu_check.py) runs here on TORCH, the GPU device's
-code on the CPU: every check passes and both files are written, so the script that waits for a
-GPU machine is known to work before it gets one."""
+"""The prepared GPU check's device part (tests/gpu/device_check.py) runs here on TORCH, the GPU
+device's code on the CPU: every check passes and both files are written, so the script that
+waits for a GPU machine is known to work before it gets one."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ pytest.importorskip(
     "https://download.pytorch.org/whl/cpu",
 )
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
+SCRIPT = Path(__file__).resolve().parents[3] / "tests" / "gpu" / "device_check.py"
 
 
 @pytest.mark.slow

@@ -1,8 +1,9 @@
-"""The prepared GPU check (issue 49): one script, run on a machine with a CUDA GPU and torch
-(no network needed), that writes what it found to a folder: ``checks`` (pass/fail each, with
-the reason), speed figures and the card, as ``gpu_check.json`` and ``gpu_check.txt``.
+"""The device part of the prepared GPU check (``tests/gpu/gpu_check.py`` runs it as its
+``device`` part, bounded; it runs alone too): what it found goes to a folder, ``checks``
+(pass/fail each, with the reason), speed figures and the card, as ``gpu_check.json`` and
+``gpu_check.txt``.
 
-    python tests/benchmarks/gpu_check.py OUT_DIR [--device GPU] [--budget 1.0]
+    python tests/gpu/device_check.py OUT_DIR [--device GPU] [--budget 1.0]
 
 Checks, on ``--device`` (GPU; TORCH runs the same on the CPU, which is how it is tested here):
 the device is listed with its card, memory and compute capability; a CNN matches NUMPY in f32
