@@ -43,7 +43,7 @@ import numpy as np
 from plugserve.plugins.api import CompiledNetwork, InvalidModel
 from plugserve.server.apps.generate.kvcache import CacheLayout, KVCache
 
-__all__ = ["ConcatDecoder", "Decoder", "SharedBufferDecoder", "choose_decoder"]
+__all__ = ["ConcatDecoder", "Decoder", "MixedDecoder", "SharedBufferDecoder", "choose_decoder"]
 
 _PAST = re.compile(r"past_key_values\.(\d+)\.(key|value)")
 #: inputs a decoder graph may have besides the ids, mask, positions and cache, and their value
@@ -110,6 +110,35 @@ class Decoder(abc.ABC):
     @abc.abstractmethod
     def extend(self, cache: KVCache, row: int, start: int, chunk: Sequence[int]) -> np.ndarray:
         """``chunk`` written at positions ``start..`` of one row; its last token's logits."""
+
+
+class MixedDecoder(Decoder):
+    """A decoder whose one forward takes a step's decoding rows and prompt chunks together
+    (:attr:`Decoder.mixed`): OpenVINO's paged IR and the torch forward. ``first`` and
+    ``extend`` are steps with chunks only."""
+
+    mixed = True
+
+    @abc.abstractmethod
+    def step(
+        self,
+        cache: KVCache,
+        rows: Sequence[int],
+        tokens: Sequence[int],
+        lens: Sequence[int],
+        chunks: Sequence[tuple[int, int, Sequence[int]]],
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """One forward: decoding ``rows`` (``tokens[i]`` at position ``lens[i]``) and prompt
+        ``chunks`` (``(row, start, tokens)``); the logits of each decoding row and of each
+        chunk's last token (float32, on the host)."""
+
+    def first(
+        self, cache: KVCache, rows: Sequence[int], chunks: Sequence[Sequence[int]]
+    ) -> np.ndarray:
+        return self.step(cache, [], [], [], [(r, 0, c) for r, c in zip(rows, chunks)])[1]
+
+    def extend(self, cache: KVCache, row: int, start: int, chunk: Sequence[int]) -> np.ndarray:
+        return self.step(cache, [], [], [], [(row, start, chunk)])[1][0]
 
 
 def _right_padded(

@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from plugserve.plugins.api import CompiledNetwork, InvalidArgument, InvalidModel
-from plugserve.server.apps.generate.decoder import Decoder
+from plugserve.server.apps.generate.decoder import MixedDecoder
 from plugserve.server.apps.generate.kvcache import CacheLayout, KVCache
 from plugserve.server.control.devices import parse_device
 
@@ -162,11 +162,10 @@ class PagedKVCache(KVCache):
         self.runs[[a, b]] = self.runs[[b, a]]
 
 
-class PagedDecoder(Decoder):
+class PagedDecoder(MixedDecoder):
     """A paged-attention network: decode, prompt chunks and mixed steps as one forward each."""
 
     #: decoding rows and prompt chunks go in one forward (:meth:`step`)
-    mixed = True
 
     def __init__(self, network: CompiledNetwork, layout: PagedLayout, vocab: int) -> None:
         super().__init__(network, layout, vocab)
@@ -256,14 +255,6 @@ class PagedDecoder(Decoder):
     def decode(self, cache: KVCache, rows: int, tokens: np.ndarray, lens: np.ndarray) -> np.ndarray:
         ones = np.ones(rows, np.int64)
         return self._forward(cache, np.arange(rows), np.asarray(lens), ones, np.asarray(tokens))
-
-    def first(
-        self, cache: KVCache, rows: Sequence[int], chunks: Sequence[Sequence[int]]
-    ) -> np.ndarray:
-        return self.step(cache, [], [], [], [(r, 0, c) for r, c in zip(rows, chunks)])[1]
-
-    def extend(self, cache: KVCache, row: int, start: int, chunk: Sequence[int]) -> np.ndarray:
-        return self.step(cache, [], [], [], [(row, start, chunk)])[1][0]
 
     def step(
         self,

@@ -53,7 +53,7 @@ from plugserve.plugins.api import (
     ResourceExhausted,
 )
 from plugserve.plugins.configuration import BOOL, ConfigKey, Configuration
-from plugserve.server.apps.generate.decoder import Decoder
+from plugserve.server.apps.generate.decoder import MixedDecoder
 from plugserve.server.apps.generate.kvcache import CacheLayout, KVCache
 from plugserve.server.apps.generate.torch_model import (
     DTYPES,
@@ -179,10 +179,8 @@ class TorchKVCache(KVCache):
             t[b, :, :length_a] = keep
 
 
-class TorchDecoder(Decoder):
+class TorchDecoder(MixedDecoder):
     """The torch forward as the engine's decoder: one forward a step (:attr:`mixed`)."""
-
-    mixed = True
 
     def __init__(
         self, model: DecoderModel, layout: CacheLayout, graphs: bool = True, threads: int = 0
@@ -216,14 +214,6 @@ class TorchDecoder(Decoder):
 
     def decode(self, cache: KVCache, rows: int, tokens: np.ndarray, lens: np.ndarray) -> np.ndarray:
         return self.step(cache, list(range(rows)), list(tokens), list(lens), [])[0]
-
-    def first(
-        self, cache: KVCache, rows: Sequence[int], chunks: Sequence[Sequence[int]]
-    ) -> np.ndarray:
-        return self.step(cache, [], [], [], [(r, 0, c) for r, c in zip(rows, chunks)])[1]
-
-    def extend(self, cache: KVCache, row: int, start: int, chunk: Sequence[int]) -> np.ndarray:
-        return self.step(cache, [], [], [], [(row, start, chunk)])[1][0]
 
     def step(
         self,
