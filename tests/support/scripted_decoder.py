@@ -30,10 +30,10 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
+from tiny_decoder import HEAD, optimum_interface
 
 __all__ = ["FAMILIES", "Family", "write"]
 
-HEAD = 8
 
 QWEN = """{%- if tools %}<|im_start|>system
 {% if messages[0].role == 'system' %}{{ messages[0].content }}{% else %}You are a helpful \
@@ -397,27 +397,10 @@ def _graph(vocab: int, anchors: list[int], scripts: list[list[int]], after: int,
         helper.make_node("Gather", ["table", "index"], ["logits"]),
         helper.make_node("Shape", ["attention_mask"], ["mask_shape"]),
     ]
-    cache = ["batch", 1, "past", HEAD]
     graph = helper.make_graph(
         nodes,
         "scripted-decoder",
-        [
-            helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"]),
-            helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch", "all"]),
-            helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch", "seq"]),
-            helper.make_tensor_value_info("past_key_values.0.key", TensorProto.FLOAT, cache),
-            helper.make_tensor_value_info("past_key_values.0.value", TensorProto.FLOAT, cache),
-        ],
-        [
-            helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "seq", vocab]),
-            helper.make_tensor_value_info(
-                "present.0.key", TensorProto.FLOAT, ["batch", 1, "total", HEAD]
-            ),
-            helper.make_tensor_value_info(
-                "present.0.value", TensorProto.FLOAT, ["batch", 1, "total", HEAD]
-            ),
-            helper.make_tensor_value_info("mask_shape", TensorProto.INT64, [2]),
-        ],
+        *optimum_interface(vocab, ["mask_shape"]),
         [
             numpy_helper.from_array(flags, "flags"),
             numpy_helper.from_array(table, "table"),

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["write"]
+__all__ = ["optimum_interface", "write"]
 
 HEAD = 8
 TEMPLATE = (
@@ -29,6 +29,30 @@ TEMPLATE = (
     "{{ message['content'] }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>"
     "{% endif %}"
 )
+
+
+def optimum_interface(vocab: int, shapes: list[str]) -> tuple[list, list]:
+    """The inputs and outputs of optimum's one-layer decoder interface (ids, mask, positions,
+    one head of ``HEAD`` as the cache), plus ``shapes``: ``[2]`` int64 outputs a graph gives
+    so that its mask and positions are read."""
+    from onnx import TensorProto, helper
+
+    cache = ["batch", 1, "past", HEAD]
+    inputs = [
+        helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"]),
+        helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch", "all"]),
+        helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch", "seq"]),
+        helper.make_tensor_value_info("past_key_values.0.key", TensorProto.FLOAT, cache),
+        helper.make_tensor_value_info("past_key_values.0.value", TensorProto.FLOAT, cache),
+    ]
+    present = ["batch", 1, "total", HEAD]
+    outputs = [
+        helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "seq", vocab]),
+        helper.make_tensor_value_info("present.0.key", TensorProto.FLOAT, present),
+        helper.make_tensor_value_info("present.0.value", TensorProto.FLOAT, present),
+        *(helper.make_tensor_value_info(name, TensorProto.INT64, [2]) for name in shapes),
+    ]
+    return inputs, outputs
 
 
 def _tokenizer(folder: Path, long_token: int) -> tuple[int, int, int, list[int]]:
@@ -53,7 +77,7 @@ def _tokenizer(folder: Path, long_token: int) -> tuple[int, int, int, list[int]]
 
 def _graph(vocab: int, words: list[int], seed: int, width: int):
     import onnx
-    from onnx import TensorProto, helper, numpy_helper
+    from onnx import helper, numpy_helper
 
     rng = np.random.default_rng(seed)
     embedding = rng.standard_normal((vocab, HEAD)).astype(np.float32)
@@ -73,28 +97,10 @@ def _graph(vocab: int, words: list[int], seed: int, width: int):
         helper.make_node("Shape", ["attention_mask"], ["mask_shape"]),
         helper.make_node("Shape", ["position_ids"], ["position_shape"]),
     ]
-    cache = ["batch", 1, "past", HEAD]
     graph = helper.make_graph(
         nodes,
         "tiny-decoder",
-        [
-            helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"]),
-            helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch", "all"]),
-            helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch", "seq"]),
-            helper.make_tensor_value_info("past_key_values.0.key", TensorProto.FLOAT, cache),
-            helper.make_tensor_value_info("past_key_values.0.value", TensorProto.FLOAT, cache),
-        ],
-        [
-            helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "seq", vocab]),
-            helper.make_tensor_value_info(
-                "present.0.key", TensorProto.FLOAT, ["batch", 1, "total", HEAD]
-            ),
-            helper.make_tensor_value_info(
-                "present.0.value", TensorProto.FLOAT, ["batch", 1, "total", HEAD]
-            ),
-            helper.make_tensor_value_info("mask_shape", TensorProto.INT64, [2]),
-            helper.make_tensor_value_info("position_shape", TensorProto.INT64, [2]),
-        ],
+        *optimum_interface(vocab, ["mask_shape", "position_shape"]),
         [
             numpy_helper.from_array(embedding, "embedding"),
             numpy_helper.from_array(inner, "inner"),

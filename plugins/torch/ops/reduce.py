@@ -40,7 +40,10 @@ def _mean(torch: Any, x: Any, dims: tuple, keep: bool) -> Any:
     return torch.mean(x, dim=dims, keepdim=keep) if dims else x.clone()
 
 
-def _max(torch: Any, x: Any, dims: tuple, keep: bool) -> Any:
+def _extreme(torch: Any, x: Any, dims: tuple, keep: bool, highest: bool) -> Any:
+    """ReduceMax (``highest``) or ReduceMin: over an empty tensor ONNX's answer is the
+    identity of the reduction (-inf / +inf, or the integer type's bound), which torch's
+    amax/amin refuse."""
     if not dims:
         return x.clone()
     if x.numel() == 0:
@@ -49,23 +52,21 @@ def _max(torch: Any, x: Any, dims: tuple, keep: bool) -> Any:
             if keep
             else [d for i, d in enumerate(x.shape) if i not in dims]
         )
-        low = float("-inf") if x.is_floating_point() else torch.iinfo(x.dtype).min
-        return torch.full(shape, low, dtype=x.dtype, device=x.device)
-    return torch.amax(x, dim=dims, keepdim=keep)
+        if x.is_floating_point():
+            identity = float("-inf") if highest else float("inf")
+        else:
+            bounds = torch.iinfo(x.dtype)
+            identity = bounds.min if highest else bounds.max
+        return torch.full(shape, identity, dtype=x.dtype, device=x.device)
+    return (torch.amax if highest else torch.amin)(x, dim=dims, keepdim=keep)
+
+
+def _max(torch: Any, x: Any, dims: tuple, keep: bool) -> Any:
+    return _extreme(torch, x, dims, keep, highest=True)
 
 
 def _min(torch: Any, x: Any, dims: tuple, keep: bool) -> Any:
-    if not dims:
-        return x.clone()
-    if x.numel() == 0:
-        shape = (
-            [1 if i in dims else d for i, d in enumerate(x.shape)]
-            if keep
-            else [d for i, d in enumerate(x.shape) if i not in dims]
-        )
-        high = float("inf") if x.is_floating_point() else torch.iinfo(x.dtype).max
-        return torch.full(shape, high, dtype=x.dtype, device=x.device)
-    return torch.amin(x, dim=dims, keepdim=keep)
+    return _extreme(torch, x, dims, keep, highest=False)
 
 
 def _prod(torch: Any, x: Any, dims: tuple, keep: bool) -> Any:
