@@ -204,6 +204,7 @@ class Server:
     def close(self) -> None:
         self.client.close()
         self.running.stop()
+        shutil.rmtree(self.repo, ignore_errors=True)  # CI's smoke run leaves nothing in /tmp
 
 
 # --------------------------------------------------------------------------- (2) throughput
