@@ -1,12 +1,15 @@
 """KServe v2 REST and the OpenAI routes through Ray Serve's HTTP proxy: the request Serve
-hands a replica, given to plugserve's own REST application (``RestApp.dispatch``,
-``server/protocols/kserve/rest.py``), whose reply goes back as a Starlette response.
+hands a replica, given to plugserve's own REST router (``Router.admit`` and ``Router.handle``,
+``server/protocols/http/app.py``, with the KServe and OpenAI routes), whose reply goes back as
+a Starlette response.
 
 Nothing of REST is written twice: routing, authorization, inflating, decoding, the inline
 fast path, the OpenAI adapter and Triton's generate extension are the server's. What this
 module adds is what the server's HTTP layer (``server/protocols/http/http_server.py``) does before
-``dispatch`` and that Serve's proxy does not do for us:
+``handle`` and that Serve's proxy does not do for us:
 
+* the request is routed and authorized on its headers first (``admit``): a caller without a
+  valid token gets its 401 before any body byte is read or charged;
 * a body over ``--max-message-bytes`` is refused (413) from its Content-Length, before it is
   read; one that grows past it as it arrives (chunked) is refused when it does;
 * the body is charged to the replica's memory budget (``--max-inflight-bytes``) at the
@@ -37,8 +40,8 @@ from starlette.responses import Response, StreamingResponse
 from plugserve.plugins.api import PlugserveError
 from plugserve.server.plane.budget import Charge, MemoryBudget, body_factor
 from plugserve.server.plane.errors import forget_frames
+from plugserve.server.protocols.http.app import Router
 from plugserve.server.protocols.http.http_server import Reply, StreamReply, error_reply
-from plugserve.server.protocols.kserve.rest import RestApp
 from plugserve.server.protocols.status import http_status_of
 
 __all__ = ["serve_http"]
@@ -83,13 +86,17 @@ async def _read(request: Request, limit: int, too_large: Any) -> bytes | Reply:
     return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
 
-async def serve_http(app: RestApp, budget: MemoryBudget, request: Request) -> Response:
+async def serve_http(app: Router, budget: MemoryBudget, request: Request) -> Response:
     """One HTTP request of Serve's proxy, answered by ``app`` (see the module's docstring)."""
     headers = [(k.lower(), v) for k, v in request.headers.raw]
     path = request.url.path
     root = request.scope.get("root_path", "")  # the application's route_prefix
     if root and path.startswith(root):
         path = path[len(root) :] or "/"
+    peer = request.client.host if request.client is not None else "127.0.0.1"
+    call = app.admit(request.method, path, headers, peer)
+    if type(call) is tuple:  # refused on its headers (404, 405, 401, 403, 415)
+        return _response(call)
     length = request.headers.get("content-length", "")
     declared = int(length) if length.isdigit() else None
     if declared is not None and declared > app.max_body:
@@ -111,9 +118,8 @@ async def serve_http(app: RestApp, budget: MemoryBudget, request: Request) -> Re
             return _response(error_reply(499, "the client went away"))
         if isinstance(body, tuple):
             return _response(body)
-        peer = request.client.host if request.client is not None else "127.0.0.1"
         try:
-            reply = app.dispatch(request.method, path, headers, body, peer)
+            reply = app.handle(call, body)
             if inspect.isawaitable(reply):
                 reply = await reply
         except Exception as exc:

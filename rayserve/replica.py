@@ -81,7 +81,7 @@ class ReplicaBase:
 
     async def __call__(self, request: Request) -> Response:
         await self._multiplexed()
-        return await serve_http(self.rest, self.server.plane.budget, request)
+        return await serve_http(self.rest.router, self.server.plane.budget, request)
 
     def check_health(self) -> None:
         plane = self.server.plane
@@ -93,7 +93,7 @@ class ReplicaBase:
         if server is not None:
             server.stop()
         if getattr(self, "rest", None) is not None:
-            self.rest.workers.shutdown(wait=False, cancel_futures=True)
+            self.rest.router.workers.shutdown(wait=False, cancel_futures=True)
         if getattr(self, "kserve", None) is not None:
             self.kserve.close()
 
