@@ -118,6 +118,13 @@ class JsonConstraint:
             return allowed[:vocab_size]
         return np.concatenate([allowed, np.zeros(vocab_size - allowed.size, dtype=bool)])
 
+    def bitmask(self) -> np.ndarray:
+        """The same as llguidance's packed int32 words (bit ``t % 32`` of word ``t // 32``:
+        token ``t`` allowed), for a sampler that unpacks them on its device
+        (:mod:`.sampler_torch`): ``vocab / 8`` bytes cross instead of ``vocab``."""
+        self._fill(self._matcher, self._bits, 0)
+        return self._bits[0].copy()
+
     def accept(self, token_id: int) -> bool:
         """Advance by the token chosen; False when the grammar does not allow it."""
         return bool(self._matcher.consume_token(int(token_id)))

@@ -142,19 +142,11 @@ class Sampler:
                     except Exception as exc:
                         bad[i] = exc
         live = [i for i in range(count) if i not in bad]
-        uniforms = np.zeros(count, dtype=np.float64)
-        for i in live:
-            if rows[i].params.temperature != 0.0:
-                uniforms[i] = (rows[i].generator or self.generator).random()
+        uniforms = self._uniforms(rows, live)
         tokens = np.full(count, -1, dtype=np.int64)
-        try:
-            self._choose(logits, rows, live, uniforms, tokens)
-        except Exception:  # whose is it? each row alone
-            for i in live:
-                try:
-                    self._choose(logits, rows, [i], uniforms, tokens)
-                except Exception as exc:
-                    bad[i] = exc
+        _together_else_alone(
+            lambda which: self._choose(logits, rows, which, uniforms, tokens), live, bad
+        )
         if raw_lp is not None:
             for j, i in enumerate(asked):
                 if i not in bad:
@@ -164,6 +156,27 @@ class Sampler:
                         )
                     except Exception as exc:
                         bad[i] = exc
+        return self._accepted(rows, tokens, logprobs, bad, failures)
+
+    def _uniforms(self, rows: Sequence[SamplingState], live: list[int]) -> np.ndarray:
+        """One uniform number per live sampled row, from its own generator (else the
+        engine's), drawn before any choice (a row that is chosen again draws no more)."""
+        uniforms = np.zeros(len(rows), dtype=np.float64)
+        for i in live:
+            if rows[i].params.temperature != 0.0:
+                uniforms[i] = (rows[i].generator or self.generator).random()
+        return uniforms
+
+    @staticmethod
+    def _accepted(
+        rows: Sequence[SamplingState],
+        tokens: np.ndarray,
+        logprobs: list[TokenLogprob | None],
+        bad: dict[int, Exception],
+        failures: dict[int, Exception] | None,
+    ) -> tuple[np.ndarray, list[TokenLogprob | None]]:
+        """Each good row's token recorded in its state; the failed rows' (``bad``) into
+        ``failures`` (token -1, no logprobs), or the first raised without it."""
         for i, row in enumerate(rows):
             if i not in bad:
                 try:
@@ -198,6 +211,19 @@ class Sampler:
     def _draw(
         self, logits: np.ndarray, rows: Sequence[SamplingState], uniforms: np.ndarray
     ) -> np.ndarray:
+        probs = self.probabilities(logits, rows)
+        cdf = np.cumsum(probs, axis=-1, dtype=np.float64)
+        targets = uniforms * cdf[:, -1]
+        # the first token whose cumulative probability passes the draw (never a zero one)
+        chosen = np.array(
+            [np.searchsorted(cdf[i], targets[i], side="right") for i in range(len(rows))],
+            dtype=np.int64,
+        )
+        return np.minimum(chosen, probs.shape[1] - 1)
+
+    def probabilities(self, logits: np.ndarray, rows: Sequence[SamplingState]) -> np.ndarray:
+        """The distribution each sampled row draws from (temperature, top-k, top-p, min-p),
+        float32 ``[rows, vocab]``, zeros where cut."""
         temperatures = np.array([r.params.temperature for r in rows], dtype=np.float32)
         scaled = logits / temperatures[:, None]
         for i, row in enumerate(rows):
@@ -214,14 +240,20 @@ class Sampler:
                 _top_p(probs[i], p.top_p)
             if p.min_p > 0.0:
                 probs[i][probs[i] < p.min_p * probs[i].max()] = 0.0
-        cdf = np.cumsum(probs, axis=-1, dtype=np.float64)
-        targets = uniforms * cdf[:, -1]
-        # the first token whose cumulative probability passes the draw (never a zero one)
-        chosen = np.array(
-            [np.searchsorted(cdf[i], targets[i], side="right") for i in range(len(rows))],
-            dtype=np.int64,
-        )
-        return np.minimum(chosen, probs.shape[1] - 1)
+        return probs
+
+
+def _together_else_alone(choose: Any, live: list[int], bad: dict[int, Exception]) -> None:
+    """``choose(rows)`` for every live row at once; if that raises, for each row alone, the
+    rows that fail alone recorded in ``bad`` (whose failure was it?)."""
+    try:
+        choose(live)
+    except Exception:
+        for i in live:
+            try:
+                choose([i])
+            except Exception as exc:
+                bad[i] = exc
 
 
 def _process(row: np.ndarray, state: SamplingState, generated: int) -> None:

@@ -1,0 +1,334 @@
+"""The sampler of :mod:`.sampler` on the logits' own device (a CUDA card, or torch on the CPU):
+the torch decoder's logits never cross to the host; the chosen ids do, and the logprobs a
+request asked for.
+
+Same semantics, same order, same numbers as the host's :class:`.sampler.Sampler` (its module
+docstring is the reference): ``logit_bias``, the grammar's mask, ``min_tokens``, repetition
+penalty (prompt and output tokens), frequency and presence penalties; then greedy rows take
+the argmax and sampled rows divide by the temperature, cut by top-k (ties with the k-th kept),
+top-p (the token that crosses p kept) and min-p, and draw by inverse CDF over float64
+cumulative sums. Logprobs are the log-softmax of the raw logits.
+
+What crosses per step. Host to device: the per-row parameters and, for the rows that ask for
+processing, the flat ``(row, token id, value)`` triples of their bias and penalties (a few
+bytes per generated token of those rows), the grammar's packed bitmask (llguidance's int32
+words, ``vocab / 8`` bytes, unpacked on the device), and one uniform number per sampled row.
+Device to host: the ids (8 bytes a row) and the asked logprobs (the chosen token's and the
+``top_logprobs`` best), in one synchronisation.
+
+Seeds: each sampled row's uniform number is drawn on the host from the request's own numpy
+generator (seeded ``seed + index``, :func:`.types.seeded_generator`), as the host sampler
+draws it, so a seeded request gives the same answer on the CPU engine, on the card, and
+whatever shares its batches, and no device generator state enters a CUDA graph (one float a
+row is the whole price). The draw itself, over the vocabulary, runs on the device.
+
+Failures are the rows': a row whose host-side preparation raises (its grammar's mask, its
+bias) fails alone; if the batched choice raises, each row is chosen again alone, as on the
+host.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from plugserve.plugins.api import InferenceError
+from plugserve.server.apps.generate.sampler import Sampler, SamplingState, _together_else_alone
+from plugserve.server.apps.generate.types import TokenLogprob
+
+__all__ = ["TorchSampler"]
+
+
+class TorchSampler(Sampler):
+    """:class:`.sampler.Sampler` over torch logits on ``device``; numpy logits (another
+    decoder's) go to the host sampler unchanged."""
+
+    def __init__(self, seed: int | None = None, device: Any = "cpu") -> None:
+        import torch
+
+        super().__init__(seed)
+        self.torch = torch
+        self.device = torch.device(device)
+
+    def __call__(
+        self,
+        logits: Any,
+        rows: Sequence[SamplingState],
+        generated: Sequence[int],
+        failures: dict[int, Exception] | None = None,
+    ) -> tuple[np.ndarray, list[TokenLogprob | None]]:
+        if isinstance(logits, np.ndarray):
+            return super().__call__(logits, rows, generated, failures)
+        with self.torch.inference_mode():  # the decoder's logits are inference tensors
+            return self._sample(logits, rows, generated, failures)
+
+    def _sample(
+        self,
+        logits: Any,
+        rows: Sequence[SamplingState],
+        generated: Sequence[int],
+        failures: dict[int, Exception] | None,
+    ) -> tuple[np.ndarray, list[TokenLogprob | None]]:
+        torch = self.torch
+        count = len(rows)
+        bad: dict[int, Exception] = {}
+        logprobs: list[TokenLogprob | None] = [None] * count
+        logits = logits.float()
+        asked = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        raw_lp = torch.log_softmax(logits[asked], dim=-1) if asked else None
+        if any(r.processed for r in rows):
+            logits = self.processed(logits, rows, generated, bad)
+        live = [i for i in range(count) if i not in bad]
+        u = torch.from_numpy(self._uniforms(rows, live)).to(logits.device)
+        chosen = torch.full((count,), -1, dtype=torch.int64, device=logits.device)
+        _together_else_alone(
+            lambda which: self._choose_on(logits, rows, which, u, chosen), live, bad
+        )
+        try:
+            tokens, entries = self._fetch(chosen, raw_lp, asked, rows, bad)
+        except Exception as exc:  # the device failed (an asynchronous CUDA error surfaces here)
+            error = InferenceError(f"sampling on {self.device} failed: {exc}")
+            tokens, entries = np.full(count, -1, dtype=np.int64), [None] * len(asked)
+            bad.update({i: error for i in live if i not in bad})
+        for j, i in enumerate(asked):
+            if i not in bad:
+                logprobs[i] = entries[j]
+        return self._accepted(rows, tokens, logprobs, bad, failures)
+
+    # --- processing: each stage over all the rows asking for it, as one indexed operation
+
+    def processed(
+        self,
+        logits: Any,
+        rows: Sequence[SamplingState],
+        generated: Sequence[int],
+        bad: dict[int, Exception],
+    ) -> Any:
+        """A copy of ``logits`` with each processed row's bias, mask and penalties applied
+        (the host's ``_process``, stage by stage over the rows); a row whose preparation
+        raises is recorded in ``bad`` and left as it was."""
+        torch = self.torch
+        vocab = logits.shape[1]
+        stages = _Stages()
+        for i, row in enumerate(rows):
+            if row.processed:
+                try:
+                    stages.add(i, row, generated[i], vocab)
+                except Exception as exc:
+                    bad[i] = exc
+        out = logits.clone()
+        device = out.device
+
+        def tensor(values: list[np.ndarray], dtype: Any) -> Any:
+            return torch.from_numpy(np.concatenate(values)).to(device, dtype)
+
+        if stages.bias_rows:
+            r, ids = tensor(stages.bias_rows, torch.int64), tensor(stages.bias_ids, torch.int64)
+            out.index_put_((r, ids), tensor(stages.bias_values, torch.float32), accumulate=True)
+        if stages.mask_rows:
+            which = torch.as_tensor(stages.mask_rows, device=device)
+            allowed = _unpacked(torch, stages.masks, vocab, device)
+            out[which] = out[which].masked_fill(~allowed, float("-inf"))
+        if stages.stop_rows:
+            r, ids = tensor(stages.stop_rows, torch.int64), tensor(stages.stop_ids, torch.int64)
+            out[r, ids] = float("-inf")
+        if stages.rep_rows:
+            r, ids = tensor(stages.rep_rows, torch.int64), tensor(stages.rep_ids, torch.int64)
+            penalty = tensor(stages.rep_values, torch.float32)
+            values = out[r, ids]
+            out[r, ids] = torch.where(values > 0, values / penalty, values * penalty)
+        if stages.pen_rows:
+            r, ids = tensor(stages.pen_rows, torch.int64), tensor(stages.pen_ids, torch.int64)
+            out[r, ids] -= tensor(stages.pen_values, torch.float32)
+        return out
+
+    # --- choosing
+
+    def _choose_on(
+        self, logits: Any, rows: Sequence[SamplingState], which: list[int], u: Any, chosen: Any
+    ) -> None:
+        torch = self.torch
+        device = logits.device
+        greedy = [i for i in which if rows[i].params.temperature == 0.0]
+        if greedy:
+            index = torch.as_tensor(greedy, device=device)
+            chosen[index] = torch.argmax(logits[index], dim=-1)
+        drawn = [i for i in which if rows[i].params.temperature != 0.0]
+        if drawn:
+            index = torch.as_tensor(drawn, device=device)
+            probs = self.probabilities(logits[index], [rows[i] for i in drawn])
+            cdf = torch.cumsum(probs.double(), dim=-1)
+            targets = u[index] * cdf[:, -1]
+            picked = torch.searchsorted(cdf, targets[:, None], right=True)[:, 0]
+            chosen[index] = picked.clamp_(max=probs.shape[1] - 1)
+
+    def probabilities(self, logits: Any, rows: Sequence[SamplingState]) -> Any:
+        """The distribution each sampled row draws from (temperature, top-k, top-p, min-p),
+        float32 ``[rows, vocab]``, zeros where cut: the host's
+        :meth:`.sampler.Sampler.probabilities` on the device."""
+        torch = self.torch
+        device = logits.device
+        vocab = logits.shape[1]
+        temperatures = torch.tensor(
+            [r.params.temperature for r in rows], dtype=torch.float32, device=device
+        )
+        scaled = logits / temperatures[:, None]
+        cut = [i for i, r in enumerate(rows) if 0 < r.params.top_k < vocab]
+        if cut:
+            index = torch.as_tensor(cut, device=device)
+            ks = torch.tensor([rows[i].params.top_k for i in cut], device=device)
+            part = scaled[index]
+            best = torch.topk(part, int(ks.max()), dim=-1).values
+            kth = best.gather(1, (ks - 1)[:, None])
+            scaled[index] = part.masked_fill(part < kth, float("-inf"))
+        probs = torch.softmax(scaled, dim=-1)
+        nucleus = [i for i, r in enumerate(rows) if r.params.top_p < 1.0]
+        if nucleus:
+            index = torch.as_tensor(nucleus, device=device)
+            p = torch.tensor(
+                [rows[i].params.top_p for i in nucleus], dtype=torch.float32, device=device
+            )
+            part = probs[index]
+            ordered, order = torch.sort(part, dim=-1, descending=True, stable=True)
+            cumulative = torch.cumsum(ordered, dim=-1)
+            before = torch.cat([torch.zeros_like(cumulative[:, :1]), cumulative[:, :-1]], 1)
+            # kept: the tokens before the one whose cumulative sum reaches p, and that one
+            keep = torch.zeros_like(part, dtype=torch.bool).scatter_(1, order, before < p[:, None])
+            probs[index] = part * keep
+        floor = [i for i, r in enumerate(rows) if r.params.min_p > 0.0]
+        if floor:
+            index = torch.as_tensor(floor, device=device)
+            m = torch.tensor(
+                [rows[i].params.min_p for i in floor], dtype=torch.float32, device=device
+            )
+            part = probs[index]
+            top = part.max(dim=-1, keepdim=True).values
+            probs[index] = part.masked_fill(part < m[:, None] * top, 0.0)
+        return probs
+
+    def _fetch(
+        self,
+        chosen: Any,
+        raw_lp: Any,
+        asked: list[int],
+        rows: Sequence[SamplingState],
+        bad: dict[int, Exception],
+    ) -> tuple[np.ndarray, list[TokenLogprob | None]]:
+        """The ids to the host, and the asked rows' logprob entries (one synchronisation)."""
+        torch = self.torch
+        if not asked:
+            return chosen.cpu().numpy(), []
+        index = torch.as_tensor(asked, device=chosen.device)
+        picked = raw_lp.gather(1, chosen[index].clamp(min=0)[:, None])[:, 0]
+        top = max((rows[i].params.logprobs or 0) for i in asked)
+        k = min(top, raw_lp.shape[1])
+        best = torch.topk(raw_lp, k, dim=-1) if k else None
+        tokens = chosen.cpu().numpy()
+        picked_h = picked.cpu().numpy()
+        values = best.values.cpu().numpy() if best is not None else None
+        ids = best.indices.cpu().numpy() if best is not None else None
+        entries: list[TokenLogprob | None] = []
+        for j, i in enumerate(asked):
+            if i in bad:
+                entries.append(None)
+                continue
+            want = rows[i].params.logprobs or 0
+            pairs = (
+                [(int(ids[j, n]), float(values[j, n])) for n in range(min(want, k))]
+                if want and ids is not None
+                else []
+            )
+            entries.append(TokenLogprob(int(tokens[i]), float(picked_h[j]), pairs))
+        return tokens, entries
+
+
+class _Stages:
+    """The processed rows' edits, gathered on the host per stage as flat arrays (row, id,
+    value), each stage applied to the batch by one indexed operation on the device."""
+
+    def __init__(self) -> None:
+        self.bias_rows: list[np.ndarray] = []
+        self.bias_ids: list[np.ndarray] = []
+        self.bias_values: list[np.ndarray] = []
+        self.mask_rows: list[int] = []
+        self.masks: list[np.ndarray] = []
+        self.stop_rows: list[np.ndarray] = []
+        self.stop_ids: list[np.ndarray] = []
+        self.rep_rows: list[np.ndarray] = []
+        self.rep_ids: list[np.ndarray] = []
+        self.rep_values: list[np.ndarray] = []
+        self.pen_rows: list[np.ndarray] = []
+        self.pen_ids: list[np.ndarray] = []
+        self.pen_values: list[np.ndarray] = []
+
+    def add(self, i: int, state: SamplingState, generated: int, vocab: int) -> None:
+        """Row ``i``'s edits (the host's ``_process``, as arrays); all or nothing."""
+        p = state.params
+        parts: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray] | np.ndarray] = {}
+        if p.logit_bias:
+            ids = np.fromiter(p.logit_bias.keys(), dtype=np.int64)
+            values = np.fromiter(p.logit_bias.values(), dtype=np.float32)
+            keep = ids < vocab
+            parts["bias"] = (ids[keep], values[keep])
+        if state.constraint is not None:
+            parts["mask"] = _bitmask(state.constraint, vocab)
+        if generated < p.min_tokens and len(state.stop_ids):
+            parts["stop"] = state.stop_ids[state.stop_ids < vocab]
+        if state.counts is not None:
+            out_ids = np.fromiter(state.counts.keys(), dtype=np.int64, count=len(state.counts))
+            if p.repetition_penalty != 1.0:
+                seen = (
+                    np.union1d(state.prompt_ids, out_ids)
+                    if state.prompt_ids is not None
+                    else out_ids
+                )
+                seen = seen[seen < vocab]
+                parts["rep"] = (
+                    seen, np.full(len(seen), p.repetition_penalty, dtype=np.float32)
+                )  # fmt: skip
+            if len(out_ids) and (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0):
+                counts = np.fromiter(state.counts.values(), dtype=np.float32, count=len(out_ids))
+                keep = out_ids < vocab
+                values = p.frequency_penalty * counts[keep] + p.presence_penalty * (
+                    counts[keep] > 0
+                )
+                parts["pen"] = (out_ids[keep], values.astype(np.float32))
+        for stage, part in parts.items():
+            if stage == "mask":
+                self.mask_rows.append(i)
+                self.masks.append(part)  # type: ignore[arg-type]
+            elif stage == "stop":
+                self.stop_rows.append(np.full(len(part), i, dtype=np.int64))
+                self.stop_ids.append(part)  # type: ignore[arg-type]
+            else:
+                ids, values = part  # type: ignore[misc]
+                getattr(self, f"{stage}_rows").append(np.full(len(ids), i, dtype=np.int64))
+                getattr(self, f"{stage}_ids").append(ids)
+                getattr(self, f"{stage}_values").append(values)
+
+
+def _bitmask(constraint: Any, vocab: int) -> np.ndarray:
+    """The grammar's allowed tokens as packed int32 words (bit ``t % 32`` of word ``t // 32``,
+    llguidance's layout), ``ceil(vocab / 32)`` of them; from its ``bitmask()`` when it has one
+    (llguidance's own words, nothing unpacked on the host), else packed from its bool mask."""
+    words = (vocab + 31) // 32
+    packed = getattr(constraint, "bitmask", None)
+    if packed is not None:
+        bits = np.asarray(packed(), dtype=np.int32).reshape(-1)
+    else:
+        allowed = np.asarray(constraint.mask(vocab), dtype=bool)[:vocab]
+        bits = np.packbits(allowed, bitorder="little")
+        bits = np.pad(bits, (0, (-len(bits)) % 4)).view(np.int32)
+    if len(bits) >= words:
+        return bits[:words]
+    return np.pad(bits, (0, words - len(bits)))  # tokens past the grammar's vocabulary: banned
+
+
+def _unpacked(torch: Any, masks: list[np.ndarray], vocab: int, device: Any) -> Any:
+    """Packed int32 words ``[rows, words]`` to bool ``[rows, vocab]``, on the device."""
+    words = torch.from_numpy(np.stack(masks)).to(device)
+    shifts = torch.arange(32, dtype=torch.int32, device=device)
+    bits = (words[:, :, None] >> shifts) & 1
+    return bits.reshape(len(masks), -1)[:, :vocab].bool()
