@@ -42,6 +42,7 @@ import numpy as np
 
 from plugserve.plugins.api import CompiledNetwork, InvalidModel
 from plugserve.server.apps.generate.kvcache import CacheLayout, KVCache
+from plugserve.server.apps.generate.sampler import Sampler
 
 __all__ = ["ConcatDecoder", "Decoder", "MixedDecoder", "SharedBufferDecoder", "choose_decoder"]
 
@@ -76,6 +77,11 @@ class Decoder(abc.ABC):
         keeps its cache itself, as a stateful OpenVINO IR, returns one whose ``view``,
         ``copy`` and ``swap`` move rows of the model's variable states instead)."""
         return KVCache(self.layout, rows)
+
+    def new_sampler(self, seed: int | None) -> Sampler:
+        """The sampler of this decoder's logits (the host's, on numpy; the torch decoder's
+        runs where its logits are, :mod:`.sampler_torch`)."""
+        return Sampler(seed)
 
     #: whether ``first`` and ``extend`` take ``all_positions=True`` and then return the logits
     #: of every position of each chunk, not only its last (a prompt's logprobs: echo with

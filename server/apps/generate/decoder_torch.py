@@ -16,9 +16,11 @@ runs them, so the runner never arranges rows. The cache keeps the engine's slot 
 prefix hits and ``n`` > 1 forks copy a slot's written positions on the tensors' device.
 
 What crosses between the host and the device per step: the step's token ids, positions and
-slots in (a few hundred bytes), and the float32 logits of each sequence's last token out
-(``[sequences, vocab]``): the engine's sampler (:mod:`.sampler`) runs on the host, on numpy.
-Sampling on the card (the issue's item 4) would bring only the chosen ids back.
+slots in (a few hundred bytes); the logits stay on the device, float32 ``[sequences,
+vocab]`` torch tensors, and the engine's sampler is :class:`.sampler_torch.TorchSampler`
+(:meth:`TorchDecoder.new_sampler`), which chooses there and brings back the ids (and the
+logprobs a request asked for). The cache's slots are the device's tensors: prefix-cache
+copies, ``n`` > 1 forks and slot moves (:class:`TorchKVCache`) run on the device.
 
 Threads: torch's own intra-op pool, all cores by default; ``INFERENCE_NUM_THREADS`` sets it
 (``torch.set_num_threads``, the process's pool, so the last torch model loaded with the key
@@ -27,13 +29,17 @@ of tests/generate/test_generate_torch.py on the 0.4 M-parameter tiny-llama took 
 torch's 2 threads on 2 cores under a load average of 12 (steps of one shape from 2 ms to 1.6
 s: a thread barrier waiting for a descheduled thread) and 1.0 s with 1.
 
-CUDA graphs (:class:`DecodeGraphs`): on a CUDA device, a step made of decoding rows only is
-replayed from a graph captured for the next of a bounded set of batch sizes (the rows padded
-with a scratch slot), when ``CUDA_GRAPHS`` is on; prompts and mixed steps run eagerly. On the
-CPU nothing is captured.
+CUDA graphs (:class:`DecodeGraphs`): on a CUDA device, a step made of decoding rows only runs
+in one of a bounded set of shapes (batch padded up to the next of :data:`GRAPH_SIZES`, keys
+read over the next power-of-two width), each captured as a graph after warm-up and replayed,
+when ``CUDA_GRAPHS`` is on (the default); prompts and mixed steps run eagerly. On the CPU the
+default is the plain eager step; ``TorchDecoder(graphs=True)`` there runs the same padded,
+static-buffer step eagerly (the CPU twin tests/generate/test_generate_torch_device.py checks).
 
 Errors: a torch error in a step (out of memory on the card, a CUDA error) fails that step's
-sequences with InferenceError (ResourceExhausted for out-of-memory) and the engine goes on.
+sequences with InferenceError (ResourceExhausted for out-of-memory) and the engine goes on; an
+asynchronous CUDA error that surfaces when the sampler fetches the ids fails the step's rows
+there, with InferenceError. A graph whose capture fails leaves that shape eager.
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ from plugserve.plugins.api import (
 from plugserve.plugins.configuration import BOOL, ConfigKey, Configuration
 from plugserve.server.apps.generate.decoder import MixedDecoder
 from plugserve.server.apps.generate.kvcache import CacheLayout, KVCache
+from plugserve.server.apps.generate.sampler_torch import TorchSampler
 from plugserve.server.apps.generate.torch_model import (
     DTYPES,
     DecoderModel,
@@ -73,6 +80,8 @@ log = logging.getLogger(__name__)
 CPU_DEVICE, GPU_DEVICE = "TORCH", "GPU"
 #: decode batch sizes a CUDA graph is captured for (a batch runs in the next one up)
 GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64)
+#: the fewest keys a captured decode step reads (its width doubles up to the capacity)
+MIN_WIDTH = 128
 #: the memory a load may take at most, of what the machine (or the card) has free
 LOAD_SHARE = 0.9
 
@@ -192,7 +201,9 @@ class TorchDecoder(MixedDecoder):
         self.forwards = 0
         self.steps = 0
         self.device = model.device
-        self.use_graphs = graphs and model.device.type == "cuda"
+        #: decode steps through :class:`DecodeGraphs` (captured on CUDA; on the CPU its
+        #: static buffers run eagerly: the CPU twin CI tests)
+        self.use_graphs = graphs
         self.graphs: DecodeGraphs | None = None
 
     @property
@@ -200,8 +211,7 @@ class TorchDecoder(MixedDecoder):
         return next(k for k, v in DTYPES.items() if v == str(self.model.dtype).split(".")[-1])
 
     def new_cache(self, rows: int) -> TorchKVCache:
-        # one more row on a GPU: the scratch slot padded graph rows write into
-        extra = 1 if self.use_graphs else 0
+        extra = 1 if self.use_graphs else 0  # the scratch slot padded rows write into
         tensors = KVTensors(
             self.model.shape, rows + extra, self.layout.capacity, self.model.dtype, self.device
         )
@@ -212,7 +222,10 @@ class TorchDecoder(MixedDecoder):
 
     # --- the engine's calls
 
-    def decode(self, cache: KVCache, rows: int, tokens: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    def new_sampler(self, seed: int | None) -> TorchSampler:
+        return TorchSampler(seed, self.device)
+
+    def decode(self, cache: KVCache, rows: int, tokens: np.ndarray, lens: np.ndarray) -> Any:
         return self.step(cache, list(range(rows)), list(tokens), list(lens), [])[0]
 
     def step(
@@ -222,10 +235,11 @@ class TorchDecoder(MixedDecoder):
         tokens: Sequence[int],
         lens: Sequence[int],
         chunks: Sequence[tuple[int, int, Sequence[int]]],
-    ) -> tuple[np.ndarray, np.ndarray]:
+    ) -> tuple[Any, Any]:
         """One forward: decoding ``rows`` (``tokens[i]`` at position ``lens[i]``) and prompt
         ``chunks`` (``(row, start, tokens)``); the logits of each decoding row and of each
-        chunk's last token (float32, on the host)."""
+        chunk's last token (float32 torch tensors on the decoder's device: the engine's
+        sampler, :meth:`new_sampler`, chooses there)."""
         assert isinstance(cache, TorchKVCache), "the torch backend runs on its own cache"
         decoding = len(rows)
         seq_rows = [*map(int, rows), *(int(r) for r, _s, _c in chunks)]
@@ -254,7 +268,7 @@ class TorchDecoder(MixedDecoder):
         counts: list[int],
         rows: list[int],
         prompts: bool,
-    ) -> np.ndarray:
+    ) -> Any:
         import torch
 
         if self.threads and torch.get_num_threads() != self.threads:
@@ -268,14 +282,13 @@ class TorchDecoder(MixedDecoder):
                 device = self.device
                 at = torch.from_numpy(positions).to(device)
                 plan = self.model.plan(starts, counts, rows, at)
-                logits = self.model.forward(
+                return self.model.forward(
                     cache.tensors,
                     torch.from_numpy(ids).to(device),
                     at,
                     torch.from_numpy(slots).to(device),
                     plan,
                 )
-                return logits.cpu().numpy()
         except torch.OutOfMemoryError as exc:
             raise ResourceExhausted(
                 f"the torch decoder ran out of memory in a step: {exc}"
@@ -285,68 +298,135 @@ class TorchDecoder(MixedDecoder):
 
 
 class DecodeGraphs:
-    """CUDA graphs of the decode step for :data:`GRAPH_SIZES` batch sizes, captured on first
-    use of each size: the step's ids, positions and rows copied into static tensors, the
-    graph replayed, the logits of the real rows copied out. Padding rows decode a token in
-    the scratch slot (``scratch``: a row no sequence holds) at position 0.
+    """Decode steps (decoding rows only) run through static buffers of a bounded set of
+    shapes, each a CUDA graph on a CUDA device; the same code eagerly on the CPU (its twin,
+    which CI runs: no graph, the same padding, buffers and attention widths).
 
-    A skeleton for the GPU (issue 51's item 3): the mask and gather of the eager forward run
-    inside the graph over a fixed width (the cache's capacity), so a captured step attends
-    over the whole slot, masked; prompts and mixed steps stay eager."""
+    A step of ``B`` rows whose furthest position is ``P`` runs in the shape ``(size, width)``:
+    ``size`` the first of :data:`GRAPH_SIZES` >= ``B``, ``width`` the first power of two >=
+    ``P + 1`` (at least :data:`MIN_WIDTH`, at most the cache's capacity): the keys each row
+    reads, masked past its position. So the shapes are at most ``len(GRAPH_SIZES) x
+    log2(capacity / MIN_WIDTH)``, and a row attends over at most twice the keys it has (a
+    graph over the whole capacity would read every slot's full length each step). The
+    rows are copied into the static ids/positions/rows tensors, padding rows decode token 0
+    at position 0 of the ``scratch`` slot (a row no sequence holds, so nothing real is
+    written), the graph replays, and the real rows' logits are copied out of its static
+    output (the next replay overwrites it).
 
-    def __init__(self, model: DecoderModel, tensors: KVTensors, scratch: int) -> None:
+    Capture, per shape on first use: two warm-up runs on a side stream (cuBLAS's workspace,
+    the allocator's blocks), then ``torch.cuda.graph`` into one memory pool shared by every
+    shape (they replay one at a time). A capture that fails (out of memory) leaves that shape
+    eager (logged once); the step itself then runs eagerly and the engine goes on. More rows
+    than the largest size: eager (None)."""
+
+    def __init__(
+        self, model: DecoderModel, tensors: KVTensors, scratch: int, capture: bool | None = None
+    ) -> None:
         self.model = model
         self.tensors = tensors
         self.scratch = scratch
-        self.graphs: dict[int, tuple[Any, dict[str, Any], Any]] = {}
+        self.capacity = int(tensors.keys[0].shape[2])
+        #: CUDA graphs (a CUDA device), else the static-buffer step run eagerly
+        self.capture = model.device.type == "cuda" if capture is None else capture
+        self.shapes: dict[tuple[int, int], _Shape | None] = {}
+        self.pool: Any = None
+        #: steps run through the static buffers, and of them CUDA graph replays
+        self.runs = 0
+        self.replays = 0
 
-    def run(self, ids: np.ndarray, positions: np.ndarray, rows: list[int]) -> np.ndarray | None:
-        """The logits of a decode step from a graph, or None (no size fits: run eagerly)."""
-        import torch
-
-        size = next((n for n in GRAPH_SIZES if n >= len(rows)), None)
-        if size is None:
+    def shape_of(self, rows: int, furthest: int) -> tuple[int, int] | None:
+        """``(size, width)`` a step of ``rows`` rows reaching position ``furthest`` runs in."""
+        size = next((n for n in GRAPH_SIZES if n >= rows), None)
+        if size is None or furthest >= self.capacity:
             return None
-        if size not in self.graphs:
-            self.graphs[size] = self._capture(size)
-        graph, static, out = self.graphs[size]
-        real = len(rows)
-        static["ids"][:real].copy_(torch.from_numpy(ids), non_blocking=True)
-        static["ids"][real:].zero_()
-        static["positions"][:real].copy_(torch.from_numpy(positions), non_blocking=True)
-        static["positions"][real:].zero_()
-        static["rows"][:real].copy_(torch.as_tensor(rows), non_blocking=True)
-        static["rows"][real:].fill_(self.scratch)
-        graph.replay()
-        return out[:real].cpu().numpy()
+        width = MIN_WIDTH
+        while width < furthest + 1:
+            width *= 2
+        return size, min(width, self.capacity)
 
-    def _capture(self, size: int) -> tuple[Any, dict[str, Any], Any]:
+    def run(self, ids: np.ndarray, positions: np.ndarray, rows: list[int]) -> Any:
+        """The logits of a decode step (float32 ``[len(rows), vocab]`` on the device), or
+        None: no shape fits, run it eagerly."""
         import torch
 
+        key = self.shape_of(len(rows), int(positions.max()))
+        if key is None:
+            return None
+        if key not in self.shapes:
+            self.shapes[key] = self._make(*key)
+        shape = self.shapes[key]
+        if shape is None:
+            return None
+        real = len(rows)
+        padded = key[0] - real
+        inputs = np.concatenate(
+            [
+                np.concatenate([ids, np.zeros(padded, np.int64)]),
+                np.concatenate([positions, np.zeros(padded, np.int64)]),
+                np.concatenate([np.asarray(rows, np.int64), np.full(padded, self.scratch)]),
+            ]
+        )
+        shape.inputs.copy_(torch.from_numpy(inputs), non_blocking=False)  # one copy in
+        self.runs += 1
+        if shape.graph is not None:
+            shape.graph.replay()
+            self.replays += 1
+            out = shape.out
+        else:
+            out = shape.step()
+        return out[:real].clone()
+
+    def _make(self, size: int, width: int) -> _Shape | None:
+        import torch
+
+        shape = _Shape(self.model, self.tensors, size, width)
+        if not self.capture:
+            return shape
         device = self.model.device
-        static = {
-            "ids": torch.zeros(size, dtype=torch.int64, device=device),
-            "positions": torch.zeros(size, dtype=torch.int64, device=device),
-            "rows": torch.full((size,), self.scratch, dtype=torch.int64, device=device),
-        }
-        capacity = self.tensors.keys[0].shape[2]
+        try:
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            shape.inputs[2 * size :].fill_(self.scratch)  # warm-ups write the scratch slot only
+            stream = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm-up outside the graph (cuBLAS workspaces, allocations)
+                    shape.step()
+            torch.cuda.current_stream(device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                shape.out = shape.step()
+            shape.graph = graph
+        except Exception as exc:  # the shape runs eagerly; the step goes on
+            log.warning(
+                "CUDA graph capture of decode batch %d, width %d failed (%s: %s); that shape "
+                "runs eagerly", size, width, type(exc).__name__, exc,
+            )  # fmt: skip
+            return None
+        return shape
 
-        def step() -> Any:
-            plan = self.model.decode_plan(static["rows"], static["positions"], capacity)
-            return self.model.forward(
-                self.tensors, static["ids"], static["positions"], static["rows"], plan
-            )
 
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm-up outside the graph (cuBLAS workspaces, allocations)
-                step()
-        torch.cuda.current_stream(device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = step()
-        return graph, static, out
+class _Shape:
+    """One decode shape's static tensors (ids, positions and rows in one int64 buffer, so one
+    copy fills them) and its step over them (a CUDA graph's body, or the CPU twin's run)."""
+
+    def __init__(self, model: DecoderModel, tensors: KVTensors, size: int, width: int) -> None:
+        import torch
+
+        self.model = model
+        self.tensors = tensors
+        self.size = size
+        self.width = width
+        self.inputs = torch.zeros(3 * size, dtype=torch.int64, device=model.device)
+        self.ids = self.inputs[:size]
+        self.positions = self.inputs[size : 2 * size]
+        self.rows = self.inputs[2 * size :]
+        self.graph: Any = None
+        self.out: Any = None
+
+    def step(self) -> Any:
+        plan = self.model.decode_plan(self.rows, self.positions, self.width)
+        return self.model.forward(self.tensors, self.ids, self.positions, self.rows, plan)
 
 
 def load_torch_decoder(

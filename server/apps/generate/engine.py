@@ -69,7 +69,6 @@ from plugserve.server.apps.generate.decoder import Decoder
 from plugserve.server.apps.generate.kvcache import SlotTable
 from plugserve.server.apps.generate.output import OutputProcessor, cancelled
 from plugserve.server.apps.generate.runner import ModelRunner
-from plugserve.server.apps.generate.sampler import Sampler
 from plugserve.server.apps.generate.scheduler import Plan, RequestState, Scheduler
 from plugserve.server.apps.generate.scheduler import Sequence as Seq
 from plugserve.server.apps.generate.spans import RequestSpans
@@ -128,7 +127,7 @@ class Engine:
             settings.max_waiting,
             self.runner.copy_prefix,
         )
-        self.sampler = Sampler(seed)
+        self.sampler = decoder.new_sampler(seed)
         self.stats_ = GenerationStats()
         self.stats_.kv_cache_bytes = self.cache.nbytes
         self.stats_.block_size = settings.block_size

@@ -247,7 +247,8 @@ class ModelRunner:
                 group.append(seq)
         for seq in group:
             seq.status = DECODE
-        return Forward(group, np.repeat(logits, len(group), axis=0), prompt=state)
+        # row 0 once per sequence (indexing: numpy's logits, or a torch decoder's on its device)
+        return Forward(group, logits[[0] * len(group)], prompt=state)
 
 
 def _check_positions(logits: np.ndarray, width: int) -> None:

@@ -1,0 +1,232 @@
+"""The torch decoder's device side (issue 51's items 2-4), in its CPU form (CI has no GPU; the
+same code runs on a card, checked there by tests/gpu/gpu_check.py's ``gen`` part):
+
+- decode steps through :class:`DecodeGraphs`' static buffers (a CUDA graph per shape on a card;
+  the same padded step eagerly here): its logits equal the unpadded eager step's, and an engine
+  running its decode steps that way answers token for token the engine that does not;
+- the step's logits stay on the decoder's device: the engine's sampler is the torch one, and
+  what crosses to the host is the chosen ids;
+- a device failure in a step (an injected CUDA error or out-of-memory in a test-only model:
+  the real ones cannot be made on a CPU) fails that step's requests with a clear typed error,
+  and the engine goes on serving;
+- through the OpenAI API on a TORCH model: seeded sampled answers repeat, and their logprobs
+  are transformers' log-softmax of the same sequence's logits.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from conftest import run_all
+
+torch = pytest.importorskip("torch", reason="the torch decoder needs torch (pip install torch)")
+pytest.importorskip("safetensors")
+
+from plugserve.plugins.api import InferenceError, ResourceExhausted  # noqa: E402
+from plugserve.server.apps.generate.decoder_torch import (  # noqa: E402
+    GRAPH_SIZES,
+    DecodeGraphs,
+    TorchDecoder,
+)
+from plugserve.server.apps.generate.engine import Engine, EngineSettings  # noqa: E402
+from plugserve.server.apps.generate.sampler_torch import TorchSampler  # noqa: E402
+from plugserve.server.apps.generate.tokenizer import Tokenizer  # noqa: E402
+from plugserve.server.apps.generate.torch_model import DecoderModel  # noqa: E402
+from plugserve.server.apps.generate.types import GenerationRequest, SamplingParams  # noqa: E402
+
+SETTINGS = {"MAX_NUM_SEQS": "6", "MAX_NUM_BATCHED_TOKENS": "24", "INFERENCE_NUM_THREADS": "1"}
+ENGINE = EngineSettings(max_num_seqs=6, max_num_batched_tokens=24)
+#: tokens each answer runs (greedy, end of sequence ignored)
+STEPS = 12
+
+
+def _prompts(folder) -> dict[str, list[int]]:
+    import llm
+
+    tokenizer = Tokenizer.from_folder(folder)
+    out = {}
+    for case in llm.PROMPTS:
+        if "messages" in case:
+            out[case["name"]] = tokenizer.encode_chat(case["messages"])
+        else:
+            out[case["name"]] = tokenizer.encode(case["prompt"], add_special_tokens=True)
+    return out
+
+
+def _greedy(name: str, ids: list[int], steps: int = STEPS, **params) -> GenerationRequest:
+    params = {"max_tokens": steps, "temperature": 0.0, "ignore_eos": True, **params}
+    return GenerationRequest(name, list(ids), SamplingParams(**params))
+
+
+def _ids(results) -> dict[str, list[int]]:
+    return {n: [t for e in events for t in e.token_ids] for n, events in results.items()}
+
+
+@pytest.fixture(scope="module")
+def folder(llm_folder):
+    return llm_folder("tiny-llama", "hf")
+
+
+@pytest.fixture(scope="module")
+def llama(core, folder):
+    network = core.load_network(str(folder), "TORCH", SETTINGS)
+    yield network
+    network.close()
+
+
+def _engine(llama, model=None, graphs=True) -> Engine:
+    """Another engine over the loaded network's weights (``model``: a test-only subclass of
+    the forward), its decode steps through DecodeGraphs' static buffers when ``graphs``."""
+    decoder = llama.engine.decoder
+    decoder = TorchDecoder(model or decoder.model, decoder.layout, graphs=graphs, threads=1)
+    return Engine("twin", decoder, llama.tokenizer, ENGINE, rows=6)
+
+
+def test_the_engine_samples_on_the_decoders_device(llama):
+    engine = llama.engine
+    assert isinstance(engine.sampler, TorchSampler)
+    assert engine.sampler.device == torch.device("cpu")
+    assert engine.decoder.graphs is None  # on the CPU, decode steps run eagerly by default
+    # the cache's tensors are the decoder's, on its device (a GPU's slots live on the card)
+    assert all(t.device == engine.decoder.device for t in engine.cache.arrays.values())
+
+
+def test_the_padded_static_decode_step_answers_as_the_eager_engine(llama, folder):
+    prompts = _prompts(folder)
+    expected = _ids(run_all(llama.engine, [_greedy(n, p) for n, p in prompts.items()]))
+    twin = _engine(llama)
+    try:
+        got = _ids(run_all(twin, [_greedy(n, p) for n, p in prompts.items()]))
+        graphs = twin.decoder.graphs
+        assert isinstance(graphs, DecodeGraphs) and not graphs.capture  # the CPU twin
+        assert graphs.runs > 0 and graphs.replays == 0
+        assert twin.cache.tensors.keys[0].shape[0] == 7  # 6 slots and the scratch one
+        sizes = {size for size, _width in graphs.shapes}
+        assert sizes <= set(GRAPH_SIZES) and len(graphs.shapes) <= 4, graphs.shapes
+        assert sizes - {1, 2}, "some steps were padded up to a bigger size"
+    finally:
+        twin.close()
+    assert got == expected
+
+
+def test_the_padded_steps_logits_equal_the_unpadded_steps(llama, folder):
+    """Three rows padded to 4 (the scratch slot's row), the keys read over a width of 128:
+    the logits of the real rows are the eager step's."""
+    twin = _engine(llama)
+    try:
+        prompts = {f"p{i}": list(range(20 + 30 * i, 30 + 31 * i)) for i in range(3)}
+        run_all(twin, [_greedy(n, p, 4) for n, p in prompts.items()])
+        model = twin.decoder.model
+        rows = [s.index for s in twin.table.slots if len(s.tokens) > 4]
+        assert len(rows) == 3, [len(s.tokens) for s in twin.table.slots]
+        lens = [len(twin.table.slots[r].tokens) for r in rows]
+        ids = np.arange(7, 10, dtype=np.int64)
+        positions = np.asarray(lens, np.int64)
+        with torch.inference_mode():
+            fixed = twin.decoder.graphs.run(ids, positions, rows)
+            at = torch.from_numpy(positions)
+            eager = model.forward(
+                twin.cache.tensors, torch.from_numpy(ids), at, torch.tensor(rows),
+                model.plan(lens, [1] * 3, rows, at),
+            )  # fmt: skip
+        assert (4, 128) in twin.decoder.graphs.shapes
+        assert fixed.shape == (3, model.shape.vocab)
+        torch.testing.assert_close(fixed, eager, rtol=1e-5, atol=1e-5)
+    finally:
+        twin.close()
+
+
+class Faulty(DecoderModel):
+    """The tiny model, failing any forward whose tokens include :attr:`CUDA_ERROR` (as a
+    CUDA kernel's fault surfaces in torch) or :attr:`OOM` (the card's out-of-memory)."""
+
+    CUDA_ERROR, OOM = 5, 6
+
+    def forward(self, cache, ids, positions, slots, plan):
+        if bool((ids == self.CUDA_ERROR).any()):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
+        if bool((ids == self.OOM).any()):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB (injected)")
+        return super().forward(cache, ids, positions, slots, plan)
+
+
+def _events(engine, request):
+    try:
+        return list(engine.generate(request)), None
+    except Exception as exc:
+        return None, exc
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["static-step", "eager"])
+def test_a_device_failure_fails_its_step_and_the_engine_goes_on(llama, folder, graphs):
+    base = llama.engine.decoder.model
+    faulty = Faulty(base.shape, base.w, base.device, base.dtype)
+    engine = _engine(llama, faulty, graphs=graphs)
+    prompts = _prompts(folder)
+    hello = prompts["hello"]
+    try:
+        expected = _ids(run_all(llama.engine, [_greedy("ok", hello)]))["ok"]
+        # a decode step fails: the first token is forced to the faulty one, the next step
+        # feeds it to the forward
+        for token, kind, words in (
+            (Faulty.CUDA_ERROR, InferenceError, "illegal memory access"),
+            (Faulty.OOM, ResourceExhausted, "out of memory"),
+        ):
+            events, error = _events(
+                engine, _greedy(f"bad-{token}", hello, logit_bias={token: 100.0})
+            )
+            assert isinstance(error, kind), (events, error)
+            assert "torch decoder" in str(error) and words in str(error)
+            # a prompt step fails
+            _, error = _events(engine, _greedy(f"prompt-{token}", [*hello[:3], token]))
+            assert isinstance(error, kind)
+            # the engine goes on: the next request gets its whole answer
+            got = _ids({"ok": list(engine.generate(_greedy("ok", hello)))})["ok"]
+            assert got == expected
+    finally:
+        engine.close()
+
+
+@pytest.mark.slow
+def test_seeded_answers_repeat_and_logprobs_are_transformers_through_the_api(folder):
+    """A real server, the folder on TORCH, the official client: a seeded sampled completion
+    twice gives the same tokens; each token's logprob and top_logprobs are log-softmax of
+    transformers' logits for the same sequence (f32)."""
+    pytest.importorskip("openai", reason="pip install openai (the test extra)")
+    transformers = pytest.importorskip("transformers", reason="the reference is transformers'")
+    from openai_serving import client, serving
+
+    body = {
+        "model": "llama", "prompt": "The capital of France is", "max_tokens": 10,
+        "temperature": 0.9, "top_p": 0.95, "seed": 1234, "logprobs": 3,
+        "extra_body": {"ignore_eos": True, "return_token_ids": True, "top_k": 40},
+    }  # fmt: skip
+    with serving({"llama": (folder, "TORCH", {"INFERENCE_NUM_THREADS": "1"})}) as server:
+        api = client(server)
+        first = api.completions.create(**body)
+        again = api.completions.create(**body)
+        other = api.completions.create(**{**body, "seed": 99})
+    choice = first.choices[0]
+    ids = choice.model_extra["token_ids"]
+    prompt_ids = first.choices[0].model_extra.get("prompt_token_ids") or Tokenizer.from_folder(
+        folder
+    ).encode(body["prompt"], add_special_tokens=True)
+    assert len(ids) == 10
+    assert again.choices[0].model_extra["token_ids"] == ids
+    assert again.choices[0].text == choice.text
+    assert other.choices[0].model_extra["token_ids"] != ids
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt_ids + ids])).logits[0].float()
+    lp = torch.log_softmax(logits, dim=-1)[len(prompt_ids) - 1 : -1]
+    got = choice.logprobs.token_logprobs
+    want = [float(lp[i, t]) for i, t in enumerate(ids)]
+    assert np.allclose(got, want, atol=1e-4), (got, want)
+    for i, top in enumerate(choice.logprobs.top_logprobs):
+        # the 3 best, and the chosen token's (OpenAI's completions add it); two ids of one
+        # text share a key
+        allowed = [*torch.topk(lp[i], 3).values.tolist(), want[i]]
+        assert top and all(min(abs(v - a) for a in allowed) < 1e-4 for v in top.values())
+    json.dumps(first.model_dump())  # the answer serializes
