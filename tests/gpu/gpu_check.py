@@ -357,6 +357,10 @@ def collect_info(results: Results, device: str) -> dict:
 # --------------------------------------------------------------------------- generation
 
 
+#: the largest difference between the engine's logprobs and transformers' (f32, TF32 off)
+SAMPLED_LOGPROB_TOLERANCE = 1e-3
+
+
 class GenPlan:
     def __init__(self, gpu: bool) -> None:
         self.gpu = gpu
@@ -473,13 +477,77 @@ def engine_greedy(folder: Path, device: str, precision: str, prompts: dict) -> t
             thread.join(timeout=120)
         if any(t.is_alive() for t in threads):
             raise TimeoutError("the engine did not answer 12 greedy prompts within 120 s")
-        return results, {
+        figures: dict[str, Any] = {
             "load_s": round(load_s, 2),
             "precision": getattr(network, "precision", precision),
+            "sampler": type(network.engine.sampler).__name__,
         }
+        graphs = getattr(network.engine.decoder, "graphs", None)
+        if graphs is not None:  # decode steps through DecodeGraphs (CUDA graphs on a card)
+            figures["decode_graphs"] = {
+                "captured": graphs.capture, "runs": graphs.runs, "replays": graphs.replays,
+                "shapes": sorted(f"{b}x{w}" for b, w in graphs.shapes),
+            }  # fmt: skip
+        if precision == "f32":
+            figures["_sampled"] = engine_sampled(network, dict(list(prompts.items())[:4]))
+        return results, figures
     finally:
         network.close()
         _free_cuda()
+
+
+def engine_sampled(network, prompts: dict) -> dict:
+    """Issue 51's item 4 on the device: each prompt sampled (temperature, top-k, top-p, a
+    seed, 2 logprobs) twice, one after the other: ``{name: (ids, logprobs, ids again)}``."""
+    from plugserve.server.apps.generate.types import GenerationRequest, SamplingParams
+
+    out = {}
+    for name, ids in prompts.items():
+        answers = []
+        for again in range(2):
+            params = SamplingParams(
+                max_tokens=STEPS, temperature=0.8, top_k=50, top_p=0.95, seed=1000 + len(ids),
+                logprobs=2, ignore_eos=True,
+            )  # fmt: skip
+            request = GenerationRequest(f"sampled-{name}-{again}", list(ids), params)
+            events = list(network.engine.generate(request))
+            answers.append(
+                (
+                    [t for e in events for t in e.token_ids],
+                    [lp.logprob for e in events for lp in (e.logprobs or [])],
+                )
+            )
+        out[name] = (answers[0][0], answers[0][1], answers[1][0])
+    return out
+
+
+def transformers_logprobs(folder: Path, gpu: bool, prompts: dict, sampled: dict) -> dict:
+    """The sampled answers' logprobs against transformers' f32 log-softmax of the same
+    sequences' logits: the largest difference, and whether each seed's answer repeated."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    model = model.to("cuda" if gpu else "cpu").eval()
+    worst = 0.0
+    try:
+        with torch.no_grad():
+            for name, (ids, logprobs, _again) in sampled.items():
+                prompt = prompts[name]
+                tensor = torch.tensor([prompt + ids], device=model.device)
+                lp = torch.log_softmax(model(tensor).logits[0].float(), dim=-1)
+                want = lp[len(prompt) - 1 : -1].gather(1, tensor[0, len(prompt) :, None])[:, 0]
+                got = torch.tensor(logprobs, device=want.device)
+                worst = max(worst, float((got - want).abs().max()))
+    finally:
+        del model
+        _free_cuda()
+    return {
+        "prompts": len(sampled),
+        "seeded_repeat": all(a[0] == a[2] for a in sampled.values()),
+        "distinct_tokens": len({t for a in sampled.values() for t in a[0]}),
+        "logprob_max_diff": round(worst, 6),
+    }
 
 
 def transformers_greedy(folder: Path, gpu: bool, dtype_name: str, prompts: dict) -> dict:
@@ -524,6 +592,7 @@ def check_greedy(folder: Path, device: str, precision: str, compare: int) -> dic
     prompts = prompt_ids(folder)
     _no_tf32()
     got, figures = engine_greedy(folder, device, precision, prompts)
+    sampled = figures.pop("_sampled", None)
     expected = transformers_greedy(folder, device == "GPU", precision, prompts)
     agree = [n for n in prompts if got.get(n, [])[:compare] == expected[n][:compare]]
     figures.update(prompts=len(prompts), agree=len(agree), compared_tokens=compare)
@@ -533,6 +602,14 @@ def check_greedy(folder: Path, device: str, precision: str, compare: int) -> dic
     if differ:
         figures["differ"] = differ
         raise Failed(f"{len(agree)} of {len(prompts)} prompts agree on {compare} tokens", figures)
+    if sampled is not None:  # sampling on the device: seeds repeat, logprobs are the model's
+        check = transformers_logprobs(folder, device == "GPU", prompts, sampled)
+        figures["sampling"] = check
+        if not check["seeded_repeat"] or check["logprob_max_diff"] > SAMPLED_LOGPROB_TOLERANCE:
+            raise Failed(f"sampling on {device}: {check}", figures)
+    graphs = figures.get("decode_graphs")
+    if device == "GPU" and graphs is not None and not graphs["replays"]:
+        raise Failed("no decode step was replayed from a CUDA graph", figures)
     return figures
 
 
@@ -742,7 +819,7 @@ def run_generation(results: Results, args, device: str, work: Path) -> None:
         anchor = None
     else:
         anchor_args = (
-            ["--parts", "static", "--batches", "1,8,32"]
+            ["--parts", "static,eager", "--batches", "1,8,32"]  # the target's anchor first
             if gpu
             else ["--tiny", "--parts", "eager", "--batches", "1"]
         )

@@ -67,6 +67,11 @@ def test_the_cpu_path_records_every_check(tmp_path):
     # what the CPU can do passes: transformers' greedy ids, the served streams' figures
     assert checks["gen.f32"]["status"] == "pass", checks["gen.f32"]
     assert checks["gen.f32"]["agree"] == checks["gen.f32"]["prompts"] == 12
+    # sampling on the engine's device: seeded answers repeat, logprobs are transformers'
+    sampling = checks["gen.f32"]["sampling"]
+    assert sampling["seeded_repeat"] and sampling["logprob_max_diff"] < 1e-3, sampling
+    assert sampling["distinct_tokens"] > 4, sampling  # it sampled
+    assert checks["gen.f32"]["sampler"] == "TorchSampler"
     serve = checks["gen.serve"]
     assert serve["status"] == "pass", serve
     for streams in ("b1", "b2"):
