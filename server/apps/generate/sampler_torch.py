@@ -81,7 +81,9 @@ class TorchSampler(Sampler):
         if any(r.processed for r in rows):
             logits = self.processed(logits, rows, generated, bad)
         live = [i for i in range(count) if i not in bad]
-        u = torch.from_numpy(self._uniforms(rows, live)).to(logits.device)
+        uniforms = self._uniforms(rows, live)
+        drawn = any(rows[i].params.temperature != 0.0 for i in live)
+        u = torch.from_numpy(uniforms).to(logits.device) if drawn else None  # greedy: no copy
         chosen = torch.full((count,), -1, dtype=torch.int64, device=logits.device)
         _together_else_alone(
             lambda which: self._choose_on(logits, rows, which, u, chosen), live, bad
@@ -152,7 +154,9 @@ class TorchSampler(Sampler):
         torch = self.torch
         device = logits.device
         greedy = [i for i in which if rows[i].params.temperature == 0.0]
-        if greedy:
+        if len(greedy) == len(rows):  # the whole batch greedy: one argmax, nothing indexed
+            chosen.copy_(torch.argmax(logits, dim=-1))
+        elif greedy:
             index = torch.as_tensor(greedy, device=device)
             chosen[index] = torch.argmax(logits[index], dim=-1)
         drawn = [i for i in which if rows[i].params.temperature != 0.0]
