@@ -91,6 +91,16 @@ def test_the_engine_samples_on_the_decoders_device(llama):
     assert engine.decoder.graphs is None  # on the CPU, decode steps run eagerly by default
     # the cache's tensors are the decoder's, on its device (a GPU's slots live on the card)
     assert all(t.device == engine.decoder.device for t in engine.cache.arrays.values())
+    # a step's logits stay there: torch tensors, not host arrays (an idle engine's decoder)
+    twin = _engine(llama, graphs=False)
+    try:
+        decoded, prompted = twin.decoder.step(twin.cache, [], [], [], [(0, 0, [1, 2, 3])])
+        assert isinstance(prompted, torch.Tensor) and prompted.device == twin.decoder.device
+        decoded, prompted = twin.decoder.step(twin.cache, [0], [4], [3], [(1, 0, [5, 6])])
+        assert isinstance(decoded, torch.Tensor) and decoded.shape == (1, twin.decoder.vocab)
+        assert prompted.shape == (1, twin.decoder.vocab)
+    finally:
+        twin.close()
 
 
 def test_the_padded_static_decode_step_answers_as_the_eager_engine(llama, folder):
@@ -193,7 +203,7 @@ def test_a_device_failure_fails_its_step_and_the_engine_goes_on(llama, folder, g
 def test_seeded_answers_repeat_and_logprobs_are_transformers_through_the_api(folder):
     """A real server, the folder on TORCH, the official client: a seeded sampled completion
     twice gives the same tokens; each token's logprob and top_logprobs are log-softmax of
-    transformers' logits for the same sequence (f32)."""
+    transformers' logits for the same sequence (f32); a JSON schema's answers parse."""
     pytest.importorskip("openai", reason="pip install openai (the test extra)")
     transformers = pytest.importorskip("transformers", reason="the reference is transformers'")
     from openai_serving import client, serving
@@ -208,6 +218,25 @@ def test_seeded_answers_repeat_and_logprobs_are_transformers_through_the_api(fol
         first = api.completions.create(**body)
         again = api.completions.create(**body)
         other = api.completions.create(**{**body, "seed": 99})
+        # structured output: the grammar's mask applied on the device, n = 3 sampled choices
+        schema = {
+            "type": "object",
+            "properties": {
+                "color": {"type": "string", "enum": ["red", "green", "blue"]},
+                "ok": {"type": "boolean"},
+            },
+            "required": ["color", "ok"],
+            "additionalProperties": False,
+        }
+        shaped = api.chat.completions.create(
+            model="llama", messages=[{"role": "user", "content": "A thing as JSON."}],
+            max_tokens=40, temperature=0.9, seed=5, n=3,
+            response_format={"type": "json_schema", "json_schema": {"name": "t", "schema": schema}},
+        )  # fmt: skip
+    for answer in shaped.choices:
+        assert answer.finish_reason == "stop", answer.message.content
+        value = json.loads(answer.message.content)
+        assert value["color"] in ("red", "green", "blue") and value["ok"] in (True, False)
     choice = first.choices[0]
     ids = choice.model_extra["token_ids"]
     prompt_ids = first.choices[0].model_extra.get("prompt_token_ids") or Tokenizer.from_folder(
@@ -229,4 +258,3 @@ def test_seeded_answers_repeat_and_logprobs_are_transformers_through_the_api(fol
         # text share a key
         allowed = [*torch.topk(lp[i], 3).values.tolist(), want[i]]
         assert top and all(min(abs(v - a) for a in allowed) < 1e-4 for v in top.values())
-    json.dumps(first.model_dump())  # the answer serializes
