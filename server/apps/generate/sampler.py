@@ -27,6 +27,10 @@ itself raises, each row is chosen again alone, so only the rows that fail alone 
 uniform numbers are drawn before the choice, once per row, so a seeded row draws the same
 numbers whether or not another row's failure made its choice run again. The engine passes
 ``failures`` and fails those rows' requests; the others in the batch get their tokens.
+
+The torch decoder's logits stay on its device and are sampled there by
+:class:`.sampler_torch.TorchSampler`: these rules and numbers, the same tokens for the same
+logits and seeds (tests/generate/test_sampler_torch.py).
 """
 
 from __future__ import annotations
