@@ -14,6 +14,8 @@ lives in a module of its own, each importing only those before it:
 - ``base``: the :class:`Plugin`, :class:`CompiledNetwork` and :class:`InferRequest` bases and
   the :class:`Devices` protocol (above ``cancel``, ``streams`` and ``blob``)
 - ``responses``: :class:`Response` and :class:`ResponseSender`, for decoupled networks
+- ``run_context``: :class:`RunContext`, the request a device runs as it is told it (handed to
+  ``InferRequest.infer_checked`` and its siblings; the cancellation token rides in it)
 - ``virtual``: what the virtual devices share (``refusal_reasons``, ``device_refusals``)
 """
 
@@ -68,6 +70,7 @@ from plugserve.plugins.inputs import (
     refuse_non_tensors,
 )
 from plugserve.plugins.responses import Response, ResponseSender
+from plugserve.plugins.run_context import RunContext
 from plugserve.plugins.virtual import device_refusals, refusal_reasons
 
 __all__ = [
@@ -98,6 +101,7 @@ __all__ = [
     "ResourceExhausted",
     "Response",
     "ResponseSender",
+    "RunContext",
     "TensorSpec",
     "Unsupported",
     "VariableState",
