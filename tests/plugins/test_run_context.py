@@ -117,6 +117,15 @@ def test_a_cancelled_token_stops_every_piece_before_it_starts(core):
         net.create_infer_request().infer_checked([SIZES], RunContext(token=token))
 
 
+def test_multi_hands_its_device_the_requests_context(core):
+    net = core.load_network(_abs_then_expand(), "MULTI:SECOND,NUMPY")
+    request = net.create_infer_request()
+    with pytest.raises(ResourceExhausted, match=r"network 'net': node 'expand'.*1,000 bytes"):
+        request.infer_checked([SIZES], RunContext(room=1000, network="net"))
+    out = request.infer_checked([np.array([2, 3], np.int64)], RunContext(room=1000))
+    np.testing.assert_array_equal(out["y"], np.ones((2, 3), np.float32))
+
+
 def _widened():
     """``y = expand(x, shape(x) * [1, 1000])``: each row of x ([batch, 1]) made 1,000 wide,
     4,000 bytes a row, a size its caller's input decides."""
