@@ -11,11 +11,11 @@ lives in a module of its own, each importing only those before it:
 - ``errors``: the typed errors (and ``listing``, for their messages)
 - ``configuration``: config keys, their parsers, a device's parsed :class:`Configuration`
 - ``inputs``: :class:`TensorSpec` and the checks of inputs against it
-- ``base``: the :class:`Plugin`, :class:`CompiledNetwork` and :class:`InferRequest` bases and
-  the :class:`Devices` protocol (above ``cancel``, ``streams`` and ``blob``)
-- ``responses``: :class:`Response` and :class:`ResponseSender`, for decoupled networks
 - ``run_context``: :class:`RunContext`, the request a device runs as it is told it (handed to
   ``InferRequest.infer_checked`` and its siblings; the cancellation token rides in it)
+- ``base``: the :class:`Plugin`, :class:`CompiledNetwork` and :class:`InferRequest` bases and
+  the :class:`Devices` protocol (above ``cancel``, ``run_context``, ``streams`` and ``blob``)
+- ``responses``: :class:`Response` and :class:`ResponseSender`, for decoupled networks
 - ``virtual``: what the virtual devices share (``refusal_reasons``, ``device_refusals``)
 """
 
