@@ -21,6 +21,10 @@ code inside a device's own backend that no argument reaches: NUMPY's kernels are
 at load as ``kernel(*values)`` and shared by concurrent runs, so the bounds of an output whose
 size the request's values decide (``plugins/amplify.py``) are read there, in a Loop's or
 Scan's body too. Virtual devices and the server never read it: they pass the context on.
+
+One is built per request, when it starts to run (``Request.context``): a frozen dataclass sets
+its twelve fields through ``object.__setattr__``, about six times what making a ``Token``
+costs (measured here under load: 10 us against 1.7 us), which the data plane pays once.
 """
 
 from __future__ import annotations
