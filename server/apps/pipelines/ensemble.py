@@ -27,8 +27,8 @@ split outputs, each branch a request on the region's streams (NUM_STREAMS, defau
 per request, queued there), its items views of the split outputs; the request's thread waits
 for the last branch and stacks what they give.
 
-The request's own parameters (KServe's ``parameters``, on its token) reach every step, as Triton
-hands each step the ensemble request's. Sequences (Triton passes the correlation id and
+The request's own parameters (KServe's ``parameters``, in its run context) reach every step, as
+Triton hands each step the ensemble request's. Sequences (Triton passes the correlation id and
 start/end flags of the ensemble's request to its steps): an ensemble one of whose steps' models
 has sequence batching takes sequence requests (:class:`SequenceRelay`), and passes the request's
 sequence on to each step that is a sequence model (or an ensemble that passes it on); other
