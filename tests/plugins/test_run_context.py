@@ -8,6 +8,7 @@ or the answer's bound where the answer carries it."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 
@@ -16,6 +17,7 @@ import pytest
 from models import _init, _model
 from onnx import TensorProto, helper
 
+from plugserve.plugins import run_context
 from plugserve.plugins.api import Cancelled, ResourceExhausted, RunContext
 from plugserve.plugins.cancel import Token
 from plugserve.plugins.numpy import NumpyPlugin
@@ -172,3 +174,23 @@ def test_a_batch_of_several_requests_is_held_to_their_room(core):
         assert "network 'widened': node 'expand' (Expand)" in message
         assert "8,000 bytes" in message and "1,000 bytes" in message
     net.close()
+
+
+def test_a_batchs_context_is_its_requests_together_and_a_pieces_is_what_it_sends():
+    token = Token()
+    a = RunContext(network="n", outputs=("y",), room=100, answer=10, request_id="a")
+    b = RunContext(network="n", outputs=("z",), room=300, answer=20, request_id="b")
+    both = run_context.for_batch([a, b], token)
+    assert both.token is token and both.network == "n"
+    assert (both.outputs, both.room, both.answer) == (("y", "z"), 300, 30)
+    assert both.request_id == ""  # no one request's id, parameters or sequence
+    unbounded = run_context.for_batch([a, dataclasses.replace(b, answer=0, outputs=None)], token)
+    assert (unbounded.outputs, unbounded.answer) == (None, 0)
+    one = run_context.for_batch([a], token)  # a batch of one is that request, under the token
+    assert one == dataclasses.replace(a, token=token)
+
+    piece = run_context.for_piece(a, ["mid", "y"], ["y", "z"])
+    assert piece.outputs == ("y",) and piece.room == 100 and piece.request_id == "a"
+    assert run_context.for_piece(RunContext(), ["mid", "z"], ["y", "z"]).outputs == ("z",)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.room = 0  # type: ignore[misc]
