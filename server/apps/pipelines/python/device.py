@@ -289,7 +289,7 @@ class PythonInferRequest(InferRequest):
         if network.gatherer is not None:  # dynamic batching: with the requests waiting
             first = next((a for a in arrays if a is not None), None)
             rows = int(first.shape[0]) if first is not None and first.ndim else 1
-            return network.gatherer.run(arrays, request, rows, span)
+            return network.gatherer.run(arrays, request, rows, span, token)
         where = network.where
         try:
             reply, tensors = self.instance.run(
