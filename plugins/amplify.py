@@ -5,9 +5,9 @@ A 100-byte request can ask ``ConstantOfShape`` for a [100000, 100000] tensor, ``
 for 10^12 steps, or a ``Loop`` for 10^9 iterations each keeping a scan output: gigabytes from
 nothing, on any device, before any check after the run could refuse the answer. So each such
 output's size is worked out from the node's input *values* before the node runs and compared
-with what the run may still allocate, its room (:func:`room`): the server sets it on the run's
-token from its memory budget (``--max-inflight-bytes``: what the budget has free when the
-request is admitted, at most), and a node asking for more is refused with
+with what the run may still allocate, its room (:func:`room`): the server sets it in the run's
+context (``plugins/run_context.py``) from its memory budget (``--max-inflight-bytes``: what the
+budget has free when the request is admitted, at most), and a node asking for more is refused with
 :class:`ResourceExhausted` naming the node, the op and the sizes; nothing else is harmed.
 
 Where each device asks:
@@ -25,7 +25,7 @@ The rules are a registry of small functions, one per op: what the node's outputs
 bytes, from its input arrays (``None`` where an input is unknown).
 
 An output that could never be sent is refused the same way, before it is computed, whatever
-the budget has free: the answer's bound (the run token's ``answer``, --max-message-bytes,
+the budget has free: the answer's bound (the run context's ``answer``, --max-message-bytes,
 set by the server) caps a node whose output *is* an output the request asked for, or reaches
 one through ops that keep its size or grow it (:data:`KEEPS`: an Expand followed by an Add,
 a ConstantOfShape then a Relu; :func:`sent_as`, worked out once at load). A 6.4 GB
@@ -35,11 +35,12 @@ refused after, NUMPY's peak memory 6.1 GB higher; it is now refused with nothing
 What holds, per device: NUMPY checks every such node from its real inputs, as it runs; ORT
 and OPENVINO check before the run those whose deciding values are cheap shape arithmetic on
 the inputs (the probe), and a size that needs the network's real work is known only after
-the run (then the answer's own bound refuses it before it is encoded); HETERO runs each piece
-on its device under the same token (a piece's outputs are checked against the answer's
-bound where they are the request's outputs); MULTI and AUTO run one device's network; BATCH
-runs a batch of one request under its token, and a batch of several under one whose answer
-bound is the sum of theirs.
+the run (then the answer's own bound refuses it before it is encoded); HETERO hands each piece
+the request's context with the outputs it sends to the answer (``run_context.for_piece``: a
+tensor one piece hands the next is never sent, so only the room bounds it); MULTI and AUTO
+run one device's network under the request's context; BATCH runs a batch of one request
+under its context, and a batch of several under one whose answer bound is the sum of theirs
+and whose room is the largest of theirs (``run_context.for_batch``).
 """
 
 from __future__ import annotations
@@ -52,8 +53,9 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from plugserve.plugins import cancel
+from plugserve.plugins import run_context
 from plugserve.plugins.errors import ResourceExhausted
+from plugserve.plugins.run_context import RunContext
 
 __all__ = [
     "OUTPUT_BYTES",
@@ -205,10 +207,12 @@ def _loop(node: Any, ins: Sequence[Any]) -> int:
     return trips * per_trip
 
 
-def room() -> int:
-    """What the run under way may still allocate at once, in bytes (0: no bound)."""
-    token = cancel.current()
-    return 0 if token is None else token.room
+def room(run: RunContext | None = None) -> int:
+    """What the run (by default the device run under way on this thread, for the kernels no
+    argument reaches) may still allocate at once, in bytes (0: no bound)."""
+    if run is None:
+        run = run_context.current()
+    return 0 if run is None else run.room
 
 
 #: ops whose first output holds at least as many bytes as each input it is computed from (the
@@ -245,9 +249,9 @@ def sent_as(nodes: Sequence[Any], outputs: Sequence[str]) -> dict[str, frozenset
     return {name: frozenset(found) for name, found in reach.items()}
 
 
-def check_bytes(nbytes: int, what: str) -> None:
+def check_bytes(nbytes: int, what: str, run: RunContext | None = None) -> None:
     """Refuse ``nbytes`` of one output over the run's room, before it is allocated."""
-    bound = room()
+    bound = room(run)
     if bound and nbytes > bound:
         raise ResourceExhausted(
             f"{what} would allocate {nbytes:,} bytes, more than this request may hold "
@@ -256,25 +260,32 @@ def check_bytes(nbytes: int, what: str) -> None:
         )
 
 
-def check_node(node: Any, inputs: Sequence[Any], sent: frozenset[str] = frozenset()) -> None:
+def check_node(
+    node: Any,
+    inputs: Sequence[Any],
+    sent: frozenset[str] = frozenset(),
+    run: RunContext | None = None,
+) -> None:
     """Before ``node`` runs on its ``inputs``: its outputs' bytes within the run's room, and,
     where its output is (or reaches unreduced) one of the network outputs ``sent`` and the
-    request asked for it, within what the answer may carry."""
+    request asked for it, within what the answer may carry. ``run``: the run's context (by
+    default the device run under way on this thread: NUMPY's kernels)."""
     entry = OUTPUT_BYTES.get(node.op_type)
-    token = cancel.current()
-    if entry is None or token is None or not (token.room or (sent and token.answer)):
+    if run is None:
+        run = run_context.current()
+    if entry is None or run is None or not (run.room or (sent and run.answer)):
         return
     try:
         nbytes = entry[0](node, inputs)
     except (TypeError, ValueError, IndexError, OverflowError):
         return  # inputs the op itself refuses: its kernel says why
     what = f"node {node.name!r} ({node.op_type})"
-    if token.network:
-        what = f"network {token.network!r}: {what}"
-    check_bytes(nbytes, what)
-    most = token.answer
+    if run.network:
+        what = f"network {run.network!r}: {what}"
+    check_bytes(nbytes, what, run)
+    most = run.answer
     if sent and most and nbytes > most:
-        wanted = token.outputs
+        wanted = run.outputs
         asked = sorted(sent if wanted is None else sent.intersection(wanted))
         if asked:
             raise ResourceExhausted(
@@ -327,10 +338,10 @@ class Probe:
         self._wanted = frozenset(self.inputs)
         self._evaluator: Any = None  # made on first use, on the thread that needs it
 
-    def check(self, inputs: Sequence[Any], arrays: Sequence[Any]) -> None:
+    def check(self, inputs: Sequence[Any], arrays: Sequence[Any], run: RunContext) -> None:
         """Before a run of checked ``arrays`` (the network's ``inputs``' specs, in order): the
         probe computes the deciding values (onnx's reference evaluator: a few small nodes),
-        and :meth:`judge` refuses what outgrows the run's room."""
+        and :meth:`judge` refuses what outgrows the room of ``run``."""
         feeds = {s.name: a for s, a in zip(inputs, arrays) if s.name in self._wanted}
         if self._evaluator is None:
             from onnx.reference import ReferenceEvaluator
@@ -340,10 +351,10 @@ class Probe:
             values = self._evaluator.run(None, feeds)
         except Exception:  # inputs the network itself will refuse: its run says why
             return
-        self.judge(dict(zip(self.outputs, values)))
+        self.judge(dict(zip(self.outputs, values)), run)
 
-    def judge(self, values: dict[str, Any]) -> None:
-        """Refuse the request when an amplifying node would outgrow the run's room
+    def judge(self, values: dict[str, Any], run: RunContext) -> None:
+        """Refuse the request when an amplifying node would outgrow the room of ``run``
         (``values``: the probe's outputs by name)."""
         for node, names, sent in self._plan:
             inputs: list[Any] = []
@@ -355,7 +366,7 @@ class Probe:
                     inputs.append(values.get(name, self._constants.get(name)))
                 else:
                     inputs.append(None)
-            check_node(node, inputs, sent)
+            check_node(node, inputs, sent, run)
 
 
 _SHAPE = "plugserve_amplify_shape_of/"

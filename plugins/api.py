@@ -11,8 +11,10 @@ lives in a module of its own, each importing only those before it:
 - ``errors``: the typed errors (and ``listing``, for their messages)
 - ``configuration``: config keys, their parsers, a device's parsed :class:`Configuration`
 - ``inputs``: :class:`TensorSpec` and the checks of inputs against it
+- ``run_context``: :class:`RunContext`, the request a device runs as it is told it (handed to
+  ``InferRequest.infer_checked`` and its siblings; the cancellation token rides in it)
 - ``base``: the :class:`Plugin`, :class:`CompiledNetwork` and :class:`InferRequest` bases and
-  the :class:`Devices` protocol (above ``cancel``, ``streams`` and ``blob``)
+  the :class:`Devices` protocol (above ``cancel``, ``run_context``, ``streams`` and ``blob``)
 - ``responses``: :class:`Response` and :class:`ResponseSender`, for decoupled networks
 - ``virtual``: what the virtual devices share (``refusal_reasons``, ``device_refusals``)
 """
@@ -68,6 +70,7 @@ from plugserve.plugins.inputs import (
     refuse_non_tensors,
 )
 from plugserve.plugins.responses import Response, ResponseSender
+from plugserve.plugins.run_context import RunContext
 from plugserve.plugins.virtual import device_refusals, refusal_reasons
 
 __all__ = [
@@ -98,6 +101,7 @@ __all__ = [
     "ResourceExhausted",
     "Response",
     "ResponseSender",
+    "RunContext",
     "TensorSpec",
     "Unsupported",
     "VariableState",

@@ -20,7 +20,7 @@ from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
-from plugserve.plugins import blob, cancel
+from plugserve.plugins import blob, cancel, run_context
 from plugserve.plugins.configuration import Configuration
 from plugserve.plugins.errors import (
     Cancelled,
@@ -31,6 +31,7 @@ from plugserve.plugins.errors import (
 )
 from plugserve.plugins.inputs import TensorSpec, check_inputs
 from plugserve.plugins.responses import Response, ResponseSender
+from plugserve.plugins.run_context import RunContext
 from plugserve.plugins.streams import StreamsExecutor
 
 __all__ = [
@@ -579,33 +580,58 @@ class InferRequest(abc.ABC):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """A request class that overrides :meth:`infer` alone (a plugin written before
-        :meth:`infer_checked` existed) keeps being called through it on every path."""
+        :meth:`infer_checked` existed) keeps being called through it on every path; one whose
+        :meth:`_infer` takes no run context (a plugin written before :class:`RunContext`) is
+        called without it."""
         super().__init_subclass__(**kwargs)
-        if "infer" in cls.__dict__ and "infer_checked" not in cls.__dict__:
+        own_infer = cls.__dict__.get("infer")
+        if own_infer is not None and _positional(own_infer) < 3:
+
+            def infer_told(
+                self: InferRequest, inputs: Mapping[str, Any], run: RunContext | None = None
+            ) -> dict[str, np.ndarray]:
+                if run is None:
+                    return own_infer(self, inputs)
+                entered = run_context.enter(run)  # what the plugin's own backend reads
+                try:
+                    with cancel.running(run.token):  # what the plugin's own infer answers to
+                        return own_infer(self, inputs)
+                finally:
+                    run_context.leave(entered)
+
+            cls.infer = infer_told  # type: ignore[method-assign]
+        if own_infer is not None and "infer_checked" not in cls.__dict__:
 
             def through_infer(
-                self: InferRequest, arrays: list[Any], run: cancel.Token | None = None
+                self: InferRequest, arrays: list[Any], run: RunContext | None = None
             ) -> dict[str, np.ndarray]:
-                feed = {s.name: a for s, a in zip(self.network.inputs, arrays)}
-                if run is None:
-                    return self.infer(feed)
-                with cancel.running(run):  # what the plugin's own infer answers to
-                    return self.infer(feed)
+                return self.infer({s.name: a for s, a in zip(self.network.inputs, arrays)}, run)
 
             cls.infer_checked = through_infer  # type: ignore[method-assign]
+        own = cls.__dict__.get("_infer")
+        if own is not None and _positional(own) < 3:
 
-    def infer(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
+            def without_run(
+                self: InferRequest, arrays: list[Any], run: RunContext | None = None
+            ) -> dict[str, np.ndarray]:
+                return own(self, arrays)  # (the device may call it itself, with no run)
+
+            cls._infer = without_run  # type: ignore[method-assign]
+
+    def infer(
+        self, inputs: Mapping[str, Any], run: RunContext | None = None
+    ) -> dict[str, np.ndarray]:
         """OpenVINO's ``sync_infer_request``: check the inputs against the network's specs,
         :meth:`_feed` them (the backend's form), then :meth:`_run`. Plugins implement those
         two, or :meth:`_infer` where the backend runs the request itself. A network that
         keeps states (:meth:`CompiledNetwork.keep_states`) is fed them here, and keeps what
-        its state outputs give for the next run."""
+        its state outputs give for the next run. ``run``: as :meth:`infer_checked`'s."""
         pairs = self.network.state_pairs
         if not pairs:
-            return self._checked(check_inputs(self.network.name, self.network.inputs, inputs))
+            return self._checked(check_inputs(self.network.name, self.network.inputs, inputs), run)
         states = {s.name: s for s in self.query_state()}
         feed = {**{name: state.state for name, state in states.items()}, **inputs}
-        outputs = self._checked(check_inputs(self.network.name, self.network.inputs, feed))
+        outputs = self._checked(check_inputs(self.network.name, self.network.inputs, feed), run)
         for name, output in pairs.items():
             states[name].state = outputs.pop(output)
         return outputs
@@ -626,17 +652,20 @@ class InferRequest(abc.ABC):
             state.reset()
 
     def infer_checked(
-        self, arrays: list[Any], run: cancel.Token | None = None
+        self, arrays: list[Any], run: RunContext | None = None
     ) -> dict[str, np.ndarray]:
         """:meth:`infer` for inputs already checked by :func:`check_inputs` (in declared
         order): the server's DataPlane checks once at its edge, and MULTI, AUTO and BATCH hand
         their device the values they checked against the same specs.
 
-        ``run``: the request the run serves, as the device sees it (``plugins/cancel.py``'s
-        :class:`Token`: its cancellation, the room an output may take, the outputs wanted, its
-        id, parameters, sequence and trace), handed down explicitly by the server and by a
-        virtual device to its children. Without one the run answers to the run under way on
-        this thread, else to a token of its own, so :meth:`cancel` stops it either way."""
+        ``run``: the request the run serves, as the device sees it
+        (``plugins/run_context.py``: its cancellation token, the room an output may take, the
+        outputs wanted, its id, parameters, sequence and trace), handed down explicitly by the
+        server and by a virtual device to its children (HETERO: each piece its own, with
+        ``run_context.for_piece``). Without one (an in-process call, a plugin's own ``infer``
+        calling the base's) it is told what :func:`_nested` finds, and answers to the token of
+        the run under way on this thread, else to a token of its own, so :meth:`cancel` stops
+        it either way."""
         return self._checked(arrays, run)
 
     #: whether :meth:`infer_into` has the device write the named outputs straight into the
@@ -649,7 +678,7 @@ class InferRequest(abc.ABC):
         self,
         arrays: list[Any],
         outputs: Mapping[str, np.ndarray],
-        run: cancel.Token | None = None,
+        run: RunContext | None = None,
     ) -> dict[str, np.ndarray]:
         """:meth:`infer_checked` with the named outputs written into the given arrays
         (OpenVINO's ``set_output_tensor``): each must be C-contiguous with the output's element
@@ -666,7 +695,7 @@ class InferRequest(abc.ABC):
         return result
 
     def infer_decoupled(
-        self, arrays: list[Any], sender: ResponseSender, run: cancel.Token | None = None
+        self, arrays: list[Any], sender: ResponseSender, run: RunContext | None = None
     ) -> None:
         """Run checked inputs, answering through ``sender`` (``plugins/responses.py``): a
         decoupled network's requests send zero or many responses, possibly after this returns,
@@ -675,32 +704,31 @@ class InferRequest(abc.ABC):
         ``run``: as :meth:`infer_checked`'s."""
         sender.send(Response(self.infer_checked(arrays, run)), final=True)
 
-    def _checked(self, arrays: list[Any], run: cancel.Token | None = None) -> dict[str, np.ndarray]:
-        """The run of checked inputs under its token (both :meth:`infer` and
-        :meth:`infer_checked`: a plugin overriding one of them calls the other's base).
-        :meth:`_under` written out: every small server request passes here. A ``run`` handed
-        in is the run under way on this thread while it runs (what the device's kernels and a
-        virtual device's children without one of their own answer to)."""
-        if run is not None:
-            entered = cancel.enter(run)
-            try:
-                return self._checked(arrays)
-            finally:
-                cancel.leave(entered)
-        token = cancel.current()
-        if token is None:
-            with cancel.running(cancel.Token()) as token:
-                return self._under(token, self._infer, arrays)
+    def _checked(self, arrays: list[Any], run: RunContext | None = None) -> dict[str, np.ndarray]:
+        """The run of checked inputs under its context (both :meth:`infer` and
+        :meth:`infer_checked`: a plugin overriding one of them calls the other's base), handed
+        to :meth:`_infer`. While it runs, its token is the run under way on this thread (what
+        the device's checkpoints, and a nested run given no context, answer to) and the
+        context is ``run_context.current()`` (what NUMPY's kernels read). Every small server
+        request passes here: kept to two context-variable sets. Without ``run``: see
+        :func:`_nested`."""
+        if run is None:
+            run = _nested()
+        token = run.token
         if token.error is not None:
             raise token.failure()
         probe = self.network.amplifying
-        if probe is not None and (token.room or token.answer):  # sizes its values decide
-            probe.check(self.network.inputs, arrays)
+        if probe is not None and (run.room or run.answer):  # sizes its values decide
+            probe.check(self.network.inputs, arrays, run)
+        entered = cancel.enter(token)
+        told = run_context.enter(run)
         self._token = token
         try:
-            return self._infer(arrays)
+            return self._infer(arrays, run)
         finally:
             self._token = None
+            run_context.leave(told)
+            cancel.leave(entered)
 
     def _under(
         self, token: cancel.Token, run: Callable[[_Prepared], dict[str, np.ndarray]], value: Any
@@ -726,7 +754,10 @@ class InferRequest(abc.ABC):
         if future is not None:
             future.cancel()
 
-    def _infer(self, arrays: list[Any]) -> dict[str, np.ndarray]:
+    def _infer(self, arrays: list[Any], run: RunContext) -> dict[str, np.ndarray]:
+        """The device's run of checked inputs told its request (``run``); by default
+        :meth:`_feed` then :meth:`_run`, for a device that needs nothing of the request but
+        what its kernels read (``run_context.current()``)."""
         return self._run(self._feed(arrays))
 
     def start_async(self, inputs: Mapping[str, Any], callback: Callback | None = None) -> None:
@@ -808,6 +839,25 @@ class InferRequest(abc.ABC):
                 f"network {self.network.name}: performance counters are off; "
                 "load it with PERF_COUNT=YES"
             )
+
+
+def _nested() -> RunContext:
+    """The context of a run given none: the one under way on this thread when its token is
+    the thread's (a plugin's own ``infer`` calling the base's, inside the run it was told);
+    else only the thread's token, or a fresh one (an in-process call)."""
+    token = cancel.current()
+    under_way = run_context.current()
+    if under_way is not None and under_way.token is token:
+        return under_way
+    return RunContext() if token is None else RunContext(token=token)
+
+
+def _positional(function: Callable[..., Any]) -> int:
+    """How many positional parameters ``function`` takes (a ``*args`` counts as many)."""
+    code = getattr(function, "__code__", None)
+    if code is None or code.co_flags & 0x04:  # not plain Python, or *args
+        return 99
+    return code.co_argcount
 
 
 def joined_precision(networks: Iterable[CompiledNetwork]) -> str:

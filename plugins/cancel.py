@@ -14,9 +14,13 @@ NUMPY checks between nodes and between Loop and Scan iterations (:func:`checkpoi
 OPENVINO register a callback (:meth:`Token.on_cancel`) that interrupts their backend. A device
 stops no sooner than its backend lets it: a single kernel runs to its end.
 
-Both are context variables, so plugins keep their signatures and nested runs on the same
-thread (HETERO's pieces, MULTI's and AUTO's device, a Loop's body) see the same token; work
-handed to another thread takes its token along explicitly (:func:`running`).
+The token is cancellation only: what the run is for reaches its device as an argument, a
+:class:`~plugserve.plugins.run_context.RunContext` that holds the token. Both ``should_stop``
+and the run's token are also context variables, for the checkpoints alone: a checkpoint sits
+where no argument reaches (between transformation passes, in NUMPY's node loop and its Loop
+and Scan bodies, a TorchScript program's hooks), and a nested run on the same thread answers
+to the same token; work handed to another thread takes its token along explicitly
+(:func:`running`).
 """
 
 from __future__ import annotations
@@ -28,7 +32,6 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 
 from plugserve.plugins.errors import Cancelled, PlugserveError
-from plugserve.plugins.tracing import Span
 
 __all__ = [
     "Token",
@@ -83,70 +86,21 @@ class Token:
     run raises at its first checkpoint without starting; after, nothing happens. Callbacks run
     on the cancelling thread, once, outside the token's lock (a backend's interrupt may block
     briefly); one registered after the cancellation runs at once.
+
+    What the request is (its id, parameters, outputs, bounds, trace...) is not here: it is the
+    run's :class:`~plugserve.plugins.run_context.RunContext`, handed to the device as an
+    argument, which holds this token. The token keeps only what changes while the run waits
+    or runs, owned by the run's lifecycle: its cancellation, that it is over (``finished``),
+    and its place in its model's queue with the hook for when it leaves it (``place``,
+    ``on_start``: written by a queue policy after the request was built, while it waits,
+    which a frozen description could not take).
     """
 
-    __slots__ = (
-        "_callbacks",
-        "_lock",
-        "answer",
-        "error",
-        "finished",
-        "network",
-        "on_start",
-        "outputs",
-        "parameters",
-        "partial_outputs",
-        "place",
-        "priority",
-        "request_id",
-        "room",
-        "sequence",
-        "timeout",
-        "trace",
-    )
+    __slots__ = ("_callbacks", "_lock", "error", "finished", "on_start", "place")
 
     def __init__(self) -> None:
         #: the error the run raises once cancelled (None: not cancelled)
         self.error: PlugserveError | None = None
-        #: bytes one output of the run may hold at most, set by its owner (0: no bound): the
-        #: outputs whose size the request's values decide are checked against it before they
-        #: are allocated (``plugins/amplify.py``); it travels with the token to every thread
-        #: and piece of the run
-        self.room = 0
-        #: bytes the run's answer may carry at most, set by its owner (0: no bound): an
-        #: output the request asked for that its values size past it could never be sent
-        #: (--max-message-bytes), so it is refused before it is computed, whatever the room
-        self.answer = 0
-        #: the name of the network the run is for, set by its owner, for the messages of
-        #: refusals made deep in a device (``plugins/amplify.py``); "": unnamed
-        self.network = ""
-        #: the outputs the run's caller asked for (None: every one), set by its owner: a
-        #: network that can skip work for outputs nobody wants reads it (an ensemble's steps)
-        self.outputs: list[str] | None = None
-        #: the request's own parameters (KServe's ``parameters`` but those the server acts on:
-        #: sequence ids, timeout, ...), set by its owner, for a network that hands them to its
-        #: model (Triton's ``request.parameters()`` in a Python model); None: none
-        self.parameters: dict | None = None
-        #: outputs the model does not produce may be missing from the answer (Triton's
-        #: ensemble steps: an output a step leaves out leaves the ensemble's out); otherwise a
-        #: model that leaves out an output the request wants fails it, naming the output
-        self.partial_outputs = False
-        #: the client's id for the request (KServe's ``id``), set by its owner for a network
-        #: that hands it to its model (a Python model's ``request_id()``); "": none
-        self.request_id = ""
-        #: the request's sequence as ``(sequence id, flags)`` (flags: 1 its start, 2 its end,
-        #: Triton's), set by its owner for a network that hands them to its model (a Python
-        #: model's ``correlation_id()`` and ``flags()``); None: none
-        self.sequence: tuple[int | str, int] | None = None
-        #: the span the request's stages open theirs under (``plugins/tracing.py``), set by its
-        #: owner when the request is traced; None: not traced
-        self.trace: Span | None = None
-        #: the request's ``priority`` and ``timeout`` parameters (Triton's: a level, 0 none;
-        #: seconds, None none), set by its owner: a model's queue policy reads them
-        #: (``server/queue_policy.py``), and a model without one takes the timeout as the
-        #: request's deadline
-        self.priority = 0
-        self.timeout: float | None = None
         #: where the request waits among its model's others, set by its model's queue policy
         #: (``Ticket.place``: twice its priority level, +1 once delayed; smaller first): a
         #: device that gathers requests into batches takes them in this order (Triton's
@@ -237,13 +191,7 @@ def every(
         return tokens[0], _nothing
     if any(t is None for t in tokens):
         return None, _nothing
-    run = Token()
-    # its answers are theirs together: bounded by their bounds' sum (none if one has none)
-    answers = [t.answer for t in tokens if t is not None]
-    run.answer = sum(answers) if all(answers) else 0
-    asked: list[list[str] | None] = [t.outputs for t in tokens if t is not None]
-    if all(a is not None for a in asked):
-        run.outputs = sorted({name for a in asked for name in a or ()})
+    run = Token()  # what the run is told of its requests: run_context.for_batch
     left = [len(tokens)]
     lock = threading.Lock()
 

@@ -40,6 +40,7 @@ from plugserve.plugins.api import (
 )
 from plugserve.plugins.batch.config import BatchConfiguration
 from plugserve.plugins.batch.request import BatchInferRequest
+from plugserve.plugins.run_context import RunContext, for_batch
 from plugserve.plugins.streams import RequestFuture
 from plugserve.plugins.threads import start_daemon
 from plugserve.plugins.virtual import OneNetwork
@@ -91,13 +92,21 @@ class _Item:
     is dropped; cancelled while its batch runs, its caller stops waiting at once, and the
     batch itself is stopped once every request in it is cancelled (the others still want it)."""
 
-    __slots__ = ("arrays", "arrived", "future", "rows", "token")
+    __slots__ = ("arrays", "arrived", "future", "rows", "run", "token")
 
-    def __init__(self, arrays: list[np.ndarray], rows: int, token: cancel.Token | None) -> None:
+    def __init__(
+        self,
+        arrays: list[np.ndarray],
+        rows: int,
+        token: cancel.Token | None,
+        run: RunContext | None = None,
+    ) -> None:
         self.arrays = arrays
         self.rows = rows
         self.arrived = time.monotonic()
         self.token = token
+        #: what its caller was told of the request (None: nothing)
+        self.run = run
         self.future: Future = RequestFuture(token)
 
     def abandon(self) -> None:
@@ -161,11 +170,17 @@ class BatchCompiledNetwork(OneNetwork, CompiledNetwork):
     # --- the batcher
 
     def submit(
-        self, arrays: list[np.ndarray], key: tuple, rows: int, token: cancel.Token | None = None
+        self,
+        arrays: list[np.ndarray],
+        key: tuple,
+        rows: int,
+        token: cancel.Token | None = None,
+        run: RunContext | None = None,
     ) -> Future:
         """Queue one request's checked inputs; the future holds its own outputs. ``token``:
-        the caller's run's (see :class:`_Item`)."""
-        item = _Item(arrays, rows, token)
+        the caller's run's (see :class:`_Item`); ``run``: its request, which the batch's run
+        is told together with the others' (``run_context.for_batch``)."""
+        item = _Item(arrays, rows, token, run)
         with self._cond:
             if self._closed:
                 raise FailedPrecondition(f"network {self.name}: BATCH network is closed")
@@ -277,8 +292,11 @@ class BatchCompiledNetwork(OneNetwork, CompiledNetwork):
                     name: np.concatenate([i.arrays[k] for i in batch], axis=0)
                     for k, name in enumerate(self.input_names)
                 }
-            with cancel.running(token or cancel.Token()):
-                outputs = request.infer(feeds)
+            told = for_batch(
+                [i.run or RunContext(token=i.token or cancel.Token()) for i in batch],
+                token or cancel.Token(),
+            )
+            outputs = request.infer(feeds, told)
             parts = self._split(outputs, batch, rows)
         except BaseException as exc:
             cause = f"{type(exc).__name__}: {exc}"

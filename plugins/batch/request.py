@@ -14,6 +14,7 @@ from plugserve.plugins.api import (
     InvalidInput,
     PerfCount,
 )
+from plugserve.plugins.run_context import RunContext
 
 if TYPE_CHECKING:
     from plugserve.plugins.batch.compiled import BatchCompiledNetwork
@@ -24,7 +25,7 @@ __all__ = ["BatchInferRequest"]
 class BatchInferRequest(InferRequest):
     network: BatchCompiledNetwork
 
-    def _queue(self, arrays: list[Any]) -> Any:
+    def _queue(self, arrays: list[Any], run: RunContext | None = None) -> Any:
         """Checked inputs into the batcher; the future holds this request's outputs."""
         network = self.network
         rows = {a.shape[0] for a in arrays if isinstance(a, np.ndarray) and a.ndim}
@@ -35,14 +36,14 @@ class BatchInferRequest(InferRequest):
                 + ", ".join(f"{s.name}={list(np.shape(a))}" for s, a in zip(network.inputs, arrays))
             )
         key = tuple((a.shape[1:], a.dtype.str) for a in arrays)
-        return network.submit(arrays, key, rows.pop(), self._token)
+        return network.submit(arrays, key, rows.pop(), self._token, run)
 
-    def _infer(self, arrays: list[Any]) -> dict[str, np.ndarray]:
+    def _infer(self, arrays: list[Any], run: RunContext) -> dict[str, np.ndarray]:
         waiting = tracing.child("batch", {"plugserve.device": self.network.child_device})
         if waiting is None:
-            return self._queue(arrays).result()
+            return self._queue(arrays, run).result()
         with waiting:  # the wait for a batch and its run on the batch's device
-            return self._queue(arrays).result()
+            return self._queue(arrays, run).result()
 
     def start_async(self, inputs: Mapping[str, Any], callback: Callback | None = None) -> None:
         """Not on the network's streams: the batcher's future is this run's future (whose

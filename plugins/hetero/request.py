@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -16,6 +17,7 @@ from plugserve.plugins.api import (
     listing,
 )
 from plugserve.plugins.outputcheck import disagreement
+from plugserve.plugins.run_context import RunContext, for_piece
 
 if TYPE_CHECKING:
     from plugserve.plugins.hetero.compiled import HeteroCompiledNetwork, Step
@@ -31,15 +33,25 @@ class HeteroInferRequest(InferRequest):
         self._requests = [step.network.create_infer_request() for step in network.steps]
         self._times: list[float] = [0.0] * len(self._requests)
 
-    def _run(self, values: dict[str, Any]) -> dict[str, np.ndarray]:
+    def _infer(self, arrays: list[Any], run: RunContext) -> dict[str, np.ndarray]:
+        return self._run(self._feed(arrays), run)
+
+    def _run(self, values: dict[str, Any], run: RunContext | None = None) -> dict[str, np.ndarray]:
+        """Each piece on its device, told the request (``run``) as a piece sees it: the
+        outputs it sends to the answer, of those the request wants (``for_piece``), and the
+        request's id, parameters, bounds, trace and token."""
+        if run is None:  # start_async: nothing told but its token, the run under way's
+            run = RunContext(token=self._token) if self._token is not None else RunContext()
         checks = self.network.checks
+        answered = self.network.output_names
         traced = tracing.current()  # the run's span when the request is traced
         for index, (step, request) in enumerate(zip(self.network.steps, self._requests)):
             start = time.perf_counter()
+            piece = for_piece(run, step.outputs, answered)
             if traced is None:
-                outputs = request.infer({name: values[name] for name in step.inputs})
+                outputs = request.infer({name: values[name] for name in step.inputs}, piece)
             else:
-                outputs = _traced_piece(traced, index, step, request, values)
+                outputs = _traced_piece(traced, index, step, request, values, piece)
             self._times[index] = time.perf_counter() - start
             for expected in checks[index]:
                 problem = disagreement(expected, outputs.get(expected[0]))
@@ -89,17 +101,23 @@ class HeteroInferRequest(InferRequest):
 
 
 def _traced_piece(
-    traced: tracing.Span, index: int, step: Step, request: InferRequest, values: dict[str, Any]
+    traced: tracing.Span,
+    index: int,
+    step: Step,
+    request: InferRequest,
+    values: dict[str, Any],
+    run: RunContext,
 ) -> dict[str, Any]:
     """A piece's run as a span of its own (named as its performance counts are), the span
-    its device's pieces open theirs under."""
+    its device's pieces open theirs under (its context's ``trace``)."""
     piece = traced.span(
         f"subgraph{index}",
         {"plugserve.device": step.device, "plugserve.nodes": len(step.node_names)},
     )
     entered = tracing.enter(piece)
     try:
-        return request.infer({name: values[name] for name in step.inputs})
+        told = dataclasses.replace(run, trace=piece)
+        return request.infer({name: values[name] for name in step.inputs}, told)
     except BaseException as exc:
         piece.fail(exc)
         raise

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from plugserve.plugins import cancel, tracing
+from plugserve.plugins import tracing
 from plugserve.plugins.api import (
     Callback,
     Cancelled,
@@ -25,6 +25,7 @@ from plugserve.plugins.api import (
     PlugserveError,
     VariableState,
 )
+from plugserve.plugins.run_context import RunContext
 
 if TYPE_CHECKING:
     from plugserve.plugins.multi.compiled import AutoCompiledNetwork, MultiCompiledNetwork
@@ -45,13 +46,16 @@ class MultiInferRequest(InferRequest):
         self._counts: list[PerfCount] = []
         self.last_device = ""
 
-    def _run_on(self, pool: Any, request: InferRequest, arrays: list[Any]) -> dict[str, Any]:
-        """On one device: the values checked here against the same specs go as they are."""
+    def _run_on(
+        self, pool: Any, request: InferRequest, arrays: list[Any], run: RunContext | None
+    ) -> dict[str, Any]:
+        """On one device: the values checked here against the same specs go as they are,
+        under the request's context as it was handed here (``run``)."""
         self.last_device = pool.device
         piece = tracing.child(pool.device, {"plugserve.device": pool.device})
         entered = None if piece is None else tracing.enter(piece)
         try:
-            outputs = request.infer_checked(arrays, self._token)
+            outputs = request.infer_checked(arrays, run)
             if self._perf:
                 try:
                     self._counts = [
@@ -71,12 +75,17 @@ class MultiInferRequest(InferRequest):
         self.network.release(pool, request)
         return outputs
 
-    def _run(self, feeds: list[Any]) -> dict[str, np.ndarray]:
+    def _infer(self, arrays: list[Any], run: RunContext) -> dict[str, np.ndarray]:
+        return self._run(self._feed(arrays), run)
+
+    def _run(self, feeds: list[Any], run: RunContext | None = None) -> dict[str, np.ndarray]:
+        """On the device with room (``start_async``: ``run`` None, the device's request then
+        answers to this run's token, the one under way on this thread)."""
         network = self.network
         pool, request = network.acquire()
         if not network.fallback:
             try:
-                return self._run_on(pool, request, feeds)
+                return self._run_on(pool, request, feeds, run)
             except PlugserveError as exc:
                 raise type(exc)(f"MULTI device {pool.device}: {exc}") from exc
             except Exception as exc:
@@ -92,7 +101,7 @@ class MultiInferRequest(InferRequest):
             if step:
                 pool, request = network.acquire_on(order[(start + step) % len(order)])
             try:
-                return self._run_on(pool, request, feeds)
+                return self._run_on(pool, request, feeds, run)
             except _NO_RETRY:
                 raise
             except Exception as exc:
@@ -125,8 +134,10 @@ class AutoInferRequest(InferRequest):
         super().__init__(network)
         self.request = request
 
-    def infer(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
-        return self.request.infer(inputs)
+    def infer(
+        self, inputs: Mapping[str, Any], run: RunContext | None = None
+    ) -> dict[str, np.ndarray]:
+        return self.request.infer(inputs, run)
 
     def query_state(self) -> list[VariableState]:
         return self.request.query_state()
@@ -135,7 +146,7 @@ class AutoInferRequest(InferRequest):
         self.request.reset_state()
 
     def infer_checked(
-        self, arrays: list[Any], run: cancel.Token | None = None
+        self, arrays: list[Any], run: RunContext | None = None
     ) -> dict[str, np.ndarray]:
         return self.request.infer_checked(arrays, run)
 

@@ -23,6 +23,7 @@ from plugserve.plugins.api import (
     VariableState,
     initial_value,
 )
+from plugserve.plugins.run_context import RunContext
 from plugserve.plugins.shapecheck import shapes_of, translate
 from plugserve.plugins.streams import RequestFuture
 
@@ -129,7 +130,7 @@ class OpenvinoInferRequest(InferRequest):
         self,
         arrays: list[Any],
         outputs: Mapping[str, np.ndarray],
-        run: cancel.Token | None = None,
+        run: RunContext | None = None,
     ) -> dict[str, np.ndarray]:
         """Each input bound as an openvino tensor over the array's own memory (no copy in: an
         input the network writes, a paged key/value cache, is updated in place), the named
@@ -140,7 +141,7 @@ class OpenvinoInferRequest(InferRequest):
         shape or type changed: a generation step binds the same cache arrays every time (24
         of them for a 12-layer model), and openvino-genai too sets its cache tensors once.
         The request keeps the bound arrays alive until they are replaced."""
-        token = run or cancel.current() or self._token
+        token = (run.token if run is not None else cancel.current()) or self._token
         with self._lock:
             self._refuse_if_busy()
             try:

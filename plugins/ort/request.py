@@ -29,6 +29,7 @@ from plugserve.plugins.api import (
     PerfCount,
 )
 from plugserve.plugins.ort import backend
+from plugserve.plugins.run_context import RunContext
 from plugserve.plugins.shapecheck import translate
 
 if TYPE_CHECKING:
@@ -98,7 +99,7 @@ class OrtInferRequest(InferRequest):
         self,
         arrays: list[Any],
         outputs: Mapping[str, np.ndarray],
-        run: cancel.Token | None = None,
+        run: RunContext | None = None,
     ) -> dict[str, np.ndarray]:
         """The run through onnxruntime's IOBinding: every input and the named outputs bound
         to the arrays' own memory (no copy in or out; an output bound to an input's memory is
@@ -112,7 +113,7 @@ class OrtInferRequest(InferRequest):
         request keeps alive until its next run."""
         if self._perf:
             return super().infer_into(arrays, outputs, run)
-        token = run if run is not None else cancel.current()
+        token = run.token if run is not None else cancel.current()
         if self._binding is None:
             self._binding = self.session.io_binding()
             self._bound = {}

@@ -13,7 +13,7 @@ through a future so the RPC layer never waits on a queue.
 A model whose configuration has Triton's queue policies (``LoadedNetwork.queue``,
 ``queue_policy.py``) has its requests admitted through them: its levels' bounds, priorities
 and waiting timeouts, with the request's ``timeout`` read as the policy says. Any other
-model takes a request's ``timeout`` (``Token.timeout``) as its deadline, beside the call's
+model takes a request's ``timeout`` (``Request.timeout``) as its deadline, beside the call's
 own; it pays one attribute test for the policies it does not have.
 """
 
@@ -140,7 +140,7 @@ def _answer(
     ``after``, else over ``most`` bytes in all refused (:func:`_answer_too_large`)."""
     try:
         answer = dict(zip(wanted, map(result.__getitem__, wanted)))
-    except KeyError:  # left out by a model that may (token.partial_outputs)
+    except KeyError:  # left out by a model that may (RunContext.partial_outputs)
         answer = {name: result[name] for name in wanted if name in result}
     if after is not None:
         return after(answer)
@@ -273,13 +273,13 @@ class DataPlane:
         protocol encodes them: the encoding would copy them at least once more (a 180-byte
         request to ``ConstantOfShape`` made 8 GB of outputs, and the gRPC answer another 8 GB
         before grpcio refused to send it), and the answer could not leave anyway. One whose
-        size the request's values decide is refused before it is computed (the run's token
+        size the request's values decide is refused before it is computed (the run's context
         carries the bound: ``plugins/amplify.py``).
         """
         if request.decode is not None:
             return self._decoded(request, self.infer)
-        if request.run.timeout and request.entry.queue is None:
-            request.until(time.monotonic() + request.run.timeout)  # no queue policy reads it
+        if request.timeout and request.entry.queue is None:
+            request.until(time.monotonic() + request.timeout)  # no queue policy reads it
         sequences = request.entry.sequences
         if request.step is None and (sequences is None or sequences.relay):
             return self._admit(request)
@@ -302,8 +302,8 @@ class DataPlane:
         """
         if request.decode is not None:
             return self._decoded(request, lambda r: self.stream(r, start))
-        if request.run.timeout and request.entry.queue is None:
-            request.until(time.monotonic() + request.run.timeout)  # no queue policy reads it
+        if request.timeout and request.entry.queue is None:
+            request.until(time.monotonic() + request.timeout)  # no queue policy reads it
         entry = request.entry
         decoupled = start is None  # the network's own decoupled run, on its streams
         if decoupled:
@@ -318,8 +318,8 @@ class DataPlane:
         # a traced request's model span, from admission to its last response; a decoupled
         # run's wait in the queue and its run (infer_decoupled) under it
         stage = None
-        if token.trace is not None:
-            stage = Stage(token.trace, entry, request.checked, queued=decoupled)
+        if request.trace is not None:
+            stage = Stage(request.trace, entry, request.checked, queued=decoupled)
             if decoupled:
                 start = functools.partial(start, stage=stage)
 
@@ -436,13 +436,15 @@ class DataPlane:
                 )
             if token.on_start is not None and not gathers:
                 cancel.started(token)
-            token.room = budget.free()  # what an output its values size may hold at most
-            token.answer = 0 if after is not None else most  # shared memory: not in the answer
-            token.outputs = wanted
-            token.network = name
+            told = request.context(
+                budget.free(),  # what an output its values size may hold at most
+                0 if after is not None else most,  # shared memory: not in the answer
+                wanted,
+                name,
+            )
             entered = None if stage is None else stage.running()
             try:
-                result = device.infer_checked(arrays, token)  # checked once, above
+                result = device.infer_checked(arrays, told)  # checked once, above
             except PlugserveError:
                 raise
             except Exception as exc:  # the device's own failure: INTERNAL, naming it
@@ -469,8 +471,8 @@ class DataPlane:
         if charge is None:  # reloaded since the caller's lookup: its replacement answers
             return self._readmit(request, arrays)
         ticket = None if entry.queue is None else self._ticket(request, charge)
-        if token.trace is not None:
-            stage = Stage(token.trace, entry, arrays)
+        if request.trace is not None:
+            stage = Stage(request.trace, entry, arrays)
         try:
             inline = request.inline
             if inline and entry.run_seconds > LONG_RUN:
@@ -519,7 +521,7 @@ class DataPlane:
         """The request's place under its model's queue policies (Triton's: its level's bound
         and waiting timeout); a refusal releases what :meth:`_enter` took."""
         try:
-            return request.entry.queue.enter(request.run)
+            return request.entry.queue.enter(request.run, request.priority, request.timeout)
         except PlugserveError as exc:
             self._leave(request, charge)
             request.entry.recorder.refused("overloaded" if _overload(exc) else "")
@@ -563,10 +565,10 @@ class DataPlane:
                     raise DeadlineExceeded(f"network {name!r}: the deadline passed while queued")
                 if token.on_start is not None and not gathers:
                     cancel.started(token)
-                token.room = budget.free()
+                told = request.context(budget.free())  # as it was: no answer's bound on a stream
                 entered = None if stage is None else stage.running()
                 try:
-                    device.infer_decoupled(arrays, stream, token)
+                    device.infer_decoupled(arrays, stream, told)
                 except PlugserveError as exc:
                     stream.fail(exc)
                 except Exception as exc:  # the device's own failure: INTERNAL, naming it
@@ -581,7 +583,9 @@ class DataPlane:
                         tracing.leave(entered)
                         stage.ran(None)  # type: ignore[union-attr]
 
-            ticket = queue.enter(token) if queue is not None else None
+            ticket = (
+                queue.enter(token, request.priority, request.timeout) if queue is not None else None
+            )
             place = ticket.place if ticket is not None else 0
             try:
                 future = entry.executor.submit(run, entry.queue_limit, token=token, place=place)
@@ -701,13 +705,17 @@ class DataPlane:
 
     def admission(self, entry: LoadedNetwork) -> Callable[..., Future | Finished]:
         """How ``entry``'s sequence batcher (or an ensemble's relay) admits each run it makes:
-        ``admit(inputs, outputs, deadline, inline, token, holds, after=None, checked=None)``,
-        a :class:`Request` of no sequence to ``entry`` through :meth:`_admit`."""
+        ``admit(inputs, outputs, deadline, inline, token, holds, after=None, checked=None,
+        like=None)``, a :class:`Request` of no sequence to ``entry`` through :meth:`_admit`
+        (``like``: the request it runs for, whose id, parameters, sequence... its device is
+        told; None: a run for several)."""
 
-        def admit(inputs, outputs, deadline, inline, token, holds, after=None, checked=None):
+        def admit(
+            inputs, outputs, deadline, inline, token, holds, after=None, checked=None, like=None
+        ):
             request = Request(
                 entry, inputs, outputs=outputs, checked=checked, deadline=deadline, run=token,
-                holds=holds, inline=inline, after=after, protocol="sequence",
+                holds=holds, inline=inline, after=after, protocol="sequence", like=like,
             )  # fmt: skip
             return self._admit(request)
 

@@ -227,13 +227,13 @@ class PolicyQueue:
         self.lock = threading.Lock()
         self.waiting: dict[int, int] = {}
 
-    def enter(self, token: Token) -> Ticket:
-        """Admit one request (its ``token`` carries its ``priority`` and ``timeout``): its
-        ticket, or QueueRejected when its level's queue is full. The ticket stops counting
-        when ``token``'s request starts (``Token.on_start``) or its future is done
-        (:meth:`Ticket.ended`)."""
+    def enter(self, token: Token, priority: int = 0, timeout: float | None = None) -> Ticket:
+        """Admit one request (its ``token``, and its ``priority`` and ``timeout`` parameters:
+        ``Request.priority``, ``Request.timeout``): its ticket, or QueueRejected when its
+        level's queue is full. The ticket stops counting when ``token``'s request starts
+        (``Token.on_start``) or its future is done (:meth:`Ticket.ended`)."""
         policy = self.policy
-        level = policy.level(token.priority)
+        level = policy.level(priority)
         rules = policy.of(level)
         with self.lock:
             waiting = self.waiting.get(level, 0)
@@ -247,7 +247,7 @@ class PolicyQueue:
             self.waiting[level] = waiting + 1
         ticket = Ticket(self, level, token, rules.delay)
         token.on_start = ticket.started
-        bound = rules.bound(token.timeout)
+        bound = rules.bound(timeout)
         if bound:
             now = time.monotonic()
             self.watch.watch(ticket, now + bound, _timed_out, self.name, bound)

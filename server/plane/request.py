@@ -11,10 +11,11 @@ data plane admits it, accounts for it and releases it in one place
 (``DataPlane._admit``), as MLServer's ``_infer_contextmanager`` and vLLM's
 ``EngineCoreRequest`` keep a request in one object.
 
-The device sees the part of it a device may act on, :attr:`Request.run` (a
-:class:`plugserve.plugins.cancel.Token`: cancellation, the room an output may take, the outputs
-wanted, and what a Python model reads of its request: id, parameters, sequence), handed to the
-device explicitly by the data plane when it runs the request: plugins never import the server.
+The device sees the part of it a device may act on, a frozen
+:class:`plugserve.plugins.run_context.RunContext` (:meth:`Request.context`: its cancellation
+token :attr:`Request.run`, the room an output may take, the outputs wanted, and what a Python
+model reads of its request: id, parameters, sequence, timeout), which the data plane builds
+when the run starts and hands to the device as an argument: plugins never import the server.
 
 The fields are set once, by the adapter, before the request is admitted; the data plane only
 reads them (but for :attr:`deadline`, which a request's ``timeout`` parameter and its client's
@@ -27,6 +28,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from plugserve.plugins import cancel
+from plugserve.plugins.run_context import RunContext
 
 if TYPE_CHECKING:
     import numpy as np
@@ -53,12 +55,19 @@ class Request:
         "decode",
         "entry",
         "holds",
+        "id",
         "inline",
         "inputs",
         "outputs",
+        "parameters",
+        "partial_outputs",
+        "priority",
         "protocol",
         "run",
+        "sequence",
         "step",
+        "timeout",
+        "trace",
     )
 
     def __init__(
@@ -81,6 +90,8 @@ class Request:
         priority: int = 0,
         protocol: str = "",
         trace: Any = None,
+        partial_outputs: bool = False,
+        like: Request | None = None,
     ) -> None:
         self.entry = entry
         #: the inputs by name (unused when ``checked`` or ``decode`` gives them)
@@ -109,39 +120,44 @@ class Request:
         self.protocol = protocol
         if run is None:
             run = cancel.Token()
-        #: what the device sees: cancellation and what a model reads of its request
+        #: its cancellation (``plugins/cancel.py``): what the deadline watch, its client and
+        #: its queue policy act on
         self.run = run
-        if id:
-            run.request_id = id
-        if parameters is not None:
-            run.parameters = parameters
-        if step is not None:  # a Python model's correlation_id() and flags()
-            run.sequence = (step.id, int(step.start) | int(step.end) << 1)
-        if trace is not None:
-            run.trace = trace
-        if timeout is not None or priority:  # Triton's: the model's queue policy reads them,
-            run.timeout, run.priority = timeout, priority  # else the timeout is a deadline
+        if like is not None:  # a run made for another request (a sequence's, a relay's)
+            id, parameters, trace = like.id, like.parameters, like.trace
+            timeout, priority, partial_outputs = like.timeout, like.priority, like.partial_outputs
+        #: the client's id for the request (KServe's ``id``), "" when it gave none
+        self.id = id
+        #: the request's own parameters (those the server does not act on itself)
+        self.parameters = parameters
+        #: Triton's ``timeout`` (seconds) and ``priority`` (1 is the highest; 0: the model's
+        #: default level) parameters: the model's queue policy reads them, else the timeout
+        #: is a deadline
+        self.timeout = timeout
+        self.priority = priority
+        #: the request's trace (``plugins/tracing.py``: its spans, which the devices it runs on
+        #: open theirs under), None when it is not traced: that check is tracing's only cost
+        self.trace = trace
+        #: outputs its model does not produce may be left out (an ensemble's step)
+        self.partial_outputs = partial_outputs
+        #: ``(sequence id, flags)`` for a Python model's ``correlation_id()`` and ``flags()``
+        self.sequence: tuple[int | str, int] | None = None
+        if like is not None:
+            self.sequence = like.sequence
+        elif step is not None:
+            self.sequence = (step.id, int(step.start) | int(step.end) << 1)
 
-    @property
-    def id(self) -> str:
-        """The client's id for the request (KServe's ``id``), "" when it gave none."""
-        return self.run.request_id
-
-    @property
-    def parameters(self) -> dict[str, Any] | None:
-        """The request's own parameters (those the server does not act on itself)."""
-        return self.run.parameters
-
-    @property
-    def priority(self) -> int:
-        """Triton's request priority (1 is the highest; 0: the model's default level)."""
-        return self.run.priority
-
-    @property
-    def trace(self) -> Any:
-        """The request's trace (``plugins/tracing.py``: its spans, which the devices it runs on
-        open theirs under), None when it is not traced: that check is tracing's only cost."""
-        return self.run.trace
+    def context(
+        self, room: int = 0, answer: int = 0, outputs: list[str] | None = None, network: str = ""
+    ) -> RunContext:
+        """What the device is told when the request runs (``room``: what the budget has free
+        then; ``answer``: the answer's bound; ``outputs``: those it computes; ``network``: the
+        name refusals give), with its token."""
+        return RunContext(  # positional, in its fields' order: one per request, kept cheap
+            self.run, network, None if outputs is None else tuple(outputs), room, answer,
+            self.parameters, self.partial_outputs, self.id, self.sequence, self.trace,
+            self.priority, self.timeout,
+        )  # fmt: skip
 
     def until(self, deadline: float | None) -> None:
         """Stop waiting at ``deadline`` too (a ``timeout`` parameter beside the client's)."""

@@ -427,13 +427,16 @@ class _Item:
     inputs were checked against the network's specs already (a protocol's plain lane)."""
 
     __slots__ = (
-        "after", "checked", "deadline", "future", "holds", "inputs", "step", "token", "wanted"
+        "after", "checked", "deadline", "future", "holds", "inputs", "like", "step", "token",
+        "wanted",
     )  # fmt: skip
 
-    def __init__(self, step, inputs, wanted, deadline, token, holds, after, checked) -> None:
+    def __init__(self, step, inputs, wanted, deadline, token, holds, after, checked, like) -> None:
         self.step, self.inputs, self.wanted = step, inputs, wanted
         self.deadline, self.token, self.holds, self.after = deadline, token, holds, after
         self.checked = checked
+        #: the request it is (its id, parameters, sequence... for the run made of it alone)
+        self.like = like
         self.future: Future = Future()
 
 
@@ -451,8 +454,9 @@ class _Sequence:
         self.nbytes = 0  # of its states, whether or not the budget counts them
 
 
-#: ``submit(feed, outputs, deadline, inline, token, holds) -> Future``: the data plane's
-#: plain admission of one run (its queue, deadline, budget and statistics).
+#: ``submit(feed, outputs, deadline, inline, token, holds, ..., like=None) -> Future``: the data
+#: plane's plain admission of one run (its queue, deadline, budget and statistics); ``like``:
+#: the request the run is for, whose description its device is told (``Request(like=...)``).
 Submit = Callable[..., Any]
 
 
@@ -582,7 +586,7 @@ class SequenceBatcher:
                 "correlation ID"
             )
         self._check(step, inputs)
-        item = _Item(step, inputs, wanted, deadline, token, holds, after, checked)
+        item = _Item(step, inputs, wanted, deadline, token, holds, after, checked, request)
         with self._lock:
             if self._closed:
                 raise ResourceExhausted(
@@ -861,6 +865,7 @@ class SequenceBatcher:
                 token,
                 sum(i.holds for _, i in rows),
                 checked=self._checked(rows, feed),
+                like=rows[0][1].like if len(rows) == 1 else None,  # several: a run of its own
             )
         except BaseException as exc:
             forget()

@@ -6,7 +6,7 @@ statistics and the memory budget treat it as any model. Its steps are a small gr
 load (:class:`Graph`): which step writes each tensor, which steps wait on which. A request runs
 them as Triton's ensemble scheduler does (``ensemble_scheduler.cc``): a step is sent as soon as
 the tensors it reads are there, so steps that do not depend on each other run at once; only the
-steps the requested outputs need run (the run's outputs travel on its token); each step is a
+steps the requested outputs need run (the run's outputs travel in its context); each step is a
 request of the data plane to its own model and version (counted there, cancelled with the
 ensemble's request), and the tensors between steps are arrays in the server's memory, passed
 by reference (never serialized or copied: tests/server/test_ensembles.py checks the answer of
@@ -27,8 +27,8 @@ split outputs, each branch a request on the region's streams (NUM_STREAMS, defau
 per request, queued there), its items views of the split outputs; the request's thread waits
 for the last branch and stacks what they give.
 
-The request's own parameters (KServe's ``parameters``, on its token) reach every step, as Triton
-hands each step the ensemble request's. Sequences (Triton passes the correlation id and
+The request's own parameters (KServe's ``parameters``, in its run context) reach every step, as
+Triton hands each step the ensemble request's. Sequences (Triton passes the correlation id and
 start/end flags of the ensemble's request to its steps): an ensemble one of whose steps' models
 has sequence batching takes sequence requests (:class:`SequenceRelay`), and passes the request's
 sequence on to each step that is a sequence model (or an ensemble that passes it on); other
@@ -94,6 +94,7 @@ from plugserve.plugins.api import (
     Unsupported,
 )
 from plugserve.plugins.responses import Response, ResponseSender
+from plugserve.plugins.run_context import RunContext
 from plugserve.plugins.streams import Finished
 from plugserve.server.control.pipelines import Definition, Fan, Step, read_triton_ensemble
 from plugserve.server.plane.request import Request
@@ -555,7 +556,9 @@ class SequenceRelay:
         if step is not None:
             keep[token] = step
         try:
-            future = self.admission(inputs, wanted, deadline, inline, token, holds, after)
+            future = self.admission(
+                inputs, wanted, deadline, inline, token, holds, after, like=request
+            )
         except BaseException:
             keep.pop(token, None)
             raise
@@ -575,8 +578,9 @@ class _Run:
     network: EnsembleNetwork
     tensors: dict[str, Any]
     plan: Plan
-    #: the ensemble request's run, which each step's request answers to
-    parent: cancel.Token | None
+    #: the ensemble request's run (what its device was told, with its token), which each
+    #: step's request answers to and takes its parameters, priority and timeout from
+    parent: RunContext | None
     #: a decoupled ensemble's request: where a decoupled step's responses go
     flow: _Flow | None = None
     #: what each step's span opens under (None: the request is not traced; _traced_under)
@@ -591,14 +595,14 @@ class _Run:
 
     def __post_init__(self) -> None:
         if self.parent:
-            self.sequence = self.network.sequence_of.get(self.parent)
+            self.sequence = self.network.sequence_of.get(self.parent.token)
 
     def go(self) -> None:
         plan = self.plan
         waits = dict(plan.waits)
         ready = list(reversed(plan.first))  # popped from the end: the plan's order
         parent = self.parent
-        unhook = parent.on_cancel(self._stop) if parent is not None else None
+        unhook = parent.token.on_cancel(self._stop) if parent is not None else None
         try:
             left = len(plan.steps)
             while left:
@@ -612,7 +616,7 @@ class _Run:
                 else:
                     item = self.done.get()
                     if item is None:
-                        raise parent.failure()  # type: ignore[union-attr]
+                        raise parent.token.failure()  # type: ignore[union-attr]
                     step, outcome = item
                 left -= 1
                 self._finish(step, outcome)
@@ -663,14 +667,16 @@ class _Run:
         tensors = self.tensors
         inputs = {m: tensors[t] for m, t in step.inputs.items() if t in tensors}
         token = cancel.Token()
-        token.partial_outputs = True  # an output a step leaves out is left unset
-        token.trace = span  # the step's request opens its spans under the step's
         parent = self.parent
+        told: dict[str, Any] = {
+            "partial_outputs": True,  # an output a step leaves out is left unset
+            "trace": span,  # the step's request opens its spans under the step's
+        }
         if parent is not None:
-            token.parameters = parent.parameters  # Triton hands each step the request's
-            token.priority, token.timeout = parent.priority, parent.timeout  # as Triton's
-            if parent.error is not None:
-                token.cancel(parent.failure())
+            told["parameters"] = parent.parameters  # Triton hands each step the request's
+            told["priority"], told["timeout"] = parent.priority, parent.timeout  # as Triton's
+            if parent.token.error is not None:
+                token.cancel(parent.token.failure())
         if entry.network.decoupled:
             if self.flow is None or network.output_labels[step.index] == 0:
                 error = Unsupported(
@@ -679,14 +685,14 @@ class _Run:
                 )
                 _close(span, error)
                 raise error
-            return self.flow.open(step, entry, inputs, token, self.tensors, span)
+            return self.flow.open(step, entry, inputs, token, self.tensors, span, told)
         self._keep(step, span)
         with self.lock:
             self.running[step.index] = token
         sequence = self.sequence if entry.sequences is not None else None
         request = Request(
             entry, inputs, outputs=step.asked, run=token, step=sequence, inline=inline,
-            protocol="ensemble",
+            protocol="ensemble", **told,
         )  # fmt: skip
         future = plane.infer(request)
         if type(future) is Finished:
@@ -728,8 +734,8 @@ class _Run:
         with self.lock:
             self.running[fan.index] = token
         parent = self.parent
-        if parent is not None and parent.error is not None:
-            token.cancel(parent.failure())
+        if parent is not None and parent.token.error is not None:
+            token.cancel(parent.token.failure())
         results: list[Any] = [None] * count
         left = [count]
         lock = threading.Lock()
@@ -753,31 +759,34 @@ class _Run:
             elif last:
                 done.put((fan, Finished(results)))
 
-        wanted = [s.name for s in region.outputs]
+        wanted = tuple(s.name for s in region.outputs)
         names = [s.name for s in region.inputs]
         if span is not None:
             span.set("plugserve.branches", count)
         for index in range(count):
             arrays = [parts[n][index] if n in parts else tensors[n] for n in names]
             branch = cancel.Token()
-            branch.outputs = wanted
-            branch.parameters = parent.parameters if parent is not None else None
-            branch.trace = None if span is None else span.span(f"branch {index}")
+            told = RunContext(
+                token=branch,
+                outputs=wanted,
+                parameters=parent.parameters if parent is not None else None,
+                trace=None if span is None else span.span(f"branch {index}"),
+            )
             token.on_cancel(lambda b=branch: b.cancel(token.failure()))
             try:
                 future = region.executor.submit(
-                    functools.partial(_run_branch, arrays, branch), token=branch
+                    functools.partial(_run_branch, arrays, told), token=branch
                 )
             except PlugserveError as exc:  # its queue is full: the branches sent stop
-                _close(branch.trace, exc)
+                _close(told.trace, exc)
                 token.cancel(exc)
                 raise
-            future.add_done_callback(functools.partial(finished, index, branch_span=branch.trace))
+            future.add_done_callback(functools.partial(finished, index, branch_span=told.trace))
 
     def _stop(self) -> None:
         """Cancel the steps under way (the request was cancelled, or failed)."""
         parent = self.parent
-        error = parent.failure() if parent is not None and parent.error is not None else None
+        error = _failure_of(parent)
         with self.lock:
             tokens = list(self.running.values())
         for token in tokens:
@@ -797,7 +806,7 @@ class _Flow:
     sender: ResponseSender
     #: the ensemble outputs the request asked for
     wanted: list[str]
-    parent: cancel.Token | None
+    parent: RunContext | None
     #: what the steps' spans open under (None: not traced)
     span: tracing.Span | None = None
     #: (step, stream, the tensors of the context it ran in); None: the request was cancelled
@@ -814,11 +823,15 @@ class _Flow:
         token: Any,
         tensors: dict,
         span: tracing.Span | None = None,
+        told: dict[str, Any] | None = None,
     ) -> Finished:
         """Start decoupled ``step`` (on the request's thread): its responses wake the request's
         thread as they come. Done at once for the context it runs in (what it makes starts
-        contexts of its own). ``span``: the step's, which ends with its stream."""
-        request = Request(entry, inputs, outputs=step.asked, run=token, protocol="ensemble")
+        contexts of its own). ``span``: the step's, which ends with its stream; ``told``: what
+        the step's request says of the ensemble's (``Request``'s keywords)."""
+        request = Request(
+            entry, inputs, outputs=step.asked, run=token, protocol="ensemble", **(told or {})
+        )
         try:
             stream = self.network.plane.stream(request)
         except BaseException as exc:
@@ -836,7 +849,9 @@ class _Flow:
         """The request's own context, then each response's, in the order they come; the
         final flag once every stream is final."""
         network, plan, parent = self.network, self.plan, self.parent
-        unhook = parent.on_cancel(lambda: self.events.put(None)) if parent is not None else None
+        unhook = (
+            parent.token.on_cancel(lambda: self.events.put(None)) if parent is not None else None
+        )
         try:
             _Run(network, tensors, plan.part(0, network.labels), parent, self, self.span).go()
             if not self._answer(tensors, 0):
@@ -844,7 +859,7 @@ class _Flow:
             while self.streaming:
                 event = self.events.get()
                 if event is None:
-                    raise parent.failure()  # type: ignore[union-attr]
+                    raise parent.token.failure()  # type: ignore[union-attr]
                 step, stream, base = event
                 try:
                     items = stream.take()
@@ -898,7 +913,7 @@ class _Flow:
         if not self.streaming:
             return
         parent = self.parent
-        error = parent.failure() if parent is not None and parent.error is not None else None
+        error = _failure_of(parent)
         for token in self.tokens:
             token.cancel(error)
 
@@ -934,16 +949,23 @@ def _branches(fan: Fan, parts: dict[str, Any]) -> int:
     return count
 
 
-def _traced_under(run: cancel.Token | None) -> tracing.Span | None:
+def _traced_under(run: RunContext | None) -> tracing.Span | None:
     """The span a traced ensemble request's steps open theirs under (None: it is not traced):
     the ensemble's model span, which is the parent of the run the data plane made this
     thread's span (``server/plane/tracing.py``'s ``Stage``), as Triton nests a composing
     model's spans under its ensemble's; for a demultiplexer's branch, which its region runs
-    without the data plane, the branch's span its fan put on its token."""
+    without the data plane, the branch's span its fan put in its context."""
     if run is None or run.trace is None:
         return None
     here = tracing.current()
     return run.trace if here is None or here.parent is None else here.parent
+
+
+def _failure_of(parent: RunContext | None) -> PlugserveError | None:
+    """The ensemble request's error once it was cancelled (None: it was not)."""
+    if parent is None or parent.token.error is None:
+        return None
+    return parent.token.failure()
 
 
 def _close(span: tracing.Span | None, error: BaseException | None = None) -> None:
@@ -954,9 +976,9 @@ def _close(span: tracing.Span | None, error: BaseException | None = None) -> Non
         span.end()
 
 
-def _run_branch(arrays: list[Any], token: cancel.Token, request: InferRequest) -> Any:
+def _run_branch(arrays: list[Any], run: RunContext, request: InferRequest) -> Any:
     """One branch of a fan, on a stream of its region's network (``request``: the stream's)."""
-    return request.infer_checked(arrays, token)
+    return request.infer_checked(arrays, run)
 
 
 def _gather(fan: Fan, branches: list[dict[str, Any]]) -> dict[str, Any]:
@@ -973,18 +995,17 @@ def _gather(fan: Fan, branches: list[dict[str, Any]]) -> dict[str, Any]:
 class EnsembleInferRequest(InferRequest):
     network: EnsembleNetwork
 
-    def _infer(self, arrays: list[Any]) -> dict[str, np.ndarray]:
+    def _infer(self, arrays: list[Any], run: RunContext) -> dict[str, np.ndarray]:
         network = self.network
         tensors: dict[str, Any] = {s.name: a for s, a in zip(network.inputs, arrays)}
-        parent = self._token  # the request's run (``InferRequest._checked``)
-        wanted = parent.outputs if parent is not None else None
-        _Run(network, tensors, network.plan_for(wanted), parent, span=_traced_under(parent)).go()
+        wanted = None if run.outputs is None else list(run.outputs)
+        _Run(network, tensors, network.plan_for(wanted), run, span=_traced_under(run)).go()
         answers = network.answers
         names = wanted or [s.name for s in network.outputs]
         return {n: tensors[answers[n]] for n in names if answers.get(n) in tensors}
 
     def infer_decoupled(
-        self, arrays: list[Any], sender: ResponseSender, run: cancel.Token | None = None
+        self, arrays: list[Any], sender: ResponseSender, run: RunContext | None = None
     ) -> None:
         """A decoupled ensemble's request (one with a decoupled step): a response per context
         that makes requested outputs, then the final flag (:class:`_Flow`); an ensemble
@@ -994,8 +1015,9 @@ class EnsembleInferRequest(InferRequest):
             super().infer_decoupled(arrays, sender, run)
             return
         tensors: dict[str, Any] = {s.name: a for s, a in zip(network.inputs, arrays)}
-        parent = run if run is not None else cancel.current()
-        wanted = (parent.outputs if parent is not None else None) or [
+        token = cancel.current()
+        parent = run if run is not None else (None if token is None else RunContext(token=token))
+        wanted = list((parent.outputs if parent is not None else None) or ()) or [
             s.name for s in network.outputs
         ]
         plan = network.plan_for(wanted)

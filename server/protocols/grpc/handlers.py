@@ -305,6 +305,13 @@ class _Pump:
                 return
 
 
+def _noting(spans: list[Any], admit: Callable[..., Any], trace: Any) -> Any:
+    """``admit(trace)``, keeping ``trace`` in ``spans`` (when there is one)."""
+    if trace is not None:
+        spans.append(trace)
+    return admit(trace)
+
+
 @dataclasses.dataclass(frozen=True)
 class Inference:
     """A protocol's two inference calls, the same for every protocol over gRPC (a servicer
@@ -334,11 +341,15 @@ class Inference:
         inline: bool = False,
         token: Any = None,
         streaming: bool = False,
+        spans: list[Any] | None = None,
     ) -> tuple[Any, Future | Finished]:
         """:attr:`admit`, within the request's ``InferRequest`` span when the trace settings
-        sample it (continuing the W3C ``traceparent`` of the call's metadata)."""
+        sample it (continuing the W3C ``traceparent`` of the call's metadata); ``spans``
+        gets that span, for a caller that ends it itself (a unary call)."""
         if self.tracing.on:
             admit = functools.partial(self.admit, request, context, size, inline, token, streaming)
+            if spans is not None:
+                admit = functools.partial(_noting, spans, admit)
             model, id = self.names(request)
             metadata = context.invocation_metadata()
             return traced(self.tracing, model, id, metadata, size, streaming, admit)
@@ -350,20 +361,23 @@ class Inference:
         meanwhile, so another call may start."""
         request, size = sized
         token = call_token(context)
+        spans: list[Any] = []  # a traced request's span (its adapter's ``submit`` says)
         try:
-            entry, future = self.submit(request, context, size, inline=True, token=token)
+            entry, future = self.submit(
+                request, context, size, inline=True, token=token, spans=spans
+            )
             if type(future) is not Finished:
                 with blocked():
                     future.exception()  # waits; result() below raises what it holds
             answer = b"".join(self.respond(request, entry, future.result()))
         except BaseException as exc:
-            if token.trace is not None:  # a traced request (its adapter's ``submit`` says)
-                token.trace.fail(exc)
-                token.trace.end()
+            for trace in spans:
+                trace.fail(exc)
+                trace.end()
             raise
-        if token.trace is not None:
-            token.trace.response_bytes = len(answer)
-            token.trace.end()
+        for trace in spans:
+            trace.response_bytes = len(answer)
+            trace.end()
         return answer
 
     def stream(

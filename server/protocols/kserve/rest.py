@@ -377,19 +377,16 @@ class RestApp:
             # would stall the loop, however fast the model is on average: a worker does it
             # all (issue 52: a 320 MB binary tensor run inline held REST health 0.5 s)
             token = cancel.Token()
-            token.trace = trace
-            return self._in_worker(self._infer_whole, entry, call, token, token=token)
+            return self._in_worker(self._infer_whole, entry, call, token, trace, token=token)
         if header_length == "0":  # Triton's raw binary request: the body is the one input
             request = parse_raw(
                 call.body, entry.name, entry.inputs, entry.expect, entry.max_batch_size, entry.dims
             )
         else:
             request = parse_infer(call.body, header_length, entry.expect, self.plane.shm)
-        ask = _request(entry, request, _fast(entry))
-        if trace is not None:
-            ask.run.trace = trace
-            if request.id:
-                name_request(trace, request.id)
+        ask = _request(entry, request, _fast(entry), trace=trace)
+        if trace is not None and request.id:
+            name_request(trace, request.id)
         future = self.plane.infer(ask)
         if future.done():  # ran inline: answered without leaving the parser's callback
             outputs = future.result()
@@ -404,7 +401,9 @@ class RestApp:
             return _infer_reply(entry, request, outputs)
         return await self._in_worker(_infer_reply, entry, request, outputs)
 
-    def _infer_whole(self, entry: LoadedNetwork, call: Call, token: cancel.Token) -> Reply:
+    def _infer_whole(
+        self, entry: LoadedNetwork, call: Call, token: cancel.Token, trace: Trace | None
+    ) -> Reply:
         """A large request, on a worker thread: decode, run (inline when a stream is idle,
         as a gRPC unary call does), encode."""
         header_length = _text(call.headers.get(HEADER_LENGTH.encode()))
@@ -426,9 +425,9 @@ class RestApp:
                     entry.expect(name, array.dtype, list(array.shape))
             else:
                 request = parse_infer(call.body, header_length, entry.expect, self.plane.shm)
-            if token.trace is not None:
-                name_request(token.trace, request.id)
-            future = self.plane.infer(_request(entry, request, True, token))
+            if trace is not None:
+                name_request(trace, request.id)
+            future = self.plane.infer(_request(entry, request, True, token, trace))
             return _infer_reply(entry, request, future.result())
         finally:
             if extra is not None:
@@ -616,14 +615,19 @@ class RestApp:
 
 
 def _request(
-    entry: LoadedNetwork, request: InferCall, inline: bool, token: cancel.Token | None = None
+    entry: LoadedNetwork,
+    request: InferCall,
+    inline: bool,
+    token: cancel.Token | None = None,
+    trace: Trace | None = None,
 ) -> Request:
     """The data plane's request for a decoded infer call: with what a Python model reads of
-    it (the client's id, its parameters, its sequence) and its shared memory outputs."""
+    it (the client's id, its parameters, its sequence), its trace and its shared memory
+    outputs."""
     return Request(
         entry, request.inputs, outputs=request.outputs, run=token, timeout=request.timeout,
         priority=request.priority, id=request.id or "", parameters=request.parameters,
-        step=request.step, inline=inline,
+        step=request.step, inline=inline, trace=trace,
         after=functools.partial(write_outputs, request.regions) if request.regions else None,
         protocol="rest",
     )  # fmt: skip

@@ -65,9 +65,16 @@ class Gatherer:
         for instance in network.instances:
             start_daemon(f"{instance.label}-batcher", self._dispatch, instance)
 
-    def run(self, arrays: list[Any], request: dict[str, Any], rows: int, span: Any = None) -> Any:
-        """Queue one request; its outputs once the batch it joined has run."""
-        token = cancel.current()
+    def run(
+        self,
+        arrays: list[Any],
+        request: dict[str, Any],
+        rows: int,
+        span: Any = None,
+        token: cancel.Token | None = None,
+    ) -> Any:
+        """Queue one request; its outputs once the batch it joined has run. ``token``: its
+        run's (``RunContext.token``), which takes it out of the queue or its batch."""
         item = _Waiting(arrays, request, rows, token, span)
         with self._cond:
             if self._closed:

@@ -87,6 +87,7 @@ from plugserve.plugins.api import (
     ResponseSender,
     Unsupported,
 )
+from plugserve.plugins.run_context import RunContext
 from plugserve.plugins.streams import StreamsExecutor
 from plugserve.server.apps.pipelines.python import config as model_config
 from plugserve.server.apps.pipelines.python import protocol
@@ -263,33 +264,32 @@ class PythonInferRequest(InferRequest):
         super().__init__(network)
         self.instance = instance
 
-    def _request(
-        self, arrays: list[Any], rid: int, token: cancel.Token | None, span: Any
-    ) -> dict[str, Any]:
-        """The execute message's entry for this request (``rid``: its id)."""
+    def _request(self, arrays: list[Any], rid: int, run: RunContext, span: Any) -> dict[str, Any]:
+        """The execute message's entry for this request (``rid``: its id; ``run``: what the
+        model reads of it)."""
         network = self.network
         return protocol.request_entry(
-            network.input_names, arrays, list(network.output_specs), rid, token, span
+            network.input_names, arrays, list(network.output_specs), rid, run, span
         )
 
-    def _span(self, token: cancel.Token | None) -> Any:
+    def _span(self, run: RunContext) -> Any:
         """A traced request's execute span, under its run's (None: not traced)."""
-        parent = tracing.current() or (token.trace if token is not None else None)
+        parent = tracing.current() or run.trace
         if parent is None:
             return None
         instance = self.instance
         return parent.span("execute", {"plugserve.instance": instance.label})
 
-    def _infer(self, arrays: list[Any]) -> dict[str, np.ndarray]:
+    def _infer(self, arrays: list[Any], run: RunContext) -> dict[str, np.ndarray]:
         network = self.network
         rid = next(_rids)
-        token = cancel.current()
-        span = self._span(token)
-        request = self._request(arrays, rid, token, span)
+        token = run.token
+        span = self._span(run)
+        request = self._request(arrays, rid, run, span)
         if network.gatherer is not None:  # dynamic batching: with the requests waiting
             first = next((a for a in arrays if a is not None), None)
             rows = int(first.shape[0]) if first is not None and first.ndim else 1
-            return network.gatherer.run(arrays, request, rows, span)
+            return network.gatherer.run(arrays, request, rows, span, token)
         where = network.where
         try:
             reply, tensors = self.instance.run(
@@ -303,41 +303,45 @@ class PythonInferRequest(InferRequest):
                 f"{where}: its answer cannot be read: {exc}; its process is started again for "
                 "the next request"
             ) from None
-        if token is not None and token.error is not None:  # told, and its execute returned
+        if token.error is not None:  # told, and its execute returned
             raise token.failure()
         if reply.get("error"):
             raise InferenceError(f"{where}: {reply['error']}")
         (response,) = reply["responses"]
         if response.get("error"):
             raise protocol.error_of(where, response["error"])
-        partial = token is not None and token.partial_outputs
+        partial = run.partial_outputs
         return protocol.outputs_of(
             where, response["outputs"], tensors, network.output_specs, "0/", not partial
         )
 
     def infer_decoupled(
-        self, arrays: list[Any], sender: ResponseSender, run: cancel.Token | None = None
+        self, arrays: list[Any], sender: ResponseSender, run: RunContext | None = None
     ) -> None:
         """A decoupled model's request: its execute runs here (holding this stream); its
-        responses reach ``sender`` through the instance's reader, during and after it. ``run``
-        is the run under way on this thread while it runs (what the instance answers to)."""
-        if run is not None:
-            with cancel.running(run):
-                return self.infer_decoupled(arrays, sender)
+        responses reach ``sender`` through the instance's reader, during and after it. ``run``:
+        what the model reads of its request; its token is the run under way on this thread
+        while it runs."""
         if not self.network.decoupled:
-            super().infer_decoupled(arrays, sender)
+            super().infer_decoupled(arrays, sender, run)
             return
+        if run is None:
+            token = cancel.current()
+            run = RunContext() if token is None else RunContext(token=token)
+        with cancel.running(run.token):
+            self._decoupled(arrays, sender, run)
+
+    def _decoupled(self, arrays: list[Any], sender: ResponseSender, run: RunContext) -> None:
         network, instance = self.network, self.instance
         inflight = instance.inflight
         rid = next(_rids)
-        token = cancel.current()
-        span = self._span(token)
+        span = self._span(run)
         inflight.open[rid] = sender
         forget = sender.on_cancel(lambda: inflight.cancel_request(rid))
         try:
             reply, _ = instance.run(
                 protocol.inputs_of(arrays, network.input_names),
-                protocol.execute(network.name, [self._request(arrays, rid, token, span)]),
+                protocol.execute(network.name, [self._request(arrays, rid, run, span)]),
                 spans=[span] if span is not None else None,
             )
         except (PlugserveError, ValueError) as exc:

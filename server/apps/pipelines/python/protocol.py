@@ -35,7 +35,7 @@ from plugserve.server.apps.pipelines.python.kinds import Kind
 from plugserve.server.plane.sequences import sequence_step
 
 if TYPE_CHECKING:
-    from plugserve.plugins import cancel
+    from plugserve.plugins.run_context import RunContext
     from plugserve.plugins.tracing import Span
 
 __all__ = [
@@ -77,28 +77,28 @@ def request_entry(
     arrays: list[Any],
     outputs: list[str],
     rid: int,
-    token: cancel.Token | None,
+    run: RunContext | None,
     trace: Span | None = None,
 ) -> dict[str, Any]:
     """One request of an execute message: its inputs' names (present ones), the outputs it
     wants, ``rid`` (its id, which the model's ``is_cancelled()`` and a decoupled model's
-    responses name), what the model reads of it from its run (``token``: its client's id,
-    parameters, sequence and timeout) and, when it is traced, its execute span as a W3C
+    responses name), what the model reads of it from its run's context (``run``: its client's
+    id, parameters, sequence and timeout) and, when it is traced, its execute span as a W3C
     ``traceparent``: the model's BLS calls name it, and their spans go under it."""
     request: dict[str, Any] = {
         "inputs": [n for n, a in zip(names, arrays) if a is not None],
         "outputs": outputs,
         "rid": rid,
     }
-    if token is not None:
-        if token.parameters:
-            request["parameters"] = json.dumps(token.parameters)
-        if token.request_id:  # the client's id: request_id()
-            request["id"] = token.request_id
-        if token.sequence is not None:  # correlation_id() and flags()
-            request["correlation_id"], request["flags"] = token.sequence
-        if token.timeout:  # timeout(), in microseconds
-            request["timeout"] = round(token.timeout * 1e6)
+    if run is not None:
+        if run.parameters:
+            request["parameters"] = json.dumps(run.parameters)
+        if run.request_id:  # the client's id: request_id()
+            request["id"] = run.request_id
+        if run.sequence is not None:  # correlation_id() and flags()
+            request["correlation_id"], request["flags"] = run.sequence
+        if run.timeout:  # timeout(), in microseconds
+            request["timeout"] = round(run.timeout * 1e6)
     if trace is not None:
         request["trace"] = trace.traceparent()
     return request
