@@ -42,7 +42,7 @@ import numpy as np
 
 from plugserve.server.apps.generate.types import SamplingParams, TokenLogprob
 
-__all__ = ["Sampler", "SamplingState", "log_softmax", "logprob_entry"]
+__all__ = ["Sampler", "SamplingState", "log_softmax", "logprob_entry", "together_else_alone"]
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -148,7 +148,7 @@ class Sampler:
         live = [i for i in range(count) if i not in bad]
         uniforms = self._uniforms(rows, live)
         tokens = np.full(count, -1, dtype=np.int64)
-        _together_else_alone(
+        together_else_alone(
             lambda which: self._choose(logits, rows, which, uniforms, tokens), live, bad
         )
         if raw_lp is not None:
@@ -247,7 +247,7 @@ class Sampler:
         return probs
 
 
-def _together_else_alone(choose: Any, live: list[int], bad: dict[int, Exception]) -> None:
+def together_else_alone(choose: Any, live: list[int], bad: dict[int, Exception]) -> None:
     """``choose(rows)`` for every live row at once; if that raises, for each row alone, the
     rows that fail alone recorded in ``bad`` (whose failure was it?)."""
     try:

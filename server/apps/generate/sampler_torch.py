@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from plugserve.plugins.api import InferenceError
-from plugserve.server.apps.generate.sampler import Sampler, SamplingState, _together_else_alone
+from plugserve.server.apps.generate.sampler import Sampler, SamplingState, together_else_alone
 from plugserve.server.apps.generate.types import TokenLogprob
 
 __all__ = ["TorchSampler"]
@@ -85,7 +85,7 @@ class TorchSampler(Sampler):
         drawn = any(rows[i].params.temperature != 0.0 for i in live)
         u = torch.from_numpy(uniforms).to(logits.device) if drawn else None  # greedy: no copy
         chosen = torch.full((count,), -1, dtype=torch.int64, device=logits.device)
-        _together_else_alone(
+        together_else_alone(
             lambda which: self._choose_on(logits, rows, which, u, chosen), live, bad
         )
         try:
