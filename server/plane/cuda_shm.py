@@ -32,6 +32,7 @@ import ctypes
 import dataclasses
 import functools
 import threading
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -147,15 +148,23 @@ def _runtime() -> tuple[_Runtime | None, str]:
 
 
 def _loaded_cudart() -> str | None:
-    """The libcudart torch mapped into this process (its wheel's nvidia/cuda_runtime)."""
-    try:
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                path = line.rsplit(" ", 1)[-1].strip()
-                if "/libcudart.so" in path:
-                    return path
-    except OSError:
-        pass
+    """The libcudart torch mapped into this process (its wheel's nvidia/cuda_runtime), else
+    one beside torch's wheel (a torch that loads it later), else None (the system's)."""
+    with contextlib.suppress(OSError), open("/proc/self/maps") as maps:
+        for line in maps:
+            path = line.rsplit(" ", 1)[-1].strip()
+            if "/libcudart.so" in path:
+                return path
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch")
+    if spec is not None and spec.origin:
+        site = Path(spec.origin).parent.parent
+        found = sorted(site.glob("nvidia/cu*/lib/libcudart.so*")) + sorted(
+            (site / "torch" / "lib").glob("libcudart*.so*")
+        )
+        if found:
+            return str(found[-1])
     return None
 
 

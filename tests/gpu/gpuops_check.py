@@ -35,6 +35,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -188,6 +189,19 @@ def check_instance_group(server: Any, gpu: bool) -> dict:
         client.close()
 
 
+def _ipc_handle(shared: bytes) -> bytes:
+    """The cudaIpcMemHandle_t in torch's shared handle: the 64 bytes themselves, or (torch's
+    caching allocator since 2.4) a kind byte, b"c" for a cudaMalloc block, then the 64."""
+    if len(shared) == 64:
+        return shared
+    if len(shared) == 65 and shared[:1] == b"c":
+        return shared[1:]
+    raise RuntimeError(
+        f"torch's CUDA IPC handle is {len(shared)} bytes, kind {shared[:1]!r}: not a "
+        "cudaIpcMemHandle_t (expandable segments? unset PYTORCH_CUDA_ALLOC_CONF)"
+    )
+
+
 def cuda_client(grpc_target: str, http_target: str) -> dict:
     """The client side of the CUDA shared memory round trip, in a process of its own (a CUDA
     IPC handle does not open in the process that made it): regions made with torch, their
@@ -209,7 +223,8 @@ def cuda_client(grpc_target: str, http_target: str) -> dict:
         torch.cuda.synchronize()
         offsets = {}
         for name, t in (("cin", x), ("cout", y)):
-            device, handle, _size, offset = t.untyped_storage()._share_cuda_()[:4]
+            device, shared, _size, offset = t.untyped_storage()._share_cuda_()[:4]
+            handle = _ipc_handle(bytes(shared))
             offsets[name] = int(offset)
             client.register_cuda_shared_memory(
                 f"{protocol}-{name}", base64.b64encode(handle), int(device), int(offset) + t.nbytes
@@ -266,9 +281,10 @@ def check_cuda_shm(server: Any, gpu: bool, work: Path) -> dict:
                 raise Failed(f"{protocol}: not Triton's answer: {answers[protocol]}")
         return {"refused": answers}
     # the client is its own process: CUDA IPC handles do not open in the process that made them
+    env = {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
     proc = subprocess.run(
         [sys.executable, __file__, "cuda-client", server.target, server.http_target],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True, text=True, timeout=60, env=env,
     )  # fmt: skip
     if proc.returncode != 0:
         raise Failed(f"the client failed: {proc.stderr[-1500:]}")
