@@ -6,6 +6,7 @@ UUID. The exposition stays valid (tests/server/test_server_metrics.py runs promt
 
 from __future__ import annotations
 
+import logging
 import urllib.request
 
 import pytest
@@ -55,3 +56,83 @@ def test_a_bad_interval_is_refused():
 
     problems = Settings(metrics_interval_ms=10).problems()
     assert any("metrics_interval_ms" in p for p in problems), problems
+
+
+class _FakeNvml:
+    """NVIDIA's library as nvidia-ml-py exposes it, for one card whose power limit cannot be
+    read (the calls GpuMetrics makes; NVML itself needs a driver, which CI has not)."""
+
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self) -> None:
+        self.energy_mj = 5_000.0
+        self.shut = False
+
+    def nvmlInit(self):
+        pass
+
+    def nvmlShutdown(self):
+        self.shut = True
+
+    def nvmlDeviceGetCount(self):
+        return 1
+
+    def nvmlDeviceGetHandleByIndex(self, index):
+        return ("card", index)
+
+    def nvmlDeviceGetUUID(self, handle):
+        return "GPU-5a2c0e1f-0000-1111-2222-333344445555"
+
+    def nvmlDeviceGetUtilizationRates(self, handle):
+        return type("Rates", (), {"gpu": 37, "memory": 5})()
+
+    def nvmlDeviceGetMemoryInfo(self, handle):
+        return type("Memory", (), {"total": 80 * 2**30, "used": 3 * 2**30, "free": 77 * 2**30})()
+
+    def nvmlDeviceGetPowerUsage(self, handle):
+        return 150_000  # mW
+
+    def nvmlDeviceGetPowerManagementLimit(self, handle):
+        raise self.NVMLError("Not Supported")
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, handle):
+        self.energy_mj += 2_000.0
+        return self.energy_mj
+
+
+def test_the_series_from_nvml_readings(monkeypatch, caplog):
+    """What the sampler makes of NVML's readings: Triton's units (utilization 0-1, watts,
+    joules since the start), the card's UUID as gpu_uuid, a counter the card lacks left out
+    and logged once, NVML shut down at close."""
+    import sys
+
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    caplog.set_level(logging.INFO, logger="plugserve.server.plane.gpu_metrics")
+    fake = _FakeNvml()
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    metrics = GpuMetrics(3600.0)
+    try:
+        metrics.sample()  # a second reading: energy since the first
+        registry = CollectorRegistry()
+        registry.register(metrics)
+        text = generate_latest(registry).decode()
+    finally:
+        metrics.close()
+    from prometheus_client.parser import text_string_to_metric_families
+
+    found = {
+        sample.name: (sample.labels, sample.value)
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+    uuid = {"gpu_uuid": "GPU-5a2c0e1f-0000-1111-2222-333344445555"}
+    assert found["nv_gpu_utilization"] == (uuid, 0.37)
+    assert found["nv_gpu_memory_total_bytes"] == (uuid, 80 * 2**30)
+    assert found["nv_gpu_memory_used_bytes"] == (uuid, 3 * 2**30)
+    assert found["nv_gpu_power_usage"] == (uuid, 150.0)
+    assert found["nv_energy_consumption"] == (uuid, 2.0)  # joules since the first reading
+    assert "nv_gpu_power_limit{" not in text  # not read on this card: no series, one log line
+    assert sum("nv_gpu_power_limit is not read" in r.message for r in caplog.records) == 1
+    assert fake.shut
