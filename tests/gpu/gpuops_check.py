@@ -22,9 +22,9 @@ clause), in at most ~90 s. Each check is recorded pass/fail/skip with its reason
 - ``gpuops.memory``: with ``DEVICE_MEMORY_BUDGET`` 16 MiB, a model whose weights need more
   is refused at load (RESOURCE_EXHAUSTED, naming the budget); a request whose activations are
   estimated over the budget is refused before it runs (RESOURCE_EXHAUSTED / 503) and the next
-  one succeeds; on a GPU, a request that really runs out of GPU memory (an Expand to a shape
-  given as data: 160 GB, which the estimate cannot see) fails alone with RESOURCE_EXHAUSTED
-  and the device serves the next.
+  one succeeds; on a GPU, a request that really runs out of GPU memory (a ConstantOfShape of a
+  shape given as data: 640 GB, which the estimate cannot see) fails alone with
+  RESOURCE_EXHAUSTED and the device serves the next.
 
 The CPU path (CI: tests/gpu/test_gpu_check_cpu.py) runs every check on TORCH and the no-GPU
 answers; what only a GPU can show is checked on the GPU path only and said so.
@@ -105,22 +105,36 @@ def outer_model() -> Any:
     return helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
 
 
-def expand_model() -> Any:
-    """y = Expand(x, shape): the output's size is the data of ``shape``, which no estimate
-    made from shapes sees."""
+def filled_model() -> Any:
+    """y = ConstantOfShape(shape): the output's size is the data of ``shape``, which no
+    estimate made from shapes sees (``torch.full`` allocates it on the device)."""
     import onnx
     from onnx import TensorProto, helper
 
     graph = helper.make_graph(
-        [helper.make_node("Expand", ["x", "shape"], ["y"])],
-        "expand",
-        [
-            helper.make_tensor_value_info("x", TensorProto.FLOAT, [1]),
-            helper.make_tensor_value_info("shape", TensorProto.INT64, [2]),
-        ],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [helper.make_node("ConstantOfShape", ["shape"], ["y"])],
+        "filled",
+        [helper.make_tensor_value_info("shape", TensorProto.INT64, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["rows", "columns"])],
     )
     return helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+
+
+#: a shape no device holds: 640 GB of float32 (320 GB in f16), more than any GPU or host
+HUGE = [400_000, 400_000]
+
+
+def out_of_memory(module: Any, client: Any) -> str:
+    """A request that runs out of device memory; its error as ``status: message``."""
+    from tritonclient.utils import InferenceServerException
+
+    shape = module.InferInput("shape", [2], "INT64")
+    shape.set_data_from_numpy(np.array(HUGE, np.int64))
+    try:
+        client.infer("filled", [shape])
+    except InferenceServerException as exc:
+        return f"{exc.status()}: {exc.message()}"[:400]
+    raise AssertionError("a 640 GB ConstantOfShape did not run out of memory")
 
 
 def write_model(root: Path, name: str, model: Any, config: str = "", settings: dict | None = None):
@@ -370,17 +384,8 @@ def check_memory(server: Any, gpu: bool) -> dict:
             if not np.allclose(small, 2.0):
                 raise Failed(f"{protocol}: the next request answered wrongly", figures)
         if gpu:  # a real out-of-memory, which no estimate saw: that request fails alone
-            x = grpcclient.InferInput("x", [1], "FP32")
-            x.set_data_from_numpy(np.ones(1, np.float32))
-            shape = grpcclient.InferInput("shape", [2], "INT64")
-            shape.set_data_from_numpy(np.array([200_000, 200_000], np.int64))
-            try:
-                client.infer("expand", [x, shape])
-            except InferenceServerException as exc:
-                figures["oom"] = f"{exc.status()}: {exc.message()}"[:400]
-            else:
-                raise Failed("a 160 GB Expand did not run out of memory", figures)
-            if "RESOURCE_EXHAUSTED" not in figures["oom"]:
+            figures["oom"] = out_of_memory(grpcclient, client)
+            if "RESOURCE_EXHAUSTED" not in figures["oom"] or "ran out" not in figures["oom"]:
                 raise Failed(
                     "the out-of-memory request's status is not RESOURCE_EXHAUSTED", figures
                 )
@@ -420,7 +425,7 @@ def run(results: Any, gpu: bool, work: Path, check: Any) -> None:
         mem, "heavy", weights_model(12 * 2**20), settings={"device": device, "config": budget}
     )
     if gpu:
-        write_model(mem, "expand", expand_model(), settings={"device": device, "config": budget})
+        write_model(mem, "filled", filled_model(), settings={"device": device, "config": budget})
     _serving(
         results, root, "server_gpuops.log",
         [

@@ -33,6 +33,7 @@ def server(tmp_path_factory):
     gpuops_check.write_model(repo, "outer", gpuops_check.outer_model(), settings=settings)
     heavy = gpuops_check.weights_model(12 * 2**20)  # 48 MiB of float32 weights
     gpuops_check.write_model(repo, "heavy", heavy, settings=settings)
+    gpuops_check.write_model(repo, "filled", gpuops_check.filled_model(), settings=settings)
     with RunningServer("--model-repository", str(repo), "--exit-on-error", "0") as running:
         yield running
 
@@ -75,6 +76,38 @@ def test_a_request_over_the_budget_is_refused_before_it_runs_and_the_next_is_ser
         np.testing.assert_allclose(_outer(module, client, 16), np.full((16, 16), 2.0))
         # within the budget a larger one runs too (1 MiB of output)
         np.testing.assert_allclose(_outer(module, client, 512), np.full((512, 512), 2.0))
+    finally:
+        client.close()
+
+
+def _overcommit_refuses_the_impossible() -> bool:
+    """Linux's heuristic (0) or strict (2) overcommit refuses an allocation larger than the
+    machine outright; with 1 (always) it would be granted and the fill killed by the OOM
+    killer, so the test does not run there."""
+    try:
+        return Path("/proc/sys/vm/overcommit_memory").read_text().strip() in ("0", "2")
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_a_request_that_runs_out_of_memory_fails_alone(server, protocol):
+    """A size only the request's data decides (ConstantOfShape of 400,000 x 400,000: 640 GB),
+    which the estimate cannot see: the allocation fails, that request is answered
+    RESOURCE_EXHAUSTED / 503 saying the device ran out, and the next one is served. The GPU's
+    twin (torch.cuda.OutOfMemoryError) is the prepared check's gpuops.memory."""
+    if not _overcommit_refuses_the_impossible():
+        pytest.skip("vm.overcommit_memory is 1: a 640 GB allocation would be granted")
+    module = grpcclient if protocol == "grpc" else httpclient
+    client = module.InferenceServerClient(
+        server.target if protocol == "grpc" else server.http_target
+    )
+    try:
+        answer = gpuops_check.out_of_memory(module, client)
+        want = "StatusCode.RESOURCE_EXHAUSTED" if protocol == "grpc" else "503"
+        assert answer.startswith(want) and "ran out of memory" in answer, answer
+        np.testing.assert_allclose(_outer(module, client, 16), np.full((16, 16), 2.0))
+        assert client.is_server_live()
     finally:
         client.close()
 
