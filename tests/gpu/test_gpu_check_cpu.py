@@ -87,8 +87,7 @@ def test_the_cpu_path_records_every_check(tmp_path):
         assert checks["vision.serve"]["shm_b1"]["ms"] > 0
     else:
         assert "no GPU plugin" in checks["vision.export"]["reason"]
-    # the gpuops part's CPU path: the no-GPU answers and the TORCH budget (its own test below)
-    assert checks["gpuops.instance_group"]["status"] == "pass", checks["gpuops.instance_group"]
+    # the gpuops part runs last, recorded whatever the budget left it (its own test below)
 
 
 @pytest.mark.slow
