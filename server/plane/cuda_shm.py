@@ -32,6 +32,7 @@ import ctypes
 import dataclasses
 import functools
 import threading
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -219,6 +220,12 @@ class CudaRegions:
 
     def __init__(self) -> None:
         self._regions: dict[str, CudaRegion] = {}
+        #: each client allocation opened once, shared by the regions naming it (torch's
+        #: caching allocator hands out one IPC handle for a block of many tensors; CUDA
+        #: counts a second open of a handle, older drivers refused it)
+        self._opened: weakref.WeakValueDictionary[tuple[bytes, int], _Opened] = (
+            weakref.WeakValueDictionary()
+        )
         self._lock = threading.Lock()
 
     def register(self, name: str, raw_handle: bytes | None, device_id: int, byte_size: int) -> None:
@@ -263,7 +270,13 @@ class CudaRegions:
                     f"{MAX_REGIONS} CUDA shared memory regions are registered; unregister one first"
                 )
         where = f"failed to register CUDA shared memory region {name!r}"
-        opened = _Opened(runtime, runtime.open(bytes(raw_handle), device_id, where), device_id)
+        key = (bytes(raw_handle), device_id)
+        with self._lock:
+            opened = self._opened.get(key)
+        if opened is None:
+            opened = _Opened(runtime, runtime.open(key[0], device_id, where), device_id)
+            with self._lock:
+                opened = self._opened.setdefault(key, opened)
         with self._lock:
             if name in self._regions:
                 raise InvalidArgument(f"shared memory region {name!r} is already registered")
