@@ -15,6 +15,7 @@ __all__ = [
     "BackendUnavailable",
     "Cancelled",
     "DeadlineExceeded",
+    "DeviceOutOfMemory",
     "FailedPrecondition",
     "InferenceError",
     "InvalidArgument",
@@ -76,6 +77,12 @@ class ResourceExhausted(PlugserveError, RuntimeError):
 class QueueFull(ResourceExhausted):
     """A network's queue is full: RESOURCE_EXHAUSTED on gRPC, and on HTTP 503 Service
     Unavailable, as Triton answers it (its message, "Exceeds maximum queue size", starts ours)."""
+
+
+class DeviceOutOfMemory(ResourceExhausted):
+    """A device has no memory for this request (its budget, or the GPU itself ran out): that
+    request fails, the device serves the next; RESOURCE_EXHAUSTED on gRPC, 503 Service
+    Unavailable on HTTP as a full queue (the server's capacity, not the caller's rate)."""
 
 
 class FailedPrecondition(PlugserveError, RuntimeError):

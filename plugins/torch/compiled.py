@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from plugserve.plugins import blob
 from plugserve.plugins.api import CompiledNetwork, Configuration, TensorSpec
+from plugserve.plugins.torch.devmem import Activations, DeviceMemory
 from plugserve.plugins.torch.program import Program
 from plugserve.plugins.torch.request import TorchInferRequest
 
@@ -41,6 +42,10 @@ class TorchCompiledNetwork(CompiledNetwork):
         self._precision = precision
         self.torch_device = device
         self.open_ended = False  # control flow is never converted
+        #: the device's memory budget and this network's activation estimate (devmem.py),
+        #: set by the plugin's compile
+        self.memory: DeviceMemory | None = None
+        self.activations: Activations | None = None
 
     @property
     def precision(self) -> str:

@@ -25,9 +25,28 @@ _HINT_DOC = (
 )
 
 
+def _bytes(value: str) -> int:
+    number = int(str(value).strip() or 0)
+    if number < 0:
+        raise ValueError("expected bytes >= 0 (0: the device's default)")
+    return number
+
+
+_BUDGET = ConfigKey(
+    "DEVICE_MEMORY_BUDGET",
+    0,
+    _bytes,
+    doc="bytes of the device's memory its networks' weights and requests' activations are "
+    "charged against before they are allocated (devmem.py; the device's, shared by its "
+    "networks): 0 (the default) is 90 % of the memory CUDA reports free on a GPU, none on "
+    "the CPU",
+)
+
+
 class TorchConfiguration(Configuration):
     KEYS = (
         *Configuration.KEYS,
+        _BUDGET,
         ConfigKey(
             "INFERENCE_PRECISION_HINT",
             "",
@@ -40,6 +59,7 @@ class TorchConfiguration(Configuration):
 class GpuConfiguration(Configuration):
     KEYS = (
         *Configuration.KEYS,
+        _BUDGET,
         ConfigKey(
             "INFERENCE_PRECISION_HINT",
             "",

@@ -30,7 +30,7 @@ from plugserve.plugins.api import (
 from plugserve.plugins.ir import Graph, load_model, read_model
 from plugserve.plugins.passes.sizes import check_load_constants
 from plugserve.plugins.shapecheck import shape_model
-from plugserve.plugins.torch import backend
+from plugserve.plugins.torch import backend, devmem
 from plugserve.plugins.torch.compiled import TorchCompiledNetwork
 from plugserve.plugins.torch.config import GpuConfiguration, TorchConfiguration, precision
 from plugserve.plugins.torch.ops.registry import converters
@@ -93,8 +93,18 @@ class TorchPlugin(Plugin):
                 f"model {graph.name!r} has nodes {self.name} cannot run: {shown}{more}; "
                 f"HETERO:{self.name},NUMPY runs them on NUMPY"
             )
-        program = Program(graph, self.torch, device, compute)
-        return TorchCompiledNetwork(
+        # the weights are charged to the device's memory before they are copied to it
+        itemsize = int(compute.itemsize)
+        memory = devmem.device_memory(self.torch, device, cfg.get("DEVICE_MEMORY_BUDGET"))
+        weights = memory.charge_weights(
+            devmem.weights_nbytes(graph.initializers, itemsize), f"model {graph.name!r}"
+        )
+        try:
+            program = Program(graph, self.torch, device, compute)
+        except BaseException:
+            weights.release()
+            raise
+        network = TorchCompiledNetwork(
             self,
             cfg,
             name or graph.name,
@@ -105,6 +115,10 @@ class TorchPlugin(Plugin):
             chosen,
             device,
         )
+        network.memory = memory
+        network.activations = devmem.Activations(graph, itemsize)
+        devmem.hold_while_alive(network, weights)
+        return network
 
     @memory.giving_back
     def load_network(

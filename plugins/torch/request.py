@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from plugserve.plugins.api import InferRequest, PerfCount
+from plugserve.plugins.torch import devmem
 
 if TYPE_CHECKING:
     from plugserve.plugins.torch.compiled import TorchCompiledNetwork
@@ -32,11 +33,12 @@ class TorchInferRequest(InferRequest):
     def _run(self, arrays: list[Any]) -> dict[str, np.ndarray]:
         program = self.network.program
         start = time.perf_counter()
-        if self._stream is not None:
-            with program.torch.cuda.stream(self._stream):
+        with devmem.charged(self.network, arrays):  # activations charged before the run
+            if self._stream is not None:
+                with program.torch.cuda.stream(self._stream):
+                    outputs = program.run(arrays)
+            else:
                 outputs = program.run(arrays)
-        else:
-            outputs = program.run(arrays)
         if self._perf:
             self._counts = [
                 PerfCount(

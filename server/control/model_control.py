@@ -39,6 +39,7 @@ from plugserve.server.control.allocator import give_back_freed_memory
 from plugserve.server.control.core import Core, refuse_server_keys
 from plugserve.server.control.devices import parse_device
 from plugserve.server.control.model_names import check_name
+from plugserve.server.control.placement import place
 from plugserve.server.control.repository import ModelEntry, Repository
 from plugserve.server.control.triton_config import (
     EVERY_VERSION,
@@ -483,7 +484,20 @@ class ModelControl:
         if version and not is_version(version):
             raise InvalidArgument(f"repository path {path!r}: expected NAME or NAME/VERSION")
         model, settings = self._stored(name, int(version or 0))
-        return model, settings.device, settings.config, settings.max_batch_size
+        device, config = self._placed(name, settings)
+        return model, device, config, settings.max_batch_size
+
+    def _placed(self, name: str, settings: ModelSettings) -> tuple[str, dict[str, str]]:
+        """The device and config a repository model loads with: its own, or where its
+        Triton ``instance_group`` places it (``placement.py``; the config's own NUM_STREAMS
+        stays the user's)."""
+        device, config = settings.device, settings.config
+        if settings.placement is None:
+            return device, config
+        device, placed = place(
+            settings.placement, device or self.default_device, self.core, f"model {name!r}"
+        )
+        return device, {**placed, **config}
 
     def version_policy(self, name: str) -> VersionPolicy:
         """Which versions of ``name`` the repository loads (every one for a model loaded by an
@@ -610,7 +624,8 @@ class ModelControl:
         # or NAME/ itself, version 1); an OVMS pipeline is version 1
         version = 1 if settings.pipeline is not None else Repository.version_of(model)
         self._check_model_size(model, "RepositoryModelLoad")
-        device, config, batch = settings.device, settings.config, settings.max_batch_size
+        device, config = self._placed(name, settings)
+        batch = settings.max_batch_size
         device = device or self.default_device
         if settings.dynamic_batching:
             device = batch_device(device, settings.batch_size or batch)
@@ -703,11 +718,12 @@ class ModelControl:
         """One repository version loaded, or what went wrong with it (its file first)."""
         try:
             pipeline = entry.settings.pipeline
+            device, config = self._placed(entry.name, entry.settings)
             loaded, _ = self.load(
                 entry.name,
                 pipeline if pipeline is not None else entry.path,
-                entry.device,
-                entry.config,
+                device,
+                config,
                 version=entry.version,
                 max_batch_size=entry.max_batch_size,
                 dynamic_batching=entry.settings.dynamic_batching,

@@ -23,7 +23,9 @@ Triton -> plugserve:
                                             ``priority_queue_policy``: the model's requests
                                             are admitted by them (``queue_policy.py``); with
                                             priority levels, BATCH_WAITING 64
-``instance_group``                          the counts summed -> NUM_STREAMS
+``instance_group``                          where instances run and how many
+                                            (``placement.py``: KIND_GPU on GPU.<g>,
+                                            KIND_CPU, KIND_AUTO), NUM_STREAMS each
 ``version_policy``                          which versions load (Triton's default: latest 1)
 ``default_model_filename``                  the model file in each version folder
 ``parameters``                              UPPER_CASE keys are device config keys (OpenVINO's
@@ -53,6 +55,7 @@ from typing import Any
 from google.protobuf import json_format, text_format
 
 from plugserve.plugins.api import InvalidArgument
+from plugserve.server.control.placement import Placement, read_groups
 from plugserve.server.plane.queue_policy import QueuePolicy, read_queue_policy
 from plugserve.server.plane.sequences import (
     SequenceSettings,
@@ -166,6 +169,8 @@ class ModelSettings:
     pipeline: Any = None
     #: Triton's queue policies (dynamic_batching's), which admit the model's requests
     queue: QueuePolicy | None = None
+    #: Triton's instance_group: the devices and instance counts (placement.py), at load
+    placement: Placement | None = None
 
 
 def python_settings() -> ModelSettings:
@@ -250,13 +255,9 @@ def _parse_triton(where: str, text: str) -> ModelSettings:
         }
         extra = [f.name for f, _ in batching.ListFields() if f.name not in used]
         ignored += [f"dynamic_batching.{n}" for n in extra]
-    streams = 0
-    for group in config.instance_group:
-        if group.kind not in (mc.ModelInstanceGroup.KIND_AUTO, mc.ModelInstanceGroup.KIND_CPU):
-            ignored.append(f"instance_group kind {mc.ModelInstanceGroup.Kind.Name(group.kind)}")
-        streams += group.count or 1
-    if streams:
-        out.config["NUM_STREAMS"] = str(streams)
+    out.placement = read_groups(
+        config.instance_group, mc.ModelInstanceGroup.Kind.Name, str(path)
+    )  # resolved at load (placement.place): whether a GPU is here is the Core's answer
     out.policy = policy_of(config.version_policy, path)
     own_file = PYTHON_MODEL_FILE if out.device == "PYTHON" else MODEL_FILE
     out.model_file = plain_file_name(

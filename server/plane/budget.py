@@ -31,6 +31,7 @@ The default is half of the memory the process may use: the cgroup's limit (v2
 from __future__ import annotations
 
 import threading
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +47,7 @@ __all__ = [
     "Charge",
     "MemoryBudget",
     "body_factor",
+    "charged_buffer",
     "decoded_nbytes",
     "default_limit",
 ]
@@ -159,6 +161,19 @@ class MemoryBudget:
             "(--max-inflight-bytes / PLUGSERVE_MAX_INFLIGHT_BYTES); retry later, or send "
             "large tensors as binary data (JSON costs 20x its size to decode)"
         )
+
+
+def charged_buffer(budget: MemoryBudget, nbytes: int, what: str) -> np.ndarray:
+    """``nbytes`` bytes of buffer, charged to ``budget`` before they are allocated and given
+    back when the last array over them is freed (a shared memory region's input copy)."""
+    charge = budget.charge(nbytes, what)
+    try:
+        buffer = np.empty(nbytes, np.uint8)
+    except BaseException:
+        charge.release()
+        raise
+    weakref.finalize(buffer, charge.release)
+    return buffer
 
 
 def decoded_nbytes(count: int, dtype: np.dtype) -> int:

@@ -35,6 +35,7 @@ from prometheus_client.utils import floatToGoString
 from plugserve.plugins.errors import Cancelled, DeadlineExceeded, InvalidInput
 from plugserve.plugins.threads import start_daemon
 from plugserve.server.plane.custom_metrics import CustomMetrics
+from plugserve.server.plane.gpu_metrics import GpuMetrics
 
 __all__ = ["Metrics", "Recorder", "Stats", "failure_status"]
 
@@ -360,6 +361,7 @@ class Metrics:
         #: the families models declare (a Python model's pb_utils.MetricFamily)
         self.custom = CustomMetrics()
         self._server = None
+        self.gpus: GpuMetrics | None = None
         self._executors: Callable[[], list[tuple[str, int, int, int, int]]] = list
         self._generation: Callable[[], list[tuple[str, str, str, Any]]] = list
         self.registry.register(_ServerCollector(self))
@@ -383,6 +385,13 @@ class Metrics:
         """``read()``: ``(device, model, version, stats snapshot)`` of each generative model."""
         self._generation = read
         self.registry.register(_GenerationCollector(read))
+
+    def watch_gpus(self, interval_s: float, enabled: bool = True) -> GpuMetrics:
+        """The per-GPU series (``nv_gpu_*``, NVML sampled every ``interval_s``), or none and
+        one log line saying why (``gpu_metrics.py``)."""
+        self.gpus = GpuMetrics(interval_s, enabled)
+        self.registry.register(self.gpus)
+        return self.gpus
 
     def _series_of(self, device: str, model: str, version: str) -> _Series:
         with self._series_lock:
@@ -489,6 +498,8 @@ class Metrics:
         return [body]
 
     def close(self) -> None:
+        if self.gpus is not None:
+            self.gpus.close()
         if self._server is not None:
             self._server.shutdown()
             self._server = None

@@ -47,14 +47,14 @@ import os
 import re
 import stat
 import threading
-import weakref
 from typing import Any
 
 import numpy as np
 
 from plugserve.plugins.api import InvalidArgument, NotFound, ResourceExhausted, Unsupported
 from plugserve.proto.tensors import array_payload
-from plugserve.server.plane.budget import Charge, MemoryBudget
+from plugserve.server.plane.budget import Charge, MemoryBudget, charged_buffer
+from plugserve.server.plane.cuda_shm import CudaRegion, CudaRegions, check_span, listed
 
 __all__ = [
     "DEFAULT_PREFIX",
@@ -106,12 +106,18 @@ class Region:
     def span(self, offset: int, byte_size: int, what: str) -> int:
         """Where ``[offset, offset + byte_size)`` of the region starts in its object, checked
         against the region's size."""
-        if offset < 0 or byte_size < 0 or offset + byte_size > self.byte_size:
-            raise InvalidArgument(
-                f"{what}: offset {offset} and byte size {byte_size} do not lie within shared "
-                f"memory region {self.name!r} ({self.byte_size} bytes)"
-            )
+        check_span("shared", self.name, self.byte_size, offset, byte_size, what)
         return self.offset + offset
+
+    def write_at(self, start: int, payload: memoryview, what: str) -> None:
+        """``payload`` into the object at ``start``, through its descriptor (never a
+        mapping), its size checked first (the module's docstring)."""
+        fd, end = self.object.fd, start + payload.nbytes
+        if os.fstat(fd).st_size < end:
+            raise self.shrunk(what, end)
+        done = 0
+        while done < payload.nbytes:
+            done += os.pwritev(fd, [payload[done:]], start + done)
 
     def read(self, offset: int, byte_size: int, what: str, budget: MemoryBudget) -> np.ndarray:
         """A copy of the region's bytes ``[offset, offset + byte_size)``, read through the
@@ -119,13 +125,9 @@ class Region:
         ``budget`` before it is allocated, and released when the last array over it is freed,
         whichever protocol read it."""
         start = self.span(offset, byte_size, what)
-        charge = budget.charge(byte_size, f"{what} from shared memory region {self.name!r}")
-        try:
-            buffer = np.empty(byte_size, np.uint8)
-        except BaseException:
-            charge.release()
-            raise
-        weakref.finalize(buffer, charge.release)
+        buffer = charged_buffer(
+            budget, byte_size, f"{what} from shared memory region {self.name!r}"
+        )
         view = memoryview(buffer)
         done = 0
         while done < byte_size:
@@ -154,6 +156,7 @@ class SharedMemory:
         self.budget = budget or MemoryBudget(0)
         self._regions: dict[str, Region] = {}
         self._lock = threading.Lock()
+        self.cuda = CudaRegions()
 
     def _check_on(self) -> None:
         if not self.enabled:
@@ -184,7 +187,7 @@ class SharedMemory:
                 "must be >= 0 and > 0"
             )
         with self._lock:
-            if name in self._regions:
+            if name in self._regions or self.cuda.get(name) is not None:
                 raise InvalidArgument(
                     f"shared memory region {name!r} is already registered; unregister it first"
                 )
@@ -203,13 +206,7 @@ class SharedMemory:
 
     def status(self, name: str = "") -> list[Region]:
         self._check_on()
-        with self._lock:
-            if not name:
-                return sorted(self._regions.values(), key=lambda r: r.name)
-            region = self._regions.get(name)
-        if region is None:
-            raise NotFound(f"Unable to find system shared memory region: {name!r}")
-        return [region]
+        return listed(self._regions, self._lock, name, "system")
 
     def unregister(self, name: str = "") -> None:
         """Forget one region (every one when ``name`` is empty). Requests using it keep
@@ -224,29 +221,33 @@ class SharedMemory:
         for region in gone:
             region.charge.release()
 
-    # CUDA shared memory, as Triton built without GPU support answers it: its example clients
-    # begin by unregistering every CUDA region and reading the CUDA status, and go on to
-    # system shared memory only when both succeed; only a registration is refused.
+    # CUDA shared memory (cuda_shm.py): the same names, in the same requests; without CUDA
+    # answered as Triton built without GPU support answers (its example clients begin by
+    # unregistering every CUDA region and reading the CUDA status, and go on to system shared
+    # memory only when both succeed; only a registration is refused)
 
-    def cuda_status(self, name: str = "") -> list[Region]:
-        """No CUDA region is ever registered: every one, none; a named one is not found."""
-        if name:
-            raise NotFound(f"Unable to find cuda shared memory region: {name!r}")
-        return []
+    def cuda_status(self, name: str = "") -> list[CudaRegion]:
+        return self.cuda.status(name)
 
-    def cuda_register(self, name: str) -> None:
-        raise InvalidArgument(
-            f"failed to register CUDA shared memory region: {name!r}, GPUs not supported "
-            "(this server's devices run on the CPU: use system shared memory)"
-        )
+    def cuda_register(
+        self, name: str, raw_handle: bytes | None, device_id: int, byte_size: int
+    ) -> None:
+        self._check_on()
+        if self._regions.get(name) is not None:
+            raise InvalidArgument(
+                f"shared memory region {name!r} is already registered; unregister it first"
+            )
+        self.cuda.register(name, raw_handle, device_id, byte_size)
 
     def cuda_unregister(self, name: str = "") -> None:
-        """Nothing to forget (Triton answers success for a region it does not hold)."""
+        self.cuda.unregister(name)
 
-    def region(self, name: str, what: str) -> Region:
+    def region(self, name: str, what: str) -> Region | CudaRegion:
         self._check_on()
         with self._lock:
             region = self._regions.get(name)
+        if region is None:
+            region = self.cuda.get(name)
         if region is None:
             raise InvalidArgument(
                 f"{what}: shared memory region {name!r} is not registered; register it first"
@@ -261,8 +262,8 @@ class SharedMemory:
 
     def target(self, parameters: dict[str, Any], what: str) -> OutputTarget:
         """Where an output goes, resolved when its request is admitted: the request holds the
-        region's descriptor from then on, so unregistering it meanwhile changes nothing for
-        it."""
+        region's descriptor (a CUDA region's opened memory) from then on, so unregistering it
+        meanwhile changes nothing for it."""
         name, byte_size, offset = region_parameters(parameters, what)
         region = self.region(name, what)
         return OutputTarget(name, region, region.span(offset, byte_size, what), byte_size)
@@ -270,10 +271,11 @@ class SharedMemory:
 
 @dataclasses.dataclass
 class OutputTarget:
-    """An output's place in a region (its descriptor held by its request)."""
+    """An output's place in a region, system or CUDA (its descriptor or opened memory held by
+    its request)."""
 
     region: str
-    source: Region = dataclasses.field(repr=False)
+    source: Region | CudaRegion = dataclasses.field(repr=False)
     start: int
     byte_size: int
 
@@ -284,12 +286,7 @@ class OutputTarget:
                 f"{what}: shared memory byte size {self.byte_size} is too small for the "
                 f"output's {payload.nbytes} bytes; give it at least that much"
             )
-        fd, end = self.source.object.fd, self.start + payload.nbytes
-        if os.fstat(fd).st_size < end:
-            raise self.source.shrunk(what, end)
-        done = 0
-        while done < payload.nbytes:
-            done += os.pwritev(fd, [payload[done:]], self.start + done)
+        self.source.write_at(self.start, payload, what)
         return payload.nbytes
 
 

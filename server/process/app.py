@@ -319,6 +319,7 @@ class Server:
         if s.health_port >= 0:
             self._serve_health(s.host, s.health_port)
         if s.metrics_port >= 0:
+            self.metrics.watch_gpus(s.metrics_interval_ms / 1000, bool(s.gpu_metrics))
             try:
                 self.metrics_port = self.metrics.serve(s.host, s.metrics_port)
             except SystemExit:  # the port is taken: one line, and nothing left running

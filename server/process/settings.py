@@ -55,6 +55,17 @@ class Settings:
     metrics_port: int = _field(
         8002, "Prometheus /metrics port; 0: any free port, -1: off", low=-1, high=65535
     )
+    metrics_interval_ms: int = _field(
+        2000,
+        "how often the per-GPU metrics (nv_gpu_*, NVML) are sampled, in ms (Triton's flag)",
+        low=50,
+        high=3_600_000,
+    )
+    gpu_metrics: int = _field(
+        1,
+        "1: per-GPU metrics (nv_gpu_* labelled gpu_uuid, as Triton's) where NVML is present "
+        "(pip install plugserve[gpu]); 0: none (Triton's --allow-gpu-metrics)",
+    )
     health_port: int = _field(
         -1,
         "a plaintext port serving only the gRPC health service, for probes that cannot speak "
@@ -401,6 +412,7 @@ class Settings:
                     + (f"between {low} and {high}" if high is not None else f">= {low}")
                 )
         for name in (
+            "gpu_metrics",
             "exit_on_error",
             "strict_readiness",
             "reuse_grpc_port",

@@ -9,7 +9,7 @@ from typing import NoReturn
 
 import grpc
 
-from plugserve.plugins.api import PlugserveError, QueueFull
+from plugserve.plugins.api import DeviceOutOfMemory, PlugserveError, QueueFull
 from plugserve.server.plane.errors import forget_frames
 
 __all__ = [
@@ -89,9 +89,9 @@ def abort(context: grpc.ServicerContext, exc: BaseException) -> NoReturn:
 
 def http_status_of(exc: BaseException) -> tuple[int, str]:
     """HTTP status and message for an error (see :func:`status_of`); a full queue is 503, as
-    Triton answers it over HTTP (RESOURCE_EXHAUSTED on gRPC, 429 for every other exhaustion:
-    the memory budget, the sequence slots)."""
+    Triton answers it over HTTP, and so is a device out of memory (RESOURCE_EXHAUSTED on gRPC,
+    429 for every other exhaustion: the memory budget, the sequence slots)."""
     code, message = status_of(exc)
-    if isinstance(exc, QueueFull):
+    if isinstance(exc, (QueueFull, DeviceOutOfMemory)):
         return 503, message
     return HTTP_STATUS.get(code, 500), message

@@ -5,7 +5,7 @@ that checks plugserve's GPU device and GPU generation and measures them beside t
 here as subprocesses so that both sides come from one run).
 
 usage: python tests/gpu/gpu_check.py OUT_DIR [--anchors DIR] [--cpu] [--budget-s 360]
-                                     [--gen-budget-s 180] [--parts gen,vision]
+                                     [--gen-budget-s 180] [--parts gen,vision,gpuops]
 
 Without a CUDA GPU (or with ``--cpu``) the same checks run on the CPU device ``TORCH`` at tiny
 sizes (a 0.4 M-parameter decoder, ResNet-18 at 64x64): CI runs that path
@@ -84,6 +84,8 @@ CHECKS = (
     "info", "gen.folder", "gen.f32", "gen.bf16", "gen.serve", "gen.anchors", "gen.targets",
     "vision.export", "vision.f32", "vision.f16", "vision.serve", "vision.metrics",
     "vision.cuda_shm", "vision.anchors", "vision.targets", "device.checks",
+    # the gpuops part (gpuops_check.py): instance_group, CUDA shared memory, nv_gpu_*, memory
+    "gpuops.instance_group", "gpuops.cuda_shm", "gpuops.gpu_metrics", "gpuops.memory",
 )  # fmt: skip
 
 
@@ -1367,7 +1369,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--grace-s", type=float, default=60.0, help="past the budget by this, the run stops"
     )
-    ap.add_argument("--parts", default="device,gen,vision")
+    ap.add_argument("--parts", default="device,gen,vision,gpuops")
     ap.add_argument("--work", default="", help="scratch folder (default: a temporary one, removed)")
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -1406,6 +1408,14 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as exc:
                 results.data.setdefault("errors", []).append(traceback.format_exc(limit=5)[-2000:])
                 print(f"vision part: {exc}", file=sys.stderr)
+        if "gpuops" in parts:  # gpuops_check.py: its own file, its own checks
+            try:
+                import gpuops_check
+
+                gpuops_check.run(results, device == "GPU", work, sys.modules[__name__])
+            except Exception as exc:
+                results.data.setdefault("errors", []).append(traceback.format_exc(limit=5)[-2000:])
+                print(f"gpuops part: {exc}", file=sys.stderr)
     finally:
         parts = args.parts.split(",")
         for name in CHECKS:

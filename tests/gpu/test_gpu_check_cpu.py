@@ -41,6 +41,10 @@ CHECKS = {
     "vision.cuda_shm",
     "vision.anchors",
     "vision.targets",
+    "gpuops.instance_group",
+    "gpuops.cuda_shm",
+    "gpuops.gpu_metrics",
+    "gpuops.memory",
 }
 
 
@@ -88,6 +92,35 @@ def test_the_cpu_path_records_every_check(tmp_path):
         assert checks["vision.serve"]["shm_b1"]["ms"] > 0
     else:
         assert "no GPU plugin" in checks["vision.export"]["reason"]
+    # the gpuops part runs last, recorded whatever the budget left it (its own test below)
+
+
+@pytest.mark.slow
+def test_the_gpuops_parts_cpu_path(tmp_path):
+    """gpuops_check.py on the CPU: the KIND_GPU model's load refused naming GPU.0 while KIND_CPU
+    serves; CUDA shared memory refused "GPUs not supported" over gRPC and REST; no nv_gpu_*
+    series and the log says why; TORCH's memory budget refuses a load and a request over it
+    and serves the next. The real out-of-memory is the GPU path's, and said so."""
+    out = tmp_path / "out"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), str(out), "--cpu", "--parts", "gpuops", "--budget-s", "240",
+         "--work", str(tmp_path / "work")],
+        capture_output=True, text=True, timeout=360, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    checks = json.loads((out / "results.json").read_text())["checks"]
+    names = {"info", "gpuops.instance_group", "gpuops.cuda_shm", "gpuops.gpu_metrics",
+             "gpuops.memory"}  # fmt: skip
+    assert set(checks) == names, sorted(checks)
+    for name in names:
+        assert checks[name]["status"] == "pass", (name, checks[name])
+    assert "GPU.0" in checks["gpuops.instance_group"]["on_gpu_refused"]
+    assert set(checks["gpuops.cuda_shm"]["refused"]) == {"grpc", "http"}
+    assert checks["gpuops.gpu_metrics"]["series"] == 0
+    memory = checks["gpuops.memory"]
+    assert "503" in memory["big_http"] and "RESOURCE_EXHAUSTED" in memory["big_grpc"]
+    assert "needs a GPU" in memory["oom"]
 
 
 def _script():

@@ -45,7 +45,10 @@ def _values(field: dataclasses.Field) -> tuple[str, str]:
         return "none", "think"
     if field.name == "trace_config":
         return "rate=7", "level=TIMESTAMPS,opentelemetry,url=127.0.0.1:4318/v1/traces"
+    if field.name == "metrics_interval_ms":  # 50 ms at least
+        return "100", "250"
     if field.name in (
+        "gpu_metrics",
         "exit_on_error",
         "strict_readiness",
         "reuse_grpc_port",

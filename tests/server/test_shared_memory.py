@@ -167,6 +167,7 @@ def test_cuda_shared_memory_answers_as_triton_without_gpus(connected, regions):
         match="failed to register CUDA shared memory region: 'gpu0', GPUs not supported",
     ) as refused:
         client.register_cuda_shared_memory("gpu0", b"\0" * 64, 0, 64)
+    assert "use system shared memory" in refused.value.message()  # and why: no CUDA here
     status = str(refused.value.status())
     assert ("INVALID_ARGUMENT" in status) if protocol == "grpc" else status == "400", status
     name, key, handle = regions(128)  # the example's next step: system shared memory

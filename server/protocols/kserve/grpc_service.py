@@ -235,11 +235,18 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         return pb.SystemSharedMemoryUnregisterResponse()
 
     def CudaSharedMemoryStatus(self, request, context):
-        self.shm.cuda_status(request.name)
-        return pb.CudaSharedMemoryStatusResponse()
+        response = pb.CudaSharedMemoryStatusResponse()
+        for region in self.shm.cuda_status(request.name):
+            status = response.regions[region.name]
+            status.name, status.device_id = region.name, region.device_id
+            status.byte_size = region.byte_size
+        return response
 
     def CudaSharedMemoryRegister(self, request, context):
-        self.shm.cuda_register(request.name)
+        self.shm.cuda_register(
+            request.name, request.raw_handle, request.device_id, request.byte_size
+        )
+        return pb.CudaSharedMemoryRegisterResponse()
 
     def CudaSharedMemoryUnregister(self, request, context):
         self.shm.cuda_unregister(request.name)

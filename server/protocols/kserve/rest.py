@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import binascii
 import functools
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -266,10 +267,26 @@ class RestApp:
         return 200, [b""], _JSON
 
     def cuda_status(self, call: Call) -> Reply:
-        return _json(self.plane.shm.cuda_status(call.path.get("name") or ""))
+        regions = self.plane.shm.cuda_status(call.path.get("name") or "")
+        return _json(
+            [{"name": r.name, "device_id": r.device_id, "byte_size": r.byte_size} for r in regions]
+        )
 
     def cuda_register(self, call: Call) -> Reply:
-        self.plane.shm.cuda_register(call.path["name"])
+        """Triton's body: ``{"raw_handle": {"b64": ...}, "device_id": n, "byte_size": n}``."""
+        body = call.json()
+        raw = body.get("raw_handle")
+        encoded = raw.get("b64") if isinstance(raw, dict) else None
+        try:  # a bad handle is named after the CUDA check, which Triton answers first
+            handle = base64.b64decode(encoded, validate=True) if isinstance(encoded, str) else None
+        except (binascii.Error, ValueError):
+            handle = None
+        device, size = body.get("device_id", 0), body.get("byte_size")
+        for what, value in (("device_id", device), ("byte_size", size)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise InvalidInput(f"the register request's {what!r} must be an integer")
+        self.plane.shm.cuda_register(call.path["name"], handle, device, size)
+        return 200, [b""], _JSON
 
     def cuda_unregister(self, call: Call) -> Reply:
         self.plane.shm.cuda_unregister(call.path.get("name") or "")

@@ -1,0 +1,305 @@
+"""Triton's CUDA shared memory extension: a client on this machine allocates GPU memory, hands
+the server its CUDA IPC handle (``cudaIpcGetMemHandle``: 64 bytes; base64 on REST), the GPU
+and the byte size, and then names the region in a request as it names a system one: inputs
+are read from the client's GPU memory, outputs written into it. ``tritonclient.utils.
+cuda_shared_memory`` works unchanged.
+
+The server opens a handle with ``cudaIpcOpenMemHandle`` of the CUDA runtime torch loaded
+(``libcudart``, found among the process's mapped libraries once torch has initialised CUDA;
+ctypes, no other dependency). The runtime is reached at the first registration: a server that
+never gets one never imports torch (9 s). Copies are ``cudaMemcpy`` with
+``cudaMemcpyDefault`` (unified addressing: host or device on either side): an input is copied
+from the client's region into a host buffer charged to the memory budget, as a system region's
+is; an output is copied from the request's host result into the client's region, on the
+thread that ran the request, before the answer leaves.
+
+Bounded as the system regions are: at most :data:`MAX_REGIONS` CUDA regions, each no larger
+than its GPU's memory, every request's offset and size checked against the region before any
+byte moves; registering needs the admin role as every shared memory call. A region
+unregistered while a request uses it stays open until that request is done (the request holds
+the opened pointer; ``cudaIpcCloseMemHandle`` runs when the last holder lets go).
+
+Without CUDA (no GPU, torch's CPU build, no torch) a registration is refused as Triton built
+without GPU support refuses it ("failed to register CUDA shared memory region: '<name>', GPUs
+not supported"), with the reason; status and unregister answer success with nothing
+registered, as Triton's do (its example clients begin with them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import functools
+import threading
+import weakref
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from plugserve.plugins.api import InvalidArgument, NotFound
+from plugserve.server.plane.budget import charged_buffer
+
+__all__ = ["IPC_HANDLE_BYTES", "MAX_REGIONS", "CudaRegion", "CudaRegions", "check_span", "listed"]
+
+#: CUDA regions registered at once, at most (each holds an IPC mapping of a client's memory)
+MAX_REGIONS = 64
+#: sizeof(cudaIpcMemHandle_t)
+IPC_HANDLE_BYTES = 64
+_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault
+_LAZY_PEER_ACCESS = 1  # cudaIpcMemLazyEnablePeerAccess
+
+
+def check_span(kind: str, name: str, size: int, offset: int, byte_size: int, what: str) -> None:
+    """``[offset, offset + byte_size)`` lies within the region (``kind``: shared, CUDA
+    shared), else INVALID_ARGUMENT naming it, before any byte moves."""
+    if offset < 0 or byte_size < 0 or offset + byte_size > size:
+        raise InvalidArgument(
+            f"{what}: offset {offset} and byte size {byte_size} do not lie within {kind} "
+            f"memory region {name!r} ({size} bytes)"
+        )
+
+
+def listed(regions: dict[str, Any], lock: threading.Lock, name: str, kind: str) -> list[Any]:
+    """Every region by name, or the one named (NOT_FOUND in Triton's words: "Unable to find
+    <kind> shared memory region")."""
+    with lock:
+        if not name:
+            return sorted(regions.values(), key=lambda r: r.name)
+        region = regions.get(name)
+    if region is None:
+        raise NotFound(f"Unable to find {kind} shared memory region: {name!r}")
+    return [region]
+
+
+class _Handle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_char * IPC_HANDLE_BYTES)]
+
+
+class CudaUnavailable(InvalidArgument):
+    """No CUDA here: what Triton built without GPU support answers a registration with."""
+
+
+class _Runtime:
+    """The few CUDA runtime calls the extension makes, on torch's libcudart."""
+
+    def __init__(self, lib: ctypes.CDLL, devices: int) -> None:
+        self.lib = lib
+        self.devices = devices
+        lib.cudaGetErrorString.restype = ctypes.c_char_p
+        lib.cudaGetErrorString.argtypes = [ctypes.c_int]
+        lib.cudaSetDevice.argtypes = [ctypes.c_int]
+        lib.cudaIpcOpenMemHandle.argtypes = [
+            ctypes.POINTER(ctypes.c_void_p),
+            _Handle,
+            ctypes.c_uint,
+        ]
+        lib.cudaIpcCloseMemHandle.argtypes = [ctypes.c_void_p]
+        lib.cudaMemcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+    def check(self, code: int, what: str) -> None:
+        if code != 0:
+            text = self.lib.cudaGetErrorString(code)
+            raise InvalidArgument(f"{what}: CUDA error {code}: {(text or b'').decode()}")
+
+    def open(self, handle: bytes, device: int, what: str) -> int:
+        self.check(self.lib.cudaSetDevice(device), what)
+        pointer = ctypes.c_void_p()
+        raw = _Handle()
+        ctypes.memmove(ctypes.byref(raw), handle, IPC_HANDLE_BYTES)
+        self.check(
+            self.lib.cudaIpcOpenMemHandle(ctypes.byref(pointer), raw, _LAZY_PEER_ACCESS), what
+        )
+        return int(pointer.value or 0)
+
+    def close(self, pointer: int, device: int) -> None:
+        self.lib.cudaSetDevice(device)
+        self.lib.cudaIpcCloseMemHandle(ctypes.c_void_p(pointer))
+
+    def copy(self, dst: int, src: int, nbytes: int, device: int, what: str) -> None:
+        self.check(self.lib.cudaSetDevice(device), what)
+        self.check(self.lib.cudaMemcpy(dst, src, nbytes, _MEMCPY_DEFAULT), what)
+
+
+@functools.cache
+def _runtime() -> tuple[_Runtime | None, str]:
+    """torch's CUDA runtime, or None and why there is none."""
+    from plugserve.plugins.api import PlugserveError
+    from plugserve.plugins.torch import backend
+
+    try:
+        if backend.cuda_build() is None:
+            return None, "torch is not installed, or is its CPU-only build"
+        if not backend.driver_present():
+            return None, "no NVIDIA GPU or driver here"
+        torch = backend.torch_module()
+        devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if not devices:
+            return None, "torch sees no CUDA device"
+        torch.cuda.init()
+    except (PlugserveError, RuntimeError, OSError) as exc:
+        return None, f"CUDA does not start ({type(exc).__name__}: {exc})"
+    path = _loaded_cudart()
+    try:
+        lib = ctypes.CDLL(path or "libcudart.so")
+    except OSError as exc:
+        return None, f"the CUDA runtime library is not found ({exc})"
+    return _Runtime(lib, devices), ""
+
+
+def _loaded_cudart() -> str | None:
+    """The libcudart torch mapped into this process (its wheel's nvidia/cuda_runtime), else
+    one beside torch's wheel (a torch that loads it later), else None (the system's)."""
+    with contextlib.suppress(OSError), open("/proc/self/maps") as maps:
+        for line in maps:
+            path = line.rsplit(" ", 1)[-1].strip()
+            if "/libcudart.so" in path:
+                return path
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch")
+    if spec is not None and spec.origin:
+        site = Path(spec.origin).parent.parent
+        found = sorted(site.glob("nvidia/cu*/lib/libcudart.so*")) + sorted(
+            (site / "torch" / "lib").glob("libcudart*.so*")
+        )
+        if found:
+            return str(found[-1])
+    return None
+
+
+class _Opened:
+    """A client's memory opened in this process: closed when its last holder (its region, a
+    request's output target) lets go, so an unregistration never pulls memory from under a
+    request still writing to it."""
+
+    def __init__(self, runtime: _Runtime, pointer: int, device: int) -> None:
+        self.runtime, self.pointer, self.device = runtime, pointer, device
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # at interpreter exit the library may be gone
+            self.runtime.close(self.pointer, self.device)
+
+
+@dataclasses.dataclass
+class CudaRegion:
+    name: str
+    device_id: int
+    byte_size: int
+    opened: _Opened = dataclasses.field(repr=False)
+
+    def span(self, offset: int, byte_size: int, what: str) -> int:
+        check_span("CUDA shared", self.name, self.byte_size, offset, byte_size, what)
+        return offset
+
+    def write_at(self, start: int, payload: memoryview, what: str) -> None:
+        """``payload`` (host bytes) into the client's GPU memory at ``start``."""
+        if payload.nbytes:
+            source = np.frombuffer(payload, np.uint8)
+            opened = self.opened
+            opened.runtime.copy(
+                opened.pointer + start, source.ctypes.data, payload.nbytes, opened.device, what
+            )
+
+    def read(self, offset: int, byte_size: int, what: str, budget: Any) -> np.ndarray:
+        """A host copy of the region's bytes, charged to ``budget`` before it is made."""
+        start = self.span(offset, byte_size, what)
+        buffer = charged_buffer(
+            budget, byte_size, f"{what} from CUDA shared memory region {self.name!r}"
+        )
+        if byte_size:
+            self.opened.runtime.copy(
+                buffer.ctypes.data, self.opened.pointer + start, byte_size, self.device_id, what
+            )
+        return buffer
+
+
+class CudaRegions:
+    """The CUDA regions of one server (see the module's docstring)."""
+
+    def __init__(self) -> None:
+        self._regions: dict[str, CudaRegion] = {}
+        #: each client allocation opened once, shared by the regions naming it (torch's
+        #: caching allocator hands out one IPC handle for a block of many tensors; CUDA
+        #: counts a second open of a handle, older drivers refused it)
+        self._opened: weakref.WeakValueDictionary[tuple[bytes, int], _Opened] = (
+            weakref.WeakValueDictionary()
+        )
+        self._lock = threading.Lock()
+
+    def register(self, name: str, raw_handle: bytes | None, device_id: int, byte_size: int) -> None:
+        """``raw_handle`` None: REST's ``raw_handle.b64`` was missing or not base64 (refused
+        after the CUDA check, which Triton answers first)."""
+        if not name:
+            raise InvalidArgument("a CUDA shared memory region needs a name")
+        runtime, why = _runtime()
+        if runtime is None:
+            raise CudaUnavailable(
+                f"failed to register CUDA shared memory region: {name!r}, GPUs not supported "
+                f"({why}: use system shared memory)"
+            )
+        if raw_handle is None:
+            raise InvalidArgument(
+                f"CUDA shared memory region {name!r}: the register request needs 'raw_handle': "
+                "{'b64': <the base64 of a cudaIpcMemHandle_t>}"
+            )
+        if len(raw_handle) != IPC_HANDLE_BYTES:
+            raise InvalidArgument(
+                f"CUDA shared memory region {name!r}: raw_handle is {len(raw_handle)} bytes; "
+                f"a cudaIpcMemHandle_t is {IPC_HANDLE_BYTES}"
+            )
+        if not 0 <= device_id < runtime.devices:
+            raise InvalidArgument(
+                f"CUDA shared memory region {name!r}: device_id {device_id}: this server sees "
+                f"GPUs 0 to {runtime.devices - 1}"
+            )
+        total = _device_memory(device_id)
+        if byte_size <= 0 or byte_size > total:
+            raise InvalidArgument(
+                f"CUDA shared memory region {name!r}: byte_size {byte_size} must be > 0 and at "
+                f"most GPU {device_id}'s memory ({total} bytes)"
+            )
+        with self._lock:
+            if name in self._regions:
+                raise InvalidArgument(
+                    f"shared memory region {name!r} is already registered; unregister it first"
+                )
+            if len(self._regions) >= MAX_REGIONS:
+                raise InvalidArgument(
+                    f"{MAX_REGIONS} CUDA shared memory regions are registered; unregister one first"
+                )
+        where = f"failed to register CUDA shared memory region {name!r}"
+        key = (bytes(raw_handle), device_id)
+        with self._lock:
+            opened = self._opened.get(key)
+        if opened is None:
+            opened = _Opened(runtime, runtime.open(key[0], device_id, where), device_id)
+            with self._lock:
+                opened = self._opened.setdefault(key, opened)
+        with self._lock:
+            if name in self._regions:
+                raise InvalidArgument(f"shared memory region {name!r} is already registered")
+            self._regions[name] = CudaRegion(name, device_id, byte_size, opened)
+
+    def status(self, name: str = "") -> list[CudaRegion]:
+        return listed(self._regions, self._lock, name, "cuda")
+
+    def unregister(self, name: str = "") -> None:
+        """Forget one region (every one when ``name`` is empty); one not held: success, as
+        Triton answers."""
+        with self._lock:
+            if name:
+                self._regions.pop(name, None)
+            else:
+                self._regions.clear()
+
+    def get(self, name: str) -> CudaRegion | None:
+        with self._lock:
+            return self._regions.get(name)
+
+
+def _device_memory(device_id: int) -> int:
+    from plugserve.plugins.torch import backend
+
+    return int(backend.torch_module().cuda.get_device_properties(device_id).total_memory)
