@@ -1,6 +1,7 @@
 """TORCH's and GPU's compiled network: the converted program, on one device, in one
-precision. Its export is the validated ONNX model with the precision it was compiled for;
-import converts it again (converting is fast: no tuning to keep)."""
+precision. Its export is the validated ONNX model (or the PyTorch program's archive, its
+``program`` kind in the header) with the precision it was compiled for; import converts or
+loads it again (converting is fast: no tuning to keep)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from plugserve.plugins import blob
 from plugserve.plugins.api import CompiledNetwork, Configuration, TensorSpec
 from plugserve.plugins.torch.program import Program
+from plugserve.plugins.torch.programs import TorchProgram
 from plugserve.plugins.torch.request import TorchInferRequest
 
 if TYPE_CHECKING:
@@ -27,7 +29,7 @@ class TorchCompiledNetwork(CompiledNetwork):
         name: str,
         inputs: list[TensorSpec],
         outputs: list[TensorSpec],
-        program: Program,
+        program: Program | TorchProgram,
         model: bytes,
         precision: str,
         device: Any,
@@ -37,7 +39,7 @@ class TorchCompiledNetwork(CompiledNetwork):
         self._outputs = list(outputs)
         self.output_names = [o.name for o in outputs]
         self.program = program
-        self.model = model  # the validated ONNX model, for export
+        self.model = model  # the validated ONNX model or the program's archive, for export
         self._precision = precision
         self.torch_device = device
         self.open_ended = False  # control flow is never converted
@@ -55,5 +57,9 @@ class TorchCompiledNetwork(CompiledNetwork):
             self.plugin.architecture,
             self.config.to_strings(),
             self.model,
-            {"network_name": self.name, "precision": self._precision},
+            {
+                "network_name": self.name,
+                "precision": self._precision,
+                "program": getattr(self.program, "kind", ""),  # a PyTorch program's, whole
+            },
         )

@@ -9,7 +9,9 @@ Triton -> plugserve:
 
 ==========================================  =================================================
 ``platform`` / ``backend``                  onnxruntime_onnx, onnxruntime -> ORT; openvino ->
-                                            OPENVINO; empty -> the server's default device
+                                            OPENVINO; pytorch_libtorch, pytorch, torch_aoti
+                                            -> TORCH (GPU with a KIND_GPU instance group);
+                                            empty -> the server's default device
 ``max_batch_size``                          requests with more rows are INVALID_ARGUMENT;
                                             ModelConfig reports it
 ``dynamic_batching``                        BATCH:<device>(n): n is the largest preferred
@@ -25,7 +27,8 @@ Triton -> plugserve:
                                             priority levels, BATCH_WAITING 64
 ``instance_group``                          the counts summed -> NUM_STREAMS
 ``version_policy``                          which versions load (Triton's default: latest 1)
-``default_model_filename``                  the model file in each version folder
+``default_model_filename``                  the model file in each version folder (model.pt
+                                            for PyTorch, model.pt2 for torch_aoti)
 ``parameters``                              UPPER_CASE keys are device config keys (OpenVINO's
                                             NUM_STREAMS, PERFORMANCE_HINT...); others logged
 ``name``, ``input``, ``output``             the folder names the model; the model's own
@@ -36,6 +39,10 @@ Triton -> plugserve:
 ``input`` ``format``                        reported in ModelConfig (image clients read it)
 ``input`` ``dims``                          a raw binary request's shape (Triton's rule
                                             reads the config's dims, not the model's)
+``input``/``output`` of a PyTorch model     its tensors (name, data_type, dims; a batch
+                                            dimension first with max_batch_size): the
+                                            device key MODEL_TENSORS, as a TorchScript file
+                                            has no shapes (``plugins/torch/programs.py``)
 ``label_filename``                          the output's class labels, named in classified
                                             answers ("value:index:label")
 ==========================================  =================================================
@@ -50,6 +57,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from google.protobuf import json_format, text_format
 
 from plugserve.plugins.api import InvalidArgument
@@ -84,7 +92,15 @@ _DEVICES = {
     "openvino": "OPENVINO",
     "python": "PYTHON",  # Triton's python backend: server/apps/pipelines/python
     "ensemble": "ENSEMBLE",  # Triton's ensembles: server/apps/pipelines/ensemble.py
+    # Triton's PyTorch backend: TorchScript (model.pt) and, plugserve's, torch.export's .pt2
+    # (plugins/torch/programs.py); GPU when an instance group asks for KIND_GPU
+    "pytorch_libtorch": "TORCH",
+    "pytorch": "TORCH",
+    "torch_aoti": "TORCH",
 }
+#: the model file of a PyTorch model's version folder, as Triton's backend names it
+TORCH_FILES = {"torch_aoti": "model.pt2"}
+TORCH_FILE = "model.pt"
 _ACTED_ON = {
     "name",
     "platform",
@@ -207,6 +223,8 @@ def _parse_triton(where: str, text: str) -> ModelSettings:
     out = ModelSettings(dynamic_batching=False, policy=VersionPolicy("latest", 1))
     ignored = [field.name for field, _ in config.ListFields() if field.name not in _ACTED_ON]
     kind = config.backend or config.platform
+    if config.platform == "torch_aoti":  # (backend "pytorch" beside it, as Triton's example)
+        kind = config.platform
     if kind:
         if kind not in _DEVICES:
             raise InvalidArgument(
@@ -252,13 +270,18 @@ def _parse_triton(where: str, text: str) -> ModelSettings:
         ignored += [f"dynamic_batching.{n}" for n in extra]
     streams = 0
     for group in config.instance_group:
-        if group.kind not in (mc.ModelInstanceGroup.KIND_AUTO, mc.ModelInstanceGroup.KIND_CPU):
+        if _DEVICES.get(kind) == "TORCH" and group.kind == mc.ModelInstanceGroup.KIND_GPU:
+            out.device = f"GPU.{group.gpus[0]}" if group.gpus else "GPU"
+        elif group.kind not in (mc.ModelInstanceGroup.KIND_AUTO, mc.ModelInstanceGroup.KIND_CPU):
             ignored.append(f"instance_group kind {mc.ModelInstanceGroup.Kind.Name(group.kind)}")
         streams += group.count or 1
     if streams:
         out.config["NUM_STREAMS"] = str(streams)
     out.policy = policy_of(config.version_policy, path)
     own_file = PYTHON_MODEL_FILE if out.device == "PYTHON" else MODEL_FILE
+    if _DEVICES.get(kind) == "TORCH":
+        own_file = TORCH_FILES.get(kind, TORCH_FILE)
+        out.config.setdefault("MODEL_TENSORS", torch_tensors(config, path))
     out.model_file = plain_file_name(
         config.default_model_filename or own_file, f"{path}: default_model_filename"
     )
@@ -281,6 +304,27 @@ def _parse_triton(where: str, text: str) -> ModelSettings:
     if ignored:
         log.warning("%s: not acted on: %s", path, ", ".join(ignored))
     return out
+
+
+def torch_tensors(config: Any, path: Path) -> str:
+    """A PyTorch model's inputs and outputs as the TORCH device's MODEL_TENSORS (JSON of
+    ``[name, numpy dtype, dims]``; with ``max_batch_size``, a batch dimension ``-1`` first)."""
+    from plugserve.server.control.triton_types import DTYPES
+
+    mc = messages()
+    batch = [-1] if config.max_batch_size > 0 else []
+    found: dict[str, list[list[Any]]] = {"inputs": [], "outputs": []}
+    for kind, tensors in (("inputs", config.input), ("outputs", config.output)):
+        for tensor in tensors:
+            type_name = mc.DataType.Name(tensor.data_type)
+            dtype = DTYPES.get(type_name)
+            if dtype is None or dtype is np.object_:
+                raise InvalidArgument(
+                    f"{path}: {kind[:-1]} {tensor.name!r} is {type_name}; a PyTorch model's "
+                    "tensors are BOOL, UINT8, INT8-64 or FP16-64"
+                )
+            found[kind].append([tensor.name, np.dtype(dtype).name, [*batch, *tensor.dims]])
+    return json.dumps(found, separators=(",", ":"))
 
 
 def read_sequence_json(
