@@ -101,6 +101,14 @@ _DEVICES = {
 #: the model file of a PyTorch model's version folder, as Triton's backend names it
 TORCH_FILES = {"torch_aoti": "model.pt2"}
 TORCH_FILE = "model.pt"
+#: Triton's PyTorch backend's parameters (its README): libtorch's switches, which TORCH does
+#: not have; logged as not acted on rather than refused as unknown device keys
+TORCH_PARAMETERS = frozenset({
+    "DISABLE_OPTIMIZED_EXECUTION", "INFERENCE_MODE", "DISABLE_CUDNN", "ENABLE_WEIGHT_SHARING",
+    "ENABLE_CACHE_CLEANING", "ENABLE_JIT_EXECUTOR", "ENABLE_JIT_PROFILING", "ENABLE_NVFUSER",
+    "ENABLE_TENSOR_FUSER", "INTER_OP_THREAD_COUNT", "INTRA_OP_THREAD_COUNT",
+    "TORCH_COMPILE_OPTIONAL_PARAMETERS",
+})  # fmt: skip
 _ACTED_ON = {
     "name",
     "platform",
@@ -288,7 +296,9 @@ def _parse_triton(where: str, text: str) -> ModelSettings:
     if out.device == "ENSEMBLE":
         out.model_file = VERSION_FOLDER  # an ensemble's version folder holds no file
     for key, value in config.parameters.items():
-        if key.isupper():
+        if _DEVICES.get(kind) == "TORCH" and key in TORCH_PARAMETERS:
+            ignored.append(f"parameters[{key!r}] (Triton's PyTorch backend's)")
+        elif key.isupper():
             out.config[key] = value.string_value
         elif out.device != "PYTHON":  # a Python model's own: it reads them in initialize
             ignored.append(f"parameters[{key!r}]")

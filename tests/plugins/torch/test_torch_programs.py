@@ -76,6 +76,9 @@ output [ { name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ 4 ] } ]
 """
 
 
+INFERENCE_MODE = 'parameters: { key: "INFERENCE_MODE" value: { string_value: "true" } }'
+
+
 def _net_config(name, kind, input="INPUT__0", out0="OUTPUT__0", out1="OUTPUT__1", extra=""):
     return NET_CONFIG.format(name=name, kind=kind, input=input, out0=out0, out1=out1, extra=extra)
 
@@ -114,7 +117,8 @@ def programs(tmp_path_factory):
     traced = io.BytesIO()
     torch.jit.save(torch.jit.trace(net, torch.zeros(1, 3, 8, 8)), traced)
     _model(repo, "net_traced", _net_config("net_traced", 'backend: "pytorch"', input="x",
-           out0="logits", out1="probs"), "model.pt", traced.getvalue())  # fmt: skip
+           out0="logits", out1="probs", extra=INFERENCE_MODE), "model.pt",
+           traced.getvalue())  # fmt: skip
     _model(repo, "net_pt2", _net_config("net_pt2", 'backend: "pytorch"',
            extra='default_model_filename: "model.pt2"'), "model.pt2", exported)  # fmt: skip
     _model(repo, "net_batched", _net_config("net_batched", 'platform: "pytorch_libtorch"',
@@ -194,6 +198,11 @@ def test_metadata_is_the_configs(programs):
     assert meta["inputs"] == [{"name": "INPUT__0", "datatype": "FP32", "shape": [-1, 3, 8, 8]}]
     assert [o["name"] for o in meta["outputs"]] == ["OUTPUT__0", "OUTPUT__1"]
     assert meta["outputs"][0]["shape"] == [-1, 5]
+
+
+def test_triton_pytorch_parameters_are_logged_not_refused(programs):
+    server, _, _ = programs
+    assert "parameters['INFERENCE_MODE'] (Triton's PyTorch backend's)" in server.log
 
 
 def test_forward_argument_names_pick_the_arguments(programs):
@@ -312,6 +321,14 @@ def test_export_import_and_the_cache_on_torch(programs, tmp_path):
         assert [s.name for s in again.inputs] == ["INPUT__0"]
         got = again.create_infer_request().infer({"INPUT__0": x})
         np.testing.assert_allclose(got["OUTPUT__1"], want[1], rtol=1e-5, atol=1e-6)
+        reduced = core.load_network(
+            repo / file, "TORCH", {"MODEL_TENSORS": tensors, "INFERENCE_PRECISION_HINT": "bf16"}
+        )
+        assert network.precision == "f32" and reduced.precision == "bf16"
+        got = reduced.create_infer_request().infer({"INPUT__0": x})
+        assert got["OUTPUT__0"].dtype == np.float32
+        np.testing.assert_allclose(got["OUTPUT__0"], want[0], rtol=5e-2, atol=5e-2)
+        assert not np.array_equal(got["OUTPUT__0"], want[0])  # it did compute in bf16
         with pytest.raises(Exception, match=r"exported|TORCH|blob"):
             core.import_network(network.export(), "NUMPY")
         config = {"MODEL_TENSORS": tensors, "CACHE_DIR": str(tmp_path / "cache")}
