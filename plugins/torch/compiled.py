@@ -10,13 +10,17 @@ from typing import TYPE_CHECKING, Any
 from plugserve.plugins import blob
 from plugserve.plugins.api import CompiledNetwork, Configuration, TensorSpec
 from plugserve.plugins.torch.program import Program
-from plugserve.plugins.torch.programs import TorchProgram
+from plugserve.plugins.torch.programs import EXPORT, TORCHSCRIPT, TorchProgram
 from plugserve.plugins.torch.request import TorchInferRequest
 
 if TYPE_CHECKING:
     from plugserve.plugins.torch.plugin import TorchPlugin
 
 __all__ = ["TorchCompiledNetwork"]
+
+#: the platform a program's metadata names: Triton's for TorchScript; a .pt2 of torch.export
+#: is not what Triton's ``torch_aoti`` runs (AOTInductor's), so it is named for what it is
+PLATFORMS = {TORCHSCRIPT: "pytorch_libtorch", EXPORT: "torch_export"}
 
 
 class TorchCompiledNetwork(CompiledNetwork):
@@ -43,6 +47,8 @@ class TorchCompiledNetwork(CompiledNetwork):
         self._precision = precision
         self.torch_device = device
         self.open_ended = False  # control flow is never converted
+        #: Triton's platform name of a PyTorch program (KServe metadata reports it)
+        self.platform = PLATFORMS.get(getattr(program, "kind", ""), "")
 
     @property
     def precision(self) -> str:

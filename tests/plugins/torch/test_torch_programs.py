@@ -198,6 +198,12 @@ def test_metadata_is_the_configs(programs):
     assert meta["inputs"] == [{"name": "INPUT__0", "datatype": "FP32", "shape": [-1, 3, 8, 8]}]
     assert [o["name"] for o in meta["outputs"]] == ["OUTPUT__0", "OUTPUT__1"]
     assert meta["outputs"][0]["shape"] == [-1, 5]
+    assert meta["platform"] == "pytorch_libtorch"
+    client = httpclient.InferenceServerClient(server.http_target)
+    assert client.get_model_metadata("net_pt2")["platform"] == "torch_export"
+    config = client.get_model_config("net_batched")
+    assert (config["platform"], config["backend"]) == ("pytorch_libtorch", "pytorch"), config
+    assert config["input"][0]["dims"] == ["3", "8", "8"] or config["input"][0]["dims"] == [3, 8, 8]
 
 
 def test_triton_pytorch_parameters_are_logged_not_refused(programs):
