@@ -344,3 +344,30 @@ def test_export_import_and_the_cache_on_torch(programs, tmp_path):
         assert second.loaded_from_cache
         got = second.create_infer_request().infer({"INPUT__0": x})
         np.testing.assert_allclose(got["OUTPUT__0"], want[0], rtol=1e-5, atol=1e-6)
+
+
+def test_load_export_and_import_through_the_server(programs):
+    """LoadNetwork of a TorchScript file's bytes with MODEL_TENSORS, then ExportNetwork and
+    ImportNetwork of a repository's program on TORCH: each answers as the module does."""
+    from plugserve.client import Client
+
+    server, net, repo = programs
+    x = _images(8)
+    want = _reference(net, x)
+    tensors = (
+        '{"inputs":[["INPUT__0","float32",[-1,3,8,8]]],'
+        '"outputs":[["OUTPUT__0","float32",[-1,5]],["OUTPUT__1","float32",[-1,5]]]}'
+    )
+    with Client(server.target, timeout=120) as client:
+        data = (repo / "net_ts" / "1" / "model.pt").read_bytes()
+        client.load("loaded_ts", data, "TORCH", {"MODEL_TENSORS": tensors})
+        blob = client.export("net_pt2")
+        client.import_network("imported_pt2", blob, "TORCH")
+        for name in ("loaded_ts", "imported_pt2"):
+            got = _grpc(server, name, "INPUT__0", x, ("OUTPUT__0", "OUTPUT__1"))
+            for g, w in zip(got, want):
+                np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+        with pytest.raises(Exception, match="inputs and outputs are not known"):
+            client.load("untyped_ts", data, "TORCH")
+        for name in ("loaded_ts", "imported_pt2"):
+            client.unload(name)
