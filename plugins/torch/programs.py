@@ -207,17 +207,25 @@ class TorchProgram:
                 "TorchScript file carries no shapes or types): config.pbtxt's input and output "
                 "entries say them (name, data_type, dims), or the device key MODEL_TENSORS"
             )
-        if len(inputs) > len(arguments) and self.kind == TORCHSCRIPT:
-            raise InvalidArgument(
-                f"{self.kind} program {name!r} takes {len(arguments)} input(s) "
-                f"({', '.join(arguments)}); the configuration names {len(inputs)}"
-            )
         self.inputs, self.outputs = inputs, outputs
         self.input_at = _positions([s.name for s in inputs], arguments, "input")
         self.output_at = _positions([s.name for s in outputs], [], "output")
         self.arity = max(self.input_at, default=-1) + 1
         if len(set(self.input_at)) != len(self.input_at):
             raise InvalidArgument(f"{self.kind} program {name!r}: two inputs name one argument")
+        for spec, at in zip(inputs, self.input_at):
+            if at >= len(arguments):  # a program's arguments are known; its results are not
+                raise InvalidArgument(  # (a TorchScript result's count shows when it runs)
+                    f"{self.kind} program {name!r}: input {spec.name!r} is its argument {at} "
+                    f"(numbered from 0), but it takes {len(arguments)}: "
+                    f"{', '.join(arguments) or 'none'}"
+                )
+        for spec, at in zip(outputs, self.output_at):
+            if own[1] and at >= len(own[1]):
+                raise InvalidArgument(
+                    f"{self.kind} program {name!r}: output {spec.name!r} is its result {at} "
+                    f"(numbered from 0), but it returns {len(own[1])}"
+                )
 
     def run(self, arrays: Sequence[Any]) -> list[np.ndarray]:
         torch = self.torch

@@ -133,6 +133,11 @@ def programs(tmp_path_factory):
            b"\x00not a model" * 64)  # fmt: skip
     _model(repo, "truncated", _net_config("truncated", 'platform: "pytorch_libtorch"'),
            "model.pt", script[: len(script) // 2])  # fmt: skip
+    _model(repo, "misnamed", _net_config("misnamed", 'platform: "pytorch_libtorch"',
+           input="INPUT__1"), "model.pt", script)  # fmt: skip
+    _model(repo, "misnamed_pt2", _net_config("misnamed_pt2", 'backend: "pytorch"',
+           out1="OUTPUT__2", extra='default_model_filename: "model.pt2"'), "model.pt2",
+           exported)  # fmt: skip
     pickled = io.BytesIO()
     torch.save(net, pickled)
     _model(repo, "pickled", _net_config("pickled", 'platform: "pytorch_libtorch"'), "model.pt",
@@ -277,6 +282,8 @@ def test_corrupt_files_fail_their_model_alone_with_the_reason(programs):
         "garbage": "is not a PyTorch program",
         "truncated": "damaged zip archive",
         "pickled": "torch.save pickle, not a TorchScript file",
+        "misnamed": "input 'INPUT__1' is its argument 1 (numbered from 0), but it takes 1: x",
+        "misnamed_pt2": "output 'OUTPUT__2' is its result 2 (numbered from 0), but it returns 2",
     }
     if not torch.cuda.is_available():  # KIND_GPU asks for the GPU device, which says why not
         reasons["net_gpu"] = "GPU"
@@ -284,7 +291,7 @@ def test_corrupt_files_fail_their_model_alone_with_the_reason(programs):
         assert not client.is_model_ready(name), name
         error = _refused(lambda n=name: _rest(server, n, "INPUT__0", _images(0), ("OUTPUT__0",)))
         assert "failed to load" in error.message() and reason in error.message(), error.message()
-        assert f"{name}/1/model.pt" in server.log and reason in server.log
+        assert f"{name}/1/model.pt" in server.log and reason in server.log, server.log
     assert client.is_server_live() and client.is_model_ready("net_ts")
 
 
