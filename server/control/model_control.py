@@ -610,7 +610,7 @@ class ModelControl:
         # or NAME/ itself, version 1); an OVMS pipeline is version 1
         version = 1 if settings.pipeline is not None else Repository.version_of(model)
         self._check_model_size(model, "RepositoryModelLoad")
-        device, config, batch = settings.device, settings.config, settings.max_batch_size
+        device, config, batch = self._placed(settings), settings.config, settings.max_batch_size
         device = device or self.default_device
         if settings.dynamic_batching:
             device = batch_device(device, settings.batch_size or batch)
@@ -699,6 +699,14 @@ class ModelControl:
                 problems.append(outcome)
         return ready, problems
 
+    def _placed(self, settings: ModelSettings) -> str:
+        """The device a repository model loads on: its settings', or GPU for one that goes
+        there when this server has one (a PyTorch model without an instance group kind, as
+        Triton places it: ``triton_config.py``)."""
+        if settings.gpu_first and "GPU" in self.core.available_devices:
+            return "GPU"
+        return settings.device
+
     def _load_entry(self, entry: ModelEntry) -> LoadedNetwork | str:
         """One repository version loaded, or what went wrong with it (its file first)."""
         try:
@@ -706,7 +714,7 @@ class ModelControl:
             loaded, _ = self.load(
                 entry.name,
                 pipeline if pipeline is not None else entry.path,
-                entry.device,
+                self._placed(entry.settings),
                 entry.config,
                 version=entry.version,
                 max_batch_size=entry.max_batch_size,

@@ -10,7 +10,8 @@ Triton -> plugserve:
 ==========================================  =================================================
 ``platform`` / ``backend``                  onnxruntime_onnx, onnxruntime -> ORT; openvino ->
                                             OPENVINO; pytorch_libtorch, pytorch, torch_aoti
-                                            -> TORCH (GPU with a KIND_GPU instance group);
+                                            -> GPU where there is one, else TORCH (KIND_GPU:
+                                            GPU, KIND_CPU: TORCH, as Triton places them);
                                             empty -> the server's default device
 ``max_batch_size``                          requests with more rows are INVALID_ARGUMENT;
                                             ModelConfig reports it
@@ -190,6 +191,9 @@ class ModelSettings:
     pipeline: Any = None
     #: Triton's queue policies (dynamic_batching's), which admit the model's requests
     queue: QueuePolicy | None = None
+    #: on GPU where the server has one, else on ``device`` (a PyTorch model whose instance
+    #: groups ask for no kind: Triton puts it on the GPUs when there are any)
+    gpu_first: bool = False
 
 
 def python_settings() -> ModelSettings:
@@ -289,6 +293,9 @@ def _parse_triton(where: str, text: str) -> ModelSettings:
     own_file = PYTHON_MODEL_FILE if out.device == "PYTHON" else MODEL_FILE
     if _DEVICES.get(kind) == "TORCH":
         own_file = TORCH_FILES.get(kind, TORCH_FILE)
+        out.gpu_first = all(
+            g.kind == mc.ModelInstanceGroup.KIND_AUTO for g in config.instance_group
+        )
         out.config.setdefault("MODEL_TENSORS", torch_tensors(config, path))
     out.model_file = plain_file_name(
         config.default_model_filename or own_file, f"{path}: default_model_filename"
