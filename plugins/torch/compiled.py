@@ -48,7 +48,7 @@ class TorchCompiledNetwork(CompiledNetwork):
         self.torch_device = device
         self.open_ended = False  # control flow is never converted
         #: Triton's platform name of a PyTorch program (KServe metadata reports it)
-        self.platform = PLATFORMS.get(getattr(program, "kind", ""), "")
+        self.platform = PLATFORMS.get(program.kind, "") if isinstance(program, TorchProgram) else ""
 
     @property
     def precision(self) -> str:
@@ -66,6 +66,7 @@ class TorchCompiledNetwork(CompiledNetwork):
             {
                 "network_name": self.name,
                 "precision": self._precision,
-                "program": getattr(self.program, "kind", ""),  # a PyTorch program's, whole
+                # a PyTorch program's kind: import loads it whole
+                "program": self.program.kind if isinstance(self.program, TorchProgram) else "",
             },
         )

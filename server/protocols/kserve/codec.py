@@ -132,8 +132,7 @@ def platform_of(entry: LoadedNetwork) -> str:
     ONNX's."""
     if entry.device == "ENSEMBLE":
         return "ensemble"
-    network = getattr(entry.network, "network", entry.network)  # BATCH's, the one it batches
-    return getattr(network, "platform", "") or PLATFORM
+    return entry.network.platform or PLATFORM
 
 
 def model_metadata(entry: LoadedNetwork, versions: list[int]) -> pb.ModelMetadataResponse:
