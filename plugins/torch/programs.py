@@ -258,29 +258,29 @@ class TorchProgram:
                 f"{spec.name!r} is its result {at} (numbered from 0)"
             )
         value = flat[at]
-        if not hasattr(value, "detach"):
+        if not isinstance(value, self.torch.Tensor):
             raise InferenceError(
                 f"{self.kind} program {self.name!r}: result {at} ({spec.name!r}) is a "
                 f"{type(value).__name__}, not a tensor"
             )
         array = value.detach().to("cpu")
         want = spec.dtype
-        got = np.dtype(str(array.dtype).removeprefix("torch.")) if not array.is_floating_point() \
-            else None  # fmt: skip
-        if array.is_floating_point():
+        if array.is_floating_point():  # computed in the hint's precision: back to the config's
             if want is not None and want.kind != "f":
                 raise InferenceError(
                     f"{self.kind} program {self.name!r}: output {spec.name!r} is "
                     f"{array.dtype}, the configuration says {want}"
                 )
-            array = array.float() if array.dtype == self.torch.bfloat16 else array
+            if array.dtype == self.torch.bfloat16:  # numpy has no bfloat16
+                array = array.float()
             return array.numpy().astype(want or np.float32, copy=False)
-        if want is not None and got is not None and got != want:
+        result = array.numpy()
+        if want is not None and result.dtype != want:
             raise InferenceError(
-                f"{self.kind} program {self.name!r}: output {spec.name!r} is {got}, the "
-                f"configuration says {want}"
+                f"{self.kind} program {self.name!r}: output {spec.name!r} is {result.dtype}, "
+                f"the configuration says {want}"
             )
-        return array.numpy()
+        return result
 
 
 def load_module(

@@ -48,8 +48,10 @@ class Net(torch.nn.Module):
 class Scale(torch.nn.Module):
     """Two named inputs, for Triton's forward-argument naming (config order reversed)."""
 
-    def forward(self, values: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
-        return values * 2.0 - factor
+    def forward(
+        self, values: torch.Tensor, factor: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return values * 2.0 - factor, (values > factor).to(torch.int64)
 
 
 NET_CONFIG = """
@@ -72,7 +74,10 @@ input [
   { name: "factor" data_type: TYPE_FP32 dims: [ 1 ] },
   { name: "values" data_type: TYPE_FP32 dims: [ 4 ] }
 ]
-output [ { name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ 4 ] } ]
+output [
+  { name: "OUTPUT__1" data_type: TYPE_INT64 dims: [ 4 ] },
+  { name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ 4 ] }
+]
 """
 
 
@@ -227,8 +232,14 @@ def test_forward_argument_names_pick_the_arguments(programs):
         tensor = grpcclient.InferInput(name, list(array.shape), "FP32")
         tensor.set_data_from_numpy(array)
         inputs.append(tensor)
-    got = client.infer("scale_ts", inputs).as_numpy("OUTPUT__0")
+    result = client.infer("scale_ts", inputs)
+    got = result.as_numpy("OUTPUT__0")
     np.testing.assert_allclose(got, values * 2.0 - 3.0)  # in config order: 3 * 2 - values
+    above = result.as_numpy("OUTPUT__1")  # listed first, picked by its index
+    assert above.dtype == np.int64 and above.tolist() == [0, 0, 0, 0]
+    factor = np.array([1.5], np.float32)
+    inputs[0].set_data_from_numpy(factor)
+    assert client.infer("scale_ts", inputs).as_numpy("OUTPUT__1").tolist() == [0, 0, 1, 1]
 
 
 def test_dynamic_batching_gathers_program_requests(programs):
