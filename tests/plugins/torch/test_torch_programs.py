@@ -319,6 +319,12 @@ def test_plugserve_query_says_what_the_model_is(programs):
     assert out.returncode == 0, out.stderr
     assert "torchscript program, run whole" in out.stdout and "TORCH" in out.stdout, out.stdout
     out = subprocess.run(
+        [exe, "query", path, "--device", "TORCH", "--target", server.target, "--graph",
+         str(repo / "graph.dot")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode != 0 and "--graph draws ONNX graphs" in out.stderr, out.stderr
+    out = subprocess.run(
         [exe, "query", path, "--device", "HETERO:TORCH,NUMPY", "--target", server.target],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
