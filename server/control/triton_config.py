@@ -94,7 +94,7 @@ _DEVICES = {
     "python": "PYTHON",  # Triton's python backend: server/apps/pipelines/python
     "ensemble": "ENSEMBLE",  # Triton's ensembles: server/apps/pipelines/ensemble.py
     # Triton's PyTorch backend: TorchScript (model.pt) and, plugserve's, torch.export's .pt2
-    # (plugins/torch/programs.py); GPU when an instance group asks for KIND_GPU
+    # (plugins/torch/programs.py); on GPU where there is one (gpu_first) or KIND_GPU asks
     "pytorch_libtorch": "TORCH",
     "pytorch": "TORCH",
     "torch_aoti": "TORCH",
