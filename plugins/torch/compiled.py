@@ -46,7 +46,9 @@ class TorchCompiledNetwork(CompiledNetwork):
         self.model = model  # the validated ONNX model or the program's archive, for export
         self._precision = precision
         self.torch_device = device
-        self.open_ended = False  # control flow is never converted
+        # an ONNX graph's control flow is never converted; a program's own (TorchScript's
+        # loops, a .pt2's) may run as long as its data says
+        self.open_ended = isinstance(program, TorchProgram)
         #: Triton's platform name of a PyTorch program (KServe metadata reports it)
         self.platform = PLATFORMS.get(program.kind, "") if isinstance(program, TorchProgram) else ""
 
