@@ -146,7 +146,12 @@ def _query(client: Client, args: argparse.Namespace) -> int:
 
         from plugserve.client.graph import render, to_dot
 
-        model = onnx.load(args.model, load_external_data=False)
+        try:
+            model = onnx.load(args.model, load_external_data=False)
+        except Exception:  # a PyTorch program (one node), or not a model at all
+            raise SystemExit(
+                f"plugserve query: --graph draws ONNX graphs; {args.model} is not one"
+            ) from None
         splits = [(s.device, list(s.nodes)) for s in response.subgraphs]
         try:
             path = render(to_dot(model, dict(response.supported), splits), args.graph)

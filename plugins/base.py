@@ -391,6 +391,10 @@ class CompiledNetwork(abc.ABC):
     #: serves other clients too (the REST event loop). A plugin that knows its graph has none
     #: says so; unknown counts as open-ended.
     open_ended: bool = True
+    #: Triton's platform name for what the network runs where it is not an ONNX model (a
+    #: TorchScript program's ``pytorch_libtorch``); "" for an ONNX model. KServe's metadata and
+    #: model config report it.
+    platform: str = ""
     #: The streams, made on first use; declared here too so that ``__del__`` of a network
     #: whose ``__init__`` failed half way reads None.
     _executor: StreamsExecutor | None = None

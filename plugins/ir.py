@@ -40,6 +40,7 @@ __all__ = [
     "refuse_external_data",
     "refuse_narrow_io",
     "value_spec",
+    "zip_archive",
 ]
 
 
@@ -493,6 +494,7 @@ def read_model(model: Any) -> tuple[ModelProto, Path | None]:
         except Exception:  # protobuf raises DecodeError and, for some garbage, others
             raise InvalidModel(
                 "the model bytes are not an ONNX model (protobuf parse failed)"
+                + _archive_hint(bytes(model[:4]))
             ) from None
         folder = None
         if not proto.graph.node and not proto.graph.input and not proto.graph.output:
@@ -504,7 +506,9 @@ def read_model(model: Any) -> tuple[ModelProto, Path | None]:
         try:
             proto = onnx.load(str(path), load_external_data=False)
         except Exception:
-            raise InvalidModel(f"model file {str(path)!r} is not an ONNX model") from None
+            raise InvalidModel(
+                f"model file {str(path)!r} is not an ONNX model" + _archive_hint(_head(path))
+            ) from None
         if not proto.graph.node and not proto.graph.input and not proto.graph.output:
             raise InvalidModel(f"model file {str(path)!r} is not an ONNX model (no graph)")
         folder = path.resolve().parent
@@ -514,6 +518,35 @@ def read_model(model: Any) -> tuple[ModelProto, Path | None]:
         )
     _load_external_data(proto, folder)
     return proto, folder
+
+
+def zip_archive(model: Any) -> bool:
+    """Whether ``model`` (a path or bytes) is a zip archive, as PyTorch programs are (an ONNX
+    model is a protobuf, never one): devices that read graphs leave such a model alone."""
+    if isinstance(model, bytes | bytearray | memoryview):
+        return bytes(model[:4]) == b"PK\x03\x04"
+    if isinstance(model, str | os.PathLike) and Path(model).is_file():
+        return _head(Path(model)) == b"PK\x03\x04"
+    return False
+
+
+def _head(path: Path) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4)
+    except OSError:
+        return b""
+
+
+def _archive_hint(head: bytes) -> str:
+    """What to do with a zip archive given as a graph: a PyTorch program (TorchScript or
+    torch.export's .pt2) loads whole on TORCH or GPU (``plugins/torch/programs.py``) only."""
+    if head != b"PK\x03\x04":
+        return ""
+    return (
+        "; it is a zip archive: a PyTorch program (TorchScript, torch.export .pt2) loads on "
+        "TORCH or GPU, whole"
+    )
 
 
 def _tensors_with_external_data(proto: ModelProto) -> Iterable[TensorProto]:

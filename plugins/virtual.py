@@ -207,5 +207,9 @@ class OneNetwork:
         return self.network.open_ended
 
     @property
+    def platform(self) -> str:
+        return self.network.platform
+
+    @property
     def precision(self) -> str:
         return self.network.precision

@@ -22,7 +22,7 @@ from plugserve.plugins.api import (
 )
 from plugserve.plugins.batch.compiled import BatchCompiledNetwork, row_coupling, unbatchable
 from plugserve.plugins.batch.config import BatchConfiguration
-from plugserve.plugins.ir import load_model, read_model
+from plugserve.plugins.ir import load_model, read_model, zip_archive
 from plugserve.plugins.virtual import VirtualPlugin
 
 __all__ = ["BatchPlugin"]
@@ -64,11 +64,13 @@ class BatchPlugin(VirtualPlugin):
     ) -> BatchCompiledNetwork:
         cfg = self.merged_config(config)
         device = self._device(cfg)
-        proto, _ = read_model(model)
-        why = row_coupling(proto.graph)
+        # a PyTorch program (a zip archive, TORCH's and GPU's) cannot be read here: its rows
+        # are trusted to be independent, as Triton's dynamic batcher trusts every model's
+        graph = None if zip_archive(model) else read_model(model)[0].graph
+        why = row_coupling(graph) if graph is not None else ""
         if why:
             raise InvalidArgument(
-                f"model {proto.graph.name!r} cannot be batched: {why}, so a request's result "
+                f"model {graph.name!r} cannot be batched: {why}, so a request's result "
                 "would depend on the requests batched with it; serve it without BATCH"
             )
         network = self._devices().load_network(model, device, cfg.child(device))
@@ -87,6 +89,8 @@ class BatchPlugin(VirtualPlugin):
         """``(node, device, why)`` for the nodes the batched device cannot run."""
         cfg = self.merged_config(config, strict=False)
         device = self._device(cfg)
+        if zip_archive(model):  # a PyTorch program is one node: its query says where it runs
+            return []
         proto, _ = read_model(model)
         nodes = [n.name for n in load_model(proto).nodes]
         child = cfg.child_strings(device)  # parsed by the device, whose errors say why

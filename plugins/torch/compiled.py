@@ -1,6 +1,7 @@
 """TORCH's and GPU's compiled network: the converted program, on one device, in one
-precision. Its export is the validated ONNX model with the precision it was compiled for;
-import converts it again (converting is fast: no tuning to keep)."""
+precision. Its export is the validated ONNX model (or the PyTorch program's archive, its
+``program`` kind in the header) with the precision it was compiled for; import converts or
+loads it again (converting is fast: no tuning to keep)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,17 @@ from plugserve.plugins import blob
 from plugserve.plugins.api import CompiledNetwork, Configuration, TensorSpec
 from plugserve.plugins.torch.devmem import Activations, DeviceMemory
 from plugserve.plugins.torch.program import Program
+from plugserve.plugins.torch.programs import EXPORT, TORCHSCRIPT, TorchProgram
 from plugserve.plugins.torch.request import TorchInferRequest
 
 if TYPE_CHECKING:
     from plugserve.plugins.torch.plugin import TorchPlugin
 
 __all__ = ["TorchCompiledNetwork"]
+
+#: the platform a program's metadata names: Triton's for TorchScript; a .pt2 of torch.export
+#: is not what Triton's ``torch_aoti`` runs (AOTInductor's), so it is named for what it is
+PLATFORMS = {TORCHSCRIPT: "pytorch_libtorch", EXPORT: "torch_export"}
 
 
 class TorchCompiledNetwork(CompiledNetwork):
@@ -28,7 +34,7 @@ class TorchCompiledNetwork(CompiledNetwork):
         name: str,
         inputs: list[TensorSpec],
         outputs: list[TensorSpec],
-        program: Program,
+        program: Program | TorchProgram,
         model: bytes,
         precision: str,
         device: Any,
@@ -38,10 +44,14 @@ class TorchCompiledNetwork(CompiledNetwork):
         self._outputs = list(outputs)
         self.output_names = [o.name for o in outputs]
         self.program = program
-        self.model = model  # the validated ONNX model, for export
+        self.model = model  # the validated ONNX model or the program's archive, for export
         self._precision = precision
         self.torch_device = device
-        self.open_ended = False  # control flow is never converted
+        # an ONNX graph's control flow is never converted; a program's own (TorchScript's
+        # loops, a .pt2's) may run as long as its data says
+        self.open_ended = isinstance(program, TorchProgram)
+        #: Triton's platform name of a PyTorch program (KServe metadata reports it)
+        self.platform = PLATFORMS.get(program.kind, "") if isinstance(program, TorchProgram) else ""
         #: the device's memory budget and this network's activation estimate (devmem.py),
         #: set by the plugin's compile
         self.memory: DeviceMemory | None = None
@@ -60,5 +70,10 @@ class TorchCompiledNetwork(CompiledNetwork):
             self.plugin.architecture,
             self.config.to_strings(),
             self.model,
-            {"network_name": self.name, "precision": self._precision},
+            {
+                "network_name": self.name,
+                "precision": self._precision,
+                # a PyTorch program's kind: import loads it whole
+                "program": self.program.kind if isinstance(self.program, TorchProgram) else "",
+            },
         )

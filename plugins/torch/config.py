@@ -1,10 +1,11 @@
 """TORCH's and GPU's configuration: the common keys plus the precision float32 values compute
-in (INFERENCE_PRECISION_HINT) and, for the GPU, whether its input shapes are replayed as CUDA
-graphs."""
+in (INFERENCE_PRECISION_HINT), a PyTorch program's tensors (MODEL_TENSORS) and, for the GPU,
+whether its input shapes are replayed as CUDA graphs."""
 
 from __future__ import annotations
 
 from plugserve.plugins.api import ConfigKey, Configuration
+from plugserve.plugins.torch.programs import parse_tensors
 
 __all__ = ["PRECISIONS", "GpuConfiguration", "TorchConfiguration"]
 
@@ -17,6 +18,13 @@ def _precision(value: str) -> str:
         raise ValueError("expected f32, f16 or bf16 (empty: the device's default)")
     return text
 
+
+_TENSORS_DOC = (
+    "a PyTorch program's inputs and outputs (plugins/torch/programs.py), which a TorchScript "
+    'file does not carry: JSON {"inputs": [[name, dtype, dims], ...], "outputs": [...]}, '
+    "numpy dtype names, -1 a dimension of any size; a Triton repository's config.pbtxt fills "
+    "it. Empty: a torch.export program's own signature. ONNX models ignore it"
+)
 
 _HINT_DOC = (
     "the precision float32 values compute in: f32, f16 or bf16; empty (the default): {default}. "
@@ -53,6 +61,7 @@ class TorchConfiguration(Configuration):
             _precision,
             doc=_HINT_DOC.format(default="f32 on the CPU"),
         ),
+        ConfigKey("MODEL_TENSORS", "", parse_tensors, doc=_TENSORS_DOC),
     )
 
 
@@ -66,9 +75,10 @@ class GpuConfiguration(Configuration):
             _precision,
             doc=_HINT_DOC.format(
                 default="f16 on a GPU (the fastest within the tolerance the device claims, "
-                "1e-2 relative; as OPENVINO's bf16 default)"
+                "1e-2 relative; as OPENVINO's bf16 default); a PyTorch program: f32"
             ),
         ),
+        ConfigKey("MODEL_TENSORS", "", parse_tensors, doc=_TENSORS_DOC),
     )
 
 

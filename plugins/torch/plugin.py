@@ -3,6 +3,9 @@
 (:mod:`.program`). Both are the same code; TORCH is what CI tests, GPU what a CUDA machine
 serves with.
 
+PyTorch programs (TorchScript files, torch.export's ``.pt2``) load whole, as one node
+(:mod:`.programs`); their inputs and outputs come from the model's configuration.
+
 Precision is explicit (:mod:`.config`): float32 values compute in f32 (IEEE: TF32 off), f16 or
 bf16; the GPU's default is f16, the CPU's f32, and ``EXECUTION_MODE_HINT=ACCURACY`` is f32 on
 both. Without torch (or, for GPU, without a CUDA build of it or an NVIDIA driver) the
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import platform
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from plugserve.plugins import memory
@@ -35,6 +39,12 @@ from plugserve.plugins.torch.compiled import TorchCompiledNetwork
 from plugserve.plugins.torch.config import GpuConfiguration, TorchConfiguration, precision
 from plugserve.plugins.torch.ops.registry import converters
 from plugserve.plugins.torch.program import Program
+from plugserve.plugins.torch.programs import (
+    TorchProgram,
+    load_module,
+    program_kind,
+    read_program,
+)
 from plugserve.plugins.torch.query import supported_nodes, unsupported_nodes
 
 __all__ = ["GpuPlugin", "TorchPlugin"]
@@ -120,11 +130,27 @@ class TorchPlugin(Plugin):
         devmem.hold_while_alive(network, weights)
         return network
 
+    def _compile_program(self, data: bytes, cfg: Any, name: str) -> TorchCompiledNetwork:
+        """A PyTorch program, whole; it computes in f32 unless the hint says otherwise (its own
+        constants may be f32: the converters' f16 default is for ONNX graphs)."""
+        device = self._device(cfg)
+        chosen = precision(cfg, "f32")
+        table = {"f32": self.torch.float32, "f16": self.torch.float16, "bf16": self.torch.bfloat16}
+        program = TorchProgram(
+            data, cfg.get("MODEL_TENSORS"), self.torch, device, table[chosen], name
+        )
+        return TorchCompiledNetwork(
+            self, cfg, name, program.inputs, program.outputs, program, data, chosen, device
+        )
+
     @memory.giving_back
     def load_network(
         self, model: Model, config: Mapping[str, Any] | None = None
     ) -> TorchCompiledNetwork:
         cfg = self.merged_config(config)
+        program = read_program(model)
+        if program is not None:
+            return self._compile_program(program, cfg, _program_name(model))
         graph, data, proto = self._graph(model)
         network = self._compile(graph, data, cfg)
         network.shape_model = shape_model(proto)
@@ -134,6 +160,13 @@ class TorchPlugin(Plugin):
         self, model: Model, config: Mapping[str, Any] | None = None
     ) -> dict[str, str]:
         cfg = self.merged_config(config, strict=False)
+        program = read_program(model)
+        if program is not None:  # one node: all or nothing, HETERO cannot cut it
+            kind = program_kind(program)
+            name = _program_name(model)
+            load_module(program, kind, self.torch, self._device(cfg), name)
+            node = f"{kind} program" if name == "program" else f"{name} ({kind} program)"
+            return {f"{node}, run whole": self.name}
         graph = load_model(model)
         check_load_constants(graph, self.name)
         _, compute = self._compute(cfg)
@@ -144,6 +177,8 @@ class TorchPlugin(Plugin):
         self, model: Model, config: Mapping[str, Any] | None = None
     ) -> dict[str, str]:
         cfg = self.merged_config(config, strict=False)
+        if read_program(model) is not None:
+            return {}  # a program loads whole or not at all: query_network says which
         _, compute = self._compute(cfg)
         return unsupported_nodes(load_model(model), self.torch, self._device(cfg), compute)
 
@@ -151,6 +186,8 @@ class TorchPlugin(Plugin):
         self, data: bytes, config: Mapping[str, Any] | None = None
     ) -> TorchCompiledNetwork:
         header, payload, cfg = self._unpack(data, config)
+        if header.get("program"):
+            return self._compile_program(payload, cfg, str(header.get("network_name") or "model"))
         import onnx
 
         proto = onnx.ModelProto()
@@ -178,6 +215,14 @@ class TorchPlugin(Plugin):
         if name == "RANGE_FOR_STREAMS":
             return (1, available_cores())
         return super()._metric(name, options)
+
+
+def _program_name(model: Model) -> str:
+    """A program's network name: its file's name without the suffix (``model`` for Triton's
+    ``model.pt``), ``program`` for bytes; the server names a repository's network itself."""
+    if isinstance(model, str) or hasattr(model, "__fspath__"):
+        return Path(model).stem or "program"
+    return "program"
 
 
 class GpuPlugin(TorchPlugin):
@@ -223,6 +268,10 @@ class GpuPlugin(TorchPlugin):
     def _compile(self, *args: Any, **kwargs: Any) -> TorchCompiledNetwork:
         self.cards  # noqa: B018 (TF32 off before the first network)
         return super()._compile(*args, **kwargs)
+
+    def _compile_program(self, *args: Any, **kwargs: Any) -> TorchCompiledNetwork:
+        self.cards  # noqa: B018 (TF32 off before the first network)
+        return super()._compile_program(*args, **kwargs)
 
     def _card(self, device_id: Any) -> backend.CudaCard:
         text = str(device_id or "0").strip() or "0"

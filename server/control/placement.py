@@ -19,7 +19,8 @@ count of its groups: MULTI hands one NUM_STREAMS to all its devices). Without a 
 fails the model's load saying why there is no GPU (the server and its other models go on);
 KIND_AUTO then loads on the CPU. A Python model's or an ensemble's groups only count their
 instances (their devices are their own). A model without ``instance_group`` keeps its
-platform's device (Triton would place it on the GPUs; plugserve does so only when asked).
+platform's device (Triton would place it on the GPUs; plugserve does so only when asked), but a
+PyTorch program, which is KIND_AUTO as Triton places it (triton_config.py).
 
 Resolved at load, not when the file is read: whether a GPU is here is the Core's answer
 (its ``GPU`` device, listed or unavailable with the reason), and asking it for the GPUs'

@@ -9,7 +9,10 @@ Triton -> plugserve:
 
 ==========================================  =================================================
 ``platform`` / ``backend``                  onnxruntime_onnx, onnxruntime -> ORT; openvino ->
-                                            OPENVINO; empty -> the server's default device
+                                            OPENVINO; pytorch_libtorch, pytorch, torch_aoti
+                                            -> GPU where there is one, else TORCH (KIND_GPU:
+                                            GPU, KIND_CPU: TORCH, as Triton places them);
+                                            empty -> the server's default device
 ``max_batch_size``                          requests with more rows are INVALID_ARGUMENT;
                                             ModelConfig reports it
 ``dynamic_batching``                        BATCH:<device>(n): n is the largest preferred
@@ -27,7 +30,8 @@ Triton -> plugserve:
                                             (``placement.py``: KIND_GPU on GPU.<g>,
                                             KIND_CPU, KIND_AUTO), NUM_STREAMS each
 ``version_policy``                          which versions load (Triton's default: latest 1)
-``default_model_filename``                  the model file in each version folder
+``default_model_filename``                  the model file in each version folder (model.pt
+                                            for PyTorch, model.pt2 for torch_aoti)
 ``parameters``                              UPPER_CASE keys are device config keys (OpenVINO's
                                             NUM_STREAMS, PERFORMANCE_HINT...); others logged
 ``name``, ``input``, ``output``             the folder names the model; the model's own
@@ -38,6 +42,10 @@ Triton -> plugserve:
 ``input`` ``format``                        reported in ModelConfig (image clients read it)
 ``input`` ``dims``                          a raw binary request's shape (Triton's rule
                                             reads the config's dims, not the model's)
+``input``/``output`` of a PyTorch model     its tensors (name, data_type, dims; a batch
+                                            dimension first with max_batch_size): the
+                                            device key MODEL_TENSORS, as a TorchScript file
+                                            has no shapes (``plugins/torch/programs.py``)
 ``label_filename``                          the output's class labels, named in classified
                                             answers ("value:index:label")
 ==========================================  =================================================
@@ -52,10 +60,11 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from google.protobuf import json_format, text_format
 
 from plugserve.plugins.api import InvalidArgument
-from plugserve.server.control.placement import Placement, read_groups
+from plugserve.server.control.placement import InstanceGroup, Placement, read_groups
 from plugserve.server.plane.queue_policy import QueuePolicy, read_queue_policy
 from plugserve.server.plane.sequences import (
     SequenceSettings,
@@ -87,7 +96,23 @@ _DEVICES = {
     "openvino": "OPENVINO",
     "python": "PYTHON",  # Triton's python backend: server/apps/pipelines/python
     "ensemble": "ENSEMBLE",  # Triton's ensembles: server/apps/pipelines/ensemble.py
+    # Triton's PyTorch backend: TorchScript (model.pt) and, plugserve's, torch.export's .pt2
+    # (plugins/torch/programs.py); without instance groups on GPU where there is one, as Triton
+    "pytorch_libtorch": "TORCH",
+    "pytorch": "TORCH",
+    "torch_aoti": "TORCH",
 }
+#: the model file of a PyTorch model's version folder, as Triton's backend names it
+TORCH_FILES = {"torch_aoti": "model.pt2"}
+TORCH_FILE = "model.pt"
+#: Triton's PyTorch backend's parameters (its README): libtorch's switches, which TORCH does
+#: not have; logged as not acted on rather than refused as unknown device keys
+TORCH_PARAMETERS = frozenset({
+    "DISABLE_OPTIMIZED_EXECUTION", "INFERENCE_MODE", "DISABLE_CUDNN", "ENABLE_WEIGHT_SHARING",
+    "ENABLE_CACHE_CLEANING", "ENABLE_JIT_EXECUTOR", "ENABLE_JIT_PROFILING", "ENABLE_NVFUSER",
+    "ENABLE_TENSOR_FUSER", "INTER_OP_THREAD_COUNT", "INTRA_OP_THREAD_COUNT",
+    "TORCH_COMPILE_OPTIONAL_PARAMETERS",
+})  # fmt: skip
 _ACTED_ON = {
     "name",
     "platform",
@@ -212,6 +237,8 @@ def _parse_triton(where: str, text: str) -> ModelSettings:
     out = ModelSettings(dynamic_batching=False, policy=VersionPolicy("latest", 1))
     ignored = [field.name for field, _ in config.ListFields() if field.name not in _ACTED_ON]
     kind = config.backend or config.platform
+    if config.platform == "torch_aoti":  # (backend "pytorch" beside it, as Triton's example)
+        kind = config.platform
     if kind:
         if kind not in _DEVICES:
             raise InvalidArgument(
@@ -260,13 +287,20 @@ def _parse_triton(where: str, text: str) -> ModelSettings:
     )  # resolved at load (placement.place): whether a GPU is here is the Core's answer
     out.policy = policy_of(config.version_policy, path)
     own_file = PYTHON_MODEL_FILE if out.device == "PYTHON" else MODEL_FILE
+    if _DEVICES.get(kind) == "TORCH":
+        own_file = TORCH_FILES.get(kind, TORCH_FILE)
+        if out.placement is None:  # Triton puts a PyTorch model on the GPUs when there are any
+            out.placement = Placement((InstanceGroup("AUTO", 1),))
+        out.config.setdefault("MODEL_TENSORS", torch_tensors(config, path))
     out.model_file = plain_file_name(
         config.default_model_filename or own_file, f"{path}: default_model_filename"
     )
     if out.device == "ENSEMBLE":
         out.model_file = VERSION_FOLDER  # an ensemble's version folder holds no file
     for key, value in config.parameters.items():
-        if key.isupper():
+        if _DEVICES.get(kind) == "TORCH" and key in TORCH_PARAMETERS:
+            ignored.append(f"parameters[{key!r}] (Triton's PyTorch backend's)")
+        elif key.isupper():
             out.config[key] = value.string_value
         elif out.device != "PYTHON":  # a Python model's own: it reads them in initialize
             ignored.append(f"parameters[{key!r}]")
@@ -282,6 +316,27 @@ def _parse_triton(where: str, text: str) -> ModelSettings:
     if ignored:
         log.warning("%s: not acted on: %s", path, ", ".join(ignored))
     return out
+
+
+def torch_tensors(config: Any, path: Path) -> str:
+    """A PyTorch model's inputs and outputs as the TORCH device's MODEL_TENSORS (JSON of
+    ``[name, numpy dtype, dims]``; with ``max_batch_size``, a batch dimension ``-1`` first)."""
+    from plugserve.server.control.triton_types import DTYPES
+
+    mc = messages()
+    batch = [-1] if config.max_batch_size > 0 else []
+    found: dict[str, list[list[Any]]] = {"inputs": [], "outputs": []}
+    for kind, tensors in (("inputs", config.input), ("outputs", config.output)):
+        for tensor in tensors:
+            type_name = mc.DataType.Name(tensor.data_type)
+            dtype = DTYPES.get(type_name)
+            if dtype is None or dtype is np.object_:
+                raise InvalidArgument(
+                    f"{path}: {kind[:-1]} {tensor.name!r} is {type_name}; a PyTorch model's "
+                    "tensors are BOOL, UINT8, INT8-64 or FP16-64"
+                )
+            found[kind].append([tensor.name, np.dtype(dtype).name, [*batch, *tensor.dims]])
+    return json.dumps(found, separators=(",", ":"))
 
 
 def read_sequence_json(

@@ -8,7 +8,8 @@
 Checks, on ``--device`` (GPU; TORCH runs the same on the CPU, which is how it is tested here):
 the device is listed with its card, memory and compute capability; a CNN matches NUMPY in f32
 (TF32 off) and stays within f16's and bf16's tolerance; a Det node goes to NUMPY through
-HETERO; export/import gives the same answer. Speed: ResNet-50 (torchvision's, random weights,
+HETERO; export/import gives the same answer; a TorchScript file and a torch.export program run
+whole (f32 and f16) and export/import. Speed: ResNet-50 (torchvision's, random weights,
 exported to ONNX here) at batch 32 and batch 1 through the device, numpy in and out, beside
 torch's own eager forward of the same module in fp16 in the same run (the issue's bar: at
 least 1.0x eager at batch 32). Without torchvision a small conv net stands in (said in the
@@ -132,6 +133,42 @@ def main() -> int:
         return f"{len(network.export())} bytes"
 
     check("export_import", export_import)
+
+    def programs() -> str:
+        """A TorchScript file and a torch.export .pt2 of one module, whole on the device (f32
+        equal to the module on the CPU, f16 within its tolerance), and exported/imported."""
+        torch.manual_seed(0)
+        module = torch.nn.Sequential(
+            torch.nn.Conv2d(3, 8, 3, padding=1),
+            torch.nn.ReLU(),
+            torch.nn.Flatten(),
+            torch.nn.Linear(8 * 16 * 16, 10),
+        ).eval()
+        with torch.no_grad():
+            ref = module(torch.from_numpy(image)).numpy()
+        tensors = json.dumps({"inputs": [["INPUT__0", "float32", [-1, 3, 16, 16]]],
+                              "outputs": [["OUTPUT__0", "float32", [-1, 10]]]})  # fmt: skip
+        script, exported = io.BytesIO(), io.BytesIO()
+        torch.jit.save(torch.jit.script(module), script)
+        dim = torch.export.Dim("batch", min=1, max=64)
+        torch.export.save(torch.export.export(module, (torch.from_numpy(image),),
+                                              dynamic_shapes=({0: dim},)), exported)  # fmt: skip
+        found = []
+        for kind, data in (("torchscript", script.getvalue()), ("pt2", exported.getvalue())):
+            for hint, tolerance in (("f32", 1e-4), ("f16", 2e-2)):
+                config = {"MODEL_TENSORS": tensors, "INFERENCE_PRECISION_HINT": hint}
+                network = core.load_network(data, device, config)
+                got = network.infer({"INPUT__0": image})["OUTPUT__0"]
+                error = float(np.max(np.abs(got - ref)))
+                if not error <= tolerance:
+                    raise AssertionError(f"{kind} {hint}: max error {error:.3g} over {tolerance}")
+                found.append(f"{kind} {hint} {error:.2g}")
+            again = core.import_network(network.export(), device)
+            np.testing.assert_allclose(again.infer({"INPUT__0": image})["OUTPUT__0"], got,
+                                       rtol=1e-3, atol=1e-3)  # fmt: skip
+        return ", ".join(found)
+
+    check("pytorch_programs", programs)
 
     # --- speed: ResNet-50 through the device beside torch's own eager forward
     cuda = torch.cuda.is_available() and device.startswith("GPU")

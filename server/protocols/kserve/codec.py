@@ -44,6 +44,8 @@ from plugserve.server.protocols.status import status_of
 SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 PLATFORM = "onnxruntime_onnx"
 BACKEND = "plugserve"
+#: the backend a config reports per platform (a PyTorch program's is Triton's "pytorch")
+_BACKENDS = {PLATFORM: BACKEND, "pytorch_libtorch": "pytorch", "torch_export": "pytorch"}
 EXTENSIONS = [
     "model_repository",
     "model_configuration",
@@ -125,8 +127,12 @@ def dims_of(spec: TensorSpec) -> list[int]:
 
 def platform_of(entry: LoadedNetwork) -> str:
     """What metadata and configs call the network's platform: Triton's ``ensemble`` for an
-    ensemble (clients such as perf_analyzer look its steps up by it), else ONNX's."""
-    return "ensemble" if entry.device == "ENSEMBLE" else PLATFORM
+    ensemble (clients such as perf_analyzer look its steps up by it), a PyTorch program's
+    (``pytorch_libtorch`` for TorchScript, as Triton's; ``torch_export`` for a .pt2), else
+    ONNX's."""
+    if entry.device == "ENSEMBLE":
+        return "ensemble"
+    return entry.network.platform or PLATFORM
 
 
 def model_metadata(entry: LoadedNetwork, versions: list[int]) -> pb.ModelMetadataResponse:
@@ -157,7 +163,7 @@ def model_config(entry: LoadedNetwork, policy: VersionPolicy) -> mc.ModelConfig:
     config = mc.ModelConfig(
         name=entry.name,
         platform="" if python else platform,
-        backend="python" if python else BACKEND if platform == PLATFORM else "",
+        backend="python" if python else _BACKENDS.get(platform, ""),
         max_batch_size=entry.max_batch_size,
     )
     steps = entry.network.scheduling() if isinstance(entry.network, EnsembleNetwork) else ()

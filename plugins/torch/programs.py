@@ -1,0 +1,336 @@
+"""PyTorch programs served whole on TORCH and GPU: a TorchScript file (``torch.jit.save``,
+Triton's ``pytorch_libtorch``, ``model.pt``) and a ``torch.export`` program
+(``torch.export.save``, a ``.pt2`` archive).
+
+Both are zip archives (an ONNX model is a protobuf, never one), told apart by what they hold:
+TorchScript keeps ``<name>/code/`` and ``<name>/constants.pkl``; a PT2 archive has
+``<name>/archive_format`` reading ``pt2``. A ``torch.save`` pickle of a module is neither and
+is refused (loading it would run arbitrary pickled code); so is a PT2 archive compiled by
+AOTInductor (``aoti_compile_and_package``: native code for one machine, what Triton's
+``torch_aoti`` platform loads), which this device does not load.
+
+A TorchScript file carries no shapes or types, so its inputs and outputs come from the model's
+configuration, the device key ``MODEL_TENSORS``, which the repository fills from config.pbtxt
+(``server/control/triton_config.py``): JSON ``{"inputs": [[name, dtype, dims]...], "outputs":
+[...]}``, numpy dtype names, ``-1`` a dimension of any size (the batch dimension of a model
+with ``max_batch_size``). A torch.export program's own signature is used when the key is
+absent (its example inputs' shapes, the dimensions it marked dynamic as ``-1``).
+
+Names map to the program's arguments as Triton's PyTorch backend maps them
+(``src/pt/model_instance_state.cc``): inputs by forward-argument name when every configured
+name is one, else by the ``<name>__<index>`` convention (``INPUT__0``) when every name follows
+it, else in the configuration's order; outputs by ``<name>__<index>``, else in order. The
+program's results are flattened (a tensor; a tuple or list; a dict in its order) before they
+are picked.
+
+A program is one node to QueryNetwork, ``{network name: device}``: all or nothing, so HETERO
+cannot cut it (no other device loads one). Precision: a program computes in the types it was
+written in unless ``INFERENCE_PRECISION_HINT`` says f16 or bf16 (then its floating parameters
+and inputs are cast, and float outputs cast back to the configured type); GPU's f16 default is
+for converted ONNX graphs, whose every op the converters know, not for a program that may
+build its own f32 constants.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import threading
+import zipfile
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from plugserve.plugins import cancel
+from plugserve.plugins.api import InferenceError, InvalidArgument, InvalidModel, PlugserveError
+from plugserve.plugins.inputs import TensorSpec
+
+__all__ = [
+    "EXPORT",
+    "TORCHSCRIPT",
+    "TorchProgram",
+    "parse_tensors",
+    "program_kind",
+    "read_program",
+]
+
+TORCHSCRIPT = "torchscript"
+EXPORT = "torch.export"
+_ZIP = b"PK\x03\x04"
+#: the files Triton's PyTorch backend and torch name programs with: one that is no archive
+#: is refused as a program (not read as an ONNX graph, whose error would mislead)
+PROGRAM_SUFFIXES = (".pt", ".pt2", ".pth")
+#: one load at a time: torch.export.load keeps its deserializer in a global, and two models
+#: loading on the repository's load threads at once failed ("_CURRENT_DESERIALIZER is already
+#: set", torch 2.13)
+_LOADING = threading.Lock()
+_INDEXED = re.compile(r"^.*__(\d+)$")
+
+
+def read_program(model: Any) -> bytes | None:
+    """The archive's bytes when ``model`` (a path or bytes) is a zip archive, else None (an
+    ONNX model, which the graph path reads)."""
+    if isinstance(model, bytes | bytearray | memoryview):
+        data = bytes(model)
+        return data if data[:4] == _ZIP else None
+    if isinstance(model, str) or hasattr(model, "__fspath__"):
+        try:
+            with open(model, "rb") as f:
+                head = f.read(4)
+                if head == _ZIP:
+                    f.seek(0)
+                    return f.read()
+        except (OSError, TypeError, ValueError):
+            return None  # a folder, a missing file: the graph path says what is wrong
+        if os.path.splitext(os.fspath(model))[1] in PROGRAM_SUFFIXES:
+            raise InvalidModel(
+                f"model file {os.path.basename(os.fspath(model))!r} is not a PyTorch program "
+                "(TorchScript and torch.export files are zip archives; this one is not)"
+            )
+    return None
+
+
+def program_kind(data: bytes) -> str:
+    """TORCHSCRIPT or EXPORT; InvalidModel saying what the archive is otherwise."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            names = archive.namelist()
+            formats = [n for n in names if n.endswith("/archive_format") or n == "archive_format"]
+            fmt = archive.read(formats[0]).decode("utf-8", "replace").strip() if formats else ""
+    except (zipfile.BadZipFile, OSError, ValueError, KeyError) as exc:
+        raise InvalidModel(f"the model is a damaged zip archive ({exc})") from None
+    if fmt == "pt2":
+        if any("/aotinductor/" in n or n.startswith("data/aotinductor/") for n in names):
+            raise InvalidModel(
+                "the .pt2 archive is compiled by AOTInductor (aoti_compile_and_package, "
+                "Triton's torch_aoti), which TORCH and GPU do not load; save the program with "
+                "torch.export.save(torch.export.export(model, example_inputs), 'model.pt2')"
+            )
+        return EXPORT
+    if any(n.endswith("/constants.pkl") for n in names) and any("/code/" in n for n in names):
+        return TORCHSCRIPT
+    if any(n.endswith("/data.pkl") for n in names):
+        raise InvalidModel(
+            "the archive is a torch.save pickle, not a TorchScript file (a pickle would run "
+            "arbitrary code when loaded); save it with torch.jit.script(model).save('model.pt') "
+            "or torch.export.save(torch.export.export(model, example_inputs), 'model.pt2')"
+        )
+    raise InvalidModel(
+        "the model is a zip archive but neither a TorchScript file nor a torch.export program"
+    )
+
+
+# --------------------------------------------------------------------------- MODEL_TENSORS
+
+
+def parse_tensors(text: str) -> str:
+    """``MODEL_TENSORS``' parser: the text, once it is known to describe tensors."""
+    if str(text).strip():
+        _specs(str(text))
+    return str(text).strip()
+
+
+def _specs(text: str) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    try:
+        raw = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"not JSON ({exc})") from None
+    if not isinstance(raw, dict) or set(raw) - {"inputs", "outputs"}:
+        raise ValueError('expected {"inputs": [[name, dtype, dims], ...], "outputs": [...]}')
+    found: dict[str, list[TensorSpec]] = {"inputs": [], "outputs": []}
+    for kind in found:
+        for item in raw.get(kind, []):
+            if (
+                not isinstance(item, list)
+                or len(item) != 3
+                or not isinstance(item[0], str)
+                or not isinstance(item[2], list)
+                or not all(isinstance(d, int) and not isinstance(d, bool) for d in item[2])
+            ):
+                raise ValueError(f"{kind}: {item!r} is not [name, dtype, [dims]]")
+            try:
+                dtype = np.dtype(item[1])
+            except TypeError:
+                raise ValueError(f"{kind}: {item[0]!r}: {item[1]!r} is not a dtype") from None
+            if dtype.kind not in "biuf":
+                raise ValueError(f"{kind}: {item[0]!r}: {dtype} is not a tensor type torch holds")
+            shape = tuple(None if d < 0 else d for d in item[2])
+            found[kind].append(TensorSpec(item[0], dtype, shape))
+    return found["inputs"], found["outputs"]
+
+
+def _positions(names: list[str], arguments: list[str], kind: str) -> list[int]:
+    """Where each configured tensor sits among the program's (Triton's naming rules)."""
+    if kind == "input" and arguments and all(n in arguments for n in names):
+        return [arguments.index(n) for n in names]
+    indexed = [_INDEXED.match(n) for n in names]
+    if all(indexed):
+        return [int(m.group(1)) for m in indexed if m]
+    return list(range(len(names)))
+
+
+# --------------------------------------------------------------------------- the program
+
+
+class TorchProgram:
+    """A loaded program, run whole: the :class:`~.program.Program` interface (``run``,
+    ``torch``, ``device``) that TORCH's compiled network and infer request use."""
+
+    def __init__(
+        self,
+        data: bytes,
+        tensors: str,
+        torch: Any,
+        device: Any,
+        compute: Any,
+        name: str,
+    ) -> None:
+        self.torch = torch
+        self.device = device
+        self.name = name
+        self.kind = program_kind(data)
+        self.compute = compute
+        module, arguments, own = load_module(data, self.kind, torch, device, name)
+        if compute != torch.float32:  # the hint asked for f16 or bf16
+            module = module.to(compute)
+        if self.kind == TORCHSCRIPT:
+            module.eval()
+        self.module = module
+        inputs, outputs = _specs(tensors) if tensors else ([], [])
+        inputs, outputs = inputs or own[0], outputs or own[1]  # a .pt2's own, if unsaid
+        if not inputs or not outputs:
+            raise InvalidArgument(
+                f"{self.kind} program {name!r}: its inputs and outputs are not known (a "
+                "TorchScript file carries no shapes or types): config.pbtxt's input and output "
+                "entries say them (name, data_type, dims), or the device key MODEL_TENSORS"
+            )
+        self.inputs, self.outputs = inputs, outputs
+        self.input_at = _positions([s.name for s in inputs], arguments, "input")
+        self.output_at = _positions([s.name for s in outputs], [], "output")
+        self.arity = max(self.input_at, default=-1) + 1
+        if len(set(self.input_at)) != len(self.input_at):
+            raise InvalidArgument(f"{self.kind} program {name!r}: two inputs name one argument")
+        for spec, at in zip(inputs, self.input_at):
+            if at >= len(arguments):  # a program's arguments are known; its results are not
+                raise InvalidArgument(  # (a TorchScript result's count shows when it runs)
+                    f"{self.kind} program {name!r}: input {spec.name!r} is its argument {at} "
+                    f"(numbered from 0), but it takes {len(arguments)}: "
+                    f"{', '.join(arguments) or 'none'}"
+                )
+        for spec, at in zip(outputs, self.output_at):
+            if own[1] and at >= len(own[1]):
+                raise InvalidArgument(
+                    f"{self.kind} program {name!r}: output {spec.name!r} is its result {at} "
+                    f"(numbered from 0), but it returns {len(own[1])}"
+                )
+
+    def run(self, arrays: Sequence[Any]) -> list[np.ndarray]:
+        torch = self.torch
+        token = cancel.current()
+        if token is not None and token.error is not None:
+            raise token.failure()
+        args: list[Any] = [None] * self.arity
+        try:
+            with torch.inference_mode():
+                for at, array in zip(self.input_at, arrays):
+                    tensor = torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
+                    if tensor.is_floating_point() and self.compute != torch.float32:
+                        tensor = tensor.to(self.compute)
+                    args[at] = tensor
+                result = self.module(*args)
+                flat = _flatten(result)
+                return [
+                    self._output(flat, at, spec) for at, spec in zip(self.output_at, self.outputs)
+                ]
+        except PlugserveError:
+            raise
+        except Exception as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise InferenceError(f"{self.kind} program {self.name!r}: {first}") from exc
+
+    def _output(self, flat: list[Any], at: int, spec: TensorSpec) -> np.ndarray:
+        if at >= len(flat):
+            raise InferenceError(
+                f"{self.kind} program {self.name!r} returned {len(flat)} tensor(s); output "
+                f"{spec.name!r} is its result {at} (numbered from 0)"
+            )
+        value = flat[at]
+        if not isinstance(value, self.torch.Tensor):
+            raise InferenceError(
+                f"{self.kind} program {self.name!r}: result {at} ({spec.name!r}) is a "
+                f"{type(value).__name__}, not a tensor"
+            )
+        array = value.detach().to("cpu")
+        want = spec.dtype
+        if array.is_floating_point():  # computed in the hint's precision: back to the config's
+            if want is not None and want.kind != "f":
+                raise InferenceError(
+                    f"{self.kind} program {self.name!r}: output {spec.name!r} is "
+                    f"{array.dtype}, the configuration says {want}"
+                )
+            if array.dtype == self.torch.bfloat16:  # numpy has no bfloat16
+                array = array.float()
+            return array.numpy().astype(want or np.float32, copy=False)
+        result = array.numpy()
+        if want is not None and result.dtype != want:
+            raise InferenceError(
+                f"{self.kind} program {self.name!r}: output {spec.name!r} is {result.dtype}, "
+                f"the configuration says {want}"
+            )
+        return result
+
+
+def load_module(
+    data: bytes, kind: str, torch: Any, device: Any, name: str
+) -> tuple[Any, list[str], tuple[list[TensorSpec], list[TensorSpec]]]:
+    """The program's callable module on ``device``, its argument names and (torch.export) its
+    own inputs and outputs; InvalidModel with torch's reason when it cannot be loaded."""
+    try:
+        with _LOADING:
+            if kind == TORCHSCRIPT:
+                module = torch.jit.load(io.BytesIO(data), map_location=device)
+                arguments = [a.name for a in module.forward.schema.arguments][1:]  # not self
+                return module, arguments, ([], [])
+            exported = torch.export.load(io.BytesIO(data))
+            arguments, own = _export_signature(exported)
+            return exported.module().to(device), arguments, own
+    except Exception as exc:  # torch's own errors (RuntimeError, pickle, zip, schema)
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise InvalidModel(f"{kind} program {name!r} cannot be loaded: {first}") from None
+
+
+def _flatten(value: Any) -> list[Any]:
+    if isinstance(value, tuple | list):
+        return [leaf for item in value for leaf in _flatten(item)]
+    if isinstance(value, dict):
+        return [leaf for item in value.values() for leaf in _flatten(item)]
+    return [value]
+
+
+def _export_signature(exported: Any) -> tuple[list[str], tuple[list[TensorSpec], list[TensorSpec]]]:
+    """A torch.export program's argument names and its own inputs and outputs (names, types,
+    shapes from the example inputs; a symbolic dimension is -1)."""
+    signature = exported.graph_signature
+    nodes = {n.name: n for n in exported.graph.nodes}
+    arguments = list(signature.user_inputs)
+    inputs = [_spec(name, nodes.get(name)) for name in arguments]
+    outputs = [
+        _spec(f"OUTPUT__{i}", nodes.get(str(name)) if isinstance(name, str) else None)
+        for i, name in enumerate(signature.user_outputs)
+    ]
+    return arguments, (inputs, outputs)
+
+
+def _spec(name: str, node: Any) -> TensorSpec:
+    value = node.meta.get("val") if node is not None else None
+    if value is None or not hasattr(value, "shape"):
+        return TensorSpec(name, None, None)
+    shape = tuple(d if isinstance(d, int) else None for d in value.shape)
+    try:
+        dtype: np.dtype | None = np.dtype(str(value.dtype).removeprefix("torch."))
+    except TypeError:  # bfloat16, which numpy does not hold: the configuration must say
+        dtype = None
+    return TensorSpec(name, dtype, shape)
