@@ -15,6 +15,7 @@ objects. Reasoning is split into ``reasoning_content``, and a JSON schema binds 
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -646,18 +647,31 @@ def test_the_openai_agents_sdk_runs_a_turn_with_function_tools(server):
         ran.append(("get_time", zone))
         return "12:00"
 
-    model = agents.OpenAIChatCompletionsModel(
-        model="agent",
-        openai_client=openai.AsyncOpenAI(
-            base_url=f"{server.http_url}/v1", api_key="unused", max_retries=0, timeout=120
-        ),
-    )
-    agent = agents.Agent(
-        name="weather", instructions="Answer about the weather.", model=model,
-        tools=[get_weather, get_time],
-    )  # fmt: skip
-    result = agents.Runner.run_sync(agent, "What is the weather in Paris?", max_turns=4)
+    def agent():  # a client per event loop (run_sync's, then the streamed run's)
+        model = agents.OpenAIChatCompletionsModel(
+            model="agent",
+            openai_client=openai.AsyncOpenAI(
+                base_url=f"{server.http_url}/v1", api_key="unused", max_retries=0, timeout=120
+            ),
+        )
+        return agents.Agent(
+            name="weather", instructions="Answer about the weather.", model=model,
+            tools=[get_weather, get_time],
+        )  # fmt: skip
+
+    result = agents.Runner.run_sync(agent(), "What is the weather in Paris?", max_turns=4)
     assert result.final_output == AFTER_TOOL
+    assert ran == [("get_weather", "Paris", 3), ("get_time", "Europe/Paris")]
+
+    # streamed: the SDK joins the calls' argument fragments itself
+    async def streamed():
+        run = agents.Runner.run_streamed(agent(), "What is the weather in Paris?", max_turns=4)
+        async for _ in run.stream_events():
+            pass
+        return run.final_output
+
+    ran.clear()
+    assert asyncio.run(streamed()) == AFTER_TOOL
     assert ran == [("get_weather", "Paris", 3), ("get_time", "Europe/Paris")]
 
 
