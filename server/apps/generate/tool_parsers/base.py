@@ -465,6 +465,14 @@ class JsonReader(Reader):
                 return
         start = at
         while at < size:
+            if self._string and not self._escape:  # a string's plain run at once
+                at = _IN_STRING.search(piece, at).start()
+                if at == size:
+                    break
+            elif not self._string:  # and a run with no string, bracket or brace
+                at = _OUTSIDE.search(piece, at).start()
+                if at == size:
+                    break
             ch = piece[at]
             at += 1
             if self._string:
@@ -488,6 +496,10 @@ class JsonReader(Reader):
             self._events.append(("args", piece[start:at]))
 
 
+#: where a JSON string's plain characters end (or the text does)
+_IN_STRING = re.compile(r'["\\]|\Z')
+#: where the text outside strings next opens or closes something (or ends)
+_OUTSIDE = re.compile(r'["{}\[\]]|\Z')
 #: ``{"name": "f", "arguments": `` (or ``"parameters"``), the name first
 JSON_HEADER = re.compile(
     r'\s*\{\s*"name"\s*:\s*(?P<name>"(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*'
