@@ -505,3 +505,67 @@ def test_a_stream_failing_midway_ends_with_response_failed(tmp_path):
         assert [e.sequence_number for e in events] == list(range(len(events)))
         with pytest.raises(openai.NotFoundError):
             api.responses.retrieve(last.response.id)
+
+
+def test_input_items_list_a_page_at_a_time_as_openai(api):
+    """``client.responses.input_items.list``: the request's input items with ids, newest
+    first by default, ``limit``/``order``/``after`` paging with ``has_more``, ``first_id`` and
+    ``last_id``; the SDK's auto-pagination walks every page."""
+    items = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "input_text", "text": "Hi"}]},
+        {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "42"},
+        {"role": "user", "content": "And?"},
+    ]
+    kept = api.responses.create(model=MODEL, input=items, max_output_tokens=2)
+    page = api.responses.input_items.list(kept.id)
+    assert page.object == "list" and page.has_more is False
+    assert [i.type for i in page.data] == [
+        "message",
+        "function_call_output",
+        "function_call",
+        "message",
+        "message",
+    ]
+    assert page.data[0].content[0].text == "And?" and page.data[0].role == "user"
+    assert page.data[2].call_id == "call_1" and page.data[1].output == "42"
+    ids = [i.id for i in page.data]
+    assert len(set(ids)) == 5 and (page.first_id, page.last_id) == (ids[0], ids[-1])
+    first = api.responses.input_items.list(kept.id, limit=2, order="asc")
+    assert [i.id for i in first.data] == ids[::-1][:2] and first.has_more is True
+    rest = api.responses.input_items.list(kept.id, limit=2, order="asc", after=first.last_id)
+    assert [i.id for i in rest.data] == ids[::-1][2:4] and rest.has_more is True
+    walked = [i.id for i in api.responses.input_items.list(kept.id, limit=2)]
+    assert walked == ids  # every page, by the SDK's cursor
+    only = api.responses.input_items.list(
+        api.responses.create(model=MODEL, input="Hi", max_output_tokens=2).id
+    )
+    assert [(i.role, i.content[0].type, i.content[0].text) for i in only.data] == [
+        ("user", "input_text", "Hi")
+    ]
+    for bad in ({"limit": 0}, {"limit": 101}, {"order": "up"}, {"after": "msg_nope"}):
+        with pytest.raises(openai.BadRequestError) as error:
+            api.responses.input_items.list(kept.id, **bad)
+        assert error.value.body["param"] == next(iter(bad))
+    with pytest.raises(openai.NotFoundError):
+        api.responses.input_items.list("resp_unknown")
+
+
+def test_cancel_answers_as_openai_for_a_foreground_response(api):
+    """No response runs in the background here (``background: true`` is a 400 at create), so
+    cancel answers what OpenAI answers for a foreground response: a 400; an unknown id 404;
+    delete still deletes."""
+    kept = api.responses.create(model=MODEL, input="Hi", max_output_tokens=2)
+    with pytest.raises(openai.BadRequestError) as error:
+        api.responses.cancel(kept.id)
+    assert "background" in error.value.message
+    with pytest.raises(openai.NotFoundError):
+        api.responses.cancel("resp_unknown")
+    with pytest.raises(openai.BadRequestError) as error:
+        api.responses.create(model=MODEL, input="Hi", background=True)
+    assert error.value.body["param"] == "background"
+    assert api.responses.retrieve(kept.id).status == kept.status  # not changed by cancel
+    api.responses.delete(kept.id)
+    with pytest.raises(openai.NotFoundError):
+        api.responses.input_items.list(kept.id)

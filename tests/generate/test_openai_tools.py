@@ -15,6 +15,7 @@ objects. Reasoning is split into ``reasoning_content``, and a JSON schema binds 
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -230,6 +231,83 @@ def test_streamed_calls_are_the_same_calls_and_no_markup_leaks(api, name):
         assert head.type == "function" and head.function.name and head.function.arguments == ""
 
 
+#: the families whose calls stream a fragment at a time (pythonic's Python comes whole)
+FRAGMENTED = [name for name in CALLERS if name != "llama4"]
+
+
+@pytest.mark.parametrize("name", FRAGMENTED)
+def test_arguments_stream_in_fragments_after_the_name(api, name):
+    """Each call's head (id, type, name; arguments "") comes before any of its arguments,
+    which come in more than one fragment as the model writes them and join to exactly the
+    non-streamed call's ``arguments``; no content delta holds the family's markup."""
+    whole = api.chat.completions.create(model=name, messages=ASK, tools=TOOLS)
+    expected = [c.function.arguments for c in whole.choices[0].message.tool_calls]
+    fragments: dict[int, list[str]] = {}
+    content = []
+    for chunk in api.chat.completions.create(model=name, messages=ASK, tools=TOOLS, stream=True):
+        for choice in chunk.choices:
+            if choice.delta.content:
+                content.append(choice.delta.content)
+            for call in choice.delta.tool_calls or []:
+                if call.id:  # the head: before any fragment of its call
+                    assert call.index not in fragments
+                    assert call.function.name and call.function.arguments == ""
+                    fragments[call.index] = []
+                elif call.function and call.function.arguments:
+                    assert call.index in fragments and not call.function.name
+                    fragments[call.index].append(call.function.arguments)
+    joined = ["".join(fragments[i]) for i in sorted(fragments)]
+    assert joined == expected
+    assert all(len(fragments[i]) > 1 for i in fragments)
+    for text in content:
+        for marker in ("<tool_call>", "<function=", "[TOOL_CALLS]", "<|python_tag|>", "<|"):
+            assert marker not in text
+
+
+def test_the_sdks_stream_helper_reads_the_fragments(api):
+    """``client.chat.completions.stream``: its argument delta events, one per fragment, and
+    the final completion's calls parsed from them."""
+    helper = getattr(api.chat.completions, "stream", None) or api.beta.chat.completions.stream
+    deltas = []
+    with helper(model="qwen", messages=ASK, tools=TOOLS) as stream:
+        for event in stream:
+            if event.type == "tool_calls.function.arguments.delta":
+                deltas.append((event.index, event.arguments_delta))
+            elif event.type == "content.delta":
+                assert "<tool_call>" not in event.delta
+        final = stream.get_final_completion()
+    calls = final.choices[0].message.tool_calls
+    assert [json.loads(c.function.arguments) for c in calls] == [
+        WEATHER["arguments"],
+        TIME["arguments"],
+    ]
+    for index, call in enumerate(calls):
+        mine = [d for i, d in deltas if i == index]
+        assert len(mine) > 1 and "".join(mine) == call.function.arguments
+
+
+@pytest.mark.parametrize("name", ["qwen", "coder", "oss"])
+def test_responses_stream_function_call_arguments_in_deltas(api, name):
+    """/v1/responses streamed: each function call's ``response.function_call_arguments.delta``
+    events (more than one) join to its ``.done`` arguments and to the non-streamed
+    response's."""
+    tools = [{"type": "function", **t["function"]} for t in TOOLS]
+    whole = api.responses.create(model=name, input="Weather?", tools=tools)
+    expected = [i.arguments for i in whole.output if i.type == "function_call"]
+    deltas: dict[str, list[str]] = {}
+    done = []
+    for event in api.responses.create(model=name, input="Weather?", tools=tools, stream=True):
+        if event.type == "response.function_call_arguments.delta":
+            deltas.setdefault(event.item_id, []).append(event.delta)
+        elif event.type == "response.function_call_arguments.done":
+            done.append(event.arguments)
+            assert "".join(deltas[event.item_id]) == event.arguments
+        elif event.type == "response.output_text.delta":
+            assert "<tool_call>" not in event.delta and "<|" not in event.delta
+    assert done == expected and len(done) == len(SCRIPTS[name][3])
+    assert all(len(d) > 1 for d in deltas.values())
+
+
 def test_parallel_tool_calls_false_keeps_one_call(api):
     answer = api.chat.completions.create(
         model="qwen", messages=ASK, tools=TOOLS, parallel_tool_calls=False
@@ -254,8 +332,19 @@ def test_a_malformed_call_is_text_never_an_error(api):
     assert answer.choices[0].message.content == SCRIPTS["broken"][2]
     assert answer.choices[0].message.tool_calls is None
     assert answer.choices[0].finish_reason == "stop"
-    text, _, made, finish, _ = _streamed(api, model="broken", messages=ASK, tools=TOOLS)
-    assert (text, made, finish) == (SCRIPTS["broken"][2], [], "stop")
+    # streamed, its name and arguments went out before its end marker cut it short: the
+    # stream cannot take them back, but the message's calls and finish reason leave it out
+    # and its text comes as content, as the whole answer's does
+    content, finish, heads = [], None, []
+    for chunk in api.chat.completions.create(
+        model="broken", messages=ASK, tools=TOOLS, stream=True
+    ):
+        for choice in chunk.choices:
+            content.append(choice.delta.content or "")
+            heads += [c for c in choice.delta.tool_calls or [] if c.id]
+            finish = choice.finish_reason or finish
+    assert ("".join(content), finish) == (SCRIPTS["broken"][2], "stop")
+    assert [h.function.name for h in heads] == ["get_weather"]
 
 
 def test_reasoning_is_split_out_streamed_and_not(api):
@@ -310,13 +399,13 @@ def test_a_named_tool_choice_forces_a_valid_call(api):
     assert call.function.name == "get_weather" and call.id.startswith("call_")
     arguments = json.loads(call.function.arguments)
     assert set(arguments) == {"city", "days"} and 1 <= arguments["days"] <= 9
-    assert answer.choices[0].finish_reason == "tool_calls"
+    assert answer.choices[0].finish_reason == "stop"  # forced: OpenAI's (and Triton's)
     _, _, made, finish, deltas = _streamed(
         api, model="tiny", messages=ASK, tools=TOOLS, tool_choice=choice, temperature=0,
         max_tokens=200,
     )  # fmt: skip
     assert made == [{"name": "get_weather", "arguments": arguments}]
-    assert finish == "tool_calls" and deltas[0].function.name == "get_weather"
+    assert finish == "stop" and deltas[0].function.name == "get_weather"
 
 
 def test_required_makes_at_least_one_call_and_one_without_parallel(api):
@@ -330,7 +419,7 @@ def test_required_makes_at_least_one_call_and_one_without_parallel(api):
         for call in calls:
             assert call.function.name in ("get_weather", "get_time")
             assert isinstance(json.loads(call.function.arguments), dict)
-        assert answer.choices[0].finish_reason == "tool_calls"
+        assert answer.choices[0].finish_reason == "stop"  # forced: as OpenAI answers
 
 
 def test_a_named_tool_choice_not_in_tools_is_a_400(api):
@@ -558,18 +647,31 @@ def test_the_openai_agents_sdk_runs_a_turn_with_function_tools(server):
         ran.append(("get_time", zone))
         return "12:00"
 
-    model = agents.OpenAIChatCompletionsModel(
-        model="agent",
-        openai_client=openai.AsyncOpenAI(
-            base_url=f"{server.http_url}/v1", api_key="unused", max_retries=0, timeout=120
-        ),
-    )
-    agent = agents.Agent(
-        name="weather", instructions="Answer about the weather.", model=model,
-        tools=[get_weather, get_time],
-    )  # fmt: skip
-    result = agents.Runner.run_sync(agent, "What is the weather in Paris?", max_turns=4)
+    def agent():  # a client per event loop (run_sync's, then the streamed run's)
+        model = agents.OpenAIChatCompletionsModel(
+            model="agent",
+            openai_client=openai.AsyncOpenAI(
+                base_url=f"{server.http_url}/v1", api_key="unused", max_retries=0, timeout=120
+            ),
+        )
+        return agents.Agent(
+            name="weather", instructions="Answer about the weather.", model=model,
+            tools=[get_weather, get_time],
+        )  # fmt: skip
+
+    result = agents.Runner.run_sync(agent(), "What is the weather in Paris?", max_turns=4)
     assert result.final_output == AFTER_TOOL
+    assert ran == [("get_weather", "Paris", 3), ("get_time", "Europe/Paris")]
+
+    # streamed: the SDK joins the calls' argument fragments itself
+    async def streamed():
+        run = agents.Runner.run_streamed(agent(), "What is the weather in Paris?", max_turns=4)
+        async for _ in run.stream_events():
+            pass
+        return run.final_output
+
+    ran.clear()
+    assert asyncio.run(streamed()) == AFTER_TOOL
     assert ran == [("get_weather", "Paris", 3), ("get_time", "Europe/Paris")]
 
 

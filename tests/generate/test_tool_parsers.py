@@ -165,11 +165,35 @@ def test_streamed_token_by_token_the_calls_are_the_whole_answers(folders, case):
                 assert all(marker not in piece for piece in streamed)
     for call in calls:
         json.loads(call.arguments)
+    _streamed_as_openai_streams(family, events, calls)
     # and a character at a time: every marker split at every place
     streamer = tool_parsers.Streamer(family)
     events = [e for ch in answer for e in streamer.feed(ch)] + streamer.finish()
     assert "".join(v for k, v in events if k == "content") == content
     assert [v for k, v in events if k == "call"] == calls
+    _streamed_as_openai_streams(family, events, calls)
+
+
+def _streamed_as_openai_streams(family, events, calls):
+    """Each call that streams: its name first, then more than one fragment of its arguments,
+    which join to exactly its ``arguments``; pythonic's Python comes whole at its close."""
+    streamed, now = [], None
+    for kind, value in events:
+        if kind == "name":
+            assert now is None
+            now = [value, []]
+        elif kind == "args":
+            assert now is not None  # never a fragment before its name
+            now[1].append(value)
+        elif kind == "call":
+            if now is not None:
+                assert value.name == now[0] and "".join(now[1]) == value.arguments
+                streamed.append(len(now[1]))
+            now = None
+    if family.reader() is None:
+        assert streamed == []
+    else:
+        assert len(streamed) == len(calls) and all(n > 1 for n in streamed)
 
 
 THINKING = {
@@ -208,16 +232,43 @@ def test_reasoning_split_token_by_token_is_the_whole_answers(folders, name):
 
 
 def test_an_endless_call_is_given_up_as_text_within_the_bound():
+    """Its name and arguments stream as they come; past the bound it is not a call after all
+    (``broken``: the API leaves it out of the message) and its text, then the rest of the
+    answer, come as content."""
     family = tool_parsers.FAMILIES["hermes"]()
     streamer = tool_parsers.Streamer(family, limit=1000)
     out = streamer.feed("ok <tool_call>")
     for _ in range(300):
         out += streamer.feed('{"name": "f", "arguments": {"x": "' + "a" * 10)
     out += streamer.finish()
-    assert all(k == "content" for k, _ in out)
-    text = "".join(v for _, v in out)
+    kinds = [k for k, _ in out]
+    assert "call" not in kinds and kinds.count("name") == 1 and kinds.count("broken") == 1
+    assert kinds.index("name") < kinds.index("args") < kinds.index("broken")
+    text = "".join(v for k, v in out if k == "content")
     assert text.startswith("ok <tool_call>{") and len(text) > 3000
     assert not streamer._buf and streamer._region is None
+
+
+def test_arguments_stream_as_written_and_a_late_name_comes_whole():
+    """The arguments' text is the model's own (strings with braces, quotes and escapes,
+    nesting), streamed a piece at a time; a call whose name comes after its arguments, or
+    whose arguments are a string, is read whole at its close (the name first when known)."""
+    family = tool_parsers.FAMILIES["hermes"]()
+    text = (
+        '<tool_call>{"name": "f", "arguments": {"a": "x}y\\"z{", "b": [1, {"c": "]"}]}}'
+        '</tool_call><tool_call>{"arguments": {"a": 1}, "name": "g"}</tool_call>'
+        '<tool_call>{"name": "h", "arguments": "{\\"a\\": 2}"}</tool_call>'
+    )
+    streamer = tool_parsers.Streamer(family)
+    events = [e for ch in text for e in streamer.feed(ch)] + streamer.finish()
+    assert [v.name for k, v in events if k == "call"] == ["f", "g", "h"]
+    assert [v for k, v in events if k == "name"] == ["f", "h"]  # g's name came too late
+    at = events.index(("name", "h"))
+    assert [e for e in events[at:] if e[0] == "args"] == [("args", '{"a": 2}')]  # whole
+    first = "".join(v for k, v in events[:at] if k == "args")
+    assert first == '{"a": "x}y\\"z{", "b": [1, {"c": "]"}]}'
+    assert json.loads(first) == {"a": 'x}y"z{', "b": [1, {"c": "]"}]}
+    assert tool_parsers.parse(family, text)[1] == [v for k, v in events if k == "call"]
 
 
 def test_detect_names_each_family_from_its_template():
@@ -303,7 +354,8 @@ def test_a_long_call_streamed_a_character_at_a_time_costs_its_length():
         events += streamer.feed(ch)
     events += streamer.finish()
     spent = time.process_time() - began
-    assert [k for k, _ in events] == ["call"]
+    assert [k for k, _ in events if k != "args"] == ["name", "call"]
+    assert "".join(v for k, v in events if k == "args") == events[-1][1].arguments
     assert spent < 20  # ~0.5 s here; a copy of the region per character is ~40 GB
 
 

@@ -120,6 +120,7 @@ class Call:
         "path",
         "peer",
         "probe",
+        "query",
         "role",
         "rpc",
         "sets",
@@ -149,6 +150,8 @@ class Call:
         self.sets = False  # a POST to a get-or-set route (its body says whether it sets)
         self.peer = ""  # the client's address (kept for get-or-set routes only)
         self._json: Any = None
+        #: the URL's query, each name's values (GET /v1/responses/{id}/input_items's paging)
+        self.query: dict[str, list[str]] = {}
 
     def json(self) -> dict[str, Any]:
         """The body as a JSON object (decoded once: :meth:`Router.handle` decodes a large

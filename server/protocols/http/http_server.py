@@ -75,7 +75,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from email.utils import formatdate
 from typing import Any
-from urllib.parse import unquote
+from urllib.parse import parse_qs, unquote
 
 import httptools
 import numpy as np
@@ -547,6 +547,9 @@ class Connection(asyncio.Protocol):
         # the caller is known before anything is read or charged: a refusal (no such route,
         # no token, a wrong one) is answered now, and a body coming with it is not read
         routed = server.admit(method, path, self._headers, self.peer)
+        if b"?" in url and type(routed) is not tuple:
+            query = httptools.parse_url(url).query
+            routed.query = parse_qs(query.decode("latin-1")) if query else {}
         if type(routed) is not tuple and not routed.probe:
             most = server.bounds.peer_connections
             if len(server.connections) > server.limit or (

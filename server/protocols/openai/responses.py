@@ -1,5 +1,6 @@
-"""OpenAI's Responses API (``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``),
-served by the chat path it stands on.
+"""OpenAI's Responses API (``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``,
+``GET /v1/responses/{id}/input_items``, ``POST /v1/responses/{id}/cancel``), served by the chat
+path it stands on.
 
 A request is checked and its items turned into chat messages (:mod:`.responses_input`), the
 conversation of its ``previous_response_id`` put before them, and the whole run through the chat
@@ -13,6 +14,12 @@ entries, bytes (charged to the memory budget) and age; ``previous_response_id`` 
 conversation a kept response ended (404 when it is not kept: evicted, expired, deleted, or
 made with ``store: false``). A streamed response is kept once its last event is made; one whose
 client left is not.
+
+``input_items`` lists a kept response's input items (its request's ``input``, each with an id)
+a page at a time as OpenAI does (``limit`` 1-100, default 20; ``order`` ``desc``, the default,
+or ``asc``; ``after`` an item's id). ``cancel`` is for ``background`` responses, which this
+server does not run (``background: true`` is refused at create): cancelling a kept response
+answers what OpenAI answers for a response made in the foreground, a 400; an unknown id a 404.
 """
 
 from __future__ import annotations
@@ -37,6 +44,9 @@ from plugserve.server.protocols.openai.responses_output import (
     usage,
 )
 from plugserve.server.protocols.openai.responses_store import ResponseStore
+
+#: input_items' page size: the default and the most (OpenAI's)
+PAGE, MAX_PAGE = 20, 100
 
 __all__ = ["ResponsesRoutes"]
 
@@ -89,12 +99,23 @@ class ResponsesRoutes:
         def delete(call: Any) -> Any:
             return owner().delete(call)
 
+        def items(call: Any) -> Any:
+            return owner().input_items(call)
+
+        def cancel(call: Any) -> Any:
+            return owner().cancel(call)
+
         return [
             (prefix + "/responses", {"POST": (infer, guarded(create))}),
             (
                 prefix + r"/responses/(?P<response>[^/]+)",
                 {"GET": (infer, guarded(retrieve)), "DELETE": (infer, guarded(delete))},
             ),
+            (
+                prefix + r"/responses/(?P<response>[^/]+)/input_items",
+                {"GET": (infer, guarded(items))},
+            ),
+            (prefix + r"/responses/(?P<response>[^/]+)/cancel", {"POST": (infer, guarded(cancel))}),
         ]
 
     # --- GET and DELETE
@@ -129,6 +150,65 @@ class ResponsesRoutes:
             self._kept(rid)
         body = {"id": rid, "object": "response.deleted", "deleted": True}
         return 200, [orjson.dumps(body)], _JSON
+
+    def input_items(self, call: Any) -> Any:
+        entry = self._kept(call.path["response"])
+        query = getattr(call, "query", {}) or {}
+
+        def one(name: str) -> str | None:
+            values = query.get(name)
+            return values[-1] if values else None
+
+        limit_text = one("limit")
+        try:
+            limit = PAGE if limit_text is None else int(limit_text)
+        except ValueError:
+            limit = 0
+        if not 1 <= limit <= MAX_PAGE:
+            raise OpenAIError(
+                f"'limit' must be an integer from 1 to {MAX_PAGE}, not {limit_text!r}", "limit"
+            )
+        order = one("order") or "desc"
+        if order not in ("asc", "desc"):
+            raise OpenAIError(f"'order' must be 'asc' or 'desc', not {order!r}", "order")
+        include = [v for name in ("include", "include[]") for v in query.get(name, ())]
+        if include:
+            raise OpenAIError(
+                f"'include' asks for {include!r}; this server adds nothing to input items",
+                "include",
+            )
+        items = entry.input_items()
+        if order == "desc":
+            items.reverse()
+        after = one("after")
+        if after is not None:
+            at = next((i for i, item in enumerate(items) if item.get("id") == after), None)
+            if at is None:
+                raise OpenAIError(
+                    f"'after' names the item {after!r}, which is not an input item of this "
+                    "response",
+                    "after",
+                )
+            items = items[at + 1 :]
+        page = items[:limit]
+        body = {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": len(items) > limit,
+        }
+        return 200, [orjson.dumps(body)], _JSON
+
+    def cancel(self, call: Any) -> Any:
+        rid = call.path["response"]
+        self._kept(rid)
+        raise OpenAIError(
+            f"Response with id '{rid}' was not created with 'background': true: only "
+            "background responses can be cancelled (this server answers every response in "
+            "the foreground)",
+            "response_id",
+        )
 
     # --- POST
 
@@ -179,7 +259,7 @@ class ResponsesRoutes:
         if isinstance(reply, StreamReply):
             events = EventStream(rid, created, chat.model, ask.echo)
             kept = conversation if ask.store else None
-            reply.chunks = self._streamed(events, reply.chunks, kept)
+            reply.chunks = self._streamed(events, reply.chunks, kept, ask.items)
             return reply
         status, pieces, _headers = reply
         if status != 200:
@@ -198,17 +278,24 @@ class ResponsesRoutes:
             rid, created, chat.model, ask.echo, state, output, usage(answer.get("usage"))
         )
         if ask.store:
-            self._keep(body, conversation)
+            self._keep(body, conversation, ask.items)
         return 200, [orjson.dumps(body)], _JSON
 
-    def _keep(self, body: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
-        self.store.put(body["id"], body, [*conversation, *assistant_messages(body["output"])])
+    def _keep(
+        self,
+        body: dict[str, Any],
+        conversation: list[dict[str, Any]],
+        items: list[dict[str, Any]],
+    ) -> None:
+        messages = [*conversation, *assistant_messages(body["output"])]
+        self.store.put(body["id"], body, messages, items)
 
     async def _streamed(
         self,
         events: EventStream,
         chunks: AsyncIterator[bytes],
         conversation: list[dict[str, Any]] | None,
+        items: list[dict[str, Any]],
     ) -> AsyncIterator[bytes]:
         """The response's events from the chat stream's ``chunks``; kept (with
         ``conversation``: None, not kept) once the last is made."""
@@ -225,7 +312,8 @@ class ResponsesRoutes:
                         yield event
             finished = events.closing()
             if conversation is not None:
-                self._keep(events.response(status_of(events.finish_reason)), conversation)
+                response = events.response(status_of(events.finish_reason))
+                self._keep(response, conversation, items)
             for event in finished:
                 yield event
         finally:

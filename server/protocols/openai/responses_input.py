@@ -27,6 +27,7 @@ Refused with a 400 naming the field, never dropped: ``background``, ``conversati
 from __future__ import annotations
 
 import dataclasses
+import uuid
 from typing import Any
 
 import orjson
@@ -34,7 +35,7 @@ import orjson
 from plugserve.server.protocols.openai import protocol
 from plugserve.server.protocols.openai.errors import OpenAIError
 
-__all__ = ["MAX_ITEMS", "ResponsesAsk", "input_messages", "responses_request"]
+__all__ = ["MAX_ITEMS", "ResponsesAsk", "input_items", "input_messages", "responses_request"]
 
 #: items in ``input``, at most (chat's messages bound)
 MAX_ITEMS = protocol.MAX_MESSAGES
@@ -72,6 +73,8 @@ class ResponsesAsk:
     stream: bool = False
     #: what the response object repeats of the request
     echo: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: the request's ``input`` as the items GET /v1/responses/{id}/input_items lists
+    items: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
 
 def _text(value: Any, where: str) -> str:
@@ -185,6 +188,35 @@ def input_messages(value: Any) -> list[dict[str, Any]]:
                 f"{where}.type",
             )
     return messages
+
+
+#: an input item's id prefix, by its type (OpenAI's)
+_ITEM_IDS = {
+    "message": "msg",
+    "function_call": "fc",
+    "function_call_output": "fco",
+    "reasoning": "rs",
+}
+
+
+def input_items(value: Any) -> list[dict[str, Any]]:
+    """``input`` (checked by :func:`input_messages` first) as the items OpenAI lists for it:
+    a string a user message, each item with an ``id`` (its own, or one made) and a
+    ``status``; a message's text content as one ``input_text`` part (``output_text`` for
+    the assistant's)."""
+    if isinstance(value, str):
+        value = [{"type": "message", "role": "user", "content": value}]
+    items = []
+    for item in value:
+        kind = item.get("type", "message")
+        made = {"id": f"{_ITEM_IDS.get(kind, 'item')}_{uuid.uuid4().hex}", **item, "type": kind}
+        if kind == "message" and isinstance(made.get("content"), str):
+            part = "output_text" if made.get("role") == "assistant" else "input_text"
+            made["content"] = [{"type": part, "text": made["content"]}]
+        if kind != "reasoning":
+            made.setdefault("status", "completed")
+        items.append(made)
+    return items
 
 
 def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
@@ -330,6 +362,7 @@ def responses_request(body: dict[str, Any]) -> ResponsesAsk:
         store=protocol._boolean(body, "store", True),
         stream=protocol._boolean(body, "stream"),
     )
+    ask.items = input_items(body.get("input"))
     ask.echo = {
         "instructions": instructions,
         "max_output_tokens": body.get("max_output_tokens"),

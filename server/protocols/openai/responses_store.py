@@ -62,12 +62,17 @@ class StoredResponse:
     created: float
     nbytes: int
     charge: Any = None
+    #: the request's input items (GET /v1/responses/{id}/input_items), as JSON
+    items: bytes = b"[]"
 
     def body(self) -> dict[str, Any]:
         return orjson.loads(self.response)
 
     def messages(self) -> list[dict[str, Any]]:
         return orjson.loads(self.conversation)
+
+    def input_items(self) -> list[dict[str, Any]]:
+        return orjson.loads(self.items)
 
 
 class ResponseStore:
@@ -98,22 +103,30 @@ class ResponseStore:
             return len(self._entries)
 
     @staticmethod
-    def size(response: bytes, conversation: bytes) -> int:
+    def size(response: bytes, conversation: bytes, items: bytes = b"") -> int:
         """What an entry of these JSON texts holds, as charged."""
-        return (len(response) + len(conversation)) * _OBJECT_FACTOR + ENTRY_OVERHEAD
+        return (len(response) + len(conversation) + len(items)) * _OBJECT_FACTOR + ENTRY_OVERHEAD
 
-    def put(self, rid: str, response: dict[str, Any], conversation: list[dict[str, Any]]) -> bool:
-        """Keep ``response`` (its body) and ``conversation`` (the chat messages it ends) under
-        ``rid``, evicting the oldest as the bounds need; False when it cannot be kept (larger
-        than the store, or the memory budget is full with the store empty)."""
+    def put(
+        self,
+        rid: str,
+        response: dict[str, Any],
+        conversation: list[dict[str, Any]],
+        items: list[dict[str, Any]] | None = None,
+    ) -> bool:
+        """Keep ``response`` (its body), ``conversation`` (the chat messages it ends) and
+        ``items`` (its request's input items) under ``rid``, evicting the oldest as the
+        bounds need; False when it cannot be kept (larger than the store, or the memory
+        budget is full with the store empty)."""
         if not self.on:
             return False
         body = orjson.dumps(response)
         history = orjson.dumps(conversation)
-        nbytes = self.size(body, history)
+        listed = orjson.dumps(items or [])
+        nbytes = self.size(body, history, listed)
         if nbytes > self.max_bytes:
             return False
-        entry = StoredResponse(rid, body, history, time.monotonic(), nbytes)
+        entry = StoredResponse(rid, body, history, time.monotonic(), nbytes, items=listed)
         with self._lock:
             self._expire(entry.created)
             self._drop(rid)

@@ -1026,9 +1026,12 @@ class _Answer:
         return _sse(self._chunk([choice]))
 
     def _chat_finish(self, i: int) -> str:
-        """OpenAI's ``tool_calls`` for a choice that ended by itself with calls."""
+        """OpenAI's ``tool_calls`` for a choice that ended by itself with calls it chose
+        (``auto``); a forced ``tool_choice`` (``required``, a named function) ends ``stop``,
+        as OpenAI answers it and Triton's OpenAI tests assert."""
         finish = self.finish[i] or "stop"
-        if finish == "stop" and self.outputs is not None and self.outputs[i].calls:
+        output = self.outputs[i] if self.outputs is not None else None
+        if finish == "stop" and output is not None and output.calls and output.forced is None:
             return "tool_calls"
         return finish
 

@@ -19,8 +19,12 @@ split into reasoning, content and tool calls.
 
 :class:`ChatOutput` is one choice's answer, streamed or whole: reasoning split out first
 (``reasoning/think.py``), then content and calls; a call streams as OpenAI streams it, a delta
-with its ``index``, ``id``, ``type`` and ``function.name`` (arguments ``""``), then its
-arguments.
+with its ``index``, ``id``, ``type`` and ``function.name`` (arguments ``""``) as soon as the
+parser knows the name, then its arguments in fragments as the model writes them (the
+parsers' readers, ``tool_parsers/base.py``), which join to exactly the call's ``arguments``.
+A call that streamed and then does not read as one (cut short by its end marker, or past the
+parsers' bound) cannot be taken back: it is left out of the message and the finish reason, and
+its text comes as content, as the whole answer's does.
 """
 
 from __future__ import annotations
@@ -206,6 +210,8 @@ class ChatOutput:
         self.content: list[str] = []
         self.calls: list[dict[str, Any]] = []
         self._held: list[str] = []  # a forced answer's text
+        self._streaming: dict[str, Any] | None = None  # the call whose arguments stream
+        self._skipping = False  # a streamed call past parallel_tool_calls false: dropped
         self._message: dict[str, Any] | None = None
 
     def feed(self, text: str) -> list[dict[str, Any]]:
@@ -224,8 +230,8 @@ class ChatOutput:
             if reasoning:
                 self.reasoning.append(reasoning)
                 deltas.append({"reasoning_content": reasoning})
-            for call in getattr(self.splitter, "take_calls", list)():
-                deltas += self._call(call)  # harmony's calls come with its channels
+            for kind, value in getattr(self.splitter, "take_events", list)():
+                deltas += self._event(kind, value)  # harmony's calls come with its channels
         if self.forced is not None:
             deltas += self._forced(text, final)
         elif self.streamer is not None:
@@ -233,13 +239,42 @@ class ChatOutput:
             if final:
                 events += self.streamer.finish()
             for kind, value in events:
-                if kind == "content":
-                    deltas.append(self._text(value))
-                else:
-                    deltas += self._call(value)
+                deltas += self._event(kind, value)
         elif text:
             deltas.append(self._text(text))
         return deltas
+
+    def _event(self, kind: str, value: Any) -> list[dict[str, Any]]:
+        """A parser's event as deltas: content, a call's name, its arguments' fragment, or
+        the call closed (whole, when it did not stream)."""
+        if kind == "content":
+            return [self._text(value)]
+        if kind == "name":
+            if self.calls and not self.parallel:
+                self._skipping = True
+                return []
+            head = self._call(ToolCall(value, ""))[:1]
+            self._streaming = self.calls[-1]
+            return head
+        if kind == "args":
+            if self._streaming is None:
+                return []
+            self._streaming["function"]["arguments"] += value
+            index = len(self.calls) - 1
+            return [{"tool_calls": [{"index": index, "function": {"arguments": value}}]}]
+        if self._skipping:
+            self._skipping = False
+            return []
+        if kind == "broken":  # streamed, then not a call: its text comes as content
+            if self._streaming is not None:
+                self.calls.remove(self._streaming)
+                self._streaming = None
+            return []
+        if self._streaming is not None:  # its fragments are its arguments
+            self._streaming["function"]["arguments"] = value.arguments
+            self._streaming = None
+            return []
+        return self._call(value)
 
     def _text(self, text: str) -> dict[str, Any]:
         self.content.append(text)

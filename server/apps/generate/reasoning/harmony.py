@@ -12,7 +12,11 @@ whose body is its arguments (when the request parses calls; otherwise its body i
 The markers are special tokens: the text keeps them while this parses. Streams as the think
 splitter does: a header is held until its ``<|message|>`` (at most :data:`MAX_HEADER`
 characters, past which the answer is taken as plain text), a body's possible terminator held
-back, a call's arguments held until its message ends (at most the tool parsers' bound).
+back. A call streams (:meth:`HarmonySplitter.take_events`) as the channel's text arrives: its
+name once the body begins with ``{``, then the body's text as written (whitespace at its ends
+held back), which is the call's ``arguments`` when the message ends and it reads as a JSON
+object; a body that does not begin so is held (at most the tool parsers' bound) and comes
+back as text if it is not an object.
 """
 
 from __future__ import annotations
@@ -63,6 +67,10 @@ class HarmonySplitter:
         self._args: list[str] = []
         self._size = 0
         self._calls: list[ToolCall] = []
+        self._events: list[tuple[str, object]] = []  # ("name" | "args" | "call", ...)
+        self._streaming = False  # the open call's name went out: its arguments stream
+        self._plain = False  # the open call's body does not begin as an object
+        self._ws = ""  # the streamed arguments' trailing whitespace, held
 
     @property
     def reasoning(self) -> bool:
@@ -71,6 +79,12 @@ class HarmonySplitter:
     def take_calls(self) -> list[ToolCall]:
         calls, self._calls = self._calls, []
         return calls
+
+    def take_events(self) -> list[tuple[str, object]]:
+        """The calls as they stream: ``("name", str)``, ``("args", str)`` fragments, then
+        ``("call", ToolCall)`` whose arguments are the fragments joined."""
+        events, self._events = self._events, []
+        return events
 
     def feed(self, text: str) -> tuple[str, str]:
         self._buf += text
@@ -120,6 +134,7 @@ class HarmonySplitter:
         recipient = _RECIPIENT.search(header)
         self.state = "body"
         self._args, self._size = [], 0
+        self._streaming, self._plain, self._ws = False, False, ""
         if recipient and recipient.group(1).startswith("functions.") and self.parse_calls:
             self._dest = recipient.group(1)[len("functions.") :]
         elif channel and channel.group(1) == "analysis":
@@ -133,22 +148,55 @@ class HarmonySplitter:
         if self._dest in out:
             out[self._dest].append(piece)
             return
-        self._args.append(piece)
         self._size += len(piece)
+        if not self._streaming:
+            self._args.append(piece)
+            if not self._plain:
+                text = "".join(self._args).lstrip()
+                if text.startswith("{"):  # an object begins: the call streams
+                    self._streaming = True
+                    self._args, self._ws = [], ""
+                    self._events.append(("name", self._dest))
+                    piece = text
+                elif text:
+                    self._plain = True  # not an object: held, read when the message ends
+        if self._streaming:
+            body = (self._ws + piece).rstrip()
+            self._ws = (self._ws + piece)[len(body) :]
+            if body:
+                self._events.append(("args", body))
+                self._args.append(body)
         if self._size > MAX_CALL_CHARS:  # given up: the arguments as text
-            out["content"].append("".join(self._args))
+            if self._streaming:
+                self._end_call(None, out)
+            else:
+                out["content"].append("".join(self._args))
             self._args, self._dest = [], "content"
 
     def _close(self, out: dict[str, list[str]]) -> None:
         if self._dest in out:
             return
         text = "".join(self._args)
-        arguments = arguments_text(text)
-        if arguments is None:
+        if self._streaming:
+            self._end_call(text if arguments_text(text) is not None else None, out)
+        elif (arguments := arguments_text(text)) is None:
             out["content"].append(text)  # not a JSON object: the text as it is
         else:
             self._calls.append(ToolCall(self._dest, arguments))
+            self._events.append(("call", self._calls[-1]))
         self._args, self._dest = [], "content"
+
+    def _end_call(self, arguments: str | None, out: dict[str, list[str]]) -> None:
+        """The streamed call closed: its arguments are the text that streamed; when that is
+        not a JSON object (None), ``("broken", name)`` and the text is content."""
+        if arguments is None:
+            self._events.append(("broken", self._dest))
+            out["content"].append("".join(self._args) + self._ws)
+        else:
+            call = ToolCall(self._dest, arguments)
+            self._calls.append(call)
+            self._events.append(("call", call))
+        self._streaming, self._ws = False, ""
 
 
 def _held(text: str) -> int:

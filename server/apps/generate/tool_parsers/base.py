@@ -17,12 +17,23 @@ until more content follows, and dropped once a call is made (the newlines betwee
 call region is held until it closes, at most :data:`MAX_CALL_CHARS` characters: past that, or
 when the region does not read as calls, its text (markers included) is returned as content,
 never an error.
+
+Calls stream as they are written: a family's :meth:`Family.reader` reads the open region a
+piece at a time (never its end marker, whose possible beginning is held back) and the engine
+sends ``("name", str)`` as soon as a call's name is known, then ``("args", str)`` fragments of
+its arguments' JSON text, then ``("call", ToolCall)``, whose ``arguments`` are exactly the
+fragments joined (for JSON families the arguments object as the model wrote it, cut at its
+closing brace by a scanner that follows strings and nesting, :class:`JsonReader`). A call
+whose name comes late, or whose arguments are not an object, comes whole at its close. One
+that streamed and then does not read as a call ends ``("broken", name)`` and its region's
+text is content, as the whole answer's is.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -79,6 +90,26 @@ class Family:
         """The calls ``region`` holds; None when it does not read as calls."""
         raise NotImplementedError
 
+    def reader(self) -> Reader | None:
+        """A reader streaming a region's calls as they are written; None: the calls come
+        whole when their region closes (pythonic's Python)."""
+        return None
+
+    def raw_arguments(self, region: str) -> list[str]:
+        """Each complete call's arguments as :meth:`reader` streams them (the text the
+        model wrote), in order; the streamed fragments join to exactly these."""
+        reader = self.reader()
+        if reader is None:
+            return []
+        made, now = [], []
+        for kind, value in reader.feed(region):
+            if kind == "args":
+                now.append(value)
+            elif kind == "done":
+                made.append("".join(now))
+                now = []
+        return made
+
 
 def call_of(item: Any, arguments_key: str = "arguments") -> ToolCall | None:
     """``{"name": ..., "arguments" (or "parameters"): {...}}`` as a call; None otherwise."""
@@ -107,6 +138,10 @@ class Streamer:
         self._content_seen = False  # for at_start families: the answer began as text
         self._off = False  # a region passed its bound: the rest is text
         self.made = 0  # calls made
+        self._reader: Reader | None = None  # the open region's reader
+        self._unfed = ""  # the region's text not yet read (may begin the end marker)
+        #: the open region's calls that streamed: name, arguments' fragments, closed yet
+        self._started: list[list[Any]] = []
         self._events: list[tuple[str, Any]] = []
 
     # --- input
@@ -139,15 +174,98 @@ class Streamer:
             self._content_seen = True
             self._events.append(("content", body))
 
+    def _read(self, text: str) -> None:
+        """The region's ``text`` (never the end marker) to its reader: names and arguments
+        streamed as they are known."""
+        if self._reader is None or not text:
+            return
+        for kind, value in self._reader.feed(text):
+            if kind == "name":
+                self._ws = ""
+                self._started.append([value, [], False])
+                self._events.append(("name", value))
+            elif kind == "args":
+                self._started[-1][1].append(value)
+                self._events.append(("args", value))
+            elif kind == "done":  # the arguments' object is whole: the call is made now
+                name, parts, _ = self._started[-1]
+                arguments = "".join(parts)
+                try:
+                    whole = isinstance(json.loads(arguments), dict)
+                except (ValueError, RecursionError):
+                    whole = False
+                if not whole:  # closed with its region (the reader reads no more)
+                    self._reader.stopped = True
+                    return
+                self._started[-1][2] = True
+                self._made(ToolCall(name, arguments))
+
+    def _made(self, call: ToolCall) -> None:
+        self.made += 1
+        self._events.append(("call", call))
+
+    def _close_started(self, started: list[Any], call: ToolCall | None) -> None:
+        """A streamed call closed by ``call`` (its arguments' rest sent first); when ``call``
+        is None or does not continue what streamed, ``("broken", name)``: not a call after
+        all. One already made is left as it is."""
+        name, parts, made = started
+        if made:
+            return
+        sent = "".join(parts)
+        if call is not None and call.name == name and call.arguments.startswith(sent):
+            if len(call.arguments) > len(sent):
+                self._events.append(("args", call.arguments[len(sent) :]))
+            self._made(call)
+        else:
+            self._events.append(("broken", name))
+
+    def _unread(self, started: list[list[Any]], text: str) -> None:
+        """A region that is not calls after all: its streamed calls broken, and its ``text``
+        as content (unless some of its calls were made: then only those stand)."""
+        for one in started:
+            self._close_started(one, None)
+        if not any(one[2] for one in started):
+            self._ws = self._dropped
+            self._content(text)
+
+    def _raw(self, region: str, calls: list[ToolCall]) -> list[ToolCall]:
+        """The calls with their arguments as the model wrote them, where the reader's text
+        is the same object (what streamed then matches the whole answer's calls)."""
+        try:
+            raws = self.family.raw_arguments(region)
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError, MemoryError):
+            return calls
+        made = []
+        for i, call in enumerate(calls):
+            if i < len(raws) and raws[i] != call.arguments:
+                try:
+                    if json.loads(raws[i]) == json.loads(call.arguments):
+                        call = ToolCall(call.name, raws[i])
+                except (ValueError, RecursionError):
+                    pass
+            made.append(call)
+        return made
+
     def _resolve(self, region: str, closed: bool) -> None:
+        started, self._started, self._reader = self._started, [], None
         try:
             calls = self.family.calls(region)
         except (ValueError, TypeError, KeyError, AttributeError, RecursionError, MemoryError):
             calls = None  # odd text (JSON nested past the parser's depth...): text, no 500
         if calls:
+            calls = self._raw(region, calls)
             self._ws = ""
-            self.made += len(calls)
-            self._events.extend(("call", c) for c in calls)
+            for i, call in enumerate(calls):
+                if i < len(started):
+                    self._close_started(started[i], call)
+                else:
+                    self._made(call)
+            for rest in started[len(calls) :]:
+                self._close_started(rest, None)
+        elif started:
+            self._unread(
+                started, self._opened + region + ((self.family.end or "") if closed else "")
+            )
         else:  # not calls after all: the text as the model wrote it
             self._ws = self._dropped
             self._content(self._opened + region + ((self.family.end or "") if closed else ""))
@@ -172,21 +290,28 @@ class Streamer:
             start = self._size - len(self._tail)  # where the searched window begins
             self._region.append(piece)
             self._size += len(piece)
-            if family.end is not None:
+            unfed, self._unfed = self._unfed + piece, ""  # the region's text from the read
+            if family.end is None:
+                self._read(unfed)
+            else:
                 window = self._tail + piece
                 at = window.find(family.end)
                 if at >= 0:
                     whole = "".join(self._region)
                     cut = start + at
+                    self._read(unfed[: max(0, len(unfed) - (self._size - cut))])
                     self._region = None
                     self._resolve(whole[:cut], closed=True)
                     self._buf = whole[cut + len(family.end) :]
                     continue
                 self._tail = window[max(0, len(window) - len(family.end) + 1) :]
+                hold = _held(unfed, {family.end: False}, len(family.end))
+                self._read(unfed[: len(unfed) - hold])
+                self._unfed = unfed[len(unfed) - hold :]
             if self._size > self.limit:  # given up: the region as text, and the rest
                 self._off = True
-                self._ws = self._dropped
-                self._content(self._opened + "".join(self._region))
+                started, self._started, self._reader = self._started, [], None
+                self._unread(started, self._opened + "".join(self._region))
                 self._region = None
                 continue
             if final:
@@ -235,6 +360,152 @@ class Streamer:
         self._size = len(marker) if keep else 0
         self._tail = ""
         self._buf = rest
+        self._reader = self.family.reader()
+        self._unfed = ""
+        self._started = []
+        if keep:
+            self._read(marker)
+
+
+# --- incremental readers: a call's name and its arguments' text as the region grows
+
+#: how much text a reader waits on for a header (``{"name": "f", "arguments":``) before it
+#: gives up streaming that region (the calls then come whole when it closes)
+HEADER_WAIT = 512
+
+_WS = " \t\r\n"
+
+
+class Reader:
+    """A region's text in, piece by piece (never the end marker), call events out:
+    ``("name", str)`` when a call's name is known, ``("args", str)`` for each fragment of its
+    arguments' JSON text, ``("done", None)`` when they are complete. Once :attr:`stopped`, it
+    reads no more (the remaining calls come whole when the region closes)."""
+
+    stopped = False
+    _buf = ""  # text not yet read (a tag not yet whole)
+
+    def feed(self, piece: str) -> list[tuple[str, Any]]:
+        if not self.stopped:
+            self._buf += piece
+            self._run()
+        events, self._events = self._events, []
+        return events
+
+    def _run(self) -> None:
+        """Read :attr:`_buf` into :attr:`_events` (subclasses)."""
+        raise NotImplementedError
+
+
+class JsonReader(Reader):
+    """Calls written as JSON objects whose arguments are a JSON object: the text before each
+    call's arguments (``header``, naming the call) is matched whole, then the arguments'
+    object is scanned character by character (strings, escapes and nesting followed) and
+    streamed as it arrives, ending exactly at its closing brace: the fragments join to the
+    arguments' text as the model wrote it, which is what the call's ``arguments`` then are
+    (:meth:`Family.raw_arguments`). ``lead`` is matched once before the first call (a list's
+    ``[``), ``tail`` after each call's arguments (the object's ``}``), ``sep`` between calls."""
+
+    def __init__(
+        self,
+        header: re.Pattern[str],
+        tail: re.Pattern[str] | None = None,
+        sep: re.Pattern[str] | None = None,
+        lead: re.Pattern[str] | None = None,
+    ) -> None:
+        self.patterns = {"lead": lead, "header": header, "tail": tail, "sep": sep}
+        self.phase = "lead" if lead is not None else "header"
+        self._buf = ""
+        self._depth = 0
+        self._string = False
+        self._escape = False
+        self._events: list[tuple[str, Any]] = []
+
+    def _stop(self) -> None:
+        self.stopped = True
+        self._buf = ""
+
+    def _run(self) -> None:
+        while not self.stopped and self._buf:
+            if self.phase == "args":
+                piece, self._buf = self._buf, ""
+                self._args(piece)
+                continue
+            pattern = self.patterns[self.phase]
+            if pattern is None:  # nothing may follow (one call per region)
+                self._stop()
+                return
+            found = pattern.match(self._buf)
+            if found is None or found.end() == len(self._buf):  # undecided: what follows?
+                if len(self._buf) > HEADER_WAIT:
+                    self._stop()
+                return
+            if self.phase == "header":
+                name = found.group("name")
+                try:
+                    name = json.loads(name) if name.startswith('"') else name
+                except ValueError:
+                    self._stop()
+                    return
+                self._events.append(("name", name))
+            self.phase = {"lead": "header", "header": "args", "tail": "sep", "sep": "header"}[
+                self.phase
+            ]
+            self._buf = self._buf[found.end() :]
+
+    def _args(self, piece: str) -> None:
+        at, size = 0, len(piece)
+        if self._depth == 0:  # not begun: an object, or not streamed
+            while at < size and piece[at] in _WS:
+                at += 1
+            if at == size:
+                return
+            if piece[at] != "{":
+                self._stop()
+                return
+        start = at
+        while at < size:
+            if self._string and not self._escape:  # a string's plain run at once
+                at = _IN_STRING.search(piece, at).start()
+                if at == size:
+                    break
+            elif not self._string:  # and a run with no string, bracket or brace
+                at = _OUTSIDE.search(piece, at).start()
+                if at == size:
+                    break
+            ch = piece[at]
+            at += 1
+            if self._string:
+                if self._escape:
+                    self._escape = False
+                elif ch == "\\":
+                    self._escape = True
+                elif ch == '"':
+                    self._string = False
+            elif ch == '"':
+                self._string = True
+            elif ch in "{[":
+                self._depth += 1
+            elif ch in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    self._events += [("args", piece[start:at]), ("done", None)]
+                    self.phase, self._buf = "tail", piece[at:]
+                    return
+        if at > start:
+            self._events.append(("args", piece[start:at]))
+
+
+#: where a JSON string's plain characters end (or the text does)
+_IN_STRING = re.compile(r'["\\]|\Z')
+#: where the text outside strings next opens or closes something (or ends)
+_OUTSIDE = re.compile(r'["{}\[\]]|\Z')
+#: ``{"name": "f", "arguments": `` (or ``"parameters"``), the name first
+JSON_HEADER = re.compile(
+    r'\s*\{\s*"name"\s*:\s*(?P<name>"(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*'
+)
+#: the call object's own closing brace
+JSON_TAIL = re.compile(r"\s*\}")
 
 
 def _held(text: str, markers: Mapping[str, bool], longest: int) -> int:

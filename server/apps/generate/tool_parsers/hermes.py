@@ -1,11 +1,19 @@
 """Hermes, Qwen2.5 and Qwen3: each call a JSON object between ``<tool_call>`` and
-``</tool_call>`` (``{"name": "f", "arguments": {...}}``), content before the first kept."""
+``</tool_call>`` (``{"name": "f", "arguments": {...}}``), content before the first kept.
+Streamed: the name, then the arguments' object as it is written."""
 
 from __future__ import annotations
 
 import json
 
-from plugserve.server.apps.generate.tool_parsers.base import Family, ToolCall, call_of
+from plugserve.server.apps.generate.tool_parsers.base import (
+    JSON_HEADER,
+    JSON_TAIL,
+    Family,
+    JsonReader,
+    ToolCall,
+    call_of,
+)
 
 
 class Hermes(Family):
@@ -19,3 +27,6 @@ class Hermes(Family):
         except ValueError:
             return None
         return None if call is None else [call]
+
+    def reader(self) -> JsonReader:
+        return JsonReader(JSON_HEADER, JSON_TAIL)

@@ -5,10 +5,19 @@ as Meta's template asks and vLLM reads it."""
 from __future__ import annotations
 
 import json
+import re
 
-from plugserve.server.apps.generate.tool_parsers.base import Family, ToolCall, call_of
+from plugserve.server.apps.generate.tool_parsers.base import (
+    JSON_HEADER,
+    JSON_TAIL,
+    Family,
+    JsonReader,
+    ToolCall,
+    call_of,
+)
 
 _DECODER = json.JSONDecoder()
+_SEP = re.compile(r"\s*;")
 
 
 class Llama3Json(Family):
@@ -33,3 +42,6 @@ class Llama3Json(Family):
         except ValueError:
             return None
         return calls or None
+
+    def reader(self) -> JsonReader:
+        return JsonReader(JSON_HEADER, JSON_TAIL, _SEP)

@@ -1,16 +1,24 @@
 """Qwen3-Coder's XML style: ``<tool_call><function=NAME><parameter=KEY>VALUE</parameter>...
 </function></tool_call>``. A value is text; where the tool's schema gives the parameter a type
-other than string it is read as JSON (a number, an object), and kept as text if it is not."""
+other than string it is read as JSON (a number, an object), and kept as text if it is not.
+Streamed: the name at ``<function=NAME>``, then the arguments' JSON a parameter at a time as
+each ``</parameter>`` closes (``{"city": "Paris"``, ``, "days": 3``, then ``}``), the same
+text as the whole call's ``json.dumps``."""
 
 from __future__ import annotations
 
 import json
 import re
+from typing import Any
 
-from plugserve.server.apps.generate.tool_parsers.base import Family, ToolCall
+from plugserve.server.apps.generate.tool_parsers.base import HEADER_WAIT, Family, Reader, ToolCall
 
 _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)</function>\s*", re.DOTALL)
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
+_OPEN_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>")
+_OPEN_PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>")
+_CLOSE_FUNCTION = re.compile(r"\s*</function>")
+_CLOSE = "</parameter>"
 
 
 class Qwen3Coder(Family):
@@ -25,12 +33,84 @@ class Qwen3Coder(Family):
         name, body = found.group(1).strip(), found.group(2)
         if _PARAMETER.sub("", body).strip():
             return None  # text outside the parameters: not this format
-        properties = (self.tools.get(name, {}).get("parameters") or {}).get("properties") or {}
         arguments = {}
         for key, value in _PARAMETER.findall(body):
-            kind = (properties.get(key.strip()) or {}).get("type", "string")
-            arguments[key.strip()] = _value(value, kind)
+            arguments[key.strip()] = self.value(name, key.strip(), value)
         return [ToolCall(name, json.dumps(arguments, ensure_ascii=False))]
+
+    def value(self, function: str, key: str, text: str) -> object:
+        """A parameter's text read by its type in the function's schema."""
+        parameters = self.tools.get(function, {}).get("parameters") or {}
+        properties = parameters.get("properties") or {} if isinstance(parameters, dict) else {}
+        schema = properties.get(key) if isinstance(properties, dict) else None
+        return _value(
+            text, (schema or {}).get("type", "string") if isinstance(schema, dict) else "string"
+        )
+
+    def reader(self) -> Reader:
+        return _Reader(self)
+
+
+class _Reader(Reader):
+    """``<function=NAME>`` then each parameter, read as it closes; a value is held (pieces,
+    the end marker searched only where it grew) until its ``</parameter>``."""
+
+    def __init__(self, family: Qwen3Coder) -> None:
+        self.family = family
+        self._name = ""
+        self._buf = ""  # a tag not yet whole
+        self._key: str | None = None  # inside this parameter's value
+        self._value: list[str] = []
+        self._tail = ""  # the value's last characters, which may begin </parameter>
+        self._pairs = 0
+        self._events: list[tuple[str, Any]] = []
+
+    def _run(self) -> None:
+        while self._buf and not self.stopped:
+            if self._key is not None:
+                piece, self._buf = self._buf, ""
+                window = self._tail + piece
+                at = window.find(_CLOSE)
+                if at < 0:
+                    self._value.append(piece)
+                    self._tail = window[-(len(_CLOSE) - 1) :]
+                    return
+                cut = len(piece) - (len(window) - at)  # where </parameter> begins in piece
+                text = "".join(self._value) + piece[: max(0, cut)]
+                if cut < 0:  # it began in the pieces before
+                    text = text[:cut]
+                self._buf = window[at + len(_CLOSE) :]
+                self._pair(self._key, text)
+                self._key, self._value, self._tail = None, [], ""
+                continue
+            patterns = (_CLOSE_FUNCTION, _OPEN_PARAMETER) if self._name else (_OPEN_FUNCTION,)
+            for pattern in patterns:
+                found = pattern.match(self._buf)
+                if found is not None:
+                    break
+            if found is None:
+                if len(self._buf) > HEADER_WAIT:
+                    self.stopped = True
+                return
+            self._buf = self._buf[found.end() :]
+            if pattern is _OPEN_FUNCTION:
+                self._name = found.group(1).strip()
+                self._events.append(("name", self._name))
+            elif pattern is _OPEN_PARAMETER:
+                self._key = found.group(1).strip()
+            else:
+                self._events += [("args", "}" if self._pairs else "{}"), ("done", None)]
+                self.stopped = True
+
+    def _pair(self, key: str, text: str) -> None:
+        if text.startswith("\n"):
+            text = text[1:]
+        if text.endswith("\n"):
+            text = text[:-1]
+        value = self.family.value(self._name, key, text)
+        pair = json.dumps({key: value}, ensure_ascii=False)[1:-1]
+        self._events.append(("args", (", " if self._pairs else "{") + pair))
+        self._pairs += 1
 
 
 def _value(text: str, kind: object) -> object:
