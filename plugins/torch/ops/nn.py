@@ -483,13 +483,17 @@ def depth_to_space(ctx: NodeContext) -> Any:
     return run
 
 
-@register("SpaceToDepth", 1, 13)
+@register("SpaceToDepth", 1, 13, 28)
 def space_to_depth(ctx: NodeContext) -> Any:
     b = int(ctx.attr("blocksize"))
+    mode = ctx.attr("mode", "DCR")  # CRD since 28
+    if mode not in ("DCR", "CRD"):
+        raise Refused(f"SpaceToDepth mode {mode!r}")
+    order = (0, 3, 5, 1, 2, 4) if mode == "DCR" else (0, 1, 3, 5, 2, 4)
 
     def run(x: Any) -> Any:
         n, c, h, w = x.shape
-        y = x.reshape(n, c, h // b, b, w // b, b).permute(0, 3, 5, 1, 2, 4)
+        y = x.reshape(n, c, h // b, b, w // b, b).permute(*order)
         return y.reshape(n, c * b * b, h // b, w // b)
 
     return run

@@ -258,9 +258,11 @@ def constant_of_shape(ctx: NodeContext) -> Any:
     return lambda shape: torch.full(ints(shape), fill, dtype=dtype, device=device)
 
 
-@register("Range", 11, types=NUMBERS)
+@register("Range", 11, 27, types=NUMBERS)
 def range_(ctx: NodeContext) -> Any:
     torch = ctx.torch
+    if ctx.in_type(0).name in ("float16", "bfloat16"):  # 27's stash_type: not measured here
+        raise Refused(f"Range of {ctx.in_type(0)}")
 
     def run(start: Any, limit: Any, delta: Any) -> Any:
         s, e, d = start.item(), limit.item(), delta.item()
