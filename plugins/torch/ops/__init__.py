@@ -11,6 +11,7 @@ from plugserve.plugins.torch.ops import (  # noqa: F401  (each registers its con
     quantize,
     reduce,
     rnn,
+    signal,
     state,
     tensor,
 )

@@ -220,8 +220,8 @@ def mod(ctx: NodeContext) -> Any:
 def power(ctx: NodeContext) -> Any:
     torch = ctx.torch
     out = ctx.out_type()
-    if out.kind in "iu":
-        raise Refused("Pow of integers")
+    if out.kind in "iu" and ctx.in_type(1).kind not in "iu":
+        raise Refused("Pow of integers to a float exponent")
 
     def run(x: Any, y: Any) -> Any:
         if y.dtype != x.dtype:
@@ -317,3 +317,23 @@ def swish(ctx: NodeContext) -> Any:
     alpha = _swish_alpha(ctx)
     torch = ctx.torch
     return lambda x: x * torch.sigmoid(alpha * x)
+
+
+@register("Shrink", 9, types=NUMBERS)
+def shrink(ctx: NodeContext) -> Any:
+    torch = ctx.torch
+    lambd, bias = float(ctx.attr("lambd", 0.5)), float(ctx.attr("bias", 0.0))
+
+    def run(x: Any) -> Any:
+        zero = torch.zeros_like(x)
+        shrunk = torch.where(x > lambd, x - bias, zero)
+        return torch.where(x < -lambd, x + bias, shrunk).to(x.dtype)
+
+    return run
+
+
+@register("SwiGLU", 28, types=FLOATS)
+def swiglu(ctx: NodeContext) -> Any:
+    torch = ctx.torch
+    alpha = float(ctx.attr("alpha", 1.0))
+    return lambda a, b: a * torch.sigmoid(alpha * a) * b

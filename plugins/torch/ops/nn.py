@@ -683,3 +683,22 @@ def grid_sample(ctx: NodeContext) -> Any:
                              align_corners=align)  # fmt: skip
 
     return run
+
+
+@register("Det", 11, 22, types=FLOATS)
+def det(ctx: NodeContext) -> Any:
+    torch = ctx.torch
+    return lambda x: torch.linalg.det(x)
+
+
+@register("MeanVarianceNormalization", 9, 13, types=FLOATS)
+def mean_variance_normalization(ctx: NodeContext) -> Any:
+    torch = ctx.torch
+    axes = tuple(ctx.attr("axes", [0, 2, 3]))
+
+    def run(x: Any) -> Any:
+        mean = x.mean(dim=axes, keepdim=True)
+        var = (x * x).mean(dim=axes, keepdim=True) - mean * mean
+        return (x - mean) / (torch.sqrt(var) + 1e-9)
+
+    return run
