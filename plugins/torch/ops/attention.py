@@ -127,3 +127,39 @@ def attention(ctx: NodeContext) -> Any:
         return y, present_k, present_v, exposed.to(dtype)
 
     return run
+
+
+@register("RotaryEmbedding", 23, types=FLOATS)
+def rotary_embedding(ctx: NodeContext) -> Any:
+    torch = ctx.torch
+    interleaved = bool(int(ctx.attr("interleaved", 0)))
+    dim_attr = int(ctx.attr("rotary_embedding_dim", 0))
+    num_heads = int(ctx.attr("num_heads", 0))
+
+    def run(x: Any, cos: Any, sin: Any, positions: Any = None) -> Any:
+        shape = x.shape
+        if x.dim() == 4:  # (batch, heads, seq, head) -> (batch, seq, heads, head)
+            x = x.permute(0, 2, 1, 3)
+        else:
+            if not num_heads:
+                raise ValueError("RotaryEmbedding of 3-D input needs num_heads")
+            x = x.reshape(shape[0], shape[1], num_heads, shape[2] // num_heads)
+        dim = dim_attr or x.shape[3]
+        rotate, keep = x[..., :dim], x[..., dim:]
+        if positions is not None:
+            cos, sin = cos[positions.long()], sin[positions.long()]
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+        if interleaved:
+            x1, x2 = rotate[..., 0::2], rotate[..., 1::2]
+        else:
+            x1, x2 = rotate[..., : dim // 2], rotate[..., dim // 2 :]
+        real = cos * x1 - sin * x2
+        imag = sin * x1 + cos * x2
+        if interleaved:
+            rotated = torch.stack([real, imag], dim=-1).reshape(rotate.shape)
+        else:
+            rotated = torch.cat([real, imag], dim=-1)
+        out = torch.cat([rotated, keep], dim=-1)
+        return out.reshape(shape) if len(shape) == 3 else out.permute(0, 2, 1, 3)
+
+    return run
