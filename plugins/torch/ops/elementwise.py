@@ -9,7 +9,7 @@ import onnx
 from plugserve.plugins.torch.ops.registry import NodeContext, Refused, register
 
 FLOATS = frozenset({"float32", "float16", "bfloat16", "float64"})
-INTS = frozenset({"int8", "uint8", "int16", "int32", "int64"})
+INTS = frozenset({"int8", "uint8", "int16", "int32", "int64", "uint16", "uint32"})
 NUMBERS = FLOATS | INTS
 BOOL = frozenset({"bool"})
 

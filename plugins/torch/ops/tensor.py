@@ -653,7 +653,9 @@ def bit_cast(ctx: NodeContext) -> Any:
         raise Refused(f"BitCast of {src} to {dst}")
     if "float32" in (src.name, dst.name) and ctx.compute != torch.float32:
         raise Refused("BitCast of float32 held in a narrower precision")
-    src_t = torch.float16 if src.name == "float16" else ctx.dtype(src)
-    dst_t = torch.float16 if dst.name == "float16" else ctx.dtype(dst)
+    # the bits' own width: float16 may be held in float32, uint16/32 in int32/64
+    narrow = {"float16": torch.float16, "uint16": torch.int16, "uint32": torch.int32}
+    src_t = narrow.get(src.name) or ctx.dtype(src)
+    dst_t = narrow.get(dst.name) or ctx.dtype(dst)
     held = ctx.dtype(dst)
     return lambda x: x.to(src_t).view(dst_t).to(held)
