@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from plugserve.plugins.torch.ops.nn import conv_step
 from plugserve.plugins.torch.ops.registry import NodeContext, Refused, register
 
@@ -124,5 +126,27 @@ def conv_integer(ctx: NodeContext) -> Any:
         left = _centered(torch, x, x_zero, None)
         right = _centered(torch, w, w_zero, 0)
         return step(left, right).to(torch.int32)
+
+    return run
+
+
+@register("QLinearMatMul", 10, 21, types=frozenset({"int8", "uint8"}))
+def qlinear_matmul(ctx: NodeContext) -> Any:
+    """As ONNX's reference: the integer product (exact in float64: no integer matmul on CUDA)
+    times a_scale * b_scale / y_scale (in the scales' precision), plus y's zero point,
+    rounded half to even and saturated."""
+    torch = ctx.torch
+    out = ctx.out_type()
+    info = np.iinfo(out)
+    f64 = torch.float64
+
+    def run(a, a_scale, a_zero, b, b_scale, b_zero, y_scale, y_zero=None):
+        a = a.to(f64) - (a_zero.to(f64) if a_zero is not None else 0)
+        b = b.to(f64) - (b_zero.to(f64) if b_zero is not None else 0)
+        factor = (a_scale * b_scale / y_scale).to(f64)
+        d = torch.matmul(a, b) * factor
+        if y_zero is not None:
+            d = d + y_zero.to(f64)
+        return torch.clamp(torch.round(d), info.min, info.max).to(ctx.dtype(out))
 
     return run
