@@ -363,35 +363,76 @@ def max_pool(ctx: NodeContext) -> Any:
     return run
 
 
-@register("AveragePool", 7, 10, 11, 19, 22, types=FLOATS)
-def average_pool(ctx: NodeContext) -> Any:
+def _window_sum(torch: Any, x: Any, kernel: list[int], strides: list[int],
+                dilations: list[int]) -> Any:  # fmt: skip
+    """The sum of every (dilated) pooling window: a convolution of each channel with ones."""
+    F = torch.nn.functional
+    conv = [F.conv1d, F.conv2d, F.conv3d][len(kernel) - 1]
+    n, c = x.shape[:2]
+    ones = torch.ones((1, 1, *kernel), dtype=x.dtype, device=x.device)
+    y = conv(x.reshape(n * c, 1, *x.shape[2:]), ones, stride=strides, dilation=dilations)
+    return y.reshape(n, c, *y.shape[2:])
+
+
+def _average_step(ctx: NodeContext) -> Any:
+    """AveragePool's step (LpPool's average of powers too)."""
     torch = ctx.torch
     F = torch.nn.functional
     kernel, strides, dilations, dims = _pool_geometry(ctx)
-    if any(d != 1 for d in dilations):
-        raise Refused("AveragePool with dilations")
     ceil = bool(int(ctx.attr("ceil_mode", 0)))
     include = bool(int(ctx.attr("count_include_pad", 0)))
     pads_of = _pads(ctx, dims, kernel, strides, dilations)
     fn = [F.avg_pool1d, F.avg_pool2d, F.avg_pool3d][dims - 1]
     window = int(np.prod(kernel))
+    dilated = any(d != 1 for d in dilations)
+
+    def total(x: Any) -> Any:
+        if dilated:
+            return _window_sum(torch, x, kernel, strides, dilations)
+        return fn(x, kernel, strides) * window
 
     def run(x: Any) -> Any:
         size = list(x.shape[2:])
         pads = pads_of(size)
         extra = _ceil_extra(size, pads, kernel, strides, dilations, ceil)
-        if not any(pads) and not any(extra):
+        if not any(pads) and not any(extra) and not dilated:
             return fn(x, kernel, strides)
         full = pads[:dims] + [p + e for p, e in zip(pads[dims:], extra)]
-        total = fn(F.pad(x, _torch_pad(full)), kernel, strides) * window
+        summed = total(F.pad(x, _torch_pad(full)))
         ones = torch.ones((1, 1, *size), dtype=x.dtype, device=x.device)
         if include:
             ones = F.pad(ones, _torch_pad(pads), value=1.0)
             ones = F.pad(ones, _torch_pad([0] * dims + extra))
         else:
             ones = F.pad(ones, _torch_pad(full))
-        count = fn(ones, kernel, strides) * window
-        return total / count
+        return summed / total(ones)
+
+    return run
+
+
+@register("AveragePool", 7, 10, 11, 19, 22, types=FLOATS)
+def average_pool(ctx: NodeContext) -> Any:
+    return _average_step(ctx)
+
+
+@register("LpPool", 2, 11, 18, 22, types=FLOATS)
+def lp_pool(ctx: NodeContext) -> Any:
+    """The p-norm of every window, padding counted as zeros (the suite's expected values;
+    the reference's scaled average differs where a window covers padding)."""
+    torch = ctx.torch
+    F = torch.nn.functional
+    p = float(ctx.attr("p", 2))
+    kernel, strides, dilations, dims = _pool_geometry(ctx)
+    ceil = bool(int(ctx.attr("ceil_mode", 0)))
+    pads_of = _pads(ctx, dims, kernel, strides, dilations)
+
+    def run(x: Any) -> Any:
+        size = list(x.shape[2:])
+        pads = pads_of(size)
+        extra = _ceil_extra(size, pads, kernel, strides, dilations, ceil)
+        full = pads[:dims] + [q + e for q, e in zip(pads[dims:], extra)]
+        powered = F.pad(torch.pow(torch.abs(x), p), _torch_pad(full))
+        return torch.pow(_window_sum(torch, powered, kernel, strides, dilations), 1.0 / p)
 
     return run
 
