@@ -549,6 +549,17 @@ _RESIZE_LINEAR = {1: "linear", 2: "bilinear", 3: "trilinear"}
 
 @register("Resize", 11, 13, 18, 19, types=FLOATS | {"int64"})
 def resize(ctx: NodeContext) -> Any:
+    """torch's interpolate where it computes ONNX's Resize exactly; the rest of float Resize
+    by the reference's arithmetic (:mod:`.resize`)."""
+    try:
+        return _interpolate_resize(ctx)
+    except Refused:
+        from plugserve.plugins.torch.ops.resize import general_resize
+
+        return general_resize(ctx)
+
+
+def _interpolate_resize(ctx: NodeContext) -> Any:
     torch = ctx.torch
     F = torch.nn.functional
     mode = ctx.attr("mode", "nearest")
