@@ -14,4 +14,5 @@ from plugserve.plugins.torch.ops import (  # noqa: F401  (each registers its con
     signal,
     state,
     tensor,
+    vision,
 )
