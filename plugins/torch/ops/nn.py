@@ -737,12 +737,6 @@ def grid_sample(ctx: NodeContext) -> Any:
     return run
 
 
-@register("Det", 11, 22, types=FLOATS)
-def det(ctx: NodeContext) -> Any:
-    torch = ctx.torch
-    return lambda x: torch.linalg.det(x)
-
-
 @register("MeanVarianceNormalization", 9, 13, types=FLOATS)
 def mean_variance_normalization(ctx: NodeContext) -> Any:
     torch = ctx.torch
