@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from plugserve.plugins.torch.ops.elementwise import FLOATS
-from plugserve.plugins.torch.ops.registry import NodeContext, Refused, register
+from plugserve.plugins.torch.ops.registry import NodeContext, Refused, ints, register
 
 
 def _weight_kernel(ctx: NodeContext) -> list[int]:
@@ -746,5 +746,39 @@ def mean_variance_normalization(ctx: NodeContext) -> Any:
         mean = x.mean(dim=axes, keepdim=True)
         var = (x * x).mean(dim=axes, keepdim=True) - mean * mean
         return (x - mean) / (torch.sqrt(var) + 1e-9)
+
+    return run
+
+
+@register("Col2Im", 18, types=FLOATS)
+def col2im(ctx: NodeContext) -> Any:
+    """Every block's column added back at its place in the padded image (any number of
+    spatial axes, asymmetric pads), the padding cut off."""
+    torch = ctx.torch
+    dil_attr, pads_attr, strides_attr = (
+        ctx.attr("dilations"), ctx.attr("pads"), ctx.attr("strides"))  # fmt: skip
+
+    def run(x: Any, image_shape: Any, block_shape: Any) -> Any:
+        shape, kernel = ints(image_shape), ints(block_shape)
+        nd, device = len(shape), x.device
+        dil = list(dil_attr) if dil_attr else [1] * nd
+        pads = list(pads_attr) if pads_attr else [0] * (2 * nd)
+        strides = list(strides_attr) if strides_attr else [1] * nd
+        padded = [shape[d] + pads[d] + pads[d + nd] for d in range(nd)]
+        blocks = [(padded[d] - dil[d] * (kernel[d] - 1) - 1) // strides[d] + 1 for d in range(nd)]
+        pitch = [int(np.prod(padded[d + 1 :])) for d in range(nd)]
+        k_grid = torch.meshgrid(*[torch.arange(k, device=device) for k in kernel], indexing="ij")
+        b_grid = torch.meshgrid(*[torch.arange(b, device=device) for b in blocks], indexing="ij")
+        k_at = sum(k_grid[d].reshape(-1) * dil[d] * pitch[d] for d in range(nd))
+        b_at = sum(b_grid[d].reshape(-1) * strides[d] * pitch[d] for d in range(nd))
+        index = (k_at.reshape(-1, 1) + b_at.reshape(1, -1)).reshape(-1)
+        n = x.shape[0]
+        channels = x.shape[1] // int(np.prod(kernel))
+        src = x.reshape(n, channels, -1)
+        image = x.new_zeros((n, channels, int(np.prod(padded))))
+        image = image.scatter_add(2, index.reshape(1, 1, -1).expand(n, channels, -1), src)
+        image = image.reshape(n, channels, *padded)
+        crop = tuple(slice(pads[d], pads[d] + shape[d]) for d in range(nd))
+        return image[(slice(None), slice(None), *crop)]
 
     return run
