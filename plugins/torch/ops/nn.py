@@ -722,8 +722,8 @@ def grid_sample(ctx: NodeContext) -> Any:
     padding = ctx.attr("padding_mode", "zeros")
     if padding not in ("zeros", "border", "reflection"):
         raise Refused(f"GridSample padding_mode {padding!r}")
-    if mode == "nearest":
-        raise Refused("GridSample nearest (torch rounds halves to even, ONNX away from zero)")
+    if mode == "nearest" and padding == "reflection":  # ONNX rounds before reflecting
+        raise Refused("GridSample nearest with reflection padding")
     align = bool(int(ctx.attr("align_corners", 0)))
     torch = ctx.torch
     F = torch.nn.functional
