@@ -782,3 +782,12 @@ def col2im(ctx: NodeContext) -> Any:
         return image[(slice(None), slice(None), *crop)]
 
     return run
+
+
+@register("AffineGrid", 20, types=FLOATS)
+def affine_grid(ctx: NodeContext) -> Any:
+    """torch's affine_grid: the same normalized base grid (pixel centres, or corners with
+    align_corners) times theta."""
+    F = ctx.torch.nn.functional
+    align = bool(int(ctx.attr("align_corners", 0)))
+    return lambda theta, size: F.affine_grid(theta, ints(size), align_corners=align)
