@@ -332,10 +332,10 @@ def _ceil_extra(size: list[int], pads: list[int], kernel: list[int], strides: li
     return extra
 
 
-@register("MaxPool", 8, 10, 11, 12, 22, types=FLOATS | {"int8", "uint8"})
+@register("MaxPool", 8, 10, 11, 12, 22, multi_output=True, types=FLOATS | {"int8", "uint8"})
 def max_pool(ctx: NodeContext) -> Any:
     if len([o for o in ctx.node.outputs if o]) > 1:
-        raise Refused("MaxPool's Indices output")
+        return _max_pool_indices(ctx)
     torch = ctx.torch
     F = torch.nn.functional
     kernel, strides, dilations, dims = _pool_geometry(ctx)
@@ -358,7 +358,39 @@ def max_pool(ctx: NodeContext) -> Any:
         if any(full):
             y = F.pad(y, _torch_pad(full), value=low)
         y = fn(y, kernel, strides, 0, dilations)
-        return y.to(x.dtype) if wide else y
+        return (y.to(x.dtype) if wide else y,)
+
+    return run
+
+
+def _max_pool_indices(ctx: NodeContext) -> Any:
+    """MaxPool with its Indices output: torch's own (its padding is symmetric and at most half
+    the kernel, no ceil mode), the indices made ONNX's: over the whole tensor, row- or
+    column-major (storage_order)."""
+    torch = ctx.torch
+    F = torch.nn.functional
+    kernel, strides, dilations, dims = _pool_geometry(ctx)
+    pads = list(ctx.attr("pads", [0] * (2 * dims)))
+    column = int(ctx.attr("storage_order", 0))
+    if ctx.attr("auto_pad", "NOTSET") not in ("NOTSET", "") or int(ctx.attr("ceil_mode", 0)):
+        raise Refused("MaxPool's Indices output with auto_pad or ceil_mode")
+    if pads[:dims] != pads[dims:] or any(2 * p > k for p, k in zip(pads, kernel)):
+        raise Refused("MaxPool's Indices output with asymmetric or wide pads")
+    if column and dims != 2:
+        raise Refused("MaxPool's Indices output column-major of other than 2 spatial axes")
+    if ctx.in_type(0).kind != "f":
+        raise Refused(f"MaxPool's Indices output of {ctx.in_type(0)}")
+    fn = [F.max_pool1d, F.max_pool2d, F.max_pool3d][dims - 1]
+
+    def run(x: Any) -> Any:
+        y, idx = fn(x, kernel, strides, pads[:dims], dilations, return_indices=True)
+        plane = int(np.prod(x.shape[2:]))
+        if column:
+            h, w = x.shape[2], x.shape[3]
+            idx = (idx % w) * h + idx // w
+        n, c = x.shape[:2]
+        base = torch.arange(n * c, device=x.device).reshape(n, c, *([1] * dims)) * plane
+        return y, idx + base
 
     return run
 
