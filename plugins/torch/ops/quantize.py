@@ -11,12 +11,18 @@ import numpy as np
 from plugserve.plugins.torch.ops.nn import conv_step
 from plugserve.plugins.torch.ops.registry import NodeContext, Refused, register
 
-_Q = frozenset({"int8", "uint8", "int32"})
+_Q = frozenset({"int8", "uint8", "int16", "uint16", "int32"})
 _F = frozenset({"float32", "float16", "bfloat16"})
 
 
 def _axis_view(ctx: NodeContext, x: Any, param: Any, axis: int) -> Any:
-    """A per-axis scale or zero point shaped to broadcast along ``axis`` of ``x``."""
+    """A per-axis scale or zero point shaped to broadcast along ``axis`` of ``x``; a blocked
+    one (``block_size``: as many dims as x, one value per block along ``axis``) repeated over
+    its block."""
+    block = int(ctx.attr("block_size", 0))
+    if block and param.dim() == x.dim() and param.dim() > 0:
+        dim = axis % x.dim()
+        return param.repeat_interleave(block, dim=dim).narrow(dim, 0, x.shape[dim])
     if param.dim() == 0 or param.numel() == 1:
         return param.reshape(())
     shape = [1] * x.dim()
@@ -25,10 +31,9 @@ def _axis_view(ctx: NodeContext, x: Any, param: Any, axis: int) -> Any:
 
 
 def _check_blocks(ctx: NodeContext) -> None:
-    if int(ctx.attr("block_size", 0)):
-        raise Refused(f"{ctx.node.op_type} with block_size (blocked quantization)")
-    if ctx.attr("output_dtype", 0):
-        raise Refused(f"{ctx.node.op_type} with output_dtype")
+    if int(ctx.attr("block_size", 0)) < 0:
+        raise Refused(f"{ctx.node.op_type} with a negative block_size")
+    # output_dtype only names y's type (without a zero point): ctx.out_type() is it
 
 
 @register("QuantizeLinear", 10, 13, 19, 21, 23, 24, 25, 28, types=_Q | _F)
@@ -37,11 +42,11 @@ def quantize_linear(ctx: NodeContext) -> Any:
     torch = ctx.torch
     axis = int(ctx.attr("axis", 1))
     out = ctx.out_type()
-    if out is None or out.name not in ("int8", "uint8"):
+    if out is None or out.name not in ("int8", "uint8", "int16", "uint16"):
         raise Refused(f"QuantizeLinear to {out}")
     if int(ctx.attr("saturate", 1)) != 1:
         raise Refused("QuantizeLinear saturate=0")
-    info = torch.iinfo(ctx.dtype(out))
+    info = np.iinfo(out)  # uint16 is held in int32: the declared type's bounds
     dtype = ctx.dtype(out)
 
     def run(x: Any, scale: Any, zero: Any = None) -> Any:
