@@ -823,3 +823,28 @@ def affine_grid(ctx: NodeContext) -> Any:
     F = ctx.torch.nn.functional
     align = bool(int(ctx.attr("align_corners", 0)))
     return lambda theta, size: F.affine_grid(theta, ints(size), align_corners=align)
+
+
+@register("MaxUnpool", 9, 11, 22, types=FLOATS)
+def max_unpool(ctx: NodeContext) -> Any:
+    """As ONNX's reference: each value put at its index (over the whole tensor) of the shape the
+    pool came from, that placed at the start of output_shape when one is given."""
+    kernel = list(ctx.attr("kernel_shape"))
+    dims = len(kernel)
+    strides = list(ctx.attr("strides", [1] * dims))
+    pads = list(ctx.attr("pads", [0] * (2 * dims)))
+
+    def run(x: Any, indices: Any, output_shape: Any = None) -> Any:
+        inferred = [x.shape[0], x.shape[1]] + [
+            (x.shape[d + 2] - 1) * strides[d] - (pads[d] + pads[dims + d]) + kernel[d]
+            for d in range(dims)
+        ]
+        y = x.new_zeros(int(np.prod(inferred)))
+        y = y.scatter(0, indices.reshape(-1).long(), x.reshape(-1)).reshape(inferred)
+        if output_shape is None:
+            return y
+        out = x.new_zeros(ints(output_shape))
+        out[tuple(slice(0, n) for n in inferred)] = y
+        return out
+
+    return run
