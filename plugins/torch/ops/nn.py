@@ -176,18 +176,29 @@ def einsum(ctx: NodeContext) -> Any:
     return lambda *xs: torch.einsum(equation, *xs)
 
 
-@register("BatchNormalization", 9, 14, 15, types=FLOATS)
+@register("BatchNormalization", 9, 14, 15, multi_output=True, types=FLOATS)
 def batch_norm(ctx: NodeContext) -> Any:
-    if int(ctx.attr("training_mode", 0)) or len([o for o in ctx.node.outputs if o]) > 1:
-        raise Refused("BatchNormalization in training mode")
+    training = bool(int(ctx.attr("training_mode", 0)))
+    if ctx.opset < 14 and len([o for o in ctx.node.outputs if o]) > 1:
+        raise Refused("BatchNormalization 9's training outputs")
     eps = float(ctx.attr("epsilon", 1e-5))
+    momentum = float(ctx.attr("momentum", 0.9))
     F = ctx.torch.nn.functional
 
     def run(x: Any, scale: Any, bias: Any, mean: Any, var: Any) -> Any:
         dtype = x.dtype
-        return F.batch_norm(
-            x, mean.to(dtype), var.to(dtype), scale.to(dtype), bias.to(dtype), False, 0.0, eps
-        )
+        if not training:
+            return (F.batch_norm(x, mean.to(dtype), var.to(dtype), scale.to(dtype),
+                                 bias.to(dtype), False, 0.0, eps),)  # fmt: skip
+        # 14's training mode as ONNX's reference: the batch's mean and (population)
+        # variance normalize; the running statistics move by momentum
+        dims = [d for d in range(x.dim()) if d != 1]
+        batch_mean = x.mean(dim=dims)
+        batch_var = x.var(dim=dims, unbiased=False)
+        y = F.batch_norm(x, batch_mean, batch_var, scale.to(dtype), bias.to(dtype), False, 0.0,
+                         eps)  # fmt: skip
+        return (y, mean * momentum + batch_mean * (1 - momentum),
+                var * momentum + batch_var * (1 - momentum))  # fmt: skip
 
     return run
 
@@ -521,7 +532,9 @@ def lrn(ctx: NodeContext) -> Any:
 def dropout(ctx: NodeContext) -> Any:
     training = ctx.const(2)
     if ctx.has(2) and (training is None or bool(np.asarray(training))):
-        raise Refused("Dropout in training mode")
+        ratio = ctx.const(1)
+        if not ctx.has(1) or ratio is None or float(np.asarray(ratio)) != 0.0:
+            raise Refused("Dropout in training mode (random) unless its ratio is 0")
     torch = ctx.torch
     if len(ctx.node.outputs) > 1 and ctx.node.outputs[1]:
         return lambda x, *_: (x, torch.ones_like(x, dtype=torch.bool))
