@@ -5,10 +5,14 @@ or Constant-node weights (issue 49's measurements), and a converter of our own r
 what it does not compute, which QueryNetwork needs."""
 
 from plugserve.plugins.torch.ops import (  # noqa: F401  (each registers its converters)
+    attention,
     elementwise,
     nn,
     quantize,
     reduce,
     rnn,
+    signal,
+    state,
     tensor,
+    vision,
 )

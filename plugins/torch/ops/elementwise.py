@@ -9,7 +9,7 @@ import onnx
 from plugserve.plugins.torch.ops.registry import NodeContext, Refused, register
 
 FLOATS = frozenset({"float32", "float16", "bfloat16", "float64"})
-INTS = frozenset({"int8", "uint8", "int16", "int32", "int64"})
+INTS = frozenset({"int8", "uint8", "int16", "int32", "int64", "uint16", "uint32"})
 NUMBERS = FLOATS | INTS
 BOOL = frozenset({"bool"})
 
@@ -200,22 +200,28 @@ def div(ctx: NodeContext) -> Any:
     return torch.div
 
 
-@register("Mod", 10, 13, types=NUMBERS)
+@register("Mod", 10, 13, 28, types=NUMBERS)
 def mod(ctx: NodeContext) -> Any:
     torch = ctx.torch
     if int(ctx.attr("fmod", 0)):
         return torch.fmod
-    if ctx.out_type().kind == "f":
-        raise Refused("Mod of floats needs fmod=1")
-    return torch.remainder
+    if ctx.out_type().kind != "f":
+        return torch.remainder
+
+    def floored(a: Any, b: Any) -> Any:  # numpy's mod (28 spells it out): fmod moved to b's sign
+        m = torch.fmod(a, b)
+        m = torch.where((m != 0) & ((b < 0) != (m < 0)), m + b, m)
+        return torch.where(m == 0, torch.copysign(torch.zeros_like(m), b), m)
+
+    return floored
 
 
 @register("Pow", 7, 12, 13, 15, types=NUMBERS)
 def power(ctx: NodeContext) -> Any:
     torch = ctx.torch
     out = ctx.out_type()
-    if out.kind in "iu":
-        raise Refused("Pow of integers")
+    if out.kind in "iu" and ctx.in_type(1).kind not in "iu":
+        raise Refused("Pow of integers to a float exponent")
 
     def run(x: Any, y: Any) -> Any:
         if y.dtype != x.dtype:
@@ -280,12 +286,26 @@ _binary("BitwiseXor", (18,), "bitwise_xor", INTS)
 _unary("BitwiseNot", (18,), "bitwise_not", INTS)
 
 
-@register("BitShift", 11, types=frozenset({"uint8", "int16", "int32", "int64"}))
+@register("BitShift", 11, 28, types=INTS)
 def bit_shift(ctx: NodeContext) -> Any:
+    """28 adds signed types and defines shifts by a negative or too large amount: 0, or -1
+    for a negative value shifted right (torch's own results there are undefined)."""
     torch = ctx.torch
-    if ctx.attr("direction") == "LEFT":
-        return torch.bitwise_left_shift
-    return torch.bitwise_right_shift
+    left = ctx.attr("direction") == "LEFT"
+    if ctx.in_type(0).kind == "i" and ctx.opset < 28:
+        raise Refused(f"BitShift of {ctx.in_type(0)} before opset 28")
+    bits = ctx.in_type(0).itemsize * 8
+
+    def run(x: Any, y: Any) -> Any:
+        x, y = torch.broadcast_tensors(x, y)
+        outside = (y < 0) | (y >= bits)
+        amount = torch.where(outside, torch.zeros_like(y), y)
+        if left:
+            return torch.where(outside, torch.zeros_like(x), torch.bitwise_left_shift(x, amount))
+        fill = torch.where(x < 0, torch.full_like(x, -1), torch.zeros_like(x))
+        return torch.where(outside, fill, torch.bitwise_right_shift(x, amount))
+
+    return run
 
 
 def _swish_alpha(ctx: NodeContext) -> float:
@@ -297,3 +317,23 @@ def swish(ctx: NodeContext) -> Any:
     alpha = _swish_alpha(ctx)
     torch = ctx.torch
     return lambda x: x * torch.sigmoid(alpha * x)
+
+
+@register("Shrink", 9, types=NUMBERS)
+def shrink(ctx: NodeContext) -> Any:
+    torch = ctx.torch
+    lambd, bias = float(ctx.attr("lambd", 0.5)), float(ctx.attr("bias", 0.0))
+
+    def run(x: Any) -> Any:
+        zero = torch.zeros_like(x)
+        shrunk = torch.where(x > lambd, x - bias, zero)
+        return torch.where(x < -lambd, x + bias, shrunk).to(x.dtype)
+
+    return run
+
+
+@register("SwiGLU", 28, types=FLOATS)
+def swiglu(ctx: NodeContext) -> Any:
+    torch = ctx.torch
+    alpha = float(ctx.attr("alpha", 1.0))
+    return lambda a, b: a * torch.sigmoid(alpha * a) * b

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from plugserve.plugins.torch.ops.elementwise import FLOATS
-from plugserve.plugins.torch.ops.registry import NodeContext, Refused, register
+from plugserve.plugins.torch.ops.registry import NodeContext, Refused, ints, register
 
 
 def _weight_kernel(ctx: NodeContext) -> list[int]:
@@ -176,18 +176,29 @@ def einsum(ctx: NodeContext) -> Any:
     return lambda *xs: torch.einsum(equation, *xs)
 
 
-@register("BatchNormalization", 9, 14, 15, types=FLOATS)
+@register("BatchNormalization", 9, 14, 15, multi_output=True, types=FLOATS)
 def batch_norm(ctx: NodeContext) -> Any:
-    if int(ctx.attr("training_mode", 0)) or len([o for o in ctx.node.outputs if o]) > 1:
-        raise Refused("BatchNormalization in training mode")
+    training = bool(int(ctx.attr("training_mode", 0)))
+    if ctx.opset < 14 and len([o for o in ctx.node.outputs if o]) > 1:
+        raise Refused("BatchNormalization 9's training outputs")
     eps = float(ctx.attr("epsilon", 1e-5))
+    momentum = float(ctx.attr("momentum", 0.9))
     F = ctx.torch.nn.functional
 
     def run(x: Any, scale: Any, bias: Any, mean: Any, var: Any) -> Any:
         dtype = x.dtype
-        return F.batch_norm(
-            x, mean.to(dtype), var.to(dtype), scale.to(dtype), bias.to(dtype), False, 0.0, eps
-        )
+        if not training:
+            return (F.batch_norm(x, mean.to(dtype), var.to(dtype), scale.to(dtype),
+                                 bias.to(dtype), False, 0.0, eps),)  # fmt: skip
+        # 14's training mode as ONNX's reference: the batch's mean and (population)
+        # variance normalize; the running statistics move by momentum
+        dims = [d for d in range(x.dim()) if d != 1]
+        batch_mean = x.mean(dim=dims)
+        batch_var = x.var(dim=dims, unbiased=False)
+        y = F.batch_norm(x, batch_mean, batch_var, scale.to(dtype), bias.to(dtype), False, 0.0,
+                         eps)  # fmt: skip
+        return (y, mean * momentum + batch_mean * (1 - momentum),
+                var * momentum + batch_var * (1 - momentum))  # fmt: skip
 
     return run
 
@@ -332,10 +343,10 @@ def _ceil_extra(size: list[int], pads: list[int], kernel: list[int], strides: li
     return extra
 
 
-@register("MaxPool", 8, 10, 11, 12, 22, types=FLOATS | {"int8", "uint8"})
+@register("MaxPool", 8, 10, 11, 12, 22, multi_output=True, types=FLOATS | {"int8", "uint8"})
 def max_pool(ctx: NodeContext) -> Any:
     if len([o for o in ctx.node.outputs if o]) > 1:
-        raise Refused("MaxPool's Indices output")
+        return _max_pool_indices(ctx)
     torch = ctx.torch
     F = torch.nn.functional
     kernel, strides, dilations, dims = _pool_geometry(ctx)
@@ -358,40 +369,113 @@ def max_pool(ctx: NodeContext) -> Any:
         if any(full):
             y = F.pad(y, _torch_pad(full), value=low)
         y = fn(y, kernel, strides, 0, dilations)
-        return y.to(x.dtype) if wide else y
+        return (y.to(x.dtype) if wide else y,)
 
     return run
 
 
-@register("AveragePool", 7, 10, 11, 19, 22, types=FLOATS)
-def average_pool(ctx: NodeContext) -> Any:
+def _max_pool_indices(ctx: NodeContext) -> Any:
+    """MaxPool with its Indices output: torch's own (its padding is symmetric and at most half
+    the kernel, no ceil mode), the indices made ONNX's: over the whole tensor, row- or
+    column-major (storage_order)."""
     torch = ctx.torch
     F = torch.nn.functional
     kernel, strides, dilations, dims = _pool_geometry(ctx)
-    if any(d != 1 for d in dilations):
-        raise Refused("AveragePool with dilations")
+    pads = list(ctx.attr("pads", [0] * (2 * dims)))
+    column = int(ctx.attr("storage_order", 0))
+    if ctx.attr("auto_pad", "NOTSET") not in ("NOTSET", "") or int(ctx.attr("ceil_mode", 0)):
+        raise Refused("MaxPool's Indices output with auto_pad or ceil_mode")
+    if pads[:dims] != pads[dims:] or any(2 * p > k for p, k in zip(pads, kernel)):
+        raise Refused("MaxPool's Indices output with asymmetric or wide pads")
+    if column and dims != 2:
+        raise Refused("MaxPool's Indices output column-major of other than 2 spatial axes")
+    if ctx.in_type(0).kind != "f":
+        raise Refused(f"MaxPool's Indices output of {ctx.in_type(0)}")
+    fn = [F.max_pool1d, F.max_pool2d, F.max_pool3d][dims - 1]
+
+    def run(x: Any) -> Any:
+        y, idx = fn(x, kernel, strides, pads[:dims], dilations, return_indices=True)
+        plane = int(np.prod(x.shape[2:]))
+        if column:
+            h, w = x.shape[2], x.shape[3]
+            idx = (idx % w) * h + idx // w
+        n, c = x.shape[:2]
+        base = torch.arange(n * c, device=x.device).reshape(n, c, *([1] * dims)) * plane
+        return y, idx + base
+
+    return run
+
+
+def _window_sum(torch: Any, x: Any, kernel: list[int], strides: list[int],
+                dilations: list[int]) -> Any:  # fmt: skip
+    """The sum of every (dilated) pooling window: a convolution of each channel with ones."""
+    F = torch.nn.functional
+    conv = [F.conv1d, F.conv2d, F.conv3d][len(kernel) - 1]
+    n, c = x.shape[:2]
+    ones = torch.ones((1, 1, *kernel), dtype=x.dtype, device=x.device)
+    y = conv(x.reshape(n * c, 1, *x.shape[2:]), ones, stride=strides, dilation=dilations)
+    return y.reshape(n, c, *y.shape[2:])
+
+
+def _average_step(ctx: NodeContext) -> Any:
+    """AveragePool's step (LpPool's average of powers too)."""
+    torch = ctx.torch
+    F = torch.nn.functional
+    kernel, strides, dilations, dims = _pool_geometry(ctx)
     ceil = bool(int(ctx.attr("ceil_mode", 0)))
     include = bool(int(ctx.attr("count_include_pad", 0)))
     pads_of = _pads(ctx, dims, kernel, strides, dilations)
     fn = [F.avg_pool1d, F.avg_pool2d, F.avg_pool3d][dims - 1]
     window = int(np.prod(kernel))
+    dilated = any(d != 1 for d in dilations)
+
+    def total(x: Any) -> Any:
+        if dilated:
+            return _window_sum(torch, x, kernel, strides, dilations)
+        return fn(x, kernel, strides) * window
 
     def run(x: Any) -> Any:
         size = list(x.shape[2:])
         pads = pads_of(size)
         extra = _ceil_extra(size, pads, kernel, strides, dilations, ceil)
-        if not any(pads) and not any(extra):
+        if not any(pads) and not any(extra) and not dilated:
             return fn(x, kernel, strides)
         full = pads[:dims] + [p + e for p, e in zip(pads[dims:], extra)]
-        total = fn(F.pad(x, _torch_pad(full)), kernel, strides) * window
+        summed = total(F.pad(x, _torch_pad(full)))
         ones = torch.ones((1, 1, *size), dtype=x.dtype, device=x.device)
         if include:
             ones = F.pad(ones, _torch_pad(pads), value=1.0)
             ones = F.pad(ones, _torch_pad([0] * dims + extra))
         else:
             ones = F.pad(ones, _torch_pad(full))
-        count = fn(ones, kernel, strides) * window
-        return total / count
+        return summed / total(ones)
+
+    return run
+
+
+@register("AveragePool", 7, 10, 11, 19, 22, types=FLOATS)
+def average_pool(ctx: NodeContext) -> Any:
+    return _average_step(ctx)
+
+
+@register("LpPool", 2, 11, 18, 22, types=FLOATS)
+def lp_pool(ctx: NodeContext) -> Any:
+    """The p-norm of every window, padding counted as zeros (the suite's expected values;
+    the reference's scaled average differs where a window covers padding)."""
+    torch = ctx.torch
+    F = torch.nn.functional
+    p = float(ctx.attr("p", 2))
+    kernel, strides, dilations, dims = _pool_geometry(ctx)
+    ceil = bool(int(ctx.attr("ceil_mode", 0)))
+    pads_of = _pads(ctx, dims, kernel, strides, dilations)
+
+    def run(x: Any) -> Any:
+        size = list(x.shape[2:])
+        pads = pads_of(size)
+        extra = _ceil_extra(size, pads, kernel, strides, dilations, ceil)
+        full = pads[:dims] + [q + e for q, e in zip(pads[dims:], extra)]
+        powered = F.pad(torch.pow(torch.abs(x), p), _torch_pad(full))
+        return torch.pow(_window_sum(torch, powered, kernel, strides, dilations), 1.0 / p)
 
     return run
 
@@ -448,7 +532,9 @@ def lrn(ctx: NodeContext) -> Any:
 def dropout(ctx: NodeContext) -> Any:
     training = ctx.const(2)
     if ctx.has(2) and (training is None or bool(np.asarray(training))):
-        raise Refused("Dropout in training mode")
+        ratio = ctx.const(1)
+        if not ctx.has(1) or ratio is None or float(np.asarray(ratio)) != 0.0:
+            raise Refused("Dropout in training mode (random) unless its ratio is 0")
     torch = ctx.torch
     if len(ctx.node.outputs) > 1 and ctx.node.outputs[1]:
         return lambda x, *_: (x, torch.ones_like(x, dtype=torch.bool))
@@ -483,13 +569,17 @@ def depth_to_space(ctx: NodeContext) -> Any:
     return run
 
 
-@register("SpaceToDepth", 1, 13)
+@register("SpaceToDepth", 1, 13, 28)
 def space_to_depth(ctx: NodeContext) -> Any:
     b = int(ctx.attr("blocksize"))
+    mode = ctx.attr("mode", "DCR")  # CRD since 28
+    if mode not in ("DCR", "CRD"):
+        raise Refused(f"SpaceToDepth mode {mode!r}")
+    order = (0, 3, 5, 1, 2, 4) if mode == "DCR" else (0, 1, 3, 5, 2, 4)
 
     def run(x: Any) -> Any:
         n, c, h, w = x.shape
-        y = x.reshape(n, c, h // b, b, w // b, b).permute(0, 3, 5, 1, 2, 4)
+        y = x.reshape(n, c, h // b, b, w // b, b).permute(*order)
         return y.reshape(n, c * b * b, h // b, w // b)
 
     return run
@@ -504,6 +594,17 @@ _RESIZE_LINEAR = {1: "linear", 2: "bilinear", 3: "trilinear"}
 
 @register("Resize", 11, 13, 18, 19, types=FLOATS | {"int64"})
 def resize(ctx: NodeContext) -> Any:
+    """torch's interpolate where it computes ONNX's Resize exactly; the rest of float Resize
+    by the reference's arithmetic (:mod:`.resize`)."""
+    try:
+        return _interpolate_resize(ctx)
+    except Refused:
+        from plugserve.plugins.torch.ops.resize import general_resize
+
+        return general_resize(ctx)
+
+
+def _interpolate_resize(ctx: NodeContext) -> Any:
     torch = ctx.torch
     F = torch.nn.functional
     mode = ctx.attr("mode", "nearest")
@@ -666,8 +767,8 @@ def grid_sample(ctx: NodeContext) -> Any:
     padding = ctx.attr("padding_mode", "zeros")
     if padding not in ("zeros", "border", "reflection"):
         raise Refused(f"GridSample padding_mode {padding!r}")
-    if mode == "nearest":
-        raise Refused("GridSample nearest (torch rounds halves to even, ONNX away from zero)")
+    if mode == "nearest" and padding == "reflection":  # ONNX rounds before reflecting
+        raise Refused("GridSample nearest with reflection padding")
     align = bool(int(ctx.attr("align_corners", 0)))
     torch = ctx.torch
     F = torch.nn.functional
@@ -677,5 +778,86 @@ def grid_sample(ctx: NodeContext) -> Any:
             raise ValueError("GridSample cubic of other than 2 spatial axes")
         return F.grid_sample(x, grid.to(x.dtype), mode=mode, padding_mode=padding,
                              align_corners=align)  # fmt: skip
+
+    return run
+
+
+@register("MeanVarianceNormalization", 9, 13, types=FLOATS)
+def mean_variance_normalization(ctx: NodeContext) -> Any:
+    torch = ctx.torch
+    axes = tuple(ctx.attr("axes", [0, 2, 3]))
+
+    def run(x: Any) -> Any:
+        mean = x.mean(dim=axes, keepdim=True)
+        var = (x * x).mean(dim=axes, keepdim=True) - mean * mean
+        return (x - mean) / (torch.sqrt(var) + 1e-9)
+
+    return run
+
+
+@register("Col2Im", 18, types=FLOATS)
+def col2im(ctx: NodeContext) -> Any:
+    """Every block's column added back at its place in the padded image (any number of
+    spatial axes, asymmetric pads), the padding cut off."""
+    torch = ctx.torch
+    dil_attr, pads_attr, strides_attr = (
+        ctx.attr("dilations"), ctx.attr("pads"), ctx.attr("strides"))  # fmt: skip
+
+    def run(x: Any, image_shape: Any, block_shape: Any) -> Any:
+        shape, kernel = ints(image_shape), ints(block_shape)
+        nd, device = len(shape), x.device
+        dil = list(dil_attr) if dil_attr else [1] * nd
+        pads = list(pads_attr) if pads_attr else [0] * (2 * nd)
+        strides = list(strides_attr) if strides_attr else [1] * nd
+        padded = [shape[d] + pads[d] + pads[d + nd] for d in range(nd)]
+        blocks = [(padded[d] - dil[d] * (kernel[d] - 1) - 1) // strides[d] + 1 for d in range(nd)]
+        pitch = [int(np.prod(padded[d + 1 :])) for d in range(nd)]
+        k_grid = torch.meshgrid(*[torch.arange(k, device=device) for k in kernel], indexing="ij")
+        b_grid = torch.meshgrid(*[torch.arange(b, device=device) for b in blocks], indexing="ij")
+        k_at = sum(k_grid[d].reshape(-1) * dil[d] * pitch[d] for d in range(nd))
+        b_at = sum(b_grid[d].reshape(-1) * strides[d] * pitch[d] for d in range(nd))
+        index = (k_at.reshape(-1, 1) + b_at.reshape(1, -1)).reshape(-1)
+        n = x.shape[0]
+        channels = x.shape[1] // int(np.prod(kernel))
+        src = x.reshape(n, channels, -1)
+        image = x.new_zeros((n, channels, int(np.prod(padded))))
+        image = image.scatter_add(2, index.reshape(1, 1, -1).expand(n, channels, -1), src)
+        image = image.reshape(n, channels, *padded)
+        crop = tuple(slice(pads[d], pads[d] + shape[d]) for d in range(nd))
+        return image[(slice(None), slice(None), *crop)]
+
+    return run
+
+
+@register("AffineGrid", 20, types=FLOATS)
+def affine_grid(ctx: NodeContext) -> Any:
+    """torch's affine_grid: the same normalized base grid (pixel centres, or corners with
+    align_corners) times theta."""
+    F = ctx.torch.nn.functional
+    align = bool(int(ctx.attr("align_corners", 0)))
+    return lambda theta, size: F.affine_grid(theta, ints(size), align_corners=align)
+
+
+@register("MaxUnpool", 9, 11, 22, types=FLOATS)
+def max_unpool(ctx: NodeContext) -> Any:
+    """As ONNX's reference: each value put at its index (over the whole tensor) of the shape the
+    pool came from, that placed at the start of output_shape when one is given."""
+    kernel = list(ctx.attr("kernel_shape"))
+    dims = len(kernel)
+    strides = list(ctx.attr("strides", [1] * dims))
+    pads = list(ctx.attr("pads", [0] * (2 * dims)))
+
+    def run(x: Any, indices: Any, output_shape: Any = None) -> Any:
+        inferred = [x.shape[0], x.shape[1]] + [
+            (x.shape[d + 2] - 1) * strides[d] - (pads[d] + pads[dims + d]) + kernel[d]
+            for d in range(dims)
+        ]
+        y = x.new_zeros(int(np.prod(inferred)))
+        y = y.scatter(0, indices.reshape(-1).long(), x.reshape(-1)).reshape(inferred)
+        if output_shape is None:
+            return y
+        out = x.new_zeros(ints(output_shape))
+        out[tuple(slice(0, n) for n in inferred)] = y
+        return out
 
     return run

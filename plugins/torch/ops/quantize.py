@@ -6,15 +6,23 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from plugserve.plugins.torch.ops.nn import conv_step
 from plugserve.plugins.torch.ops.registry import NodeContext, Refused, register
 
-_Q = frozenset({"int8", "uint8", "int32"})
+_Q = frozenset({"int8", "uint8", "int16", "uint16", "int32"})
 _F = frozenset({"float32", "float16", "bfloat16"})
 
 
 def _axis_view(ctx: NodeContext, x: Any, param: Any, axis: int) -> Any:
-    """A per-axis scale or zero point shaped to broadcast along ``axis`` of ``x``."""
+    """A per-axis scale or zero point shaped to broadcast along ``axis`` of ``x``; a blocked
+    one (``block_size``: as many dims as x, one value per block along ``axis``) repeated over
+    its block."""
+    block = int(ctx.attr("block_size", 0))
+    if block and param.dim() == x.dim() and param.dim() > 0:
+        dim = axis % x.dim()
+        return param.repeat_interleave(block, dim=dim).narrow(dim, 0, x.shape[dim])
     if param.dim() == 0 or param.numel() == 1:
         return param.reshape(())
     shape = [1] * x.dim()
@@ -23,10 +31,9 @@ def _axis_view(ctx: NodeContext, x: Any, param: Any, axis: int) -> Any:
 
 
 def _check_blocks(ctx: NodeContext) -> None:
-    if int(ctx.attr("block_size", 0)):
-        raise Refused(f"{ctx.node.op_type} with block_size (blocked quantization)")
-    if ctx.attr("output_dtype", 0):
-        raise Refused(f"{ctx.node.op_type} with output_dtype")
+    if int(ctx.attr("block_size", 0)) < 0:
+        raise Refused(f"{ctx.node.op_type} with a negative block_size")
+    # output_dtype only names y's type (without a zero point): ctx.out_type() is it
 
 
 @register("QuantizeLinear", 10, 13, 19, 21, 23, 24, 25, 28, types=_Q | _F)
@@ -35,11 +42,11 @@ def quantize_linear(ctx: NodeContext) -> Any:
     torch = ctx.torch
     axis = int(ctx.attr("axis", 1))
     out = ctx.out_type()
-    if out is None or out.name not in ("int8", "uint8"):
+    if out is None or out.name not in ("int8", "uint8", "int16", "uint16"):
         raise Refused(f"QuantizeLinear to {out}")
     if int(ctx.attr("saturate", 1)) != 1:
         raise Refused("QuantizeLinear saturate=0")
-    info = torch.iinfo(ctx.dtype(out))
+    info = np.iinfo(out)  # uint16 is held in int32: the declared type's bounds
     dtype = ctx.dtype(out)
 
     def run(x: Any, scale: Any, zero: Any = None) -> Any:
@@ -124,5 +131,27 @@ def conv_integer(ctx: NodeContext) -> Any:
         left = _centered(torch, x, x_zero, None)
         right = _centered(torch, w, w_zero, 0)
         return step(left, right).to(torch.int32)
+
+    return run
+
+
+@register("QLinearMatMul", 10, 21, types=frozenset({"int8", "uint8"}))
+def qlinear_matmul(ctx: NodeContext) -> Any:
+    """As ONNX's reference: the integer product (exact in float64: no integer matmul on CUDA)
+    times a_scale * b_scale / y_scale (in the scales' precision), plus y's zero point,
+    rounded half to even and saturated."""
+    torch = ctx.torch
+    out = ctx.out_type()
+    info = np.iinfo(out)
+    f64 = torch.float64
+
+    def run(a, a_scale, a_zero, b, b_scale, b_zero, y_scale, y_zero=None):
+        a = a.to(f64) - (a_zero.to(f64) if a_zero is not None else 0)
+        b = b.to(f64) - (b_zero.to(f64) if b_zero is not None else 0)
+        factor = (a_scale * b_scale / y_scale).to(f64)
+        d = torch.matmul(a, b) * factor
+        if y_zero is not None:
+            d = d + y_zero.to(f64)
+        return torch.clamp(torch.round(d), info.min, info.max).to(ctx.dtype(out))
 
     return run

@@ -52,7 +52,9 @@ def _extreme(torch: Any, x: Any, dims: tuple, keep: bool, highest: bool) -> Any:
             if keep
             else [d for i, d in enumerate(x.shape) if i not in dims]
         )
-        if x.is_floating_point():
+        if x.dtype == torch.bool:  # bool since 20: False / True
+            identity = not highest
+        elif x.is_floating_point():
             identity = float("-inf") if highest else float("inf")
         else:
             bounds = torch.iinfo(x.dtype)
@@ -103,7 +105,8 @@ def _sum_square(torch: Any, x: Any, dims: tuple, keep: bool) -> Any:
 _NUM = NUMBERS - {"int8", "uint8", "int16"}
 _reduce("ReduceSum", (1, 11, 13), 13, _NUM, _sum)
 for _op, _fn, _types in [
-    ("ReduceMean", _mean, FLOATS), ("ReduceMax", _max, NUMBERS), ("ReduceMin", _min, NUMBERS),
+    ("ReduceMean", _mean, FLOATS), ("ReduceMax", _max, NUMBERS | {"bool"}),
+    ("ReduceMin", _min, NUMBERS | {"bool"}),
     ("ReduceProd", _prod, _NUM), ("ReduceL1", _l1, _NUM), ("ReduceL2", _l2, _NUM),
     ("ReduceLogSum", _log_sum, FLOATS), ("ReduceLogSumExp", _log_sum_exp, _NUM),
     ("ReduceSumSquare", _sum_square, _NUM),

@@ -71,7 +71,7 @@ class Registry:
             entry = Entry(
                 op_type,
                 frozenset(versions or (1,)),
-                convert,
+                _wrapping_unsigned(convert, multi_output),
                 multi_output,
                 frozenset(types) if types is not None else None,
             )
@@ -101,13 +101,45 @@ class Registry:
         )
 
 
+#: unsigned types torch computes no arithmetic on, held in the next wider signed type; every
+#: step's output of one is wrapped to its width (the low bits of the wider result are the
+#: ones the narrow arithmetic keeps: +, -, *, shifts and bitwise ops; /, %, comparisons,
+#: min and max of values in range are exact)
+WIDENED = {"uint16": ("int32", 0xFFFF), "uint32": ("int64", 0xFFFFFFFF)}
+
+
+def _wrapping_unsigned(convert: Converter, multi: bool) -> Converter:
+    def converted(ctx: NodeContext) -> Step:
+        step = convert(ctx)
+        masks = [
+            WIDENED[t.name][1] if t is not None and t.name in WIDENED else None
+            for t in (ctx.out_type(i) for i in range(len(ctx.node.outputs)))
+        ]
+        if not any(m is not None for m in masks) or ctx.node.op_type == "Constant":
+            return step
+
+        def wrapped(*args: Any) -> Any:
+            result = step(*args)
+            if not multi:
+                return result & masks[0] if masks[0] is not None else result
+            return tuple(
+                r & m if m is not None and r is not None else r
+                for r, m in zip(result, masks + [None] * (len(result) - len(masks)))
+            )
+
+        return wrapped
+
+    converted.__name__ = getattr(convert, "__name__", "convert")
+    return converted
+
+
 converters = Registry()
 register = converters.register
 
 #: the element types values may have on this device (numpy dtype names)
 VALUE_TYPES = frozenset(
     {"float32", "float16", "bfloat16", "float64", "int8", "uint8", "int16", "int32", "int64",
-     "bool"}
+     "bool", "uint16", "uint32"}
 )  # fmt: skip
 
 _ONNX_FLOAT = np.dtype(np.float32)
@@ -195,7 +227,8 @@ def torch_dtype(torch: Any, np_type: np.dtype) -> Any:
         "int8": torch.int8, "uint8": torch.uint8, "int16": torch.int16, "int32": torch.int32,
         "int64": torch.int64, "bool": torch.bool,
     }  # fmt: skip
-    found = table.get(np.dtype(np_type).name)
+    name = np.dtype(np_type).name
+    found = table.get(WIDENED[name][0] if name in WIDENED else name)
     if found is None:
         raise Refused(f"element type {np_type} is not held on this device")
     return found
@@ -224,6 +257,8 @@ def to_tensor(torch: Any, value: np.ndarray, device: Any, compute: Any) -> Any:
     else:
         if array.dtype.name not in VALUE_TYPES:
             raise Refused(f"element type {array.dtype} is not held on this device")
+        if array.dtype.name in WIDENED:
+            array = array.astype(WIDENED[array.dtype.name][0])
         if device.type == "cpu" or not array.flags.writeable or not array.flags.c_contiguous:
             array = np.array(array, copy=True, order="C")  # the tensor must not share it
         tensor = torch.from_numpy(array)
@@ -245,7 +280,8 @@ def to_numpy(torch: Any, tensor: Any, np_type: np.dtype) -> np.ndarray:
     want = torch_dtype(torch, np_type)
     if tensor.dtype != want:
         tensor = tensor.to(want)
-    return tensor.contiguous().numpy()
+    array = tensor.contiguous().numpy()
+    return array.astype(np_type) if array.dtype != np_type else array
 
 
 def ints(value: Any) -> list[int]:

@@ -1,4 +1,4 @@
-"""Recurrent layers: LSTM and GRU (ONNX's gate orders, forward, reverse and bidirectional,
+"""Recurrent layers: LSTM, GRU and RNN (ONNX's gate orders, forward, reverse and bidirectional,
 sequence lengths refused), written as loops of torch matmuls over the time axis."""
 
 from __future__ import annotations
@@ -133,6 +133,40 @@ def gru(ctx: NodeContext) -> Any:
             hs.append(h)
         y = torch.stack(ys, dim=1)
         hn = torch.stack(hs)
+        if layout:
+            return y.permute(2, 0, 1, 3), hn.transpose(0, 1)
+        return y, hn
+
+    return run
+
+
+@register("RNN", 7, 14, 22, multi_output=True, types=FLOATS | {"int32"})
+def rnn(ctx: NodeContext) -> Any:
+    torch = ctx.torch
+    dirs, acts, layout = _common(ctx, ["Tanh"])
+    _lengths_full(ctx)
+    hidden = int(ctx.attr("hidden_size"))
+    reverse = ctx.attr("direction", "forward") == "reverse"
+
+    def run(x, w, r, b=None, lengths=None, h0=None):
+        if layout:
+            x = x.transpose(0, 1)
+            h0 = h0.transpose(0, 1) if h0 is not None else None
+        steps, batch = x.shape[0], x.shape[1]
+        ys, hs = [], []
+        for d in range(dirs):
+            f = _act(torch, acts[d])
+            bias = (b[d, :hidden] + b[d, hidden:]) if b is not None else 0
+            h = h0[d] if h0 is not None else x.new_zeros(batch, hidden)
+            projected = torch.matmul(x, w[d].t()) + bias
+            order = range(steps - 1, -1, -1) if d == 1 or reverse else range(steps)
+            out = [None] * steps
+            for t in order:
+                h = f(projected[t] + torch.matmul(h, r[d].t()))
+                out[t] = h
+            ys.append(torch.stack(out))
+            hs.append(h)
+        y, hn = torch.stack(ys, dim=1), torch.stack(hs)
         if layout:
             return y.permute(2, 0, 1, 3), hn.transpose(0, 1)
         return y, hn

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -258,9 +259,11 @@ def constant_of_shape(ctx: NodeContext) -> Any:
     return lambda shape: torch.full(ints(shape), fill, dtype=dtype, device=device)
 
 
-@register("Range", 11, types=NUMBERS)
+@register("Range", 11, 27, types=NUMBERS)
 def range_(ctx: NodeContext) -> Any:
     torch = ctx.torch
+    if ctx.in_type(0).name in ("float16", "bfloat16"):  # 27's stash_type: not measured here
+        raise Refused(f"Range of {ctx.in_type(0)}")
 
     def run(start: Any, limit: Any, delta: Any) -> Any:
         s, e, d = start.item(), limit.item(), delta.item()
@@ -506,3 +509,153 @@ def eye_like(ctx: NodeContext) -> Any:
         return eye.to(dtype if dtype is not None else x.dtype)
 
     return run
+
+
+@register("Scatter", 9, 11)
+def scatter(ctx: NodeContext) -> Any:
+    """Scatter: ScatterElements' old name (no reduction)."""
+    return scatter_elements(ctx)
+
+
+@register("Compress", 9, 11, 28)
+def compress(ctx: NodeContext) -> Any:
+    torch = ctx.torch
+    axis = ctx.attr("axis")
+
+    def run(x: Any, condition: Any) -> Any:
+        data = x.reshape(-1) if axis is None else x
+        dim = 0 if axis is None else int(axis) % x.dim()
+        keep = torch.nonzero(condition.reshape(-1).to(torch.bool)).reshape(-1)
+        keep = keep[keep < data.shape[dim]]  # a condition longer than the axis: numpy's cut
+        return torch.index_select(data, dim, keep)
+
+    return run
+
+
+@register("ReverseSequence", 10, 28)
+def reverse_sequence(ctx: NodeContext) -> Any:
+    torch = ctx.torch
+    batch_axis, time_axis = int(ctx.attr("batch_axis", 1)), int(ctx.attr("time_axis", 0))
+
+    def run(x: Any, lens: Any) -> Any:
+        t = torch.arange(x.shape[time_axis], device=x.device).reshape(-1, 1)  # (time, batch)
+        n = lens.to(torch.int64).reshape(1, -1)
+        src = torch.where(t < n, n - 1 - t, t)
+        if time_axis > batch_axis:
+            src = src.t()
+        shape = [1] * x.dim()
+        shape[time_axis], shape[batch_axis] = x.shape[time_axis], x.shape[batch_axis]
+        return torch.gather(x, time_axis, src.reshape(shape).expand(x.shape))
+
+    return run
+
+
+@register("CenterCropPad", 18)
+def center_crop_pad(ctx: NodeContext) -> Any:
+    torch = ctx.torch
+    axes_attr = ctx.attr("axes")
+
+    def run(x: Any, shape: Any) -> Any:
+        rank = x.dim()
+        axes = list(range(rank)) if axes_attr is None else [a % rank for a in axes_attr]
+        out_shape, src, dst = list(x.shape), [slice(None)] * rank, [slice(None)] * rank
+        for a, want in zip(axes, ints(shape)):
+            have = x.shape[a]
+            out_shape[a] = want
+            if want < have:
+                start = (have - want) // 2
+                src[a] = slice(start, start + want)
+            elif want > have:
+                start = (want - have) // 2
+                dst[a] = slice(start, start + have)
+        out = torch.zeros(out_shape, dtype=x.dtype, device=x.device)
+        out[tuple(dst)] = x[tuple(src)]
+        return out
+
+    return run
+
+
+@register("TensorScatter", 24)
+def tensor_scatter(ctx: NodeContext) -> Any:
+    torch = ctx.torch
+    mode = ctx.attr("mode", "linear")
+    axis_attr = int(ctx.attr("axis", -2))
+    if mode not in ("linear", "circular"):
+        raise Refused(f"TensorScatter mode {mode!r}")
+
+    def run(cache: Any, update: Any, write: Any = None) -> Any:
+        axis = axis_attr % cache.dim()
+        batch, length, steps = cache.shape[0], cache.shape[axis], update.shape[axis]
+        if write is None:
+            write = torch.zeros(batch, dtype=torch.int64, device=cache.device)
+        pos = write.to(torch.int64).reshape(-1, 1) + torch.arange(steps, device=cache.device)
+        if mode == "circular":
+            pos = pos % length
+        shape = [1] * cache.dim()
+        shape[0], shape[axis] = batch, steps
+        index = pos.reshape(shape).expand(update.shape)
+        return cache.scatter(axis, index, update)
+
+    return run
+
+
+@register("Unique", 11, 28, multi_output=True)
+def unique(ctx: NodeContext) -> Any:
+    """numpy's unique (the reference's): Y, first indices, inverse indices, counts; with
+    sorted=0 in the order of first occurrence. Without an axis numpy counts every NaN as one
+    value, sorted last (torch keeps each apart: they are merged here); along an axis
+    neither merges rows holding NaNs."""
+    torch = ctx.torch
+    axis = ctx.attr("axis")
+    ordered = bool(int(ctx.attr("sorted", 1)))
+
+    def run(x: Any) -> Any:
+        data = x.reshape(-1) if axis is None else x
+        dim = 0 if axis is None else int(axis) % x.dim()
+        nan = torch.isnan(data) if axis is None and data.is_floating_point() else None
+        if nan is not None and bool(nan.any()):
+            y, inverse, counts = torch.unique(
+                torch.where(nan, torch.full_like(data, math.inf), data),
+                sorted=True, return_inverse=True, return_counts=True,
+            )  # fmt: skip
+            inf_count = int((torch.isinf(data) & (data > 0)).sum())
+            if inf_count:  # +inf kept, the NaNs after it
+                counts = torch.cat([counts[:-1], counts.new_tensor([inf_count])])
+            else:
+                y, counts = y[:-1], counts[:-1]
+            y = torch.cat([y, data.new_tensor([math.nan])])
+            counts = torch.cat([counts, counts.new_tensor([int(nan.sum())])])
+            inverse = torch.where(nan, torch.full_like(inverse, y.numel() - 1), inverse)
+        else:
+            y, inverse, counts = torch.unique(
+                data, sorted=True, return_inverse=True, return_counts=True, dim=dim
+            )
+        inverse = inverse.reshape(-1)
+        positions = torch.arange(inverse.numel(), device=x.device)
+        first = torch.full((counts.numel(),), inverse.numel(), device=x.device)
+        first = first.scatter_reduce(0, inverse, positions, "amin")
+        if not ordered:
+            order = torch.argsort(first)
+            rank = torch.empty_like(order)
+            rank[order] = torch.arange(order.numel(), device=x.device)
+            first, counts, inverse = first[order], counts[order], rank[inverse]
+            y = torch.index_select(data, dim, first)
+        return y, first, inverse, counts
+
+    return run
+
+
+@register("BitCast", 26)
+def bit_cast(ctx: NodeContext) -> Any:
+    torch = ctx.torch
+    src, dst = ctx.in_type(0), ctx.out_type()
+    if src.itemsize != dst.itemsize or "bool" in (src.name, dst.name):
+        raise Refused(f"BitCast of {src} to {dst}")
+    if "float32" in (src.name, dst.name) and ctx.compute != torch.float32:
+        raise Refused("BitCast of float32 held in a narrower precision")
+    # the bits' own width: float16 may be held in float32, uint16/32 in int32/64
+    narrow = {"float16": torch.float16, "uint16": torch.int16, "uint32": torch.int32}
+    src_t = narrow.get(src.name) or ctx.dtype(src)
+    dst_t = narrow.get(dst.name) or ctx.dtype(dst)
+    held = ctx.dtype(dst)
+    return lambda x: x.to(src_t).view(dst_t).to(held)

@@ -3,9 +3,10 @@ whole must pass; the claimed and passed counts are printed (``-s``) and kept fro
 
 A case TORCH cannot compute exactly is not excluded here: its converter refuses it (the reason
 shows in ``plugserve query``), so it is not claimed. The cases not claimed are, by count:
-ops without a converter (Attention, control flow, sequences, strings, DFT, NMS, Unique...),
-types torch does not hold (uint16/32/64, 4-bit, float8), and modes no torch op computes as
-ONNX defines them (Resize with axes or antialias, GridSample nearest, AveragePool dilations).
+types this device does not hold (uint64, 2- and 4-bit, float8), control flow and the ops
+whose reference graphs use it (Scan, Loop, If, SequenceMap), strings, sequences and optionals,
+ai.onnx.ml and preview domains, and modes no converter computes as ONNX defines them
+(GridSample nearest with reflection, DFT inverse of a two-sided spectrum, random Dropout).
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ pytest.importorskip(
     "https://download.pytorch.org/whl/cpu",
 )
 
-#: cases claimed whole with the onnx this was measured with (1.21 era suite: 1884 cases);
+#: cases claimed whole with the onnx this was measured with (1884 cases: 1538 claimed, 82 %);
 #: a change that claims fewer is a regression of the converters or of QueryNetwork
-CLAIMED_AT_LEAST = 1150
+CLAIMED_AT_LEAST = 1500
 
 
 def _run(core, cases):
@@ -63,4 +64,4 @@ def test_every_claimed_case_passes(core):
     print(f"TORCH node suite: {len(claimed)} of {len(cases)} claimed, "
           f"{len(claimed) - len(failed)} passed")  # fmt: skip
     assert not failed, "\n".join(failed)
-    assert len(claimed) >= min(CLAIMED_AT_LEAST, len(cases) // 2)
+    assert len(claimed) >= min(CLAIMED_AT_LEAST, len(cases) * 4 // 5)
