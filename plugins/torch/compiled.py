@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from plugserve.plugins import blob
 from plugserve.plugins.api import CompiledNetwork, Configuration, TensorSpec
+from plugserve.plugins.torch.graphs import GraphCounters
 from plugserve.plugins.torch.program import Program
 from plugserve.plugins.torch.request import TorchInferRequest
 
@@ -41,10 +42,16 @@ class TorchCompiledNetwork(CompiledNetwork):
         self._precision = precision
         self.torch_device = device
         self.open_ended = False  # control flow is never converted
+        self.graph_counters = GraphCounters()  # its requests' lanes count here (.graphs)
 
     @property
     def precision(self) -> str:
         return self._precision
+
+    def graph_statistics(self) -> dict[str, int]:
+        """Its requests' graph events: shapes captured, replays, evictions, failed captures
+        (``plugserve_graph_events`` on /metrics)."""
+        return self.graph_counters.snapshot()
 
     def create_infer_request(self) -> TorchInferRequest:
         return TorchInferRequest(self)

@@ -25,9 +25,45 @@ _HINT_DOC = (
 )
 
 
+def _graphs(value: str) -> int:
+    count = int(str(value).strip() or 0)
+    if count < 0:
+        raise ValueError("expected the number of shapes kept as graphs per stream (0: none)")
+    return count
+
+
+def _shapes(value: str) -> str:
+    from plugserve.plugins.torch.graphs import parse_shapes
+
+    parse_shapes(value)  # checked at set, parsed again by each stream's request
+    return str(value).strip()
+
+
+def _graph_keys(default: int) -> tuple[ConfigKey, ...]:
+    return (
+        ConfigKey(
+            "CUDA_GRAPHS",
+            default,
+            _graphs,
+            doc=f"input shapes (shapes and dtypes) each stream keeps captured as CUDA graphs, "
+            f"the least recently used evicted; 0: none (default {default}). On the CPU the same "
+            "cache runs the eager program through static buffers (the tested twin)",
+        ),
+        ConfigKey(
+            "CUDA_GRAPH_SHAPES",
+            "",
+            _shapes,
+            doc="input shapes captured when each stream starts, before any request: shape "
+            "sets separated by ';', the inputs' shapes in input order by ',', dimensions by "
+            "'x' (1x3x224x224;8x3x224x224)",
+        ),
+    )
+
+
 class TorchConfiguration(Configuration):
     KEYS = (
         *Configuration.KEYS,
+        *_graph_keys(0),
         ConfigKey(
             "INFERENCE_PRECISION_HINT",
             "",
@@ -40,6 +76,7 @@ class TorchConfiguration(Configuration):
 class GpuConfiguration(Configuration):
     KEYS = (
         *Configuration.KEYS,
+        *_graph_keys(8),
         ConfigKey(
             "INFERENCE_PRECISION_HINT",
             "",

@@ -1,6 +1,7 @@
 """TORCH's and GPU's infer request: the program over the checked inputs, each node's time
-kept when PERF_COUNT is on. On a GPU the run waits for its own work only (the outputs' copy to
-the host), on the stream this request's thread runs on."""
+kept when PERF_COUNT is on. On a GPU (and on the CPU with CUDA_GRAPHS) it runs on its
+:class:`~.graphs.Lane`: the stream executor's own CUDA stream, pinned buffers and graphs; the run
+waits for its own stream only."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from plugserve.plugins.api import InferRequest, PerfCount
+from plugserve.plugins.torch import graphs as lanes
 
 if TYPE_CHECKING:
     from plugserve.plugins.torch.compiled import TorchCompiledNetwork
@@ -24,19 +26,12 @@ class TorchInferRequest(InferRequest):
         super().__init__(network)
         self._perf = bool(network.config.get("PERF_COUNT"))
         self._counts: list[PerfCount] = []
-        self._stream: Any = None
-        device = network.torch_device
-        if device.type == "cuda":  # one CUDA stream per request: a stream executor's own
-            self._stream = network.program.torch.cuda.Stream(device=device)
+        self._lane = lanes.lane_for(network)  # its stream, pinned buffers and graphs
 
     def _run(self, arrays: list[Any]) -> dict[str, np.ndarray]:
         program = self.network.program
         start = time.perf_counter()
-        if self._stream is not None:
-            with program.torch.cuda.stream(self._stream):
-                outputs = program.run(arrays)
-        else:
-            outputs = program.run(arrays)
+        outputs = program.run(arrays) if self._lane is None else self._lane.run(arrays)
         if self._perf:
             self._counts = [
                 PerfCount(

@@ -1,0 +1,273 @@
+"""What makes a TORCH or GPU request fast by construction (issue 49): each stream executor's
+request owns a :class:`Lane`, its own CUDA stream, its pinned host buffers, and a cache of the
+input shapes it has seen, each captured as a CUDA graph and replayed.
+
+- **Streams**: a request's copies and compute are enqueued on its lane's stream; the only
+  synchronisation on its path is of that stream, before the outputs are handed back, so the
+  requests of concurrent stream executors overlap.
+- **Pinned buffers**: inputs are staged in page-locked host buffers (reused per lane and per
+  shape) and copied to the card ``non_blocking``; outputs come back the same way.
+- **Graphs**: a shape (the inputs' shapes and dtypes) seen at a request, or listed at load
+  (``CUDA_GRAPH_SHAPES``), is run once eagerly (the warm-up: kernels picked, allocator
+  settled), then captured into static input and output buffers; its later requests copy into
+  the static inputs and replay. At most ``CUDA_GRAPHS`` shapes per lane, the least recently
+  used evicted; a shape whose capture fails (a step that reads a value on the host, a
+  data-dependent shape) stays eager, logged once. Each lane holds its own graphs: a graph's
+  static buffers serve one request at a time, and a lane runs one at a time, so replays never
+  wait on each other. A capture (once per shape and stream) is the one place that waits for
+  the whole card: torch's capture synchronises the device before it begins.
+- **The CPU twin**: on the CPU (TORCH with ``CUDA_GRAPHS`` above 0) the same cache and copy
+  path run, the "graph" being the eager program over the static buffers, without pinning; it
+  is what CI tests (outputs, the bound, the counters) without a GPU.
+
+The counters (shapes captured, replays, evictions, captures failed) are the network's
+:class:`GraphCounters`, read by ``/metrics`` as ``plugserve_graph_events``.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from plugserve.plugins.api import InvalidArgument
+from plugserve.plugins.torch.ops.registry import held_dtype, torch_dtype
+
+__all__ = ["GraphCounters", "Lane", "lane_for", "parse_shapes"]
+
+log = logging.getLogger(__name__)
+
+Key = tuple[tuple[tuple[int, ...], str], ...]
+
+
+def parse_shapes(text: str) -> list[list[tuple[int, ...]]]:
+    """``CUDA_GRAPH_SHAPES``: shape sets separated by ``;``, each the inputs' shapes in the
+    network's input order separated by ``,``, dimensions by ``x`` (``1x3x224x224;8x3x224x224``
+    for one input; ``1x16,1x16`` for two)."""
+    found = []
+    for group in str(text).split(";"):
+        if not group.strip():
+            continue
+        try:
+            shapes = [
+                tuple(int(d) for d in s.strip().split("x") if d.strip()) for s in group.split(",")
+            ]
+        except ValueError:
+            raise ValueError(
+                f"{group.strip()!r}: expected shapes like 1x3x224x224, inputs separated by ','"
+            ) from None
+        if any(d < 0 for s in shapes for d in s):
+            raise ValueError(f"{group.strip()!r}: a dimension is negative")
+        found.append(shapes)
+    return found
+
+
+class GraphCounters:
+    """A network's graph events, summed over its lanes (read by ``/metrics``)."""
+
+    EVENTS = ("captured", "replayed", "evicted", "failed")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts = dict.fromkeys(self.EVENTS, 0)
+        self._failed_keys: set[Key] = set()
+
+    def add(self, event: str) -> None:
+        with self._lock:
+            self._counts[event] += 1
+
+    def failed_first(self, key: Key) -> bool:
+        """Count a failed capture; True the first time this shape failed (to log it once)."""
+        with self._lock:
+            self._counts["failed"] += 1
+            first = key not in self._failed_keys
+            self._failed_keys.add(key)
+            return first
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+
+class _Entry:
+    """One shape's static buffers and, on CUDA, its graph (None: the shape runs eagerly)."""
+
+    def __init__(self, inputs: list[Any], outputs: list[Any] | None, graph: Any) -> None:
+        self.inputs = inputs
+        self.outputs = outputs
+        self.graph = graph
+
+
+class Lane:
+    """One stream executor's stream, pinned buffers and graphs (see the module docstring)."""
+
+    def __init__(self, network: Any, limit: int, shapes: Sequence[Sequence[tuple[int, ...]]]):
+        program = network.program
+        self.program = program
+        self.torch = program.torch
+        self.device = program.device
+        self.cuda = self.device.type == "cuda"
+        self.limit = max(0, int(limit))
+        self.counters: GraphCounters = network.graph_counters
+        self.stream = self.torch.cuda.Stream(device=self.device) if self.cuda else None
+        self._hosts: dict[tuple[tuple[int, ...], Any], Any] = {}  # pinned staging buffers
+        self._graphs: collections.OrderedDict[Key, _Entry] = collections.OrderedDict()
+        specs = network.inputs
+        for listed in shapes:
+            if len(listed) != len(specs):
+                raise InvalidArgument(
+                    f"CUDA_GRAPH_SHAPES: {len(listed)} shape(s) for {len(specs)} input(s)"
+                )
+            # captured now, so the first request of the shape replays
+            self.run([np.zeros(n, dtype=s.dtype or np.float32) for n, s in zip(listed, specs)])
+
+    # --- host buffers
+
+    def _host(self, shape: tuple[int, ...], dtype: Any) -> Any:
+        """The staging buffer of this shape and dtype: pinned on CUDA, reused per lane (a
+        request synchronises its stream before returning, so no copy from it is pending)."""
+        key = (shape, dtype)
+        buffer = self._hosts.get(key)
+        if buffer is None:
+            buffer = self.torch.empty(shape, dtype=dtype, pin_memory=self.cuda)
+            self._hosts[key] = buffer
+        return buffer
+
+    def _stage(self, array: np.ndarray) -> Any:
+        dtype = torch_dtype(self.torch, array.dtype)
+        host = self._host(tuple(array.shape), dtype)
+        if dtype == self.torch.bfloat16:
+            host.view(self.torch.int16).numpy()[...] = np.asarray(array).view(np.int16)
+        else:
+            host.numpy()[...] = array
+        return host
+
+    def _fetch(self, tensor: Any, np_type: np.dtype) -> np.ndarray:
+        torch = self.torch
+        want = torch_dtype(torch, np_type)
+        if tensor.dtype != want:
+            tensor = tensor.to(want)
+        host = self._host(tuple(tensor.shape), want)
+        host.copy_(tensor, non_blocking=self.cuda)
+        return host  # read after the stream is synchronised
+
+    @staticmethod
+    def _numpy(host: Any, np_type: np.dtype, torch: Any) -> np.ndarray:
+        if host.dtype == torch.bfloat16:
+            return host.view(torch.int16).numpy().view(np_type).copy()
+        return host.numpy().copy()  # the buffer is reused by the next request
+
+    # --- running
+
+    def run(self, arrays: Sequence[Any]) -> list[np.ndarray]:
+        """The outputs of the program over ``arrays`` (numpy), through the graph of their
+        shape where there is one."""
+        torch = self.torch
+        arrays = [np.asarray(a) for a in arrays]
+        key: Key = tuple((tuple(a.shape), a.dtype.str) for a in arrays)
+        program = self.program
+        with torch.inference_mode(), self._on_stream():
+            staged = [self._stage(a) for a in arrays]
+            entry, seen = self._entry(key, staged) if self.limit else (None, False)
+            if entry is not None and entry.outputs is not None:
+                for static, host in zip(entry.inputs, staged):
+                    static.copy_(host, non_blocking=self.cuda)
+                if entry.graph is not None:
+                    entry.graph.replay()
+                    outputs = entry.outputs
+                else:  # the CPU twin: the eager program over the static buffers
+                    outputs = program.compute_tensors(entry.inputs)
+                if seen:  # (a capture's own request replays it too, but is counted captured)
+                    self.counters.add("replayed")
+            else:
+                outputs = program.compute_tensors(self._to_device(staged))
+            hosts = [
+                self._fetch(t, np.dtype(np.float32) if ty is None else ty)
+                for t, ty in zip(outputs, program.output_types)
+            ]
+            if self.stream is not None:
+                self.stream.synchronize()  # this request's work only
+            return [
+                self._numpy(h, np.dtype(np.float32) if ty is None else ty, torch)
+                for h, ty in zip(hosts, program.output_types)
+            ]
+
+    def _on_stream(self) -> Any:
+        if self.stream is None:
+            return _Nothing()
+        return self.torch.cuda.stream(self.stream)
+
+    def _to_device(self, staged: list[Any]) -> list[Any]:
+        program = self.program
+        found = []
+        for host, np_type in zip(staged, program.input_types):
+            held = held_dtype(self.torch, np_type if np_type is not None else _dtype_of(host),
+                              program.compute)  # fmt: skip
+            tensor = host.to(self.device, non_blocking=self.cuda)
+            if not self.cuda:
+                tensor = tensor.clone()  # the program must not hold the reused buffer
+            found.append(tensor.to(held) if tensor.dtype != held else tensor)
+        return found
+
+    def _entry(self, key: Key, staged: list[Any]) -> tuple[_Entry, bool]:
+        """This shape's entry, made (warm-up and capture) at its first request, and whether
+        it was there before; the least recently used evicted beyond the limit."""
+        entry = self._graphs.get(key)
+        if entry is not None:
+            self._graphs.move_to_end(key)
+            return entry, True
+        entry = self._capture(key, staged)
+        self._graphs[key] = entry
+        while len(self._graphs) > self.limit:
+            self._graphs.popitem(last=False)
+            self.counters.add("evicted")
+        return entry, False
+
+    def _capture(self, key: Key, staged: list[Any]) -> _Entry:
+        torch = self.torch
+        static = self._to_device(staged)
+        if not self.cuda:
+            self.counters.add("captured")
+            return _Entry(static, [], None)
+        try:
+            self.program.compute_tensors(static)  # the warm-up, on this lane's stream
+            self.stream.synchronize()
+            graph = torch.cuda.CUDAGraph()  # its own memory pool: graphs replay in any order
+            with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
+                outputs = self.program.compute_tensors(static)
+        except Exception as exc:  # a step that syncs, a data-dependent shape: stays eager
+            if self.counters.failed_first(key):
+                log.warning(
+                    "network %r: shape %s is not captured as a CUDA graph (it runs eagerly): "
+                    "%s: %s", self.program.name, [s for s, _ in key], type(exc).__name__, exc,
+                )  # fmt: skip
+            return _Entry([], None, None)
+        self.counters.add("captured")
+        return _Entry(static, list(outputs), graph)
+
+
+def _dtype_of(tensor: Any) -> np.dtype:
+    return np.dtype(str(tensor.dtype).removeprefix("torch."))
+
+
+class _Nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def lane_for(network: Any) -> Lane | None:
+    """The lane of a new request (one per stream executor): on CUDA always (its stream and
+    pinned buffers, graphs unless CUDA_GRAPHS is 0); on the CPU only with CUDA_GRAPHS above 0
+    (else the plain program, as before)."""
+    limit = int(network.config.get("CUDA_GRAPHS") or 0)
+    if network.program.device.type != "cuda" and not limit:
+        return None
+    shapes = parse_shapes(network.config.get("CUDA_GRAPH_SHAPES") or "")
+    return Lane(network, limit, shapes)
