@@ -187,6 +187,7 @@ def main() -> int:
             result["figures"][f"{device}_b{batch}"] = {"error": f"{type(exc).__name__}: {exc}"}
         print(f"b{batch}: {result['figures'][f'torch_eager_b{batch}']} "
               f"{device}: {result['figures'][f'{device}_b{batch}']}", flush=True)  # fmt: skip
+    graph_checks(core, device, cnn, image, proto, size, result, check, args.budget, sync)
     big = result["figures"].get(f"{device}_b{args.resnet_batch}", {})
     base = result["figures"][f"torch_eager_b{args.resnet_batch}"]
     if "img_per_s" in big:
@@ -199,6 +200,46 @@ def main() -> int:
     (out / "gpu_check.txt").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0 if all(c["pass"] for c in checks.values()) else 1
+
+
+def graph_checks(core, device, cnn, image, proto, size, result, check, budget, sync) -> None:
+    """Issue 49's graphs (``plugins/torch/graphs.py``): a repeated shape is replayed (the
+    replay counter above 0) with outputs equal to the eager path's within f16's tolerance;
+    and the batch-1 latency of the ResNet-style model served eagerly (CUDA_GRAPHS=0) beside
+    replayed (CUDA_GRAPHS=8), through one infer request each. On TORCH (the CPU) the same
+    runs the cache's CPU twin (no graphs: the figure shows the static-buffer path's cost)."""
+
+    def replayed() -> str:
+        eager = core.load_network(cnn, device, {"CUDA_GRAPHS": "0"}).create_infer_request()
+        network = core.load_network(cnn, device, {"CUDA_GRAPHS": "4"})
+        request = network.create_infer_request()
+        worst = 0.0
+        for seed in range(4):  # the first captures, the rest replay
+            x = image + np.float32(seed)
+            got = request.infer({"x": x})["probs"]
+            worst = max(worst, float(np.max(np.abs(got - eager.infer({"x": x})["probs"]))))
+        counts = network.graph_statistics()
+        if not counts["replayed"] > 0:
+            raise AssertionError(f"nothing replayed: {counts}")
+        if not worst <= 2e-2:
+            raise AssertionError(f"replayed outputs differ from eager by {worst:.3g}: {counts}")
+        return f"{counts}, max difference to eager {worst:.3g}"
+
+    check("graphs_replayed", replayed)
+    x = np.random.default_rng(11).random((1, 3, size, size), dtype=np.float32)
+    figures: dict = {}
+    for label, limit in (("eager", "0"), ("replayed", "8")):
+        try:
+            network = core.load_network(proto, device, {"CUDA_GRAPHS": limit})
+            request = network.create_infer_request()
+            ms = timed(lambda r=request: r.infer({"x": x}), budget, sync)
+            figures[label] = {"ms": round(ms, 3), "graphs": network.graph_statistics()}
+        except Exception as exc:
+            figures[label] = {"error": f"{type(exc).__name__}: {exc}"}
+    if "ms" in figures.get("eager", {}) and "ms" in figures.get("replayed", {}):
+        figures["speedup"] = round(figures["eager"]["ms"] / figures["replayed"]["ms"], 3)
+    result["figures"][f"{device}_b1_graphs"] = figures
+    print(f"b1 eager vs replayed: {figures}", flush=True)
 
 
 if __name__ == "__main__":
