@@ -8,6 +8,7 @@ replayed, f16 outputs, eager vs replayed latency) is the prepared GPU check's
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import urllib.request
 
@@ -79,6 +80,7 @@ def _graph_events(text: str, model: str) -> dict[str, float]:
 def test_a_server_replays_shapes_and_shows_the_counters(tmp_path):
     grpcclient = pytest.importorskip("tritonclient.grpc", reason="pip install tritonclient[grpc]")
     for name, config in (("mlp_graphs", {"CUDA_GRAPHS": "2", "NUM_STREAMS": "1"}),
+                         ("mlp_two", {"CUDA_GRAPHS": "1", "NUM_STREAMS": "2"}),
                          ("mlp_plain", {})):  # fmt: skip
         folder = tmp_path / name / "1"
         folder.mkdir(parents=True)
@@ -102,5 +104,18 @@ def test_a_server_replays_shapes_and_shows_the_counters(tmp_path):
         events = _graph_events(text, "mlp_graphs")
         # one stream: 1, 2 captured, 1 replayed, 3 captured evicting 2, 2 captured evicting 1
         assert events == {"captured": 4.0, "replayed": 1.0, "evicted": 2.0, "failed": 0.0}, events
+        # two streams, one shape each, four clients at once over three shapes: every answer
+        # right (each stream's static buffers are its own), at most one shape kept per stream
+        feeds = [_batch(1 + i % 3, seed=i) for i in range(24)]
+        wants = [infer("mlp_plain", x) for x in feeds]
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            gots = list(pool.map(lambda x: infer("mlp_two", x), feeds))
+        for got, want in zip(gots, wants):
+            np.testing.assert_array_equal(got, want)
+        with urllib.request.urlopen(server.metrics_url, timeout=30) as answer:
+            text = answer.read().decode()
+        two = _graph_events(text, "mlp_two")
+        assert two["captured"] + two["replayed"] == len(feeds), two
+        assert two["captured"] - two["evicted"] <= 2 and two["failed"] == 0, two
         plain = _graph_events(text, "mlp_plain")  # CPU without CUDA_GRAPHS: the plain path
         assert plain == {"captured": 0.0, "replayed": 0.0, "evicted": 0.0, "failed": 0.0}, plain
