@@ -226,6 +226,31 @@ def graph_checks(core, device, cnn, image, proto, size, result, check, budget, s
         return f"{counts}, max difference to eager {worst:.3g}"
 
     check("graphs_replayed", replayed)
+
+    def fallback() -> str:
+        """A shape that depends on the data (NonZero) cannot be captured: on CUDA the capture
+        fails (counted, logged once) and the shape runs eagerly, its answers still right."""
+        from onnx import TensorProto, helper
+
+        graph = helper.make_graph(
+            [helper.make_node("NonZero", ["x"], ["y"])], "nonzero",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [8])],
+            [helper.make_tensor_value_info("y", TensorProto.INT64, [1, "n"])],
+        )  # fmt: skip
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+        model.ir_version = 8
+        network = core.load_network(model, device, {"CUDA_GRAPHS": "4"})
+        request = network.create_infer_request()
+        numpy = core.load_network(model, "NUMPY")
+        for seed in range(3):
+            x = (np.random.default_rng(seed).random(8) > 0.5).astype(np.float32)
+            np.testing.assert_array_equal(request.infer({"x": x})["y"], numpy.infer({"x": x})["y"])
+        counts = network.graph_statistics()
+        if device.startswith("GPU") and not (counts["failed"] >= 1 and counts["replayed"] == 0):
+            raise AssertionError(f"NonZero's capture should fail and stay eager: {counts}")
+        return str(counts)
+
+    check("graphs_fallback", fallback)
     x = np.random.default_rng(11).random((1, 3, size, size), dtype=np.float32)
     figures: dict = {}
     for label, limit in (("eager", "0"), ("replayed", "8")):
