@@ -43,6 +43,9 @@ log = logging.getLogger(__name__)
 
 Key = tuple[tuple[tuple[int, ...], str], ...]
 
+#: staging buffers a lane keeps (inputs and outputs of its recent shapes)
+HOST_BUFFERS = 32
+
 
 def parse_shapes(text: str) -> list[list[tuple[int, ...]]]:
     """``CUDA_GRAPH_SHAPES``: shape sets separated by ``;``, each the inputs' shapes in the
@@ -114,7 +117,11 @@ class Lane:
         self.limit = max(0, int(limit))
         self.counters: GraphCounters = network.graph_counters
         self.stream = self.torch.cuda.Stream(device=self.device) if self.cuda else None
-        self._hosts: dict[tuple[tuple[int, ...], Any], Any] = {}  # pinned staging buffers
+        #: pinned staging buffers by (shape, dtype), the least recently used dropped beyond
+        #: HOST_BUFFERS (a model whose shapes vary would otherwise hold one per shape seen)
+        self._hosts: collections.OrderedDict[tuple[tuple[int, ...], Any], Any] = (
+            collections.OrderedDict()
+        )
         self._graphs: collections.OrderedDict[Key, _Entry] = collections.OrderedDict()
         specs = network.inputs
         for listed in shapes:
@@ -135,6 +142,10 @@ class Lane:
         if buffer is None:
             buffer = self.torch.empty(shape, dtype=dtype, pin_memory=self.cuda)
             self._hosts[key] = buffer
+            while len(self._hosts) > HOST_BUFFERS:  # (one in use stays alive while it is)
+                self._hosts.popitem(last=False)
+        else:
+            self._hosts.move_to_end(key)
         return buffer
 
     def _stage(self, array: np.ndarray) -> Any:

@@ -45,6 +45,12 @@ def test_outputs_equal_the_plain_path_and_the_shape_count_is_bounded(core):
     # shapes made: 1, 2, 3, 1 again (after its eviction); every other request replays
     assert counts == {"captured": 4, "replayed": 10, "evicted": 2, "failed": 0}, counts
     assert len(request._lane._graphs) == 2  # the bound, held
+    # a model whose shapes keep changing: the graphs and the staging buffers stay bounded
+    for rows in range(4, 40):
+        np.testing.assert_array_equal(
+            request.infer({"x": _batch(rows)})["y"], plain.infer({"x": _batch(rows)})["y"]
+        )
+    assert len(request._lane._graphs) == 2 and len(request._lane._hosts) <= 32
     # outputs handed back are the caller's: the next request does not overwrite them
     first = request.infer({"x": _batch(1, 5)})["y"]
     kept = first.copy()
