@@ -7,15 +7,16 @@ input shapes it has seen, each captured as a CUDA graph and replayed.
   requests of concurrent stream executors overlap.
 - **Pinned buffers**: inputs are staged in page-locked host buffers (reused per lane and per
   shape) and copied to the card ``non_blocking``; outputs come back the same way.
-- **Graphs**: a shape (the inputs' shapes and dtypes) seen at a request, or listed at load
-  (``CUDA_GRAPH_SHAPES``), is run once eagerly (the warm-up: kernels picked, allocator
-  settled), then captured into static input and output buffers; its later requests copy into
-  the static inputs and replay. At most ``CUDA_GRAPHS`` shapes per lane, the least recently
-  used evicted; a shape whose capture fails (a step that reads a value on the host, a
-  data-dependent shape) stays eager, logged once. Each lane holds its own graphs: a graph's
-  static buffers serve one request at a time, and a lane runs one at a time, so replays never
-  wait on each other. A capture (once per shape and stream) is the one place that waits for
-  the whole card: torch's capture synchronises the device before it begins.
+- **Graphs**: a shape (the inputs' shapes and dtypes) runs eagerly at its first request (the
+  warm-up: kernels picked, allocator settled; a shape seen once costs no capture); at its second
+  it is captured into static input and output buffers (after one more warm-up run) and replayed,
+  as are its later requests, which copy into the static inputs. A shape listed at load
+  (``CUDA_GRAPH_SHAPES``) is captured when the lane starts. At most ``CUDA_GRAPHS`` shapes per
+  lane, the least recently used evicted; a shape whose capture fails (a step that reads a value
+  on the host, a data-dependent shape) stays eager, logged once. Each lane holds its own graphs:
+  a graph's static buffers serve one request at a time, and a lane runs one at a time, so
+  replays never wait on each other. A capture (once per shape and stream) is the one place that
+  waits for the whole card: torch's capture synchronises the device before it begins.
 - **The CPU twin**: on the CPU (TORCH with ``CUDA_GRAPHS`` above 0) the same cache and copy
   path run, the "graph" being the eager program over the static buffers, without pinning; it
   is what CI tests (outputs, the bound, the counters) without a GPU.
@@ -123,6 +124,8 @@ class Lane:
             collections.OrderedDict()
         )
         self._graphs: collections.OrderedDict[Key, _Entry] = collections.OrderedDict()
+        #: the shapes run once (their warm-up), the most recent 4 x limit + 8
+        self._warmed: collections.OrderedDict[Key, None] = collections.OrderedDict()
         specs = network.inputs
         for listed in shapes:
             if len(listed) != len(specs):
@@ -130,7 +133,9 @@ class Lane:
                     f"CUDA_GRAPH_SHAPES: {len(listed)} shape(s) for {len(specs)} input(s)"
                 )
             # captured now, so the first request of the shape replays
-            self.run([np.zeros(n, dtype=s.dtype or np.float32) for n, s in zip(listed, specs)])
+            zeros = [np.zeros(n, dtype=s.dtype or np.float32) for n, s in zip(listed, specs)]
+            self._warmed[self._key(zeros)] = None  # (captured at once, not at a second sight)
+            self.run(zeros)
 
     # --- host buffers
 
@@ -174,16 +179,20 @@ class Lane:
 
     # --- running
 
+    @staticmethod
+    def _key(arrays: Sequence[np.ndarray]) -> Key:
+        return tuple((tuple(a.shape), a.dtype.str) for a in arrays)
+
     def run(self, arrays: Sequence[Any]) -> list[np.ndarray]:
         """The outputs of the program over ``arrays`` (numpy), through the graph of their
         shape where there is one."""
         torch = self.torch
         arrays = [np.asarray(a) for a in arrays]
-        key: Key = tuple((tuple(a.shape), a.dtype.str) for a in arrays)
+        key = self._key(arrays)
         program = self.program
         with torch.inference_mode(), self._on_stream():
             staged = [self._stage(a) for a in arrays]
-            entry, seen = self._entry(key, staged) if self.limit else (None, False)
+            entry, seen = self._entry(key, staged)
             if entry is not None and entry.outputs is not None:
                 for static, host in zip(entry.inputs, staged):
                     static.copy_(host, non_blocking=self.cuda)
@@ -224,13 +233,22 @@ class Lane:
             found.append(tensor.to(held) if tensor.dtype != held else tensor)
         return found
 
-    def _entry(self, key: Key, staged: list[Any]) -> tuple[_Entry, bool]:
-        """This shape's entry, made (warm-up and capture) at its first request, and whether
-        it was there before; the least recently used evicted beyond the limit."""
+    def _entry(self, key: Key, staged: list[Any]) -> tuple[_Entry | None, bool]:
+        """This shape's entry and whether it was there before; None at the shape's first
+        request, which runs eagerly (its warm-up: a shape seen once, as by a one-off
+        ``network.infer``, costs no capture); made (captured) at its second, the least
+        recently used evicted beyond the limit."""
+        if not self.limit:
+            return None, False
         entry = self._graphs.get(key)
         if entry is not None:
             self._graphs.move_to_end(key)
             return entry, True
+        if key not in self._warmed:
+            self._warmed[key] = None
+            while len(self._warmed) > 4 * self.limit + 8:
+                self._warmed.popitem(last=False)
+            return None, False
         entry = self._capture(key, staged)
         self._graphs[key] = entry
         while len(self._graphs) > self.limit:

@@ -42,8 +42,9 @@ def test_outputs_equal_the_plain_path_and_the_shape_count_is_bounded(core):
             np.testing.assert_array_equal(got, plain.infer({"x": x})["y"])
             assert got.shape == (rows, 10)
     counts = network.graph_statistics()
-    # shapes made: 1, 2, 3, 1 again (after its eviction); every other request replays
-    assert counts == {"captured": 4, "replayed": 10, "evicted": 2, "failed": 0}, counts
+    # a shape's first request runs eagerly (1, 2, 3), its second captures (1, 2, 3, and 1
+    # again after its eviction: seen before, so at once); every other request replays
+    assert counts == {"captured": 4, "replayed": 7, "evicted": 2, "failed": 0}, counts
     assert len(request._lane._graphs) == 2  # the bound, held
     # a model whose shapes keep changing: the graphs and the staging buffers stay bounded
     for rows in range(4, 40):
@@ -102,14 +103,15 @@ def test_a_server_replays_shapes_and_shows_the_counters(tmp_path):
             tensor.set_data_from_numpy(x)
             return client.infer(model, [tensor]).as_numpy("y")
 
-        for rows in (1, 2, 1, 3, 2):
+        for rows in (1, 1, 2, 2, 1, 3, 3, 2, 2):
             x = _batch(rows)
             np.testing.assert_array_equal(infer("mlp_graphs", x), infer("mlp_plain", x))
         with urllib.request.urlopen(server.metrics_url, timeout=30) as answer:
             text = answer.read().decode()
         events = _graph_events(text, "mlp_graphs")
-        # one stream: 1, 2 captured, 1 replayed, 3 captured evicting 2, 2 captured evicting 1
-        assert events == {"captured": 4.0, "replayed": 1.0, "evicted": 2.0, "failed": 0.0}, events
+        # one stream; each shape's first request is eager, its second captures: 1, 2 captured,
+        # 1 replayed, 3 captured evicting 2, 2 captured (seen) evicting 1, 2 replayed
+        assert events == {"captured": 4.0, "replayed": 2.0, "evicted": 2.0, "failed": 0.0}, events
         # two streams, one shape each, four clients at once over three shapes: every answer
         # right (each stream's static buffers are its own), at most one shape kept per stream
         feeds = [_batch(1 + i % 3, seed=i) for i in range(24)]
@@ -121,7 +123,8 @@ def test_a_server_replays_shapes_and_shows_the_counters(tmp_path):
         with urllib.request.urlopen(server.metrics_url, timeout=30) as answer:
             text = answer.read().decode()
         two = _graph_events(text, "mlp_two")
-        assert two["captured"] + two["replayed"] == len(feeds), two
+        ran = two["captured"] + two["replayed"]  # the rest ran eagerly: a first sight on a stream
+        assert len(feeds) - 6 <= ran <= len(feeds) and two["replayed"] > 0, two
         assert two["captured"] - two["evicted"] <= 2 and two["failed"] == 0, two
         plain = _graph_events(text, "mlp_plain")  # CPU without CUDA_GRAPHS: the plain path
         assert plain == {"captured": 0.0, "replayed": 0.0, "evicted": 0.0, "failed": 0.0}, plain
