@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from plugserve.plugins import blob
 from plugserve.plugins.api import CompiledNetwork, Configuration, TensorSpec
-from plugserve.plugins.torch.graphs import GraphCounters
+from plugserve.plugins.torch.graphs import GraphCounters, listed_inputs, parse_shapes
 from plugserve.plugins.torch.program import Program
 from plugserve.plugins.torch.request import TorchInferRequest
 
@@ -43,6 +43,7 @@ class TorchCompiledNetwork(CompiledNetwork):
         self.torch_device = device
         self.open_ended = False  # control flow is never converted
         self.graph_counters = GraphCounters()  # its requests' lanes count here (.graphs)
+        listed_inputs(self, parse_shapes(config.get("CUDA_GRAPH_SHAPES") or ""))  # checked now
 
     @property
     def precision(self) -> str:

@@ -35,10 +35,10 @@ from typing import Any
 
 import numpy as np
 
-from plugserve.plugins.api import InvalidArgument
+from plugserve.plugins.api import InvalidArgument, PlugserveError, check_inputs
 from plugserve.plugins.torch.ops.registry import held_dtype, torch_dtype
 
-__all__ = ["GraphCounters", "Lane", "lane_for", "parse_shapes"]
+__all__ = ["GraphCounters", "Lane", "lane_for", "listed_inputs", "parse_shapes"]
 
 log = logging.getLogger(__name__)
 
@@ -126,14 +126,8 @@ class Lane:
         self._graphs: collections.OrderedDict[Key, _Entry] = collections.OrderedDict()
         #: the shapes run once (their warm-up), the most recent 4 x limit + 8
         self._warmed: collections.OrderedDict[Key, None] = collections.OrderedDict()
-        specs = network.inputs
-        for listed in shapes:
-            if len(listed) != len(specs):
-                raise InvalidArgument(
-                    f"CUDA_GRAPH_SHAPES: {len(listed)} shape(s) for {len(specs)} input(s)"
-                )
+        for zeros in listed_inputs(network, shapes):
             # captured now, so the first request of the shape replays
-            zeros = [np.zeros(n, dtype=s.dtype or np.float32) for n, s in zip(listed, specs)]
             self._warmed[self._key(zeros)] = None  # (captured at once, not at a second sight)
             self.run(zeros)
 
@@ -289,6 +283,25 @@ class _Nothing:
 
     def __exit__(self, *exc: Any) -> None:
         return None
+
+
+def listed_inputs(network: Any, shapes: Sequence[Sequence[tuple[int, ...]]]) -> list[list[Any]]:
+    """Zero inputs of each shape set CUDA_GRAPH_SHAPES lists, checked against the network's
+    inputs as a request's are (the load refuses a listing no request could send)."""
+    specs = network.inputs
+    found = []
+    for listed in shapes:
+        if len(listed) != len(specs):
+            raise InvalidArgument(
+                f"CUDA_GRAPH_SHAPES: {len(listed)} shape(s) for {len(specs)} input(s) of "
+                f"network {network.name!r}"
+            )
+        zeros = {s.name: np.zeros(n, dtype=s.dtype or np.float32) for n, s in zip(listed, specs)}
+        try:
+            found.append(check_inputs(network.name, specs, zeros))
+        except PlugserveError as exc:
+            raise InvalidArgument(f"CUDA_GRAPH_SHAPES: {exc}") from None
+    return found
 
 
 def lane_for(network: Any) -> Lane | None:

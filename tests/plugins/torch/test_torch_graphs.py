@@ -71,6 +71,10 @@ def test_shapes_listed_at_load_are_captured_before_the_first_request(core):
     assert network.graph_statistics()["replayed"] == 1
     with pytest.raises(InvalidArgument, match="CUDA_GRAPH_SHAPES"):
         core.load_network(mlp(), "TORCH", {"CUDA_GRAPH_SHAPES": "1xa"})
+    with pytest.raises(InvalidArgument, match=r"CUDA_GRAPH_SHAPES: 2 shape\(s\) for 1 input"):
+        core.load_network(mlp(), "TORCH", {"CUDA_GRAPH_SHAPES": "1x32,1x32"})
+    with pytest.raises(InvalidArgument, match=r"CUDA_GRAPH_SHAPES: .*dimension 1 must be 32"):
+        core.load_network(mlp(), "TORCH", {"CUDA_GRAPH_SHAPES": "1x31"})
     with pytest.raises(InvalidArgument, match="CUDA_GRAPHS"):
         core.load_network(mlp(), "TORCH", {"CUDA_GRAPHS": "-1"})
 
