@@ -118,9 +118,9 @@ class Lane:
         self.limit = max(0, int(limit))
         self.counters: GraphCounters = network.graph_counters
         self.stream = self.torch.cuda.Stream(device=self.device) if self.cuda else None
-        #: pinned staging buffers by (shape, dtype), the least recently used dropped beyond
-        #: HOST_BUFFERS (a model whose shapes vary would otherwise hold one per shape seen)
-        self._hosts: collections.OrderedDict[tuple[tuple[int, ...], Any], Any] = (
+        #: pinned staging buffers by (slot, shape, dtype), the least recently used dropped
+        #: beyond HOST_BUFFERS (a model whose shapes vary would otherwise hold one per shape)
+        self._hosts: collections.OrderedDict[tuple[str, tuple[int, ...], Any], Any] = (
             collections.OrderedDict()
         )
         self._graphs: collections.OrderedDict[Key, _Entry] = collections.OrderedDict()
@@ -133,10 +133,12 @@ class Lane:
 
     # --- host buffers
 
-    def _host(self, shape: tuple[int, ...], dtype: Any) -> Any:
-        """The staging buffer of this shape and dtype: pinned on CUDA, reused per lane (a
-        request synchronises its stream before returning, so no copy from it is pending)."""
-        key = (shape, dtype)
+    def _host(self, slot: str, shape: tuple[int, ...], dtype: Any) -> Any:
+        """The staging buffer of an input or output (``slot``: ``in3``, ``out0``) of this shape
+        and dtype: pinned on CUDA, reused per lane (a request synchronises its stream before
+        returning, so no copy from it is pending). Keyed by slot too: two inputs of one shape
+        must not share a buffer."""
+        key = (slot, shape, dtype)
         buffer = self._hosts.get(key)
         if buffer is None:
             buffer = self.torch.empty(shape, dtype=dtype, pin_memory=self.cuda)
@@ -147,21 +149,21 @@ class Lane:
             self._hosts.move_to_end(key)
         return buffer
 
-    def _stage(self, array: np.ndarray) -> Any:
+    def _stage(self, slot: str, array: np.ndarray) -> Any:
         dtype = torch_dtype(self.torch, array.dtype)
-        host = self._host(tuple(array.shape), dtype)
+        host = self._host(slot, tuple(array.shape), dtype)
         if dtype == self.torch.bfloat16:
             host.view(self.torch.int16).numpy()[...] = np.asarray(array).view(np.int16)
         else:
             host.numpy()[...] = array
         return host
 
-    def _fetch(self, tensor: Any, np_type: np.dtype) -> np.ndarray:
+    def _fetch(self, slot: str, tensor: Any, np_type: np.dtype) -> np.ndarray:
         torch = self.torch
         want = torch_dtype(torch, np_type)
         if tensor.dtype != want:
             tensor = tensor.to(want)
-        host = self._host(tuple(tensor.shape), want)
+        host = self._host(slot, tuple(tensor.shape), want)
         host.copy_(tensor, non_blocking=self.cuda)
         return host  # read after the stream is synchronised
 
@@ -185,7 +187,7 @@ class Lane:
         key = self._key(arrays)
         program = self.program
         with torch.inference_mode(), self._on_stream():
-            staged = [self._stage(a) for a in arrays]
+            staged = [self._stage(f"in{i}", a) for i, a in enumerate(arrays)]
             entry, seen = self._entry(key, staged)
             if entry is not None and entry.outputs is not None:
                 for static, host in zip(entry.inputs, staged):
@@ -200,8 +202,8 @@ class Lane:
             else:
                 outputs = program.compute_tensors(self._to_device(staged))
             hosts = [
-                self._fetch(t, np.dtype(np.float32) if ty is None else ty)
-                for t, ty in zip(outputs, program.output_types)
+                self._fetch(f"out{i}", t, np.dtype(np.float32) if ty is None else ty)
+                for i, (t, ty) in enumerate(zip(outputs, program.output_types))
             ]
             if self.stream is not None:
                 self.stream.synchronize()  # this request's work only

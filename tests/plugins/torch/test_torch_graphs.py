@@ -14,7 +14,7 @@ import urllib.request
 
 import numpy as np
 import pytest
-from models import mlp, small_cnn
+from models import add_sub, mlp, small_cnn
 from serving import RunningServer
 
 from plugserve.plugins.api import InvalidArgument
@@ -57,6 +57,18 @@ def test_outputs_equal_the_plain_path_and_the_shape_count_is_bounded(core):
     kept = first.copy()
     request.infer({"x": _batch(1, 6)})
     np.testing.assert_array_equal(first, kept)
+
+
+def test_inputs_and_outputs_of_one_shape_keep_buffers_of_their_own(core):
+    network = core.load_network(add_sub(shape=(2, 3)), "TORCH", {"CUDA_GRAPHS": "2"})
+    request = network.create_infer_request()
+    rng = np.random.default_rng(4)
+    for _ in range(3):  # eager (first sight), captured, replayed
+        a, b = (rng.normal(size=(2, 3)).astype(np.float32) for _ in range(2))
+        got = request.infer({"INPUT0": a, "INPUT1": b})
+        np.testing.assert_array_equal(got["OUTPUT0"], a + b)
+        np.testing.assert_array_equal(got["OUTPUT1"], a - b)
+    assert network.graph_statistics()["replayed"] == 1
 
 
 def test_shapes_listed_at_load_are_captured_before_the_first_request(core):
