@@ -28,6 +28,7 @@ The counters (shapes captured, replays, evictions, captures failed) are the netw
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import threading
 from collections.abc import Sequence
@@ -36,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from plugserve.plugins.api import InvalidArgument, PlugserveError, check_inputs
+from plugserve.plugins.errors import Cancelled, DeadlineExceeded
 from plugserve.plugins.torch.ops.registry import held_dtype, torch_dtype
 
 __all__ = ["GraphCounters", "Lane", "lane_for", "listed_inputs", "parse_shapes"]
@@ -214,7 +216,7 @@ class Lane:
 
     def _on_stream(self) -> Any:
         if self.stream is None:
-            return _Nothing()
+            return contextlib.nullcontext()
         return self.torch.cuda.stream(self.stream)
 
     def _to_device(self, staged: list[Any]) -> list[Any]:
@@ -258,12 +260,14 @@ class Lane:
         if not self.cuda:
             self.counters.add("captured")
             return _Entry(static, [], None)
+        self.program.compute_tensors(static)  # the warm-up: its errors are the request's
+        self.stream.synchronize()
         try:
-            self.program.compute_tensors(static)  # the warm-up, on this lane's stream
-            self.stream.synchronize()
             graph = torch.cuda.CUDAGraph()  # its own memory pool: graphs replay in any order
             with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
                 outputs = self.program.compute_tensors(static)
+        except (Cancelled, DeadlineExceeded):
+            raise  # the request's end, not the shape's: captured at its next request
         except Exception as exc:  # a step that syncs, a data-dependent shape: stays eager
             if self.counters.failed_first(key):
                 log.warning(
@@ -277,14 +281,6 @@ class Lane:
 
 def _dtype_of(tensor: Any) -> np.dtype:
     return np.dtype(str(tensor.dtype).removeprefix("torch."))
-
-
-class _Nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
 
 
 def listed_inputs(network: Any, shapes: Sequence[Sequence[tuple[int, ...]]]) -> list[list[Any]]:
