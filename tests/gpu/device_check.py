@@ -12,7 +12,10 @@ HETERO; export/import gives the same answer. Speed: ResNet-50 (torchvision's, ra
 exported to ONNX here) at batch 32 and batch 1 through the device, numpy in and out, beside
 torch's own eager forward of the same module in fp16 in the same run (the issue's bar: at
 least 1.0x eager at batch 32). Without torchvision a small conv net stands in (said in the
-output). Bounded: each figure is timed for ``--budget`` seconds (default 1).
+output). Graphs (:func:`graph_checks`, issue 49): a repeated shape is replayed with eager's
+answers within f16's tolerance, a data-dependent one stays eager, and the ResNet's batch-1
+latency eager (CUDA_GRAPHS=0) beside replayed. Bounded: each figure is timed for ``--budget``
+seconds (default 1).
 """
 
 from __future__ import annotations
