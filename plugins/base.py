@@ -398,6 +398,13 @@ class CompiledNetwork(abc.ABC):
     #: The streams, made on first use; declared here too so that ``__del__`` of a network
     #: whose ``__init__`` failed half way reads None.
     _executor: StreamsExecutor | None = None
+
+    def graph_statistics(self) -> dict[str, int]:
+        """Graph events of a network that replays input shapes as CUDA graphs (captured,
+        replayed, evicted, failed: ``plugserve_graph_events`` on /metrics); {} for one that
+        replays none (every device but the torch ones)."""
+        return {}
+
     #: ``{state input: state output}`` its requests keep between runs (:meth:`keep_states`)
     state_pairs: Mapping[str, str] = {}
     #: what computes, before a run, the sizes of the outputs the request's values decide

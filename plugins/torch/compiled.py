@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from plugserve.plugins import blob
 from plugserve.plugins.api import CompiledNetwork, Configuration, TensorSpec
 from plugserve.plugins.torch.devmem import Activations, DeviceMemory
+from plugserve.plugins.torch.graphs import GraphCounters, listed_inputs, parse_shapes
 from plugserve.plugins.torch.program import Program
 from plugserve.plugins.torch.programs import EXPORT, TORCHSCRIPT, TorchProgram
 from plugserve.plugins.torch.request import TorchInferRequest
@@ -56,10 +57,17 @@ class TorchCompiledNetwork(CompiledNetwork):
         #: set by the plugin's compile
         self.memory: DeviceMemory | None = None
         self.activations: Activations | None = None
+        self.graph_counters = GraphCounters()  # its requests' lanes count here (.graphs)
+        listed_inputs(self, parse_shapes(config.get("CUDA_GRAPH_SHAPES") or ""))  # checked now
 
     @property
     def precision(self) -> str:
         return self._precision
+
+    def graph_statistics(self) -> dict[str, int]:
+        """Its requests' graph events: shapes captured, replays, evictions, failed captures
+        (``plugserve_graph_events`` on /metrics)."""
+        return self.graph_counters.snapshot()
 
     def create_infer_request(self) -> TorchInferRequest:
         return TorchInferRequest(self)

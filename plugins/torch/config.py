@@ -5,6 +5,7 @@ whether its input shapes are replayed as CUDA graphs."""
 from __future__ import annotations
 
 from plugserve.plugins.api import ConfigKey, Configuration
+from plugserve.plugins.torch.graphs import parse_shapes
 from plugserve.plugins.torch.programs import parse_tensors
 
 __all__ = ["PRECISIONS", "GpuConfiguration", "TorchConfiguration"]
@@ -51,10 +52,44 @@ _BUDGET = ConfigKey(
 )
 
 
+def _graphs(value: str) -> int:
+    count = int(str(value).strip() or 0)
+    if count < 0:
+        raise ValueError("expected the number of shapes kept as graphs per stream (0: none)")
+    return count
+
+
+def _shapes(value: str) -> str:
+    parse_shapes(value)  # checked at set, parsed again by each stream's request
+    return str(value).strip()
+
+
+def _graph_keys(default: int) -> tuple[ConfigKey, ...]:
+    return (
+        ConfigKey(
+            "CUDA_GRAPHS",
+            default,
+            _graphs,
+            doc=f"input shapes (shapes and dtypes) each stream keeps captured as CUDA graphs, "
+            f"the least recently used evicted; 0: none (default {default}). On the CPU the same "
+            "cache runs the eager program through static buffers (the tested twin)",
+        ),
+        ConfigKey(
+            "CUDA_GRAPH_SHAPES",
+            "",
+            _shapes,
+            doc="input shapes captured when each stream starts, before any request: shape "
+            "sets separated by ';', the inputs' shapes in input order by ',', dimensions by "
+            "'x' (1x3x224x224;8x3x224x224)",
+        ),
+    )
+
+
 class TorchConfiguration(Configuration):
     KEYS = (
         *Configuration.KEYS,
         _BUDGET,
+        *_graph_keys(0),
         ConfigKey(
             "INFERENCE_PRECISION_HINT",
             "",
@@ -69,6 +104,7 @@ class GpuConfiguration(Configuration):
     KEYS = (
         *Configuration.KEYS,
         _BUDGET,
+        *_graph_keys(8),
         ConfigKey(
             "INFERENCE_PRECISION_HINT",
             "",

@@ -171,33 +171,39 @@ class Program:
 
     def run(self, arrays: Sequence[Any]) -> list[np.ndarray]:
         torch = self.torch
-        vals = list(self.template)
         with torch.inference_mode():
-            for slot, array in zip(self.input_slots, arrays):
-                vals[slot] = to_tensor(torch, np.asarray(array), self.device, self.compute)
-            token = cancel.current()
-            what = ""
-            try:
-                for fn, ins, outs, what, free in self.steps:  # noqa: B007 (named in the error)
-                    if token is not None and token.error is not None:
-                        raise token.failure()
-                    result = fn(*[vals[i] if i >= 0 else None for i in ins])
-                    if len(outs) == 1:
-                        vals[outs[0]] = result
-                    else:
-                        for slot, value in zip(outs, result):
-                            if slot >= 0:
-                                vals[slot] = value
-                    for i in free:
-                        vals[i] = None
-                return [
-                    to_numpy(torch, vals[s], t if t is not None else np.dtype(np.float32))
-                    for s, t in zip(self.output_slots, self.output_types)
-                ]
-            except PlugserveError:
-                raise
-            except Exception as exc:
-                raise InferenceError(f"network {self.name!r}: node {what}: {exc}") from exc
+            tensors = [to_tensor(torch, np.asarray(a), self.device, self.compute) for a in arrays]
+            return [
+                to_numpy(torch, t, ty if ty is not None else np.dtype(np.float32))
+                for t, ty in zip(self.compute_tensors(tensors), self.output_types)
+            ]
+
+    def compute_tensors(self, tensors: Sequence[Any]) -> list[Any]:
+        """The steps over the inputs as tensors on the device, in the dtypes they are held in;
+        the outputs as tensors there (what :mod:`.graphs` captures and replays)."""
+        vals = list(self.template)
+        for slot, tensor in zip(self.input_slots, tensors):
+            vals[slot] = tensor
+        token = cancel.current()
+        what = ""
+        try:
+            for fn, ins, outs, what, free in self.steps:  # noqa: B007 (named in the error)
+                if token is not None and token.error is not None:
+                    raise token.failure()
+                result = fn(*[vals[i] if i >= 0 else None for i in ins])
+                if len(outs) == 1:
+                    vals[outs[0]] = result
+                else:
+                    for slot, value in zip(outs, result):
+                        if slot >= 0:
+                            vals[slot] = value
+                for i in free:
+                    vals[i] = None
+            return [vals[s] for s in self.output_slots]
+        except PlugserveError:
+            raise
+        except Exception as exc:
+            raise InferenceError(f"network {self.name!r}: node {what}: {exc}") from exc
 
 
 def build_program(graph: Graph, torch: Any, device: Any, compute: Any) -> Program:

@@ -1,6 +1,7 @@
 """TORCH's and GPU's infer request: the program over the checked inputs, each node's time
-kept when PERF_COUNT is on. On a GPU the run waits for its own work only (the outputs' copy to
-the host), on the stream this request's thread runs on."""
+kept when PERF_COUNT is on. On a GPU (and on the CPU with CUDA_GRAPHS) it runs on its
+:class:`~.graphs.Lane`: the stream executor's own CUDA stream, pinned buffers and graphs; the run
+waits for its own stream only."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import numpy as np
 
 from plugserve.plugins.api import InferRequest, PerfCount
 from plugserve.plugins.torch import devmem
+from plugserve.plugins.torch import graphs as lanes
 
 if TYPE_CHECKING:
     from plugserve.plugins.torch.compiled import TorchCompiledNetwork
@@ -25,16 +27,19 @@ class TorchInferRequest(InferRequest):
         super().__init__(network)
         self._perf = bool(network.config.get("PERF_COUNT"))
         self._counts: list[PerfCount] = []
+        self._lane = lanes.lane_for(network)  # its stream, pinned buffers and graphs
         self._stream: Any = None
-        device = network.torch_device
-        if device.type == "cuda":  # one CUDA stream per request: a stream executor's own
-            self._stream = network.program.torch.cuda.Stream(device=device)
+        if self._lane is None and network.torch_device.type == "cuda":
+            # a PyTorch program (no lane: its steps are its own): a CUDA stream of its own
+            self._stream = network.program.torch.cuda.Stream(device=network.torch_device)
 
     def _run(self, arrays: list[Any]) -> dict[str, np.ndarray]:
         program = self.network.program
         start = time.perf_counter()
         with devmem.charged(self.network, arrays):  # activations charged before the run
-            if self._stream is not None:
+            if self._lane is not None:
+                outputs = self._lane.run(arrays)
+            elif self._stream is not None:
                 with program.torch.cuda.stream(self._stream):
                     outputs = program.run(arrays)
             else:

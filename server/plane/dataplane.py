@@ -197,6 +197,7 @@ class DataPlane:
         self._inflight_lock = threading.Lock()
         metrics.watch_executors(self._executor_gauges)
         metrics.watch_sequences(self._sequence_gauges)
+        metrics.watch_graphs(self._graph_counts)
 
     # --- executors
 
@@ -216,6 +217,15 @@ class DataPlane:
             )
             for kind, group in sorted(per_device.items())
         ]
+
+    def _graph_counts(self) -> list[tuple[str, str, str, dict[str, int]]]:
+        """The graph events of each network that replays shapes (``plugins/torch/graphs``)."""
+        found = []
+        for n in self.table.all():
+            counts = n.network.graph_statistics()
+            if counts:
+                found.append((n.device, n.name, str(n.version), counts))
+        return found
 
     def _sequence_gauges(self) -> list[tuple[str, str, str, int, int]]:
         return [

@@ -186,6 +186,25 @@ class _SequenceCollector:
         yield from (active, held)
 
 
+class _GraphCollector:
+    """Per network whose device replays shapes as CUDA graphs (``plugins/torch/graphs.py``),
+    read at scrape time: its shapes captured, replays, evictions and failed captures."""
+
+    def __init__(self, read: Callable[[], list[tuple[str, str, str, dict[str, int]]]]) -> None:
+        self._read = read
+
+    def collect(self):
+        events = CounterMetricFamily(
+            "plugserve_graph_events",
+            "CUDA graph events of a network, by event (captured, replayed, evicted, failed)",
+            labels=["device", "model", "version", "event"],
+        )
+        for device, model, version, counts in self._read():
+            for event, count in sorted(counts.items()):
+                events.add_metric([device, model, version, event], count)
+        yield events
+
+
 class _GenerationCollector:
     """Per generative model (``server/apps/generate/``), read at scrape time from its engine's
     statistics: histograms of time to first token, inter-token latency and end-to-end
@@ -380,6 +399,11 @@ class Metrics:
 
     def watch_sequences(self, read: Callable[[], list[tuple[str, str, str, int, int]]]) -> None:
         self.registry.register(_SequenceCollector(read))
+
+    def watch_graphs(self, read: Callable[[], list[tuple[str, str, str, dict[str, int]]]]) -> None:
+        """``read()``: ``(device, model, version, {event: count})`` of each graph-replaying
+        network."""
+        self.registry.register(_GraphCollector(read))
 
     def watch_generation(self, read: Callable[[], list[tuple[str, str, str, Any]]]) -> None:
         """``read()``: ``(device, model, version, stats snapshot)`` of each generative model."""

@@ -13,7 +13,10 @@ whole (f32 and f16) and export/import. Speed: ResNet-50 (torchvision's, random w
 exported to ONNX here) at batch 32 and batch 1 through the device, numpy in and out, beside
 torch's own eager forward of the same module in fp16 in the same run (the issue's bar: at
 least 1.0x eager at batch 32). Without torchvision a small conv net stands in (said in the
-output). Bounded: each figure is timed for ``--budget`` seconds (default 1).
+output). Graphs (:func:`graph_checks`, issue 49): a repeated shape is replayed with eager's
+answers within f16's tolerance, a data-dependent one stays eager, and the ResNet's batch-1
+latency eager (CUDA_GRAPHS=0) beside replayed. Bounded: each figure is timed for ``--budget``
+seconds (default 1).
 """
 
 from __future__ import annotations
@@ -224,6 +227,7 @@ def main() -> int:
             result["figures"][f"{device}_b{batch}"] = {"error": f"{type(exc).__name__}: {exc}"}
         print(f"b{batch}: {result['figures'][f'torch_eager_b{batch}']} "
               f"{device}: {result['figures'][f'{device}_b{batch}']}", flush=True)  # fmt: skip
+    graph_checks(core, device, cnn, image, proto, size, result, check, args.budget, sync)
     big = result["figures"].get(f"{device}_b{args.resnet_batch}", {})
     base = result["figures"][f"torch_eager_b{args.resnet_batch}"]
     if "img_per_s" in big:
@@ -236,6 +240,71 @@ def main() -> int:
     (out / "gpu_check.txt").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0 if all(c["pass"] for c in checks.values()) else 1
+
+
+def graph_checks(core, device, cnn, image, proto, size, result, check, budget, sync) -> None:
+    """Issue 49's graphs (``plugins/torch/graphs.py``): a repeated shape is replayed (the
+    replay counter above 0) with outputs equal to the eager path's within f16's tolerance;
+    and the batch-1 latency of the ResNet-style model served eagerly (CUDA_GRAPHS=0) beside
+    replayed (CUDA_GRAPHS=8), through one infer request each. On TORCH (the CPU) the same
+    runs the cache's CPU twin (no graphs: the figure shows the static-buffer path's cost)."""
+
+    def replayed() -> str:
+        eager = core.load_network(cnn, device, {"CUDA_GRAPHS": "0"}).create_infer_request()
+        network = core.load_network(cnn, device, {"CUDA_GRAPHS": "4"})
+        request = network.create_infer_request()
+        worst = 0.0
+        for seed in range(4):  # the first captures, the rest replay
+            x = image + np.float32(seed)
+            got = request.infer({"x": x})["probs"]
+            worst = max(worst, float(np.max(np.abs(got - eager.infer({"x": x})["probs"]))))
+        counts = network.graph_statistics()
+        if not counts["replayed"] > 0:
+            raise AssertionError(f"nothing replayed: {counts}")
+        if not worst <= 2e-2:
+            raise AssertionError(f"replayed outputs differ from eager by {worst:.3g}: {counts}")
+        return f"{counts}, max difference to eager {worst:.3g}"
+
+    check("graphs_replayed", replayed)
+
+    def fallback() -> str:
+        """A shape that depends on the data (NonZero) cannot be captured: on CUDA the capture
+        fails (counted, logged once) and the shape runs eagerly, its answers still right."""
+        from onnx import TensorProto, helper
+
+        graph = helper.make_graph(
+            [helper.make_node("NonZero", ["x"], ["y"])], "nonzero",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [8])],
+            [helper.make_tensor_value_info("y", TensorProto.INT64, [1, "n"])],
+        )  # fmt: skip
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+        model.ir_version = 8
+        network = core.load_network(model, device, {"CUDA_GRAPHS": "4"})
+        request = network.create_infer_request()
+        numpy = core.load_network(model, "NUMPY")
+        for seed in range(3):
+            x = (np.random.default_rng(seed).random(8) > 0.5).astype(np.float32)
+            np.testing.assert_array_equal(request.infer({"x": x})["y"], numpy.infer({"x": x})["y"])
+        counts = network.graph_statistics()
+        if device.startswith("GPU") and not (counts["failed"] >= 1 and counts["replayed"] == 0):
+            raise AssertionError(f"NonZero's capture should fail and stay eager: {counts}")
+        return str(counts)
+
+    check("graphs_fallback", fallback)
+    x = np.random.default_rng(11).random((1, 3, size, size), dtype=np.float32)
+    figures: dict = {}
+    for label, limit in (("eager", "0"), ("replayed", "8")):
+        try:
+            network = core.load_network(proto, device, {"CUDA_GRAPHS": limit})
+            request = network.create_infer_request()
+            ms = timed(lambda r=request: r.infer({"x": x}), budget, sync)
+            figures[label] = {"ms": round(ms, 3), "graphs": network.graph_statistics()}
+        except Exception as exc:
+            figures[label] = {"error": f"{type(exc).__name__}: {exc}"}
+    if "ms" in figures.get("eager", {}) and "ms" in figures.get("replayed", {}):
+        figures["speedup"] = round(figures["eager"]["ms"] / figures["replayed"]["ms"], 3)
+    result["figures"][f"{device}_b1_graphs"] = figures
+    print(f"b1 eager vs replayed: {figures}", flush=True)
 
 
 if __name__ == "__main__":

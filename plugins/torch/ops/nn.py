@@ -9,6 +9,7 @@ import numpy as np
 
 from plugserve.plugins.torch.ops.elementwise import FLOATS
 from plugserve.plugins.torch.ops.registry import NodeContext, Refused, ints, register
+from plugserve.plugins.torch.ops.resize import general_resize
 
 
 def _weight_kernel(ctx: NodeContext) -> list[int]:
@@ -599,8 +600,6 @@ def resize(ctx: NodeContext) -> Any:
     try:
         return _interpolate_resize(ctx)
     except Refused:
-        from plugserve.plugins.torch.ops.resize import general_resize
-
         return general_resize(ctx)
 
 

@@ -1,0 +1,316 @@
+"""What makes a TORCH or GPU request fast by construction (issue 49): each stream executor's
+request owns a :class:`Lane`, its own CUDA stream, its pinned host buffers, and a cache of the
+input shapes it has seen, each captured as a CUDA graph and replayed.
+
+- **Streams**: a request's copies and compute are enqueued on its lane's stream; the only
+  synchronisation on its path is of that stream, before the outputs are handed back, so the
+  requests of concurrent stream executors overlap.
+- **Pinned buffers**: inputs are staged in page-locked host buffers (reused per lane and per
+  shape) and copied to the card ``non_blocking``; outputs come back the same way.
+- **Graphs**: a shape (the inputs' shapes and dtypes) runs eagerly at its first request (the
+  warm-up: kernels picked, allocator settled; a shape seen once costs no capture); at its second
+  it is captured into static input and output buffers (after one more warm-up run) and replayed,
+  as are its later requests, which copy into the static inputs. A shape listed at load
+  (``CUDA_GRAPH_SHAPES``) is captured when the lane starts. At most ``CUDA_GRAPHS`` shapes per
+  lane, the least recently used evicted; a shape whose capture fails (a step that reads a value
+  on the host, a data-dependent shape) stays eager, logged once. Each lane holds its own graphs:
+  a graph's static buffers serve one request at a time, and a lane runs one at a time, so
+  replays never wait on each other. A capture (once per shape and stream) is the one place that
+  waits for the whole card: torch's capture synchronises the device before it begins.
+- **The CPU twin**: on the CPU (TORCH with ``CUDA_GRAPHS`` above 0) the same cache and copy
+  path run, the "graph" being the eager program over the static buffers, without pinning; it
+  is what CI tests (outputs, the bound, the counters) without a GPU.
+
+The counters (shapes captured, replays, evictions, captures failed) are the network's
+:class:`GraphCounters`, read by ``/metrics`` as ``plugserve_graph_events``.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from plugserve.plugins.api import InvalidArgument, PlugserveError, check_inputs
+from plugserve.plugins.errors import Cancelled, DeadlineExceeded
+from plugserve.plugins.torch.ops.registry import held_dtype, torch_dtype
+from plugserve.plugins.torch.program import Program
+
+__all__ = ["GraphCounters", "Lane", "lane_for", "listed_inputs", "parse_shapes"]
+
+log = logging.getLogger(__name__)
+
+Key = tuple[tuple[tuple[int, ...], str], ...]
+
+#: staging buffers a lane keeps (inputs and outputs of its recent shapes)
+HOST_BUFFERS = 32
+
+
+def parse_shapes(text: str) -> list[list[tuple[int, ...]]]:
+    """``CUDA_GRAPH_SHAPES``: shape sets separated by ``;``, each the inputs' shapes in the
+    network's input order separated by ``,``, dimensions by ``x`` (``1x3x224x224;8x3x224x224``
+    for one input; ``1x16,1x16`` for two)."""
+    found = []
+    for group in str(text).split(";"):
+        if not group.strip():
+            continue
+        try:
+            shapes = [
+                tuple(int(d) for d in s.strip().split("x") if d.strip()) for s in group.split(",")
+            ]
+        except ValueError:
+            raise ValueError(
+                f"{group.strip()!r}: expected shapes like 1x3x224x224, inputs separated by ','"
+            ) from None
+        if any(d < 0 for s in shapes for d in s):
+            raise ValueError(f"{group.strip()!r}: a dimension is negative")
+        found.append(shapes)
+    return found
+
+
+class GraphCounters:
+    """A network's graph events, summed over its lanes (read by ``/metrics``)."""
+
+    EVENTS = ("captured", "replayed", "evicted", "failed")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts = dict.fromkeys(self.EVENTS, 0)
+        self._failed_keys: set[Key] = set()
+
+    def add(self, event: str) -> None:
+        with self._lock:
+            self._counts[event] += 1
+
+    def failed_first(self, key: Key) -> bool:
+        """Count a failed capture; True the first time this shape failed (to log it once)."""
+        with self._lock:
+            self._counts["failed"] += 1
+            first = key not in self._failed_keys
+            self._failed_keys.add(key)
+            return first
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+
+class _Entry:
+    """One shape's static buffers and, on CUDA, its graph (None: the shape runs eagerly)."""
+
+    def __init__(self, inputs: list[Any], outputs: list[Any] | None, graph: Any) -> None:
+        self.inputs = inputs
+        self.outputs = outputs
+        self.graph = graph
+
+
+class Lane:
+    """One stream executor's stream, pinned buffers and graphs (see the module docstring)."""
+
+    def __init__(self, network: Any, limit: int, shapes: Sequence[Sequence[tuple[int, ...]]]):
+        program = network.program
+        self.program = program
+        self.torch = program.torch
+        self.device = program.device
+        self.cuda = self.device.type == "cuda"
+        self.limit = max(0, int(limit))
+        self.counters: GraphCounters = network.graph_counters
+        self.stream = self.torch.cuda.Stream(device=self.device) if self.cuda else None
+        #: pinned staging buffers by (slot, shape, dtype), the least recently used dropped
+        #: beyond HOST_BUFFERS (a model whose shapes vary would otherwise hold one per shape)
+        self._hosts: collections.OrderedDict[tuple[str, tuple[int, ...], Any], Any] = (
+            collections.OrderedDict()
+        )
+        self._graphs: collections.OrderedDict[Key, _Entry] = collections.OrderedDict()
+        #: the shapes run once (their warm-up), the most recent 4 x limit + 8
+        self._warmed: collections.OrderedDict[Key, None] = collections.OrderedDict()
+        for zeros in listed_inputs(network, shapes):
+            # captured now, so the first request of the shape replays
+            self._warmed[self._key(zeros)] = None  # (captured at once, not at a second sight)
+            self.run(zeros)
+
+    # --- host buffers
+
+    def _host(self, slot: str, shape: tuple[int, ...], dtype: Any) -> Any:
+        """The staging buffer of an input or output (``slot``: ``in3``, ``out0``) of this shape
+        and dtype: pinned on CUDA, reused per lane (a request synchronises its stream before
+        returning, so no copy from it is pending). Keyed by slot too: two inputs of one shape
+        must not share a buffer."""
+        key = (slot, shape, dtype)
+        buffer = self._hosts.get(key)
+        if buffer is None:
+            buffer = self.torch.empty(shape, dtype=dtype, pin_memory=self.cuda)
+            self._hosts[key] = buffer
+            while len(self._hosts) > HOST_BUFFERS:  # (one in use stays alive while it is)
+                self._hosts.popitem(last=False)
+        else:
+            self._hosts.move_to_end(key)
+        return buffer
+
+    def _stage(self, slot: str, array: np.ndarray) -> Any:
+        dtype = torch_dtype(self.torch, array.dtype)
+        host = self._host(slot, tuple(array.shape), dtype)
+        if dtype == self.torch.bfloat16:
+            host.view(self.torch.int16).numpy()[...] = np.asarray(array).view(np.int16)
+        else:
+            host.numpy()[...] = array
+        return host
+
+    def _fetch(self, slot: str, tensor: Any, np_type: np.dtype) -> np.ndarray:
+        torch = self.torch
+        want = torch_dtype(torch, np_type)
+        if tensor.dtype != want:
+            tensor = tensor.to(want)
+        host = self._host(slot, tuple(tensor.shape), want)
+        host.copy_(tensor, non_blocking=self.cuda)
+        return host  # read after the stream is synchronised
+
+    @staticmethod
+    def _numpy(host: Any, np_type: np.dtype, torch: Any) -> np.ndarray:
+        if host.dtype == torch.bfloat16:
+            return host.view(torch.int16).numpy().view(np_type).copy()
+        return host.numpy().copy()  # the buffer is reused by the next request
+
+    # --- running
+
+    @staticmethod
+    def _key(arrays: Sequence[np.ndarray]) -> Key:
+        return tuple((tuple(a.shape), a.dtype.str) for a in arrays)
+
+    def run(self, arrays: Sequence[Any]) -> list[np.ndarray]:
+        """The outputs of the program over ``arrays`` (numpy), through the graph of their
+        shape where there is one."""
+        torch = self.torch
+        arrays = [np.asarray(a) for a in arrays]
+        key = self._key(arrays)
+        program = self.program
+        with torch.inference_mode(), self._on_stream():
+            staged = [self._stage(f"in{i}", a) for i, a in enumerate(arrays)]
+            entry, seen = self._entry(key, staged)
+            if entry is not None and entry.outputs is not None:
+                for static, host in zip(entry.inputs, staged):
+                    static.copy_(host, non_blocking=self.cuda)
+                if entry.graph is not None:
+                    entry.graph.replay()
+                    outputs = entry.outputs
+                else:  # the CPU twin: the eager program over the static buffers
+                    outputs = program.compute_tensors(entry.inputs)
+                if seen:  # (a capture's own request replays it too, but is counted captured)
+                    self.counters.add("replayed")
+            else:
+                outputs = program.compute_tensors(self._to_device(staged))
+            hosts = [
+                self._fetch(f"out{i}", t, np.dtype(np.float32) if ty is None else ty)
+                for i, (t, ty) in enumerate(zip(outputs, program.output_types))
+            ]
+            if self.stream is not None:
+                self.stream.synchronize()  # this request's work only
+            return [
+                self._numpy(h, np.dtype(np.float32) if ty is None else ty, torch)
+                for h, ty in zip(hosts, program.output_types)
+            ]
+
+    def _on_stream(self) -> Any:
+        if self.stream is None:
+            return contextlib.nullcontext()
+        return self.torch.cuda.stream(self.stream)
+
+    def _to_device(self, staged: list[Any]) -> list[Any]:
+        program = self.program
+        found = []
+        for host, np_type in zip(staged, program.input_types):
+            held = held_dtype(self.torch, np_type if np_type is not None else _dtype_of(host),
+                              program.compute)  # fmt: skip
+            tensor = host.to(self.device, non_blocking=self.cuda)
+            if not self.cuda:
+                tensor = tensor.clone()  # the program must not hold the reused buffer
+            found.append(tensor.to(held) if tensor.dtype != held else tensor)
+        return found
+
+    def _entry(self, key: Key, staged: list[Any]) -> tuple[_Entry | None, bool]:
+        """This shape's entry and whether it was there before; None at the shape's first
+        request, which runs eagerly (its warm-up: a shape seen once, as by a one-off
+        ``network.infer``, costs no capture); made (captured) at its second, the least
+        recently used evicted beyond the limit."""
+        if not self.limit:
+            return None, False
+        entry = self._graphs.get(key)
+        if entry is not None:
+            self._graphs.move_to_end(key)
+            return entry, True
+        if key not in self._warmed:
+            self._warmed[key] = None
+            while len(self._warmed) > 4 * self.limit + 8:
+                self._warmed.popitem(last=False)
+            return None, False
+        entry = self._capture(key, staged)
+        self._graphs[key] = entry
+        while len(self._graphs) > self.limit:
+            self._graphs.popitem(last=False)
+            self.counters.add("evicted")
+        return entry, False
+
+    def _capture(self, key: Key, staged: list[Any]) -> _Entry:
+        torch = self.torch
+        static = self._to_device(staged)
+        if not self.cuda:
+            self.counters.add("captured")
+            return _Entry(static, [], None)
+        self.program.compute_tensors(static)  # the warm-up: its errors are the request's
+        self.stream.synchronize()
+        try:
+            graph = torch.cuda.CUDAGraph()  # its own memory pool: graphs replay in any order
+            with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
+                outputs = self.program.compute_tensors(static)
+        except (Cancelled, DeadlineExceeded):
+            raise  # the request's end, not the shape's: captured at its next request
+        except Exception as exc:  # a step that syncs, a data-dependent shape: stays eager
+            if self.counters.failed_first(key):
+                log.warning(
+                    "network %r: shape %s is not captured as a CUDA graph (it runs eagerly): "
+                    "%s: %s", self.program.name, [s for s, _ in key], type(exc).__name__, exc,
+                )  # fmt: skip
+            return _Entry([], None, None)
+        self.counters.add("captured")
+        return _Entry(static, list(outputs), graph)
+
+
+def _dtype_of(tensor: Any) -> np.dtype:
+    return np.dtype(str(tensor.dtype).removeprefix("torch."))
+
+
+def listed_inputs(network: Any, shapes: Sequence[Sequence[tuple[int, ...]]]) -> list[list[Any]]:
+    """Zero inputs of each shape set CUDA_GRAPH_SHAPES lists, checked against the network's
+    inputs as a request's are (the load refuses a listing no request could send)."""
+    specs = network.inputs
+    found = []
+    for listed in shapes:
+        if len(listed) != len(specs):
+            raise InvalidArgument(
+                f"CUDA_GRAPH_SHAPES: {len(listed)} shape(s) for {len(specs)} input(s) of "
+                f"network {network.name!r}"
+            )
+        zeros = {s.name: np.zeros(n, dtype=s.dtype or np.float32) for n, s in zip(listed, specs)}
+        try:
+            found.append(check_inputs(network.name, specs, zeros))
+        except PlugserveError as exc:
+            raise InvalidArgument(f"CUDA_GRAPH_SHAPES: {exc}") from None
+    return found
+
+
+def lane_for(network: Any) -> Lane | None:
+    """The lane of a new request (one per stream executor): on CUDA always (its stream and
+    pinned buffers, graphs unless CUDA_GRAPHS is 0); on the CPU only with CUDA_GRAPHS above 0
+    (else the plain program, as before)."""
+    limit = int(network.config.get("CUDA_GRAPHS") or 0)
+    if not isinstance(network.program, Program):  # a PyTorch program runs whole, as it is
+        return None
+    if network.program.device.type != "cuda" and not limit:
+        return None
+    shapes = parse_shapes(network.config.get("CUDA_GRAPH_SHAPES") or "")
+    return Lane(network, limit, shapes)
