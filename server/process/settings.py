@@ -196,6 +196,13 @@ class Settings:
         "family: hermes (Qwen2.5, Qwen3), qwen3_coder, llama3_json, mistral, pythonic "
         "(Llama 4); docs/openai.md",
     )
+    served_model_name: str = _field(
+        "",
+        "OpenAI API: another name for a repository model, NAME=MODEL (vLLM's "
+        "--served-model-name): NAME may hold '/', as a Hugging Face id does "
+        "(facebook/opt-125m=opt); repeat the flag or separate by commas",
+        repeat=True,
+    )
     reasoning_parser: str = _field(
         "auto",
         "how a reasoning model's thinking is split out of its answer (reasoning_content): "

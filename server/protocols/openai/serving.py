@@ -146,16 +146,22 @@ class OpenAIRoutes:
         responses_store: ResponseStore | None = None,
         tool_call_parser: str = "auto",
         reasoning_parser: str = "auto",
+        served_model_name: str = "",
     ) -> None:
         """``max_completion_tokens``: the server's limit on ``max_tokens`` (0: the model's
         context only); ``responses_store``: where /v1/responses keeps responses (default:
         :class:`ResponseStore`'s bounds); ``tool_call_parser`` and ``reasoning_parser``: the
-        operator's choice of parser (``auto``: from each model's chat template; ``none``: off)."""
+        operator's choice of parser (``auto``: from each model's chat template; ``none``: off);
+        ``served_model_name``: ``NAME=MODEL`` pairs, by commas, each another name for a
+        repository model (a Hugging Face id such as ``facebook/opt-125m``, which a repository
+        folder cannot be named)."""
         self.plane = plane
         self.control = control
         self.max_completion_tokens = max_completion_tokens
         self.tool_call_parser = tool_call_parser
         self.reasoning_parser = reasoning_parser
+        #: another name -> the repository model it stands for
+        self.aliases = _aliases(served_model_name)
         self.workers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="openai")
         self._queued = 0
         self.created = int(time.time())
@@ -216,7 +222,7 @@ class OpenAIRoutes:
 
     def _lookup(self, name: str) -> Any:
         try:
-            return self.plane.get(name)
+            return self.plane.get(self.aliases.get(name, name))
         except NotFound as exc:
             raise OpenAIError(
                 f"The model '{name}' does not exist ({exc})", "model", 404, "model_not_found"
@@ -255,7 +261,12 @@ class OpenAIRoutes:
         return card
 
     def models(self, call: Any) -> Reply:
-        body = {"object": "list", "data": [self._card(e) for e in self._served()]}
+        cards = [self._card(e) for e in self._served()]
+        by_name = {card["id"]: card for card in cards}
+        for alias, name in self.aliases.items():
+            if name in by_name:
+                cards.append({**by_name[name], "id": alias})
+        body = {"object": "list", "data": cards}
         return 200, [orjson.dumps(body)], _JSON
 
     def model(self, call: Any) -> Reply:
@@ -553,6 +564,18 @@ class OpenAIRoutes:
             )
         body = await embeddings.embed(self.plane, entry, encoder, ask, self._in_worker, trace)
         return 200, [body], _JSON
+
+
+def _aliases(pairs: str) -> dict[str, str]:
+    """``--served-model-name``'s ``NAME=MODEL`` pairs; a malformed one stops the server at
+    startup (a name that is never served would only surface as 404s)."""
+    aliases: dict[str, str] = {}
+    for pair in filter(None, (p.strip() for p in pairs.split(","))):
+        alias, sep, name = pair.partition("=")
+        if not sep or not alias.strip() or not name.strip():
+            raise ValueError(f"--served-model-name: {pair!r} is not NAME=MODEL")
+        aliases[alias.strip()] = name.strip()
+    return aliases
 
 
 def _check_prompt(size: int, model: _Model, what: str, field: str) -> None:
@@ -907,8 +930,11 @@ class _Answer:
                 "finish_reason": self.finish[i] or "stop",
             }
         self._ids(choice, i, prompt)
-        if self.kind != "chat" and self.ask.prompt_logprobs is not None:  # vLLM's: per choice
-            choice["prompt_logprobs"] = self._vllm_prompt_logprobs(prompt)
+        if self.kind != "chat":  # vLLM's, per choice: null when not asked, as vLLM writes it
+            # (its clients read ``choice.prompt_logprobs``: a missing key is an AttributeError)
+            choice["prompt_logprobs"] = (
+                None if self.ask.prompt_logprobs is None else self._vllm_prompt_logprobs(prompt)
+            )
         return choice
 
     def body(self, lazy: bool = False) -> dict[str, Any]:
