@@ -3,11 +3,12 @@ test_vllm_openai.py): the name their test files import, over a plugserve server.
 
 ``RemoteOpenAIServer(model, vllm_serve_args)`` starts ``vllm serve`` in vLLM; here it starts
 plugserve (tests/support/serving.py) serving a tiny generative model of ours
-(tests/support/tiny_decoder.py: seeded weights, a byte-level tokenizer, never stops before
-``max_tokens``) as the repository model ``served``, named ``model`` on the OpenAI API by
-``--served-model-name`` (their names are Hugging Face ids, ``facebook/opt-125m``, which a
-repository folder cannot be). vLLM's own flags (``--dtype``, ``--enforce-eager``,
-``--max-model-len``...) are engine settings with no plugserve counterpart and are not passed.
+(tests/support/tiny_decoder.py: seeded weights, a byte-level tokenizer, an end of sequence
+that sampling sometimes picks) as the repository model ``served``, named ``model`` on the
+OpenAI API by ``--served-model-name`` (their names are Hugging Face ids,
+``facebook/opt-125m``, which a repository folder cannot be). vLLM's own flags
+(``--dtype``, ``--enforce-eager``, ``--max-model-len``...) are engine settings with no
+plugserve counterpart and are not passed.
 The model's folder is published in ``PLUGSERVE_VLLM_MODELS`` for the ``vllm`` shim's
 tokenizer loader (vllm_shim/tokenizers.py).
 """
@@ -30,6 +31,10 @@ from openai_serving import serving  # noqa: E402
 from tiny_decoder import write  # noqa: E402
 
 API_KEY = "EMPTY"
+#: the tiny decoder's end of sequence, sometimes sampled: their parallel-sampling tests want
+#: answers of several lengths within 50 tokens (with their seed 42: 50, 3 and 10 tokens; at
+#: 1.0 all three ran to 50)
+EOS_LOGIT = 2.0
 
 
 class RemoteOpenAIServer:
@@ -38,7 +43,7 @@ class RemoteOpenAIServer:
     def __init__(self, model: str, vllm_serve_args: list[str] | None = None, **_: Any) -> None:
         self.model = model
         self._folder = Path(tempfile.mkdtemp(prefix="plugserve-vllm-"))
-        write(self._folder / "served", context=4096)
+        write(self._folder / "served", context=4096, eos_logit=EOS_LOGIT)
         known = json.loads(os.environ.get("PLUGSERVE_VLLM_MODELS", "{}"))
         os.environ["PLUGSERVE_VLLM_MODELS"] = json.dumps(
             {**known, model: str(self._folder / "served")}
