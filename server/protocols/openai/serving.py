@@ -807,6 +807,8 @@ class _Answer:
         self.created = int(time.time())
         self.prompts = prompts
         self.echo = echo
+        #: vLLM's chat echo: the text ahead of each choice's content ("" for none)
+        self.chat_echo = protocol.chat_echo(ask) if isinstance(ask, protocol.ChatRequest) else ""
         self.names = encode.token_names(model.tokenizer) if ask.logprobs is not None else None
         #: echo, logprobs and max_tokens 0: the one token generated is left out
         self.prompt_only = False
@@ -914,6 +916,8 @@ class _Answer:
             message: dict[str, Any] = {"role": "assistant", "content": text}
             if self.outputs is not None:  # the whole answer through the parsers
                 message = self.outputs[i].whole(text)
+            if self.chat_echo:  # vLLM's: the continued message ahead of the content
+                message["content"] = self.chat_echo + (message.get("content") or "")
             choice = {
                 "index": i,
                 "message": message,
@@ -991,7 +995,7 @@ class _Answer:
         for i in range(len(self.texts)):
             role = {
                 "index": i,
-                "delta": {"role": "assistant", "content": ""},
+                "delta": {"role": "assistant", "content": self.chat_echo},
                 "logprobs": None,
                 "finish_reason": None,
             }
