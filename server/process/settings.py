@@ -453,9 +453,24 @@ class Settings:
             self.trace()
         except ValueError as exc:
             found.append(f"trace_config={self.trace_config!r}: {exc}")
+        try:
+            self.served_names()
+        except ValueError as exc:
+            found.append(f"served_model_name={self.served_model_name!r}: {exc}")
         if self.log_level.upper() not in _LOG_LEVELS:
             found.append(f"log_level={self.log_level!r} must be one of {', '.join(_LOG_LEVELS)}")
         return found
+
+    def served_names(self) -> dict[str, str]:
+        """--served-model-name read: each other name -> the repository model it stands for
+        (raises ValueError naming a pair that is not NAME=MODEL)."""
+        names: dict[str, str] = {}
+        for pair in filter(None, (p.strip() for p in self.served_model_name.split(","))):
+            alias, sep, name = (part.strip() for part in pair.partition("="))
+            if not sep or not alias or not name:
+                raise ValueError(f"{pair!r} is not NAME=MODEL")
+            names[alias] = name
+        return names
 
     def trace(self) -> TraceConfig:
         """--trace-config read (raises ValueError naming a wrong option)."""

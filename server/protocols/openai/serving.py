@@ -146,22 +146,22 @@ class OpenAIRoutes:
         responses_store: ResponseStore | None = None,
         tool_call_parser: str = "auto",
         reasoning_parser: str = "auto",
-        served_model_name: str = "",
+        served_names: dict[str, str] | None = None,
     ) -> None:
         """``max_completion_tokens``: the server's limit on ``max_tokens`` (0: the model's
         context only); ``responses_store``: where /v1/responses keeps responses (default:
         :class:`ResponseStore`'s bounds); ``tool_call_parser`` and ``reasoning_parser``: the
         operator's choice of parser (``auto``: from each model's chat template; ``none``: off);
-        ``served_model_name``: ``NAME=MODEL`` pairs, by commas, each another name for a
-        repository model (a Hugging Face id such as ``facebook/opt-125m``, which a repository
-        folder cannot be named)."""
+        ``served_names``: another name -> the repository model it stands for
+        (``--served-model-name``: a Hugging Face id such as ``facebook/opt-125m``, which a
+        repository folder cannot be named)."""
         self.plane = plane
         self.control = control
         self.max_completion_tokens = max_completion_tokens
         self.tool_call_parser = tool_call_parser
         self.reasoning_parser = reasoning_parser
         #: another name -> the repository model it stands for
-        self.aliases = _aliases(served_model_name)
+        self.aliases = dict(served_names or {})
         self.workers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="openai")
         self._queued = 0
         self.created = int(time.time())
@@ -564,18 +564,6 @@ class OpenAIRoutes:
             )
         body = await embeddings.embed(self.plane, entry, encoder, ask, self._in_worker, trace)
         return 200, [body], _JSON
-
-
-def _aliases(pairs: str) -> dict[str, str]:
-    """``--served-model-name``'s ``NAME=MODEL`` pairs; a malformed one stops the server at
-    startup (a name that is never served would only surface as 404s)."""
-    aliases: dict[str, str] = {}
-    for pair in filter(None, (p.strip() for p in pairs.split(","))):
-        alias, sep, name = pair.partition("=")
-        if not sep or not alias.strip() or not name.strip():
-            raise ValueError(f"--served-model-name: {pair!r} is not NAME=MODEL")
-        aliases[alias.strip()] = name.strip()
-    return aliases
 
 
 def _check_prompt(size: int, model: _Model, what: str, field: str) -> None:
