@@ -68,6 +68,9 @@ def test_served_model_name_serves_the_model_under_a_hugging_face_id(api):
     by_alias = api.completions.create(model=ALIAS, prompt="Hi", max_tokens=4, temperature=0)
     by_name = api.completions.create(model=MODEL, prompt="Hi", max_tokens=4, temperature=0)
     assert by_alias.choices[0].text == by_name.choices[0].text
+    assert (by_alias.model, by_name.model) == (ALIAS, MODEL)  # each as it was asked for
+    streamed = api.completions.create(model=ALIAS, prompt="Hi", max_tokens=2, stream=True)
+    assert {chunk.model for chunk in streamed} == {ALIAS}
     assert by_alias.choices[0].prompt_logprobs is None  # vLLM's key, null when not asked
     with pytest.raises(openai.NotFoundError):
         api.completions.create(model="facebook/other", prompt="Hi", max_tokens=1)

@@ -941,7 +941,8 @@ class _Answer:
             "id": self.rid,
             "object": "chat.completion" if self.kind == "chat" else "text_completion",
             "created": self.created,
-            "model": self.model.name,
+            # the name asked for: --served-model-name's answers as itself (vLLM's do too)
+            "model": self.ask.model,
             "choices": choices,
             "usage": self.usage(),
             "system_fingerprint": None,
@@ -967,7 +968,7 @@ class _Answer:
             "id": self.rid,
             "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
             "created": self.created,
-            "model": self.model.name,
+            "model": self.ask.model,
             "choices": choices,
         }
         if self.ask.include_usage:
