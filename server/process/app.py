@@ -450,6 +450,7 @@ class Server:
             store,
             s.tool_call_parser,
             s.reasoning_parser,
+            s.served_names(),
         )
         rest_app.add_routes(self.openai.routes(), self.openai.refusal)
         self.rest = HttpService(rest_app.router, s)

@@ -196,6 +196,13 @@ class Settings:
         "family: hermes (Qwen2.5, Qwen3), qwen3_coder, llama3_json, mistral, pythonic "
         "(Llama 4); docs/openai.md",
     )
+    served_model_name: str = _field(
+        "",
+        "OpenAI API: another name for a repository model, NAME=MODEL (vLLM's "
+        "--served-model-name): NAME may hold '/', as a Hugging Face id does "
+        "(facebook/opt-125m=opt); repeat the flag or separate by commas",
+        repeat=True,
+    )
     reasoning_parser: str = _field(
         "auto",
         "how a reasoning model's thinking is split out of its answer (reasoning_content): "
@@ -446,9 +453,24 @@ class Settings:
             self.trace()
         except ValueError as exc:
             found.append(f"trace_config={self.trace_config!r}: {exc}")
+        try:
+            self.served_names()
+        except ValueError as exc:
+            found.append(f"served_model_name={self.served_model_name!r}: {exc}")
         if self.log_level.upper() not in _LOG_LEVELS:
             found.append(f"log_level={self.log_level!r} must be one of {', '.join(_LOG_LEVELS)}")
         return found
+
+    def served_names(self) -> dict[str, str]:
+        """--served-model-name read: each other name -> the repository model it stands for
+        (raises ValueError naming a pair that is not NAME=MODEL)."""
+        names: dict[str, str] = {}
+        for pair in filter(None, (p.strip() for p in self.served_model_name.split(","))):
+            alias, sep, name = (part.strip() for part in pair.partition("="))
+            if not sep or not alias or not name:
+                raise ValueError(f"{pair!r} is not NAME=MODEL")
+            names[alias] = name
+        return names
 
     def trace(self) -> TraceConfig:
         """--trace-config read (raises ValueError naming a wrong option)."""

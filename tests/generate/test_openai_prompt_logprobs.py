@@ -250,7 +250,6 @@ CHAT_REFUSED = [
     ({"chat_template": "{{ messages }}"}, "chat_template"),
     ({"functions": [{"name": "f"}]}, "functions"),
     ({"modalities": ["audio"]}, "modalities"),
-    ({"echo": True}, "echo"),
 ]
 
 

@@ -45,6 +45,8 @@ def _values(field: dataclasses.Field) -> tuple[str, str]:
         return "none", "think"
     if field.name == "trace_config":
         return "rate=7", "level=TIMESTAMPS,opentelemetry,url=127.0.0.1:4318/v1/traces"
+    if field.name == "served_model_name":
+        return "org/a=a", "org/b=b,c=d"
     if field.name == "metrics_interval_ms":  # 50 ms at least
         return "100", "250"
     if field.name in (
@@ -99,6 +101,8 @@ def test_help_names_each_flag_its_variable_and_default(capsys):
         ("PLUGSERVE_GRPC_PORT", "70000", "grpc_port=70000 must be between 0 and 65535"),
         ("PLUGSERVE_GRPC_WORKERS", "0", "grpc_workers=0 must be >= 1"),
         ("PLUGSERVE_LOG_LEVEL", "LOUD", "log_level='LOUD' must be one of DEBUG, INFO"),
+        ("PLUGSERVE_SERVED_MODEL_NAME", "org/a", "'org/a' is not NAME=MODEL"),
+        ("PLUGSERVE_SERVED_MODEL_NAME", "org/a=", "'org/a=' is not NAME=MODEL"),
     ],
 )
 def test_a_bad_env_value_is_a_clear_error(monkeypatch, env, value, message):

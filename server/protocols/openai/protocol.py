@@ -59,6 +59,7 @@ __all__ = [
     "CompletionRequest",
     "EmbeddingRequest",
     "GenerationAsk",
+    "chat_echo",
     "chat_request",
     "check_content_type",
     "completion_request",
@@ -167,6 +168,8 @@ class ChatRequest(GenerationAsk):
     parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    #: vLLM's: the final message's content, when it is the assistant's, heads the answer's
+    echo: bool = False
     template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
@@ -471,6 +474,15 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def chat_echo(ask: ChatRequest) -> str:
+    """What vLLM's chat ``echo`` puts ahead of the answer's content: the final message's text
+    when that message is the assistant's (the one ``continue_final_message`` continues), else
+    nothing."""
+    if not ask.echo or not ask.messages or ask.messages[-1].get("role") != "assistant":
+        return ""
+    return _text_content(ask.messages[-1].get("content"), "messages[-1].content") or ""
+
+
 def chat_request(body: dict[str, Any]) -> ChatRequest:
     """POST /v1/chat/completions: the body checked."""
     ask = ChatRequest(model=_model(body), messages=_messages(body))
@@ -487,6 +499,7 @@ def chat_request(body: dict[str, Any]) -> ChatRequest:
         _integer(body, "top_logprobs", 0, 0, MAX_LOGPROBS)
         raise OpenAIError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     ask.continue_final_message = _boolean(body, "continue_final_message")
+    ask.echo = _boolean(body, "echo")
     ask.add_generation_prompt = _boolean(
         body, "add_generation_prompt", not ask.continue_final_message
     )

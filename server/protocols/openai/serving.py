@@ -146,16 +146,22 @@ class OpenAIRoutes:
         responses_store: ResponseStore | None = None,
         tool_call_parser: str = "auto",
         reasoning_parser: str = "auto",
+        served_names: dict[str, str] | None = None,
     ) -> None:
         """``max_completion_tokens``: the server's limit on ``max_tokens`` (0: the model's
         context only); ``responses_store``: where /v1/responses keeps responses (default:
         :class:`ResponseStore`'s bounds); ``tool_call_parser`` and ``reasoning_parser``: the
-        operator's choice of parser (``auto``: from each model's chat template; ``none``: off)."""
+        operator's choice of parser (``auto``: from each model's chat template; ``none``: off);
+        ``served_names``: another name -> the repository model it stands for
+        (``--served-model-name``: a Hugging Face id such as ``facebook/opt-125m``, which a
+        repository folder cannot be named)."""
         self.plane = plane
         self.control = control
         self.max_completion_tokens = max_completion_tokens
         self.tool_call_parser = tool_call_parser
         self.reasoning_parser = reasoning_parser
+        #: another name -> the repository model it stands for
+        self.aliases = dict(served_names or {})
         self.workers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="openai")
         self._queued = 0
         self.created = int(time.time())
@@ -216,7 +222,7 @@ class OpenAIRoutes:
 
     def _lookup(self, name: str) -> Any:
         try:
-            return self.plane.get(name)
+            return self.plane.get(self.aliases.get(name, name))
         except NotFound as exc:
             raise OpenAIError(
                 f"The model '{name}' does not exist ({exc})", "model", 404, "model_not_found"
@@ -255,7 +261,12 @@ class OpenAIRoutes:
         return card
 
     def models(self, call: Any) -> Reply:
-        body = {"object": "list", "data": [self._card(e) for e in self._served()]}
+        cards = [self._card(e) for e in self._served()]
+        by_name = {card["id"]: card for card in cards}
+        for alias, name in self.aliases.items():
+            if name in by_name:
+                cards.append({**by_name[name], "id": alias})
+        body = {"object": "list", "data": cards}
         return 200, [orjson.dumps(body)], _JSON
 
     def model(self, call: Any) -> Reply:
@@ -784,6 +795,8 @@ class _Answer:
         self.created = int(time.time())
         self.prompts = prompts
         self.echo = echo
+        #: vLLM's chat echo: the text ahead of each choice's content ("" for none)
+        self.chat_echo = protocol.chat_echo(ask) if isinstance(ask, protocol.ChatRequest) else ""
         self.names = encode.token_names(model.tokenizer) if ask.logprobs is not None else None
         #: echo, logprobs and max_tokens 0: the one token generated is left out
         self.prompt_only = False
@@ -891,6 +904,8 @@ class _Answer:
             message: dict[str, Any] = {"role": "assistant", "content": text}
             if self.outputs is not None:  # the whole answer through the parsers
                 message = self.outputs[i].whole(text)
+            if self.chat_echo:  # vLLM's: the continued message ahead of the content
+                message["content"] = self.chat_echo + (message.get("content") or "")
             choice = {
                 "index": i,
                 "message": message,
@@ -907,8 +922,11 @@ class _Answer:
                 "finish_reason": self.finish[i] or "stop",
             }
         self._ids(choice, i, prompt)
-        if self.kind != "chat" and self.ask.prompt_logprobs is not None:  # vLLM's: per choice
-            choice["prompt_logprobs"] = self._vllm_prompt_logprobs(prompt)
+        if self.kind != "chat":  # vLLM's, per choice: null when not asked, as vLLM writes it
+            # (its clients read ``choice.prompt_logprobs``: a missing key is an AttributeError)
+            choice["prompt_logprobs"] = (
+                None if self.ask.prompt_logprobs is None else self._vllm_prompt_logprobs(prompt)
+            )
         return choice
 
     def body(self, lazy: bool = False) -> dict[str, Any]:
@@ -923,7 +941,8 @@ class _Answer:
             "id": self.rid,
             "object": "chat.completion" if self.kind == "chat" else "text_completion",
             "created": self.created,
-            "model": self.model.name,
+            # the name asked for: --served-model-name's answers as itself (vLLM's do too)
+            "model": self.ask.model,
             "choices": choices,
             "usage": self.usage(),
             "system_fingerprint": None,
@@ -949,7 +968,7 @@ class _Answer:
             "id": self.rid,
             "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
             "created": self.created,
-            "model": self.model.name,
+            "model": self.ask.model,
             "choices": choices,
         }
         if self.ask.include_usage:
@@ -965,7 +984,7 @@ class _Answer:
         for i in range(len(self.texts)):
             role = {
                 "index": i,
-                "delta": {"role": "assistant", "content": ""},
+                "delta": {"role": "assistant", "content": self.chat_echo},
                 "logprobs": None,
                 "finish_reason": None,
             }

@@ -57,7 +57,6 @@ REFUSED: dict[str, tuple[str, tuple[Any, ...], str]] = {
     "web_search_options": ("chat", (), "this server runs no web search"),
     "functions": ("chat", ([],), "the legacy 'functions' API: send 'tools'"),
     "function_call": ("chat", (), "the legacy 'functions' API: send 'tool_choice'"),
-    "echo": ("chat", (False,), "chat's echo is not supported (completions' is)"),
 }
 #: the keys of ``structured_outputs`` (vLLM's) that carry a grammar, and its older fields
 _KINDS = {"json": "json", "regex": "regex", "choice": "choice", "grammar": "grammar"}
