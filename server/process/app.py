@@ -451,6 +451,7 @@ class Server:
             s.tool_call_parser,
             s.reasoning_parser,
             s.served_names(),
+            s.max_logprobs,
         )
         rest_app.add_routes(self.openai.routes(), self.openai.refusal)
         self.rest = HttpService(rest_app.router, s)

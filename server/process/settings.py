@@ -170,6 +170,16 @@ class Settings:
         "up to this); 0: the model's context length only",
         low=0,
     )
+    max_logprobs: int = _field(
+        20,
+        "most alternatives per token an OpenAI request may ask for (chat's top_logprobs, "
+        "completions' logprobs, vLLM's prompt_logprobs; above it: 400 naming the field and "
+        "this bound); a request's -1 (vLLM's: the whole vocabulary) is allowed only when this "
+        "is at least the model's vocabulary size; -1: the vocabulary's size (no bound). Each "
+        "alternative costs ~160 bytes per token, charged to --max-inflight-bytes before the "
+        "request starts (docs/openai.md)",
+        low=-1,
+    )
     responses_store_entries: int = _field(
         1024,
         "OpenAI /v1/responses: most responses kept for previous_response_id and GET/DELETE by "

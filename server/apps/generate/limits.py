@@ -20,7 +20,9 @@ The bounds, each checked before the work it bounds:
 * **Unread events.** A generation stream keeps at most ``--max-stream-unread-bytes`` (1 MiB by
   default) of events its client has not taken (each event counted at its Python size:
   ``GenerationEvent.nbytes``, about 320 bytes, 2.9 KB with 20 logprob alternatives), none
-  of them for longer than ``--request-read-timeout`` (30 s; checked as each event comes);
+  of them for longer than ``--request-read-timeout`` (30 s; checked as each event comes),
+  besides the request's largest event (its logprobs: ``GenerationEvent.largest``, charged to
+  the budget by the OpenAI face; a whole vocabulary's alternatives are MBs a token);
   past either the request is cancelled (``ResourceExhausted``: the client is not reading)
   and the engine frees its sequence's cache slot at its next step. Besides, the stream's
   consumer may hold what it took last (at most as much again) and its connection what the
@@ -51,6 +53,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from plugserve.plugins.api import InvalidArgument
+from plugserve.server.apps.generate.types import GenerationEvent, GenerationRequest
 from plugserve.server.plane.budget import MemoryBudget
 from plugserve.server.plane.response_stream import ResponseStream
 
@@ -146,9 +149,14 @@ def tokenizing(nbytes: int, what: str) -> Iterator[None]:
         charge.release()
 
 
-def stream_bounded(sender: Any) -> None:
-    """Bound what a generation request's stream keeps unread (``--max-stream-unread-bytes``);
-    called before the stream's first event (a sender that is no stream is left alone)."""
+def stream_bounded(sender: Any, request: GenerationRequest | None = None) -> None:
+    """Bound what a generation request's stream keeps unread (``--max-stream-unread-bytes``),
+    plus the largest event ``request`` makes (its logprobs: ``GenerationEvent.largest``; an
+    event is sent whole, and the face charged it to the budget before the request started),
+    so a request asking more alternatives than the bound holds is served, and one that stops
+    reading is still cancelled past one such event; called before the stream's first event (a
+    sender that is no stream is left alone)."""
     if isinstance(sender, ResponseStream):
-        sender.max_bytes = min(sender.max_bytes, _limits.stream_unread_bytes)
+        largest = 0 if request is None else GenerationEvent.largest(request)
+        sender.max_bytes = min(sender.max_bytes, _limits.stream_unread_bytes) + largest
         sender.max_wait = _limits.stream_unread_seconds

@@ -361,7 +361,7 @@ class GenerativeNetwork(CompiledNetwork):
         way on this thread (the model's span, which the data plane makes current while a
         stream's producer starts; a device run's), unless the face gave it one
         (``request.trace``)."""
-        limits.stream_bounded(sender)
+        limits.stream_bounded(sender, request)
         if request.trace is None:
             request.trace = tracing.current()
         self.engine.add(request, sender)

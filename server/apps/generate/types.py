@@ -25,7 +25,8 @@ cannot take failed every request decoding beside it). The bounds, vLLM's where i
 ``stop_token_ids``          at most :data:`MAX_TOKEN_LIST` ids, each in the vocabulary
 ``min_tokens``              at least 0
 penalties                   presence and frequency in [-2, 2], repetition finite above 0
-``logprobs``                0 to :data:`MAX_LOGPROBS` (also ``prompt_logprobs``)
+``logprobs``                0 to the vocabulary's size (also ``prompt_logprobs``); the
+                            OpenAI face bounds them by ``--max-logprobs`` first
 ``logit_bias``              at most :data:`MAX_TOKEN_LIST` ids in the vocabulary, values in
                             [-100, 100]
 ==========================  ===========================================================
@@ -67,7 +68,8 @@ MAX_STOP = 16
 MAX_STOP_CHARS = 1024
 #: token ids in ``stop_token_ids`` and in ``logit_bias``, at most
 MAX_TOKEN_LIST = 1024
-#: alternatives per token in logprobs (OpenAI's chat bound; its completions' is 5)
+#: alternatives per token in logprobs: OpenAI's chat bound (its completions' is 5), the
+#: default of ``--max-logprobs``
 MAX_LOGPROBS = 20
 
 
@@ -170,13 +172,13 @@ class SamplingParams:
             ),
             (
                 "logprobs",
-                self.logprobs is None or _integer(self.logprobs, 0, MAX_LOGPROBS),
-                f"0 to {MAX_LOGPROBS}",
+                self.logprobs is None or _integer(self.logprobs, 0, vocab or None),
+                "0 to the vocabulary's size",
             ),
             (
                 "prompt_logprobs",
-                self.prompt_logprobs is None or _integer(self.prompt_logprobs, 0, MAX_LOGPROBS),
-                f"0 to {MAX_LOGPROBS}",
+                self.prompt_logprobs is None or _integer(self.prompt_logprobs, 0, vocab or None),
+                "0 to the vocabulary's size",
             ),
             ("ignore_eos", isinstance(self.ignore_eos, bool), "true or false"),
             ("skip_special_tokens", isinstance(self.skip_special_tokens, bool), "true or false"),
@@ -324,5 +326,28 @@ class GenerationEvent:
         size = 320 + len(self.text) + 36 * len(self.token_ids)
         for entries in (self.logprobs, self.prompt_logprobs):
             for entry in entries or ():
-                size += 280 + 113 * len(entry.top) if entry is not None else 8
+                size += logprob_entry_bytes(len(entry.top)) if entry is not None else 8
         return size
+
+    @staticmethod
+    def largest(request: GenerationRequest) -> int:
+        """About the most one of ``request``'s events holds by its logprobs (counted as
+        :attr:`nbytes` counts them): a token's entry with its ``logprobs`` alternatives, and
+        the first event's prompt entries with their ``prompt_logprobs`` each. The OpenAI face
+        charged this memory to the budget before the request started; a stream's bound on
+        unread bytes admits it (``limits.stream_bounded``): -1, a whole vocabulary of 150k,
+        makes one event of ~17 MB a token."""
+        params = request.params
+        size = 0
+        if params.logprobs is not None:
+            size += logprob_entry_bytes(params.logprobs + 1)
+        if params.prompt_logprobs is not None:
+            top = params.prompt_logprobs + 1
+            size += len(request.prompt_token_ids) * logprob_entry_bytes(top)
+        return size
+
+
+def logprob_entry_bytes(top: int) -> int:
+    """One token's logprob entry with ``top`` alternatives in memory (measured: see
+    :attr:`GenerationEvent.nbytes`)."""
+    return 280 + 113 * top

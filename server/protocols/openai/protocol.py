@@ -16,8 +16,14 @@ Where OpenAI and vLLM differ or are silent, the choice is written here and in do
   applies again to whatever a face sends it;
 * ``n`` is at most :data:`MAX_N` and a request's choices (``n`` x its prompts) at most
   :data:`MAX_CHOICES`: each is a sequence the engine runs, with its own key/value cache;
-* ``top_logprobs`` (chat) is at most :data:`MAX_LOGPROBS` (OpenAI's 20) and ``logprobs``
-  (completions) at most :data:`MAX_COMPLETION_LOGPROBS` (OpenAI's 5);
+* ``top_logprobs`` (chat), ``logprobs`` (completions) and ``prompt_logprobs`` are -1 (vLLM's
+  whole vocabulary) or at least 0 here; their upper bound is the server's ``--max-logprobs``
+  (default :data:`MAX_LOGPROBS`, OpenAI's 20; completions' ``logprobs`` at most
+  :data:`MAX_COMPLETION_LOGPROBS`, OpenAI's 5, unless the setting is raised past 20), checked
+  in ``serving.py`` with the model's vocabulary, as vLLM checks its ``max_logprobs``;
+* chat's ``logprobs`` is a boolean read as vLLM's pydantic model reads it in its lax mode:
+  true/false, the integers 1/0 and the strings of :data:`LAX_TRUE` / :data:`LAX_FALSE` in any
+  case (vLLM's own tests send ``"true"``); every other boolean field is strict;
 * at most :data:`MAX_STOP` stop strings of at most :data:`MAX_STOP_CHARS` characters each
   (OpenAI says 4; clients send more);
 * a body is JSON only when it says so: a ``Content-Type`` other than ``application/json``
@@ -55,6 +61,7 @@ __all__ = [
     "MAX_LOGPROBS",
     "MAX_N",
     "TEMPLATE_OWN",
+    "WHOLE_VOCABULARY",
     "ChatRequest",
     "CompletionRequest",
     "EmbeddingRequest",
@@ -74,6 +81,11 @@ MAX_CHOICES = 64
 #: most alternatives per token in completions' logprobs (OpenAI's legacy bound; chat's
 #: top_logprobs is MAX_LOGPROBS, 20)
 MAX_COMPLETION_LOGPROBS = 5
+#: the strings pydantic's lax mode reads as a boolean (lower-cased), for chat's ``logprobs``
+LAX_TRUE = frozenset(("1", "on", "t", "true", "y", "yes"))
+LAX_FALSE = frozenset(("0", "off", "f", "false", "n", "no"))
+#: a logprobs field's value for the whole vocabulary (vLLM's), resolved in serving.py
+WHOLE_VOCABULARY = -1
 #: OpenAI's temperature range
 MAX_TEMPERATURE = 2.0
 #: most chat messages, prompts in one completion request, and inputs in one embedding request
@@ -265,6 +277,26 @@ def _boolean(body: dict[str, Any], key: str, default: bool = False) -> bool:
     return value
 
 
+def _lax_boolean(body: dict[str, Any], key: str) -> bool:
+    """A boolean as vLLM's pydantic model reads it in lax mode (its clients send ``"true"``):
+    true/false, 1/0 and the strings of LAX_TRUE / LAX_FALSE in any case; nothing else."""
+    value = body.get(key)
+    if isinstance(value, str) and value.lower() in LAX_TRUE | LAX_FALSE:
+        return value.lower() in LAX_TRUE
+    if not isinstance(value, bool) and isinstance(value, (int, float)) and value in (0, 1):
+        return bool(value)
+    return _boolean(body, key)
+
+
+def _logprobs(body: dict[str, Any], key: str, default: int | None) -> int | None:
+    """A count of alternatives per token: -1 (the whole vocabulary) or at least 0; its upper
+    bound (--max-logprobs, the vocabulary) is serving.py's, which knows the model."""
+    value = body.get(key)
+    if value == WHOLE_VOCABULARY and not isinstance(value, bool):
+        return WHOLE_VOCABULARY
+    return _integer(body, key, default, 0, why=" (or -1: the whole vocabulary)")
+
+
 def _model(body: dict[str, Any]) -> str:
     model = body.get("model")
     if not isinstance(model, str) or not model:
@@ -419,7 +451,7 @@ def _sampling(body: dict[str, Any], ask: GenerationAsk) -> None:
     ask.sampling = {k: v for k, v in ask.sampling.items() if v is not None}
     ask.schema = _response_format(body)
     ask.return_token_ids = _boolean(body, "return_token_ids")
-    ask.prompt_logprobs = _integer(body, "prompt_logprobs", None, 0, MAX_LOGPROBS)
+    ask.prompt_logprobs = _logprobs(body, "prompt_logprobs", None)
     if ask.prompt_logprobs is not None and ask.stream:
         raise OpenAIError(
             "'prompt_logprobs' is not available with 'stream' (vLLM's rule): the prompt's "
@@ -493,10 +525,10 @@ def chat_request(body: dict[str, Any]) -> ChatRequest:
             ask.max_tokens = _integer(body, key, None, 1)
             ask.max_tokens_field = key
             break
-    if _boolean(body, "logprobs"):
-        ask.logprobs = _integer(body, "top_logprobs", 0, 0, MAX_LOGPROBS)
+    if _lax_boolean(body, "logprobs"):
+        ask.logprobs = _logprobs(body, "top_logprobs", 0)
     elif body.get("top_logprobs") is not None:
-        _integer(body, "top_logprobs", 0, 0, MAX_LOGPROBS)
+        _logprobs(body, "top_logprobs", 0)
         raise OpenAIError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     ask.continue_final_message = _boolean(body, "continue_final_message")
     ask.echo = _boolean(body, "echo")
@@ -560,7 +592,7 @@ def completion_request(body: dict[str, Any]) -> CompletionRequest:
     _sampling(body, ask)
     ask.echo = _boolean(body, "echo")
     ask.max_tokens = _integer(body, "max_tokens", None, 0 if ask.echo else 1)
-    ask.logprobs = _integer(body, "logprobs", None, 0, MAX_COMPLETION_LOGPROBS)
+    ask.logprobs = _logprobs(body, "logprobs", None)
     if body.get("suffix"):
         raise OpenAIError("'suffix' (insertion) is not supported by this server", "suffix")
     choices = ask.n * len(ask.prompts)

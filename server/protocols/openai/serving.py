@@ -60,7 +60,12 @@ from plugserve.plugins.api import (
 )
 from plugserve.plugins.tracing import Trace
 from plugserve.server.apps.generate import chat_template, limits
-from plugserve.server.apps.generate.types import GenerationEvent, GenerationRequest, SamplingParams
+from plugserve.server.apps.generate.types import (
+    MAX_LOGPROBS,
+    GenerationEvent,
+    GenerationRequest,
+    SamplingParams,
+)
 from plugserve.server.plane.request import Request
 from plugserve.server.plane.tracing import name_request
 from plugserve.server.protocols.auth import KSERVE
@@ -147,6 +152,7 @@ class OpenAIRoutes:
         tool_call_parser: str = "auto",
         reasoning_parser: str = "auto",
         served_names: dict[str, str] | None = None,
+        max_logprobs: int = MAX_LOGPROBS,
     ) -> None:
         """``max_completion_tokens``: the server's limit on ``max_tokens`` (0: the model's
         context only); ``responses_store``: where /v1/responses keeps responses (default:
@@ -154,8 +160,10 @@ class OpenAIRoutes:
         operator's choice of parser (``auto``: from each model's chat template; ``none``: off);
         ``served_names``: another name -> the repository model it stands for
         (``--served-model-name``: a Hugging Face id such as ``facebook/opt-125m``, which a
-        repository folder cannot be named)."""
+        repository folder cannot be named); ``max_logprobs``: the most alternatives per token
+        a request may ask for (``--max-logprobs``; -1: the vocabulary's size)."""
         self.plane = plane
+        self.max_logprobs = max_logprobs
         self.control = control
         self.max_completion_tokens = max_completion_tokens
         self.tool_call_parser = tool_call_parser
@@ -389,6 +397,43 @@ class OpenAIRoutes:
                     where,
                 )
 
+    def _check_logprobs(self, model: _Model, ask: protocol.GenerationAsk) -> None:
+        """The alternatives per token asked (``logprobs``, ``top_logprobs``,
+        ``prompt_logprobs``) within ``--max-logprobs``, as vLLM checks its ``max_logprobs``:
+        -1 is the vocabulary's size (of the request and of the setting), and a count above the
+        bound is a 400 naming the field and the bound. -1 is replaced by the vocabulary's size
+        here, before the answer's bytes are charged to the budget (~160 bytes per alternative
+        per token: a whole vocabulary of 150k is 24 MB a token, refused by the budget, never
+        allocated). Completions' ``logprobs`` keep OpenAI's 5 unless the setting is raised
+        past OpenAI's 20 (vLLM's completions follow the setting alone)."""
+        bound = model.vocab_size if self.max_logprobs < 0 else self.max_logprobs
+        completions = isinstance(ask, protocol.CompletionRequest)
+        for attr, key in (
+            ("logprobs", "logprobs" if completions else "top_logprobs"),
+            ("prompt_logprobs", "prompt_logprobs"),
+        ):
+            asked = getattr(ask, attr)
+            if asked is None:
+                continue
+            limit = bound
+            if key == "logprobs" and completions and 0 <= self.max_logprobs <= MAX_LOGPROBS:
+                limit = min(bound, protocol.MAX_COMPLETION_LOGPROBS)
+            count = model.vocab_size if asked == protocol.WHOLE_VOCABULARY else asked
+            if count > limit:
+                raise OpenAIError(
+                    f"'{key}' asks for {count} alternatives per token"
+                    + (" (-1: this model's whole vocabulary)" if asked < 0 else "")
+                    + f", which is greater than max allowed: {limit} "
+                    + (
+                        "(OpenAI's bound on completions' logprobs while --max-logprobs is at "
+                        f"most {MAX_LOGPROBS})"
+                        if limit != bound
+                        else "(this server's --max-logprobs)"
+                    ),
+                    key,
+                )
+            setattr(ask, attr, count)
+
     async def _generate(
         self,
         model: _Model,
@@ -400,6 +445,7 @@ class OpenAIRoutes:
         plan: tools.Plan | None = None,
     ) -> Any:
         self._check_prompts(model, prompts, field)
+        self._check_logprobs(model, ask)
         if ask.n > model.max_n:
             raise OpenAIError(
                 f"'n' is {ask.n}; this model runs at most {model.max_n} sequences at once "
