@@ -6,9 +6,10 @@ plugserve (tests/support/serving.py) serving a tiny generative model of ours
 (tests/support/tiny_decoder.py: seeded weights, a byte-level tokenizer, an end of sequence
 that sampling sometimes picks) as the repository model ``served``, named ``model`` on the
 OpenAI API by ``--served-model-name`` (their names are Hugging Face ids,
-``facebook/opt-125m``, which a repository folder cannot be). vLLM's own flags
-(``--dtype``, ``--enforce-eager``, ``--max-model-len``...) are engine settings with no
-plugserve counterpart and are not passed.
+``facebook/opt-125m``, which a repository folder cannot be). Of vLLM's own flags, those in
+:data:`PASSED` mean the same to plugserve and are passed on (``--max-logprobs``: test_chat_echo
+raises it to ask for the whole vocabulary); the others (``--dtype``, ``--enforce-eager``,
+``--max-model-len``...) are engine settings with no plugserve counterpart and are not passed.
 The model's folder is published in ``PLUGSERVE_VLLM_MODELS`` for the ``vllm`` shim's
 tokenizer loader (vllm_shim/tokenizers.py).
 """
@@ -35,6 +36,18 @@ API_KEY = "EMPTY"
 #: answers of several lengths within 50 tokens (with their seed 42: 50, 3 and 10 tokens; at
 #: 1.0 all three ran to 50)
 EOS_LOGIT = 2.0
+#: vLLM's flags (each taking one value) plugserve takes under the same name and meaning
+PASSED = ("--max-logprobs",)
+
+
+def _passed(args: list[str]) -> list[str]:
+    """The flags of :data:`PASSED` in ``args`` (``--flag value`` or ``--flag=value``)."""
+    kept: list[str] = []
+    for i, arg in enumerate(args):
+        flag, equals, value = arg.partition("=")
+        if flag in PASSED:
+            kept += [flag, value if equals else args[i + 1]]
+    return kept
 
 
 class RemoteOpenAIServer:
@@ -51,6 +64,7 @@ class RemoteOpenAIServer:
         self._serving = serving(
             {"served": (self._folder / "served", "NUMPY")},
             "--served-model-name", f"{model}=served",
+            *_passed(vllm_serve_args or []),
         )  # fmt: skip
         self.running = None
 
