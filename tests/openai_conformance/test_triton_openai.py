@@ -18,12 +18,10 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
-import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+from upstream_tests import run_upstream
 
 pytest.importorskip("openai", reason="pip install openai (the test extra)")
 
@@ -51,19 +49,6 @@ LOOP = (
 )  # fmt: skip
 
 
-def _outcomes(report: Path) -> dict[str, str]:
-    found = {}
-    for case in ET.parse(report).getroot().iter("testcase"):
-        name = f"{case.get('classname', '').rsplit('.', 1)[-1]}::{case.get('name')}"
-        if case.find("skipped") is not None:
-            found[name] = "skipped"
-        elif case.find("failure") is not None or case.find("error") is not None:
-            found[name] = "failed"
-        else:
-            found[name] = "passed"
-    return found
-
-
 @pytest.mark.slow
 def test_tritons_tool_calling_tests_pass_unchanged(tmp_path):
     source = os.environ.get("PLUGSERVE_TRITON_SERVER_SRC")
@@ -77,15 +62,5 @@ def test_tritons_tool_calling_tests_pass_unchanged(tmp_path):
         shutil.copy(Path(source) / "python" / "openai" / "tests" / name, tree / name)
     shutil.copy(HERE / "triton_conftest.py", tree / "conftest.py")
     shutil.copy(HERE / "triton_utils.py", tree / "utils.py")
-    support = str(HERE.parent / "support")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), support])}
-    env["PLUGSERVE_TEST_SUPPORT"] = support
-    report = tmp_path / "report.xml"
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-         "-o", "asyncio_mode=strict", *LOOP, f"--junitxml={report}",
-         "--rootdir", str(tmp_path), "tests/test_tool_calling.py"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1200,
-    )  # fmt: skip
-    assert report.exists(), run.stdout[-4000:] + run.stderr[-4000:]
-    assert _outcomes(report) == EXPECTED, run.stdout[-8000:]
+    found, output = run_upstream(tmp_path, [*LOOP, "tests/test_tool_calling.py"])
+    assert found == EXPECTED, output

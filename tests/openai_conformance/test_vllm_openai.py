@@ -17,12 +17,10 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
-import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+from upstream_tests import run_upstream
 
 pytest.importorskip("openai", reason="pip install openai (the test extra)")
 
@@ -65,19 +63,6 @@ EXPECTED = {
 HERE = Path(__file__).parent
 
 
-def _outcomes(report: Path) -> dict[str, str]:
-    found = {}
-    for case in ET.parse(report).getroot().iter("testcase"):
-        name = f"{case.get('classname', '').rsplit('.', 1)[-1]}::{case.get('name')}"
-        if case.find("skipped") is not None:
-            found[name] = "skipped"
-        elif case.find("failure") is not None or case.find("error") is not None:
-            found[name] = "failed"
-        else:
-            found[name] = "passed"
-    return found
-
-
 @pytest.mark.slow
 def test_vllms_echo_logprobs_and_seed_tests_pass_unchanged(tmp_path):
     source = os.environ.get("PLUGSERVE_VLLM_SRC")
@@ -92,16 +77,7 @@ def test_vllms_echo_logprobs_and_seed_tests_pass_unchanged(tmp_path):
         shutil.copy(Path(source) / name, tree / Path(name).name)
     shutil.copy(HERE / "vllm_utils.py", tree / "utils.py")
     shutil.copytree(HERE / "vllm_shim", tmp_path / "vllm")
-    support = str(HERE.parent / "support")
-    paths = [str(tmp_path), support, os.environ.get("PYTHONPATH", "")]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, paths))}
-    env["PLUGSERVE_TEST_SUPPORT"] = support
-    report = tmp_path / "report.xml"
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-         "-o", "asyncio_mode=strict", f"--junitxml={report}", "--rootdir", str(tmp_path),
-         "-k", SELECTED, *(f"tests/{Path(name).name}" for name in FILES)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1200,
-    )  # fmt: skip
-    assert report.exists(), run.stdout[-4000:] + run.stderr[-4000:]
-    assert _outcomes(report) == EXPECTED, run.stdout[-8000:]
+    found, output = run_upstream(
+        tmp_path, ["-k", SELECTED, *(f"tests/{Path(name).name}" for name in FILES)]
+    )
+    assert found == EXPECTED, output
