@@ -1,0 +1,249 @@
+"""The server's host cost per streamed token: CPU time of ``plugserve serve`` per token that
+OpenAI streaming clients receive, at 1, 8 and 32 streams, this checkout beside a baseline.
+
+    python tests/benchmarks/bench_stream_cost.py [--baseline /path/to/base/venv/bin/python] \\
+        [--folder HF_FOLDER] [--device TORCH] [--streams 1,8,32] [--new-tokens 128] [--rounds 3]
+
+Why: issue 51's GPU targets (8 streams at >= 2x transformers' compiled ``generate``, about
+8,700 tok/s on an H200; 32 streams at >= 1.5x, about 26,500 tok/s; 1 stream at <= 1.0 ms a
+token) leave the host 115 us, 38 us and under 1 ms per token for everything that is not the
+card's work: the engine's step (scheduling, sampling's launches, stop checks, detokenizing),
+the HTTP thread's SSE events and the writes. A CUDA graph replays the forward in a few
+microseconds of host time, so on a GPU the server is host-bound unless this cost is small.
+Here it is measured on the CPU with the TORCH device and tests' tiny-llama safetensors folder
+(hidden 64, 2 layers: its forward is a small share), and reported three ways per token:
+
+* ``server_cpu_us``: the server process's CPU time (user + system) per streamed token;
+* ``engine_us``: the busiest thread's (the engine's loop: its forward is in it) and
+  ``others_us``: the rest (the HTTP event loop, gRPC, metrics);
+* ``forward_us``: the forward alone, measured in process on the same folder and rows
+  (``Engine.decoder``'s forward timed around ``TorchDecoder._run``), so that
+  ``server_cpu_us - forward_us`` is the host's share the GPU would not take away.
+
+Clients run in this process (the ``openai`` SDK, a thread a stream), and their CPU is not
+counted. Rounds interleave the checkout and the baseline (who goes first alternating); each
+figure is the median over rounds. Nothing asserts on time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import harness  # sets sys.path for the imports below
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu(pid: int, task: str = "") -> float:
+    path = f"/proc/{pid}/task/{task}/stat" if task else f"/proc/{pid}/stat"
+    with open(path) as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def _threads(pid: int) -> dict[str, float]:
+    out = {}
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            out[task] = _cpu(pid, task)
+        except OSError:
+            continue  # a thread that ended meanwhile
+    return out
+
+
+def _repository(folder: Path, device: str) -> Path:
+    root = Path(tempfile.mkdtemp(prefix="bench-stream-"))
+    (root / "decoder").mkdir()
+    (root / "decoder" / "1").symlink_to(folder.resolve(), target_is_directory=True)
+    config = {"MAX_NUM_SEQS": "64", "MAX_MODEL_LEN": "1024", "MAX_NUM_BATCHED_TOKENS": "4096"}
+    if device == "TORCH":
+        config["INFERENCE_NUM_THREADS"] = "1"  # decoder_torch's docstring: tiny models
+    spec = {"device": device, "config": config}
+    (root / "decoder" / "config.json").write_text(json.dumps(spec))
+    return root
+
+
+def stream(url: str, n: int, new: int, seed: int) -> tuple[int, float]:
+    """``n`` streaming completions at once; (tokens received by usage, wall seconds)."""
+    import numpy as np
+    import openai
+
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(300, 2000, 128).tolist() for _ in range(n)]
+    client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=300)
+    got = [0] * n
+    errors: list[str] = []
+
+    def one(i: int) -> None:
+        try:
+            chunks = client.completions.create(
+                model="decoder", prompt=prompts[i], max_tokens=new, temperature=0.0,
+                stream=True, stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            for chunk in chunks:
+                if chunk.usage is not None:
+                    got[i] = chunk.usage.completion_tokens
+        except Exception as exc:  # reported, the round is void
+            errors.append(f"{type(exc).__name__}: {exc}"[:300])
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(n)]
+    t0 = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    if errors:
+        raise RuntimeError(f"{len(errors)} of {n} streams failed: {errors[0]}")
+    return sum(got), time.perf_counter() - t0
+
+
+def measure_server(python: str, folder: Path, device: str, counts: list[int], new: int) -> dict:
+    """One server process of ``python``: per stream count, CPU per token (process, busiest
+    thread, the rest) and tokens per second."""
+    from serving import RunningServer
+
+    root = _repository(folder, device)
+    server = RunningServer("--model-repository", str(root), python=python)
+    try:
+        server.start(timeout=240)
+        assert server.process is not None
+        pid = server.process.pid
+        url = f"{server.http_url}/v1"
+        stream(url, 1, 8, seed=1)  # warm-up
+        stream(url, max(counts), 8, seed=2)
+        out = {}
+        for n in counts:
+            before, threads = _cpu(pid), _threads(pid)
+            tokens, wall = stream(url, n, new, seed=n)
+            after, threads_after = _cpu(pid), _threads(pid)
+            deltas = sorted(
+                (threads_after[t] - threads.get(t, 0.0) for t in threads_after), reverse=True
+            )
+            total = after - before
+            busiest = deltas[0] if deltas else 0.0
+            out[f"x{n}"] = {
+                "tok_per_s": tokens / wall,
+                "server_cpu_us": total / tokens * 1e6,
+                "engine_us": busiest / tokens * 1e6,
+                "others_us": (total - busiest) / tokens * 1e6,
+            }
+        return out
+    finally:
+        server.stop(timeout=30)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def measure_forward(folder: Path, device: str, counts: list[int], new: int) -> dict:
+    """The forward alone per token, in process: ``n`` rows decoding together."""
+    from plugserve.server import Core
+    from plugserve.server.apps.generate.types import GenerationRequest, SamplingParams
+
+    config = {"MAX_NUM_SEQS": "64", "MAX_MODEL_LEN": "1024", "INFERENCE_NUM_THREADS": "1"}
+    net = Core().load_network(str(folder), device, config)
+    decoder = net.engine.decoder
+    spent = [0.0]
+    run = decoder._run
+
+    def timed(*args, **kwargs):
+        t0 = time.thread_time()
+        try:
+            return run(*args, **kwargs)
+        finally:
+            spent[0] += time.thread_time() - t0
+
+    decoder._run = timed
+    out = {}
+    try:
+        for n in counts:
+            params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+            prompts = [[*range(300, 428), i] for i in range(n)]
+            spent[0] = 0.0
+
+            def one(i: int, prompts=prompts, params=params) -> None:
+                request = GenerationRequest(
+                    f"f{len(prompts)}-{i}-{time.time_ns()}", prompts[i], params
+                )
+                for _event in net.engine.generate(request):
+                    pass
+
+            threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            out[f"x{n}"] = spent[0] / (n * new) * 1e6
+    finally:
+        net.close()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--baseline", default="", metavar="PYTHON")
+    parser.add_argument("--folder", default="")
+    parser.add_argument("--device", default="TORCH")
+    parser.add_argument("--streams", default="1,8,32")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args(argv)
+    counts = [int(s) for s in args.streams.split(",")]
+    if not args.folder:
+        import llm
+
+        args.folder = str(llm.hf_folder("tiny-llama"))
+    folder = Path(args.folder)
+    pythons = {"after": sys.executable}
+    if args.baseline:
+        pythons["before"] = args.baseline
+    blocks: dict[str, list[dict]] = {label: [] for label in pythons}
+    for r in range(args.rounds):
+        order = list(pythons) if r % 2 == 0 else list(reversed(pythons))
+        for label in order:
+            blocks[label].append(
+                measure_server(pythons[label], folder, args.device, counts, args.new_tokens)
+            )
+        print(f"    round {r + 1}/{args.rounds} done", file=sys.stderr)
+    forward = measure_forward(folder, args.device, counts, args.new_tokens)
+    summary: dict[str, object] = {
+        "machine": harness.machine(),
+        "folder": str(folder),
+        "device": args.device,
+        "new_tokens": args.new_tokens,
+        "forward_us_per_token": {k: round(v, 1) for k, v in forward.items()},
+    }
+    for label, rounds in blocks.items():
+        summary[label] = {
+            key: {
+                name: round(statistics.median(r[key][name] for r in rounds), 1)
+                for name in rounds[0][key]
+            }
+            for key in rounds[0]
+        }
+    if "before" in blocks:
+        summary["after / before (server_cpu_us)"] = {
+            key: round(
+                statistics.median(
+                    a[key]["server_cpu_us"] / b[key]["server_cpu_us"]
+                    for a, b in zip(blocks["after"], blocks["before"])
+                ),
+                3,
+            )
+            for key in blocks["after"][0]
+        }
+    summary["load_average"] = harness.load_average()
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
