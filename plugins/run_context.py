@@ -23,7 +23,7 @@ size the request's values decide (``plugins/amplify.py``) are read there, in a L
 Scan's body too. Virtual devices and the server never read it: they pass the context on.
 
 One is built per request, when it starts to run (``Request.context``): a frozen dataclass sets
-its twelve fields through ``object.__setattr__``, about six times what making a ``Token``
+its thirteen fields through ``object.__setattr__``, about six times what making a ``Token``
 costs (measured here under load: 10 us against 1.7 us), which the data plane pays once.
 """
 
@@ -88,6 +88,11 @@ class RunContext:
     #: model's ``timeout()``)
     priority: int = 0
     timeout: float | None = None
+    #: a warm-up run at load (Triton's ``model_warmup``, ``server/control/warmup.py``), before
+    #: the network serves: a device may prepare for the shape at once (TORCH and GPU capture
+    #: its CUDA graph now, not at the shape's second sight, so the first client request of it
+    #: replays)
+    warmup: bool = False
 
 
 def for_piece(run: RunContext, sends: Iterable[str], answered: Collection[str]) -> RunContext:

@@ -69,6 +69,9 @@ class TorchCompiledNetwork(CompiledNetwork):
         (``plugserve_graph_events`` on /metrics)."""
         return self.graph_counters.snapshot()
 
+    def cuda_graphs(self) -> int:
+        return int(self.config.get("CUDA_GRAPHS") or 0)
+
     def create_infer_request(self) -> TorchInferRequest:
         return TorchInferRequest(self)
 

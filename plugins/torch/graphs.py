@@ -11,12 +11,17 @@ input shapes it has seen, each captured as a CUDA graph and replayed.
   warm-up: kernels picked, allocator settled; a shape seen once costs no capture); at its second
   it is captured into static input and output buffers (after one more warm-up run) and replayed,
   as are its later requests, which copy into the static inputs. A shape listed at load
-  (``CUDA_GRAPH_SHAPES``) is captured when the lane starts. At most ``CUDA_GRAPHS`` shapes per
+  (``CUDA_GRAPH_SHAPES``; a config.pbtxt's ``graph_spec``) is captured when the lane starts
+  (a server starts every stream's lane at load), and so is a warm-up run's
+  (``RunContext.warmup``: a config.pbtxt's ``model_warmup``) at its first sight. At most ``CUDA_GRAPHS`` shapes per
   lane, the least recently used evicted; a shape whose capture fails (a step that reads a value
   on the host, a data-dependent shape) stays eager, logged once. Each lane holds its own graphs:
   a graph's static buffers serve one request at a time, and a lane runs one at a time, so
   replays never wait on each other. A capture (once per shape and stream) is the one place that
   waits for the whole card: torch's capture synchronises the device before it begins.
+- **Programs**: a converted ONNX graph's :class:`~.program.Program` and a PyTorch program
+  (:class:`~.programs.TorchProgram`, run whole as one step) alike: ``compute_tensors`` over
+  tensors on the device, ``held`` the dtype an input is staged in.
 - **The CPU twin**: on the CPU (TORCH with ``CUDA_GRAPHS`` above 0) the same cache and copy
   path run, the "graph" being the eager program over the static buffers, without pinning; it
   is what CI tests (outputs, the bound, the counters) without a GPU.
@@ -38,8 +43,7 @@ import numpy as np
 
 from plugserve.plugins.api import InvalidArgument, PlugserveError, check_inputs
 from plugserve.plugins.errors import Cancelled, DeadlineExceeded
-from plugserve.plugins.torch.ops.registry import held_dtype, torch_dtype
-from plugserve.plugins.torch.program import Program
+from plugserve.plugins.torch.ops.registry import torch_dtype
 
 __all__ = ["GraphCounters", "Lane", "lane_for", "listed_inputs", "parse_shapes"]
 
@@ -51,25 +55,38 @@ Key = tuple[tuple[tuple[int, ...], str], ...]
 HOST_BUFFERS = 32
 
 
-def parse_shapes(text: str) -> list[list[tuple[int, ...]]]:
-    """``CUDA_GRAPH_SHAPES``: shape sets separated by ``;``, each the inputs' shapes in the
-    network's input order separated by ``,``, dimensions by ``x`` (``1x3x224x224;8x3x224x224``
-    for one input; ``1x16,1x16`` for two)."""
+Listed = list[tuple[str, tuple[int, ...]]]
+
+
+def parse_shapes(text: str) -> list[Listed]:
+    """``CUDA_GRAPH_SHAPES``: shape sets separated by ``;``, each the inputs' shapes separated
+    by ``,``, dimensions by ``x``: in the network's input order (``1x3x224x224;8x3x224x224``
+    for one input; ``1x16,1x16`` for two), or each named, in any order (``a=1x16,b=1x16``:
+    what a config.pbtxt's ``graph_spec`` becomes, its inputs keyed by name). Each shape is
+    ``(name, dims)``, the name "" where the set is in order."""
     found = []
     for group in str(text).split(";"):
         if not group.strip():
             continue
-        try:
-            shapes = [
-                tuple(int(d) for d in s.strip().split("x") if d.strip()) for s in group.split(",")
-            ]
-        except ValueError:
-            raise ValueError(
-                f"{group.strip()!r}: expected shapes like 1x3x224x224, inputs separated by ','"
-            ) from None
-        if any(d < 0 for s in shapes for d in s):
-            raise ValueError(f"{group.strip()!r}: a dimension is negative")
-        found.append(shapes)
+        listed: Listed = []
+        for item in group.split(","):
+            name, _, dims = item.strip().rpartition("=")
+            try:
+                shape = tuple(int(d) for d in dims.strip().split("x") if d.strip())
+            except ValueError:
+                raise ValueError(
+                    f"{group.strip()!r}: expected shapes like 1x3x224x224 (or name=1x3x224x224),"
+                    " inputs separated by ','"
+                ) from None
+            if any(d < 0 for d in shape):
+                raise ValueError(f"{group.strip()!r}: a dimension is negative")
+            listed.append((name.strip(), shape))
+        named = [bool(n) for n, _ in listed]
+        if any(named) and not all(named):
+            raise ValueError(f"{group.strip()!r}: name every input's shape or none")
+        if len({n for n, _ in listed}) != len(listed) and all(named):
+            raise ValueError(f"{group.strip()!r}: an input is named twice")
+        found.append(listed)
     return found
 
 
@@ -130,9 +147,7 @@ class Lane:
         #: the shapes run once (their warm-up), the most recent 4 x limit + 8
         self._warmed: collections.OrderedDict[Key, None] = collections.OrderedDict()
         for zeros in listed_inputs(network, shapes):
-            # captured now, so the first request of the shape replays
-            self._warmed[self._key(zeros)] = None  # (captured at once, not at a second sight)
-            self.run(zeros)
+            self.run(zeros, at_once=True)  # captured now, so the first request of it replays
 
     # --- host buffers
 
@@ -182,12 +197,15 @@ class Lane:
     def _key(arrays: Sequence[np.ndarray]) -> Key:
         return tuple((tuple(a.shape), a.dtype.str) for a in arrays)
 
-    def run(self, arrays: Sequence[Any]) -> list[np.ndarray]:
+    def run(self, arrays: Sequence[Any], at_once: bool = False) -> list[np.ndarray]:
         """The outputs of the program over ``arrays`` (numpy), through the graph of their
-        shape where there is one."""
+        shape where there is one. ``at_once``: capture the shape now if it is not, rather
+        than at its second sight (a shape listed at load, a warm-up run: ``model_warmup``)."""
         torch = self.torch
         arrays = [np.asarray(a) for a in arrays]
         key = self._key(arrays)
+        if at_once and self.limit:
+            self._warmed[key] = None
         program = self.program
         with torch.inference_mode(), self._on_stream():
             staged = [self._stage(f"in{i}", a) for i, a in enumerate(arrays)]
@@ -224,8 +242,7 @@ class Lane:
         program = self.program
         found = []
         for host, np_type in zip(staged, program.input_types):
-            held = held_dtype(self.torch, np_type if np_type is not None else _dtype_of(host),
-                              program.compute)  # fmt: skip
+            held = program.held(np_type if np_type is not None else _dtype_of(host))
             tensor = host.to(self.device, non_blocking=self.cuda)
             if not self.cuda:
                 tensor = tensor.clone()  # the program must not hold the reused buffer
@@ -284,18 +301,31 @@ def _dtype_of(tensor: Any) -> np.dtype:
     return np.dtype(str(tensor.dtype).removeprefix("torch."))
 
 
-def listed_inputs(network: Any, shapes: Sequence[Sequence[tuple[int, ...]]]) -> list[list[Any]]:
+def listed_inputs(network: Any, shapes: Sequence[Listed]) -> list[list[Any]]:
     """Zero inputs of each shape set CUDA_GRAPH_SHAPES lists, checked against the network's
     inputs as a request's are (the load refuses a listing no request could send)."""
     specs = network.inputs
     found = []
     for listed in shapes:
+        if listed and listed[0][0]:  # named: the network's inputs, by name
+            names = [n for n, _ in listed]
+            unknown = sorted(set(names) - {s.name for s in specs})
+            if unknown:
+                raise InvalidArgument(
+                    f"CUDA_GRAPH_SHAPES: network {network.name!r} has no input "
+                    f"{', '.join(map(repr, unknown))} (its inputs: "
+                    f"{', '.join(s.name for s in specs)})"
+                )
+            dims = dict(listed)
+            listed = [(s.name, dims[s.name]) for s in specs if s.name in dims]
         if len(listed) != len(specs):
             raise InvalidArgument(
                 f"CUDA_GRAPH_SHAPES: {len(listed)} shape(s) for {len(specs)} input(s) of "
                 f"network {network.name!r}"
             )
-        zeros = {s.name: np.zeros(n, dtype=s.dtype or np.float32) for n, s in zip(listed, specs)}
+        zeros = {
+            s.name: np.zeros(n, dtype=s.dtype or np.float32) for (_, n), s in zip(listed, specs)
+        }
         try:
             found.append(check_inputs(network.name, specs, zeros))
         except PlugserveError as exc:
@@ -306,10 +336,9 @@ def listed_inputs(network: Any, shapes: Sequence[Sequence[tuple[int, ...]]]) -> 
 def lane_for(network: Any) -> Lane | None:
     """The lane of a new request (one per stream executor): on CUDA always (its stream and
     pinned buffers, graphs unless CUDA_GRAPHS is 0); on the CPU only with CUDA_GRAPHS above 0
-    (else the plain program, as before)."""
+    (else the plain program, as before). A converted ONNX graph's program and a PyTorch
+    program (``programs.TorchProgram``, run whole) alike."""
     limit = int(network.config.get("CUDA_GRAPHS") or 0)
-    if not isinstance(network.program, Program):  # a PyTorch program runs whole, as it is
-        return None
     if network.program.device.type != "cuda" and not limit:
         return None
     shapes = parse_shapes(network.config.get("CUDA_GRAPH_SHAPES") or "")

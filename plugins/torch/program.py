@@ -22,6 +22,7 @@ from plugserve.plugins.torch.ops.registry import (
     NodeContext,
     Refused,
     converters,
+    held_dtype,
     schema_version,
     to_numpy,
     to_tensor,
@@ -168,6 +169,11 @@ class Program:
                                    and i not in keep and self.template[i] is None])
             for index, (fn, ins, outs, what) in enumerate(steps)
         ]  # fmt: skip
+
+    def held(self, np_type: np.dtype) -> Any:
+        """The torch dtype an input of ``np_type`` is held in on the device (:mod:`.graphs`
+        stages inputs so)."""
+        return held_dtype(self.torch, np_type, self.compute)
 
     def run(self, arrays: Sequence[Any]) -> list[np.ndarray]:
         torch = self.torch

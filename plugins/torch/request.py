@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from plugserve.plugins.api import InferRequest, PerfCount
+from plugserve.plugins.run_context import RunContext
 from plugserve.plugins.torch import devmem
 from plugserve.plugins.torch import graphs as lanes
 
@@ -27,21 +28,23 @@ class TorchInferRequest(InferRequest):
         super().__init__(network)
         self._perf = bool(network.config.get("PERF_COUNT"))
         self._counts: list[PerfCount] = []
-        self._lane = lanes.lane_for(network)  # its stream, pinned buffers and graphs
-        self._stream: Any = None
-        if self._lane is None and network.torch_device.type == "cuda":
-            # a PyTorch program (no lane: its steps are its own): a CUDA stream of its own
-            self._stream = network.program.torch.cuda.Stream(device=network.torch_device)
+        # its stream, pinned buffers and graphs (a PyTorch program's too: run whole, as one
+        # step, captured where capture works)
+        self._lane = lanes.lane_for(network)
+
+    def _infer(self, arrays: list[Any], run: RunContext) -> dict[str, np.ndarray]:
+        return self._execute(arrays, run.warmup)
 
     def _run(self, arrays: list[Any]) -> dict[str, np.ndarray]:
+        return self._execute(arrays, False)
+
+    def _execute(self, arrays: list[Any], warmup: bool) -> dict[str, np.ndarray]:
+        """The run; a warm-up's (``model_warmup``) shape is captured at once."""
         program = self.network.program
         start = time.perf_counter()
         with devmem.charged(self.network, arrays):  # activations charged before the run
             if self._lane is not None:
-                outputs = self._lane.run(arrays)
-            elif self._stream is not None:
-                with program.torch.cuda.stream(self._stream):
-                    outputs = program.run(arrays)
+                outputs = self._lane.run(arrays, at_once=warmup)
             else:
                 outputs = program.run(arrays)
         if self._perf:
