@@ -176,6 +176,9 @@ def model_config(entry: LoadedNetwork, policy: VersionPolicy) -> mc.ModelConfig:
         config.model_transaction_policy.decoupled = True
     config.parameters["device"].string_value = entry.device
     config.parameters["precision"].string_value = entry.network.precision
+    graphs = entry.network.cuda_graphs()
+    if graphs is not None:  # a TORCH or GPU network: whether its shapes replay as CUDA graphs
+        config.optimization.cuda.graphs = graphs > 0
     batching = entry.network.batching()
     if batching is not None:
         size, timeout_ms = batching
