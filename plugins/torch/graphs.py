@@ -13,9 +13,10 @@ input shapes it has seen, each captured as a CUDA graph and replayed.
   as are its later requests, which copy into the static inputs. A shape listed at load
   (``CUDA_GRAPH_SHAPES``; a config.pbtxt's ``graph_spec``) is captured when the lane starts
   (a server starts every stream's lane at load), and so is a warm-up run's
-  (``RunContext.warmup``: a config.pbtxt's ``model_warmup``) at its first sight. At most ``CUDA_GRAPHS`` shapes per
-  lane, the least recently used evicted; a shape whose capture fails (a step that reads a value
-  on the host, a data-dependent shape) stays eager, logged once. Each lane holds its own graphs:
+  (``RunContext.warmup``: a config.pbtxt's ``model_warmup``) at its first sight. At most
+  ``CUDA_GRAPHS`` shapes per lane, the least recently used evicted; a shape whose capture
+  fails (a step that reads a value on the host, a data-dependent shape) stays eager, logged
+  once. Each lane holds its own graphs:
   a graph's static buffers serve one request at a time, and a lane runs one at a time, so
   replays never wait on each other. A capture (once per shape and stream) is the one place that
   waits for the whole card: torch's capture synchronises the device before it begins.
