@@ -279,7 +279,8 @@ class Lane:
         if not self.cuda:
             self.counters.add("captured")
             return _Entry(static, [], None)
-        self.program.compute_tensors(static)  # the warm-up: its errors are the request's
+        for _ in range(self.program.capture_warmups):  # its errors are the request's
+            self.program.compute_tensors(static)
         self.stream.synchronize()
         try:
             graph = torch.cuda.CUDAGraph()  # its own memory pool: graphs replay in any order

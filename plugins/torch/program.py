@@ -119,6 +119,9 @@ def _rounding(step: Any, halves: list[bool], multi: bool, torch: Any) -> Any:
 class Program:
     """The steps of one graph, run over slots; values in and out as numpy arrays."""
 
+    #: runs on the static buffers before a CUDA graph captures them (:mod:`.graphs`)
+    capture_warmups = 1
+
     def __init__(self, graph: Graph, torch: Any, device: Any, compute: Any) -> None:
         self.torch = torch
         self.device = device

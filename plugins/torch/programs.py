@@ -200,6 +200,10 @@ class TorchProgram:
         self.name = name
         self.kind = program_kind(data)
         self.compute = compute
+        #: runs before a CUDA graph captures (:mod:`.graphs`): TorchScript's profiling
+        #: executor profiles its first runs and optimizes (compiles fused kernels) after them,
+        #: which must happen before the capture, not inside it
+        self.capture_warmups = 3 if self.kind == TORCHSCRIPT else 1
         module, arguments, own = load_module(data, self.kind, torch, device, name)
         if compute != torch.float32:  # the hint asked for f16 or bf16
             module = module.to(compute)
