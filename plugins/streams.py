@@ -285,7 +285,7 @@ class StreamsExecutor:
         results = []
         for index in range(self.streams):
             with self._ready:
-                while index not in self._idle:
+                while self._closed or index not in self._idle:
                     if self._closed:
                         raise FailedPrecondition(f"{self.name}: executor is shut down")
                     self._ready.wait(0.1)
