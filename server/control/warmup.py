@@ -18,6 +18,8 @@ As Triton runs them (triton-inference-server/core, ``backend_model_instance.cc``
 - ``batch_size``: the rows each input gets in front of its ``dims`` when the model batches
   (``max_batch_size`` > 0); a sample of batch size 0 is skipped, as Triton skips it. A model
   that does not batch takes ``batch_size`` 1.
+- A decoupled model's run reads its responses until the final one (an error in one fails the
+  warm-up).
 - A sample that is malformed (an input without a data type or data, a variable dimension
   left open, more rows than ``max_batch_size``, a data file missing or short) or whose run
   fails fails the model's load: ``failed to run warmup sample 'w': <why>`` (Triton's words);
@@ -35,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import struct
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -46,7 +49,9 @@ from plugserve.plugins.api import (
     InferenceError,
     InvalidArgument,
     PlugserveError,
+    check_inputs,
 )
+from plugserve.plugins.responses import Response, ResponseSender
 from plugserve.plugins.run_context import RunContext
 from plugserve.server.control.triton_types import DTYPES
 
@@ -266,4 +271,52 @@ def warm_up(network: CompiledNetwork, warmup: Warmup | None, model: str, graphs:
 def _on_every_stream(
     network: CompiledNetwork, inputs: dict[str, np.ndarray], run: RunContext
 ) -> int:
-    return len(network.each_stream(lambda request: request.infer(inputs, run)))
+    if not network.decoupled:
+        return len(network.each_stream(lambda request: request.infer(inputs, run)))
+    arrays = check_inputs(network.name, network.inputs, inputs)
+    return len(network.each_stream(lambda request: _decoupled(request, arrays, run)))
+
+
+def _decoupled(request: Any, arrays: list[np.ndarray], run: RunContext) -> None:
+    """A decoupled model's warm-up: its responses read until the final one (Triton warms
+    decoupled models too, ``qa/L0_warmup``); a response's error fails the warm-up."""
+    sender = _Collected()
+    request.infer_decoupled(arrays, sender, run)
+    if not sender.done.wait(DECOUPLED_TIMEOUT):
+        raise InferenceError(f"no final response within {DECOUPLED_TIMEOUT:.0f} s")
+    error = sender.error
+    if isinstance(error, PlugserveError):
+        raise error
+    if error is not None:
+        raise InferenceError(f"{type(error).__name__}: {error}")
+
+
+#: the longest a decoupled model's warm-up run waits for its final response
+DECOUPLED_TIMEOUT = 300.0
+
+
+class _Collected(ResponseSender):
+    """A warm-up's responses: read and dropped; the first error kept."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+    def send(self, item: Any = None, final: bool = False) -> bool:
+        if isinstance(item, Response) and item.error is not None and self.error is None:
+            self.error = item.error
+        if final:
+            self.done.set()
+        return not self.done.is_set() or final
+
+    def fail(self, error: BaseException) -> None:
+        if self.error is None:
+            self.error = error
+        self.done.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self.done.is_set()
+
+    def on_cancel(self, callback: Callable[[], object]) -> Callable[[], None]:
+        return lambda: None

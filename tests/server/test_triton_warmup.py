@@ -62,6 +62,40 @@ MODELS = {
     + _sample("nothing", 1, "") + " ]",
 }  # fmt: skip
 
+#: a decoupled Python model (Triton's square_int32 in short): IN responses of IN, then the final
+#: flag; a negative IN answers an error
+SQUARE = """
+import threading
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            value = pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()
+            sender = request.get_response_sender()
+            threading.Thread(target=self.respond, args=(sender, value), daemon=True).start()
+        return None
+
+    def respond(self, sender, value):
+        if value[0] < 0:
+            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError("negative")))
+        for _ in range(int(value[0])):
+            sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", value)]))
+        sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+"""
+
+SQUARE_CONFIG = """
+backend: "python"
+max_batch_size: 0
+model_transaction_policy {{ decoupled: True }}
+input [ {{ name: "IN" data_type: TYPE_INT32 dims: [ 1 ] }} ]
+output [ {{ name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] }} ]
+model_warmup [ {{ name: "{name}" batch_size: 1 inputs {{ key: "IN" value {{
+  data_type: TYPE_INT32 dims: [ 1 ] {data} }} }} }} ]
+"""
+
 #: what each bad model's load says
 REASONS = {
     "bad_dims": "expects all variable-size dimensions are specified for input 'x'",
@@ -70,6 +104,7 @@ REASONS = {
     "missing_file": "cannot read warmup/none.bin",
     "short_file": "expects 16 bytes, but the data provided from 'x.bin' only has 8 bytes",
     "no_data": "expects input 'x' to have input_data_type set",
+    "square_bad": "failed to run warmup sample 'below zero': ",
 }
 
 
@@ -86,6 +121,14 @@ def triton(tmp_path_factory):
         _write(root, name, config)
     (root / "warm_ort" / "warmup").mkdir()
     (root / "warm_ort" / "warmup" / "x.bin").write_bytes(struct.pack("<4f", 1, 2, 3, 4))
+    for name, sample in (("square", "three"), ("square_bad", "below zero")):
+        (root / name / "1").mkdir(parents=True)
+        (root / name / "1" / "model.py").write_text(SQUARE)
+        data = 'input_data_file: "in.bin"'
+        (root / name / "config.pbtxt").write_text(SQUARE_CONFIG.format(name=sample, data=data))
+        (root / name / "warmup").mkdir()
+        value = 3 if name == "square" else -1
+        (root / name / "warmup" / "in.bin").write_bytes(struct.pack("<i", value))
     (root / "short_file" / "warmup").mkdir()
     (root / "short_file" / "warmup" / "x.bin").write_bytes(struct.pack("<2f", 1, 2))
     with RunningServer("--model-repository", str(root), "--exit-on-error", "0") as server:
@@ -103,6 +146,8 @@ def test_every_sample_runs_on_every_stream_before_the_model_is_ready_uncounted(t
     assert "model 'warm_ort': 8 warm-up run(s) done" in log, log
     assert "'warm_numpy' is running warmup sample 'plain' for iteration 1" in log
     assert "model 'warm_numpy': 1 warm-up run(s) done" in log
+    # a decoupled model: its three responses read to the final one
+    assert "model 'square': 1 warm-up run(s) done" in log, log
     # each ready only after its warm-up (Triton: not ready until warm-up completes)
     done = log.index("model 'warm_ort': 8 warm-up run(s) done")
     assert re.search(r"network warm_ort version 1 ready", log[done:]), log
@@ -141,6 +186,8 @@ def test_a_bad_sample_fails_its_model_alone_with_the_reason(triton):
                 client.load_model(model)  # tried again: the same reason, to the client
             message = info.value.message()
             assert reason in message and model in message, (model, message)
+            if model == "square_bad":  # the decoupled model's own error, in its response
+                assert "negative" in message, message
             assert reason in triton.log, (model, reason)
         assert client.is_server_live() and client.is_model_ready("warm_ort")
     finally:
