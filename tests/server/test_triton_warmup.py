@@ -22,6 +22,8 @@ grpcclient = pytest.importorskip("tritonclient.grpc")
 httpclient = pytest.importorskip("tritonclient.http")
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
+pytestmark = pytest.mark.slow  # a server of ten models, two of them Python processes: ~20 s
+
 
 def _sample(name: str, batch: int, data: str, dims: str = "[ 4 ]", extra: str = "") -> str:
     return (
