@@ -6,8 +6,9 @@ As Triton runs them (triton-inference-server/core, ``backend_model_instance.cc``
 ``GenerateWarmupData`` and ``WarmUp``; its ``qa/L0_warmup``):
 
 - Each sample runs ``count`` times (0: once) on **every stream** of the network (Triton: on
-  every model instance; here each stream executor's infer request, ``CompiledNetwork.
-  each_stream``: BATCH's device network's, each of MULTI's devices' requests), after the network is compiled and before it is listed: the model is not
+  every model instance; here each stream executor's infer request,
+  ``CompiledNetwork.each_stream``: BATCH's device network's, each of MULTI's devices'
+  requests), after the network is compiled and before it is listed: the model is not
   ready until its warm-up is done. Each run is logged (``is running warmup sample 'w' for
   iteration 1``, Triton's words, at INFO).
 - An input's data is ``zero_data`` (zeros; empty strings for TYPE_STRING), ``random_data``
