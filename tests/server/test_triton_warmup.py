@@ -50,6 +50,10 @@ MODELS = {
     # the server's default device (NUMPY), a model that does not batch: its dims are the shape
     "warm_numpy": "max_batch_size: 0\nmodel_warmup [ "
     + _sample("plain", 1, "zero_data: true", dims="[ 2, 4 ]") + " ]",
+    # CUDA graphs on a device without them, and optimization fields no device here acts on:
+    # logged, the model served
+    "ort_cuda": 'backend: "onnxruntime"\n' + BATCHED
+    + "optimization { graph { level: 1 } cuda { graphs: true } }",
     "bad_dims": 'backend: "onnxruntime"\n' + BATCHED + "model_warmup [ "
     + _sample("open", 1, "zero_data: true", dims="[ -1 ]") + " ]",
     "bad_input": 'backend: "onnxruntime"\n' + BATCHED + "model_warmup [ "
@@ -150,6 +154,8 @@ def test_every_sample_runs_on_every_stream_before_the_model_is_ready_uncounted(t
     assert "model 'warm_numpy': 1 warm-up run(s) done" in log
     # a decoupled model: its three responses read to the final one
     assert "model 'square': 1 warm-up run(s) done" in log, log
+    assert "model 'ort_cuda': not acted on: optimization.cuda" in log, log
+    assert re.search(r"ort_cuda/config.pbtxt: not acted on: optimization.graph", log), log
     # each ready only after its warm-up (Triton: not ready until warm-up completes)
     done = log.index("model 'warm_ort': 8 warm-up run(s) done")
     assert re.search(r"network warm_ort version 1 ready", log[done:]), log
@@ -170,7 +176,7 @@ def test_warmed_models_serve(triton, protocol):
     url = triton.target if protocol == "grpc" else triton.http_target
     client = module.InferenceServerClient(url)
     try:
-        for model, shape in (("warm_ort", (3, 4)), ("warm_numpy", (2, 4))):
+        for model, shape in (("warm_ort", (3, 4)), ("warm_numpy", (2, 4)), ("ort_cuda", (1, 4))):
             x = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
             tensor = module.InferInput("x", list(shape), "FP32")
             tensor.set_data_from_numpy(x)
