@@ -339,7 +339,25 @@ def _tritonclient_round_trip(grpc_target: str) -> dict:
         req.set_shared_memory("tc-out", x.nbytes)
         client.infer("on_gpu", [inp], outputs=[req])
         got = cudashm.get_contents_as_numpy(h_out, np.float32, [2, 4])
-        return {"ok": bool(np.allclose(got, x + 1, atol=1e-2)), "got": got.tolist()}
+        # Triton's own case (L0_cuda_shared_memory test_register_out_of_bound): a region one
+        # byte larger than its cudaMalloc is refused "failed to register ... invalid args"
+        from tritonclient.utils import InferenceServerException
+
+        try:
+            client.register_cuda_shared_memory(
+                "tc-past", cudashm.get_raw_handle(h_in), 0, x.nbytes + 1
+            )
+        except InferenceServerException as exc:
+            past = exc.message()
+        else:
+            past = ""
+            client.unregister_cuda_shared_memory("tc-past")
+        refused = "failed to register shared memory region" in past and "invalid args" in past
+        return {
+            "ok": bool(np.allclose(got, x + 1, atol=1e-2)) and refused,
+            "got": got.tolist(),
+            "past_refused": past[:300],
+        }
     finally:
         for name in ("tc-in", "tc-out"):
             with contextlib.suppress(Exception):
