@@ -125,11 +125,8 @@ class CudaArray:
 
 def takes_cuda_inputs(network: Any) -> int | None:
     """The GPU whose memory ``network`` takes inputs from without a host copy (its
-    ``cuda_inputs``), or None: every other network gets host arrays."""
-    probe = getattr(network, "cuda_inputs", None)
-    if probe is None:
-        return None
-    found = probe() if callable(probe) else probe
+    ``CompiledNetwork.cuda_inputs``), or None: every other network gets host arrays."""
+    found = network.cuda_inputs()
     return found if isinstance(found, int) and not isinstance(found, bool) else None
 
 

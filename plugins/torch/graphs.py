@@ -128,7 +128,7 @@ class Lane:
         self.limit = max(0, int(limit))
         self.counters: GraphCounters = network.graph_counters
         #: the outputs' names by index (a CudaSink's refusal names its output)
-        self.output_names = dict(enumerate(getattr(network, "output_names", ())))
+        self.output_names = dict(enumerate(spec.name for spec in network.outputs))
         self.stream = self.torch.cuda.Stream(device=self.device) if self.cuda else None
         #: pinned staging buffers by (slot, shape, dtype), the least recently used dropped
         #: beyond HOST_BUFFERS (a model whose shapes vary would otherwise hold one per shape)

@@ -355,7 +355,7 @@ def cuda_device_of(entry: Any) -> int | None:
     """The GPU whose memory a loaded network takes its inputs from without a host copy
     (``cuda_array.takes_cuda_inputs``), None for one of a sequence (its batcher joins rows
     on the host)."""
-    if getattr(entry, "sequences", None) is not None:
+    if entry.sequences is not None:
         return None
     return takes_cuda_inputs(entry.network)
 

@@ -153,9 +153,10 @@ def test_the_writer_skips_what_the_device_wrote_and_writes_the_rest(tmp_path):
         os.unlink(path)
 
 
-def test_only_a_network_that_says_so_gets_cuda_arrays():
-    class Plain:
-        pass
+def test_only_a_network_that_says_so_gets_cuda_arrays(core):
+    from models import add_sub
+
+    plain = core.load_network(add_sub(), "NUMPY")  # every device but torch's on CUDA
 
     class OnGpu:
         def cuda_inputs(self):
@@ -165,7 +166,7 @@ def test_only_a_network_that_says_so_gets_cuda_arrays():
         def __init__(self, network, sequences=None):
             self.network, self.sequences = network, sequences
 
-    assert takes_cuda_inputs(Plain()) is None
+    assert takes_cuda_inputs(plain) is None
     assert takes_cuda_inputs(OnGpu()) == 1
     assert cuda_device_of(Entry(OnGpu())) == 1
     assert cuda_device_of(Entry(OnGpu(), sequences=object())) is None  # rows joined on host
