@@ -412,6 +412,13 @@ class CompiledNetwork(abc.ABC):
         ones)."""
         return None
 
+    def cuda_inputs(self) -> int | None:
+        """The GPU whose memory the network takes inputs from without a host copy (a
+        client's CUDA shared memory as ``plugins/cuda_array.CudaArray``, which its requests
+        copy device to device), or None: its inputs come as host arrays (every device but
+        the torch ones on CUDA)."""
+        return None
+
     #: ``{state input: state output}`` its requests keep between runs (:meth:`keep_states`)
     state_pairs: Mapping[str, str] = {}
     #: what computes, before a run, the sizes of the outputs the request's values decide

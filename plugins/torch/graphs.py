@@ -23,6 +23,12 @@ input shapes it has seen, each captured as a CUDA graph and replayed.
 - **Programs**: a converted ONNX graph's :class:`~.program.Program` and a PyTorch program
   (:class:`~.programs.TorchProgram`, run whole as one step) alike: ``compute_tensors`` over
   tensors on the device, ``held`` the dtype an input is staged in.
+- **A client's GPU memory** (Triton's CUDA shared memory, ``plugins/cuda_array.py``): an
+  input given as a ``CudaArray`` is wrapped where it lies (``torch.as_tensor`` of its
+  ``__cuda_array_interface__``) and copied device to device into the lane's own tensor (never
+  computed in place: a graph's static input must not be the client's); an output with a
+  ``CudaSink`` is copied device to device into the client's region on the stream, which is
+  synchronised before the request returns, and answered as ``cuda_array.written``.
 - **The CPU twin**: on the CPU (TORCH with ``CUDA_GRAPHS`` above 0) the same cache and copy
   path run, the "graph" being the eager program over the static buffers, without pinning; it
   is what CI tests (outputs, the bound, the counters) without a GPU.
@@ -43,6 +49,7 @@ from typing import Any
 import numpy as np
 
 from plugserve.plugins.api import InvalidArgument, PlugserveError, check_inputs
+from plugserve.plugins.cuda_array import CudaArray, CudaSink, typestr, written
 from plugserve.plugins.errors import Cancelled, DeadlineExceeded
 from plugserve.plugins.torch.ops.registry import torch_dtype
 
@@ -138,6 +145,8 @@ class Lane:
         self.cuda = self.device.type == "cuda"
         self.limit = max(0, int(limit))
         self.counters: GraphCounters = network.graph_counters
+        #: the outputs' names by index (a CudaSink's refusal names its output)
+        self.output_names = dict(enumerate(spec.name for spec in network.outputs))
         self.stream = self.torch.cuda.Stream(device=self.device) if self.cuda else None
         #: pinned staging buffers by (slot, shape, dtype), the least recently used dropped
         #: beyond HOST_BUFFERS (a model whose shapes vary would otherwise hold one per shape)
@@ -169,6 +178,8 @@ class Lane:
         return buffer
 
     def _stage(self, slot: str, array: np.ndarray) -> Any:
+        if isinstance(array, CudaArray):  # a view of the client's memory, copied from below
+            return self.torch.as_tensor(array, device=self.device)
         dtype = torch_dtype(self.torch, array.dtype)
         host = self._host(slot, tuple(array.shape), dtype)
         if dtype == self.torch.bfloat16:
@@ -198,12 +209,19 @@ class Lane:
     def _key(arrays: Sequence[np.ndarray]) -> Key:
         return tuple((tuple(a.shape), a.dtype.str) for a in arrays)
 
-    def run(self, arrays: Sequence[Any], at_once: bool = False) -> list[np.ndarray]:
-        """The outputs of the program over ``arrays`` (numpy), through the graph of their
-        shape where there is one. ``at_once``: capture the shape now if it is not, rather
-        than at its second sight (a shape listed at load, a warm-up run: ``model_warmup``)."""
+    def run(
+        self,
+        arrays: Sequence[Any],
+        sinks: dict[int, CudaSink] | None = None,
+        at_once: bool = False,
+    ) -> list[Any]:
+        """The outputs of the program over ``arrays`` (numpy, or ``CudaArray`` on this lane's
+        GPU), through the graph of their shape where there is one; ``sinks``: outputs (by
+        index) to copy into a client's GPU memory, answered ``cuda_array.written``;
+        ``at_once``: capture the shape now if it is not, rather than at its second sight (a
+        shape listed at load, a warm-up run: ``model_warmup``)."""
         torch = self.torch
-        arrays = [np.asarray(a) for a in arrays]
+        arrays = [a if self._on_card(a) else np.asarray(a) for a in arrays]
         key = self._key(arrays)
         if at_once and self.limit:
             self._warmed[key] = None
@@ -223,16 +241,50 @@ class Lane:
                     self.counters.add("replayed")
             else:
                 outputs = program.compute_tensors(self._to_device(staged))
+            card = self.device.index or 0
+            sinks = {
+                i: sink
+                for i, sink in (sinks or {}).items()
+                if self.cuda and sink.device == card and i < len(program.output_types)
+                and typestr(_type_or_f32(program.output_types[i])) is not None
+            }  # fmt: skip
             hosts = [
-                self._fetch(f"out{i}", t, np.dtype(np.float32) if ty is None else ty)
+                self._sink(i, sinks[i], t, np.dtype(np.float32) if ty is None else ty)
+                if i in sinks
+                else self._fetch(f"out{i}", t, np.dtype(np.float32) if ty is None else ty)
                 for i, (t, ty) in enumerate(zip(outputs, program.output_types))
             ]
             if self.stream is not None:
-                self.stream.synchronize()  # this request's work only
+                self.stream.synchronize()  # this request's work only (its sinks' copies too)
+            for i in sinks:
+                sinks[i].wrote(hosts[i].nbytes)
+            f32 = np.dtype(np.float32)
             return [
-                self._numpy(h, np.dtype(np.float32) if ty is None else ty, torch)
-                for h, ty in zip(hosts, program.output_types)
+                h if i in sinks else self._numpy(h, f32 if ty is None else ty, torch)
+                for i, (h, ty) in enumerate(zip(hosts, program.output_types))
             ]
+
+    def _on_card(self, array: Any) -> bool:
+        """``array`` is a client's GPU memory this lane takes without a host copy."""
+        return (
+            isinstance(array, CudaArray) and self.cuda and array.device == (self.device.index or 0)
+        )
+
+    def _sink(self, index: int, sink: CudaSink, tensor: Any, np_type: np.dtype) -> np.ndarray:
+        """``tensor`` copied into the client's memory at ``sink`` on the stream (device to
+        device), complete once the stream is synchronised; its answer, ``written``."""
+        torch = self.torch
+        want = torch_dtype(torch, np_type)
+        if tensor.dtype != want:
+            tensor = tensor.to(want)
+        nbytes = tensor.numel() * tensor.element_size()
+        problem = sink.too_small(nbytes)
+        if problem is not None:
+            raise InvalidArgument(f"output {self.output_names.get(index, index)!r}: {problem}")
+        if nbytes:
+            target = CudaArray(sink.pointer, tuple(tensor.shape), np_type, sink.device)
+            torch.as_tensor(target, device=self.device).copy_(tensor, non_blocking=True)
+        return written(tuple(tensor.shape), np_type)
 
     def _on_stream(self) -> Any:
         if self.stream is None:
@@ -245,8 +297,10 @@ class Lane:
         for host, np_type in zip(staged, program.input_types):
             held = program.held(np_type if np_type is not None else _dtype_of(host))
             tensor = host.to(self.device, non_blocking=self.cuda)
-            if not self.cuda:
-                tensor = tensor.clone()  # the program must not hold the reused buffer
+            if not self.cuda or tensor.data_ptr() == host.data_ptr():
+                # the program must not hold the reused buffer, nor a client's memory (a
+                # CudaArray's view): a copy of its own (device to device for the latter)
+                tensor = tensor.clone()
             found.append(tensor.to(held) if tensor.dtype != held else tensor)
         return found
 
@@ -297,6 +351,11 @@ class Lane:
             return _Entry([], None, None)
         self.counters.add("captured")
         return _Entry(static, list(outputs), graph)
+
+
+def _type_or_f32(np_type: Any) -> np.dtype:
+    """An output's declared type, f32 when it declares none (as the lane fetches it)."""
+    return np.dtype(np.float32) if np_type is None else np.dtype(np_type)
 
 
 def _dtype_of(tensor: Any) -> np.dtype:

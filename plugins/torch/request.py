@@ -1,7 +1,9 @@
 """TORCH's and GPU's infer request: the program over the checked inputs, each node's time
 kept when PERF_COUNT is on. On a GPU (and on the CPU with CUDA_GRAPHS) it runs on its
 :class:`~.graphs.Lane`: the stream executor's own CUDA stream, pinned buffers and graphs; the run
-waits for its own stream only."""
+waits for its own stream only. Inputs in a client's GPU memory and outputs wanted there
+(Triton's CUDA shared memory: ``plugins/cuda_array.py``) are copied device to device by the
+lane."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from plugserve.plugins import run_context
 from plugserve.plugins.api import InferRequest, PerfCount
 from plugserve.plugins.run_context import RunContext
 from plugserve.plugins.torch import devmem
@@ -44,7 +47,7 @@ class TorchInferRequest(InferRequest):
         start = time.perf_counter()
         with devmem.charged(self.network, arrays):  # activations charged before the run
             if self._lane is not None:
-                outputs = self._lane.run(arrays, at_once=warmup)
+                outputs = self._lane.run(arrays, self._sinks(), at_once=warmup)
             else:
                 outputs = program.run(arrays)
         if self._perf:
@@ -59,6 +62,15 @@ class TorchInferRequest(InferRequest):
                 )
             ]
         return dict(zip(self.network.output_names, outputs))
+
+    def _sinks(self) -> dict[int, Any] | None:
+        """The outputs the run's request wants in a client's GPU memory, by output index
+        (``RunContext.cuda_outputs``): the lane copies them there device to device."""
+        run = run_context.current()
+        wanted = None if run is None else run.cuda_outputs
+        if not wanted:
+            return None
+        return {i: wanted[n] for i, n in enumerate(self.network.output_names) if n in wanted}
 
     def get_performance_counts(self) -> list[PerfCount]:
         self._require_perf_counts()

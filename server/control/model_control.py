@@ -509,18 +509,22 @@ class ModelControl:
         if version and not is_version(version):
             raise InvalidArgument(f"repository path {path!r}: expected NAME or NAME/VERSION")
         model, settings = self._stored(name, int(version or 0))
-        device, config = self._placed(name, settings)
+        device, config = self._placed(name, settings, model)
         return model, device, config, settings.max_batch_size
 
-    def _placed(self, name: str, settings: ModelSettings) -> tuple[str, dict[str, str]]:
-        """The device and config a repository model loads with: its own, or where its
-        Triton ``instance_group`` places it (``placement.py``; the config's own NUM_STREAMS
-        stays the user's)."""
+    def _placed(
+        self, name: str, settings: ModelSettings, model: Any = None
+    ) -> tuple[str, dict[str, str]]:
+        """The device and config a repository model (``model``, its file) loads with: its
+        own, or where its Triton ``instance_group`` places it (``placement.py``, with the CPU
+        fallback of an ONNX graph on one GPU; the config's own NUM_STREAMS stays the
+        user's)."""
         device, config = settings.device, settings.config
         if settings.placement is not None:
             device, placed = place(
-                settings.placement, device or self.default_device, self.core, f"model {name!r}"
-            )
+                settings.placement, device or self.default_device, self.core, f"model {name!r}",
+                model,
+            )  # fmt: skip
             config = {**placed, **config}
         if settings.graphs:
             if runs_on_torch(device or self.default_device):
@@ -657,7 +661,7 @@ class ModelControl:
         # or NAME/ itself, version 1); an OVMS pipeline is version 1
         version = 1 if settings.pipeline is not None else Repository.version_of(model)
         self._check_model_size(model, "RepositoryModelLoad")
-        device, config = self._placed(name, settings)
+        device, config = self._placed(name, settings, model)
         batch = settings.max_batch_size
         device = device or self.default_device
         if settings.dynamic_batching:
@@ -752,7 +756,7 @@ class ModelControl:
         """One repository version loaded, or what went wrong with it (its file first)."""
         try:
             pipeline = entry.settings.pipeline
-            device, config = self._placed(entry.name, entry.settings)
+            device, config = self._placed(entry.name, entry.settings, entry.path)
             loaded, _ = self.load(
                 entry.name,
                 pipeline if pipeline is not None else entry.path,

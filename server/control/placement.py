@@ -14,6 +14,10 @@ gpus: [g, ...] }``                 gpu, ``n`` instances (NUM_STREAMS) each; two 
 ``KIND_MODEL``                     not acted on (logged): the model's own device
 =================================  ===================================================
 
+An ONNX graph on one GPU whose nodes the GPU device cannot all run is
+``HETERO:GPU.<g>,<its CPU device>`` (:func:`_fallback`), as Triton's onnxruntime backend
+falls back to its CPU provider.
+
 Several groups name several devices, which MULTI spreads requests over (each with the largest
 count of its groups: MULTI hands one NUM_STREAMS to all its devices). Without a GPU, KIND_GPU
 fails the model's load saying why there is no GPU (the server and its other models go on);
@@ -33,7 +37,7 @@ import dataclasses
 import logging
 from typing import Any
 
-from plugserve.plugins.api import BackendUnavailable
+from plugserve.plugins.api import BackendUnavailable, PlugserveError, Unsupported
 from plugserve.server.control.devices import parse_device
 
 __all__ = ["InstanceGroup", "Placement", "place", "read_groups"]
@@ -82,11 +86,12 @@ def read_groups(groups: Any, kind_name: Any, where: str) -> Placement | None:
 
 
 def place(
-    placement: Placement | None, device: str, core: Any, where: str
+    placement: Placement | None, device: str, core: Any, where: str, model: Any = None
 ) -> tuple[str, dict[str, str]]:
     """``(device, config keys)`` a model whose own device is ``device`` loads with, by its
     instance groups; :class:`BackendUnavailable` naming the missing GPU when a group asks for
-    one and there is none here."""
+    one and there is none here. ``model``: the model's file, for the CPU fallback of an ONNX
+    graph placed on one GPU (:func:`_fallback`)."""
     if placement is None:
         return device, {}
     streams = {"NUM_STREAMS": str(placement.instances)}
@@ -115,8 +120,43 @@ def place(
             "%s: instance groups of %s instances: every device runs %d (MULTI gives its "
             "devices one count)", where, sorted(set(placed.values())), count,
         )  # fmt: skip
+    if model is not None and any(parse_device(n).kind == GPU for n in names):
+        names = [_fallback(n, _cpu(device), names, model, core, where) for n in names]
     chosen = names[0] if len(names) == 1 else "MULTI:" + ",".join(names)
     return chosen, {"NUM_STREAMS": str(count)}
+
+
+def _fallback(name: str, cpu: str, names: list[str], model: Any, core: Any, where: str) -> str:
+    """``HETERO:GPU.<g>,<cpu>`` for an ONNX graph with nodes the GPU device cannot run (the
+    seed's HETERO: the GPU takes what it supports, the model's CPU device the rest, as
+    Triton's onnxruntime backend falls back to its CPU provider node by node), else ``name``.
+
+    Asked only for an ``.onnx`` file placed on a GPU, by HETERO's own QueryNetwork (the seed's
+    algorithm over the converter's claims; a PyTorch program runs whole or not at all). Over
+    several devices the fallback has no name (MULTI's list cannot hold a HETERO of two), so
+    the load is refused naming the nodes and the ways out. A query that fails leaves
+    ``name``: the load then reports the model's own error."""
+    if parse_device(name).kind != GPU or not str(model).endswith(".onnx"):
+        return name
+    hetero = f"HETERO:{name},{cpu}"
+    try:
+        claims = core.query_network(str(model), hetero)
+    except PlugserveError:
+        return name
+    missing = sorted(node for node, device in claims.items() if device != name)
+    if not missing:
+        return name
+    if len(names) > 1:
+        shown = ", ".join(missing[:5]) + (
+            f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        )
+        raise Unsupported(
+            f"{where}: {name} cannot run every node ({shown}), and a model placed on "
+            f"{' and '.join(names)} has no CPU fallback ({hetero} is one device); "
+            "list one GPU in instance_group's gpus, or use KIND_CPU"
+        )
+    log.info("%s: %d nodes run on %s beside %s (%s)", where, len(missing), cpu, name, hetero)
+    return hetero
 
 
 def _cpu(device: str) -> str:

@@ -156,3 +156,52 @@ def test_a_negative_gpu_id_is_refused_naming_the_file(tmp_path: Path):
     path.write_text("instance_group [ { kind: KIND_GPU, gpus: [ -1 ] } ]\n")
     with pytest.raises(InvalidArgument, match=r"config\.pbtxt: instance_group gpus"):
         read_triton(path)
+
+
+class _TwinCore(_Core):
+    """A GPU here whose QueryNetwork is the real one's: the Core's HETERO query with TORCH (the
+    GPU device's CPU form: the same converter and claims) in the GPU's place, renamed back."""
+
+    def query_network(self, model, device):
+        from plugserve.server.control.core import Core
+
+        gpu = device.split(":")[1].split(",")[0]  # HETERO:GPU.<g>,<cpu>
+        claims = Core().query_network(model, device.replace(gpu, "TORCH"))
+        return {node: gpu if on == "TORCH" else on for node, on in claims.items()}
+
+
+def _with_det(path: Path) -> Path:
+    """Relu then Det: the converter has no Det (NUMPY and ORT have)."""
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 2])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [])
+    nodes = [
+        helper.make_node("Relu", ["x"], ["r"], "relu"),
+        helper.make_node("Det", ["r"], ["y"], "det"),
+    ]
+    graph = helper.make_graph(nodes, "g", [x], [y])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    return path
+
+
+def test_an_onnx_graph_on_one_gpu_falls_back_to_its_cpu_device_node_by_node(tmp_path: Path):
+    """KIND_GPU (and KIND_AUTO with a GPU) of an ONNX graph with a node the GPU device cannot
+    run loads as HETERO:GPU.<g>,<its CPU device>, as Triton's onnxruntime backend falls back
+    to its CPU provider; a graph the GPU takes whole stays GPU.<g>; over two GPUs the fallback
+    has no device name and the load is refused saying why and what to do."""
+    from plugserve.plugins.api import Unsupported
+
+    det = _with_det(tmp_path / "det.onnx")
+    whole = tmp_path / "add.onnx"
+    onnx.save(add_constant(1.0, ["batch", 4]), str(whole))
+    one = Placement((InstanceGroup("GPU", 2, (1,)),))
+    auto = Placement((InstanceGroup("AUTO", 1),))
+    assert place(one, "ORT", _TwinCore(2), "m", det) == ("HETERO:GPU.1,ORT", {"NUM_STREAMS": "2"})
+    assert place(auto, "NUMPY", _TwinCore(1), "m", det)[0] == "HETERO:GPU.0,NUMPY"
+    assert place(one, "ORT", _TwinCore(2), "m", whole)[0] == "GPU.1"
+    assert place(auto, "ORT", _TwinCore(0), "m", det)[0] == "ORT"  # no GPU: no query at all
+    every = Placement((InstanceGroup("GPU", 1),))
+    with pytest.raises(Unsupported, match=r"det.*GPU\.0 and GPU\.1 has no CPU fallback"):
+        place(every, "ORT", _TwinCore(2), "m", det)
+    assert place(every, "ORT", _TwinCore(2), "m", whole)[0] == "MULTI:GPU.0,GPU.1"
