@@ -114,9 +114,10 @@ class ModelRunner:
         rows = [s.slot.index for s in group]
         lens = [s.computed for s in group]
         states = [s.sampling for s in group]
+        ids: Any = None
         if prev is None:
             generated = [s.generated for s in group]
-            ids: Any = np.fromiter((s.tokens[s.computed] for s in group), np.int64, len(group))
+            ids = np.fromiter((s.tokens[s.computed] for s in group), np.int64, len(group))
             for seq, token in zip(group, ids):
                 self._computed(seq, [int(token)])
             picks = None
