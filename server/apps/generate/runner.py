@@ -22,6 +22,10 @@ sequences' status when it starts. A prompt's last chunk gives its first token: t
 other sequences (``n`` > 1) copy the leader's cache into their own slots then (the prompt is
 computed once) and all choose from the prompt's last logits.
 
+A pipelined decode step (:mod:`.overlap`) is launched instead (:meth:`ModelRunner.launch`):
+its forward and the sampler's choice run on the device stream, and the engine fetches the
+ids later; launched behind the step in flight, its input ids are that step's, on the device.
+
 A forward that raises a typed error fails the requests whose sequences it ran
 (:attr:`Forward.error`); nothing is kept between steps here (the plan, the sequences and the
 cache are the engine's), and nothing is allocated per step but the forward's own inputs.
