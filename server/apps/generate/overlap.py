@@ -44,16 +44,18 @@ kernels (the decode graph's replay, the sampler's) on the device, records the ev
 done; the host waits on the event only when it needs the ids.
 
 Measured on the CPU only (no GPU in this session): tests' tiny-llama safetensors folder on
-TORCH (0.4 M parameters, one torch thread), 2 shared cores under a load average of 8 (other
-work on the machine), so each figure is noisy. tests/benchmarks/bench_stream_cost.py, OpenAI
-streaming clients, 128 new tokens, median of 3 rounds, pipelined against
-``ASYNC_SCHEDULING=NO``: 289 against 278 tok/s at 1 stream, 950 against 830 at 8, 1,163
-against 784 at 32; the server's CPU per token 1.07x, 0.90x and 0.95x. In process
-(bench_engine_step.py, 4 rounds): wall per token 1.16x at 1 stream and equal medians at 8
-(ratio of rounds 1.3x), process CPU equal; the loop thread's own CPU falls to 0.13-0.17x, the
-forward having moved to the stream's thread. On 2 cores the device stream and the loop share
-the cores the forward needs; on a card the forward leaves the host, which is where the
-overlap is meant to pay.
+TORCH (0.4 M parameters, one torch thread), 2 shared cores under a load average of 7-8
+(other work on the machine). tests/benchmarks/bench_stream_cost.py, OpenAI streaming
+clients, median of 3 rounds, pipelined against ``ASYNC_SCHEDULING=NO`` in the same run,
+tok/s at 1 / 8 / 32 streams: 289/278, 950/830, 1,163/784 (first run, 128 tokens);
+149/293, 715/808, 857/924 (second run); 248/214, 804/622 (third, 96 tokens, 1 and 8
+streams). The server's CPU per token 0.9-1.07x. The runs disagree in sign: on this machine
+the difference is within the noise, and no CPU gain can be claimed. In process
+(bench_engine_step.py, 4 rounds): wall per token 1.16x at 1 stream, equal medians at 8;
+process CPU equal; the loop thread's own CPU falls to 0.13-0.17x, the forward having moved
+to the stream's thread. On 2 cores the stream's thread and the loop share the cores the
+forward needs, and each step costs two thread wake-ups; on a card the forward leaves the
+host, which is where the overlap is meant to pay (tests/gpu/gpu_check.py's ``gen.serve``).
 """
 
 from __future__ import annotations
