@@ -238,8 +238,10 @@ class TorchSampler(Sampler):
     def _gathered(
         self, chosen: Any, raw_lp: Any, asked: list[int], rows: Sequence[SamplingState]
     ) -> list[Any]:
-        """What the host needs, on the device: the ids, and for the asked rows the chosen
-        token's logprob and the ``top_logprobs`` best (values, ids)."""
+        """What the host needs, on the device: the ids; when rows ask for logprobs, one
+        float64 tensor instead (one copy to the host: one synchronisation on a card; exact
+        for float32 values and for ids below 2**53): the ids, the asked rows' chosen
+        tokens' logprobs, and the ``top_logprobs`` best ones' values and ids."""
         torch = self.torch
         if not asked:
             return [chosen]
@@ -247,10 +249,11 @@ class TorchSampler(Sampler):
         picked = raw_lp.gather(1, chosen[index].clamp(min=0)[:, None])[:, 0]
         top = max((rows[i].params.logprobs or 0) for i in asked)
         k = min(top, raw_lp.shape[1])
-        if not k:
-            return [chosen, picked]
-        best = torch.topk(raw_lp, k, dim=-1)
-        return [chosen, picked, best.values, best.indices]
+        parts = [chosen.double(), picked.double()]
+        if k:
+            best = torch.topk(raw_lp, k, dim=-1)
+            parts += [best.values.double().reshape(-1), best.indices.double().reshape(-1)]
+        return [torch.cat(parts)]
 
     @staticmethod
     def _entries(
@@ -260,12 +263,15 @@ class TorchSampler(Sampler):
         bad: dict[int, Exception],
     ) -> tuple[np.ndarray, list[TokenLogprob | None]]:
         """The ids and the asked rows' logprob entries from :meth:`_gathered`'s arrays."""
-        tokens = host[0].copy()  # not the device's (the CPU's) ids: a pipelined step reads them
         if not asked:
-            return tokens, []
-        picked_h = host[1]
-        values, ids = (host[2], host[3]) if len(host) > 2 else (None, None)
-        k = values.shape[1] if values is not None else 0
+            return host[0].copy(), []  # a copy: a pipelined step reads the CPU's ids
+        flat, count, many = host[0], len(rows), len(asked)
+        tokens = flat[:count].astype(np.int64)
+        picked_h = flat[count : count + many]
+        rest = flat[count + many :]
+        k = len(rest) // (2 * many)
+        values = rest[: many * k].reshape(many, k) if k else None
+        ids = rest[many * k :].reshape(many, k).astype(np.int64) if k else None
         entries: list[TokenLogprob | None] = []
         for j, i in enumerate(asked):
             if i in bad:
