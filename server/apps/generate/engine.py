@@ -157,7 +157,9 @@ class Engine:
         self._requests: dict[str, RequestState] = {}
         #: the device stream pipelined steps run on (None: every step synchronous)
         self.stream = (
-            DeviceStream(name) if settings.async_scheduling and decoder.pipelined else None
+            DeviceStream(name, getattr(decoder, "device", None))
+            if settings.async_scheduling and decoder.pipelined
+            else None
         )
         self._thread = start_daemon(f"generate/{name}", self._loop)
 

@@ -71,16 +71,27 @@ __all__ = ["DeviceStream", "Launched", "continues", "pipelinable"]
 
 
 class DeviceStream:
-    """The one thread launched steps run on, in the order launched (the device's stream)."""
+    """The one thread launched steps run on, in the order launched (the device's stream).
+    On a card, the thread's current CUDA device is the decoder's (``GPU.1``: its events and
+    streams are ``cuda:1``'s, not the default card's)."""
 
-    def __init__(self, name: str) -> None:
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"generate/{name}/stream")
+    def __init__(self, name: str, device: Any = None) -> None:
+        self._pool = ThreadPoolExecutor(
+            1, thread_name_prefix=f"generate/{name}/stream", initializer=_on, initargs=(device,)
+        )
 
     def submit(self, job: Any) -> Future:
         return self._pool.submit(job)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+def _on(device: Any) -> None:
+    if device is not None and getattr(device, "type", "") == "cuda":
+        import torch
+
+        torch.cuda.set_device(device)
 
 
 @dataclasses.dataclass(slots=True, eq=False)

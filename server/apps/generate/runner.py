@@ -141,8 +141,11 @@ class ModelRunner:
                 inputs = ids
                 if prev is not None:  # done: the stream runs in order; raises its failure
                     chosen = prev.future.result().chosen
-                    if picks is not None:
-                        chosen = chosen[torch.tensor(picks).to(chosen.device)]
+                    if picks is not None:  # rows left: the ones going on, gathered there
+                        index = torch.tensor(picks)
+                        if chosen.device.type == "cuda":  # not a copy that waits for the card
+                            index = index.pin_memory().to(chosen.device, non_blocking=True)
+                        chosen = chosen[index]
                     inputs = chosen.clamp(min=0)  # a failed row's -1: a wasted row
                 logits = decoder.decode_ids(cache, rows, inputs, lens)  # type: ignore[attr-defined]
                 drawn = sampler.draw(logits, states, generated)
