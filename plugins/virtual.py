@@ -213,3 +213,10 @@ class OneNetwork:
     @property
     def precision(self) -> str:
         return self.network.precision
+
+    def ready(self) -> bool:
+        return self.network.ready()
+
+    def unready_reasons(self) -> list[str]:
+        """The served network's (a GPU device that failed: plugins/torch/devmem.py)."""
+        return self.network.unready_reasons()
