@@ -79,6 +79,8 @@ class BoundsFlag:
     def __init__(self, torch: Any, device: Any) -> None:
         self.torch = torch
         self.value = torch.zeros((), dtype=torch.int64, device=device)
+        if device.type == "cuda":  # zeroed on this thread's stream: done before a lane's reads
+            torch.cuda.current_stream(device).synchronize()
 
     def raise_code(self, bad: Any, code: int) -> None:
         """Device ops only: ``value = max(value, code if any(bad) else 0)``."""
