@@ -220,3 +220,10 @@ class OneNetwork:
     def unready_reasons(self) -> list[str]:
         """The served network's (a GPU device that failed: plugins/torch/devmem.py)."""
         return self.network.unready_reasons()
+
+    def graph_statistics(self) -> dict[str, int]:
+        """The network's CUDA graph events (its requests are the ones that replay)."""
+        return self.network.graph_statistics()
+
+    def cuda_graphs(self) -> int | None:
+        return self.network.cuda_graphs()

@@ -1,10 +1,11 @@
 """TORCH's and GPU's infer request: the program over the checked inputs, each node's time
 kept when PERF_COUNT is on. On a GPU (and on the CPU with CUDA_GRAPHS) it runs on its
 :class:`~.graphs.Lane`: the stream executor's own CUDA stream, pinned buffers and graphs; the run
-waits for its own stream only. Where a node indexes with client data (Gather, Scatter...), the
-request owns a bounds flag on the card (ops/bounds.py) that its index checks raise without a
-synchronisation; read after the run's own, a raised flag refuses the request INVALID_ARGUMENT
-naming the node."""
+waits for its own stream only. Inputs in a client's GPU memory and outputs wanted there
+(Triton's CUDA shared memory: ``plugins/cuda_array.py``) are copied device to device by the
+lane. Where a node indexes with client data (Gather, Scatter...), the request owns a bounds
+flag on the card (ops/bounds.py) that its index checks raise without a synchronisation; read
+after the run's own, a raised flag refuses the request INVALID_ARGUMENT naming the node."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from plugserve.plugins import run_context
 from plugserve.plugins.api import InferRequest, PerfCount
+from plugserve.plugins.run_context import RunContext
 from plugserve.plugins.torch import devmem
 from plugserve.plugins.torch import graphs as lanes
 from plugserve.plugins.torch.ops import bounds
@@ -38,26 +41,28 @@ class TorchInferRequest(InferRequest):
         self._bounds: bounds.BoundsFlag | None = None
         if network.torch_device.type == "cuda" and getattr(program, "checks_bounds", False):
             self._bounds = bounds.BoundsFlag(program.torch, network.torch_device)
+        # its stream, pinned buffers and graphs (a PyTorch program's too: run whole, as one
+        # step, captured where capture works)
         with bounds.active(self._bounds):
-            self._lane = lanes.lane_for(network)  # its stream, pinned buffers and graphs
-        self._stream: Any = None
-        if self._lane is None and network.torch_device.type == "cuda":
-            # a PyTorch program (no lane: its steps are its own): a CUDA stream of its own
-            self._stream = network.program.torch.cuda.Stream(device=network.torch_device)
+            self._lane = lanes.lane_for(network)
+
+    def _infer(self, arrays: list[Any], run: RunContext) -> dict[str, np.ndarray]:
+        return self._execute(arrays, run.warmup)
 
     def _run(self, arrays: list[Any]) -> dict[str, np.ndarray]:
+        return self._execute(arrays, False)
+
+    def _execute(self, arrays: list[Any], warmup: bool) -> dict[str, np.ndarray]:
+        """The run; a warm-up's (``model_warmup``) shape is captured at once."""
         program = self.network.program
         start = time.perf_counter()
         out_of_range = None
         with devmem.charged(self.network, arrays):  # activations charged before the run
             if self._lane is not None:
                 with bounds.active(self._bounds):
-                    outputs = self._lane.run(arrays)
+                    outputs = self._lane.run(arrays, self._sinks(), at_once=warmup)
                 if self._bounds is not None:  # after the lane's synchronisation: 8 bytes
                     out_of_range = self._bounds.take(self._lane.stream)
-            elif self._stream is not None:
-                with program.torch.cuda.stream(self._stream):
-                    outputs = program.run(arrays)
             else:
                 outputs = program.run(arrays)
         if out_of_range is not None:  # computed with the indices replaced: dropped
@@ -74,6 +79,15 @@ class TorchInferRequest(InferRequest):
                 )
             ]
         return dict(zip(self.network.output_names, outputs))
+
+    def _sinks(self) -> dict[int, Any] | None:
+        """The outputs the run's request wants in a client's GPU memory, by output index
+        (``RunContext.cuda_outputs``): the lane copies them there device to device."""
+        run = run_context.current()
+        wanted = None if run is None else run.cuda_outputs
+        if not wanted:
+            return None
+        return {i: wanted[n] for i, n in enumerate(self.network.output_names) if n in wanted}
 
     def get_performance_counts(self) -> list[PerfCount]:
         self._require_perf_counts()
