@@ -15,9 +15,9 @@ runs on a CUDA device in f16 or bf16 (:func:`wanted`):
   process, not around one lane's warm-up: it is a process-wide flag, which toggling from one
   request's thread would change under every other lane's concurrent runs anyway; a lane's
   first (eager) run of a shape is then its benchmark, and the CUDA graph captured at the
-  shape's second request bakes in the algorithms chosen. It never changes precision (IEEE f32
-  stays ``backend.ieee_fp32``'s), only the algorithm, so f32 networks loaded beside keep
-  their accuracy.
+  shape's second request bakes in the algorithms chosen. It changes which algorithm runs,
+  not the arithmetic's precision (f32 stays IEEE, TF32 off: ``backend.ieee_fp32``), so an f32
+  network loaded beside may differ from the heuristics' choice by rounding only.
 
 A layout is only strides: every op computes the same values either way (the CPU twin test,
 tests/plugins/torch/test_layout.py, runs the conversion on the CPU and compares). On the CPU,
