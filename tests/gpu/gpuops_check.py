@@ -11,7 +11,7 @@ clause), in at most ~90 s. Each check is recorded pass/fail/skip with its reason
   client process with torch (its IPC handle from ``storage._share_cuda_()``), registered with
   tritonclient's ``register_cuda_shared_memory``, inputs and outputs in them, outputs read
   back from the card, status listing them, unregistered; then tritonclient's own
-  ``cuda_shared_memory`` round trip (it needs cuda-python: wheels.sh carries cuda-bindings;
+  ``cuda_shared_memory`` round trip (it needs cuda-python: the GPU image has cuda-bindings;
   skipped saying why where it does not import). A region of the whole allocation its handle
   opens (torch's segment, from ``torch.cuda.memory_snapshot``) registers, one byte more is
   refused INVALID_ARGUMENT / 400 ("invalid args", the driver's ``cuMemGetAddressRange``), on
@@ -359,7 +359,7 @@ def cuda_client(grpc_target: str, http_target: str) -> dict:
 
 def _tritonclient_round_trip(grpc_target: str) -> dict:
     """The round trip as Triton's own example client makes it, with tritonclient's
-    ``cuda_shared_memory`` (cuda-python: tests/gpu/wheels.sh carries cuda-bindings); skipped,
+    ``cuda_shared_memory`` (cuda-python: the GPU image has cuda-bindings); skipped,
     saying why, where it does not import."""
     try:
         import tritonclient.utils.cuda_shared_memory as cudashm
