@@ -21,8 +21,9 @@ The bounds, each checked before the work it bounds:
   default) of events its client has not taken (each event counted at its Python size:
   ``GenerationEvent.nbytes``, about 320 bytes, 2.9 KB with 20 logprob alternatives), none
   of them for longer than ``--request-read-timeout`` (30 s; checked as each event comes),
-  besides the request's largest event (its logprobs: ``GenerationEvent.largest``, charged to
-  the budget by the OpenAI face; a whole vocabulary's alternatives are MBs a token);
+  besides two of the request's largest events (its logprobs: ``GenerationEvent.largest``,
+  charged to the budget by the OpenAI face; a whole vocabulary's alternatives are MBs a token;
+  two, as a pipelined engine may send the next step's while the reader takes one);
   past either the request is cancelled (``ResourceExhausted``: the client is not reading)
   and the engine frees its sequence's cache slot at its next step. Besides, the stream's
   consumer may hold what it took last (at most as much again) and its connection what the
@@ -158,5 +159,7 @@ def stream_bounded(sender: Any, request: GenerationRequest | None = None) -> Non
     sender that is no stream is left alone)."""
     if isinstance(sender, ResponseStream):
         largest = 0 if request is None else GenerationEvent.largest(request)
-        sender.max_bytes = min(sender.max_bytes, _limits.stream_unread_bytes) + largest
+        # two such events: a pipelined engine (overlap.py) sends a step's events while the
+        # step behind it runs, so a reader that keeps up may find the next one come already
+        sender.max_bytes = min(sender.max_bytes, _limits.stream_unread_bytes) + 2 * largest
         sender.max_wait = _limits.stream_unread_seconds

@@ -715,11 +715,12 @@ def _prompt_scored(ask: protocol.GenerationAsk, echo: bool) -> int | None:
 
 def _answer_bytes(ask: protocol.GenerationAsk, max_tokens: int) -> int:
     """What one prompt's answer may hold until it is sent (the whole answer without stream;
-    streamed, the stream's own bounded buffer holds it, so only a token's worth)."""
+    streamed, the stream's own bounded buffer holds it, so only two tokens' worth: the one the
+    reader takes and the next, which a pipelined engine may have sent already)."""
     per_token = _TOKEN_BYTES
     if ask.logprobs is not None:
         per_token += _LOGPROB_BYTES * (ask.logprobs + 1)
-    tokens = 1 if ask.stream else max_tokens
+    tokens = min(2, max_tokens) if ask.stream else max_tokens
     return ask.n * tokens * per_token
 
 
