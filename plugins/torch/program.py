@@ -17,6 +17,7 @@ from plugserve.plugins import cancel
 from plugserve.plugins.api import InferenceError, PlugserveError, Unsupported
 from plugserve.plugins.ir import Graph, Node, attribute_graphs
 from plugserve.plugins.torch import ops as _ops  # noqa: F401  (registers the converters)
+from plugserve.plugins.torch.hostreads import host_reads
 from plugserve.plugins.torch.ops.registry import (
     VALUE_TYPES,
     NodeContext,
@@ -123,6 +124,8 @@ class Program:
         self.device = device
         self.compute = compute
         self.name = graph.name
+        #: nodes whose steps read device values on the host: no CUDA graph captures them
+        self.host_reads = host_reads(graph)
         converting = Converting(graph, torch, device, compute)
         slots: dict[str, int] = {}
 
