@@ -15,8 +15,9 @@ torch's own eager forward of the same module in fp16 in the same run (the issue'
 least 1.0x eager at batch 32). Without torchvision a small conv net stands in (said in the
 output). Graphs (:func:`graph_checks`, issue 49): a repeated shape is replayed with eager's
 answers within f16's tolerance, a data-dependent one stays eager, and the ResNet's batch-1
-latency eager (CUDA_GRAPHS=0) beside replayed. Bounded: each figure is timed for ``--budget``
-seconds (default 1).
+latency eager (CUDA_GRAPHS=0) beside replayed; a canary for the graphs that outlive an evicted
+one (``graphs_eviction``, in a subprocess: a failure may kill the CUDA context). Bounded: each
+figure is timed for ``--budget`` seconds (default 1).
 """
 
 from __future__ import annotations
@@ -57,7 +58,14 @@ def main() -> int:
     ap.add_argument("--device", default="GPU")
     ap.add_argument("--budget", type=float, default=1.0)
     ap.add_argument("--resnet-batch", type=int, default=32)
+    ap.add_argument(
+        "--eviction-canary",
+        action="store_true",
+        help="run only the graph-eviction canary (graphs_eviction runs it so)",
+    )
     args = ap.parse_args()
+    if args.eviction_canary:
+        return eviction_canary(args.device)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -291,6 +299,22 @@ def graph_checks(core, device, cnn, image, proto, size, result, check, budget, s
         return str(counts)
 
     check("graphs_fallback", fallback)
+
+    def eviction() -> str:
+        """:func:`eviction_canary` in a subprocess: a replay into freed memory is an illegal
+        address, which kills the process's CUDA context."""
+        import subprocess
+
+        done = subprocess.run(
+            [sys.executable, __file__, "unused", "--device", device, "--eviction-canary"],
+            capture_output=True, text=True, timeout=180,
+        )  # fmt: skip
+        tail = (done.stdout + done.stderr).strip().splitlines()[-3:]
+        if done.returncode != 0:
+            raise AssertionError(f"exit {done.returncode}: {' | '.join(tail)[-600:]}")
+        return tail[-1] if tail else ""
+
+    check("graphs_eviction", eviction)
     x = np.random.default_rng(11).random((1, 3, size, size), dtype=np.float32)
     figures: dict = {}
     for label, limit in (("eager", "0"), ("replayed", "8")):
@@ -305,6 +329,53 @@ def graph_checks(core, device, cnn, image, proto, size, result, check, budget, s
         figures["speedup"] = round(figures["eager"]["ms"] / figures["replayed"]["ms"], 3)
     result["figures"][f"{device}_b1_graphs"] = figures
     print(f"b1 eager vs replayed: {figures}", flush=True)
+
+
+def eviction_canary(device: str) -> int:
+    """Review finding 8: with CUDA_GRAPHS=2, three batch sizes of a GEMM network, each sent
+    twice (the second captures), the third's capture evicting the first's graph. Destroying a
+    graph freed its capture stream's cuBLAS workspace, which the other graphs of that stream
+    still used (pytorch#193402); ``torch.cuda.empty_cache()`` then gives that memory back, and
+    the next replay reads and writes freed memory. Here the remaining shapes' replays must
+    still equal the eager path's (plugins/torch/capture.py clears the workspaces around each
+    capture, so each graph owns its own)."""
+    import torch
+    from models import mlp
+
+    from plugserve.server import Core
+
+    core = Core()
+    model = mlp(sizes=(256, 1024, 1024, 64))  # GEMMs large enough to take cuBLAS's workspace
+    eager = core.load_network(model, device, {"CUDA_GRAPHS": "0", "INFERENCE_PRECISION_HINT":
+                                              "f32"}).create_infer_request()  # fmt: skip
+    network = core.load_network(model, device, {"CUDA_GRAPHS": "2",
+                                                "INFERENCE_PRECISION_HINT": "f32"})  # fmt: skip
+    request = network.create_infer_request()
+    feeds = {n: np.random.default_rng(n).normal(size=(n, 256)).astype(np.float32)
+             for n in (3, 5, 7)}  # fmt: skip
+    for x in feeds.values():
+        for _ in range(2):
+            request.infer({"x": x})
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    worst = 0.0
+    for _ in range(3):
+        for n in (5, 7):
+            got = request.infer({"x": feeds[n]})["y"]
+            want = eager.infer({"x": feeds[n]})["y"]
+            worst = max(worst, float(np.max(np.abs(got - want))))
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # an illegal address surfaces here at the latest
+    counts = network.graph_statistics()
+    print(f"graphs {counts}, max difference to eager {worst:.3g}", flush=True)
+    if counts["evicted"] < 1 or counts["replayed"] < 6:
+        print(f"FAIL: expected an eviction and 6 replays: {counts}", flush=True)
+        return 1
+    if not worst <= 1e-4:
+        print(f"FAIL: replays differ from eager by {worst:.3g}", flush=True)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
