@@ -29,10 +29,10 @@ Each rule here answers a way a capture goes wrong on a real card (the CUDA revie
 - **Dedicated streams** (:func:`new_stream`) [9]: ``torch.cuda.Stream()`` hands out one of 32
   pooled streams per device round robin, so the 33rd lane shares a stream with the first: while
   one captures, the other's kernels land in its graph. A stream here is the driver's own
-  (``cuStreamCreate``, non-blocking) wrapped as ``torch.cuda.ExternalStream`` and destroyed with
-  its owner; where the driver cannot be reached, torch's pooled stream, and
-  :func:`stream_lock` (one lock per underlying stream) keeps two owners of one stream from
-  interleaving.
+  (``cuStreamCreate``, non-blocking) wrapped as ``torch.cuda.ExternalStream``, destroyed after
+  its owner goes (at the next capture or new stream, when no capture is underway); where the
+  driver cannot be reached, torch's pooled stream, and :func:`stream_lock` (one lock per
+  underlying stream) keeps two owners of one stream from interleaving.
 - **Memory** (:class:`Captured`'s ``nbytes``) [16]: what ``torch.cuda.memory_reserved`` grew by
   during the capture, the graph's private pool, which stays reserved while the graph lives: the
   capturer charges it to the device's budget (``devmem``) until the graph goes.
@@ -105,6 +105,7 @@ def capturing(torch: Any, device: Any) -> Iterator[None]:
     """Around one warm-up and capture: the process's capture lock held, ``device`` current,
     cuBLAS's workspaces cleared before and after (the module's docstring)."""
     with CAPTURE_LOCK, torch.cuda.device(device):
+        _reap()  # (no capture underway in the process now)
         _clear_cublas_workspaces(torch)
         try:
             yield
@@ -120,6 +121,8 @@ def capture(torch: Any, stream: Any, body: Callable[[], Any], pool: Any = None) 
     ended), or :class:`EmptyCapture`."""
     graph = torch.cuda.CUDAGraph()
     device = stream.device
+    if pool is None:  # a pool of its own, named here (torch's graph.pool() needs a success)
+        pool = torch.cuda.graph_pool_handle()
     # the warm-up's workspace forgotten: the capture allocates its own, inside its pool
     _clear_cublas_workspaces(torch)
     before = torch.cuda.memory_reserved(device)
@@ -128,14 +131,14 @@ def capture(torch: Any, stream: Any, body: Callable[[], Any], pool: Any = None) 
         try:
             outputs = body()
         except BaseException:
-            _abandon(torch, graph, device)
+            _abandon(torch, graph, device, pool)
             raise
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
             try:
                 graph.capture_end()
             except BaseException:
-                _end_pool(torch, graph, device)
+                _end_pool(torch, graph, device, pool)
                 raise
     _clear_cublas_workspaces(torch)  # (before any eager GEMM on the stream reuses it)
     nbytes = max(0, int(torch.cuda.memory_reserved(device)) - int(before))
@@ -150,25 +153,38 @@ def capture(torch: Any, stream: Any, body: Callable[[], Any], pool: Any = None) 
     return Captured(graph, outputs, nbytes)
 
 
-def _abandon(torch: Any, graph: Any, device: Any) -> None:
+def _abandon(torch: Any, graph: Any, device: Any, pool: Any) -> None:
     """End a capture whose body raised (the capture is invalid or the request ended)."""
     try:
         graph.capture_end()
     except Exception:  # invalidated by the body's sync: expected
-        _end_pool(torch, graph, device)
+        _end_pool(torch, graph, device, pool)
 
 
-def _end_pool(torch: Any, graph: Any, device: Any) -> None:
+#: graphs whose capture_end raised, kept alive: torch <= 2.12 leaves allocator filters (the
+#: pinned-host allocator's among them, which nothing here can end) that point at the graph
+_failed_graphs: list[Any] = []
+
+
+def _end_pool(torch: Any, graph: Any, device: Any, pool: Any) -> None:
     """After ``capture_end`` raised: end the allocator's allocation to the graph's pool, which
     torch <= 2.12 skips (its ``capture_end`` checks ``cudaStreamEndCapture`` first), else the
-    allocator counts a capture underway for ever. Where torch already ended it, this raises
-    "not currently recording", ignored."""
+    allocator counts a capture underway for ever (``empty_cache`` then does nothing), and give
+    back the capture's hold on the pool (the graph, never destroyed, will not). Where torch
+    ended it already, the end raises "not currently recording" and nothing more is done."""
+    _failed_graphs.append(graph)
+    index = device.index if device.index is not None else torch.cuda.current_device()
     end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+    release = getattr(torch._C, "_cuda_releasePool", None)
     if end is None:
         return
-    with contextlib.suppress(Exception):
-        end(device.index if device.index is not None else torch.cuda.current_device(),
-            graph.pool())  # fmt: skip
+    try:
+        end(index, pool)
+    except Exception:
+        return
+    if release is not None:
+        with contextlib.suppress(Exception):
+            release(index, pool)
 
 
 def out_of_memory(torch: Any, exc: BaseException) -> bool:
@@ -280,6 +296,8 @@ def new_stream(torch: Any, device: Any, owner: Any) -> Any:
     lib = _driver()
     handle = ctypes.c_void_p()
     code = -1
+    with CAPTURE_LOCK:
+        _reap()
     if lib is not None:
         with torch.cuda.device(device):
             torch.cuda.current_stream(device)  # the device's context made current here
@@ -290,11 +308,19 @@ def new_stream(torch: Any, device: Any, owner: Any) -> Any:
                         "instead", device, code)  # fmt: skip
         return torch.cuda.Stream(device=device)
     stream = torch.cuda.ExternalStream(handle.value, device=device)
-    finalizer = weakref.finalize(owner, _destroy, lib, handle.value)
+    finalizer = weakref.finalize(owner, _retired.append, (lib, handle.value))
     finalizer.atexit = False  # at exit the context goes with the process
     return stream
 
 
-def _destroy(lib: Any, handle: int) -> None:
-    lib.cuStreamSynchronize(handle)  # its work done: the allocator may reuse its blocks at once
-    lib.cuStreamDestroy_v2(handle)
+#: streams whose owners were collected, destroyed at the next capture or new stream: the
+#: collector may run inside a capture, where a stream call of the capturing thread is not safe
+_retired: list[tuple[Any, int]] = []
+
+
+def _reap() -> None:
+    """Destroy the retired streams (under the capture lock: no capture of ours is underway)."""
+    while _retired:
+        lib, handle = _retired.pop()
+        lib.cuStreamSynchronize(handle)  # its work done: its blocks are reused by a new stream
+        lib.cuStreamDestroy_v2(handle)  # that may get the same handle

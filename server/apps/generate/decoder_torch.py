@@ -430,7 +430,8 @@ class DecodeGraphs:
             return None
         shape.graph, shape.out = captured.graph, captured.outputs
         if captured.nbytes:  # the shared pool's growth, charged while the graphs live
-            memory = devmem.device_memory(torch, device)
+            card = torch.device("cuda", stream.device.index)  # (the plugin's key: cuda:N)
+            memory = devmem.device_memory(torch, card)
             self._charges.append(memory.hold(captured.nbytes))
         return shape
 

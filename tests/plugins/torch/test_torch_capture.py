@@ -214,10 +214,10 @@ class _FakeCuda:
                 if cuda.end_error:
                     raise cuda.end_error
 
-            def pool(self):
-                return (0, 5)
-
         self.CUDAGraph = Graph
+
+    def graph_pool_handle(self):
+        return (0, 5)
 
     def memory_reserved(self, device):
         return self.reserved
@@ -239,7 +239,8 @@ def _fake_torch(**kw):
     ended = []
     c = types.SimpleNamespace(
         _cuda_clearCublasWorkspaces=lambda: cuda.log.append(("clear",)),
-        _cuda_endAllocateToPool=lambda device, pool: ended.append((device, pool)),
+        _cuda_endAllocateToPool=lambda device, pool: ended.append(("end", device, pool)),
+        _cuda_releasePool=lambda device, pool: ended.append(("release", device, pool)),
     )
     stream = types.SimpleNamespace(name="lane", device=torch.device("cuda", 1))
     return types.SimpleNamespace(cuda=cuda, _C=c), stream, ended
@@ -261,12 +262,24 @@ def test_a_capture_restores_the_stream_ends_the_pool_and_measures_its_memory():
 
     with pytest.raises(RuntimeError, match="not permitted"):
         capture.capture(fake, stream, syncs)
-    assert fake.cuda.current == "default" and ended == [(1, (0, 5))]
-    # capture_end itself raises: the same
+    assert fake.cuda.current == "default"
+    assert ended == [("end", 1, (0, 5)), ("release", 1, (0, 5))]  # a pool of its own, named
+    # capture_end itself raises: the same, on the pool given
     fake, stream, ended = _fake_torch(end_error=RuntimeError("cudaErrorStreamCaptureInvalidated"))
     with pytest.raises(RuntimeError, match="Invalidated"):
+        capture.capture(fake, stream, lambda: "outputs", pool=(0, 9))
+    assert fake.cuda.current == "default"
+    assert ended == [("end", 1, (0, 9)), ("release", 1, (0, 9))]
+    # a torch that ended the pool itself (its end says "not recording"): nothing released twice
+    fake, stream, ended = _fake_torch(end_error=RuntimeError("cudaErrorStreamCaptureInvalidated"))
+
+    def not_recording(device, pool):
+        raise RuntimeError("endAllocatePool: not currently recording to mempool_id")
+
+    fake._C._cuda_endAllocateToPool = not_recording
+    with pytest.raises(RuntimeError, match="Invalidated"):
         capture.capture(fake, stream, lambda: "outputs")
-    assert fake.cuda.current == "default" and ended == [(1, (0, 5))]
+    assert fake.cuda.current == "default" and ended == []
     # torch says the graph is empty (its steps ran on another device's stream): a failure
     fake, stream, ended = _fake_torch(warn="The CUDA Graph is empty. This usually means ...")
     with pytest.raises(capture.EmptyCapture, match="cuda:1"):
