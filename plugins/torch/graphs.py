@@ -16,15 +16,17 @@ input shapes it has seen, each captured as a CUDA graph and replayed.
   on the host, a data-dependent shape) stays eager, logged once. Each lane holds its own graphs:
   a graph's static buffers serve one request at a time, and a lane runs one at a time, so
   replays never wait on each other. A capture (once per shape and stream) is the one place that
-  waits for others: captures take turns in the process, each on its lane's own stream and
-  device, without torch.cuda.graph's device-wide synchronize (:mod:`.capture` says why). A
-  network with a node that reads device values on the host (:mod:`.hostreads`) is never
-  captured: eager from its first lane, counted failed once. A failed capture takes no graph
-  slot; one that ran out of memory is tried again after ``capture.RETRY_AFTER`` requests. A
-  graph's memory pool is charged to the device's budget (:mod:`.devmem`) while it lives.
+  waits for the whole card: torch's capture synchronises the device before it begins.
 - **The CPU twin**: on the CPU (TORCH with ``CUDA_GRAPHS`` above 0) the same cache and copy
   path run, the "graph" being the eager program over the static buffers, without pinning; it
   is what CI tests (outputs, the bound, the counters) without a GPU.
+- **Capture** (:mod:`.capture`, shared with the torch decoder): captures take turns in the
+  process, each on its lane's own stream (the driver's, not one of torch's 32 pooled ones) and
+  device, without torch.cuda.graph's device-wide synchronize. A network with a node that reads
+  device values on the host (:mod:`.hostreads`) is never captured: eager from its first lane,
+  counted failed once. A failed capture takes no graph slot; one that ran out of memory is
+  tried again after ``capture.RETRY_AFTER`` requests. A graph's memory pool is charged to the
+  device's budget (:mod:`.devmem`) while it lives.
 
 The counters (shapes captured, replays, evictions, captures failed) are the network's
 :class:`GraphCounters`, read by ``/metrics`` as ``plugserve_graph_events``.

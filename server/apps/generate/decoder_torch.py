@@ -357,6 +357,17 @@ class DecodeGraphs:
             width *= 2
         return size, min(width, self.capacity)
 
+    def _shape(self, key: tuple[int, int]) -> _Shape | None:
+        """The shape's static buffers (and graph), made at its first use; None: it runs
+        eagerly (its capture failed, and no retry is due)."""
+        self.failures.use()
+        shape = self.shapes.get(key)
+        if shape is None and not self.failures.eager(key):
+            shape = self._make(*key)
+            if shape is not None:
+                self.shapes[key] = shape
+        return shape
+
     def run(self, ids: np.ndarray, positions: np.ndarray, rows: list[int]) -> Any:
         """The logits of a decode step (float32 ``[len(rows), vocab]`` on the device), or
         None: no shape fits, run it eagerly."""
@@ -386,17 +397,6 @@ class DecodeGraphs:
         else:
             out = shape.step()
         return out[:real].clone()
-
-    def _shape(self, key: tuple[int, int]) -> _Shape | None:
-        """The shape's static buffers (and graph), made at its first use; None: it runs
-        eagerly (its capture failed, and no retry is due)."""
-        self.failures.use()
-        shape = self.shapes.get(key)
-        if shape is None and not self.failures.eager(key):
-            shape = self._make(*key)
-            if shape is not None:
-                self.shapes[key] = shape
-        return shape
 
     def _make(self, size: int, width: int) -> _Shape | None:
         import torch
