@@ -405,6 +405,20 @@ class CompiledNetwork(abc.ABC):
         replays none (every device but the torch ones)."""
         return {}
 
+    def cuda_graphs(self) -> int | None:
+        """The input shapes each stream keeps as CUDA graphs (CUDA_GRAPHS; 0: graphs off) of
+        a network that can replay them, reported as Triton's ``optimization.cuda.graphs`` in
+        its model configuration; None for one that cannot (every device but the torch
+        ones)."""
+        return None
+
+    def cuda_inputs(self) -> int | None:
+        """The GPU whose memory the network takes inputs from without a host copy (a
+        client's CUDA shared memory as ``plugins/cuda_array.CudaArray``, which its requests
+        copy device to device), or None: its inputs come as host arrays (every device but
+        the torch ones on CUDA)."""
+        return None
+
     #: ``{state input: state output}`` its requests keep between runs (:meth:`keep_states`)
     state_pairs: Mapping[str, str] = {}
     #: what computes, before a run, the sizes of the outputs the request's values decide
@@ -528,6 +542,14 @@ class CompiledNetwork(abc.ABC):
         return StreamsExecutor(
             f"{self.device}/{self.name}", streams, state_factory=lambda _i: _new_request(ref)
         )
+
+    def each_stream(self, fn: Callable[[InferRequest], Any]) -> list[Any]:
+        """``fn(request)`` on the infer request of each of the streams its requests run on,
+        one after another on the calling thread (each made now if it was not): at load, before
+        the network serves (``server/control/warmup.py``: Triton's ``model_warmup`` runs on
+        every instance). A network whose requests run on another's streams (BATCH) passes it
+        on."""
+        return self.executor.each_stream(fn)
 
     def ready(self) -> bool:
         """Whether the network serves now, as model readiness reports it (a Python model's

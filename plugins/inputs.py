@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from plugserve.plugins.cuda_array import CudaArray
 from plugserve.plugins.errors import InvalidInput, Unsupported, listing
 
 if TYPE_CHECKING:
@@ -125,6 +126,11 @@ def _check_one(network_name: str, spec: TensorSpec, value: Any) -> np.ndarray:
         if spec.dtype is None and spec.shape is None:  # an optional input left empty
             return value  # type: ignore[return-value]
         raise InvalidInput(f"network {network_name}: input {spec.describe()} has no value")
+    if isinstance(value, CudaArray):  # a client's GPU memory, for a GPU network: no copy
+        if spec.dtype is not None and value.dtype != spec.dtype:
+            check_element_type(network_name, spec, value.dtype)
+        check_input_shape(network_name, spec, value.shape)
+        return value  # type: ignore[return-value]
     if isinstance(value, list | tuple) and spec.dtype is not None and spec.dtype != object:
         value = np.asarray(value, dtype=spec.dtype)
     elif not isinstance(value, np.ndarray | list | dict):

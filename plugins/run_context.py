@@ -23,7 +23,7 @@ size the request's values decide (``plugins/amplify.py``) are read there, in a L
 Scan's body too. Virtual devices and the server never read it: they pass the context on.
 
 One is built per request, when it starts to run (``Request.context``): a frozen dataclass sets
-its twelve fields through ``object.__setattr__``, about six times what making a ``Token``
+its fourteen fields through ``object.__setattr__``, about six times what making a ``Token``
 costs (measured here under load: 10 us against 1.7 us), which the data plane pays once.
 """
 
@@ -88,6 +88,17 @@ class RunContext:
     #: model's ``timeout()``)
     priority: int = 0
     timeout: float | None = None
+    #: outputs the caller wants in a client's GPU memory (``plugins/cuda_array.py``), by name:
+    #: a device that makes one on that GPU copies it there device to device and answers
+    #: ``cuda_array.written``; one that does not answers the output as usual (the server then
+    #: writes it through the host). None: none. Never passed to a piece or a batch (its
+    #: outputs are not the request's answer)
+    cuda_outputs: Mapping[str, Any] | None = None
+    #: a warm-up run at load (Triton's ``model_warmup``, ``server/control/warmup.py``), before
+    #: the network serves: a device may prepare for the shape at once (TORCH and GPU capture
+    #: its CUDA graph now, not at the shape's second sight, so the first client request of it
+    #: replays)
+    warmup: bool = False
 
 
 def for_piece(run: RunContext, sends: Iterable[str], answered: Collection[str]) -> RunContext:
@@ -96,7 +107,9 @@ def for_piece(run: RunContext, sends: Iterable[str], answered: Collection[str]) 
     when the request named none), and no other, are what the answer's bound applies to; a
     tensor a piece hands to the next one is never sent. Everything else as the request's."""
     wanted = answered if run.outputs is None else run.outputs
-    return dataclasses.replace(run, outputs=tuple(name for name in sends if name in wanted))
+    return dataclasses.replace(
+        run, outputs=tuple(name for name in sends if name in wanted), cuda_outputs=None
+    )
 
 
 def for_batch(runs: Sequence[RunContext], token: Token) -> RunContext:
@@ -106,7 +119,7 @@ def for_batch(runs: Sequence[RunContext], token: Token) -> RunContext:
     largest room one of them had (the same budget's free bytes, read when each started: the
     largest is the latest, as one request's own room is); it is for their network."""
     if len(runs) == 1:
-        return dataclasses.replace(runs[0], token=token)
+        return dataclasses.replace(runs[0], token=token, cuda_outputs=None)
     answers = [r.answer for r in runs]
     rooms = [r.room for r in runs]
     asked = [r.outputs for r in runs]

@@ -276,6 +276,26 @@ class StreamsExecutor:
         finally:
             self._release(index)
 
+    def each_stream(self, fn: Callable[[Any], Any]) -> list[Any]:
+        """``fn(stream_state)`` on every stream in turn, on the calling thread, each stream's
+        state made now if it was not: what a load does before the network serves (Triton's
+        ``model_warmup`` runs on every instance; TORCH's and GPU's stream states capture their
+        listed CUDA graph shapes when made). Each stream is claimed while ``fn`` runs on it;
+        one that is busy is waited for (at a load nothing else runs)."""
+        results = []
+        for index in range(self.streams):
+            with self._ready:
+                while self._closed or index not in self._idle:
+                    if self._closed:
+                        raise FailedPrecondition(f"{self.name}: executor is shut down")
+                    self._ready.wait(0.1)
+                self._idle.remove(index)
+            try:
+                results.append(fn(self._state(index)))
+            finally:
+                self._release(index)
+        return results
+
     def _run(self, fn: Callable[[Any], Any], future: Future, index: int, stateless: bool) -> None:
         """``fn`` on stream ``index`` (claimed by the worker), its outcome into ``future``,
         then the stream and the worker are free again."""

@@ -213,3 +213,10 @@ class OneNetwork:
     @property
     def precision(self) -> str:
         return self.network.precision
+
+    def graph_statistics(self) -> dict[str, int]:
+        """The network's CUDA graph events (its requests are the ones that replay)."""
+        return self.network.graph_statistics()
+
+    def cuda_graphs(self) -> int | None:
+        return self.network.cuda_graphs()

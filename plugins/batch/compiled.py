@@ -360,6 +360,11 @@ class BatchCompiledNetwork(OneNetwork, CompiledNetwork):
         the blob imports on the device itself or, batched again, on ``BATCH:<device>(n)``."""
         return self.network.export()
 
+    def each_stream(self, fn: Any) -> list[Any]:
+        """The device network's streams: batches run on them, each with its own request of it
+        (this network's own streams only hold callers while their batch fills)."""
+        return self.network.each_stream(fn)
+
     def supported_metrics(self) -> list[str]:
         return [*super().supported_metrics(), "EXECUTION_DEVICES", "BATCH_SIZE_COUNTS"]
 

@@ -181,6 +181,24 @@ class MultiCompiledNetwork(CompiledNetwork):
 
     # --- the CompiledNetwork API
 
+    def each_stream(self, fn: Any) -> list[Any]:
+        """Every device's requests (its pool's, made now up to its capacity): MULTI's own
+        streams take a device's request per run, so they would not reach every device."""
+        results = []
+        for pool in self.pools:
+            with self._cond:
+                requests = list(pool.free)
+                pool.free.clear()
+                missing = max(0, pool.capacity - pool.in_use - len(requests))
+            try:
+                requests += [pool.network.create_infer_request() for _ in range(missing)]
+                results += [fn(request) for request in requests]
+            finally:
+                with self._cond:
+                    pool.free.extend(requests)
+                    self._cond.notify_all()
+        return results
+
     def create_infer_request(self) -> MultiInferRequest:
         return MultiInferRequest(self)
 

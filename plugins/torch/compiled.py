@@ -60,6 +60,16 @@ class TorchCompiledNetwork(CompiledNetwork):
         self.graph_counters = GraphCounters()  # its requests' lanes count here (.graphs)
         listed_inputs(self, parse_shapes(config.get("CUDA_GRAPH_SHAPES") or ""))  # checked now
 
+    def cuda_inputs(self) -> int | None:
+        """The GPU whose memory this network takes inputs from without a host copy
+        (``plugins/cuda_array.py``: a client's CUDA shared memory): a converted ONNX network
+        on CUDA, whose lane copies them device to device; None on the CPU and for a PyTorch
+        program (its inputs come as host arrays)."""
+        device = self.torch_device
+        if getattr(device, "type", "") != "cuda" or not isinstance(self.program, Program):
+            return None
+        return device.index or 0
+
     @property
     def precision(self) -> str:
         return self._precision
@@ -68,6 +78,9 @@ class TorchCompiledNetwork(CompiledNetwork):
         """Its requests' graph events: shapes captured, replays, evictions, failed captures
         (``plugserve_graph_events`` on /metrics)."""
         return self.graph_counters.snapshot()
+
+    def cuda_graphs(self) -> int:
+        return int(self.config.get("CUDA_GRAPHS") or 0)
 
     def create_infer_request(self) -> TorchInferRequest:
         return TorchInferRequest(self)

@@ -80,7 +80,8 @@ def _graph_keys(default: int) -> tuple[ConfigKey, ...]:
             _shapes,
             doc="input shapes captured when each stream starts, before any request: shape "
             "sets separated by ';', the inputs' shapes in input order by ',', dimensions by "
-            "'x' (1x3x224x224;8x3x224x224)",
+            "'x' (1x3x224x224;8x3x224x224), or each named in any order (a=1x16,b=1x16: a "
+            "config.pbtxt's graph_spec)",
         ),
     )
 

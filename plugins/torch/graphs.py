@@ -11,12 +11,24 @@ input shapes it has seen, each captured as a CUDA graph and replayed.
   warm-up: kernels picked, allocator settled; a shape seen once costs no capture); at its second
   it is captured into static input and output buffers (after one more warm-up run) and replayed,
   as are its later requests, which copy into the static inputs. A shape listed at load
-  (``CUDA_GRAPH_SHAPES``) is captured when the lane starts. At most ``CUDA_GRAPHS`` shapes per
-  lane, the least recently used evicted; a shape whose capture fails (a step that reads a value
-  on the host, a data-dependent shape) stays eager, logged once. Each lane holds its own graphs:
+  (``CUDA_GRAPH_SHAPES``; a config.pbtxt's ``graph_spec``) is captured when the lane starts
+  (a server starts every stream's lane at load), and so is a warm-up run's
+  (``RunContext.warmup``: a config.pbtxt's ``model_warmup``) at its first sight. At most
+  ``CUDA_GRAPHS`` shapes per lane, the least recently used evicted; a shape whose capture
+  fails (a step that reads a value on the host, a data-dependent shape) stays eager, logged
+  once. Each lane holds its own graphs:
   a graph's static buffers serve one request at a time, and a lane runs one at a time, so
   replays never wait on each other. A capture (once per shape and stream) is the one place that
   waits for the whole card: torch's capture synchronises the device before it begins.
+- **Programs**: a converted ONNX graph's :class:`~.program.Program` and a PyTorch program
+  (:class:`~.programs.TorchProgram`, run whole as one step) alike: ``compute_tensors`` over
+  tensors on the device, ``held`` the dtype an input is staged in.
+- **A client's GPU memory** (Triton's CUDA shared memory, ``plugins/cuda_array.py``): an
+  input given as a ``CudaArray`` is wrapped where it lies (``torch.as_tensor`` of its
+  ``__cuda_array_interface__``) and copied device to device into the lane's own tensor (never
+  computed in place: a graph's static input must not be the client's); an output with a
+  ``CudaSink`` is copied device to device into the client's region on the stream, which is
+  synchronised before the request returns, and answered as ``cuda_array.written``.
 - **The CPU twin**: on the CPU (TORCH with ``CUDA_GRAPHS`` above 0) the same cache and copy
   path run, the "graph" being the eager program over the static buffers, without pinning; it
   is what CI tests (outputs, the bound, the counters) without a GPU.
@@ -45,10 +57,10 @@ from typing import Any
 import numpy as np
 
 from plugserve.plugins.api import InvalidArgument, PlugserveError, check_inputs
+from plugserve.plugins.cuda_array import CudaArray, CudaSink, typestr, written
 from plugserve.plugins.errors import Cancelled, DeadlineExceeded
 from plugserve.plugins.torch import capture
-from plugserve.plugins.torch.ops.registry import held_dtype, torch_dtype
-from plugserve.plugins.torch.program import Program
+from plugserve.plugins.torch.ops.registry import torch_dtype
 
 __all__ = ["GraphCounters", "Lane", "lane_for", "listed_inputs", "parse_shapes"]
 
@@ -60,25 +72,38 @@ Key = tuple[tuple[tuple[int, ...], str], ...]
 HOST_BUFFERS = 32
 
 
-def parse_shapes(text: str) -> list[list[tuple[int, ...]]]:
-    """``CUDA_GRAPH_SHAPES``: shape sets separated by ``;``, each the inputs' shapes in the
-    network's input order separated by ``,``, dimensions by ``x`` (``1x3x224x224;8x3x224x224``
-    for one input; ``1x16,1x16`` for two)."""
+Listed = list[tuple[str, tuple[int, ...]]]
+
+
+def parse_shapes(text: str) -> list[Listed]:
+    """``CUDA_GRAPH_SHAPES``: shape sets separated by ``;``, each the inputs' shapes separated
+    by ``,``, dimensions by ``x``: in the network's input order (``1x3x224x224;8x3x224x224``
+    for one input; ``1x16,1x16`` for two), or each named, in any order (``a=1x16,b=1x16``:
+    what a config.pbtxt's ``graph_spec`` becomes, its inputs keyed by name). Each shape is
+    ``(name, dims)``, the name "" where the set is in order."""
     found = []
     for group in str(text).split(";"):
         if not group.strip():
             continue
-        try:
-            shapes = [
-                tuple(int(d) for d in s.strip().split("x") if d.strip()) for s in group.split(",")
-            ]
-        except ValueError:
-            raise ValueError(
-                f"{group.strip()!r}: expected shapes like 1x3x224x224, inputs separated by ','"
-            ) from None
-        if any(d < 0 for s in shapes for d in s):
-            raise ValueError(f"{group.strip()!r}: a dimension is negative")
-        found.append(shapes)
+        listed: Listed = []
+        for item in group.split(","):
+            name, _, dims = item.strip().rpartition("=")
+            try:
+                shape = tuple(int(d) for d in dims.strip().split("x") if d.strip())
+            except ValueError:
+                raise ValueError(
+                    f"{group.strip()!r}: expected shapes like 1x3x224x224 (or name=1x3x224x224),"
+                    " inputs separated by ','"
+                ) from None
+            if any(d < 0 for d in shape):
+                raise ValueError(f"{group.strip()!r}: a dimension is negative")
+            listed.append((name.strip(), shape))
+        named = [bool(n) for n, _ in listed]
+        if any(named) and not all(named):
+            raise ValueError(f"{group.strip()!r}: name every input's shape or none")
+        if len({n for n, _ in listed}) != len(listed) and all(named):
+            raise ValueError(f"{group.strip()!r}: an input is named twice")
+        found.append(listed)
     return found
 
 
@@ -155,6 +180,8 @@ class Lane:
         self.cuda = self.device.type == "cuda"
         self.limit = max(0, int(limit))
         self.counters: GraphCounters = network.graph_counters
+        #: the outputs' names by index (a CudaSink's refusal names its output)
+        self.output_names = dict(enumerate(spec.name for spec in network.outputs))
         #: its own CUDA stream (not one of torch's 32 pooled ones: capture.new_stream), and
         #: that stream's lock, held around each run
         self.stream = capture.new_stream(self.torch, self.device, self) if self.cuda else None
@@ -181,9 +208,7 @@ class Lane:
         self._warmed: collections.OrderedDict[Key, None] = collections.OrderedDict()
         weakref.finalize(self, _close_all, self._graphs)  # its graphs' charges, released
         for zeros in listed_inputs(network, shapes):
-            # captured now, so the first request of the shape replays
-            self._warmed[self._key(zeros)] = None  # (captured at once, not at a second sight)
-            self.run(zeros)
+            self.run(zeros, at_once=True)  # captured now, so the first request of it replays
 
     # --- host buffers
 
@@ -204,6 +229,8 @@ class Lane:
         return buffer
 
     def _stage(self, slot: str, array: np.ndarray) -> Any:
+        if isinstance(array, CudaArray):  # a view of the client's memory, copied from below
+            return self.torch.as_tensor(array, device=self.device)
         dtype = torch_dtype(self.torch, array.dtype)
         host = self._host(slot, tuple(array.shape), dtype)
         if dtype == self.torch.bfloat16:
@@ -233,12 +260,22 @@ class Lane:
     def _key(arrays: Sequence[np.ndarray]) -> Key:
         return tuple((tuple(a.shape), a.dtype.str) for a in arrays)
 
-    def run(self, arrays: Sequence[Any]) -> list[np.ndarray]:
-        """The outputs of the program over ``arrays`` (numpy), through the graph of their
-        shape where there is one."""
+    def run(
+        self,
+        arrays: Sequence[Any],
+        sinks: dict[int, CudaSink] | None = None,
+        at_once: bool = False,
+    ) -> list[Any]:
+        """The outputs of the program over ``arrays`` (numpy, or ``CudaArray`` on this lane's
+        GPU), through the graph of their shape where there is one; ``sinks``: outputs (by
+        index) to copy into a client's GPU memory, answered ``cuda_array.written``;
+        ``at_once``: capture the shape now if it is not, rather than at its second sight (a
+        shape listed at load, a warm-up run: ``model_warmup``)."""
         torch = self.torch
-        arrays = [np.asarray(a) for a in arrays]
+        arrays = [a if self._on_card(a) else np.asarray(a) for a in arrays]
         key = self._key(arrays)
+        if at_once and self.limit:
+            self._warmed[key] = None
         program = self.program
         with self._stream_lock, torch.inference_mode(), self._on_stream():
             staged = [self._stage(f"in{i}", a) for i, a in enumerate(arrays)]
@@ -255,16 +292,50 @@ class Lane:
                     self.counters.add("replayed")
             else:
                 outputs = program.compute_tensors(self._to_device(staged))
+            card = self.device.index or 0
+            sinks = {
+                i: sink
+                for i, sink in (sinks or {}).items()
+                if self.cuda and sink.device == card and i < len(program.output_types)
+                and typestr(_type_or_f32(program.output_types[i])) is not None
+            }  # fmt: skip
             hosts = [
-                self._fetch(f"out{i}", t, np.dtype(np.float32) if ty is None else ty)
+                self._sink(i, sinks[i], t, np.dtype(np.float32) if ty is None else ty)
+                if i in sinks
+                else self._fetch(f"out{i}", t, np.dtype(np.float32) if ty is None else ty)
                 for i, (t, ty) in enumerate(zip(outputs, program.output_types))
             ]
             if self.stream is not None:
-                self.stream.synchronize()  # this request's work only
+                self.stream.synchronize()  # this request's work only (its sinks' copies too)
+            for i in sinks:
+                sinks[i].wrote(hosts[i].nbytes)
+            f32 = np.dtype(np.float32)
             return [
-                self._numpy(h, np.dtype(np.float32) if ty is None else ty, torch)
-                for h, ty in zip(hosts, program.output_types)
+                h if i in sinks else self._numpy(h, f32 if ty is None else ty, torch)
+                for i, (h, ty) in enumerate(zip(hosts, program.output_types))
             ]
+
+    def _on_card(self, array: Any) -> bool:
+        """``array`` is a client's GPU memory this lane takes without a host copy."""
+        return (
+            isinstance(array, CudaArray) and self.cuda and array.device == (self.device.index or 0)
+        )
+
+    def _sink(self, index: int, sink: CudaSink, tensor: Any, np_type: np.dtype) -> np.ndarray:
+        """``tensor`` copied into the client's memory at ``sink`` on the stream (device to
+        device), complete once the stream is synchronised; its answer, ``written``."""
+        torch = self.torch
+        want = torch_dtype(torch, np_type)
+        if tensor.dtype != want:
+            tensor = tensor.to(want)
+        nbytes = tensor.numel() * tensor.element_size()
+        problem = sink.too_small(nbytes)
+        if problem is not None:
+            raise InvalidArgument(f"output {self.output_names.get(index, index)!r}: {problem}")
+        if nbytes:
+            target = CudaArray(sink.pointer, tuple(tensor.shape), np_type, sink.device)
+            torch.as_tensor(target, device=self.device).copy_(tensor, non_blocking=True)
+        return written(tuple(tensor.shape), np_type)
 
     def _on_stream(self) -> Any:
         if self.stream is None:
@@ -275,11 +346,12 @@ class Lane:
         program = self.program
         found = []
         for host, np_type in zip(staged, program.input_types):
-            held = held_dtype(self.torch, np_type if np_type is not None else _dtype_of(host),
-                              program.compute)  # fmt: skip
+            held = program.held(np_type if np_type is not None else _dtype_of(host))
             tensor = host.to(self.device, non_blocking=self.cuda)
-            if not self.cuda:
-                tensor = tensor.clone()  # the program must not hold the reused buffer
+            if not self.cuda or tensor.data_ptr() == host.data_ptr():
+                # the program must not hold the reused buffer, nor a client's memory (a
+                # CudaArray's view): a copy of its own (device to device for the latter)
+                tensor = tensor.clone()
             found.append(tensor.to(held) if tensor.dtype != held else tensor)
         return found
 
@@ -321,7 +393,8 @@ class Lane:
             self.counters.add("captured")
             return _Entry(static, [], None)
         with capture.capturing(torch, self.device):
-            self.program.compute_tensors(static)  # the warm-up: its errors are the request's
+            for _ in range(self.program.capture_warmups):  # its errors are the request's
+                self.program.compute_tensors(static)
             self.stream.synchronize()
             try:  # (a graph: its own memory pool, so graphs replay in any order)
                 captured = capture.capture(
@@ -344,22 +417,40 @@ class Lane:
         return _Entry(static, list(captured.outputs), captured.graph, charge)
 
 
+def _type_or_f32(np_type: Any) -> np.dtype:
+    """An output's declared type, f32 when it declares none (as the lane fetches it)."""
+    return np.dtype(np.float32) if np_type is None else np.dtype(np_type)
+
+
 def _dtype_of(tensor: Any) -> np.dtype:
     return np.dtype(str(tensor.dtype).removeprefix("torch."))
 
 
-def listed_inputs(network: Any, shapes: Sequence[Sequence[tuple[int, ...]]]) -> list[list[Any]]:
+def listed_inputs(network: Any, shapes: Sequence[Listed]) -> list[list[Any]]:
     """Zero inputs of each shape set CUDA_GRAPH_SHAPES lists, checked against the network's
     inputs as a request's are (the load refuses a listing no request could send)."""
     specs = network.inputs
     found = []
     for listed in shapes:
+        if listed and listed[0][0]:  # named: the network's inputs, by name
+            names = [n for n, _ in listed]
+            unknown = sorted(set(names) - {s.name for s in specs})
+            if unknown:
+                raise InvalidArgument(
+                    f"CUDA_GRAPH_SHAPES: network {network.name!r} has no input "
+                    f"{', '.join(map(repr, unknown))} (its inputs: "
+                    f"{', '.join(s.name for s in specs)})"
+                )
+            dims = dict(listed)
+            listed = [(s.name, dims[s.name]) for s in specs if s.name in dims]
         if len(listed) != len(specs):
             raise InvalidArgument(
                 f"CUDA_GRAPH_SHAPES: {len(listed)} shape(s) for {len(specs)} input(s) of "
                 f"network {network.name!r}"
             )
-        zeros = {s.name: np.zeros(n, dtype=s.dtype or np.float32) for n, s in zip(listed, specs)}
+        zeros = {
+            s.name: np.zeros(n, dtype=s.dtype or np.float32) for (_, n), s in zip(listed, specs)
+        }
         try:
             found.append(check_inputs(network.name, specs, zeros))
         except PlugserveError as exc:
@@ -370,10 +461,9 @@ def listed_inputs(network: Any, shapes: Sequence[Sequence[tuple[int, ...]]]) -> 
 def lane_for(network: Any) -> Lane | None:
     """The lane of a new request (one per stream executor): on CUDA always (its stream and
     pinned buffers, graphs unless CUDA_GRAPHS is 0); on the CPU only with CUDA_GRAPHS above 0
-    (else the plain program, as before)."""
+    (else the plain program, as before). A converted ONNX graph's program and a PyTorch
+    program (``programs.TorchProgram``, run whole) alike."""
     limit = int(network.config.get("CUDA_GRAPHS") or 0)
-    if not isinstance(network.program, Program):  # a PyTorch program runs whole, as it is
-        return None
     if network.program.device.type != "cuda" and not limit:
         return None
     shapes = parse_shapes(network.config.get("CUDA_GRAPH_SHAPES") or "")

@@ -23,6 +23,7 @@ from plugserve.plugins.torch.ops.registry import (
     NodeContext,
     Refused,
     converters,
+    held_dtype,
     schema_version,
     to_numpy,
     to_tensor,
@@ -119,6 +120,9 @@ def _rounding(step: Any, halves: list[bool], multi: bool, torch: Any) -> Any:
 class Program:
     """The steps of one graph, run over slots; values in and out as numpy arrays."""
 
+    #: runs on the static buffers before a CUDA graph captures them (:mod:`.graphs`)
+    capture_warmups = 1
+
     def __init__(self, graph: Graph, torch: Any, device: Any, compute: Any) -> None:
         self.torch = torch
         self.device = device
@@ -171,6 +175,11 @@ class Program:
                                    and i not in keep and self.template[i] is None])
             for index, (fn, ins, outs, what) in enumerate(steps)
         ]  # fmt: skip
+
+    def held(self, np_type: np.dtype) -> Any:
+        """The torch dtype an input of ``np_type`` is held in on the device (:mod:`.graphs`
+        stages inputs so)."""
+        return held_dtype(self.torch, np_type, self.compute)
 
     def run(self, arrays: Sequence[Any]) -> list[np.ndarray]:
         torch = self.torch

@@ -29,6 +29,12 @@ written in unless ``INFERENCE_PRECISION_HINT`` says f16 or bf16 (then its floati
 and inputs are cast, and float outputs cast back to the configured type); GPU's f16 default is
 for converted ONNX graphs, whose every op the converters know, not for a program that may
 build its own f32 constants.
+
+On a GPU (and on the CPU with CUDA_GRAPHS) a program runs through the graph lanes as a converted
+graph does (:mod:`.graphs`: its stream, pinned buffers, its shapes captured as CUDA graphs and
+replayed), whole, as one step (:meth:`TorchProgram.compute_tensors`); a program whose capture
+fails (a step that reads a value on the host, a shape its data decides) runs that shape
+eagerly, counted ``failed``.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ import numpy as np
 from plugserve.plugins import cancel
 from plugserve.plugins.api import InferenceError, InvalidArgument, InvalidModel, PlugserveError
 from plugserve.plugins.inputs import TensorSpec
+from plugserve.plugins.torch.ops.registry import torch_dtype
 
 __all__ = [
     "EXPORT",
@@ -193,6 +200,10 @@ class TorchProgram:
         self.name = name
         self.kind = program_kind(data)
         self.compute = compute
+        #: runs before a CUDA graph captures (:mod:`.graphs`): TorchScript's profiling
+        #: executor profiles its first runs and optimizes (compiles fused kernels) after them,
+        #: which must happen before the capture, not inside it
+        self.capture_warmups = 3 if self.kind == TORCHSCRIPT else 1
         module, arguments, own = load_module(data, self.kind, torch, device, name)
         if compute != torch.float32:  # the hint asked for f16 or bf16
             module = module.to(compute)
@@ -227,7 +238,40 @@ class TorchProgram:
                     f"(numbered from 0), but it returns {len(own[1])}"
                 )
 
+    @property
+    def input_types(self) -> list[np.dtype | None]:
+        return [s.dtype for s in self.inputs]
+
+    @property
+    def output_types(self) -> list[np.dtype | None]:
+        return [s.dtype for s in self.outputs]
+
+    def held(self, np_type: np.dtype) -> Any:
+        """The torch dtype an input of ``np_type`` is held in on the device: a floating one in
+        the hint's precision when it is f16 or bf16, else as it is (:mod:`.graphs` stages
+        inputs so)."""
+        dtype = torch_dtype(self.torch, np_type)
+        if dtype.is_floating_point and self.compute != self.torch.float32:
+            return self.compute
+        return dtype
+
     def run(self, arrays: Sequence[Any]) -> list[np.ndarray]:
+        """The outputs over numpy inputs, as numpy (the plain path: no lane)."""
+        torch = self.torch
+        with torch.inference_mode():
+            tensors = []
+            for array in arrays:
+                tensor = torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
+                if tensor.is_floating_point() and self.compute != torch.float32:
+                    tensor = tensor.to(self.compute)
+                tensors.append(tensor)
+            results = self.compute_tensors(tensors)
+            return [self._numpy(value, spec) for value, spec in zip(results, self.outputs)]
+
+    def compute_tensors(self, tensors: Sequence[Any]) -> list[Any]:
+        """The program over its inputs as tensors on the device (in the dtypes :meth:`held`
+        says), its configured outputs as tensors there, in the types it computed them in
+        (what :mod:`.graphs` captures and replays, as a converted program's steps)."""
         torch = self.torch
         token = cancel.current()
         if token is not None and token.error is not None:
@@ -235,13 +279,9 @@ class TorchProgram:
         args: list[Any] = [None] * self.arity
         try:
             with torch.inference_mode():
-                for at, array in zip(self.input_at, arrays):
-                    tensor = torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
-                    if tensor.is_floating_point() and self.compute != torch.float32:
-                        tensor = tensor.to(self.compute)
+                for at, tensor in zip(self.input_at, tensors):
                     args[at] = tensor
-                result = self.module(*args)
-                flat = _flatten(result)
+                flat = _flatten(self.module(*args))
                 return [
                     self._output(flat, at, spec) for at, spec in zip(self.output_at, self.outputs)
                 ]
@@ -251,7 +291,10 @@ class TorchProgram:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise InferenceError(f"{self.kind} program {self.name!r}: {first}") from exc
 
-    def _output(self, flat: list[Any], at: int, spec: TensorSpec) -> np.ndarray:
+    def _output(self, flat: list[Any], at: int, spec: TensorSpec) -> Any:
+        """Result ``at`` as output ``spec``: a tensor, floating where the configuration says
+        a floating type (computed in the hint's precision, cast back when it is copied out),
+        else of the configured type."""
         if at >= len(flat):
             raise InferenceError(
                 f"{self.kind} program {self.name!r} returned {len(flat)} tensor(s); output "
@@ -263,24 +306,27 @@ class TorchProgram:
                 f"{self.kind} program {self.name!r}: result {at} ({spec.name!r}) is a "
                 f"{type(value).__name__}, not a tensor"
             )
-        array = value.detach().to("cpu")
         want = spec.dtype
-        if array.is_floating_point():  # computed in the hint's precision: back to the config's
+        if value.is_floating_point():
             if want is not None and want.kind != "f":
                 raise InferenceError(
                     f"{self.kind} program {self.name!r}: output {spec.name!r} is "
-                    f"{array.dtype}, the configuration says {want}"
+                    f"{value.dtype}, the configuration says {want}"
                 )
+        elif want is not None and str(value.dtype).removeprefix("torch.") != want.name:
+            raise InferenceError(
+                f"{self.kind} program {self.name!r}: output {spec.name!r} is "
+                f"{str(value.dtype).removeprefix('torch.')}, the configuration says {want}"
+            )
+        return value.detach()
+
+    def _numpy(self, value: Any, spec: TensorSpec) -> np.ndarray:
+        array = value.to("cpu")
+        if array.is_floating_point():  # computed in the hint's precision: back to the config's
             if array.dtype == self.torch.bfloat16:  # numpy has no bfloat16
                 array = array.float()
-            return array.numpy().astype(want or np.float32, copy=False)
-        result = array.numpy()
-        if want is not None and result.dtype != want:
-            raise InferenceError(
-                f"{self.kind} program {self.name!r}: output {spec.name!r} is {result.dtype}, "
-                f"the configuration says {want}"
-            )
-        return result
+            return array.numpy().astype(spec.dtype or np.float32, copy=False)
+        return array.numpy()
 
 
 def load_module(

@@ -1,7 +1,9 @@
 """TORCH's and GPU's infer request: the program over the checked inputs, each node's time
 kept when PERF_COUNT is on. On a GPU (and on the CPU with CUDA_GRAPHS) it runs on its
 :class:`~.graphs.Lane`: the stream executor's own CUDA stream, pinned buffers and graphs; the run
-waits for its own stream only."""
+waits for its own stream only. Inputs in a client's GPU memory and outputs wanted there
+(Triton's CUDA shared memory: ``plugins/cuda_array.py``) are copied device to device by the
+lane."""
 
 from __future__ import annotations
 
@@ -10,7 +12,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from plugserve.plugins import run_context
 from plugserve.plugins.api import InferRequest, PerfCount
+from plugserve.plugins.run_context import RunContext
 from plugserve.plugins.torch import devmem
 from plugserve.plugins.torch import graphs as lanes
 
@@ -27,21 +31,23 @@ class TorchInferRequest(InferRequest):
         super().__init__(network)
         self._perf = bool(network.config.get("PERF_COUNT"))
         self._counts: list[PerfCount] = []
-        self._lane = lanes.lane_for(network)  # its stream, pinned buffers and graphs
-        self._stream: Any = None
-        if self._lane is None and network.torch_device.type == "cuda":
-            # a PyTorch program (no lane: its steps are its own): a CUDA stream of its own
-            self._stream = network.program.torch.cuda.Stream(device=network.torch_device)
+        # its stream, pinned buffers and graphs (a PyTorch program's too: run whole, as one
+        # step, captured where capture works)
+        self._lane = lanes.lane_for(network)
+
+    def _infer(self, arrays: list[Any], run: RunContext) -> dict[str, np.ndarray]:
+        return self._execute(arrays, run.warmup)
 
     def _run(self, arrays: list[Any]) -> dict[str, np.ndarray]:
+        return self._execute(arrays, False)
+
+    def _execute(self, arrays: list[Any], warmup: bool) -> dict[str, np.ndarray]:
+        """The run; a warm-up's (``model_warmup``) shape is captured at once."""
         program = self.network.program
         start = time.perf_counter()
         with devmem.charged(self.network, arrays):  # activations charged before the run
             if self._lane is not None:
-                outputs = self._lane.run(arrays)
-            elif self._stream is not None:
-                with program.torch.cuda.stream(self._stream):
-                    outputs = program.run(arrays)
+                outputs = self._lane.run(arrays, self._sinks(), at_once=warmup)
             else:
                 outputs = program.run(arrays)
         if self._perf:
@@ -56,6 +62,15 @@ class TorchInferRequest(InferRequest):
                 )
             ]
         return dict(zip(self.network.output_names, outputs))
+
+    def _sinks(self) -> dict[int, Any] | None:
+        """The outputs the run's request wants in a client's GPU memory, by output index
+        (``RunContext.cuda_outputs``): the lane copies them there device to device."""
+        run = run_context.current()
+        wanted = None if run is None else run.cuda_outputs
+        if not wanted:
+            return None
+        return {i: wanted[n] for i, n in enumerate(self.network.output_names) if n in wanted}
 
     def get_performance_counts(self) -> list[PerfCount]:
         self._require_perf_counts()

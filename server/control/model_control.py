@@ -47,6 +47,7 @@ from plugserve.server.control.triton_config import (
     VersionPolicy,
     write_overrides,
 )
+from plugserve.server.control.warmup import Warmup, warm_up
 from plugserve.server.plane.dataplane import DataPlane, ShuttingDown
 from plugserve.server.plane.metrics import Metrics
 from plugserve.server.plane.networks import LoadedNetwork
@@ -99,6 +100,13 @@ GATHER_THEMSELVES = frozenset({"PYTHON"})
 #: priority could not overtake the lower ones already there (the number a Python model's
 #: gatherer waits on, ``MAX_GATHER_STREAMS``)
 WAITING_WITH_PRIORITIES = 64
+
+
+def runs_on_torch(device: str) -> bool:
+    """Whether every device ``device`` names is TORCH or GPU (which read CUDA_GRAPHS)."""
+    parsed = parse_device(device)
+    kinds = [c.kind for c in parsed.children] if parsed.children else [parsed.kind]
+    return all(kind in ("TORCH", "GPU") for kind in kinds)
 
 
 def batch_device(device: str, max_batch_size: int) -> str:
@@ -170,6 +178,7 @@ class ModelControl:
         batch_size: int = 0,
         sequence: SequenceSettings | None = None,
         queue: QueuePolicy | None = None,
+        warmup: Warmup | None = None,
     ) -> tuple[LoadedNetwork, bool]:
         """Compile and register a network; returns it and whether it came from the cache.
 
@@ -183,6 +192,9 @@ class ModelControl:
         size). ``max_batch_size`` always bounds each request's rows. ``queue``: Triton's queue
         policies, which admit its requests (with priority levels, BATCH lets
         :data:`WAITING_WITH_PRIORITIES` wait in its batcher, where they are ordered).
+        ``warmup``: Triton's model_warmup, run on every stream before the network is listed
+        (``warmup.py``), as are the streams' requests made when CUDA_GRAPH_SHAPES lists shapes
+        to capture.
         """
         check_name(name)
         check_version(version)
@@ -216,6 +228,7 @@ class ModelControl:
         try:
             network = self._compile(name, model, device, config)
             network.name = name
+            self._warm(network, name, config, warmup)
             if persist:
                 self.repository.persist(name, version, model, device, config, max_batch_size)
             entry = self._entry(name, version, device, network, persist, max_batch_size)
@@ -359,6 +372,18 @@ class ModelControl:
             raise
         return network
 
+    @staticmethod
+    def _warm(
+        network: CompiledNetwork, name: str, config: Mapping[str, str], warmup: Warmup | None
+    ) -> None:
+        """The warm-up of a network just compiled (``warmup.py``); one that fails is closed
+        and its error fails the load."""
+        try:
+            warm_up(network, warmup, name, bool(config.get("CUDA_GRAPH_SHAPES")))
+        except BaseException:
+            network.close()
+            raise
+
     def _check_model_size(self, model: Any, what: str) -> None:
         """--max-model-bytes, before anything parses the model (a file path is the
         operator's repository and is not limited)."""
@@ -495,12 +520,21 @@ class ModelControl:
         fallback of an ONNX graph on one GPU; the config's own NUM_STREAMS stays the
         user's)."""
         device, config = settings.device, settings.config
-        if settings.placement is None:
-            return device, config
-        device, placed = place(
-            settings.placement, device or self.default_device, self.core, f"model {name!r}", model
-        )
-        return device, {**placed, **config}
+        if settings.placement is not None:
+            device, placed = place(
+                settings.placement, device or self.default_device, self.core, f"model {name!r}",
+                model,
+            )  # fmt: skip
+            config = {**placed, **config}
+        if settings.graphs:
+            if runs_on_torch(device or self.default_device):
+                config = {**settings.graphs, **config}  # parameters' own keys win
+            else:
+                log.warning(
+                    "model %r: not acted on: optimization.cuda (CUDA graphs are TORCH's and "
+                    "GPU's; the model runs on %s)", name, device or self.default_device,
+                )  # fmt: skip
+        return device, config
 
     def version_policy(self, name: str) -> VersionPolicy:
         """Which versions of ``name`` the repository loads (every one for a model loaded by an
@@ -643,6 +677,7 @@ class ModelControl:
             source = settings.pipeline if settings.pipeline is not None else model
             network = self._compile(name, source, device, dict(config))
             network.name = name
+            self._warm(network, name, config, settings.warmup)
             entry = self._entry(name, version, device, network, True, batch)
             entry.labels = dict(settings.labels)
             entry.formats = dict(settings.formats)
@@ -733,6 +768,7 @@ class ModelControl:
                 batch_size=entry.settings.batch_size,
                 sequence=entry.settings.sequence,
                 queue=entry.settings.queue,
+                warmup=entry.settings.warmup,
             )
         except PlugserveError as exc:
             with self.table.lock:

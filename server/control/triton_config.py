@@ -48,7 +48,22 @@ Triton -> plugserve:
                                             has no shapes (``plugins/torch/programs.py``)
 ``label_filename``                          the output's class labels, named in classified
                                             answers ("value:index:label")
+``optimization`` ``cuda`` ``graphs``        where the model runs on TORCH or GPU: CUDA_GRAPHS
+                                            8 (true) or 0 (false: off); without ``cuda``, the
+                                            device's default (GPU 8, TORCH 0)
+``optimization`` ``cuda`` ``graph_spec``    each spec's shapes (``batch_size`` rows in front
+                                            of each input's ``dim`` with max_batch_size):
+                                            CUDA_GRAPH_SHAPES, captured on every stream at
+                                            load; ``graph_lower_bound``, ``busy_wait_events``,
+                                            ``output_copy_stream`` and the other
+                                            ``optimization`` fields logged, not acted on
+``model_warmup``                            run at load on every stream before the model is
+                                            ready (``warmup.py``); a bad sample fails the load
 ==========================================  =================================================
+
+A ``parameters`` entry that names a device key (``CUDA_GRAPHS``) wins over what
+``optimization`` says. On a device other than TORCH or GPU, ``optimization.cuda`` is logged as
+not acted on.
 """
 
 from __future__ import annotations
@@ -65,6 +80,7 @@ from google.protobuf import json_format, text_format
 
 from plugserve.plugins.api import InvalidArgument
 from plugserve.server.control.placement import InstanceGroup, Placement, read_groups
+from plugserve.server.control.warmup import Warmup, read_warmup
 from plugserve.server.plane.queue_policy import QueuePolicy, read_queue_policy
 from plugserve.server.plane.sequences import (
     SequenceSettings,
@@ -127,7 +143,11 @@ _ACTED_ON = {
     "parameters",
     "sequence_batching",
     "ensemble_scheduling",  # server/apps/pipelines/ensemble.py reads it
+    "optimization",  # its cuda graphs (read_optimization); the rest logged there
+    "model_warmup",  # warmup.py
 }
+#: CUDA_GRAPHS where ``optimization { cuda { graphs: true } }`` says (the GPU device's default)
+GRAPHS_ON = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,6 +216,11 @@ class ModelSettings:
     queue: QueuePolicy | None = None
     #: Triton's instance_group: the devices and instance counts (placement.py), at load
     placement: Placement | None = None
+    #: device keys from ``optimization.cuda`` (CUDA_GRAPHS, CUDA_GRAPH_SHAPES): applied where
+    #: the model runs on TORCH or GPU (its placement decides), below ``parameters``' own
+    graphs: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: Triton's model_warmup: run at load on every stream (warmup.py); None: none
+    warmup: Warmup | None = None
 
 
 def python_settings() -> ModelSettings:
@@ -305,6 +330,13 @@ def _parse_triton(where: str, text: str) -> ModelSettings:
         elif out.device != "PYTHON":  # a Python model's own: it reads them in initialize
             ignored.append(f"parameters[{key!r}]")
     ignored += _check_tensors(config, path)
+    if config.HasField("optimization"):
+        out.graphs, unused = read_optimization(config.optimization, config.max_batch_size, path)
+        ignored += unused
+    out.warmup = read_warmup(
+        config.model_warmup, config.max_batch_size, str(path), path.parent,
+        mc.DataType.Name, plain_file_name,
+    )  # fmt: skip
     if config.HasField("sequence_batching"):
         out.sequence, unused = read_sequence_batching(
             config.sequence_batching, config.max_batch_size, path.parent, str(path)
@@ -316,6 +348,65 @@ def _parse_triton(where: str, text: str) -> ModelSettings:
     if ignored:
         log.warning("%s: not acted on: %s", path, ", ".join(ignored))
     return out
+
+
+def read_optimization(message: Any, max_batch_size: int, path: Path) -> tuple[dict, list[str]]:
+    """``optimization``'s CUDA graphs as TORCH's and GPU's keys, and the fields not acted on.
+
+    ``cuda.graphs`` turns the graph lanes on (CUDA_GRAPHS 8) or off (0); ``graph_spec``'s
+    shapes are captured at load (CUDA_GRAPH_SHAPES, each input named): its ``batch_size`` is
+    0 for a model without max_batch_size, else 1 to max_batch_size, as Triton's TensorRT
+    backend checks; every dimension fixed."""
+    keys: dict[str, str] = {}
+    ignored = [f"optimization.{f.name}" for f, _ in message.ListFields() if f.name != "cuda"]
+    if not message.HasField("cuda"):
+        return keys, ignored
+    cuda = message.cuda
+    keys["CUDA_GRAPHS"] = str(GRAPHS_ON if cuda.graphs else 0)
+    ignored += [
+        f"optimization.cuda.{f.name}"
+        for f, _ in cuda.ListFields()
+        if f.name in ("busy_wait_events", "output_copy_stream")
+    ]
+    if cuda.graph_spec and not cuda.graphs:
+        ignored.append("optimization.cuda.graph_spec (graphs is false: no graphs)")
+        return keys, ignored
+    sets = []
+    for index, spec in enumerate(cuda.graph_spec):
+        where = f"{path}: optimization.cuda.graph_spec[{index}]"
+        if max_batch_size == 0 and spec.batch_size != 0:
+            raise InvalidArgument(
+                f"{where}: batch_size {spec.batch_size}: a model without max_batch_size takes "
+                "batch_size 0 (its inputs' dims are the whole shapes)"
+            )
+        if max_batch_size > 0 and not 1 <= spec.batch_size <= max_batch_size:
+            raise InvalidArgument(
+                f"{where}: batch_size {spec.batch_size} must be 1 to max_batch_size "
+                f"{max_batch_size}"
+            )
+        if not spec.input:
+            raise InvalidArgument(
+                f"{where}: no input shapes (input {{ key: ... value: {{ dim: [...] }} }})"
+            )
+        batch = [spec.batch_size] if max_batch_size > 0 else []
+        shapes = []
+        for name, shape in sorted(spec.input.items()):
+            dims = [*batch, *(int(d) for d in shape.dim)]
+            if any(d < 0 for d in dims) or not name or any(c in name for c in "=,;"):
+                raise InvalidArgument(
+                    f"{where}: input {name!r} dims {list(shape.dim)}: every dimension is fixed "
+                    "(a graph is captured for one shape), names without '=', ',' or ';'"
+                )
+            shapes.append(f"{name}={'x'.join(map(str, dims))}")
+        if spec.HasField("graph_lower_bound"):
+            ignored.append(
+                f"optimization.cuda.graph_spec[{index}].graph_lower_bound (a graph replays "
+                "its own shape only)"
+            )
+        sets.append(",".join(shapes))
+    if sets:
+        keys["CUDA_GRAPH_SHAPES"] = ";".join(sets)
+    return keys, ignored
 
 
 def torch_tensors(config: Any, path: Path) -> str:

@@ -7,15 +7,30 @@ cuda_shared_memory`` works unchanged.
 The server opens a handle with ``cudaIpcOpenMemHandle`` of the CUDA runtime torch loaded
 (``libcudart``, found among the process's mapped libraries once torch has initialised CUDA;
 ctypes, no other dependency). The runtime is reached at the first registration: a server that
-never gets one never imports torch (9 s). Copies are ``cudaMemcpy`` with
-``cudaMemcpyDefault`` (unified addressing: host or device on either side): an input is copied
-from the client's region into a host buffer charged to the memory budget, as a system region's
-is; an output is copied from the request's host result into the client's region, on the
-thread that ran the request, before the answer leaves.
+never gets one never imports torch (9 s).
+
+How bytes move (each counted by path on ``/metrics``: ``plugserve_cuda_shm_copies``):
+
+- **device to device**, for a network that computes on the region's GPU and says so
+  (``cuda_inputs``: TORCH/GPU's converted ONNX networks on CUDA, unbatched): an input is
+  handed to it as a :class:`~plugserve.plugins.cuda_array.CudaArray` over the client's memory
+  (``__cuda_array_interface__``), which the device wraps without a copy and copies into its
+  own input on the request's stream; an output it makes is copied into the client's region
+  on that stream (a :class:`~plugserve.plugins.cuda_array.CudaSink` in the run's context),
+  and the stream is synchronised before the request is answered, so the client reads it
+  complete once it has the response.
+- **through the host** otherwise (a network on the CPU, a batched one, a PyTorch program, an
+  element type outside ``cuda_array.TYPESTRS``): ``cudaMemcpy`` with ``cudaMemcpyDefault``
+  (unified addressing: host or device on either side), an input into a host buffer charged to
+  the memory budget, as a system region's is; an output from the request's host result, on the
+  thread that ran the request, before the answer leaves.
 
 Bounded as the system regions are: at most :data:`MAX_REGIONS` CUDA regions, each no larger
-than its GPU's memory, every request's offset and size checked against the region before any
-byte moves; registering needs the admin role as every shared memory call. A region
+than its GPU's memory and no larger than the allocation its handle opens (the driver's
+``cuMemGetAddressRange`` on the opened pointer, as Triton checks it: a region past its
+allocation would let a request read or write memory that is not the client's), every
+request's offset and size checked against the region before any byte moves; registering
+needs the admin role as every shared memory call. A region
 unregistered while a request uses it stays open until that request is done (the request holds
 the opened pointer; ``cudaIpcCloseMemHandle`` runs when the last holder lets go).
 
@@ -39,9 +54,18 @@ from typing import Any
 import numpy as np
 
 from plugserve.plugins.api import InvalidArgument, NotFound
+from plugserve.plugins.cuda_array import CudaArray, CudaSink, typestr
 from plugserve.server.plane.budget import charged_buffer
 
-__all__ = ["IPC_HANDLE_BYTES", "MAX_REGIONS", "CudaRegion", "CudaRegions", "check_span", "listed"]
+__all__ = [
+    "IPC_HANDLE_BYTES",
+    "MAX_REGIONS",
+    "CudaRegion",
+    "CudaRegions",
+    "check_allocation",
+    "check_span",
+    "listed",
+]
 
 #: CUDA regions registered at once, at most (each holds an IPC mapping of a client's memory)
 MAX_REGIONS = 64
@@ -58,6 +82,21 @@ def check_span(kind: str, name: str, size: int, offset: int, byte_size: int, wha
         raise InvalidArgument(
             f"{what}: offset {offset} and byte size {byte_size} do not lie within {kind} "
             f"memory region {name!r} ({size} bytes)"
+        )
+
+
+def check_allocation(name: str, pointer: int, byte_size: int, base: int, size: int) -> None:
+    """A region of ``byte_size`` bytes from ``pointer`` (the opened handle) lies within the
+    allocation ``[base, base + size)`` the driver reports for it, else INVALID_ARGUMENT in
+    Triton's words ("failed to register shared memory region '<name>': invalid args") with
+    both sizes."""
+    room = base + size - pointer if base <= pointer < base + size else 0
+    if byte_size > room:
+        raise InvalidArgument(
+            f"failed to register shared memory region {name!r}: invalid args: byte_size "
+            f"{byte_size} is past the end of the CUDA allocation its handle opens ({room} "
+            f"bytes from the handle's pointer, {size} in the allocation); register at most "
+            f"{room}"
         )
 
 
@@ -122,6 +161,45 @@ class _Runtime:
         self.check(self.lib.cudaMemcpy(dst, src, nbytes, _MEMCPY_DEFAULT), what)
 
 
+class _Driver:
+    """The driver's ``cuMemGetAddressRange`` (libcuda, loaded by the runtime once CUDA is
+    initialised), as Triton reaches it: the allocation a pointer lies in."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib
+        self.range = lib.cuMemGetAddressRange_v2
+        self.range.argtypes = [
+            ctypes.POINTER(ctypes.c_uint64),
+            ctypes.POINTER(ctypes.c_size_t),
+            ctypes.c_uint64,
+        ]
+        self.range.restype = ctypes.c_int
+        lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+
+    def allocation(self, pointer: int, what: str) -> tuple[int, int]:
+        """``(base, size)`` of the allocation ``pointer`` lies in; the thread's current
+        context is the runtime's (set by the open just before)."""
+        base, size = ctypes.c_uint64(), ctypes.c_size_t()
+        code = self.range(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(pointer))
+        if code != 0:
+            text = ctypes.c_char_p()
+            self.lib.cuGetErrorString(code, ctypes.byref(text))
+            raise InvalidArgument(
+                f"{what}: invalid args: the CUDA driver gives no allocation for the opened "
+                f"handle (cuMemGetAddressRange: error {code}: {(text.value or b'').decode()})"
+            )
+        return int(base.value), int(size.value)
+
+
+@functools.cache
+def _driver() -> _Driver | str:
+    """The driver's calls, or why they are missing."""
+    try:
+        return _Driver(ctypes.CDLL("libcuda.so.1"))
+    except (OSError, AttributeError) as exc:
+        return f"the CUDA driver library does not load ({exc})"
+
+
 @functools.cache
 def _runtime() -> tuple[_Runtime | None, str]:
     """torch's CUDA runtime, or None and why there is none."""
@@ -176,10 +254,31 @@ class _Opened:
 
     def __init__(self, runtime: _Runtime, pointer: int, device: int) -> None:
         self.runtime, self.pointer, self.device = runtime, pointer, device
+        #: ``(base, size)`` of the client's allocation (the driver's), set when it is opened
+        self.allocation = (pointer, 0)
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # at interpreter exit the library may be gone
             self.runtime.close(self.pointer, self.device)
+
+
+class Copies:
+    """How many inputs and outputs moved by each path (``plugserve_cuda_shm_copies``):
+    ``(direction, path)``: ``input``/``output``, ``device`` (device to device) or ``host``."""
+
+    KEYS = (("input", "device"), ("input", "host"), ("output", "device"), ("output", "host"))
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts = dict.fromkeys(self.KEYS, 0)
+
+    def add(self, direction: str, path: str) -> None:
+        with self._lock:
+            self._counts[direction, path] += 1
+
+    def snapshot(self) -> dict[tuple[str, str], int]:
+        with self._lock:
+            return dict(self._counts)
 
 
 @dataclasses.dataclass
@@ -188,6 +287,7 @@ class CudaRegion:
     device_id: int
     byte_size: int
     opened: _Opened = dataclasses.field(repr=False)
+    copies: Copies = dataclasses.field(default_factory=Copies, repr=False)
 
     def span(self, offset: int, byte_size: int, what: str) -> int:
         check_span("CUDA shared", self.name, self.byte_size, offset, byte_size, what)
@@ -201,6 +301,7 @@ class CudaRegion:
             opened.runtime.copy(
                 opened.pointer + start, source.ctypes.data, payload.nbytes, opened.device, what
             )
+        self.copies.add("output", "host")
 
     def read(self, offset: int, byte_size: int, what: str, budget: Any) -> np.ndarray:
         """A host copy of the region's bytes, charged to ``budget`` before it is made."""
@@ -212,7 +313,52 @@ class CudaRegion:
             self.opened.runtime.copy(
                 buffer.ctypes.data, self.opened.pointer + start, byte_size, self.device_id, what
             )
+        self.copies.add("input", "host")
         return buffer
+
+    def device_input(
+        self,
+        offset: int,
+        byte_size: int,
+        dtype: np.dtype,
+        shape: tuple[int, ...],
+        what: str,
+        budget: Any,
+    ) -> CudaArray | None:
+        """The input as a :class:`CudaArray` over the client's memory (no copy: the device
+        copies it device to device; counted so), or None when it must go through the host (an
+        element type the interface does not carry, an empty tensor). Its size is checked
+        against the shape first, as the host path checks the bytes it read."""
+        start = self.span(offset, byte_size, what)
+        count = 1
+        for d in shape:
+            count *= d
+        if byte_size != count * dtype.itemsize:
+            raise InvalidArgument(
+                f"{what}: {byte_size} bytes in CUDA shared memory region {self.name!r}, but "
+                f"shape {list(shape)} of {dtype} needs {count * dtype.itemsize}"
+            )
+        if typestr(dtype) is None or not count:
+            return None
+        opened, copies = self.opened, self.copies
+
+        def host() -> np.ndarray:  # a reader that is not the device: correct, counted
+            return self.read(offset, byte_size, what, budget)
+
+        def taken() -> None:
+            copies.add("input", "device")
+
+        return CudaArray(opened.pointer + start, shape, dtype, self.device_id, opened, host, taken)
+
+    def sink(self, start: int, byte_size: int) -> CudaSink:
+        """Where a device writes an output device to device (``start``: checked by
+        :meth:`span`); the request holds the opened memory through it."""
+        copies = self.copies
+
+        def wrote(_nbytes: int) -> None:
+            copies.add("output", "device")
+
+        return CudaSink(self.opened.pointer + start, byte_size, self.device_id, wrote, self.opened)
 
 
 class CudaRegions:
@@ -227,6 +373,8 @@ class CudaRegions:
             weakref.WeakValueDictionary()
         )
         self._lock = threading.Lock()
+        #: inputs and outputs moved, by path (every region's: ``/metrics``)
+        self.copies = Copies()
 
     def register(self, name: str, raw_handle: bytes | None, device_id: int, byte_size: int) -> None:
         """``raw_handle`` None: REST's ``raw_handle.b64`` was missing or not base64 (refused
@@ -275,12 +423,17 @@ class CudaRegions:
             opened = self._opened.get(key)
         if opened is None:
             opened = _Opened(runtime, runtime.open(key[0], device_id, where), device_id)
+            driver = _driver()
+            if isinstance(driver, str):
+                raise InvalidArgument(f"{where}: invalid args: its size is not known: {driver}")
+            opened.allocation = driver.allocation(opened.pointer, where)
             with self._lock:
                 opened = self._opened.setdefault(key, opened)
+        check_allocation(name, opened.pointer, byte_size, *opened.allocation)
         with self._lock:
             if name in self._regions:
                 raise InvalidArgument(f"shared memory region {name!r} is already registered")
-            self._regions[name] = CudaRegion(name, device_id, byte_size, opened)
+            self._regions[name] = CudaRegion(name, device_id, byte_size, opened, self.copies)
 
     def status(self, name: str = "") -> list[CudaRegion]:
         return listed(self._regions, self._lock, name, "cuda")

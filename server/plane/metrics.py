@@ -205,6 +205,29 @@ class _GraphCollector:
         yield events
 
 
+class _CudaShmCollector:
+    """Inputs and outputs moved through clients' CUDA shared memory regions, by direction
+    and path (``server/plane/cuda_shm.py``): ``device`` device to device, ``host`` through a
+    host copy. Nothing until a CUDA region has been used."""
+
+    def __init__(self, read: Callable[[], dict[tuple[str, str], int]]) -> None:
+        self._read = read
+
+    def collect(self):
+        counts = self._read()
+        if not any(counts.values()):
+            return
+        copies = CounterMetricFamily(
+            "plugserve_cuda_shm_copies",
+            "Tensors moved through CUDA shared memory regions, by direction (input, output) "
+            "and path (device: device to device; host: through a host copy)",
+            labels=["direction", "path"],
+        )
+        for (direction, path), count in sorted(counts.items()):
+            copies.add_metric([direction, path], count)
+        yield copies
+
+
 class _GenerationCollector:
     """Per generative model (``server/apps/generate/``), read at scrape time from its engine's
     statistics: histograms of time to first token, inter-token latency and end-to-end
@@ -404,6 +427,10 @@ class Metrics:
         """``read()``: ``(device, model, version, {event: count})`` of each graph-replaying
         network."""
         self.registry.register(_GraphCollector(read))
+
+    def watch_cuda_shm(self, read: Callable[[], dict[tuple[str, str], int]]) -> None:
+        """``read()``: ``{(direction, path): count}`` of the CUDA shared memory copies."""
+        self.registry.register(_CudaShmCollector(read))
 
     def watch_generation(self, read: Callable[[], list[tuple[str, str, str, Any]]]) -> None:
         """``read()``: ``(device, model, version, stats snapshot)`` of each generative model."""

@@ -156,7 +156,7 @@ class Request:
         return RunContext(  # positional, in its fields' order: one per request, kept cheap
             self.run, network, None if outputs is None else tuple(outputs), room, answer,
             self.parameters, self.partial_outputs, self.id, self.sequence, self.trace,
-            self.priority, self.timeout,
+            self.priority, self.timeout, getattr(self.after, "cuda_outputs", None),
         )  # fmt: skip
 
     def until(self, deadline: float | None) -> None:

@@ -52,6 +52,7 @@ from typing import Any
 import numpy as np
 
 from plugserve.plugins.api import InvalidArgument, NotFound, ResourceExhausted, Unsupported
+from plugserve.plugins.cuda_array import CudaArray, CudaSink, is_written, takes_cuda_inputs
 from plugserve.proto.tensors import array_payload
 from plugserve.server.plane.budget import Charge, MemoryBudget, charged_buffer
 from plugserve.server.plane.cuda_shm import CudaRegion, CudaRegions, check_span, listed
@@ -60,8 +61,10 @@ __all__ = [
     "DEFAULT_PREFIX",
     "MAX_REGIONS",
     "OutputTarget",
+    "OutputWriter",
     "Region",
     "SharedMemory",
+    "cuda_device_of",
     "region_parameters",
     "uses_region",
     "write_outputs",
@@ -260,6 +263,26 @@ class SharedMemory:
         name, byte_size, offset = region_parameters(parameters, what)
         return self.region(name, what).read(offset, byte_size, what, self.budget)
 
+    def device_input(
+        self,
+        parameters: dict[str, Any],
+        what: str,
+        dtype: np.dtype,
+        shape: tuple[int, ...],
+        device: int | None,
+    ) -> CudaArray | None:
+        """An input in a CUDA region of GPU ``device`` (the one its network computes on:
+        ``cuda_array.takes_cuda_inputs``) as a :class:`CudaArray` over the client's memory,
+        for the device to copy device to device; None when it is read as :meth:`read` reads
+        it (another region, another GPU, no such network, a type the interface lacks)."""
+        if device is None:
+            return None
+        name, byte_size, offset = region_parameters(parameters, what)
+        region = self.region(name, what)
+        if not isinstance(region, CudaRegion) or region.device_id != device:
+            return None
+        return region.device_input(offset, byte_size, dtype, tuple(shape), what, self.budget)
+
     def target(self, parameters: dict[str, Any], what: str) -> OutputTarget:
         """Where an output goes, resolved when its request is admitted: the request holds the
         region's descriptor (a CUDA region's opened memory) from then on, so unregistering it
@@ -289,14 +312,52 @@ class OutputTarget:
         self.source.write_at(self.start, payload, what)
         return payload.nbytes
 
+    def sink(self) -> CudaSink | None:
+        """Where a device may write the output device to device (a CUDA region), else None."""
+        if isinstance(self.source, CudaRegion):
+            return self.source.sink(self.start, self.byte_size)
+        return None
+
 
 def write_outputs(targets: dict[str, OutputTarget], outputs: dict[str, Any]) -> dict[str, Any]:
     """Write each output that has a target into its region (on the thread that ran the
-    request, before it is answered); the outputs, unchanged."""
+    request, before it is answered), but those its device wrote there itself
+    (``cuda_array.written``); the outputs, unchanged."""
     for name, target in targets.items():
-        if name in outputs:
+        if name in outputs and not is_written(outputs[name]):
             target.write(array_payload(np.asarray(outputs[name])), f"output {name!r}")
     return outputs
+
+
+class OutputWriter:
+    """A request's ``after``: :func:`write_outputs` into its targets; its CUDA targets are
+    told to the device too (:attr:`cuda_outputs`, the run's context), which may write them
+    device to device. ``host_only``: outputs the server changes before they are written (a
+    classification), which the device must answer as values."""
+
+    __slots__ = ("cuda_outputs", "targets")
+
+    def __init__(self, targets: dict[str, OutputTarget], host_only: Any = ()) -> None:
+        self.targets = targets
+        sinks = {}
+        for name, target in targets.items():
+            sink = target.sink() if name not in host_only else None
+            if sink is not None:
+                sinks[name] = sink
+        #: the outputs a device may write into a client's GPU memory itself, or None
+        self.cuda_outputs: dict[str, CudaSink] | None = sinks or None
+
+    def __call__(self, outputs: dict[str, Any]) -> dict[str, Any]:
+        return write_outputs(self.targets, outputs)
+
+
+def cuda_device_of(entry: Any) -> int | None:
+    """The GPU whose memory a loaded network takes its inputs from without a host copy
+    (``cuda_array.takes_cuda_inputs``), None for one of a sequence (its batcher joins rows
+    on the host)."""
+    if entry.sequences is not None:
+        return None
+    return takes_cuda_inputs(entry.network)
 
 
 def region_parameters(parameters: dict[str, Any], what: str) -> tuple[str, int, int]:

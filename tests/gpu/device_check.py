@@ -14,7 +14,8 @@ exported to ONNX here) at batch 32 and batch 1 through the device, numpy in and 
 torch's own eager forward of the same module in fp16 in the same run (the issue's bar: at
 least 1.0x eager at batch 32). Without torchvision a small conv net stands in (said in the
 output). Graphs (:func:`graph_checks`, issue 49): a repeated shape is replayed with eager's
-answers within f16's tolerance, a data-dependent one stays eager, and the ResNet's batch-1
+answers within f16's tolerance, a data-dependent one stays eager, a TorchScript program's shape
+listed at load is captured then and replayed, and the ResNet's batch-1
 latency eager (CUDA_GRAPHS=0) beside replayed. Bounded: each figure is timed for ``--budget``
 seconds (default 1).
 """
@@ -305,6 +306,44 @@ def graph_checks(core, device, cnn, image, proto, size, result, check, budget, s
         return str(counts)
 
     check("graphs_fallback", fallback)
+
+    def program_replayed() -> str:
+        """A TorchScript program through the same lanes: its shape listed at load by name
+        (what a config.pbtxt's graph_spec becomes) is captured when the stream's request is
+        made, before any request; the first request of it replays, equal to the module's own
+        answer; a warm-up run (``model_warmup``) of another shape captures it at once."""
+        import torch
+
+        from plugserve.plugins.run_context import RunContext
+
+        torch.manual_seed(1)
+        module = torch.nn.Sequential(
+            torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)
+        ).eval()
+        script = io.BytesIO()
+        torch.jit.save(torch.jit.script(module), script)
+        tensors = json.dumps({"inputs": [["INPUT__0", "float32", [-1, 16]]],
+                              "outputs": [["OUTPUT__0", "float32", [-1, 4]]]})  # fmt: skip
+        network = core.load_network(script.getvalue(), device, {
+            "MODEL_TENSORS": tensors, "CUDA_GRAPHS": "4", "CUDA_GRAPH_SHAPES": "INPUT__0=2x16",
+        })  # fmt: skip
+        request = network.create_infer_request()
+        at_load = network.graph_statistics()
+        x = np.random.default_rng(5).random((2, 16), dtype=np.float32)
+        got = request.infer({"INPUT__0": x})["OUTPUT__0"]
+        with torch.no_grad():
+            want = module(torch.from_numpy(x)).numpy()
+        after = network.graph_statistics()
+        warm = np.zeros((3, 16), np.float32)
+        request.infer({"INPUT__0": warm}, RunContext(warmup=True))
+        warmed = network.graph_statistics()
+        if at_load["captured"] != 1 or after["replayed"] != 1 or warmed["captured"] != 2:
+            raise AssertionError(f"at load {at_load}, after one request {after}, "
+                                 f"after a warm-up {warmed}")  # fmt: skip
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+        return f"at load {at_load}, then {after}, after a warm-up {warmed}"
+
+    check("graphs_program_replayed", program_replayed)
     x = np.random.default_rng(11).random((1, 3, size, size), dtype=np.float32)
     figures: dict = {}
     for label, limit in (("eager", "0"), ("replayed", "8")):

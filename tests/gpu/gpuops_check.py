@@ -12,8 +12,13 @@ clause), in at most ~90 s. Each check is recorded pass/fail/skip with its reason
   tritonclient's ``register_cuda_shared_memory``, inputs and outputs in them, outputs read
   back from the card, status listing them, unregistered; then tritonclient's own
   ``cuda_shared_memory`` round trip (it needs cuda-python: wheels.sh carries cuda-bindings;
-  skipped saying why where it does not import). Without a GPU: the registration is refused
-  "GPUs not supported" on both protocols, as Triton built without GPU support refuses it.
+  skipped saying why where it does not import). A region of the whole allocation its handle
+  opens (torch's segment, from ``torch.cuda.memory_snapshot``) registers, one byte more is
+  refused INVALID_ARGUMENT / 400 ("invalid args", the driver's ``cuMemGetAddressRange``), on
+  both protocols. The GPU network's inputs and outputs moved device to device, none through
+  the host (``plugserve_cuda_shm_copies`` on /metrics). Without a GPU: the registration is
+  refused "GPUs not supported" on both protocols, as Triton built without GPU support
+  refuses it.
 - ``gpuops.gpu_metrics``: ``nv_gpu_utilization``, ``nv_gpu_memory_total_bytes``,
   ``nv_gpu_memory_used_bytes``, ``nv_gpu_power_usage``, ``nv_gpu_power_limit``,
   ``nv_energy_consumption`` on the metrics port, labelled with the card's UUID (needs
@@ -216,6 +221,44 @@ def _ipc_handle(shared: bytes) -> bytes:
     )
 
 
+def _segment_of(torch: Any, pointer: int) -> tuple[int, int]:
+    """``(base, size)`` of the caching allocator's segment (one cudaMalloc) holding
+    ``pointer``: the allocation an IPC handle of it opens."""
+    for segment in torch.cuda.memory_snapshot():
+        base, size = int(segment["address"]), int(segment["total_size"])
+        if base <= pointer < base + size:
+            return base, size
+    raise RuntimeError(f"no allocator segment holds 0x{pointer:x}")
+
+
+def _allocation_bounds(client: Any, protocol: str, x: Any, torch: Any) -> dict:
+    """A region of the whole allocation the handle opens registers; one byte more is refused
+    INVALID_ARGUMENT / 400 naming the region, as Triton refuses it."""
+    from tritonclient.utils import InferenceServerException
+
+    device, shared, _size, offset = x.untyped_storage()._share_cuda_()[:4]
+    base, size = _segment_of(torch, x.data_ptr())
+    handle = base64.b64encode(_ipc_handle(bytes(shared)))
+    found = {"segment_bytes": size, "offset": int(offset)}
+    found["offset_ok"] = x.data_ptr() - base == offset  # the handle opens at the segment
+    client.register_cuda_shared_memory(f"{protocol}-whole", handle, int(device), size)
+    client.unregister_cuda_shared_memory(f"{protocol}-whole")
+    try:
+        client.register_cuda_shared_memory(f"{protocol}-past", handle, int(device), size + 1)
+    except InferenceServerException as exc:
+        found["refused"] = f"{exc.status()}: {exc.message()}"[:300]
+    else:
+        client.unregister_cuda_shared_memory(f"{protocol}-past")
+        found["refused"] = ""
+    text = found["refused"]
+    status_ok = ("INVALID_ARGUMENT" in text) if protocol == "grpc" else text.startswith("400")
+    found["ok"] = bool(
+        found["offset_ok"] and status_ok and f"'{protocol}-past'" in text
+        and "invalid args" in text and str(size + 1) in text
+    )  # fmt: skip
+    return found
+
+
 def cuda_client(grpc_target: str, http_target: str) -> dict:
     """The client side of the CUDA shared memory round trip, in a process of its own (a CUDA
     IPC handle does not open in the process that made it): regions made with torch, their
@@ -258,6 +301,7 @@ def cuda_client(grpc_target: str, http_target: str) -> dict:
         got = y.cpu().numpy()
         client.unregister_cuda_shared_memory(f"{protocol}-cin")
         client.unregister_cuda_shared_memory(f"{protocol}-cout")
+        bounds = _allocation_bounds(client, protocol, x, torch)
         left = client.get_cuda_shared_memory_status()
         out[protocol] = {
             "ok": bool(np.allclose(got, np.arange(8).reshape(2, 4) + 1, atol=1e-2)),
@@ -265,6 +309,7 @@ def cuda_client(grpc_target: str, http_target: str) -> dict:
             "listed": sorted(listed),
             "left_after_unregister": len(left) if isinstance(left, list) else len(left.regions),
         }
+        out[f"{protocol}_bounds"] = bounds
         client.close()
     out["tritonclient"] = _tritonclient_round_trip(grpc_target)
     return out
@@ -294,7 +339,25 @@ def _tritonclient_round_trip(grpc_target: str) -> dict:
         req.set_shared_memory("tc-out", x.nbytes)
         client.infer("on_gpu", [inp], outputs=[req])
         got = cudashm.get_contents_as_numpy(h_out, np.float32, [2, 4])
-        return {"ok": bool(np.allclose(got, x + 1, atol=1e-2)), "got": got.tolist()}
+        # Triton's own case (L0_cuda_shared_memory test_register_out_of_bound): a region one
+        # byte larger than its cudaMalloc is refused "failed to register ... invalid args"
+        from tritonclient.utils import InferenceServerException
+
+        try:
+            client.register_cuda_shared_memory(
+                "tc-past", cudashm.get_raw_handle(h_in), 0, x.nbytes + 1
+            )
+        except InferenceServerException as exc:
+            past = exc.message()
+        else:
+            past = ""
+            client.unregister_cuda_shared_memory("tc-past")
+        refused = "failed to register shared memory region" in past and "invalid args" in past
+        return {
+            "ok": bool(np.allclose(got, x + 1, atol=1e-2)) and refused,
+            "got": got.tolist(),
+            "past_refused": past[:300],
+        }
     finally:
         for name in ("tc-in", "tc-out"):
             with contextlib.suppress(Exception):
@@ -332,6 +395,7 @@ def check_cuda_shm(server: Any, gpu: bool, work: Path) -> dict:
         return {"refused": answers}
     # the client is its own process: CUDA IPC handles do not open in the process that made them
     env = {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
+    before = _copies(server.metrics_url)
     proc = subprocess.run(
         [sys.executable, __file__, "cuda-client", server.target, server.http_target],
         capture_output=True, text=True, timeout=60, env=env,
@@ -342,6 +406,31 @@ def check_cuda_shm(server: Any, gpu: bool, work: Path) -> dict:
     bad = [p for p, r in found.items() if not r["ok"] or r.get("left_after_unregister")]
     if bad:
         raise Failed(f"round trip wrong over {', '.join(bad)}", found)
+    # the GPU network took its inputs and wrote its outputs device to device, never via host
+    after = _copies(server.metrics_url)
+    moved = {k: after.get(k, 0) - before.get(k, 0) for k in set(before) | set(after)}
+    found["copies"] = {"/".join(k): v for k, v in sorted(moved.items())}
+    trips = 2 + (0 if found["tritonclient"].get("skipped") else 1)
+    for direction in ("input", "output"):
+        if moved.get((direction, "device"), 0) < trips or moved.get((direction, "host"), 0):
+            raise Failed(
+                f"{direction}s did not all move device to device ({trips} round trips): "
+                f"{found['copies']}", found,
+            )  # fmt: skip
+    return found
+
+
+def _copies(metrics_url: str) -> dict[tuple[str, str], float]:
+    """``plugserve_cuda_shm_copies`` by ``(direction, path)`` on /metrics (none: {})."""
+    import re
+
+    found = {}
+    for line in _scrape(metrics_url).splitlines():
+        match = re.match(
+            r'plugserve_cuda_shm_copies_total\{direction="(\w+)",path="(\w+)"\} ([0-9.e+]+)', line
+        )
+        if match:
+            found[match[1], match[2]] = float(match[3])
     return found
 
 

@@ -24,6 +24,25 @@ def test_run_inline_runs_on_the_callers_thread_with_a_streams_state():
         executor.shutdown()
 
 
+def test_each_stream_runs_once_on_every_streams_state_which_requests_then_reuse():
+    made = []
+    executor = StreamsExecutor("T", 3, state_factory=lambda i: made.append(i) or f"state-{i}")
+    try:
+        assert executor.each_stream(lambda state: state) == ["state-0", "state-1", "state-2"]
+        assert sorted(made) == [0, 1, 2] and executor.busy == 0
+        # requests run on the states made then (a warm-up's), none made again
+        seen = [executor.submit(lambda state: state).result(timeout=30) for _ in range(6)]
+        assert set(seen) <= {"state-0", "state-1", "state-2"} and sorted(made) == [0, 1, 2]
+        with pytest.raises(ValueError, match="boom"):  # an error reaches the caller, streams
+            executor.each_stream(lambda state: (_ for _ in ()).throw(ValueError("boom")))
+        assert executor.busy == 0  # freed
+        executor.shutdown()
+        with pytest.raises(FailedPrecondition):
+            executor.each_stream(lambda state: state)
+    finally:
+        executor.shutdown()
+
+
 def test_run_inline_error_lands_in_the_future_and_frees_the_stream():
     executor = StreamsExecutor("T", 1)
     try:

@@ -74,7 +74,7 @@ def triton(tmp_path_factory):
         default_model_filename: "net.onnx"
         parameters: { key: "PERFORMANCE_HINT" value: { string_value: "LATENCY" } }
         parameters: { key: "execution_mode" value: { string_value: "sequential" } }
-        model_warmup [ { name: "w", batch_size: 1 } ]
+        response_cache { enable: true }
         """,
         {1: 5.0},
         "net.onnx",
@@ -161,7 +161,7 @@ def test_default_model_filename_parameters_and_what_is_not_acted_on(client, trit
     np.testing.assert_allclose(infer(client, "named", X), X + 5)
     assert config_of(client, "named")["parameters"]["device"]["string_value"] == "OPENVINO"
     line = next(line for line in triton.log.splitlines() if "not acted on" in line)
-    assert "named" in line and "model_warmup" in line and "execution_mode" in line
+    assert "named" in line and "response_cache" in line and "execution_mode" in line
 
 
 def test_an_unknown_backend_is_a_startup_problem_naming_the_file(tmp_path):

@@ -36,7 +36,7 @@ from plugserve.server.control.triton_config import VersionPolicy
 from plugserve.server.plane.budget import decoded_nbytes
 from plugserve.server.plane.networks import LoadedNetwork
 from plugserve.server.plane.sequences import echoed, sequence_step
-from plugserve.server.plane.shm import OutputTarget, SharedMemory, uses_region
+from plugserve.server.plane.shm import OutputTarget, SharedMemory, cuda_device_of, uses_region
 from plugserve.server.protocols.kserve.classification import class_count, classify
 from plugserve.server.protocols.kserve.contents import decode_contents
 from plugserve.server.protocols.status import status_of
@@ -176,6 +176,9 @@ def model_config(entry: LoadedNetwork, policy: VersionPolicy) -> mc.ModelConfig:
         config.model_transaction_policy.decoupled = True
     config.parameters["device"].string_value = entry.device
     config.parameters["precision"].string_value = entry.network.precision
+    graphs = entry.network.cuda_graphs()
+    if graphs is not None:  # a TORCH or GPU network: whether its shapes replay as CUDA graphs
+        config.optimization.cuda.graphs = graphs > 0
     batching = entry.network.batching()
     if batching is not None:
         size, timeout_ms = batching
@@ -273,19 +276,43 @@ def request_inputs(
             f"{len(raw)} raw_input_contents for {in_message} inputs not in shared memory: "
             "send one raw_input_contents entry per such input, in the order of the inputs"
         )
-    inputs: dict[str, np.ndarray] = {}
+    inputs: dict[str, Any] = {}
     contents = iter(raw)
+    device = cuda_device_of(entry) if shm is not None and any(shared) else None
     for tensor, in_region in zip(request.inputs, shared):
         if tensor.name in inputs:
             raise InvalidInput(f"input {tensor.name!r} is given more than once")
         if in_region:
             if shm is None:
                 raise InvalidInput(f"input {tensor.name!r}: shared memory is not served here")
-            data = shm.read(parameter_values(tensor.parameters), f"input {tensor.name!r}")
+            parameters = parameter_values(tensor.parameters)
+            on_device = _device_input(tensor, parameters, entry, shm, device)
+            if on_device is not None:  # in the client's GPU memory, for its GPU network
+                inputs[tensor.name] = on_device
+                continue
+            data = shm.read(parameters, f"input {tensor.name!r}")
             inputs[tensor.name] = input_array(tensor, data, entry)
         else:
             inputs[tensor.name] = input_array(tensor, next(contents) if raw else None, entry)
     return inputs
+
+
+def _device_input(
+    tensor, parameters: dict[str, Any], entry: LoadedNetwork, shm: SharedMemory, device: int | None
+) -> Any:
+    """The input as a ``CudaArray`` over a client's CUDA region, for a network on that GPU
+    (``SharedMemory.device_input``), its type and shape checked as :func:`input_array` checks
+    them; None: read through the host."""
+    dtype = DATATYPES.get(tensor.datatype)
+    if device is None or dtype is None or dtype == np.dtype(object):
+        return None
+    where = f"input {tensor.name!r}"
+    entry.expect(tensor.name, dtype)
+    try:
+        shape = tuple(check_shape(list(tensor.shape), where, dtype.itemsize))
+    except TensorFormatError as exc:
+        raise InvalidInput(str(exc)) from None
+    return shm.device_input(parameters, where, dtype, shape, device)
 
 
 def decoding_nbytes(request: pb.ModelInferRequest) -> int:
@@ -373,9 +400,9 @@ def infer_response(
             tensor.parameters["shared_memory_region"].string_param = regions[name][
                 "shared_memory_region"
             ]
-            tensor.parameters["shared_memory_byte_size"].int64_param = memoryview(
-                array_payload(array)
-            ).nbytes
+            tensor.parameters["shared_memory_byte_size"].int64_param = (
+                memoryview(array_payload(array)).nbytes if array.dtype == object else array.nbytes
+            )
             payloads.append(b"")
             continue
         payloads.append(array_payload(array))

@@ -57,7 +57,7 @@ from plugserve.server.plane.budget import GRPC_FACTOR
 from plugserve.server.plane.dataplane import DataPlane
 from plugserve.server.plane.request import Request
 from plugserve.server.plane.sequences import sequence_step
-from plugserve.server.plane.shm import write_outputs
+from plugserve.server.plane.shm import OutputWriter
 from plugserve.server.plane.versions import parse_version
 from plugserve.server.protocols.grpc.handlers import Inference, add_service, deadline
 from plugserve.server.protocols.kserve.codec import (
@@ -176,7 +176,8 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         ask.outputs = requested_outputs(request)
         targets = output_targets(request, self.shm)
         if targets:
-            ask.after = functools.partial(write_outputs, targets)
+            classified = {o.name for o in request.outputs if "classification" in o.parameters}
+            ask.after = OutputWriter(targets, classified)
         return entry, self.plane.infer(ask)
 
     def _submit_decoupled(self, request, ask: Request, streaming: bool):

@@ -184,11 +184,17 @@ def _fields(value: Any) -> dict[str, Any]:
 
 
 def parse_infer(
-    body: bytes, header_length: str | None, expect: Expect, shm: SharedMemory | None = None
+    body: bytes,
+    header_length: str | None,
+    expect: Expect,
+    shm: SharedMemory | None = None,
+    cuda_device: int | None = None,
 ) -> InferCall:
     """The infer body as arrays; ``header_length`` is the Inference-Header-Content-Length;
     ``expect(name, dtype)`` refuses an input's element type before its data is decoded;
-    ``shm``: the server's shared memory regions, for inputs and outputs that name one."""
+    ``shm``: the server's shared memory regions, for inputs and outputs that name one;
+    ``cuda_device``: the GPU the network takes inputs from without a host copy
+    (``shm.cuda_device_of``), None: none."""
     view = memoryview(body)
     if header_length is None:
         json_part, binary = view, view[:0]
@@ -224,7 +230,7 @@ def parse_infer(
             raise InvalidInput(f"input {index}: 'name' must be a string")
         if name in inputs:
             raise InvalidInput(f"input {name!r} is given more than once")
-        inputs[name], offset = _input_array(tensor, name, binary, offset, expect, shm)
+        inputs[name], offset = _input_array(tensor, name, binary, offset, expect, shm, cuda_device)
     if offset != len(binary):
         raise InvalidInput(
             f"{len(binary) - offset} bytes of binary data are not claimed by any input's "
@@ -352,7 +358,8 @@ def _input_array(
     offset: int,
     expect: Expect,
     shm: SharedMemory | None = None,
-) -> tuple[np.ndarray, int]:
+    cuda_device: int | None = None,
+) -> tuple[Any, int]:
     """One input and the offset after its binary data (``tensor``: :func:`_fields`)."""
     where = f"input {name!r}"
     datatype = tensor.get("datatype")
@@ -378,6 +385,10 @@ def _input_array(
             raise InvalidInput(f"{where}: shared memory is not served here")
         if "data" in tensor or "binary_data_size" in parameters:
             raise InvalidInput(f"{where}: has data and a shared memory region; send one")
+        if cuda_device is not None and dtype != np.dtype(object):
+            on_device = shm.device_input(parameters, where, dtype, shape, cuda_device)
+            if on_device is not None:  # in the client's GPU memory, for its GPU network
+                return on_device, offset
         data = shm.read(parameters, where)
         return _from_binary(data, dtype, datatype, shape, count, where), offset
     if "binary_data_size" in parameters:

@@ -46,7 +46,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import functools
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -65,7 +64,7 @@ from plugserve.server.plane.networks import LoadedNetwork
 from plugserve.server.plane.request import Request
 from plugserve.server.plane.response_stream import ResponseStream
 from plugserve.server.plane.sequences import echoed
-from plugserve.server.plane.shm import write_outputs
+from plugserve.server.plane.shm import OutputWriter, cuda_device_of
 from plugserve.server.plane.tracing import name_request
 from plugserve.server.protocols.auth import (
     HEALTH,
@@ -400,7 +399,9 @@ class RestApp:
                 call.body, entry.name, entry.inputs, entry.expect, entry.max_batch_size, entry.dims
             )
         else:
-            request = parse_infer(call.body, header_length, entry.expect, self.plane.shm)
+            request = parse_infer(
+                call.body, header_length, entry.expect, self.plane.shm, cuda_device_of(entry)
+            )
         ask = _request(entry, request, _fast(entry), trace=trace)
         if trace is not None and request.id:
             name_request(trace, request.id)
@@ -441,7 +442,9 @@ class RestApp:
                 for name, array in request.inputs.items():
                     entry.expect(name, array.dtype, list(array.shape))
             else:
-                request = parse_infer(call.body, header_length, entry.expect, self.plane.shm)
+                request = parse_infer(
+                    call.body, header_length, entry.expect, self.plane.shm, cuda_device_of(entry)
+                )
             if trace is not None:
                 name_request(trace, request.id)
             future = self.plane.infer(_request(entry, request, True, token, trace))
@@ -645,7 +648,7 @@ def _request(
         entry, request.inputs, outputs=request.outputs, run=token, timeout=request.timeout,
         priority=request.priority, id=request.id or "", parameters=request.parameters,
         step=request.step, inline=inline, trace=trace,
-        after=functools.partial(write_outputs, request.regions) if request.regions else None,
+        after=OutputWriter(request.regions, request.classes) if request.regions else None,
         protocol="rest",
     )  # fmt: skip
 

@@ -104,6 +104,20 @@ def test_multi_loads_on_every_device_and_reports_them(core, reference):
     network.close()
 
 
+def test_each_stream_reaches_every_devices_requests_which_requests_then_reuse(core, reference):
+    """What a load's warm-up (model_warmup, graph_spec) runs on: each device's requests, made
+    then, not MULTI's own (which would reach the first device only)."""
+    network = core.load_network(mlp(), "MULTI:NUMPY,SECOND", {"NUM_STREAMS": "2"})
+    seen = network.each_stream(lambda request: (request.network.device, request))
+    assert sorted(device for device, _ in seen) == ["NUMPY", "NUMPY", "SECOND", "SECOND"]
+    made = {id(request) for _, request in seen}
+    assert len(made) == 4
+    np.testing.assert_allclose(network.infer(feeds(1))["y"], reference(feeds(1)), rtol=1e-5)
+    pool = network.pools[0]
+    assert pool.in_use == 0 and {id(r) for r in pool.free} <= made  # reused, none made again
+    network.close()
+
+
 def test_multi_spreads_concurrent_requests_in_process(core, reference, tmp_path, monkeypatch):
     """HELD (first) keeps its request until SECOND has run others: both devices are used."""
     monkeypatch.setenv("PLUGSERVE_TEST_GATES", str(tmp_path))
