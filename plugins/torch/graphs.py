@@ -19,7 +19,7 @@ input shapes it has seen, each captured as a CUDA graph and replayed.
   once. Each lane holds its own graphs:
   a graph's static buffers serve one request at a time, and a lane runs one at a time, so
   replays never wait on each other. A capture (once per shape and stream) is the one place that
-  waits for the whole card: torch's capture synchronises the device before it begins.
+  waits for others: captures take turns in the process (below).
 - **Programs**: a converted ONNX graph's :class:`~.program.Program` and a PyTorch program
   (:class:`~.programs.TorchProgram`, run whole as one step) alike: ``compute_tensors`` over
   tensors on the device, ``held`` the dtype an input is staged in.
