@@ -127,7 +127,11 @@ def capture(torch: Any, stream: Any, body: Callable[[], Any], pool: Any = None) 
     _clear_cublas_workspaces(torch)
     before = torch.cuda.memory_reserved(device)
     with torch.cuda.stream(stream):  # restored on every exit
-        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        try:  # (torch routes the pool's allocations before it begins the stream's capture)
+            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        except BaseException:
+            _end_pool(torch, graph, device, pool)
+            raise
         try:
             outputs = body()
         except BaseException:

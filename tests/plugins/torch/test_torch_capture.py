@@ -280,6 +280,17 @@ def test_a_capture_restores_the_stream_ends_the_pool_and_measures_its_memory():
     with pytest.raises(RuntimeError, match="Invalidated"):
         capture.capture(fake, stream, lambda: "outputs")
     assert fake.cuda.current == "default" and ended == []
+    # capture_begin fails after torch routed the pool's allocations: that routing ended too
+    fake, stream, ended = _fake_torch()
+
+    def refused(self, pool=None, capture_error_mode="global"):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    fake.cuda.CUDAGraph.capture_begin = refused
+    with pytest.raises(RuntimeError, match="not permitted"):
+        capture.capture(fake, stream, lambda: "outputs")
+    assert fake.cuda.current == "default"
+    assert ended == [("end", 1, (0, 5)), ("release", 1, (0, 5))]
     # torch says the graph is empty (its steps ran on another device's stream): a failure
     fake, stream, ended = _fake_torch(warn="The CUDA Graph is empty. This usually means ...")
     with pytest.raises(capture.EmptyCapture, match="cuda:1"):
