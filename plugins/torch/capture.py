@@ -35,7 +35,8 @@ Each rule here answers a way a capture goes wrong on a real card (the CUDA revie
   underlying stream) keeps two owners of one stream from interleaving.
 - **Memory** (:class:`Captured`'s ``nbytes``) [16]: what ``torch.cuda.memory_reserved`` grew by
   during the capture, the graph's private pool, which stays reserved while the graph lives: the
-  capturer charges it to the device's budget (``devmem``) until the graph goes.
+  capturer charges it to the device's budget (``devmem``) until the graph goes. (Another
+  thread's cache growth meanwhile counts too: an overestimate, on the budget's safe side.)
 - **Failures** (:func:`out_of_memory`) [22]: a capture that ran out of memory is worth another
   try later; the capturers keep such failures apart from their graphs and retry after
   :data:`RETRY_AFTER` uses.
