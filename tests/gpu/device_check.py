@@ -367,7 +367,8 @@ def eviction_canary(core, device: str) -> str:
     still used (pytorch#193402); ``torch.cuda.empty_cache()`` then gives that memory back, and
     the next replay reads and writes freed memory. Here the remaining shapes' replays must
     still equal the eager path's (plugins/torch/capture.py clears the workspaces around each
-    capture, so each graph owns its own)."""
+    capture, so each graph owns its own). And 40 infer requests' lanes have 40 CUDA streams
+    (finding 9: torch's pooled streams would repeat after 32)."""
     import torch
     from models import mlp
 
@@ -398,7 +399,12 @@ def eviction_canary(core, device: str) -> str:
         raise AssertionError(f"expected an eviction and 6 replays: {counts}")
     if not worst <= 1e-4:
         raise AssertionError(f"replays differ from eager by {worst:.3g}: {counts}")
-    return f"{counts}, max difference to eager {worst:.3g}"
+    # finding 9: each lane's stream its own (torch's pool has 32 a device, handed out in turn)
+    lanes = [network.create_infer_request() for _ in range(40)]
+    streams = {r._lane.stream.cuda_stream for r in lanes if r._lane.stream is not None}
+    if streams and len(streams) != len(lanes):
+        raise AssertionError(f"{len(lanes)} lanes share {len(streams)} CUDA streams")
+    return f"{counts}, max difference to eager {worst:.3g}; {len(streams)} streams for 40 lanes"
 
 
 if __name__ == "__main__":
