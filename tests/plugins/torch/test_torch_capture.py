@@ -309,3 +309,58 @@ def test_a_held_charge_leaves_less_room_until_released():
     assert memory.free() == 10 * 2**20
     memory.charge_request(5 * 2**20, "a request", wait_s=0.05).release()
     assert memory.hold(-5).nbytes == 0 and memory.free() == 10 * 2**20
+
+
+class _FakeDriver:
+    """A stand-in for libcuda's stream calls: hands out handles, records the calls."""
+
+    def __init__(self, code=0):
+        self.code, self.calls, self.next = code, [], 0x1000
+
+    def cuStreamCreate(self, out, flags):  # (the driver's names)
+        self.next += 0x10
+        out._obj.value = self.next
+        self.calls.append(("create", self.next, flags))
+        return self.code
+
+    def cuStreamSynchronize(self, handle):
+        self.calls.append(("sync", handle))
+        return 0
+
+    def cuStreamDestroy_v2(self, handle):
+        self.calls.append(("destroy", handle))
+        return 0
+
+
+def test_own_streams_are_the_drivers_and_are_destroyed_after_their_owner(monkeypatch):
+    import gc
+
+    driver = _FakeDriver()
+    monkeypatch.setattr(capture, "_driver_lib", [driver])
+    made = []
+    fake = types.SimpleNamespace(
+        _C=types.SimpleNamespace(),
+        cuda=types.SimpleNamespace(
+            device=lambda d: contextlib.nullcontext(),
+            current_stream=lambda d: None,
+            ExternalStream=lambda ptr, device: made.append(("external", ptr)) or ptr,
+            Stream=lambda device: made.append(("pooled", device)) or "pooled",
+        ),
+    )
+
+    class Owner:
+        pass
+
+    owner = Owner()
+    handle = capture.new_stream(fake, "cuda:1", owner)
+    assert made == [("external", handle)] and driver.calls == [("create", handle, 1)]
+    del owner
+    gc.collect()
+    assert ("destroy", handle) not in driver.calls  # not from the collector: at the next turn
+    with capture.capturing(fake, "cuda:1"):
+        assert driver.calls[-2:] == [("sync", handle), ("destroy", handle)]
+    # the driver refuses: torch's pooled stream
+    monkeypatch.setattr(capture, "_driver_lib", [_FakeDriver(code=201)])
+    assert capture.new_stream(fake, "cuda:1", Owner()) == "pooled"
+    monkeypatch.setattr(capture, "_driver_lib", [None])  # no libcuda at all
+    assert capture.new_stream(fake, "cuda:1", Owner()) == "pooled"
