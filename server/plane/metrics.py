@@ -283,6 +283,12 @@ class _GenerationCollector:
         size = GaugeMetricFamily(
             "plugserve_generate_kv_cache_bytes", "Bytes of the key/value cache", labels=labels
         )
+        pipelined = CounterMetricFamily(
+            "plugserve_generate_pipelined_steps",
+            "Decode steps launched before the previous step's tokens reached the host "
+            "(async scheduling)",
+            labels=labels,
+        )
         for device, model, version, snap in self._read():
             key = [device, model, version]
             for name, family in histograms.items():
@@ -301,8 +307,9 @@ class _GenerationCollector:
             waiting.add_metric(key, snap.waiting)
             usage.add_metric(key, snap.kv_cache_usage)
             size.add_metric(key, snap.kv_cache_bytes)
+            pipelined.add_metric(key, snap.pipelined_steps)
         yield from histograms.values()
-        yield from (prompt, cached, generated, finished, running, waiting, usage, size)
+        yield from (prompt, cached, generated, finished, running, waiting, usage, size, pipelined)
 
 
 class _ServerCollector:

@@ -387,6 +387,12 @@ class Settings:
     enable_prefix_caching: int = _field(
         1, "generative models: 1: reuse the cache of prompts' common beginnings; 0: never"
     )
+    async_scheduling: int = _field(
+        1,
+        "generative models: 1: on a decoder that can (safetensors folders on TORCH or GPU), "
+        "launch each steady decode step before the previous step's tokens are sent, its ids "
+        "taken on the device (server/apps/generate/overlap.py); 0: every step synchronous",
+    )
     max_prompt_bytes: int = _field(
         0,
         "generative models: most bytes of prompt text (UTF-8) a request may send on any face "
@@ -413,6 +419,7 @@ class Settings:
             kv_cache_bytes=self.kv_cache_bytes,
             max_model_len=self.max_model_len,
             enable_prefix_caching=bool(self.enable_prefix_caching),
+            async_scheduling=bool(self.async_scheduling),
         )
 
     def problems(self) -> list[str]:
@@ -435,6 +442,7 @@ class Settings:
             "reuse_grpc_port",
             "allow_remote_control",
             "enable_prefix_caching",
+            "async_scheduling",
         ):
             if getattr(self, name) not in (0, 1):
                 found.append(f"{name}={getattr(self, name)!r} must be 0 or 1")

@@ -1,7 +1,11 @@
 """The generation engine's cost per token in process, this checkout beside a base commit's.
 
     python tests/benchmarks/bench_engine_step.py --baseline /path/to/base/venv/bin/python \\
-        [--folder FOLDER] [--device ORT] [--new-tokens 384] [--requests 5] [--rounds 10]
+        [--folder FOLDER] [--device ORT] [--new-tokens 384] [--requests 5] [--rounds 10] \\
+        [--config KEY=VALUE,...] [--baseline-config KEY=VALUE,...]
+
+    python tests/benchmarks/bench_engine_step.py --device TORCH --baseline-config \\
+        ASYNC_SCHEDULING=NO   # pipelined decode steps against synchronous ones
 
 Each round runs one process of each (who goes first alternating), each loading the folder
 (default: tests/support/llm.py's tiny-llama exported by onnxruntime-genai's builder, ~0.4 M
@@ -31,12 +35,16 @@ import time
 import harness  # sets sys.path for the imports below
 
 
-def measure(folder: str, device: str, new: int, requests: int) -> dict[str, float]:
-    """One process's medians, microseconds per token (run as ``--child``)."""
+def measure(folder: str, device: str, new: int, requests: int, extra: str = "") -> dict[str, float]:
+    """One process's medians, microseconds per token (run as ``--child``; ``extra``: more
+    config keys, ``KEY=VALUE,...``)."""
     from plugserve.server import Core
     from plugserve.server.apps.generate.types import GenerationRequest, SamplingParams
 
     config = {"MAX_NUM_SEQS": "9", "MAX_MODEL_LEN": str(new + 64)}
+    if device == "TORCH":
+        config["INFERENCE_NUM_THREADS"] = "1"  # decoder_torch's docstring: tiny models
+    config.update(dict(item.split("=", 1) for item in extra.split(",") if item))
     net = Core().load_network(folder, device, config)
     params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
 
@@ -80,30 +88,50 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=384)
     parser.add_argument("--requests", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--config", default="", help="KEY=VALUE,... more config keys")
+    parser.add_argument(
+        "--baseline-config", default=None, metavar="KEY=VALUE,...",
+        help="the baseline's config keys instead (without --baseline: this Python), e.g. "
+        "ASYNC_SCHEDULING=NO against the default",
+    )  # fmt: skip
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps(measure(args.folder, args.device, args.new_tokens, args.requests)))
+        print(
+            json.dumps(
+                measure(args.folder, args.device, args.new_tokens, args.requests, args.config)
+            )
+        )
         return 0
-    if not args.baseline:
+    if not args.baseline and args.baseline_config is None:
         parser.error("--baseline PYTHON: a base commit's Python (see the module's docstring)")
     if not args.folder:
         import llm
 
-        args.folder = str(llm.export("tiny-llama", "genai-fp32"))
+        args.folder = str(
+            llm.hf_folder("tiny-llama")
+            if args.device == "TORCH"
+            else llm.export("tiny-llama", "genai-fp32")
+        )
     child = [__file__, "--child", "--folder", args.folder]
     child += ["--device", args.device, "--new-tokens", str(args.new_tokens)]
     child += ["--requests", str(args.requests)]
-    pythons = {"after": sys.executable, "before": args.baseline}
+    pythons = {"after": sys.executable, "before": args.baseline or sys.executable}
+    configs = {"after": args.config, "before": args.config}
+    if args.baseline_config is not None:
+        configs["before"] = args.baseline_config
     blocks: dict[str, list[dict[str, float]]] = {"after": [], "before": []}
     for r in range(args.rounds):
         for label in ("after", "before") if r % 2 == 0 else ("before", "after"):
             out = subprocess.run(
-                [pythons[label], *child], capture_output=True, text=True, check=True
-            ).stdout
+                [pythons[label], *child, "--config", configs[label]],
+                capture_output=True, text=True, check=True,
+            ).stdout  # fmt: skip
             blocks[label].append(json.loads(out.strip().splitlines()[-1]))
         print(f"    round {r + 1}/{args.rounds} done", file=sys.stderr)
-    summary: dict[str, object] = {"machine": harness.machine(), "folder": args.folder}
+    summary: dict[str, object] = {
+        "machine": harness.machine(), "folder": args.folder, "config": configs,
+    }  # fmt: skip
     for key in blocks["after"][0]:
         after = [b[key] for b in blocks["after"]]
         before = [b[key] for b in blocks["before"]]

@@ -3,6 +3,7 @@ OpenAI streaming clients receive, at 1, 8 and 32 streams, this checkout beside a
 
     python tests/benchmarks/bench_stream_cost.py [--baseline /path/to/base/venv/bin/python] \\
         [--folder HF_FOLDER] [--device TORCH] [--streams 1,8,32] [--new-tokens 128] [--rounds 3]
+        [--config KEY=VALUE,...] [--baseline-config ASYNC_SCHEDULING=NO]
 
 Why: issue 51's GPU targets (8 streams at >= 2x transformers' compiled ``generate``, about
 8,700 tok/s on an H200; 32 streams at >= 1.5x, about 26,500 tok/s; 1 stream at <= 1.0 ms a
@@ -60,13 +61,19 @@ def _threads(pid: int) -> dict[str, float]:
     return out
 
 
-def _repository(folder: Path, device: str) -> Path:
+def _keys(text: str) -> dict[str, str]:
+    """``KEY=VALUE,KEY=VALUE`` as config keys."""
+    return dict(item.split("=", 1) for item in text.split(",") if item)
+
+
+def _repository(folder: Path, device: str, extra: dict[str, str] | None = None) -> Path:
     root = Path(tempfile.mkdtemp(prefix="bench-stream-"))
     (root / "decoder").mkdir()
     (root / "decoder" / "1").symlink_to(folder.resolve(), target_is_directory=True)
     config = {"MAX_NUM_SEQS": "64", "MAX_MODEL_LEN": "1024", "MAX_NUM_BATCHED_TOKENS": "4096"}
     if device == "TORCH":
         config["INFERENCE_NUM_THREADS"] = "1"  # decoder_torch's docstring: tiny models
+    config.update(extra or {})
     spec = {"device": device, "config": config}
     (root / "decoder" / "config.json").write_text(json.dumps(spec))
     return root
@@ -107,12 +114,19 @@ def stream(url: str, n: int, new: int, seed: int) -> tuple[int, float]:
     return sum(got), time.perf_counter() - t0
 
 
-def measure_server(python: str, folder: Path, device: str, counts: list[int], new: int) -> dict:
-    """One server process of ``python``: per stream count, CPU per token (process, busiest
-    thread, the rest) and tokens per second."""
+def measure_server(
+    python: str,
+    folder: Path,
+    device: str,
+    counts: list[int],
+    new: int,
+    extra: dict[str, str] | None = None,
+) -> dict:
+    """One server process of ``python`` (``extra``: more config keys for the model): per
+    stream count, CPU per token (process, busiest thread, the rest) and tokens per second."""
     from serving import RunningServer
 
-    root = _repository(folder, device)
+    root = _repository(folder, device, extra)
     server = RunningServer("--model-repository", str(root), python=python)
     try:
         server.start(timeout=240)
@@ -195,6 +209,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--streams", default="1,8,32")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--config", default="", help="KEY=VALUE,... more config keys")
+    parser.add_argument(
+        "--baseline-config", default=None, metavar="KEY=VALUE,...",
+        help="the baseline's config keys instead (without --baseline: this Python), e.g. "
+        "ASYNC_SCHEDULING=NO against the default",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     counts = [int(s) for s in args.streams.split(",")]
     if not args.folder:
@@ -203,14 +223,19 @@ def main(argv: list[str] | None = None) -> int:
         args.folder = str(llm.hf_folder("tiny-llama"))
     folder = Path(args.folder)
     pythons = {"after": sys.executable}
-    if args.baseline:
-        pythons["before"] = args.baseline
+    keys = {"after": _keys(args.config), "before": _keys(args.config)}
+    if args.baseline or args.baseline_config is not None:
+        pythons["before"] = args.baseline or sys.executable
+        if args.baseline_config is not None:
+            keys["before"] = _keys(args.baseline_config)
     blocks: dict[str, list[dict]] = {label: [] for label in pythons}
     for r in range(args.rounds):
         order = list(pythons) if r % 2 == 0 else list(reversed(pythons))
         for label in order:
             blocks[label].append(
-                measure_server(pythons[label], folder, args.device, counts, args.new_tokens)
+                measure_server(
+                    pythons[label], folder, args.device, counts, args.new_tokens, keys[label]
+                )
             )
         print(f"    round {r + 1}/{args.rounds} done", file=sys.stderr)
     forward = measure_forward(folder, args.device, counts, args.new_tokens)
@@ -220,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": args.device,
         "new_tokens": args.new_tokens,
         "forward_us_per_token": {k: round(v, 1) for k, v in forward.items()},
+        "config": {label: keys[label] for label in pythons},
     }
     for label, rounds in blocks.items():
         summary[label] = {

@@ -20,7 +20,9 @@ Checks (each one recorded as pass, fail or skip with its reason, the file saved 
   ``gen.f32`` greedy ids of the engine on the device in f32 (TF32 off) equal transformers'
   greedy ``generate`` for 12 prompts; ``gen.bf16`` agree on the first 16 tokens; ``gen.serve``
   ``plugserve serve`` on the folder, streaming OpenAI clients at 1, 8 and 32 streams (128-token
-  prompts, 64 new tokens, ignore_eos): tok/s, ms/token, TTFT; ``gen.anchors`` the anchor;
+  prompts, 64 new tokens, ignore_eos): tok/s, ms/token, TTFT, and the decode steps pipelined
+  (/metrics' ``plugserve_generate_pipelined_steps_total``: > 0, or the part fails; ``gen.f32``
+  runs the engine's default, pipelined steps too); ``gen.anchors`` the anchor;
   ``gen.targets`` the issue's thresholds against it.
 - vision (issue 49; skipped with the reason when the device is not among Core's devices):
   ``vision.export`` torchvision's ResNet-50 to ONNX (opset 17, dynamo=False); ``vision.f32``
@@ -736,11 +738,29 @@ def check_serve_generation(folder: Path, device: str, plan: GenPlan, out: Path) 
                 best = sorted(runs, key=lambda r: r["tok_per_s"])[len(runs) // 2]  # the median run
                 figures[f"b{n}"] = best
                 print(f"   {n} streams: {best}", flush=True)
+        # pipelined decode steps (server/apps/generate/overlap.py): steady decoding must
+        # launch each step behind the one in flight on the card
+        figures["pipelined_steps"] = _pipelined_steps(server.metrics_url)
+        if not figures["pipelined_steps"]:
+            raise AssertionError("no decode step was pipelined (async scheduling)")
     finally:
         if server is not None:
             stop_server(server, log)
         shutil.rmtree(root, ignore_errors=True)
     return figures
+
+
+def _pipelined_steps(url: str) -> float:
+    """plugserve_generate_pipelined_steps_total summed over the models on the metrics port."""
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=20) as response:
+        text = response.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("plugserve_generate_pipelined_steps_total")
+    )
 
 
 def gen_targets(serve: dict | None, anchor: dict | None) -> dict:

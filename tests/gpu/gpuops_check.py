@@ -74,6 +74,24 @@ def add_model(shape: list) -> Any:
     return helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
 
 
+def det_model() -> Any:
+    """y = det(relu(x)) of a 2 x 2: the converter has no Det, so KIND_GPU places it as
+    HETERO:GPU.0,<its CPU device> (placement.py's fallback)."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [
+            helper.make_node("Relu", ["x"], ["r"], "relu"),
+            helper.make_node("Det", ["r"], ["y"], "det"),
+        ],
+        "det",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [])],
+    )
+    return helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+
+
 def weights_model(floats: int) -> Any:
     """y = x + w[0:1], w: ``floats`` float32 weights (their bytes are what the load charges)."""
     import onnx
@@ -191,6 +209,12 @@ def check_instance_group(server: Any, gpu: bool) -> dict:
                 raise Failed(f"the refusal does not name GPU.0 and why: {message}")
             if not client.is_server_live():
                 raise Failed("the server is not live after the refusal")
+            try:
+                client.load_model("on_gpu_det")
+            except InferenceServerException:
+                pass
+            else:
+                raise Failed("the KIND_GPU Det model loaded on a machine without a GPU")
             return {**figures, "on_gpu_refused": message[:300]}
         got = client.infer("on_gpu", [request]).as_numpy("y")
         if not np.allclose(got, x + 1, atol=1e-2):
@@ -203,6 +227,18 @@ def check_instance_group(server: Any, gpu: bool) -> dict:
             raise Failed(f"the KIND_GPU model runs on {device!r}, not GPU.0", figures)
         if not any('device="GPU.0"' in line for line in labelled):
             raise Failed("no metrics series of the model labelled device=GPU.0", figures)
+        # an ONNX graph with a node the GPU cannot run: the GPU takes the rest, its CPU device
+        # the Det (HETERO:GPU.0,<cpu>), as Triton's onnxruntime backend falls back
+        square = np.array([[2.0, 1.0], [-1.0, 3.0]], dtype=np.float32)
+        det_in = grpcclient.InferInput("x", [2, 2], "FP32")
+        det_in.set_data_from_numpy(square)
+        det = client.infer("on_gpu_det", [det_in]).as_numpy("y")
+        figures["on_gpu_det_device"] = _device_of(client, "on_gpu_det")
+        want = float(np.linalg.det(np.maximum(square, 0)))
+        if not figures["on_gpu_det_device"].startswith("HETERO:GPU.0,"):
+            raise Failed("the KIND_GPU Det model is not HETERO:GPU.0,<cpu>", figures)
+        if abs(float(det) - want) > 1e-3:
+            raise Failed(f"the KIND_GPU Det model answered {det!r}, not {want}", figures)
         return figures
     finally:
         client.close()
@@ -538,6 +574,9 @@ def run(results: Any, gpu: bool, work: Path, check: Any) -> None:
         """)  # fmt: skip
     write_model(root, "on_gpu", add_model([2, 4]), """
         instance_group [ { kind: KIND_GPU, count: 2, gpus: [ 0 ] } ]
+        """)  # fmt: skip
+    write_model(root, "on_gpu_det", det_model(), """
+        instance_group [ { kind: KIND_GPU, gpus: [ 0 ] } ]
         """)  # fmt: skip
     budget = {"DEVICE_MEMORY_BUDGET": str(BUDGET)}
     mem = work / "gpuops_memory"

@@ -56,6 +56,7 @@ def _values(field: dataclasses.Field) -> tuple[str, str]:
         "reuse_grpc_port",
         "allow_remote_control",
         "enable_prefix_caching",
+        "async_scheduling",
     ):  # 0 or 1
         return str(1 - field.default), str(field.default)
     if isinstance(field.default, float):

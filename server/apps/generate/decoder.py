@@ -94,6 +94,12 @@ class Decoder(abc.ABC):
     #: a step instead of decode, first and extend
     mixed = False
 
+    #: whether a decode step can be launched with the previous step's sampled ids still on
+    #: the device and its outcome fetched later (``decode_ids`` and a sampler with ``draw``
+    #: and ``fetched``: the torch decoder), so the engine pipelines steady decode steps
+    #: (:mod:`.overlap`)
+    pipelined = False
+
     def _arrays(self, values: dict[str, Any]) -> list[Any]:
         return [values.get(name, _CONSTANT_INPUTS.get(name)) for name in self.order]
 

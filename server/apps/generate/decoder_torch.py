@@ -192,7 +192,10 @@ class TorchKVCache(KVCache):
 
 
 class TorchDecoder(MixedDecoder):
-    """The torch forward as the engine's decoder: one forward a step (:attr:`mixed`)."""
+    """The torch forward as the engine's decoder: one forward a step (:attr:`mixed`);
+    decode steps can be pipelined (:attr:`pipelined`, :meth:`decode_ids`)."""
+
+    pipelined = True
 
     def __init__(
         self, model: DecoderModel, layout: CacheLayout, graphs: bool = True, threads: int = 0
@@ -261,10 +264,24 @@ class TorchDecoder(MixedDecoder):
         logits = self._run(cache, ids, positions, slots, starts, counts, seq_rows, bool(chunks))
         return logits[:decoding], logits[decoding:]
 
+    def decode_ids(self, cache: KVCache, rows: Sequence[int], ids: Any, lens: Sequence[int]) -> Any:
+        """A decode step whose token ids are a tensor on the device already (the previous
+        step's sampled ids: a pipelined step, :mod:`.overlap`): ``rows[i]`` decodes ``ids[i]``
+        at position ``lens[i]``; its logits, as :meth:`step`'s decoding ones."""
+        assert isinstance(cache, TorchKVCache), "the torch backend runs on its own cache"
+        rows = [int(r) for r in rows]
+        starts = [int(n) for n in lens]
+        positions = np.asarray(starts, np.int64)
+        self.forwards += 1
+        return self._run(
+            cache, ids, positions, np.asarray(rows, np.int64), starts, [1] * len(rows), rows,
+            False,
+        )  # fmt: skip
+
     def _run(
         self,
         cache: TorchKVCache,
-        ids: np.ndarray,
+        ids: Any,
         positions: np.ndarray,
         slots: np.ndarray,
         starts: list[int],
@@ -285,9 +302,11 @@ class TorchDecoder(MixedDecoder):
                 device = self.device
                 at = torch.from_numpy(positions).to(device)
                 plan = self.model.plan(starts, counts, rows, at)
+                if isinstance(ids, np.ndarray):
+                    ids = torch.from_numpy(ids).to(device)
                 return self.model.forward(
                     cache.tensors,
-                    torch.from_numpy(ids).to(device),
+                    ids,
                     at,
                     torch.from_numpy(slots).to(device),
                     plan,
@@ -346,6 +365,8 @@ class DecodeGraphs:
         #: steps run through the static buffers, and of them CUDA graph replays
         self.runs = 0
         self.replays = 0
+        self._staging: list[Any] = [None, None]
+        self._turn = 0
 
     def shape_of(self, rows: int, furthest: int) -> tuple[int, int] | None:
         """``(size, width)`` a step of ``rows`` rows reaching position ``furthest`` runs in."""
@@ -371,8 +392,6 @@ class DecodeGraphs:
     def run(self, ids: np.ndarray, positions: np.ndarray, rows: list[int]) -> Any:
         """The logits of a decode step (float32 ``[len(rows), vocab]`` on the device), or
         None: no shape fits, run it eagerly."""
-        import torch
-
         key = self.shape_of(len(rows), int(positions.max()))
         if key is None:
             return None
@@ -381,14 +400,19 @@ class DecodeGraphs:
             return None
         real = len(rows)
         padded = key[0] - real
+        on_device = not isinstance(ids, np.ndarray)  # a pipelined step's: the last one's ids
         inputs = np.concatenate(
             [
-                np.concatenate([ids, np.zeros(padded, np.int64)]),
+                np.zeros(key[0], np.int64) if on_device else np.concatenate(
+                    [ids, np.zeros(padded, np.int64)]
+                ),
                 np.concatenate([positions, np.zeros(padded, np.int64)]),
                 np.concatenate([np.asarray(rows, np.int64), np.full(padded, self.scratch)]),
             ]
-        )
-        shape.inputs.copy_(torch.from_numpy(inputs), non_blocking=False)  # one copy in
+        )  # fmt: skip
+        self._fill(shape.inputs, inputs)  # one copy in
+        if on_device:
+            shape.ids[:real].copy_(ids)  # device to device: no host round trip
         self.runs += 1
         if shape.graph is not None:
             shape.graph.replay()
@@ -397,6 +421,25 @@ class DecodeGraphs:
         else:
             out = shape.step()
         return out[:real].clone()
+
+    def _fill(self, target: Any, inputs: np.ndarray) -> None:
+        """``inputs`` into a shape's static tensor. On a card, through pinned host memory
+        with ``non_blocking`` (a pageable copy would wait for every kernel queued before it:
+        the previous step's, which a pipelined step runs behind); two pinned buffers in
+        turn, so the one written was read by a step whose ids the host has waited for (its
+        copy is done)."""
+        import torch
+
+        if target.device.type != "cuda":
+            target.copy_(torch.from_numpy(inputs))
+            return
+        self._turn ^= 1
+        staged = self._staging[self._turn]
+        if staged is None or staged.numel() < inputs.size:
+            staged = torch.empty(max(inputs.size, 3 * GRAPH_SIZES[-1]), dtype=torch.int64)
+            self._staging[self._turn] = staged = staged.pin_memory()
+        staged[: inputs.size].numpy()[:] = inputs
+        target.copy_(staged[: inputs.size], non_blocking=True)
 
     def _make(self, size: int, width: int) -> _Shape | None:
         import torch
@@ -417,6 +460,8 @@ class DecodeGraphs:
                 with torch.cuda.stream(stream):
                     for _ in range(2):  # warm-up outside the graph (allocations, kernels)
                         shape.step()
+                # thread_local (capture.capture's mode): the engine's loop thread may wait on
+                # an earlier step's event while the device stream's thread captures (.overlap)
                 captured = graph_capture.capture(torch, stream, shape.step, pool=self.pool)
                 current.wait_stream(stream)
         except Exception as exc:  # the shape runs eagerly; the step goes on

@@ -35,6 +35,13 @@ A step, on the loop thread:
    chunks run (a chunk does not delay tokens already made), and a prompt's last chunk gives
    its first token.
 
+Pipelined decode steps (:mod:`.overlap`): on a decoder that can (the torch one) and with
+``async_scheduling`` on, a decode-only step whose rows may be is launched on the device
+stream instead (2. and 3. above become: launch the step behind the one in flight, its ids
+taken on the device, then process the one in flight while it runs); a request that could be
+admitted, a prompt chunk, or a row whose sampling needs host state (a grammar, penalties)
+drains the pipeline back to the synchronous step.
+
 A failure belongs to the requests it comes from (:mod:`.output` says how): a device failure
 fails the requests of that forward, a sequence's own failure its request only, and a bug of
 ours in a step fails the requests of that step's plan, logged, while the loop goes on. A
@@ -61,15 +68,17 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
+from concurrent import futures
 from typing import Any
 
-from plugserve.plugins.api import Cancelled, InvalidArgument, ResourceExhausted
+from plugserve.plugins.api import Cancelled, InvalidArgument, PlugserveError, ResourceExhausted
 from plugserve.plugins.threads import start_daemon
 from plugserve.server.apps.generate.decoder import Decoder
 from plugserve.server.apps.generate.kvcache import SlotTable
 from plugserve.server.apps.generate.output import OutputProcessor, cancelled
-from plugserve.server.apps.generate.runner import ModelRunner
-from plugserve.server.apps.generate.scheduler import Plan, RequestState, Scheduler
+from plugserve.server.apps.generate.overlap import DeviceStream, Launched, continues, pipelinable
+from plugserve.server.apps.generate.runner import Forward, ModelRunner
+from plugserve.server.apps.generate.scheduler import FINISHED, Plan, RequestState, Scheduler
 from plugserve.server.apps.generate.scheduler import Sequence as Seq
 from plugserve.server.apps.generate.spans import RequestSpans
 from plugserve.server.apps.generate.stats import GenerationStats
@@ -98,6 +107,10 @@ class EngineSettings:
     enable_prefix_caching: bool = True
     #: requests waiting for a slot, at most (then ResourceExhausted)
     max_waiting: int = 1024
+    #: steady decode steps pipelined on a decoder that can (the torch one): the next step
+    #: launched with this one's ids on the device before this one's tokens are sent
+    #: (:mod:`.overlap`); False: every step synchronous
+    async_scheduling: bool = True
 
 
 class Engine:
@@ -142,6 +155,12 @@ class Engine:
         self._woken = False
         self._closing = False
         self._requests: dict[str, RequestState] = {}
+        #: the device stream pipelined steps run on (None: every step synchronous)
+        self.stream = (
+            DeviceStream(name, getattr(decoder, "device", None))
+            if settings.async_scheduling and decoder.pipelined
+            else None
+        )
         self._thread = start_daemon(f"generate/{name}", self._loop)
 
     @property
@@ -241,9 +260,10 @@ class Engine:
     # --- the loop
 
     def _loop(self) -> None:
+        flight: Launched | None = None  # the pipelined step launched, not yet processed
         while True:
             with self._lock:
-                while not self._woken and not self._closing and not self._busy():
+                while flight is None and not self._woken and not self._closing and not self._busy():
                     self._lock.wait()
                 self._woken = False
                 closing = self._closing
@@ -251,20 +271,29 @@ class Engine:
                 aborts, self._aborts = self._aborts, set()
             self.scheduler.waiting.extend(new)
             if closing:
+                _drain(flight)
                 for state in list(self._requests.values()):
                     self.output.end(state, "abort")
+                if self.stream is not None:
+                    self.stream.close()
                 return
             self._reap(aborts)
+            if flight is not None:
+                flight = self._pipelined(flight)
+                self._gauges()
+                continue
             plan = self.scheduler.schedule()
             self._gauges()
             if plan.empty:
                 continue
             try:
-                self._step(plan)
+                if self._launchable(plan):
+                    flight = self.runner.launch(plan.decode, self.sampler, self.stream)
+                else:
+                    self._step(plan)
             except Exception:  # a bug of ours must not kill the loop: log, fail, go on
                 log.exception("model %s: generation step failed", self.name)
-                for seq in _plan_sequences(plan):
-                    self.output.fail(seq.request, RuntimeError("the generation step failed"))
+                self._failed(_plan_sequences(plan))
             self._gauges()  # what the step ended (an idle engine's gauges read zero)
 
     def _step(self, plan: Plan) -> None:
@@ -272,6 +301,74 @@ class Engine:
         process = self.output.process
         for forward in self.runner.execute(plan):
             process(forward)
+
+    # --- pipelined decode steps (:mod:`.overlap`)
+
+    def _launchable(self, plan: Plan) -> bool:
+        """Whether ``plan`` runs as a launched step: decode-only, every running sequence in
+        it and pipelinable, no request waiting that could be admitted now."""
+        return (
+            self.stream is not None
+            and not plan.first
+            and not plan.extend
+            and len(plan.decode) == len(self.scheduler.running)
+            and all(pipelinable(s) for s in plan.decode)
+            and not self._admissible()
+        )
+
+    def _pipelined(self, flight: Launched) -> Launched | None:
+        """The step behind ``flight`` launched when nothing asks for the synchronous step,
+        then ``flight``'s tokens processed (while the one behind runs); the one behind."""
+        behind = None
+        try:
+            if not self._admissible() and all(pipelinable(s) for s in self.scheduler.running):
+                group = [s for s in flight.group if continues(s, self.capacity)]
+                if group:
+                    behind = self.runner.launch(group, self.sampler, self.stream, flight)
+                    with self.stats_.lock:
+                        self.stats_.pipelined_steps += 1
+            self._settle(flight, behind)
+        except Exception:  # a bug of ours: as the synchronous step's
+            log.exception("model %s: generation step failed", self.name)
+            self._failed([*flight.group, *(behind.group if behind is not None else ())])
+            _drain(behind)  # its rows' slots are free only once it is done
+            return None
+        return behind
+
+    def _settle(self, flight: Launched, behind: Launched | None) -> None:
+        """``flight``'s tokens on the host: written to the slots' records of the sequences
+        the step ``behind`` computes them for, then sent (a row whose sequence finished
+        meanwhile is dropped)."""
+        group = flight.group
+        try:
+            drawn = flight.future.result()
+        except PlugserveError as exc:  # the device's failure: its requests fail
+            self.output.process(Forward.failure(group, exc))
+            return
+        failures: dict[int, Exception] = {}
+        tokens, logprobs = self.sampler.fetched(drawn, failures)  # type: ignore[attr-defined]
+        if behind is not None:
+            written = self.table.written
+            going = {id(s) for s in behind.group}
+            for seq, token in zip(group, tokens):
+                if id(seq) in going and token >= 0 and seq.slot is not None:
+                    written(seq.slot, [token])
+        if failures:  # a finished sequence's wasted row fails nothing
+            failures = {i: e for i, e in failures.items() if group[i].status != FINISHED}
+        self.output.emit(group, tokens, logprobs, failures)
+
+    def _admissible(self) -> bool:
+        """Whether the first waiting request could be admitted now (the scheduler's test)."""
+        waiting = self.scheduler.waiting
+        if not waiting:
+            return False
+        need = len(waiting[0].sequences)
+        scheduler = self.scheduler
+        return scheduler.held + need <= scheduler.max_num_seqs and self.table.free_count >= need
+
+    def _failed(self, sequences: list[Seq]) -> None:
+        for seq in sequences:
+            self.output.fail(seq.request, RuntimeError("the generation step failed"))
 
     def _busy(self) -> bool:
         return bool(self.scheduler.running or self.scheduler.waiting)
@@ -294,6 +391,12 @@ class Engine:
         with self._lock:
             if self._requests.get(state.request_id) is state:
                 del self._requests[state.request_id]
+
+
+def _drain(flight: Launched | None) -> None:
+    """Wait until ``flight`` is done on the device stream (its outcome dropped)."""
+    if flight is not None:
+        futures.wait([flight.future])
 
 
 def _plan_sequences(plan: Plan) -> list[Seq]:

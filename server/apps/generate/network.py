@@ -73,6 +73,7 @@ ENGINE_KEYS = {
     "BLOCK_SIZE": "block_size",
     "ENABLE_PREFIX_CACHING": "enable_prefix_caching",
     "MAX_WAITING": "max_waiting",
+    "ASYNC_SCHEDULING": "async_scheduling",
 }
 #: config keys the OpenAI face reads (each model's tool-call and reasoning parser, over the
 #: server's --tool-call-parser and --reasoning-parser), and the attribute of ``parsers``
@@ -137,7 +138,7 @@ def engine_settings(
         if field is None:
             rest[key] = value
             continue
-        if field == "enable_prefix_caching":
+        if field in ("enable_prefix_caching", "async_scheduling"):
             text = str(value).strip().upper()
             if text not in ("YES", "NO", "TRUE", "FALSE", "1", "0"):
                 raise InvalidArgument(f"config key {key!r}: expected YES or NO, got {value!r}")

@@ -139,6 +139,18 @@ class OutputProcessor:
         tokens, logprobs = self.sampler(
             logits, [s.sampling for s in group], [s.generated for s in group], failures
         )
+        self.emit(group, tokens, logprobs, failures)
+
+    def emit(
+        self,
+        group: list[Seq],
+        tokens: np.ndarray,
+        logprobs: list[Any],
+        failures: dict[int, Exception],
+    ) -> None:
+        """The chosen ``tokens`` of ``group`` (row ``i`` failed when in ``failures``): each
+        sequence's stop checks, text and event. A sequence already finished (its request
+        ended meanwhile: a pipelined step's wasted row, :mod:`.overlap`) is skipped."""
         for row, exc in failures.items():
             self._failed(group[row], "sampling", exc)
         now = time.monotonic()

@@ -22,6 +22,10 @@ sequences' status when it starts. A prompt's last chunk gives its first token: t
 other sequences (``n`` > 1) copy the leader's cache into their own slots then (the prompt is
 computed once) and all choose from the prompt's last logits.
 
+A pipelined decode step (:mod:`.overlap`) is launched instead (:meth:`ModelRunner.launch`):
+its forward and the sampler's choice run on the device stream, and the engine fetches the
+ids later; launched behind the step in flight, its input ids are that step's, on the device.
+
 A forward that raises a typed error fails the requests whose sequences it ran
 (:attr:`Forward.error`); nothing is kept between steps here (the plan, the sequences and the
 cache are the engine's), and nothing is allocated per step but the forward's own inputs.
@@ -33,12 +37,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
 from plugserve.plugins.api import InferenceError, PlugserveError
 from plugserve.server.apps.generate.decoder import Decoder
 from plugserve.server.apps.generate.kvcache import KVCache, Slot, SlotTable
+from plugserve.server.apps.generate.overlap import DeviceStream, Launched
 from plugserve.server.apps.generate.sampler import log_softmax, logprob_entry
 from plugserve.server.apps.generate.scheduler import (
     DECODE,
@@ -96,6 +102,57 @@ class ModelRunner:
             if seq.status != PREFILL:
                 continue  # ended by the decode group's events (an abort)
             yield from self._extend(seq, count)
+
+    def launch(
+        self, group: list[Seq], sampler: Any, stream: DeviceStream, prev: Launched | None = None
+    ) -> Launched:
+        """A decode step of ``group`` launched on the device stream and its tokens drawn
+        there, not waited for (:mod:`.overlap`; a :attr:`.decoder.Decoder.pipelined`
+        decoder and its sampler). Its input ids are the sequences' last tokens, or, with
+        ``prev`` (the step in flight, whose rows ``group`` is a subset of), ``prev``'s
+        sampled ids on the device: each such sequence's new position is counted now, its
+        token written to the slot's record when the host has it (the engine's settling of
+        ``prev``)."""
+        decoder = self.decoder
+        cache = self.cache
+        rows = [s.slot.index for s in group]
+        lens = [s.computed for s in group]
+        states = [s.sampling for s in group]
+        ids: Any = None
+        if prev is None:
+            generated = [s.generated for s in group]
+            ids = np.fromiter((s.tokens[s.computed] for s in group), np.int64, len(group))
+            for seq, token in zip(group, ids):
+                self._computed(seq, [int(token)])
+            picks = None
+        else:  # the token in flight is each row's, so one more generated when this one's chosen
+            generated = [s.generated + 1 for s in group]
+            for seq in group:
+                seq.computed += 1
+            where = {id(s): i for i, s in enumerate(prev.group)}
+            picks = [where[id(s)] for s in group]
+            if picks == list(range(len(prev.group))):
+                picks = None
+
+        def step() -> Any:
+            import torch
+
+            with torch.inference_mode():
+                inputs = ids
+                if prev is not None:  # done: the stream runs in order; raises its failure
+                    chosen = prev.future.result().chosen
+                    if picks is not None:  # rows left: the ones going on, gathered there
+                        index = torch.tensor(picks)
+                        if chosen.device.type == "cuda":  # not a copy that waits for the card
+                            index = index.pin_memory().to(chosen.device, non_blocking=True)
+                        chosen = chosen[index]
+                    inputs = chosen.clamp(min=0)  # a failed row's -1: a wasted row
+                logits = decoder.decode_ids(cache, rows, inputs, lens)  # type: ignore[attr-defined]
+                drawn = sampler.draw(logits, states, generated)
+                drawn.copy_out()
+                return drawn
+
+        return Launched(group, stream.submit(step), chained=prev is not None)
 
     def copy_prefix(self, source: Slot, target: Slot, length: int) -> None:
         """A cached prompt prefix from ``source`` into ``target`` (the scheduler's admission)."""

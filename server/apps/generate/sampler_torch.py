@@ -38,7 +38,7 @@ from plugserve.plugins.api import InferenceError
 from plugserve.server.apps.generate.sampler import Sampler, SamplingState, together_else_alone
 from plugserve.server.apps.generate.types import TokenLogprob
 
-__all__ = ["TorchSampler"]
+__all__ = ["Drawn", "TorchSampler"]
 
 
 class TorchSampler(Sampler):
@@ -71,29 +71,52 @@ class TorchSampler(Sampler):
         generated: Sequence[int],
         failures: dict[int, Exception] | None,
     ) -> tuple[np.ndarray, list[TokenLogprob | None]]:
+        return self.fetched(self.draw(logits, rows, generated), failures)
+
+    def draw(self, logits: Any, rows: Sequence[SamplingState], generated: Sequence[int]) -> Drawn:
+        """The choice made on the device, nothing brought back yet: the first half of a
+        call, which a pipelined step (:mod:`.overlap`) runs at launch, before the host
+        needs the ids (:meth:`fetched`, the second half)."""
         torch = self.torch
         count = len(rows)
-        bad: dict[int, Exception] = {}
-        logprobs: list[TokenLogprob | None] = [None] * count
+        drawn = Drawn(rows)
+        bad = drawn.bad
         logits = logits.float()
-        asked = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        asked = drawn.asked = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         raw_lp = torch.log_softmax(logits[asked], dim=-1) if asked else None
         if any(r.processed for r in rows):
             logits = self.processed(logits, rows, generated, bad)
-        live = [i for i in range(count) if i not in bad]
+        live = drawn.live = [i for i in range(count) if i not in bad]
         uniforms = self._uniforms(rows, live)
-        drawn = any(rows[i].params.temperature != 0.0 for i in live)
-        u = torch.from_numpy(uniforms).to(logits.device) if drawn else None  # greedy: no copy
+        sampled = any(rows[i].params.temperature != 0.0 for i in live)
+        u = torch.from_numpy(uniforms).to(logits.device) if sampled else None  # greedy: no copy
         chosen = torch.full((count,), -1, dtype=torch.int64, device=logits.device)
         together_else_alone(
             lambda which: self._choose_on(logits, rows, which, u, chosen), live, bad
         )
+        drawn.chosen = chosen
         try:
-            tokens, entries = self._fetch(chosen, raw_lp, asked, rows, bad)
+            drawn.tensors = self._gathered(chosen, raw_lp, asked, rows)
+        except Exception as exc:  # the device failed (an asynchronous CUDA error surfaces here)
+            drawn.error = exc
+        return drawn
+
+    def fetched(
+        self, drawn: Drawn, failures: dict[int, Exception] | None
+    ) -> tuple[np.ndarray, list[TokenLogprob | None]]:
+        """The ids (and asked logprobs) of :meth:`draw` on the host (the one synchronisation),
+        each row's token recorded in its state."""
+        rows, bad, asked = drawn.rows, drawn.bad, drawn.asked
+        count = len(rows)
+        logprobs: list[TokenLogprob | None] = [None] * count
+        try:
+            if drawn.error is not None:
+                raise drawn.error
+            tokens, entries = self._entries(drawn.host(), asked, rows, bad)
         except Exception as exc:  # the device failed (an asynchronous CUDA error surfaces here)
             error = InferenceError(f"sampling on {self.device} failed: {exc}")
             tokens, entries = np.full(count, -1, dtype=np.int64), [None] * len(asked)
-            bad.update({i: error for i in live if i not in bad})
+            bad.update({i: error for i in drawn.live if i not in bad})
         for j, i in enumerate(asked):
             if i not in bad:
                 logprobs[i] = entries[j]
@@ -212,27 +235,43 @@ class TorchSampler(Sampler):
             probs[index] = part.masked_fill(part < m[:, None] * top, 0.0)
         return probs
 
-    def _fetch(
-        self,
-        chosen: Any,
-        raw_lp: Any,
-        asked: list[int],
-        rows: Sequence[SamplingState],
-        bad: dict[int, Exception],
-    ) -> tuple[np.ndarray, list[TokenLogprob | None]]:
-        """The ids to the host, and the asked rows' logprob entries (one synchronisation)."""
+    def _gathered(
+        self, chosen: Any, raw_lp: Any, asked: list[int], rows: Sequence[SamplingState]
+    ) -> list[Any]:
+        """What the host needs, on the device: the ids; when rows ask for logprobs, one
+        float64 tensor instead (one copy to the host: one synchronisation on a card; exact
+        for float32 values and for ids below 2**53): the ids, the asked rows' chosen
+        tokens' logprobs, and the ``top_logprobs`` best ones' values and ids."""
         torch = self.torch
         if not asked:
-            return chosen.cpu().numpy(), []
+            return [chosen]
         index = torch.as_tensor(asked, device=chosen.device)
         picked = raw_lp.gather(1, chosen[index].clamp(min=0)[:, None])[:, 0]
         top = max((rows[i].params.logprobs or 0) for i in asked)
         k = min(top, raw_lp.shape[1])
-        best = torch.topk(raw_lp, k, dim=-1) if k else None
-        tokens = chosen.cpu().numpy()
-        picked_h = picked.cpu().numpy()
-        values = best.values.cpu().numpy() if best is not None else None
-        ids = best.indices.cpu().numpy() if best is not None else None
+        parts = [chosen.double(), picked.double()]
+        if k:
+            best = torch.topk(raw_lp, k, dim=-1)
+            parts += [best.values.double().reshape(-1), best.indices.double().reshape(-1)]
+        return [torch.cat(parts)]
+
+    @staticmethod
+    def _entries(
+        host: list[np.ndarray],
+        asked: list[int],
+        rows: Sequence[SamplingState],
+        bad: dict[int, Exception],
+    ) -> tuple[np.ndarray, list[TokenLogprob | None]]:
+        """The ids and the asked rows' logprob entries from :meth:`_gathered`'s arrays."""
+        if not asked:
+            return host[0].copy(), []  # a copy: a pipelined step reads the CPU's ids
+        flat, count, many = host[0], len(rows), len(asked)
+        tokens = flat[:count].astype(np.int64)
+        picked_h = flat[count : count + many]
+        rest = flat[count + many :]
+        k = len(rest) // (2 * many)
+        values = rest[: many * k].reshape(many, k) if k else None
+        ids = rest[many * k :].reshape(many, k).astype(np.int64) if k else None
         entries: list[TokenLogprob | None] = []
         for j, i in enumerate(asked):
             if i in bad:
@@ -246,6 +285,52 @@ class TorchSampler(Sampler):
             )
             entries.append(TokenLogprob(int(tokens[i]), float(picked_h[j]), pairs))
         return tokens, entries
+
+
+class Drawn:
+    """One batch's choice on the device (:meth:`TorchSampler.draw`): the rows, those that
+    failed their preparation (``bad``), the ids (``chosen``: -1 where a row failed) and what
+    the host will read (``tensors``), until :meth:`host` brings it back.
+
+    :meth:`copy_out` starts the copy early: on a CUDA device into pinned host memory,
+    ``non_blocking``, with an event recorded after it, so :meth:`host` waits for this
+    step's ids only, not for what was queued on the stream after it (the next step's
+    forward); on the CPU the tensors are the host's already."""
+
+    __slots__ = ("asked", "bad", "chosen", "error", "event", "live", "out", "rows", "tensors")
+
+    def __init__(self, rows: Sequence[SamplingState]) -> None:
+        self.rows = rows
+        self.bad: dict[int, Exception] = {}
+        self.asked: list[int] = []
+        self.live: list[int] = []
+        self.chosen: Any = None
+        self.tensors: list[Any] = []
+        self.error: Exception | None = None
+        self.out: list[Any] | None = None
+        self.event: Any = None
+
+    def copy_out(self) -> None:
+        if self.error is not None or not self.tensors or self.tensors[0].device.type != "cuda":
+            return
+        import torch
+
+        try:
+            self.out = [
+                torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                for t in self.tensors
+            ]
+            self.event = torch.cuda.Event()
+            self.event.record()
+        except Exception as exc:  # surfaces when the host asks (:meth:`host`)
+            self.error = exc
+
+    def host(self) -> list[np.ndarray]:
+        """The tensors as host arrays (waiting for them: the step's one synchronisation)."""
+        if self.out is not None:
+            self.event.synchronize()
+            return [t.numpy() for t in self.out]
+        return [t.cpu().numpy() for t in self.tensors]
 
 
 class _Stages:

@@ -64,6 +64,8 @@ class Snapshot:
     #: (slots x context / block size): what vLLM's ``cache_config_info`` says
     block_size: int = 0
     kv_cache_blocks: int = 0
+    #: decode steps launched behind the one in flight (:mod:`.overlap`)
+    pipelined_steps: int = 0
 
 
 class GenerationStats:
@@ -82,6 +84,7 @@ class GenerationStats:
         self.kv_cache_bytes = 0
         self.block_size = 0  # set once by the engine, with kv_cache_bytes
         self.kv_cache_blocks = 0
+        self.pipelined_steps = 0
 
     def snapshot(self) -> Snapshot:
         with self.lock:
@@ -97,4 +100,5 @@ class GenerationStats:
                 self.kv_cache_bytes,
                 self.block_size,
                 self.kv_cache_blocks,
+                self.pipelined_steps,
             )
