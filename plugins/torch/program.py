@@ -16,8 +16,8 @@ import numpy as np
 from plugserve.plugins import cancel
 from plugserve.plugins.api import InferenceError, PlugserveError, Unsupported
 from plugserve.plugins.ir import Graph, Node, attribute_graphs
+from plugserve.plugins.torch import hostreads
 from plugserve.plugins.torch import ops as _ops  # noqa: F401  (registers the converters)
-from plugserve.plugins.torch.hostreads import host_reads
 from plugserve.plugins.torch.ops.registry import (
     VALUE_TYPES,
     NodeContext,
@@ -129,7 +129,7 @@ class Program:
         self.compute = compute
         self.name = graph.name
         #: nodes whose steps read device values on the host: no CUDA graph captures them
-        self.host_reads = host_reads(graph)
+        self.host_reads = hostreads.host_reads(graph)
         converting = Converting(graph, torch, device, compute)
         slots: dict[str, int] = {}
 
