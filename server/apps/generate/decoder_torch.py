@@ -460,10 +460,11 @@ class DecodeGraphs:
                 with torch.cuda.stream(stream):
                     for _ in range(2):  # warm-up outside the graph (allocations, kernels)
                         shape.step()
-                # thread_local (capture.capture's mode): the engine's loop thread may wait on
-                # an earlier step's event while the device stream's thread captures (.overlap)
-                captured = graph_capture.capture(torch, stream, shape.step, pool=self.pool)
-                current.wait_stream(stream)
+                try:  # thread_local (capture.capture's mode): the engine's loop thread may
+                    # wait on an earlier step's event while the device stream's thread captures
+                    captured = graph_capture.capture(torch, stream, shape.step, pool=self.pool)
+                finally:  # the warm-ups' work before the steps after, failed or not
+                    current.wait_stream(stream)
         except Exception as exc:  # the shape runs eagerly; the step goes on
             oom = graph_capture.out_of_memory(torch, exc)
             self.failures.failed((size, width), oom)
