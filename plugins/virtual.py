@@ -214,6 +214,13 @@ class OneNetwork:
     def precision(self) -> str:
         return self.network.precision
 
+    def ready(self) -> bool:
+        return self.network.ready()
+
+    def unready_reasons(self) -> list[str]:
+        """The served network's (a GPU device that failed: plugins/torch/devmem.py)."""
+        return self.network.unready_reasons()
+
     def graph_statistics(self) -> dict[str, int]:
         """The network's CUDA graph events (its requests are the ones that replay)."""
         return self.network.graph_statistics()

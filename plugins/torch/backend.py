@@ -28,6 +28,7 @@ __all__ = [
     "cards",
     "cpu_capabilities",
     "cuda_capabilities",
+    "ieee_fp32",
     "require_cuda",
     "torch_module",
 ]
@@ -152,6 +153,30 @@ def cards() -> list[CudaCard]:
             )
         )
     return found
+
+
+def ieee_fp32(torch: Any) -> None:
+    """float32 computes in IEEE float32 on CUDA (TF32 off for matmuls and for cuDNN's
+    convolutions and RNNs), process-wide: what f32 (``EXECUTION_MODE_HINT=ACCURACY``) promises.
+    TF32 would lose precision silently (7.7e-2 on a detector, issue 49); a user who wants speed
+    asks for f16 or bf16.
+
+    Matmuls: torch >= 2.9's ``fp32_precision = "ieee"`` where it exists, else the legacy
+    ``allow_tf32``; and ``set_float32_matmul_precision("highest")``, torch's default, which a
+    library that lowered it to "high" would otherwise leave turning TF32 on for our GEMMs.
+    cuDNN: the legacy ``cudnn.allow_tf32 = False``, on every version. Measured on torch 2.13:
+    the new API's ``cudnn.conv/rnn.fp32_precision = "ieee"`` leaves the legacy flag at its
+    default (True), after which torch's own legacy getter (read by ``cudnn.flags()`` and by
+    inductor's convolution lowering) raises "a mix of the legacy and new APIs"; the legacy
+    setter sets the conv and RNN precisions with it, so both APIs read IEEE and neither raises
+    (tests/plugins/torch/test_device_failure.py)."""
+    matmul = torch.backends.cuda.matmul
+    if hasattr(matmul, "fp32_precision"):  # torch >= 2.9
+        matmul.fp32_precision = "ieee"
+    else:
+        matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
 
 
 def cuda_capabilities(card: CudaCard) -> list[str]:

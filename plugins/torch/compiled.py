@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from plugserve.plugins import blob
 from plugserve.plugins.api import CompiledNetwork, Configuration, TensorSpec
+from plugserve.plugins.torch import devmem
 from plugserve.plugins.torch.devmem import Activations, DeviceMemory
 from plugserve.plugins.torch.graphs import GraphCounters, listed_inputs, parse_shapes
 from plugserve.plugins.torch.program import Program
@@ -73,6 +74,19 @@ class TorchCompiledNetwork(CompiledNetwork):
     @property
     def precision(self) -> str:
         return self._precision
+
+    def ready(self) -> bool:
+        """Not once its device has failed (a sticky CUDA error: devmem's module docstring)."""
+        return devmem.device_failure(self.torch_device) is None
+
+    def unready_reasons(self) -> list[str]:
+        reason = devmem.device_failure(self.torch_device)
+        if reason is None:
+            return []
+        return [
+            f"model {self.name!r}: {devmem.device_name(self.torch_device)} failed (a sticky "
+            f"CUDA error: {reason[:200]}); restart the server"
+        ]
 
     def graph_statistics(self) -> dict[str, int]:
         """Its requests' graph events: shapes captured, replays, evictions, failed captures

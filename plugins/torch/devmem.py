@@ -20,13 +20,25 @@ cuDNN's workspaces and the caching allocator's rounding. On the CPU the default 
   waits for them (at most :data:`WAIT_S`), then runs; the charge is released when it ends.
 * **Failure**: a ``torch.cuda.OutOfMemoryError`` in a request (the estimate was short, or
   another process took the memory) fails that request RESOURCE_EXHAUSTED (503 on REST) saying
-  so, its tensors are freed and the allocator's cache emptied; another CUDA error fails it
-  INTERNAL with CUDA's words. The device goes on serving the next request.
+  so, its tensors are freed and the allocator's cache emptied, and the device goes on serving
+  the next request. So does a CUDA error that is not sticky (an invalid argument, a capture
+  error): that request fails INTERNAL with CUDA's words.
+* **Sticky CUDA errors** (:data:`STICKY`: an illegal memory access, a device-side assert, an
+  unspecified launch failure, a misaligned address, an illegal instruction, an uncorrectable
+  ECC error) leave the process's CUDA context unusable: every later CUDA call in the process
+  returns the same error, and only a new process recovers. The request that met one fails
+  UNAVAILABLE; the device is marked failed (:func:`mark_failed`, logged CRITICAL once): its
+  later requests and loads are refused UNAVAILABLE with the first error's words at once
+  (:func:`refuse_failed`), and its networks report not ready, so the server's readiness
+  (``/v2/health/ready``, gRPC health) says why until it is restarted. The converters keep
+  client data from causing one (an index out of range is refused INVALID_ARGUMENT:
+  ``ops/registry.py``'s index checks).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import threading
 import time
@@ -36,9 +48,27 @@ from typing import Any
 
 import numpy as np
 
-from plugserve.plugins.api import DeviceOutOfMemory, InferenceError, ResourceExhausted
+from plugserve.plugins.api import (
+    BackendUnavailable,
+    DeviceOutOfMemory,
+    InferenceError,
+    ResourceExhausted,
+)
 
-__all__ = ["Activations", "DeviceMemory", "charged", "device_memory", "weights_nbytes"]
+__all__ = [
+    "STICKY",
+    "Activations",
+    "DeviceMemory",
+    "charged",
+    "device_failure",
+    "device_memory",
+    "mark_failed",
+    "refuse_failed",
+    "sticky_error",
+    "weights_nbytes",
+]
+
+log = logging.getLogger(__name__)
 
 #: the share of CUDA's free memory a GPU's default budget takes
 GPU_SHARE = 0.9
@@ -47,6 +77,63 @@ WAIT_S = 10.0
 
 _lock = threading.Lock()
 _devices: dict[str, DeviceMemory] = {}
+
+#: CUDA's sticky errors, as their messages say them (lower case): after one the CUDA context
+#: of the process is unusable (cudaErrorIllegalAddress 700, cudaErrorAssert 710,
+#: cudaErrorLaunchFailure 719, cudaErrorMisalignedAddress 716, cudaErrorIllegalInstruction
+#: 715, cudaErrorECCUncorrectable 214)
+STICKY = (
+    "illegal memory access",
+    "device-side assert",
+    "unspecified launch failure",
+    "misaligned address",
+    "illegal instruction",
+    "uncorrectable ecc",
+)
+#: the devices a sticky error has made unusable (``cuda:0``...), with the first error's words
+_failed: dict[str, str] = {}
+
+
+def sticky_error(text: str) -> bool:
+    """Whether an error's message is one of CUDA's sticky errors (:data:`STICKY`)."""
+    lower = text.lower()
+    return any(words in lower for words in STICKY)
+
+
+def device_name(device: Any) -> str:
+    """The device as users name it: ``GPU.0``, or ``TORCH (cpu)``."""
+    return "TORCH (cpu)" if device.type == "cpu" else f"GPU.{device.index or 0}"
+
+
+def mark_failed(device: Any, reason: str) -> bool:
+    """Mark ``device`` unusable (a sticky CUDA error: ``reason`` its words); logged CRITICAL the
+    first time. True when this call marked it."""
+    key = str(device)
+    with _lock:
+        if key in _failed:
+            return False
+        _failed[key] = reason
+    log.critical(
+        "%s failed: %s; the process's CUDA context is unusable: every later request and load "
+        "on it is refused UNAVAILABLE and readiness reports it: restart the server",
+        device_name(device), reason,
+    )  # fmt: skip
+    return True
+
+
+def device_failure(device: Any) -> str | None:
+    """Why ``device`` is unusable (the sticky error that made it so), None when it is not."""
+    return _failed.get(str(device))
+
+
+def refuse_failed(device: Any, what: str) -> None:
+    """Refuse ``what`` (a load, a request) UNAVAILABLE when ``device`` has failed."""
+    reason = _failed.get(str(device))
+    if reason is not None:
+        raise BackendUnavailable(
+            f"{what}: {device_name(device)} failed earlier and is unusable until the server "
+            f"restarts (a sticky CUDA error: {reason[:300]})"
+        )
 
 
 def _mib(nbytes: float) -> str:
@@ -156,7 +243,7 @@ class DeviceMemory:
 def device_memory(torch: Any, device: Any, limit: int = 0) -> DeviceMemory:
     """The device's budget, made at its first use; ``limit`` (DEVICE_MEMORY_BUDGET), when not
     0, sets it."""
-    name = "TORCH (cpu)" if device.type == "cpu" else f"GPU.{device.index or 0}"
+    name = device_name(device)
     key = str(device)
     with _lock:
         memory = _devices.get(key)
@@ -273,8 +360,10 @@ class Activations:
 @contextlib.contextmanager
 def charged(network: Any, arrays: Sequence[Any]) -> Iterator[None]:
     """Run a request of ``network`` with its activations charged to the device's budget
-    first, and its device failures made its own: out of memory is RESOURCE_EXHAUSTED, another
-    CUDA error INTERNAL naming it (the module's docstring)."""
+    first, and its device failures made its own: out of memory is RESOURCE_EXHAUSTED, a
+    sticky CUDA error UNAVAILABLE (the device marked failed), another CUDA error INTERNAL
+    naming it (the module's docstring). A failed device's requests are refused at once."""
+    refuse_failed(network.torch_device, f"a request of model {network.name!r}")
     memory, activations = network.memory, network.activations
     charge = None
     if memory is not None and activations is not None and memory.limit:
@@ -299,6 +388,14 @@ def _device_failure(exc: Exception, network: Any) -> Exception:
     cause = exc.__cause__ if isinstance(exc, InferenceError) and exc.__cause__ else exc
     oom = getattr(getattr(torch, "cuda", None), "OutOfMemoryError", ())
     text = str(cause)
+    if network.torch_device.type == "cuda" and sticky_error(text):
+        reason = text.strip().splitlines()[0][:300] if text.strip() else type(cause).__name__
+        mark_failed(network.torch_device, reason)
+        return BackendUnavailable(
+            f"model {network.name!r}: a sticky CUDA error in this request ({reason}) made "
+            f"{device_name(network.torch_device)} unusable for this process: its requests and "
+            "loads are refused until the server restarts"
+        )
     if (
         (oom and isinstance(cause, oom))
         or isinstance(cause, MemoryError)

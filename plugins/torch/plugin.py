@@ -94,6 +94,7 @@ class TorchPlugin(Plugin):
         self, graph: Graph, data: bytes, cfg: Any, name: str | None = None
     ) -> TorchCompiledNetwork:
         device = self._device(cfg)
+        devmem.refuse_failed(device, f"model {name or graph.name!r} cannot load")
         chosen, compute = self._compute(cfg)
         refused = unsupported_nodes(graph, self.torch, device, compute)
         if refused:
@@ -134,6 +135,7 @@ class TorchPlugin(Plugin):
         """A PyTorch program, whole; it computes in f32 unless the hint says otherwise (its own
         constants may be f32: the converters' f16 default is for ONNX graphs)."""
         device = self._device(cfg)
+        devmem.refuse_failed(device, f"model {name!r} cannot load")
         chosen = precision(cfg, "f32")
         table = {"f32": self.torch.float32, "f16": self.torch.float16, "bf16": self.torch.bfloat16}
         program = TorchProgram(
@@ -253,10 +255,7 @@ class GpuPlugin(TorchPlugin):
         """The CUDA cards, asked of torch at first use (torch is imported then)."""
         if self._cards is None:
             self._cards = backend.require_cuda()
-            # f32 is IEEE float32 on every card: TF32 would lose precision silently (7.7e-2 on
-            # a detector, issue 49); a user who wants speed asks for f16 or bf16
-            self.torch.backends.cuda.matmul.allow_tf32 = False
-            self.torch.backends.cudnn.allow_tf32 = False
+            backend.ieee_fp32(self.torch)  # f32 is IEEE float32 on every card (no TF32)
             major = self.version.split(".")[0]
             self.architecture = f"{self._cards[0].architecture}-torch{major}"
         return self._cards

@@ -16,8 +16,9 @@ import numpy as np
 from plugserve.plugins import cancel
 from plugserve.plugins.api import InferenceError, PlugserveError, Unsupported
 from plugserve.plugins.ir import Graph, Node, attribute_graphs
-from plugserve.plugins.torch import hostreads
+from plugserve.plugins.torch import hostreads, layout
 from plugserve.plugins.torch import ops as _ops  # noqa: F401  (registers the converters)
+from plugserve.plugins.torch.ops.bounds import CHECKED_OPS
 from plugserve.plugins.torch.ops.registry import (
     VALUE_TYPES,
     NodeContext,
@@ -162,6 +163,16 @@ class Program:
             for name, value in graph.initializers.items():
                 if name in slots:
                     self.template[slots[name]] = to_tensor(torch, value, device, compute)
+            if layout.wanted(torch, device, compute):  # f16/bf16 on CUDA: NHWC convolutions
+                layout.weights_channels_last(torch, graph, slots, self.template)
+                layout.benchmark(torch, graph)
+            if device.type == "cuda":
+                # the weights' casts (to_tensor's ``.to(held)``) are kernels on this thread's
+                # stream; requests read them on their lanes' streams, which do not wait for
+                # it: done before any request can start
+                torch.cuda.current_stream(device).synchronize()
+        #: whether a node indexes with data (ops/bounds.py): its requests read a bounds flag
+        self.checks_bounds = any(node.op_type in CHECKED_OPS for node in graph.nodes)
         self.output_slots = [slot(s.name) for s in graph.outputs]
         self.output_types = [converting.types.get(s.name) for s in graph.outputs]
         keep = set(self.output_slots) | set(self.input_slots)

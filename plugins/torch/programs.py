@@ -207,6 +207,8 @@ class TorchProgram:
         module, arguments, own = load_module(data, self.kind, torch, device, name)
         if compute != torch.float32:  # the hint asked for f16 or bf16
             module = module.to(compute)
+        if device.type == "cuda":  # the casts ran on this thread's stream; requests run on
+            torch.cuda.current_stream(device).synchronize()  # their own, which do not wait
         if self.kind == TORCHSCRIPT:
             module.eval()
         self.module = module

@@ -3,7 +3,9 @@ kept when PERF_COUNT is on. On a GPU (and on the CPU with CUDA_GRAPHS) it runs o
 :class:`~.graphs.Lane`: the stream executor's own CUDA stream, pinned buffers and graphs; the run
 waits for its own stream only. Inputs in a client's GPU memory and outputs wanted there
 (Triton's CUDA shared memory: ``plugins/cuda_array.py``) are copied device to device by the
-lane."""
+lane. Where a node indexes with client data (Gather, Scatter...), the request owns a bounds
+flag on the card (ops/bounds.py) that its index checks raise without a synchronisation; read
+after the run's own, a raised flag refuses the request INVALID_ARGUMENT naming the node."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from plugserve.plugins.api import InferRequest, PerfCount
 from plugserve.plugins.run_context import RunContext
 from plugserve.plugins.torch import devmem
 from plugserve.plugins.torch import graphs as lanes
+from plugserve.plugins.torch.ops import bounds
 
 if TYPE_CHECKING:
     from plugserve.plugins.torch.compiled import TorchCompiledNetwork
@@ -31,9 +34,17 @@ class TorchInferRequest(InferRequest):
         super().__init__(network)
         self._perf = bool(network.config.get("PERF_COUNT"))
         self._counts: list[PerfCount] = []
+        program = network.program
+        #: on CUDA, where a node indexes with data: the flag its index checks raise
+        #: (ops/bounds.py), read after the run's synchronisation; set before the lane, whose
+        #: listed shapes are captured now and must write into it
+        self._bounds: bounds.BoundsFlag | None = None
+        if network.torch_device.type == "cuda" and getattr(program, "checks_bounds", False):
+            self._bounds = bounds.BoundsFlag(program.torch, network.torch_device)
         # its stream, pinned buffers and graphs (a PyTorch program's too: run whole, as one
         # step, captured where capture works)
-        self._lane = lanes.lane_for(network)
+        with bounds.active(self._bounds):
+            self._lane = lanes.lane_for(network)
 
     def _infer(self, arrays: list[Any], run: RunContext) -> dict[str, np.ndarray]:
         return self._execute(arrays, run.warmup)
@@ -45,11 +56,17 @@ class TorchInferRequest(InferRequest):
         """The run; a warm-up's (``model_warmup``) shape is captured at once."""
         program = self.network.program
         start = time.perf_counter()
+        out_of_range = None
         with devmem.charged(self.network, arrays):  # activations charged before the run
             if self._lane is not None:
-                outputs = self._lane.run(arrays, self._sinks(), at_once=warmup)
+                with bounds.active(self._bounds):
+                    outputs = self._lane.run(arrays, self._sinks(), at_once=warmup)
+                if self._bounds is not None:  # after the lane's synchronisation: 8 bytes
+                    out_of_range = self._bounds.take(self._lane.stream)
             else:
                 outputs = program.run(arrays)
+        if out_of_range is not None:  # computed with the indices replaced: dropped
+            raise bounds.refused(out_of_range)
         if self._perf:
             self._counts = [
                 PerfCount(

@@ -138,6 +138,7 @@ def main() -> int:
         return str(placed)
 
     check("hetero_det_on_numpy", hetero)
+    check("index_out_of_range", lambda: index_bounds(core, device))
 
     def export_import() -> str:
         network = core.load_network(cnn, device, {"INFERENCE_PRECISION_HINT": "f32"})
@@ -255,6 +256,49 @@ def main() -> int:
     (out / "gpu_check.txt").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0 if all(c["pass"] for c in checks.values()) else 1
+
+
+def index_bounds(core, device: str) -> str:
+    """A Gather index out of range (a token id past the vocabulary) is refused INVALID_ARGUMENT
+    naming the node, never a device-side assert (a sticky CUDA error would leave every later
+    request failing): good, bad, good, on one request's stream, three times, so that the shape
+    is run eagerly, then captured as a CUDA graph and replayed with the bounds flag
+    (plugins/torch/ops/bounds.py); the device is not marked failed and computes after."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from plugserve.plugins.api import InvalidArgument
+    from plugserve.plugins.torch import devmem
+
+    table = np.arange(40, dtype=np.float32).reshape(10, 4)
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["table", "ids"], ["y"], name="lookup", axis=0)],
+        "bounds",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])],
+        [numpy_helper.from_array(table, "table")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    network = core.load_network(
+        model, device, {"CUDA_GRAPHS": "4", "EXECUTION_MODE_HINT": "ACCURACY"}
+    )
+    request = network.create_infer_request()
+    good, bad = np.array([1, -1], np.int64), np.array([1, 10], np.int64)
+    for _ in range(3):
+        got = request.infer({"ids": good})["y"]
+        np.testing.assert_allclose(got, table[[1, 9]])
+        try:
+            request.infer({"ids": bad})
+        except InvalidArgument as exc:
+            said = str(exc)
+        else:
+            raise AssertionError("an index out of range was answered")
+        if "node 'lookup' (Gather)" not in said or "out of range" not in said:
+            raise AssertionError(f"the refusal does not name the node: {said}")
+    np.testing.assert_allclose(request.infer({"ids": good})["y"], table[[1, 9]])
+    failed = devmem.device_failure(network.torch_device)
+    if failed is not None:
+        raise AssertionError(f"the device was marked failed: {failed}")
+    return f"{said[:160]}; graphs {network.graph_statistics()}"
 
 
 def graph_checks(core, device, cnn, image, proto, size, result, check, budget, sync) -> None:

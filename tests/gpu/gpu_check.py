@@ -4,8 +4,8 @@ that checks plugserve's GPU device and GPU generation and measures them beside t
 (``../shared/gpu/anchors_*.py``: torch's and transformers' own figures on the same card, run
 here as subprocesses so that both sides come from one run).
 
-usage: python tests/gpu/gpu_check.py OUT_DIR [--anchors DIR] [--cpu] [--budget-s 360]
-                                     [--gen-budget-s 180] [--parts gen,vision,gpuops]
+usage: python tests/gpu/gpu_check.py OUT_DIR [--anchors DIR] [--cpu] [--budget-s 420]
+                                     [--gen-anchor-s 180] [--parts device,gen,vision,gpuops]
 
 Without a CUDA GPU (or with ``--cpu``) the same checks run on the CPU device ``TORCH`` at tiny
 sizes (a 0.4 M-parameter decoder, ResNet-18 at 64x64): CI runs that path
@@ -14,7 +14,7 @@ sizes (a 0.4 M-parameter decoder, ResNet-18 at 64x64): CI runs that path
 Checks (each one recorded as pass, fail or skip with its reason, the file saved after each):
 
 - ``info``: the card, torch and CUDA versions, every device's name and precision capabilities.
-- generation (issue 51, at most ``--gen-budget-s``): ``gen.folder`` makes a Llama-style
+- generation (issue 51): ``gen.folder`` makes a Llama-style
   safetensors folder of anchors_generate.py's config (hidden 1024, 12 layers, 16 heads, vocab
   32,000; seeded random weights; the tests' trained byte-level BPE, padded to 32,000 ids);
   ``gen.f32`` greedy ids of the engine on the device in f32 (TF32 off) equal transformers'
@@ -32,6 +32,13 @@ Checks (each one recorded as pass, fail or skip with its reason, the file saved 
   the metrics port; ``vision.cuda_shm`` tritonclient's CUDA shared memory round trip (skipped
   as unsupported when the server refuses to register); ``vision.anchors`` the anchor;
   ``vision.targets`` the issue's thresholds.
+- gpuops (``gpuops_check.py``): instance_group on GPU.0, CUDA shared memory, ``nv_gpu_*``
+  metrics, the device memory budget.
+
+Order: info, device, generation and vision up to their served checks, gpuops, then the anchors
+(vision's, capped at 60 s, then generation's with the rest): the pass/fail checks first, so
+that a run the budget cuts loses figures, not checks. The run's budget is ``--budget-s`` (420)
+and a watchdog stops it ``--grace-s`` (20) later, inside the device command's ``timeout 450``.
 
 Everything it starts is bounded: servers are stopped (SIGTERM, then SIGKILL), anchors run in
 their own process group under a time cap and are killed with it; a check that raises is a
@@ -77,17 +84,22 @@ STEPS = 16
 GEN_TARGETS = {"b8_x_static": 2.0, "b32_x_static": 1.5, "b1_ms_per_token": 1.0, "b1_ttft_ms": 10.0}
 #: issue 49's: batch 32 fp16 at least 1.0x torch eager, batch 1 within 1.3x the CUDA graph
 VISION_TARGETS = {"b32_x_eager_fp16": 1.0, "b1_x_graph_fp16": 1.3}
+#: the run's budget and the watchdog's grace past it: 440 s at most, under the device command's
+#: ``timeout 450`` (README.md: the wheels' install before it, ~30-90 s, under timeout_s 540)
+BUDGET_S, GRACE_S = 420.0, 20.0
 #: relative tolerance (max |device - onnxruntime| / max |onnxruntime|) per precision
 TOLERANCE = {"f32": 1e-3, "f16": 3e-2}
 
 
 #: every check, in the order they run (one not reached when the run is stopped is recorded so)
 CHECKS = (
-    "info", "gen.folder", "gen.f32", "gen.bf16", "gen.serve", "gen.anchors", "gen.targets",
+    "info", "device.checks", "gen.folder", "gen.f32", "gen.bf16", "gen.serve",
     "vision.export", "vision.f32", "vision.f16", "vision.serve", "vision.metrics",
-    "vision.cuda_shm", "vision.anchors", "vision.targets", "device.checks",
+    "vision.cuda_shm",
     # the gpuops part (gpuops_check.py): instance_group, CUDA shared memory, nv_gpu_*, memory
     "gpuops.instance_group", "gpuops.cuda_shm", "gpuops.gpu_metrics", "gpuops.memory",
+    # the anchors (figures) and the targets read from them, last
+    "vision.anchors", "vision.targets", "gen.anchors", "gen.targets",
 )  # fmt: skip
 
 
@@ -449,11 +461,14 @@ def prompt_ids(folder: Path) -> dict[str, list[int]]:
 
 
 def _no_tf32() -> None:
+    """IEEE float32 for transformers' reference too, through the plugin's own helper (torch
+    >= 2.9's fp32_precision API where it exists: mixing it with the legacy allow_tf32 setters
+    in one process makes torch's legacy getters raise)."""
     import torch
 
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    torch.set_float32_matmul_precision("highest")
+    from plugserve.plugins.torch.backend import ieee_fp32
+
+    ieee_fp32(torch)
 
 
 def engine_greedy(folder: Path, device: str, precision: str, prompts: dict) -> tuple[dict, dict]:
@@ -728,8 +743,10 @@ def check_serve_generation(folder: Path, device: str, plan: GenPlan, out: Path) 
             # every client process started and openai imported before anything is timed
             for f in [pool.submit(_client_ready) for _ in range(procs)]:
                 f.result(timeout=120)
-            measure_streams(url, "decoder", plan, pool, 1, seed=99)  # warm-up (CUDA graphs)
-            measure_streams(url, "decoder", plan, pool, max(plan.streams), seed=98)
+            # warm-up at every measured stream count (1, 8 and 32 on a GPU): each one's decode
+            # sizes are captured as CUDA graphs here, not inside a timed round
+            for n in plan.streams:
+                measure_streams(url, "decoder", plan, pool, n, seed=90 + n)
             for n in plan.streams:
                 runs = [
                     measure_streams(url, "decoder", plan, pool, n, seed=n * 10 + r)
@@ -800,10 +817,11 @@ def gen_targets(serve: dict | None, anchor: dict | None) -> dict:
     return figures
 
 
-def run_generation(results: Results, args, device: str, work: Path) -> None:
+def run_generation(results: Results, args, device: str, work: Path) -> dict | None:
+    """The generation part's checks up to ``gen.serve``; its figures (None: not served). The
+    anchor and the targets come after the gpuops part (:func:`run_gen_anchors`)."""
     gpu = device == "GPU"
     plan = GenPlan(gpu)
-    gen_deadline = time.monotonic() + args.gen_budget_s
     folder_box: dict[str, Path] = {}
 
     def folder() -> dict:
@@ -819,11 +837,11 @@ def run_generation(results: Results, args, device: str, work: Path) -> None:
         }  # fmt: skip
 
     results.run("gen.folder", folder, need_s=30)
-    names = ("gen.f32", "gen.bf16", "gen.serve", "gen.anchors", "gen.targets")
+    names = ("gen.f32", "gen.bf16", "gen.serve")
     if "path" not in folder_box:
         for name in names:
             results.skip(name, "no decoder folder (gen.folder failed)")
-        return
+        return None
     path = folder_box["path"]
     results.run("gen.f32", lambda: check_greedy(path, device, "f32", STEPS), need_s=20)
     if gpu:
@@ -832,20 +850,28 @@ def run_generation(results: Results, args, device: str, work: Path) -> None:
         results.skip(
             "gen.bf16", "CPU path: bf16 on torch's CPU kernels is checked by tests/generate"
         )
-    serve = results.run(
+    return results.run(
         "gen.serve", lambda: check_serve_generation(path, device, plan, results.out), need_s=30
     )
+
+
+def run_gen_anchors(results: Results, args, device: str, serve: dict | None) -> None:
+    """``gen.anchors`` then ``gen.targets``, after every pass/fail check (the anchor is a
+    figure; it gets what is left of the budget, at most ``--gen-anchor-s``). On a GPU the
+    static part's batches run 8, 32, then 1: the ratio targets need b8 and b32, and each batch
+    size is a cold torch.compile of tens of seconds, so a cut run keeps what the targets read."""
+    gpu = device == "GPU"
     script = Path(args.anchors) / "anchors_generate.py" if args.anchors else None
     if script is None:
         results.skip("gen.anchors", "no anchors folder given (--anchors DIR)")
         anchor = None
     else:
         anchor_args = (
-            ["--parts", "static,eager", "--batches", "1,8,32"]  # the target's anchor first
+            ["--parts", "static,eager", "--batches", "8,32,1"]  # the ratio targets' first
             if gpu
             else ["--tiny", "--parts", "eager", "--batches", "1"]
         )
-        cap = max(30.0, min(gen_deadline - time.monotonic(), results.left() - 60))
+        cap = max(30.0, min(args.gen_anchor_s, results.left() - 5))
         anchor_box: dict = {}
 
         def anchors() -> dict:
@@ -1174,9 +1200,12 @@ def _cuda_shm(client, plan: VisionPlan, plain_out: dict) -> dict:
     the output read back from the card. ``unsupported`` when the server refuses to register."""
     import numpy as np
     import tritonclient.grpc as grpcclient
-    import tritonclient.utils.cuda_shared_memory as cudashm
     from tritonclient.utils import InferenceServerException
 
+    try:  # cuda-python's bindings (the image's cuda-bindings); skipped, saying why, without
+        import tritonclient.utils.cuda_shared_memory as cudashm
+    except Exception as exc:  # RuntimeError without cuda-python, ImportError of a module
+        return {"status": SKIP, "reason": f"tritonclient cuda_shared_memory: {exc}"[:300]}
     batch = 1
     x = np.random.default_rng(2).random((batch, 3, plan.size, plan.size), dtype=np.float32)
     in_bytes, out_bytes = x.nbytes, batch * 1000 * 4
@@ -1248,7 +1277,10 @@ def vision_targets(serve: dict | None, anchor: dict | None) -> dict:
     return figures
 
 
-def run_vision(results: Results, args, device: str, work: Path) -> None:
+def run_vision(results: Results, args, device: str, work: Path) -> dict | None:
+    """The vision part's checks up to ``vision.cuda_shm``; ``vision.serve``'s figures (None:
+    not served). The anchor and the targets come after the gpuops part
+    (:func:`run_vision_anchors`); where the device is missing they are skipped here too."""
     gpu = device == "GPU"
     plan = VisionPlan(gpu)
     names = ["vision.export", "vision.f32", "vision.f16", "vision.serve", "vision.metrics",
@@ -1262,7 +1294,7 @@ def run_vision(results: Results, args, device: str, work: Path) -> None:
     if device not in devices:
         for name in names:
             results.skip(name, f"skipped: no GPU plugin ({device} is not a device; {why})"[:500])
-        return
+        return None
     box: dict[str, Path] = {}
 
     def export() -> dict:
@@ -1275,9 +1307,9 @@ def run_vision(results: Results, args, device: str, work: Path) -> None:
 
     results.run("vision.export", export, need_s=20)
     if "onnx" not in box:
-        for name in names[1:]:
+        for name in names[1:6]:
             results.skip(name, "no ONNX model (vision.export failed)")
-        return
+        return None
     results.run("vision.f32", lambda: check_accuracy(box["onnx"], device, "f32", plan), need_s=15)
     if gpu:
         results.run(
@@ -1320,6 +1352,13 @@ def run_vision(results: Results, args, device: str, work: Path) -> None:
         return found
 
     results.run("vision.cuda_shm", cuda_shm)
+    return serve
+
+
+def run_vision_anchors(results: Results, args, device: str, serve: dict | None) -> None:
+    """``vision.anchors`` then ``vision.targets``, after every pass/fail check: the anchor
+    (~30 s on a GPU) is capped at 60 s so that the generation anchor after it keeps the rest."""
+    gpu = device == "GPU"
     anchor = None
     if not args.anchors:
         results.skip("vision.anchors", "no anchors folder given (--anchors DIR)")
@@ -1327,7 +1366,7 @@ def run_vision(results: Results, args, device: str, work: Path) -> None:
         box2: dict = {}
 
         def anchors() -> dict:
-            cap = max(20.0, results.left() - 5)
+            cap = max(20.0, min(60.0, results.left() - 45))
             budget = "1.0" if gpu else "0.05"
             try:
                 figures = run_anchor(
@@ -1377,6 +1416,32 @@ def run_device(out: Path, device: str, left: float) -> dict:
     return figures
 
 
+def _part(results: Results, what: str, runner: Callable, *args: Any) -> Any:
+    """``runner(results, *args)``: a part of the run, whose own error is kept and printed and
+    the run goes on (its checks record their own outcomes)."""
+    try:
+        return runner(results, *args)
+    except Exception as exc:
+        results.data.setdefault("errors", []).append(traceback.format_exc(limit=5)[-2000:])
+        print(f"{what}: {exc}", file=sys.stderr)
+        return None
+
+
+def _gpuops(results: Results, device: str, work: Path) -> None:
+    import gpuops_check
+
+    gpuops_check.run(results, device == "GPU", work, sys.modules[__name__])
+
+
+def offline() -> None:
+    """No network here (the GPU machine has none): transformers and huggingface_hub must not
+    try it (a metadata look-up on a host with no route can take ~10 s a try); set before any of
+    them is imported, and inherited by every server and anchor this run starts. An operator's
+    own setting stays."""
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HUB_DISABLE_TELEMETRY"):
+        os.environ.setdefault(name, "1")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", help="folder for results.json, results.txt, logs")
@@ -1384,14 +1449,17 @@ def main(argv: list[str] | None = None) -> int:
         "--anchors", default="", help="folder of anchors_vision.py and anchors_generate.py"
     )
     ap.add_argument("--cpu", action="store_true", help="the CPU path (tiny sizes) even with a GPU")
-    ap.add_argument("--budget-s", type=float, default=360.0, help="the whole run's time")
-    ap.add_argument("--gen-budget-s", type=float, default=180.0, help="the generation part's time")
+    ap.add_argument("--budget-s", type=float, default=BUDGET_S, help="the whole run's time")
     ap.add_argument(
-        "--grace-s", type=float, default=60.0, help="past the budget by this, the run stops"
+        "--gen-anchor-s", type=float, default=180.0, help="the generation anchor's cap (at most)"
+    )
+    ap.add_argument(
+        "--grace-s", type=float, default=GRACE_S, help="past the budget by this, the run stops"
     )
     ap.add_argument("--parts", default="device,gen,vision,gpuops")
     ap.add_argument("--work", default="", help="scratch folder (default: a temporary one, removed)")
     args = ap.parse_args(argv)
+    offline()
     out = Path(args.out)
     results = Results(out, args.budget_s)
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -1416,26 +1484,17 @@ def main(argv: list[str] | None = None) -> int:
         parts = args.parts.split(",")
         if "device" in parts:
             results.run("device.checks", lambda: run_device(out, device, results.left()))
-        if "gen" in parts:
-            try:
-                run_generation(results, args, device, work)
-            except Exception as exc:
-                results.data.setdefault("errors", []).append(traceback.format_exc(limit=5)[-2000:])
-                print(f"generation part: {exc}", file=sys.stderr)
-        if "vision" in parts:
-            try:
-                run_vision(results, args, device, work)
-            except Exception as exc:
-                results.data.setdefault("errors", []).append(traceback.format_exc(limit=5)[-2000:])
-                print(f"vision part: {exc}", file=sys.stderr)
+        # the pass/fail checks first (generation, vision, gpuops), the anchors (figures) last:
+        # a run cut by the budget loses figures, not checks
+        served: dict[str, dict | None] = {}
+        for part, runner in (("gen", run_generation), ("vision", run_vision)):
+            if part in parts:
+                served[part] = _part(results, f"{part} part", runner, args, device, work)
         if "gpuops" in parts:  # gpuops_check.py: its own file, its own checks
-            try:
-                import gpuops_check
-
-                gpuops_check.run(results, device == "GPU", work, sys.modules[__name__])
-            except Exception as exc:
-                results.data.setdefault("errors", []).append(traceback.format_exc(limit=5)[-2000:])
-                print(f"gpuops part: {exc}", file=sys.stderr)
+            _part(results, "gpuops part", _gpuops, device, work)
+        for part, runner in (("vision", run_vision_anchors), ("gen", run_gen_anchors)):
+            if part in parts and f"{part}.anchors" not in results.data["checks"]:
+                _part(results, f"{part} anchors", runner, args, device, served.get(part))
     finally:
         parts = args.parts.split(",")
         for name in CHECKS:

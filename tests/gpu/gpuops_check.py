@@ -11,7 +11,7 @@ clause), in at most ~90 s. Each check is recorded pass/fail/skip with its reason
   client process with torch (its IPC handle from ``storage._share_cuda_()``), registered with
   tritonclient's ``register_cuda_shared_memory``, inputs and outputs in them, outputs read
   back from the card, status listing them, unregistered; then tritonclient's own
-  ``cuda_shared_memory`` round trip (it needs cuda-python: wheels.sh carries cuda-bindings;
+  ``cuda_shared_memory`` round trip (it needs cuda-python: the GPU image has cuda-bindings;
   skipped saying why where it does not import). A region of the whole allocation its handle
   opens (torch's segment, from ``torch.cuda.memory_snapshot``) registers, one byte more is
   refused INVALID_ARGUMENT / 400 ("invalid args", the driver's ``cuMemGetAddressRange``), on
@@ -22,7 +22,7 @@ clause), in at most ~90 s. Each check is recorded pass/fail/skip with its reason
 - ``gpuops.gpu_metrics``: ``nv_gpu_utilization``, ``nv_gpu_memory_total_bytes``,
   ``nv_gpu_memory_used_bytes``, ``nv_gpu_power_usage``, ``nv_gpu_power_limit``,
   ``nv_energy_consumption`` on the metrics port, labelled with the card's UUID (needs
-  nvidia-ml-py: tests/gpu/wheels.sh carries it). Without NVML: no ``nv_gpu_`` series and the
+  nvidia-ml-py: the GPU image has it). Without NVML: no ``nv_gpu_`` series and the
   server's log says why.
 - ``gpuops.memory``: with ``DEVICE_MEMORY_BUDGET`` 16 MiB, a model whose weights need more
   is refused at load (RESOURCE_EXHAUSTED, naming the budget); a request whose activations are
@@ -245,14 +245,20 @@ def check_instance_group(server: Any, gpu: bool) -> dict:
 
 
 def _ipc_handle(shared: bytes) -> bytes:
-    """The cudaIpcMemHandle_t in torch's shared handle: the 64 bytes themselves, or (torch's
-    caching allocator since 2.4) a kind byte, b"c" for a cudaMalloc block, then the 64."""
+    """The cudaIpcMemHandle_t (64 bytes) in torch's shared handle (``storage._share_cuda_()``'s
+    second item). Before torch 2.4 it is the 64 bytes themselves; since then c10's
+    ``CUDACachingAllocator::shareIpcHandle`` writes ``[version byte][type byte][payload]``: the
+    version is 2 up to torch 2.12 and 3 in 2.13, the type ``c`` for a cudaMalloc block, whose
+    payload is the 64-byte handle (66 bytes in all). Anything else (the expandable segments'
+    type ``e``) is refused saying so."""
     if len(shared) == 64:
         return shared
-    if len(shared) == 65 and shared[:1] == b"c":
+    if len(shared) == 66 and shared[1:2] == b"c":
+        return shared[2:]
+    if len(shared) == 65 and shared[:1] == b"c":  # no torch writes this; kept for safety
         return shared[1:]
     raise RuntimeError(
-        f"torch's CUDA IPC handle is {len(shared)} bytes, kind {shared[:1]!r}: not a "
+        f"torch's CUDA IPC handle is {len(shared)} bytes, beginning {shared[:2]!r}: not a "
         "cudaIpcMemHandle_t (expandable segments? unset PYTORCH_CUDA_ALLOC_CONF)"
     )
 
@@ -353,7 +359,7 @@ def cuda_client(grpc_target: str, http_target: str) -> dict:
 
 def _tritonclient_round_trip(grpc_target: str) -> dict:
     """The round trip as Triton's own example client makes it, with tritonclient's
-    ``cuda_shared_memory`` (cuda-python: tests/gpu/wheels.sh carries cuda-bindings); skipped,
+    ``cuda_shared_memory`` (cuda-python: the GPU image has cuda-bindings); skipped,
     saying why, where it does not import."""
     try:
         import tritonclient.utils.cuda_shared_memory as cudashm
@@ -485,7 +491,7 @@ def check_gpu_metrics(server: Any, gpu: bool) -> dict:
     try:
         import pynvml  # noqa: F401
     except ImportError:
-        raise Skip("nvidia-ml-py is not installed here (tests/gpu/wheels.sh carries it)") from None
+        raise Skip("nvidia-ml-py is not installed here (the GPU image has it)") from None
     import torch
 
     uuid = str(torch.cuda.get_device_properties(0).uuid)

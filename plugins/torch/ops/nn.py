@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from plugserve.plugins.torch import layout
 from plugserve.plugins.torch.ops.elementwise import FLOATS
 from plugserve.plugins.torch.ops.registry import NodeContext, Refused, ints, register
 from plugserve.plugins.torch.ops.resize import general_resize
@@ -91,8 +92,12 @@ def conv_step(ctx: NodeContext) -> Any:
     group = int(ctx.attr("group", 1))
     pads_of = _pads(ctx, dims, kernel, strides, dilations)
     fn = [F.conv1d, F.conv2d, F.conv3d][dims - 1]
+    # CUDA at f16/bf16: channels-last (plugins/torch/layout.py); a no-op once the input is
+    nhwc = dims == 2 and layout.wanted(ctx.torch, ctx.device, ctx.compute)
 
     def run(x: Any, w: Any, b: Any = None) -> Any:
+        if nhwc:
+            x = layout.input_channels_last(ctx.torch, x)
         pads = pads_of(list(x.shape[2:]))
         if pads[:dims] == pads[dims:]:
             return fn(x, w, b, strides, pads[:dims], dilations, group)

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from plugserve.plugins.torch.ops.bounds import checker
 from plugserve.plugins.torch.ops.elementwise import FLOATS, NUMBERS
 from plugserve.plugins.torch.ops.registry import NodeContext, Refused, ints, register
 
@@ -154,11 +155,12 @@ def _slice(x: Any, starts: list[int], ends: list[int], axes: list[int] | None,
 def gather(ctx: NodeContext) -> Any:
     torch = ctx.torch
     axis = int(ctx.attr("axis", 0))
+    check = checker(ctx)  # an index out of range: INVALID_ARGUMENT, never a device assert
 
     def run(x: Any, indices: Any) -> Any:
         a = axis % x.dim()
         n = x.shape[a]
-        idx = torch.where(indices < 0, indices + n, indices).to(torch.int64)
+        idx = check(torch.where(indices < 0, indices + n, indices).to(torch.int64), n)
         flat = torch.index_select(x, a, idx.reshape(-1))
         return flat.reshape((*x.shape[:a], *indices.shape, *x.shape[a + 1 :]))
 
@@ -169,10 +171,11 @@ def gather(ctx: NodeContext) -> Any:
 def gather_elements(ctx: NodeContext) -> Any:
     torch = ctx.torch
     axis = int(ctx.attr("axis", 0))
+    check = checker(ctx)
 
     def run(x: Any, indices: Any) -> Any:
         n = x.shape[axis]
-        idx = torch.where(indices < 0, indices + n, indices).to(torch.int64)
+        idx = check(torch.where(indices < 0, indices + n, indices).to(torch.int64), n)
         return torch.gather(x, axis, idx)
 
     return run
@@ -181,12 +184,13 @@ def gather_elements(ctx: NodeContext) -> Any:
 @register("GatherND", 11, 12, 13)
 def gather_nd(ctx: NodeContext) -> Any:
     batch = int(ctx.attr("batch_dims", 0))
+    check = checker(ctx)
 
     def run(x: Any, indices: Any) -> Any:
         k = indices.shape[-1]
         idx = indices.to(x.device).long()
         shape = x.shape
-        idx = idx + (idx < 0).long() * idx.new_tensor(shape[batch : batch + k])
+        idx = check(idx, tuple(int(d) for d in shape[batch : batch + k]))  # negatives wrapped
         lead = shape[:batch]
         b = int(np.prod(lead, dtype=np.int64))
         xb = x.reshape(b, *shape[batch:])
@@ -443,10 +447,13 @@ def scatter_nd(ctx: NodeContext) -> Any:
     if reduction not in ("none", "add", "mul", "max", "min"):
         raise Refused(f"ScatterND reduction={reduction!r}")
 
+    check = checker(ctx)
+
     def run(x: Any, indices: Any, updates: Any) -> Any:
         out = x.clone()
         k = indices.shape[-1]
         idx = indices.reshape(-1, k).long()
+        idx = check(idx, tuple(int(d) for d in x.shape[:k]))  # negatives wrapped
         upd = updates.reshape(idx.shape[0], *x.shape[k:])
         key = tuple(idx.unbind(-1))
         if reduction == "none":
@@ -476,9 +483,11 @@ def scatter_elements(ctx: NodeContext) -> Any:
     if reduction != "none" and reduction not in table:
         raise Refused(f"ScatterElements reduction={reduction!r}")
 
+    check = checker(ctx)
+
     def run(x: Any, indices: Any, updates: Any) -> Any:
         n = x.shape[axis]
-        idx = torch.where(indices < 0, indices + n, indices).long()
+        idx = check(torch.where(indices < 0, indices + n, indices).long(), n)
         if reduction == "none":
             return x.scatter(axis, idx, updates)
         return x.scatter_reduce(axis, idx, updates, table[reduction], include_self=True)
@@ -658,4 +667,4 @@ def bit_cast(ctx: NodeContext) -> Any:
     src_t = narrow.get(src.name) or ctx.dtype(src)
     dst_t = narrow.get(dst.name) or ctx.dtype(dst)
     held = ctx.dtype(dst)
-    return lambda x: x.to(src_t).view(dst_t).to(held)
+    return lambda x: x.to(src_t).contiguous().view(dst_t).to(held)  # (channels-last)

@@ -534,6 +534,10 @@ def load_torch_decoder(
         "bf16" if target.type == "cuda" else "f32"
     )
     dtype = getattr(torch, DTYPES[precision])
+    if precision == "f32" and target.type == "cuda":  # IEEE float32 (no TF32), as GPU's f32
+        from plugserve.plugins.torch.backend import ieee_fp32
+
+        ieee_fp32(torch)
     shape = ModelShape.from_config(dict(config), str(folder / "config.json"))
     itemsize = torch.empty((), dtype=dtype).element_size()
     layout = CacheLayout(
