@@ -215,6 +215,15 @@ class DeviceMemory:
             self.charged += nbytes
         return Charge(self, nbytes)
 
+    def hold(self, nbytes: int) -> Charge:
+        """Charge memory already taken on the device (a captured CUDA graph's pool, reserved
+        while the graph lives: ``capture.Captured.nbytes``); never refused: the requests
+        charged after it find that much less room."""
+        nbytes = max(0, int(nbytes))
+        with self._cond:
+            self.charged += nbytes
+        return Charge(self, nbytes)
+
     def _give(self, nbytes: int) -> None:
         with self._cond:
             self.charged = max(0, self.charged - nbytes)

@@ -19,7 +19,7 @@ input shapes it has seen, each captured as a CUDA graph and replayed.
   once. Each lane holds its own graphs:
   a graph's static buffers serve one request at a time, and a lane runs one at a time, so
   replays never wait on each other. A capture (once per shape and stream) is the one place that
-  waits for the whole card: torch's capture synchronises the device before it begins.
+  waits for others: captures take turns in the process (below).
 - **Programs**: a converted ONNX graph's :class:`~.program.Program` and a PyTorch program
   (:class:`~.programs.TorchProgram`, run whole as one step) alike: ``compute_tensors`` over
   tensors on the device, ``held`` the dtype an input is staged in.
@@ -32,6 +32,13 @@ input shapes it has seen, each captured as a CUDA graph and replayed.
 - **The CPU twin**: on the CPU (TORCH with ``CUDA_GRAPHS`` above 0) the same cache and copy
   path run, the "graph" being the eager program over the static buffers, without pinning; it
   is what CI tests (outputs, the bound, the counters) without a GPU.
+- **Capture** (:mod:`.capture`, shared with the torch decoder): captures take turns in the
+  process, each on its lane's own stream (the driver's, not one of torch's 32 pooled ones) and
+  device, without torch.cuda.graph's device-wide synchronize. A network with a node that reads
+  device values on the host (:mod:`.hostreads`) is never captured: eager from its first lane,
+  counted failed once. A failed capture takes no graph slot; one that ran out of memory is
+  tried again after ``capture.RETRY_AFTER`` requests. A graph's memory pool is charged to the
+  device's budget (:mod:`.devmem`) while it lives.
 
 The counters (shapes captured, replays, evictions, captures failed) are the network's
 :class:`GraphCounters`, read by ``/metrics`` as ``plugserve_graph_events``.
@@ -43,6 +50,7 @@ import collections
 import contextlib
 import logging
 import threading
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -51,6 +59,7 @@ import numpy as np
 from plugserve.plugins.api import InvalidArgument, PlugserveError, check_inputs
 from plugserve.plugins.cuda_array import CudaArray, CudaSink, typestr, written
 from plugserve.plugins.errors import Cancelled, DeadlineExceeded
+from plugserve.plugins.torch import capture
 from plugserve.plugins.torch.ops.registry import torch_dtype
 
 __all__ = ["GraphCounters", "Lane", "lane_for", "listed_inputs", "parse_shapes"]
@@ -107,6 +116,7 @@ class GraphCounters:
         self._lock = threading.Lock()
         self._counts = dict.fromkeys(self.EVENTS, 0)
         self._failed_keys: set[Key] = set()
+        self._eager = False
 
     def add(self, event: str) -> None:
         with self._lock:
@@ -120,18 +130,43 @@ class GraphCounters:
             self._failed_keys.add(key)
             return first
 
+    def marked_eager(self) -> bool:
+        """Count the network marked eager (a node that reads on the host: nothing of it is
+        captured) as one failure, the first time only; True then (to log it once)."""
+        with self._lock:
+            first, self._eager = not self._eager, True
+            if first:
+                self._counts["failed"] += 1
+            return first
+
     def snapshot(self) -> dict[str, int]:
         with self._lock:
             return dict(self._counts)
 
 
 class _Entry:
-    """One shape's static buffers and, on CUDA, its graph (None: the shape runs eagerly)."""
+    """One shape's static buffers and, on CUDA, its graph and the charge of its memory pool
+    to the device's budget (released when the entry goes: :meth:`close`)."""
 
-    def __init__(self, inputs: list[Any], outputs: list[Any] | None, graph: Any) -> None:
+    def __init__(
+        self, inputs: list[Any], outputs: list[Any] | None, graph: Any, charge: Any = None
+    ) -> None:
         self.inputs = inputs
         self.outputs = outputs
         self.graph = graph
+        self.charge = charge
+
+    def close(self) -> None:
+        charge, self.charge = self.charge, None
+        if charge is not None:
+            charge.release()
+
+
+def _close_all(entries: collections.OrderedDict[Key, _Entry]) -> None:
+    """A lane's graphs, gone with it: their charges released."""
+    for entry in entries.values():
+        entry.close()
+    entries.clear()
 
 
 class Lane:
@@ -147,7 +182,22 @@ class Lane:
         self.counters: GraphCounters = network.graph_counters
         #: the outputs' names by index (a CudaSink's refusal names its output)
         self.output_names = dict(enumerate(spec.name for spec in network.outputs))
-        self.stream = self.torch.cuda.Stream(device=self.device) if self.cuda else None
+        #: its own CUDA stream (not one of torch's 32 pooled ones: capture.new_stream), and
+        #: that stream's lock, held around each run
+        self.stream = capture.new_stream(self.torch, self.device, self) if self.cuda else None
+        self._stream_lock = capture.stream_lock(self.stream)
+        #: the device's budget, charged with each graph's pool while it lives (None: none)
+        self.memory = network.memory
+        #: shapes whose capture failed (kept out of the graphs; out of memory retried)
+        self._failures = capture.RetryPolicy(4 * self.limit + 8)
+        reads = getattr(program, "host_reads", ())  # (a PyTorch program lists none)
+        if reads and self.limit:  # a capture would fail: every shape runs eagerly
+            self.limit = 0
+            if self.counters.marked_eager():
+                log.warning(
+                    "network %r is not captured as CUDA graphs (it runs eagerly): its nodes "
+                    "%s read device values on the host", program.name, ", ".join(reads[:5]),
+                )  # fmt: skip
         #: pinned staging buffers by (slot, shape, dtype), the least recently used dropped
         #: beyond HOST_BUFFERS (a model whose shapes vary would otherwise hold one per shape)
         self._hosts: collections.OrderedDict[tuple[str, tuple[int, ...], Any], Any] = (
@@ -156,6 +206,7 @@ class Lane:
         self._graphs: collections.OrderedDict[Key, _Entry] = collections.OrderedDict()
         #: the shapes run once (their warm-up), the most recent 4 x limit + 8
         self._warmed: collections.OrderedDict[Key, None] = collections.OrderedDict()
+        weakref.finalize(self, _close_all, self._graphs)  # its graphs' charges, released
         for zeros in listed_inputs(network, shapes):
             self.run(zeros, at_once=True)  # captured now, so the first request of it replays
 
@@ -226,7 +277,7 @@ class Lane:
         if at_once and self.limit:
             self._warmed[key] = None
         program = self.program
-        with torch.inference_mode(), self._on_stream():
+        with self._stream_lock, torch.inference_mode(), self._on_stream():
             staged = [self._stage(f"in{i}", a) for i, a in enumerate(arrays)]
             entry, seen = self._entry(key, staged)
             if entry is not None and entry.outputs is not None:
@@ -311,6 +362,7 @@ class Lane:
         recently used evicted beyond the limit."""
         if not self.limit:
             return None, False
+        self._failures.use()
         entry = self._graphs.get(key)
         if entry is not None:
             self._graphs.move_to_end(key)
@@ -320,37 +372,49 @@ class Lane:
             while len(self._warmed) > 4 * self.limit + 8:
                 self._warmed.popitem(last=False)
             return None, False
+        if self._failures.eager(key):  # its capture failed: eager (retried after out of memory)
+            return None, False
         entry = self._capture(key, staged)
+        if entry is None:
+            return None, False
         self._graphs[key] = entry
         while len(self._graphs) > self.limit:
-            self._graphs.popitem(last=False)
+            _, evicted = self._graphs.popitem(last=False)
+            evicted.close()
             self.counters.add("evicted")
         return entry, False
 
-    def _capture(self, key: Key, staged: list[Any]) -> _Entry:
+    def _capture(self, key: Key, staged: list[Any]) -> _Entry | None:
+        """This shape's entry, captured; None where the capture failed (remembered in
+        ``_failures``, counted, logged once a shape): the request runs eagerly."""
         torch = self.torch
         static = self._to_device(staged)
         if not self.cuda:
             self.counters.add("captured")
             return _Entry(static, [], None)
-        for _ in range(self.program.capture_warmups):  # its errors are the request's
-            self.program.compute_tensors(static)
-        self.stream.synchronize()
-        try:
-            graph = torch.cuda.CUDAGraph()  # its own memory pool: graphs replay in any order
-            with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
-                outputs = self.program.compute_tensors(static)
-        except (Cancelled, DeadlineExceeded):
-            raise  # the request's end, not the shape's: captured at its next request
-        except Exception as exc:  # a step that syncs, a data-dependent shape: stays eager
-            if self.counters.failed_first(key):
-                log.warning(
-                    "network %r: shape %s is not captured as a CUDA graph (it runs eagerly): "
-                    "%s: %s", self.program.name, [s for s, _ in key], type(exc).__name__, exc,
-                )  # fmt: skip
-            return _Entry([], None, None)
+        with capture.capturing(torch, self.device):
+            for _ in range(self.program.capture_warmups):  # its errors are the request's
+                self.program.compute_tensors(static)
+            self.stream.synchronize()
+            try:  # (a graph: its own memory pool, so graphs replay in any order)
+                captured = capture.capture(
+                    torch, self.stream, lambda: self.program.compute_tensors(static)
+                )
+            except (Cancelled, DeadlineExceeded):
+                raise  # the request's end, not the shape's: captured at its next request
+            except Exception as exc:  # a step that syncs, a data-dependent shape: eager
+                oom = capture.out_of_memory(torch, exc)
+                self._failures.failed(key, oom)
+                if self.counters.failed_first(key):
+                    log.warning(
+                        "network %r: shape %s is not captured as a CUDA graph (it runs "
+                        "eagerly%s): %s: %s", self.program.name, [s for s, _ in key],
+                        ", captured again later" if oom else "", type(exc).__name__, exc,
+                    )  # fmt: skip
+                return None
+        charge = self.memory.hold(captured.nbytes) if self.memory is not None else None
         self.counters.add("captured")
-        return _Entry(static, list(outputs), graph)
+        return _Entry(static, list(captured.outputs), captured.graph, charge)
 
 
 def _type_or_f32(np_type: Any) -> np.dtype:

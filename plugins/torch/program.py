@@ -16,7 +16,7 @@ import numpy as np
 from plugserve.plugins import cancel
 from plugserve.plugins.api import InferenceError, PlugserveError, Unsupported
 from plugserve.plugins.ir import Graph, Node, attribute_graphs
-from plugserve.plugins.torch import layout
+from plugserve.plugins.torch import hostreads, layout
 from plugserve.plugins.torch import ops as _ops  # noqa: F401  (registers the converters)
 from plugserve.plugins.torch.ops.bounds import CHECKED_OPS
 from plugserve.plugins.torch.ops.registry import (
@@ -129,6 +129,8 @@ class Program:
         self.device = device
         self.compute = compute
         self.name = graph.name
+        #: nodes whose steps read device values on the host: no CUDA graph captures them
+        self.host_reads = hostreads.host_reads(graph)
         converting = Converting(graph, torch, device, compute)
         slots: dict[str, int] = {}
 

@@ -58,7 +58,17 @@ def main() -> int:
     ap.add_argument("--device", default="GPU")
     ap.add_argument("--budget", type=float, default=1.0)
     ap.add_argument("--resnet-batch", type=int, default=32)
+    ap.add_argument(
+        "--eviction-canary",
+        action="store_true",
+        help="run only the graph-eviction canary (graphs_eviction), in this process",
+    )
     args = ap.parse_args()
+    if args.eviction_canary:  # alone, in a fresh process
+        from plugserve.server import Core
+
+        print(eviction_canary(Core(), args.device), flush=True)
+        return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -230,6 +240,10 @@ def main() -> int:
         print(f"b{batch}: {result['figures'][f'torch_eager_b{batch}']} "
               f"{device}: {result['figures'][f'{device}_b{batch}']}", flush=True)  # fmt: skip
     graph_checks(core, device, cnn, image, proto, size, result, check, args.budget, sync)
+    # last: a failure leaves the process's CUDA context unusable (an illegal address is sticky),
+    # so nothing runs after it but writing the results (no subprocess: no second torch import
+    # and CUDA start inside the device part's budget)
+    check("graphs_eviction", lambda: eviction_canary(core, device))
     big = result["figures"].get(f"{device}_b{args.resnet_batch}", {})
     base = result["figures"][f"torch_eager_b{args.resnet_batch}"]
     if "img_per_s" in big:
@@ -388,6 +402,53 @@ def graph_checks(core, device, cnn, image, proto, size, result, check, budget, s
         figures["speedup"] = round(figures["eager"]["ms"] / figures["replayed"]["ms"], 3)
     result["figures"][f"{device}_b1_graphs"] = figures
     print(f"b1 eager vs replayed: {figures}", flush=True)
+
+
+def eviction_canary(core, device: str) -> str:
+    """Review finding 8: with CUDA_GRAPHS=2, three batch sizes of a GEMM network, each sent
+    twice (the second captures), the third's capture evicting the first's graph. Destroying a
+    graph freed its capture stream's cuBLAS workspace, which the other graphs of that stream
+    still used (pytorch#193402); ``torch.cuda.empty_cache()`` then gives that memory back, and
+    the next replay reads and writes freed memory. Here the remaining shapes' replays must
+    still equal the eager path's (plugins/torch/capture.py clears the workspaces around each
+    capture, so each graph owns its own). And 40 infer requests' lanes have 40 CUDA streams
+    (finding 9: torch's pooled streams would repeat after 32)."""
+    import torch
+    from models import mlp
+
+    model = mlp(sizes=(256, 1024, 1024, 64))  # GEMMs large enough to take cuBLAS's workspace
+    eager = core.load_network(model, device, {"CUDA_GRAPHS": "0", "INFERENCE_PRECISION_HINT":
+                                              "f32"}).create_infer_request()  # fmt: skip
+    network = core.load_network(model, device, {"CUDA_GRAPHS": "2",
+                                                "INFERENCE_PRECISION_HINT": "f32"})  # fmt: skip
+    request = network.create_infer_request()
+    feeds = {n: np.random.default_rng(n).normal(size=(n, 256)).astype(np.float32)
+             for n in (3, 5, 7)}  # fmt: skip
+    for x in feeds.values():
+        for _ in range(2):
+            request.infer({"x": x})
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    worst = 0.0
+    for _ in range(3):
+        for n in (5, 7):
+            got = request.infer({"x": feeds[n]})["y"]
+            want = eager.infer({"x": feeds[n]})["y"]
+            worst = max(worst, float(np.max(np.abs(got - want))))
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # an illegal address surfaces here at the latest
+    counts = network.graph_statistics()
+    if counts["evicted"] < 1 or counts["replayed"] < 6:
+        raise AssertionError(f"expected an eviction and 6 replays: {counts}")
+    if not worst <= 1e-4:
+        raise AssertionError(f"replays differ from eager by {worst:.3g}: {counts}")
+    # finding 9: each lane's stream its own (torch's pool has 32 a device, handed out in turn)
+    lanes = [network.create_infer_request() for _ in range(40)]
+    streams = {r._lane.stream.cuda_stream for r in lanes if r._lane.stream is not None}
+    if streams and len(streams) != len(lanes):
+        raise AssertionError(f"{len(lanes)} lanes share {len(streams)} CUDA streams")
+    return f"{counts}, max difference to eager {worst:.3g}; {len(streams)} streams for 40 lanes"
 
 
 if __name__ == "__main__":

@@ -47,6 +47,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -59,6 +60,8 @@ from plugserve.plugins.api import (
     ResourceExhausted,
 )
 from plugserve.plugins.configuration import BOOL, ConfigKey, Configuration
+from plugserve.plugins.torch import capture as graph_capture
+from plugserve.plugins.torch import devmem
 from plugserve.server.apps.generate.decoder import MixedDecoder
 from plugserve.server.apps.generate.kvcache import CacheLayout, KVCache
 from plugserve.server.apps.generate.sampler_torch import TorchSampler
@@ -332,11 +335,15 @@ class DecodeGraphs:
     written), the graph replays, and the real rows' logits are copied out of its static
     output (the next replay overwrites it).
 
-    Capture, per shape on first use: two warm-up runs on a side stream (cuBLAS's workspace,
-    the allocator's blocks), then ``torch.cuda.graph`` into one memory pool shared by every
-    shape (they replay one at a time). A capture that fails (out of memory) leaves that shape
-    eager (logged once); the step itself then runs eagerly and the engine goes on. More rows
-    than the largest size: eager (None)."""
+    Capture, per shape on first use (``plugins/torch/capture.py``: one capture at a time in
+    the process, cuBLAS's workspaces cleared around it, on the model's device): two warm-up
+    runs on the decoder's own capture stream (the allocator's blocks, the kernels' choices),
+    then the capture there, into one memory pool shared by every shape (they replay one at a
+    time), whose growth is charged to the device's memory budget (``plugins/torch/devmem.py``)
+    while the graphs live. A capture that fails leaves that shape eager (logged); the step
+    itself then runs eagerly and the engine goes on; one that ran out of memory is captured
+    again after ``capture.RETRY_AFTER`` steps. More rows than the largest size: eager
+    (None)."""
 
     def __init__(
         self, model: DecoderModel, tensors: KVTensors, scratch: int, capture: bool | None = None
@@ -347,8 +354,14 @@ class DecodeGraphs:
         self.capacity = int(tensors.keys[0].shape[2])
         #: CUDA graphs (a CUDA device), else the static-buffer step run eagerly
         self.capture = model.device.type == "cuda" if capture is None else capture
-        self.shapes: dict[tuple[int, int], _Shape | None] = {}
+        self.shapes: dict[tuple[int, int], _Shape] = {}
         self.pool: Any = None
+        #: the capture stream, the decoder's own (made at the first capture)
+        self.stream: Any = None
+        #: shapes whose capture failed (out of memory: retried), and the budget's charges
+        self.failures = graph_capture.RetryPolicy(len(GRAPH_SIZES) * 32)
+        self._charges: list[Any] = []
+        weakref.finalize(self, _release, self._charges)
         #: steps run through the static buffers, and of them CUDA graph replays
         self.runs = 0
         self.replays = 0
@@ -365,15 +378,24 @@ class DecodeGraphs:
             width *= 2
         return size, min(width, self.capacity)
 
+    def _shape(self, key: tuple[int, int]) -> _Shape | None:
+        """The shape's static buffers (and graph), made at its first use; None: it runs
+        eagerly (its capture failed, and no retry is due)."""
+        self.failures.use()
+        shape = self.shapes.get(key)
+        if shape is None and not self.failures.eager(key):
+            shape = self._make(*key)
+            if shape is not None:
+                self.shapes[key] = shape
+        return shape
+
     def run(self, ids: np.ndarray, positions: np.ndarray, rows: list[int]) -> Any:
         """The logits of a decode step (float32 ``[len(rows), vocab]`` on the device), or
         None: no shape fits, run it eagerly."""
         key = self.shape_of(len(rows), int(positions.max()))
         if key is None:
             return None
-        if key not in self.shapes:
-            self.shapes[key] = self._make(*key)
-        shape = self.shapes[key]
+        shape = self._shape(key)
         if shape is None:
             return None
         real = len(rows)
@@ -427,28 +449,44 @@ class DecodeGraphs:
             return shape
         device = self.model.device
         try:
-            if self.pool is None:
-                self.pool = torch.cuda.graph_pool_handle()
-            shape.inputs[2 * size :].fill_(self.scratch)  # warm-ups write the scratch slot only
-            stream = torch.cuda.Stream(device)
-            stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # warm-up outside the graph (cuBLAS workspaces, allocations)
-                    shape.step()
-            torch.cuda.current_stream(device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: the engine's loop thread may wait on an earlier step's event
-            # while the device stream's thread captures (:mod:`.overlap`)
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                shape.out = shape.step()
-            shape.graph = graph
+            with graph_capture.capturing(torch, device):
+                if self.stream is None:
+                    self.stream = graph_capture.new_stream(torch, device, self)
+                if self.pool is None:
+                    self.pool = torch.cuda.graph_pool_handle()
+                stream, current = self.stream, torch.cuda.current_stream(device)
+                shape.inputs[2 * size :].fill_(self.scratch)  # warm-ups write the scratch slot
+                stream.wait_stream(current)
+                with torch.cuda.stream(stream):
+                    for _ in range(2):  # warm-up outside the graph (allocations, kernels)
+                        shape.step()
+                try:  # thread_local (capture.capture's mode): the engine's loop thread may
+                    # wait on an earlier step's event while the device stream's thread captures
+                    captured = graph_capture.capture(torch, stream, shape.step, pool=self.pool)
+                finally:  # the warm-ups' work before the steps after, failed or not
+                    current.wait_stream(stream)
         except Exception as exc:  # the shape runs eagerly; the step goes on
+            oom = graph_capture.out_of_memory(torch, exc)
+            self.failures.failed((size, width), oom)
             log.warning(
                 "CUDA graph capture of decode batch %d, width %d failed (%s: %s); that shape "
-                "runs eagerly", size, width, type(exc).__name__, exc,
+                "runs eagerly%s", size, width, type(exc).__name__, exc,
+                f" (captured again after {graph_capture.RETRY_AFTER} steps)" if oom else "",
             )  # fmt: skip
             return None
+        shape.graph, shape.out = captured.graph, captured.outputs
+        if captured.nbytes:  # the shared pool's growth, charged while the graphs live
+            card = torch.device("cuda", stream.device.index)  # (the plugin's key: cuda:N)
+            memory = devmem.device_memory(torch, card)
+            self._charges.append(memory.hold(captured.nbytes))
         return shape
+
+
+def _release(charges: list[Any]) -> None:
+    """A :class:`DecodeGraphs`' charges, released when it goes (its graphs and pool with it)."""
+    for charge in charges:
+        charge.release()
+    charges.clear()
 
 
 class _Shape:

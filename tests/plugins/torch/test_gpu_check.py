@@ -35,6 +35,7 @@ def test_the_gpu_check_passes_on_torch(tmp_path):
     graphs = {"graphs_replayed", "graphs_fallback", "graphs_program_replayed"}
     assert graphs <= set(result["checks"])
     assert {"eager", "replayed", "speedup"} <= set(result["figures"]["TORCH_b1_graphs"])
+    assert "graphs_eviction" in result["checks"]  # (a canary run in a subprocess)
     assert "PASS listed" in (tmp_path / "gpu_check.txt").read_text()
     # an index out of range refused naming the node (on a GPU: the bounds flag, no assert)
     assert "node 'lookup' (Gather)" in result["checks"]["index_out_of_range"]["detail"]
