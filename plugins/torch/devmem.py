@@ -121,6 +121,22 @@ def mark_failed(device: Any, reason: str) -> bool:
     return True
 
 
+def sticky_failure(exc: BaseException, device: Any, what: str) -> BackendUnavailable | None:
+    """When ``exc`` is a sticky CUDA error on ``device`` (a CUDA device): ``device`` marked
+    failed and the error ``what`` (a decoder's step, a sampling) is answered with; else None.
+    For the code that runs on a device outside a network's request (the generation engine's
+    decoder and sampler), which the request path's own classification does not see."""
+    text = str(exc)
+    if getattr(device, "type", "") != "cuda" or not sticky_error(text):
+        return None
+    reason = text.strip().splitlines()[0][:300] if text.strip() else type(exc).__name__
+    mark_failed(device, reason)
+    return BackendUnavailable(
+        f"{what}: a sticky CUDA error ({reason}) made {device_name(device)} unusable for this "
+        "process: its requests and loads are refused until the server restarts"
+    )
+
+
 def device_failure(device: Any) -> str | None:
     """Why ``device`` is unusable (the sticky error that made it so), None when it is not."""
     return _failed.get(str(device))

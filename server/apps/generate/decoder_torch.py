@@ -36,10 +36,15 @@ when ``CUDA_GRAPHS`` is on (the default); prompts and mixed steps run eagerly. O
 default is the plain eager step; ``TorchDecoder(graphs=True)`` there runs the same padded,
 static-buffer step eagerly (the CPU twin tests/generate/test_generate_torch_device.py checks).
 
-Errors: a torch error in a step (out of memory on the card, a CUDA error) fails that step's
-sequences with InferenceError (ResourceExhausted for out-of-memory) and the engine goes on; an
-asynchronous CUDA error that surfaces when the sampler fetches the ids fails the step's rows
-there, with InferenceError. A graph whose capture fails leaves that shape eager.
+Errors: a torch error in a step (out of memory on the card, a CUDA error that is not sticky)
+fails that step's sequences with InferenceError (ResourceExhausted for out-of-memory) and the
+engine goes on; an asynchronous CUDA error that surfaces when the sampler fetches the ids fails
+the step's rows there, with InferenceError. A sticky CUDA error (an illegal address, a
+device-side assert: ``plugins/torch/devmem.py``'s STICKY) leaves the process's CUDA context
+unusable: the step's sequences fail UNAVAILABLE, the device is marked failed (logged
+CRITICAL), and every later step is refused UNAVAILABLE at once until the server restarts; the
+engine itself keeps answering (its requests fail saying so). A graph whose capture fails
+leaves that shape eager.
 """
 
 from __future__ import annotations
@@ -293,6 +298,7 @@ class TorchDecoder(MixedDecoder):
 
         if self.threads and torch.get_num_threads() != self.threads:
             torch.set_num_threads(self.threads)  # the process's pool: see the module's docstring
+        devmem.refuse_failed(self.device, "the torch decoder's step")  # a sticky error before
         try:
             with torch.inference_mode():
                 if self.graphs is not None and not prompts:
@@ -316,7 +322,8 @@ class TorchDecoder(MixedDecoder):
                 f"the torch decoder ran out of memory in a step: {exc}"
             ) from None
         except RuntimeError as exc:
-            raise InferenceError(f"the torch decoder's step failed: {exc}") from None
+            sticky = devmem.sticky_failure(exc, self.device, "the torch decoder's step")
+            raise sticky or InferenceError(f"the torch decoder's step failed: {exc}") from None
 
 
 class DecodeGraphs:

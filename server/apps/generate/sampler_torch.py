@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from plugserve.plugins.api import InferenceError
+from plugserve.plugins.torch import devmem
 from plugserve.server.apps.generate.sampler import Sampler, SamplingState, together_else_alone
 from plugserve.server.apps.generate.types import TokenLogprob
 
@@ -114,7 +115,9 @@ class TorchSampler(Sampler):
                 raise drawn.error
             tokens, entries = self._entries(drawn.host(), asked, rows, bad)
         except Exception as exc:  # the device failed (an asynchronous CUDA error surfaces here)
-            error = InferenceError(f"sampling on {self.device} failed: {exc}")
+            error = devmem.sticky_failure(exc, self.device, "sampling") or InferenceError(
+                f"sampling on {self.device} failed: {exc}"
+            )
             tokens, entries = np.full(count, -1, dtype=np.int64), [None] * len(asked)
             bad.update({i: error for i in drawn.live if i not in bad})
         for j, i in enumerate(asked):

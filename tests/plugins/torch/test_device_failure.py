@@ -130,3 +130,27 @@ def test_ieee_fp32_turns_tf32_off_and_every_getter_still_answers():
             assert torch.backends.cudnn.rnn.fp32_precision != "tf32"
     finally:
         torch.set_float32_matmul_precision(before)
+
+
+def test_the_generation_engines_decoder_and_sampler_mark_a_sticky_error_too(cuda9):
+    """The engine's decoder and sampler run outside a network's request: sticky_failure is
+    their classification (the same words, the same marking); a CPU device never fails so, and
+    an error that is not sticky is left to their own InferenceError."""
+    from plugserve.server.apps.generate.sampler_torch import TorchSampler
+
+    assert devmem.sticky_failure(RuntimeError(STICKY_MESSAGES[0]), torch.device("cpu"), "x") is None
+    assert devmem.sticky_failure(RuntimeError(NOT_STICKY[1]), cuda9, "a step") is None
+    assert devmem.device_failure(cuda9) is None
+    failure = devmem.sticky_failure(RuntimeError(STICKY_MESSAGES[0]), cuda9, "a step")
+    assert isinstance(failure, BackendUnavailable) and "illegal memory access" in str(failure)
+    with pytest.raises(BackendUnavailable, match=r"a step: GPU\.9 failed earlier"):
+        devmem.refuse_failed(cuda9, "a step")
+    # the sampler's fetch, where an asynchronous CUDA error surfaces, answers so
+    sampler = TorchSampler(None, "cpu")
+    sampler.device = cuda9  # only its name: the error below never touches the card
+    drawn = type("Drawn", (), {"rows": [], "bad": {}, "asked": [], "live": [0], "error": None})()
+    drawn.rows, drawn.error = [object()], RuntimeError(STICKY_MESSAGES[1])
+    bad: dict = {}
+    drawn.bad = bad
+    sampler.fetched(drawn, {})
+    assert isinstance(bad[0], BackendUnavailable), bad
