@@ -35,7 +35,12 @@ from typing import Any
 import numpy as np
 
 from plugserve.plugins.api import InferenceError
-from plugserve.server.apps.generate.sampler import Sampler, SamplingState, together_else_alone
+from plugserve.server.apps.generate.sampler import (
+    Sampler,
+    SamplingState,
+    plain,
+    together_else_alone,
+)
 from plugserve.server.apps.generate.types import TokenLogprob
 
 __all__ = ["TorchSampler"]
@@ -73,6 +78,8 @@ class TorchSampler(Sampler):
     ) -> tuple[np.ndarray, list[TokenLogprob | None]]:
         torch = self.torch
         count = len(rows)
+        if plain(rows):
+            return self._plain(logits, rows, failures)
         bad: dict[int, Exception] = {}
         logprobs: list[TokenLogprob | None] = [None] * count
         logits = logits.float()
@@ -148,25 +155,51 @@ class TorchSampler(Sampler):
 
     # --- choosing
 
+    def _plain(
+        self, logits: Any, rows: Sequence[SamplingState], failures: dict[int, Exception] | None
+    ) -> tuple[np.ndarray, list[TokenLogprob | None]]:
+        """A batch of :attr:`.sampler.SamplingState.plain` rows (greedy, nothing processed, no
+        logprobs: the common case, decided once per step): one argmax and the ids' copy to the
+        host, nothing per row (no generator, no state to advance). Measured in process on the
+        tiny-llama at 32 rows: 4 us a step against 60 for the general path's ops."""
+        try:
+            return self.torch.argmax(logits, dim=-1).cpu().numpy(), [None] * len(rows)
+        except Exception as exc:  # the device failed (an asynchronous CUDA error surfaces here)
+            error = InferenceError(f"sampling on {self.device} failed: {exc}")
+            bad: dict[int, Exception] = dict.fromkeys(range(len(rows)), error)
+            tokens = np.full(len(rows), -1, dtype=np.int64)
+            return self._accepted(rows, tokens, [None] * len(rows), bad, failures)
+
     def _choose_on(
         self, logits: Any, rows: Sequence[SamplingState], which: list[int], u: Any, chosen: Any
     ) -> None:
+        """The tokens of rows ``which`` into ``chosen``, one set of operations over them
+        whatever their mix: the argmax of every row and, when any row samples, the draw of
+        every row (greedy rows drawn at temperature 1 and their draw discarded by one
+        ``where``), instead of indexing the greedy and the sampled rows apart."""
         torch = self.torch
-        device = logits.device
-        greedy = [i for i in which if rows[i].params.temperature == 0.0]
-        if len(greedy) == len(rows):  # the whole batch greedy: one argmax, nothing indexed
-            chosen.copy_(torch.argmax(logits, dim=-1))
-        elif greedy:
-            index = torch.as_tensor(greedy, device=device)
-            chosen[index] = torch.argmax(logits[index], dim=-1)
-        drawn = [i for i in which if rows[i].params.temperature != 0.0]
-        if drawn:
-            index = torch.as_tensor(drawn, device=device)
-            probs = self.probabilities(logits[index], [rows[i] for i in drawn])
+        whole = len(which) == len(rows)
+        if whole:
+            part, sub = logits, rows
+        else:
+            index = torch.as_tensor(which, device=logits.device)
+            part, sub = logits[index], [rows[i] for i in which]
+        greedy = [r.params.temperature == 0.0 for r in sub]
+        best = torch.argmax(part, dim=-1)
+        if not all(greedy):
+            probs = self.probabilities(part, sub)
             cdf = torch.cumsum(probs.double(), dim=-1)
-            targets = u[index] * cdf[:, -1]
+            targets = (u if whole else u[index]) * cdf[:, -1]
             picked = torch.searchsorted(cdf, targets[:, None], right=True)[:, 0]
-            chosen[index] = picked.clamp_(max=probs.shape[1] - 1)
+            picked = picked.clamp_(max=probs.shape[1] - 1)
+            if any(greedy):
+                mask = torch.tensor(greedy, dtype=torch.bool).to(part.device)
+                picked = torch.where(mask, best, picked)
+            best = picked
+        if whole:
+            chosen.copy_(best)
+        else:
+            chosen[index] = best
 
     def probabilities(self, logits: Any, rows: Sequence[SamplingState]) -> Any:
         """The distribution each sampled row draws from (temperature, top-k, top-p, min-p),
@@ -175,9 +208,9 @@ class TorchSampler(Sampler):
         torch = self.torch
         device = logits.device
         vocab = logits.shape[1]
-        temperatures = torch.tensor(
-            [r.params.temperature for r in rows], dtype=torch.float32, device=device
-        )
+        temperatures = torch.tensor(  # a greedy row (drawn and discarded) at 1
+            [r.params.temperature or 1.0 for r in rows], dtype=torch.float32
+        ).to(device)
         scaled = logits / temperatures[:, None]
         cut = [i for i, r in enumerate(rows) if 0 < r.params.top_k < vocab]
         if cut:
@@ -229,10 +262,21 @@ class TorchSampler(Sampler):
         top = max((rows[i].params.logprobs or 0) for i in asked)
         k = min(top, raw_lp.shape[1])
         best = torch.topk(raw_lp, k, dim=-1) if k else None
-        tokens = chosen.cpu().numpy()
-        picked_h = picked.cpu().numpy()
-        values = best.values.cpu().numpy() if best is not None else None
-        ids = best.indices.cpu().numpy() if best is not None else None
+        # one copy to the host (one synchronisation on a card): ids, the chosen tokens'
+        # logprobs and the best ones' values and ids, as float64 (exact for float32 values
+        # and for ids below 2**53)
+        parts = [chosen.double(), picked.double()]
+        if best is not None:
+            parts += [best.values.double().reshape(-1), best.indices.double().reshape(-1)]
+        host = torch.cat(parts).cpu().numpy()
+        count, many = len(chosen), len(asked)
+        tokens = host[:count].astype(np.int64)
+        picked_h = host[count : count + many]
+        values = ids = None
+        if best is not None:
+            flat = host[count + many :]
+            values = flat[: many * k].reshape(many, k)
+            ids = flat[many * k :].reshape(many, k).astype(np.int64)
         entries: list[TokenLogprob | None] = []
         for j, i in enumerate(asked):
             if i in bad:
