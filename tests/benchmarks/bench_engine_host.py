@@ -146,22 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": args.device,
         "new_tokens": args.new_tokens,
     }
-    for label, rounds in blocks.items():
-        summary[label] = {
-            key: {name: round(statistics.median(r[key][name] for r in rounds), 1) for name in keys}
-            for key, keys in rounds[0].items()
-        }
-    if "before" in blocks:
-        summary["after / before (host_us)"] = {
-            key: round(
-                statistics.median(
-                    a[key]["host_us"] / b[key]["host_us"]
-                    for a, b in zip(blocks["after"], blocks["before"])
-                ),
-                3,
-            )
-            for key in blocks["after"][0]
-        }
+    summary.update(harness.per_count_medians(blocks, "host_us"))
     summary["load_average"] = harness.load_average()
     print(json.dumps(summary, indent=1))
     return 0
