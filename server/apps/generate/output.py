@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from plugserve.plugins.api import InferenceError, PlugserveError
+from plugserve.server.apps.generate.detokenizer import byte_pieces
 from plugserve.server.apps.generate.runner import Forward
 from plugserve.server.apps.generate.sampler import Sampler, SamplingState
 from plugserve.server.apps.generate.scheduler import FINISHED, RequestState, Scheduler
@@ -68,6 +69,10 @@ class OutputProcessor:
 
     def __post_init__(self) -> None:
         self.eos = frozenset(self.tokenizer.eos_token_ids)
+        if getattr(self.tokenizer, "backend", None) is not None:
+            # the detokenizers' byte table (a pass over the vocabulary: tenths of a second for
+            # 150k ids) made with the engine, not in the first request's step
+            byte_pieces(self.tokenizer)
 
     def process(self, forward: Forward) -> None:
         """One forward's outcome: its requests failed, or its rows' tokens chosen and sent."""
