@@ -32,7 +32,6 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import threading
@@ -247,25 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         "forward_us_per_token": {k: round(v, 1) for k, v in forward.items()},
         "config": {label: keys[label] for label in pythons},
     }
-    for label, rounds in blocks.items():
-        summary[label] = {
-            key: {
-                name: round(statistics.median(r[key][name] for r in rounds), 1)
-                for name in rounds[0][key]
-            }
-            for key in rounds[0]
-        }
-    if "before" in blocks:
-        summary["after / before (server_cpu_us)"] = {
-            key: round(
-                statistics.median(
-                    a[key]["server_cpu_us"] / b[key]["server_cpu_us"]
-                    for a, b in zip(blocks["after"], blocks["before"])
-                ),
-                3,
-            )
-            for key in blocks["after"][0]
-        }
+    summary.update(harness.per_count_medians(blocks, "server_cpu_us"))
     summary["load_average"] = harness.load_average()
     print(json.dumps(summary, indent=1))
     return 0

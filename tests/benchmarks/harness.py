@@ -90,6 +90,34 @@ def interleave(
     return results
 
 
+def per_count_medians(
+    blocks: Mapping[str, list[dict[str, dict[str, float]]]], field: str
+) -> dict[str, Any]:
+    """Rounds of ``{label: [{"x8": {name: value}, ...}, ...]}`` as each label's medians per
+    count and name, and, with an "after" and a "before", the median of each round's after /
+    before ``field`` (bench_stream_cost.py's and bench_engine_host.py's summaries)."""
+    out: dict[str, Any] = {}
+    for label, rounds in blocks.items():
+        out[label] = {
+            key: {
+                name: round(statistics.median(r[key][name] for r in rounds), 1)
+                for name in rounds[0][key]
+            }
+            for key in rounds[0]
+        }
+    if "before" in blocks and "after" in blocks:
+        out[f"after / before ({field})"] = {
+            key: round(
+                statistics.median(
+                    a[key][field] / b[key][field] for a, b in zip(blocks["after"], blocks["before"])
+                ),
+                3,
+            )
+            for key in blocks["after"][0]
+        }
+    return out
+
+
 def median_of(blocks: list[dict[str, Any]], key: str) -> float:
     values = []
     for block in blocks:

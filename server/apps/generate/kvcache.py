@@ -170,8 +170,13 @@ class SlotTable:
     # --- contents
 
     def written(self, slot: Slot, tokens: Sequence[int]) -> None:
-        """``tokens`` were written at the slot's next positions."""
-        slot.tokens.extend(int(t) for t in tokens)
+        """``tokens`` were written at the slot's next positions (one token, a decode step's,
+        costs an append and a comparison: no block completes)."""
+        written = slot.tokens
+        if len(tokens) == 1:
+            written.append(int(tokens[0]))
+        else:
+            written.extend(int(t) for t in tokens)
         if not self.prefix_caching:
             return
         size = self.block_size

@@ -269,6 +269,8 @@ class ModelRunner:
             self._computed(seq, [token])
         if group:
             yield Forward(group, decoded)
+        if not chunks:  # zip would still iterate ``prompted``: a torch unbind a decode step
+            return
         for (seq, _c), piece, row in zip(chunks, pieces, prompted):
             if seq.status != PREFILL:
                 continue  # ended by the decoding rows' events (an abort)

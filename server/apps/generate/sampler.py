@@ -42,7 +42,14 @@ import numpy as np
 
 from plugserve.server.apps.generate.types import SamplingParams, TokenLogprob
 
-__all__ = ["Sampler", "SamplingState", "log_softmax", "logprob_entry", "together_else_alone"]
+__all__ = [
+    "Sampler",
+    "SamplingState",
+    "log_softmax",
+    "logprob_entry",
+    "plain",
+    "together_else_alone",
+]
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -60,6 +67,7 @@ class SamplingState:
         "counts",
         "generator",
         "params",
+        "plain",
         "processed",
         "prompt_ids",
         "stop_ids",
@@ -105,6 +113,16 @@ class SamplingState:
             )
             else None
         )
+        #: greedy, nothing processed, no logprobs asked: its token is its row's argmax and
+        #: :meth:`accepted` has nothing to record. A batch of such rows only (the common
+        #: case, decided once per step by :func:`plain`) is one argmax and nothing per row
+        self.plain = bool(
+            not self.processed
+            and p.temperature == 0.0
+            and p.logprobs is None
+            and self.counts is None
+            and constraint is None
+        )
 
     def accepted(self, token_id: int) -> None:
         """Record the token chosen for this sequence."""
@@ -133,6 +151,8 @@ class Sampler:
         is recorded (row -> its exception; its token is -1 and its state is not advanced);
         without it, the first failure is raised."""
         count = len(rows)
+        if plain(rows):  # the common case: one argmax, no per-row work (no row can fail)
+            return np.argmax(logits, axis=-1).astype(np.int64, copy=False), [None] * count
         bad: dict[int, Exception] = {}
         logprobs: list[TokenLogprob | None] = [None] * count
         asked = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
@@ -245,6 +265,11 @@ class Sampler:
             if p.min_p > 0.0:
                 probs[i][probs[i] < p.min_p * probs[i].max()] = 0.0
         return probs
+
+
+def plain(rows: Sequence[SamplingState]) -> bool:
+    """Whether every row is :attr:`SamplingState.plain` (the step's choice is one argmax)."""
+    return all(row.plain for row in rows)
 
 
 def together_else_alone(choose: Any, live: list[int], bad: dict[int, Exception]) -> None:

