@@ -22,11 +22,20 @@ raises it), tells the producer (:attr:`cancelled`, :meth:`on_cancel`: a Python m
 ``is_cancelled()``, the engine freeing the sequence's cache at its next step), and makes
 further sends return False. The stream ends exactly once (final response, failure or
 cancellation); :meth:`when_ended` callbacks then run once (the data plane's accounting).
+
+An event loop's consumer (:meth:`ResponseStream.batches`) is woken once per batch, not once
+per response: a send wakes it only if it waits (armed, its queue empty), and the wake-ups of
+all the streams one loop consumes go through that loop's :class:`_Wakeups`, one
+``call_soon_threadsafe`` for all that a producer's step sends (the engine sends a token to
+each of 32 streams in one step: one wake of the HTTP thread, not 32 handles and 32 task
+wake-ups through ``asyncio.Event``). Each wake then takes everything queued. Measured with
+``tests/benchmarks/bench_stream_cost.py`` (the HTTP thread's share per streamed token).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections import deque
@@ -54,6 +63,43 @@ MAX_BYTES = 64 << 20
 
 
 _OBJECT = np.dtype(object)
+
+
+class _Wakeups:
+    """The wake-ups one event loop's consumers wait for, posted from producers' threads: the
+    first posted since the loop last ran them asks the loop to run them (one
+    ``call_soon_threadsafe``), the others join it; the loop then resolves them all at once."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._due: list[asyncio.Future[None]] = []
+
+    def post(self, waiter: asyncio.Future[None]) -> None:
+        with self._lock:
+            self._due.append(waiter)
+            if len(self._due) > 1:  # the loop is already asked to run them
+                return
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+            self.loop.call_soon_threadsafe(self._run)
+
+    def _run(self) -> None:
+        with self._lock:
+            due, self._due = self._due, []
+        for waiter in due:
+            if not waiter.done():  # (a consumer cancelled meanwhile)
+                waiter.set_result(None)
+
+
+_local = threading.local()
+
+
+def _wakeups(loop: asyncio.AbstractEventLoop) -> _Wakeups:
+    """The running ``loop``'s :class:`_Wakeups` (a loop runs on one thread: kept per thread)."""
+    wakeups = getattr(_local, "wakeups", None)
+    if wakeups is None or wakeups.loop is not loop:
+        wakeups = _local.wakeups = _Wakeups(loop)
+    return wakeups
 
 
 def _size(item: Any) -> int:
@@ -99,6 +145,8 @@ class ResponseStream(ResponseSender):
         self._error: BaseException | None = None
         self._taken_final = False  # the consumer took the last item (or the error)
         self._listeners: list[Callable[[], object]] = []
+        #: an event loop's consumer waiting for the next item (see _Wakeups)
+        self._waiter: tuple[_Wakeups, asyncio.Future[None]] | None = None
         self._on_end: list[Callable[[BaseException | None], object]] = []
         #: responses sent so far (the consumer may not have read them all)
         self.sent = 0
@@ -135,6 +183,9 @@ class ResponseStream(ResponseSender):
             if final and not overflow:
                 self._ended = True
             self._cond.notify_all()
+            waiter, self._waiter = self._waiter, None
+        if waiter is not None:
+            waiter[0].post(waiter[1])
         if overflow:
             if stalled:
                 why = (
@@ -164,6 +215,9 @@ class ResponseStream(ResponseSender):
             self._ended = True
             self._error = error
             self._cond.notify_all()
+            waiter, self._waiter = self._waiter, None
+        if waiter is not None:
+            waiter[0].post(waiter[1])
         self._wake()
         self._end(error)
 
@@ -206,9 +260,12 @@ class ResponseStream(ResponseSender):
         for listener in self._listeners:
             listener()
 
-    def take(self) -> list[tuple[Any, bool]]:
+    def take(
+        self, waiter: tuple[_Wakeups, asyncio.Future[None]] | None = None
+    ) -> list[tuple[Any, bool]]:
         """What waits now, without blocking: ``[(item, final), ...]``; raises the stream's
-        error once its items are taken. An empty list: nothing yet (or the stream is over)."""
+        error once its items are taken. An empty list: nothing yet (or the stream is over);
+        then ``waiter``, if given, is posted when the next item or the end comes."""
         with self._cond:
             if self._items:
                 items = list(self._items)
@@ -224,6 +281,8 @@ class ResponseStream(ResponseSender):
                 self._taken_final = True
                 self._listeners = []
                 raise error
+            if waiter is not None and not self._ended:
+                self._waiter = waiter
         return []
 
     @property
@@ -243,18 +302,25 @@ class ResponseStream(ResponseSender):
                 return
 
     async def __aiter__(self) -> AsyncIterator[tuple[Any, bool]]:
-        loop = asyncio.get_running_loop()
-        ready = asyncio.Event()
-        self.add_listener(lambda: loop.call_soon_threadsafe(ready.set))
-        while True:
-            ready.clear()
-            items = self.take()
+        async for items in self.batches():
             for item in items:
                 yield item
+
+    async def batches(self) -> AsyncIterator[list[tuple[Any, bool]]]:
+        """On an event loop: everything that waits, a list at a time, until the final item;
+        raises the error the stream ended with. A wait is woken once however many items come
+        meanwhile (see the module's docstring)."""
+        loop = asyncio.get_running_loop()
+        wakeups = _wakeups(loop)
+        while True:
+            waiter = loop.create_future()  # (armed only if nothing waits)
+            items = self.take((wakeups, waiter))
+            if items:
+                yield items
             if self.exhausted:
                 return
             if not items:
-                await ready.wait()
+                await waiter
 
     def cancel(self, error: PlugserveError | None = None) -> None:
         """The consumer is gone: cancel the request (the producer hears it)."""

@@ -743,7 +743,10 @@ class Connection(asyncio.Protocol):
                 async for chunk in chunks:
                     if self.closed:
                         return False
-                    if chunk:
+                    size = len(chunk)
+                    if 0 < size < 65536:  # one write, one send(2) (an event's is small)
+                        self.transport.write(b"%x\r\n%b\r\n" % (size, chunk))
+                    elif size:
                         self.transport.writelines([b"%x\r\n" % len(chunk), chunk, b"\r\n"])
                     while self.paused and not self.closed:  # the peer reads: then more
                         self._drained = asyncio.Event()
