@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 import time
 from collections import deque
@@ -56,6 +57,8 @@ from plugserve.plugins.api import (
 
 __all__ = ["MAX_BYTES", "MAX_ITEMS", "ResponseStream"]
 
+log = logging.getLogger(__name__)
+
 #: responses a stream holds unread at most, by count and by bytes (a generated token is one
 #: small response; a decoupled model's tensors may be large)
 MAX_ITEMS = 4096
@@ -73,9 +76,9 @@ class _Wakeups:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self._lock = threading.Lock()
-        self._due: list[asyncio.Future[None]] = []
+        self._due: list[asyncio.Future[None] | Callable[[], object]] = []
 
-    def post(self, waiter: asyncio.Future[None]) -> None:
+    def post(self, waiter: asyncio.Future[None] | Callable[[], object]) -> None:
         with self._lock:
             self._due.append(waiter)
             if len(self._due) > 1:  # the loop is already asked to run them
@@ -87,7 +90,12 @@ class _Wakeups:
         with self._lock:
             due, self._due = self._due, []
         for waiter in due:
-            if not waiter.done():  # (a consumer cancelled meanwhile)
+            if not isinstance(waiter, asyncio.Future):
+                try:  # a callback (take_or_call): one that fails must not stop the others
+                    waiter()
+                except Exception:
+                    log.exception("a stream's consumer failed")
+            elif not waiter.done():  # (a consumer cancelled meanwhile)
                 waiter.set_result(None)
 
 
@@ -146,7 +154,8 @@ class ResponseStream(ResponseSender):
         self._taken_final = False  # the consumer took the last item (or the error)
         self._listeners: list[Callable[[], object]] = []
         #: an event loop's consumer waiting for the next item (see _Wakeups)
-        self._waiter: tuple[_Wakeups, asyncio.Future[None]] | None = None
+        self._waiter: tuple[_Wakeups, Any] | None = None
+        self._sleeping = 0  # blocking consumers waiting on the condition (see __iter__)
         self._on_end: list[Callable[[BaseException | None], object]] = []
         #: responses sent so far (the consumer may not have read them all)
         self.sent = 0
@@ -182,7 +191,8 @@ class ResponseStream(ResponseSender):
             overflow = len(self._items) > self.max_items or self._bytes > self.max_bytes or stalled
             if final and not overflow:
                 self._ended = True
-            self._cond.notify_all()
+            if self._sleeping:  # a blocking consumer (a gRPC thread) waits
+                self._cond.notify_all()
             waiter, self._waiter = self._waiter, None
         if waiter is not None:
             waiter[0].post(waiter[1])
@@ -260,9 +270,7 @@ class ResponseStream(ResponseSender):
         for listener in self._listeners:
             listener()
 
-    def take(
-        self, waiter: tuple[_Wakeups, asyncio.Future[None]] | None = None
-    ) -> list[tuple[Any, bool]]:
+    def take(self, waiter: tuple[_Wakeups, Any] | None = None) -> list[tuple[Any, bool]]:
         """What waits now, without blocking: ``[(item, final), ...]``; raises the stream's
         error once its items are taken. An empty list: nothing yet (or the stream is over);
         then ``waiter``, if given, is posted when the next item or the end comes."""
@@ -295,11 +303,21 @@ class ResponseStream(ResponseSender):
         while True:
             with self._cond:
                 while not self._items and not self._ended:
-                    self._cond.wait()
+                    self._sleeping += 1
+                    try:
+                        self._cond.wait()
+                    finally:
+                        self._sleeping -= 1
             items = self.take()
             yield from items
             if self.exhausted:
                 return
+
+    def take_or_call(self, callback: Callable[[], object]) -> list[tuple[Any, bool]]:
+        """On an event loop's thread: :meth:`take`; when nothing waits, ``callback()`` is
+        called on the loop once the next item or the end comes (with the other streams'
+        wake-ups of the same batch: see the module's docstring)."""
+        return self.take((_wakeups(asyncio.get_running_loop()), callback))
 
     async def __aiter__(self) -> AsyncIterator[tuple[Any, bool]]:
         async for items in self.batches():

@@ -70,7 +70,7 @@ from plugserve.server.plane.request import Request
 from plugserve.server.plane.tracing import name_request
 from plugserve.server.protocols.auth import KSERVE
 from plugserve.server.protocols.http import sse
-from plugserve.server.protocols.http.http_server import StreamReply
+from plugserve.server.protocols.http.http_server import Push, StreamReply
 from plugserve.server.protocols.openai import encode, protocol, tools
 from plugserve.server.protocols.openai.errors import (
     OpenAIError,
@@ -867,6 +867,9 @@ class _Answer:
         self.outputs = [plan.output() for _ in range(count)] if plan is not None else None
         #: a plain stream's chunk as a template (see :meth:`_plain_template`); None: not made
         self._template: bytes | None = None
+        #: per choice, a plain chunk's bytes up to its text's JSON; after it, without a finish
+        self._heads: list[bytes] = []
+        self._tail = b""
 
     def index(self, prompt: int, event: GenerationEvent) -> int:
         return prompt * self.ask.n + event.index
@@ -1067,12 +1070,30 @@ class _Answer:
                     b',"logprobs":null,"finish_reason":%b}]', tail.replace(b"%", b"%%"),
                     b"\n\n",
                 ])  # fmt: skip
+                before, after = self._template.split(b"%b", 1)
+                opened, closed = (b'{"content":', b"}") if self.kind == "chat" else (b"", b"")
+                self._heads = [before % i + opened for i in range(len(self.texts))]
+                self._tail = closed + after % b"null"
         return self._template or None
 
     def chunk(self, prompt: int, event: GenerationEvent) -> bytes | None:
         """The chunk for one event (None: it carries nothing to send)."""
         template = self._template if self._template is not None else self._plain_template()
-        if template:  # the common stream: text and a finish reason only
+        if template and event.finish_reason is None:  # the common event: text only
+            i = prompt * self.ask.n + event.index
+            text = event.text
+            if text:
+                self.texts[i].append(text)
+            if event.completion_tokens > self.completion[i]:
+                self.completion[i] = event.completion_tokens
+            if event.prompt_tokens:
+                self.prompt_tokens[prompt] = event.prompt_tokens
+            if event.cached_tokens > self.cached[prompt]:
+                self.cached[prompt] = event.cached_tokens
+            if not text:
+                return None
+            return b"".join((self._heads[i], orjson.dumps(text), self._tail))
+        if template:  # its last event: the finish reason
             i = self.add(prompt, event)
             self.started.add(i)
             text = event.text
@@ -1183,6 +1204,67 @@ def _finish_reason(reason: str) -> str:
     return reason
 
 
+class _Pushed(Push):
+    """One prompt's stream written from the HTTP loop's wake-up (``http_server.Push``): the
+    events taken, encoded and written in the callback that says they came, with no task step,
+    future or async generator per event; the same bytes and writes as ``_stream_reply``'s
+    chunks (an event per token, what came together in one write, the usage chunk and
+    [DONE] last). A peer that does not read stops the taking (the stream's own bounds then
+    apply) until the connection resumes it."""
+
+    def __init__(self, answer: _Answer, stream: Any) -> None:
+        self.answer, self.stream = answer, stream
+        self.write: Callable[[bytes], bool] = lambda data: False
+        self.done: asyncio.Future[None] | None = None
+
+    def start(self, write: Callable[[bytes], bool]) -> asyncio.Future[None]:
+        self.write = write
+        self.done = asyncio.get_running_loop().create_future()
+        opening = self.answer.opening()
+        if not opening or write(b"".join(opening)):
+            self._pump()
+        return self.done
+
+    def resume(self) -> None:
+        self._pump()
+
+    def stop(self) -> None:
+        if self.done is not None and not self.done.done():
+            self.done.cancel()
+        with contextlib.suppress(Exception):
+            self.stream.cancel()
+
+    def _pump(self) -> None:
+        done = self.done
+        if done is None or done.done():
+            return
+        chunk, stream = self.answer.chunk, self.stream
+        pieces: list[bytes] = []
+        try:
+            while True:
+                items = stream.take_or_call(self._pump)  # nothing: called when more comes
+                for event, _final in items:
+                    if event is not None and (piece := chunk(0, event)) is not None:
+                        pieces.append(piece)
+                if stream.exhausted:
+                    break
+                if not items:
+                    return
+                if pieces:
+                    joined, pieces = b"".join(pieces), []
+                    if not self.write(joined):
+                        return  # the peer does not read: resume() goes on
+            last = self.answer.closing()
+        except (PlugserveError, OpenAIError) as exc:
+            # the status line is out: the failure is the stream's last event, as vLLM's
+            last = [_sse(stream_error(exc))]
+        except Exception as exc:
+            done.set_exception(exc)
+            return
+        self.write(b"".join([*pieces, *last, sse.DONE]))
+        done.set_result(None)
+
+
 def _stream_reply(answer: _Answer, streams: list[Any]) -> StreamReply:
     async def chunks() -> AsyncIterator[bytes]:
         try:
@@ -1219,7 +1301,8 @@ def _stream_reply(answer: _Answer, streams: list[Any]) -> StreamReply:
                 with contextlib.suppress(Exception):
                     stream.cancel()
 
-    return StreamReply(200, sse.HEADERS, chunks())
+    push = _Pushed(answer, streams[0]) if len(streams) == 1 else None
+    return StreamReply(200, sse.HEADERS, chunks(), push)
 
 
 def _echo_only(model: _Model, ask: Any, prompts: list[list[int]]) -> Reply | Any:
