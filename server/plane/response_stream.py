@@ -91,7 +91,7 @@ class _Wakeups:
             due, self._due = self._due, []
         for waiter in due:
             if not isinstance(waiter, asyncio.Future):
-                try:  # a callback (take_or_call): one that fails must not stop the others
+                try:  # a callback (caller()): one that fails must not stop the others
                     waiter()
                 except Exception:
                     log.exception("a stream's consumer failed")
@@ -270,11 +270,16 @@ class ResponseStream(ResponseSender):
         for listener in self._listeners:
             listener()
 
-    def take(self, waiter: tuple[_Wakeups, Any] | None = None) -> list[tuple[Any, bool]]:
+    def take(
+        self, waiter: tuple[_Wakeups, Any] | None = None, always: bool = False
+    ) -> list[tuple[Any, bool]]:
         """What waits now, without blocking: ``[(item, final), ...]``; raises the stream's
         error once its items are taken. An empty list: nothing yet (or the stream is over);
-        then ``waiter``, if given, is posted when the next item or the end comes."""
+        then ``waiter``, if given, is posted when the next item or the end comes (``always``:
+        armed whatever was taken, the taker going on with the next item that comes)."""
         with self._cond:
+            if waiter is not None and not self._ended and (always or not self._items):
+                self._waiter = waiter
             if self._items:
                 items = list(self._items)
                 self._items.clear()
@@ -289,8 +294,6 @@ class ResponseStream(ResponseSender):
                 self._taken_final = True
                 self._listeners = []
                 raise error
-            if waiter is not None and not self._ended:
-                self._waiter = waiter
         return []
 
     @property
@@ -313,11 +316,11 @@ class ResponseStream(ResponseSender):
             if self.exhausted:
                 return
 
-    def take_or_call(self, callback: Callable[[], object]) -> list[tuple[Any, bool]]:
-        """On an event loop's thread: :meth:`take`; when nothing waits, ``callback()`` is
-        called on the loop once the next item or the end comes (with the other streams'
-        wake-ups of the same batch: see the module's docstring)."""
-        return self.take((_wakeups(asyncio.get_running_loop()), callback))
+    def caller(self, callback: Callable[[], object]) -> tuple[_Wakeups, Any]:
+        """On an event loop's thread: what :meth:`take` arms to have ``callback()`` called on
+        that loop once the next item or the end comes (with the other streams' wake-ups of
+        the same batch: see the module's docstring)."""
+        return (_wakeups(asyncio.get_running_loop()), callback)
 
     async def __aiter__(self) -> AsyncIterator[tuple[Any, bool]]:
         async for items in self.batches():

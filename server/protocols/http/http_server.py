@@ -177,7 +177,7 @@ class StreamReply:
 
     ``push``, when a reply has one (:class:`Push`), is the same body written without a task
     step per event: the connection hands it a writer and it writes from the loop's callback
-    that tells it events came (``ResponseStream.take_or_call``). Whoever wraps ``chunks``
+    that tells it events came (``ResponseStream.caller``). Whoever wraps ``chunks``
     (tracing's byte count, the Responses API's events) sets ``chunks``, which drops ``push``:
     the body is then the wrapped iterator's."""
 

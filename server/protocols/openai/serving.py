@@ -1216,16 +1216,20 @@ class _Pushed(Push):
         self.answer, self.stream = answer, stream
         self.write: Callable[[bytes], bool] = lambda data: False
         self.done: asyncio.Future[None] | None = None
+        self.blocked = False  # the peer does not read: nothing is taken until resume()
+        self.caller: Any = None  # (the stream's arming of _pump)
 
     def start(self, write: Callable[[bytes], bool]) -> asyncio.Future[None]:
         self.write = write
         self.done = asyncio.get_running_loop().create_future()
+        self.caller = self.stream.caller(self._pump)
         opening = self.answer.opening()
-        if not opening or write(b"".join(opening)):
-            self._pump()
+        self.blocked = bool(opening) and not write(b"".join(opening))
+        self._pump()
         return self.done
 
     def resume(self) -> None:
+        self.blocked = False
         self._pump()
 
     def stop(self) -> None:
@@ -1235,25 +1239,28 @@ class _Pushed(Push):
             self.stream.cancel()
 
     def _pump(self) -> None:
+        """Take what came (armed at once for what comes next: one take per wake-up), write
+        it; at the end the closing chunks and [DONE]."""
         done = self.done
-        if done is None or done.done():
+        if done is None or done.done() or self.blocked:
             return
         chunk, stream = self.answer.chunk, self.stream
         pieces: list[bytes] = []
         try:
             while True:
-                items = stream.take_or_call(self._pump)  # nothing: called when more comes
-                for event, _final in items:
+                for event, _final in stream.take(self.caller, always=True):
                     if event is not None and (piece := chunk(0, event)) is not None:
                         pieces.append(piece)
                 if stream.exhausted:
                     break
-                if not items:
-                    return
                 if pieces:
                     joined, pieces = b"".join(pieces), []
                     if not self.write(joined):
-                        return  # the peer does not read: resume() goes on
+                        self.blocked = True  # resume() goes on
+                        return
+                if not stream.ended:
+                    return  # armed: called again when more comes
+                # (it failed after what was taken: the next take raises its error)
             last = self.answer.closing()
         except (PlugserveError, OpenAIError) as exc:
             # the status line is out: the failure is the stream's last event, as vLLM's
