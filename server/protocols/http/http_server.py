@@ -58,7 +58,11 @@ REST front door"; tests/server/test_attacks_front.py drives each):
   stream had taken 2.9 MB of events into the kernel in 25 s and was still generating), so a
   peer that stops reading is seen after its own receive window, 128 KiB of the kernel's and
   the transport's 64 KiB high-water mark; the stream's producer is then stopped by its own
-  bounds (a generation's: ``server/apps/generate/limits.py``) and the connection by the rule above.
+  bounds (a generation's: ``server/apps/generate/limits.py``) and the connection by the rule above;
+- a streamed reply's chunk is one ``transport.write`` (its framing and data joined), and a
+  reply with a :class:`Push` (an OpenAI stream of one prompt) is written from the loop's
+  wake-up with no task step per event: it stops taking events while the transport is paused
+  and goes on from ``resume_writing``, so the bounds above hold the same way.
 
 A client that disconnects cancels the request it waits for: queued, it leaves its queue;
 running, it stops at its device's next checkpoint (``plugins/cancel.py``).
