@@ -55,7 +55,7 @@ from plugserve.plugins.api import (
     ResponseSender,
 )
 
-__all__ = ["MAX_BYTES", "MAX_ITEMS", "ResponseStream", "held"]
+__all__ = ["MAX_BYTES", "MAX_ITEMS", "ResponseStream"]
 
 log = logging.getLogger(__name__)
 
@@ -71,44 +71,24 @@ _OBJECT = np.dtype(object)
 class _Wakeups:
     """The wake-ups one event loop's consumers wait for, posted from producers' threads: the
     first posted since the loop last ran them asks the loop to run them (one
-    ``call_soon_threadsafe``), the others join it; the loop then resolves them all at once.
-    A producer inside :func:`held` asks at the hold's end instead: the engine holds its
-    step's sends, and the HTTP thread, which had taken the GIL whenever the step let it go
-    (its detokenizer's calls) and woke 1-32 times a step of 32 streams, wakes once."""
+    ``call_soon_threadsafe``), the others join it; the loop then resolves them all at once."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self._lock = threading.Lock()
         self._due: list[asyncio.Future[None] | Callable[[], object]] = []
-        self._asked = False  # the loop is asked to run them
 
     def post(self, waiter: asyncio.Future[None] | Callable[[], object]) -> None:
-        holding = getattr(_held, "wakeups", None)
         with self._lock:
             self._due.append(waiter)
-            if self._asked:
+            if len(self._due) > 1:  # the loop is already asked to run them
                 return
-            if holding is not None:  # asked at the hold's end
-                holding.add(self)
-                return
-            self._asked = True
-        self._ask()
-
-    def flush(self) -> None:
-        """Ask the loop to run what a hold kept."""
-        with self._lock:
-            if self._asked or not self._due:
-                return
-            self._asked = True
-        self._ask()
-
-    def _ask(self) -> None:
         with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
             self.loop.call_soon_threadsafe(self._run)
 
     def _run(self) -> None:
         with self._lock:
-            due, self._due, self._asked = self._due, [], False
+            due, self._due = self._due, []
         for waiter in due:
             if not isinstance(waiter, asyncio.Future):
                 try:  # a callback (caller()): one that fails must not stop the others
@@ -120,7 +100,6 @@ class _Wakeups:
 
 
 _local = threading.local()
-_held = threading.local()
 
 
 def _wakeups(loop: asyncio.AbstractEventLoop) -> _Wakeups:
@@ -129,24 +108,6 @@ def _wakeups(loop: asyncio.AbstractEventLoop) -> _Wakeups:
     if wakeups is None or wakeups.loop is not loop:
         wakeups = _local.wakeups = _Wakeups(loop)
     return wakeups
-
-
-@contextlib.contextmanager
-def held() -> Iterator[None]:
-    """On a producer's thread: the consumers' wake-ups its sends make meanwhile wait for the
-    block's end, then go as one per loop (a producer that sends to many streams in a step;
-    see :class:`_Wakeups`). Nested: the outermost hold flushes."""
-    if getattr(_held, "wakeups", None) is not None:
-        yield
-        return
-    kept: set[_Wakeups] = set()
-    _held.wakeups = kept
-    try:
-        yield
-    finally:
-        _held.wakeups = None
-        for wakeups in kept:
-            wakeups.flush()
 
 
 def _size(item: Any) -> int:

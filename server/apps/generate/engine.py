@@ -74,7 +74,6 @@ from plugserve.server.apps.generate.scheduler import Sequence as Seq
 from plugserve.server.apps.generate.spans import RequestSpans
 from plugserve.server.apps.generate.stats import GenerationStats
 from plugserve.server.apps.generate.types import GenerationEvent, GenerationRequest
-from plugserve.server.plane.response_stream import held
 
 __all__ = ["Engine", "EngineSettings", "QueueSender"]
 
@@ -272,8 +271,7 @@ class Engine:
         """Execute the plan and update from each forward as it is done (the module's 3.)."""
         process = self.output.process
         for forward in self.runner.execute(plan):
-            with held():  # its streams' consumers woken once, after all its sends
-                process(forward)
+            process(forward)
 
     def _busy(self) -> bool:
         return bool(self.scheduler.running or self.scheduler.waiting)
