@@ -1,11 +1,13 @@
 """A client that leaves an OpenAI request, streamed or not, cancels it: the engine frees its
 sequence and cache at its next step and counts it aborted (a real server, a raw HTTP client that
-closes its socket mid-answer)."""
+closes its socket mid-answer); one that stops reading a stream and reads on later gets all of it."""
 
 from __future__ import annotations
 
 import http.client
 import json
+import socket
+import time
 
 import pytest
 from openai_serving import metric, serving
@@ -52,3 +54,52 @@ def test_a_client_that_leaves_frees_its_sequence(server, stream, path):
     assert wait_for(lambda: _running(server) == 0, 60)
     assert metric(server, "plugserve_generate_kv_cache_usage_ratio", MODEL) == 0
     assert _aborted(server) == before + 1
+
+
+def _sse_body(raw: bytes) -> list[bytes]:
+    """The ``data:`` values of a chunked SSE response's bytes (its head and chunk framing
+    dropped)."""
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert b" 200 " in head.split(b"\r\n")[0], head[:200]
+    data, rest = b"", body
+    while rest:
+        size, _, rest = rest.partition(b"\r\n")
+        n = int(size, 16)
+        if n == 0:
+            break
+        data, rest = data + rest[:n], rest[n + 2 :]
+    return [e[6:] for e in data.split(b"\n\n") if e.startswith(b"data: ")]
+
+
+def test_a_client_that_pauses_reading_gets_its_whole_stream_in_order(server):
+    """A streamed completion's peer that stops reading (its receive window and the server's
+    send buffer full: the transport pauses, the stream stops being taken) and then reads on
+    gets every event, in order, one per token, then the usage chunk and [DONE]."""
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 400, "logprobs": 5,
+            "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    payload = json.dumps(body).encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.settimeout(120)
+    try:
+        sock.connect(("127.0.0.1", server.http_port))
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"connection: close\r\ncontent-length: %d\r\n\r\n%b" % (len(payload), payload)
+        )
+        time.sleep(3)  # not reading: ~400 events of 5 alternatives are ~400 KB, past the
+        # kernel's buffers and the transport's high-water mark
+        raw = b""
+        while piece := sock.recv(1 << 16):
+            raw += piece
+            time.sleep(0.001)
+    finally:
+        sock.close()
+    events = _sse_body(raw)
+    assert events[-1] == b"[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 400
+    tokens = [t for c in chunks[:-1] for t in c["choices"][0]["logprobs"]["tokens"]]
+    assert len(tokens) == 400
+    assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]][-1] == "length"

@@ -58,7 +58,11 @@ REST front door"; tests/server/test_attacks_front.py drives each):
   stream had taken 2.9 MB of events into the kernel in 25 s and was still generating), so a
   peer that stops reading is seen after its own receive window, 128 KiB of the kernel's and
   the transport's 64 KiB high-water mark; the stream's producer is then stopped by its own
-  bounds (a generation's: ``server/apps/generate/limits.py``) and the connection by the rule above.
+  bounds (a generation's: ``server/apps/generate/limits.py``) and the connection by the rule above;
+- a streamed reply's chunk is one ``transport.write`` (its framing and data joined), and a
+  reply with a :class:`Push` (an OpenAI stream of one prompt) is written from the loop's
+  wake-up with no task step per event: it stops taking events while the transport is paused
+  and goes on from ``resume_writing``, so the bounds above hold the same way.
 
 A client that disconnects cancels the request it waits for: queued, it leaves its queue;
 running, it stops at its device's next checkpoint (``plugins/cancel.py``).
@@ -92,6 +96,7 @@ __all__ = [
     "STREAM_SEND_BUFFER",
     "Bounds",
     "HttpServer",
+    "Push",
     "Reply",
     "StreamReply",
     "error_reply",
@@ -172,14 +177,50 @@ class StreamReply:
     ``chunks``
     is an async iterator of bytes; the connection waits for the peer to read before asking it
     for more (flow control), and a peer that goes away closes it (its ``finally`` cancels the
-    request that feeds it)."""
+    request that feeds it).
 
-    __slots__ = ("chunks", "headers", "status")
+    ``push``, when a reply has one (:class:`Push`), is the same body written without a task
+    step per event: the connection hands it a writer and it writes from the loop's callback
+    that tells it events came (``ResponseStream.caller``). Whoever wraps ``chunks``
+    (tracing's byte count, the Responses API's events) sets ``chunks``, which drops ``push``:
+    the body is then the wrapped iterator's."""
+
+    __slots__ = ("_chunks", "headers", "push", "status")
 
     def __init__(
-        self, status: int, headers: list[tuple[bytes, bytes]], chunks: AsyncIterator[bytes]
+        self,
+        status: int,
+        headers: list[tuple[bytes, bytes]],
+        chunks: AsyncIterator[bytes],
+        push: Push | None = None,
     ) -> None:
-        self.status, self.headers, self.chunks = status, headers, chunks
+        self.status, self.headers, self._chunks, self.push = status, headers, chunks, push
+
+    @property
+    def chunks(self) -> AsyncIterator[bytes]:
+        return self._chunks
+
+    @chunks.setter
+    def chunks(self, chunks: AsyncIterator[bytes]) -> None:
+        self._chunks, self.push = chunks, None
+
+
+class Push:
+    """A streamed body that writes itself (see :class:`StreamReply`): :meth:`start` gets
+    ``write(data) -> bool`` (False: the peer does not read, stop until :meth:`resume`) and
+    returns a future done when the body's last bytes are written (or failed with what the
+    iterator would have raised); :meth:`stop` ends it early (the peer left: cancel what feeds
+    it). Measured: the pulled path's task step, futures and async generators per event were
+    most of the HTTP thread's per-token cost that was not the socket's write."""
+
+    def start(self, write: Callable[[bytes], bool]) -> asyncio.Future[None]:
+        raise NotImplementedError
+
+    def resume(self) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
 
 
 def error_reply(status: int, message: str) -> Reply:
@@ -352,6 +393,7 @@ class Connection(asyncio.Protocol):
         self.task: asyncio.Task | None = None  # what a request being served awaits, if any
         self.paused = False  # the peer is not reading: no further request until it does
         self._drained: asyncio.Event | None = None  # a streamed reply waits for the peer
+        self._push: Push | None = None  # a streamed reply that writes itself
         self.closed = False
         self.last = False  # the parser reads no further request: close after those taken
         self.lingering = False  # refused: what the peer still sends is dropped, then closed
@@ -473,6 +515,8 @@ class Connection(asyncio.Protocol):
         self.stalled_until = _NEVER
         if self._drained is not None:
             self._drained.set()
+        if self._push is not None:
+            self._push.resume()
         if not self.busy:
             self._next()
 
@@ -739,11 +783,19 @@ class Connection(asyncio.Protocol):
                 head.append(b"connection: close\r\n")
             head.append(b"\r\n")
             self.transport.write(b"".join(head))
-            if method != "HEAD":
+            if method != "HEAD" and reply.push is not None:
+                self._push = reply.push
+                await self._push.start(self._write_chunk)
+                if self.closed:
+                    return False
+            elif method != "HEAD":
                 async for chunk in chunks:
                     if self.closed:
                         return False
-                    if chunk:
+                    size = len(chunk)
+                    if 0 < size < 65536:  # one write, one send(2) (an event's is small)
+                        self.transport.write(b"%x\r\n%b\r\n" % (size, chunk))
+                    elif size:
                         self.transport.writelines([b"%x\r\n" % len(chunk), chunk, b"\r\n"])
                     while self.paused and not self.closed:  # the peer reads: then more
                         self._drained = asyncio.Event()
@@ -753,6 +805,9 @@ class Connection(asyncio.Protocol):
             self.transport.write(b"0\r\n\r\n")
         finally:
             self._drained = None
+            self._push = None
+            if reply.push is not None:
+                reply.push.stop()
             close = getattr(chunks, "aclose", None)
             if close is not None:
                 await close()
@@ -760,6 +815,15 @@ class Connection(asyncio.Protocol):
             self.close()
             return False
         return True
+
+    def _write_chunk(self, chunk: bytes) -> bool:
+        """A :class:`Push`'s writer: ``chunk`` as one chunk of the body; whether to go on (the
+        peer reads: the transport is under its high-water mark, the connection open)."""
+        if self.closed:
+            return False
+        if chunk:
+            self.transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+        return not self.paused and not self.closed
 
     def _bound_send_buffer(self) -> None:
         """A small kernel send buffer for a streamed reply (see STREAM_SEND_BUFFER)."""

@@ -550,34 +550,37 @@ class RestApp:
             return 200, [event], sse.HEADERS
         if trace is not None:  # the request's span ends with its stream of responses
             answer.when_ended(lambda error: _end(trace, None, error))
-        items = answer.__aiter__()
+        batches = answer.batches()  # what came together is written together
         try:
-            first = await items.__anext__()
+            first = await batches.__anext__()
         except StopAsyncIteration:
-            first = None
+            first = []
         except asyncio.CancelledError:
             answer.cancel()
             raise
 
         async def events() -> AsyncIterator[bytes]:
             try:
-                pending = [first] if first is not None else []
+                pending = first
                 while True:
+                    out = []
                     for item, _final in pending:
                         if item is not None and item.error is not None:
-                            yield sse.event(orjson.dumps({"error": status_of(item.error)[1]}))
+                            out.append(sse.event(orjson.dumps({"error": status_of(item.error)[1]})))
                         elif item is not None:
                             data = response_json(entry, request.id, item.outputs, item.parameters)
-                            yield sse.event(data)
+                            out.append(sse.event(data))
+                    if out:
+                        yield b"".join(out)
                     try:
-                        pending = [await items.__anext__()]
+                        pending = await batches.__anext__()
                     except StopAsyncIteration:
                         return
                     except PlugserveError as exc:
                         yield sse.event(orjson.dumps({"error": status_of(exc)[1]}))
                         return
             finally:
-                await items.aclose()
+                await batches.aclose()
                 if not answer.exhausted:
                     answer.cancel()
 

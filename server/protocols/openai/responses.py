@@ -302,14 +302,16 @@ class ResponsesRoutes:
         try:
             for piece in events.opening():
                 yield piece
-            async for piece in chunks:
+            async for piece in chunks:  # (the events of one piece are written together)
+                made: list[bytes] = []
                 for value in _sse_values(piece):
                     if "error" in value and "choices" not in value:
-                        for event in events.failed(value["error"]):
-                            yield event
+                        made += events.failed(value["error"])
+                        yield b"".join(made)
                         return
-                    for event in events.chunk(value):
-                        yield event
+                    made += events.chunk(value)
+                if made:
+                    yield b"".join(made)
             finished = events.closing()
             if conversation is not None:
                 response = events.response(status_of(events.finish_reason))

@@ -70,7 +70,7 @@ from plugserve.server.plane.request import Request
 from plugserve.server.plane.tracing import name_request
 from plugserve.server.protocols.auth import KSERVE
 from plugserve.server.protocols.http import sse
-from plugserve.server.protocols.http.http_server import StreamReply
+from plugserve.server.protocols.http.http_server import Push, StreamReply
 from plugserve.server.protocols.openai import encode, protocol, tools
 from plugserve.server.protocols.openai.errors import (
     OpenAIError,
@@ -536,8 +536,9 @@ class OpenAIRoutes:
         if ask.stream:
             return _stream_reply(answer, streams)
         try:
-            async for index, event in _merged(streams):
-                answer.add(index, event)
+            async for batch in _merged(streams):
+                for index, event in batch:
+                    answer.add(index, event)
         finally:
             for stream in streams:
                 stream.cancel()
@@ -785,38 +786,42 @@ async def _counted(trace: Trace, chunks: AsyncIterator[bytes]) -> AsyncIterator[
         trace.end()
 
 
-async def _merged(streams: list[Any]) -> AsyncIterator[tuple[int, GenerationEvent]]:
-    """The events of every prompt's stream as they come, with the prompt's number."""
+async def _merged(streams: list[Any]) -> AsyncIterator[list[tuple[int, GenerationEvent]]]:
+    """The events of every prompt's stream as they come, with the prompt's number: a list of
+    what one stream had ready at once (``ResponseStream.batches``: one wake-up, one write of
+    the stream's chunks, however many events a lagging client let queue). Several streams go
+    through a queue of one batch: beyond each stream's own bounded buffer a pump holds at most
+    the batch it took, so the unread bound is at most doubled, never lifted."""
     if len(streams) == 1:
-        async for event, _final in streams[0]:
-            if event is not None:
-                yield 0, event
+        async for items in streams[0].batches():
+            batch = [(0, event) for event, _final in items if event is not None]
+            if batch:
+                yield batch
         return
-    queue: asyncio.Queue[tuple[int, Any, BaseException | None]] = asyncio.Queue(
-        maxsize=4 * len(streams)
-    )
+    queue: asyncio.Queue[tuple[Any, BaseException | None]] = asyncio.Queue(maxsize=1)
     finished = object()
 
     async def pump(i: int, stream: Any) -> None:
         try:
-            async for event, _final in stream:
-                if event is not None:
-                    await queue.put((i, event, None))
-            await queue.put((i, finished, None))
+            async for items in stream.batches():
+                batch = [(i, event) for event, _final in items if event is not None]
+                if batch:
+                    await queue.put((batch, None))
+            await queue.put((finished, None))
         except Exception as exc:
-            await queue.put((i, finished, exc))
+            await queue.put((finished, exc))
 
     tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
     try:
         left = len(streams)
         while left:
-            i, event, error = await queue.get()
+            batch, error = await queue.get()
             if error is not None:
                 raise error
-            if event is finished:
+            if batch is finished:
                 left -= 1
                 continue
-            yield i, event
+            yield batch
     finally:
         for task in tasks:
             task.cancel()
@@ -861,6 +866,11 @@ class _Answer:
         self.started: set[int] = set()
         #: each chat choice's reasoning, content and tool calls (None: content only)
         self.outputs = [plan.output() for _ in range(count)] if plan is not None else None
+        #: a plain stream's chunk as a template (see :meth:`_plain_template`); None: not made
+        self._template: bytes | None = None
+        #: per choice, a plain chunk's bytes up to its text's JSON; after it, without a finish
+        self._heads: list[bytes] = []
+        self._tail = b""
 
     def index(self, prompt: int, event: GenerationEvent) -> int:
         return prompt * self.ask.n + event.index
@@ -1041,8 +1051,60 @@ class _Answer:
             chunks.append(_sse(chunk))
         return chunks
 
+    def _plain_template(self) -> bytes | None:
+        """The event of a plain stream's chunk with its constant parts (id, object, created,
+        model, the usage key) written once, its choice's index, text and finish left to
+        ``%``; None when a chunk may carry more (logprobs, token ids, echo, parsed output).
+        Building and dumping the chunk's dict per token was most of the encoding's cost on
+        the HTTP thread; the template's chunk is byte for byte the dict's (a test compares)."""
+        if self._template is None:
+            ask = self.ask
+            plain = not self.prompt_only and self.names is None and not ask.return_token_ids
+            plain = plain and (self.outputs is None if self.kind == "chat" else not self.echo)
+            if not plain:
+                self._template = b""
+            else:
+                head, _key, tail = orjson.dumps(self._chunk([])).rpartition(b'"choices":[]')
+                body = b'"delta":%b' if self.kind == "chat" else b'"text":%b'
+                self._template = b"".join([
+                    b"data: ", head.replace(b"%", b"%%"), b'"choices":[{"index":%d,', body,
+                    b',"logprobs":null,"finish_reason":%b}]', tail.replace(b"%", b"%%"),
+                    b"\n\n",
+                ])  # fmt: skip
+                before, after = self._template.split(b"%b", 1)
+                opened, closed = (b'{"content":', b"}") if self.kind == "chat" else (b"", b"")
+                self._heads = [before % i + opened for i in range(len(self.texts))]
+                self._tail = closed + after % b"null"
+        return self._template or None
+
     def chunk(self, prompt: int, event: GenerationEvent) -> bytes | None:
         """The chunk for one event (None: it carries nothing to send)."""
+        template = self._template if self._template is not None else self._plain_template()
+        if template and event.finish_reason is None:  # the common event: text only
+            i = prompt * self.ask.n + event.index
+            text = event.text
+            if text:
+                self.texts[i].append(text)
+            if event.completion_tokens > self.completion[i]:
+                self.completion[i] = event.completion_tokens
+            if event.prompt_tokens:
+                self.prompt_tokens[prompt] = event.prompt_tokens
+            if event.cached_tokens > self.cached[prompt]:
+                self.cached[prompt] = event.cached_tokens
+            if not text:
+                return None
+            return b"".join((self._heads[i], orjson.dumps(text), self._tail))
+        if template:  # its last event: the finish reason
+            i = self.add(prompt, event)
+            self.started.add(i)
+            text = event.text
+            finish = self.finish[i] if event.finish_reason is not None else None
+            if not text and finish is None:
+                return None
+            value = orjson.dumps(text)
+            if self.kind == "chat":
+                value = b'{"content":' + value + b"}" if text else b"{}"
+            return template % (i, value, b"null" if finish is None else orjson.dumps(finish))
         event = self.bare(event)
         i = self.add(prompt, event)
         first = i not in self.started
@@ -1143,28 +1205,112 @@ def _finish_reason(reason: str) -> str:
     return reason
 
 
+class _Pushed(Push):
+    """One prompt's stream written from the HTTP loop's wake-up (``http_server.Push``): the
+    events taken, encoded and written in the callback that says they came, with no task step,
+    future or async generator per event; the same bytes and writes as ``_stream_reply``'s
+    chunks (an event per token, what came together in one write, the usage chunk and
+    [DONE] last). A peer that does not read stops the taking (the stream's own bounds then
+    apply) until the connection resumes it."""
+
+    def __init__(self, answer: _Answer, stream: Any) -> None:
+        self.answer, self.stream = answer, stream
+        self.write: Callable[[bytes], bool] = lambda data: False
+        self.done: asyncio.Future[None] | None = None
+        self.blocked = False  # the peer does not read: nothing is taken until resume()
+        self.caller: Any = None  # (the stream's arming of _pump)
+
+    def start(self, write: Callable[[bytes], bool]) -> asyncio.Future[None]:
+        self.write = write
+        self.done = asyncio.get_running_loop().create_future()
+        self.caller = self.stream.caller(self._pump)
+        opening = self.answer.opening()
+        self.blocked = bool(opening) and not write(b"".join(opening))
+        self._pump()
+        return self.done
+
+    def resume(self) -> None:
+        self.blocked = False
+        self._pump()
+
+    def stop(self) -> None:
+        if self.done is not None and not self.done.done():
+            self.done.cancel()
+        with contextlib.suppress(Exception):
+            self.stream.cancel()
+
+    def _pump(self) -> None:
+        """Take what came (armed at once for what comes next: one take per wake-up), write
+        it; at the end the closing chunks and [DONE]."""
+        done = self.done
+        if done is None or done.done() or self.blocked:
+            return
+        chunk, stream = self.answer.chunk, self.stream
+        pieces: list[bytes] = []
+        try:
+            while True:
+                for event, _final in stream.take(self.caller, always=True):
+                    if event is not None and (piece := chunk(0, event)) is not None:
+                        pieces.append(piece)
+                if stream.exhausted:
+                    break
+                if pieces:
+                    joined, pieces = b"".join(pieces), []
+                    if not self.write(joined):
+                        self.blocked = True  # resume() goes on
+                        return
+                if not stream.ended:
+                    return  # armed: called again when more comes
+                # (it failed after what was taken: the next take raises its error)
+            last = self.answer.closing()
+        except (PlugserveError, OpenAIError) as exc:
+            # the status line is out: the failure is the stream's last event, as vLLM's
+            last = [_sse(stream_error(exc))]
+        except Exception as exc:
+            done.set_exception(exc)
+            return
+        self.write(b"".join([*pieces, *last, sse.DONE]))
+        done.set_result(None)
+
+
 def _stream_reply(answer: _Answer, streams: list[Any]) -> StreamReply:
     async def chunks() -> AsyncIterator[bytes]:
         try:
-            for piece in answer.opening():
-                yield piece
+            opening = answer.opening()
+            if opening:
+                yield b"".join(opening)
+            pieces: list[bytes] = []
+            chunk = answer.chunk
             try:
-                async for prompt, event in _merged(streams):
-                    piece = answer.chunk(prompt, event)
-                    if piece is not None:
-                        yield piece
-                for piece in answer.closing():
-                    yield piece
+                if len(streams) == 1:  # (the common case: its stream's batches, one layer less)
+                    async for items in streams[0].batches():
+                        # an event per token; what came together is written together
+                        for event, _final in items:
+                            if event is not None and (piece := chunk(0, event)) is not None:
+                                pieces.append(piece)
+                        if pieces:
+                            joined, pieces = b"".join(pieces), []
+                            yield joined
+                else:
+                    async for batch in _merged(streams):
+                        for prompt, event in batch:
+                            if (piece := chunk(prompt, event)) is not None:
+                                pieces.append(piece)
+                        if pieces:
+                            joined, pieces = b"".join(pieces), []
+                            yield joined
+                last = answer.closing()
             except (PlugserveError, OpenAIError) as exc:
                 # the status line is out: the failure is the stream's last event, as vLLM's
-                yield _sse(stream_error(exc))
-            yield sse.DONE
+                last = [_sse(stream_error(exc))]
+            yield b"".join([*pieces, *last, sse.DONE])
         finally:
             for stream in streams:
                 with contextlib.suppress(Exception):
                     stream.cancel()
 
-    return StreamReply(200, sse.HEADERS, chunks())
+    push = _Pushed(answer, streams[0]) if len(streams) == 1 else None
+    return StreamReply(200, sse.HEADERS, chunks(), push)
 
 
 def _echo_only(model: _Model, ask: Any, prompts: list[list[int]]) -> Reply | Any:
