@@ -48,6 +48,7 @@ import dataclasses
 import functools
 import threading
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -129,6 +130,7 @@ class _Runtime:
         lib.cudaGetErrorString.restype = ctypes.c_char_p
         lib.cudaGetErrorString.argtypes = [ctypes.c_int]
         lib.cudaSetDevice.argtypes = [ctypes.c_int]
+        lib.cudaGetDevice.argtypes = [ctypes.POINTER(ctypes.c_int)]
         lib.cudaIpcOpenMemHandle.argtypes = [
             ctypes.POINTER(ctypes.c_void_p),
             _Handle,
@@ -142,23 +144,37 @@ class _Runtime:
             text = self.lib.cudaGetErrorString(code)
             raise InvalidArgument(f"{what}: CUDA error {code}: {(text or b'').decode()}")
 
-    def open(self, handle: bytes, device: int, what: str) -> int:
+    @contextlib.contextmanager
+    def _on(self, device: int, what: str) -> Iterator[None]:
+        """``device`` current for the calls inside, the thread's own current device back
+        after: these run on request, gRPC and event-loop threads (and a collector's, closing),
+        whose current device other code (torch's lanes) relies on."""
+        before = ctypes.c_int(-1)
+        had = self.lib.cudaGetDevice(ctypes.byref(before)) == 0
         self.check(self.lib.cudaSetDevice(device), what)
+        try:
+            yield
+        finally:
+            if had and before.value != device:
+                self.lib.cudaSetDevice(before.value)
+
+    def open(self, handle: bytes, device: int, what: str) -> int:
         pointer = ctypes.c_void_p()
         raw = _Handle()
         ctypes.memmove(ctypes.byref(raw), handle, IPC_HANDLE_BYTES)
-        self.check(
-            self.lib.cudaIpcOpenMemHandle(ctypes.byref(pointer), raw, _LAZY_PEER_ACCESS), what
-        )
+        with self._on(device, what):
+            self.check(
+                self.lib.cudaIpcOpenMemHandle(ctypes.byref(pointer), raw, _LAZY_PEER_ACCESS), what
+            )
         return int(pointer.value or 0)
 
     def close(self, pointer: int, device: int) -> None:
-        self.lib.cudaSetDevice(device)
-        self.lib.cudaIpcCloseMemHandle(ctypes.c_void_p(pointer))
+        with contextlib.suppress(InvalidArgument), self._on(device, "closing a region"):
+            self.lib.cudaIpcCloseMemHandle(ctypes.c_void_p(pointer))
 
     def copy(self, dst: int, src: int, nbytes: int, device: int, what: str) -> None:
-        self.check(self.lib.cudaSetDevice(device), what)
-        self.check(self.lib.cudaMemcpy(dst, src, nbytes, _MEMCPY_DEFAULT), what)
+        with self._on(device, what):
+            self.check(self.lib.cudaMemcpy(dst, src, nbytes, _MEMCPY_DEFAULT), what)
 
 
 class _Driver:

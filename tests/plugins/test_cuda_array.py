@@ -210,3 +210,53 @@ def test_a_network_on_the_cpu_answers_values_for_a_cuda_sink(core, graphs):
         got = request.infer_checked([x], RunContext(network="mlp", cuda_outputs={"y": sink}))
         assert not is_written(got["y"]) and not wrote
         np.testing.assert_array_equal(got["y"], want)
+
+
+class _Fn:
+    """A ctypes function's stand-in: callable, and takes argtypes and restype."""
+
+    def __init__(self, call) -> None:
+        self.call = call
+
+    def __call__(self, *args):
+        return self.call(*args)
+
+
+class _Cudart:
+    """libcudart's calls that cuda_shm's runtime makes, recorded: the GPU machine's library
+    is the real one (the GPU check); here what the thread's current device becomes."""
+
+    def __init__(self, current: int) -> None:
+        self.current = current
+        self.calls: list[tuple[str, int]] = []
+        self.cudaSetDevice = _Fn(self._set)
+        self.cudaGetDevice = _Fn(self._get)
+        self.cudaGetErrorString = _Fn(lambda code: b"error")
+        for name in ("cudaIpcOpenMemHandle", "cudaIpcCloseMemHandle", "cudaMemcpy"):
+            setattr(self, name, _Fn(lambda *args, name=name: self._record(name)))
+
+    def _record(self, name: str) -> int:
+        self.calls.append((name, self.current))
+        return 0
+
+    def _set(self, device: int) -> int:
+        self.current = device
+        return 0
+
+    def _get(self, out) -> int:
+        out._obj.value = self.current
+        return 0
+
+
+def test_cuda_calls_run_on_the_regions_device_and_leave_the_threads_own_current():
+    """A registration, a copy and a close run with the region's device current, and the
+    calling thread (a request's, the event loop's) gets its own current device back."""
+    from plugserve.server.plane.cuda_shm import _Runtime
+
+    lib = _Cudart(current=1)
+    runtime = _Runtime(lib, devices=2)
+    runtime.open(bytes(64), 0, "registering 'r'")
+    runtime.copy(1, 2, 8, 0, "reading 'r'")
+    runtime.close(3, 0)
+    assert [device for _name, device in lib.calls] == [0, 0, 0]
+    assert lib.current == 1
