@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import struct
 import threading
 from collections.abc import Callable
@@ -64,6 +65,12 @@ log = logging.getLogger(__name__)
 WARMUP_FOLDER = "warmup"
 #: bytes one warm-up data file may hold at most (a sample's one row of data)
 MAX_FILE_BYTES = 1 << 30
+#: bytes one sample's inputs may hold at most, its batch rows included: what the load
+#: allocates for it, refused when the configuration is read (a config given with a load
+#: request, or a repository's, cannot make the server allocate without bound)
+MAX_SAMPLE_BYTES = 1 << 30
+#: runs of one sample at most (``count``; every stream runs each): bounds the load's time
+MAX_COUNT = 1000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,6 +162,18 @@ def read_warmup(
                 )
             kind = {"zero_data": "zero", "random_data": "random"}.get(source, "file")
             inputs.append((name, WarmupInput(np.dtype(dtype), data_type, dims, kind, file)))
+        rows = int(sample.batch_size) if max_batch_size > 0 else 1
+        held = sum(rows * math.prod(spec.dims) * spec.dtype.itemsize for _name, spec in inputs)
+        if held > MAX_SAMPLE_BYTES:
+            raise InvalidArgument(
+                f"{label}: its inputs hold {held:,} bytes, over the {MAX_SAMPLE_BYTES:,} a "
+                "warm-up sample may"
+            )
+        if sample.count > MAX_COUNT:
+            raise InvalidArgument(
+                f"{label}: count {sample.count} is over the {MAX_COUNT} runs a warm-up sample "
+                "may make"
+            )
         samples.append(
             WarmupSample(sample.name, int(sample.batch_size), int(sample.count), tuple(inputs))
         )

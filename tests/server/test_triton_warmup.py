@@ -66,6 +66,11 @@ MODELS = {
     + _sample("short", 1, 'input_data_file: "x.bin"') + " ]",
     "no_data": 'backend: "onnxruntime"\n' + BATCHED + "model_warmup [ "
     + _sample("nothing", 1, "") + " ]",
+    # 8 rows of 2**30 floats: refused as the configuration is read, nothing allocated
+    "huge_sample": 'backend: "onnxruntime"\n' + BATCHED + "model_warmup [ "
+    + _sample("huge", 8, "zero_data: true", dims="[ 1073741824 ]") + " ]",
+    "many_runs": 'backend: "onnxruntime"\n' + BATCHED + "model_warmup [ "
+    + _sample("many", 1, "zero_data: true", extra="count: 1000000") + " ]",
 }  # fmt: skip
 
 #: a decoupled Python model (Triton's square_int32 in short): IN responses of IN, then the final
@@ -110,6 +115,8 @@ REASONS = {
     "missing_file": "cannot read warmup/none.bin",
     "short_file": "expects 16 bytes, but the data provided from 'x.bin' only has 8 bytes",
     "no_data": "expects input 'x' to have input_data_type set",
+    "huge_sample": "its inputs hold 34,359,738,368 bytes, over the 1,073,741,824",
+    "many_runs": "count 1000000 is over the 1000 runs",
     "square_bad": "failed to run warmup sample 'below zero': ",
 }
 
