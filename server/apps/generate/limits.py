@@ -21,9 +21,10 @@ The bounds, each checked before the work it bounds:
   default) of events its client has not taken (each event counted at its Python size:
   ``GenerationEvent.nbytes``, about 320 bytes, 2.9 KB with 20 logprob alternatives), none
   of them for longer than ``--request-read-timeout`` (30 s; checked as each event comes),
-  besides two of the request's largest events (its logprobs: ``GenerationEvent.largest``,
-  charged to the budget by the OpenAI face; a whole vocabulary's alternatives are MBs a token;
-  two, as a pipelined engine may send the next step's while the reader takes one);
+  besides the request's largest event and one token event after it (its logprobs:
+  ``GenerationEvent.largest``, charged to the budget by the OpenAI face; a whole vocabulary's
+  alternatives are MBs a token; the next token's, as a pipelined engine may send it while the
+  reader takes one);
   past either the request is cancelled (``ResourceExhausted``: the client is not reading)
   and the engine frees its sequence's cache slot at its next step. Besides, the stream's
   consumer may hold what it took last (at most as much again) and its connection what the
@@ -54,7 +55,11 @@ from collections.abc import Iterator
 from typing import Any
 
 from plugserve.plugins.api import InvalidArgument
-from plugserve.server.apps.generate.types import GenerationEvent, GenerationRequest
+from plugserve.server.apps.generate.types import (
+    GenerationEvent,
+    GenerationRequest,
+    logprob_entry_bytes,
+)
 from plugserve.server.plane.budget import MemoryBudget
 from plugserve.server.plane.response_stream import ResponseStream
 
@@ -158,8 +163,13 @@ def stream_bounded(sender: Any, request: GenerationRequest | None = None) -> Non
     reading is still cancelled past one such event; called before the stream's first event (a
     sender that is no stream is left alone)."""
     if isinstance(sender, ResponseStream):
-        largest = 0 if request is None else GenerationEvent.largest(request)
-        # two such events: a pipelined engine (overlap.py) sends a step's events while the
-        # step behind it runs, so a reader that keeps up may find the next one come already
-        sender.max_bytes = min(sender.max_bytes, _limits.stream_unread_bytes) + 2 * largest
+        largest = next_one = 0
+        if request is not None:
+            largest = GenerationEvent.largest(request)
+            logprobs = request.params.logprobs
+            next_one = logprob_entry_bytes(logprobs + 1) if logprobs is not None else 0
+        # and the token event after it: a pipelined engine (overlap.py) sends a step's events
+        # while the step behind it runs, so a reader that keeps up may find the next one come
+        # already (only the first event carries the prompt's logprobs)
+        sender.max_bytes = min(sender.max_bytes, _limits.stream_unread_bytes) + largest + next_one
         sender.max_wait = _limits.stream_unread_seconds
