@@ -16,10 +16,11 @@ input shapes it has seen, each captured as a CUDA graph and replayed.
   (``RunContext.warmup``: a config.pbtxt's ``model_warmup``) at its first sight. At most
   ``CUDA_GRAPHS`` shapes per lane, the least recently used evicted; a shape whose capture
   fails (a step that reads a value on the host, a data-dependent shape) stays eager, logged
-  once. Each lane holds its own graphs:
-  a graph's static buffers serve one request at a time, and a lane runs one at a time, so
-  replays never wait on each other. A capture (once per shape and stream) is the one place that
-  waits for others: captures take turns in the process (below).
+  once. Shape values (``Shape`` and the arithmetic over it) are host tensors computed at
+  the capture (:mod:`.hostvalues`): fixed by the input shape the graph is keyed by. Each lane
+  holds its own graphs: a graph's static buffers serve one request at a time, and a lane runs
+  one at a time, so replays never wait on each other. A capture (once per shape and stream)
+  is the one place that waits for others: captures take turns in the process (below).
 - **Programs**: a converted ONNX graph's :class:`~.program.Program` and a PyTorch program
   (:class:`~.programs.TorchProgram`, run whole as one step) alike: ``compute_tensors`` over
   tensors on the device, ``held`` the dtype an input is staged in.

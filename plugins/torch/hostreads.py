@@ -4,36 +4,43 @@ graph cannot capture them (the capture is invalidated, and before torch 2.13 a f
 leaves the allocator damaged: :mod:`.capture`). A network with one is marked eager when its
 lane starts (counted ``failed`` once), so no doomed capture runs (review finding 11).
 
-The registry mirrors the converters' steps (:mod:`.ops`): a node is listed when its step calls
-``ints``/``.tolist()``/``.item()`` on an input, makes a tensor from host values
-(``torch.tensor``, ``new_tensor``), or has a data-dependent output shape (NonZero, Unique).
-Today every value a step sees is on the device, load-time constants too (the program's
-template holds initializers there), so an input read on the host syncs whether or not it is
-known at load: a Reshape to a constant shape syncs. When shape values move to the host (review
-finding 17), the input-indexed entries narrow to inputs not known at load.
+The registry mirrors the converters' steps (:mod:`.ops`). For each op that reads on the host it
+says which inputs the step reads there (``ints``/``.tolist()``/``.item()``: a shape, axes,
+counts, pads), and whether the step reads device values whatever its inputs are (NonZero,
+Unique and NonMaxSuppression: their output shapes depend on the data; DynamicQuantizeLinear's
+``float(scale)``; ScatterND's mul/max/min walk the indices on the host).
+
+Shape values live on the host (review finding 17, :mod:`.hostvalues`): the load-time constants
+a step reads there, ``Shape``/``Size`` (whose steps make their tensors from the input's shape,
+on the host, ``ON_HOST``) and the shape arithmetic over them are host tensors, so reading them
+costs nothing. An input read on the host is a problem only when it is a device value:
+computed from the data (a Reshape to a shape taken from a tensor's values), or a graph input.
+So a Shape -> Gather -> Concat -> Reshape chain (every transformer the TorchScript exporter
+writes) reads nothing of the device, and its network is captured.
 tests/plugins/torch/test_torch_capture.py checks the registry against the converters' source.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Collection
 
 from plugserve.plugins.ir import Graph, Node
 
-__all__ = ["HOST_READS", "host_reads"]
+__all__ = ["HOST_READS", "ON_HOST", "Reads", "host_reads", "read_positions"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Reads:
+    """What a node's step reads on the host: its inputs at ``inputs`` (when the node has them),
+    and device values whatever its inputs when ``always`` says so for the node."""
+
+    inputs: tuple[int, ...] = ()
+    always: Callable[[Node], bool] | None = None
 
 
 def _always(node: Node) -> bool:
     return True
-
-
-def _inputs(*indices: int) -> Callable[[Node], bool]:
-    """The step reads these inputs on the host, when the node has them."""
-
-    def reads(node: Node) -> bool:
-        return any(i < len(node.inputs) and bool(node.inputs[i]) for i in indices)
-
-    return reads
 
 
 def _scatter_nd(node: Node) -> bool:  # mul, max and min walk the indices on the host
@@ -43,54 +50,72 @@ def _scatter_nd(node: Node) -> bool:  # mul, max and min walk the indices on the
 _REDUCE = ("ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1",
            "ReduceL2", "ReduceLogSum", "ReduceLogSumExp", "ReduceSumSquare")  # fmt: skip
 
-#: op -> whether a node of it reads on the host (its converter's step, see the docstring)
-HOST_READS: dict[str, Callable[[Node], bool]] = {
-    # data-dependent output shapes, or values made from the host
-    "NonZero": _always,
-    "Compress": _always,
-    "Unique": _always,
-    "NonMaxSuppression": _always,
-    "DynamicQuantizeLinear": _always,  # float(scale)
-    "Shape": _always,  # torch.tensor(dims, device=...)
-    "Size": _always,
-    "GatherND": _always,  # new_tensor(shape): negative indices
-    "Attention": _always,  # its scale's root copied to the device
-    "Range": _always,
-    "ConstantOfShape": _always,
-    "OneHot": _always,
-    "HannWindow": _always,
-    "HammingWindow": _always,
-    "BlackmanWindow": _always,
-    "Resize": _always,  # its scales or sizes
-    "ScatterND": _scatter_nd,
-    # shapes, axes, counts and pads taken from an input
-    "Reshape": _inputs(1),
-    "Expand": _inputs(1),
-    "Tile": _inputs(1),
-    "Split": _inputs(1),
-    "Slice": _inputs(1, 2, 3, 4),
-    "Squeeze": _inputs(1),
-    "Unsqueeze": _inputs(1),
-    "Pad": _inputs(1, 2, 3),
-    "TopK": _inputs(1),
-    "CumSum": _inputs(1),
-    "CumProd": _inputs(1),
-    "Trilu": _inputs(1),
-    "CenterCropPad": _inputs(1),
-    "Col2Im": _inputs(1, 2),
-    "AffineGrid": _inputs(1),
-    "MaxUnpool": _inputs(2),
-    "DFT": _inputs(1, 2),
-    **{op: _inputs(1) for op in _REDUCE},
+#: ops whose steps make a tensor from host values (``torch.tensor(x.shape)``) and which the
+#: program therefore always runs on the host (:mod:`.hostvalues`): they read nothing there
+ON_HOST = frozenset({"Shape", "Size"})
+
+#: op -> what a node of it reads on the host (its converter's step, see the docstring)
+HOST_READS: dict[str, Reads] = {
+    # data-dependent output shapes, or device values read whatever the inputs
+    "NonZero": Reads(always=_always),
+    "Compress": Reads(always=_always),
+    "Unique": Reads(always=_always),
+    "NonMaxSuppression": Reads(always=_always),
+    "DynamicQuantizeLinear": Reads(always=_always),  # float(scale)
+    "ScatterND": Reads(always=_scatter_nd),
+    # run on the host: torch.tensor(dims) of the input's shape, no read of its values
+    **{op: Reads() for op in ON_HOST},
+    # shapes, axes, counts, sizes and pads taken from an input
+    "Range": Reads((0, 1, 2)),
+    "ConstantOfShape": Reads((0,)),
+    "OneHot": Reads((1,)),  # its depth
+    "HannWindow": Reads((0,)),
+    "HammingWindow": Reads((0,)),
+    "BlackmanWindow": Reads((0,)),
+    "Resize": Reads((1, 2, 3)),  # roi, scales, sizes (opset 10: scales at 1)
+    "Reshape": Reads((1,)),
+    "Expand": Reads((1,)),
+    "Tile": Reads((1,)),
+    "Split": Reads((1,)),
+    "Slice": Reads((1, 2, 3, 4)),
+    "Squeeze": Reads((1,)),
+    "Unsqueeze": Reads((1,)),
+    "Pad": Reads((1, 2, 3)),
+    "TopK": Reads((1,)),
+    "CumSum": Reads((1,)),
+    "CumProd": Reads((1,)),
+    "Trilu": Reads((1,)),
+    "CenterCropPad": Reads((1,)),
+    "Col2Im": Reads((1, 2)),
+    "AffineGrid": Reads((1,)),
+    "MaxUnpool": Reads((2,)),
+    "DFT": Reads((1, 2)),
+    **{op: Reads((1,)) for op in _REDUCE},
 }
 
 
-def host_reads(graph: Graph) -> list[str]:
-    """The graph's nodes that read on the host (``name (op)``), in order; empty: capturable
-    as far as its ops go."""
+def read_positions(node: Node) -> tuple[int, ...]:
+    """The positions of the node's inputs its step reads on the host."""
+    spec = HOST_READS.get(node.op_type)
+    return spec.inputs if spec is not None else ()
+
+
+def host_reads(graph: Graph, host: Collection[str] | None = None) -> list[str]:
+    """The graph's nodes that read device values on the host (``name (op)``), in order;
+    empty: capturable as far as its ops go. ``host``: the values held on the host (default:
+    :func:`.hostvalues.plan`'s for the graph)."""
+    if host is None:
+        from plugserve.plugins.torch.hostvalues import plan
+
+        host = plan(graph).host
     found = []
     for node in graph.nodes:
-        reads = HOST_READS.get(node.op_type)
-        if reads is not None and reads(node):
+        spec = HOST_READS.get(node.op_type)
+        if spec is None:
+            continue
+        if (spec.always is not None and spec.always(node)) or any(
+            i < len(node.inputs) and node.inputs[i] and node.inputs[i] not in host
+            for i in spec.inputs
+        ):
             found.append(f"{node.name or '?'} ({node.op_type})")
     return found

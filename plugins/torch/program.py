@@ -2,6 +2,13 @@
 (:mod:`.ops`) gives a function of tensors; the program runs them in the graph's order over a
 list of slots, freeing each value after its last reader, as NUMPY's plan does.
 
+Values live on the device, but shape values on the host (:mod:`.hostvalues`): the nodes it
+keeps there are converted for the CPU and read their inputs' host forms (a constant has a host
+copy beside its device one where a step reads it there); a device step gets a host value at a
+position it reads on the host (:func:`.hostreads.read_positions`: a Reshape's shape) as it is,
+and anywhere else its device form, moved once by a step after the node that computes it. The
+nodes over small constants alone are computed here, at load, into constants.
+
 QueryNetwork (:mod:`.query`) runs the same :class:`Converting` on every node.
 """
 
@@ -14,9 +21,9 @@ from typing import Any
 import numpy as np
 
 from plugserve.plugins import cancel
-from plugserve.plugins.api import InferenceError, PlugserveError, Unsupported
+from plugserve.plugins.api import InferenceError, InvalidModel, PlugserveError, Unsupported
 from plugserve.plugins.ir import Graph, Node, attribute_graphs
-from plugserve.plugins.torch import hostreads, layout
+from plugserve.plugins.torch import hostreads, hostvalues, layout
 from plugserve.plugins.torch import ops as _ops  # noqa: F401  (registers the converters)
 from plugserve.plugins.torch.ops.bounds import CHECKED_OPS
 from plugserve.plugins.torch.ops.registry import (
@@ -70,7 +77,9 @@ class Converting:
         self.types = value_types(graph)
         self.constants: dict[str, np.ndarray] = dict(graph.initializers)
 
-    def convert(self, node: Node) -> tuple[Any, bool]:
+    def convert(self, node: Node, device: Any = None) -> tuple[Any, bool]:
+        """The node's step and whether it returns several outputs; on ``device`` (default the
+        program's: the host for the nodes :mod:`.hostvalues` keeps there)."""
         if any(attribute_graphs(a) for a in node.attrs.values()):
             raise Refused(f"op {node.op_type!r} with a subgraph (control flow is not converted)")
         opset = self.graph.node_opset(node)
@@ -86,7 +95,7 @@ class Converting:
             schema_version(node.op_type, opset) or 1,
             self.constants,
             self.torch,
-            self.device,
+            device if device is not None else self.device,
             self.compute,
             self.types,
         )
@@ -129,9 +138,12 @@ class Program:
         self.device = device
         self.compute = compute
         self.name = graph.name
+        #: where the values live: shape values on the host (:mod:`.hostvalues`)
+        self.plan = plan = hostvalues.plan(graph)
         #: nodes whose steps read device values on the host: no CUDA graph captures them
-        self.host_reads = hostreads.host_reads(graph)
+        self.host_reads = hostreads.host_reads(graph, plan.host)
         converting = Converting(graph, torch, device, compute)
+        host = torch.device("cpu")
         slots: dict[str, int] = {}
 
         def slot(name: str) -> int:
@@ -139,30 +151,82 @@ class Program:
                 slots[name] = len(slots)
             return slots[name]
 
+        #: constants' host copies (the template's device copies keep their own slots)
+        host_copies: dict[str, int] = {}
+
+        def on_host(name: str) -> int:  # the slot of the value's host form, when it has one
+            if name in plan.constants and name not in plan.computed:
+                if name not in host_copies:
+                    host_copies[name] = slot("\0host " + name)
+                return host_copies[name]
+            return slot(name)  # computed there; or a device value (a host read, listed)
+
+        def on_device(name: str) -> int:  # the slot of the value's device form
+            return slot("\0device " + name) if name in plan.computed else slot(name)
+
         self.input_slots = [slot(s.name) for s in graph.inputs]
         self.input_types = [
             np.dtype(s.dtype) if s.dtype is not None else None for s in graph.inputs
         ]
         steps: list[tuple[Any, list[int], list[int], str]] = []
         with torch.inference_mode():
-            for node in graph.nodes:
+            move = hostvalues.to_device(torch, device)
+            folded = set(plan.folded)
+            #: constants on the host: the folded nodes' outputs, the constants they read
+            known: dict[str, Any] = {}
+
+            def known_value(name: str) -> Any:
+                if name not in known:
+                    known[name] = to_tensor(torch, converting.constants[name], host, compute)
+                return known[name]
+
+            for index, node in enumerate(graph.nodes):
+                hosted = index in plan.nodes or index in folded
                 try:
-                    fn, multi = converting.convert(node)
+                    fn, multi = converting.convert(node, host if hosted else None)
                 except Unsupported as exc:
                     raise Unsupported(
                         f"model {graph.name!r}: node {node.name!r} ({node.op_type}): {exc}"
                     ) from None
-                ins = [slot(n) if n else -1 for n in node.inputs]
+                if index in folded:  # computed now, once: its outputs are constants
+                    try:
+                        result = fn(*[known_value(n) if n else None for n in node.inputs])
+                    except Exception as exc:
+                        raise InvalidModel(
+                            f"model {graph.name!r}: node {node.name!r} "
+                            f"({node.op_type}) on constants: {exc}"
+                        ) from None
+                    for n, value in zip(node.outputs, result if multi else [result]):
+                        if n and value is not None:
+                            known[n] = value
+                    continue
+                reads = () if hosted else hostreads.read_positions(node)
+                ins = [
+                    -1 if not n else on_host(n) if hosted or p in reads else on_device(n)
+                    for p, n in enumerate(node.inputs)
+                ]  # fmt: skip
                 outs = [slot(n) if n else -1 for n in node.outputs]
                 if not multi:  # one result: a list of one slot; several: a tuple to spread
                     outs = outs[:1]
                 elif len(outs) == 1:
                     outs = [*outs, -1]
-                steps.append((fn, ins, outs, f"{node.name} ({node.op_type})"))
+                what = f"{node.name} ({node.op_type})"
+                steps.append((fn, ins, outs, what))
+                for n in node.outputs:  # host values a device step takes as data: moved once
+                    if n in plan.to_device:
+                        steps.append((move, [slot(n)], [on_device(n)], what))
+            #: (a host value the graph outputs is moved: its device form)
+            self.output_slots = [on_device(s.name) for s in graph.outputs]
             self.template: list[Any] = [None] * len(slots)
             for name, value in graph.initializers.items():
                 if name in slots:
                     self.template[slots[name]] = to_tensor(torch, value, device, compute)
+            for name, at in host_copies.items():
+                self.template[at] = known_value(name)
+            for index in plan.folded:  # their device forms, where device steps read them
+                for n in graph.nodes[index].outputs:
+                    if n in slots and n in known:
+                        self.template[slots[n]] = known[n].to(device)
             if layout.wanted(torch, device, compute):  # f16/bf16 on CUDA: NHWC convolutions
                 layout.weights_channels_last(torch, graph, slots, self.template)
                 layout.benchmark(torch, graph)
@@ -173,7 +237,6 @@ class Program:
                 torch.cuda.current_stream(device).synchronize()
         #: whether a node indexes with data (ops/bounds.py): its requests read a bounds flag
         self.checks_bounds = any(node.op_type in CHECKED_OPS for node in graph.nodes)
-        self.output_slots = [slot(s.name) for s in graph.outputs]
         self.output_types = [converting.types.get(s.name) for s in graph.outputs]
         keep = set(self.output_slots) | set(self.input_slots)
         last: dict[int, int] = {}

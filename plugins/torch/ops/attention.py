@@ -63,7 +63,8 @@ def attention(ctx: NodeContext) -> Any:
                 raise ValueError("Attention of 3-D inputs needs q_num_heads and kv_num_heads")
             q, k, v = _heads(q, int(q_heads)), _heads(k, int(kv_heads)), _heads(v, int(kv_heads))
         scale = scale_attr if scale_attr is not None else 1 / math.sqrt(q.shape[3])
-        root = torch.tensor(math.sqrt(scale), dtype=torch.float32).to(dtype).to(device)
+        # a fill kernel (no copy from the host: capturable), rounded to float32 as before
+        root = torch.full((), math.sqrt(scale), dtype=torch.float32, device=device).to(dtype)
         if past_k is not None:
             k = torch.cat([past_k, k], dim=2)
             v = torch.cat([past_v, v], dim=2)

@@ -18,10 +18,12 @@ def _window(op: str, formula: Any) -> None:
         periodic = int(ctx.attr("periodic", 1))
         dtype = ctx.onnx_dtype(int(ctx.attr("output_datatype", 1)))
 
+        device = ctx.device
+
         def run(size: Any) -> Any:
             n = int(size.item())
             steps = n if periodic else n - 1
-            ni = torch.arange(n, dtype=torch.float64, device=size.device)
+            ni = torch.arange(n, dtype=torch.float64, device=device)
             return formula(torch, ni, steps).to(dtype)
 
         return run

@@ -269,10 +269,14 @@ def range_(ctx: NodeContext) -> Any:
     if ctx.in_type(0).name in ("float16", "bfloat16"):  # 27's stash_type: not measured here
         raise Refused(f"Range of {ctx.in_type(0)}")
 
+    device = ctx.device
+
     def run(start: Any, limit: Any, delta: Any) -> Any:
+        # read on the host (free: the program holds shape values there, .hostvalues); the
+        # output made on this node's device from them, one kernel, no copy
         s, e, d = start.item(), limit.item(), delta.item()
         count = max(int(np.ceil((e - s) / d)), 0)
-        return (torch.arange(count, device=start.device, dtype=start.dtype) * delta) + start
+        return (torch.arange(count, device=device, dtype=start.dtype) * d) + s
 
     return run
 
