@@ -169,6 +169,91 @@ def encoder_block(
     )
 
 
+def shaped_encoder(seed: int = 0, vocab: int = 50, d: int = 16, heads: int = 2,
+                   positions: int = 32) -> onnx.ModelProto:  # fmt: skip
+    """A BERT-like attention block written as the TorchScript exporter writes one: token ids
+    to a token embedding (Gather) plus a position embedding read at ``Range(0, seq)`` (the
+    sequence's length taken with Shape -> Gather); heads split and merged by Reshapes to shapes
+    built by Shape -> Gather -> Unsqueeze -> Concat; scores divided by the Sqrt of the head size
+    (Cast of a Shape's Gather: a shape value meeting the data); the padding mask expanded to
+    the scores' shape by the exporter's ConstantOfShape -> Mul -> Equal -> Where -> Expand."""
+    rng = np.random.default_rng(seed)
+    f = np.float32
+    dh = d // heads
+
+    def w(*shape):
+        return rng.normal(0, 1 / np.sqrt(shape[-1]), shape).astype(f)
+
+    i64 = np.int64
+    inits = [
+        _init("tokens", w(vocab, d)), _init("positions", w(positions, d)),
+        *[_init(f"w{n}", w(d, d)) for n in "qkvo"],
+        _init("zero", np.array(0, i64)), _init("one", np.array(1, i64)),
+        _init("i3", np.array(3, i64)), _init("axes0", np.array([0], i64)),
+        _init("axes12", np.array([1, 2], i64)), _init("heads", np.array([heads], i64)),
+        _init("head_size", np.array([dh], i64)), _init("width", np.array([d], i64)),
+        _init("minus1", np.array(-1, i64)), _init("pad", np.array(0, i64)),
+        _init("onef", np.array(1, f)), _init("big", np.array(-1e4, f)),
+    ]  # fmt: skip
+    n = helper.make_node
+    nodes = [
+        n("Gather", ["tokens", "ids"], ["emb"], "token_embedding"),
+        n("Shape", ["ids"], ["ids_shape"], "ids_shape"),
+        n("Gather", ["ids_shape", "zero"], ["b"], "batch_size"),
+        n("Gather", ["ids_shape", "one"], ["s"], "seq_len"),
+        n("Range", ["zero", "s", "one"], ["pos"], "position_ids"),
+        n("Unsqueeze", ["pos", "axes0"], ["pos_u"], "position_batch"),
+        n("Gather", ["positions", "pos_u"], ["pos_e"], "position_embedding"),
+        n("Add", ["emb", "pos_e"], ["x"], "embed"),
+        n("Unsqueeze", ["b", "axes0"], ["b_u"], "b_u"),
+        n("Unsqueeze", ["s", "axes0"], ["s_u"], "s_u"),
+        n("Concat", ["b_u", "s_u", "heads", "head_size"], ["split_shape"], "split_shape", axis=0),
+        n("Concat", ["b_u", "s_u", "width"], ["merge_shape"], "merge_shape", axis=0),
+    ]  # fmt: skip
+    for p, perm in (("q", [0, 2, 1, 3]), ("k", [0, 2, 3, 1]), ("v", [0, 2, 1, 3])):
+        nodes += [
+            n("MatMul", ["x", f"w{p}"], [f"{p}_mm"], f"{p}_proj"),
+            n("Reshape", [f"{p}_mm", "split_shape"], [f"{p}_h"], f"{p}_split"),
+            n("Transpose", [f"{p}_h"], [f"{p}_t"], f"{p}_perm", perm=perm),
+        ]
+    nodes += [
+        n("MatMul", ["q_t", "k_t"], ["scores"], "qk"),
+        n("Shape", ["q_h"], ["q_shape"], "q_shape"),
+        n("Gather", ["q_shape", "i3"], ["dh"], "head_dim"),
+        n("Cast", ["dh"], ["dh_f"], "head_dim_float", to=TensorProto.FLOAT),
+        n("Sqrt", ["dh_f"], ["root"], "root"),
+        n("Div", ["scores", "root"], ["scaled"], "scale_scores"),
+        n("Equal", ["ids", "pad"], ["is_pad"], "is_pad"),
+        n("Not", ["is_pad"], ["keep"], "keep"),
+        n("Cast", ["keep"], ["keep_f"], "keep_float", to=TensorProto.FLOAT),
+        n("Unsqueeze", ["keep_f", "axes12"], ["keep_u"], "keep_u"),
+        n("Shape", ["scores"], ["target"], "target"),
+        n("Shape", ["target"], ["rank"], "rank"),
+        n("ConstantOfShape", ["rank"], ["ones"], "ones",
+          value=numpy_helper.from_array(np.array([1], i64))),
+        n("Mul", ["ones", "minus1"], ["neg"], "neg"),
+        n("Equal", ["target", "neg"], ["unknown"], "unknown"),
+        n("Where", ["unknown", "ones", "target"], ["expand_to"], "expand_to"),
+        n("Expand", ["keep_u", "expand_to"], ["keep_e"], "keep_expanded"),
+        n("Sub", ["onef", "keep_e"], ["masked"], "masked"),
+        n("Mul", ["masked", "big"], ["penalty"], "penalty"),
+        n("Add", ["scaled", "penalty"], ["biased"], "biased"),
+        n("Softmax", ["biased"], ["attn"], "attention", axis=-1),
+        n("MatMul", ["attn", "v_t"], ["ctx_h"], "attend"),
+        n("Transpose", ["ctx_h"], ["ctx_t"], "ctx_perm", perm=[0, 2, 1, 3]),
+        n("Reshape", ["ctx_t", "merge_shape"], ["ctx"], "merge_heads"),
+        n("MatMul", ["ctx", "wo"], ["o"], "o_proj"),
+        n("Add", ["x", "o"], ["y"], "residual"),
+    ]  # fmt: skip
+    return _model(
+        nodes,
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, ["batch", "seq"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "seq", d])],
+        inits,
+        name="shaped_encoder",
+    )
+
+
 def with_custom_op(domain: str = "com.example") -> onnx.ModelProto:
     """x -> Relu -> com.example.Scale(factor=2.5) -> Add(1) -> y."""
     nodes = [

@@ -1,0 +1,255 @@
+"""Shape values held on the host (``plugins/torch/hostvalues.py``, review finding 17): a
+network whose shapes are computed in the graph (Shape -> Gather -> Concat -> Reshape, as every
+transformer the TorchScript exporter writes) reads nothing of the device on the host, so a
+CUDA graph can capture it; and it computes what it did.
+
+"Reads nothing of the device" is shown on torch's ``meta`` device, which holds no data: a
+converted program run there fails on any ``.tolist()``/``.item()`` of a device tensor, and a
+dispatch mode records every scalar read (``aten._local_scalar_dense``) and every copy between
+the host and the device, either way (on CUDA each synchronises the stream, which a capture
+cannot contain). The guard is shown not blind: a Reshape to a shape read from the data trips
+it, and the load-time scan (``hostreads.host_reads``) lists that node.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from models import shaped_encoder
+from onnx import TensorProto, helper, numpy_helper
+
+from plugserve.plugins.ir import load_model
+
+torch = pytest.importorskip(
+    "torch",
+    reason="the TORCH device needs torch: pip install torch --index-url "
+    "https://download.pytorch.org/whl/cpu",
+)
+
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+from plugserve.plugins.torch import hostvalues  # noqa: E402
+from plugserve.plugins.torch.hostreads import host_reads  # noqa: E402
+from plugserve.plugins.torch.ops import bounds  # noqa: E402
+from plugserve.plugins.torch.ops.registry import held_dtype  # noqa: E402
+from plugserve.plugins.torch.program import Program  # noqa: E402
+
+META = torch.device("meta")
+CPU = torch.device("cpu")
+
+
+class _Syncs(TorchDispatchMode):
+    """Records the ops that would synchronise a CUDA stream: a scalar read of a device tensor
+    and a copy between the host and the device (the meta device standing for the card)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.found: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        kinds = {t.device.type for t in tensors}
+        if func is torch.ops.aten._local_scalar_dense.default and "meta" in kinds:
+            self.found.append("scalar read of a device tensor")
+        elif func is torch.ops.aten._to_copy.default and tensors:
+            target = kwargs.get("device")
+            if target is not None and {tensors[0].device.type, torch.device(target).type} == {
+                "cpu", "meta"}:  # fmt: skip
+                self.found.append(f"copy {tensors[0].device.type} -> {torch.device(target).type}")
+        elif (
+            func is torch.ops.aten.copy_.default and len(tensors) == 2 and kinds == {"cpu", "meta"}
+        ):
+            self.found.append("copy_ between host and device")
+        return func(*args, **kwargs)
+
+
+def _on_meta(graph, feeds: dict[str, np.ndarray], monkeypatch) -> tuple[Program, list[str]]:
+    """The program on the meta device, run once over ``feeds``' shapes: what it would have
+    synchronised (a read the meta device cannot answer raises)."""
+    monkeypatch.setattr(bounds, "FLAGGED", frozenset({"cuda", "meta"}))  # indices: flagged
+    program = Program(graph, torch, META, torch.float32)
+    tensors = [
+        torch.empty(np.shape(feeds[s.name]), device=META,
+                    dtype=held_dtype(torch, np.asarray(feeds[s.name]).dtype, torch.float32))
+        for s in graph.inputs
+    ]  # fmt: skip
+    with bounds.active(bounds.BoundsFlag(torch, META)), _Syncs() as syncs:
+        outputs = program.compute_tensors(tensors)
+    assert all(o.device == META for o in outputs), [o.device for o in outputs]
+    return program, syncs.found
+
+
+IDS = np.array([[3, 4, 0, 0, 0], [1, 2, 3, 4, 5]], np.int64)
+
+
+def test_a_shape_chain_reads_nothing_of_the_device(monkeypatch):
+    graph = load_model(shaped_encoder())
+    # with every value on the device (as before this change) these nodes read it on the host
+    before = host_reads(graph, frozenset())
+    assert [r.split(" ")[0] for r in before] == [
+        "position_ids", "position_batch", "b_u", "s_u", "q_split", "k_split", "v_split",
+        "keep_u", "ones", "keep_expanded", "merge_heads"]  # fmt: skip
+    program, syncs = _on_meta(graph, {"ids": IDS}, monkeypatch)
+    assert program.host_reads == [] and syncs == []
+    plan = program.plan
+    hosted = {graph.nodes[i].name for i in plan.nodes}
+    # the shape arithmetic and the exporter's Expand pattern on the host; the position ids'
+    # Range feeds an embedding's Gather: on the device (its bounds read on the host)
+    assert {
+        "ids_shape",
+        "split_shape",
+        "merge_shape",
+        "head_dim",
+        "root",
+        "ones",
+        "expand_to",
+    } <= hosted
+    assert not hosted & {"position_ids", "keep_expanded", "token_embedding", "q_split"}
+    assert plan.to_device == {"root"}  # the Sqrt of the head size divides the scores
+
+
+def test_a_shape_read_from_the_data_still_reads_and_is_listed(monkeypatch):
+    graph = load_model(helper.make_model(helper.make_graph(
+        [helper.make_node("Cast", ["n"], ["dims"], name="dims", to=TensorProto.INT64),
+         helper.make_node("Reshape", ["x", "dims"], ["y"], name="data_shape")],
+        "data_shape",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [6]),
+         helper.make_tensor_value_info("n", TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["a", "b"])],
+    ), opset_imports=[helper.make_opsetid("", 17)]))  # fmt: skip
+    assert host_reads(graph) == ["data_shape (Reshape)"]
+    with pytest.raises(Exception, match="meta"):  # .tolist() of a device tensor
+        _on_meta(graph, {"x": np.zeros(6, np.float32), "n": np.zeros(2, np.float32)},
+                 monkeypatch)  # fmt: skip
+
+
+def test_the_values_are_unchanged(core):
+    """TORCH (with its graph cache's CPU twin) and HETERO:TORCH,NUMPY give NUMPY's answers
+    for shapes seen again and again."""
+    model = shaped_encoder()
+    numpy = core.load_network(model, "NUMPY")
+    torch_net = core.load_network(model, "TORCH", {"CUDA_GRAPHS": "4"})
+    hetero = core.load_network(model, "HETERO:TORCH,NUMPY")
+    request = torch_net.create_infer_request()
+    rng = np.random.default_rng(3)
+    for batch, seq in [(2, 5), (1, 7), (2, 5), (2, 5), (1, 7)]:
+        ids = rng.integers(0, 50, (batch, seq)).astype(np.int64)
+        ids[0, -2:] = 0  # padding, masked
+        want = numpy.infer({"ids": ids})["y"]
+        np.testing.assert_allclose(request.infer({"ids": ids})["y"], want, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(hetero.infer({"ids": ids})["y"], want, rtol=1e-5, atol=1e-5)
+    assert torch_net.graph_statistics()["replayed"] > 0
+
+
+def test_moves_to_the_device_by_fills_keep_every_value(monkeypatch):
+    """The fill path (what CUDA and meta take) gives back the value itself, -0.0 and NaN
+    included; a program whose moves take it on the CPU computes what NUMPY does."""
+    for value in (torch.tensor(2.5), torch.tensor([3, 3, 3]), torch.tensor([[1, -2], [7, 0]]),
+                  torch.tensor([0.0, -0.0, float("nan"), 1.5]), torch.tensor([True, False]),
+                  torch.tensor([1.5, 2.0], dtype=torch.bfloat16), torch.zeros((0, 2))):  # fmt: skip
+        moved = hostvalues.filled(torch, value, CPU)
+        assert moved.dtype == value.dtype and moved.shape == value.shape
+        assert torch.equal(moved.view(-1).to(torch.float64).isnan(),
+                           value.view(-1).to(torch.float64).isnan())  # fmt: skip
+        same = moved.view(-1).to(torch.float64), value.view(-1).to(torch.float64)
+        assert all(str(a) == str(b) for a, b in zip(same[0].tolist(), same[1].tolist()))
+    with _Syncs() as syncs:  # the guard sees a copy: a value past FILLS is copied, and syncs
+        hostvalues.to_device(torch, META)(torch.arange(hostvalues.FILLS + 1))
+        hostvalues.to_device(torch, META)(torch.arange(hostvalues.FILLS))
+    assert syncs.found == ["copy cpu -> meta"]
+    monkeypatch.setattr(
+        hostvalues, "to_device", lambda torch, device: lambda v: hostvalues.filled(torch, v, device)
+    )
+    graph = load_model(shaped_encoder())
+    program = Program(graph, torch, CPU, torch.float32)
+    got = program.run([IDS])[0]
+    model = shaped_encoder()
+    from plugserve.server import Core
+
+    want = Core().load_network(model, "NUMPY").infer({"ids": IDS})["y"]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_shape_arithmetic_over_constants_is_computed_once_at_load(monkeypatch):
+    """Nodes whose inputs are all small constants (Unsqueeze of a constant, a ConstantOfShape
+    of a constant shape) are computed at load: constants for the steps after them, nothing to
+    move per request."""
+    n = helper.make_node
+    init = numpy_helper.from_array
+    graph = load_model(helper.make_model(helper.make_graph(
+        [n("Unsqueeze", ["four", "axes"], ["four_u"], name="four_u"),
+         n("Shape", ["x"], ["xs"], name="xs"),
+         n("Slice", ["xs", "start", "stop"], ["lead"], name="lead"),
+         n("Concat", ["lead", "four_u", "minus1"], ["shape"], name="shape", axis=0),
+         n("Reshape", ["x", "shape"], ["r"], name="reshape"),
+         n("ConstantOfShape", ["bias_shape"], ["bias"], name="bias",
+           value=init(np.array([0.5], np.float32))),
+         n("Add", ["r", "bias"], ["y"], name="add")],
+        "folding",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 4, 2])],
+        [init(np.array(4, np.int64), "four"), init(np.array([0], np.int64), "axes"),
+         init(np.array([0], np.int64), "start"), init(np.array([1], np.int64), "stop"),
+         init(np.array([-1], np.int64), "minus1"), init(np.array([4, 2], np.int64), "bias_shape")],
+    ), opset_imports=[helper.make_opsetid("", 17)]))  # fmt: skip
+    x = np.arange(24, dtype=np.float32).reshape(3, 8)
+    program, syncs = _on_meta(graph, {"x": x}, monkeypatch)
+    assert program.host_reads == [] and syncs == []
+    assert [graph.nodes[i].name for i in program.plan.folded] == ["four_u", "bias"]
+    assert not program.plan.to_device  # the folded bias is a device constant already
+    got = Program(graph, torch, CPU, torch.float32).run([x])[0]
+    np.testing.assert_array_equal(got, x.reshape(3, 4, 2) + np.float32(0.5))
+
+
+#: real exporters' models (tests/zoo) that read on the host with every value on the device
+#: (each was run eagerly on the GPU: never captured) and now read nothing of it there
+CAPTURABLE = [
+    "bert_script", "bert_dynamo", "bert_int8_qdq", "bert_fp16_io", "vit_script", "vit_dynamo",
+    "vit_int8_qdq", "vit_fp16", "whisper_encoder_script", "whisper_encoder_dynamo",
+    "t5_encoder_script", "t5_encoder_dynamo", "wav2vec2_script", "gpt2_past_script",
+    "llama_past_dynamo", "lstm_script", "lstm_state_dynamo", "gru_script", "gru_state_script",
+    "minilm_int8", "resnet_dynamo",
+]  # fmt: skip
+
+
+#: every value on the device, as before this change
+_DEVICE_ONLY = hostvalues.HostPlan(frozenset(), (), frozenset(), frozenset(), frozenset(),
+                                   frozenset())  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", CAPTURABLE)
+def test_real_models_read_nothing_of_the_device_and_answer_as_before(core, name, monkeypatch):
+    """Each reads on the host with every value on the device, and reads nothing of it now;
+    its outputs equal, bit for bit, the program's with every value on the device; TORCH (its
+    graph cache's CPU twin, a shape replayed) and HETERO:TORCH,NUMPY agree with onnxruntime
+    within the model's tolerance (the fused-int8 exports round as onnxruntime's optimizer
+    does, on every device: tests/zoo judges them; here they are held to the program before)."""
+    from reference import ort_outputs
+    from zoo import load_all
+
+    model = load_all()[name]
+    path = str(model.path())
+    graph = load_model(path)
+    assert host_reads(graph, frozenset()), "this model read nothing on the host before"
+    feeds = model.feeds(np.random.default_rng(0))
+    program, syncs = _on_meta(graph, feeds, monkeypatch)
+    assert program.host_reads == [] and syncs == [], (program.host_reads, syncs)
+    monkeypatch.undo()
+    now = Program(graph, torch, CPU, torch.float32).run([feeds[s.name] for s in graph.inputs])
+    monkeypatch.setattr(hostvalues, "plan", lambda graph: _DEVICE_ONLY)
+    before = Program(graph, torch, CPU, torch.float32)
+    assert before.host_reads  # the scan with nothing on the host: what made it eager
+    for got, want in zip(now, before.run([feeds[s.name] for s in graph.inputs])):
+        np.testing.assert_array_equal(got, want)
+    monkeypatch.undo()
+    if model.fused_int8:
+        return
+    want = ort_outputs(model, feeds)
+    request = core.load_network(path, "TORCH", {"CUDA_GRAPHS": "2"}).create_infer_request()
+    hetero = core.load_network(path, "HETERO:TORCH,NUMPY")
+    for got in [request.infer(feeds) for _ in range(3)] + [hetero.infer(feeds)]:
+        for key, value in want.items():
+            np.testing.assert_allclose(got[key], value, rtol=model.rtol, atol=model.atol,
+                                       err_msg=f"{name} {key}")  # fmt: skip
