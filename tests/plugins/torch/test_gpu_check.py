@@ -32,7 +32,8 @@ def test_the_gpu_check_passes_on_torch(tmp_path):
     assert result["checks"] and all(c["pass"] for c in result["checks"].values()), result
     assert {"torch_eager_b4", "TORCH_b4", "torch_eager_b1", "TORCH_b1"} <= set(result["figures"])
     # issue 49's graphs, through the CPU twin
-    graphs = {"graphs_replayed", "graphs_fallback", "graphs_program_replayed"}
+    graphs = {"graphs_replayed", "graphs_fallback", "graphs_program_replayed",
+              "graphs_shape_values"}  # fmt: skip
     assert graphs <= set(result["checks"])
     assert {"eager", "replayed", "speedup"} <= set(result["figures"]["TORCH_b1_graphs"])
     assert "graphs_eviction" in result["checks"]  # (a canary run in a subprocess)
