@@ -7,8 +7,8 @@ lane starts (counted ``failed`` once), so no doomed capture runs (review finding
 The registry mirrors the converters' steps (:mod:`.ops`). For each op that reads on the host it
 says which inputs the step reads there (``ints``/``.tolist()``/``.item()``: a shape, axes,
 counts, pads), and whether the step reads device values whatever its inputs are (NonZero,
-Unique and NonMaxSuppression: their output shapes depend on the data; DynamicQuantizeLinear's
-``float(scale)``; ScatterND's mul/max/min walk the indices on the host).
+Unique and NonMaxSuppression: their output shapes depend on the data; ScatterND's mul/max/min
+walk the indices on the host).
 
 Shape values live on the host (review finding 17, :mod:`.hostvalues`): the load-time constants
 a step reads there, ``Shape``/``Size`` (whose steps make their tensors from the input's shape,
@@ -61,7 +61,6 @@ HOST_READS: dict[str, Reads] = {
     "Compress": Reads(always=_always),
     "Unique": Reads(always=_always),
     "NonMaxSuppression": Reads(always=_always),
-    "DynamicQuantizeLinear": Reads(always=_always),  # float(scale)
     "ScatterND": Reads(always=_scatter_nd),
     # run on the host: torch.tensor(dims) of the input's shape, no read of its values
     **{op: Reads() for op in ON_HOST},

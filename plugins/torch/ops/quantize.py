@@ -86,8 +86,11 @@ def dynamic_quantize_linear(ctx: NodeContext) -> Any:
         lo = torch.clamp(x.min(), max=0.0)
         hi = torch.clamp(x.max(), min=0.0)
         scale = (hi - lo) / 255.0
-        zero = torch.clamp(torch.round(-lo / scale), 0, 255) if float(scale) else lo * 0
-        y = torch.clamp(torch.round(x / scale) + zero, 0, 255) if float(scale) else x * 0 + zero
+        # a zero scale (x all zero) chosen on the device, not read on the host: capturable
+        given = scale != 0
+        safe = torch.where(given, scale, torch.ones_like(scale))
+        zero = torch.where(given, torch.clamp(torch.round(-lo / safe), 0, 255), lo * 0)
+        y = torch.where(given, torch.clamp(torch.round(x / safe) + zero, 0, 255), x * 0 + zero)
         return y.to(torch.uint8), scale.reshape(()), zero.to(torch.uint8).reshape(())
 
     return run

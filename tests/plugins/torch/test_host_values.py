@@ -209,7 +209,7 @@ CAPTURABLE = [
     "vit_int8_qdq", "vit_fp16", "whisper_encoder_script", "whisper_encoder_dynamo",
     "t5_encoder_script", "t5_encoder_dynamo", "wav2vec2_script", "gpt2_past_script",
     "llama_past_dynamo", "lstm_script", "lstm_state_dynamo", "gru_script", "gru_state_script",
-    "minilm_int8", "resnet_dynamo",
+    "minilm_int8", "resnet_dynamo", "bert_int8_dynamic", "wav2vec2_int8_dynamic",
 ]  # fmt: skip
 
 
