@@ -322,16 +322,17 @@ def _pad(torch: Any, F: Any, x: Any, pads: list[int], axes: list[int] | None, fi
         if not begin and not end:
             continue
         n = x.shape[axis]
-        positions = np.arange(-begin, n + end)
+        # the source positions made on the device (no copy from the host: capturable)
+        positions = torch.arange(-begin, n + end, device=x.device)
         if mode == "edge":
-            index = np.clip(positions, 0, n - 1)
+            index = positions.clamp(0, n - 1)
         elif mode == "wrap":
-            index = positions % n
+            index = positions % n  # floored, as numpy's
         else:  # reflect
             period = 2 * (n - 1) if n > 1 else 1
-            folded = np.abs(positions) % period
-            index = np.where(folded >= n, period - folded, folded)
-        x = torch.index_select(x, axis, torch.as_tensor(index, device=x.device))
+            folded = positions.abs() % period
+            index = torch.where(folded >= n, period - folded, folded)
+        x = torch.index_select(x, axis, index)
     return x
 
 

@@ -253,3 +253,21 @@ def test_real_models_read_nothing_of_the_device_and_answer_as_before(core, name,
         for key, value in want.items():
             np.testing.assert_allclose(got[key], value, rtol=model.rtol, atol=model.atol,
                                        err_msg=f"{name} {key}")  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ["reflect", "edge", "wrap"])
+def test_pad_by_index_makes_its_positions_on_the_device(mode, monkeypatch):
+    """Pad's reflect, edge and wrap modes pick source positions: made on the device, not
+    copied from the host (which synchronised, so such a network was never captured)."""
+    graph = load_model(helper.make_model(helper.make_graph(
+        [helper.make_node("Pad", ["x", "pads"], ["y"], name="pad", mode=mode)],
+        "pad",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 5])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 9])],
+        [numpy_helper.from_array(np.array([0, 3, 0, 1], np.int64), "pads")],
+    ), opset_imports=[helper.make_opsetid("", 17)]))  # fmt: skip
+    x = np.arange(10, dtype=np.float32).reshape(2, 5)
+    program, syncs = _on_meta(graph, {"x": x}, monkeypatch)
+    assert program.host_reads == [] and syncs == []
+    got = Program(graph, torch, CPU, torch.float32).run([x])[0]
+    np.testing.assert_array_equal(got, np.pad(x, ((0, 0), (3, 1)), mode=mode))
