@@ -13,12 +13,12 @@ What is held on the host:
 - the output of every ``Shape`` and ``Size`` node (the input's shape, no read of its values);
 - a load-time constant (initializer or Constant) of at most :data:`SMALL` elements, as well as
   its device copy, and any constant where a step reads it on the host (a Reshape's shape);
-- the output of a node of :data:`HOST_OPS` whose inputs are all such small constants: computed
-  once, at load (``folded``), a constant from then on (an exporter's ``Unsqueeze`` of a
-  constant, or a ``ConstantOfShape`` of a constant shape, costs no request anything);
 - the output of a node of :data:`HOST_OPS` (the shape arithmetic exporters write: Gather,
   Concat, Unsqueeze, Slice, Cast, Add, Mul, Div, Equal, Where...) whose inputs are all held on
-  the host, computed there by the same step on CPU tensors;
+  the host, computed there by the same step on CPU tensors; when its inputs are all small
+  constants it is computed once, at load (``folded``), and is a constant from then on (an
+  exporter's ``Unsqueeze`` of a constant, or a ``ConstantOfShape`` of a constant shape,
+  costs no request anything);
 - but a :data:`SIZED` node (ConstantOfShape, Range, Expand, Tile: outputs as large as the
   values they are given) only when what it computes is read on the host and nowhere else; the
   Range of BERT's position ids feeds an embedding's Gather, so it runs on the device
@@ -28,14 +28,16 @@ Such a value depends on the inputs' shapes alone, never on their data, and a CUD
 captured per input shape (:mod:`.graphs`): computed once at the capture, it is exactly the
 value every replay would compute. The steps are today's, on CPU tensors: the values are
 today's (integer arithmetic is exact, and the float ops allowed here are the correctly
-rounded ones: +, -, *, /, sqrt, floor, ceil, casts).
+rounded ones: +, -, *, /, sqrt, floor, ceil, casts; only a float reduction over several
+elements could round in another order than the card's, and shape values are integers).
 
 Where a host value is data to a device step (``Cast(Shape) -> Sqrt -> Div`` of attention
-scores; a graph output), the program moves it with :func:`to_device`: fill kernels, whose
-values are baked into the kernels, so the capture records them and no
-copy from pageable memory syncs the stream: one fill of the first element, and one more for
-each element that differs from it (a value of more than :data:`FILLS` elements is copied,
-which syncs: outside of a capture that is merely slow).
+scores; a graph output), the program moves it once with :func:`to_device`: fill kernels
+whose values are baked into their launches, so the capture records them and no copy from
+pageable memory syncs the stream (one fill of the first element, then one for each element
+that differs from it; a value of more than :data:`FILLS` elements is copied, which syncs, so
+a capture containing one fails and the shape runs eagerly: the plan keeps the sized ops off
+the host for this reason, and no model here moves one).
 """
 
 from __future__ import annotations
