@@ -32,12 +32,14 @@ rounded ones: +, -, *, /, sqrt, floor, ceil, casts; only a float reduction over 
 elements could round in another order than the card's, and shape values are integers).
 
 Where a host value is data to a device step (``Cast(Shape) -> Sqrt -> Div`` of attention
-scores; a graph output), the program moves it once with :func:`to_device`: fill kernels
-whose values are baked into their launches, so the capture records them and no copy from
-pageable memory syncs the stream (one fill of the first element, then one for each element
-that differs from it; a value of more than :data:`FILLS` elements is copied, which syncs, so
-a capture containing one fails and the shape runs eagerly: the plan keeps the sized ops off
-the host for this reason, and no model here moves one).
+scores; BERT's token-type ids sliced from a small buffer; a graph output), the program moves
+it with :func:`to_device`: the first time a value is met (the eager warm-up run before a
+capture) it is copied, and that device copy is kept and reused, so the capture and every
+later run find it there with no copy at all (a kernel reading it is what the graph records).
+Were a capture ever to meet a value not seen, it is made by fill kernels whose values are
+baked into their launches (capturable; :func:`filled`), and past :data:`FILLS` elements
+copied, which syncs and fails that capture (the shape then runs eagerly): the plan keeps the
+sized ops off the host, so host values stay small.
 """
 
 from __future__ import annotations
@@ -51,12 +53,18 @@ import numpy as np
 from plugserve.plugins.ir import Graph, Node, attribute_graphs
 from plugserve.plugins.torch.hostreads import ON_HOST, read_positions
 
-__all__ = ["FILLS", "HOST_OPS", "SIZED", "SMALL", "HostPlan", "filled", "plan", "to_device"]
+__all__ = [
+    "FILLS", "HOST_OPS", "KEPT", "SIZED", "SMALL", "HostPlan", "Moves", "capturing", "filled",
+    "plan", "to_device",
+]  # fmt: skip
 
 #: the largest constant (elements) held on the host for shape arithmetic
 SMALL = 64
 #: the largest host value moved to the device by fill kernels (larger ones are copied)
 FILLS = 64
+#: device copies of moved host values a program keeps, and the largest (elements) it keeps
+KEPT = 1024
+KEPT_ELEMENTS = 4096
 
 #: ops whose outputs are as large as the values they are given (on the host only when read there)
 SIZED = frozenset({"ConstantOfShape", "Range", "Expand", "Tile"})
@@ -199,18 +207,47 @@ def _reaching(nodes: list[Node], on_host: set[int], to_device: set[str]) -> dict
     return reaches
 
 
+def capturing(torch: Any, device: Any) -> bool:
+    """Whether this thread's stream is being captured into a CUDA graph."""
+    return device.type == "cuda" and bool(torch.cuda.is_current_stream_capturing())
+
+
+class Moves:
+    """A program's step that moves host values to its device (see the docstring): a value
+    seen before is its device copy, kept (a graph captured with it reads it at every replay,
+    so it is never dropped while the program lives: at most :data:`KEPT` of them, each of at
+    most :data:`KEPT_ELEMENTS` elements; past those it is copied or filled each time). Outside
+    a capture a new value is copied (the warm-up run before each capture copies the values
+    the capture will meet); inside one, a value somehow not seen is filled (or copied, past
+    :data:`FILLS`, which fails the capture: that shape runs eagerly)."""
+
+    def __init__(self, torch: Any, device: Any) -> None:
+        self.torch = torch
+        self.device = device
+        self._kept: dict[tuple[Any, ...], Any] = {}
+
+    def __call__(self, value: Any) -> Any:
+        flat = value.reshape(-1).contiguous()
+        bits = flat.view(self.torch.uint8).numpy().tobytes()  # by bits: -0.0 and NaN too
+        key = (value.dtype, tuple(value.shape), bits)
+        kept = self._kept.get(key)
+        if kept is not None:
+            return kept
+        if capturing(self.torch, self.device):
+            return filled(self.torch, value, self.device) if value.numel() <= FILLS else (
+                value.to(self.device))  # fmt: skip
+        copy = value.to(self.device)  # a synchronising copy, outside a capture
+        if len(self._kept) < KEPT and value.numel() <= KEPT_ELEMENTS:
+            copy = self._kept.setdefault(key, copy)  # a racing thread's copy: the one kept
+        return copy
+
+
 def to_device(torch: Any, device: Any) -> Callable[[Any], Any]:
-    """The step that moves a host value to ``device`` (see the docstring); on the CPU the
-    value itself."""
+    """The step that moves a host value to ``device`` (:class:`Moves`); on the CPU the value
+    itself."""
     if device.type == "cpu":
         return lambda value: value
-
-    def run(value: Any) -> Any:
-        if value.numel() > FILLS:
-            return value.to(device)  # syncs: a value of this size is not shape arithmetic
-        return filled(torch, value, device)
-
-    return run
+    return Moves(torch, device)
 
 
 def filled(torch: Any, value: Any, device: Any) -> Any:

@@ -6,8 +6,9 @@ Values live on the device, but shape values on the host (:mod:`.hostvalues`): th
 keeps there are converted for the CPU and read their inputs' host forms (a constant has a host
 copy beside its device one where a step reads it there); a device step gets a host value at a
 position it reads on the host (:func:`.hostreads.read_positions`: a Reshape's shape) as it is,
-and anywhere else its device form, moved once by a step after the node that computes it. The
-nodes over small constants alone are computed here, at load, into constants.
+and anywhere else its device form, moved by a step after the node that computes it (the copy
+of each value kept and reused: :class:`.hostvalues.Moves`). The nodes over small constants
+alone are computed here, at load, into constants.
 
 QueryNetwork (:mod:`.query`) runs the same :class:`Converting` on every node.
 """

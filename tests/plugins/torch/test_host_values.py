@@ -65,8 +65,10 @@ class _Syncs(TorchDispatchMode):
 
 
 def _on_meta(graph, feeds: dict[str, np.ndarray], monkeypatch) -> tuple[Program, list[str]]:
-    """The program on the meta device, run once over ``feeds``' shapes: what it would have
-    synchronised (a read the meta device cannot answer raises)."""
+    """The program on the meta device over ``feeds``' shapes as a lane captures one: an eager
+    warm-up run (it may copy the host values it moves: each once), then the run a capture
+    records: what that one would have synchronised (a read the meta device cannot answer
+    raises)."""
     monkeypatch.setattr(bounds, "FLAGGED", frozenset({"cuda", "meta"}))  # indices: flagged
     program = Program(graph, torch, META, torch.float32)
     tensors = [
@@ -74,8 +76,14 @@ def _on_meta(graph, feeds: dict[str, np.ndarray], monkeypatch) -> tuple[Program,
                     dtype=held_dtype(torch, np.asarray(feeds[s.name]).dtype, torch.float32))
         for s in graph.inputs
     ]  # fmt: skip
+    with bounds.active(bounds.BoundsFlag(torch, META)), _Syncs() as warm:
+        program.compute_tensors(tensors)
+    assert len(warm.found) <= len(program.plan.to_device), warm.found  # copies of moved values
+    assert all(w.startswith("copy cpu") for w in warm.found), warm.found
+    monkeypatch.setattr(hostvalues, "capturing", lambda torch, device: True)
     with bounds.active(bounds.BoundsFlag(torch, META)), _Syncs() as syncs:
         outputs = program.compute_tensors(tensors)
+    monkeypatch.setattr(hostvalues, "capturing", lambda torch, device: False)
     assert all(o.device == META for o in outputs), [o.device for o in outputs]
     return program, syncs.found
 
@@ -154,10 +162,18 @@ def test_moves_to_the_device_by_fills_keep_every_value(monkeypatch):
                            value.view(-1).to(torch.float64).isnan())  # fmt: skip
         same = moved.view(-1).to(torch.float64), value.view(-1).to(torch.float64)
         assert all(str(a) == str(b) for a, b in zip(same[0].tolist(), same[1].tolist()))
-    with _Syncs() as syncs:  # the guard sees a copy: a value past FILLS is copied, and syncs
-        hostvalues.to_device(torch, META)(torch.arange(hostvalues.FILLS + 1))
-        hostvalues.to_device(torch, META)(torch.arange(hostvalues.FILLS))
-    assert syncs.found == ["copy cpu -> meta"]
+    move = hostvalues.to_device(torch, META)
+    with _Syncs() as syncs:  # outside a capture: copied once, then the kept copy
+        first = move(torch.tensor([2, 3]))
+        assert move(torch.tensor([2, 3])) is first and move(torch.tensor([3, 2])) is not first
+    assert syncs.found == ["copy cpu -> meta"] * 2
+    monkeypatch.setattr(hostvalues, "capturing", lambda torch, device: True)
+    with _Syncs() as syncs:  # in a capture, a value not seen: filled, or past FILLS copied
+        move(torch.arange(hostvalues.FILLS))
+        move(torch.arange(hostvalues.FILLS + 1))
+        move(torch.tensor([2, 3]))  # kept
+    assert syncs.found == ["copy cpu -> meta"]  # (the guard sees copies)
+    monkeypatch.undo()
     monkeypatch.setattr(
         hostvalues, "to_device", lambda torch, device: lambda v: hostvalues.filled(torch, v, device)
     )
