@@ -69,10 +69,10 @@ def test_a_network_that_reads_on_the_host_runs_eagerly_counted_failed_once(core)
 
 
 def test_host_reads_name_the_nodes_and_follow_optional_inputs():
-    def graph(*protos):
+    def graph(*protos, initializers=None):
         nodes = [Node(p.op_type, list(p.input), list(p.output), p.name,
                       attrs={a.name: a for a in p.attribute}) for p in protos]  # fmt: skip
-        return types.SimpleNamespace(nodes=nodes)
+        return types.SimpleNamespace(nodes=nodes, initializers=initializers or {})
 
     found = host_reads(graph(
         helper.make_node("Reshape", ["x", "shape"], ["y"], name="r"),
@@ -83,6 +83,21 @@ def test_host_reads_name_the_nodes_and_follow_optional_inputs():
         helper.make_node("Relu", ["c"], ["d"], name="relu"),
     ))  # fmt: skip
     assert found == ["r (Reshape)", "axes (ReduceSum)", "mul (ScatterND)"]
+    # a shape known at load, or computed from a Shape (shape values live on the host: review
+    # finding 17), is read for nothing; one computed from the data is a device value
+    found = host_reads(graph(
+        helper.make_node("Reshape", ["x", "fixed"], ["a"], name="constant_shape"),
+        helper.make_node("Shape", ["a"], ["s"], name="shape"),
+        helper.make_node("Gather", ["s", "zero"], ["n"], name="first"),
+        helper.make_node("Unsqueeze", ["n", "axes"], ["n1"], name="n1"),
+        helper.make_node("Concat", ["n1", "minus1"], ["flat"], name="flat", axis=0),
+        helper.make_node("Reshape", ["a", "flat"], ["b"], name="computed_shape"),
+        helper.make_node("Cast", ["b"], ["dims"], name="dims", to=TensorProto.INT64),
+        helper.make_node("Reshape", ["b", "dims"], ["c"], name="data_shape"),
+        initializers={"fixed": np.array([2, -1]), "zero": np.array(0), "axes": np.array([0]),
+                      "minus1": np.array([-1])},
+    ))  # fmt: skip
+    assert found == ["data_shape (Reshape)"]
 
 
 #: calls in a converter's step that read a device value on the host, or copy host values in
