@@ -287,3 +287,25 @@ def test_pad_by_index_makes_its_positions_on_the_device(mode, monkeypatch):
     assert program.host_reads == [] and syncs == []
     got = Program(graph, torch, CPU, torch.float32).run([x])[0]
     np.testing.assert_array_equal(got, np.pad(x, ((0, 0), (3, 1)), mode=mode))
+
+
+def test_a_shape_the_graph_outputs_is_moved_to_the_device(core, monkeypatch):
+    n = helper.make_node
+    model = helper.make_model(helper.make_graph(
+        [n("Shape", ["x"], ["s"], name="shape"),
+         n("Concat", ["s", "tail"], ["dims"], name="dims", axis=0),
+         n("Relu", ["x"], ["y"], name="relu")],
+        "outputs_a_shape",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["a", "b"])],
+        [helper.make_tensor_value_info("dims", TensorProto.INT64, [3]),
+         helper.make_tensor_value_info("y", TensorProto.FLOAT, ["a", "b"])],
+        [numpy_helper.from_array(np.array([7], np.int64), "tail")],
+    ), opset_imports=[helper.make_opsetid("", 17)])  # fmt: skip
+    program, syncs = _on_meta(load_model(model), {"x": np.zeros((2, 3), np.float32)},
+                              monkeypatch)  # fmt: skip
+    assert syncs == [] and program.plan.to_device == {"dims"}
+    monkeypatch.undo()
+    request = core.load_network(model, "TORCH", {"CUDA_GRAPHS": "2"}).create_infer_request()
+    for _ in range(3):
+        np.testing.assert_array_equal(request.infer({"x": np.ones((4, 5), np.float32)})["dims"],
+                                      [4, 5, 7])  # fmt: skip
