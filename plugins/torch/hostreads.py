@@ -99,14 +99,10 @@ def read_positions(node: Node) -> tuple[int, ...]:
     return spec.inputs if spec is not None else ()
 
 
-def host_reads(graph: Graph, host: Collection[str] | None = None) -> list[str]:
+def host_reads(graph: Graph, host: Collection[str] = frozenset()) -> list[str]:
     """The graph's nodes that read device values on the host (``name (op)``), in order;
-    empty: capturable as far as its ops go. ``host``: the values held on the host (default:
-    :func:`.hostvalues.plan`'s for the graph)."""
-    if host is None:
-        from plugserve.plugins.torch.hostvalues import plan
-
-        host = plan(graph).host
+    empty: capturable as far as its ops go. ``host``: the values held on the host (the
+    program passes :func:`.hostvalues.plan`'s ``host``; none: every value on the device)."""
     found = []
     for node in graph.nodes:
         spec = HOST_READS.get(node.op_type)
