@@ -5,8 +5,9 @@ Why: a step that reads a shape, axes or counts from an input (``ints``: Reshape,
 Slice, Unsqueeze...) synchronises its stream when that input is on the device, and a CUDA graph
 cannot capture a synchronisation (:mod:`.hostreads`). Exporters compute shapes in the graph:
 TorchScript's BERT, ViT, T5 or Whisper encoder has Shape -> Gather -> Unsqueeze -> Concat ->
-Reshape chains (bert_script: 8 Shape nodes, each Reshape's shape made from one), so with
-every value on the device no transformer the TorchScript exporter writes was ever captured.
+Reshape chains (the zoo's bert_script: 19 Shape nodes feeding its 15 Reshapes, 3 Expands and
+3 Ranges), so with every value on the device no transformer the TorchScript exporter writes
+was ever captured.
 
 What is held on the host:
 
@@ -39,7 +40,9 @@ later run find it there with no copy at all (a kernel reading it is what the gra
 Were a capture ever to meet a value not seen, it is made by fill kernels whose values are
 baked into their launches (capturable; :func:`filled`), and past :data:`FILLS` elements
 copied, which syncs and fails that capture (the shape then runs eagerly): the plan keeps the
-sized ops off the host, so host values stay small.
+sized ops off the host, so host values stay small. (One case is left to that fallback: a
+sized node folded at load into a large constant, then mixed with a shape at run time; values
+stay right, only that capture is lost. The zoo's 23 capturable exports move 3 values at most.)
 """
 
 from __future__ import annotations
