@@ -226,6 +226,10 @@ CAPTURABLE = [
     "t5_encoder_script", "t5_encoder_dynamo", "wav2vec2_script", "gpt2_past_script",
     "llama_past_dynamo", "lstm_script", "lstm_state_dynamo", "gru_script", "gru_state_script",
     "minilm_int8", "resnet_dynamo", "bert_int8_dynamic", "wav2vec2_int8_dynamic",
+    "gpt2_past_dynamo", "gpt2_past_int8_dynamic", "llama_past_script", "llama_past_opset23",
+    "llama_past_int8_dynamic", "lstm_dynamo", "gru_dynamo", "lstm_state_script",
+    "gru_state_dynamo", "wav2vec2_dynamo", "vit_fp16_io", "whisper_encoder_fp16",
+    "whisper_encoder_fp16_io",
 ]  # fmt: skip
 
 
