@@ -537,7 +537,7 @@ class _Stages:
             allowed = _unpacked(torch, sent["mask_words"], self.vocab)
             out[which] = out.index_select(0, which).masked_fill(~allowed, float("-inf"))
         if "stop_rows" in sent:  # the value made on the device (no host tensor lifted)
-            out.index_put_((sent["stop_rows"], sent["stop_ids"]), out.new_full((1,), -np.inf))
+            out.index_put_((sent["stop_rows"], sent["stop_ids"]), out.new_full((1,), float("-inf")))
         if "rep_rows" in sent:
             where, penalty = (sent["rep_rows"], sent["rep_ids"]), sent["rep_values"]
             values = out[where]
