@@ -3,6 +3,7 @@ running: this checkout beside a base commit's.
 
     python tests/benchmarks/bench_engine_host.py --baseline /path/to/base/venv/bin/python \\
         [--folder HF_FOLDER] [--device TORCH] [--streams 8,32] [--new-tokens 128] [--rounds 5]
+        [--sampled]
 
 Why: issue 51's GPU targets leave the host about 115 us a streamed token at 8 streams and 38
 at 32, and on a card the forward is one CUDA graph replay (microseconds of host time), so what
@@ -11,7 +12,8 @@ detokenizing, events) is the budget. In a server that share is hard to see: the 
 and the clients take the GIL between the engine's torch calls and the machine's other load
 moves the figures by more than a change to the loop. Here the engine's loop runs in the
 measuring thread itself (its own thread closed after loading), ``--streams`` requests of
-``--new-tokens`` greedy tokens queued at once, each with a sender that only counts its
+``--new-tokens`` greedy tokens (``--sampled``: seeded, temperature 0.8, top-k 40, top-p
+0.95, the torch sampler's general path) queued at once, each with a sender that only counts its
 events: the thread's CPU time per token, the forward's (``TorchDecoder._run`` timed) and the
 difference, the engine's host cost outside the forward. bench_stream_cost.py measures the
 whole server. Each round runs one process of each (who goes first alternating); figures are
@@ -25,6 +27,7 @@ path for the dependencies.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import subprocess
@@ -60,12 +63,17 @@ class _Counting:
         raise error
 
 
-def measure(folder: str, device: str, counts: list[int], new: int, bursts: int) -> dict:
+def measure(
+    folder: str, device: str, counts: list[int], new: int, bursts: int, sampled: bool = False
+) -> dict:
     """One process's figures, microseconds per token (run as ``--child``)."""
     from plugserve.server import Core
     from plugserve.server.apps.generate.types import GenerationRequest, SamplingParams
 
     config = {"MAX_NUM_SEQS": "64", "MAX_MODEL_LEN": "1024", "INFERENCE_NUM_THREADS": "1"}
+    # the synchronous step: closing the engine ends its device stream too, and a pipelined
+    # step's forward and sampling would run on that stream's thread, not the measured one
+    config["ASYNC_SCHEDULING"] = "NO"
     net = Core().load_network(folder, device, config)
     engine = net.engine
     engine.close()  # its thread ends; the loop runs in this thread from now on
@@ -81,13 +89,15 @@ def measure(folder: str, device: str, counts: list[int], new: int, bursts: int) 
 
     engine.decoder._run = timed
     params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    drawn = {"temperature": 0.8, "top_k": 40, "top_p": 0.95} if sampled else {}
 
     def burst(n: int, tag: str) -> tuple[float, float]:
         _Counting.left = n
         engine._closing = False
         senders = [_Counting(engine) for _ in range(n)]
         for i, sender in enumerate(senders):
-            engine.add(GenerationRequest(f"{tag}-{i}", [*range(300, 428), i], params), sender)
+            own = dataclasses.replace(params, **drawn, seed=i) if drawn else params
+            engine.add(GenerationRequest(f"{tag}-{i}", [*range(300, 428), i], own), sender)
         spent[0] = 0.0
         t0 = time.thread_time()
         engine._loop()
@@ -115,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--bursts", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--sampled", action="store_true", help="sampled requests, not greedy")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     counts = [int(s) for s in args.streams.split(",")]
@@ -123,12 +134,14 @@ def main(argv: list[str] | None = None) -> int:
 
         args.folder = str(llm.hf_folder("tiny-llama"))
     if args.child:
-        found = measure(args.folder, args.device, counts, args.new_tokens, args.bursts)
+        found = measure(
+            args.folder, args.device, counts, args.new_tokens, args.bursts, args.sampled
+        )
         print(json.dumps(found))
         return 0
     child = [__file__, "--child", "--folder", args.folder, "--device", args.device]
     child += ["--streams", args.streams, "--new-tokens", str(args.new_tokens)]
-    child += ["--bursts", str(args.bursts)]
+    child += ["--bursts", str(args.bursts)] + (["--sampled"] if args.sampled else [])
     pythons = {"after": sys.executable}
     if args.baseline:
         pythons["before"] = args.baseline
@@ -145,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         "folder": args.folder,
         "device": args.device,
         "new_tokens": args.new_tokens,
+        "sampled": args.sampled,
     }
     summary.update(harness.per_count_medians(blocks, "host_us"))
     summary["load_average"] = harness.load_average()

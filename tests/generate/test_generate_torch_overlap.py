@@ -217,6 +217,30 @@ def test_the_static_step_pipelines_as_well(llama):
     _same({k: _answers(v) for k, v in got.items()}, {k: _answers(v) for k, v in expected.items()})
 
 
+def test_a_batch_of_sampled_rows_only_pipelines(engines, llama):
+    """Every row sampled (no greedy row: the sampler's draw over the whole batch, each cut
+    on some rows only, logprobs on some): its steps pipeline (the sampler's draw waits for
+    nothing, sampler_torch) and the seeded answers are the synchronous engine's."""
+    sync, piped = engines
+    a, b, c, d = _prompts(llama)
+
+    def requests():
+        return [
+            _request("t", a, max_tokens=18, temperature=0.8, seed=21),
+            _request("k", b, max_tokens=14, temperature=1.0, top_k=5, seed=22, logprobs=2),
+            _request("p", c, max_tokens=16, temperature=0.9, top_p=0.7, seed=23),
+            _request("m", d, max_tokens=12, temperature=1.2, min_p=0.1, seed=24, logprobs=0),
+            _request("b", a, max_tokens=15, temperature=0.7, logit_bias={7: 2.0}, seed=25),
+        ]
+
+    expected = _run(sync, requests())
+    before = piped.stats().pipelined_steps
+    got = _run(piped, requests())
+    assert piped.stats().pipelined_steps > before, "no sampled step was pipelined"
+    _same(got, expected)
+    assert len({tuple(v[0][0]) for v in expected.values()}) == 5
+
+
 def test_a_consumer_leaving_mid_stream_ends_its_request_only(engines, llama):
     sync, piped = engines
     prompts = _prompts(llama)

@@ -41,7 +41,13 @@ The :class:`DeviceStream` is one worker thread that runs the launched steps in o
 CPU (TORCH) the forward and the sampling run there while the loop thread does the host's
 work (torch's CPU ops release the GIL, so they overlap); on a card it enqueues the step's
 kernels (the decode graph's replay, the sampler's) on the device, records the event, and is
-done; the host waits on the event only when it needs the ids.
+done; the host waits on the event only when it needs the ids. Sampled rows (temperature,
+top-k, top-p, min-p, seeds, ``logit_bias``, logprobs) pipeline as greedy ones do: the
+sampler's half run at launch (:meth:`.sampler_torch.TorchSampler.draw`) sends its parameters
+and uniform numbers in one ``non_blocking`` copy from pinned memory and reads nothing back,
+so the stream's thread queues the sampler's kernels behind the forward without waiting for
+it (tests/generate/test_sampler_torch_syncs.py). Grammars and penalties fall back for the
+reason above (the host state their next step reads), not for a copy.
 
 Measured on the CPU only (no GPU in this session): tests' tiny-llama safetensors folder on
 TORCH (0.4 M parameters, one torch thread), 2 shared cores under a load average of 7-8

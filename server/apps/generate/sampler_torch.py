@@ -9,12 +9,26 @@ the argmax and sampled rows divide by the temperature, cut by top-k (ties with t
 top-p (the token that crosses p kept) and min-p, and draw by inverse CDF over float64
 cumulative sums. Logprobs are the log-softmax of the raw logits.
 
-What crosses per step. Host to device: the per-row parameters and, for the rows that ask for
-processing, the flat ``(row, token id, value)`` triples of their bias and penalties (a few
-bytes per generated token of those rows), the grammar's packed bitmask (llguidance's int32
-words, ``vocab / 8`` bytes, unpacked on the device), and one uniform number per sampled row.
-Device to host: the ids (8 bytes a row) and the asked logprobs (the chosen token's and the
-``top_logprobs`` best), in one synchronisation.
+What crosses per step, and where the host waits. Host to device, in one copy: every array
+the step needs that is not on the device already is packed into one byte buffer
+(:class:`_Pack`; pinned on a CUDA device, so the copy is ``non_blocking`` and nothing waits
+for the forward queued before it): the per-row parameters (temperatures, top-k's k, top-p,
+min-p, which rows are greedy), the row indices of each cut and of the rows asking for
+logprobs, one uniform number per sampled row, and for the rows that ask for processing the
+flat ``(row, token id, value)`` triples of their bias and penalties (a few bytes per
+generated token of those rows) and the grammar's packed bitmask (llguidance's int32 words,
+``vocab / 8`` bytes, unpacked on the device); each is a view of the device's copy. What the
+host must decide itself (top-k's largest k, which rows are cut) it reads from the
+parameters, never from the device. Device to host: the ids (8 bytes a row) and the asked
+logprobs (the chosen token's and the ``top_logprobs`` best), concatenated into one tensor and
+copied back once: the step's one synchronisation (:meth:`Drawn.host`). So a sampled step
+makes one copy each way, as a greedy one makes one copy back (tests/generate/
+test_sampler_torch_syncs.py counts them on the CPU form; a plain greedy batch sends nothing);
+:meth:`TorchSampler.draw`, the half a pipelined step (:mod:`.overlap`) runs at launch, reads
+nothing back. Before (the review's finding 18), each parameter, index and the uniforms were
+a pageable copy of their own and top-k's largest k was read back (``int(ks.max())``): each
+a wait for the card, the first one for the whole forward, 12 to 15 copies a step for a
+batch mixing every kind of row (counted on the CPU form by that test).
 
 Seeds: each sampled row's uniform number is drawn on the host from the request's own numpy
 generator (seeded ``seed + index``, :func:`.types.seeded_generator`), as the host sampler
@@ -84,27 +98,51 @@ class TorchSampler(Sampler):
     def draw(self, logits: Any, rows: Sequence[SamplingState], generated: Sequence[int]) -> Drawn:
         """The choice made on the device, nothing brought back yet: the first half of a
         call, which a pipelined step (:mod:`.overlap`) runs at launch, before the host
-        needs the ids (:meth:`fetched`, the second half)."""
+        needs the ids (:meth:`fetched`, the second half). The host's share (each row's
+        processing, its uniform number, the parameters) is gathered first and sent in one
+        copy; then the device's operations are queued, none of which waits for the card."""
         torch = self.torch
         count = len(rows)
         drawn = Drawn(rows)
         bad = drawn.bad
         logits = logits.float()
+        vocab = logits.shape[1]
+        pack = _Pack()
         asked = drawn.asked = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-        raw_lp = torch.log_softmax(logits[asked], dim=-1) if asked else None
+        if asked and len(asked) < count:
+            pack.add("asked", np.asarray(asked, dtype=np.int64))
+        stages = None
         if any(r.processed for r in rows):
-            logits = self.processed(logits, rows, generated, bad)
+            stages = _Stages.of(rows, generated, vocab, bad)
+            stages.put(pack)
         live = drawn.live = [i for i in range(count) if i not in bad]
         uniforms = self._uniforms(rows, live)
-        sampled = any(rows[i].params.temperature != 0.0 for i in live)
-        u = torch.from_numpy(uniforms).to(logits.device) if sampled else None  # greedy: no copy
+        if any(rows[i].params.temperature != 0.0 for i in live):  # greedy only: no uniforms
+            pack.add("u", uniforms)
+        _put_choice(pack, rows, live, vocab)
         chosen = torch.full((count,), -1, dtype=torch.int64, device=logits.device)
-        together_else_alone(
-            lambda which: self._choose_on(logits, rows, which, u, chosen), live, bad
-        )
         drawn.chosen = chosen
         try:
-            drawn.tensors = self._gathered(chosen, raw_lp, asked, rows)
+            sent = pack.sent(torch, logits.device)  # the step's one copy to the device
+            raw_lp = None
+            if asked:
+                raw = logits if len(asked) == count else logits.index_select(0, sent["asked"])
+                raw_lp = torch.log_softmax(raw, dim=-1)
+            if stages is not None:
+                logits = stages.applied(torch, logits, sent)
+        except Exception as exc:  # the device failed (an asynchronous CUDA error surfaces here)
+            drawn.error = exc
+            return drawn
+        u = sent.get("u")
+        together_else_alone(
+            lambda which: self._choose_on(
+                logits, rows, which, u, chosen, sent if which is live else None
+            ),
+            live,
+            bad,
+        )
+        try:
+            drawn.tensors = self._gathered(chosen, raw_lp, asked, rows, sent)
         except Exception as exc:  # the device failed (an asynchronous CUDA error surfaces here)
             drawn.error = exc
         return drawn
@@ -143,41 +181,12 @@ class TorchSampler(Sampler):
     ) -> Any:
         """A copy of ``logits`` with each processed row's bias, mask and penalties applied
         (the host's ``_process``, stage by stage over the rows); a row whose preparation
-        raises is recorded in ``bad`` and left as it was."""
-        torch = self.torch
-        vocab = logits.shape[1]
-        stages = _Stages()
-        for i, row in enumerate(rows):
-            if row.processed:
-                try:
-                    stages.add(i, row, generated[i], vocab)
-                except Exception as exc:
-                    bad[i] = exc
-        out = logits.clone()
-        device = out.device
-
-        def tensor(values: list[np.ndarray], dtype: Any) -> Any:
-            return torch.from_numpy(np.concatenate(values)).to(device, dtype)
-
-        if stages.bias_rows:
-            r, ids = tensor(stages.bias_rows, torch.int64), tensor(stages.bias_ids, torch.int64)
-            out.index_put_((r, ids), tensor(stages.bias_values, torch.float32), accumulate=True)
-        if stages.mask_rows:
-            which = torch.as_tensor(stages.mask_rows, device=device)
-            allowed = _unpacked(torch, stages.masks, vocab, device)
-            out[which] = out[which].masked_fill(~allowed, float("-inf"))
-        if stages.stop_rows:
-            r, ids = tensor(stages.stop_rows, torch.int64), tensor(stages.stop_ids, torch.int64)
-            out[r, ids] = float("-inf")
-        if stages.rep_rows:
-            r, ids = tensor(stages.rep_rows, torch.int64), tensor(stages.rep_ids, torch.int64)
-            penalty = tensor(stages.rep_values, torch.float32)
-            values = out[r, ids]
-            out[r, ids] = torch.where(values > 0, values / penalty, values * penalty)
-        if stages.pen_rows:
-            r, ids = tensor(stages.pen_rows, torch.int64), tensor(stages.pen_ids, torch.int64)
-            out[r, ids] -= tensor(stages.pen_values, torch.float32)
-        return out
+        raises is recorded in ``bad`` and left as it was. (:meth:`draw` sends the stages'
+        arrays with the rest of its step's.)"""
+        stages = _Stages.of(rows, generated, logits.shape[1], bad)
+        pack = _Pack()
+        stages.put(pack)
+        return stages.applied(self.torch, logits, pack.sent(self.torch, logits.device))
 
     # --- choosing
 
@@ -206,82 +215,93 @@ class TorchSampler(Sampler):
             return self._accepted(rows, tokens, [None] * len(rows), bad, failures)
 
     def _choose_on(
-        self, logits: Any, rows: Sequence[SamplingState], which: list[int], u: Any, chosen: Any
+        self,
+        logits: Any,
+        rows: Sequence[SamplingState],
+        which: list[int],
+        u: Any,
+        chosen: Any,
+        sent: dict[str, Any] | None = None,
     ) -> None:
         """The tokens of rows ``which`` into ``chosen``, one set of operations over them
         whatever their mix: the argmax of every row and, when any row samples, the draw of
         every row (greedy rows drawn at temperature 1 and their draw discarded by one
-        ``where``), instead of indexing the greedy and the sampled rows apart."""
+        ``where``), instead of indexing the greedy and the sampled rows apart. ``sent``: the
+        step's arrays on the device (:func:`_put_choice`'s for these rows); without it (rows
+        chosen again alone after the batch's choice raised), their own copy."""
         torch = self.torch
+        if sent is None:
+            pack = _Pack()
+            _put_choice(pack, rows, which, logits.shape[1])
+            sent = pack.sent(torch, logits.device)
         whole = len(which) == len(rows)
         if whole:
             part, sub = logits, rows
         else:
-            index = torch.as_tensor(which, device=logits.device)
-            part, sub = logits[index], [rows[i] for i in which]
+            index = sent["which"]
+            part, sub = logits.index_select(0, index), [rows[i] for i in which]
         greedy = [r.params.temperature == 0.0 for r in sub]
         best = torch.argmax(part, dim=-1)
         if not all(greedy):
-            probs = self.probabilities(part, sub)
+            probs = self.probabilities(part, sub, sent)
             cdf = torch.cumsum(probs.double(), dim=-1)
-            targets = (u if whole else u[index]) * cdf[:, -1]
+            targets = (u if whole else u.index_select(0, index)) * cdf[:, -1]
             picked = torch.searchsorted(cdf, targets[:, None], right=True)[:, 0]
             picked = picked.clamp_(max=probs.shape[1] - 1)
             if any(greedy):
-                mask = torch.tensor(greedy, dtype=torch.bool).to(part.device)
-                picked = torch.where(mask, best, picked)
+                picked = torch.where(sent["greedy"], best, picked)
             best = picked
         if whole:
             chosen.copy_(best)
         else:
-            chosen[index] = best
+            chosen.index_copy_(0, index, best)
 
-    def probabilities(self, logits: Any, rows: Sequence[SamplingState]) -> Any:
+    def probabilities(
+        self, logits: Any, rows: Sequence[SamplingState], sent: dict[str, Any] | None = None
+    ) -> Any:
         """The distribution each sampled row draws from (temperature, top-k, top-p, min-p),
         float32 ``[rows, vocab]``, zeros where cut: the host's
-        :meth:`.sampler.Sampler.probabilities` on the device."""
+        :meth:`.sampler.Sampler.probabilities` on the device. ``sent``: the rows' parameters
+        on the device (:func:`_put_cuts`'), else sent here; which rows each cut takes, and
+        top-k's largest k, are read from ``rows`` on the host."""
         torch = self.torch
-        device = logits.device
         vocab = logits.shape[1]
-        temperatures = torch.tensor(  # a greedy row (drawn and discarded) at 1
-            [r.params.temperature or 1.0 for r in rows], dtype=torch.float32
-        ).to(device)
-        scaled = logits / temperatures[:, None]
+        if sent is None:
+            pack = _Pack()
+            _put_cuts(pack, rows, vocab)
+            sent = pack.sent(torch, logits.device)
+        scaled = logits / sent["temperature"][:, None]  # a greedy row (drawn, discarded) at 1
         cut = [i for i, r in enumerate(rows) if 0 < r.params.top_k < vocab]
         if cut:
-            index = torch.as_tensor(cut, device=device)
-            ks = torch.tensor([rows[i].params.top_k for i in cut], device=device)
-            part = scaled[index]
-            best = torch.topk(part, int(ks.max()), dim=-1).values
+            index, ks = sent["cut"], sent["k"]
+            part = scaled.index_select(0, index)
+            best = torch.topk(part, max(rows[i].params.top_k for i in cut), dim=-1).values
             kth = best.gather(1, (ks - 1)[:, None])
             scaled[index] = part.masked_fill(part < kth, float("-inf"))
         probs = torch.softmax(scaled, dim=-1)
-        nucleus = [i for i, r in enumerate(rows) if r.params.top_p < 1.0]
-        if nucleus:
-            index = torch.as_tensor(nucleus, device=device)
-            p = torch.tensor(
-                [rows[i].params.top_p for i in nucleus], dtype=torch.float32, device=device
-            )
-            part = probs[index]
+        if any(r.params.top_p < 1.0 for r in rows):
+            index, p = sent["nucleus"], sent["p"]
+            part = probs.index_select(0, index)
             ordered, order = torch.sort(part, dim=-1, descending=True, stable=True)
             cumulative = torch.cumsum(ordered, dim=-1)
             before = torch.cat([torch.zeros_like(cumulative[:, :1]), cumulative[:, :-1]], 1)
             # kept: the tokens before the one whose cumulative sum reaches p, and that one
             keep = torch.zeros_like(part, dtype=torch.bool).scatter_(1, order, before < p[:, None])
             probs[index] = part * keep
-        floor = [i for i, r in enumerate(rows) if r.params.min_p > 0.0]
-        if floor:
-            index = torch.as_tensor(floor, device=device)
-            m = torch.tensor(
-                [rows[i].params.min_p for i in floor], dtype=torch.float32, device=device
-            )
-            part = probs[index]
+        if any(r.params.min_p > 0.0 for r in rows):
+            index, m = sent["floor"], sent["m"]
+            part = probs.index_select(0, index)
             top = part.max(dim=-1, keepdim=True).values
             probs[index] = part.masked_fill(part < m[:, None] * top, 0.0)
         return probs
 
     def _gathered(
-        self, chosen: Any, raw_lp: Any, asked: list[int], rows: Sequence[SamplingState]
+        self,
+        chosen: Any,
+        raw_lp: Any,
+        asked: list[int],
+        rows: Sequence[SamplingState],
+        sent: dict[str, Any],
     ) -> list[Any]:
         """What the host needs, on the device: the ids; when rows ask for logprobs, one
         float64 tensor instead (one copy to the host: one synchronisation on a card; exact
@@ -290,8 +310,8 @@ class TorchSampler(Sampler):
         torch = self.torch
         if not asked:
             return [chosen]
-        index = torch.as_tensor(asked, device=chosen.device)
-        picked = raw_lp.gather(1, chosen[index].clamp(min=0)[:, None])[:, 0]
+        mine = chosen if len(asked) == len(rows) else chosen.index_select(0, sent["asked"])
+        picked = raw_lp.gather(1, mine.clamp(min=0)[:, None])[:, 0]
         top = max((rows[i].params.logprobs or 0) for i in asked)
         k = min(top, raw_lp.shape[1])
         parts = [chosen.double(), picked.double()]
@@ -330,6 +350,78 @@ class TorchSampler(Sampler):
             )
             entries.append(TokenLogprob(int(tokens[i]), float(picked_h[j]), pairs))
         return tokens, entries
+
+
+def _put_choice(pack: _Pack, rows: Sequence[SamplingState], which: list[int], vocab: int) -> None:
+    """What :meth:`TorchSampler._choose_on` reads on the device for rows ``which``: their
+    index (unless all rows), and when any samples, which are greedy and their cuts."""
+    sub = rows if len(which) == len(rows) else [rows[i] for i in which]
+    if len(sub) < len(rows):
+        pack.add("which", np.asarray(which, dtype=np.int64))
+    greedy = [r.params.temperature == 0.0 for r in sub]
+    if all(greedy):
+        return
+    if any(greedy):
+        pack.add("greedy", np.asarray(greedy, dtype=np.bool_))
+    _put_cuts(pack, sub, vocab)
+
+
+def _put_cuts(pack: _Pack, rows: Sequence[SamplingState], vocab: int) -> None:
+    """What :meth:`TorchSampler.probabilities` reads on the device: the temperatures (a
+    greedy row's 1), and each cut's rows and values (top-k's k, top-p, min-p)."""
+    params = [r.params for r in rows]
+    pack.add("temperature", np.asarray([p.temperature or 1.0 for p in params], np.float32))
+    cut = [i for i, p in enumerate(params) if 0 < p.top_k < vocab]
+    if cut:
+        pack.add("cut", np.asarray(cut, dtype=np.int64))
+        pack.add("k", np.asarray([params[i].top_k for i in cut], dtype=np.int64))
+    nucleus = [i for i, p in enumerate(params) if p.top_p < 1.0]
+    if nucleus:
+        pack.add("nucleus", np.asarray(nucleus, dtype=np.int64))
+        pack.add("p", np.asarray([params[i].top_p for i in nucleus], dtype=np.float32))
+    floor = [i for i, p in enumerate(params) if p.min_p > 0.0]
+    if floor:
+        pack.add("floor", np.asarray(floor, dtype=np.int64))
+        pack.add("m", np.asarray([params[i].min_p for i in floor], dtype=np.float32))
+
+
+class _Pack:
+    """A step's host arrays, sent to the device in one copy: laid end to end in one byte
+    buffer (each at a multiple of 8 bytes, so every dtype's view of the device's copy is
+    aligned), pinned on a CUDA device and copied ``non_blocking`` (a pageable copy waits
+    for everything queued before it: the step's forward), then each array a view of the
+    copy. The pinned buffer comes from torch's caching host allocator, which does not hand
+    a block out again before the copies that read it are done, so a pipelined step's
+    buffer is never overwritten by the step launched behind it."""
+
+    __slots__ = ("_arrays", "_size")
+
+    def __init__(self) -> None:
+        self._arrays: dict[str, tuple[np.ndarray, int]] = {}
+        self._size = 0
+
+    def add(self, name: str, array: np.ndarray) -> None:
+        array = np.ascontiguousarray(array)
+        self._arrays[name] = (array, self._size)
+        self._size += -(-array.nbytes // 8) * 8
+
+    def sent(self, torch: Any, device: Any) -> dict[str, Any]:
+        """Each array by name, a view of the device's copy (nothing sent when empty)."""
+        if not self._arrays:
+            return {}
+        host = torch.empty(self._size, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        buffer = host.numpy()
+        for array, offset in self._arrays.values():
+            buffer[offset : offset + array.nbytes] = array.reshape(-1).view(np.uint8)
+        copy = host.to(device, non_blocking=True)  # on the CPU: the buffer itself
+        return {
+            # numpy's dtype names are torch's for the five used (int64, int32, float32,
+            # float64, bool)
+            name: copy[offset : offset + array.nbytes]
+            .view(getattr(torch, array.dtype.name))
+            .view(array.shape)
+            for name, (array, offset) in self._arrays.items()
+        }
 
 
 class Drawn:
@@ -396,6 +488,64 @@ class _Stages:
         self.pen_rows: list[np.ndarray] = []
         self.pen_ids: list[np.ndarray] = []
         self.pen_values: list[np.ndarray] = []
+        self.vocab = 0
+
+    @classmethod
+    def of(
+        cls,
+        rows: Sequence[SamplingState],
+        generated: Sequence[int],
+        vocab: int,
+        bad: dict[int, Exception],
+    ) -> _Stages:
+        """The processed rows' edits; a row whose preparation raises recorded in ``bad``."""
+        stages = cls()
+        stages.vocab = vocab
+        for i, row in enumerate(rows):
+            if row.processed:
+                try:
+                    stages.add(i, row, generated[i], vocab)
+                except Exception as exc:
+                    bad[i] = exc
+        return stages
+
+    def put(self, pack: _Pack) -> None:
+        """The stages' arrays into the step's :class:`_Pack` (those of stages some row has)."""
+        if self.mask_rows:
+            pack.add("mask_rows", np.asarray(self.mask_rows, dtype=np.int64))
+            pack.add("mask_words", np.stack(self.masks).astype(np.int32, copy=False))
+        for stage in ("bias", "stop", "rep", "pen"):
+            rows = getattr(self, f"{stage}_rows")
+            if not rows:
+                continue
+            ids = getattr(self, f"{stage}_ids")
+            pack.add(f"{stage}_rows", np.concatenate(rows).astype(np.int64, copy=False))
+            pack.add(f"{stage}_ids", np.concatenate(ids).astype(np.int64, copy=False))
+            if stage != "stop":
+                values = np.concatenate(getattr(self, f"{stage}_values"))
+                pack.add(f"{stage}_values", values.astype(np.float32, copy=False))
+
+    def applied(self, torch: Any, logits: Any, sent: dict[str, Any]) -> Any:
+        """A copy of ``logits`` with the stages applied, in the host's order, from their
+        arrays on the device (``sent``)."""
+        out = logits.clone()
+        if "bias_rows" in sent:
+            where = (sent["bias_rows"], sent["bias_ids"])
+            out.index_put_(where, sent["bias_values"], accumulate=True)
+        if "mask_rows" in sent:
+            which = sent["mask_rows"]
+            allowed = _unpacked(torch, sent["mask_words"], self.vocab)
+            out[which] = out.index_select(0, which).masked_fill(~allowed, float("-inf"))
+        if "stop_rows" in sent:  # the value made on the device (no host tensor lifted)
+            out.index_put_((sent["stop_rows"], sent["stop_ids"]), out.new_full((1,), float("-inf")))
+        if "rep_rows" in sent:
+            where, penalty = (sent["rep_rows"], sent["rep_ids"]), sent["rep_values"]
+            values = out[where]
+            out[where] = torch.where(values > 0, values / penalty, values * penalty)
+        if "pen_rows" in sent:
+            where = (sent["pen_rows"], sent["pen_ids"])
+            out[where] = out[where] - sent["pen_values"]
+        return out
 
     def add(self, i: int, state: SamplingState, generated: int, vocab: int) -> None:
         """Row ``i``'s edits (the host's ``_process``, as arrays); all or nothing."""
@@ -460,9 +610,8 @@ def _bitmask(constraint: Any, vocab: int) -> np.ndarray:
     return np.pad(bits, (0, words - len(bits)))  # tokens past the grammar's vocabulary: banned
 
 
-def _unpacked(torch: Any, masks: list[np.ndarray], vocab: int, device: Any) -> Any:
-    """Packed int32 words ``[rows, words]`` to bool ``[rows, vocab]``, on the device."""
-    words = torch.from_numpy(np.stack(masks)).to(device)
-    shifts = torch.arange(32, dtype=torch.int32, device=device)
+def _unpacked(torch: Any, words: Any, vocab: int) -> Any:
+    """Packed int32 words ``[rows, words]`` (on the device) to bool ``[rows, vocab]``."""
+    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
     bits = (words[:, :, None] >> shifts) & 1
-    return bits.reshape(len(masks), -1)[:, :vocab].bool()
+    return bits.reshape(words.shape[0], -1)[:, :vocab].bool()
