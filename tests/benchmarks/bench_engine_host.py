@@ -118,13 +118,8 @@ def measure(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--baseline", default="", metavar="PYTHON")
-    parser.add_argument("--folder", default="")
-    parser.add_argument("--device", default="TORCH")
-    parser.add_argument("--streams", default="8,32")
-    parser.add_argument("--new-tokens", type=int, default=128)
+    harness.before_after_options(parser, device="TORCH", streams="8,32", new_tokens=128, rounds=5)
     parser.add_argument("--bursts", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--sampled", action="store_true", help="sampled requests, not greedy")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

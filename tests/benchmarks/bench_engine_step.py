@@ -82,18 +82,8 @@ def measure(folder: str, device: str, new: int, requests: int, extra: str = "") 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--baseline", default="", metavar="PYTHON")
-    parser.add_argument("--folder", default="")
-    parser.add_argument("--device", default="ORT")
-    parser.add_argument("--new-tokens", type=int, default=384)
+    harness.before_after_options(parser, device="ORT", new_tokens=384, rounds=10, configs=True)
     parser.add_argument("--requests", type=int, default=5)
-    parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--config", default="", help="KEY=VALUE,... more config keys")
-    parser.add_argument(
-        "--baseline-config", default=None, metavar="KEY=VALUE,...",
-        help="the baseline's config keys instead (without --baseline: this Python), e.g. "
-        "ASYNC_SCHEDULING=NO against the default",
-    )  # fmt: skip
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:

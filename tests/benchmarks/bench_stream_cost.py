@@ -202,18 +202,9 @@ def measure_forward(folder: Path, device: str, counts: list[int], new: int) -> d
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--baseline", default="", metavar="PYTHON")
-    parser.add_argument("--folder", default="")
-    parser.add_argument("--device", default="TORCH")
-    parser.add_argument("--streams", default="1,8,32")
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--config", default="", help="KEY=VALUE,... more config keys")
-    parser.add_argument(
-        "--baseline-config", default=None, metavar="KEY=VALUE,...",
-        help="the baseline's config keys instead (without --baseline: this Python), e.g. "
-        "ASYNC_SCHEDULING=NO against the default",
-    )  # fmt: skip
+    harness.before_after_options(
+        parser, device="TORCH", streams="1,8,32", new_tokens=128, rounds=3, configs=True
+    )
     args = parser.parse_args(argv)
     counts = [int(s) for s in args.streams.split(",")]
     if not args.folder:

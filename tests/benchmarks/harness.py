@@ -6,6 +6,7 @@ from elsewhere on the machine hits every case alike; each figure is the median o
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import platform
@@ -116,6 +117,39 @@ def per_count_medians(
             for key in blocks["after"][0]
         }
     return out
+
+
+def before_after_options(
+    parser: argparse.ArgumentParser,
+    *,
+    device: str,
+    new_tokens: int,
+    rounds: int,
+    streams: str | None = None,
+    configs: bool = False,
+) -> argparse.ArgumentParser:
+    """The options a generation benchmark takes to run this checkout ("after") beside a
+    baseline ("before"), rounds interleaved: ``--baseline PYTHON`` (a base commit's venv,
+    made as bench_before_after.py's), ``--folder`` (tiny-llama's when empty), ``--device``,
+    ``--streams`` (comma-separated counts, where ``streams`` gives a default),
+    ``--new-tokens``, ``--rounds`` and, with ``configs``, ``--config`` / ``--baseline-config``
+    (more config keys for both sides; the baseline's instead). The defaults are each
+    benchmark's own (bench_stream_cost.py, bench_engine_host.py, bench_engine_step.py)."""
+    parser.add_argument("--baseline", default="", metavar="PYTHON")
+    parser.add_argument("--folder", default="")
+    parser.add_argument("--device", default=device)
+    if streams is not None:
+        parser.add_argument("--streams", default=streams)
+    parser.add_argument("--new-tokens", type=int, default=new_tokens)
+    parser.add_argument("--rounds", type=int, default=rounds)
+    if configs:
+        parser.add_argument("--config", default="", help="KEY=VALUE,... more config keys")
+        parser.add_argument(
+            "--baseline-config", default=None, metavar="KEY=VALUE,...",
+            help="the baseline's config keys instead (without --baseline: this Python), e.g. "
+            "ASYNC_SCHEDULING=NO against the default",
+        )  # fmt: skip
+    return parser
 
 
 def median_of(blocks: list[dict[str, Any]], key: str) -> float:
