@@ -67,6 +67,21 @@ def encoder_embeddings() -> Callable[[str], dict]:
     return lambda name: _or_skip(lambda: llm.embeddings(name))
 
 
+@pytest.fixture(scope="module")
+def hf_llama(llm_folder) -> Path:
+    """tiny-llama's safetensors folder (transformers' layout: what the TORCH device loads)."""
+    return llm_folder("tiny-llama", "hf")
+
+
+@pytest.fixture(scope="module")
+def torch_llama(core, hf_llama, request):
+    """tiny-llama loaded on TORCH with the test module's own ``SETTINGS`` (its config keys:
+    the torch decoder's tests size their batches differently), closed after the module."""
+    network = core.load_network(str(hf_llama), "TORCH", request.module.SETTINGS)
+    yield network
+    network.close()
+
+
 # --- the engine tests' helpers
 
 

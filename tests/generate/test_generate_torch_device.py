@@ -64,18 +64,6 @@ def _ids(results) -> dict[str, list[int]]:
     return {n: [t for e in events for t in e.token_ids] for n, events in results.items()}
 
 
-@pytest.fixture(scope="module")
-def folder(llm_folder):
-    return llm_folder("tiny-llama", "hf")
-
-
-@pytest.fixture(scope="module")
-def llama(core, folder):
-    network = core.load_network(str(folder), "TORCH", SETTINGS)
-    yield network
-    network.close()
-
-
 def _engine(llama, model=None, graphs=True) -> Engine:
     """Another engine over the loaded network's weights (``model``: a test-only subclass of
     the forward), its decode steps through DecodeGraphs' static buffers when ``graphs``."""
@@ -84,15 +72,15 @@ def _engine(llama, model=None, graphs=True) -> Engine:
     return Engine("twin", decoder, llama.tokenizer, ENGINE, rows=6)
 
 
-def test_the_engine_samples_on_the_decoders_device(llama):
-    engine = llama.engine
+def test_the_engine_samples_on_the_decoders_device(torch_llama):
+    engine = torch_llama.engine
     assert isinstance(engine.sampler, TorchSampler)
     assert engine.sampler.device == torch.device("cpu")
     assert engine.decoder.graphs is None  # on the CPU, decode steps run eagerly by default
     # the cache's tensors are the decoder's, on its device (a GPU's slots live on the card)
     assert all(t.device == engine.decoder.device for t in engine.cache.arrays.values())
     # a step's logits stay there: torch tensors, not host arrays (an idle engine's decoder)
-    twin = _engine(llama, graphs=False)
+    twin = _engine(torch_llama, graphs=False)
     try:
         decoded, prompted = twin.decoder.step(twin.cache, [], [], [], [(0, 0, [1, 2, 3])])
         assert isinstance(prompted, torch.Tensor) and prompted.device == twin.decoder.device
@@ -103,10 +91,10 @@ def test_the_engine_samples_on_the_decoders_device(llama):
         twin.close()
 
 
-def test_the_padded_static_decode_step_answers_as_the_eager_engine(llama, folder):
-    prompts = _prompts(folder)
-    expected = _ids(run_all(llama.engine, [_greedy(n, p) for n, p in prompts.items()]))
-    twin = _engine(llama)
+def test_the_padded_static_decode_step_answers_as_the_eager_engine(torch_llama, hf_llama):
+    prompts = _prompts(hf_llama)
+    expected = _ids(run_all(torch_llama.engine, [_greedy(n, p) for n, p in prompts.items()]))
+    twin = _engine(torch_llama)
     try:
         got = _ids(run_all(twin, [_greedy(n, p) for n, p in prompts.items()]))
         graphs = twin.decoder.graphs
@@ -121,10 +109,10 @@ def test_the_padded_static_decode_step_answers_as_the_eager_engine(llama, folder
     assert got == expected
 
 
-def test_the_padded_steps_logits_equal_the_unpadded_steps(llama, folder):
+def test_the_padded_steps_logits_equal_the_unpadded_steps(torch_llama, hf_llama):
     """Three rows padded to 4 (the scratch slot's row), the keys read over a width of 128:
     the logits of the real rows are the eager step's."""
-    twin = _engine(llama)
+    twin = _engine(torch_llama)
     try:
         prompts = {f"p{i}": list(range(20 + 30 * i, 30 + 31 * i)) for i in range(3)}
         run_all(twin, [_greedy(n, p, 4) for n, p in prompts.items()])
@@ -170,14 +158,14 @@ def _events(engine, request):
 
 
 @pytest.mark.parametrize("graphs", [True, False], ids=["static-step", "eager"])
-def test_a_device_failure_fails_its_step_and_the_engine_goes_on(llama, folder, graphs):
-    base = llama.engine.decoder.model
+def test_a_device_failure_fails_its_step_and_the_engine_goes_on(torch_llama, hf_llama, graphs):
+    base = torch_llama.engine.decoder.model
     faulty = Faulty(base.shape, base.w, base.device, base.dtype)
-    engine = _engine(llama, faulty, graphs=graphs)
-    prompts = _prompts(folder)
+    engine = _engine(torch_llama, faulty, graphs=graphs)
+    prompts = _prompts(hf_llama)
     hello = prompts["hello"]
     try:
-        expected = _ids(run_all(llama.engine, [_greedy("ok", hello)]))["ok"]
+        expected = _ids(run_all(torch_llama.engine, [_greedy("ok", hello)]))["ok"]
         # a decode step fails: the first token is forced to the faulty one, the next step
         # feeds it to the forward
         for token, kind, words in (
@@ -200,7 +188,7 @@ def test_a_device_failure_fails_its_step_and_the_engine_goes_on(llama, folder, g
 
 
 @pytest.mark.slow
-def test_seeded_answers_repeat_and_logprobs_are_transformers_through_the_api(folder):
+def test_seeded_answers_repeat_and_logprobs_are_transformers_through_the_api(hf_llama):
     """A real server, the folder on TORCH, the official client: a seeded sampled completion
     twice gives the same tokens; each token's logprob and top_logprobs are log-softmax of
     transformers' logits for the same sequence (f32); a JSON schema's answers parse."""
@@ -213,7 +201,7 @@ def test_seeded_answers_repeat_and_logprobs_are_transformers_through_the_api(fol
         "temperature": 0.9, "top_p": 0.95, "seed": 1234, "logprobs": 3,
         "extra_body": {"ignore_eos": True, "return_token_ids": True, "top_k": 40},
     }  # fmt: skip
-    with serving({"llama": (folder, "TORCH", {"INFERENCE_NUM_THREADS": "1"})}) as server:
+    with serving({"llama": (hf_llama, "TORCH", {"INFERENCE_NUM_THREADS": "1"})}) as server:
         api = client(server)
         first = api.completions.create(**body)
         again = api.completions.create(**body)
@@ -240,13 +228,13 @@ def test_seeded_answers_repeat_and_logprobs_are_transformers_through_the_api(fol
     choice = first.choices[0]
     ids = choice.model_extra["token_ids"]
     prompt_ids = first.choices[0].model_extra.get("prompt_token_ids") or Tokenizer.from_folder(
-        folder
+        hf_llama
     ).encode(body["prompt"], add_special_tokens=True)
     assert len(ids) == 10
     assert again.choices[0].model_extra["token_ids"] == ids
     assert again.choices[0].text == choice.text
     assert other.choices[0].model_extra["token_ids"] != ids
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(hf_llama), dtype=torch.float32)
     with torch.no_grad():
         logits = model(torch.tensor([prompt_ids + ids])).logits[0].float()
     lp = torch.log_softmax(logits, dim=-1)[len(prompt_ids) - 1 : -1]

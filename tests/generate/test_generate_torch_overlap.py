@@ -32,18 +32,6 @@ SETTINGS = {"MAX_NUM_SEQS": str(ROWS), "MAX_NUM_BATCHED_TOKENS": "64", "INFERENC
 WAIT_S = 120
 
 
-@pytest.fixture(scope="module")
-def folder(llm_folder):
-    return llm_folder("tiny-llama", "hf")
-
-
-@pytest.fixture(scope="module")
-def llama(core, folder):
-    network = core.load_network(str(folder), "TORCH", SETTINGS)
-    yield network
-    network.close()
-
-
 def _engine(llama, pipelined: bool, graphs: bool = False, model=None) -> Engine:
     """An engine over the loaded network's weights, pipelined or not (``model``: a test-only
     subclass of the forward; ``graphs``: decode steps through DecodeGraphs' static buffers)."""
@@ -56,9 +44,9 @@ def _engine(llama, pipelined: bool, graphs: bool = False, model=None) -> Engine:
 
 
 @pytest.fixture(scope="module")
-def engines(llama):
+def engines(torch_llama):
     """(synchronous, pipelined) engines, closed after the module."""
-    sync, piped = _engine(llama, False), _engine(llama, True)
+    sync, piped = _engine(torch_llama, False), _engine(torch_llama, True)
     yield sync, piped
     sync.close()
     piped.close()
@@ -172,9 +160,9 @@ def _stop_string(engine, prompt) -> str:
     return stop
 
 
-def test_pipelined_answers_are_the_synchronous_engines(engines, llama):
+def test_pipelined_answers_are_the_synchronous_engines(engines, torch_llama):
     sync, piped = engines
-    prompts = _prompts(llama)
+    prompts = _prompts(torch_llama)
     stop = _stop_string(sync, prompts[0])
     early, late = _workload(prompts, stop)
     before = piped.stats().pipelined_steps
@@ -196,16 +184,16 @@ def test_pipelined_answers_are_the_synchronous_engines(engines, llama):
         assert _idle(engine)
 
 
-def test_the_static_step_pipelines_as_well(llama):
+def test_the_static_step_pipelines_as_well(torch_llama):
     """DecodeGraphs' padded static buffers (a CUDA graph's on a card): the pipelined step
     copies the last step's ids into them on the device, and answers as before."""
-    prompts = _prompts(llama)
+    prompts = _prompts(torch_llama)
     requests = [
         _request(f"p{i}", p, max_tokens=6 + 3 * i, temperature=0.8 * (i % 2), seed=i)
         for i, p in enumerate(prompts)
     ]
-    sync = _engine(llama, False, graphs=True)
-    piped = _engine(llama, True, graphs=True)
+    sync = _engine(torch_llama, False, graphs=True)
+    piped = _engine(torch_llama, True, graphs=True)
     try:
         expected = run_all(sync, requests)
         got = run_all(piped, requests)
@@ -217,12 +205,12 @@ def test_the_static_step_pipelines_as_well(llama):
     _same({k: _answers(v) for k, v in got.items()}, {k: _answers(v) for k, v in expected.items()})
 
 
-def test_a_batch_of_sampled_rows_only_pipelines(engines, llama):
+def test_a_batch_of_sampled_rows_only_pipelines(engines, torch_llama):
     """Every row sampled (no greedy row: the sampler's draw over the whole batch, each cut
     on some rows only, logprobs on some): its steps pipeline (the sampler's draw waits for
     nothing, sampler_torch) and the seeded answers are the synchronous engine's."""
     sync, piped = engines
-    a, b, c, d = _prompts(llama)
+    a, b, c, d = _prompts(torch_llama)
 
     def requests():
         return [
@@ -241,9 +229,9 @@ def test_a_batch_of_sampled_rows_only_pipelines(engines, llama):
     assert len({tuple(v[0][0]) for v in expected.values()}) == 5
 
 
-def test_a_consumer_leaving_mid_stream_ends_its_request_only(engines, llama):
+def test_a_consumer_leaving_mid_stream_ends_its_request_only(engines, torch_llama):
     sync, piped = engines
-    prompts = _prompts(llama)
+    prompts = _prompts(torch_llama)
     others = [
         _request("a", prompts[1], max_tokens=20),
         _request("b", prompts[2], max_tokens=20, temperature=0.9, seed=4),
@@ -293,14 +281,14 @@ def _outcome(engine, request):
     return events, None
 
 
-def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(llama):
-    base = llama.engine.decoder.model
+def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(torch_llama):
+    base = torch_llama.engine.decoder.model
     faulty = FailsAt(base.shape, base.w, base.device, base.dtype)
-    prompt = _prompts(llama)[0]
+    prompt = _prompts(torch_llama)[0]
     assert len(prompt) < FailsAt.AT - 4  # the failure comes a few decode steps in
     outcomes = {}
     for pipelined in (False, True):
-        engine = _engine(llama, pipelined, model=faulty)
+        engine = _engine(torch_llama, pipelined, model=faulty)
         try:
             events, error = _outcome(engine, _request("bad", prompt, max_tokens=40))
             # the engine goes on: requests whose positions stay short of it are answered
@@ -324,11 +312,11 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(llama):
     assert len(outcomes[True][0]) == FailsAt.AT + 1 - len(prompt)
 
 
-def test_rows_needing_host_state_make_the_steps_synchronous(engines, llama):
+def test_rows_needing_host_state_make_the_steps_synchronous(engines, torch_llama):
     """A grammar's mask and penalties read what the last token changed: a batch with such a
     row runs synchronously (no pipelined step while it runs), and answers as before."""
     sync, piped = engines
-    prompts = _prompts(llama)
+    prompts = _prompts(torch_llama)
 
     def held(name, prompt, **params):
         return [_request(name, prompt, max_tokens=12, **params)]
@@ -363,7 +351,7 @@ def _idle(engine, wait_s: float = 30.0) -> bool:
 
 
 @pytest.mark.slow
-def test_the_servers_metrics_count_pipelined_steps(folder):
+def test_the_servers_metrics_count_pipelined_steps(hf_llama):
     """Through a real server: streamed completions on a TORCH model pipeline their steps
     (/metrics' plugserve_generate_pipelined_steps_total > 0); with ASYNC_SCHEDULING NO they
     do not, and the answers are the same."""
@@ -372,8 +360,8 @@ def test_the_servers_metrics_count_pipelined_steps(folder):
 
     config = {"INFERENCE_NUM_THREADS": "1"}
     entries = {
-        "piped": (folder, "TORCH", config),
-        "sync": (folder, "TORCH", {**config, "ASYNC_SCHEDULING": "NO"}),
+        "piped": (hf_llama, "TORCH", config),
+        "sync": (hf_llama, "TORCH", {**config, "ASYNC_SCHEDULING": "NO"}),
     }
     body = {"prompt": "Once upon a time", "max_tokens": 12, "temperature": 0.8, "seed": 3,
             "extra_body": {"ignore_eos": True, "return_token_ids": True}}  # fmt: skip
