@@ -548,8 +548,14 @@ def test_unload_and_load_change_readiness(client):
     client.load_model("cnn")  # already loaded: reloaded, still ready, same version
     assert client.is_model_ready("cnn", "1") is True
     assert client.get_model_metadata("cnn").versions == ["1"]
+    # the same answer from the reloaded network, within float32 rounding: NUMPY times its
+    # convolution kernels at load (plugins/numpy/tuning.py), and on a loaded machine the
+    # reload may keep another one (Winograd against GEMM: 9e-7 apart seen in CI's suite)
     np.testing.assert_allclose(
-        client.infer("cnn", [_input("image", image, "FP32")]).as_numpy("logits"), logits
+        client.infer("cnn", [_input("image", image, "FP32")]).as_numpy("logits"),
+        logits,
+        rtol=0,
+        atol=1e-4 * float(np.abs(logits).max()),
     )
 
 
