@@ -313,3 +313,80 @@ def test_a_shape_the_graph_outputs_is_moved_to_the_device(core, monkeypatch):
     for _ in range(3):
         np.testing.assert_array_equal(request.infer({"x": np.ones((4, 5), np.float32)})["dims"],
                                       [4, 5, 7])  # fmt: skip
+
+
+def _masked(dims: list[int], name: str) -> object:
+    """y = x + ConstantOfShape(dims): the mask's shape is a constant (folded at load when
+    small)."""
+    return helper.make_model(helper.make_graph(
+        [helper.make_node("ConstantOfShape", ["dims"], ["mask"], name="mask",
+                          value=numpy_helper.from_array(np.array([0.5], np.float32))),
+         helper.make_node("Add", ["x", "mask"], ["y"], name="add")],
+        name,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, dims)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, dims)],
+        [numpy_helper.from_array(np.array(dims, np.int64), "dims")],
+    ), opset_imports=[helper.make_opsetid("", 17)])  # fmt: skip
+
+
+def test_a_large_sized_node_is_not_folded_but_runs_per_request():
+    """Review2 finding 3: a ConstantOfShape of constant dims is folded at load (held on the
+    device for the program's life, charged in ``device_nbytes``) only up to FOLDED_ELEMENTS;
+    a [1, 1, 512, 512] mask is a step of each request, and its values are unchanged."""
+    small = Program(load_model(_masked([4, 4], "small")), torch, CPU, torch.float32)
+    assert small.plan.folded == (0,)
+    assert [what for *_, what, _ in small.steps] == ["add (Add)"]
+    on_meta = Program(load_model(_masked([4, 4], "small")), torch, META, torch.float32)
+    assert on_meta.device_nbytes == 16 * 4  # the folded mask's device copy (no value moved)
+    dims = [1, 1, 512, 512]
+    assert np.prod(dims) > hostvalues.FOLDED_ELEMENTS
+    big = Program(load_model(_masked(dims, "big")), torch, CPU, torch.float32)
+    assert big.plan.folded == () and not big.plan.nodes
+    assert [what for *_, what, _ in big.steps] == ["mask (ConstantOfShape)", "add (Add)"]
+    assert all(t is None or t.numel() < 100 for t in big.template)  # no mask held
+    x = np.random.default_rng(0).standard_normal(dims).astype(np.float32)
+    np.testing.assert_array_equal(big.run([x])[0], x + np.float32(0.5))
+    np.testing.assert_array_equal(small.run([x[0, 0, :4, :4]])[0], x[0, 0, :4, :4] + 0.5)
+    big_meta = Program(load_model(_masked(dims, "big")), torch, META, torch.float32)
+    assert big_meta.device_nbytes == 0
+
+
+def test_moves_keeps_within_its_bounds_and_never_evicts():
+    """Review2 finding 1's bound: kept copies stop at ``kept`` values and ``kept_bytes`` (each
+    counted as an allocator block of 512 bytes); a kept value is the same copy at every hit
+    (a live graph reads it), and nothing kept is dropped to make room."""
+    moves = hostvalues.Moves(torch, META, kept=3, kept_bytes=1 << 20)
+    first = moves(torch.tensor([1, 2], dtype=torch.int64))
+    assert first.device == META and first.shape == (2,)
+    for i in range(10):
+        moves(torch.tensor([i, 100], dtype=torch.int64))
+    assert len(moves) == 3 and moves.nbytes == 3 * hostvalues.BLOCK
+    assert moves(torch.tensor([1, 2], dtype=torch.int64)) is first  # kept, not evicted
+    assert moves(torch.tensor([9, 100], dtype=torch.int64)) is not moves(
+        torch.tensor([9, 100], dtype=torch.int64)
+    )  # past the bound: copied each time
+    by_bytes = hostvalues.Moves(torch, META, kept=100, kept_bytes=3 * hostvalues.BLOCK)
+    for n in range(1, 10):
+        by_bytes(torch.arange(n * 100, dtype=torch.int64))  # 800 bytes and more: 2 blocks+
+    assert len(by_bytes) == 1 and by_bytes.nbytes == 2 * hostvalues.BLOCK
+    large = torch.arange(hostvalues.KEPT_ELEMENTS + 1)
+    assert by_bytes(large).shape == large.shape and len(by_bytes) == 1  # too large: not kept
+
+
+def test_inside_a_capture_a_large_value_not_moved_is_refused_before_any_copy(monkeypatch):
+    """Review2 finding 2: inside a capture, a value over FILLS elements with no kept copy
+    raises RuntimeError before anything reaches the device (a copy from the host would
+    invalidate the capture); a small one is filled, a kept one is its copy."""
+    moves = hostvalues.Moves(torch, META)
+    kept_value = torch.arange(hostvalues.FILLS + 1)
+    kept = moves(kept_value)  # the warm-up, outside the capture
+    monkeypatch.setattr(hostvalues, "capturing", lambda torch, device: True)
+    with _Syncs() as syncs:
+        with pytest.raises(RuntimeError, match="not moved to the device before the capture"):
+            moves(torch.arange(hostvalues.FILLS + 1) + 1)
+        assert moves(kept_value.clone()) is kept
+        small = moves(torch.arange(hostvalues.FILLS))
+    assert syncs.found == [] and small.shape == (hostvalues.FILLS,) and small.device == META
+    assert len(moves) == 1  # nothing kept inside the capture
+    with pytest.raises(RuntimeError, match="this shape runs eagerly"):
+        hostvalues.refuse_in_capture(torch.zeros(100))
