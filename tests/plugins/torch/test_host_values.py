@@ -163,16 +163,19 @@ def test_moves_to_the_device_by_fills_keep_every_value(monkeypatch):
         same = moved.view(-1).to(torch.float64), value.view(-1).to(torch.float64)
         assert all(str(a) == str(b) for a, b in zip(same[0].tolist(), same[1].tolist()))
     move = hostvalues.to_device(torch, META)
-    with _Syncs() as syncs:  # outside a capture: copied once, then the kept copy
+    with _Syncs() as syncs:  # outside a capture: filled once (no copy), then the kept copy
         first = move(torch.tensor([2, 3]))
         assert move(torch.tensor([2, 3])) is first and move(torch.tensor([3, 2])) is not first
-    assert syncs.found == ["copy cpu -> meta"] * 2
-    monkeypatch.setattr(hostvalues, "capturing", lambda torch, device: True)
-    with _Syncs() as syncs:  # in a capture, a value not seen: filled, or past FILLS copied
-        move(torch.arange(hostvalues.FILLS))
-        move(torch.arange(hostvalues.FILLS + 1))
-        move(torch.tensor([2, 3]))  # kept
+        large = move(torch.arange(hostvalues.FILLS + 1))  # past FILLS: copied (pinned on CUDA)
     assert syncs.found == ["copy cpu -> meta"]  # (the guard sees copies)
+    monkeypatch.setattr(hostvalues, "capturing", lambda torch, device: True)
+    with _Syncs() as syncs:  # in a capture, a value not seen: filled, or past FILLS refused
+        move(torch.arange(hostvalues.FILLS))
+        with pytest.raises(RuntimeError, match="before the capture"):
+            move(torch.arange(hostvalues.FILLS + 1) * 2)
+        assert move(torch.tensor([2, 3])) is first  # kept
+        assert move(torch.arange(hostvalues.FILLS + 1)) is large
+    assert syncs.found == []
     monkeypatch.undo()
     monkeypatch.setattr(
         hostvalues, "to_device", lambda torch, device: lambda v: hostvalues.filled(torch, v, device)
@@ -258,7 +261,7 @@ def test_real_models_read_nothing_of_the_device_and_answer_as_before(core, name,
     assert program.host_reads == [] and syncs == [], (program.host_reads, syncs)
     monkeypatch.undo()
     now = Program(graph, torch, CPU, torch.float32).run([feeds[s.name] for s in graph.inputs])
-    monkeypatch.setattr(hostvalues, "plan", lambda graph: _DEVICE_ONLY)
+    monkeypatch.setattr(hostvalues, "plan", lambda graph, unfolded=frozenset(): _DEVICE_ONLY)
     before = Program(graph, torch, CPU, torch.float32)
     assert before.host_reads  # the scan with nothing on the host: what made it eager
     for got, want in zip(now, before.run([feeds[s.name] for s in graph.inputs])):
