@@ -113,7 +113,9 @@ class TorchPlugin(Plugin):
         try:
             program = Program(graph, self.torch, device, compute)
             # and what the program holds beside them: folded constants, kept moved values
-            held = memory.charge_weights(program.device_nbytes, f"model {graph.name!r}")
+            held = memory.charge_weights(
+                program.device_nbytes, f"model {graph.name!r} (folded constants, kept shape values)"
+            )
         except BaseException:
             weights.release()
             raise

@@ -352,6 +352,8 @@ def test_a_large_sized_node_is_not_folded_but_runs_per_request():
     np.testing.assert_array_equal(small.run([x[0, 0, :4, :4]])[0], x[0, 0, :4, :4] + 0.5)
     big_meta = Program(load_model(_masked(dims, "big")), torch, META, torch.float32)
     assert big_meta.device_nbytes == 0
+    moving = Program(load_model(shaped_encoder()), torch, META, torch.float32)  # moves "root"
+    assert moving.device_nbytes >= hostvalues.KEPT_BYTES  # the kept copies' bound, charged
 
 
 def test_moves_keeps_within_its_bounds_and_never_evicts():
