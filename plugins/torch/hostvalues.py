@@ -307,9 +307,11 @@ class Moves:
     copied the same way each time, for the current stream only. A hit outside a capture makes
     the current stream wait for the event (a GPU-side wait, free once the copy is done), so a
     lane on another stream never reads a copy still under way. Inside a capture a hit waits
-    for nothing (no event recorded outside a capture may be waited on inside it): it is used
-    only where the capturing stream is known ordered after the copy (it issued it, or waited
-    for it, in the warm-up; ``Lane._capture`` synchronises the stream before capturing);
+    for nothing (CUDA takes a wait on an event recorded outside the capture only as an
+    external wait, ``cudaEventWaitExternal``, which torch's ``wait_event`` does not ask for):
+    it is used only where the capturing stream is known ordered after the copy (it issued it,
+    or waited for it, in the warm-up, which meets the same values as the capture;
+    ``Lane._capture`` synchronises the stream between the two);
     otherwise, and for a value not kept, a value of at most :data:`FILLS` elements is made by
     fill kernels (capturable) and a larger one is refused (:func:`refuse_in_capture`).
 
