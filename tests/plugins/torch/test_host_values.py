@@ -395,3 +395,19 @@ def test_inside_a_capture_a_large_value_not_moved_is_refused_before_any_copy(mon
     assert len(moves) == 1  # nothing kept inside the capture
     with pytest.raises(RuntimeError, match="this shape runs eagerly"):
         hostvalues.refuse_in_capture(torch.zeros(100))
+
+
+def test_a_sized_nodes_output_is_counted_before_it_is_computed():
+    """The folding bound is judged from the inputs, before a sized node allocates: a 180-byte
+    model asking for a [65536, 65536] mask costs the load nothing."""
+    t = torch.tensor
+    count = hostvalues.sized_elements
+    assert count("ConstantOfShape", [t([65536, 65536])]) == 1 << 32
+    assert count("Expand", [torch.zeros(3, 1), t([2, 1, 5])]) == 30
+    assert count("Tile", [torch.zeros(2, 3), t([4, 5])]) == 120
+    assert count("Range", [t(0), t(10), t(3)]) == 4 and count("Range", [t(5), t(0), t(1)]) == 0
+    assert count("Range", [t(0), t(1), t(0)]) is None  # its step says why
+    assert count("Add", [t(1), t(2)]) is None
+    graph = load_model(_masked([65536, 65536], "huge"))
+    program = Program(graph, torch, META, torch.float32)  # folded, it would take 16 GiB
+    assert program.plan.folded == () and program.device_nbytes == 0
