@@ -112,6 +112,10 @@ class TorchPlugin(Plugin):
         )
         try:
             program = Program(graph, self.torch, device, compute)
+            # and what the program holds beside them: folded constants, kept moved values
+            held = memory.charge_weights(
+                program.device_nbytes, f"model {graph.name!r} (folded constants, kept shape values)"
+            )
         except BaseException:
             weights.release()
             raise
@@ -129,6 +133,7 @@ class TorchPlugin(Plugin):
         network.memory = memory
         network.activations = devmem.Activations(graph, itemsize)
         devmem.hold_while_alive(network, weights)
+        devmem.hold_while_alive(network, held)
         return network
 
     def _compile_program(self, data: bytes, cfg: Any, name: str) -> TorchCompiledNetwork:

@@ -8,7 +8,9 @@ copy beside its device one where a step reads it there); a device step gets a ho
 position it reads on the host (:func:`.hostreads.read_positions`: a Reshape's shape) as it is,
 and anywhere else its device form, moved by a step after the node that computes it (the copy
 of each value kept and reused: :class:`.hostvalues.Moves`). The nodes over small constants
-alone are computed here, at load, into constants.
+alone are computed here, at load, into constants (up to
+:data:`.hostvalues.FOLDED_ELEMENTS` elements each: a larger one stays a device step; their
+device copies are ``Program.device_nbytes``, charged with the weights).
 
 QueryNetwork (:mod:`.query`) runs the same :class:`Converting` on every node.
 """
@@ -128,6 +130,70 @@ def _rounding(step: Any, halves: list[bool], multi: bool, torch: Any) -> Any:
     return rounded
 
 
+def _converted(converting: Converting, graph: Graph, node: Node, device: Any
+               ) -> tuple[Any, bool]:  # fmt: skip
+    try:
+        return converting.convert(node, device)
+    except Unsupported as exc:
+        raise Unsupported(
+            f"model {graph.name!r}: node {node.name!r} ({node.op_type}): {exc}"
+        ) from None
+
+
+class _Known(dict):
+    """Constants on the host by name: the folded nodes' outputs, and the constants they read
+    (copied to the host at their first read)."""
+
+    def __init__(self, converting: Converting, torch: Any, host: Any, compute: Any) -> None:
+        super().__init__()
+        self.converting, self.torch, self.host, self.compute = converting, torch, host, compute
+
+    def value(self, name: str) -> Any:
+        if name not in self:
+            self[name] = to_tensor(self.torch, self.converting.constants[name], self.host,
+                                   self.compute)  # fmt: skip
+        return self[name]
+
+
+def _folded(graph: Graph, converting: Converting, torch: Any, host: Any, compute: Any
+            ) -> tuple[hostvalues.HostPlan, _Known]:  # fmt: skip
+    """The graph's host plan and the values of its folded nodes, computed on the host (with
+    the constants they read): a node whose output would be over
+    :data:`.hostvalues.FOLDED_ELEMENTS` elements (a sized node given large dims: checked
+    before it is computed) is not folded but left to run per request on the device (the
+    plan made again without it: at most once per node)."""
+    unfolded: set[int] = set()
+    while True:
+        plan = hostvalues.plan(graph, frozenset(unfolded))
+        known = _Known(converting, torch, host, compute)
+        for node in graph.nodes:  # the Constant nodes folded ones read: known to converting
+            if (node.op_type == "Constant" and node.outputs and node.outputs[0] in plan.small
+                    and node.outputs[0] not in converting.constants):  # fmt: skip
+                _converted(converting, graph, node, host)
+        for index in plan.folded:
+            node = graph.nodes[index]
+            fn, multi = _converted(converting, graph, node, host)
+            args = [known.value(n) if n else None for n in node.inputs]
+            size = hostvalues.sized_elements(node.op_type, args)
+            if size is not None and size > hostvalues.FOLDED_ELEMENTS:
+                break
+            try:
+                result = fn(*args)
+            except Exception as exc:
+                raise InvalidModel(
+                    f"model {graph.name!r}: node {node.name!r} ({node.op_type}) on constants: {exc}"
+                ) from None
+            results = [r for r in (result if multi else [result]) if r is not None]
+            if any(r.numel() > hostvalues.FOLDED_ELEMENTS for r in results):
+                break
+            for n, value in zip(node.outputs, result if multi else [result]):
+                if n and value is not None:
+                    known[n] = value
+        else:
+            return plan, known
+        unfolded.add(index)
+
+
 class Program:
     """The steps of one graph, run over slots; values in and out as numpy arrays."""
 
@@ -139,12 +205,15 @@ class Program:
         self.device = device
         self.compute = compute
         self.name = graph.name
-        #: where the values live: shape values on the host (:mod:`.hostvalues`)
-        self.plan = plan = hostvalues.plan(graph)
-        #: nodes whose steps read device values on the host: no CUDA graph captures them
-        self.host_reads = hostreads.host_reads(graph, plan.host)
         converting = Converting(graph, torch, device, compute)
         host = torch.device("cpu")
+        with torch.inference_mode():
+            #: where the values live: shape values on the host (:mod:`.hostvalues`); constants
+            #: on the host: the folded nodes' outputs (computed here), the constants they read
+            self.plan, known = _folded(graph, converting, torch, host, compute)
+        plan = self.plan
+        #: nodes whose steps read device values on the host: no CUDA graph captures them
+        self.host_reads = hostreads.host_reads(graph, plan.host)
         slots: dict[str, int] = {}
 
         def slot(name: str) -> int:
@@ -172,35 +241,18 @@ class Program:
         steps: list[tuple[Any, list[int], list[int], str]] = []
         with torch.inference_mode():
             move = hostvalues.to_device(torch, device)
+            #: the device bytes held beside the weights: the folded constants' device copies
+            #: and the bound of the moved values' kept copies (charged with the weights)
+            self.device_nbytes = (
+                move.kept_bytes if isinstance(move, hostvalues.Moves) and plan.to_device else 0
+            )
             folded = set(plan.folded)
-            #: constants on the host: the folded nodes' outputs, the constants they read
-            known: dict[str, Any] = {}
-
-            def known_value(name: str) -> Any:
-                if name not in known:
-                    known[name] = to_tensor(torch, converting.constants[name], host, compute)
-                return known[name]
 
             for index, node in enumerate(graph.nodes):
-                hosted = index in plan.nodes or index in folded
-                try:
-                    fn, multi = converting.convert(node, host if hosted else None)
-                except Unsupported as exc:
-                    raise Unsupported(
-                        f"model {graph.name!r}: node {node.name!r} ({node.op_type}): {exc}"
-                    ) from None
-                if index in folded:  # computed now, once: its outputs are constants
-                    try:
-                        result = fn(*[known_value(n) if n else None for n in node.inputs])
-                    except Exception as exc:
-                        raise InvalidModel(
-                            f"model {graph.name!r}: node {node.name!r} "
-                            f"({node.op_type}) on constants: {exc}"
-                        ) from None
-                    for n, value in zip(node.outputs, result if multi else [result]):
-                        if n and value is not None:
-                            known[n] = value
+                if index in folded:  # computed by _folded: its outputs are constants
                     continue
+                hosted = index in plan.nodes
+                fn, multi = _converted(converting, graph, node, host if hosted else None)
                 reads = () if hosted else hostreads.read_positions(node)
                 ins = [
                     -1 if not n else on_host(n) if hosted or p in reads else on_device(n)
@@ -223,11 +275,13 @@ class Program:
                 if name in slots:
                     self.template[slots[name]] = to_tensor(torch, value, device, compute)
             for name, at in host_copies.items():
-                self.template[at] = known_value(name)
+                self.template[at] = known.value(name)
             for index in plan.folded:  # their device forms, where device steps read them
                 for n in graph.nodes[index].outputs:
                     if n in slots and n in known:
                         self.template[slots[n]] = known[n].to(device)
+                        if device.type != "cpu":
+                            self.device_nbytes += known[n].numel() * known[n].element_size()
             if layout.wanted(torch, device, compute):  # f16/bf16 on CUDA: NHWC convolutions
                 layout.weights_channels_last(torch, graph, slots, self.template)
                 layout.benchmark(torch, graph)

@@ -435,6 +435,60 @@ def graph_checks(core, device, cnn, image, proto, size, result, check, budget, s
         return f"{counts}, max difference to NUMPY {worst:.3g}"
 
     check("graphs_shape_values", shape_values)
+
+    def moves_without_waits() -> str:
+        """Review2 findings 1 and 2 (plugins/torch/hostvalues.py ``Moves``): host values are
+        copied to the card with no host synchronisation (torch's sync debug mode set to
+        "error": a blocking copy raises), a kept copy read on another stream is waited for on
+        the GPU (its values right), and inside a capture a kept value is its copy while a
+        large value not moved is refused with RuntimeError before any CUDA call (the capture
+        then ends, and its graph replays). The CPU's Moves is the meta device's, in
+        tests/plugins/torch/test_host_values.py (skipped here)."""
+        import torch
+
+        from plugserve.plugins.torch import hostvalues
+
+        if not device.startswith("GPU"):
+            raise Skipped("no CUDA streams on the CPU (test_host_values.py drives Moves on meta)")
+        cuda = torch.device("cuda", int(device.split(".")[1]) if "." in device else 0)
+        moves = hostvalues.Moves(torch, cuda)
+        small, large = torch.arange(8), torch.arange(1000, dtype=torch.float32)
+        with torch.cuda.device(cuda):
+            side, capturer = torch.cuda.Stream(cuda), torch.cuda.Stream(cuda)
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                a, b = moves(small), moves(large)  # copied, kept: no host wait
+                with torch.cuda.stream(side):
+                    doubled = moves(large.clone()) * 2  # a hit: ``side`` waits on the GPU
+                with torch.cuda.stream(capturer):
+                    moves(large.clone())  # the warm-up before a capture
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+            torch.cuda.synchronize(cuda)
+            graph = torch.cuda.CUDAGraph()
+            refused = ""
+            with torch.cuda.stream(capturer):
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    kept = moves(large.clone())
+                    tripled = kept * 3
+                    try:
+                        moves(torch.arange(500, dtype=torch.float32) + 7)
+                    except RuntimeError as exc:
+                        refused = str(exc)
+                finally:
+                    graph.capture_end()
+            graph.replay()
+            torch.cuda.synchronize(cuda)
+        if not (torch.equal(a.cpu(), small) and torch.equal(b.cpu(), large)):
+            raise AssertionError("a moved value differs from the host's")
+        if not torch.equal(doubled.cpu(), large * 2) or kept is not b:
+            raise AssertionError("the kept copy was not read whole on another stream")
+        if not refused or not torch.equal(tripled.cpu(), large * 3):
+            raise AssertionError(f"the capture: refused {refused!r}, replayed {tripled[:4]}")
+        return f"{len(moves)} kept ({moves.nbytes} bytes), no host wait; refused: {refused}"
+
+    check("graphs_moves_no_host_wait", moves_without_waits)
     x = np.random.default_rng(11).random((1, 3, size, size), dtype=np.float32)
     figures: dict = {}
     for label, limit in (("eager", "0"), ("replayed", "8")):

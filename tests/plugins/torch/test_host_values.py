@@ -163,16 +163,19 @@ def test_moves_to_the_device_by_fills_keep_every_value(monkeypatch):
         same = moved.view(-1).to(torch.float64), value.view(-1).to(torch.float64)
         assert all(str(a) == str(b) for a, b in zip(same[0].tolist(), same[1].tolist()))
     move = hostvalues.to_device(torch, META)
-    with _Syncs() as syncs:  # outside a capture: copied once, then the kept copy
+    with _Syncs() as syncs:  # outside a capture: filled once (no copy), then the kept copy
         first = move(torch.tensor([2, 3]))
         assert move(torch.tensor([2, 3])) is first and move(torch.tensor([3, 2])) is not first
-    assert syncs.found == ["copy cpu -> meta"] * 2
-    monkeypatch.setattr(hostvalues, "capturing", lambda torch, device: True)
-    with _Syncs() as syncs:  # in a capture, a value not seen: filled, or past FILLS copied
-        move(torch.arange(hostvalues.FILLS))
-        move(torch.arange(hostvalues.FILLS + 1))
-        move(torch.tensor([2, 3]))  # kept
+        large = move(torch.arange(hostvalues.FILLS + 1))  # past FILLS: copied (pinned on CUDA)
     assert syncs.found == ["copy cpu -> meta"]  # (the guard sees copies)
+    monkeypatch.setattr(hostvalues, "capturing", lambda torch, device: True)
+    with _Syncs() as syncs:  # in a capture, a value not seen: filled, or past FILLS refused
+        move(torch.arange(hostvalues.FILLS))
+        with pytest.raises(RuntimeError, match="before the capture"):
+            move(torch.arange(hostvalues.FILLS + 1) * 2)
+        assert move(torch.tensor([2, 3])) is first  # kept
+        assert move(torch.arange(hostvalues.FILLS + 1)) is large
+    assert syncs.found == []
     monkeypatch.undo()
     monkeypatch.setattr(
         hostvalues, "to_device", lambda torch, device: lambda v: hostvalues.filled(torch, v, device)
@@ -258,7 +261,7 @@ def test_real_models_read_nothing_of_the_device_and_answer_as_before(core, name,
     assert program.host_reads == [] and syncs == [], (program.host_reads, syncs)
     monkeypatch.undo()
     now = Program(graph, torch, CPU, torch.float32).run([feeds[s.name] for s in graph.inputs])
-    monkeypatch.setattr(hostvalues, "plan", lambda graph: _DEVICE_ONLY)
+    monkeypatch.setattr(hostvalues, "plan", lambda graph, unfolded=frozenset(): _DEVICE_ONLY)
     before = Program(graph, torch, CPU, torch.float32)
     assert before.host_reads  # the scan with nothing on the host: what made it eager
     for got, want in zip(now, before.run([feeds[s.name] for s in graph.inputs])):
@@ -313,3 +316,98 @@ def test_a_shape_the_graph_outputs_is_moved_to_the_device(core, monkeypatch):
     for _ in range(3):
         np.testing.assert_array_equal(request.infer({"x": np.ones((4, 5), np.float32)})["dims"],
                                       [4, 5, 7])  # fmt: skip
+
+
+def _masked(dims: list[int], name: str) -> object:
+    """y = x + ConstantOfShape(dims): the mask's shape is a constant (folded at load when
+    small)."""
+    return helper.make_model(helper.make_graph(
+        [helper.make_node("ConstantOfShape", ["dims"], ["mask"], name="mask",
+                          value=numpy_helper.from_array(np.array([0.5], np.float32))),
+         helper.make_node("Add", ["x", "mask"], ["y"], name="add")],
+        name,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, dims)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, dims)],
+        [numpy_helper.from_array(np.array(dims, np.int64), "dims")],
+    ), opset_imports=[helper.make_opsetid("", 17)])  # fmt: skip
+
+
+def test_a_large_sized_node_is_not_folded_but_runs_per_request():
+    """Review2 finding 3: a ConstantOfShape of constant dims is folded at load (held on the
+    device for the program's life, charged in ``device_nbytes``) only up to FOLDED_ELEMENTS;
+    a [1, 1, 512, 512] mask is a step of each request, and its values are unchanged."""
+    small = Program(load_model(_masked([4, 4], "small")), torch, CPU, torch.float32)
+    assert small.plan.folded == (0,)
+    assert [what for *_, what, _ in small.steps] == ["add (Add)"]
+    on_meta = Program(load_model(_masked([4, 4], "small")), torch, META, torch.float32)
+    assert on_meta.device_nbytes == 16 * 4  # the folded mask's device copy (no value moved)
+    dims = [1, 1, 512, 512]
+    assert np.prod(dims) > hostvalues.FOLDED_ELEMENTS
+    big = Program(load_model(_masked(dims, "big")), torch, CPU, torch.float32)
+    assert big.plan.folded == () and not big.plan.nodes
+    assert [what for *_, what, _ in big.steps] == ["mask (ConstantOfShape)", "add (Add)"]
+    assert all(t is None or t.numel() < 100 for t in big.template)  # no mask held
+    x = np.random.default_rng(0).standard_normal(dims).astype(np.float32)
+    np.testing.assert_array_equal(big.run([x])[0], x + np.float32(0.5))
+    np.testing.assert_array_equal(small.run([x[0, 0, :4, :4]])[0], x[0, 0, :4, :4] + 0.5)
+    big_meta = Program(load_model(_masked(dims, "big")), torch, META, torch.float32)
+    assert big_meta.device_nbytes == 0
+    moving = Program(load_model(shaped_encoder()), torch, META, torch.float32)  # moves "root"
+    assert moving.device_nbytes >= hostvalues.KEPT_BYTES  # the kept copies' bound, charged
+
+
+def test_moves_keeps_within_its_bounds_and_never_evicts():
+    """Review2 finding 1's bound: kept copies stop at ``kept`` values and ``kept_bytes`` (each
+    counted as an allocator block of 512 bytes); a kept value is the same copy at every hit
+    (a live graph reads it), and nothing kept is dropped to make room."""
+    moves = hostvalues.Moves(torch, META, kept=3, kept_bytes=1 << 20)
+    first = moves(torch.tensor([1, 2], dtype=torch.int64))
+    assert first.device == META and first.shape == (2,)
+    for i in range(10):
+        moves(torch.tensor([i, 100], dtype=torch.int64))
+    assert len(moves) == 3 and moves.nbytes == 3 * hostvalues.BLOCK
+    assert moves(torch.tensor([1, 2], dtype=torch.int64)) is first  # kept, not evicted
+    assert moves(torch.tensor([9, 100], dtype=torch.int64)) is not moves(
+        torch.tensor([9, 100], dtype=torch.int64)
+    )  # past the bound: copied each time
+    by_bytes = hostvalues.Moves(torch, META, kept=100, kept_bytes=3 * hostvalues.BLOCK)
+    for n in range(1, 10):
+        by_bytes(torch.arange(n * 100, dtype=torch.int64))  # 800 bytes and more: 2 blocks+
+    assert len(by_bytes) == 1 and by_bytes.nbytes == 2 * hostvalues.BLOCK
+    large = torch.arange(hostvalues.KEPT_ELEMENTS + 1)
+    assert by_bytes(large).shape == large.shape and len(by_bytes) == 1  # too large: not kept
+
+
+def test_inside_a_capture_a_large_value_not_moved_is_refused_before_any_copy(monkeypatch):
+    """Review2 finding 2: inside a capture, a value over FILLS elements with no kept copy
+    raises RuntimeError before anything reaches the device (a copy from the host would
+    invalidate the capture); a small one is filled, a kept one is its copy."""
+    moves = hostvalues.Moves(torch, META)
+    kept_value = torch.arange(hostvalues.FILLS + 1)
+    kept = moves(kept_value)  # the warm-up, outside the capture
+    monkeypatch.setattr(hostvalues, "capturing", lambda torch, device: True)
+    with _Syncs() as syncs:
+        with pytest.raises(RuntimeError, match="not moved to the device before the capture"):
+            moves(torch.arange(hostvalues.FILLS + 1) + 1)
+        assert moves(kept_value.clone()) is kept
+        small = moves(torch.arange(hostvalues.FILLS))
+    assert syncs.found == [] and small.shape == (hostvalues.FILLS,) and small.device == META
+    assert len(moves) == 1  # nothing kept inside the capture
+    with pytest.raises(RuntimeError, match="this shape runs eagerly"):
+        hostvalues.refuse_in_capture(torch.zeros(100))
+
+
+def test_a_sized_nodes_output_is_counted_before_it_is_computed():
+    """The folding bound is judged from the inputs, before a sized node allocates: a 180-byte
+    model asking for a [65536, 65536] mask costs the load nothing."""
+    t = torch.tensor
+    count = hostvalues.sized_elements
+    assert count("ConstantOfShape", [t([65536, 65536])]) == 1 << 32
+    assert count("Expand", [torch.zeros(3, 1), t([2, 1, 5])]) == 30
+    assert count("Tile", [torch.zeros(2, 3), t([4, 5])]) == 120
+    assert count("Range", [t(0), t(10), t(3)]) == 4 and count("Range", [t(5), t(0), t(1)]) == 0
+    assert count("Range", [t(0), t(1), t(0)]) is None  # its step says why
+    assert count("Add", [t(1), t(2)]) is None
+    graph = load_model(_masked([65536, 65536], "huge"))
+    program = Program(graph, torch, META, torch.float32)  # folded, it would take 16 GiB
+    assert program.plan.folded == () and program.device_nbytes == 0
