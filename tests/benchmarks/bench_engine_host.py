@@ -148,16 +148,10 @@ def main(argv: list[str] | None = None) -> int:
             ).stdout
             blocks[label].append(json.loads(out.strip().splitlines()[-1]))
         print(f"    round {r + 1}/{args.rounds} done", file=sys.stderr)
-    summary: dict[str, object] = {
-        "machine": harness.machine(),
-        "folder": args.folder,
-        "device": args.device,
-        "new_tokens": args.new_tokens,
-        "sampled": args.sampled,
-    }
-    summary.update(harness.per_count_medians(blocks, "host_us"))
-    summary["load_average"] = harness.load_average()
-    print(json.dumps(summary, indent=1))
+    harness.print_summary(
+        blocks, "host_us", folder=args.folder, device=args.device,
+        new_tokens=args.new_tokens, sampled=args.sampled,
+    )  # fmt: skip
     return 0
 
 

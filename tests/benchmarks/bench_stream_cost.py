@@ -229,17 +229,12 @@ def main(argv: list[str] | None = None) -> int:
             )
         print(f"    round {r + 1}/{args.rounds} done", file=sys.stderr)
     forward = measure_forward(folder, args.device, counts, args.new_tokens)
-    summary: dict[str, object] = {
-        "machine": harness.machine(),
-        "folder": str(folder),
-        "device": args.device,
-        "new_tokens": args.new_tokens,
-        "forward_us_per_token": {k: round(v, 1) for k, v in forward.items()},
-        "config": {label: keys[label] for label in pythons},
-    }
-    summary.update(harness.per_count_medians(blocks, "server_cpu_us"))
-    summary["load_average"] = harness.load_average()
-    print(json.dumps(summary, indent=1))
+    harness.print_summary(
+        blocks, "server_cpu_us", folder=str(folder), device=args.device,
+        new_tokens=args.new_tokens,
+        forward_us_per_token={k: round(v, 1) for k, v in forward.items()},
+        config={label: keys[label] for label in pythons},
+    )  # fmt: skip
     return 0
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import platform
 import statistics
@@ -117,6 +118,17 @@ def per_count_medians(
             for key in blocks["after"][0]
         }
     return out
+
+
+def print_summary(
+    blocks: Mapping[str, list[dict[str, dict[str, float]]]], field: str, **about: Any
+) -> None:
+    """A before/after benchmark's JSON summary: the machine, ``about`` (folder, device, new
+    tokens...), :func:`per_count_medians` of ``field`` and the load average."""
+    summary: dict[str, object] = {"machine": machine(), **about}
+    summary.update(per_count_medians(blocks, field))
+    summary["load_average"] = load_average()
+    print(json.dumps(summary, indent=1))
 
 
 def before_after_options(
