@@ -174,6 +174,21 @@ class RunningServer:
         self.stop()
 
 
+def graph_events(server: RunningServer, model: str) -> dict[str, float]:
+    """``plugserve_graph_events_total`` of ``model`` on the server's /metrics, by event
+    (captured, replayed, evicted, failed): the torch device's CUDA graph counters."""
+    import urllib.request
+
+    with urllib.request.urlopen(server.metrics_url, timeout=30) as answer:
+        text = answer.read().decode()
+    found = {}
+    for line in text.splitlines():
+        if line.startswith("plugserve_graph_events_total{") and f'model="{model}"' in line:
+            event = line.split('event="', 1)[1].split('"', 1)[0]
+            found[event] = float(line.rsplit(" ", 1)[1])
+    return found
+
+
 def wait_for(predicate, timeout: float = 30, interval: float = 0.05) -> bool:
     end = time.monotonic() + timeout
     while time.monotonic() < end:

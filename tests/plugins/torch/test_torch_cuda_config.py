@@ -12,11 +12,10 @@ from __future__ import annotations
 import io
 import json
 import textwrap
-import urllib.request
 
 import numpy as np
 import pytest
-from serving import RunningServer
+from serving import RunningServer, graph_events
 
 from plugserve.plugins.api import InvalidArgument
 
@@ -124,17 +123,6 @@ MODELS = {
 STREAMS = {"ts_spec": 2}
 
 
-def _events(server, model: str) -> dict[str, float]:
-    with urllib.request.urlopen(server.metrics_url, timeout=30) as answer:
-        text = answer.read().decode()
-    found = {}
-    for line in text.splitlines():
-        if line.startswith("plugserve_graph_events_total{") and f'model="{model}"' in line:
-            event = line.split('event="', 1)[1].split('"', 1)[0]
-            found[event] = float(line.rsplit(" ", 1)[1])
-    return found
-
-
 @pytest.fixture(scope="module")
 def triton(tmp_path_factory):
     root = tmp_path_factory.mktemp("cuda_config")
@@ -164,29 +152,29 @@ def test_triton_cuda_graph_keys_on_a_torch_model(triton):
     try:
         # at load, before any request: graph_spec's shape on each of the two streams, the
         # warm-up's shape on the one stream; nothing anywhere else
-        assert _events(triton, "ts_spec")["captured"] == 2.0
-        assert _events(triton, "ts_warm") == {
+        assert graph_events(triton, "ts_spec")["captured"] == 2.0
+        assert graph_events(triton, "ts_warm") == {
             "captured": 1.0, "replayed": 0.0, "evicted": 0.0, "failed": 0.0
         }  # fmt: skip
-        assert _events(triton, "ts_on")["captured"] == 0.0
+        assert graph_events(triton, "ts_on")["captured"] == 0.0
         # the first client request of a shape captured at load replays
         for model, rows in (("ts_spec", 2), ("ts_warm", 3)):
             x = _rows(rows, seed=7)
             np.testing.assert_allclose(_infer(client, model, x), _want(x), rtol=1e-5, atol=1e-6)
-            assert _events(triton, model)["replayed"] == 1.0, model
+            assert graph_events(triton, model)["replayed"] == 1.0, model
         # on, off, and a parameter's own count: each answers right; only "on" ones replay
         for _ in range(3):
             x = _rows(1)
             for model in ("ts_off", "ts_on", "ts_param"):
                 np.testing.assert_allclose(_infer(client, model, x), _want(x),
                                            rtol=1e-5, atol=1e-6)  # fmt: skip
-        assert _events(triton, "ts_off") == {
+        assert graph_events(triton, "ts_off") == {
             "captured": 0.0, "replayed": 0.0, "evicted": 0.0, "failed": 0.0
         }  # fmt: skip
-        assert _events(triton, "ts_on") == {
+        assert graph_events(triton, "ts_on") == {
             "captured": 1.0, "replayed": 1.0, "evicted": 0.0, "failed": 0.0
         }  # fmt: skip
-        assert _events(triton, "ts_param")["replayed"] == 1.0
+        assert graph_events(triton, "ts_param")["replayed"] == 1.0
         # the model configuration answers Triton's optimization.cuda.graphs back
         assert not _graphs_in_config(client, "ts_off")
         assert _graphs_in_config(client, "ts_on") and _graphs_in_config(client, "ts_param")

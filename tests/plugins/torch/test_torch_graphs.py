@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import urllib.request
 
 import numpy as np
 import pytest
 from models import add_sub, mlp, small_cnn
-from serving import RunningServer
+from serving import RunningServer, graph_events
 
 from plugserve.plugins.api import InvalidArgument
 
@@ -91,15 +90,6 @@ def test_shapes_listed_at_load_are_captured_before_the_first_request(core):
         core.load_network(mlp(), "TORCH", {"CUDA_GRAPHS": "-1"})
 
 
-def _graph_events(text: str, model: str) -> dict[str, float]:
-    found = {}
-    for line in text.splitlines():
-        if line.startswith("plugserve_graph_events_total{") and f'model="{model}"' in line:
-            event = line.split('event="', 1)[1].split('"', 1)[0]
-            found[event] = float(line.rsplit(" ", 1)[1])
-    return found
-
-
 def test_a_server_replays_shapes_and_shows_the_counters(tmp_path):
     grpcclient = pytest.importorskip("tritonclient.grpc", reason="pip install tritonclient[grpc]")
     for name, config in (("mlp_graphs", {"CUDA_GRAPHS": "2", "NUM_STREAMS": "1"}),
@@ -122,9 +112,7 @@ def test_a_server_replays_shapes_and_shows_the_counters(tmp_path):
         for rows in (1, 1, 2, 2, 1, 3, 3, 2, 2):
             x = _batch(rows)
             np.testing.assert_array_equal(infer("mlp_graphs", x), infer("mlp_plain", x))
-        with urllib.request.urlopen(server.metrics_url, timeout=30) as answer:
-            text = answer.read().decode()
-        events = _graph_events(text, "mlp_graphs")
+        events = graph_events(server, "mlp_graphs")
         # one stream; each shape's first request is eager, its second captures: 1, 2 captured,
         # 1 replayed, 3 captured evicting 2, 2 captured (seen) evicting 1, 2 replayed
         assert events == {"captured": 4.0, "replayed": 2.0, "evicted": 2.0, "failed": 0.0}, events
@@ -136,9 +124,7 @@ def test_a_server_replays_shapes_and_shows_the_counters(tmp_path):
             gots = list(pool.map(lambda x: infer("mlp_two", x), feeds))
         for got, want in zip(gots, wants):
             np.testing.assert_array_equal(got, want)
-        with urllib.request.urlopen(server.metrics_url, timeout=30) as answer:
-            text = answer.read().decode()
-        two = _graph_events(text, "mlp_two")
+        two = graph_events(server, "mlp_two")
         ran = two["captured"] + two["replayed"]  # the rest ran eagerly: a first sight on a stream
         assert len(feeds) - 6 <= ran <= len(feeds), two
         assert two["captured"] - two["evicted"] <= 2 and two["failed"] == 0, two
@@ -150,10 +136,8 @@ def test_a_server_replays_shapes_and_shows_the_counters(tmp_path):
         want = infer("mlp_plain", x)
         for _ in range(6):
             np.testing.assert_array_equal(infer("mlp_two", x), want)
-        with urllib.request.urlopen(server.metrics_url, timeout=30) as answer:
-            text = answer.read().decode()
-        again = _graph_events(text, "mlp_two")
+        again = graph_events(server, "mlp_two")
         assert again["replayed"] > two["replayed"] and again["failed"] == 0, (two, again)
         assert again["captured"] - again["evicted"] <= 2, again
-        plain = _graph_events(text, "mlp_plain")  # CPU without CUDA_GRAPHS: the plain path
+        plain = graph_events(server, "mlp_plain")  # CPU without CUDA_GRAPHS: the plain path
         assert plain == {"captured": 0.0, "replayed": 0.0, "evicted": 0.0, "failed": 0.0}, plain
