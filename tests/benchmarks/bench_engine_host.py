@@ -77,17 +77,7 @@ def measure(
     net = Core().load_network(folder, device, config)
     engine = net.engine
     engine.close()  # its thread ends; the loop runs in this thread from now on
-    spent = [0.0]
-    run = engine.decoder._run
-
-    def timed(*args, **kwargs):
-        t0 = time.thread_time()
-        try:
-            return run(*args, **kwargs)
-        finally:
-            spent[0] += time.thread_time() - t0
-
-    engine.decoder._run = timed
+    spent = harness.thread_time_of(engine.decoder, "_run")
     params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
     drawn = {"temperature": 0.8, "top_k": 40, "top_p": 0.95} if sampled else {}
 

@@ -164,17 +164,7 @@ def measure_forward(folder: Path, device: str, counts: list[int], new: int) -> d
     config = {"MAX_NUM_SEQS": "64", "MAX_MODEL_LEN": "1024", "INFERENCE_NUM_THREADS": "1"}
     net = Core().load_network(str(folder), device, config)
     decoder = net.engine.decoder
-    spent = [0.0]
-    run = decoder._run
-
-    def timed(*args, **kwargs):
-        t0 = time.thread_time()
-        try:
-            return run(*args, **kwargs)
-        finally:
-            spent[0] += time.thread_time() - t0
-
-    decoder._run = timed
+    spent = harness.thread_time_of(decoder, "_run")
     out = {}
     try:
         for n in counts:
