@@ -77,7 +77,8 @@ from plugserve.plugins.torch.hostreads import ON_HOST, read_positions
 
 __all__ = [
     "FILLS", "FOLDED_ELEMENTS", "HOST_OPS", "KEPT", "KEPT_BYTES", "SIZED", "SMALL", "HostPlan",
-    "Moves", "capturing", "filled", "plan", "refuse_in_capture", "sized_elements", "to_device",
+    "Moves", "capturing", "filled", "held_as", "plan", "refuse_in_capture", "sized_elements",
+    "to_device",
 ]  # fmt: skip
 
 #: the largest constant (elements) held on the host for shape arithmetic
@@ -401,6 +402,19 @@ def to_device(torch: Any, device: Any) -> Callable[[Any], Any]:
     if device.type == "cpu":
         return lambda value: value
     return Moves(torch, device)
+
+
+def held_as(move: Callable[[Any], Any], held: Any) -> Callable[[Any], Any]:
+    """``move`` of a host value cast first, on the host, to ``held``: the dtype its type is
+    held in on the device (a float32 shape value, computed on the host in float32, is moved
+    in the device's precision, f16 or bf16, as any value there is: rounded once, there). The
+    cast is a CPU op on a few elements: nothing a CUDA graph sees, and the kept copies are
+    keyed by the cast value."""
+
+    def moved(value: Any) -> Any:
+        return move(value.to(held) if value.dtype != held else value)
+
+    return moved
 
 
 def filled(torch: Any, value: Any, device: Any) -> Any:

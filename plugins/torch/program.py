@@ -80,9 +80,11 @@ class Converting:
         self.types = value_types(graph)
         self.constants: dict[str, np.ndarray] = dict(graph.initializers)
 
-    def convert(self, node: Node, device: Any = None) -> tuple[Any, bool]:
+    def convert(self, node: Node, device: Any = None, compute: Any = None) -> tuple[Any, bool]:
         """The node's step and whether it returns several outputs; on ``device`` (default the
-        program's: the host for the nodes :mod:`.hostvalues` keeps there)."""
+        program's: the host for the nodes :mod:`.hostvalues` keeps there), float32 values held
+        in ``compute`` (default the program's; the host's steps keep float32: see
+        :mod:`.hostvalues`)."""
         if any(attribute_graphs(a) for a in node.attrs.values()):
             raise Refused(f"op {node.op_type!r} with a subgraph (control flow is not converted)")
         opset = self.graph.node_opset(node)
@@ -99,7 +101,7 @@ class Converting:
             self.constants,
             self.torch,
             device if device is not None else self.device,
-            self.compute,
+            compute if compute is not None else self.compute,
             self.types,
         )
         step = entry.convert(ctx)
@@ -130,10 +132,10 @@ def _rounding(step: Any, halves: list[bool], multi: bool, torch: Any) -> Any:
     return rounded
 
 
-def _converted(converting: Converting, graph: Graph, node: Node, device: Any
-               ) -> tuple[Any, bool]:  # fmt: skip
+def _converted(converting: Converting, graph: Graph, node: Node, device: Any,
+               compute: Any = None) -> tuple[Any, bool]:  # fmt: skip
     try:
-        return converting.convert(node, device)
+        return converting.convert(node, device, compute)
     except Unsupported as exc:
         raise Unsupported(
             f"model {graph.name!r}: node {node.name!r} ({node.op_type}): {exc}"
@@ -158,10 +160,10 @@ class _Known(dict):
 def _folded(graph: Graph, converting: Converting, torch: Any, host: Any, compute: Any
             ) -> tuple[hostvalues.HostPlan, _Known]:  # fmt: skip
     """The graph's host plan and the values of its folded nodes, computed on the host (with
-    the constants they read): a node whose output would be over
-    :data:`.hostvalues.FOLDED_ELEMENTS` elements (a sized node given large dims: checked
-    before it is computed) is not folded but left to run per request on the device (the
-    plan made again without it: at most once per node)."""
+    the constants they read; float32 values held in ``compute``, the host's: float32): a
+    node whose output would be over :data:`.hostvalues.FOLDED_ELEMENTS` elements (a sized
+    node given large dims: checked before it is computed) is not folded but left to run per
+    request on the device (the plan made again without it: at most once per node)."""
     unfolded: set[int] = set()
     while True:
         plan = hostvalues.plan(graph, frozenset(unfolded))
@@ -169,10 +171,10 @@ def _folded(graph: Graph, converting: Converting, torch: Any, host: Any, compute
         for node in graph.nodes:  # the Constant nodes folded ones read: known to converting
             if (node.op_type == "Constant" and node.outputs and node.outputs[0] in plan.small
                     and node.outputs[0] not in converting.constants):  # fmt: skip
-                _converted(converting, graph, node, host)
+                _converted(converting, graph, node, host, compute)
         for index in plan.folded:
             node = graph.nodes[index]
-            fn, multi = _converted(converting, graph, node, host)
+            fn, multi = _converted(converting, graph, node, host, compute)
             args = [known.value(n) if n else None for n in node.inputs]
             size = hostvalues.sized_elements(node.op_type, args)
             if size is not None and size > hostvalues.FOLDED_ELEMENTS:
@@ -207,10 +209,14 @@ class Program:
         self.name = graph.name
         converting = Converting(graph, torch, device, compute)
         host = torch.device("cpu")
+        #: the precision float32 values are held in on the host: float32 whatever the
+        #: device's (shape arithmetic over a Cast(Shape) is exact to 2**24 there, where f16
+        #: is to 2,048 and bf16 to 256; the host's few scalar ops cost nothing more in f32)
+        self.host_compute = host_compute = torch.float32
         with torch.inference_mode():
             #: where the values live: shape values on the host (:mod:`.hostvalues`); constants
             #: on the host: the folded nodes' outputs (computed here), the constants they read
-            self.plan, known = _folded(graph, converting, torch, host, compute)
+            self.plan, known = _folded(graph, converting, torch, host, host_compute)
         plan = self.plan
         #: nodes whose steps read device values on the host: no CUDA graph captures them
         self.host_reads = hostreads.host_reads(graph, plan.host)
@@ -252,7 +258,8 @@ class Program:
                 if index in folded:  # computed by _folded: its outputs are constants
                     continue
                 hosted = index in plan.nodes
-                fn, multi = _converted(converting, graph, node, host if hosted else None)
+                fn, multi = (_converted(converting, graph, node, host, host_compute) if hosted
+                             else _converted(converting, graph, node, None))  # fmt: skip
                 reads = () if hosted else hostreads.read_positions(node)
                 ins = [
                     -1 if not n else on_host(n) if hosted or p in reads else on_device(n)
@@ -266,8 +273,12 @@ class Program:
                 what = f"{node.name} ({node.op_type})"
                 steps.append((fn, ins, outs, what))
                 for n in node.outputs:  # host values a device step takes as data: moved once
-                    if n in plan.to_device:
-                        steps.append((move, [slot(n)], [on_device(n)], what))
+                    if n in plan.to_device:  # (in the device's precision: cast on the host)
+                        held = held_dtype(torch, converting.types[n], compute)
+                        moved = move if held == held_dtype(
+                            torch, converting.types[n], host_compute
+                        ) else hostvalues.held_as(move, held)  # fmt: skip
+                        steps.append((moved, [slot(n)], [on_device(n)], what))
             #: (a host value the graph outputs is moved: its device form)
             self.output_slots = [on_device(s.name) for s in graph.outputs]
             self.template: list[Any] = [None] * len(slots)
@@ -279,9 +290,10 @@ class Program:
             for index in plan.folded:  # their device forms, where device steps read them
                 for n in graph.nodes[index].outputs:
                     if n in slots and n in known:
-                        self.template[slots[n]] = known[n].to(device)
+                        held = held_dtype(torch, converting.types[n], compute)
+                        form = self.template[slots[n]] = known[n].to(held).to(device)
                         if device.type != "cpu":
-                            self.device_nbytes += known[n].numel() * known[n].element_size()
+                            self.device_nbytes += form.numel() * form.element_size()
             if layout.wanted(torch, device, compute):  # f16/bf16 on CUDA: NHWC convolutions
                 layout.weights_channels_last(torch, graph, slots, self.template)
                 layout.benchmark(torch, graph)

@@ -270,13 +270,16 @@ def range_(ctx: NodeContext) -> Any:
         raise Refused(f"Range of {ctx.in_type(0)}")
 
     device = ctx.device
+    # the output's dtype on this node's device: the bounds may be held wider (float32 shape
+    # values on the host, .hostvalues, where the device computes in f16 or bf16)
+    dtype = ctx.dtype(ctx.out_type(0))
 
     def run(start: Any, limit: Any, delta: Any) -> Any:
         # read on the host (free: the program holds shape values there, .hostvalues); the
         # output made on this node's device from them, one kernel, no copy
         s, e, d = start.item(), limit.item(), delta.item()
         count = max(int(np.ceil((e - s) / d)), 0)
-        return (torch.arange(count, device=device, dtype=start.dtype) * d) + s
+        return (torch.arange(count, device=device, dtype=dtype) * d) + s
 
     return run
 
