@@ -18,6 +18,9 @@ cuDNN's workspaces and the caching allocator's rounding. On the CPU the default 
   dimensions put in; a value whose size the shapes leave open counts as the largest input)
   and charged; one that can never fit is refused at once, one that fits once others finish
   waits for them (at most :data:`WAIT_S`), then runs; the charge is released when it ends.
+  A request replayed from a captured CUDA graph is not charged: it computes in the graph's
+  memory pool, charged when the graph was captured and held until it is evicted
+  (:class:`RequestCharge`; :mod:`.graphs` decides per run, under its lane's lock).
 * **Failure**: a ``torch.cuda.OutOfMemoryError`` in a request (the estimate was short, or
   another process took the memory) fails that request RESOURCE_EXHAUSTED (503 on REST) saying
   so, its tensors are freed and the allocator's cache emptied, and the device goes on serving
@@ -59,6 +62,7 @@ __all__ = [
     "STICKY",
     "Activations",
     "DeviceMemory",
+    "RequestCharge",
     "charged",
     "device_failure",
     "device_memory",
@@ -373,29 +377,64 @@ class Activations:
         return int(math.prod((count, size)))
 
 
+class RequestCharge:
+    """A request's activations, charged to the device's budget at most once, when its run
+    needs them (:meth:`take`), and released when the request ends (:func:`charged`). A lane
+    (:mod:`.graphs`) takes it for a run that allocates them (an eager run, a capture, whose
+    warm-up runs eagerly, the CPU twin's run) and not for a replay of a captured CUDA graph:
+    that one computes in the graph's own memory pool, charged when it was captured and held
+    until the graph is evicted (``graphs._Entry``), so charging its estimate too counted its
+    activations twice (issue 49)."""
+
+    def __init__(self, network: Any, arrays: Sequence[Any]) -> None:
+        self.memory, self.activations = network.memory, network.activations
+        self.arrays = arrays
+        self.what = f"a request of model {network.name!r}"
+        self._charge: Charge | None = None
+
+    def take(self) -> None:
+        """Charge the request's estimate (once; a no-op without a budget): refused or waited
+        for as :meth:`DeviceMemory.charge_request` says."""
+        memory, activations = self.memory, self.activations
+        if self._charge is None and memory is not None and activations is not None \
+                and memory.limit:  # fmt: skip
+            self._charge = memory.charge_request(activations.estimate(self.arrays), self.what)
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes it holds now (0 before :meth:`take`, or for a replay)."""
+        return self._charge.nbytes if self._charge is not None else 0
+
+    def release(self) -> None:
+        charge, self._charge = self._charge, None
+        if charge is not None:
+            charge.release()
+
+
 @contextlib.contextmanager
-def charged(network: Any, arrays: Sequence[Any]) -> Iterator[None]:
+def charged(network: Any, arrays: Sequence[Any], deferred: bool = False
+            ) -> Iterator[RequestCharge]:  # fmt: skip
     """Run a request of ``network`` with its activations charged to the device's budget
     first, and its device failures made its own: out of memory is RESOURCE_EXHAUSTED, a
     sticky CUDA error UNAVAILABLE (the device marked failed), another CUDA error INTERNAL
-    naming it (the module's docstring). A failed device's requests are refused at once."""
+    naming it (the module's docstring). A failed device's requests are refused at once.
+    ``deferred``: the charge is taken by whoever runs the request, when it knows the run
+    allocates (a lane: :class:`RequestCharge`), not here; released here either way."""
     refuse_failed(network.torch_device, f"a request of model {network.name!r}")
-    memory, activations = network.memory, network.activations
-    charge = None
-    if memory is not None and activations is not None and memory.limit:
-        charge = memory.charge_request(
-            activations.estimate(arrays), f"a request of model {network.name!r}"
-        )
+    charge = RequestCharge(network, arrays)
+    if not deferred:
+        charge.take()
     try:
-        yield
+        yield charge
+    except ResourceExhausted:
+        raise  # the budget's own refusal (a deferred charge's): already the request's answer
     except Exception as exc:
         failure = _device_failure(exc, network)
         if failure is exc:
             raise
         raise failure from exc
     finally:
-        if charge is not None:
-            charge.release()
+        charge.release()
 
 
 def _device_failure(exc: Exception, network: Any) -> Exception:

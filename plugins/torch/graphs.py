@@ -39,7 +39,9 @@ input shapes it has seen, each captured as a CUDA graph and replayed.
   device values on the host (:mod:`.hostreads`) is never captured: eager from its first lane,
   counted failed once. A failed capture takes no graph slot; one that ran out of memory is
   tried again after ``capture.RETRY_AFTER`` requests. A graph's memory pool is charged to the
-  device's budget (:mod:`.devmem`) while it lives.
+  device's budget (:mod:`.devmem`) while it lives; a request replayed from it is not charged
+  its activations again (they are in the pool), one that runs eagerly or captures is
+  (:meth:`Lane._entry`).
 
 The counters (shapes captured, replays, evictions, captures failed) are the network's
 :class:`GraphCounters`, read by ``/metrics`` as ``plugserve_graph_events``.
@@ -52,7 +54,7 @@ import contextlib
 import logging
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -266,12 +268,15 @@ class Lane:
         arrays: Sequence[Any],
         sinks: dict[int, CudaSink] | None = None,
         at_once: bool = False,
+        charge: Callable[[], None] | None = None,
     ) -> list[Any]:
         """The outputs of the program over ``arrays`` (numpy, or ``CudaArray`` on this lane's
         GPU), through the graph of their shape where there is one; ``sinks``: outputs (by
         index) to copy into a client's GPU memory, answered ``cuda_array.written``;
         ``at_once``: capture the shape now if it is not, rather than at its second sight (a
-        shape listed at load, a warm-up run: ``model_warmup``)."""
+        shape listed at load, a warm-up run: ``model_warmup``); ``charge``: charges the
+        request's activations (``devmem.RequestCharge.take``), called before a run that
+        allocates them and not for a replay of a captured graph (:meth:`_entry`)."""
         torch = self.torch
         arrays = [a if self._on_card(a) else np.asarray(a) for a in arrays]
         key = self._key(arrays)
@@ -280,7 +285,7 @@ class Lane:
         program = self.program
         with self._stream_lock, torch.inference_mode(), self._on_stream():
             staged = [self._stage(f"in{i}", a) for i, a in enumerate(arrays)]
-            entry, seen = self._entry(key, staged)
+            entry, seen = self._entry(key, staged, charge or _nothing)
             if entry is not None and entry.outputs is not None:
                 for static, host in zip(entry.inputs, staged):
                     static.copy_(host, non_blocking=self.cuda)
@@ -356,18 +361,32 @@ class Lane:
             found.append(tensor.to(held) if tensor.dtype != held else tensor)
         return found
 
-    def _entry(self, key: Key, staged: list[Any]) -> tuple[_Entry | None, bool]:
+    def _entry(self, key: Key, staged: list[Any], charge: Callable[[], None]
+               ) -> tuple[_Entry | None, bool]:  # fmt: skip
         """This shape's entry and whether it was there before; None at the shape's first
         request, which runs eagerly (its warm-up: a shape seen once, as by a one-off
         ``network.infer``, costs no capture); made (captured) at its second, the least
-        recently used evicted beyond the limit."""
+        recently used evicted beyond the limit.
+
+        The request's activations are charged (``charge``) here, where what runs is decided:
+        before any run that allocates them (eager, a capture, whose warm-up runs eagerly, or
+        the CPU twin's program over its static buffers), and not for a replay of a captured
+        graph, whose memory pool was charged at its capture and stays charged until the graph
+        is evicted (:meth:`_Entry.close`). Only this lane adds or evicts its entries, under its
+        stream lock, in this method: the entry found is the one replayed; a shape evicted
+        before its request came is not found, and that request is charged as it runs eagerly
+        or captures again."""
         if not self.limit:
+            charge()
             return None, False
         self._failures.use()
         entry = self._graphs.get(key)
         if entry is not None:
             self._graphs.move_to_end(key)
+            if entry.graph is None:  # the CPU twin: the program allocates as it runs
+                charge()
             return entry, True
+        charge()  # eager, or a capture: its warm-up and capture runs allocate
         if key not in self._warmed:
             self._warmed[key] = None
             while len(self._warmed) > 4 * self.limit + 8:
@@ -416,6 +435,11 @@ class Lane:
         charge = self.memory.hold(captured.nbytes) if self.memory is not None else None
         self.counters.add("captured")
         return _Entry(static, list(captured.outputs), captured.graph, charge)
+
+
+def _nothing() -> None:
+    """No charge (a run with no request's: the shapes listed at load, captured at the lane's
+    start)."""
 
 
 def _type_or_f32(np_type: Any) -> np.dtype:

@@ -57,12 +57,15 @@ class TorchInferRequest(InferRequest):
         program = self.network.program
         start = time.perf_counter()
         out_of_range = None
-        with devmem.charged(self.network, arrays):  # activations charged before the run
-            if self._lane is not None:
+        # activations charged before the run; by the lane when there is one: not for a replay
+        # of a captured graph, whose memory pool is charged while it lives (graphs.Lane._entry)
+        lane = self._lane
+        with devmem.charged(self.network, arrays, deferred=lane is not None) as charge:
+            if lane is not None:
                 with bounds.active(self._bounds):
-                    outputs = self._lane.run(arrays, self._sinks(), at_once=warmup)
+                    outputs = lane.run(arrays, self._sinks(), at_once=warmup, charge=charge.take)
                 if self._bounds is not None:  # after the lane's synchronisation: 8 bytes
-                    out_of_range = self._bounds.take(self._lane.stream)
+                    out_of_range = self._bounds.take(lane.stream)
             else:
                 outputs = program.run(arrays)
         if out_of_range is not None:  # computed with the indices replaced: dropped

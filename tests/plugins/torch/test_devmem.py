@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from serving import RunningServer
+from serving import RunningServer, graph_events
 
 pytest.importorskip("torch", reason="the TORCH device needs torch")
 grpcclient = pytest.importorskip("tritonclient.grpc")
@@ -31,6 +31,8 @@ def server(tmp_path_factory):
     repo = tmp_path_factory.mktemp("budget")
     settings = {"device": "TORCH", "config": BUDGET}
     gpuops_check.write_model(repo, "outer", gpuops_check.outer_model(), settings=settings)
+    lanes = {"device": "TORCH", "config": {**BUDGET, "CUDA_GRAPHS": "2", "NUM_STREAMS": "1"}}
+    gpuops_check.write_model(repo, "outer_lanes", gpuops_check.outer_model(), settings=lanes)
     heavy = gpuops_check.weights_model(12 * 2**20)  # 48 MiB of float32 weights
     gpuops_check.write_model(repo, "heavy", heavy, settings=settings)
     gpuops_check.write_model(repo, "filled", gpuops_check.filled_model(), settings=settings)
@@ -38,12 +40,12 @@ def server(tmp_path_factory):
         yield running
 
 
-def _outer(module, client, n: int) -> np.ndarray:
+def _outer(module, client, n: int, model: str = "outer") -> np.ndarray:
     a = module.InferInput("a", [n, 1], "FP32")
     a.set_data_from_numpy(np.ones((n, 1), np.float32))
     b = module.InferInput("b", [1, n], "FP32")
     b.set_data_from_numpy(np.full((1, n), 2.0, np.float32))
-    return client.infer("outer", [a, b]).as_numpy("y")
+    return client.infer(model, [a, b]).as_numpy("y")
 
 
 def test_weights_over_the_budget_are_refused_at_load(server):
@@ -76,6 +78,33 @@ def test_a_request_over_the_budget_is_refused_before_it_runs_and_the_next_is_ser
         np.testing.assert_allclose(_outer(module, client, 16), np.full((16, 16), 2.0))
         # within the budget a larger one runs too (1 MiB of output)
         np.testing.assert_allclose(_outer(module, client, 512), np.full((512, 512), 2.0))
+    finally:
+        client.close()
+
+
+def test_a_lanes_requests_are_charged_where_they_allocate(server):
+    """With CUDA_GRAPHS the lane (plugins/torch/graphs.py) takes the request's charge where
+    it decides what runs, so that a replay of a captured CUDA graph is not charged again (its
+    pool is: the GPU's check ``graphs_replay_charge``). On the CPU every run allocates (the
+    twin's "replay" is the eager program over static buffers): a shape over the budget is
+    refused at each sight, before it is ever warmed, and one within it is served eagerly,
+    captured and replayed; the budget's charges all come back (the big one refused again)."""
+    client = grpcclient.InferenceServerClient(server.target)
+    try:
+        for _ in range(3):
+            with pytest.raises(InferenceServerException) as info:
+                _outer(grpcclient, client, 4096, "outer_lanes")  # 64 MiB: over 16 MiB
+            assert str(info.value.status()) == "StatusCode.RESOURCE_EXHAUSTED", info.value
+            assert "activations" in info.value.message(), info.value.message()
+        for _ in range(3):  # eager (first sight), captured, replayed: each charged, within it
+            np.testing.assert_allclose(_outer(grpcclient, client, 512, "outer_lanes"),
+                                       np.full((512, 512), 2.0))  # fmt: skip
+        events = graph_events(server, "outer_lanes")
+        assert events["captured"] == 1 and events["replayed"] == 1, events  # 4096: never seen
+        with pytest.raises(InferenceServerException, match="activations"):
+            _outer(grpcclient, client, 4096, "outer_lanes")
+        np.testing.assert_allclose(_outer(grpcclient, client, 16, "outer"),
+                                   np.full((16, 16), 2.0))  # fmt: skip
     finally:
         client.close()
 
