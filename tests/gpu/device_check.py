@@ -16,8 +16,9 @@ least 1.0x eager at batch 32). Without torchvision a small conv net stands in (s
 output). Graphs (:func:`graph_checks`, issue 49): a repeated shape is replayed with eager's
 answers within f16's tolerance, a data-dependent one stays eager, a TorchScript program's shape
 listed at load is captured then and replayed, a BERT-like block whose shapes are computed in the
-graph is captured and replayed (its shape values on the host; skipped on the CPU), and the
-ResNet's batch-1
+graph is captured and replayed (its shape values on the host; skipped on the CPU), float
+shape arithmetic at f16 is exact above 2,048, a replayed request is not charged its
+activations again (skipped on the CPU), and the ResNet's batch-1
 latency eager (CUDA_GRAPHS=0) beside replayed. Bounded: each figure is timed for ``--budget``
 seconds (default 1).
 """
@@ -25,6 +26,7 @@ seconds (default 1).
 from __future__ import annotations
 
 import argparse
+import gc
 import io
 import json
 import statistics
@@ -435,6 +437,95 @@ def graph_checks(core, device, cnn, image, proto, size, result, check, budget, s
         return f"{counts}, max difference to NUMPY {worst:.3g}"
 
     check("graphs_shape_values", shape_values)
+
+    def shape_floats_f16() -> str:
+        """Issue 49: at f16 (the GPU's default) a shape cast to FLOAT and the arithmetic over
+        it run on the host in float32 (plugins/torch/program.py ``host_compute``), so sizes
+        made from a length of 3,001 are exact (in f16 it is 3,000): a ConstantOfShape of
+        ceil(n / 2) has 1,501 elements, x + Range(0, n) 3,001 columns, n / 7 (an output) is
+        3001 / 7 rounded to f16 once; eager, captured and replayed alike."""
+        from models import shape_floats
+
+        model = shape_floats()
+        x = np.zeros((1, 3001), np.float32)
+        numpy = core.load_network(model, "NUMPY").infer({"x": x})
+        network = core.load_network(
+            model, device, {"CUDA_GRAPHS": "2", "INFERENCE_PRECISION_HINT": "f16"}
+        )
+        request = network.create_infer_request()
+        for _ in range(3):  # eager, captured, replayed
+            got = request.infer({"x": x})
+            if got["zeros"].shape != (1501,) or got["ramp"].shape != (1, 3001):
+                raise AssertionError(f"sizes {got['zeros'].shape}, {got['ramp'].shape}: "
+                                     "the shape arithmetic lost precision")  # fmt: skip
+            np.testing.assert_allclose(got["ramp"], numpy["ramp"], rtol=1e-2)
+            np.testing.assert_array_equal(got["ratio"], [np.float16(3001 / 7)])
+        return f"exact at 3,001 in f16; {network.graph_statistics()}"
+
+    check("graphs_shape_floats_f16", shape_floats_f16)
+
+    def replay_charge() -> str:
+        """Issue 49: a request replayed from a captured CUDA graph computes in the graph's
+        memory pool, charged to the budget at the capture (plugins/torch/devmem.py
+        ``RequestCharge``, graphs.py ``Lane._entry``): it is not charged its activations
+        again. Under a DEVICE_MEMORY_BUDGET that holds what is charged (weights, the pool)
+        plus half the shape's estimate, the replayed shape is served (before, it was refused
+        after waiting for room that never came) and the budget is as it was after it; a
+        larger shape, eager at its first sight, is charged and refused RESOURCE_EXHAUSTED
+        naming its activations. The device's budget is set back after. GPU only: on the
+        CPU every run allocates and is charged (test_devmem.py's lane test)."""
+        if not device.startswith("GPU"):
+            raise Skipped("no CUDA graph pools on the CPU: every run there allocates and is "
+                          "charged (tests/plugins/torch/test_devmem.py)")  # fmt: skip
+        from models import mlp
+        from onnx import TensorProto, helper
+
+        def set_budget(nbytes: int) -> None:  # a weightless load sets the device's budget
+            graph = helper.make_graph(
+                [helper.make_node("Relu", ["x"], ["y"])], "budget",
+                [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+                [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
+            )  # fmt: skip
+            relu = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+            relu.ir_version = 8
+            core.load_network(relu, device, {"DEVICE_MEMORY_BUDGET": str(nbytes)})
+
+        network = core.load_network(
+            mlp(sizes=(256, 1024, 1024, 64)),
+            device, {"CUDA_GRAPHS": "2", "INFERENCE_PRECISION_HINT": "f32"},
+        )  # fmt: skip
+        request = network.create_infer_request()
+        rng = np.random.default_rng(3)
+        x = rng.normal(size=(64, 256)).astype(np.float32)
+        want = request.infer({"x": x})["y"]  # eager (first sight)
+        request.infer({"x": x})  # captured: its pool charged while the graph lives
+        gc.collect()  # earlier checks' networks: their charges given back now, not meanwhile
+        memory, estimate = network.memory, network.activations.estimate([x])
+        before, held = memory.limit, memory.charged
+        set_budget(held + estimate // 2)
+        refused = ""
+        try:
+            got = request.infer({"x": x})["y"]  # replayed: not charged
+            after = memory.charged
+            try:
+                request.infer({"x": rng.normal(size=(1024, 256)).astype(np.float32)})
+            except Exception as exc:  # eager at its first sight: charged, no room
+                refused = f"{type(exc).__name__}: {exc}"
+        finally:
+            set_budget(before)
+        counts = network.graph_statistics()
+        if counts["replayed"] < 1:
+            raise AssertionError(f"not replayed: {counts}")
+        if after > held:
+            raise AssertionError(f"charged {held} before the replay, {after} after")
+        if "activations" not in refused:
+            raise AssertionError(f"the eager shape was not refused for its activations: "
+                                 f"{refused or 'served'}")  # fmt: skip
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+        return (f"replayed under {held + estimate // 2} bytes (held {held}, estimate "
+                f"{estimate}); refused: {refused[:160]}; {counts}")  # fmt: skip
+
+    check("graphs_replay_charge", replay_charge)
 
     def moves_without_waits() -> str:
         """Review2 findings 1 and 2 (plugins/torch/hostvalues.py ``Moves``): host values are

@@ -169,6 +169,38 @@ def encoder_block(
     )
 
 
+def shape_floats() -> onnx.ModelProto:
+    """Float arithmetic over a shape, as exporters write it: ``n = float(x.shape[-1])``;
+    ``half = ceil(n * 0.5)`` sizes a ConstantOfShape (the output ``zeros``), ``n / 7`` is an
+    output (``ratio``), ``x + Range(0, n, 1)`` is computed on the device (``ramp``, the Range's
+    bounds read on the host). Above 2,048 (f16) or 256 (bf16) ``n`` is no longer exact in the
+    device's precision: 3,001 is 3,000 in f16 and 3,008 in bf16 (the torch device computes it
+    on the host in float32: tests/plugins/torch/test_host_values.py, tests/gpu/device_check.py)."""
+    n = helper.make_node
+    return helper.make_model(helper.make_graph(
+        [n("Shape", ["x"], ["s"], name="shape", start=-1),
+         n("Cast", ["s"], ["n"], name="as_float", to=TensorProto.FLOAT),
+         n("Mul", ["n", "half"], ["scaled"], name="scale"),
+         n("Ceil", ["scaled"], ["rounded"], name="ceil"),
+         n("Cast", ["rounded"], ["dims"], name="as_int", to=TensorProto.INT64),
+         n("ConstantOfShape", ["dims"], ["zeros"], name="zeros",
+           value=numpy_helper.from_array(np.array([0], np.int64))),
+         n("Div", ["n", "seven"], ["ratio"], name="ratio"),
+         n("Squeeze", ["n"], ["limit"], name="limit"),
+         n("Range", ["zero", "limit", "one"], ["positions"], name="positions"),
+         n("Add", ["x", "positions"], ["ramp"], name="ramp")],
+        "shape_floats",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "n"])],
+        [helper.make_tensor_value_info("zeros", TensorProto.INT64, ["m"]),
+         helper.make_tensor_value_info("ratio", TensorProto.FLOAT, [1]),
+         helper.make_tensor_value_info("ramp", TensorProto.FLOAT, [1, "n"])],
+        [numpy_helper.from_array(np.array(0.5, np.float32), "half"),
+         numpy_helper.from_array(np.array(7.0, np.float32), "seven"),
+         numpy_helper.from_array(np.array(0.0, np.float32), "zero"),
+         numpy_helper.from_array(np.array(1.0, np.float32), "one")],
+    ), opset_imports=[helper.make_opsetid("", 17)])  # fmt: skip
+
+
 def shaped_encoder(seed: int = 0, vocab: int = 50, d: int = 16, heads: int = 2,
                    positions: int = 32) -> onnx.ModelProto:  # fmt: skip
     """A BERT-like attention block written as the TorchScript exporter writes one: token ids

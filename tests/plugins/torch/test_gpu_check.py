@@ -33,8 +33,10 @@ def test_the_gpu_check_passes_on_torch(tmp_path):
     assert {"torch_eager_b4", "TORCH_b4", "torch_eager_b1", "TORCH_b1"} <= set(result["figures"])
     # issue 49's graphs, through the CPU twin
     graphs = {"graphs_replayed", "graphs_fallback", "graphs_program_replayed",
-              "graphs_shape_values"}  # fmt: skip
+              "graphs_shape_values", "graphs_shape_floats_f16", "graphs_replay_charge"}  # fmt: skip
     assert graphs <= set(result["checks"])
+    assert not result["checks"]["graphs_shape_floats_f16"].get("skip")  # f16 on the CPU too
+    assert result["checks"]["graphs_replay_charge"].get("skip")  # no graph pools on the CPU
     assert {"eager", "replayed", "speedup"} <= set(result["figures"]["TORCH_b1_graphs"])
     assert "graphs_eviction" in result["checks"]  # (a canary run in a subprocess)
     assert "PASS listed" in (tmp_path / "gpu_check.txt").read_text()

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from models import shaped_encoder
+from models import shape_floats, shaped_encoder
 from onnx import TensorProto, helper, numpy_helper
 
 from plugserve.plugins.ir import load_model
@@ -413,37 +413,6 @@ def test_a_sized_nodes_output_is_counted_before_it_is_computed():
     assert program.plan.folded == () and program.device_nbytes == 0
 
 
-def _shape_floats() -> object:
-    """Float arithmetic over a shape, as exporters write it: ``n = float(x.shape[-1])``;
-    ``half = ceil(n * 0.5)`` sizes a ConstantOfShape (the output ``zeros``), ``n / 7`` is an
-    output (``ratio``), ``x + Range(0, n, 1)`` is computed on the device (``ramp``, the Range's
-    bounds read on the host). Above 2,048 (f16) or 256 (bf16) ``n`` is no longer exact in the
-    device's precision: 3,001 is 3,000 in f16 and 3,008 in bf16."""
-    n = helper.make_node
-    return helper.make_model(helper.make_graph(
-        [n("Shape", ["x"], ["s"], name="shape", start=-1),
-         n("Cast", ["s"], ["n"], name="as_float", to=TensorProto.FLOAT),
-         n("Mul", ["n", "half"], ["scaled"], name="scale"),
-         n("Ceil", ["scaled"], ["rounded"], name="ceil"),
-         n("Cast", ["rounded"], ["dims"], name="as_int", to=TensorProto.INT64),
-         n("ConstantOfShape", ["dims"], ["zeros"], name="zeros",
-           value=numpy_helper.from_array(np.array([0], np.int64))),
-         n("Div", ["n", "seven"], ["ratio"], name="ratio"),
-         n("Squeeze", ["n"], ["limit"], name="limit"),
-         n("Range", ["zero", "limit", "one"], ["positions"], name="positions"),
-         n("Add", ["x", "positions"], ["ramp"], name="ramp")],
-        "shape_floats",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "n"])],
-        [helper.make_tensor_value_info("zeros", TensorProto.INT64, ["m"]),
-         helper.make_tensor_value_info("ratio", TensorProto.FLOAT, [1]),
-         helper.make_tensor_value_info("ramp", TensorProto.FLOAT, [1, "n"])],
-        [numpy_helper.from_array(np.array(0.5, np.float32), "half"),
-         numpy_helper.from_array(np.array(7.0, np.float32), "seven"),
-         numpy_helper.from_array(np.array(0.0, np.float32), "zero"),
-         numpy_helper.from_array(np.array(1.0, np.float32), "one")],
-    ), opset_imports=[helper.make_opsetid("", 17)])  # fmt: skip
-
-
 @pytest.mark.parametrize("hint", ["f16", "bf16"])
 def test_float_shape_arithmetic_keeps_f32_at_a_reduced_precision(core, hint, monkeypatch):
     """Issue 49: at f16/bf16 a shape cast to FLOAT is computed on the host in float32, the type
@@ -452,7 +421,7 @@ def test_float_shape_arithmetic_keeps_f32_at_a_reduced_precision(core, hint, mon
     a float the graph outputs is rounded to the device's precision once, at its move to the
     device, as every output computed there is (``3001 / 7`` in f16 is 428.75, where 3,000 / 7
     computed in f16 gave 428.5; bf16: 428, where 3,008 / 7 gave 430)."""
-    model = _shape_floats()
+    model = shape_floats()
     x = np.zeros((1, 3001), np.float32)
     numpy = core.load_network(model, "NUMPY").infer({"x": x})
     assert numpy["zeros"].shape == (1501,)
