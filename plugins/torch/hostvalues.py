@@ -27,10 +27,14 @@ What is held on the host:
 
 Such a value depends on the inputs' shapes alone, never on their data, and a CUDA graph is
 captured per input shape (:mod:`.graphs`): computed once at the capture, it is exactly the
-value every replay would compute. The steps are today's, on CPU tensors: the values are
-today's (integer arithmetic is exact, and the float ops allowed here are the correctly
-rounded ones: +, -, *, /, sqrt, floor, ceil, casts; only a float reduction over several
-elements could round in another order than the card's, and shape values are integers).
+value every replay would compute. The steps are the device's, on CPU tensors (integer
+arithmetic is exact, and the float ops allowed here are the correctly rounded ones: +, -, *,
+/, sqrt, floor, ceil, casts), with one difference: float32 values are held in float32 here
+whatever the device's precision (``Program.host_compute``; issue 49). At f16 a length of
+3,001 cast to FLOAT was 3,000 (f16 is exact to 2,048, bf16 to 256), so a ConstantOfShape or
+Range sized from ``ceil(n / 2)`` came out wrong; the host's few scalar ops cost nothing more
+in f32, which is exact to 2**24. A value moved to the device is cast to the dtype its type is
+held in there as it is moved (:func:`held_as`): rounded once.
 
 Where a host value is data to a device step (``Cast(Shape) -> Sqrt -> Div`` of attention
 scores; BERT's token-type ids sliced from a small buffer; a graph output), the program moves
