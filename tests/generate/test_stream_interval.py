@@ -5,10 +5,11 @@ sequence's events are joined N tokens an event, its first token and its finish s
 In process (ORT tiny-llama, the same folder at intervals 1, 4 and 1024): the events' token
 counts (1, then 4s, then the rest), their joined ids, text and logprobs; a stop string, n=2,
 an abort (its event carries what was held) and a failure (what was held comes before the
-error). Through a real server started with ``--stream-interval 4`` (one model keyed
-``STREAM_INTERVAL`` 1 over it): the official client's chat and completions streams, with
-logprobs, token ids and usage, equal to interval 1's, their chunks of at most 4 tokens; Triton's
-generate_stream; a bad value refused at startup and a bad key refused at load."""
+error); TORCH's pipelined steps (overlap.py) joined alike. Through a real server started
+with ``--stream-interval 4`` (one model keyed ``STREAM_INTERVAL`` 1 over it): the official
+client's chat and completions streams, with logprobs, token ids and usage, equal to interval
+1's, their chunks of at most 4 tokens; Triton's generate_stream; a bad value refused at startup
+and a bad key refused at load."""
 
 from __future__ import annotations
 
@@ -140,6 +141,26 @@ def test_many_logprob_alternatives_join_fewer_tokens(networks):
     vocab = networks[4].engine.decoder.vocab
     events = _events(networks[4], max_tokens=6, logprobs=vocab)
     assert [len(e.token_ids) for e in events] == [1] * 6
+
+
+def test_pipelined_steps_join_alike(core, hf_llama):
+    """On TORCH a steady decode step is launched before the last one's tokens are sent
+    (overlap.py): the events it sends join as the synchronous step's, with the same answer."""
+    config = {"INFERENCE_NUM_THREADS": "1", "STREAM_INTERVAL": "4"}
+    piped = core.load_network(str(hf_llama), "TORCH", config)
+    try:
+        params = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True, logprobs=1)
+        events = list(piped.engine.generate(GenerationRequest("p", list(PROMPT), params)))
+        assert piped.engine.stats().pipelined_steps > 0
+        assert [len(e.token_ids) for e in events] == [1] + [4] * 7 + [1]
+        alone = core.load_network(str(hf_llama), "TORCH", {**config, "STREAM_INTERVAL": "1"})
+        try:
+            each = list(alone.engine.generate(GenerationRequest("p", list(PROMPT), params)))
+        finally:
+            alone.close()
+        assert _joined(events) == _joined(each)
+    finally:
+        piped.close()
 
 
 @pytest.mark.parametrize("value", ["0", "1025", "often"])
