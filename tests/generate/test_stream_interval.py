@@ -163,6 +163,24 @@ def test_pipelined_steps_join_alike(core, hf_llama):
         piped.close()
 
 
+def test_a_stream_with_a_small_unread_bound_joins_fewer(networks):
+    """A stream that may leave 16 KiB unread (``--max-stream-unread-bytes``) joins at most a
+    quarter of it an event: 20 alternatives a token (2.7 KB) go a token an event at 4, where a
+    sender without that bound gets them 4 at a time."""
+    from plugserve.plugins.cancel import Token
+    from plugserve.server.plane.response_stream import ResponseStream
+
+    engine = networks[4].engine
+    params = SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True, logprobs=20)
+    stream = ResponseStream(Token(), "tiny", max_bytes=16384)
+    engine.add(GenerationRequest("bounded", list(PROMPT), params), stream)
+    bounded = [item for item, _final in stream if item is not None]
+    assert [len(e.token_ids) for e in bounded] == [1] * 9
+    unbounded = _events(networks[4], max_tokens=9, logprobs=20)
+    assert [len(e.token_ids) for e in unbounded] == [1, 4, 4]
+    assert _joined(bounded) == _joined(unbounded)
+
+
 @pytest.mark.parametrize("value", ["0", "1025", "often"])
 def test_a_bad_config_key_is_refused_at_load(core, value):
     folder = exported("tiny-llama", "optimum-onnx")

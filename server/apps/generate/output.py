@@ -24,7 +24,8 @@ token past the forward (the stream's lock and wake-up, the HTTP thread's chunk a
 BENCHMARKS.md), so N trades the stream's smoothness for the host's CPU; the answer is the
 same. An abort's event carries what its sequence held; a failure sends what was held, then
 fails. A request asking for many logprob alternatives joins fewer tokens an event
-(:data:`HELD_LOGPROB_BYTES`). With N = 1 a step decides once that nothing is held.
+(:data:`HELD_BYTES`, and a quarter of its stream's bound on unread bytes). With N = 1 a step
+decides once that nothing is held.
 
 A failure belongs to the requests it comes from: a forward's error fails its requests; what
 runs per sequence (its sampler state and detokenizer, its logits processing and grammar mask,
@@ -67,10 +68,10 @@ __all__ = ["OutputProcessor", "cancelled", "send"]
 
 log = logging.getLogger(__name__)
 
-#: the most bytes of logprob entries one joined event holds (64 KiB: 24 tokens' entries of 20
-#: alternatives, 166 tokens' of none): a request asking for more alternatives joins fewer
-#: tokens an event, down to one (a whole vocabulary's are MBs a token)
-HELD_LOGPROB_BYTES = 64 << 10
+#: the most bytes one joined event holds (64 KiB: 8 tokens' logprobs of 70 alternatives, 24
+#: tokens' of 20): a request asking for more alternatives joins fewer tokens an event, down to
+#: one (a whole vocabulary's are MBs a token)
+HELD_BYTES = 64 << 10
 
 
 @dataclasses.dataclass(eq=False)
@@ -126,16 +127,21 @@ class OutputProcessor:
         stops = list(params.stop_token_ids) + ([] if params.ignore_eos else list(self.eos))
         seq.sampling = SamplingState(params, request.prompt_token_ids, stops, generator, constraint)
         seq.detokenizer = self.tokenizer.detokenizer(request.prompt_token_ids, params)
-        seq.hold = self._hold(params)
+        seq.hold = self._hold(params, seq.request.sender)
 
-    def _hold(self, params: Any) -> int:
+    def _hold(self, params: Any, sender: Any) -> int:
         """The tokens a sequence of ``params`` sends in one event: the interval, fewer when
-        its logprobs would make the merged event more than :data:`HELD_LOGPROB_BYTES` (a
-        stream's bound on unread bytes admits one token's entry, ``limits.stream_bounded``)."""
+        the joined event would hold more than :data:`HELD_BYTES` or a quarter of what its
+        stream may leave unread (``max_bytes``: ``limits.stream_bounded`` admits one token's
+        logprobs beyond ``--max-stream-unread-bytes``, not N tokens')."""
         interval = self.interval
-        if interval > 1 and params.logprobs is not None:
-            entry = logprob_entry_bytes(params.logprobs + 1)
-            interval = max(1, min(interval, HELD_LOGPROB_BYTES // entry))
+        if interval > 1:
+            per_token = 48  # an id and its text (GenerationEvent.nbytes)
+            if params.logprobs is not None:
+                per_token += logprob_entry_bytes(params.logprobs + 1)
+            room = getattr(sender, "max_bytes", None)
+            most = min(HELD_BYTES, room // 4) if isinstance(room, int) else HELD_BYTES
+            interval = max(1, min(interval, most // per_token))
         return interval
 
     def _prepared(self, group: list[Seq], logits: np.ndarray) -> tuple[list[Seq], np.ndarray]:
