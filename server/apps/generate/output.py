@@ -68,9 +68,9 @@ __all__ = ["OutputProcessor", "cancelled", "send"]
 
 log = logging.getLogger(__name__)
 
-#: the most bytes one joined event holds (64 KiB: 8 tokens' logprobs of 70 alternatives, 24
-#: tokens' of 20): a request asking for more alternatives joins fewer tokens an event, down to
-#: one (a whole vocabulary's are MBs a token)
+#: the most bytes one joined event holds (64 KiB: 24 tokens' logprobs of 20 alternatives; a
+#: plain token's ~48 bytes never reach it): a request asking for more alternatives joins fewer
+#: tokens an event, down to one (a whole vocabulary's are MBs a token)
 HELD_BYTES = 64 << 10
 
 
