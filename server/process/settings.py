@@ -359,7 +359,8 @@ class Settings:
         repeat=True,
     )
     # generative models (server/apps/generate/): defaults for models whose config sets none
-    # (MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS, KV_CACHE_BYTES, MAX_MODEL_LEN, ENABLE_PREFIX_CACHING)
+    # (MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS, KV_CACHE_BYTES, MAX_MODEL_LEN, ENABLE_PREFIX_CACHING,
+    # ASYNC_SCHEDULING, STREAM_INTERVAL)
     max_num_seqs: int = _field(
         16,
         "generative models: sequences generated at once (each holds a cache slot of the whole "
@@ -393,6 +394,15 @@ class Settings:
         "launch each steady decode step before the previous step's tokens are sent, its ids "
         "taken on the device (server/apps/generate/overlap.py); 0: every step synchronous",
     )
+    stream_interval: int = _field(
+        1,
+        "generative models: tokens a sequence's stream sends together (vLLM's "
+        "--stream-interval): its first token at once, then one event per N tokens, its last "
+        "with what is left; 1: every token at once; more trades the stream's smoothness for "
+        "the host's CPU per token (server/apps/generate/output.py)",
+        low=1,
+        high=1024,
+    )
     max_prompt_bytes: int = _field(
         0,
         "generative models: most bytes of prompt text (UTF-8) a request may send on any face "
@@ -420,6 +430,7 @@ class Settings:
             max_model_len=self.max_model_len,
             enable_prefix_caching=bool(self.enable_prefix_caching),
             async_scheduling=bool(self.async_scheduling),
+            stream_interval=self.stream_interval,
         )
 
     def problems(self) -> list[str]:

@@ -101,6 +101,8 @@ def test_help_names_each_flag_its_variable_and_default(capsys):
         ("PLUGSERVE_EXIT_TIMEOUT", "soon", "PLUGSERVE_EXIT_TIMEOUT='soon' is not a valid float"),
         ("PLUGSERVE_GRPC_PORT", "70000", "grpc_port=70000 must be between 0 and 65535"),
         ("PLUGSERVE_GRPC_WORKERS", "0", "grpc_workers=0 must be >= 1"),
+        ("PLUGSERVE_STREAM_INTERVAL", "0", "stream_interval=0 must be between 1 and 1024"),
+        ("PLUGSERVE_STREAM_INTERVAL", "1025", "stream_interval=1025 must be between 1 and 1024"),
         ("PLUGSERVE_LOG_LEVEL", "LOUD", "log_level='LOUD' must be one of DEBUG, INFO"),
         ("PLUGSERVE_SERVED_MODEL_NAME", "org/a", "'org/a' is not NAME=MODEL"),
         ("PLUGSERVE_SERVED_MODEL_NAME", "org/a=", "'org/a=' is not NAME=MODEL"),

@@ -111,6 +111,9 @@ class EngineSettings:
     #: launched with this one's ids on the device before this one's tokens are sent
     #: (:mod:`.overlap`); False: every step synchronous
     async_scheduling: bool = True
+    #: tokens a sequence's stream sends in one event (vLLM's ``stream_interval``): its first
+    #: at once, then one event per this many, its last with what is left (:mod:`.output`)
+    stream_interval: int = 1
 
 
 class Engine:
@@ -147,7 +150,7 @@ class Engine:
         self.stats_.kv_cache_blocks = self.cache.rows * self.capacity // settings.block_size
         self.output = OutputProcessor(
             name, tokenizer, self.capacity, self.scheduler, self.sampler, self.stats_,
-            self._forget,
+            self._forget, settings.stream_interval,
         )  # fmt: skip
         self._lock = threading.Condition()
         self._inbox: list[RequestState] = []

@@ -74,7 +74,10 @@ ENGINE_KEYS = {
     "ENABLE_PREFIX_CACHING": "enable_prefix_caching",
     "MAX_WAITING": "max_waiting",
     "ASYNC_SCHEDULING": "async_scheduling",
+    "STREAM_INTERVAL": "stream_interval",
 }
+#: the most tokens one event may hold (STREAM_INTERVAL, --stream-interval)
+MAX_STREAM_INTERVAL = 1024
 #: config keys the OpenAI face reads (each model's tool-call and reasoning parser, over the
 #: server's --tool-call-parser and --reasoning-parser), and the attribute of ``parsers``
 PARSER_KEYS = {"TOOL_CALL_PARSER": "tool_call_parser", "REASONING_PARSER": "reasoning_parser"}
@@ -153,6 +156,10 @@ def engine_settings(
         least = 0 if field in ("kv_cache_bytes", "max_model_len") else 1
         if number < least:
             raise InvalidArgument(f"config key {key!r}: must be at least {least}, got {number}")
+        if field == "stream_interval" and number > MAX_STREAM_INTERVAL:
+            raise InvalidArgument(
+                f"config key {key!r}: must be at most {MAX_STREAM_INTERVAL}, got {number}"
+            )
         values[field] = number
     return dataclasses.replace(defaults, **values), rest
 

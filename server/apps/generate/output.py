@@ -15,6 +15,18 @@ For each :class:`.runner.Forward` the engine hands it, :meth:`OutputProcessor.pr
    (``send(event, final) -> bool``; False: its consumer left, and the request ends "abort");
    a sequence that stops leaves the scheduler at once (its slot is free for the next step).
 
+With the engine's ``stream_interval`` N above 1 (``--stream-interval``, config key
+``STREAM_INTERVAL``; vLLM's name and rule) a sequence's events are joined before they are sent:
+its first token goes at once (the time to first token is unchanged), then one event per N
+tokens (their ``token_ids``, ``text`` and ``logprobs`` joined in order, the counts the last's),
+and the event that finishes it at once with all it held. Each send is what costs the host per
+token past the forward (the stream's lock and wake-up, the HTTP thread's chunk and write(2):
+BENCHMARKS.md), so N trades the stream's smoothness for the host's CPU; the answer is the
+same. An abort's event carries what its sequence held; a failure sends what was held, then
+fails. A request asking for many logprob alternatives joins fewer tokens an event
+(:data:`HELD_BYTES`, and a quarter of its stream's bound on unread bytes). With N = 1 a step
+decides once that nothing is held.
+
 A failure belongs to the requests it comes from: a forward's error fails its requests; what
 runs per sequence (its sampler state and detokenizer, its logits processing and grammar mask,
 its draw, its logprobs, its detokenizing and stop check) fails only that sequence's request,
@@ -46,11 +58,20 @@ from plugserve.server.apps.generate.sampler import Sampler, SamplingState
 from plugserve.server.apps.generate.scheduler import FINISHED, RequestState, Scheduler
 from plugserve.server.apps.generate.scheduler import Sequence as Seq
 from plugserve.server.apps.generate.stats import GenerationStats
-from plugserve.server.apps.generate.types import GenerationEvent, seeded_generator
+from plugserve.server.apps.generate.types import (
+    GenerationEvent,
+    logprob_entry_bytes,
+    seeded_generator,
+)
 
 __all__ = ["OutputProcessor", "cancelled", "send"]
 
 log = logging.getLogger(__name__)
+
+#: the most bytes one joined event holds (64 KiB: 24 tokens' logprobs of 20 alternatives; a
+#: plain token's ~48 bytes never reach it): a request asking for more alternatives joins fewer
+#: tokens an event, down to one (a whole vocabulary's are MBs a token)
+HELD_BYTES = 64 << 10
 
 
 @dataclasses.dataclass(eq=False)
@@ -66,6 +87,8 @@ class OutputProcessor:
     sampler: Sampler
     stats: GenerationStats
     forget: Callable[[RequestState], None]
+    #: tokens a sequence's stream sends in one event (the engine's ``stream_interval``)
+    interval: int = 1
 
     def __post_init__(self) -> None:
         self.eos = frozenset(self.tokenizer.eos_token_ids)
@@ -104,6 +127,22 @@ class OutputProcessor:
         stops = list(params.stop_token_ids) + ([] if params.ignore_eos else list(self.eos))
         seq.sampling = SamplingState(params, request.prompt_token_ids, stops, generator, constraint)
         seq.detokenizer = self.tokenizer.detokenizer(request.prompt_token_ids, params)
+        seq.hold = self._hold(params, seq.request.sender)
+
+    def _hold(self, params: Any, sender: Any) -> int:
+        """The tokens a sequence of ``params`` sends in one event: the interval, fewer when
+        the joined event would hold more than :data:`HELD_BYTES` or a quarter of what its
+        stream may leave unread (``max_bytes``: ``limits.stream_bounded`` admits one token's
+        logprobs beyond ``--max-stream-unread-bytes``, not N tokens')."""
+        interval = self.interval
+        if interval > 1:
+            per_token = 48  # an id and its text (GenerationEvent.nbytes)
+            if params.logprobs is not None:
+                per_token += logprob_entry_bytes(params.logprobs + 1)
+            room = getattr(sender, "max_bytes", None)
+            most = min(HELD_BYTES, room // 4) if isinstance(room, int) else HELD_BYTES
+            interval = max(1, min(interval, most // per_token))
+        return interval
 
     def _prepared(self, group: list[Seq], logits: np.ndarray) -> tuple[list[Seq], np.ndarray]:
         """``group`` with each sequence's state made, less the sequences whose requests have
@@ -164,6 +203,7 @@ class OutputProcessor:
         traced: list[RequestState] | None = None
         rows = len(group)
         stops = self._stops
+        hold = self.interval > 1  # decided once a step: an interval of 1 holds nothing
         # the rows' ids as Python ints at once (not an int() of a numpy scalar per row)
         for seq, token, entry in zip(group, tokens.tolist(), logprobs):
             if seq.status == FINISHED:  # its request failed, or was ended by a sibling's send
@@ -199,6 +239,10 @@ class OutputProcessor:
             spans = state.spans
             if spans is not None and spans.token(rows, final, state):
                 traced = [*(traced or ()), state]
+            if hold:
+                event = _held(seq, event)
+                if event is None:
+                    continue
             if not send(state.sender, event, final):
                 self.end(state, "abort")
                 continue
@@ -259,10 +303,12 @@ class OutputProcessor:
         if state.spans is not None:
             state.spans.finished(state)
         for i, seq in enumerate(ended):
+            held, seq.held = seq.held, None  # its tokens not sent yet go with the end
             event = GenerationEvent(
                 index=seq.index,
-                token_ids=[],
-                text="",
+                token_ids=held.token_ids if held is not None else [],
+                text=held.text if held is not None else "",
+                logprobs=held.logprobs if held is not None else None,
                 finish_reason=reason,
                 prompt_tokens=state.prompt_len,
                 completion_tokens=seq.generated,
@@ -283,6 +329,10 @@ class OutputProcessor:
                 state.done += 1
         if state.spans is not None:
             state.spans.finished(state, error)
+        for seq in state.sequences:  # the tokens held, sent before the failure as they came
+            held, seq.held = seq.held, None
+            if held is not None:
+                send(state.sender, held, False)
         try:
             state.sender.fail(error)
         except Exception:  # a consumer's failure must not stop the loop
@@ -297,6 +347,34 @@ class OutputProcessor:
             for seq in state.sequences:
                 reason = seq.finish_reason or "abort"
                 self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
+
+
+def _held(seq: Seq, event: GenerationEvent) -> GenerationEvent | None:
+    """What of ``seq``'s tokens to send with ``event`` (its stream_interval above 1): None
+    while it holds them, else one event of every token held (``token_ids``, ``text`` and
+    ``logprobs`` joined in order; counts, finish and stop reason the last's). Its first token
+    goes at once (the time to first token is the interval's 1), and its last with all held."""
+    held = seq.held
+    if held is None:
+        if event.finish_reason is not None or seq.generated == 1 or seq.hold == 1:
+            return event
+        seq.held = event  # (the engine's own event: joined into, never sent meanwhile)
+        return None
+    held.token_ids.extend(event.token_ids)
+    held.text += event.text
+    if event.logprobs:
+        if held.logprobs is None:
+            held.logprobs = list(event.logprobs)
+        else:
+            held.logprobs.extend(event.logprobs)
+    held.finish_reason = event.finish_reason
+    held.completion_tokens = event.completion_tokens
+    held.cached_tokens = event.cached_tokens
+    held.stop_reason = event.stop_reason
+    if event.finish_reason is None and len(held.token_ids) < seq.hold:
+        return None
+    seq.held = None
+    return held
 
 
 def cancelled(sender: Any) -> bool:

@@ -49,6 +49,8 @@ class Sequence:
         "finish_reason",
         "first_at",
         "generated",
+        "held",
+        "hold",
         "index",
         "last_at",
         "request",
@@ -73,6 +75,10 @@ class Sequence:
         self.last_at = 0.0
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
+        #: tokens its stream sends together (the engine's stream_interval, :mod:`.output`)
+        #: and the event holding those not sent yet
+        self.hold = 1
+        self.held: Any = None
 
     @property
     def pending(self) -> int:
