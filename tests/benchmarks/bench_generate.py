@@ -25,7 +25,8 @@ With ``--baseline PYTHON`` (a virtual environment with a base commit installed, 
 bench_before_after.py takes), that commit's server serves the same folder beside this
 checkout's, and its ``before x8`` and ``before x1`` run interleaved with the others: what a
 change to the engine costs a step shows as the ratios ``after / before`` (medians of the
-rounds'). ``--no-genai`` leaves onnxruntime-genai out (a before/after run only).
+rounds'), and the baseline's own ratios to onnxruntime-genai beside this checkout's.
+``--no-genai`` leaves onnxruntime-genai out (a before/after run only).
 
     python tests/benchmarks/bench_generate.py [--rounds 3] [--new-tokens 64] [--prompt-tokens 32]
         [--long-prompt 2000] [--baseline /path/to/base/venv/bin/python] [--no-genai]
@@ -287,6 +288,13 @@ def main(argv: list[str] | None = None) -> int:
                 "per_token_ms", f"plugserve {one}", f"genai {one}"
             ),
         }
+        if base is not None:  # the baseline's own standing against the same anchor
+            summary["ratios"][f"tokens/s at {args.streams} streams, before / genai"] = ratio(
+                "tokens_per_s", f"before {many}", f"genai {many}"
+            )
+            summary["ratios"]["single-stream time per token, before / genai"] = ratio(
+                "per_token_ms", f"before {one}", f"genai {one}"
+            )
     if base is not None:
         for key, what in (("tokens_per_s", "tokens/s"), ("per_token_ms", "time per token")):
             for streams in (many, one):

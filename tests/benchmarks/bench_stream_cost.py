@@ -157,14 +157,16 @@ def measure_server(
 
 
 def measure_forward(folder: Path, device: str, counts: list[int], new: int) -> dict:
-    """The forward alone per token, in process: ``n`` rows decoding together."""
+    """The forward alone per token, in process: ``n`` rows decoding together (the decoder's
+    ``_run``; OPENVINO's paged decoder has none: its ``_forward``, the inputs' few arrays and
+    the infer request)."""
     from plugserve.server import Core
     from plugserve.server.apps.generate.types import GenerationRequest, SamplingParams
 
     config = {"MAX_NUM_SEQS": "64", "MAX_MODEL_LEN": "1024", "INFERENCE_NUM_THREADS": "1"}
     net = Core().load_network(str(folder), device, config)
     decoder = net.engine.decoder
-    spent = harness.thread_time_of(decoder, "_run")
+    spent = harness.thread_time_of(decoder, "_run" if hasattr(decoder, "_run") else "_forward")
     out = {}
     try:
         for n in counts:
