@@ -181,6 +181,34 @@ def test_a_stream_with_a_small_unread_bound_joins_fewer(networks):
     assert _joined(bounded) == _joined(unbounded)
 
 
+def test_a_held_event_is_sent_at_its_byte_bound_whatever_its_tokens_text():
+    """The bytes a sequence may hold are a bound, not only the count estimated from a plain
+    token: tokens of 1,000 characters (a long token's text, a released stop-string tail) at an
+    interval of 1024 under a 4 KiB bound go 1 then 4 an event (4 x 1,036 bytes reach 4,096),
+    each joined event within the bound and one token's part, where counting tokens alone held
+    all 12 in one event of 12 KB."""
+    from plugserve.server.apps.generate.output import _held
+    from plugserve.server.apps.generate.scheduler import Sequence
+    from plugserve.server.apps.generate.types import EVENT_BYTES, GenerationEvent
+
+    seq = Sequence(None, 0, [])
+    seq.hold, seq.hold_bytes = 1024, 4096
+    sent = []
+    for i in range(1, 13):
+        seq.generated = i
+        last = i == 12
+        event = GenerationEvent(0, [i], "x" * 1000, None, "length" if last else None)
+        out = _held(seq, event)
+        if out is not None:
+            sent.append(out)
+    assert [len(e.token_ids) for e in sent] == [1, 4, 4, 3]
+    part = 1000 + 36
+    assert all(e.nbytes <= seq.hold_bytes + part for e in sent)
+    assert sent[1].nbytes == EVENT_BYTES + 4 * part
+    assert [t for e in sent for t in e.token_ids] == list(range(1, 13))
+    assert "".join(e.text for e in sent) == "x" * 12000 and sent[-1].finish_reason == "length"
+
+
 @pytest.mark.parametrize("value", ["0", "1025", "often"])
 def test_a_bad_config_key_is_refused_at_load(core, value):
     folder = exported("tiny-llama", "optimum-onnx")
@@ -206,7 +234,11 @@ def server(llm_folder):
     from openai_serving import serving
 
     folder = llm_folder("tiny-llama", "optimum-onnx")
-    entries = {"one": (folder, "ORT", {"STREAM_INTERVAL": "1"}), "four": (folder, "ORT")}
+    entries = {
+        "one": (folder, "ORT", {"STREAM_INTERVAL": "1"}),
+        "four": (folder, "ORT"),
+        "all": (folder, "ORT", {"STREAM_INTERVAL": "1024"}),  # holds all but the first token
+    }
     with serving(entries, "--stream-interval", "4") as running:
         yield running
 
@@ -330,8 +362,10 @@ def _generate_stream(server, model) -> list[str]:
 
 
 def test_a_client_that_leaves_a_held_stream_frees_its_sequence(server):
-    """At interval 4 nothing is written between sends: the client's leaving is still seen at
-    the engine's next step (its cancellation token), not at a write."""
+    """At an interval of 1024, nothing is written after the first token of a 480-token answer:
+    the client's leaving is seen by its cancellation token (the connection's loss), not at a
+    write, and the request ends "abort" with its slot freed (were it only seen at a write, the
+    answer would run to its end, "length")."""
     import http.client
 
     from openai_serving import metric
@@ -339,12 +373,12 @@ def test_a_client_that_leaves_a_held_stream_frees_its_sequence(server):
 
     def aborted():
         return metric(
-            server, "plugserve_generate_sequences_finished_total", "four", finish_reason="abort"
+            server, "plugserve_generate_sequences_finished_total", "all", finish_reason="abort"
         )
 
     before = aborted()
     body = {
-        "model": "four",
+        "model": "all",
         "prompt": "Once",
         "max_tokens": 480,
         "ignore_eos": True,
@@ -358,6 +392,6 @@ def test_a_client_that_leaves_a_held_stream_frees_its_sequence(server):
     assert response.status == 200 and response.read(6) == b"data: "
     connection.sock.close()
     connection.close()
-    running = lambda: metric(server, "plugserve_generate_requests_running", "four")  # noqa: E731
+    running = lambda: metric(server, "plugserve_generate_requests_running", "all")  # noqa: E731
     assert wait_for(lambda: running() == 0, 60)
     assert aborted() == before + 1

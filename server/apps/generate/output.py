@@ -59,6 +59,7 @@ from plugserve.server.apps.generate.scheduler import FINISHED, RequestState, Sch
 from plugserve.server.apps.generate.scheduler import Sequence as Seq
 from plugserve.server.apps.generate.stats import GenerationStats
 from plugserve.server.apps.generate.types import (
+    EVENT_BYTES,
     GenerationEvent,
     logprob_entry_bytes,
     seeded_generator,
@@ -127,22 +128,28 @@ class OutputProcessor:
         stops = list(params.stop_token_ids) + ([] if params.ignore_eos else list(self.eos))
         seq.sampling = SamplingState(params, request.prompt_token_ids, stops, generator, constraint)
         seq.detokenizer = self.tokenizer.detokenizer(request.prompt_token_ids, params)
-        seq.hold = self._hold(params, seq.request.sender)
+        seq.hold, seq.hold_bytes = self._hold(params, seq.request.sender)
 
-    def _hold(self, params: Any, sender: Any) -> int:
-        """The tokens a sequence of ``params`` sends in one event: the interval, fewer when
-        the joined event would hold more than :data:`HELD_BYTES` or a quarter of what its
-        stream may leave unread (``max_bytes``: ``limits.stream_bounded`` admits one token's
-        logprobs beyond ``--max-stream-unread-bytes``, not N tokens')."""
+    def _hold(self, params: Any, sender: Any) -> tuple[int, int]:
+        """The tokens a sequence of ``params`` sends in one event, and the bytes it may hold
+        meanwhile: the interval, fewer when the joined event would hold more than
+        :data:`HELD_BYTES` or a quarter of what its stream may leave unread (``max_bytes``:
+        ``limits.stream_bounded`` admits one token's logprobs beyond
+        ``--max-stream-unread-bytes``, not N tokens'). The count is estimated from a plain
+        token's size; the bytes are the bound (:func:`_held` sends what it holds once the
+        tokens' own events would have reached them: long tokens' text, released stop-string
+        text)."""
         interval = self.interval
+        most = HELD_BYTES
         if interval > 1:
             per_token = 48  # an id and its text (GenerationEvent.nbytes)
             if params.logprobs is not None:
                 per_token += logprob_entry_bytes(params.logprobs + 1)
             room = getattr(sender, "max_bytes", None)
-            most = min(HELD_BYTES, room // 4) if isinstance(room, int) else HELD_BYTES
+            if isinstance(room, int):
+                most = min(most, room // 4)
             interval = max(1, min(interval, most // per_token))
-        return interval
+        return interval, most
 
     def _prepared(self, group: list[Seq], logits: np.ndarray) -> tuple[list[Seq], np.ndarray]:
         """``group`` with each sequence's state made, less the sequences whose requests have
@@ -359,6 +366,7 @@ def _held(seq: Seq, event: GenerationEvent) -> GenerationEvent | None:
         if event.finish_reason is not None or seq.generated == 1 or seq.hold == 1:
             return event
         seq.held = event  # (the engine's own event: joined into, never sent meanwhile)
+        seq.held_bytes = event.nbytes
         return None
     held.token_ids.extend(event.token_ids)
     held.text += event.text
@@ -371,7 +379,14 @@ def _held(seq: Seq, event: GenerationEvent) -> GenerationEvent | None:
     held.completion_tokens = event.completion_tokens
     held.cached_tokens = event.cached_tokens
     held.stop_reason = event.stop_reason
-    if event.finish_reason is None and len(held.token_ids) < seq.hold:
+    # the joined event's size (GenerationEvent.nbytes) kept as it grows: it goes once at the
+    # bound, so it holds at most the bound and this last token's part
+    seq.held_bytes += event.nbytes - EVENT_BYTES
+    if (
+        event.finish_reason is None
+        and len(held.token_ids) < seq.hold
+        and seq.held_bytes < seq.hold_bytes
+    ):
         return None
     seq.held = None
     return held

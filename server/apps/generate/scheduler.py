@@ -50,7 +50,9 @@ class Sequence:
         "first_at",
         "generated",
         "held",
+        "held_bytes",
         "hold",
+        "hold_bytes",
         "index",
         "last_at",
         "request",
@@ -75,10 +77,12 @@ class Sequence:
         self.last_at = 0.0
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
-        #: tokens its stream sends together (the engine's stream_interval, :mod:`.output`)
-        #: and the event holding those not sent yet
+        #: tokens its stream sends together (the engine's stream_interval, :mod:`.output`),
+        #: the bytes it may hold meanwhile, the event holding those not sent yet and its bytes
         self.hold = 1
+        self.hold_bytes = 0
         self.held: Any = None
+        self.held_bytes = 0
 
     @property
     def pending(self) -> int:
