@@ -18,8 +18,9 @@ cuDNN's workspaces and the caching allocator's rounding. On the CPU the default 
   dimensions put in; a value whose size the shapes leave open counts as the largest input)
   and charged; one that can never fit is refused at once, one that fits once others finish
   waits for them (at most :data:`WAIT_S`), then runs; the charge is released when it ends.
-  A request replayed from a captured CUDA graph is not charged: it computes in the graph's
-  memory pool, charged when the graph was captured and held until it is evicted
+  A request replayed from a captured CUDA graph is not charged its activations: it computes in
+  the graph's memory pool, charged when the graph was captured and held until it is evicted;
+  only its outputs converted to their declared types, made outside the pool, are charged
   (:class:`RequestCharge`; :mod:`.graphs` decides per run, under its lane's lock).
 * **Failure**: a ``torch.cuda.OutOfMemoryError`` in a request (the estimate was short, or
   another process took the memory) fails that request RESOURCE_EXHAUSTED (503 on REST) saying
@@ -392,13 +393,16 @@ class RequestCharge:
         self.what = f"a request of model {network.name!r}"
         self._charge: Charge | None = None
 
-    def take(self) -> None:
-        """Charge the request's estimate (once; a no-op without a budget): refused or waited
-        for as :meth:`DeviceMemory.charge_request` says."""
+    def take(self, nbytes: int | None = None) -> None:
+        """Charge the request's estimate, or ``nbytes`` where the run knows what it allocates
+        (a replay's outputs converted outside the graph's pool: :meth:`graphs.Lane._entry`),
+        once; a no-op without a budget: refused or waited for as
+        :meth:`DeviceMemory.charge_request` says."""
         memory, activations = self.memory, self.activations
         if self._charge is None and memory is not None and activations is not None \
                 and memory.limit:  # fmt: skip
-            self._charge = memory.charge_request(activations.estimate(self.arrays), self.what)
+            wanted = activations.estimate(self.arrays) if nbytes is None else nbytes
+            self._charge = memory.charge_request(wanted, self.what)
 
     @property
     def nbytes(self) -> int:

@@ -40,7 +40,8 @@ input shapes it has seen, each captured as a CUDA graph and replayed.
   counted failed once. A failed capture takes no graph slot; one that ran out of memory is
   tried again after ``capture.RETRY_AFTER`` requests. A graph's memory pool is charged to the
   device's budget (:mod:`.devmem`) while it lives; a request replayed from it is not charged
-  its activations again (they are in the pool), one that runs eagerly or captures is
+  its activations again (they are in the pool), only its outputs' conversions to their
+  declared types (made outside the pool); one that runs eagerly or captures is
   (:meth:`Lane._entry`).
 
 The counters (shapes captured, replays, evictions, captures failed) are the network's
@@ -152,12 +153,20 @@ class _Entry:
     to the device's budget (released when the entry goes: :meth:`close`)."""
 
     def __init__(
-        self, inputs: list[Any], outputs: list[Any] | None, graph: Any, charge: Any = None
+        self,
+        inputs: list[Any],
+        outputs: list[Any] | None,
+        graph: Any,
+        charge: Any = None,
+        converted: int = 0,
     ) -> None:
         self.inputs = inputs
         self.outputs = outputs
         self.graph = graph
         self.charge = charge
+        #: the device bytes a replay allocates outside the pool: its outputs converted to
+        #: their declared types (an f16 network's f32 outputs), charged to the replay's request
+        self.converted = converted
 
     def close(self) -> None:
         charge, self.charge = self.charge, None
@@ -268,7 +277,7 @@ class Lane:
         arrays: Sequence[Any],
         sinks: dict[int, CudaSink] | None = None,
         at_once: bool = False,
-        charge: Callable[[], None] | None = None,
+        charge: Callable[..., None] | None = None,
     ) -> list[Any]:
         """The outputs of the program over ``arrays`` (numpy, or ``CudaArray`` on this lane's
         GPU), through the graph of their shape where there is one; ``sinks``: outputs (by
@@ -276,7 +285,8 @@ class Lane:
         ``at_once``: capture the shape now if it is not, rather than at its second sight (a
         shape listed at load, a warm-up run: ``model_warmup``); ``charge``: charges the
         request's activations (``devmem.RequestCharge.take``), called before a run that
-        allocates them and not for a replay of a captured graph (:meth:`_entry`)."""
+        allocates them; a replay of a captured graph is charged only its outputs' conversions
+        (:meth:`_entry`)."""
         torch = self.torch
         arrays = [a if self._on_card(a) else np.asarray(a) for a in arrays]
         key = self._key(arrays)
@@ -361,7 +371,7 @@ class Lane:
             found.append(tensor.to(held) if tensor.dtype != held else tensor)
         return found
 
-    def _entry(self, key: Key, staged: list[Any], charge: Callable[[], None]
+    def _entry(self, key: Key, staged: list[Any], charge: Callable[..., None]
                ) -> tuple[_Entry | None, bool]:  # fmt: skip
         """This shape's entry and whether it was there before; None at the shape's first
         request, which runs eagerly (its warm-up: a shape seen once, as by a one-off
@@ -372,7 +382,8 @@ class Lane:
         before any run that allocates them (eager, a capture, whose warm-up runs eagerly, or
         the CPU twin's program over its static buffers), and not for a replay of a captured
         graph, whose memory pool was charged at its capture and stays charged until the graph
-        is evicted (:meth:`_Entry.close`). Only this lane adds or evicts its entries, under its
+        is evicted (:meth:`_Entry.close`): a replay is charged only what it allocates outside
+        that pool, its outputs converted to their declared types (``_Entry.converted``). Only this lane adds or evicts its entries, under its
         stream lock, in this method: the entry found is the one replayed; a shape evicted
         before its request came is not found, and that request is charged as it runs eagerly
         or captures again."""
@@ -385,6 +396,8 @@ class Lane:
             self._graphs.move_to_end(key)
             if entry.graph is None:  # the CPU twin: the program allocates as it runs
                 charge()
+            elif entry.converted:  # a replay: only its outputs' conversions, outside the pool
+                charge(entry.converted)
             return entry, True
         charge()  # eager, or a capture: its warm-up and capture runs allocate
         if key not in self._warmed:
@@ -434,10 +447,22 @@ class Lane:
                 return None
         charge = self.memory.hold(captured.nbytes) if self.memory is not None else None
         self.counters.add("captured")
-        return _Entry(static, list(captured.outputs), captured.graph, charge)
+        outputs = list(captured.outputs)
+        return _Entry(static, outputs, captured.graph, charge, self._converted(outputs))
+
+    def _converted(self, outputs: Sequence[Any]) -> int:
+        """The device bytes of ``outputs`` converted to their declared types (:meth:`_fetch`,
+        :meth:`_sink`: ``tensor.to(want)`` makes a new tensor outside the graph's pool)."""
+        torch = self.torch
+        total = 0
+        for tensor, np_type in zip(outputs, self.program.output_types):
+            want = torch_dtype(torch, _type_or_f32(np_type))
+            if tensor.dtype != want:
+                total += tensor.numel() * want.itemsize
+        return total
 
 
-def _nothing() -> None:
+def _nothing(nbytes: int | None = None) -> None:
     """No charge (a run with no request's: the shapes listed at load, captured at the lane's
     start)."""
 
