@@ -383,10 +383,10 @@ class Lane:
         the CPU twin's program over its static buffers), and not for a replay of a captured
         graph, whose memory pool was charged at its capture and stays charged until the graph
         is evicted (:meth:`_Entry.close`): a replay is charged only what it allocates outside
-        that pool, its outputs converted to their declared types (``_Entry.converted``). Only this lane adds or evicts its entries, under its
-        stream lock, in this method: the entry found is the one replayed; a shape evicted
-        before its request came is not found, and that request is charged as it runs eagerly
-        or captures again."""
+        that pool, its outputs converted to their declared types (``_Entry.converted``). Only
+        this lane adds or evicts its entries, under its stream lock, in this method: the entry
+        found is the one replayed; a shape evicted before its request came is not found, and
+        that request is charged as it runs eagerly or captures again."""
         if not self.limit:
             charge()
             return None, False

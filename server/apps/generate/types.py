@@ -46,11 +46,11 @@ import numpy as np
 from plugserve.plugins.api import InvalidArgument
 
 __all__ = [
+    "EVENT_BYTES",
     "FINISH_REASONS",
     "MAX_LOGPROBS",
     "MAX_STOP",
     "MAX_STOP_CHARS",
-    "EVENT_BYTES",
     "MAX_TOKEN_LIST",
     "SEED_RANGE",
     "Constraint",
