@@ -232,7 +232,7 @@ CAPTURABLE = [
     "gpt2_past_dynamo", "gpt2_past_int8_dynamic", "llama_past_script", "llama_past_opset23",
     "llama_past_int8_dynamic", "lstm_dynamo", "gru_dynamo", "lstm_state_script",
     "gru_state_dynamo", "wav2vec2_dynamo", "vit_fp16_io", "whisper_encoder_fp16",
-    "whisper_encoder_fp16_io",
+    "whisper_encoder_fp16_io", "yolo_script", "yolo_dynamo", "crnn_ocr_script", "crnn_ocr_dynamo",
 ]  # fmt: skip
 
 
