@@ -404,11 +404,6 @@ class RequestCharge:
             wanted = activations.estimate(self.arrays) if nbytes is None else nbytes
             self._charge = memory.charge_request(wanted, self.what)
 
-    @property
-    def nbytes(self) -> int:
-        """The bytes it holds now (0 before :meth:`take`, or for a replay)."""
-        return self._charge.nbytes if self._charge is not None else 0
-
     def release(self) -> None:
         charge, self._charge = self._charge, None
         if charge is not None:

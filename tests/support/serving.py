@@ -179,14 +179,16 @@ def graph_events(server: RunningServer, model: str) -> dict[str, float]:
     (captured, replayed, evicted, failed): the torch device's CUDA graph counters."""
     import urllib.request
 
+    from prometheus_client.parser import text_string_to_metric_families
+
     with urllib.request.urlopen(server.metrics_url, timeout=30) as answer:
         text = answer.read().decode()
-    found = {}
-    for line in text.splitlines():
-        if line.startswith("plugserve_graph_events_total{") and f'model="{model}"' in line:
-            event = line.split('event="', 1)[1].split('"', 1)[0]
-            found[event] = float(line.rsplit(" ", 1)[1])
-    return found
+    return {
+        sample.labels["event"]: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "plugserve_graph_events_total" and sample.labels.get("model") == model
+    }
 
 
 def wait_for(predicate, timeout: float = 30, interval: float = 0.05) -> bool:

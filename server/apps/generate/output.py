@@ -137,8 +137,8 @@ class OutputProcessor:
         ``limits.stream_bounded`` admits one token's logprobs beyond
         ``--max-stream-unread-bytes``, not N tokens'). The count is estimated from a plain
         token's size; the bytes are the bound (:func:`_held` sends what it holds once the
-        tokens' own events would have reached them: long tokens' text, released stop-string
-        text)."""
+        joined event reaches them, whatever its tokens' text: long tokens, a released
+        stop-string tail)."""
         interval = self.interval
         most = HELD_BYTES
         if interval > 1:
