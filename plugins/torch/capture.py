@@ -287,11 +287,40 @@ def _driver() -> Any:
             lib.cuStreamSynchronize.restype = ctypes.c_int
             lib.cuStreamDestroy_v2.argtypes = [ctypes.c_void_p]
             lib.cuStreamDestroy_v2.restype = ctypes.c_int
+            lib.cuDeviceGet.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int]
+            lib.cuDeviceGet.restype = ctypes.c_int
+            lib.cuDevicePrimaryCtxRetain.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int]
+            lib.cuDevicePrimaryCtxRetain.restype = ctypes.c_int
+            lib.cuDevicePrimaryCtxRelease_v2.argtypes = [ctypes.c_int]
+            lib.cuDevicePrimaryCtxRelease_v2.restype = ctypes.c_int
+            lib.cuCtxSetCurrent.argtypes = [ctypes.c_void_p]
+            lib.cuCtxSetCurrent.restype = ctypes.c_int
         except (OSError, AttributeError) as exc:
             log.info("libcuda not loaded (%s): CUDA streams come from torch's pool", exc)
             lib = None
         _driver_lib.append(lib)
     return _driver_lib[0]
+
+
+def _bind_context(lib: Any, index: int) -> int:
+    """Make card ``index``'s primary context current on this thread; the driver's CUresult.
+
+    ``torch.cuda.current_stream(device)`` does not do it: torch skips ``cudaSetDevice`` when
+    the device already is its current one, so a stream executor's fresh thread has no current
+    context and ``cuStreamCreate`` answers 201 (CUDA_ERROR_INVALID_CONTEXT). The primary
+    context is the one torch's runtime uses; retaining it and releasing it at once leaves its
+    count where it was (torch holds it for the process's life)."""
+    card, context = ctypes.c_int(), ctypes.c_void_p()
+    code = lib.cuDeviceGet(ctypes.byref(card), index)
+    if code != 0:
+        return code
+    code = lib.cuDevicePrimaryCtxRetain(ctypes.byref(context), card.value)
+    if code != 0:
+        return code
+    try:
+        return lib.cuCtxSetCurrent(context)
+    finally:
+        lib.cuDevicePrimaryCtxRelease_v2(card.value)
 
 
 def new_stream(torch: Any, device: Any, owner: Any) -> Any:
@@ -305,8 +334,10 @@ def new_stream(torch: Any, device: Any, owner: Any) -> Any:
         _reap()
     if lib is not None:
         with torch.cuda.device(device):
-            torch.cuda.current_stream(device)  # the device's context made current here
-            code = lib.cuStreamCreate(ctypes.byref(handle), _CU_STREAM_NON_BLOCKING)
+            index = torch.cuda.current_device()  # (device "cuda" alone: torch's current card)
+            code = _bind_context(lib, index)
+            if code == 0:
+                code = lib.cuStreamCreate(ctypes.byref(handle), _CU_STREAM_NON_BLOCKING)
     if code != 0 or not handle.value:
         if lib is not None:
             log.warning("cuStreamCreate on %s failed (CUresult %s): a pooled torch stream "

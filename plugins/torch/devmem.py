@@ -245,6 +245,18 @@ class DeviceMemory:
             self.charged += nbytes
         return Charge(self, nbytes)
 
+    def try_hold(self, nbytes: int) -> Charge | None:
+        """Charge memory already taken on the device (a captured CUDA graph's pool, reserved
+        while the graph lives: ``capture.Captured.nbytes``) if it fits the budget; None when
+        it does not, and the caller frees it: a graph kept past the budget would leave every
+        later request "-N MiB free" and refused, though it could run eagerly in the room."""
+        nbytes = max(0, int(nbytes))
+        with self._cond:
+            if self.limit and self.charged + nbytes > self.limit:
+                return None
+            self.charged += nbytes
+        return Charge(self, nbytes)
+
     def _give(self, nbytes: int) -> None:
         with self._cond:
             self.charged = max(0, self.charged - nbytes)

@@ -445,7 +445,20 @@ class Lane:
                         ", captured again later" if oom else "", type(exc).__name__, exc,
                     )  # fmt: skip
                 return None
-        charge = self.memory.hold(captured.nbytes) if self.memory is not None else None
+        charge = None
+        if self.memory is not None:
+            charge = self.memory.try_hold(captured.nbytes)
+            if charge is None:  # its pool does not fit the budget: freed, the shape eager
+                self._failures.failed(key, True)  # (captured again later, when there is room)
+                if self.counters.failed_first(key):
+                    log.warning(
+                        "network %r: shape %s is not kept as a CUDA graph: its memory pool "
+                        "(%.1f MiB) does not fit %s's DEVICE_MEMORY_BUDGET; it runs eagerly",
+                        self.program.name, [s for s, _ in key], captured.nbytes / 2**20,
+                        self.memory.name,
+                    )  # fmt: skip
+                del captured
+                return None
         self.counters.add("captured")
         outputs = list(captured.outputs)
         return _Entry(static, outputs, captured.graph, charge, self._converted(outputs))

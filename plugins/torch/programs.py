@@ -344,10 +344,22 @@ def load_module(
                 return module, arguments, ([], [])
             exported = torch.export.load(io.BytesIO(data))
             arguments, own = _export_signature(exported)
-            return exported.module().to(device), arguments, own
+            return _module_on(torch, exported, device), arguments, own
     except Exception as exc:  # torch's own errors (RuntimeError, pickle, zip, schema)
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise InvalidModel(f"{kind} program {name!r} cannot be loaded: {first}") from None
+
+
+def _module_on(torch: Any, exported: Any, device: Any) -> Any:
+    """An exported program's module on ``device``. ``module().to(device)`` moves parameters and
+    buffers only: constants (lifted tensors) and the device arguments of factory ops
+    (``torch.ones(..., device="cpu")`` in the graph) stay on the CPU, so a ``.pt2`` exported on
+    the CPU fails on a card with "tensors on different devices". torch's
+    ``move_to_device_pass`` rewrites all three; older torch (before 2.6) lacks it."""
+    mover = getattr(getattr(torch.export, "passes", None), "move_to_device_pass", None)
+    if mover is None or str(device) == "cpu":
+        return exported.module().to(device)
+    return mover(exported, device).module()
 
 
 def _flatten(value: Any) -> list[Any]:

@@ -135,7 +135,9 @@ def torch_device(device: str) -> tuple[str, str]:
             if kind in name.excluded:
                 continue
             if kind == GPU_DEVICE and torch.cuda.is_available():
-                return GPU_DEVICE, "cuda"
+                # an index always: memory charges and failure marks are keyed "cuda:N", as
+                # the GPU plugin's (a bare "cuda" split them from card 0's)
+                return GPU_DEVICE, "cuda:0"
             if kind == CPU_DEVICE:
                 return CPU_DEVICE, "cpu"
     elif name.kind == CPU_DEVICE:
@@ -148,7 +150,7 @@ def torch_device(device: str) -> tuple[str, str]:
                 f"device {device}: torch sees no CUDA device here; serve the folder on "
                 f"{CPU_DEVICE} (torch on the CPU)"
             )
-        index = int(name.ident) if name.ident.isdigit() else 0
+        index = int(name.device_id) if name.device_id.isdigit() else 0
         if index >= torch.cuda.device_count():
             raise InvalidArgument(
                 f"device {device}: torch sees {torch.cuda.device_count()} CUDA device(s)"

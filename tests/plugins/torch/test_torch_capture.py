@@ -343,6 +343,23 @@ class _FakeDriver:
         self.calls.append(("sync", handle))
         return 0
 
+    def cuDeviceGet(self, out, ordinal):
+        out._obj.value = ordinal
+        return 0
+
+    def cuDevicePrimaryCtxRetain(self, out, card):
+        out._obj.value = 0xC0 + card
+        self.calls.append(("retain", card))
+        return 0
+
+    def cuCtxSetCurrent(self, context):
+        self.calls.append(("current", context.value))
+        return 0
+
+    def cuDevicePrimaryCtxRelease_v2(self, card):
+        self.calls.append(("release", card))
+        return 0
+
     def cuStreamDestroy_v2(self, handle):
         self.calls.append(("destroy", handle))
         return 0
@@ -358,7 +375,7 @@ def test_own_streams_are_the_drivers_and_are_destroyed_after_their_owner(monkeyp
         _C=types.SimpleNamespace(),
         cuda=types.SimpleNamespace(
             device=lambda d: contextlib.nullcontext(),
-            current_stream=lambda d: None,
+            current_device=lambda: 1,
             ExternalStream=lambda ptr, device: made.append(("external", ptr)) or ptr,
             Stream=lambda device: made.append(("pooled", device)) or "pooled",
         ),
@@ -369,7 +386,12 @@ def test_own_streams_are_the_drivers_and_are_destroyed_after_their_owner(monkeyp
 
     owner = Owner()
     handle = capture.new_stream(fake, "cuda:1", owner)
-    assert made == [("external", handle)] and driver.calls == [("create", handle, 1)]
+    # the card's primary context is made current on this thread before the stream is made
+    # (a stream executor's fresh thread has none: cuStreamCreate would answer 201)
+    assert made == [("external", handle)]
+    assert driver.calls == [("retain", 1), ("current", 0xC1), ("release", 1),
+                            ("create", handle, 1)]  # fmt: skip
+    driver.calls.clear()
     del owner
     gc.collect()
     assert ("destroy", handle) not in driver.calls  # not from the collector: at the next turn
@@ -380,3 +402,37 @@ def test_own_streams_are_the_drivers_and_are_destroyed_after_their_owner(monkeyp
     assert capture.new_stream(fake, "cuda:1", Owner()) == "pooled"
     monkeypatch.setattr(capture, "_driver_lib", [None])  # no libcuda at all
     assert capture.new_stream(fake, "cuda:1", Owner()) == "pooled"
+
+
+def test_a_graph_pool_is_kept_only_where_the_budget_holds_it():
+    """The GPU check's gpuops.memory on an H100 (2026-11-26): a captured graph's pool (with its
+    own cuBLAS workspace, 32 MiB there) held past a 16 MiB budget left "-18.0 MiB free", and
+    every later request, even one of no activations, was refused for 10 s. A pool that does
+    not fit is refused, freed by the lane, and the shape runs eagerly."""
+    memory = devmem.DeviceMemory("GPU.0", 16 * 2**20)
+    kept = memory.try_hold(6 * 2**20)
+    assert kept is not None and memory.free() == 10 * 2**20
+    assert memory.try_hold(32 * 2**20) is None and memory.free() == 10 * 2**20
+    memory.charge_request(0, "a request", wait_s=0.05).release()  # served at once
+    kept.release()
+    assert memory.free() == 16 * 2**20
+    assert devmem.DeviceMemory("GPU.0", 0).try_hold(2**40) is not None  # no budget set
+
+
+def test_a_decoder_on_a_card_is_keyed_by_its_index(monkeypatch):
+    """AUTO and a bare GPU resolve to "cuda:N", the GPU plugin's key for memory charges and
+    failure marks (a bare "cuda" split them from card 0's); an index past the cards is
+    refused. The GPU check's gen.f32 found ``DeviceName.ident`` (no such field) here."""
+    import torch
+
+    from plugserve.plugins.api import InvalidArgument
+    from plugserve.server.apps.generate.decoder_torch import torch_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert torch_device("AUTO") == ("GPU", "cuda:0")
+    assert torch_device("GPU") == ("GPU", "cuda:0")
+    assert torch_device("GPU.1") == ("GPU.1", "cuda:1")
+    with pytest.raises(InvalidArgument, match="2 CUDA device"):
+        torch_device("GPU.2")
+    assert torch_device("AUTO:TORCH") == ("TORCH", "cpu")
