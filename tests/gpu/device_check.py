@@ -105,6 +105,13 @@ def main() -> int:
                             "trace": traceback.format_exc()[-2000:]}  # fmt: skip
         said = "SKIP" if checks[name].get("skip") else "PASS" if checks[name]["pass"] else "FAIL"
         print(f"{said} {name}: {checks[name]['detail']}", flush=True)
+        save()
+
+    def save() -> None:
+        """The results so far, after every check: a part cut by its time cap keeps them."""
+        tmp = out / "gpu_check.json.tmp"
+        tmp.write_text(json.dumps(result, indent=2, default=str))
+        tmp.replace(out / "gpu_check.json")
 
     def listed() -> str:
         devices = {d.name: d for d in core.devices()}
@@ -259,7 +266,7 @@ def main() -> int:
     base = result["figures"][f"torch_eager_b{args.resnet_batch}"]
     if "img_per_s" in big:
         result["figures"]["ratio_to_eager"] = round(big["img_per_s"] / base["img_per_s"], 3)
-    (out / "gpu_check.json").write_text(json.dumps(result, indent=2))
+    save()
     lines = [f"{device} ({result.get('card', {}).get('FULL_DEVICE_NAME', '?')}), torch "
              f"{result['torch']}, CUDA {result['cuda']}"]  # fmt: skip
     lines += [f"{'SKIP' if c.get('skip') else 'PASS' if c['pass'] else 'FAIL'} {n}: {c['detail']}"
