@@ -75,7 +75,8 @@ class ReplicaBase:
         openai = OpenAIRoutes(plane, control, s.max_completion_tokens)
         self.rest.add_routes(openai.routes(), openai.refusal)
         self.server.openai = openai  # closed by Server.stop
-        self.kserve = KServeBridge(KServeServicer(plane, control), threads, auth, local)
+        tenant_of = auth.tenant if auth is not None else None
+        self.kserve = KServeBridge(KServeServicer(plane, control, tenant_of), threads, auth, local)
 
     # --- Serve's hooks
 
