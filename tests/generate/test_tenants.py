@@ -238,3 +238,30 @@ def test_the_token_file_names_tenants_compatibly(tmp_path):
         with pytest.raises(SystemExit) as stopped:
             load_tokens(str(path))
         assert "line 1" in str(stopped.value) and TOKENS["A"] not in str(stopped.value)
+
+
+def test_the_store_evicts_within_a_tenant_even_when_the_budget_is_full():
+    """The store against the server's real budget object: each tenant's share is the store's
+    bounds over the tenants; a full memory budget makes a tenant evict its own oldest, and a
+    tenant holding nothing there keeps nothing rather than evicting another's."""
+    from plugserve.server.plane.budget import MemoryBudget
+    from plugserve.server.protocols.openai.responses_store import ResponseStore
+
+    budget = MemoryBudget(1 << 20)
+    store = ResponseStore(budget, max_entries=6, max_bytes=1 << 20, max_age_s=0, tenants=2)
+    assert (store.tenant_entries, store.tenant_bytes) == (3, 1 << 19)
+    body = {"output": "x" * 1000}
+    for i in range(2):
+        assert store.put(f"a{i}", body, [], tenant="A")
+    for i in range(10):  # B's flood: B's own oldest go
+        assert store.put(f"b{i}", body, [], tenant="B")
+    assert store.held("A") == 2 and store.held("B") == 3
+    assert store.get("a0", "A") and store.get("a0", "B") is None and not store.delete("a0", "B")
+    other = budget.charge(budget.limit - budget.used, "another request")  # the budget is full
+    assert store.put("b10", body, [], tenant="B")  # B made room of its own
+    assert store.held("A") == 2 and store.held("B") == 3
+    assert not store.put("c0", body, [], tenant="C")  # C holds nothing to evict: not kept
+    assert store.held("A") == 2 and store.get("a1", "A")
+    other.release()
+    store.clear()
+    assert budget.used == 0 and store.nbytes == 0 and len(store) == 0
