@@ -67,7 +67,7 @@ from plugserve.server.protocols.grpc.wrapping import Wrap, WrappingServer
 from plugserve.server.protocols.http.app import HttpService
 from plugserve.server.protocols.kserve.rest import RestApp
 from plugserve.server.protocols.openai import OpenAIRoutes
-from plugserve.server.protocols.openai.responses_store import ResponseStore
+from plugserve.server.protocols.openai.responses_store import configured
 from plugserve.server.protocols.v1.servicer import PlugserveServicer
 
 __all__ = ["NotServable", "Server", "main"]
@@ -439,15 +439,7 @@ class Server:
             local_control=not s.allow_remote_control,
         )
         # the OpenAI-compatible API over generative models (server/protocols/openai/)
-        store = ResponseStore(
-            self.plane.budget,
-            s.responses_store_entries,
-            s.responses_store_bytes,
-            s.responses_store_seconds,
-            s.responses_store_tenant_entries,
-            s.responses_store_tenant_bytes,
-            auth.tokens.tenants if auth is not None else 1,
-        )
+        store = configured(self.plane.budget, s, auth.tokens.tenants if auth is not None else 1)
         self.openai = OpenAIRoutes(
             self.plane,
             self.control,

@@ -51,7 +51,7 @@ import orjson
 
 from plugserve.plugins.api import ResourceExhausted
 
-__all__ = ["ENTRY_OVERHEAD", "ResponseStore", "StoredResponse", "share"]
+__all__ = ["ENTRY_OVERHEAD", "ResponseStore", "StoredResponse", "configured", "share"]
 
 #: what an entry holds beyond its JSON: the objects the JSON decodes into when it is read
 #: (about 3x its bytes), its slot in the ordered dict, the charge
@@ -263,3 +263,18 @@ class ResponseStore:
             if now - oldest.created <= self.max_age_s:
                 return
             self._drop(rid)
+
+
+def configured(budget: Any, settings: Any, tenants: int) -> ResponseStore:
+    """The store the server's settings (``--responses-store-*``) describe, for ``tenants``
+    tenants (the token file's; 1 without tokens): ``plugserve serve``'s and a Ray Serve
+    replica's."""
+    return ResponseStore(
+        budget,
+        settings.responses_store_entries,
+        settings.responses_store_bytes,
+        settings.responses_store_seconds,
+        settings.responses_store_tenant_entries,
+        settings.responses_store_tenant_bytes,
+        tenants,
+    )
