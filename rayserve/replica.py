@@ -40,6 +40,7 @@ from plugserve.server.protocols.auth import AuthInterceptor, load_tokens
 from plugserve.server.protocols.kserve.grpc_service import KServeServicer
 from plugserve.server.protocols.kserve.rest import RestApp
 from plugserve.server.protocols.openai import OpenAIRoutes
+from plugserve.server.protocols.openai.responses_store import configured
 
 __all__ = ["ReplicaBase", "replica_class"]
 
@@ -72,10 +73,12 @@ class ReplicaBase:
             )
         local = not s.allow_remote_control
         self.rest = RestApp(plane, control, s.max_message_bytes, auth, local_control=local)
-        openai = OpenAIRoutes(plane, control, s.max_completion_tokens)
+        store = configured(plane.budget, s, auth.tokens.tenants if auth is not None else 1)
+        openai = OpenAIRoutes(plane, control, s.max_completion_tokens, store)
         self.rest.add_routes(openai.routes(), openai.refusal)
         self.server.openai = openai  # closed by Server.stop
-        self.kserve = KServeBridge(KServeServicer(plane, control), threads, auth, local)
+        tenant_of = auth.tenant if auth is not None else None
+        self.kserve = KServeBridge(KServeServicer(plane, control, tenant_of), threads, auth, local)
 
     # --- Serve's hooks
 

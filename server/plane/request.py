@@ -13,9 +13,10 @@ data plane admits it, accounts for it and releases it in one place
 
 The device sees the part of it a device may act on, a frozen
 :class:`plugserve.plugins.run_context.RunContext` (:meth:`Request.context`: its cancellation
-token :attr:`Request.run`, the room an output may take, the outputs wanted, and what a Python
-model reads of its request: id, parameters, sequence, timeout), which the data plane builds
-when the run starts and hands to the device as an argument: plugins never import the server.
+token :attr:`Request.run`, the room an output may take, the outputs wanted, what a Python
+model reads of its request: id, parameters, sequence, timeout, and its caller's tenant),
+which the data plane builds when the run starts and hands to the device as an argument:
+plugins never import the server.
 
 The fields are set once, by the adapter, before the request is admitted; the data plane only
 reads them (but for :attr:`deadline`, which a request's ``timeout`` parameter and its client's
@@ -66,6 +67,7 @@ class Request:
         "run",
         "sequence",
         "step",
+        "tenant",
         "timeout",
         "trace",
     )
@@ -92,6 +94,7 @@ class Request:
         trace: Any = None,
         partial_outputs: bool = False,
         like: Request | None = None,
+        tenant: str = "",
     ) -> None:
         self.entry = entry
         #: the inputs by name (unused when ``checked`` or ``decode`` gives them)
@@ -124,7 +127,7 @@ class Request:
         #: its queue policy act on
         self.run = run
         if like is not None:  # a run made for another request (a sequence's, a relay's)
-            id, parameters, trace = like.id, like.parameters, like.trace
+            id, parameters, trace, tenant = like.id, like.parameters, like.trace, like.tenant
             timeout, priority, partial_outputs = like.timeout, like.priority, like.partial_outputs
         #: the client's id for the request (KServe's ``id``), "" when it gave none
         self.id = id
@@ -140,6 +143,10 @@ class Request:
         self.trace = trace
         #: outputs its model does not produce may be left out (an ensemble's step)
         self.partial_outputs = partial_outputs
+        #: the caller's tenant as auth established it from its token (``auth.py``; "" without
+        #: tokens: one tenant): what a model's caches are partitioned by (a generative
+        #: network's prefix cache, docs/security.md)
+        self.tenant = tenant
         #: ``(sequence id, flags)`` for a Python model's ``correlation_id()`` and ``flags()``
         self.sequence: tuple[int | str, int] | None = None
         if like is not None:
@@ -156,7 +163,8 @@ class Request:
         return RunContext(  # positional, in its fields' order: one per request, kept cheap
             self.run, network, None if outputs is None else tuple(outputs), room, answer,
             self.parameters, self.partial_outputs, self.id, self.sequence, self.trace,
-            self.priority, self.timeout, getattr(self.after, "cuda_outputs", None),
+            self.priority, self.timeout, getattr(self.after, "cuda_outputs", None), False,
+            self.tenant,
         )  # fmt: skip
 
     def until(self, deadline: float | None) -> None:

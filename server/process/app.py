@@ -67,7 +67,7 @@ from plugserve.server.protocols.grpc.wrapping import Wrap, WrappingServer
 from plugserve.server.protocols.http.app import HttpService
 from plugserve.server.protocols.kserve.rest import RestApp
 from plugserve.server.protocols.openai import OpenAIRoutes
-from plugserve.server.protocols.openai.responses_store import ResponseStore
+from plugserve.server.protocols.openai.responses_store import configured
 from plugserve.server.protocols.v1.servicer import PlugserveServicer
 
 __all__ = ["NotServable", "Server", "main"]
@@ -384,8 +384,10 @@ class Server:
         # the gate and the local-control check wrap each handler here, once, not per call
         registrar = cast(grpc.Server, WrappingServer(server, wraps))
         plugserve = plugserve_pb2.DESCRIPTOR.services_by_name["Plugserve"]
-        services = [add_service(registrar, plugserve, PlugserveServicer(self.plane, self.control))]
-        services += self._add_kserve(registrar)
+        tenant_of = auth.tenant if auth is not None else None
+        v1 = PlugserveServicer(self.plane, self.control, tenant_of)
+        services = [add_service(registrar, plugserve, v1)]
+        services += self._add_kserve(registrar, tenant_of)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, registrar)
         services.append(health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)
         reflection.enable(services, registrar)
@@ -437,12 +439,7 @@ class Server:
             local_control=not s.allow_remote_control,
         )
         # the OpenAI-compatible API over generative models (server/protocols/openai/)
-        store = ResponseStore(
-            self.plane.budget,
-            s.responses_store_entries,
-            s.responses_store_bytes,
-            s.responses_store_seconds,
-        )
+        store = configured(self.plane.budget, s, auth.tokens.tenants if auth is not None else 1)
         self.openai = OpenAIRoutes(
             self.plane,
             self.control,
@@ -526,12 +523,12 @@ class Server:
         self.health_server = server
         log.info("health (plaintext, health service only): %s:%d", host, self.health_port)
 
-    def _add_kserve(self, server: grpc.Server) -> list[str]:
+    def _add_kserve(self, server: grpc.Server, tenant_of: Any = None) -> list[str]:
         try:
             from plugserve.server.protocols.kserve.grpc_service import add_kserve_service
         except ImportError:
             return []
-        return add_kserve_service(self.plane, self.control, server)
+        return add_kserve_service(self.plane, self.control, server, tenant_of)
 
     def _set_health(self, status: int) -> None:
         self.health.set("", status)

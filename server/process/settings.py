@@ -193,6 +193,19 @@ class Settings:
         "request acts as store: false)",
         low=0,
     )
+    responses_store_tenant_entries: int = _field(
+        -1,
+        "OpenAI /v1/responses: most responses one tenant keeps (a token, or a tenant= of the "
+        "--auth-tokens file); a new one evicts its own tenant's oldest only; -1: an equal "
+        "share of --responses-store-entries among the tenants; 0: up to the store's bound",
+        low=-1,
+    )
+    responses_store_tenant_bytes: int = _field(
+        -1,
+        "OpenAI /v1/responses: most bytes one tenant's kept responses hold; -1: an equal share "
+        "of --responses-store-bytes among the tenants; 0: up to the store's bound",
+        low=-1,
+    )
     responses_store_seconds: float = _field(
         3600.0,
         "OpenAI /v1/responses: a kept response older than this is gone (0: kept until the "

@@ -2,11 +2,17 @@
 
 * TLS: ``--tls-cert`` + ``--tls-key`` (PEM); ``--tls-client-ca`` also requires every client to
   present a certificate signed by that CA (mutual TLS).
-* Tokens: ``--auth-tokens FILE``, one ``TOKEN ROLE`` pair per line (``#`` comments and blank
-  lines allowed). Clients send the gRPC metadata ``authorization: Bearer TOKEN``. Roles:
-  ``infer`` (inference, metadata, health) and ``admin`` (also load, unload, import/export, set
-  config). Every call is checked in one :class:`AuthInterceptor`; a method not listed here
-  needs ``admin`` (fail closed).
+* Tokens: ``--auth-tokens FILE``, one ``TOKEN ROLE [tenant=NAME]`` line per token (``#``
+  comments and blank lines allowed). Clients send the gRPC metadata ``authorization: Bearer
+  TOKEN``. Roles: ``infer`` (inference, metadata, health) and ``admin`` (also load, unload,
+  import/export, set config). Every call is checked in one :class:`AuthInterceptor`; a method
+  not listed here needs ``admin`` (fail closed).
+* Tenants: with tokens, each token is a tenant of its own, or the tenant its line names
+  (``tenant=NAME``: tokens naming one share it). The tenant is established here, with the role,
+  and travels with the request as an argument (``Call.tenant``, ``Request.tenant``,
+  ``RunContext.tenant``): caches and stores that could tell one client about another's data
+  (the prefix cache, the Responses store) are partitioned by it (docs/security.md, *Tenants*).
+  Without tokens the server is one tenant, ``""``.
 
 Tokens are kept only as SHA-256 digests and compared with :func:`hmac.compare_digest` against
 every known token (no early exit), so neither the value nor the length of a token leaks through
@@ -20,6 +26,7 @@ import hmac
 import ipaddress
 import logging
 import os
+import re
 import stat
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -31,6 +38,7 @@ __all__ = [
     "ADMIN",
     "INFER",
     "REMOTE_CONTROL",
+    "TENANT_NAME",
     "AuthInterceptor",
     "Tokens",
     "control_refusal",
@@ -50,6 +58,8 @@ ADMIN = "admin"
 ROLES = (INFER, ADMIN)
 _RANK = {INFER: 1, ADMIN: 2}
 OPEN = ""  # needs no token at all
+#: a ``tenant=NAME`` in the token file: a name of letters, digits, ``.``, ``_`` and ``-``
+TENANT_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 PLUGSERVE = "plugserve.v1.Plugserve"
 KSERVE = "inference.GRPCInferenceService"
@@ -146,22 +156,60 @@ def _digest(token: str | bytes) -> bytes:
 
 
 class Tokens:
-    """Known tokens as (SHA-256 digest, role); :meth:`role` checks one in constant time."""
+    """Known tokens as (SHA-256 digest, role, tenant); :meth:`identify` checks one in constant
+    time. ``entries``: ``(token, role)`` or ``(token, role, tenant)``; a token without a tenant
+    is its own (named ``#N``, N its place: no ``tenant=`` name can take that form)."""
 
-    def __init__(self, pairs: Iterable[tuple[str, str]]) -> None:
-        self._entries = [(_digest(token), role) for token, role in pairs]
+    def __init__(self, entries: Iterable[tuple[str, ...]]) -> None:
+        self._entries: list[tuple[bytes, str, str]] = []
+        for number, (token, role, *tenant) in enumerate(entries, 1):
+            self._entries.append((_digest(token), role, tenant[0] if tenant else f"#{number}"))
 
     def __len__(self) -> int:
         return len(self._entries)
 
+    @property
+    def tenants(self) -> int:
+        """How many tenants the tokens make (what a per-tenant share divides by)."""
+        return len({tenant for _d, _r, tenant in self._entries})
+
     def role(self, token: str | bytes) -> str | None:
         """The role of ``token``, or None. Compares against every entry: no early exit."""
+        return self.identify(token)[0]
+
+    def identify(self, token: str | bytes) -> tuple[str | None, str]:
+        """``(role, tenant)`` of ``token``, or ``(None, "")``. Compares against every entry,
+        with no early exit and no branch on a comparison."""
         presented = _digest(token)
         found = 0
-        for digest, role in self._entries:
-            match = hmac.compare_digest(presented, digest)
-            found |= _RANK[role] * match  # no branch on the comparison either
-        return next((r for r, rank in _RANK.items() if rank == found), None)
+        for number, (digest, _role, _tenant) in enumerate(self._entries, 1):
+            found |= number * hmac.compare_digest(presented, digest)
+        if not found:
+            return None, ""
+        _known, role, tenant = self._entries[found - 1]
+        return role, tenant
+
+
+def _line_fields(fields: list[str], where: str) -> tuple[str, ...]:
+    """One token line's ``(token, role)`` or ``(token, role, tenant)``; SystemExit naming
+    what is wrong (never the token)."""
+    if len(fields) not in (2, 3):
+        raise SystemExit(
+            f"{where}: expected 'TOKEN ROLE' (two fields) or 'TOKEN ROLE tenant=NAME' (three), "
+            f"found {len(fields)}"
+        )
+    token, role = fields[0], fields[1].lower()
+    if role not in ROLES:
+        raise SystemExit(f"{where}: unknown role {fields[1]!r}; roles: {', '.join(ROLES)}")
+    if len(fields) == 2:
+        return token, role
+    key, _, name = fields[2].partition("=")
+    if key != "tenant" or not TENANT_NAME.fullmatch(name):
+        raise SystemExit(
+            f"{where}: the third field must be 'tenant=NAME' (NAME: 1 to 64 letters, digits, "
+            "'.', '_' or '-')"
+        )
+    return token, role, name
 
 
 def load_tokens(path: str) -> Tokens:
@@ -172,33 +220,25 @@ def load_tokens(path: str) -> Tokens:
         mode = os.stat(path).st_mode
     except (OSError, UnicodeDecodeError) as exc:
         raise SystemExit(f"{where}: cannot read it: {exc}") from None
-    pairs: list[tuple[str, str]] = []
+    entries: list[tuple[str, ...]] = []
     seen: set[bytes] = set()
     for number, line in enumerate(text.splitlines(), 1):
         line = line.strip()
         if not line or line.startswith("#"):
             continue
-        fields = line.split()
-        if len(fields) != 2:
-            raise SystemExit(
-                f"{where}: line {number}: expected 'TOKEN ROLE' (two fields), found {len(fields)}"
-            )
-        token, role = fields[0], fields[1].lower()
-        if role not in ROLES:
-            raise SystemExit(
-                f"{where}: line {number}: unknown role {fields[1]!r}; roles: {', '.join(ROLES)}"
-            )
+        entry = _line_fields(line.split(), f"{where}: line {number}")
+        token = entry[0]
         if _digest(token) in seen:
             raise SystemExit(f"{where}: line {number}: this token is already listed above")
         seen.add(_digest(token))
         if len(token) < 16:
             log.warning("--auth-tokens line %d: a token shorter than 16 characters is weak", number)
-        pairs.append((token, role))
-    if not pairs:
+        entries.append(entry)
+    if not entries:
         raise SystemExit(f"{where}: no 'TOKEN ROLE' lines; every call would be refused")
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
         log.warning("--auth-tokens %s is readable by other users: chmod 600 it", path)
-    return Tokens(pairs)
+    return Tokens(entries)
 
 
 def _bearer(metadata: Sequence[tuple[str, Any]] | None) -> str | bytes | None:
@@ -239,28 +279,44 @@ class AuthInterceptor(grpc.ServerInterceptor):
         """``(None, role)`` when ``method`` may be called with ``metadata``'s token, else
         ``(UNAUTHENTICATED or PERMISSION_DENIED, message)``. Every protocol asks here: the REST
         adapter names its routes by the gRPC method they stand for."""
+        code, role, _tenant = self.check(method, metadata)
+        return code, role
+
+    def check(
+        self, method: str, metadata: Sequence[tuple[str, Any]] | None
+    ) -> tuple[grpc.StatusCode | None, str, str]:
+        """:meth:`authorize` and the caller's tenant: ``(None, role, tenant)`` when allowed
+        (an open method's caller: ``(None, "", "")``, no tenant), else ``(code, message, "")``."""
         needed = required_role(method, self.open_health, self.open_reflection)
         if needed == OPEN:
-            return None, OPEN
+            return None, OPEN, ""
         token = _bearer(metadata)
         if token is None:
             log.warning("denied %s: no token", method)
-            return grpc.StatusCode.UNAUTHENTICATED, f"{_short(method)} needs a token: {HOW}"
-        role = self.tokens.role(token) if token else None
+            return grpc.StatusCode.UNAUTHENTICATED, f"{_short(method)} needs a token: {HOW}", ""
+        role, tenant = self.tokens.identify(token) if token else (None, "")
         if role is None:
             log.warning("denied %s: unknown token", method)
-            return grpc.StatusCode.UNAUTHENTICATED, (
-                f"{_short(method)}: the token is not valid (or the header is not "
-                f"'Bearer TOKEN'): {HOW}"
+            why = (
+                f"{_short(method)}: the token is not valid (or the header is not 'Bearer TOKEN'): "
             )
+            return grpc.StatusCode.UNAUTHENTICATED, why + HOW, ""
         if _RANK[role] < _RANK[needed]:
             log.warning("denied %s: role %s, needs %s", method, role, needed)
-            return grpc.StatusCode.PERMISSION_DENIED, (
+            why = (
                 f"{_short(method)} needs a token with the '{needed}' role; this token has the "
                 f"'{role}' role"
             )
+            return grpc.StatusCode.PERMISSION_DENIED, why, ""
         log.debug("allowed %s: role %s", method, role)
-        return None, role
+        return None, role, tenant
+
+    def tenant(self, metadata: Sequence[tuple[str, Any]] | None) -> str:
+        """The tenant of ``metadata``'s token ("" for none or an unknown one): for a gRPC
+        servicer, whose call the interceptor authorized but cannot hand anything to (grpcio
+        gives an interceptor no way to pass a value to the handler but a context variable)."""
+        token = _bearer(metadata)
+        return self.tokens.identify(token)[1] if token else ""
 
     def intercept_service(self, continuation, handler_call_details):
         method = handler_call_details.method

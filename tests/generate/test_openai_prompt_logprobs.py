@@ -239,7 +239,8 @@ REFUSED = [
     ({"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
     ({"bad_words": ["cat"]}, "bad_words"),
     ({"truncate_prompt_tokens": 5}, "truncate_prompt_tokens"),
-    ({"cache_salt": "tenant-1"}, "cache_salt"),
+    ({"cache_salt": 7}, "cache_salt"),  # accepted as a string of 1 to 256 characters only
+    ({"cache_salt": "s" * 257}, "cache_salt"),
     ({"logits_processors": ["x"]}, "logits_processors"),
     ({"stream": True, "stream_options": {"continuous_usage_stats": True}},
      "stream_options.continuous_usage_stats"),

@@ -138,6 +138,35 @@ def test_a_hash_collision_never_serves_another_prompts_cache():
     assert hit == 4 and found is seq.slot  # only the block that still matches
 
 
+def test_a_prompt_is_found_only_under_its_own_tenant_and_salt():
+    """The chain starts from the request's tenant and cache_salt (kvcache.salt): the same
+    prompt under another tenant or salt finds nothing, free or running, and its n > 1 forks
+    write under its salt; under its own it is found."""
+    _cache, table, scheduler = make(slots=8, seqs=8, budget=64, block=4)
+    prompt = list(range(40, 49))
+
+    def asked(rid, tenant="", salt="", n=1):
+        state = RequestState(
+            GenerationRequest(rid, prompt, SamplingParams(), n, tenant=tenant, cache_salt=salt),
+            None,
+            0.0,
+        )
+        scheduler.waiting.append(state)
+        scheduler.schedule()
+        return state
+
+    first = asked("a", tenant="A", n=2)
+    compute(table, first.sequences[0], len(prompt))
+    assert first.cached == 0 and all(s.slot.salt == first.salt != 0 for s in first.sequences)
+    for rid, tenant, salt in (("b", "B", ""), ("c", "A", "x"), ("d", "", "")):
+        other = asked(rid, tenant, salt)  # the prompt is running in A's slot: not copied
+        assert other.cached == 0 and other.sequences[0].computed == 0, rid
+    assert asked("e", tenant="A").cached == 8  # A's own: copied from its running slot
+    scheduler.finish(first.sequences[0])
+    assert table.lookup(prompt, salt=first.salt)[1] == 8
+    assert table.lookup(prompt, salt=0) == (None, 0)
+
+
 def test_without_prefix_caching_nothing_is_kept():
     _cache, table, scheduler = make(caching=False)
     scheduler.waiting.append(request("a", list(range(1, 10))))

@@ -425,7 +425,8 @@ def test_roles_of_methods():
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        (f"{ADMIN_TOKEN}\n", "line 1: expected 'TOKEN ROLE' (two fields), found 1"),
+        (f"{ADMIN_TOKEN}\n", "line 1: expected 'TOKEN ROLE' (two fields) or 'TOKEN ROLE"),
+        (f"{ADMIN_TOKEN} infer tenant=a:b\n", "line 1: the third field must be 'tenant=NAME'"),
         (f"# c\n{ADMIN_TOKEN} root\n", "line 2: unknown role 'root'; roles: infer, admin"),
         (f"{ADMIN_TOKEN} admin\n{ADMIN_TOKEN} infer\n", "line 2: this token is already listed"),
         ("# only comments\n\n", "no 'TOKEN ROLE' lines"),

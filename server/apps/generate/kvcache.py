@@ -29,6 +29,18 @@ is checked token by token before it is used, so a hash collision can never serve
 prompt's cache. A new sequence takes a free slot holding no whole block first (the lowest, so
 new rows tend to follow the running ones), else the one holding the fewest blocks (least
 recently freed first): short prompts come and go without evicting a long one's blocks.
+
+Tenants (vLLM's ``cache_salt``, docs/design/prefix_caching.md): a chain starts from a salt, not
+from 0, so the first block's hash, and every hash after it, is the salt's as well as the
+tokens'. The salt is made of the request's tenant (its token's, ``auth.py``) and its
+``cache_salt`` (:func:`salt`); a slot keeps the salt of the sequence that wrote it, and a lookup
+with another salt finds none of its blocks. Without either (a server without tokens, no
+``cache_salt``) the salt is 0: one cache for every request, as before. A hit's cached-token
+count (``usage.prompt_tokens_details.cached_tokens``) and its time to first token therefore
+tell a client about its own tenant's prompts only: with one cache for all, a token recovered a
+4-digit PIN from another token's system prompt through ``cached_tokens`` in ~900 requests.
+Eviction is not partitioned (slots are the model's, shared): another tenant's prompts can only
+make a hit less likely, which tells nothing about their contents.
 """
 
 from __future__ import annotations
@@ -39,7 +51,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["CacheLayout", "KVCache", "Slot", "SlotTable"]
+__all__ = ["CacheLayout", "KVCache", "Slot", "SlotTable", "salt"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,15 +111,17 @@ class KVCache:
 
 class Slot:
     """One row of the cache: its tokens written (in order, from position 0), their block
-    hashes, and the sequence holding it (None: free; its tokens stay as a prefix cache)."""
+    hashes, the salt their chain starts from, and the sequence holding it (None: free; its
+    tokens stay as a prefix cache)."""
 
-    __slots__ = ("hashes", "index", "owner", "tokens")
+    __slots__ = ("hashes", "index", "owner", "salt", "tokens")
 
     def __init__(self, index: int) -> None:
         self.index = index
         self.tokens: list[int] = []
         self.hashes: list[int] = []
         self.owner: object | None = None
+        self.salt = 0
 
     def __repr__(self) -> str:
         return f"Slot({self.index}, {len(self.tokens)} tokens, owner={self.owner is not None})"
@@ -115,6 +129,15 @@ class Slot:
 
 def _chain(previous: int, block: Sequence[int]) -> int:
     return hash((previous, tuple(block)))
+
+
+def salt(tenant: str = "", cache_salt: str = "") -> int:
+    """Where a request's chain of block hashes starts: 0 for neither (every request's cache
+    shared, as without tokens), else a hash of both (a tenant's requests with one
+    ``cache_salt`` share their cache, and nobody else's)."""
+    if not tenant and not cache_salt:
+        return 0
+    return hash(("plugserve-salt", tenant, cache_salt))
 
 
 class SlotTable:
@@ -142,10 +165,11 @@ class SlotTable:
     def free_count(self) -> int:
         return len(self.free)
 
-    def take(self, owner: object, prefer: Slot | None = None) -> Slot:
+    def take(self, owner: object, prefer: Slot | None = None, salt: int = 0) -> Slot:
         """A free slot for ``owner``: ``prefer`` when given (a prefix hit), else the lowest
         one holding no whole block (nothing a prompt could reuse), else the one holding the
-        fewest blocks, least recently freed first (its cache is dropped)."""
+        fewest blocks, least recently freed first (its cache is dropped). ``salt``: where the
+        chain of the blocks it writes starts (:func:`salt`; a hit's slot has it already)."""
         slot = prefer
         if slot is None:
             spare = [s for s in self.free.values() if not s.hashes]
@@ -156,8 +180,11 @@ class SlotTable:
                     self.free.values(), key=lambda s: (s.index in self.wanted, len(s.hashes))
                 )
             self.truncate(slot, 0)
+        elif slot.salt != salt:  # a hit is found by its salt: never another's blocks
+            self.truncate(slot, 0)
         del self.free[slot.index]
         slot.owner = owner
+        slot.salt = salt
         return slot
 
     def release(self, slot: Slot) -> None:
@@ -182,7 +209,7 @@ class SlotTable:
         size = self.block_size
         while (len(slot.hashes) + 1) * size <= len(slot.tokens):
             start = len(slot.hashes) * size
-            previous = slot.hashes[-1] if slot.hashes else 0
+            previous = slot.hashes[-1] if slot.hashes else slot.salt
             value = _chain(previous, slot.tokens[start : start + size])
             slot.hashes.append(value)
             self.index[value] = slot
@@ -198,11 +225,14 @@ class SlotTable:
                 del self.index[value]
         del slot.hashes[keep:]
 
-    def lookup(self, prompt: Sequence[int], count: bool = True) -> tuple[Slot | None, int]:
+    def lookup(
+        self, prompt: Sequence[int], count: bool = True, salt: int = 0
+    ) -> tuple[Slot | None, int]:
         """The slot holding the longest cached prefix of ``prompt`` in whole blocks, leaving
         at least one prompt token to compute (its logits start the answer), and its length;
         ``(None, 0)`` without a hit. ``count``: a lookup for admission (counted in
-        :attr:`hits` and :attr:`queries`), not a look ahead."""
+        :attr:`hits` and :attr:`queries`), not a look ahead. ``salt``: the request's
+        (:func:`salt`): only blocks written under the same salt are found."""
         if not self.prefix_caching:
             return None, 0
         size = self.block_size
@@ -211,14 +241,14 @@ class SlotTable:
             self.queries += len(prompt)
         found: Slot | None = None
         hit = 0
-        previous = 0
+        previous = salt
         for b in range(blocks):
             previous = _chain(previous, prompt[b * size : (b + 1) * size])
             slot = self.index.get(previous)
             if slot is None:
                 break
             found, hit = slot, (b + 1) * size
-        if found is None:
+        if found is None or found.salt != salt:  # a collision of salted hashes, too
             return None, 0
         # the blocks' tokens themselves, so a collision of hashes never serves them
         same = np.asarray(found.tokens[:hit]) == np.asarray(prompt[:hit])

@@ -428,13 +428,15 @@ class GenerativeInferRequest(InferRequest):
 
     network: GenerativeNetwork
 
-    def _infer(self, arrays: list[Any]) -> dict[str, np.ndarray]:
+    def _infer(self, arrays: list[Any], run: Any = None) -> dict[str, np.ndarray]:
         """A blocking run (in-process, or a unary call): the whole answer in one response."""
         sender = QueueSender()
         values = dict(zip((s.name for s in self.network.inputs), arrays))
         values["stream"] = None  # one response
         collected: list[Any] = []
         face = _Face(self.network, values, sender)
+        if run is not None:  # the caller's tenant: its own part of the prefix cache
+            face.request.tenant = run.tenant
         self.network.generate(face.request, face)
         try:
             for item in sender:
@@ -447,8 +449,10 @@ class GenerativeInferRequest(InferRequest):
         """Start the generation; its responses go to ``sender`` (the last with final)."""
         values = dict(zip((s.name for s in self.network.inputs), arrays))
         face = _Face(self.network, values, sender)
-        if run is not None and tracing.current() is None:  # the run's span: the request's
-            face.request.trace = run.trace
+        if run is not None:
+            face.request.tenant = run.tenant  # its own part of the prefix cache
+            if tracing.current() is None:  # the run's span: the request's
+                face.request.trace = run.trace
         self.network.generate(face.request, face)
 
     def get_performance_counts(self) -> list[PerfCount]:

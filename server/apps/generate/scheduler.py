@@ -12,8 +12,9 @@ steps and leave as soon as they finish. The step's work is bounded by ``max_num_
    ``n`` sequences fit under ``max_num_seqs`` and the cache has a free slot for each; the
    first blocked request stops admission (no overtaking: a large ``n`` is not starved).
 
-Admission looks the prompt up in the prefix cache (:class:`.kvcache.SlotTable`): its cached
-blocks are not computed again. A request's sequences share the prompt: the first computes
+Admission looks the prompt up in the prefix cache (:class:`.kvcache.SlotTable`) under its
+tenant's and ``cache_salt``'s salt: its cached blocks are not computed again, and another
+tenant's are never found. A request's sequences share the prompt: the first computes
 it and the others copy its cache into their own slots when it is done (``n`` > 1 costs one
 prompt's compute).
 
@@ -32,7 +33,7 @@ import itertools
 from collections.abc import Callable
 from typing import Any
 
-from plugserve.server.apps.generate.kvcache import Slot, SlotTable
+from plugserve.server.apps.generate.kvcache import Slot, SlotTable, salt
 
 __all__ = ["Plan", "RequestState", "Scheduler", "Sequence"]
 
@@ -108,6 +109,7 @@ class RequestState:
         "prompt_logprobs",
         "request",
         "request_id",
+        "salt",
         "sender",
         "sequences",
         "spans",
@@ -124,6 +126,9 @@ class RequestState:
             Sequence(self, i, request.prompt_token_ids) for i in range(max(1, request.n))
         ]
         self.cached = 0  # prompt tokens taken from the prefix cache
+        #: where its prompt's chain of block hashes starts: its tenant's and cache_salt's
+        #: (:func:`.kvcache.salt`), so it finds only their blocks in the prefix cache
+        self.salt = salt(request.tenant, request.cache_salt)
         self.done = 0  # sequences finished
         self.started = 0.0  # when it was admitted (monotonic)
         #: the engine is done with it (its consumer told, its slots free): once
@@ -227,7 +232,7 @@ class Scheduler:
         for state in itertools.islice(self.waiting, table.free_count):
             if state.prompt_logprobs is not None:
                 continue
-            slot, _hit = table.lookup(state.sequences[0].tokens, count=False)
+            slot, _hit = table.lookup(state.sequences[0].tokens, count=False, salt=state.salt)
             if slot is not None and slot.owner is None:
                 table.wanted.add(slot.index)
 
@@ -236,14 +241,14 @@ class Scheduler:
         leader = state.sequences[0]
         prompt = leader.tokens
         if state.prompt_logprobs is None:
-            source, hit = self.table.lookup(prompt)
+            source, hit = self.table.lookup(prompt, salt=state.salt)
         else:  # its prompt is scored as it is computed: all of it
             source, hit = None, 0
         if source is not None and source.owner is None:
-            leader.slot = self.table.take(leader, prefer=source)
+            leader.slot = self.table.take(leader, prefer=source, salt=state.salt)
             self.table.truncate(leader.slot, hit)
         else:
-            leader.slot = self.table.take(leader)
+            leader.slot = self.table.take(leader, salt=state.salt)
             if source is not None:
                 self.table.truncate(leader.slot, 0)
                 self.copy_prefix(source, leader.slot, hit)
@@ -253,7 +258,7 @@ class Scheduler:
         leader.status = PREFILL
         self.running.append(leader)
         for seq in state.sequences[1:]:
-            seq.slot = self.table.take(seq)
+            seq.slot = self.table.take(seq, salt=state.salt)
             seq.status = FORK
             self.running.append(seq)
         return leader

@@ -274,6 +274,11 @@ class GenerationRequest:
     #: its queue, prompt chunks and decode, ``spans.py``); None: not traced.
     #: :meth:`GenerativeNetwork.generate` sets it from the span under way when it is called
     trace: Any = None
+    #: the caller's tenant (``auth.py``: "" without tokens) and its ``cache_salt`` (vLLM's
+    #: request field): the prefix cache finds blocks written under the same two only
+    #: (:func:`.kvcache.salt`)
+    tenant: str = ""
+    cache_salt: str = ""
 
 
 @dataclasses.dataclass

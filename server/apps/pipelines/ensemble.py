@@ -675,6 +675,7 @@ class _Run:
         if parent is not None:
             told["parameters"] = parent.parameters  # Triton hands each step the request's
             told["priority"], told["timeout"] = parent.priority, parent.timeout  # as Triton's
+            told["tenant"] = parent.tenant  # a generative step's prefix cache is the caller's
             if parent.token.error is not None:
                 token.cancel(parent.token.failure())
         if entry.network.decoupled:

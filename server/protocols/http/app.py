@@ -124,6 +124,7 @@ class Call:
         "role",
         "rpc",
         "sets",
+        "tenant",
         "wbits",
     )
 
@@ -149,6 +150,8 @@ class Call:
         self.factor = 0  # a compressed body's charge per inflated byte
         self.sets = False  # a POST to a get-or-set route (its body says whether it sets)
         self.peer = ""  # the client's address (kept for get-or-set routes only)
+        #: the caller's tenant, as its token makes it (auth.py: "" without tokens, one tenant)
+        self.tenant = ""
         self._json: Any = None
         #: the URL's query, each name's values (GET /v1/responses/{id}/input_items's paging)
         self.query: dict[str, list[str]] = {}
@@ -295,10 +298,10 @@ class Router:
             return status, pieces, [*extra, (b"allow", ", ".join(methods).encode())]
         rpc, handler = entry
         headers = dict(raw_headers)
-        role = ""
+        role = tenant = ""
         if self.auth is not None:
             metadata = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in raw_headers]
-            code, role = self.auth.authorize(rpc, metadata)
+            code, role, tenant = self.auth.check(rpc, metadata)
             if code is not None:
                 status, pieces, extra = _error(HTTP_STATUS[code], role)
                 if code == grpc.StatusCode.UNAUTHENTICATED:
@@ -318,6 +321,7 @@ class Router:
             )
         params = {k: v for k, v in match.groupdict().items() if v is not None}
         call = Call(params, b"", headers, handler, rpc, role, wbits, handler in self._probes)
+        call.tenant = tenant
         if rpc in _SETTERS:  # whether it sets anything is known from its body (handle)
             call.sets = method == "POST"
             call.peer = peer

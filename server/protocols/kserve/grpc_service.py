@@ -42,6 +42,8 @@ Choices where KServe/Triton leave room or plugserve differs:
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import grpc
 
@@ -91,9 +93,17 @@ _UNIMPLEMENTED = {
 
 
 class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, plane: DataPlane, control: ModelControl) -> None:
+    def __init__(
+        self,
+        plane: DataPlane,
+        control: ModelControl,
+        tenant_of: Callable[[Any], str] | None = None,
+    ) -> None:
+        """``tenant_of(metadata)``: the caller's tenant from its token (``auth``'s; None
+        without tokens: one tenant), which its requests carry (``Request.tenant``)."""
         self.plane = plane
         self.control = control
+        self.tenant_of = tenant_of
         self.shm = plane.shm
         inference = Inference(
             plane.tracing,
@@ -162,6 +172,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             entry, deadline=when, run=token, id=request.id, parameters=own, step=step,
             timeout=timeout, priority=priority, inline=inline, holds=size * GRPC_FACTOR,
             protocol="grpc", trace=trace,
+            tenant=self.tenant_of(context.invocation_metadata()) if self.tenant_of else "",
         )  # fmt: skip
         if entry.network.decoupled:
             return entry, self._submit_decoupled(request, ask, streaming)
@@ -302,9 +313,14 @@ for _method, _feature in _UNIMPLEMENTED.items():
     setattr(KServeServicer, _method, _unimplemented(_method, _feature))
 
 
-def add_kserve_service(plane: DataPlane, control: ModelControl, server: grpc.Server) -> list[str]:
+def add_kserve_service(
+    plane: DataPlane,
+    control: ModelControl,
+    server: grpc.Server,
+    tenant_of: Callable[[Any], str] | None = None,
+) -> list[str]:
     """Register the KServe v2 service on ``server``; the service names, for reflection."""
-    service = KServeServicer(plane, control)
+    service = KServeServicer(plane, control, tenant_of)
     return [add_service(server, pb.DESCRIPTOR.services_by_name["GRPCInferenceService"], service)]
 
 

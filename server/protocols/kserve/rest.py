@@ -402,7 +402,7 @@ class RestApp:
             request = parse_infer(
                 call.body, header_length, entry.expect, self.plane.shm, cuda_device_of(entry)
             )
-        ask = _request(entry, request, _fast(entry), trace=trace)
+        ask = _request(entry, request, _fast(entry), trace=trace, tenant=call.tenant)
         if trace is not None and request.id:
             name_request(trace, request.id)
         future = self.plane.infer(ask)
@@ -447,7 +447,7 @@ class RestApp:
                 )
             if trace is not None:
                 name_request(trace, request.id)
-            future = self.plane.infer(_request(entry, request, True, token, trace))
+            future = self.plane.infer(_request(entry, request, True, token, trace, call.tenant))
             return _infer_reply(entry, request, future.result())
         finally:
             if extra is not None:
@@ -482,6 +482,7 @@ class RestApp:
             entry, request.inputs, parameters=model_parameters(request.parameters),
             timeout=request_timeout(request.parameters),
             priority=request_priority(request.parameters), protocol="rest", trace=trace,
+            tenant=call.tenant,
         )  # fmt: skip
         if trace is not None and request.id:
             name_request(trace, request.id)
@@ -643,16 +644,17 @@ def _request(
     inline: bool,
     token: cancel.Token | None = None,
     trace: Trace | None = None,
+    tenant: str = "",
 ) -> Request:
     """The data plane's request for a decoded infer call: with what a Python model reads of
-    it (the client's id, its parameters, its sequence), its trace and its shared memory
-    outputs."""
+    it (the client's id, its parameters, its sequence), its trace, its shared memory
+    outputs and its caller's tenant."""
     return Request(
         entry, request.inputs, outputs=request.outputs, run=token, timeout=request.timeout,
         priority=request.priority, id=request.id or "", parameters=request.parameters,
         step=request.step, inline=inline, trace=trace,
         after=OutputWriter(request.regions, request.classes) if request.regions else None,
-        protocol="rest",
+        protocol="rest", tenant=tenant,
     )  # fmt: skip
 
 

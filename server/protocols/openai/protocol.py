@@ -169,6 +169,12 @@ class GenerationAsk:
     #: vLLM's extension: the prompt tokens' logprobs with this many alternatives (None: not
     #: asked); not with ``stream`` (vLLM's rule)
     prompt_logprobs: int | None = None
+    #: vLLM's ``cache_salt``: the prefix cache shares blocks only between requests of one
+    #: tenant with the same salt ("": none); ``vllm_fields.py`` reads it
+    cache_salt: str = ""
+    #: the caller's tenant, as its token makes it (``auth.py``; "" without tokens): set by the
+    #: route from the caller's identity (``Call.tenant``), never from the body
+    tenant: str = ""
 
 
 @dataclasses.dataclass

@@ -12,8 +12,8 @@ chat's names the responses field (``max_output_tokens``, ``text.format``, ``inpu
 Kept responses (``store``, true unless said false) live in :mod:`.responses_store`, bounded in
 entries, bytes (charged to the memory budget) and age; ``previous_response_id`` continues the
 conversation a kept response ended (404 when it is not kept: evicted, expired, deleted, or
-made with ``store: false``). A streamed response is kept once its last event is made; one whose
-client left is not.
+made with ``store: false``, or another tenant's: each tenant finds its own only). A streamed
+response is kept once its last event is made; one whose client left is not.
 
 ``input_items`` lists a kept response's input items (its request's ``input``, each with an id)
 a page at a time as OpenAI does (``limit`` 1-100, default 20; ``order`` ``desc``, the default,
@@ -120,8 +120,9 @@ class ResponsesRoutes:
 
     # --- GET and DELETE
 
-    def _kept(self, rid: str) -> Any:
-        entry = self.store.get(rid)
+    def _kept(self, rid: str, tenant: str) -> Any:
+        """``tenant``'s kept response ``rid``, or the 404 (another tenant's is not found)."""
+        entry = self.store.get(rid, tenant)
         if entry is None:
             raise OpenAIError(
                 f"Response with id '{rid}' not found (never made with 'store', deleted, or "
@@ -136,23 +137,24 @@ class ResponsesRoutes:
         if not s.on:
             return "the store is off (--responses-store-bytes 0)"
         return (
-            f"{s.max_entries} responses, {s.max_bytes >> 20} MiB, {s.max_age_s:g} s "
-            "(--responses-store-entries, --responses-store-bytes, --responses-store-seconds)"
+            f"{s.tenant_entries} responses and {s.tenant_bytes >> 20} MiB a tenant, "
+            f"{s.max_age_s:g} s (--responses-store-tenant-entries, "
+            "--responses-store-tenant-bytes, --responses-store-seconds)"
         )
 
     def retrieve(self, call: Any) -> Any:
-        entry = self._kept(call.path["response"])
+        entry = self._kept(call.path["response"], call.tenant)
         return 200, [entry.response], _JSON
 
     def delete(self, call: Any) -> Any:
         rid = call.path["response"]
-        if not self.store.delete(rid):
-            self._kept(rid)
+        if not self.store.delete(rid, call.tenant):
+            self._kept(rid, call.tenant)
         body = {"id": rid, "object": "response.deleted", "deleted": True}
         return 200, [orjson.dumps(body)], _JSON
 
     def input_items(self, call: Any) -> Any:
-        entry = self._kept(call.path["response"])
+        entry = self._kept(call.path["response"], call.tenant)
         query = getattr(call, "query", {}) or {}
 
         def one(name: str) -> str | None:
@@ -202,7 +204,7 @@ class ResponsesRoutes:
 
     def cancel(self, call: Any) -> Any:
         rid = call.path["response"]
-        self._kept(rid)
+        self._kept(rid, call.tenant)
         raise OpenAIError(
             f"Response with id '{rid}' was not created with 'background': true: only "
             "background responses can be cancelled (this server answers every response in "
@@ -218,7 +220,7 @@ class ResponsesRoutes:
     def _history(self, ask: ResponsesAsk) -> list[dict[str, Any]]:
         if ask.previous_response_id is None:
             return []
-        entry = self.store.get(ask.previous_response_id)
+        entry = self.store.get(ask.previous_response_id, ask.tenant)
         if entry is None:
             raise OpenAIError(
                 f"Previous response with id '{ask.previous_response_id}' not found (never made "
@@ -242,6 +244,7 @@ class ResponsesRoutes:
         except OpenAIError as exc:
             raise _renamed(exc) from None
         chat.max_tokens_field = "max_output_tokens"
+        chat.tenant = ask.tenant  # its prefix cache is its tenant's
         return chat, conversation
 
     async def _create(self, ask: ResponsesAsk, trace: Any) -> Any:
@@ -259,7 +262,7 @@ class ResponsesRoutes:
         if isinstance(reply, StreamReply):
             events = EventStream(rid, created, chat.model, ask.echo)
             kept = conversation if ask.store else None
-            reply.chunks = self._streamed(events, reply.chunks, kept, ask.items)
+            reply.chunks = self._streamed(events, reply.chunks, kept, ask.items, ask.tenant)
             return reply
         status, pieces, _headers = reply
         if status != 200:
@@ -278,7 +281,7 @@ class ResponsesRoutes:
             rid, created, chat.model, ask.echo, state, output, usage(answer.get("usage"))
         )
         if ask.store:
-            self._keep(body, conversation, ask.items)
+            self._keep(body, conversation, ask.items, ask.tenant)
         return 200, [orjson.dumps(body)], _JSON
 
     def _keep(
@@ -286,9 +289,10 @@ class ResponsesRoutes:
         body: dict[str, Any],
         conversation: list[dict[str, Any]],
         items: list[dict[str, Any]],
+        tenant: str,
     ) -> None:
         messages = [*conversation, *assistant_messages(body["output"])]
-        self.store.put(body["id"], body, messages, items)
+        self.store.put(body["id"], body, messages, items, tenant)
 
     async def _streamed(
         self,
@@ -296,6 +300,7 @@ class ResponsesRoutes:
         chunks: AsyncIterator[bytes],
         conversation: list[dict[str, Any]] | None,
         items: list[dict[str, Any]],
+        tenant: str,
     ) -> AsyncIterator[bytes]:
         """The response's events from the chat stream's ``chunks``; kept (with
         ``conversation``: None, not kept) once the last is made."""
@@ -315,7 +320,7 @@ class ResponsesRoutes:
             finished = events.closing()
             if conversation is not None:
                 response = events.response(status_of(events.finish_reason))
-                self._keep(response, conversation, items)
+                self._keep(response, conversation, items, tenant)
             for event in finished:
                 yield event
         finally:

@@ -75,6 +75,9 @@ class ResponsesAsk:
     echo: dict[str, Any] = dataclasses.field(default_factory=dict)
     #: the request's ``input`` as the items GET /v1/responses/{id}/input_items lists
     items: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    #: the caller's tenant (``auth.py``; "" without tokens), set by the route, never from the
+    #: body: the store keeps its responses apart, and its chat its part of the prefix cache
+    tenant: str = ""
 
 
 def _text(value: Any, where: str) -> str:
@@ -328,7 +331,7 @@ def responses_request(body: dict[str, Any]) -> ResponsesAsk:
             "metadata",
         )
     chat: dict[str, Any] = {"model": model}
-    for key in ("temperature", "top_p", "parallel_tool_calls", "stream", "user"):
+    for key in ("temperature", "top_p", "parallel_tool_calls", "stream", "user", "cache_salt"):
         if body.get(key) is not None:
             chat[key] = body[key]
     if body.get("max_output_tokens") is not None:

@@ -4,16 +4,28 @@ OpenAI keeps a response (``store`` true, its default) for 30 days; a server in o
 cannot keep everything it ever answered, so this store is bounded three ways, each a setting:
 
 * ``--responses-store-entries`` (``PLUGSERVE_RESPONSES_STORE_ENTRIES``, 1,024): responses
-  kept at most; the oldest goes first when a new one comes;
+  kept at most;
 * ``--responses-store-bytes`` (``PLUGSERVE_RESPONSES_STORE_BYTES``, 64 MiB): their size at
   most (each counted as its stored JSON, the response and the conversation it continues,
   plus :data:`ENTRY_OVERHEAD`), and that size is charged to ``--max-inflight-bytes`` for as
-  long as it is kept: a full budget evicts the oldest until the new one fits, and a response
-  that cannot fit at all is answered but not kept (GET then says 404); 0 turns the store off
-  (every request acts as ``store: false``);
+  long as it is kept: a full budget evicts the tenant's oldest until the new one fits, and a
+  response that cannot fit at all is answered but not kept (GET then says 404); 0 turns the
+  store off (every request acts as ``store: false``);
 * ``--responses-store-seconds`` (``PLUGSERVE_RESPONSES_STORE_SECONDS``, 3,600): a response
   older than this is gone (checked on every use, so an idle store frees nothing until then,
   within the bytes above).
+
+Tenants (``auth.py``: with ``--auth-tokens`` each token, or each ``tenant=NAME`` of the token
+file, is one; without tokens the server is one). Each tenant has a shelf of its own, bounded by
+``--responses-store-tenant-entries`` and ``--responses-store-tenant-bytes`` (-1, the default:
+an equal share of the two bounds above, so the shelves together never pass them; 0: no bound
+of its own). A new response evicts the oldest of its own tenant's only: with one queue for
+everybody, 1,024 one-word requests (7 s) evicted every other client's responses, whose next
+``previous_response_id`` turn was a 404. Past a tenant's own bound its oldest go; past the
+store's (shares set larger than an equal one) or the memory budget's, its oldest go too, and a
+tenant holding nothing there has its response answered but not kept. A response is found only
+by its own tenant: another tenant's GET, DELETE, ``input_items``, ``cancel`` or
+``previous_response_id`` of it is the 404 of an id never made, so an id tells nothing.
 
 Each entry is self-contained: the conversation up to and including its answer, as the chat
 messages the template renders (the ``instructions`` left out, as OpenAI does not carry them
@@ -24,8 +36,7 @@ kept). The price is that a chain stores its early turns once per turn: a chain o
 k bytes each holds about N^2 k / 2, which the byte bound caps.
 
 Thread-safe (one lock; every operation is a dict move, no I/O). The ids are 128 random bits
-(``resp_`` and 32 hex digits): anyone allowed to generate (the ModelInfer role) may read or
-delete a response whose id they hold, as OpenAI lets any key of the project.
+(``resp_`` and 32 hex digits).
 """
 
 from __future__ import annotations
@@ -40,7 +51,7 @@ import orjson
 
 from plugserve.plugins.api import ResourceExhausted
 
-__all__ = ["ENTRY_OVERHEAD", "ResponseStore", "StoredResponse"]
+__all__ = ["ENTRY_OVERHEAD", "ResponseStore", "StoredResponse", "configured", "share"]
 
 #: what an entry holds beyond its JSON: the objects the JSON decodes into when it is read
 #: (about 3x its bytes), its slot in the ordered dict, the charge
@@ -64,6 +75,8 @@ class StoredResponse:
     charge: Any = None
     #: the request's input items (GET /v1/responses/{id}/input_items), as JSON
     items: bytes = b"[]"
+    #: the tenant that made it (``auth.py``; "" without tokens): the only one that finds it
+    tenant: str = ""
 
     def body(self) -> dict[str, Any]:
         return orjson.loads(self.response)
@@ -75,8 +88,28 @@ class StoredResponse:
         return orjson.loads(self.items)
 
 
+def share(bound: int, own: int, tenants: int) -> int:
+    """A tenant's bound: ``own`` when set (0: the store's ``bound``), -1: an equal share of
+    ``bound`` among ``tenants`` (at least 1)."""
+    if own < 0:
+        return max(1, bound // max(1, tenants))
+    return own or bound
+
+
+class _Shelf:
+    """One tenant's responses, oldest first, and their bytes."""
+
+    __slots__ = ("entries", "nbytes")
+
+    def __init__(self) -> None:
+        self.entries: OrderedDict[str, StoredResponse] = OrderedDict()
+        self.nbytes = 0
+
+
 class ResponseStore:
-    """A bounded map of response id -> :class:`StoredResponse` (see the module's docstring)."""
+    """A bounded map of response id -> :class:`StoredResponse`, a shelf per tenant (see the
+    module's docstring). ``tenant_entries`` and ``tenant_bytes``: a tenant's bounds (-1: an
+    equal share among ``tenants``; 0: the store's)."""
 
     def __init__(
         self,
@@ -84,13 +117,21 @@ class ResponseStore:
         max_entries: int = 1024,
         max_bytes: int = 64 << 20,
         max_age_s: float = 3600,
+        tenant_entries: int = -1,
+        tenant_bytes: int = -1,
+        tenants: int = 1,
     ) -> None:
         self.budget = budget
         self.max_entries = max_entries
         self.max_bytes = max_bytes
         self.max_age_s = max_age_s
+        self.tenant_entries = share(max_entries, tenant_entries, tenants)
+        self.tenant_bytes = share(max_bytes, tenant_bytes, tenants)
         self.nbytes = 0
+        #: every entry, oldest first (what expiry reads)
         self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
+        #: tenant -> its shelf (none for a tenant holding nothing)
+        self._shelves: dict[str, _Shelf] = {}
         self._lock = threading.Lock()
 
     @property
@@ -101,6 +142,13 @@ class ResponseStore:
         with self._lock:
             self._expire(time.monotonic())
             return len(self._entries)
+
+    def held(self, tenant: str = "") -> int:
+        """Responses ``tenant`` has kept."""
+        with self._lock:
+            self._expire(time.monotonic())
+            shelf = self._shelves.get(tenant)
+            return len(shelf.entries) if shelf is not None else 0
 
     @staticmethod
     def size(response: bytes, conversation: bytes, items: bytes = b"") -> int:
@@ -113,53 +161,73 @@ class ResponseStore:
         response: dict[str, Any],
         conversation: list[dict[str, Any]],
         items: list[dict[str, Any]] | None = None,
+        tenant: str = "",
     ) -> bool:
         """Keep ``response`` (its body), ``conversation`` (the chat messages it ends) and
-        ``items`` (its request's input items) under ``rid``, evicting the oldest as the
-        bounds need; False when it cannot be kept (larger than the store, or the memory
-        budget is full with the store empty)."""
+        ``items`` (its request's input items) under ``rid`` for ``tenant``, evicting that
+        tenant's oldest as the bounds need; False when it cannot be kept (larger than a
+        tenant's share, or no room is left that the tenant's own responses could make)."""
         if not self.on:
             return False
         body = orjson.dumps(response)
         history = orjson.dumps(conversation)
         listed = orjson.dumps(items or [])
         nbytes = self.size(body, history, listed)
-        if nbytes > self.max_bytes:
+        if nbytes > min(self.max_bytes, self.tenant_bytes):
             return False
-        entry = StoredResponse(rid, body, history, time.monotonic(), nbytes, items=listed)
+        entry = StoredResponse(
+            rid, body, history, time.monotonic(), nbytes, items=listed, tenant=tenant
+        )
         with self._lock:
             self._expire(entry.created)
             self._drop(rid)
-            while self._entries and (
-                len(self._entries) >= self.max_entries or self.nbytes + nbytes > self.max_bytes
+            shelf = self._shelves.get(tenant) or _Shelf()
+            while shelf.entries and (
+                len(shelf.entries) >= self.tenant_entries
+                or shelf.nbytes + nbytes > self.tenant_bytes
+                or len(self._entries) >= self.max_entries
+                or self.nbytes + nbytes > self.max_bytes
             ):
-                self._evict_oldest()
+                self._evict_oldest(shelf)
+            if len(self._entries) >= self.max_entries or self.nbytes + nbytes > self.max_bytes:
+                self._forget_empty(tenant, shelf)
+                return False  # the others' shelves hold the store: theirs are not evicted
             while True:
                 try:
                     entry.charge = self.budget.charge(nbytes, "a stored response")
                     break
                 except ResourceExhausted:
-                    if not self._entries:
+                    if not shelf.entries:
+                        self._forget_empty(tenant, shelf)
                         return False
-                    self._evict_oldest()
+                    self._evict_oldest(shelf)
+            self._shelves[tenant] = shelf
+            shelf.entries[rid] = entry
+            shelf.nbytes += nbytes
             self._entries[rid] = entry
             self.nbytes += nbytes
         return True
 
-    def get(self, rid: str) -> StoredResponse | None:
+    def get(self, rid: str, tenant: str = "") -> StoredResponse | None:
+        """``tenant``'s response ``rid``; None when it is not kept, or is another's."""
         with self._lock:
             self._expire(time.monotonic())
-            return self._entries.get(rid)
+            entry = self._entries.get(rid)
+            return entry if entry is not None and entry.tenant == tenant else None
 
-    def delete(self, rid: str) -> bool:
+    def delete(self, rid: str, tenant: str = "") -> bool:
+        """Forget ``tenant``'s response ``rid``; False when it is not kept, or is another's."""
         with self._lock:
             self._expire(time.monotonic())
+            entry = self._entries.get(rid)
+            if entry is None or entry.tenant != tenant:
+                return False
             return self._drop(rid)
 
     def clear(self) -> None:
         with self._lock:
             while self._entries:
-                self._evict_oldest()
+                self._drop(next(iter(self._entries)))
 
     # --- under the lock
 
@@ -167,12 +235,19 @@ class ResponseStore:
         entry = self._entries.pop(rid, None)
         if entry is None:
             return False
+        shelf = self._shelves[entry.tenant]
+        del shelf.entries[rid]
+        shelf.nbytes -= entry.nbytes
+        self._forget_empty(entry.tenant, shelf)
         self._release(entry)
         return True
 
-    def _evict_oldest(self) -> None:
-        _rid, entry = self._entries.popitem(last=False)
-        self._release(entry)
+    def _evict_oldest(self, shelf: _Shelf) -> None:
+        self._drop(next(iter(shelf.entries)))
+
+    def _forget_empty(self, tenant: str, shelf: _Shelf) -> None:
+        if not shelf.entries and self._shelves.get(tenant) is shelf:
+            del self._shelves[tenant]
 
     def _release(self, entry: StoredResponse) -> None:
         self.nbytes -= entry.nbytes
@@ -184,7 +259,22 @@ class ResponseStore:
         if self.max_age_s <= 0:
             return
         while self._entries:
-            oldest = next(iter(self._entries.values()))
+            rid, oldest = next(iter(self._entries.items()))
             if now - oldest.created <= self.max_age_s:
                 return
-            self._evict_oldest()
+            self._drop(rid)
+
+
+def configured(budget: Any, settings: Any, tenants: int) -> ResponseStore:
+    """The store the server's settings (``--responses-store-*``) describe, for ``tenants``
+    tenants (the token file's; 1 without tokens): ``plugserve serve``'s and a Ray Serve
+    replica's."""
+    return ResponseStore(
+        budget,
+        settings.responses_store_entries,
+        settings.responses_store_bytes,
+        settings.responses_store_seconds,
+        settings.responses_store_tenant_entries,
+        settings.responses_store_tenant_bytes,
+        tenants,
+    )

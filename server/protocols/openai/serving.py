@@ -311,6 +311,8 @@ class OpenAIRoutes:
         ``answer(ask, trace)``, within the request's span when the trace settings sample it
         (:meth:`_trace`; ``operation`` names it)."""
         ask = await self._body(call, check)
+        if hasattr(ask, "tenant"):  # the caller's, from its token: what its caches are keyed by
+            ask.tenant = call.tenant
         trace = self._trace(call, ask.model, operation)
         if trace is None:
             return await answer(ask, None)
@@ -517,6 +519,8 @@ class OpenAIRoutes:
                     params=params,
                     n=ask.n,
                     arrival=time.time(),
+                    tenant=ask.tenant,
+                    cache_salt=ask.cache_salt,
                 )
                 if constraints:
                     mine = constraints[i * ask.n : (i + 1) * ask.n]
@@ -577,7 +581,9 @@ class OpenAIRoutes:
         self, model: _Model, request: GenerationRequest, holds: int, trace: Trace | None
     ) -> Any:
         network = model.network
-        ask = Request(model.entry, holds=holds, protocol="openai", trace=trace)
+        ask = Request(
+            model.entry, holds=holds, protocol="openai", trace=trace, tenant=request.tenant
+        )
         return self.plane.stream(ask, lambda sender: network.generate(request, sender))
 
     def _trace(self, call: Any, model: str, operation: str) -> Trace | None:

@@ -11,11 +11,13 @@ Honoured:
   ``auto``) only;
 * ``skip_special_tokens`` and ``include_stop_str_in_output`` (the engine's own parameters),
   ``add_special_tokens`` (the tokenizer's BOS and the like: completions true, chat false by
-  default, as vLLM's).
+  default, as vLLM's);
+* ``cache_salt`` (vLLM's): a string of 1 to :data:`MAX_CACHE_SALT` characters mixed into the
+  first block's hash of the prompt's chain in the prefix cache (``kvcache.salt``), beside the
+  caller's tenant: only requests of the same tenant with the same salt share cached blocks.
 
 Refused when set to anything but the value that changes nothing (:data:`REFUSED`): beam search,
 ``allowed_token_ids``, ``bad_words``, ``truncate_prompt_tokens``, ``logits_processors``,
-``cache_salt`` (prefix-cache isolation: this server's prefix cache is per model, shared),
 ``return_tokens_as_token_ids``, ``prompt_embeds``, a custom ``chat_template``, multimodal and
 audio fields, OpenAI's legacy ``functions`` / ``function_call``, ``prediction``,
 ``web_search_options``, ``stream_options.continuous_usage_stats``.
@@ -29,7 +31,11 @@ import orjson
 
 from plugserve.server.protocols.openai.errors import OpenAIError
 
-__all__ = ["REFUSED", "read"]
+__all__ = ["MAX_CACHE_SALT", "REFUSED", "read"]
+
+#: ``cache_salt``'s characters at most: it is hashed with every prompt's first block, and a
+#: salt is a name, not a document (vLLM bounds it by the request's size only)
+MAX_CACHE_SALT = 256
 
 #: field -> (the routes it applies to, the values that change nothing, why it is refused)
 REFUSED: dict[str, tuple[str, tuple[Any, ...], str]] = {
@@ -39,11 +45,6 @@ REFUSED: dict[str, tuple[str, tuple[Any, ...], str]] = {
     "bad_words": ("both", ([],), "use 'logit_bias' to keep tokens out"),
     "truncate_prompt_tokens": ("both", (), "prompts are never truncated (too long: a 400)"),
     "logits_processors": ("both", ([],), "custom logits processors are not supported"),
-    "cache_salt": (
-        "both",
-        ("",),
-        "the prefix cache is per model and shared; it cannot be isolated per salt",
-    ),
     "return_tokens_as_token_ids": ("both", (False,), "use 'return_token_ids'"),
     "spaces_between_special_tokens": ("both", (True,), "special tokens are decoded as they are"),
     "guided_whitespace_pattern": ("both", (), "the JSON is compact; no whitespace pattern"),
@@ -149,6 +150,13 @@ def read(body: dict[str, Any], ask: Any, route: str) -> None:
     if special is not None and not isinstance(special, bool):
         raise OpenAIError("'add_special_tokens' must be true or false", "add_special_tokens")
     ask.add_special_tokens = special if special is not None else route != "chat"
+    salt = body.get("cache_salt")
+    if salt is not None:
+        if not isinstance(salt, str) or not 1 <= len(salt) <= MAX_CACHE_SALT:
+            raise OpenAIError(
+                f"'cache_salt' must be a string of 1 to {MAX_CACHE_SALT} characters", "cache_salt"
+            )
+        ask.cache_salt = salt
     guided = _guided(body)
     if guided is None:
         return

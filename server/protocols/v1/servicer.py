@@ -52,9 +52,17 @@ def _stops_when_gone(method: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class PlugserveServicer(pb_grpc.PlugserveServicer):
-    def __init__(self, plane: DataPlane, control: ModelControl) -> None:
+    def __init__(
+        self,
+        plane: DataPlane,
+        control: ModelControl,
+        tenant_of: Callable[[Any], str] | None = None,
+    ) -> None:
+        """``tenant_of(metadata)``: the caller's tenant from its token (``auth``'s; None
+        without tokens: one tenant), which its requests carry (``Request.tenant``)."""
         self.plane = plane
         self.control = control
+        self.tenant_of = tenant_of
         inference = Inference(
             plane.tracing,
             self._admit,
@@ -171,6 +179,7 @@ class PlugserveServicer(pb_grpc.PlugserveServicer):
             entry, outputs=list(request.outputs), deadline=deadline(context), run=token,
             step=sequence_of(request), inline=inline,
             holds=size * GRPC_FACTOR + decoding_nbytes(request), protocol="v1", trace=trace,
+            tenant=self.tenant_of(context.invocation_metadata()) if self.tenant_of else "",
         )  # fmt: skip
         if entry.network.decoupled:
             if not streaming:
