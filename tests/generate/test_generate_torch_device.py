@@ -101,8 +101,8 @@ def test_the_padded_static_decode_step_answers_as_the_eager_engine(torch_llama, 
         assert isinstance(graphs, DecodeGraphs) and not graphs.capture  # the CPU twin
         assert graphs.runs > 0 and graphs.replays == 0
         assert twin.cache.tensors.keys[0].shape[0] == 7  # 6 slots and the scratch one
-        sizes = {size for size, _width in graphs.shapes}
-        assert sizes <= set(GRAPH_SIZES) and len(graphs.shapes) <= 4, graphs.shapes
+        sizes = {size for size, _width, _front in graphs.shapes}
+        assert sizes <= set(GRAPH_SIZES) and len(graphs.shapes) <= 8, graphs.shapes
         assert sizes - {1, 2}, "some steps were padded up to a bigger size"
     finally:
         twin.close()
@@ -133,9 +133,14 @@ def test_the_padded_steps_logits_equal_the_unpadded_steps(torch_llama, hf_llama)
                 twin.cache.tensors, torch.from_numpy(ids), at, torch.tensor(rows),
                 model.plan(lens, [1] * 3, rows, at),
             )  # fmt: skip
-        assert (4, 128) in twin.decoder.graphs.shapes
+            # the rows in the other order: the other way of reading the keys (in place when
+            # the rows are 0..2, gathered when not), the same logits in that order
+            turned = twin.decoder.graphs.run(ids[::-1].copy(), positions[::-1].copy(), rows[::-1])
+        shapes = twin.decoder.graphs.shapes
+        assert (4, 128, False) in shapes and (rows != [0, 1, 2] or (4, 128, True) in shapes)
         assert fixed.shape == (3, model.shape.vocab)
         torch.testing.assert_close(fixed, eager, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(turned, eager.flip(0), rtol=1e-5, atol=1e-5)
     finally:
         twin.close()
 

@@ -624,7 +624,7 @@ def engine_greedy(folder: Path, device: str, precision: str, prompts: dict) -> t
         if graphs is not None:  # decode steps through DecodeGraphs (CUDA graphs on a card)
             figures["decode_graphs"] = {
                 "captured": graphs.capture, "runs": graphs.runs, "replays": graphs.replays,
-                "shapes": sorted(f"{b}x{w}" for b, w in graphs.shapes),
+                "shapes": sorted(f"{k[0]}x{k[1]}{'f' if k[2] else ''}" for k in graphs.shapes),
             }  # fmt: skip
         if precision == "f32":
             figures["_sampled"] = engine_sampled(network, dict(list(prompts.items())[:4]))

@@ -331,11 +331,15 @@ class DecoderModel:
         plan.chunks(starts[decoding:], counts[decoding:], rows[decoding:])
         return plan
 
-    def decode_plan(self, rows: Any, positions: Any, width: int) -> _AttentionPlan:
+    def decode_plan(
+        self, rows: Any, positions: Any, width: int, front: bool = False
+    ) -> _AttentionPlan:
         """A step of decoding rows only, its shapes fixed (``width``: the keys each row reads,
-        masked past its position), as a CUDA graph captures it."""
+        masked past its position), as a CUDA graph captures it. ``front``: row ``i`` is slot
+        ``i`` for every real row, so the keys are read in place (``keys[:B]``), not gathered;
+        a padding row reads whatever slot its index is (its logits are dropped)."""
         plan = _AttentionPlan(self, positions.device)
-        plan.decode(rows, positions, width)
+        plan.decode(rows, positions, width, front)
         return plan
 
     def forward(self, cache: KVTensors, ids: Any, positions: Any, slots: Any, plan: Any) -> Any:
@@ -459,13 +463,15 @@ class _AttentionPlan:
         self.sequences: list[tuple[int, int, int, int, Any]] = []  # row, start, count, offset, mask
         self.lasts: list[Any] = []
 
-    def decode(self, rows: Any, positions: Any, width: int) -> None:
-        """Decoding rows ``rows`` (a tensor), one token each at ``positions``."""
+    def decode(self, rows: Any, positions: Any, width: int, front: bool = False) -> None:
+        """Decoding rows ``rows`` (a tensor), one token each at ``positions`` (``front``:
+        :meth:`DecoderModel.decode_plan`)."""
         torch = self.torch
         self.decoding = int(rows.shape[0])
         if not self.decoding:
             return
         self.decode_rows = rows
+        self.front = front
         self.width = width
         columns = torch.arange(width, device=self.device)
         allowed = columns[None, :] <= positions[:, None]
@@ -510,8 +516,11 @@ class _AttentionPlan:
         outs = []
         b = self.decoding
         if b:
-            k = keys[self.decode_rows, :, : self.width]
-            v = values[self.decode_rows, :, : self.width]
+            if self.front:  # views: no copy of the rows' keys
+                k, v = keys[:b, :, : self.width], values[:b, :, : self.width]
+            else:
+                k = keys[self.decode_rows, :, : self.width]
+                v = values[self.decode_rows, :, : self.width]
             qd = q[:b].unsqueeze(2)  # [B, heads, 1, d]
             out = sdpa(qd, k, v, attn_mask=self.decode_mask, scale=scale, enable_gqa=gqa)
             outs.append(out.reshape(b, -1))

@@ -1,0 +1,72 @@
+"""plugserve.ray's application builder and config, without a cluster: in the Ray venv
+(tests/support/ray_cluster.py), as ``serve run`` calls the builder."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+import ray_cluster
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def python() -> str:
+    try:
+        return str(ray_cluster.ray_venv() / "bin" / "python")
+    except ray_cluster.Unavailable as exc:
+        pytest.skip(str(exc))
+
+
+def _run(python: str, code: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [python, "-c", code], capture_output=True, text=True, timeout=300, cwd="/"
+    )
+
+
+def test_the_builder_takes_serve_and_server_arguments_and_refuses_others(python):
+    done = _run(
+        python,
+        "import json\n"
+        "from plugserve.ray import app\n"
+        "built = app({'model_repository': '/models', 'min_replicas': '1', 'max_replicas': '3',\n"
+        "             'target_ongoing_requests': '4', 'default_device': 'ORT'})\n"
+        "d = built._bound_deployment\n"
+        "print(json.dumps({'scaling': d._deployment_config.autoscaling_config.min_replicas,\n"
+        "  'max': d._deployment_config.autoscaling_config.max_replicas,\n"
+        "  'settings': d.init_args[0]}))\n"
+        "for bad in ({'no_such_knob': 1}, {'num_replicas': 'two'}, {'log_level': 'LOUD'}):\n"
+        "    try:\n"
+        "        app(bad)\n"
+        "    except (ValueError, SystemExit) as exc:\n"
+        "        print('REFUSED', str(exc).splitlines()[0][:200])\n",
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    built = json.loads(lines[0])
+    assert (built["scaling"], built["max"]) == (1, 3)
+    settings = built["settings"]
+    assert settings["model_repository"] == "/models" and settings["default_device"] == "ORT"
+    assert settings["metrics_port"] == -1 and settings["model_control_mode"] == "none"
+    refused = [line for line in lines if line.startswith("REFUSED")]
+    assert len(refused) == 3, done.stdout
+    assert "unknown argument 'no_such_knob'; known: " in refused[0]
+    assert "num_replicas='two'" in refused[1]
+    assert "invalid settings" in refused[2] and "LOUD" in refused[2]
+
+
+def test_python_m_plugserve_ray_prints_a_config_with_the_ports_set(python):
+    done = _run(
+        python,
+        "import runpy, sys; sys.argv = ['x', 'model_repository=/m', 'num_replicas=2']; "
+        "runpy.run_module('plugserve.ray', run_name='__main__')",
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    config = json.loads(done.stdout)
+    assert config["http_options"]["port"] == 8000 and config["grpc_options"]["port"] == 9000
+    assert config["grpc_options"]["grpc_servicer_functions"] == [ray_cluster.GRPC_SERVICER]
+    (application,) = config["applications"]
+    assert application["import_path"] == "plugserve.ray:app"
+    assert application["args"] == {"model_repository": "/m", "num_replicas": "2"}
