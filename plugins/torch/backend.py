@@ -169,7 +169,7 @@ def ieee_fp32(torch: Any) -> None:
     default (True), after which torch's own legacy getter (read by ``cudnn.flags()`` and by
     inductor's convolution lowering) raises "a mix of the legacy and new APIs"; the legacy
     setter sets the conv and RNN precisions with it, so both APIs read IEEE and neither raises
-    (tests/plugins/torch/test_device_failure.py)."""
+    (tests/plugins/torch_device/test_device_failure.py)."""
     matmul = torch.backends.cuda.matmul
     if hasattr(matmul, "fp32_precision"):  # torch >= 2.9
         matmul.fp32_precision = "ieee"

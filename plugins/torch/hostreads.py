@@ -17,7 +17,7 @@ costs nothing. An input read on the host is a problem only when it is a device v
 computed from the data (a Reshape to a shape taken from a tensor's values), or a graph input.
 So a Shape -> Gather -> Concat -> Reshape chain (every transformer the TorchScript exporter
 writes) reads nothing of the device, and its network is captured.
-tests/plugins/torch/test_torch_capture.py checks the registry against the converters' source.
+tests/plugins/torch_device/test_torch_capture.py checks the registry against the converters' source.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ runs on a CUDA device in f16 or bf16 (:func:`wanted`):
   network loaded beside may differ from the heuristics' choice by rounding only.
 
 A layout is only strides: every op computes the same values either way (the CPU twin test,
-tests/plugins/torch/test_layout.py, runs the conversion on the CPU and compares). On the CPU,
+tests/plugins/torch_device/test_layout.py, runs the conversion on the CPU and compares). On the CPU,
 and in f32 anywhere, nothing here applies: the CPU path is unchanged.
 """
 

@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT / "tests" / "support"), str(ROOT / "tests" / "plugins" / "torch")]
+sys.path[:0] = [str(ROOT / "tests" / "support"), str(ROOT / "tests" / "plugins" / "torch_device")]
 
 
 class Skipped(Exception):
@@ -483,7 +483,7 @@ def graph_checks(core, device, cnn, image, proto, size, result, check, budget, s
         CPU every run allocates and is charged (test_devmem.py's lane test)."""
         if not device.startswith("GPU"):
             raise Skipped("no CUDA graph pools on the CPU: every run there allocates and is "
-                          "charged (tests/plugins/torch/test_devmem.py)")  # fmt: skip
+                          "charged (tests/plugins/torch_device/test_devmem.py)")  # fmt: skip
         from models import mlp
         from onnx import TensorProto, helper
 
@@ -541,7 +541,7 @@ def graph_checks(core, device, cnn, image, proto, size, result, check, budget, s
         the GPU (its values right), and inside a capture a kept value is its copy while a
         large value not moved is refused with RuntimeError before any CUDA call (the capture
         then ends, and its graph replays). The CPU's Moves is the meta device's, in
-        tests/plugins/torch/test_host_values.py (skipped here)."""
+        tests/plugins/torch_device/test_host_values.py (skipped here)."""
         import torch
 
         from plugserve.plugins.torch import hostvalues

@@ -1,6 +1,6 @@
 """Triton's ``model_warmup`` (``server/control/warmup.py``): a config.pbtxt's warm-up samples run
 at load on every stream of the model, before it is ready, on any device (ORT and NUMPY here;
-TORCH's graph capture in tests/plugins/torch/test_torch_cuda_config.py); each run logged in
+TORCH's graph capture in tests/plugins/torch_device/test_torch_cuda_config.py); each run logged in
 Triton's words, none counted in the model's statistics (as Triton counts none); a bad sample
 fails its model's load with the reason and the server and its other models go on. Driven with
 tritonclient against a real server."""

@@ -2,7 +2,7 @@
 
 onnxruntime with its graph optimizations off is the reference, compared at f32's tolerance: so
 every device is asked for ``EXECUTION_MODE_HINT=ACCURACY`` (OPENVINO's default is openvino's
-own, bf16 on CPUs with it; tests/plugins/openvino checks that). OPENVINO must match wherever
+own, bf16 on CPUs with it; tests/plugins/openvino_device checks that). OPENVINO must match wherever
 openvino itself reads and compiles the model; where it cannot, plugserve must refuse the model
 with ``Unsupported`` (never a crash or another error). Every other device must run every model.
 """

@@ -8,7 +8,7 @@ SimplifiedLayerNormalization and SkipSimplifiedLayerNormalization (its attention
 quantized-weight ops are :mod:`decoder`'s). A model saved by those tools runs on NUMPY with
 these, each as onnxruntime's ContribOperators.md
 defines it (the specification), checked against onnxruntime on real optimized and quantized
-exports (tests/plugins/numpy/test_contrib.py, the zoo's ``*_ortopt`` and ``*_qop`` models).
+exports (tests/plugins/numpy_device/test_contrib.py, the zoo's ``*_ortopt`` and ``*_qop`` models).
 
 Float ops compute in float32 (float16 in and out, as the model says); quantized ops compute the
 exact integer products in float64 (as :mod:`quantize` does) and round half to even, as
