@@ -307,9 +307,12 @@ class GpuPlugin(TorchPlugin):
         self.cards  # noqa: B018 (TF32 off before the first network)
         return super()._compile(*args, **kwargs)
 
-    def _compile_program(self, *args: Any, **kwargs: Any) -> TorchCompiledNetwork:
-        self.cards  # noqa: B018 (TF32 off before the first network)
-        return super()._compile_program(*args, **kwargs)
+    def _compile_program(
+        self, data: bytes, cfg: Any, name: str, trusted: bool
+    ) -> TorchCompiledNetwork:
+        if trusted:  # (one refused touches no card)
+            self.cards  # noqa: B018 (TF32 off before the first network)
+        return super()._compile_program(data, cfg, name, trusted)
 
     def _card(self, device_id: Any) -> backend.CudaCard:
         text = str(device_id or "0").strip() or "0"
