@@ -189,15 +189,28 @@ class Devices(Protocol):
         ...
 
     def load_network(
-        self, model: Model, device: str, config: CallConfig | None = None
-    ) -> CompiledNetwork: ...
+        self,
+        model: Model,
+        device: str,
+        config: CallConfig | None = None,
+        *,
+        trusted: bool = False,
+    ) -> CompiledNetwork:
+        """``trusted``: the model is the operator's (see :meth:`Plugin.load_trusted`); a
+        virtual device passes on what it was given, never more."""
+        ...
 
     def query_network(
         self, model: Model, device: str, config: CallConfig | None = None
     ) -> dict[str, str]: ...
 
     def import_network(
-        self, data: bytes, device: str, config: CallConfig | None = None
+        self,
+        data: bytes,
+        device: str,
+        config: CallConfig | None = None,
+        *,
+        trusted: bool = False,
     ) -> CompiledNetwork: ...
 
 
@@ -328,6 +341,27 @@ class Plugin(abc.ABC):
     @abc.abstractmethod
     def import_network(self, blob: bytes, config: CallConfig | None = None) -> CompiledNetwork:
         """Rebuild a network from :meth:`CompiledNetwork.export`; a foreign blob raises."""
+
+    # --- what the operator vouches for: formats whose loading runs code
+    #
+    # ``load_network`` and ``import_network`` take models from anyone (a client's bytes, a
+    # load's file overrides): a device never runs code a model carries there (a PyTorch
+    # program, whose loaders unpickle and compile it; a Python model's ``model.py``), and
+    # refuses such a model with PermissionDenied. The two below are for models the server's
+    # operator put in its model repository on disk (or an in-process caller names as its
+    # own, or an operator allowed from clients: ``--allow-code-from-clients``); the Core picks
+    # one or the other (``Core.load_network(..., trusted=...)``). A device whose models never
+    # run code needs neither: they are ``load_network`` and ``import_network``.
+
+    def load_trusted(self, model: Model, config: CallConfig | None = None) -> CompiledNetwork:
+        """:meth:`load_network` of a model from the operator: may load a format that runs the
+        code it carries."""
+        return self.load_network(model, config)
+
+    def import_trusted(self, blob: bytes, config: CallConfig | None = None) -> CompiledNetwork:
+        """:meth:`import_network` of a blob from the operator (the Core's compiled-model
+        cache, for a trusted load): may load a format that runs the code it carries."""
+        return self.import_network(blob, config)
 
     # --- optional hooks: every plugin has them; these defaults are for plugins without
 

@@ -22,6 +22,7 @@ __all__ = [
     "InvalidInput",
     "InvalidModel",
     "NotFound",
+    "PermissionDenied",
     "PlugserveError",
     "QueueFull",
     "ResourceExhausted",
@@ -46,6 +47,15 @@ class InvalidArgument(PlugserveError, ValueError):
     """The caller sent something that cannot be right: a bad config value, name or key."""
 
     code = "INVALID_ARGUMENT"
+
+
+class PermissionDenied(PlugserveError, PermissionError):
+    """The call is well formed but its source may not cause it: a model that runs code when
+    loaded (a PyTorch program, a Python model's ``model.py``) sent by a client rather than
+    read from the operator's model repository (docs/security.md, "What runs code and who may
+    cause it")."""
+
+    code = "PERMISSION_DENIED"
 
 
 class InvalidModel(InvalidArgument):

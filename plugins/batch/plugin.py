@@ -62,6 +62,18 @@ class BatchPlugin(VirtualPlugin):
     def load_network(
         self, model: Model, config: Mapping[str, Any] | None = None
     ) -> BatchCompiledNetwork:
+        return self._load(model, config, trusted=False)
+
+    def load_trusted(
+        self, model: Model, config: Mapping[str, Any] | None = None
+    ) -> BatchCompiledNetwork:
+        """A model from the operator (a repository program with dynamic batching): its
+        device loads it as one."""
+        return self._load(model, config, trusted=True)
+
+    def _load(
+        self, model: Model, config: Mapping[str, Any] | None, trusted: bool
+    ) -> BatchCompiledNetwork:
         cfg = self.merged_config(config)
         device = self._device(cfg)
         # a PyTorch program (a zip archive, TORCH's and GPU's) cannot be read here: its rows
@@ -73,7 +85,7 @@ class BatchPlugin(VirtualPlugin):
                 f"model {graph.name!r} cannot be batched: {why}, so a request's result "
                 "would depend on the requests batched with it; serve it without BATCH"
             )
-        network = self._devices().load_network(model, device, cfg.child(device))
+        network = self._devices().load_network(model, device, cfg.child(device), trusted=trusted)
         return self._wrap(cfg, device, network)
 
     def query_network(
@@ -101,9 +113,22 @@ class BatchPlugin(VirtualPlugin):
     ) -> BatchCompiledNetwork:
         """Import a device's export (see :meth:`BatchCompiledNetwork.export`) on the device
         named by ``BATCH:<device>(n)`` and batch it."""
+        return self._import(data, config, trusted=False)
+
+    def import_trusted(
+        self, data: bytes, config: Mapping[str, Any] | None = None
+    ) -> BatchCompiledNetwork:
+        """:meth:`import_network` of the operator's blob (the model cache of a trusted load)."""
+        return self._import(data, config, trusted=True)
+
+    def _import(
+        self, data: bytes, config: Mapping[str, Any] | None, trusted: bool
+    ) -> BatchCompiledNetwork:
         cfg = self.merged_config(config)
         device = self._device(cfg)
-        network = self._devices().import_network(data, device, cfg.child_strings(device))
+        network = self._devices().import_network(
+            data, device, cfg.child_strings(device), trusted=trusted
+        )
         return self._wrap(cfg, device, network)
 
     def device_name(self) -> str:

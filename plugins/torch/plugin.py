@@ -4,7 +4,10 @@
 serves with.
 
 PyTorch programs (TorchScript files, torch.export's ``.pt2``) load whole, as one node
-(:mod:`.programs`); their inputs and outputs come from the model's configuration.
+(:mod:`.programs`); their inputs and outputs come from the model's configuration. A program is
+code: it loads through :meth:`TorchPlugin.load_trusted` / :meth:`~TorchPlugin.import_trusted`
+only (a model from the operator), and ``load_network`` / ``import_network`` refuse it with
+PermissionDenied; QueryNetwork reads its listing and never loads it.
 
 Precision is explicit (:mod:`.config`): float32 values compute in f32 (IEEE: TF32 off), f16 or
 bf16; the GPU's default is f16, the CPU's f32, and ``EXECUTION_MODE_HINT=ACCURACY`` is f32 on
@@ -41,9 +44,9 @@ from plugserve.plugins.torch.ops.registry import converters
 from plugserve.plugins.torch.program import Program
 from plugserve.plugins.torch.programs import (
     TorchProgram,
-    load_module,
     program_kind,
     read_program,
+    refuse_untrusted,
 )
 from plugserve.plugins.torch.query import supported_nodes, unsupported_nodes
 
@@ -136,28 +139,45 @@ class TorchPlugin(Plugin):
         devmem.hold_while_alive(network, held)
         return network
 
-    def _compile_program(self, data: bytes, cfg: Any, name: str) -> TorchCompiledNetwork:
+    def _compile_program(
+        self, data: bytes, cfg: Any, name: str, trusted: bool
+    ) -> TorchCompiledNetwork:
         """A PyTorch program, whole; it computes in f32 unless the hint says otherwise (its own
-        constants may be f32: the converters' f16 default is for ONNX graphs)."""
+        constants may be f32: the converters' f16 default is for ONNX graphs). ``trusted``:
+        the program is the operator's, else it is refused before anything of it is loaded."""
+        if not trusted:
+            raise refuse_untrusted(program_kind(data), name)
         device = self._device(cfg)
         devmem.refuse_failed(device, f"model {name!r} cannot load")
         chosen = precision(cfg, "f32")
         table = {"f32": self.torch.float32, "f16": self.torch.float16, "bf16": self.torch.bfloat16}
         program = TorchProgram(
-            data, cfg.get("MODEL_TENSORS"), self.torch, device, table[chosen], name
+            data, cfg.get("MODEL_TENSORS"), self.torch, device, table[chosen], name, trusted=True
         )
         return TorchCompiledNetwork(
             self, cfg, name, program.inputs, program.outputs, program, data, chosen, device
         )
 
-    @memory.giving_back
     def load_network(
         self, model: Model, config: Mapping[str, Any] | None = None
+    ) -> TorchCompiledNetwork:
+        """An ONNX model from anyone; a PyTorch program is refused (PermissionDenied)."""
+        return self._load(model, config, trusted=False)
+
+    def load_trusted(
+        self, model: Model, config: Mapping[str, Any] | None = None
+    ) -> TorchCompiledNetwork:
+        """An ONNX model or a PyTorch program from the operator."""
+        return self._load(model, config, trusted=True)
+
+    @memory.giving_back
+    def _load(
+        self, model: Model, config: Mapping[str, Any] | None, trusted: bool
     ) -> TorchCompiledNetwork:
         cfg = self.merged_config(config)
         program = read_program(model)
         if program is not None:
-            return self._compile_program(program, cfg, _program_name(model))
+            return self._compile_program(program, cfg, _program_name(model), trusted)
         graph, data, proto = self._graph(model)
         network = self._compile(graph, data, cfg)
         network.shape_model = shape_model(proto)
@@ -169,9 +189,9 @@ class TorchPlugin(Plugin):
         cfg = self.merged_config(config, strict=False)
         program = read_program(model)
         if program is not None:  # one node: all or nothing, HETERO cannot cut it
+            # its listing says what it is; loading it would run its code, whoever sent it
             kind = program_kind(program)
             name = _program_name(model)
-            load_module(program, kind, self.torch, self._device(cfg), name)
             node = f"{kind} program" if name == "program" else f"{name} ({kind} program)"
             return {f"{node}, run whole": self.name}
         graph = load_model(model)
@@ -192,9 +212,23 @@ class TorchPlugin(Plugin):
     def import_network(
         self, data: bytes, config: Mapping[str, Any] | None = None
     ) -> TorchCompiledNetwork:
+        """An exported ONNX network from anyone; an exported program (its archive) is
+        refused (PermissionDenied)."""
+        return self._import(data, config, trusted=False)
+
+    def import_trusted(
+        self, data: bytes, config: Mapping[str, Any] | None = None
+    ) -> TorchCompiledNetwork:
+        """An exported network or program from the operator (the Core's model cache)."""
+        return self._import(data, config, trusted=True)
+
+    def _import(
+        self, data: bytes, config: Mapping[str, Any] | None, trusted: bool
+    ) -> TorchCompiledNetwork:
         header, payload, cfg = self._unpack(data, config)
         if header.get("program"):
-            return self._compile_program(payload, cfg, str(header.get("network_name") or "model"))
+            name = str(header.get("network_name") or "model")
+            return self._compile_program(payload, cfg, name, trusted)
         import onnx
 
         proto = onnx.ModelProto()
@@ -273,9 +307,12 @@ class GpuPlugin(TorchPlugin):
         self.cards  # noqa: B018 (TF32 off before the first network)
         return super()._compile(*args, **kwargs)
 
-    def _compile_program(self, *args: Any, **kwargs: Any) -> TorchCompiledNetwork:
-        self.cards  # noqa: B018 (TF32 off before the first network)
-        return super()._compile_program(*args, **kwargs)
+    def _compile_program(
+        self, data: bytes, cfg: Any, name: str, trusted: bool
+    ) -> TorchCompiledNetwork:
+        if trusted:  # (one refused touches no card)
+            self.cards  # noqa: B018 (TF32 off before the first network)
+        return super()._compile_program(data, cfg, name, trusted)
 
     def _card(self, device_id: Any) -> backend.CudaCard:
         text = str(device_id or "0").strip() or "0"

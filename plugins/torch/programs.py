@@ -23,6 +23,15 @@ it, else in the configuration's order; outputs by ``<name>__<index>``, else in o
 program's results are flattened (a tensor; a tuple or list; a dict in its order) before they
 are picked.
 
+A program is code: torch.jit.load compiles the TorchScript it carries, and torch.export.load
+unpickles what an archive keeps pickled (a weight or constant saved with ``torch.save``, a
+custom object), which runs whatever the pickle names. So a program loads only from a trusted
+source (:func:`load_module`'s ``trusted``: the operator's model repository on disk, an in-process
+caller's own file, or ``--allow-code-from-clients``); from anyone else it is refused with
+PermissionDenied before torch sees a byte (:func:`refuse_untrusted`). QueryNetwork never loads
+one: it answers from the archive's listing (:func:`program_kind`, zipfile's names and the small
+``archive_format`` file), whatever the source.
+
 A program is one node to QueryNetwork, ``{network name: device}``: all or nothing, so HETERO
 cannot cut it (no other device loads one). Precision: a program computes in the types it was
 written in unless ``INFERENCE_PRECISION_HINT`` says f16 or bf16 (then its floating parameters
@@ -51,7 +60,13 @@ from typing import Any
 import numpy as np
 
 from plugserve.plugins import cancel
-from plugserve.plugins.api import InferenceError, InvalidArgument, InvalidModel, PlugserveError
+from plugserve.plugins.api import (
+    InferenceError,
+    InvalidArgument,
+    InvalidModel,
+    PermissionDenied,
+    PlugserveError,
+)
 from plugserve.plugins.inputs import TensorSpec
 from plugserve.plugins.torch.ops.registry import torch_dtype
 
@@ -62,6 +77,7 @@ __all__ = [
     "parse_tensors",
     "program_kind",
     "read_program",
+    "refuse_untrusted",
 ]
 
 TORCHSCRIPT = "torchscript"
@@ -130,6 +146,18 @@ def program_kind(data: bytes) -> str:
     )
 
 
+def refuse_untrusted(kind: str, name: str) -> PermissionDenied:
+    """The refusal of a program from a source the operator does not vouch for: what it is,
+    why it is not loaded, and where it loads instead."""
+    return PermissionDenied(
+        f"{kind} program {name!r} was not loaded: a PyTorch program (TorchScript, .pt2) runs "
+        "the code it carries when loaded (TorchScript is compiled, a .pt2's pickled parts "
+        "are unpickled), so it loads only from the server's model repository on disk: put "
+        "it there (<name>/<version>/model.pt with its config.pbtxt) and load the model by "
+        "name, or ask the server's operator to allow programs from clients"
+    )
+
+
 # --------------------------------------------------------------------------- MODEL_TENSORS
 
 
@@ -194,7 +222,10 @@ class TorchProgram:
         device: Any,
         compute: Any,
         name: str,
+        *,
+        trusted: bool = False,
     ) -> None:
+        """``trusted``: ``data`` is the operator's (:func:`load_module`)."""
         self.torch = torch
         self.device = device
         self.name = name
@@ -204,7 +235,7 @@ class TorchProgram:
         #: executor profiles its first runs and optimizes (compiles fused kernels) after them,
         #: which must happen before the capture, not inside it
         self.capture_warmups = 3 if self.kind == TORCHSCRIPT else 1
-        module, arguments, own = load_module(data, self.kind, torch, device, name)
+        module, arguments, own = load_module(data, self.kind, torch, device, name, trusted=trusted)
         if compute != torch.float32:  # the hint asked for f16 or bf16
             module = module.to(compute)
         if device.type == "cuda":  # the casts ran on this thread's stream; requests run on
@@ -332,10 +363,16 @@ class TorchProgram:
 
 
 def load_module(
-    data: bytes, kind: str, torch: Any, device: Any, name: str
+    data: bytes, kind: str, torch: Any, device: Any, name: str, *, trusted: bool
 ) -> tuple[Any, list[str], tuple[list[TensorSpec], list[TensorSpec]]]:
     """The program's callable module on ``device``, its argument names and (torch.export) its
-    own inputs and outputs; InvalidModel with torch's reason when it cannot be loaded."""
+    own inputs and outputs; InvalidModel with torch's reason when it cannot be loaded.
+
+    The one place a program is loaded, and loading runs its code: ``trusted`` says ``data``
+    is the operator's; without it nothing is loaded (PermissionDenied).
+    tests/test_code_loaders.py holds every call of a loader that runs code to a list."""
+    if not trusted:
+        raise refuse_untrusted(kind, name)
     try:
         with _LOADING:
             if kind == TORCHSCRIPT:

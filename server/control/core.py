@@ -270,9 +270,15 @@ class Core:
         device: str,
         config: CallConfig | None = None,
         should_stop: Callable[[], bool] | None = None,
+        *,
+        trusted: bool = False,
     ) -> CompiledNetwork:
         """Compile ``model`` on ``device``; with ``CACHE_DIR`` set, reuse an earlier export.
-        ``should_stop``: when it turns true the work stops with Cancelled (see cancel.py)."""
+        ``should_stop``: when it turns true the work stops with Cancelled (see cancel.py).
+        ``trusted``: the model is the operator's (its repository on disk, or a program of the
+        caller's own in-process), so a format that runs the code it carries (a PyTorch program,
+        a Python model) may load (``Plugin.load_trusted``); otherwise such a model is refused
+        with PermissionDenied. Model control sets it for repository loads only."""
         fmt = format_of(model)
         if fmt is not None:  # a folder an application serves (a Hugging Face model's)
             with _stopping(should_stop):
@@ -287,7 +293,7 @@ class Core:
             config = dict(config)
             pairs = parse_state_pairs(config.pop(STATE_PAIRS))
         with _stopping(should_stop):
-            network = self._load_network(model, device, config)
+            network = self._load_network(model, device, config, trusted)
         if pairs:  # the Core's key, not the device's: every device's requests keep them
             try:
                 network.keep_states(pairs)
@@ -297,14 +303,15 @@ class Core:
         return network
 
     def _load_network(
-        self, model: Model, device: str, config: Mapping[str, Any] | None
+        self, model: Model, device: str, config: Mapping[str, Any] | None, trusted: bool
     ) -> CompiledNetwork:
         plugin, merged = self.resolve(device, config)
         full = plugin.merged_config(merged)  # the one parse of this load's config
         self.limits.check(full, device)
+        load = plugin.load_trusted if trusted else plugin.load_network
         cache_dir = str(full.get("CACHE_DIR")) if "CACHE_DIR" in full else ""
         if not cache_dir:
-            return plugin.load_network(model, full)
+            return load(model, full)
         key = self._cache_key(model, plugin, full)
         path = Path(cache_dir) / f"{key}.blob"
         # Each entry starts with its own key, so a file copied or renamed into place (another
@@ -315,12 +322,14 @@ class Core:
                 data = path.read_bytes()
                 if not data.startswith(stamp):
                     raise InvalidArgument("the entry was not written for this model and config")
-                network = plugin.import_network(data[len(stamp) :], merged)
+                # an entry holds what the load would (a program's archive too): as trusted
+                entry = plugin.import_trusted if trusted else plugin.import_network
+                network = entry(data[len(stamp) :], merged)
                 network.loaded_from_cache = True
                 return network
             except PlugserveError as exc:
                 log.warning("cache entry %s is unusable (%s); recompiling", path, exc)
-        network = plugin.load_network(model, full)
+        network = load(model, full)
         try:
             _write_atomically(path, stamp + network.export())
         except OSError as exc:
@@ -330,11 +339,18 @@ class Core:
         return network
 
     def import_network(
-        self, data: bytes, device: str, config: CallConfig | None = None
+        self,
+        data: bytes,
+        device: str,
+        config: CallConfig | None = None,
+        *,
+        trusted: bool = False,
     ) -> CompiledNetwork:
+        """``trusted``: as :meth:`load_network`'s (an exported PyTorch program is its archive:
+        importing one runs its code)."""
         plugin, merged = self.resolve(device, config)
         self.limits.check(plugin.merged_config(merged), device)
-        network = plugin.import_network(data, merged)
+        network = (plugin.import_trusted if trusted else plugin.import_network)(data, merged)
         try:  # a blob carries the config it was exported with
             self.limits.check(network.config, device)
         except InvalidArgument:

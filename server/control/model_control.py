@@ -30,6 +30,7 @@ from plugserve.plugins.api import (
     InvalidArgument,
     InvalidInput,
     NotFound,
+    PermissionDenied,
     PlugserveError,
     ResourceExhausted,
     refuse_non_tensors,
@@ -86,6 +87,16 @@ def failed_to_load(name: str, exc: PlugserveError) -> PlugserveError:
     return type(exc)(f"failed to load {name!r}: {exc}")
 
 
+#: What lets a client's models run code, as refusals name it.
+ALLOW_CODE = (
+    "the server's operator may allow code from clients: --allow-code-from-clients 1 / "
+    "PLUGSERVE_ALLOW_CODE_FROM_CLIENTS=1; such a load runs the code it carries"
+)
+
+#: Config keys that name a program the server runs (a Python model's interpreter, a virtual
+#: environment's ``bin/python``): a client's config may not set them (``refuse_code_keys``).
+CODE_KEYS = frozenset({"EXECUTION_ENV_PATH"})
+
 #: The longest a replaced network waits for its admitted requests before it closes anyway.
 RETIRE_TIMEOUT = 300.0
 
@@ -139,11 +150,13 @@ class ModelControl:
         max_model_bytes: int = 0,
         load_threads: int = 1,
         max_sequences: int = 0,
+        allow_code_from_clients: bool = False,
     ) -> None:
         """``plane``: the data plane that serves what is loaded here, and whose table of
         networks this fills. ``max_networks`` / ``max_model_bytes`` / ``max_sequences``:
         --max-networks, --max-model-bytes and --max-sequences (0: no limit);
-        ``load_threads``: --model-load-threads, made concrete."""
+        ``load_threads``: --model-load-threads, made concrete;
+        ``allow_code_from_clients``: --allow-code-from-clients (:attr:`client_trusted`)."""
         self.plane = plane
         self.table = plane.table
         self.load_threads = max(1, load_threads)
@@ -162,6 +175,11 @@ class ModelControl:
         self.strict_readiness = True
         #: what each repository version was loaded from (poll)
         self._stamps: dict[tuple[str, int], tuple] = {}
+        #: whether what a client sends (a model's bytes, an imported blob, a load's file
+        #: overrides, a config naming code) is trusted as the repository's files are: a
+        #: model that runs code when loaded (a PyTorch program, a Python model) then loads.
+        #: --allow-code-from-clients, off by default; repository loads are always trusted
+        self.client_trusted = allow_code_from_clients
 
     # --- networks
 
@@ -179,8 +197,14 @@ class ModelControl:
         sequence: SequenceSettings | None = None,
         queue: QueuePolicy | None = None,
         warmup: Warmup | None = None,
+        *,
+        trusted: bool = False,
     ) -> tuple[LoadedNetwork, bool]:
         """Compile and register a network; returns it and whether it came from the cache.
+
+        ``trusted``: ``model`` is the operator's (a file of the repository on disk), so a model
+        that runs code when loaded may load (``Core.load_network``); a client's bytes are
+        trusted only under --allow-code-from-clients (:attr:`client_trusted`).
 
         Dynamic batching: a network with ``max_batch_size`` > 0 (a repository model's
         ``config.json``) is loaded as ``BATCH:<device>(<max_batch_size>)``, so concurrent
@@ -226,7 +250,7 @@ class ModelControl:
             self._check_network_count(name, version, len(self.table.loading))
             self.table.loading.add((name, version))
         try:
-            network = self._compile(name, model, device, config)
+            network = self._compile(name, model, device, config, trusted)
             network.name = name
             self._warm(network, name, config, warmup)
             if persist:
@@ -353,11 +377,18 @@ class ModelControl:
             )
 
     def _compile(
-        self, name: str, model: bytes | str | Path, device: str, config: Mapping[str, str]
+        self,
+        name: str,
+        model: bytes | str | Path,
+        device: str,
+        config: Mapping[str, str],
+        trusted: bool,
     ) -> CompiledNetwork:
         """Core.load_network, with a device's own exceptions as a typed INTERNAL error."""
         try:
-            network = self.core.load_network(model, device, config)
+            network = self.core.load_network(model, device, config, trusted=trusted)
+        except PermissionDenied as exc:  # code from a client: say which setting allows it
+            raise PermissionDenied(f"{exc} ({ALLOW_CODE})") from exc
         except PlugserveError:
             raise
         except Exception as exc:
@@ -492,7 +523,10 @@ class ModelControl:
         device = device or self.default_device
         with self.table.lock:
             self._check_network_count(name, 0, len(self.table.loading))
-        network = self.core.import_network(blob, device, config)
+        try:
+            network = self.core.import_network(blob, device, config, trusted=self.client_trusted)
+        except PermissionDenied as exc:  # an exported program is its archive: code
+            raise PermissionDenied(f"{exc} ({ALLOW_CODE})") from exc
         network.name = name
         with self.table.lock:
             version = next_version(max(self.table.by_name.get(name, {}), default=0), name)
@@ -565,6 +599,18 @@ class ModelControl:
                 return [found[version]] if version else [found[v] for v in sorted(found)]
             raise self.table.missing(name, version)
 
+    def refuse_code_keys(self, config: Mapping[str, Any] | None, where: str) -> None:
+        """A client's config (a load's, an import's, SetConfig's, a load override's) may not
+        name code for the server to run (:data:`CODE_KEYS`: a Python model's interpreter),
+        unless --allow-code-from-clients: PermissionDenied saying where it is set instead."""
+        named = sorted(CODE_KEYS.intersection(config or ()))
+        if named and not self.client_trusted:
+            raise PermissionDenied(
+                f"{where}: {', '.join(named)} names a program the server would run, which only "
+                "the model repository's own config.pbtxt may name; a client may not "
+                f"({ALLOW_CODE})"
+            )
+
     def check_control(self, what: str) -> None:
         """Load and unload requests are refused in Triton's none and poll modes."""
         if self.control_mode in ("none", "poll"):
@@ -605,10 +651,14 @@ class ModelControl:
             for entry in entries:
                 settings = self._stored(name, entry.version, overridden)[1]
                 refuse_server_keys(settings.config, f"model {name!r}: the load's 'config'")
+                self.refuse_code_keys(settings.config, f"model {name!r}: the load's 'config'")
             if not entries:
                 raise InvalidArgument(f"model {name!r}: the overrides give no version to load")
+            # without files, the versions are the repository's own (linked above): the
+            # operator's files, as any repository load; files sent are a client's
+            trusted = not files or self.client_trusted
             for entry in entries:
-                self.reload(name, entry.version, overridden)
+                self.reload(name, entry.version, overridden, trusted=trusted)
 
     def load_request(self, name: str, parameters: Mapping[str, Any]) -> None:
         """RepositoryModelLoad for both protocols: a reload, or one with Triton's overrides
@@ -633,16 +683,22 @@ class ModelControl:
             raise error from exc
 
     def reload(
-        self, name: str, version: int = 0, repository: Repository | None = None
+        self,
+        name: str,
+        version: int = 0,
+        repository: Repository | None = None,
+        *,
+        trusted: bool = True,
     ) -> LoadedNetwork:
         """Load the repository's ``version`` of ``name`` (0: its latest), as Triton reloads:
         the new network is compiled while the loaded one (if any) still serves, then takes its
         place in one step; requests admitted by the old one finish there, and it closes after
-        them. ``repository``: another than the server's (load overrides)."""
+        them. ``repository``: another than the server's (load overrides); ``trusted``: its
+        files are the operator's (false for a load's file overrides: see :meth:`load`)."""
         if self.plane.draining:
             raise ShuttingDown(f"model {name!r}: the server is shutting down; not loading it")
         try:
-            entry = self._reload(name, version, repository)
+            entry = self._reload(name, version, repository, trusted)
         except NotFound:
             raise  # no such model or version: nothing the server was asked to serve failed
         except PlugserveError as exc:
@@ -654,7 +710,9 @@ class ModelControl:
         self._loaded(name, entry.version)
         return entry
 
-    def _reload(self, name: str, version: int, repository: Repository | None) -> LoadedNetwork:
+    def _reload(
+        self, name: str, version: int, repository: Repository | None, trusted: bool
+    ) -> LoadedNetwork:
         model, settings = self._stored(name, version, repository)
         stamp = self.repository.stamp(name, model) if self.repository else ()
         # the repository layout is NAME/VERSION/model.onnx (a transformers folder: NAME/VERSION/
@@ -675,7 +733,7 @@ class ModelControl:
             self.table.loading.add((name, version))
         try:
             source = settings.pipeline if settings.pipeline is not None else model
-            network = self._compile(name, source, device, dict(config))
+            network = self._compile(name, source, device, dict(config), trusted)
             network.name = name
             self._warm(network, name, config, settings.warmup)
             entry = self._entry(name, version, device, network, True, batch)
@@ -769,6 +827,7 @@ class ModelControl:
                 sequence=entry.settings.sequence,
                 queue=entry.settings.queue,
                 warmup=entry.settings.warmup,
+                trusted=True,  # the repository on disk: the operator's files
             )
         except PlugserveError as exc:
             with self.table.lock:

@@ -201,7 +201,13 @@ class Server:
             settings.max_model_bytes,
             settings.load_threads(),
             settings.max_sequences,
+            allow_code_from_clients=bool(settings.allow_code_from_clients),
         )
+        if settings.allow_code_from_clients:
+            log.warning(
+                "--allow-code-from-clients 1: PyTorch programs and Python models that clients "
+                "send are loaded, and loading one runs its code with this server's rights"
+            )
         self.metrics.watch_generation(self._generation_stats)
         if "PYTHON" in self.core.available_devices:  # its models' load_model calls
             self.core.plugin("PYTHON").control = self.control

@@ -255,6 +255,13 @@ class Settings:
         "without --auth-tokens: 1 lets any client load, unload, import, export and set device "
         "config; 0 takes them from this machine (loopback) only. With tokens, roles decide",
     )
+    allow_code_from_clients: int = _field(
+        0,
+        "1: models that run code when loaded (PyTorch programs: TorchScript, .pt2; Python "
+        "models' model.py; a Python model's EXECUTION_ENV_PATH) load from what clients send "
+        "(LoadNetwork and ImportNetwork bytes, a repository load's file overrides), and loading "
+        "one runs its code; 0: they load only from the model repository on disk",
+    )
     open_reflection: int = _field(0, "1: reflection needs no token; 0: it needs one")
     max_networks: int = _field(0, "most network versions loaded at once (0: no limit)", low=0)
     max_sequences: int = _field(
@@ -465,6 +472,7 @@ class Settings:
             "strict_readiness",
             "reuse_grpc_port",
             "allow_remote_control",
+            "allow_code_from_clients",
             "enable_prefix_caching",
             "async_scheduling",
         ):

@@ -55,6 +55,7 @@ def _values(field: dataclasses.Field) -> tuple[str, str]:
         "strict_readiness",
         "reuse_grpc_port",
         "allow_remote_control",
+        "allow_code_from_clients",
         "enable_prefix_caching",
         "async_scheduling",
     ):  # 0 or 1

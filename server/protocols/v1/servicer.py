@@ -77,11 +77,13 @@ class PlugserveServicer(pb_grpc.PlugserveServicer):
         self.Infer, self.InferStream = inference.unary, inference.stream
 
     def _model(self, source: pb.ModelSource):
+        """The model, its repository settings, and whether it is the operator's (a file of
+        the repository on disk) or a client's bytes (trusted only as ModelControl says)."""
         kind = source.WhichOneof("source")
         if kind == "onnx":
-            return source.onnx, "", {}, 0
+            return source.onnx, "", {}, 0, self.control.client_trusted
         if kind == "repository_path":
-            return self.control.repository_model(source.repository_path)
+            return (*self.control.repository_model(source.repository_path), True)
         raise InvalidArgument("model: set either onnx (the model bytes) or repository_path")
 
     def ListDevices(self, request, context):
@@ -116,6 +118,7 @@ class PlugserveServicer(pb_grpc.PlugserveServicer):
 
     def SetConfig(self, request, context):
         refuse_server_keys(request.config, "SetConfig")
+        self.control.refuse_code_keys(request.config, "SetConfig")
         self.control.core.set_config(dict(request.config), request.device or None)
         return pb.SetConfigResponse()
 
@@ -135,7 +138,8 @@ class PlugserveServicer(pb_grpc.PlugserveServicer):
     def LoadNetwork(self, request, context):
         try:
             refuse_server_keys(request.config, f"LoadNetwork of {request.name!r}")
-            model, device, config, batch = self._model(request.model)
+            self.control.refuse_code_keys(request.config, f"LoadNetwork of {request.name!r}")
+            model, device, config, batch, trusted = self._model(request.model)
             config = {**config, **dict(request.config)}
             entry, cached = self.control.load(
                 request.name,
@@ -145,6 +149,7 @@ class PlugserveServicer(pb_grpc.PlugserveServicer):
                 request.persist,
                 request.version,
                 batch,
+                trusted=trusted,
             )
         except PlugserveError as exc:  # Triton's words first, as on KServe
             error = failed_to_load(request.name, exc)
@@ -199,6 +204,7 @@ class PlugserveServicer(pb_grpc.PlugserveServicer):
     @_stops_when_gone
     def ImportNetwork(self, request, context):
         refuse_server_keys(request.config, f"ImportNetwork of {request.name!r}")
+        self.control.refuse_code_keys(request.config, f"ImportNetwork of {request.name!r}")
         entry = self.control.import_network(
             request.name, request.blob, request.device, dict(request.config)
         )

@@ -346,13 +346,22 @@ def test_export_import_and_the_cache_on_torch(programs, tmp_path):
     x = _images(6)
     want = _reference(net, x)
     for file in ("net_ts/1/model.pt", "net_pt2/1/model.pt2"):
-        network = core.load_network(repo / file, "TORCH", {"MODEL_TENSORS": tensors})
-        again = core.import_network(network.export(), "TORCH")
+        # the program files are this test's own: trusted, as a repository's (a program runs
+        # the code it carries when loaded, so the Core loads one only when told so)
+        with pytest.raises(Exception, match="runs the code it carries"):
+            core.load_network(repo / file, "TORCH", {"MODEL_TENSORS": tensors})
+        network = core.load_network(repo / file, "TORCH", {"MODEL_TENSORS": tensors}, trusted=True)
+        with pytest.raises(Exception, match="runs the code it carries"):
+            core.import_network(network.export(), "TORCH")
+        again = core.import_network(network.export(), "TORCH", trusted=True)
         assert [s.name for s in again.inputs] == ["INPUT__0"]
         got = again.create_infer_request().infer({"INPUT__0": x})
         np.testing.assert_allclose(got["OUTPUT__1"], want[1], rtol=1e-5, atol=1e-6)
         reduced = core.load_network(
-            repo / file, "TORCH", {"MODEL_TENSORS": tensors, "INFERENCE_PRECISION_HINT": "bf16"}
+            repo / file,
+            "TORCH",
+            {"MODEL_TENSORS": tensors, "INFERENCE_PRECISION_HINT": "bf16"},
+            trusted=True,
         )
         assert network.precision == "f32" and reduced.precision == "bf16"
         got = reduced.create_infer_request().infer({"INPUT__0": x})
@@ -362,8 +371,10 @@ def test_export_import_and_the_cache_on_torch(programs, tmp_path):
         with pytest.raises(Exception, match=r"exported|TORCH|blob"):
             core.import_network(network.export(), "NUMPY")
         config = {"MODEL_TENSORS": tensors, "CACHE_DIR": str(tmp_path / "cache")}
-        first = core.load_network(repo / file, "TORCH", config)
-        second = core.load_network(repo / file, "TORCH", config)
+        first = core.load_network(repo / file, "TORCH", config, trusted=True)
+        with pytest.raises(Exception, match="runs the code it carries"):  # the cache entry too
+            core.load_network(repo / file, "TORCH", config)
+        second = core.load_network(repo / file, "TORCH", config, trusted=True)
         assert not getattr(first, "loaded_from_cache", False)
         assert second.loaded_from_cache
         got = second.create_infer_request().infer({"INPUT__0": x})
@@ -371,8 +382,13 @@ def test_export_import_and_the_cache_on_torch(programs, tmp_path):
 
 
 def test_load_export_and_import_through_the_server(programs):
-    """LoadNetwork of a TorchScript file's bytes with MODEL_TENSORS, then ExportNetwork and
-    ImportNetwork of a repository's program on TORCH: each answers as the module does."""
+    """A program is code: LoadNetwork of a TorchScript file's bytes and ImportNetwork of a
+    repository program's export (its archive) are refused with PERMISSION_DENIED on a server
+    with default settings, and the repository's program serves on. With
+    --allow-code-from-clients 1 they load and answer as the module does:
+    tests/server/test_no_code_from_clients.py."""
+    import grpc
+
     from plugserve.client import Client
 
     server, net, repo = programs
@@ -384,14 +400,15 @@ def test_load_export_and_import_through_the_server(programs):
     )
     with Client(server.target, timeout=120) as client:
         data = (repo / "net_ts" / "1" / "model.pt").read_bytes()
-        client.load("loaded_ts", data, "TORCH", {"MODEL_TENSORS": tensors})
         blob = client.export("net_pt2")
-        client.import_network("imported_pt2", blob, "TORCH")
-        for name in ("loaded_ts", "imported_pt2"):
-            got = _grpc(server, name, "INPUT__0", x, ("OUTPUT__0", "OUTPUT__1"))
-            for g, w in zip(got, want):
-                np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
-        with pytest.raises(Exception, match="inputs and outputs are not known"):
-            client.load("untyped_ts", data, "TORCH")
-        for name in ("loaded_ts", "imported_pt2"):
-            client.unload(name)
+        for call in (
+            lambda: client.load("loaded_ts", data, "TORCH", {"MODEL_TENSORS": tensors}),
+            lambda: client.import_network("imported_pt2", blob, "TORCH"),
+        ):
+            with pytest.raises(grpc.RpcError) as caught:
+                call()
+            assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED, caught.value
+            assert "--allow-code-from-clients" in caught.value.details()
+        got = _grpc(server, "net_pt2", "INPUT__0", x, ("OUTPUT__0", "OUTPUT__1"))
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)

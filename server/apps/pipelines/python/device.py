@@ -82,6 +82,7 @@ from plugserve.plugins.api import (
     InferRequest,
     InvalidModel,
     PerfCount,
+    PermissionDenied,
     Plugin,
     PlugserveError,
     ResponseSender,
@@ -358,6 +359,15 @@ class PythonInferRequest(InferRequest):
         return []
 
 
+def _model_file(model: Any) -> Path:
+    if not isinstance(model, str | os.PathLike) or not str(model).endswith(".py"):
+        raise InvalidModel(
+            "a python model is a model.py in a version folder of a repository entry whose "
+            'config.pbtxt says backend: "python"'
+        )
+    return Path(model)
+
+
 class PythonPlugin(Plugin):
     """Triton python-backend models (``model.py``) as a device of the server."""
 
@@ -379,12 +389,20 @@ class PythonPlugin(Plugin):
         return f"Python {sys.version.split()[0]} worker processes (Triton python backend)"
 
     def load_network(self, model: Any, config: Any = None) -> CompiledNetwork:
-        if not isinstance(model, str | os.PathLike) or not str(model).endswith(".py"):
-            raise InvalidModel(
-                "a python model is a model.py in a version folder of a repository entry whose "
-                'config.pbtxt says backend: "python"'
-            )
-        return PythonNetwork(self, self.merged_config(config, strict=False), Path(model))
+        """A model.py from anyone: refused, since importing it runs it (the models of the
+        operator's repository load through :meth:`load_trusted`)."""
+        _model_file(model)
+        raise PermissionDenied(
+            f"python model {Path(model).parent.parent.name!r} was not loaded: its model.py is "
+            "code the server would run, and code loads only from the server's model "
+            "repository on disk (a load's file overrides are a client's files): put the "
+            "model in the repository and load it by name, or ask the server's operator to "
+            "allow code from clients"
+        )
+
+    def load_trusted(self, model: Any, config: Any = None) -> CompiledNetwork:
+        """The operator's model.py (its repository's), run in worker processes."""
+        return PythonNetwork(self, self.merged_config(config, strict=False), _model_file(model))
 
     def query_network(self, model: Any, config: Any = None) -> dict[str, str]:
         return {}
