@@ -175,7 +175,8 @@ def shape_floats() -> onnx.ModelProto:
     output (``ratio``), ``x + Range(0, n, 1)`` is computed on the device (``ramp``, the Range's
     bounds read on the host). Above 2,048 (f16) or 256 (bf16) ``n`` is no longer exact in the
     device's precision: 3,001 is 3,000 in f16 and 3,008 in bf16 (the torch device computes it
-    on the host in float32: tests/plugins/torch_device/test_host_values.py, tests/gpu/device_check.py)."""
+    on the host in float32: tests/plugins/torch_device/test_host_values.py,
+    tests/gpu/device_check.py)."""
     n = helper.make_node
     return helper.make_model(helper.make_graph(
         [n("Shape", ["x"], ["s"], name="shape", start=-1),
