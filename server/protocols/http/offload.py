@@ -7,7 +7,8 @@ client, for as long: a 200 MB JSON body held small requests on other connections
 So a JSON body (or answer) over :data:`PROCESS_BYTES` is decoded (encoded) by a helper
 process, which has a GIL of its own: the body goes to it through shared memory, the arrays
 come back the same way, and the server's threads only copy, in slices short enough that the
-event loop gets the GIL between them.
+event loop gets the GIL between them. The OpenAI routes' bodies go the same way
+(:func:`call`: any module-level function of the body; ``protocols/openai/body.py``).
 
 The helper is started on the first such request (about a second, once) and is replaced if it
 dies; it ends with the server, even one killed outright (:func:`_end_with`). One request is
@@ -24,6 +25,7 @@ import multiprocessing
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from multiprocessing import shared_memory
@@ -35,7 +37,7 @@ from plugserve.plugins.api import InferenceError
 from plugserve.plugins.threads import start_daemon
 from plugserve.server.protocols.kserve.json_codec import InferCall, encode_infer, parse_infer
 
-__all__ = ["HELPERS", "PROCESS_BYTES", "decode", "encode"]
+__all__ = ["HELPERS", "PROCESS_BYTES", "call", "decode", "encode"]
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +138,19 @@ def decode(body: bytes) -> InferCall:
     )  # fmt: skip
 
 
+def call(fn: Callable[..., Any], body: bytes | memoryview, *args: Any) -> Any:
+    """``fn(body, *args)`` in the helper, the body passed through shared memory, and what it
+    returns (pickled back: ``fn`` returns something small, as the OpenAI routes' checked
+    request is once their body's structure is bounded: ``protocols/openai/body.py``). ``fn``
+    is a module-level function, which the helper imports by name."""
+    shm = _to_shared(body)
+    try:
+        return _run(_call_in_helper, fn, shm.name, len(body), args)
+    finally:
+        shm.close()
+        shm.unlink()
+
+
 def encode(
     model: str,
     version: int,
@@ -211,6 +226,15 @@ def _decode_in_helper(name: str, size: int) -> tuple:
         return fields, tensors, "", 0
     out.close()  # the server unlinks it once copied
     return fields, tensors, out.name, total
+
+
+def _call_in_helper(fn: Callable[..., Any], name: str, size: int, args: tuple) -> Any:
+    shm = shared_memory.SharedMemory(name=name)
+    try:
+        body = bytes(shm.buf[:size])
+    finally:
+        shm.close()
+    return fn(body, *args)
 
 
 def _encode_in_helper(

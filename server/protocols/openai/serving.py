@@ -72,6 +72,7 @@ from plugserve.server.protocols.auth import KSERVE
 from plugserve.server.protocols.http import sse
 from plugserve.server.protocols.http.http_server import Push, StreamReply
 from plugserve.server.protocols.openai import encode, protocol, tools
+from plugserve.server.protocols.openai.body import read as read_body
 from plugserve.server.protocols.openai.errors import (
     OpenAIError,
     error_reply,
@@ -292,14 +293,6 @@ class OpenAIRoutes:
 
     # --- POST /v1/chat/completions
 
-    async def _body(self, call: Any, check: Callable[[dict[str, Any]], Any]) -> Any:
-        """The body parsed and checked field by field: on the loop up to INLINE_BYTES (a
-        64 KiB body parses in about 0.1 ms), on a worker above."""
-        protocol.check_content_type(call.headers.get(b"content-type"))
-        if len(call.body) > INLINE_BYTES:
-            return await self._in_worker(lambda: check(protocol.parse_json(call.body)))
-        return check(protocol.parse_json(call.body))
-
     async def _answer(
         self,
         call: Any,
@@ -307,14 +300,21 @@ class OpenAIRoutes:
         operation: str,
         answer: Callable[[Any, Trace | None], Awaitable[Any]],
     ) -> Any:
-        """A POST route's request: its body parsed and checked (:meth:`_body`), then
-        ``answer(ask, trace)``, within the request's span when the trace settings sample it
-        (:meth:`_trace`; ``operation`` names it)."""
-        ask = await self._body(call, check)
-        trace = self._trace(call, ask.model, operation)
-        if trace is None:
-            return await answer(ask, None)
-        return await _traced(trace, answer(ask, trace))
+        """A POST route's request: its body bounded by its structure, charged at its parsed
+        size, parsed and checked field by field (on the loop up to INLINE_BYTES, else on a
+        worker or in the JSON helper process: body.py), then ``answer(ask, trace)``, within
+        the request's span when the trace settings sample it (:meth:`_trace`; ``operation``
+        names it); the parsed body's charge is held until then."""
+        protocol.check_content_type(call.headers.get(b"content-type"))
+        budget = self.plane.budget
+        ask, charge = await read_body(call.body, check, budget, self._in_worker, INLINE_BYTES)
+        try:
+            trace = self._trace(call, ask.model, operation)
+            if trace is None:
+                return await answer(ask, None)
+            return await _traced(trace, answer(ask, trace))
+        finally:
+            charge.release()
 
     async def chat(self, call: Any) -> Any:
         return await self._answer(call, protocol.chat_request, "chat", self._chat)
