@@ -16,8 +16,9 @@ import time
 from collections.abc import Callable
 
 import pytest
+import scripted_decoder
 
-from plugserve.server.apps.generate import reasoning
+from plugserve.server.apps.generate import chat_template, reasoning
 from plugserve.server.apps.generate.tool_parsers import FAMILIES, MAX_CALL_CHARS, Streamer, parse
 
 #: the most CPU seconds one parse at the bound may take (they take well under 1 s)
@@ -153,6 +154,36 @@ def test_tool_parser_is_linear(name: str, shape: int) -> None:
 )
 def test_reasoning_parser_is_linear(name: str, shape: int) -> None:
     _check_linear(lambda text: _reasoning_runs(name, text), REASONING[name][shape])
+
+
+TEMPLATES = ("QWEN", "QWEN3_THINK", "QWEN3_CODER", "LLAMA3", "MISTRAL", "LLAMA4", "GPT_OSS")
+
+
+@pytest.mark.parametrize("name", TEMPLATES)
+def test_chat_template_is_linear_in_messages_and_tools(name: str) -> None:
+    """Each family's template (tests/support/scripted_decoder.py, written as the models' own)
+    at the request's bounds: 4,096 messages (``protocol.MAX_MESSAGES``) with 128 tools
+    (``tools.MAX_TOOLS``), against half of each."""
+    template = chat_template.compile_template(getattr(scripted_decoder, name), name)
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "f",
+            "description": "a tool",
+            "parameters": {"type": "object", "properties": {"a": {"type": "string"}}},
+        },
+    }
+    turn = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
+    context = {"bos_token": "<s>", "eos_token": "</s>"}
+
+    def run(size: int) -> Callable[[], object]:
+        messages = turn * (size // 2) + [{"role": "user", "content": "and?"}]
+        tools = [tool] * (size // 32)
+        return lambda: chat_template.render(template, messages, True, tools, context, name)
+
+    small, large = _cpu(run(2048)), _cpu(run(4096))
+    assert large < BOUND_SECONDS, f"{large:.2f} s CPU"
+    assert large < GROWTH * max(small, FLOOR), f"{small:.3f} s, then {large:.3f} s"
 
 
 def test_qwen3_coder_reads_what_it_read() -> None:
