@@ -90,6 +90,17 @@ def test_a_body_of_millions_of_small_objects_is_refused_unbuilt(server):
     probe.check(body_bytes=len(body), fixed_bytes=FIXED)
 
 
+@pytest.mark.slow
+def test_the_issues_95_mb_of_small_objects_as_tools_is_refused_unbuilt(server):
+    """The issue's own size: 95 MB of small objects, as ``tools`` (12M objects)."""
+    tools = b"[" + b",".join([b'{"type":"function"}'] * 4_700_000) + b"]"
+    body = _body(b"", max_tokens=2)[:-1] + b', "tools": ' + tools + b"}"
+    with Probe(server) as probe:
+        status, answer = _post(server, body, timeout=300)
+    assert status == 413, answer
+    probe.check(body_bytes=len(body), fixed_bytes=FIXED)
+
+
 def test_a_large_body_within_the_bounds_is_parsed_off_the_server(server):
     """900k values (3.6 MB, ~90 MB parsed): parsed in the helper process, whose answer is
     the checked request alone (the ignored field is not sent back)."""
