@@ -19,7 +19,7 @@ So, before anything is built:
    (strings and their escapes followed, a slice at a time; numpy's loops release the GIL):
    more than --max-json-values values is 413, nesting deeper than --max-json-depth is 400;
 2. the parsed form is charged (:func:`parsed_bytes`) to --max-inflight-bytes, 429 when it
-   does not fit, held until the request's answer is made;
+   does not fit, held until the request is prepared (its answer made, or its stream begun);
 3. the body is parsed and checked field by field (the route's ``check``, ``protocol.py``),
    which also bounds ``messages`` (``protocol.MAX_MESSAGES``) and ``tools`` (``tools.py``:
    :data:`~plugserve.server.protocols.openai.tools.MAX_TOOLS` tools of at most
