@@ -30,9 +30,12 @@ The default is half of the memory the process may use: the cgroup's limit (v2
 
 from __future__ import annotations
 
+import math
 import threading
 import weakref
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -48,6 +51,7 @@ __all__ = [
     "MemoryBudget",
     "body_factor",
     "charged_buffer",
+    "charging_strings",
     "decoded_nbytes",
     "default_limit",
 ]
@@ -58,6 +62,13 @@ OTHER_FACTOR = 3
 GRPC_FACTOR = 2
 #: a decoded string's cost beyond its characters: the object's header and its array slot
 STRING_OBJECT_BYTES = 64
+#: what one BYTES element of a REST request holds from its decoding to its answer, beyond the
+#: body's own charge: its object and slot, the network's copy, its encoded answer. 4M 2-byte
+#: elements through an Identity grew the server 1.4 GB against 48 MB charged; with the answer
+#: written into one buffer and no list beside the array (proto/tensors.py), 78 bytes an
+#: element (tests/server/test_attacks_bytes.py); charged before they are decoded
+#: (:func:`charging_strings`)
+STRING_ELEMENT_BYTES = 128
 
 _CGROUP_LIMITS = (
     Path("/sys/fs/cgroup/memory.max"),
@@ -174,6 +185,22 @@ def charged_buffer(budget: MemoryBudget, nbytes: int, what: str) -> np.ndarray:
         raise
     weakref.finalize(buffer, charge.release)
     return buffer
+
+
+def charging_strings(
+    expect: Callable[..., None], budget: MemoryBudget, onto: Charge
+) -> Callable[..., None]:
+    """``expect`` (a network's check of an input's type and declared shape, which decoders call
+    before they decode its data) that also charges a BYTES input's elements onto ``onto`` at
+    :data:`STRING_ELEMENT_BYTES` each, before a Python object is made for any of them."""
+
+    def charged(name: str, dtype: np.dtype, shape: Any = None) -> None:
+        expect(name, dtype, shape)
+        if np.dtype(dtype).kind == "O" and shape is not None:
+            count = math.prod(max(int(d), 0) for d in shape)
+            budget.charge(count * STRING_ELEMENT_BYTES, f"input {name!r}'s BYTES elements", onto)
+
+    return charged
 
 
 def decoded_nbytes(count: int, dtype: np.dtype) -> int:

@@ -67,6 +67,7 @@ from plugserve.server.protocols.grpc.wrapping import Wrap, WrappingServer
 from plugserve.server.protocols.http.app import HttpService
 from plugserve.server.protocols.kserve.rest import RestApp
 from plugserve.server.protocols.openai import OpenAIRoutes
+from plugserve.server.protocols.openai import body as openai_body
 from plugserve.server.protocols.openai.responses_store import configured
 from plugserve.server.protocols.v1.servicer import PlugserveServicer
 
@@ -181,6 +182,7 @@ class Server:
         #: the OpenTelemetry exporter, made when a trace setting first turns tracing on
         self.exporter: Exporter | None = None
         self.plane.tracing = self._tracing(settings.trace())
+        openai_body.configure(settings.max_json_values, settings.max_json_depth)
         generate_limits.configure(  # what a generation request may make the server do
             self.plane.budget,
             settings.max_prompt_bytes,

@@ -19,8 +19,8 @@ from openai_serving import client, serving  # noqa: E402
 
 MODEL = "tiny"
 CHAT = [{"role": "user", "content": "the cat sat on a mat"}]
-#: the raised server's budget: a -1 answer of 4096 tokens (~160 bytes per alternative per
-#: token, the tiny vocabulary of ~100: ~65 MB) cannot fit, one of 2 tokens (~32 KB) does
+#: the raised server's budget: a -1 answer of 4096 tokens (~600 bytes per alternative per
+#: token, the tiny vocabulary of 262: ~640 MB) cannot fit, one of 2 tokens (~320 KB) does
 BUDGET = 4_000_000
 
 

@@ -59,6 +59,7 @@ from plugserve.plugins.tracing import Trace
 from plugserve.plugins.version import plugserve_version
 from plugserve.proto import grpc_service_pb2 as pb
 from plugserve.server.control.model_control import ModelControl
+from plugserve.server.plane.budget import charging_strings
 from plugserve.server.plane.dataplane import DataPlane
 from plugserve.server.plane.networks import LoadedNetwork
 from plugserve.server.plane.request import Request
@@ -426,6 +427,8 @@ class RestApp:
         as a gRPC unary call does), encode."""
         header_length = _text(call.headers.get(HEADER_LENGTH.encode()))
         extra = None
+        strings = self.plane.budget.holder()  # BYTES elements, charged before decoded
+        expect = charging_strings(entry.expect, self.plane.budget, strings)
         try:
             if header_length == "0":  # Triton's raw binary request: the body is the input
                 if len(entry.inputs) == 1 and entry.inputs[0].dtype == np.dtype(object):
@@ -440,16 +443,17 @@ class RestApp:
             elif header_length is None and len(call.body) > rest_offload.PROCESS_BYTES:
                 request = rest_offload.decode(call.body)  # parsing here would hold the GIL
                 for name, array in request.inputs.items():
-                    entry.expect(name, array.dtype, list(array.shape))
+                    expect(name, array.dtype, list(array.shape))
             else:
                 request = parse_infer(
-                    call.body, header_length, entry.expect, self.plane.shm, cuda_device_of(entry)
+                    call.body, header_length, expect, self.plane.shm, cuda_device_of(entry)
                 )
             if trace is not None:
                 name_request(trace, request.id)
             future = self.plane.infer(_request(entry, request, True, token, trace, call.tenant))
             return _infer_reply(entry, request, future.result())
         finally:
+            strings.release()
             if extra is not None:
                 extra.release()
 

@@ -38,10 +38,25 @@ from plugserve.server.apps.generate.grammar import MAX_SCHEMA_BYTES
 from plugserve.server.apps.generate.tool_parsers import MAX_CALL_CHARS, Streamer, ToolCall
 from plugserve.server.protocols.openai.errors import OpenAIError
 
-__all__ = ["EFFORTS", "ChatOutput", "Plan", "check_tools", "forced_schema", "history", "plan"]
+__all__ = [
+    "EFFORTS",
+    "MAX_TOOLS",
+    "MAX_TOOL_BYTES",
+    "ChatOutput",
+    "Plan",
+    "check_tools",
+    "forced_schema",
+    "history",
+    "plan",
+]
 
 #: reasoning_effort's values (OpenAI's, with gpt-oss's)
 EFFORTS = ("none", "minimal", "low", "medium", "high")
+#: most tools a request may define (OpenAI's own bound): each is rendered into the prompt and
+#: may become a grammar, so thousands of them were work and memory no answer needs
+MAX_TOOLS = 128
+#: most bytes of one tool as JSON (its schema is at most a grammar's: MAX_SCHEMA_BYTES)
+MAX_TOOL_BYTES = MAX_SCHEMA_BYTES
 
 
 def check_tools(body: dict[str, Any], ask: Any) -> None:
@@ -52,8 +67,16 @@ def check_tools(body: dict[str, Any], ask: Any) -> None:
         not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)
     ):
         raise OpenAIError("'tools' must be an array of tool objects", "tools")
+    if tools is not None and len(tools) > MAX_TOOLS:
+        raise OpenAIError(f"'tools' holds {len(tools)} tools; at most {MAX_TOOLS}", "tools")
     names = []
     for i, tool in enumerate(tools or ()):
+        if len(json.dumps(tool)) > MAX_TOOL_BYTES:
+            raise OpenAIError(
+                f"'tools[{i}]' is over {MAX_TOOL_BYTES} bytes of JSON; send a smaller schema",
+                f"tools[{i}]",
+                413,
+            )
         function = tool.get("function")
         if tool.get("type", "function") != "function" or not isinstance(function, dict):
             raise OpenAIError(

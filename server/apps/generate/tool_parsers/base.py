@@ -426,20 +426,23 @@ class JsonReader(Reader):
         self._buf = ""
 
     def _run(self) -> None:
-        while not self.stopped and self._buf:
+        """The buffer read from a position that moves on (cutting it after each call copied
+        the rest of it each time: a whole answer of many calls took its length squared)."""
+        buf, at = self._buf, 0
+        while not self.stopped and at < len(buf):
             if self.phase == "args":
-                piece, self._buf = self._buf, ""
-                self._args(piece)
+                at = self._args(buf, at)
                 continue
             pattern = self.patterns[self.phase]
             if pattern is None:  # nothing may follow (one call per region)
                 self._stop()
                 return
-            found = pattern.match(self._buf)
-            if found is None or found.end() == len(self._buf):  # undecided: what follows?
-                if len(self._buf) > HEADER_WAIT:
+            found = pattern.match(buf, at)
+            if found is None or found.end() == len(buf):  # undecided: what follows?
+                if len(buf) - at > HEADER_WAIT:
                     self._stop()
-                return
+                    return
+                break
             if self.phase == "header":
                 name = found.group("name")
                 try:
@@ -451,18 +454,22 @@ class JsonReader(Reader):
             self.phase = {"lead": "header", "header": "args", "tail": "sep", "sep": "header"}[
                 self.phase
             ]
-            self._buf = self._buf[found.end() :]
+            at = found.end()
+        if not self.stopped:
+            self._buf = buf[at:]
 
-    def _args(self, piece: str) -> None:
-        at, size = 0, len(piece)
+    def _args(self, piece: str, at: int) -> int:
+        """The arguments' text from ``at``: where reading stopped (the end of ``piece``, or
+        just past the arguments' closing brace)."""
+        size = len(piece)
         if self._depth == 0:  # not begun: an object, or not streamed
             while at < size and piece[at] in _WS:
                 at += 1
             if at == size:
-                return
+                return at
             if piece[at] != "{":
                 self._stop()
-                return
+                return size
         start = at
         while at < size:
             if self._string and not self._escape:  # a string's plain run at once
@@ -490,10 +497,11 @@ class JsonReader(Reader):
                 self._depth -= 1
                 if self._depth == 0:
                     self._events += [("args", piece[start:at]), ("done", None)]
-                    self.phase, self._buf = "tail", piece[at:]
-                    return
+                    self.phase = "tail"
+                    return at
         if at > start:
             self._events.append(("args", piece[start:at]))
+        return at
 
 
 #: where a JSON string's plain characters end (or the text does)
