@@ -31,6 +31,8 @@ CHECKS = {
     "gen.f32",
     "gen.bf16",
     "gen.serve",
+    "gen.profile",
+    "gen.moonshot",
     "gen.anchors",
     "gen.targets",
     "vision.export",
@@ -82,6 +84,7 @@ def test_the_cpu_path_records_every_check(tmp_path):
         assert serve[streams]["tok_per_s"] > 0 and serve[streams]["ttft_ms"] > 0
     # what needs a GPU or the anchors skips and says so
     assert checks["gen.targets"]["status"] == "skip"
+    assert checks["gen.profile"]["status"] == checks["gen.moonshot"]["status"] == "skip"
     assert "anchors" in checks["gen.anchors"]["reason"]
     assert checks["vision.cuda_shm"]["status"] == "skip"
     # the vision part runs where the TORCH device exists (the torch device plugin), else every
