@@ -34,7 +34,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from plugserve.server.apps.generate.grammar import MAX_SCHEMA_BYTES
+from plugserve.server.apps.generate.grammar import MAX_SCHEMA_BYTES, closed_schema
 from plugserve.server.apps.generate.tool_parsers import MAX_CALL_CHARS, Streamer, ToolCall
 from plugserve.server.protocols.openai.errors import OpenAIError
 
@@ -130,8 +130,12 @@ def check_tools(body: dict[str, Any], ask: Any) -> None:
 
 
 def _parameters(function: dict[str, Any]) -> dict[str, Any]:
+    """A forced call's arguments schema: the declared properties only (``grammar.closed_schema``,
+    unless the schema says what other keys it takes)."""
     parameters = function.get("parameters")
-    return parameters if isinstance(parameters, dict) and parameters else {"type": "object"}
+    return closed_schema(
+        parameters if isinstance(parameters, dict) and parameters else {"type": "object"}
+    )
 
 
 def forced_schema(tools: Sequence[dict[str, Any]], choice: Any, parallel: bool) -> dict[str, Any]:
