@@ -191,6 +191,27 @@ def test_stop_sequences_end_the_answer_and_are_named(sdk):
     assert _text(other) == whole and other.stop_reason == "max_tokens"
 
 
+def test_output_config_format_is_constrained_decoding(sdk):
+    """The SDK's ``messages.parse`` (``output_config.format``, a JSON schema) on a random model:
+    the answer is JSON of the schema, parsed back by the SDK."""
+    from typing import Literal
+
+    from pydantic import BaseModel
+
+    class Verdict(BaseModel):
+        sunny: bool
+        unit: Literal["C", "F"]
+
+    parsed = sdk.messages.parse(
+        model="tiny", max_tokens=60, messages=ASK, output_format=Verdict, extra_body=GREEDY
+    )
+    assert isinstance(parsed.parsed_output, Verdict) and parsed.stop_reason == "end_turn"
+    with pytest.raises(anthropic.BadRequestError, match=r"output_config\.format"):
+        sdk.messages.create(
+            model="tiny", max_tokens=4, messages=ASK, output_config={"format": {"type": "xml"}}
+        )  # type: ignore[typeddict-item]
+
+
 def _tool_uses(message) -> list:
     uses = [b for b in message.content if b.type == "tool_use"]
     for use in uses:

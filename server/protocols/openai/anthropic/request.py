@@ -19,7 +19,13 @@ What becomes what (docs/anthropic.md):
   ``enable_thinking`` (Qwen3's switch); the reasoning the model's parser splits out is the
   answer's ``thinking`` blocks. ``budget_tokens`` is checked, not enforced: ``max_tokens``
   bounds thinking and text together;
-* ``metadata`` (``user_id``) is accepted and only checked; ``service_tier`` is accepted.
+* ``output_config``: ``format`` (a JSON schema, what the SDK's ``messages.parse`` sends) is
+  chat's ``response_format`` (constrained decoding); ``effort`` the template's
+  ``reasoning_effort`` (``xhigh`` and ``max`` as ``high``, the most templates know);
+* ``metadata`` (``user_id``) is accepted and only checked; ``service_tier`` is accepted;
+  ``cache_control`` (on blocks or the request) is accepted and needs nothing: the prefix cache
+  reuses every prompt's cached blocks by itself; ``tool_result``'s ``is_error`` is accepted,
+  and the template sees the result's content only (chat's tool messages have no such field).
 
 Refused with a 400 naming the field, never dropped: image and document blocks (this server
 serves text models), server tools (a ``tools[]`` entry with a ``type`` other than ``custom``),
@@ -47,8 +53,11 @@ _FIELDS = {
     "stop": "stop_sequences",
     "max_tokens": "max_tokens",
     "chat_template_kwargs": "thinking",
-    "response_format": "tool_choice",
+    "response_format": "output_config.format",
+    "reasoning_effort": "output_config.effort",
 }
+#: ``output_config.effort`` -> chat's ``reasoning_effort``
+_EFFORTS = {"low": "low", "medium": "medium", "high": "high", "xhigh": "high", "max": "high"}
 
 
 @dataclasses.dataclass
@@ -262,6 +271,28 @@ def _thinking(body: dict[str, Any], chat: dict[str, Any]) -> None:
     chat["chat_template_kwargs"] = {"enable_thinking": kind != "disabled"}
 
 
+def _output_config(body: dict[str, Any], chat: dict[str, Any]) -> None:
+    """``output_config``: ``format`` (a JSON schema: chat's ``response_format``, the same
+    constrained decoding) and ``effort`` (the template's ``reasoning_effort``; ``xhigh`` and
+    ``max`` are the most a template knows, ``high``)."""
+    config = body.get("output_config")
+    if config is None:
+        return
+    if not isinstance(config, dict):
+        raise _fail("must be an object", "output_config")
+    fmt = config.get("format")
+    if fmt is not None:
+        if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
+            raise _fail('must be {"type": "json_schema", "schema": {...}}', "output_config.format")
+        schema = {"name": "output", "schema": fmt.get("schema")}
+        chat["response_format"] = {"type": "json_schema", "json_schema": schema}
+    effort = config.get("effort")
+    if effort is not None:
+        if effort not in _EFFORTS:
+            raise _fail(f"must be one of {', '.join(_EFFORTS)}", "output_config.effort")
+        chat["reasoning_effort"] = _EFFORTS[effort]
+
+
 def _sampling(body: dict[str, Any], chat: dict[str, Any]) -> list[str]:
     temperature = body.get("temperature")
     if temperature is not None:
@@ -316,6 +347,7 @@ def _decode(body: dict[str, Any], counting: bool) -> MessagesAsk:
     _tools(body, chat)
     _tool_choice(body, chat)
     _thinking(body, chat)
+    _output_config(body, chat)
     stream = protocol._boolean(body, "stream") and not counting
     if stream:
         chat["stream"] = True
