@@ -465,3 +465,38 @@ def test_a_stream_failing_midway_ends_with_an_error_event(tmp_path):
         with pytest.raises(anthropic.APIStatusError), _sdk(running).messages.stream(**ask) as s:
             for _ in s:
                 pass
+
+
+@pytest.fixture(scope="module")
+def torch_server(hf_llama):
+    pytest.importorskip("torch", reason="pip install 'plugserve[torch]'")
+    with serving({"llama": (hf_llama, "TORCH", {"INFERENCE_NUM_THREADS": "1"})}) as running:
+        yield running
+
+
+def test_a_safetensors_decoder_answers_as_its_chat_route_does(torch_server):
+    """tiny-llama's safetensors folder on TORCH: a greedy message is the chat route's greedy
+    answer to the same conversation (the same template, tokens and engine), streamed or not,
+    its counts the chat's; a forced call on it holds the declared keys only."""
+    sdk, api = _sdk(torch_server), client(torch_server, timeout=120)
+    chat = api.chat.completions.create(
+        model="llama", messages=[{"role": "system", "content": "Be brief."}, *ASK],
+        max_tokens=12, temperature=0,
+    )  # fmt: skip
+    ask = dict(model="llama", system="Be brief.", messages=ASK, max_tokens=12, extra_body=GREEDY)
+    message = sdk.messages.create(**ask)
+    assert _text(message) == chat.choices[0].message.content
+    finish = chat.choices[0].finish_reason
+    assert message.stop_reason == {"length": "max_tokens", "stop": "end_turn"}[finish]
+    assert message.usage.output_tokens == chat.usage.completion_tokens
+    counted = sdk.messages.count_tokens(model="llama", system="Be brief.", messages=ASK)
+    assert counted.input_tokens == chat.usage.prompt_tokens
+    used = message.usage
+    assert used.input_tokens + used.cache_read_input_tokens == counted.input_tokens
+    with sdk.messages.stream(**ask) as stream:
+        assert "".join(stream.text_stream) == _text(message)
+    forced = sdk.messages.create(
+        model="llama", messages=ASK, max_tokens=200, tools=TOOLS,
+        tool_choice={"type": "tool", "name": "get_time"}, extra_body=GREEDY,
+    )  # fmt: skip
+    assert [(u.name, set(u.input)) for u in _tool_uses(forced)] == [("get_time", {"zone"})]
