@@ -146,6 +146,26 @@ def test_create_answers_a_message_with_text_blocks_and_usage(sdk):
     assert ended.usage.output_tokens < 64
 
 
+def test_an_assistant_prefill_is_continued(server, sdk):
+    """A last assistant message is continued, as Anthropic's prefill (the answer holds the
+    continuation only): vLLM's ``continue_final_message`` on the chat route, the same text."""
+    prefill = [*ASK, {"role": "assistant", "content": "Sure, in Paris it is"}]
+    message = sdk.messages.create(model="tiny", max_tokens=8, messages=prefill, extra_body=GREEDY)
+    api = client(server, timeout=120)
+    continued, new_turn = (
+        api.chat.completions.create(
+            model="tiny", messages=prefill, max_tokens=8, temperature=0,
+            extra_body={"continue_final_message": flag, "add_generation_prompt": not flag},
+        )
+        for flag in (True, False)
+    )  # fmt: skip
+    assert _text(message) == continued.choices[0].message.content
+    counted = sdk.messages.count_tokens(model="tiny", messages=prefill).input_tokens
+    assert counted == message.usage.input_tokens + message.usage.cache_read_input_tokens
+    # the same prompt as the continued chat's, not a new turn's (which ends in another header)
+    assert counted == continued.usage.prompt_tokens < new_turn.usage.prompt_tokens
+
+
 def test_a_stream_sends_anthropics_events_in_their_order(server, sdk):
     events = _events(server, {"model": "tiny", "max_tokens": 8, "messages": ASK})
     kinds = [kind for kind, _ in events]

@@ -6,6 +6,8 @@ What becomes what (docs/anthropic.md):
 * a ``user`` message's ``text`` blocks are one user message (joined by a newline); its
   ``tool_result`` blocks come before it as ``tool`` messages with their ``tool_call_id`` (the
   ``tool_use_id``), their content a string or text blocks;
+* a last message of the ``assistant`` is a prefill: the answer continues it (chat's
+  ``continue_final_message``; the answer holds the continuation only, as Anthropic's);
 * an ``assistant`` message's text is its content, its ``tool_use`` blocks its ``tool_calls``
   (``input`` as the arguments' JSON), its ``thinking`` blocks its ``reasoning_content`` (what
   Qwen3-style templates read); ``redacted_thinking`` is opaque and left out;
@@ -339,6 +341,9 @@ def _decode(body: dict[str, Any], counting: bool) -> MessagesAsk:
     model = protocol._model(body)
     _metadata(body)
     chat: dict[str, Any] = {"model": model, "messages": _messages(body)}
+    if chat["messages"][-1]["role"] == "assistant":  # a prefill: the answer continues it
+        chat["continue_final_message"] = True
+        chat["add_generation_prompt"] = False
     stops = _sampling(body, chat)
     if not counting:
         if body.get("max_tokens") is None:
