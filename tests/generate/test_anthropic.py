@@ -434,14 +434,15 @@ def guarded(tmp_path_factory):
     tokens.write_text("key-a infer tenant=a\nkey-a2 infer tenant=a\nkey-b infer tenant=b\n")
     tokens.chmod(0o600)
     entries = {"tiny": (write_tiny(root / "tiny", context=2048), "NUMPY")}
-    with serving(entries, "--auth-tokens", str(tokens)) as running:
+    args = ("--auth-tokens", str(tokens), "--max-message-bytes", str(1 << 20))
+    with serving(entries, *args) as running:
         yield running
 
 
 def test_x_api_key_is_a_token_and_tenants_keep_their_caches(guarded):
     """With --auth-tokens, the SDK's api_key (``x-api-key``) or auth_token (``authorization:
     Bearer``) is the token; none or a wrong one is a 401 in Anthropic's body; a tenant's
-    prefix cache is its own on this face too."""
+    prefix cache is its own on this face too; the router's 413 is Anthropic's body too."""
     ask = dict(model="tiny", max_tokens=2, messages=[{"role": "user", "content": "Hi " * 200}])
     first = _sdk(guarded, api_key="key-a").messages.create(**ask)
     assert first.usage.output_tokens == 2 and first.usage.cache_read_input_tokens == 0
@@ -468,6 +469,13 @@ def test_x_api_key_is_a_token_and_tenants_keep_their_caches(guarded):
         urllib.request.urlopen(request, timeout=30)
     assert caught.value.code == 401
     assert json.loads(caught.value.read())["error"]["type"] == "authentication_error"
+    # a body over --max-message-bytes is refused before it is read, in Anthropic's body too
+    huge = {**ask, "messages": [{"role": "user", "content": "x" * (2 << 20)}]}
+    message = _refused(
+        lambda: _sdk(guarded, api_key="key-a").messages.create(**huge),
+        anthropic.APIStatusError, "request_too_large",
+    )  # fmt: skip
+    assert "max-message-bytes" in message
 
 
 def test_a_stream_failing_midway_ends_with_an_error_event(tmp_path):
