@@ -7,8 +7,10 @@ split into reasoning, content and tool calls.
   ``required`` or ``{"type": "function", "function": {"name": ...}}``: constrained decoding
   (``grammar.py``), as vLLM forces them: ``required`` is a JSON array of at least one
   ``{"name", "parameters"}`` object over the tools' schemas (exactly one with
-  ``parallel_tool_calls`` false), a named function is its ``parameters`` schema, and the
-  answer is read back as the calls.
+  ``parallel_tool_calls`` false), a named function is its ``parameters`` schema, each
+  object of it closed unless it says otherwise (``grammar.closed_schema``: the declared
+  properties only, so a weak model's forced call ends), and the answer is read back as the
+  calls.
 * ``parallel_tool_calls`` false: at most one call per choice (``auto``: the first is kept).
 * The history: an assistant message's ``tool_calls[].function.arguments`` is JSON text in
   OpenAI's API, and templates iterate it as an object (Qwen3-Coder's ``arguments|items``, or
