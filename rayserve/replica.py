@@ -40,6 +40,7 @@ from plugserve.server.protocols.auth import AuthInterceptor, load_tokens
 from plugserve.server.protocols.kserve.grpc_service import KServeServicer
 from plugserve.server.protocols.kserve.rest import RestApp
 from plugserve.server.protocols.openai import OpenAIRoutes
+from plugserve.server.protocols.openai.anthropic import AnthropicRoutes
 from plugserve.server.protocols.openai.responses_store import configured
 
 __all__ = ["ReplicaBase", "replica_class"]
@@ -76,6 +77,8 @@ class ReplicaBase:
         store = configured(plane.budget, s, auth.tokens.tenants if auth is not None else 1)
         openai = OpenAIRoutes(plane, control, s.max_completion_tokens, store)
         self.rest.add_routes(openai.routes(), openai.refusal)
+        anthropic = AnthropicRoutes(openai)
+        self.rest.add_routes(anthropic.routes(), anthropic.refusal, auth_errors=True)
         self.server.openai = openai  # closed by Server.stop
         tenant_of = auth.tenant if auth is not None else None
         self.kserve = KServeBridge(KServeServicer(plane, control, tenant_of), threads, auth, local)

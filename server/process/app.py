@@ -68,6 +68,7 @@ from plugserve.server.protocols.http.app import HttpService
 from plugserve.server.protocols.kserve.rest import RestApp
 from plugserve.server.protocols.openai import OpenAIRoutes
 from plugserve.server.protocols.openai import body as openai_body
+from plugserve.server.protocols.openai.anthropic import AnthropicRoutes
 from plugserve.server.protocols.openai.responses_store import configured
 from plugserve.server.protocols.v1.servicer import PlugserveServicer
 
@@ -459,6 +460,8 @@ class Server:
             s.max_logprobs,
         )
         rest_app.add_routes(self.openai.routes(), self.openai.refusal)
+        anthropic = AnthropicRoutes(self.openai)  # Anthropic's Messages API, on chat's path
+        rest_app.add_routes(anthropic.routes(), anthropic.refusal, auth_errors=True)
         self.rest = HttpService(rest_app.router, s)
         self.http_port = self.rest.start()
 

@@ -4,7 +4,8 @@
   present a certificate signed by that CA (mutual TLS).
 * Tokens: ``--auth-tokens FILE``, one ``TOKEN ROLE [tenant=NAME]`` line per token (``#``
   comments and blank lines allowed). Clients send the gRPC metadata ``authorization: Bearer
-  TOKEN``. Roles: ``infer`` (inference, metadata, health) and ``admin`` (also load, unload,
+  TOKEN`` (or ``x-api-key: TOKEN``, Anthropic's header, when no ``authorization`` is sent).
+  Roles: ``infer`` (inference, metadata, health) and ``admin`` (also load, unload,
   import/export, set config). Every call is checked in one :class:`AuthInterceptor`; a method
   not listed here needs ``admin`` (fail closed).
 * Tenants: with tokens, each token is a tenant of its own, or the tenant its line names
@@ -110,7 +111,8 @@ _TABLE: dict[str, str] = {
 }
 
 HOW = (
-    "send 'authorization: Bearer TOKEN' (gRPC metadata or an HTTP header) with a token from "
+    "send 'authorization: Bearer TOKEN' (gRPC metadata or an HTTP header; or 'x-api-key: "
+    "TOKEN', Anthropic's header) with a token from "
     "the server's --auth-tokens file (tritonclient: headers={'authorization': 'Bearer TOKEN'})"
 )
 
@@ -242,11 +244,17 @@ def load_tokens(path: str) -> Tokens:
 
 
 def _bearer(metadata: Sequence[tuple[str, Any]] | None) -> str | bytes | None:
+    """The token: ``authorization: Bearer TOKEN``'s, else ``x-api-key: TOKEN``'s (Anthropic's
+    header, which its SDK and the agents built on it send); b"" for a malformed one."""
+    api_key: str | bytes | None = None
     for key, value in metadata or ():
-        if key.lower() == "authorization":
+        name = key.lower()
+        if name == "authorization":
             scheme, _, token = value.partition(" ") if isinstance(value, str) else ("", "", "")
             return token.strip() if scheme.lower() == "bearer" else b""
-    return None
+        if name == "x-api-key" and api_key is None:
+            api_key = value.strip() if isinstance(value, str) else b""
+    return api_key
 
 
 def _denied(code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:

@@ -30,6 +30,7 @@ from plugserve.proto import grpc_service_pb2 as kserve_pb
 from plugserve.proto import grpc_service_pb2_grpc as kserve_grpc
 from plugserve.server.protocols.kserve.rest import RestApp
 from plugserve.server.protocols.openai import OpenAIRoutes
+from plugserve.server.protocols.openai.anthropic import AnthropicRoutes
 
 TOKENS = {"infer": uuid.uuid4().hex, "admin": uuid.uuid4().hex, "wrong": uuid.uuid4().hex}
 
@@ -50,11 +51,14 @@ def guarded(repo, tmp_path_factory):
 
 def _route_table() -> list[tuple[re.Pattern[str], str, str]]:
     """The server's REST routes: (pattern, HTTP method, the gRPC method it is authorized as),
-    read from the route tables themselves (the KServe one and the OpenAI one it mounts)."""
+    read from the route tables themselves (the KServe one, the OpenAI one and Anthropic's)."""
     routes = []
     for pattern, verbs, rpc, _ in RestApp._table(RestApp.__new__(RestApp)):
         routes += [(re.compile(pattern + "/?"), verb, rpc) for verb in verbs]
-    for pattern, methods in OpenAIRoutes.routes(OpenAIRoutes.__new__(OpenAIRoutes)):
+    for pattern, methods in [
+        *OpenAIRoutes.routes(OpenAIRoutes.__new__(OpenAIRoutes)),
+        *AnthropicRoutes.table(lambda: None),  # type: ignore[arg-type,return-value]
+    ]:
         routes += [(re.compile(pattern + "/?"), verb, rpc) for verb, (rpc, _) in methods.items()]
     return routes
 

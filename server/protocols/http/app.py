@@ -218,6 +218,8 @@ class Router:
         self.routes: list[tuple[re.Pattern[str], dict[str, tuple[str, Handler]]]] = []
         #: routes with an error body of their own, and its renderer (add_routes)
         self._refusals: list[tuple[list[re.Pattern[str]], Callable[..., Reply]]] = []
+        #: of them, those whose token refusals (401, 403) are in that body too
+        self._auth_refusals: list[tuple[list[re.Pattern[str]], Callable[..., Reply]]] = []
         #: the health routes: answered whatever the connection limits (a probe is never
         #: refused because infer traffic holds the port)
         self._probes: set[Handler] = set()
@@ -231,6 +233,7 @@ class Router:
         *,
         decode_own: Iterable[Handler] | None = None,
         probes: Iterable[Handler] = (),
+        auth_errors: bool = False,
     ) -> None:
         """A face's routes, after those registered before: ``(pattern, {method: (the gRPC
         method it is authorized as, handler)})``. A handler takes a :class:`Call` and returns
@@ -239,7 +242,9 @@ class Router:
         (its body over the memory budget, too large, too slow), in the routes' own error body.
         ``decode_own``: the handlers that decode a large body off the loop themselves (None:
         all of them; the others' JSON bodies over INLINE_BYTES are decoded on a worker first);
-        ``probes``: health handlers, answered past the connection limits."""
+        ``probes``: health handlers, answered past the connection limits; ``auth_errors``:
+        ``refusal`` also answers a missing, unknown or too weak token (Anthropic's clients
+        read the error's type from the body: ``authentication_error``)."""
         compiled = [(re.compile(pattern + "/?"), methods) for pattern, methods in table]
         self.routes += compiled
         if decode_own is None:
@@ -248,6 +253,8 @@ class Router:
         self._probes.update(probes)
         if refusal is not None:
             self._refusals.append(([pattern for pattern, _ in compiled], refusal))
+            if auth_errors:
+                self._auth_refusals.append(self._refusals[-1])
 
     def refusal(self, url: bytes, status: int, message: str, error: PlugserveError | None) -> Reply:
         """The reply refusing a request to ``url`` before it is routed (rest_http's): the
@@ -303,7 +310,12 @@ class Router:
             metadata = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in raw_headers]
             code, role, tenant = self.auth.check(rpc, metadata)
             if code is not None:
-                status, pieces, extra = _error(HTTP_STATUS[code], role)
+                render = next((r for ps, r in self._auth_refusals if pattern in ps), None)
+                status, pieces, extra = (
+                    _error(HTTP_STATUS[code], role)
+                    if render is None
+                    else render(HTTP_STATUS[code], role, None)
+                )
                 if code == grpc.StatusCode.UNAUTHENTICATED:
                     extra = [*extra, (b"www-authenticate", b"Bearer")]
                 return status, pieces, extra

@@ -30,6 +30,7 @@ from typing import Any
 
 import orjson
 
+from plugserve.server.protocols.http import sse
 from plugserve.server.protocols.http.http_server import StreamReply
 from plugserve.server.protocols.openai import protocol
 from plugserve.server.protocols.openai.errors import OpenAIError
@@ -60,16 +61,6 @@ _PARAMS = {
 }
 #: a request with more items than this is made into its chat request on a worker thread
 _INLINE_ITEMS = 64
-
-
-def _sse_values(piece: bytes) -> list[Any]:
-    """The JSON values of the ``data:`` events in a chat stream's piece (``[DONE]`` left out)."""
-    values = []
-    for block in piece.split(b"\n\n"):
-        for line in block.split(b"\n"):
-            if line.startswith(b"data: ") and line[6:] != b"[DONE]":
-                values.append(orjson.loads(line[6:]))
-    return values
 
 
 class ResponsesRoutes:
@@ -309,7 +300,7 @@ class ResponsesRoutes:
                 yield piece
             async for piece in chunks:  # (the events of one piece are written together)
                 made: list[bytes] = []
-                for value in _sse_values(piece):
+                for value in sse.values(piece):
                     if "error" in value and "choices" not in value:
                         made += events.failed(value["error"])
                         yield b"".join(made)

@@ -321,6 +321,14 @@ class OpenAIRoutes:
         return await self._answer(call, protocol.chat_request, "chat", self._chat)
 
     async def _chat(self, ask: protocol.ChatRequest, trace: Trace | None) -> Any:
+        model, ids, plan = await self._chat_prompt(ask)
+        return await self._generate(model, ask, [ids], "chat", "messages", trace, plan)
+
+    async def _chat_prompt(
+        self, ask: protocol.ChatRequest
+    ) -> tuple[_Model, list[int], tools.Plan | None]:
+        """A chat's model, prompt ids and answer plan: what it generates from (Anthropic's
+        face counts the ids for /v1/messages/count_tokens and message_start)."""
         model = self._generative(ask.model)
         # refused at once, unrendered, when its text alone cannot fit (characters <= bytes)
         chars = sum(len(m["content"]) for m in ask.messages if isinstance(m["content"], str))
@@ -333,7 +341,7 @@ class OpenAIRoutes:
             model.parsers.get("tool_call_parser", self.tool_call_parser),
             model.parsers.get("reasoning_parser", self.reasoning_parser),
         )
-        return await self._generate(model, ask, [ids], "chat", "messages", trace, plan)
+        return model, ids, plan
 
     # --- POST /v1/completions
 

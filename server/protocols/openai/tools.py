@@ -7,8 +7,10 @@ split into reasoning, content and tool calls.
   ``required`` or ``{"type": "function", "function": {"name": ...}}``: constrained decoding
   (``grammar.py``), as vLLM forces them: ``required`` is a JSON array of at least one
   ``{"name", "parameters"}`` object over the tools' schemas (exactly one with
-  ``parallel_tool_calls`` false), a named function is its ``parameters`` schema, and the
-  answer is read back as the calls.
+  ``parallel_tool_calls`` false), a named function is its ``parameters`` schema, each
+  object of it closed unless it says otherwise (``grammar.closed_schema``: the declared
+  properties only, so a weak model's forced call ends), and the answer is read back as the
+  calls.
 * ``parallel_tool_calls`` false: at most one call per choice (``auto``: the first is kept).
 * The history: an assistant message's ``tool_calls[].function.arguments`` is JSON text in
   OpenAI's API, and templates iterate it as an object (Qwen3-Coder's ``arguments|items``, or
@@ -34,7 +36,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from plugserve.server.apps.generate.grammar import MAX_SCHEMA_BYTES
+from plugserve.server.apps.generate.grammar import MAX_SCHEMA_BYTES, closed_schema
 from plugserve.server.apps.generate.tool_parsers import MAX_CALL_CHARS, Streamer, ToolCall
 from plugserve.server.protocols.openai.errors import OpenAIError
 
@@ -153,8 +155,12 @@ def check_tools(body: dict[str, Any], ask: Any) -> None:
 
 
 def _parameters(function: dict[str, Any]) -> dict[str, Any]:
+    """A forced call's arguments schema: the declared properties only (``grammar.closed_schema``,
+    unless the schema says what other keys it takes)."""
     parameters = function.get("parameters")
-    return parameters if isinstance(parameters, dict) and parameters else {"type": "object"}
+    return closed_schema(
+        parameters if isinstance(parameters, dict) and parameters else {"type": "object"}
+    )
 
 
 def forced_schema(tools: Sequence[dict[str, Any]], choice: Any, parallel: bool) -> dict[str, Any]:
