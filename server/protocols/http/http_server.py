@@ -122,6 +122,8 @@ Admit = Callable[[str, str, list[tuple[bytes, bytes]], str], Any]
 Handle = Callable[[Any, Any], "Reply | Awaitable[Reply] | StreamReply"]
 
 _JSON = [(b"content-type", b"application/json")]
+#: what a 429 or 503 tells the client: try again in a second (RFC 9110 10.2.3)
+_RETRY_AFTER = (b"retry-after", b"1")
 _NEVER = float("inf")
 _STATUS_LINES = {
     s.value: f"HTTP/1.1 {s.value} {s.phrase}\r\n".encode("latin-1") for s in http.HTTPStatus
@@ -142,11 +144,12 @@ _CHARGE_STEP = 64 << 10
 
 class Bounds:
     """What one client may hold of the port (docs/security.md): ``peer_connections``
-    connections per client address and ``peer_bytes`` of the memory budget (0: no bound of
-    its own); a body must come at ``min_rate`` bytes a second on average once ``grace``
+    connections per client address that serve none of its requests, and ``peer_bytes`` of the
+    memory budget (0: no bound of its own); ``token_requests`` requests in flight per token
+    (0: none); a body must come at ``min_rate`` bytes a second on average once ``grace``
     seconds have passed since its headers (0: no minimum)."""
 
-    __slots__ = ("grace", "min_rate", "peer_bytes", "peer_connections")
+    __slots__ = ("grace", "min_rate", "peer_bytes", "peer_connections", "token_requests")
 
     def __init__(
         self,
@@ -154,21 +157,31 @@ class Bounds:
         peer_bytes: int = 0,
         min_rate: float = 0.0,
         grace: float = 5.0,
+        token_requests: int = 0,
     ) -> None:
         self.peer_connections = peer_connections
         self.peer_bytes = peer_bytes
         self.min_rate = min_rate
         self.grace = grace
+        self.token_requests = token_requests
 
 
 class _Share:
-    """What one client address holds: its connections, and its bytes of the budget."""
+    """What one client address holds: its connections (``serving`` of them serve a request
+    of its, not counted by --http-peer-connections), and its bytes of the budget."""
 
-    __slots__ = ("connections", "nbytes")
+    __slots__ = ("connections", "nbytes", "serving")
 
     def __init__(self) -> None:
         self.connections = 0
+        self.serving = 0
         self.nbytes = 0
+
+    @property
+    def unserved(self) -> int:
+        """Its connections that serve none of its requests: what --http-peer-connections
+        bounds."""
+        return self.connections - self.serving
 
 
 class StreamReply:
@@ -297,6 +310,8 @@ class HttpServer:
         self.connections: set[Connection] = set()
         #: what each client address holds (connections, bytes of the budget)
         self.peers: dict[str, _Share] = {}
+        #: requests in flight per token (what ``admit`` named as the request's ``tenant``)
+        self.tenants: dict[Any, int] = {}
         self.sweep_every = max(0.05, min(1.0, read_timeout / 4))
         self._sweep: asyncio.TimerHandle | None = None
 
@@ -398,6 +413,11 @@ class Connection(asyncio.Protocol):
         self.last = False  # the parser reads no further request: close after those taken
         self.lingering = False  # refused: what the peer still sends is dropped, then closed
         self.reading = False  # a request's first bytes came, not yet all of it
+        #: it serves a request of its address's (read whole, or with a valid token): not
+        #: counted by --http-peer-connections (``_Share.serving``)
+        self.exempt = False
+        #: the token whose request it serves (counted in ``HttpServer.tenants``), if any
+        self.tenant: Any = None
         #: requests read whole, to serve in order: (method, what admit gave, body,
         #: keep-alive, their charge)
         self.pending: deque[tuple[str, Any, Any, bool, Charge | None]] = deque()
@@ -437,8 +457,8 @@ class Connection(asyncio.Protocol):
             # room for this one, with its request still under the limit when it comes
             server.evict(len(server.connections) - server.limit + 2, time.monotonic())
         most = server.bounds.peer_connections
-        if most and share.connections > most:  # room within its address's share
-            server.evict(share.connections - most, time.monotonic(), share)
+        if most and share.unserved > most:  # room within its address's share
+            server.evict(share.unserved - most, time.monotonic(), share)
         server.connections.add(self)
         server.watch(self.loop)
         self._wait_for_headers()
@@ -595,11 +615,15 @@ class Connection(asyncio.Protocol):
             query = httptools.parse_url(url).query
             routed.query = parse_qs(query.decode("latin-1")) if query else {}
         if type(routed) is not tuple and not routed.probe:
-            most = server.bounds.peer_connections
-            if len(server.connections) > server.limit or (
-                most and self.share.connections > most
-            ):  # (health and readiness probes are answered whatever the count)
+            # (health and readiness probes are answered whatever the count)
+            if len(server.connections) > server.limit:
                 routed = self._crowded(routed)
+            # (never refused for its address's bound: that closes the address's connections
+            # that hold a slot without a request as its new ones come; a burst of connections
+            # opened at once sends its requests a moment later)
+            tenant = getattr(routed, "tenant", None)
+            if tenant is not None and type(routed) is not tuple:
+                routed = self._quota(routed, tenant)
         self._routed = routed
         coming = chunked or (length is not None and length != b"0")
         if type(routed) is tuple and coming:
@@ -623,26 +647,56 @@ class Connection(asyncio.Protocol):
             self.body_since = now
 
     def _crowded(self, routed: Any) -> Any:
-        """A request on a connection past the port's limit or its address's share: room is
-        made by closing connections that hold a slot without using it (refused ones
-        draining, idle ones, slow bodies); if none, it is refused (503)."""
+        """A request on a connection past the port's limit: room is made by closing
+        connections that hold a slot without using it (refused ones draining, idle ones, slow
+        bodies); if none, it is refused (503)."""
         server = self.server
-        now = time.monotonic()
-        most = server.bounds.peer_connections
-        if len(server.connections) > server.limit:
-            server.evict(len(server.connections) - server.limit, now)
-        if most and self.share.connections > most:
-            server.evict(self.share.connections - most, now, self.share)
+        server.evict(len(server.connections) - server.limit, time.monotonic())
         if len(server.connections) > server.limit:
             return self._refusal(503, "the server has too many connections open; retry later")
-        if most and self.share.connections > most:
-            return self._refusal(
-                503,
-                f"{self.peer} has {self.share.connections} connections open to this server, "
-                f"over the {most} one client address may hold (--http-peer-connections); "
-                "retry later",
-            )
         return routed
+
+    def _quota(self, routed: Any, tenant: Any) -> Any:
+        """A request with a valid token: counted in its token's requests in flight, or
+        refused (429) past --http-token-requests; it is not counted by its address's bound
+        from here on (a gateway is one address for all of its clients)."""
+        if self.tenant != tenant:
+            self._settle()  # (a pipelined request of another token: that one's is over)
+            server = self.server
+            held = server.tenants.get(tenant, 0)
+            most = server.bounds.token_requests
+            if most and held >= most:
+                return self._refusal(
+                    429,
+                    f"this token has {held} requests in flight, the most one token may have "
+                    "(--http-token-requests / PLUGSERVE_HTTP_TOKEN_REQUESTS); retry later",
+                )
+            server.tenants[tenant] = held + 1
+            self.tenant = tenant
+        self._exempt()
+        return routed
+
+    def _exempt(self) -> None:
+        """The connection serves a request of its address's: it leaves the address's bound."""
+        if not self.exempt:
+            self.exempt = True
+            self.share.serving += 1
+
+    def _settle(self) -> None:
+        """Its requests are over (answered, refused, or the connection gone): it counts in
+        its address's bound again, and no longer in its token's requests in flight."""
+        if self.exempt:
+            self.exempt = False
+            self.share.serving -= 1
+        tenant = self.tenant
+        if tenant is not None:
+            self.tenant = None
+            tenants = self.server.tenants
+            held = tenants.get(tenant, 1) - 1
+            if held > 0:
+                tenants[tenant] = held
+            else:
+                tenants.pop(tenant, None)
 
     def _refusal(self, status: int, message: str) -> Reply:
         refusal = self.server.refusal
@@ -713,6 +767,8 @@ class Connection(asyncio.Protocol):
         self._buffer = None
         charge, self._charge = self._charge, None
         routed, self._routed = self._routed, None
+        if type(routed) is not tuple:  # read whole: it serves its address now
+            self._exempt()
         self.pending.append((self._method, routed, body, self.parser.should_keep_alive(), charge))
         if self.busy or self.paused:
             self.transport.pause_reading()
@@ -744,6 +800,8 @@ class Connection(asyncio.Protocol):
             self.transport.resume_reading()
             if not self.reading:  # (else its headers are in, its body is timed)
                 self._wait_for_headers()
+            elif getattr(self._routed, "tenant", None) is None:
+                self._settle()  # a body coming without a token counts as its address's
 
     async def _later(
         self, method: str, reply: Awaitable[Reply] | StreamReply, keep_alive: bool
@@ -841,6 +899,8 @@ class Connection(asyncio.Protocol):
         if self.closed:  # the client left: its answer is dropped
             return False
         status, pieces, headers = reply
+        if status in (429, 503) and not any(n == b"retry-after" for n, _ in headers):
+            headers = [*headers, _RETRY_AFTER]  # every refusal to retry says when
         keep_alive = keep_alive and not (self.last and not self.pending)
         length = 0
         for piece in pieces:
@@ -872,6 +932,7 @@ class Connection(asyncio.Protocol):
         ``eof_received`` closes this side); what comes meanwhile is dropped unread."""
         self._release(self._charge)  # nothing it sends is kept
         self._charge = None
+        self._settle()
         self.discard = self.lingering = True
         self.reading = False
         self.waiting_since = None
@@ -926,6 +987,7 @@ class Connection(asyncio.Protocol):
         self._release(self.serving)
         self._charge = self.serving = None
         if not self.closed:
+            self._settle()
             share = self.share
             share.connections -= 1
             if share.connections <= 0 and share.nbytes <= 0:
@@ -940,6 +1002,7 @@ class Connection(asyncio.Protocol):
     # --- deadlines
 
     def _wait_for_headers(self) -> None:
+        self._settle()
         self.waiting_since = time.monotonic()
         self.deadline = self.waiting_since + self.server.read_timeout
 
