@@ -201,6 +201,7 @@ class Server:
             settings.max_model_bytes,
             settings.load_threads(),
             settings.max_sequences,
+            settings.model_unload_timeout,
         )
         self.metrics.watch_generation(self._generation_stats)
         if "PYTHON" in self.core.available_devices:  # its models' load_model calls
