@@ -19,7 +19,8 @@ What happens now, for every kind of network (:class:`Retirement`):
 3. its sequences end, it is closed, and its memory is given back at once: a collection of
    the garbage cycles (a torch module's parameters are held by cycles through its submodules
    and hooks; the collector runs by object counts, not bytes, so a reload's old weights could
-   stay for many loads) and glibc's ``malloc_trim`` (``allocator.give_back_freed_memory``).
+   stay for many loads), glibc's ``malloc_trim`` (``allocator.give_back_freed_memory``) and,
+   where torch has initialized CUDA, its caching allocator's free blocks (``empty_cache``).
    A full collection takes 10-100 ms here with a few models loaded: at an unload, not on a
    request's path.
 
@@ -29,8 +30,10 @@ reload's replaced version closes in the background, its replacement already serv
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
+import sys
 import threading
 import time
 import weakref
@@ -105,6 +108,14 @@ def _give_back(network: weakref.ref, within: float = 2.0) -> None:
             break
         time.sleep(_POLL)
     give_back_freed_memory()
+    # a GPU network's tensors, freed, stay in torch's caching allocator: back to the card, so
+    # the next load's free-memory check (and other processes) see them. Read from the modules
+    # already imported: the server imports no device's backend (a server without torch, or
+    # whose torch never touched CUDA, does nothing here)
+    cuda = getattr(sys.modules.get("torch"), "cuda", None)
+    if cuda is not None and cuda.is_initialized():
+        with contextlib.suppress(Exception):
+            cuda.empty_cache()
 
 
 def end_sequences(entry: LoadedNetwork) -> None:

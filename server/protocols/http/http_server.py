@@ -36,14 +36,30 @@ REST front door"; tests/server/test_attacks_front.py drives each):
   body given as bytes, which Triton's own HTTP tests do) is read by its chunks, the length
   ignored, and its connection closed once it is answered, nothing after it read (RFC 9112
   6.1: the pair is how requests are smuggled past a proxy that reads the other header);
-- at most ``limit`` connections (4 x --grpc-workers, as gRPC's maximum_concurrent_rpcs), and
-  --http-peer-connections of them per client address: a new connection past either first
-  closes those that hold a slot without using it (of that address, for its share): refused
-  ones draining, then those that have waited longest for a request's headers, then bodies
-  coming under the minimum rate (408), once they have waited ``EVICT_AFTER`` seconds (a real
-  client sends its headers with the connection); a request on a connection still past a
-  limit is answered 503 on its headers, but for the health routes (a liveness probe stays
-  200 while the infer routes are refused);
+- at most ``limit`` connections (4 x --grpc-workers = 256, as gRPC's
+  maximum_concurrent_rpcs): a new connection past it first closes those that hold a slot
+  without using it: refused ones draining, then those that have waited longest for a
+  request's headers, then bodies coming under the minimum rate (408), once they have waited
+  ``EVICT_AFTER`` seconds (a real client sends its headers with the connection); a request on
+  a connection still past the limit is answered 503 on its headers, but for the health routes
+  (a liveness probe stays 200 while the infer routes are refused). Each request holds its
+  connection, so this is also the port's requests in flight;
+- bounds that stop attackers, not users (issue 58): --http-peer-connections (half the limit,
+  128) counts only the connections of an address that serve none of its requests (waiting for
+  headers, idle keep-alive, a body coming without a token, refused): a connection whose
+  request came whole, or whose headers carried a valid token, is the address's user, not a
+  slot held without use. A new connection of an address past it closes that address's idle,
+  refused or slow ones as above; a request is never refused for it. On main the bound counted
+  every connection: 130-175 requests in flight from one address (vLLM's own cancellation
+  test, and every client behind an ingress, a gateway or Ray's proxy, which is one address)
+  were 503 past 128. Now 200 slow requests from one address are all served, and 168 idle
+  sockets opened beside them are closed down to the bound (tests/server/test_busy_clients.py).
+  A request with a valid token is bounded by its token's own quota instead,
+  --http-token-requests (seven eighths of the limit, 224: an eighth of the port stays for
+  other tenants), counted from its headers to its answer: past it 429. Without tokens, idle
+  and slow connections stay bounded per address, and a burst of connections opened at once
+  (their requests a moment later) is served whole;
+- every 429 and 503 carries ``Retry-After: 1``;
 - a body in pieces is joined in one growing buffer (an object per piece: 12 MB of 1-byte
   chunks took +1 GB), and a chunked body is parsed _SLICE bytes at a time, the loop's turn
   given up after _PIECES_PER_TURN chunks;
@@ -72,22 +88,29 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import http
 import socket
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
-from email.utils import formatdate
+from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import parse_qs, unquote
 
 import httptools
 import numpy as np
-import orjson
 
 from plugserve.plugins.api import PlugserveError, ResourceExhausted
 from plugserve.server.plane.budget import Charge, MemoryBudget, body_factor
 from plugserve.server.plane.errors import forget_frames
+from plugserve.server.protocols.http.bounds import Bounds, Share
+from plugserve.server.protocols.http.replies import (
+    RETRY_AFTER,
+    STATUS_LINES,
+    Date,
+    Push,
+    Reply,
+    StreamReply,
+    error_reply,
+)
 from plugserve.server.protocols.status import http_status_of
 
 __all__ = [
@@ -110,8 +133,6 @@ STREAM_SEND_BUFFER = 64 << 10
 #: The request line and headers of one request, at most (as Node's default, about).
 MAX_HEADER_BYTES = 64 * 1024
 
-#: what a handler returns: status, body pieces, extra headers
-Reply = tuple[int, list[bytes | memoryview], list[tuple[bytes, bytes]]]
 #: the request's URL, the status, the message and the typed error behind it -> the reply
 Refusal = Callable[[bytes, int, str, "PlugserveError | None"], Reply]
 #: method, path, headers (lower-case names), peer -> a refusal (a Reply, answered before the
@@ -121,13 +142,7 @@ Admit = Callable[[str, str, list[tuple[bytes, bytes]], str], Any]
 #: (what Admit returned, body) -> a reply, an awaitable of one, or a StreamReply
 Handle = Callable[[Any, Any], "Reply | Awaitable[Reply] | StreamReply"]
 
-_JSON = [(b"content-type", b"application/json")]
-#: what a 429 or 503 tells the client: try again in a second (RFC 9110 10.2.3)
-_RETRY_AFTER = (b"retry-after", b"1")
 _NEVER = float("inf")
-_STATUS_LINES = {
-    s.value: f"HTTP/1.1 {s.value} {s.phrase}\r\n".encode("latin-1") for s in http.HTTPStatus
-}
 
 
 #: A body with a Content-Length of at least this is read into one buffer made for it.
@@ -140,104 +155,6 @@ _SLICE = 16 << 10
 #: The memory budget is charged as a body arrives, in steps of this many body bytes (times
 #: the body's factor): a body of 1-byte chunks takes a lock per 64 KiB, not per byte.
 _CHARGE_STEP = 64 << 10
-
-
-class Bounds:
-    """What one client may hold of the port (docs/security.md): ``peer_connections``
-    connections per client address that serve none of its requests, and ``peer_bytes`` of the
-    memory budget (0: no bound of its own); ``token_requests`` requests in flight per token
-    (0: none); a body must come at ``min_rate`` bytes a second on average once ``grace``
-    seconds have passed since its headers (0: no minimum)."""
-
-    __slots__ = ("grace", "min_rate", "peer_bytes", "peer_connections", "token_requests")
-
-    def __init__(
-        self,
-        peer_connections: int = 0,
-        peer_bytes: int = 0,
-        min_rate: float = 0.0,
-        grace: float = 5.0,
-        token_requests: int = 0,
-    ) -> None:
-        self.peer_connections = peer_connections
-        self.peer_bytes = peer_bytes
-        self.min_rate = min_rate
-        self.grace = grace
-        self.token_requests = token_requests
-
-
-class _Share:
-    """What one client address holds: its connections (``serving`` of them serve a request
-    of its, not counted by --http-peer-connections), and its bytes of the budget."""
-
-    __slots__ = ("connections", "nbytes", "serving")
-
-    def __init__(self) -> None:
-        self.connections = 0
-        self.serving = 0
-        self.nbytes = 0
-
-    @property
-    def unserved(self) -> int:
-        """Its connections that serve none of its requests: what --http-peer-connections
-        bounds."""
-        return self.connections - self.serving
-
-
-class StreamReply:
-    """A reply whose body is written as it is made, with chunked transfer encoding: Triton's
-    generate_stream and OpenAI's streams (server-sent events, ``server/protocols/http/sse.py``).
-    ``chunks``
-    is an async iterator of bytes; the connection waits for the peer to read before asking it
-    for more (flow control), and a peer that goes away closes it (its ``finally`` cancels the
-    request that feeds it).
-
-    ``push``, when a reply has one (:class:`Push`), is the same body written without a task
-    step per event: the connection hands it a writer and it writes from the loop's callback
-    that tells it events came (``ResponseStream.caller``). Whoever wraps ``chunks``
-    (tracing's byte count, the Responses API's events) sets ``chunks``, which drops ``push``:
-    the body is then the wrapped iterator's."""
-
-    __slots__ = ("_chunks", "headers", "push", "status")
-
-    def __init__(
-        self,
-        status: int,
-        headers: list[tuple[bytes, bytes]],
-        chunks: AsyncIterator[bytes],
-        push: Push | None = None,
-    ) -> None:
-        self.status, self.headers, self._chunks, self.push = status, headers, chunks, push
-
-    @property
-    def chunks(self) -> AsyncIterator[bytes]:
-        return self._chunks
-
-    @chunks.setter
-    def chunks(self, chunks: AsyncIterator[bytes]) -> None:
-        self._chunks, self.push = chunks, None
-
-
-class Push:
-    """A streamed body that writes itself (see :class:`StreamReply`): :meth:`start` gets
-    ``write(data) -> bool`` (False: the peer does not read, stop until :meth:`resume`) and
-    returns a future done when the body's last bytes are written (or failed with what the
-    iterator would have raised); :meth:`stop` ends it early (the peer left: cancel what feeds
-    it). Measured: the pulled path's task step, futures and async generators per event were
-    most of the HTTP thread's per-token cost that was not the socket's write."""
-
-    def start(self, write: Callable[[bytes], bool]) -> asyncio.Future[None]:
-        raise NotImplementedError
-
-    def resume(self) -> None:
-        raise NotImplementedError
-
-    def stop(self) -> None:
-        raise NotImplementedError
-
-
-def error_reply(status: int, message: str) -> Reply:
-    return status, [orjson.dumps({"error": message})], _JSON
 
 
 class _Refused(Exception):
@@ -259,21 +176,6 @@ class _Refused(Exception):
 
 class _Discard(Exception):
     """Raised in a parser callback: what the peer sends from here on is not read."""
-
-
-class _Date:
-    """The Date header, formatted once a second."""
-
-    second = -1
-    value = b""
-
-    @classmethod
-    def header(cls) -> bytes:
-        now = int(time.time())
-        if now != cls.second:
-            cls.value = b"date: " + formatdate(now, usegmt=True).encode() + b"\r\n"
-            cls.second = now
-        return cls.value
 
 
 class HttpServer:
@@ -309,16 +211,16 @@ class HttpServer:
         self.bounds = bounds or Bounds()
         self.connections: set[Connection] = set()
         #: what each client address holds (connections, bytes of the budget)
-        self.peers: dict[str, _Share] = {}
+        self.peers: dict[str, Share] = {}
         #: requests in flight per token (what ``admit`` named as the request's ``tenant``)
         self.tenants: dict[Any, int] = {}
         self.sweep_every = max(0.05, min(1.0, read_timeout / 4))
         self._sweep: asyncio.TimerHandle | None = None
 
-    def share(self, peer: str) -> _Share:
+    def share(self, peer: str) -> Share:
         share = self.peers.get(peer)
         if share is None:
-            share = self.peers[peer] = _Share()
+            share = self.peers[peer] = Share()
         return share
 
     def protocol(self) -> Connection:
@@ -348,7 +250,7 @@ class HttpServer:
         if self.connections:
             self.watch(loop)
 
-    def evict(self, count: int, now: float, share: _Share | None = None) -> None:
+    def evict(self, count: int, now: float, share: Share | None = None) -> None:
         """Close up to ``count`` connections (of ``share``'s address only, if given) that
         hold a slot without using it, worst first: a refused one draining what its peer
         still sends, then those waiting longest for a request's headers (past EVICT_AFTER),
@@ -414,7 +316,7 @@ class Connection(asyncio.Protocol):
         self.lingering = False  # refused: what the peer still sends is dropped, then closed
         self.reading = False  # a request's first bytes came, not yet all of it
         #: it serves a request of its address's (read whole, or with a valid token): not
-        #: counted by --http-peer-connections (``_Share.serving``)
+        #: counted by --http-peer-connections (``Share.serving``)
         self.exempt = False
         #: the token whose request it serves (counted in ``HttpServer.tenants``), if any
         self.tenant: Any = None
@@ -422,7 +324,7 @@ class Connection(asyncio.Protocol):
         #: keep-alive, their charge)
         self.pending: deque[tuple[str, Any, Any, bool, Charge | None]] = deque()
         #: what this connection's address holds (set once connected)
-        self.share = _Share()
+        self.share = Share()
         #: since when the body being read has come (inf: no body is being read)
         self.body_since = _NEVER
         #: what the request being read holds of the memory budget, and at what factor
@@ -831,8 +733,8 @@ class Connection(asyncio.Protocol):
             self._bound_send_buffer()
             keep_alive = keep_alive and not (self.last and not self.pending)
             head = [
-                _STATUS_LINES.get(reply.status) or f"HTTP/1.1 {reply.status} \r\n".encode(),
-                _Date.header(),
+                STATUS_LINES.get(reply.status) or f"HTTP/1.1 {reply.status} \r\n".encode(),
+                Date.header(),
             ]
             for name, value in reply.headers:
                 head += (name, b": ", value, b"\r\n")
@@ -900,12 +802,12 @@ class Connection(asyncio.Protocol):
             return False
         status, pieces, headers = reply
         if status in (429, 503) and not any(n == b"retry-after" for n, _ in headers):
-            headers = [*headers, _RETRY_AFTER]  # every refusal to retry says when
+            headers = [*headers, RETRY_AFTER]  # every refusal to retry says when
         keep_alive = keep_alive and not (self.last and not self.pending)
         length = 0
         for piece in pieces:
             length += memoryview(piece).nbytes
-        head = [_STATUS_LINES.get(status) or f"HTTP/1.1 {status} \r\n".encode(), _Date.header()]
+        head = [STATUS_LINES.get(status) or f"HTTP/1.1 {status} \r\n".encode(), Date.header()]
         for name, value in headers:
             head += (name, b": ", value, b"\r\n")
         head.append(b"content-length: %d\r\n" % length)
