@@ -7,7 +7,8 @@ may hold (--http-peer-connections)". Now a connection that serves a request of i
 in flight are bounded by --http-token-requests instead; idle and unauthenticated connections
 stay bounded as before. Each test drives a real server from 127.0.0.1 with raw sockets: 200
 slow requests at once (each a Loop of additions on NUMPY, four streams, so that they wait in its
-queue while the others come), and idle sockets opened beside them.
+queue while the others come), and idle sockets opened beside them; and 200 streamed chat
+completions at once on a tiny decoder (TORCH), as vLLM's cancellation test opens them.
 """
 
 from __future__ import annotations
@@ -170,3 +171,49 @@ def test_a_token_is_bounded_by_its_quota_not_by_its_address(tokened):
     # without a token: 401 on the headers, as before
     answers, _ = asyncio.run(_many(tokened.http_port, 1, [None]))
     assert answers[0][0] == 401
+
+
+async def _stream(port: int, body: bytes) -> tuple[int, bytes]:
+    """One streamed chat completion on its own connection: its status and every byte of its
+    answer (chunked server-sent events, read to their end)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json"
+            b"\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%b" % (len(body), body)
+        )
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(-1), 120)
+        return int(answer.split(b" ", 2)[1]), answer
+    finally:
+        writer.close()
+
+
+def test_200_streamed_chat_completions_from_one_address_are_all_served():
+    import llm
+    from openai_serving import serving
+
+    try:
+        folder = llm.hf_folder("tiny-llama")
+    except Exception as exc:  # the test models are made by tests/support/llm.py
+        pytest.skip(f"tiny-llama cannot be made here: {exc}")
+    pytest.importorskip("torch")
+    body = json.dumps(
+        {
+            "model": "llama",
+            "messages": [{"role": "user", "content": "Count to three."}],
+            "max_tokens": 4,
+            "stream": True,
+        }
+    ).encode()
+
+    async def many(port: int) -> list:
+        return await asyncio.gather(*[_stream(port, body) for _ in range(CONCURRENT)])
+
+    settings = {"INFERENCE_NUM_THREADS": "1"}
+    with serving({"llama": (folder, "TORCH", settings)}) as server:
+        answers = asyncio.run(many(server.http_port))
+        assert server.process.poll() is None
+    statuses = [status for status, _ in answers]
+    assert statuses.count(200) == CONCURRENT, {s: statuses.count(s) for s in set(statuses)}
+    assert all(b"data: [DONE]" in answer for _, answer in answers)
