@@ -40,10 +40,11 @@ REST front door"; tests/server/test_attacks_front.py drives each):
   maximum_concurrent_rpcs): a new connection past it first closes those that hold a slot
   without using it: refused ones draining, then those that have waited longest for a
   request's headers, then bodies coming under the minimum rate (408), once they have waited
-  ``EVICT_AFTER`` seconds (a real client sends its headers with the connection); a request on
-  a connection still past the limit is answered 503 on its headers, but for the health routes
-  (a liveness probe stays 200 while the infer routes are refused). Each request holds its
-  connection, so this is also the port's requests in flight;
+  ``EVICT_AFTER`` seconds (a real client sends its headers with the connection; one whose
+  request is in its socket, unread because the loop was busy, is not idle: ``unread``); a
+  request on a connection still past the limit is answered 503 on its headers, but for the
+  health routes (a liveness probe stays 200 while the infer routes are refused). Each request
+  holds its connection, so this is also the port's requests in flight;
 - bounds that stop attackers, not users (issue 58): --http-peer-connections (half the limit,
   128) counts only the connections of an address that serve none of its requests (waiting for
   headers, idle keep-alive, a body coming without a token, refused): a connection whose
@@ -88,7 +89,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import socket
+import sys
+import termios
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -269,7 +273,12 @@ class HttpServer:
             ):
                 ranked.append((2, c.body_since, id(c), c))
         ranked.sort()
-        for rank, _, _, connection in ranked[:count]:
+        for rank, _, _, connection in ranked:
+            if count <= 0:
+                break
+            if rank == 1 and connection.unread():
+                continue  # its request came: the loop has not read it yet (a busy turn)
+            count -= 1
             if rank == 2:
                 connection.too_slow(now, evicted=True)
             else:
@@ -864,6 +873,18 @@ class Connection(asyncio.Protocol):
                     else error_reply(status, message)
                 )
             self._reply("", reply, False, linger=status != 408)
+
+    def unread(self) -> int:
+        """Bytes the peer sent that the loop has not read yet (FIONREAD; 0 where unknown): a
+        connection "waiting for headers" past EVICT_AFTER whose request is in its socket is
+        not idle, the loop was busy. A burst of 250 requests on connections opened at once
+        had 50 of them reset so while the loop answered the first (issue 58)."""
+        sock = self.transport.get_extra_info("socket")
+        try:
+            found = fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0")
+        except (AttributeError, OSError, ValueError):
+            return 0
+        return int.from_bytes(found, sys.byteorder, signed=True)
 
     def close(self) -> None:
         """Close now, and take it off the count at once (the close completes later)."""
