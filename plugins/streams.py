@@ -38,8 +38,8 @@ from typing import Any
 
 from plugserve.plugins import cancel
 from plugserve.plugins.errors import (
+    BackendUnavailable,
     Cancelled,
-    FailedPrecondition,
     PlugserveError,
     QueueFull,
 )
@@ -47,6 +47,10 @@ from plugserve.plugins.errors import (
 __all__ = ["Finished", "RequestFuture", "StreamsExecutor"]
 
 _UNMADE = object()  # a stream whose state has not been made yet (None is a valid state)
+#: why a shut-down executor refuses work: UNAVAILABLE (REST 503), which a client retries; its
+#: network was unloaded or replaced, or the server is stopping (it was FAILED_PRECONDITION,
+#: REST 400, which read as the client's fault under an unload)
+SHUT_DOWN = "executor is shut down: its network was unloaded or the server is stopping; retry"
 #: what :meth:`StreamsExecutor.delay` adds to a request's place: behind every request of its
 #: priority level that has not been delayed, before the next level's (places are ``2 * level``)
 DELAYED = 1
@@ -186,7 +190,7 @@ class StreamsExecutor:
         item = (fn, future, stateless, place)
         with self._ready:
             if self._closed:
-                raise FailedPrecondition(f"{self.name}: executor is shut down")
+                raise BackendUnavailable(f"{self.name}: {SHUT_DOWN}")
             pending = self._pending
             if len(pending) >= bound:
                 raise QueueFull(
@@ -264,7 +268,7 @@ class StreamsExecutor:
         queued; its outcome, or None when the caller should :meth:`submit` instead."""
         with self._lock:
             if self._closed:
-                raise FailedPrecondition(f"{self.name}: executor is shut down")
+                raise BackendUnavailable(f"{self.name}: {SHUT_DOWN}")
             if self._pending or not self._idle:
                 return None
             index = self._idle.pop()
@@ -287,7 +291,7 @@ class StreamsExecutor:
             with self._ready:
                 while self._closed or index not in self._idle:
                     if self._closed:
-                        raise FailedPrecondition(f"{self.name}: executor is shut down")
+                        raise BackendUnavailable(f"{self.name}: {SHUT_DOWN}")
                     self._ready.wait(0.1)
                 self._idle.remove(index)
             try:

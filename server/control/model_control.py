@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import tempfile
-import time
 from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -35,13 +34,13 @@ from plugserve.plugins.api import (
     ResourceExhausted,
     refuse_non_tensors,
 )
-from plugserve.plugins.threads import start_daemon
 from plugserve.server.control.allocator import give_back_freed_memory
 from plugserve.server.control.core import Core, refuse_server_keys
 from plugserve.server.control.devices import parse_device
 from plugserve.server.control.model_names import check_name
 from plugserve.server.control.placement import place
 from plugserve.server.control.repository import ModelEntry, Repository
+from plugserve.server.control.retire import Retirement, close_network, end_sequences
 from plugserve.server.control.triton_config import (
     EVERY_VERSION,
     ModelSettings,
@@ -97,9 +96,6 @@ ALLOW_CODE = (
 #: environment's ``bin/python``): a client's config may not set them (``refuse_code_keys``).
 CODE_KEYS = frozenset({"EXECUTION_ENV_PATH"})
 
-#: The longest a replaced network waits for its admitted requests before it closes anyway.
-RETIRE_TIMEOUT = 300.0
-
 
 #: devices that give their models several requests at once themselves (a Python model's
 #: ``execute`` takes a list of requests) where BATCH would concatenate their rows into one
@@ -150,14 +146,19 @@ class ModelControl:
         max_model_bytes: int = 0,
         load_threads: int = 1,
         max_sequences: int = 0,
+        unload_timeout: float = 30.0,
         allow_code_from_clients: bool = False,
     ) -> None:
         """``plane``: the data plane that serves what is loaded here, and whose table of
         networks this fills. ``max_networks`` / ``max_model_bytes`` / ``max_sequences``:
         --max-networks, --max-model-bytes and --max-sequences (0: no limit);
-        ``load_threads``: --model-load-threads, made concrete;
-        ``allow_code_from_clients``: --allow-code-from-clients (:attr:`client_trusted`)."""
+        ``load_threads``: --model-load-threads, made concrete; ``unload_timeout``:
+        --model-unload-timeout, how long an unload waits for its model's requests
+        (``retire.py``); ``allow_code_from_clients``: --allow-code-from-clients
+        (:attr:`client_trusted`)."""
         self.plane = plane
+        #: how networks leave: their requests waited for, closed, their memory given back
+        self.retirement = Retirement(plane, metrics, unload_timeout)
         self.table = plane.table
         self.load_threads = max(1, load_threads)
         #: every sequence model's bounds and idle reaper (--max-sequences)
@@ -315,24 +316,26 @@ class ModelControl:
                 entry.recorder.joined,
             )
         except PlugserveError:
-            self._close(entry)
+            close_network(entry)
             raise
         batcher = entry.sequences
         entry.output_names = [n for n in entry.output_names if n not in batcher.hidden_outputs]
         entry.inputs = [s for s in entry.inputs if s.name not in batcher.hidden_inputs]
         entry.outputs = [s for s in entry.outputs if s.name not in batcher.hidden_outputs]
 
-    def unload(self, name: str, version: int = 0, remove: bool = False) -> list[LoadedNetwork]:
+    def unload(self, name: str, version: int = 0, remove: bool = False) -> int:
         """Unload a version (every version when 0); ``remove`` also deletes it from the
         repository. Files are never deleted implicitly: an operator's models stay on disk.
         A name nothing is loaded under is NOT_FOUND, or INVALID_ARGUMENT when it could never
         name a model (``check_name``: ``..``, ``a/b``, control characters, empty); a model
-        that failed to load is unloaded (its failure forgotten), as Triton's."""
+        that failed to load is unloaded (its failure forgotten), as Triton's. Returns once
+        each version's admitted requests are answered (at most --model-unload-timeout) and
+        it is closed, its memory given back (``retire.py``); how many versions went."""
         with self.table.lock:
             versions = self.table.by_name.get(name)
             if not versions and not version and any(k[0] == name for k in self.table.failed):
                 self._loaded(name)  # a model that failed to load, unloaded: no longer failed
-                return []
+                return 0
             if not versions or (version and version not in versions):
                 if not versions:
                     check_name(name)
@@ -342,39 +345,16 @@ class ModelControl:
                 versions.clear()
                 del self.table.by_name[name]
                 self._loaded(name)  # an unloaded model is not a failed one (as Triton's)
-        for entry in targets:
+        closed = []
+        while targets:  # (popped: nothing here holds a network while its memory goes back)
+            entry = targets.pop()
             if remove and entry.persisted and self.repository is not None:
                 self.repository.remove(name, entry.version)
-            self.metrics.forget(entry.device, name, entry.version)
-            self._close(entry)
-        return targets
-
-    @staticmethod
-    def _end_sequences(entry: LoadedNetwork) -> None:
-        """Its sequences end with it (unload, reload, shutdown): their clients start again."""
-        ended = entry.sequences.close() if entry.sequences is not None else 0
-        if ended:
-            log.info(
-                "network %s version %d: %d active sequence(s) ended with it",
-                entry.name,
-                entry.version,
-                ended,
-            )
-
-    @classmethod
-    def _close(cls, entry: LoadedNetwork) -> None:
-        cls._end_sequences(entry)
-        try:
-            entry.network.close()
-        except Exception as exc:  # a failed device must not keep a network loaded
-            log.warning(
-                "network %s version %d: closing it on %s failed (%s: %s); it is unloaded",
-                entry.name,
-                entry.version,
-                entry.device,
-                type(exc).__name__,
-                exc,
-            )
+            closed.append(self.retirement.retire(entry, keep_series=False))
+            entry = None  # type: ignore[assignment]
+        for done in closed:
+            done.wait(self.retirement.timeout + 60)  # (and the close, bounded by its device)
+        return len(closed)
 
     def _compile(
         self,
@@ -750,24 +730,10 @@ class ModelControl:
                 self.table.loading.discard((name, version))
         log.info("network %s version %d %s on %s", name, version,
                  "reloaded" if old else "ready", entry.device)  # fmt: skip
-        if old is not None:
-            self._retire(old, keep_series=old.device == entry.device)
+        if old is not None:  # closed once the requests it admitted are done; its
+            # replacement takes any that reach it later (DataPlane._admit)
+            self.retirement.retire(old, keep_series=old.device == entry.device)
         return entry
-
-    def _retire(self, entry: LoadedNetwork, keep_series: bool) -> None:
-        """Close a replaced network once the requests it admitted are done (its replacement
-        takes any that reach it later; see :meth:`submit`)."""
-        self.plane.retire(entry)
-
-        def close_when_idle() -> None:
-            end = time.monotonic() + RETIRE_TIMEOUT
-            while entry.inflight and time.monotonic() < end:
-                time.sleep(0.02)
-            if not keep_series:
-                self.metrics.forget(entry.device, entry.name, entry.version)
-            self._close(entry)
-
-        start_daemon(f"retire-{entry.name}", close_when_idle)
 
     def index(self, ready_only: bool = False) -> list[tuple[str, int, bool]]:
         """``(name, version, loaded)`` for every loaded or stored network version, sorted."""
@@ -902,5 +868,5 @@ class ModelControl:
         """Stop every network's streams: what is queued still runs, nothing new is taken."""
         self.sequences.close()
         for entry in self.networks():
-            self._end_sequences(entry)
+            end_sequences(entry)
             entry.executor.shutdown(wait=False)

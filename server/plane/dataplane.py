@@ -37,6 +37,7 @@ from plugserve.plugins.api import (
     InferRequest,
     InvalidArgument,
     InvalidInput,
+    NotFound,
     PlugserveError,
     ResourceExhausted,
     check_inputs,
@@ -46,7 +47,7 @@ from plugserve.plugins.streams import Finished, StreamsExecutor
 from plugserve.server.plane.budget import Charge, MemoryBudget
 from plugserve.server.plane.callpool import blocked
 from plugserve.server.plane.deadlines import DeadlineWatch
-from plugserve.server.plane.errors import forget_frames
+from plugserve.server.plane.errors import Unloaded, forget_frames
 from plugserve.server.plane.metrics import Metrics, failure_status
 from plugserve.server.plane.networks import LoadedNetwork, NetworkTable
 from plugserve.server.plane.queue_policy import QueueRejected, Ticket
@@ -541,11 +542,16 @@ class DataPlane:
 
     def _readmit(self, request: Request, arrays: list[Any]) -> Future | Finished:
         """``request``, whose network was replaced (a reload) after the caller's lookup, to
-        the replacement: checked again against it, by name."""
+        the replacement: checked again against it, by name; unloaded, UNAVAILABLE."""
         entry = request.entry
         request.inputs = {spec.name: a for spec, a in zip(entry.network.inputs, arrays)}
         request.checked = None
-        request.entry = self.get(entry.name, entry.version)
+        try:
+            request.entry = self.get(entry.name, entry.version)
+        except NotFound:  # unloaded while it was on its way: retried, it is answered anew
+            raise Unloaded(
+                f"network {entry.name!r} was unloaded while this request was on its way; retry"
+            ) from None
         return self._admit(request)
 
     def _decoupled_start(self, request: Request) -> Callable[[ResponseStream], None]:
@@ -617,9 +623,9 @@ class DataPlane:
         """Admit ``request`` into the server: refused while draining; counted in flight (what
         draining and an unload wait for); its :attr:`Request.holds` charged to
         --max-inflight-bytes; its deadline watched. :meth:`_leave` undoes each, once.
-        ``reroute``: None, and nothing done, when a reload retired its network since the
-        caller's lookup (decided under the same lock as the count a retired network's close
-        waits for)."""
+        ``reroute``: None, and nothing done, when a reload or an unload retired its network
+        since the caller's lookup (decided under the same lock as the count a retired
+        network's close waits for)."""
         entry = request.entry
         with self._inflight_lock:
             if self.draining:

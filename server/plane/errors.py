@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
-from plugserve.plugins.api import InvalidArgument
+from plugserve.plugins.api import InvalidArgument, PlugserveError
 
-__all__ = ["FieldError", "forget_frames"]
+__all__ = ["FieldError", "Unloaded", "forget_frames"]
+
+
+class Unloaded(PlugserveError):
+    """A request whose model was unloaded (or replaced, or the server is stopping) before it
+    could be answered: UNAVAILABLE (REST 503 with Retry-After), which a client retries; never
+    INTERNAL, which says the server failed. An unload waits for the requests its model
+    admitted first (--model-unload-timeout: ``server/control/retire.py``)."""
+
+    code = "UNAVAILABLE"
 
 
 class FieldError(InvalidArgument):

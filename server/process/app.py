@@ -204,6 +204,7 @@ class Server:
             settings.max_model_bytes,
             settings.load_threads(),
             settings.max_sequences,
+            settings.model_unload_timeout,
             allow_code_from_clients=bool(settings.allow_code_from_clients),
         )
         if settings.allow_code_from_clients:

@@ -154,6 +154,13 @@ class Settings:
         low=0,
     )
     exit_timeout: float = _field(30.0, "seconds to finish admitted requests on SIGTERM", low=0)
+    model_unload_timeout: float = _field(
+        30.0,
+        "seconds an unload (or a reload's replaced version) waits for the requests its model "
+        "admitted before it closes the model; what still runs then is cancelled and answered "
+        "UNAVAILABLE / 503 with Retry-After",
+        low=0,
+    )
     max_inflight_bytes: int = _field(
         -1,
         "memory all requests in flight may hold at once, on every protocol, charged before "
@@ -325,11 +332,23 @@ class Settings:
     )
     http_peer_connections: int = _field(
         -1,
-        "most REST connections one client address may hold: past it, a new one first closes "
-        "that address's idle, refused or slow ones, and a request on a connection still past "
-        "it is answered 503 (health probes excepted); -1: half of the REST port's limit "
+        "most REST connections one client address may hold that serve no request of its "
+        "(idle, waiting for headers, a body coming without a token, refused): past it, a new "
+        "one first closes that address's idle, refused or slow ones, and a request on a "
+        "connection still past it is answered 503 (health probes excepted). A request read "
+        "whole (or, with --auth-tokens, whose token is valid) is not counted: 200 requests "
+        "in flight from one address are served; -1: half of the REST port's limit "
         "(4 x --grpc-workers); 0: no bound but the port's (behind a proxy that hides client "
         "addresses)",
+        low=-1,
+    )
+    http_token_requests: int = _field(
+        -1,
+        "most REST requests one token (one tenant) may have in flight at once, from its "
+        "headers to its answer; past it 429 with Retry-After. A request with a valid token is "
+        "bounded by this, not by --http-peer-connections (a gateway or proxy is one address). "
+        "-1: seven eighths of the REST port's limit (224 of 256 at the defaults), 0: no "
+        "bound but the port's; without --auth-tokens it plays no part",
         low=-1,
     )
     max_inflight_bytes_per_peer: int = _field(

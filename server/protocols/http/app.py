@@ -23,6 +23,7 @@ A face's handlers take a :class:`Call` and return a reply, an awaitable of one, 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import re
 import socket
@@ -152,6 +153,9 @@ class Call:
         self.peer = ""  # the client's address (kept for get-or-set routes only)
         #: the caller's tenant, as its token makes it (auth.py: "" without tokens, one tenant)
         self.tenant = ""
+        #: with tokens, the digest of the valid token it came with: its requests in flight
+        #: are bounded by --http-token-requests, not by its address's (None: no token)
+        self.quota_key: bytes | None = None
         self._json: Any = None
         #: the URL's query, each name's values (GET /v1/responses/{id}/input_items's paging)
         self.query: dict[str, list[str]] = {}
@@ -334,6 +338,8 @@ class Router:
         params = {k: v for k, v in match.groupdict().items() if v is not None}
         call = Call(params, b"", headers, handler, rpc, role, wbits, handler in self._probes)
         call.tenant = tenant
+        if role:  # a valid token: its quota bounds it (http_server.Connection._quota)
+            call.quota_key = hashlib.sha256(headers.get(b"authorization", b"")).digest()
         if rpc in _SETTERS:  # whether it sets anything is known from its body (handle)
             call.sets = method == "POST"
             call.peer = peer
@@ -451,10 +457,12 @@ class Router:
 
 def _bounds(s: Settings, limit: int, budget: int) -> Bounds:
     """What one client may hold of the REST port (docs/security.md), from the settings: -1
-    is half of the port's connection limit, of the memory budget (0 without a budget)."""
+    is half of the port's connection limit, of the memory budget (0 without a budget), and
+    seven eighths of the port's limit for one token's requests (an eighth left to others)."""
     peer_connections = limit // 2 if s.http_peer_connections < 0 else s.http_peer_connections
     peer_bytes = budget // 2 if s.max_inflight_bytes_per_peer < 0 else s.max_inflight_bytes_per_peer
-    return Bounds(peer_connections, peer_bytes, s.http_min_body_rate, s.http_body_grace)
+    tokens = limit * 7 // 8 if s.http_token_requests < 0 else s.http_token_requests
+    return Bounds(peer_connections, peer_bytes, s.http_min_body_rate, s.http_body_grace, tokens)
 
 
 class HttpService:

@@ -27,6 +27,7 @@ from plugserve.server.apps.pipelines.python.calls import Host
 from plugserve.server.apps.pipelines.python.inflight import Inflight
 from plugserve.server.apps.pipelines.python.process import HANGS, Limits, ModelProcess
 from plugserve.server.apps.pipelines.python.readiness import Readiness
+from plugserve.server.plane.errors import Unloaded
 
 if TYPE_CHECKING:
     from plugserve.plugins import cancel
@@ -207,6 +208,11 @@ class Instance:
         reset = isinstance(exc, ConnectionResetError) or isinstance(
             mailbox.failure, ConnectionResetError
         )
+        if process.closed:  # unloaded (past --model-unload-timeout) or the server stops
+            return Unloaded(
+                f"{self.label}: its model was unloaded, or the server stopped, while it ran "
+                "the request; retry"
+            )
         if reset and not self.inflight.sent_since and not process.hung:
             # it closed with this request unread (nothing else was sent since: the kernel
             # resets a socket closed with messages unread): it never ran it

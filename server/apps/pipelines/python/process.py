@@ -50,12 +50,13 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from plugserve.plugins.api import InferenceError, InvalidModel
+from plugserve.plugins.api import InvalidModel
 from plugserve.plugins.threads import LazyDaemon, Watchlist
 from plugserve.server.apps.pipelines.python import ipc, protocol
 from plugserve.server.apps.pipelines.python.kinds import Kind
 from plugserve.server.apps.pipelines.python.output import PUMP, LineBudget
 from plugserve.server.plane import children
+from plugserve.server.plane.errors import Unloaded
 
 __all__ = ["HANGS", "SPAWNER", "HangWatch", "Limits", "ModelProcess", "Spawner", "exit_code"]
 
@@ -171,7 +172,7 @@ class ModelProcess:
         """Start the process (its model not yet initialized: :meth:`auto_complete` may run
         first, then :meth:`start`)."""
         if self.closed:  # unloaded, or the server is stopping: nothing starts it again
-            raise InferenceError(f"{self.label}: its model is unloaded or the server is stopping")
+            raise Unloaded(f"{self.label}: its model is unloaded or the server is stopping; retry")
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         life, self._life = _life_line()
         limits = self.limits

@@ -64,9 +64,25 @@ _calls = itertools.count(1)
 
 
 def _reason(exc: BaseException) -> str:
-    lines = traceback.format_exception(type(exc), exc, exc.__traceback__)
-    text = "".join(lines).strip().splitlines()
+    """What a failure tells the client: a ``TritonModelException`` with a message is the
+    model's own words (Triton's way to fail a request; a BLS caller passing its callee's error
+    on), told as they are; anything else, the last lines of its traceback from the model's
+    own frames. The worker's frames (this folder: ``worker.py``, ``triton_python_backend_utils``)
+    are the server's code, never the client's business; a BLS caller whose callee was unloaded
+    had answered ``File "worker.py", line 360, in _execute_plain`` and the rest."""
+    if isinstance(exc, pb_utils.TritonModelException) and str(exc):
+        return hide_folders(str(exc))
+    summary = traceback.TracebackException.from_exception(exc)
+    for each in (summary, summary.__cause__, summary.__context__):
+        if each is not None:
+            frames = [f for f in each.stack if os.path.dirname(f.filename) != _HERE]
+            each.stack = traceback.StackSummary.from_list(frames)
+    text = "".join(summary.format()).strip().splitlines()
     return hide_folders("\n".join(text[-REASON_LINES:]))
+
+
+#: the worker's own folder: its frames are left out of a failure's reason
+_HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 #: folders of this machine a failure's reason is told without, longest first: the model
