@@ -122,6 +122,7 @@ class Call:
         "peer",
         "probe",
         "query",
+        "quota_key",
         "role",
         "rpc",
         "sets",
