@@ -4,8 +4,8 @@ flat (``server/control/retire.py``).
 On main, reloading a torch decoder (a safetensors folder on TORCH) kept the old weights until
 Python's cyclic collector happened to run: +766 to +933 MB per reload of a 775 MB model, which
 the next load's free-memory check counted. Here a random decoder of ~90 MB of f32 weights
-(tests/support/llm_hf.py, made in the test) and a ~42 MB ONNX MLP on NUMPY are each reloaded twenty
-times (KServe RepositoryModelLoad of a loaded model, as Triton reloads) and the server's VmRSS
+(tests/support/llm_hf.py, made in the test), a decoder of its shape exported by optimum-onnx
+on ORT and a ~42 MB ONNX MLP on NUMPY are each reloaded twenty times (KServe RepositoryModelLoad of a loaded model, as Triton reloads) and the server's VmRSS
 is read after each: it stays within 10 % of what it was with the model loaded once.
 """
 
@@ -44,6 +44,22 @@ def _decoder(folder) -> None:
     (folder / "config.json").write_text(json.dumps(config))
 
 
+def _onnx_decoder(folder) -> None:
+    """A decoder of :func:`_decoder`'s shape, its optimum-onnx export (tests/support/llm.py's ``reload-llama``: the
+    exporter's venv, once) as users download it, served on ORT."""
+    pytest.importorskip("onnxruntime")
+    import llm
+
+    try:
+        export = llm.export("reload-llama", "optimum-onnx")
+    except llm.Unavailable as exc:
+        pytest.skip(str(exc))
+    folder.mkdir(parents=True)
+    (folder / "1").symlink_to(export, target_is_directory=True)
+    config = {"device": "ORT", "config": {"MAX_NUM_SEQS": "2", "INFERENCE_NUM_THREADS": "1"}}
+    (folder / "config.json").write_text(json.dumps(config))
+
+
 def _onnx(folder) -> None:
     (folder / "1").mkdir(parents=True)
     onnx.save(mlp(sizes=(1024, 2048, 4096, 10)), str(folder / "1" / "model.onnx"))
@@ -60,10 +76,13 @@ def _settled(pid: int, bound_kb: float) -> int:
         time.sleep(0.05)
 
 
-@pytest.mark.parametrize("kind", ["torch-decoder", "onnx"])
+MAKERS = {"torch-decoder": _decoder, "onnx-decoder": _onnx_decoder, "onnx": _onnx}
+
+
+@pytest.mark.parametrize("kind", list(MAKERS))
 def test_reloads_keep_the_servers_memory_flat(tmp_path, kind):
     folder = tmp_path / "repo" / "model"
-    (_decoder if kind == "torch-decoder" else _onnx)(folder)
+    MAKERS[kind](folder)
     args = ["--model-repository", str(tmp_path / "repo"), "--model-control-mode", "explicit"]
     with RunningServer(*args, "--load-model", "model") as server:
         pid = server.process.pid

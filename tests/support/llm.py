@@ -90,6 +90,19 @@ MODELS: dict[str, DecoderSpec] = {
         residual_gain=10.0,
         eos_gain=1.6,
     ),
+    # ~22 M parameters (90 MB of f32 weights): big enough that a reload's kept weights show
+    # in the server's memory (tests/server/test_reload_memory.py, slow; built when it runs)
+    "reload-llama": DecoderSpec(
+        family="llama",
+        hidden=512,
+        layers=6,
+        heads=8,
+        kv_heads=4,
+        intermediate=1536,
+        vocab=2048,
+        context=256,
+        corpus_lines=2000,
+    ),
     # ~169 M parameters, 4096 context: for benchmarks (compute matters), never built by tests
     "bench-llama": DecoderSpec(
         family="llama",
