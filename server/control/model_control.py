@@ -40,6 +40,7 @@ from plugserve.server.control.core import Core, refuse_server_keys
 from plugserve.server.control.devices import parse_device
 from plugserve.server.control.model_names import check_name
 from plugserve.server.control.placement import place
+from plugserve.server.control.read_charge import read_charge
 from plugserve.server.control.repository import ModelEntry, Repository
 from plugserve.server.control.triton_config import (
     EVERY_VERSION,
@@ -357,7 +358,8 @@ class ModelControl:
     ) -> CompiledNetwork:
         """Core.load_network, with a device's own exceptions as a typed INTERNAL error."""
         try:
-            network = self.core.load_network(model, device, config)
+            with self._reading(model, f"network {name!r}"):
+                network = self.core.load_network(model, device, config)
         except PlugserveError:
             raise
         except Exception as exc:
@@ -393,6 +395,13 @@ class ModelControl:
                 f"{what}: the model is {len(model)} bytes, over this server's limit of "
                 f"{limit} bytes (--max-model-bytes / PLUGSERVE_MAX_MODEL_BYTES)"
             )
+
+    def _reading(self, model: Any, what: str) -> contextlib.AbstractContextManager[None]:
+        """One read's share of the memory budget, held while ``model`` is read
+        (``read_charge.py``): a client's bytes are refused at once when it has no room, the
+        repository's files wait for it."""
+        sent = isinstance(model, bytes | bytearray | memoryview)
+        return read_charge(self.plane.budget, what, wait=not sent)
 
     def _check_network_count(self, name: str, version: int, loading: int) -> None:
         """--max-networks: loaded plus loading network versions (call with the lock held)."""
@@ -458,7 +467,8 @@ class ModelControl:
         """The split a HETERO load would make (empty for devices that do not split)."""
         plugin, merged = self.core.resolve(device, config)
         try:
-            return plugin.subgraphs(model, merged)
+            with self._reading(model, "QueryNetwork"):
+                return plugin.subgraphs(model, merged)
         except PlugserveError:  # some node has no device: the query itself says which
             return []
 
@@ -468,15 +478,17 @@ class ModelControl:
         """``(node, device, why)`` for the nodes a virtual device's devices did not take
         (empty for a real device: ``query`` gives its reasons)."""
         plugin, merged = self.core.resolve(device, config)
-        return plugin.refusals(model, merged)
+        with self._reading(model, "QueryNetwork"):
+            return plugin.refusals(model, merged)
 
     def query(
         self, model: bytes | str | Path, device: str, config: Mapping[str, str] | None = None
     ) -> tuple[dict[str, str], dict[str, str]]:
         self._check_model_size(model, "QueryNetwork")
-        supported = self.core.query_network(model, device, config)
-        plugin = self.core.plugin(device)
-        reasons = plugin.unsupported_nodes(model, config)
+        with self._reading(model, "QueryNetwork"):
+            supported = self.core.query_network(model, device, config)
+            plugin = self.core.plugin(device)
+            reasons = plugin.unsupported_nodes(model, config)
         return supported, {k: v for k, v in reasons.items() if k not in supported}
 
     def export(self, name: str, version: int = 0) -> bytes:
