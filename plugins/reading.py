@@ -78,6 +78,8 @@ log = logging.getLogger(__name__)
 WEIGHT_GROWTH = 8
 #: Helper processes at most: reads beyond them wait their turn (their memory is charged first).
 HELPERS = 2
+#: what "no time limit" (--max-read-seconds 0) waits: a year
+_FOREVER = 365 * 86400.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -306,9 +308,10 @@ _helpers = _Helpers()
 
 def _inferred(data: bytes, label: str, **flags: bool) -> bytes:
     bound = _limits
+    seconds = bound.seconds or _FOREVER
     try:
-        with _helpers.one(bound.max_bytes, bound.seconds) as helper:
-            answer, body = helper.ask(flags, data, bound.seconds)
+        with _helpers.one(bound.max_bytes, seconds) as helper:
+            answer, body = helper.ask(flags, data, seconds)
     except TimeoutError:
         raise ResourceExhausted(
             f"model {label!r}: shape inference took more than {bound.seconds:g} s, this "
