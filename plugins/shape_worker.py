@@ -3,7 +3,9 @@
 ``python -m plugserve.plugins.shape_worker MAX_BYTES`` imports onnx (and the ONNX-domain op
 schemas of ``plugins/schemas.py``, which shape inference reads), then bounds its own data
 (``RLIMIT_DATA``: heap and private mappings) to what it holds after those imports plus
-MAX_BYTES, and answers requests on stdin/stdout until stdin closes (the server ended).
+MAX_BYTES, and answers requests on stdin/stdout until stdin closes (the server ended; no
+parent-death signal: the kernel sends it when the *thread* that started the process ends, and
+the server's handler threads come and go).
 
 A request: an 8-byte little-endian header length, a JSON header (``strict``, ``data_prop``,
 ``check_type``), an 8-byte body length, the model's bytes. An answer: a JSON header
@@ -15,12 +17,9 @@ pybind11 raises as MemoryError: it is answered as an error, and the process keep
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import json
 import os
 import resource
-import signal
 import struct
 import sys
 from typing import BinaryIO
@@ -28,9 +27,6 @@ from typing import BinaryIO
 import onnx
 
 from plugserve.plugins import schemas  # noqa: F401  (onnxruntime's ONNX-domain ops)
-
-#: (from <sys/prctl.h>)
-PR_SET_PDEATHSIG = 1
 
 
 def _vm_data() -> int:
@@ -76,9 +72,6 @@ def _answer(header: dict, body: bytes) -> tuple[dict, bytes]:
 
 def main(max_bytes: int) -> None:
     """Serve requests until stdin closes; onnx is imported (this module's imports) first."""
-    with contextlib.suppress(OSError, AttributeError):  # end with the server, however it ends
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if max_bytes > 0:
         bound = _vm_data() + max_bytes
         with contextlib.suppress(ValueError, OSError):

@@ -397,10 +397,13 @@ class ModelControl:
             )
 
     def _reading(self, model: Any, what: str) -> contextlib.AbstractContextManager[None]:
-        """One read's share of the memory budget, held while ``model`` is read
-        (``read_charge.py``): a client's bytes are refused at once when it has no room, the
-        repository's files wait for it."""
+        """One read's share of the memory budget, held while ``model`` (a model's bytes or
+        file, a blob) is read (``read_charge.py``): a client's bytes are refused at once when
+        it has no room, the repository's files wait for it. A folder (a generative model, a
+        Python model) is not a graph to read: nothing is held for it."""
         sent = isinstance(model, bytes | bytearray | memoryview)
+        if not sent and not (isinstance(model, str | Path) and Path(model).is_file()):
+            return contextlib.nullcontext()
         return read_charge(self.plane.budget, what, wait=not sent)
 
     def _check_network_count(self, name: str, version: int, loading: int) -> None:
@@ -504,7 +507,8 @@ class ModelControl:
         device = device or self.default_device
         with self.table.lock:
             self._check_network_count(name, 0, len(self.table.loading))
-        network = self.core.import_network(blob, device, config)
+        with self._reading(blob, f"ImportNetwork of {name!r}"):
+            network = self.core.import_network(blob, device, config)
         network.name = name
         with self.table.lock:
             version = next_version(max(self.table.by_name.get(name, {}), default=0), name)

@@ -10,8 +10,8 @@ charged whole (one read at a time then).
 
 A model a client sends (QueryNetwork, LoadNetwork) that does not fit is refused at once
 (RESOURCE_EXHAUSTED naming the flags: retry later); the repository's own loads (at startup,
-a poll, RepositoryModelLoad) wait for room, up to ``--max-read-seconds``, since several load
-at once (``--model-load-threads``) and an operator's model should not fail for that.
+a poll, RepositoryModelLoad) wait for room, up to :data:`WAIT_SECONDS`, since several load at
+once (``--model-load-threads``) and an operator's model should not fail for that.
 """
 
 from __future__ import annotations
@@ -28,14 +28,16 @@ __all__ = ["read_charge"]
 
 #: how often a waiting read looks for room in the budget
 _POLL_SECONDS = 0.02
+#: how long a repository's read waits for room (a generative folder's load can take minutes)
+WAIT_SECONDS = 300.0
 
 
 @contextlib.contextmanager
 def read_charge(budget: MemoryBudget, what: str, wait: bool = False) -> Iterator[None]:
     """Hold one read's limit of ``budget`` while the block runs (``what``: the read, for the
-    refusal's message); ``wait``: wait for room up to --max-read-seconds first."""
+    refusal's message); ``wait``: wait for room up to :data:`WAIT_SECONDS` first."""
     nbytes = min(reading.limits().max_bytes, budget.limit)
-    end = time.monotonic() + (reading.limits().seconds or 30.0)
+    end = time.monotonic() + WAIT_SECONDS
     while True:
         try:
             charge = budget.charge(nbytes, what)
