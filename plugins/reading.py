@@ -304,6 +304,8 @@ class _Helpers:
 
 
 _helpers = _Helpers()
+#: set once the fallback without a helper has been logged
+_warned = threading.Event()
 
 
 def _inferred(data: bytes, label: str, **flags: bool) -> bytes:
@@ -351,7 +353,9 @@ def infer_shapes(
     try:
         body = _inferred(data, label, strict=strict, data_prop=data_prop, check_type=check_type)
     except _NoHelper as exc:  # a sandbox without fork, a Python that cannot import us
-        log.warning("shape inference runs in the server, unbounded: no helper (%s)", exc)
+        if not _warned.is_set():
+            _warned.set()
+            log.warning("shape inference runs in this process, unbounded: no helper (%s)", exc)
         return onnx.shape_inference.infer_shapes(
             data, check_type=check_type, strict_mode=strict, data_prop=data_prop
         )
