@@ -7,7 +7,8 @@ computes values of a size the model alone decides:
 * onnx's shape inference with data propagation (``infer_shapes(..., data_prop=True)``, which
   every read runs to type the graph) keeps the *values* of shape arithmetic as it goes. A
   1 KB model, ``Shape`` of a rank-100 input then 18 ``Concat``\\ s of a value with itself,
-  took 3.6 GB and 19 s here; a 110 KB one 4.6 GB and 6 s in the server, two at once 8.2 GB.
+  took 3.6 GB and 19 s here (issue 58 measured a 110 KB one at 4.6 GB and 6 s in the
+  server, two at once 8.2 GB and 10 s).
   onnx holds the GIL the whole time (a thread ticking every 5 ms saw a 3.9 s gap), so every
   client of the server stalled with it. Each value stays small by itself; only their sum
   is large, and which ops onnx propagates, and how, is onnx's (and changes with it).
@@ -89,7 +90,7 @@ class ReadLimits:
     #: bytes of values one read may compute (--max-read-bytes): shape inference's own data
     #: (its helper's data beyond onnx), dense sparse initializers, folded constants.
     #: Real exporter models need little: a 621-node Llama decoder's shape inference took 4 MB,
-    #: an 873-node Qwen2's 5 MB; folding a causal mask of 2,048 positions 16 MB.
+    #: an 873-node Qwen2's 5 MB; folding a causal mask of 2,048 positions (2,048² float32) 16 MiB.
     max_bytes: int = 256 << 20
     #: seconds shape inference may take (--max-read-seconds); real models take milliseconds
     #: (17 ms for the 873-node Qwen2 decoder)
@@ -144,7 +145,9 @@ def check_nodes(proto: ModelProto, label: str) -> None:
     most = _limits.max_nodes
     if not most:
         return
-    count = count_nodes(proto)
+    count = len(proto.graph.node) + sum(len(f.node) for f in proto.functions)
+    if count <= most:  # the walk into subgraphs only when the top level leaves room
+        count = count_nodes(proto)
     if count > most:
         raise InvalidModel(
             f"model {label!r} has {count:,} nodes (its subgraphs and functions included), over "
