@@ -200,6 +200,10 @@ class _NoHelper(Exception):
     """No helper process could be started here."""
 
 
+class _TooLarge(Exception):
+    """The inferred model the helper answers is larger than the read may parse."""
+
+
 class _Helper:
     """One helper process (``shape_worker.py``) and its pipes."""
 
@@ -221,14 +225,19 @@ class _Helper:
             self.close()
             raise _NoHelper(f"the helper did not start ({type(exc).__name__})") from None
 
-    def ask(self, header: dict, body: bytes, seconds: float) -> tuple[dict, bytes]:
+    def ask(self, header: dict, body: bytes, seconds: float, most: int = 0) -> tuple[dict, bytes]:
+        """The answer to one request; an answer's body over ``most`` bytes (0: any) raises
+        :class:`_TooLarge` before it is read (the helper is then of no more use)."""
         stdin = self.process.stdin
         assert stdin is not None
         write_frame(stdin, json.dumps(header).encode())
         write_frame(stdin, body)
         stdin.flush()
         answer = self._read_header(seconds)
-        return answer, self._frame(seconds)
+        size = int.from_bytes(self._exactly(8, seconds), "little")
+        if most and size > most:
+            raise _TooLarge(size)
+        return answer, self._exactly(size, seconds)
 
     def _read_header(self, seconds: float) -> dict:
         return json.loads(self._frame(seconds))
@@ -311,12 +320,28 @@ _helpers = _Helpers()
 _warned = threading.Event()
 
 
+#: what the inferred model may add to the model sent, as a share of --max-read-bytes: parsing
+#: it back and reading its shapes took ~18x its size here (20 values of rank 65,536 from a
+#: 1 KB model: 5.2 MB back, the server 95 MB larger), so a thirty-second keeps that within the
+#: bound. Real models add ~65 bytes a node (96 KB sent, 136 KB back for a 621-node decoder):
+#: the default's 8 MiB is room for 120,000
+ANSWER_SHARE = 32
+
+
 def _inferred(data: bytes, label: str, **flags: bool) -> bytes:
     bound = _limits
     seconds = bound.seconds or _FOREVER
+    most = len(data) + bound.max_bytes // ANSWER_SHARE if bound.max_bytes else 0
     try:
         with _helpers.one(bound.max_bytes, seconds) as helper:
-            answer, body = helper.ask(flags, data, seconds)
+            answer, body = helper.ask(flags, data, seconds, most)
+    except _TooLarge as exc:
+        raise InvalidModel(
+            f"model {label!r}: shape inference's answer is {exc.args[0]:,} bytes, more than "
+            f"{most:,} (the model and a thirty-second of --max-read-bytes / "
+            "PLUGSERVE_MAX_READ_BYTES for the shapes it adds); send a smaller model, or raise "
+            "the limit"
+        ) from None
     except TimeoutError:
         raise ResourceExhausted(
             f"model {label!r}: shape inference took more than {bound.seconds:g} s, this "

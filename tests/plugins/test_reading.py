@@ -66,6 +66,21 @@ def test_data_propagation_past_the_bound_is_refused_without_holding_the_gil(boun
     assert _max_gap(read) < 0.2  # onnx in the server: a 3.9 s gap for this model
 
 
+def test_shapes_past_the_bound_are_refused_before_they_are_read_back(bounded):
+    bounded(max_bytes=256 << 20)  # the helper's data fits; 8 MiB of shapes may come back
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")  # the peak starts again from now
+    before = _peak_kb()
+    with pytest.raises(InvalidModel, match=r"shape inference's answer is .* --max-read-bytes"):
+        load_model(amplifying.read_wide_shapes())
+    assert _peak_kb() - before < 32 << 10  # read back, 190 MB here
+
+
+def _peak_kb() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
+
+
 def test_shape_inference_past_its_time_is_refused(bounded):
     bounded(seconds=0.3, max_bytes=0)  # the time alone: killed after 0.3 s of its 7 s
     model = amplifying.read_concat_doubling(doublings=16)

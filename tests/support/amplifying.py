@@ -204,6 +204,20 @@ def read_sparse(count: int = 4, elements: int = 400_000_000) -> onnx.ModelProto:
     return model
 
 
+def read_wide_shapes(doublings: int = 16, copies: int = 40) -> onnx.ModelProto:
+    """A value reshaped to rank 2^``doublings`` (a shape of ones from ``Concat`` doublings),
+    copied ``copies`` times: onnx's answer types each copy with every dimension (10.7 MB of
+    shapes from 1 KB, 18x that once read back into the server)."""
+    nodes = [helper.make_node("Shape", ["x"], ["s0"])]
+    for i in range(doublings):
+        nodes.append(helper.make_node("Concat", [f"s{i}", f"s{i}"], [f"s{i + 1}"], axis=0))
+    nodes.append(helper.make_node("Reshape", ["x", f"s{doublings}"], ["r0"]))
+    for j in range(copies):
+        nodes.append(helper.make_node("Identity", [f"r{j}"], [f"r{j + 1}"]))
+    nodes.append(helper.make_node("ReduceSum", [f"r{copies}"], ["y"], keepdims=0))
+    return _model(nodes, [_in("x", F, [1])], [_in("y", F, [])])
+
+
 #: every model above, by name
 READING = {
     "broadcast_add": read_broadcast_add,
@@ -211,4 +225,5 @@ READING = {
     "constant_doubling": read_constant_doubling,
     "folded_chains": read_folded_chains,
     "sparse": read_sparse,
+    "wide_shapes": read_wide_shapes,
 }
