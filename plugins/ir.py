@@ -24,8 +24,11 @@ import onnx
 from google.protobuf.message import Message
 from onnx import AttributeProto, GraphProto, ModelProto, TensorProto, helper, numpy_helper
 
-from plugserve.plugins import schemas  # noqa: F401  (onnxruntime's ONNX-domain ops, for the checker)
-from plugserve.plugins.api import InvalidModel, TensorSpec, Unsupported
+from plugserve.plugins import (
+    reading,
+    schemas,  # noqa: F401  (onnxruntime's ONNX-domain ops, for the checker)
+)
+from plugserve.plugins.api import InvalidModel, PlugserveError, TensorSpec, Unsupported
 
 __all__ = [
     "NARROW_FLOATS",
@@ -259,8 +262,8 @@ class Graph:
 
     def refresh_types(self) -> None:
         """Re-run ONNX shape inference to type values that passes created."""
-        try:
-            inferred = onnx.shape_inference.infer_shapes(self.to_model(), strict_mode=False)
+        try:  # bounded as a read is (plugins/reading.py); the weights stay here
+            inferred = reading.infer_shapes(without_weights(self.to_model()), self.name)
         except Exception:
             return
         for vi in list(inferred.graph.value_info) + list(inferred.graph.output):
@@ -628,6 +631,7 @@ def load_model(model: Any, name: str | None = None) -> Graph:
     """Read, validate and convert a model; every problem is an :class:`InvalidModel`."""
     proto, _ = read_model(model)
     label = name or proto.graph.name or "model"
+    reading.check_nodes(proto, label)
     _check_opsets(proto, label)
     _sort_nodes(proto.graph, label)
     _drop_contradicted_value_info(proto.graph)
@@ -640,7 +644,7 @@ def load_model(model: Any, name: str | None = None) -> Graph:
         raise InvalidModel(f"model {label!r} does not validate: {exc}") from None
     try:
         inferred = _infer_shapes(without_weights(proto), label)
-    except InvalidModel:
+    except PlugserveError:  # the model is invalid, or over a bound of reading it
         raise
     except Exception as exc:
         text = str(exc).strip().splitlines()
@@ -713,7 +717,8 @@ _NODE_FAILURE = re.compile(
 
 
 def _infer_shapes(proto: ModelProto, label: str) -> ModelProto:
-    """Shape inference that refuses a node whose attributes cannot be right.
+    """Shape inference that refuses a node whose attributes cannot be right; it runs bounded,
+    in a helper process (``plugins/reading.py``).
 
     The checker does not look at attribute *values* (``Softmax(axis=9)`` on a rank-2 input);
     strict shape inference does. A model it rejects for one of its own named nodes is refused
@@ -724,9 +729,7 @@ def _infer_shapes(proto: ModelProto, label: str) -> ModelProto:
     """
     data = proto.SerializeToString()
     try:
-        return onnx.shape_inference.infer_shapes(
-            data, check_type=True, data_prop=True, strict_mode=True
-        )
+        return reading.infer_shapes(data, label, check_type=True, data_prop=True, strict=True)
     except onnx.shape_inference.InferenceError as exc:
         found = _NODE_FAILURE.match(str(exc).strip())
         ours = {(n.op_type, n.name) for n in proto.graph.node}
@@ -739,7 +742,7 @@ def _infer_shapes(proto: ModelProto, label: str) -> ModelProto:
             raise InvalidModel(
                 f"model {label!r}: {node} ({found['op']}): {found['reason'].strip()}"
             ) from None
-    return onnx.shape_inference.infer_shapes(data, check_type=True, data_prop=True)
+    return reading.infer_shapes(data, label, check_type=True, data_prop=True)
 
 
 def _drop_contradicted_value_info(graph: GraphProto) -> None:
@@ -843,6 +846,7 @@ def graph_from_proto(
             initializers[tensor.name] = tensor_to_array(tensor)
         except Exception as exc:
             raise InvalidModel(f"model {label!r}: initializer {tensor.name!r}: {exc}") from None
+    allowance = reading.allowance()  # a sparse one's dense bytes: the model has not them
     for sparse in graph.sparse_initializer:
         dense = tensor_to_array(sparse.values)
         size = math.prod(max(0, d) for d in sparse.dims) * dense.dtype.itemsize
@@ -852,6 +856,7 @@ def graph_from_proto(
                 f"dense; initializers are held dense, up to {_MAX_DENSE_BYTES:,} bytes (ONNX's "
                 "own limit for a tensor)"
             )
+        allowance.take(size, f"model {label!r}: sparse initializer {sparse.values.name!r}")
         full = np.zeros(tuple(sparse.dims), dtype=dense.dtype)
         idx = tensor_to_array(sparse.indices)
         if idx.ndim == 1:

@@ -19,9 +19,9 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-import onnx
 from onnx import ModelProto
 
+from plugserve.plugins import reading
 from plugserve.plugins.api import InvalidInput, PlugserveError
 from plugserve.plugins.ir import without_weights
 
@@ -36,7 +36,7 @@ def shape_model(proto: ModelProto) -> bytes | None:
     light = without_weights(proto)
     del light.graph.value_info[:]
     try:
-        onnx.shape_inference.infer_shapes(light, strict_mode=True, data_prop=True)
+        reading.infer_shapes(light, light.graph.name, strict=True, data_prop=True)
     except Exception:
         return None
     return light.SerializeToString()
@@ -55,7 +55,9 @@ def input_problem(model: bytes, shapes: Mapping[str, tuple[int, ...]]) -> str | 
         for size in shape:
             dims.dim.add().dim_value = int(size)
     try:
-        onnx.shape_inference.infer_shapes(proto, strict_mode=True, data_prop=True)
+        reading.infer_shapes(proto, proto.graph.name, strict=True, data_prop=True)
+    except PlugserveError:  # over a bound of reading: nothing to blame on the inputs
+        return None
     except Exception as exc:
         text = " ".join(str(exc).split())
         found = _REASON.search(text)

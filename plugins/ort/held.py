@@ -42,7 +42,8 @@ import numpy as np
 import onnx
 from onnx import ModelProto
 
-from plugserve.plugins.ir import attribute_graphs, np_dtype, onnx_dtype
+from plugserve.plugins import reading
+from plugserve.plugins.ir import attribute_graphs, np_dtype, onnx_dtype, without_weights
 from plugserve.plugins.ort import backend
 
 __all__ = ["MAX_BYTES", "Binding", "HeldSession", "open_held", "unavailable"]
@@ -289,8 +290,7 @@ def _signature(proto: ModelProto, names: list[str]) -> tuple[list[Value], list[V
     for node in graph.node:
         if any(attribute_graphs(a) for a in node.attribute):
             raise ValueError(f"node {node.name or node.op_type!r} has subgraphs")
-    concrete = ModelProto()
-    concrete.CopyFrom(proto)
+    concrete = without_weights(proto)  # shapes only: the weights stay here
     del concrete.graph.value_info[:]
     declared = {v.name: v for v in concrete.graph.input}
     inputs = []
@@ -306,7 +306,7 @@ def _signature(proto: ModelProto, names: list[str]) -> tuple[list[Value], list[V
         for size in shape:
             dims.dim.add().dim_value = size
         inputs.append((name, shape, _dtype(value)))
-    inferred = onnx.shape_inference.infer_shapes(concrete, strict_mode=True, data_prop=True)
+    inferred = reading.infer_shapes(concrete, graph.name, strict=True, data_prop=True)
     known = {v.name: v for v in (*inferred.graph.value_info, *inferred.graph.output)}
     known.update({v.name: v for v in inferred.graph.input})
     for node in inferred.graph.node:

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from plugserve.plugins import reading
 from plugserve.plugins.api import TensorSpec
 from plugserve.plugins.ir import Graph, Node, subgraph_free_names
 from plugserve.plugins.passes.manager import PassContext
-from plugserve.plugins.passes.sizes import NONDETERMINISTIC, output_bytes
+from plugserve.plugins.passes.sizes import NONDETERMINISTIC, computed, output_bytes
 
 __all__ = ["fold_constants", "fold_shapes"]
 
@@ -51,8 +52,16 @@ def fold_shapes(graph: Graph, context: PassContext) -> bool:
 
 
 def fold_constants(graph: Graph, context: PassContext) -> bool:
+    """Each value at most ``context.fold_limit_bytes``, all of them within the read's
+    allowance (``plugins/reading.py``): a model of many nodes each folding 60 MiB would
+    otherwise hold gigabytes after a QueryNetwork any client may send. Over either, the node
+    is left to run time, where a request's room bounds it."""
     if context.evaluate is None:
         return False
+    if context.allowance is None:
+        weights = sum(a.nbytes for a in graph.initializers.values())
+        context.allowance = reading.allowance(weights)
+    allowance = context.allowance
     changed = False
     users = graph.consumers()
     kept: list[Node] = []
@@ -60,7 +69,12 @@ def fold_constants(graph: Graph, context: PassContext) -> bool:
         if _foldable(node, graph):
             inputs = [graph.initializers[n] if n else None for n in node.inputs]
             size = output_bytes(node, graph, inputs)
-            if size is None or size > context.fold_limit_bytes:
+            counted = computed(node)
+            if (
+                size is None
+                or size > context.fold_limit_bytes
+                or (counted and not allowance.fits(size))
+            ):
                 kept.append(node)  # too large (or not knowable) before running it: run time
                 continue
             try:
@@ -68,6 +82,8 @@ def fold_constants(graph: Graph, context: PassContext) -> bool:
             except Exception:  # the kernel refuses these values: leave it to run time
                 outputs = None
             if outputs is not None and _acceptable(outputs, node, context):
+                if counted:
+                    allowance.add(sum(np.asarray(v).nbytes for v in outputs[: len(node.outputs)]))
                 _replace_with_constant(graph, node, outputs, users)
                 changed = True
                 continue

@@ -17,6 +17,7 @@ from typing import Any
 from plugserve.plugins import cancel
 from plugserve.plugins.ir import Graph, Node
 from plugserve.plugins.passes.sizes import FOLD_LIMIT_BYTES
+from plugserve.plugins.reading import Allowance
 
 __all__ = ["Pass", "PassContext", "PassManager"]
 
@@ -37,6 +38,9 @@ class PassContext:
     f16_to_f32: bool = True
     #: Largest constant (bytes) folding may create.
     fold_limit_bytes: int = FOLD_LIMIT_BYTES
+    #: What folding may create in all, over every folding pass of one run of the pipeline
+    #: (``plugins/reading.py``; made by the first folding pass from the graph's weights).
+    allowance: Allowance | None = None
 
 
 Pass = Callable[[Graph, PassContext], bool]

@@ -18,10 +18,17 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from plugserve.plugins import reading
 from plugserve.plugins.api import InvalidModel
 from plugserve.plugins.ir import Graph, Node, subgraph_free_names
 
-__all__ = ["FOLD_LIMIT_BYTES", "NONDETERMINISTIC", "check_load_constants", "output_bytes"]
+__all__ = [
+    "FOLD_LIMIT_BYTES",
+    "NONDETERMINISTIC",
+    "check_load_constants",
+    "computed",
+    "output_bytes",
+]
 
 #: Largest value computed at load time: NUMPY leaves larger ones to run time; onnxruntime and
 #: openvino, which would fold them anyway, refuse the model.
@@ -170,11 +177,20 @@ def output_bytes(node: Node, graph: Graph, values: Values) -> int | None:
     return total
 
 
+def computed(node: Node) -> bool:
+    """Whether folding ``node`` computes a value the model's bytes do not hold already (a
+    Constant's value is on the wire, unless it is sparse)."""
+    return node.op_type != "Constant" or "sparse_value" in node.attrs
+
+
 def check_load_constants(graph: Graph, device: str, limit: int = FOLD_LIMIT_BYTES) -> None:
     """Refuse a model in which a value computable at load time (every input a constant, or
-    computed from constants) would exceed ``limit`` bytes: backends that fold constants
-    themselves would allocate it while compiling. Linear in the graph; allocates nothing."""
+    computed from constants) would exceed ``limit`` bytes, or all of them together the read's
+    allowance (``plugins/reading.py``: many nodes each just under ``limit``): backends that
+    fold constants themselves would allocate them while compiling. Linear in the graph;
+    allocates nothing."""
     known: dict[str, np.ndarray | None] = dict(graph.initializers)
+    allowance = reading.allowance(sum(a.nbytes for a in graph.initializers.values()))
     for node in graph.nodes:
         if node.op_type in NONDETERMINISTIC or subgraph_free_names(node):
             continue
@@ -187,6 +203,8 @@ def check_load_constants(graph: Graph, device: str, limit: int = FOLD_LIMIT_BYTE
                 f"{size:,} bytes while the model is compiled, over {device}'s limit of "
                 f"{limit:,} bytes for values computed at load time"
             )
+        if size is not None and computed(node):
+            allowance.take(size, f"model {graph.name!r}: node {node.name!r} ({node.op_type})")
         value = node.attr("value") if node.op_type == "Constant" else None
         for name in node.outputs:
             if name:  # known at load time; the value itself only for a Constant

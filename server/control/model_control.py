@@ -39,6 +39,7 @@ from plugserve.server.control.core import Core, refuse_server_keys
 from plugserve.server.control.devices import parse_device
 from plugserve.server.control.model_names import check_name
 from plugserve.server.control.placement import place
+from plugserve.server.control.read_charge import read_charge
 from plugserve.server.control.repository import ModelEntry, Repository
 from plugserve.server.control.retire import Retirement, close_network, end_sequences
 from plugserve.server.control.triton_config import (
@@ -366,7 +367,8 @@ class ModelControl:
     ) -> CompiledNetwork:
         """Core.load_network, with a device's own exceptions as a typed INTERNAL error."""
         try:
-            network = self.core.load_network(model, device, config, trusted=trusted)
+            with self._reading(model, f"network {name!r}"):
+                network = self.core.load_network(model, device, config, trusted=trusted)
         except PermissionDenied as exc:  # code from a client: say which setting allows it
             raise PermissionDenied(f"{exc} ({ALLOW_CODE})") from exc
         except PlugserveError:
@@ -404,6 +406,16 @@ class ModelControl:
                 f"{what}: the model is {len(model)} bytes, over this server's limit of "
                 f"{limit} bytes (--max-model-bytes / PLUGSERVE_MAX_MODEL_BYTES)"
             )
+
+    def _reading(self, model: Any, what: str) -> contextlib.AbstractContextManager[None]:
+        """One read's share of the memory budget, held while ``model`` (a model's bytes or
+        file, a blob) is read (``read_charge.py``): a client's bytes are refused at once when
+        it has no room, the repository's files wait for it. A folder (a generative model, a
+        Python model) is not a graph to read: nothing is held for it."""
+        sent = isinstance(model, bytes | bytearray | memoryview)
+        if not sent and not (isinstance(model, str | Path) and Path(model).is_file()):
+            return contextlib.nullcontext()
+        return read_charge(self.plane.budget, what, wait=not sent)
 
     def _check_network_count(self, name: str, version: int, loading: int) -> None:
         """--max-networks: loaded plus loading network versions (call with the lock held)."""
@@ -469,7 +481,8 @@ class ModelControl:
         """The split a HETERO load would make (empty for devices that do not split)."""
         plugin, merged = self.core.resolve(device, config)
         try:
-            return plugin.subgraphs(model, merged)
+            with self._reading(model, "QueryNetwork"):
+                return plugin.subgraphs(model, merged)
         except PlugserveError:  # some node has no device: the query itself says which
             return []
 
@@ -479,15 +492,17 @@ class ModelControl:
         """``(node, device, why)`` for the nodes a virtual device's devices did not take
         (empty for a real device: ``query`` gives its reasons)."""
         plugin, merged = self.core.resolve(device, config)
-        return plugin.refusals(model, merged)
+        with self._reading(model, "QueryNetwork"):
+            return plugin.refusals(model, merged)
 
     def query(
         self, model: bytes | str | Path, device: str, config: Mapping[str, str] | None = None
     ) -> tuple[dict[str, str], dict[str, str]]:
         self._check_model_size(model, "QueryNetwork")
-        supported = self.core.query_network(model, device, config)
-        plugin = self.core.plugin(device)
-        reasons = plugin.unsupported_nodes(model, config)
+        with self._reading(model, "QueryNetwork"):
+            supported = self.core.query_network(model, device, config)
+            plugin = self.core.plugin(device)
+            reasons = plugin.unsupported_nodes(model, config)
         return supported, {k: v for k, v in reasons.items() if k not in supported}
 
     def export(self, name: str, version: int = 0) -> bytes:
@@ -504,7 +519,10 @@ class ModelControl:
         with self.table.lock:
             self._check_network_count(name, 0, len(self.table.loading))
         try:
-            network = self.core.import_network(blob, device, config, trusted=self.client_trusted)
+            with self._reading(blob, f"ImportNetwork of {name!r}"):
+                network = self.core.import_network(
+                    blob, device, config, trusted=self.client_trusted
+                )
         except PermissionDenied as exc:  # an exported program is its archive: code
             raise PermissionDenied(f"{exc} ({ALLOW_CODE})") from exc
         network.name = name

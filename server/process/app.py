@@ -31,6 +31,7 @@ from typing import Any, cast
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from plugserve.plugins import reading
 from plugserve.plugins.api import PlugserveError
 from plugserve.plugins.threads import start_daemon
 from plugserve.plugins.version import plugserve_version
@@ -176,6 +177,13 @@ class Server:
             settings.max_request_seconds,
             default_limit() if settings.max_inflight_bytes < 0 else settings.max_inflight_bytes,
             settings.max_message_bytes,
+        )
+        reading.set_limits(  # what one read of a model may compute (plugins/reading.py)
+            reading.ReadLimits(
+                settings.read_bytes(self.plane.budget.limit),
+                settings.max_read_seconds,
+                settings.max_model_nodes,
+            )
         )
         self.plane.shm = SharedMemory(
             settings.shared_memory == "system", settings.shared_memory_prefix, self.plane.budget

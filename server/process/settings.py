@@ -282,6 +282,29 @@ class Settings:
         "largest model or blob LoadNetwork/ImportNetwork accepts (0: no limit)",
         low=0,
     )
+    max_read_bytes: int = _field(
+        -1,
+        "memory one read of a model (QueryNetwork, LoadNetwork, a repository load) may take "
+        "for the values it computes: onnx's shape inference and data propagation (bounded in "
+        "a helper process), dense sparse initializers, folded constants; charged to "
+        "--max-inflight-bytes while the read runs. Real models need a few MB; a 1 KB model "
+        "asked onnx for 3.6 GB. -1: a quarter of --max-inflight-bytes, between 16 and 256 MiB "
+        "(256 MiB without a budget); 0: no limit",
+        low=-1,
+    )
+    max_read_seconds: float = _field(
+        30.0,
+        "seconds onnx's shape inference of one model may take (real models: milliseconds); "
+        "past it the read is refused with RESOURCE_EXHAUSTED; 0: no limit",
+        low=0,
+    )
+    max_model_nodes: int = _field(
+        250_000,
+        "most nodes a model may have, its subgraphs' and functions' included, checked right "
+        "after it is parsed (exporters' largest graphs have tens of thousands); more: "
+        "INVALID_ARGUMENT; 0: no limit",
+        low=0,
+    )
     max_string_elements: int = _field(
         1 << 22,
         "most BYTES elements one request tensor may hold, checked before any is decoded (each "
@@ -558,6 +581,17 @@ class Settings:
     def trace(self) -> TraceConfig:
         """--trace-config read (raises ValueError naming a wrong option)."""
         return TraceConfig.parse(self.trace_config)
+
+    def read_bytes(self, budget: int) -> int:
+        """--max-read-bytes made concrete, for a memory budget of ``budget`` bytes (0: none):
+        a quarter of it leaves room for requests while reads run (one read of a real model
+        needs a few MB: shape inference took 4-5 MB for 621- and 873-node decoders), with a
+        floor for tiny budgets and a ceiling far above real needs."""
+        if self.max_read_bytes >= 0:
+            return self.max_read_bytes
+        if not budget:
+            return 256 << 20
+        return min(256 << 20, max(16 << 20, budget // 4))
 
     def load_threads(self) -> int:
         """--model-load-threads, 0 made concrete: loads are CPU work (parsing, checking and

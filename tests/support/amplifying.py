@@ -103,3 +103,127 @@ def loop_scan() -> onnx.ModelProto:
         [_in("M", I64, [])],
         [_in("rows", F, [None, 1024])],
     )
+
+
+# --------------------------------------------- models whose *reading* computes large values
+#
+# Each is small on the wire (a few KB) and asks a server that reads it (QueryNetwork, open to
+# any ``infer`` client, or LoadNetwork) to compute gigabytes before any request runs: onnx's
+# shape inference with data propagation keeps the values of shape arithmetic, constant
+# folding computes constants, a sparse initializer is held dense. Each value stays under the
+# 64 MiB a node may fold; only their sum is large (plugins/reading.py bounds it).
+
+
+def read_concat_doubling(doublings: int = 18, rank: int = 100) -> onnx.ModelProto:
+    """``Shape`` of a rank-``rank`` input, then ``Concat`` of the value with itself
+    ``doublings`` times: onnx's data propagation keeps every value, rank x 2^doublings
+    elements at the end (1 KB; 3.6 GB and 19 s of onnx, holding the GIL, at the defaults)."""
+    nodes = [helper.make_node("Shape", ["x"], ["s0"])]
+    for i in range(doublings):
+        nodes.append(helper.make_node("Concat", [f"s{i}", f"s{i}"], [f"s{i + 1}"], axis=0))
+    return _model(nodes, [_in("x", F, [1] * rank)], [_in(f"s{doublings}", I64, [None])])
+
+
+def read_constant_doubling(doublings: int = 9, elements: int = 10_000) -> onnx.ModelProto:
+    """A ``Constant`` of ``elements`` int64 zeros (one byte each on the wire), doubled by
+    ``Concat`` ``doublings`` times, added to an input: data propagation keeps each value as
+    onnx dimensions (10 KB; 573 MB for 8 doublings)."""
+    zeros = helper.make_tensor("zeros", I64, [elements], [0] * elements)
+    nodes = [helper.make_node("Constant", [], ["s0"], value=zeros)]
+    for i in range(doublings):
+        nodes.append(helper.make_node("Concat", [f"s{i}", f"s{i}"], [f"s{i + 1}"], axis=0))
+    nodes.append(helper.make_node("Add", [f"s{doublings}", "x"], ["y"]))
+    return _model(nodes, [_in("x", I64, [1])], [_in("y", I64, [None])])
+
+
+#: elements of each folded value below: 60 MiB of float32, under the 64 MiB a node may fold
+FOLDED_ELEMENTS = 15 << 20
+
+
+def read_folded_chains(count: int = 64, elements: int = FOLDED_ELEMENTS) -> onnx.ModelProto:
+    """``count`` values of ``elements`` float32 each, all computable from constants (in turn a
+    ConstantOfShape, an Expand, a Tile and a Range), each an output: constant folding
+    (plugserve's passes, onnxruntime's, openvino's) would compute them all, 3.8 GB at the
+    defaults, from a 9 KB model. (Adding each to an input makes onnx's own data propagation
+    take 2.2 GB and 5 s for one of them: :func:`read_broadcast_add`.)"""
+    consts = [
+        helper.make_tensor("shape", I64, [1], [elements]),
+        helper.make_tensor("one", F, [1], [1.0]),
+        helper.make_tensor("row", F, [1024], [1.0] * 1024),
+        helper.make_tensor("reps", I64, [1], [elements // 1024]),
+        helper.make_tensor("start", F, [], [0.0]),
+        helper.make_tensor("limit", F, [], [float(elements)]),
+        helper.make_tensor("delta", F, [], [1.0]),
+    ]
+    nodes, outputs = [], []
+    for i in range(count):
+        kind = i % 4
+        if kind == 0:
+            value = helper.make_tensor("v", F, [1], [float(i)])
+            nodes.append(helper.make_node("ConstantOfShape", ["shape"], [f"c{i}"], value=value))
+        elif kind == 1:
+            nodes.append(helper.make_node("Expand", ["one", "shape"], [f"c{i}"]))
+        elif kind == 2:
+            nodes.append(helper.make_node("Tile", ["row", "reps"], [f"c{i}"]))
+        else:
+            nodes.append(helper.make_node("Range", ["start", "limit", "delta"], [f"c{i}"]))
+        outputs.append(_in(f"c{i}", F, [elements]))
+    nodes.append(helper.make_node("Identity", ["x"], ["y"]))
+    return _model(nodes, [_in("x", F, [1])], [_in("y", F, [1]), *outputs], consts)
+
+
+def read_broadcast_add(elements: int = FOLDED_ELEMENTS) -> onnx.ModelProto:
+    """A ConstantOfShape of ``elements`` float32 added to an input: onnx's data propagation
+    of the Add took 2.2 GB and 5 s here (300 bytes)."""
+    value = helper.make_tensor("v", F, [1], [1.0])
+    return _model(
+        [
+            helper.make_node("ConstantOfShape", ["shape"], ["c"], value=value),
+            helper.make_node("Add", ["c", "x"], ["y"]),
+        ],
+        [_in("x", F, [1])],
+        [_in("y", F, [elements])],
+        [helper.make_tensor("shape", I64, [1], [elements])],
+    )
+
+
+def read_sparse(count: int = 4, elements: int = 400_000_000) -> onnx.ModelProto:
+    """``count`` sparse initializers of ``elements`` float32 with one value each (1.6 GB
+    dense, under ONNX's 2 GB for a tensor), which no node reads (no standard op takes a
+    sparse tensor; shape inference passes them by): held dense when read."""
+    sparse = []
+    for i in range(count):
+        values = helper.make_tensor(f"w{i}", F, [1], [1.0])
+        indices = helper.make_tensor(f"w{i}_at", I64, [1], [0])
+        sparse.append(helper.make_sparse_tensor(values, indices, [elements]))
+    nodes = [helper.make_node("Identity", ["x"], ["y"])]
+    graph = helper.make_graph(nodes, "sparse", [_in("x", F, [1])], [_in("y", F, [1])])
+    graph.sparse_initializer.extend(sparse)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+def read_wide_shapes(doublings: int = 16, copies: int = 40) -> onnx.ModelProto:
+    """A value reshaped to rank 2^``doublings`` (a shape of ones from ``Concat`` doublings),
+    copied ``copies`` times: onnx's answer types each copy with every dimension (10.7 MB of
+    shapes from 1 KB, 18x that once read back into the server)."""
+    nodes = [helper.make_node("Shape", ["x"], ["s0"])]
+    for i in range(doublings):
+        nodes.append(helper.make_node("Concat", [f"s{i}", f"s{i}"], [f"s{i + 1}"], axis=0))
+    nodes.append(helper.make_node("Reshape", ["x", f"s{doublings}"], ["r0"]))
+    for j in range(copies):
+        nodes.append(helper.make_node("Identity", [f"r{j}"], [f"r{j + 1}"]))
+    nodes.append(helper.make_node("ReduceSum", [f"r{copies}"], ["y"], keepdims=0))
+    return _model(nodes, [_in("x", F, [1])], [_in("y", F, [])])
+
+
+#: every model above, by name
+READING = {
+    "broadcast_add": read_broadcast_add,
+    "concat_doubling": read_concat_doubling,
+    "constant_doubling": read_constant_doubling,
+    "folded_chains": read_folded_chains,
+    "sparse": read_sparse,
+    "wide_shapes": read_wide_shapes,
+}

@@ -1,0 +1,392 @@
+"""Reading a model is bounded before anything is built: its nodes, and every value computed
+while it is read.
+
+A model is data a client sends (QueryNetwork is open to any ``infer`` client), yet reading one
+computes values of a size the model alone decides:
+
+* onnx's shape inference with data propagation (``infer_shapes(..., data_prop=True)``, which
+  every read runs to type the graph) keeps the *values* of shape arithmetic as it goes. A
+  1 KB model, ``Shape`` of a rank-100 input then 18 ``Concat``\\ s of a value with itself,
+  took 3.6 GB and 19 s here (issue 58 measured a 110 KB one at 4.6 GB and 6 s in the
+  server, two at once 8.2 GB and 10 s).
+  onnx holds the GIL the whole time (a thread ticking every 5 ms saw a 3.9 s gap), so every
+  client of the server stalled with it. Each value stays small by itself; only their sum
+  is large, and which ops onnx propagates, and how, is onnx's (and changes with it).
+* plugserve's own reading: a sparse initializer is held dense (a few bytes on the wire can
+  ask for gigabytes), and constant folding (``plugins/passes/folding.py``) computes values
+  of up to 64 MiB each, as many as the model has nodes.
+
+So onnx's shape inference runs in a helper process (``plugins/shape_worker.py``) whose data is
+bounded by ``RLIMIT_DATA`` at what it holds after importing onnx plus :attr:`ReadLimits.max_bytes`,
+and whose work is bounded in time (:attr:`ReadLimits.seconds`; then it is killed and replaced).
+Measured here, it costs a read 1-3 ms more than in the server (the light model, without its
+weights, crosses a pipe both ways: 96 KB for a 621-node decoder, whose inference itself takes
+3 ms and 4 MB), never holds the server's GIL (its threads wait on a pipe), and bounds whatever
+onnx's C++ does, not only the data propagation we know of today. The alternative, our own data
+propagation checking each value's size first, would have to follow onnx's rules op by op, and
+still leave onnx's own pass (which the checker's and the devices' typing rely on) unbounded.
+
+The values plugserve itself computes while reading are counted against the same bound in the
+server (:class:`Allowance`): dense sparse initializers (over it: the model is refused), and
+constant folding's outputs (over it: the nodes are left to run time, where a request's room
+bounds them); a model's own weights may add eight times their bytes (int4 weights folded to
+float32, the largest growth a real model's folding makes), which a small model does not have.
+
+The node count, subgraphs and functions included, is checked right after the model is parsed,
+before the checker, shape inference or any graph is built (:func:`check_nodes`).
+
+The server sets the limits from its settings (``--max-read-bytes``, ``--max-read-seconds``,
+``--max-model-nodes``: :func:`set_limits`) and charges :attr:`ReadLimits.max_bytes` to its
+memory budget before each read (``server/control/model_control.py``); a program using the
+Plugin API in-process gets the defaults here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import select
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import onnx
+from onnx import ModelProto
+
+from plugserve.plugins.errors import InvalidModel, ResourceExhausted
+from plugserve.plugins.shape_worker import write_frame
+
+__all__ = [
+    "Allowance",
+    "ReadLimits",
+    "allowance",
+    "check_nodes",
+    "count_nodes",
+    "infer_shapes",
+    "limits",
+    "set_limits",
+]
+
+log = logging.getLogger(__name__)
+
+#: What a model's own weights may add to its allowance, per byte (int4 folded to float32: 8x).
+WEIGHT_GROWTH = 8
+#: Helper processes at most: reads beyond them wait their turn (their memory is charged first).
+HELPERS = 2
+#: what "no time limit" (--max-read-seconds 0) waits: a year
+_FOREVER = 365 * 86400.0
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadLimits:
+    """The bounds of one read of a model (the server's flags; these defaults otherwise)."""
+
+    #: bytes of values one read may compute (--max-read-bytes): shape inference's own data
+    #: (its helper's data beyond onnx), dense sparse initializers, folded constants.
+    #: Real exporter models need little: a 621-node Llama decoder's shape inference took 4 MB,
+    #: an 873-node Qwen2's 5 MB; folding a causal mask of 2,048 positions (2,048² float32) 16 MiB.
+    max_bytes: int = 256 << 20
+    #: seconds shape inference may take (--max-read-seconds); real models take milliseconds
+    #: (17 ms for the 873-node Qwen2 decoder)
+    seconds: float = 30.0
+    #: nodes a model may have, its subgraphs' and functions' included (--max-model-nodes);
+    #: the largest exporter graphs have tens of thousands. Parsing costs ~340 bytes a node
+    #: (2M one-input nodes: 28 MB on the wire, 674 MB parsed)
+    max_nodes: int = 250_000
+
+
+_limits = ReadLimits()
+
+
+def set_limits(value: ReadLimits) -> None:
+    """The process's bounds (one server per process: its settings decide them at start)."""
+    global _limits
+    _limits = value
+
+
+def limits() -> ReadLimits:
+    return _limits
+
+
+# ----------------------------------------------------------------- nodes
+
+
+def count_nodes(proto: ModelProto) -> int:
+    """Nodes of the model: its graph's, its subgraphs' (any depth) and its functions'."""
+    total = 0
+    graphs: list[onnx.GraphProto] = [proto.graph]
+    nodes: list[Any] = [*proto.functions]
+    while graphs or nodes:
+        if graphs:
+            graph = graphs.pop()
+            total += len(graph.node)
+            nodes.append(graph)
+            continue
+        holder = nodes.pop()
+        if isinstance(holder, onnx.FunctionProto):
+            total += len(holder.node)
+        for node in holder.node:
+            for attr in node.attribute:
+                if attr.type == onnx.AttributeProto.GRAPH:
+                    graphs.append(attr.g)
+                elif attr.type == onnx.AttributeProto.GRAPHS:
+                    graphs.extend(attr.graphs)
+    return total
+
+
+def check_nodes(proto: ModelProto, label: str) -> None:
+    """Refuse a model with more nodes than a read may take, before anything else reads it."""
+    most = _limits.max_nodes
+    if not most:
+        return
+    count = len(proto.graph.node) + sum(len(f.node) for f in proto.functions)
+    if count <= most:  # the walk into subgraphs only when the top level leaves room
+        count = count_nodes(proto)
+    if count > most:
+        raise InvalidModel(
+            f"model {label!r} has {count:,} nodes (its subgraphs and functions included), over "
+            f"this server's limit of {most:,} (--max-model-nodes / PLUGSERVE_MAX_MODEL_NODES); "
+            "send a smaller model, or raise the limit"
+        )
+
+
+# ----------------------------------------------------------------- values plugserve computes
+
+
+class Allowance:
+    """What one read may still compute in the server, in bytes (0 at start: no bound)."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.used = 0
+
+    def fits(self, nbytes: int) -> bool:
+        return not self.total or self.used + nbytes <= self.total
+
+    def take(self, nbytes: int, what: str) -> None:
+        """Count ``nbytes`` about to be allocated for ``what``; InvalidModel when over."""
+        if not self.fits(nbytes):
+            raise InvalidModel(
+                f"{what} would hold {nbytes:,} bytes, and reading the model has computed "
+                f"{self.used:,} of the {self.total:,} bytes one read may (--max-read-bytes / "
+                "PLUGSERVE_MAX_READ_BYTES, plus 8x the model's own weights); send a smaller "
+                "model, or raise the limit"
+            )
+        self.used += nbytes
+
+    def add(self, nbytes: int) -> None:
+        """Count ``nbytes`` computed (its size was not known before: the caller checked)."""
+        self.used += nbytes
+
+
+def allowance(weights: int = 0) -> Allowance:
+    """A fresh allowance for one read (one model's graph built, or one run of its passes):
+    :attr:`ReadLimits.max_bytes`, plus ``weights`` (the bytes of the model's own
+    initializers) times :data:`WEIGHT_GROWTH`; no bound when the process sets none."""
+    bound = _limits.max_bytes
+    return Allowance(bound + WEIGHT_GROWTH * weights if bound else 0)
+
+
+# ----------------------------------------------------------------- shape inference
+
+
+class _NoHelper(Exception):
+    """No helper process could be started here."""
+
+
+class _TooLarge(Exception):
+    """The inferred model the helper answers is larger than the read may parse."""
+
+
+class _Helper:
+    """One helper process (``shape_worker.py``) and its pipes."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "plugserve.plugins.shape_worker", str(max_bytes)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        except OSError as exc:
+            raise _NoHelper(str(exc)) from None
+        try:
+            self._read_header(60.0)  # "ready": onnx is imported and the bound set
+        except (EOFError, TimeoutError, OSError, ValueError) as exc:
+            self.close()
+            raise _NoHelper(f"the helper did not start ({type(exc).__name__})") from None
+
+    def ask(self, header: dict, body: bytes, seconds: float, most: int = 0) -> tuple[dict, bytes]:
+        """The answer to one request; an answer's body over ``most`` bytes (0: any) raises
+        :class:`_TooLarge` before it is read (the helper is then of no more use)."""
+        stdin = self.process.stdin
+        assert stdin is not None
+        write_frame(stdin, json.dumps(header).encode())
+        write_frame(stdin, body)
+        stdin.flush()
+        answer = self._read_header(seconds)
+        size = int.from_bytes(self._exactly(8, seconds), "little")
+        if most and size > most:
+            raise _TooLarge(size)
+        return answer, self._exactly(size, seconds)
+
+    def _read_header(self, seconds: float) -> dict:
+        return json.loads(self._frame(seconds))
+
+    def _frame(self, seconds: float) -> bytes:
+        size = int.from_bytes(self._exactly(8, seconds), "little")
+        return self._exactly(size, seconds)
+
+    def _exactly(self, size: int, seconds: float) -> bytes:
+        stdout = self.process.stdout
+        assert stdout is not None
+        fd = stdout.fileno()
+        end = time.monotonic() + seconds
+        parts: list[bytes] = []
+        left = size
+        while left:
+            wait = end - time.monotonic()
+            if wait <= 0 or not select.select([fd], [], [], wait)[0]:
+                raise TimeoutError
+            chunk = os.read(fd, min(left, 1 << 20))
+            if not chunk:
+                raise EOFError
+            parts.append(chunk)
+            left -= len(chunk)
+        return b"".join(parts)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.process.kill()
+        with contextlib.suppress(Exception):
+            self.process.wait(5)
+        for stream in (self.process.stdin, self.process.stdout):
+            with contextlib.suppress(OSError):
+                if stream is not None:
+                    stream.close()
+
+
+class _Helpers:
+    """Up to :data:`HELPERS` helper processes, started when first needed, kept between reads
+    (starting one imports onnx: about a second) and replaced after one failed."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._idle: list[_Helper] = []
+        self._slots = threading.BoundedSemaphore(HELPERS)
+
+    @contextlib.contextmanager
+    def one(self, max_bytes: int, seconds: float) -> Iterator[_Helper]:
+        if not self._slots.acquire(timeout=seconds):
+            raise ResourceExhausted(
+                f"no shape-inference helper was free within {seconds:g} s "
+                "(--max-read-seconds / PLUGSERVE_MAX_READ_SECONDS); retry later"
+            )
+        helper: _Helper | None = None
+        try:
+            with self._lock:
+                while self._idle and helper is None:
+                    found = self._idle.pop()
+                    if found.max_bytes == max_bytes and found.process.poll() is None:
+                        helper = found
+                    else:
+                        found.close()
+            if helper is None:
+                helper = _Helper(max_bytes)
+            yield helper
+        except BaseException:
+            if helper is not None:
+                helper.close()
+            helper = None
+            raise
+        finally:
+            if helper is not None:
+                with self._lock:
+                    self._idle.append(helper)
+            self._slots.release()
+
+
+_helpers = _Helpers()
+#: set once the fallback without a helper has been logged
+_warned = threading.Event()
+
+
+#: what the inferred model may add to the model sent, as a share of --max-read-bytes: parsing
+#: it back and reading its shapes took ~18x its size here (20 values of rank 65,536 from a
+#: 1 KB model: 5.2 MB back, the server 95 MB larger), so a thirty-second keeps that within the
+#: bound. Real models add ~65 bytes a node (96 KB sent, 136 KB back for a 621-node decoder):
+#: the default's 8 MiB is room for 120,000
+ANSWER_SHARE = 32
+
+
+def _inferred(data: bytes, label: str, **flags: bool) -> bytes:
+    bound = _limits
+    seconds = bound.seconds or _FOREVER
+    most = len(data) + bound.max_bytes // ANSWER_SHARE if bound.max_bytes else 0
+    try:
+        with _helpers.one(bound.max_bytes, seconds) as helper:
+            answer, body = helper.ask(flags, data, seconds, most)
+    except _TooLarge as exc:
+        raise InvalidModel(
+            f"model {label!r}: shape inference's answer is {exc.args[0]:,} bytes, more than "
+            f"{most:,} (the model and a thirty-second of --max-read-bytes / "
+            "PLUGSERVE_MAX_READ_BYTES for the shapes it adds); send a smaller model, or raise "
+            "the limit"
+        ) from None
+    except TimeoutError:
+        raise ResourceExhausted(
+            f"model {label!r}: shape inference took more than {bound.seconds:g} s, this "
+            "server's limit (--max-read-seconds / PLUGSERVE_MAX_READ_SECONDS); send a smaller "
+            "model, or raise the limit"
+        ) from None
+    except (EOFError, OSError, ValueError):
+        answer, body = {"error": "MemoryError"}, b""  # the helper died: out of memory
+    error = answer.get("error")
+    if error == "MemoryError":
+        raise InvalidModel(
+            f"model {label!r}: shape inference needs more than {bound.max_bytes:,} bytes, "
+            "the most reading a model may take (--max-read-bytes / PLUGSERVE_MAX_READ_BYTES); "
+            "send a smaller model, or raise the limit"
+        )
+    if error == "InferenceError":
+        raise onnx.shape_inference.InferenceError(answer.get("message", ""))
+    if error:
+        raise RuntimeError(f"{error}: {answer.get('message', '')}")
+    return body
+
+
+def infer_shapes(
+    model: ModelProto | bytes,
+    label: str = "model",
+    *,
+    strict: bool = False,
+    data_prop: bool = False,
+    check_type: bool = False,
+) -> ModelProto:
+    """onnx's ``infer_shapes`` on ``model``, in a bounded helper process (see the module's
+    docstring): onnx's own errors raise as they would in the server (``InferenceError`` and
+    others); InvalidModel past :attr:`ReadLimits.max_bytes`, ResourceExhausted past
+    :attr:`ReadLimits.seconds`. Pass the model without its weights (``ir.without_weights``):
+    they are copied to the helper and back."""
+    data = model if isinstance(model, bytes) else model.SerializeToString()
+    try:
+        body = _inferred(data, label, strict=strict, data_prop=data_prop, check_type=check_type)
+    except _NoHelper as exc:  # a sandbox without fork, a Python that cannot import us
+        if not _warned.is_set():
+            _warned.set()
+            log.warning("shape inference runs in this process, unbounded: no helper (%s)", exc)
+        return onnx.shape_inference.infer_shapes(
+            data, check_type=check_type, strict_mode=strict, data_prop=data_prop
+        )
+    inferred = ModelProto()
+    inferred.ParseFromString(body)
+    return inferred

@@ -1,0 +1,143 @@
+"""The bounds of reading a model (``plugins/reading.py``), in-process: onnx's shape inference in
+a helper process bounded in memory and time that never holds this process's GIL, the node
+count, and the values plugserve computes itself (dense sparse initializers, folded constants)
+within one read's allowance. tests/server/test_attacks_read.py drives the same models at a
+real server."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import amplifying
+import numpy as np
+import pytest
+from onnx import TensorProto, helper
+
+from plugserve.plugins import reading
+from plugserve.plugins.api import InvalidModel, ResourceExhausted
+from plugserve.plugins.ir import load_model
+
+
+@pytest.fixture
+def bounded():
+    """The process's limits for one test (restored after)."""
+    before = reading.limits()
+
+    def set_to(**changes):
+        reading.set_limits(reading.ReadLimits(**{**vars(before), **changes}))
+
+    yield set_to
+    reading.set_limits(before)
+
+
+def _max_gap(work) -> float:
+    """The longest this thread's neighbour waited for the GIL while ``work`` ran."""
+    gaps, stop = [0.0], threading.Event()
+
+    def tick():
+        last = time.perf_counter()
+        while not stop.is_set():
+            time.sleep(0.005)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    try:
+        work()
+    finally:
+        stop.set()
+        ticker.join()
+    return max(gaps)
+
+
+def test_data_propagation_past_the_bound_is_refused_without_holding_the_gil(bounded):
+    bounded(max_bytes=64 << 20)
+    model = amplifying.read_concat_doubling(doublings=16).SerializeToString()
+    load_model(amplifying.tile())  # the helper started (once per process): not timed
+
+    def read():
+        with pytest.raises(InvalidModel, match="--max-read-bytes") as refused:
+            load_model(model)
+        assert "shape inference needs more than 67,108,864 bytes" in str(refused.value)
+
+    assert _max_gap(read) < 0.2  # onnx in the server: a 3.9 s gap for this model
+
+
+def test_shapes_past_the_bound_are_refused_before_they_are_read_back(bounded):
+    bounded(max_bytes=256 << 20)  # the helper's data fits; 8 MiB of shapes may come back
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")  # the peak starts again from now
+    before = _peak_kb()
+    with pytest.raises(InvalidModel, match=r"shape inference's answer is .* --max-read-bytes"):
+        load_model(amplifying.read_wide_shapes())
+    assert _peak_kb() - before < 32 << 10  # read back, 190 MB here
+
+
+def _peak_kb() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
+
+
+def test_shape_inference_past_its_time_is_refused(bounded):
+    bounded(seconds=0.3, max_bytes=0)  # the time alone: killed after 0.3 s of its 7 s
+    model = amplifying.read_concat_doubling(doublings=16)
+    with pytest.raises(ResourceExhausted, match="--max-read-seconds"):
+        load_model(model)
+    assert load_model(amplifying.tile()).nodes  # the helper was replaced
+
+
+def test_a_real_model_reads_as_before():
+    graph = load_model(amplifying.shape_arithmetic())
+    assert [n.op_type for n in graph.nodes] == ["Mul", "Concat", "ConstantOfShape"]
+    assert graph.spec("shape").shape == (2,)  # typed by onnx's inference, in the helper
+
+
+def test_nodes_are_counted_with_subgraphs_and_functions(bounded):
+    model = amplifying.loop_scan()  # a Loop of two body nodes
+    assert reading.count_nodes(model) == 3
+    bounded(max_nodes=2)
+    with pytest.raises(InvalidModel, match="--max-model-nodes"):
+        load_model(model)
+
+
+def test_sparse_initializers_are_held_dense_within_the_allowance(bounded):
+    bounded(max_bytes=8 << 20)
+    with pytest.raises(InvalidModel, match=r"sparse initializer 'w0'.*--max-read-bytes"):
+        load_model(amplifying.read_sparse(count=1, elements=4 << 20))  # 16 MB dense
+    graph = load_model(amplifying.read_sparse(count=1, elements=1 << 20))  # 4 MB
+    assert graph.initializers["w0"].shape == (1 << 20,)
+
+
+def test_folding_stops_at_the_allowance_and_leaves_the_rest_to_run_time(bounded):
+    from plugserve.server import Core
+
+    bounded(max_bytes=40 << 20)  # two 16 MiB values fit, not three
+    model = amplifying.read_folded_chains(count=8, elements=4 << 20)
+    compiled = Core().load_network(model, "NUMPY")
+    try:
+        request = compiled.create_infer_request()
+        out = request.infer({"x": np.ones(1, np.float32)})
+        assert out["c3"][-1] == (4 << 20) - 1  # a Range left to run time still runs
+        assert out["c0"].shape == (4 << 20,)
+    finally:
+        compiled.close()
+    with pytest.raises(InvalidModel, match="--max-read-bytes"):  # onnxruntime would fold all
+        Core().load_network(model, "ORT")
+
+
+def test_shape_inference_errors_are_onnxs_as_before():
+    bad = helper.make_model(
+        helper.make_graph(
+            [helper.make_node("Softmax", ["x"], ["y"], axis=9)],
+            "bad",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])],
+        ),
+        opset_imports=[helper.make_opsetid("", 17)],
+    )
+    bad.ir_version = 8
+    with pytest.raises(InvalidModel, match="Softmax"):
+        load_model(bad)
