@@ -5,8 +5,9 @@ On main, reloading a torch decoder (a safetensors folder on TORCH) kept the old 
 Python's cyclic collector happened to run: +766 to +933 MB per reload of a 775 MB model, which
 the next load's free-memory check counted. Here a random decoder of ~90 MB of f32 weights
 (tests/support/llm_hf.py, made in the test), a decoder of its shape exported by optimum-onnx
-on ORT and a ~42 MB ONNX MLP on NUMPY are each reloaded twenty times (KServe RepositoryModelLoad of a loaded model, as Triton reloads) and the server's VmRSS
-is read after each: it stays within 10 % of what it was with the model loaded once.
+on ORT and a ~42 MB ONNX MLP on NUMPY are each reloaded twenty times (KServe
+RepositoryModelLoad of a loaded model, as Triton reloads) and the server's VmRSS is read after
+each: it stays within 10 % of what it was with the model loaded once.
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ def _decoder(folder) -> None:
 
 
 def _onnx_decoder(folder) -> None:
-    """A decoder of :func:`_decoder`'s shape, its optimum-onnx export (tests/support/llm.py's ``reload-llama``: the
-    exporter's venv, once) as users download it, served on ORT."""
+    """A decoder of :func:`_decoder`'s shape, its optimum-onnx export as users download it
+    (tests/support/llm.py's ``reload-llama``: the exporter's venv, once), served on ORT."""
     pytest.importorskip("onnxruntime")
     import llm
 
