@@ -12,6 +12,7 @@ shows that much margin; a quadratic parser grows 4x).
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable
 
@@ -89,11 +90,19 @@ REASONING: dict[str, list[Callable[[int], str]]] = {
 
 
 def _cpu(run: Callable[[], object], repeats: int = 3) -> float:
+    """The best of ``repeats`` runs' CPU time on this thread: not the process's (in the whole
+    suite other tests' threads run beside it: a linear family read 5.6x a doubling so), and
+    with the collector paused (its full passes grow with whatever else the process holds)."""
     best = float("inf")
     for _ in range(repeats):
-        start = time.process_time()
-        run()
-        best = min(best, time.process_time() - start)
+        gc.collect()
+        gc.disable()
+        try:
+            start = time.thread_time()
+            run()
+            best = min(best, time.thread_time() - start)
+        finally:
+            gc.enable()
     return best
 
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from plugserve.plugins.api import Cancelled, FailedPrecondition, ResourceExhausted
+from plugserve.plugins.api import BackendUnavailable, Cancelled, ResourceExhausted
 from plugserve.plugins.streams import StreamsExecutor
 
 
@@ -37,7 +37,7 @@ def test_each_stream_runs_once_on_every_streams_state_which_requests_then_reuse(
             executor.each_stream(lambda state: (_ for _ in ()).throw(ValueError("boom")))
         assert executor.busy == 0  # freed
         executor.shutdown()
-        with pytest.raises(FailedPrecondition):
+        with pytest.raises(BackendUnavailable):
             executor.each_stream(lambda state: state)
     finally:
         executor.shutdown()
@@ -160,9 +160,9 @@ def test_full_queue_and_shutdown_refuse_and_cancel_reads_as_cancelled():
     finally:
         release.set()
         executor.shutdown()
-    with pytest.raises(FailedPrecondition):
+    with pytest.raises(BackendUnavailable):
         executor.submit(lambda _s: None)
-    with pytest.raises(FailedPrecondition):
+    with pytest.raises(BackendUnavailable):
         executor.run_inline(lambda _s: None)
 
 
