@@ -7,6 +7,12 @@
   below it (so no circle can join two folders), and no protocol adapter (``kserve``,
   ``openai``, ``v1``) imports another: what they share (the gRPC and HTTP plumbing, the status
   mapping, auth) is its own module.
+- Type-only imports (under ``if TYPE_CHECKING:``, dotted names in string annotations) obey the
+  same floors, and no plugin imports the server in any way (issue 60, point 4); the shared
+  plumbing of ``server/protocols/`` (``http/``, ``grpc/``, ``status``, ``auth``) imports no
+  adapter. Each rule starts from a list of today's exceptions that can only shrink: a new break
+  fails, and so does a listed one that no longer occurs. The rest of the house rules (the top
+  level, the server reaching a device's face only, sizes) are ``tests/test_house.py``'s.
 - No import circle between plugserve's modules: every ``import``, at module level or inside a
   function, is an edge (``if TYPE_CHECKING:`` blocks are not, nor are the optional backends a
   plugin imports when it is asked for: onnxruntime, openvino).
@@ -23,95 +29,26 @@ import ast
 from collections.abc import Iterator
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-#: The folders mapped into the ``plugserve`` namespace (pyproject's ``package-dir``), by the
-#: package each is (``rayserve/`` is ``plugserve.ray``: a folder named ``ray`` at the top of a
-#: checkout would be imported as Ray itself by whatever runs there).
-FOLDERS = {
-    "plugins": "plugins",
-    "server": "server",
-    "client": "client",
-    "conformance": "conformance",
-    "rayserve": "ray",
-}
-
-
-def _modules() -> dict[str, Path]:
-    found: dict[str, Path] = {}
-    for folder, package in FOLDERS.items():
-        for path in sorted((ROOT / folder).rglob("*.py")):
-            parts = list(path.relative_to(ROOT / folder).with_suffix("").parts)
-            if parts[-1] == "__init__":
-                parts.pop()
-            found[".".join(["plugserve", package, *parts])] = path
-    return found
-
-
-MODULES = _modules()
-
-
-def _is_type_checking(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
-def _walk(tree: ast.AST) -> Iterator[tuple[ast.AST, bool]]:
-    """Every node outside ``if TYPE_CHECKING:`` blocks, with whether it is inside a function."""
-
-    def visit(node: ast.AST, in_function: bool) -> Iterator[tuple[ast.AST, bool]]:
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and _is_type_checking(child):
-                for other in child.orelse:
-                    yield from visit(other, in_function)
-                continue
-            inner = in_function or isinstance(
-                child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda
-            )
-            yield child, inner
-            yield from visit(child, inner)
-
-    yield from visit(tree, False)
-
-
-def _package(name: str, path: Path) -> str:
-    return name if path.name == "__init__.py" else name.rpartition(".")[0]
+from code_graph import MODULES, ROOT, exceptions_kept, imports, tree
 
 
 def _imports(name: str, path: Path) -> Iterator[tuple[str, int, bool]]:
-    """``(plugserve module imported, line, inside a function)`` for each import in ``path``."""
-    tree = ast.parse(path.read_text(), str(path))
-    for node, in_function in _walk(tree):
-        if isinstance(node, ast.Import):
-            for alias in node.names:
-                if alias.name.startswith("plugserve"):
-                    yield _resolve(alias.name), node.lineno, in_function
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = _package(name, path).split(".")
-                anchor = anchor[: len(anchor) - node.level + 1]
-                base = ".".join([*anchor, *([base] if base else [])])
-            if not base.startswith("plugserve"):
-                continue
-            for alias in node.names:
-                yield _resolve(f"{base}.{alias.name}", base), node.lineno, in_function
+    """``(plugserve module imported, line, inside a function)`` for each import that runs
+    (those under ``if TYPE_CHECKING:`` and in string annotations never do)."""
+    for found in imports(name, path):
+        if found.target is not None and not found.type_only:
+            yield found.target, found.line, found.in_function
 
 
-def _resolve(dotted: str, fallback: str | None = None) -> str:
-    """The module ``dotted`` names, or (for ``from m import name``) ``m`` itself."""
-    if dotted in MODULES:
-        return dotted
-    return fallback if fallback is not None else dotted
-
-
-def _graph() -> dict[str, set[str]]:
+def _graph(type_only: bool = False) -> dict[str, set[str]]:
+    """The import graph: the imports that run, and with ``type_only`` those under
+    ``if TYPE_CHECKING:`` and in string annotations too."""
     graph: dict[str, set[str]] = {name: set() for name in MODULES}
     for name, path in MODULES.items():
-        for target, _line, _in_function in _imports(name, path):
-            if target in MODULES and target != name:
-                graph[name].add(target)
+        for found in imports(name, path):
+            counted = type_only or not found.type_only
+            if counted and found.target is not None and found.target != name:
+                graph[name].add(found.target)
     return graph
 
 
@@ -171,8 +108,9 @@ def _room(module: str) -> str | None:
     return parts[2]
 
 
-def _crossings(graph: dict[str, set[str]]) -> list[str]:
-    """Every import from a ``server/`` folder to one above it, or between two adapters."""
+def _crossings(graph: dict[str, set[str]], rooms: bool = True) -> list[str]:
+    """Every import from a ``server/`` folder to one above it, or between two adapters (with
+    the folder of each side unless ``rooms`` is false)."""
     rank = {layer: i for i, layer in enumerate(SERVER_LAYERS)}
     found = []
     for source, targets in sorted(graph.items()):
@@ -186,7 +124,9 @@ def _crossings(graph: dict[str, set[str]]) -> list[str]:
             up = rank[b.split(".")[0]] < rank[a.split(".")[0]]
             across = a.startswith("protocols.") and b.startswith("protocols.")
             if up or across:
-                found.append(f"{source} ({a}) -> {target} ({b})")
+                found.append(
+                    f"{source} ({a}) -> {target} ({b})" if rooms else f"{source} -> {target}"
+                )
     return found
 
 
@@ -207,6 +147,125 @@ def test_the_layering_check_sees_an_upward_import_and_an_adapter_crossing() -> N
         "(control)",
         "plugserve.server.protocols.openai.serving (protocols.openai) -> "
         "plugserve.server.protocols.kserve.rest (protocols.kserve)",
+    ]
+
+
+#: Today's type-only imports that point up a floor (issue 60, point 4): each names in its
+#: types a module of a folder above it. The list only shrinks: move the type the import names
+#: down (into the lower folder, or a ``Protocol`` there the upper one fills), then drop the line.
+TYPE_ONLY_UPWARDS = {
+    # the relay type an ensemble hands the networks table (apps -> plane)
+    "plugserve.server.plane.networks -> plugserve.server.apps.pipelines.ensemble",
+    # the OpenAI request the embeddings application reads (protocols -> apps)
+    "plugserve.server.apps.generate.embeddings -> plugserve.server.protocols.openai.protocol",
+    # the process's Settings the HTTP plumbing is built from (process -> protocols)
+    "plugserve.server.protocols.http.app -> plugserve.server.process.settings",
+}
+
+
+def _floor_breaks(graph: dict[str, set[str]]) -> list[str]:
+    """Every edge that points up a floor: a ``server/`` folder to one above it, an adapter to
+    another adapter, a plugin to the server."""
+    found = _crossings(graph, rooms=False)
+    found += [
+        f"{source} -> {target}"
+        for source, targets in sorted(graph.items())
+        if source.startswith("plugserve.plugins.")
+        for target in sorted(targets)
+        if target.startswith("plugserve.server")
+    ]
+    return found
+
+
+def test_type_only_imports_obey_the_floors() -> None:
+    """A module depends on what it names in its types as on what it runs: the floors (protocols
+    -> plane -> plugins, control and apps on the plane, no adapter on another, plugins never on
+    the server) hold for type-only imports too, but for today's listed ones."""
+    problems = exceptions_kept(
+        _floor_breaks(_graph(type_only=True)),
+        TYPE_ONLY_UPWARDS,
+        rule="an import points up a floor",
+        fix="move the import (or the type it names) down to the importer's floor or below; "
+        "a lower floor declares a hook or a Protocol the higher one fills",
+        where="TYPE_ONLY_UPWARDS in tests/plugins/test_layering.py",
+    )
+    assert not problems, "\n".join(problems)
+
+
+#: Today's imports from the shared plumbing (``server/protocols/`` outside an adapter's folder:
+#: ``http/``, ``grpc/``, ``status``, ``auth``) of an adapter. The list only shrinks.
+PLUMBING_TO_ADAPTER = {
+    # the REST infer body's decode and encode run in the helper processes offload starts
+    "plugserve.server.protocols.http.offload -> plugserve.server.protocols.kserve.json_codec",
+}
+
+
+def _plumbing_to_adapters(graph: dict[str, set[str]]) -> list[str]:
+    """Every import, type-only ones too, from the shared plumbing of an adapter."""
+    return [
+        f"{source} -> {target}"
+        for source, targets in sorted(graph.items())
+        if _room(source) == "protocols"
+        for target in sorted(targets)
+        if (_room(target) or "").startswith("protocols.")
+    ]
+
+
+def test_plumbing_imports_no_adapter() -> None:
+    """What the adapters share (the HTTP server and router, the gRPC handlers, the status
+    mapping, auth) knows none of them: an adapter registers its routes with it, never the other
+    way round, so a face can be added or removed without touching the plumbing."""
+    problems = exceptions_kept(
+        _plumbing_to_adapters(_graph(type_only=True)),
+        PLUMBING_TO_ADAPTER,
+        rule="the protocols' plumbing imports an adapter",
+        fix="let the adapter hand the plumbing what it needs (a callable, a route table) "
+        "instead of the plumbing importing it",
+        where="PLUMBING_TO_ADAPTER in tests/plugins/test_layering.py",
+    )
+    assert not problems, "\n".join(problems)
+
+
+def test_the_floor_checks_see_type_only_imports_and_plumbing_pointing_at_an_adapter(
+    tmp_path: Path,
+) -> None:
+    """The reader sees a ``TYPE_CHECKING`` import and a dotted string annotation, and each
+    check reports a new break and a listed one that no longer occurs."""
+    source = tmp_path / "sample.py"
+    source.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n"
+        "    from plugserve.server.control.core import Core\n"
+        "def f(x: 'plugserve.server.apps.generate.engine.Engine') -> None:\n"
+        "    import plugserve.server.plane.request\n"
+    )
+    found = [(i.target, i.type_only, i.in_function)
+             for i in imports("plugserve.server.plane.sample", source) if i.target]  # fmt: skip
+    assert found == [
+        ("plugserve.server.control.core", True, False),
+        ("plugserve.server.apps.generate.engine", True, False),
+        ("plugserve.server.plane.request", False, True),
+    ]
+    graph = {
+        "plugserve.server.plane.sample": {t for t, _, _ in found},
+        "plugserve.plugins.numpy.plugin": {"plugserve.server.plane.request"},
+        "plugserve.server.protocols.grpc.handlers": {"plugserve.server.protocols.v1.service"},
+    }
+    assert _floor_breaks(graph) == [
+        "plugserve.server.plane.sample -> plugserve.server.apps.generate.engine",
+        "plugserve.server.plane.sample -> plugserve.server.control.core",
+        "plugserve.plugins.numpy.plugin -> plugserve.server.plane.request",
+    ]
+    assert _plumbing_to_adapters(graph) == [
+        "plugserve.server.protocols.grpc.handlers -> plugserve.server.protocols.v1.service"
+    ]
+    problems = exceptions_kept(
+        ["a -> b", "c -> d"], ["c -> d", "e -> f"], rule="R", fix="F", where="W"
+    )
+    assert problems == [
+        "R: a -> b\n    -> F",
+        "R: e -> f is listed as an exception but no longer occurs\n"
+        "    -> remove it from W (the list only shrinks)",
     ]
 
 
@@ -269,7 +328,7 @@ def test_no_hook_is_probed() -> None:
     probes = [
         f"{path.relative_to(ROOT)}:{call.lineno} {ast.unparse(call)}"
         for path in MODULES.values()
-        for call in _probes(ast.parse(path.read_text(), str(path)))
+        for call in _probes(tree(path))
     ]
     assert probes == []
 
@@ -279,7 +338,7 @@ def test_no_private_name_is_imported_across_modules() -> None:
     private = [
         f"{path.relative_to(ROOT)}:{node.lineno} {alias.name} from {node.module}"
         for path in MODULES.values()
-        for node in ast.walk(ast.parse(path.read_text(), str(path)))
+        for node in ast.walk(tree(path))
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("plugserve")
         for alias in node.names
         if alias.name.startswith("_")
