@@ -119,3 +119,75 @@ def test_echo_of_a_text_prompt_is_the_text_as_given(api):
     prompt = "Hello, my name is"
     echoed = api.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True)
     assert echoed.choices[0].text == prompt
+
+
+def _counted(chunks) -> tuple[list, object]:
+    """The chunks with choices and the final usage chunk (choices empty), checking that
+    every chunk carries a usage that adds up."""
+    chunks = list(chunks)
+    assert chunks and all(c.usage is not None for c in chunks), chunks
+    for chunk in chunks:
+        usage = chunk.usage
+        assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    *answer, final = chunks
+    assert final.choices == [] and all(c.choices for c in answer)
+    return answer, final.usage
+
+
+def _pair(usage) -> tuple[int, int, int]:
+    return usage.prompt_tokens, usage.completion_tokens, usage.total_tokens
+
+
+def test_continuous_usage_on_every_completion_chunk(api):
+    stream = api.completions.create(
+        model=MODEL, prompt="Count: one, two", max_tokens=6, temperature=0, stream=True,
+        stream_options=CONTINUOUS, extra_body=FULL,
+    )  # fmt: skip
+    answer, final = _counted(stream)
+    done = [c.usage.completion_tokens for c in answer]
+    assert done == sorted(done) and done[0] >= 1 and len(set(done)) == len(done)
+    assert {c.usage.prompt_tokens for c in answer} == {final.prompt_tokens}
+    assert _pair(answer[-1].usage) == _pair(final)
+    assert final.completion_tokens == 6
+
+
+def test_continuous_usage_on_every_chat_chunk(api):
+    stream = api.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say hi."}], max_tokens=5,
+        temperature=0, stream=True, stream_options=CONTINUOUS, extra_body=FULL,
+    )  # fmt: skip
+    answer, final = _counted(stream)
+    assert answer[0].choices[0].delta.role == "assistant"
+    assert answer[0].usage.completion_tokens == 0  # the role's chunk, as vLLM's
+    done = [c.usage.completion_tokens for c in answer]
+    assert done == sorted(done) and done[-1] == final.completion_tokens == 5
+    assert {c.usage.prompt_tokens for c in answer} == {final.prompt_tokens}
+    assert _pair(answer[-1].usage) == _pair(final)
+
+
+def test_continuous_usage_counts_each_prompt_and_choice(api):
+    prompts = ["Hi", "A longer prompt than that"]
+    stream = api.completions.create(
+        model=MODEL, prompt=prompts, max_tokens=3, temperature=0, stream=True,
+        stream_options=CONTINUOUS, extra_body=FULL,
+    )  # fmt: skip
+    answer, final = _counted(stream)
+    sizes = {}
+    for chunk in answer:
+        sizes.setdefault(chunk.choices[0].index, set()).add(chunk.usage.prompt_tokens)
+    assert sorted(sizes) == [0, 1] and all(len(s) == 1 for s in sizes.values())
+    assert sum(next(iter(s)) for s in sizes.values()) == final.prompt_tokens
+    assert final.completion_tokens == 6
+
+
+def test_continuous_usage_needs_include_usage_as_vllms(api):
+    for options in (
+        {"continuous_usage_stats": True},
+        {"include_usage": False, "continuous_usage_stats": True},
+    ):
+        stream = api.completions.create(
+            model=MODEL, prompt="Hi", max_tokens=3, stream=True, stream_options=options
+        )
+        assert all(chunk.usage is None for chunk in stream)
+    with pytest.raises(openai.BadRequestError):  # stream_options without a stream
+        api.completions.create(model=MODEL, prompt="Hi", max_tokens=3, stream_options=CONTINUOUS)

@@ -1044,6 +1044,12 @@ class _Answer:
         }
         if self.ask.include_usage:
             chunk["usage"] = None
+            if self.ask.continuous_usage and choices:  # vLLM's: its prompt's, its choice's
+                i = choices[0]["index"]
+                prompt = i // self.ask.n
+                chunk["usage"] = encode.usage(
+                    self.prompt_tokens[prompt], self.completion[i], self.cached[prompt]
+                )
         return chunk
 
     def opening(self) -> list[bytes]:
@@ -1074,6 +1080,7 @@ class _Answer:
         if self._template is None:
             ask = self.ask
             plain = not self.prompt_only and self.names is None and not ask.return_token_ids
+            plain = plain and not ask.continuous_usage  # (each chunk's counts differ)
             plain = plain and (self.outputs is None if self.kind == "chat" else not self.echo)
             if not plain:
                 self._template = b""
