@@ -242,8 +242,8 @@ REFUSED = [
     ({"cache_salt": 7}, "cache_salt"),  # accepted as a string of 1 to 256 characters only
     ({"cache_salt": "s" * 257}, "cache_salt"),
     ({"logits_processors": ["x"]}, "logits_processors"),
-    ({"stream": True, "stream_options": {"continuous_usage_stats": True}},
-     "stream_options.continuous_usage_stats"),
+    ({"stream": True, "stream_options": {"continuous_usage_stats": "yes"}},
+     "continuous_usage_stats"),  # served (test_openai_echo_usage.py), a boolean only
     ({"seed": 2**63}, "seed"),
     ({"seed": -(2**63) - 1}, "seed"),
 ]  # fmt: skip

@@ -1,9 +1,9 @@
 """vLLM's OpenAI server tests (vllm-project/vllm, ``tests/entrypoints/openai``, Apache-2.0)
-about ``echo`` with ``logprobs``, ``logprobs``, ``prompt_logprobs`` and ``seed``, run unchanged
-against plugserve (issue 50): their test file as it is, with a ``tests/utils.py`` of ours
-(vllm_utils.py: ``RemoteOpenAIServer`` starting plugserve instead of ``vllm serve``) and a
-``vllm`` package holding only the names their module imports (vllm_shim/: vLLM's tokenizer
-loader, reading the served model's tokenizer).
+about ``echo`` with ``logprobs``, ``logprobs``, ``prompt_logprobs``, ``seed`` (issue 50) and
+``stream_options`` (issue 62), run unchanged against plugserve: their test file as it is, with
+a ``tests/utils.py`` of ours (vllm_utils.py: ``RemoteOpenAIServer`` starting plugserve instead
+of ``vllm serve``) and a ``vllm`` package holding only the names their module imports
+(vllm_shim/: vLLM's tokenizer loader, reading the served model's tokenizer).
 
 Their files are not kept in this repository (third-party code stays out of it): point
 ``PLUGSERVE_VLLM_SRC`` at a checkout of vllm-project/vllm (checked at :data:`COMMIT`; CI's
@@ -31,9 +31,10 @@ FILES = (
     "tests/entrypoints/openai/chat_completion/test_chat_echo.py",
 )
 #: their tests about echo, logprobs, prompt_logprobs and seed (the parallel-sampling ones send
-#: seed=42): all of test_chat_echo.py; test_completion.py's others (streaming options, beam
-#: search, prompt truncation, grammars) are not this issue's
-SELECTED = "logprob or parallel or echo"
+#: seed=42) and stream_options (``continuous_usage_stats``, issue 62): all of
+#: test_chat_echo.py; test_completion.py's others (beam search, prompt truncation, grammars)
+#: are not these issues'
+SELECTED = "logprob or parallel or echo or stream_options"
 #: each test (file::name[parameters]) -> its outcome against plugserve
 EXPECTED = {
     "test_completion::test_no_logprobs[facebook/opt-125m]": "passed",
@@ -48,6 +49,9 @@ EXPECTED = {
     "test_completion::test_parallel_streaming[facebook/opt-125m]": "passed",
     "test_completion::test_echo_logprob_completion[1-facebook/opt-125m]": "passed",
     "test_completion::test_echo_logprob_completion[0-facebook/opt-125m]": "passed",
+    # include_usage with and without continuous_usage_stats, and stream_options refused
+    # without a stream
+    "test_completion::test_completion_stream_options[facebook/opt-125m]": "passed",
     "test_chat_echo::test_chat_session_with_echo_and_continue_final_message[test_case0]": (
         "passed"
     ),

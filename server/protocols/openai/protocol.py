@@ -150,6 +150,9 @@ class GenerationAsk:
     model: str
     stream: bool = False
     include_usage: bool = False
+    #: vLLM's ``stream_options.continuous_usage_stats`` (with ``include_usage``): every chunk
+    #: carries its prompt's and its choice's counts so far
+    continuous_usage: bool = False
     n: int = 1
     max_tokens: int | None = None
     #: the field max_tokens came from, for the message refusing it
@@ -422,6 +425,9 @@ def _stream(body: dict[str, Any], ask: GenerationAsk) -> None:
     if not isinstance(options, dict):
         raise OpenAIError("'stream_options' must be an object", "stream_options")
     ask.include_usage = _boolean(options, "include_usage")
+    # vLLM's: continuous usage only with include_usage (alone it changes nothing)
+    continuous = _boolean(options, "continuous_usage_stats")
+    ask.continuous_usage = ask.include_usage and continuous
 
 
 def _sampling(body: dict[str, Any], ask: GenerationAsk) -> None:

@@ -672,9 +672,10 @@ def _completion_ids(
 
 
 def _texts_of(model: _Model, prompts: list[Any]) -> list[str]:
-    """Each prompt as text (ids decoded with decode_batch, which releases the GIL)."""
+    """Each prompt as ``echo`` writes it: a text as given, ids decoded with their special
+    tokens (BOS and the like) as vLLM's echo shows them (decode_batch releases the GIL)."""
     ids = [p for p in prompts if not isinstance(p, str)]
-    decoded = iter(model.tokenizer.decode_batch(ids))
+    decoded = iter(model.tokenizer.decode_batch(ids, skip_special_tokens=False))
     return [p if isinstance(p, str) else next(decoded) for p in prompts]
 
 
@@ -929,7 +930,7 @@ class _Answer:
         )
         if isinstance(source, str):
             return source
-        return self.model.tokenizer.decode(source)
+        return self.model.tokenizer.decode(source, skip_special_tokens=False)  # as _texts_of
 
     def _completion_logprobs(self, i: int, prompt: int) -> dict[str, Any] | None:
         if self.names is None:
@@ -1043,6 +1044,12 @@ class _Answer:
         }
         if self.ask.include_usage:
             chunk["usage"] = None
+            if self.ask.continuous_usage and choices:  # vLLM's: its prompt's, its choice's
+                i = choices[0]["index"]
+                prompt = i // self.ask.n
+                chunk["usage"] = encode.usage(
+                    self.prompt_tokens[prompt], self.completion[i], self.cached[prompt]
+                )
         return chunk
 
     def opening(self) -> list[bytes]:
@@ -1073,6 +1080,7 @@ class _Answer:
         if self._template is None:
             ask = self.ask
             plain = not self.prompt_only and self.names is None and not ask.return_token_ids
+            plain = plain and not ask.continuous_usage  # (each chunk's counts differ)
             plain = plain and (self.outputs is None if self.kind == "chat" else not self.echo)
             if not plain:
                 self._template = b""

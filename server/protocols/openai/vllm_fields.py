@@ -20,7 +20,7 @@ Refused when set to anything but the value that changes nothing (:data:`REFUSED`
 ``allowed_token_ids``, ``bad_words``, ``truncate_prompt_tokens``, ``logits_processors``,
 ``return_tokens_as_token_ids``, ``prompt_embeds``, a custom ``chat_template``, multimodal and
 audio fields, OpenAI's legacy ``functions`` / ``function_call``, ``prediction``,
-``web_search_options``, ``stream_options.continuous_usage_stats``.
+``web_search_options``.
 """
 
 from __future__ import annotations
@@ -76,13 +76,6 @@ def _refuse_unsupported(body: dict[str, Any], route: str) -> None:
         if value is None or where not in ("both", route) or value in harmless:
             continue
         raise OpenAIError(f"'{key}' is not supported by this server: {why}", key)
-    options = body.get("stream_options")
-    if isinstance(options, dict) and options.get("continuous_usage_stats"):
-        raise OpenAIError(
-            "'stream_options.continuous_usage_stats' is not supported: the usage comes in the "
-            "last chunk ('include_usage')",
-            "stream_options.continuous_usage_stats",
-        )
 
 
 def _grammar_text(value: Any, kind: str, field: str) -> str:
