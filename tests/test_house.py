@@ -163,7 +163,7 @@ FUNCTION_LINES = 100
 LONG_MODULES = {
     "server/apps/pipelines/ensemble.py": 1065,
     "server/plane/sequences.py": 1014,
-    "server/protocols/openai/serving.py": 1351,
+    "server/protocols/openai/serving.py": 1336,
 }
 #: Today's functions over 100 lines (``file::qualified name``), each with its length today.
 LONG_FUNCTIONS = {

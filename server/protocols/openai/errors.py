@@ -11,6 +11,8 @@ answers every failure of these routes in OpenAI's shape. A refusal of the REST l
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -19,7 +21,7 @@ from plugserve.plugins.api import NotFound
 from plugserve.server.plane.errors import FieldError, forget_frames
 from plugserve.server.protocols.status import http_status_of
 
-__all__ = ["OpenAIError", "error_reply", "reply_of", "stream_error"]
+__all__ = ["OpenAIError", "error_reply", "guard", "reply_of", "stream_error"]
 
 #: OpenAI's ``type`` for a status (what its API answers; a 5xx is ``server_error``)
 _TYPES = {
@@ -97,3 +99,30 @@ def stream_error(exc: BaseException) -> dict[str, Any]:
             "code": code if code is not None else status,
         }
     }
+
+
+def guard(
+    handler: Callable[[Any], Any], answer: Callable[[BaseException], Any] | None = None
+) -> Callable[[Any], Any]:
+    """``handler`` answering every error it raises (a coroutine's too) with ``answer(exc)``:
+    OpenAI's body (:func:`reply_of`) by default, Anthropic's for its face."""
+    answer = answer or reply_of
+
+    def guarded(call: Any) -> Any:
+        try:
+            reply = handler(call)
+        except Exception as exc:
+            return answer(exc)
+        if asyncio.iscoroutine(reply):
+            return _awaited(reply, answer)
+        return reply
+
+    guarded.__name__ = getattr(handler, "__name__", "handler")
+    return guarded
+
+
+async def _awaited(reply: Awaitable[Any], answer: Callable[[BaseException], Any]) -> Any:
+    try:
+        return await reply
+    except Exception as exc:
+        return answer(exc)

@@ -76,7 +76,7 @@ from plugserve.server.protocols.openai.body import read as read_body
 from plugserve.server.protocols.openai.errors import (
     OpenAIError,
     error_reply,
-    reply_of,
+    guard,
     stream_error,
 )
 from plugserve.server.protocols.openai.responses import ResponsesRoutes
@@ -189,19 +189,19 @@ class OpenAIRoutes:
         table: list[tuple[str, dict[str, tuple[str, Callable[[Any], Any]]]]] = []
         for prefix in ("/v1", "/v3"):
             table += [
-                (prefix + "/chat/completions", {"POST": (infer, _guarded(self.chat))}),
-                (prefix + "/completions", {"POST": (infer, _guarded(self.completions))}),
-                (prefix + "/embeddings", {"POST": (infer, _guarded(self.embeddings))}),
-                (prefix + "/models", {"GET": (metadata, _guarded(self.models))}),
+                (prefix + "/chat/completions", {"POST": (infer, guard(self.chat))}),
+                (prefix + "/completions", {"POST": (infer, guard(self.completions))}),
+                (prefix + "/embeddings", {"POST": (infer, guard(self.embeddings))}),
+                (prefix + "/models", {"GET": (metadata, guard(self.models))}),
                 (
                     prefix + r"/models/(?P<model>[^/]+)",
-                    {"GET": (metadata, _guarded(self.model))},
+                    {"GET": (metadata, guard(self.model))},
                 ),
             ]
             # the handlers' owners are read when a request comes: the table is read without
             # them too (tests/server/test_roles.py reads it from an uninitialized instance)
-            table += ResponsesRoutes.table(prefix, infer, _guarded, lambda: self.responses)
-        table += TokenizeRoutes.table(infer, _guarded, lambda: self.tokenize)
+            table += ResponsesRoutes.table(prefix, infer, guard, lambda: self.responses)
+        table += TokenizeRoutes.table(infer, guard, lambda: self.tokenize)
         return table
 
     def close(self) -> None:
@@ -737,29 +737,6 @@ def _answer_bytes(ask: protocol.GenerationAsk, max_tokens: int) -> int:
         per_token += _LOGPROB_BYTES * (ask.logprobs + 1)
     tokens = min(2, max_tokens) if ask.stream else max_tokens
     return ask.n * tokens * per_token
-
-
-def _guarded(handler: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    """``handler`` answering every error it raises in OpenAI's body (a coroutine's too)."""
-
-    def guarded(call: Any) -> Any:
-        try:
-            reply = handler(call)
-        except Exception as exc:
-            return reply_of(exc)
-        if asyncio.iscoroutine(reply):
-            return _awaited(reply)
-        return reply
-
-    guarded.__name__ = handler.__name__
-    return guarded
-
-
-async def _awaited(reply: Awaitable[Any]) -> Any:
-    try:
-        return await reply
-    except Exception as exc:
-        return reply_of(exc)
 
 
 async def _traced(trace: Trace, answer: Awaitable[Any]) -> Any:

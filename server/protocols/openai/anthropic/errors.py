@@ -14,15 +14,14 @@ typed errors), so their status and message are the OpenAI face's (``openai/error
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import orjson
 
 from plugserve.plugins.api import PlugserveError, ResourceExhausted
 from plugserve.server.plane.errors import forget_frames
-from plugserve.server.protocols.openai.errors import status_of
+from plugserve.server.protocols.openai.errors import guard, status_of
 
 __all__ = ["error_body", "error_reply", "guarded", "refusal", "reply_of", "stream_error"]
 
@@ -82,22 +81,4 @@ def stream_error(exc: BaseException) -> dict[str, Any]:
 
 def guarded(handler: Callable[[Any], Any]) -> Callable[[Any], Any]:
     """``handler`` answering every error it raises in Anthropic's body (a coroutine's too)."""
-
-    def run(call: Any) -> Any:
-        try:
-            reply = handler(call)
-        except Exception as exc:
-            return reply_of(exc)
-        if asyncio.iscoroutine(reply):
-            return _awaited(reply)
-        return reply
-
-    run.__name__ = getattr(handler, "__name__", "handler")
-    return run
-
-
-async def _awaited(reply: Awaitable[Any]) -> Any:
-    try:
-        return await reply
-    except Exception as exc:
-        return reply_of(exc)
+    return guard(handler, reply_of)
