@@ -293,7 +293,7 @@ class RestApp:
         return 200, [b""], _JSON
 
     def model_ready(self, call: Call) -> Reply | Awaitable[Reply]:
-        entry = self.plane.get(call.path["name"], _version(call))  # NotFound: 404
+        entry = self.plane.get(call.path["name"], _version(call), load=False)  # NotFound: 404
         if entry.network.slow_readiness:  # it asks the model's processes: off the loop
             return self._in_worker(_readiness, entry)
         return _readiness(entry)
