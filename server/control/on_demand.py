@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import threading
 import time
@@ -109,6 +110,8 @@ class OnDemand:
         self._loads: dict[str, int] = {}
         self._evictions: dict[tuple[str, str], int] = {}
         self._listing: tuple[float, dict[str, list[ModelEntry]]] = (float("-inf"), {})
+        #: the loads waiting for a loaded model to be free to go (what their requests are told)
+        self._no_room: set[str] = set()
         self._stop = threading.Event()
         self._timer: threading.Thread | None = None
 
@@ -170,7 +173,8 @@ class OnDemand:
                     raise self.table.missing(name, version)
             future = self._start(name, entries)
             if _on_event_loop():
-                raise ModelLoading(self._loading_message(name), future, self.wait_seconds)
+                late = functools.partial(self._loading_message, name, self.wait_seconds)
+                raise ModelLoading(self._loading_message(name), future, self.wait_seconds, late)
             try:
                 future.result(self.wait_seconds)
             except concurrent.futures.TimeoutError:
@@ -185,9 +189,15 @@ class OnDemand:
 
     def _loading_message(self, name: str, waited: float = 0.0) -> str:
         past = f" and did not finish within {waited:g} s (--model-load-wait-seconds)"
+        room = (
+            f", waiting for room: --models-max {self.models_max} models are loaded, each with "
+            "requests in flight or loading"
+            if name in self._no_room
+            else ""
+        )
         return (
             f"Request for model {name!r}: it is not at ready state: it is loading on demand"
-            f"{past if waited else ''}; retry when /v2/models/{name}/ready says it is"
+            f"{room}{past if waited else ''}; retry when /v2/models/{name}/ready says it is"
         )
 
     def _start(self, name: str, entries: list[ModelEntry]) -> Future:
@@ -216,6 +226,7 @@ class OnDemand:
             error = exc
         with self._lock:
             self._loading.pop(name, None)
+            self._no_room.discard(name)
         if error is None:
             future.set_result(None)
         else:
@@ -240,6 +251,7 @@ class OnDemand:
             if victim is not None:
                 self._unload(victim, "lru")
                 continue
+            self._no_room.add(name)  # (discarded by _load, whatever happens)
             if time.monotonic() >= end or self._stop.is_set():
                 raise NotReady(
                     f"Request for model {name!r}: it is not at ready state: --models-max "
@@ -273,8 +285,7 @@ class OnDemand:
         """The loaded networks whose steps run ``name`` (ensembles, OVMS pipelines)."""
         for versions in self.table.by_name.values():
             for entry in versions.values():
-                steps = getattr(entry.network, "step_models", None)
-                if steps is not None and entry.name != name and name in steps():
+                if entry.name != name and name in entry.network.step_models():
                     yield entry
 
     def _unload(self, name: str, reason: str) -> None:

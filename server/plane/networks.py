@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -64,10 +65,12 @@ class ModelLoading(NotReady):
     outcome: None or the load's error); the REST faces await :meth:`loaded` off the loop,
     then look again. Anyone else who sees it answers UNAVAILABLE (503 with Retry-After)."""
 
-    def __init__(self, message: str, future: Future, wait: float) -> None:
+    def __init__(self, message: str, future: Future, wait: float, late: Callable[[], str]) -> None:
+        """``late()``: what a request that waited :attr:`wait` seconds in vain is told."""
         super().__init__(message)
         self.future = future
         self.wait = wait
+        self.late = late
 
     async def loaded(self) -> None:
         """Wait for the load without holding the loop, at most :attr:`wait` seconds: past
@@ -75,9 +78,7 @@ class ModelLoading(NotReady):
         try:
             await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self.future)), self.wait)
         except (asyncio.TimeoutError, TimeoutError):
-            raise NotReady(
-                f"{self} (it did not finish within {self.wait:g} s: --model-load-wait-seconds)"
-            ) from None
+            raise NotReady(self.late()) from None
         except PlugserveError as exc:
             raise LoadFailed(str(exc), exc.code) from None
 

@@ -16,6 +16,7 @@ import json
 import textwrap
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -334,3 +335,66 @@ def test_on_demand_settings_are_checked():
         environ={"PLUGSERVE_MODEL_LOAD_ON_DEMAND": "1", "PLUGSERVE_MODELS_MAX": "3"}
     )
     assert settings.model_load_on_demand == 1 and settings.models_max == 3
+
+
+SLOW = """
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        time.sleep(5)
+        return [
+            pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(
+                "OUTPUT0", pb_utils.get_input_tensor_by_name(r, "INPUT0").as_numpy()
+            )])
+            for r in requests
+        ]
+"""
+
+
+def test_a_model_with_work_in_flight_stays_and_the_request_waiting_for_room_gets_503(tmp_path):
+    _double(tmp_path)
+    (tmp_path / "slow" / "1").mkdir(parents=True)
+    (tmp_path / "slow" / "config.pbtxt").write_text(PYTHON_CONFIG.replace('"scale"', '"slow"'))
+    (tmp_path / "slow" / "1" / "model.py").write_text(textwrap.dedent(SLOW))
+    args = ["--model-repository", str(tmp_path), "--model-load-on-demand", "1"]
+    args += ["--models-max", "1", "--model-load-wait-seconds", "1"]
+    with RunningServer(*args) as server:
+        answers: list = []
+        client = grpcclient.InferenceServerClient(server.target)
+        given = grpcclient.InferInput("INPUT0", [4], "FP32")
+        given.set_data_from_numpy(X)
+
+        def slow() -> None:
+            answers.append(client.infer("slow", [given], client_timeout=60).as_numpy("OUTPUT0"))
+
+        running = threading.Thread(target=slow)
+        running.start()
+        try:
+            assert wait_for(lambda: _loaded(server) == {"slow"}, timeout=30)
+            time.sleep(0.3)  # (its request admitted: it runs for 5 s)
+            request = urllib.request.Request(
+                f"{server.http_url}/v2/models/double/infer",
+                json.dumps(
+                    {"inputs": [{"name": "x", "shape": [4], "datatype": "FP32", "data": [1] * 4}]}
+                ).encode(),
+            )
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(request, timeout=30)
+            assert refused.value.code == 503
+            assert refused.value.headers["Retry-After"] == "1"
+            assert "--models-max" in json.loads(refused.value.read())["error"]
+            with pytest.raises(InferenceServerException, match="models-max") as unavailable:
+                _grpc(server, "double")
+            assert unavailable.value.status() == "StatusCode.UNAVAILABLE"
+            assert _loaded(server) == {"slow"}  # never unloaded under its request
+        finally:
+            running.join(timeout=60)
+            client.close()
+        np.testing.assert_array_equal(answers[0], X)
+        np.testing.assert_array_equal(_grpc(server, "double"), X * 2)  # now it may go
+        assert _loaded(server) == {"double"}

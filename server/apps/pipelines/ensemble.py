@@ -300,7 +300,7 @@ class EnsembleNetwork(CompiledNetwork):
                     self.plane.get(step.model, step.version)
 
     def step_models(self) -> set[str]:
-        """The models its steps run, a demultiplexer's branches' too."""
+        """The models its steps run, a demultiplexer's branches' too (the hook's)."""
         return {step.model for step in self._model_steps()}
 
     def _loaded(self, step: Step) -> Any:
