@@ -112,6 +112,10 @@ class OnDemand:
         self._listing: tuple[float, dict[str, list[ModelEntry]]] = (float("-inf"), {})
         #: the loads waiting for a loaded model to be free to go (what their requests are told)
         self._no_room: set[str] = set()
+        #: the loads under way that have their place under --models-max: only those count
+        #: beside the loaded models (two loads each waiting for the other's place would wait
+        #: out their bound)
+        self._room: set[str] = set()
         self._stop = threading.Event()
         self._timer: threading.Thread | None = None
 
@@ -227,6 +231,7 @@ class OnDemand:
         with self._lock:
             self._loading.pop(name, None)
             self._no_room.discard(name)
+            self._room.discard(name)
         if error is None:
             future.set_result(None)
         else:
@@ -242,10 +247,9 @@ class OnDemand:
             listed = self.listed()
             with self.table.lock, self._lock:
                 held = {n for n in self.table.by_name if n in listed and _counts(listed[n])}
-                held |= {
-                    n for n in self._loading if n != name and n in listed and _counts(listed[n])
-                }
+                held |= self._room - {name}
                 if len(held) < self.models_max:
+                    self._room.add(name)  # (two loads cannot both take the last place)
                     return
                 victim = self._victim(listed, exclude=name)
             if victim is not None:

@@ -278,6 +278,32 @@ def test_concurrent_first_requests_make_one_load(server):
     assert server.log.count("model big loaded on demand") == before + 1
 
 
+def test_first_requests_to_more_models_than_fit_are_all_served(server):
+    """Three models asked for at once under --models-max 2: two load, the third waits for one
+    of them to finish its request and leave; none waits out its bound."""
+    _reset(server)
+    answers: dict[str, np.ndarray] = {}
+    errors: list = []
+    barrier = threading.Barrier(3)
+
+    def ask(model: str) -> None:
+        barrier.wait(timeout=30)
+        try:
+            answers[model] = _grpc(server, model)
+        except Exception as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=ask, args=(m,)) for m in ("big", "double", "scale")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not errors, errors
+    assert set(answers) == {"big", "double", "scale"}
+    np.testing.assert_array_equal(answers["scale"], X * 3)
+    assert len(_loaded(server) & COUNTED) == 2
+
+
 def test_an_ensemble_loads_its_steps_and_leaves_with_them(server):
     _reset(server)
     np.testing.assert_array_equal(_grpc(server, "chain"), X * 3 * 2)
@@ -398,3 +424,32 @@ def test_a_model_with_work_in_flight_stays_and_the_request_waiting_for_room_gets
         np.testing.assert_array_equal(answers[0], X)
         np.testing.assert_array_equal(_grpc(server, "double"), X * 2)  # now it may go
         assert _loaded(server) == {"double"}
+
+
+def test_an_onnx_decoder_loads_on_demand_and_leaves(tmp_path):
+    """A generative model exported to ONNX (optimum's export of tiny-llama, on ORT), first
+    asked for through the openai client, then unloaded to make room and loaded again."""
+    import llm
+
+    openai = pytest.importorskip("openai")
+    try:
+        export = llm.export("tiny-llama", "optimum-onnx")
+    except llm.Unavailable as exc:
+        pytest.skip(str(exc))
+    _double(tmp_path)
+    (tmp_path / "decoder").mkdir()
+    (tmp_path / "decoder" / "1").symlink_to(export, target_is_directory=True)
+    settings = {"device": "ORT", "config": {"INFERENCE_NUM_THREADS": "1"}}
+    (tmp_path / "decoder" / "config.json").write_text(json.dumps(settings))
+    args = ["--model-repository", str(tmp_path), "--model-load-on-demand", "1"]
+    with RunningServer(*args, "--models-max", "1") as server:
+        client = openai.OpenAI(base_url=f"{server.http_url}/v1", api_key="unused", max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["decoder"]  # listed, not loaded
+        for _ in range(2):  # loaded, unloaded for double, loaded again
+            answer = client.completions.create(model="decoder", prompt="Hello", max_tokens=3)
+            assert answer.usage.completion_tokens > 0
+            assert _loaded(server) == {"decoder"}
+            np.testing.assert_array_equal(_grpc(server, "double"), X * 2)
+            assert _loaded(server) == {"double"}
+        assert _count(server, "plugserve_model_on_demand_loads_total", model="decoder") == 2
+        client.close()
