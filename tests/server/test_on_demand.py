@@ -247,6 +247,14 @@ def test_first_requests_load_and_the_least_recently_used_leaves(server, llama_fo
         assert isinstance(_chat(server), str)
         assert _loaded(server) == {"double", "llama"}
         assert _count(server, "plugserve_model_state", model="llama", state="loaded") == 1
+        _grpc(server, "scale")  # two other models push llama out...
+        _grpc(server, "big")
+        assert "llama" not in _loaded(server)
+        body = json.dumps({"text_input": "Hi", "parameters": {"max_tokens": 2}}).encode()
+        generate = f"{server.http_url}/v2/models/llama/generate"  # ...and Triton's generate
+        with urllib.request.urlopen(generate, body, timeout=120) as response:  # loads it
+            assert isinstance(json.loads(response.read())["text_output"], str)
+        assert "llama" in _loaded(server)
     for model in ("big", "scale", "double"):  # never more than two, after every request
         _grpc(server, model)
         assert len(_loaded(server) & COUNTED) <= 2
