@@ -596,6 +596,12 @@ class CompiledNetwork(abc.ABC):
         at every readiness request, so it must be cheap."""
         return []
 
+    def step_models(self) -> set[str]:
+        """The models this network runs through the server (an ensemble's steps), which it
+        cannot serve without: on-demand loading unloads it before any of them
+        (``server/control/on_demand.py``); empty (the default): none."""
+        return set()
+
     def batch_statistics(self) -> dict[int, tuple[int, int]] | None:
         """``{rows: (batches run, nanoseconds)}`` of a network that gathers requests into
         batches; None for one that does not batch."""

@@ -20,7 +20,7 @@ import tempfile
 from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from plugserve.plugins.api import (
     CompiledNetwork,
@@ -55,6 +55,9 @@ from plugserve.server.plane.networks import LoadedNetwork
 from plugserve.server.plane.queue_policy import PolicyQueue, QueuePolicy
 from plugserve.server.plane.sequences import SequenceBatcher, Sequences, SequenceSettings
 from plugserve.server.plane.versions import check_version, is_version, next_version
+
+if TYPE_CHECKING:
+    from plugserve.server.control.on_demand import OnDemand
 
 __all__ = ["ControlDisabled", "ModelControl", "batch_device", "failed_to_load"]
 
@@ -182,6 +185,9 @@ class ModelControl:
         #: model that runs code when loaded (a PyTorch program, a Python model) then loads.
         #: --allow-code-from-clients, off by default; repository loads are always trusted
         self.client_trusted = allow_code_from_clients
+        #: --model-load-on-demand: what loads and unloads the repository's models as requests
+        #: come (``on_demand.py``, which sets it); None: the repository loads at startup
+        self.on_demand: OnDemand | None = None
 
     # --- networks
 

@@ -189,6 +189,9 @@ class DataPlane:
         self.metrics = metrics
         #: the loaded networks requests are served from (model control fills it)
         self.table = NetworkTable()
+        #: --model-load-on-demand: ``(name, version) -> network`` for a request to a model
+        #: not loaded, which loads it or raises why not (``control/on_demand.py`` sets it)
+        self.on_demand: Callable[[str, int], LoadedNetwork] | None = None
         self.ready = False
         self.draining = False  # set by drain(): new requests and loads are UNAVAILABLE
         #: the ports the server listens on (-1: off), for clients that ask (GetMetric
@@ -243,8 +246,11 @@ class DataPlane:
         """Whether a version of ``name`` is loaded."""
         return bool(self.table.by_name.get(name))
 
-    def get(self, name: str, version: int = 0) -> LoadedNetwork:
-        """A request's one lookup: ``name``'s ``version`` (0: its latest)."""
+    def get(self, name: str, version: int = 0, load: bool = True) -> LoadedNetwork:
+        """A request's one lookup: ``name``'s ``version`` (0: its latest). One not loaded is
+        loaded, when ``load`` and on-demand loading is on (:attr:`on_demand`; a readiness
+        probe or a listing passes ``load=False``: asking whether a model is there must not
+        load it)."""
         if not name:
             raise InvalidArgument(
                 "the request names no network: set its name (plugserve.v1 'network' or "
@@ -265,7 +271,9 @@ class DataPlane:
                 return versions[max(versions)]
             if versions and version in versions:
                 return versions[version]
-            raise self.table.missing(name, version)
+            if not (load and self.on_demand):
+                raise self.table.missing(name, version)
+        return self.on_demand(name, version)  # (not holding the lock while a load runs)
 
     # --- inference: one way in for a request answered once, one for a stream of responses
 
@@ -637,6 +645,7 @@ class DataPlane:
                 return None
             self._inflight += 1
             entry.inflight += 1
+        entry.last_used = time.monotonic()
         try:
             charge = self.budget.charge(request.holds, f"a request to network {entry.name!r}")
         except ResourceExhausted:

@@ -8,8 +8,12 @@ puts networks in and takes them out, and the protocols' converters read a
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -32,7 +36,7 @@ if TYPE_CHECKING:
     from plugserve.server.apps.pipelines.ensemble import SequenceRelay
     from plugserve.server.plane.queue_policy import PolicyQueue
 
-__all__ = ["LoadedNetwork", "NetworkTable", "NotReady"]
+__all__ = ["LoadFailed", "LoadedNetwork", "ModelLoading", "NetworkTable", "NotReady"]
 
 # Messages begin with Triton's own words for the condition (triton-inference-server/core:
 # model_repository_manager.cc, model_lifecycle.cc), which Triton's example clients and users'
@@ -43,6 +47,40 @@ class NotReady(PlugserveError):
     """A version that is loading: Triton's UNAVAILABLE "is not at ready state"."""
 
     code = "UNAVAILABLE"
+
+
+class LoadFailed(PlugserveError):
+    """An on-demand load's error, as each request that waited on it is answered: a fresh
+    exception per request (one instance raised on many threads would share its traceback),
+    with the load's own status."""
+
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class ModelLoading(NotReady):
+    """A model loading on demand (``server/control/on_demand.py``), looked up on an event
+    loop's thread, which must not wait for it: ``future`` is done once the load is (its
+    outcome: None or the load's error); the REST faces await :meth:`loaded` off the loop,
+    then look again. Anyone else who sees it answers UNAVAILABLE (503 with Retry-After)."""
+
+    def __init__(self, message: str, future: Future, wait: float, late: Callable[[], str]) -> None:
+        """``late()``: what a request that waited :attr:`wait` seconds in vain is told."""
+        super().__init__(message)
+        self.future = future
+        self.wait = wait
+        self.late = late
+
+    async def loaded(self) -> None:
+        """Wait for the load without holding the loop, at most :attr:`wait` seconds: past
+        them UNAVAILABLE; the load's own error when it failed."""
+        try:
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self.future)), self.wait)
+        except (asyncio.TimeoutError, TimeoutError):
+            raise NotReady(self.late()) from None
+        except PlugserveError as exc:
+            raise LoadFailed(str(exc), exc.code) from None
 
 
 @dataclasses.dataclass(eq=False)
@@ -93,6 +131,9 @@ class LoadedNetwork:
     #: which tells whether a run inline on a gRPC handler thread should give that thread's
     #: turn away while it runs (``DataPlane._admit``)
     run_seconds: float = dataclasses.field(init=False, default=0.0)
+    #: when a request last came (``time.monotonic``; its load until then): which loaded
+    #: model on-demand loading unloads first, and when one is idle (``control/on_demand.py``)
+    last_used: float = dataclasses.field(init=False, default_factory=time.monotonic)
 
     def __post_init__(self, queue_size: int) -> None:
         self.executor = self.network.executor

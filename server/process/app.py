@@ -44,6 +44,7 @@ from plugserve.server.control.allocator import reuse_freed_memory
 from plugserve.server.control.core import ConfigLimits, Core
 from plugserve.server.control.examples import build_examples, default_examples_dir
 from plugserve.server.control.model_control import ModelControl
+from plugserve.server.control.on_demand import OnDemand
 from plugserve.server.control.repository import Repository, single_model_repository
 from plugserve.server.plane import children
 from plugserve.server.plane.budget import default_limit
@@ -236,6 +237,8 @@ class Server:
         self._hurry = threading.Event()  # a second signal: stop waiting for admitted requests
         self._done = threading.Event()  # stop() finished
         self.abandoned = 0  # requests and loads still running when stop() gave up on them
+        #: --model-load-on-demand's loader and idle timer (started by load_models)
+        self.on_demand: OnDemand | None = None
 
     def _tracing(self, config: TraceConfig) -> Tracing:
         """The trace settings --trace-config starts with. Asking for traces without the
@@ -486,6 +489,16 @@ class Server:
             if "*" in names:
                 names = None
         self.control.strict_readiness = bool(s.strict_readiness)
+        if s.model_load_on_demand:  # listed now, loaded by their first request
+            self.on_demand = OnDemand(
+                self.control,
+                self.metrics,
+                s.models_max,
+                s.model_idle_unload_seconds,
+                s.model_load_wait_seconds,
+            )
+            self.on_demand.start()
+            names = names or set()  # (explicit mode's --load-model still load at startup)
         ready, problems = self.control.load_repository(names)
         for problem in problems:
             log.error("model repository: %s", problem)
@@ -582,6 +595,8 @@ class Server:
             log.info("shutdown: every admitted request finished")
         # responses of finished requests may still be on their way: a short grace for them
         self._stop_grpc(0 if left else max(1.0, end - time.monotonic()))
+        if self.on_demand is not None:
+            self.on_demand.close()
         self.plane.close()
         self.control.close()
         children.stop_all()

@@ -107,6 +107,34 @@ class Settings:
         low=0,
         high=1024,
     )
+    model_load_on_demand: int = _field(
+        0,
+        "1: list the repository's models without loading them; a model loads on its first "
+        "request (which waits for it up to --model-load-wait-seconds, as every request that "
+        "arrives while it loads: one load however many ask), and leaves again under "
+        "--models-max and --model-idle-unload-seconds (docs/operations.md, on-demand models); "
+        "not with --model-control-mode poll",
+    )
+    models_max: int = _field(
+        0,
+        "with --model-load-on-demand 1: most repository models loaded at once (an ensemble's "
+        "steps count, the ensemble itself does not); the least recently used one with no "
+        "request in flight is unloaded to make room; 0: no limit",
+        low=0,
+    )
+    model_idle_unload_seconds: float = _field(
+        0.0,
+        "with --model-load-on-demand 1: a repository model with no request for this long is "
+        "unloaded (its memory given back); 0: never",
+        low=0,
+    )
+    model_load_wait_seconds: float = _field(
+        60.0,
+        "with --model-load-on-demand 1: how long a request for a model that is loading (or "
+        "waiting for room under --models-max) waits; past it UNAVAILABLE / 503 with "
+        "Retry-After",
+        low=0.1,
+    )
     plugins: str = _field("", "JSON file naming the plugins to load and their config")
     default_device: str = _field("NUMPY", "device for models whose config names none")
     log_level: str = _field("INFO", "DEBUG, INFO, WARNING or ERROR")
@@ -531,6 +559,7 @@ class Settings:
             "allow_code_from_clients",
             "enable_prefix_caching",
             "async_scheduling",
+            "model_load_on_demand",
         ):
             if getattr(self, name) not in (0, 1):
                 found.append(f"{name}={getattr(self, name)!r} must be 0 or 1")
@@ -539,6 +568,15 @@ class Settings:
                 f"model_control_mode={self.model_control_mode!r} must be one of "
                 "none, explicit, poll (or empty)"
             )
+        if self.model_load_on_demand and self.model_control_mode == "poll":
+            found.append(
+                "model_load_on_demand=1 cannot go with model_control_mode='poll' (the poll "
+                "would load every model the repository holds)"
+            )
+        if not self.model_load_on_demand:
+            for name in ("models_max", "model_idle_unload_seconds"):
+                if getattr(self, name):
+                    found.append(f"{name}={getattr(self, name)!r} needs --model-load-on-demand 1")
         if self.load_model and self.model_control_mode != "explicit":
             found.append(f"load_model={self.load_model!r} needs --model-control-mode explicit")
         if self.shared_memory not in ("system", "off"):

@@ -58,6 +58,7 @@ def _values(field: dataclasses.Field) -> tuple[str, str]:
         "allow_code_from_clients",
         "enable_prefix_caching",
         "async_scheduling",
+        "model_load_on_demand",
     ):  # 0 or 1
         return str(1 - field.default), str(field.default)
     if isinstance(field.default, float):
@@ -77,6 +78,8 @@ def test_every_setting_has_a_flag_and_an_env_variable(field, monkeypatch):
     flag_value, env_value = _values(field)
     if field.name == "load_model":  # valid only with the explicit mode
         monkeypatch.setenv("PLUGSERVE_MODEL_CONTROL_MODE", "explicit")
+    if field.name in ("models_max", "model_idle_unload_seconds"):  # only when loading on demand
+        monkeypatch.setenv("PLUGSERVE_MODEL_LOAD_ON_DEMAND", "1")
     env = f"PLUGSERVE_{field.name.upper()}"
     assert Settings.env_name(field.name) == env
     assert getattr(Settings.from_argv([]), field.name) == field.default

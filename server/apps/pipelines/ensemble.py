@@ -69,6 +69,7 @@ step in a demultiplexer's branches, and an ensemble that runs itself through ano
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import queue
@@ -268,6 +269,7 @@ class EnsembleNetwork(CompiledNetwork):
             for fan in steps:
                 if isinstance(fan, Fan):
                     self.regions[fan.index] = EnsembleNetwork(plugin, config, fan.region)
+            self._ask_for_steps()
             self._inputs, self._outputs = self._specs()
         except BaseException:
             self.close()
@@ -288,11 +290,24 @@ class EnsembleNetwork(CompiledNetwork):
 
     # --- load-time checks
 
+    def _ask_for_steps(self) -> None:
+        """Ask for each step's model as a request would, before the checks read them: with
+        --model-load-on-demand that loads the ones not loaded (``control/on_demand.py``);
+        otherwise a missing one is left to the checks and to readiness."""
+        for step in self._model_steps():
+            if step.model != self.name:  # (running itself: _check_nesting says so)
+                with contextlib.suppress(PlugserveError):
+                    self.plane.get(step.model, step.version)
+
+    def step_models(self) -> set[str]:
+        """The models its steps run, a demultiplexer's branches' too (the hook's)."""
+        return {step.model for step in self._model_steps()}
+
     def _loaded(self, step: Step) -> Any:
         if isinstance(step, Fan):
             return None  # no model of its own: its region's steps were checked with it
-        try:
-            return self.plane.get(step.model, step.version)
+        try:  # (never loading: readiness asks this)
+            return self.plane.get(step.model, step.version, load=False)
         except PlugserveError:
             return None  # not loaded yet: its requests say so if it never is
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import inspect
 import os
 import re
 import socket
@@ -44,6 +45,7 @@ from plugserve.plugins import cancel
 from plugserve.plugins.api import InvalidInput, PlugserveError, ResourceExhausted
 from plugserve.plugins.threads import start_daemon
 from plugserve.server.plane.budget import MemoryBudget, body_factor
+from plugserve.server.plane.networks import ModelLoading
 from plugserve.server.protocols.auth import (
     KSERVE,
     AuthInterceptor,
@@ -368,13 +370,27 @@ class Router:
             return self._inflated(call, call.factor)
         if len(body) > INLINE_BYTES and call.handler not in self._decode_own:
             return self._decoded(call)
-        return call.handler(call)  # type: ignore[misc]
+        return self._call(call)
+
+    def _call(self, call: Call) -> Reply | Awaitable[Reply] | StreamReply:
+        """The handler's reply; for a model that a request is loading on demand (which the
+        loop's thread must not wait for), the load awaited off the loop and the handler
+        called again."""
+        try:
+            return call.handler(call)  # type: ignore[misc]
+        except ModelLoading as loading:
+            return self._after_load(call, loading)
+
+    async def _after_load(self, call: Call, loading: ModelLoading) -> Reply:
+        await loading.loaded()
+        reply = call.handler(call)  # type: ignore[misc]
+        return await reply if inspect.isawaitable(reply) else reply
 
     async def _decoded(self, call: Call) -> Reply:
         """A large JSON body decoded on a worker, then its handler on the loop."""
         await self.in_worker(call.decode)
-        reply = call.handler(call)  # type: ignore[misc]
-        return await reply if not isinstance(reply, tuple) else reply
+        reply = self._call(call)
+        return await reply if inspect.isawaitable(reply) else reply
 
     async def _inflated(self, call: Call, factor: int) -> Reply:
         """A compressed body, inflated on a worker (a 1 MB gzip body can be 1 GB inflated)
@@ -391,8 +407,8 @@ class Router:
                 return _error(503, str(exc))
             if len(call.body) > INLINE_BYTES and call.handler not in self._decode_own:
                 await self.in_worker(call.decode)
-            reply = call.handler(call)  # type: ignore[misc]
-            return await reply if not isinstance(reply, tuple) else reply
+            reply = self._call(call)
+            return await reply if inspect.isawaitable(reply) else reply
         finally:
             charge.release()
 

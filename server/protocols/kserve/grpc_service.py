@@ -132,7 +132,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
     def ModelReady(self, request, context):
         version = parse_version(request.version)
         try:
-            entry = self.plane.get(request.name, version)
+            entry = self.plane.get(request.name, version, load=False)
         except NotFound:
             return pb.ModelReadyResponse(ready=False)
         return pb.ModelReadyResponse(ready=entry.network.ready())

@@ -61,7 +61,7 @@ from plugserve.proto import grpc_service_pb2 as pb
 from plugserve.server.control.model_control import ModelControl
 from plugserve.server.plane.budget import charging_strings
 from plugserve.server.plane.dataplane import DataPlane
-from plugserve.server.plane.networks import LoadedNetwork
+from plugserve.server.plane.networks import LoadedNetwork, ModelLoading
 from plugserve.server.plane.request import Request
 from plugserve.server.plane.response_stream import ResponseStream
 from plugserve.server.plane.sequences import echoed
@@ -293,7 +293,7 @@ class RestApp:
         return 200, [b""], _JSON
 
     def model_ready(self, call: Call) -> Reply | Awaitable[Reply]:
-        entry = self.plane.get(call.path["name"], _version(call))  # NotFound: 404
+        entry = self.plane.get(call.path["name"], _version(call), load=False)  # NotFound: 404
         if entry.network.slow_readiness:  # it asks the model's processes: off the loop
             return self._in_worker(_readiness, entry)
         return _readiness(entry)
@@ -477,7 +477,11 @@ class RestApp:
         """Decode a generate request and submit it: its entry, the decoded call, and a
         future (an ordinary network) or a :class:`ResponseStream` (a decoupled one).
         ``trace``: the request's span."""
-        entry = self.plane.get(call.path["name"], _version(call))
+        try:
+            entry = self.plane.get(call.path["name"], _version(call))
+        except ModelLoading as loading:  # loading on demand: awaited off the loop
+            await loading.loaded()
+            entry = self.plane.get(call.path["name"], _version(call))
         if len(call.body) > INLINE_BYTES:  # parsing this much would stall the loop
             request = await self._in_worker(lambda: parse_generate(call.json(), entry))
         else:

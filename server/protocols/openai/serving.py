@@ -66,6 +66,7 @@ from plugserve.server.apps.generate.types import (
     GenerationRequest,
     SamplingParams,
 )
+from plugserve.server.plane.networks import ModelLoading
 from plugserve.server.plane.request import Request
 from plugserve.server.plane.tracing import name_request
 from plugserve.server.protocols.auth import KSERVE
@@ -231,6 +232,19 @@ class OpenAIRoutes:
         finally:
             self._queued -= 1
 
+    async def _loaded(self, name: str | None) -> None:
+        """A model that a request is loading on demand (--model-load-on-demand), awaited off
+        the loop before the request's own lookup; anything else wrong with the name is left
+        to that lookup to say."""
+        if not name:
+            return
+        try:
+            self.plane.get(self.aliases.get(name, name))
+        except ModelLoading as loading:
+            await loading.loaded()
+        except PlugserveError:
+            pass
+
     def _lookup(self, name: str) -> Any:
         try:
             return self.plane.get(self.aliases.get(name, name))
@@ -260,6 +274,12 @@ class OpenAIRoutes:
                 seen[entry.name] = entry
         return list(seen.values())
 
+    def _unloaded(self) -> list[str]:
+        """--model-load-on-demand: the repository's Hugging Face model folders not loaded
+        yet, which a request loads (listed with no ``max_model_len``: it is read at load)."""
+        on_demand = self.control.on_demand
+        return on_demand.unloaded_folders() if on_demand is not None else []
+
     def _card(self, entry: Any) -> dict[str, Any]:
         card: dict[str, Any] = {
             "id": entry.name,
@@ -273,6 +293,10 @@ class OpenAIRoutes:
 
     def models(self, call: Any) -> Reply:
         cards = [self._card(e) for e in self._served()]
+        cards += [
+            {"id": name, "object": "model", "created": self.created, "owned_by": "plugserve"}
+            for name in self._unloaded()
+        ]
         by_name = {card["id"]: card for card in cards}
         for alias, name in self.aliases.items():
             if name in by_name:
@@ -310,6 +334,7 @@ class OpenAIRoutes:
         try:
             if hasattr(ask, "tenant"):  # the caller's, from its token: what its caches are keyed by
                 ask.tenant = call.tenant
+            await self._loaded(getattr(ask, "model", None))
             trace = self._trace(call, ask.model, operation)
             if trace is None:
                 return await answer(ask, None)

@@ -1,0 +1,463 @@
+"""On-demand models (issue 62, point 1): with --model-load-on-demand the repository's models are
+listed, not loaded, until a request asks for one; --models-max 2 keeps at most two loaded (the
+least recently used one with nothing in flight leaves to make room); --model-idle-unload-seconds
+unloads an idle one. Driven as users drive it: a real server, tritonclient over gRPC and REST,
+the openai client, and /metrics.
+
+The repository: ``big`` (an ONNX MLP of ~42 MB of f32 weights), ``double`` (a one-node ONNX
+graph), ``scale`` (a Python model, in its own process), ``llama`` (tiny-llama's safetensors
+folder on TORCH) and ``chain`` (an ensemble of scale then double, which counts for nothing
+itself: its steps count).
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from attack import rss_kb
+from models import mlp
+from serving import RunningServer, wait_for
+
+grpcclient = pytest.importorskip("tritonclient.grpc", reason="pip install 'tritonclient[all]'")
+httpclient = pytest.importorskip("tritonclient.http", reason="pip install 'tritonclient[all]'")
+from tritonclient.utils import InferenceServerException  # noqa: E402
+
+PYTHON = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
+            responses.append(pb_utils.InferenceResponse(output_tensors=[
+                pb_utils.Tensor("OUTPUT0", (x * 3).astype(np.float32)),
+            ]))
+        return responses
+"""
+
+PYTHON_CONFIG = """
+name: "scale"
+backend: "python"
+input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 4 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] } ]
+"""
+
+ENSEMBLE_CONFIG = """
+name: "chain"
+platform: "ensemble"
+input [ { name: "X" data_type: TYPE_FP32 dims: [ 4 ] } ]
+output [ { name: "Y" data_type: TYPE_FP32 dims: [ 4 ] } ]
+ensemble_scheduling { step [
+  { model_name: "scale" model_version: -1
+    input_map { key: "INPUT0" value: "X" } output_map { key: "OUTPUT0" value: "scaled" } },
+  { model_name: "double" model_version: -1
+    input_map { key: "x" value: "scaled" } output_map { key: "y" value: "Y" } }
+] }
+"""
+
+X = np.array([1, 2, 3, 4], np.float32)
+#: the models that count toward --models-max (chain, an ensemble, does not)
+COUNTED = {"big", "double", "scale", "llama"}
+
+
+def _double(root: Path) -> None:
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["x", "x"], ["y"])],
+        "double",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    (root / "double" / "1").mkdir(parents=True)
+    onnx.save(model, root / "double" / "1" / "model.onnx")
+    (root / "double" / "config.json").write_text('{"device": "NUMPY"}')
+
+
+def _repository(root: Path, llama: Path | None) -> Path:
+    (root / "big" / "1").mkdir(parents=True)
+    onnx.save(mlp(sizes=(1024, 2048, 4096, 10)), str(root / "big" / "1" / "model.onnx"))
+    (root / "big" / "config.json").write_text('{"device": "NUMPY"}')
+    _double(root)
+    (root / "scale" / "1").mkdir(parents=True)
+    (root / "scale" / "config.pbtxt").write_text(PYTHON_CONFIG)
+    (root / "scale" / "1" / "model.py").write_text(textwrap.dedent(PYTHON))
+    (root / "chain" / "1").mkdir(parents=True)
+    (root / "chain" / "config.pbtxt").write_text(ENSEMBLE_CONFIG)
+    if llama is not None:
+        (root / "llama").mkdir()
+        (root / "llama" / "1").symlink_to(llama.resolve(), target_is_directory=True)
+        settings = {"device": "TORCH", "config": {"INFERENCE_NUM_THREADS": "1"}}
+        (root / "llama" / "config.json").write_text(json.dumps(settings))
+    return root
+
+
+def _llama() -> Path | None:
+    """tiny-llama's safetensors folder, where torch and the test models are here."""
+    try:
+        import llm
+        import torch  # noqa: F401
+
+        return llm.hf_folder("tiny-llama")
+    except Exception:  # no torch, or the test models cannot be made here
+        return None
+
+
+@pytest.fixture(scope="module")
+def llama_folder():
+    return _llama()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, llama_folder):
+    root = _repository(tmp_path_factory.mktemp("on-demand"), llama_folder)
+    args = ["--model-repository", str(root), "--model-load-on-demand", "1", "--models-max", "2"]
+    with RunningServer(*args) as running:
+        yield running
+
+
+def _index(server: RunningServer) -> dict[str, str]:
+    """The repository index over REST: name -> state."""
+    request = urllib.request.Request(f"{server.http_url}/v2/repository/index", b"{}", method="POST")
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return {row["name"]: row["state"] for row in json.loads(response.read())}
+
+
+def _loaded(server: RunningServer) -> set[str]:
+    return {name for name, state in _index(server).items() if state == "READY"}
+
+
+def _metrics(server: RunningServer) -> dict[tuple[str, tuple], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(server.metrics_url, timeout=30) as response:
+        text = response.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def _count(server: RunningServer, name: str, **labels: str) -> float:
+    return _metrics(server).get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def _reset(server: RunningServer) -> None:
+    """Every model unloaded (a load/unload request, which the default control mode allows)."""
+    admin = httpclient.InferenceServerClient(server.http_target)
+    try:
+        for name in sorted(_loaded(server)):
+            admin.unload_model(name)
+    finally:
+        admin.close()
+    assert wait_for(lambda: not _loaded(server), timeout=30)
+
+
+def _grpc(server: RunningServer, model: str) -> np.ndarray:
+    client = grpcclient.InferenceServerClient(server.target)
+    try:
+        if model == "big":
+            given = grpcclient.InferInput("x", [1, 1024], "FP32")
+            given.set_data_from_numpy(np.ones((1, 1024), np.float32))
+            return client.infer("big", [given], client_timeout=120).as_numpy("y")
+        name = {"double": "x", "scale": "INPUT0", "chain": "X"}[model]
+        given = grpcclient.InferInput(name, [4], "FP32")
+        given.set_data_from_numpy(X)
+        answer = client.infer(model, [given], client_timeout=120)
+        return answer.as_numpy({"double": "y", "scale": "OUTPUT0", "chain": "Y"}[model])
+    finally:
+        client.close()
+
+
+def _rest_double(server: RunningServer) -> np.ndarray:
+    client = httpclient.InferenceServerClient(server.http_target, network_timeout=120)
+    try:
+        given = httpclient.InferInput("x", [4], "FP32")
+        given.set_data_from_numpy(X)
+        return client.infer("double", [given]).as_numpy("y")
+    finally:
+        client.close()
+
+
+def _chat(server: RunningServer) -> str:
+    body = {"model": "llama", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
+    request = urllib.request.Request(
+        f"{server.http_url}/v1/chat/completions",
+        json.dumps(body).encode(),
+        {"content-type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return json.loads(response.read())["choices"][0]["message"]["content"]
+
+
+def test_the_repository_is_listed_and_nothing_is_loaded(server, llama_folder):
+    _reset(server)
+    index = _index(server)
+    expected = {"big", "double", "scale", "chain"} | ({"llama"} if llama_folder else set())
+    assert set(index) == expected
+    assert set(index.values()) == {"UNAVAILABLE"}
+    for name in expected:
+        assert _count(server, "plugserve_model_state", model=name, state="unloaded") == 1
+        assert _count(server, "plugserve_model_state", model=name, state="loaded") == 0
+    with urllib.request.urlopen(f"{server.http_url}/v1/models", timeout=30) as response:
+        listed = {card["id"] for card in json.loads(response.read())["data"]}
+    assert listed == ({"llama"} if llama_folder else set())
+    client = grpcclient.InferenceServerClient(server.target)
+    try:
+        assert not client.is_model_ready("double")  # asking does not load it
+        with pytest.raises(InferenceServerException, match="unknown model"):
+            client.infer("nope", [grpcclient.InferInput("x", [4], "FP32")])
+    finally:
+        client.close()
+    assert _loaded(server) == set()
+
+
+def test_first_requests_load_and_the_least_recently_used_leaves(server, llama_folder):
+    _reset(server)
+    evicted = _count(server, "plugserve_model_evictions_total", model="double", reason="lru")
+    np.testing.assert_array_equal(_rest_double(server), X * 2)  # REST: awaited off the loop
+    assert _loaded(server) == {"double"}
+    np.testing.assert_array_equal(_grpc(server, "scale"), X * 3)
+    assert _loaded(server) == {"double", "scale"}
+    assert _grpc(server, "big").shape == (1, 10)  # double is the least recently used
+    assert _loaded(server) == {"scale", "big"}
+    assert (
+        _count(server, "plugserve_model_evictions_total", model="double", reason="lru")
+        == evicted + 1
+    )
+    np.testing.assert_array_equal(_grpc(server, "scale"), X * 3)  # scale is used again
+    np.testing.assert_array_equal(_grpc(server, "double"), X * 2)  # so big leaves
+    assert _loaded(server) == {"scale", "double"}
+    if llama_folder is not None:  # a generative model, first asked for on the OpenAI API
+        assert isinstance(_chat(server), str)
+        assert _loaded(server) == {"double", "llama"}
+        assert _count(server, "plugserve_model_state", model="llama", state="loaded") == 1
+        _grpc(server, "scale")  # two other models push llama out...
+        _grpc(server, "big")
+        assert "llama" not in _loaded(server)
+        body = json.dumps({"text_input": "Hi", "parameters": {"max_tokens": 2}}).encode()
+        generate = f"{server.http_url}/v2/models/llama/generate"  # ...and Triton's generate
+        with urllib.request.urlopen(generate, body, timeout=120) as response:  # loads it
+            assert isinstance(json.loads(response.read())["text_output"], str)
+        assert "llama" in _loaded(server)
+    for model in ("big", "scale", "double"):  # never more than two, after every request
+        _grpc(server, model)
+        assert len(_loaded(server) & COUNTED) <= 2
+    assert _count(server, "plugserve_model_state", model="big", state="unloaded") == 1
+
+
+def test_concurrent_first_requests_make_one_load(server):
+    _reset(server)
+    before = _count(server, "plugserve_model_on_demand_loads_total", model="big")
+    answers: list = []
+    errors: list = []
+    barrier = threading.Barrier(8)
+
+    def ask() -> None:
+        barrier.wait(timeout=30)
+        try:
+            answers.append(_grpc(server, "big"))
+        except Exception as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=ask) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not errors, errors
+    assert len(answers) == 8 and all(a.shape == (1, 10) for a in answers)
+    assert _count(server, "plugserve_model_on_demand_loads_total", model="big") == before + 1
+    assert server.log.count("model big loaded on demand") == before + 1
+
+
+def test_first_requests_to_more_models_than_fit_are_all_served(server):
+    """Three models asked for at once under --models-max 2: two load, the third waits for one
+    of them to finish its request and leave; none waits out its bound."""
+    _reset(server)
+    answers: dict[str, np.ndarray] = {}
+    errors: list = []
+    barrier = threading.Barrier(3)
+
+    def ask(model: str) -> None:
+        barrier.wait(timeout=30)
+        try:
+            answers[model] = _grpc(server, model)
+        except Exception as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=ask, args=(m,)) for m in ("big", "double", "scale")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not errors, errors
+    assert set(answers) == {"big", "double", "scale"}
+    np.testing.assert_array_equal(answers["scale"], X * 3)
+    assert len(_loaded(server) & COUNTED) == 2
+
+
+def test_an_ensemble_loads_its_steps_and_leaves_with_them(server):
+    _reset(server)
+    np.testing.assert_array_equal(_grpc(server, "chain"), X * 3 * 2)
+    assert _loaded(server) == {"chain", "scale", "double"}  # two counted: at the bound
+    _grpc(server, "scale")  # double is now the least recently used step
+    steps = _count(server, "plugserve_model_evictions_total", model="chain", reason="step")
+    _grpc(server, "big")  # double leaves, and the ensemble that runs it with it
+    assert _loaded(server) == {"scale", "big"}
+    after = _count(server, "plugserve_model_evictions_total", model="chain", reason="step")
+    assert after == steps + 1
+    np.testing.assert_array_equal(_grpc(server, "chain"), X * 3 * 2)  # and comes back
+
+
+def test_the_servers_memory_drops_when_a_big_model_leaves(server):
+    _reset(server)
+    _grpc(server, "big")
+    pid = server.process.pid
+    with_big = rss_kb(pid)
+    _grpc(server, "double")
+    _grpc(server, "scale")  # big, the least recently used, leaves
+    assert "big" not in _loaded(server)
+    # its ~42 MB of weights go back to the system (retire.py: collected, malloc_trim)
+    assert wait_for(lambda: rss_kb(pid) < with_big - 20 * 1024, timeout=10), (
+        f"with big: {with_big / 1024:.0f} MiB, after it left: {rss_kb(pid) / 1024:.0f} MiB"
+    )
+
+
+def test_an_idle_model_is_unloaded(tmp_path):
+    _double(tmp_path)
+    args = ["--model-repository", str(tmp_path), "--model-load-on-demand", "1"]
+    with RunningServer(*args, "--model-idle-unload-seconds", "2") as server:
+        np.testing.assert_array_equal(_grpc(server, "double"), X * 2)
+        used = time.monotonic()
+        assert _loaded(server) == {"double"}
+        assert wait_for(lambda: not _loaded(server), timeout=15)
+        assert time.monotonic() - used >= 1.5  # not before it was idle (a look every 0.5 s)
+        assert wait_for(  # (counted once its unload returns: the memory given back)
+            lambda: (
+                _count(server, "plugserve_model_evictions_total", model="double", reason="idle")
+                == 1
+            ),
+            timeout=15,
+        )
+        np.testing.assert_array_equal(_grpc(server, "double"), X * 2)  # loads again
+
+
+def test_on_demand_settings_are_checked():
+    from plugserve.server.process.settings import Settings
+
+    with pytest.raises(SystemExit, match="needs --model-load-on-demand 1"):
+        Settings.from_argv(["--models-max", "2"])
+    with pytest.raises(SystemExit, match="model_control_mode='poll'"):
+        Settings.from_argv(["--model-load-on-demand", "1", "--model-control-mode", "poll"])
+    settings = Settings.load(
+        environ={"PLUGSERVE_MODEL_LOAD_ON_DEMAND": "1", "PLUGSERVE_MODELS_MAX": "3"}
+    )
+    assert settings.model_load_on_demand == 1 and settings.models_max == 3
+
+
+SLOW = """
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        time.sleep(5)
+        return [
+            pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(
+                "OUTPUT0", pb_utils.get_input_tensor_by_name(r, "INPUT0").as_numpy()
+            )])
+            for r in requests
+        ]
+"""
+
+
+def test_a_model_with_work_in_flight_stays_and_the_request_waiting_for_room_gets_503(tmp_path):
+    _double(tmp_path)
+    (tmp_path / "slow" / "1").mkdir(parents=True)
+    (tmp_path / "slow" / "config.pbtxt").write_text(PYTHON_CONFIG.replace('"scale"', '"slow"'))
+    (tmp_path / "slow" / "1" / "model.py").write_text(textwrap.dedent(SLOW))
+    args = ["--model-repository", str(tmp_path), "--model-load-on-demand", "1"]
+    args += ["--models-max", "1", "--model-load-wait-seconds", "1"]
+    with RunningServer(*args) as server:
+        answers: list = []
+        client = grpcclient.InferenceServerClient(server.target)
+        given = grpcclient.InferInput("INPUT0", [4], "FP32")
+        given.set_data_from_numpy(X)
+
+        def slow() -> None:
+            answers.append(client.infer("slow", [given], client_timeout=60).as_numpy("OUTPUT0"))
+
+        running = threading.Thread(target=slow)
+        running.start()
+        try:
+            assert wait_for(lambda: _loaded(server) == {"slow"}, timeout=30)
+            time.sleep(0.3)  # (its request admitted: it runs for 5 s)
+            request = urllib.request.Request(
+                f"{server.http_url}/v2/models/double/infer",
+                json.dumps(
+                    {"inputs": [{"name": "x", "shape": [4], "datatype": "FP32", "data": [1] * 4}]}
+                ).encode(),
+            )
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(request, timeout=30)
+            assert refused.value.code == 503
+            assert refused.value.headers["Retry-After"] == "1"
+            assert "--models-max" in json.loads(refused.value.read())["error"]
+            with pytest.raises(InferenceServerException, match="models-max") as unavailable:
+                _grpc(server, "double")
+            assert unavailable.value.status() == "StatusCode.UNAVAILABLE"
+            assert _loaded(server) == {"slow"}  # never unloaded under its request
+        finally:
+            running.join(timeout=60)
+            client.close()
+        np.testing.assert_array_equal(answers[0], X)
+        np.testing.assert_array_equal(_grpc(server, "double"), X * 2)  # now it may go
+        assert _loaded(server) == {"double"}
+
+
+def test_an_onnx_decoder_loads_on_demand_and_leaves(tmp_path):
+    """A generative model exported to ONNX (optimum's export of tiny-llama, on ORT), first
+    asked for through the openai client, then unloaded to make room and loaded again."""
+    import llm
+
+    openai = pytest.importorskip("openai")
+    try:
+        export = llm.export("tiny-llama", "optimum-onnx")
+    except llm.Unavailable as exc:
+        pytest.skip(str(exc))
+    _double(tmp_path)
+    (tmp_path / "decoder").mkdir()
+    (tmp_path / "decoder" / "1").symlink_to(export, target_is_directory=True)
+    settings = {"device": "ORT", "config": {"INFERENCE_NUM_THREADS": "1"}}
+    (tmp_path / "decoder" / "config.json").write_text(json.dumps(settings))
+    args = ["--model-repository", str(tmp_path), "--model-load-on-demand", "1"]
+    with RunningServer(*args, "--models-max", "1") as server:
+        client = openai.OpenAI(base_url=f"{server.http_url}/v1", api_key="unused", max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["decoder"]  # listed, not loaded
+        for _ in range(2):  # loaded, unloaded for double, loaded again
+            answer = client.completions.create(model="decoder", prompt="Hello", max_tokens=3)
+            assert answer.usage.completion_tokens > 0
+            assert _loaded(server) == {"decoder"}
+            np.testing.assert_array_equal(_grpc(server, "double"), X * 2)
+            assert _loaded(server) == {"double"}
+        assert _count(server, "plugserve_model_on_demand_loads_total", model="decoder") == 2
+        client.close()
