@@ -161,9 +161,7 @@ MODULE_LINES = 1000
 FUNCTION_LINES = 100
 #: Today's modules over 1,000 lines, each with its length today: the ceiling it may not pass.
 LONG_MODULES = {
-    "server/apps/pipelines/ensemble.py": 1065,
     "server/plane/sequences.py": 1014,
-    "server/protocols/openai/serving.py": 1336,
 }
 #: Today's functions over 100 lines (``file::qualified name``), each with its length today.
 LONG_FUNCTIONS = {

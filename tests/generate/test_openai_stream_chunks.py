@@ -12,19 +12,20 @@ import orjson
 import pytest
 
 from plugserve.server.apps.generate.types import GenerationEvent
-from plugserve.server.protocols.openai import protocol, serving
+from plugserve.server.protocols.openai import answer as answers
+from plugserve.server.protocols.openai import protocol
 
 TEXTS = ["", "a", " the", 'quote " and \\ back', "line\nbreak\t", "100% %d %s %b", "é 漢字 🙂",
          "\x00\x1f control", "</s>"]  # fmt: skip
 
 
-def _answers(kind: str, body: dict) -> tuple[serving._Answer, serving._Answer]:
+def _answers(kind: str, body: dict) -> tuple[answers.Answer, answers.Answer]:
     """Two answers to one request: the template's and the general path's (template off)."""
     parse = protocol.chat_request if kind == "chat" else protocol.completion_request
     made = []
     for _ in range(2):
         ask = parse(dict(body))
-        answer = serving._Answer(None, ask, kind, "cmpl-x%d", [[1, 2, 3]], False)  # type: ignore[arg-type]
+        answer = answers.Answer(None, ask, kind, "cmpl-x%d", [[1, 2, 3]], False)  # type: ignore[arg-type]
         made.append(answer)
     made[1]._template = b""  # the dict's path
     return made[0], made[1]
@@ -61,9 +62,9 @@ def test_template_chunks_are_the_dicts_bytes(kind, usage, model):
 
 
 def test_a_stream_asking_more_takes_the_general_path():
-    def answer() -> serving._Answer:
+    def answer() -> answers.Answer:
         ask = protocol.completion_request({"model": "decoder", "stream": True, "prompt": "hi"})
-        return serving._Answer(None, ask, "completion", "cmpl-1", [[1]], False)  # type: ignore[arg-type]
+        return answers.Answer(None, ask, "completion", "cmpl-1", [[1]], False)  # type: ignore[arg-type]
 
     assert answer()._plain_template()
     logprobs, echo, ids, prompt_only = answer(), answer(), answer(), answer()

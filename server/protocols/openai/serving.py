@@ -40,8 +40,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
-import functools
 import logging
 import time
 import uuid
@@ -52,7 +50,6 @@ from typing import Any
 import orjson
 
 from plugserve.plugins.api import (
-    Cancelled,
     InvalidArgument,
     NotFound,
     PlugserveError,
@@ -62,7 +59,6 @@ from plugserve.plugins.tracing import Trace
 from plugserve.server.apps.generate import chat_template, limits
 from plugserve.server.apps.generate.types import (
     MAX_LOGPROBS,
-    GenerationEvent,
     GenerationRequest,
     SamplingParams,
 )
@@ -71,14 +67,20 @@ from plugserve.server.plane.request import Request
 from plugserve.server.plane.tracing import name_request
 from plugserve.server.protocols.auth import KSERVE
 from plugserve.server.protocols.http import sse
-from plugserve.server.protocols.http.http_server import Push, StreamReply
+from plugserve.server.protocols.http.http_server import StreamReply
 from plugserve.server.protocols.openai import encode, protocol, tools
+from plugserve.server.protocols.openai.answer import (
+    Answer,
+    ServedModel,
+    merged,
+    sse_bytes,
+    stream_reply,
+)
 from plugserve.server.protocols.openai.body import read as read_body
 from plugserve.server.protocols.openai.errors import (
     OpenAIError,
     error_reply,
     guard,
-    stream_error,
 )
 from plugserve.server.protocols.openai.responses import ResponsesRoutes
 from plugserve.server.protocols.openai.responses_store import ResponseStore
@@ -107,41 +109,6 @@ _LOGPROB_BYTES = 600
 _ID_BYTES = 36
 
 Reply = tuple[int, list[bytes], list[tuple[bytes, bytes]]]
-
-
-def _sse(value: Any) -> bytes:
-    return sse.event(orjson.dumps(value))
-
-
-class _Model:
-    """A generative model as the adapter uses it: its entry, network and tokenizer, and what
-    the network says of its bounds (the adapter reads nothing of its engine)."""
-
-    __slots__ = (
-        "context",
-        "entry",
-        "max_n",
-        "name",
-        "network",
-        "parsers",
-        "tokenizer",
-        "vocab_size",
-    )
-
-    def __init__(self, entry: Any) -> None:
-        network = entry.network
-        self.entry = entry
-        self.name = entry.name
-        self.network = network
-        self.tokenizer = network.tokenizer
-        #: the longest sequence, prompt and answer
-        self.context: int = network.context
-        #: the decoder's logits (a padded embedding may have more rows than the tokenizer)
-        self.vocab_size: int = network.vocab_size
-        #: choices per request at most
-        self.max_n: int = network.max_n
-        #: the model's own parser settings (config keys), over the server's
-        self.parsers: dict[str, str] = network.parsers
 
 
 class OpenAIRoutes:
@@ -253,7 +220,7 @@ class OpenAIRoutes:
                 f"The model '{name}' does not exist ({exc})", "model", 404, "model_not_found"
             ) from None
 
-    def _generative(self, name: str) -> _Model:
+    def _generative(self, name: str) -> ServedModel:
         entry = self._lookup(name)
         if not _is_generative(entry):
             raise OpenAIError(
@@ -261,7 +228,7 @@ class OpenAIRoutes:
                 "decoder); chat and completions serve those only",
                 "model",
             )
-        return _Model(entry)
+        return ServedModel(entry)
 
     # --- GET /v1/models
 
@@ -351,7 +318,7 @@ class OpenAIRoutes:
 
     async def _chat_prompt(
         self, ask: protocol.ChatRequest
-    ) -> tuple[_Model, list[int], tools.Plan | None]:
+    ) -> tuple[ServedModel, list[int], tools.Plan | None]:
         """A chat's model, prompt ids and answer plan: what it generates from (Anthropic's
         face counts the ids for /v1/messages/count_tokens and message_start)."""
         model = self._generative(ask.model)
@@ -392,7 +359,7 @@ class OpenAIRoutes:
 
     # --- generation, shared
 
-    def _max_tokens(self, model: _Model, ask: protocol.GenerationAsk, longest: int) -> int:
+    def _max_tokens(self, model: ServedModel, ask: protocol.GenerationAsk, longest: int) -> int:
         room = model.context - longest
         limit = self.max_completion_tokens
         field = ask.max_tokens_field
@@ -414,7 +381,7 @@ class OpenAIRoutes:
             )
         return ask.max_tokens
 
-    def _check_prompts(self, model: _Model, prompts: list[list[int]], field: str) -> None:
+    def _check_prompts(self, model: ServedModel, prompts: list[list[int]], field: str) -> None:
         for i, ids in enumerate(prompts):
             where = field if len(prompts) == 1 else f"{field}[{i}]"
             if len(ids) >= model.context:
@@ -431,7 +398,7 @@ class OpenAIRoutes:
                     where,
                 )
 
-    def _check_logprobs(self, model: _Model, ask: protocol.GenerationAsk) -> None:
+    def _check_logprobs(self, model: ServedModel, ask: protocol.GenerationAsk) -> None:
         """The alternatives per token asked (``logprobs``, ``top_logprobs``,
         ``prompt_logprobs``) within ``--max-logprobs``, as vLLM checks its ``max_logprobs``:
         -1 is the vocabulary's size (of the request and of the setting), and a count above the
@@ -470,7 +437,7 @@ class OpenAIRoutes:
 
     async def _generate(
         self,
-        model: _Model,
+        model: ServedModel,
         ask: protocol.GenerationAsk,
         prompts: list[list[int]],
         kind: str,
@@ -567,12 +534,12 @@ class OpenAIRoutes:
             for stream in streams:
                 stream.cancel()
             raise
-        answer = _Answer(model, ask, kind, rid, prompts, echo, plan)
+        answer = Answer(model, ask, kind, rid, prompts, echo, plan)
         answer.prompt_only = echo and max_tokens == 0
         if ask.stream:
-            return _stream_reply(answer, streams)
+            return stream_reply(answer, streams)
         try:
-            async for batch in _merged(streams):
+            async for batch in merged(streams):
                 for index, event in batch:
                     answer.add(index, event)
         finally:
@@ -589,7 +556,7 @@ class OpenAIRoutes:
         return 200, [orjson.dumps(answer.body())], _JSON
 
     async def _constraints(
-        self, model: _Model, ask: protocol.GenerationAsk, prompts: int
+        self, model: ServedModel, ask: protocol.GenerationAsk, prompts: int
     ) -> tuple[list[Any], int]:
         """The schema's matchers, one per sequence, and the bytes they hold (none without a
         schema): compiled once and copied for each sequence, on a worker, their memory
@@ -610,7 +577,7 @@ class OpenAIRoutes:
         return constraints, schema_bytes
 
     def _open(
-        self, model: _Model, request: GenerationRequest, holds: int, trace: Trace | None
+        self, model: ServedModel, request: GenerationRequest, holds: int, trace: Trace | None
     ) -> Any:
         network = model.network
         ask = Request(
@@ -651,7 +618,7 @@ class OpenAIRoutes:
         return 200, [body], _JSON
 
 
-def _check_prompt(size: int, model: _Model, what: str, field: str) -> None:
+def _check_prompt(size: int, model: ServedModel, what: str, field: str) -> None:
     """A 400 naming ``field`` when ``size`` bytes (or characters) of prompt cannot fit."""
     try:
         limits.check_prompt(size, model.tokenizer, model.context, what)
@@ -660,7 +627,7 @@ def _check_prompt(size: int, model: _Model, what: str, field: str) -> None:
 
 
 def _chat_ids(
-    model: _Model, ask: protocol.ChatRequest, add_special_tokens: bool = False
+    model: ServedModel, ask: protocol.ChatRequest, add_special_tokens: bool = False
 ) -> list[int]:
     """The chat's prompt ids (a worker's job): rendered with the prompt's bound, its bytes
     checked, tokenized with its memory charged (``add_special_tokens``: /tokenize's, the
@@ -684,7 +651,7 @@ def _chat_ids(
 
 
 def _completion_ids(
-    model: _Model, texts: list[str], add_special_tokens: bool = True
+    model: ServedModel, texts: list[str], add_special_tokens: bool = True
 ) -> list[list[int]]:
     """The prompts' ids (a worker's job): each one's bytes checked, their tokenizing's memory
     charged."""
@@ -696,7 +663,7 @@ def _completion_ids(
         return model.tokenizer.encode_batch(texts, add_special_tokens)
 
 
-def _texts_of(model: _Model, prompts: list[Any]) -> list[str]:
+def _texts_of(model: ServedModel, prompts: list[Any]) -> list[str]:
     """Each prompt as ``echo`` writes it: a text as given, ids decoded with their special
     tokens (BOS and the like) as vLLM's echo shows them (decode_batch releases the GIL)."""
     ids = [p for p in prompts if not isinstance(p, str)]
@@ -704,7 +671,7 @@ def _texts_of(model: _Model, prompts: list[Any]) -> list[str]:
     return [p if isinstance(p, str) else next(decoded) for p in prompts]
 
 
-def _dumped(answer: _Answer) -> bytes:
+def _dumped(answer: Answer) -> bytes:
     """A long answer's body, made and written a piece at a time (a worker's job), the GIL
     given away between pieces (encode.json_pieces)."""
     return b"".join(encode.json_pieces(answer.body(lazy=True), pause=_yield_gil))
@@ -802,543 +769,9 @@ async def _counted(trace: Trace, chunks: AsyncIterator[bytes]) -> AsyncIterator[
         trace.end()
 
 
-async def _merged(streams: list[Any]) -> AsyncIterator[list[tuple[int, GenerationEvent]]]:
-    """The events of every prompt's stream as they come, with the prompt's number: a list of
-    what one stream had ready at once (``ResponseStream.batches``: one wake-up, one write of
-    the stream's chunks, however many events a lagging client let queue). Several streams go
-    through a queue of one batch: beyond each stream's own bounded buffer a pump holds at most
-    the batch it took, so the unread bound is at most doubled, never lifted."""
-    if len(streams) == 1:
-        async for items in streams[0].batches():
-            batch = [(0, event) for event, _final in items if event is not None]
-            if batch:
-                yield batch
-        return
-    queue: asyncio.Queue[tuple[Any, BaseException | None]] = asyncio.Queue(maxsize=1)
-    finished = object()
-
-    async def pump(i: int, stream: Any) -> None:
-        try:
-            async for items in stream.batches():
-                batch = [(i, event) for event, _final in items if event is not None]
-                if batch:
-                    await queue.put((batch, None))
-            await queue.put((finished, None))
-        except Exception as exc:
-            await queue.put((finished, exc))
-
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        left = len(streams)
-        while left:
-            batch, error = await queue.get()
-            if error is not None:
-                raise error
-            if batch is finished:
-                left -= 1
-                continue
-            yield batch
-    finally:
-        for task in tasks:
-            task.cancel()
-
-
-class _Answer:
-    """One request's choices as they grow: text, tokens, logprobs, finish reasons, counts."""
-
-    def __init__(
-        self,
-        model: _Model,
-        ask: protocol.GenerationAsk,
-        kind: str,
-        rid: str,
-        prompts: list[list[int]],
-        echo: bool,
-        plan: tools.Plan | None = None,
-    ) -> None:
-        self.model = model
-        self.ask = ask
-        self.kind = kind
-        self.rid = rid
-        self.created = int(time.time())
-        self.prompts = prompts
-        self.echo = echo
-        #: vLLM's chat echo: the text ahead of each choice's content ("" for none)
-        self.chat_echo = protocol.chat_echo(ask) if isinstance(ask, protocol.ChatRequest) else ""
-        self.names = encode.token_names(model.tokenizer) if ask.logprobs is not None else None
-        #: echo, logprobs and max_tokens 0: the one token generated is left out
-        self.prompt_only = False
-        count = ask.n * len(prompts)
-        self.texts: list[list[str]] = [[] for _ in range(count)]
-        self.token_ids: list[list[int]] = [[] for _ in range(count)]
-        self.logprobs: list[list[Any]] = [[] for _ in range(count)]
-        self.finish: list[str | None] = [None] * count
-        self.completion = [0] * count
-        self.prompt_tokens = [len(p) for p in prompts]
-        self.cached = [0] * len(prompts)
-        self.prompt_logprobs: list[Any] = [None] * len(prompts)
-        self.offsets = [0] * count
-        #: the choices whose stream has begun
-        self.started: set[int] = set()
-        #: each chat choice's reasoning, content and tool calls (None: content only)
-        self.outputs = [plan.output() for _ in range(count)] if plan is not None else None
-        #: a plain stream's chunk as a template (see :meth:`_plain_template`); None: not made
-        self._template: bytes | None = None
-        #: per choice, a plain chunk's bytes up to its text's JSON; after it, without a finish
-        self._heads: list[bytes] = []
-        self._tail = b""
-
-    def index(self, prompt: int, event: GenerationEvent) -> int:
-        return prompt * self.ask.n + event.index
-
-    def bare(self, event: GenerationEvent) -> GenerationEvent:
-        """``event`` as the answer takes it: with :attr:`prompt_only`, nothing generated."""
-        if not self.prompt_only or not (event.token_ids or event.text or event.logprobs):
-            return event
-        return dataclasses.replace(
-            event,
-            token_ids=[],
-            text="",
-            logprobs=None,
-            completion_tokens=0,
-            finish_reason=None if event.finish_reason is None else "length",
-        )
-
-    def add(self, prompt: int, event: GenerationEvent) -> int:
-        event = self.bare(event)
-        i = self.index(prompt, event)
-        if event.text:
-            self.texts[i].append(event.text)
-        if self.ask.return_token_ids:
-            self.token_ids[i].extend(event.token_ids)
-        if event.logprobs:
-            self.logprobs[i].extend(event.logprobs)
-        if event.prompt_logprobs is not None:
-            self.prompt_logprobs[prompt] = event.prompt_logprobs
-        if event.prompt_tokens:
-            self.prompt_tokens[prompt] = event.prompt_tokens
-        self.cached[prompt] = max(self.cached[prompt], event.cached_tokens)
-        self.completion[i] = max(self.completion[i], event.completion_tokens)
-        if event.finish_reason is not None:
-            self.finish[i] = _finish_reason(event.finish_reason)
-        return i
-
-    def usage(self) -> dict[str, Any]:
-        return encode.usage(sum(self.prompt_tokens), sum(self.completion), sum(self.cached))
-
-    def _prompt_text(self, prompt: int) -> str:
-        source = (
-            self.ask.prompts[prompt] if isinstance(self.ask, protocol.CompletionRequest) else ""
-        )
-        if isinstance(source, str):
-            return source
-        return self.model.tokenizer.decode(source, skip_special_tokens=False)  # as _texts_of
-
-    def _completion_logprobs(self, i: int, prompt: int) -> dict[str, Any] | None:
-        if self.names is None:
-            return None
-        top = self.ask.logprobs or 0
-        first = None
-        offset = 0
-        if self.echo:
-            first, offset = encode.prompt_logprobs(
-                self.prompts[prompt], self.prompt_logprobs[prompt], self.names, top
-            )
-        rest, _ = encode.completion_logprobs(self.logprobs[i], self.names, top, offset)
-        return encode.join_logprobs(first, rest)
-
-    def _ids(self, choice: dict[str, Any], i: int, prompt: int) -> None:
-        """vLLM's ``return_token_ids``: the choice's token ids, and (completions) the prompt's
-        beside them; chat's prompt ids are the response's own (:meth:`body`)."""
-        if self.ask.return_token_ids:
-            if self.kind != "chat":
-                choice["prompt_token_ids"] = self.prompts[prompt]
-            choice["token_ids"] = self.token_ids[i]
-
-    def _choice(self, i: int, lazy: bool) -> dict[str, Any]:
-        """Choice ``i``; ``lazy``: chat's logprobs made as they are written (encode.Slices)."""
-        prompt = i // self.ask.n
-        text = "".join(self.texts[i])
-        if self.kind == "chat":
-            logprobs = None
-            if self.names is not None:
-                entries, names, top = self.logprobs[i], self.names, self.ask.logprobs or 0
-                content: Any = (
-                    encode.chat_logprobs(entries, names, top)
-                    if not lazy
-                    else (
-                        encode.Slices(
-                            len(entries),
-                            lambda a, b: encode.chat_logprobs(entries[a:b], names, top),
-                        )
-                    )
-                )
-                logprobs = {"content": content}
-            message: dict[str, Any] = {"role": "assistant", "content": text}
-            if self.outputs is not None:  # the whole answer through the parsers
-                message = self.outputs[i].whole(text)
-            if self.chat_echo:  # vLLM's: the continued message ahead of the content
-                message["content"] = self.chat_echo + (message.get("content") or "")
-            choice = {
-                "index": i,
-                "message": message,
-                "logprobs": logprobs,
-                "finish_reason": self._chat_finish(i),
-            }
-        else:
-            if self.echo:
-                text = self._prompt_text(prompt) + text
-            choice = {
-                "index": i,
-                "text": text,
-                "logprobs": self._completion_logprobs(i, prompt),
-                "finish_reason": self.finish[i] or "stop",
-            }
-        self._ids(choice, i, prompt)
-        if self.kind != "chat":  # vLLM's, per choice: null when not asked, as vLLM writes it
-            # (its clients read ``choice.prompt_logprobs``: a missing key is an AttributeError)
-            choice["prompt_logprobs"] = (
-                None if self.ask.prompt_logprobs is None else self._vllm_prompt_logprobs(prompt)
-            )
-        return choice
-
-    def body(self, lazy: bool = False) -> dict[str, Any]:
-        """The response; ``lazy``: each choice made when ``encode.json_pieces`` reaches it."""
-        choices: list[Any] = [
-            encode.Later(functools.partial(self._choice, i, True))
-            if lazy
-            else self._choice(i, False)
-            for i in range(len(self.texts))
-        ]
-        body = {
-            "id": self.rid,
-            "object": "chat.completion" if self.kind == "chat" else "text_completion",
-            "created": self.created,
-            # the name asked for: --served-model-name's answers as itself (vLLM's do too)
-            "model": self.ask.model,
-            "choices": choices,
-            "usage": self.usage(),
-            "system_fingerprint": None,
-        }
-        if self.kind == "chat" and self.ask.return_token_ids:  # vLLM: the response's own
-            body["prompt_token_ids"] = self.prompts[0]
-        if self.kind == "chat" and self.ask.prompt_logprobs is not None:  # vLLM: its own too
-            body["prompt_logprobs"] = self._vllm_prompt_logprobs(0)
-        return body
-
-    def _vllm_prompt_logprobs(self, prompt: int) -> list[Any]:
-        return encode.vllm_prompt_logprobs(
-            self.prompts[prompt],
-            self.prompt_logprobs[prompt],
-            encode.token_names(self.model.tokenizer),
-            self.ask.prompt_logprobs or 0,
-        )
-
-    # --- streaming
-
-    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        chunk: dict[str, Any] = {
-            "id": self.rid,
-            "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
-            "created": self.created,
-            "model": self.ask.model,
-            "choices": choices,
-        }
-        if self.ask.include_usage:
-            chunk["usage"] = None
-            if self.ask.continuous_usage and choices:  # vLLM's: its prompt's, its choice's
-                i = choices[0]["index"]
-                prompt = i // self.ask.n
-                chunk["usage"] = encode.usage(
-                    self.prompt_tokens[prompt], self.completion[i], self.cached[prompt]
-                )
-        return chunk
-
-    def opening(self) -> list[bytes]:
-        """Chat's first chunk per choice (the role), as OpenAI sends it; with vLLM's
-        ``return_token_ids`` each carries the prompt's ids at its top, as vLLM's do."""
-        if self.kind != "chat":
-            return []
-        chunks = []
-        for i in range(len(self.texts)):
-            role = {
-                "index": i,
-                "delta": {"role": "assistant", "content": self.chat_echo},
-                "logprobs": None,
-                "finish_reason": None,
-            }
-            chunk = self._chunk([role])
-            if self.ask.return_token_ids:
-                chunk["prompt_token_ids"] = self.prompts[0]
-            chunks.append(_sse(chunk))
-        return chunks
-
-    def _plain_template(self) -> bytes | None:
-        """The event of a plain stream's chunk with its constant parts (id, object, created,
-        model, the usage key) written once, its choice's index, text and finish left to
-        ``%``; None when a chunk may carry more (logprobs, token ids, echo, parsed output).
-        Building and dumping the chunk's dict per token was most of the encoding's cost on
-        the HTTP thread; the template's chunk is byte for byte the dict's (a test compares)."""
-        if self._template is None:
-            ask = self.ask
-            plain = not self.prompt_only and self.names is None and not ask.return_token_ids
-            plain = plain and not ask.continuous_usage  # (each chunk's counts differ)
-            plain = plain and (self.outputs is None if self.kind == "chat" else not self.echo)
-            if not plain:
-                self._template = b""
-            else:
-                head, _key, tail = orjson.dumps(self._chunk([])).rpartition(b'"choices":[]')
-                body = b'"delta":%b' if self.kind == "chat" else b'"text":%b'
-                self._template = b"".join([
-                    b"data: ", head.replace(b"%", b"%%"), b'"choices":[{"index":%d,', body,
-                    b',"logprobs":null,"finish_reason":%b}]', tail.replace(b"%", b"%%"),
-                    b"\n\n",
-                ])  # fmt: skip
-                before, after = self._template.split(b"%b", 1)
-                opened, closed = (b'{"content":', b"}") if self.kind == "chat" else (b"", b"")
-                self._heads = [before % i + opened for i in range(len(self.texts))]
-                self._tail = closed + after % b"null"
-        return self._template or None
-
-    def chunk(self, prompt: int, event: GenerationEvent) -> bytes | None:
-        """The chunk for one event (None: it carries nothing to send)."""
-        template = self._template if self._template is not None else self._plain_template()
-        if template and event.finish_reason is None:  # the common event: text only
-            i = prompt * self.ask.n + event.index
-            text = event.text
-            if text:
-                self.texts[i].append(text)
-            if event.completion_tokens > self.completion[i]:
-                self.completion[i] = event.completion_tokens
-            if event.prompt_tokens:
-                self.prompt_tokens[prompt] = event.prompt_tokens
-            if event.cached_tokens > self.cached[prompt]:
-                self.cached[prompt] = event.cached_tokens
-            if not text:
-                return None
-            return b"".join((self._heads[i], orjson.dumps(text), self._tail))
-        if template:  # its last event: the finish reason
-            i = self.add(prompt, event)
-            self.started.add(i)
-            text = event.text
-            finish = self.finish[i] if event.finish_reason is not None else None
-            if not text and finish is None:
-                return None
-            value = orjson.dumps(text)
-            if self.kind == "chat":
-                value = b'{"content":' + value + b"}" if text else b"{}"
-            return template % (i, value, b"null" if finish is None else orjson.dumps(finish))
-        event = self.bare(event)
-        i = self.add(prompt, event)
-        first = i not in self.started
-        self.started.add(i)
-        first_echo = self.echo and first
-        finish = self.finish[i] if event.finish_reason is not None else None
-        text = event.text
-        if not (text or event.logprobs or finish is not None or first_echo) and not (
-            self.ask.return_token_ids and event.token_ids
-        ):
-            return None
-        if self.kind == "chat":
-            logprobs = None
-            if self.names is not None and event.logprobs:
-                logprobs = {
-                    "content": encode.chat_logprobs(
-                        event.logprobs, self.names, self.ask.logprobs or 0
-                    )
-                }
-            if self.outputs is not None:
-                return self._parsed_chunks(i, text, logprobs, finish, event.token_ids)
-            choice = {
-                "index": i,
-                "delta": {"content": text} if text else {},
-                "logprobs": logprobs,
-                "finish_reason": finish,
-            }
-        else:
-            logprobs = None
-            if first_echo:
-                text = self._prompt_text(prompt) + text
-                if self.names is not None:
-                    logprobs, self.offsets[i] = encode.prompt_logprobs(
-                        self.prompts[prompt], self.prompt_logprobs[prompt], self.names,
-                        self.ask.logprobs or 0,
-                    )  # fmt: skip
-            if self.names is not None:
-                more, self.offsets[i] = encode.completion_logprobs(
-                    event.logprobs or [], self.names, self.ask.logprobs or 0, self.offsets[i]
-                )
-                logprobs = encode.join_logprobs(logprobs, more)
-            choice = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish}
-        if self.ask.return_token_ids:
-            if first and self.kind != "chat":  # completions: in the choice's first chunk
-                choice["prompt_token_ids"] = self.prompts[prompt]
-            choice["token_ids"] = list(event.token_ids)
-        return _sse(self._chunk([choice]))
-
-    def _chat_finish(self, i: int) -> str:
-        """OpenAI's ``tool_calls`` for a choice that ended by itself with calls it chose
-        (``auto``); a forced ``tool_choice`` (``required``, a named function) ends ``stop``,
-        as OpenAI answers it and Triton's OpenAI tests assert."""
-        finish = self.finish[i] or "stop"
-        output = self.outputs[i] if self.outputs is not None else None
-        if finish == "stop" and output is not None and output.calls and output.forced is None:
-            return "tool_calls"
-        return finish
-
-    def _parsed_chunks(
-        self, i: int, text: str, logprobs: Any, finish: str | None, ids: Any
-    ) -> bytes | None:
-        """A chat choice's event through its parsers: a chunk per delta (reasoning, content,
-        a call's head, its arguments), the logprobs on the first, the finish on the last."""
-        output = self.outputs[i]  # type: ignore[index]
-        deltas = output.feed(text) if text else []
-        if finish is not None:
-            deltas += output.finish()
-            finish = self._chat_finish(i)
-        ids = list(ids) if self.ask.return_token_ids else []
-        if not deltas and (logprobs is not None or finish is not None or ids):
-            deltas = [{}]
-        pieces = []
-        for k, delta in enumerate(deltas):
-            choice = {
-                "index": i,
-                "delta": delta,
-                "logprobs": logprobs if k == 0 else None,
-                "finish_reason": finish if k == len(deltas) - 1 else None,
-            }
-            if self.ask.return_token_ids:
-                choice["token_ids"] = ids if k == 0 else []
-            pieces.append(_sse(self._chunk([choice])))
-        return b"".join(pieces) or None
-
-    def closing(self) -> list[bytes]:
-        if not self.ask.include_usage:
-            return []
-        chunk = self._chunk([])
-        chunk["usage"] = self.usage()
-        return [_sse(chunk)]
-
-
-def _finish_reason(reason: str) -> str:
-    if reason == "abort":
-        # the engine ends a sequence so when its request was cancelled or passed its
-        # deadline; the stream's failure says which (and the client is usually gone)
-        raise Cancelled("the request was aborted before it finished")
-    return reason
-
-
-class _Pushed(Push):
-    """One prompt's stream written from the HTTP loop's wake-up (``http_server.Push``): the
-    events taken, encoded and written in the callback that says they came, with no task step,
-    future or async generator per event; the same bytes and writes as ``_stream_reply``'s
-    chunks (an event per token, what came together in one write, the usage chunk and
-    [DONE] last). A peer that does not read stops the taking (the stream's own bounds then
-    apply) until the connection resumes it."""
-
-    def __init__(self, answer: _Answer, stream: Any) -> None:
-        self.answer, self.stream = answer, stream
-        self.write: Callable[[bytes], bool] = lambda data: False
-        self.done: asyncio.Future[None] | None = None
-        self.blocked = False  # the peer does not read: nothing is taken until resume()
-        self.caller: Any = None  # (the stream's arming of _pump)
-
-    def start(self, write: Callable[[bytes], bool]) -> asyncio.Future[None]:
-        self.write = write
-        self.done = asyncio.get_running_loop().create_future()
-        self.caller = self.stream.caller(self._pump)
-        opening = self.answer.opening()
-        self.blocked = bool(opening) and not write(b"".join(opening))
-        self._pump()
-        return self.done
-
-    def resume(self) -> None:
-        self.blocked = False
-        self._pump()
-
-    def stop(self) -> None:
-        if self.done is not None and not self.done.done():
-            self.done.cancel()
-        with contextlib.suppress(Exception):
-            self.stream.cancel()
-
-    def _pump(self) -> None:
-        """Take what came (armed at once for what comes next: one take per wake-up), write
-        it; at the end the closing chunks and [DONE]."""
-        done = self.done
-        if done is None or done.done() or self.blocked:
-            return
-        chunk, stream = self.answer.chunk, self.stream
-        pieces: list[bytes] = []
-        try:
-            while True:
-                for event, _final in stream.take(self.caller, always=True):
-                    if event is not None and (piece := chunk(0, event)) is not None:
-                        pieces.append(piece)
-                if stream.exhausted:
-                    break
-                if pieces:
-                    joined, pieces = b"".join(pieces), []
-                    if not self.write(joined):
-                        self.blocked = True  # resume() goes on
-                        return
-                if not stream.ended:
-                    return  # armed: called again when more comes
-                # (it failed after what was taken: the next take raises its error)
-            last = self.answer.closing()
-        except (PlugserveError, OpenAIError) as exc:
-            # the status line is out: the failure is the stream's last event, as vLLM's
-            last = [_sse(stream_error(exc))]
-        except Exception as exc:
-            done.set_exception(exc)
-            return
-        self.write(b"".join([*pieces, *last, sse.DONE]))
-        done.set_result(None)
-
-
-def _stream_reply(answer: _Answer, streams: list[Any]) -> StreamReply:
-    async def chunks() -> AsyncIterator[bytes]:
-        try:
-            opening = answer.opening()
-            if opening:
-                yield b"".join(opening)
-            pieces: list[bytes] = []
-            chunk = answer.chunk
-            try:
-                if len(streams) == 1:  # (the common case: its stream's batches, one layer less)
-                    async for items in streams[0].batches():
-                        # an event per token; what came together is written together
-                        for event, _final in items:
-                            if event is not None and (piece := chunk(0, event)) is not None:
-                                pieces.append(piece)
-                        if pieces:
-                            joined, pieces = b"".join(pieces), []
-                            yield joined
-                else:
-                    async for batch in _merged(streams):
-                        for prompt, event in batch:
-                            if (piece := chunk(prompt, event)) is not None:
-                                pieces.append(piece)
-                        if pieces:
-                            joined, pieces = b"".join(pieces), []
-                            yield joined
-                last = answer.closing()
-            except (PlugserveError, OpenAIError) as exc:
-                # the status line is out: the failure is the stream's last event, as vLLM's
-                last = [_sse(stream_error(exc))]
-            yield b"".join([*pieces, *last, sse.DONE])
-        finally:
-            for stream in streams:
-                with contextlib.suppress(Exception):
-                    stream.cancel()
-
-    push = _Pushed(answer, streams[0]) if len(streams) == 1 else None
-    return StreamReply(200, sse.HEADERS, chunks(), push)
-
-
-def _echo_only(model: _Model, ask: Any, prompts: list[list[int]]) -> Reply | Any:
+def _echo_only(model: ServedModel, ask: Any, prompts: list[list[int]]) -> Reply | Any:
     """A completion with ``echo`` and ``max_tokens`` 0: the prompt back, nothing generated."""
-    answer = _Answer(model, ask, "completion", f"cmpl-{uuid.uuid4().hex}", prompts, True)
+    answer = Answer(model, ask, "completion", f"cmpl-{uuid.uuid4().hex}", prompts, True)
     for i in range(len(answer.texts)):
         answer.finish[i] = "length"
     if not ask.stream:
@@ -1353,7 +786,7 @@ def _echo_only(model: _Model, ask: Any, prompts: list[list[int]]) -> Reply | Any
                 "logprobs": answer._completion_logprobs(i, prompt),
                 "finish_reason": "length",
             }
-            yield _sse(answer._chunk([choice]))
+            yield sse_bytes(answer._chunk([choice]))
         for piece in answer.closing():
             yield piece
         yield sse.DONE
