@@ -78,6 +78,25 @@ class Decoder(abc.ABC):
         ``copy`` and ``swap`` move rows of the model's variable states instead)."""
         return KVCache(self.layout, rows)
 
+    # --- sleep and wake (:meth:`.engine.Engine.sleep`), on the engine's loop thread
+
+    def release_cache(self, cache: KVCache) -> None:
+        """``cache``'s memory freed (its arrays emptied; :meth:`restore_cache` makes them
+        again): the object stays, since the engine's slot table and runner hold it."""
+        cache.arrays = {n: np.empty((0, *a.shape[1:]), a.dtype) for n, a in cache.arrays.items()}
+
+    def restore_cache(self, cache: KVCache) -> None:
+        """``cache``'s memory again, as :meth:`new_cache` makes it (zeros)."""
+        vars(cache).update(vars(self.new_cache(cache.rows)))
+
+    def sleep(self, level: int) -> None:  # noqa: B027 - nothing to release here: a hook
+        """Release the weights as ``level`` says. A graph compiled on a device keeps its
+        weights inside the compiled network, which cannot be offloaded: both levels free the
+        cache only, and the graph stays loaded (docs/operations.md)."""
+
+    def wake_up(self) -> None:  # noqa: B027 - nothing to restore here: a hook
+        """The weights back after :meth:`sleep`."""
+
     def new_sampler(self, seed: int | None) -> Sampler:
         """The sampler of this decoder's logits (the host's, on numpy; the torch decoder's
         runs where its logits are, :mod:`.sampler_torch`)."""

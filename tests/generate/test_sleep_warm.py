@@ -1,0 +1,221 @@
+"""Issue 62, points 2 and 3: sleep and wake (vLLM's sleep mode) and warm before ready, on a real
+server over safetensors folders on TORCH (torch on the CPU: the twin of a card, where level 1
+keeps the weights in host memory, so what level 1 frees here is the key/value cache).
+
+Sleep and wake: ``POST /sleep?level=1|2``, ``POST /wake_up`` and ``GET /is_sleeping`` are
+admin routes (an ``infer`` token is 403); a sleeping model answers 503 (with Retry-After) and
+is not ready; its cache's bytes gauge reads 0; level 2 drops its weights, so a ~90 MB decoder
+gives the server's RSS back; woken, its greedy answers are the ones before, token for token.
+
+Warm-up: a model reports its warm-up (a log line, ``plugserve_generate_warmup_requests``),
+a JSON plan runs exactly its requests, ``WARMUP off`` runs none, and with the default one the
+first real request after the server is ready takes at most 3x the median of the next ten
+(slow: the ~90 MB decoder on its own server).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import statistics
+import time
+import urllib.error
+import urllib.request
+import uuid
+
+import pytest
+from attack import rss_kb
+from openai_serving import metric, serving
+
+pytest.importorskip("torch", reason="the torch decoder needs torch (pip install torch)")
+pytest.importorskip("safetensors")
+openai = pytest.importorskip("openai")
+
+TOKENS = {"infer": uuid.uuid4().hex, "admin": uuid.uuid4().hex}
+#: one torch thread: a tiny model's steps on busy shared cores (decoder_torch's docstring)
+THREADS = {"INFERENCE_NUM_THREADS": "1"}
+#: a decoder of ~90 MB of f32 weights (tests/server/test_reload_memory.py's)
+BIG = {
+    "family": "llama", "hidden": 512, "layers": 6, "heads": 8, "kv_heads": 4,
+    "intermediate": 1536, "vocab": 2048, "context": 256, "corpus_lines": 2000,
+}  # fmt: skip
+
+
+def _tiny():
+    import llm
+
+    try:
+        return llm.hf_folder("tiny-llama")
+    except Exception as exc:  # the test models are made by tests/support/llm.py
+        pytest.skip(f"tiny-llama cannot be made here: {exc}")
+
+
+def _big(folder):
+    from llm_hf import DecoderSpec, write
+
+    spec = DecoderSpec(**BIG)
+    assert 80e6 < spec.parameters() * 4 < 120e6
+    write(spec, folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tokens = tmp_path_factory.mktemp("tokens") / "tokens"
+    tokens.write_text(f"{TOKENS['infer']} infer\n{TOKENS['admin']} admin\n")
+    tokens.chmod(0o600)
+    tiny = _tiny()
+    big = _big(tmp_path_factory.mktemp("big"))
+    planned = json.dumps({"batch_sizes": [1, 3], "prompt_lens": [8]})
+    entries = {
+        "llama": (tiny, "TORCH", {**THREADS, "MAX_NUM_SEQS": "4"}),
+        "big": (big, "TORCH", {**THREADS, "MAX_NUM_SEQS": "2"}),
+        "planned": (tiny, "TORCH", {**THREADS, "MAX_NUM_SEQS": "4", "WARMUP": planned}),
+        "cold": (tiny, "TORCH", {**THREADS, "WARMUP": "off"}),
+    }
+    with serving(entries, "--auth-tokens", str(tokens)) as running:
+        yield running
+
+
+def _call(server, method: str, path: str, token: str | None = "admin", body=None):
+    """(status, JSON body, headers) of one request to the REST port."""
+    headers = {"content-type": "application/json"}
+    if token is not None:
+        headers["authorization"] = f"Bearer {TOKENS[token]}"
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(server.http_url + path, data, headers, method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, json.loads(response.read() or b"null"), response.headers
+    except urllib.error.HTTPError as exc:
+        text = exc.read()
+        return exc.code, json.loads(text) if text else None, exc.headers
+
+
+def _client(server):
+    return openai.OpenAI(
+        base_url=f"{server.http_url}/v1", api_key=TOKENS["infer"], max_retries=0, timeout=120
+    )
+
+
+def _greedy(server, model: str) -> list[str]:
+    """A greedy answer's tokens (24, end of sequence ignored)."""
+    answer = _client(server).completions.create(
+        model=model, prompt="Once upon a time", max_tokens=24, temperature=0, logprobs=0,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    tokens = answer.choices[0].logprobs.tokens
+    assert len(tokens) == 24
+    return tokens
+
+
+def _ready(server, model: str) -> bool:
+    status, _body, _headers = _call(server, "GET", f"/v2/models/{model}/ready", "infer")
+    return status == 200
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_a_sleeping_model_refuses_503_and_wakes_answering_the_same(server, level):
+    before = _greedy(server, "llama")
+    cache = metric(server, "plugserve_generate_kv_cache_bytes", "llama")
+    assert cache > 0
+    status, body, _ = _call(server, "POST", f"/sleep?level={level}&model=llama")
+    assert status == 200 and body == {"models": {"llama": level}}, body
+    status, body, _ = _call(server, "GET", "/is_sleeping?model=llama")
+    assert status == 200 and body == {"is_sleeping": True, "models": {"llama": level}}
+    assert metric(server, "plugserve_generate_kv_cache_bytes", "llama") == 0
+    assert not _ready(server, "llama")
+    with pytest.raises(openai.APIStatusError) as info:
+        _greedy(server, "llama")
+    assert info.value.status_code == 503
+    assert info.value.response.headers.get("retry-after") == "1"
+    assert "asleep" in info.value.message
+    assert _greedy(server, "big")  # the other models serve on
+    status, body, _ = _call(server, "POST", "/wake_up", body={"model": "llama"})
+    assert status == 200 and body == {"models": {"llama": 0}}, body
+    assert _ready(server, "llama")
+    assert metric(server, "plugserve_generate_kv_cache_bytes", "llama") == cache
+    assert _greedy(server, "llama") == before
+
+
+def test_level_2_gives_the_weights_memory_back(server):
+    pid = server.process.pid
+    before = _greedy(server, "big")
+    awake = rss_kb(pid)
+    status, body, _ = _call(server, "POST", "/sleep", body={"model": "big", "level": 2})
+    assert status == 200 and body["models"] == {"big": 2}
+    asleep = rss_kb(pid)
+    # ~90 MB of weights (and the cache's written pages) dropped; the rest of the server stays
+    assert awake - asleep > 60 * 1024, f"RSS {awake} KiB awake, {asleep} KiB asleep"
+    status, _body, _ = _call(server, "POST", "/wake_up?model=big")
+    assert status == 200
+    assert rss_kb(pid) - asleep > 60 * 1024  # read again from the folder
+    assert _greedy(server, "big") == before
+
+
+def test_sleep_without_a_model_takes_every_generative_model(server):
+    status, body, _ = _call(server, "POST", "/sleep?level=1")
+    assert status == 200 and set(body["models"]) == {"llama", "big", "planned", "cold"}
+    assert all(level == 1 for level in body["models"].values())
+    status, body, _ = _call(server, "GET", "/is_sleeping")
+    assert body["is_sleeping"] is True
+    status, body, _ = _call(server, "POST", "/wake_up")
+    assert status == 200 and all(level == 0 for level in body["models"].values())
+    status, body, _ = _call(server, "GET", "/is_sleeping")
+    assert body["is_sleeping"] is False
+    assert _greedy(server, "llama")
+
+
+def test_the_routes_are_admin_only_and_check_what_they_are_given(server):
+    for method, path in (("POST", "/sleep"), ("POST", "/wake_up"), ("GET", "/is_sleeping")):
+        assert _call(server, method, path, "infer")[0] == 403, path
+        assert _call(server, method, path, None)[0] == 401, path
+    assert _call(server, "POST", "/sleep?level=3&model=llama")[0] == 400
+    assert _call(server, "POST", "/sleep?model=nosuch")[0] == 404
+    assert _call(server, "GET", "/is_sleeping?model=llama")[1]["is_sleeping"] is False
+
+
+def test_the_warm_up_ran_and_is_reported(server):
+    assert "llama/1 warmed up" in server.log
+    assert "decode graphs captured: 0" in server.log  # the CPU captures none; it generates
+    # the plan's requests exactly: batch 1 and batch 3 of 8-token prompts
+    assert metric(server, "plugserve_generate_warmup_requests_total", "planned") >= 4
+    assert "planned/1 warmed up: 4 requests (batch size x prompt length: 1x8, 3x8)" in server.log
+    assert metric(server, "plugserve_generate_warmup_requests_total", "cold") == 0
+    assert metric(server, "plugserve_generate_warmup_requests_total", "llama") > 0
+    # the warm-up's requests count in no request metric (these two served no request)
+    for model in ("cold", "planned"):
+        assert metric(server, "plugserve_generate_prompt_tokens_total", model) == 0
+        assert metric(server, "plugserve_generate_generation_tokens_total", model) == 0
+
+
+@pytest.mark.slow
+def test_the_first_request_after_ready_is_not_the_slow_one(tmp_path):
+    """The issue's bar: the first request at most 3x the median of the next ten (each a
+    16-token greedy completion of the ~90 MB decoder, timed on one kept-alive connection:
+    the server's time, not a client's first call, which the ``openai`` client's pydantic
+    models made 0.8 s against 0.17)."""
+    big = _big(tmp_path / "big")
+    entries = {"big": (big, "TORCH", {**THREADS, "MAX_NUM_SEQS": "2"})}
+    body = json.dumps(
+        {"model": "big", "prompt": "Once upon a time there was", "max_tokens": 16,
+         "temperature": 0, "ignore_eos": True}
+    )  # fmt: skip
+    with serving(entries) as running:
+        connection = http.client.HTTPConnection("127.0.0.1", running.http_port, timeout=120)
+        times = []
+        try:
+            for _ in range(11):
+                started = time.perf_counter()
+                connection.request(
+                    "POST", "/v1/completions", body, {"content-type": "application/json"}
+                )
+                response = connection.getresponse()
+                assert response.status == 200, response.read()
+                response.read()
+                times.append(time.perf_counter() - started)
+        finally:
+            connection.close()
+        assert "big/1 warmed up" in running.log
+    median = statistics.median(times[1:])
+    assert times[0] <= 3 * median, f"first {times[0]:.3f} s, then {times[1:]}"
