@@ -50,6 +50,17 @@ def _tiny():
         pytest.skip(f"tiny-llama cannot be made here: {exc}")
 
 
+def _onnx():
+    """tiny-llama's optimum-onnx export (a graph decoder on ORT), or None where it cannot be
+    made here."""
+    import llm
+
+    try:
+        return llm.export("tiny-llama", "optimum-onnx")
+    except llm.Unavailable:
+        return None
+
+
 def _big(folder):
     from llm_hf import DecoderSpec, write
 
@@ -73,6 +84,9 @@ def server(tmp_path_factory):
         "planned": (tiny, "TORCH", {**THREADS, "MAX_NUM_SEQS": "4", "WARMUP": planned}),
         "cold": (tiny, "TORCH", {**THREADS, "WARMUP": "off"}),
     }
+    onnx = _onnx()
+    if onnx is not None:
+        entries["onnx"] = (onnx, "ORT", {"MAX_NUM_SEQS": "2", "WARMUP": "off"})
     with serving(entries, "--auth-tokens", str(tokens)) as running:
         yield running
 
@@ -138,6 +152,22 @@ def test_a_sleeping_model_refuses_503_and_wakes_answering_the_same(server, level
     assert _greedy(server, "llama") == before
 
 
+@pytest.mark.parametrize("level", [1, 2])
+def test_a_graph_decoder_on_ort_sleeps_and_wakes_too(server, level):
+    """Its compiled network stays at both levels (docs/operations.md); its cache goes."""
+    if "onnx" not in _call(server, "GET", "/is_sleeping")[1]["models"]:
+        pytest.skip("tiny-llama's optimum-onnx export cannot be made here")
+    before = _greedy(server, "onnx")
+    assert _call(server, "POST", f"/sleep?level={level}&model=onnx")[0] == 200
+    assert metric(server, "plugserve_generate_kv_cache_bytes", "onnx") == 0
+    with pytest.raises(openai.APIStatusError) as info:
+        _greedy(server, "onnx")
+    assert info.value.status_code == 503
+    assert _call(server, "POST", "/wake_up?model=onnx")[0] == 200
+    assert metric(server, "plugserve_generate_kv_cache_bytes", "onnx") > 0
+    assert _greedy(server, "onnx") == before
+
+
 def test_level_2_gives_the_weights_memory_back(server):
     pid = server.process.pid
     before = _greedy(server, "big")
@@ -153,9 +183,33 @@ def test_level_2_gives_the_weights_memory_back(server):
     assert _greedy(server, "big") == before
 
 
+def test_sleep_ends_the_requests_in_flight(server):
+    """A stream of 200 tokens (~2 s of the ~90 MB decoder) under way when its model sleeps
+    ends at once, aborted; the model answers again once woken."""
+    body = json.dumps(
+        {"model": "big", "prompt": "Once", "max_tokens": 200, "stream": True,
+         "temperature": 0, "ignore_eos": True}
+    )  # fmt: skip
+    headers = {"content-type": "application/json", "authorization": f"Bearer {TOKENS['infer']}"}
+    connection = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=120)
+    try:
+        connection.request("POST", "/v1/completions", body, headers)
+        response = connection.getresponse()
+        assert response.status == 200
+        assert response.readline().startswith(b"data: ")  # the first token came
+        assert _call(server, "POST", "/sleep?level=1&model=big")[0] == 200
+        rest = response.read()
+    finally:
+        connection.close()
+    assert b"aborted" in rest
+    assert rest.count(b'"text"') < 199, "the stream ran to its end"
+    assert _call(server, "POST", "/wake_up?model=big")[0] == 200
+    assert _greedy(server, "big")
+
+
 def test_sleep_without_a_model_takes_every_generative_model(server):
     status, body, _ = _call(server, "POST", "/sleep?level=1")
-    assert status == 200 and set(body["models"]) == {"llama", "big", "planned", "cold"}
+    assert status == 200 and set(body["models"]) >= {"llama", "big", "planned", "cold"}
     assert all(level == 1 for level in body["models"].values())
     status, body, _ = _call(server, "GET", "/is_sleeping")
     assert body["is_sleeping"] is True
@@ -176,7 +230,9 @@ def test_the_routes_are_admin_only_and_check_what_they_are_given(server):
 
 
 def test_the_warm_up_ran_and_is_reported(server):
-    assert "llama/1 warmed up" in server.log
+    log = server.log
+    # warmed up before it is listed (and so reported ready: model readiness, /v1/models)
+    assert 0 <= log.index("llama/1 warmed up") < log.index("network llama version 1 ready")
     assert "decode graphs captured: 0" in server.log  # the CPU captures none; it generates
     # the plan's requests exactly: batch 1 and batch 3 of 8-token prompts
     assert metric(server, "plugserve_generate_warmup_requests_total", "planned") >= 4
