@@ -34,6 +34,8 @@ openai = pytest.importorskip("openai")
 TOKENS = {"infer": uuid.uuid4().hex, "admin": uuid.uuid4().hex}
 #: one torch thread: a tiny model's steps on busy shared cores (decoder_torch's docstring)
 THREADS = {"INFERENCE_NUM_THREADS": "1"}
+#: the in-process network's config keys (conftest's ``torch_llama``)
+SETTINGS = {**THREADS, "MAX_NUM_SEQS": "4"}
 #: a decoder of ~90 MB of f32 weights (tests/server/test_reload_memory.py's)
 BIG = {
     "family": "llama", "hidden": 512, "layers": 6, "heads": 8, "kv_heads": 4,
@@ -275,3 +277,52 @@ def test_the_first_request_after_ready_is_not_the_slow_one(tmp_path):
         assert "big/1 warmed up" in running.log
     median = statistics.median(times[1:])
     assert times[0] <= 3 * median, f"first {times[0]:.3f} s, then {times[1:]}"
+
+
+# --- in process: what each level releases in the torch decoder itself
+
+
+def _ids(network) -> list[int]:
+    from plugserve.server.apps.generate.types import GenerationRequest, SamplingParams
+
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    request = GenerationRequest(f"g-{uuid.uuid4().hex}", [1, 5, 9, 13, 17], params)
+    return [t for event in network.engine.generate(request) for t in event.token_ids]
+
+
+def test_each_level_releases_what_it_says_in_the_torch_decoder(torch_llama):
+    from plugserve.server.apps.generate.engine import Asleep
+
+    before = _ids(torch_llama)
+    engine, decoder = torch_llama.engine, torch_llama.engine.decoder
+    torch_llama.sleep(1)
+    assert engine.cache.tensors is None and engine.cache.nbytes == 0
+    assert decoder.model is not None  # on the CPU the weights are host memory already
+    assert not torch_llama.ready()
+    with pytest.raises(Asleep, match="asleep"):
+        _ids(torch_llama)
+    torch_llama.sleep(2)  # deeper: the weights go too
+    assert decoder.model is None
+    torch_llama.wake_up()
+    assert decoder.model is not None and engine.cache.nbytes > 0 and torch_llama.ready()
+    assert _ids(torch_llama) == before
+
+
+def test_level_1_offload_empties_every_weight_storage_and_refills_it(core, hf_llama):
+    """A card's level 1, run on the CPU: a bf16 load's storages are torch's own (resizable),
+    with the fused qkv and gate_up views of :func:`torch_model._fuse` sharing them."""
+    network = core.load_network(
+        str(hf_llama), "TORCH", {**SETTINGS, "INFERENCE_PRECISION_HINT": "bf16", "WARMUP": "off"}
+    )
+    try:
+        before = _ids(network)
+        decoder = network.engine.decoder
+        weights = list(decoder.model.w.values())
+        moved = decoder.offload()
+        assert moved >= sum(w.numel() * w.element_size() for w in weights) // 2
+        assert all(w.untyped_storage().nbytes() == 0 for w in weights)
+        decoder.wake_up()
+        assert all(w.untyped_storage().nbytes() > 0 for w in weights)
+        assert _ids(network) == before
+    finally:
+        network.close()

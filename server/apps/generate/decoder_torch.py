@@ -253,22 +253,33 @@ class TorchDecoder(MixedDecoder):
         if level >= 2:
             self._restore_offloaded(into_device=False)
             self.model = None  # type: ignore[assignment]
-        elif self.device.type == "cuda" and not self._offloaded:
-            import torch
-
-            seen: set[int] = set()
-            for tensor in _tensors_of(self.model):
-                storage = tensor.untyped_storage()
-                if storage.data_ptr() in seen or storage.device.type != "cuda":
-                    continue
-                seen.add(storage.data_ptr())
-                host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=True)
-                host.untyped_storage().copy_(storage)
-                self._offloaded.append((storage, host))
-            torch.cuda.synchronize(self.device)
-            for storage, _host in self._offloaded:
-                storage.resize_(0)
+        elif self.device.type == "cuda":
+            self.offload()
         self._empty_cache()
+
+    def offload(self) -> int:
+        """Each weight storage copied to host memory (pinned on a card) and emptied where it
+        was (``resize_(0)``); :meth:`wake_up` refills it. The bytes moved. Run on the CPU by
+        the tests (a bf16 load's storages are torch's own: resizable)."""
+        import torch
+
+        if self._offloaded:
+            return 0
+        seen: set[int] = set()
+        pin = self.device.type == "cuda"
+        for tensor in _tensors_of(self.model):
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() in seen or storage.device != tensor.device:
+                continue
+            seen.add(storage.data_ptr())
+            host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pin)
+            host.untyped_storage().copy_(storage)
+            self._offloaded.append((storage, host))
+        if pin:
+            torch.cuda.synchronize(self.device)
+        for storage, _host in self._offloaded:
+            storage.resize_(0)
+        return sum(host.numel() for _storage, host in self._offloaded)
 
     def wake_up(self) -> None:
         if self.model is None:

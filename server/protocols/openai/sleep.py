@@ -11,7 +11,8 @@ KServe readiness is false. ``/is_sleeping`` answers ``{"is_sleeping": bool, "mod
 level}}``.
 
 Which models: ``model`` in the query (``?model=NAME``) or in a JSON body; without it every
-generative model loaded (``is_sleeping`` is then true when any is). An unknown model is 404,
+generative model loaded (``is_sleeping`` is then true when any is); every version of a model
+loaded sleeps and wakes together. An unknown model is 404,
 one that is not generative 400. Each answers ``{"models": {name: level}}`` (0: awake) once
 done: the work (the engine's loop drained, weights moved or read) runs off the event loop.
 
@@ -69,32 +70,32 @@ class SleepRoutes:
     async def sleep(self, call: Any) -> Any:
         level = _level(call)
         networks = self._chosen(call)
-        await _off_loop(lambda: [n.sleep(level) for n in networks.values()])
+        await _off_loop(lambda: [n.sleep(level) for each in networks.values() for n in each])
         return _answer(networks)
 
     async def wake_up(self, call: Any) -> Any:
         networks = self._chosen(call)
-        await _off_loop(lambda: [n.wake_up() for n in networks.values()])
+        await _off_loop(lambda: [n.wake_up() for each in networks.values() for n in each])
         return _answer(networks)
 
     def is_sleeping(self, call: Any) -> Any:
         networks = self._chosen(call)
-        levels = {name: n.sleeping for name, n in networks.items()}
+        levels = _levels(networks)
         body = {"is_sleeping": any(levels.values()), "models": levels}
         return 200, [orjson.dumps(body)], _JSON
 
-    def _chosen(self, call: Any) -> dict[str, Any]:
-        """``{name: network}``: the model the request names, or every generative one."""
+    def _chosen(self, call: Any) -> dict[str, list[Any]]:
+        """``{name: [network of each version loaded]}``: the model the request names, or
+        every generative one."""
         from plugserve.server.apps.generate.network import GenerativeNetwork
 
         name = _field(call, "model")
-        found: dict[str, Any] = {}
+        found: dict[str, list[Any]] = {}
         for entry in sorted(self.control.networks(), key=lambda e: (e.name, e.version)):
             if name is not None and entry.name != name:
                 continue
             if isinstance(entry.network, GenerativeNetwork):
-                label = entry.name if entry.version <= 1 else f"{entry.name}:{entry.version}"
-                found[label] = entry.network
+                found.setdefault(entry.name, []).append(entry.network)
             elif name is not None:
                 raise OpenAIError(
                     f"model '{name}' is not a generative model; only those sleep", "model"
@@ -131,6 +132,10 @@ async def _off_loop(work: Callable[[], Any]) -> None:
     await asyncio.get_running_loop().run_in_executor(None, work)
 
 
-def _answer(networks: dict[str, Any]) -> Any:
-    body = {"models": {name: n.sleeping for name, n in networks.items()}}
-    return 200, [orjson.dumps(body)], _JSON
+def _levels(networks: dict[str, list[Any]]) -> dict[str, int]:
+    """Each model's sleep level (its versions': the deepest)."""
+    return {name: max(n.sleeping for n in each) for name, each in networks.items()}
+
+
+def _answer(networks: dict[str, list[Any]]) -> Any:
+    return 200, [orjson.dumps({"models": _levels(networks)})], _JSON
