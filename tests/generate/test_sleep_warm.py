@@ -146,6 +146,10 @@ def test_a_sleeping_model_refuses_503_and_wakes_answering_the_same(server, level
     assert info.value.status_code == 503
     assert info.value.response.headers.get("retry-after") == "1"
     assert "asleep" in info.value.message
+    # every face refuses alike: KServe's generate extension
+    kserve = _call(server, "POST", "/v2/models/llama/generate", "infer",
+                   {"text_input": "Once", "max_tokens": 2})  # fmt: skip
+    assert kserve[0] == 503 and kserve[2].get("retry-after") == "1", kserve[:2]
     assert _greedy(server, "big")  # the other models serve on
     status, body, _ = _call(server, "POST", "/wake_up", body={"model": "llama"})
     assert status == 200 and body == {"models": {"llama": 0}}, body
