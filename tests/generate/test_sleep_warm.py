@@ -330,3 +330,26 @@ def test_level_1_offload_empties_every_weight_storage_and_refills_it(core, hf_ll
         assert _ids(network) == before
     finally:
         network.close()
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_a_graph_decoders_level_2_closes_its_compiled_network(core, level):
+    """ONNX on ORT: level 1 frees the cache and keeps the compiled graph (its weights live in
+    it); level 2 closes it too, and the wake compiles it again."""
+    onnx = _onnx()
+    if onnx is None:
+        pytest.skip("tiny-llama's optimum-onnx export cannot be made here")
+    network = core.load_network(str(onnx), "ORT", {"MAX_NUM_SEQS": "2", "WARMUP": "off"})
+    try:
+        before = _ids(network)
+        compiled = network.decoder_network
+        network.sleep(level)
+        assert network.engine.cache.nbytes == 0
+        assert (network.decoder_network is None) == (level == 2)
+        assert network.device == "ORT" and network.precision
+        network.wake_up()
+        assert network.engine.cache.nbytes > 0
+        assert (network.decoder_network is compiled) == (level == 1)
+        assert _ids(network) == before
+    finally:
+        network.close()

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import abc
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -89,13 +89,30 @@ class Decoder(abc.ABC):
         """``cache``'s memory again, as :meth:`new_cache` makes it (zeros)."""
         vars(cache).update(vars(self.new_cache(cache.rows)))
 
-    def sleep(self, level: int) -> None:  # noqa: B027 - nothing to release here: a hook
-        """Release the weights as ``level`` says. A graph compiled on a device keeps its
-        weights inside the compiled network, which cannot be offloaded: both levels free the
-        cache only, and the graph stays loaded (docs/operations.md)."""
+    #: whether a step may hold several sequences (False: onnxruntime-genai's builder graphs
+    #: on OPENVINO, whose GroupQueryAttention conversion fails a batch and fails every run
+    #: after it, docs/generate.md: the warm-up then runs one sequence at a time)
+    batches = True
 
-    def wake_up(self) -> None:  # noqa: B027 - nothing to restore here: a hook
-        """The weights back after :meth:`sleep`."""
+    #: what compiles the graph again after a level-2 sleep (``load_generative`` sets it:
+    #: the Core's load of the same graph, device and config); None: it stays at both levels
+    reload: Callable[[], CompiledNetwork] | None = None
+
+    def sleep(self, level: int) -> None:
+        """Release the weights as ``level`` says. A graph compiled on a device keeps its
+        weights inside the compiled network, which cannot be offloaded: level 1 frees the
+        cache only; level 2 closes the compiled network (its weights and the device's memory
+        for it given back), which :meth:`wake_up` compiles again (docs/operations.md)."""
+        if level >= 2 and self.reload is not None and self.network is not None:
+            network, self.network, self.request = self.network, None, None  # type: ignore[assignment]
+            network.close()
+
+    def wake_up(self) -> None:
+        """The weights back after :meth:`sleep`: the graph compiled again, a new request."""
+        if self.network is None and self.reload is not None:
+            self.network = self.reload()
+            self.request = self.network.create_infer_request()
+            self.binds = bool(self.request.binds_outputs)
 
     def new_sampler(self, seed: int | None) -> Sampler:
         """The sampler of this decoder's logits (the host's, on numpy; the torch decoder's

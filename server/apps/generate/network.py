@@ -60,7 +60,7 @@ from plugserve.plugins.api import (
 from plugserve.plugins.configuration import Configuration
 from plugserve.plugins.responses import Response
 from plugserve.server.apps.generate import limits, warmup
-from plugserve.server.apps.generate.decoder import choose_decoder
+from plugserve.server.apps.generate.decoder import SharedBufferDecoder, choose_decoder
 from plugserve.server.apps.generate.decoder_openvino import PagedDecoder, is_paged, serving_device
 from plugserve.server.apps.generate.engine import Engine, EngineSettings, QueueSender
 from plugserve.server.apps.generate.folder import ModelFolder
@@ -238,6 +238,11 @@ def load_generative(
                 decoder_network, folder.graph, folder.kind, folder.text_config,
                 folder.genai_config, capacity,
             )  # fmt: skip
+        if isinstance(decoder, SharedBufferDecoder) and decoder_network.plugin.name == "OPENVINO":
+            decoder.batches = False  # (the attribute's docstring)
+        if not is_paged(decoder_network):  # level-2 sleep closes it; the wake compiles it
+            # (the paged form's network is kept: its load is serving_device's, not redone here)
+            decoder.reload = lambda: core.load_network(str(folder.graph), device, device_config)
         per_slot = decoder.layout.bytes_per_slot
         rows = _slots(folder, settings, capacity, per_slot)
         network = GenerativeNetwork(
@@ -349,7 +354,9 @@ class GenerativeNetwork(CompiledNetwork):
             super().__init__(decoder_network.plugin, folder.path.name, decoder_network.config)
         else:
             super().__init__(None, folder.path.name, config or Configuration())  # type: ignore[arg-type]
-        self.decoder_network = decoder_network
+        #: a graph decoder's (None: the torch decoder's own module), and its precision
+        self._graph = decoder_network is not None
+        self._precision = decoder_network.precision if decoder_network is not None else ""
         self.folder = folder
         self.tokenizer = tokenizer
         self.settings = settings
@@ -360,14 +367,18 @@ class GenerativeNetwork(CompiledNetwork):
         self._sleep_lock = threading.Lock()  # one sleep or wake at a time
 
     @property
+    def decoder_network(self) -> CompiledNetwork | None:
+        """The graph compiled on its device (None: the torch decoder, or a graph closed by a
+        level-2 sleep until the wake compiles it again)."""
+        return self.engine.decoder.network if self._graph else None
+
+    @property
     def device(self) -> str:
-        return self.plugin.name if self.decoder_network is not None else self.device_name
+        return self.plugin.name if self._graph else self.device_name
 
     @property
     def precision(self) -> str:
-        if self.decoder_network is None:
-            return self.engine.decoder.precision
-        return self.decoder_network.precision
+        return self._precision if self._graph else self.engine.decoder.precision
 
     # --- generation's one entry, which every face uses (OpenAI, KServe, in-process)
 
@@ -474,8 +485,9 @@ class GenerativeNetwork(CompiledNetwork):
 
     def close(self) -> None:
         self.engine.close()
-        if self.decoder_network is not None:
-            self.decoder_network.close()
+        network = self.decoder_network
+        if network is not None:
+            network.close()
         super().close()
 
 
