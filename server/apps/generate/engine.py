@@ -156,7 +156,6 @@ class Engine:
         self.tokenizer = tokenizer
         self.settings = settings
         self.capacity = decoder.layout.capacity
-        self.rows = rows
         self.cache = decoder.new_cache(rows)
         self.table = SlotTable(self.cache, settings.block_size, settings.enable_prefix_caching)
         self.runner = ModelRunner(decoder, self.cache, self.table, settings.max_num_batched_tokens)
