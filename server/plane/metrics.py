@@ -289,8 +289,18 @@ class _GenerationCollector:
             "(async scheduling)",
             labels=labels,
         )
+        warmups = CounterMetricFamily(
+            "plugserve_generate_warmup_requests",
+            "Warm-up requests run before the model was ready (at load and at each wake)",
+            labels=labels,
+        )
+        warmup_seconds = GaugeMetricFamily(
+            "plugserve_generate_warmup_seconds", "Seconds the last warm-up took", labels=labels
+        )
         for device, model, version, snap in self._read():
             key = [device, model, version]
+            warmups.add_metric(key, snap.warmup_requests)
+            warmup_seconds.add_metric(key, snap.warmup_seconds)
             for name, family in histograms.items():
                 bounds, counts, total = snap.histograms[name]
                 cumulative, buckets = 0, []
@@ -310,6 +320,7 @@ class _GenerationCollector:
             pipelined.add_metric(key, snap.pipelined_steps)
         yield from histograms.values()
         yield from (prompt, cached, generated, finished, running, waiting, usage, size, pipelined)
+        yield from (warmups, warmup_seconds)
 
 
 class _ServerCollector:

@@ -493,6 +493,15 @@ class Settings:
         low=1,
         high=1024,
     )
+    generate_warmup: str = _field(
+        "default",
+        "generative models: what a model generates before it is reported ready (and again at "
+        "each wake), so the first request is not the slow one: off (one two-token check), "
+        "default (batch sizes 1, 2, 4 ... up to --max-num-seqs with 16-token prompts, and one "
+        "prompt of --max-num-batched-tokens), or a JSON object such as "
+        '\'{"batch_sizes": [1, 8], "prompt_lens": [16, 512]}\' (every size with every length); '
+        "a model's WARMUP config key overrides it (server/apps/generate/warmup.py)",
+    )
     max_prompt_bytes: int = _field(
         0,
         "generative models: most bytes of prompt text (UTF-8) a request may send on any face "
@@ -535,6 +544,7 @@ class Settings:
             enable_prefix_caching=bool(self.enable_prefix_caching),
             async_scheduling=bool(self.async_scheduling),
             stream_interval=self.stream_interval,
+            warmup=self.generate_warmup,
         )
 
     def problems(self) -> list[str]:
@@ -583,7 +593,13 @@ class Settings:
             found.append(f"shared_memory={self.shared_memory!r} must be system or off")
         if not self.shared_memory_prefix.startswith("/"):
             found.append(f"shared_memory_prefix={self.shared_memory_prefix!r} must start with '/'")
-        from plugserve.server.apps.generate import reasoning, tool_parsers
+        from plugserve.plugins.api import InvalidArgument
+        from plugserve.server.apps.generate import reasoning, tool_parsers, warmup
+
+        try:
+            warmup.parse(self.generate_warmup)
+        except InvalidArgument as exc:
+            found.append(f"generate_warmup: {exc}")
 
         for name, names in (
             ("tool_call_parser", tool_parsers.NAMES),

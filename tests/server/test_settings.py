@@ -47,6 +47,8 @@ def _values(field: dataclasses.Field) -> tuple[str, str]:
         return "rate=7", "level=TIMESTAMPS,opentelemetry,url=127.0.0.1:4318/v1/traces"
     if field.name == "served_model_name":
         return "org/a=a", "org/b=b,c=d"
+    if field.name == "generate_warmup":
+        return "off", '{"batch_sizes": [1, 2]}'
     if field.name == "metrics_interval_ms":  # 50 ms at least
         return "100", "250"
     if field.name in (

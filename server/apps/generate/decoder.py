@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import abc
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +77,42 @@ class Decoder(abc.ABC):
         keeps its cache itself, as a stateful OpenVINO IR, returns one whose ``view``,
         ``copy`` and ``swap`` move rows of the model's variable states instead)."""
         return KVCache(self.layout, rows)
+
+    # --- sleep and wake (:meth:`.engine.Engine.sleep`), on the engine's loop thread
+
+    def release_cache(self, cache: KVCache) -> None:
+        """``cache``'s memory freed (its arrays emptied; :meth:`restore_cache` makes them
+        again): the object stays, since the engine's slot table and runner hold it."""
+        cache.arrays = {n: np.empty((0, *a.shape[1:]), a.dtype) for n, a in cache.arrays.items()}
+
+    def restore_cache(self, cache: KVCache) -> None:
+        """``cache``'s memory again, as :meth:`new_cache` makes it (zeros)."""
+        vars(cache).update(vars(self.new_cache(cache.rows)))
+
+    #: whether a step may hold several sequences (False: onnxruntime-genai's builder graphs
+    #: on OPENVINO, whose GroupQueryAttention conversion fails a batch and fails every run
+    #: after it, docs/generate.md: the warm-up then runs one sequence at a time)
+    batches = True
+
+    #: what compiles the graph again after a level-2 sleep (``load_generative`` sets it:
+    #: the Core's load of the same graph, device and config); None: it stays at both levels
+    reload: Callable[[], CompiledNetwork] | None = None
+
+    def sleep(self, level: int) -> None:
+        """Release the weights as ``level`` says. A graph compiled on a device keeps its
+        weights inside the compiled network, which cannot be offloaded: level 1 frees the
+        cache only; level 2 closes the compiled network (its weights and the device's memory
+        for it given back), which :meth:`wake_up` compiles again (docs/operations.md)."""
+        if level >= 2 and self.reload is not None and self.network is not None:
+            network, self.network, self.request = self.network, None, None  # type: ignore[assignment]
+            network.close()
+
+    def wake_up(self) -> None:
+        """The weights back after :meth:`sleep`: the graph compiled again, a new request."""
+        if self.network is None and self.reload is not None:
+            self.network = self.reload()
+            self.request = self.network.create_infer_request()
+            self.binds = bool(self.request.binds_outputs)
 
     def new_sampler(self, seed: int | None) -> Sampler:
         """The sampler of this decoder's logits (the host's, on numpy; the torch decoder's

@@ -178,7 +178,7 @@ class TorchKVCache(KVCache):
 
     @property
     def nbytes(self) -> int:
-        return self.tensors.nbytes
+        return self.tensors.nbytes if self.tensors is not None else 0
 
     def view(self, start: int, stop: int) -> dict[str, Any]:
         return {name: t[start:stop] for name, t in self.arrays.items()}
@@ -218,10 +218,91 @@ class TorchDecoder(MixedDecoder):
         #: static buffers run eagerly: the CPU twin CI tests)
         self.use_graphs = graphs
         self.graphs: DecodeGraphs | None = None
+        self.dtype = model.dtype
+        #: what :meth:`wake_up` reads the weights again from after a level-2 sleep: the
+        #: folder and its config (``load_torch_decoder`` sets it)
+        self.source: tuple[Path, dict[str, Any]] | None = None
+        #: a level-1 sleep on a card: each weight storage and its copy in pinned host memory
+        self._offloaded: list[tuple[Any, Any]] = []
 
     @property
     def precision(self) -> str:
-        return next(k for k, v in DTYPES.items() if v == str(self.model.dtype).split(".")[-1])
+        return next(k for k, v in DTYPES.items() if v == str(self.dtype).split(".")[-1])
+
+    # --- sleep and wake (:meth:`.engine.Engine.sleep`)
+
+    def release_cache(self, cache: KVCache) -> None:
+        """The cache's tensors dropped, and the decode graphs with them (they replay over
+        the tensors' addresses; :meth:`restore_cache` makes both again)."""
+        assert isinstance(cache, TorchKVCache)
+        cache.tensors, cache.arrays = None, {}  # type: ignore[assignment]
+        self.graphs = None  # its charges released with it (DecodeGraphs' finalizer)
+        self._empty_cache()
+
+    def restore_cache(self, cache: KVCache) -> None:
+        assert isinstance(cache, TorchKVCache)
+        fresh = self.new_cache(cache.rows)
+        cache.tensors, cache.arrays = fresh.tensors, fresh.arrays
+
+    def sleep(self, level: int) -> None:
+        """Level 2: the weights dropped (:meth:`wake_up` reads them from the folder again).
+        Level 1: on a card, each weight storage copied to pinned host memory and emptied on
+        the card (``resize_(0)``: every view of it, the fused ``qkv`` and its parts, stays
+        the same tensor and gets its memory back at wake); on the CPU the weights are host
+        memory already and stay."""
+        if level >= 2:
+            self._restore_offloaded(into_device=False)
+            self.model = None  # type: ignore[assignment]
+        elif self.device.type == "cuda":
+            self.offload()
+        self._empty_cache()
+
+    def offload(self) -> int:
+        """Each weight storage copied to host memory (pinned on a card) and emptied where it
+        was (``resize_(0)``); :meth:`wake_up` refills it. The bytes moved. Run on the CPU by
+        the tests (a bf16 load's storages are torch's own: resizable)."""
+        import torch
+
+        if self._offloaded:
+            return 0
+        seen: set[int] = set()
+        pin = self.device.type == "cuda"
+        for tensor in _tensors_of(self.model):
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() in seen or storage.device != tensor.device:
+                continue
+            seen.add(storage.data_ptr())
+            host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pin)
+            host.untyped_storage().copy_(storage)
+            self._offloaded.append((storage, host))
+        if pin:
+            torch.cuda.synchronize(self.device)
+        for storage, _host in self._offloaded:
+            storage.resize_(0)
+        return sum(host.numel() for _storage, host in self._offloaded)
+
+    def wake_up(self) -> None:
+        if self.model is None:
+            assert self.source is not None, "a torch decoder without its folder cannot wake"
+            folder, config = self.source
+            self.model = DecoderModel.load(folder, config, self.device, self.dtype)
+        self._restore_offloaded(into_device=True)
+
+    def _restore_offloaded(self, into_device: bool) -> None:
+        for storage, host in self._offloaded:
+            if into_device:
+                storage.resize_(host.numel())
+                storage.copy_(host.untyped_storage())
+        self._offloaded.clear()
+
+    def _empty_cache(self) -> None:
+        """The caching allocator's free blocks back to the card (what ``nvidia-smi`` and the
+        other processes see)."""
+        if self.device.type == "cuda":
+            import torch
+
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
 
     def new_cache(self, rows: int) -> TorchKVCache:
         extra = 1 if self.use_graphs else 0  # the scratch slot padded rows write into
@@ -509,6 +590,14 @@ class DecodeGraphs:
         return shape
 
 
+def _tensors_of(model: DecoderModel) -> list[Any]:
+    """Every tensor ``model`` holds: its weights and its own buffers (rotary frequencies)."""
+    import torch
+
+    found = [t for t in model.w.values() if isinstance(t, torch.Tensor)]
+    return found + [t for t in vars(model).values() if isinstance(t, torch.Tensor)]
+
+
 def _release(charges: list[Any]) -> None:
     """A :class:`DecodeGraphs`' charges, released when it goes (its graphs and pool with it)."""
     for charge in charges:
@@ -601,6 +690,7 @@ def load_torch_decoder(
         graphs=graphs,
         threads=int(settings.get("INFERENCE_NUM_THREADS") or 0),
     )
+    decoder.source = (Path(folder), dict(config))
     report = {
         "precision": precision,
         "torch_device": str(target),

@@ -49,6 +49,14 @@ request's parameters are checked against their ranges before it enters
 (:meth:`.types.SamplingParams.check`), so a value the sampler cannot take is a 400, not a step
 failure. ``close`` ends every request with ``finish_reason`` "abort" and stops the thread.
 
+Sleep and wake (vLLM's sleep mode, :meth:`Engine.sleep`, :meth:`Engine.wake_up`): run on the
+loop thread between steps, as a command the caller waits for. Sleeping ends every request in
+flight or waiting (``finish_reason`` "abort"), forgets the prefix cache, frees the cache's
+memory and lets the decoder release its weights as the level says (1: offloaded to the host
+where they live on a card, 2: dropped, read again at wake); requests while asleep are refused
+:class:`Asleep` (UNAVAILABLE: 503 with Retry-After). Waking reallocates the cache (and the
+decoder its weights); the answers are the ones before, token for token.
+
 ``n`` > 1 is the engine's: the request's sequences share one prompt computation (the leader's
 cache is copied into each other sequence's slot when the prompt is done) and each draws with
 its own generator (seeded ``seed + index``, vLLM's rule, when the request has a seed).
@@ -83,10 +91,22 @@ from plugserve.server.apps.generate.scheduler import Sequence as Seq
 from plugserve.server.apps.generate.spans import RequestSpans
 from plugserve.server.apps.generate.stats import GenerationStats
 from plugserve.server.apps.generate.types import GenerationEvent, GenerationRequest
+from plugserve.server.control.allocator import give_back_freed_memory
 
-__all__ = ["Engine", "EngineSettings", "QueueSender"]
+__all__ = ["Asleep", "Engine", "EngineSettings", "QueueSender"]
 
 log = logging.getLogger(__name__)
+
+#: sleep levels (vLLM's): 1 the cache freed and the weights offloaded to the host (kept),
+#: 2 the cache and the weights dropped (read again from the folder at wake)
+SLEEP_LEVELS = (1, 2)
+
+
+class Asleep(PlugserveError):
+    """A request to a model put to sleep (``POST /sleep``): UNAVAILABLE (REST 503 with
+    Retry-After) until an operator wakes it (``POST /wake_up``)."""
+
+    code = "UNAVAILABLE"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +134,9 @@ class EngineSettings:
     #: tokens a sequence's stream sends in one event (vLLM's ``stream_interval``): its first
     #: at once, then one event per this many, its last with what is left (:mod:`.output`)
     stream_interval: int = 1
+    #: the warm-up before the model is ready (:mod:`.warmup`): "off", "default", or a JSON
+    #: object of ``batch_sizes`` and ``prompt_lens``
+    warmup: str = "default"
 
 
 class Engine:
@@ -157,6 +180,10 @@ class Engine:
         self._aborts: set[str] = set()
         self._woken = False
         self._closing = False
+        #: the sleep level (0: awake); set when a sleep is asked, cleared once awake again
+        self.sleeping = 0
+        #: commands for the loop thread (sleep, wake) and the futures their callers wait on
+        self._commands: list[tuple[Any, futures.Future]] = []
         self._requests: dict[str, RequestState] = {}
         #: the device stream pipelined steps run on (None: every step synchronous)
         self.stream = (
@@ -177,10 +204,11 @@ class Engine:
     def max_model_len(self) -> int:
         return self.capacity
 
-    def add(self, request: GenerationRequest, sender: Any) -> None:
+    def add(self, request: GenerationRequest, sender: Any, *, warm: bool = False) -> None:
         """Queue ``request``; its events go to ``sender``. InvalidArgument when it cannot fit
         the model (an empty or too long prompt, n beyond the slots) or a parameter is out of
-        its range; ResourceExhausted when the queue is full."""
+        its range; ResourceExhausted when the queue is full; :class:`Asleep` while asleep
+        (``warm``: the wake's own warm-up, which runs before the model is awake again)."""
         self._check(request)
         state = RequestState(request, sender, time.monotonic())
         if request.arrival:
@@ -188,6 +216,11 @@ class Engine:
         with self._lock:
             if self._closing:
                 raise Cancelled(f"model {self.name}: the engine is closing")
+            if self.sleeping and not warm:
+                raise Asleep(
+                    f"model {self.name} is asleep (level {self.sleeping}); an operator wakes "
+                    "it with POST /wake_up"
+                )
             if request.request_id in self._requests:
                 raise InvalidArgument(f"request id {request.request_id!r} is already running")
             if len(self.scheduler.waiting) + len(self._inbox) >= self.settings.max_waiting:
@@ -240,10 +273,12 @@ class Engine:
                 self._woken = True
                 self._lock.notify()
 
-    def generate(self, request: GenerationRequest) -> Iterator[GenerationEvent]:
+    def generate(
+        self, request: GenerationRequest, *, warm: bool = False
+    ) -> Iterator[GenerationEvent]:
         """In-process use: the request's events as they come (blocking)."""
         sender = QueueSender()
-        self.add(request, sender)
+        self.add(request, sender, warm=warm)
         try:
             yield from sender
         finally:
@@ -251,6 +286,77 @@ class Engine:
 
     def stats(self) -> GenerationStats:
         return self.stats_
+
+    # --- sleep and wake (the module's docstring)
+
+    def sleep(self, level: int) -> None:
+        """Sleep at ``level`` (:data:`SLEEP_LEVELS`): every request ended, the cache freed,
+        the weights offloaded (1) or dropped (2); returns once done. Asleep already: the
+        deeper level is taken (vLLM's, which sleeps again)."""
+        if level not in SLEEP_LEVELS:
+            raise InvalidArgument(f"sleep level must be 1 or 2, got {level}")
+        with self._lock:  # refused from now on, not from the loop's next turn
+            was, self.sleeping = self.sleeping, max(self.sleeping, level)
+        if was >= level:
+            return
+        self._command(lambda: self._sleep(level, was))
+
+    def wake_up(self) -> None:
+        """The cache and the weights back; returns once done. Requests are still refused
+        until :meth:`resume` (the network warms the model up in between)."""
+        if self.sleeping:
+            self._command(self._wake)
+
+    def resume(self) -> None:
+        """Serve requests again (awake)."""
+        with self._lock:
+            self.sleeping = 0
+        log.info("model %s awake", self.name)
+
+    def forget_prefixes(self) -> None:
+        """The prefix cache of the slots no sequence holds forgotten (a warm-up's prompts)."""
+        self._command(
+            lambda: [self.table.truncate(s, 0) for s in self.table.slots if s.owner is None]
+        )
+
+    def _command(self, fn: Any) -> None:
+        done: futures.Future = futures.Future()
+        with self._lock:
+            if self._closing:
+                raise Cancelled(f"model {self.name}: the engine is closing")
+            self._commands.append((fn, done))
+            self._woken = True
+            self._lock.notify()
+        done.result()
+
+    def _sleep(self, level: int, was: int) -> None:
+        for state in list(self._requests.values()):
+            self.output.end(state, "abort")
+        for slot in self.table.slots:  # the prefix cache's index names rows about to go
+            self.table.truncate(slot, 0)
+        if not was:
+            self.decoder.release_cache(self.cache)
+        self.decoder.sleep(level)
+        with self.stats_.lock:
+            self.stats_.kv_cache_bytes = 0
+        give_back_freed_memory()  # the heaps' freed pages back to the system (the host's RSS)
+        log.info("model %s asleep (level %d)", self.name, level)
+
+    def _wake(self) -> None:
+        self.decoder.wake_up()
+        self.decoder.restore_cache(self.cache)
+        with self.stats_.lock:
+            self.stats_.kv_cache_bytes = self.cache.nbytes
+
+    def _run_commands(self, commands: list[tuple[Any, futures.Future]]) -> None:
+        """Each command run, on the loop thread between steps."""
+        for fn, done in commands:
+            try:
+                fn()
+            except BaseException as exc:  # the caller's to answer
+                done.set_exception(exc)
+            else:
+                done.set_result(None)
 
     def close(self) -> None:
         """End every request (``abort``) and stop the loop thread."""
@@ -272,8 +378,17 @@ class Engine:
                 closing = self._closing
                 new, self._inbox = self._inbox, []
                 aborts, self._aborts = self._aborts, set()
+                commands, self._commands = self._commands, []
             self.scheduler.waiting.extend(new)
+            if commands and not closing:
+                if flight is not None:  # its tokens first: the pipeline is empty for them
+                    flight = self._pipelined_last(flight)
+                self._run_commands(commands)
+                self._gauges()
+                continue
             if closing:
+                for _fn, done in commands:
+                    done.set_exception(Cancelled(f"model {self.name}: the engine is closing"))
                 _drain(flight)
                 for state in list(self._requests.values()):
                     self.output.end(state, "abort")
@@ -337,6 +452,14 @@ class Engine:
             _drain(behind)  # its rows' slots are free only once it is done
             return None
         return behind
+
+    def _pipelined_last(self, flight: Launched) -> None:
+        """``flight``'s tokens processed with nothing launched behind it."""
+        try:
+            self._settle(flight, None)
+        except Exception:
+            log.exception("model %s: generation step failed", self.name)
+            self._failed(list(flight.group))
 
     def _settle(self, flight: Launched, behind: Launched | None) -> None:
         """``flight``'s tokens on the host: written to the slots' records of the sequences

@@ -6,7 +6,14 @@ the folder (:mod:`.folder`), loads its tokenizer, compiles the decoder graph on 
 through the Core like any network (so every device that runs the graph serves it: NUMPY, ORT,
 OPENVINO, HETERO, AUTO...), sizes the cache from the settings and starts the engine. One
 request of two tokens runs before the network is returned, so a graph that does not run on
-the device fails its load, not its first request.
+the device fails its load, not its first request; then the warm-up (:mod:`.warmup`: prefill
+and decode at a few batch sizes, CUDA graphs captured), so the model is listed (and reported
+ready) only once it has generated as its clients will.
+
+Sleep and wake (:meth:`GenerativeNetwork.sleep`, :meth:`GenerativeNetwork.wake_up`; the
+``/sleep`` and ``/wake_up`` routes): the engine's (:meth:`.engine.Engine.sleep`); a sleeping
+model is not ready (KServe model readiness) and refuses requests 503; the wake warms it up
+again before it takes requests.
 
 Settings: the config keys of :data:`ENGINE_KEYS` (in a model's ``config.json`` ``config``, a
 Triton ``config.pbtxt``'s ``parameters``, or a load's config) over the server's flags
@@ -31,6 +38,7 @@ import dataclasses
 import json
 import logging
 import os
+import threading
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
@@ -51,8 +59,8 @@ from plugserve.plugins.api import (
 )
 from plugserve.plugins.configuration import Configuration
 from plugserve.plugins.responses import Response
-from plugserve.server.apps.generate import limits
-from plugserve.server.apps.generate.decoder import choose_decoder
+from plugserve.server.apps.generate import limits, warmup
+from plugserve.server.apps.generate.decoder import SharedBufferDecoder, choose_decoder
 from plugserve.server.apps.generate.decoder_openvino import PagedDecoder, is_paged, serving_device
 from plugserve.server.apps.generate.engine import Engine, EngineSettings, QueueSender
 from plugserve.server.apps.generate.folder import ModelFolder
@@ -75,6 +83,7 @@ ENGINE_KEYS = {
     "MAX_WAITING": "max_waiting",
     "ASYNC_SCHEDULING": "async_scheduling",
     "STREAM_INTERVAL": "stream_interval",
+    "WARMUP": "warmup",
 }
 #: the most tokens one event may hold (STREAM_INTERVAL, --stream-interval)
 MAX_STREAM_INTERVAL = 1024
@@ -140,6 +149,10 @@ def engine_settings(
         field = ENGINE_KEYS.get(key.upper()) if isinstance(key, str) else None
         if field is None:
             rest[key] = value
+            continue
+        if field == "warmup":
+            warmup.parse(str(value))  # InvalidArgument naming what is wrong
+            values[field] = str(value)
             continue
         if field in ("enable_prefix_caching", "async_scheduling"):
             text = str(value).strip().upper()
@@ -225,6 +238,11 @@ def load_generative(
                 decoder_network, folder.graph, folder.kind, folder.text_config,
                 folder.genai_config, capacity,
             )  # fmt: skip
+        if isinstance(decoder, SharedBufferDecoder) and decoder_network.plugin.name == "OPENVINO":
+            decoder.batches = False  # (the attribute's docstring)
+        if not is_paged(decoder_network):  # level-2 sleep closes it; the wake compiles it
+            # (the paged form's network is kept: its load is serving_device's, not redone here)
+            decoder.reload = lambda: core.load_network(str(folder.graph), device, device_config)
         per_slot = decoder.layout.bytes_per_slot
         rows = _slots(folder, settings, capacity, per_slot)
         network = GenerativeNetwork(
@@ -336,7 +354,9 @@ class GenerativeNetwork(CompiledNetwork):
             super().__init__(decoder_network.plugin, folder.path.name, decoder_network.config)
         else:
             super().__init__(None, folder.path.name, config or Configuration())  # type: ignore[arg-type]
-        self.decoder_network = decoder_network
+        #: a graph decoder's (None: the torch decoder's own module), and its precision
+        self._graph = decoder_network is not None
+        self._precision = decoder_network.precision if decoder_network is not None else ""
         self.folder = folder
         self.tokenizer = tokenizer
         self.settings = settings
@@ -344,16 +364,21 @@ class GenerativeNetwork(CompiledNetwork):
         self._inputs = list(_INPUTS)
         self._outputs = list(_OUTPUTS)
         self.engine = Engine(folder.path.name, decoder, tokenizer, settings, rows)
+        self._sleep_lock = threading.Lock()  # one sleep or wake at a time
+
+    @property
+    def decoder_network(self) -> CompiledNetwork | None:
+        """The graph compiled on its device (None: the torch decoder, or a graph closed by a
+        level-2 sleep until the wake compiles it again)."""
+        return self.engine.decoder.network if self._graph else None
 
     @property
     def device(self) -> str:
-        return self.plugin.name if self.decoder_network is not None else self.device_name
+        return self.plugin.name if self._graph else self.device_name
 
     @property
     def precision(self) -> str:
-        if self.decoder_network is None:
-            return self.engine.decoder.precision
-        return self.decoder_network.precision
+        return self._precision if self._graph else self.engine.decoder.precision
 
     # --- generation's one entry, which every face uses (OpenAI, KServe, in-process)
 
@@ -400,15 +425,57 @@ class GenerativeNetwork(CompiledNetwork):
         return super()._metric(name)
 
     def warm_up(self) -> None:
-        """Two tokens for a two-token prompt: the graph runs on its device, or the load fails."""
+        """Two tokens for a two-token prompt (the graph runs on its device, or the load
+        fails), then the warm-up the settings ask (:mod:`.warmup`), logged."""
         first = self.tokenizer.bos_token_id or 0
         request = GenerationRequest(
             f"warm-up-{uuid.uuid4().hex}",
             [first, first],
             SamplingParams(max_tokens=2, temperature=0.0),
         )
-        for _event in self.engine.generate(request):
-            pass
+        saved = self.engine.stats_.counters()
+        try:
+            for _event in self.engine.generate(request, warm=True):
+                pass
+        finally:
+            self.engine.stats_.restore(saved)
+        plan = warmup.parse(self.settings.warmup)
+        if plan is None:
+            return
+        done = warmup.run(self.engine, plan, first)
+        log.info(
+            "generative model %s warmed up: %d requests (batch size x prompt length: %s) in "
+            "%.2f s; decode graphs captured: %d",
+            self.folder.path, done["requests"], ", ".join(f"{b}x{n}" for b, n in done["rounds"]),
+            done["seconds"], done["graphs"],
+        )  # fmt: skip
+
+    # --- sleep and wake (the module's docstring)
+
+    @property
+    def sleeping(self) -> int:
+        """The sleep level (0: awake)."""
+        return self.engine.sleeping
+
+    def sleep(self, level: int) -> None:
+        """The engine asleep at ``level`` (1 or 2); returns once its memory is released."""
+        with self._sleep_lock:
+            self.engine.sleep(level)
+
+    def wake_up(self) -> None:
+        """The weights and the cache back, the model warmed up, requests taken again."""
+        with self._sleep_lock:
+            if not self.engine.sleeping:
+                return
+            self.engine.wake_up()
+            try:
+                self.warm_up()
+            finally:
+                self.engine.resume()
+
+    def ready(self) -> bool:
+        """Not while asleep (KServe model readiness: a sleeping model refuses requests)."""
+        return not self.engine.sleeping
 
     def create_infer_request(self) -> GenerativeInferRequest:
         return GenerativeInferRequest(self)
@@ -418,8 +485,9 @@ class GenerativeNetwork(CompiledNetwork):
 
     def close(self) -> None:
         self.engine.close()
-        if self.decoder_network is not None:
-            self.decoder_network.close()
+        network = self.decoder_network
+        if network is not None:
+            network.close()
         super().close()
 
 

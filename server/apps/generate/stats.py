@@ -10,8 +10,10 @@ scraped.
 from __future__ import annotations
 
 import bisect
+import copy
 import dataclasses
 import threading
+from typing import Any
 
 __all__ = ["BUCKETS", "GenerationStats", "Histogram", "Snapshot"]
 
@@ -66,6 +68,10 @@ class Snapshot:
     kv_cache_blocks: int = 0
     #: decode steps launched behind the one in flight (:mod:`.overlap`)
     pipelined_steps: int = 0
+    #: warm-up requests run (:mod:`.warmup`: at load and at each wake), and the seconds
+    #: the last warm-up took
+    warmup_requests: int = 0
+    warmup_seconds: float = 0.0
 
 
 class GenerationStats:
@@ -85,6 +91,27 @@ class GenerationStats:
         self.block_size = 0  # set once by the engine, with kv_cache_bytes
         self.kv_cache_blocks = 0
         self.pipelined_steps = 0
+        self.warmup_requests = 0
+        self.warmup_seconds = 0.0
+
+    #: what requests count (a warm-up's are put back: :meth:`counters`, :meth:`restore`)
+    _COUNTED = (
+        "histograms", "prompt_tokens", "generation_tokens", "cached_prompt_tokens", "finished",
+        "pipelined_steps",
+    )  # fmt: skip
+
+    def counters(self) -> dict[str, Any]:
+        """The request counters and histograms as they are (:meth:`restore` puts them back)."""
+        with self.lock:
+            return {name: copy.deepcopy(getattr(self, name)) for name in self._COUNTED}
+
+    def restore(self, saved: dict[str, Any]) -> None:
+        """The counters as :meth:`counters` read them: a warm-up's requests counted nowhere
+        (it runs while no request is served: at load, before the model is listed, and at
+        wake, before requests are taken again)."""
+        with self.lock:
+            for name, value in saved.items():
+                setattr(self, name, value)
 
     def snapshot(self) -> Snapshot:
         with self.lock:
@@ -101,4 +128,6 @@ class GenerationStats:
                 self.block_size,
                 self.kv_cache_blocks,
                 self.pipelined_steps,
+                self.warmup_requests,
+                self.warmup_seconds,
             )

@@ -84,6 +84,7 @@ from plugserve.server.protocols.openai.errors import (
 )
 from plugserve.server.protocols.openai.responses import ResponsesRoutes
 from plugserve.server.protocols.openai.responses_store import ResponseStore
+from plugserve.server.protocols.openai.sleep import SleepRoutes
 from plugserve.server.protocols.openai.tokenize import TokenizeRoutes
 
 __all__ = ["MAX_QUEUED", "OpenAIRoutes"]
@@ -148,6 +149,7 @@ class OpenAIRoutes:
             responses_store = ResponseStore(plane.budget)
         self.responses = ResponsesRoutes(self, responses_store)
         self.tokenize = TokenizeRoutes(self, _chat_ids, _completion_ids, _check_prompt)
+        self.sleeping = SleepRoutes(control)
 
     def routes(self) -> list[tuple[str, dict[str, tuple[str, Callable[[Any], Any]]]]]:
         """``Router.add_routes``' table: each path authorized as the KServe method it stands
@@ -170,6 +172,7 @@ class OpenAIRoutes:
             # them too (tests/server/test_roles.py reads it from an uninitialized instance)
             table += ResponsesRoutes.table(prefix, infer, guard, lambda: self.responses)
         table += TokenizeRoutes.table(infer, guard, lambda: self.tokenize)
+        table += SleepRoutes.table(guard, lambda: self.sleeping)  # admin: vLLM's sleep mode
         return table
 
     def close(self) -> None:
