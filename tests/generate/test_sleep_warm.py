@@ -81,7 +81,7 @@ def server(tmp_path_factory):
     big = _big(tmp_path_factory.mktemp("big"))
     planned = json.dumps({"batch_sizes": [1, 3], "prompt_lens": [8]})
     entries = {
-        "llama": (tiny, "TORCH", {**THREADS, "MAX_NUM_SEQS": "4"}),
+        "llama": (tiny, "TORCH", {**THREADS, "MAX_NUM_SEQS": "4", "WARMUP": "default"}),
         "big": (big, "TORCH", {**THREADS, "MAX_NUM_SEQS": "2"}),
         "planned": (tiny, "TORCH", {**THREADS, "MAX_NUM_SEQS": "4", "WARMUP": planned}),
         "cold": (tiny, "TORCH", {**THREADS, "WARMUP": "off"}),
@@ -258,7 +258,7 @@ def test_the_first_request_after_ready_is_not_the_slow_one(tmp_path):
     the server's time, not a client's first call, which the ``openai`` client's pydantic
     models made 0.8 s against 0.17)."""
     big = _big(tmp_path / "big")
-    entries = {"big": (big, "TORCH", {**THREADS, "MAX_NUM_SEQS": "2"})}
+    entries = {"big": (big, "TORCH", {**THREADS, "MAX_NUM_SEQS": "2", "WARMUP": "default"})}
     body = json.dumps(
         {"model": "big", "prompt": "Once upon a time there was", "max_tokens": 16,
          "temperature": 0, "ignore_eos": True}

@@ -136,7 +136,7 @@ class EngineSettings:
     stream_interval: int = 1
     #: the warm-up before the model is ready (:mod:`.warmup`): "off", "default", or a JSON
     #: object of ``batch_sizes`` and ``prompt_lens``
-    warmup: str = "default"
+    warmup: str = "off"
 
 
 class Engine:
