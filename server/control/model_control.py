@@ -53,7 +53,8 @@ from plugserve.server.plane.dataplane import DataPlane, ShuttingDown
 from plugserve.server.plane.metrics import Metrics
 from plugserve.server.plane.networks import LoadedNetwork
 from plugserve.server.plane.queue_policy import PolicyQueue, QueuePolicy
-from plugserve.server.plane.sequences import SequenceBatcher, Sequences, SequenceSettings
+from plugserve.server.plane.sequence_config import SequenceSettings
+from plugserve.server.plane.sequences import SequenceBatcher, Sequences
 from plugserve.server.plane.versions import check_version, is_version, next_version
 
 if TYPE_CHECKING:

@@ -82,7 +82,7 @@ from plugserve.plugins.api import InvalidArgument
 from plugserve.server.control.placement import InstanceGroup, Placement, read_groups
 from plugserve.server.control.warmup import Warmup, read_warmup
 from plugserve.server.plane.queue_policy import QueuePolicy, read_queue_policy
-from plugserve.server.plane.sequences import (
+from plugserve.server.plane.sequence_config import (
     SequenceSettings,
     read_ovms_stateful,
     read_sequence_batching,
