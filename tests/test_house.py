@@ -165,7 +165,6 @@ LONG_MODULES: dict[str, int] = {}
 LONG_FUNCTIONS = {
     "plugins/torch/ops/nn.py::_interpolate_resize": 103,
     "plugins/torch/program.py::Program.__init__": 114,
-    "server/protocols/openai/serving.py::OpenAIRoutes._generate": 119,
 }
 
 

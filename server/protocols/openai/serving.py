@@ -448,31 +448,7 @@ class OpenAIRoutes:
         trace: Trace | None = None,
         plan: tools.Plan | None = None,
     ) -> Any:
-        self._check_prompts(model, prompts, field)
-        self._check_logprobs(model, ask)
-        if ask.n > model.max_n:
-            raise OpenAIError(
-                f"'n' is {ask.n}; this model runs at most {model.max_n} sequences at once "
-                "(its max_num_seqs)",
-                "n",
-            )
-        longest = max(len(p) for p in prompts)
-        max_tokens = self._max_tokens(model, ask, longest)
-        bias = ask.sampling.get("logit_bias") or {}
-        for token in bias:
-            if token >= model.vocab_size:
-                raise OpenAIError(
-                    f"'logit_bias' names token {token}; this model's vocabulary has "
-                    f"{model.vocab_size} tokens",
-                    "logit_bias",
-                )
-        for token in ask.sampling.get("stop_token_ids") or ():
-            if token >= model.vocab_size:
-                raise OpenAIError(
-                    f"'stop_token_ids' names token {token}; this model's vocabulary has "
-                    f"{model.vocab_size} tokens",
-                    "stop_token_ids",
-                )
+        max_tokens = self._checked(model, ask, prompts, field)
         constraints, schema_bytes = await self._constraints(model, ask, len(prompts))
         if plan is not None:  # a grammar waits for the reasoning to end
             constraints = plan.gated(constraints, model.tokenizer)
@@ -506,12 +482,55 @@ class OpenAIRoutes:
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         if trace is not None:
             name_request(trace, rid)
-        holds = _answer_bytes(ask, max_tokens) * len(prompts) + schema_bytes
-        holds += _ID_BYTES * sum(len(p) for p in prompts)  # the prompts' ids, while it runs
-        if scored is not None:  # the prompts' logprobs, each token's k alternatives
-            holds += _LOGPROB_BYTES * (scored + 1) * sum(len(p) for p in prompts)
-        if plan is not None:  # a call being read, held until it closes
-            holds += plan.holds(ask.n * len(prompts), ask.stream)
+        holds = _holds(ask, max_tokens, prompts, scored, schema_bytes, plan)
+        streams = self._open_all(model, ask, rid, prompts, params, constraints, holds, trace)
+        answer = Answer(model, ask, kind, rid, prompts, echo, plan)
+        answer.prompt_only = echo and max_tokens == 0
+        if ask.stream:
+            return stream_reply(answer, streams)
+        return await self._whole(answer, streams, prompts, scored)
+
+    def _checked(
+        self, model: ServedModel, ask: protocol.GenerationAsk, prompts: list[list[int]], field: str
+    ) -> int:
+        """The ask's checks against the model (prompts, logprobs, n, token ids it names), once,
+        before anything is held; returns its max_tokens."""
+        self._check_prompts(model, prompts, field)
+        self._check_logprobs(model, ask)
+        if ask.n > model.max_n:
+            raise OpenAIError(
+                f"'n' is {ask.n}; this model runs at most {model.max_n} sequences at once "
+                "(its max_num_seqs)",
+                "n",
+            )
+        max_tokens = self._max_tokens(model, ask, max(len(p) for p in prompts))
+        named = (
+            ("logit_bias", ask.sampling.get("logit_bias") or {}),
+            ("stop_token_ids", ask.sampling.get("stop_token_ids") or ()),
+        )
+        for key, tokens in named:
+            for token in tokens:
+                if token >= model.vocab_size:
+                    raise OpenAIError(
+                        f"'{key}' names token {token}; this model's vocabulary has "
+                        f"{model.vocab_size} tokens",
+                        key,
+                    )
+        return max_tokens
+
+    def _open_all(
+        self,
+        model: ServedModel,
+        ask: protocol.GenerationAsk,
+        rid: str,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        constraints: list[Any],
+        holds: int,
+        trace: Trace | None,
+    ) -> list[Any]:
+        """A stream per prompt (its ``n`` sequences), the first holding the answer's bytes; a
+        failure part way cancels the ones opened."""
         streams = []
         try:
             for i, ids in enumerate(prompts):
@@ -537,10 +556,12 @@ class OpenAIRoutes:
             for stream in streams:
                 stream.cancel()
             raise
-        answer = Answer(model, ask, kind, rid, prompts, echo, plan)
-        answer.prompt_only = echo and max_tokens == 0
-        if ask.stream:
-            return stream_reply(answer, streams)
+        return streams
+
+    async def _whole(
+        self, answer: Answer, streams: list[Any], prompts: list[list[int]], scored: int | None
+    ) -> Any:
+        """A non-streamed answer: every stream's events gathered, then encoded."""
         try:
             async for batch in merged(streams):
                 for index, event in batch:
@@ -549,7 +570,7 @@ class OpenAIRoutes:
             for stream in streams:
                 stream.cancel()
         tokens = sum(len(t) for t in answer.token_ids) + sum(answer.completion)
-        size = tokens * (1 + (ask.logprobs or 0))
+        size = tokens * (1 + (answer.ask.logprobs or 0))
         if scored is not None:  # the prompts' logprobs are written too
             size += sum(len(p) for p in prompts) * (1 + scored)
         if size > INLINE_BYTES // 64:
@@ -714,6 +735,25 @@ def _is_encoder(entry: Any, control: Any) -> bool:
     except PlugserveError as exc:  # a broken folder: said at each listing, served by none
         log.warning("model %r: not an embedding model: %s", entry.name, exc)
         return False
+
+
+def _holds(
+    ask: protocol.GenerationAsk,
+    max_tokens: int,
+    prompts: list[list[int]],
+    scored: int | None,
+    schema_bytes: int,
+    plan: tools.Plan | None,
+) -> int:
+    """The bytes a generation holds while it runs: its answers, the schema's matchers, the
+    prompts' ids, their logprobs (each token's k alternatives) and a tool call being read."""
+    holds = _answer_bytes(ask, max_tokens) * len(prompts) + schema_bytes
+    holds += _ID_BYTES * sum(len(p) for p in prompts)
+    if scored is not None:
+        holds += _LOGPROB_BYTES * (scored + 1) * sum(len(p) for p in prompts)
+    if plan is not None:  # held until the call closes
+        holds += plan.holds(ask.n * len(prompts), ask.stream)
+    return holds
 
 
 def _prompt_scored(ask: protocol.GenerationAsk, echo: bool) -> int | None:
