@@ -196,6 +196,23 @@ def _folded(graph: Graph, converting: Converting, torch: Any, host: Any, compute
         unfolded.add(index)
 
 
+def _with_frees(
+    steps: list[tuple[Any, list[int], list[int], str]], keep: set[int], template: list[Any]
+) -> list[tuple[Any, list[int], list[int], str, list[int]]]:
+    """Each step with the slots it reads last: freed after it runs (not the inputs, outputs
+    or template's values), so a run holds only the values still to be read."""
+    last: dict[int, int] = {}
+    for index, (_fn, ins, _outs, _what) in enumerate(steps):
+        for i in ins:
+            if i >= 0:
+                last[i] = index
+    return [
+        (fn, ins, outs, what, [i for i in set(ins) if i >= 0 and last.get(i) == index
+                               and i not in keep and template[i] is None])
+        for index, (fn, ins, outs, what) in enumerate(steps)
+    ]  # fmt: skip
+
+
 class Program:
     """The steps of one graph, run over slots; values in and out as numpy arrays."""
 
@@ -281,41 +298,47 @@ class Program:
                         steps.append((moved, [slot(n)], [on_device(n)], what))
             #: (a host value the graph outputs is moved: its device form)
             self.output_slots = [on_device(s.name) for s in graph.outputs]
-            self.template: list[Any] = [None] * len(slots)
-            for name, value in graph.initializers.items():
-                if name in slots:
-                    self.template[slots[name]] = to_tensor(torch, value, device, compute)
-            for name, at in host_copies.items():
-                self.template[at] = known.value(name)
-            for index in plan.folded:  # their device forms, where device steps read them
-                for n in graph.nodes[index].outputs:
-                    if n in slots and n in known:
-                        held = held_dtype(torch, converting.types[n], compute)
-                        form = self.template[slots[n]] = known[n].to(held).to(device)
-                        if device.type != "cpu":
-                            self.device_nbytes += form.numel() * form.element_size()
-            if layout.wanted(torch, device, compute):  # f16/bf16 on CUDA: NHWC convolutions
-                layout.weights_channels_last(torch, graph, slots, self.template)
-                layout.benchmark(torch, graph)
-            if device.type == "cuda":
-                # the weights' casts (to_tensor's ``.to(held)``) are kernels on this thread's
-                # stream; requests read them on their lanes' streams, which do not wait for
-                # it: done before any request can start
-                torch.cuda.current_stream(device).synchronize()
+            self.template = self._template(graph, converting, slots, host_copies, known)
         #: whether a node indexes with data (ops/bounds.py): its requests read a bounds flag
         self.checks_bounds = any(node.op_type in CHECKED_OPS for node in graph.nodes)
         self.output_types = [converting.types.get(s.name) for s in graph.outputs]
         keep = set(self.output_slots) | set(self.input_slots)
-        last: dict[int, int] = {}
-        for index, (_fn, ins, _outs, _what) in enumerate(steps):
-            for i in ins:
-                if i >= 0:
-                    last[i] = index
-        self.steps = [
-            (fn, ins, outs, what, [i for i in set(ins) if i >= 0 and last.get(i) == index
-                                   and i not in keep and self.template[i] is None])
-            for index, (fn, ins, outs, what) in enumerate(steps)
-        ]  # fmt: skip
+        self.steps = _with_frees(steps, keep, self.template)
+
+    def _template(
+        self,
+        graph: Graph,
+        converting: Converting,
+        slots: dict[str, int],
+        host_copies: dict[str, int],
+        known: Any,
+    ) -> list[Any]:
+        """The slots' values before a run: the weights on the device (in its precision, NHWC
+        where it convolves so), the constants' host copies and the folded nodes' device forms
+        (their bytes added to :attr:`device_nbytes`)."""
+        torch, device, compute = self.torch, self.device, self.compute
+        template: list[Any] = [None] * len(slots)
+        for name, value in graph.initializers.items():
+            if name in slots:
+                template[slots[name]] = to_tensor(torch, value, device, compute)
+        for name, at in host_copies.items():
+            template[at] = known.value(name)
+        for index in self.plan.folded:  # their device forms, where device steps read them
+            for n in graph.nodes[index].outputs:
+                if n in slots and n in known:
+                    held = held_dtype(torch, converting.types[n], compute)
+                    form = template[slots[n]] = known[n].to(held).to(device)
+                    if device.type != "cpu":
+                        self.device_nbytes += form.numel() * form.element_size()
+        if layout.wanted(torch, device, compute):  # f16/bf16 on CUDA: NHWC convolutions
+            layout.weights_channels_last(torch, graph, slots, template)
+            layout.benchmark(torch, graph)
+        if device.type == "cuda":
+            # the weights' casts (to_tensor's ``.to(held)``) are kernels on this thread's
+            # stream; requests read them on their lanes' streams, which do not wait for
+            # it: done before any request can start
+            torch.cuda.current_stream(device).synchronize()
+        return template
 
     def held(self, np_type: np.dtype) -> Any:
         """The torch dtype an input of ``np_type`` is held in on the device (:mod:`.graphs`

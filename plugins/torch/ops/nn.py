@@ -608,6 +608,28 @@ def resize(ctx: NodeContext) -> Any:
         return general_resize(ctx)
 
 
+def _interpolate_mode(
+    ctx: NodeContext, mode: str, transform: str, nearest: str, integer_up: bool
+) -> tuple[str, bool]:
+    """torch's interpolate mode (and align_corners) that computes ONNX's Resize ``mode`` under
+    its coordinate transformation exactly; Refused where none does."""
+    if mode == "nearest":
+        if transform == "asymmetric" and nearest == "floor":
+            return "nearest", False
+        if transform in ("half_pixel", "pytorch_half_pixel") and nearest == "round_prefer_ceil":
+            return "nearest-exact", False
+        if integer_up and transform in _NEAREST_ANY and nearest != "ceil":
+            return "nearest", False
+        raise Refused(f"Resize nearest with {transform} and {nearest}")
+    if mode not in ("linear", "cubic"):
+        raise Refused(f"Resize mode {mode!r}")
+    if mode == "cubic" and float(ctx.attr("cubic_coeff_a", -0.75)) != -0.75:
+        raise Refused("Resize cubic with cubic_coeff_a other than -0.75")
+    if transform != "align_corners" and transform not in ("half_pixel", "pytorch_half_pixel"):
+        raise Refused(f"Resize {mode} with {transform}")
+    return ("linear" if mode == "linear" else "bicubic"), transform == "align_corners"
+
+
 def _interpolate_resize(ctx: NodeContext) -> Any:
     torch = ctx.torch
     F = torch.nn.functional
@@ -648,32 +670,7 @@ def _interpolate_resize(ctx: NodeContext) -> Any:
         and scales_const.size
         and all(float(s) >= 1 and float(s).is_integer() for s in np.asarray(scales_const).ravel())
     )
-    align = False
-    if mode == "nearest":
-        if transform == "asymmetric" and nearest == "floor":
-            how = "nearest"
-        elif transform in ("half_pixel", "pytorch_half_pixel") and nearest == "round_prefer_ceil":
-            how = "nearest-exact"
-        elif integer_up and transform in _NEAREST_ANY and nearest != "ceil":
-            how = "nearest"
-        else:
-            raise Refused(f"Resize nearest with {transform} and {nearest}")
-    elif mode == "linear":
-        if transform == "align_corners":
-            align = True
-        elif transform not in ("half_pixel", "pytorch_half_pixel"):
-            raise Refused(f"Resize linear with {transform}")
-        how = "linear"
-    elif mode == "cubic":
-        if float(ctx.attr("cubic_coeff_a", -0.75)) != -0.75:
-            raise Refused("Resize cubic with cubic_coeff_a other than -0.75")
-        if transform == "align_corners":
-            align = True
-        elif transform not in ("half_pixel", "pytorch_half_pixel"):
-            raise Refused(f"Resize cubic with {transform}")
-        how = "bicubic"
-    else:
-        raise Refused(f"Resize mode {mode!r}")
+    how, align = _interpolate_mode(ctx, mode, transform, nearest, bool(integer_up))
     pytorch_half = transform == "pytorch_half_pixel"
 
     def run(x: Any, roi: Any = None, scales: Any = None, sizes: Any = None) -> Any:
