@@ -194,10 +194,7 @@ def test_type_only_imports_obey_the_floors() -> None:
 
 #: Today's imports from the shared plumbing (``server/protocols/`` outside an adapter's folder:
 #: ``http/``, ``grpc/``, ``status``, ``auth``) of an adapter. The list only shrinks.
-PLUMBING_TO_ADAPTER = {
-    # the REST infer body's decode and encode run in the helper processes offload starts
-    "plugserve.server.protocols.http.offload -> plugserve.server.protocols.kserve.json_codec",
-}
+PLUMBING_TO_ADAPTER: set[str] = set()
 
 
 def _plumbing_to_adapters(graph: dict[str, set[str]]) -> list[str]:

@@ -82,6 +82,7 @@ from plugserve.server.protocols.http.http_server import (
 )
 from plugserve.server.protocols.kserve import codec as kserve_convert
 from plugserve.server.protocols.kserve import grpc_service as kserve
+from plugserve.server.protocols.kserve import json_offload
 from plugserve.server.protocols.kserve.codec import (
     model_parameters,
     request_priority,
@@ -441,7 +442,7 @@ class RestApp:
                     entry.dims,
                 )  # fmt: skip
             elif header_length is None and len(call.body) > rest_offload.PROCESS_BYTES:
-                request = rest_offload.decode(call.body)  # parsing here would hold the GIL
+                request = json_offload.decode(call.body)  # parsing here would hold the GIL
                 for name, array in request.inputs.items():
                     expect(name, array.dtype, list(array.shape))
             else:
@@ -704,7 +705,7 @@ def _infer_reply(entry: LoadedNetwork, request: InferCall, outputs: dict[str, An
         and _bytes_of(outputs) > rest_offload.PROCESS_BYTES
         and any(not request.binary.get(name, request.binary_default) for name in outputs)
     ):
-        pieces, header_length = rest_offload.encode(
+        pieces, header_length = json_offload.encode(
             entry.name, entry.version, request, outputs, echo
         )
     else:
