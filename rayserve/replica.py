@@ -35,13 +35,10 @@ from plugserve.plugins.api import PlugserveError
 from plugserve.ray.http import serve_http
 from plugserve.ray.kserve_grpc import METHODS, STREAMING, KServeBridge
 from plugserve.server.process.app import NotServable, Server
+from plugserve.server.process.rest_faces import RestFaces, build_rest
 from plugserve.server.process.settings import Settings
 from plugserve.server.protocols.auth import AuthInterceptor, load_tokens
 from plugserve.server.protocols.kserve.grpc_service import KServeServicer
-from plugserve.server.protocols.kserve.rest import RestApp
-from plugserve.server.protocols.openai import OpenAIRoutes
-from plugserve.server.protocols.openai.anthropic import AnthropicRoutes
-from plugserve.server.protocols.openai.responses_store import configured
 
 __all__ = ["ReplicaBase", "replica_class"]
 
@@ -58,7 +55,7 @@ class ReplicaBase:
     def __init__(self, settings: dict[str, Any], threads: int) -> None:
         s = Settings.load(argparse.Namespace(**settings))
         logging.getLogger("plugserve").setLevel(s.log_level.upper())
-        self.rest: RestApp | None = None
+        self.rest: RestFaces | None = None
         self.kserve: KServeBridge | None = None
         self.server = Server(s)
         plane, control = self.server.plane, self.server.control
@@ -73,13 +70,8 @@ class ReplicaBase:
                 load_tokens(s.auth_tokens), bool(s.open_health), bool(s.open_reflection)
             )
         local = not s.allow_remote_control
-        self.rest = RestApp(plane, control, s.max_message_bytes, auth, local_control=local)
-        store = configured(plane.budget, s, auth.tokens.tenants if auth is not None else 1)
-        openai = OpenAIRoutes(plane, control, s.max_completion_tokens, store)
-        self.rest.add_routes(openai.routes(), openai.refusal)
-        anthropic = AnthropicRoutes(openai)
-        self.rest.add_routes(anthropic.routes(), anthropic.refusal, auth_errors=True)
-        self.server.openai = openai  # closed by Server.stop
+        self.rest = build_rest(plane, control, s, auth)
+        self.server.openai = self.rest.openai  # closed by Server.stop
         tenant_of = auth.tenant if auth is not None else None
         self.kserve = KServeBridge(KServeServicer(plane, control, tenant_of), threads, auth, local)
 

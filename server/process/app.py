@@ -53,6 +53,7 @@ from plugserve.server.plane.dataplane import DataPlane
 from plugserve.server.plane.metrics import Metrics
 from plugserve.server.plane.shm import SharedMemory
 from plugserve.server.plane.tracing import Tracing
+from plugserve.server.process.rest_faces import build_rest
 from plugserve.server.process.security import security_problems, server_credentials
 from plugserve.server.process.settings import Settings
 from plugserve.server.process.tracing import Exporter, TraceConfig, TracingUnavailable
@@ -67,11 +68,8 @@ from plugserve.server.protocols.grpc.callgate import CallGate, keepalive_options
 from plugserve.server.protocols.grpc.handlers import add_service
 from plugserve.server.protocols.grpc.wrapping import Wrap, WrappingServer
 from plugserve.server.protocols.http.app import HttpService
-from plugserve.server.protocols.kserve.rest import RestApp
 from plugserve.server.protocols.openai import OpenAIRoutes
 from plugserve.server.protocols.openai import body as openai_body
-from plugserve.server.protocols.openai.anthropic import AnthropicRoutes
-from plugserve.server.protocols.openai.responses_store import configured
 from plugserve.server.protocols.v1.servicer import PlugserveServicer
 
 __all__ = ["NotServable", "Server", "main"]
@@ -452,29 +450,9 @@ class Server:
     def _start_rest(self, auth: AuthInterceptor | None) -> None:
         """KServe v2 over HTTP, with the OpenAI routes on the same port."""
         s = self.settings
-        rest_app = RestApp(
-            self.plane,
-            self.control,
-            s.max_message_bytes,
-            auth,
-            local_control=not s.allow_remote_control,
-        )
-        # the OpenAI-compatible API over generative models (server/protocols/openai/)
-        store = configured(self.plane.budget, s, auth.tokens.tenants if auth is not None else 1)
-        self.openai = OpenAIRoutes(
-            self.plane,
-            self.control,
-            s.max_completion_tokens,
-            store,
-            s.tool_call_parser,
-            s.reasoning_parser,
-            s.served_names(),
-            s.max_logprobs,
-        )
-        rest_app.add_routes(self.openai.routes(), self.openai.refusal)
-        anthropic = AnthropicRoutes(self.openai)  # Anthropic's Messages API, on chat's path
-        rest_app.add_routes(anthropic.routes(), anthropic.refusal, auth_errors=True)
-        self.rest = HttpService(rest_app.router, s)
+        faces = build_rest(self.plane, self.control, s, auth)
+        self.openai = faces.openai  # closed by stop
+        self.rest = HttpService(faces.router, s)
         self.http_port = self.rest.start()
 
     def load_models(self) -> None:

@@ -236,28 +236,20 @@ def build(serve_argv: list[str], copy_views: bool = False) -> tuple[Any, KserveA
     """A started plugserve :class:`Server` without its REST port, and the ASGI application
     over its routes (as ``Server._start_rest`` mounts them: KServe, then OpenAI's)."""
     from plugserve.server.process.app import Server, configure_logging
+    from plugserve.server.process.rest_faces import build_rest
     from plugserve.server.process.settings import Settings
-    from plugserve.server.protocols.kserve.rest import RestApp
-    from plugserve.server.protocols.openai import OpenAIRoutes
 
     settings = Settings.from_argv([*serve_argv, "--http-port", "-1"])
     configure_logging(settings)
     server = Server(settings)
     server.start()
-    rest = RestApp(
-        server.plane,
-        server.control,
-        settings.max_message_bytes,
-        None,
-        local_control=not settings.allow_remote_control,
-    )
-    server.openai = OpenAIRoutes(server.plane, server.control, settings.max_completion_tokens)
-    rest.add_routes(server.openai.routes(), server.openai.refusal)
+    faces = build_rest(server.plane, server.control, settings, None)
+    server.openai = faces.openai
     app = KserveAsgi(
-        rest.dispatch,
+        faces.router.dispatch,
         settings.max_message_bytes,
         settings.request_read_timeout,
-        rest.too_large,
+        faces.router.too_large,
         server.plane.budget,
         copy_views,
     )

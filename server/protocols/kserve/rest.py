@@ -70,7 +70,6 @@ from plugserve.server.plane.tracing import name_request
 from plugserve.server.protocols.auth import (
     HEALTH,
     KSERVE,
-    AuthInterceptor,
 )
 from plugserve.server.protocols.http import offload as rest_offload
 from plugserve.server.protocols.http import sse
@@ -135,20 +134,11 @@ _error = error_reply
 class RestApp:
     """The application: route, authorize, inflate the body, call a handler, answer."""
 
-    def __init__(
-        self,
-        plane: DataPlane,
-        control: ModelControl,
-        max_body: int,
-        auth: AuthInterceptor | None = None,
-        local_control: bool = False,
-    ) -> None:
-        """``local_control``: without tokens, the admin routes answer this machine only
-        (``auth.control_refusal``). The routes go on a :class:`Router` of their own
-        (``server/protocols/http/app.py``), which other faces add theirs to."""
+    def __init__(self, plane: DataPlane, control: ModelControl, router: Router) -> None:
+        """KServe v2's routes, registered on the port's ``router`` (built by the process or Ray
+        Serve's replica: ``server/process/rest_faces.py``; other faces add theirs to it)."""
         self.plane = plane
         self.control = control
-        self.router = router = Router(plane.budget, max_body, auth, local_control)
         merged: dict[str, dict[str, tuple[str, Callable[[Call], Any]]]] = {}
         for pattern, verbs, method, handler in self._table():  # a path's methods in one route
             merged.setdefault(pattern, {}).update({verb: (method, handler) for verb in verbs})
@@ -157,11 +147,6 @@ class RestApp:
             decode_own=[self.infer, self.generate, self.generate_stream],
             probes=[self.live, self.ready],
         )
-        # the router's, for those that hold the face (Ray Serve's replica, the process)
-        self.dispatch = router.dispatch
-        self.add_routes = router.add_routes
-        self.refusal = router.refusal
-        self.too_large = router.too_large
         self._in_worker = router.in_worker
 
     def _table(self) -> list[tuple[str, tuple[str, ...], str, Callable[[Call], Any]]]:
