@@ -525,17 +525,13 @@ def test_langchain_bind_tools_stream_and_structured_output(server):
     assert isinstance(made, Forecast) and made.unit in ("c", "f")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 62, open: the forced call's keys are closed, but a free string's end is the "
-    "model's: this random decoder sampled 2,018 tokens of the query without a quote. Bounding "
-    "free strings would cut legitimate long arguments (an agent writing a file); not done",
-)
 def test_langchain_forced_tool_choice_with_free_strings_closes(server):
     """Issue 62: LangChain's ``bind_tools(..., tool_choice="any")`` (OpenAI's "required") on a
     random-weight decoder. The forced call's arguments are held to the declared properties
     (``grammar.closed_schema``): before, the weak model wrote keys the tool never declared
-    until ``max_tokens`` cut the JSON and LangChain got no call."""
+    until ``max_tokens`` cut the JSON and LangChain got no call. And its free string closes
+    within the call's tokens (``grammar.JsonConstraint.close_within``): before, this decoder
+    sampled 2,018 tokens of the query without a quote."""
     langchain_openai = pytest.importorskip("langchain_openai")
     search = {
         "type": "function",
@@ -559,6 +555,37 @@ def test_langchain_forced_tool_choice_with_free_strings_closes(server):
         assert call["name"] == "search"
         assert "query" in call["args"] and set(call["args"]) <= {"query", "site"}, call
         assert all(isinstance(v, str) for v in call["args"].values()), call
+
+
+def test_a_forced_call_with_free_strings_closes_within_max_tokens(api):
+    """A forced call's JSON closes within its tokens (``JsonConstraint.close_within``): on the
+    random-weight decoder, whose strings never end by themselves, each budget gives a call that
+    parses, holds the required key, and spends at most the budget; a larger budget writes a
+    longer string (the closing starts near the budget's end, not at once)."""
+    search = {
+        "type": "function",
+        "function": {
+            "name": "search",
+            "parameters": {
+                "type": "object",
+                "properties": {"query": {"type": "string"}, "site": {"type": "string"}},
+                "required": ["query"],
+            },
+        },
+    }
+    lengths = []
+    for budget in (100, 200):
+        answer = api.chat.completions.create(
+            model="tiny", messages=ASK, tools=[search], tool_choice="required", temperature=0,
+            max_tokens=budget,
+        )  # fmt: skip
+        (call,) = answer.choices[0].message.tool_calls
+        arguments = json.loads(call.function.arguments)
+        assert call.function.name == "search" and "query" in arguments, arguments
+        assert set(arguments) <= {"query", "site"}
+        assert answer.usage.completion_tokens <= budget
+        lengths.append(len(call.function.arguments))
+    assert lengths[1] > lengths[0], lengths
 
 
 def test_instructor_default_mode(server, api):

@@ -32,6 +32,8 @@ runs.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import threading
 import weakref
 from typing import Any
@@ -43,8 +45,11 @@ from plugserve.server.plane.errors import FieldError
 __all__ = [
     "GRAMMAR_KINDS",
     "MAX_SCHEMA_BYTES",
+    "Closing",
     "JsonConstraint",
     "closed_schema",
+    "closing_reserve",
+    "closing_tokens",
     "compile_schema",
     "memory",
 ]
@@ -109,18 +114,109 @@ def _vocabulary(tokenizer: Any, vocab_size: int) -> Any:
         return made
 
 
+#: the model's tokenizer -> its :class:`Closing` tokens
+_closers: weakref.WeakKeyDictionary[Any, Closing] = weakref.WeakKeyDictionary()
+
+
+@dataclasses.dataclass(frozen=True)
+class Closing:
+    """A vocabulary's tokens that close JSON, as llguidance's packed mask words: ``quotes``
+    begin with the quote that ends a string (``"``, ``"}``, ``"]}``), ``brackets`` only close
+    objects and arrays (``}``, ``]}``, whitespace aside); and the text of every token that
+    holds a quote or a backslash (``marks``), from which a constraint tells whether it is
+    inside a string."""
+
+    quotes: np.ndarray
+    brackets: np.ndarray
+    marks: dict[int, str]
+
+
+def closing_tokens(tokenizer: Any, words: int) -> Closing:
+    """The model's :class:`Closing` tokens, once per model: every token decoded alone, in the
+    tokenizer's batch (tens of ms for 32,000 tokens)."""
+    with _lock:
+        found = _closers.get(tokenizer)
+        if found is not None and len(found.quotes) == words:
+            return found
+    size = min(tokenizer.backend.get_vocab_size(with_added_tokens=True), words * 32)
+    texts = tokenizer.backend.decode_batch([[t] for t in range(size)], skip_special_tokens=True)
+    quotes = np.zeros(words * 32, dtype=bool)
+    brackets = np.zeros(words * 32, dtype=bool)
+    marks = {}
+    for token, text in enumerate(texts):
+        if '"' in text or "\\" in text:
+            marks[token] = text
+            quotes[token] = text.lstrip().startswith('"')
+        kept = "".join(text.split())
+        brackets[token] = bool(kept) and set(kept) <= _BRACKETS
+
+    def packed(allowed: np.ndarray) -> np.ndarray:
+        return np.packbits(allowed, bitorder="little").view(np.int32)
+
+    made = Closing(packed(quotes), packed(brackets), marks)
+    with _lock:
+        _closers[tokenizer] = made
+    return made
+
+
+#: what a bracket-closing token is made of, whitespace aside
+_BRACKETS = frozenset("}]")
+
+
 class JsonConstraint:
-    """One sequence's grammar state: the ``constraint`` of its ``SamplingParams``."""
+    """One sequence's grammar state: the ``constraint`` of its ``SamplingParams``.
+
+    A forced tool call must close within its tokens, whatever the model: a weak model (a
+    random-weight decoder sampled 2,018 tokens of a free-string argument without a quote) would
+    have ``max_tokens`` cut the JSON, and the client gets no call. So a call's constraint may be
+    given its token budget (:meth:`close_within`): once only the tokens closing needs are left,
+    the allowed tokens are narrowed to those that close: inside a string, the ones beginning
+    with its closing quote; outside, the ones closing objects and arrays. Where the grammar
+    allows none of them (a required property still missing) nothing is narrowed, so the next
+    key is written and its string closed at once. An argument is cut only where ``max_tokens``
+    would have cut it, and then it still parses."""
 
     def __init__(self, matcher: Any, words: int) -> None:
         self._matcher = matcher
         self._bits = np.full((1, words), -1, dtype=np.int32)
         self._fill = _llguidance_numpy().fill_next_token_bitmask
+        self._left: int | None = None  # tokens left to the budget; None: no budget
+        self._reserve = 0
+        self._closing: Closing | None = None
+        self._in_string = self._escaped = False
+
+    def close_within(self, tokens: int, reserve: int, closing: Closing) -> None:
+        """Close within ``tokens``: narrowed to ``closing``'s tokens once ``reserve`` (at most
+        half the budget) are left."""
+        self._left, self._reserve, self._closing = tokens, min(reserve, tokens // 2), closing
+
+    def _narrowed(self, bits: np.ndarray) -> np.ndarray:
+        """``bits`` (packed words) narrowed to the closing tokens when the budget asks for it
+        and the grammar allows any of them."""
+        closing = self._closing
+        if closing is None or self._left is None or self._left > self._reserve:
+            return bits
+        wanted = closing.quotes if self._in_string else closing.brackets
+        narrowed = bits & wanted[: len(bits)]
+        return narrowed if narrowed.any() else bits
+
+    def _lex(self, token_id: int) -> None:
+        """Whether the text so far ends inside a string: only tokens with a quote or a
+        backslash change it."""
+        text = self._closing.marks.get(token_id) if self._closing is not None else None
+        for char in text or ():
+            if self._escaped:
+                self._escaped = False
+            elif char == "\\" and self._in_string:
+                self._escaped = True
+            elif char == '"':
+                self._in_string = not self._in_string
 
     def mask(self, vocab_size: int) -> np.ndarray:
         """Which of the model's ``vocab_size`` tokens may come next (bool)."""
         self._fill(self._matcher, self._bits, 0)
-        allowed = np.unpackbits(self._bits.view(np.uint8), bitorder="little").astype(bool)
+        bits = self._narrowed(self._bits[0])
+        allowed = np.unpackbits(bits.view(np.uint8), bitorder="little").astype(bool)
         if allowed.size >= vocab_size:
             return allowed[:vocab_size]
         return np.concatenate([allowed, np.zeros(vocab_size - allowed.size, dtype=bool)])
@@ -130,10 +226,13 @@ class JsonConstraint:
         token ``t`` allowed), for a sampler that unpacks them on its device
         (:mod:`.sampler_torch`): ``vocab / 8`` bytes cross instead of ``vocab``."""
         self._fill(self._matcher, self._bits, 0)
-        return self._bits[0].copy()
+        return self._narrowed(self._bits[0]).copy()
 
     def accept(self, token_id: int) -> bool:
         """Advance by the token chosen; False when the grammar does not allow it."""
+        if self._left is not None:
+            self._left -= 1
+            self._lex(int(token_id))
         return bool(self._matcher.consume_token(int(token_id)))
 
     def done(self) -> bool:
@@ -157,16 +256,39 @@ class CompiledSchema:
     schema on their own)."""
 
     def __init__(self, vocabulary: Any, matcher: Any) -> None:
-        self._words = (vocabulary.vocab_size + 31) // 32
+        #: the mask's packed int32 words
+        self.words = (vocabulary.vocab_size + 31) // 32
         self._matcher = matcher
 
     def constraints(self, count: int) -> list[JsonConstraint]:
         """``count`` fresh states, copies of the compiled matcher (blocking: off the loop)."""
-        return [JsonConstraint(self._matcher.deep_copy(), self._words) for _ in range(count)]
+        return [JsonConstraint(self._matcher.deep_copy(), self.words) for _ in range(count)]
 
     def constraint(self) -> JsonConstraint:
         (one,) = self.constraints(1)
         return one
+
+
+def closing_reserve(schema: str) -> int:
+    """The tokens a forced call keeps to close its JSON (:meth:`JsonConstraint.close_within`):
+    a few for the brackets, and what every property the schema requires would take if none
+    were written yet (its key, colon and an empty value; of alternatives, the costliest), at
+    most 512. An upper bound: a required key costs its characters, as a tokenizer of single
+    characters spells it."""
+    return min(8 + _required_cost(json.loads(schema), 0), 512)
+
+
+def _required_cost(node: Any, depth: int) -> int:
+    if not isinstance(node, dict) or depth > 32:
+        return 0
+    cost = max((_required_cost(n, depth + 1) for n in node.get("anyOf", ())), default=0)
+    cost += max((_required_cost(n, depth + 1) for n in node.get("oneOf", ())), default=0)
+    properties = node.get("properties")
+    properties = properties if isinstance(properties, dict) else {}
+    required = node.get("required")
+    for name in required if isinstance(required, list) else ():
+        cost += len(str(name)) + 6 + _required_cost(properties.get(name), depth + 1)
+    return cost + _required_cost(node.get("items"), depth + 1)
 
 
 #: the kinds of grammar :func:`compile_schema` takes besides a JSON schema (vLLM's guided

@@ -449,7 +449,7 @@ class OpenAIRoutes:
         plan: tools.Plan | None = None,
     ) -> Any:
         max_tokens = self._checked(model, ask, prompts, field)
-        constraints, schema_bytes = await self._constraints(model, ask, len(prompts))
+        constraints, schema_bytes = await self._constraints(model, ask, len(prompts), max_tokens)
         if plan is not None:  # a grammar waits for the reasoning to end
             constraints = plan.gated(constraints, model.tokenizer)
         echo = isinstance(ask, protocol.CompletionRequest) and ask.echo
@@ -580,11 +580,12 @@ class OpenAIRoutes:
         return 200, [orjson.dumps(answer.body())], _JSON
 
     async def _constraints(
-        self, model: ServedModel, ask: protocol.GenerationAsk, prompts: int
+        self, model: ServedModel, ask: protocol.GenerationAsk, prompts: int, max_tokens: int
     ) -> tuple[list[Any], int]:
         """The schema's matchers, one per sequence, and the bytes they hold (none without a
         schema): compiled once and copied for each sequence, on a worker, their memory
-        charged first (and held again by the request's stream)."""
+        charged first (and held again by the request's stream). A forced tool call's close
+        within ``max_tokens`` (``grammar.JsonConstraint.close_within``)."""
         if ask.schema is None:
             return [], 0
         from plugserve.server.apps.generate import grammar
@@ -594,7 +595,7 @@ class OpenAIRoutes:
         charge = self.plane.budget.charge(schema_bytes, "this request's response_format")
         try:
             constraints = await self._in_worker(
-                _compiled, ask, model.tokenizer, model.vocab_size, count
+                _compiled, ask, model.tokenizer, model.vocab_size, count, max_tokens
             )
         finally:
             charge.release()
@@ -706,17 +707,23 @@ def _yield_gil() -> None:
 
 
 def _compiled(
-    ask: protocol.GenerationAsk, tokenizer: Any, vocab_size: int, count: int
+    ask: protocol.GenerationAsk, tokenizer: Any, vocab_size: int, count: int, max_tokens: int
 ) -> list[Any]:
     """``count`` constraints of the request's schema or grammar (a worker's job: compiled
-    once, then copied)."""
+    once, then copied); a forced tool call's, each closing within ``max_tokens``."""
     from plugserve.server.apps.generate import grammar
 
     assert ask.schema is not None
     compiled = grammar.compile_schema(
         ask.schema, tokenizer, vocab_size, ask.grammar_kind, ask.grammar_field
     )
-    return compiled.constraints(count)
+    constraints = compiled.constraints(count)
+    if ask.grammar_field == "tool_choice" and max_tokens > 0:
+        closing = grammar.closing_tokens(tokenizer, compiled.words)
+        reserve = grammar.closing_reserve(ask.schema)
+        for constraint in constraints:
+            constraint.close_within(max_tokens, reserve, closing)
+    return constraints
 
 
 def _is_generative(entry: Any) -> bool:
