@@ -65,9 +65,9 @@ from plugserve.plugins.api import (
     ResourceExhausted,
 )
 from plugserve.plugins.configuration import BOOL, ConfigKey, Configuration
+from plugserve.plugins.decoding import MixedDecoder, StepSampler
 from plugserve.plugins.torch import capture as graph_capture
 from plugserve.plugins.torch import devmem
-from plugserve.server.apps.generate.decoder import MixedDecoder
 from plugserve.server.apps.generate.kvcache import CacheLayout, KVCache
 from plugserve.server.apps.generate.sampler_torch import TorchSampler
 from plugserve.server.apps.generate.torch_model import (
@@ -361,6 +361,55 @@ class TorchDecoder(MixedDecoder):
         self.forwards += 1
         logits = self._run(cache, ids, positions, slots, starts, counts, seq_rows, bool(chunks))
         return logits[:decoding], logits[decoding:]
+
+    def bind_thread(self) -> None:
+        """On a card, the calling thread's current CUDA device is the decoder's (``GPU.1``:
+        its events and streams are ``cuda:1``'s, not the default card's)."""
+        if self.device.type == "cuda":
+            import torch
+
+            torch.cuda.set_device(self.device)
+
+    def launch(
+        self,
+        cache: Any,
+        rows: Sequence[int],
+        lens: Sequence[int],
+        ids: np.ndarray | None,
+        sampler: StepSampler,
+        states: Sequence[Any],
+        generated: Sequence[int],
+        previous: Any = None,
+        picks: Sequence[int] | None = None,
+    ) -> Any:
+        """A pipelined decode step (:mod:`.overlap`), on the device stream's thread: its ids
+        ``ids``, or the ones ``previous`` (a :class:`.sampler_torch.Drawn`) chose, gathered at
+        ``picks`` on the device; the forward and the sampler's draw queued, the ids' copy to
+        the host started (:meth:`.sampler_torch.Drawn.copy_out`), nothing waited for."""
+        import torch
+
+        assert isinstance(sampler, TorchSampler), "a pipelined step draws on the device"
+        with torch.inference_mode():
+            inputs: Any = ids
+            if previous is not None:
+                chosen = previous.chosen
+                if picks is not None:  # rows left: the ones going on, gathered there
+                    index = torch.tensor(list(picks))
+                    if chosen.device.type == "cuda":  # not a copy that waits for the card
+                        index = index.pin_memory().to(chosen.device, non_blocking=True)
+                    chosen = chosen[index]
+                inputs = chosen.clamp(min=0)  # a failed row's -1: a wasted row
+            logits = self.decode_ids(cache, rows, inputs, lens)
+            drawn = sampler.draw(logits, states, generated)
+            drawn.copy_out()
+            return drawn
+
+    def fetch(
+        self, sampler: StepSampler, launched: Any, failures: dict[int, Exception]
+    ) -> tuple[np.ndarray, list[Any]]:
+        """A launched step's ids and logprobs on the host (the step's one wait)."""
+        assert isinstance(sampler, TorchSampler), "a pipelined step draws on the device"
+        return sampler.fetched(launched, failures)
 
     def decode_ids(self, cache: KVCache, rows: Sequence[int], ids: Any, lens: Sequence[int]) -> Any:
         """A decode step whose token ids are a tensor on the device already (the previous

@@ -52,9 +52,10 @@ from typing import Any
 import numpy as np
 
 from plugserve.plugins.api import InferenceError, PlugserveError
+from plugserve.plugins.decoding import StepSampler
 from plugserve.server.apps.generate.detokenizer import byte_pieces
 from plugserve.server.apps.generate.runner import Forward
-from plugserve.server.apps.generate.sampler import Sampler, SamplingState
+from plugserve.server.apps.generate.sampler import SamplingState
 from plugserve.server.apps.generate.scheduler import FINISHED, RequestState, Scheduler
 from plugserve.server.apps.generate.scheduler import Sequence as Seq
 from plugserve.server.apps.generate.stats import GenerationStats
@@ -85,7 +86,7 @@ class OutputProcessor:
     tokenizer: Any
     capacity: int
     scheduler: Scheduler
-    sampler: Sampler
+    sampler: StepSampler
     stats: GenerationStats
     forget: Callable[[RequestState], None]
     #: tokens a sequence's stream sends in one event (the engine's ``stream_interval``)

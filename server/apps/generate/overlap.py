@@ -67,6 +67,7 @@ host, which is where the overlap is meant to pay (tests/gpu/gpu_check.py's ``gen
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -78,12 +79,13 @@ __all__ = ["DeviceStream", "Launched", "continues", "pipelinable"]
 
 class DeviceStream:
     """The one thread launched steps run on, in the order launched (the device's stream).
-    On a card, the thread's current CUDA device is the decoder's (``GPU.1``: its events and
-    streams are ``cuda:1``'s, not the default card's)."""
+    ``bind`` runs first on that thread (the decoder's :meth:`~plugserve.plugins.decoding.
+    Decoder.bind_thread`: on a card, ``GPU.1``'s events and streams are ``cuda:1``'s, not
+    the default card's)."""
 
-    def __init__(self, name: str, device: Any = None) -> None:
+    def __init__(self, name: str, bind: Callable[[], None] | None = None) -> None:
         self._pool = ThreadPoolExecutor(
-            1, thread_name_prefix=f"generate/{name}/stream", initializer=_on, initargs=(device,)
+            1, thread_name_prefix=f"generate/{name}/stream", initializer=bind
         )
 
     def submit(self, job: Any) -> Future:
@@ -91,13 +93,6 @@ class DeviceStream:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
-
-
-def _on(device: Any) -> None:
-    if device is not None and getattr(device, "type", "") == "cuda":
-        import torch
-
-        torch.cuda.set_device(device)
 
 
 @dataclasses.dataclass(slots=True, eq=False)
