@@ -10,7 +10,8 @@ library, the CUDA stream, the cache's memory) stays behind them.
 The calls, one thread at a time (the engine's loop, or its device stream for a launched
 step):
 
-- the cache: :meth:`Decoder.new_cache` makes the slots (a :class:`Cache`), and
+- the cache: :meth:`Decoder.new_cache` makes the slots (a :class:`Cache` of the decoder's
+  :class:`CacheLayout`), and
   :meth:`~Decoder.release_cache` / :meth:`~Decoder.restore_cache` free and remake their
   memory around a sleep;
 - the forwards: :meth:`~Decoder.decode`, :meth:`~Decoder.first` and :meth:`~Decoder.extend`
@@ -31,6 +32,7 @@ A call a decoder does not offer raises Unsupported (its flag says it never will 
 from __future__ import annotations
 
 import abc
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -39,7 +41,25 @@ import numpy as np
 from plugserve.plugins.base import CompiledNetwork
 from plugserve.plugins.errors import Unsupported
 
-__all__ = ["Cache", "Decoder", "MixedDecoder", "StepSampler"]
+__all__ = ["Cache", "CacheLayout", "Decoder", "MixedDecoder", "StepSampler"]
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheLayout:
+    """The decoder's cache arrays: ``(past input, present output, heads, head_dim)`` each,
+    their element type, and the tokens a slot holds."""
+
+    entries: tuple[tuple[str, str, int, int], ...]
+    dtype: np.dtype
+    capacity: int
+
+    @property
+    def bytes_per_token(self) -> int:
+        return sum(h * d for _p, _o, h, d in self.entries) * self.dtype.itemsize
+
+    @property
+    def bytes_per_slot(self) -> int:
+        return self.bytes_per_token * self.capacity
 
 
 class Cache(Protocol):
@@ -84,7 +104,7 @@ class Decoder(abc.ABC):
     Its ``layout`` is the cache's (its bytes per slot size the engine's budget), ``vocab``
     the logits' width, ``forwards`` the runs made (for stats)."""
 
-    layout: Any
+    layout: CacheLayout
     vocab: int
     forwards: int = 0
 
@@ -144,13 +164,23 @@ class Decoder(abc.ABC):
         its keys and values written there; the logits ``[rows, vocab]``."""
 
     @abc.abstractmethod
-    def first(self, cache: Any, rows: Sequence[int], chunks: Sequence[Sequence[int]]) -> Any:
+    def first(
+        self,
+        cache: Any,
+        rows: Sequence[int],
+        chunks: Sequence[Sequence[int]],
+        all_positions: bool = False,
+    ) -> Any:
         """Rows with nothing written yet, each given its first tokens; the logits of each
-        row's last token ``[len(rows), vocab]``."""
+        row's last token ``[len(rows), vocab]`` (with ``all_positions``, a
+        :attr:`prompt_logits` decoder's: of every position, ``[len(rows), width, vocab]``)."""
 
     @abc.abstractmethod
-    def extend(self, cache: Any, row: int, start: int, chunk: Sequence[int]) -> Any:
-        """``chunk`` written at positions ``start..`` of one row; its last token's logits."""
+    def extend(
+        self, cache: Any, row: int, start: int, chunk: Sequence[int], all_positions: bool = False
+    ) -> Any:
+        """``chunk`` written at positions ``start..`` of one row; its last token's logits
+        (with ``all_positions``: every position's)."""
 
     def step(
         self,
@@ -217,8 +247,20 @@ class MixedDecoder(Decoder):
         """One forward: decoding ``rows`` and prompt ``chunks``; the logits of each decoding
         row and of each chunk's last token (float32)."""
 
-    def first(self, cache: Any, rows: Sequence[int], chunks: Sequence[Sequence[int]]) -> Any:
+    def first(
+        self,
+        cache: Any,
+        rows: Sequence[int],
+        chunks: Sequence[Sequence[int]],
+        all_positions: bool = False,
+    ) -> Any:
+        if all_positions:
+            raise Unsupported(f"{type(self).__name__} returns no prompt's logits")
         return self.step(cache, [], [], [], [(r, 0, c) for r, c in zip(rows, chunks)])[1]
 
-    def extend(self, cache: Any, row: int, start: int, chunk: Sequence[int]) -> Any:
+    def extend(
+        self, cache: Any, row: int, start: int, chunk: Sequence[int], all_positions: bool = False
+    ) -> Any:
+        if all_positions:
+            raise Unsupported(f"{type(self).__name__} returns no prompt's logits")
         return self.step(cache, [], [], [], [(row, start, chunk)])[1][0]

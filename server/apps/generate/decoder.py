@@ -41,8 +41,8 @@ import numpy as np
 
 from plugserve.plugins import decoding
 from plugserve.plugins.api import CompiledNetwork, InvalidModel
+from plugserve.plugins.sampling import Sampler
 from plugserve.server.apps.generate.kvcache import CacheLayout, KVCache
-from plugserve.server.apps.generate.sampler import Sampler
 
 __all__ = ["ConcatDecoder", "Decoder", "MixedDecoder", "SharedBufferDecoder", "choose_decoder"]
 

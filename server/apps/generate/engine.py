@@ -21,7 +21,7 @@ this module         the loop: the inbox of new requests and aborts, each step's 
                     cache's arrangement for them
 :mod:`.output`      output processing: sampling applied, stop checks, detokenizing, events to
                     the senders, requests ended or failed
-:mod:`.kvcache`     the cache's slots and the prefix cache; :mod:`.sampler`, :mod:`.detokenizer`
+:mod:`.kvcache`     the cache's slots and the prefix cache; :mod:`.detokenizer`
 :mod:`.spans`       a traced request's spans: queue, prefill chunks, decode
 ==================  ==========================================================================
 

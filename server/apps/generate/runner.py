@@ -43,9 +43,9 @@ import numpy as np
 
 from plugserve.plugins.api import InferenceError, PlugserveError
 from plugserve.plugins.decoding import Decoder, StepSampler
+from plugserve.plugins.sampling import log_softmax, logprob_entry
 from plugserve.server.apps.generate.kvcache import KVCache, Slot, SlotTable
 from plugserve.server.apps.generate.overlap import DeviceStream, Launched
-from plugserve.server.apps.generate.sampler import log_softmax, logprob_entry
 from plugserve.server.apps.generate.scheduler import (
     DECODE,
     FORK,
