@@ -429,7 +429,7 @@ class GenerativeNetwork(CompiledNetwork):
     @property
     def prompt_logits(self) -> bool:
         """Whether the decoder scores prompts (``SamplingParams.prompt_logprobs``)."""
-        return bool(getattr(self.engine.decoder, "prompt_logits", False))
+        return self.engine.decoder.prompt_logits
 
     def _metric(self, name: str) -> Any:
         if name == "OPTIMAL_NUMBER_OF_INFER_REQUESTS":
