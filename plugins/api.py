@@ -17,6 +17,14 @@ lives in a module of its own, each importing only those before it:
   the :class:`Devices` protocol (above ``cancel``, ``run_context``, ``streams`` and ``blob``)
 - ``responses``: :class:`Response` and :class:`ResponseSender`, for decoupled networks
 - ``virtual``: what the virtual devices share (``refusal_reasons``, ``device_refusals``)
+
+What a generative network asks of a device has modules of its own, above ``base``, imported
+by the generation engine and the devices that run a folder's weights (``Plugin.load_decoder``):
+
+- ``decoding``: the :class:`~plugserve.plugins.decoding.Decoder` the engine calls (the cache,
+  the forwards, the sampler, a pipelined step's ``launch`` and ``fetch``) and its
+  ``CacheLayout``
+- ``sampling``: the sampling rules every decoder's sampler keeps (the host's, on numpy)
 """
 
 from __future__ import annotations

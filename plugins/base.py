@@ -16,7 +16,8 @@ import threading
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
-from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
@@ -33,6 +34,9 @@ from plugserve.plugins.inputs import TensorSpec, check_inputs
 from plugserve.plugins.responses import Response, ResponseSender
 from plugserve.plugins.run_context import RunContext
 from plugserve.plugins.streams import StreamsExecutor
+
+if TYPE_CHECKING:
+    from plugserve.plugins.decoding import Decoder
 
 __all__ = [
     "CallConfig",
@@ -362,6 +366,27 @@ class Plugin(abc.ABC):
         """:meth:`import_network` of a blob from the operator (the Core's compiled-model
         cache, for a trusted load): may load a format that runs the code it carries."""
         return self.import_network(blob, config)
+
+    # --- a generative network whose weights the device runs itself (``plugins/decoding.py``)
+
+    def load_decoder(
+        self,
+        folder: Path,
+        model_config: Mapping[str, Any],
+        config: CallConfig | None,
+        capacity: int,
+        slots: Callable[[int], int],
+    ) -> tuple[Decoder, int, dict[str, Any]]:
+        """A transformers folder's weights (safetensors: no graph) as a decoder on this
+        device, its cache ``capacity`` tokens a slot: ``(decoder, slots, report)``, the slots
+        ``slots(bytes per slot)`` (the engine's budget) allows, the report what the load
+        chose (``precision``, ``torch_device``, ``weights_bytes``, ``load_seconds``). A
+        device that runs graphs only refuses it."""
+        raise InvalidArgument(
+            "a safetensors folder (weights, not a graph) is served by the torch decoder on "
+            f"TORCH (the CPU) or GPU (CUDA), not {self.name}; set the model's device, or "
+            "export the model to ONNX (optimum-cli export onnx) for the other devices"
+        )
 
     # --- optional hooks: every plugin has them; these defaults are for plugins without
 

@@ -76,27 +76,14 @@ NOT_DEVICES = {"passes"}
 #: A device package's modules the server may import: the package and its face for the server.
 FACE = ("", "serving")
 
-#: Today's modules of ``server/`` that import torch: the safetensors decoder, its model and
-#: sampler, which DESIGN.md's next step moves to ``plugins/torch/`` behind the decoder
-#: interface; and the engine's modules that ask for it (network: is torch installed; overlap
-#: and runner: the CUDA device and stream a step runs on).
-TORCH_IN_SERVER = {
-    "server/apps/generate/decoder_torch.py",
-    "server/apps/generate/network.py",
-    "server/apps/generate/overlap.py",
-    "server/apps/generate/runner.py",
-    "server/apps/generate/sampler_torch.py",
-    "server/apps/generate/torch_model.py",
-}
-#: Today's imports of a device's inside from ``server/`` (what ``plugins/torch/serving.py`` is
-#: to offer: the memory charge, the capture helpers, the CUDA runtime for CUDA shared memory).
-DEVICE_INSIDES = {
-    "server/apps/generate/decoder_torch.py -> plugserve.plugins.torch.backend",
-    "server/apps/generate/decoder_torch.py -> plugserve.plugins.torch.capture",
-    "server/apps/generate/decoder_torch.py -> plugserve.plugins.torch.devmem",
-    "server/apps/generate/sampler_torch.py -> plugserve.plugins.torch.devmem",
-    "server/plane/cuda_shm.py -> plugserve.plugins.torch.backend",
-}
+#: Today's modules of ``server/`` that import torch (none: the safetensors decoder, its model
+#: and sampler are the torch device's, ``plugins/torch/decoder.py``, reached through the
+#: Plugin API's decoder and ``Plugin.load_decoder``; the engine's pipelined step asks the
+#: decoder, issue 60).
+TORCH_IN_SERVER: set[str] = set()
+#: Today's imports of a device's inside from ``server/`` (none: CUDA shared memory asks
+#: ``plugins/cuda.py``).
+DEVICE_INSIDES: set[str] = set()
 
 
 def _devices() -> set[str]:

@@ -1,5 +1,5 @@
 """CUDA graph capture, done one way for every capturer: a lane's per-shape graphs
-(:mod:`.graphs`) and the torch decoder's decode steps (``server/apps/generate/decoder_torch.py``).
+(:mod:`.graphs`) and the torch decoder's decode steps (:mod:`.decoder`).
 Each rule here answers a way a capture goes wrong on a real card (the CUDA review of
 2026-11-26, its findings in brackets):
 

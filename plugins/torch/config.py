@@ -1,6 +1,12 @@
 """TORCH's and GPU's configuration: the common keys plus the precision float32 values compute
-in (INFERENCE_PRECISION_HINT), a PyTorch program's tensors (MODEL_TENSORS) and, for the GPU,
-whether its input shapes are replayed as CUDA graphs."""
+in (INFERENCE_PRECISION_HINT), a PyTorch program's tensors (MODEL_TENSORS) and how many input
+shapes are replayed as CUDA graphs (CUDA_GRAPHS).
+
+One configuration for everything the device runs: an ONNX graph, a PyTorch program and a
+safetensors folder's decoder (:mod:`.decoder`) read the same keys with the same meaning. Two
+older spellings of the decoder's, from before it was the device's, are still read: the
+precision's long names (``fp32``, ``float32``, ``fp16``, ``bfloat16``) and ``CUDA_GRAPHS``
+as YES/NO (YES: :data:`GRAPHS_YES` shapes, NO: none)."""
 
 from __future__ import annotations
 
@@ -8,13 +14,23 @@ from plugserve.plugins.api import ConfigKey, Configuration
 from plugserve.plugins.torch.graphs import parse_shapes
 from plugserve.plugins.torch.programs import parse_tensors
 
-__all__ = ["PRECISIONS", "GpuConfiguration", "TorchConfiguration"]
+__all__ = ["DTYPES", "GRAPHS_YES", "PRECISIONS", "GpuConfiguration", "TorchConfiguration"]
 
-PRECISIONS = ("f32", "f16", "bf16")
+#: each precision's torch dtype name (the one precision table: the device's loads and its
+#: decoder's weights and cache)
+DTYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}
+PRECISIONS = tuple(DTYPES)
+#: the precision's other spellings still read (the decoder's configuration before it was
+#: the device's)
+_ALIASES = {"fp32": "f32", "float32": "f32", "fp16": "f16", "float16": "f16", "bfloat16": "bf16"}
+#: the shapes CUDA_GRAPHS=YES keeps captured (the decoder's old boolean; its shapes are at
+#: most its 7 batch sizes times the widths to the context: YES kept every one of them)
+GRAPHS_YES = 64
 
 
 def _precision(value: str) -> str:
     text = str(value).strip().lower()
+    text = _ALIASES.get(text, text)
     if text not in ("", *PRECISIONS):
         raise ValueError("expected f32, f16 or bf16 (empty: the device's default)")
     return text
@@ -53,7 +69,12 @@ _BUDGET = ConfigKey(
 
 
 def _graphs(value: str) -> int:
-    count = int(str(value).strip() or 0)
+    text = str(value).strip().upper()
+    if text in ("YES", "TRUE", "ON"):
+        return GRAPHS_YES
+    if text in ("NO", "FALSE", "OFF"):
+        return 0
+    count = int(text or 0)
     if count < 0:
         raise ValueError("expected the number of shapes kept as graphs per stream (0: none)")
     return count
@@ -71,8 +92,10 @@ def _graph_keys(default: int) -> tuple[ConfigKey, ...]:
             default,
             _graphs,
             doc=f"input shapes (shapes and dtypes) each stream keeps captured as CUDA graphs, "
-            f"the least recently used evicted; 0: none (default {default}). On the CPU the same "
-            "cache runs the eager program through static buffers (the tested twin)",
+            f"the least recently used evicted; 0: none (default {default}); YES/NO (the "
+            f"decoder's old spelling): {GRAPHS_YES}/0. A safetensors decoder's shapes are its "
+            "decode steps' (batch size, keys read). On the CPU the same cache runs the eager "
+            "program through static buffers (the tested twin)",
         ),
         ConfigKey(
             "CUDA_GRAPH_SHAPES",

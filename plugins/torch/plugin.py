@@ -20,7 +20,7 @@ installed files for that, and imports torch at the device's first load or query 
 from __future__ import annotations
 
 import platform
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +39,13 @@ from plugserve.plugins.passes.sizes import check_load_constants
 from plugserve.plugins.shapecheck import shape_model
 from plugserve.plugins.torch import backend, devmem
 from plugserve.plugins.torch.compiled import TorchCompiledNetwork
-from plugserve.plugins.torch.config import GpuConfiguration, TorchConfiguration, precision
+from plugserve.plugins.torch.config import (
+    DTYPES,
+    GpuConfiguration,
+    TorchConfiguration,
+    precision,
+)
+from plugserve.plugins.torch.decoder import TorchDecoder, load_decoder
 from plugserve.plugins.torch.ops.registry import converters
 from plugserve.plugins.torch.program import Program
 from plugserve.plugins.torch.programs import (
@@ -78,8 +84,7 @@ class TorchPlugin(Plugin):
 
     def _compute(self, config: Any) -> tuple[str, Any]:
         chosen = precision(config, self.default_precision)
-        table = {"f32": self.torch.float32, "f16": self.torch.float16, "bf16": self.torch.bfloat16}
-        return chosen, table[chosen]
+        return chosen, getattr(self.torch, DTYPES[chosen])
 
     # --- networks
 
@@ -150,9 +155,14 @@ class TorchPlugin(Plugin):
         device = self._device(cfg)
         devmem.refuse_failed(device, f"model {name!r} cannot load")
         chosen = precision(cfg, "f32")
-        table = {"f32": self.torch.float32, "f16": self.torch.float16, "bf16": self.torch.bfloat16}
         program = TorchProgram(
-            data, cfg.get("MODEL_TENSORS"), self.torch, device, table[chosen], name, trusted=True
+            data,
+            cfg.get("MODEL_TENSORS"),
+            self.torch,
+            device,
+            getattr(self.torch, DTYPES[chosen]),
+            name,
+            trusted=True,
         )
         return TorchCompiledNetwork(
             self, cfg, name, program.inputs, program.outputs, program, data, chosen, device
@@ -182,6 +192,21 @@ class TorchPlugin(Plugin):
         network = self._compile(graph, data, cfg)
         network.shape_model = shape_model(proto)
         return network
+
+    def load_decoder(
+        self,
+        folder: Path,
+        model_config: Mapping[str, Any],
+        config: Mapping[str, Any] | None,
+        capacity: int,
+        slots: Callable[[int], int],
+    ) -> tuple[TorchDecoder, int, dict[str, Any]]:
+        """A safetensors folder's decoder (:mod:`.decoder`) on this device's torch device
+        (``GPU.1``: card 1), configured by this device's keys."""
+        cfg = self.merged_config(config)
+        device = self._device(cfg)
+        devmem.refuse_failed(device, f"model {folder.name!r} cannot load")
+        return load_decoder(folder, model_config, cfg, device, capacity, slots)
 
     def query_network(
         self, model: Model, config: Mapping[str, Any] | None = None

@@ -219,21 +219,11 @@ def _driver() -> _Driver | str:
 @functools.cache
 def _runtime() -> tuple[_Runtime | None, str]:
     """torch's CUDA runtime, or None and why there is none."""
-    from plugserve.plugins.api import PlugserveError
-    from plugserve.plugins.torch import backend
+    from plugserve.plugins.cuda import start_cuda
 
-    try:
-        if backend.cuda_build() is None:
-            return None, "torch is not installed, or is its CPU-only build"
-        if not backend.driver_present():
-            return None, "no NVIDIA GPU or driver here"
-        torch = backend.torch_module()
-        devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if not devices:
-            return None, "torch sees no CUDA device"
-        torch.cuda.init()
-    except (PlugserveError, RuntimeError, OSError) as exc:
-        return None, f"CUDA does not start ({type(exc).__name__}: {exc})"
+    devices, why = start_cuda()
+    if not devices:
+        return None, why
     path = _loaded_cudart()
     try:
         lib = ctypes.CDLL(path or "libcudart.so")
@@ -469,6 +459,6 @@ class CudaRegions:
 
 
 def _device_memory(device_id: int) -> int:
-    from plugserve.plugins.torch import backend
+    from plugserve.plugins.cuda import card_memory
 
-    return int(backend.torch_module().cuda.get_device_properties(device_id).total_memory)
+    return card_memory(device_id)

@@ -43,7 +43,7 @@ def measure(folder: str, device: str, new: int, requests: int, extra: str = "") 
 
     config = {"MAX_NUM_SEQS": "9", "MAX_MODEL_LEN": str(new + 64)}
     if device == "TORCH":
-        config["INFERENCE_NUM_THREADS"] = "1"  # decoder_torch's docstring: tiny models
+        config["INFERENCE_NUM_THREADS"] = "1"  # plugins/torch/decoder.py: tiny models
     config.update(dict(item.split("=", 1) for item in extra.split(",") if item))
     net = Core().load_network(folder, device, config)
     params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)

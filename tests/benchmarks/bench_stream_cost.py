@@ -71,7 +71,7 @@ def _repository(folder: Path, device: str, extra: dict[str, str] | None = None) 
     (root / "decoder" / "1").symlink_to(folder.resolve(), target_is_directory=True)
     config = {"MAX_NUM_SEQS": "64", "MAX_MODEL_LEN": "1024", "MAX_NUM_BATCHED_TOKENS": "4096"}
     if device == "TORCH":
-        config["INFERENCE_NUM_THREADS"] = "1"  # decoder_torch's docstring: tiny models
+        config["INFERENCE_NUM_THREADS"] = "1"  # plugins/torch/decoder.py: tiny models
     config.update(extra or {})
     spec = {"device": device, "config": config}
     (root / "decoder" / "config.json").write_text(json.dumps(spec))

@@ -24,7 +24,12 @@ torch = pytest.importorskip("torch", reason="the torch decoder needs torch (pip 
 transformers = pytest.importorskip("transformers", reason="the reference is transformers'")
 pytest.importorskip("safetensors")
 
-from plugserve.plugins.api import InvalidArgument, InvalidModel, ResourceExhausted  # noqa: E402
+from plugserve.plugins.api import (  # noqa: E402
+    InvalidArgument,
+    InvalidModel,
+    NotFound,
+    ResourceExhausted,
+)
 from plugserve.server.apps.generate.folder import graph_of, is_transformers_folder  # noqa: E402
 from plugserve.server.apps.generate.tokenizer import Tokenizer  # noqa: E402
 from plugserve.server.apps.generate.types import GenerationRequest, SamplingParams  # noqa: E402
@@ -39,7 +44,7 @@ EXTRA = [
 ]
 #: a small step budget and fewer slots than prompts: the long prompts are chunked beside
 #: decoding rows, and slots are freed and taken again; one torch thread (a tiny model's steps
-#: on 2 busy cores are 10x slower with 2: decoder_torch's docstring)
+#: on 2 busy cores are 10x slower with 2: plugins/torch/decoder.py's docstring)
 SETTINGS = {"MAX_NUM_SEQS": "6", "MAX_NUM_BATCHED_TOKENS": "24", "INFERENCE_NUM_THREADS": "1"}
 
 
@@ -240,6 +245,31 @@ def test_greedy_ids_are_transformers_own_for_12_prompts(core, folders, variant):
     assert got == expected
 
 
+def test_the_decoder_reads_the_devices_one_configuration(core, folders):
+    """The decoder is configured by the torch device's keys, with their one meaning:
+    CUDA_GRAPHS a count of decode shapes kept (a config.pbtxt's "8"; on TORCH the CPU twin's
+    static buffers, the least recently used shape dropped past it), the old YES/NO read as
+    64/0, the precision's old long names read; the greedy ids stay transformers' own."""
+    from plugserve.plugins.torch.config import GRAPHS_YES, TorchConfiguration
+
+    old = TorchConfiguration({"CUDA_GRAPHS": "YES", "INFERENCE_PRECISION_HINT": "float32"})
+    assert old.get("CUDA_GRAPHS") == GRAPHS_YES and old.get("INFERENCE_PRECISION_HINT") == "f32"
+    assert TorchConfiguration({"CUDA_GRAPHS": "NO"}).get("CUDA_GRAPHS") == 0
+    folder = folders("tiny-llama")
+    prompts = _prompt_ids(folder)
+    network = core.load_network(
+        str(folder), "TORCH", {**SETTINGS, "CUDA_GRAPHS": "2", "INFERENCE_PRECISION_HINT": "fp32"}
+    )
+    try:
+        got = _engine_greedy(network, prompts)
+        graphs = network.engine.decoder.graphs
+        assert network.precision == "f32" and graphs is not None and graphs.keep == 2
+        assert graphs.runs > 0 and 0 < len(graphs.shapes) <= 2, graphs.shapes
+    finally:
+        network.close()
+    assert got == _transformers_greedy(folder, prompts)
+
+
 @pytest.mark.parametrize("variant", ["qwen3", "mistral", "gemma", "phi3"])
 def test_other_families_are_transformers_own(core, folders, variant):
     folder = folders(variant)
@@ -329,8 +359,8 @@ def test_refusals_are_typed_and_say_why(core, folders, tmp_path):
     folder = folders("tiny-llama")
     with pytest.raises(InvalidArgument, match="TORCH"):
         core.load_network(str(folder), "NUMPY")
-    if not torch.cuda.is_available():
-        with pytest.raises(InvalidArgument, match="no CUDA device"):
+    if "GPU" not in core.available_devices:  # the Core's answer, as for any model on it
+        with pytest.raises(NotFound, match="'GPU' is unavailable"):
             core.load_network(str(folder), "GPU")
     # the cache's bytes are checked against the free memory before anything is allocated
     with pytest.raises(ResourceExhausted, match="free"):
@@ -447,7 +477,7 @@ def test_without_torch_the_load_says_what_to_install(folders):
 
 def _fused_and_not(model) -> dict[bool, torch.Tensor]:
     """A prompt chunk's and a decode step's logits with the fused forward and without."""
-    from plugserve.server.apps.generate.torch_model import KVTensors
+    from plugserve.plugins.torch.decoder_model import KVTensors
 
     ids = torch.tensor([5, 17, 42, 99, 7, 300, 12, 8])
     logits = {}
@@ -474,7 +504,7 @@ def test_the_fused_low_precision_forward_computes_transformers_layers(folders, v
     float32 rounding, over a prompt chunk and a decode step, with biases (qwen2) and a partial
     rotary (phi3); in bf16 within bf16's; the single weights are views into the fused ones
     (no second copy). f32 itself keeps the unfused order (greedy ids = transformers')."""
-    from plugserve.server.apps.generate.torch_model import DecoderModel, _fuse
+    from plugserve.plugins.torch.decoder_model import DecoderModel, _fuse
 
     folder = folders(variant)
     config = json.loads((folder / "config.json").read_text())

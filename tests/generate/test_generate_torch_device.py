@@ -25,15 +25,15 @@ torch = pytest.importorskip("torch", reason="the torch decoder needs torch (pip 
 pytest.importorskip("safetensors")
 
 from plugserve.plugins.api import InferenceError, ResourceExhausted  # noqa: E402
-from plugserve.server.apps.generate.decoder_torch import (  # noqa: E402
+from plugserve.plugins.torch.decoder import (  # noqa: E402
     GRAPH_SIZES,
     DecodeGraphs,
     TorchDecoder,
 )
+from plugserve.plugins.torch.decoder_model import DecoderModel  # noqa: E402
+from plugserve.plugins.torch.sampler import TorchSampler  # noqa: E402
 from plugserve.server.apps.generate.engine import Engine, EngineSettings  # noqa: E402
-from plugserve.server.apps.generate.sampler_torch import TorchSampler  # noqa: E402
 from plugserve.server.apps.generate.tokenizer import Tokenizer  # noqa: E402
-from plugserve.server.apps.generate.torch_model import DecoderModel  # noqa: E402
 from plugserve.server.apps.generate.types import GenerationRequest, SamplingParams  # noqa: E402
 
 SETTINGS = {"MAX_NUM_SEQS": "6", "MAX_NUM_BATCHED_TOKENS": "24", "INFERENCE_NUM_THREADS": "1"}
@@ -64,9 +64,10 @@ def _ids(results) -> dict[str, list[int]]:
     return {n: [t for e in events for t in e.token_ids] for n, events in results.items()}
 
 
-def _engine(llama, model=None, graphs=True) -> Engine:
+def _engine(llama, model=None, graphs=8) -> Engine:
     """Another engine over the loaded network's weights (``model``: a test-only subclass of
-    the forward), its decode steps through DecodeGraphs' static buffers when ``graphs``."""
+    the forward), its decode steps through DecodeGraphs' static buffers when ``graphs`` (the
+    shapes kept, CUDA_GRAPHS) is above 0."""
     decoder = llama.engine.decoder
     decoder = TorchDecoder(model or decoder.model, decoder.layout, graphs=graphs, threads=1)
     return Engine("twin", decoder, llama.tokenizer, ENGINE, rows=6)
@@ -80,7 +81,7 @@ def test_the_engine_samples_on_the_decoders_device(torch_llama):
     # the cache's tensors are the decoder's, on its device (a GPU's slots live on the card)
     assert all(t.device == engine.decoder.device for t in engine.cache.arrays.values())
     # a step's logits stay there: torch tensors, not host arrays (an idle engine's decoder)
-    twin = _engine(torch_llama, graphs=False)
+    twin = _engine(torch_llama, graphs=0)
     try:
         decoded, prompted = twin.decoder.step(twin.cache, [], [], [], [(0, 0, [1, 2, 3])])
         assert isinstance(prompted, torch.Tensor) and prompted.device == twin.decoder.device
@@ -166,7 +167,7 @@ def _events(engine, request):
         return None, exc
 
 
-@pytest.mark.parametrize("graphs", [True, False], ids=["static-step", "eager"])
+@pytest.mark.parametrize("graphs", [8, 0], ids=["static-step", "eager"])
 def test_a_device_failure_fails_its_step_and_the_engine_goes_on(torch_llama, hf_llama, graphs):
     base = torch_llama.engine.decoder.model
     faulty = Faulty(base.shape, base.w, base.device, base.dtype)

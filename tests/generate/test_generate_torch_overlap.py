@@ -21,9 +21,9 @@ torch = pytest.importorskip("torch", reason="the torch decoder needs torch (pip 
 pytest.importorskip("safetensors")
 
 from plugserve.plugins.api import InferenceError  # noqa: E402
-from plugserve.server.apps.generate.decoder_torch import TorchDecoder  # noqa: E402
+from plugserve.plugins.torch.decoder import TorchDecoder  # noqa: E402
+from plugserve.plugins.torch.decoder_model import DecoderModel  # noqa: E402
 from plugserve.server.apps.generate.engine import Engine, EngineSettings  # noqa: E402
-from plugserve.server.apps.generate.torch_model import DecoderModel  # noqa: E402
 from plugserve.server.apps.generate.types import GenerationRequest, SamplingParams  # noqa: E402
 
 ROWS = 6
@@ -32,7 +32,7 @@ SETTINGS = {"MAX_NUM_SEQS": str(ROWS), "MAX_NUM_BATCHED_TOKENS": "64", "INFERENC
 WAIT_S = 120
 
 
-def _engine(llama, pipelined: bool, graphs: bool = False, model=None) -> Engine:
+def _engine(llama, pipelined: bool, graphs: int = 0, model=None) -> Engine:
     """An engine over the loaded network's weights, pipelined or not (``model``: a test-only
     subclass of the forward; ``graphs``: decode steps through DecodeGraphs' static buffers)."""
     decoder = llama.engine.decoder
@@ -192,8 +192,8 @@ def test_the_static_step_pipelines_as_well(torch_llama):
         _request(f"p{i}", p, max_tokens=6 + 3 * i, temperature=0.8 * (i % 2), seed=i)
         for i, p in enumerate(prompts)
     ]
-    sync = _engine(torch_llama, False, graphs=True)
-    piped = _engine(torch_llama, True, graphs=True)
+    sync = _engine(torch_llama, False, graphs=8)
+    piped = _engine(torch_llama, True, graphs=8)
     try:
         expected = run_all(sync, requests)
         got = run_all(piped, requests)
@@ -208,7 +208,7 @@ def test_the_static_step_pipelines_as_well(torch_llama):
 def test_a_batch_of_sampled_rows_only_pipelines(engines, torch_llama):
     """Every row sampled (no greedy row: the sampler's draw over the whole batch, each cut
     on some rows only, logprobs on some): its steps pipeline (the sampler's draw waits for
-    nothing, sampler_torch) and the seeded answers are the synchronous engine's."""
+    nothing, plugins/torch/sampler.py) and the seeded answers are the synchronous engine's."""
     sync, piped = engines
     a, b, c, d = _prompts(torch_llama)
 

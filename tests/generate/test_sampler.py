@@ -1,4 +1,4 @@
-"""The sampler's rules (server/apps/generate/sampler.py), on made-up logits: greedy, seeded draws
+"""The sampler's rules (plugins/sampling.py), on made-up logits: greedy, seeded draws
 independent of the batch, the cuts, penalties as transformers and OpenAI define them, and
 logprobs of the raw distribution."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from plugserve.server.apps.generate.sampler import Sampler, SamplingState, log_softmax
+from plugserve.plugins.sampling import Sampler, SamplingState, log_softmax
 from plugserve.server.apps.generate.types import SamplingParams
 
 VOCAB = 50
@@ -78,7 +78,7 @@ def test_repetition_penalty_is_transformers_own():
     processed = RepetitionPenaltyLogitsProcessor(1.7)(
         torch.tensor([[3, 5, 8, 11]]), torch.tensor(x.copy())
     )
-    from plugserve.server.apps.generate import sampler as module
+    from plugserve.plugins import sampling as module
 
     mine = x[0].copy()
     module._process(mine, row, 1)
@@ -92,7 +92,7 @@ def test_frequency_and_presence_penalties_follow_openai():
     row = state(stops=(), frequency_penalty=0.5, presence_penalty=0.25)
     for token in (4, 4, 9):
         row.accepted(token)
-    from plugserve.server.apps.generate import sampler as module
+    from plugserve.plugins import sampling as module
 
     module._process(x[0], row, 3)
     assert x[0, 4] == pytest.approx(-(2 * 0.5 + 0.25))

@@ -1,7 +1,7 @@
-"""Sampling on the logits' device (server/apps/generate/sampler_torch.py, issue 51's item 4),
+"""Sampling on the logits' device (plugins/torch/sampler.py, issue 51's item 4),
 here on torch's CPU (the same code a CUDA card runs): for each parameter, the torch sampler's
 processed logits, its cut distributions (top-k, top-p, min-p) and its choices equal the host
-sampler's (server/apps/generate/sampler.py) on the same logits with the same seeds; seeded
+sampler's (plugins/sampling.py) on the same logits with the same seeds; seeded
 draws repeat; logprobs are the raw log-softmax; a grammar's mask travels as llguidance's packed
 words and bans what the bool mask bans."""
 
@@ -12,13 +12,13 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="the torch sampler needs torch (pip install torch)")
 
-from plugserve.server.apps.generate.sampler import (  # noqa: E402
+from plugserve.plugins.sampling import (  # noqa: E402
     Sampler,
     SamplingState,
     _process,
     log_softmax,
 )
-from plugserve.server.apps.generate.sampler_torch import TorchSampler  # noqa: E402
+from plugserve.plugins.torch.sampler import TorchSampler  # noqa: E402
 from plugserve.server.apps.generate.types import SamplingParams  # noqa: E402
 
 VOCAB = 300

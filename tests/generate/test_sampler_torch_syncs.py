@@ -1,5 +1,5 @@
 """What crosses between the host and the device in one step of the torch sampler
-(server/apps/generate/sampler_torch.py; issue 51: nothing per token crosses to the host but
+(plugins/torch/sampler.py; issue 51: nothing per token crosses to the host but
 the ids and the logprobs asked; the review's finding 18: sampled rows made 6-10 copies that
 each waited for the card). Counted on torch's CPU form, where a copy costs nothing but every
 call is still seen: a TorchFunctionMode and a TorchDispatchMode record, during one sampler
@@ -28,8 +28,8 @@ torch = pytest.importorskip("torch", reason="the torch sampler needs torch (pip 
 from torch.overrides import TorchFunctionMode  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from plugserve.server.apps.generate.sampler import Sampler, SamplingState  # noqa: E402
-from plugserve.server.apps.generate.sampler_torch import TorchSampler  # noqa: E402
+from plugserve.plugins.sampling import Sampler, SamplingState  # noqa: E402
+from plugserve.plugins.torch.sampler import TorchSampler  # noqa: E402
 from plugserve.server.apps.generate.types import SamplingParams  # noqa: E402
 
 VOCAB = 320

@@ -32,7 +32,7 @@ pytest.importorskip("safetensors")
 openai = pytest.importorskip("openai")
 
 TOKENS = {"infer": uuid.uuid4().hex, "admin": uuid.uuid4().hex}
-#: one torch thread: a tiny model's steps on busy shared cores (decoder_torch's docstring)
+#: one torch thread: a tiny model's steps on busy shared cores (plugins/torch/decoder.py)
 THREADS = {"INFERENCE_NUM_THREADS": "1"}
 #: the in-process network's config keys (conftest's ``torch_llama``)
 SETTINGS = {**THREADS, "MAX_NUM_SEQS": "4"}
@@ -314,7 +314,8 @@ def test_each_level_releases_what_it_says_in_the_torch_decoder(torch_llama):
 
 def test_level_1_offload_empties_every_weight_storage_and_refills_it(core, hf_llama):
     """A card's level 1, run on the CPU: a bf16 load's storages are torch's own (resizable),
-    with the fused qkv and gate_up views of :func:`torch_model._fuse` sharing them."""
+    with the fused qkv and gate_up views of ``plugins/torch/decoder_model.py``'s ``_fuse``
+    sharing them."""
     network = core.load_network(
         str(hf_llama), "TORCH", {**SETTINGS, "INFERENCE_PRECISION_HINT": "bf16", "WARMUP": "off"}
     )

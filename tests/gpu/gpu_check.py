@@ -596,7 +596,7 @@ def engine_greedy(folder: Path, device: str, precision: str, prompts: dict) -> t
 
     config = {"INFERENCE_PRECISION_HINT": precision, "MAX_NUM_SEQS": str(len(prompts))}
     if device == "TORCH":
-        config["INFERENCE_NUM_THREADS"] = "1"  # decoder_torch's docstring: tiny models, busy cores
+        config["INFERENCE_NUM_THREADS"] = "1"  # plugins/torch/decoder.py: tiny models, busy cores
     t0 = time.monotonic()
     network = _core().load_network(str(folder), device, config)
     load_s = time.monotonic() - t0

@@ -32,17 +32,17 @@ last position of each row's tokens.
 
 from __future__ import annotations
 
-import abc
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from plugserve.plugins import decoding
 from plugserve.plugins.api import CompiledNetwork, InvalidModel
+from plugserve.plugins.sampling import Sampler
 from plugserve.server.apps.generate.kvcache import CacheLayout, KVCache
-from plugserve.server.apps.generate.sampler import Sampler
 
 __all__ = ["ConcatDecoder", "Decoder", "MixedDecoder", "SharedBufferDecoder", "choose_decoder"]
 
@@ -51,8 +51,9 @@ _PAST = re.compile(r"past_key_values\.(\d+)\.(key|value)")
 _CONSTANT_INPUTS = {"use_cache_branch": np.array([True])}
 
 
-class Decoder(abc.ABC):
-    """One decoder graph compiled on a device, run from the engine's one thread."""
+class Decoder(decoding.Decoder):
+    """One decoder graph compiled on a device, run from the engine's one thread (the Plugin
+    API's :class:`~plugserve.plugins.decoding.Decoder` over a compiled network)."""
 
     def __init__(self, network: CompiledNetwork, layout: CacheLayout, vocab: int) -> None:
         self.network = network
@@ -89,15 +90,6 @@ class Decoder(abc.ABC):
         """``cache``'s memory again, as :meth:`new_cache` makes it (zeros)."""
         vars(cache).update(vars(self.new_cache(cache.rows)))
 
-    #: whether a step may hold several sequences (False: onnxruntime-genai's builder graphs
-    #: on OPENVINO, whose GroupQueryAttention conversion fails a batch and fails every run
-    #: after it, docs/generate.md: the warm-up then runs one sequence at a time)
-    batches = True
-
-    #: what compiles the graph again after a level-2 sleep (``load_generative`` sets it:
-    #: the Core's load of the same graph, device and config); None: it stays at both levels
-    reload: Callable[[], CompiledNetwork] | None = None
-
     def sleep(self, level: int) -> None:
         """Release the weights as ``level`` says. A graph compiled on a device keeps its
         weights inside the compiled network, which cannot be offloaded: level 1 frees the
@@ -115,26 +107,8 @@ class Decoder(abc.ABC):
             self.binds = bool(self.request.binds_outputs)
 
     def new_sampler(self, seed: int | None) -> Sampler:
-        """The sampler of this decoder's logits (the host's, on numpy; the torch decoder's
-        runs where its logits are, :mod:`.sampler_torch`)."""
+        """The host's sampler: a graph's logits come back as numpy arrays."""
         return Sampler(seed)
-
-    #: whether ``first`` and ``extend`` take ``all_positions=True`` and then return the logits
-    #: of every position of each chunk, not only its last (a prompt's logprobs: echo with
-    #: logprobs, vLLM's prompt_logprobs); the graph computes them anyway, so they cost only
-    #: their log-softmax
-    prompt_logits = False
-
-    #: whether the decoder runs a step's decoding rows and prompt chunks in one forward, its
-    #: ``step`` (:meth:`.decoder_openvino.PagedDecoder.step`): the engine then makes one call
-    #: a step instead of decode, first and extend
-    mixed = False
-
-    #: whether a decode step can be launched with the previous step's sampled ids still on
-    #: the device and its outcome fetched later (``decode_ids`` and a sampler with ``draw``
-    #: and ``fetched``: the torch decoder), so the engine pipelines steady decode steps
-    #: (:mod:`.overlap`)
-    pipelined = False
 
     def _arrays(self, values: dict[str, Any]) -> list[Any]:
         return [values.get(name, _CONSTANT_INPUTS.get(name)) for name in self.order]
@@ -143,50 +117,11 @@ class Decoder(abc.ABC):
         logits = out["logits"]
         return logits if logits.dtype == np.float32 else logits.astype(np.float32)
 
-    @abc.abstractmethod
-    def decode(self, cache: KVCache, rows: int, tokens: np.ndarray, lens: np.ndarray) -> np.ndarray:
-        """One token for each of rows ``0..rows-1`` (``tokens[r]`` at position ``lens[r]``);
-        its keys and values written there; the logits ``[rows, vocab]``."""
 
-    @abc.abstractmethod
-    def first(
-        self, cache: KVCache, rows: Sequence[int], chunks: Sequence[Sequence[int]]
-    ) -> np.ndarray:
-        """Rows with nothing written yet, each given its first tokens (one batch, right
-        padded); the logits of each row's last token ``[len(rows), vocab]``."""
-
-    @abc.abstractmethod
-    def extend(self, cache: KVCache, row: int, start: int, chunk: Sequence[int]) -> np.ndarray:
-        """``chunk`` written at positions ``start..`` of one row; its last token's logits."""
-
-
-class MixedDecoder(Decoder):
-    """A decoder whose one forward takes a step's decoding rows and prompt chunks together
-    (:attr:`Decoder.mixed`): OpenVINO's paged IR and the torch forward. ``first`` and
-    ``extend`` are steps with chunks only."""
-
-    mixed = True
-
-    @abc.abstractmethod
-    def step(
-        self,
-        cache: KVCache,
-        rows: Sequence[int],
-        tokens: Sequence[int],
-        lens: Sequence[int],
-        chunks: Sequence[tuple[int, int, Sequence[int]]],
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """One forward: decoding ``rows`` (``tokens[i]`` at position ``lens[i]``) and prompt
-        ``chunks`` (``(row, start, tokens)``); the logits of each decoding row and of each
-        chunk's last token (float32, on the host)."""
-
-    def first(
-        self, cache: KVCache, rows: Sequence[int], chunks: Sequence[Sequence[int]]
-    ) -> np.ndarray:
-        return self.step(cache, [], [], [], [(r, 0, c) for r, c in zip(rows, chunks)])[1]
-
-    def extend(self, cache: KVCache, row: int, start: int, chunk: Sequence[int]) -> np.ndarray:
-        return self.step(cache, [], [], [], [(row, start, chunk)])[1][0]
+class MixedDecoder(Decoder, decoding.MixedDecoder):
+    """A graph whose one forward takes a step's decoding rows and prompt chunks together
+    (:attr:`Decoder.mixed`): OpenVINO's paged IR. ``first`` and ``extend`` are steps with
+    chunks only."""
 
 
 def _right_padded(

@@ -21,7 +21,7 @@ this module         the loop: the inbox of new requests and aborts, each step's 
                     cache's arrangement for them
 :mod:`.output`      output processing: sampling applied, stop checks, detokenizing, events to
                     the senders, requests ended or failed
-:mod:`.kvcache`     the cache's slots and the prefix cache; :mod:`.sampler`, :mod:`.detokenizer`
+:mod:`.kvcache`     the cache's slots and the prefix cache; :mod:`.detokenizer`
 :mod:`.spans`       a traced request's spans: queue, prefill chunks, decode
 ==================  ==========================================================================
 
@@ -80,8 +80,8 @@ from concurrent import futures
 from typing import Any
 
 from plugserve.plugins.api import Cancelled, InvalidArgument, PlugserveError, ResourceExhausted
+from plugserve.plugins.decoding import Decoder
 from plugserve.plugins.threads import start_daemon
-from plugserve.server.apps.generate.decoder import Decoder
 from plugserve.server.apps.generate.kvcache import SlotTable
 from plugserve.server.apps.generate.output import OutputProcessor, cancelled
 from plugserve.server.apps.generate.overlap import DeviceStream, Launched, continues, pipelinable
@@ -187,7 +187,7 @@ class Engine:
         self._requests: dict[str, RequestState] = {}
         #: the device stream pipelined steps run on (None: every step synchronous)
         self.stream = (
-            DeviceStream(name, getattr(decoder, "device", None))
+            DeviceStream(name, decoder.bind_thread)
             if settings.async_scheduling and decoder.pipelined
             else None
         )
@@ -472,7 +472,7 @@ class Engine:
             self.output.process(Forward.failure(group, exc))
             return
         failures: dict[int, Exception] = {}
-        tokens, logprobs = self.sampler.fetched(drawn, failures)  # type: ignore[attr-defined]
+        tokens, logprobs = self.decoder.fetch(self.sampler, drawn, failures)
         if behind is not None:
             written = self.table.written
             going = {id(s) for s in behind.group}

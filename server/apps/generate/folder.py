@@ -16,8 +16,9 @@ instead), and it holds a graph. The graph is looked for in this order, the first
 ``model.safetensors``               the weights as published (or the shards that
                                     ``model.safetensors.index.json`` names), for a decoder
                                     family the torch decoder computes
-                                    (:mod:`.torch_model`) or any ``*ForCausalLM``, with a
-                                    ``tokenizer.json``: served by :mod:`.decoder_torch`
+                                    (``plugins/torch/decoder_model.py``) or any
+                                    ``*ForCausalLM``, with a ``tokenizer.json``: served
+                                    by TORCH's and GPU's ``load_decoder``
 ==================================  =====================================================
 
 Whether the graph is a decoder (generation) or an encoder (embeddings) is decided when it is
@@ -40,7 +41,7 @@ GENAI_CONFIG = "genai_config.json"
 OPENVINO_IR = "openvino_model.xml"
 _ONNX_NAMES = ("model.onnx", "decoder_model_merged.onnx", "onnx/model.onnx")
 SAFETENSORS = ("model.safetensors", "model.safetensors.index.json")
-#: the model types the torch decoder computes (torch_model.FAMILIES, kept here so a scan
+#: the model types the torch decoder computes (decoder_model.FAMILIES, kept here so a scan
 #: imports no torch)
 TORCH_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3")
 

@@ -224,7 +224,7 @@ class JsonConstraint:
     def bitmask(self) -> np.ndarray:
         """The same as llguidance's packed int32 words (bit ``t % 32`` of word ``t // 32``:
         token ``t`` allowed), for a sampler that unpacks them on its device
-        (:mod:`.sampler_torch`): ``vocab / 8`` bytes cross instead of ``vocab``."""
+        (``plugins/torch/sampler.py``): ``vocab / 8`` bytes cross instead of ``vocab``."""
         self._fill(self._matcher, self._bits, 0)
         return self._narrowed(self._bits[0]).copy()
 

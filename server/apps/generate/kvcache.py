@@ -46,30 +46,13 @@ make a hit less likely, which tells nothing about their contents.
 from __future__ import annotations
 
 import collections
-import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
 
+from plugserve.plugins.decoding import CacheLayout
+
 __all__ = ["CacheLayout", "KVCache", "Slot", "SlotTable", "salt"]
-
-
-@dataclasses.dataclass(frozen=True)
-class CacheLayout:
-    """The decoder's cache arrays: ``(past input, present output, heads, head_dim)`` each,
-    their element type, and the tokens a slot holds."""
-
-    entries: tuple[tuple[str, str, int, int], ...]
-    dtype: np.dtype
-    capacity: int
-
-    @property
-    def bytes_per_token(self) -> int:
-        return sum(h * d for _p, _o, h, d in self.entries) * self.dtype.itemsize
-
-    @property
-    def bytes_per_slot(self) -> int:
-        return self.bytes_per_token * self.capacity
 
 
 class KVCache:

@@ -35,6 +35,7 @@ with ``exclude_input_in_output``), as Triton's vLLM backend answers.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import logging
 import os
@@ -219,7 +220,7 @@ def load_generative(
     if capacity < 2:
         raise InvalidArgument(f"max_model_len must be at least 2, got {capacity}")
     if folder.kind == "safetensors":  # weights, no graph: the torch decoder
-        return _load_torch(folder, device, device_config, settings, tokenizer, capacity)
+        return _load_torch(core, folder, device, device_config, settings, tokenizer, capacity)
     if folder.kind == "openvino":  # an IR runs on OPENVINO, in the paged-attention form
         device, device_config = serving_device(folder.graph, device, device_config)
     if parse_device(device).kind == "ORT":
@@ -282,6 +283,7 @@ def _slots(folder: ModelFolder, settings: EngineSettings, capacity: int, per_slo
 
 
 def _load_torch(
+    core: Any,
     folder: ModelFolder,
     device: str,
     device_config: dict[str, Any],
@@ -289,29 +291,28 @@ def _load_torch(
     tokenizer: Tokenizer,
     capacity: int,
 ) -> GenerativeNetwork:
-    """A safetensors folder on the torch decoder (:mod:`.decoder_torch`): torch and
-    safetensors are imported here only (``pip install 'plugserve[torch]'``)."""
-    try:
-        import safetensors  # noqa: F401
-        import torch  # noqa: F401
-
-        from plugserve.server.apps.generate.decoder_torch import TorchConfig, load_torch_decoder
-    except ImportError as exc:
+    """A safetensors folder on the device that runs its weights: the device plugin's
+    :meth:`~plugserve.plugins.api.Plugin.load_decoder` (TORCH's and GPU's torch decoder; the
+    other devices refuse it), configured by that device's keys."""
+    missing = [name for name in ("torch", "safetensors") if importlib.util.find_spec(name) is None]
+    if missing:  # the folder format's extra (its devices are then unavailable too)
         raise InvalidModel(
             f"{folder.path}: a safetensors folder is served by the torch decoder, which needs "
-            f"torch and safetensors ({exc}): pip install 'plugserve[torch]'"
-        ) from None
-    decoder, rows, served, report = load_torch_decoder(
+            f"torch and safetensors ({', '.join(missing)} not installed): "
+            "pip install 'plugserve[torch]'"
+        )
+    served = weights_device(core, device)
+    plugin, merged = core.resolve(served, device_config)
+    decoder, rows, report = plugin.load_decoder(
         folder.path,
         folder.text_config,
-        device,
-        device_config,
+        merged,
         capacity,
         lambda per_slot: _slots(folder, settings, capacity, per_slot),
     )
     network = GenerativeNetwork(
         None, folder, tokenizer, decoder, settings, rows, served,
-        config=TorchConfig(device_config),
+        config=plugin.merged_config(merged),
     )  # fmt: skip
     try:
         network.warm_up()
@@ -326,6 +327,17 @@ def _load_torch(
         report["load_seconds"],
     )  # fmt: skip
     return network
+
+
+def weights_device(core: Any, device: str) -> str:
+    """The device a safetensors folder loads on: ``device``, or for ``AUTO`` (``AUTO:GPU,
+    TORCH``, ``AUTO:-GPU``) the first of its devices (GPU, then TORCH) the Core has."""
+    name = parse_device(device)
+    if name.kind != "AUTO":
+        return device
+    wanted = [c.kind for c in name.children] or ["GPU", "TORCH"]
+    have = set(core.available_devices)
+    return next((k for k in wanted if k not in name.excluded and k in have), device)
 
 
 class GenerativeNetwork(CompiledNetwork):
@@ -417,7 +429,7 @@ class GenerativeNetwork(CompiledNetwork):
     @property
     def prompt_logits(self) -> bool:
         """Whether the decoder scores prompts (``SamplingParams.prompt_logprobs``)."""
-        return bool(getattr(self.engine.decoder, "prompt_logits", False))
+        return self.engine.decoder.prompt_logits
 
     def _metric(self, name: str) -> Any:
         if name == "OPTIMAL_NUMBER_OF_INFER_REQUESTS":

@@ -7,7 +7,8 @@ For each :class:`.runner.Forward` the engine hands it, :meth:`OutputProcessor.pr
 1. makes each sequence's sampler state and detokenizer when it first chooses a token
    (:meth:`~OutputProcessor._prepare`: its generator, seeded ``seed + index`` as vLLM when the
    request has a seed; its stop ids; its grammar's matcher);
-2. chooses every row's token in one batched call of the :class:`.sampler.Sampler`;
+2. chooses every row's token in one batched call of the decoder's sampler
+   (``plugins/sampling.py``);
 3. per sequence, appends the token, checks why it would stop (a stop token or the model's
    end-of-sequence unless ``ignore_eos``, a stop string found by the detokenizer, the grammar
    done, ``max_tokens`` or the context: :meth:`~OutputProcessor._stops`), takes the text that
@@ -52,9 +53,10 @@ from typing import Any
 import numpy as np
 
 from plugserve.plugins.api import InferenceError, PlugserveError
+from plugserve.plugins.decoding import StepSampler
+from plugserve.plugins.sampling import SamplingState
 from plugserve.server.apps.generate.detokenizer import byte_pieces
 from plugserve.server.apps.generate.runner import Forward
-from plugserve.server.apps.generate.sampler import Sampler, SamplingState
 from plugserve.server.apps.generate.scheduler import FINISHED, RequestState, Scheduler
 from plugserve.server.apps.generate.scheduler import Sequence as Seq
 from plugserve.server.apps.generate.stats import GenerationStats
@@ -85,7 +87,7 @@ class OutputProcessor:
     tokenizer: Any
     capacity: int
     scheduler: Scheduler
-    sampler: Sampler
+    sampler: StepSampler
     stats: GenerationStats
     forget: Callable[[RequestState], None]
     #: tokens a sequence's stream sends in one event (the engine's ``stream_interval``)

@@ -11,7 +11,7 @@ when a step is decode-only and every row may be, the engine's loop (:mod:`.engin
    input ids step N's sampled ids, taken on the device (no host round trip), its rows step
    N's less those already finished or sure to finish at N (``max_tokens``, the context);
 2. then processes step N on the host: waits for its ids only (on a card: an event recorded
-   after their copy to pinned memory, :class:`.sampler_torch.Drawn`), writes them to the
+   after their copy to pinned memory, ``plugins/torch/sampler.py``'s ``Drawn``), writes them to the
    prefix cache's tokens, and sends them (:meth:`.output.OutputProcessor.emit`) while N+1
    runs.
 
@@ -43,7 +43,7 @@ work (torch's CPU ops release the GIL, so they overlap); on a card it enqueues t
 kernels (the decode graph's replay, the sampler's) on the device, records the event, and is
 done; the host waits on the event only when it needs the ids. Sampled rows (temperature,
 top-k, top-p, min-p, seeds, ``logit_bias``, logprobs) pipeline as greedy ones do: the
-sampler's half run at launch (:meth:`.sampler_torch.TorchSampler.draw`) sends its parameters
+sampler's half run at launch (``plugins/torch/sampler.py``'s ``draw``) sends its parameters
 and uniform numbers in one ``non_blocking`` copy from pinned memory and reads nothing back,
 so the stream's thread queues the sampler's kernels behind the forward without waiting for
 it (tests/generate/test_sampler_torch_syncs.py). Grammars and penalties fall back for the
@@ -67,6 +67,7 @@ host, which is where the overlap is meant to pay (tests/gpu/gpu_check.py's ``gen
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -78,12 +79,13 @@ __all__ = ["DeviceStream", "Launched", "continues", "pipelinable"]
 
 class DeviceStream:
     """The one thread launched steps run on, in the order launched (the device's stream).
-    On a card, the thread's current CUDA device is the decoder's (``GPU.1``: its events and
-    streams are ``cuda:1``'s, not the default card's)."""
+    ``bind`` runs first on that thread (the decoder's :meth:`~plugserve.plugins.decoding.
+    Decoder.bind_thread`: on a card, ``GPU.1``'s events and streams are ``cuda:1``'s, not
+    the default card's)."""
 
-    def __init__(self, name: str, device: Any = None) -> None:
+    def __init__(self, name: str, bind: Callable[[], None] | None = None) -> None:
         self._pool = ThreadPoolExecutor(
-            1, thread_name_prefix=f"generate/{name}/stream", initializer=_on, initargs=(device,)
+            1, thread_name_prefix=f"generate/{name}/stream", initializer=bind
         )
 
     def submit(self, job: Any) -> Future:
@@ -93,17 +95,10 @@ class DeviceStream:
         self._pool.shutdown(wait=True)
 
 
-def _on(device: Any) -> None:
-    if device is not None and getattr(device, "type", "") == "cuda":
-        import torch
-
-        torch.cuda.set_device(device)
-
-
 @dataclasses.dataclass(slots=True, eq=False)
 class Launched:
     """A decode step on the device stream: its rows' sequences, in row order, and the future
-    of its :class:`.sampler_torch.Drawn` (the ids still on the device until fetched);
+    of its ``plugins/torch/sampler.py``'s ``Drawn`` (the ids still on the device until fetched);
     ``chained``: its input ids were the step before's, on the device."""
 
     group: list[Seq]

@@ -42,10 +42,10 @@ from typing import Any
 import numpy as np
 
 from plugserve.plugins.api import InferenceError, PlugserveError
-from plugserve.server.apps.generate.decoder import Decoder
+from plugserve.plugins.decoding import Decoder, StepSampler
+from plugserve.plugins.sampling import log_softmax, logprob_entry
 from plugserve.server.apps.generate.kvcache import KVCache, Slot, SlotTable
 from plugserve.server.apps.generate.overlap import DeviceStream, Launched
-from plugserve.server.apps.generate.sampler import log_softmax, logprob_entry
 from plugserve.server.apps.generate.scheduler import (
     DECODE,
     FORK,
@@ -104,7 +104,11 @@ class ModelRunner:
             yield from self._extend(seq, count)
 
     def launch(
-        self, group: list[Seq], sampler: Any, stream: DeviceStream, prev: Launched | None = None
+        self,
+        group: list[Seq],
+        sampler: StepSampler,
+        stream: DeviceStream,
+        prev: Launched | None = None,
     ) -> Launched:
         """A decode step of ``group`` launched on the device stream and its tokens drawn
         there, not waited for (:mod:`.overlap`; a :attr:`.decoder.Decoder.pipelined`
@@ -118,13 +122,13 @@ class ModelRunner:
         rows = [s.slot.index for s in group]
         lens = [s.computed for s in group]
         states = [s.sampling for s in group]
-        ids: Any = None
+        ids: np.ndarray | None = None
+        picks: list[int] | None = None
         if prev is None:
             generated = [s.generated for s in group]
             ids = np.fromiter((s.tokens[s.computed] for s in group), np.int64, len(group))
             for seq, token in zip(group, ids):
                 self._computed(seq, [int(token)])
-            picks = None
         else:  # the token in flight is each row's, so one more generated when this one's chosen
             generated = [s.generated + 1 for s in group]
             for seq in group:
@@ -135,22 +139,11 @@ class ModelRunner:
                 picks = None
 
         def step() -> Any:
-            import torch
-
-            with torch.inference_mode():
-                inputs = ids
-                if prev is not None:  # done: the stream runs in order; raises its failure
-                    chosen = prev.future.result().chosen
-                    if picks is not None:  # rows left: the ones going on, gathered there
-                        index = torch.tensor(picks)
-                        if chosen.device.type == "cuda":  # not a copy that waits for the card
-                            index = index.pin_memory().to(chosen.device, non_blocking=True)
-                        chosen = chosen[index]
-                    inputs = chosen.clamp(min=0)  # a failed row's -1: a wasted row
-                logits = decoder.decode_ids(cache, rows, inputs, lens)  # type: ignore[attr-defined]
-                drawn = sampler.draw(logits, states, generated)
-                drawn.copy_out()
-                return drawn
+            # done: the stream runs in order; raises its failure
+            previous = prev.future.result() if prev is not None else None
+            return decoder.launch(
+                cache, rows, lens, ids, sampler, states, generated, previous, picks
+            )
 
         return Launched(group, stream.submit(step), chained=prev is not None)
 
@@ -253,7 +246,7 @@ class ModelRunner:
         pieces = [s.tokens[s.computed : s.computed + c] for s, c in chunks]
         traced = _chunks_start(chunks, len(group) + len(chunks))
         try:
-            decoded, prompted = self.decoder.step(  # type: ignore[attr-defined]
+            decoded, prompted = self.decoder.step(
                 self.cache,
                 [s.slot.index for s in group],
                 tokens,

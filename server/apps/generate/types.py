@@ -44,6 +44,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from plugserve.plugins.api import InvalidArgument
+from plugserve.plugins.sampling import TokenLogprob
 
 __all__ = [
     "EVENT_BYTES",
@@ -279,20 +280,6 @@ class GenerationRequest:
     #: (:func:`.kvcache.salt`)
     tenant: str = ""
     cache_salt: str = ""
-
-
-@dataclasses.dataclass
-class TokenLogprob:
-    """One generated (or prompt) token's log probability, and the ``top`` most likely tokens
-    at that position as ``(token_id, logprob)``, most likely first: the log-softmax of the
-    model's raw logits, before penalties and temperature (vLLM's default ``raw_logprobs``)."""
-
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]] = dataclasses.field(default_factory=list)
-    #: the token's place among the vocabulary, 1 the most likely (prompt tokens' only: vLLM's
-    #: prompt_logprobs give it); None where not computed
-    rank: int | None = None
 
 
 @dataclasses.dataclass

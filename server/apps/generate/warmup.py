@@ -4,7 +4,7 @@ wake), so the first real request is not the slow one.
 What the first step of a shape costs, and what a warm-up pays instead of a client: torch's
 lazy initialisation and the allocator's first blocks, oneDNN's (CPU) or cuBLAS's (GPU) kernel
 choices per shape, and on a card a CUDA graph captured per decode batch size
-(:class:`.decoder_torch.DecodeGraphs`: captured on a shape's first use). The warm-up runs,
+(``plugins/torch/decoder.py``: captured on a shape's first use). The warm-up runs,
 for each batch size, that many requests at once through the engine itself (so the scheduler,
 the sampler and the pipelined steps run as a client's would), each prompt of each length
 computed, then a few tokens decoded at that batch size.

@@ -136,7 +136,7 @@ def test_the_generation_engines_decoder_and_sampler_mark_a_sticky_error_too(cuda
     """The engine's decoder and sampler run outside a network's request: sticky_failure is
     their classification (the same words, the same marking); a CPU device never fails so, and
     an error that is not sticky is left to their own InferenceError."""
-    from plugserve.server.apps.generate.sampler_torch import TorchSampler
+    from plugserve.plugins.torch.sampler import TorchSampler
 
     assert devmem.sticky_failure(RuntimeError(STICKY_MESSAGES[0]), torch.device("cpu"), "x") is None
     assert devmem.sticky_failure(RuntimeError(NOT_STICKY[1]), cuda9, "a step") is None

@@ -419,20 +419,22 @@ def test_a_graph_pool_is_kept_only_where_the_budget_holds_it():
     assert devmem.DeviceMemory("GPU.0", 0).try_hold(2**40) is not None  # no budget set
 
 
-def test_a_decoder_on_a_card_is_keyed_by_its_index(monkeypatch):
-    """AUTO and a bare GPU resolve to "cuda:N", the GPU plugin's key for memory charges and
-    failure marks (a bare "cuda" split them from card 0's); an index past the cards is
-    refused. The GPU check's gen.f32 found ``DeviceName.ident`` (no such field) here."""
-    import torch
+def test_a_safetensors_folder_goes_to_the_device_its_name_says():
+    """AUTO takes the first of its devices the Core has (GPU, then TORCH); a named device is
+    the device's own to resolve (``GPU.1``: the GPU plugin's card 1, its one name parser, and
+    ``cuda:N`` its key for memory charges and failure marks); a device that runs graphs only
+    refuses the folder through the Plugin API's default ``load_decoder``."""
+    from pathlib import Path
 
     from plugserve.plugins.api import InvalidArgument
-    from plugserve.server.apps.generate.decoder_torch import torch_device
+    from plugserve.server import Core
+    from plugserve.server.apps.generate.network import weights_device
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    assert torch_device("AUTO") == ("GPU", "cuda:0")
-    assert torch_device("GPU") == ("GPU", "cuda:0")
-    assert torch_device("GPU.1") == ("GPU.1", "cuda:1")
-    with pytest.raises(InvalidArgument, match="2 CUDA device"):
-        torch_device("GPU.2")
-    assert torch_device("AUTO:TORCH") == ("TORCH", "cpu")
+    core = Core()
+    gpu = "GPU" in core.available_devices
+    assert weights_device(core, "AUTO") == ("GPU" if gpu else "TORCH")
+    assert weights_device(core, "AUTO:TORCH") == "TORCH"
+    assert weights_device(core, "AUTO:-GPU") == "TORCH"
+    assert weights_device(core, "GPU.1") == "GPU.1"
+    with pytest.raises(InvalidArgument, match="not NUMPY"):
+        core.plugin("NUMPY").load_decoder(Path("folder"), {}, None, 16, lambda per_slot: 1)

@@ -1,23 +1,28 @@
-"""A safetensors folder's decoder in torch (:mod:`.torch_model`), as the engine's backend: the
-module, its weights and the cache tensors owned here, on a torch device (the CPU, or a CUDA
-card: the same code, ``device`` and ``dtype`` chosen at load).
+"""A safetensors folder's decoder in torch (:mod:`.decoder_model`), the device's answer to
+the Plugin API's decoder (``plugins/decoding.py``): the module, its weights and the cache
+tensors owned here, on a torch device (the CPU, or a CUDA card: the same code, ``device``
+and ``dtype`` chosen at load). The server reaches it only through the device plugin's
+:meth:`~plugserve.plugins.api.Plugin.load_decoder`.
 
 Devices. The folder is served on ``TORCH`` (torch on the CPU) or ``GPU`` (CUDA; ``GPU.1`` is
-``cuda:1``); ``AUTO`` takes the GPU when torch sees one, else the CPU. The other devices run
-graphs (ONNX, OpenVINO IR), which a safetensors folder is not: InvalidArgument says so. The
-precision is the device config's ``INFERENCE_PRECISION_HINT`` (``f32``, ``bf16``, ``f16``;
-default ``f32`` on the CPU, ``bf16`` on a GPU); weights and the cache are both in it, and the
-logits go to the engine in float32.
+``cuda:1``: the device plugin's own name and card); ``AUTO`` (the server's) takes the GPU
+when the Core lists it, else the CPU. The other devices run graphs (ONNX, OpenVINO IR),
+which a safetensors folder is not: their ``load_decoder`` refuses it (InvalidArgument). The
+configuration is the device's (:mod:`.config`, one meaning of every key): the precision is
+``INFERENCE_PRECISION_HINT`` (``f32``, ``bf16``, ``f16``; default ``f32`` on the CPU,
+``bf16`` on a GPU, ``EXECUTION_MODE_HINT=ACCURACY`` f32); weights and the cache are both in
+it, and the logits go to the engine in float32.
 
-The engine's calls. The backend is :attr:`~.decoder.Decoder.mixed`: each step's decoding rows
-and prompt chunks are one forward (:meth:`TorchDecoder.step`), as the paged OpenVINO backend
-runs them, so the runner never arranges rows. The cache keeps the engine's slot layout
-(:mod:`.kvcache`: a slot a row ``[kv_heads, capacity, head_dim]`` of each layer's tensors), so
-prefix hits and ``n`` > 1 forks copy a slot's written positions on the tensors' device.
+The engine's calls. The backend is :attr:`~plugserve.plugins.decoding.Decoder.mixed`: each
+step's decoding rows and prompt chunks are one forward (:meth:`TorchDecoder.step`), as the paged
+OpenVINO backend runs them, so the runner never arranges rows. The cache keeps the engine's slot
+layout (``server/apps/generate/kvcache.py``: a slot a row ``[kv_heads, capacity, head_dim]`` of
+each layer's tensors), so prefix hits and ``n`` > 1 forks copy a slot's written positions on the
+tensors' device.
 
 What crosses between the host and the device per step: the step's token ids, positions and
 slots in (a few hundred bytes); the logits stay on the device, float32 ``[sequences,
-vocab]`` torch tensors, and the engine's sampler is :class:`.sampler_torch.TorchSampler`
+vocab]`` torch tensors, and the engine's sampler is :class:`.sampler.TorchSampler`
 (:meth:`TorchDecoder.new_sampler`), which chooses there and brings back the ids (and the
 logprobs a request asked for). The cache's slots are the device's tensors: prefix-cache
 copies, ``n`` > 1 forks and slot moves (:class:`TorchKVCache`) run on the device.
@@ -31,10 +36,12 @@ s: a thread barrier waiting for a descheduled thread) and 1.0 s with 1.
 
 CUDA graphs (:class:`DecodeGraphs`): on a CUDA device, a step made of decoding rows only runs
 in one of a bounded set of shapes (batch padded up to the next of :data:`GRAPH_SIZES`, keys
-read over the next power-of-two width), each captured as a graph after warm-up and replayed,
-when ``CUDA_GRAPHS`` is on (the default); prompts and mixed steps run eagerly. On the CPU the
-default is the plain eager step; ``TorchDecoder(graphs=True)`` there runs the same padded,
-static-buffer step eagerly (the CPU twin tests/generate/test_generate_torch_device.py checks).
+read over the next power-of-two width), each captured as a graph after warm-up and replayed;
+``CUDA_GRAPHS`` is the count of shapes kept captured, the least recently used dropped (the
+device's key: GPU's default 8, 0 none); prompts and mixed steps run eagerly. On the CPU
+(TORCH's default 0) the step is the plain eager one; ``CUDA_GRAPHS`` > 0 there runs the same
+padded, static-buffer step eagerly (the CPU twin tests/generate/test_generate_torch_device.py
+checks).
 
 Errors: a torch error in a step (out of memory on the card, a CUDA error that is not sticky)
 fails that step's sequences with InferenceError (ResourceExhausted for out-of-memory) and the
@@ -53,39 +60,36 @@ import logging
 import os
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from plugserve.plugins.api import (
+    Configuration,
     InferenceError,
-    InvalidArgument,
     ResourceExhausted,
 )
-from plugserve.plugins.configuration import BOOL, ConfigKey, Configuration
+from plugserve.plugins.decoding import CacheLayout, MixedDecoder, StepSampler
 from plugserve.plugins.torch import capture as graph_capture
 from plugserve.plugins.torch import devmem
-from plugserve.server.apps.generate.decoder import MixedDecoder
-from plugserve.server.apps.generate.kvcache import CacheLayout, KVCache
-from plugserve.server.apps.generate.sampler_torch import TorchSampler
-from plugserve.server.apps.generate.torch_model import (
-    DTYPES,
+from plugserve.plugins.torch.backend import ieee_fp32
+from plugserve.plugins.torch.config import DTYPES, GRAPHS_YES, precision
+from plugserve.plugins.torch.decoder_model import (
     DecoderModel,
     KVTensors,
     ModelShape,
     safetensors_files,
     weight_bytes,
 )
-from plugserve.server.control.devices import parse_device
+from plugserve.plugins.torch.sampler import TorchSampler
 
-__all__ = ["TorchConfig", "TorchDecoder", "TorchKVCache", "load_torch_decoder", "torch_device"]
+__all__ = ["TorchDecoder", "TorchKVCache", "check_model", "load_decoder"]
 
 log = logging.getLogger(__name__)
 
-#: the device names that serve a safetensors folder (the torch device plugin's names)
-CPU_DEVICE, GPU_DEVICE = "TORCH", "GPU"
 #: decode batch sizes a CUDA graph is captured for (a batch runs in the next one up)
 GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 #: the fewest keys a captured decode step reads (its width doubles up to the capacity)
@@ -94,84 +98,16 @@ MIN_WIDTH = 128
 LOAD_SHARE = 0.9
 
 
-def _parse_precision(value: str) -> str:
-    text = value.strip().lower()
-    text = {"fp32": "f32", "float32": "f32", "bfloat16": "bf16", "fp16": "f16"}.get(text, text)
-    if text and text not in DTYPES:
-        raise ValueError(f"expected one of {', '.join(DTYPES)}")
-    return text
-
-
-class TorchConfig(Configuration):
-    """The torch backend's device config keys (the others refused, as a device refuses)."""
-
-    KEYS = (
-        *Configuration.KEYS,
-        ConfigKey(
-            "INFERENCE_PRECISION_HINT",
-            "",
-            _parse_precision,
-            doc="f32, bf16 or f16: the weights' and the cache's precision (default f32 on the "
-            "CPU, bf16 on a GPU)",
-        ),
-        ConfigKey(
-            "CUDA_GRAPHS",
-            True,
-            **BOOL,
-            doc="on a GPU, decode steps replayed from CUDA graphs captured per batch size",
-        ),
-    )
-
-
-def torch_device(device: str) -> tuple[str, str]:
-    """``(device name served, torch device)`` for a load on ``device``: TORCH is the CPU,
-    GPU[.N] CUDA card N, AUTO the GPU when torch sees one; InvalidArgument for the others."""
-    name = parse_device(device)
-    if name.kind == "AUTO":
-        import torch
-
-        wanted = [c.kind for c in name.children] or [GPU_DEVICE, CPU_DEVICE]
-        for kind in wanted:
-            if kind in name.excluded:
-                continue
-            if kind == GPU_DEVICE and torch.cuda.is_available():
-                # an index always: memory charges and failure marks are keyed "cuda:N", as
-                # the GPU plugin's (a bare "cuda" split them from card 0's)
-                return GPU_DEVICE, "cuda:0"
-            if kind == CPU_DEVICE:
-                return CPU_DEVICE, "cpu"
-    elif name.kind == CPU_DEVICE:
-        return device, "cpu"
-    elif name.kind == GPU_DEVICE:
-        import torch
-
-        if not torch.cuda.is_available():
-            raise InvalidArgument(
-                f"device {device}: torch sees no CUDA device here; serve the folder on "
-                f"{CPU_DEVICE} (torch on the CPU)"
-            )
-        index = int(name.device_id) if name.device_id.isdigit() else 0
-        if index >= torch.cuda.device_count():
-            raise InvalidArgument(
-                f"device {device}: torch sees {torch.cuda.device_count()} CUDA device(s)"
-            )
-        return device, f"cuda:{index}"
-    raise InvalidArgument(
-        f"a safetensors folder (weights, not a graph) is served by the torch decoder on "
-        f"{CPU_DEVICE} (the CPU) or {GPU_DEVICE} (CUDA), not {device}; set the model's device, "
-        "or export the model to ONNX (optimum-cli export onnx) for the other devices"
-    )
-
-
-class TorchKVCache(KVCache):
-    """The engine's slots over :class:`KVTensors` (``arrays``: ``key.N`` / ``value.N`` ->
-    the torch tensors); copies and swaps run on the tensors' device."""
+class TorchKVCache:
+    """The engine's slots (a :class:`~plugserve.plugins.decoding.Cache`) over
+    :class:`KVTensors` (``arrays``: ``key.N`` / ``value.N`` -> the torch tensors); copies and
+    swaps run on the tensors' device."""
 
     def __init__(self, layout: CacheLayout, rows: int, tensors: KVTensors) -> None:
         self.layout = layout
         self.rows = rows
         self.tensors = tensors
-        self.arrays = {}
+        self.arrays: dict[str, Any] = {}
         for i, (k, v) in enumerate(zip(tensors.keys, tensors.values)):
             self.arrays[f"key.{i}"] = k
             self.arrays[f"value.{i}"] = v
@@ -205,7 +141,7 @@ class TorchDecoder(MixedDecoder):
     pipelined = True
 
     def __init__(
-        self, model: DecoderModel, layout: CacheLayout, graphs: bool = True, threads: int = 0
+        self, model: DecoderModel, layout: CacheLayout, graphs: int = 0, threads: int = 0
     ) -> None:  # no compiled network: the module is owned here
         self.model = model
         self.threads = threads
@@ -214,13 +150,13 @@ class TorchDecoder(MixedDecoder):
         self.forwards = 0
         self.steps = 0
         self.device = model.device
-        #: decode steps through :class:`DecodeGraphs` (captured on CUDA; on the CPU its
-        #: static buffers run eagerly: the CPU twin CI tests)
+        #: the decode shapes kept captured (CUDA_GRAPHS: on CUDA, graphs; on the CPU their
+        #: static buffers run eagerly, the CPU twin CI tests); 0: decode steps run eagerly
         self.use_graphs = graphs
         self.graphs: DecodeGraphs | None = None
         self.dtype = model.dtype
         #: what :meth:`wake_up` reads the weights again from after a level-2 sleep: the
-        #: folder and its config (``load_torch_decoder`` sets it)
+        #: folder and its config (``load_decoder`` sets it)
         self.source: tuple[Path, dict[str, Any]] | None = None
         #: a level-1 sleep on a card: each weight storage and its copy in pinned host memory
         self._offloaded: list[tuple[Any, Any]] = []
@@ -231,7 +167,7 @@ class TorchDecoder(MixedDecoder):
 
     # --- sleep and wake (:meth:`.engine.Engine.sleep`)
 
-    def release_cache(self, cache: KVCache) -> None:
+    def release_cache(self, cache: Any) -> None:
         """The cache's tensors dropped, and the decode graphs with them (they replay over
         the tensors' addresses; :meth:`restore_cache` makes both again)."""
         assert isinstance(cache, TorchKVCache)
@@ -239,7 +175,7 @@ class TorchDecoder(MixedDecoder):
         self.graphs = None  # its charges released with it (DecodeGraphs' finalizer)
         self._empty_cache()
 
-    def restore_cache(self, cache: KVCache) -> None:
+    def restore_cache(self, cache: Any) -> None:
         assert isinstance(cache, TorchKVCache)
         fresh = self.new_cache(cache.rows)
         cache.tensors, cache.arrays = fresh.tensors, fresh.arrays
@@ -311,7 +247,7 @@ class TorchDecoder(MixedDecoder):
         )
         cache = TorchKVCache(self.layout, rows, tensors)
         if self.use_graphs:
-            self.graphs = DecodeGraphs(self.model, tensors, scratch=rows)
+            self.graphs = DecodeGraphs(self.model, tensors, scratch=rows, keep=self.use_graphs)
         return cache
 
     # --- the engine's calls
@@ -319,12 +255,12 @@ class TorchDecoder(MixedDecoder):
     def new_sampler(self, seed: int | None) -> TorchSampler:
         return TorchSampler(seed, self.device)
 
-    def decode(self, cache: KVCache, rows: int, tokens: np.ndarray, lens: np.ndarray) -> Any:
+    def decode(self, cache: Any, rows: int, tokens: np.ndarray, lens: np.ndarray) -> Any:
         return self.step(cache, list(range(rows)), list(tokens), list(lens), [])[0]
 
     def step(
         self,
-        cache: KVCache,
+        cache: Any,
         rows: Sequence[int],
         tokens: Sequence[int],
         lens: Sequence[int],
@@ -362,10 +298,60 @@ class TorchDecoder(MixedDecoder):
         logits = self._run(cache, ids, positions, slots, starts, counts, seq_rows, bool(chunks))
         return logits[:decoding], logits[decoding:]
 
-    def decode_ids(self, cache: KVCache, rows: Sequence[int], ids: Any, lens: Sequence[int]) -> Any:
+    def bind_thread(self) -> None:
+        """On a card, the calling thread's current CUDA device is the decoder's (``GPU.1``:
+        its events and streams are ``cuda:1``'s, not the default card's)."""
+        if self.device.type == "cuda":
+            import torch
+
+            torch.cuda.set_device(self.device)
+
+    def launch(
+        self,
+        cache: Any,
+        rows: Sequence[int],
+        lens: Sequence[int],
+        ids: np.ndarray | None,
+        sampler: StepSampler,
+        states: Sequence[Any],
+        generated: Sequence[int],
+        previous: Any = None,
+        picks: Sequence[int] | None = None,
+    ) -> Any:
+        """A pipelined decode step (``server/apps/generate/overlap.py``), on the device
+        stream's thread: its ids ``ids``, or the ones ``previous`` (a :class:`.sampler.Drawn`)
+        chose, gathered at ``picks`` on the device; the forward and the sampler's draw queued, the
+        ids' copy to the host started (:meth:`.sampler.Drawn.copy_out`), nothing waited for."""
+        import torch
+
+        assert isinstance(sampler, TorchSampler), "a pipelined step draws on the device"
+        with torch.inference_mode():
+            inputs: Any = ids
+            if previous is not None:
+                chosen = previous.chosen
+                if picks is not None:  # rows left: the ones going on, gathered there
+                    index = torch.tensor(list(picks))
+                    if chosen.device.type == "cuda":  # not a copy that waits for the card
+                        index = index.pin_memory().to(chosen.device, non_blocking=True)
+                    chosen = chosen[index]
+                inputs = chosen.clamp(min=0)  # a failed row's -1: a wasted row
+            logits = self.decode_ids(cache, rows, inputs, lens)
+            drawn = sampler.draw(logits, states, generated)
+            drawn.copy_out()
+            return drawn
+
+    def fetch(
+        self, sampler: StepSampler, launched: Any, failures: dict[int, Exception]
+    ) -> tuple[np.ndarray, list[Any]]:
+        """A launched step's ids and logprobs on the host (the step's one wait)."""
+        assert isinstance(sampler, TorchSampler), "a pipelined step draws on the device"
+        return sampler.fetched(launched, failures)
+
+    def decode_ids(self, cache: Any, rows: Sequence[int], ids: Any, lens: Sequence[int]) -> Any:
         """A decode step whose token ids are a tensor on the device already (the previous
-        step's sampled ids: a pipelined step, :mod:`.overlap`): ``rows[i]`` decodes ``ids[i]``
-        at position ``lens[i]``; its logits, as :meth:`step`'s decoding ones."""
+        step's sampled ids: a pipelined step, ``server/apps/generate/overlap.py``):
+        ``rows[i]`` decodes ``ids[i]`` at position ``lens[i]``; its logits, as :meth:`step`'s
+        decoding ones."""
         assert isinstance(cache, TorchKVCache), "the torch backend runs on its own cache"
         rows = [int(r) for r in rows]
         starts = [int(n) for n in lens]
@@ -446,7 +432,12 @@ class DecodeGraphs:
     (None)."""
 
     def __init__(
-        self, model: DecoderModel, tensors: KVTensors, scratch: int, capture: bool | None = None
+        self,
+        model: DecoderModel,
+        tensors: KVTensors,
+        scratch: int,
+        capture: bool | None = None,
+        keep: int = GRAPHS_YES,
     ) -> None:
         self.model = model
         self.tensors = tensors
@@ -454,7 +445,9 @@ class DecodeGraphs:
         self.capacity = int(tensors.keys[0].shape[2])
         #: CUDA graphs (a CUDA device), else the static-buffer step run eagerly
         self.capture = model.device.type == "cuda" if capture is None else capture
-        self.shapes: dict[tuple[int, int, bool], _Shape] = {}
+        #: the shapes made, least recently used first; at most ``keep`` (CUDA_GRAPHS)
+        self.shapes: OrderedDict[tuple[int, int, bool], _Shape] = OrderedDict()
+        self.keep = max(1, keep)
         #: the cache's rows: a step whose rows are 0..B-1 reads ``keys[:size]`` in place
         self.slots = int(tensors.keys[0].shape[0])
         self.pool: Any = None
@@ -485,9 +478,13 @@ class DecodeGraphs:
         eagerly (its capture failed, and no retry is due)."""
         self.failures.use()
         shape = self.shapes.get(key)
-        if shape is None and not self.failures.eager(key):
+        if shape is not None:
+            self.shapes.move_to_end(key)
+        elif not self.failures.eager(key):
             shape = self._make(*key)
             if shape is not None:
+                if len(self.shapes) >= self.keep:  # CUDA_GRAPHS' count: the oldest goes
+                    self.shapes.popitem(last=False)
                 self.shapes[key] = shape
         return shape
 
@@ -631,31 +628,27 @@ class _Shape:
         return self.model.forward(self.tensors, self.ids, self.positions, self.rows, plan)
 
 
-def load_torch_decoder(
+def load_decoder(
     folder: Path,
     config: Mapping[str, Any],
-    device: str,
-    device_config: Mapping[str, Any],
+    settings: Configuration,
+    target: Any,
     capacity: int,
-    kv_rows: Any,
-) -> tuple[TorchDecoder, int, str, dict[str, Any]]:
-    """The folder's decoder on ``device``: ``(decoder, rows, served device, report)``.
+    kv_rows: Callable[[int], int],
+) -> tuple[TorchDecoder, int, dict[str, Any]]:
+    """The folder's decoder on the torch device ``target`` (the device plugin's, from its
+    configuration ``settings``): ``(decoder, rows, report)``
+    (:meth:`~plugserve.plugins.api.Plugin.load_decoder`).
 
     ``kv_rows(bytes_per_slot)`` gives the slots the engine's budget holds. The weights' and
     the cache's bytes are checked against the memory free on the device before either is
-    allocated (ResourceExhausted naming both)."""
+    allocated (ResourceExhausted naming both). The precision is the device's key, its
+    default the decoder's own (bf16 on a card, f32 on the CPU; ACCURACY: f32)."""
     import torch
 
-    settings = TorchConfig(dict(device_config))
-    served, where = torch_device(device)
-    target = torch.device(where)
-    precision = settings.get("INFERENCE_PRECISION_HINT") or (
-        "bf16" if target.type == "cuda" else "f32"
-    )
-    dtype = getattr(torch, DTYPES[precision])
-    if precision == "f32" and target.type == "cuda":  # IEEE float32 (no TF32), as GPU's f32
-        from plugserve.plugins.torch.backend import ieee_fp32
-
+    chosen = precision(settings, "bf16" if target.type == "cuda" else "f32")
+    dtype = getattr(torch, DTYPES[chosen])
+    if chosen == "f32" and target.type == "cuda":  # IEEE float32 (no TF32), as GPU's f32
         ieee_fp32(torch)
     shape = ModelShape.from_config(dict(config), str(folder / "config.json"))
     itemsize = torch.empty((), dtype=dtype).element_size()
@@ -671,14 +664,14 @@ def load_torch_decoder(
     per_slot = layout.bytes_per_slot
     rows = int(kv_rows(per_slot))
     weights = weight_bytes(safetensors_files(folder), itemsize)
-    graphs = bool(settings.get("CUDA_GRAPHS")) and target.type == "cuda"
-    needed = weights + (rows + graphs) * per_slot  # CUDA graphs' padding rows: a scratch slot
+    graphs = int(settings.get("CUDA_GRAPHS") or 0)
+    needed = weights + (rows + bool(graphs)) * per_slot  # CUDA graphs' padding rows: a scratch slot
     free = _free_memory(target)
     if needed > free * LOAD_SHARE:
         raise ResourceExhausted(
-            f"{folder}: the weights ({weights / 2**20:.0f} MiB in {precision}) and "
+            f"{folder}: the weights ({weights / 2**20:.0f} MiB in {chosen}) and "
             f"{rows} cache slots ({rows * per_slot / 2**20:.0f} MiB) need more than the "
-            f"{free / 2**20:.0f} MiB free on {served} allows; lower KV_CACHE_BYTES, "
+            f"{free / 2**20:.0f} MiB free on {target} allows; lower KV_CACHE_BYTES, "
             "MAX_NUM_SEQS or MAX_MODEL_LEN, or load in a smaller precision"
         )
     started = time.monotonic()
@@ -692,16 +685,16 @@ def load_torch_decoder(
     )
     decoder.source = (Path(folder), dict(config))
     report = {
-        "precision": precision,
+        "precision": chosen,
         "torch_device": str(target),
         "weights_bytes": weights,
         "load_seconds": seconds,
     }
     log.info(
         "torch decoder %s: %s weights (%.1f MiB, %s) read to %s in %.2f s",
-        folder, shape.family, weights / 2**20, precision, target, seconds,
+        folder, shape.family, weights / 2**20, chosen, target, seconds,
     )  # fmt: skip
-    return decoder, rows, served, report
+    return decoder, rows, report
 
 
 def _free_memory(device: Any) -> int:

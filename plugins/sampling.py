@@ -1,5 +1,9 @@
 """Choosing each sequence's next token from one step's logits, for the whole batch at once.
 
+Part of the Plugin API beside the decoder (``plugins/decoding.py``): these are the rules and
+numbers every decoder's sampler keeps, the host's on numpy logits here, and a device's on its
+own tensors (``plugins/torch/sampler.py``) the same tokens for the same logits and seeds.
+
 One call per step takes the ``[rows, vocab]`` logits of every sequence that produces a token
 this step and returns one token per row. What most requests use runs over the batch as one
 numpy operation (greedy rows: one ``argmax``; sampled rows: temperature, softmax, cumulative
@@ -29,27 +33,41 @@ numbers whether or not another row's failure made its choice run again. The engi
 ``failures`` and fails those rows' requests; the others in the batch get their tokens.
 
 The torch decoder's logits stay on its device and are sampled there by
-:class:`.sampler_torch.TorchSampler`: these rules and numbers, the same tokens for the same
-logits and seeds (tests/generate/test_sampler_torch.py).
+:class:`plugserve.plugins.torch.sampler.TorchSampler`: these rules and numbers, the same
+tokens for the same logits and seeds (tests/generate/test_sampler_torch.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from plugserve.server.apps.generate.types import SamplingParams, TokenLogprob
-
 __all__ = [
     "Sampler",
     "SamplingState",
+    "TokenLogprob",
     "log_softmax",
     "logprob_entry",
     "plain",
     "together_else_alone",
 ]
+
+
+@dataclasses.dataclass
+class TokenLogprob:
+    """One generated (or prompt) token's log probability, and the ``top`` most likely tokens
+    at that position as ``(token_id, logprob)``, most likely first: the log-softmax of the
+    model's raw logits, before penalties and temperature (vLLM's default ``raw_logprobs``)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = dataclasses.field(default_factory=list)
+    #: the token's place among the vocabulary, 1 the most likely (prompt tokens' only: vLLM's
+    #: prompt_logprobs give it); None where not computed
+    rank: int | None = None
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -76,7 +94,7 @@ class SamplingState:
 
     def __init__(
         self,
-        params: SamplingParams,
+        params: Any,
         prompt_ids: Sequence[int],
         stop_ids: Sequence[int],
         generator: np.random.Generator | None = None,

@@ -46,7 +46,6 @@ import numpy as np
 from plugserve.plugins.api import InvalidModel
 
 __all__ = [
-    "DTYPES",
     "DecoderModel",
     "KVTensors",
     "ModelShape",
@@ -54,8 +53,6 @@ __all__ = [
     "weight_bytes",
 ]
 
-#: the precisions weights load in (INFERENCE_PRECISION_HINT's values), as torch names them
-DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}
 #: the model types this forward computes
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3")
 _INDEX = "model.safetensors.index.json"

@@ -1,8 +1,8 @@
-"""The sampler of :mod:`.sampler` on the logits' own device (a CUDA card, or torch on the CPU):
-the torch decoder's logits never cross to the host; the chosen ids do, and the logprobs a
+"""The sampler of ``plugins/sampling.py`` on the logits' own device (a CUDA card, or torch on the
+CPU): the torch decoder's logits never cross to the host; the chosen ids do, and the logprobs a
 request asked for.
 
-Same semantics, same order, same numbers as the host's :class:`.sampler.Sampler` (its module
+Same semantics, same order, same numbers as the host's ``plugins/sampling.py`` (its module
 docstring is the reference): ``logit_bias``, the grammar's mask, ``min_tokens``, repetition
 penalty (prompt and output tokens), frequency and presence penalties; then greedy rows take
 the argmax and sampled rows divide by the temperature, cut by top-k (ties with the k-th kept),
@@ -24,14 +24,14 @@ logprobs (the chosen token's and the ``top_logprobs`` best), concatenated into o
 copied back once: the step's one synchronisation (:meth:`Drawn.host`). So a sampled step
 makes one copy each way, as a greedy one makes one copy back (tests/generate/
 test_sampler_torch_syncs.py counts them on the CPU form; a plain greedy batch sends nothing);
-:meth:`TorchSampler.draw`, the half a pipelined step (:mod:`.overlap`) runs at launch, reads
-nothing back. Before (the review's finding 18), each parameter, index and the uniforms were
+:meth:`TorchSampler.draw`, the half a pipelined step (the engine's ``overlap.py``) runs at launch,
+reads nothing back. Before (the review's finding 18), each parameter, index and the uniforms were
 a pageable copy of their own and top-k's largest k was read back (``int(ks.max())``): each
 a wait for the card, the first one for the whole forward, 12 to 15 copies a step for a
 batch mixing every kind of row (counted on the CPU form by that test).
 
 Seeds: each sampled row's uniform number is drawn on the host from the request's own numpy
-generator (seeded ``seed + index``, :func:`.types.seeded_generator`), as the host sampler
+generator (seeded ``seed + index``, the engine's ``seeded_generator``), as the host sampler
 draws it, so a seeded request gives the same answer on the CPU engine, on the card, and
 whatever shares its batches, and no device generator state enters a CUDA graph (one float a
 row is the whole price). The draw itself, over the vocabulary, runs on the device.
@@ -49,21 +49,21 @@ from typing import Any
 import numpy as np
 
 from plugserve.plugins.api import InferenceError
-from plugserve.plugins.torch import devmem
-from plugserve.server.apps.generate.sampler import (
+from plugserve.plugins.sampling import (
     Sampler,
     SamplingState,
+    TokenLogprob,
     plain,
     together_else_alone,
 )
-from plugserve.server.apps.generate.types import TokenLogprob
+from plugserve.plugins.torch import devmem
 
 __all__ = ["Drawn", "TorchSampler"]
 
 
 class TorchSampler(Sampler):
-    """:class:`.sampler.Sampler` over torch logits on ``device``; numpy logits (another
-    decoder's) go to the host sampler unchanged."""
+    """:class:`~plugserve.plugins.sampling.Sampler` over torch logits on ``device``; numpy
+    logits (another decoder's) go to the host sampler unchanged."""
 
     def __init__(self, seed: int | None = None, device: Any = "cpu") -> None:
         import torch
@@ -97,7 +97,7 @@ class TorchSampler(Sampler):
 
     def draw(self, logits: Any, rows: Sequence[SamplingState], generated: Sequence[int]) -> Drawn:
         """The choice made on the device, nothing brought back yet: the first half of a
-        call, which a pipelined step (:mod:`.overlap`) runs at launch, before the host
+        call, which a pipelined step (the engine's ``overlap.py``) runs at launch, before the host
         needs the ids (:meth:`fetched`, the second half). The host's share (each row's
         processing, its uniform number, the parameters) is gathered first and sent in one
         copy; then the device's operations are queued, none of which waits for the card."""
@@ -193,10 +193,10 @@ class TorchSampler(Sampler):
     def _plain(
         self, logits: Any, rows: Sequence[SamplingState], failures: dict[int, Exception] | None
     ) -> tuple[np.ndarray, list[TokenLogprob | None]]:
-        """A batch of :attr:`.sampler.SamplingState.plain` rows (greedy, nothing processed, no
-        logprobs: the common case, decided once per step): one argmax and the ids' copy to the
-        host, nothing per row (no generator, no state to advance); on the CPU, numpy's argmax
-        of the same memory (the first maximum too, as torch's). The sampler's call a step,
+        """A batch of :attr:`~plugserve.plugins.sampling.SamplingState.plain` rows (greedy, nothing
+        processed, no logprobs: the common case, decided once per step): one argmax and the ids'
+        copy to the host, nothing per row (no generator, no state to advance); on the CPU, numpy's
+        argmax of the same memory (the first maximum too, as torch's). The sampler's call a step,
         greedy rows of 2,048 float32 logits, one thread, measured here: 109 us at 8 rows and
         239 at 32 before (the general path), 54 and 154 with torch's argmax, 18 and 34 with
         numpy's."""
@@ -261,9 +261,9 @@ class TorchSampler(Sampler):
     ) -> Any:
         """The distribution each sampled row draws from (temperature, top-k, top-p, min-p),
         float32 ``[rows, vocab]``, zeros where cut: the host's
-        :meth:`.sampler.Sampler.probabilities` on the device. ``sent``: the rows' parameters
-        on the device (:func:`_put_cuts`'), else sent here; which rows each cut takes, and
-        top-k's largest k, are read from ``rows`` on the host."""
+        :meth:`~plugserve.plugins.sampling.Sampler.probabilities` on the device. ``sent``: the
+        rows' parameters on the device (:func:`_put_cuts`'), else sent here; which rows each cut
+        takes, and top-k's largest k, are read from ``rows`` on the host."""
         torch = self.torch
         vocab = logits.shape[1]
         if sent is None:
