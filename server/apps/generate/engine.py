@@ -196,6 +196,8 @@ class Engine:
         #: commands for the loop thread (sleep, wake) and the futures their callers wait on
         self._commands: list[tuple[Any, futures.Future]] = []
         self._requests: dict[str, RequestState] = {}
+        #: the slot table's prefix-cache queries and hits at the last gauges' reading
+        self._looked_up = (0, 0)
         #: the device stream pipelined steps run on (None: every step synchronous)
         self.stream = (
             DeviceStream(name, getattr(decoder, "device", None))
@@ -520,8 +522,12 @@ class Engine:
             stats.running = self.scheduler.held
             stats.waiting = len(self.scheduler.waiting) + len(self._inbox)
             stats.kv_cache_usage = self.table.held() / max(1, self.cache.rows)
-            stats.prefix_cache_queries = self.table.queries
-            stats.prefix_cache_hits = self.table.hits
+            # the table's lookups since the last reading (added, so that a warm-up's, which
+            # the stats put back, stay uncounted)
+            table, (queries, hits) = self.table, self._looked_up
+            stats.prefix_cache_queries += table.queries - queries
+            stats.prefix_cache_hits += table.hits - hits
+            self._looked_up = (table.queries, table.hits)
         if self.events is not None:
             self.events.flush()
 

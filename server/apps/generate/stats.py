@@ -124,13 +124,13 @@ class GenerationStats:
         self.pipelined_steps = 0
         self.warmup_requests = 0
         self.warmup_seconds = 0.0
-        self.prefix_cache_queries = 0  # the slot table's, copied by the engine with the gauges
+        self.prefix_cache_queries = 0  # the slot table's, added by the engine with the gauges
         self.prefix_cache_hits = 0
 
     #: what requests count (a warm-up's are put back: :meth:`counters`, :meth:`restore`)
     _COUNTED = (
         "histograms", "prompt_tokens", "generation_tokens", "cached_prompt_tokens", "finished",
-        "pipelined_steps",
+        "pipelined_steps", "prefix_cache_queries", "prefix_cache_hits",
     )  # fmt: skip
 
     def counters(self) -> dict[str, Any]:
