@@ -36,6 +36,7 @@ from plugserve.plugins.errors import Cancelled, DeadlineExceeded, InvalidInput
 from plugserve.plugins.threads import start_daemon
 from plugserve.server.plane.custom_metrics import CustomMetrics
 from plugserve.server.plane.gpu_metrics import GpuMetrics
+from plugserve.server.plane.vllm_metrics import VllmCollector, cumulative
 
 __all__ = ["Metrics", "Recorder", "Stats", "failure_status"]
 
@@ -303,11 +304,7 @@ class _GenerationCollector:
             warmup_seconds.add_metric(key, snap.warmup_seconds)
             for name, family in histograms.items():
                 bounds, counts, total = snap.histograms[name]
-                cumulative, buckets = 0, []
-                for bound, count in zip((*bounds, float("inf")), counts):
-                    cumulative += count
-                    buckets.append((floatToGoString(bound), cumulative))
-                family.add_metric(key, buckets, total)
+                family.add_metric(key, cumulative(bounds, counts), total)
             prompt.add_metric(key, snap.prompt_tokens)
             cached.add_metric(key, snap.cached_prompt_tokens)
             generated.add_metric(key, snap.generation_tokens)
@@ -321,6 +318,25 @@ class _GenerationCollector:
         yield from histograms.values()
         yield from (prompt, cached, generated, finished, running, waiting, usage, size, pipelined)
         yield from (warmups, warmup_seconds)
+
+
+class _KVEventsCollector:
+    """The KV-event batches published and dropped from a full queue (apps/generate/kvevents.py)."""
+
+    def __init__(self, read: Callable[[], tuple[int, int]]) -> None:
+        self._read = read
+
+    def collect(self):
+        published, dropped = self._read()
+        yield CounterMetricFamily(
+            "plugserve_kv_events_published", "KV-event batches sent (one per engine step with "
+            "events)", value=published,
+        )  # fmt: skip
+        yield CounterMetricFamily(
+            "plugserve_kv_events_dropped",
+            "KV-event batches dropped unsent because the queue was full (max_queue_size)",
+            value=dropped,
+        )
 
 
 class _ServerCollector:
@@ -451,9 +467,15 @@ class Metrics:
         self.registry.register(_CudaShmCollector(read))
 
     def watch_generation(self, read: Callable[[], list[tuple[str, str, str, Any]]]) -> None:
-        """``read()``: ``(device, model, version, stats snapshot)`` of each generative model."""
+        """``read()``: ``(device, model, version, stats snapshot)`` of each generative model:
+        our families and vLLM's names for the same numbers (``vllm_metrics.py``)."""
         self._generation = read
         self.registry.register(_GenerationCollector(read))
+        self.registry.register(VllmCollector(read))
+
+    def watch_kv_events(self, read: Callable[[], tuple[int, int]]) -> None:
+        """``read()``: ``(published, dropped)`` KV-event batches (``--kv-events-config``)."""
+        self.registry.register(_KVEventsCollector(read))
 
     def watch_gpus(self, interval_s: float, enabled: bool = True) -> GpuMetrics:
         """The per-GPU series (``nv_gpu_*``, NVML sampled every ``interval_s``), or none and

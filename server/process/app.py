@@ -37,6 +37,7 @@ from plugserve.plugins.threads import start_daemon
 from plugserve.plugins.version import plugserve_version
 from plugserve.proto import plugserve_pb2, tensors
 from plugserve.server.apps.generate import limits as generate_limits
+from plugserve.server.apps.generate.kvevents import Publisher
 from plugserve.server.apps.generate.network import GenerativeNetwork
 from plugserve.server.apps.pipelines.ensemble import EnsemblePlugin
 from plugserve.server.apps.pipelines.python.device import PythonPlugin
@@ -153,7 +154,8 @@ class Server:
         self.core.limits = ConfigLimits.of(
             settings.max_num_streams, settings.max_batch_size, settings.max_inference_threads
         )
-        self.core.format_settings["transformers"] = settings.generate_defaults()
+        self.kv_events = self._kv_events(settings)  # --kv-events-config; None: off
+        self.core.format_settings["transformers"] = settings.generate_defaults(self.kv_events)
         root = settings.model_repository or str(build_examples(default_examples_dir()))
         if settings.exit_on_error and not Path(root).exists():
             raise SystemExit(
@@ -237,6 +239,27 @@ class Server:
         self.abandoned = 0  # requests and loads still running when stop() gave up on them
         #: --model-load-on-demand's loader and idle timer (started by load_models)
         self.on_demand: OnDemand | None = None
+
+    def _kv_events(self, settings: Settings) -> Publisher | None:
+        """The publisher --kv-events-config asks for, its sockets open (a taken port stops the
+        start), its counts in /metrics; None when off."""
+        config = settings.kv_events()
+        if not config.enabled:
+            return None
+        try:
+            publisher = Publisher(config)
+        except PlugserveError as exc:
+            raise SystemExit(f"plugserve: --kv-events-config: {exc}") from None
+        except ImportError as exc:
+            raise SystemExit(
+                f"plugserve: --kv-events-config needs {exc.name}: pip install 'plugserve[generate]'"
+            ) from None
+        self.metrics.watch_kv_events(publisher.counts)
+        log.info(
+            "KV events on %s (replay %s, topic %r)",
+            config.endpoint, config.replay_endpoint or "off", config.topic,
+        )  # fmt: skip
+        return publisher
 
     def _tracing(self, config: TraceConfig) -> Tracing:
         """The trace settings --trace-config starts with. Asking for traces without the
@@ -584,6 +607,8 @@ class Server:
         if self.exporter is not None:  # the last requests' traces leave, or are given up
             self.exporter.close()
         self.metrics.close()
+        if self.kv_events is not None:  # after the engines (control.close): their last events
+            self.kv_events.close()
         if self._scratch is not None:
             shutil.rmtree(self._scratch, ignore_errors=True)
         self._done.set()

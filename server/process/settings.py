@@ -534,8 +534,25 @@ class Settings:
         low=1,
     )
 
-    def generate_defaults(self) -> Any:
-        """The engine settings these flags give (server/apps/generate/engine.py)."""
+    kv_events_config: str = _field(
+        "",
+        "generative models: KV events in vLLM's wire format, vLLM's --kv-events-config JSON: "
+        '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "replay_endpoint": '
+        '"tcp://*:5558", "topic": "kv-events"}\' publishes each prefix-cache block stored and '
+        "removed (msgpack KVEventBatch over a ZeroMQ PUB socket, a ROUTER socket for replays); "
+        "buffer_steps (10000), max_queue_size (100000, the oldest batch dropped past it) and hwm "
+        "(100000) bound it. Empty: off (server/apps/generate/kvevents.py, docs/generate.md)",
+    )
+
+    def kv_events(self) -> Any:
+        """--kv-events-config read (``kvevents.Config``; InvalidArgument naming what is wrong)."""
+        from plugserve.server.apps.generate.kvevents import Config
+
+        return Config.parse(self.kv_events_config)
+
+    def generate_defaults(self, kv_events: Any = None) -> Any:
+        """The engine settings these flags give (server/apps/generate/engine.py), with the
+        server's KV-events publisher (``kvevents.Publisher``; None: off)."""
         from plugserve.server.apps.generate.engine import EngineSettings
 
         return EngineSettings(
@@ -547,6 +564,7 @@ class Settings:
             async_scheduling=bool(self.async_scheduling),
             stream_interval=self.stream_interval,
             warmup=self.generate_warmup,
+            kv_events=kv_events,
         )
 
     def problems(self) -> list[str]:
@@ -602,6 +620,10 @@ class Settings:
             warmup.parse(self.generate_warmup)
         except InvalidArgument as exc:
             found.append(f"generate_warmup: {exc}")
+        try:
+            self.kv_events()
+        except InvalidArgument as exc:
+            found.append(f"kv_events_config={self.kv_events_config!r}: {exc}")
 
         for name, names in (
             ("tool_call_parser", tool_parsers.NAMES),

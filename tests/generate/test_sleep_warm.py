@@ -246,9 +246,21 @@ def test_the_warm_up_ran_and_is_reported(server):
     assert metric(server, "plugserve_generate_warmup_requests_total", "cold") == 0
     assert metric(server, "plugserve_generate_warmup_requests_total", "llama") > 0
     # the warm-up's requests count in no request metric (these two served no request)
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(server.metrics_url, timeout=30).read().decode()
+    vllm = {
+        (s.name, s.labels["model_name"]): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name.startswith("vllm:") and "model_name" in s.labels
+    }
     for model in ("cold", "planned"):
         assert metric(server, "plugserve_generate_prompt_tokens_total", model) == 0
         assert metric(server, "plugserve_generate_generation_tokens_total", model) == 0
+        # nor in vLLM's names (the prefix cache's lookups too: the slot table counts them)
+        for name in ("prompt_tokens", "prefix_cache_queries", "prefix_cache_hits"):
+            assert vllm[f"vllm:{name}_total", model] == 0, name
 
 
 @pytest.mark.slow

@@ -49,6 +49,8 @@ def _values(field: dataclasses.Field) -> tuple[str, str]:
         return "org/a=a", "org/b=b,c=d"
     if field.name == "generate_warmup":
         return "off", '{"batch_sizes": [1, 2]}'
+    if field.name == "kv_events_config":  # vLLM's --kv-events-config JSON
+        return '{"enable_kv_cache_events": false}', '{"publisher": "null", "topic": "t"}'
     if field.name == "metrics_interval_ms":  # 50 ms at least
         return "100", "250"
     if field.name in (
@@ -112,6 +114,15 @@ def test_help_names_each_flag_its_variable_and_default(capsys):
         ("PLUGSERVE_LOG_LEVEL", "LOUD", "log_level='LOUD' must be one of DEBUG, INFO"),
         ("PLUGSERVE_SERVED_MODEL_NAME", "org/a", "'org/a' is not NAME=MODEL"),
         ("PLUGSERVE_SERVED_MODEL_NAME", "org/a=", "'org/a=' is not NAME=MODEL"),
+        ("PLUGSERVE_KV_EVENTS_CONFIG", "{", "kv_events_config='{': not JSON"),
+        ("PLUGSERVE_KV_EVENTS_CONFIG", '{"buffer": 1}', "unknown key 'buffer'"),
+        ("PLUGSERVE_KV_EVENTS_CONFIG", '{"hwm": "1"}', "hwm has the wrong type"),
+        (
+            "PLUGSERVE_KV_EVENTS_CONFIG",
+            '{"max_queue_size": 0}',
+            "max_queue_size must be at least 1",
+        ),
+        ("PLUGSERVE_KV_EVENTS_CONFIG", '{"publisher": "kafka"}', "publisher must be zmq or null"),
     ],
 )
 def test_a_bad_env_value_is_a_clear_error(monkeypatch, env, value, message):

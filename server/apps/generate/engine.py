@@ -83,6 +83,7 @@ from plugserve.plugins.api import Cancelled, InvalidArgument, PlugserveError, Re
 from plugserve.plugins.decoding import Decoder
 from plugserve.plugins.threads import start_daemon
 from plugserve.server.apps.generate.kvcache import SlotTable
+from plugserve.server.apps.generate.kvevents import MEDIUM_CPU, MEDIUM_GPU, BlockEvents, Publisher
 from plugserve.server.apps.generate.output import OutputProcessor, cancelled
 from plugserve.server.apps.generate.overlap import DeviceStream, Launched, continues, pipelinable
 from plugserve.server.apps.generate.runner import Forward, ModelRunner
@@ -137,6 +138,9 @@ class EngineSettings:
     #: the warm-up before the model is ready (:mod:`.warmup`): "off", "default", or a JSON
     #: object of ``batch_sizes`` and ``prompt_lens``
     warmup: str = "off"
+    #: the server's KV-events publisher (``--kv-events-config``, :mod:`.kvevents`); None: off.
+    #: The server's, not a model's config key
+    kv_events: Publisher | None = dataclasses.field(default=None, compare=False, repr=False)
 
 
 class Engine:
@@ -157,7 +161,14 @@ class Engine:
         self.settings = settings
         self.capacity = decoder.layout.capacity
         self.cache = decoder.new_cache(rows)
-        self.table = SlotTable(self.cache, settings.block_size, settings.enable_prefix_caching)
+        self.events = (
+            BlockEvents(settings.kv_events, settings.block_size, _medium(decoder))
+            if settings.kv_events is not None and settings.enable_prefix_caching
+            else None
+        )
+        self.table = SlotTable(
+            self.cache, settings.block_size, settings.enable_prefix_caching, self.events
+        )
         self.runner = ModelRunner(decoder, self.cache, self.table, settings.max_num_batched_tokens)
         self.scheduler = Scheduler(
             self.table,
@@ -185,6 +196,8 @@ class Engine:
         #: commands for the loop thread (sleep, wake) and the futures their callers wait on
         self._commands: list[tuple[Any, futures.Future]] = []
         self._requests: dict[str, RequestState] = {}
+        #: the slot table's prefix-cache queries and hits at the last gauges' reading
+        self._looked_up = (0, 0)
         #: the device stream pipelined steps run on (None: every step synchronous)
         self.stream = (
             DeviceStream(name, decoder.bind_thread)
@@ -315,9 +328,7 @@ class Engine:
 
     def forget_prefixes(self) -> None:
         """The prefix cache of the slots no sequence holds forgotten (a warm-up's prompts)."""
-        self._command(
-            lambda: [self.table.truncate(s, 0) for s in self.table.slots if s.owner is None]
-        )
+        self._command(lambda: self.table.forget([s for s in self.table.slots if s.owner is None]))
 
     def _command(self, fn: Any) -> None:
         done: futures.Future = futures.Future()
@@ -332,8 +343,7 @@ class Engine:
     def _sleep(self, level: int, was: int) -> None:
         for state in list(self._requests.values()):
             self.output.end(state, "abort")
-        for slot in self.table.slots:  # the prefix cache's index names rows about to go
-            self.table.truncate(slot, 0)
+        self.table.forget(self.table.slots)  # the prefix cache's index names rows about to go
         if not was:
             self.decoder.release_cache(self.cache)
         self.decoder.sleep(level)
@@ -506,17 +516,32 @@ class Engine:
                 self.output.end(state, "abort")
 
     def _gauges(self) -> None:
+        """The gauges after a step or command, and the step's KV events published."""
         stats = self.stats_
         with stats.lock:
             stats.running = self.scheduler.held
             stats.waiting = len(self.scheduler.waiting) + len(self._inbox)
             stats.kv_cache_usage = self.table.held() / max(1, self.cache.rows)
+            # the table's lookups since the last reading (added, so that a warm-up's, which
+            # the stats put back, stay uncounted)
+            table, (queries, hits) = self.table, self._looked_up
+            stats.prefix_cache_queries += table.queries - queries
+            stats.prefix_cache_hits += table.hits - hits
+            self._looked_up = (table.queries, table.hits)
+        if self.events is not None:
+            self.events.flush()
 
     def _forget(self, state: RequestState) -> None:
         """``state`` is over (the output processor ended or failed it): its id is free."""
         with self._lock:
             if self._requests.get(state.request_id) is state:
                 del self._requests[state.request_id]
+
+
+def _medium(decoder: Decoder) -> str:
+    """Where the decoder's cache lives, as KV events name it: a CUDA card's or the host's."""
+    device = getattr(decoder, "device", None)
+    return MEDIUM_GPU if getattr(device, "type", "") == "cuda" else MEDIUM_CPU
 
 
 def _drain(flight: Launched | None) -> None:

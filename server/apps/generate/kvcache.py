@@ -41,16 +41,25 @@ tell a client about its own tenant's prompts only: with one cache for all, a tok
 4-digit PIN from another token's system prompt through ``cached_tokens`` in ~900 requests.
 Eviction is not partitioned (slots are the model's, shared): another tenant's prompts can only
 make a hit less likely, which tells nothing about their contents.
+
+KV events (``kvevents.py``, off by default): the table tells an observer (``events``, None when
+off: the hot path checks that one attribute) each hash entering its index (``stored``, with the
+block's tokens and parent hash), each hash leaving it (``removed``), and a reset of the whole
+cache (``cleared``, :meth:`SlotTable.forget`).
 """
 
 from __future__ import annotations
 
 import collections
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from plugserve.plugins.decoding import CacheLayout
+
+if TYPE_CHECKING:
+    from plugserve.server.apps.generate.kvevents import BlockEvents
 
 __all__ = ["CacheLayout", "KVCache", "Slot", "SlotTable", "salt"]
 
@@ -126,8 +135,16 @@ def salt(tenant: str = "", cache_salt: str = "") -> int:
 class SlotTable:
     """Which slot holds what, the free slots, and the prefix cache's index."""
 
-    def __init__(self, cache: KVCache, block_size: int = 16, prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        cache: KVCache,
+        block_size: int = 16,
+        prefix_caching: bool = True,
+        events: BlockEvents | None = None,
+    ) -> None:
         self.cache = cache
+        #: told what enters and leaves the index (``kvevents.BlockEvents``); None: events off
+        self.events = events
         self.block_size = block_size
         self.prefix_caching = prefix_caching
         self.slots = [Slot(i) for i in range(cache.rows)]
@@ -190,12 +207,31 @@ class SlotTable:
         if not self.prefix_caching:
             return
         size = self.block_size
+        fresh = None  # blocks whose hash is new to the index (events on)
         while (len(slot.hashes) + 1) * size <= len(slot.tokens):
             start = len(slot.hashes) * size
             previous = slot.hashes[-1] if slot.hashes else slot.salt
             value = _chain(previous, slot.tokens[start : start + size])
+            if self.events is not None and value not in self.index:
+                fresh = fresh or []
+                fresh.append(len(slot.hashes))
             slot.hashes.append(value)
             self.index[value] = slot
+        if fresh:
+            self._stored(slot, fresh)
+
+    def _stored(self, slot: Slot, blocks: list[int]) -> None:
+        """``BlockStored`` for ``blocks`` (numbers of the slot's blocks, ascending), one event
+        per run of consecutive blocks."""
+        size, hashes = self.block_size, slot.hashes
+        start = 0
+        for i in range(1, len(blocks) + 1):
+            if i < len(blocks) and blocks[i] == blocks[i - 1] + 1:
+                continue
+            a, b = blocks[start], blocks[i - 1] + 1
+            parent = hashes[a - 1] if a else None
+            self.events.stored(hashes[a:b], parent, slot.tokens[a * size : b * size], size)
+            start = i
 
     def truncate(self, slot: Slot, length: int) -> None:
         """Forget the slot's tokens from ``length`` on (they are about to be overwritten)."""
@@ -203,10 +239,31 @@ class SlotTable:
             return
         del slot.tokens[length:]
         keep = length // self.block_size
+        gone = []
         for value in slot.hashes[keep:]:
             if self.index.get(value) is slot:
                 del self.index[value]
+                gone.append(value)
         del slot.hashes[keep:]
+        if gone and self.events is not None:
+            self.events.removed(gone)
+
+    def forget(self, slots: Sequence[Slot]) -> None:
+        """The prefix cache of ``slots`` dropped (a sleep, the warm-up's prompts): announced as
+        ``AllBlocksCleared`` when the index is empty after, else as the blocks removed."""
+        events, self.events = self.events, None
+        before = set(self.index) if events is not None else set()
+        try:
+            for slot in slots:
+                self.truncate(slot, 0)
+        finally:
+            self.events = events
+        if events is None:
+            return
+        if not self.index:
+            events.cleared()
+        elif gone := [value for value in before if value not in self.index]:
+            events.removed(gone)
 
     def lookup(
         self, prompt: Sequence[int], count: bool = True, salt: int = 0

@@ -15,7 +15,7 @@ import dataclasses
 import threading
 from typing import Any
 
-__all__ = ["BUCKETS", "GenerationStats", "Histogram", "Snapshot"]
+__all__ = ["BUCKETS", "VLLM_BUCKETS", "GenerationStats", "Histogram", "Snapshot"]
 
 #: seconds: from a fast inter-token latency (ms) to a long queued request (minutes)
 BUCKETS = {
@@ -32,20 +32,41 @@ BUCKETS = {
         240.0, 480.0,
     ),
 }  # fmt: skip
+#: vLLM's buckets for the same histograms (``vllm/v1/metrics/loggers.py``): its
+#: ``vllm:*_seconds`` families have them, and dashboards made for vLLM expect them
+#: (``server/plane/vllm_metrics.py``)
+VLLM_BUCKETS = {
+    "time_to_first_token": (
+        0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+        10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+    ),
+    "inter_token_latency": (
+        0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+        10.0, 20.0, 40.0, 80.0,
+    ),
+    "e2e_request_latency": (
+        0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+        240.0, 480.0, 960.0, 1920.0, 7680.0,
+    ),
+}  # fmt: skip
 
 
 class Histogram:
-    """Per-bucket counts (not cumulative; the last is +Inf) and the sum."""
+    """Per-bucket counts (not cumulative; the last is +Inf) and the sum, in our bounds and in
+    vLLM's (one observe counts both: a second bisect, no second object on the hot path)."""
 
-    __slots__ = ("bounds", "counts", "total")
+    __slots__ = ("bounds", "counts", "total", "vllm_bounds", "vllm_counts")
 
-    def __init__(self, bounds: tuple[float, ...]) -> None:
+    def __init__(self, bounds: tuple[float, ...], vllm_bounds: tuple[float, ...] = ()) -> None:
         self.bounds = bounds
         self.counts = [0] * (len(bounds) + 1)
         self.total = 0.0
+        self.vllm_bounds = vllm_bounds
+        self.vllm_counts = [0] * (len(vllm_bounds) + 1)
 
     def observe(self, value: float) -> None:
         self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.vllm_counts[bisect.bisect_left(self.vllm_bounds, value)] += 1
         self.total += value
 
 
@@ -72,6 +93,14 @@ class Snapshot:
     #: the last warm-up took
     warmup_requests: int = 0
     warmup_seconds: float = 0.0
+    #: prompt tokens looked up in the prefix cache at admission, and those found (vLLM's
+    #: ``prefix_cache_queries`` and ``prefix_cache_hits``)
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    #: the histograms in vLLM's buckets (``VLLM_BUCKETS``), as :attr:`histograms`
+    vllm_histograms: dict[str, tuple[tuple[float, ...], list[int], float]] = dataclasses.field(
+        default_factory=dict
+    )
 
 
 class GenerationStats:
@@ -79,7 +108,9 @@ class GenerationStats:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.histograms = {name: Histogram(bounds) for name, bounds in BUCKETS.items()}
+        self.histograms = {
+            name: Histogram(bounds, VLLM_BUCKETS[name]) for name, bounds in BUCKETS.items()
+        }
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.cached_prompt_tokens = 0
@@ -93,11 +124,13 @@ class GenerationStats:
         self.pipelined_steps = 0
         self.warmup_requests = 0
         self.warmup_seconds = 0.0
+        self.prefix_cache_queries = 0  # the slot table's, added by the engine with the gauges
+        self.prefix_cache_hits = 0
 
     #: what requests count (a warm-up's are put back: :meth:`counters`, :meth:`restore`)
     _COUNTED = (
         "histograms", "prompt_tokens", "generation_tokens", "cached_prompt_tokens", "finished",
-        "pipelined_steps",
+        "pipelined_steps", "prefix_cache_queries", "prefix_cache_hits",
     )  # fmt: skip
 
     def counters(self) -> dict[str, Any]:
@@ -130,4 +163,10 @@ class GenerationStats:
                 self.pipelined_steps,
                 self.warmup_requests,
                 self.warmup_seconds,
+                self.prefix_cache_queries,
+                self.prefix_cache_hits,
+                {
+                    n: (h.vllm_bounds, list(h.vllm_counts), h.total)
+                    for n, h in self.histograms.items()
+                },
             )
