@@ -3,13 +3,13 @@
 
 Events: the server runs with vLLM's ``--kv-events-config`` JSON (a PUB endpoint, a replay
 endpoint, a topic) and two cache slots; the test subscribes with pyzmq and decodes every batch
-with the msgspec types of vLLM's example subscriber (``examples/online_serving/
-kv_events_subscriber.py`` at the commit .ci/run fetches it at, loaded as a module from
-``$PLUGSERVE_VLLM_SRC``, unchanged; its ``process_event`` prints each batch). What runs of it
-unchanged: its module code (the msgspec structs ``KVEventBatch``, ``BlockStored``,
-``BlockRemoved``, ``AllBlocksCleared``) and ``process_event``; its ``main()`` is not run (an
-endless loop on fixed localhost ports), the test's own sockets do what it does (SUB on the
-topic, an 8-byte replay request). When the file imports vLLM itself for the
+with the msgspec types of vLLM's example subscriber (``examples/features/kv_events/
+kv_events_subscriber.py`` of vLLM 0.33.0's sdist on PyPI, ``tests/support/vllm_sdist.py``,
+which .ci/run fetches; loaded as a module, unchanged; its ``process_event`` prints each
+batch). What runs of it unchanged: its module code (the msgspec structs ``KVEventBatch``,
+``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``) and ``process_event``; its ``main()``
+is not run (an endless loop on fixed localhost ports), the test's own sockets do what it does
+(SUB on the topic, an 8-byte replay request). When the file imports vLLM itself for the
 ``ExternalBlockHash`` alias, that one module is stood in for (vLLM's definition, ``bytes |
 int``) before loading; a file needing more of vLLM skips, saying so. Checked: a sleep is
 ``AllBlocksCleared``; a prompt's ``BlockStored`` token ids are its tokens in blocks of
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shutil
 import socket
 import subprocess
@@ -36,7 +35,6 @@ import threading
 import time
 import types
 import urllib.request
-from pathlib import Path
 
 import pytest
 from conftest import exported
@@ -49,7 +47,7 @@ from openai_serving import client, serving  # noqa: E402
 
 MODEL = "tiny"
 BLOCK = 16
-SUBSCRIBER = "examples/online_serving/kv_events_subscriber.py"
+SUBSCRIBER = "examples/features/kv_events/kv_events_subscriber.py"
 #: three prompts of token ids, two whole blocks each, sharing no block
 PROMPTS = [list(range(base, base + 2 * BLOCK + 8)) for base in (100, 200, 300)]
 
@@ -61,11 +59,14 @@ def _free_port() -> int:
 
 
 def _subscriber_module():
-    """vLLM's example subscriber as a module (the test skips when CI could not fetch it)."""
-    source = os.environ.get("PLUGSERVE_VLLM_SRC")
-    path = Path(source) / SUBSCRIBER if source else None
-    if path is None or not path.is_file():
-        pytest.skip(f"vLLM's {SUBSCRIBER} not fetched (set PLUGSERVE_VLLM_SRC; .ci/run does)")
+    """vLLM's example subscriber as a module (the test skips when its sdist could not be
+    fetched from PyPI)."""
+    import vllm_sdist
+
+    try:
+        path = vllm_sdist.fetch() / SUBSCRIBER
+    except Exception as exc:  # no registry here: the reason, as the other fetched files skip
+        pytest.skip(f"vLLM {vllm_sdist.VERSION}'s sdist could not be fetched from PyPI: {exc}")
     if "import vllm" in path.read_text() or "from vllm" in path.read_text():
         # its only vLLM import is the block hash alias; vLLM's own definition stands in
         for name in ("vllm", "vllm.v1", "vllm.v1.core", "vllm.v1.core.kv_cache_utils"):

@@ -9,10 +9,12 @@ and publishes the same bytes, so those subscribers read ours unchanged:
 - a ZeroMQ PUB socket (``endpoint``; bound when it holds ``*``, ``::``, ``ipc://`` or
   ``inproc://``, else connected, as vLLM decides) sends multipart messages ``[topic, seq,
   payload]``: ``seq`` an 8-byte big-endian counter from 0, ``payload`` a msgpack
-  ``KVEventBatch`` as vLLM's msgspec types encode it (``array_like``, events tagged by class
-  name): ``[ts, [event, ...], data_parallel_rank]`` with each event one of
-  ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
-  lora_name]``, ``["BlockRemoved", block_hashes, medium]``, ``["AllBlocksCleared"]``;
+  ``KVEventBatch`` as vLLM's msgspec types encode it (vLLM 0.33's
+  ``vllm/distributed/kv_events.py``: the batch ``array_like``, each event a map tagged by its
+  class name under ``type``): ``[ts, [event, ...], data_parallel_rank]`` with each event one
+  of ``{"type": "BlockStored", "block_hashes", "parent_block_hash", "token_ids", "block_size",
+  "lora_id", "medium", "lora_name"}``, ``{"type": "BlockRemoved", "block_hashes", "medium"}``,
+  ``{"type": "AllBlocksCleared"}``;
 - a ZeroMQ ROUTER socket (``replay_endpoint``, optional): a subscriber that missed batches sends
   the first ``seq`` it wants (8 bytes, big-endian) and gets every kept batch from there as
   ``[seq, payload]``, then ``[-1, b""]``; the last ``buffer_steps`` batches are kept.
@@ -244,7 +246,7 @@ class BlockEvents:
         #: where this engine's slots are (``MEDIUM_GPU``, ``MEDIUM_CPU``): the default medium
         self.medium = medium
         self._lock = threading.Lock()
-        self._pending: list[list[Any]] = []
+        self._pending: list[dict[str, Any]] = []
 
     def stored(
         self,
@@ -257,29 +259,33 @@ class BlockEvents:
     ) -> None:
         """Blocks now held: their chain hashes in order, the hash of the block before the
         first (None: a prompt's first block), their tokens (``block_size`` each)."""
-        event = [
-            "BlockStored",
-            [h & _UINT64 for h in block_hashes],
-            None if parent_block_hash is None else parent_block_hash & _UINT64,
-            [int(t) for t in token_ids],
-            block_size or self.block_size,
-            lora_id,
-            medium or self.medium,
-            None,  # lora_name
-        ]
+        event = {
+            "type": "BlockStored",
+            "block_hashes": [h & _UINT64 for h in block_hashes],
+            "parent_block_hash": None if parent_block_hash is None else parent_block_hash & _UINT64,
+            "token_ids": [int(t) for t in token_ids],
+            "block_size": block_size or self.block_size,
+            "lora_id": lora_id,
+            "medium": medium or self.medium,
+            "lora_name": None,
+        }
         with self._lock:
             self._pending.append(event)
 
     def removed(self, block_hashes: Sequence[int], medium: str | None = None) -> None:
         """Blocks no longer held (in ``medium``)."""
-        event = ["BlockRemoved", [h & _UINT64 for h in block_hashes], medium or self.medium]
+        event = {
+            "type": "BlockRemoved",
+            "block_hashes": [h & _UINT64 for h in block_hashes],
+            "medium": medium or self.medium,
+        }
         with self._lock:
             self._pending.append(event)
 
     def cleared(self) -> None:
         """Every block dropped."""
         with self._lock:
-            self._pending.append(["AllBlocksCleared"])
+            self._pending.append({"type": "AllBlocksCleared"})
 
     def flush(self) -> None:
         """The events since the last flush published as one batch (nothing when none)."""
