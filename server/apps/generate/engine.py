@@ -22,6 +22,7 @@ this module         the loop: the inbox of new requests and aborts, each step's 
 :mod:`.output`      output processing: sampling applied, stop checks, detokenizing, events to
                     the senders, requests ended or failed
 :mod:`.kvcache`     the cache's slots and the prefix cache; :mod:`.sampler`, :mod:`.detokenizer`
+:mod:`.kv_host_tier` the blocks evicted from the slots, kept in host memory and restored
 :mod:`.spans`       a traced request's spans: queue, prefill chunks, decode
 ==================  ==========================================================================
 
@@ -81,7 +82,9 @@ from typing import Any
 
 from plugserve.plugins.api import Cancelled, InvalidArgument, PlugserveError, ResourceExhausted
 from plugserve.plugins.threads import start_daemon
+from plugserve.server.apps.generate import limits
 from plugserve.server.apps.generate.decoder import Decoder
+from plugserve.server.apps.generate.kv_host_tier import HostTier, supports
 from plugserve.server.apps.generate.kvcache import SlotTable
 from plugserve.server.apps.generate.output import OutputProcessor, cancelled
 from plugserve.server.apps.generate.overlap import DeviceStream, Launched, continues, pipelinable
@@ -120,6 +123,9 @@ class EngineSettings:
     #: bytes the cache may take (0: max_num_seqs slots of the context, at most a quarter of
     #: the machine's memory)
     kv_cache_bytes: int = 0
+    #: GiB of host memory keeping the blocks evicted from the cache's slots, restored
+    #: instead of computed again (vLLM's ``--kv-offloading-size``; 0: off; :mod:`.kv_host_tier`)
+    kv_offloading_size: float = 0.0
     #: the longest sequence, prompt and answer (0: the model's context length)
     max_model_len: int = 0
     #: tokens per prefix-cache block
@@ -158,13 +164,17 @@ class Engine:
         self.capacity = decoder.layout.capacity
         self.cache = decoder.new_cache(rows)
         self.table = SlotTable(self.cache, settings.block_size, settings.enable_prefix_caching)
-        self.runner = ModelRunner(decoder, self.cache, self.table, settings.max_num_batched_tokens)
+        self.tier = self._host_tier(name, decoder, settings)
+        self.runner = ModelRunner(
+            decoder, self.cache, self.table, settings.max_num_batched_tokens, self.tier
+        )
         self.scheduler = Scheduler(
             self.table,
             min(settings.max_num_seqs, rows),
             settings.max_num_batched_tokens,
             settings.max_waiting,
             self.runner.copy_prefix,
+            self.runner.restore_prefix if self.tier is not None else None,
         )
         self.sampler = decoder.new_sampler(seed)
         self.stats_ = GenerationStats()
@@ -192,6 +202,29 @@ class Engine:
             else None
         )
         self._thread = start_daemon(f"generate/{name}", self._loop)
+
+    def _host_tier(self, name: str, decoder: Decoder, settings: EngineSettings) -> HostTier | None:
+        """The host tier ``kv_offloading_size`` asks for, where this cache can have one
+        (:func:`.kv_host_tier.supports`: the dense slot cache), charged to the server's
+        memory budget; None when off, or logged and None where it cannot be."""
+        size = int(settings.kv_offloading_size * (1 << 30))
+        if size <= 0:
+            return None
+        if not settings.enable_prefix_caching or decoder.mixed or not supports(self.cache):
+            log.warning(
+                "model %s: kv_offloading_size %s GiB is ignored: the host tier keeps the dense "
+                "slot cache's blocks (ORT, NUMPY) with prefix caching on, not %s's",
+                name, settings.kv_offloading_size, type(self.cache).__name__,
+            )  # fmt: skip
+            return None
+        tier = HostTier(self.cache, settings.block_size, size, limits.memory_budget())
+        if tier.capacity < 1:
+            log.warning(
+                "model %s: kv_offloading_size %s GiB holds no block of %d bytes: off",
+                name, settings.kv_offloading_size, tier.block_bytes,
+            )  # fmt: skip
+            return None
+        return tier
 
     @property
     def eos(self) -> frozenset[int]:
@@ -315,9 +348,15 @@ class Engine:
 
     def forget_prefixes(self) -> None:
         """The prefix cache of the slots no sequence holds forgotten (a warm-up's prompts)."""
-        self._command(
-            lambda: [self.table.truncate(s, 0) for s in self.table.slots if s.owner is None]
-        )
+
+        def forget() -> None:
+            for slot in self.table.slots:
+                if slot.owner is None:
+                    self.table.truncate(slot, 0)
+            if self.tier is not None:
+                self.tier.clear()
+
+        self._command(forget)
 
     def _command(self, fn: Any) -> None:
         done: futures.Future = futures.Future()
@@ -334,6 +373,8 @@ class Engine:
             self.output.end(state, "abort")
         for slot in self.table.slots:  # the prefix cache's index names rows about to go
             self.table.truncate(slot, 0)
+        if self.tier is not None:  # the host tier's too (its memory given back)
+            self.tier.clear()
         if not was:
             self.decoder.release_cache(self.cache)
         self.decoder.sleep(level)
@@ -511,6 +552,9 @@ class Engine:
             stats.running = self.scheduler.held
             stats.waiting = len(self.scheduler.waiting) + len(self._inbox)
             stats.kv_cache_usage = self.table.held() / max(1, self.cache.rows)
+            if self.tier is not None:
+                stats.kv_offload_bytes = self.tier.nbytes
+                stats.kv_offload_restored_tokens = self.tier.restored_tokens
 
     def _forget(self, state: RequestState) -> None:
         """``state`` is over (the output processor ended or failed it): its id is free."""

@@ -47,11 +47,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
-__all__ = ["CacheLayout", "KVCache", "Slot", "SlotTable", "salt"]
+__all__ = ["CacheLayout", "KVCache", "Slot", "SlotTable", "chain", "salt"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +127,8 @@ class Slot:
         return f"Slot({self.index}, {len(self.tokens)} tokens, owner={self.owner is not None})"
 
 
-def _chain(previous: int, block: Sequence[int]) -> int:
+def chain(previous: int, block: Sequence[int]) -> int:
+    """The hash of ``block`` after the block whose hash is ``previous`` (the salt: the first)."""
     return hash((previous, tuple(block)))
 
 
@@ -158,6 +159,9 @@ class SlotTable:
         self.queries = 0  # prompt tokens looked up
         #: rows of free slots that requests about to be admitted will reuse (evicted last)
         self.wanted: set[int] = set()
+        #: called with a slot whose whole blocks are about to be forgotten for another
+        #: sequence (its data still there): the host tier keeps them (:mod:`.kv_host_tier`)
+        self.evicting: Callable[[Slot], object] | None = None
 
     # --- allocation
 
@@ -179,9 +183,9 @@ class SlotTable:
                 slot = min(
                     self.free.values(), key=lambda s: (s.index in self.wanted, len(s.hashes))
                 )
-            self.truncate(slot, 0)
+            self.truncate(slot, 0, evict=True)
         elif slot.salt != salt:  # a hit is found by its salt: never another's blocks
-            self.truncate(slot, 0)
+            self.truncate(slot, 0, evict=True)
         del self.free[slot.index]
         slot.owner = owner
         slot.salt = salt
@@ -210,14 +214,18 @@ class SlotTable:
         while (len(slot.hashes) + 1) * size <= len(slot.tokens):
             start = len(slot.hashes) * size
             previous = slot.hashes[-1] if slot.hashes else slot.salt
-            value = _chain(previous, slot.tokens[start : start + size])
+            value = chain(previous, slot.tokens[start : start + size])
             slot.hashes.append(value)
             self.index[value] = slot
 
-    def truncate(self, slot: Slot, length: int) -> None:
-        """Forget the slot's tokens from ``length`` on (they are about to be overwritten)."""
+    def truncate(self, slot: Slot, length: int, evict: bool = False) -> None:
+        """Forget the slot's tokens from ``length`` on (they are about to be overwritten).
+        ``evict``: for another sequence's tokens (:attr:`evicting` sees the whole blocks
+        first), not a prefix cache forgotten on purpose."""
         if length >= len(slot.tokens):
             return
+        if evict and self.evicting is not None and len(slot.hashes) > length // self.block_size:
+            self.evicting(slot)
         del slot.tokens[length:]
         keep = length // self.block_size
         for value in slot.hashes[keep:]:
@@ -243,7 +251,7 @@ class SlotTable:
         hit = 0
         previous = salt
         for b in range(blocks):
-            previous = _chain(previous, prompt[b * size : (b + 1) * size])
+            previous = chain(previous, prompt[b * size : (b + 1) * size])
             slot = self.index.get(previous)
             if slot is None:
                 break

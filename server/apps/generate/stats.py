@@ -72,6 +72,9 @@ class Snapshot:
     #: the last warm-up took
     warmup_requests: int = 0
     warmup_seconds: float = 0.0
+    #: bytes the KV host tier keeps, and prompt tokens restored from it (:mod:`.kv_host_tier`)
+    kv_offload_bytes: int = 0
+    kv_offload_restored_tokens: int = 0
 
 
 class GenerationStats:
@@ -93,6 +96,8 @@ class GenerationStats:
         self.pipelined_steps = 0
         self.warmup_requests = 0
         self.warmup_seconds = 0.0
+        self.kv_offload_bytes = 0
+        self.kv_offload_restored_tokens = 0
 
     #: what requests count (a warm-up's are put back: :meth:`counters`, :meth:`restore`)
     _COUNTED = (
@@ -130,4 +135,6 @@ class GenerationStats:
                 self.pipelined_steps,
                 self.warmup_requests,
                 self.warmup_seconds,
+                self.kv_offload_bytes,
+                self.kv_offload_restored_tokens,
             )
