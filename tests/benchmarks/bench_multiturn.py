@@ -119,7 +119,8 @@ def crossover(folder: Path, device: str) -> None:
         decoder, cache, size = engine.decoder, engine.cache, engine.table.block_size
         kib = cache.layout.bytes_per_token * size / 1024
         print(
-            f"cache: {cache.layout.dtype}, {len(cache.layout.entries)} arrays, {kib:.0f} KiB a block"
+            f"cache: {cache.layout.dtype}, {len(cache.layout.entries)} arrays, "
+            f"{kib:.0f} KiB a block"
         )
         tier = HostTier(cache, size, 1 << 40)
         rng = np.random.default_rng(0)
