@@ -435,6 +435,8 @@ class Engine:
                     self.output.end(state, "abort")
                 if self.stream is not None:
                     self.stream.close()
+                if self.tier is not None:  # its charges back to the memory budget
+                    self.tier.clear()
                 return
             self._reap(aborts)
             if flight is not None:
