@@ -67,10 +67,14 @@ def system_prompt() -> str:
     return f"System: {rules * 3}\nTools:\n{tools}\n{rules}\n"
 
 
-def question(conversation: int, turn: int) -> str:
-    """A short follow-up (an agent's turn: the history grows by the answer and this)."""
+def question(conversation: int, turn: int, round_: int) -> str:
+    """A short follow-up (an agent's turn: the history grows by the answer and this); each
+    round's conversations are new ones (a round must not find the last round's in the tier)."""
     city = TOPICS[conversation % len(TOPICS)]
-    return f"\nUser: trip {conversation} to {city}, step {turn}: and then?\nAssistant:"
+    return (
+        f"\nUser: trip {conversation} of group {round_} to {city}, step {turn}: and then?"
+        "\nAssistant:"
+    )
 
 
 def ttft(api, model: str, prompt: str, new_tokens: int) -> tuple[float, str, int]:
@@ -92,14 +96,14 @@ def ttft(api, model: str, prompt: str, new_tokens: int) -> tuple[float, str, int
     return (first if first is not None else float("nan")), "".join(text), cached
 
 
-def workload(api, model: str, args: argparse.Namespace) -> list[dict]:
-    """Every turn of every conversation, interleaved; one record each."""
+def workload(api, model: str, args: argparse.Namespace, round_: int) -> list[dict]:
+    """Every turn of every conversation of round ``round_``, interleaved; one record each."""
     system = system_prompt()
     history = [system for _ in range(args.conversations)]
     records = []
     for turn in range(args.turns):
         for c in range(args.conversations):
-            history[c] += question(c, turn)
+            history[c] += question(c, turn, round_)
             seconds, text, cached = ttft(api, model, history[c], args.new_tokens)
             history[c] += text
             records.append({"turn": turn, "c": c, "ttft": seconds, "text": text, "cached": cached})
@@ -180,7 +184,7 @@ def main() -> None:
         api = client(server)
         for r in range(args.rounds):
             order = ["on", "off"] if r % 2 == 0 else ["off", "on"]
-            runs = {model: workload(api, model, args) for model in order}
+            runs = {model: workload(api, model, args, r) for model in order}
             summary = {}
             for model, records in runs.items():
                 later = [x["ttft"] for x in records if x["turn"] > 0]

@@ -1,6 +1,7 @@
 """The KV host tier served (issue 61 item 2; server/apps/generate/kv_host_tier.py): a real server
-with two ``--auth-tokens`` tenants, tiny-llama's optimum export on ORT three times over (two
-cache slots each: ``MAX_NUM_SEQS`` 2), the official ``openai`` client:
+with two ``--auth-tokens`` tenants, tiny-llama's optimum export three times over (two cache
+slots each: ``MAX_NUM_SEQS`` 2) on ORT, then on OPENVINO (an ONNX graph runs on the dense slot
+cache there too), the official ``openai`` client:
 
 * ``tier`` keeps evicted blocks in a host tier (``KV_OFFLOADING_SIZE``), ``plain`` has none:
   four conversations interleaved turn by turn on two slots, so each turn finds its slot taken
@@ -28,16 +29,19 @@ SLOTS = {"MAX_NUM_SEQS": "2"}
 TOPICS = ["rivers", "mountains", "bridges", "gardens"]
 
 
-@pytest.fixture(scope="module")
-def server(llm_folder, tmp_path_factory):
-    folder = llm_folder("tiny-llama", "optimum-onnx")
+@pytest.fixture(scope="module", params=["ORT", "OPENVINO"])
+def server(request, core, llm_folder, tmp_path_factory):
+    device = request.param
+    if device not in core.available_devices:
+        pytest.skip(f"{device} is not available here")
+    folder = llm_folder("tiny-llama", "optimum-onnx")  # an ONNX graph: the dense slot cache
     path = tmp_path_factory.mktemp("kvtier") / "tokens"
     path.write_text(f"{TOKENS['A']} infer\n{TOKENS['B']} infer\n")
     path.chmod(0o600)
     models = {
-        "tier": (folder, "ORT", {**SLOTS, "KV_OFFLOADING_SIZE": "0.01"}),
-        "plain": (folder, "ORT", SLOTS),
-        "small": (folder, "ORT", {**SLOTS, "KV_OFFLOADING_SIZE": repr(SMALL_GIB)}),
+        "tier": (folder, device, {**SLOTS, "KV_OFFLOADING_SIZE": "0.01"}),
+        "plain": (folder, device, SLOTS),
+        "small": (folder, device, {**SLOTS, "KV_OFFLOADING_SIZE": repr(SMALL_GIB)}),
     }
     with serving(models, "--auth-tokens", str(path)) as running:
         yield running

@@ -213,7 +213,8 @@ class Engine:
         if not settings.enable_prefix_caching or decoder.mixed or not supports(self.cache):
             log.warning(
                 "model %s: kv_offloading_size %s GiB is ignored: the host tier keeps the dense "
-                "slot cache's blocks (ORT, NUMPY) with prefix caching on, not %s's",
+                "slot cache's blocks (an ONNX graph on ORT, NUMPY, OPENVINO) with prefix "
+                "caching on, not %s's",
                 name, settings.kv_offloading_size, type(self.cache).__name__,
             )  # fmt: skip
             return None

@@ -36,11 +36,12 @@ Hooks. :attr:`HostTier.on_stored` and :attr:`HostTier.on_dropped` are called wit
 stored and each block dropped (KV events publish from them: vLLM's ``BlockStored`` and
 ``BlockRemoved`` with the host medium).
 
-Scope. The dense slot cache (:class:`.kvcache.KVCache`: ORT, NUMPY). OpenVINO's paged cache and
-the torch decoder's cache keep their blocks in their own layouts: the same store serves them
-once their block copy in and out is written (a paged cache's block is already a contiguous
-``[block, heads, dim]`` run: one copy per layer and block; on a GPU the host copies would be
-pinned and issued on a side stream so decoding does not wait for them).
+Scope. The dense slot cache (:class:`.kvcache.KVCache`: an ONNX graph on ORT, NUMPY or
+OPENVINO). OpenVINO's paged cache (an IR) and the torch decoder's cache keep their blocks in
+their own layouts: the same store serves them once their block copy in and out is written (a
+paged cache's block is already a contiguous run per layer, though of its own block size, 32,
+and element type, with scales in a u8 block; on a GPU the host copies would be pinned and
+issued on a side stream so decoding does not wait for them).
 """
 
 from __future__ import annotations
