@@ -186,3 +186,15 @@ def test_only_the_dense_slot_cache_is_supported():
     assert supports(KVCache(LAYOUT, 1))
     uneven = CacheLayout((("a", "b", 2, 4), ("c", "d", 1, 4)), np.dtype(np.float32), 8)
     assert not supports(KVCache(uneven, 1))
+
+
+def test_the_config_key_is_a_number_of_gib():
+    from plugserve.plugins.api import InvalidArgument
+    from plugserve.server.apps.generate.engine import EngineSettings
+    from plugserve.server.apps.generate.network import engine_settings
+
+    settings, rest = engine_settings(EngineSettings(), {"KV_OFFLOADING_SIZE": "0.5", "X": "1"})
+    assert settings.kv_offloading_size == 0.5 and rest == {"X": "1"}
+    for bad in ("lots", "-1", "nan", "inf"):
+        with pytest.raises(InvalidArgument, match="KV_OFFLOADING_SIZE"):
+            engine_settings(EngineSettings(), {"KV_OFFLOADING_SIZE": bad})
