@@ -24,8 +24,9 @@ per model; 0: off); least recently used blocks leave first, and a block is alway
 recently than the blocks after it in its chain (a chain's blocks are touched from its last to
 its first), so a chain loses its tail first and what is kept is always usable from its start.
 Each block's bytes are charged to the server's memory budget (``--max-inflight-bytes``, as the
-Responses store) while kept; a charge refused drops the least recently used blocks until it
-fits, and stores nothing more when none is left to drop.
+Responses store) while kept, the tier holding at most half of that budget whatever the flag
+says (requests in flight keep the other half); a charge refused drops the least recently used
+blocks until it fits, and stores nothing more when none is left to drop.
 
 Restoring. :meth:`HostTier.restore` copies a run of blocks into a slot's positions (one strided
 copy per cache array). A restore shorter than :attr:`HostTier.min_blocks` is not done (the
@@ -91,8 +92,11 @@ class HostTier:
     def __init__(self, cache: KVCache, block_size: int, max_bytes: int, budget: Any = None) -> None:
         self.cache = cache
         self.block_size = block_size
-        self.max_bytes = max_bytes
         self.budget = budget
+        #: the bound: the flag's bytes, and never more than half of the memory budget (the
+        #: tier is an optimization: requests keep at least the other half)
+        limit = getattr(budget, "limit", 0)
+        self.max_bytes = min(max_bytes, limit // 2) if limit else max_bytes
         (_p, _o, heads, dim) = cache.layout.entries[0]
         self.shape = (len(cache.layout.entries), heads, block_size, dim)
         self.dtype = cache.layout.dtype
