@@ -298,10 +298,22 @@ class _GenerationCollector:
         warmup_seconds = GaugeMetricFamily(
             "plugserve_generate_warmup_seconds", "Seconds the last warm-up took", labels=labels
         )
+        offload = GaugeMetricFamily(
+            "plugserve_generate_kv_offload_bytes",
+            "Bytes of evicted key/value blocks the host tier keeps (--kv-offloading-size)",
+            labels=labels,
+        )
+        restored = CounterMetricFamily(
+            "plugserve_generate_kv_offload_restored_tokens",
+            "Prompt tokens whose key/value cache was restored from the host tier",
+            labels=labels,
+        )
         for device, model, version, snap in self._read():
             key = [device, model, version]
             warmups.add_metric(key, snap.warmup_requests)
             warmup_seconds.add_metric(key, snap.warmup_seconds)
+            offload.add_metric(key, snap.kv_offload_bytes)
+            restored.add_metric(key, snap.kv_offload_restored_tokens)
             for name, family in histograms.items():
                 bounds, counts, total = snap.histograms[name]
                 family.add_metric(key, cumulative(bounds, counts), total)
@@ -317,7 +329,7 @@ class _GenerationCollector:
             pipelined.add_metric(key, snap.pipelined_steps)
         yield from histograms.values()
         yield from (prompt, cached, generated, finished, running, waiting, usage, size, pipelined)
-        yield from (warmups, warmup_seconds)
+        yield from (warmups, warmup_seconds, offload, restored)
 
 
 class _KVEventsCollector:

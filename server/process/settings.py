@@ -449,8 +449,8 @@ class Settings:
         repeat=True,
     )
     # generative models (server/apps/generate/): defaults for models whose config sets none
-    # (MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS, KV_CACHE_BYTES, MAX_MODEL_LEN, ENABLE_PREFIX_CACHING,
-    # ASYNC_SCHEDULING, STREAM_INTERVAL)
+    # (MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS, KV_CACHE_BYTES, KV_OFFLOADING_SIZE, MAX_MODEL_LEN,
+    # ENABLE_PREFIX_CACHING, ASYNC_SCHEDULING, STREAM_INTERVAL)
     max_num_seqs: int = _field(
         16,
         "generative models: sequences generated at once (each holds a cache slot of the whole "
@@ -467,6 +467,16 @@ class Settings:
         0,
         "generative models: bytes of key/value cache per model (0: --max-num-seqs sequences of "
         "the whole context, at most a quarter of the machine's memory)",
+        low=0,
+    )
+    kv_offloading_size: float = _field(
+        0.0,
+        "generative models: GiB of host memory per model keeping the key/value blocks evicted "
+        "from the cache's slots, restored into a later prompt that begins with them instead of "
+        "computed again (vLLM's flag; least recently used leave first; charged to "
+        "--max-inflight-bytes while kept, at most half of it); 0: off. The dense slot cache only "
+        "(ONNX graphs on ORT, NUMPY, OPENVINO); ignored, logged, elsewhere "
+        "(server/apps/generate/kv_host_tier.py)",
         low=0,
     )
     max_model_len: int = _field(
@@ -559,6 +569,7 @@ class Settings:
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             kv_cache_bytes=self.kv_cache_bytes,
+            kv_offloading_size=self.kv_offloading_size,
             max_model_len=self.max_model_len,
             enable_prefix_caching=bool(self.enable_prefix_caching),
             async_scheduling=bool(self.async_scheduling),

@@ -13,7 +13,7 @@ is not run (an endless loop on fixed localhost ports), the test's own sockets do
 ``ExternalBlockHash`` alias, that one module is stood in for (vLLM's definition, ``bytes |
 int``) before loading; a file needing more of vLLM skips, saying so. Checked: a sleep is
 ``AllBlocksCleared``; a prompt's ``BlockStored`` token ids are its tokens in blocks of
-``block_size``, chained by parent hash, medium "CPU" (a CPU device's slots); a third prompt
+``block_size``, chained by parent hash, medium "GPU" (the engine's own cache); a third prompt
 against two slots evicts the first's blocks (``BlockRemoved``, exactly its hashes); a replay
 from 0 returns every batch, byte for byte what the PUB socket sent. The publisher's bound: a
 full queue drops its oldest batches, counts them, and their ``seq`` never comes.
@@ -301,7 +301,7 @@ def test_vllms_subscriber_decodes_stored_removed_cleared_and_replayed(server, ap
         )
         first = stored(fresh[0])
         assert first[0].parent_block_hash is None
-        assert all(e.block_size == BLOCK and e.medium == "CPU" for e in first)
+        assert all(e.block_size == BLOCK and e.medium == "GPU" for e in first)
         assert _chained(first)
         # two slots, both holding two blocks: the third prompt takes the least recently freed
         # one, the first prompt's, and its blocks leave the cache

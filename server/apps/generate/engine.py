@@ -22,6 +22,7 @@ this module         the loop: the inbox of new requests and aborts, each step's 
 :mod:`.output`      output processing: sampling applied, stop checks, detokenizing, events to
                     the senders, requests ended or failed
 :mod:`.kvcache`     the cache's slots and the prefix cache; :mod:`.detokenizer`
+:mod:`.kv_host_tier` the blocks evicted from the slots, kept in host memory and restored
 :mod:`.spans`       a traced request's spans: queue, prefill chunks, decode
 ==================  ==========================================================================
 
@@ -82,6 +83,8 @@ from typing import Any
 from plugserve.plugins.api import Cancelled, InvalidArgument, PlugserveError, ResourceExhausted
 from plugserve.plugins.decoding import Decoder
 from plugserve.plugins.threads import start_daemon
+from plugserve.server.apps.generate import limits
+from plugserve.server.apps.generate.kv_host_tier import HostTier, supports
 from plugserve.server.apps.generate.kvcache import SlotTable
 from plugserve.server.apps.generate.kvevents import MEDIUM_CPU, MEDIUM_GPU, BlockEvents, Publisher
 from plugserve.server.apps.generate.output import OutputProcessor, cancelled
@@ -121,6 +124,9 @@ class EngineSettings:
     #: bytes the cache may take (0: max_num_seqs slots of the context, at most a quarter of
     #: the machine's memory)
     kv_cache_bytes: int = 0
+    #: GiB of host memory keeping the blocks evicted from the cache's slots, restored
+    #: instead of computed again (vLLM's ``--kv-offloading-size``; 0: off; :mod:`.kv_host_tier`)
+    kv_offloading_size: float = 0.0
     #: the longest sequence, prompt and answer (0: the model's context length)
     max_model_len: int = 0
     #: tokens per prefix-cache block
@@ -162,20 +168,28 @@ class Engine:
         self.capacity = decoder.layout.capacity
         self.cache = decoder.new_cache(rows)
         self.events = (
-            BlockEvents(settings.kv_events, settings.block_size, _medium(decoder))
+            # the engine's own cache is "GPU" on any device, as vLLM's block pool names its
+            # own (MEDIUM_GPU); its host tier's blocks are "CPU"
+            BlockEvents(settings.kv_events, settings.block_size, MEDIUM_GPU)
             if settings.kv_events is not None and settings.enable_prefix_caching
             else None
         )
         self.table = SlotTable(
             self.cache, settings.block_size, settings.enable_prefix_caching, self.events
         )
-        self.runner = ModelRunner(decoder, self.cache, self.table, settings.max_num_batched_tokens)
+        self.tier = self._host_tier(name, decoder, settings)
+        if self.tier is not None and self.events is not None:
+            _announce_tier(self.events, self.tier)
+        self.runner = ModelRunner(
+            decoder, self.cache, self.table, settings.max_num_batched_tokens, self.tier
+        )
         self.scheduler = Scheduler(
             self.table,
             min(settings.max_num_seqs, rows),
             settings.max_num_batched_tokens,
             settings.max_waiting,
             self.runner.copy_prefix,
+            self.runner.restore_prefix if self.tier is not None else None,
         )
         self.sampler = decoder.new_sampler(seed)
         self.stats_ = GenerationStats()
@@ -205,6 +219,30 @@ class Engine:
             else None
         )
         self._thread = start_daemon(f"generate/{name}", self._loop)
+
+    def _host_tier(self, name: str, decoder: Decoder, settings: EngineSettings) -> HostTier | None:
+        """The host tier ``kv_offloading_size`` asks for, where this cache can have one
+        (:func:`.kv_host_tier.supports`: the dense slot cache), charged to the server's
+        memory budget; None when off, or logged and None where it cannot be."""
+        size = int(settings.kv_offloading_size * (1 << 30))
+        if size <= 0:
+            return None
+        if not settings.enable_prefix_caching or decoder.mixed or not supports(self.cache):
+            log.warning(
+                "model %s: kv_offloading_size %s GiB is ignored: the host tier keeps the dense "
+                "slot cache's blocks (an ONNX graph on ORT, NUMPY, OPENVINO) with prefix "
+                "caching on, not %s's",
+                name, settings.kv_offloading_size, type(self.cache).__name__,
+            )  # fmt: skip
+            return None
+        tier = HostTier(self.cache, settings.block_size, size, limits.memory_budget())
+        if tier.capacity < 1:
+            log.warning(
+                "model %s: kv_offloading_size %s GiB holds no block of %d bytes: off",
+                name, settings.kv_offloading_size, tier.block_bytes,
+            )  # fmt: skip
+            return None
+        return tier
 
     @property
     def eos(self) -> frozenset[int]:
@@ -328,7 +366,13 @@ class Engine:
 
     def forget_prefixes(self) -> None:
         """The prefix cache of the slots no sequence holds forgotten (a warm-up's prompts)."""
-        self._command(lambda: self.table.forget([s for s in self.table.slots if s.owner is None]))
+
+        def forget() -> None:
+            self.table.forget([s for s in self.table.slots if s.owner is None])
+            if self.tier is not None:
+                self.tier.clear()
+
+        self._command(forget)
 
     def _command(self, fn: Any) -> None:
         done: futures.Future = futures.Future()
@@ -344,6 +388,8 @@ class Engine:
         for state in list(self._requests.values()):
             self.output.end(state, "abort")
         self.table.forget(self.table.slots)  # the prefix cache's index names rows about to go
+        if self.tier is not None:  # the host tier's too (its memory given back)
+            self.tier.clear()
         if not was:
             self.decoder.release_cache(self.cache)
         self.decoder.sleep(level)
@@ -404,6 +450,8 @@ class Engine:
                     self.output.end(state, "abort")
                 if self.stream is not None:
                     self.stream.close()
+                if self.tier is not None:  # its charges back to the memory budget
+                    self.tier.clear()
                 return
             self._reap(aborts)
             if flight is not None:
@@ -528,6 +576,9 @@ class Engine:
             stats.prefix_cache_queries += table.queries - queries
             stats.prefix_cache_hits += table.hits - hits
             self._looked_up = (table.queries, table.hits)
+            if self.tier is not None:
+                stats.kv_offload_bytes = self.tier.nbytes
+                stats.kv_offload_restored_tokens = self.tier.restored_tokens
         if self.events is not None:
             self.events.flush()
 
@@ -538,10 +589,16 @@ class Engine:
                 del self._requests[state.request_id]
 
 
-def _medium(decoder: Decoder) -> str:
-    """Where the decoder's cache lives, as KV events name it: a CUDA card's or the host's."""
-    device = getattr(decoder, "device", None)
-    return MEDIUM_GPU if getattr(device, "type", "") == "cuda" else MEDIUM_CPU
+def _announce_tier(events: BlockEvents, tier: HostTier) -> None:
+    """The host tier's blocks announced as vLLM's offloading announces them: stored and
+    removed with medium ``"CPU"``, beside the engine's own cache's ``"GPU"``."""
+
+    def stored(block: Any) -> None:
+        parent = None if block.parent is None else block.parent.key
+        events.stored([block.key], parent, block.tokens, medium=MEDIUM_CPU)
+
+    tier.on_stored.append(stored)
+    tier.on_dropped.append(lambda block: events.removed([block.key], medium=MEDIUM_CPU))
 
 
 def _drain(flight: Launched | None) -> None:

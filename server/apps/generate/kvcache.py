@@ -51,7 +51,7 @@ cache (``cleared``, :meth:`SlotTable.forget`).
 from __future__ import annotations
 
 import collections
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -61,7 +61,7 @@ from plugserve.plugins.decoding import CacheLayout
 if TYPE_CHECKING:
     from plugserve.server.apps.generate.kvevents import BlockEvents
 
-__all__ = ["CacheLayout", "KVCache", "Slot", "SlotTable", "salt"]
+__all__ = ["CacheLayout", "KVCache", "Slot", "SlotTable", "chain", "salt"]
 
 
 class KVCache:
@@ -119,7 +119,8 @@ class Slot:
         return f"Slot({self.index}, {len(self.tokens)} tokens, owner={self.owner is not None})"
 
 
-def _chain(previous: int, block: Sequence[int]) -> int:
+def chain(previous: int, block: Sequence[int]) -> int:
+    """The hash of ``block`` after the block whose hash is ``previous`` (the salt: the first)."""
     return hash((previous, tuple(block)))
 
 
@@ -158,6 +159,9 @@ class SlotTable:
         self.queries = 0  # prompt tokens looked up
         #: rows of free slots that requests about to be admitted will reuse (evicted last)
         self.wanted: set[int] = set()
+        #: called with a slot whose whole blocks are about to be forgotten for another
+        #: sequence (its data still there): the host tier keeps them (:mod:`.kv_host_tier`)
+        self.evicting: Callable[[Slot], object] | None = None
 
     # --- allocation
 
@@ -179,9 +183,9 @@ class SlotTable:
                 slot = min(
                     self.free.values(), key=lambda s: (s.index in self.wanted, len(s.hashes))
                 )
-            self.truncate(slot, 0)
+            self.truncate(slot, 0, evict=True)
         elif slot.salt != salt:  # a hit is found by its salt: never another's blocks
-            self.truncate(slot, 0)
+            self.truncate(slot, 0, evict=True)
         del self.free[slot.index]
         slot.owner = owner
         slot.salt = salt
@@ -211,7 +215,7 @@ class SlotTable:
         while (len(slot.hashes) + 1) * size <= len(slot.tokens):
             start = len(slot.hashes) * size
             previous = slot.hashes[-1] if slot.hashes else slot.salt
-            value = _chain(previous, slot.tokens[start : start + size])
+            value = chain(previous, slot.tokens[start : start + size])
             if self.events is not None and value not in self.index:
                 fresh = fresh or []
                 fresh.append(len(slot.hashes))
@@ -233,10 +237,14 @@ class SlotTable:
             self.events.stored(hashes[a:b], parent, slot.tokens[a * size : b * size], size)
             start = i
 
-    def truncate(self, slot: Slot, length: int) -> None:
-        """Forget the slot's tokens from ``length`` on (they are about to be overwritten)."""
+    def truncate(self, slot: Slot, length: int, evict: bool = False) -> None:
+        """Forget the slot's tokens from ``length`` on (they are about to be overwritten).
+        ``evict``: for another sequence's tokens (:attr:`evicting` sees the whole blocks
+        first), not a prefix cache forgotten on purpose."""
         if length >= len(slot.tokens):
             return
+        if evict and self.evicting is not None and len(slot.hashes) > length // self.block_size:
+            self.evicting(slot)
         del slot.tokens[length:]
         keep = length // self.block_size
         gone = []
@@ -283,7 +291,7 @@ class SlotTable:
         hit = 0
         previous = salt
         for b in range(blocks):
-            previous = _chain(previous, prompt[b * size : (b + 1) * size])
+            previous = chain(previous, prompt[b * size : (b + 1) * size])
             slot = self.index.get(previous)
             if slot is None:
                 break

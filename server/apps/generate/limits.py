@@ -68,6 +68,7 @@ __all__ = [
     "PromptTooLong",
     "check_prompt",
     "configure",
+    "memory_budget",
     "prompt_limit",
     "stream_bounded",
     "text_bytes",
@@ -103,6 +104,12 @@ def configure(
     _limits.max_prompt_bytes = max_prompt_bytes
     _limits.stream_unread_bytes = stream_unread_bytes
     _limits.stream_unread_seconds = stream_unread_seconds
+
+
+def memory_budget() -> MemoryBudget | None:
+    """The server's memory budget (None in process: nothing charged), which what a model
+    keeps between requests is charged to as well (the KV host tier, :mod:`.kv_host_tier`)."""
+    return _limits.budget
 
 
 class PromptTooLong(InvalidArgument):

@@ -78,6 +78,7 @@ ENGINE_KEYS = {
     "MAX_NUM_SEQS": "max_num_seqs",
     "MAX_NUM_BATCHED_TOKENS": "max_num_batched_tokens",
     "KV_CACHE_BYTES": "kv_cache_bytes",
+    "KV_OFFLOADING_SIZE": "kv_offloading_size",
     "MAX_MODEL_LEN": "max_model_len",
     "BLOCK_SIZE": "block_size",
     "ENABLE_PREFIX_CACHING": "enable_prefix_caching",
@@ -161,6 +162,9 @@ def engine_settings(
                 raise InvalidArgument(f"config key {key!r}: expected YES or NO, got {value!r}")
             values[field] = text in ("YES", "TRUE", "1")
             continue
+        if field == "kv_offloading_size":
+            values[field] = _gib(key, value)
+            continue
         try:
             number = int(str(value))
         except ValueError:
@@ -176,6 +180,19 @@ def engine_settings(
             )
         values[field] = number
     return dataclasses.replace(defaults, **values), rest
+
+
+def _gib(key: str, value: Any) -> float:
+    """A config key's GiB (a number at least 0: KV_OFFLOADING_SIZE), or InvalidArgument."""
+    try:
+        number = float(str(value))
+    except ValueError:
+        raise InvalidArgument(
+            f"config key {key!r}: expected a number of GiB, got {value!r}"
+        ) from None
+    if not number >= 0 or number == float("inf"):
+        raise InvalidArgument(f"config key {key!r}: must be a finite number of GiB at least 0")
+    return number
 
 
 def _parsers(config: dict[str, Any]) -> dict[str, str]:

@@ -44,6 +44,7 @@ import numpy as np
 from plugserve.plugins.api import InferenceError, PlugserveError
 from plugserve.plugins.decoding import Decoder, StepSampler
 from plugserve.plugins.sampling import log_softmax, logprob_entry
+from plugserve.server.apps.generate.kv_host_tier import HostTier
 from plugserve.server.apps.generate.kvcache import KVCache, Slot, SlotTable
 from plugserve.server.apps.generate.overlap import DeviceStream, Launched
 from plugserve.server.apps.generate.scheduler import (
@@ -82,12 +83,21 @@ class ModelRunner:
     """Runs a plan's forwards on the decoder over the engine's cache."""
 
     def __init__(
-        self, decoder: Decoder, cache: KVCache, table: SlotTable, max_num_batched_tokens: int
+        self,
+        decoder: Decoder,
+        cache: KVCache,
+        table: SlotTable,
+        max_num_batched_tokens: int,
+        tier: HostTier | None = None,
     ) -> None:
         self.decoder = decoder
         self.cache = cache
         self.table = table
         self.max_num_batched_tokens = max_num_batched_tokens
+        #: the host tier of evicted blocks (None: off)
+        self.tier = tier
+        if tier is not None:
+            table.evicting = tier.offload
 
     def execute(self, plan: Plan) -> Iterator[Forward]:
         """The plan's forwards in order (the module's docstring), each yielded when done."""
@@ -150,6 +160,23 @@ class ModelRunner:
     def copy_prefix(self, source: Slot, target: Slot, length: int) -> None:
         """A cached prompt prefix from ``source`` into ``target`` (the scheduler's admission)."""
         self.cache.copy(source.index, target.index, length)
+
+    def restore_prefix(self, slot: Slot, prompt: list[int], hit: int, salt: int) -> int:
+        """The prompt's blocks after the ``hit`` tokens ``slot`` holds, restored from the host
+        tier when it keeps at least :attr:`.kv_host_tier.HostTier.min_blocks` of them (fewer
+        are computed); the prompt tokens the slot holds then."""
+        tier = self.tier
+        if tier is None:
+            return hit
+        size = self.table.block_size
+        blocks = tier.match(prompt, salt)
+        start = hit // size
+        if len(blocks) - start < tier.min_blocks:
+            return hit
+        tier.restore(slot.index, blocks[start:], start)
+        end = len(blocks) * size
+        self.table.written(slot, prompt[hit:end])
+        return end
 
     # --- the forwards
 

@@ -14,9 +14,10 @@ steps and leave as soon as they finish. The step's work is bounded by ``max_num_
 
 Admission looks the prompt up in the prefix cache (:class:`.kvcache.SlotTable`) under its
 tenant's and ``cache_salt``'s salt: its cached blocks are not computed again, and another
-tenant's are never found. A request's sequences share the prompt: the first computes
-it and the others copy its cache into their own slots when it is done (``n`` > 1 costs one
-prompt's compute).
+tenant's are never found; the blocks after them that the host tier keeps
+(:mod:`.kv_host_tier`) are restored into its slot. A request's sequences share the prompt: the
+first computes it and the others copy its cache into their own slots when it is done (``n`` > 1
+costs one prompt's compute).
 
 Held, not preempted: a sequence's slot holds the whole context (see :mod:`.kvcache`), so a
 running sequence never needs more cache than it has; when the slots are all held, requests
@@ -174,6 +175,9 @@ class Scheduler:
     max_num_batched_tokens: int
     max_waiting: int
     copy_prefix: Callable[[Slot, Slot, int], None]
+    #: ``(slot, prompt, hit, salt) -> hit``: the prompt's blocks after the slot's ``hit``
+    #: restored from the host tier (:mod:`.kv_host_tier`), the longer hit; None: no tier
+    restore_prefix: Callable[[Slot, list[int], int, int], int] | None = None
     waiting: collections.deque[RequestState] = dataclasses.field(
         default_factory=collections.deque, init=False
     )
@@ -246,13 +250,15 @@ class Scheduler:
             source, hit = None, 0
         if source is not None and source.owner is None:
             leader.slot = self.table.take(leader, prefer=source, salt=state.salt)
-            self.table.truncate(leader.slot, hit)
+            self.table.truncate(leader.slot, hit, evict=True)
         else:
             leader.slot = self.table.take(leader, salt=state.salt)
             if source is not None:
                 self.table.truncate(leader.slot, 0)
                 self.copy_prefix(source, leader.slot, hit)
                 self.table.written(leader.slot, prompt[:hit])
+        if self.restore_prefix is not None and state.prompt_logprobs is None:
+            hit = self.restore_prefix(leader.slot, prompt, hit, state.salt)
         leader.computed = hit
         state.cached = hit
         leader.status = PREFILL

@@ -101,6 +101,9 @@ class Snapshot:
     vllm_histograms: dict[str, tuple[tuple[float, ...], list[int], float]] = dataclasses.field(
         default_factory=dict
     )
+    #: bytes the KV host tier keeps, and prompt tokens restored from it (:mod:`.kv_host_tier`)
+    kv_offload_bytes: int = 0
+    kv_offload_restored_tokens: int = 0
 
 
 class GenerationStats:
@@ -126,6 +129,8 @@ class GenerationStats:
         self.warmup_seconds = 0.0
         self.prefix_cache_queries = 0  # the slot table's, added by the engine with the gauges
         self.prefix_cache_hits = 0
+        self.kv_offload_bytes = 0
+        self.kv_offload_restored_tokens = 0
 
     #: what requests count (a warm-up's are put back: :meth:`counters`, :meth:`restore`)
     _COUNTED = (
@@ -169,4 +174,6 @@ class GenerationStats:
                     n: (h.vllm_bounds, list(h.vllm_counts), h.total)
                     for n, h in self.histograms.items()
                 },
+                self.kv_offload_bytes,
+                self.kv_offload_restored_tokens,
             )

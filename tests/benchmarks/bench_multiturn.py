@@ -1,0 +1,220 @@
+"""A multi-turn agent workload with the KV host tier on and off (issue 61 item 6): time to first
+token per turn and cached tokens, at the same device cache size.
+
+The workload: ``--conversations`` conversations, interleaved turn by turn (one request at a
+time: conversation 1's turn 1, conversation 2's turn 1, ..., conversation 1's turn 2, ...),
+each a long system prompt with tool definitions that every conversation shares plus its own
+growing history (its questions and the model's answers). The server has ``--slots`` cache
+slots per model (``MAX_NUM_SEQS``), fewer than the conversations, so by a conversation's next
+turn its slot was taken by another: without the tier the shared system prompt is still found
+on the device (another slot holds it) but the conversation's own history is computed again;
+with the tier (``KV_OFFLOADING_SIZE``) it is restored from host memory.
+
+One server serves the folder twice, ``on`` (the tier) and ``off``, same settings otherwise;
+rounds run the whole workload on each, the order alternating. Requests are OpenAI streaming
+completions (greedy, ``ignore_eos``, ``--new-tokens`` each); TTFT is the time from sending to
+the first chunk with text. Printed: the machine, the folder and the cache's element type, per
+round each model's median TTFT of later turns (turn 2 on) and of first turns, median cached
+tokens, each turn's median TTFT and cached tokens on and off, the ratio off / on, whether the
+answers were the same (the streamed text of each turn, on against off); then the median of the
+rounds' ratios. Before that, in process, the crossover: restoring ``k`` blocks (the tier's
+copy) against computing them (the decoder's ``extend`` over them after a prefix of 4 blocks),
+for k = 1, 2, 4, 8, 16.
+
+    python tests/benchmarks/bench_multiturn.py [--folder FOLDER] [--device ORT] \\
+        [--conversations 4] [--turns 5] [--slots 2] [--rounds 2] [--new-tokens 24]
+
+The folder defaults to tests/support/llm.py's ``bench-llama`` (~169 M parameters, context 4096)
+exported by optimum (``python tests/support/llm.py path bench-llama optimum-onnx`` makes it).
+Nothing asserts on time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import harness  # sets sys.path for the imports below
+import numpy as np
+
+TOOLS = [
+    ("search_flights", "Find flights between two airports on a date", ["origin", "destination"]),
+    ("book_hotel", "Reserve a hotel room in a city for some nights", ["city", "nights"]),
+    ("get_weather", "The forecast for a city on a given day", ["city", "day"]),
+    ("convert_currency", "Convert an amount between two currencies", ["amount", "to"]),
+    ("send_email", "Send an email to a recipient with a subject", ["to", "subject"]),
+    ("calendar_add", "Add an event to the user's calendar", ["title", "start"]),
+]
+TOPICS = ["Lisbon", "Kyoto", "Oslo", "Quito", "Nairobi", "Hanoi", "Perth", "Tunis", "Lima"]
+
+
+def system_prompt() -> str:
+    """A travel agent's system prompt with its tools (JSON schemas), shared by every
+    conversation."""
+    tools = "\n".join(
+        f'{{"type": "function", "function": {{"name": "{name}", "description": "{text}", '
+        f'"parameters": {{"type": "object", "properties": {{'
+        + ", ".join(f'"{a}": {{"type": "string", "description": "the {a}"}}' for a in args)
+        + f'}}, "required": {args!r}}}}}}}'.replace("'", '"')
+        for name, text, args in TOOLS
+    )
+    rules = (
+        "You are a careful travel agent. Plan trips step by step, call a tool when you need "
+        "facts, never invent prices, confirm before booking, and answer briefly. "
+    )
+    return f"System: {rules * 3}\nTools:\n{tools}\n{rules}\n"
+
+
+def question(conversation: int, turn: int, round_: int) -> str:
+    """A short follow-up (an agent's turn: the history grows by the answer and this); each
+    round's conversations are new ones (a round must not find the last round's in the tier)."""
+    city = TOPICS[conversation % len(TOPICS)]
+    return (
+        f"\nUser: trip {conversation} of group {round_} to {city}, step {turn}: and then?"
+        "\nAssistant:"
+    )
+
+
+def ttft(api, model: str, prompt: str, new_tokens: int) -> tuple[float, str, int]:
+    """Seconds to the first chunk with text, the whole answer, the cached prompt tokens."""
+    sent = time.perf_counter()
+    first = None
+    text, cached = [], 0
+    stream = api.completions.create(
+        model=model, prompt=prompt, max_tokens=new_tokens, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].text:
+            if first is None:
+                first = time.perf_counter() - sent
+            text.append(chunk.choices[0].text)
+        if chunk.usage is not None and chunk.usage.prompt_tokens_details is not None:
+            cached = chunk.usage.prompt_tokens_details.cached_tokens or 0
+    return (first if first is not None else float("nan")), "".join(text), cached
+
+
+def workload(api, model: str, args: argparse.Namespace, round_: int) -> list[dict]:
+    """Every turn of every conversation of round ``round_``, interleaved; one record each."""
+    system = system_prompt()
+    history = [system for _ in range(args.conversations)]
+    records = []
+    for turn in range(args.turns):
+        for c in range(args.conversations):
+            history[c] += question(c, turn, round_)
+            seconds, text, cached = ttft(api, model, history[c], args.new_tokens)
+            history[c] += text
+            records.append({"turn": turn, "c": c, "ttft": seconds, "text": text, "cached": cached})
+    return records
+
+
+def crossover(folder: Path, device: str) -> None:
+    """In process: restoring k blocks against computing them after a prefix of 4 blocks."""
+    from plugserve.server import Core
+    from plugserve.server.apps.generate.kv_host_tier import HostTier
+
+    network = Core().load_network(str(folder), device, {"MAX_NUM_SEQS": "2"})
+    try:
+        engine = network.engine
+        decoder, cache, size = engine.decoder, engine.cache, engine.table.block_size
+        kib = cache.layout.bytes_per_token * size / 1024
+        print(
+            f"cache: {cache.layout.dtype}, {len(cache.layout.entries)} arrays, "
+            f"{kib:.0f} KiB a block"
+        )
+        tier = HostTier(cache, size, 1 << 40)
+        rng = np.random.default_rng(0)
+        vocab = decoder.vocab or 1000
+        print("blocks  compute_ms  restore_ms  compute/restore")
+        for k in (1, 2, 4, 8, 16):
+            prefix, count = 4 * size, k * size
+            tokens = [int(t) for t in rng.integers(10, vocab - 1, prefix + count)]
+            decoder.first(cache, [0], [tokens[:prefix]])
+            computed = []
+            for _ in range(3):
+                start = time.perf_counter()
+                decoder.extend(cache, 0, prefix, tokens[prefix:])
+                computed.append(time.perf_counter() - start)
+            slot = engine.table.slots[0]
+            engine.table.truncate(slot, 0)
+            engine.table.written(slot, tokens)
+            tier.offload(slot)
+            blocks = tier.match([*tokens, 1], slot.salt)[4:]
+            restored = []
+            for _ in range(3):
+                start = time.perf_counter()
+                tier.restore(1, blocks, 4)
+                restored.append(time.perf_counter() - start)
+            engine.table.truncate(slot, 0)
+            c, r = statistics.median(computed) * 1e3, statistics.median(restored) * 1e3
+            print(f"{k:6d}  {c:10.2f}  {r:10.3f}  {c / r:15.0f}x")
+    finally:
+        network.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--folder", type=Path)
+    parser.add_argument("--device", default="ORT")
+    parser.add_argument("--conversations", type=int, default=4)
+    parser.add_argument("--turns", type=int, default=5)
+    parser.add_argument("--slots", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--new-tokens", type=int, default=24)
+    parser.add_argument("--offload-gib", type=float, default=1.0)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    args = parser.parse_args()
+    import llm
+    from openai_serving import client, serving
+
+    folder = args.folder or llm.export("bench-llama", "optimum-onnx")
+    for key, value in harness.machine().items():
+        print(f"{key}: {value}")
+    print(f"folder: {folder} on {args.device}; load average {harness.load_average()}")
+    crossover(folder, args.device)
+    common = {"MAX_NUM_SEQS": str(args.slots), "MAX_MODEL_LEN": str(args.max_model_len)}
+    models = {
+        "on": (folder, args.device, {**common, "KV_OFFLOADING_SIZE": str(args.offload_gib)}),
+        "off": (folder, args.device, common),
+    }
+    ratios, same = [], True
+    with serving(models) as server:
+        api = client(server)
+        for r in range(args.rounds):
+            order = ["on", "off"] if r % 2 == 0 else ["off", "on"]
+            runs = {model: workload(api, model, args, r) for model in order}
+            summary = {}
+            for model, records in runs.items():
+                later = [x["ttft"] for x in records if x["turn"] > 0]
+                first = [x["ttft"] for x in records if x["turn"] == 0]
+                cached = [x["cached"] for x in records if x["turn"] > 0]
+                summary[model] = statistics.median(later)
+                print(
+                    f"round {r + 1} {model:3s}: later turns TTFT median {summary[model] * 1e3:8.1f}"
+                    f" ms, first turns {statistics.median(first) * 1e3:8.1f} ms, later turns' "
+                    f"cached tokens median {statistics.median(cached):.0f}"
+                )  # fmt: skip
+            for turn in range(args.turns):
+                cells = []
+                for model in ("on", "off"):
+                    mine = [x for x in runs[model] if x["turn"] == turn]
+                    seconds = statistics.median(x["ttft"] for x in mine)
+                    cached = statistics.median(x["cached"] for x in mine)
+                    cells.append(f"{model} {seconds * 1e3:7.1f} ms, cached {cached:5.0f}")
+                print(f"round {r + 1} turn {turn + 1}: " + "; ".join(cells))
+            texts = {m: [x["text"] for x in runs[m]] for m in runs}
+            agree = texts["on"] == texts["off"]
+            same = same and agree
+            ratios.append(summary["off"] / summary["on"])
+            print(f"round {r + 1}: off / on = {ratios[-1]:.2f}x; answers the same: {agree}")
+    print(
+        f"median of the rounds' ratios (later turns' TTFT, off / on): "
+        f"{statistics.median(ratios):.2f}x; answers the same in every round: {same}; "
+        f"load average {harness.load_average()}"
+    )
+
+
+if __name__ == "__main__":
+    main()
