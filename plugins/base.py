@@ -677,44 +677,26 @@ class InferRequest(abc.ABC):
         self._token: cancel.Token | None = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
-        """A request class that overrides :meth:`infer` alone (a plugin written before
-        :meth:`infer_checked` existed) keeps being called through it on every path; one whose
-        :meth:`_infer` takes no run context (a plugin written before :class:`RunContext`) is
-        called without it."""
+        """A request class is checked when it is made: the server, and a virtual device
+        handing a run to its children, call :meth:`infer_checked` with the run's context
+        (``plugins/run_context.py``), so a device implements :meth:`_infer` (or
+        :meth:`infer_checked`) taking it. One written the old way (``_infer(self, arrays)``,
+        or ``infer(self, inputs)`` alone, which no server path calls) is refused here, naming
+        the signature to write, rather than run without its request on some paths."""
         super().__init_subclass__(**kwargs)
-        own_infer = cls.__dict__.get("infer")
-        if own_infer is not None and _positional(own_infer) < 3:
-
-            def infer_told(
-                self: InferRequest, inputs: Mapping[str, Any], run: RunContext | None = None
-            ) -> dict[str, np.ndarray]:
-                if run is None:
-                    return own_infer(self, inputs)
-                entered = run_context.enter(run)  # what the plugin's own backend reads
-                try:
-                    with cancel.running(run.token):  # what the plugin's own infer answers to
-                        return own_infer(self, inputs)
-                finally:
-                    run_context.leave(entered)
-
-            cls.infer = infer_told  # type: ignore[method-assign]
-        if own_infer is not None and "infer_checked" not in cls.__dict__:
-
-            def through_infer(
-                self: InferRequest, arrays: list[Any], run: RunContext | None = None
-            ) -> dict[str, np.ndarray]:
-                return self.infer({s.name: a for s, a in zip(self.network.inputs, arrays)}, run)
-
-            cls.infer_checked = through_infer  # type: ignore[method-assign]
-        own = cls.__dict__.get("_infer")
-        if own is not None and _positional(own) < 3:
-
-            def without_run(
-                self: InferRequest, arrays: list[Any], run: RunContext | None = None
-            ) -> dict[str, np.ndarray]:
-                return own(self, arrays)  # (the device may call it itself, with no run)
-
-            cls._infer = without_run  # type: ignore[method-assign]
+        for name in ("_infer", "infer_checked", "infer"):
+            own = cls.__dict__.get(name)
+            if own is not None and _positional(own) < 3:
+                raise TypeError(
+                    f"{cls.__qualname__}.{name} takes no run context; write "
+                    f"{_SIGNATURES[name]} (plugins/run_context.py; docs/plugins.md)"
+                )
+        if "infer" in cls.__dict__ and "infer_checked" not in cls.__dict__:
+            raise TypeError(
+                f"{cls.__qualname__} overrides infer alone, which the server never calls (it "
+                f"calls infer_checked with checked inputs); override "
+                f"{_SIGNATURES['_infer']} instead (docs/plugins.md)"
+            )
 
     def infer(
         self, inputs: Mapping[str, Any], run: RunContext | None = None
@@ -948,6 +930,20 @@ def _nested() -> RunContext:
     if under_way is not None and under_way.token is token:
         return under_way
     return RunContext() if token is None else RunContext(token=token)
+
+
+#: the signatures a request class writes, as :meth:`InferRequest.__init_subclass__` names them
+_SIGNATURES = {
+    "_infer": "_infer(self, arrays: list[Any], run: RunContext) -> dict[str, np.ndarray]",
+    "infer_checked": (
+        "infer_checked(self, arrays: list[Any], run: RunContext | None = None) "
+        "-> dict[str, np.ndarray]"
+    ),
+    "infer": (
+        "infer(self, inputs: Mapping[str, Any], run: RunContext | None = None) "
+        "-> dict[str, np.ndarray]"
+    ),
+}
 
 
 def _positional(function: Callable[..., Any]) -> int:

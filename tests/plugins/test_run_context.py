@@ -194,3 +194,34 @@ def test_a_batchs_context_is_its_requests_together_and_a_pieces_is_what_it_sends
     assert run_context.for_piece(RunContext(), ["mid", "z"], ["y", "z"]).outputs == ("z",)
     with pytest.raises(dataclasses.FrozenInstanceError):
         a.room = 0  # type: ignore[misc]
+
+
+def test_a_request_class_written_without_the_run_is_refused_naming_the_signature_to_write():
+    """No shim calls an old-style device without its request: the class is refused when it is
+    made, and the message is the signature to write; the new-style one is made and runs."""
+    from plugserve.plugins.numpy.request import NumpyInferRequest
+
+    with pytest.raises(TypeError, match=r"_infer\(self, arrays: list\[Any\], run: RunContext\)"):
+
+        class NoRun(NumpyInferRequest):
+            def _infer(self, arrays):
+                return super()._infer(arrays, RunContext())
+
+    with pytest.raises(TypeError, match="overrides infer alone, which the server never calls"):
+
+        class InferAlone(NumpyInferRequest):
+            def infer(self, inputs, run=None):
+                return super().infer(inputs, run)
+
+    seen: list[RunContext] = []
+
+    class Told(NumpyInferRequest):
+        def _infer(self, arrays, run):
+            seen.append(run)
+            return super()._infer(arrays, run)
+
+    net = Core().load_network(_abs_then_expand(), "NUMPY")
+    told = RunContext(network="net", request_id="7")
+    out = Told(net).infer_checked([np.array([2, 3], np.int64)], told)
+    assert out["y"].shape == (2, 3) and seen == [told]
+    net.close()
