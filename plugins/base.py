@@ -742,10 +742,9 @@ class InferRequest(abc.ABC):
         (``plugins/run_context.py``: its cancellation token, the room an output may take, the
         outputs wanted, its id, parameters, sequence and trace), handed down explicitly by the
         server and by a virtual device to its children (HETERO: each piece its own, with
-        ``run_context.for_piece``). Without one (an in-process call, a plugin's own ``infer``
-        calling the base's) it is told what :func:`_nested` finds, and answers to the token of
-        the run under way on this thread, else to a token of its own, so :meth:`cancel` stops
-        it either way."""
+        ``run_context.for_piece``). Without one (an in-process call) it is told only its
+        cancellation (``run_context.untold``): the token of the run under way on this thread,
+        else a token of its own, so :meth:`cancel` stops it either way."""
         return self._checked(arrays, run)
 
     #: whether :meth:`infer_into` has the device write the named outputs straight into the
@@ -791,9 +790,9 @@ class InferRequest(abc.ABC):
         the device's checkpoints, and a nested run given no context, answer to) and the
         context is ``run_context.current()`` (what NUMPY's kernels read). Every small server
         request passes here: kept to two context-variable sets. Without ``run``: see
-        :func:`_nested`."""
+        ``run_context.untold``."""
         if run is None:
-            run = _nested()
+            run = run_context.untold()
         token = run.token
         if token.error is not None:
             raise token.failure()
@@ -835,9 +834,10 @@ class InferRequest(abc.ABC):
             future.cancel()
 
     def _infer(self, arrays: list[Any], run: RunContext) -> dict[str, np.ndarray]:
-        """The device's run of checked inputs told its request (``run``); by default
-        :meth:`_feed` then :meth:`_run`, for a device that needs nothing of the request but
-        what its kernels read (``run_context.current()``)."""
+        """The device's run of checked inputs told its request (``run``), which it reads what
+        it needs of; by default :meth:`_feed` then :meth:`_run`, for a device that needs
+        nothing of it but its token (and, NUMPY, what its kernels read:
+        ``run_context.current()``)."""
         return self._run(self._feed(arrays))
 
     def start_async(self, inputs: Mapping[str, Any], callback: Callback | None = None) -> None:
@@ -919,17 +919,6 @@ class InferRequest(abc.ABC):
                 f"network {self.network.name}: performance counters are off; "
                 "load it with PERF_COUNT=YES"
             )
-
-
-def _nested() -> RunContext:
-    """The context of a run given none: the one under way on this thread when its token is
-    the thread's (a plugin's own ``infer`` calling the base's, inside the run it was told);
-    else only the thread's token, or a fresh one (an in-process call)."""
-    token = cancel.current()
-    under_way = run_context.current()
-    if under_way is not None and under_way.token is token:
-        return under_way
-    return RunContext() if token is None else RunContext(token=token)
 
 
 #: the signatures a request class writes, as :meth:`InferRequest.__init_subclass__` names them

@@ -15,12 +15,17 @@ that runs pieces hands each one its own with :func:`dataclasses.replace` (HETERO
 a piece sends to the answer, :func:`for_piece`); one that runs several requests as one run
 makes one for them together (BATCH: :func:`for_batch`).
 
+The context is also the run's one trace channel: :attr:`RunContext.trace` is the span the
+device opens its own under (the data plane's run span; a HETERO piece's, a MULTI device's, a
+BATCH wait's for what runs under them); there is no context variable of spans.
+
 One context variable remains, :func:`current`: the run under way on this thread, set by the
-base ``InferRequest`` from the argument for the span of the device's run, and read only by
-code inside a device's own backend that no argument reaches: NUMPY's kernels are bound once
-at load as ``kernel(*values)`` and shared by concurrent runs, so the bounds of an output whose
-size the request's values decide (``plugins/amplify.py``) are read there, in a Loop's or
-Scan's body too. Virtual devices and the server never read it: they pass the context on.
+base ``InferRequest`` from the argument for the span of the device's run, and read only where
+no argument reaches: NUMPY's kernels, bound once at load as ``kernel(*values)`` and shared by
+concurrent runs, read the bounds of an output whose size the request's values decide there
+(``plugins/numpy/engine.py``'s ``_bounded`` and the Loop kernel, which hand it to
+``plugins/amplify.py``). Every other device, virtual devices and the server read the context
+they are given and pass it on.
 
 One is built per request, when it starts to run (``Request.context``): a frozen dataclass sets
 its fifteen fields through ``object.__setattr__``, about six times what making a ``Token``
@@ -34,10 +39,19 @@ import dataclasses
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
+from plugserve.plugins import cancel
 from plugserve.plugins.cancel import Token
 from plugserve.plugins.tracing import Span
 
-__all__ = ["RunContext", "current", "enter", "for_batch", "for_piece", "leave"]
+__all__ = [
+    "RunContext",
+    "current",
+    "enter",
+    "for_batch",
+    "for_piece",
+    "leave",
+    "untold",
+]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -139,12 +153,21 @@ def for_batch(runs: Sequence[RunContext], token: Token) -> RunContext:
     )
 
 
+def untold() -> RunContext:
+    """The context of a run its caller told nothing (an in-process call with no ``run``): its
+    cancellation only, the token of the run under way on this thread (the cancellation
+    channel, ``plugins/cancel.py``) or a fresh one, so that ``InferRequest.cancel`` stops it
+    either way."""
+    token = cancel.current()
+    return RunContext() if token is None else RunContext(token=token)
+
+
 _run: contextvars.ContextVar[RunContext | None] = contextvars.ContextVar(
     "plugserve_run_context", default=None
 )
 
-#: The context of the device run under way on this thread (None outside one): for a device's
-#: own backend where no argument reaches (NUMPY's kernels), never for passing a run on.
+#: The context of the device run under way on this thread (None outside one): for NUMPY's
+#: kernels, which no argument reaches, never for passing a run on.
 current: Callable[[], RunContext | None] = _run.get
 #: ``entered = enter(run)`` ... ``leave(entered)``: the base ``InferRequest`` around a run
 enter: Callable[[RunContext], contextvars.Token] = _run.set
