@@ -41,7 +41,7 @@ from typing import Any
 
 from plugserve.plugins import cancel
 from plugserve.plugins.cancel import Token
-from plugserve.plugins.tracing import Span
+from plugserve.plugins.tracing import Span, Trace
 
 __all__ = [
     "RunContext",
@@ -49,7 +49,9 @@ __all__ = [
     "enter",
     "for_batch",
     "for_piece",
+    "from_wire",
     "leave",
+    "to_wire",
     "untold",
 ]
 
@@ -160,6 +162,67 @@ def untold() -> RunContext:
     either way."""
     token = cancel.current()
     return RunContext() if token is None else RunContext(token=token)
+
+
+def to_wire(run: RunContext, cancel_id: str) -> dict[str, Any]:
+    """What of ``run`` crosses a process boundary (the RAY device's call to its actor on
+    another node), as plain values: every field that describes the request (its network's
+    name, the outputs it computes, the room and the answer's bound, its parameters, id,
+    sequence, priority, timeout, tenant, warm-up, partial outputs), its cancellation as
+    ``cancel_id`` (the caller cancels the run on the other side by it, ``RayInferRequest``)
+    and its trace as the W3C ``traceparent`` naming the run's span. Not its token (the
+    caller's, local) nor :attr:`RunContext.cuda_outputs` (pointers into this machine's GPU
+    memory, never another's)."""
+    return {
+        "cancel": cancel_id,
+        "network": run.network,
+        "outputs": None if run.outputs is None else list(run.outputs),
+        "room": run.room,
+        "answer": run.answer,
+        "parameters": None if run.parameters is None else dict(run.parameters),
+        "partial_outputs": run.partial_outputs,
+        "request_id": run.request_id,
+        "sequence": None if run.sequence is None else list(run.sequence),
+        "traceparent": None if run.trace is None else run.trace.traceparent(),
+        "priority": run.priority,
+        "timeout": run.timeout,
+        "warmup": run.warmup,
+        "tenant": run.tenant,
+    }
+
+
+def from_wire(wire: Mapping[str, Any], token: Token) -> RunContext:
+    """The run :func:`to_wire` sent, rebuilt on the other side under ``token`` (the one its
+    ``cancel`` id cancels there). A traced run's ``trace`` is a :class:`Trace` continuing the
+    caller's (its trace id, the caller's run span as its parent), for what a device opens
+    there; a node has no exporter of its own, so its spans are not exported (yet): the ids
+    are what crosses."""
+    trace = None
+    parent = wire.get("traceparent")
+    if parent:
+        _version, trace_id, span_id, _flags = parent.split("-")[:4]
+        trace = Trace(_unexported, (int(trace_id, 16), int(span_id, 16)), name="remote")
+    outputs, sequence = wire.get("outputs"), wire.get("sequence")
+    return RunContext(
+        token=token,
+        network=wire.get("network", ""),
+        outputs=None if outputs is None else tuple(outputs),
+        room=wire.get("room", 0),
+        answer=wire.get("answer", 0),
+        parameters=wire.get("parameters"),
+        partial_outputs=wire.get("partial_outputs", False),
+        request_id=wire.get("request_id", ""),
+        sequence=None if sequence is None else (sequence[0], sequence[1]),
+        trace=trace,
+        priority=wire.get("priority", 0),
+        timeout=wire.get("timeout"),
+        warmup=wire.get("warmup", False),
+        tenant=wire.get("tenant", ""),
+    )
+
+
+def _unexported(_trace: Trace) -> None:
+    """A remote trace's sink: the node exports nothing of its own."""
 
 
 _run: contextvars.ContextVar[RunContext | None] = contextvars.ContextVar(
