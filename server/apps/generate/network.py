@@ -59,6 +59,7 @@ from plugserve.plugins.api import (
 )
 from plugserve.plugins.configuration import Configuration
 from plugserve.plugins.responses import Response
+from plugserve.plugins.run_context import RunContext
 from plugserve.plugins.tracing import Span
 from plugserve.server.apps.generate import limits, warmup
 from plugserve.server.apps.generate.decoder import SharedBufferDecoder, choose_decoder
@@ -507,16 +508,15 @@ class GenerativeInferRequest(InferRequest):
 
     network: GenerativeNetwork
 
-    def _infer(self, arrays: list[Any], run: Any = None) -> dict[str, np.ndarray]:
+    def _infer(self, arrays: list[Any], run: RunContext) -> dict[str, np.ndarray]:
         """A blocking run (in-process, or a unary call): the whole answer in one response."""
         sender = QueueSender()
         values = dict(zip((s.name for s in self.network.inputs), arrays))
         values["stream"] = None  # one response
         collected: list[Any] = []
         face = _Face(self.network, values, sender)
-        if run is not None:  # the caller's tenant: its own part of the prefix cache
-            face.request.tenant = run.tenant
-        self.network.generate(face.request, face, None if run is None else run.trace)
+        face.request.tenant = run.tenant  # the caller's: its own part of the prefix cache
+        self.network.generate(face.request, face, run.trace)
         try:
             for item in sender:
                 collected.append(item)
@@ -524,7 +524,9 @@ class GenerativeInferRequest(InferRequest):
             sender.close()
         return dict(collected[-1].outputs) if collected else {}
 
-    def infer_decoupled(self, arrays: list[Any], sender: Any, run: Any = None) -> None:
+    def infer_decoupled(
+        self, arrays: list[Any], sender: Any, run: RunContext | None = None
+    ) -> None:
         """Start the generation; its responses go to ``sender`` (the last with final)."""
         values = dict(zip((s.name for s in self.network.inputs), arrays))
         face = _Face(self.network, values, sender)
