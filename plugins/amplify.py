@@ -53,7 +53,6 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from plugserve.plugins import run_context
 from plugserve.plugins.errors import ResourceExhausted
 from plugserve.plugins.run_context import RunContext
 
@@ -207,11 +206,9 @@ def _loop(node: Any, ins: Sequence[Any]) -> int:
     return trips * per_trip
 
 
-def room(run: RunContext | None = None) -> int:
-    """What the run (by default the device run under way on this thread, for the kernels no
-    argument reaches) may still allocate at once, in bytes (0: no bound)."""
-    if run is None:
-        run = run_context.current()
+def room(run: RunContext | None) -> int:
+    """What the run may still allocate at once, in bytes (0: no bound; ``run`` None: a run
+    told nothing)."""
     return 0 if run is None else run.room
 
 
@@ -249,8 +246,8 @@ def sent_as(nodes: Sequence[Any], outputs: Sequence[str]) -> dict[str, frozenset
     return {name: frozenset(found) for name, found in reach.items()}
 
 
-def check_bytes(nbytes: int, what: str, run: RunContext | None = None) -> None:
-    """Refuse ``nbytes`` of one output over the run's room, before it is allocated."""
+def check_bytes(nbytes: int, what: str, run: RunContext | None) -> None:
+    """Refuse ``nbytes`` of one output over the room of ``run``, before it is allocated."""
     bound = room(run)
     if bound and nbytes > bound:
         raise ResourceExhausted(
@@ -261,18 +258,14 @@ def check_bytes(nbytes: int, what: str, run: RunContext | None = None) -> None:
 
 
 def check_node(
-    node: Any,
-    inputs: Sequence[Any],
-    sent: frozenset[str] = frozenset(),
-    run: RunContext | None = None,
+    node: Any, inputs: Sequence[Any], sent: frozenset[str], run: RunContext | None
 ) -> None:
     """Before ``node`` runs on its ``inputs``: its outputs' bytes within the run's room, and,
     where its output is (or reaches unreduced) one of the network outputs ``sent`` and the
-    request asked for it, within what the answer may carry. ``run``: the run's context (by
-    default the device run under way on this thread: NUMPY's kernels)."""
+    request asked for it, within what the answer may carry. ``run``: the run's context, as
+    its device has it (the probe's argument; NUMPY's kernels read theirs from
+    ``run_context.current()``, where no argument reaches); None: no bound."""
     entry = OUTPUT_BYTES.get(node.op_type)
-    if run is None:
-        run = run_context.current()
     if entry is None or run is None or not (run.room or (sent and run.answer)):
         return
     try:

@@ -677,44 +677,26 @@ class InferRequest(abc.ABC):
         self._token: cancel.Token | None = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
-        """A request class that overrides :meth:`infer` alone (a plugin written before
-        :meth:`infer_checked` existed) keeps being called through it on every path; one whose
-        :meth:`_infer` takes no run context (a plugin written before :class:`RunContext`) is
-        called without it."""
+        """A request class is checked when it is made: the server, and a virtual device
+        handing a run to its children, call :meth:`infer_checked` with the run's context
+        (``plugins/run_context.py``), so a device implements :meth:`_infer` (or
+        :meth:`infer_checked`) taking it. One written the old way (``_infer(self, arrays)``,
+        or ``infer(self, inputs)`` alone, which no server path calls) is refused here, naming
+        the signature to write, rather than run without its request on some paths."""
         super().__init_subclass__(**kwargs)
-        own_infer = cls.__dict__.get("infer")
-        if own_infer is not None and _positional(own_infer) < 3:
-
-            def infer_told(
-                self: InferRequest, inputs: Mapping[str, Any], run: RunContext | None = None
-            ) -> dict[str, np.ndarray]:
-                if run is None:
-                    return own_infer(self, inputs)
-                entered = run_context.enter(run)  # what the plugin's own backend reads
-                try:
-                    with cancel.running(run.token):  # what the plugin's own infer answers to
-                        return own_infer(self, inputs)
-                finally:
-                    run_context.leave(entered)
-
-            cls.infer = infer_told  # type: ignore[method-assign]
-        if own_infer is not None and "infer_checked" not in cls.__dict__:
-
-            def through_infer(
-                self: InferRequest, arrays: list[Any], run: RunContext | None = None
-            ) -> dict[str, np.ndarray]:
-                return self.infer({s.name: a for s, a in zip(self.network.inputs, arrays)}, run)
-
-            cls.infer_checked = through_infer  # type: ignore[method-assign]
-        own = cls.__dict__.get("_infer")
-        if own is not None and _positional(own) < 3:
-
-            def without_run(
-                self: InferRequest, arrays: list[Any], run: RunContext | None = None
-            ) -> dict[str, np.ndarray]:
-                return own(self, arrays)  # (the device may call it itself, with no run)
-
-            cls._infer = without_run  # type: ignore[method-assign]
+        for name in ("_infer", "infer_checked", "infer"):
+            own = cls.__dict__.get(name)
+            if own is not None and _positional(own) < 3:
+                raise TypeError(
+                    f"{cls.__qualname__}.{name} takes no run context; write "
+                    f"{_SIGNATURES[name]} (plugins/run_context.py; docs/plugins.md)"
+                )
+        if "infer" in cls.__dict__ and "infer_checked" not in cls.__dict__:
+            raise TypeError(
+                f"{cls.__qualname__} overrides infer alone, which the server never calls (it "
+                f"calls infer_checked with checked inputs); override "
+                f"{_SIGNATURES['_infer']} instead (docs/plugins.md)"
+            )
 
     def infer(
         self, inputs: Mapping[str, Any], run: RunContext | None = None
@@ -760,10 +742,9 @@ class InferRequest(abc.ABC):
         (``plugins/run_context.py``: its cancellation token, the room an output may take, the
         outputs wanted, its id, parameters, sequence and trace), handed down explicitly by the
         server and by a virtual device to its children (HETERO: each piece its own, with
-        ``run_context.for_piece``). Without one (an in-process call, a plugin's own ``infer``
-        calling the base's) it is told what :func:`_nested` finds, and answers to the token of
-        the run under way on this thread, else to a token of its own, so :meth:`cancel` stops
-        it either way."""
+        ``run_context.for_piece``). Without one (an in-process call) it is told only its
+        cancellation (``run_context.untold``): the token of the run under way on this thread,
+        else a token of its own, so :meth:`cancel` stops it either way."""
         return self._checked(arrays, run)
 
     #: whether :meth:`infer_into` has the device write the named outputs straight into the
@@ -809,9 +790,9 @@ class InferRequest(abc.ABC):
         the device's checkpoints, and a nested run given no context, answer to) and the
         context is ``run_context.current()`` (what NUMPY's kernels read). Every small server
         request passes here: kept to two context-variable sets. Without ``run``: see
-        :func:`_nested`."""
+        ``run_context.untold``."""
         if run is None:
-            run = _nested()
+            run = run_context.untold()
         token = run.token
         if token.error is not None:
             raise token.failure()
@@ -853,9 +834,10 @@ class InferRequest(abc.ABC):
             future.cancel()
 
     def _infer(self, arrays: list[Any], run: RunContext) -> dict[str, np.ndarray]:
-        """The device's run of checked inputs told its request (``run``); by default
-        :meth:`_feed` then :meth:`_run`, for a device that needs nothing of the request but
-        what its kernels read (``run_context.current()``)."""
+        """The device's run of checked inputs told its request (``run``), which it reads what
+        it needs of; by default :meth:`_feed` then :meth:`_run`, for a device that needs
+        nothing of it but its token (and, NUMPY, what its kernels read:
+        ``run_context.current()``)."""
         return self._run(self._feed(arrays))
 
     def start_async(self, inputs: Mapping[str, Any], callback: Callback | None = None) -> None:
@@ -939,15 +921,18 @@ class InferRequest(abc.ABC):
             )
 
 
-def _nested() -> RunContext:
-    """The context of a run given none: the one under way on this thread when its token is
-    the thread's (a plugin's own ``infer`` calling the base's, inside the run it was told);
-    else only the thread's token, or a fresh one (an in-process call)."""
-    token = cancel.current()
-    under_way = run_context.current()
-    if under_way is not None and under_way.token is token:
-        return under_way
-    return RunContext() if token is None else RunContext(token=token)
+#: the signatures a request class writes, as :meth:`InferRequest.__init_subclass__` names them
+_SIGNATURES = {
+    "_infer": "_infer(self, arrays: list[Any], run: RunContext) -> dict[str, np.ndarray]",
+    "infer_checked": (
+        "infer_checked(self, arrays: list[Any], run: RunContext | None = None) "
+        "-> dict[str, np.ndarray]"
+    ),
+    "infer": (
+        "infer(self, inputs: Mapping[str, Any], run: RunContext | None = None) "
+        "-> dict[str, np.ndarray]"
+    ),
+}
 
 
 def _positional(function: Callable[..., Any]) -> int:

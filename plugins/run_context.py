@@ -15,12 +15,17 @@ that runs pieces hands each one its own with :func:`dataclasses.replace` (HETERO
 a piece sends to the answer, :func:`for_piece`); one that runs several requests as one run
 makes one for them together (BATCH: :func:`for_batch`).
 
+The context is also the run's one trace channel: :attr:`RunContext.trace` is the span the
+device opens its own under (the data plane's run span; a HETERO piece's, a MULTI device's, a
+BATCH wait's for what runs under them); there is no context variable of spans.
+
 One context variable remains, :func:`current`: the run under way on this thread, set by the
-base ``InferRequest`` from the argument for the span of the device's run, and read only by
-code inside a device's own backend that no argument reaches: NUMPY's kernels are bound once
-at load as ``kernel(*values)`` and shared by concurrent runs, so the bounds of an output whose
-size the request's values decide (``plugins/amplify.py``) are read there, in a Loop's or
-Scan's body too. Virtual devices and the server never read it: they pass the context on.
+base ``InferRequest`` from the argument for the span of the device's run, and read only where
+no argument reaches: NUMPY's kernels, bound once at load as ``kernel(*values)`` and shared by
+concurrent runs, read the bounds of an output whose size the request's values decide there
+(``plugins/numpy/engine.py``'s ``_bounded`` and the Loop kernel, which hand it to
+``plugins/amplify.py``). Every other device, virtual devices and the server read the context
+they are given and pass it on.
 
 One is built per request, when it starts to run (``Request.context``): a frozen dataclass sets
 its fifteen fields through ``object.__setattr__``, about six times what making a ``Token``
@@ -34,10 +39,21 @@ import dataclasses
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
+from plugserve.plugins import cancel
 from plugserve.plugins.cancel import Token
-from plugserve.plugins.tracing import Span
+from plugserve.plugins.tracing import Span, Trace
 
-__all__ = ["RunContext", "current", "enter", "for_batch", "for_piece", "leave"]
+__all__ = [
+    "RunContext",
+    "current",
+    "enter",
+    "for_batch",
+    "for_piece",
+    "from_wire",
+    "leave",
+    "to_wire",
+    "untold",
+]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -139,12 +155,82 @@ def for_batch(runs: Sequence[RunContext], token: Token) -> RunContext:
     )
 
 
+def untold() -> RunContext:
+    """The context of a run its caller told nothing (an in-process call with no ``run``): its
+    cancellation only, the token of the run under way on this thread (the cancellation
+    channel, ``plugins/cancel.py``) or a fresh one, so that ``InferRequest.cancel`` stops it
+    either way."""
+    token = cancel.current()
+    return RunContext() if token is None else RunContext(token=token)
+
+
+def to_wire(run: RunContext, cancel_id: str) -> dict[str, Any]:
+    """What of ``run`` crosses a process boundary (the RAY device's call to its actor on
+    another node), as plain values: every field that describes the request (its network's
+    name, the outputs it computes, the room and the answer's bound, its parameters, id,
+    sequence, priority, timeout, tenant, warm-up, partial outputs), its cancellation as
+    ``cancel_id`` (the caller cancels the run on the other side by it, ``RayInferRequest``)
+    and its trace as the W3C ``traceparent`` naming the run's span. Not its token (the
+    caller's, local) nor :attr:`RunContext.cuda_outputs` (pointers into this machine's GPU
+    memory, never another's)."""
+    return {
+        "cancel": cancel_id,
+        "network": run.network,
+        "outputs": None if run.outputs is None else list(run.outputs),
+        "room": run.room,
+        "answer": run.answer,
+        "parameters": None if run.parameters is None else dict(run.parameters),
+        "partial_outputs": run.partial_outputs,
+        "request_id": run.request_id,
+        "sequence": None if run.sequence is None else list(run.sequence),
+        "traceparent": None if run.trace is None else run.trace.traceparent(),
+        "priority": run.priority,
+        "timeout": run.timeout,
+        "warmup": run.warmup,
+        "tenant": run.tenant,
+    }
+
+
+def from_wire(wire: Mapping[str, Any], token: Token) -> RunContext:
+    """The run :func:`to_wire` sent, rebuilt on the other side under ``token`` (the one its
+    ``cancel`` id cancels there). A traced run's ``trace`` is a :class:`Trace` continuing the
+    caller's (its trace id, the caller's run span as its parent), for what a device opens
+    there; a node has no exporter of its own, so its spans are not exported (yet): the ids
+    are what crosses."""
+    trace = None
+    parent = wire.get("traceparent")
+    if parent:
+        _version, trace_id, span_id, _flags = parent.split("-")[:4]
+        trace = Trace(_unexported, (int(trace_id, 16), int(span_id, 16)), name="remote")
+    outputs, sequence = wire.get("outputs"), wire.get("sequence")
+    return RunContext(
+        token=token,
+        network=wire.get("network", ""),
+        outputs=None if outputs is None else tuple(outputs),
+        room=wire.get("room", 0),
+        answer=wire.get("answer", 0),
+        parameters=wire.get("parameters"),
+        partial_outputs=wire.get("partial_outputs", False),
+        request_id=wire.get("request_id", ""),
+        sequence=None if sequence is None else (sequence[0], sequence[1]),
+        trace=trace,
+        priority=wire.get("priority", 0),
+        timeout=wire.get("timeout"),
+        warmup=wire.get("warmup", False),
+        tenant=wire.get("tenant", ""),
+    )
+
+
+def _unexported(_trace: Trace) -> None:
+    """A remote trace's sink: the node exports nothing of its own."""
+
+
 _run: contextvars.ContextVar[RunContext | None] = contextvars.ContextVar(
     "plugserve_run_context", default=None
 )
 
-#: The context of the device run under way on this thread (None outside one): for a device's
-#: own backend where no argument reaches (NUMPY's kernels), never for passing a run on.
+#: The context of the device run under way on this thread (None outside one): for NUMPY's
+#: kernels, which no argument reaches, never for passing a run on.
 current: Callable[[], RunContext | None] = _run.get
 #: ``entered = enter(run)`` ... ``leave(entered)``: the base ``InferRequest`` around a run
 enter: Callable[[RunContext], contextvars.Token] = _run.set

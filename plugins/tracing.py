@@ -17,18 +17,19 @@ for that is all tracing costs it.
 its settings sample the request (``server/plane/tracing.py``), continuing the client's W3C
 ``traceparent`` when it sent one; the data plane opens the model's span under it (named after
 the model, as Triton names it) and under that the device run (``server/plane/dataplane.py``;
-the exporter adds the wait in the queue of a request that waited, from the two). The run
-is this thread's :func:`current` span while the device computes, so a device that runs
-pieces opens one span per piece under it with :func:`child` (HETERO's subgraphs, the device
-a MULTI request ran on, a BATCH request's wait for its batch), and makes its piece current
-(:func:`enter` / :func:`leave`) while a nested device runs. Work handed to another thread
-takes its span along explicitly, as it takes its cancellation token.
+the exporter adds the wait in the queue of a request that waited, from the two). The run's
+span is handed to the device in its run context (``RunContext.trace``, ``plugins/run_context.py``:
+the one channel a trace travels by; there is no context variable of spans), so a device that
+runs pieces opens one span per piece under it with :func:`child` (HETERO's subgraphs, the
+device a MULTI request ran on, a BATCH request's wait for its batch) and hands the piece's
+span to the nested device as the ``trace`` of the piece's context. Work handed to another
+thread takes its span along in the context it is handed, as it takes its cancellation token.
 
 **Applications fit the same calls**:
 
 * Ensemble and DAG steps (``server/apps/pipelines/ensemble.py``): each step is a span under
-  the ensemble's model span, and the step's request is a data plane request whose token
-  carries the step's span as its ``trace``, so the step's model span (and its queue and run)
+  the ensemble's model span, and the step's request is a data plane request that carries the
+  step's span as its ``trace``, so the step's model span (and its queue and run)
   open under it, as Triton nests a composing model's spans under its ensemble.
 * Python models (built: ``server/apps/pipelines/python/``): the server opens an ``execute``
   span under the run and sends it into the model's process as a W3C header
@@ -49,22 +50,12 @@ hold the request's arrays.
 
 from __future__ import annotations
 
-import contextvars
 import random
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = [
-    "MAX_EVENTS",
-    "MAX_SPANS",
-    "Span",
-    "Trace",
-    "child",
-    "current",
-    "enter",
-    "leave",
-]
+__all__ = ["MAX_EVENTS", "MAX_SPANS", "Span", "Trace", "child"]
 
 #: Spans one trace keeps (a HETERO network of many pieces, a long ensemble): past them, spans
 #: are still made and ended but not exported; ``plugserve.dropped_spans`` on the root says how
@@ -273,20 +264,7 @@ class Trace(Span):
         self.sink(self)
 
 
-_current: contextvars.ContextVar[Span | None] = contextvars.ContextVar(
-    "plugserve_span", default=None
-)
-
-#: The span of the traced run under way on this thread (None: not traced, or no run).
-current: Callable[[], Span | None] = _current.get
-#: Make a span this thread's current one: ``entered = enter(span)`` ... ``leave(entered)``
-#: (the context variable's own methods: a request pays no Python call for them).
-enter: Callable[[Span | None], contextvars.Token] = _current.set
-leave: Callable[[contextvars.Token], None] = _current.reset
-
-
-def child(name: str, attributes: dict[str, Any] | None = None) -> Span | None:
-    """A span under this thread's current one, started now; None when the run is not traced
-    (a device's one check)."""
-    parent = _current.get()
+def child(parent: Span | None, name: str, attributes: dict[str, Any] | None = None) -> Span | None:
+    """A span under ``parent`` (a run's :attr:`RunContext.trace`), started now; None when the
+    run is not traced (``parent`` None: a device's one check)."""
     return None if parent is None else Span(name, parent.trace, parent, attributes)

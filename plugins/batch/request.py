@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from plugserve.plugins import cancel, tracing
+from plugserve.plugins import cancel
 from plugserve.plugins.api import (
     Callback,
     InferRequest,
@@ -15,6 +16,7 @@ from plugserve.plugins.api import (
     PerfCount,
 )
 from plugserve.plugins.run_context import RunContext
+from plugserve.plugins.tracing import child
 
 if TYPE_CHECKING:
     from plugserve.plugins.batch.compiled import BatchCompiledNetwork
@@ -39,11 +41,12 @@ class BatchInferRequest(InferRequest):
         return network.submit(arrays, key, rows.pop(), self._token, run)
 
     def _infer(self, arrays: list[Any], run: RunContext) -> dict[str, np.ndarray]:
-        waiting = tracing.child("batch", {"plugserve.device": self.network.child_device})
+        waiting = child(run.trace, "batch", {"plugserve.device": self.network.child_device})
         if waiting is None:
             return self._queue(arrays, run).result()
-        with waiting:  # the wait for a batch and its run on the batch's device
-            return self._queue(arrays, run).result()
+        with waiting:  # the wait for a batch and its run on the batch's device (a batch of
+            # this request alone runs under this span: its device's spans open under it)
+            return self._queue(arrays, dataclasses.replace(run, trace=waiting)).result()
 
     def start_async(self, inputs: Mapping[str, Any], callback: Callback | None = None) -> None:
         """Not on the network's streams: the batcher's future is this run's future (whose

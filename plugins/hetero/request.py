@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from plugserve.plugins import tracing
 from plugserve.plugins.api import (
     InferenceError,
     InferRequest,
@@ -18,6 +17,7 @@ from plugserve.plugins.api import (
 )
 from plugserve.plugins.outputcheck import disagreement
 from plugserve.plugins.run_context import RunContext, for_piece
+from plugserve.plugins.tracing import Span
 
 if TYPE_CHECKING:
     from plugserve.plugins.hetero.compiled import HeteroCompiledNetwork, Step
@@ -39,12 +39,13 @@ class HeteroInferRequest(InferRequest):
     def _run(self, values: dict[str, Any], run: RunContext | None = None) -> dict[str, np.ndarray]:
         """Each piece on its device, told the request (``run``) as a piece sees it: the
         outputs it sends to the answer, of those the request wants (``for_piece``), and the
-        request's id, parameters, bounds, trace and token."""
+        request's id, parameters, bounds and token; traced (``run.trace``), a span of its own
+        as its trace."""
         if run is None:  # start_async: nothing told but its token, the run under way's
             run = RunContext(token=self._token) if self._token is not None else RunContext()
         checks = self.network.checks
         answered = self.network.output_names
-        traced = tracing.current()  # the run's span when the request is traced
+        traced = run.trace  # the run's span when the request is traced
         for index, (step, request) in enumerate(zip(self.network.steps, self._requests)):
             start = time.perf_counter()
             piece = for_piece(run, step.outputs, answered)
@@ -101,7 +102,7 @@ class HeteroInferRequest(InferRequest):
 
 
 def _traced_piece(
-    traced: tracing.Span,
+    traced: Span,
     index: int,
     step: Step,
     request: InferRequest,
@@ -114,7 +115,6 @@ def _traced_piece(
         f"subgraph{index}",
         {"plugserve.device": step.device, "plugserve.nodes": len(step.node_names)},
     )
-    entered = tracing.enter(piece)
     try:
         told = dataclasses.replace(run, trace=piece)
         return request.infer({name: values[name] for name in step.inputs}, told)
@@ -122,7 +122,6 @@ def _traced_piece(
         piece.fail(exc)
         raise
     finally:
-        tracing.leave(entered)
         piece.end()
 
 

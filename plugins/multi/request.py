@@ -7,13 +7,13 @@ request that fails is run again on the next device in priority order (each devic
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from plugserve.plugins import tracing
 from plugserve.plugins.api import (
     Callback,
     Cancelled,
@@ -26,6 +26,7 @@ from plugserve.plugins.api import (
     VariableState,
 )
 from plugserve.plugins.run_context import RunContext
+from plugserve.plugins.tracing import child
 
 if TYPE_CHECKING:
     from plugserve.plugins.multi.compiled import AutoCompiledNetwork, MultiCompiledNetwork
@@ -50,12 +51,17 @@ class MultiInferRequest(InferRequest):
         self, pool: Any, request: InferRequest, arrays: list[Any], run: RunContext | None
     ) -> dict[str, Any]:
         """On one device: the values checked here against the same specs go as they are,
-        under the request's context as it was handed here (``run``)."""
+        under the request's context as it was handed here (``run``); traced, with a span of
+        the device's run as its trace."""
         self.last_device = pool.device
-        piece = tracing.child(pool.device, {"plugserve.device": pool.device})
-        entered = None if piece is None else tracing.enter(piece)
+        piece = (
+            None
+            if run is None
+            else child(run.trace, pool.device, {"plugserve.device": pool.device})
+        )
         try:
-            outputs = request.infer_checked(arrays, run)
+            told = run if piece is None else dataclasses.replace(run, trace=piece)
+            outputs = request.infer_checked(arrays, told)
             if self._perf:
                 try:
                     self._counts = [
@@ -70,7 +76,6 @@ class MultiInferRequest(InferRequest):
             raise
         finally:
             if piece is not None:
-                tracing.leave(entered)
                 piece.end()
         self.network.release(pool, request)
         return outputs

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 from onnx import AttributeProto
 
-from plugserve.plugins import amplify, cancel
+from plugserve.plugins import amplify, cancel, run_context
 from plugserve.plugins.api import InferenceError, PerfCount, PlugserveError, TensorSpec, Unsupported
 from plugserve.plugins.ir import Graph, Node, graph_from_proto, subgraph_free_names
 from plugserve.plugins.numpy.kernels.registry import KernelContext, Registry, build_kernel
@@ -263,10 +263,14 @@ def _bounded(
     fn: Callable[..., Any], node: Node, sent: frozenset[str] = frozenset()
 ) -> Callable[..., Any]:
     """``fn``, refusing first an output over the run's room, or over the answer's bound where
-    it reaches the network outputs ``sent`` (``plugins/amplify.py``)."""
+    it reaches the network outputs ``sent`` (``plugins/amplify.py``). The kernel is bound once
+    at load as ``fn(*values)`` and shared by concurrent runs, so no argument reaches it: the
+    run's context is read here from the run under way on this thread
+    (``run_context.current()``, set by the base ``InferRequest`` from its argument), one of
+    the two places it is read (the Loop kernel's scans are the other)."""
 
     def run(*args: Any) -> Any:
-        amplify.check_node(node, args, sent)
+        amplify.check_node(node, args, sent, run_context.current())
         return fn(*args)
 
     return run

@@ -101,7 +101,9 @@ class OpenvinoInferRequest(InferRequest):
         error = InferenceError(f"network {self.network.name}: openvino failed{where}: {detail}")
         return translate(error, self.network.name, self.network.shape_model, self._shapes)
 
-    def _infer(self, arrays: list[Any]) -> dict[str, np.ndarray]:
+    def _infer(self, arrays: list[Any], run: RunContext) -> dict[str, np.ndarray]:
+        """OPENVINO's run answers to the run's token (``self._token``, set by the base from
+        ``run``): the one thing it reads of the request (the room is the probe's, before)."""
         feeds = self._feed(arrays)
         token = self._token
         with self._lock:

@@ -68,7 +68,12 @@ class OrtInferRequest(InferRequest):
     def _feed(self, arrays: list[Any]) -> dict[str, Any]:
         return {n: a for n, a in zip(self.network.input_names, arrays) if a is not None}
 
-    def _infer(self, arrays: list[Any]) -> dict[str, np.ndarray]:
+    def _infer(self, arrays: list[Any], run: RunContext) -> dict[str, np.ndarray]:
+        """ORT needs nothing of the request but its token (``self._token``, set by the base
+        from ``run``): the run itself is :meth:`_checked_run`'s."""
+        return self._checked_run(arrays)
+
+    def _checked_run(self, arrays: list[Any]) -> dict[str, np.ndarray]:
         """A held run straight from the checked arrays (no feeds built), else through the
         binding."""
         if self._held is not None:
@@ -83,7 +88,7 @@ class OrtInferRequest(InferRequest):
     def _run(self, feeds: dict[str, Any]) -> dict[str, np.ndarray]:
         """A run started with ``start_async`` (its inputs already fed)."""
         if self._held is not None:
-            return self._infer([feeds.get(n) for n in self.network.input_names])
+            return self._checked_run([feeds.get(n) for n in self.network.input_names])
         return self._through_binding(feeds)
 
     def _through_binding(self, feeds: dict[str, Any]) -> dict[str, np.ndarray]:

@@ -6,8 +6,10 @@ discovers them), so nothing of the server travels and the node needs only plugse
 backend. It compiles the model (or imports a blob exported elsewhere, fetched through the
 object store) and runs checked inputs on a pool of infer requests, one per stream of the
 network (``OPTIMAL_NUMBER_OF_INFER_REQUESTS``); the actor runs that many calls at once, plus
-one for control calls (cancel, counts). Each run has a :class:`cancel.Token` registered under
-the caller's run id, so a cancel from the caller stops it at its device's next checkpoint.
+one for control calls (cancel, counts). Each run comes with its run context as plain values
+(``run_context.to_wire``) and runs under the context rebuilt from it, with a
+:class:`cancel.Token` of its own registered under the caller's cancellation id, so a cancel
+from the caller stops it at its device's next checkpoint.
 
 Runs are counted per network in Ray's own metrics (``plugserve_ray_device_runs``, tagged with
 the node's name, the network's and the run's outcome: ok, cancelled or failed), which each
@@ -34,6 +36,7 @@ from plugserve.plugins.api import (
     Plugin,
     PlugserveError,
 )
+from plugserve.plugins.run_context import from_wire
 
 __all__ = ["NetworkActor", "device_id", "device_plugin"]
 
@@ -149,11 +152,15 @@ class NetworkActor:
 
     # --- running
 
-    def infer(self, arrays: list[Any], run: str) -> dict[str, Any]:
-        """Run checked inputs (the caller's device checked them against the same specs)."""
+    def infer(self, arrays: list[Any], wire: dict[str, Any]) -> dict[str, Any]:
+        """Run checked inputs (the caller's device checked them against the same specs) under
+        the run context the caller sent (``run_context.to_wire``), rebuilt here with a token
+        of this node's, registered under the run's cancellation id."""
         network = self.network
         assert network is not None
         token = cancel.Token()
+        run = wire["cancel"]
+        told = from_wire(wire, token)
         with self.lock:
             self.running[run] = token
         try:
@@ -162,14 +169,15 @@ class NetworkActor:
             request = network.create_infer_request()
         outcome = "failed"
         try:
-            with cancel.running(token):
-                outputs = request.infer_checked(arrays)
+            outputs = request.infer_checked(arrays, told)
             outcome = "ok"
         except Cancelled:
             outcome = "cancelled"
             raise
         finally:
             token.finish()
+            if told.trace is not None:
+                told.trace.end()
             self.requests.put(request)
             with self.lock:
                 self.running.pop(run, None)

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from plugserve.plugins import run_context
 from plugserve.plugins.api import InferRequest, PerfCount
 from plugserve.plugins.run_context import RunContext
 from plugserve.plugins.torch import devmem
@@ -47,13 +46,18 @@ class TorchInferRequest(InferRequest):
             self._lane = lanes.lane_for(network)
 
     def _infer(self, arrays: list[Any], run: RunContext) -> dict[str, np.ndarray]:
-        return self._execute(arrays, run.warmup)
+        return self._execute(arrays, run.warmup, self._sinks(run))
 
     def _run(self, arrays: list[Any]) -> dict[str, np.ndarray]:
-        return self._execute(arrays, False)
+        """A run started with ``start_async``: told nothing, none of its outputs is wanted in
+        a client's GPU memory."""
+        return self._execute(arrays, False, None)
 
-    def _execute(self, arrays: list[Any], warmup: bool) -> dict[str, np.ndarray]:
-        """The run; a warm-up's (``model_warmup``) shape is captured at once."""
+    def _execute(
+        self, arrays: list[Any], warmup: bool, sinks: dict[int, Any] | None
+    ) -> dict[str, np.ndarray]:
+        """The run; a warm-up's (``model_warmup``) shape is captured at once; ``sinks``: the
+        outputs to copy into a client's GPU memory (:meth:`_sinks`)."""
         program = self.network.program
         start = time.perf_counter()
         out_of_range = None
@@ -63,7 +67,7 @@ class TorchInferRequest(InferRequest):
         with devmem.charged(self.network, arrays, deferred=lane is not None) as charge:
             if lane is not None:
                 with bounds.active(self._bounds):
-                    outputs = lane.run(arrays, self._sinks(), at_once=warmup, charge=charge.take)
+                    outputs = lane.run(arrays, sinks, at_once=warmup, charge=charge.take)
                 if self._bounds is not None:  # after the lane's synchronisation: 8 bytes
                     out_of_range = self._bounds.take(lane.stream)
             else:
@@ -83,11 +87,10 @@ class TorchInferRequest(InferRequest):
             ]
         return dict(zip(self.network.output_names, outputs))
 
-    def _sinks(self) -> dict[int, Any] | None:
+    def _sinks(self, run: RunContext) -> dict[int, Any] | None:
         """The outputs the run's request wants in a client's GPU memory, by output index
-        (``RunContext.cuda_outputs``): the lane copies them there device to device."""
-        run = run_context.current()
-        wanted = None if run is None else run.cuda_outputs
+        (``run.cuda_outputs``): the lane copies them there device to device."""
+        wanted = run.cuda_outputs
         if not wanted:
             return None
         return {i: wanted[n] for i, n in enumerate(self.network.output_names) if n in wanted}

@@ -19,7 +19,6 @@ own; it pays one attribute test for the policies it does not have.
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
@@ -29,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from plugserve.plugins import cancel, tracing
+from plugserve.plugins import cancel
 from plugserve.plugins.api import (
     Cancelled,
     DeadlineExceeded,
@@ -44,6 +43,7 @@ from plugserve.plugins.api import (
     listing,
 )
 from plugserve.plugins.streams import Finished, StreamsExecutor
+from plugserve.plugins.tracing import Span
 from plugserve.server.plane.budget import Charge, MemoryBudget
 from plugserve.server.plane.callpool import blocked
 from plugserve.server.plane.deadlines import DeadlineWatch
@@ -307,14 +307,18 @@ class DataPlane:
         return self._sequenced(request)
 
     def stream(
-        self, request: Request, start: Callable[[ResponseStream], object] | None = None
+        self,
+        request: Request,
+        start: Callable[[ResponseStream, Span | None], object] | None = None,
     ) -> ResponseStream:
         """Admit ``request`` answered by a stream of responses (a decoupled network, a
         generative model) and return the :class:`ResponseStream` they come in.
 
-        ``start(stream)`` begins producing into it (from any thread, for as long as the
-        request lasts: the generation engine's loop); without one, the request's inputs are
-        checked and run on the network's executor with :meth:`InferRequest.infer_decoupled`
+        ``start(stream, span)`` begins producing into it, from any thread, for as long as the
+        request lasts (the generation engine's loop; ``span``: the request's model span, which
+        what the producer records opens under, None when it is not traced); without one, the
+        request's inputs are checked and run on the network's executor with
+        :meth:`InferRequest.infer_decoupled`
         (a network that is not decoupled answers one final response; the stream slot is held
         while ``infer_decoupled`` runs, and a model that goes on sending after it returns, a
         Python model's threads, holds none). An error ``start`` raises is the caller's (a
@@ -341,8 +345,6 @@ class DataPlane:
         stage = None
         if request.trace is not None:
             stage = Stage(request.trace, entry, request.checked, queued=decoupled)
-            if decoupled:
-                start = functools.partial(start, stage=stage)
 
         def ended(error: BaseException | None) -> None:
             if stage is not None:
@@ -359,18 +361,13 @@ class DataPlane:
                     forget_frames(error)
 
         stream.when_ended(ended)
-        # the producer starts under the model's span: what it records opens under it (the
-        # generation engine's queue, prefill and decode spans)
-        entered = None if stage is None else tracing.enter(stage.model)
-        try:
-            start(stream)
+        try:  # the producer is handed the model's span: what it records opens under it (the
+            # generation engine's queue, prefill and decode spans)
+            start(stream, stage)  # the model's span (a Stage is one), or None
         except BaseException as exc:
             refused.append(exc)
             stream.fail(exc)
             raise
-        finally:
-            if entered is not None:
-                tracing.leave(entered)
         return stream
 
     def _decoded(self, request: Request, then: Callable[[Request], Any]) -> Any:
@@ -462,8 +459,8 @@ class DataPlane:
                 0 if after is not None else most,  # shared memory: not in the answer
                 wanted,
                 name,
+                None if stage is None else stage.running(),  # the span devices open theirs under
             )
-            entered = None if stage is None else stage.running()
             try:
                 result = device.infer_checked(arrays, told)  # checked once, above
             except PlugserveError:
@@ -475,9 +472,6 @@ class DataPlane:
                 raise InferenceError(
                     f"network {name!r} on {entry.device}: {type(exc).__name__}: {exc}"
                 ) from exc
-            finally:
-                if entered is not None:
-                    tracing.leave(entered)
             answer = _answer(name, result, wanted, after, most)
             finished = time.perf_counter()
             entry.run_seconds += (finished - started - entry.run_seconds) * 0.125
@@ -562,7 +556,7 @@ class DataPlane:
             ) from None
         return self._admit(request)
 
-    def _decoupled_start(self, request: Request) -> Callable[[ResponseStream], None]:
+    def _decoupled_start(self, request: Request) -> Callable[[ResponseStream, Stage | None], None]:
         """How :meth:`stream` starts a request to a network's own decoupled run: its inputs
         checked as :meth:`_admit` checks them, then ``infer_decoupled`` on its executor."""
         entry = request.entry
@@ -591,8 +585,10 @@ class DataPlane:
                     raise DeadlineExceeded(f"network {name!r}: the deadline passed while queued")
                 if token.on_start is not None and not gathers:
                     cancel.started(token)
-                told = request.context(budget.free())  # as it was: no answer's bound on a stream
-                entered = None if stage is None else stage.running()
+                # as it was: no answer's bound on a stream; the run's span, when traced
+                told = request.context(
+                    budget.free(), trace=None if stage is None else stage.running()
+                )
                 try:
                     device.infer_decoupled(arrays, stream, told)
                 except PlugserveError as exc:
@@ -605,9 +601,8 @@ class DataPlane:
                         )
                     )
                 finally:
-                    if entered is not None:
-                        tracing.leave(entered)
-                        stage.ran(None)  # type: ignore[union-attr]
+                    if stage is not None:
+                        stage.ran(None)
 
             ticket = (
                 queue.enter(token, request.priority, request.timeout) if queue is not None else None

@@ -34,6 +34,7 @@ from plugserve.plugins.run_context import RunContext
 if TYPE_CHECKING:
     import numpy as np
 
+    from plugserve.plugins.tracing import Span
     from plugserve.server.plane.networks import LoadedNetwork
     from plugserve.server.plane.sequences import Step
 
@@ -155,14 +156,20 @@ class Request:
             self.sequence = (step.id, int(step.start) | int(step.end) << 1)
 
     def context(
-        self, room: int = 0, answer: int = 0, outputs: list[str] | None = None, network: str = ""
+        self,
+        room: int = 0,
+        answer: int = 0,
+        outputs: list[str] | None = None,
+        network: str = "",
+        trace: Span | None = None,
     ) -> RunContext:
         """What the device is told when the request runs (``room``: what the budget has free
         then; ``answer``: the answer's bound; ``outputs``: those it computes; ``network``: the
-        name refusals give), with its token."""
+        name refusals give; ``trace``: the span of its run, which the device opens its spans
+        under, None when the request is not traced), with its token."""
         return RunContext(  # positional, in its fields' order: one per request, kept cheap
             self.run, network, None if outputs is None else tuple(outputs), room, answer,
-            self.parameters, self.partial_outputs, self.id, self.sequence, self.trace,
+            self.parameters, self.partial_outputs, self.id, self.sequence, trace,
             self.priority, self.timeout, getattr(self.after, "cuda_outputs", None), False,
             self.tenant,
         )  # fmt: skip

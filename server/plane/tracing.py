@@ -22,7 +22,6 @@ and model name are kept to :data:`MAX_NAME` characters in attributes.
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import functools
 import itertools
@@ -38,7 +37,7 @@ from plugserve.plugins.api import (
     Unsupported,
     listing,
 )
-from plugserve.plugins.tracing import MAX_SPANS, Span, Trace, enter
+from plugserve.plugins.tracing import MAX_SPANS, Span, Trace
 from plugserve.server.plane.response_stream import ResponseStream
 
 __all__ = [
@@ -406,7 +405,7 @@ class Stage(Span):
     Each Python call counts: on the tiny REST request a call of these costs ~3x what it costs
     in a loop (its code and data are cold by the time the next request comes), so the
     request pays one per stage: made (the span's fields written out), :meth:`running` (which
-    hands back what the data plane gives to :func:`plugins.tracing.leave`), :meth:`ran` and
+    hands back the run's span, the device's run context's ``trace``), :meth:`ran` and
     :meth:`finished`."""
 
     __slots__ = (
@@ -462,12 +461,12 @@ class Stage(Span):
         """The model's span (this one): what a producer opens its spans under."""
         return self
 
-    def running(self) -> contextvars.Token:
-        """The request left the queue and its run starts on this thread: devices open their
-        spans under the run (:func:`plugins.tracing.current`) until the caller gives what
-        this returns to :func:`plugins.tracing.leave` (the device returned, or raised)."""
+    def running(self) -> Span:
+        """The request left the queue and its run starts now: the run's span, which the data
+        plane hands the device as its run context's ``trace`` (devices open their spans
+        under it)."""
         self.compute = compute = Span("compute", self.trace, self)
-        return enter(compute)
+        return compute
 
     def ran(self, outputs: Mapping[str, Any] | None) -> None:
         """The run succeeded with ``outputs`` (None: a decoupled run returned, its responses

@@ -194,3 +194,65 @@ def test_a_batchs_context_is_its_requests_together_and_a_pieces_is_what_it_sends
     assert run_context.for_piece(RunContext(), ["mid", "z"], ["y", "z"]).outputs == ("z",)
     with pytest.raises(dataclasses.FrozenInstanceError):
         a.room = 0  # type: ignore[misc]
+
+
+def test_a_request_class_written_without_the_run_is_refused_naming_the_signature_to_write():
+    """No shim calls an old-style device without its request: the class is refused when it is
+    made, and the message is the signature to write; the new-style one is made and runs."""
+    from plugserve.plugins.numpy.request import NumpyInferRequest
+
+    with pytest.raises(TypeError, match=r"_infer\(self, arrays: list\[Any\], run: RunContext\)"):
+
+        class NoRun(NumpyInferRequest):
+            def _infer(self, arrays):
+                return super()._infer(arrays, RunContext())
+
+    with pytest.raises(TypeError, match="overrides infer alone, which the server never calls"):
+
+        class InferAlone(NumpyInferRequest):
+            def infer(self, inputs, run=None):
+                return super().infer(inputs, run)
+
+    seen: list[RunContext] = []
+
+    class Told(NumpyInferRequest):
+        def _infer(self, arrays, run):
+            seen.append(run)
+            return super()._infer(arrays, run)
+
+    net = Core().load_network(_abs_then_expand(), "NUMPY")
+    told = RunContext(network="net", request_id="7")
+    out = Told(net).infer_checked([np.array([2, 3], np.int64)], told)
+    assert out["y"].shape == (2, 3) and seen == [told]
+    net.close()
+
+
+def test_a_run_context_crosses_a_process_as_plain_values_and_is_rebuilt_there():
+    """What RAY sends its actor (``to_wire``, pickled as Ray pickles it) and what the actor
+    runs under (``from_wire``): the request's description as it was, its cancellation as the
+    id, its trace continuing the caller's span; never the caller's token or GPU pointers."""
+    import pickle
+
+    from plugserve.plugins.tracing import Trace
+
+    root = Trace(lambda _t: None)
+    span = root.span("compute")
+    run = RunContext(
+        network="net", outputs=("y",), room=1000, answer=500, parameters={"k": 1},
+        partial_outputs=True, request_id="r1", sequence=(7, 1), trace=span, priority=2,
+        timeout=1.5, cuda_outputs={"y": object()}, warmup=True, tenant="acme",
+    )  # fmt: skip
+    wire = pickle.loads(pickle.dumps(run_context.to_wire(run, "run-9")))
+    assert wire["cancel"] == "run-9" and "cuda_outputs" not in wire and "token" not in wire
+    token = Token()
+    there = run_context.from_wire(wire, token)
+    assert there.token is token and there.cuda_outputs is None
+    assert dataclasses.replace(there, token=run.token, trace=span, cuda_outputs=None) == (
+        dataclasses.replace(run, cuda_outputs=None)
+    )
+    assert there.trace is not None and there.trace.traceparent().split("-")[1] == (
+        f"{root.ids_of_trace():032x}"
+    )
+    assert there.trace.parent_span_id == span.ids()
+    untraced = run_context.from_wire(run_context.to_wire(RunContext(), "run-10"), Token())
+    assert untraced.trace is None and untraced.outputs is None and untraced.sequence is None

@@ -13,7 +13,9 @@ w2, each in its own network namespace. ``plugserve serve`` runs on the head as a
   request goes to w2 while it has room;
 * ``mlp_placed``: ``RAY`` with no node: Ray places it;
 * ``spin``: ``RAY.w1``, a Loop whose trip count the request sets (tests/support/models.py),
-  to show a request's deadline stopping its run on the node.
+  to show a request's deadline stopping its run on the node;
+* ``grow``: ``RAY.w1``, a ConstantOfShape whose output's size the request sets, to show the
+  run's context (its room, its network's name) reaching the node's device.
 
 Clients are tritonclient over gRPC from outside the cluster. Where requests ran is read from
 each node's own metrics (Ray's exporter on the node, port 8080), not from the server. A test
@@ -69,6 +71,9 @@ def setup(tmp_path_factory):
     (repository / "spin" / "1").mkdir(parents=True)
     onnx.save(spin_loop(), repository / "spin" / "1" / "model.onnx")
     (repository / "spin" / "config.json").write_text(json.dumps({"device": "RAY.w1"}))
+    (repository / "grow" / "1").mkdir(parents=True)
+    onnx.save(_grow(), repository / "grow" / "1" / "model.onnx")
+    (repository / "grow" / "config.json").write_text(json.dumps({"device": "RAY.w1"}))
     cluster = make_cluster()
     server = ray_cluster.NodeServer(cluster, "head", "--model-repository", str(repository))
     try:
@@ -110,7 +115,7 @@ def test_the_device_lists_the_nodes_and_loads_on_each(setup):
     index = {
         m["name"]: m["state"] for m in client.get_model_repository_index(as_json=True)["models"]
     }
-    assert index == dict.fromkeys([*DEVICES, "spin"], "READY"), server.log[-3000:]
+    assert index == dict.fromkeys([*DEVICES, "spin", "grow"], "READY"), server.log[-3000:]
     from plugserve.client import Client
 
     with Client(server.target) as plugserve_client:
@@ -194,6 +199,49 @@ def test_a_deadline_stops_the_run_on_the_node(setup):
     assert wait_for(lambda: _runs(cluster, "w1", "spin", "cancelled") > before, 30, 0.5)
     assert time.monotonic() - started < 30
     np.testing.assert_array_equal(client.infer("spin", _spin(5)).as_numpy("y"), np.full(4, 5.0))
+
+
+def _grow():
+    """``y = zeros(s)``: a float tensor of the shape the request sends."""
+    from onnx import TensorProto, helper
+
+    node = helper.make_node(
+        "ConstantOfShape", ["s"], ["y"], name="zeros",
+        value=helper.make_tensor("v", TensorProto.FLOAT, [1], [0.0]),
+    )  # fmt: skip
+    graph = helper.make_graph(
+        [node],
+        "grow",
+        [helper.make_tensor_value_info("s", TensorProto.INT64, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["a", "b"])],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_the_run_context_crosses_to_the_node(setup):
+    """The RAY device sends its run context with the inputs (``run_context.to_wire``): the
+    node's NUMPY refuses a 4 TB output against the room the server's budget gave the request,
+    before allocating it, naming the network as the server named it (a node told nothing
+    would try the allocation and fail INTERNAL); a small one is answered."""
+    from tritonclient.utils import InferenceServerException
+
+    cluster, server = setup
+    client = grpcclient.InferenceServerClient(server.target)
+
+    def grow(a: int, b: int):
+        s = grpcclient.InferInput("s", [2], "INT64")
+        s.set_data_from_numpy(np.array([a, b], np.int64))
+        return client.infer("grow", [s])
+
+    np.testing.assert_array_equal(grow(2, 3).as_numpy("y"), np.zeros((2, 3), np.float32))
+    before = _runs(cluster, "w1", "grow", "failed")
+    with pytest.raises(InferenceServerException) as refused:
+        grow(10**6, 10**6)
+    assert refused.value.status() == "StatusCode.RESOURCE_EXHAUSTED", refused.value
+    message = refused.value.message()
+    assert "network 'grow': node 'zeros' (ConstantOfShape)" in message, message
+    assert "4,000,000,000,000 bytes" in message, message
+    assert wait_for(lambda: _runs(cluster, "w1", "grow", "failed") > before, 30, 0.5)
 
 
 def test_a_node_cut_off_fails_its_requests_unavailable_within_their_deadline(setup):

@@ -51,10 +51,10 @@ class BrokenPlugin(NumpyPlugin):
 
 
 class FlakyRequest(NumpyInferRequest):
-    def infer(self, inputs):
+    def _infer(self, arrays, run):
         if _broken():
             raise OSError("FLAKY: device lost")
-        return super().infer(inputs)
+        return super()._infer(arrays, run)
 
 
 class FlakyNetwork(NumpyCompiledNetwork):

@@ -51,9 +51,9 @@ def wait_for_gate(name):
 
 
 class GatedRequest(NumpyInferRequest):
-    def infer(self, inputs):
+    def _infer(self, arrays, run):
         wait_for_gate(self.network.name)
-        return super().infer(inputs)
+        return super()._infer(arrays, run)
 
 
 class GatedNetwork(NumpyCompiledNetwork):

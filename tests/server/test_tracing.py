@@ -37,8 +37,8 @@ Y = np.ones(4, dtype=np.float32)
 
 
 def _repository(folder: Path) -> Path:
-    """add_sub (ONNX on NUMPY) and a HETERO chain of two pieces: Relu on NUMPY, then Neg and
-    Abs on ORT."""
+    """add_sub (ONNX on NUMPY), a HETERO chain of two pieces (Relu on NUMPY, then Neg and Abs
+    on ORT), and a Relu on MULTI and on BATCH, both over NUMPY."""
     repo = folder / "repo"
     (repo / "add_sub" / "1").mkdir(parents=True)
     (repo / "add_sub" / "1" / "model.onnx").write_bytes(add_sub().SerializeToString())
@@ -48,6 +48,11 @@ def _repository(folder: Path) -> Path:
     affinity = {"relu0": "NUMPY", "neg1": "ORT", "abs2": "ORT"}
     config = {"device": "HETERO:NUMPY,ORT", "config": {"AFFINITY": json.dumps(affinity)}}
     (repo / "pieces" / "config.json").write_text(json.dumps(config))
+    relu = chain([("Relu", {})], shape=("n", 3), name="relu")  # BATCH: a batch dimension
+    for name, device in (("either", "MULTI:NUMPY"), ("gathered", "BATCH:NUMPY")):
+        (repo / name / "1").mkdir(parents=True)
+        (repo / name / "1" / "model.onnx").write_bytes(relu.SerializeToString())
+        (repo / name / "config.json").write_text(json.dumps({"device": device}))
     return repo
 
 
@@ -265,6 +270,27 @@ def test_each_hetero_piece_is_a_span_under_the_run(server, receiver, client):
     assert [p.parent_span_id for p in pieces] == [compute.span_id] * 2
     assert [p.attributes["plugserve.device"] for p in pieces][1] == "ORT"
     assert compute.attributes["plugserve.device"].startswith("HETERO")
+
+
+@pytest.mark.parametrize(("model", "span"), [("either", "NUMPY"), ("gathered", "batch")])
+def test_a_virtual_devices_span_opens_under_the_run_its_context_carries(
+    server, receiver, client, model, span
+):
+    """MULTI's span of the device it ran on, BATCH's of the wait for its batch: each opened
+    under the run's span, which reaches the device as its run context's trace (no context
+    variable of spans)."""
+    header, trace_id, _ = _traceparent()
+    x = np.array([[-1, 2, -3], [4, -5, 6]], np.float32)
+    inputs = [httpclient.InferInput("x", [2, 3], "FP32")]
+    inputs[0].set_data_from_numpy(x)
+    result = client.infer(model, inputs, headers={"traceparent": header})
+    np.testing.assert_array_equal(result.as_numpy("y"), np.maximum(x, 0))
+    assert receiver.wait(lambda r: trace_id in r.traces())
+    spans = _tree(receiver, trace_id)
+    (compute,) = spans["compute"]
+    (piece,) = spans[span]
+    assert piece.parent_span_id == compute.span_id
+    assert piece.attributes["plugserve.device"] == "NUMPY"
 
 
 def test_the_settings_routes_answer_tritons_keys(server, receiver, client):

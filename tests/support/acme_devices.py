@@ -43,9 +43,9 @@ def wait_for_gate(name):
 
 
 class HeldRequest(NumpyInferRequest):
-    def infer(self, inputs):
+    def _infer(self, arrays, run):
         wait_for_gate("held")
-        return super().infer(inputs)
+        return super()._infer(arrays, run)
 
 
 
@@ -55,8 +55,8 @@ class HeldPlugin(WrappedPlugin):
 
 
 class FaultyRequest(NumpyInferRequest):
-    def infer(self, inputs):
-        super().infer(inputs)
+    def _infer(self, arrays, run):
+        super()._infer(arrays, run)
         raise InferenceError("node 'matmul0' (MatMul) failed: acme kernel failure")
 
 
@@ -72,10 +72,10 @@ class Faulty2Plugin(FaultyPlugin):
 
 class GoneRequest(NumpyInferRequest):
     # its card is off the bus until the test opens the gate "back"
-    def infer(self, inputs):
+    def _infer(self, arrays, run):
         if not os.path.exists(os.path.join(os.environ["PLUGSERVE_TEST_GATES"], "back")):
             raise BackendUnavailable("the acme card fell off the bus")
-        return super().infer(inputs)
+        return super()._infer(arrays, run)
 
 
 
@@ -104,9 +104,9 @@ class PartialPlugin(NumpyPlugin):
 
 
 class SlowRequest(NumpyInferRequest):
-    def infer(self, inputs):
+    def _infer(self, arrays, run):
         time.sleep(0.005)
-        return super().infer(inputs)
+        return super()._infer(arrays, run)
 
 
 
@@ -116,8 +116,8 @@ class SlowPlugin(WrappedPlugin):
 
 
 class WrongRequest(NumpyInferRequest):
-    def infer(self, inputs):
-        return {k: v + 1 for k, v in super().infer(inputs).items()}
+    def _infer(self, arrays, run):
+        return {k: v + 1 for k, v in super()._infer(arrays, run).items()}
 
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from plugserve.plugins import amplify, cancel
+from plugserve.plugins import amplify, cancel, run_context
 from plugserve.plugins.numpy.kernels.registry import KernelContext, register
 
 _VERSIONS = (1, 11, 13, 16, 19, 21, 23, 24, 25)
@@ -93,7 +93,9 @@ def loop(ctx: KernelContext):
                 scans[k].append(value)
                 held += getattr(value, "nbytes", 0)
             if n_scan:  # twice: the stacked outputs are made beside the per-step values
-                amplify.check_bytes(2 * held, f"node {ctx.name!r} (Loop) after {i + 1} trips")
+                amplify.check_bytes(  # the run's room, read where no argument reaches
+                    2 * held, f"node {ctx.name!r} (Loop) after {i + 1} trips", run_context.current()
+                )
             i += 1
         stacked = [
             _stack(values) if values else _empty_scan(out_specs[1 + n_carried + k], scan_dtypes[k])

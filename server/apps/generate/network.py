@@ -47,7 +47,6 @@ from typing import Any
 
 import numpy as np
 
-from plugserve.plugins import tracing
 from plugserve.plugins.api import (
     CompiledNetwork,
     InferRequest,
@@ -60,6 +59,8 @@ from plugserve.plugins.api import (
 )
 from plugserve.plugins.configuration import Configuration
 from plugserve.plugins.responses import Response
+from plugserve.plugins.run_context import RunContext
+from plugserve.plugins.tracing import Span
 from plugserve.server.apps.generate import limits, warmup
 from plugserve.server.apps.generate.decoder import SharedBufferDecoder, choose_decoder
 from plugserve.server.apps.generate.decoder_openvino import PagedDecoder, is_paged, serving_device
@@ -411,7 +412,7 @@ class GenerativeNetwork(CompiledNetwork):
 
     # --- generation's one entry, which every face uses (OpenAI, KServe, in-process)
 
-    def generate(self, request: GenerationRequest, sender: Any) -> None:
+    def generate(self, request: GenerationRequest, sender: Any, trace: Span | None = None) -> None:
         """Start ``request``: its events go to ``sender`` (a :class:`ResponseStream` of the
         data plane, or a :class:`QueueSender` in process), the last one final. Its bound on
         unread events (``limits.stream_bounded``) is put on the sender here, once for every
@@ -419,13 +420,12 @@ class GenerativeNetwork(CompiledNetwork):
         vocabulary, ``n`` against the slots, each sampling parameter's range) before the
         request enters it: a refusal raises here, for the caller's request alone.
 
-        A request of a traced run is traced: its generation's spans open under the span under
-        way on this thread (the model's span, which the data plane makes current while a
-        stream's producer starts; a device run's), unless the face gave it one
-        (``request.trace``)."""
+        A request of a traced run is traced: its generation's spans open under ``trace`` (the
+        model's span the data plane hands a stream's producer; a device run's, its run
+        context's ``trace``), unless the face gave it one (``request.trace``)."""
         limits.stream_bounded(sender, request)
         if request.trace is None:
-            request.trace = tracing.current()
+            request.trace = trace
         self.engine.add(request, sender)
 
     @property
@@ -525,16 +525,15 @@ class GenerativeInferRequest(InferRequest):
 
     network: GenerativeNetwork
 
-    def _infer(self, arrays: list[Any], run: Any = None) -> dict[str, np.ndarray]:
+    def _infer(self, arrays: list[Any], run: RunContext) -> dict[str, np.ndarray]:
         """A blocking run (in-process, or a unary call): the whole answer in one response."""
         sender = QueueSender()
         values = dict(zip((s.name for s in self.network.inputs), arrays))
         values["stream"] = None  # one response
         collected: list[Any] = []
         face = _Face(self.network, values, sender)
-        if run is not None:  # the caller's tenant: its own part of the prefix cache
-            face.request.tenant = run.tenant
-        self.network.generate(face.request, face)
+        face.request.tenant = run.tenant  # the caller's: its own part of the prefix cache
+        self.network.generate(face.request, face, run.trace)
         try:
             for item in sender:
                 collected.append(item)
@@ -542,15 +541,15 @@ class GenerativeInferRequest(InferRequest):
             sender.close()
         return dict(collected[-1].outputs) if collected else {}
 
-    def infer_decoupled(self, arrays: list[Any], sender: Any, run: Any = None) -> None:
+    def infer_decoupled(
+        self, arrays: list[Any], sender: Any, run: RunContext | None = None
+    ) -> None:
         """Start the generation; its responses go to ``sender`` (the last with final)."""
         values = dict(zip((s.name for s in self.network.inputs), arrays))
         face = _Face(self.network, values, sender)
         if run is not None:
             face.request.tenant = run.tenant  # its own part of the prefix cache
-            if tracing.current() is None:  # the run's span: the request's
-                face.request.trace = run.trace
-        self.network.generate(face.request, face)
+        self.network.generate(face.request, face, None if run is None else run.trace)
 
     def get_performance_counts(self) -> list[PerfCount]:
         return []

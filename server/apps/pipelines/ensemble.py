@@ -80,7 +80,7 @@ from typing import Any
 
 import numpy as np
 
-from plugserve.plugins import cancel, tracing
+from plugserve.plugins import cancel, run_context, tracing
 from plugserve.plugins.api import (
     BackendUnavailable,
     CompiledNetwork,
@@ -100,6 +100,7 @@ from plugserve.plugins.streams import Finished
 from plugserve.server.apps.pipelines.graph import Graph, Plan
 from plugserve.server.control.pipelines import Definition, Fan, Step, read_triton_ensemble
 from plugserve.server.plane.request import Request
+from plugserve.server.plane.tracing import Stage
 
 __all__ = [
     "DECOUPLED_STREAMS",
@@ -853,14 +854,15 @@ def _branches(fan: Fan, parts: dict[str, Any]) -> int:
 
 def _traced_under(run: RunContext | None) -> tracing.Span | None:
     """The span a traced ensemble request's steps open theirs under (None: it is not traced):
-    the ensemble's model span, which is the parent of the run the data plane made this
-    thread's span (``server/plane/tracing.py``'s ``Stage``), as Triton nests a composing
-    model's spans under its ensemble's; for a demultiplexer's branch, which its region runs
-    without the data plane, the branch's span its fan put in its context."""
-    if run is None or run.trace is None:
+    the ensemble's model span, the parent of the run's span the data plane put in its
+    context (``server/plane/tracing.py``'s ``Stage``, whose ``compute`` it is), as Triton nests
+    a composing model's spans under its ensemble's; for a demultiplexer's branch, which its
+    region runs without the data plane, the branch's span its fan put in its context."""
+    here = None if run is None else run.trace
+    if here is None:
         return None
-    here = tracing.current()
-    return run.trace if here is None or here.parent is None else here.parent
+    model = here.parent
+    return model if isinstance(model, Stage) and model.compute is here else here
 
 
 def _failure_of(parent: RunContext | None) -> PlugserveError | None:
@@ -917,8 +919,7 @@ class EnsembleInferRequest(InferRequest):
             super().infer_decoupled(arrays, sender, run)
             return
         tensors: dict[str, Any] = {s.name: a for s, a in zip(network.inputs, arrays)}
-        token = cancel.current()
-        parent = run if run is not None else (None if token is None else RunContext(token=token))
+        parent = run if run is not None else run_context.untold()
         wanted = list((parent.outputs if parent is not None else None) or ()) or [
             s.name for s in network.outputs
         ]

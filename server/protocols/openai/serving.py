@@ -608,7 +608,7 @@ class OpenAIRoutes:
         ask = Request(
             model.entry, holds=holds, protocol="openai", trace=trace, tenant=request.tenant
         )
-        return self.plane.stream(ask, lambda sender: network.generate(request, sender))
+        return self.plane.stream(ask, lambda sender, span: network.generate(request, sender, span))
 
     def _trace(self, call: Any, model: str, operation: str) -> Trace | None:
         """The request's root span (``InferRequest``, as the KServe adapters open it) when

@@ -74,7 +74,7 @@ from typing import Any
 
 import numpy as np
 
-from plugserve.plugins import cancel, tracing
+from plugserve.plugins import cancel, run_context
 from plugserve.plugins.api import (
     CompiledNetwork,
     Configuration,
@@ -274,8 +274,9 @@ class PythonInferRequest(InferRequest):
         )
 
     def _span(self, run: RunContext) -> Any:
-        """A traced request's execute span, under its run's (None: not traced)."""
-        parent = tracing.current() or run.trace
+        """A traced request's execute span, under its run's (``run.trace``; None: not
+        traced)."""
+        parent = run.trace
         if parent is None:
             return None
         instance = self.instance
@@ -327,8 +328,7 @@ class PythonInferRequest(InferRequest):
             super().infer_decoupled(arrays, sender, run)
             return
         if run is None:
-            token = cancel.current()
-            run = RunContext() if token is None else RunContext(token=token)
+            run = run_context.untold()
         with cancel.running(run.token):
             self._decoupled(arrays, sender, run)
 
