@@ -44,10 +44,11 @@ from plugserve.server.protocols.http.app import Router
 from plugserve.server.protocols.http.http_server import Reply, StreamReply, error_reply
 from plugserve.server.protocols.status import http_status_of
 
-__all__ = ["answer", "request_path", "serve_http", "stream_chunks"]
+__all__ = ["answer", "reply_response", "request_path", "serve_http", "stream_chunks"]
 
 
-def _response(reply: Reply) -> Response:
+def reply_response(reply: Reply) -> Response:
+    """A whole reply of the server's REST code as Starlette's response."""
     status, pieces, headers = reply
     body = pieces[0] if len(pieces) == 1 else b"".join(pieces)
     response = Response(bytes(body), status_code=status)
@@ -160,4 +161,4 @@ async def serve_http(app: Router, budget: MemoryBudget, request: Request) -> Res
     reply = await answer(app, budget, request.method, path, headers, peer, declared, read)
     if isinstance(reply, StreamReply):
         return _streaming(reply)
-    return _response(reply)
+    return reply_response(reply)

@@ -33,10 +33,11 @@ from ray.serve.handle import DeploymentHandle
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 
-from plugserve.ray.http import request_path
+from plugserve.ray.http import reply_response, request_path
 from plugserve.ray.routing import prefix_blocks
 from plugserve.server.process.settings import Settings
 from plugserve.server.protocols.auth import AuthInterceptor, load_tokens
+from plugserve.server.protocols.http.http_server import error_reply
 
 __all__ = ["ATTEMPTS", "ROUTED", "Forwarded", "PlugserveIngress"]
 
@@ -101,18 +102,21 @@ class PlugserveIngress:
             return b""
         limit = self.max_body
         length = request.headers.get("content-length", "")
-        if length.isdigit() and int(length) > limit:
-            return Response(b'{"error":"request too large"}', status_code=413)
+        size = int(length) if length.isdigit() else 0
         pieces: list[bytes] = []
-        size = 0
         try:
-            async for piece in request.stream():
-                size += len(piece)
-                if size > limit:
-                    return Response(b'{"error":"request too large"}', status_code=413)
-                pieces.append(piece)
+            if size <= limit:
+                size = 0
+                async for piece in request.stream():
+                    size += len(piece)
+                    if size > limit:
+                        break
+                    pieces.append(piece)
         except ClientDisconnect:
-            return Response(b'{"error":"the client went away"}', status_code=499)
+            return reply_response(error_reply(499, "the client went away"))
+        if size > limit:
+            return reply_response(error_reply(413, f"a body of {size} bytes or more exceeds "
+                                  f"--max-message-bytes ({limit})"))  # fmt: skip
         return b"".join(pieces)
 
     async def __call__(self, request: Request) -> Response:
