@@ -16,9 +16,16 @@ server (``replica.py``). Its arguments are of two kinds:
   parsed and checked by the same :class:`Settings`; an unknown name is refused, naming the
   known ones. The ports are Serve's (HTTP 8000, gRPC 9000: see :func:`serve_config`); the
   replica opens none (``metrics_port`` is off unless given). Model control defaults to
-  ``none``: a load by request would reach one replica of many.
+  ``none``: a load by request would reach one replica of many;
+* prefix routing's: ``prefix_routing`` (``true``/``false``, default false) puts an ingress
+  before the replicas that sends a conversation's turns to the replica holding its prefix
+  (``routing.py``, ``ingress.py``), within ``prefix_routing_imbalance`` (default 4) requests
+  of the least loaded replica, remembering at most ``prefix_routing_blocks`` (default
+  100,000) blocks. Its application serves HTTP only (KServe v2 REST and the OpenAI and
+  Anthropic routes): deploy a second one without it for KServe v2 gRPC.
 
-Nothing here routes, scales or distributes: Serve's proxies, router and autoscaler do.
+Nothing here routes, scales or distributes: Serve's proxies, router and autoscaler do (under
+prefix routing, through Serve's request-router API with a policy of ours).
 """
 
 from __future__ import annotations
@@ -28,14 +35,28 @@ from typing import Any
 
 from ray import serve
 from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
 
+from plugserve.ray.ingress import PlugserveIngress
 from plugserve.ray.replica import replica_class
+from plugserve.ray.routing import PrefixAffinityRouter
 from plugserve.server.process.settings import Settings
 
 __all__ = ["GRPC_SERVICER", "app", "serve_config"]
 
 #: what Serve's gRPC proxy registers (``grpc_options.grpc_servicer_functions``)
 GRPC_SERVICER = "plugserve.proto.grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server"
+
+
+def _flag(value: Any) -> bool:
+    """``true``/``false`` as ``serve run`` passes them (strings), or a config's booleans."""
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"not a boolean: {value!r}")
+
 
 _DEPLOYMENT = {
     "name": str,
@@ -49,6 +70,9 @@ _DEPLOYMENT = {
     "max_replicas_per_node": int,
     "num_cpus": float,
     "models_per_replica": int,
+    "prefix_routing": _flag,
+    "prefix_routing_imbalance": int,
+    "prefix_routing_blocks": int,
 }
 _SETTINGS = {f.name: f for f in dataclasses.fields(Settings)}
 #: the replica's defaults where the server's do not fit a replica
@@ -106,7 +130,27 @@ def app(args: dict[str, Any]) -> Application:
     if "max_replicas_per_node" in deployment:
         options["max_replicas_per_node"] = deployment["max_replicas_per_node"]
     cls = replica_class(deployment.get("models_per_replica", 0))
-    return serve.deployment(cls).options(**options).bind(settings, ongoing)
+    if not deployment.get("prefix_routing", False):
+        return serve.deployment(cls).options(**options).bind(settings, ongoing)
+    options["request_router_config"] = RequestRouterConfig(
+        request_router_class=PrefixAffinityRouter,
+        request_router_kwargs={
+            "imbalance": deployment.get("prefix_routing_imbalance", 4),
+            "max_blocks": deployment.get("prefix_routing_blocks", 100_000),
+        },
+    )
+    replicas = serve.deployment(cls).options(**options).bind(settings, ongoing)
+    ingress = serve.deployment(PlugserveIngress).options(
+        name=f"ingress-{options['name']}",
+        # it holds every replica's requests while they run; it computes nothing
+        max_ongoing_requests=ongoing * max(options.get("num_replicas", 1), _most(options)) * 2,
+        ray_actor_options={"num_cpus": 0},
+    )
+    return ingress.bind(replicas, settings)
+
+
+def _most(options: dict[str, Any]) -> int:
+    return int(options.get("autoscaling_config", {}).get("max_replicas", 1))
 
 
 def serve_config(

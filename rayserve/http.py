@@ -31,7 +31,7 @@ awaitables, which cancel their request (``plugins/cancel.py``).
 from __future__ import annotations
 
 import inspect
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
@@ -44,10 +44,11 @@ from plugserve.server.protocols.http.app import Router
 from plugserve.server.protocols.http.http_server import Reply, StreamReply, error_reply
 from plugserve.server.protocols.status import http_status_of
 
-__all__ = ["serve_http"]
+__all__ = ["answer", "reply_response", "request_path", "serve_http", "stream_chunks"]
 
 
-def _response(reply: Reply) -> Response:
+def reply_response(reply: Reply) -> Response:
+    """A whole reply of the server's REST code as Starlette's response."""
     status, pieces, headers = reply
     body = pieces[0] if len(pieces) == 1 else b"".join(pieces)
     response = Response(bytes(body), status_code=status)
@@ -56,18 +57,20 @@ def _response(reply: Reply) -> Response:
     return response
 
 
-def _streaming(reply: StreamReply) -> StreamingResponse:
-    async def chunks() -> AsyncIterator[bytes]:
-        try:
-            async for chunk in reply.chunks:
-                if chunk:
-                    yield bytes(chunk)
-        finally:
-            close = getattr(reply.chunks, "aclose", None)
-            if close is not None:
-                await close()
+async def stream_chunks(reply: StreamReply) -> AsyncIterator[bytes]:
+    """A streamed reply's chunks as bytes; closing it (a client gone) cancels the request."""
+    try:
+        async for chunk in reply.chunks:
+            if chunk:
+                yield bytes(chunk)
+    finally:
+        close = getattr(reply.chunks, "aclose", None)
+        if close is not None:
+            await close()
 
-    response = StreamingResponse(chunks(), status_code=reply.status)
+
+def _streaming(reply: StreamReply) -> StreamingResponse:
+    response = StreamingResponse(stream_chunks(reply), status_code=reply.status)
     for name, value in reply.headers:
         response.headers[name.decode("latin-1")] = value.decode("latin-1")
     return response
@@ -86,21 +89,24 @@ async def _read(request: Request, limit: int, too_large: Any) -> bytes | Reply:
     return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
 
-async def serve_http(app: Router, budget: MemoryBudget, request: Request) -> Response:
-    """One HTTP request of Serve's proxy, answered by ``app`` (see the module's docstring)."""
-    headers = [(k.lower(), v) for k, v in request.headers.raw]
-    path = request.url.path
-    root = request.scope.get("root_path", "")  # the application's route_prefix
-    if root and path.startswith(root):
-        path = path[len(root) :] or "/"
-    peer = request.client.host if request.client is not None else "127.0.0.1"
-    call = app.admit(request.method, path, headers, peer)
+async def answer(
+    app: Router,
+    budget: MemoryBudget,
+    method: str,
+    path: str,
+    headers: list[tuple[bytes, bytes]],
+    peer: str,
+    declared: int | None,
+    read: Callable[[], Awaitable[bytes | Reply]],
+) -> Reply | StreamReply:
+    """One HTTP request answered by ``app``: admitted on its headers, charged, its body
+    ``read`` (the body, or the reply refusing it), handled. Serve's proxy hands the request
+    (:func:`serve_http`); under prefix routing the ingress forwards it read (``ingress.py``)."""
+    call = app.admit(method, path, headers, peer)
     if type(call) is tuple:  # refused on its headers (404, 405, 401, 403, 415)
-        return _response(call)
-    length = request.headers.get("content-length", "")
-    declared = int(length) if length.isdigit() else None
+        return call
     if declared is not None and declared > app.max_body:
-        return _response(error_reply(413, app.too_large(declared)))
+        return error_reply(413, app.too_large(declared))
     charge: Charge | None = None
     try:
         if budget.limit:
@@ -111,13 +117,10 @@ async def serve_http(app: Router, budget: MemoryBudget, request: Request) -> Res
             try:
                 charge = budget.charge(expected * factor, "this request")
             except PlugserveError as exc:
-                return _response(app.refusal(path.encode(), 503, str(exc), exc))
-        try:
-            body = await _read(request, app.max_body, app.too_large)
-        except ClientDisconnect:
-            return _response(error_reply(499, "the client went away"))
+                return app.refusal(path.encode(), 503, str(exc), exc)
+        body = await read()
         if isinstance(body, tuple):
-            return _response(body)
+            return body
         try:
             reply = app.handle(call, body)
             if inspect.isawaitable(reply):
@@ -125,9 +128,37 @@ async def serve_http(app: Router, budget: MemoryBudget, request: Request) -> Res
         except Exception as exc:
             reply = error_reply(*http_status_of(exc))
             forget_frames(exc)
-        if isinstance(reply, StreamReply):
-            return _streaming(reply)
-        return _response(reply)
+        return reply
     finally:
         if charge is not None:
             charge.release()
+
+
+def request_path(request: Request) -> str:
+    """The request's path below the application's ``route_prefix`` (Serve hands the prefix as
+    the request's root path)."""
+    path = request.url.path
+    root = request.scope.get("root_path", "")
+    if root and path.startswith(root):
+        path = path[len(root) :] or "/"
+    return path
+
+
+async def serve_http(app: Router, budget: MemoryBudget, request: Request) -> Response:
+    """One HTTP request of Serve's proxy, answered by ``app`` (see the module's docstring)."""
+    headers = [(k.lower(), v) for k, v in request.headers.raw]
+    peer = request.client.host if request.client is not None else "127.0.0.1"
+    length = request.headers.get("content-length", "")
+    declared = int(length) if length.isdigit() else None
+
+    async def read() -> bytes | Reply:
+        try:
+            return await _read(request, app.max_body, app.too_large)
+        except ClientDisconnect:
+            return error_reply(499, "the client went away")
+
+    path = request_path(request)
+    reply = await answer(app, budget, request.method, path, headers, peer, declared, read)
+    if isinstance(reply, StreamReply):
+        return _streaming(reply)
+    return reply_response(reply)

@@ -32,12 +32,14 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from plugserve.plugins.api import PlugserveError
-from plugserve.ray.http import serve_http
+from plugserve.ray.http import answer, serve_http, stream_chunks
+from plugserve.ray.ingress import Forwarded, ReplyHead
 from plugserve.ray.kserve_grpc import METHODS, STREAMING, KServeBridge
 from plugserve.server.process.app import NotServable, Server
 from plugserve.server.process.rest_faces import RestFaces, build_rest
 from plugserve.server.process.settings import Settings
 from plugserve.server.protocols.auth import AuthInterceptor, load_tokens
+from plugserve.server.protocols.http.http_server import StreamReply
 from plugserve.server.protocols.kserve.grpc_service import KServeServicer
 
 __all__ = ["ReplicaBase", "replica_class"]
@@ -80,6 +82,34 @@ class ReplicaBase:
     async def __call__(self, request: Request) -> Response:
         await self._multiplexed()
         return await serve_http(self.rest.router, self.server.plane.budget, request)
+
+    async def routed(self, request: Forwarded) -> AsyncIterator[ReplyHead | bytes]:
+        """A request the ingress forwards under prefix routing (``ingress.py``), answered as
+        :meth:`__call__` answers Serve's proxy: its head, then its body's chunks."""
+        await self._multiplexed()
+        body = request.body
+
+        async def read() -> bytes:
+            return body
+
+        reply = await answer(
+            self.rest.router,
+            self.server.plane.budget,
+            request.method,
+            request.path,
+            request.headers,
+            request.peer,
+            len(body),
+            read,
+        )
+        if isinstance(reply, StreamReply):
+            yield ReplyHead(reply.status, list(reply.headers), True)
+            async for chunk in stream_chunks(reply):
+                yield chunk
+            return
+        status, pieces, headers = reply
+        yield ReplyHead(status, list(headers), False)
+        yield b"".join(bytes(p) for p in pieces)
 
     def check_health(self) -> None:
         plane = self.server.plane

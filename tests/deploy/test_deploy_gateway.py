@@ -168,7 +168,12 @@ _PARAMETERS = {
     "session-affinity-filter": {"headerName": str, "profileName": str},
     "queue-scorer": {},
     "kv-cache-utilization-scorer": {},
-    "prefix-cache-scorer": None,  # takes parameters; we give it none
+    "approx-prefix-cache-producer": {
+        "autoTune": bool, "blockSizeTokens": int, "maxPrefixBlocksToMatch": int,
+        "lruCapacityPerServer": int,
+    },
+    "prefix-cache-scorer": None,  # takes parameters; we give it none (it reads the producer
+    # named approx-prefix-cache-producer, the one above)
 }  # fmt: skip
 
 
@@ -233,7 +238,22 @@ def test_picker_config_is_one_the_picker_accepts():
     [source] = config["dataLayer"]["sources"]
     assert source["pluginRef"] == "metrics-data-source"
     extractor = _plugin(config, "core-metrics-extractor")["parameters"]
-    assert [e["name"] for e in extractor["engineConfigs"]] == [extractor["defaultEngine"]]
+    engines = {e["name"]: e for e in extractor["engineConfigs"]}
+    assert list(engines) == ["plugserve", "vllm"] and extractor["defaultEngine"] == "plugserve"
+    # the vllm engine names vLLM's series, as the model-server protocol lists them
+    assert {k: v for k, v in engines["vllm"].items() if k.endswith(("Spec", "Name"))} == {
+        "queuedRequestsSpec": "vllm:num_requests_waiting",
+        "runningRequestsSpec": "vllm:num_requests_running",
+        "kvUsageSpec": "vllm:kv_cache_usage_perc",
+        "cacheInfoSpec": "vllm:cache_config_info",
+        "cacheBlockSizeLabelName": "block_size",
+        "cacheNumBlocksLabelName": "num_gpu_blocks",
+    }
+    # prefix affinity: the scorer reads the producer of that name, whose blocks follow the
+    # pod's own block size (the cache info the extractor reads)
+    producer = _plugin(config, "approx-prefix-cache-producer")
+    assert "name" not in producer and producer["parameters"]["autoTune"] is True
+    assert producer["parameters"]["blockSizeTokens"] == 16  # plugserve's BLOCK_SIZE default
     # the session pin comes first in the profile: a filter, before the scorers
     [profile] = config["schedulingProfiles"]
     assert profile["plugins"][0] == {"pluginRef": "session-affinity-filter"}

@@ -70,3 +70,61 @@ def test_python_m_plugserve_ray_prints_a_config_with_the_ports_set(python):
     (application,) = config["applications"]
     assert application["import_path"] == "plugserve.ray:app"
     assert application["args"] == {"model_repository": "/m", "num_replicas": "2"}
+
+
+def test_prefix_routing_puts_the_ingress_before_replicas_with_our_router(python):
+    done = _run(
+        python,
+        "import json\n"
+        "from plugserve.ray import app\n"
+        "from plugserve.ray.routing import PrefixAffinityRouter\n"
+        "plain = app({'model_repository': '/m'})._bound_deployment\n"
+        "built = app({'model_repository': '/m', 'num_replicas': '2', 'prefix_routing': 'true',\n"
+        "             'prefix_routing_imbalance': '2'})._bound_deployment\n"
+        "replicas = built.init_args[0]._bound_deployment\n"
+        "config = replicas._deployment_config.request_router_config\n"
+        "print(json.dumps({'plain': plain.name, 'ingress': built.name, 'replicas': replicas.name,\n"
+        "  'num': replicas._deployment_config.num_replicas,\n"
+        "  'ours': config.get_request_router_class() is PrefixAffinityRouter,\n"
+        "  'kwargs': config.request_router_kwargs}))\n"
+        "try:\n"
+        "    app({'model_repository': '/m', 'prefix_routing': 'maybe'})\n"
+        "except ValueError as exc:\n"
+        "    print('REFUSED', exc)\n",
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    built = json.loads(lines[0])
+    assert built["plain"] == "plugserve"  # off by default: one deployment, Serve's router
+    assert (built["ingress"], built["replicas"], built["num"]) == (
+        "ingress-plugserve",
+        "plugserve",
+        2,
+    )
+    assert built["ours"] and built["kwargs"] == {"imbalance": 2, "max_blocks": 100_000}
+    assert lines[1].startswith("REFUSED") and "prefix_routing='maybe'" in lines[1], lines
+
+
+def test_the_prefix_key_is_a_chain_stable_across_turns_and_split_by_tenant(python):
+    done = _run(
+        python,
+        "import json\n"
+        "from plugserve.ray.routing import BLOCK_CHARS, prefix_blocks\n"
+        "talk = [{'role': 'system', 'content': 'tools and rules ' * 100},\n"
+        "        {'role': 'user', 'content': 'first question'}]\n"
+        "one = prefix_blocks(json.dumps({'model': 'm', 'messages': talk}).encode())\n"
+        "talk += [{'role': 'assistant', 'content': 'an answer ' * 40},\n"
+        "         {'role': 'user', 'content': 'second'}]\n"
+        "body = json.dumps({'messages': talk, 'max_tokens': 9, 'model': 'm'}).encode()\n"
+        "two = prefix_blocks(body)\n"
+        "other = prefix_blocks(body, 'tenant-b')\n"
+        "print(json.dumps({'one': len(one), 'two': len(two), 'common': one == two[:len(one)],\n"
+        "  'tenant': len(set(other) & set(two)), 'bad': [prefix_blocks(b'[1]'),\n"
+        "  prefix_blocks(b'{nope'), prefix_blocks(b'{\"prompt\": \"short\"}')]}))\n",
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout)
+    # ~1,650 bytes of text: 6 full blocks; the next turn adds ~450 bytes: 8
+    assert (found["one"], found["two"]) == (6, 8) and found["common"], found
+    assert found["tenant"] == 0  # another tenant's chain shares no block
+    assert found["bad"] == [[], [], []]

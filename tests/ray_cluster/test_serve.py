@@ -7,7 +7,9 @@ killed and started again. Three applications of plugserve.ray:app run on it:
 * ``plugserve``: the example repository (and a tiny generative model when one is ready), two
   replicas, at most one per node, so each worker holds one;
 * ``scaling``: autoscaling on ongoing requests, 1 to 2 replicas;
-* ``multiplexed``: one replica holding at most 2 of 3 models (``serve.multiplexed``).
+* ``multiplexed``: one replica holding at most 2 of 3 models (``serve.multiplexed``);
+* ``routed`` (when the tiny generative model is made): prefix routing (``prefix_routing=true``),
+  two replicas of the chat model, one per worker, behind plugserve's ingress.
 
 Clients are the real ones, unchanged: tritonclient over gRPC (Serve's proxy, port 9000, with
 the ``application`` metadata Serve routes by when it serves several applications) and over
@@ -18,7 +20,11 @@ the same repository. Ray's processes are ended by PID with their namespaces at t
 from __future__ import annotations
 
 import json
+import os
+import random
 import shutil
+import signal
+import subprocess
 import threading
 import time
 import urllib.request
@@ -104,14 +110,23 @@ def setup(tmp_path_factory):
             },
         ]
         head = f"http://{cluster.head.ip}:{ray_cluster.HTTP_PORT}"
-        cluster.serve_run(
-            apps,
-            [
-                f"{head}/v2/health/ready",
-                f"{head}/scaling/v2/health/ready",
-                f"{head}/multiplexed/v2/health/ready",
-            ],
-        )
+        ready = [
+            f"{head}/v2/health/ready",
+            f"{head}/scaling/v2/health/ready",
+            f"{head}/multiplexed/v2/health/ready",
+        ]
+        if chat is not None:
+            routed = root / "routed"
+            routed.mkdir()
+            (routed / CHAT_MODEL).symlink_to(repository / CHAT_MODEL, target_is_directory=True)
+            args = {"model_repository": str(routed), "num_replicas": 2, "num_cpus": 0.5}
+            args.update(name="routed", max_replicas_per_node=1, prefix_routing="true")
+            apps.append(
+                {"name": "routed", "route_prefix": "/routed", "import_path": "plugserve.ray:app",
+                 "args": args}
+            )  # fmt: skip
+            ready.append(f"{head}/routed/v2/health/ready")
+        cluster.serve_run(apps, ready)
         # both replicas of plugserve running (the proxy answers once one is)
         assert wait_for(
             lambda: cluster.replicas("plugserve:plugserve") == {"head": 0, "w1": 1, "w2": 1},
@@ -214,6 +229,108 @@ def test_openai_routes_and_server_sent_events(setup):
         if chunk.choices
     ]
     assert len(pieces) > 1 and "".join(pieces) == expected
+
+
+def _conversations(base_url: str, rounds: int, max_tokens: int = 4) -> list[tuple[int, int]]:
+    """Four chat conversations interleaved, ``rounds`` turns each (a round's four turns sent
+    at once, in a shuffled order), each with a system prompt of its own (~150 tokens); for
+    every turn after the first: (its cached tokens, the previous turn's prompt tokens)."""
+    import openai
+
+    api = openai.OpenAI(base_url=base_url, api_key="x", max_retries=0, timeout=120)
+    words = ["router", "replica", "prefix", "cache", "block", "token", "tenant", "conversation"]
+    talks = [
+        [{"role": "system", "content": f"You are assistant {c}. " + " ".join(
+            words[(c * 7 + i * i) % len(words)] for i in range(40))}]
+        for c in range(4)
+    ]  # fmt: skip
+    previous = [0] * 4
+    seen: list[tuple[int, int]] = []
+
+    errors: list = []
+
+    def turn(c: int, r: int) -> None:
+        talks[c].append({"role": "user", "content": f"Question {r} of talk {c}?"})
+        try:
+            answer = api.chat.completions.create(
+                model=CHAT_MODEL, messages=talks[c], max_tokens=max_tokens, temperature=0
+            )
+        except Exception as exc:  # reported below
+            errors.append(repr(exc))
+            return
+        talks[c].append({"role": "assistant", "content": answer.choices[0].message.content})
+        usage = answer.usage
+        if r:
+            seen.append((usage.prompt_tokens_details.cached_tokens, previous[c]))
+        previous[c] = usage.prompt_tokens
+
+    for r in range(rounds):
+        order = random.Random(r).sample(range(4), 4)
+        threads = [threading.Thread(target=turn, args=(c, r)) for c in order]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(180)
+    assert not errors, errors
+    return seen
+
+
+def test_prefix_routing_sends_a_conversation_to_its_prefix_and_loses_no_request(setup):
+    """Two replicas behind the prefix-routed ingress: each later turn lands on the replica
+    that served the turn before, shown by its cached tokens covering that turn's whole prompt
+    (less a partial block). The same conversations through Serve's own routing (the
+    ``plugserve`` application, two replicas too) are the control: it keeps a conversation on
+    its replica about half the time, so 14 or more of 16 happens by chance with probability
+    0.2% (binomial, p = 1/2). The rounds are sent in a shuffled order because in a fixed one
+    Serve's routing is sticky by accident (13 of 16 in a first run: a tie goes to the replica
+    whose queue-length probe answers first, so the n-th request of a round kept its replica).
+    Then one replica's process is killed under 6 clients' load: the requests it held are sent
+    again by the ingress (its log says so), and none is lost."""
+    cluster, _, has_chat = setup
+    if not has_chat:
+        pytest.skip(
+            "the tiny generative model is not made yet: python tests/support/llm.py prepare"
+        )
+    head = f"http://{cluster.head.ip}:{ray_cluster.HTTP_PORT}"
+    block = 16  # the prefix cache's block size (the engine's default)
+
+    def whole(seen):
+        return sum(cached >= before - block for cached, before in seen)
+
+    routed = _conversations(f"{head}/routed/v1", 5)
+    plain = _conversations(f"{head}/v1", 5)
+    assert len(routed) == len(plain) == 16
+    assert whole(routed) >= 14, (whole(routed), routed, whole(plain), plain)
+    assert whole(routed) > whole(plain), (routed, plain)
+
+    import openai
+
+    api = openai.OpenAI(base_url=f"{head}/routed/v1", api_key="x", max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": "Count to ten."}]
+
+    def call():  # 64 tokens: a replica holds each request long enough to be killed with it
+        api.chat.completions.create(
+            model=CHAT_MODEL, messages=messages, max_tokens=64, extra_body={"ignore_eos": True}
+        )
+
+    stop = threading.Event()
+    outcome: list = []
+    worker = threading.Thread(
+        target=lambda: outcome.append(ray_cluster.load(6, 15, call, stop)), daemon=True
+    )
+    worker.start()
+    time.sleep(4)
+    [pid] = cluster.replica_pids("routed:routed", "w2")
+    os.kill(pid, signal.SIGKILL)
+    worker.join(200)
+    calls, errors = outcome[0]
+    assert calls > 20 and errors == [], f"{len(errors)} of {calls} lost: {errors[:5]}"
+
+    def resent() -> bool:  # the ingress's warning, in its log under the cluster's folder
+        found = subprocess.run(["grep", "-rqF", "sent again (", str(cluster.root)])
+        return found.returncode == 0
+
+    assert wait_for(resent, 30), "the killed replica held no request: nothing was sent again"
 
 
 def test_multiplexed_models_load_on_demand_within_the_bound(setup):

@@ -450,18 +450,20 @@ class RayCluster:
     def replicas(self, deployment: str) -> dict[str, int]:
         """How many replicas of ``deployment`` (``APP:NAME``: Serve's process title
         ``ServeReplica:APP:NAME``) run on each node, read from each namespace's processes."""
+        return {name: len(self.replica_pids(deployment, name)) for name in self.nodes}
+
+    def replica_pids(self, deployment: str, node: str) -> list[int]:
+        """The processes of ``deployment``'s replicas (as :meth:`replicas`) on ``node``."""
         title = f"ServeReplica:{deployment}".encode()
-        counts = {}
-        for name in self.nodes:
-            count = 0
-            for pid in self.pids(name):
-                try:
-                    command = Path(f"/proc/{pid}/cmdline").read_bytes()
-                except OSError:
-                    continue
-                count += title in command
-            counts[name] = count
-        return counts
+        found = []
+        for pid in self.pids(node):
+            try:
+                command = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if title in command:
+                found.append(pid)
+        return found
 
     def __enter__(self) -> RayCluster:
         return self.start()
