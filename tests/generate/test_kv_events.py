@@ -387,3 +387,41 @@ def test_a_full_queue_drops_its_oldest_batches_and_counts_them(tmp_path):
     assert dropped > 0 and published + dropped == total
     assert got == sorted(got) and len(got) == published and got[-1] == total - 1
     assert len(set(range(total)) - set(got)) == dropped  # each drop a gap
+
+
+def test_the_host_tier_announces_its_blocks_as_cpu():
+    """With the host tier (``KV_OFFLOADING_SIZE``), blocks evicted from a slot are kept in host
+    memory and announced as vLLM's offloading announces them: ``BlockStored`` with medium
+    ``"CPU"`` (before the slot's ``BlockRemoved`` ``"GPU"``), so a router still counts the
+    prefix as this replica's; decoded with vLLM's example subscriber's types."""
+    vllm = _subscriber_module()
+    decode = msgspec.msgpack.Decoder(type=vllm.KVEventBatch).decode
+    port = _free_port()
+    config = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}", "topic": "kv-events"}
+    keys = {"MAX_NUM_SEQS": "2", "BLOCK_SIZE": str(BLOCK), "KV_OFFLOADING_SIZE": "0.01"}
+    folder = exported("tiny-llama", "genai-fp32")
+    with serving(
+        {MODEL: (folder, "NUMPY", keys)}, "--kv-events-config", json.dumps(config)
+    ) as running:
+        api = client(running, timeout=120)
+        events = Events(port)
+        time.sleep(0.5)  # the subscription reaches the publisher
+
+        def seen(kind: type, medium: str) -> list[tuple[int, int]]:
+            """(seq, hash) of every ``kind`` event in ``medium``."""
+            return [
+                (seq, h) for seq, payload in events.messages for e in decode(payload).events
+                if isinstance(e, kind) and e.medium == medium for h in e.block_hashes
+            ]  # fmt: skip
+
+        try:
+            for prompt in PROMPTS:  # two slots: the third evicts the first's blocks
+                api.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0)
+            events.read(lambda: seen(vllm.BlockStored, "CPU") and seen(vllm.BlockRemoved, "GPU"))
+            kept = dict((h, seq) for seq, h in seen(vllm.BlockStored, "CPU"))
+            gone = dict((h, seq) for seq, h in seen(vllm.BlockRemoved, "GPU"))
+            first = {h for seq, h in seen(vllm.BlockStored, "GPU")[:2]}
+            assert first <= set(kept) and first <= set(gone), (first, kept, gone)
+            assert all(kept[h] <= gone[h] for h in first)
+        finally:
+            events.close()
