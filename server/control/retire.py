@@ -19,8 +19,9 @@ What happens now, for every kind of network (:class:`Retirement`):
 3. its sequences end, it is closed, and its memory is given back at once: a collection of
    the garbage cycles (a torch module's parameters are held by cycles through its submodules
    and hooks; the collector runs by object counts, not bytes, so a reload's old weights could
-   stay for many loads), glibc's ``malloc_trim`` (``allocator.give_back_freed_memory``) and,
-   where torch has initialized CUDA, its caching allocator's free blocks (``empty_cache``).
+   stay for many loads), repeated until a collection frees nothing, glibc's ``malloc_trim``
+   (``allocator.give_back_freed_memory``) and, where torch has initialized CUDA, its caching
+   allocator's free blocks (``empty_cache``).
    A full collection takes 10-100 ms here with a few models loaded: at an unload, not on a
    request's path.
 
