@@ -511,8 +511,8 @@ class Settings:
         "prompt of --max-num-batched-tokens), or a JSON object such as "
         '\'{"batch_sizes": [1, 8], "prompt_lens": [16, 512]}\' (every size with every length); '
         "a model's WARMUP config key overrides it (server/apps/generate/warmup.py). Off by "
-        "default: 'default' grew the server by 173 MB over twenty reloads of a 90 MB ONNX "
-        "decoder (tests/server/test_reload_memory.py), not yet explained",
+        "default for now (docs/operations.md: reloads with it grew malloc's arenas until "
+        "they were capped)",
     )
     max_prompt_bytes: int = _field(
         0,
