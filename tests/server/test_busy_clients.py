@@ -32,6 +32,9 @@ CONCURRENT = 200
 #: Loop trips per request: a few milliseconds each on NUMPY, so 200 take a second or more and
 #: are all in flight at once
 TRIPS = 2000
+#: the trips of the requests that must all be in flight together to pass a token's quota: at
+#: TRIPS, 200 were once all served (the first answered before the last had arrived)
+QUOTA_TRIPS = 10 * TRIPS
 #: --http-peer-connections at its default: half of the port's 256
 PEER_BOUND = 128
 
@@ -45,20 +48,20 @@ def _repository(root) -> str:
     return str(root)
 
 
-def _body() -> bytes:
+def _body(trips: int = TRIPS) -> bytes:
     x = np.ones(4, np.float32)
     return json.dumps(
         {
             "inputs": [
-                {"name": "M", "shape": [], "datatype": "INT64", "data": [TRIPS]},
+                {"name": "M", "shape": [], "datatype": "INT64", "data": [trips]},
                 {"name": "x", "shape": [4], "datatype": "FP32", "data": x.tolist()},
             ]
         }
     ).encode()
 
 
-def _request(token: str | None) -> bytes:
-    body = _body()
+def _request(token: str | None, trips: int = TRIPS) -> bytes:
+    body = _body(trips)
     auth = f"authorization: Bearer {token}\r\n" if token else ""
     return (
         f"POST /v2/models/spin/infer HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
@@ -85,7 +88,9 @@ async def _one(port: int, payload: bytes, sent: asyncio.Event, count: list[int])
         writer.close()
 
 
-async def _many(port: int, count: int, tokens: list, idle: int = 0) -> tuple[list, int]:
+async def _many(
+    port: int, count: int, tokens: list, idle: int = 0, trips: int = TRIPS
+) -> tuple[list, int]:
     """``count`` requests at once, each on its own connection, with ``tokens`` in turn (None:
     no token); once all are sent, ``idle``
     sockets opened beside them that send nothing (two waves, the second after the first is
@@ -94,7 +99,7 @@ async def _many(port: int, count: int, tokens: list, idle: int = 0) -> tuple[lis
     sent = asyncio.Event()
     tally = [0, count]
     tasks = [
-        asyncio.create_task(_one(port, _request(tokens[i % len(tokens)]), sent, tally))
+        asyncio.create_task(_one(port, _request(tokens[i % len(tokens)], trips), sent, tally))
         for i in range(count)
     ]
     await asyncio.wait_for(sent.wait(), 60)
@@ -166,7 +171,7 @@ def test_a_token_is_bounded_by_its_quota_not_by_its_address(tokened):
     # unauthenticated idle sockets beyond the pre-auth bound were closed
     assert closed >= idle - PEER_BOUND, closed
     # one tenant past its own quota gets 429 with Retry-After, never the address's 503
-    answers, _ = asyncio.run(_many(tokened.http_port, CONCURRENT, [TOKEN]))
+    answers, _ = asyncio.run(_many(tokened.http_port, CONCURRENT, [TOKEN], trips=QUOTA_TRIPS))
     statuses = [a[0] for a in answers]
     assert set(statuses) <= {200, 429}, {s: statuses.count(s) for s in set(statuses)}
     refused = [a for a in answers if a[0] == 429]
