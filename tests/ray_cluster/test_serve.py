@@ -28,6 +28,7 @@ import subprocess
 import threading
 import time
 import urllib.request
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -306,9 +307,11 @@ def test_prefix_routing_sends_a_conversation_to_its_prefix_and_loses_no_request(
     import openai
 
     api = openai.OpenAI(base_url=f"{head}/routed/v1", api_key="x", max_retries=0, timeout=120)
-    messages = [{"role": "user", "content": "Count to ten."}]
-
     def call():  # 64 tokens: a replica holds each request long enough to be killed with it
+        # each call's own leading text: no prefix to follow, so the calls spread over both
+        # replicas (one shared prompt sent them all to its replica, and the killed one once
+        # held none)
+        messages = [{"role": "user", "content": f"{uuid.uuid4().hex} Count to ten."}]
         api.chat.completions.create(
             model=CHAT_MODEL, messages=messages, max_tokens=64, extra_body={"ignore_eos": True}
         )
