@@ -307,6 +307,7 @@ def test_prefix_routing_sends_a_conversation_to_its_prefix_and_loses_no_request(
     import openai
 
     api = openai.OpenAI(base_url=f"{head}/routed/v1", api_key="x", max_retries=0, timeout=120)
+
     def call():  # 64 tokens: a replica holds each request long enough to be killed with it
         # each call's own leading text: no prefix to follow, so the calls spread over both
         # replicas (one shared prompt sent them all to its replica, and the killed one once
