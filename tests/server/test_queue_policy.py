@@ -302,25 +302,35 @@ def test_dynamic_batching_gathers_the_highest_priority_first(server):
     of priority 1 first, then the others in the order they came (before, the batcher kept
     arrival order: the eight of level 2 ran first)."""
 
-    def infer(seconds: float, priority: int = 0):
+    # each request's client is connected before any is sent, so a request's arrival is its
+    # send: a client made in its own thread at send time let a later one arrive first on a
+    # loaded CI machine (the low orders read 10..14, 16, 15, 17)
+    clients = [grpcclient.InferenceServerClient(server.target) for _ in range(17)]
+    for client in clients:
+        assert client.is_server_live()
+
+    def infer(client, seconds: float, priority: int = 0):
         given = grpcclient.InferInput("INPUT0", [1, 1], "FP32")  # a batch of one row
         given.set_data_from_numpy(np.array([[seconds]], np.float32))
-        with grpcclient.InferenceServerClient(server.target) as client:
-            try:
-                answer = client.infer("priority_batched", [given], priority=priority)
-            except InferenceServerException as exc:
-                return exc
-            return int(answer.as_numpy("ORDER").reshape(-1)[0])
+        try:
+            answer = client.infer("priority_batched", [given], priority=priority)
+        except InferenceServerException as exc:
+            return exc
+        return int(answer.as_numpy("ORDER").reshape(-1)[0])
 
-    with ThreadPoolExecutor(17) as pool:
-        busy = pool.submit(infer, 3.0)
-        time.sleep(0.5)
-        low = []
-        for _ in range(8):
-            low.append(pool.submit(infer, 0.0))
-            time.sleep(0.05)
-        high = [pool.submit(infer, 0.0, 1) for _ in range(8)]
-        orders = [f.result(timeout=120) for f in (busy, *high, *low)]
+    try:
+        with ThreadPoolExecutor(17) as pool:
+            busy = pool.submit(infer, clients[0], 3.0)
+            time.sleep(0.5)
+            low = []
+            for at in range(8):
+                low.append(pool.submit(infer, clients[1 + at], 0.0))
+                time.sleep(0.15)
+            high = [pool.submit(infer, clients[9 + at], 0.0, 1) for at in range(8)]
+            orders = [f.result(timeout=120) for f in (busy, *high, *low)]
+    finally:
+        for client in clients:
+            client.close()
     assert all(isinstance(o, int) for o in orders), [str(o) for o in orders]
     busy_order, high_orders, low_orders = orders[0], orders[1:9], orders[9:]
     assert busy_order == 1, orders
