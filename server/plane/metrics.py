@@ -333,7 +333,8 @@ class _GenerationCollector:
 
 
 class _KVEventsCollector:
-    """The KV-event batches published and dropped from a full queue (apps/generate/kvevents.py)."""
+    """The KV-event batches published and dropped from a full queue
+    (apps/generate/engine/kvevents.py)."""
 
     def __init__(self, read: Callable[[], tuple[int, int]]) -> None:
         self._read = read

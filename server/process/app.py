@@ -37,7 +37,7 @@ from plugserve.plugins.threads import start_daemon
 from plugserve.plugins.version import plugserve_version
 from plugserve.proto import plugserve_pb2, tensors
 from plugserve.server.apps.generate import limits as generate_limits
-from plugserve.server.apps.generate.kvevents import Publisher
+from plugserve.server.apps.generate.engine.kvevents import Publisher
 from plugserve.server.apps.generate.network import GenerativeNetwork
 from plugserve.server.apps.pipelines.ensemble import EnsemblePlugin
 from plugserve.server.apps.pipelines.python.device import PythonPlugin

@@ -476,7 +476,7 @@ class Settings:
         "computed again (vLLM's flag; least recently used leave first; charged to "
         "--max-inflight-bytes while kept, at most half of it); 0: off. The dense slot cache only "
         "(ONNX graphs on ORT, NUMPY, OPENVINO); ignored, logged, elsewhere "
-        "(server/apps/generate/kv_host_tier.py)",
+        "(server/apps/generate/engine/kv_host_tier.py)",
         low=0,
     )
     max_model_len: int = _field(
@@ -492,14 +492,14 @@ class Settings:
         1,
         "generative models: 1: on a decoder that can (safetensors folders on TORCH or GPU), "
         "launch each steady decode step before the previous step's tokens are sent, its ids "
-        "taken on the device (server/apps/generate/overlap.py); 0: every step synchronous",
+        "taken on the device (server/apps/generate/engine/overlap.py); 0: every step synchronous",
     )
     stream_interval: int = _field(
         1,
         "generative models: tokens a sequence's stream sends together (vLLM's "
         "--stream-interval): its first token at once, then one event per N tokens, its last "
         "with what is left; 1: every token at once; more trades the stream's smoothness for "
-        "the host's CPU per token (server/apps/generate/output.py)",
+        "the host's CPU per token (server/apps/generate/engine/output.py)",
         low=1,
         high=1024,
     )
@@ -510,7 +510,7 @@ class Settings:
         "default (batch sizes 1, 2, 4 ... up to --max-num-seqs with 16-token prompts, and one "
         "prompt of --max-num-batched-tokens), or a JSON object such as "
         '\'{"batch_sizes": [1, 8], "prompt_lens": [16, 512]}\' (every size with every length); '
-        "a model's WARMUP config key overrides it (server/apps/generate/warmup.py). Off by "
+        "a model's WARMUP config key overrides it (server/apps/generate/engine/warmup.py). Off by "
         "default for now (docs/operations.md: reloads with it grew malloc's arenas until "
         "they were capped)",
     )
@@ -551,19 +551,19 @@ class Settings:
         '"tcp://*:5558", "topic": "kv-events"}\' publishes each prefix-cache block stored and '
         "removed (msgpack KVEventBatch over a ZeroMQ PUB socket, a ROUTER socket for replays); "
         "buffer_steps (10000), max_queue_size (100000, the oldest batch dropped past it) and hwm "
-        "(100000) bound it. Empty: off (server/apps/generate/kvevents.py, docs/generate.md)",
+        "(100000) bound it. Empty: off (server/apps/generate/engine/kvevents.py, docs/generate.md)",
     )
 
     def kv_events(self) -> Any:
         """--kv-events-config read (``kvevents.Config``; InvalidArgument naming what is wrong)."""
-        from plugserve.server.apps.generate.kvevents import Config
+        from plugserve.server.apps.generate.engine.kvevents import Config
 
         return Config.parse(self.kv_events_config)
 
     def generate_defaults(self, kv_events: Any = None) -> Any:
-        """The engine settings these flags give (server/apps/generate/engine.py), with the
+        """The engine settings these flags give (server/apps/generate/engine/engine.py), with the
         server's KV-events publisher (``kvevents.Publisher``; None: off)."""
-        from plugserve.server.apps.generate.engine import EngineSettings
+        from plugserve.server.apps.generate.engine.engine import EngineSettings
 
         return EngineSettings(
             max_num_seqs=self.max_num_seqs,
@@ -625,7 +625,8 @@ class Settings:
         if not self.shared_memory_prefix.startswith("/"):
             found.append(f"shared_memory_prefix={self.shared_memory_prefix!r} must start with '/'")
         from plugserve.plugins.api import InvalidArgument
-        from plugserve.server.apps.generate import reasoning, tool_parsers, warmup
+        from plugserve.server.apps.generate import reasoning, tool_parsers
+        from plugserve.server.apps.generate.engine import warmup
 
         try:
             warmup.parse(self.generate_warmup)

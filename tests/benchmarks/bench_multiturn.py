@@ -113,7 +113,7 @@ def workload(api, model: str, args: argparse.Namespace, round_: int) -> list[dic
 def crossover(folder: Path, device: str) -> None:
     """In process: restoring k blocks against computing them after a prefix of 4 blocks."""
     from plugserve.server import Core
-    from plugserve.server.apps.generate.kv_host_tier import HostTier
+    from plugserve.server.apps.generate.engine.kv_host_tier import HostTier
 
     network = Core().load_network(str(folder), device, {"MAX_NUM_SEQS": "2"})
     try:

@@ -1,4 +1,5 @@
-"""Text as tokens arrive (server/apps/generate/detokenizer.py), with a tokenizer trained here by the
+"""Text as tokens arrive (server/apps/generate/text/detokenizer.py), with a tokenizer trained
+here by the
 ``tokenizers`` library: the pieces add up to the whole, multi-byte characters are never split,
 and stop strings end the text without a character of them ever being sent."""
 
@@ -8,7 +9,7 @@ import pytest
 
 tokenizers = pytest.importorskip("tokenizers")
 
-from plugserve.server.apps.generate.tokenizer import Tokenizer  # noqa: E402
+from plugserve.server.apps.generate.text.tokenizer import Tokenizer  # noqa: E402
 from plugserve.server.apps.generate.types import SamplingParams  # noqa: E402
 
 TEXT = (
@@ -112,7 +113,7 @@ strategies = hypothesis.strategies
 def test_the_stop_scan_finds_what_searching_the_whole_text_finds(pieces, stops):
     """The KMP scan (one automaton a stop string, fed each piece once) against searching the
     whole text again after every piece: the same first stop string and the same held end."""
-    from plugserve.server.apps.generate.detokenizer import StopScan
+    from plugserve.server.apps.generate.text.detokenizer import StopScan
 
     scan = StopScan(stops)
     text = ""

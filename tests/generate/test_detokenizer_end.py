@@ -1,4 +1,5 @@
-"""A sequence that ends inside a character (server/apps/generate/detokenizer.py ``_flush``) gets the
+"""A sequence that ends inside a character (server/apps/generate/text/detokenizer.py
+``_flush``) gets the
 text decoding the whole sequence gives (U+FFFD for the cut character), decoded from its last
 tokens only, whatever the length of what came before."""
 
@@ -8,7 +9,7 @@ import pytest
 
 pytest.importorskip("tokenizers")
 
-from plugserve.server.apps.generate.tokenizer import Tokenizer
+from plugserve.server.apps.generate.text.tokenizer import Tokenizer
 from plugserve.server.apps.generate.types import SamplingParams
 
 

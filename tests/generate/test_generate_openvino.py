@@ -1,5 +1,5 @@
 """optimum-intel's OpenVINO IR export of the generative test models, served on OPENVINO in
-openvino's paged-attention form (server/apps/generate/decoder_openvino.py): every reference prompt
+openvino's paged-attention form (server/apps/generate/backends/openvino.py): every reference prompt
 at once, of different lengths, answering transformers' own f32 greedy tokens, in process
 through the engine and through a real server (KServe generate and ModelStreamInfer, and the
 OpenAI API with the official client).
@@ -20,8 +20,8 @@ from conftest import continuation, exported, greedy, post, reference, run_all
 from serving import RunningServer
 
 from plugserve.plugins.api import InvalidArgument
-from plugserve.server.apps.generate.decoder_openvino import PagedDecoder, PagedKVCache
-from plugserve.server.apps.generate.tokenizer import Tokenizer
+from plugserve.server.apps.generate.backends.openvino import PagedDecoder, PagedKVCache
+from plugserve.server.apps.generate.text.tokenizer import Tokenizer
 from plugserve.server.apps.generate.types import GenerationRequest, SamplingParams
 
 pytest.importorskip("openvino")

@@ -31,7 +31,7 @@ from plugserve.plugins.api import (  # noqa: E402
     ResourceExhausted,
 )
 from plugserve.server.apps.generate.folder import graph_of, is_transformers_folder  # noqa: E402
-from plugserve.server.apps.generate.tokenizer import Tokenizer  # noqa: E402
+from plugserve.server.apps.generate.text.tokenizer import Tokenizer  # noqa: E402
 from plugserve.server.apps.generate.types import GenerationRequest, SamplingParams  # noqa: E402
 
 #: tokens each answer is compared over (greedy, end of sequence ignored)

@@ -32,8 +32,8 @@ from plugserve.plugins.torch.decoder import (  # noqa: E402
 )
 from plugserve.plugins.torch.decoder_model import DecoderModel  # noqa: E402
 from plugserve.plugins.torch.sampler import TorchSampler  # noqa: E402
-from plugserve.server.apps.generate.engine import Engine, EngineSettings  # noqa: E402
-from plugserve.server.apps.generate.tokenizer import Tokenizer  # noqa: E402
+from plugserve.server.apps.generate.engine.engine import Engine, EngineSettings  # noqa: E402
+from plugserve.server.apps.generate.text.tokenizer import Tokenizer  # noqa: E402
 from plugserve.server.apps.generate.types import GenerationRequest, SamplingParams  # noqa: E402
 
 SETTINGS = {"MAX_NUM_SEQS": "6", "MAX_NUM_BATCHED_TOKENS": "24", "INFERENCE_NUM_THREADS": "1"}

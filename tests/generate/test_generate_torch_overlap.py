@@ -1,4 +1,4 @@
-"""Pipelined decode steps (server/apps/generate/overlap.py, issue 51's item 3) on the torch
+"""Pipelined decode steps (server/apps/generate/engine/overlap.py, issue 51's item 3) on the torch
 decoder's CPU form: an engine launching step N+1 with step N's ids on the device, before
 step N's tokens are sent, answers as the synchronous engine (``async_scheduling`` off) token
 for token: greedy and seeded sampled, ``n`` > 1, stop strings, ``max_tokens``, logprobs,
@@ -23,7 +23,7 @@ pytest.importorskip("safetensors")
 from plugserve.plugins.api import InferenceError  # noqa: E402
 from plugserve.plugins.torch.decoder import TorchDecoder  # noqa: E402
 from plugserve.plugins.torch.decoder_model import DecoderModel  # noqa: E402
-from plugserve.server.apps.generate.engine import Engine, EngineSettings  # noqa: E402
+from plugserve.server.apps.generate.engine.engine import Engine, EngineSettings  # noqa: E402
 from plugserve.server.apps.generate.types import GenerationRequest, SamplingParams  # noqa: E402
 
 ROWS = 6

@@ -356,7 +356,7 @@ def test_a_full_queue_drops_its_oldest_batches_and_counts_them(tmp_path):
     """The publisher never makes its caller wait: past ``max_queue_size`` batches waiting for
     its thread, the oldest is dropped and counted, and its ``seq`` is never sent (a subscriber
     sees the gap; a replay cannot fill it)."""
-    from plugserve.server.apps.generate.kvevents import BlockEvents, Config, Publisher
+    from plugserve.server.apps.generate.engine.kvevents import BlockEvents, Config, Publisher
 
     endpoint, replay = f"ipc://{tmp_path}/events", f"ipc://{tmp_path}/replay"
     config = Config.parse(

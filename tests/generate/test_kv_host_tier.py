@@ -1,4 +1,5 @@
-"""The KV host tier's rules (server/apps/generate/kv_host_tier.py) with the real scheduler, slot
+"""The KV host tier's rules (server/apps/generate/engine/kv_host_tier.py) with the real
+scheduler, slot
 table, cache arrays, runner restore and memory budget: what an evicted slot leaves there, what a
 prompt gets back (the very bytes), what is never served (another salt, other tokens, a chain
 whose parent left), the bound and the budget. The served path (a real server, the openai
@@ -10,10 +11,10 @@ import numpy as np
 import pytest
 
 from plugserve.plugins.api import ResourceExhausted
-from plugserve.server.apps.generate.kv_host_tier import HostTier, supports
-from plugserve.server.apps.generate.kvcache import CacheLayout, KVCache, SlotTable, salt
-from plugserve.server.apps.generate.runner import ModelRunner
-from plugserve.server.apps.generate.scheduler import DECODE, RequestState, Scheduler
+from plugserve.server.apps.generate.engine.kv_host_tier import HostTier, supports
+from plugserve.server.apps.generate.engine.kvcache import CacheLayout, KVCache, SlotTable, salt
+from plugserve.server.apps.generate.engine.runner import ModelRunner
+from plugserve.server.apps.generate.engine.scheduler import DECODE, RequestState, Scheduler
 from plugserve.server.apps.generate.types import GenerationRequest, SamplingParams
 from plugserve.server.plane.budget import MemoryBudget
 
@@ -191,7 +192,7 @@ def test_only_the_dense_slot_cache_is_supported():
 
 def test_the_config_key_is_a_number_of_gib():
     from plugserve.plugins.api import InvalidArgument
-    from plugserve.server.apps.generate.engine import EngineSettings
+    from plugserve.server.apps.generate.engine.engine import EngineSettings
     from plugserve.server.apps.generate.network import engine_settings
 
     settings, rest = engine_settings(EngineSettings(), {"KV_OFFLOADING_SIZE": "0.5", "X": "1"})

@@ -63,7 +63,7 @@ def prompts(llm_folder):
     made with transformers 4, which read tokenizer.json as it is; the server tokenizes as
     transformers 5 does, whose Qwen2Tokenizer splits digits one by one (the "long" case of
     tiny-qwen2: test_tokenizer_class.py compares those ids with transformers 5's own)."""
-    from plugserve.server.apps.generate.tokenizer import Tokenizer
+    from plugserve.server.apps.generate.text.tokenizer import Tokenizer
 
     tokenizers = {
         name: Tokenizer.from_folder(llm_folder(recipe, kind)) for name, recipe, kind, _ in ENTRIES

@@ -1,4 +1,5 @@
-"""The KV host tier served (issue 61 item 2; server/apps/generate/kv_host_tier.py): a real server
+"""The KV host tier served (issue 61 item 2; server/apps/generate/engine/kv_host_tier.py): a
+real server
 with two ``--auth-tokens`` tenants, tiny-llama's optimum export three times over (two cache
 slots each: ``MAX_NUM_SEQS`` 2) on ORT, then on OPENVINO (an ONNX graph runs on the dense slot
 cache there too), the official ``openai`` client:

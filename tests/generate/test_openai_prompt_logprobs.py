@@ -45,7 +45,7 @@ def api(server):
 
 @pytest.fixture(scope="module")
 def tokenizer(folder):
-    from plugserve.server.apps.generate.tokenizer import Tokenizer
+    from plugserve.server.apps.generate.text.tokenizer import Tokenizer
 
     return Tokenizer.from_folder(folder)
 

@@ -327,7 +327,7 @@ def _post(url: str, body: dict) -> tuple[int, dict]:
 
 
 def test_tokenize_and_detokenize_as_vllm(server, folder):
-    from plugserve.server.apps.generate.tokenizer import Tokenizer
+    from plugserve.server.apps.generate.text.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_folder(folder)
     url = server.http_url

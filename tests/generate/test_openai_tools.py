@@ -27,7 +27,7 @@ from openai_serving import client, serving  # noqa: E402
 from scripted_decoder import write  # noqa: E402
 from tiny_decoder import write as write_tiny  # noqa: E402
 
-from plugserve.server.apps.generate.tokenizer import Tokenizer  # noqa: E402
+from plugserve.server.apps.generate.text.tokenizer import Tokenizer  # noqa: E402
 
 WEATHER = {"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}
 TIME = {"name": "get_time", "arguments": {"zone": "Europe/Paris"}}

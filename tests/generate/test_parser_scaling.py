@@ -19,7 +19,8 @@ from collections.abc import Callable
 import pytest
 import scripted_decoder
 
-from plugserve.server.apps.generate import chat_template, reasoning
+from plugserve.server.apps.generate import reasoning
+from plugserve.server.apps.generate.text import chat_template
 from plugserve.server.apps.generate.tool_parsers import FAMILIES, MAX_CALL_CHARS, Streamer, parse
 
 #: the most CPU seconds one parse at the bound may take (they take well under 1 s)

@@ -1,4 +1,4 @@
-"""The most bytes of text one token stands for (server/apps/generate/tokenizer.py
+"""The most bytes of text one token stands for (server/apps/generate/text/tokenizer.py
 ``Tokenizer.max_token_bytes``), which times the context bounds a prompt's text before it is
 tokenized (server/apps/generate/limits.py): for each kind of tokenizer, the text its longest token
 stands for, counted as it decodes, encodes to that one token."""
@@ -11,7 +11,7 @@ tokenizers = pytest.importorskip("tokenizers")
 
 from tokenizers import decoders, models, pre_tokenizers  # noqa: E402
 
-from plugserve.server.apps.generate.tokenizer import Tokenizer  # noqa: E402
+from plugserve.server.apps.generate.text.tokenizer import Tokenizer  # noqa: E402
 
 
 def test_a_byte_level_bpe_counts_a_character_of_its_alphabet_as_one_byte(tmp_path):

@@ -212,8 +212,8 @@ def test_a_grammars_mask_bans_on_the_device_what_it_bans_on_the_host(kind):
 def test_a_real_json_grammar_constrains_on_the_device(llm_folder):
     """llguidance's own words (JsonConstraint.bitmask) unpacked on the device: the answer is
     the schema's JSON, token for token the host sampler's."""
-    from plugserve.server.apps.generate.grammar import compile_schema
-    from plugserve.server.apps.generate.tokenizer import Tokenizer
+    from plugserve.server.apps.generate.text.grammar import compile_schema
+    from plugserve.server.apps.generate.text.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_folder(llm_folder("tiny-llama", "hf"))
     vocab = tokenizer.backend.get_vocab_size(with_added_tokens=True)

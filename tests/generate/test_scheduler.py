@@ -1,4 +1,5 @@
-"""The scheduler's rules and the cache's slots (server/apps/generate/scheduler.py, kvcache.py), with
+"""The scheduler's rules and the cache's slots (server/apps/generate/engine/scheduler.py,
+kvcache.py), with
 the real scheduler, slot table and cache arrays: what each step computes, who waits, and what
 the prefix cache reuses."""
 
@@ -6,8 +7,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from plugserve.server.apps.generate.kvcache import CacheLayout, KVCache, SlotTable
-from plugserve.server.apps.generate.scheduler import DECODE, FORK, PREFILL, RequestState, Scheduler
+from plugserve.server.apps.generate.engine.kvcache import CacheLayout, KVCache, SlotTable
+from plugserve.server.apps.generate.engine.scheduler import (
+    DECODE,
+    FORK,
+    PREFILL,
+    RequestState,
+    Scheduler,
+)
 from plugserve.server.apps.generate.types import GenerationRequest, SamplingParams
 
 LAYOUT = CacheLayout(

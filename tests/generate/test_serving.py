@@ -19,7 +19,7 @@ import pytest
 from conftest import continuation, exported, post
 from serving import RunningServer, wait_for
 
-from plugserve.server.apps.generate.tokenizer import Tokenizer
+from plugserve.server.apps.generate.text.tokenizer import Tokenizer
 
 grpcclient = pytest.importorskip("tritonclient.grpc")
 

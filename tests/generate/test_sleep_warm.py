@@ -307,7 +307,7 @@ def _ids(network) -> list[int]:
 
 
 def test_each_level_releases_what_it_says_in_the_torch_decoder(torch_llama):
-    from plugserve.server.apps.generate.engine import Asleep
+    from plugserve.server.apps.generate.engine.engine import Asleep
 
     before = _ids(torch_llama)
     engine, decoder = torch_llama.engine, torch_llama.engine.decoder

@@ -1,6 +1,6 @@
 """``--stream-interval N`` / config key ``STREAM_INTERVAL`` (vLLM's ``stream_interval``): a
 sequence's events are joined N tokens an event, its first token and its finish sent at once
-(server/apps/generate/output.py), and the answer is the one interval 1 gives.
+(server/apps/generate/engine/output.py), and the answer is the one interval 1 gives.
 
 In process (ORT tiny-llama, the same folder at intervals 1, 4 and 1024): the events' token
 counts (1, then 4s, then the rest), their joined ids, text and logprobs; a stop string, n=2,
@@ -195,8 +195,8 @@ def test_a_held_event_is_sent_at_its_byte_bound_whatever_its_tokens_text():
     interval of 1024 under a 4 KiB bound go 1 then 4 an event (4 x 1,036 bytes reach 4,096),
     each joined event within the bound and one token's part, where counting tokens alone held
     all 12 in one event of 12 KB."""
-    from plugserve.server.apps.generate.output import _held
-    from plugserve.server.apps.generate.scheduler import Sequence
+    from plugserve.server.apps.generate.engine.output import _held
+    from plugserve.server.apps.generate.engine.scheduler import Sequence
     from plugserve.server.apps.generate.types import EVENT_BYTES, GenerationEvent
 
     seq = Sequence(None, 0, [])

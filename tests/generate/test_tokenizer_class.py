@@ -26,8 +26,8 @@ if int(transformers.__version__.split(".")[0]) < 5:
         allow_module_level=True,
     )
 
-from plugserve.server.apps.generate.tokenizer import Tokenizer  # noqa: E402
-from plugserve.server.apps.generate.tokenizer_class import transformers_class  # noqa: E402
+from plugserve.server.apps.generate.text.tokenizer import Tokenizer  # noqa: E402
+from plugserve.server.apps.generate.text.tokenizer_class import transformers_class  # noqa: E402
 
 TEXTS = [
     "There are 42 apples in the box; 17 + 25 = 42, in 2024.",

@@ -11,8 +11,8 @@ import json
 import pytest
 
 from plugserve.server.apps.generate import reasoning, tool_parsers
-from plugserve.server.apps.generate.detokenizer import IncrementalDetokenizer
-from plugserve.server.apps.generate.tokenizer import Tokenizer
+from plugserve.server.apps.generate.text.detokenizer import IncrementalDetokenizer
+from plugserve.server.apps.generate.text.tokenizer import Tokenizer
 from plugserve.server.apps.generate.tool_parsers import ToolCall
 
 pytest.importorskip("tokenizers")

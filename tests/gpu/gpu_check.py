@@ -567,7 +567,7 @@ def prompt_ids(folder: Path) -> dict[str, list[int]]:
     """The 12 prompts' ids as the server makes them (templates rendered, then tokenized)."""
     import llm
 
-    from plugserve.server.apps.generate.tokenizer import Tokenizer
+    from plugserve.server.apps.generate.text.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_folder(folder)
     out = {}
@@ -1052,7 +1052,7 @@ def check_serve_generation(
             # one stream through the openai SDK, for its own share of the figures
             figures["b1_openai_sdk"] = measure_streams(url, "decoder", plan, pool, 1, seed=78,
                                                        sdk=True)  # fmt: skip
-        # pipelined decode steps (server/apps/generate/overlap.py): steady decoding must
+        # pipelined decode steps (server/apps/generate/engine/overlap.py): steady decoding must
         # launch each step behind the one in flight on the card
         figures["pipelined_steps"] = _pipelined_steps(server.metrics_url)
         if not figures["pipelined_steps"]:

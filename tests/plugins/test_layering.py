@@ -233,14 +233,14 @@ def test_the_floor_checks_see_type_only_imports_and_plumbing_pointing_at_an_adap
         "from typing import TYPE_CHECKING\n"
         "if TYPE_CHECKING:\n"
         "    from plugserve.server.control.core import Core\n"
-        "def f(x: 'plugserve.server.apps.generate.engine.Engine') -> None:\n"
+        "def f(x: 'plugserve.server.apps.generate.engine.engine.Engine') -> None:\n"
         "    import plugserve.server.plane.request\n"
     )
     found = [(i.target, i.type_only, i.in_function)
              for i in imports("plugserve.server.plane.sample", source) if i.target]  # fmt: skip
     assert found == [
         ("plugserve.server.control.core", True, False),
-        ("plugserve.server.apps.generate.engine", True, False),
+        ("plugserve.server.apps.generate.engine.engine", True, False),
         ("plugserve.server.plane.request", False, True),
     ]
     graph = {
@@ -249,7 +249,7 @@ def test_the_floor_checks_see_type_only_imports_and_plumbing_pointing_at_an_adap
         "plugserve.server.protocols.grpc.handlers": {"plugserve.server.protocols.v1.service"},
     }
     assert _floor_breaks(graph) == [
-        "plugserve.server.plane.sample -> plugserve.server.apps.generate.engine",
+        "plugserve.server.plane.sample -> plugserve.server.apps.generate.engine.engine",
         "plugserve.server.plane.sample -> plugserve.server.control.core",
         "plugserve.plugins.numpy.plugin -> plugserve.server.plane.request",
     ]

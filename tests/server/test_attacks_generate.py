@@ -202,7 +202,7 @@ def test_a_239_kb_schema_with_n_at_its_maximum_is_compiled_off_the_loop(server):
         status_bad, refused = _post(server, "/v1/chat/completions", body)
     # compiling takes up to GRAMMAR_BYTES_PER_BYTE a byte of schema, and a schema is at most
     # MAX_SCHEMA_BYTES: a fixed bound of its own (what the request is charged at most)
-    from plugserve.server.apps.generate import grammar
+    from plugserve.server.apps.generate.text import grammar
 
     compiling = grammar.GRAMMAR_BYTES_PER_BYTE * grammar.MAX_SCHEMA_BYTES
     probe.check(3 * len(json.dumps(body)), FIXED + compiling)

@@ -98,7 +98,7 @@ class Encoder:
     """What sentence-transformers does around the encoder, read from its folder."""
 
     def __init__(self, folder: Path, input_names: list[str]) -> None:
-        from plugserve.server.apps.generate.tokenizer import Tokenizer
+        from plugserve.server.apps.generate.text.tokenizer import Tokenizer
 
         modules = _read(folder / "modules.json")
         if not isinstance(modules, list):

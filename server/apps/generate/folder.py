@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from plugserve.plugins.api import InvalidModel
-from plugserve.server.apps.generate.tokenizer import read_json
+from plugserve.server.apps.generate.text.tokenizer import read_json
 
 __all__ = ["HF_CONFIG", "ModelFolder", "graph_of", "is_transformers_folder"]
 

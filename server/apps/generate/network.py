@@ -61,12 +61,13 @@ from plugserve.plugins.configuration import Configuration
 from plugserve.plugins.responses import Response
 from plugserve.plugins.run_context import RunContext
 from plugserve.plugins.tracing import Span
-from plugserve.server.apps.generate import limits, warmup
-from plugserve.server.apps.generate.decoder import SharedBufferDecoder, choose_decoder
-from plugserve.server.apps.generate.decoder_openvino import PagedDecoder, is_paged, serving_device
-from plugserve.server.apps.generate.engine import Engine, EngineSettings, QueueSender
+from plugserve.server.apps.generate import limits
+from plugserve.server.apps.generate.backends.onnx import SharedBufferDecoder, choose_decoder
+from plugserve.server.apps.generate.backends.openvino import PagedDecoder, is_paged, serving_device
+from plugserve.server.apps.generate.engine import warmup
+from plugserve.server.apps.generate.engine.engine import Engine, EngineSettings, QueueSender
 from plugserve.server.apps.generate.folder import ModelFolder
-from plugserve.server.apps.generate.tokenizer import Tokenizer
+from plugserve.server.apps.generate.text.tokenizer import Tokenizer
 from plugserve.server.apps.generate.types import GenerationEvent, GenerationRequest, SamplingParams
 from plugserve.server.control.devices import parse_device
 

@@ -45,7 +45,7 @@ from typing import Any
 
 import orjson
 
-from plugserve.server.apps.generate.tokenizer import SPECIAL_TOKENS
+from plugserve.server.apps.generate.text.tokenizer import SPECIAL_TOKENS
 from plugserve.server.apps.generate.types import (
     MAX_LOGPROBS,
     MAX_STOP,

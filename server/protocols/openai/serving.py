@@ -56,7 +56,8 @@ from plugserve.plugins.api import (
     ResourceExhausted,
 )
 from plugserve.plugins.tracing import Trace
-from plugserve.server.apps.generate import chat_template, limits
+from plugserve.server.apps.generate import limits
+from plugserve.server.apps.generate.text import chat_template
 from plugserve.server.apps.generate.types import (
     MAX_LOGPROBS,
     GenerationRequest,
@@ -588,7 +589,7 @@ class OpenAIRoutes:
         within ``max_tokens`` (``grammar.JsonConstraint.close_within``)."""
         if ask.schema is None:
             return [], 0
-        from plugserve.server.apps.generate import grammar
+        from plugserve.server.apps.generate.text import grammar
 
         count = ask.n * prompts
         schema_bytes = grammar.memory(ask.schema, count)
@@ -711,7 +712,7 @@ def _compiled(
 ) -> list[Any]:
     """``count`` constraints of the request's schema or grammar (a worker's job: compiled
     once, then copied); a forced tool call's, each closing within ``max_tokens``."""
-    from plugserve.server.apps.generate import grammar
+    from plugserve.server.apps.generate.text import grammar
 
     assert ask.schema is not None
     compiled = grammar.compile_schema(

@@ -36,7 +36,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from plugserve.server.apps.generate.grammar import MAX_SCHEMA_BYTES, closed_schema
+from plugserve.server.apps.generate.text.grammar import MAX_SCHEMA_BYTES, closed_schema
 from plugserve.server.apps.generate.tool_parsers import MAX_CALL_CHARS, Streamer, ToolCall
 from plugserve.server.protocols.openai.errors import OpenAIError
 

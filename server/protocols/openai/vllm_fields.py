@@ -6,7 +6,7 @@ Honoured:
 * guided decoding, vLLM's ``structured_outputs`` (``json``, ``regex``, ``choice``,
   ``grammar``, ``json_object``) and its older ``guided_json``, ``guided_regex``,
   ``guided_choice``, ``guided_grammar``: the same llguidance path as ``response_format``
-  (``server/apps/generate/grammar.py``), a grammar in Lark or GBNF; at most one constraint a
+  (``server/apps/generate/text/grammar.py``), a grammar in Lark or GBNF; at most one constraint a
   request (with ``response_format`` too); ``guided_decoding_backend`` may name llguidance (or
   ``auto``) only;
 * ``skip_special_tokens`` and ``include_stop_str_in_output`` (the engine's own parameters),

@@ -28,7 +28,7 @@ from typing import Any
 
 import orjson
 
-from plugserve.server.apps.generate.detokenizer import StopScan
+from plugserve.server.apps.generate.text.detokenizer import StopScan
 from plugserve.server.protocols.http import sse
 
 __all__ = ["EventStream", "StopTail", "message", "new_id", "tool_input", "usage"]

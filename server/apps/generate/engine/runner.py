@@ -44,18 +44,18 @@ import numpy as np
 from plugserve.plugins.api import InferenceError, PlugserveError
 from plugserve.plugins.decoding import Decoder, StepSampler
 from plugserve.plugins.sampling import log_softmax, logprob_entry
-from plugserve.server.apps.generate.kv_host_tier import HostTier
-from plugserve.server.apps.generate.kvcache import KVCache, Slot, SlotTable
-from plugserve.server.apps.generate.overlap import DeviceStream, Launched
-from plugserve.server.apps.generate.scheduler import (
+from plugserve.server.apps.generate.engine.kv_host_tier import HostTier
+from plugserve.server.apps.generate.engine.kvcache import KVCache, Slot, SlotTable
+from plugserve.server.apps.generate.engine.overlap import DeviceStream, Launched
+from plugserve.server.apps.generate.engine.scheduler import (
     DECODE,
     FORK,
     PREFILL,
     Plan,
     RequestState,
 )
-from plugserve.server.apps.generate.scheduler import Sequence as Seq
-from plugserve.server.apps.generate.spans import RequestSpans
+from plugserve.server.apps.generate.engine.scheduler import Sequence as Seq
+from plugserve.server.apps.generate.engine.spans import RequestSpans
 
 __all__ = ["Forward", "ModelRunner"]
 

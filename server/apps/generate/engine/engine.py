@@ -84,16 +84,26 @@ from plugserve.plugins.api import Cancelled, InvalidArgument, PlugserveError, Re
 from plugserve.plugins.decoding import Decoder
 from plugserve.plugins.threads import start_daemon
 from plugserve.server.apps.generate import limits
-from plugserve.server.apps.generate.kv_host_tier import HostTier, supports
-from plugserve.server.apps.generate.kvcache import SlotTable
-from plugserve.server.apps.generate.kvevents import MEDIUM_CPU, MEDIUM_GPU, BlockEvents, Publisher
-from plugserve.server.apps.generate.output import OutputProcessor, cancelled
-from plugserve.server.apps.generate.overlap import DeviceStream, Launched, continues, pipelinable
-from plugserve.server.apps.generate.runner import Forward, ModelRunner
-from plugserve.server.apps.generate.scheduler import FINISHED, Plan, RequestState, Scheduler
-from plugserve.server.apps.generate.scheduler import Sequence as Seq
-from plugserve.server.apps.generate.spans import RequestSpans
-from plugserve.server.apps.generate.stats import GenerationStats
+from plugserve.server.apps.generate.engine.kv_host_tier import HostTier, supports
+from plugserve.server.apps.generate.engine.kvcache import SlotTable
+from plugserve.server.apps.generate.engine.kvevents import (
+    MEDIUM_CPU,
+    MEDIUM_GPU,
+    BlockEvents,
+    Publisher,
+)
+from plugserve.server.apps.generate.engine.output import OutputProcessor, cancelled
+from plugserve.server.apps.generate.engine.overlap import (
+    DeviceStream,
+    Launched,
+    continues,
+    pipelinable,
+)
+from plugserve.server.apps.generate.engine.runner import Forward, ModelRunner
+from plugserve.server.apps.generate.engine.scheduler import FINISHED, Plan, RequestState, Scheduler
+from plugserve.server.apps.generate.engine.scheduler import Sequence as Seq
+from plugserve.server.apps.generate.engine.spans import RequestSpans
+from plugserve.server.apps.generate.engine.stats import GenerationStats
 from plugserve.server.apps.generate.types import GenerationEvent, GenerationRequest
 from plugserve.server.control.allocator import give_back_freed_memory
 

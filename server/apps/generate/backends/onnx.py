@@ -21,7 +21,7 @@ attention op), never from the model family's name:
     the copy is the graph's design, bounded by the longest row, not the context), and the new
     token's keys and values are written back at each row's own position.
 
-``PagedDecoder`` (:mod:`.decoder_openvino`)
+``PagedDecoder`` (:mod:`.openvino`)
     optimum-intel's OpenVINO IR, loaded on OPENVINO in openvino's paged-attention form: the
     cache in blocks, a slot a run of them, and each step's decoding rows and prompt chunks
     in one forward (:attr:`Decoder.mixed`, :meth:`PagedDecoder.step`).
@@ -42,7 +42,7 @@ import numpy as np
 from plugserve.plugins import decoding
 from plugserve.plugins.api import CompiledNetwork, InvalidModel
 from plugserve.plugins.sampling import Sampler
-from plugserve.server.apps.generate.kvcache import CacheLayout, KVCache
+from plugserve.server.apps.generate.engine.kvcache import CacheLayout, KVCache
 
 __all__ = ["ConcatDecoder", "Decoder", "MixedDecoder", "SharedBufferDecoder", "choose_decoder"]
 
@@ -395,7 +395,7 @@ def choose_decoder(
     capacity: int,
 ) -> Decoder:
     """The backend for this graph: shared buffers for GroupQueryAttention, else concat (a
-    network in openvino's paged-attention form takes :mod:`.decoder_openvino`'s, which
+    network in openvino's paged-attention form takes :mod:`.openvino`'s, which
     ``load_generative`` picks before this)."""
     names = genai.get("model", {}).get("decoder", {}) or {}
     templates = {**names.get("inputs", {}), **names.get("outputs", {})}

@@ -36,7 +36,7 @@ import uuid
 from typing import Any
 
 from plugserve.plugins.api import InvalidArgument, PlugserveError
-from plugserve.server.apps.generate.engine import QueueSender
+from plugserve.server.apps.generate.engine.engine import QueueSender
 from plugserve.server.apps.generate.types import GenerationRequest, SamplingParams
 
 __all__ = ["WarmupPlan", "parse", "run"]

@@ -55,11 +55,11 @@ import numpy as np
 from plugserve.plugins.api import InferenceError, PlugserveError
 from plugserve.plugins.decoding import StepSampler
 from plugserve.plugins.sampling import SamplingState
-from plugserve.server.apps.generate.detokenizer import byte_pieces
-from plugserve.server.apps.generate.runner import Forward
-from plugserve.server.apps.generate.scheduler import FINISHED, RequestState, Scheduler
-from plugserve.server.apps.generate.scheduler import Sequence as Seq
-from plugserve.server.apps.generate.stats import GenerationStats
+from plugserve.server.apps.generate.engine.runner import Forward
+from plugserve.server.apps.generate.engine.scheduler import FINISHED, RequestState, Scheduler
+from plugserve.server.apps.generate.engine.scheduler import Sequence as Seq
+from plugserve.server.apps.generate.engine.stats import GenerationStats
+from plugserve.server.apps.generate.text.detokenizer import byte_pieces
 from plugserve.server.apps.generate.types import (
     EVENT_BYTES,
     GenerationEvent,

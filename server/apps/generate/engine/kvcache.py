@@ -59,7 +59,7 @@ import numpy as np
 from plugserve.plugins.decoding import CacheLayout
 
 if TYPE_CHECKING:
-    from plugserve.server.apps.generate.kvevents import BlockEvents
+    from plugserve.server.apps.generate.engine.kvevents import BlockEvents
 
 __all__ = ["CacheLayout", "KVCache", "Slot", "SlotTable", "chain", "salt"]
 

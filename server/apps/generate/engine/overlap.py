@@ -71,8 +71,8 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from plugserve.server.apps.generate.scheduler import DECODE
-from plugserve.server.apps.generate.scheduler import Sequence as Seq
+from plugserve.server.apps.generate.engine.scheduler import DECODE
+from plugserve.server.apps.generate.engine.scheduler import Sequence as Seq
 
 __all__ = ["DeviceStream", "Launched", "continues", "pipelinable"]
 

@@ -47,8 +47,8 @@ from typing import Any
 import numpy as np
 
 from plugserve.plugins.api import CompiledNetwork, InvalidArgument, InvalidModel
-from plugserve.server.apps.generate.decoder import MixedDecoder
-from plugserve.server.apps.generate.kvcache import CacheLayout, KVCache
+from plugserve.server.apps.generate.backends.onnx import MixedDecoder
+from plugserve.server.apps.generate.engine.kvcache import CacheLayout, KVCache
 from plugserve.server.control.devices import parse_device
 
 __all__ = ["PagedDecoder", "PagedKVCache", "PagedLayout", "is_paged", "serving_device"]

@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from plugserve.plugins.api import InvalidArgument, InvalidModel
-from plugserve.server.apps.generate import tokenizer_class
-from plugserve.server.apps.generate.tokenizer_class import token_text
+from plugserve.server.apps.generate.text import tokenizer_class
+from plugserve.server.apps.generate.text.tokenizer_class import token_text
 
 __all__ = ["SPECIAL_TOKENS", "TOKENIZER_FILE", "Tokenizer", "read_json"]
 
@@ -227,7 +227,7 @@ class Tokenizer:
         ``chat_template_kwargs``) as a mapping, and the text bounded: past ``max_chars``
         characters (0: :data:`.chat_template.MAX_PROMPT_CHARS`) rendering stops with
         :class:`.chat_template.TooLong`."""
-        from plugserve.server.apps.generate import chat_template
+        from plugserve.server.apps.generate.text import chat_template
 
         if self.chat_template is None:
             raise InvalidArgument(
@@ -262,7 +262,7 @@ class Tokenizer:
         """An incremental detokenizer for one sequence continuing ``prompt_ids``
         (:class:`.detokenizer.IncrementalDetokenizer`): new text per token, stop strings
         found and held back."""
-        from plugserve.server.apps.generate.detokenizer import IncrementalDetokenizer
+        from plugserve.server.apps.generate.text.detokenizer import IncrementalDetokenizer
 
         return IncrementalDetokenizer(
             self,

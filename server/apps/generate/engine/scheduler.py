@@ -34,7 +34,7 @@ import itertools
 from collections.abc import Callable
 from typing import Any
 
-from plugserve.server.apps.generate.kvcache import Slot, SlotTable, salt
+from plugserve.server.apps.generate.engine.kvcache import Slot, SlotTable, salt
 
 __all__ = ["Plan", "RequestState", "Scheduler", "Sequence"]
 

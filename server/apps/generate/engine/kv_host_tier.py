@@ -55,7 +55,7 @@ from typing import Any
 import numpy as np
 
 from plugserve.plugins.api import ResourceExhausted
-from plugserve.server.apps.generate.kvcache import KVCache, Slot, chain
+from plugserve.server.apps.generate.engine.kvcache import KVCache, Slot, chain
 
 __all__ = ["HostBlock", "HostTier", "supports"]
 
