@@ -16,7 +16,8 @@ it, and the logits go to the engine in float32.
 The engine's calls. The backend is :attr:`~plugserve.plugins.decoding.Decoder.mixed`: each
 step's decoding rows and prompt chunks are one forward (:meth:`TorchDecoder.step`), as the paged
 OpenVINO backend runs them, so the runner never arranges rows. The cache keeps the engine's slot
-layout (``server/apps/generate/kvcache.py``: a slot a row ``[kv_heads, capacity, head_dim]`` of
+layout (``server/apps/generate/engine/kvcache.py``: a slot a row
+``[kv_heads, capacity, head_dim]`` of
 each layer's tensors), so prefix hits and ``n`` > 1 forks copy a slot's written positions on the
 tensors' device.
 
@@ -318,7 +319,7 @@ class TorchDecoder(MixedDecoder):
         previous: Any = None,
         picks: Sequence[int] | None = None,
     ) -> Any:
-        """A pipelined decode step (``server/apps/generate/overlap.py``), on the device
+        """A pipelined decode step (``server/apps/generate/engine/overlap.py``), on the device
         stream's thread: its ids ``ids``, or the ones ``previous`` (a :class:`.sampler.Drawn`)
         chose, gathered at ``picks`` on the device; the forward and the sampler's draw queued, the
         ids' copy to the host started (:meth:`.sampler.Drawn.copy_out`), nothing waited for."""
@@ -349,7 +350,7 @@ class TorchDecoder(MixedDecoder):
 
     def decode_ids(self, cache: Any, rows: Sequence[int], ids: Any, lens: Sequence[int]) -> Any:
         """A decode step whose token ids are a tensor on the device already (the previous
-        step's sampled ids: a pipelined step, ``server/apps/generate/overlap.py``):
+        step's sampled ids: a pipelined step, ``server/apps/generate/engine/overlap.py``):
         ``rows[i]`` decodes ``ids[i]`` at position ``lens[i]``; its logits, as :meth:`step`'s
         decoding ones."""
         assert isinstance(cache, TorchKVCache), "the torch backend runs on its own cache"
