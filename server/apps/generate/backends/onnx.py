@@ -110,6 +110,31 @@ class Decoder(decoding.Decoder):
         """The host's sampler: a graph's logits come back as numpy arrays."""
         return Sampler(seed)
 
+    def _feeds(self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray) -> dict[str, Any]:
+        """A forward's token ids, mask and positions in the graph's dtypes; the positions
+        only where the graph takes them (a GroupQueryAttention graph computes its own)."""
+        feeds: dict[str, Any] = {
+            "input_ids": ids.astype(self.ids_dtype, copy=False),
+            "attention_mask": mask.astype(self.mask_dtype),
+        }
+        if self.positions_dtype is not None:
+            feeds["position_ids"] = positions.astype(self.positions_dtype)
+        return feeds
+
+    def _prompt_feeds(self, chunks: Sequence[Sequence[int]]) -> tuple[dict[str, Any], np.ndarray]:
+        """The feeds of first chunks (nothing cached), right-padded into one batch, and each
+        chunk's length."""
+        ids, lengths = _right_padded(chunks, self.ids_dtype)
+        count, width = ids.shape
+        mask = np.arange(width)[None, :] < lengths[:, None]
+        return self._feeds(ids, mask, np.tile(np.arange(width), (count, 1))), lengths
+
+    def _chunk_feeds(self, start: int, chunk: Sequence[int]) -> dict[str, Any]:
+        """The feeds of one row's chunk after its first ``start`` cached positions."""
+        stop = start + len(chunk)
+        ids = np.asarray([chunk], dtype=self.ids_dtype)
+        return self._feeds(ids, np.ones((1, stop), bool), np.arange(start, stop)[None])
+
     def _arrays(self, values: dict[str, Any]) -> list[Any]:
         return [values.get(name, _CONSTANT_INPUTS.get(name)) for name in self.order]
 
@@ -181,13 +206,8 @@ class SharedBufferDecoder(Decoder):
 
     def decode(self, cache: KVCache, rows: int, tokens: np.ndarray, lens: np.ndarray) -> np.ndarray:
         width = int(lens.max()) + 1
-        mask = (np.arange(width)[None, :] <= lens[:, None]).astype(self.mask_dtype)
-        feeds: dict[str, Any] = {
-            "input_ids": tokens.astype(self.ids_dtype).reshape(rows, 1),
-            "attention_mask": mask,
-        }
-        if self.positions_dtype is not None:
-            feeds["position_ids"] = lens.astype(self.positions_dtype).reshape(rows, 1)
+        mask = np.arange(width)[None, :] <= lens[:, None]
+        feeds = self._feeds(tokens.reshape(rows, 1), mask, lens.reshape(rows, 1))
         new = [(r, int(lens[r]), 1) for r in range(rows)]
         return self._run(cache, 0, rows, feeds, new)[:, 0, :]
 
@@ -207,14 +227,7 @@ class SharedBufferDecoder(Decoder):
                     [np.pad(p, ((0, 0), (0, width - p.shape[1]), (0, 0))) for p in parts]
                 )
             return np.concatenate([self.first(cache, [r], [c]) for r, c in zip(rows, chunks)])
-        ids, lengths = _right_padded(chunks, self.ids_dtype)
-        width = ids.shape[1]
-        mask = (np.arange(width)[None, :] < lengths[:, None]).astype(self.mask_dtype)
-        feeds: dict[str, Any] = {"input_ids": ids, "attention_mask": mask}
-        if self.positions_dtype is not None:
-            feeds["position_ids"] = np.tile(np.arange(width), (len(rows), 1)).astype(
-                self.positions_dtype
-            )
+        feeds, lengths = self._prompt_feeds(chunks)
         new = [(r, 0, len(c)) for r, c in zip(rows, chunks)]
         logits = self._run(cache, rows[0], rows[0] + len(rows), feeds, new)
         if all_positions:
@@ -229,16 +242,8 @@ class SharedBufferDecoder(Decoder):
         chunk: Sequence[int],
         all_positions: bool = False,
     ) -> np.ndarray:
-        count = len(chunk)
-        feeds: dict[str, Any] = {
-            "input_ids": np.asarray([chunk], dtype=self.ids_dtype),
-            "attention_mask": np.ones((1, start + count), self.mask_dtype),
-        }
-        if self.positions_dtype is not None:
-            feeds["position_ids"] = np.arange(start, start + count, dtype=self.positions_dtype)[
-                None
-            ]
-        logits = self._run(cache, row, row + 1, feeds, [(row, start, count)])[0]
+        feeds = self._chunk_feeds(start, chunk)
+        logits = self._run(cache, row, row + 1, feeds, [(row, start, len(chunk))])[0]
         return logits if all_positions else logits[-1]
 
 
@@ -263,12 +268,8 @@ class ConcatDecoder(Decoder):
     def decode(self, cache: KVCache, rows: int, tokens: np.ndarray, lens: np.ndarray) -> np.ndarray:
         width = int(lens.max())
         columns = np.arange(width + 1)[None, :]
-        mask = ((columns < lens[:, None]) | (columns == width)).astype(self.mask_dtype)
-        feeds: dict[str, Any] = {
-            "input_ids": tokens.astype(self.ids_dtype).reshape(rows, 1),
-            "attention_mask": mask,
-            "position_ids": lens.astype(self.positions_dtype).reshape(rows, 1),
-        }
+        mask = (columns < lens[:, None]) | (columns == width)
+        feeds = self._feeds(tokens.reshape(rows, 1), mask, lens.reshape(rows, 1))
         for past, _present, _h, _d in self.layout.entries:
             feeds[past] = np.ascontiguousarray(cache.arrays[past][:rows, :, :width])
         out = self._run(feeds)
@@ -284,14 +285,8 @@ class ConcatDecoder(Decoder):
         chunks: Sequence[Sequence[int]],
         all_positions: bool = False,
     ) -> np.ndarray:
-        ids, lengths = _right_padded(chunks, self.ids_dtype)
-        count, width = ids.shape
-        mask = (np.arange(width)[None, :] < lengths[:, None]).astype(self.mask_dtype)
-        feeds: dict[str, Any] = {
-            "input_ids": ids,
-            "attention_mask": mask,
-            "position_ids": np.tile(np.arange(width), (count, 1)).astype(self.positions_dtype),
-        }
+        feeds, lengths = self._prompt_feeds(chunks)
+        count = len(chunks)
         for past, _present, heads, dim in self.layout.entries:
             feeds[past] = np.zeros((count, heads, 0, dim), self.layout.dtype)
         out = self._run(feeds)
@@ -311,11 +306,7 @@ class ConcatDecoder(Decoder):
         all_positions: bool = False,
     ) -> np.ndarray:
         count = len(chunk)
-        feeds: dict[str, Any] = {
-            "input_ids": np.asarray([chunk], dtype=self.ids_dtype),
-            "attention_mask": np.ones((1, start + count), self.mask_dtype),
-            "position_ids": np.arange(start, start + count, dtype=self.positions_dtype)[None],
-        }
+        feeds = self._chunk_feeds(start, chunk)
         for past, _present, _h, _d in self.layout.entries:
             feeds[past] = np.ascontiguousarray(cache.arrays[past][row : row + 1, :, :start])
         out = self._run(feeds)
