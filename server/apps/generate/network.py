@@ -272,16 +272,23 @@ def load_generative(
     except BaseException:
         decoder_network.close()
         raise
+    return _warmed(
+        network,
+        "generative model %s on %s: %s graph (%s), context %d, %d sequences x %.1f MiB of cache",
+        folder.path, device, folder.kind, type(decoder).__name__, capacity, rows,
+        per_slot / (1 << 20),
+    )  # fmt: skip
+
+
+def _warmed(network: GenerativeNetwork, loaded: str, *values: Any) -> GenerativeNetwork:
+    """``network`` warmed up (closed when that fails: the load fails), then its load logged
+    (``loaded % values``): the end of every load path."""
     try:
         network.warm_up()
     except BaseException:
         network.close()
         raise
-    log.info(
-        "generative model %s on %s: %s graph (%s), context %d, %d sequences x %.1f MiB of cache",
-        folder.path, device, folder.kind, type(decoder).__name__, capacity, rows,
-        per_slot / (1 << 20),
-    )  # fmt: skip
+    log.info(loaded, *values)
     return network
 
 
@@ -333,19 +340,14 @@ def _load_torch(
         None, folder, tokenizer, decoder, settings, rows, served,
         config=plugin.merged_config(merged),
     )  # fmt: skip
-    try:
-        network.warm_up()
-    except BaseException:
-        network.close()
-        raise
-    log.info(
+    return _warmed(
+        network,
         "generative model %s on %s: safetensors (%s on %s, %s), context %d, %d sequences x "
         "%.1f MiB of cache, weights read in %.2f s",
         folder.path, served, type(decoder).__name__, report["torch_device"],
         report["precision"], capacity, rows, decoder.layout.bytes_per_slot / (1 << 20),
         report["load_seconds"],
     )  # fmt: skip
-    return network
 
 
 def weights_device(core: Any, device: str) -> str:
