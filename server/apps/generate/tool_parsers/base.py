@@ -516,6 +516,17 @@ JSON_HEADER = re.compile(
 JSON_TAIL = re.compile(r"\s*\}")
 
 
+class JsonFamily(Family):
+    """A family whose calls are JSON objects, ``{"name": "f", "arguments": {...}}`` (or
+    ``"parameters"``), streamed by one :class:`JsonReader` (Hermes' and Llama 3's)."""
+
+    #: what stands between two calls of a region (None: a region holds one call)
+    separator: re.Pattern[str] | None = None
+
+    def reader(self) -> JsonReader:
+        return JsonReader(JSON_HEADER, JSON_TAIL, self.separator)
+
+
 def _held(text: str, markers: Mapping[str, bool], longest: int) -> int:
     """How many of ``text``'s last characters may still begin a marker."""
     for size in range(min(len(text), longest - 1), 0, -1):

@@ -6,17 +6,10 @@ from __future__ import annotations
 
 import json
 
-from plugserve.server.apps.generate.tool_parsers.base import (
-    JSON_HEADER,
-    JSON_TAIL,
-    Family,
-    JsonReader,
-    ToolCall,
-    call_of,
-)
+from plugserve.server.apps.generate.tool_parsers.base import JsonFamily, ToolCall, call_of
 
 
-class Hermes(Family):
+class Hermes(JsonFamily):
     name = "hermes"
     starts = {"<tool_call>": False}
     end = "</tool_call>"
@@ -27,6 +20,3 @@ class Hermes(Family):
         except ValueError:
             return None
         return None if call is None else [call]
-
-    def reader(self) -> JsonReader:
-        return JsonReader(JSON_HEADER, JSON_TAIL)

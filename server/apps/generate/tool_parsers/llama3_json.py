@@ -7,24 +7,17 @@ from __future__ import annotations
 import json
 import re
 
-from plugserve.server.apps.generate.tool_parsers.base import (
-    JSON_HEADER,
-    JSON_TAIL,
-    Family,
-    JsonReader,
-    ToolCall,
-    call_of,
-)
+from plugserve.server.apps.generate.tool_parsers.base import JsonFamily, ToolCall, call_of
 
 _DECODER = json.JSONDecoder()
-_SEP = re.compile(r"\s*;")
 
 
-class Llama3Json(Family):
+class Llama3Json(JsonFamily):
     name = "llama3_json"
     starts = {"<|python_tag|>": False, "{": True}
     at_start = True
     needs_special_tokens = True
+    separator = re.compile(r"\s*;")
 
     def calls(self, region: str) -> list[ToolCall] | None:
         calls = []
@@ -42,6 +35,3 @@ class Llama3Json(Family):
         except ValueError:
             return None
         return calls or None
-
-    def reader(self) -> JsonReader:
-        return JsonReader(JSON_HEADER, JSON_TAIL, _SEP)
