@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from google.protobuf.descriptor import ServiceDescriptor
@@ -37,7 +37,11 @@ from plugserve.server.plane.response_stream import ResponseStream
 from plugserve.server.plane.tracing import Tracing, traced
 from plugserve.server.protocols.status import abort
 
-__all__ = ["Inference", "add_service", "call_token", "deadline", "pump"]
+if TYPE_CHECKING:
+    from plugserve.server.control.model_control import ModelControl
+    from plugserve.server.plane.dataplane import DataPlane
+
+__all__ = ["Inference", "PlaneServicer", "add_service", "call_token", "deadline", "pump"]
 
 _KINDS = {
     (False, False): grpc.unary_unary_rpc_method_handler,
@@ -310,6 +314,33 @@ def _noting(spans: list[Any], admit: Callable[..., Any], trace: Any) -> Any:
     if trace is not None:
         spans.append(trace)
     return admit(trace)
+
+
+class PlaneServicer:
+    """What every protocol's gRPC servicer serves from: the data plane, the model control,
+    and who its callers are."""
+
+    def __init__(
+        self,
+        plane: DataPlane,
+        control: ModelControl,
+        tenant_of: Callable[[Any], str] | None = None,
+    ) -> None:
+        """``tenant_of(metadata)``: the caller's tenant from its token (``auth``'s; None
+        without tokens: one tenant), which its requests carry (``Request.tenant``)."""
+        self.plane = plane
+        self.control = control
+        self.tenant_of = tenant_of
+        self._serve_inference()
+
+    def _serve_inference(self) -> None:
+        """The protocol's unary and streaming infer methods set to an :class:`Inference`'s
+        (each servicer's own, made with its ``_admit``)."""
+        raise NotImplementedError
+
+    def tenant(self, context: grpc.ServicerContext) -> str:
+        """The calling tenant ("" without tokens)."""
+        return self.tenant_of(context.invocation_metadata()) if self.tenant_of else ""
 
 
 @dataclasses.dataclass(frozen=True)

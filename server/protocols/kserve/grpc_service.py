@@ -61,7 +61,7 @@ from plugserve.server.plane.request import Request
 from plugserve.server.plane.sequences import sequence_step
 from plugserve.server.plane.shm import OutputWriter
 from plugserve.server.plane.versions import parse_version
-from plugserve.server.protocols.grpc.handlers import Inference, add_service, deadline
+from plugserve.server.protocols.grpc.handlers import Inference, PlaneServicer, add_service, deadline
 from plugserve.server.protocols.kserve.codec import (
     EXTENSIONS,
     compose_response,
@@ -92,21 +92,11 @@ _UNIMPLEMENTED = {
 # ------------------------------------------------------------------ the service
 
 
-class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
-    def __init__(
-        self,
-        plane: DataPlane,
-        control: ModelControl,
-        tenant_of: Callable[[Any], str] | None = None,
-    ) -> None:
-        """``tenant_of(metadata)``: the caller's tenant from its token (``auth``'s; None
-        without tokens: one tenant), which its requests carry (``Request.tenant``)."""
-        self.plane = plane
-        self.control = control
-        self.tenant_of = tenant_of
-        self.shm = plane.shm
+class KServeServicer(PlaneServicer, pb_grpc.GRPCInferenceServiceServicer):
+    def _serve_inference(self) -> None:
+        self.shm = self.plane.shm
         inference = Inference(
-            plane.tracing,
+            self.plane.tracing,
             self._admit,
             _names,
             functools.partial(compose_response, shm=self.shm),
@@ -172,7 +162,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             entry, deadline=when, run=token, id=request.id, parameters=own, step=step,
             timeout=timeout, priority=priority, inline=inline, holds=size * GRPC_FACTOR,
             protocol="grpc", trace=trace,
-            tenant=self.tenant_of(context.invocation_metadata()) if self.tenant_of else "",
+            tenant=self.tenant(context),
         )  # fmt: skip
         if entry.network.decoupled:
             return entry, self._submit_decoupled(request, ask, streaming)

@@ -20,11 +20,10 @@ from plugserve.plugins.api import FailedPrecondition, InvalidArgument, Plugserve
 from plugserve.proto import plugserve_pb2 as pb
 from plugserve.proto import plugserve_pb2_grpc as pb_grpc
 from plugserve.server.control.core import refuse_server_keys
-from plugserve.server.control.model_control import ModelControl, failed_to_load
+from plugserve.server.control.model_control import failed_to_load
 from plugserve.server.plane.budget import GRPC_FACTOR
-from plugserve.server.plane.dataplane import DataPlane
 from plugserve.server.plane.request import Request
-from plugserve.server.protocols.grpc.handlers import Inference, deadline
+from plugserve.server.protocols.grpc.handlers import Inference, PlaneServicer, deadline
 from plugserve.server.protocols.v1.convert import (
     decoding_nbytes,
     metric_json,
@@ -51,20 +50,10 @@ def _stops_when_gone(method: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
-class PlugserveServicer(pb_grpc.PlugserveServicer):
-    def __init__(
-        self,
-        plane: DataPlane,
-        control: ModelControl,
-        tenant_of: Callable[[Any], str] | None = None,
-    ) -> None:
-        """``tenant_of(metadata)``: the caller's tenant from its token (``auth``'s; None
-        without tokens: one tenant), which its requests carry (``Request.tenant``)."""
-        self.plane = plane
-        self.control = control
-        self.tenant_of = tenant_of
+class PlugserveServicer(PlaneServicer, pb_grpc.PlugserveServicer):
+    def _serve_inference(self) -> None:
         inference = Inference(
-            plane.tracing,
+            self.plane.tracing,
             self._admit,
             _names,
             respond,
@@ -184,7 +173,7 @@ class PlugserveServicer(pb_grpc.PlugserveServicer):
             entry, outputs=list(request.outputs), deadline=deadline(context), run=token,
             step=sequence_of(request), inline=inline,
             holds=size * GRPC_FACTOR + decoding_nbytes(request), protocol="v1", trace=trace,
-            tenant=self.tenant_of(context.invocation_metadata()) if self.tenant_of else "",
+            tenant=self.tenant(context),
         )  # fmt: skip
         if entry.network.decoupled:
             if not streaming:
