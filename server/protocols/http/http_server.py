@@ -419,7 +419,7 @@ class Connection(asyncio.Protocol):
                 return
             if not isinstance(refused, _Refused):
                 raise
-            self._fail(refused.status, refused.message, refused.error, refused.reply)
+            self._fail(refused)
         except httptools.HttpParserUpgrade:
             # The request asking for the upgrade was read whole and is answered as a plain one
             # (a server may ignore Upgrade); the parser reads nothing after it, so the
@@ -428,7 +428,7 @@ class Connection(asyncio.Protocol):
             if not self.busy and not self.pending:
                 self.close()
         except httptools.HttpParserError as exc:
-            self._fail(400, f"malformed HTTP request: {exc}")
+            self._fail(_Refused(400, f"malformed HTTP request: {exc}"))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._forget()
@@ -851,24 +851,19 @@ class Connection(asyncio.Protocol):
         self.deadline = time.monotonic() + self.server.read_timeout
         self.transport.write_eof()
 
-    def _fail(
-        self,
-        status: int,
-        message: str,
-        error: PlugserveError | None = None,
-        reply: Reply | None = None,
-    ) -> None:
+    def _fail(self, refused: _Refused) -> None:
         """Answer a request that cannot be read further, and close (without an answer when
         earlier pipelined requests are still to be answered: replies go out in order).
-        ``reply``: the answer, made already (else the refusal of ``status``)."""
+        ``refused.reply``: the answer, made already (else the refusal of its status)."""
         self.deadline = self.body_since = _NEVER
         if self.busy or self.pending:
             self.close()
         elif not self.closed:
+            status, message, reply = refused.status, refused.message, refused.reply
             if reply is None:
                 refusal = self.server.refusal
                 reply = (
-                    refusal(self._url, status, message, error)
+                    refusal(self._url, status, message, refused.error)
                     if refusal is not None
                     else error_reply(status, message)
                 )
@@ -936,10 +931,13 @@ class Connection(asyncio.Protocol):
         if self.waiting_since is not None or self.lingering:
             self.close()
         elif self.reading:
+            timeout = self.server.read_timeout
             self._fail(
-                408,
-                f"the request body did not arrive within {self.server.read_timeout:g} s "
-                "(--request-read-timeout)",
+                _Refused(
+                    408,
+                    f"the request body did not arrive within {timeout:g} s "
+                    "(--request-read-timeout)",
+                )
             )
 
     def too_slow(self, now: float, evicted: bool = False) -> None:
@@ -947,12 +945,12 @@ class Connection(asyncio.Protocol):
         port is full and wants its slot, before its --http-body-grace is over)."""
         bounds = self.server.bounds
         rate = self._size / max(now - self.body_since, 1e-6)
-        self._fail(
-            408,
+        message = (
             f"the request body came at {rate:,.0f} bytes/s, under this server's minimum of "
             f"{bounds.min_rate:g} (--http-min-body-rate, after --http-body-grace "
-            f"{bounds.grace:g} s)" + ("; the server needed its connection" if evicted else ""),
+            f"{bounds.grace:g} s)" + ("; the server needed its connection" if evicted else "")
         )
+        self._fail(_Refused(408, message))
 
 
 def _mib(nbytes: int) -> str:
