@@ -79,6 +79,7 @@ from plugserve.server.protocols.http.http_server import (
     StreamReply,
     error_reply,
 )
+from plugserve.server.protocols.http.replies import JSON
 from plugserve.server.protocols.kserve import codec as kserve_convert
 from plugserve.server.protocols.kserve import grpc_service as kserve
 from plugserve.server.protocols.kserve import json_offload
@@ -105,7 +106,6 @@ from plugserve.server.protocols.status import status_of
 
 __all__ = ["RestApp"]
 
-_JSON = [(b"content-type", b"application/json")]
 _BINARY = b"application/octet-stream"
 
 
@@ -125,7 +125,7 @@ _NOT_A_BOOLEAN_READY = re.compile(rb'\s*\{\s*"ready"\s*:\s*[^\stf]')
 
 
 def _json(value: Any, status: int = 200) -> Reply:
-    return status, [dumps(value)], _JSON
+    return status, [dumps(value)], JSON
 
 
 _error = error_reply
@@ -246,11 +246,11 @@ class RestApp:
             if isinstance(value, bool) or not isinstance(value, int):
                 raise InvalidInput(f"the register request's {what!r} must be an integer")
         self.plane.shm.register(call.path["name"], key, offset, size)
-        return 200, [b""], _JSON
+        return 200, [b""], JSON
 
     def shm_unregister(self, call: Call) -> Reply:
         self.plane.shm.unregister(call.path.get("name") or "")
-        return 200, [b""], _JSON
+        return 200, [b""], JSON
 
     def cuda_status(self, call: Call) -> Reply:
         regions = self.plane.shm.cuda_status(call.path.get("name") or "")
@@ -272,11 +272,11 @@ class RestApp:
             if isinstance(value, bool) or not isinstance(value, int):
                 raise InvalidInput(f"the register request's {what!r} must be an integer")
         self.plane.shm.cuda_register(call.path["name"], handle, device, size)
-        return 200, [b""], _JSON
+        return 200, [b""], JSON
 
     def cuda_unregister(self, call: Call) -> Reply:
         self.plane.shm.cuda_unregister(call.path.get("name") or "")
-        return 200, [b""], _JSON
+        return 200, [b""], JSON
 
     def model_ready(self, call: Call) -> Reply | Awaitable[Reply]:
         entry = self.plane.get(call.path["name"], _version(call), load=False)  # NotFound: 404
@@ -513,7 +513,7 @@ class RestApp:
         entry, request, answer = await self._generate_call(call, trace)
         if not isinstance(answer, ResponseStream):
             outputs = await asyncio.wrap_future(answer)
-            return 200, [response_json(entry, request.id, outputs)], _JSON
+            return 200, [response_json(entry, request.id, outputs)], JSON
         responses = []
         try:
             async for item, _final in answer:
@@ -531,7 +531,7 @@ class RestApp:
         (only,) = responses
         if only.error is not None:
             raise only.error
-        return 200, [response_json(entry, request.id, only.outputs, only.parameters)], _JSON
+        return 200, [response_json(entry, request.id, only.outputs, only.parameters)], JSON
 
     async def _generate_stream(self, call: Call, trace: Trace | None) -> Reply | StreamReply:
         """Each response as a server-sent event. The status is decided by the first response:
@@ -699,7 +699,7 @@ def _infer_reply(entry: LoadedNetwork, request: InferCall, outputs: dict[str, An
             echo,
         )  # fmt: skip
     if header_length is None:
-        return 200, pieces, _JSON
+        return 200, pieces, JSON
     return (
         200,
         pieces,

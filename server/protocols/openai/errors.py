@@ -19,6 +19,7 @@ import orjson
 
 from plugserve.plugins.api import NotFound
 from plugserve.server.plane.errors import FieldError, forget_frames
+from plugserve.server.protocols.http.replies import JSON
 from plugserve.server.protocols.status import http_status_of
 
 __all__ = ["OpenAIError", "error_reply", "guard", "reply_of", "stream_error"]
@@ -36,7 +37,6 @@ _TYPES = {
     503: "service_unavailable",
     504: "timeout",
 }
-_JSON = [(b"content-type", b"application/json")]
 
 
 #: what the adapter raises for a request it refuses: the request path's :class:`FieldError`
@@ -62,7 +62,7 @@ def body(status: int, message: str, param: str | None = None, code: str | None =
 def error_reply(
     status: int, message: str, param: str | None = None, code: str | None = None
 ) -> tuple[int, list[bytes], list[tuple[bytes, bytes]]]:
-    return status, [body(status, message, param, code)], _JSON
+    return status, [body(status, message, param, code)], JSON
 
 
 def status_of(exc: BaseException) -> tuple[int, str, str | None, str | None]:

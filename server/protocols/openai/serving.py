@@ -69,6 +69,7 @@ from plugserve.server.plane.tracing import name_request
 from plugserve.server.protocols.auth import KSERVE
 from plugserve.server.protocols.http import sse
 from plugserve.server.protocols.http.http_server import StreamReply
+from plugserve.server.protocols.http.replies import JSON
 from plugserve.server.protocols.openai import encode, protocol, tools
 from plugserve.server.protocols.openai.answer import (
     Answer,
@@ -92,7 +93,6 @@ __all__ = ["MAX_QUEUED", "OpenAIRoutes"]
 
 log = logging.getLogger(__name__)
 
-_JSON = [(b"content-type", b"application/json")]
 #: a body larger than this is parsed and checked on a worker thread (every chat is rendered
 #: and every prompt tokenized there, whatever its size)
 INLINE_BYTES = 64 << 10
@@ -273,7 +273,7 @@ class OpenAIRoutes:
             if name in by_name:
                 cards.append({**by_name[name], "id": alias})
         body = {"object": "list", "data": cards}
-        return 200, [orjson.dumps(body)], _JSON
+        return 200, [orjson.dumps(body)], JSON
 
     def model(self, call: Any) -> Reply:
         name = call.path["model"]
@@ -286,7 +286,7 @@ class OpenAIRoutes:
                 404,
                 "model_not_found",
             )
-        return 200, [orjson.dumps(self._card(entry))], _JSON
+        return 200, [orjson.dumps(self._card(entry))], JSON
 
     # --- POST /v1/chat/completions
 
@@ -577,8 +577,8 @@ class OpenAIRoutes:
         if size > INLINE_BYTES // 64:
             # a long answer (many choices, logprobs: each alternative ~64 bytes) is built and
             # written on a worker, a bounded piece at a time (encode.json_pieces)
-            return 200, [await self._in_worker(_dumped, answer)], _JSON
-        return 200, [orjson.dumps(answer.body())], _JSON
+            return 200, [await self._in_worker(_dumped, answer)], JSON
+        return 200, [orjson.dumps(answer.body())], JSON
 
     async def _constraints(
         self, model: ServedModel, ask: protocol.GenerationAsk, prompts: int, max_tokens: int
@@ -641,7 +641,7 @@ class OpenAIRoutes:
                 "model",
             )
         body = await embeddings.embed(self.plane, entry, encoder, ask, self._in_worker, trace)
-        return 200, [body], _JSON
+        return 200, [body], JSON
 
 
 def _check_prompt(size: int, model: ServedModel, what: str, field: str) -> None:
@@ -826,7 +826,7 @@ def _echo_only(model: ServedModel, ask: Any, prompts: list[list[int]]) -> Reply 
     for i in range(len(answer.texts)):
         answer.finish[i] = "length"
     if not ask.stream:
-        return 200, [orjson.dumps(answer.body())], _JSON
+        return 200, [orjson.dumps(answer.body())], JSON
 
     async def chunks() -> AsyncIterator[bytes]:
         for i in range(len(answer.texts)):

@@ -32,13 +32,13 @@ import orjson
 
 from plugserve.plugins.api import NotFound
 from plugserve.server.protocols.auth import PLUGSERVE
+from plugserve.server.protocols.http.replies import JSON
 from plugserve.server.protocols.openai.errors import OpenAIError
 
 __all__ = ["SLEEP_RPC", "SleepRoutes"]
 
 #: what the routes are authorized as: a method no role table names, so ``admin``
 SLEEP_RPC = f"/{PLUGSERVE}/SleepModel"
-_JSON = [(b"content-type", b"application/json")]
 
 
 class SleepRoutes:
@@ -82,7 +82,7 @@ class SleepRoutes:
         networks = self._chosen(call)
         levels = _levels(networks)
         body = {"is_sleeping": any(levels.values()), "models": levels}
-        return 200, [orjson.dumps(body)], _JSON
+        return 200, [orjson.dumps(body)], JSON
 
     def _chosen(self, call: Any) -> dict[str, list[Any]]:
         """``{name: [network of each version loaded]}``: the model the request names, or
@@ -138,4 +138,4 @@ def _levels(networks: dict[str, list[Any]]) -> dict[str, int]:
 
 
 def _answer(networks: dict[str, list[Any]]) -> Any:
-    return 200, [orjson.dumps({"models": _levels(networks)})], _JSON
+    return 200, [orjson.dumps({"models": _levels(networks)})], JSON

@@ -26,12 +26,11 @@ from typing import Any
 
 import orjson
 
+from plugserve.server.protocols.http.replies import JSON
 from plugserve.server.protocols.openai import protocol
 from plugserve.server.protocols.openai.errors import OpenAIError
 
 __all__ = ["TokenizeRoutes"]
-
-_JSON = [(b"content-type", b"application/json")]
 
 
 class TokenizeRoutes:
@@ -98,7 +97,7 @@ class TokenizeRoutes:
         if ask.token_strs:
             piece = model.tokenizer.backend.id_to_token
             body["token_strs"] = [piece(i) for i in ids]
-        return 200, [orjson.dumps(body)], _JSON
+        return 200, [orjson.dumps(body)], JSON
 
     async def _detokenize(self, ask: Any, trace: Any) -> Any:
         model = self.openai._generative(ask.model)
@@ -116,7 +115,7 @@ class TokenizeRoutes:
             )
         tokenizer = model.tokenizer
         texts = await self.openai._in_worker(tokenizer.decode_batch, [ask.tokens], False)
-        return 200, [orjson.dumps({"prompt": texts[0]})], _JSON
+        return 200, [orjson.dumps({"prompt": texts[0]})], JSON
 
 
 class _Prompt:
