@@ -310,6 +310,25 @@ def test_a_wrong_input_name_or_output_is_400(server):
     assert status == 400 and "unknown output" in reply["error"]
 
 
+@pytest.mark.parametrize(
+    ("path", "body", "field"),
+    [
+        ("systemsharedmemory", {"key": "/plugserve_x", "offset": "0", "byte_size": 16}, "offset"),
+        ("systemsharedmemory", {"key": "/plugserve_x", "byte_size": True}, "byte_size"),
+        ("cudasharedmemory", {"raw_handle": {"b64": "AA=="}, "device_id": 0.5}, "device_id"),
+        ("cudasharedmemory", {"raw_handle": {"b64": "AA=="}, "byte_size": "16"}, "byte_size"),
+    ],
+)
+def test_a_shared_memory_registration_with_a_field_not_an_integer_is_400(server, path, body, field):
+    """Each register route names the field that is not a JSON integer (true is not one),
+    before anything is registered."""
+    status, _, reply = _request(
+        server, "POST", f"/v2/{path}/region/r/register", json.dumps(body).encode()
+    )
+    assert status == 400, reply
+    assert f"the register request's {field!r} must be an integer" in reply["error"]
+
+
 def test_json_infer_by_hand_returns_flat_row_major_data(server):
     body = _infer_json(
         [

@@ -242,9 +242,7 @@ class RestApp:
         key, offset, size = body.get("key"), body.get("offset", 0), body.get("byte_size")
         if not isinstance(key, str):
             raise InvalidInput("the register request needs a 'key' (a string)")
-        for what, value in (("offset", offset), ("byte_size", size)):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise InvalidInput(f"the register request's {what!r} must be an integer")
+        _integers(offset=offset, byte_size=size)
         self.plane.shm.register(call.path["name"], key, offset, size)
         return 200, [b""], JSON
 
@@ -268,9 +266,7 @@ class RestApp:
         except (binascii.Error, ValueError):
             handle = None
         device, size = body.get("device_id", 0), body.get("byte_size")
-        for what, value in (("device_id", device), ("byte_size", size)):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise InvalidInput(f"the register request's {what!r} must be an integer")
+        _integers(device_id=device, byte_size=size)
         self.plane.shm.cuda_register(call.path["name"], handle, device, size)
         return 200, [b""], JSON
 
@@ -722,6 +718,14 @@ def _fast(entry: LoadedNetwork) -> bool:
 
 def _version(call: Call) -> int:
     return kserve.parse_version(call.path.get("version") or "")
+
+
+def _integers(**fields: Any) -> None:
+    """InvalidInput naming the first of a shared-memory register request's ``fields`` that is
+    not an integer (JSON's true and false are not)."""
+    for what, value in fields.items():
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise InvalidInput(f"the register request's {what!r} must be an integer")
 
 
 def _text(value: bytes | None) -> str | None:
