@@ -261,8 +261,9 @@ class DiskTier:
             tokens = tuple(prompt[b * size : (b + 1) * size])
             previous = digest(previous, tokens)
             entry = self.entries.get(previous)
-            if entry is None and previous in self.pending:  # queued, not written yet
-                entry = self.pending[previous][0]
+            if entry is None:  # queued, not written yet (one read: the writer may pop it)
+                queued = self.pending.get(previous)
+                entry = queued[0] if queued is not None else None
             if entry is None or entry.salt != salt or entry.tokens != tokens:
                 break
             found.append(entry)
