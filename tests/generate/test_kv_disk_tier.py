@@ -4,7 +4,8 @@ tests/generate/test_kv_host_tier.py drives), its files in a real directory: what
 drops goes to disk and comes back as the very bytes; the bound; files that fail their check
 (another model, truncated, a flipped byte) are deleted, never served; another salt's blocks are
 never served; a new tier on the same directory (a restart) keeps the valid blocks; a full write
-queue drops a block rather than wait, and the queued blocks stay charged to the budget. The
+queue drops a block rather than wait, and the queued blocks stay charged to the budget; a size
+over the directory's free space stops a real model's load (InvalidArgument). The
 served path (a real server, the openai client, a restart) is
 tests/generate/test_openai_kv_disk.py."""
 
@@ -207,3 +208,18 @@ def test_the_config_keys_and_flags():
     assert (defaults.kv_disk_path, defaults.kv_disk_size) == ("/d", 3.0)
     off = Settings.load(None, {}).generate_defaults()
     assert (off.kv_disk_path, off.kv_disk_size) == ("", 0.0)
+
+
+def test_a_model_whose_disk_size_is_over_the_free_space_does_not_load(core, llm_folder, tmp_path):
+    if "ORT" not in core.available_devices:
+        pytest.skip("ORT is not available here")
+    folder = llm_folder("tiny-llama", "optimum-onnx")
+    keys = {"MAX_NUM_SEQS": "2", "KV_OFFLOADING_SIZE": "0.01", "KV_DISK_PATH": str(tmp_path)}
+    with pytest.raises(InvalidArgument, match="free"):
+        core.load_network(str(folder), "ORT", {**keys, "KV_DISK_SIZE": "1e9"})
+    network = core.load_network(str(folder), "ORT", {**keys, "KV_DISK_SIZE": "0.01"})
+    try:
+        disk = network.engine.tier.disk
+        assert disk is not None and disk.directory.parent == tmp_path
+    finally:
+        network.close()
