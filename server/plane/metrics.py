@@ -308,8 +308,20 @@ class _GenerationCollector:
             "Prompt tokens whose key/value cache was restored from the host tier",
             labels=labels,
         )
+        disk = GaugeMetricFamily(
+            "plugserve_generate_kv_disk_bytes",
+            "Bytes of block files the disk tier keeps (--kv-disk-size)",
+            labels=labels,
+        )
+        disk_restored = CounterMetricFamily(
+            "plugserve_generate_kv_disk_restored_tokens",
+            "Prompt tokens whose key/value cache was restored from the disk tier",
+            labels=labels,
+        )
         for device, model, version, snap in self._read():
             key = [device, model, version]
+            disk.add_metric(key, snap.kv_disk_bytes)
+            disk_restored.add_metric(key, snap.kv_disk_restored_tokens)
             warmups.add_metric(key, snap.warmup_requests)
             warmup_seconds.add_metric(key, snap.warmup_seconds)
             offload.add_metric(key, snap.kv_offload_bytes)
@@ -329,7 +341,7 @@ class _GenerationCollector:
             pipelined.add_metric(key, snap.pipelined_steps)
         yield from histograms.values()
         yield from (prompt, cached, generated, finished, running, waiting, usage, size, pipelined)
-        yield from (warmups, warmup_seconds, offload, restored)
+        yield from (warmups, warmup_seconds, offload, restored, disk, disk_restored)
 
 
 class _KVEventsCollector:

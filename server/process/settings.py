@@ -449,8 +449,8 @@ class Settings:
         repeat=True,
     )
     # generative models (server/apps/generate/): defaults for models whose config sets none
-    # (MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS, KV_CACHE_BYTES, KV_OFFLOADING_SIZE, MAX_MODEL_LEN,
-    # ENABLE_PREFIX_CACHING, ASYNC_SCHEDULING, STREAM_INTERVAL)
+    # (MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS, KV_CACHE_BYTES, KV_OFFLOADING_SIZE, KV_DISK_PATH,
+    # KV_DISK_SIZE, MAX_MODEL_LEN, ENABLE_PREFIX_CACHING, ASYNC_SCHEDULING, STREAM_INTERVAL)
     max_num_seqs: int = _field(
         16,
         "generative models: sequences generated at once (each holds a cache slot of the whole "
@@ -477,6 +477,22 @@ class Settings:
         "--max-inflight-bytes while kept, at most half of it); 0: off. The dense slot cache only "
         "(ONNX graphs on ORT, NUMPY, OPENVINO); ignored, logged, elsewhere "
         "(server/apps/generate/engine/kv_host_tier.py)",
+        low=0,
+    )
+    kv_disk_path: str = _field(
+        "",
+        "generative models: a directory where the blocks the host tier drops "
+        "(--kv-offloading-size) are kept in files, one folder per model, restored into a later "
+        "prompt that begins with them (LMCache's local disk); each file carries its model's "
+        "identity and a checksum, and a restart keeps the valid ones. Empty: off "
+        "(server/apps/generate/engine/kv_disk_tier.py)",
+    )
+    kv_disk_size: float = _field(
+        0.0,
+        "generative models: GiB of block files per model under --kv-disk-path (least recently "
+        "used deleted first; a size over the directory's free space is refused at start; disk "
+        "bytes are not charged to --max-inflight-bytes, the blocks queued for writing are); "
+        "0: off",
         low=0,
     )
     max_model_len: int = _field(
@@ -570,6 +586,8 @@ class Settings:
             max_num_batched_tokens=self.max_num_batched_tokens,
             kv_cache_bytes=self.kv_cache_bytes,
             kv_offloading_size=self.kv_offloading_size,
+            kv_disk_path=self.kv_disk_path,
+            kv_disk_size=self.kv_disk_size,
             max_model_len=self.max_model_len,
             enable_prefix_caching=bool(self.enable_prefix_caching),
             async_scheduling=bool(self.async_scheduling),

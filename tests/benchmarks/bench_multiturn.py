@@ -18,11 +18,13 @@ round each model's median TTFT of later turns (turn 2 on) and of first turns, me
 tokens, each turn's median TTFT and cached tokens on and off, the ratio off / on, whether the
 answers were the same (the streamed text of each turn, on against off); then the median of the
 rounds' ratios. Before that, in process, the crossover: restoring ``k`` blocks (the tier's
-copy) against computing them (the decoder's ``extend`` over them after a prefix of 4 blocks),
-for k = 1, 2, 4, 8, 16.
+copy, and the disk tier's read of the same blocks' files and copy) against computing them (the
+decoder's ``extend`` over them after a prefix of 4 blocks), for k = 1, 2, 4, 8, 16
+(``--crossover-only``: that alone).
 
     python tests/benchmarks/bench_multiturn.py [--folder FOLDER] [--device ORT] \\
-        [--conversations 4] [--turns 5] [--slots 2] [--rounds 2] [--new-tokens 24]
+        [--conversations 4] [--turns 5] [--slots 2] [--rounds 2] [--new-tokens 24] \\
+        [--crossover-only]
 
 The folder defaults to tests/support/llm.py's ``bench-llama`` (~169 M parameters, context 4096)
 exported by optimum (``python tests/support/llm.py path bench-llama optimum-onnx`` makes it).
@@ -111,8 +113,12 @@ def workload(api, model: str, args: argparse.Namespace, round_: int) -> list[dic
 
 
 def crossover(folder: Path, device: str) -> None:
-    """In process: restoring k blocks against computing them after a prefix of 4 blocks."""
+    """In process: restoring k blocks from the host tier, and from the disk tier's files (just
+    written: the page cache holds them), against computing them after a prefix of 4 blocks."""
+    import tempfile
+
     from plugserve.server import Core
+    from plugserve.server.apps.generate.engine.kv_disk_tier import DiskEntry, DiskTier, digest, root
     from plugserve.server.apps.generate.engine.kv_host_tier import HostTier
 
     network = Core().load_network(str(folder), device, {"MAX_NUM_SEQS": "2"})
@@ -125,9 +131,11 @@ def crossover(folder: Path, device: str) -> None:
             f"{kib:.0f} KiB a block"
         )
         tier = HostTier(cache, size, 1 << 40)
+        files = tempfile.TemporaryDirectory(prefix="bench-kv-disk-")
+        tier.disk = disk = DiskTier(files.name, 1 << 30, b"bench", tier.shape, tier.dtype)
         rng = np.random.default_rng(0)
         vocab = decoder.vocab or 1000
-        print("blocks  compute_ms  restore_ms  compute/restore")
+        print("blocks  compute_ms  restore_ms  compute/restore  disk_ms  compute/disk")
         for k in (1, 2, 4, 8, 16):
             prefix, count = 4 * size, k * size
             tokens = [int(t) for t in rng.integers(10, vocab - 1, prefix + count)]
@@ -147,9 +155,26 @@ def crossover(folder: Path, device: str) -> None:
                 start = time.perf_counter()
                 tier.restore(1, blocks, 4)
                 restored.append(time.perf_counter() - start)
+            previous, parent = root(disk.identity, slot.salt), None
+            for block in tier.match([*tokens, 1], slot.salt):  # the same blocks, as files
+                previous = digest(previous, block.tokens)
+                disk.offer(
+                    DiskEntry(previous, block.key, parent, block.salt, block.tokens), block.data
+                )
+                parent = block.key
+            disk.flush()
+            read = []
+            for _ in range(3):
+                start = time.perf_counter()
+                got = tier.restore_disk(1, [*tokens, 1], slot.salt, 4)
+                read.append(time.perf_counter() - start)
+                assert got == k, got
             engine.table.truncate(slot, 0)
             c, r = statistics.median(computed) * 1e3, statistics.median(restored) * 1e3
-            print(f"{k:6d}  {c:10.2f}  {r:10.3f}  {c / r:15.0f}x")
+            d = statistics.median(read) * 1e3
+            print(f"{k:6d}  {c:10.2f}  {r:10.3f}  {c / r:15.0f}x  {d:7.3f}  {c / d:11.0f}x")
+        disk.close()
+        files.cleanup()
     finally:
         network.close()
 
@@ -165,6 +190,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=24)
     parser.add_argument("--offload-gib", type=float, default=1.0)
     parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument(
+        "--crossover-only", action="store_true", help="the in-process crossover, no server"
+    )
     args = parser.parse_args()
     import llm
     from openai_serving import client, serving
@@ -174,6 +202,8 @@ def main() -> None:
         print(f"{key}: {value}")
     print(f"folder: {folder} on {args.device}; load average {harness.load_average()}")
     crossover(folder, args.device)
+    if args.crossover_only:
+        return
     common = {"MAX_NUM_SEQS": str(args.slots), "MAX_MODEL_LEN": str(args.max_model_len)}
     models = {
         "on": (folder, args.device, {**common, "KV_OFFLOADING_SIZE": str(args.offload_gib)}),

@@ -425,3 +425,43 @@ def test_the_host_tier_announces_its_blocks_as_cpu():
             assert all(kept[h] <= gone[h] for h in first)
         finally:
             events.close()
+
+
+def test_the_disk_tier_announces_its_blocks_as_disk(tmp_path):
+    """With the disk tier under a host tier of two blocks (``KV_DISK_PATH``), the blocks the
+    host tier drops are written to files and announced ``BlockStored`` with medium ``"DISK"``
+    (LMCache's and vLLM's name), after their ``BlockRemoved`` ``"CPU"``: the first prompt's
+    blocks, evicted from its slot, then from host memory by the next evictions."""
+    vllm = _subscriber_module()
+    decode = msgspec.msgpack.Decoder(type=vllm.KVEventBatch).decode
+    port = _free_port()
+    config = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}", "topic": "kv-events"}
+    two_blocks = 2 * (2 * 2 * 2 * BLOCK * 16 * 4) / 2**30  # tiny-llama's block: 8 KiB
+    keys = {"MAX_NUM_SEQS": "2", "BLOCK_SIZE": str(BLOCK), "KV_OFFLOADING_SIZE": repr(two_blocks)}
+    keys |= {"KV_DISK_PATH": str(tmp_path), "KV_DISK_SIZE": "0.01"}
+    folder = exported("tiny-llama", "genai-fp32")
+    with serving(
+        {MODEL: (folder, "NUMPY", keys)}, "--kv-events-config", json.dumps(config)
+    ) as running:
+        api = client(running, timeout=120)
+        events = Events(port)
+        time.sleep(0.5)  # the subscription reaches the publisher
+
+        def seen(kind: type, medium: str) -> list[tuple[int, int]]:
+            return [
+                (seq, h) for seq, payload in events.messages for e in decode(payload).events
+                if isinstance(e, kind) and e.medium == medium for h in e.block_hashes
+            ]  # fmt: skip
+
+        try:
+            for prompt in [*PROMPTS, list(range(400, 440))]:  # the fourth pushes the first out
+                api.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0)
+            first = {h for seq, h in seen(vllm.BlockStored, "GPU")[:2]}
+            events.read(lambda: first <= {h for _s, h in seen(vllm.BlockStored, "DISK")})
+            on_disk = dict((h, seq) for seq, h in seen(vllm.BlockStored, "DISK"))
+            left_host = dict((h, seq) for seq, h in seen(vllm.BlockRemoved, "CPU"))
+            assert first <= set(left_host), (first, left_host)
+            assert all(left_host[h] <= on_disk[h] for h in first)
+            assert len(list(tmp_path.rglob("*.kvb"))) >= 2
+        finally:
+            events.close()

@@ -35,6 +35,7 @@ with ``exclude_input_in_output``), as Triton's vLLM backend answers.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib.util
 import json
 import logging
@@ -81,6 +82,8 @@ ENGINE_KEYS = {
     "MAX_NUM_BATCHED_TOKENS": "max_num_batched_tokens",
     "KV_CACHE_BYTES": "kv_cache_bytes",
     "KV_OFFLOADING_SIZE": "kv_offloading_size",
+    "KV_DISK_PATH": "kv_disk_path",
+    "KV_DISK_SIZE": "kv_disk_size",
     "MAX_MODEL_LEN": "max_model_len",
     "BLOCK_SIZE": "block_size",
     "ENABLE_PREFIX_CACHING": "enable_prefix_caching",
@@ -164,8 +167,11 @@ def engine_settings(
                 raise InvalidArgument(f"config key {key!r}: expected YES or NO, got {value!r}")
             values[field] = text in ("YES", "TRUE", "1")
             continue
-        if field == "kv_offloading_size":
+        if field in ("kv_offloading_size", "kv_disk_size"):
             values[field] = _gib(key, value)
+            continue
+        if field == "kv_disk_path":
+            values[field] = str(value)
             continue
         try:
             number = int(str(value))
@@ -185,7 +191,8 @@ def engine_settings(
 
 
 def _gib(key: str, value: Any) -> float:
-    """A config key's GiB (a number at least 0: KV_OFFLOADING_SIZE), or InvalidArgument."""
+    """A config key's GiB (a number at least 0: KV_OFFLOADING_SIZE, KV_DISK_SIZE), or
+    InvalidArgument."""
     try:
         number = float(str(value))
     except ValueError:
@@ -195,6 +202,22 @@ def _gib(key: str, value: Any) -> float:
     if not number >= 0 or number == float("inf"):
         raise InvalidArgument(f"config key {key!r}: must be a finite number of GiB at least 0")
     return number
+
+
+def identity(folder: ModelFolder, device: str) -> tuple[str, bytes]:
+    """Where this model's KV disk-tier files go under ``kv_disk_path`` (a folder named by a
+    digest of the model folder's real path and the device: a model changed in place finds its
+    old files there and refuses them) and what tells its files from another's
+    (:mod:`.engine.kv_disk_tier`): its config, its graph's kind, name and size, the device
+    (hashing a graph of gigabytes at each load would cost more than the tier saves)."""
+    place = f"{folder.path.resolve()}|{device}".encode()
+    try:
+        size = folder.graph.stat().st_size
+    except OSError:
+        size = -1
+    parts = [json.dumps(folder.config, sort_keys=True), folder.kind, folder.graph.name, str(size)]
+    digest = hashlib.blake2b("|".join([*parts, device]).encode(), digest_size=32).digest()
+    return hashlib.blake2b(place, digest_size=8).hexdigest(), digest
 
 
 def _parsers(config: dict[str, Any]) -> dict[str, str]:
@@ -396,7 +419,9 @@ class GenerativeNetwork(CompiledNetwork):
         self.device_name = device
         self._inputs = list(_INPUTS)
         self._outputs = list(_OUTPUTS)
-        self.engine = Engine(folder.path.name, decoder, tokenizer, settings, rows)
+        self.engine = Engine(
+            folder.path.name, decoder, tokenizer, settings, rows, identity=identity(folder, device)
+        )
         self._sleep_lock = threading.Lock()  # one sleep or wake at a time
 
     @property

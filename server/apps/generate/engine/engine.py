@@ -23,6 +23,7 @@ this module         the loop: the inbox of new requests and aborts, each step's 
                     the senders, requests ended or failed
 :mod:`.kvcache`     the cache's slots and the prefix cache; :mod:`.detokenizer`
 :mod:`.kv_host_tier` the blocks evicted from the slots, kept in host memory and restored
+:mod:`.kv_disk_tier` the blocks the host tier drops, kept in files and restored
 :mod:`.spans`       a traced request's spans: queue, prefill chunks, decode
 ==================  ==========================================================================
 
@@ -78,16 +79,19 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent import futures
+from pathlib import Path
 from typing import Any
 
 from plugserve.plugins.api import Cancelled, InvalidArgument, PlugserveError, ResourceExhausted
 from plugserve.plugins.decoding import Decoder
 from plugserve.plugins.threads import start_daemon
 from plugserve.server.apps.generate import limits
+from plugserve.server.apps.generate.engine.kv_disk_tier import DiskTier
 from plugserve.server.apps.generate.engine.kv_host_tier import HostTier, supports
 from plugserve.server.apps.generate.engine.kvcache import SlotTable
 from plugserve.server.apps.generate.engine.kvevents import (
     MEDIUM_CPU,
+    MEDIUM_DISK,
     MEDIUM_GPU,
     BlockEvents,
     Publisher,
@@ -137,6 +141,10 @@ class EngineSettings:
     #: GiB of host memory keeping the blocks evicted from the cache's slots, restored
     #: instead of computed again (vLLM's ``--kv-offloading-size``; 0: off; :mod:`.kv_host_tier`)
     kv_offloading_size: float = 0.0
+    #: the directory and GiB of the disk tier beneath the host tier: the blocks the host tier
+    #: drops, kept in files (LMCache's ``local_disk``; "" or 0: off; :mod:`.kv_disk_tier`)
+    kv_disk_path: str = ""
+    kv_disk_size: float = 0.0
     #: the longest sequence, prompt and answer (0: the model's context length)
     max_model_len: int = 0
     #: tokens per prefix-cache block
@@ -170,7 +178,11 @@ class Engine:
         settings: EngineSettings,
         rows: int,
         seed: int | None = None,
+        identity: tuple[str, bytes] = ("", b""),
     ) -> None:
+        """``identity``: the disk tier's folder for this model under ``kv_disk_path`` ("": its
+        name) and what tells its files from another's (:func:`.network.identity`), to which
+        the cache's layout is added."""
         self.name = name
         self.decoder = decoder
         self.tokenizer = tokenizer
@@ -188,6 +200,8 @@ class Engine:
             self.cache, settings.block_size, settings.enable_prefix_caching, self.events
         )
         self.tier = self._host_tier(name, decoder, settings)
+        if self.tier is not None:
+            self.tier.disk = _disk_tier(name, self.tier, settings, identity)
         if self.tier is not None and self.events is not None:
             _announce_tier(self.events, self.tier)
         self.runner = ModelRunner(
@@ -236,6 +250,11 @@ class Engine:
         memory budget; None when off, or logged and None where it cannot be."""
         size = int(settings.kv_offloading_size * (1 << 30))
         if size <= 0:
+            if settings.kv_disk_path and settings.kv_disk_size > 0:
+                log.warning(
+                    "model %s: kv_disk_path is ignored: the disk tier keeps the blocks the host "
+                    "tier drops, and kv_offloading_size is 0", name,
+                )  # fmt: skip
             return None
         if not settings.enable_prefix_caching or decoder.mixed or not supports(self.cache):
             log.warning(
@@ -462,6 +481,8 @@ class Engine:
                     self.stream.close()
                 if self.tier is not None:  # its charges back to the memory budget
                     self.tier.clear()
+                    if self.tier.disk is not None:  # the blocks queued for it written
+                        self.tier.disk.close()
                 return
             self._reap(aborts)
             if flight is not None:
@@ -589,6 +610,9 @@ class Engine:
             if self.tier is not None:
                 stats.kv_offload_bytes = self.tier.nbytes
                 stats.kv_offload_restored_tokens = self.tier.restored_tokens
+                if self.tier.disk is not None:
+                    stats.kv_disk_bytes = self.tier.disk.nbytes
+                    stats.kv_disk_restored_tokens = self.tier.disk.restored_tokens
         if self.events is not None:
             self.events.flush()
 
@@ -599,9 +623,35 @@ class Engine:
                 del self._requests[state.request_id]
 
 
+def _disk_tier(
+    name: str, tier: HostTier, settings: EngineSettings, identity: tuple[str, bytes]
+) -> DiskTier | None:
+    """The disk tier ``kv_disk_path`` and ``kv_disk_size`` ask for beneath ``tier``, in the
+    model's own folder under the path (``identity``'s); None when off (logged where it holds
+    no block). InvalidArgument when the directory cannot be made or has less room than the
+    size."""
+    size = int(settings.kv_disk_size * (1 << 30))
+    if not settings.kv_disk_path or size <= 0:
+        return None
+    folder, digest = identity
+    layout = tier.cache.layout
+    model = b"|".join([digest, repr(layout.entries).encode(), repr(tier.shape).encode()])
+    path = Path(settings.kv_disk_path) / (folder or name)
+    disk = DiskTier(path, size, model, tier.shape, tier.dtype)
+    if disk.capacity < 1:
+        log.warning(
+            "model %s: kv_disk_size %s GiB holds no block file of %d bytes: off",
+            name, settings.kv_disk_size, disk.file_bytes,
+        )  # fmt: skip
+        disk.close()
+        return None
+    return disk
+
+
 def _announce_tier(events: BlockEvents, tier: HostTier) -> None:
     """The host tier's blocks announced as vLLM's offloading announces them: stored and
-    removed with medium ``"CPU"``, beside the engine's own cache's ``"GPU"``."""
+    removed with medium ``"CPU"``, beside the engine's own cache's ``"GPU"``; the disk tier's
+    with ``"DISK"`` (LMCache's and vLLM's name)."""
 
     def stored(block: Any) -> None:
         parent = None if block.parent is None else block.parent.key
@@ -609,6 +659,12 @@ def _announce_tier(events: BlockEvents, tier: HostTier) -> None:
 
     tier.on_stored.append(stored)
     tier.on_dropped.append(lambda block: events.removed([block.key], medium=MEDIUM_CPU))
+    disk = tier.disk
+    if disk is not None:
+        disk.on_stored.append(
+            lambda e: events.stored([e.key], e.parent, e.tokens, medium=MEDIUM_DISK)
+        )
+        disk.on_dropped.append(lambda e: events.removed([e.key], medium=MEDIUM_DISK))
 
 
 def _drain(flight: Launched | None) -> None:

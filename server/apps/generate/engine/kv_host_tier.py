@@ -33,6 +33,11 @@ copy per cache array). A restore shorter than :attr:`HostTier.min_blocks` is not
 prompt computes those tokens): on the measured CPU decoders restoring one block was already
 cheaper than computing it (BENCHMARKS.md, *Host tier*), so the threshold is one block.
 
+Beneath it (:mod:`.kv_disk_tier`, ``--kv-disk-path`` and ``--kv-disk-size``): each block
+this tier drops as least recently used (not one dropped by :meth:`HostTier.clear`) is offered
+to the disk tier's writer, its charge moving with it until written; a prompt whose chain goes
+on past this tier's blocks reads the rest from disk (:meth:`HostTier.restore_disk`).
+
 Hooks. :attr:`HostTier.on_stored` and :attr:`HostTier.on_dropped` are called with each block
 stored and each block dropped (KV events publish from them: vLLM's ``BlockStored`` and
 ``BlockRemoved`` with the host medium).
@@ -55,6 +60,7 @@ from typing import Any
 import numpy as np
 
 from plugserve.plugins.api import ResourceExhausted
+from plugserve.server.apps.generate.engine.kv_disk_tier import DiskEntry, DiskTier, digest, root
 from plugserve.server.apps.generate.engine.kvcache import KVCache, Slot, chain
 
 __all__ = ["HostBlock", "HostTier", "supports"]
@@ -75,6 +81,8 @@ class HostBlock:
     parent: HostBlock | None
     data: np.ndarray | None
     charge: Any = None
+    #: its prefix digest (:func:`.kv_disk_tier.digest`), once the disk tier asked for it
+    digest: bytes | None = None
 
 
 def supports(cache: KVCache) -> bool:
@@ -111,6 +119,8 @@ class HostTier:
         #: called with each block stored, and each block dropped (KV events' hook points)
         self.on_stored: list[Callable[[HostBlock], None]] = []
         self.on_dropped: list[Callable[[HostBlock], None]] = []
+        #: the disk tier beneath (None: none)
+        self.disk: DiskTier | None = None
 
     @property
     def capacity(self) -> int:
@@ -223,22 +233,41 @@ class HostTier:
     def restore(self, row: int, blocks: list[HostBlock], start: int) -> None:
         """``blocks`` (the prompt's blocks ``start`` on, in order) into row ``row``'s
         positions; they and the blocks before them count as used now."""
-        size, count = self.block_size, len(blocks)
-        stage = np.stack([b.data for b in blocks])
+        self._copy_in(row, np.stack([b.data for b in blocks]), start)
+        first = blocks[0]
+        chain_ = [*_ancestors(first), *blocks]
+        self._touch(chain_)
+        self.restored_tokens += len(blocks) * self.block_size
+
+    def restore_disk(self, row: int, prompt: Sequence[int], salt: int, start: int) -> int:
+        """The prompt's blocks ``start`` on that the disk tier holds (at least its
+        :attr:`.kv_disk_tier.DiskTier.min_blocks`, else none) into row ``row``; how many."""
+        disk = self.disk
+        if disk is None:
+            return 0
+        entries = disk.match(prompt, salt, start)
+        if len(entries) < disk.min_blocks:
+            return 0
+        stage = disk.load(entries)
+        if len(stage):
+            self._copy_in(row, stage, start)
+        return len(stage)
+
+    def _copy_in(self, row: int, stage: np.ndarray, start: int) -> None:
+        """Blocks ``stage`` (``[count, *shape]``) into row ``row`` from block ``start`` on
+        (one strided copy per cache array)."""
+        size, count = self.block_size, len(stage)
         for i, array in enumerate(self.cache.arrays.values()):
             heads, _cap, dim = array.shape[1:]
             run = array[row, :, start * size : (start + count) * size]
             run.reshape(heads, count, size, dim)[...] = stage[:, i].transpose(1, 0, 2, 3)
-        first = blocks[0]
-        chain_ = [*_ancestors(first), *blocks]
-        self._touch(chain_)
-        self.restored_tokens += count * size
 
     # --- leaving
 
     def clear(self) -> None:
-        """Every block dropped (the prefix cache forgotten: a sleep, a warm-up's end)."""
-        while self._drop_oldest(None):
+        """Every block dropped (the prefix cache forgotten: a sleep, a warm-up's end), none of
+        them to disk."""
+        while self._drop_oldest(None, spill=False):
             pass
 
     def _touch(self, blocks: list[HostBlock]) -> None:
@@ -247,17 +276,29 @@ class HostTier:
             if self.blocks.get(block.key) is block:
                 self.blocks.move_to_end(block.key)
 
-    def _drop_oldest(self, keep: HostBlock | None) -> bool:
+    def _drop_oldest(self, keep: HostBlock | None, spill: bool = True) -> bool:
         """The least recently used block dropped, unless it is ``keep`` (the chain being
-        stored: touched last, so it is reached only when nothing else is left)."""
+        stored: touched last, so it is reached only when nothing else is left); offered to
+        the disk tier first (``spill``)."""
         if not self.blocks:
             return False
         key, block = next(iter(self.blocks.items()))
         if block is keep:
             return False
         del self.blocks[key]
+        if spill and self.disk is not None and block.data is not None:
+            self._spill(block, self.disk)
         self._forget(block)
         return True
+
+    def _spill(self, block: HostBlock, disk: DiskTier) -> None:
+        """``block`` queued for the disk tier, its charge with it (released once written)."""
+        parent = None if block.parent is None else block.parent.key
+        entry = DiskEntry(
+            _digest(block, disk.identity), block.key, parent, block.salt, block.tokens
+        )
+        if disk.offer(entry, block.data, block.charge):
+            block.charge = None
 
     def _forget(self, block: HostBlock) -> None:
         self.nbytes -= self.block_bytes
@@ -272,6 +313,21 @@ class HostTier:
 
 def _same(block: HostBlock, tokens: tuple[int, ...], salt: int, parent: HostBlock | None) -> bool:
     return block.tokens == tokens and block.salt == salt and block.parent is parent
+
+
+def _digest(block: HostBlock, identity: bytes) -> bytes:
+    """``block``'s prefix digest (:func:`.kv_disk_tier.digest`), kept on each block of its
+    chain once computed (a chain's digests are computed once, from its first block)."""
+    missing = []
+    walk: HostBlock | None = block
+    while walk is not None and walk.digest is None:
+        missing.append(walk)
+        walk = walk.parent
+    previous = walk.digest if walk is not None else root(identity, block.salt)
+    for item in reversed(missing):
+        item.digest = previous = digest(previous, item.tokens)
+    assert block.digest is not None
+    return block.digest
 
 
 def _ancestors(block: HostBlock) -> list[HostBlock]:

@@ -51,6 +51,7 @@ cache (``cleared``, :meth:`SlotTable.forget`).
 from __future__ import annotations
 
 import collections
+import hashlib
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -130,7 +131,13 @@ def salt(tenant: str = "", cache_salt: str = "") -> int:
     ``cache_salt`` share their cache, and nobody else's)."""
     if not tenant and not cache_salt:
         return 0
-    return hash(("plugserve-salt", tenant, cache_salt))
+    # blake2b, not ``hash``: a string's hash changes with each process, and the disk tier's
+    # blocks (:mod:`.kv_disk_tier`) are found again after a restart by their salt
+    key = hashlib.blake2b(digest_size=8)
+    for part in ("plugserve-salt", tenant, cache_salt):
+        data = part.encode("utf-8", "surrogatepass")
+        key.update(len(data).to_bytes(8, "little") + data)
+    return int.from_bytes(key.digest(), "little", signed=True) or 1
 
 
 class SlotTable:

@@ -27,7 +27,8 @@ slot) is ``BlockRemoved``; a reset of the whole cache (sleep, the warm-up's pref
 forgotten) is ``AllBlocksCleared``. Hashes are the table's own chain (per tenant salt, see
 ``kvcache.py``) as unsigned 64-bit integers: a subscriber matches them between events, not
 against hashes it computes itself. ``medium`` says where the blocks live, as vLLM names it:
-``"GPU"`` for a card's cache, ``"CPU"`` for host memory (a CPU device's slots); a tier holding
+``"GPU"`` for a card's cache, ``"CPU"`` for host memory (a CPU device's slots), ``"DISK"`` for
+the disk tier's files (:mod:`.kv_disk_tier`); a tier holding
 evicted blocks announces with its own medium through the same :class:`BlockEvents` calls.
 
 Bounds: the engine loop never waits on a subscriber. Each engine step's events are one batch,
@@ -51,13 +52,14 @@ from typing import Any
 from plugserve.plugins.errors import InvalidArgument
 from plugserve.plugins.threads import start_daemon
 
-__all__ = ["MEDIUM_CPU", "MEDIUM_GPU", "BlockEvents", "Config", "Publisher"]
+__all__ = ["MEDIUM_CPU", "MEDIUM_DISK", "MEDIUM_GPU", "BlockEvents", "Config", "Publisher"]
 
 log = logging.getLogger(__name__)
 
 #: vLLM's names of where a block lives
 MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
+MEDIUM_DISK = "DISK"
 _UINT64 = (1 << 64) - 1
 #: the replay's end marker (vLLM's ``END_SEQ``)
 _END_SEQ = (-1).to_bytes(8, "big", signed=True)

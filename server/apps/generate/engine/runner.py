@@ -164,19 +164,25 @@ class ModelRunner:
     def restore_prefix(self, slot: Slot, prompt: list[int], hit: int, salt: int) -> int:
         """The prompt's blocks after the ``hit`` tokens ``slot`` holds, restored from the host
         tier when it keeps at least :attr:`.kv_host_tier.HostTier.min_blocks` of them (fewer
-        are computed); the prompt tokens the slot holds then."""
+        are computed), then the blocks after those from the disk tier beneath it (as many as
+        it holds, at least its own ``min_blocks``); the prompt tokens the slot holds then."""
         tier = self.tier
         if tier is None:
             return hit
         size = self.table.block_size
         blocks = tier.match(prompt, salt)
         start = hit // size
-        if len(blocks) - start < tier.min_blocks:
-            return hit
-        tier.restore(slot.index, blocks[start:], start)
-        end = len(blocks) * size
-        self.table.written(slot, prompt[hit:end])
-        return end
+        if len(blocks) - start >= tier.min_blocks:
+            tier.restore(slot.index, blocks[start:], start)
+            end = len(blocks) * size
+            self.table.written(slot, prompt[hit:end])
+            hit = end
+        count = tier.restore_disk(slot.index, prompt, salt, hit // size)
+        if count:
+            end = (hit // size + count) * size
+            self.table.written(slot, prompt[hit:end])
+            hit = end
+        return hit
 
     # --- the forwards
 

@@ -104,6 +104,10 @@ class Snapshot:
     #: bytes the KV host tier keeps, and prompt tokens restored from it (:mod:`.kv_host_tier`)
     kv_offload_bytes: int = 0
     kv_offload_restored_tokens: int = 0
+    #: bytes of the KV disk tier's files, and prompt tokens restored from them
+    #: (:mod:`.kv_disk_tier`)
+    kv_disk_bytes: int = 0
+    kv_disk_restored_tokens: int = 0
 
 
 class GenerationStats:
@@ -131,6 +135,8 @@ class GenerationStats:
         self.prefix_cache_hits = 0
         self.kv_offload_bytes = 0
         self.kv_offload_restored_tokens = 0
+        self.kv_disk_bytes = 0
+        self.kv_disk_restored_tokens = 0
 
     #: what requests count (a warm-up's are put back: :meth:`counters`, :meth:`restore`)
     _COUNTED = (
@@ -176,4 +182,6 @@ class GenerationStats:
                 },
                 self.kv_offload_bytes,
                 self.kv_offload_restored_tokens,
+                self.kv_disk_bytes,
+                self.kv_disk_restored_tokens,
             )

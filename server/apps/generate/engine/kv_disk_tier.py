@@ -1,0 +1,387 @@
+"""The disk tier of the key/value cache: blocks the host tier drops (its least recently used),
+written to files under a directory and restored into a later prompt's slot instead of computed
+again (LMCache's ``local_disk``, vLLM's disk offloading; SGLang's HiCache storage level).
+
+Why. The host tier (:mod:`.kv_host_tier`) is bounded by memory, which the requests in flight
+need too; a disk holds many times more. A block read back from the page cache or an SSD is a
+file's bytes, computing it a forward over its tokens and all before them.
+
+Keys. A block's file is named by its *prefix digest*: blake2b over the model's identity, the
+chain's salt (a tenant's and ``cache_salt``'s, :func:`.kvcache.salt`) and every token from the
+prompt's first to the block's last (:func:`digest`). A lookup computes the same digests from
+the prompt, so a file is found only under its own model, salt and whole prefix: a collision
+would be one of blake2b's, and another tenant's block is never served. The salt is stable
+across processes (:func:`.kvcache.salt` hashes with blake2b), so a restart finds its blocks.
+
+Files are data, checked. Each file is a fixed header (:data:`_HEAD`: format version, the
+model's identity digest, the prefix digest, the chain hash and its parent's, the salt, the
+dtype, the block's shape ``[entries, kv_heads, block_size, head_dim]``, the token and payload
+sizes), the block's token ids (int64), the payload (the cache's bytes), and a blake2b checksum
+of all that. A file is used only when every field is the expected one and the checksum holds:
+read back at restore (the bytes are checked each time), and at start, when the index is
+rebuilt by scanning the directory (newest first, at most what the bound holds). A file of
+another model, another format, truncated, or whose checksum fails is deleted, never served. No
+pickle: a file is numbers, never code.
+
+Bound and order. At most ``max_bytes`` of files (``--kv-disk-size`` GiB, ``KV_DISK_SIZE`` per
+model; the directory is ``--kv-disk-path``/``KV_DISK_PATH``, one folder per model under it);
+least recently used files are deleted first. A size over the directory's free space is refused
+at start (InvalidArgument): the disk's bytes are not memory, and not charged to it.
+
+Writing. The engine's loop never waits on the disk: the host tier hands each block it drops to
+:meth:`DiskTier.offer`, which queues it for the one writer thread; the queue holds at most
+:data:`WRITE_QUEUE_BLOCKS` blocks, whose bytes stay charged to the memory budget (the host
+tier's charge moves with the block) until written, and served from memory meanwhile; a full
+queue drops the block. A file is
+written under a temporary name and renamed, so a crash leaves no half file under a block's name.
+
+Restoring. :meth:`DiskTier.load` reads a run of blocks, checking each; a restore shorter than
+:attr:`DiskTier.min_blocks` is computed instead. Measured on tiny-llama (8 KiB a block, ORT;
+BENCHMARKS.md, under *the KV host tier*), reading a block's file back (from the page cache) and
+copying it into a slot took 0.08-0.14 ms, computing it 0.8-10 ms: no crossover, so the
+threshold is one block.
+
+Hooks: :attr:`DiskTier.on_stored` and :attr:`DiskTier.on_dropped` (KV events with medium
+``"DISK"``), called on the writer thread (BlockEvents is thread-safe).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import logging
+import os
+import queue
+import shutil
+import struct
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from plugserve.plugins.api import InvalidArgument
+from plugserve.plugins.threads import start_daemon
+
+__all__ = ["DiskEntry", "DiskTier", "digest", "root"]
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"PSKVBLK\0"
+#: the file format's version: a file of another is refused
+VERSION = 1
+SUFFIX = ".kvb"
+#: magic, version, model identity, prefix digest, chain hash, parent hash, has a parent, salt,
+#: dtype (numpy's ``str``), shape (4), tokens, payload bytes
+_HEAD = struct.Struct("<8sH32s32sqqBq8s4IIQ")
+_SUM = 32
+#: blocks queued for the writer at most (their bytes charged to the memory budget meanwhile)
+WRITE_QUEUE_BLOCKS = 32
+#: blocks a restore from disk must cover at least (the module's docstring)
+MIN_RESTORE_BLOCKS = 1
+_STOP = object()
+
+
+def root(identity: bytes, salt: int) -> bytes:
+    """The digest a chain starts from: the model's identity and the salt."""
+    return hashlib.blake2b(identity + struct.pack("<q", salt), digest_size=32).digest()
+
+
+def digest(previous: bytes, tokens: Sequence[int]) -> bytes:
+    """The prefix digest of a block of ``tokens`` after the one whose digest is ``previous``."""
+    data = np.asarray(tokens, np.int64).tobytes()
+    return hashlib.blake2b(previous + data, digest_size=32).digest()
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class DiskEntry:
+    """One block's file in the index: its prefix digest (the file's name), its chain hash and
+    its parent's (KV events), its salt and tokens."""
+
+    digest: bytes
+    key: int
+    parent: int | None
+    salt: int
+    tokens: tuple[int, ...]
+
+
+class Refused(Exception):
+    """A file that fails its check (why, in the message)."""
+
+
+class DiskTier:
+    """Blocks dropped by the host tier, kept in files (the module's docstring)."""
+
+    def __init__(
+        self,
+        directory: str | Path,
+        max_bytes: int,
+        identity: bytes,
+        shape: tuple[int, int, int, int],
+        dtype: np.dtype,
+        queue_blocks: int = WRITE_QUEUE_BLOCKS,
+    ) -> None:
+        self.directory = Path(directory)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise InvalidArgument(f"kv_disk_path {self.directory}: {exc.strerror}") from None
+        self.identity = hashlib.blake2b(identity, digest_size=32).digest()
+        self.shape = tuple(int(n) for n in shape)
+        self.dtype = np.dtype(dtype)
+        self.block_size = self.shape[2]
+        self.payload_bytes = int(np.prod(self.shape)) * self.dtype.itemsize
+        self.file_bytes = _HEAD.size + 8 * self.block_size + self.payload_bytes + _SUM
+        self.max_bytes = max_bytes
+        self.min_blocks = MIN_RESTORE_BLOCKS
+        #: prefix digest -> entry, least recently used first (the writer and the loop: lock)
+        self.entries: collections.OrderedDict[bytes, DiskEntry] = collections.OrderedDict()
+        self.lock = threading.Lock()
+        self.nbytes = 0
+        self.written_blocks = 0  # files written
+        self.skipped_blocks = 0  # blocks not written: the queue full, a write failed
+        self.refused_files = 0  # files that failed their check (deleted)
+        self.restored_tokens = 0  # prompt tokens restored from here
+        self.on_stored: list[Callable[[DiskEntry], None]] = []
+        self.on_dropped: list[Callable[[DiskEntry], None]] = []
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=max(1, queue_blocks))
+        #: the queued blocks by prefix digest (served from memory until written)
+        self.pending: dict[bytes, tuple[DiskEntry, np.ndarray]] = {}
+        self._scan()
+        free = shutil.disk_usage(self.directory).free
+        if max_bytes > free + self.nbytes:
+            raise InvalidArgument(
+                f"kv_disk_size {max_bytes / (1 << 30):.3f} GiB is more than {self.directory} "
+                f"has free ({(free + self.nbytes) / (1 << 30):.3f} GiB with its blocks)"
+            )
+        self._thread = start_daemon(f"kv-disk/{self.directory.name}", self._write_loop)
+
+    @property
+    def capacity(self) -> int:
+        """Blocks the bound holds."""
+        return self.max_bytes // self.file_bytes
+
+    # --- in (the engine's loop, then the writer thread)
+
+    def offer(self, entry: DiskEntry, data: np.ndarray, charge: Any = None) -> bool:
+        """``entry``'s block (``data``, its keys and values) queued for writing, ``charge``
+        (its bytes' charge to the memory budget, or None) released once written; False (and
+        nothing kept) when the queue is full or the block is on disk already."""
+        key = entry.digest
+        if key in self.entries or key in self.pending:  # no lock: the loop never waits on it
+            return False
+        self.pending[key] = (entry, data)
+        try:
+            self._queue.put_nowait((entry, data, charge))
+        except queue.Full:
+            del self.pending[key]
+            self.skipped_blocks += 1
+            return False
+        return True
+
+    def flush(self) -> None:
+        """Wait until every queued block is written (tests, close)."""
+        self._queue.join()
+
+    def close(self) -> None:
+        """The queued blocks written, then the writer stopped."""
+        self._queue.put(_STOP)
+        self._thread.join(timeout=30)
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is _STOP:
+                    return
+                entry, data, charge = item
+                try:
+                    self._write(entry, data)
+                finally:
+                    self.pending.pop(entry.digest, None)
+                    if charge is not None:
+                        charge.release()
+            except Exception:  # a bug of ours: logged, the block not kept, the writer goes on
+                log.exception("kv disk tier %s: a block was not written", self.directory)
+            finally:
+                self._queue.task_done()
+
+    def _write(self, entry: DiskEntry, data: np.ndarray) -> None:
+        gone = []
+        with self.lock:
+            if entry.digest in self.entries or self.capacity < 1:
+                return
+            while self.nbytes + self.file_bytes > self.max_bytes and self.entries:
+                gone.append(self._drop(next(iter(self.entries.values()))))
+            self.nbytes += self.file_bytes  # reserved: only this thread adds
+        for old in gone:  # deleted with the lock released: the loop's lookups never wait
+            _unlink(old)
+        path = self._path(entry.digest)
+        temporary = path.with_suffix(".tmp")
+        try:
+            temporary.write_bytes(self._encode(entry, data))
+            os.replace(temporary, path)
+        except OSError as exc:
+            with self.lock:
+                self.nbytes -= self.file_bytes
+            self.skipped_blocks += 1
+            log.warning("kv disk tier: %s not written: %s", path, exc)
+            temporary.unlink(missing_ok=True)
+            return
+        with self.lock:
+            self.entries[entry.digest] = entry
+            self.written_blocks += 1
+        for hook in self.on_stored:
+            hook(entry)
+
+    def _encode(self, entry: DiskEntry, data: np.ndarray) -> bytes:
+        payload = np.ascontiguousarray(data, self.dtype).tobytes()
+        head = _HEAD.pack(
+            MAGIC, VERSION, self.identity, entry.digest, entry.key,
+            entry.parent or 0, entry.parent is not None, entry.salt,
+            self.dtype.str.encode(), *self.shape, len(entry.tokens), len(payload),
+        )  # fmt: skip
+        body = head + np.asarray(entry.tokens, np.int64).tobytes() + payload
+        return body + hashlib.blake2b(body, digest_size=_SUM).digest()
+
+    # --- out (the engine's loop)
+
+    def match(self, prompt: Sequence[int], salt: int, start: int) -> list[DiskEntry]:
+        """The files holding ``prompt``'s blocks ``start`` on under ``salt``, in order, up to
+        the first missing, leaving at least one prompt token to compute."""
+        size = self.block_size
+        stop = (len(prompt) - 1) // size
+        if start >= stop:
+            return []
+        previous = root(self.identity, salt)
+        for b in range(start):
+            previous = digest(previous, prompt[b * size : (b + 1) * size])
+        found = []
+        for b in range(start, stop):  # no lock: a lookup is one dict read (the GIL's)
+            tokens = tuple(prompt[b * size : (b + 1) * size])
+            previous = digest(previous, tokens)
+            entry = self.entries.get(previous)
+            if entry is None:  # queued, not written yet (one read: the writer may pop it)
+                queued = self.pending.get(previous)
+                entry = queued[0] if queued is not None else None
+            if entry is None or entry.salt != salt or entry.tokens != tokens:
+                break
+            found.append(entry)
+        return found
+
+    def load(self, entries: list[DiskEntry]) -> np.ndarray:
+        """The blocks of ``entries`` read and checked, ``[count, *shape]``: the run up to the
+        first file that is gone or fails its check (deleted); they count as used now."""
+        stage = np.empty((len(entries), *self.shape), self.dtype)
+        count = 0
+        for entry in entries:
+            queued = self.pending.get(entry.digest)
+            try:
+                if queued is not None:
+                    stage[count] = queued[1]
+                else:
+                    stage[count] = self._read(self._path(entry.digest), entry.digest)[1]
+            except (OSError, Refused) as exc:
+                self._refuse(entry, exc)
+                break
+            count += 1
+        with self.lock:
+            for entry in reversed(entries[:count]):
+                if self.entries.get(entry.digest) is entry:
+                    self.entries.move_to_end(entry.digest)
+        self.restored_tokens += count * self.block_size
+        return stage[:count]
+
+    def _refuse(self, entry: DiskEntry, why: Exception) -> None:
+        log.warning("kv disk tier: %s refused: %s", self._path(entry.digest), why)
+        with self.lock:
+            if self.entries.get(entry.digest) is not entry:
+                return
+            self.refused_files += 1
+            path = self._drop(entry)
+        _unlink(path)
+
+    # --- files
+
+    def _path(self, key: bytes) -> Path:
+        return self.directory / (key.hex() + SUFFIX)
+
+    def _read(self, path: Path, expected: bytes | None = None) -> tuple[DiskEntry, np.ndarray]:
+        """The entry and payload of the file at ``path``; Refused unless every check holds."""
+        raw = path.read_bytes()
+        if len(raw) != self.file_bytes:
+            raise Refused(f"{len(raw)} bytes, not {self.file_bytes} (truncated or another shape)")
+        body, checksum = raw[:-_SUM], raw[-_SUM:]
+        fields = _HEAD.unpack_from(body)
+        magic, version, identity, key_digest, key, parent, has_parent, salt = fields[:8]
+        dtype, shape, ntokens, nbytes = fields[8], fields[9:13], fields[13], fields[14]
+        if magic != MAGIC or version != VERSION:
+            raise Refused(f"not a version {VERSION} block file")
+        if identity != self.identity:
+            raise Refused("another model's block (its identity differs)")
+        if dtype.rstrip(b"\0").decode("ascii", "replace") != self.dtype.str or (
+            tuple(shape) != self.shape
+        ):
+            raise Refused(f"dtype {dtype!r}, shape {shape}: not this cache's")
+        if ntokens != self.block_size or nbytes != self.payload_bytes:
+            raise Refused("its sizes are not this cache's")
+        if hashlib.blake2b(body, digest_size=_SUM).digest() != checksum:
+            raise Refused("its checksum fails")
+        if key_digest.hex() + SUFFIX != path.name or (expected and key_digest != expected):
+            raise Refused("its name is not its digest")
+        start = _HEAD.size + 8 * ntokens
+        tokens = np.frombuffer(body, np.int64, ntokens, _HEAD.size)
+        entry = DiskEntry(
+            key_digest, key, parent if has_parent else None, salt, tuple(tokens.tolist())
+        )
+        payload = np.frombuffer(body, self.dtype, offset=start).reshape(self.shape)
+        return entry, payload
+
+    def _scan(self) -> None:
+        """The index rebuilt from the directory's files (newest first, at most the bound
+        holds); files that fail their check, and those past the bound, deleted."""
+        files = []
+        for item in os.scandir(self.directory):
+            name = item.name
+            if name.endswith(".tmp"):  # a write cut short
+                _unlink(Path(item.path))
+            elif name.endswith(SUFFIX) and item.is_file(follow_symlinks=False):
+                files.append((item.stat().st_mtime_ns, Path(item.path)))
+        files.sort(reverse=True)
+        kept: list[DiskEntry] = []
+        for _mtime, path in files:
+            if len(kept) >= self.capacity:
+                _unlink(path)
+                continue
+            try:
+                kept.append(self._read(path)[0])
+            except (OSError, Refused) as exc:
+                log.warning("kv disk tier: %s refused at start: %s", path, exc)
+                self.refused_files += 1
+                _unlink(path)
+        for entry in reversed(kept):  # least recently written first
+            self.entries[entry.digest] = entry
+        self.nbytes = len(kept) * self.file_bytes
+        if files:
+            log.info(
+                "kv disk tier %s: %d blocks kept from %d files", self.directory, len(kept),
+                len(files),
+            )  # fmt: skip
+
+    def _drop(self, entry: DiskEntry) -> Path:
+        """``entry`` out of the index (with the lock held); its file, for the caller to
+        delete once the lock is released."""
+        del self.entries[entry.digest]
+        self.nbytes -= self.file_bytes
+        for hook in self.on_dropped:
+            hook(entry)
+        return self._path(entry.digest)
+
+
+def _unlink(path: Path) -> None:
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as exc:
+        log.warning("kv disk tier: %s not deleted: %s", path, exc)

@@ -1,0 +1,225 @@
+"""The KV disk tier's rules (server/apps/generate/engine/kv_disk_tier.py) beneath the real host
+tier, scheduler, slot table, cache arrays, runner restore and memory budget (the parts
+tests/generate/test_kv_host_tier.py drives), its files in a real directory: what the host tier
+drops goes to disk and comes back as the very bytes; the bound; files that fail their check
+(another model, truncated, a flipped byte) are deleted, never served; another salt's blocks are
+never served; a new tier on the same directory (a restart) keeps the valid blocks; a full write
+queue drops a block rather than wait, and the queued blocks stay charged to the budget; a size
+over the directory's free space stops a real model's load (InvalidArgument). The
+served path (a real server, the openai client, a restart) is
+tests/generate/test_openai_kv_disk.py."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from test_kv_host_tier import BLOCK, BLOCK_BYTES, Engine, expected, prompts
+
+from plugserve.plugins.api import InvalidArgument
+from plugserve.server.apps.generate.engine.kv_disk_tier import DiskEntry, DiskTier
+from plugserve.server.apps.generate.engine.kvcache import salt
+from plugserve.server.plane.budget import MemoryBudget
+
+SHAPE = (4, 2, BLOCK, 4)
+
+
+def disk_tier(tmp_path, blocks: int = 64, identity: bytes = b"model-a", **kw) -> DiskTier:
+    """A disk tier of ``blocks`` files in ``tmp_path``/blocks."""
+    probe = DiskTier(tmp_path / "probe", 1 << 20, identity, SHAPE, np.float32)
+    probe.close()
+    size = blocks * probe.file_bytes
+    return DiskTier(tmp_path / "blocks", size, identity, SHAPE, np.float32, **kw)
+
+
+def with_disk(tmp_path, host_blocks: int = 3, budget=None, **kw) -> Engine:
+    """The host-tier test's engine, its host tier ``host_blocks`` blocks, a disk tier under it."""
+    engine = Engine(max_bytes=host_blocks * BLOCK_BYTES, budget=budget)
+    engine.tier.disk = disk_tier(tmp_path, **kw)
+    return engine
+
+
+def spill(engine: Engine, *chains: list[int], tenant: str = "", length: int = 13) -> None:
+    """``chains`` run, then three others of ``length`` tokens, so that their blocks leave the
+    slots and the host tier (three blocks) for disk; the writer done."""
+    for prompt in chains:
+        engine.run(prompt, tenant=tenant)
+    for prompt in prompts(3, length, start=50_000):
+        engine.run(prompt)
+    engine.tier.disk.flush()
+
+
+def files(tmp_path) -> list[str]:
+    return sorted(n for n in os.listdir(tmp_path / "blocks") if n.endswith(".kvb"))
+
+
+def test_blocks_the_host_tier_drops_are_restored_from_disk_as_they_were(tmp_path):
+    engine = with_disk(tmp_path)
+    a = prompts(1, 13)[0]
+    spill(engine, a)
+    assert engine.tier.match([*a, 1], 0) == []  # not in the host tier any more
+    assert len(engine.tier.disk.match([*a, 1], 0, 0)) == 3
+    again = engine.run([*a, 7, 8, 9])
+    assert again.cached == 12 and engine.tier.disk.restored_tokens == 12
+    engine.check(again)  # the very bytes computing them wrote
+
+
+def test_the_host_blocks_first_then_the_disk_blocks_after_them(tmp_path):
+    engine = with_disk(tmp_path, host_blocks=5)
+    a = prompts(1, 17)[0]  # four blocks: the host tier keeps its first one, disk the others
+    spill(engine, a, length=17)
+    on_host = len(engine.tier.match([*a, 1], 0))
+    assert 0 < on_host < 4
+    engine.table.forget(engine.table.slots[:1])  # a spare slot: the admission evicts nothing
+    state = engine.run([*a, 1])
+    assert state.cached == 16
+    assert engine.tier.disk.restored_tokens == (4 - on_host) * BLOCK
+    engine.check(state)
+
+
+def test_the_bound_holds(tmp_path):
+    engine = with_disk(tmp_path, blocks=5)
+    disk = engine.tier.disk
+    for prompt in prompts(8, 13):
+        engine.run(prompt)
+    disk.flush()
+    assert disk.written_blocks > 5
+    assert len(files(tmp_path)) == len(disk.entries) <= 5
+    assert disk.nbytes == len(disk.entries) * disk.file_bytes <= disk.max_bytes
+    assert sum(os.path.getsize(tmp_path / "blocks" / n) for n in files(tmp_path)) == disk.nbytes
+
+
+def test_a_restart_keeps_the_valid_blocks(tmp_path):
+    engine = with_disk(tmp_path)
+    a = prompts(1, 13)[0]
+    spill(engine, a, tenant="alice")
+    engine.tier.disk.close()
+    kept = files(tmp_path)
+    later = with_disk(tmp_path)  # a new cache, host tier and index: only the files are left
+    assert files(tmp_path) == kept and len(later.tier.disk.entries) == len(kept)
+    state = later.run([*a, 5], tenant="alice")
+    assert state.cached == 12
+    row = next(s for s in later.table.slots if s.tokens[:12] == a[:12]).index
+    for name, array in later.cache.arrays.items():  # what the first engine computed
+        for position in range(12):
+            want = expected(a, position, engine.cache.arrays[name])
+            np.testing.assert_array_equal(array[row, :, position], want)
+
+
+def test_files_that_fail_their_check_are_deleted_not_served(tmp_path):
+    engine = with_disk(tmp_path)
+    a, b, c = prompts(3, 13)
+    spill(engine, a, b, c)
+    engine.tier.disk.close()
+    names = files(tmp_path)
+    assert len(names) >= 9
+    truncated, flipped = tmp_path / "blocks" / names[0], tmp_path / "blocks" / names[1]
+    truncated.write_bytes(truncated.read_bytes()[:-5])
+    raw = bytearray(flipped.read_bytes())
+    raw[-40] ^= 1  # a payload byte
+    flipped.write_bytes(bytes(raw))
+    later = with_disk(tmp_path)
+    assert later.tier.disk.refused_files == 2
+    assert files(tmp_path) == names[2:]
+    other = disk_tier(tmp_path, identity=b"model-b")  # another model's folder, same name
+    assert other.refused_files == len(names) - 2 and files(tmp_path) == []
+
+
+def test_a_file_spoiled_after_start_is_refused_at_restore(tmp_path):
+    engine = with_disk(tmp_path)
+    a = prompts(1, 13)[0]
+    spill(engine, a)
+    entries = engine.tier.disk.match([*a, 1], 0, 0)
+    path = tmp_path / "blocks" / (entries[1].digest.hex() + ".kvb")
+    raw = bytearray(path.read_bytes())
+    raw[-40] ^= 1
+    path.write_bytes(bytes(raw))
+    state = engine.run([*a, 1])
+    assert state.cached == BLOCK  # the first block restored, the rest computed
+    assert engine.tier.disk.refused_files == 1 and not path.exists()
+    engine.check(state)
+
+
+def test_another_salt_is_never_served_from_disk(tmp_path):
+    engine = with_disk(tmp_path)
+    a = prompts(1, 13)[0]
+    spill(engine, a, tenant="alice")
+    assert engine.tier.disk.match([*a, 1], salt("mallory"), 0) == []
+    assert engine.tier.disk.match([*a, 1], 0, 0) == []
+    assert engine.run([*a, 1], tenant="mallory").cached == 0
+    assert engine.run([*a, 2], tenant="alice").cached == 12
+
+
+def test_a_full_queue_drops_the_block_and_queued_blocks_stay_charged(tmp_path):
+    budget = MemoryBudget(64 * BLOCK_BYTES)
+    engine = with_disk(tmp_path, budget=budget, queue_blocks=1)
+    disk = engine.tier.disk
+    with disk.lock:  # the writer stalls on its index: nothing it takes is written meanwhile
+        for prompt in prompts(6, 13):
+            engine.run(prompt)  # returns: the loop never waits on the writer
+        assert disk.skipped_blocks > 0 and disk.written_blocks == 0
+        assert budget.used > engine.tier.nbytes  # the queued blocks' bytes still charged
+    disk.flush()
+    assert budget.used == engine.tier.nbytes
+    # each block the host tier dropped was written, or skipped (the queue full)
+    assert disk.written_blocks + disk.skipped_blocks == engine.tier.dropped_blocks
+    assert 0 < disk.written_blocks <= 2  # the block the writer held, and the queue's one
+
+
+def test_a_size_over_the_free_space_is_refused(tmp_path):
+    with pytest.raises(InvalidArgument, match="free"):
+        DiskTier(tmp_path, 1 << 62, b"model-a", SHAPE, np.float32)
+
+
+def test_the_salt_is_the_same_in_every_process():
+    import subprocess
+    import sys
+
+    code = "from plugserve.server.apps.generate.engine.kvcache import salt; print(salt('t', 's'))"
+    runs = {subprocess.check_output([sys.executable, "-c", code], text=True) for _ in range(2)}
+    assert runs == {f"{salt('t', 's')}\n"}
+    assert salt() == 0 and salt("t") != salt("", "t")
+
+
+def test_offer_skips_a_block_on_disk_already(tmp_path):
+    disk = disk_tier(tmp_path)
+    entry = DiskEntry(b"\1" * 32, 1, None, 0, tuple(range(BLOCK)))
+    data = np.zeros(SHAPE, np.float32)
+    assert disk.offer(entry, data)
+    disk.flush()
+    assert not disk.offer(entry, data)
+    assert disk.written_blocks == 1
+
+
+def test_the_config_keys_and_flags():
+    from plugserve.server.apps.generate.engine.engine import EngineSettings
+    from plugserve.server.apps.generate.network import engine_settings
+    from plugserve.server.process.settings import Settings
+
+    keys = {"KV_DISK_PATH": "/var/cache/kv", "KV_DISK_SIZE": "2.5"}
+    settings, rest = engine_settings(EngineSettings(), keys)
+    assert (settings.kv_disk_path, settings.kv_disk_size, rest) == ("/var/cache/kv", 2.5, {})
+    with pytest.raises(InvalidArgument, match="KV_DISK_SIZE"):
+        engine_settings(EngineSettings(), {"KV_DISK_SIZE": "-1"})
+    # the flags (and env, tests/server/test_settings.py) reach the engine; off by default
+    flags = Settings.from_argv(["--kv-disk-path", "/d", "--kv-disk-size", "3"])
+    defaults = flags.generate_defaults()
+    assert (defaults.kv_disk_path, defaults.kv_disk_size) == ("/d", 3.0)
+    off = Settings.load(None, {}).generate_defaults()
+    assert (off.kv_disk_path, off.kv_disk_size) == ("", 0.0)
+
+
+def test_a_model_whose_disk_size_is_over_the_free_space_does_not_load(core, llm_folder, tmp_path):
+    if "ORT" not in core.available_devices:
+        pytest.skip("ORT is not available here")
+    folder = llm_folder("tiny-llama", "optimum-onnx")
+    keys = {"MAX_NUM_SEQS": "2", "KV_OFFLOADING_SIZE": "0.01", "KV_DISK_PATH": str(tmp_path)}
+    with pytest.raises(InvalidArgument, match="free"):
+        core.load_network(str(folder), "ORT", {**keys, "KV_DISK_SIZE": "1e9"})
+    network = core.load_network(str(folder), "ORT", {**keys, "KV_DISK_SIZE": "0.01"})
+    try:
+        disk = network.engine.tier.disk
+        assert disk is not None and disk.directory.parent == tmp_path
+    finally:
+        network.close()

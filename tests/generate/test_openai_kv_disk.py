@@ -1,0 +1,55 @@
+"""The KV disk tier served (issue 61 item 2; server/apps/generate/engine/kv_disk_tier.py): a
+real server, tiny-llama's optimum export on ORT with two cache slots (``MAX_NUM_SEQS`` 2), a
+host tier of six blocks (``KV_OFFLOADING_SIZE``) and a disk tier under a temporary directory
+(``KV_DISK_PATH``, ``KV_DISK_SIZE``), the official ``openai`` client:
+
+* four conversations interleaved turn by turn hold more than the slots and the host tier: the
+  blocks the host tier drops go to disk, and later turns restore them from there
+  (``cached_tokens`` > 0, the disk's restored-tokens metric moves);
+* the server stopped and started again on the same directory (its slots and host tier empty):
+  the first repeated prompt gets its cached tokens from disk, and answers as before (greedy).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+openai = pytest.importorskip("openai", reason="pip install openai (the test extra)")
+
+from openai_serving import client, metric, serving  # noqa: E402
+from test_openai_kv_offload import SLOTS, SMALL_GIB, _complete, _conversations  # noqa: E402
+
+RESTORED = "plugserve_generate_kv_disk_restored_tokens_total"
+FILLERS = [f"Something else entirely, number {i}, about the weather. " * 5 for i in range(4)]
+
+
+def _models(folder, directory) -> dict:
+    keys = {**SLOTS, "KV_OFFLOADING_SIZE": repr(SMALL_GIB)}
+    return {
+        "disk": (folder, "ORT", {**keys, "KV_DISK_PATH": str(directory), "KV_DISK_SIZE": "0.01"})
+    }
+
+
+def test_blocks_come_back_from_disk_and_after_a_restart(core, llm_folder, tmp_path):
+    if "ORT" not in core.available_devices:
+        pytest.skip("ORT is not available here")
+    folder = llm_folder("tiny-llama", "optimum-onnx")  # an ONNX graph: the dense slot cache
+    directory = tmp_path / "kv"
+    with serving(_models(folder, directory)) as running:
+        api = client(running)
+        seen = _conversations(api, "disk")
+        assert all(cached >= 32 for c in seen for _t, cached in c[1:])
+        assert metric(running, RESTORED, "disk") > 0  # some of it came from disk
+        assert metric(running, "plugserve_generate_kv_disk_bytes", "disk") > 0
+        first = "A long talk about rivers. " * 6 + "Tell me about rivers."
+        before = _complete(api, "disk", first)
+        for filler in FILLERS:  # every block of ``first`` through the host tier to disk
+            _complete(api, "disk", filler)
+    assert any(directory.rglob("*.kvb"))
+    with serving(_models(folder, directory)) as running:
+        api = client(running)
+        assert metric(running, RESTORED, "disk") == 0
+        again = _complete(api, "disk", first)
+        assert again[1] >= 32  # its blocks read back from the files the first server wrote
+        assert metric(running, RESTORED, "disk") == again[1]
+        assert again[0] == before[0]
