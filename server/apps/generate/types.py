@@ -6,9 +6,10 @@ A protocol adapter validates its request into a :class:`GenerationRequest` (toke
 :class:`GenerationEvent` per step in which the request's text or tokens advanced, the last with
 its ``finish_reason``.
 
-Every parameter's range is written once, here (:meth:`SamplingParams.check`): each face checks
-its own fields first (naming them as its protocol does: OpenAI's ``param``, a KServe input),
-and ``Engine.add`` checks again before the request enters the engine, so a value out of range
+Every parameter's range is written once, here (:data:`RANGES`, read by
+:meth:`SamplingParams.check`): each face checks its own fields first from the same entries
+(naming them as its protocol does: OpenAI's ``param``, a KServe input), and ``Engine.add``
+checks again before the request enters the engine, so a value out of range
 is one request's 400, never an engine step that fails for every sequence in it (a seed numpy
 cannot take failed every request decoding beside it). The bounds, vLLM's where it has them:
 
@@ -53,10 +54,12 @@ __all__ = [
     "MAX_STOP",
     "MAX_STOP_CHARS",
     "MAX_TOKEN_LIST",
+    "RANGES",
     "SEED_RANGE",
     "Constraint",
     "GenerationEvent",
     "GenerationRequest",
+    "Range",
     "SamplingParams",
     "TokenLogprob",
     "seeded_generator",
@@ -100,6 +103,44 @@ class Constraint(Protocol):
     def accept(self, token_id: int) -> None: ...
 
     def done(self) -> bool: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """A numeric parameter's range, written once: the engine's check (:meth:`SamplingParams.
+    check`) and each face's own field checks (the OpenAI face's ``protocol.SAMPLING``, which
+    may narrow one, as OpenAI's temperature at most 2) read the same entry."""
+
+    low: float
+    high: float | None = None
+    low_open: bool = False
+    integer: bool = False
+    #: the range in words, for the engine's message
+    what: str = ""
+    #: None is a value (no seed)
+    optional: bool = False
+
+    def holds(self, value: Any) -> bool:
+        if value is None:
+            return self.optional
+        if self.integer:
+            return _integer(value, int(self.low), None if self.high is None else int(self.high))
+        return _number(value, self.low, self.high, self.low_open)
+
+
+#: the numeric sampling parameters' ranges (the module's table)
+RANGES: dict[str, Range] = {
+    "max_tokens": Range(1, integer=True, what="an integer, at least 1"),
+    "temperature": Range(0.0, what="a finite number, at least 0"),
+    "top_p": Range(0.0, 1.0, low_open=True, what="in (0, 1]"),
+    "top_k": Range(-1, integer=True, what="-1, 0 (no cut) or more"),
+    "min_p": Range(0.0, 1.0, what="in [0, 1]"),
+    "seed": Range(*SEED_RANGE, integer=True, what="a 64-bit integer", optional=True),
+    "min_tokens": Range(0, integer=True, what="an integer, at least 0"),
+    "presence_penalty": Range(-2.0, 2.0, what="in [-2, 2]"),
+    "frequency_penalty": Range(-2.0, 2.0, what="in [-2, 2]"),
+    "repetition_penalty": Range(0.0, low_open=True, what="a finite number above 0"),
+}
 
 
 @dataclasses.dataclass
@@ -157,21 +198,10 @@ class SamplingParams:
         """InvalidArgument naming the first parameter out of its range (the module's table);
         ``vocab``: the model's vocabulary (0: token ids are not checked against it). Costs the
         lengths of the lists it reads, each bounded before it is read."""
+        ranged = ((name, RANGES[name].holds(getattr(self, name)), RANGES[name].what)
+                  for name in RANGES)  # fmt: skip
         for name, ok, what in (
-            ("max_tokens", _integer(self.max_tokens, 1), "an integer, at least 1"),
-            ("temperature", _number(self.temperature, 0.0), "a finite number, at least 0"),
-            ("top_p", _number(self.top_p, 0.0, 1.0, low_open=True), "in (0, 1]"),
-            ("top_k", _integer(self.top_k, -1), "-1, 0 (no cut) or more"),
-            ("min_p", _number(self.min_p, 0.0, 1.0), "in [0, 1]"),
-            ("seed", self.seed is None or _integer(self.seed, *SEED_RANGE), "a 64-bit integer"),
-            ("min_tokens", _integer(self.min_tokens, 0), "an integer, at least 0"),
-            ("presence_penalty", _number(self.presence_penalty, -2.0, 2.0), "in [-2, 2]"),
-            ("frequency_penalty", _number(self.frequency_penalty, -2.0, 2.0), "in [-2, 2]"),
-            (
-                "repetition_penalty",
-                _number(self.repetition_penalty, 0.0, low_open=True),
-                "a finite number above 0",
-            ),
+            *ranged,
             (
                 "logprobs",
                 self.logprobs is None or _integer(self.logprobs, 0, vocab or None),

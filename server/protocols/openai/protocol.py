@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -51,6 +52,7 @@ from plugserve.server.apps.generate.types import (
     MAX_STOP,
     MAX_STOP_CHARS,
     MAX_TOKEN_LIST,
+    RANGES,
 )
 from plugserve.server.protocols.openai import tools, vllm_fields
 from plugserve.server.protocols.openai.errors import OpenAIError
@@ -430,6 +432,42 @@ def _stream(body: dict[str, Any], ask: GenerationAsk) -> None:
     ask.continuous_usage = ask.include_usage and continuous
 
 
+def _ranged(key: str, default: Any = None, **narrower: Any) -> Callable[[dict[str, Any]], Any]:
+    """A numeric field's check from the engine's one table of ranges (``types.RANGES``, which
+    ``SamplingParams.check`` reads again at the engine), narrowed where OpenAI's API is."""
+    bounds = dataclasses.replace(RANGES[key], **narrower)
+    if bounds.integer:
+        high = None if bounds.high is None else int(bounds.high)
+        return lambda body: _integer(body, key, default, int(bounds.low), high)
+    return lambda body: _number(body, key, default, bounds.low, bounds.high, bounds.low_open)
+
+
+def _top_k(body: dict[str, Any]) -> int | None:
+    top_k = _integer(body, "top_k", None, int(RANGES["top_k"].low))
+    return None if top_k is not None and top_k <= 0 else top_k  # 0 and -1: no cut
+
+
+#: the sampling fields chat and completions share, each read and checked once by its own small
+#: function (None: left to the engine's default); adding a field touches this table only
+SAMPLING: dict[str, Callable[[dict[str, Any]], Any]] = {
+    "temperature": _ranged("temperature", high=MAX_TEMPERATURE),
+    "top_p": _ranged("top_p"),
+    "top_k": _top_k,
+    "min_p": _ranged("min_p"),
+    "seed": _ranged("seed", low=_SEED_RANGE[0], high=_SEED_RANGE[1]),
+    "stop": _stop,
+    "stop_token_ids": lambda body: _token_ids(
+        body.get("stop_token_ids") or [], "stop_token_ids", MAX_TOKEN_LIST
+    ),
+    "ignore_eos": lambda body: _boolean(body, "ignore_eos"),
+    "min_tokens": _ranged("min_tokens", 0),
+    "presence_penalty": _ranged("presence_penalty", 0.0),
+    "frequency_penalty": _ranged("frequency_penalty", 0.0),
+    "repetition_penalty": _ranged("repetition_penalty", 1.0),
+    "logit_bias": _logit_bias,
+}
+
+
 def _sampling(body: dict[str, Any], ask: GenerationAsk) -> None:
     """The sampling fields common to chat and completions."""
     ask.n = _integer(body, "n", 1, 1, MAX_N)  # type: ignore[assignment]
@@ -440,27 +478,8 @@ def _sampling(body: dict[str, Any], ask: GenerationAsk) -> None:
             "candidates); leave it out",
             "best_of",
         )
-    temperature = _number(body, "temperature", None, 0.0, MAX_TEMPERATURE)
-    top_k = _integer(body, "top_k", None, -1)
-    seed = _integer(body, "seed", None, *_SEED_RANGE)
-    ask.sampling = {
-        "temperature": temperature,
-        "top_p": _number(body, "top_p", None, 0.0, 1.0, low_open=True),
-        "top_k": None if top_k is not None and top_k <= 0 else top_k,
-        "min_p": _number(body, "min_p", None, 0.0, 1.0),
-        "seed": seed,
-        "stop": _stop(body),
-        "stop_token_ids": _token_ids(
-            body.get("stop_token_ids") or [], "stop_token_ids", MAX_TOKEN_LIST
-        ),
-        "ignore_eos": _boolean(body, "ignore_eos"),
-        "min_tokens": _integer(body, "min_tokens", 0, 0),
-        "presence_penalty": _number(body, "presence_penalty", 0.0, -2.0, 2.0),
-        "frequency_penalty": _number(body, "frequency_penalty", 0.0, -2.0, 2.0),
-        "repetition_penalty": _number(body, "repetition_penalty", 1.0, 0.0, low_open=True),
-        "logit_bias": _logit_bias(body),
-    }
-    ask.sampling = {k: v for k, v in ask.sampling.items() if v is not None}
+    read = ((key, check(body)) for key, check in SAMPLING.items())
+    ask.sampling = {key: value for key, value in read if value is not None}
     ask.schema = _response_format(body)
     ask.return_token_ids = _boolean(body, "return_token_ids")
     ask.prompt_logprobs = _logprobs(body, "prompt_logprobs", None)
