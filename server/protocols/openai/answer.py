@@ -125,23 +125,35 @@ class Started:
     streams: list[Any]
     scored: int | None = None
 
+    def cancel(self) -> None:
+        """Every stream cancelled (one that ended is not affected): when the body that reads
+        them ends, however it ends (a client that left before the first piece too)."""
+        for stream in self.streams:
+            with contextlib.suppress(Exception):
+                stream.cancel()
 
-async def answer_deltas(answer: Answer, streams: list[Any]) -> AsyncIterator[list[Delta]]:
+
+async def answer_deltas(started: Started) -> AsyncIterator[list[Delta]]:
     """A chat answer's typed pieces (:meth:`Answer.deltas`) as its streams' events come: a
     list per wake-up, what came together (a face writes it at once); the streams cancelled
     when it ends, is closed or fails. A failure midway (the stream's, or the answer's: a
-    PlugserveError or OpenAIError) is raised for the face to write as its last event."""
+    PlugserveError or OpenAIError) is raised for the face to write as its last event, after
+    the pieces of the events before it."""
+    answer = started.answer
     try:
-        async for batch in merged(streams):
+        async for batch in merged(started.streams):
             made: list[Delta] = []
-            for prompt, event in batch:
-                made += answer.deltas(prompt, event)
+            try:
+                for prompt, event in batch:
+                    made += answer.deltas(prompt, event)
+            except (PlugserveError, OpenAIError):
+                if made:  # (as chat's stream writes what came before its failure)
+                    yield made
+                raise
             if made:
                 yield made
     finally:
-        for stream in streams:
-            with contextlib.suppress(Exception):
-                stream.cancel()
+        started.cancel()
 
 
 class Answer:

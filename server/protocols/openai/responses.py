@@ -36,8 +36,7 @@ from plugserve.plugins.api import PlugserveError
 from plugserve.server.protocols.http import sse
 from plugserve.server.protocols.http.http_server import StreamReply
 from plugserve.server.protocols.openai import protocol
-from plugserve.server.protocols.openai.answer import Answer, Started, answer_deltas
-from plugserve.server.protocols.openai.deltas import Delta
+from plugserve.server.protocols.openai.answer import Started, answer_deltas
 from plugserve.server.protocols.openai.errors import OpenAIError, stream_error
 from plugserve.server.protocols.openai.responses_input import ResponsesAsk, responses_request
 from plugserve.server.protocols.openai.responses_output import (
@@ -267,8 +266,7 @@ class ResponsesRoutes:
         if chat.stream:
             events = EventStream(rid, created, chat.model, ask.echo)
             kept = conversation if ask.store else None
-            deltas = answer_deltas(answer, started.streams)
-            chunks = self._streamed(events, answer, deltas, kept, ask.items, ask.tenant)
+            chunks = self._streamed(events, started, kept, ask.items, ask.tenant)
             return StreamReply(200, sse.HEADERS, chunks)
         try:
             long = await self.openai.gathered(started)
@@ -303,16 +301,16 @@ class ResponsesRoutes:
     async def _streamed(
         self,
         events: EventStream,
-        answer: Answer,
-        deltas: AsyncIterator[list[Delta]],
+        started: Started,
         conversation: list[dict[str, Any]] | None,
         items: list[dict[str, Any]],
         tenant: str,
     ) -> AsyncIterator[bytes]:
-        """The response's events from the answer's typed pieces (``deltas``, a list per
-        wake-up: their events written together); kept (with ``conversation``: None, not
+        """The response's events from the answer's typed pieces (``answer_deltas``, a list
+        per wake-up: their events written together); kept (with ``conversation``: None, not
         kept) once the last is made. A failure midway (the status line is out) is the
         ``response.failed`` event, with chat's error object."""
+        deltas = answer_deltas(started)
         try:
             for piece in events.opening():
                 yield piece
@@ -324,7 +322,7 @@ class ResponsesRoutes:
             except (PlugserveError, OpenAIError) as exc:
                 yield b"".join(events.failed(stream_error(exc)["error"]))
                 return
-            events.usage = usage(answer.usage())
+            events.usage = usage(started.answer.usage())
             finished = events.closing()
             if conversation is not None:
                 response = events.response(status_of(events.finish_reason))
@@ -332,7 +330,8 @@ class ResponsesRoutes:
             for event in finished:
                 yield event
         finally:
-            await deltas.aclose()  # type: ignore[attr-defined]  # its own finally cancels
+            await deltas.aclose()  # type: ignore[attr-defined]
+            started.cancel()  # (closed before its first piece, ``deltas`` never ran)
 
 
 def _renamed(exc: OpenAIError) -> OpenAIError:

@@ -36,7 +36,6 @@ from plugserve.server.protocols.openai.anthropic.request import (
     messages_request,
     renamed,
 )
-from plugserve.server.protocols.openai.deltas import Delta
 from plugserve.server.protocols.openai.errors import OpenAIError, stream_error
 
 __all__ = ["AnthropicRoutes"]
@@ -98,8 +97,7 @@ class AnthropicRoutes:
         answer = started.answer
         if chat.stream:
             events = EventStream(rid, ask.model, ask.stop_sequences, len(ids))
-            chunks = _streamed(events, answer, answer_deltas(answer, started.streams))
-            return StreamReply(200, sse.HEADERS, chunks)
+            return StreamReply(200, sse.HEADERS, _streamed(events, started))
         try:
             long = await self.openai.gathered(started)
         except OpenAIError as exc:
@@ -125,12 +123,11 @@ def _message(rid: str, ask: MessagesAsk, answer: Answer) -> bytes:
     return orjson.dumps(made)
 
 
-async def _streamed(
-    events: EventStream, answer: Answer, deltas: AsyncIterator[list[Delta]]
-) -> AsyncIterator[bytes]:
-    """The message's events from the answer's typed pieces (``deltas``, a list per wake-up:
-    their events written together); a failure midway (the status line is out) the ``error``
-    event."""
+async def _streamed(events: EventStream, started: Started) -> AsyncIterator[bytes]:
+    """The message's events from the answer's typed pieces (``answer_deltas``, a list per
+    wake-up: their events written together); a failure midway (the status line is out) the
+    ``error`` event."""
+    deltas = answer_deltas(started)
     try:
         yield b"".join(events.opening())
         try:
@@ -141,10 +138,11 @@ async def _streamed(
         except (PlugserveError, OpenAIError) as exc:
             yield b"".join(events.failed(_error_of(stream_error(exc)["error"])))
             return
-        events.usage = answer.usage()
+        events.usage = started.answer.usage()
         yield b"".join(events.closing())
     finally:
-        await deltas.aclose()  # type: ignore[attr-defined]  # its own finally cancels
+        await deltas.aclose()  # type: ignore[attr-defined]
+        started.cancel()  # (closed before its first piece, ``deltas`` never ran)
 
 
 def _error_of(error: dict[str, Any]) -> dict[str, Any]:
