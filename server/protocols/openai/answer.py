@@ -417,16 +417,7 @@ class Answer:
         """The chunk for one event (None: it carries nothing to send)."""
         template = self._template if self._template is not None else self._plain_template()
         if template and event.finish_reason is None:  # the common event: text only
-            i = prompt * self.ask.n + event.index
-            text = event.text
-            if text:
-                self.texts[i].append(text)
-            if event.completion_tokens > self.completion[i]:
-                self.completion[i] = event.completion_tokens
-            if event.prompt_tokens:
-                self.prompt_tokens[prompt] = event.prompt_tokens
-            if event.cached_tokens > self.cached[prompt]:
-                self.cached[prompt] = event.cached_tokens
+            i, text = self._text_only(prompt, event)
             if not text:
                 return None
             return b"".join((self._heads[i], orjson.dumps(text), self._tail))
@@ -484,12 +475,37 @@ class Answer:
             return "tool_calls"
         return finish
 
+    def _text_only(self, prompt: int, event: GenerationEvent) -> tuple[int, str]:
+        """A plain answer's common event taken in (text and counts only: no finish, nothing
+        asked beside the text), cheaper than :meth:`add`: its choice and its text."""
+        i = prompt * self.ask.n + event.index
+        text = event.text
+        if text:
+            self.texts[i].append(text)
+        if event.completion_tokens > self.completion[i]:
+            self.completion[i] = event.completion_tokens
+        if event.prompt_tokens:
+            self.prompt_tokens[prompt] = event.prompt_tokens
+        if event.cached_tokens > self.cached[prompt]:
+            self.cached[prompt] = event.cached_tokens
+        return i, text
+
     def deltas(self, prompt: int, event: GenerationEvent) -> list[Delta]:
         """A chat choice's typed pieces for one engine event (``deltas.py``): its text through
         the choice's parsers when it has them (reasoning, content, a call's head, its
         arguments), the event's logprobs and token ids on the first piece, the finish on the
         last; none when the event carries nothing to send. The chat route writes them as
         chunks (:meth:`chunk`), the Responses and Anthropic faces as their own events."""
+        if (
+            event.finish_reason is None
+            and event.prompt_logprobs is None
+            and self.outputs is None
+            and self.names is None
+            and not self.prompt_only
+            and not self.ask.return_token_ids
+        ):  # the common event of a plain answer: its text
+            i, text = self._text_only(prompt, event)
+            return [Delta(i, text)] if text else []
         event = self.bare(event)
         i = self.add(prompt, event)
         self.started.add(i)
