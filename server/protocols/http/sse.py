@@ -19,4 +19,3 @@ DONE = b"data: [DONE]\n\n"
 def event(data: bytes) -> bytes:
     """One event carrying ``data`` (JSON: one line, so one ``data:`` field)."""
     return b"data: " + data + b"\n\n"
-
