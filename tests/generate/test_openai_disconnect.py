@@ -32,6 +32,15 @@ def _running(server) -> float:
     return metric(server, "plugserve_generate_requests_running", MODEL)
 
 
+def _leave(server, connection: http.client.HTTPConnection, before: float) -> None:
+    """The client leaves mid-answer: its sequence is freed, counted aborted."""
+    connection.sock.close()
+    connection.close()
+    assert wait_for(lambda: _running(server) == 0, 60)
+    assert metric(server, "plugserve_generate_kv_cache_usage_ratio", MODEL) == 0
+    assert _aborted(server) == before + 1
+
+
 @pytest.mark.parametrize("stream", [True, False])
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v3/completions"])
 def test_a_client_that_leaves_frees_its_sequence(server, stream, path):
@@ -49,11 +58,7 @@ def test_a_client_that_leaves_frees_its_sequence(server, stream, path):
         assert response.read(6) == b"data: "  # it is generating
     else:
         assert wait_for(lambda: _running(server) == 1, 60), "the request is running"
-    connection.sock.close()  # the client leaves mid-answer
-    connection.close()
-    assert wait_for(lambda: _running(server) == 0, 60)
-    assert metric(server, "plugserve_generate_kv_cache_usage_ratio", MODEL) == 0
-    assert _aborted(server) == before + 1
+    _leave(server, connection, before)
 
 
 def _sse_body(raw: bytes) -> list[bytes]:
@@ -103,3 +108,35 @@ def test_a_client_that_pauses_reading_gets_its_whole_stream_in_order(server):
     tokens = [t for c in chunks[:-1] for t in c["choices"][0]["logprobs"]["tokens"]]
     assert len(tokens) == 400
     assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]][-1] == "length"
+
+
+@pytest.fixture(scope="module")
+def endless(tmp_path_factory):
+    """A server whose model's answers never end by themselves (no end-of-sequence token is
+    ever sampled; neither the Responses nor the Anthropic face takes vLLM's ``ignore_eos``),
+    each step computing for a while (a 4096-wide layer)."""
+    from tiny_decoder import write
+
+    folder = write(tmp_path_factory.mktemp("endless") / "model", long_token=8, width=4096)
+    with serving({MODEL: (folder, "NUMPY")}) as running:
+        yield running
+
+
+@pytest.mark.parametrize("path", ["/v1/responses", "/v1/messages"])
+def test_a_client_that_leaves_a_responses_or_messages_stream_frees_its_sequence(endless, path):
+    """The Responses and Anthropic faces read the answer's pieces themselves (not chat's
+    stream): a client that leaves one mid-answer still cancels it, counted aborted."""
+    server = endless
+    before = _aborted(server)
+    body = {"model": MODEL, "stream": True}
+    if path == "/v1/responses":
+        body.update(input="Tell me a long story.", max_output_tokens=4000)
+    else:
+        body.update(messages=[{"role": "user", "content": "Tell me a long story."}])
+        body["max_tokens"] = 4000
+    connection = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=60)
+    connection.request("POST", path, json.dumps(body), {"content-type": "application/json"})
+    response = connection.getresponse()
+    assert response.status == 200
+    assert response.read(7) == b"event: "  # its first event: it is generating
+    _leave(server, connection, before)

@@ -569,3 +569,81 @@ def test_cancel_answers_as_openai_for_a_foreground_response(api):
     api.responses.delete(kept.id)
     with pytest.raises(openai.NotFoundError):
         api.responses.input_items.list(kept.id)
+
+
+#: what the scripted models write (tests/support/scripted_decoder.py): a Qwen3 thinker's
+#: reasoning and one call, a Qwen2.5 caller's text and two calls
+THINKS = (
+    "<think>\nThe user asks about Paris. I should call the tool.\n</think>\n\n"
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n'
+    "</tool_call>"
+)
+CALLS = (
+    'I will check the weather.\n\n<tool_call>\n{"name": "get_weather", "arguments": '
+    '{"city": "Paris", "days": 3}}\n</tool_call>\n<tool_call>\n{"name": "get_time", '
+    '"arguments": {"zone": "Europe/Paris"}}\n</tool_call>'
+)
+WEATHER_TOOLS = [
+    {
+        "type": "function",
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+        },
+    },
+    {
+        "type": "function",
+        "name": "get_time",
+        "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}},
+    },
+]
+
+
+@pytest.fixture(scope="module")
+def scripted(tmp_path_factory):
+    from scripted_decoder import write
+
+    root = tmp_path_factory.mktemp("scripted")
+    entries = {
+        "thinker": (write(root / "thinker", "qwen3", THINKS), "NUMPY"),
+        "caller": (write(root / "caller", "qwen2_5", CALLS), "NUMPY"),
+    }
+    with serving(entries) as running:
+        yield client(running, timeout=120)
+
+
+def _items(response) -> list[tuple]:
+    """Each output item's kind and what it says (ids left out: each response makes its own)."""
+    made = []
+    for item in response.output:
+        if item.type == "function_call":
+            made.append((item.type, item.name, json.loads(item.arguments)))
+        else:
+            made.append((item.type, "".join(part.text for part in item.content)))
+    return made
+
+
+@pytest.mark.parametrize(
+    ("model", "kinds"),
+    [("thinker", ["reasoning", "function_call"]), ("caller", ["message", *["function_call"] * 2])],
+)
+def test_a_streamed_answer_with_reasoning_and_calls_ends_with_the_whole_ones_items(
+    scripted, model, kinds
+):
+    """A real server's stream through the chat path's parsers (reasoning split out, calls
+    read: the answer's typed pieces, each face's own events): the ``openai`` SDK's
+    accumulated response holds the items the whole response does, its calls' arguments the
+    join of their deltas."""
+    ask = dict(model=model, input="What is the weather in Paris?", tools=WEATHER_TOOLS)
+    whole = scripted.responses.create(**ask, max_output_tokens=300)
+    with scripted.responses.stream(**ask, max_output_tokens=300) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    assert [item.type for item in whole.output] == kinds
+    assert _items(final) == _items(whole)
+    assert ("function_call", "get_weather", {"city": "Paris", "days": 3}) in _items(final)
+    arguments = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    calls = [item.arguments for item in final.output if item.type == "function_call"]
+    assert "".join(arguments) == "".join(calls)
+    assert final.status == whole.status == "completed"

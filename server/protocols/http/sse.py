@@ -3,11 +3,7 @@ and OpenAI's streams frame them: each message one ``data:`` line and a blank lin
 
 from __future__ import annotations
 
-from typing import Any
-
-import orjson
-
-__all__ = ["DONE", "HEADERS", "event", "values"]
+__all__ = ["DONE", "HEADERS", "event"]
 
 #: the headers of a stream of events: not cached, not buffered by a proxy
 HEADERS = [
@@ -23,14 +19,3 @@ DONE = b"data: [DONE]\n\n"
 def event(data: bytes) -> bytes:
     """One event carrying ``data`` (JSON: one line, so one ``data:`` field)."""
     return b"data: " + data + b"\n\n"
-
-
-def values(piece: bytes) -> list[Any]:
-    """The JSON values of the ``data:`` events in ``piece`` (whole events; OpenAI's
-    ``[DONE]`` left out): a face that re-encodes another's stream reads it so."""
-    found = []
-    for block in piece.split(b"\n\n"):
-        for line in block.split(b"\n"):
-            if line.startswith(b"data: ") and line[6:] != b"[DONE]":
-                found.append(orjson.loads(line[6:]))
-    return found

@@ -2,8 +2,10 @@
 text, tokens, logprobs, tool calls and usage, whole (:meth:`Answer.body`) or as server-sent
 chunks (:func:`stream_reply`, and :class:`_Pushed` for the plain chunks the HTTP thread writes
 itself); and :class:`ServedModel`, a generative model as the face uses it. The routes
-(``serving.py``) decode, call the engine and hand its streams here; the Anthropic and Responses
-faces encode from the same answer.
+(``serving.py``) decode, call the engine and hand its streams here; a chat's events become
+typed pieces (:meth:`Answer.deltas`, ``deltas.py``), which the chat route writes as chunks and
+the Anthropic and Responses faces, from :func:`answer_deltas` or the whole answer's
+:meth:`Answer.choice`, as their own events and bodies.
 """
 
 from __future__ import annotations
@@ -23,9 +25,18 @@ from plugserve.server.apps.generate.types import GenerationEvent
 from plugserve.server.protocols.http import sse
 from plugserve.server.protocols.http.http_server import Push, StreamReply
 from plugserve.server.protocols.openai import encode, protocol, tools
+from plugserve.server.protocols.openai.deltas import Delta
 from plugserve.server.protocols.openai.errors import OpenAIError, stream_error
 
-__all__ = ["Answer", "ServedModel", "merged", "sse_bytes", "stream_reply"]
+__all__ = [
+    "Answer",
+    "ServedModel",
+    "Started",
+    "answer_deltas",
+    "merged",
+    "sse_bytes",
+    "stream_reply",
+]
 
 
 def sse_bytes(value: Any) -> bytes:
@@ -102,6 +113,47 @@ async def merged(streams: list[Any]) -> AsyncIterator[list[tuple[int, Generation
     finally:
         for task in tasks:
             task.cancel()
+
+
+@dataclasses.dataclass(slots=True)
+class Started:
+    """A generation under way (``OpenAIRoutes.started``): its answer, its streams (one a
+    prompt), and the alternatives per prompt token its answer writes (None: no prompt
+    logprobs)."""
+
+    answer: Answer
+    streams: list[Any]
+    scored: int | None = None
+
+    def cancel(self) -> None:
+        """Every stream cancelled (one that ended is not affected): when the body that reads
+        them ends, however it ends (a client that left before the first piece too)."""
+        for stream in self.streams:
+            with contextlib.suppress(Exception):
+                stream.cancel()
+
+
+async def answer_deltas(started: Started) -> AsyncIterator[list[Delta]]:
+    """A chat answer's typed pieces (:meth:`Answer.deltas`) as its streams' events come: a
+    list per wake-up, what came together (a face writes it at once); the streams cancelled
+    when it ends, is closed or fails. A failure midway (the stream's, or the answer's: a
+    PlugserveError or OpenAIError) is raised for the face to write as its last event, after
+    the pieces of the events before it."""
+    answer = started.answer
+    try:
+        async for batch in merged(started.streams):
+            made: list[Delta] = []
+            try:
+                for prompt, event in batch:
+                    made += answer.deltas(prompt, event)
+            except (PlugserveError, OpenAIError):
+                if made:  # (as chat's stream writes what came before its failure)
+                    yield made
+                raise
+            if made:
+                yield made
+    finally:
+        started.cancel()
 
 
 class Answer:
@@ -365,16 +417,7 @@ class Answer:
         """The chunk for one event (None: it carries nothing to send)."""
         template = self._template if self._template is not None else self._plain_template()
         if template and event.finish_reason is None:  # the common event: text only
-            i = prompt * self.ask.n + event.index
-            text = event.text
-            if text:
-                self.texts[i].append(text)
-            if event.completion_tokens > self.completion[i]:
-                self.completion[i] = event.completion_tokens
-            if event.prompt_tokens:
-                self.prompt_tokens[prompt] = event.prompt_tokens
-            if event.cached_tokens > self.cached[prompt]:
-                self.cached[prompt] = event.cached_tokens
+            i, text = self._text_only(prompt, event)
             if not text:
                 return None
             return b"".join((self._heads[i], orjson.dumps(text), self._tail))
@@ -389,6 +432,8 @@ class Answer:
             if self.kind == "chat":
                 value = b'{"content":' + value + b"}" if text else b"{}"
             return template % (i, value, b"null" if finish is None else orjson.dumps(finish))
+        if self.kind == "chat":
+            return self._chat_chunks(self.deltas(prompt, event))
         event = self.bare(event)
         i = self.add(prompt, event)
         first = i not in self.started
@@ -400,39 +445,22 @@ class Answer:
             self.ask.return_token_ids and event.token_ids
         ):
             return None
-        if self.kind == "chat":
-            logprobs = None
-            if self.names is not None and event.logprobs:
-                logprobs = {
-                    "content": encode.chat_logprobs(
-                        event.logprobs, self.names, self.ask.logprobs or 0
-                    )
-                }
-            if self.outputs is not None:
-                return self._parsed_chunks(i, text, logprobs, finish, event.token_ids)
-            choice = {
-                "index": i,
-                "delta": {"content": text} if text else {},
-                "logprobs": logprobs,
-                "finish_reason": finish,
-            }
-        else:
-            logprobs = None
-            if first_echo:
-                text = self._prompt_text(prompt) + text
-                if self.names is not None:
-                    logprobs, self.offsets[i] = encode.prompt_logprobs(
-                        self.prompts[prompt], self.prompt_logprobs[prompt], self.names,
-                        self.ask.logprobs or 0,
-                    )  # fmt: skip
+        logprobs = None
+        if first_echo:
+            text = self._prompt_text(prompt) + text
             if self.names is not None:
-                more, self.offsets[i] = encode.completion_logprobs(
-                    event.logprobs or [], self.names, self.ask.logprobs or 0, self.offsets[i]
-                )
-                logprobs = encode.join_logprobs(logprobs, more)
-            choice = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish}
+                logprobs, self.offsets[i] = encode.prompt_logprobs(
+                    self.prompts[prompt], self.prompt_logprobs[prompt], self.names,
+                    self.ask.logprobs or 0,
+                )  # fmt: skip
+        if self.names is not None:
+            more, self.offsets[i] = encode.completion_logprobs(
+                event.logprobs or [], self.names, self.ask.logprobs or 0, self.offsets[i]
+            )
+            logprobs = encode.join_logprobs(logprobs, more)
+        choice = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish}
         if self.ask.return_token_ids:
-            if first and self.kind != "chat":  # completions: in the choice's first chunk
+            if first:  # completions: in the choice's first chunk
                 choice["prompt_token_ids"] = self.prompts[prompt]
             choice["token_ids"] = list(event.token_ids)
         return sse_bytes(self._chunk([choice]))
@@ -447,31 +475,86 @@ class Answer:
             return "tool_calls"
         return finish
 
-    def _parsed_chunks(
-        self, i: int, text: str, logprobs: Any, finish: str | None, ids: Any
-    ) -> bytes | None:
-        """A chat choice's event through its parsers: a chunk per delta (reasoning, content,
-        a call's head, its arguments), the logprobs on the first, the finish on the last."""
-        output = self.outputs[i]  # type: ignore[index]
-        deltas = output.feed(text) if text else []
+    def _text_only(self, prompt: int, event: GenerationEvent) -> tuple[int, str]:
+        """A plain answer's common event taken in (text and counts only: no finish, nothing
+        asked beside the text), cheaper than :meth:`add`: its choice and its text."""
+        i = prompt * self.ask.n + event.index
+        text = event.text
+        if text:
+            self.texts[i].append(text)
+        if event.completion_tokens > self.completion[i]:
+            self.completion[i] = event.completion_tokens
+        if event.prompt_tokens:
+            self.prompt_tokens[prompt] = event.prompt_tokens
+        if event.cached_tokens > self.cached[prompt]:
+            self.cached[prompt] = event.cached_tokens
+        return i, text
+
+    def deltas(self, prompt: int, event: GenerationEvent) -> list[Delta]:
+        """A chat choice's typed pieces for one engine event (``deltas.py``): its text through
+        the choice's parsers when it has them (reasoning, content, a call's head, its
+        arguments), the event's logprobs and token ids on the first piece, the finish on the
+        last; none when the event carries nothing to send. The chat route writes them as
+        chunks (:meth:`chunk`), the Responses and Anthropic faces as their own events."""
+        if (
+            event.finish_reason is None
+            and event.prompt_logprobs is None
+            and self.outputs is None
+            and self.names is None
+            and not self.prompt_only
+            and not self.ask.return_token_ids
+        ):  # the common event of a plain answer: its text
+            i, text = self._text_only(prompt, event)
+            return [Delta(i, text)] if text else []
+        event = self.bare(event)
+        i = self.add(prompt, event)
+        self.started.add(i)
+        finish = self.finish[i] if event.finish_reason is not None else None
+        text = event.text
+        ids = list(event.token_ids) if self.ask.return_token_ids else None
+        logprobs = None
+        if self.names is not None and event.logprobs:
+            logprobs = encode.chat_logprobs(event.logprobs, self.names, self.ask.logprobs or 0)
+        if self.outputs is None:
+            if not (text or event.logprobs or finish is not None or ids):
+                return []
+            return [Delta(i, text or None, logprobs=logprobs, token_ids=ids, finish=finish)]
+        output = self.outputs[i]
+        made = output.feed(text) if text else []
         if finish is not None:
-            deltas += output.finish()
+            made += output.finish()
             finish = self._chat_finish(i)
-        ids = list(ids) if self.ask.return_token_ids else []
-        if not deltas and (logprobs is not None or finish is not None or ids):
-            deltas = [{}]
+        if not made:
+            if logprobs is None and finish is None and not ids:
+                return []
+            made = [Delta()]
+        for delta in made:
+            delta.choice = i
+            if ids is not None:
+                delta.token_ids = []
+        made[0].logprobs, made[0].token_ids = logprobs, ids
+        made[-1].finish = finish
+        return made
+
+    def _chat_chunks(self, deltas: list[Delta]) -> bytes | None:
+        """Chat's chunks of an event's pieces, one a piece."""
         pieces = []
-        for k, delta in enumerate(deltas):
+        for delta in deltas:
             choice = {
-                "index": i,
-                "delta": delta,
-                "logprobs": logprobs if k == 0 else None,
-                "finish_reason": finish if k == len(deltas) - 1 else None,
+                "index": delta.choice,
+                "delta": delta.chat(),
+                "logprobs": None if delta.logprobs is None else {"content": delta.logprobs},
+                "finish_reason": delta.finish,
             }
-            if self.ask.return_token_ids:
-                choice["token_ids"] = ids if k == 0 else []
+            if delta.token_ids is not None:
+                choice["token_ids"] = delta.token_ids
             pieces.append(sse_bytes(self._chunk([choice])))
         return b"".join(pieces) or None
+
+    def choice(self, i: int) -> dict[str, Any]:
+        """Chat's choice ``i`` of the whole answer (its message through the parsers, its
+        logprobs, its finish): what the Responses and Anthropic faces make their own of."""
+        return self._choice(i, False)
 
     def closing(self) -> list[bytes]:
         if not self.ask.include_usage:

@@ -4,10 +4,12 @@ path it stands on.
 
 A request is checked and its items turned into chat messages (:mod:`.responses_input`), the
 conversation of its ``previous_response_id`` put before them, and the whole run through the chat
-route's own code (``OpenAIRoutes._chat``: the same checks, template, tokenizing, engine, budget,
-trace), never an HTTP hop; its answer, the chat completion or its stream of chunks, becomes the
-response's output items or events (:mod:`.responses_output`, the one seam), and a refusal of
-chat's names the responses field (``max_output_tokens``, ``text.format``, ``input``).
+route's own code (``OpenAIRoutes._chat_prompt`` and ``started``: the same checks, template,
+tokenizing, engine, budget, trace), never an HTTP hop; its answer, the whole choice or its typed
+pieces as they come (``answer.answer_deltas``, ``deltas.py``: what the chat route writes as
+chunks, never its chunks parsed back), becomes the response's output items or events
+(:mod:`.responses_output`, the one seam), and a refusal of chat's names the responses field
+(``max_output_tokens``, ``text.format``, ``input``).
 
 Kept responses (``store``, true unless said false) live in :mod:`.responses_store`, bounded in
 entries, bytes (charged to the memory budget) and age; ``previous_response_id`` continues the
@@ -30,10 +32,13 @@ from typing import Any
 
 import orjson
 
+from plugserve.plugins.api import PlugserveError
 from plugserve.server.protocols.http import sse
 from plugserve.server.protocols.http.http_server import StreamReply
+from plugserve.server.protocols.http.replies import JSON
 from plugserve.server.protocols.openai import protocol
-from plugserve.server.protocols.openai.errors import OpenAIError
+from plugserve.server.protocols.openai.answer import Started, answer_deltas
+from plugserve.server.protocols.openai.errors import OpenAIError, stream_error
 from plugserve.server.protocols.openai.responses_input import ResponsesAsk, responses_request
 from plugserve.server.protocols.openai.responses_output import (
     EventStream,
@@ -51,7 +56,6 @@ PAGE, MAX_PAGE = 20, 100
 
 __all__ = ["ResponsesRoutes"]
 
-_JSON = [(b"content-type", b"application/json")]
 #: chat's field -> the responses field a refusal names
 _PARAMS = {
     "messages": "input",
@@ -135,14 +139,14 @@ class ResponsesRoutes:
 
     def retrieve(self, call: Any) -> Any:
         entry = self._kept(call.path["response"], call.tenant)
-        return 200, [entry.response], _JSON
+        return 200, [entry.response], JSON
 
     def delete(self, call: Any) -> Any:
         rid = call.path["response"]
         if not self.store.delete(rid, call.tenant):
             self._kept(rid, call.tenant)
         body = {"id": rid, "object": "response.deleted", "deleted": True}
-        return 200, [orjson.dumps(body)], _JSON
+        return 200, [orjson.dumps(body)], JSON
 
     def input_items(self, call: Any) -> Any:
         entry = self._kept(call.path["response"], call.tenant)
@@ -191,7 +195,7 @@ class ResponsesRoutes:
             "last_id": page[-1]["id"] if page else None,
             "has_more": len(items) > limit,
         }
-        return 200, [orjson.dumps(body)], _JSON
+        return 200, [orjson.dumps(body)], JSON
 
     def cancel(self, call: Any) -> Any:
         rid = call.path["response"]
@@ -238,6 +242,17 @@ class ResponsesRoutes:
         chat.tenant = ask.tenant  # its prefix cache is its tenant's
         return chat, conversation
 
+    async def _start(self, chat: protocol.ChatRequest, trace: Any) -> Started:
+        """The chat request started on the chat path (its checks, template, engine, budget,
+        trace), a refusal naming the responses field."""
+        try:
+            model, ids, plan = await self.openai._chat_prompt(chat)
+            started = await self.openai.started(model, chat, [ids], "chat", "messages", trace, plan)
+        except OpenAIError as exc:
+            raise _renamed(exc) from None
+        assert isinstance(started, Started)  # (only a completion's echo answers at once)
+        return started
+
     async def _create(self, ask: ResponsesAsk, trace: Any) -> Any:
         history = self._history(ask)
         if history or len(ask.messages) > _INLINE_ITEMS:
@@ -246,34 +261,32 @@ class ResponsesRoutes:
             chat, conversation = self._chat_ask(ask, history)
         rid = new_id("resp")
         created = int(time.time())
-        try:
-            reply = await self.openai._chat(chat, trace)
-        except OpenAIError as exc:
-            raise _renamed(exc) from None
-        if isinstance(reply, StreamReply):
+        started = await self._start(chat, trace)
+        answer = started.answer
+        if chat.stream:
             events = EventStream(rid, created, chat.model, ask.echo)
             kept = conversation if ask.store else None
-            reply.chunks = self._streamed(events, reply.chunks, kept, ask.items, ask.tenant)
-            return reply
-        status, pieces, _headers = reply
-        if status != 200:
-            return reply
-        answer = orjson.loads(b"".join(pieces))
-        choice = answer["choices"][0]
-        message = choice.get("message") or {}
-        state = status_of(choice.get("finish_reason"))
+            chunks = self._streamed(events, started, kept, ask.items, ask.tenant)
+            return StreamReply(200, sse.HEADERS, chunks)
+        try:
+            long = await self.openai.gathered(started)
+        except OpenAIError as exc:
+            raise _renamed(exc) from None
+        choice = await self.openai._in_worker(answer.choice, 0) if long else answer.choice(0)
+        message = choice["message"]
+        state = status_of(choice["finish_reason"])
         output = output_items(
             message.get("content"),
             message.get("tool_calls"),
-            message.get("reasoning_content") or message.get("reasoning"),
-            logprobs=(choice.get("logprobs") or {}).get("content"),
+            message.get("reasoning_content"),
+            logprobs=(choice["logprobs"] or {}).get("content"),
         )
         body = response_object(
-            rid, created, chat.model, ask.echo, state, output, usage(answer.get("usage"))
+            rid, created, chat.model, ask.echo, state, output, usage(answer.usage())
         )
         if ask.store:
             self._keep(body, conversation, ask.items, ask.tenant)
-        return 200, [orjson.dumps(body)], _JSON
+        return 200, [orjson.dumps(body)], JSON
 
     def _keep(
         self,
@@ -288,26 +301,28 @@ class ResponsesRoutes:
     async def _streamed(
         self,
         events: EventStream,
-        chunks: AsyncIterator[bytes],
+        started: Started,
         conversation: list[dict[str, Any]] | None,
         items: list[dict[str, Any]],
         tenant: str,
     ) -> AsyncIterator[bytes]:
-        """The response's events from the chat stream's ``chunks``; kept (with
-        ``conversation``: None, not kept) once the last is made."""
+        """The response's events from the answer's typed pieces (``answer_deltas``, a list
+        per wake-up: their events written together); kept (with ``conversation``: None, not
+        kept) once the last is made. A failure midway (the status line is out) is the
+        ``response.failed`` event, with chat's error object."""
+        deltas = answer_deltas(started)
         try:
             for piece in events.opening():
                 yield piece
-            async for piece in chunks:  # (the events of one piece are written together)
-                made: list[bytes] = []
-                for value in sse.values(piece):
-                    if "error" in value and "choices" not in value:
-                        made += events.failed(value["error"])
+            try:
+                async for batch in deltas:
+                    made = [event for delta in batch for event in events.delta(delta)]
+                    if made:
                         yield b"".join(made)
-                        return
-                    made += events.chunk(value)
-                if made:
-                    yield b"".join(made)
+            except (PlugserveError, OpenAIError) as exc:
+                yield b"".join(events.failed(stream_error(exc)["error"]))
+                return
+            events.usage = usage(started.answer.usage())
             finished = events.closing()
             if conversation is not None:
                 response = events.response(status_of(events.finish_reason))
@@ -315,7 +330,8 @@ class ResponsesRoutes:
             for event in finished:
                 yield event
         finally:
-            await chunks.aclose()  # type: ignore[attr-defined]  # its own finally cancels
+            await deltas.aclose()  # type: ignore[attr-defined]
+            started.cancel()  # (closed before its first piece, ``deltas`` never ran)
 
 
 def _renamed(exc: OpenAIError) -> OpenAIError:

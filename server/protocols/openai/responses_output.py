@@ -1,12 +1,13 @@
 """A chat answer as Responses output items, whole or streamed as OpenAI's events: the one seam
-between the chat path's result and the Responses API (``responses.py`` calls it).
+between the chat path's result (its whole choice, or its typed pieces: ``deltas.py``) and the
+Responses API (``responses.py`` calls it).
 
 :func:`output_items` makes the items of a whole chat answer (its ``content``, its ``tool_calls``
 and its ``reasoning_content``): a ``reasoning`` item, a ``message`` with one ``output_text``
 part, a ``function_call`` per call. When the chat path parses tool calls and reasoning out of
 an answer, they come out as ``function_call`` and ``reasoning`` items with no change here.
 
-:class:`EventStream` makes the same items from chat's streamed deltas, as the events the
+:class:`EventStream` makes the same items from the answer's typed pieces, as the events the
 ``openai`` SDK's ``responses.stream`` accumulates, each with its ``sequence_number`` and an
 ``event:`` line as OpenAI writes them: ``response.created``, ``response.in_progress``, per item
 ``response.output_item.added`` (a message's ``response.content_part.added``,
@@ -27,6 +28,7 @@ from typing import Any
 import orjson
 
 from plugserve.server.protocols.http import sse
+from plugserve.server.protocols.openai.deltas import CallPiece, Delta, from_chat
 
 __all__ = [
     "EventStream",
@@ -179,13 +181,13 @@ def assistant_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [message]
 
 
-# --- streamed: chat chunks in, response events out
+# --- streamed: the answer's pieces in, response events out
 
 
 class EventStream:
-    """Responses' events from chat's streamed deltas (``choices[0].delta``: ``content``,
-    ``tool_calls``, ``reasoning_content`` / ``reasoning``), one item open at a time: a change
-    of kind closes the open item and opens the next, as OpenAI orders them."""
+    """Responses' events from the answer's typed pieces (``deltas.py``: content, reasoning,
+    a tool call's head and arguments, the finish), one item open at a time: a change of kind
+    closes the open item and opens the next, as OpenAI orders them."""
 
     def __init__(self, rid: str, created: int, model: str, echo: dict[str, Any]) -> None:
         """``echo``: what the response object repeats of its request."""
@@ -331,54 +333,50 @@ class EventStream:
         events.append(self._event(name, **fields))
         return events
 
-    def _call_delta(self, call: dict[str, Any]) -> list[bytes]:
+    def _call_delta(self, call: CallPiece) -> list[bytes]:
         events: list[bytes] = []
-        index = call.get("index", 0)
-        function = call.get("function") or {}
+        index = call.index
         if index not in self._calls:
             item = call_item(
-                new_id("fc"),
-                call.get("id") or new_id("call"),
-                function.get("name") or "",
-                "",
-                "in_progress",
+                new_id("fc"), call.id or new_id("call"), call.name or "", "", "in_progress"
             )
             events += self._begin(item)
             self._calls[index] = len(self.output) - 1
         elif self._calls[index] != len(self.output) - 1:
             return events  # a delta to a call already closed: chat's parsers never send it
-        arguments = function.get("arguments") or ""
-        if arguments:
+        if call.arguments:
             assert self._open is not None
-            self._text.append(arguments)
+            self._text.append(call.arguments)
             events.append(
                 self._event(
                     "response.function_call_arguments.delta",
                     item_id=self._open["id"],
                     output_index=self._calls[index],
-                    delta=arguments,
+                    delta=call.arguments,
                 )
             )
         return events
 
-    def chunk(self, chunk: dict[str, Any]) -> list[bytes]:
-        """The events of one chat chunk."""
-        if chunk.get("usage"):
-            self.usage = usage(chunk["usage"])
+    def delta(self, delta: Delta) -> list[bytes]:
+        """The events of one piece of the answer (``deltas.py``)."""
         events: list[bytes] = []
-        for choice in chunk.get("choices") or ():
-            delta = choice.get("delta") or {}
-            reasoning = delta.get("reasoning_content") or delta.get("reasoning")
-            if reasoning:
-                events += self._text_delta("reasoning", reasoning)
-            if delta.get("content"):
-                logprobs = (choice.get("logprobs") or {}).get("content")
-                events += self._text_delta("message", delta["content"], logprobs)
-            for call in delta.get("tool_calls") or ():
-                events += self._call_delta(call)
-            if choice.get("finish_reason") is not None:
-                self.finish_reason = choice["finish_reason"]
+        if delta.reasoning:
+            events += self._text_delta("reasoning", delta.reasoning)
+        if delta.content:
+            events += self._text_delta("message", delta.content, delta.logprobs)
+        if delta.call is not None:
+            events += self._call_delta(delta.call)
+        if delta.finish is not None:
+            self.finish_reason = delta.finish
         return events
+
+    def chunk(self, chunk: dict[str, Any]) -> list[bytes]:
+        """The events of a chat chunk as a client reads it (``deltas.from_chat``): a chat
+        stream from elsewhere; the server's own answers come as pieces (:meth:`delta`)."""
+        pieces, used = from_chat(chunk)
+        if used:
+            self.usage = usage(used)
+        return [event for piece in pieces for event in self.delta(piece)]
 
     def closing(self) -> list[bytes]:
         """The open item closed and the last event: completed, or incomplete."""

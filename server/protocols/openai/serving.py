@@ -74,6 +74,7 @@ from plugserve.server.protocols.openai import encode, protocol, tools
 from plugserve.server.protocols.openai.answer import (
     Answer,
     ServedModel,
+    Started,
     merged,
     sse_bytes,
     stream_reply,
@@ -318,7 +319,8 @@ class OpenAIRoutes:
 
     async def _chat(self, ask: protocol.ChatRequest, trace: Trace | None) -> Any:
         model, ids, plan = await self._chat_prompt(ask)
-        return await self._generate(model, ask, [ids], "chat", "messages", trace, plan)
+        started = await self.started(model, ask, [ids], "chat", "messages", trace, plan)
+        return await self._written(started)
 
     async def _chat_prompt(
         self, ask: protocol.ChatRequest
@@ -359,7 +361,9 @@ class OpenAIRoutes:
             else []
         )
         ids = [next(encoded) if isinstance(p, str) else p for p in ask.prompts]
-        return await self._generate(model, ask, ids, "completion", "prompt", trace)
+        return await self._written(
+            await self.started(model, ask, ids, "completion", "prompt", trace)
+        )
 
     # --- generation, shared
 
@@ -439,7 +443,16 @@ class OpenAIRoutes:
                 )
             setattr(ask, attr, count)
 
-    async def _generate(
+    async def _written(self, started: Started | Reply) -> Any:
+        """A started answer (:meth:`started`) written as OpenAI's: a stream of chunks, or the
+        whole body."""
+        if not isinstance(started, Started):
+            return started
+        if started.answer.ask.stream:
+            return stream_reply(started.answer, started.streams)
+        return await self._whole(started)
+
+    async def started(
         self,
         model: ServedModel,
         ask: protocol.GenerationAsk,
@@ -448,7 +461,12 @@ class OpenAIRoutes:
         field: str,
         trace: Trace | None = None,
         plan: tools.Plan | None = None,
-    ) -> Any:
+    ) -> Started | Reply:
+        """A generation checked against the model (``field`` names its prompts in a
+        refusal), charged and started: its answer and streams, which the chat route writes
+        as chunks or a body and the Responses and Anthropic faces read as typed pieces
+        (``answer.answer_deltas``) or the whole :class:`Answer`; a completion that echoes
+        its prompt and generates nothing is its reply at once."""
         max_tokens = self._checked(model, ask, prompts, field)
         constraints, schema_bytes = await self._constraints(model, ask, len(prompts), max_tokens)
         if plan is not None:  # a grammar waits for the reasoning to end
@@ -487,9 +505,7 @@ class OpenAIRoutes:
         streams = self._open_all(model, ask, rid, prompts, params, constraints, holds, trace)
         answer = Answer(model, ask, kind, rid, prompts, echo, plan)
         answer.prompt_only = echo and max_tokens == 0
-        if ask.stream:
-            return stream_reply(answer, streams)
-        return await self._whole(answer, streams, prompts, scored)
+        return Started(answer, streams, scored)
 
     def _checked(
         self, model: ServedModel, ask: protocol.GenerationAsk, prompts: list[list[int]], field: str
@@ -559,10 +575,10 @@ class OpenAIRoutes:
             raise
         return streams
 
-    async def _whole(
-        self, answer: Answer, streams: list[Any], prompts: list[list[int]], scored: int | None
-    ) -> Any:
-        """A non-streamed answer: every stream's events gathered, then encoded."""
+    async def gathered(self, started: Started) -> bool:
+        """A non-streamed answer: every stream's events taken into it; whether it is long
+        (many choices, logprobs: each alternative ~64 bytes), to be written on a worker."""
+        answer, streams = started.answer, started.streams
         try:
             async for batch in merged(streams):
                 for index, event in batch:
@@ -572,11 +588,15 @@ class OpenAIRoutes:
                 stream.cancel()
         tokens = sum(len(t) for t in answer.token_ids) + sum(answer.completion)
         size = tokens * (1 + (answer.ask.logprobs or 0))
-        if scored is not None:  # the prompts' logprobs are written too
-            size += sum(len(p) for p in prompts) * (1 + scored)
-        if size > INLINE_BYTES // 64:
-            # a long answer (many choices, logprobs: each alternative ~64 bytes) is built and
-            # written on a worker, a bounded piece at a time (encode.json_pieces)
+        if started.scored is not None:  # the prompts' logprobs are written too
+            size += sum(len(p) for p in answer.prompts) * (1 + started.scored)
+        return size > INLINE_BYTES // 64
+
+    async def _whole(self, started: Started) -> Any:
+        """A non-streamed answer: gathered, then encoded (a long one on a worker, a bounded
+        piece at a time: encode.json_pieces)."""
+        answer = started.answer
+        if await self.gathered(started):
             return 200, [await self._in_worker(_dumped, answer)], JSON
         return 200, [orjson.dumps(answer.body())], JSON
 

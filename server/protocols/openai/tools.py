@@ -38,6 +38,7 @@ from typing import Any
 
 from plugserve.server.apps.generate.text.grammar import MAX_SCHEMA_BYTES, closed_schema
 from plugserve.server.apps.generate.tool_parsers import MAX_CALL_CHARS, Streamer, ToolCall
+from plugserve.server.protocols.openai.deltas import CallPiece, Delta
 from plugserve.server.protocols.openai.errors import OpenAIError
 
 __all__ = [
@@ -220,8 +221,8 @@ def _call_id() -> str:
 
 
 class ChatOutput:
-    """One choice's answer, as deltas while it streams (:meth:`feed`, :meth:`finish`) and as
-    its message (:meth:`message`); see the module's docstring."""
+    """One choice's answer, as typed deltas while it streams (``deltas.py``: :meth:`feed`,
+    :meth:`finish`) and as its message (:meth:`message`); see the module's docstring."""
 
     def __init__(
         self,
@@ -243,14 +244,15 @@ class ChatOutput:
         self._skipping = False  # a streamed call past parallel_tool_calls false: dropped
         self._message: dict[str, Any] | None = None
 
-    def feed(self, text: str) -> list[dict[str, Any]]:
+    def feed(self, text: str) -> list[Delta]:
+        """The typed pieces (``deltas.py``) of the answer's next ``text``."""
         return self._step(text, False)
 
-    def finish(self) -> list[dict[str, Any]]:
+    def finish(self) -> list[Delta]:
         return self._step("", True)
 
-    def _step(self, text: str, final: bool) -> list[dict[str, Any]]:
-        deltas: list[dict[str, Any]] = []
+    def _step(self, text: str, final: bool) -> list[Delta]:
+        deltas: list[Delta] = []
         if self.splitter is not None:
             reasoning, text = self.splitter.feed(text)
             if final:
@@ -258,7 +260,7 @@ class ChatOutput:
                 reasoning, text = reasoning + more, text + rest
             if reasoning:
                 self.reasoning.append(reasoning)
-                deltas.append({"reasoning_content": reasoning})
+                deltas.append(Delta(reasoning=reasoning))
             for kind, value in getattr(self.splitter, "take_events", list)():
                 deltas += self._event(kind, value)  # harmony's calls come with its channels
         if self.forced is not None:
@@ -273,7 +275,7 @@ class ChatOutput:
             deltas.append(self._text(text))
         return deltas
 
-    def _event(self, kind: str, value: Any) -> list[dict[str, Any]]:
+    def _event(self, kind: str, value: Any) -> list[Delta]:
         """A parser's event as deltas: content, a call's name, its arguments' fragment, or
         the call closed (whole, when it did not stream)."""
         if kind == "content":
@@ -290,7 +292,7 @@ class ChatOutput:
                 return []
             self._streaming["function"]["arguments"] += value
             index = len(self.calls) - 1
-            return [{"tool_calls": [{"index": index, "function": {"arguments": value}}]}]
+            return [Delta(call=CallPiece(index, value))]
         if self._skipping:
             self._skipping = False
             return []
@@ -305,11 +307,11 @@ class ChatOutput:
             return []
         return self._call(value)
 
-    def _text(self, text: str) -> dict[str, Any]:
+    def _text(self, text: str) -> Delta:
         self.content.append(text)
-        return {"content": text}
+        return Delta(content=text)
 
-    def _call(self, call: ToolCall) -> list[dict[str, Any]]:
+    def _call(self, call: ToolCall) -> list[Delta]:
         if self.calls and not self.parallel:
             return []
         index = len(self.calls)
@@ -319,18 +321,17 @@ class ChatOutput:
             "function": {"name": call.name, "arguments": call.arguments},
         }
         self.calls.append(entry)
-        head = {**entry, "index": index, "function": {"name": call.name, "arguments": ""}}
-        body = {"index": index, "function": {"arguments": call.arguments}}
-        return [{"tool_calls": [head]}, {"tool_calls": [body]}]
+        head = CallPiece(index, "", entry["id"], call.name)
+        return [Delta(call=head), Delta(call=CallPiece(index, call.arguments))]
 
-    def _forced(self, text: str, final: bool) -> list[dict[str, Any]]:
+    def _forced(self, text: str, final: bool) -> list[Delta]:
         if self.forced != "required":  # a named function: the text is its arguments
-            deltas = []
+            deltas: list[Delta] = []
             if not self.calls and (text or final):
                 deltas += self._call(ToolCall(self.forced, ""))[:1]
             if text:
                 self.calls[0]["function"]["arguments"] += text
-                deltas.append({"tool_calls": [{"index": 0, "function": {"arguments": text}}]})
+                deltas.append(Delta(call=CallPiece(0, text)))
             return deltas
         self._held.append(text)
         if not final:

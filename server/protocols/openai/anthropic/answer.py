@@ -1,5 +1,6 @@
 """A chat answer as Anthropic's message, whole or streamed as its events: the one seam between
-the chat path's result and the Messages API (``routes.py`` calls it).
+the chat path's result (its whole choice, or its typed pieces: ``deltas.py``) and the Messages
+API (``routes.py`` calls it).
 
 Blocks, in the order a model writes them: ``thinking`` (the reasoning the model's parser split
 out; ``signature`` is empty: nothing here signs it, and a client sends it back as it came),
@@ -12,7 +13,7 @@ request kept it in the text, :class:`StopTail` cuts it), ``end_turn`` otherwise.
 those that were (Anthropic's split: their sum is what ``count_tokens`` says),
 ``output_tokens`` the answer's.
 
-:class:`EventStream` makes the same blocks from chat's streamed deltas as the events the
+:class:`EventStream` makes the same blocks from the answer's typed pieces as the events the
 ``anthropic`` SDK's ``messages.stream`` accumulates, each with its ``event:`` line:
 ``message_start``, per block ``content_block_start``, its deltas (``thinking_delta``,
 ``text_delta``, ``input_json_delta``: a call's arguments in the fragments the model wrote)
@@ -30,6 +31,7 @@ import orjson
 
 from plugserve.server.apps.generate.text.detokenizer import StopScan
 from plugserve.server.protocols.http import sse
+from plugserve.server.protocols.openai.deltas import CallPiece, Delta
 
 __all__ = ["EventStream", "StopTail", "message", "new_id", "tool_input", "usage"]
 
@@ -118,9 +120,15 @@ class StopTail:
         return out
 
 
-def message(rid: str, model: str, answer: dict[str, Any], stops: list[str]) -> dict[str, Any]:
-    """The message of a whole chat answer (``answer``: the chat completion's body)."""
-    choice = answer["choices"][0]
+def message(
+    rid: str,
+    model: str,
+    choice: dict[str, Any],
+    used: dict[str, Any] | None,
+    stops: list[str],
+) -> dict[str, Any]:
+    """The message of a whole answer: ``choice``, chat's choice of it (``Answer.choice``:
+    its message through the parsers, its finish), ``used`` chat's usage."""
     chat = choice.get("message") or {}
     content: list[dict[str, Any]] = []
     reasoning = chat.get("reasoning_content") or chat.get("reasoning")
@@ -152,14 +160,14 @@ def message(rid: str, model: str, answer: dict[str, Any], stops: list[str]) -> d
         "content": content,
         "stop_reason": stop_reason(finish, bool(calls), matched),
         "stop_sequence": matched,
-        "usage": usage(answer.get("usage")),
+        "usage": usage(used),
     }
 
 
 class EventStream:
-    """Anthropic's events from chat's streamed chunks (``choices[0].delta``: ``content``,
-    ``reasoning_content``, ``tool_calls``; the last chunk's ``usage``), one block open at a
-    time: a change of kind closes the open block and starts the next."""
+    """Anthropic's events from the answer's typed pieces (``deltas.py``: content, reasoning,
+    a tool call's head and arguments, the finish; :attr:`usage`, chat's, set once it ends),
+    one block open at a time: a change of kind closes the open block and starts the next."""
 
     def __init__(self, rid: str, model: str, stops: list[str], input_tokens: int) -> None:
         self.rid, self.model, self.input_tokens = rid, model, input_tokens
@@ -234,42 +242,36 @@ class EventStream:
         events.append(self._delta({"type": f"{kind}_delta", field: text}))
         return events
 
-    def _call(self, call: dict[str, Any]) -> list[bytes]:
+    def _call(self, call: CallPiece) -> list[bytes]:
         events: list[bytes] = []
-        index = call.get("index", 0)
-        function = call.get("function") or {}
+        index = call.index
         if index not in self.calls:
             block = {
                 "type": "tool_use",
-                "id": _tool_id(call.get("id")),
-                "name": function.get("name") or "",
+                "id": _tool_id(call.id),
+                "name": call.name or "",
                 "input": {},
             }
             events += self._start("tool_use", block)
             self.calls[index] = self.blocks - 1
         elif self.calls[index] != self.blocks - 1:
             return events  # a delta to a call already closed: chat's parsers never send it
-        if function.get("arguments"):
-            delta = {"type": "input_json_delta", "partial_json": function["arguments"]}
+        if call.arguments:
+            delta = {"type": "input_json_delta", "partial_json": call.arguments}
             events.append(self._delta(delta))
         return events
 
-    def chunk(self, chunk: dict[str, Any]) -> list[bytes]:
-        """The events of one chat chunk."""
-        if chunk.get("usage"):
-            self.usage = chunk["usage"]
+    def delta(self, delta: Delta) -> list[bytes]:
+        """The events of one piece of the answer (``deltas.py``)."""
         events: list[bytes] = []
-        for choice in chunk.get("choices") or ():
-            delta = choice.get("delta") or {}
-            reasoning = delta.get("reasoning_content") or delta.get("reasoning")
-            if reasoning:
-                events += self._text("thinking", reasoning)
-            if delta.get("content"):
-                events += self._text("text", delta["content"])
-            for call in delta.get("tool_calls") or ():
-                events += self._call(call)
-            if choice.get("finish_reason") is not None:
-                self.finish = choice["finish_reason"]
+        if delta.reasoning:
+            events += self._text("thinking", delta.reasoning)
+        if delta.content:
+            events += self._text("text", delta.content)
+        if delta.call is not None:
+            events += self._call(delta.call)
+        if delta.finish is not None:
+            self.finish = delta.finish
         return events
 
     def closing(self) -> list[bytes]:

@@ -21,11 +21,11 @@ import orjson
 
 from plugserve.plugins.api import PlugserveError, ResourceExhausted
 from plugserve.server.plane.errors import forget_frames
+from plugserve.server.protocols.http.replies import JSON
 from plugserve.server.protocols.openai.errors import guard, status_of
 
 __all__ = ["error_body", "error_reply", "guarded", "refusal", "reply_of", "stream_error"]
 
-_JSON = [(b"content-type", b"application/json")]
 #: Anthropic's error type for a status
 _TYPES = {
     400: "invalid_request_error",
@@ -51,7 +51,7 @@ def error_body(status: int, message: str) -> dict[str, Any]:
 
 
 def error_reply(status: int, message: str) -> Reply:
-    return status, [orjson.dumps(error_body(status, message))], _JSON
+    return status, [orjson.dumps(error_body(status, message))], JSON
 
 
 def refusal(status: int, message: str, error: PlugserveError | None) -> Reply:
