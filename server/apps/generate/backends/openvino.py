@@ -182,7 +182,7 @@ class PagedKVCache(KVCache):
                     f"the paged cache's {name} is {dtype} [{', '.join(map(str, shape))}] per "
                     "block: a u8 cache keeps scales and zero points in each block (keys by "
                     "channel), so a position cannot be copied on its own; the host tier "
-                    "serves f32, f16 and bf16 paged caches (KV_CACHE_PRECISION)"
+                    "serves f32, f16 and bf16 paged caches (EXECUTION_MODE_HINT=ACCURACY: f32)"
                 )
         return sum(h * block_size * d * t.itemsize for (h, d, t) in self._shapes())
 
