@@ -1,12 +1,12 @@
 """The KV host tier's rules (server/apps/generate/engine/kv_host_tier.py) with the real
-scheduler, slot
-table, cache arrays, runner restore and memory budget: what an evicted slot leaves there, what a
-prompt gets back (the very bytes), what is never served (another salt, other tokens, a chain
-whose parent left), the bound and the budget. The copies are each cache's own (the Plugin API's
-``HostBlocks``): the dense slot cache, OpenVINO's paged cache (its blocks of 8 and of 3
-positions against the engine's 4: pieces of blocks crossing both ways) and the torch decoder's
-tensors on the CPU (f32 and bf16), each checked by its own bytes. The served path (a real
-server, the openai client, a real decoder) is tests/generate/test_openai_kv_offload.py."""
+scheduler, slot table, cache arrays, runner restore and memory budget: what an evicted slot
+leaves there, what a prompt gets back (the very bytes), what is never served (another salt,
+other tokens, a chain whose parent left), the bound and the budget. The copies are each
+cache's own (the Plugin API's ``HostBlocks``): the dense slot cache, OpenVINO's paged cache
+(its blocks of 8 and of 3 positions against the engine's 4: pieces of blocks crossing both
+ways; f32 and f16) and the torch decoder's tensors on the CPU (f32 and bf16), each checked by
+its own bytes. The served path (a real server, the openai client, a real decoder) is
+tests/generate/test_openai_kv_offload.py."""
 
 from __future__ import annotations
 
@@ -73,6 +73,7 @@ CACHES = {
     "dense": lambda: KVCache(LAYOUT, 2),
     "paged-8": lambda: paged(8),
     "paged-3": lambda: paged(3),
+    "paged-8-f16": lambda: paged(8, np.float16),
     "torch-f32": lambda: torch_cache("float32"),
     "torch-bf16": lambda: torch_cache("bfloat16"),
 }
@@ -269,7 +270,7 @@ def test_hooks_see_each_block_stored_and_dropped():
 def test_every_cache_copies_a_block_in_the_bytes_it_takes(kind):
     cache = CACHES[kind]()
     assert supports(cache)
-    size = BLOCK_BYTES // 2 if kind.endswith("bf16") else BLOCK_BYTES
+    size = BLOCK_BYTES // 2 if kind.endswith("16") else BLOCK_BYTES
     assert HostTier(cache, BLOCK, BLOCK_BYTES).block_bytes == size
     blocks = cache.read_blocks(1, 2, 3, BLOCK)
     assert [b.nbytes for b in blocks] == [size] * 3
