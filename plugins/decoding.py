@@ -13,7 +13,8 @@ step):
 - the cache: :meth:`Decoder.new_cache` makes the slots (a :class:`Cache` of the decoder's
   :class:`CacheLayout`), and
   :meth:`~Decoder.release_cache` / :meth:`~Decoder.restore_cache` free and remake their
-  memory around a sleep;
+  memory around a sleep; a cache that also copies whole blocks of a slot to and from host
+  memory (:class:`HostBlocks`) gets the engine's host tier (``--kv-offloading-size``);
 - the forwards: :meth:`~Decoder.decode`, :meth:`~Decoder.first` and :meth:`~Decoder.extend`
   (every decoder), :meth:`~Decoder.step` (a :attr:`~Decoder.mixed` one: a step's decoding
   rows and prompt chunks in one forward);
@@ -34,14 +35,14 @@ from __future__ import annotations
 import abc
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from plugserve.plugins.base import CompiledNetwork
 from plugserve.plugins.errors import Unsupported
 
-__all__ = ["Cache", "CacheLayout", "Decoder", "MixedDecoder", "StepSampler"]
+__all__ = ["Cache", "CacheLayout", "Decoder", "HostBlocks", "MixedDecoder", "StepSampler"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +84,41 @@ class Cache(Protocol):
 
     def swap(self, a: int, length_a: int, b: int, length_b: int) -> None:
         """Two slots' written positions exchanged (the runner's arrangement of rows)."""
+        ...
+
+
+@runtime_checkable
+class HostBlocks(Protocol):
+    """A cache's blocks copied to host memory and back: what the engine's host tier
+    (``server/apps/generate/engine/kv_host_tier.py``) calls, so the tier keeps opaque host
+    arrays and knows no layout (dense slots, paged blocks, a device's tensors). A block is
+    ``block_size`` positions of one slot, every cache array's keys or values there (the
+    engine's block, whatever the cache's own block size); block ``b`` is positions
+    ``b * block_size`` up to the next block's.
+
+    A cache implements it where a position's bytes can be copied on their own; one that
+    cannot for a layout of its own (scales shared by a block's positions) raises
+    Unsupported from :meth:`host_block_bytes`, saying why, and the engine runs without the
+    tier."""
+
+    def host_block_bytes(self, block_size: int) -> int:
+        """The bytes one block takes in host memory (what the tier charges and bounds)."""
+        ...
+
+    def read_blocks(
+        self, row: int, first_block: int, count: int, block_size: int
+    ) -> list[np.ndarray]:
+        """Blocks ``first_block..first_block+count-1`` of slot ``row`` copied to host memory,
+        one array per block, each its own memory (the tier drops blocks one at a time). A
+        device's copies may still be under way when it returns: the cache orders its later
+        writes to the slot after them, and :meth:`write_blocks` waits for them."""
+        ...
+
+    def write_blocks(
+        self, row: int, first_block: int, blocks: Sequence[np.ndarray], block_size: int
+    ) -> None:
+        """``blocks`` (what :meth:`read_blocks` gave, in order) into slot ``row``'s blocks
+        ``first_block`` on."""
         ...
 
 

@@ -21,6 +21,14 @@ layout (``server/apps/generate/engine/kvcache.py``: a slot a row
 each layer's tensors), so prefix hits and ``n`` > 1 forks copy a slot's written positions on the
 tensors' device.
 
+The host tier (the engine's ``--kv-offloading-size``): :class:`TorchKVCache` copies whole
+blocks of a slot to host numpy and back (the Plugin API's
+:class:`~plugserve.plugins.decoding.HostBlocks`), so the engine keeps them without importing
+torch. On a card the copy out goes to pinned host memory, queued on a side stream after the
+steps queued before it, and the card's stream waits for it before its next write (the evicted
+slot is about to be reused), so the host does not wait; a restore waits for the side stream's
+copies, then copies in on the card's stream. On the CPU the same code copies in memory.
+
 What crosses between the host and the device per step: the step's token ids, positions and
 slots in (a few hundred bytes); the logits stay on the device, float32 ``[sequences,
 vocab]`` torch tensors, and the engine's sampler is :class:`.sampler.TorchSampler`
@@ -57,6 +65,7 @@ leaves that shape eager.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -133,6 +142,83 @@ class TorchKVCache:
             keep = t[a, :, :length_a].clone()
             t[a, :, :length_b] = t[b, :, :length_b]
             t[b, :, :length_a] = keep
+
+    # --- host copies (the host tier's, :class:`~plugserve.plugins.decoding.HostBlocks`)
+
+    def host_block_bytes(self, block_size: int) -> int:
+        """The tensors' own element size (bf16's 2: the layout's dtype only matches it)."""
+        return block_size * sum(t[0, :, 0].nbytes for t in self.arrays.values())
+
+    def read_blocks(
+        self, row: int, first_block: int, count: int, block_size: int
+    ) -> list[np.ndarray]:
+        """Blocks of ``row`` as host arrays (each block's bytes: every tensor's ``[kv_heads,
+        block_size, head_dim]``, in ``arrays``' order): staged on the tensors' device in one
+        copy per tensor, then one copy per block to the host (on a card: pinned memory, a
+        side stream, nothing waited for; :class:`_SideCopy`)."""
+        import torch
+
+        tensors = list(self.arrays.values())
+        sample = tensors[0]
+        shape = (len(tensors), sample.shape[1], block_size, sample.shape[3])
+        side = _SideCopy(sample.device) if sample.is_cuda else None
+        pin = side is not None
+        hosts = [torch.empty(shape, dtype=sample.dtype, pin_memory=pin) for _ in range(count)]
+        with side if side is not None else contextlib.nullcontext():
+            stage = torch.empty((count, *shape), dtype=sample.dtype, device=sample.device)
+            for i, run in enumerate(self._runs(row, first_block, count, block_size)):
+                stage[:, i] = run.transpose(0, 1)
+            for host, block in zip(hosts, stage):
+                host.copy_(block, non_blocking=pin)
+        return [h.view(torch.uint8).numpy().reshape(-1) for h in hosts]
+
+    def write_blocks(
+        self, row: int, first_block: int, blocks: Sequence[np.ndarray], block_size: int
+    ) -> None:
+        import torch
+
+        sample = next(iter(self.arrays.values()))
+        if sample.is_cuda:  # the copies out of the card are done before their bytes are read
+            _SideCopy(sample.device).stream.synchronize()
+        count, entries = len(blocks), len(self.arrays)
+        staged = torch.from_numpy(np.stack(blocks)).view(sample.dtype)
+        staged = staged.reshape(count, entries, sample.shape[1], block_size, sample.shape[3])
+        staged = staged.to(sample.device, non_blocking=True)
+        for i, run in enumerate(self._runs(row, first_block, count, block_size)):
+            run.copy_(staged[:, i].transpose(0, 1))
+
+    def _runs(self, row: int, first: int, count: int, size: int) -> list[Any]:
+        """Each tensor's positions of ``count`` blocks from ``first``: ``[heads, count, size,
+        dim]`` views."""
+        span = slice(first * size, (first + count) * size)
+        return [t[row, :, span].unflatten(1, (count, size)) for t in self.arrays.values()]
+
+
+class _SideCopy:
+    """A card's side stream for the host tier's copies out (one per device): entered, the
+    copies queued in it run after what the card's current stream holds; left, that stream
+    waits for them (the evicted slot's next writes come after its bytes left)."""
+
+    streams: dict[Any, Any] = {}
+
+    def __init__(self, device: Any) -> None:
+        import torch
+
+        self.torch = torch
+        self.current = torch.cuda.current_stream(device)
+        if device not in self.streams:
+            self.streams[device] = torch.cuda.Stream(device)
+        self.stream = self.streams[device]
+        self._context: Any = None
+
+    def __enter__(self) -> None:
+        self.stream.wait_stream(self.current)
+        self._context = self.torch.cuda.stream(self.stream)
+        self._context.__enter__()
+
+    def __exit__(self, *error: Any) -> None:
+        self._context.__exit__(*error)
+        self.current.wait_stream(self.stream)
 
 
 class TorchDecoder(MixedDecoder):

@@ -474,9 +474,9 @@ class Settings:
         "generative models: GiB of host memory per model keeping the key/value blocks evicted "
         "from the cache's slots, restored into a later prompt that begins with them instead of "
         "computed again (vLLM's flag; least recently used leave first; charged to "
-        "--max-inflight-bytes while kept, at most half of it); 0: off. The dense slot cache only "
-        "(ONNX graphs on ORT, NUMPY, OPENVINO); ignored, logged, elsewhere "
-        "(server/apps/generate/engine/kv_host_tier.py)",
+        "--max-inflight-bytes while kept, at most half of it); 0: off. Every cache layout (dense "
+        "slots, OPENVINO's paged IR, the torch decoder's tensors); ignored, logged, on a u8 "
+        "paged cache (server/apps/generate/engine/kv_host_tier.py)",
         low=0,
     )
     kv_disk_path: str = _field(

@@ -132,7 +132,7 @@ def crossover(folder: Path, device: str) -> None:
         )
         tier = HostTier(cache, size, 1 << 40)
         files = tempfile.TemporaryDirectory(prefix="bench-kv-disk-")
-        tier.disk = disk = DiskTier(files.name, 1 << 30, b"bench", tier.shape, tier.dtype)
+        tier.disk = disk = DiskTier(files.name, 1 << 30, b"bench", tier.disk_shape, np.uint8)
         rng = np.random.default_rng(0)
         vocab = decoder.vocab or 1000
         print("blocks  compute_ms  restore_ms  compute/restore  disk_ms  compute/disk")

@@ -22,15 +22,16 @@ from plugserve.server.apps.generate.engine.kv_disk_tier import DiskEntry, DiskTi
 from plugserve.server.apps.generate.engine.kvcache import salt
 from plugserve.server.plane.budget import MemoryBudget
 
-SHAPE = (4, 2, BLOCK, 4)
+#: the host tier's blocks as the disk tier files them (HostTier.disk_shape: the cache's bytes)
+SHAPE = (1, 1, BLOCK, BLOCK_BYTES // BLOCK)
 
 
 def disk_tier(tmp_path, blocks: int = 64, identity: bytes = b"model-a", **kw) -> DiskTier:
     """A disk tier of ``blocks`` files in ``tmp_path``/blocks."""
-    probe = DiskTier(tmp_path / "probe", 1 << 20, identity, SHAPE, np.float32)
+    probe = DiskTier(tmp_path / "probe", 1 << 20, identity, SHAPE, np.uint8)
     probe.close()
     size = blocks * probe.file_bytes
-    return DiskTier(tmp_path / "blocks", size, identity, SHAPE, np.float32, **kw)
+    return DiskTier(tmp_path / "blocks", size, identity, SHAPE, np.uint8, **kw)
 
 
 def with_disk(tmp_path, host_blocks: int = 3, budget=None, **kw) -> Engine:
@@ -101,9 +102,9 @@ def test_a_restart_keeps_the_valid_blocks(tmp_path):
     state = later.run([*a, 5], tenant="alice")
     assert state.cached == 12
     row = next(s for s in later.table.slots if s.tokens[:12] == a[:12]).index
-    for name, array in later.cache.arrays.items():  # what the first engine computed
+    for i, array in enumerate(later.cache.arrays.values()):  # what the first engine computed
         for position in range(12):
-            want = expected(a, position, engine.cache.arrays[name])
+            want = expected(a, position, i)
             np.testing.assert_array_equal(array[row, :, position], want)
 
 
@@ -169,7 +170,7 @@ def test_a_full_queue_drops_the_block_and_queued_blocks_stay_charged(tmp_path):
 
 def test_a_size_over_the_free_space_is_refused(tmp_path):
     with pytest.raises(InvalidArgument, match="free"):
-        DiskTier(tmp_path, 1 << 62, b"model-a", SHAPE, np.float32)
+        DiskTier(tmp_path, 1 << 62, b"model-a", SHAPE, np.uint8)
 
 
 def test_the_salt_is_the_same_in_every_process():
@@ -185,7 +186,7 @@ def test_the_salt_is_the_same_in_every_process():
 def test_offer_skips_a_block_on_disk_already(tmp_path):
     disk = disk_tier(tmp_path)
     entry = DiskEntry(b"\1" * 32, 1, None, 0, tuple(range(BLOCK)))
-    data = np.zeros(SHAPE, np.float32)
+    data = np.zeros(SHAPE, np.uint8)
     assert disk.offer(entry, data)
     disk.flush()
     assert not disk.offer(entry, data)

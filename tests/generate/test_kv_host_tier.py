@@ -1,16 +1,20 @@
 """The KV host tier's rules (server/apps/generate/engine/kv_host_tier.py) with the real
-scheduler, slot
-table, cache arrays, runner restore and memory budget: what an evicted slot leaves there, what a
-prompt gets back (the very bytes), what is never served (another salt, other tokens, a chain
-whose parent left), the bound and the budget. The served path (a real server, the openai
-client, a real decoder) is tests/generate/test_openai_kv_offload.py."""
+scheduler, slot table, cache arrays, runner restore and memory budget: what an evicted slot
+leaves there, what a prompt gets back (the very bytes), what is never served (another salt,
+other tokens, a chain whose parent left), the bound and the budget. The copies are each
+cache's own (the Plugin API's ``HostBlocks``): the dense slot cache, OpenVINO's paged cache
+(its blocks of 8 and of 3 positions against the engine's 4: pieces of blocks crossing both
+ways; f32 and f16) and the torch decoder's tensors on the CPU (f32 and bf16), each checked by
+its own bytes. The served path (a real server, the openai client, a real decoder) is
+tests/generate/test_openai_kv_offload.py."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from plugserve.plugins.api import ResourceExhausted
+from plugserve.plugins.api import ResourceExhausted, Unsupported
+from plugserve.server.apps.generate.backends.openvino import PagedKVCache, PagedLayout
 from plugserve.server.apps.generate.engine.kv_host_tier import HostTier, supports
 from plugserve.server.apps.generate.engine.kvcache import CacheLayout, KVCache, SlotTable, salt
 from plugserve.server.apps.generate.engine.runner import ModelRunner
@@ -33,12 +37,74 @@ BLOCK = 4
 BLOCK_BYTES = 4 * 2 * BLOCK * 4 * 4
 
 
+def paged(block_size: int, dtype=np.float32) -> PagedKVCache:
+    """Two slots of OpenVINO's paged cache, blocks of ``block_size`` positions; the runs of
+    the two rows exchanged (as a swap leaves them), so a row's blocks are not its number's."""
+    layout = PagedLayout(
+        LAYOUT.entries,
+        np.dtype(dtype),
+        LAYOUT.capacity,
+        block_size=block_size,
+        block_shapes=((2, block_size, 4),) * 4,
+        dtypes=(np.dtype(dtype),) * 4,
+    )
+    cache = PagedKVCache(layout, 2)
+    cache.swap(0, 0, 1, 0)
+    return cache
+
+
+def torch_cache(dtype: str):
+    """Two slots of the torch decoder's cache on the CPU, in ``dtype``."""
+    torch = pytest.importorskip("torch", reason="pip install 'plugserve[torch]'")
+    from plugserve.plugins.torch.decoder import TorchKVCache
+    from plugserve.plugins.torch.decoder_model import KVTensors, ModelShape
+
+    config = {
+        "model_type": "llama", "vocab_size": 32, "hidden_size": 16, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "num_hidden_layers": 2, "intermediate_size": 32,
+    }  # fmt: skip
+    shape = ModelShape.from_config(config)  # 2 layers x 2 KV heads x 4 dims: LAYOUT's
+    tensors = KVTensors(shape, 2, LAYOUT.capacity, getattr(torch, dtype), torch.device("cpu"))
+    return TorchKVCache(LAYOUT, 2, tensors)
+
+
+#: the caches the tier serves, by name
+CACHES = {
+    "dense": lambda: KVCache(LAYOUT, 2),
+    "paged-8": lambda: paged(8),
+    "paged-3": lambda: paged(3),
+    "paged-8-f16": lambda: paged(8, np.float16),
+    "torch-f32": lambda: torch_cache("float32"),
+    "torch-bf16": lambda: torch_cache("bfloat16"),
+}
+
+
+def position(cache, row: int, at: int) -> list:
+    """Each cache array's ``[heads, dim]`` at position ``at`` of slot ``row`` (views: written
+    through), whatever the cache's layout."""
+    if isinstance(cache, PagedKVCache):
+        block = int(cache.runs[row]) * cache.per_slot + at // cache.block_size
+        return [a[block, :, at % cache.block_size] for a in cache.arrays.values()]
+    return [a[row, :, at] for a in cache.arrays.values()]
+
+
+def as_bytes(value) -> bytes:
+    """A position's bytes (numpy's, or a torch tensor's, bf16 too)."""
+    if isinstance(value, np.ndarray):
+        return value.tobytes()
+    import torch
+
+    return value.contiguous().view(torch.uint8).numpy().tobytes()
+
+
 class Engine:
     """The engine's parts that admission touches, real, over two slots (no decoder: a
-    forward's work is written by :meth:`compute`)."""
+    forward's work is written by :meth:`run`)."""
 
-    def __init__(self, max_bytes: int = 64 * BLOCK_BYTES, budget=None, slots: int = 2) -> None:
-        self.cache = KVCache(LAYOUT, slots)
+    def __init__(
+        self, max_bytes: int = 64 * BLOCK_BYTES, budget=None, slots: int = 2, cache=None
+    ) -> None:
+        self.cache = cache if cache is not None else KVCache(LAYOUT, slots)
         self.table = SlotTable(self.cache, BLOCK)
         self.tier = HostTier(self.cache, BLOCK, max_bytes, budget)
         self.runner = ModelRunner(None, self.cache, self.table, 64, self.tier)  # type: ignore[arg-type]
@@ -58,9 +124,9 @@ class Engine:
         self.scheduler.schedule()
         seq = state.sequences[0]
         assert seq.slot is not None
-        for position in range(seq.computed, len(prompt)):
-            for array in self.cache.arrays.values():
-                array[seq.slot.index, :, position] = expected(prompt, position, array)
+        for at in range(seq.computed, len(prompt)):
+            for i, value in enumerate(position(self.cache, seq.slot.index, at)):
+                fill(value, expected(prompt, at, i))
         self.table.written(seq.slot, prompt[seq.computed :])
         seq.computed = len(prompt)
         seq.status = DECODE
@@ -68,42 +134,57 @@ class Engine:
         return state
 
     def check(self, state: RequestState) -> None:
-        """Every position of ``state``'s prompt in its slot's row holds what computing it
+        """Every position of ``state``'s prompt in its slot holds the very bytes computing it
         writes (so restored blocks are the prompt's own)."""
         prompt = state.sequences[0].tokens
         rows = [s for s in self.table.slots if s.tokens[: len(prompt)] == prompt]
         assert rows, "the prompt's slot is gone"
-        for array in self.cache.arrays.values():
-            for position in range(len(prompt)):
-                want = expected(prompt, position, array)
-                np.testing.assert_array_equal(array[rows[0].index, :, position], want)
+        for at in range(len(prompt)):
+            for i, value in enumerate(position(self.cache, rows[0].index, at)):
+                # what computing it writes, in the cache's element type
+                written = value.copy() if isinstance(value, np.ndarray) else value.clone()
+                fill(written, expected(prompt, at, i))
+                assert as_bytes(value) == as_bytes(written), (at, i)
 
 
-def expected(prompt, position: int, array: np.ndarray) -> np.ndarray:
-    """A position's cache as a function of the prompt up to it (and of the array)."""
-    seed = hash((tuple(prompt[: position + 1]), id(array))) & 0xFFFF
-    return np.full(array.shape[1:2] + array.shape[3:], seed, array.dtype)
+def expected(prompt, at: int, array: int) -> np.ndarray:
+    """A position's cache ``[heads, dim]`` as a function of the prompt up to it (and of the
+    array), each head and dim its own number (whole numbers below 256: exact in bf16 too)."""
+    seed = hash((tuple(prompt[: at + 1]), array)) & 0x7F
+    return (seed + np.arange(8, dtype=np.float32)).reshape(2, 4)
+
+
+def fill(value, numbers: np.ndarray) -> None:
+    """``value`` (a numpy view or a torch tensor view) set to ``numbers`` in its own type."""
+    if isinstance(value, np.ndarray):
+        value[...] = numbers
+    else:
+        import torch
+
+        value.copy_(torch.from_numpy(numbers))
 
 
 def prompts(count: int, length: int, start: int = 100) -> list[list[int]]:
     return [[start + 1000 * i + t for t in range(length)] for i in range(count)]
 
 
-def test_an_evicted_slots_blocks_are_restored_as_they_were():
-    engine = Engine()
+@pytest.mark.parametrize("kind", CACHES)
+def test_an_evicted_slots_blocks_are_restored_as_they_were(kind):
+    engine = Engine(cache=CACHES[kind]())
     a, b, c = prompts(3, 13)  # three blocks each and a token
     engine.run(a)
     engine.run(b)
     engine.run(c)  # two slots: a's slot (the least recently freed) is taken, a's blocks kept
-    assert engine.tier.nbytes == 3 * BLOCK_BYTES
+    assert engine.tier.nbytes == 3 * engine.tier.block_bytes
     again = engine.run([*a, 7, 8, 9])  # a's next turn: its history comes back
     assert again.cached == 12
     assert engine.tier.restored_tokens == 12
     engine.check(again)
 
 
-def test_the_device_hit_then_the_host_blocks_after_it():
-    engine = Engine()
+@pytest.mark.parametrize("kind", CACHES)
+def test_the_device_hit_then_the_host_blocks_after_it(kind):
+    engine = Engine(cache=CACHES[kind]())
     system = list(range(1, 9))  # two blocks every conversation shares
     a, b, c = ([*system, *p] for p in prompts(3, 9))
     engine.run(a)
@@ -114,8 +195,9 @@ def test_the_device_hit_then_the_host_blocks_after_it():
     engine.check(state)
 
 
-def test_another_salt_or_other_tokens_are_never_restored():
-    engine = Engine()
+@pytest.mark.parametrize("kind", CACHES)
+def test_another_salt_or_other_tokens_are_never_restored(kind):
+    engine = Engine(cache=CACHES[kind]())
     a, b, c = prompts(3, 13)
     engine.run(a, tenant="alice")
     engine.run(b)
@@ -184,10 +266,34 @@ def test_hooks_see_each_block_stored_and_dropped():
     assert set(stored) - set(dropped) == set(engine.tier.blocks)
 
 
-def test_only_the_dense_slot_cache_is_supported():
-    assert supports(KVCache(LAYOUT, 1))
-    uneven = CacheLayout((("a", "b", 2, 4), ("c", "d", 1, 4)), np.dtype(np.float32), 8)
-    assert not supports(KVCache(uneven, 1))
+@pytest.mark.parametrize("kind", CACHES)
+def test_every_cache_copies_a_block_in_the_bytes_it_takes(kind):
+    cache = CACHES[kind]()
+    assert supports(cache)
+    size = BLOCK_BYTES // 2 if kind.endswith("16") else BLOCK_BYTES
+    assert HostTier(cache, BLOCK, BLOCK_BYTES).block_bytes == size
+    blocks = cache.read_blocks(1, 2, 3, BLOCK)
+    assert [b.nbytes for b in blocks] == [size] * 3
+
+
+def test_arrays_of_other_shapes_copy_too():
+    uneven = CacheLayout((("a", "b", 2, 4), ("c", "d", 1, 8)), np.dtype(np.float16), 8)
+    cache = KVCache(uneven, 2)
+    for array in cache.arrays.values():
+        array[1] = np.arange(array[1].size).reshape(array.shape[1:])
+    blocks = cache.read_blocks(1, 0, 2, 4)
+    assert [b.nbytes for b in blocks] == [(2 * 4 + 1 * 8) * 4 * 2] * 2
+    cache.write_blocks(0, 0, blocks, 4)
+    for array in cache.arrays.values():
+        np.testing.assert_array_equal(array[0], array[1])
+
+
+def test_a_u8_paged_cache_is_refused_saying_why():
+    cache = paged(8, np.uint8)
+    assert supports(cache)  # it has the calls, its layout refuses them
+    with pytest.raises(Unsupported, match="u8 cache keeps scales and zero points"):
+        HostTier(cache, BLOCK, 64 * BLOCK_BYTES)
+    assert not supports(object())
 
 
 def test_the_config_key_is_a_number_of_gib():

@@ -1,8 +1,9 @@
-"""The KV host tier served (issue 61 item 2; server/apps/generate/engine/kv_host_tier.py): a
-real server
-with two ``--auth-tokens`` tenants, tiny-llama's optimum export three times over (two cache
-slots each: ``MAX_NUM_SEQS`` 2) on ORT, then on OPENVINO (an ONNX graph runs on the dense slot
-cache there too), the official ``openai`` client:
+"""The KV host tier served (issue 61 items 1 and 2; server/apps/generate/engine/kv_host_tier.py):
+a real server with two ``--auth-tokens`` tenants, tiny-llama three times over (two cache slots
+each: ``MAX_NUM_SEQS`` 2) on each cache layout the tier copies: optimum's ONNX export on ORT and
+on OPENVINO (the dense slot cache), the safetensors folder on TORCH (the torch decoder's
+tensors) and optimum-intel's IR on OPENVINO (the paged cache, f32: blocks of 32 positions
+against the engine's 16); the official ``openai`` client:
 
 * ``tier`` keeps evicted blocks in a host tier (``KV_OFFLOADING_SIZE``), ``plain`` has none:
   four conversations interleaved turn by turn on two slots, so each turn finds its slot taken
@@ -30,19 +31,29 @@ SLOTS = {"MAX_NUM_SEQS": "2"}
 TOPICS = ["rivers", "mountains", "bridges", "gardens"]
 
 
-@pytest.fixture(scope="module", params=["ORT", "OPENVINO"])
+#: each case's folder (a kind of llm_folder's), device and device config
+CASES = {
+    "ORT": ("optimum-onnx", "ORT", {}),
+    "OPENVINO": ("optimum-onnx", "OPENVINO", {}),  # an ONNX graph: the dense slot cache
+    "TORCH": ("hf", "TORCH", {"INFERENCE_NUM_THREADS": "1"}),
+    "OPENVINO-IR": ("openvino", "OPENVINO", {"EXECUTION_MODE_HINT": "ACCURACY"}),  # f32 paged
+}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
 def server(request, core, llm_folder, tmp_path_factory):
-    device = request.param
+    kind, device, config = CASES[request.param]
     if device not in core.available_devices:
         pytest.skip(f"{device} is not available here")
-    folder = llm_folder("tiny-llama", "optimum-onnx")  # an ONNX graph: the dense slot cache
+    folder = llm_folder("tiny-llama", kind)
     path = tmp_path_factory.mktemp("kvtier") / "tokens"
     path.write_text(f"{TOKENS['A']} infer\n{TOKENS['B']} infer\n")
     path.chmod(0o600)
+    slots = {**SLOTS, **config}
     models = {
-        "tier": (folder, device, {**SLOTS, "KV_OFFLOADING_SIZE": "0.01"}),
-        "plain": (folder, device, SLOTS),
-        "small": (folder, device, {**SLOTS, "KV_OFFLOADING_SIZE": repr(SMALL_GIB)}),
+        "tier": (folder, device, {**slots, "KV_OFFLOADING_SIZE": "0.01"}),
+        "plain": (folder, device, slots),
+        "small": (folder, device, {**slots, "KV_OFFLOADING_SIZE": repr(SMALL_GIB)}),
     }
     with serving(models, "--auth-tokens", str(path)) as running:
         yield running

@@ -32,6 +32,14 @@ the prompt chunks (first or continuing) of a step are one list of sequences for 
 openvino-genai and vLLM run them; the logits come back for each sequence's last token only
 (the plugin gathers those rows before the LM head, ``sampled_tokens_indices``).
 
+The host tier (``--kv-offloading-size``, :mod:`..engine.kv_host_tier`): the engine's blocks
+(16 positions by default) are not the cache's (32), so :meth:`PagedKVCache.read_blocks` and
+:meth:`~PagedKVCache.write_blocks` copy positions: each engine block's run of positions within
+the slot's run of blocks, one slice per array where the two kinds of block overlap. An f32,
+f16 or bf16 cache keeps a position's keys and values on their own; a u8 one keeps scales and
+zero points per block (keys by channel), so a position's bytes are not a slice of it: its
+``host_block_bytes`` refuses (Unsupported) and the engine logs that it runs without the tier.
+
 Bounds: every array is the cache's (allocated once at load: ``rows x blocks_per_slot``
 blocks per layer) or the step's own, sized by the step's tokens and sequences (at most
 ``max_num_batched_tokens`` and ``max_num_seqs``, the scheduler's bounds).
@@ -46,9 +54,9 @@ from typing import Any
 
 import numpy as np
 
-from plugserve.plugins.api import CompiledNetwork, InvalidArgument, InvalidModel
+from plugserve.plugins.api import CompiledNetwork, InvalidArgument, InvalidModel, Unsupported
 from plugserve.server.apps.generate.backends.onnx import MixedDecoder
-from plugserve.server.apps.generate.engine.kvcache import CacheLayout, KVCache
+from plugserve.server.apps.generate.engine.kvcache import CacheLayout, KVCache, block_views, split
 from plugserve.server.control.devices import parse_device
 
 __all__ = ["PagedDecoder", "PagedKVCache", "PagedLayout", "is_paged", "serving_device"]
@@ -160,6 +168,64 @@ class PagedKVCache(KVCache):
 
     def swap(self, a: int, length_a: int, b: int, length_b: int) -> None:
         self.runs[[a, b]] = self.runs[[b, a]]
+
+    # --- host copies (the host tier's, :class:`~plugserve.plugins.decoding.HostBlocks`)
+
+    def host_block_bytes(self, block_size: int) -> int:
+        """A block's bytes packed as the dense cache packs them (each array's ``[heads,
+        block_size, dim]``); Unsupported for a cache whose positions are not slices."""
+        for (name, *_rest), shape, dtype in zip(
+            self.layout.entries, self.layout.block_shapes, self.layout.dtypes
+        ):
+            if dtype.kind in "iub" or shape[1] != self.block_size:
+                raise Unsupported(
+                    f"the paged cache's {name} is {dtype} [{', '.join(map(str, shape))}] per "
+                    "block: a u8 cache keeps scales and zero points in each block (keys by "
+                    "channel), so a position cannot be copied on its own; the host tier "
+                    "serves f32, f16 and bf16 paged caches (EXECUTION_MODE_HINT=ACCURACY: f32)"
+                )
+        return sum(h * block_size * d * t.itemsize for (h, d, t) in self._shapes())
+
+    def read_blocks(
+        self, row: int, first_block: int, count: int, block_size: int
+    ) -> list[np.ndarray]:
+        stage = np.empty((count, self.host_block_bytes(block_size)), np.uint8)
+        views = block_views(stage, self._shapes(), block_size)
+        pieces = self._pieces(row, first_block, count, block_size)
+        for array, view in zip(self.arrays.values(), views):
+            for j, block, at, offset, n in pieces:
+                view[j, :, at : at + n] = array[block, :, offset : offset + n]
+        return split(stage)
+
+    def write_blocks(
+        self, row: int, first_block: int, blocks: Sequence[np.ndarray], block_size: int
+    ) -> None:
+        stage = np.stack(blocks)
+        views = block_views(stage, self._shapes(), block_size)
+        pieces = self._pieces(row, first_block, len(blocks), block_size)
+        for array, view in zip(self.arrays.values(), views):
+            for j, block, at, offset, n in pieces:
+                array[block, :, offset : offset + n] = view[j, :, at : at + n]
+
+    def _pieces(
+        self, row: int, first: int, count: int, size: int
+    ) -> list[tuple[int, int, int, int, int]]:
+        """Where the engine's blocks ``first..first+count-1`` of ``row`` lie in the cache's
+        blocks: ``(engine block, cache block, position in the engine block, position in the
+        cache block, positions)`` for each piece where the two overlap."""
+        base = int(self.runs[row]) * self.per_slot
+        pieces = []
+        position, stop = first * size, (first + count) * size
+        while position < stop:
+            within, offset = position % size, position % self.block_size
+            n = min(size - within, self.block_size - offset, stop - position)
+            block = base + position // self.block_size
+            pieces.append((position // size - first, block, within, offset, n))
+            position += n
+        return pieces
+
+    def _shapes(self) -> list[tuple[int, int, np.dtype]]:
+        return [(s[0], s[2], t) for s, t in zip(self.layout.block_shapes, self.layout.dtypes)]
 
 
 class PagedDecoder(MixedDecoder):

@@ -82,7 +82,15 @@ from concurrent import futures
 from pathlib import Path
 from typing import Any
 
-from plugserve.plugins.api import Cancelled, InvalidArgument, PlugserveError, ResourceExhausted
+import numpy as np
+
+from plugserve.plugins.api import (
+    Cancelled,
+    InvalidArgument,
+    PlugserveError,
+    ResourceExhausted,
+    Unsupported,
+)
 from plugserve.plugins.decoding import Decoder
 from plugserve.plugins.threads import start_daemon
 from plugserve.server.apps.generate import limits
@@ -199,7 +207,7 @@ class Engine:
         self.table = SlotTable(
             self.cache, settings.block_size, settings.enable_prefix_caching, self.events
         )
-        self.tier = self._host_tier(name, decoder, settings)
+        self.tier = self._host_tier(name, settings)
         if self.tier is not None:
             self.tier.disk = _disk_tier(name, self.tier, settings, identity)
         if self.tier is not None and self.events is not None:
@@ -244,10 +252,11 @@ class Engine:
         )
         self._thread = start_daemon(f"generate/{name}", self._loop)
 
-    def _host_tier(self, name: str, decoder: Decoder, settings: EngineSettings) -> HostTier | None:
+    def _host_tier(self, name: str, settings: EngineSettings) -> HostTier | None:
         """The host tier ``kv_offloading_size`` asks for, where this cache can have one
-        (:func:`.kv_host_tier.supports`: the dense slot cache), charged to the server's
-        memory budget; None when off, or logged and None where it cannot be."""
+        (:func:`.kv_host_tier.supports`: it copies its blocks to host memory and back),
+        charged to the server's memory budget; None when off, or logged and None where it
+        cannot be."""
         size = int(settings.kv_offloading_size * (1 << 30))
         if size <= 0:
             if settings.kv_disk_path and settings.kv_disk_size > 0:
@@ -256,15 +265,22 @@ class Engine:
                     "tier drops, and kv_offloading_size is 0", name,
                 )  # fmt: skip
             return None
-        if not settings.enable_prefix_caching or decoder.mixed or not supports(self.cache):
+        why = None
+        if not settings.enable_prefix_caching:
+            why = "prefix caching is off"
+        elif not supports(self.cache):
+            why = f"{type(self.cache).__name__} copies no blocks to host memory (HostBlocks)"
+        else:
+            try:
+                tier = HostTier(self.cache, settings.block_size, size, limits.memory_budget())
+            except Unsupported as error:
+                why = str(error)
+        if why is not None:
             log.warning(
-                "model %s: kv_offloading_size %s GiB is ignored: the host tier keeps the dense "
-                "slot cache's blocks (an ONNX graph on ORT, NUMPY, OPENVINO) with prefix "
-                "caching on, not %s's",
-                name, settings.kv_offloading_size, type(self.cache).__name__,
+                "model %s: kv_offloading_size %s GiB is ignored: %s",
+                name, settings.kv_offloading_size, why,
             )  # fmt: skip
             return None
-        tier = HostTier(self.cache, settings.block_size, size, limits.memory_budget())
         if tier.capacity < 1:
             log.warning(
                 "model %s: kv_offloading_size %s GiB holds no block of %d bytes: off",
@@ -633,11 +649,18 @@ def _disk_tier(
     size = int(settings.kv_disk_size * (1 << 30))
     if not settings.kv_disk_path or size <= 0:
         return None
+    shape = tier.disk_shape
+    if shape is None:
+        log.warning(
+            "model %s: kv_disk_path is ignored: %s's blocks of %d bytes are no whole number "
+            "of bytes a token", name, type(tier.cache).__name__, tier.block_bytes,
+        )  # fmt: skip
+        return None
     folder, digest = identity
-    layout = tier.cache.layout
-    model = b"|".join([digest, repr(layout.entries).encode(), repr(tier.shape).encode()])
+    layout = repr(getattr(getattr(tier.cache, "layout", None), "entries", None)).encode()
+    model = b"|".join([digest, type(tier.cache).__name__.encode(), layout, repr(shape).encode()])
     path = Path(settings.kv_disk_path) / (folder or name)
-    disk = DiskTier(path, size, model, tier.shape, tier.dtype)
+    disk = DiskTier(path, size, model, shape, np.uint8)
     if disk.capacity < 1:
         log.warning(
             "model %s: kv_disk_size %s GiB holds no block file of %d bytes: off",

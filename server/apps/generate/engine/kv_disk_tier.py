@@ -13,15 +13,16 @@ the prompt, so a file is found only under its own model, salt and whole prefix: 
 would be one of blake2b's, and another tenant's block is never served. The salt is stable
 across processes (:func:`.kvcache.salt` hashes with blake2b), so a restart finds its blocks.
 
-Files are data, checked. Each file is a fixed header (:data:`_HEAD`: format version, the
-model's identity digest, the prefix digest, the chain hash and its parent's, the salt, the
-dtype, the block's shape ``[entries, kv_heads, block_size, head_dim]``, the token and payload
+Files are data, checked. Each file is a fixed header (:data:`_HEAD`: format version, the model's
+identity digest, the prefix digest, the chain hash and its parent's, the salt, the dtype, the
+block's shape (``[1, 1, block_size, bytes a token]`` of uint8: the host tier's blocks are each
+cache's own packing, :class:`~plugserve.plugins.decoding.HostBlocks`), the token and payload
 sizes), the block's token ids (int64), the payload (the cache's bytes), and a blake2b checksum
 of all that. A file is used only when every field is the expected one and the checksum holds:
-read back at restore (the bytes are checked each time), and at start, when the index is
-rebuilt by scanning the directory (newest first, at most what the bound holds). A file of
-another model, another format, truncated, or whose checksum fails is deleted, never served. No
-pickle: a file is numbers, never code.
+read back at restore (the bytes are checked each time), and at start, when the index is rebuilt
+by scanning the directory (newest first, at most what the bound holds). A file of another model,
+another format, truncated, or whose checksum fails is deleted, never served. No pickle: a file
+is numbers, never code.
 
 Bound and order. At most ``max_bytes`` of files (``--kv-disk-size`` GiB, ``KV_DISK_SIZE`` per
 model; the directory is ``--kv-disk-path``/``KV_DISK_PATH``, one folder per model under it);

@@ -28,8 +28,8 @@ Responses store) while kept, the tier holding at most half of that budget whatev
 says (requests in flight keep the other half); a charge refused drops the least recently used
 blocks until it fits, and stores nothing more when none is left to drop.
 
-Restoring. :meth:`HostTier.restore` copies a run of blocks into a slot's positions (one strided
-copy per cache array). A restore shorter than :attr:`HostTier.min_blocks` is not done (the
+Restoring. :meth:`HostTier.restore` copies a run of blocks into a slot's positions (the
+cache's ``write_blocks``). A restore shorter than :attr:`HostTier.min_blocks` is not done (the
 prompt computes those tokens): on the measured CPU decoders restoring one block was already
 cheaper than computing it (BENCHMARKS.md, *Host tier*), so the threshold is one block.
 
@@ -42,12 +42,16 @@ Hooks. :attr:`HostTier.on_stored` and :attr:`HostTier.on_dropped` are called wit
 stored and each block dropped (KV events publish from them: vLLM's ``BlockStored`` and
 ``BlockRemoved`` with the host medium).
 
-Scope. The dense slot cache (:class:`.kvcache.KVCache`: an ONNX graph on ORT, NUMPY or
-OPENVINO). OpenVINO's paged cache (an IR) and the torch decoder's cache keep their blocks in
-their own layouts: the same store serves them once their block copy in and out is written (a
-paged cache's block is already a contiguous run per layer, though of its own block size, 32,
-and element type, with scales in a u8 block; on a GPU the host copies would be pinned and
-issued on a side stream so decoding does not wait for them).
+Scope. Every cache that copies its blocks to host memory and back
+(:class:`~plugserve.plugins.decoding.HostBlocks`: ``host_block_bytes``, ``read_blocks``,
+``write_blocks``): the tier holds what ``read_blocks`` gives, opaque host arrays, and knows no
+layout. The dense slot cache (:class:`.kvcache.KVCache`: an ONNX graph on ORT, NUMPY or
+OPENVINO) copies each array's run of positions; OpenVINO's paged cache
+(:class:`~plugserve.server.apps.generate.backends.openvino.PagedKVCache`) the engine's blocks'
+positions within its own blocks of 32 (f32, f16, bf16; a u8 cache keeps scales and zero
+points per block and is refused, logged); the torch decoder's (``plugins/torch/decoder.py``)
+copies its tensors to host numpy, on a card into pinned memory on a side stream, which the
+slot's next writes wait for.
 """
 
 from __future__ import annotations
@@ -60,8 +64,9 @@ from typing import Any
 import numpy as np
 
 from plugserve.plugins.api import ResourceExhausted
+from plugserve.plugins.decoding import HostBlocks
 from plugserve.server.apps.generate.engine.kv_disk_tier import DiskEntry, DiskTier, digest, root
-from plugserve.server.apps.generate.engine.kvcache import KVCache, Slot, chain
+from plugserve.server.apps.generate.engine.kvcache import Slot, chain
 
 __all__ = ["HostBlock", "HostTier", "supports"]
 
@@ -72,8 +77,8 @@ MIN_RESTORE_BLOCKS = 1
 @dataclasses.dataclass(eq=False, slots=True)
 class HostBlock:
     """One block kept in host memory: its chain hash, its tokens, the salt its chain started
-    from, the block before it (None: the chain's first) and its keys and values
-    (``[entries, kv_heads, block_size, head_dim]``)."""
+    from, the block before it (None: the chain's first) and its keys and values (what the
+    cache's ``read_blocks`` gave: a host array in the cache's own packing)."""
 
     key: int
     tokens: tuple[int, ...]
@@ -85,19 +90,19 @@ class HostBlock:
     digest: bytes | None = None
 
 
-def supports(cache: KVCache) -> bool:
-    """Whether the host tier can serve ``cache``: the dense slot layout (numpy arrays of one
-    shape per entry), not a backend's own (paged, torch)."""
-    if type(cache) is not KVCache or not cache.arrays:
-        return False
-    shapes = {(h, d) for _p, _o, h, d in cache.layout.entries}
-    return len(shapes) == 1 and all(isinstance(a, np.ndarray) for a in cache.arrays.values())
+def supports(cache: Any) -> bool:
+    """Whether the host tier can serve ``cache``: it copies its blocks to host memory and back
+    (:class:`~plugserve.plugins.decoding.HostBlocks`; its ``host_block_bytes`` may still
+    refuse a layout of its own, Unsupported saying why)."""
+    return isinstance(cache, HostBlocks)
 
 
 class HostTier:
     """Blocks evicted from the device's slots, kept in host memory (the module's docstring)."""
 
-    def __init__(self, cache: KVCache, block_size: int, max_bytes: int, budget: Any = None) -> None:
+    def __init__(
+        self, cache: HostBlocks, block_size: int, max_bytes: int, budget: Any = None
+    ) -> None:
         self.cache = cache
         self.block_size = block_size
         self.budget = budget
@@ -105,10 +110,8 @@ class HostTier:
         #: tier is an optimization: requests keep at least the other half)
         limit = getattr(budget, "limit", 0)
         self.max_bytes = min(max_bytes, limit // 2) if limit else max_bytes
-        (_p, _o, heads, dim) = cache.layout.entries[0]
-        self.shape = (len(cache.layout.entries), heads, block_size, dim)
-        self.dtype = cache.layout.dtype
-        self.block_bytes = int(np.prod(self.shape)) * self.dtype.itemsize
+        #: Unsupported where the cache cannot copy its blocks (the engine logs it)
+        self.block_bytes = cache.host_block_bytes(block_size)
         self.min_blocks = MIN_RESTORE_BLOCKS
         #: chain hash -> block, least recently used first
         self.blocks: collections.OrderedDict[int, HostBlock] = collections.OrderedDict()
@@ -169,7 +172,7 @@ class HostTier:
         if not charges:
             return []
         stop = start + len(charges)
-        data = self._copy_out(slot.index, start, stop)
+        data = self.cache.read_blocks(slot.index, start, stop - start, size)
         stored = []
         for b, charge, block_data in zip(range(start, stop), charges, data):
             key = slot.hashes[b]
@@ -201,17 +204,6 @@ class HostTier:
                 if not self._drop_oldest(keep):
                     return False
 
-    def _copy_out(self, row: int, start: int, stop: int) -> list[np.ndarray]:
-        """Blocks ``start..stop-1`` of row ``row``, one array each (staged in one pass per
-        cache array, then split: one copy per array plus one per block)."""
-        size, count = self.block_size, stop - start
-        stage = np.empty((count, *self.shape), self.dtype)
-        for i, array in enumerate(self.cache.arrays.values()):
-            heads, _cap, dim = array.shape[1:]
-            run = array[row, :, start * size : stop * size].reshape(heads, count, size, dim)
-            stage[:, i] = run.transpose(1, 0, 2, 3)
-        return [stage[j].copy() for j in range(count)]
-
     # --- out
 
     def match(self, prompt: Sequence[int], salt: int) -> list[HostBlock]:
@@ -233,11 +225,19 @@ class HostTier:
     def restore(self, row: int, blocks: list[HostBlock], start: int) -> None:
         """``blocks`` (the prompt's blocks ``start`` on, in order) into row ``row``'s
         positions; they and the blocks before them count as used now."""
-        self._copy_in(row, np.stack([b.data for b in blocks]), start)
+        self.cache.write_blocks(row, start, [b.data for b in blocks], self.block_size)
         first = blocks[0]
         chain_ = [*_ancestors(first), *blocks]
         self._touch(chain_)
         self.restored_tokens += len(blocks) * self.block_size
+
+    @property
+    def disk_shape(self) -> tuple[int, int, int, int] | None:
+        """A host block's bytes as the disk tier's files shape them, ``[1, 1, block_size,
+        bytes a token]`` of uint8 (the cache's own packing, opaque here); None where a block's
+        bytes are not a whole number a token (no disk tier then)."""
+        per_token, rest = divmod(self.block_bytes, self.block_size)
+        return None if rest else (1, 1, self.block_size, per_token)
 
     def restore_disk(self, row: int, prompt: Sequence[int], salt: int, start: int) -> int:
         """The prompt's blocks ``start`` on that the disk tier holds (at least its
@@ -250,17 +250,9 @@ class HostTier:
             return 0
         stage = disk.load(entries)
         if len(stage):
-            self._copy_in(row, stage, start)
+            blocks = [block.reshape(-1) for block in stage]
+            self.cache.write_blocks(row, start, blocks, self.block_size)
         return len(stage)
-
-    def _copy_in(self, row: int, stage: np.ndarray, start: int) -> None:
-        """Blocks ``stage`` (``[count, *shape]``) into row ``row`` from block ``start`` on
-        (one strided copy per cache array)."""
-        size, count = self.block_size, len(stage)
-        for i, array in enumerate(self.cache.arrays.values()):
-            heads, _cap, dim = array.shape[1:]
-            run = array[row, :, start * size : (start + count) * size]
-            run.reshape(heads, count, size, dim)[...] = stage[:, i].transpose(1, 0, 2, 3)
 
     # --- leaving
 

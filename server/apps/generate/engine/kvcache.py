@@ -42,6 +42,12 @@ tell a client about its own tenant's prompts only: with one cache for all, a tok
 Eviction is not partitioned (slots are the model's, shared): another tenant's prompts can only
 make a hit less likely, which tells nothing about their contents.
 
+Host copies (:class:`~plugserve.plugins.decoding.HostBlocks`, the host tier's one interface to
+every layout): :meth:`KVCache.read_blocks` and :meth:`KVCache.write_blocks` copy whole blocks of
+a slot to and from host arrays, each block's bytes packed as every array's ``[kv_heads,
+block_size, head_dim]`` one after the other (:func:`block_views`): one strided copy per array
+for a run of blocks, whatever each array's heads and dims.
+
 KV events (``kvevents.py``, off by default): the table tells an observer (``events``, None when
 off: the hot path checks that one attribute) each hash entering its index (``stored``, with the
 block's tokens and parent hash), each hash leaving it (``removed``), and a reset of the whole
@@ -62,7 +68,7 @@ from plugserve.plugins.decoding import CacheLayout
 if TYPE_CHECKING:
     from plugserve.server.apps.generate.engine.kvevents import BlockEvents
 
-__all__ = ["CacheLayout", "KVCache", "Slot", "SlotTable", "chain", "salt"]
+__all__ = ["CacheLayout", "KVCache", "Slot", "SlotTable", "block_views", "chain", "salt", "split"]
 
 
 class KVCache:
@@ -100,6 +106,64 @@ class KVCache:
             keep = array[a, :, :length_a].copy()
             array[a, :, :length_b] = array[b, :, :length_b]
             array[b, :, :length_a] = keep
+
+    # --- host copies (the host tier's, :class:`~plugserve.plugins.decoding.HostBlocks`)
+
+    def host_block_bytes(self, block_size: int) -> int:
+        return self.layout.bytes_per_token * block_size
+
+    def read_blocks(
+        self, row: int, first_block: int, count: int, block_size: int
+    ) -> list[np.ndarray]:
+        """Blocks of row ``row`` to host arrays: one strided copy per cache array into a
+        stage, then one copy per block (so each block is its own memory)."""
+        stage = np.empty((count, self.host_block_bytes(block_size)), np.uint8)
+        runs = self._runs(row, first_block, count, block_size)
+        for run, view in zip(runs, block_views(stage, self._shapes(), block_size)):
+            view[...] = run.transpose(1, 0, 2, 3)
+        return split(stage)
+
+    def write_blocks(
+        self, row: int, first_block: int, blocks: Sequence[np.ndarray], block_size: int
+    ) -> None:
+        stage = np.stack(blocks)
+        runs = self._runs(row, first_block, len(blocks), block_size)
+        for run, view in zip(runs, block_views(stage, self._shapes(), block_size)):
+            run[...] = view.transpose(1, 0, 2, 3)
+
+    def _runs(self, row: int, first: int, count: int, size: int) -> list[np.ndarray]:
+        """Each array's positions of ``count`` blocks from ``first``, ``[heads, count, size,
+        dim]`` views (no copy)."""
+        runs = []
+        for array in self.arrays.values():
+            heads, _cap, dim = array.shape[1:]
+            run = array[row, :, first * size : (first + count) * size]
+            runs.append(run.reshape(heads, count, size, dim))
+        return runs
+
+    def _shapes(self) -> list[tuple[int, int, np.dtype]]:
+        return [(a.shape[1], a.shape[3], a.dtype) for a in self.arrays.values()]
+
+
+def block_views(
+    stage: np.ndarray, shapes: Sequence[tuple[int, int, np.dtype]], block_size: int
+) -> list[np.ndarray]:
+    """``stage`` (``[blocks, bytes]``, uint8: host blocks stacked) seen as each cache array's
+    part of every block, ``[blocks, heads, block_size, dim]`` in its element type, one after
+    the other in ``shapes``' order ``(heads, dim, dtype)`` (views: writing one fills the
+    stage)."""
+    views, offset = [], 0
+    for heads, dim, dtype in shapes:
+        size = heads * block_size * dim * dtype.itemsize
+        part = stage[:, offset : offset + size].view(dtype)
+        views.append(part.reshape(len(stage), heads, block_size, dim))
+        offset += size
+    return views
+
+
+def split(stage: np.ndarray) -> list[np.ndarray]:
+    """A stage's blocks as arrays of their own (a block dropped frees its bytes)."""
+    return [stage[j].copy() for j in range(len(stage))]
 
 
 class Slot:
