@@ -204,6 +204,10 @@ class EventStream:
         self.finish_reason: str | None = None
         self.usage: dict[str, Any] | None = None
 
+    def _of(self, item: dict[str, Any], index: int, kind: str, **fields: Any) -> bytes:
+        """An event of output item ``item`` (at ``index``): its id and index, then ``fields``."""
+        return self._event(kind, item_id=item["id"], output_index=index, **fields)
+
     def _event(self, kind: str, **fields: Any) -> bytes:
         value = {"type": kind, **fields, "sequence_number": self.sequence}
         self.sequence += 1
@@ -238,42 +242,30 @@ class EventStream:
             part = _text_part(text, logprobs)
             item["content"] = [part]
             events.append(
-                self._event(
+                self._of(
+                    item,
+                    index,
                     "response.output_text.done",
-                    item_id=item["id"],
-                    output_index=index,
                     content_index=0,
                     text=text,
                     logprobs=logprobs,
                 )
             )
             events.append(
-                self._event(
-                    "response.content_part.done",
-                    item_id=item["id"],
-                    output_index=index,
-                    content_index=0,
-                    part=part,
-                )
+                self._of(item, index, "response.content_part.done", content_index=0, part=part)
             )
         elif item["type"] == "reasoning":
             item["content"] = [{"type": "reasoning_text", "text": text}]
             events.append(
-                self._event(
-                    "response.reasoning_text.done",
-                    item_id=item["id"],
-                    output_index=index,
-                    content_index=0,
-                    text=text,
-                )
+                self._of(item, index, "response.reasoning_text.done", content_index=0, text=text)
             )
         else:
             item["arguments"] = text
             events.append(
-                self._event(
+                self._of(
+                    item,
+                    index,
                     "response.function_call_arguments.done",
-                    item_id=item["id"],
-                    output_index=index,
                     name=item["name"],
                     arguments=text,
                 )
@@ -289,20 +281,16 @@ class EventStream:
         events.append(self._event("response.output_item.added", output_index=index, item=item))
         if item["type"] == "message":
             events.append(
-                self._event(
-                    "response.content_part.added",
-                    item_id=item["id"],
-                    output_index=index,
-                    content_index=0,
-                    part=_text_part(""),
+                self._of(
+                    item, index, "response.content_part.added", content_index=0, part=_text_part("")
                 )
             )
         elif item["type"] == "reasoning":
             events.append(
-                self._event(
+                self._of(
+                    item,
+                    index,
                     "response.content_part.added",
-                    item_id=item["id"],
-                    output_index=index,
                     content_index=0,
                     part={"type": "reasoning_text", "text": ""},
                 )
