@@ -6,6 +6,8 @@ same answers."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 from conftest import FailingGrammar, exported, greedy, run_all
 
@@ -128,6 +130,34 @@ def test_the_int4_export_runs_batched_as_alone(core, device, tiny_reference):
             assert [e.token_ids for e in alone] == [e.token_ids for e in batched[case["name"]]]
     finally:
         net.close()
+
+
+def test_a_scheduling_failure_fails_what_the_engine_holds_and_the_loop_goes_on(
+    network, tiny_reference, monkeypatch
+):
+    """A bug of ours in scheduling (a disk-tier restore once raised there: the loop thread
+    died and every request after it waited forever) fails the requests the engine holds, with
+    an error, and the loop serves the next one."""
+    engine, case = network.engine, tiny_reference["cases"][0]
+    real, raised = engine.scheduler.schedule, []
+
+    def broken():
+        if engine.scheduler.waiting and not raised:
+            raised.append(True)
+            raise RuntimeError("a scheduler bug")
+        return real()
+
+    monkeypatch.setattr(engine.scheduler, "schedule", broken)
+    pool = ThreadPoolExecutor(1)  # before, it waited forever: bounded here
+    try:
+        failing = pool.submit(lambda: list(engine.generate(greedy({**case, "name": "x"}, 4))))
+        with pytest.raises(Exception, match="generation step failed"):
+            failing.result(timeout=60)
+    finally:
+        pool.shutdown(wait=False)
+    assert raised
+    again = list(engine.generate(greedy({**case, "name": "after"}, 4)))
+    assert [t for e in again for t in e.token_ids] == case["ids"][:4]
 
 
 def test_a_sequence_failing_in_its_sampling_fails_only_its_request(network, tiny_reference):

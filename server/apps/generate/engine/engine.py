@@ -505,7 +505,14 @@ class Engine:
                 flight = self._pipelined(flight)
                 self._gauges()
                 continue
-            plan = self.scheduler.schedule()
+            try:
+                plan = self.scheduler.schedule()
+            except Exception:  # as a step's: the loop goes on, what it held fails (500)
+                log.exception("model %s: scheduling failed", self.name)
+                for state in list(self._requests.values()):
+                    self.output.fail(state, RuntimeError("the generation step failed"))
+                self._gauges()
+                continue
             self._gauges()
             if plan.empty:
                 continue

@@ -281,7 +281,7 @@ class DiskTier:
             queued = self.pending.get(entry.digest)
             try:
                 if queued is not None:
-                    stage[count] = queued[1]
+                    stage[count] = np.asarray(queued[1]).reshape(self.shape)
                 else:
                     stage[count] = self._read(self._path(entry.digest), entry.digest)[1]
             except (OSError, Refused) as exc:
