@@ -8,7 +8,8 @@ is not ready; its cache's bytes gauge reads 0; level 2 drops its weights, so a ~
 gives the server's RSS back; woken, its greedy answers are the ones before, token for token.
 
 Warm-up: a model reports its warm-up (a log line, ``plugserve_generate_warmup_requests``),
-a JSON plan runs exactly its requests, ``WARMUP off`` runs none, and with the default one the
+a JSON plan runs exactly its requests, ``WARMUP off`` runs none, a model that names no
+``WARMUP`` runs the default (on since the reloads' memory stays flat), and with it the
 first real request after the server is ready takes at most 3x the median of the next ten
 (slow: the ~90 MB decoder on its own server).
 """
@@ -245,6 +246,9 @@ def test_the_warm_up_ran_and_is_reported(server):
     assert "planned/1 warmed up: 4 requests (batch size x prompt length: 1x8, 3x8)" in server.log
     assert metric(server, "plugserve_generate_warmup_requests_total", "cold") == 0
     assert metric(server, "plugserve_generate_warmup_requests_total", "llama") > 0
+    # on by default: "big" names no WARMUP, so the server's --generate-warmup (default) ran
+    assert "big/1 warmed up: 3 requests (batch size x prompt length: 1x16, 2x16) in" in log
+    assert metric(server, "plugserve_generate_warmup_requests_total", "big") >= 3
     # the warm-up's requests count in no request metric (these two served no request)
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -261,6 +265,21 @@ def test_the_warm_up_ran_and_is_reported(server):
         # nor in vLLM's names (the prefix cache's lookups too: the slot table counts them)
         for name in ("prompt_tokens", "prefix_cache_queries", "prefix_cache_hits"):
             assert vllm[f"vllm:{name}_total", model] == 0, name
+
+
+def test_the_default_plan_is_each_graphs_size_on_a_card_and_the_two_ends_on_the_cpu():
+    """A CUDA decoder pads a decode step to a power of two of rows, one graph each: the default
+    warms every one; on the CPU (no graph per size) 1 and the model's slots, the smallest and
+    the largest step (the sizes between cost CI's many loads time and capture nothing)."""
+    from plugserve.server.apps.generate.engine.warmup import WarmupPlan, rounds
+
+    assert rounds(WarmupPlan(), 16, 512) == [(1, 16), (16, 16)]
+    assert rounds(WarmupPlan(), 1, 512) == [(1, 16)]
+    on_a_card = rounds(WarmupPlan(), 16, 512, graphs=True)
+    assert on_a_card == [(1, 16), (2, 16), (4, 16), (8, 16), (16, 16)]
+    assert rounds(WarmupPlan(), 6, 512, graphs=True) == [(1, 16), (2, 16), (4, 16), (6, 16)]
+    # a context too short for the 16-token prompt and its decoded tokens clips it
+    assert rounds(WarmupPlan(), 2, 12) == [(1, 7), (2, 7)]
 
 
 @pytest.mark.slow
@@ -322,6 +341,16 @@ def test_each_level_releases_what_it_says_in_the_torch_decoder(torch_llama):
     torch_llama.wake_up()
     assert decoder.model is not None and engine.cache.nbytes > 0 and torch_llama.ready()
     assert _ids(torch_llama) == before
+
+
+def test_a_load_in_process_warms_as_the_servers_default_does(torch_llama):
+    """``core.load_network`` without a WARMUP key (the module's SETTINGS name none) runs the
+    default warm-up, the server's own default."""
+    from plugserve.server.apps.generate.engine.engine import EngineSettings
+    from plugserve.server.process.settings import Settings
+
+    assert EngineSettings().warmup == Settings().generate_warmup == "default"
+    assert torch_llama.engine.stats_.snapshot().warmup_requests >= 5  # 1 and 4 rows
 
 
 def test_level_1_offload_empties_every_weight_storage_and_refills_it(core, hf_llama):

@@ -168,8 +168,9 @@ class EngineSettings:
     #: at once, then one event per this many, its last with what is left (:mod:`.output`)
     stream_interval: int = 1
     #: the warm-up before the model is ready (:mod:`.warmup`): "off", "default", or a JSON
-    #: object of ``batch_sizes`` and ``prompt_lens``
-    warmup: str = "off"
+    #: object of ``batch_sizes`` and ``prompt_lens`` (the server's ``--generate-warmup``
+    #: default: a load made in process warms as a server's does)
+    warmup: str = "default"
     #: the server's KV-events publisher (``--kv-events-config``, :mod:`.kvevents`); None: off.
     #: The server's, not a model's config key
     kv_events: Publisher | None = dataclasses.field(default=None, compare=False, repr=False)

@@ -12,12 +12,21 @@ computed, then a few tokens decoded at that batch size.
 The setting (``--generate-warmup``, or a model's ``WARMUP`` config key; vLLM's warm-up
 config in spirit):
 
+``default`` (the default)
+    16-token prompts at batch sizes 1 and ``max_num_seqs``: the smallest and the largest
+    step's first allocations and kernel choices; where the decoder captures decode graphs
+    (torch on a CUDA card) batch sizes 1, 2, 4, ... up to ``max_num_seqs`` (and it), so each
+    graph a decode step pads to is captured. On by default since reloads with it stay flat
+    (malloc's arenas capped: docs/operations.md); it adds 0.01 to 0.05 s to a load of the
+    suite's tiny models, which CI loads many times (every power of two on the CPU too: up to
+    twice that, with no graph to show for it). It leaves out a prompt of a whole step's
+    chunk (``max_num_batched_tokens``): on ORT that prompt's buffers held ~30 MiB more after
+    each load of a 90 MB decoder and swung the server's RSS over twenty reloads past 10 %
+    (+49 MiB of 472); a plan naming ``prompt_lens`` warms long prompts where their first
+    one must not be slow;
 ``off``
     one request of two tokens only (the check that the graph runs on its device, which a
     load always makes);
-``default``
-    batch sizes 1, 2, 4, ... up to ``max_num_seqs`` (and it), each with a 16-token prompt,
-    and one prompt of ``max_num_batched_tokens`` (a step's whole chunk) at batch 1;
 a JSON object ``{"batch_sizes": [1, 8], "prompt_lens": [16, 512]}``
     every batch size with every prompt length (a batch size over the model's slots, or a
     length over its context, is clipped to it).
@@ -87,20 +96,24 @@ def parse(text: str) -> WarmupPlan | None:
     return WarmupPlan(lists["batch_sizes"], lists["prompt_lens"])
 
 
-def rounds(plan: WarmupPlan, slots: int, capacity: int, chunk: int) -> list[tuple[int, int]]:
+def rounds(
+    plan: WarmupPlan, slots: int, capacity: int, graphs: bool = False
+) -> list[tuple[int, int]]:
     """``(batch size, prompt length)`` of each round: the plan's, clipped to the engine's
-    ``slots`` and its ``capacity`` (room left for the decoded tokens)."""
+    ``slots`` and its ``capacity`` (room left for the decoded tokens). The default's sizes
+    are 1 and ``slots``, and where the decoder captures decode ``graphs`` (one per power of
+    two of rows) each power of two between."""
     longest = max(1, capacity - DECODE_TOKENS - 1)
     if plan.batch_sizes or plan.prompt_lens:
         sizes = plan.batch_sizes or (1,)
         lens = plan.prompt_lens or (SHORT_PROMPT,)
         wanted = [(b, n) for b in sizes for n in lens]
     else:
-        sizes, size = [], 1
-        while size < slots:
+        sizes, size = [1], 2
+        while graphs and size < slots:
             sizes.append(size)
             size *= 2
-        wanted = [(b, SHORT_PROMPT) for b in [*sizes, slots]] + [(1, chunk)]
+        wanted = [(b, SHORT_PROMPT) for b in [*sizes, slots]]
     found: list[tuple[int, int]] = []
     for batch, length in wanted:
         key = (min(batch, slots), min(length, longest))
@@ -124,7 +137,8 @@ def run(engine: Any, plan: WarmupPlan, bos: int) -> dict[str, Any]:
     vocab = max(2, engine.decoder.vocab or engine.tokenizer.vocab_size)
     count = 0
     slots = engine.scheduler.max_num_seqs if engine.decoder.batches else 1
-    planned = rounds(plan, slots, engine.capacity, engine.settings.max_num_batched_tokens)
+    graphs = getattr(engine.decoder, "graphs", None)
+    planned = rounds(plan, slots, engine.capacity, graphs is not None)
     ran: list[tuple[int, int]] = []
     try:
         for batch, length in planned:
@@ -144,7 +158,6 @@ def run(engine: Any, plan: WarmupPlan, bos: int) -> dict[str, Any]:
     with engine.stats_.lock:
         engine.stats_.warmup_requests += count
         engine.stats_.warmup_seconds = seconds
-    graphs = getattr(engine.decoder, "graphs", None)
     captured = sum(1 for s in graphs.shapes.values() if s.graph is not None) if graphs else 0
     return {"rounds": ran, "requests": count, "seconds": seconds, "graphs": captured}
 
