@@ -285,7 +285,7 @@ def test_prefix_routing_sends_a_conversation_to_its_prefix_and_loses_no_request(
     0.2% (binomial, p = 1/2). The rounds are sent in a shuffled order because in a fixed one
     Serve's routing is sticky by accident (13 of 16 in a first run: a tie goes to the replica
     whose queue-length probe answers first, so the n-th request of a round kept its replica).
-    Then one replica's process is killed under 6 clients' load: the requests it held are sent
+    Then one replica's process is killed under 12 clients' load: the requests it held are sent
     again by the ingress (its log says so), and none is lost."""
     cluster, _, has_chat = setup
     if not has_chat:
@@ -308,19 +308,19 @@ def test_prefix_routing_sends_a_conversation_to_its_prefix_and_loses_no_request(
 
     api = openai.OpenAI(base_url=f"{head}/routed/v1", api_key="x", max_retries=0, timeout=120)
 
-    def call():  # 64 tokens: a replica holds each request long enough to be killed with it
+    def call():  # 256 tokens: a replica holds each request long enough to be killed with it
         # each call's own leading text: no prefix to follow, so the calls spread over both
         # replicas (one shared prompt sent them all to its replica, and the killed one once
-        # held none)
+        # held none; with 6 clients of 64 tokens, a CI run's killed replica held none too)
         messages = [{"role": "user", "content": f"{uuid.uuid4().hex} Count to ten."}]
         api.chat.completions.create(
-            model=CHAT_MODEL, messages=messages, max_tokens=64, extra_body={"ignore_eos": True}
+            model=CHAT_MODEL, messages=messages, max_tokens=256, extra_body={"ignore_eos": True}
         )
 
     stop = threading.Event()
     outcome: list = []
     worker = threading.Thread(
-        target=lambda: outcome.append(ray_cluster.load(6, 15, call, stop)), daemon=True
+        target=lambda: outcome.append(ray_cluster.load(12, 15, call, stop)), daemon=True
     )
     worker.start()
     time.sleep(4)
