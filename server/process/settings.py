@@ -523,8 +523,8 @@ class Settings:
         "default",
         "generative models: what a model generates before it is reported ready (and again at "
         "each wake), so the first request is not the slow one: off (one two-token check), "
-        "default (16-token prompts at batch sizes 1 and --max-num-seqs, on a CUDA card 1, 2, "
-        "4 ... up to it; the default: a tiny test model's load takes ~0.05 s more, reloads "
+        "default (a 16-token prompt at batch size 1; on a CUDA card batch sizes 1, 2, 4 ... "
+        "up to --max-num-seqs; the default: a tiny test model's load takes ~0.05 s more, reloads "
         "stay flat), or a JSON "
         'object such as \'{"batch_sizes": [1, 8], "prompt_lens": [16, 512]}\' (every size '
         "with every length, long prompts too); a model's WARMUP config key overrides it "

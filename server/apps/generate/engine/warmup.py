@@ -13,8 +13,11 @@ The setting (``--generate-warmup``, or a model's ``WARMUP`` config key; vLLM's w
 config in spirit):
 
 ``default`` (the default)
-    16-token prompts at batch sizes 1 and ``max_num_seqs``: the smallest and the largest
-    step's first allocations and kernel choices; where the decoder captures decode graphs
+    a 16-token prompt at batch size 1 on the CPU (the first allocations and kernel choices of
+    a step; a batched warm-up left the CPU twin's later streams slower: at 32 streams of
+    tests' tiny-llama on TORCH the server's CPU a token read +7 to +12 % after a warm-up at
+    batch 32 or 64, none after one at batch 1, cause not found: BENCHMARKS.md "One house's
+    cost"); where the decoder captures decode graphs
     (torch on a CUDA card) batch sizes 1, 2, 4, ... up to ``max_num_seqs`` (and it), so each
     graph a decode step pads to is captured. On by default since reloads with it stay flat
     (malloc's arenas capped: docs/operations.md); it adds 0.01 to 0.05 s to a load of the
@@ -100,9 +103,9 @@ def rounds(
     plan: WarmupPlan, slots: int, capacity: int, graphs: bool = False
 ) -> list[tuple[int, int]]:
     """``(batch size, prompt length)`` of each round: the plan's, clipped to the engine's
-    ``slots`` and its ``capacity`` (room left for the decoded tokens). The default's sizes
-    are 1 and ``slots``, and where the decoder captures decode ``graphs`` (one per power of
-    two of rows) each power of two between."""
+    ``slots`` and its ``capacity`` (room left for the decoded tokens). The default's size is
+    1, and where the decoder captures decode ``graphs`` (one per power of two of rows) each
+    power of two up to ``slots`` (and it)."""
     longest = max(1, capacity - DECODE_TOKENS - 1)
     if plan.batch_sizes or plan.prompt_lens:
         sizes = plan.batch_sizes or (1,)
@@ -113,7 +116,7 @@ def rounds(
         while graphs and size < slots:
             sizes.append(size)
             size *= 2
-        wanted = [(b, SHORT_PROMPT) for b in [*sizes, slots]]
+        wanted = [(b, SHORT_PROMPT) for b in ([*sizes, slots] if graphs else sizes)]
     found: list[tuple[int, int]] = []
     for batch, length in wanted:
         key = (min(batch, slots), min(length, longest))
