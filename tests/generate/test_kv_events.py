@@ -408,11 +408,7 @@ def test_the_host_tier_announces_its_blocks_as_cpu():
         time.sleep(0.5)  # the subscription reaches the publisher
 
         def seen(kind: type, medium: str) -> list[tuple[int, int]]:
-            """(seq, hash) of every ``kind`` event in ``medium``."""
-            return [
-                (seq, h) for seq, payload in events.messages for e in decode(payload).events
-                if isinstance(e, kind) and e.medium == medium for h in e.block_hashes
-            ]  # fmt: skip
+            return _seen(events, decode, kind, medium)
 
         try:
             for prompt in PROMPTS:  # two slots: the third evicts the first's blocks
@@ -448,10 +444,7 @@ def test_the_disk_tier_announces_its_blocks_as_disk(tmp_path):
         time.sleep(0.5)  # the subscription reaches the publisher
 
         def seen(kind: type, medium: str) -> list[tuple[int, int]]:
-            return [
-                (seq, h) for seq, payload in events.messages for e in decode(payload).events
-                if isinstance(e, kind) and e.medium == medium for h in e.block_hashes
-            ]  # fmt: skip
+            return _seen(events, decode, kind, medium)
 
         try:
             for prompt in [*PROMPTS, list(range(400, 440))]:  # the fourth pushes the first out
@@ -465,3 +458,11 @@ def test_the_disk_tier_announces_its_blocks_as_disk(tmp_path):
             assert len(list(tmp_path.rglob("*.kvb"))) >= 2
         finally:
             events.close()
+
+
+def _seen(events, decode, kind: type, medium: str) -> list[tuple[int, int]]:
+    """(seq, hash) of every ``kind`` event in ``medium`` that ``events`` received."""
+    return [
+        (seq, h) for seq, payload in events.messages for e in decode(payload).events
+        if isinstance(e, kind) and e.medium == medium for h in e.block_hashes
+    ]  # fmt: skip
