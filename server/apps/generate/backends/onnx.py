@@ -160,10 +160,62 @@ def _right_padded(
     return ids, lengths
 
 
-class SharedBufferDecoder(Decoder):
-    """GroupQueryAttention graphs: per-row lengths in the mask, the cache rows bound in place."""
+class _EveryPosition(Decoder):
+    """Graphs whose forward returns the logits of every position it was given (both ONNX
+    layouts): ``first`` and ``extend`` keep each row's last position's unless asked for all,
+    here once; a backend says how it runs a batch of first chunks and one row's chunk."""
 
     prompt_logits = True
+    #: the rows of one run are one view of the cache (bound in place): rows that are not
+    #: consecutive run one at a time
+    consecutive_rows = False
+
+    def first(
+        self,
+        cache: KVCache,
+        rows: Sequence[int],
+        chunks: Sequence[Sequence[int]],
+        all_positions: bool = False,
+    ) -> np.ndarray:
+        rows = list(rows)
+        if self.consecutive_rows and rows != list(range(rows[0], rows[0] + len(rows))):
+            parts = [self.first(cache, [r], [c], all_positions) for r, c in zip(rows, chunks)]
+            if not all_positions:
+                return np.concatenate(parts)
+            width = max(len(c) for c in chunks)  # rows of different widths: padded
+            return np.concatenate(
+                [np.pad(p, ((0, 0), (0, width - p.shape[1]), (0, 0))) for p in parts]
+            )
+        logits, lengths = self._first(cache, rows, chunks)
+        return logits if all_positions else logits[np.arange(len(rows)), lengths - 1]
+
+    def extend(
+        self,
+        cache: KVCache,
+        row: int,
+        start: int,
+        chunk: Sequence[int],
+        all_positions: bool = False,
+    ) -> np.ndarray:
+        logits = self._extend(cache, row, start, chunk)
+        return logits if all_positions else logits[-1]
+
+    def _first(
+        self, cache: KVCache, rows: list[int], chunks: Sequence[Sequence[int]]
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """First chunks written at ``rows`` in one run: every position's logits
+        ``[rows, longest chunk, vocab]``, and each chunk's length."""
+        raise NotImplementedError
+
+    def _extend(self, cache: KVCache, row: int, start: int, chunk: Sequence[int]) -> np.ndarray:
+        """``chunk`` written at ``start..`` of ``row``: its positions' logits ``[len, vocab]``."""
+        raise NotImplementedError
+
+
+class SharedBufferDecoder(_EveryPosition):
+    """GroupQueryAttention graphs: per-row lengths in the mask, the cache rows bound in place."""
+
+    consecutive_rows = True
 
     def _run(
         self,
@@ -211,46 +263,20 @@ class SharedBufferDecoder(Decoder):
         new = [(r, int(lens[r]), 1) for r in range(rows)]
         return self._run(cache, 0, rows, feeds, new)[:, 0, :]
 
-    def first(
-        self,
-        cache: KVCache,
-        rows: Sequence[int],
-        chunks: Sequence[Sequence[int]],
-        all_positions: bool = False,
-    ) -> np.ndarray:
-        rows = list(rows)
-        if rows != list(range(rows[0], rows[0] + len(rows))):  # bound rows must be one view
-            if all_positions:  # rows of different widths: padded to the longest
-                width = max(len(c) for c in chunks)
-                parts = [self.first(cache, [r], [c], True) for r, c in zip(rows, chunks)]
-                return np.concatenate(
-                    [np.pad(p, ((0, 0), (0, width - p.shape[1]), (0, 0))) for p in parts]
-                )
-            return np.concatenate([self.first(cache, [r], [c]) for r, c in zip(rows, chunks)])
+    def _first(
+        self, cache: KVCache, rows: list[int], chunks: Sequence[Sequence[int]]
+    ) -> tuple[np.ndarray, np.ndarray]:
         feeds, lengths = self._prompt_feeds(chunks)
         new = [(r, 0, len(c)) for r, c in zip(rows, chunks)]
-        logits = self._run(cache, rows[0], rows[0] + len(rows), feeds, new)
-        if all_positions:
-            return logits
-        return logits[np.arange(len(rows)), lengths - 1]
+        return self._run(cache, rows[0], rows[0] + len(rows), feeds, new), lengths
 
-    def extend(
-        self,
-        cache: KVCache,
-        row: int,
-        start: int,
-        chunk: Sequence[int],
-        all_positions: bool = False,
-    ) -> np.ndarray:
+    def _extend(self, cache: KVCache, row: int, start: int, chunk: Sequence[int]) -> np.ndarray:
         feeds = self._chunk_feeds(start, chunk)
-        logits = self._run(cache, row, row + 1, feeds, [(row, start, len(chunk))])[0]
-        return logits if all_positions else logits[-1]
+        return self._run(cache, row, row + 1, feeds, [(row, start, len(chunk))])[0]
 
 
-class ConcatDecoder(Decoder):
+class ConcatDecoder(_EveryPosition):
     """Graphs that concatenate past and new keys, with explicit positions (optimum's)."""
-
-    prompt_logits = True
 
     def __init__(self, network: CompiledNetwork, layout: CacheLayout, vocab: int) -> None:
         super().__init__(network, layout, vocab)
@@ -278,41 +304,26 @@ class ConcatDecoder(Decoder):
             cache.arrays[past][index, :, lens] = out[present][:, :, width]
         return self._logits(out)[:, 0, :]
 
-    def first(
-        self,
-        cache: KVCache,
-        rows: Sequence[int],
-        chunks: Sequence[Sequence[int]],
-        all_positions: bool = False,
-    ) -> np.ndarray:
+    def _first(
+        self, cache: KVCache, rows: list[int], chunks: Sequence[Sequence[int]]
+    ) -> tuple[np.ndarray, np.ndarray]:
         feeds, lengths = self._prompt_feeds(chunks)
-        count = len(chunks)
         for past, _present, heads, dim in self.layout.entries:
-            feeds[past] = np.zeros((count, heads, 0, dim), self.layout.dtype)
+            feeds[past] = np.zeros((len(chunks), heads, 0, dim), self.layout.dtype)
         out = self._run(feeds)
         for past, present, _h, _d in self.layout.entries:
             for i, row in enumerate(rows):
                 cache.arrays[past][row, :, : lengths[i]] = out[present][i, :, : lengths[i]]
-        if all_positions:
-            return self._logits(out)
-        return self._logits(out)[np.arange(count), lengths - 1]
+        return self._logits(out), lengths
 
-    def extend(
-        self,
-        cache: KVCache,
-        row: int,
-        start: int,
-        chunk: Sequence[int],
-        all_positions: bool = False,
-    ) -> np.ndarray:
-        count = len(chunk)
+    def _extend(self, cache: KVCache, row: int, start: int, chunk: Sequence[int]) -> np.ndarray:
         feeds = self._chunk_feeds(start, chunk)
         for past, _present, _h, _d in self.layout.entries:
             feeds[past] = np.ascontiguousarray(cache.arrays[past][row : row + 1, :, :start])
         out = self._run(feeds)
         for past, present, _h, _d in self.layout.entries:
-            cache.arrays[past][row, :, start : start + count] = out[present][0, :, start:]
-        return self._logits(out)[0] if all_positions else self._logits(out)[0, -1]
+            cache.arrays[past][row, :, start : start + len(chunk)] = out[present][0, :, start:]
+        return self._logits(out)[0]
 
 
 def _has_group_query_attention(graph: Path) -> bool:
