@@ -79,25 +79,20 @@ class Forward:
         return cls([], error=error, failed=list(states.values()))
 
 
+@dataclasses.dataclass(eq=False)
 class ModelRunner:
     """Runs a plan's forwards on the decoder over the engine's cache."""
 
-    def __init__(
-        self,
-        decoder: Decoder,
-        cache: KVCache,
-        table: SlotTable,
-        max_num_batched_tokens: int,
-        tier: HostTier | None = None,
-    ) -> None:
-        self.decoder = decoder
-        self.cache = cache
-        self.table = table
-        self.max_num_batched_tokens = max_num_batched_tokens
-        #: the host tier of evicted blocks (None: off)
-        self.tier = tier
-        if tier is not None:
-            table.evicting = tier.offload
+    decoder: Decoder
+    cache: KVCache
+    table: SlotTable
+    max_num_batched_tokens: int
+    #: the host tier of evicted blocks (None: off)
+    tier: HostTier | None = None
+
+    def __post_init__(self) -> None:
+        if self.tier is not None:
+            self.table.evicting = self.tier.offload
 
     def execute(self, plan: Plan) -> Iterator[Forward]:
         """The plan's forwards in order (the module's docstring), each yielded when done."""
