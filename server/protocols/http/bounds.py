@@ -3,9 +3,12 @@ docstring says why each is what it is) and what each client address holds of the
 
 from __future__ import annotations
 
+import dataclasses
+
 __all__ = ["Bounds", "Share"]
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
 class Bounds:
     """What one client may hold of the port (docs/security.md): ``peer_connections``
     connections per client address that serve none of its requests, and ``peer_bytes`` of the
@@ -13,21 +16,11 @@ class Bounds:
     (0: none); a body must come at ``min_rate`` bytes a second on average once ``grace``
     seconds have passed since its headers (0: no minimum)."""
 
-    __slots__ = ("grace", "min_rate", "peer_bytes", "peer_connections", "token_requests")
-
-    def __init__(
-        self,
-        peer_connections: int = 0,
-        peer_bytes: int = 0,
-        min_rate: float = 0.0,
-        grace: float = 5.0,
-        token_requests: int = 0,
-    ) -> None:
-        self.peer_connections = peer_connections
-        self.peer_bytes = peer_bytes
-        self.min_rate = min_rate
-        self.grace = grace
-        self.token_requests = token_requests
+    peer_connections: int = 0
+    peer_bytes: int = 0
+    min_rate: float = 0.0
+    grace: float = 5.0
+    token_requests: int = 0
 
 
 class Share:
