@@ -646,31 +646,24 @@ class Settings:
         from plugserve.server.apps.generate import reasoning, tool_parsers
         from plugserve.server.apps.generate.engine import warmup
 
-        try:
-            warmup.parse(self.generate_warmup)
-        except InvalidArgument as exc:
-            found.append(f"generate_warmup: {exc}")
-        try:
-            self.kv_events()
-        except InvalidArgument as exc:
-            found.append(f"kv_events_config={self.kv_events_config!r}: {exc}")
-
+        # the fields a reader parses, raising an error that names what is wrong
+        for name, read in (
+            ("generate_warmup", lambda: warmup.parse(self.generate_warmup)),
+            ("kv_events_config", self.kv_events),
+            ("trace_config", self.trace),
+            ("served_model_name", self.served_names),
+        ):
+            try:
+                read()
+            except (InvalidArgument, ValueError) as exc:
+                found.append(f"{name}={getattr(self, name)!r}: {exc}")
         for name, names in (
             ("tool_call_parser", tool_parsers.NAMES),
             ("reasoning_parser", reasoning.NAMES),
+            ("log_format", _LOG_FORMATS),
         ):
             if getattr(self, name) not in names:
                 found.append(f"{name}={getattr(self, name)!r} must be one of {', '.join(names)}")
-        if self.log_format not in _LOG_FORMATS:
-            found.append(f"log_format={self.log_format!r} must be one of {', '.join(_LOG_FORMATS)}")
-        try:
-            self.trace()
-        except ValueError as exc:
-            found.append(f"trace_config={self.trace_config!r}: {exc}")
-        try:
-            self.served_names()
-        except ValueError as exc:
-            found.append(f"served_model_name={self.served_model_name!r}: {exc}")
         if self.log_level.upper() not in _LOG_LEVELS:
             found.append(f"log_level={self.log_level!r} must be one of {', '.join(_LOG_LEVELS)}")
         return found
