@@ -15,7 +15,7 @@ import dataclasses
 import threading
 from typing import Any
 
-__all__ = ["BUCKETS", "VLLM_BUCKETS", "GenerationStats", "Histogram", "Snapshot"]
+__all__ = ["BUCKETS", "VLLM_BUCKETS", "GenerationStats", "Histogram", "Numbers", "Snapshot"]
 
 #: seconds: from a fast inter-token latency (ms) to a long queued request (minutes)
 BUCKETS = {
@@ -71,20 +71,24 @@ class Histogram:
 
 
 @dataclasses.dataclass
-class Snapshot:
-    """What one scrape reads."""
+class Numbers:
+    """The engine's counters and gauges besides its histograms: what the engine's loop
+    updates (:class:`GenerationStats`) and a scrape reads (:class:`Snapshot`), declared once."""
 
-    histograms: dict[str, tuple[tuple[float, ...], list[int], float]]
-    prompt_tokens: int
-    generation_tokens: int
-    cached_prompt_tokens: int
-    finished: dict[str, int]
-    running: int
-    waiting: int
-    kv_cache_usage: float
-    kv_cache_bytes: int
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    finished: dict[str, int] = dataclasses.field(
+        default_factory=lambda: {"stop": 0, "length": 0, "abort": 0}
+    )
+    #: sequences holding a slot, and requests waiting for one
+    running: int = 0
+    waiting: int = 0
+    kv_cache_usage: float = 0.0
+    kv_cache_bytes: int = 0
     #: tokens per block of the prefix cache, and the blocks the cache holds in all
-    #: (slots x context / block size): what vLLM's ``cache_config_info`` says
+    #: (slots x context / block size): what vLLM's ``cache_config_info`` says (set once by
+    #: the engine, with kv_cache_bytes)
     block_size: int = 0
     kv_cache_blocks: int = 0
     #: decode steps launched behind the one in flight (:mod:`.overlap`)
@@ -94,13 +98,10 @@ class Snapshot:
     warmup_requests: int = 0
     warmup_seconds: float = 0.0
     #: prompt tokens looked up in the prefix cache at admission, and those found (vLLM's
-    #: ``prefix_cache_queries`` and ``prefix_cache_hits``)
+    #: ``prefix_cache_queries`` and ``prefix_cache_hits``: the slot table's, added by the
+    #: engine with the gauges)
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
-    #: the histograms in vLLM's buckets (``VLLM_BUCKETS``), as :attr:`histograms`
-    vllm_histograms: dict[str, tuple[tuple[float, ...], list[int], float]] = dataclasses.field(
-        default_factory=dict
-    )
     #: bytes the KV host tier keeps, and prompt tokens restored from it (:mod:`.kv_host_tier`)
     kv_offload_bytes: int = 0
     kv_offload_restored_tokens: int = 0
@@ -110,33 +111,30 @@ class Snapshot:
     kv_disk_restored_tokens: int = 0
 
 
-class GenerationStats:
+@dataclasses.dataclass
+class Snapshot(Numbers):
+    """What one scrape reads: the numbers, and each histogram as ``(bounds, per-bucket
+    counts, sum)``."""
+
+    histograms: dict[str, tuple[tuple[float, ...], list[int], float]] = dataclasses.field(
+        default_factory=dict
+    )
+    #: the histograms in vLLM's buckets (``VLLM_BUCKETS``), as :attr:`histograms`
+    vllm_histograms: dict[str, tuple[tuple[float, ...], list[int], float]] = dataclasses.field(
+        default_factory=dict
+    )
+
+
+@dataclasses.dataclass(eq=False)
+class GenerationStats(Numbers):
     """Updated by the engine's loop; read by scrapes (both under :attr:`lock`)."""
 
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.histograms = {
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    histograms: dict[str, Histogram] = dataclasses.field(
+        default_factory=lambda: {
             name: Histogram(bounds, VLLM_BUCKETS[name]) for name, bounds in BUCKETS.items()
         }
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
-        self.cached_prompt_tokens = 0
-        self.finished: dict[str, int] = {"stop": 0, "length": 0, "abort": 0}
-        self.running = 0
-        self.waiting = 0
-        self.kv_cache_usage = 0.0
-        self.kv_cache_bytes = 0
-        self.block_size = 0  # set once by the engine, with kv_cache_bytes
-        self.kv_cache_blocks = 0
-        self.pipelined_steps = 0
-        self.warmup_requests = 0
-        self.warmup_seconds = 0.0
-        self.prefix_cache_queries = 0  # the slot table's, added by the engine with the gauges
-        self.prefix_cache_hits = 0
-        self.kv_offload_bytes = 0
-        self.kv_offload_restored_tokens = 0
-        self.kv_disk_bytes = 0
-        self.kv_disk_restored_tokens = 0
+    )
 
     #: what requests count (a warm-up's are put back: :meth:`counters`, :meth:`restore`)
     _COUNTED = (
@@ -159,29 +157,16 @@ class GenerationStats:
 
     def snapshot(self) -> Snapshot:
         with self.lock:
+            numbers = {
+                f.name: copy.copy(getattr(self, f.name)) for f in dataclasses.fields(Numbers)
+            }
             return Snapshot(
-                {n: (h.bounds, list(h.counts), h.total) for n, h in self.histograms.items()},
-                self.prompt_tokens,
-                self.generation_tokens,
-                self.cached_prompt_tokens,
-                dict(self.finished),
-                self.running,
-                self.waiting,
-                self.kv_cache_usage,
-                self.kv_cache_bytes,
-                self.block_size,
-                self.kv_cache_blocks,
-                self.pipelined_steps,
-                self.warmup_requests,
-                self.warmup_seconds,
-                self.prefix_cache_queries,
-                self.prefix_cache_hits,
-                {
+                **numbers,
+                histograms={
+                    n: (h.bounds, list(h.counts), h.total) for n, h in self.histograms.items()
+                },
+                vllm_histograms={
                     n: (h.vllm_bounds, list(h.vllm_counts), h.total)
                     for n, h in self.histograms.items()
                 },
-                self.kv_offload_bytes,
-                self.kv_offload_restored_tokens,
-                self.kv_disk_bytes,
-                self.kv_disk_restored_tokens,
             )
