@@ -241,6 +241,37 @@ class _GenerationCollector:
         ("inter_token_latency", "Seconds between two tokens of a sequence"),
         ("e2e_request_latency", "Seconds from a request's arrival to its end"),
     )
+    #: one family per number of the engine's ``stats.Numbers``: its field, the family's kind,
+    #: its name after ``plugserve_generate_`` and its help (``finished``, counts by reason, is
+    #: labelled ``finish_reason``)
+    _NUMBERS = (
+        ("prompt_tokens", CounterMetricFamily, "prompt_tokens",
+         "Prompt tokens of requests started"),
+        ("cached_prompt_tokens", CounterMetricFamily, "prompt_tokens_cached",
+         "Prompt tokens whose key/value cache came from the prefix cache"),
+        ("generation_tokens", CounterMetricFamily, "generation_tokens", "Tokens generated"),
+        ("finished", CounterMetricFamily, "sequences_finished",
+         "Sequences ended, by reason (stop, length, abort)"),
+        ("running", GaugeMetricFamily, "requests_running", "Sequences holding a cache slot"),
+        ("waiting", GaugeMetricFamily, "requests_waiting", "Requests waiting for a cache slot"),
+        ("kv_cache_usage", GaugeMetricFamily, "kv_cache_usage_ratio",
+         "Share of the key/value cache's slots held by running sequences (0 to 1)"),
+        ("kv_cache_bytes", GaugeMetricFamily, "kv_cache_bytes", "Bytes of the key/value cache"),
+        ("pipelined_steps", CounterMetricFamily, "pipelined_steps",
+         "Decode steps launched before the previous step's tokens reached the host "
+         "(async scheduling)"),
+        ("warmup_requests", CounterMetricFamily, "warmup_requests",
+         "Warm-up requests run before the model was ready (at load and at each wake)"),
+        ("warmup_seconds", GaugeMetricFamily, "warmup_seconds", "Seconds the last warm-up took"),
+        ("kv_offload_bytes", GaugeMetricFamily, "kv_offload_bytes",
+         "Bytes of evicted key/value blocks the host tier keeps (--kv-offloading-size)"),
+        ("kv_offload_restored_tokens", CounterMetricFamily, "kv_offload_restored_tokens",
+         "Prompt tokens whose key/value cache was restored from the host tier"),
+        ("kv_disk_bytes", GaugeMetricFamily, "kv_disk_bytes",
+         "Bytes of block files the disk tier keeps (--kv-disk-size)"),
+        ("kv_disk_restored_tokens", CounterMetricFamily, "kv_disk_restored_tokens",
+         "Prompt tokens whose key/value cache was restored from the disk tier"),
+    )  # fmt: skip
 
     def __init__(self, read: Callable[[], list[tuple[str, str, str, Any]]]) -> None:
         self._read = read
@@ -251,97 +282,28 @@ class _GenerationCollector:
             name: HistogramMetricFamily(f"plugserve_generate_{name}_seconds", text, labels=labels)
             for name, text in self._HISTOGRAMS
         }
-        prompt = CounterMetricFamily(
-            "plugserve_generate_prompt_tokens", "Prompt tokens of requests started",
-            labels=labels,
-        )  # fmt: skip
-        cached = CounterMetricFamily(
-            "plugserve_generate_prompt_tokens_cached",
-            "Prompt tokens whose key/value cache came from the prefix cache",
-            labels=labels,
-        )
-        generated = CounterMetricFamily(
-            "plugserve_generate_generation_tokens", "Tokens generated", labels=labels
-        )
-        finished = CounterMetricFamily(
-            "plugserve_generate_sequences_finished",
-            "Sequences ended, by reason (stop, length, abort)",
-            labels=[*labels, "finish_reason"],
-        )
-        running = GaugeMetricFamily(
-            "plugserve_generate_requests_running", "Sequences holding a cache slot",
-            labels=labels,
-        )  # fmt: skip
-        waiting = GaugeMetricFamily(
-            "plugserve_generate_requests_waiting", "Requests waiting for a cache slot",
-            labels=labels,
-        )  # fmt: skip
-        usage = GaugeMetricFamily(
-            "plugserve_generate_kv_cache_usage_ratio",
-            "Share of the key/value cache's slots held by running sequences (0 to 1)",
-            labels=labels,
-        )
-        size = GaugeMetricFamily(
-            "plugserve_generate_kv_cache_bytes", "Bytes of the key/value cache", labels=labels
-        )
-        pipelined = CounterMetricFamily(
-            "plugserve_generate_pipelined_steps",
-            "Decode steps launched before the previous step's tokens reached the host "
-            "(async scheduling)",
-            labels=labels,
-        )
-        warmups = CounterMetricFamily(
-            "plugserve_generate_warmup_requests",
-            "Warm-up requests run before the model was ready (at load and at each wake)",
-            labels=labels,
-        )
-        warmup_seconds = GaugeMetricFamily(
-            "plugserve_generate_warmup_seconds", "Seconds the last warm-up took", labels=labels
-        )
-        offload = GaugeMetricFamily(
-            "plugserve_generate_kv_offload_bytes",
-            "Bytes of evicted key/value blocks the host tier keeps (--kv-offloading-size)",
-            labels=labels,
-        )
-        restored = CounterMetricFamily(
-            "plugserve_generate_kv_offload_restored_tokens",
-            "Prompt tokens whose key/value cache was restored from the host tier",
-            labels=labels,
-        )
-        disk = GaugeMetricFamily(
-            "plugserve_generate_kv_disk_bytes",
-            "Bytes of block files the disk tier keeps (--kv-disk-size)",
-            labels=labels,
-        )
-        disk_restored = CounterMetricFamily(
-            "plugserve_generate_kv_disk_restored_tokens",
-            "Prompt tokens whose key/value cache was restored from the disk tier",
-            labels=labels,
-        )
+        numbers = {
+            field: kind(
+                f"plugserve_generate_{name}",
+                text,
+                labels=[*labels, "finish_reason"] if field == "finished" else labels,
+            )
+            for field, kind, name, text in self._NUMBERS
+        }
         for device, model, version, snap in self._read():
             key = [device, model, version]
-            disk.add_metric(key, snap.kv_disk_bytes)
-            disk_restored.add_metric(key, snap.kv_disk_restored_tokens)
-            warmups.add_metric(key, snap.warmup_requests)
-            warmup_seconds.add_metric(key, snap.warmup_seconds)
-            offload.add_metric(key, snap.kv_offload_bytes)
-            restored.add_metric(key, snap.kv_offload_restored_tokens)
             for name, family in histograms.items():
                 bounds, counts, total = snap.histograms[name]
                 family.add_metric(key, cumulative(bounds, counts), total)
-            prompt.add_metric(key, snap.prompt_tokens)
-            cached.add_metric(key, snap.cached_prompt_tokens)
-            generated.add_metric(key, snap.generation_tokens)
-            for reason, count in sorted(snap.finished.items()):
-                finished.add_metric([*key, reason], count)
-            running.add_metric(key, snap.running)
-            waiting.add_metric(key, snap.waiting)
-            usage.add_metric(key, snap.kv_cache_usage)
-            size.add_metric(key, snap.kv_cache_bytes)
-            pipelined.add_metric(key, snap.pipelined_steps)
+            for field, family in numbers.items():
+                value = getattr(snap, field)
+                if field == "finished":
+                    for reason, count in sorted(value.items()):
+                        family.add_metric([*key, reason], count)
+                else:
+                    family.add_metric(key, value)
         yield from histograms.values()
-        yield from (prompt, cached, generated, finished, running, waiting, usage, size, pipelined)
-        yield from (warmups, warmup_seconds, offload, restored, disk, disk_restored)
+        yield from numbers.values()
 
 
 class _KVEventsCollector:
