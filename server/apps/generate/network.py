@@ -76,21 +76,10 @@ __all__ = ["GenerativeNetwork", "load_generative"]
 
 log = logging.getLogger(__name__)
 
-#: config keys the engine takes (the rest are the device's), and the EngineSettings field
+#: config keys the engine takes (the rest are the device's), and the EngineSettings field:
+#: each field's name upper-cased, but the server's KV-events publisher (not a model's key)
 ENGINE_KEYS = {
-    "MAX_NUM_SEQS": "max_num_seqs",
-    "MAX_NUM_BATCHED_TOKENS": "max_num_batched_tokens",
-    "KV_CACHE_BYTES": "kv_cache_bytes",
-    "KV_OFFLOADING_SIZE": "kv_offloading_size",
-    "KV_DISK_PATH": "kv_disk_path",
-    "KV_DISK_SIZE": "kv_disk_size",
-    "MAX_MODEL_LEN": "max_model_len",
-    "BLOCK_SIZE": "block_size",
-    "ENABLE_PREFIX_CACHING": "enable_prefix_caching",
-    "MAX_WAITING": "max_waiting",
-    "ASYNC_SCHEDULING": "async_scheduling",
-    "STREAM_INTERVAL": "stream_interval",
-    "WARMUP": "warmup",
+    f.name.upper(): f.name for f in dataclasses.fields(EngineSettings) if f.name != "kv_events"
 }
 #: the most tokens one event may hold (STREAM_INTERVAL, --stream-interval)
 MAX_STREAM_INTERVAL = 1024
