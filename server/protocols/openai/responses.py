@@ -84,33 +84,21 @@ class ResponsesRoutes:
     ) -> list[Any]:
         """The routes under ``prefix``, each authorized as ``infer`` (ModelInfer); ``owner()``
         gives the handlers' instance when a request comes."""
-
-        def create(call: Any) -> Any:
-            return owner().create(call)
-
-        def retrieve(call: Any) -> Any:
-            return owner().retrieve(call)
-
-        def delete(call: Any) -> Any:
-            return owner().delete(call)
-
-        def items(call: Any) -> Any:
-            return owner().input_items(call)
-
-        def cancel(call: Any) -> Any:
-            return owner().cancel(call)
-
+        one = prefix + r"/responses/(?P<response>[^/]+)"
         return [
-            (prefix + "/responses", {"POST": (infer, guarded(create))}),
+            (prefix + "/responses", {"POST": (infer, guarded(lambda call: owner().create(call)))}),
             (
-                prefix + r"/responses/(?P<response>[^/]+)",
-                {"GET": (infer, guarded(retrieve)), "DELETE": (infer, guarded(delete))},
+                one,
+                {
+                    "GET": (infer, guarded(lambda call: owner().retrieve(call))),
+                    "DELETE": (infer, guarded(lambda call: owner().delete(call))),
+                },
             ),
             (
-                prefix + r"/responses/(?P<response>[^/]+)/input_items",
-                {"GET": (infer, guarded(items))},
+                one + "/input_items",
+                {"GET": (infer, guarded(lambda call: owner().input_items(call)))},
             ),
-            (prefix + r"/responses/(?P<response>[^/]+)/cancel", {"POST": (infer, guarded(cancel))}),
+            (one + "/cancel", {"POST": (infer, guarded(lambda call: owner().cancel(call)))}),
         ]
 
     # --- GET and DELETE

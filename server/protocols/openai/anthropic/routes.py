@@ -54,16 +54,11 @@ class AnthropicRoutes:
         """The routes, each authorized as ModelInfer; ``owner()`` gives the handlers' instance
         when a request comes (the table is read without one too: tests/server/test_roles.py)."""
         infer = f"/{KSERVE}/ModelInfer"
-
-        def create(call: Any) -> Any:
-            return owner().create(call)
-
-        def count_tokens(call: Any) -> Any:
-            return owner().count_tokens(call)
-
+        create = errors.guarded(lambda call: owner().create(call))
+        count_tokens = errors.guarded(lambda call: owner().count_tokens(call))
         return [
-            ("/v1/messages", {"POST": (infer, errors.guarded(create))}),
-            ("/v1/messages/count_tokens", {"POST": (infer, errors.guarded(count_tokens))}),
+            ("/v1/messages", {"POST": (infer, create)}),
+            ("/v1/messages/count_tokens", {"POST": (infer, count_tokens)}),
         ]
 
     def routes(self) -> list[Any]:
