@@ -382,37 +382,45 @@ def _logit_bias(body: dict[str, Any]) -> dict[int, float]:
     return out
 
 
-def _response_format(body: dict[str, Any]) -> str | None:
-    """The JSON schema (as text) response_format asks for; None for plain text."""
-    fmt = body.get("response_format")
+def _format_kind(fmt: Any, where: str) -> str | None:
+    """The kind of output an answer format asks for ('text', 'json_object' or 'json_schema';
+    None: no format): chat's ``response_format`` and Responses' ``text.format`` are the same
+    object, refused alike, naming the field ``where``."""
     if fmt is None:
         return None
     if not isinstance(fmt, dict):
-        raise OpenAIError("'response_format' must be an object with a 'type'", "response_format")
+        raise OpenAIError(f"'{where}' must be an object with a 'type'", where)
     kind = fmt.get("type")
-    if kind == "text":
+    if kind not in ("text", "json_object", "json_schema"):
+        raise OpenAIError(
+            f"'{where}.type' must be 'text', 'json_object' or 'json_schema', not {kind!r}",
+            f"{where}.type",
+        )
+    return kind
+
+
+def _response_format(body: dict[str, Any]) -> str | None:
+    """The JSON schema (as text) response_format asks for; None for plain text."""
+    fmt = body.get("response_format")
+    kind = _format_kind(fmt, "response_format")
+    if kind is None or kind == "text":
         return None
     if kind == "json_object":
         return '{"type": "object"}'
-    if kind == "json_schema":
-        spec = fmt.get("json_schema")
-        if not isinstance(spec, dict):
-            raise OpenAIError(
-                "'response_format.json_schema' must be an object holding 'name' and 'schema'",
-                "response_format.json_schema",
-            )
-        schema = spec.get("schema", {})
-        if not isinstance(schema, (dict, bool)):
-            raise OpenAIError(
-                f"'response_format.json_schema.schema' must be a JSON schema (an object), not "
-                f"{_kind(schema)}",
-                "response_format.json_schema.schema",
-            )
-        return orjson.dumps(schema).decode()
-    raise OpenAIError(
-        f"'response_format.type' must be 'text', 'json_object' or 'json_schema', not {kind!r}",
-        "response_format.type",
-    )
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict):
+        raise OpenAIError(
+            "'response_format.json_schema' must be an object holding 'name' and 'schema'",
+            "response_format.json_schema",
+        )
+    schema = spec.get("schema", {})
+    if not isinstance(schema, (dict, bool)):
+        raise OpenAIError(
+            f"'response_format.json_schema.schema' must be a JSON schema (an object), not "
+            f"{_kind(schema)}",
+            "response_format.json_schema.schema",
+        )
+    return orjson.dumps(schema).decode()
 
 
 def _stream(body: dict[str, Any], ask: GenerationAsk) -> None:

@@ -270,25 +270,13 @@ def _text_format(body: dict[str, Any]) -> dict[str, Any] | None:
     if text.get("verbosity") not in (None, "medium"):
         raise OpenAIError("'text.verbosity' other than 'medium' is not supported", "text.verbosity")
     fmt = text.get("format")
-    if fmt is None:
+    kind = protocol._format_kind(fmt, "text.format")
+    if kind is None:
         return None
-    if not isinstance(fmt, dict):
-        raise OpenAIError("'text.format' must be an object with a 'type'", "text.format")
-    kind = fmt.get("type")
     if kind == "json_schema":
-        return {
-            "type": "json_schema",
-            "json_schema": {
-                "name": fmt.get("name", "response"),
-                "schema": fmt.get("schema", {}),
-            },
-        }
-    if kind in ("text", "json_object"):
-        return {"type": kind}
-    raise OpenAIError(
-        f"'text.format.type' must be 'text', 'json_object' or 'json_schema', not {kind!r}",
-        "text.format.type",
-    )
+        schema = {"name": fmt.get("name", "response"), "schema": fmt.get("schema", {})}
+        return {"type": "json_schema", "json_schema": schema}
+    return {"type": kind}
 
 
 def responses_request(body: dict[str, Any]) -> ResponsesAsk:
