@@ -80,27 +80,15 @@ class ResponsesAsk:
     tenant: str = ""
 
 
-def _text(value: Any, where: str) -> str:
-    """A message's content as text: a string, or its text parts joined."""
-    if isinstance(value, str):
-        return value
-    if not isinstance(value, list):
-        raise OpenAIError(f"'{where}' must be a string or an array of content parts", where)
-    texts = []
-    for i, part in enumerate(value):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind in ("input_text", "output_text", "text") and isinstance(part.get("text"), str):
-            texts.append(part["text"])
-            continue
-        if kind == "refusal" and isinstance(part.get("refusal"), str):
-            texts.append(part["refusal"])
-            continue
-        raise OpenAIError(
-            f'\'{where}[{i}]\' must be a text part ({{"type": "input_text", "text": ...}}); '
-            f"this server serves text models, not {kind!r} parts",
-            f"{where}[{i}]",
-        )
-    return "".join(texts)
+#: Responses' message content: text parts (Responses' types and chat's) and refusals
+_TEXT = protocol.TextParts(
+    {"input_text": "text", "output_text": "text", "text": "text", "refusal": "refusal"},
+    "",
+    "{where}[{i}]",
+    "'{where}' must be a string or an array of content parts",
+    '\'{item}\' must be a text part ({{"type": "input_text", "text": ...}}); this server '
+    "serves text models, not {kind!r} parts",
+)
 
 
 def _arguments(value: Any, where: str) -> str:
@@ -137,7 +125,7 @@ def input_messages(value: Any) -> list[dict[str, Any]]:
                 )
             message: dict[str, Any] = {
                 "role": role,
-                "content": _text(item.get("content"), f"{where}.content"),
+                "content": protocol.text_of(item.get("content"), f"{where}.content", _TEXT),
             }
             if role == "assistant" and reasoning:
                 message["reasoning_content"] = "".join(reasoning)
@@ -172,7 +160,7 @@ def input_messages(value: Any) -> list[dict[str, Any]]:
                 {
                     "role": "tool",
                     "tool_call_id": item["call_id"],
-                    "content": _text(output, f"{where}.output")
+                    "content": protocol.text_of(output, f"{where}.output", _TEXT)
                     if not isinstance(output, (dict, int, float))
                     else orjson.dumps(output).decode(),
                 }
