@@ -91,6 +91,15 @@ _TEXT = protocol.TextParts(
 )
 
 
+def _named(item: dict[str, Any], key: str, where: str) -> str:
+    """``item[key]``, an id or a name: a non-empty string (refused, naming ``where.key``,
+    otherwise)."""
+    value = item.get(key)
+    if not isinstance(value, str) or not value:
+        raise OpenAIError(f"'{where}.{key}' must be a string", f"{where}.{key}")
+    return value
+
+
 def _arguments(value: Any, where: str) -> str:
     if isinstance(value, str):
         return value
@@ -132,14 +141,11 @@ def input_messages(value: Any) -> list[dict[str, Any]]:
                 reasoning = []
             messages.append(message)
         elif kind == "function_call":
-            for key in ("call_id", "name"):
-                if not isinstance(item.get(key), str) or not item[key]:
-                    raise OpenAIError(f"'{where}.{key}' must be a string", f"{where}.{key}")
             call = {
-                "id": item["call_id"],
+                "id": _named(item, "call_id", where),
                 "type": "function",
                 "function": {
-                    "name": item["name"],
+                    "name": _named(item, "name", where),
                     "arguments": _arguments(item.get("arguments", "{}"), f"{where}.arguments"),
                 },
             }
@@ -153,13 +159,12 @@ def input_messages(value: Any) -> list[dict[str, Any]]:
                     reasoning = []
                 messages.append(message)
         elif kind == "function_call_output":
-            if not isinstance(item.get("call_id"), str) or not item["call_id"]:
-                raise OpenAIError(f"'{where}.call_id' must be a string", f"{where}.call_id")
+            call_id = _named(item, "call_id", where)
             output = item.get("output")
             messages.append(
                 {
                     "role": "tool",
-                    "tool_call_id": item["call_id"],
+                    "tool_call_id": call_id,
                     "content": protocol.text_of(output, f"{where}.output", _TEXT)
                     if not isinstance(output, (dict, int, float))
                     else orjson.dumps(output).decode(),
@@ -225,9 +230,7 @@ def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
                 "'function' tools the client runs",
                 f"tools[{i}].type",
             )
-        if not isinstance(tool.get("name"), str) or not tool["name"]:
-            raise OpenAIError(f"'tools[{i}].name' must be a string", f"tools[{i}].name")
-        function = {"name": tool["name"]}
+        function = {"name": _named(tool, "name", f"tools[{i}]")}
         for key in ("description", "parameters", "strict"):
             if tool.get(key) is not None:
                 function[key] = tool[key]
