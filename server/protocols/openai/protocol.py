@@ -58,6 +58,7 @@ from plugserve.server.protocols.openai import tools, vllm_fields
 from plugserve.server.protocols.openai.errors import OpenAIError
 
 __all__ = [
+    "CHAT_TEXT",
     "MAX_CHOICES",
     "MAX_COMPLETION_LOGPROBS",
     "MAX_LOGPROBS",
@@ -68,12 +69,14 @@ __all__ = [
     "CompletionRequest",
     "EmbeddingRequest",
     "GenerationAsk",
+    "TextParts",
     "chat_echo",
     "chat_request",
     "check_content_type",
     "completion_request",
     "embedding_request",
     "parse_json",
+    "text_of",
 ]
 
 #: most choices (``n``) per prompt
