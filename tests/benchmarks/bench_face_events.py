@@ -4,10 +4,10 @@
 ``python tests/benchmarks/bench_face_events.py [--tokens 200] [--runs 200] [--rounds 3]
 [--baseline-root DIR]``
 
-Each case drives the face's own body (``stream_reply``'s pulled chunks; ``responses.py``'s and
-``anthropic/routes.py``'s ``_streamed``) over ``--tokens`` one-token engine events, one event a
-wake-up, no engine and no socket: the adapter's work alone (issue 60.2: the faces used to
-parse chat's chunks back; they read the answer's typed pieces now). Medians over ``--runs``
+Each case drives the face's own body (``stream_reply``'s pulled chunks; ``responses.py``'s
+``_streamed``, Anthropic's ``answer.events_of``) over ``--tokens`` one-token engine events, one
+event a wake-up, no engine and no socket: the adapter's work alone (issue 60.2: the faces used
+to parse chat's chunks back; they read the answer's typed pieces now). Medians over ``--runs``
 requests a case. ``--baseline-root DIR``: a tree whose ``DIR/plugserve`` is the base commit's
 code (``git archive BASE | tar -x -C DIR/plugserve``), run as a child with ``PYTHONPATH=DIR``
 in rounds interleaved with this checkout's (who goes first alternating); a base before
@@ -92,6 +92,8 @@ def _cases(tokens: int) -> dict[str, Any]:
         face = Messages("msg_x", "m", [], 12)
         if typed:
             started = A.Started(answer(messages.chat), [_Stream(events())])
+            if hasattr(A, "events_of"):  # (the faces' one loop over the pieces)
+                return A.events_of(face, started)
             return messages_routes._streamed(face, started)
         reply = A.stream_reply(answer(messages.chat), [_Stream(events())])
         return messages_routes._streamed(face, reply.chunks)

@@ -128,6 +128,11 @@ def _json(value: Any, status: int = 200) -> Reply:
     return status, [dumps(value)], JSON
 
 
+def _done() -> Reply:
+    """A shared-memory region registered or unregistered: Triton answers 200, an empty body."""
+    return 200, [b""], JSON
+
+
 _error = error_reply
 
 
@@ -238,17 +243,12 @@ class RestApp:
         )
 
     def shm_register(self, call: Call) -> Reply:
-        body = call.json()
-        key, offset, size = body.get("key"), body.get("offset", 0), body.get("byte_size")
-        if not isinstance(key, str):
-            raise InvalidInput("the register request needs a 'key' (a string)")
-        _integers(offset=offset, byte_size=size)
-        self.plane.shm.register(call.path["name"], key, offset, size)
-        return 200, [b""], JSON
+        self.plane.shm.register(call.path["name"], *_system_region(call.json()))
+        return _done()
 
     def shm_unregister(self, call: Call) -> Reply:
         self.plane.shm.unregister(call.path.get("name") or "")
-        return 200, [b""], JSON
+        return _done()
 
     def cuda_status(self, call: Call) -> Reply:
         regions = self.plane.shm.cuda_status(call.path.get("name") or "")
@@ -257,22 +257,12 @@ class RestApp:
         )
 
     def cuda_register(self, call: Call) -> Reply:
-        """Triton's body: ``{"raw_handle": {"b64": ...}, "device_id": n, "byte_size": n}``."""
-        body = call.json()
-        raw = body.get("raw_handle")
-        encoded = raw.get("b64") if isinstance(raw, dict) else None
-        try:  # a bad handle is named after the CUDA check, which Triton answers first
-            handle = base64.b64decode(encoded, validate=True) if isinstance(encoded, str) else None
-        except (binascii.Error, ValueError):
-            handle = None
-        device, size = body.get("device_id", 0), body.get("byte_size")
-        _integers(device_id=device, byte_size=size)
-        self.plane.shm.cuda_register(call.path["name"], handle, device, size)
-        return 200, [b""], JSON
+        self.plane.shm.cuda_register(call.path["name"], *_cuda_region(call.json()))
+        return _done()
 
     def cuda_unregister(self, call: Call) -> Reply:
         self.plane.shm.cuda_unregister(call.path.get("name") or "")
-        return 200, [b""], JSON
+        return _done()
 
     def model_ready(self, call: Call) -> Reply | Awaitable[Reply]:
         entry = self.plane.get(call.path["name"], _version(call), load=False)  # NotFound: 404
@@ -718,6 +708,30 @@ def _fast(entry: LoadedNetwork) -> bool:
 
 def _version(call: Call) -> int:
     return kserve.parse_version(call.path.get("version") or "")
+
+
+def _system_region(body: dict[str, Any]) -> tuple[str, int, int]:
+    """A system region's register body (Triton's ``{"key": ..., "offset": n, "byte_size":
+    n}``) read: its key, offset and size."""
+    key, offset, size = body.get("key"), body.get("offset", 0), body.get("byte_size")
+    if not isinstance(key, str):
+        raise InvalidInput("the register request needs a 'key' (a string)")
+    _integers(offset=offset, byte_size=size)
+    return key, offset, size
+
+
+def _cuda_region(body: dict[str, Any]) -> tuple[bytes | None, int, int]:
+    """A CUDA region's register body (Triton's ``{"raw_handle": {"b64": ...}, "device_id": n,
+    "byte_size": n}``) read: its IPC handle (None: none, or not base64), device and size."""
+    raw = body.get("raw_handle")
+    encoded = raw.get("b64") if isinstance(raw, dict) else None
+    try:  # a bad handle is named after the CUDA check, which Triton answers first
+        handle = base64.b64decode(encoded, validate=True) if isinstance(encoded, str) else None
+    except (binascii.Error, ValueError):
+        handle = None
+    device, size = body.get("device_id", 0), body.get("byte_size")
+    _integers(device_id=device, byte_size=size)
+    return handle, device, size
 
 
 def _integers(**fields: Any) -> None:

@@ -4,8 +4,8 @@ chunks (:func:`stream_reply`, and :class:`_Pushed` for the plain chunks the HTTP
 itself); and :class:`ServedModel`, a generative model as the face uses it. The routes
 (``serving.py``) decode, call the engine and hand its streams here; a chat's events become
 typed pieces (:meth:`Answer.deltas`, ``deltas.py``), which the chat route writes as chunks and
-the Anthropic and Responses faces, from :func:`answer_deltas` or the whole answer's
-:meth:`Answer.choice`, as their own events and bodies.
+the Anthropic and Responses faces, from :func:`answer_deltas` (:func:`events_of`) or the
+whole answer's :meth:`Answer.choice`, as their own events and bodies.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from plugserve.server.apps.generate.types import GenerationEvent
 from plugserve.server.protocols.http import sse
 from plugserve.server.protocols.http.http_server import Push, StreamReply
 from plugserve.server.protocols.openai import encode, protocol, tools
-from plugserve.server.protocols.openai.deltas import Delta
+from plugserve.server.protocols.openai.deltas import Delta, FaceEvents
 from plugserve.server.protocols.openai.errors import OpenAIError, stream_error
 
 __all__ = [
@@ -33,6 +33,7 @@ __all__ = [
     "ServedModel",
     "Started",
     "answer_deltas",
+    "events_of",
     "merged",
     "sse_bytes",
     "stream_reply",
@@ -154,6 +155,35 @@ async def answer_deltas(started: Started) -> AsyncIterator[list[Delta]]:
                 yield made
     finally:
         started.cancel()
+
+
+async def events_of(
+    events: FaceEvents, started: Started, ended: Callable[[], None] | None = None
+) -> AsyncIterator[bytes]:
+    """A face's streamed body: ``events``' opening, the events of the answer's typed pieces
+    (:func:`answer_deltas`, a list per wake-up: their events written together) and its
+    closing, ``ended()`` called once the closing is made, before it is sent (the Responses
+    API keeps the response there). A failure midway (the status line is out) is the face's
+    last event, from chat's error object."""
+    deltas = answer_deltas(started)
+    try:
+        yield b"".join(events.opening())
+        try:
+            async for batch in deltas:
+                made = [event for delta in batch for event in events.delta(delta)]
+                if made:
+                    yield b"".join(made)
+        except (PlugserveError, OpenAIError) as exc:
+            yield b"".join(events.failed(stream_error(exc)["error"]))
+            return
+        events.usage = started.answer.usage()
+        closing = events.closing()
+        if ended is not None:
+            ended()
+        yield b"".join(closing)
+    finally:
+        await deltas.aclose()  # type: ignore[attr-defined]
+        started.cancel()  # (closed before its first piece, ``deltas`` never ran)
 
 
 class Answer:

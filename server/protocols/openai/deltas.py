@@ -6,15 +6,17 @@ calls read) into :class:`Delta` values: a piece of content, of reasoning, or of 
 (:class:`CallPiece`: its head, then fragments of its arguments), with the event's logprobs,
 token ids and finish reason. The chat route writes them as chat chunks (:meth:`Delta.chat`);
 the Responses API (``responses_output.py``) and the Anthropic face (``anthropic/answer.py``)
-write them as their own events, from the same objects: no face parses another's bytes back.
+write them as their own events, from the same objects: no face parses another's bytes back;
+both are a :class:`FaceEvents`, which ``answer.events_of`` drives.
 """
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from typing import Any
 
-__all__ = ["CallPiece", "Delta", "from_chat"]
+__all__ = ["CallPiece", "Delta", "FaceEvents", "from_chat"]
 
 
 @dataclasses.dataclass(slots=True)
@@ -66,6 +68,49 @@ class Delta:
         if self.call is not None:
             return {"tool_calls": [self.call.chat()]}
         return {}
+
+
+class FaceEvents(abc.ABC):
+    """A face's stream of events from a chat answer's pieces: its opening, each piece's
+    events (:meth:`delta`: the reasoning, the content, a call, in that order, as chat's
+    chunks have them; the finish kept), its closing, or its last event when it fails midway.
+    ``usage``: chat's, set once the answer ended."""
+
+    finish: str | None = None
+    usage: dict[str, Any] | None = None
+
+    def delta(self, delta: Delta) -> list[bytes]:
+        """The events of one piece of the answer."""
+        events: list[bytes] = []
+        if delta.reasoning:
+            events += self._reasoning(delta.reasoning)
+        if delta.content:
+            events += self._content(delta.content, delta.logprobs)
+        if delta.call is not None:
+            events += self._call(delta.call)
+        if delta.finish is not None:
+            self.finish = delta.finish
+        return events
+
+    @abc.abstractmethod
+    def opening(self) -> list[bytes]: ...
+
+    @abc.abstractmethod
+    def _reasoning(self, text: str) -> list[bytes]: ...
+
+    @abc.abstractmethod
+    def _content(self, text: str, logprobs: list[Any] | None) -> list[bytes]: ...
+
+    @abc.abstractmethod
+    def _call(self, call: CallPiece) -> list[bytes]: ...
+
+    @abc.abstractmethod
+    def closing(self) -> list[bytes]: ...
+
+    @abc.abstractmethod
+    def failed(self, error: dict[str, Any]) -> list[bytes]:
+        """The last event of a stream that failed midway (``error``: chat's error object,
+        ``errors.stream_error``'s)."""
 
 
 def from_chat(chunk: dict[str, Any]) -> tuple[list[Delta], dict[str, Any] | None]:

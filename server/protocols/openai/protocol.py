@@ -58,6 +58,7 @@ from plugserve.server.protocols.openai import tools, vllm_fields
 from plugserve.server.protocols.openai.errors import OpenAIError
 
 __all__ = [
+    "CHAT_TEXT",
     "MAX_CHOICES",
     "MAX_COMPLETION_LOGPROBS",
     "MAX_LOGPROBS",
@@ -68,12 +69,14 @@ __all__ = [
     "CompletionRequest",
     "EmbeddingRequest",
     "GenerationAsk",
+    "TextParts",
     "chat_echo",
     "chat_request",
     "check_content_type",
     "completion_request",
     "embedding_request",
     "parse_json",
+    "text_of",
 ]
 
 #: most choices (``n``) per prompt
@@ -382,37 +385,45 @@ def _logit_bias(body: dict[str, Any]) -> dict[int, float]:
     return out
 
 
-def _response_format(body: dict[str, Any]) -> str | None:
-    """The JSON schema (as text) response_format asks for; None for plain text."""
-    fmt = body.get("response_format")
+def _format_kind(fmt: Any, where: str) -> str | None:
+    """The kind of output an answer format asks for ('text', 'json_object' or 'json_schema';
+    None: no format): chat's ``response_format`` and Responses' ``text.format`` are the same
+    object, refused alike, naming the field ``where``."""
     if fmt is None:
         return None
     if not isinstance(fmt, dict):
-        raise OpenAIError("'response_format' must be an object with a 'type'", "response_format")
+        raise OpenAIError(f"'{where}' must be an object with a 'type'", where)
     kind = fmt.get("type")
-    if kind == "text":
+    if kind not in ("text", "json_object", "json_schema"):
+        raise OpenAIError(
+            f"'{where}.type' must be 'text', 'json_object' or 'json_schema', not {kind!r}",
+            f"{where}.type",
+        )
+    return kind
+
+
+def _response_format(body: dict[str, Any]) -> str | None:
+    """The JSON schema (as text) response_format asks for; None for plain text."""
+    fmt = body.get("response_format")
+    kind = _format_kind(fmt, "response_format")
+    if kind is None or kind == "text":
         return None
     if kind == "json_object":
         return '{"type": "object"}'
-    if kind == "json_schema":
-        spec = fmt.get("json_schema")
-        if not isinstance(spec, dict):
-            raise OpenAIError(
-                "'response_format.json_schema' must be an object holding 'name' and 'schema'",
-                "response_format.json_schema",
-            )
-        schema = spec.get("schema", {})
-        if not isinstance(schema, (dict, bool)):
-            raise OpenAIError(
-                f"'response_format.json_schema.schema' must be a JSON schema (an object), not "
-                f"{_kind(schema)}",
-                "response_format.json_schema.schema",
-            )
-        return orjson.dumps(schema).decode()
-    raise OpenAIError(
-        f"'response_format.type' must be 'text', 'json_object' or 'json_schema', not {kind!r}",
-        "response_format.type",
-    )
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict):
+        raise OpenAIError(
+            "'response_format.json_schema' must be an object holding 'name' and 'schema'",
+            "response_format.json_schema",
+        )
+    schema = spec.get("schema", {})
+    if not isinstance(schema, (dict, bool)):
+        raise OpenAIError(
+            f"'response_format.json_schema.schema' must be a JSON schema (an object), not "
+            f"{_kind(schema)}",
+            "response_format.json_schema.schema",
+        )
+    return orjson.dumps(schema).decode()
 
 
 def _stream(body: dict[str, Any], ask: GenerationAsk) -> None:
@@ -491,23 +502,54 @@ def _sampling(body: dict[str, Any], ask: GenerationAsk) -> None:
         )
 
 
-def _text_content(content: Any, where: str) -> str | None:
-    """A message's content as text: a string, or the text of an array of text parts."""
-    if content is None or isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise OpenAIError(f"'{where}' must be a string or an array of content parts", where)
+@dataclasses.dataclass(frozen=True)
+class TextParts:
+    """How a face writes a message's text as an array of parts (chat's, Responses' and
+    Anthropic's differ in the part types and the wording only, so :func:`text_of` reads them
+    all): ``texts``, each text part's type and the key holding its text; ``joiner``, what
+    joins them; its refusals' wording, templates of ``where`` (the field), ``what`` (the
+    value's kind), ``i``, ``kind`` (a refused part's type) and ``item`` (its field, itself
+    a template of ``where`` and ``i``)."""
+
+    texts: dict[str, str]
+    joiner: str
+    item: str
+    not_array: str
+    not_text: str
+
+
+#: chat's: text parts, joined as they are
+CHAT_TEXT = TextParts(
+    {"text": "text"},
+    "",
+    "{where}[{i}]",
+    "'{where}' must be a string or an array of content parts",
+    '\'{item}\' must be a text part ({{"type": "text", "text": ...}}); this server serves '
+    "text models, not {kind!r} parts",
+)
+
+
+def text_of(value: Any, where: str, parts: TextParts) -> str:
+    """A message's content as text: a string, or the text of an array of text parts (refused,
+    naming ``where``, otherwise)."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise OpenAIError(parts.not_array.format(where=where, what=_kind(value)), where)
     texts = []
-    for i, part in enumerate(content):
+    for i, part in enumerate(value):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind != "text" or not isinstance(part.get("text"), str):
-            raise OpenAIError(
-                f'\'{where}[{i}]\' must be a text part ({{"type": "text", "text": ...}}); '
-                f"this server serves text models, not {kind!r} parts",
-                f"{where}[{i}]",
-            )
-        texts.append(part["text"])
-    return "".join(texts)
+        key = parts.texts.get(kind) if isinstance(kind, str) else None
+        if key is None or not isinstance(part.get(key), str):
+            item = parts.item.format(where=where, i=i)
+            raise OpenAIError(parts.not_text.format(item=item, kind=kind), item)
+        texts.append(part[key])
+    return parts.joiner.join(texts)
+
+
+def _text_content(content: Any, where: str) -> str | None:
+    """A chat message's content as text (None: no content, an assistant's with tool calls)."""
+    return None if content is None else text_of(content, where, CHAT_TEXT)
 
 
 def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:

@@ -32,13 +32,12 @@ from typing import Any
 
 import orjson
 
-from plugserve.plugins.api import PlugserveError
 from plugserve.server.protocols.http import sse
 from plugserve.server.protocols.http.http_server import StreamReply
 from plugserve.server.protocols.http.replies import JSON
 from plugserve.server.protocols.openai import protocol
-from plugserve.server.protocols.openai.answer import Started, answer_deltas
-from plugserve.server.protocols.openai.errors import OpenAIError, stream_error
+from plugserve.server.protocols.openai.answer import Started, events_of
+from plugserve.server.protocols.openai.errors import OpenAIError
 from plugserve.server.protocols.openai.responses_input import ResponsesAsk, responses_request
 from plugserve.server.protocols.openai.responses_output import (
     EventStream,
@@ -84,33 +83,21 @@ class ResponsesRoutes:
     ) -> list[Any]:
         """The routes under ``prefix``, each authorized as ``infer`` (ModelInfer); ``owner()``
         gives the handlers' instance when a request comes."""
-
-        def create(call: Any) -> Any:
-            return owner().create(call)
-
-        def retrieve(call: Any) -> Any:
-            return owner().retrieve(call)
-
-        def delete(call: Any) -> Any:
-            return owner().delete(call)
-
-        def items(call: Any) -> Any:
-            return owner().input_items(call)
-
-        def cancel(call: Any) -> Any:
-            return owner().cancel(call)
-
+        one = prefix + r"/responses/(?P<response>[^/]+)"
         return [
-            (prefix + "/responses", {"POST": (infer, guarded(create))}),
+            (prefix + "/responses", {"POST": (infer, guarded(lambda call: owner().create(call)))}),
             (
-                prefix + r"/responses/(?P<response>[^/]+)",
-                {"GET": (infer, guarded(retrieve)), "DELETE": (infer, guarded(delete))},
+                one,
+                {
+                    "GET": (infer, guarded(lambda call: owner().retrieve(call))),
+                    "DELETE": (infer, guarded(lambda call: owner().delete(call))),
+                },
             ),
             (
-                prefix + r"/responses/(?P<response>[^/]+)/input_items",
-                {"GET": (infer, guarded(items))},
+                one + "/input_items",
+                {"GET": (infer, guarded(lambda call: owner().input_items(call)))},
             ),
-            (prefix + r"/responses/(?P<response>[^/]+)/cancel", {"POST": (infer, guarded(cancel))}),
+            (one + "/cancel", {"POST": (infer, guarded(lambda call: owner().cancel(call)))}),
         ]
 
     # --- GET and DELETE
@@ -298,7 +285,7 @@ class ResponsesRoutes:
         messages = [*conversation, *assistant_messages(body["output"])]
         self.store.put(body["id"], body, messages, items, tenant)
 
-    async def _streamed(
+    def _streamed(
         self,
         events: EventStream,
         started: Started,
@@ -306,32 +293,17 @@ class ResponsesRoutes:
         items: list[dict[str, Any]],
         tenant: str,
     ) -> AsyncIterator[bytes]:
-        """The response's events from the answer's typed pieces (``answer_deltas``, a list
-        per wake-up: their events written together); kept (with ``conversation``: None, not
-        kept) once the last is made. A failure midway (the status line is out) is the
+        """The response's events (``answer.events_of``), kept once the last is made (with
+        ``conversation``: None, not kept). A failure midway (the status line is out) is the
         ``response.failed`` event, with chat's error object."""
-        deltas = answer_deltas(started)
-        try:
-            for piece in events.opening():
-                yield piece
-            try:
-                async for batch in deltas:
-                    made = [event for delta in batch for event in events.delta(delta)]
-                    if made:
-                        yield b"".join(made)
-            except (PlugserveError, OpenAIError) as exc:
-                yield b"".join(events.failed(stream_error(exc)["error"]))
-                return
-            events.usage = usage(started.answer.usage())
-            finished = events.closing()
-            if conversation is not None:
-                response = events.response(status_of(events.finish_reason))
-                self._keep(response, conversation, items, tenant)
-            for event in finished:
-                yield event
-        finally:
-            await deltas.aclose()  # type: ignore[attr-defined]
-            started.cancel()  # (closed before its first piece, ``deltas`` never ran)
+        if conversation is None:
+            return events_of(events, started)
+
+        def keep() -> None:
+            response = events.response(status_of(events.finish))
+            self._keep(response, conversation, items, tenant)
+
+        return events_of(events, started, keep)
 
 
 def _renamed(exc: OpenAIError) -> OpenAIError:

@@ -80,27 +80,24 @@ class ResponsesAsk:
     tenant: str = ""
 
 
-def _text(value: Any, where: str) -> str:
-    """A message's content as text: a string, or its text parts joined."""
-    if isinstance(value, str):
-        return value
-    if not isinstance(value, list):
-        raise OpenAIError(f"'{where}' must be a string or an array of content parts", where)
-    texts = []
-    for i, part in enumerate(value):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind in ("input_text", "output_text", "text") and isinstance(part.get("text"), str):
-            texts.append(part["text"])
-            continue
-        if kind == "refusal" and isinstance(part.get("refusal"), str):
-            texts.append(part["refusal"])
-            continue
-        raise OpenAIError(
-            f'\'{where}[{i}]\' must be a text part ({{"type": "input_text", "text": ...}}); '
-            f"this server serves text models, not {kind!r} parts",
-            f"{where}[{i}]",
-        )
-    return "".join(texts)
+#: Responses' message content: text parts (Responses' types and chat's) and refusals
+_TEXT = protocol.TextParts(
+    {"input_text": "text", "output_text": "text", "text": "text", "refusal": "refusal"},
+    "",
+    "{where}[{i}]",
+    "'{where}' must be a string or an array of content parts",
+    '\'{item}\' must be a text part ({{"type": "input_text", "text": ...}}); this server '
+    "serves text models, not {kind!r} parts",
+)
+
+
+def _named(item: dict[str, Any], key: str, where: str) -> str:
+    """``item[key]``, an id or a name: a non-empty string (refused, naming ``where.key``,
+    otherwise)."""
+    value = item.get(key)
+    if not isinstance(value, str) or not value:
+        raise OpenAIError(f"'{where}.{key}' must be a string", f"{where}.{key}")
+    return value
 
 
 def _arguments(value: Any, where: str) -> str:
@@ -137,21 +134,18 @@ def input_messages(value: Any) -> list[dict[str, Any]]:
                 )
             message: dict[str, Any] = {
                 "role": role,
-                "content": _text(item.get("content"), f"{where}.content"),
+                "content": protocol.text_of(item.get("content"), f"{where}.content", _TEXT),
             }
             if role == "assistant" and reasoning:
                 message["reasoning_content"] = "".join(reasoning)
                 reasoning = []
             messages.append(message)
         elif kind == "function_call":
-            for key in ("call_id", "name"):
-                if not isinstance(item.get(key), str) or not item[key]:
-                    raise OpenAIError(f"'{where}.{key}' must be a string", f"{where}.{key}")
             call = {
-                "id": item["call_id"],
+                "id": _named(item, "call_id", where),
                 "type": "function",
                 "function": {
-                    "name": item["name"],
+                    "name": _named(item, "name", where),
                     "arguments": _arguments(item.get("arguments", "{}"), f"{where}.arguments"),
                 },
             }
@@ -165,14 +159,13 @@ def input_messages(value: Any) -> list[dict[str, Any]]:
                     reasoning = []
                 messages.append(message)
         elif kind == "function_call_output":
-            if not isinstance(item.get("call_id"), str) or not item["call_id"]:
-                raise OpenAIError(f"'{where}.call_id' must be a string", f"{where}.call_id")
+            call_id = _named(item, "call_id", where)
             output = item.get("output")
             messages.append(
                 {
                     "role": "tool",
-                    "tool_call_id": item["call_id"],
-                    "content": _text(output, f"{where}.output")
+                    "tool_call_id": call_id,
+                    "content": protocol.text_of(output, f"{where}.output", _TEXT)
                     if not isinstance(output, (dict, int, float))
                     else orjson.dumps(output).decode(),
                 }
@@ -237,9 +230,7 @@ def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
                 "'function' tools the client runs",
                 f"tools[{i}].type",
             )
-        if not isinstance(tool.get("name"), str) or not tool["name"]:
-            raise OpenAIError(f"'tools[{i}].name' must be a string", f"tools[{i}].name")
-        function = {"name": tool["name"]}
+        function = {"name": _named(tool, "name", f"tools[{i}]")}
         for key in ("description", "parameters", "strict"):
             if tool.get(key) is not None:
                 function[key] = tool[key]
@@ -270,25 +261,13 @@ def _text_format(body: dict[str, Any]) -> dict[str, Any] | None:
     if text.get("verbosity") not in (None, "medium"):
         raise OpenAIError("'text.verbosity' other than 'medium' is not supported", "text.verbosity")
     fmt = text.get("format")
-    if fmt is None:
+    kind = protocol._format_kind(fmt, "text.format")
+    if kind is None:
         return None
-    if not isinstance(fmt, dict):
-        raise OpenAIError("'text.format' must be an object with a 'type'", "text.format")
-    kind = fmt.get("type")
     if kind == "json_schema":
-        return {
-            "type": "json_schema",
-            "json_schema": {
-                "name": fmt.get("name", "response"),
-                "schema": fmt.get("schema", {}),
-            },
-        }
-    if kind in ("text", "json_object"):
-        return {"type": kind}
-    raise OpenAIError(
-        f"'text.format.type' must be 'text', 'json_object' or 'json_schema', not {kind!r}",
-        "text.format.type",
-    )
+        schema = {"name": fmt.get("name", "response"), "schema": fmt.get("schema", {})}
+        return {"type": "json_schema", "json_schema": schema}
+    return {"type": kind}
 
 
 def responses_request(body: dict[str, Any]) -> ResponsesAsk:

@@ -28,7 +28,7 @@ from typing import Any
 import orjson
 
 from plugserve.server.protocols.http import sse
-from plugserve.server.protocols.openai.deltas import CallPiece, Delta, from_chat
+from plugserve.server.protocols.openai.deltas import CallPiece, FaceEvents, from_chat
 
 __all__ = [
     "EventStream",
@@ -184,7 +184,7 @@ def assistant_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
 # --- streamed: the answer's pieces in, response events out
 
 
-class EventStream:
+class EventStream(FaceEvents):
     """Responses' events from the answer's typed pieces (``deltas.py``: content, reasoning,
     a tool call's head and arguments, the finish), one item open at a time: a change of kind
     closes the open item and opens the next, as OpenAI orders them."""
@@ -201,8 +201,8 @@ class EventStream:
         self._calls: dict[int, int] = {}
         #: the open message's logprobs so far (chat's ``logprobs.content`` entries)
         self._logprobs: list[Any] = []
-        self.finish_reason: str | None = None
-        self.usage: dict[str, Any] | None = None
+        self.finish: str | None = None
+        self.usage: dict[str, Any] | None = None  # chat's
 
     def _of(self, item: dict[str, Any], index: int, kind: str, **fields: Any) -> bytes:
         """An event of output item ``item`` (at ``index``): its id and index, then ``fields``."""
@@ -216,7 +216,7 @@ class EventStream:
     def response(self, status: str, error: dict[str, Any] | None = None) -> dict[str, Any]:
         output = self.output if status != "in_progress" else []
         return response_object(
-            self.rid, self.created, self.model, self.echo, status, output, self.usage, error
+            self.rid, self.created, self.model, self.echo, status, output, usage(self.usage), error
         )
 
     def opening(self) -> list[bytes]:
@@ -297,6 +297,12 @@ class EventStream:
             )
         return events
 
+    def _reasoning(self, text: str) -> list[bytes]:
+        return self._text_delta("reasoning", text)
+
+    def _content(self, text: str, logprobs: list[Any] | None) -> list[bytes]:
+        return self._text_delta("message", text, logprobs)
+
     def _text_delta(self, kind: str, text: str, logprobs: list[Any] | None = None) -> list[bytes]:
         events: list[bytes] = []
         if self._open is None or self._open["type"] != kind:
@@ -321,7 +327,7 @@ class EventStream:
         events.append(self._event(name, **fields))
         return events
 
-    def _call_delta(self, call: CallPiece) -> list[bytes]:
+    def _call(self, call: CallPiece) -> list[bytes]:
         events: list[bytes] = []
         index = call.index
         if index not in self._calls:
@@ -345,25 +351,12 @@ class EventStream:
             )
         return events
 
-    def delta(self, delta: Delta) -> list[bytes]:
-        """The events of one piece of the answer (``deltas.py``)."""
-        events: list[bytes] = []
-        if delta.reasoning:
-            events += self._text_delta("reasoning", delta.reasoning)
-        if delta.content:
-            events += self._text_delta("message", delta.content, delta.logprobs)
-        if delta.call is not None:
-            events += self._call_delta(delta.call)
-        if delta.finish is not None:
-            self.finish_reason = delta.finish
-        return events
-
     def chunk(self, chunk: dict[str, Any]) -> list[bytes]:
         """The events of a chat chunk as a client reads it (``deltas.from_chat``): a chat
         stream from elsewhere; the server's own answers come as pieces (:meth:`delta`)."""
         pieces, used = from_chat(chunk)
         if used:
-            self.usage = usage(used)
+            self.usage = used
         return [event for piece in pieces for event in self.delta(piece)]
 
     def closing(self) -> list[bytes]:
@@ -372,7 +365,7 @@ class EventStream:
         if not self.output:  # nothing generated: an empty message, as the whole answer has
             events += self._begin(message_item(new_id("msg"), None, "in_progress"))
             events += self._close()
-        status = status_of(self.finish_reason)
+        status = status_of(self.finish)
         events.append(self._event(f"response.{status}", response=self.response(status)))
         return events
 

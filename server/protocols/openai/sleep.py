@@ -51,20 +51,10 @@ class SleepRoutes:
     def table(guarded: Callable[[Any], Any], owner: Callable[[], SleepRoutes]) -> list[Any]:
         """The routes, each authorized as :data:`SLEEP_RPC`; ``owner()`` gives the handlers'
         instance when a request comes."""
-
-        def sleep(call: Any) -> Any:
-            return owner().sleep(call)
-
-        def wake_up(call: Any) -> Any:
-            return owner().wake_up(call)
-
-        def is_sleeping(call: Any) -> Any:
-            return owner().is_sleeping(call)
-
         return [
-            ("/sleep", {"POST": (SLEEP_RPC, guarded(sleep))}),
-            ("/wake_up", {"POST": (SLEEP_RPC, guarded(wake_up))}),
-            ("/is_sleeping", {"GET": (SLEEP_RPC, guarded(is_sleeping))}),
+            ("/sleep", {"POST": (SLEEP_RPC, guarded(lambda call: owner().sleep(call)))}),
+            ("/wake_up", {"POST": (SLEEP_RPC, guarded(lambda call: owner().wake_up(call)))}),
+            ("/is_sleeping", {"GET": (SLEEP_RPC, guarded(lambda call: owner().is_sleeping(call)))}),
         ]
 
     async def sleep(self, call: Any) -> Any:

@@ -58,16 +58,9 @@ class TokenizeRoutes:
     ) -> list[Any]:
         """The two routes, authorized as ``infer`` (ModelInfer); ``owner()`` gives the
         handlers' instance when a request comes."""
-
-        def tokenize(call: Any) -> Any:
-            return owner().tokenize(call)
-
-        def detokenize(call: Any) -> Any:
-            return owner().detokenize(call)
-
         return [
-            ("/tokenize", {"POST": (infer, guarded(tokenize))}),
-            ("/detokenize", {"POST": (infer, guarded(detokenize))}),
+            ("/tokenize", {"POST": (infer, guarded(lambda call: owner().tokenize(call)))}),
+            ("/detokenize", {"POST": (infer, guarded(lambda call: owner().detokenize(call)))}),
         ]
 
     async def tokenize(self, call: Any) -> Any:

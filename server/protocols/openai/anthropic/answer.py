@@ -31,7 +31,8 @@ import orjson
 
 from plugserve.server.apps.generate.text.detokenizer import StopScan
 from plugserve.server.protocols.http import sse
-from plugserve.server.protocols.openai.deltas import CallPiece, Delta
+from plugserve.server.protocols.openai.anthropic import errors
+from plugserve.server.protocols.openai.deltas import CallPiece, FaceEvents
 
 __all__ = ["EventStream", "StopTail", "message", "new_id", "tool_input", "usage"]
 
@@ -164,7 +165,7 @@ def message(
     }
 
 
-class EventStream:
+class EventStream(FaceEvents):
     """Anthropic's events from the answer's typed pieces (``deltas.py``: content, reasoning,
     a tool call's head and arguments, the finish; :attr:`usage`, chat's, set once it ends),
     one block open at a time: a change of kind closes the open block and starts the next."""
@@ -227,6 +228,12 @@ class EventStream:
     def _delta(self, delta: dict[str, Any]) -> bytes:
         return self._event("content_block_delta", index=self.blocks - 1, delta=delta)
 
+    def _reasoning(self, text: str) -> list[bytes]:
+        return self._text("thinking", text)
+
+    def _content(self, text: str, logprobs: list[Any] | None) -> list[bytes]:
+        return self._text("text", text)  # (Anthropic's events carry no logprobs)
+
     def _text(self, kind: str, text: str) -> list[bytes]:
         events: list[bytes] = []
         if kind == "text":
@@ -261,19 +268,6 @@ class EventStream:
             events.append(self._delta(delta))
         return events
 
-    def delta(self, delta: Delta) -> list[bytes]:
-        """The events of one piece of the answer (``deltas.py``)."""
-        events: list[bytes] = []
-        if delta.reasoning:
-            events += self._text("thinking", delta.reasoning)
-        if delta.content:
-            events += self._text("text", delta.content)
-        if delta.call is not None:
-            events += self._call(delta.call)
-        if delta.finish is not None:
-            self.finish = delta.finish
-        return events
-
     def closing(self) -> list[bytes]:
         """The open block closed, the stop reason and usage, the end."""
         events = self._held()
@@ -289,5 +283,5 @@ class EventStream:
         return events
 
     def failed(self, error: dict[str, Any]) -> list[bytes]:
-        """The stream's last event when it failed midway (``error``: Anthropic's error body)."""
-        return [self._event("error", error=error.get("error", error))]
+        """The stream's last event when it failed midway: chat's ``error`` as Anthropic's."""
+        return [self._event("error", error=errors.from_chat(error)["error"])]

@@ -24,7 +24,7 @@ from plugserve.server.plane.errors import forget_frames
 from plugserve.server.protocols.http.replies import JSON
 from plugserve.server.protocols.openai.errors import guard, status_of
 
-__all__ = ["error_body", "error_reply", "guarded", "refusal", "reply_of", "stream_error"]
+__all__ = ["error_body", "error_reply", "from_chat", "guarded", "refusal", "reply_of"]
 
 #: Anthropic's error type for a status
 _TYPES = {
@@ -72,11 +72,13 @@ def reply_of(exc: BaseException) -> Reply:
     return error_reply(status, message)
 
 
-def stream_error(exc: BaseException) -> dict[str, Any]:
-    """The ``error`` event of a stream that fails once its status line is out."""
-    status, message, _param, _code = status_of(exc)
-    forget_frames(exc)
-    return error_body(status, message)
+def from_chat(error: dict[str, Any]) -> dict[str, Any]:
+    """The ``error`` event's body of a stream that fails once its status line is out, from
+    chat's error object (``openai/errors.stream_error``: the chat path's failure, as the chat
+    stream would write it; a code that is not a status is a 500)."""
+    code = error.get("code")
+    status = code if isinstance(code, int) else 500
+    return error_body(status, str(error.get("message", "")))
 
 
 def guarded(handler: Callable[[Any], Any]) -> Callable[[Any], Any]:

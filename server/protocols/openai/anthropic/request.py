@@ -83,23 +83,15 @@ def _fail(message: str, field: str) -> OpenAIError:
     return OpenAIError(f"{field}: {message}", field)
 
 
-def _text_of(value: Any, where: str) -> str:
-    """A string, or text blocks joined by a newline."""
-    if isinstance(value, str):
-        return value
-    if not isinstance(value, list):
-        raise _fail(f"must be a string or an array of text blocks, not {_kind(value)}", where)
-    texts = []
-    for i, block in enumerate(value):
-        kind = block.get("type") if isinstance(block, dict) else None
-        if kind != "text" or not isinstance(block.get("text"), str):
-            raise _fail(
-                f'must be a text block ({{"type": "text", "text": ...}}), not {kind!r}: this '
-                "server serves text models",
-                f"{where}.{i}",
-            )
-        texts.append(block["text"])
-    return "\n".join(texts)
+#: Anthropic's text (``system``, a ``tool_result``'s content): text blocks, joined by a newline
+_TEXT = protocol.TextParts(
+    {"text": "text"},
+    "\n",
+    "{where}.{i}",
+    "{where}: must be a string or an array of text blocks, not {what}",
+    '{item}: must be a text block ({{"type": "text", "text": ...}}), not {kind!r}: this '
+    "server serves text models",
+)
 
 
 def _blocks(content: Any, where: str) -> list[dict[str, Any]]:
@@ -123,7 +115,7 @@ def _user(content: Any, where: str) -> list[dict[str, Any]]:
             if not isinstance(call, str) or not call:
                 raise _fail("must be the id of the tool_use it answers", f"{at}.tool_use_id")
             result = block.get("content", "")
-            text = _text_of(result, f"{at}.content")
+            text = protocol.text_of(result, f"{at}.content", _TEXT)
             out.append({"role": "tool", "tool_call_id": call, "content": text})
         else:
             raise _fail(
@@ -186,7 +178,7 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     system = body.get("system")
     if system is not None:
-        text = _text_of(system, "system")
+        text = protocol.text_of(system, "system", _TEXT)
         if text:
             out.append({"role": "system", "content": text})
     for i, message in enumerate(messages):

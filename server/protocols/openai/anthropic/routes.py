@@ -18,17 +18,16 @@ route is (ModelInfer: an ``infer`` token), the token sent as ``x-api-key`` (Anth
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import orjson
 
-from plugserve.plugins.api import PlugserveError
 from plugserve.server.protocols.auth import KSERVE
 from plugserve.server.protocols.http import sse
 from plugserve.server.protocols.http.http_server import StreamReply
 from plugserve.server.protocols.http.replies import JSON
-from plugserve.server.protocols.openai.answer import Answer, Started, answer_deltas
+from plugserve.server.protocols.openai.answer import Answer, Started, events_of
 from plugserve.server.protocols.openai.anthropic import errors
 from plugserve.server.protocols.openai.anthropic.answer import EventStream, message, new_id
 from plugserve.server.protocols.openai.anthropic.request import (
@@ -37,7 +36,7 @@ from plugserve.server.protocols.openai.anthropic.request import (
     messages_request,
     renamed,
 )
-from plugserve.server.protocols.openai.errors import OpenAIError, stream_error
+from plugserve.server.protocols.openai.errors import OpenAIError
 
 __all__ = ["AnthropicRoutes"]
 
@@ -54,16 +53,11 @@ class AnthropicRoutes:
         """The routes, each authorized as ModelInfer; ``owner()`` gives the handlers' instance
         when a request comes (the table is read without one too: tests/server/test_roles.py)."""
         infer = f"/{KSERVE}/ModelInfer"
-
-        def create(call: Any) -> Any:
-            return owner().create(call)
-
-        def count_tokens(call: Any) -> Any:
-            return owner().count_tokens(call)
-
+        create = errors.guarded(lambda call: owner().create(call))
+        count_tokens = errors.guarded(lambda call: owner().count_tokens(call))
         return [
-            ("/v1/messages", {"POST": (infer, errors.guarded(create))}),
-            ("/v1/messages/count_tokens", {"POST": (infer, errors.guarded(count_tokens))}),
+            ("/v1/messages", {"POST": (infer, create)}),
+            ("/v1/messages/count_tokens", {"POST": (infer, count_tokens)}),
         ]
 
     def routes(self) -> list[Any]:
@@ -96,7 +90,7 @@ class AnthropicRoutes:
         answer = started.answer
         if chat.stream:
             events = EventStream(rid, ask.model, ask.stop_sequences, len(ids))
-            return StreamReply(200, sse.HEADERS, _streamed(events, started))
+            return StreamReply(200, sse.HEADERS, events_of(events, started))
         try:
             long = await self.openai.gathered(started)
         except OpenAIError as exc:
@@ -120,32 +114,3 @@ class AnthropicRoutes:
 def _message(rid: str, ask: MessagesAsk, answer: Answer) -> bytes:
     made = message(rid, ask.model, answer.choice(0), answer.usage(), ask.stop_sequences)
     return orjson.dumps(made)
-
-
-async def _streamed(events: EventStream, started: Started) -> AsyncIterator[bytes]:
-    """The message's events from the answer's typed pieces (``answer_deltas``, a list per
-    wake-up: their events written together); a failure midway (the status line is out) the
-    ``error`` event."""
-    deltas = answer_deltas(started)
-    try:
-        yield b"".join(events.opening())
-        try:
-            async for batch in deltas:
-                made = [event for delta in batch for event in events.delta(delta)]
-                if made:
-                    yield b"".join(made)
-        except (PlugserveError, OpenAIError) as exc:
-            yield b"".join(events.failed(_error_of(stream_error(exc)["error"])))
-            return
-        events.usage = started.answer.usage()
-        yield b"".join(events.closing())
-    finally:
-        await deltas.aclose()  # type: ignore[attr-defined]
-        started.cancel()  # (closed before its first piece, ``deltas`` never ran)
-
-
-def _error_of(error: dict[str, Any]) -> dict[str, Any]:
-    """Chat's stream error (``openai/errors.stream_error``) as Anthropic's body."""
-    code = error.get("code")
-    status = code if isinstance(code, int) else 500
-    return errors.error_body(status, str(error.get("message", "")))
