@@ -14,6 +14,7 @@ admitted.
 
 from __future__ import annotations
 
+import gc
 import importlib
 import json
 import logging
@@ -515,6 +516,13 @@ class Server:
             )
         for entry in ready:
             log.info("model %s version %d is ready on %s", entry.name, entry.version, entry.device)
+        # what the start made (modules, networks, tokenizers: ~220k objects with tests'
+        # tiny-llama) is frozen out of the collector's full passes, which scanned all of it
+        # every ~100k streamed tokens: ~90 ms of GIL on whichever thread allocated then (the
+        # HTTP thread's or the engine's; issue 60's 32-stream cost, BENCHMARKS.md). A
+        # retired network's objects are unfrozen to be freed (control/retire.py)
+        gc.collect()
+        gc.freeze()
         self.plane.ready = True
         self._set_health(health_pb2.HealthCheckResponse.SERVING)
         if s.model_control_mode == "poll" and self.repository is not None:
