@@ -19,9 +19,18 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 import logging
 
-__all__ = ["ARENAS", "GLIBC_MAX_MMAP_THRESHOLD", "give_back_freed_memory", "reuse_freed_memory"]
+__all__ = [
+    "ARENAS",
+    "GLIBC_MAX_MMAP_THRESHOLD",
+    "freeze_heap",
+    "give_back_freed_memory",
+    "refreeze_heap",
+    "reuse_freed_memory",
+    "thaw_heap",
+]
 
 log = logging.getLogger("plugserve.server")
 
@@ -78,3 +87,32 @@ def _glibc() -> ctypes.CDLL | None:
     except (OSError, TypeError):
         return None
     return libc if hasattr(libc, "gnu_get_libc_version") else None
+
+
+#: whether the serving process froze its start's heap (:func:`freeze_heap`)
+_frozen = False
+
+
+def freeze_heap() -> None:
+    """Freeze what the start made out of the cyclic collector's passes (``plugserve serve``
+    only: an embedding application's heap is its own). A full pass scanned all of it, ~220k
+    objects with tests' tiny-llama: 90-100 ms of GIL on whichever thread allocated then, about
+    once per 100k streamed tokens, the HTTP thread's or the engine's (issue 60's 32-stream
+    cost, BENCHMARKS.md). Collected first, so no garbage is frozen with it."""
+    global _frozen
+    gc.collect()
+    gc.freeze()
+    _frozen = True
+
+
+def thaw_heap() -> None:
+    """Let the collector see the frozen heap again (a retired network's part of it is to be
+    freed: control/retire.py); a no-op where nothing was frozen."""
+    if _frozen:
+        gc.unfreeze()
+
+
+def refreeze_heap() -> None:
+    """Freeze what is left after :func:`thaw_heap`'s collection (the replacement among it)."""
+    if _frozen:
+        gc.freeze()

@@ -41,7 +41,7 @@ import weakref
 from threading import Event
 
 from plugserve.plugins.threads import start_daemon
-from plugserve.server.control.allocator import give_back_freed_memory
+from plugserve.server.control.allocator import give_back_freed_memory, refreeze_heap, thaw_heap
 from plugserve.server.plane.dataplane import DataPlane
 from plugserve.server.plane.metrics import Metrics
 from plugserve.server.plane.networks import LoadedNetwork
@@ -105,6 +105,7 @@ def _give_back(network: weakref.ref, within: float = 2.0) -> None:
     request still running past --model-unload-timeout may hold it longer: then its memory
     goes when that request ends and the collector next runs)."""
     end = time.monotonic() + within
+    thaw_heap()  # the start froze the heap (allocator.freeze_heap): the network's part may go
     while True:
         gc.collect()
         if network() is None or time.monotonic() >= end:
@@ -119,6 +120,7 @@ def _give_back(network: weakref.ref, within: float = 2.0) -> None:
     for _ in range(_MORE_PASSES):
         if not gc.collect():
             break
+    refreeze_heap()
     give_back_freed_memory()
     # a GPU network's tensors, freed, stay in torch's caching allocator: back to the card, so
     # the next load's free-memory check (and other processes) see them. Read from the modules

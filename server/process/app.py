@@ -41,7 +41,7 @@ from plugserve.server.apps.generate.engine.kvevents import Publisher
 from plugserve.server.apps.generate.network import GenerativeNetwork
 from plugserve.server.apps.pipelines.ensemble import EnsemblePlugin
 from plugserve.server.apps.pipelines.python.device import PythonPlugin
-from plugserve.server.control.allocator import reuse_freed_memory
+from plugserve.server.control.allocator import freeze_heap, reuse_freed_memory
 from plugserve.server.control.core import ConfigLimits, Core
 from plugserve.server.control.examples import build_examples, default_examples_dir
 from plugserve.server.control.model_control import ModelControl
@@ -141,6 +141,10 @@ class NotServable(RuntimeError):
 
 
 class Server:
+    #: freeze the start's heap at ready (allocator.freeze_heap): ``plugserve serve``'s own
+    #: process sets it; a server embedded in an application leaves that heap alone
+    freeze_heap = False
+
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.metrics = Metrics(plugserve_version())
@@ -515,6 +519,8 @@ class Server:
             )
         for entry in ready:
             log.info("model %s version %d is ready on %s", entry.name, entry.version, entry.device)
+        if self.freeze_heap:
+            freeze_heap()
         self.plane.ready = True
         self._set_health(health_pb2.HealthCheckResponse.SERVING)
         if s.model_control_mode == "poll" and self.repository is not None:
@@ -687,6 +693,7 @@ def main(argv: list[str]) -> int:
     settings = Settings.from_argv(argv)
     configure_logging(settings)
     server = Server(settings)
+    server.freeze_heap = True
 
     signalled = threading.Event()
 

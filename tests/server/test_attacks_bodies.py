@@ -22,6 +22,8 @@ from attack import Probe
 from serving import RunningServer
 from tiny_decoder import write as write_model
 
+from plugserve.server.protocols.openai import body as openai_body
+
 MODEL = "tiny"
 #: what the server may grow by whatever the attack's size (tests/server/test_attacks_generate)
 FIXED = 80 << 20
@@ -131,6 +133,37 @@ def test_a_body_past_a_structural_bound_is_refused(server, body, status, words):
     got, answer = _post(server, body)
     assert got == status, answer
     assert words in answer["error"]["message"], answer
+
+
+def test_braces_in_strings_past_the_depth_bound_are_no_structure(server):
+    """A small body whose strings hold more ``{`` and ``[`` than --max-json-depth: the quick
+    counts (openai_body._surely_within) overstate it, so it is scanned, and answered."""
+    status, answer = _post(server, _body(json.dumps("{[" * 100).encode(), max_tokens=2))
+    assert status == 200, answer
+
+
+@pytest.mark.parametrize(
+    ("data", "quick"),
+    [
+        (b'{"prompt":[1,2,3],"stream":true,"stream_options":{"include_usage":true}}', True),
+        (b"[" * 64 + b"]" * 64, True),
+        (b"[" * 65 + b"]" * 65, False),  # too deep: the scan refuses it
+        (b'{"s":"' + b"{[" * 40 + b'"}', False),  # in a string: the scan passes it
+        (b'{"s":"\\\\",' + b'"t":{' * 30 + b"}" * 30 + b"}", True),
+        (b"[" + b",".join([b"1"] * 99) + b"]", True),
+        (b"[" + b",".join([b"1"] * 100) + b"]", False),  # 101 values
+        (b'["' + b"," * 120 + b'"]', False),  # in a string: the scan passes it
+    ],
+)
+def test_the_quick_counts_pass_only_what_the_scan_passes(data, quick):
+    """The inline path skips :func:`body.scan` when the counts say a body is within the
+    bounds (a streamed completion's body, as bench_stream_cost sends it): they may fail to
+    say so of a body within them, never say so of one the scan refuses."""
+    bounds = openai_body.Bounds(values=100, depth=64)
+    values, depth = openai_body.scan(data)
+    assert openai_body._surely_within(data, bounds) is quick
+    if quick:
+        assert values <= bounds.values and depth <= bounds.depth
 
 
 def test_a_body_is_charged_its_parsed_size(small):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from serving import RunningServer, examples_repository
+from serving import RunningServer, examples_in_a_fresh_process, examples_repository
 
 grpcclient = pytest.importorskip("tritonclient.grpc", reason="pip install tritonclient[grpc]")
 
@@ -53,15 +53,8 @@ finally:
 @pytest.mark.parametrize("order", ["client-first", "server-first"])
 def test_tritonclient_and_the_server_in_one_process(order, tmp_path):
     """In a fresh process, so that which module is imported first is the test's to choose."""
-    repo = examples_repository(tmp_path)
-    done = subprocess.run(
-        [sys.executable, "-c", _BOTH_ORDERS, order, str(repo)],
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split("\n")[:2] == ["[4.0, 6.0]", "add"], done.stdout
+    stdout = examples_in_a_fresh_process(_BOTH_ORDERS, order, tmp_path)
+    assert stdout.split("\n")[:2] == ["[4.0, 6.0]", "add"], stdout
 
 
 def test_this_process_too(tmp_path):

@@ -207,3 +207,18 @@ def examples_repository(tmp_path: Path, pipelines: bool = False) -> Path:
     from plugserve.server.control.examples import build_examples
 
     return build_examples(tmp_path / "models", pipelines=pipelines)
+
+
+def examples_in_a_fresh_process(script: str, argument: str, tmp_path: Path) -> str:
+    """What ``script`` prints, run by a fresh Python as ``script argument REPOSITORY`` (the
+    examples' repository): an in-process server whose imports or process-wide state (the
+    collector's frozen heap) must not be pytest's. It must exit 0."""
+    repo = examples_repository(tmp_path)
+    done = subprocess.run(
+        [sys.executable, "-c", script, argument, str(repo)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout

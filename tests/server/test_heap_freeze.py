@@ -1,0 +1,39 @@
+"""The serving process freezes its start's heap out of the cyclic collector; an embedded server
+does not (``server/control/allocator.py``'s ``freeze_heap``).
+
+A full collection scanned everything the start made (~220k objects with tests' tiny-llama):
+90-100 ms of GIL on whichever thread allocated then, about once per 100k streamed tokens, the
+HTTP thread's or the engine's (issue 60, BENCHMARKS.md). ``plugserve serve``'s ``main`` sets
+``Server.freeze_heap``, which freezes that heap at ready; a server embedded in an application
+leaves the application's heap as it is. Each case runs in a fresh process (a freeze would
+reach pytest's own heap). That a frozen server's reloads still give their networks' memory
+back (``control/retire.py`` lets the collector in for them) is test_reload_memory.py's.
+"""
+
+from __future__ import annotations
+
+import pytest
+from serving import examples_in_a_fresh_process
+
+_SERVE = """
+import gc, sys
+from plugserve.server.process.app import Server
+from plugserve.server.process.settings import Settings
+server = Server(Settings(model_repository=sys.argv[2], host="127.0.0.1", grpc_port=0,
+                         http_port=-1, metrics_port=-1, health_port=-1))
+server.freeze_heap = sys.argv[1] == "served"
+server.start()
+try:
+    print(gc.get_freeze_count())
+finally:
+    server.stop(0)
+"""
+
+
+@pytest.mark.parametrize("how", ["served", "embedded"])
+def test_the_serving_process_freezes_its_start_and_an_embedded_server_does_not(how, tmp_path):
+    frozen = int(examples_in_a_fresh_process(_SERVE, how, tmp_path).split("\n")[0])
+    if how == "served":
+        assert frozen > 10_000  # modules, the examples' networks
+    else:
+        assert frozen == 0
