@@ -45,7 +45,6 @@ import statistics
 import time
 from pathlib import Path
 
-import harness  # sets sys.path for the imports below
 import numpy as np
 
 TOOLS = [
@@ -59,21 +58,22 @@ TOOLS = [
 TOPICS = ["Lisbon", "Kyoto", "Oslo", "Quito", "Nairobi", "Hanoi", "Perth", "Tunis", "Lima"]
 
 
-def system_prompt() -> str:
-    """A travel agent's system prompt with its tools (JSON schemas), shared by every
-    conversation."""
+def system_prompt(count: int = len(TOOLS), repeats: int = 3) -> str:
+    """A travel agent's system prompt with its first ``count`` tools (JSON schemas), shared by
+    every conversation (its rules ``repeats`` times: 1,319 tokens of bench-llama's tokenizer
+    at the defaults; the GPU check's smaller models take fewer)."""
     tools = "\n".join(
         f'{{"type": "function", "function": {{"name": "{name}", "description": "{text}", '
         f'"parameters": {{"type": "object", "properties": {{'
         + ", ".join(f'"{a}": {{"type": "string", "description": "the {a}"}}' for a in args)
         + f'}}, "required": {args!r}}}}}}}'.replace("'", '"')
-        for name, text, args in TOOLS
+        for name, text, args in TOOLS[:count]
     )
     rules = (
         "You are a careful travel agent. Plan trips step by step, call a tool when you need "
         "facts, never invent prices, confirm before booking, and answer briefly. "
     )
-    return f"System: {rules * 3}\nTools:\n{tools}\n{rules}\n"
+    return f"System: {rules * repeats}\nTools:\n{tools}\n{rules}\n"
 
 
 def question(conversation: int, turn: int, round_: int) -> str:
@@ -272,6 +272,7 @@ def main() -> None:
     )
     parser.add_argument("--no-crossover", action="store_true", help="the served workload only")
     args = parser.parse_args()
+    import harness  # sets sys.path for the imports below (here: the GPU check imports this)
     import llm
     from openai_serving import client, serving
 
