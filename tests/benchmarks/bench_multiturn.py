@@ -226,7 +226,8 @@ def crossover(folder: Path, device: str) -> None:
 def compare(runs: dict[str, list[dict]]) -> dict:
     """One round's figures from its ``on`` and ``off`` records: each model's median TTFT (ms)
     of later turns (turn 2 on) and of first turns, its later turns' median cached tokens, each
-    turn's medians, the ratio off / on of later turns and whether the answers were the same."""
+    turn's medians, the ratio off / on of later turns, how many turns' answers were the same
+    (``same_turns``) and whether all were."""
     figures: dict = {}
     for model, records in runs.items():
         later = [x for x in records if x["turn"] > 0]
@@ -245,7 +246,9 @@ def compare(runs: dict[str, list[dict]]) -> dict:
             ],
         }
     figures["ratio"] = round(figures["off"]["later_ms"] / figures["on"]["later_ms"], 2)
-    figures["same"] = [x["text"] for x in runs["on"]] == [x["text"] for x in runs["off"]]
+    pairs = list(zip(runs["on"], runs["off"], strict=True))
+    figures["same_turns"] = sum(a["text"] == b["text"] for a, b in pairs)
+    figures["same"] = figures["same_turns"] == len(pairs)
     return figures
 
 

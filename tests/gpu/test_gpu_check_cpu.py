@@ -143,7 +143,7 @@ def test_the_kv_parts_cpu_path(tmp_path):
     assert set(checks) == {"info", "kv.multiturn", "kv.target"}, sorted(checks)
     kv = checks["kv.multiturn"]
     assert kv["status"] == "pass", kv
-    assert kv["same"] and kv["on_cached"] > kv["off_cached"], kv
+    assert kv["same"] and kv["same_turns"] == "9 of 9" and kv["on_cached"] > kv["off_cached"], kv
     assert kv["on_later_ms"] > 0 and kv["off_later_ms"] > 0 and kv["ratio"] > 0, kv
     (round_,) = kv["rounds"]
     assert len(round_["on"]["turns"]) == len(round_["off"]["turns"]) == kv["turns"] == 3
