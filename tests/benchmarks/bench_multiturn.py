@@ -4,41 +4,47 @@ token per turn and cached tokens, at the same device cache size.
 The workload: ``--conversations`` conversations, interleaved turn by turn (one request at a
 time: conversation 1's turn 1, conversation 2's turn 1, ..., conversation 1's turn 2, ...),
 each a long system prompt with tool definitions that every conversation shares plus its own
-growing history (its questions and the model's answers). The server has ``--slots`` cache
-slots per model (``MAX_NUM_SEQS``), fewer than the conversations, so by a conversation's next
-turn its slot was taken by another: without the tier the shared system prompt is still found
-on the device (another slot holds it) but the conversation's own history is computed again;
-with the tier (``KV_OFFLOADING_SIZE``) it is restored from host memory.
+growing history. An agent's turn (the default) is the user's question, the assistant's tool
+call, the tool's result (deterministic JSON of ``--tool-items`` flights: about 200 tokens at 2)
+and the generated answer, all of which stays in the history; ``--plain`` is the earlier
+workload, a short question and the answer a turn. The server has ``--slots`` cache slots per
+model (``MAX_NUM_SEQS``), fewer than the conversations, so by a conversation's next turn its
+slot was taken by another: without the tier the shared system prompt is still found on the
+device (another slot holds it) but the conversation's own history is computed again; with the
+tier (``KV_OFFLOADING_SIZE``) it is restored from host memory.
 
-One server serves the folder twice, ``on`` (the tier) and ``off``, same settings otherwise;
-rounds run the whole workload on each, the order alternating. Requests are OpenAI streaming
-completions (greedy, ``ignore_eos``, ``--new-tokens`` each); TTFT is the time from sending to
-the first chunk with text. Printed: the machine, the folder and the cache's element type, per
-round each model's median TTFT of later turns (turn 2 on) and of first turns, median cached
-tokens, each turn's median TTFT and cached tokens on and off, the ratio off / on, whether the
-answers were the same (the streamed text of each turn, on against off); then the median of the
-rounds' ratios. Before that, in process, the crossover: restoring ``k`` blocks (the tier's
-copy, and the disk tier's read of the same blocks' files and copy) against computing them (the
-decoder's ``extend`` over them after a prefix of 4 blocks), for k = 1, 2, 4, 8, 16
-(``--crossover-only``: that alone).
+One server serves the folder twice, ``on`` (the tier) and ``off``, same settings otherwise
+(``--config KEY=VALUE`` adds a key to both); rounds run the whole workload on each, the order
+alternating. Requests are OpenAI streaming completions (greedy, ``ignore_eos``,
+``--new-tokens`` each); TTFT is the time from sending to the first chunk with text. Printed:
+the machine, the folder and the cache's element type, per round each model's median TTFT of
+later turns (turn 2 on) and of first turns, median cached tokens, each turn's median TTFT and
+cached tokens on and off, the ratio off / on, whether the answers were the same (the streamed
+text of each turn, on against off); then the median of the rounds' ratios. Before that, in
+process, the crossover: restoring ``k`` blocks (the tier's copy, and the disk tier's read of
+the same blocks' files and copy) against computing them (the decoder's ``extend`` over them
+after a prefix of 4 blocks), for k = 1, 2, 4, 8, 16 (``--crossover-only``: that alone;
+``--no-crossover``: the workload alone).
 
     python tests/benchmarks/bench_multiturn.py [--folder FOLDER] [--device ORT] \\
         [--conversations 4] [--turns 5] [--slots 2] [--rounds 2] [--new-tokens 24] \\
-        [--crossover-only]
+        [--plain] [--tool-items 2] [--max-model-len 4096] [--config KEY=VALUE] \\
+        [--crossover-only | --no-crossover]
 
 The folder defaults to tests/support/llm.py's ``bench-llama`` (~169 M parameters, context 4096)
 exported by optimum (``python tests/support/llm.py path bench-llama optimum-onnx`` makes it).
+:func:`workload` and :func:`compare` are the GPU check's ``kv`` part too (tests/gpu/kv_check.py).
 Nothing asserts on time.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from pathlib import Path
 
-import harness  # sets sys.path for the imports below
 import numpy as np
 
 TOOLS = [
@@ -52,21 +58,22 @@ TOOLS = [
 TOPICS = ["Lisbon", "Kyoto", "Oslo", "Quito", "Nairobi", "Hanoi", "Perth", "Tunis", "Lima"]
 
 
-def system_prompt() -> str:
-    """A travel agent's system prompt with its tools (JSON schemas), shared by every
-    conversation."""
+def system_prompt(count: int = len(TOOLS), repeats: int = 3) -> str:
+    """A travel agent's system prompt with its first ``count`` tools (JSON schemas), shared by
+    every conversation (its rules ``repeats`` times: 1,319 tokens of bench-llama's tokenizer
+    at the defaults; the GPU check's smaller models take fewer)."""
     tools = "\n".join(
         f'{{"type": "function", "function": {{"name": "{name}", "description": "{text}", '
         f'"parameters": {{"type": "object", "properties": {{'
         + ", ".join(f'"{a}": {{"type": "string", "description": "the {a}"}}' for a in args)
         + f'}}, "required": {args!r}}}}}}}'.replace("'", '"')
-        for name, text, args in TOOLS
+        for name, text, args in TOOLS[:count]
     )
     rules = (
         "You are a careful travel agent. Plan trips step by step, call a tool when you need "
         "facts, never invent prices, confirm before booking, and answer briefly. "
     )
-    return f"System: {rules * 3}\nTools:\n{tools}\n{rules}\n"
+    return f"System: {rules * repeats}\nTools:\n{tools}\n{rules}\n"
 
 
 def question(conversation: int, turn: int, round_: int) -> str:
@@ -76,6 +83,35 @@ def question(conversation: int, turn: int, round_: int) -> str:
     return (
         f"\nUser: trip {conversation} of group {round_} to {city}, step {turn}: and then?"
         "\nAssistant:"
+    )
+
+
+def tool_turn(conversation: int, turn: int, round_: int, items: int = 2) -> str:
+    """An agent's turn: the user's question, the assistant's tool call and the tool's result
+    (deterministic JSON of ``items`` flights: about 200 tokens of bench-llama's tokenizer at 2,
+    110 at 1),
+    then the assistant's answer is generated. The history grows by all of it every turn."""
+    city = TOPICS[conversation % len(TOPICS)]
+    day = f"2027-{1 + turn % 12:02d}-{10 + conversation % 18:02d}"
+    call = json.dumps(
+        {"name": "search_flights", "arguments": {"origin": "LHR", "destination": city[:3].upper()}}
+    )
+    flights = [
+        {
+            "flight": f"{('BA', 'TP', 'KL', 'LH')[(conversation + i) % 4]}{100 + 37 * i + turn}",
+            "departs": f"{day}T{6 + 3 * i:02d}:{(15 * (turn + i)) % 60:02d}",
+            "stops": i % 2,
+            "price": {"amount": 180 + 45 * i + 7 * turn + conversation, "currency": "EUR"},
+            "seats_left": 9 - i,
+        }
+        for i in range(items)
+    ]
+    result = json.dumps(
+        {"status": "ok", "query": f"{round_}-{conversation}-{turn}", "flights": flights}
+    )
+    return (
+        f"\nUser: trip {conversation} of group {round_} to {city}, step {turn}: find me a flight."
+        f"\nAssistant: <tool_call>{call}</tool_call>\nTool: {result}\nAssistant:"
     )
 
 
@@ -98,14 +134,22 @@ def ttft(api, model: str, prompt: str, new_tokens: int) -> tuple[float, str, int
     return (first if first is not None else float("nan")), "".join(text), cached
 
 
-def workload(api, model: str, args: argparse.Namespace, round_: int) -> list[dict]:
-    """Every turn of every conversation of round ``round_``, interleaved; one record each."""
-    system = system_prompt()
+def workload(
+    api, model: str, args: argparse.Namespace, round_: int, system: str | None = None
+) -> list[dict]:
+    """Every turn of every conversation of round ``round_``, interleaved; one record each.
+    ``args``: ``conversations``, ``turns``, ``new_tokens``, ``plain`` (a short question a turn
+    instead of :func:`tool_turn`) and ``tool_items``; ``system``: the shared prompt (default
+    :func:`system_prompt`). The GPU check's ``kv`` part (tests/gpu/kv_check.py) runs it too."""
+    system = system_prompt() if system is None else system
     history = [system for _ in range(args.conversations)]
     records = []
     for turn in range(args.turns):
         for c in range(args.conversations):
-            history[c] += question(c, turn, round_)
+            if args.plain:
+                history[c] += question(c, turn, round_)
+            else:
+                history[c] += tool_turn(c, turn, round_, args.tool_items)
             seconds, text, cached = ttft(api, model, history[c], args.new_tokens)
             history[c] += text
             records.append({"turn": turn, "c": c, "ttft": seconds, "text": text, "cached": cached})
@@ -179,6 +223,35 @@ def crossover(folder: Path, device: str) -> None:
         network.close()
 
 
+def compare(runs: dict[str, list[dict]]) -> dict:
+    """One round's figures from its ``on`` and ``off`` records: each model's median TTFT (ms)
+    of later turns (turn 2 on) and of first turns, its later turns' median cached tokens, each
+    turn's medians, the ratio off / on of later turns, how many turns' answers were the same
+    (``same_turns``) and whether all were."""
+    figures: dict = {}
+    for model, records in runs.items():
+        later = [x for x in records if x["turn"] > 0]
+        figures[model] = {
+            "later_ms": round(statistics.median(x["ttft"] for x in later) * 1e3, 1),
+            "first_ms": round(
+                statistics.median(x["ttft"] for x in records if x["turn"] == 0) * 1e3, 1
+            ),
+            "later_cached": statistics.median(x["cached"] for x in later),
+            "turns": [
+                (
+                    round(statistics.median(x["ttft"] for x in records if x["turn"] == t) * 1e3, 1),
+                    statistics.median(x["cached"] for x in records if x["turn"] == t),
+                )
+                for t in sorted({x["turn"] for x in records})
+            ],
+        }
+    figures["ratio"] = round(figures["off"]["later_ms"] / figures["on"]["later_ms"], 2)
+    pairs = list(zip(runs["on"], runs["off"], strict=True))
+    figures["same_turns"] = sum(a["text"] == b["text"] for a, b in pairs)
+    figures["same"] = figures["same_turns"] == len(pairs)
+    return figures
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--folder", type=Path)
@@ -189,11 +262,20 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--new-tokens", type=int, default=24)
     parser.add_argument("--offload-gib", type=float, default=1.0)
-    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument(
+        "--max-model-len", type=int, help="MAX_MODEL_LEN (default 4096; --plain: 2048)"
+    )
+    parser.add_argument(
+        "--plain", action="store_true", help="the old workload: a short question a turn, no tools"
+    )
+    parser.add_argument("--tool-items", type=int, default=2, help="flights in a tool's result")
+    parser.add_argument("--config", action="append", default=[], help="KEY=VALUE for both models")
     parser.add_argument(
         "--crossover-only", action="store_true", help="the in-process crossover, no server"
     )
+    parser.add_argument("--no-crossover", action="store_true", help="the served workload only")
     args = parser.parse_args()
+    import harness  # sets sys.path for the imports below (here: the GPU check imports this)
     import llm
     from openai_serving import client, serving
 
@@ -201,44 +283,47 @@ def main() -> None:
     for key, value in harness.machine().items():
         print(f"{key}: {value}")
     print(f"folder: {folder} on {args.device}; load average {harness.load_average()}")
-    crossover(folder, args.device)
+    if not args.no_crossover:
+        crossover(folder, args.device)
     if args.crossover_only:
         return
-    common = {"MAX_NUM_SEQS": str(args.slots), "MAX_MODEL_LEN": str(args.max_model_len)}
+    length = args.max_model_len or (2048 if args.plain else 4096)
+    common = {"MAX_NUM_SEQS": str(args.slots), "MAX_MODEL_LEN": str(length)}
+    common.update(item.split("=", 1) for item in args.config)
     models = {
         "on": (folder, args.device, {**common, "KV_OFFLOADING_SIZE": str(args.offload_gib)}),
         "off": (folder, args.device, common),
     }
+    print(
+        f"workload: {'plain' if args.plain else f'agent, {args.tool_items} flights a tool result'}"
+    )
     ratios, same = [], True
     with serving(models) as server:
         api = client(server)
         for r in range(args.rounds):
             order = ["on", "off"] if r % 2 == 0 else ["off", "on"]
             runs = {model: workload(api, model, args, r) for model in order}
-            summary = {}
-            for model, records in runs.items():
-                later = [x["ttft"] for x in records if x["turn"] > 0]
-                first = [x["ttft"] for x in records if x["turn"] == 0]
-                cached = [x["cached"] for x in records if x["turn"] > 0]
-                summary[model] = statistics.median(later)
+            figures = compare(runs)
+            for model in order:
+                mine = figures[model]
                 print(
-                    f"round {r + 1} {model:3s}: later turns TTFT median {summary[model] * 1e3:8.1f}"
-                    f" ms, first turns {statistics.median(first) * 1e3:8.1f} ms, later turns' "
-                    f"cached tokens median {statistics.median(cached):.0f}"
+                    f"round {r + 1} {model:3s}: later turns TTFT median {mine['later_ms']:8.1f}"
+                    f" ms, first turns {mine['first_ms']:8.1f} ms, later turns' cached tokens "
+                    f"median {mine['later_cached']:.0f}"
                 )  # fmt: skip
             for turn in range(args.turns):
-                cells = []
-                for model in ("on", "off"):
-                    mine = [x for x in runs[model] if x["turn"] == turn]
-                    seconds = statistics.median(x["ttft"] for x in mine)
-                    cached = statistics.median(x["cached"] for x in mine)
-                    cells.append(f"{model} {seconds * 1e3:7.1f} ms, cached {cached:5.0f}")
+                cells = [
+                    f"{m} {figures[m]['turns'][turn][0]:7.1f} ms, cached "
+                    f"{figures[m]['turns'][turn][1]:5.0f}"
+                    for m in ("on", "off")
+                ]
                 print(f"round {r + 1} turn {turn + 1}: " + "; ".join(cells))
-            texts = {m: [x["text"] for x in runs[m]] for m in runs}
-            agree = texts["on"] == texts["off"]
-            same = same and agree
-            ratios.append(summary["off"] / summary["on"])
-            print(f"round {r + 1}: off / on = {ratios[-1]:.2f}x; answers the same: {agree}")
+            same = same and figures["same"]
+            ratios.append(figures["ratio"])
+            print(
+                f"round {r + 1}: off / on = {ratios[-1]:.2f}x; answers the same: "
+                f"{figures['same']}; load average {harness.load_average()}"
+            )
     print(
         f"median of the rounds' ratios (later turns' TTFT, off / on): "
         f"{statistics.median(ratios):.2f}x; answers the same in every round: {same}; "

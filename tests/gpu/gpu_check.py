@@ -5,7 +5,7 @@ that checks plugserve's GPU device and GPU generation and measures them beside t
 here as subprocesses so that both sides come from one run).
 
 usage: python tests/gpu/gpu_check.py OUT_DIR [--anchors DIR] [--cpu] [--budget-s 420]
-                                     [--gen-anchor-s 180] [--parts device,gen,vision,gpuops]
+                                     [--gen-anchor-s 180] [--parts device,gen,vision,gpuops,kv]
 
 Without a CUDA GPU (or with ``--cpu``) the same checks run on the CPU device ``TORCH`` at tiny
 sizes (a 0.4 M-parameter decoder, ResNet-18 at 64x64): CI runs that path
@@ -34,8 +34,10 @@ Checks (each one recorded as pass, fail or skip with its reason, the file saved 
   ``vision.targets`` the issue's thresholds.
 - gpuops (``gpuops_check.py``): instance_group on GPU.0, CUDA shared memory, ``nv_gpu_*``
   metrics, the device memory budget.
+- kv (``kv_check.py``): issue 61's multi-turn agent workload with the KV host tier on and off
+  at the same slots: TTFT of later turns, the ratio, cached tokens, the answers the same.
 
-Order: info, device, generation and vision up to their served checks, gpuops, then the anchors
+Order: info, device, generation and vision up to their served checks, gpuops, kv, then the anchors
 (vision's, capped at 60 s, then generation's with the rest): the pass/fail checks first, so
 that a run the budget cuts loses figures, not checks. The run's budget is ``--budget-s`` (420)
 and a watchdog stops it ``--grace-s`` (20) later, inside the device command's ``timeout 450``.
@@ -109,6 +111,8 @@ CHECKS = (
     "vision.cuda_shm",
     # the gpuops part (gpuops_check.py): instance_group, CUDA shared memory, nv_gpu_*, memory
     "gpuops.instance_group", "gpuops.cuda_shm", "gpuops.gpu_metrics", "gpuops.memory",
+    # the kv part (kv_check.py): issue 61's multi-turn workload, the host tier on and off
+    "kv.multiturn", "kv.target",
     # issue 59's moonshot: a decoder of Llama-3.2-1B's shape at one stream
     "gen.moonshot",
     # the anchors (figures) and the targets read from them, last
@@ -1794,10 +1798,12 @@ def _part(results: Results, what: str, runner: Callable, *args: Any) -> Any:
         return None
 
 
-def _gpuops(results: Results, device: str, work: Path) -> None:
-    import gpuops_check
+def _own_file(results: Results, device: str, work: Path, module: str) -> None:
+    """A part in its own file beside this one (``gpuops_check.py``, ``kv_check.py``): its
+    ``run(results, gpu, work, this module)``."""
+    import importlib
 
-    gpuops_check.run(results, device == "GPU", work, sys.modules[__name__])
+    importlib.import_module(module).run(results, device == "GPU", work, sys.modules[__name__])
 
 
 def offline() -> None:
@@ -1823,7 +1829,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--grace-s", type=float, default=GRACE_S, help="past the budget by this, the run stops"
     )
-    ap.add_argument("--parts", default="device,gen,vision,gpuops")
+    ap.add_argument("--parts", default="device,gen,vision,gpuops,kv")
     ap.add_argument("--work", default="", help="scratch folder (default: a temporary one, removed)")
     args = ap.parse_args(argv)
     offline()
@@ -1858,7 +1864,9 @@ def main(argv: list[str] | None = None) -> int:
             if part in parts:
                 served[part] = _part(results, f"{part} part", runner, args, device, work)
         if "gpuops" in parts:  # gpuops_check.py: its own file, its own checks
-            _part(results, "gpuops part", _gpuops, device, work)
+            _part(results, "gpuops part", _own_file, device, work, "gpuops_check")
+        if "kv" in parts:  # kv_check.py: the host tier on the multi-turn workload
+            _part(results, "kv part", _own_file, device, work, "kv_check")
         if "gen" in parts:
             like = work / "decoder-220m"
             if not gpu:

@@ -47,6 +47,8 @@ CHECKS = {
     "gpuops.cuda_shm",
     "gpuops.gpu_metrics",
     "gpuops.memory",
+    "kv.multiturn",
+    "kv.target",
 }
 
 
@@ -98,21 +100,27 @@ def test_the_cpu_path_records_every_check(tmp_path):
     # the gpuops part runs last, recorded whatever the budget left it (its own test below)
 
 
+def _one_part(tmp_path: Path, part: str, budget_s: int) -> dict:
+    """The script's CPU path with ``--parts part`` alone (its output in ``tmp_path / "out"``):
+    its checks from results.json, once it ended with status 0."""
+    out = tmp_path / "out"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), str(out), "--cpu", "--parts", part,
+         "--budget-s", str(budget_s), "--work", str(tmp_path / "work")],
+        capture_output=True, text=True, timeout=budget_s * 1.5, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads((out / "results.json").read_text())["checks"]
+
+
 @pytest.mark.slow
 def test_the_gpuops_parts_cpu_path(tmp_path):
     """gpuops_check.py on the CPU: the KIND_GPU model's load refused naming GPU.0 while KIND_CPU
     serves; CUDA shared memory refused "GPUs not supported" over gRPC and REST; no nv_gpu_*
     series and the log says why; TORCH's memory budget refuses a load and a request over it
     and serves the next. The real out-of-memory is the GPU path's, and said so."""
-    out = tmp_path / "out"
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), str(out), "--cpu", "--parts", "gpuops", "--budget-s", "240",
-         "--work", str(tmp_path / "work")],
-        capture_output=True, text=True, timeout=360, env=env,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    checks = json.loads((out / "results.json").read_text())["checks"]
+    checks = _one_part(tmp_path, "gpuops", 240)
     names = {"info", "gpuops.instance_group", "gpuops.cuda_shm", "gpuops.gpu_metrics",
              "gpuops.memory"}  # fmt: skip
     assert set(checks) == names, sorted(checks)
@@ -124,6 +132,24 @@ def test_the_gpuops_parts_cpu_path(tmp_path):
     memory = checks["gpuops.memory"]
     assert "503" in memory["big_http"] and "RESOURCE_EXHAUSTED" in memory["big_grpc"]
     assert "needs a GPU" in memory["oom"]
+
+
+def test_the_kv_parts_cpu_path(tmp_path):
+    """kv_check.py on the CPU (tiny-llama on TORCH, 3 conversations on 2 slots, 3 turns):
+    bench_multiturn's workload served with the host tier on and off, the answers the same,
+    the later turns' cached tokens above the tier-off ones (their history restored), the
+    TTFT figures and their ratio recorded; the 3x bar is a card's, skipped saying so."""
+    checks = _one_part(tmp_path, "kv", 120)
+    assert set(checks) == {"info", "kv.multiturn", "kv.target"}, sorted(checks)
+    kv = checks["kv.multiturn"]
+    assert kv["status"] == "pass", kv
+    assert kv["same"] and kv["same_turns"] == "9 of 9" and kv["on_cached"] > kv["off_cached"], kv
+    assert kv["on_later_ms"] > 0 and kv["off_later_ms"] > 0 and kv["ratio"] > 0, kv
+    (round_,) = kv["rounds"]
+    assert len(round_["on"]["turns"]) == len(round_["off"]["turns"]) == kv["turns"] == 3
+    assert (tmp_path / "out" / "server_kv.log").exists()
+    assert checks["kv.target"]["status"] == "skip"
+    assert "bench_multiturn" in checks["kv.target"]["reason"]
 
 
 def _script():
