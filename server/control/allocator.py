@@ -21,6 +21,8 @@ import ctypes
 import ctypes.util
 import gc
 import logging
+import threading
+import weakref
 
 __all__ = [
     "ARENAS",
@@ -91,6 +93,10 @@ def _glibc() -> ctypes.CDLL | None:
 
 #: whether the serving process froze its start's heap (:func:`freeze_heap`)
 _frozen = False
+#: retired networks not yet known to be freed (weak references), under :data:`_thaw_lock`:
+#: the heap is frozen again only once all are gone
+_retired: list[weakref.ref] = []
+_thaw_lock = threading.Lock()
 
 
 def freeze_heap() -> None:
@@ -105,14 +111,24 @@ def freeze_heap() -> None:
     _frozen = True
 
 
-def thaw_heap() -> None:
-    """Let the collector see the frozen heap again (a retired network's part of it is to be
-    freed: control/retire.py); a no-op where nothing was frozen."""
-    if _frozen:
+def thaw_heap(network: weakref.ref) -> None:
+    """Let the collector see the frozen heap again: ``network`` (retired: control/retire.py)
+    is in it and is to be freed. A no-op where nothing was frozen."""
+    if not _frozen:
+        return
+    with _thaw_lock:
+        _retired.append(network)
         gc.unfreeze()
 
 
 def refreeze_heap() -> None:
-    """Freeze what is left after :func:`thaw_heap`'s collection (the replacement among it)."""
-    if _frozen:
-        gc.freeze()
+    """Freeze the heap again after a retirement's collections, only when every retired
+    network is gone: one still held (a request running past --model-unload-timeout, or
+    another retirement collecting at the same time) would be frozen with it and its cycles
+    never freed. Until then the heap stays thawed, as it was before the freeze existed."""
+    if not _frozen:
+        return
+    with _thaw_lock:
+        _retired[:] = [ref for ref in _retired if ref() is not None]
+        if not _retired:
+            gc.freeze()

@@ -105,7 +105,7 @@ def _give_back(network: weakref.ref, within: float = 2.0) -> None:
     request still running past --model-unload-timeout may hold it longer: then its memory
     goes when that request ends and the collector next runs)."""
     end = time.monotonic() + within
-    thaw_heap()  # the start froze the heap (allocator.freeze_heap): the network's part may go
+    thaw_heap(network)  # the start froze the heap (allocator.freeze_heap): this one may go
     while True:
         gc.collect()
         if network() is None or time.monotonic() >= end:

@@ -12,6 +12,9 @@ back (``control/retire.py`` lets the collector in for them) is test_reload_memor
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 from serving import examples_in_a_fresh_process
 
@@ -37,3 +40,37 @@ def test_the_serving_process_freezes_its_start_and_an_embedded_server_does_not(h
         assert frozen > 10_000  # modules, the examples' networks
     else:
         assert frozen == 0
+
+
+_HELD = """
+import gc, weakref
+from plugserve.server.control import allocator, retire
+
+class Network:  # a retired network's graph: a cycle, as a compiled network's objects make
+    def __init__(self):
+        self.me = self
+
+allocator.freeze_heap()
+held = Network()  # a request running past --model-unload-timeout still holds it
+retire._give_back(weakref.ref(held), within=0.05)
+print(gc.get_freeze_count())
+del held  # the request ended: garbage the thawed collector sees
+gone = Network()
+ref = weakref.ref(gone)
+del gone
+retire._give_back(ref, within=0.05)
+print(gc.get_freeze_count())
+"""
+
+
+def test_a_retired_network_still_held_is_not_frozen_again():
+    """A reload thaws the frozen heap so that the old network can go; one still held when its
+    retirement ends must not be frozen with the heap (its cycles would never be freed): the
+    heap stays thawed until every retired network is gone, then is frozen again."""
+    done = subprocess.run(
+        [sys.executable, "-c", _HELD], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    while_held, after = (int(line) for line in done.stdout.split())
+    assert while_held == 0, "a held network was frozen with the heap"
+    assert after > 1_000, "the heap is frozen again once every retired network is gone"
