@@ -12,8 +12,10 @@ import contextlib
 import http.client
 import json
 import re
+import shutil
 import socket
 import struct
+import subprocess
 import threading
 import time
 import urllib.request
@@ -32,6 +34,7 @@ from plugserve.proto import plugserve_pb2 as pb
 from plugserve.server.control.examples import build_examples
 from plugserve.server.protocols.grpc import callgate
 from plugserve.server.protocols.grpc.handlers import STREAM_WINDOW
+from plugserve.server.protocols.http import app as rest_app
 from plugserve.server.protocols.http import http_server as rest_http
 
 MB = 1 << 20
@@ -520,6 +523,22 @@ def test_idle_and_half_sent_http_connections_leave_the_rest_port_serving(tmp_pat
         finally:
             for c in idle + half:
                 c.close()
+
+
+def test_the_rest_port_queues_a_burst_of_connections_for_its_loop(server):
+    """The REST port's listening queue holds BACKLOG connections (or the kernel's somaxconn,
+    if lower), more than the port's limit: the event loop listened again at its own default of
+    100, and a thousand OpenAI clients connecting at once on a loaded CI machine overflowed it
+    (the kernel dropped their handshakes; one client's connection was reset mid-request,
+    APIConnectionError, in test_a_thousand_clients_are_served_or_refused_within_the_budget)."""
+    ss = shutil.which("ss")
+    if ss is None:
+        pytest.skip("iproute2's ss reads a listening socket's queue length")
+    shown = subprocess.run(
+        [ss, "-ltnH", f"sport = :{server.http_port}"], capture_output=True, text=True, check=True
+    ).stdout.split()
+    somaxconn = int(Path("/proc/sys/net/core/somaxconn").read_text())
+    assert int(shown[2]) == min(rest_app.BACKLOG, somaxconn), shown
 
 
 def test_a_client_that_never_reads_its_replies_is_cut_off(tmp_path):

@@ -80,6 +80,10 @@ __all__ = [
 _SETTERS = {f"/{KSERVE}/TraceSetting", f"/{KSERVE}/LogSettings"}
 # Content-Encoding of a request body -> zlib's wbits (0: plain)
 _WBITS = {b"identity": 0, b"gzip": 31, b"deflate": 15}
+#: connections the kernel queues for the REST port until the loop accepts them (capped by
+#: net.core.somaxconn); more than the port's limit of connections, so a burst of them is
+#: answered or refused by the server, never dropped by the kernel
+BACKLOG = 2048
 #: Triton's binary tensor extension's header: a body with it is charged as binary
 _BINARY_HEADER = b"inference-header-content-length"
 _error = error_reply
@@ -499,8 +503,11 @@ class HttpService:
         """Bind the port (an occupied one is a one-line SystemExit) and serve; the port."""
         s = self.settings
         family = socket.AF_INET6 if ":" in s.host else socket.AF_INET
+        limit = 4 * s.grpc_workers  # as gRPC's maximum_concurrent_rpcs
         try:
-            sock = socket.create_server((s.host, s.http_port), family=family, backlog=2048)
+            sock = socket.create_server(
+                (s.host, s.http_port), family=family, backlog=max(BACKLOG, limit)
+            )
         except OSError as exc:
             raise SystemExit(
                 f"plugserve: cannot listen on {s.host}:{s.http_port} (--http-port): {exc.strerror}"
@@ -513,7 +520,6 @@ class HttpService:
             if s.tls_client_ca:
                 context.load_verify_locations(s.tls_client_ca)
                 context.verify_mode = ssl.CERT_REQUIRED
-        limit = 4 * s.grpc_workers  # as gRPC's maximum_concurrent_rpcs
         self.app.worker_queue = limit
         budget = self.app.budget
         server = HttpServer(
@@ -545,7 +551,12 @@ class HttpService:
             tls: dict[str, Any] = {}
             if context is not None:  # a handshake is bounded as a request's headers are
                 tls = {"ssl": context, "ssl_handshake_timeout": server.read_timeout}
-            listener = await self._loop.create_server(server.protocol, sock=sock, **tls)
+            # (the loop listens again, at its own default of 100 unless told: a thousand
+            # clients connecting at once overflowed that queue, and a client whose handshake
+            # was dropped so got its connection reset mid-request)
+            listener = await self._loop.create_server(
+                server.protocol, sock=sock, backlog=max(BACKLOG, server.limit), **tls
+            )
             started.set()
             await self._stop.wait()
             listener.close()
