@@ -234,7 +234,7 @@ class RestApp:
     # --- system shared memory (server/plane/shm.py)
 
     def shm_status(self, call: Call) -> Reply:
-        regions = self.plane.shm.status(call.path.get("name") or "")
+        regions = self.plane.shm.status(_name_or_all(call))
         return _json(
             [
                 {"name": r.name, "key": r.key, "offset": r.offset, "byte_size": r.byte_size}
@@ -247,11 +247,11 @@ class RestApp:
         return _done()
 
     def shm_unregister(self, call: Call) -> Reply:
-        self.plane.shm.unregister(call.path.get("name") or "")
+        self.plane.shm.unregister(_name_or_all(call))
         return _done()
 
     def cuda_status(self, call: Call) -> Reply:
-        regions = self.plane.shm.cuda_status(call.path.get("name") or "")
+        regions = self.plane.shm.cuda_status(_name_or_all(call))
         return _json(
             [{"name": r.name, "device_id": r.device_id, "byte_size": r.byte_size} for r in regions]
         )
@@ -261,7 +261,7 @@ class RestApp:
         return _done()
 
     def cuda_unregister(self, call: Call) -> Reply:
-        self.plane.shm.cuda_unregister(call.path.get("name") or "")
+        self.plane.shm.cuda_unregister(_name_or_all(call))
         return _done()
 
     def model_ready(self, call: Call) -> Reply | Awaitable[Reply]:
@@ -297,7 +297,7 @@ class RestApp:
     # --- trace settings (Triton's trace extension: server/plane/tracing.py)
 
     def trace_setting(self, call: Call) -> Reply:
-        return _json(_setting_json(self.plane.tracing.setting(call.path.get("name") or "")))
+        return _json(_setting_json(self.plane.tracing.setting(_name_or_all(call))))
 
     def update_trace_setting(self, call: Call) -> Reply:
         """Triton's body: each field a string (a list for ``trace_level``), null to clear."""
@@ -314,7 +314,7 @@ class RestApp:
                     f"trace setting {key!r} must be a string (a list of strings for "
                     f"trace_level) or null, not {value!r}"
                 )
-        answer = self.plane.tracing.update(call.path.get("name") or "", changes)
+        answer = self.plane.tracing.update(_name_or_all(call), changes)
         return _json(_setting_json(answer))
 
     # --- inference
@@ -704,6 +704,12 @@ def _fast(entry: LoadedNetwork) -> bool:
     so does one whose run the request can lengthen at will (a Loop: ``open_ended``), whose
     client could otherwise hold the loop until --max-request-seconds."""
     return not entry.network.open_ended and entry.recorder.mean_compute_below(_INLINE_NS)
+
+
+def _name_or_all(call: Call) -> str:
+    """The route's ``{name}``, or "" where the route has none: every region's status, the
+    server-wide trace setting."""
+    return call.path.get("name") or ""
 
 
 def _version(call: Call) -> int:
