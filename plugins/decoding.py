@@ -160,6 +160,13 @@ class Decoder(abc.ABC):
     #: the device and its outcome fetched later (:meth:`launch`, :meth:`fetch`)
     pipelined = False
 
+    #: the tokens one step computes when the model's config and the server set none
+    #: (MAX_NUM_BATCHED_TOKENS 0): a graph's step returns every computed position's logits,
+    #: so it holds this many x the vocabulary x 4 bytes of them (256 x 152k: 155 MB); a
+    #: decoder whose forward returns each sequence's last token's only may take more tokens
+    #: in one pass over its weights (the torch decoder's)
+    step_tokens = 256
+
     #: what compiles the graph again after a level-2 sleep (None: nothing to compile again)
     reload: Callable[[], CompiledNetwork] | None = None
 

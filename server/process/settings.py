@@ -458,10 +458,12 @@ class Settings:
         low=1,
     )
     max_num_batched_tokens: int = _field(
-        256,
+        0,
         "generative models: tokens computed in one engine step (each decoding sequence's one, "
-        "plus prompt tokens; a longer prompt is computed in chunks of what is left)",
-        low=1,
+        "plus prompt tokens; a longer prompt is computed in chunks of what is left); 0: the "
+        "device's default, 256 where a step's graph returns every position's logits (ORT, "
+        "OPENVINO, NUMPY), 512 on TORCH's CPU, 2048 on a card",
+        low=0,
     )
     kv_cache_bytes: int = _field(
         0,

@@ -19,7 +19,7 @@ versions are printed: on a shared machine the numbers move with what else runs.
 
 With ``--long-prompt 2000``: a 2,000-token prompt sent while the 8 streams decode, its time to
 first token and the streams' gaps between two tokens meanwhile (prompts are computed in chunks
-of ``max_num_batched_tokens``, 256 by default, so the streams keep going).
+of ``max_num_batched_tokens``, 256 on ORT by default, so the streams keep going).
 
 With ``--baseline PYTHON`` (a virtual environment with a base commit installed, as
 bench_before_after.py takes), that commit's server serves the same folder beside this

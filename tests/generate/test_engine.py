@@ -190,3 +190,14 @@ def test_a_sequence_failing_in_its_sampling_fails_only_its_request(network, tiny
         assert ids == case["ids"][:24], case["name"]
     again = list(network.engine.generate(greedy({**cases[0], "name": "after"}, 4)))
     assert [t for e in again for t in e.token_ids] == cases[0]["ids"][:4]
+
+
+def test_a_graphs_step_takes_256_tokens_unless_told(core):
+    """MAX_NUM_BATCHED_TOKENS unset is the decoder's own: a graph's step returns every
+    position's logits (256 x the vocabulary x 4 bytes), so it stays 256 (the torch decoder's
+    is larger: test_generate_torch_device)."""
+    net = core.load_network(str(exported("tiny-llama", "optimum-onnx")), "NUMPY", {})
+    try:
+        assert net.engine.settings.max_num_batched_tokens == 256
+    finally:
+        net.close()

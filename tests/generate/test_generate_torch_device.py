@@ -256,3 +256,31 @@ def test_seeded_answers_repeat_and_logprobs_are_transformers_through_the_api(hf_
         # text share a key
         allowed = [*torch.topk(lp[i], 3).values.tolist(), want[i]]
         assert top and all(min(abs(v - a) for a in allowed) < 1e-4 for v in top.values())
+
+
+def test_a_step_on_the_cpu_takes_512_tokens_unless_told(torch_llama):
+    """MAX_NUM_BATCHED_TOKENS unset (0, the server's default) is the decoder's own: the torch
+    decoder's LM head runs on each sequence's last token only, so its step takes 512 tokens on
+    the CPU (2048 on a card) where a graph's, whose logits are every position's, takes 256. A
+    300-token prompt is then one forward, not 256 + 44, and its answer is the chunked one's."""
+    decoder = torch_llama.engine.decoder
+    engines = {}
+    for name, budget in (("default", 0), ("chunked", 256)):
+        twin = TorchDecoder(decoder.model, decoder.layout, threads=1)
+        settings = EngineSettings(max_num_seqs=2, max_num_batched_tokens=budget)
+        engines[name] = Engine(name, twin, torch_llama.tokenizer, settings, rows=2)
+    try:
+        assert engines["default"].settings.max_num_batched_tokens == 512
+        assert engines["chunked"].settings.max_num_batched_tokens == 256
+        prompt = [int(t) for t in np.random.default_rng(3).integers(100, 1000, 300)]
+        answers, forwards = {}, {}
+        for name, engine in engines.items():
+            before = engine.decoder.forwards
+            events = list(engine.generate(_greedy(name, prompt, steps=1)))
+            answers[name] = [t for e in events for t in e.token_ids]
+            forwards[name] = engine.decoder.forwards - before
+        assert forwards == {"default": 1, "chunked": 2}
+        assert answers["default"] == answers["chunked"] and len(answers["default"]) == 1
+    finally:
+        for engine in engines.values():
+            engine.close()

@@ -101,7 +101,7 @@ def test_echo_with_logprobs_scores_the_prompt_as_the_model_does(
 
 
 def test_a_prompt_computed_in_chunks_is_scored_across_them(api, folder, tokenizer):
-    """A prompt longer than a step's tokens (max_num_batched_tokens, 256) is computed in
+    """A prompt longer than a step's tokens (max_num_batched_tokens, NUMPY's 256) is computed in
     chunks: the last position of each chunk scores the next chunk's first token."""
     text = " ".join(["the cat sat on a mat"] * 40)  # 840 tokens: four chunks
     ids = tokenizer.encode(text)

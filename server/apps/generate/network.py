@@ -168,7 +168,7 @@ def engine_settings(
             raise InvalidArgument(
                 f"config key {key!r}: expected an integer, got {value!r}"
             ) from None
-        least = 0 if field in ("kv_cache_bytes", "max_model_len") else 1
+        least = 0 if field in ("kv_cache_bytes", "max_model_len", "max_num_batched_tokens") else 1
         if number < least:
             raise InvalidArgument(f"config key {key!r}: must be at least {least}, got {number}")
         if field == "stream_interval" and number > MAX_STREAM_INTERVAL:

@@ -141,8 +141,9 @@ class EngineSettings:
 
     #: sequences holding a cache slot at once (the batch's rows at most)
     max_num_seqs: int = 16
-    #: tokens computed in one step: decoding sequences' tokens plus prompt chunks
-    max_num_batched_tokens: int = 256
+    #: tokens computed in one step: decoding sequences' tokens plus prompt chunks (0: the
+    #: decoder's own, :attr:`~plugserve.plugins.decoding.Decoder.step_tokens`)
+    max_num_batched_tokens: int = 0
     #: bytes the cache may take (0: max_num_seqs slots of the context, at most a quarter of
     #: the machine's memory)
     kv_cache_bytes: int = 0
@@ -195,6 +196,8 @@ class Engine:
         self.name = name
         self.decoder = decoder
         self.tokenizer = tokenizer
+        if not settings.max_num_batched_tokens:  # the decoder's own
+            settings = dataclasses.replace(settings, max_num_batched_tokens=decoder.step_tokens)
         self.settings = settings
         self.capacity = decoder.layout.capacity
         self.cache = decoder.new_cache(rows)

@@ -43,7 +43,7 @@ dictionary whose size does not change can be read while it is written), and the 
 brought up to date at each step's event.
 
 Bounds: a request keeps 3 spans of its own and one per prompt chunk (a prompt of a 4,096
-context in chunks of ``max_num_batched_tokens``, 256 by default: 16); the trace keeps at most
+context in chunks of ``max_num_batched_tokens``, 256 on ORT by default: 16); the trace keeps at most
 ``plugins.tracing.MAX_SPANS`` (256) in all.
 """
 
