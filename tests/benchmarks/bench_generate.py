@@ -30,6 +30,7 @@ rounds'), and the baseline's own ratios to onnxruntime-genai beside this checkou
 
     python tests/benchmarks/bench_generate.py [--rounds 3] [--new-tokens 64] [--prompt-tokens 32]
         [--long-prompt 2000] [--baseline /path/to/base/venv/bin/python] [--no-genai]
+        [--device TORCH --folder SAFETENSORS_FOLDER] [--config KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -211,6 +212,9 @@ def main(argv: list[str] | None = None) -> int:
         "--baseline", default="", metavar="PYTHON", help="a base commit's Python, served beside"
     )
     parser.add_argument("--no-genai", action="store_true", help="leave onnxruntime-genai out")
+    parser.add_argument(
+        "--config", action="append", default=[], help="KEY=VALUE in the model's config"
+    )
     args = parser.parse_args(argv)
 
     import llm
@@ -218,7 +222,10 @@ def main(argv: list[str] | None = None) -> int:
 
     folder = Path(args.folder) if args.folder else llm.export("bench-llama", "genai-fp32")
     genai_python = None if args.no_genai else llm.GENAI.python()
-    vocab = json.loads((folder / "genai_config.json").read_text())["model"]["vocab_size"]
+    if (folder / "genai_config.json").is_file():
+        vocab = json.loads((folder / "genai_config.json").read_text())["model"]["vocab_size"]
+    else:  # a safetensors folder (TORCH)
+        vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
     print(json.dumps({"machine": harness.machine(), "folder": str(folder), "args": vars(args)}))
 
     root = Path(tempfile.mkdtemp(prefix="plugserve-bench-generate-"))
@@ -227,7 +234,11 @@ def main(argv: list[str] | None = None) -> int:
     context = max(args.prompt_tokens, args.long_prompt) + args.new_tokens + 16
     settings = {
         "device": args.device,
-        "config": {"MAX_NUM_SEQS": str(args.streams + 1), "MAX_MODEL_LEN": str(context)},
+        "config": {
+            "MAX_NUM_SEQS": str(args.streams + 1),
+            "MAX_MODEL_LEN": str(context),
+            **dict(item.split("=", 1) for item in args.config),
+        },
     }
     (root / "bench" / "config.json").write_text(json.dumps(settings))
     flags = ["--model-repository", str(root), "--grpc-port", "0", "--http-port", "-1"]
