@@ -237,6 +237,13 @@ class TorchDecoder(MixedDecoder):
         self.forwards = 0
         self.steps = 0
         self.device = model.device
+        #: a step's tokens by default (Decoder.step_tokens): the LM head runs on each
+        #: sequence's last token only, so a step's memory is its activations, and each step
+        #: reads every weight once. On the CPU 512: an agent's turn (a tool call and its
+        #: result, ~330 tokens) is one step, not 256 + 74 (the tier-on turn 0.89x the time),
+        #: while streams decoding beside a long prompt wait 1.8x as long between two tokens
+        #: (BENCHMARKS.md); on a card 2048, vLLM's OpenAI server's default
+        self.step_tokens = 2048 if self.device.type == "cuda" else 512
         #: the decode shapes kept captured (CUDA_GRAPHS: on CUDA, graphs; on the CPU their
         #: static buffers run eagerly, the CPU twin CI tests); 0: decode steps run eagerly
         self.use_graphs = graphs
@@ -251,16 +258,6 @@ class TorchDecoder(MixedDecoder):
     @property
     def precision(self) -> str:
         return next(k for k, v in DTYPES.items() if v == str(self.dtype).split(".")[-1])
-
-    @property
-    def step_tokens(self) -> int:  # type: ignore[override]
-        """A step's tokens by default: the LM head runs on each sequence's last token only,
-        so a step's memory is its activations, and each step reads every weight once. On
-        the CPU 512: an agent's turn (a tool call and its result, ~330 tokens) is one step,
-        not 256 + 74 (two passes over the weights: the tier-on turn 0.86x the time,
-        BENCHMARKS.md), while a step of a long prompt keeps decoding streams waiting about
-        twice a 256-token step; on a card 2048, vLLM's OpenAI server's default."""
-        return 2048 if self.device.type == "cuda" else 512
 
     # --- sleep and wake (:meth:`.engine.Engine.sleep`)
 

@@ -504,10 +504,9 @@ class HttpService:
         s = self.settings
         family = socket.AF_INET6 if ":" in s.host else socket.AF_INET
         limit = 4 * s.grpc_workers  # as gRPC's maximum_concurrent_rpcs
+        backlog = max(BACKLOG, limit)  # the listen queue, asked of the socket and the loop
         try:
-            sock = socket.create_server(
-                (s.host, s.http_port), family=family, backlog=max(BACKLOG, limit)
-            )
+            sock = socket.create_server((s.host, s.http_port), family=family, backlog=backlog)
         except OSError as exc:
             raise SystemExit(
                 f"plugserve: cannot listen on {s.host}:{s.http_port} (--http-port): {exc.strerror}"
@@ -534,13 +533,14 @@ class HttpService:
             _bounds(s, limit, budget.limit),
         )
         started = threading.Event()
-        self._thread = start_daemon("rest", self._run, sock, context, server, started)
+        self._thread = start_daemon("rest", self._run, sock, backlog, context, server, started)
         started.wait(30)
         return self.port
 
     def _run(
         self,
         sock: socket.socket,
+        backlog: int,
         context: ssl.SSLContext | None,
         server: HttpServer,
         started: threading.Event,
@@ -555,7 +555,7 @@ class HttpService:
             # clients connecting at once overflowed that queue, and a client whose handshake
             # was dropped so got its connection reset mid-request)
             listener = await self._loop.create_server(
-                server.protocol, sock=sock, backlog=max(BACKLOG, server.limit), **tls
+                server.protocol, sock=sock, backlog=backlog, **tls
             )
             started.set()
             await self._stop.wait()
