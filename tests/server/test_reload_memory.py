@@ -7,9 +7,20 @@ the next load's free-memory check counted. Here a random decoder of ~90 MB of f3
 (tests/support/llm_hf.py, made in the test), a decoder of its shape exported by optimum-onnx
 on ORT and a ~42 MB ONNX MLP on NUMPY are each reloaded twenty times (KServe
 RepositoryModelLoad of a loaded model, as Triton reloads) and the server's VmRSS is read after
-each: it stays within 10 % of what it was with the model loaded once. The decoders warm up
-before each load is ready (``--generate-warmup``'s default, issue 62.3), so what the warm-up
-allocates is counted too.
+each. What a leak does is raise the floor: a replaced version kept (the bug) adds its whole
+size to every later reading, a slow leak a little more each time. So the floor of the last
+five readings stays within 5 % of what the server held with the model loaded once, and no
+reading is more than 20 % above it.
+
+Why not every reading within a few per cent: where a reload's new version lands in malloc's
+arenas varies, so RSS after a reload moves between about +3 and +50 MiB of a 400-450 MiB
+server and comes back (twenty to forty reloads of the ONNX decoder, read 1 to 17 s after each:
+steady from the first second, and the same with glibc's default thresholds, ``--malloc-reuse-
+bytes 0``, so not the reuse tuning of ``server/control/allocator.py``). CI once read +51 MiB
+at the twentieth reload and +5 MiB at the nineteenth.
+
+The decoders warm up before each load is ready (``--generate-warmup``'s default, issue 62.3),
+so what the warm-up allocates is counted too.
 """
 
 from __future__ import annotations
@@ -28,12 +39,18 @@ httpclient = pytest.importorskip("tritonclient.http")
 pytestmark = pytest.mark.slow
 
 RELOADS = 20
+#: the floor of the last LAST readings stays within FLOOR of one load; none exceeds PEAK
+LAST = 5
+FLOOR = 1.05
+PEAK = 1.20
 #: how long a reload's replaced version may take to close and give its memory back (it closes
 #: in the background once its requests are done: none here). An ONNX decoder's replaced
 #: version now and then kept its 240 MB until the next reload: the collection that freed the
 #: network left its engine, compiled network and session for the next full collection
 #: (``retire._give_back`` now collects until a collection frees nothing)
 SETTLE = 15.0
+#: seconds of unchanged RSS (within 1 MiB) that count as settled
+STILL = 2.0
 
 
 def _decoder(folder) -> None:
@@ -72,14 +89,23 @@ def _onnx(folder) -> None:
     (folder / "config.json").write_text(json.dumps({"device": "NUMPY"}))
 
 
-def _settled(pid: int, bound_kb: float) -> int:
-    """The server's RSS once a reload's replaced version has gone (at most SETTLE seconds)."""
+def _settled(pid: int, one_kb: float) -> int:
+    """The server's RSS once a reload's replaced version has gone: at most SETTLE seconds, or
+    as soon as it is within FLOOR of one load, or within PEAK and still for STILL seconds
+    (where the new version landed in malloc's arenas, not a close still under way). With
+    ``one_kb`` 0 (one load, not yet known): SETTLE seconds, as the first close may be slow."""
     end = time.monotonic() + SETTLE
+    readings: list[tuple[float, int]] = []
     while True:
-        rss = rss_kb(pid)
-        if rss <= bound_kb or time.monotonic() > end:
+        now, rss = time.monotonic(), rss_kb(pid)
+        readings.append((now, rss))
+        if now > end or (one_kb and rss <= FLOOR * one_kb):
             return rss
-        time.sleep(0.05)
+        recent = [kb for t, kb in readings if t >= now - STILL]
+        still = readings[0][0] <= now - STILL and max(recent) - min(recent) <= 1024
+        if one_kb and still and rss <= PEAK * one_kb:
+            return rss
+        time.sleep(0.1)
 
 
 MAKERS = {"torch-decoder": _decoder, "onnx-decoder": _onnx_decoder, "onnx": _onnx}
@@ -99,14 +125,15 @@ def test_reloads_keep_the_servers_memory_flat(tmp_path, kind):
         try:
             admin.load_model("model")  # the first reload: what one load settles at
             one = _settled(pid, 0)
-            bound = 1.10 * one
             seen = []
             for _ in range(RELOADS):
                 admin.load_model("model")
-                seen.append(_settled(pid, bound))
+                seen.append(_settled(pid, one))
             assert admin.is_model_ready("model")
         finally:
             admin.close()
     growth = [f"{(kb - one) / 1024:+.0f}" for kb in seen]
     print(f"{kind}: one load {one / 1024:.0f} MiB; after each reload (MiB): {growth}")
-    assert max(seen) <= bound, f"one load: {one / 1024:.0f} MiB; after each reload (MiB): {growth}"
+    said = f"one load: {one / 1024:.0f} MiB; after each reload (MiB): {growth}"
+    assert min(seen[-LAST:]) <= FLOOR * one, said
+    assert max(seen) <= PEAK * one, said
