@@ -4,7 +4,9 @@ tests/generate/test_kv_host_tier.py drives), its files in a real directory: what
 drops goes to disk and comes back as the very bytes; the bound; files that fail their check
 (another model, truncated, a flipped byte) are deleted, never served; another salt's blocks are
 never served; a new tier on the same directory (a restart) keeps the valid blocks; a full write
-queue drops a block rather than wait, and the queued blocks stay charged to the budget; a size
+queue drops a block rather than wait, and the queued blocks stay charged to the budget; a
+request's blocks are read ahead while it waits (so its admission reads no file), charged to the
+budget until it is admitted or leaves the queue, and bounded across the queue; a size
 over the directory's free space stops a real model's load (InvalidArgument). The
 served path (a real server, the openai client, a restart) is
 tests/generate/test_openai_kv_disk.py."""
@@ -20,6 +22,8 @@ from test_kv_host_tier import BLOCK, BLOCK_BYTES, Engine, expected, prompts
 from plugserve.plugins.api import InvalidArgument
 from plugserve.server.apps.generate.engine.kv_disk_tier import DiskEntry, DiskTier
 from plugserve.server.apps.generate.engine.kvcache import salt
+from plugserve.server.apps.generate.engine.scheduler import RequestState
+from plugserve.server.apps.generate.types import GenerationRequest, SamplingParams
 from plugserve.server.plane.budget import MemoryBudget
 
 #: the host tier's blocks as the disk tier files them (HostTier.disk_shape: the cache's bytes)
@@ -38,6 +42,7 @@ def with_disk(tmp_path, host_blocks: int = 3, budget=None, **kw) -> Engine:
     """The host-tier test's engine, its host tier ``host_blocks`` blocks, a disk tier under it."""
     engine = Engine(max_bytes=host_blocks * BLOCK_BYTES, budget=budget)
     engine.tier.disk = disk_tier(tmp_path, **kw)
+    engine.tier.disk.budget = budget  # as the engine's: read-ahead blocks charged
     return engine
 
 
@@ -166,6 +171,55 @@ def test_a_full_queue_drops_the_block_and_queued_blocks_stay_charged(tmp_path):
     # each block the host tier dropped was written, or skipped (the queue full)
     assert disk.written_blocks + disk.skipped_blocks == engine.tier.dropped_blocks
     assert 0 < disk.written_blocks <= 2  # the block the writer held, and the queue's one
+
+
+def _waiting(engine: Engine, prompt: list[int], tenant: str = "") -> RequestState:
+    """A request as the engine queues it: its blocks read ahead by the disk tier's reader."""
+    request = GenerationRequest(str(id(prompt)), prompt, SamplingParams(), 1, tenant=tenant)
+    state = RequestState(request, None, 0.0)
+    state.staging = engine.runner.stage(prompt, state.salt, lambda: None)
+    assert state.staging is not None and state.staging.done.wait(5)
+    return state
+
+
+def test_blocks_are_read_while_the_request_waits_and_charged_until_it_leaves(tmp_path):
+    budget = MemoryBudget(64 * BLOCK_BYTES)
+    engine = with_disk(tmp_path, budget=budget)
+    disk = engine.tier.disk
+    a = prompts(1, 13)[0]
+    spill(engine, a)
+    used = budget.used
+    gone = _waiting(engine, [*a, 9])  # read ahead, then it leaves the queue (an abort)
+    assert budget.used == used + 3 * disk.payload_bytes
+    engine.scheduler.waiting.append(gone)
+    assert engine.scheduler.drop_waiting(gone) and gone.staging is None
+    assert budget.used == used
+    state = _waiting(engine, [*a, 7])
+    for name in files(tmp_path):  # no file left: what its admission restores was read ahead
+        os.remove(tmp_path / "blocks" / name)
+    engine.scheduler.waiting.append(state)
+    engine.scheduler.schedule()
+    assert state.cached == 12 and disk.restored_tokens == 12 and state.staging is None
+    row = state.sequences[0].slot.index
+    for i, array in enumerate(engine.cache.arrays.values()):
+        for position in range(12):
+            np.testing.assert_array_equal(array[row, :, position], expected(a, position, i))
+    assert disk.staged.nbytes == 0
+
+
+def test_what_is_read_ahead_is_bounded(tmp_path):
+    engine = with_disk(tmp_path)
+    disk = engine.tier.disk
+    a, b = prompts(2, 13)
+    spill(engine, a, b)
+    disk.staged.limit = 4 * disk.payload_bytes  # the engine's: the host tier's bound
+    first, second = _waiting(engine, [*a, 1]), _waiting(engine, [*b, 1])
+    assert len(first.staging.blocks) == 3 and len(second.staging.blocks) == 1
+    assert disk.staged.nbytes == 4 * disk.payload_bytes
+    engine.scheduler.waiting.extend([first, second])
+    engine.scheduler.drop_waiting(first)
+    engine.scheduler.drop_waiting(second)
+    assert disk.staged.nbytes == 0
 
 
 def test_a_size_over_the_free_space_is_refused(tmp_path):

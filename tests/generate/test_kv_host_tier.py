@@ -120,6 +120,9 @@ class Engine:
             None,
             0.0,
         )
+        state.staging = self.runner.stage(list(prompt), state.salt, lambda: None)
+        if state.staging is not None:  # as the engine's loop: admitted once read
+            state.staging.done.wait(5)
         self.scheduler.waiting.append(state)
         self.scheduler.schedule()
         seq = state.sequences[0]

@@ -7,10 +7,19 @@ host tier of six blocks (``KV_OFFLOADING_SIZE``) and a disk tier under a tempora
   blocks the host tier drops go to disk, and later turns restore them from there
   (``cached_tokens`` > 0, the disk's restored-tokens metric moves);
 * the server stopped and started again on the same directory (its slots and host tier empty):
-  the first repeated prompt gets its cached tokens from disk, and answers as before (greedy).
+  the first repeated prompt gets its cached tokens from disk, and answers as before (greedy);
+* a disk that does not answer (each block file replaced by a FIFO nobody writes: a read of it
+  waits, as on a hung or very slow disk) stalls nobody: the prompt whose blocks are there is
+  answered as before, computed, once its wait for the reader is over
+  (``kv_disk_tier.STAGE_WAIT_S``), and another request sent while it waits is answered too;
+  the reader was in the file the whole time. Before, the engine's loop read the files itself
+  at admission: every stream of the model waited on the disk.
 """
 
 from __future__ import annotations
+
+import os
+import threading
 
 import pytest
 
@@ -53,3 +62,50 @@ def test_blocks_come_back_from_disk_and_after_a_restart(core, llm_folder, tmp_pa
         assert again[1] >= 32  # its blocks read back from the files the first server wrote
         assert metric(running, RESTORED, "disk") == again[1]
         assert again[0] == before[0]
+
+
+def _release(fifos: list) -> int:
+    """Each FIFO a reader holds open given an end of file (a writer opens and closes it); how
+    many had a reader."""
+    held = 0
+    for fifo in fifos:
+        try:
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:  # ENXIO: nobody reads it
+            continue
+        held += 1
+    return held
+
+
+def test_a_disk_that_does_not_answer_stalls_no_request(core, llm_folder, tmp_path):
+    if "ORT" not in core.available_devices:
+        pytest.skip("ORT is not available here")
+    folder = llm_folder("tiny-llama", "optimum-onnx")
+    directory = tmp_path / "kv"
+    with serving(_models(folder, directory)) as running:
+        api = client(running, timeout=60)  # a stalled loop fails the test, not hangs it
+        first = "A long talk about rivers. " * 6 + "Tell me about rivers."
+        before = _complete(api, "disk", first)
+        for i in range(8):  # every block of ``first`` out of the slots and the host tier
+            _complete(api, "disk", f"Something else, number {i}, about the weather. " * 5)
+        files = sorted(directory.rglob("*.kvb"))
+        assert files
+        for path in files:  # still in the tier's index; a read now waits for a writer
+            path.unlink()
+            os.mkfifo(path)
+        answers: dict[str, tuple[str, int]] = {}
+        waiting = threading.Thread(
+            target=lambda: answers.update(first=_complete(api, "disk", first))
+        )
+        waiting.start()
+        try:
+            other = _complete(api, "disk", "Tell me about deserts, briefly.")
+            waiting.join(timeout=60)
+            assert not waiting.is_alive(), "the prompt whose blocks are on disk was not answered"
+            assert answers["first"][0] == before[0]  # computed: the same greedy answer
+            assert other[0]
+            held = _release(files)
+        finally:
+            _release(files)
+            waiting.join(timeout=60)
+        assert held >= 1  # the reader was still in a file when both had been answered

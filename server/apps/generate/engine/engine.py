@@ -478,13 +478,13 @@ class Engine:
         while True:
             with self._lock:
                 while flight is None and not self._woken and not self._closing and not self._busy():
-                    self._lock.wait()
+                    self._lock.wait(self.scheduler.head_ready_in())
                 self._woken = False
                 closing = self._closing
                 new, self._inbox = self._inbox, []
                 aborts, self._aborts = self._aborts, set()
                 commands, self._commands = self._commands, []
-            self.scheduler.waiting.extend(new)
+            self._queue(new)
             if commands and not closing:
                 if flight is not None:  # its tokens first: the pipeline is empty for them
                     flight = self._pipelined_last(flight)
@@ -529,6 +529,22 @@ class Engine:
                 log.exception("model %s: generation step failed", self.name)
                 self._failed(_plan_sequences(plan))
             self._gauges()  # what the step ended (an idle engine's gauges read zero)
+
+    def _queue(self, new: list[RequestState]) -> None:
+        """``new`` into the waiting queue, the disk tier's reader reading ahead each one's
+        blocks (:meth:`.kv_disk_tier.DiskTier.stage`), so that admitting it reads no file."""
+        if self.tier is not None and self.tier.disk is not None:
+            for state in new:
+                if state.prompt_logprobs is None:
+                    prompt = state.sequences[0].tokens
+                    state.staging = self.runner.stage(prompt, state.salt, self._read_ahead)
+        self.scheduler.waiting.extend(new)
+
+    def _read_ahead(self) -> None:
+        """The loop's next turn now: a waiting request's disk reads are done (the reader)."""
+        with self._lock:
+            self._woken = True
+            self._lock.notify()
 
     def _step(self, plan: Plan) -> None:
         """Execute the plan and update from each forward as it is done (the module's 3.)."""
@@ -606,14 +622,18 @@ class Engine:
             return False
         need = len(waiting[0].sequences)
         scheduler = self.scheduler
-        return scheduler.held + need <= scheduler.max_num_seqs and self.table.free_count >= need
+        if scheduler.held + need > scheduler.max_num_seqs or self.table.free_count < need:
+            return False
+        return scheduler.head_ready_in() == 0
 
     def _failed(self, sequences: list[Seq]) -> None:
         for seq in sequences:
             self.output.fail(seq.request, RuntimeError("the generation step failed"))
 
     def _busy(self) -> bool:
-        return bool(self.scheduler.running or self.scheduler.waiting)
+        """Work for the loop now: a sequence running, or a request that may be admitted (one
+        whose disk reads are still under way is waited for: ``head_ready_in``)."""
+        return bool(self.scheduler.running) or self.scheduler.head_ready_in() == 0
 
     def _reap(self, aborts: set[str]) -> None:
         """End the requests aborted or whose consumer left (checked once a step)."""
@@ -679,6 +699,8 @@ def _disk_tier(
         )  # fmt: skip
         disk.close()
         return None
+    disk.budget = tier.budget  # what its reader reads ahead is charged as the host tier's blocks
+    disk.staged.limit = tier.max_bytes  # and is at most what the host tier may hold
     return disk
 
 

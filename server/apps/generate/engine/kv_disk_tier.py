@@ -36,11 +36,19 @@ tier's charge moves with the block) until written, and served from memory meanwh
 queue drops the block. A file is
 written under a temporary name and renamed, so a crash leaves no half file under a block's name.
 
-Restoring. :meth:`DiskTier.load` reads a run of blocks, checking each; a restore shorter than
-:attr:`DiskTier.min_blocks` is computed instead. Measured on tiny-llama (8 KiB a block, ORT;
-BENCHMARKS.md, under *the KV host tier*), reading a block's file back (from the page cache) and
-copying it into a slot took 0.08-0.14 ms, computing it 0.8-10 ms: no crossover, so the
-threshold is one block.
+Restoring. The engine's loop never waits on the disk for a read either: a prompt that joins
+the waiting queue is handed to :meth:`DiskTier.stage`, whose reader thread finds the files that
+hold its blocks, reads and checks each, and keeps their bytes (a :class:`Staging`, charged to
+the memory budget, and at most the host tier's bound across the waiting requests: past it, the
+rest is computed) until the request is admitted; the queue's head is admitted once its reads
+are done, or after :data:`STAGE_WAIT_S` with what was read by then (the rest computed), while
+the running sequences go on decoding. Before, the loop read the files at admission: fast from
+the page cache, but a cold read from a slow disk stalled every stream for as long as it took.
+:meth:`DiskTier.take` hands the admission the staged run from the first block the device and
+the host tier lack; a restore shorter than :attr:`DiskTier.min_blocks` is computed instead.
+Measured on tiny-llama (8 KiB a block, ORT; BENCHMARKS.md, under *the KV host tier*),
+reading a block's file back (from the page cache) and copying it into a slot took 0.08-0.14
+ms, computing it 0.8-10 ms: no crossover, so the threshold is one block.
 
 Hooks: :attr:`DiskTier.on_stored` and :attr:`DiskTier.on_dropped` (KV events with medium
 ``"DISK"``), called on the writer thread (BlockEvents is thread-safe).
@@ -57,16 +65,17 @@ import queue
 import shutil
 import struct
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from plugserve.plugins.api import InvalidArgument
+from plugserve.plugins.api import InvalidArgument, ResourceExhausted
 from plugserve.plugins.threads import start_daemon
 
-__all__ = ["DiskEntry", "DiskTier", "digest", "root"]
+__all__ = ["DiskEntry", "DiskTier", "StageBound", "Staging", "digest", "root"]
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +91,12 @@ _SUM = 32
 WRITE_QUEUE_BLOCKS = 32
 #: blocks a restore from disk must cover at least (the module's docstring)
 MIN_RESTORE_BLOCKS = 1
+#: how long the head of the waiting queue waits for its blocks' files to be read before it is
+#: admitted with what was read (the rest computed): a second is a few hundred tokens' prefill
+#: on a CPU, and 100 MB read from a cold disk at 100 MB/s
+STAGE_WAIT_S = 1.0
+#: prompts waiting for the reader at most (more: their blocks are computed, not read)
+STAGE_QUEUE = 256
 _STOP = object()
 
 
@@ -110,6 +125,83 @@ class DiskEntry:
 
 class Refused(Exception):
     """A file that fails its check (why, in the message)."""
+
+
+class StageBound:
+    """The bytes read ahead for waiting requests and not yet admitted, across one tier's
+    requests: at most ``limit`` (the engine sets the host tier's bound; 0: the memory budget
+    alone bounds them), each block also charged to the budget."""
+
+    def __init__(self, limit: int = 0) -> None:
+        self.limit = limit
+        self.nbytes = 0
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> bool:
+        with self._lock:
+            if self.limit and self.nbytes + nbytes > self.limit:
+                return False
+            self.nbytes += nbytes
+            return True
+
+    def give(self, nbytes: int) -> None:
+        with self._lock:
+            self.nbytes -= nbytes
+
+
+class Staging:
+    """A waiting prompt's blocks read ahead from the disk tier by its reader thread
+    (:meth:`DiskTier.stage`): ``blocks`` by the block's index in the prompt, each its entry and
+    checked bytes; ``done`` once the reader is through. :meth:`release` gives their memory back
+    (at admission, or when the request leaves the queue); the reader stops at it."""
+
+    def __init__(
+        self, prompt: Sequence[int], salt: int, woken: Callable[[], None], bound: StageBound
+    ) -> None:
+        self.prompt = prompt
+        self.salt = salt
+        self.woken = woken
+        self.bound = bound
+        self.started = time.monotonic()
+        self.done = threading.Event()
+        self.blocks: dict[int, tuple[DiskEntry, np.ndarray]] = {}
+        self.lock = threading.Lock()
+        self.released = False
+        self.nbytes = 0  # taken from ``bound``
+        self._charges: list[Any] = []
+
+    def ready(self, now: float) -> bool:
+        """Whether its request may be admitted: read through, or waited long enough."""
+        return self.done.is_set() or now - self.started >= STAGE_WAIT_S
+
+    def left(self, now: float) -> float:
+        """Seconds until it is ready at the latest."""
+        return 0.0 if self.done.is_set() else max(0.0, self.started + STAGE_WAIT_S - now)
+
+    def keep(self, index: int, entry: DiskEntry, data: np.ndarray, charge: Any) -> bool:
+        """A block read (the reader; its bytes taken from the bound and charged to the budget
+        already); False, and both given back, once released."""
+        with self.lock:
+            if not self.released:
+                self.blocks[index] = (entry, data)
+                self.nbytes += data.nbytes
+                if charge is not None:
+                    self._charges.append(charge)
+                return True
+        self.bound.give(data.nbytes)
+        if charge is not None:
+            charge.release()
+        return False
+
+    def release(self) -> None:
+        with self.lock:
+            self.released = True
+            self.blocks = {}
+            charges, self._charges = self._charges, []
+            nbytes, self.nbytes = self.nbytes, 0
+        self.bound.give(nbytes)
+        for charge in charges:
+            charge.release()
 
 
 class DiskTier:
@@ -150,6 +242,11 @@ class DiskTier:
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=max(1, queue_blocks))
         #: the queued blocks by prefix digest (served from memory until written)
         self.pending: dict[bytes, tuple[DiskEntry, np.ndarray]] = {}
+        #: the memory budget staged blocks are charged to (the host tier's; None: none)
+        self.budget: Any = None
+        #: what is read ahead at most, across the waiting requests
+        self.staged = StageBound()
+        self._reads: queue.Queue[Any] = queue.Queue(maxsize=STAGE_QUEUE)
         self._scan()
         free = shutil.disk_usage(self.directory).free
         if max_bytes > free + self.nbytes:
@@ -158,6 +255,7 @@ class DiskTier:
                 f"has free ({(free + self.nbytes) / (1 << 30):.3f} GiB with its blocks)"
             )
         self._thread = start_daemon(f"kv-disk/{self.directory.name}", self._write_loop)
+        self._reader = start_daemon(f"kv-disk-read/{self.directory.name}", self._read_loop)
 
     @property
     def capacity(self) -> int:
@@ -187,9 +285,11 @@ class DiskTier:
         self._queue.join()
 
     def close(self) -> None:
-        """The queued blocks written, then the writer stopped."""
+        """The queued blocks written, then the writer and the reader stopped."""
         self._queue.put(_STOP)
         self._thread.join(timeout=30)
+        self._reads.put(_STOP)
+        self._reader.join(timeout=30)
 
     def _write_loop(self) -> None:
         while True:
@@ -272,28 +372,108 @@ class DiskTier:
             found.append(entry)
         return found
 
-    def load(self, entries: list[DiskEntry]) -> np.ndarray:
-        """The blocks of ``entries`` read and checked, ``[count, *shape]``: the run up to the
-        first file that is gone or fails its check (deleted); they count as used now."""
-        stage = np.empty((len(entries), *self.shape), self.dtype)
-        count = 0
-        for entry in entries:
-            queued = self.pending.get(entry.digest)
-            try:
-                if queued is not None:
-                    stage[count] = np.asarray(queued[1]).reshape(self.shape)
-                else:
-                    stage[count] = self._read(self._path(entry.digest), entry.digest)[1]
-            except (OSError, Refused) as exc:
-                self._refuse(entry, exc)
+    def stage(self, prompt: Sequence[int], salt: int, woken: Callable[[], None]) -> Staging | None:
+        """``prompt``'s blocks under ``salt`` read ahead on the reader thread, ``woken`` called
+        when done (the engine's loop waits for it no longer than :data:`STAGE_WAIT_S`); None
+        when the tier holds no block or the reader has :data:`STAGE_QUEUE` prompts already."""
+        if not self.entries and not self.pending:
+            return None
+        staging = Staging(prompt, salt, woken, self.staged)
+        try:
+            self._reads.put_nowait(staging)
+        except queue.Full:
+            return None
+        return staging
+
+    def take(self, staging: Staging, start: int) -> np.ndarray:
+        """The staged blocks ``start`` on, up to the first not read, then those the writer's
+        queue still holds in memory (moved here after the request came: its admission's own
+        eviction may drop its blocks from the host tier), ``[count, *shape]`` (the engine's
+        loop, at admission: no file read); they count as used now."""
+        with staging.lock:
+            run = []
+            while start + len(run) in staging.blocks:
+                run.append(staging.blocks[start + len(run)])
+        run.extend(self._queued(staging, start + len(run)))
+        stage = np.empty((len(run), *self.shape), self.dtype)
+        for i, (_entry, data) in enumerate(run):
+            stage[i] = data
+        if run:
+            with self.lock:
+                for entry, _data in reversed(run):
+                    if self.entries.get(entry.digest) is entry:
+                        self.entries.move_to_end(entry.digest)
+        self.restored_tokens += len(run) * self.block_size
+        return stage
+
+    def _queued(self, staging: Staging, start: int) -> list[tuple[DiskEntry, np.ndarray]]:
+        """``staging``'s blocks ``start`` on that the writer's queue holds, up to the first it
+        does not (memory only)."""
+        prompt, size, found = staging.prompt, self.block_size, []
+        if not self.pending or start >= (len(prompt) - 1) // size:
+            return found
+        previous = root(self.identity, staging.salt)
+        for b in range((len(prompt) - 1) // size):
+            tokens = tuple(prompt[b * size : (b + 1) * size])
+            previous = digest(previous, tokens)
+            if b < start:
+                continue
+            queued = self.pending.get(previous)  # one read: the writer may pop it
+            if queued is None or queued[0].salt != staging.salt or queued[0].tokens != tokens:
                 break
-            count += 1
-        with self.lock:
-            for entry in reversed(entries[:count]):
-                if self.entries.get(entry.digest) is entry:
-                    self.entries.move_to_end(entry.digest)
-        self.restored_tokens += count * self.block_size
-        return stage[:count]
+            found.append((queued[0], np.asarray(queued[1]).reshape(self.shape)))
+        return found
+
+    def _read_loop(self) -> None:
+        while True:
+            staging = self._reads.get()
+            if staging is _STOP:
+                return
+            try:
+                self._stage(staging)
+            except Exception:  # a bug of ours: logged, the blocks computed, the reader goes on
+                log.exception("kv disk tier %s: a prompt's blocks were not read", self.directory)
+            finally:
+                staging.done.set()
+                staging.woken()
+
+    def _stage(self, staging: Staging) -> None:
+        """The files of ``staging``'s blocks read and checked, from the first the tier holds
+        up to the first it lacks, each charged to the budget (refused: the rest computed)."""
+        prompt, size = staging.prompt, self.block_size
+        previous = root(self.identity, staging.salt)
+        for b in range((len(prompt) - 1) // size):
+            if staging.released:
+                return
+            tokens = tuple(prompt[b * size : (b + 1) * size])
+            previous = digest(previous, tokens)
+            entry = self.entries.get(previous)
+            queued = self.pending.get(previous)
+            if entry is None and queued is not None:
+                entry = queued[0]
+            if entry is None or entry.salt != staging.salt or entry.tokens != tokens:
+                if staging.blocks:
+                    return
+                continue  # the device or the host tier holds it, or nobody
+            if not self.staged.take(self.payload_bytes):
+                return  # the bound: the rest computed
+            charge = None
+            try:
+                if self.budget is not None:
+                    charge = self.budget.charge(self.payload_bytes, "a KV block read from disk")
+                if queued is not None:
+                    data = np.array(queued[1], copy=True).reshape(self.shape)
+                else:
+                    data = self._read(self._path(entry.digest), entry.digest)[1]
+            except (OSError, Refused, ResourceExhausted) as exc:
+                self.staged.give(self.payload_bytes)
+                if charge is not None:
+                    charge.release()
+                if not isinstance(exc, ResourceExhausted):
+                    self._refuse(entry, exc)
+                return
+            if not staging.keep(b, entry, data, charge):
+                return
 
     def _refuse(self, entry: DiskEntry, why: Exception) -> None:
         log.warning("kv disk tier: %s refused: %s", self._path(entry.digest), why)

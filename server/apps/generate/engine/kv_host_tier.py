@@ -36,7 +36,8 @@ cheaper than computing it (BENCHMARKS.md, *Host tier*), so the threshold is one 
 Beneath it (:mod:`.kv_disk_tier`, ``--kv-disk-path`` and ``--kv-disk-size``): each block
 this tier drops as least recently used (not one dropped by :meth:`HostTier.clear`) is offered
 to the disk tier's writer, its charge moving with it until written; a prompt whose chain goes
-on past this tier's blocks reads the rest from disk (:meth:`HostTier.restore_disk`).
+on past this tier's blocks restores the rest from what the disk tier's reader read ahead for
+it while it waited (:meth:`HostTier.restore_disk`).
 
 Hooks. :attr:`HostTier.on_stored` and :attr:`HostTier.on_dropped` are called with each block
 stored and each block dropped (KV events publish from them: vLLM's ``BlockStored`` and
@@ -65,7 +66,13 @@ import numpy as np
 
 from plugserve.plugins.api import ResourceExhausted
 from plugserve.plugins.decoding import HostBlocks
-from plugserve.server.apps.generate.engine.kv_disk_tier import DiskEntry, DiskTier, digest, root
+from plugserve.server.apps.generate.engine.kv_disk_tier import (
+    DiskEntry,
+    DiskTier,
+    Staging,
+    digest,
+    root,
+)
 from plugserve.server.apps.generate.engine.kvcache import Slot, chain
 
 __all__ = ["HostBlock", "HostTier", "supports"]
@@ -222,10 +229,14 @@ class HostTier:
             parent = block
         return found
 
-    def restore(self, row: int, blocks: list[HostBlock], start: int) -> None:
+    def restore(
+        self, row: int, blocks: list[HostBlock], start: int, data: list[Any] | None = None
+    ) -> None:
         """``blocks`` (the prompt's blocks ``start`` on, in order) into row ``row``'s
-        positions; they and the blocks before them count as used now."""
-        self.cache.write_blocks(row, start, [b.data for b in blocks], self.block_size)
+        positions (``data``: their bytes as :meth:`match` found them, if they may have been
+        dropped since); they and the blocks before them count as used now."""
+        data = [b.data for b in blocks] if data is None else data
+        self.cache.write_blocks(row, start, data, self.block_size)
         first = blocks[0]
         chain_ = [*_ancestors(first), *blocks]
         self._touch(chain_)
@@ -239,19 +250,19 @@ class HostTier:
         per_token, rest = divmod(self.block_bytes, self.block_size)
         return None if rest else (1, 1, self.block_size, per_token)
 
-    def restore_disk(self, row: int, prompt: Sequence[int], salt: int, start: int) -> int:
-        """The prompt's blocks ``start`` on that the disk tier holds (at least its
-        :attr:`.kv_disk_tier.DiskTier.min_blocks`, else none) into row ``row``; how many."""
+    def restore_disk(self, row: int, staging: Staging | None, start: int) -> int:
+        """The prompt's blocks ``start`` on that the disk tier's reader staged for it
+        (:meth:`.kv_disk_tier.DiskTier.stage`: read ahead while it waited, so no file is read
+        here), at least the disk tier's ``min_blocks`` of them, else none, into row ``row``;
+        how many."""
         disk = self.disk
-        if disk is None:
+        if disk is None or staging is None:
             return 0
-        entries = disk.match(prompt, salt, start)
-        if len(entries) < disk.min_blocks:
+        stage = disk.take(staging, start)
+        if len(stage) < disk.min_blocks:
             return 0
-        stage = disk.load(entries)
-        if len(stage):
-            blocks = [block.reshape(-1) for block in stage]
-            self.cache.write_blocks(row, start, blocks, self.block_size)
+        blocks = [block.reshape(-1) for block in stage]
+        self.cache.write_blocks(row, start, blocks, self.block_size)
         return len(stage)
 
     # --- leaving

@@ -36,7 +36,7 @@ forward that computes them.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -44,6 +44,7 @@ import numpy as np
 from plugserve.plugins.api import InferenceError, PlugserveError
 from plugserve.plugins.decoding import Decoder, StepSampler
 from plugserve.plugins.sampling import log_softmax, logprob_entry
+from plugserve.server.apps.generate.engine.kv_disk_tier import Staging
 from plugserve.server.apps.generate.engine.kv_host_tier import HostTier
 from plugserve.server.apps.generate.engine.kvcache import KVCache, Slot, SlotTable
 from plugserve.server.apps.generate.engine.overlap import DeviceStream, Launched
@@ -156,28 +157,45 @@ class ModelRunner:
         """A cached prompt prefix from ``source`` into ``target`` (the scheduler's admission)."""
         self.cache.copy(source.index, target.index, length)
 
-    def restore_prefix(self, slot: Slot, prompt: list[int], hit: int, salt: int) -> int:
-        """The prompt's blocks after the ``hit`` tokens ``slot`` holds, restored from the host
-        tier when it keeps at least :attr:`.kv_host_tier.HostTier.min_blocks` of them (fewer
-        are computed), then the blocks after those from the disk tier beneath it (as many as
-        it holds, at least its own ``min_blocks``); the prompt tokens the slot holds then."""
+    def stage(self, prompt: list[int], salt: int, woken: Callable[[], None]) -> Staging | None:
+        """The disk tier's blocks of ``prompt`` read ahead for it while it waits (None: no
+        disk tier, or nothing to read; ``woken`` is called once read)."""
+        disk = self.tier.disk if self.tier is not None else None
+        return disk.stage(prompt, salt, woken) if disk is not None else None
+
+    def restore_prefix(
+        self, prompt: list[int], salt: int, staging: Staging | None = None
+    ) -> Callable[[Slot, int], int]:
+        """What the tiers hold of ``prompt``, captured before its admission takes a slot (the
+        host tier's blocks and their bytes, and ``staging``: what the disk tier's reader read
+        ahead, :meth:`stage`): taking a slot may evict another slot's blocks into the host
+        tier, which then drops its least recently used ones, this prompt's among them.
+
+        The function returned restores into ``slot``, after the ``hit`` tokens it holds, the
+        host tier's blocks when at least :attr:`.kv_host_tier.HostTier.min_blocks` of them
+        follow (fewer are computed), then the disk tier's that follow those (at least its own
+        ``min_blocks``); it returns the prompt tokens the slot holds then."""
         tier = self.tier
-        if tier is None:
-            return hit
+        assert tier is not None
         size = self.table.block_size
         blocks = tier.match(prompt, salt)
-        start = hit // size
-        if len(blocks) - start >= tier.min_blocks:
-            tier.restore(slot.index, blocks[start:], start)
-            end = len(blocks) * size
-            self.table.written(slot, prompt[hit:end])
-            hit = end
-        count = tier.restore_disk(slot.index, prompt, salt, hit // size)
-        if count:
-            end = (hit // size + count) * size
-            self.table.written(slot, prompt[hit:end])
-            hit = end
-        return hit
+        data = [block.data for block in blocks]
+
+        def restore(slot: Slot, hit: int) -> int:
+            start = hit // size
+            if len(blocks) - start >= tier.min_blocks:
+                tier.restore(slot.index, blocks[start:], start, data[start:])
+                end = len(blocks) * size
+                self.table.written(slot, prompt[hit:end])
+                hit = end
+            count = tier.restore_disk(slot.index, staging, hit // size)
+            if count:
+                end = (hit // size + count) * size
+                self.table.written(slot, prompt[hit:end])
+                hit = end
+            return hit
+
+        return restore
 
     # --- the forwards
 

@@ -31,6 +31,7 @@ import collections
 import contextlib
 import dataclasses
 import itertools
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -114,6 +115,7 @@ class RequestState:
         "sender",
         "sequences",
         "spans",
+        "staging",
         "started",
     )
 
@@ -132,6 +134,9 @@ class RequestState:
         self.salt = salt(request.tenant, request.cache_salt)
         self.done = 0  # sequences finished
         self.started = 0.0  # when it was admitted (monotonic)
+        #: its prompt's blocks the disk tier reads ahead while it waits
+        #: (:class:`.kv_disk_tier.Staging`), or None
+        self.staging: Any = None
         #: the engine is done with it (its consumer told, its slots free): once
         self.ended = False
         #: its spans when it is traced (:class:`.spans.RequestSpans`), else None
@@ -175,9 +180,12 @@ class Scheduler:
     max_num_batched_tokens: int
     max_waiting: int
     copy_prefix: Callable[[Slot, Slot, int], None]
-    #: ``(slot, prompt, hit, salt) -> hit``: the prompt's blocks after the slot's ``hit``
-    #: restored from the host tier (:mod:`.kv_host_tier`), the longer hit; None: no tier
-    restore_prefix: Callable[[Slot, list[int], int, int], int] | None = None
+    #: ``(prompt, salt, staging) -> restore``, called before a slot is taken, and
+    #: ``restore(slot, hit) -> hit`` after: the prompt's blocks after the slot's ``hit``
+    #: restored from the host tier (:mod:`.kv_host_tier`) and from what the disk tier read
+    #: ahead for it (``staging``), the longer hit (``ModelRunner.restore_prefix``); None: no
+    #: tier
+    restore_prefix: Callable[[list[int], int, Any], Callable[[Slot, int], int]] | None = None
     waiting: collections.deque[RequestState] = dataclasses.field(
         default_factory=collections.deque, init=False
     )
@@ -210,11 +218,14 @@ class Scheduler:
                 plan.first.append((seq, count))
                 budget -= count
         self._look_ahead()
+        now = time.monotonic()
         while self.waiting and budget > 0:
             state = self.waiting[0]
             need = len(state.sequences)
             if self.held + need > self.max_num_seqs or self.table.free_count < need:
                 break
+            if state.staging is not None and not state.staging.ready(now):
+                break  # its blocks are being read from disk: the running go on meanwhile
             self.waiting.popleft()
             leader = self._admit(state)
             count = min(leader.pending, budget)
@@ -244,6 +255,9 @@ class Scheduler:
         """Slots for every sequence of ``state``; the leader's prompt prefix from the cache."""
         leader = state.sequences[0]
         prompt = leader.tokens
+        restore = None
+        if self.restore_prefix is not None and state.prompt_logprobs is None:
+            restore = self.restore_prefix(prompt, state.salt, state.staging)
         if state.prompt_logprobs is None:
             source, hit = self.table.lookup(prompt, salt=state.salt)
         else:  # its prompt is scored as it is computed: all of it
@@ -257,8 +271,9 @@ class Scheduler:
                 self.table.truncate(leader.slot, 0)
                 self.copy_prefix(source, leader.slot, hit)
                 self.table.written(leader.slot, prompt[:hit])
-        if self.restore_prefix is not None and state.prompt_logprobs is None:
-            hit = self.restore_prefix(leader.slot, prompt, hit, state.salt)
+        if restore is not None:
+            hit = restore(leader.slot, hit)
+        release_staging(state)
         leader.computed = hit
         state.cached = hit
         leader.status = PREFILL
@@ -280,8 +295,24 @@ class Scheduler:
         seq.status = FINISHED
 
     def drop_waiting(self, state: RequestState) -> bool:
+        release_staging(state)
         try:
             self.waiting.remove(state)
         except ValueError:
             return False
         return True
+
+    def head_ready_in(self) -> float | None:
+        """Seconds until the queue's head may be admitted as far as its disk reads go (0:
+        now); None when nothing waits."""
+        if not self.waiting:
+            return None
+        staging = self.waiting[0].staging
+        return 0.0 if staging is None else staging.left(time.monotonic())
+
+
+def release_staging(state: RequestState) -> None:
+    """What the disk tier read ahead for ``state`` given back (admitted, or gone)."""
+    staging, state.staging = state.staging, None
+    if staging is not None:
+        staging.release()
