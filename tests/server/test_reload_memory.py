@@ -14,7 +14,7 @@ reading is more than 20 % above it.
 
 Why not every reading within a few per cent: where a reload's new version lands in malloc's
 arenas varies, so RSS after a reload moves between about +3 and +50 MiB of a 400-450 MiB
-server and comes back (twenty to forty reloads of the ONNX decoder, read 1 to 17 s after each:
+server and comes back (twenty to forty reloads of the ONNX decoder, read 1 to 16 s after each:
 steady from the first second, and the same with glibc's default thresholds, ``--malloc-reuse-
 bytes 0``, so not the reuse tuning of ``server/control/allocator.py``). CI once read +51 MiB
 at the twentieth reload and +5 MiB at the nineteenth.
