@@ -168,6 +168,9 @@ class Staging:
         self.lock = threading.Lock()
         self.released = False
         self.nbytes = 0  # taken from ``bound``
+        #: each block's index, tokens and prefix digest (:meth:`DiskTier._chain`), once the
+        #: reader computed them (the prompt's, as it came: it grows once admitted)
+        self.chain: list[tuple[int, tuple[int, ...], bytes]] | None = None
         self._charges: list[Any] = []
 
     def ready(self, now: float) -> bool:
@@ -351,26 +354,31 @@ class DiskTier:
 
     def match(self, prompt: Sequence[int], salt: int, start: int) -> list[DiskEntry]:
         """The files holding ``prompt``'s blocks ``start`` on under ``salt``, in order, up to
-        the first missing, leaving at least one prompt token to compute."""
-        size = self.block_size
-        stop = (len(prompt) - 1) // size
-        if start >= stop:
-            return []
-        previous = root(self.identity, salt)
-        for b in range(start):
-            previous = digest(previous, prompt[b * size : (b + 1) * size])
+        the first missing, leaving at least one prompt token to compute (an index lookup:
+        what :meth:`stage` would read)."""
         found = []
-        for b in range(start, stop):  # no lock: a lookup is one dict read (the GIL's)
-            tokens = tuple(prompt[b * size : (b + 1) * size])
-            previous = digest(previous, tokens)
-            entry = self.entries.get(previous)
+        for b, tokens, key in self._chain(prompt, salt):
+            if b < start:
+                continue
+            entry = self.entries.get(key)  # no lock: one dict read (the GIL's)
             if entry is None:  # queued, not written yet (one read: the writer may pop it)
-                queued = self.pending.get(previous)
+                queued = self.pending.get(key)
                 entry = queued[0] if queued is not None else None
             if entry is None or entry.salt != salt or entry.tokens != tokens:
                 break
             found.append(entry)
         return found
+
+    def _chain(self, prompt: Sequence[int], salt: int) -> list[tuple[int, tuple[int, ...], bytes]]:
+        """Each whole block of ``prompt`` but the one holding its last token: its index, its
+        tokens and its prefix digest (:func:`digest`) under ``salt``."""
+        size, chain_ = self.block_size, []
+        previous = root(self.identity, salt)
+        for b in range((len(prompt) - 1) // size):
+            tokens = tuple(prompt[b * size : (b + 1) * size])
+            previous = digest(previous, tokens)
+            chain_.append((b, tokens, previous))
+        return chain_
 
     def stage(self, prompt: Sequence[int], salt: int, woken: Callable[[], None]) -> Staging | None:
         """``prompt``'s blocks under ``salt`` read ahead on the reader thread, ``woken`` called
@@ -408,17 +416,15 @@ class DiskTier:
 
     def _queued(self, staging: Staging, start: int) -> list[tuple[DiskEntry, np.ndarray]]:
         """``staging``'s blocks ``start`` on that the writer's queue holds, up to the first it
-        does not (memory only)."""
-        prompt, size, found = staging.prompt, self.block_size, []
-        if not self.pending or start >= (len(prompt) - 1) // size:
+        does not (memory only; the digests the reader computed, where it has)."""
+        found: list[tuple[DiskEntry, np.ndarray]] = []
+        if not self.pending:
             return found
-        previous = root(self.identity, staging.salt)
-        for b in range((len(prompt) - 1) // size):
-            tokens = tuple(prompt[b * size : (b + 1) * size])
-            previous = digest(previous, tokens)
-            if b < start:
-                continue
-            queued = self.pending.get(previous)  # one read: the writer may pop it
+        chain_ = staging.chain
+        if chain_ is None:  # the reader has not reached it (its wait ran out)
+            chain_ = self._chain(staging.prompt, staging.salt)
+        for _b, tokens, key in chain_[start:]:
+            queued = self.pending.get(key)  # one read: the writer may pop it
             if queued is None or queued[0].salt != staging.salt or queued[0].tokens != tokens:
                 break
             found.append((queued[0], np.asarray(queued[1]).reshape(self.shape)))
@@ -440,15 +446,12 @@ class DiskTier:
     def _stage(self, staging: Staging) -> None:
         """The files of ``staging``'s blocks read and checked, from the first the tier holds
         up to the first it lacks, each charged to the budget (refused: the rest computed)."""
-        prompt, size = staging.prompt, self.block_size
-        previous = root(self.identity, staging.salt)
-        for b in range((len(prompt) - 1) // size):
+        staging.chain = self._chain(staging.prompt, staging.salt)
+        for b, tokens, key in staging.chain:
             if staging.released:
                 return
-            tokens = tuple(prompt[b * size : (b + 1) * size])
-            previous = digest(previous, tokens)
-            entry = self.entries.get(previous)
-            queued = self.pending.get(previous)
+            entry = self.entries.get(key)
+            queued = self.pending.get(key)
             if entry is None and queued is not None:
                 entry = queued[0]
             if entry is None or entry.salt != staging.salt or entry.tokens != tokens:
