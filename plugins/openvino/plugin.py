@@ -76,6 +76,13 @@ except Exception as exc:  # ImportError, or a broken install failing at import
     _IMPORT_ERROR: Exception | None = exc
 else:
     _IMPORT_ERROR = None
+    # openvino's bindings set up their numpy bridge on first use inside a C++ static whose
+    # initializer waits for the GIL: two threads converting their first arrays at once (two
+    # models loading in parallel, each checking its nodes) deadlock, one holding the static and
+    # waiting for the GIL, the other holding the GIL and waiting for the static (a server at
+    # startup never became ready). Set up here, on the importing thread, before any other.
+    ov.Type.f32.to_dtype()
+    ov.Tensor(np.zeros(1, np.float32))
 
 __all__ = ["OpenvinoPlugin"]
 
