@@ -14,6 +14,7 @@ admitted.
 
 from __future__ import annotations
 
+import faulthandler
 import importlib
 import json
 import logging
@@ -728,6 +729,10 @@ def main(argv: list[str]) -> int:
     start_daemon("shutdown", shutdown)
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    # SIGUSR1: every thread's Python stack to stderr, the server running on (a load or a
+    # request that never ends shows where it waits; the test harness asks when a server does
+    # not become ready). faulthandler writes from the signal handler: it needs no free thread.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     server.start()
     if server._stopped.is_set():
         server._stop_grpc(0)  # a signal during startup may have come before the port was up

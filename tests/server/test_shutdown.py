@@ -155,6 +155,31 @@ def test_signal_drains_admitted_and_queued_requests_then_exits_0(site, tmp_path,
         running.stop()
 
 
+def test_sigusr1_writes_every_threads_stack_and_the_server_serves_on(site, tmp_path):
+    """``kill -USR1``: the stacks show where a request that does not end waits (here in the
+    GATED device), and nothing else changes: the request finishes, the server stays SERVING."""
+    running, gates = start(site, tmp_path)
+    name = "held"
+    try:
+        with Client(running.target, timeout=60) as client:
+            client.load(name, add_model_bytes(), device="GATED")
+            result: list[object] = []
+            thread = threading.Thread(target=lambda: result.append(client.infer(name, feeds(1))))
+            thread.start()
+            assert wait_for(lambda: gauge(running, "plugserve_busy_streams", "GATED") == 1)
+            running.signal(signal.SIGUSR1)
+            assert wait_for(lambda: "in wait_for_gate" in running.log), running.log
+            assert "Thread 0x" in running.log  # faulthandler names each thread by its id
+            gates.open(name)
+            thread.join(60)
+            assert result and result[0]["sum"].tolist() == [1.5, 2.5]
+            assert health(running) == health_pb2.HealthCheckResponse.SERVING
+        assert running.process.poll() is None
+    finally:
+        gates.open(name)
+        running.stop()
+
+
 def test_killed_under_load_loses_no_admitted_request(site, tmp_path):
     """16 clients (both protocols) keep sending to a full device; SIGTERM arrives. Each call
     ends with its own correct result (it was admitted) or a refusal (RESOURCE_EXHAUSTED before

@@ -117,9 +117,16 @@ class RunningServer:
             self.stop()
             raise RuntimeError(f"server did not start listening:\n{self.log}")
         if wait_ready and not self._wait(self._ready, timeout):
+            self._stacks()
             self.stop()
             raise RuntimeError(f"server did not become ready:\n{self.log}")
         return self
+
+    def _stacks(self) -> None:
+        """The server's threads' stacks into its log (SIGUSR1), to show where it waits."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGUSR1)
+            time.sleep(1.0)  # written from the signal handler; read by _read
 
     def _wait(self, event: threading.Event, timeout: float) -> bool:
         """Wait for ``event``, giving up at once when the server exits (a startup error)."""
@@ -144,6 +151,7 @@ class RunningServer:
 
     def wait_ready(self, timeout: float = 120) -> None:
         if not self._wait(self._ready, timeout):
+            self._stacks()
             raise RuntimeError(f"server did not become ready:\n{self.log}")
 
     def channel(self) -> grpc.Channel:
