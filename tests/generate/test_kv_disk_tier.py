@@ -13,6 +13,7 @@ tests/generate/test_openai_kv_disk.py."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import numpy as np
@@ -20,7 +21,7 @@ import pytest
 from test_kv_host_tier import BLOCK, BLOCK_BYTES, Engine, expected, prompts
 
 from plugserve.plugins.api import InvalidArgument
-from plugserve.server.apps.generate.engine.kv_disk_tier import DiskEntry, DiskTier
+from plugserve.server.apps.generate.engine.kv_disk_tier import STAGE_WAIT_S, DiskEntry, DiskTier
 from plugserve.server.apps.generate.engine.kvcache import salt
 from plugserve.server.apps.generate.engine.scheduler import RequestState
 from plugserve.server.apps.generate.types import GenerationRequest, SamplingParams
@@ -220,6 +221,45 @@ def test_what_is_read_ahead_is_bounded(tmp_path):
     engine.scheduler.drop_waiting(first)
     engine.scheduler.drop_waiting(second)
     assert disk.staged.nbytes == 0
+
+
+def test_a_request_whose_reads_are_under_way_is_set_aside_and_keeps_its_slot(tmp_path):
+    """Two slots; the queue: ``first``, whose blocks' files do not answer (FIFOs nobody writes:
+    a hung disk), then two others. The second is admitted at once into the slot ``first``
+    leaves, the third waits for ``first``'s (kept for it); once the reader is done, ``first``
+    is admitted before the third. Before, nothing behind ``first`` was admitted until its
+    reads ended (up to STAGE_WAIT_S)."""
+    engine = with_disk(tmp_path)
+    scheduler = engine.scheduler
+    a = prompts(1, 13)[0]
+    spill(engine, a)
+    fifos = [tmp_path / "blocks" / name for name in files(tmp_path)]
+    for path in fifos:
+        path.unlink()
+        os.mkfifo(path)
+    first = RequestState(GenerationRequest("first", [*a, 1], SamplingParams(), 1), None, 0.0)
+    first.staging = engine.runner.stage([*a, 1], first.salt, lambda: None)
+    assert first.staging is not None
+    second, third = (
+        RequestState(GenerationRequest(n, p, SamplingParams(), 1), None, 0.0)
+        for n, p in zip(("second", "third"), prompts(2, 5, start=70_000))
+    )
+    scheduler.waiting.extend([first, second, third])
+    plan = scheduler.schedule()
+    assert [seq.request.request_id for seq, _count in plan.first] == ["second"]
+    assert list(scheduler.waiting) == [first, third] and first.sequences[0].slot is None
+    assert 0 < scheduler.ready_in() <= STAGE_WAIT_S
+    for _ in range(200):  # each file given an end of file as the reader reaches it
+        if first.staging.done.wait(0.05):
+            break
+        for path in fifos:
+            with contextlib.suppress(OSError):  # ENXIO: the reader is not in this one (yet)
+                os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+    assert first.staging.done.is_set() and scheduler.ready_in() == 0
+    plan = scheduler.schedule()  # (the second, not computed here, is planned again)
+    assert [seq.request.request_id for seq, _count in plan.first] == ["second", "first"]
+    assert first.sequences[0].slot is not None and list(scheduler.waiting) == [third]
+    assert first.cached == 0  # an empty file fails its check: computed, never served
 
 
 def test_a_size_over_the_free_space_is_refused(tmp_path):

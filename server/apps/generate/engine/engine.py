@@ -478,7 +478,7 @@ class Engine:
         while True:
             with self._lock:
                 while flight is None and not self._woken and not self._closing and not self._busy():
-                    self._lock.wait(self.scheduler.head_ready_in())
+                    self._lock.wait(self.scheduler.ready_in())
                 self._woken = False
                 closing = self._closing
                 new, self._inbox = self._inbox, []
@@ -616,24 +616,17 @@ class Engine:
         self.output.emit(group, tokens, logprobs, failures)
 
     def _admissible(self) -> bool:
-        """Whether the first waiting request could be admitted now (the scheduler's test)."""
-        waiting = self.scheduler.waiting
-        if not waiting:
-            return False
-        need = len(waiting[0].sequences)
-        scheduler = self.scheduler
-        if scheduler.held + need > scheduler.max_num_seqs or self.table.free_count < need:
-            return False
-        return scheduler.head_ready_in() == 0
+        """Whether a waiting request could be admitted now (the scheduler's test)."""
+        return self.scheduler.ready_in() == 0
 
     def _failed(self, sequences: list[Seq]) -> None:
         for seq in sequences:
             self.output.fail(seq.request, RuntimeError("the generation step failed"))
 
     def _busy(self) -> bool:
-        """Work for the loop now: a sequence running, or a request that may be admitted (one
-        whose disk reads are still under way is waited for: ``head_ready_in``)."""
-        return bool(self.scheduler.running) or self.scheduler.head_ready_in() == 0
+        """Work for the loop now: a sequence running, or a request that may be admitted (those
+        whose disk reads are under way are waited for: ``Scheduler.ready_in``)."""
+        return bool(self.scheduler.running) or self._admissible()
 
     def _reap(self, aborts: set[str]) -> None:
         """End the requests aborted or whose consumer left (checked once a step)."""

@@ -40,9 +40,10 @@ Restoring. The engine's loop never waits on the disk for a read either: a prompt
 the waiting queue is handed to :meth:`DiskTier.stage`, whose reader thread finds the files that
 hold its blocks, reads and checks each, and keeps their bytes (a :class:`Staging`, charged to
 the memory budget, and at most the host tier's bound across the waiting requests: past it, the
-rest is computed) until the request is admitted; the queue's head is admitted once its reads
-are done, or after :data:`STAGE_WAIT_S` with what was read by then (the rest computed), while
-the running sequences go on decoding. Before, the loop read the files at admission: fast from
+rest is computed) until the request is admitted; it is admitted once its reads are done, or
+after :data:`STAGE_WAIT_S` with what was read by then (the rest computed), while the running
+sequences go on decoding and the requests behind it that fit in the slots it leaves are
+admitted first (``Scheduler.admissible``). Before, the loop read the files at admission: fast from
 the page cache, but a cold read from a slow disk stalled every stream for as long as it took.
 :meth:`DiskTier.take` hands the admission the staged run from the first block the device and
 the host tier lack; a restore shorter than :attr:`DiskTier.min_blocks` is computed instead.
@@ -91,7 +92,7 @@ _SUM = 32
 WRITE_QUEUE_BLOCKS = 32
 #: blocks a restore from disk must cover at least (the module's docstring)
 MIN_RESTORE_BLOCKS = 1
-#: how long the head of the waiting queue waits for its blocks' files to be read before it is
+#: how long a waiting request waits for its blocks' files to be read before it is
 #: admitted with what was read (the rest computed): a second is a few hundred tokens' prefill
 #: on a CPU, and 100 MB read from a cold disk at 100 MB/s
 STAGE_WAIT_S = 1.0

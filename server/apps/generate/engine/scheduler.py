@@ -218,15 +218,10 @@ class Scheduler:
                 plan.first.append((seq, count))
                 budget -= count
         self._look_ahead()
-        now = time.monotonic()
-        while self.waiting and budget > 0:
-            state = self.waiting[0]
-            need = len(state.sequences)
-            if self.held + need > self.max_num_seqs or self.table.free_count < need:
+        for state in self.admissible(time.monotonic())[0]:
+            if budget <= 0:
                 break
-            if state.staging is not None and not state.staging.ready(now):
-                break  # its blocks are being read from disk: the running go on meanwhile
-            self.waiting.popleft()
+            self.waiting.remove(state)
             leader = self._admit(state)
             count = min(leader.pending, budget)
             if leader.computed == 0:
@@ -302,13 +297,37 @@ class Scheduler:
             return False
         return True
 
-    def head_ready_in(self) -> float | None:
-        """Seconds until the queue's head may be admitted as far as its disk reads go (0:
-        now); None when nothing waits."""
-        if not self.waiting:
-            return None
-        staging = self.waiting[0].staging
-        return 0.0 if staging is None else staging.left(time.monotonic())
+    def admissible(self, now: float) -> tuple[list[RequestState], float | None]:
+        """The waiting requests that may be admitted now, in order, and the seconds until the
+        next one set aside may be (None: none is).
+
+        In queue order, as far as the slots left go (the first that does not fit ends it). A
+        request whose blocks the disk tier is still reading (at most ``STAGE_WAIT_S``) is set
+        aside with its slots kept for it, and those behind it that fit in the rest go first, as
+        vLLM sets aside a request whose KV is on its way: a slow disk delays only the request
+        it reads for, and the one set aside never waits for a slot a later one took."""
+        taken = 0
+        ready: list[RequestState] = []
+        wait: float | None = None
+        for state in self.waiting:
+            need = len(state.sequences)
+            if self.held + taken + need > self.max_num_seqs:
+                break
+            if self.table.free_count - taken < need:
+                break
+            taken += need
+            left = 0.0 if state.staging is None else state.staging.left(now)
+            if left > 0:
+                wait = left if wait is None else min(wait, left)
+            else:
+                ready.append(state)
+        return ready, wait
+
+    def ready_in(self) -> float | None:
+        """Seconds until a waiting request may be admitted (0: now; None: none waits that the
+        slots left hold)."""
+        ready, wait = self.admissible(time.monotonic())
+        return 0.0 if ready else wait
 
 
 def release_staging(state: RequestState) -> None:
