@@ -146,7 +146,7 @@ def test_a_sleeping_model_refuses_503_and_wakes_answering_the_same(server, level
         _greedy(server, "llama")
     assert info.value.status_code == 503
     assert info.value.response.headers.get("retry-after") == "1"
-    assert "asleep" in info.value.message
+    assert "model llama is asleep" in info.value.message  # its name, not its folder's ("1")
     # every face refuses alike: KServe's generate extension
     kserve = _call(server, "POST", "/v2/models/llama/generate", "infer",
                    {"text_input": "Once", "max_tokens": 2})  # fmt: skip

@@ -395,10 +395,14 @@ class GenerativeNetwork(CompiledNetwork):
     ) -> None:
         """``decoder_network``: the graph compiled on a device; None for a decoder that owns
         its module (the torch decoder), which then gives its device config as ``config``."""
+        # its name until the server names it: a repository's version folder ("1") says less
+        # than its model's folder, which the engine's load-time logs then say
+        path = folder.path
+        label = path.parent.name if path.name.isdigit() and path.parent.name else path.name
         if decoder_network is not None:
-            super().__init__(decoder_network.plugin, folder.path.name, decoder_network.config)
+            super().__init__(decoder_network.plugin, label, decoder_network.config)
         else:
-            super().__init__(None, folder.path.name, config or Configuration())  # type: ignore[arg-type]
+            super().__init__(None, label, config or Configuration())  # type: ignore[arg-type]
         #: a graph decoder's (None: the torch decoder's own module), and its precision
         self._graph = decoder_network is not None
         self._precision = decoder_network.precision if decoder_network is not None else ""
@@ -409,9 +413,22 @@ class GenerativeNetwork(CompiledNetwork):
         self._inputs = list(_INPUTS)
         self._outputs = list(_OUTPUTS)
         self.engine = Engine(
-            folder.path.name, decoder, tokenizer, settings, rows, identity=identity(folder, device)
+            label, decoder, tokenizer, settings, rows, identity=identity(folder, device)
         )
         self._sleep_lock = threading.Lock()  # one sleep or wake at a time
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @name.setter
+    def name(self, value: str) -> None:
+        """The name it is served under (the server names it after loading): the engine's
+        errors and logs say it, not the folder's (a repository's version folder, "1")."""
+        self._name = value
+        engine = getattr(self, "engine", None)  # (the base class names it before it exists)
+        if engine is not None:
+            engine.name = engine.output.name = value
 
     @property
     def decoder_network(self) -> CompiledNetwork | None:
