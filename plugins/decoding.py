@@ -96,9 +96,11 @@ class HostBlocks(Protocol):
     engine's block, whatever the cache's own block size); block ``b`` is positions
     ``b * block_size`` up to the next block's.
 
-    A cache implements it where a position's bytes can be copied on their own; one that
-    cannot for a layout of its own (scales shared by a block's positions) raises
-    Unsupported from :meth:`host_block_bytes`, saying why, and the engine runs without the
+    A cache implements it where a position's bytes can be copied on their own, or its own
+    blocks whole (scales shared by a block's positions): such a cache also has
+    ``host_block_size(block_size) -> int``, the engine's block size it serves nearest the one
+    asked (a multiple of its own), which the engine then uses. Where it cannot,
+    :meth:`host_block_bytes` raises Unsupported, saying why, and the engine runs without the
     tier."""
 
     def host_block_bytes(self, block_size: int) -> int:

@@ -291,11 +291,44 @@ def test_arrays_of_other_shapes_copy_too():
         np.testing.assert_array_equal(array[0], array[1])
 
 
-def test_a_u8_paged_cache_is_refused_saying_why():
-    cache = paged(8, np.uint8)
-    assert supports(cache)  # it has the calls, its layout refuses them
-    with pytest.raises(Unsupported, match="u8 cache keeps scales and zero points"):
-        HostTier(cache, BLOCK, 64 * BLOCK_BYTES)
+def paged_u8(block_size: int = 8) -> PagedKVCache:
+    """Two slots of OpenVINO's u8 paged cache: keys by channel (their scales and zero points
+    after the block's tokens: ``block_size + 8`` rows), values by token (after each token's
+    dims: ``dim + 8``); the runs of the two rows exchanged."""
+    shapes = ((2, block_size + 8, 4), (2, block_size, 4 + 8)) * 2
+    layout = PagedLayout(
+        LAYOUT.entries,
+        np.dtype(np.uint8),
+        LAYOUT.capacity,
+        block_size=block_size,
+        block_shapes=shapes,
+        dtypes=(np.dtype(np.uint8),) * 4,
+    )
+    cache = PagedKVCache(layout, 2)
+    cache.swap(0, 0, 1, 0)
+    return cache
+
+
+def test_a_u8_paged_cache_copies_its_blocks_whole_scales_and_all():
+    cache = paged_u8(8)
+    assert cache.host_block_size(4) == 8 and cache.host_block_size(16) == 16
+    assert paged(8).host_block_size(4) == 4  # f32: positions are copied
+    with pytest.raises(Unsupported, match="block_size 4 is not a multiple of 8"):
+        HostTier(cache, 4, 64 * BLOCK_BYTES)
+    rng = np.random.default_rng(0)
+    for array in cache.arrays.values():
+        array[...] = rng.integers(0, 256, array.shape, np.uint8)
+    before = {n: a.copy() for n, a in cache.arrays.items()}
+    blocks = cache.read_blocks(1, 1, 2, 16)  # engine blocks 1-2 of row 1: its cache blocks 2-5
+    assert [b.nbytes for b in blocks] == [2 * cache.layout.block_bytes] * 2
+    cache.write_blocks(0, 1, blocks, 16)
+    src, dst = int(cache.runs[1]) * cache.per_slot, int(cache.runs[0]) * cache.per_slot
+    for name, array in cache.arrays.items():
+        np.testing.assert_array_equal(array[dst + 2 : dst + 6], before[name][src + 2 : src + 6])
+        np.testing.assert_array_equal(array[dst : dst + 2], before[name][dst : dst + 2])
+        np.testing.assert_array_equal(array[dst + 6 :], before[name][dst + 6 :])
+    tier = HostTier(cache, 16, 64 * BLOCK_BYTES)
+    assert tier.block_bytes == 2 * cache.layout.block_bytes
     assert not supports(object())
 
 

@@ -3,7 +3,9 @@ a real server with two ``--auth-tokens`` tenants, tiny-llama three times over (t
 each: ``MAX_NUM_SEQS`` 2) on each cache layout the tier copies: optimum's ONNX export on ORT and
 on OPENVINO (the dense slot cache), the safetensors folder on TORCH (the torch decoder's
 tensors) and optimum-intel's IR on OPENVINO (the paged cache, f32: blocks of 32 positions
-against the engine's 16); the official ``openai`` client:
+against the engine's 16; and u8, openvino's default on most CPUs, its scales and zero points
+per block: copied whole, the engine's blocks then 32 positions); the official ``openai``
+client:
 
 * ``tier`` keeps evicted blocks in a host tier (``KV_OFFLOADING_SIZE``), ``plain`` has none:
   four conversations interleaved turn by turn on two slots, so each turn finds its slot taken
@@ -37,6 +39,8 @@ CASES = {
     "OPENVINO": ("optimum-onnx", "OPENVINO", {}),  # an ONNX graph: the dense slot cache
     "TORCH": ("hf", "TORCH", {"INFERENCE_NUM_THREADS": "1"}),
     "OPENVINO-IR": ("openvino", "OPENVINO", {"EXECUTION_MODE_HINT": "ACCURACY"}),  # f32 paged
+    # openvino's default: a u8 paged cache (scales per block of 32: copied whole)
+    "OPENVINO-IR-u8": ("openvino", "OPENVINO", {"KV_CACHE_PRECISION": "u8"}),
 }
 
 
@@ -56,6 +60,7 @@ def server(request, core, llm_folder, tmp_path_factory):
         "small": (folder, device, {**slots, "KV_OFFLOADING_SIZE": repr(SMALL_GIB)}),
     }
     with serving(models, "--auth-tokens", str(path)) as running:
+        running.case = request.param
         yield running
 
 
@@ -92,6 +97,12 @@ def test_later_turns_come_from_the_host_tier_with_the_same_answers(server, api):
     assert metric(server, "plugserve_generate_kv_offload_restored_tokens_total", "tier") >= 32 * 8
     assert metric(server, "plugserve_generate_kv_offload_restored_tokens_total", "plain") == 0
     assert metric(server, "plugserve_generate_kv_offload_bytes", "tier") > 0
+    # a u8 cache's blocks (scales and zero points per block of 32) are copied whole: the
+    # engine's blocks are 32 positions there, not 16, where the tier is on
+    whole = "model tier: block_size 16 -> 32" in server.log
+    assert whole == server.case.endswith("-u8"), server.log
+    assert "model plain: block_size" not in server.log
+    assert "is ignored" not in server.log
 
 
 def test_a_tenant_never_restores_another_tenants_blocks(api):

@@ -38,7 +38,9 @@ The host tier (``--kv-offloading-size``, :mod:`..engine.kv_host_tier`): the engi
 the slot's run of blocks, one slice per array where the two kinds of block overlap. An f32,
 f16 or bf16 cache keeps a position's keys and values on their own; a u8 one keeps scales and
 zero points per block (keys by channel), so a position's bytes are not a slice of it: its
-``host_block_bytes`` refuses (Unsupported) and the engine logs that it runs without the tier.
+blocks are copied whole, scales and zero points with them, and the engine's block is then a
+multiple of the cache's (:meth:`PagedKVCache.host_block_size`: 32 positions where 16 was
+asked, logged).
 
 Bounds: every array is the cache's (allocated once at load: ``rows x blocks_per_slot``
 blocks per layer) or the step's own, sized by the step's tokens and sequences (at most
@@ -171,25 +173,58 @@ class PagedKVCache(KVCache):
 
     # --- host copies (the host tier's, :class:`~plugserve.plugins.decoding.HostBlocks`)
 
+    @property
+    def quantized(self) -> bool:
+        """Whether a position's bytes are no slice of a block: a u8 cache keeps scales and zero
+        points per block (keys by channel, after the block's tokens; values after each
+        token's dims), so its blocks are copied whole (:meth:`host_block_size`)."""
+        return any(
+            dtype.kind in "iub" or shape[1] != self.block_size
+            for shape, dtype in zip(self.layout.block_shapes, self.layout.dtypes)
+        )
+
+    def host_block_size(self, block_size: int) -> int:
+        """The engine's block size the host copies serve, nearest ``block_size``: any for an
+        f32, f16 or bf16 cache (positions are copied); for a u8 one, the least multiple of
+        the cache's own block (32 positions) at least ``block_size``, since its blocks are
+        copied whole, scales and zero points with them."""
+        if not self.quantized:
+            return block_size
+        return -(-block_size // self.block_size) * self.block_size
+
+    def _whole(self, block_size: int) -> int:
+        """The cache's blocks in one engine block when blocks are copied whole (a u8 cache),
+        0 when positions are copied; Unsupported where an engine block is not whole blocks."""
+        if not self.quantized:
+            return 0
+        if block_size % self.block_size:
+            raise Unsupported(
+                f"the paged cache keeps scales and zero points in each block of "
+                f"{self.block_size} positions (a u8 cache: keys by channel), so the host tier "
+                f"copies whole blocks, and block_size {block_size} is not a multiple of "
+                f"{self.block_size}"
+            )
+        return block_size // self.block_size
+
     def host_block_bytes(self, block_size: int) -> int:
         """A block's bytes packed as the dense cache packs them (each array's ``[heads,
-        block_size, dim]``); Unsupported for a cache whose positions are not slices."""
-        for (name, *_rest), shape, dtype in zip(
-            self.layout.entries, self.layout.block_shapes, self.layout.dtypes
-        ):
-            if dtype.kind in "iub" or shape[1] != self.block_size:
-                raise Unsupported(
-                    f"the paged cache's {name} is {dtype} [{', '.join(map(str, shape))}] per "
-                    "block: a u8 cache keeps scales and zero points in each block (keys by "
-                    "channel), so a position cannot be copied on its own; the host tier "
-                    "serves f32, f16 and bf16 paged caches (EXECUTION_MODE_HINT=ACCURACY: f32)"
-                )
+        block_size, dim]``), or, for a u8 cache, the cache's whole blocks it spans, each
+        array's after the other's."""
+        whole = self._whole(block_size)
+        if whole:
+            return whole * self.layout.block_bytes
         return sum(h * block_size * d * t.itemsize for (h, d, t) in self._shapes())
 
     def read_blocks(
         self, row: int, first_block: int, count: int, block_size: int
     ) -> list[np.ndarray]:
         stage = np.empty((count, self.host_block_bytes(block_size)), np.uint8)
+        whole = self._whole(block_size)
+        if whole:
+            for array, part in zip(self.arrays.values(), self._whole_parts(stage, whole)):
+                start = int(self.runs[row]) * self.per_slot + first_block * whole
+                part[...] = array[start : start + count * whole].reshape(part.shape)
+            return split(stage)
         views = block_views(stage, self._shapes(), block_size)
         pieces = self._pieces(row, first_block, count, block_size)
         for array, view in zip(self.arrays.values(), views):
@@ -201,11 +236,28 @@ class PagedKVCache(KVCache):
         self, row: int, first_block: int, blocks: Sequence[np.ndarray], block_size: int
     ) -> None:
         stage = np.stack(blocks)
+        whole = self._whole(block_size)
+        if whole:
+            for array, part in zip(self.arrays.values(), self._whole_parts(stage, whole)):
+                start = int(self.runs[row]) * self.per_slot + first_block * whole
+                array[start : start + len(stage) * whole] = part.reshape(-1, *array.shape[1:])
+            return
         views = block_views(stage, self._shapes(), block_size)
         pieces = self._pieces(row, first_block, len(blocks), block_size)
         for array, view in zip(self.arrays.values(), views):
             for j, block, at, offset, n in pieces:
                 array[block, :, offset : offset + n] = view[j, :, at : at + n]
+
+    def _whole_parts(self, stage: np.ndarray, whole: int) -> list[np.ndarray]:
+        """``stage`` (``[blocks, bytes]``) seen as each array's ``whole`` cache blocks of every
+        engine block, ``[blocks, whole, *block shape]`` in its element type (views)."""
+        parts, offset = [], 0
+        for array in self.arrays.values():
+            size = whole * int(np.prod(array.shape[1:])) * array.itemsize
+            part = stage[:, offset : offset + size].view(array.dtype)
+            parts.append(part.reshape(len(stage), whole, *array.shape[1:]))
+            offset += size
+        return parts
 
     def _pieces(
         self, row: int, first: int, count: int, size: int

@@ -201,6 +201,7 @@ class Engine:
         self.settings = settings
         self.capacity = decoder.layout.capacity
         self.cache = decoder.new_cache(rows)
+        settings = self.settings = _tier_block_size(name, self.cache, settings)
         self.events = (
             # the engine's own cache is "GPU" on any device, as vLLM's block pool names its
             # own (MEDIUM_GPU); its host tier's blocks are "CPU"
@@ -695,6 +696,25 @@ def _disk_tier(
     disk.budget = tier.budget  # what its reader reads ahead is charged as the host tier's blocks
     disk.staged.limit = tier.max_bytes  # and is at most what the host tier may hold
     return disk
+
+
+def _tier_block_size(name: str, cache: Any, settings: EngineSettings) -> EngineSettings:
+    """``settings`` with the block size a host tier needs of ``cache``: one whose host copies
+    take whole blocks of its own (OpenVINO's u8 paged cache: scales and zero points per block
+    of 32 positions) makes the engine's blocks a multiple of them when the tier is on, logged;
+    a cache without ``host_block_size`` copies any."""
+    fit = getattr(cache, "host_block_size", None)
+    if fit is None or settings.kv_offloading_size <= 0 or not settings.enable_prefix_caching:
+        return settings
+    size = fit(settings.block_size)
+    if size == settings.block_size:
+        return settings
+    log.info(
+        "model %s: block_size %d -> %d: the cache's host copies take whole blocks of its own "
+        "(scales and zero points per block), for the host tier (kv_offloading_size)",
+        name, settings.block_size, size,
+    )  # fmt: skip
+    return dataclasses.replace(settings, block_size=size)
 
 
 def _announce_tier(events: BlockEvents, tier: HostTier) -> None:

@@ -50,7 +50,8 @@ layout. The dense slot cache (:class:`.kvcache.KVCache`: an ONNX graph on ORT, N
 OPENVINO) copies each array's run of positions; OpenVINO's paged cache
 (:class:`~plugserve.server.apps.generate.backends.openvino.PagedKVCache`) the engine's blocks'
 positions within its own blocks of 32 (f32, f16, bf16; a u8 cache keeps scales and zero
-points per block and is refused, logged); the torch decoder's (``plugins/torch/decoder.py``)
+points per block, so its blocks are copied whole and the engine's blocks are a multiple of
+them: ``PagedKVCache.host_block_size``); the torch decoder's (``plugins/torch/decoder.py``)
 copies its tensors to host numpy, on a card into pinned memory on a side stream, which the
 slot's next writes wait for.
 """
