@@ -15,13 +15,19 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 
 import numpy as np
 import pytest
 from test_kv_host_tier import BLOCK, BLOCK_BYTES, Engine, expected, prompts
 
 from plugserve.plugins.api import InvalidArgument
-from plugserve.server.apps.generate.engine.kv_disk_tier import STAGE_WAIT_S, DiskEntry, DiskTier
+from plugserve.server.apps.generate.engine.kv_disk_tier import (
+    STAGE_QUEUE,
+    STAGE_WAIT_S,
+    DiskEntry,
+    DiskTier,
+)
 from plugserve.server.apps.generate.engine.kvcache import salt
 from plugserve.server.apps.generate.engine.scheduler import RequestState
 from plugserve.server.apps.generate.types import GenerationRequest, SamplingParams
@@ -260,6 +266,40 @@ def test_a_request_whose_reads_are_under_way_is_set_aside_and_keeps_its_slot(tmp
     assert [seq.request.request_id for seq, _count in plan.first] == ["second", "first"]
     assert first.sequences[0].slot is not None and list(scheduler.waiting) == [third]
     assert first.cached == 0  # an empty file fails its check: computed, never served
+
+
+def test_close_waits_for_no_hung_read_and_no_queued_prompt(tmp_path):
+    """The reader inside a file that does not answer (a FIFO: a hung disk) and its queue full
+    of prompts: close returns at once, leaving them unread (done: their requests compute
+    their blocks); the reader ends when its read does. Before, close waited for room in the
+    full queue without end."""
+    engine = with_disk(tmp_path)
+    disk = engine.tier.disk
+    a = prompts(1, 13)[0]
+    spill(engine, a)
+    fifos = [tmp_path / "blocks" / name for name in files(tmp_path)]
+    for path in fifos:
+        path.unlink()
+        os.mkfifo(path)
+    stagings = []
+    while (staging := disk.stage([*a, len(stagings)], 0, lambda: None)) is not None:
+        stagings.append(staging)  # the first one hangs the reader; the rest fill its queue
+    assert len(stagings) >= STAGE_QUEUE
+    closing = threading.Thread(target=disk.close)
+    closing.start()
+    closing.join(timeout=20)
+    assert not closing.is_alive(), "close waited on the hung reader"
+    assert disk.stage([*a, 1], 0, lambda: None) is None  # closed: nothing is queued
+    for _ in range(200):  # the hung read given an end of file: the reader stops
+        if not disk._reader.is_alive():
+            break
+        for path in fifos:
+            with contextlib.suppress(OSError):
+                os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+        disk._reader.join(0.05)
+    assert not disk._reader.is_alive()
+    assert all(s.done.is_set() for s in stagings)
+    assert sum(bool(s.blocks) for s in stagings) == 0  # none read after close
 
 
 def test_a_size_over_the_free_space_is_refused(tmp_path):

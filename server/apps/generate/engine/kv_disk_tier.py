@@ -58,6 +58,7 @@ Hooks: :attr:`DiskTier.on_stored` and :attr:`DiskTier.on_dropped` (KV events wit
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -251,6 +252,7 @@ class DiskTier:
         #: what is read ahead at most, across the waiting requests
         self.staged = StageBound()
         self._reads: queue.Queue[Any] = queue.Queue(maxsize=STAGE_QUEUE)
+        self._closed = threading.Event()
         self._scan()
         free = shutil.disk_usage(self.directory).free
         if max_bytes > free + self.nbytes:
@@ -289,11 +291,22 @@ class DiskTier:
         self._queue.join()
 
     def close(self) -> None:
-        """The queued blocks written, then the writer and the reader stopped."""
+        """The queued blocks written, then the writer stopped; the reader reads nothing more
+        (the prompts queued for it are left to be computed) and stops, or, when it is inside
+        a read that does not return (a hung disk), is left to end when the read does. Before,
+        close queued its stop behind up to :data:`STAGE_QUEUE` prompts, and waited for room
+        there without end when the queue was full behind a hung read."""
+        self._closed.set()
         self._queue.put(_STOP)
         self._thread.join(timeout=30)
-        self._reads.put(_STOP)
-        self._reader.join(timeout=30)
+        with contextlib.suppress(queue.Full):  # full: the reader drains it once it sees closed
+            self._reads.put_nowait(_STOP)
+        self._reader.join(timeout=1.0)
+        if self._reader.is_alive():
+            log.warning(
+                "kv disk tier %s: the reader is inside a read that has not returned (a hung "
+                "disk?); it stops when the read does", self.directory,
+            )  # fmt: skip
 
     def _write_loop(self) -> None:
         while True:
@@ -384,8 +397,9 @@ class DiskTier:
     def stage(self, prompt: Sequence[int], salt: int, woken: Callable[[], None]) -> Staging | None:
         """``prompt``'s blocks under ``salt`` read ahead on the reader thread, ``woken`` called
         when done (the engine's loop waits for it no longer than :data:`STAGE_WAIT_S`); None
-        when the tier holds no block or the reader has :data:`STAGE_QUEUE` prompts already."""
-        if not self.entries and not self.pending:
+        when the tier holds no block, is closed, or the reader has :data:`STAGE_QUEUE` prompts
+        already."""
+        if (not self.entries and not self.pending) or self._closed.is_set():
             return None
         staging = Staging(prompt, salt, woken, self.staged)
         try:
@@ -434,7 +448,8 @@ class DiskTier:
     def _read_loop(self) -> None:
         while True:
             staging = self._reads.get()
-            if staging is _STOP:
+            if staging is _STOP or self._closed.is_set():
+                self._drain_reads(staging)
                 return
             try:
                 self._stage(staging)
@@ -444,12 +459,24 @@ class DiskTier:
                 staging.done.set()
                 staging.woken()
 
+    def _drain_reads(self, first: Any) -> None:
+        """Closed: ``first`` and every prompt still queued for the reader done, unread."""
+        item = first
+        while True:
+            if item is not _STOP:
+                item.done.set()
+                item.woken()
+            try:
+                item = self._reads.get_nowait()
+            except queue.Empty:
+                return
+
     def _stage(self, staging: Staging) -> None:
         """The files of ``staging``'s blocks read and checked, from the first the tier holds
         up to the first it lacks, each charged to the budget (refused: the rest computed)."""
         staging.chain = self._chain(staging.prompt, staging.salt)
         for b, tokens, key in staging.chain:
-            if staging.released:
+            if staging.released or self._closed.is_set():
                 return
             entry = self.entries.get(key)
             queued = self.pending.get(key)
