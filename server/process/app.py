@@ -729,10 +729,12 @@ def main(argv: list[str]) -> int:
     start_daemon("shutdown", shutdown)
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    # SIGUSR1: every thread's Python stack to stderr, the server running on (a load or a
+    # SIGUSR2: every thread's Python stack to stderr, the server running on (a load or a
     # request that never ends shows where it waits; the test harness asks when a server does
     # not become ready). faulthandler writes from the signal handler: it needs no free thread.
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # A handler someone installed first (a sitecustomize, an embedding program) is left alone.
+    if signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL:
+        faulthandler.register(signal.SIGUSR2, all_threads=True)
     server.start()
     if server._stopped.is_set():
         server._stop_grpc(0)  # a signal during startup may have come before the port was up

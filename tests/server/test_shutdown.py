@@ -155,8 +155,8 @@ def test_signal_drains_admitted_and_queued_requests_then_exits_0(site, tmp_path,
         running.stop()
 
 
-def test_sigusr1_writes_every_threads_stack_and_the_server_serves_on(site, tmp_path):
-    """``kill -USR1``: the stacks show where a request that does not end waits (here in the
+def test_sigusr2_writes_every_threads_stack_and_the_server_serves_on(site, tmp_path):
+    """``kill -USR2``: the stacks show where a request that does not end waits (here in the
     GATED device), and nothing else changes: the request finishes, the server stays SERVING."""
     running, gates = start(site, tmp_path)
     name = "held"
@@ -167,7 +167,7 @@ def test_sigusr1_writes_every_threads_stack_and_the_server_serves_on(site, tmp_p
             thread = threading.Thread(target=lambda: result.append(client.infer(name, feeds(1))))
             thread.start()
             assert wait_for(lambda: gauge(running, "plugserve_busy_streams", "GATED") == 1)
-            running.signal(signal.SIGUSR1)
+            running.signal(signal.SIGUSR2)
             assert wait_for(lambda: "in wait_for_gate" in running.log), running.log
             assert "Thread 0x" in running.log  # faulthandler names each thread by its id
             gates.open(name)

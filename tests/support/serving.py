@@ -123,9 +123,9 @@ class RunningServer:
         return self
 
     def _stacks(self) -> None:
-        """The server's threads' stacks into its log (SIGUSR1), to show where it waits."""
+        """The server's threads' stacks into its log (SIGUSR2), to show where it waits."""
         if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGUSR1)
+            self.process.send_signal(signal.SIGUSR2)
             time.sleep(1.0)  # written from the signal handler; read by _read
 
     def _wait(self, event: threading.Event, timeout: float) -> bool:
