@@ -399,6 +399,10 @@ class GenerativeNetwork(CompiledNetwork):
         # than its model's folder, which the engine's load-time logs then say
         path = folder.path
         label = path.parent.name if path.name.isdigit() and path.parent.name else path.name
+        # made first: naming the network (the base class does) names its engine
+        self.engine = Engine(
+            label, decoder, tokenizer, settings, rows, identity=identity(folder, device)
+        )
         if decoder_network is not None:
             super().__init__(decoder_network.plugin, label, decoder_network.config)
         else:
@@ -412,9 +416,6 @@ class GenerativeNetwork(CompiledNetwork):
         self.device_name = device
         self._inputs = list(_INPUTS)
         self._outputs = list(_OUTPUTS)
-        self.engine = Engine(
-            label, decoder, tokenizer, settings, rows, identity=identity(folder, device)
-        )
         self._sleep_lock = threading.Lock()  # one sleep or wake at a time
 
     @property
@@ -426,9 +427,7 @@ class GenerativeNetwork(CompiledNetwork):
         """The name it is served under (the server names it after loading): the engine's
         errors and logs say it, not the folder's (a repository's version folder, "1")."""
         self._name = value
-        engine = getattr(self, "engine", None)  # (the base class names it before it exists)
-        if engine is not None:
-            engine.name = engine.output.name = value
+        self.engine.name = self.engine.output.name = value
 
     @property
     def decoder_network(self) -> CompiledNetwork | None:
