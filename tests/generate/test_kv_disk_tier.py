@@ -180,6 +180,28 @@ def test_a_full_queue_drops_the_block_and_queued_blocks_stay_charged(tmp_path):
     assert 0 < disk.written_blocks <= 2  # the block the writer held, and the queue's one
 
 
+def hung_disk(engine: Engine, tmp_path, prompt: list[int]) -> list:
+    """``prompt``'s blocks spilled to disk, then each block file replaced by a FIFO nobody
+    writes (a read of it waits, as on a hung disk); the FIFOs."""
+    spill(engine, prompt)
+    fifos = [tmp_path / "blocks" / name for name in files(tmp_path)]
+    for path in fifos:
+        path.unlink()
+        os.mkfifo(path)
+    return fifos
+
+
+def answer(fifos: list, done) -> None:
+    """Each FIFO the reader is in given an end of file (a writer opens and closes it), until
+    ``done()`` (at most ~10 s)."""
+    for _ in range(200):
+        if done():
+            return
+        for path in fifos:
+            with contextlib.suppress(OSError):  # ENXIO: the reader is not in this one (yet)
+                os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+
+
 def _waiting(engine: Engine, prompt: list[int], tenant: str = "") -> RequestState:
     """A request as the engine queues it: its blocks read ahead by the disk tier's reader."""
     request = GenerationRequest(str(id(prompt)), prompt, SamplingParams(), 1, tenant=tenant)
@@ -238,11 +260,7 @@ def test_a_request_whose_reads_are_under_way_is_set_aside_and_keeps_its_slot(tmp
     engine = with_disk(tmp_path)
     scheduler = engine.scheduler
     a = prompts(1, 13)[0]
-    spill(engine, a)
-    fifos = [tmp_path / "blocks" / name for name in files(tmp_path)]
-    for path in fifos:
-        path.unlink()
-        os.mkfifo(path)
+    fifos = hung_disk(engine, tmp_path, a)
     first = RequestState(GenerationRequest("first", [*a, 1], SamplingParams(), 1), None, 0.0)
     first.staging = engine.runner.stage([*a, 1], first.salt, lambda: None)
     assert first.staging is not None
@@ -255,12 +273,7 @@ def test_a_request_whose_reads_are_under_way_is_set_aside_and_keeps_its_slot(tmp
     assert [seq.request.request_id for seq, _count in plan.first] == ["second"]
     assert list(scheduler.waiting) == [first, third] and first.sequences[0].slot is None
     assert 0 < scheduler.ready_in() <= STAGE_WAIT_S
-    for _ in range(200):  # each file given an end of file as the reader reaches it
-        if first.staging.done.wait(0.05):
-            break
-        for path in fifos:
-            with contextlib.suppress(OSError):  # ENXIO: the reader is not in this one (yet)
-                os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+    answer(fifos, lambda: first.staging.done.wait(0.05))
     assert first.staging.done.is_set() and scheduler.ready_in() == 0
     plan = scheduler.schedule()  # (the second, not computed here, is planned again)
     assert [seq.request.request_id for seq, _count in plan.first] == ["second", "first"]
@@ -276,11 +289,7 @@ def test_close_waits_for_no_hung_read_and_no_queued_prompt(tmp_path):
     engine = with_disk(tmp_path)
     disk = engine.tier.disk
     a = prompts(1, 13)[0]
-    spill(engine, a)
-    fifos = [tmp_path / "blocks" / name for name in files(tmp_path)]
-    for path in fifos:
-        path.unlink()
-        os.mkfifo(path)
+    fifos = hung_disk(engine, tmp_path, a)
     stagings = []
     while (staging := disk.stage([*a, len(stagings)], 0, lambda: None)) is not None:
         stagings.append(staging)  # the first one hangs the reader; the rest fill its queue
@@ -290,13 +299,7 @@ def test_close_waits_for_no_hung_read_and_no_queued_prompt(tmp_path):
     closing.join(timeout=20)
     assert not closing.is_alive(), "close waited on the hung reader"
     assert disk.stage([*a, 1], 0, lambda: None) is None  # closed: nothing is queued
-    for _ in range(200):  # the hung read given an end of file: the reader stops
-        if not disk._reader.is_alive():
-            break
-        for path in fifos:
-            with contextlib.suppress(OSError):
-                os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
-        disk._reader.join(0.05)
+    answer(fifos, lambda: disk._reader.join(0.05) or not disk._reader.is_alive())
     assert not disk._reader.is_alive()
     assert all(s.done.is_set() for s in stagings)
     assert sum(bool(s.blocks) for s in stagings) == 0  # none read after close
