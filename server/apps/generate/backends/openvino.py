@@ -152,6 +152,13 @@ class PagedKVCache(KVCache):
         }
         #: each row's run of blocks (swaps trade runs; nothing moves)
         self.runs = np.arange(rows, dtype=np.int64)
+        #: whether a position's bytes are no slice of a block: a u8 cache keeps scales and
+        #: zero points per block (keys by channel, after the block's tokens; values after each
+        #: token's dims), so its blocks are copied whole (:meth:`host_block_size`)
+        self.quantized = any(
+            dtype.kind in "iub" or shape[1] != self.block_size
+            for shape, dtype in zip(layout.block_shapes, layout.dtypes)
+        )
 
     def view(self, start: int, stop: int) -> dict[str, np.ndarray]:
         raise NotImplementedError("a paged cache has no dense view of its rows")
@@ -172,16 +179,6 @@ class PagedKVCache(KVCache):
         self.runs[[a, b]] = self.runs[[b, a]]
 
     # --- host copies (the host tier's, :class:`~plugserve.plugins.decoding.HostBlocks`)
-
-    @property
-    def quantized(self) -> bool:
-        """Whether a position's bytes are no slice of a block: a u8 cache keeps scales and zero
-        points per block (keys by channel, after the block's tokens; values after each
-        token's dims), so its blocks are copied whole (:meth:`host_block_size`)."""
-        return any(
-            dtype.kind in "iub" or shape[1] != self.block_size
-            for shape, dtype in zip(self.layout.block_shapes, self.layout.dtypes)
-        )
 
     def host_block_size(self, block_size: int) -> int:
         """The engine's block size the host copies serve, nearest ``block_size``: any for an
