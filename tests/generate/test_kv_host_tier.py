@@ -198,6 +198,27 @@ def test_the_device_hit_then_the_host_blocks_after_it(kind):
     engine.check(state)
 
 
+def test_a_waiting_requests_blocks_outlast_the_evictions_of_those_admitted_before_it():
+    """The host tier holds six blocks: a's three, then b's. a's next turn joins the queue
+    (``runner.stage``, as the engine's loop queues it) while another request is admitted
+    before it and evicts c's slot: the tier drops three blocks for c's, b's (a's were touched
+    when it came). Before, a's were the least recently used and went, and its turn computed its
+    history again."""
+    engine = Engine(max_bytes=6 * BLOCK_BYTES)
+    a, b, c, d, e = prompts(5, 13)
+    for prompt in (a, b, c, d):  # two slots: a's then b's blocks go to the tier
+        engine.run(prompt)
+    assert engine.tier.nbytes == 6 * engine.tier.block_bytes
+    later = [*a, 7]
+    engine.runner.stage(later, salt(""), lambda: None)  # it waits for a slot
+    engine.run(e)  # admitted before it: c's slot taken, c's blocks in, three blocks out
+    assert len(engine.tier.match(later, salt(""))) == 3
+    assert engine.tier.match([*b, 1], salt("")) == []
+    state = engine.run(later)
+    assert state.cached == 12 and engine.tier.restored_tokens == 12
+    engine.check(state)
+
+
 @pytest.mark.parametrize("kind", CACHES)
 def test_another_salt_or_other_tokens_are_never_restored(kind):
     engine = Engine(cache=CACHES[kind]())

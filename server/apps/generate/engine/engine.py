@@ -532,9 +532,10 @@ class Engine:
             self._gauges()  # what the step ended (an idle engine's gauges read zero)
 
     def _queue(self, new: list[RequestState]) -> None:
-        """``new`` into the waiting queue, the disk tier's reader reading ahead each one's
-        blocks (:meth:`.kv_disk_tier.DiskTier.stage`), so that admitting it reads no file."""
-        if self.tier is not None and self.tier.disk is not None:
+        """``new`` into the waiting queue, each one's host-tier blocks touched and the disk
+        tier's reader reading ahead its blocks there (:meth:`.runner.ModelRunner.stage`), so
+        that the requests ahead of it do not evict them and admitting it reads no file."""
+        if self.tier is not None:
             for state in new:
                 if state.prompt_logprobs is None:
                     prompt = state.sequences[0].tokens

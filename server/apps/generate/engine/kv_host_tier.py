@@ -230,6 +230,11 @@ class HostTier:
             parent = block
         return found
 
+    def touch(self, prompt: Sequence[int], salt: int) -> None:
+        """The kept blocks that begin ``prompt`` count as used now (a request waiting for a
+        slot: :meth:`.runner.ModelRunner.stage`)."""
+        self._touch(self.match(prompt, salt))
+
     def restore(
         self, row: int, blocks: list[HostBlock], start: int, data: list[Any] | None = None
     ) -> None:

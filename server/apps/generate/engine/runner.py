@@ -158,10 +158,17 @@ class ModelRunner:
         self.cache.copy(source.index, target.index, length)
 
     def stage(self, prompt: list[int], salt: int, woken: Callable[[], None]) -> Staging | None:
-        """The disk tier's blocks of ``prompt`` read ahead for it while it waits (None: no
-        disk tier, or nothing to read; ``woken`` is called once read)."""
-        disk = self.tier.disk if self.tier is not None else None
-        return disk.stage(prompt, salt, woken) if disk is not None else None
+        """The tiers made ready for ``prompt`` as it joins the waiting queue: its host-tier
+        blocks touched (used now: the slots the requests ahead of it take evict other
+        blocks into the host tier, whose drops then take older blocks than its own, and a
+        block dropped after this would not be among the disk tier's reads), and the disk
+        tier's blocks read ahead for it while it waits (the Staging; None: no disk tier, or
+        nothing to read; ``woken`` is called once read)."""
+        tier = self.tier
+        if tier is None:
+            return None
+        tier.touch(prompt, salt)
+        return tier.disk.stage(prompt, salt, woken) if tier.disk is not None else None
 
     def restore_prefix(
         self, prompt: list[int], salt: int, staging: Staging | None = None
