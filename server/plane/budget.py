@@ -54,6 +54,7 @@ __all__ = [
     "charging_strings",
     "decoded_nbytes",
     "default_limit",
+    "size_text",
 ]
 
 JSON_FACTOR = 20
@@ -167,8 +168,8 @@ class MemoryBudget:
                     return onto
                 return Charge(self, nbytes)
         raise ResourceExhausted(
-            f"{what} would hold about {_mib(nbytes)} while in flight, and requests in flight "
-            f"already hold {_mib(used)} of this server's {_mib(self.limit)} "
+            f"{what} would hold about {size_text(nbytes)} while in flight, and requests in flight "
+            f"already hold {size_text(used)} of this server's {size_text(self.limit)} "
             "(--max-inflight-bytes / PLUGSERVE_MAX_INFLIGHT_BYTES); retry later, or send "
             "large tensors as binary data (JSON costs 20x its size to decode)"
         )
@@ -213,5 +214,10 @@ def decoded_nbytes(count: int, dtype: np.dtype) -> int:
     return count * STRING_OBJECT_BYTES if count <= tensors.MAX_STRING_ELEMENTS else 0
 
 
-def _mib(nbytes: int) -> str:
-    return f"{nbytes / (1 << 20):,.0f} MiB"
+def size_text(nbytes: int) -> str:
+    """``nbytes`` for a refusal's message, in the unit that shows it (a budget of a few
+    hundred KB said "0 MiB of this server's 0 MiB")."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift:
+            return f"{nbytes / (1 << shift):,.{0 if nbytes >= 10 << shift else 1}f} {unit}"
+    return f"{nbytes:,} bytes"

@@ -249,6 +249,8 @@ def test_a_thousand_clients_are_served_or_refused_within_the_budget(llm_folder):
             else:
                 assert body["type"] == "rate_limit_exceeded"
                 assert "max-inflight-bytes" in body["message"]
+                # in the unit that shows it (it said "0 MiB of this server's 0 MiB")
+                assert "of this server's 293 KiB" in body["message"], body["message"]
         peak = rss_kib("VmHWM:")
         # the requests' own bytes are within the budget; what else a thousand connections
         # cost (buffers, tasks) stays far below the machine's memory

@@ -103,7 +103,7 @@ import httptools
 import numpy as np
 
 from plugserve.plugins.api import PlugserveError, ResourceExhausted
-from plugserve.server.plane.budget import Charge, MemoryBudget, body_factor
+from plugserve.server.plane.budget import Charge, MemoryBudget, body_factor, size_text
 from plugserve.server.plane.errors import forget_frames
 from plugserve.server.protocols.http.bounds import Bounds, Share
 from plugserve.server.protocols.http.replies import (
@@ -652,9 +652,9 @@ class Connection(asyncio.Protocol):
         most = self.server.bounds.peer_bytes
         if most and share.nbytes + nbytes > most:
             error = ResourceExhausted(
-                f"this request would hold about {_mib(nbytes)} more while in flight, and "
-                f"requests from {self.peer} already hold {_mib(share.nbytes)} of the "
-                f"{_mib(most)} one client address may hold (--max-inflight-bytes-per-peer / "
+                f"this request would hold about {size_text(nbytes)} more while in flight, and "
+                f"requests from {self.peer} already hold {size_text(share.nbytes)} of the "
+                f"{size_text(most)} one client address may hold (--max-inflight-bytes-per-peer / "
                 "PLUGSERVE_MAX_INFLIGHT_BYTES_PER_PEER); retry later, or send large tensors "
                 "as binary data (JSON costs 20x its size to decode)"
             )
@@ -951,7 +951,3 @@ class Connection(asyncio.Protocol):
             f"{bounds.grace:g} s)" + ("; the server needed its connection" if evicted else "")
         )
         self._fail(_Refused(408, message))
-
-
-def _mib(nbytes: int) -> str:
-    return f"{nbytes / (1 << 20):,.0f} MiB"
