@@ -6,6 +6,7 @@ thousand clients at once are served or refused with 429, within the memory budge
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import urllib.error
 import urllib.request
@@ -241,7 +242,8 @@ def test_a_thousand_clients_are_served_or_refused_within_the_budget(llm_folder):
         # how many fit depends on how many bodies are being read when each arrives (every
         # connection's bytes are charged as they come): 16+ on a quiet machine, 1 once on a
         # loaded one; what must hold is that some are served and the rest refused at once
-        assert statuses.count(200) >= 1, "some are served"
+        refusals = collections.Counter(b.get("message", "")[:60] for s, b in answers if s != 200)
+        assert statuses.count(200) >= 1, f"some are served; refused: {refusals.most_common(4)}"
         assert statuses.count(429) >= 1, "the budget refuses the rest at once"
         for status, body in answers:
             if status == 200:
