@@ -140,7 +140,13 @@ class MemoryBudget:
         """``limit``: bytes in flight at most (0: no limit, nothing is counted)."""
         self.limit = limit
         self.used = 0
+        #: charges refused (each a request answered RESOURCE_EXHAUSTED, REST 429 or 503)
+        self.refused = 0
         self._lock = threading.Lock()
+
+    def snapshot(self) -> tuple[int, int, int]:
+        """``(used, limit, refused)`` now (the metrics' ``plugserve_inflight_bytes*``)."""
+        return self.used, self.limit, self.refused
 
     def free(self) -> int:
         """Bytes not held now (0: no limit): the most one output of a run admitted now may
@@ -161,6 +167,7 @@ class MemoryBudget:
         with self._lock:
             if self.used + nbytes > self.limit:
                 used = self.used
+                self.refused += 1
             else:
                 self.used += nbytes
                 if onto is not None and onto._budget is self:

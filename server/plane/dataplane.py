@@ -202,6 +202,7 @@ class DataPlane:
         metrics.watch_executors(self._executor_gauges)
         metrics.watch_sequences(self._sequence_gauges)
         metrics.watch_graphs(self._graph_counts)
+        metrics.watch_budget(self.budget.snapshot)
         # (read through self.shm at scrape time: the server's app replaces it)
         metrics.watch_cuda_shm(lambda: self.shm.cuda.copies.snapshot())
 

@@ -392,6 +392,34 @@ class _ServerCollector:
         yield info
 
 
+class _BudgetCollector:
+    """The memory budget every request in flight is charged to (``--max-inflight-bytes``,
+    ``budget.py``): what is held now, the limit, and the charges refused. A held figure that
+    stays near the limit precedes refusals; one that never returns to what the idle server
+    holds (the Responses store, the KV host tier) would be a leak."""
+
+    def __init__(self, read: Callable[[], tuple[int, int, int]]) -> None:
+        self._read = read
+
+    def collect(self):
+        used, limit, refused = self._read()
+        yield GaugeMetricFamily(
+            "plugserve_inflight_bytes",
+            "Bytes of --max-inflight-bytes held by requests in flight (and what the Responses "
+            "store and the KV host tier keep)",
+            value=used,
+        )
+        yield GaugeMetricFamily(
+            "plugserve_inflight_bytes_limit", "--max-inflight-bytes (0: no limit)", value=limit
+        )
+        yield CounterMetricFamily(
+            "plugserve_inflight_refused",
+            "Charges --max-inflight-bytes had no room for: a request refused (RESOURCE_EXHAUSTED), "
+            "or a KV tier keeping less",
+            value=refused,
+        )
+
+
 class Metrics:
     def __init__(self, version: str) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -459,6 +487,10 @@ class Metrics:
         self._generation = read
         self.registry.register(_GenerationCollector(read))
         self.registry.register(VllmCollector(read))
+
+    def watch_budget(self, read: Callable[[], tuple[int, int, int]]) -> None:
+        """``read()``: ``(used, limit, refused)`` of the memory budget (--max-inflight-bytes)."""
+        self.registry.register(_BudgetCollector(read))
 
     def watch_kv_events(self, read: Callable[[], tuple[int, int]]) -> None:
         """``read()``: ``(published, dropped)`` KV-event batches (``--kv-events-config``)."""

@@ -15,7 +15,8 @@ import pytest
 
 openai = pytest.importorskip("openai", reason="pip install openai (the test extra)")
 
-from openai_serving import client, serving  # noqa: E402
+from openai_serving import client, metric, serving  # noqa: E402
+from serving import wait_for  # noqa: E402
 
 MODEL = "llama"
 LIMIT = 64  # --max-completion-tokens
@@ -253,6 +254,11 @@ def test_a_thousand_clients_are_served_or_refused_within_the_budget(llm_folder):
                 assert "max-inflight-bytes" in body["message"]
                 # in the unit that shows it (it said "0 MiB of this server's 0 MiB")
                 assert "of this server's 293 KiB" in body["message"], body["message"]
+        # every refusal is one charge the budget refused, and once the burst is over no
+        # request holds any of it (a charge a refusal or an answer left behind would show)
+        assert metric(server, "plugserve_inflight_refused_total", "") == statuses.count(429)
+        assert metric(server, "plugserve_inflight_bytes_limit", "") == budget
+        assert wait_for(lambda: metric(server, "plugserve_inflight_bytes", "") == 0, 30)
         peak = rss_kib("VmHWM:")
         # the requests' own bytes are within the budget; what else a thousand connections
         # cost (buffers, tasks) stays far below the machine's memory

@@ -51,7 +51,8 @@ def client(server: RunningServer, prefix: str = "/v1", api_key: str = "unused", 
 
 
 def metric(server: RunningServer, name: str, model: str, **labels: str) -> float:
-    """One sample of the server's /metrics for ``model`` (0 when absent)."""
+    """One sample of the server's /metrics for ``model`` ("": a series without one; 0 when
+    absent)."""
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
@@ -60,7 +61,7 @@ def metric(server: RunningServer, name: str, model: str, **labels: str) -> float
         text = response.read().decode()
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name != name or sample.labels.get("model") != model:
+            if sample.name != name or sample.labels.get("model", "") != model:
                 continue
             if all(sample.labels.get(k) == v for k, v in labels.items()):
                 return sample.value
