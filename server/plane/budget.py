@@ -140,7 +140,8 @@ class MemoryBudget:
         """``limit``: bytes in flight at most (0: no limit, nothing is counted)."""
         self.limit = limit
         self.used = 0
-        #: charges refused (each a request answered RESOURCE_EXHAUSTED, REST 429 or 503)
+        #: charges refused: a request answered RESOURCE_EXHAUSTED (REST 429 or 503), or a KV
+        #: tier's block not kept
         self.refused = 0
         self._lock = threading.Lock()
 
