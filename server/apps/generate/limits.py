@@ -17,6 +17,13 @@ The bounds, each checked before the work it bounds:
   ``encode_batch_fast`` on a byte-level BPE: 143 per byte of English words, 121 of CJK, 255 of
   random ASCII): that much is charged to ``--max-inflight-bytes`` before tokenizing starts and
   released when it ends; over the budget the request is refused (429 / RESOURCE_EXHAUSTED).
+  Below :data:`UNCHARGED_TOKENIZING` (a text of 3,276 bytes) nothing is charged: the threads
+  that tokenize are few (the OpenAI face's two workers, the devices' streams), so what they
+  hold uncharged is at most a few MiB. Charging it made a burst of small chats starve: each
+  chat's 40 KiB for its tokenizing did not fit between the 300-byte bodies of the requests
+  behind it, which took every byte a refusal freed (1,000 chats sent at once on raw sockets to
+  a 300 KB budget: 35 and 144 served in two runs, the official client's burst once none on a
+  loaded host; uncharged, 144-194; tests/generate/test_openai_refusals.py).
 * **Unread events.** A generation stream keeps at most ``--max-stream-unread-bytes`` (1 MiB by
   default) of events its client has not taken (each event counted at its Python size:
   ``GenerationEvent.nbytes``, about 320 bytes, 2.9 KB with 20 logprob alternatives), none
@@ -65,6 +72,7 @@ from plugserve.server.plane.response_stream import ResponseStream
 
 __all__ = [
     "TOKENIZE_BYTES_PER_BYTE",
+    "UNCHARGED_TOKENIZING",
     "PromptTooLong",
     "check_prompt",
     "configure",
@@ -78,6 +86,8 @@ __all__ = [
 #: memory tokenizing takes per byte of text, at most (see the module's docstring: 255 measured
 #: at worst, with a margin)
 TOKENIZE_BYTES_PER_BYTE = 320
+#: tokenizing that takes at most this much memory is not charged (see the module's docstring)
+UNCHARGED_TOKENIZING = 1 << 20
 
 
 @dataclasses.dataclass
@@ -152,10 +162,11 @@ def tokenizing(nbytes: int, what: str) -> Iterator[None]:
     """Hold the memory tokenizing ``nbytes`` of text takes, charged before and released after
     (ResourceExhausted, 429, when the budget has no room for it)."""
     budget = _limits.budget
-    if budget is None:
+    takes = nbytes * TOKENIZE_BYTES_PER_BYTE
+    if budget is None or takes <= UNCHARGED_TOKENIZING:
         yield
         return
-    charge = budget.charge(nbytes * TOKENIZE_BYTES_PER_BYTE, f"tokenizing {what}")
+    charge = budget.charge(takes, f"tokenizing {what}")
     try:
         yield
     finally:
