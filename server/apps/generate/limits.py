@@ -17,9 +17,10 @@ The bounds, each checked before the work it bounds:
   ``encode_batch_fast`` on a byte-level BPE: 143 per byte of English words, 121 of CJK, 255 of
   random ASCII): that much is charged to ``--max-inflight-bytes`` before tokenizing starts and
   released when it ends; over the budget the request is refused (429 / RESOURCE_EXHAUSTED).
-  Below :data:`UNCHARGED_TOKENIZING` (a text of 3,276 bytes) nothing is charged: the threads
-  that tokenize are few (the OpenAI face's two workers, the devices' streams), so what they
-  hold uncharged is at most a few MiB. Charging it made a burst of small chats starve: each
+  Below :data:`UNCHARGED_TOKENIZING` (a text of 3,276 bytes) nothing is charged: only a
+  bounded set of threads tokenizes (the OpenAI face's two workers; for KServe's generate, the
+  model's streams, which the operator sets), each holding at most that much uncharged, and no
+  client adds threads. Charging it made a burst of small chats starve: each
   chat's 40 KiB for its tokenizing did not fit between the 300-byte bodies of the requests
   behind it, which took every byte a refusal freed (1,000 chats sent at once on raw sockets to
   a 300 KB budget: 35 and 144 served in two runs, the official client's burst once none on a
