@@ -474,7 +474,7 @@ class _AttentionPlan:
         allowed = columns[None, :] <= positions[:, None]
         if self.window:
             allowed &= columns[None, :] > positions[:, None] - self.window
-        self.decode_mask = allowed[:, None, None, :]  # [B, 1, 1, L]
+        self.decode_mask = self._additive(allowed)[:, None, None, :]  # [B, 1, 1, L]
         self.lasts.append(torch.arange(self.decoding, device=self.device))
 
     def chunks(self, starts: Sequence[int], counts: Sequence[int], rows: Sequence[int]) -> None:
@@ -491,12 +491,21 @@ class _AttentionPlan:
                 allowed = k_pos <= q_pos
                 if self.window:
                     allowed &= k_pos > q_pos - self.window
-                mask = allowed[None, None]
+                mask = self._additive(allowed)[None, None]
             self.sequences.append((int(row), int(start), int(count), offset, mask))
             offset += int(count)
             ends.append(offset - 1)
         if ends:
             self.lasts.append(torch.as_tensor(ends, device=self.device))
+
+    def _additive(self, allowed: Any) -> Any:
+        """``allowed`` as the additive mask SDPA adds to the scores (0 or -inf in the model's
+        dtype), made once a step for every layer: with a boolean one, the CPU's attention
+        takes 4-9% longer at bench-llama's shapes, the answers equal
+        (tests/benchmarks/bench_attention_mask.py)."""
+        torch = self.torch
+        mask = torch.zeros(allowed.shape, dtype=self.model.dtype, device=self.device)
+        return mask.masked_fill_(~allowed, float("-inf"))
 
     @property
     def last(self) -> Any:
