@@ -322,13 +322,13 @@ def test_prefix_routing_sends_a_conversation_to_its_prefix_and_loses_no_request(
     worker = threading.Thread(
         target=lambda: outcome.append(ray_cluster.load(12, 60, call, stop)), daemon=True
     )
-    worker.start()
     pids = [p for node in cluster.nodes for p in cluster.replica_pids("routed:routed", node)]
     assert len(pids) == 2, pids
+    worker.start()
     # the replica killed is one that computes (requests in hand) 3 s or more into the load,
     # not the one on w2 at 4 s: a loaded CI host once had that one idle then, and nothing to
-    # send again; killed as the load began, a computing replica had nothing sent again in 2
-    # of 17 runs (not found why; perhaps requests Serve was still placing, which it retries)
+    # send again; killed as the load began, a computing replica once had nothing sent again
+    # (not found why; perhaps requests Serve was still placing, which it retries itself)
     seen: dict[int, float] = {}
 
     def computing() -> bool:
