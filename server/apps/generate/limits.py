@@ -17,7 +17,7 @@ The bounds, each checked before the work it bounds:
   ``encode_batch_fast`` on a byte-level BPE: 143 per byte of English words, 121 of CJK, 255 of
   random ASCII): that much is charged to ``--max-inflight-bytes`` before tokenizing starts and
   released when it ends; over the budget the request is refused (429 / RESOURCE_EXHAUSTED).
-  Below :data:`UNCHARGED_TOKENIZING` (a text of 3,276 bytes) nothing is charged: only a
+  Up to :data:`UNCHARGED_TOKENIZING` (a text of 3,276 bytes at most) nothing is charged: only a
   bounded set of threads tokenizes (the OpenAI face's two workers; for KServe's generate, the
   model's streams, which the operator sets), each holding at most that much uncharged, and no
   client adds threads. Charging it made a burst of small chats starve: each
