@@ -66,6 +66,7 @@ from plugserve.server.apps.generate.types import (
     logprob_entry_bytes,
     seeded_generator,
 )
+from plugserve.server.plane.errors import forget_frames
 
 __all__ = ["OutputProcessor", "cancelled", "send"]
 
@@ -296,6 +297,9 @@ class OutputProcessor:
                 f"model {self.name}: generation failed while {stage} for this request "
                 f"({type(exc).__name__}: {exc})"
             )
+        # logged: its frames would only keep the step's locals (the sampler's copy of the
+        # logits, rows x vocab) in a reference cycle until the collector runs
+        forget_frames(exc)
         self.fail(seq.request, error)
 
     def end(self, state: RequestState, reason: str) -> None:
