@@ -15,6 +15,8 @@ import onnx
 import pytest
 from models import mlp
 
+#: Loop trips per request of the spin model: tens of milliseconds on NUMPY
+SPIN_TRIPS = 5000
 LATENCY_KEYS = {"min", "p50", "p90", "p99", "max", "mean"}
 
 
@@ -212,18 +214,28 @@ def test_plot_without_matplotlib(model_file, tmp_path):
 
 
 def test_failed_requests_make_the_run_fail(tmp_path):
-    """A run in which requests failed exits 1 and says how many (here a queue of one place
-    refuses most of a burst of 32), as perf_analyzer does. All 32 calls run at once
-    (--grpc-active-workers): with the default two, the handler threads' own queue paces the
-    burst, and a run as short as the cnn's may keep the network's queue from ever filling."""
-    from serving import RunningServer, examples_repository
+    """A run in which requests failed exits 1 and says how many, as perf_analyzer does: here
+    one stream and a queue of one place refuse most of a burst of 32. Each request is a
+    Loop of SPIN_TRIPS additions (tens of milliseconds on NUMPY), so the queue is full
+    whatever the machine's load: with the cnn (0.2 ms) a loaded machine once answered all 64
+    before the next arrived. All 32 calls run at once (--grpc-active-workers): with the
+    default two, the handler threads' own queue paces the burst."""
+    import numpy as np
+    from models import spin_loop
+    from serving import RunningServer
 
-    repo = examples_repository(tmp_path)
-    args = ("--model-repository", str(repo), "--queue-size", "1", "--grpc-active-workers", "32")
-    with RunningServer(*args) as server:
+    folder = tmp_path / "models" / "spin" / "1"
+    folder.mkdir(parents=True)
+    onnx.save(spin_loop(), str(folder / "model.onnx"))
+    config = {"device": "NUMPY", "config": {"NUM_STREAMS": "1"}}
+    (folder.parent / "config.json").write_text(json.dumps(config))
+    trips = tmp_path / "trips.npy"
+    np.save(trips, np.array(SPIN_TRIPS, np.int64))
+    args = ("--model-repository", str(tmp_path / "models"), "--queue-size", "1")
+    with RunningServer(*args, "--grpc-active-workers", "32") as server:
         result = bench(
-            "cnn", "--target", server.target, "--mode", "async", "--concurrency", "32",
-            "--iterations", "64",
+            "spin", "--target", server.target, "--mode", "async", "--concurrency", "32",
+            "--iterations", "64", "--input", f"M={trips}",
         )  # fmt: skip
     assert result.returncode == 1, result.stdout + result.stderr
     assert "requests failed" in result.stderr and "RESOURCE_EXHAUSTED" in result.stderr

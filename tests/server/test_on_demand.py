@@ -380,6 +380,7 @@ import triton_python_backend_utils as pb_utils
 
 class TritonPythonModel:
     def execute(self, requests):
+        open(STARTED, "w").close()  # (the test's sign that a request is in flight)
         time.sleep(5)
         return [
             pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(
@@ -394,7 +395,9 @@ def test_a_model_with_work_in_flight_stays_and_the_request_waiting_for_room_gets
     _double(tmp_path)
     (tmp_path / "slow" / "1").mkdir(parents=True)
     (tmp_path / "slow" / "config.pbtxt").write_text(PYTHON_CONFIG.replace('"scale"', '"slow"'))
-    (tmp_path / "slow" / "1" / "model.py").write_text(textwrap.dedent(SLOW))
+    started = tmp_path / "started"
+    code = textwrap.dedent(SLOW).replace("STARTED", repr(str(started)))
+    (tmp_path / "slow" / "1" / "model.py").write_text(code)
     args = ["--model-repository", str(tmp_path), "--model-load-on-demand", "1"]
     args += ["--models-max", "1", "--model-load-wait-seconds", "1"]
     with RunningServer(*args) as server:
@@ -410,7 +413,9 @@ def test_a_model_with_work_in_flight_stays_and_the_request_waiting_for_room_gets
         running.start()
         try:
             assert wait_for(lambda: _loaded(server) == {"slow"}, timeout=30)
-            time.sleep(0.3)  # (its request admitted: it runs for 5 s)
+            # its request in flight for 5 s (a fixed pause was once too short on a loaded
+            # machine: the request not yet admitted, "slow" was unloaded to make room)
+            assert wait_for(started.exists, timeout=30)
             request = urllib.request.Request(
                 f"{server.http_url}/v2/models/double/infer",
                 json.dumps(
