@@ -68,6 +68,18 @@ _ROOM_POLL = 0.02
 STATES = ("loaded", "loading", "unloaded")
 
 
+class _Load(Future):
+    """A model's load on demand: its outcome, and whether it had to wait for room under
+    --models-max. The mark is kept on the load itself and never cleared, so what a request
+    that waited in vain is told does not depend on whether the load's wait or the request's
+    ran out first (the two bounds are the same length; on a loaded machine the load once
+    gave up and cleared a shared mark just before the request read it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waited_for_room = False
+
+
 def _on_event_loop() -> bool:
     """Whether this thread runs an asyncio event loop (the REST port's), which must not wait."""
     try:
@@ -105,13 +117,11 @@ class OnDemand:
         self.wait_seconds = wait_seconds
         self._lock = threading.Lock()
         #: name -> the future of its load under way (one per model)
-        self._loading: dict[str, Future] = {}
+        self._loading: dict[str, _Load] = {}
         #: name -> on-demand loads done; (name, reason) -> unloads (lru, idle, step)
         self._loads: dict[str, int] = {}
         self._evictions: dict[tuple[str, str], int] = {}
         self._listing: tuple[float, dict[str, list[ModelEntry]]] = (float("-inf"), {})
-        #: the loads waiting for a loaded model to be free to go (what their requests are told)
-        self._no_room: set[str] = set()
         #: the loads under way that have their place under --models-max: only those count
         #: beside the loaded models (two loads each waiting for the other's place would wait
         #: out their bound)
@@ -177,26 +187,27 @@ class OnDemand:
                     raise self.table.missing(name, version)
             future = self._start(name, entries)
             if _on_event_loop():
-                late = functools.partial(self._loading_message, name, self.wait_seconds)
-                raise ModelLoading(self._loading_message(name), future, self.wait_seconds, late)
+                late = functools.partial(self._loading_message, name, future, self.wait_seconds)
+                now = self._loading_message(name, future)
+                raise ModelLoading(now, future, self.wait_seconds, late)
             try:
                 future.result(self.wait_seconds)
             except concurrent.futures.TimeoutError:
-                raise NotReady(self._loading_message(name, self.wait_seconds)) from None
+                raise NotReady(self._loading_message(name, future, self.wait_seconds)) from None
             except PlugserveError as exc:
                 raise LoadFailed(str(exc), exc.code) from None
             try:
                 return self.plane.get(name, version, load=False)
             except PlugserveError:
                 continue
-        raise NotReady(self._loading_message(name))
+        raise NotReady(self._loading_message(name, future))
 
-    def _loading_message(self, name: str, waited: float = 0.0) -> str:
+    def _loading_message(self, name: str, load: _Load, waited: float = 0.0) -> str:
         past = f" and did not finish within {waited:g} s (--model-load-wait-seconds)"
         room = (
             f", waiting for room: --models-max {self.models_max} models are loaded, each with "
             "requests in flight or loading"
-            if name in self._no_room
+            if load.waited_for_room
             else ""
         )
         return (
@@ -204,21 +215,21 @@ class OnDemand:
             f"{room}{past if waited else ''}; retry when /v2/models/{name}/ready says it is"
         )
 
-    def _start(self, name: str, entries: list[ModelEntry]) -> Future:
+    def _start(self, name: str, entries: list[ModelEntry]) -> _Load:
         """The future of ``name``'s load: the one under way, or a new one started."""
         with self._lock:
             future = self._loading.get(name)
             if future is None:
-                future = self._loading[name] = Future()
+                future = self._loading[name] = _Load()
                 future.set_running_or_notify_cancel()  # (no waiter can cancel it)
                 start_daemon(f"load-{name}", self._load, name, entries, future)
         return future
 
-    def _load(self, name: str, entries: list[ModelEntry], future: Future) -> None:
+    def _load(self, name: str, entries: list[ModelEntry], future: _Load) -> None:
         error: BaseException | None = None
         try:
             if self.models_max and _counts(entries):
-                self._make_room(name)
+                self._make_room(name, future)
             for entry in sorted(entries, key=lambda e: e.version):
                 if entry.version not in self.table.by_name.get(name, {}):
                     self.control.reload(name, entry.version)
@@ -230,7 +241,6 @@ class OnDemand:
             error = exc
         with self._lock:
             self._loading.pop(name, None)
-            self._no_room.discard(name)
             self._room.discard(name)
         if error is None:
             future.set_result(None)
@@ -239,7 +249,7 @@ class OnDemand:
 
     # --- room under --models-max
 
-    def _make_room(self, name: str) -> None:
+    def _make_room(self, name: str, load: _Load) -> None:
         """Unload least recently used models until ``name`` fits under --models-max, or
         NotReady once the wait is over with none that may go."""
         end = time.monotonic() + self.wait_seconds
@@ -255,7 +265,7 @@ class OnDemand:
             if victim is not None:
                 self._unload(victim, "lru")
                 continue
-            self._no_room.add(name)  # (discarded by _load, whatever happens)
+            load.waited_for_room = True
             if time.monotonic() >= end or self._stop.is_set():
                 raise NotReady(
                     f"Request for model {name!r}: it is not at ready state: --models-max "
