@@ -7,7 +7,8 @@ never served; a new tier on the same directory (a restart) keeps the valid block
 queue drops a block rather than wait, and the queued blocks stay charged to the budget; a
 request's blocks are read ahead while it waits (so its admission reads no file), charged to the
 budget until it is admitted or leaves the queue, and bounded across the queue; a size
-over the directory's free space stops a real model's load (InvalidArgument). The
+over the directory's free space stops a real model's load (InvalidArgument); close returns
+past a hung write, its queued blocks' charges given back. The
 served path (a real server, the openai client, a restart) is
 tests/generate/test_openai_kv_disk.py."""
 
@@ -23,6 +24,7 @@ from test_kv_host_tier import BLOCK, BLOCK_BYTES, Engine, expected, prompts
 
 from plugserve.plugins.api import InvalidArgument
 from plugserve.server.apps.generate.engine.kv_disk_tier import (
+    CLOSE_WRITE_S,
     STAGE_QUEUE,
     STAGE_WAIT_S,
     DiskEntry,
@@ -303,6 +305,57 @@ def test_close_waits_for_no_hung_read_and_no_queued_prompt(tmp_path):
     assert not disk._reader.is_alive()
     assert all(s.done.is_set() for s in stagings)
     assert sum(bool(s.blocks) for s in stagings) == 0  # none read after close
+
+
+def _drain(fifo) -> None:
+    """Read ``fifo`` to its end (a hung write let through), for at most ~10 s."""
+    fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        for _ in range(1000):
+            try:
+                if os.read(fd, 1 << 16) == b"":
+                    return  # (its writer closed it)
+            except BlockingIOError:
+                threading.Event().wait(0.01)
+    finally:
+        os.close(fd)
+
+
+def test_close_drops_the_blocks_a_hung_write_holds_up_and_gives_back_their_charges(tmp_path):
+    """The writer inside a write that does not return (its temporary file a FIFO nobody
+    reads: a hung disk) and its queue full: close returns within CLOSE_WRITE_S, the queued
+    blocks dropped and their charges given back; the writer ends when its write does, its
+    own block's charge given back then. Before, close waited without end for room in the
+    full queue (a model's unload hung), each queued block's bytes charged meanwhile."""
+    budget = MemoryBudget(64 * BLOCK_BYTES)
+    disk = disk_tier(tmp_path, queue_blocks=4)
+    data = np.zeros(SHAPE, np.uint8)
+    entries = [DiskEntry(bytes([n]) * 32, n, None, 0, tuple(range(BLOCK))) for n in range(1, 6)]
+    hung = disk._path(entries[0].digest).with_suffix(".tmp")
+    os.mkfifo(hung)
+    closing = threading.Thread(target=disk.close)
+    try:
+        assert disk.offer(entries[0], data, budget.charge(data.nbytes, "block"))
+        for _ in range(500):  # the writer takes it, and hangs opening the FIFO
+            if disk._queue.qsize() == 0:
+                break
+            threading.Event().wait(0.01)
+        for entry in entries[1:]:
+            assert disk.offer(entry, data, budget.charge(data.nbytes, "block"))
+        assert not disk.offer(DiskEntry(b"\7" * 32, 7, None, 0, ()), data)  # full
+        assert budget.used == 5 * data.nbytes
+        closing.start()
+        closing.join(timeout=CLOSE_WRITE_S + 10)
+        assert not closing.is_alive(), "close waited on the hung write"
+        assert budget.used == data.nbytes  # only the block inside the write
+        assert disk.skipped_blocks == 1 + 4 and not disk.pending.keys() - {entries[0].digest}
+        assert not disk.offer(entries[1], data)  # closed: nothing more is queued
+    finally:
+        _drain(hung)
+        disk._thread.join(timeout=10)
+        closing.join(timeout=10)
+    assert not disk._thread.is_alive()
+    assert budget.used == 0 and disk.written_blocks == 1
 
 
 def test_a_size_over_the_free_space_is_refused(tmp_path):

@@ -35,6 +35,8 @@ Writing. The engine's loop never waits on the disk: the host tier hands each blo
 tier's charge moves with the block) until written, and served from memory meanwhile; a full
 queue drops the block. A file is
 written under a temporary name and renamed, so a crash leaves no half file under a block's name.
+Close writes the queued blocks for at most :data:`CLOSE_WRITE_S`, then drops the rest (their
+charges given back): a hung disk never holds a model's unload.
 
 Restoring. The engine's loop never waits on the disk for a read either: a prompt that joins
 the waiting queue is handed to :meth:`DiskTier.stage`, whose reader thread finds the files that
@@ -99,6 +101,9 @@ MIN_RESTORE_BLOCKS = 1
 STAGE_WAIT_S = 1.0
 #: prompts waiting for the reader at most (more: their blocks are computed, not read)
 STAGE_QUEUE = 256
+#: how long close lets the writer write the queued blocks (at most WRITE_QUEUE_BLOCKS: a few
+#: milliseconds on a working disk); past it the rest are dropped, their charges given back
+CLOSE_WRITE_S = 5.0
 _STOP = object()
 
 
@@ -253,6 +258,7 @@ class DiskTier:
         self.staged = StageBound()
         self._reads: queue.Queue[Any] = queue.Queue(maxsize=STAGE_QUEUE)
         self._closed = threading.Event()
+        self._close_by = float("inf")
         self._scan()
         free = shutil.disk_usage(self.directory).free
         if max_bytes > free + self.nbytes:
@@ -275,8 +281,8 @@ class DiskTier:
         (its bytes' charge to the memory budget, or None) released once written; False (and
         nothing kept) when the queue is full or the block is on disk already."""
         key = entry.digest
-        if key in self.entries or key in self.pending:  # no lock: the loop never waits on it
-            return False
+        if self._closed.is_set() or key in self.entries or key in self.pending:
+            return False  # (no lock: the loop never waits on it)
         self.pending[key] = (entry, data)
         try:
             self._queue.put_nowait((entry, data, charge))
@@ -291,14 +297,32 @@ class DiskTier:
         self._queue.join()
 
     def close(self) -> None:
-        """The queued blocks written, then the writer stopped; the reader reads nothing more
-        (the prompts queued for it are left to be computed) and stops, or, when it is inside
-        a read that does not return (a hung disk), is left to end when the read does. Before,
-        close queued its stop behind up to :data:`STAGE_QUEUE` prompts, and waited for room
-        there without end when the queue was full behind a hung read."""
+        """The queued blocks written within :data:`CLOSE_WRITE_S`, then the writer stopped:
+        past it (a hung or very slow disk) the blocks still queued are dropped, their charges
+        given back, and a writer inside a write that does not return is left to end when the
+        write does. Before, close waited for room behind the full queue of a hung write
+        without end (a model's unload hung), and up to 30 s for the writer. The reader reads
+        nothing more (the prompts queued for it are left to be computed) and stops, or is
+        left, the same way, inside a read that does not return."""
+        self._close_by = time.monotonic() + CLOSE_WRITE_S
         self._closed.set()
-        self._queue.put(_STOP)
-        self._thread.join(timeout=30)
+        try:
+            self._queue.put(_STOP, timeout=CLOSE_WRITE_S)
+        except queue.Full:
+            self._drop_queued()
+            while True:  # (only close puts once closed: the room made stays)
+                try:
+                    self._queue.put_nowait(_STOP)
+                    break
+                except queue.Full:
+                    self._drop_queued()
+        self._thread.join(timeout=max(0.0, self._close_by - time.monotonic()))
+        if self._thread.is_alive():
+            log.warning(
+                "kv disk tier %s: the writer is inside a write that has not returned within "
+                "%g s (a hung disk?); the blocks queued behind it were dropped, and it stops "
+                "when the write does", self.directory, CLOSE_WRITE_S,
+            )  # fmt: skip
         with contextlib.suppress(queue.Full):  # full: the reader drains it once it sees closed
             self._reads.put_nowait(_STOP)
         self._reader.join(timeout=1.0)
@@ -308,6 +332,22 @@ class DiskTier:
                 "disk?); it stops when the read does", self.directory,
             )  # fmt: skip
 
+    def _drop_queued(self) -> None:
+        """The blocks still queued for the writer taken out unwritten, their charges given
+        back (close, past its wait)."""
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if item is not _STOP:
+                entry, _, charge = item
+                self.pending.pop(entry.digest, None)
+                self.skipped_blocks += 1
+                if charge is not None:
+                    charge.release()
+            self._queue.task_done()
+
     def _write_loop(self) -> None:
         while True:
             item = self._queue.get()
@@ -316,7 +356,10 @@ class DiskTier:
                     return
                 entry, data, charge = item
                 try:
-                    self._write(entry, data)
+                    if self._closed.is_set() and time.monotonic() >= self._close_by:
+                        self.skipped_blocks += 1  # closing, and its wait is over
+                    else:
+                        self._write(entry, data)
                 finally:
                     self.pending.pop(entry.digest, None)
                     if charge is not None:
