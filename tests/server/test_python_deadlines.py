@@ -27,7 +27,8 @@ instance_group [ { kind: KIND_CPU count: 1 } ]
 """
 
 #: execute takes INPUT0 seconds (in 10 ms steps, returning early once its request is
-#: cancelled, and saying so), then answers the process id; initialize takes 3 s, so a process
+#: cancelled, and saying so; saying when it starts one of a second or more), then answers the
+#: process id; initialize takes 3 s, so a process
 #: started again would make the next client wait that long
 MODEL = """
 import os
@@ -45,6 +46,8 @@ class TritonPythonModel:
         responses = []
         for request in requests:
             seconds = float(pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()[0])
+            if seconds >= 1:
+                pb_utils.Logger.log_info("[slow] runs a long request")
             end = time.monotonic() + seconds
             while time.monotonic() < end:
                 if request.is_cancelled():
@@ -111,8 +114,14 @@ def test_queued_requests_past_their_deadline_are_answered_at_once(server, protoc
     _, pid = _infer(server, protocol, 0.0)
     assert isinstance(pid, int), pid
     with ThreadPoolExecutor(QUEUED + 1) as pool:
+        running = server.log.count("[slow] runs a long request")
         busy = pool.submit(_infer, server, protocol, 2.0)
-        time.sleep(0.5)  # it runs: the next ones queue behind it
+        # it runs, so the next ones queue behind it (a fixed 0.5 s was once too short on a
+        # loaded machine: the busy one came with 17 of them and they were answered after it)
+        end = time.monotonic() + 30
+        while server.log.count("[slow] runs a long request") == running:
+            assert time.monotonic() < end, "the busy request did not start"
+            time.sleep(0.02)
         queued = [pool.submit(_infer, server, protocol, 0.0, DEADLINE_US) for _ in range(QUEUED)]
         answers = [future.result(timeout=60) for future in queued]
         _, same = busy.result(timeout=60)
