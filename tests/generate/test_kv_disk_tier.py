@@ -321,11 +321,14 @@ def _drain(fifo) -> None:
         os.close(fd)
 
 
-def test_close_drops_the_blocks_a_hung_write_holds_up_and_gives_back_their_charges(tmp_path):
+@pytest.mark.parametrize("queued", [4, 2], ids=["queue-full", "queue-half"])
+def test_close_drops_the_blocks_a_hung_write_holds_up_and_gives_back_their_charges(
+    tmp_path, queued
+):
     """The writer inside a write that does not return (its temporary file a FIFO nobody
-    reads: a hung disk) and its queue full: close returns within CLOSE_WRITE_S, the queued
-    blocks dropped and their charges given back; the writer ends when its write does, its
-    own block's charge given back then. Before, close waited without end for room in the
+    reads: a hung disk), ``queued`` blocks behind it: close returns within CLOSE_WRITE_S, the
+    queued blocks dropped and their charges given back; the writer ends when its write does,
+    its own block's charge given back then. Before, close waited without end for room in a
     full queue (a model's unload hung), each queued block's bytes charged meanwhile."""
     budget = MemoryBudget(64 * BLOCK_BYTES)
     disk = disk_tier(tmp_path, queue_blocks=4)
@@ -340,15 +343,17 @@ def test_close_drops_the_blocks_a_hung_write_holds_up_and_gives_back_their_charg
             if disk._queue.qsize() == 0:
                 break
             threading.Event().wait(0.01)
-        for entry in entries[1:]:
+        for entry in entries[1 : 1 + queued]:
             assert disk.offer(entry, data, budget.charge(data.nbytes, "block"))
-        assert not disk.offer(DiskEntry(b"\7" * 32, 7, None, 0, ()), data)  # full
-        assert budget.used == 5 * data.nbytes
+        full = not disk.offer(DiskEntry(b"\7" * 32, 7, None, 0, ()), data)
+        assert full == (queued == 4)
+        assert budget.used == (1 + queued) * data.nbytes
         closing.start()
         closing.join(timeout=CLOSE_WRITE_S + 10)
         assert not closing.is_alive(), "close waited on the hung write"
         assert budget.used == data.nbytes  # only the block inside the write
-        assert disk.skipped_blocks == 1 + 4 and not disk.pending.keys() - {entries[0].digest}
+        assert disk.skipped_blocks == queued + 1  # and the last offer's: refused or dropped
+        assert not disk.pending.keys() - {entries[0].digest}
         assert not disk.offer(entries[1], data)  # closed: nothing more is queued
     finally:
         _drain(hung)

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+from serving import wait_for
 
 grpcclient = pytest.importorskip("tritonclient.grpc", reason="pip install 'tritonclient[all]'")
 httpclient = pytest.importorskip("tritonclient.http", reason="pip install 'tritonclient[all]'")
@@ -116,12 +117,10 @@ def test_queued_requests_past_their_deadline_are_answered_at_once(server, protoc
     with ThreadPoolExecutor(QUEUED + 1) as pool:
         running = server.log.count("[slow] runs a long request")
         busy = pool.submit(_infer, server, protocol, 2.0)
-        # it runs, so the next ones queue behind it (a fixed 0.5 s was once too short on a
-        # loaded machine: the busy one came with 17 of them and they were answered after it)
-        end = time.monotonic() + 30
-        while server.log.count("[slow] runs a long request") == running:
-            assert time.monotonic() < end, "the busy request did not start"
-            time.sleep(0.02)
+        # it runs, so the next ones queue behind it (after a fixed 0.5 s, 17 of 40 were once
+        # answered only at the busy one's end, under four test processes on two cores)
+        started = wait_for(lambda: server.log.count("[slow] runs a long request") > running)
+        assert started, "the busy request did not start"
         queued = [pool.submit(_infer, server, protocol, 0.0, DEADLINE_US) for _ in range(QUEUED)]
         answers = [future.result(timeout=60) for future in queued]
         _, same = busy.result(timeout=60)

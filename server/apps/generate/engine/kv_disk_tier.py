@@ -306,18 +306,17 @@ class DiskTier:
         left, the same way, inside a read that does not return."""
         self._close_by = time.monotonic() + CLOSE_WRITE_S
         self._closed.set()
-        try:
+        with contextlib.suppress(queue.Full):  # full behind a hung write: dropped below
             self._queue.put(_STOP, timeout=CLOSE_WRITE_S)
-        except queue.Full:
-            self._drop_queued()
-            while True:  # (only close puts once closed: the room made stays)
+        self._thread.join(timeout=max(0.0, self._close_by - time.monotonic()))
+        if self._thread.is_alive():
+            while True:  # every block still queued dropped, then the stop it will find
+                self._drop_queued()
                 try:
                     self._queue.put_nowait(_STOP)
                     break
-                except queue.Full:
-                    self._drop_queued()
-        self._thread.join(timeout=max(0.0, self._close_by - time.monotonic()))
-        if self._thread.is_alive():
+                except queue.Full:  # (an offer that looked before closed was set)
+                    continue
             log.warning(
                 "kv disk tier %s: the writer is inside a write that has not returned within "
                 "%g s (a hung disk?); the blocks queued behind it were dropped, and it stops "
