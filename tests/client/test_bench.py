@@ -221,17 +221,13 @@ def test_failed_requests_make_the_run_fail(tmp_path):
     before the next arrived. All 32 calls run at once (--grpc-active-workers): with the
     default two, the handler threads' own queue paces the burst."""
     import numpy as np
-    from models import spin_loop
+    from models import spin_repository
     from serving import RunningServer
 
-    folder = tmp_path / "models" / "spin" / "1"
-    folder.mkdir(parents=True)
-    onnx.save(spin_loop(), str(folder / "model.onnx"))
-    config = {"device": "NUMPY", "config": {"NUM_STREAMS": "1"}}
-    (folder.parent / "config.json").write_text(json.dumps(config))
+    models = spin_repository(tmp_path / "models", streams=1)
     trips = tmp_path / "trips.npy"
     np.save(trips, np.array(SPIN_TRIPS, np.int64))
-    args = ("--model-repository", str(tmp_path / "models"), "--queue-size", "1")
+    args = ("--model-repository", str(models), "--queue-size", "1")
     with RunningServer(*args, "--grpc-active-workers", "32") as server:
         result = bench(
             "spin", "--target", server.target, "--mode", "async", "--concurrency", "32",

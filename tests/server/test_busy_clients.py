@@ -19,9 +19,8 @@ import socket
 import time
 
 import numpy as np
-import onnx
 import pytest
-from models import spin_loop
+from models import spin_repository
 from serving import RunningServer
 
 TOKEN = "busy-clients-infer-token-0001"
@@ -37,15 +36,6 @@ TRIPS = 2000
 QUOTA_TRIPS = 10 * TRIPS
 #: --http-peer-connections at its default: half of the port's 256
 PEER_BOUND = 128
-
-
-def _repository(root) -> str:
-    folder = root / "spin" / "1"
-    folder.mkdir(parents=True)
-    onnx.save(spin_loop(), str(folder / "model.onnx"))
-    config = {"device": "NUMPY", "config": {"NUM_STREAMS": "4"}}  # its queue: 4 x 64
-    (root / "spin" / "config.json").write_text(json.dumps(config))
-    return str(root)
 
 
 def _body(trips: int = TRIPS) -> bytes:
@@ -130,7 +120,8 @@ async def _many(
 @pytest.fixture(scope="module")
 def plain(tmp_path_factory):
     root = tmp_path_factory.mktemp("busy")
-    with RunningServer("--model-repository", _repository(root), "--queue-size", "1024") as s:
+    repo = str(spin_repository(root, streams=4))  # its queue: 4 x 64
+    with RunningServer("--model-repository", repo, "--queue-size", "1024") as s:
         yield s
 
 
@@ -140,7 +131,7 @@ def tokened(tmp_path_factory):
     tokens = root / "tokens"
     tokens.write_text(f"{TOKEN} infer\n{OTHER} infer\n")
     tokens.chmod(0o600)
-    repo = _repository(root / "repo")
+    repo = str(spin_repository(root / "repo", streams=4))
     args = ["--model-repository", repo, "--queue-size", "1024", "--auth-tokens", str(tokens)]
     args += ["--http-token-requests", str(QUOTA)]
     with RunningServer(*args) as s:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import json
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -398,6 +400,19 @@ def spin_loop(batched: bool = False) -> onnx.ModelProto:
         [helper.make_tensor("zero", TensorProto.FLOAT, [], [0.0])],
     )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def spin_repository(root: Path, streams: int) -> Path:
+    """A model repository at ``root`` holding :func:`spin_loop` as ``spin`` on NUMPY with
+    ``streams`` streams (its queue: 64 places a stream unless --queue-size says otherwise):
+    a model whose requests take as long as their M asks, for tests that need requests to
+    wait for one another."""
+    folder = root / "spin" / "1"
+    folder.mkdir(parents=True)
+    onnx.save(spin_loop(), str(folder / "model.onnx"))
+    config = {"device": "NUMPY", "config": {"NUM_STREAMS": str(streams)}}
+    (root / "spin" / "config.json").write_text(json.dumps(config))
+    return root
 
 
 def outer_read_across_pieces() -> onnx.ModelProto:

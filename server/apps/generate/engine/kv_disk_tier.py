@@ -245,6 +245,9 @@ class DiskTier:
         self.nbytes = 0
         self.written_blocks = 0  # files written
         self.skipped_blocks = 0  # blocks not written: the queue full, a write failed
+        #: the loop (offer), the writer and close all count skips: one lock of their own, held
+        #: for the addition alone, so no count is lost and the loop never waits on the writer
+        self._skips = threading.Lock()
         self.refused_files = 0  # files that failed their check (deleted)
         self.restored_tokens = 0  # prompt tokens restored from here
         self.on_stored: list[Callable[[DiskEntry], None]] = []
@@ -288,7 +291,7 @@ class DiskTier:
             self._queue.put_nowait((entry, data, charge))
         except queue.Full:
             del self.pending[key]
-            self.skipped_blocks += 1
+            self._skip()
             return False
         return True
 
@@ -331,6 +334,10 @@ class DiskTier:
                 "disk?); it stops when the read does", self.directory,
             )  # fmt: skip
 
+    def _skip(self) -> None:
+        with self._skips:
+            self.skipped_blocks += 1
+
     def _drop_queued(self) -> None:
         """The blocks still queued for the writer taken out unwritten, their charges given
         back (close, past its wait)."""
@@ -342,7 +349,7 @@ class DiskTier:
             if item is not _STOP:
                 entry, _, charge = item
                 self.pending.pop(entry.digest, None)
-                self.skipped_blocks += 1
+                self._skip()
                 if charge is not None:
                     charge.release()
             self._queue.task_done()
@@ -356,7 +363,7 @@ class DiskTier:
                 entry, data, charge = item
                 try:
                     if self._closed.is_set() and time.monotonic() >= self._close_by:
-                        self.skipped_blocks += 1  # closing, and its wait is over
+                        self._skip()  # closing, and its wait is over
                     else:
                         self._write(entry, data)
                 finally:
@@ -386,7 +393,7 @@ class DiskTier:
         except OSError as exc:
             with self.lock:
                 self.nbytes -= self.file_bytes
-            self.skipped_blocks += 1
+            self._skip()
             log.warning("kv disk tier: %s not written: %s", path, exc)
             temporary.unlink(missing_ok=True)
             return
