@@ -18,13 +18,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from serving import RunningServer
+from serving import RunningServer, wait_for
 
 httpclient = pytest.importorskip("tritonclient.http")
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_python_models import _add_sub, _bls, _entry  # noqa: E402
+from test_server_load import held  # noqa: E402
 
 #: a Python model whose execute sleeps INPUT0[0] seconds, then adds and subtracts
 SLEEPS = "import time; time.sleep(float(in_0[0]))"
@@ -137,7 +138,8 @@ def test_an_unload_waits_for_the_requests_its_model_admitted(server):
         threads = [threading.Thread(target=slow) for _ in range(3)]
         for thread in threads:
             thread.start()
-        time.sleep(0.3)  # one runs, two wait
+        # one runs, two wait (the model's streams and queue, as /metrics counts them)
+        assert wait_for(lambda: held(server, "PYTHON") >= 3), held(server, "PYTHON")
         started = time.monotonic()
         admin.unload_model("sleeps")
         waited = time.monotonic() - started

@@ -15,12 +15,15 @@ from urllib.parse import urlsplit
 
 import numpy as np
 import pytest
+from serving import wait_for
+from test_server_load import gauge, held
 
 grpcclient = pytest.importorskip("tritonclient.grpc", reason="pip install 'tritonclient[all]'")
 httpclient = pytest.importorskip("tritonclient.http", reason="pip install 'tritonclient[all]'")
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
-#: execute sleeps INPUT0 seconds, then answers the order in which its process ran it
+#: execute sleeps INPUT0 seconds (saying so when it starts one of a second or more), then
+#: answers the order in which its process ran it
 COUNTER = """
 import time
 
@@ -35,7 +38,10 @@ class TritonPythonModel:
     def execute(self, requests):
         responses = []
         for request in requests:
-            time.sleep(float(pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()[0]))
+            seconds = float(pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()[0])
+            if seconds >= 1:
+                pb_utils.Logger.log_info("[counter] executes a long request")
+            time.sleep(seconds)
             self.count += 1
             order = pb_utils.Tensor("ORDER", np.array([self.count], np.int64))
             responses.append(pb_utils.InferenceResponse(output_tensors=[order]))
@@ -173,6 +179,34 @@ def _infer(server, model: str, seconds: float, protocol: str = "http", **options
         client.close()
 
 
+#: what the model logs when it starts a request of a second or more
+LONG = "[counter] executes a long request"
+
+
+def _busy(server, pool, model: str, seconds: float, protocol: str = "http"):
+    """A request of ``seconds`` (>= 1) to ``model`` sent on ``pool``, once its execute has
+    started (the model says so): the requests sent next wait behind it, whatever the
+    machine's load (a fixed 0.3 s stood for this before)."""
+    before = server.log.count(LONG)
+    future = pool.submit(_infer, server, model, seconds, protocol)
+    assert wait_for(lambda: server.log.count(LONG) > before), "the busy request did not start"
+    return future
+
+
+def _held(server) -> int:
+    """Requests the Python models hold now (a dynamically batched one's waiting requests
+    hold their streams)."""
+    return held(server, "PYTHON")
+
+
+def _sent(server, pool, held: int, *args, **options):
+    """``_infer(server, *args, **options)`` sent on ``pool``, once the server holds it (then
+    ``held`` requests in all): the next one sent arrives after it."""
+    future = pool.submit(_infer, server, *args, **options)
+    assert wait_for(lambda: _held(server) >= held), f"{_held(server)} held, not {held}"
+    return future
+
+
 def _raw_binary(server, model: str, data: bytes) -> tuple[int, bytes]:
     """qa/L0_http's _raw_binary_helper: the body is the one input's bytes."""
     url = urlsplit(server.http_url)
@@ -196,7 +230,9 @@ def test_triton_descriptive_status_code(server):
     model, data = "onnx_zero_1_float32_queue", np.arange(8, dtype=np.float32).tobytes()
     with ThreadPoolExecutor(1) as pool:
         first = pool.submit(_raw_binary, server, model, data)
-        time.sleep(0.5)
+        # it waits for its batch on a stream of the model's BATCH (max_batch_size 8)
+        waiting = ("plugserve_busy_streams", "BATCH:ORT(8)")
+        assert wait_for(lambda: (gauge(server, *waiting) or 0) >= 1), "the first is not waiting"
         status, body = _raw_binary(server, model, data)
         assert status == 503, body
         assert b"Exceeds maximum queue size" in body, body
@@ -211,10 +247,8 @@ def test_a_full_queue_is_unavailable_on_grpc_with_tritons_words(server):
     """max_queue_size 2 behind a busy instance: the third waiting request is refused at once
     with UNAVAILABLE, "Exceeds maximum queue size"; the two that waited are served."""
     with ThreadPoolExecutor(3) as pool:
-        busy = pool.submit(_infer, server, "bounded", 1.5, "grpc")
-        time.sleep(0.3)
-        waiting = [pool.submit(_infer, server, "bounded", 0.0, "grpc") for _ in range(2)]
-        time.sleep(0.3)
+        busy = _busy(server, pool, "bounded", 1.5, "grpc")
+        waiting = [_sent(server, pool, 1 + n, "bounded", 0.0, "grpc") for n in (1, 2)]
         _, refused = _infer(server, "bounded", 0.0, "grpc")
         assert isinstance(refused, InferenceServerException), refused
         assert refused.status() == "StatusCode.UNAVAILABLE", refused
@@ -228,8 +262,7 @@ def test_reject_answers_a_request_at_its_queue_timeout(server):
     waiting behind a 2 s execute is answered 503 "Request timeout expired" while the busy one
     still runs, not when it ends."""
     with ThreadPoolExecutor(1) as pool:
-        busy = pool.submit(_infer, server, "reject", 2.0)
-        time.sleep(0.3)
+        busy = _busy(server, pool, "reject", 2.0)
         _, refused = _infer(server, "reject", 0.0)
         still_running = not busy.done()
         _, order = busy.result(timeout=60)
@@ -243,9 +276,8 @@ def test_a_requests_timeout_overrides_a_longer_default(server):
     """allow_timeout_override: a request's own timeout (50 ms) under the default (10 s) is
     its bound; a request without one waits the default and is served."""
     with ThreadPoolExecutor(2) as pool:
-        busy = pool.submit(_infer, server, "override", 1.5)
-        time.sleep(0.3)
-        patient = pool.submit(_infer, server, "override", 0.0)
+        busy = _busy(server, pool, "override", 1.5)
+        patient = _sent(server, pool, 2, "override", 0.0)
         _, refused = _infer(server, "override", 0.0, timeout=50_000)
         still_running = not busy.done()
         served = [busy.result(timeout=60)[1], patient.result(timeout=60)[1]]
@@ -259,9 +291,8 @@ def test_delay_runs_a_late_request_after_the_others(server):
     """timeout_action DELAY: a request past its bound (its own 50 ms) is not refused; it runs
     after a request that came later but has not waited past its own."""
     with ThreadPoolExecutor(3) as pool:
-        busy = pool.submit(_infer, server, "delay", 2.0)
-        time.sleep(0.3)
-        late = pool.submit(_infer, server, "delay", 0.0, timeout=50_000)
+        busy = _busy(server, pool, "delay", 2.0)
+        late = _sent(server, pool, 2, "delay", 0.0, timeout=50_000)
         time.sleep(0.6)  # well past its 50 ms: delayed
         later = pool.submit(_infer, server, "delay", 0.0)
         orders = [f.result(timeout=60)[1] for f in (busy, late, later)]
@@ -274,12 +305,8 @@ def _orders_behind_a_busy_one(server, model: str, lows: int) -> tuple[int, int, 
     """The order the ``priority`` model ran: a busy request, then ``lows`` requests to
     ``model`` at the default level, then one with priority 1 (sent last)."""
     with ThreadPoolExecutor(lows + 2) as pool:
-        busy = pool.submit(_infer, server, "priority", 1.5, "grpc")
-        time.sleep(0.3)
-        low = []
-        for _ in range(lows):
-            low.append(pool.submit(_infer, server, model, 0.0, "grpc"))
-            time.sleep(0.1)
+        busy = _busy(server, pool, "priority", 1.5, "grpc")
+        low = [_sent(server, pool, 2 + n, model, 0.0, "grpc") for n in range(lows)]
         high = pool.submit(_infer, server, model, 0.0, "grpc", priority=1)
         orders = [f.result(timeout=60)[1] for f in (busy, high, *low)]
     assert all(isinstance(o, int) for o in orders), orders
@@ -320,12 +347,13 @@ def test_dynamic_batching_gathers_the_highest_priority_first(server):
 
     try:
         with ThreadPoolExecutor(17) as pool:
+            before = server.log.count(LONG)
             busy = pool.submit(infer, clients[0], 3.0)
-            time.sleep(0.5)
+            assert wait_for(lambda: server.log.count(LONG) > before), "the busy one did not start"
             low = []
-            for at in range(8):
+            for at in range(8):  # each waits for its batch on a stream of its own
                 low.append(pool.submit(infer, clients[1 + at], 0.0))
-                time.sleep(0.15)
+                assert wait_for(lambda at=at: _held(server) >= 2 + at), _held(server)
             high = [pool.submit(infer, clients[9 + at], 0.0, 1) for at in range(8)]
             orders = [f.result(timeout=120) for f in (busy, *high, *low)]
     finally:
@@ -382,8 +410,7 @@ def test_a_policy_without_override_leaves_a_requests_timeout_aside(server):
     request waits behind the busy one and is served (a model without queue policies takes the
     same timeout as its deadline: test_python_deadlines.py)."""
     with ThreadPoolExecutor(1) as pool:
-        busy = pool.submit(_infer, server, "priority", 1.0)
-        time.sleep(0.3)
+        busy = _busy(server, pool, "priority", 1.0)
         _, served = _infer(server, "priority", 0.0, timeout=50_000)
         busy.result(timeout=60)
     assert isinstance(served, int), served

@@ -141,6 +141,14 @@ def gauge(server: RunningServer, name: str, device: str) -> float | None:
     return scrape(server).get((name, (("device", device),)))
 
 
+def held(server: RunningServer, device: str) -> int:
+    """Requests ``device``'s networks hold now: waiting for a stream, and on one (a request
+    that waits for its batch holds a stream too)."""
+    found = scrape(server)
+    names = ("plugserve_queue_depth", "plugserve_busy_streams")
+    return int(sum(found.get((name, (("device", device),))) or 0 for name in names))
+
+
 def requests_total(server: RunningServer, device: str, model: str) -> dict[str, float]:
     """``plugserve_inference_requests_total`` of one network, by status."""
     return {

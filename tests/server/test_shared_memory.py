@@ -219,11 +219,11 @@ def test_regions_unregistered_during_a_run_stay_mapped_for_it(tmp_path, regions)
     writes its output into another, and another client unregisters both while it runs: it
     still reads the data it was given and writes its answer where it was asked to."""
     import threading
-    import time
 
     import onnx
     from models import spin_loop
-    from serving import RunningServer
+    from serving import RunningServer, wait_for
+    from test_server_load import gauge
 
     model = tmp_path / "spin.onnx"
     onnx.save(spin_loop(), model)
@@ -256,7 +256,9 @@ def test_regions_unregistered_during_a_run_stay_mapped_for_it(tmp_path, regions)
 
             worker = threading.Thread(target=run)
             worker.start()
-            time.sleep(0.3)  # the run has started reading the region
+            # the run has started (and read the region at its admission)
+            busy = ("plugserve_busy_streams", "NUMPY")
+            assert wait_for(lambda: (gauge(running, *busy) or 0) >= 1), "it did not start"
             other.unregister_system_shared_memory()  # every region, both in use
             assert not _names(other.get_system_shared_memory_status())
             worker.join(120)

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 
 import numpy as np
 import pytest
+from serving import wait_for
+from test_server_load import gauge
 
 shm = pytest.importorskip(
     "tritonclient.utils.shared_memory", reason="pip install 'tritonclient[grpc,http]'"
@@ -162,7 +163,9 @@ def test_a_shrink_while_a_request_runs_cannot_fault_the_server(running, regions)
 
         worker = threading.Thread(target=run)
         worker.start()
-        time.sleep(0.3)  # admitted, and running its Loop
+        # admitted, and running its Loop
+        busy = ("plugserve_busy_streams", "NUMPY")
+        assert wait_for(lambda: (gauge(running, *busy) or 0) >= 1), "it did not start"
         shrink(in_key, 0)
         shrink(out_key, 0)
         worker.join(120)
