@@ -129,6 +129,8 @@ def _dispatch(args: list[str]) -> int:
     verb = args[0]
     # gRPC's own log lines (a failed TLS handshake's, say) would repeat what the verb says
     os.environ.setdefault("GRPC_VERBOSITY", "NONE")
+    if verb in VERBS:  # the server's own: a start does not load the client's modules
+        return VERBS[verb][0](args[1:])
     from plugserve.client.cli import VERBS as CLIENT_VERBS
     from plugserve.client.cli import run as run_client
 
@@ -136,13 +138,11 @@ def _dispatch(args: list[str]) -> int:
         from plugserve.server.process.bench_inprocess import runner as inprocess_runner
 
         return run_client(verb, args[1:], inprocess=inprocess_runner)
-    if verb not in VERBS:
-        print(
-            f"plugserve: unknown verb {verb!r}; try: {', '.join([*VERBS, *CLIENT_VERBS])}",
-            file=sys.stderr,
-        )
-        return 2
-    return VERBS[verb][0](args[1:])
+    print(
+        f"plugserve: unknown verb {verb!r}; try: {', '.join([*VERBS, *CLIENT_VERBS])}",
+        file=sys.stderr,
+    )
+    return 2
 
 
 if __name__ == "__main__":
