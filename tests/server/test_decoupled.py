@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from serving import wait_for
 
 grpcclient = pytest.importorskip("tritonclient.grpc", reason="pip install 'tritonclient[all]'")
 from triton_stream import TritonStream  # noqa: E402
@@ -118,6 +119,7 @@ class TritonPythonModel:
         return None
 """,
     # waits IN seconds in execute, checking is_cancelled() each 0.1 s, and says what it saw
+    # (and, for a wait of a second or more, that it started)
     "execute_cancel": """
 import time
 import triton_python_backend_utils as pb_utils
@@ -128,6 +130,8 @@ class TritonPythonModel:
         request = requests[0]
         value = pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()
         sender = request.get_response_sender()
+        if value[0] >= 1:
+            pb_utils.Logger.log_info("[execute_cancel] runs")
         start = time.monotonic()
         while time.monotonic() - start < value[0]:
             if request.is_cancelled():
@@ -460,8 +464,9 @@ def test_a_cancelled_request_is_seen_by_the_model(running):
     """QA execute_cancel: the client cancels its stream while execute runs; the model's
     ``is_cancelled()`` turns true, it says so (the server's log) and returns."""
     stream = Stream(running)
+    started = running.log.count("[execute_cancel] runs")
     stream.send("execute_cancel", 30)
-    time.sleep(1.5)
+    assert wait_for(lambda: running.log.count("[execute_cancel] runs") > started), "no execute"
     stream.close(cancel=True)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
