@@ -14,7 +14,6 @@ right); where VNNI computes U8S8 exactly, models load as they are.
 from __future__ import annotations
 
 import functools
-import logging
 import platform
 
 import numpy as np
@@ -23,7 +22,6 @@ from onnx import numpy_helper
 
 __all__ = ["exact_integer_gemms", "saturates"]
 
-log = logging.getLogger(__name__)
 
 #: op type -> (weight input, its zero point input, its scale input or -1), per weight
 WEIGHTS: dict[str, tuple[tuple[int, int, int], ...]] = {

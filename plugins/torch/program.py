@@ -17,7 +17,6 @@ QueryNetwork (:mod:`.query`) runs the same :class:`Converting` on every node.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,8 +40,6 @@ from plugserve.plugins.torch.ops.registry import (
 )
 
 __all__ = ["Converting", "Program", "build_program"]
-
-log = logging.getLogger(__name__)
 
 
 def value_types(graph: Graph) -> dict[str, np.dtype]:

@@ -24,7 +24,6 @@ worker threads. What a request holds in the helper is charged with it
 
 from __future__ import annotations
 
-import logging
 import multiprocessing
 import os
 import threading
@@ -51,7 +50,6 @@ __all__ = [
     "to_shared",
 ]
 
-log = logging.getLogger(__name__)
 
 #: JSON bodies and answers larger than this are decoded and encoded by the helper process
 PROCESS_BYTES = 1 << 20

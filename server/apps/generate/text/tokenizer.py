@@ -28,7 +28,6 @@ refusing text longer than the context could hold (:attr:`Tokenizer.max_token_byt
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -39,7 +38,6 @@ from plugserve.server.apps.generate.text.tokenizer_class import token_text
 
 __all__ = ["SPECIAL_TOKENS", "TOKENIZER_FILE", "Tokenizer", "read_json"]
 
-log = logging.getLogger(__name__)
 
 TOKENIZER_FILE = "tokenizer.json"
 #: the special tokens a chat template may name, as transformers passes them
