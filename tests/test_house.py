@@ -9,6 +9,8 @@ included, and the plumbing that imports no adapter); this file holds the rest:
   (``__init__``) and its ``serving.py``, what the device offers the server.
 - No module over 1,000 lines, no function over 100 (generated ``_pb2`` code and NUMPY's kernels
   aside).
+- A module that makes a logger (``log = logging.getLogger(__name__)``) logs with it: four
+  modules once carried one they never used.
 
 Each rule starts from a list of today's exceptions that can only shrink: a new break fails, and
 so does a listed one that no longer occurs (drop it from the list as the code is fixed, so it
@@ -264,3 +266,33 @@ def test_the_house_checks_see_a_break(tmp_path: Path) -> None:
     assert _over({"m": 1200, "n": 1100}, {"m": 1100, "n": 1100}, "module", "F") == [
         "m grew from 1100 to 1200 lines, past the module bound\n    -> F"
     ]
+    assert _unused_logger(ast.parse("import logging\nlog = logging.getLogger(__name__)\n"))
+    assert not _unused_logger(
+        ast.parse(
+            "import logging\nlog = logging.getLogger(__name__)\ndef f():\n    log.info('x')\n"
+        )
+    )
+
+
+# -- loggers ---------------------------------------------------------------------------------
+
+
+def _unused_logger(module: ast.Module) -> bool:
+    """The module binds ``log`` at its top level and never reads an attribute of it."""
+    made = any(
+        isinstance(node, ast.Assign)
+        and any(isinstance(t, ast.Name) and t.id == "log" for t in node.targets)
+        for node in module.body
+    )
+    used = any(
+        isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "log"
+        for node in ast.walk(module)
+    )
+    return made and not used
+
+
+def test_a_module_that_makes_a_logger_uses_it() -> None:
+    unused = sorted(rel(path) for path in MODULES.values() if _unused_logger(tree(path)))
+    assert not unused, "a logger nobody logs with (drop it, and its import): " + ", ".join(unused)

@@ -22,7 +22,6 @@ from onnx import numpy_helper
 
 __all__ = ["exact_integer_gemms", "saturates"]
 
-
 #: op type -> (weight input, its zero point input, its scale input or -1), per weight
 WEIGHTS: dict[str, tuple[tuple[int, int, int], ...]] = {
     "MatMulInteger": ((1, 3, -1),),

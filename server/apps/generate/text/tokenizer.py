@@ -38,7 +38,6 @@ from plugserve.server.apps.generate.text.tokenizer_class import token_text
 
 __all__ = ["SPECIAL_TOKENS", "TOKENIZER_FILE", "Tokenizer", "read_json"]
 
-
 TOKENIZER_FILE = "tokenizer.json"
 #: the special tokens a chat template may name, as transformers passes them
 SPECIAL_TOKENS = (

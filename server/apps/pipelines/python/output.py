@@ -36,8 +36,6 @@ from plugserve.plugins.threads import start_daemon
 
 __all__ = ["PUMP", "LineBudget", "OutputPump"]
 
-log = logging.getLogger(__name__)
-
 MAX_LINE_CHARS = 16384
 LINES_PER_SECOND, LINE_BURST = 20.0, 200.0
 LOG_BYTES_PER_SECOND, LOG_BYTE_BURST = 16384.0, 65536.0
