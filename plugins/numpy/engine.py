@@ -255,7 +255,7 @@ def compile_plan(
         steps.append(Step(fn, ins, outs, not entry.multi_output and len(outs) == 1, node))
 
     output_slots = [slot_of(spec.name) for spec in graph.outputs]
-    _plan_lifetimes(steps, set(output_slots) | set(input_slots), len(template))
+    _plan_lifetimes(steps, set(output_slots) | set(input_slots))
     return Plan(graph, steps, template, input_slots, output_slots)
 
 
@@ -308,7 +308,7 @@ def _build(
         raise Unsupported(f"node {node.name!r} ({node.op_type}) cannot be compiled: {exc}") from exc
 
 
-def _plan_lifetimes(steps: list[Step], keep: set[int], n_slots: int) -> None:
+def _plan_lifetimes(steps: list[Step], keep: set[int]) -> None:
     """Release each intermediate value right after its last reader."""
     last_use: dict[int, int] = {}
     for index, step in enumerate(steps):

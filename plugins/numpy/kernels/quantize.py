@@ -278,7 +278,7 @@ def _requantize(acc: np.ndarray, multiplier, zp, out_dtype: np.dtype) -> np.ndar
     return np.clip(y, lo, hi).astype(out_dtype)
 
 
-def _rowwise(zp, a_ndim: int):
+def _rowwise(zp):
     """A's zero point: scalar, or one per row (the M dim) broadcast across K."""
     if zp is None:
         return None
@@ -298,7 +298,7 @@ def matmul_integer(ctx: KernelContext):
         b_ready = _centered(b_const, bzp_const)
 
     def run(a, b, a_zero_point=None, b_zero_point=None):
-        am = _centered(a, _rowwise(a_zero_point, a.ndim))
+        am = _centered(a, _rowwise(a_zero_point))
         bm = b_ready if b_ready is not None else _centered(b, b_zero_point)
         return np.matmul(am, bm).astype(np.int32)
 
@@ -312,7 +312,7 @@ def qlinear_matmul(ctx: KernelContext):
     _check_int8(ctx, 0, 3)
 
     def run(a, a_scale, a_zp, b, b_scale, b_zp, y_scale, y_zp=None):
-        acc = np.matmul(_centered(a, _rowwise(a_zp, a.ndim)), _centered(b, b_zp))
+        acc = np.matmul(_centered(a, _rowwise(a_zp)), _centered(b, b_zp))
         asc = np.asarray(a_scale)
         if asc.size > 1:
             asc = asc.reshape((*asc.shape, 1))

@@ -17,7 +17,7 @@ _TRAINING = "ai.onnx.preview.training"
 # --- losses
 
 
-def _nll_factory(ctx: KernelContext, reduction: str, has_weight_input: int):
+def _nll_factory(ctx: KernelContext, reduction: str):
     """The NLL computation shared by both loss ops: (log-probs, labels, weights) -> loss."""
     if reduction not in ("none", "sum", "mean"):
         raise ctx.unsupported(f"reduction {reduction!r}")
@@ -57,7 +57,7 @@ def _nll_factory(ctx: KernelContext, reduction: str, has_weight_input: int):
 
 @register("NegativeLogLikelihoodLoss", 12, 13, 22)
 def negative_log_likelihood_loss(ctx: KernelContext):
-    nll = _nll_factory(ctx, ctx.attr("reduction", "mean"), 2)
+    nll = _nll_factory(ctx, ctx.attr("reduction", "mean"))
 
     def run(x, target, weight=None):
         return nll(x, target, weight)
@@ -68,7 +68,7 @@ def negative_log_likelihood_loss(ctx: KernelContext):
 @register("SoftmaxCrossEntropyLoss", 12, 13, multi_output=True)
 def softmax_cross_entropy_loss(ctx: KernelContext):
     """Loss and (optionally) the log-softmax over axis 1 it was computed from."""
-    nll = _nll_factory(ctx, ctx.attr("reduction", "mean"), 2)
+    nll = _nll_factory(ctx, ctx.attr("reduction", "mean"))
 
     def run(scores, labels, weight=None):
         shifted = scores - scores.max(axis=1, keepdims=True)
