@@ -31,6 +31,16 @@ DOCKERFILE = ROOT / "deploy" / "Dockerfile"
 STORAGE = ["--root", "/var/tmp/plugserve-containers/storage", "--runroot", "/run/plugserve-ctr"]
 BASE = "localhost/plugserve-base:bookworm"
 IMAGE = "localhost/plugserve:test"
+#: exits 1 naming the first of the server's modules the image holds no bytecode for
+COMPILED = """
+import importlib.util, os, sys
+import plugserve.server.process.app
+missing = [m.__name__ for m in list(sys.modules.values())
+           if (getattr(m, "__name__", "") or "").startswith("plugserve.")
+           and getattr(m, "__file__", "") and m.__file__.endswith(".py")
+           and not os.path.exists(importlib.util.cache_from_source(m.__file__))]
+sys.exit(f"no bytecode for {len(missing)} modules, {missing[:3]}" if missing else 0)
+"""
 
 
 def test_hadolint_clean():
@@ -249,6 +259,13 @@ def test_image_serves_and_is_healthy(image, tmp_path):
             assert health.returncode == 0, health.stdout + health.stderr
             whoami = subprocess.run([*run, "id", "-u"], capture_output=True, text=True, timeout=60)
             assert whoami.stdout.strip() == "10001"
+            # the image holds plugserve's bytecode (pip compiles what it installs): a start
+            # that compiled the sources took twice as long (BENCHMARKS.md, CI's time), and
+            # the unprivileged user could not keep what it compiled
+            compiled = subprocess.run(
+                [*run, "python", "-c", COMPILED], capture_output=True, text=True, timeout=60
+            )
+            assert compiled.returncode == 0, compiled.stdout + compiled.stderr
         finally:
             process.send_signal(signal.SIGTERM)
             try:
