@@ -199,11 +199,11 @@ def _held(server) -> int:
     return held(server, "PYTHON")
 
 
-def _sent(server, pool, held: int, *args, **options):
+def _sent(server, pool, count: int, *args, **options):
     """``_infer(server, *args, **options)`` sent on ``pool``, once the server holds it (then
-    ``held`` requests in all): the next one sent arrives after it."""
+    ``count`` requests in all): the next one sent arrives after it."""
     future = pool.submit(_infer, server, *args, **options)
-    assert wait_for(lambda: _held(server) >= held), f"{_held(server)} held, not {held}"
+    assert wait_for(lambda: _held(server) >= count), f"{_held(server)} held, not {count}"
     return future
 
 
