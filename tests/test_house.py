@@ -9,7 +9,7 @@ included, and the plumbing that imports no adapter); this file holds the rest:
   (``__init__``) and its ``serving.py``, what the device offers the server.
 - No module over 1,000 lines, no function over 100 (generated ``_pb2`` code and NUMPY's kernels
   aside).
-- A module that makes a logger (``log = logging.getLogger(__name__)``) logs with it: four
+- A module that makes a logger (``log = logging.getLogger(__name__)``) logs with it: five
   modules once carried one they never used.
 
 Each rule starts from a list of today's exceptions that can only shrink: a new break fails, and

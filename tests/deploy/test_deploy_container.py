@@ -31,7 +31,7 @@ DOCKERFILE = ROOT / "deploy" / "Dockerfile"
 STORAGE = ["--root", "/var/tmp/plugserve-containers/storage", "--runroot", "/run/plugserve-ctr"]
 BASE = "localhost/plugserve-base:bookworm"
 IMAGE = "localhost/plugserve:test"
-#: exits 1 naming the first of the server's modules the image holds no bytecode for
+#: exits 1 saying how many of the modules a server start imports have no bytecode (and three)
 COMPILED = """
 import importlib.util, os, sys
 import plugserve.server.process.app

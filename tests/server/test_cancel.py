@@ -22,7 +22,7 @@ import onnx
 import pytest
 from models import FOREVER, spin_loop
 from serving import RunningServer, wait_for
-from test_server_load import gauge
+from test_server_load import busy_streams
 
 tritonclient_grpc = pytest.importorskip("tritonclient.grpc", reason="pip install tritonclient")
 tritonclient_http = pytest.importorskip("tritonclient.http", reason="pip install tritonclient")
@@ -89,11 +89,6 @@ def grpc_inputs(trips: int, batched: bool):
     x = tritonclient_grpc.InferInput("x", [1, 4] if batched else [4], "FP32")
     x.set_data_from_numpy(np.ones([1, 4] if batched else [4], np.float32))
     return [m, x]
-
-
-def _running(server, device: str) -> bool:
-    """A request runs on one of ``device``'s streams now."""
-    return (gauge(server, "plugserve_busy_streams", device) or 0) >= 1
 
 
 def requests_with_status(server, model: str, status: str) -> float:
@@ -168,7 +163,7 @@ def test_a_client_that_cancels_its_call_stops_the_run(server, client):
     before = requests_with_status(server, name, "cancelled")
     done = []
     call = client.async_infer(name, grpc_inputs(FOREVER, False), lambda r, e: done.append(e))
-    assert wait_for(lambda: _running(server, "NUMPY")), "it did not start"
+    assert wait_for(lambda: busy_streams(server, "NUMPY")), "it did not start"
     call.cancel()
     assert wait_for(lambda: requests_with_status(server, name, "cancelled") > before, timeout=10)
     assert client.infer(name, grpc_inputs(1, False), client_timeout=10).as_numpy("y")[0] == 1.0
@@ -192,7 +187,7 @@ def test_a_rest_client_that_hangs_up_stops_the_run(server, client):
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
             + body
         )
-        assert wait_for(lambda: _running(server, "ORT")), "it did not start"
+        assert wait_for(lambda: busy_streams(server, "ORT")), "it did not start"
         # then the client hangs up
     assert wait_for(lambda: requests_with_status(server, name, "cancelled") > before, timeout=10)
     assert client.infer(name, grpc_inputs(2, False), client_timeout=10).as_numpy("y")[0] == 2.0
@@ -226,7 +221,7 @@ def test_sigterm_stops_a_runaway_run_after_the_exit_timeout(repository):
         client = tritonclient_grpc.InferenceServerClient(server.target)
         done = []
         client.async_infer("spin_numpy", grpc_inputs(FOREVER, False), lambda r, e: done.append(e))
-        assert wait_for(lambda: _running(server, "NUMPY")), "it did not start"
+        assert wait_for(lambda: busy_streams(server, "NUMPY")), "it did not start"
         began = time.monotonic()
         server.signal()
         server.process.wait(20)

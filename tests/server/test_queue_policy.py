@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 import numpy as np
 import pytest
 from serving import wait_for
-from test_server_load import gauge, held
+from test_server_load import busy_streams, held
 
 grpcclient = pytest.importorskip("tritonclient.grpc", reason="pip install 'tritonclient[all]'")
 httpclient = pytest.importorskip("tritonclient.http", reason="pip install 'tritonclient[all]'")
@@ -231,8 +231,7 @@ def test_triton_descriptive_status_code(server):
     with ThreadPoolExecutor(1) as pool:
         first = pool.submit(_raw_binary, server, model, data)
         # it waits for its batch on a stream of the model's BATCH (max_batch_size 8)
-        waiting = ("plugserve_busy_streams", "BATCH:ORT(8)")
-        assert wait_for(lambda: (gauge(server, *waiting) or 0) >= 1), "the first is not waiting"
+        assert wait_for(lambda: busy_streams(server, "BATCH:ORT(8)")), "the first is not waiting"
         status, body = _raw_binary(server, model, data)
         assert status == 503, body
         assert b"Exceeds maximum queue size" in body, body

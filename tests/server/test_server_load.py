@@ -141,6 +141,12 @@ def gauge(server: RunningServer, name: str, device: str) -> float | None:
     return scrape(server).get((name, (("device", device),)))
 
 
+def busy_streams(server: RunningServer, device: str) -> int:
+    """Streams of ``device``'s networks running a request now (or holding one that waits for
+    its batch)."""
+    return int(gauge(server, "plugserve_busy_streams", device) or 0)
+
+
 def held(server: RunningServer, device: str) -> int:
     """Requests ``device``'s networks hold now: waiting for a stream, and on one (a request
     that waits for its batch holds a stream too)."""

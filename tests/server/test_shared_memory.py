@@ -223,7 +223,7 @@ def test_regions_unregistered_during_a_run_stay_mapped_for_it(tmp_path, regions)
     import onnx
     from models import spin_loop
     from serving import RunningServer, wait_for
-    from test_server_load import gauge
+    from test_server_load import busy_streams
 
     model = tmp_path / "spin.onnx"
     onnx.save(spin_loop(), model)
@@ -257,8 +257,7 @@ def test_regions_unregistered_during_a_run_stay_mapped_for_it(tmp_path, regions)
             worker = threading.Thread(target=run)
             worker.start()
             # the run has started (and read the region at its admission)
-            busy = ("plugserve_busy_streams", "NUMPY")
-            assert wait_for(lambda: (gauge(running, *busy) or 0) >= 1), "it did not start"
+            assert wait_for(lambda: busy_streams(running, "NUMPY")), "it did not start"
             other.unregister_system_shared_memory()  # every region, both in use
             assert not _names(other.get_system_shared_memory_status())
             worker.join(120)

@@ -13,7 +13,7 @@ import threading
 import numpy as np
 import pytest
 from serving import wait_for
-from test_server_load import gauge
+from test_server_load import busy_streams
 
 shm = pytest.importorskip(
     "tritonclient.utils.shared_memory", reason="pip install 'tritonclient[grpc,http]'"
@@ -164,8 +164,7 @@ def test_a_shrink_while_a_request_runs_cannot_fault_the_server(running, regions)
         worker = threading.Thread(target=run)
         worker.start()
         # admitted, and running its Loop
-        busy = ("plugserve_busy_streams", "NUMPY")
-        assert wait_for(lambda: (gauge(running, *busy) or 0) >= 1), "it did not start"
+        assert wait_for(lambda: busy_streams(running, "NUMPY")), "it did not start"
         shrink(in_key, 0)
         shrink(out_key, 0)
         worker.join(120)

@@ -50,7 +50,6 @@ __all__ = [
     "to_shared",
 ]
 
-
 #: JSON bodies and answers larger than this are decoded and encoded by the helper process
 PROCESS_BYTES = 1 << 20
 #: helper processes (each decodes or encodes one request at a time)
