@@ -29,6 +29,7 @@ from plugserve.plugins import (
     schemas,  # noqa: F401  (onnxruntime's ONNX-domain ops, for the checker)
 )
 from plugserve.plugins.api import InvalidModel, PlugserveError, TensorSpec, Unsupported
+from plugserve.plugins.model_copies import checked_form, without_weights
 
 __all__ = [
     "NARROW_FLOATS",
@@ -636,7 +637,7 @@ def load_model(model: Any, name: str | None = None) -> Graph:
     _sort_nodes(proto.graph, label)
     _drop_contradicted_value_info(proto.graph)
     try:
-        onnx.checker.check_model(proto)
+        onnx.checker.check_model(checked_form(proto))
     except onnx.checker.ValidationError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else "invalid"
         raise InvalidModel(f"model {label!r} does not validate: {first}") from None
@@ -652,45 +653,6 @@ def load_model(model: Any, name: str | None = None) -> Graph:
             f"model {label!r}: shape inference failed: {text[-1] if text else exc}"
         ) from None
     return graph_from_proto(proto.graph, proto, label, inferred=inferred.graph)
-
-
-#: Initializers up to this many elements keep their values where a model's weights are left
-#: out (shape arithmetic reads them: Reshape's shape, Slice's starts).
-SMALL_INITIALIZER = 64
-
-
-def without_weights(proto: ModelProto) -> ModelProto:
-    """The model with its large initializers turned into graph inputs of the same type and
-    shape, for what reads shapes only (shape inference): inference on it gives the shapes it
-    gives on the whole model without copying every weight to C++ and back (two serializations
-    and two parses of an 11.5 MB model: a sixth of an ORT load). Built field by field, not by
-    copying the model and deleting the initializers, which would copy them once more."""
-    light = ModelProto()
-    for field, value in proto.ListFields():
-        if field.name != "graph":
-            _copy_field(light, field.name, value)
-    for field, value in proto.graph.ListFields():
-        if field.name != "initializer":
-            _copy_field(light.graph, field.name, value)
-    inputs = {i.name for i in proto.graph.input}
-    for tensor in proto.graph.initializer:
-        if len(tensor.dims) and math.prod(tensor.dims) > SMALL_INITIALIZER:
-            if tensor.name not in inputs:  # IR < 4 lists initializers as inputs already
-                light.graph.input.append(
-                    helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims))
-                )
-        else:
-            light.graph.initializer.add().CopyFrom(tensor)
-    return light
-
-
-def _copy_field(target: Message, name: str, value: Any) -> None:
-    if hasattr(value, "extend"):  # a repeated field
-        getattr(target, name).extend(value)
-    elif isinstance(value, Message):
-        getattr(target, name).CopyFrom(value)
-    else:
-        setattr(target, name, value)
 
 
 def _check_opsets(proto: ModelProto, label: str) -> None:

@@ -375,8 +375,8 @@ def infer_shapes(
     """onnx's ``infer_shapes`` on ``model``, in a bounded helper process (see the module's
     docstring): onnx's own errors raise as they would in the server (``InferenceError`` and
     others); InvalidModel past :attr:`ReadLimits.max_bytes`, ResourceExhausted past
-    :attr:`ReadLimits.seconds`. Pass the model without its weights (``ir.without_weights``):
-    they are copied to the helper and back."""
+    :attr:`ReadLimits.seconds`. Pass the model without its weights
+    (``model_copies.without_weights``): they are copied to the helper and back."""
     data = model if isinstance(model, bytes) else model.SerializeToString()
     try:
         body = _inferred(data, label, strict=strict, data_prop=data_prop, check_type=check_type)

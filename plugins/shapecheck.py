@@ -23,7 +23,7 @@ from onnx import ModelProto
 
 from plugserve.plugins import reading
 from plugserve.plugins.api import InvalidInput, PlugserveError
-from plugserve.plugins.ir import without_weights
+from plugserve.plugins.model_copies import without_weights
 
 __all__ = ["input_problem", "shape_model", "shapes_of", "translate"]
 

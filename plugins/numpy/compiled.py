@@ -12,6 +12,7 @@ import numpy as np
 from plugserve.plugins import blob
 from plugserve.plugins.api import CompiledNetwork, PlugserveError
 from plugserve.plugins.ir import Graph, has_loop
+from plugserve.plugins.model_copies import serialized
 from plugserve.plugins.numpy import parallel
 from plugserve.plugins.numpy.blas import set_thread_count
 from plugserve.plugins.numpy.config import NumpyConfiguration
@@ -195,6 +196,6 @@ class NumpyCompiledNetwork(CompiledNetwork):
             self.plugin.name,
             self.plugin.architecture,
             self.config.to_strings(),
-            model.SerializeToString(),
+            serialized(model),
             extra,
         )

@@ -46,6 +46,7 @@ from plugserve.plugins.ir import (
     read_model,
     refuse_narrow_io,
 )
+from plugserve.plugins.model_copies import serialized
 from plugserve.plugins.openvino.compiled import OpenvinoCompiledNetwork
 from plugserve.plugins.openvino.config import (
     OpenvinoConfiguration,
@@ -172,7 +173,7 @@ class OpenvinoPlugin(Plugin):
         proto, _ = read_model(model)
         graph = load_model(proto)  # sorts ``proto`` in place; every problem is InvalidModel
         check_load_constants(graph, self.name)  # openvino folds constants without a limit
-        return graph, proto, proto.SerializeToString()
+        return graph, proto, serialized(proto)
 
     def _unsupported_error(
         self, graph: Graph, data: bytes, names: Names, exc: Exception
@@ -408,7 +409,7 @@ class OpenvinoPlugin(Plugin):
             # without the nodes openvino cannot convert, the rest keeps its types
             cut = cut_model(proto, names, refused)
             try:
-                ov_model = self.core.read_model(cut.SerializeToString())
+                ov_model = self.core.read_model(serialized(cut))
             except Exception:
                 return self._query_by_node(graph, proto, props)
         try:

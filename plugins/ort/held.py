@@ -43,7 +43,8 @@ import onnx
 from onnx import ModelProto
 
 from plugserve.plugins import reading
-from plugserve.plugins.ir import attribute_graphs, np_dtype, onnx_dtype, without_weights
+from plugserve.plugins.ir import attribute_graphs, np_dtype, onnx_dtype
+from plugserve.plugins.model_copies import without_weights
 from plugserve.plugins.ort import backend
 
 __all__ = ["MAX_BYTES", "Binding", "HeldSession", "open_held", "unavailable"]

@@ -38,6 +38,7 @@ from plugserve.plugins.ir import (
     refuse_external_data,
     refuse_narrow_io,
 )
+from plugserve.plugins.model_copies import serialized
 from plugserve.plugins.ort import backend, locales, saturation
 from plugserve.plugins.ort.compiled import OrtCompiledNetwork, spec_from_json
 from plugserve.plugins.ort.config import OrtConfiguration
@@ -102,11 +103,7 @@ class OrtPlugin(Plugin):
                     "model %s: %d int8 GEMM weights run as uint8 (this CPU has no VNNI, where "
                     "onnxruntime's int8 kernel saturates)", graph.name, rewritten,
                 )  # fmt: skip
-        try:
-            data = proto.SerializeToString()
-        except ValueError as exc:  # a model over protobuf's 2 GB limit
-            raise InvalidModel(f"model {graph.name!r} cannot be serialized: {exc}") from None
-        return graph, data, proto
+        return graph, serialized(proto), proto
 
     def _read_file(self, path: Path) -> bytes:
         return self._read(path)[1]

@@ -45,7 +45,6 @@ from plugserve.plugins import cancel
 from plugserve.plugins.api import (
     BackendUnavailable,
     InferenceError,
-    InvalidModel,
     Model,
     NotFound,
     Plugin,
@@ -53,6 +52,7 @@ from plugserve.plugins.api import (
     Unsupported,
 )
 from plugserve.plugins.ir import read_model
+from plugserve.plugins.model_copies import serialized
 from plugserve.plugins.ray.actor import NetworkActor, device_id
 from plugserve.plugins.ray.compiled import RayCompiledNetwork
 from plugserve.plugins.ray.config import INNER_KEYS, RayConfiguration
@@ -149,11 +149,7 @@ class RayPlugin(Plugin):
     ) -> RayCompiledNetwork:
         cfg = self.merged_config(config)
         proto, _ = read_model(model)  # external data inlined here: the node has no files
-        try:
-            data = proto.SerializeToString()
-        except ValueError as exc:  # over protobuf's 2 GB
-            raise InvalidModel(f"model {proto.graph.name!r} cannot be serialized: {exc}") from None
-        return self._compile(cfg, proto.graph.name or "model", data=data)
+        return self._compile(cfg, proto.graph.name or "model", data=serialized(proto))
 
     def import_network(
         self, blob: bytes, config: Mapping[str, Any] | None = None

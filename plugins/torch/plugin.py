@@ -28,13 +28,13 @@ from plugserve.plugins import memory
 from plugserve.plugins.api import (
     BackendUnavailable,
     InvalidArgument,
-    InvalidModel,
     Model,
     Plugin,
     Unsupported,
     available_cores,
 )
 from plugserve.plugins.ir import Graph, load_model, read_model
+from plugserve.plugins.model_copies import serialized
 from plugserve.plugins.passes.sizes import check_load_constants
 from plugserve.plugins.shapecheck import shape_model
 from plugserve.plugins.torch import backend, devmem
@@ -92,11 +92,7 @@ class TorchPlugin(Plugin):
         proto, _ = read_model(model)  # external data inlined here, safely
         graph = load_model(proto)
         check_load_constants(graph, self.name)
-        try:
-            data = proto.SerializeToString()
-        except ValueError as exc:
-            raise InvalidModel(f"model {graph.name!r} cannot be serialized: {exc}") from None
-        return graph, data, proto
+        return graph, serialized(proto), proto
 
     def _compile(
         self, graph: Graph, data: bytes, cfg: Any, name: str | None = None

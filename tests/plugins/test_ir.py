@@ -8,8 +8,10 @@ import pytest
 from models import mlp, small_cnn
 from onnx import TensorProto, helper, numpy_helper
 
+from plugserve.plugins import model_copies
 from plugserve.plugins.api import InvalidModel, Unsupported
 from plugserve.plugins.ir import load_model
+from plugserve.plugins.model_copies import serialized
 
 
 def test_load_from_path_bytes_and_proto_agree(tmp_path):
@@ -199,3 +201,141 @@ def test_strict_inference_failing_inside_an_onnx_function_body_falls_back():
     with pytest.raises(onnx.shape_inference.InferenceError):
         onnx.shape_inference.infer_shapes(model, strict_mode=True)
     assert [n.op_type for n in load_model(model).nodes] == ["MeanVarianceNormalization"]
+
+
+def _weighted(mend=lambda model, weight: None, ir_version: int = 8) -> onnx.ModelProto:
+    """x @ w + b: a [128, 128] weight (large: the checker sees a stand-in of it) and a
+    small bias, ``mend`` applied to the model and its weight."""
+    weight = numpy_helper.from_array(np.eye(128, dtype=np.float32), "w")
+    bias = numpy_helper.from_array(np.arange(128, dtype=np.float32), "b")
+    graph = helper.make_graph(
+        [
+            helper.make_node("MatMul", ["x", "w"], ["m"], name="matmul"),
+            helper.make_node("Add", ["m", "b"], ["y"], name="add"),
+        ],
+        "weighted",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 128])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 128])],
+        initializer=[weight, bias],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = ir_version
+    mend(model, model.graph.initializer[0])
+    return model
+
+
+def _short(model, w):
+    w.raw_data = w.raw_data[:100]
+
+
+def _long(model, w):
+    w.raw_data += b"\0\0\0\0"
+
+
+def _odd(model, w):
+    w.raw_data = w.raw_data[:-1]
+
+
+def _string(model, w):
+    w.data_type = TensorProto.STRING
+
+
+def _undefined(model, w):
+    w.data_type = TensorProto.UNDEFINED
+
+
+def _unknown_type(model, w):
+    w.data_type = 99
+
+
+def _two_fields(model, w):
+    w.float_data.append(1.0)
+
+
+def _negative_dims(model, w):
+    w.dims[:] = [-128, -128]
+
+
+def _empty_with_data(model, w):
+    w.dims[:] = [0, 128]
+
+
+def _twice(model, w):
+    model.graph.initializer.add().CopyFrom(w)
+
+
+def _not_an_input_at_ir3(model, w):
+    model.ir_version = 3
+    model.graph.input.append(helper.make_tensor_value_info("b", TensorProto.FLOAT, [128]))
+
+
+@pytest.mark.parametrize(
+    "mend",
+    [
+        _string, _undefined, _two_fields, _negative_dims, _empty_with_data,
+        _twice, _not_an_input_at_ir3,
+    ],
+)  # fmt: skip
+def test_a_large_weight_the_checker_refuses_is_refused_with_its_words(mend):
+    """The checker sees large weights as stand-ins without their data
+    (model_copies.checked_form): what it refuses a weight for other than its data's length, it
+    still says, word for word."""
+    model = _weighted(mend)
+    with pytest.raises(onnx.checker.ValidationError) as checker:
+        onnx.checker.check_model(model)
+    with pytest.raises(InvalidModel) as ours:
+        load_model(model)
+    assert str(checker.value).strip().splitlines()[0] in str(ours.value)
+
+
+@pytest.mark.parametrize("mend", [_short, _long, _odd])
+def test_a_large_weight_of_the_wrong_length_is_refused_naming_it(mend):
+    """Its data's length is what the stand-in leaves out: graph_from_proto reads the data
+    whole and refuses it, naming the initializer (onnx's checker, from 1.20 on, refuses a
+    short one; a long one it lets through)."""
+    with pytest.raises(InvalidModel, match=r"model 'weighted': initializer 'w': "):
+        load_model(_weighted(mend))
+
+
+def test_a_large_weight_of_a_type_onnx_does_not_know_is_refused():
+    """The checker lets an unknown type through with raw_data (and so the stand-in keeps the
+    tensor itself); shape inference refuses it."""
+    with pytest.raises(InvalidModel, match="data type 99"):
+        load_model(_weighted(_unknown_type))
+
+
+def test_large_weights_load_whole_and_unchanged():
+    graph = load_model(_weighted())
+    np.testing.assert_array_equal(graph.initializers["w"], np.eye(128, dtype=np.float32))
+    np.testing.assert_array_equal(graph.initializers["b"], np.arange(128, dtype=np.float32))
+
+
+def test_serialized_in_pieces_parses_to_the_same_model():
+    """ir.serialized writes the initializers as graph fragments of their own: a parser merges
+    them back, in their order, beside every other field."""
+    model = _weighted()
+    model.graph.initializer.add().CopyFrom(numpy_helper.from_array(np.ones(3, np.int64), "k"))
+    model.producer_name, model.doc_string = "a test", "pieces"
+    helper.set_model_props(model, {"key": "value"})
+    twice = helper.make_node("Add", ["a", "a"], ["b"])
+    opsets = [helper.make_opsetid("", 17)]
+    model.functions.append(helper.make_function("local", "Twice", ["a"], ["b"], [twice], opsets))
+    data = serialized(model)
+    assert data != model.SerializeToString()  # fields in another order: this is the pieces
+    parsed = onnx.ModelProto()
+    parsed.ParseFromString(data)
+    assert parsed == model
+    assert [t.name for t in parsed.graph.initializer] == ["w", "b", "k"]
+    bare = helper.make_model(small_cnn().graph)  # and a model without initializers
+    del bare.graph.initializer[:]
+    again = onnx.ModelProto()
+    again.ParseFromString(serialized(bare))
+    assert again == bare
+
+
+def test_serialized_refuses_a_model_over_protobufs_bound(monkeypatch):
+    model = _weighted()
+    # a model of 2 GiB is too much to make here
+    monkeypatch.setattr(model_copies, "_MAX_MESSAGE", model.ByteSize() - 1)
+    with pytest.raises(InvalidModel, match=r"'weighted' cannot be serialized: .* over protobuf"):
+        serialized(model)
