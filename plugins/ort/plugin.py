@@ -91,10 +91,13 @@ class OrtPlugin(Plugin):
     # --- networks
 
     def _read(self, model: Model) -> tuple[Graph, bytes, onnx.ModelProto]:
-        """The model validated, its bytes for onnxruntime, and its proto."""
+        """The model validated, its bytes for onnxruntime, and its proto; the graph without
+        its initializers' values (onnxruntime's sessions hold the weights: the graph's copy
+        of them, once checked, would only raise a load's peak memory by the weights' size)."""
         proto, _ = read_model(model)  # external data inlined here, safely
         graph = load_model(proto)
         check_load_constants(graph, self.name)  # onnxruntime folds constants without a limit
+        graph.initializers.clear()
         locales.settle(proto, f"model {graph.name!r}")  # a StringNormalizer's missing locale
         if saturation.saturates():  # this CPU's int8 GEMMs would saturate: make them exact
             rewritten = saturation.exact_integer_gemms(proto)
@@ -116,13 +119,13 @@ class OrtPlugin(Plugin):
         graph, data, proto = self._read(model)
         shapes = shape_model(proto)
         refuse_narrow_io(graph, self.name)  # onnxruntime's numpy binding has no such types
+        amplifying = amplify.probe(proto)
+        held = self._held(data, proto, graph, cfg)  # None unless the model is small
+        del proto  # the sessions parse their own: not held beside them at a load's peak
         try:
             sessions = backend.sessions(data, cfg)
         except Exception as exc:
             raise self._load_error(graph, exc) from None
-        held = self._held(data, proto, graph, cfg)
-        amplifying = amplify.probe(proto)
-        del proto  # the sessions parse their own
         # a network that profiles makes sessions while it serves: from its own copy, which a
         # change to the repository's file cannot take away
         source: ModelSource = (
