@@ -13,6 +13,7 @@ import math
 from typing import Any
 
 from google.protobuf.message import Message
+from google.protobuf.unknown_fields import UnknownFieldSet
 from onnx import GraphProto, ModelProto, TensorProto, helper
 
 from plugserve.plugins.api import InvalidModel
@@ -56,15 +57,19 @@ def serialized(proto: ModelProto) -> bytes:
     merges a repeated field's elements across fragments of the same message field, so the
     bytes parse to the same model (initializers in their order). Each piece is one tensor's
     copy, and ``bytes.join`` releases the GIL to copy them together: 0.3 s, the longest hold
-    one tensor's (BENCHMARKS.md, "A model's load beside traffic"). Over protobuf's 2 GiB:
-    InvalidModel."""
+    one tensor's (BENCHMARKS.md, "A model's load beside traffic"). A model or graph holding
+    fields this onnx does not know (a newer exporter's, which a backend may read) is written
+    whole, as only protobuf's own writer keeps them. Over protobuf's 2 GiB: InvalidModel."""
     try:
-        pieces = [_all_but_initializers(proto).SerializeToString()]
-        for tensor in proto.graph.initializer:
-            body = tensor.SerializeToString()
-            inner = _INITIALIZER_TAG + _varint(len(body))
-            pieces += (_GRAPH_TAG, _varint(len(inner) + len(body)), inner, body)
-    except ValueError as exc:  # one piece over protobuf's 2 GiB
+        if UnknownFieldSet(proto) or UnknownFieldSet(proto.graph):
+            pieces = [proto.SerializeToString()]
+        else:
+            pieces = [_all_but_initializers(proto).SerializeToString()]
+            for tensor in proto.graph.initializer:
+                body = tensor.SerializeToString()
+                inner = _INITIALIZER_TAG + _varint(len(body))
+                pieces += (_GRAPH_TAG, _varint(len(inner) + len(body)), inner, body)
+    except ValueError as exc:  # over protobuf's 2 GiB
         too_large = str(exc)
     else:
         size = sum(map(len, pieces))

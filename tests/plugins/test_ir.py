@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+from google.protobuf.unknown_fields import UnknownFieldSet
 from models import mlp, small_cnn
 from onnx import TensorProto, helper, numpy_helper
 
@@ -331,6 +332,18 @@ def test_serialized_in_pieces_parses_to_the_same_model():
     again = onnx.ModelProto()
     again.ParseFromString(serialized(bare))
     assert again == bare
+
+
+def test_serialized_keeps_the_fields_this_onnx_does_not_know():
+    """A newer exporter's field, unknown here, still reaches the backend (it may know it)."""
+    model = _weighted()
+    unknown = bytes([99 << 3 & 0x7F | 0x80, 99 >> 4, 5])  # field 99, a varint: 5
+    for target in (model, model.graph):
+        target.MergeFromString(unknown)
+    parsed = onnx.ModelProto()
+    parsed.ParseFromString(serialized(model))
+    assert parsed.SerializeToString() == model.SerializeToString()
+    assert len(UnknownFieldSet(parsed)) == len(UnknownFieldSet(parsed.graph)) == 1
 
 
 def test_serialized_refuses_a_model_over_protobufs_bound(monkeypatch):
