@@ -305,10 +305,19 @@ def test_a_large_weight_of_a_type_onnx_does_not_know_is_refused():
         load_model(_weighted(_unknown_type))
 
 
-def test_large_weights_load_whole_and_unchanged():
-    graph = load_model(_weighted())
+def _listed_as_inputs(model, w):
+    """IR 3: every initializer is a graph input too."""
+    model.ir_version = 3
+    for name, shape in (("w", [128, 128]), ("b", [128])):
+        model.graph.input.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, shape))
+
+
+@pytest.mark.parametrize("mend", [lambda model, w: None, _listed_as_inputs])
+def test_large_weights_load_whole_and_unchanged(mend):
+    graph = load_model(_weighted(mend))
     np.testing.assert_array_equal(graph.initializers["w"], np.eye(128, dtype=np.float32))
     np.testing.assert_array_equal(graph.initializers["b"], np.arange(128, dtype=np.float32))
+    assert [spec.name for spec in graph.inputs] == ["x"]
 
 
 def test_serialized_in_pieces_parses_to_the_same_model():
