@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         "default threads": ([], ""),
     }
     if args.baseline:
-        cases["baseline (serial)"] = ([], args.baseline)
+        cases["baseline (its default threads)"] = ([], args.baseline)
     results = harness.interleave(
         {name: (lambda f=f, p=p: start_once(repo, f, p)) for name, (f, p) in cases.items()},
         args.rounds,
