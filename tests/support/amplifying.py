@@ -218,7 +218,21 @@ def read_wide_shapes(doublings: int = 16, copies: int = 40) -> onnx.ModelProto:
     return _model(nodes, [_in("x", F, [1])], [_in("y", F, [])])
 
 
-#: every model above, by name
+def many_dims(count: int = 30_000) -> onnx.ModelProto:
+    """A [128, 128] weight declared with ``count`` dims of 2**62 (300 KB): their product is a
+    bigint of ``count`` x 62 bits, whose plain multiplication takes seconds holding the GIL
+    (onnx's checker refuses the tensor at the second dim, for int64 overflow)."""
+    weight = helper.make_tensor("w", F, [128, 128], bytes(128 * 128 * 4), raw=True)
+    weight.dims[:] = [2**62] * count
+    return _model(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])],
+        [_in("x", F, [1, 128])],
+        [_in("y", F, [1, 128])],
+        [weight],
+    )
+
+
+#: every model above whose reading is bounded by --max-read-bytes, by name
 READING = {
     "broadcast_add": read_broadcast_add,
     "concat_doubling": read_concat_doubling,
