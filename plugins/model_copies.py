@@ -105,16 +105,15 @@ def checked_form(proto: ModelProto) -> ModelProto:
     in ``raw_data`` replaced by an empty stand-in of the same name and type.
 
     The checker takes bytes: given the model, it serializes it, weights and all, and parses it
-    again in C++, holding the GIL throughout (a 262 MB model: 0.6 s in which no other request
-    of the server moved, and twice the weights' bytes more memory; BENCHMARKS.md, "A model's
-    load beside traffic"). Of such a tensor the checker reads only its name (unique; an input
-    too at IR 3), its type (set, defined, not STRING), its dims (not negative, no overflow)
-    and the length of ``raw_data`` (newer onnx: at least what the shape needs); the stand-in
-    keeps all but the length, and
-    ``ir.graph_from_proto`` then reads each one's data whole (too short or too long: refused,
-    naming it). A tensor the checker would refuse for any of those stays itself, so that the
-    checker says what it says; so do typed fields (``float_data``), external data, and every
-    tensor below the top graph's initializers (attributes, subgraphs)."""
+    again in C++, holding the GIL throughout (a 262 MB model: 0.6 s in which no other request of
+    the server moved, and twice the weights' bytes more memory; BENCHMARKS.md, "A model's load
+    beside traffic"). Of such a tensor the checker reads only its name (unique; an input too at
+    IR 3), its type (set, defined, not STRING), its dims (not negative, no overflow) and the
+    length of ``raw_data`` (newer onnx: at least what the shape needs); the stand-in keeps all
+    but the length, and ``ir.graph_from_proto`` then reads each one's data whole (too short or
+    too long: refused, naming it). A tensor the checker would refuse for any of those stays
+    itself, so that the checker says what it says; so do typed fields (``float_data``), external
+    data, and every tensor below the top graph's initializers (attributes, subgraphs)."""
     light = _all_but_initializers(proto)
     for tensor in proto.graph.initializer:
         if _stands_in(tensor):
