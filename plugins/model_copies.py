@@ -146,8 +146,8 @@ def _stands_in(tensor: TensorProto) -> bool:
         return False
     if tensor.data_type not in _PLAIN_TYPES:
         return False
-    if tensor.HasField("data_location") or tensor.external_data:
-        return False
+    if tensor.data_location == TensorProto.EXTERNAL or tensor.external_data:
+        return False  # (a weight read in from beside the model says DEFAULT: it stands in)
     typed = (
         tensor.float_data,
         tensor.int32_data,

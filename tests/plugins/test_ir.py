@@ -9,7 +9,7 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 from models import mlp, small_cnn
 from onnx import TensorProto, helper, numpy_helper
 
-from plugserve.plugins import model_copies
+from plugserve.plugins import ir, model_copies
 from plugserve.plugins.api import InvalidModel, Unsupported
 from plugserve.plugins.ir import load_model
 from plugserve.plugins.model_copies import serialized
@@ -318,6 +318,21 @@ def test_large_weights_load_whole_and_unchanged(mend):
     np.testing.assert_array_equal(graph.initializers["w"], np.eye(128, dtype=np.float32))
     np.testing.assert_array_equal(graph.initializers["b"], np.arange(128, dtype=np.float32))
     assert [spec.name for spec in graph.inputs] == ["x"]
+
+
+def test_a_weight_read_from_external_data_stands_in_for_the_checker(tmp_path):
+    """The largest models keep their weights beside them; once read in (data_location DEFAULT,
+    set explicitly) they are raw_data like any other, and the checker sees them without it."""
+    model = _weighted()
+    path = tmp_path / "weighted.onnx"
+    onnx.save(model, path, save_as_external_data=True, size_threshold=1024, location="w.bin")
+    proto, _ = ir.read_model(path)
+    weight = proto.graph.initializer[0]
+    assert weight.name == "w" and weight.HasField("data_location") and len(weight.raw_data)
+    checked = model_copies.checked_form(proto).graph.initializer[0]
+    assert checked.name == "w" and not checked.raw_data and list(checked.dims) == [0, 0]
+    graph = load_model(path)
+    np.testing.assert_array_equal(graph.initializers["w"], np.eye(128, dtype=np.float32))
 
 
 def test_serialized_in_pieces_parses_to_the_same_model():
