@@ -43,24 +43,16 @@ Plugin API in-process gets the defaults here.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import json
 import logging
-import os
-import select
-import subprocess
-import sys
 import threading
-import time
-from collections.abc import Iterator
 from typing import Any
 
 import onnx
 from onnx import ModelProto
 
 from plugserve.plugins.errors import InvalidModel, ResourceExhausted
-from plugserve.plugins.shape_worker import write_frame
+from plugserve.plugins.workers import Crashed, NoWorker, TooLarge, Workers
 
 __all__ = [
     "Allowance",
@@ -70,6 +62,7 @@ __all__ = [
     "count_nodes",
     "infer_shapes",
     "limits",
+    "read_here",
     "set_limits",
 ]
 
@@ -196,128 +189,17 @@ def allowance(weights: int = 0) -> Allowance:
 # ----------------------------------------------------------------- shape inference
 
 
-class _NoHelper(Exception):
-    """No helper process could be started here."""
-
-
-class _TooLarge(Exception):
-    """The inferred model the helper answers is larger than the read may parse."""
-
-
-class _Helper:
-    """One helper process (``shape_worker.py``) and its pipes."""
-
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-        try:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "plugserve.plugins.shape_worker", str(max_bytes)],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-        except OSError as exc:
-            raise _NoHelper(str(exc)) from None
-        try:
-            self._read_header(60.0)  # "ready": onnx is imported and the bound set
-        except (EOFError, TimeoutError, OSError, ValueError) as exc:
-            self.close()
-            raise _NoHelper(f"the helper did not start ({type(exc).__name__})") from None
-
-    def ask(self, header: dict, body: bytes, seconds: float, most: int = 0) -> tuple[dict, bytes]:
-        """The answer to one request; an answer's body over ``most`` bytes (0: any) raises
-        :class:`_TooLarge` before it is read (the helper is then of no more use)."""
-        stdin = self.process.stdin
-        assert stdin is not None
-        write_frame(stdin, json.dumps(header).encode())
-        write_frame(stdin, body)
-        stdin.flush()
-        answer = self._read_header(seconds)
-        size = int.from_bytes(self._exactly(8, seconds), "little")
-        if most and size > most:
-            raise _TooLarge(size)
-        return answer, self._exactly(size, seconds)
-
-    def _read_header(self, seconds: float) -> dict:
-        return json.loads(self._frame(seconds))
-
-    def _frame(self, seconds: float) -> bytes:
-        size = int.from_bytes(self._exactly(8, seconds), "little")
-        return self._exactly(size, seconds)
-
-    def _exactly(self, size: int, seconds: float) -> bytes:
-        stdout = self.process.stdout
-        assert stdout is not None
-        fd = stdout.fileno()
-        end = time.monotonic() + seconds
-        parts: list[bytes] = []
-        left = size
-        while left:
-            wait = end - time.monotonic()
-            if wait <= 0 or not select.select([fd], [], [], wait)[0]:
-                raise TimeoutError
-            chunk = os.read(fd, min(left, 1 << 20))
-            if not chunk:
-                raise EOFError
-            parts.append(chunk)
-            left -= len(chunk)
-        return b"".join(parts)
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self.process.kill()
-        with contextlib.suppress(Exception):
-            self.process.wait(5)
-        for stream in (self.process.stdin, self.process.stdout):
-            with contextlib.suppress(OSError):
-                if stream is not None:
-                    stream.close()
-
-
-class _Helpers:
-    """Up to :data:`HELPERS` helper processes, started when first needed, kept between reads
-    (starting one imports onnx: about a second) and replaced after one failed."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._idle: list[_Helper] = []
-        self._slots = threading.BoundedSemaphore(HELPERS)
-
-    @contextlib.contextmanager
-    def one(self, max_bytes: int, seconds: float) -> Iterator[_Helper]:
-        if not self._slots.acquire(timeout=seconds):
-            raise ResourceExhausted(
-                f"no shape-inference helper was free within {seconds:g} s "
-                "(--max-read-seconds / PLUGSERVE_MAX_READ_SECONDS); retry later"
-            )
-        helper: _Helper | None = None
-        try:
-            with self._lock:
-                while self._idle and helper is None:
-                    found = self._idle.pop()
-                    if found.max_bytes == max_bytes and found.process.poll() is None:
-                        helper = found
-                    else:
-                        found.close()
-            if helper is None:
-                helper = _Helper(max_bytes)
-            yield helper
-        except BaseException:
-            if helper is not None:
-                helper.close()
-            helper = None
-            raise
-        finally:
-            if helper is not None:
-                with self._lock:
-                    self._idle.append(helper)
-            self._slots.release()
-
-
-_helpers = _Helpers()
+_helpers = Workers("plugserve.plugins.shape_worker", HELPERS, "shape-inference")
 #: set once the fallback without a helper has been logged
 _warned = threading.Event()
+#: set in a helper process that is bounded itself (``openvino/query_process.py``): shape
+#: inference runs in it
+_here = threading.Event()
+
+
+def read_here() -> None:
+    """Run shape inference in this process from now on: it is a bounded helper already."""
+    _here.set()
 
 
 #: what the inferred model may add to the model sent, as a share of --max-read-bytes: parsing
@@ -333,9 +215,9 @@ def _inferred(data: bytes, label: str, **flags: bool) -> bytes:
     seconds = bound.seconds or _FOREVER
     most = len(data) + bound.max_bytes // ANSWER_SHARE if bound.max_bytes else 0
     try:
-        with _helpers.one(bound.max_bytes, seconds) as helper:
-            answer, body = helper.ask(flags, data, seconds, most)
-    except _TooLarge as exc:
+        with _helpers.one(seconds, (str(bound.max_bytes),)) as helper:
+            answer, body = helper.ask(flags, data, seconds, most, f"model {label!r}")
+    except TooLarge as exc:
         raise InvalidModel(
             f"model {label!r}: shape inference's answer is {exc.args[0]:,} bytes, more than "
             f"{most:,} (the model and a thirty-second of --max-read-bytes / "
@@ -348,7 +230,7 @@ def _inferred(data: bytes, label: str, **flags: bool) -> bytes:
             "server's limit (--max-read-seconds / PLUGSERVE_MAX_READ_SECONDS); send a smaller "
             "model, or raise the limit"
         ) from None
-    except (EOFError, OSError, ValueError):
+    except (Crashed, OSError, ValueError):
         answer, body = {"error": "MemoryError"}, b""  # the helper died: out of memory
     error = answer.get("error")
     if error == "MemoryError":
@@ -378,9 +260,13 @@ def infer_shapes(
     :attr:`ReadLimits.seconds`. Pass the model without its weights
     (``model_copies.without_weights``): they are copied to the helper and back."""
     data = model if isinstance(model, bytes) else model.SerializeToString()
+    if _here.is_set():
+        return onnx.shape_inference.infer_shapes(
+            data, check_type=check_type, strict_mode=strict, data_prop=data_prop
+        )
     try:
         body = _inferred(data, label, strict=strict, data_prop=data_prop, check_type=check_type)
-    except _NoHelper as exc:  # a sandbox without fork, a Python that cannot import us
+    except NoWorker as exc:  # a sandbox without fork, a Python that cannot import us
         if not _warned.is_set():
             _warned.set()
             log.warning("shape inference runs in this process, unbounded: no helper (%s)", exc)
