@@ -104,10 +104,15 @@ def disagreement(expected: Expected, value: Any) -> str:
     return ""
 
 
-def made_up_inputs(single: onnx.ModelProto, dim: int = DIM) -> dict[str, np.ndarray] | None:
+def made_up_inputs(
+    single: onnx.ModelProto, dim: int = DIM, most_bytes: int = 0
+) -> dict[str, np.ndarray] | None:
     """Data for a model's graph inputs (its constants are initializers): the declared sizes,
     ``dim`` for a symbolic one; None when an input's rank or element type is unknown or
-    not numeric."""
+    not numeric, or when making them would take more than ``most_bytes`` (0: any; a model
+    declares its sizes, and a few bytes may declare gigabytes)."""
+    if most_bytes and _made_up_bytes(single, dim) > most_bytes:
+        return None
     rng = np.random.default_rng(0)
     feeds: dict[str, np.ndarray] = {}
     constants = {i.name for i in single.graph.initializer}
@@ -134,6 +139,23 @@ def made_up_inputs(single: onnx.ModelProto, dim: int = DIM) -> dict[str, np.ndar
         else:  # small non-negative integers: valid indices and counts for the made-up dims
             feeds[value.name] = rng.integers(0, 2, shape).astype(dtype)
     return feeds
+
+
+def _made_up_bytes(single: onnx.ModelProto, dim: int) -> int:
+    """What :func:`made_up_inputs` would allocate at the most (8 bytes an element: floats are
+    drawn as float64 first)."""
+    constants = {i.name for i in single.graph.initializer}
+    total = 0
+    for value in single.graph.input:
+        if value.name in constants:
+            continue
+        elements = 1
+        for d in value.type.tensor_type.shape.dim:
+            elements *= d.dim_value if d.HasField("dim_value") and d.dim_value >= 0 else dim
+            if elements > 1 << 62:  # a product past any bound: no need to go on
+                break
+        total += 8 * elements
+    return total
 
 
 #: (rtol, atol) element by element at f32

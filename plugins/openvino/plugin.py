@@ -24,7 +24,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from plugserve.plugins import amplify, memory
+from plugserve.plugins import amplify, cancel, memory
 from plugserve.plugins.api import (
     STATE_PAIRS,
     BackendUnavailable,
@@ -47,6 +47,7 @@ from plugserve.plugins.ir import (
     refuse_narrow_io,
 )
 from plugserve.plugins.model_copies import serialized
+from plugserve.plugins.openvino import query_process
 from plugserve.plugins.openvino.compiled import OpenvinoCompiledNetwork
 from plugserve.plugins.openvino.config import (
     OpenvinoConfiguration,
@@ -124,6 +125,11 @@ class OpenvinoPlugin(Plugin):
     config_class = OpenvinoConfiguration
     cancellation = "after the running node (Loops the request bounds: refused)"
     native_states = True
+    #: QueryNetwork's openvino work runs in a helper process (:mod:`.query_process`); False
+    #: in that helper itself
+    query_in_helper = True
+    #: the NUMPY device :meth:`_verify` compares with, where there is no Core (the helper)
+    reference: Plugin | None = None
 
     def __init__(self) -> None:
         super().__init__()
@@ -342,6 +348,24 @@ class OpenvinoPlugin(Plugin):
                 "HETERO read ONNX models"
             )
         graph, proto, data = self._read(model)
+        verify = self._reference() is not None
+        if self.query_in_helper:
+            answered = query_process.ask(data, cfg.to_strings(), graph.name, verify)
+            if answered is not None:
+                return answered
+        return self.answer_query(cfg, graph, proto, data, verify)
+
+    def answer_query(
+        self,
+        cfg: OpenvinoConfiguration,
+        graph: Graph,
+        proto: onnx.ModelProto,
+        data: bytes,
+        verify: bool,
+    ) -> tuple[set[str], dict[str, str]]:
+        """The nodes of a model read by :meth:`_read` that openvino supports and computes
+        right (``verify``: checked against NUMPY, :mod:`.verify`), and why each other one is
+        refused; in the query's helper process (:mod:`.query_process`), or here without one."""
         supported, why = self._ask_openvino(cfg, graph, proto, data)
         if not cfg.get("UNBOUNDED_LOOPS"):
             for name in unbounded_loops(graph):
@@ -355,9 +379,10 @@ class OpenvinoPlugin(Plugin):
                 why[node.name] = (
                     f"reads or writes {narrow}, which openvino does not compute as ONNX says"
                 )
-        for name, reason in self._verify(cfg, graph, proto, supported).items():
-            supported.discard(name)
-            why[name] = reason
+        if verify:
+            for name, reason in self._verify(cfg, graph, proto, supported).items():
+                supported.discard(name)
+                why[name] = reason
         return supported, why
 
     def _verify(
@@ -365,8 +390,8 @@ class OpenvinoPlugin(Plugin):
     ) -> dict[str, str]:
         """The claimed nodes openvino computes otherwise than NUMPY (see :mod:`.verify`);
         none without a NUMPY device to compare with."""
-        devices = self.devices
-        if devices is None or "NUMPY" not in devices.available_devices:
+        reference = self._reference()
+        if reference is None:
             return {}
         props = compile_properties(cfg)
 
@@ -381,10 +406,18 @@ class OpenvinoPlugin(Plugin):
             proto,
             claimed,
             run_openvino,
-            lambda single: devices.load_network(single, "NUMPY"),
+            reference.load_network,
             ov.__version__,
             self.precision(cfg),
         )
+
+    def _reference(self) -> Plugin | None:
+        """The NUMPY device the checks compare with: the Core's, or the helper's own."""
+        if self.reference is not None:
+            return self.reference
+        if self.devices is not None and "NUMPY" in self.devices.available_devices:
+            return self.devices.plugin("NUMPY")
+        return None
 
     def _ask_openvino(
         self, cfg: OpenvinoConfiguration, graph: Graph, proto: onnx.ModelProto, data: bytes
@@ -437,6 +470,7 @@ class OpenvinoPlugin(Plugin):
         supported: set[str] = set()
         why: dict[str, str] = {}
         for node, single in single_node_models(graph, proto):
+            cancel.check(f"asking openvino about node {node.name!r}")
             try:
                 ov_model = self.core.read_model(single.SerializeToString())
                 answer = set(self.core.query_model(ov_model, TARGET, props))

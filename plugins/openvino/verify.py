@@ -11,9 +11,9 @@ to the next device, with the reason in ``plugserve query``.
 One verdict per op signature (op, attributes, input types and shapes, small constants' values,
 openvino's version and the precision asked for), kept for the process: a model's 50 Convs of
 four shapes cost four checks, and loading it again costs none. A node that cannot be checked
-(an input of unknown rank, a string, a subgraph, a random op, data the reference refuses)
-keeps openvino's word; at run time HETERO still checks every value a piece hands on
-(``plugins/outputcheck.py``).
+(an input of unknown rank, a string, a subgraph, a random op, data the reference refuses,
+inputs or outputs over :data:`MOST_BYTES`) keeps openvino's word; at run time HETERO still
+checks every value a piece hands on (``plugins/outputcheck.py``).
 """
 
 from __future__ import annotations
@@ -27,10 +27,11 @@ from typing import Any
 import numpy as np
 import onnx
 
+from plugserve.plugins import cancel
 from plugserve.plugins.api import CompiledNetwork, PlugserveError
 from plugserve.plugins.ir import Graph, Node, attribute_graphs
 from plugserve.plugins.openvino.query import single_node_models
-from plugserve.plugins.outputcheck import compare_outputs, made_up_inputs
+from plugserve.plugins.outputcheck import DIM, compare_outputs, made_up_inputs
 
 __all__ = ["wrong_nodes"]
 
@@ -43,6 +44,10 @@ _RANDOM = frozenset(
 )  # fmt: skip
 #: constant inputs up to this many elements are part of the signature by value
 _SMALL = 4096
+#: the most bytes a node's made-up inputs or its outputs may take to be checked: a larger
+#: node keeps openvino's word (a 76-byte model declaring a [16000, 16000] input took 5.3 GB
+#: to check; a real model's largest activations, a 224x224 image's 64 channels, are 13 MB)
+MOST_BYTES = 64 << 20
 #: most signatures remembered (a process serving many models stays bounded)
 _MOST = 16384
 
@@ -67,6 +72,7 @@ def wrong_nodes(
     for node, single in single_node_models(graph, proto):
         if node.name not in claimed or not _checkable(node):
             continue
+        cancel.check(f"checking node {node.name!r} on openvino")
         try:
             verdict = _verdict(node, single, graph, run_openvino, reference, version, precision)
         except Exception:  # a check that cannot be made gives no verdict, never a failure
@@ -86,9 +92,11 @@ def _verdict(
     version: str,
     precision: str,
 ) -> str:
-    feeds = made_up_inputs(single)
     typed = _typed_outputs(single, graph)
-    if feeds is None or typed is None:
+    if typed is None or _output_bytes(typed) > MOST_BYTES:
+        return ""
+    feeds = made_up_inputs(single, most_bytes=MOST_BYTES)
+    if feeds is None:
         return ""
     key = _signature(node, graph, feeds, version, precision)
     with _lock:
@@ -100,6 +108,20 @@ def _verdict(
                 _verdicts.clear()
             _verdicts[key] = verdict
     return verdict
+
+
+def _output_bytes(typed: onnx.ModelProto) -> int:
+    """The most bytes the typed single-node model's outputs declare (unknown dims as
+    ``outputcheck.DIM``, 8 bytes an element)."""
+    total = 0
+    for value in typed.graph.output:
+        elements = 1
+        for d in value.type.tensor_type.shape.dim:
+            elements *= d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else DIM
+            if elements > 1 << 62:
+                break
+        total += 8 * elements
+    return total
 
 
 def _checkable(node: Node) -> bool:
