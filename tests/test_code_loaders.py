@@ -102,10 +102,12 @@ ALLOWED = {
     ("server/apps/pipelines/python/sandbox.py", "_watch", "os.execv"): (
         "/bin/sh with a fixed script that kills the model's process group when the server dies"
     ),
-    ("plugins/reading.py", "_Helper.__init__", "subprocess.Popen"): (
-        "starts onnx's shape inference in a helper process (the server's own interpreter, our "
-        "module plugins/shape_worker.py, its memory cap an int): a client's model bytes reach "
-        "it as data on stdin and are only parsed and shape-inferred there, never run"
+    ("plugins/workers.py", "Worker.__init__", "subprocess.Popen"): (
+        "starts a helper process: the server's own interpreter running one of our modules "
+        "(plugins/shape_worker.py, plugins/openvino/query_helper.py, server/apps/generate/"
+        "text/grammar_check.py; the name is a constant at each call, the arguments ints): a "
+        "client's model or grammar reaches it as data on stdin and is only read, checked or "
+        "queried there, never run"
     ),
     ("server/apps/pipelines/python/process.py", "Spawner._run", "subprocess.Popen"): (
         "starts a Python model's worker with the interpreter its config.pbtxt names "

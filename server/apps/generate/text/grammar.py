@@ -17,9 +17,11 @@ hands out its masks as torch tensors. Both refuse bad schemas with a clear messa
 Bounds: the vocabulary is read into llguidance once per model (0.5-0.9 s for 32,000 tokens,
 on the first constrained request, under a lock; the tokenizer is kept while the model's
 tokenizer lives); a schema's compilation and each mask are bounded by llguidance's parser
-limits (lexer fuel, items per step, grammar size: :func:`_limits`), which turn a hostile
-schema into a refusal or an error state, never a hang; a schema is at most
-:data:`MAX_SCHEMA_BYTES`. A request's schema is compiled into one matcher, once (0.25-1.6 s
+limits (lexer fuel, items per step, grammar size: ``grammar_check.parser_limits``), which
+turn a hostile schema into a refusal or an error state, never a hang; a schema is at most
+:data:`MAX_SCHEMA_BYTES`, and it is read and validated in a helper process first
+(``grammar_check.py``: llguidance's reading recurses without a bound, and a deep one crashed
+the server). A request's schema is compiled into one matcher, once (0.25-1.6 s
 for a 210-240 KB schema here, the GIL released), and each of its ``n`` sequences gets a deep
 copy of it (0.02-7 ms each, the compiled grammar shared): building a matcher per sequence on
 the REST event loop held it for 46-50 s with a 239 KB schema and ``n`` 64. Both run on the
@@ -40,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from plugserve.server.apps.generate.text.grammar_check import checked_grammar, parser_limits
 from plugserve.server.plane.errors import FieldError
 
 __all__ = [
@@ -84,17 +87,6 @@ def _llguidance() -> Any:
             501,
         ) from None
     return llguidance
-
-
-def _limits(llguidance: Any) -> Any:
-    # llguidance's defaults, written down: per mask at most 200k lexer fuel (~14 ms) and 50k
-    # Earley items (~2.5 ms); a grammar of at most 500k symbols and 250k lexer states
-    return llguidance.LLParserLimits(
-        step_lexer_fuel=200_000,
-        step_max_items=50_000,
-        max_grammar_size=500_000,
-        max_lexer_states=250_000,
-    )
 
 
 def _vocabulary(tokenizer: Any, vocab_size: int) -> Any:
@@ -286,8 +278,10 @@ def _required_cost(node: Any, depth: int) -> int:
     properties = node.get("properties")
     properties = properties if isinstance(properties, dict) else {}
     required = node.get("required")
-    for name in required if isinstance(required, list) else ():
-        cost += len(str(name)) + 6 + _required_cost(properties.get(name), depth + 1)
+    # each name once: a schema is a tree, so every node is then visited once (a name listed
+    # k times at each of d levels cost k**d visits: 3 at 20 levels, hours of a worker thread)
+    for name in dict.fromkeys(str(n) for n in required) if isinstance(required, list) else ():
+        cost += len(name) + 6 + _required_cost(properties.get(name), depth + 1)
     return cost + _required_cost(node.get("items"), depth + 1)
 
 
@@ -295,28 +289,6 @@ def _required_cost(node: Any, depth: int) -> int:
 #: decoding: ``regex``, ``choice`` (a JSON array of strings), ``grammar`` (Lark, or GBNF as
 #: llama.cpp and xgrammar write it, converted by llguidance's own converter)
 GRAMMAR_KINDS = ("json", "regex", "choice", "grammar")
-
-
-def _grammar(llguidance: Any, schema: str, kind: str) -> str:
-    """llguidance's grammar of ``schema`` read as ``kind``."""
-    if kind == "json":
-        # compact separators, as a model writes JSON most often; whitespace stays the
-        # model's to choose between tokens only where JSON allows it
-        return llguidance.LLMatcher.grammar_from_json_schema(
-            schema, defaults={"whitespace_flexible": False}
-        )
-    if kind == "regex":
-        return llguidance.LLMatcher.grammar_from_regex(schema)
-    if kind == "choice":
-        import orjson
-
-        choices = orjson.loads(schema)
-        return llguidance.LLMatcher.grammar_from_lark(
-            "start: " + " | ".join(orjson.dumps(c).decode() for c in choices)
-        )
-    from llguidance.gbnf_to_lark import any_to_lark
-
-    return llguidance.LLMatcher.grammar_from_lark(any_to_lark(schema))
 
 
 def compile_schema(
@@ -335,15 +307,10 @@ def compile_schema(
             f"{field}: the grammar is {len(schema)} bytes; at most {MAX_SCHEMA_BYTES}", field
         )
     llguidance = _llguidance()
-    try:
-        grammar = _grammar(llguidance, schema, kind)
-    except Exception as exc:  # the library's parsers raise their own kinds of errors
-        raise FieldError(f"{field}: the grammar library refuses it: {exc}", field) from None
-    why = llguidance.LLMatcher.validate_grammar(grammar, None, limits=_limits(llguidance))
-    if why:
-        raise FieldError(f"{field}: the grammar library refuses it: {why}", field)
+    grammar = checked_grammar(llguidance, schema, kind, field)
     vocabulary = _vocabulary(tokenizer, vocab_size)
-    matcher = llguidance.LLMatcher(vocabulary, grammar, log_level=0, limits=_limits(llguidance))
+    limits = parser_limits(llguidance)
+    matcher = llguidance.LLMatcher(vocabulary, grammar, log_level=0, limits=limits)
     if matcher.is_error():  # a grammar past the parser's limits fails here, before generating
         raise FieldError(f"{field}: it cannot be used: {matcher.get_error()}", field)
     return CompiledSchema(vocabulary, matcher)
