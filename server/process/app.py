@@ -608,8 +608,8 @@ class Server:
         self.plane.close()
         self.control.close()
         children.stop_all()
-        if self.openai is not None:
-            self.openai.close()
+        if self.openai is not None:  # a job stuck on its workers would hold the exit
+            self.abandoned += self.openai.close()
         self.plane.tracing.close()
         if self.exporter is not None:  # the last requests' traces leave, or are given up
             self.exporter.close()

@@ -41,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -146,6 +147,9 @@ class OpenAIRoutes:
         self.aliases = dict(served_names or {})
         self.workers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="openai")
         self._queued = 0
+        #: jobs running on the workers now
+        self._running = 0
+        self._running_lock = threading.Lock()
         self.created = int(time.time())
         if responses_store is None:  # (an empty store is falsy: it has a length)
             responses_store = ResponseStore(plane.budget)
@@ -177,8 +181,20 @@ class OpenAIRoutes:
         table += SleepRoutes.table(guard, lambda: self.sleeping)  # admin: vLLM's sleep mode
         return table
 
-    def close(self) -> None:
+    def close(self) -> int:
+        """Stop the workers; the jobs still running on them (a process exiting need not wait
+        for them: the server counts them as abandoned)."""
         self.workers.shutdown(wait=False, cancel_futures=True)
+        return self._running
+
+    def _job(self, fn: Callable[..., Any], *args: Any) -> Any:
+        with self._running_lock:
+            self._running += 1
+        try:
+            return fn(*args)
+        finally:
+            with self._running_lock:
+                self._running -= 1
 
     @staticmethod
     def refusal(status: int, message: str, error: PlugserveError | None) -> Reply:
@@ -200,7 +216,9 @@ class OpenAIRoutes:
             )
         self._queued += 1
         try:
-            return await asyncio.get_running_loop().run_in_executor(self.workers, fn, *args)
+            return await asyncio.get_running_loop().run_in_executor(
+                self.workers, self._job, fn, *args
+            )
         finally:
             self._queued -= 1
 
