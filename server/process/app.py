@@ -70,8 +70,7 @@ from plugserve.server.protocols.grpc.callgate import CallGate, keepalive_options
 from plugserve.server.protocols.grpc.handlers import add_service
 from plugserve.server.protocols.grpc.wrapping import Wrap, WrappingServer
 from plugserve.server.protocols.http.app import HttpService
-from plugserve.server.protocols.openai import OpenAIRoutes
-from plugserve.server.protocols.openai import body as openai_body
+from plugserve.server.protocols.openai import OpenAIRoutes, json_bounds
 from plugserve.server.protocols.v1.servicer import PlugserveServicer
 
 __all__ = ["NotServable", "Server", "main"]
@@ -197,7 +196,7 @@ class Server:
         #: the OpenTelemetry exporter, made when a trace setting first turns tracing on
         self.exporter: Exporter | None = None
         self.plane.tracing = self._tracing(settings.trace())
-        openai_body.configure(settings.max_json_values, settings.max_json_depth)
+        json_bounds.configure(settings.max_json_values, settings.max_json_depth)
         generate_limits.configure(  # what a generation request may make the server do
             self.plane.budget,
             settings.max_prompt_bytes,

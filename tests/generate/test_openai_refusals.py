@@ -295,3 +295,28 @@ def test_tokens_govern_the_openai_routes_as_the_others(llm_folder, tmp_path):
         with pytest.raises(urllib.error.HTTPError) as caught:
             urllib.request.urlopen(request, timeout=30)
         assert caught.value.code == 401
+
+
+def test_call_arguments_in_the_history_count_against_the_json_bound(server, api):
+    """An assistant message's call arguments are JSON text inside one string of the body:
+    their values count against --max-json-values (1M here) before they are parsed. A red
+    team's 50M numbers there (100 MB) took 25.7 s and 0.9 GB; now a 413 naming them."""
+
+    def history(arguments: str) -> list[dict]:
+        call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+        return [
+            *CHAT,
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "done"},
+        ]
+
+    many = json.dumps({"a": [0] * (1 << 20)})
+    with pytest.raises(openai.APIStatusError) as refused:
+        api.chat.completions.create(model=MODEL, messages=history(many), max_tokens=1)
+    assert refused.value.status_code == 413
+    assert refused.value.body["param"] == "messages[1].tool_calls[0].function.arguments"
+    assert "--max-json-values" in refused.value.body["message"]
+    answer = api.chat.completions.create(
+        model=MODEL, messages=history('{"a": [0, 1]}'), max_tokens=1
+    )
+    assert answer.choices[0].finish_reason in ("length", "stop")

@@ -31,7 +31,6 @@ So, before anything is built:
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -39,27 +38,18 @@ import numpy as np
 
 from plugserve.plugins.api import ResourceExhausted
 from plugserve.server.protocols.http import offload
-from plugserve.server.protocols.openai import protocol
+from plugserve.server.protocols.openai import json_bounds, protocol
 from plugserve.server.protocols.openai.errors import OpenAIError
+from plugserve.server.protocols.openai.json_bounds import Bounds
 
 __all__ = [
-    "MAX_DEPTH",
-    "MAX_VALUES",
     "TEXT_FACTOR",
     "VALUE_BYTES",
-    "Bounds",
-    "configure",
     "parsed_bytes",
     "read",
     "scan",
 ]
 
-#: most JSON values in one body (--max-json-values): a completion's 64 prompts of 16k token
-#: ids is 1M; 1M small objects hold ~100 MB parsed and take orjson ~0.1 s
-MAX_VALUES = 1 << 20
-#: deepest nesting of arrays and objects (--max-json-depth): tool schemas nest a few levels;
-#: orjson itself stops at 1024
-MAX_DEPTH = 64
 #: what the parsed form holds per counted value, at most (108 measured: see the docstring)
 VALUE_BYTES = 128
 #: what it holds per byte of text, at most (a str of UCS-4 characters from ASCII bytes)
@@ -69,24 +59,6 @@ _SCAN_SLICE = 1 << 20
 
 _QUOTE, _BACKSLASH = ord('"'), ord("\\")
 _OPENS, _CLOSES, _COMMA = (ord("{"), ord("[")), (ord("}"), ord("]")), ord(",")
-
-
-@dataclasses.dataclass(frozen=True)
-class Bounds:
-    """The server's bounds on a body's structure (settings.py: --max-json-values,
-    --max-json-depth)."""
-
-    values: int = MAX_VALUES
-    depth: int = MAX_DEPTH
-
-
-_bounds = Bounds()
-
-
-def configure(values: int = MAX_VALUES, depth: int = MAX_DEPTH) -> None:
-    """The server's settings (process/app.py)."""
-    global _bounds
-    _bounds = Bounds(values, depth)
 
 
 def scan(data: bytes | memoryview) -> tuple[int, int]:
@@ -199,7 +171,7 @@ async def read(
     process imports it), and the budget's charge for its parsed form, which the caller
     releases once the request is prepared. Bodies up to ``inline`` bytes are scanned and
     parsed on the loop (64 KiB: under a millisecond)."""
-    bounds = _bounds
+    bounds = json_bounds.bounds()
     if len(data) <= inline:
         if not _surely_within(data, bounds):
             _check_structure(data, bounds)

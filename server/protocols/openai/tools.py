@@ -38,6 +38,7 @@ from typing import Any
 
 from plugserve.server.apps.generate.text.grammar import MAX_SCHEMA_BYTES, closed_schema
 from plugserve.server.apps.generate.tool_parsers import MAX_CALL_CHARS, Streamer, ToolCall
+from plugserve.server.protocols.openai import json_bounds
 from plugserve.server.protocols.openai.deltas import CallPiece, Delta
 from plugserve.server.protocols.openai.errors import OpenAIError
 
@@ -186,7 +187,10 @@ def forced_schema(tools: Sequence[dict[str, Any]], choice: Any, parallel: bool) 
 
 def history(messages: list[dict[str, Any]]) -> None:
     """Each assistant message's call arguments (JSON text) as objects, in place (the messages
-    are the request's own copies; their ``tool_calls`` lists are copied before changing)."""
+    are the request's own copies; their ``tool_calls`` lists are copied before changing).
+    Their values together are counted against --max-json-values before any is parsed: each
+    is one string value in the body, and its text may hold millions."""
+    limit, counted = json_bounds.bounds().values, 0
     for i, message in enumerate(messages):
         calls = message.get("tool_calls")
         if message.get("role") != "assistant" or not calls:
@@ -203,6 +207,16 @@ def history(messages: list[dict[str, Any]]) -> None:
                 raise OpenAIError(f"'{where}' must hold a function with a name", where)
             arguments = function.get("arguments")
             if isinstance(arguments, str):
+                counted += json_bounds.values_at_most(arguments)
+                if counted > limit:
+                    raise OpenAIError(
+                        f"'{where}.function.arguments': the history's call arguments hold up "
+                        f"to {counted:,} JSON values; this server takes at most {limit:,} "
+                        "(--max-json-values)",
+                        f"{where}.function.arguments",
+                        status=413,
+                        code="request_too_large",
+                    )
                 try:
                     arguments = json.loads(arguments) if arguments.strip() else {}
                 except (ValueError, RecursionError):
