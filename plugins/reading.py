@@ -72,6 +72,8 @@ log = logging.getLogger(__name__)
 WEIGHT_GROWTH = 8
 #: Helper processes at most: reads beyond them wait their turn (their memory is charged first).
 HELPERS = 2
+#: the setting that bounds a read's time, as refusals name it
+READ_SECONDS = "--max-read-seconds / PLUGSERVE_MAX_READ_SECONDS"
 #: what "no time limit" (--max-read-seconds 0) waits: a year
 _FOREVER = 365 * 86400.0
 
@@ -189,7 +191,7 @@ def allowance(weights: int = 0) -> Allowance:
 # ----------------------------------------------------------------- shape inference
 
 
-_helpers = Workers("plugserve.plugins.shape_worker", HELPERS, "shape-inference")
+_helpers = Workers("plugserve.plugins.shape_worker", HELPERS, "shape-inference", READ_SECONDS)
 #: set once the fallback without a helper has been logged
 _warned = threading.Event()
 #: set in a helper process that is bounded itself (``openvino/query_process.py``): shape

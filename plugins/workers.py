@@ -240,9 +240,11 @@ class Workers:
     """Up to ``size`` helper processes of one program, started when first needed, kept between
     requests and replaced after one failed (any exception out of the ``with`` block)."""
 
-    def __init__(self, program: str, size: int, label: str) -> None:
+    def __init__(self, program: str, size: int, label: str, flag: str = "") -> None:
         self.program = program
         self.label = label
+        #: the setting that bounds the wait for a free helper, named in its refusal
+        self.flag = flag
         self._lock = threading.Lock()
         self._idle: list[Worker] = []
         self._slots = threading.BoundedSemaphore(size)
@@ -252,9 +254,9 @@ class Workers:
         """A worker started with ``args`` for one request; ResourceExhausted when none is
         free within ``seconds``."""
         if not self._slots.acquire(timeout=seconds):
+            flag = f" ({self.flag})" if self.flag else ""
             raise ResourceExhausted(
-                f"no {self.label} helper was free within {seconds:g} s "
-                "(--max-read-seconds / PLUGSERVE_MAX_READ_SECONDS); retry later"
+                f"no {self.label} helper was free within {seconds:g} s{flag}; retry later"
             )
         worker: Worker | None = None
         try:

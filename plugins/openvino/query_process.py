@@ -43,7 +43,9 @@ HELPERS = 2
 #: what "no time limit" (--max-read-seconds 0) waits: a year
 _FOREVER = 365 * 86400.0
 
-_helpers = Workers("plugserve.plugins.openvino.query_helper", HELPERS, "OPENVINO query")
+_helpers = Workers(
+    "plugserve.plugins.openvino.query_helper", HELPERS, "OPENVINO query", reading.READ_SECONDS
+)
 _warned = threading.Event()
 
 
