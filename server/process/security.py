@@ -35,11 +35,37 @@ def security_problems(settings: Settings) -> list[str]:
         )
     if s.tls_client_ca and not s.tls_cert:
         found.append("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
+    found += _kv_events_problems(s)
     for name in ("tls_cert", "tls_key", "tls_client_ca", "auth_tokens"):
         path = getattr(s, name)
         if path and not os.access(path, os.R_OK):
             found.append(f"{Settings.flag(name)} {path}: not a readable file")
     return found
+
+
+def _kv_events_problems(s: Settings) -> list[str]:
+    """With tokens, the KV events may not be published beyond this machine: they carry every
+    request's prompt token ids (vLLM's ``BlockStored``), and a tenant may not learn another's
+    prompts. A red team read another tenant's secret prompt, word for word, off the default
+    ``tcp://*:5557`` without a token."""
+    if not s.auth_tokens:
+        return []
+    from plugserve.plugins.api import InvalidArgument
+    from plugserve.server.apps.generate.engine.kvevents import exposed
+
+    try:
+        config = s.kv_events()
+    except InvalidArgument:
+        return []  # the start says what is wrong with it
+    if not config.enabled:
+        return []
+    return [
+        f"--kv-events-config {key} {endpoint} would publish every tenant's prompt token ids "
+        "to anyone who reaches it, and --auth-tokens makes tenants; publish to your router's "
+        "subscriber instead (an endpoint without '*': the server connects to it), on ipc://, "
+        "or a replay endpoint on 127.0.0.1"
+        for key, endpoint in exposed(config)
+    ]
 
 
 def server_credentials(settings: Settings) -> grpc.ServerCredentials | None:

@@ -495,3 +495,50 @@ def test_an_infer_token_may_read_kserve_log_settings_but_not_set_them(secure, pk
         write.settings["log_verbose_level"].uint32_param = 1
         code, message = _code(lambda: stub.LogSettings(write, metadata=metadata, timeout=10))
         assert code == grpc.StatusCode.PERMISSION_DENIED and "'admin' role" in message
+
+
+def test_kv_events_are_not_published_beyond_this_machine_with_tokens(tmp_path):
+    """KV events carry every request's prompt token ids (vLLM's ``BlockStored``): a red team
+    read another tenant's secret prompt off the default ``tcp://*:5557`` without a token. With
+    tokens, an endpoint the server would listen on beyond this machine stops the start."""
+    import json
+    import os
+    import sys
+
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"{ADMIN_TOKEN} admin\n")
+
+    def events(**config) -> str:
+        return json.dumps({"enable_kv_cache_events": True, **config})
+
+    def problems(config: str, auth: str = str(tokens)) -> list[str]:
+        return security_problems(Settings(auth_tokens=auth, kv_events_config=config))
+
+    (wildcard,) = problems(events(endpoint="tcp://*:5557"))
+    assert "endpoint tcp://*:5557" in wildcard and "every tenant's prompt token ids" in wildcard
+    (replay,) = problems(events(endpoint="tcp://10.0.0.7:5557", replay_endpoint="tcp://*:5558"))
+    assert "replay_endpoint tcp://*:5558" in replay
+    assert problems(events()) != []  # vLLM's default endpoint is the wildcard
+    for safe in (
+        events(endpoint="tcp://10.0.0.7:5557"),  # connecting to the router's subscriber
+        events(endpoint=f"ipc://{tmp_path}/kv"),
+        events(endpoint="tcp://10.0.0.7:5557", replay_endpoint="tcp://127.0.0.1:5558"),
+        json.dumps({"endpoint": "tcp://*:5557"}),  # events off
+    ):
+        assert problems(safe) == [], safe
+    assert problems(events(), auth="") == []  # without tokens, one tenant: as vLLM
+    pytest.importorskip("zmq", reason="KV events need pyzmq (the generate extra)")
+    result = subprocess.run(
+        [
+            *(sys.executable, "-m", "plugserve.server.process.cli", "serve", "--grpc-port", "0"),
+            *("--metrics-port", "-1", "--http-port", "-1", "--model-repository", str(tmp_path)),
+            *("--auth-tokens", str(tokens), "--kv-events-config", events(endpoint="tcp://*:0")),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ},
+        check=False,
+    )
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert "every tenant's prompt token ids" in result.stderr and ADMIN_TOKEN not in result.stderr

@@ -52,7 +52,16 @@ from typing import Any
 from plugserve.plugins.errors import InvalidArgument
 from plugserve.plugins.threads import start_daemon
 
-__all__ = ["MEDIUM_CPU", "MEDIUM_DISK", "MEDIUM_GPU", "BlockEvents", "Config", "Publisher"]
+__all__ = [
+    "MEDIUM_CPU",
+    "MEDIUM_DISK",
+    "MEDIUM_GPU",
+    "BlockEvents",
+    "Config",
+    "Publisher",
+    "binds",
+    "exposed",
+]
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +127,26 @@ class Config:
         return cls(**{**raw, "publisher": publisher})
 
 
+def binds(endpoint: str) -> bool:
+    """Whether the publisher binds ``endpoint`` (vLLM's rule: a wildcard address, ``ipc://``
+    or ``inproc://``) rather than connecting to a subscriber listening there."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+def exposed(config: Config) -> list[tuple[str, str]]:
+    """``(key, endpoint)`` of the TCP endpoints the server would listen on beyond this machine:
+    a bound publisher on a wildcard, a replay endpoint on any address but loopback. Anyone who
+    reaches them reads every request's prompt token ids, whatever its token."""
+    found = []
+    if config.endpoint.startswith("tcp://") and binds(config.endpoint):
+        found.append(("endpoint", config.endpoint))
+    replay = config.replay_endpoint or ""
+    host = replay.removeprefix("tcp://").rsplit(":", 1)[0]
+    if replay.startswith("tcp://") and host not in ("127.0.0.1", "localhost", "[::1]"):
+        found.append(("replay_endpoint", replay))
+    return found
+
+
 class Publisher:
     """The server's publisher: the sockets (bound here, so a taken port fails the start), the
     queue of batches, and the thread that sends them and answers replays. Engines publish
@@ -135,7 +164,7 @@ class Publisher:
         self._replay = None
         endpoint = config.endpoint
         try:
-            if "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://")):
+            if binds(endpoint):
                 self._pub.bind(endpoint)
             else:
                 self._pub.connect(endpoint)
