@@ -195,3 +195,34 @@ def test_swapping_rows_moves_data_tokens_and_index():
     assert (cache.arrays["past_key_values.0.value"][3, :, :3] == 1.5).all()
     assert table.lookup([5, 6, 7]) == (a, 2)
     assert 0 in table.free and 3 not in table.free  # the free row moved with its slot
+
+
+def _of(tenant: str, rid: str) -> RequestState:
+    return RequestState(
+        GenerationRequest(rid, [1, 2, 3], SamplingParams(), 1, tenant=tenant), None, 0.0
+    )
+
+
+def test_the_waiting_queue_takes_tenants_in_turn_and_each_in_its_order():
+    """A tenant with many requests waiting delays another's next one by one request, not by
+    all of them (a red team's 1,008 queued over gRPC kept another tenant waiting 140 s)."""
+    _cache, _table, scheduler = make(slots=1, seqs=1, budget=100)
+    scheduler.enqueue([_of("a", f"a{i}") for i in range(4)])
+    scheduler.enqueue([_of("b", "b0"), _of("b", "b1")])
+    scheduler.enqueue([_of("c", "c0")])
+    order = [s.request_id for s in scheduler.waiting]
+    assert order == ["a0", "b0", "c0", "a1", "b1", "a2", "a3"]
+    assert (scheduler.waiting_of("a"), scheduler.waiting_of("b")) == (4, 2)
+    (admitted,) = scheduler.schedule().first  # one slot: a0 runs
+    assert admitted[0].request.request_id == "a0" and scheduler.waiting_of("a") == 3
+    scheduler.enqueue([_of("c", "c1"), _of("a", "a4")])  # after the others' next turns
+    order = [s.request_id for s in scheduler.waiting]
+    assert order == ["b0", "c0", "a1", "b1", "c1", "a2", "a3", "a4"]
+    assert scheduler.drop_waiting(scheduler.waiting[0]) and scheduler.waiting_of("b") == 1
+
+
+def test_without_tenants_the_queue_is_first_come_first_served():
+    _cache, _table, scheduler = make(slots=1, seqs=1, budget=100)
+    for i in range(5):
+        scheduler.enqueue([_of("", f"r{i}")])
+    assert [s.request_id for s in scheduler.waiting] == [f"r{i}" for i in range(5)]

@@ -329,6 +329,12 @@ class Engine:
                     f"model {self.name}: {self.settings.max_waiting} requests are waiting "
                     "already (max_waiting); retry later"
                 )
+            if request.tenant and self._waiting_of(request.tenant) >= self._tenant_share():
+                raise ResourceExhausted(
+                    f"model {self.name}: this tenant has {self._tenant_share()} requests "
+                    "waiting already, its share of the queue (seven eighths of max_waiting); "
+                    "retry later"
+                )
             if request.trace is not None:  # its wait in the queue starts now
                 state.spans = RequestSpans(request.trace, state.prompt_len)
             self._requests[request.request_id] = state
@@ -338,6 +344,18 @@ class Engine:
         with self.stats_.lock:  # waiting from its arrival on, not from the loop's next turn
             self.stats_.waiting += 1
         sender.on_cancel(lambda: self.abort(request.request_id))
+
+    def _tenant_share(self) -> int:
+        """Requests one tenant may have waiting: seven eighths of the queue, as a token may
+        hold of the REST port, so that the other tenants always find room in it."""
+        return max(1, self.settings.max_waiting * 7 // 8)
+
+    def _waiting_of(self, tenant: str) -> int:
+        """``tenant``'s requests waiting (call with the lock held): in the queue, and in the
+        inbox the loop has not moved there yet."""
+        return self.scheduler.waiting_of(tenant) + sum(
+            1 for state in self._inbox if state.request.tenant == tenant
+        )
 
     def _check(self, request: GenerationRequest) -> None:
         """InvalidArgument unless ``request`` fits the model and its parameters their ranges."""
@@ -540,7 +558,7 @@ class Engine:
                 if state.prompt_logprobs is None:
                     prompt = state.sequences[0].tokens
                     state.staging = self.runner.stage(prompt, state.salt, self._read_ahead)
-        self.scheduler.waiting.extend(new)
+        self.scheduler.enqueue(new)
 
     def _read_ahead(self) -> None:
         """The loop's next turn now: a waiting request's disk reads are done (the reader)."""
