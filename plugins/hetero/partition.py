@@ -85,6 +85,10 @@ class TooManySubgraphsError(ValueError):
     """The partition needs more subgraphs than the caller allows."""
 
 
+class TooLargeError(ValueError):
+    """The partition's bitsets would hold more bytes than the caller allows."""
+
+
 @dataclass(frozen=True)
 class Subgraph:
     """A selected subgraph: a device and its node indices (ascending)."""
@@ -198,6 +202,7 @@ def partition(
     through_subgraphs: bool = True,
     trace: list | None = None,
     max_subgraphs: int = 0,
+    max_bytes: int = 0,
 ) -> list[Subgraph]:
     """Split a DAG into single-device subgraphs, in selection order.
 
@@ -211,9 +216,17 @@ def partition(
     Every round looks at every root still available, so the work is rounds x nodes;
     ``max_subgraphs`` (> 0) bounds the rounds: one more subgraph raises
     :class:`TooManySubgraphsError`, which keeps the work linear in the graph.
+
+    The closure's bitsets and a growth's prefix unions hold up to a node's bit per pair of
+    nodes (a chain of 60,000 nodes: 1.4 GB; 120,000 went past 6.8 GB); ``max_bytes`` (> 0)
+    bounds what they hold: :class:`TooLargeError` past it. A graph whose nodes all have one
+    affinity needs none of it: its subgraphs are its connected components (what every round
+    would select, the largest first), found in linear time.
     """
     preds = _validate(successors, predecessors, affinities, devices)
-    selector = _Selector(successors, preds, affinities, devices, trace)
+    if trace is None and len(set(affinities)) == 1:
+        return _components(successors, preds, affinities[0] if affinities else devices[0])
+    selector = _Selector(successors, preds, affinities, devices, trace, max_bytes)
     result: list[Subgraph] = []
     for dev, device in enumerate(devices):
         selector.start_device(dev)
@@ -228,6 +241,31 @@ def partition(
                 )
             selector.take(best, through_subgraphs)
     return result
+
+
+def _components(
+    successors: Sequence[Sequence[int]], preds: Sequence[Sequence[int]], device: str
+) -> list[Subgraph]:
+    """The subgraphs of a graph on one device: its connected components, the largest first
+    (on a tie, the one of the lowest node), each ascending, as the rounds select them."""
+    n = len(successors)
+    component = [-1] * n
+    found: list[list[int]] = []
+    for start in range(n):
+        if component[start] >= 0:
+            continue
+        label, nodes, stack = len(found), [start], [start]
+        component[start] = label
+        while stack:
+            u = stack.pop()
+            for v in (*successors[u], *preds[u]):
+                if component[v] < 0:
+                    component[v] = label
+                    nodes.append(v)
+                    stack.append(v)
+        found.append(sorted(nodes))
+    found.sort(key=lambda nodes: (-len(nodes), nodes[0]))
+    return [Subgraph(device, tuple(nodes)) for nodes in found]
 
 
 class _Selector:
@@ -247,10 +285,13 @@ class _Selector:
         affinities: Sequence[str],
         devices: Sequence[str],
         trace: list | None,
+        max_bytes: int = 0,
     ) -> None:
         n = self.n = len(successors)
         self.nbytes = (n + 7) // 8
         self.trace = trace
+        self.max_bytes = max_bytes
+        self.held = 0  # bytes of the closure's bitsets
         # adjacency in visiting order: successors first, then predecessors
         self.adjacent = [tuple(s) + tuple(p) for s, p in zip(successors, preds, strict=True)]
         code = {d: k for k, d in enumerate(devices)}
@@ -261,18 +302,31 @@ class _Selector:
             for v in successors[u]:
                 bits |= desc[v] | (1 << v)
             desc[u] = bits
+            self._hold(bits)
         anc = self.anc = [0] * n
         for v in range(n):
             bits = 0
             for u in preds[v]:
                 bits |= anc[u] | (1 << u)
             anc[v] = bits
+            self._hold(bits)
         self.available = bytearray(b"\x01") * n
         self.unassigned = (1 << n) - 1  # `available` as a bitset
         self.roots: list[int] = []
         self.cache: dict[int, _Candidate] = {}
         self.by_visited: dict[int, list[_Candidate]] = {}
         self.by_touched: dict[int, list[_Candidate]] = {}
+
+    def _hold(self, *values: int, extra: int = 0) -> None:
+        """Count bitsets about to be kept (with ``extra`` bytes the caller holds besides);
+        TooLargeError past ``max_bytes``."""
+        size = sum(v.bit_length() for v in values) // 8
+        if self.max_bytes and self.held + extra + size > self.max_bytes:
+            raise TooLargeError(
+                f"partitioning it needs more than {self.max_bytes:,} bytes of reachability "
+                f"bitsets ({self.n:,} nodes)"
+            )
+        self.held += size
 
     def start_device(self, dev: int) -> None:
         self.roots = [i for i in range(self.n) if self.aff[i] == dev]
@@ -340,6 +394,7 @@ class _Selector:
         dstack = [desc[root]]  # prefix unions of desc over `merged`
         astack = [anc[root]]
         xstack = [desc[root] & anc[root]]  # dstack[k] & astack[k]
+        stacked, sizes = 0, [0]  # bytes of the stacks past the root's, and each entry's
         rejected = 0
         if growth is not None:
             growth.steps.append(Step("root", root, (root,), (), True))
@@ -362,9 +417,15 @@ class _Selector:
                 touched.append(v)
                 d = dstack[-1] | desc[v]
                 a = astack[-1] | anc[v]
+                x = d & a
+                if self.max_bytes:
+                    size = (d.bit_length() + a.bit_length() + x.bit_length()) // 8
+                    self._hold(extra=stacked + size)
+                    stacked += size
+                    sizes.append(size)
                 dstack.append(d)
                 astack.append(a)
-                xstack.append(d & a)
+                xstack.append(x)
             else:
                 state[v] = 2
                 rejected |= 1 << v
@@ -381,6 +442,8 @@ class _Selector:
                 dstack.pop()
                 astack.pop()
                 xstack.pop()
+                if self.max_bytes:
+                    stacked -= sizes.pop()
                 state[w] = 2
                 rejected |= 1 << w
                 ok = not (xstack[-1] & rejected)
@@ -389,13 +452,10 @@ class _Selector:
             if merge:
                 frames.append([v, adjacent[v], 0])
         merged.sort()
+        bits = _bits(visited, self.nbytes)
+        self._hold(bits)  # kept with the candidate (counted until the partition ends)
         return _Candidate(
-            root,
-            merged,
-            visited,
-            touched,
-            _bits(visited, self.nbytes),
-            growth.steps if growth is not None else None,
+            root, merged, visited, touched, bits, growth.steps if growth is not None else None
         )
 
     def contract(self, nodes: list[int]) -> tuple[list[int], int, list[int], int]:

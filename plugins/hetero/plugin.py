@@ -18,10 +18,11 @@ from typing import Any
 
 import numpy as np
 
-from plugserve.plugins import cancel
+from plugserve.plugins import cancel, reading
 from plugserve.plugins.api import (
     CompiledNetwork,
     InvalidArgument,
+    InvalidModel,
     Model,
     NotFound,
     PlugserveError,
@@ -32,6 +33,7 @@ from plugserve.plugins.hetero.check import REFERENCE, wrong_piece
 from plugserve.plugins.hetero.compiled import HeteroCompiledNetwork, Step, spec_from_json
 from plugserve.plugins.hetero.config import HeteroConfiguration
 from plugserve.plugins.hetero.partition import (
+    TooLargeError,
     TooManySubgraphsError,
     order_subgraphs,
     partition,
@@ -200,8 +202,19 @@ class HeteroPlugin(VirtualPlugin):
         affinity = [chosen[n.name] for n in graph.nodes]
         try:
             subgraphs = partition(
-                successors, affinity, order, predecessors=preds, max_subgraphs=MAX_SUBGRAPHS
+                successors,
+                affinity,
+                order,
+                predecessors=preds,
+                max_subgraphs=MAX_SUBGRAPHS,
+                max_bytes=reading.limits().max_bytes,
             )
+        except TooLargeError as exc:
+            raise InvalidModel(
+                f"model {graph.name!r}: {exc}, more than one read of a model may take "
+                f"(--max-read-bytes / PLUGSERVE_MAX_READ_BYTES); send a smaller model, pin "
+                "it to fewer devices, or raise the limit"
+            ) from None
         except TooManySubgraphsError:
             raise InvalidArgument(
                 f"model {graph.name!r}: its node affinities split it into more than "

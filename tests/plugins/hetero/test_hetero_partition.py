@@ -331,3 +331,36 @@ def test_partition_matches_the_literal_reference(graph, through_subgraphs):
     assert got == expected_steps
     edges = subgraph_edges(result, succ)
     assert all(i != j for i, j in edges)
+
+
+@settings(max_examples=100, deadline=None)
+@given(dags(), st.integers(1, 4))
+def test_one_device_takes_its_components_as_the_rounds_would(graph, cuts):
+    """A graph on one device is split into its connected components in linear time; the same
+    subgraphs, in the same order, as the rounds select (``trace`` makes them run)."""
+    succ, _aff, devices = graph
+    n = len(succ)
+    for k in range(cuts):  # some edges dropped: several components
+        for u in range(k, n, cuts + 1):
+            succ[u] = []
+    aff = [devices[0]] * n
+    assert partition(succ, aff, devices) == partition(succ, aff, devices, trace=[])
+
+
+def test_the_bitsets_are_bounded():
+    """A chain of 20,000 nodes on two devices: its closure holds 2 x 20,000^2 / 2 bits (50 MB);
+    under a bound of 8 MB it is refused before it is built whole. One device: no closure at
+    all, whatever the size (a red team's 120,000-node chain took 6.8 GB through HETERO)."""
+    from plugserve.plugins.hetero.partition import TooLargeError
+
+    n = 20_000
+    succ = [[v + 1] for v in range(n - 1)] + [[]]
+    aff = ["A"] * (n // 2) + ["B"] * (n - n // 2)
+    with pytest.raises(TooLargeError, match="8,000,000 bytes"):
+        partition(succ, aff, ["A", "B"], max_bytes=8_000_000)
+    split = partition(succ, aff, ["A", "B"], max_bytes=256 << 20)
+    assert [(s.device, len(s.nodes)) for s in split] == [("A", n // 2), ("B", n - n // 2)]
+    n = 200_000
+    chain = [[v + 1] for v in range(n - 1)] + [[]]
+    (whole,) = partition(chain, ["A"] * n, ["A", "B"], max_bytes=1 << 20)
+    assert len(whole.nodes) == n
