@@ -197,6 +197,12 @@ def decode_attr(proto: AttributeProto) -> Any:
     return helper.get_attribute_value(proto)
 
 
+#: what a text (STRING) weight holds in the server per string, at most: its Python object
+#: (49 bytes and its text) and a pointer, made from onnx's bytes objects (a red team's
+#: 16M one-byte strings, a 48 MB model, grew the server 1.9 GB: ~115 bytes each)
+STRING_ELEMENT_BYTES = 128
+
+
 def tensor_to_array(tensor: TensorProto) -> np.ndarray:
     """The tensor's values; one whose data is in a file is refused here, the last line of
     defence (files beside a model on disk are read into it by :func:`read_model` first)."""
@@ -803,12 +809,19 @@ def graph_from_proto(
         for op in model.opset_import:
             opsets["" if op.domain == "ai.onnx" else op.domain] = op.version
     initializers: dict[str, np.ndarray] = {}
+    # what the model does not hold itself: a sparse one's dense bytes, a text one's objects
+    allowance = reading.allowance()
     for tensor in graph.initializer:
+        if tensor.data_type == TensorProto.STRING:
+            allowance.take(
+                STRING_ELEMENT_BYTES * len(tensor.string_data),
+                f"model {label!r}: text initializer {tensor.name!r} of "
+                f"{len(tensor.string_data):,} strings",
+            )
         try:
             initializers[tensor.name] = tensor_to_array(tensor)
         except Exception as exc:
             raise InvalidModel(f"model {label!r}: initializer {tensor.name!r}: {exc}") from None
-    allowance = reading.allowance()  # a sparse one's dense bytes: the model has not them
     for sparse in graph.sparse_initializer:
         dense = tensor_to_array(sparse.values)
         size = math.prod(max(0, d) for d in sparse.dims) * dense.dtype.itemsize
