@@ -226,3 +226,14 @@ def test_without_tenants_the_queue_is_first_come_first_served():
     for i in range(5):
         scheduler.enqueue([_of("", f"r{i}")])
     assert [s.request_id for s in scheduler.waiting] == [f"r{i}" for i in range(5)]
+
+
+def test_a_tenants_requests_that_left_unadmitted_cost_it_no_turns():
+    _cache, _table, scheduler = make(slots=1, seqs=1, budget=100)
+    gone = [_of("a", f"a{i}") for i in range(3)]
+    scheduler.enqueue([*gone, _of("b", "b0"), _of("b", "b1")])
+    for state in gone:  # cancelled while waiting
+        assert scheduler.drop_waiting(state)
+    scheduler.enqueue([_of("a", "a3")])
+    # its turn comes after b0, which came first, and before b1 (not after all of b)
+    assert [s.request_id for s in scheduler.waiting] == ["b0", "a3", "b1"]

@@ -213,7 +213,10 @@ class Scheduler:
         this is first come, first served, as before."""
         for state in states:
             tenant = state.request.tenant or ""
-            state.tag = max(self._clock, self._last_tag.get(tenant, 0)) + 1
+            # a tenant with nothing waiting starts from the clock: its requests that left
+            # unadmitted (cancelled, timed out) cost it no turns
+            last = self._last_tag.get(tenant, 0) if self._waiting_by.get(tenant) else 0
+            state.tag = max(self._clock, last) + 1
             self._last_tag[tenant] = state.tag
             self._waiting_by[tenant] += 1
             if not self.waiting or self.waiting[-1].tag <= state.tag:
