@@ -175,14 +175,25 @@ def test_a_stream_with_a_small_unread_bound_joins_fewer(networks):
     """A stream that may leave 16 KiB unread (``--max-stream-unread-bytes``) joins at most a
     quarter of it an event: 20 alternatives a token (2.7 KB) go a token an event at 4, where a
     sender without that bound gets them 4 at a time."""
+    from plugserve.plugins.api import ResourceExhausted
     from plugserve.plugins.cancel import Token
     from plugserve.server.plane.response_stream import ResponseStream
 
     engine = networks[4].engine
     params = SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True, logprobs=20)
-    stream = ResponseStream(Token(), "tiny", max_bytes=16384)
-    engine.add(GenerationRequest("bounded", list(PROMPT), params), stream)
-    bounded = [item for item, _final in stream if item is not None]
+    for attempt in range(3):
+        stream = ResponseStream(Token(), "tiny", max_bytes=16384)
+        engine.add(GenerationRequest(f"bounded-{attempt}", list(PROMPT), params), stream)
+        try:
+            bounded = [item for item, _final in stream if item is not None]
+            break
+        except ResourceExhausted:
+            # the same bound cuts a stream whose reader falls six events behind: on a loaded
+            # machine this thread can (CI once); that is the bound working, not the joining
+            # this test is about, so the run is made again
+            continue
+    else:
+        pytest.fail("the reader fell behind the bound three times")
     assert [len(e.token_ids) for e in bounded] == [1] * 9
     unbounded = _events(networks[4], max_tokens=9, logprobs=20)
     assert [len(e.token_ids) for e in unbounded] == [1, 4, 4]
