@@ -4,7 +4,9 @@
 as on NUMPY), then hands the validated bytes (external data already inlined) to openvino's ONNX
 frontend and compiles them for openvino's CPU device with the properties the configuration
 stands for. ``query_network`` asks openvino's own ``query_model`` and maps its op names back to
-the original ONNX node names (see :mod:`.query`). Export is openvino's compiled-model blob under
+the original ONNX node names (see :mod:`.query`), in a bounded helper process: QueryNetwork is
+open to any ``infer`` client, and openvino's native code can crash on, or fold without bound,
+the model it is sent (:mod:`.query_process`). Export is openvino's compiled-model blob under
 plugserve's shared header.
 
 A path to an OpenVINO IR (``.xml`` with its ``.bin``) is read by openvino itself and compiled
