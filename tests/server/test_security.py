@@ -455,15 +455,23 @@ def test_tls_settings_that_do_not_fit_together_are_refused(tmp_path):
 
 
 def test_the_server_refuses_to_start_with_half_a_tls_setup(tmp_path):
-    import os
-    import sys
 
     cert = tmp_path / "c.pem"
     cert.write_text("x")
+    stderr = _refused_start(tmp_path, "--tls-cert", str(cert))
+    assert "--tls-cert and --tls-key go together" in stderr
+
+
+def _refused_start(repository, *flags: str) -> str:
+    """A real server started with ``flags``: it must exit 1 with a message, no traceback; its
+    stderr."""
+    import os
+    import sys
+
     result = subprocess.run(
         [
             *(sys.executable, "-m", "plugserve.server.process.cli", "serve", "--grpc-port", "0"),
-            *("--metrics-port", "-1", "--model-repository", str(tmp_path), "--tls-cert", str(cert)),
+            *("--metrics-port", "-1", "--model-repository", str(repository), *flags),
         ],
         capture_output=True,
         text=True,
@@ -471,8 +479,8 @@ def test_the_server_refuses_to_start_with_half_a_tls_setup(tmp_path):
         env={**os.environ},
         check=False,
     )
-    assert result.returncode == 1 and "Traceback" not in result.stderr
-    assert "--tls-cert and --tls-key go together" in result.stderr
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    return result.stderr
 
 
 def test_an_infer_token_may_read_kserve_log_settings_but_not_set_them(secure, pki):
@@ -502,8 +510,6 @@ def test_kv_events_are_not_published_beyond_this_machine_with_tokens(tmp_path):
     read another tenant's secret prompt off the default ``tcp://*:5557`` without a token. With
     tokens, an endpoint the server would listen on beyond this machine stops the start."""
     import json
-    import os
-    import sys
 
     tokens = tmp_path / "tokens"
     tokens.write_text(f"{ADMIN_TOKEN} admin\n")
@@ -528,17 +534,8 @@ def test_kv_events_are_not_published_beyond_this_machine_with_tokens(tmp_path):
         assert problems(safe) == [], safe
     assert problems(events(), auth="") == []  # without tokens, one tenant: as vLLM
     pytest.importorskip("zmq", reason="KV events need pyzmq (the generate extra)")
-    result = subprocess.run(
-        [
-            *(sys.executable, "-m", "plugserve.server.process.cli", "serve", "--grpc-port", "0"),
-            *("--metrics-port", "-1", "--http-port", "-1", "--model-repository", str(tmp_path)),
-            *("--auth-tokens", str(tokens), "--kv-events-config", events(endpoint="tcp://*:0")),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ},
-        check=False,
-    )
-    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
-    assert "every tenant's prompt token ids" in result.stderr and ADMIN_TOKEN not in result.stderr
+    stderr = _refused_start(
+        tmp_path, "--http-port", "-1", "--auth-tokens", str(tokens),
+        "--kv-events-config", events(endpoint="tcp://*:0"),
+    )  # fmt: skip
+    assert "every tenant's prompt token ids" in stderr and ADMIN_TOKEN not in stderr
