@@ -6,8 +6,11 @@ lazy regular expressions, and a call of many unclosed ``<parameter=`` took 3.2 s
 about a minute at the parsers' bound (MAX_CALL_CHARS). Each tool-call family and each
 reasoning splitter here runs shapes built to find such searches, at its bound, whole and
 streamed a few characters at a time, and must finish within a generous time and grow at most
-3x when its input doubles (process CPU time, the best of a few runs: a noisy 2-core machine
-shows that much margin; a quadratic parser grows 4x).
+3x when its input doubles (this thread's CPU time, the best of a few runs: a noisy 2-core
+machine shows that much margin; a quadratic parser grows 4x). A doubling read over the bar is
+measured again, both sizes, up to ``ATTEMPTS`` times: on CI's machine a linear splitter once
+read 3.2x (0.14 s, then 0.45 s as the best of three), where alone it reads 1.7x; a quadratic
+one reads 4x every time.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ BOUND_SECONDS = 10.0
 GROWTH = 3.0
 #: times below this are noise: compared as if they were this long
 FLOOR = 0.01
+#: how many times a doubling is measured before its growth counts
+ATTEMPTS = 3
 TOOLS = [
     {
         "type": "function",
@@ -142,15 +147,33 @@ def _reasoning_runs(name: str, text: str) -> dict[str, Callable[[], object]]:
     return {"whole": whole, "streamed": streamed}
 
 
+def _growth(
+    small_run: Callable[[], object], large_run: Callable[[], object]
+) -> tuple[float, float]:
+    """The small and the large run's CPU seconds, measured again (both, small first) while the
+    large one reads over ``GROWTH`` times the small one, at most ``ATTEMPTS`` times: the pair
+    that grew least is returned, so one noisy reading is not a finding and a quadratic run,
+    4x on every reading, still is."""
+    best: tuple[float, float] | None = None
+    for _ in range(ATTEMPTS):
+        # one run of the small: a slow one only raises the bar (a quadratic run still reads 4x)
+        small = _cpu(small_run, repeats=1)
+        large = _cpu(large_run, enough=GROWTH * max(small, FLOOR))
+        if best is None or large / max(small, FLOOR) < best[1] / max(best[0], FLOOR):
+            best = (small, large)
+        if large < GROWTH * max(small, FLOOR):
+            break
+    assert best is not None
+    return best
+
+
 def _check_linear(
     runs_of: Callable[[str], dict[str, Callable[[], object]]], make: Callable[[int], str]
 ) -> None:
     half, full = make(MAX_CALL_CHARS // 2), make(MAX_CALL_CHARS)
     assert len(full) <= MAX_CALL_CHARS
     for kind in ("whole", "streamed"):
-        # one run of the half: a slow one only raises the bar (a quadratic parser still reads 4x)
-        small = _cpu(runs_of(half)[kind], repeats=1)
-        large = _cpu(runs_of(full)[kind], enough=GROWTH * max(small, FLOOR))
+        small, large = _growth(runs_of(half)[kind], runs_of(full)[kind])
         assert large < BOUND_SECONDS, f"{kind}: {large:.2f} s CPU at {len(full)} characters"
         assert large < GROWTH * max(small, FLOOR), (
             f"{kind}: {small:.3f} s at {len(half)} characters, {large:.3f} s at {len(full)}: "
@@ -197,8 +220,7 @@ def test_chat_template_is_linear_in_messages_and_tools(name: str) -> None:
         tools = [tool] * (size // 32)
         return lambda: chat_template.render(template, messages, True, tools, context, name)
 
-    small = _cpu(run(2048), repeats=1)
-    large = _cpu(run(4096), enough=GROWTH * max(small, FLOOR))
+    small, large = _growth(run(2048), run(4096))
     assert large < BOUND_SECONDS, f"{large:.2f} s CPU"
     assert large < GROWTH * max(small, FLOOR), f"{small:.3f} s, then {large:.3f} s"
 
