@@ -498,9 +498,10 @@ def read_model(model: Any) -> tuple[ModelProto, Path | None]:
     if isinstance(model, ModelProto):
         proto, folder = model, None
     elif isinstance(model, bytes | bytearray | memoryview):
-        proto = ModelProto()
-        try:
-            proto.ParseFromString(bytes(model))
+        try:  # bounded before it is made (plugins/reading.py)
+            proto = reading.parse_model(bytes(model))
+        except InvalidModel:
+            raise
         except Exception:  # protobuf raises DecodeError and, for some garbage, others
             raise InvalidModel(
                 "the model bytes are not an ONNX model (protobuf parse failed)"

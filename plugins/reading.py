@@ -16,8 +16,8 @@ computes values of a size the model alone decides:
   ask for gigabytes), and constant folding (``plugins/passes/folding.py``) computes values
   of up to 64 MiB each, as many as the model has nodes.
 
-So onnx's shape inference runs in a helper process (``plugins/shape_worker.py``) whose data is
-bounded by ``RLIMIT_DATA`` at what it holds after importing onnx plus :attr:`ReadLimits.max_bytes`,
+So onnx's shape inference runs in a helper process (``plugins/shape_worker.py``) whose data may
+grow by :attr:`ReadLimits.max_bytes` (``RLIMIT_DATA``) from what it holds with the model read,
 and whose work is bounded in time (:attr:`ReadLimits.seconds`; then it is killed and replaced).
 Measured here, it costs a read 1-3 ms more than in the server (the light model, without its
 weights, crosses a pipe both ways: 96 KB for a 621-node decoder, whose inference itself takes
@@ -32,8 +32,20 @@ constant folding's outputs (over it: the nodes are left to run time, where a req
 bounds them); a model's own weights may add eight times their bytes (int4 weights folded to
 float32, the largest growth a real model's folding makes), which a small model does not have.
 
+Parsing a client's bytes is bounded before it happens (:func:`parse_model`): protobuf's parse
+holds up to ~94x the bytes it reads (a NodeProto of no fields is 2 bytes on the wire and ~140
+parsed, one of empty attributes more: 10 MB of empty nodes grew the server 1.07 GB), so a model
+whose bytes could parse to more than :attr:`ReadLimits.max_bytes` (over a 128th of it: 2 MiB at
+the default) is parsed first in a shape-inference helper whose data may grow by the bytes and
+the limit only, and its nodes counted there (below); the server parses it after that has
+passed.
+
 The node count, subgraphs and functions included, is checked right after the model is parsed,
-before the checker, shape inference or any graph is built (:func:`check_nodes`).
+before the checker, shape inference or any graph is built (:func:`check_nodes`); so are the
+nodes the model's local functions expand to where they are called (each call of a function
+that calls another twice doubles them: 40 such functions of 4 KB asked onnx's shape inference
+for 2^39 nodes), and the values its attributes list (a packed attribute of 20M small integers
+is 20 MB on the wire, 160 MB parsed, and more as Python's).
 
 The server sets the limits from its settings (``--max-read-bytes``, ``--max-read-seconds``,
 ``--max-model-nodes``: :func:`set_limits`) and charges :attr:`ReadLimits.max_bytes` to its
@@ -46,9 +58,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import onnx
+from google.protobuf.message import DecodeError
 from onnx import ModelProto
 
 from plugserve.plugins.errors import InvalidModel, ResourceExhausted
@@ -60,8 +74,10 @@ __all__ = [
     "allowance",
     "check_nodes",
     "count_nodes",
+    "expanded_nodes",
     "infer_shapes",
     "limits",
+    "parse_model",
     "read_here",
     "set_limits",
 ]
@@ -72,6 +88,11 @@ log = logging.getLogger(__name__)
 WEIGHT_GROWTH = 8
 #: Helper processes at most: reads beyond them wait their turn (their memory is charged first).
 HELPERS = 2
+#: what a parse may hold per byte it reads, at most (measured: a node of empty attributes 94x):
+#: bytes up to ``max_bytes`` over this are parsed without asking a helper first
+PARSE_GROWTH = 128
+#: the setting that bounds a read's memory, as refusals name it
+READ_BYTES = "--max-read-bytes / PLUGSERVE_MAX_READ_BYTES"
 #: the setting that bounds a read's time, as refusals name it
 READ_SECONDS = "--max-read-seconds / PLUGSERVE_MAX_READ_SECONDS"
 #: what "no time limit" (--max-read-seconds 0) waits: a year
@@ -112,43 +133,150 @@ def limits() -> ReadLimits:
 # ----------------------------------------------------------------- nodes
 
 
-def count_nodes(proto: ModelProto) -> int:
-    """Nodes of the model: its graph's, its subgraphs' (any depth) and its functions'."""
-    total = 0
-    graphs: list[onnx.GraphProto] = [proto.graph]
-    nodes: list[Any] = [*proto.functions]
-    while graphs or nodes:
-        if graphs:
-            graph = graphs.pop()
-            total += len(graph.node)
-            nodes.append(graph)
-            continue
-        holder = nodes.pop()
-        if isinstance(holder, onnx.FunctionProto):
-            total += len(holder.node)
-        for node in holder.node:
+def _within(nodes: Any) -> Iterator[onnx.NodeProto]:
+    """``nodes`` and the nodes of their subgraphs, any depth."""
+    pending: list[Any] = [nodes]
+    while pending:
+        for node in pending.pop():
+            yield node
             for attr in node.attribute:
                 if attr.type == onnx.AttributeProto.GRAPH:
-                    graphs.append(attr.g)
+                    pending.append(attr.g.node)
                 elif attr.type == onnx.AttributeProto.GRAPHS:
-                    graphs.extend(attr.graphs)
+                    pending.extend(g.node for g in attr.graphs)
+
+
+def _all_nodes(proto: ModelProto) -> Iterator[onnx.NodeProto]:
+    """Every node of the model: its graph's, its subgraphs' (any depth) and its functions'."""
+    yield from _within(proto.graph.node)
+    for function in proto.functions:
+        yield from _within(function.node)
+
+
+def count_nodes(proto: ModelProto) -> int:
+    """Nodes of the model: its graph's, its subgraphs' (any depth) and its functions'."""
+    return sum(1 for _ in _all_nodes(proto))
+
+
+def _key(domain: str, name: str, overload: str) -> tuple[str, str, str]:
+    return ("" if domain == "ai.onnx" else domain, name, overload)
+
+
+def expanded_nodes(proto: ModelProto, most: int) -> int:
+    """Nodes of the model's graph (subgraphs included) once each call of a local function is
+    expanded into the function's body, and those bodies' calls in turn: what onnx's shape
+    inference and the devices' inlining walk. Counted without expanding anything, and at most
+    ``most + 1`` (each function's size once, its callees' first). InvalidModel when the
+    functions call each other in a circle (ONNX forbids it; onnx's checker says so too)."""
+    functions = {_key(f.domain, f.name, f.overload): f for f in proto.functions}
+    calls: dict[tuple[str, str, str], list[tuple[str, str, str]]] = {}
+    own: dict[tuple[str, str, str], int] = {}
+    for key, function in functions.items():
+        own[key], calls[key] = 0, []
+        for node in _within(function.node):
+            own[key] += 1
+            callee = _key(node.domain, node.op_type, node.overload)
+            if callee in functions:
+                calls[key].append(callee)
+    callers: dict[tuple[str, str, str], list[tuple[str, str, str]]] = {k: [] for k in functions}
+    waiting = {key: len(set(callees)) for key, callees in calls.items()}
+    for key, callees in calls.items():
+        for callee in set(callees):
+            callers[callee].append(key)
+    ready = [key for key, count in waiting.items() if not count]
+    size: dict[tuple[str, str, str], int] = {}
+    while ready:
+        key = ready.pop()
+        size[key] = min(most + 1, own[key] + sum(size[c] for c in calls[key]))
+        for caller in callers[key]:
+            waiting[caller] -= 1
+            if not waiting[caller]:
+                ready.append(caller)
+    if len(size) < len(functions):
+        circle = sorted(f"{k[0]}::{k[1]}" for k in functions if k not in size)
+        raise InvalidModel(
+            f"model-local functions call each other in a circle (among {', '.join(circle[:4])}"
+            f"{', ...' if len(circle) > 4 else ''}); a function may not call itself"
+        )
+    total = 0
+    for node in _within(proto.graph.node):
+        total = min(
+            most + 1, total + 1 + size.get(_key(node.domain, node.op_type, node.overload), 0)
+        )
     return total
 
 
+#: what one value an attribute lists may hold once read: 8 bytes parsed, as many in onnx's
+#: checker, a Python object of 28-32 bytes and its list's slot when a device reads it
+ATTRIBUTE_VALUE_BYTES = 64
+
+
+def _listed(attr: onnx.AttributeProto) -> int:
+    return (
+        len(attr.ints)
+        + len(attr.floats)
+        + len(attr.strings)
+        + len(attr.tensors)
+        + len(attr.graphs)
+        + len(attr.sparse_tensors)
+        + len(attr.type_protos)
+    )
+
+
 def check_nodes(proto: ModelProto, label: str) -> None:
-    """Refuse a model with more nodes than a read may take, before anything else reads it."""
+    """Refuse a model with more nodes than a read may take, its local functions expanded where
+    they are called, or whose attributes list more values than a read may hold, before
+    anything else reads it."""
     most = _limits.max_nodes
-    if not most:
-        return
-    count = len(proto.graph.node) + sum(len(f.node) for f in proto.functions)
-    if count <= most:  # the walk into subgraphs only when the top level leaves room
-        count = count_nodes(proto)
-    if count > most:
+    flag = "--max-model-nodes / PLUGSERVE_MAX_MODEL_NODES"
+    if most:
+        count = len(proto.graph.node) + sum(len(f.node) for f in proto.functions)
+        if count <= most:  # the walk into subgraphs only when the top level leaves room
+            count = count_nodes(proto)
+        if count > most:
+            raise InvalidModel(
+                f"model {label!r} has {count:,} nodes (its subgraphs and functions included), "
+                f"over this server's limit of {most:,} ({flag}); send a smaller model, or "
+                "raise the limit"
+            )
+    try:
+        expanded = expanded_nodes(proto, most) if proto.functions else 0
+    except InvalidModel as exc:
+        raise InvalidModel(f"model {label!r}: {exc}") from None
+    if most and expanded > most:
         raise InvalidModel(
-            f"model {label!r} has {count:,} nodes (its subgraphs and functions included), over "
-            f"this server's limit of {most:,} (--max-model-nodes / PLUGSERVE_MAX_MODEL_NODES); "
-            "send a smaller model, or raise the limit"
+            f"model {label!r}: its local functions, expanded where they are called, make more "
+            f"than {most:,} nodes, this server's limit ({flag}); send a smaller model, or raise "
+            "the limit"
         )
+    room = _limits.max_bytes // ATTRIBUTE_VALUE_BYTES
+    if not room:
+        return
+    listed = 0
+    for node in _all_nodes(proto):
+        for attr in node.attribute:
+            listed += _listed(attr)
+            if listed > room:
+                raise InvalidModel(
+                    f"model {label!r}: its attributes list more than {room:,} values (node "
+                    f"{node.name!r}, {node.op_type}, attribute {attr.name!r}: "
+                    f"{_listed(attr):,}); a value costs about {ATTRIBUTE_VALUE_BYTES} bytes "
+                    f"read, and a read may hold {_limits.max_bytes:,} ({READ_BYTES}); keep "
+                    "large values in tensors (initializers), or raise the limit"
+                )
+
+
+def parse_model(data: bytes, label: str = "the model") -> ModelProto:
+    """A ModelProto from a client's bytes; a parse that would hold more than
+    :attr:`ReadLimits.max_bytes` beyond the bytes themselves is refused (InvalidModel) before
+    it is made (see the module's docstring). Bytes that do not parse raise protobuf's
+    DecodeError (or, for some garbage, another exception), as ``ParseFromString`` does."""
+    bound = _limits.max_bytes
+    if bound and len(data) * PARSE_GROWTH > bound and not _here.is_set():
+        _probe_parse(data, label)
+    proto = ModelProto()
+    proto.ParseFromString(data)
+    return proto
 
 
 # ----------------------------------------------------------------- values plugserve computes
@@ -246,6 +374,42 @@ def _inferred(data: bytes, label: str, **flags: bool) -> bytes:
     if error:
         raise RuntimeError(f"{error}: {answer.get('message', '')}")
     return body
+
+
+def _probe_parse(data: bytes, label: str) -> None:
+    """Parse ``data`` in a helper whose data may grow by its bytes and the read's limit, and
+    check its nodes there (:func:`check_nodes`): past the room or a count, InvalidModel; bytes
+    that do not parse, DecodeError (the server need not try)."""
+    bound = _limits
+    seconds = bound.seconds or _FOREVER
+    try:
+        with _helpers.one(seconds, (str(bound.max_bytes),)) as helper:
+            header = {"parse": True, "limits": dataclasses.asdict(bound)}
+            answer, _ = helper.ask(header, data, seconds, 0, label)
+    except NoWorker as exc:  # as infer_shapes: the server parses it, unbounded
+        if not _warned.is_set():
+            _warned.set()
+            log.warning("a model's parse runs in this process, unbounded: no helper (%s)", exc)
+        return
+    except TimeoutError:
+        raise ResourceExhausted(
+            f"{label}: parsing it took more than {bound.seconds:g} s, this server's limit "
+            f"({READ_SECONDS}); send a smaller model, or raise the limit"
+        ) from None
+    except (Crashed, OSError, ValueError):
+        answer = {"error": "MemoryError"}
+    error = answer.get("error")
+    if error == "InvalidModel":  # check_nodes' refusal, made in the helper
+        raise InvalidModel(answer.get("message", ""))
+    if error == "MemoryError":
+        raise InvalidModel(
+            f"{label}: parsing its {len(data):,} bytes would hold more than {bound.max_bytes:,} "
+            f"bytes beyond them ({READ_BYTES}): its messages are many and small (protobuf "
+            "holds an empty node, 2 bytes sent, in ~140); send a smaller model, or raise the "
+            "limit"
+        )
+    if error:
+        raise DecodeError(f"{label}: {error}")
 
 
 def infer_shapes(

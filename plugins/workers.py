@@ -110,12 +110,13 @@ def vm_data() -> int:
     return 0
 
 
-def bound_data(max_bytes: int) -> None:
-    """Let this process's data grow by ``max_bytes`` from now at most (0: no bound). The hard
-    limit stays open, so a later call may move the bound either way."""
+def bound_data(max_bytes: int) -> int:
+    """Let this process's data grow by ``max_bytes`` from now at most (0: no bound), and return
+    the limit set. The hard limit stays open, so a later call may move the bound either way."""
     soft = vm_data() + max_bytes if max_bytes > 0 else resource.RLIM_INFINITY
     with contextlib.suppress(ValueError, OSError):
         resource.setrlimit(resource.RLIMIT_DATA, (soft, resource.RLIM_INFINITY))
+    return soft
 
 
 def serve(answer: Callable[[dict, bytes], tuple[dict, bytes]]) -> None:

@@ -181,3 +181,31 @@ def test_a_text_weight_is_charged_before_its_strings_are_made(bounded):
     assert "text initializer 'words' of 600,000 strings" in str(refused.value)
     graph = load_model(_text_weight(1_000))
     assert graph.initializers["words"].tolist() == ["a"] * 1_000
+
+
+def test_functions_are_counted_as_their_calls_expand_them(bounded):
+    # f0: Relu + Identity (2); fk: two calls of f(k-1) + Identity; the graph's call: 1 more
+    sizes = [2]
+    for _ in range(5):
+        sizes.append(2 * sizes[-1] + 3)
+    assert reading.expanded_nodes(amplifying.calling_functions(6), most=10**9) == 1 + sizes[-1]
+    assert (
+        reading.expanded_nodes(amplifying.calling_functions(60), most=1000) == 1001
+    )  # counted, not expanded
+    assert load_model(
+        amplifying.calling_functions(6)
+    ).nodes  # a real model of functions reads as before
+    bounded(max_nodes=100)
+    with pytest.raises(InvalidModel, match=r"expanded where they are called.*--max-model-nodes"):
+        load_model(amplifying.calling_functions(6))
+    with pytest.raises(InvalidModel, match="call each other in a circle"):
+        load_model(amplifying.calling_functions(3, circle=True))
+
+
+def test_attribute_values_are_counted_before_they_are_read(bounded):
+    bounded(max_bytes=1 << 20)  # 16,384 values of 64 bytes
+    model = amplifying.tile()
+    node = model.graph.node[0]
+    node.attribute.append(helper.make_attribute("listed", list(range(20_000))))
+    with pytest.raises(InvalidModel, match=r"attribute 'listed': 20,000.*--max-read-bytes"):
+        load_model(model)

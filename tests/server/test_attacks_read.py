@@ -127,3 +127,97 @@ def test_a_model_of_too_many_nodes_is_refused_before_it_is_read(running):
             assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "--max-model-nodes" in refused.value.details(), refused.value.details()
             assert f"{MAX_NODES + 1:,} nodes" in refused.value.details()
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        low, value = value & 0x7F, value >> 7
+        out.append(low | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
+def _field(number: int, payload: bytes) -> bytes:
+    """One length-delimited protobuf field: its tag, its length, ``payload``."""
+    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
+
+
+def _relu(*attributes: bytes) -> bytes:
+    """A NodeProto ``y = Relu(x)`` with ``attributes`` (AttributeProto bytes)."""
+    fields = _field(1, b"x") + _field(2, b"y") + _field(3, b"relu") + _field(4, b"Relu")
+    return fields + b"".join(_field(5, a) for a in attributes)
+
+
+def _model_bytes(*nodes: bytes) -> bytes:
+    """A ModelProto (IR 8, opset 17) of ``nodes`` (NodeProto bytes), in 1 out 1 of float[1]."""
+    tensor = _field(1, b"\x08\x01" + _field(2, _field(1, b"\x08\x01")))  # float[1]
+    graph = b"".join(_field(1, n) for n in nodes) + _field(2, b"g")
+    graph += _field(11, _field(1, b"x") + _field(2, tensor))
+    graph += _field(12, _field(1, b"y") + _field(2, tensor))
+    return b"\x08\x08" + _field(7, graph) + _field(8, b"\x10\x11")
+
+
+def empty_nodes(count: int = 5_000_000) -> bytes:
+    """A model of one Relu and ``count`` NodeProtos of no fields, 2 bytes each on the wire and
+    ~140 parsed (10 MB that grew the server 1.07 GB before anything counted them)."""
+    return _model_bytes(_relu(), *([b""] * count))
+
+
+def listed_values(count: int = 20_000_000) -> bytes:
+    """A Relu whose attribute ``a`` lists ``count`` ones (packed, 1 byte each on the wire; 8
+    parsed, as many in onnx's checker, more as Python's)."""
+    attribute = _field(1, b"a") + _field(8, b"\x01" * count) + b"\xa0\x01\x07"  # type: INTS
+    return _model_bytes(_relu(attribute))
+
+
+def expanding_functions() -> bytes:
+    """Forty local functions, each calling the one before twice (4 KB): 2^39 nodes expanded."""
+    return amplifying.calling_functions(40).SerializeToString()
+
+
+@pytest.mark.parametrize(
+    ("make", "flag"),
+    [
+        (empty_nodes, "--max-read-bytes"),
+        (listed_values, "--max-read-bytes"),
+        (expanding_functions, "--max-model-nodes"),
+    ],
+    ids=["empty_nodes", "listed_values", "expanding_functions"],
+)
+@pytest.mark.parametrize("rpc", ["query", "load"])
+def test_a_model_is_counted_before_it_is_parsed_or_expanded(running, make, flag, rpc):
+    """A red team's models (a later round): protobuf's parse of many small messages holds up
+    to ~94x their bytes, and packed attribute values 8x and more once read, all before any
+    count; functions that each call the one before twice ask onnx's shape inference to walk
+    2^39 nodes (it held a helper for --max-read-seconds). Each is now refused, naming the
+    flag, with the server's memory flat: large bytes are parsed and counted first in a helper
+    bounded by --max-read-bytes, and functions are counted expanded without expanding them."""
+    model = make()
+    assert model[:2] == b"\x08\x08"  # the same framing: a parse, not a shortcut, refuses it
+    with Probe(running) as probe, concurrent.futures.ThreadPoolExecutor(AT_ONCE) as pool:
+        sent = [
+            pool.submit(_send, running, rpc, model, "NUMPY", f"{make.__name__}_{rpc}_{i}")
+            for i in range(AT_ONCE)
+        ]
+        errors = [future.result(timeout=120) for future in sent]
+    for error in errors:
+        assert error is not None, f"{make.__name__} was read"
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
+        assert flag in error.details(), error.details()
+    probe.check(body_bytes=AT_ONCE * len(model), fixed_bytes=AT_ONCE * READ_BYTES + MARGIN)
+    _normal_model_serves(running, f"after_{make.__name__}_{rpc}", "NUMPY")
+
+
+def test_the_models_bytes_parse_as_onnx_reads_them():
+    """The hand-made bytes above are the ONNX models they say, as onnx reads them."""
+    import onnx
+
+    small = onnx.ModelProto.FromString(_model_bytes(_relu(), b"", b""))
+    assert [n.op_type for n in small.graph.node] == ["Relu", "", ""]
+    assert small.ir_version == 8 and small.opset_import[0].version == 17
+    assert small.graph.input[0].type.tensor_type.shape.dim[0].dim_value == 1
+    listed = onnx.ModelProto.FromString(listed_values(5))
+    assert list(listed.graph.node[0].attribute[0].ints) == [1] * 5
+    assert listed.graph.node[0].attribute[0].type == onnx.AttributeProto.INTS
+    onnx.checker.check_model(onnx.ModelProto.FromString(_model_bytes(_relu())))

@@ -232,6 +232,35 @@ def many_dims(count: int = 30_000) -> onnx.ModelProto:
     )
 
 
+def calling_functions(depth: int = 40, circle: bool = False) -> onnx.ModelProto:
+    """Local functions f0..f``depth - 1``, each calling the one before twice (f0: a Relu, or,
+    with ``circle``, f``depth - 1``), and a graph calling the last (4 KB at 40): their calls
+    expand to 2^``depth`` nodes, which onnx's shape inference walked until --max-read-seconds."""
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("local", 1)]
+
+    def function(name, calls):
+        nodes, last = [], "a"
+        for i, call in enumerate(calls):
+            domain = "" if call == "Relu" else "local"
+            nodes.append(helper.make_node(call, [last], [f"t{i}"], domain=domain))
+            last = f"t{i}"
+        nodes.append(helper.make_node("Identity", [last], ["b"]))
+        return helper.make_function("local", name, ["a"], ["b"], nodes, opsets)
+
+    first = [f"f{depth - 1}"] if circle else ["Relu"]
+    functions = [function("f0", first)]
+    functions += [function(f"f{k}", [f"f{k - 1}"] * 2) for k in range(1, depth)]
+    graph = helper.make_graph(
+        [helper.make_node(f"f{depth - 1}", ["x"], ["y"], domain="local")],
+        "calling",
+        [helper.make_tensor_value_info("x", F, [1])],
+        [helper.make_tensor_value_info("y", F, [1])],
+    )
+    model = helper.make_model(graph, opset_imports=opsets, functions=functions)
+    model.ir_version = 8
+    return model
+
+
 #: every model above whose reading is bounded by --max-read-bytes, by name
 READING = {
     "broadcast_add": read_broadcast_add,
