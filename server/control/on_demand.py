@@ -19,8 +19,10 @@ The rules, each bounded:
   which awaits it off the loop and calls the handler again;
 * room under --models-max is made by unloading the least recently used loaded repository
   model (``LoadedNetwork.last_used``, set as each request is admitted) that has no request in
-  flight and is not itself loading; when none can go, the load waits for one, within the
-  same bound, then fails UNAVAILABLE;
+  flight, is not itself loading and has been loaded --model-min-loaded-seconds (a client
+  naming two models in turn under --models-max 1 made a load and an unload of every
+  request: now at most --models-max loads in that time); when none can go, the load waits
+  for one, within the same bound, then fails UNAVAILABLE;
 * an ensemble (or an OVMS pipeline) holds no weights: it does not count toward --models-max;
   its steps do. Loading it loads its steps (it asks for them as a request would:
   ``EnsembleNetwork._ask_for_steps``), and unloading a step unloads the loaded ensembles that
@@ -97,7 +99,8 @@ def _counts(entries: list[ModelEntry]) -> bool:
 
 class OnDemand:
     """Loads repository models when first asked for, keeps at most ``models_max`` loaded
-    (0: no limit), unloads those idle ``idle_seconds`` (0: never); a request waits at most
+    (0: no limit), each loaded at least ``min_loaded_seconds`` before it may make room for
+    another, unloads those idle ``idle_seconds`` (0: never); a request waits at most
     ``wait_seconds`` for a load."""
 
     def __init__(
@@ -107,6 +110,7 @@ class OnDemand:
         models_max: int = 0,
         idle_seconds: float = 0.0,
         wait_seconds: float = 60.0,
+        min_loaded_seconds: float = 0.0,
     ) -> None:
         self.control = control
         self.plane = control.plane
@@ -115,6 +119,7 @@ class OnDemand:
         self.models_max = models_max
         self.idle_seconds = idle_seconds
         self.wait_seconds = wait_seconds
+        self.min_loaded_seconds = min_loaded_seconds
         self._lock = threading.Lock()
         #: name -> the future of its load under way (one per model)
         self._loading: dict[str, _Load] = {}
@@ -206,7 +211,8 @@ class OnDemand:
         past = f" and did not finish within {waited:g} s (--model-load-wait-seconds)"
         room = (
             f", waiting for room: --models-max {self.models_max} models are loaded, each with "
-            "requests in flight or loading"
+            f"requests in flight, loading, or loaded less than {self.min_loaded_seconds:g} s "
+            "ago (--model-min-loaded-seconds)"
             if load.waited_for_room
             else ""
         )
@@ -269,16 +275,19 @@ class OnDemand:
             if time.monotonic() >= end or self._stop.is_set():
                 raise NotReady(
                     f"Request for model {name!r}: it is not at ready state: --models-max "
-                    f"{self.models_max} models are loaded and each has requests in flight or "
-                    f"is loading; none could be unloaded within {self.wait_seconds:g} s "
-                    "(--model-load-wait-seconds); retry later"
+                    f"{self.models_max} models are loaded and each has requests in flight, is "
+                    f"loading, or was loaded less than {self.min_loaded_seconds:g} s ago "
+                    "(--model-min-loaded-seconds); none could be unloaded within "
+                    f"{self.wait_seconds:g} s (--model-load-wait-seconds); retry later"
                 )
             self._stop.wait(_ROOM_POLL)
 
     def _victim(self, listed: dict[str, list[ModelEntry]], exclude: str) -> str | None:
-        """The least recently used loaded repository model that may go now (call with both
+        """The least recently used loaded repository model that may go now, or None (none may
+        go, or it has not been loaded --model-min-loaded-seconds yet: wait) (call with both
         locks held)."""
-        best: tuple[float, str] | None = None
+        best: tuple[float, str, bool] | None = None
+        young = time.monotonic() - self.min_loaded_seconds
         for name, versions in self.table.by_name.items():
             if name == exclude or name in self._loading or name not in listed:
                 continue
@@ -286,8 +295,10 @@ class OnDemand:
                 continue
             used = max(v.last_used for v in versions.values())
             if best is None or used < best[0]:
-                best = (used, name)
-        return best[1] if best is not None else None
+                best = (used, name, any(v.loaded_at > young for v in versions.values()))
+        # the least recently used one, once it has been loaded its minimum time (not a more
+        # recently used one in its place: that would unload the model the clients use)
+        return best[1] if best is not None and not best[2] else None
 
     def _may_go(self, name: str, versions: Any) -> bool:
         """No request in flight on it, nor on an ensemble that runs it."""

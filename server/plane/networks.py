@@ -134,6 +134,9 @@ class LoadedNetwork:
     #: when a request last came (``time.monotonic``; its load until then): which loaded
     #: model on-demand loading unloads first, and when one is idle (``control/on_demand.py``)
     last_used: float = dataclasses.field(init=False, default_factory=time.monotonic)
+    #: when it was loaded (``time.monotonic``): on-demand loading keeps it at least
+    #: --model-min-loaded-seconds before it may leave to make room (``control/on_demand.py``)
+    loaded_at: float = dataclasses.field(init=False, default_factory=time.monotonic)
 
     def __post_init__(self, queue_size: int) -> None:
         self.executor = self.network.executor

@@ -501,6 +501,7 @@ class Server:
                 s.models_max,
                 s.model_idle_unload_seconds,
                 s.model_load_wait_seconds,
+                s.model_min_loaded_seconds,
             )
             self.on_demand.start()
             names = names or set()  # (explicit mode's --load-model still load at startup)

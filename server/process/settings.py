@@ -128,6 +128,14 @@ class Settings:
         "unloaded (its memory given back); 0: never",
         low=0,
     )
+    model_min_loaded_seconds: float = _field(
+        2.0,
+        "with --model-load-on-demand 1 and --models-max: a model loaded on demand stays at "
+        "least this long before it may be unloaded to make room for another (a client "
+        "naming models in turn would otherwise make a load and an unload of each request: "
+        "this bounds the loads to --models-max in this many seconds); 0: no minimum",
+        low=0,
+    )
     model_load_wait_seconds: float = _field(
         60.0,
         "with --model-load-on-demand 1: how long a request for a model that is loading (or "

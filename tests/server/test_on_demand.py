@@ -126,7 +126,8 @@ def llama_folder():
 def server(tmp_path_factory, llama_folder):
     root = _repository(tmp_path_factory.mktemp("on-demand"), llama_folder)
     args = ["--model-repository", str(root), "--model-load-on-demand", "1", "--models-max", "2"]
-    with RunningServer(*args) as running:
+    # least recently used at once: the minimum time loaded has a test (and server) of its own
+    with RunningServer(*args, "--model-min-loaded-seconds", "0") as running:
         yield running
 
 
@@ -437,6 +438,40 @@ def test_a_model_with_work_in_flight_stays_and_the_request_waiting_for_room_gets
         np.testing.assert_array_equal(answers[0], X)
         np.testing.assert_array_equal(_grpc(server, "double"), X * 2)  # now it may go
         assert _loaded(server) == {"double"}
+
+
+def test_models_named_in_turn_load_at_most_once_each_in_the_minimum_time(tmp_path):
+    """A red team's finding: under --models-max 1, a client naming two models in turn made a
+    load and an unload of every request. A model loaded on demand now stays
+    --model-min-loaded-seconds before it may make room: the other model's request waits for
+    that (here past its --model-load-wait-seconds: 503 naming the flag, nothing loaded or
+    unloaded), and loads once it is over."""
+    _double(tmp_path)
+    (tmp_path / "scale" / "1").mkdir(parents=True)
+    (tmp_path / "scale" / "config.pbtxt").write_text(PYTHON_CONFIG)
+    (tmp_path / "scale" / "1" / "model.py").write_text(textwrap.dedent(PYTHON))
+    args = ["--model-repository", str(tmp_path), "--model-load-on-demand", "1"]
+    args += ["--models-max", "1", "--model-load-wait-seconds", "0.5"]
+    with RunningServer(*args, "--model-min-loaded-seconds", "4") as server:
+        np.testing.assert_array_equal(_grpc(server, "double"), X * 2)
+        loaded = time.monotonic()
+        refusals = 0
+        for model in ("scale", "double", "scale"):  # in turn, as fast as answers come
+            try:
+                _grpc(server, model)
+            except InferenceServerException as exc:
+                assert exc.status() == "StatusCode.UNAVAILABLE", exc
+                assert "--model-min-loaded-seconds" in str(exc), exc
+                refusals += 1
+        if time.monotonic() - loaded < 4:  # (a machine slow enough may have passed it)
+            assert refusals == 2 and _loaded(server) == {"double"}
+        assert wait_for(lambda: time.monotonic() - loaded > 4.2, timeout=10)
+        np.testing.assert_array_equal(_grpc(server, "scale"), X * 3)  # its time is over
+        assert _loaded(server) == {"scale"}
+        assert _count(server, "plugserve_model_on_demand_loads_total", model="double") == 1
+        assert _count(server, "plugserve_model_on_demand_loads_total", model="scale") == 1
+        evictions = _count(server, "plugserve_model_evictions_total", model="double", reason="lru")
+        assert evictions == 1
 
 
 def test_an_onnx_decoder_loads_on_demand_and_leaves(tmp_path):
