@@ -21,7 +21,8 @@ The server waits on a pipe, never holding the GIL. A program serves requests one
 stdin and stdout until stdin closes (:func:`serve`): a frame is an 8-byte little-endian length
 and that many bytes; a request is a JSON header frame and a body frame, an answer the same.
 :class:`Workers` keeps a few processes of one program warm between requests (starting one
-imports its backend: about a second), at most ``size`` at once.
+imports its backend: about a second), at most ``size`` at once, and ends one that has had no
+request for :data:`IDLE_SECONDS` (one daemon thread looks, started with the first request).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from typing import BinaryIO
 
 from plugserve.plugins import cancel
 from plugserve.plugins.errors import ResourceExhausted
+from plugserve.plugins.threads import Watchlist
 
 __all__ = [
     "Crashed",
@@ -63,6 +65,9 @@ _POLL = 0.1
 #: gone and unable to kill it; a request of a day or more has no such end
 _ALARM_GRACE = 5
 _DAY = 86400.0
+#: a helper with no request for this long ends (its process's memory, 50-120 MB, goes back to
+#: the system); the next request starts one again (0.35-1 s)
+IDLE_SECONDS = 300.0
 
 
 class NoWorker(Exception):
@@ -239,16 +244,36 @@ class Worker:
 
 class Workers:
     """Up to ``size`` helper processes of one program, started when first needed, kept between
-    requests and replaced after one failed (any exception out of the ``with`` block)."""
+    requests for ``idle_seconds`` and replaced after one failed (any exception out of the
+    ``with`` block)."""
 
-    def __init__(self, program: str, size: int, label: str, flag: str = "") -> None:
+    def __init__(
+        self,
+        program: str,
+        size: int,
+        label: str,
+        flag: str = "",
+        idle_seconds: float = IDLE_SECONDS,
+    ) -> None:
         self.program = program
         self.label = label
         #: the setting that bounds the wait for a free helper, named in its refusal
         self.flag = flag
+        self.idle_seconds = idle_seconds
         self._lock = threading.Lock()
-        self._idle: list[Worker] = []
+        #: the helpers free now, each with when it last answered (``time.monotonic``)
+        self._idle: list[tuple[Worker, float]] = []
         self._slots = threading.BoundedSemaphore(size)
+
+    def retire_idle(self) -> int:
+        """End the helpers free for ``idle_seconds`` or more; how many ended."""
+        end = time.monotonic() - self.idle_seconds
+        with self._lock:
+            old = [worker for worker, since in self._idle if since <= end]
+            self._idle = [(worker, since) for worker, since in self._idle if since > end]
+        for worker in old:
+            worker.close()
+        return len(old)
 
     @contextlib.contextmanager
     def one(self, seconds: float, args: tuple[str, ...] = ()) -> Iterator[Worker]:
@@ -259,11 +284,12 @@ class Workers:
             raise ResourceExhausted(
                 f"no {self.label} helper was free within {seconds:g} s{flag}; retry later"
             )
+        _watched.add(self)
         worker: Worker | None = None
         try:
             with self._lock:
                 while self._idle and worker is None:
-                    found = self._idle.pop()
+                    found, _ = self._idle.pop()
                     if found.args == args and found.alive:
                         worker = found
                     else:
@@ -279,5 +305,19 @@ class Workers:
         finally:
             if worker is not None:
                 with self._lock:
-                    self._idle.append(worker)
+                    self._idle.append((worker, time.monotonic()))
             self._slots.release()
+
+
+def _retire_loop() -> None:
+    """Look at every :class:`Workers` in use, a few times within the shortest idle time."""
+    while True:
+        watched = _watched.items()
+        shortest = min((w.idle_seconds for w in watched), default=IDLE_SECONDS)
+        time.sleep(min(30.0, max(0.05, shortest / 4)))
+        for workers in watched:
+            workers.retire_idle()
+
+
+#: the :class:`Workers` that have served a request (their idle helpers are looked at)
+_watched: Watchlist[Workers] = Watchlist("helper-retire", _retire_loop, weak=True)

@@ -12,7 +12,7 @@ import pytest
 
 from plugserve.plugins import cancel
 from plugserve.plugins.errors import Cancelled
-from plugserve.plugins.workers import Crashed, TooLarge, Worker
+from plugserve.plugins.workers import Crashed, TooLarge, Worker, Workers
 
 PROGRAM = textwrap.dedent(
     """
@@ -89,3 +89,21 @@ def test_a_caller_gone_stops_the_wait(worker):
     with cancel.stop_when(lambda: time.monotonic() - started > 0.3), pytest.raises(Cancelled):
         worker.ask({"sleep": 60}, b"", 30, what="a test's request")
     assert time.monotonic() - started < 5
+
+
+def test_an_idle_helper_ends_and_the_next_request_starts_one(tmp_path, monkeypatch):
+    (tmp_path / "test_helper_program.py").write_text(PROGRAM)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    workers = Workers("test_helper_program", 2, "test", idle_seconds=0.5)
+    with workers.one(10) as first:
+        assert first.ask({}, b"a", 10) == ({"echo": True}, b"a")
+    with workers.one(10) as again:  # kept between requests
+        assert again is first
+    end = time.monotonic() + 10
+    while first.alive and time.monotonic() < end:
+        time.sleep(0.05)
+    assert not first.alive  # ended by the look, with no request
+    with workers.one(10) as second:
+        assert second is not first and second.ask({}, b"b", 10) == ({"echo": True}, b"b")
+    assert workers.retire_idle() == 0  # just used
+    second.close()
