@@ -212,8 +212,12 @@ ATTRIBUTE_VALUE_BYTES = 64
 
 
 def _listed(attr: onnx.AttributeProto) -> int:
+    """The values ``attr`` lists, a string of a text tensor counting twice (a Python object of
+    ~115 bytes each once read, as a text weight's: ``ir.STRING_ELEMENT_BYTES``)."""
+    strings = len(attr.t.string_data) + sum(len(t.string_data) for t in attr.tensors)
     return (
-        len(attr.ints)
+        2 * strings
+        + len(attr.ints)
         + len(attr.floats)
         + len(attr.strings)
         + len(attr.tensors)

@@ -209,3 +209,15 @@ def test_attribute_values_are_counted_before_they_are_read(bounded):
     node.attribute.append(helper.make_attribute("listed", list(range(20_000))))
     with pytest.raises(InvalidModel, match=r"attribute 'listed': 20,000.*--max-read-bytes"):
         load_model(model)
+
+
+def test_a_text_constant_is_counted_as_its_strings(bounded):
+    """A Constant's STRING tensor becomes a Python object a string, as a text weight does:
+    its strings count against the read's allowance (twice, 128 bytes each) before any is
+    made."""
+    bounded(max_bytes=64 << 20)
+    weight = _text_weight(600_000)
+    words = weight.graph.initializer.pop()
+    weight.graph.node.insert(0, helper.make_node("Constant", [], ["words"], value=words))
+    with pytest.raises(InvalidModel, match="Constant, attribute 'value': 1,200,000"):
+        load_model(weight)
