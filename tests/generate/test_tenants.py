@@ -15,6 +15,7 @@ client with ``api_key=TOKEN``.
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import pytest
@@ -265,3 +266,67 @@ def test_the_store_evicts_within_a_tenant_even_when_the_budget_is_full():
     other.release()
     store.clear()
     assert budget.used == 0 and store.nbytes == 0 and len(store) == 0
+
+
+def test_one_tenant_may_hold_seven_eighths_of_the_queue(hf_llama, tmp_path):
+    """A model's queue holds MAX_WAITING requests (8 here); one tenant may have 7 of them
+    waiting (``Engine.add``'s share), so another tenant always finds room: while A's long
+    request holds the one slot, A's eighth waiting request is refused 429 naming its share,
+    and B's is taken (the queue then full). Without the share A's eighth was taken and B's
+    refused."""
+    path = tmp_path / "tokens"
+    path.write_text(f"{TOKENS['A']} infer\n{TOKENS['B']} infer\n")
+    path.chmod(0o600)
+    config = {**DEVICE, "MAX_WAITING": "8", "MAX_NUM_SEQS": "1"}
+    with serving({MODEL: (hf_llama, "TORCH", config)}, "--auth-tokens", str(path)) as running:
+        a, b = client(running, api_key=TOKENS["A"]), client(running, api_key=TOKENS["B"])
+        for _ in range(3):  # the long request may end first on a slow machine: again
+            outcome = _fill_the_queue(running, a, b)
+            if outcome is not None:
+                break
+        assert outcome is not None, "the long request ended before the queue filled, 3 times"
+        refusals, finished = outcome
+        assert len(refusals) == 1 and "share of the queue" in str(refusals[0]), refusals
+        assert isinstance(refusals[0], openai.RateLimitError)
+        assert sorted(finished) == ["A"] * 7 + ["B"]
+
+
+def _fill_the_queue(running, a, b) -> tuple[list, list] | None:
+    """A's long request in the slot, eight more of A's, then B's: the refusals and who was
+    served, or None when the long request ended before the queue was full."""
+    import threading
+
+    refusals: list[Exception] = []
+    finished: list[str] = []
+
+    def ask(api, who: str) -> None:
+        try:
+            api.completions.create(model=MODEL, prompt="Hi", max_tokens=1)
+            finished.append(who)
+        except openai.APIStatusError as exc:
+            refusals.append(exc)
+
+    def waiting() -> float:
+        return metric(running, "vllm:num_requests_waiting", "", model_name=MODEL)
+
+    def until(done) -> bool:
+        deadline = time.monotonic() + 30
+        while not done() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return done()
+
+    long = a.completions.create(
+        model=MODEL, prompt="Once", max_tokens=500, stream=True, extra_body={"ignore_eos": True}
+    )
+    next(iter(long))  # it holds the one slot
+    threads = [threading.Thread(target=ask, args=(a, "A")) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    full = until(lambda: waiting() + len(refusals) + len(finished) >= 8)
+    threads.append(threading.Thread(target=ask, args=(b, "B")))
+    threads[-1].start()
+    full = full and until(lambda: waiting() + len(finished) >= 8) and not finished
+    long.close()  # the slot frees: the queue runs
+    for thread in threads:
+        thread.join(timeout=120)
+    return (refusals, finished) if full else None
