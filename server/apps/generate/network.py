@@ -114,6 +114,10 @@ _OUTPUTS = [
     TensorSpec("finish_reason", _OBJECT, (1,)),
 ]
 #: sampling_parameters keys and their types (vLLM's SamplingParams names)
+#: the most bytes of ``sampling_parameters`` JSON a request may send: a parsed JSON value holds
+#: up to ~28x its text (``[[],[],...]``: a 99 MB string grew the server 2.7 GB and held the GIL
+#: 8 s before it was refused), and every valid one is a few KB
+MAX_SAMPLING_BYTES = 256 << 10
 _SAMPLING_KEYS: dict[str, tuple[type, ...]] = {
     "max_tokens": (int,),
     "temperature": (int, float),
@@ -616,9 +620,17 @@ def sampling_from(values: Mapping[str, Any], vocab: int = 0) -> SamplingParams:
     params: dict[str, Any] = {}
     raw = _scalar(values, "sampling_parameters")
     if raw is not None:
+        if isinstance(raw, bytes | str) and len(raw) > MAX_SAMPLING_BYTES:
+            raise InvalidInput(
+                f"input 'sampling_parameters' is {len(raw):,} bytes; at most "
+                f"{MAX_SAMPLING_BYTES:,} (its largest valid form, 16 stop strings of 1,024 "
+                "characters, fits many times over)"
+            )
         text = _text(raw, "sampling_parameters")
-        try:
+        try:  # Python's json: integers of any width and NaN parse, to be named as out of range
             parsed = json.loads(text) if text.strip() else {}
+        except RecursionError:  # arrays in arrays: 200,000 deep was a 500 and a traceback
+            raise InvalidInput("input 'sampling_parameters': nested too deeply") from None
         except ValueError as exc:
             raise InvalidInput(f"input 'sampling_parameters': not valid JSON ({exc})") from None
         if not isinstance(parsed, dict):
