@@ -48,6 +48,9 @@ __all__ = ["BATCH_TOKENS", "Encoder", "embed", "encoder_graph", "encoder_of", "i
 
 #: padded tokens per encoder run, at most (a 32-input batch of 256 tokens)
 BATCH_TOKENS = 8192
+#: characters of text tokenized at once, at least one input (a valid request's whole inputs
+#: are a few hundred KB: one or a few slices; an input over the model's length stops the rest)
+TOKENIZE_SLICE_BYTES = 256 << 10
 _LANE = "openai.embeddings"
 #: token embeddings of more values are pooled on the adapter's worker threads (about a
 #: millisecond of the event loop's time, at most)
@@ -160,12 +163,14 @@ class Encoder:
         return total
 
     def tokenize(self, inputs: list[str | list[int]]) -> list[list[int]]:
-        """Each input's ids (blocking: a worker's job), their tokenizing's memory charged."""
+        """Each input's ids (blocking: a worker's job), their tokenizing's memory charged.
+        Texts are tokenized a slice at a time (:data:`TOKENIZE_SLICE_BYTES`) and each slice's
+        lengths checked before the next: 2,048 inputs of 10 KB, each far over the model's 128
+        tokens but under its text bound (a WordPiece token may stand for 400 bytes), took
+        31-56 s of every core before the first was refused."""
         size = self.check(inputs, exact=True)
-        texts = [(t.lower() if self.lower else t) for t in inputs if isinstance(t, str)]
         with limits.tokenizing(size, "the inputs"):
-            encoded = iter(self.tokenizer.encode_batch(texts, True) if texts else [])
-        ids = [next(encoded) if isinstance(t, str) else t for t in inputs]
+            ids = self._encoded(inputs)
         for i, row in enumerate(ids):
             if len(row) > self.max_length:
                 raise FieldError(
@@ -179,6 +184,27 @@ class Encoder:
                     f"{self.tokenizer.vocab_size} tokens",
                     "input",
                 )
+        return ids
+
+    def _encoded(self, inputs: list[str | list[int]]) -> list[list[int]]:
+        """The inputs' ids, the texts tokenized a slice at a time; a slice holding an input
+        over the model's length ends the work there (its check, in :meth:`tokenize`, refuses
+        it)."""
+        ids: list[list[int]] = []
+        start = 0
+        while start < len(inputs):
+            end, nbytes = start, 0
+            while end < len(inputs) and (end == start or nbytes < TOKENIZE_SLICE_BYTES):
+                item = inputs[end]
+                nbytes += len(item) if isinstance(item, str) else 0
+                end += 1
+            part = inputs[start:end]
+            texts = [(t.lower() if self.lower else t) for t in part if isinstance(t, str)]
+            encoded = iter(self.tokenizer.encode_batch(texts, True) if texts else [])
+            ids += [next(encoded) if isinstance(t, str) else t for t in part]
+            if any(len(row) > self.max_length for row in ids[start:]):
+                break
+            start = end
         return ids
 
     def feed(self, rows: list[list[int]]) -> tuple[dict[str, np.ndarray], np.ndarray]:
