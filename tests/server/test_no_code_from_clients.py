@@ -213,6 +213,32 @@ def test_query_network_answers_from_the_listing_without_loading(server, files):
     _absent(files)
 
 
+def test_an_archive_that_inflates_to_gigabytes_costs_its_bytes(server, files):
+    """A red team's zip bomb: an ``archive_format`` entry of 256 MiB of zeros (deflated to
+    ~250 KB; 1 GiB in 929 bytes with bzip2) was read whole and decoded again to learn the
+    archive's kind (+2.1 GB for 1 GiB, seven at once past 8 GB). Now a few bytes of it are."""
+    from attack import Probe
+
+    packed = io.BytesIO()
+    with (
+        zipfile.ZipFile(packed, "w", compression=zipfile.ZIP_DEFLATED) as archive,
+        archive.open("archive_format", "w", force_zip64=True) as entry,
+    ):
+        for _ in range(16):
+            entry.write(bytes(16 << 20))
+    bomb = packed.getvalue()
+    assert len(bomb) < 1 << 20
+    with Probe(server) as probe, Client(server.target, timeout=60) as client:
+        for _ in range(3):
+            with pytest.raises(grpc.RpcError) as caught:
+                client.query(bomb, "TORCH")
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value
+            assert "neither a TorchScript file nor a torch.export program" in (
+                caught.value.details()
+            )
+    probe.check(body_bytes=len(bomb), fixed_bytes=64 << 20)  # 256 MiB a read before
+
+
 def test_load_network_of_a_program_is_denied(server, files):
     with Client(server.target, timeout=60) as client:
         for name in ("evil_pt2", "script"):
