@@ -325,7 +325,8 @@ class Plugin(abc.ABC):
         header, payload = blob.unpack(data, self.name, self.architecture)
         if isinstance(config, self.config_class):
             return header, payload, config
-        saved = self.config_class(header.get("config", {}), throw_on_unsupported=False)
+        kept = {k: v for k, v in header.get("config", {}).items() if k not in blob.NOT_IMPORTED}
+        saved = self.config_class(kept, throw_on_unsupported=False)
         return header, payload, self.config_class(config or {}, saved)
 
     # --- networks

@@ -17,6 +17,12 @@ from plugserve.plugins.version import plugserve_version
 
 MAGIC = b"PLUGSRV\x00"
 FORMAT_VERSION = 1
+#: the most JSON values a header may hold, counted before it is parsed (a parsed value holds up
+#: to ~28x its text; real headers hold a few hundred: names, shapes, a tuning table)
+MAX_HEADER_VALUES = 1 << 20
+#: configuration keys a blob's saved configuration does not carry into an import: where the
+#: server writes is its operator's (a crafted header could otherwise name a folder)
+NOT_IMPORTED = frozenset({"CACHE_DIR"})
 
 __all__ = ["FORMAT_VERSION", "MAGIC", "pack", "unpack"]
 
@@ -49,10 +55,15 @@ def unpack(blob: bytes, plugin: str, architecture: str) -> tuple[dict[str, Any],
     start = len(MAGIC) + 4
     if start + length > len(blob):
         raise InvalidArgument("exported network is truncated (header runs past the end)")
+    raw = blob[start : start + length]
+    if raw.count(b",") + raw.count(b"[") + raw.count(b"{") > MAX_HEADER_VALUES:
+        raise InvalidArgument("exported network has a corrupt header (too many values)")
     try:
-        header = json.loads(blob[start : start + length])
-    except ValueError:
+        header = json.loads(raw)
+    except (ValueError, RecursionError):  # nested past Python's limit: a 500 before
         raise InvalidArgument("exported network has a corrupt header") from None
+    if not isinstance(header, dict) or not isinstance(header.get("config", {}), dict):
+        raise InvalidArgument("exported network has a corrupt header (not an object)")
     if header.get("format_version") != FORMAT_VERSION:
         raise InvalidArgument(
             f"exported network has format version {header.get('format_version')}, this "

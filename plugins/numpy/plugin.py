@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
-import onnx
 
+from plugserve.plugins import reading
 from plugserve.plugins.api import (
     BackendUnavailable,
     InvalidArgument,
@@ -251,9 +251,11 @@ class NumpyPlugin(Plugin):
         self, data: bytes, config: Mapping[str, Any] | None = None
     ) -> NumpyCompiledNetwork:
         header, payload, cfg = self._unpack(data, config)
-        proto = onnx.ModelProto()
-        try:
-            proto.ParseFromString(payload)
+        try:  # bounded as a model's bytes are (plugins/reading.py), and its nodes counted
+            proto = reading.parse_model(payload, "the exported network")
+            reading.check_nodes(proto, proto.graph.name or "model")
+        except InvalidModel as exc:
+            raise InvalidArgument(f"exported network is refused: {exc}") from None
         except Exception:
             raise InvalidArgument("exported network is corrupt (payload does not parse)") from None
         refuse_external_data(proto, "ImportNetwork")

@@ -18,7 +18,7 @@ from typing import Any
 
 import onnx
 
-from plugserve.plugins import amplify, memory
+from plugserve.plugins import amplify, memory, reading
 from plugserve.plugins.api import (
     BackendUnavailable,
     InvalidArgument,
@@ -213,9 +213,11 @@ class OrtPlugin(Plugin):
         except (KeyError, TypeError, ValueError):
             raise InvalidArgument("exported network is corrupt (bad input/output list)") from None
         name = str(header.get("network_name") or "model")
-        proto = onnx.ModelProto()
-        try:
-            proto.ParseFromString(payload)
+        try:  # bounded as a model's bytes are (plugins/reading.py), and its nodes counted
+            proto = reading.parse_model(payload, "the exported network")
+            reading.check_nodes(proto, proto.graph.name or "model")
+        except InvalidModel as exc:
+            raise InvalidArgument(f"exported network is refused: {exc}") from None
         except Exception:
             raise InvalidArgument("exported network is corrupt (payload does not parse)") from None
         refuse_external_data(proto, "ImportNetwork")  # onnxruntime would read the files

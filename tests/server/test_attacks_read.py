@@ -129,18 +129,9 @@ def test_a_model_of_too_many_nodes_is_refused_before_it_is_read(running):
             assert f"{MAX_NODES + 1:,} nodes" in refused.value.details()
 
 
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        low, value = value & 0x7F, value >> 7
-        out.append(low | (0x80 if value else 0))
-        if not value:
-            return bytes(out)
-
-
 def _field(number: int, payload: bytes) -> bytes:
     """One length-delimited protobuf field: its tag, its length, ``payload``."""
-    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
+    return amplifying.varint(number << 3 | 2) + amplifying.varint(len(payload)) + payload
 
 
 def _relu(*attributes: bytes) -> bytes:

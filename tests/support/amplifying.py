@@ -16,6 +16,17 @@ def _model(nodes, inputs, outputs, initializers=()) -> onnx.ModelProto:
     return model
 
 
+def varint(value: int) -> bytes:
+    """``value`` as protobuf writes an unsigned integer: 7 bits a byte, low first (hand-made
+    model bytes, where onnx's helpers would build the whole message in memory first)."""
+    out = bytearray()
+    while True:
+        low, value = value & 0x7F, value >> 7
+        out.append(low | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
 def _in(name, dtype, shape):
     return helper.make_tensor_value_info(name, dtype, shape)
 
