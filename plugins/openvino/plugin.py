@@ -350,6 +350,7 @@ class OpenvinoPlugin(Plugin):
                 "HETERO read ONNX models"
             )
         graph, proto, data = self._read(model)
+        query_process.check_nesting(proto, graph.name)
         verify = self._reference() is not None
         if self.query_in_helper:
             answered = query_process.ask(data, cfg.to_strings(), graph.name, verify)

@@ -206,3 +206,34 @@ def test_a_long_query_stops_with_its_caller_and_at_the_read_limit(running):
     assert "--max-read-seconds" in error.details(), error.details()
     assert running.process.poll() is None
     _normal_model_serves(running)
+
+
+def nested_ifs(depth: int) -> bytes:
+    """``If`` in ``If``, ``depth`` deep (each ``then_branch`` the level below; 3.8 KB at 24):
+    openvino's conversion of them takes ~1.8x longer a level (20 deep: 13 s)."""
+    out = [helper.make_tensor_value_info("y", 1, [1])]
+    inner = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g0", [], out)
+    for level in range(depth):
+        value = helper.make_tensor(f"v{level}", 9, [], [True])  # BOOL
+        condition = helper.make_node("Constant", [], [f"c{level}"], value=value)
+        other = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "e", [], out)
+        branch = helper.make_node(
+            "If", [f"c{level}"], ["y"], then_branch=inner, else_branch=other, name=f"if{level}"
+        )
+        inner = helper.make_graph([condition, branch], f"g{level + 1}", [], out)
+    inner.input.extend([_io("x", [1])])
+    return _model(list(inner.node), list(inner.input), list(inner.output))
+
+
+def test_subgraphs_nested_deep_are_not_given_to_openvino(running):
+    """A red team's model: two queries of ifs nested 24 deep held both OPENVINO query helpers
+    for --max-read-seconds, and every other client's OPENVINO query waited for one. Past
+    ``MAX_NESTING`` (10) levels OPENVINO takes none of the model, at once; HETERO runs it
+    elsewhere; a model nested a few deep still queries on OPENVINO."""
+    deep = nested_ifs(24)
+    error = _refused(running, deep, "OPENVINO", timeout=20)  # past the read limit (8 s) before
+    assert error.code() == grpc.StatusCode.UNIMPLEMENTED, error
+    assert "nest more than 10 deep" in error.details(), error.details()
+    answer = _query(running, deep, "HETERO:OPENVINO,NUMPY")
+    assert set(answer.supported.values()) == {"NUMPY"}, answer.supported
+    assert set(_query(running, nested_ifs(3), "OPENVINO").supported.values()) == {"OPENVINO"}
