@@ -40,6 +40,14 @@ def server(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def llama(hf_llama):
+    """tiny-llama's safetensors folder on TORCH (a real vocabulary) and its client."""
+    pytest.importorskip("torch", reason="tiny-llama runs on TORCH")
+    with serving({"llama": (hf_llama, "TORCH", {"INFERENCE_NUM_THREADS": "1"})}) as running:
+        yield running, client(running, timeout=60)
+
+
+@pytest.fixture(scope="module")
 def api(server):
     return client(server, timeout=60)
 
@@ -158,3 +166,41 @@ def test_a_required_name_listed_again_costs_nothing_more(server, api):
         (call,) = answer.choices[0].message.tool_calls
         assert call.function.name == "f"
     _still_serves(server, api)
+
+
+@pytest.mark.parametrize(
+    ("field", "grammar"),
+    [
+        ("guided_regex", "(a{1000}){1000}"),
+        ("guided_regex", "((a{100}){100}){100}"),
+        ("response_format", {"type": "string", "pattern": "^(a{1000}){1000}$"}),
+    ],
+)
+def test_counted_repetitions_cost_a_bounded_time(llama, field, grammar):
+    """A red team's 15-byte regex: llguidance's first mask of ``(a{1000}){1000}`` over a
+    vocabulary of runs of a letter (tiny-llama's; the byte-level test model has none) took
+    1.3 s and 260 MB, inside a step of the engine that every sequence of the model waits on
+    (with n 16: 6.8 s). Now llguidance's lexer work is bounded (``INITIAL_LEXER_FUEL``: the
+    grammar fails once past it, and the sequence stops) and the first mask is made while the
+    request is prepared, on its worker: the whole request costs the server well under the
+    one mask before."""
+    from attack import cpu_seconds
+
+    server, api = llama
+    if field == "response_format":
+        schema = {"name": "s", "schema": grammar}
+        extra = {"response_format": {"type": "json_schema", "json_schema": schema}}
+    else:
+        extra = {field: grammar}
+    before = cpu_seconds(server.process.pid)
+    try:
+        api.completions.create(model="llama", prompt="go", max_tokens=8, extra_body=extra)
+    except openai.BadRequestError as refused:  # a grammar past the bound may be refused
+        assert "cannot be used" in str(refused), refused
+    used = cpu_seconds(server.process.pid) - before
+    print(f"{used:.2f} s CPU")
+    assert used < 0.4, f"{used:.2f} s of CPU"  # 0.85-1.1 s before, 0.04-0.1 s now
+    answer = api.completions.create(
+        model="llama", prompt="go", max_tokens=4, extra_body={"guided_regex": "[0-9]{4}"}
+    )
+    assert answer.choices[0].text.isdigit()

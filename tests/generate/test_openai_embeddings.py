@@ -9,6 +9,7 @@ import base64
 
 import numpy as np
 import pytest
+from attack import cpu_seconds
 
 openai = pytest.importorskip("openai", reason="pip install openai (the test extra)")
 
@@ -97,25 +98,16 @@ def test_refusals_name_the_field(api, server):
     assert ids == sorted(e[0] for e in ENTRIES)
 
 
-def _cpu_seconds(pid: int) -> float:
-    """The process's CPU time (user and system, all its threads), in seconds."""
-    import os
-    from pathlib import Path
-
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def test_inputs_over_the_length_are_refused_before_the_rest_is_tokenized(api, server):
     """A red team's request: 2,048 inputs of 10 KB, each far over the model's 128 tokens but
     under its text bound (a WordPiece token may stand for 400 bytes), were all tokenized
     before the first was refused: 8-56 s of CPU on every core. Now the texts are tokenized a
     slice at a time and the first over-long one ends the work (0.3 s of CPU here)."""
     inputs = ["word " * 2000] * 2048
-    before = _cpu_seconds(server.process.pid)
+    before = cpu_seconds(server.process.pid)
     with pytest.raises(openai.BadRequestError) as caught:
         api.embeddings.create(model="mean-numpy", input=inputs)
-    used = _cpu_seconds(server.process.pid) - before
+    used = cpu_seconds(server.process.pid) - before
     print(f"{used:.2f} s CPU")
     assert caught.value.body["param"] == "input"
     assert "'input[0]' is" in caught.value.body["message"]

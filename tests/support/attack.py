@@ -23,7 +23,7 @@ from pathlib import Path
 
 import grpc
 
-__all__ = ["LATENCY_BOUND_S", "Probe", "rss_kb"]
+__all__ = ["LATENCY_BOUND_S", "Probe", "cpu_seconds", "rss_kb"]
 
 #: the answer time both health probes must keep during every attack (p99), as issue 42 asks
 LATENCY_BOUND_S = 0.25
@@ -39,6 +39,14 @@ def _status(pid: int, key: str) -> int:
         if line.startswith(key + ":"):
             return int(line.split()[1])
     raise KeyError(key)
+
+
+def cpu_seconds(pid: int) -> float:
+    """The process's CPU time (user and system, all its threads), in seconds."""
+    import os
+
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def rss_kb(pid: int) -> int:

@@ -311,6 +311,8 @@ def compile_schema(
     vocabulary = _vocabulary(tokenizer, vocab_size)
     limits = parser_limits(llguidance)
     matcher = llguidance.LLMatcher(vocabulary, grammar, log_level=0, limits=limits)
+    if not matcher.is_error():  # its first mask here, on the request's worker, not in a step
+        matcher.compute_bitmask()  # of the engine that every sequence of the model waits on
     if matcher.is_error():  # a grammar past the parser's limits fails here, before generating
         raise FieldError(f"{field}: it cannot be used: {matcher.get_error()}", field)
     return CompiledSchema(vocabulary, matcher)

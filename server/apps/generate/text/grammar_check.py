@@ -44,6 +44,10 @@ CHECK_BYTES_PER_BYTE = 320
 CHECK_BYTES = 64 << 20
 #: helper processes at most (the adapter's two worker threads each wait for one)
 HELPERS = 2
+#: llguidance's work on a grammar's first mask, at most (its default: 1M): a regex of counted
+#: repetitions of a letter whose tokens repeat it, ``(a{1000}){1000}``, took 1.1 s and 260 MB
+#: at 1M and is refused in ~50 ms at 100k, where the largest real schemas need far less
+INITIAL_LEXER_FUEL = 100_000
 
 _helpers = Workers("plugserve.server.apps.generate.text.grammar_check", HELPERS, "grammar")
 _warned = threading.Event()
@@ -57,6 +61,7 @@ def parser_limits(llguidance: Any) -> Any:
         step_max_items=50_000,
         max_grammar_size=500_000,
         max_lexer_states=250_000,
+        initial_lexer_fuel=INITIAL_LEXER_FUEL,
     )
 
 
