@@ -28,6 +28,7 @@ request for :data:`IDLE_SECONDS` (one daemon thread looks, started with the firs
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import math
 import os
@@ -65,6 +66,9 @@ _POLL = 0.1
 #: gone and unable to kill it; a request of a day or more has no such end
 _ALARM_GRACE = 5
 _DAY = 86400.0
+#: a helper's pipes hold this much (Linux's most for an unprivileged process, by default; 64
+#: KiB otherwise): 128 MB of a model crossed in 0.24 s through 64 KiB turns
+_PIPE_BYTES = 1 << 20
 #: a helper with no request for this long ends (its process's memory, 50-120 MB, goes back to
 #: the system); the next request starts one again (0.35-1 s)
 IDLE_SECONDS = 300.0
@@ -170,6 +174,9 @@ class Worker:
             )
         except OSError as exc:
             raise NoWorker(str(exc)) from None
+        for pipe in (self.process.stdin, self.process.stdout):
+            with contextlib.suppress(OSError, AttributeError):  # Linux's: a model crosses in
+                fcntl.fcntl(pipe.fileno(), fcntl.F_SETPIPE_SZ, _PIPE_BYTES)  # 1 MiB turns
         try:
             self._read_header(start_seconds)  # "ready": its backend imported, its bound set
         except (EOFError, TimeoutError, OSError, ValueError) as exc:
