@@ -60,6 +60,12 @@ def test_cache_dir_is_not_a_clients_to_choose(server, repo):
             ),
             timeout=30,
         ),
+        "QueryNetwork": lambda: stub.QueryNetwork(
+            pb.QueryNetworkRequest(
+                model=pb.ModelSource(onnx=data), device="NUMPY", config={"CACHE_DIR": "/etc"}
+            ),
+            timeout=30,
+        ),
         "SetConfig": lambda: stub.SetConfig(
             pb.SetConfigRequest(device="NUMPY", config={"CACHE_DIR": "/etc"}), timeout=30
         ),

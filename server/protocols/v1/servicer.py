@@ -113,6 +113,9 @@ class PlugserveServicer(PlaneServicer, pb_grpc.PlugserveServicer):
 
     @_stops_when_gone
     def QueryNetwork(self, request, context):
+        # the same config a load would take: a query answers for what a load of it would do
+        refuse_server_keys(request.config, "QueryNetwork")
+        self.control.refuse_code_keys(request.config, "QueryNetwork")
         model, *_ = self._model(request.model)
         config = dict(request.config)
         supported, unsupported = self.control.query(model, request.device, config)
