@@ -94,6 +94,9 @@ def test_a_caller_gone_stops_the_wait(worker):
 def test_an_idle_helper_ends_and_the_next_request_starts_one(tmp_path, monkeypatch):
     (tmp_path / "test_helper_program.py").write_text(PROGRAM)
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    kept = Workers("test_helper_program", 1, "kept")  # the default idle time, used first:
+    with kept.one(10) as long_lived:  # the look must not then sleep for its five minutes
+        assert long_lived.alive
     workers = Workers("test_helper_program", 2, "test", idle_seconds=0.5)
     with workers.one(10) as first:
         assert first.ask({}, b"a", 10) == ({"echo": True}, b"a")
@@ -106,4 +109,6 @@ def test_an_idle_helper_ends_and_the_next_request_starts_one(tmp_path, monkeypat
     with workers.one(10) as second:
         assert second is not first and second.ask({}, b"b", 10) == ({"echo": True}, b"b")
     assert workers.retire_idle() == 0  # just used
+    assert long_lived.alive  # its five minutes are not over
     second.close()
+    long_lived.close()
