@@ -98,9 +98,11 @@ def test_a_200_mb_json_body_does_not_stall_small_requests(tmp_path):
         # the bound, for the requests beside the big one (all but the 5 % a busy
         # 2-core machine delays for its own reasons: the client and the server share it)
         assert p95 <= usual + 0.050, seen
-        # one stall of 0.57-0.62 s beside the big one in 5 of 6 runs on a quiet 2-core machine
-        # (with or without the malloc arena cap; where it is, not yet found): a second at most
-        assert worst <= 1.0, seen  # before: 11.9 s
+        # one stall beside the big one (with or without the malloc arena cap; where it is, not
+        # yet found): 0.57-0.62 s in 5 of 6 runs on a quiet 2-core machine before; 0.74-1.56 s
+        # on today's, at 5b30a39 and at 51103cd alike (interleaved, 3 runs each): two seconds
+        # at most, still far from the 11.9 s a body decoded on the loop stalled them
+        assert worst <= 2.0, seen  # before: 11.9 s
 
 
 def test_many_large_binary_requests_at_once_are_all_served(tmp_path):
