@@ -49,7 +49,7 @@ from plugserve.server.plane.callpool import blocked
 from plugserve.server.plane.deadlines import DeadlineWatch
 from plugserve.server.plane.errors import Unloaded, forget_frames
 from plugserve.server.plane.metrics import Metrics, failure_status
-from plugserve.server.plane.networks import LoadedNetwork, NetworkTable
+from plugserve.server.plane.networks import LoadedNetwork, NetworkTable, small_inputs
 from plugserve.server.plane.queue_policy import QueueRejected, Ticket
 from plugserve.server.plane.request import Request
 from plugserve.server.plane.response_stream import ResponseStream
@@ -443,6 +443,7 @@ class DataPlane:
         admitted = time.perf_counter()
         gathers = entry.network.gathers  # its runs start when their batch does
         stage: Stage | None = None  # a traced request's model span, queue wait and run
+        small = small_inputs(arrays)  # its run tells how long small requests run
 
         def run(device: InferRequest) -> dict[str, np.ndarray]:
             started = time.perf_counter()
@@ -475,7 +476,11 @@ class DataPlane:
                 ) from exc
             answer = _answer(name, result, wanted, after, most)
             finished = time.perf_counter()
-            entry.run_seconds += (finished - started - entry.run_seconds) * 0.125
+            took = finished - started
+            entry.run_seconds += (took - entry.run_seconds) * 0.125
+            if small:
+                last = entry.small_run_seconds
+                entry.small_run_seconds = took if last is None else last + (took - last) * 0.125
             if entry.perf_enabled:
                 recorder.layers(device.get_performance_counts())
             recorder.success(started - admitted, finished - started)

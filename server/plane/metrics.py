@@ -711,12 +711,6 @@ class Recorder:
                 entry[2] += 1
         self._metrics.observe_layers(*self._labels, counts)
 
-    def mean_compute_below(self, limit_ns: int) -> bool:
-        """Whether requests have run and their mean compute is under ``limit_ns``: a hint
-        read per request without the lock (two counters, possibly one update apart)."""
-        s = self._stats
-        return s.success > 0 and s.compute_ns < s.success * limit_ns
-
     def stats(self) -> Stats:
         """A consistent copy of the counters."""
         with self._lock:

@@ -12,7 +12,7 @@ import asyncio
 import dataclasses
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -36,7 +36,20 @@ if TYPE_CHECKING:
     from plugserve.server.apps.pipelines.ensemble import SequenceRelay
     from plugserve.server.plane.queue_policy import PolicyQueue
 
-__all__ = ["LoadFailed", "LoadedNetwork", "ModelLoading", "NetworkTable", "NotReady"]
+__all__ = [
+    "SMALL_RUN_BYTES",
+    "LoadFailed",
+    "LoadedNetwork",
+    "ModelLoading",
+    "NetworkTable",
+    "NotReady",
+    "small_inputs",
+]
+
+#: a request whose inputs hold at most this many bytes is small: its runs are what
+#: ``LoadedNetwork.small_run_seconds`` measures, and only such a request may run on the REST
+#: event loop (a 64 KiB JSON body makes at most ~128 KiB of FP32 values)
+SMALL_RUN_BYTES = 256 << 10
 
 # Messages begin with Triton's own words for the condition (triton-inference-server/core:
 # model_repository_manager.cc, model_lifecycle.cc), which Triton's example clients and users'
@@ -131,6 +144,12 @@ class LoadedNetwork:
     #: which tells whether a run inline on a gRPC handler thread should give that thread's
     #: turn away while it runs (``DataPlane._admit``)
     run_seconds: float = dataclasses.field(init=False, default=0.0)
+    #: the same for the runs of small requests only (inputs of at most ``SMALL_RUN_BYTES``;
+    #: None: none has run yet): whether REST runs a small request on its event loop
+    #: (``kserve/rest.py``'s ``_fast``). A large request's run does not count: one add of
+    #: two 50M-element inputs (a second) moved the all-time mean over that bar for the next
+    #: thousand small requests, each of which then paid two thread hand-offs
+    small_run_seconds: float | None = dataclasses.field(init=False, default=None)
     #: when a request last came (``time.monotonic``; its load until then): which loaded
     #: model on-demand loading unloads first, and when one is idle (``control/on_demand.py``)
     last_used: float = dataclasses.field(init=False, default_factory=time.monotonic)
@@ -160,6 +179,14 @@ class LoadedNetwork:
             except InvalidInput:
                 self.recorder.refused("invalid")  # counted as the full check would count it
                 raise
+
+
+def small_inputs(arrays: Iterable[Any]) -> bool:
+    """Whether ``arrays`` (a request's inputs) hold at most :data:`SMALL_RUN_BYTES`."""
+    total = 0
+    for array in arrays:
+        total += getattr(array, "nbytes", 0)
+    return total <= SMALL_RUN_BYTES
 
 
 def _safe_config(network: CompiledNetwork, key: str) -> Any:

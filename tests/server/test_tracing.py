@@ -38,7 +38,7 @@ Y = np.ones(4, dtype=np.float32)
 
 def _repository(folder: Path) -> Path:
     """add_sub (ONNX on NUMPY), a HETERO chain of two pieces (Relu on NUMPY, then Neg and Abs
-    on ORT), and a Relu on MULTI and on BATCH, both over NUMPY."""
+    on ORT), and a Relu on MULTI and on BATCH, both over NUMPY, and on NUMPY itself."""
     repo = folder / "repo"
     (repo / "add_sub" / "1").mkdir(parents=True)
     (repo / "add_sub" / "1" / "model.onnx").write_bytes(add_sub().SerializeToString())
@@ -49,7 +49,7 @@ def _repository(folder: Path) -> Path:
     config = {"device": "HETERO:NUMPY,ORT", "config": {"AFFINITY": json.dumps(affinity)}}
     (repo / "pieces" / "config.json").write_text(json.dumps(config))
     relu = chain([("Relu", {})], shape=("n", 3), name="relu")  # BATCH: a batch dimension
-    for name, device in (("either", "MULTI:NUMPY"), ("gathered", "BATCH:NUMPY")):
+    for name, device in (("either", "MULTI:NUMPY"), ("gathered", "BATCH:NUMPY"), ("wide", "NUMPY")):
         (repo / name / "1").mkdir(parents=True)
         (repo / name / "1" / "model.onnx").write_bytes(relu.SerializeToString())
         (repo / name / "config.json").write_text(json.dumps({"device": device}))
@@ -270,6 +270,31 @@ def test_each_hetero_piece_is_a_span_under_the_run(server, receiver, client):
     assert [p.parent_span_id for p in pieces] == [compute.span_id] * 2
     assert [p.attributes["plugserve.device"] for p in pieces][1] == "ORT"
     assert compute.attributes["plugserve.device"].startswith("HETERO")
+
+
+def test_a_small_rest_request_after_a_large_one_still_runs_at_once(server, receiver, client):
+    """A small REST request to a model whose small requests run fast runs at once on the
+    event loop: no queue span. A large request's run (on a worker: its body is over 64 KiB)
+    does not change that: it moved the all-time mean compute the loop decided by over its
+    1 ms bar, and the next thousand small requests waited in the queue and paid two thread
+    hand-offs each (30-100 ms apiece beside a 200 MB answer being copied out)."""
+
+    def relu(x: np.ndarray, **headers: str) -> None:
+        inputs = [httpclient.InferInput("x", list(x.shape), "FP32")]
+        inputs[0].set_data_from_numpy(x, binary_data=x.size > 6)
+        result = client.infer("wide", inputs, headers=headers)
+        np.testing.assert_array_equal(result.as_numpy("y"), np.maximum(x, 0))
+
+    small = np.array([[-1, 2, -3], [4, -5, 6]], np.float32)
+    for _ in range(2):
+        relu(small)  # measured: the small ones run fast
+    relu(np.full((4_000_000, 3), -1.0, np.float32))  # 48 MB: its run alone is ~20 ms
+    for _ in range(3):
+        header, trace_id, _ = _traceparent()
+        relu(small, traceparent=header)
+        assert receiver.wait(lambda r, t=trace_id: "compute" in _tree(r, t))
+        spans = _tree(receiver, trace_id)
+        assert "queue" not in spans, [s.name for s in receiver.traces()[trace_id]]
 
 
 @pytest.mark.parametrize(("model", "span"), [("either", "NUMPY"), ("gathered", "batch")])

@@ -15,11 +15,11 @@ The stack was chosen by measurement (BENCHMARKS.md, "REST stack" and "REST witho
 httptools' parser under an asyncio protocol of our own (``http_server.py``, which admits each
 request on its headers and hands it to its handler once its body is read) on uvloop, JSON by
 orjson. It runs its own event loop on a thread of the server process, next to the gRPC server,
-so both share the DataPlane and ModelControl. A small request (body up to INLINE_BYTES) to a
-network whose mean compute is under 1 ms runs inline on the loop when a stream is idle
-(answered within the parser's callback); others run on the network's streams while the loop
-awaits the future, and a larger body is decoded and run on a worker whatever the network's
-mean (issue 52); loads and unloads run on a worker thread.
+so both share the DataPlane and ModelControl. A small request (body up to INLINE_BYTES, inputs
+up to SMALL_RUN_BYTES) to a network whose recent small requests ran in under 1 ms runs inline
+on the loop when a stream is idle (answered within the parser's callback); others run on the
+network's streams while the loop awaits the future, and a larger body is decoded and run on a
+worker whatever the network's speed (issue 52); loads and unloads run on a worker thread.
 
 Choices where Triton or KServe leave room:
 
@@ -61,7 +61,7 @@ from plugserve.proto import grpc_service_pb2 as pb
 from plugserve.server.control.model_control import ModelControl
 from plugserve.server.plane.budget import charging_strings
 from plugserve.server.plane.dataplane import DataPlane
-from plugserve.server.plane.networks import LoadedNetwork, ModelLoading
+from plugserve.server.plane.networks import LoadedNetwork, ModelLoading, small_inputs
 from plugserve.server.plane.request import Request
 from plugserve.server.plane.response_stream import ResponseStream
 from plugserve.server.plane.sequences import echoed
@@ -375,7 +375,7 @@ class RestApp:
             request = parse_infer(
                 call.body, header_length, entry.expect, self.plane.shm, cuda_device_of(entry)
             )
-        ask = _request(entry, request, _fast(entry), trace=trace, tenant=call.tenant)
+        ask = _request(entry, request, _fast(entry, request), trace=trace, tenant=call.tenant)
         if trace is not None and request.id:
             name_request(trace, request.id)
         future = self.plane.infer(ask)
@@ -693,17 +693,28 @@ def _infer_reply(entry: LoadedNetwork, request: InferCall, outputs: dict[str, An
     )
 
 
-#: a network whose mean compute is below this runs on the event loop when a stream is idle
-_INLINE_NS = 1_000_000
+#: a network whose small requests run in less than this runs them on the event loop when a
+#: stream is idle
+_INLINE_SECONDS = 1e-3
 
 
-def _fast(entry: LoadedNetwork) -> bool:
+def _fast(entry: LoadedNetwork, request: InferCall) -> bool:
     """Run inline on the loop: two thread hand-offs saved (~0.25 ms at batch 1 here), and the
-    loop stalls no longer than the JSON decoding of a request does. A slower network (or one
-    not yet measured) runs on its streams so the loop keeps admitting requests meanwhile, and
-    so does one whose run the request can lengthen at will (a Loop: ``open_ended``), whose
-    client could otherwise hold the loop until --max-request-seconds."""
-    return not entry.network.open_ended and entry.recorder.mean_compute_below(_INLINE_NS)
+    loop stalls no longer than the JSON decoding of a request does. Only a small request
+    (``small_inputs``: its body may be small while its inputs are in shared memory), and only
+    on a network whose recent small requests ran that fast: a slower network (or one not yet
+    measured) runs on its streams so the loop keeps admitting requests meanwhile, and so does
+    one whose run the request can lengthen at will (a Loop: ``open_ended``), whose client
+    could otherwise hold the loop until --max-request-seconds. Large requests' runs do not
+    count: after one 200 MB add, small ones lost this path for a thousand requests and waited
+    30-100 ms for the GIL on their hand-offs while that add's answer was copied out."""
+    seconds = entry.small_run_seconds
+    return (
+        seconds is not None
+        and seconds < _INLINE_SECONDS
+        and not entry.network.open_ended
+        and small_inputs(request.inputs.values())
+    )
 
 
 def _name_or_all(call: Call) -> str:
