@@ -28,14 +28,18 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
+import math
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
+from typing import NamedTuple
 
-from plugserve.plugins.errors import Cancelled, PlugserveError
+from plugserve.plugins.errors import Cancelled, PlugserveError, ResourceExhausted
 
 __all__ = [
     "Token",
     "check",
+    "checking",
     "checkpoint",
     "current",
     "enter",
@@ -48,7 +52,19 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_should_stop: contextvars.ContextVar[Callable[[], bool] | None] = contextvars.ContextVar(
+
+class _Stop(NamedTuple):
+    """What :func:`check` asks: whether the caller is gone, and until when the work may run
+    (``until``, ``time.monotonic``; ``inf``: no limit) under which limit (``limit``, the
+    flag that sets it)."""
+
+    should_stop: Callable[[], bool] | None
+    until: float
+    seconds: float
+    limit: str
+
+
+_should_stop: contextvars.ContextVar[_Stop | None] = contextvars.ContextVar(
     "plugserve_should_stop", default=None
 )
 _token: contextvars.ContextVar[Token | None] = contextvars.ContextVar(
@@ -57,9 +73,14 @@ _token: contextvars.ContextVar[Token | None] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def stop_when(should_stop: Callable[[], bool] | None) -> Iterator[None]:
-    """Within the block, :func:`check` raises once ``should_stop()`` is true (None: never)."""
-    token = _should_stop.set(should_stop)
+def stop_when(
+    should_stop: Callable[[], bool] | None, seconds: float = 0.0, limit: str = ""
+) -> Iterator[None]:
+    """Within the block, :func:`check` raises once ``should_stop()`` is true (None: never),
+    and once ``seconds`` have passed (0: no limit), naming ``limit`` (the flag that sets it):
+    the server's own bound on work a client asks for (QueryNetwork: --max-read-seconds)."""
+    until = time.monotonic() + seconds if seconds > 0 else math.inf
+    token = _should_stop.set(_Stop(should_stop, until, seconds, limit))
     try:
         yield
     finally:
@@ -67,12 +88,36 @@ def stop_when(should_stop: Callable[[], bool] | None) -> Iterator[None]:
 
 
 def check(what: str) -> None:
-    """Raise :class:`Cancelled` when the caller of the load or query under way is gone."""
-    should_stop = _should_stop.get()
-    if should_stop is not None and should_stop():
+    """Raise :class:`Cancelled` when the caller of the load or query under way is gone, and
+    :class:`ResourceExhausted` when it has run past the time it was given."""
+    stop = _should_stop.get()
+    if stop is None:
+        return
+    if stop.should_stop is not None and stop.should_stop():
         message = f"{what}: stopped, its caller is gone (cancelled or past its deadline)"
         log.info("%s", message)  # the caller cannot read the error: the log says it
         raise Cancelled(message)
+    if time.monotonic() > stop.until:
+        raise ResourceExhausted(
+            f"{what}: stopped after {stop.seconds:g} s, this server's limit ({stop.limit})"
+        )
+
+
+def checking(what: str, every: int = 1024) -> Callable[[int], None]:
+    """:func:`check` for a loop over many items: ``tick(i)`` checks on every ``every``-th
+    ``i``, so a loop of a million nodes asks a thousand times (a few hundred ns each)."""
+    if _should_stop.get() is None:
+        return _no_tick
+
+    def tick(i: int) -> None:
+        if i % every == 0:
+            check(what)
+
+    return tick
+
+
+def _no_tick(_: int) -> None:
+    pass
 
 
 def _nothing() -> None:

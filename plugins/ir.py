@@ -25,6 +25,7 @@ from google.protobuf.message import Message
 from onnx import AttributeProto, GraphProto, ModelProto, TensorProto, helper, numpy_helper
 
 from plugserve.plugins import (
+    cancel,
     reading,
     schemas,  # noqa: F401  (onnxruntime's ONNX-domain ops, for the checker)
 )
@@ -457,7 +458,9 @@ def topological_order(
     pending: list[int] = []
     waiting: dict[int, int] = {}
     dependents: dict[int, list[int]] = {}
+    tick = cancel.checking(f"graph {graph_name!r}: ordering its nodes")
     for index, node in enumerate(nodes):
+        tick(index)
         deps = set()
         for name in list(node.inputs) + subgraph_free_names(node):
             if name in available:
@@ -643,6 +646,7 @@ def load_model(model: Any, name: str | None = None) -> Graph:
     _check_opsets(proto, label)
     _sort_nodes(proto.graph, label)
     _drop_contradicted_value_info(proto.graph)
+    cancel.check(f"model {label!r}: reading it")  # each step below is a walk of the graph
     try:
         onnx.checker.check_model(checked_form(proto))
     except onnx.checker.ValidationError as exc:
@@ -659,6 +663,7 @@ def load_model(model: Any, name: str | None = None) -> Graph:
         raise InvalidModel(
             f"model {label!r}: shape inference failed: {text[-1] if text else exc}"
         ) from None
+    cancel.check(f"model {label!r}: reading it")
     return graph_from_proto(proto.graph, proto, label, inferred=inferred.graph)
 
 
@@ -847,7 +852,9 @@ def graph_from_proto(
         value_info.setdefault(name, TensorSpec(name, array.dtype, tuple(array.shape)))
     nodes: list[Node] = []
     seen: set[str] = set()
+    tick = cancel.checking(f"model {label!r}: reading its nodes")
     for index, proto_node in enumerate(typed.node):
+        tick(index)
         node_name = proto_node.name or f"{proto_node.op_type}_{index}"
         if node_name in seen:
             node_name = f"{node_name}_{index}"

@@ -226,7 +226,9 @@ def compile_plan(
     sent: dict[str, frozenset[str]] | None = None  # what reaches an output (made if needed)
 
     steps: list[Step] = []
-    for node in graph.nodes:
+    tick = cancel.checking(f"graph {graph.name!r}: binding its kernels")
+    for index, node in enumerate(graph.nodes):
+        tick(index)
         captured = subgraph_free_names(node)
         opset = graph.node_opset(node)
         entry = registry.lookup(node.domain, node.op_type, opset)

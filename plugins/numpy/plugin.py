@@ -217,6 +217,17 @@ class NumpyPlugin(Plugin):
     def query_network(
         self, model: Model, config: Mapping[str, Any] | None = None
     ) -> dict[str, str]:
+        return self.query_with_reasons(model, config)[0]
+
+    def unsupported_nodes(
+        self, model: Model, config: Mapping[str, Any] | None = None
+    ) -> dict[str, str]:
+        """Why each unsupported original node is refused (for error messages and the CLI)."""
+        return self.query_with_reasons(model, config)[1]
+
+    def query_with_reasons(
+        self, model: Model, config: Mapping[str, Any] | None = None
+    ) -> tuple[dict[str, str], dict[str, str]]:
         cfg = self.merged_config(config, strict=False)
         original = load_model(model)
         # 1. the original names, 2. the same transformations as load_network
@@ -234,18 +245,10 @@ class NumpyPlugin(Plugin):
         supported -= unsupported
         # 5./6. housekeeping: a Constant goes with the first node that reads it
         keep_constants_with_readers(original, supported)
-        return {name: self.name for name in sorted(supported)}
-
-    def unsupported_nodes(
-        self, model: Model, config: Mapping[str, Any] | None = None
-    ) -> dict[str, str]:
-        """Why each unsupported original node is refused (for error messages and the CLI)."""
-        cfg = self.merged_config(config, strict=False)
-        transformed = self.transform(load_model(model), cfg)
-        failures: dict[str, str] = {}
-        compile_plan(transformed, self.registry, unsupported=failures)
+        # why: each original node of a node that failed
         by_name = {n.name: n for n in transformed.nodes}
-        return {orig: why for name, why in failures.items() for orig in by_name[name].fused_names}
+        why = {orig: text for name, text in failures.items() for orig in by_name[name].fused_names}
+        return {name: self.name for name in sorted(supported)}, why
 
     def import_network(
         self, data: bytes, config: Mapping[str, Any] | None = None

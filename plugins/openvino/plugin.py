@@ -338,6 +338,12 @@ class OpenvinoPlugin(Plugin):
         """Why each unsupported original node is refused (as NUMPY offers, for the CLI)."""
         return self._query(model, config)[1]
 
+    def query_with_reasons(
+        self, model: Model, config: Mapping[str, Any] | None = None
+    ) -> tuple[dict[str, str], dict[str, str]]:
+        supported, why = self._query(model, config)
+        return {name: self.name for name in sorted(supported)}, why
+
     def _query(
         self, model: Model, config: Mapping[str, Any] | None
     ) -> tuple[set[str], dict[str, str]]:

@@ -187,20 +187,33 @@ class OrtPlugin(Plugin):
         self.merged_config(config, strict=False)
         graph = load_model(model)
         check_load_constants(graph, self.name)  # what load_network would refuse
-        if self.kernels is None:  # all or nothing: can onnxruntime open it?
-            try:
-                self.load_network(model, config)
-            except Unsupported:
-                return {}
-            return {n.name: self.name for n in graph.nodes}
-        failures = unsupported_nodes(graph, self.kernels)
-        return {n.name: self.name for n in graph.nodes if n.name not in failures}
+        return self._supported(model, config, graph, self._unsupported(graph))
 
     def unsupported_nodes(
         self, model: Model, config: Mapping[str, Any] | None = None
     ) -> dict[str, str]:
         """Why each unsupported original node is refused (for error messages and the CLI)."""
         return self._unsupported(load_model(model))
+
+    def query_with_reasons(
+        self, model: Model, config: Mapping[str, Any] | None = None
+    ) -> tuple[dict[str, str], dict[str, str]]:
+        self.merged_config(config, strict=False)
+        graph = load_model(model)
+        check_load_constants(graph, self.name)
+        why = self._unsupported(graph)
+        return self._supported(model, config, graph, why), why
+
+    def _supported(
+        self, model: Model, config: Mapping[str, Any] | None, graph: Graph, why: dict[str, str]
+    ) -> dict[str, str]:
+        if self.kernels is None:  # all or nothing: can onnxruntime open it?
+            try:
+                self.load_network(model, config)
+            except Unsupported:
+                return {}
+            return {n.name: self.name for n in graph.nodes}
+        return {n.name: self.name for n in graph.nodes if n.name not in why}
 
     @memory.giving_back
     def import_network(

@@ -215,11 +215,21 @@ class TorchPlugin(Plugin):
             name = _program_name(model)
             node = f"{kind} program" if name == "program" else f"{name} ({kind} program)"
             return {f"{node}, run whole": self.name}
-        graph = load_model(model)
+        return self._query_graph(load_model(model), cfg)[0]
+
+    def query_with_reasons(
+        self, model: Model, config: Mapping[str, Any] | None = None
+    ) -> tuple[dict[str, str], dict[str, str]]:
+        if read_program(model) is not None:
+            return self.query_network(model, config), {}
+        return self._query_graph(load_model(model), self.merged_config(config, strict=False))
+
+    def _query_graph(self, graph: Graph, cfg: Any) -> tuple[dict[str, str], dict[str, str]]:
+        """What a query answers of a graph: its supported nodes and why the others are not."""
         check_load_constants(graph, self.name)
         _, compute = self._compute(cfg)
         refused = unsupported_nodes(graph, self.torch, self._device(cfg), compute)
-        return {name: self.name for name in sorted(supported_nodes(graph, refused))}
+        return {name: self.name for name in sorted(supported_nodes(graph, refused))}, refused
 
     def unsupported_nodes(
         self, model: Model, config: Mapping[str, Any] | None = None

@@ -264,6 +264,14 @@ class Core:
         with _stopping(should_stop):
             return plugin.query_network(model, merged)
 
+    def query_with_reasons(
+        self, model: Model, device: str, config: CallConfig | None = None
+    ) -> tuple[dict[str, str], dict[str, str]]:
+        """:meth:`query_network` and why the other nodes are not supported, of one read
+        (``Plugin.query_with_reasons``)."""
+        plugin, merged = self.resolve(device, config)
+        return plugin.query_with_reasons(model, merged)
+
     def load_network(
         self,
         model: Model,

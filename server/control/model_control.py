@@ -17,11 +17,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import tempfile
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from plugserve.plugins import cancel, reading
 from plugserve.plugins.api import (
     CompiledNetwork,
     FailedPrecondition,
@@ -48,6 +49,7 @@ from plugserve.server.control.triton_config import (
     VersionPolicy,
     write_overrides,
 )
+from plugserve.server.control.turns import Turns
 from plugserve.server.control.warmup import Warmup, warm_up
 from plugserve.server.plane.dataplane import DataPlane, ShuttingDown
 from plugserve.server.plane.metrics import Metrics
@@ -189,6 +191,8 @@ class ModelControl:
         #: --model-load-on-demand: what loads and unloads the repository's models as requests
         #: come (``on_demand.py``, which sets it); None: the repository loads at startup
         self.on_demand: OnDemand | None = None
+        #: QueryNetworks, one at a time per tenant (``turns.py``)
+        self._queries = Turns("QueryNetwork")
 
     # --- networks
 
@@ -502,14 +506,26 @@ class ModelControl:
         with self._reading(model, "QueryNetwork"):
             return plugin.refusals(model, merged)
 
+    @contextlib.contextmanager
+    def querying(self, tenant: str, gone: Callable[[], bool]) -> Iterator[None]:
+        """A QueryNetwork's bounds, around all it does: its tenant's turn (``turns.py``),
+        then --max-read-seconds for the whole of it, and a stop once its caller is gone
+        (``gone()``; the work asks at its steps: ``cancel.check``)."""
+        seconds = reading.limits().seconds
+        with (
+            self._queries.turn(tenant, gone),
+            cancel.stop_when(gone, seconds, reading.READ_SECONDS),
+        ):
+            yield
+
     def query(
         self, model: bytes | str | Path, device: str, config: Mapping[str, str] | None = None
     ) -> tuple[dict[str, str], dict[str, str]]:
+        """The supported nodes and why the others are not, of one read of the model (a
+        device that can answers both at once: ``Plugin.query_with_reasons``)."""
         self._check_model_size(model, "QueryNetwork")
         with self._reading(model, "QueryNetwork"):
-            supported = self.core.query_network(model, device, config)
-            plugin = self.core.plugin(device)
-            reasons = plugin.unsupported_nodes(model, config)
+            supported, reasons = self.core.query_with_reasons(model, device, config)
         return supported, {k: v for k, v in reasons.items() if k not in supported}
 
     def export(self, name: str, version: int = 0) -> bytes:

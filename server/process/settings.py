@@ -330,9 +330,9 @@ class Settings:
     )
     max_read_seconds: float = _field(
         30.0,
-        "seconds onnx's shape inference of one model may take, and OPENVINO's query of it "
-        "(real models: milliseconds, a second); past it the read is refused with "
-        "RESOURCE_EXHAUSTED; 0: no limit",
+        "seconds onnx's shape inference of one model may take, OPENVINO's query of it, and "
+        "a client's QueryNetwork in all (real models: milliseconds, a second); past it the "
+        "read or query is refused with RESOURCE_EXHAUSTED; 0: no limit",
         low=0,
     )
     max_model_nodes: int = _field(

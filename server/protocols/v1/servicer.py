@@ -111,20 +111,20 @@ class PlugserveServicer(PlaneServicer, pb_grpc.PlugserveServicer):
         self.control.core.set_config(dict(request.config), request.device or None)
         return pb.SetConfigResponse()
 
-    @_stops_when_gone
     def QueryNetwork(self, request, context):
-        # the same config a load would take: a query answers for what a load of it would do
-        refuse_server_keys(request.config, "QueryNetwork")
-        self.control.refuse_code_keys(request.config, "QueryNetwork")
-        model, *_ = self._model(request.model)
-        config = dict(request.config)
-        supported, unsupported = self.control.query(model, request.device, config)
-        response = pb.QueryNetworkResponse(supported=supported, unsupported=unsupported)
-        for split in self.control.subgraphs(model, request.device, config):
-            response.subgraphs.add(device=split["device"], nodes=split["nodes"])
-        for node, device, reason in self.control.refusals(model, request.device, config):
-            response.refusals.add(node=node, device=device, reason=reason)
-        return response
+        with self.control.querying(self.tenant(context), lambda: not context.is_active()):
+            # the same config a load would take: a query answers for what a load would do
+            refuse_server_keys(request.config, "QueryNetwork")
+            self.control.refuse_code_keys(request.config, "QueryNetwork")
+            model, *_ = self._model(request.model)
+            config = dict(request.config)
+            supported, unsupported = self.control.query(model, request.device, config)
+            response = pb.QueryNetworkResponse(supported=supported, unsupported=unsupported)
+            for split in self.control.subgraphs(model, request.device, config):
+                response.subgraphs.add(device=split["device"], nodes=split["nodes"])
+            for node, device, reason in self.control.refusals(model, request.device, config):
+                response.refusals.add(node=node, device=device, reason=reason)
+            return response
 
     @_stops_when_gone
     def LoadNetwork(self, request, context):
