@@ -402,7 +402,7 @@ class Plugin(abc.ABC):
         """:meth:`query_network` and :meth:`unsupported_nodes` together: what QueryNetwork
         answers. A device that reads and transforms the model for each overrides this to do
         it once (any ``infer`` client may ask: NUMPY's two walks of a 20,000-node chain took
-        6.8 s here, one takes 3.5 s)."""
+        3.1 s here, one takes 1.5 s; BENCHMARKS.md)."""
         return self.query_network(model, config), self.unsupported_nodes(model, config)
 
     def subgraphs(self, model: Model, config: CallConfig | None = None) -> list[dict[str, Any]]:

@@ -1,8 +1,8 @@
 """One at a time per tenant: work a client may ask of the server's own CPU, taken in turns.
 
 QueryNetwork is open to every ``infer`` client, and answering it reads, checks and transforms
-the client's model in the server (NUMPY, ORT, TORCH; OPENVINO's in a helper): ~0.2 ms of CPU a
-node here, up to --max-model-nodes (250,000: ~40 s). Each query holds a gRPC handler thread and
+the client's model in the server (NUMPY, ORT, TORCH; OPENVINO's in a helper): ~0.1 ms of CPU a
+node here, up to --max-model-nodes (250,000: ~20-40 s). Each query holds a gRPC handler thread and
 the GIL between its steps, so one client sending many at once took as many threads and most of
 the CPU. A tenant's queries now run one after another: up to :data:`WAITING` more wait their
 turn (as long as their callers stay; each query before them stops at --max-read-seconds:
