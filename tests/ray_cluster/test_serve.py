@@ -339,18 +339,23 @@ def test_prefix_routing_sends_a_conversation_to_its_prefix_and_loses_no_request(
                 return True
         return False
 
+    def resent() -> bool:  # the ingress's warning, in its log under the cluster's folder
+        found = subprocess.run(["grep", "-rqF", "sent again (", str(cluster.root)])
+        return found.returncode == 0
+
     time.sleep(3)
     killed = wait_for(computing, 40, 0.1)
+    if killed and not wait_for(resent, 8):
+        # a replica killed while it used CPU held no request to send again (CI, 538352c;
+        # Serve may re-place what it had not handed over itself): one more kill, of a replica
+        # computing now, while the load goes on; a resend that never works fails both
+        pids = [p for node in cluster.nodes for p in cluster.replica_pids("routed:routed", node)]
+        killed = wait_for(computing, 40, 0.1)
     time.sleep(11)  # the load goes on while the ingress sends the lost requests again
     stop.set()
     worker.join(200)
     calls, errors = outcome[0]
     assert calls > 20 and errors == [], f"{len(errors)} of {calls} lost: {errors[:5]}"
-
-    def resent() -> bool:  # the ingress's warning, in its log under the cluster's folder
-        found = subprocess.run(["grep", "-rqF", "sent again (", str(cluster.root)])
-        return found.returncode == 0
-
     assert killed, f"neither replica computed under the load (CPU s in 0.5 s: {seen})"
     assert wait_for(resent, 30), "the killed replica held no request: nothing was sent again"
 
