@@ -326,6 +326,35 @@ class _KVEventsCollector:
         )
 
 
+class _FrontCollector:
+    """The front door, read at scrape time: the REST port's connections (open, serving a
+    request, the most it keeps), the gRPC port's open streaming calls and its handler threads.
+    A count near its bound precedes refusals (503, RESOURCE_EXHAUSTED); one that never falls
+    back with the clients gone would be a leak."""
+
+    def __init__(self, read: Callable[[], dict[str, int]]) -> None:
+        self._read = read
+
+    def collect(self):
+        now = self._read()
+        for key, name, text in _FRONT:
+            if key in now:
+                yield GaugeMetricFamily(name, text, value=now[key])
+
+
+#: (what ``watch_front``'s read names, the series, its help)
+_FRONT = (
+    ("http_open", "plugserve_http_connections", "REST connections open"),
+    ("http_serving", "plugserve_http_connections_serving",
+     "REST connections serving a request now"),
+    ("http_limit", "plugserve_http_connections_limit",
+     "REST connections the port keeps open at most (4 x --grpc-workers)"),
+    ("grpc_streams", "plugserve_grpc_streams_open",
+     "Streaming gRPC calls open (at most --max-open-streams)"),
+    ("grpc_threads", "plugserve_grpc_threads", "gRPC handler threads (at most --grpc-workers)"),
+)  # fmt: skip
+
+
 class _ServerCollector:
     """The server's load as one unlabelled series per metric: what a router in front of many
     servers reads of each one. The inference gateway's endpoint picker (its model server
@@ -495,6 +524,11 @@ class Metrics:
     def watch_kv_events(self, read: Callable[[], tuple[int, int]]) -> None:
         """``read()``: ``(published, dropped)`` KV-event batches (``--kv-events-config``)."""
         self.registry.register(_KVEventsCollector(read))
+
+    def watch_front(self, read: Callable[[], dict[str, int]]) -> None:
+        """``read()``: the front door's counts now, by the names in :data:`_FRONT` (a port
+        that is off leaves its names out)."""
+        self.registry.register(_FrontCollector(read))
 
     def watch_gpus(self, interval_s: float, enabled: bool = True) -> GpuMetrics:
         """The per-GPU series (``nv_gpu_*``, NVML sampled every ``interval_s``), or none and

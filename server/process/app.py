@@ -244,6 +244,15 @@ class Server:
         #: --model-load-on-demand's loader and idle timer (started by load_models)
         self.on_demand: OnDemand | None = None
 
+    def _front(self) -> dict[str, int]:
+        """The ports' counts for /metrics (``metrics._FRONT``), read at a scrape."""
+        counts = {"grpc_streams": self.gate.open_streams, "grpc_threads": self.calls.threads}
+        server = self.rest.server if self.rest is not None else None
+        if server is not None:
+            counts["http_open"], counts["http_serving"] = server.counts()
+            counts["http_limit"] = server.limit
+        return counts
+
     def _kv_events(self, settings: Settings) -> Publisher | None:
         """The publisher --kv-events-config asks for, its sockets open (a taken port stops the
         start), its counts in /metrics; None when off."""
@@ -366,6 +375,7 @@ class Server:
             self._serve_health(s.host, s.health_port)
         if s.metrics_port >= 0:
             self.metrics.watch_gpus(s.metrics_interval_ms / 1000, bool(s.gpu_metrics))
+            self.metrics.watch_front(self._front)
             try:
                 self.metrics_port = self.metrics.serve(s.host, s.metrics_port)
             except SystemExit:  # the port is taken: one line, and nothing left running
@@ -421,8 +431,9 @@ class Server:
         options += keepalive_options(s.stream_idle_timeout)
         if s.max_streams_per_connection:
             options.append(("grpc.max_concurrent_streams", s.max_streams_per_connection))
+        self.calls = CallPool(s.grpc_workers, s.active_grpc_workers())
         server = grpc.server(
-            CallPool(s.grpc_workers, s.active_grpc_workers()),
+            self.calls,
             interceptors=interceptors,
             options=options,
             maximum_concurrent_rpcs=4 * s.grpc_workers,

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import queue
 import shutil
+import socket
 import subprocess
 import urllib.request
 
@@ -11,6 +13,7 @@ import numpy as np
 import pytest
 from models import mlp
 from prometheus_client.parser import text_string_to_metric_families
+from serving import wait_for
 
 from plugserve.client import Client
 
@@ -151,3 +154,48 @@ def test_promtool_accepts_the_live_exposition(server, client, traffic):
     assert result.returncode == 0 and not result.stdout.strip() and not result.stderr.strip(), (
         result.stdout + result.stderr
     )
+
+
+def _front(server) -> dict[str, float]:
+    text = scrape_text(server)
+    names = ("http_connections", "http_connections_serving", "http_connections_limit",
+             "grpc_streams_open", "grpc_threads")  # fmt: skip
+    return {name: samples(text, f"plugserve_{name}")[frozenset()] for name in names}
+
+
+def test_the_front_door_gauges_follow_connections_and_streams(server):
+    """Six idle REST connections and an open gRPC stream show in /metrics as they come, and
+    leave it when they close; the REST port's bound is there beside them (256: 4 x the
+    default --grpc-workers), and the gRPC handler threads that ran them."""
+    before = _front(server)
+    assert before["http_connections_limit"] == 256, before
+    idle = [socket.create_connection((server.host, server.http_port)) for _ in range(6)]
+    channel = grpc.insecure_channel(server.target)
+    held: queue.Queue = queue.Queue()
+    stream = channel.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer")(
+        iter(held.get, None)  # no message until None ends it
+    )
+    try:
+        opened = wait_for(
+            lambda: (
+                (now := _front(server))["http_connections"] >= before["http_connections"] + 6
+                and now["grpc_streams_open"] >= before["grpc_streams_open"] + 1
+            )
+        )
+        assert opened, (before, _front(server))
+        now = _front(server)
+        assert now["http_connections_serving"] <= now["http_connections"]
+        assert now["grpc_threads"] >= 1
+    finally:
+        for connection in idle:
+            connection.close()
+        held.put(None)
+        stream.cancel()
+        channel.close()
+    closed = wait_for(
+        lambda: (
+            (now := _front(server))["http_connections"] <= before["http_connections"]
+            and now["grpc_streams_open"] <= before["grpc_streams_open"]
+        )
+    )
+    assert closed, (before, _front(server))

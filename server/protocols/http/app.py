@@ -498,6 +498,7 @@ class HttpService:
         self._stop: asyncio.Event | None = None
         self._grace = 5.0
         self._thread: threading.Thread | None = None
+        self.server: HttpServer | None = None  # once started: its connections' counts
 
     def start(self) -> int:
         """Bind the port (an occupied one is a one-line SystemExit) and serve; the port."""
@@ -532,6 +533,7 @@ class HttpService:
             self.app.refusal,
             _bounds(s, limit, budget.limit),
         )
+        self.server = server
         started = threading.Event()
         self._thread = start_daemon("rest", self._run, sock, backlog, context, server, started)
         started.wait(30)

@@ -294,6 +294,12 @@ class HttpServer:
     def busy(self) -> int:
         return sum(c.busy for c in self.connections)
 
+    def counts(self) -> tuple[int, int]:
+        """(connections open, serving a request): from any thread (a scrape), while the
+        loop changes the set (``list`` copies it without letting another thread in)."""
+        connections = list(self.connections)
+        return len(connections), sum(c.busy for c in connections)
+
 
 class Connection(asyncio.Protocol):
     """One client connection: parse, bound, dispatch, reply, in order."""
