@@ -155,6 +155,7 @@ class ModelControl:
         max_sequences: int = 0,
         unload_timeout: float = 30.0,
         allow_code_from_clients: bool = False,
+        max_queries: int = 0,
     ) -> None:
         """``plane``: the data plane that serves what is loaded here, and whose table of
         networks this fills. ``max_networks`` / ``max_model_bytes`` / ``max_sequences``:
@@ -162,7 +163,8 @@ class ModelControl:
         ``load_threads``: --model-load-threads, made concrete; ``unload_timeout``:
         --model-unload-timeout, how long an unload waits for its model's requests
         (``retire.py``); ``allow_code_from_clients``: --allow-code-from-clients
-        (:attr:`client_trusted`)."""
+        (:attr:`client_trusted`); ``max_queries``: QueryNetworks running or waiting at once,
+        server-wide (``turns.py``; 0: a tenant's own bound only)."""
         self.plane = plane
         #: how networks leave: their requests waited for, closed, their memory given back
         self.retirement = Retirement(plane, metrics, unload_timeout)
@@ -192,7 +194,7 @@ class ModelControl:
         #: come (``on_demand.py``, which sets it); None: the repository loads at startup
         self.on_demand: OnDemand | None = None
         #: QueryNetworks, one at a time per tenant (``turns.py``)
-        self._queries = Turns("QueryNetwork")
+        self._queries = Turns("QueryNetwork", max_queries)
 
     # --- networks
 

@@ -9,6 +9,12 @@ turn (as long as their callers stay; each query before them stops at --max-read-
 ``cancel.stop_when``), and one more is refused at once with RESOURCE_EXHAUSTED. Tenants are
 tokens (``auth``); without tokens the whole server is one, as a caller not known is bounded
 tighter.
+
+Every call held here, running or waiting, holds a gRPC handler thread (waiting as
+``callpool.blocked``: no CPU, but the thread). A token file of many tenants could so hold every
+one of --grpc-workers, and inference calls would queue behind them: the server as a whole
+holds at most ``most`` (a quarter of --grpc-workers, as many as the call gate lets wait for
+their message), past which a query is refused at once whoever sends it.
 """
 
 from __future__ import annotations
@@ -31,11 +37,14 @@ _LOOK = 0.25
 class Turns:
     """Per tenant (the token file's: few), how many hold or wait for its one turn."""
 
-    def __init__(self, what: str) -> None:
-        """``what``: the work taken in turns, as refusals name it."""
+    def __init__(self, what: str, most: int = 0) -> None:
+        """``what``: the work taken in turns, as refusals name it; ``most``: calls held at
+        once, all tenants together (0: no bound but each tenant's)."""
         self.what = what
+        self.most = most
         self._ready = threading.Condition()
         self._counts: dict[str, int] = {}  # tenant -> its calls running or waiting
+        self._held = 0  # all tenants' calls running or waiting
         self._running: set[str] = set()
 
     @contextlib.contextmanager
@@ -50,7 +59,14 @@ class Turns:
                     "run one at a time per token (per server without tokens): retry when "
                     "one has ended"
                 )
+            if self.most and self._held >= self.most:
+                raise ResourceExhausted(
+                    f"{self.what}: {self._held} are running or waiting on this server, the "
+                    "most it holds at once (a quarter of --grpc-workers), so that they never "
+                    "hold the threads inference needs: retry when one has ended"
+                )
             self._counts[tenant] = count + 1
+            self._held += 1
         try:
             with blocked(), self._ready:  # a wait, not work: the pool may run another call
                 while tenant in self._running:
@@ -66,6 +82,7 @@ class Turns:
                     self._ready.notify_all()
         finally:
             with self._ready:
+                self._held -= 1
                 left = self._counts[tenant] - 1
                 if left:
                     self._counts[tenant] = left

@@ -219,6 +219,7 @@ class Server:
             settings.max_sequences,
             settings.model_unload_timeout,
             allow_code_from_clients=bool(settings.allow_code_from_clients),
+            max_queries=max(1, settings.grpc_workers // 4),  # as the gate's reading calls
         )
         if settings.allow_code_from_clients:
             log.warning(

@@ -14,6 +14,7 @@ import threading
 import time
 
 import grpc
+import numpy as np
 import pytest
 from models import chain
 from serving import RunningServer, examples_repository
@@ -22,6 +23,8 @@ from test_cancel import cpu_seconds
 from plugserve.proto import plugserve_pb2 as pb
 from plugserve.proto import plugserve_pb2_grpc as pb_grpc
 from plugserve.server.control.turns import WAITING
+
+grpcclient = pytest.importorskip("tritonclient.grpc", reason="pip install 'tritonclient[all]'")
 
 #: nodes of the long chain: its query takes ~9 s here, past the limits below (4 s), while
 #: onnx's shape inference of it (which --max-read-seconds bounds too, naming itself) takes
@@ -114,3 +117,51 @@ def test_a_tenants_queries_take_turns_while_another_tenants_go_on(tmp_path, long
     for key in set(mine) - set(refused):
         assert outcome[key].supported, outcome[key]
         assert ended[key] > ended["a-long"] - 0.25, (started, ended)
+
+
+def test_queries_hold_a_quarter_of_the_grpc_threads_at_most_and_inference_goes_on(
+    tmp_path, long_chain, small
+):
+    """With --grpc-workers 8 the server holds 2 queries at once, whatever their tenants: a's
+    and b's long ones run, c's is refused at once (RESOURCE_EXHAUSTED, naming the bound), and
+    c's inference is served meanwhile; once they stop, c's query is answered. Before, each of
+    a token file's tenants could hold five handler threads (one running, four waiting), and a
+    dozen tenants held them all."""
+    repo = examples_repository(tmp_path)
+    tokens = tmp_path / "tokens"
+    names = {**TOKENS, "c": "query-bounds-token-c-0003"}
+    tokens.write_text("".join(f"{t} infer\n" for t in names.values()))
+    tokens.chmod(0o600)
+    args = ["--model-repository", str(repo), "--auth-tokens", str(tokens)]
+    with RunningServer(*args, "--max-read-seconds", "3", "--grpc-workers", "8") as server:
+        outcome: dict[str, object] = {}
+
+        def ask(key: str, token: str) -> None:
+            try:
+                outcome[key] = _query(server.target, long_chain, token)
+            except grpc.RpcError as exc:
+                outcome[key] = (exc.code(), exc.details())
+
+        long = [threading.Thread(target=ask, args=(k, names[k])) for k in ("a", "b")]
+        for thread in long:
+            thread.start()
+        time.sleep(0.5)  # both hold their turns (each runs past 3 s, stopped there)
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as refused:
+            _query(server.target, small, names["c"])
+        assert time.monotonic() - started < 1.5
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "the most it holds at once" in refused.value.details(), refused.value.details()
+        kserve = grpcclient.InferenceServerClient(server.target)
+        given = []
+        for name in ("a", "b"):
+            given.append(grpcclient.InferInput(name, [3], "FP32"))
+            given[-1].set_data_from_numpy(np.ones(3, np.float32))
+        headers = {"authorization": f"Bearer {names['c']}"}
+        answer = kserve.infer("add", given, headers=headers, client_timeout=5)
+        kserve.close()
+        assert answer.as_numpy("sum").tolist() == [2.0, 2.0, 2.0]
+        for thread in long:
+            thread.join(60)
+        assert all(outcome[k][0] == grpc.StatusCode.RESOURCE_EXHAUSTED for k in "ab"), outcome
+        assert _query(server.target, small, names["c"]).supported
