@@ -8,8 +8,9 @@ with every run through the binding (BENCHMARKS.md, issue 22).
 
 So a network whose runs are known to be short also gets a session of its own through the C
 API of the library the wheel ships beside the binding (``onnxruntime/capi/libonnxruntime.so*``,
-the binding's version, else no such session), called through :class:`ctypes.PyDLL`, whose
-functions keep the GIL. A run holding the GIL cannot be cancelled and stops every other Python
+the binding's version, else no such session), whose runs are called as :class:`ctypes.PyDLL`'s
+functions are, keeping the GIL (making and releasing a session let it go: :data:`_RELEASING`).
+A run holding the GIL cannot be cancelled and stops every other Python
 thread while it lasts, so only runs whose length is bounded and was measured take it:
 
 - the model is small (the second session holds its weights again: ``MAX_BYTES``) and has no
@@ -80,6 +81,13 @@ _FUNCTIONS: dict[str, tuple[int, Any, tuple[Any, ...]]] = {
     "ReleaseSessionOptions": (100, None, (_P,)),
 }
 
+#: the calls that let go of the GIL while they work: what is long and not a run. Making a
+#: session optimizes the whole graph (0.6-0.9 s for a chain of 20,000 Relus here), and keeping
+#: the GIL meanwhile stopped every other thread of the server: a REST ping waited 0.55-0.86 s
+#: during such a load, ~0.1 s since (BENCHMARKS.md, 2026-11-29). Releasing one is the same
+#: work undone, from whichever thread collects it
+_RELEASING = frozenset({"CreateEnv", "CreateSessionFromArray", "ReleaseSession"})
+
 #: GraphOptimizationLevel's values in the C API
 _LEVELS = {"DISABLE_ALL": 0, "BASIC": 1, "EXTENDED": 2, "ALL": 99}
 
@@ -114,7 +122,8 @@ class _Api:
             raise OSError(f"{path} has no C API of version 1")
         functions = ctypes.cast(table, POINTER(c_void_p))
         for name, (index, result, arguments) in _FUNCTIONS.items():
-            setattr(self, name, ctypes.PYFUNCTYPE(result, *arguments)(functions[index]))
+            kind = ctypes.CFUNCTYPE if name in _RELEASING else ctypes.PYFUNCTYPE
+            setattr(self, name, kind(result, *arguments)(functions[index]))
         self.env = self.make(self.CreateEnv, _ERROR_LEVEL, b"plugserve")
         self.memory = self.make(self.CreateCpuMemoryInfo, 0, 0)  # device allocator, default
 

@@ -2,7 +2,9 @@
 loads, this checkout's server beside a base commit's.
 
 ``python tests/benchmarks/bench_load_stall.py [--baseline PYTHON] [--rounds N] [--nodes N]
-[--width W] [--devices NUMPY,ORT,OPENVINO]``
+[--width W] [--devices NUMPY,ORT,OPENVINO]`` (``--width 0``: a chain of ``--nodes`` Relus
+without weights, whose load is the graph's work: 20,000 of them on ORT is the case of
+``ort/held.py``'s session made without the GIL)
 
 A server loads what the KServe repository API asks for on a thread of its own, but parts of a
 load are single calls into C that hold the GIL (protobuf's serializer and parser, onnx's
@@ -40,20 +42,24 @@ PING = json.dumps(
 
 
 def chain(nodes: int, width: int) -> onnx.ModelProto:
-    """``nodes`` MatMul+Relu pairs of ``width`` x ``width`` float32 weights."""
+    """``nodes`` MatMul+Relu pairs of ``width`` x ``width`` float32 weights; with ``width``
+    0, ``nodes`` Relus of a [1, 4] input, no weights: the work is the graph's."""
     rng = np.random.default_rng(0)
     graph_nodes, weights, x = [], [], "x"
     for i in range(nodes):
-        w = (rng.standard_normal((width, width)) / width).astype(np.float32)
-        weights.append(numpy_helper.from_array(w, f"w{i}"))
-        graph_nodes.append(helper.make_node("MatMul", [x, f"w{i}"], [f"m{i}"]))
-        graph_nodes.append(helper.make_node("Relu", [f"m{i}"], [f"r{i}"]))
+        if width:
+            w = (rng.standard_normal((width, width)) / width).astype(np.float32)
+            weights.append(numpy_helper.from_array(w, f"w{i}"))
+            graph_nodes.append(helper.make_node("MatMul", [x, f"w{i}"], [f"m{i}"]))
+            x = f"m{i}"
+        graph_nodes.append(helper.make_node("Relu", [x], [f"r{i}"]))
         x = f"r{i}"
+    side = width or 4
     graph = helper.make_graph(
         graph_nodes,
         "chain",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, width])],
-        [helper.make_tensor_value_info(x, TensorProto.FLOAT, [1, width])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, side])],
+        [helper.make_tensor_value_info(x, TensorProto.FLOAT, [1, side])],
         weights,
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
@@ -134,15 +140,15 @@ def main(argv: list[str] | None = None) -> int:
     devices = args.devices.split(",")
     machine = harness.machine()
     print(f"{machine['cpu']}, {machine['cores']} cores, Python {machine['python']}, load "
-          f"average {harness.load_average()}; float32 weights on every device")  # fmt: skip
+          f"average {harness.load_average()}; float32 on every device")  # fmt: skip
     sides = {"after": ""} | ({"before": args.baseline} if args.baseline else {})
     figures: dict[tuple[str, str], list[dict[str, float]]] = {}
     with tempfile.TemporaryDirectory() as folder:
         root = Path(folder)
         repository(root, args.nodes, args.width, devices)
         size = (root / f"big_{devices[0].lower()}" / "1" / "model.onnx").stat().st_size
-        print(f"the loaded model: {args.nodes} MatMul+Relu of {args.width}x{args.width}, "
-              f"{size / 1e6:.0f} MB")  # fmt: skip
+        kind = f"MatMul+Relu of {args.width}x{args.width}" if args.width else "Relu"
+        print(f"the loaded model: {args.nodes} {kind}, {size / 1e6:.1f} MB")
         servers = {
             side: RunningServer(
                 "--model-repository", str(root), "--model-control-mode", "explicit",

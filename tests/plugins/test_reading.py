@@ -6,12 +6,10 @@ real server."""
 
 from __future__ import annotations
 
-import threading
-import time
-
 import amplifying
 import numpy as np
 import pytest
+from gil import longest_gap
 from onnx import TensorProto, helper
 
 from plugserve.plugins import reading
@@ -31,28 +29,6 @@ def bounded():
     reading.set_limits(before)
 
 
-def _max_gap(work) -> float:
-    """The longest this thread's neighbour waited for the GIL while ``work`` ran."""
-    gaps, stop = [0.0], threading.Event()
-
-    def tick():
-        last = time.perf_counter()
-        while not stop.is_set():
-            time.sleep(0.005)
-            now = time.perf_counter()
-            gaps.append(now - last)
-            last = now
-
-    ticker = threading.Thread(target=tick)
-    ticker.start()
-    try:
-        work()
-    finally:
-        stop.set()
-        ticker.join()
-    return max(gaps)
-
-
 def test_data_propagation_past_the_bound_is_refused_without_holding_the_gil(bounded):
     bounded(max_bytes=64 << 20)
     model = amplifying.read_concat_doubling(doublings=16).SerializeToString()
@@ -63,7 +39,7 @@ def test_data_propagation_past_the_bound_is_refused_without_holding_the_gil(boun
             load_model(model)
         assert "shape inference needs more than 67,108,864 bytes" in str(refused.value)
 
-    assert _max_gap(read) < 0.2  # onnx in the server: a 3.9 s gap for this model
+    assert longest_gap(read) < 0.2  # onnx in the server: a 3.9 s gap for this model
 
 
 def test_a_weights_dims_are_multiplied_no_further_than_an_overflow():
@@ -76,7 +52,7 @@ def test_a_weights_dims_are_multiplied_no_further_than_an_overflow():
         with pytest.raises(InvalidModel, match="Tensor dimension product overflow"):
             load_model(model)
 
-    assert _max_gap(read) < 0.5
+    assert longest_gap(read) < 0.5
 
 
 def test_shapes_past_the_bound_are_refused_before_they_are_read_back(bounded):
