@@ -48,6 +48,7 @@ __all__ = [
     "current",
     "enter",
     "for_batch",
+    "for_branch",
     "for_piece",
     "from_wire",
     "leave",
@@ -130,6 +131,25 @@ def for_piece(run: RunContext, sends: Iterable[str], answered: Collection[str]) 
     return dataclasses.replace(
         run, outputs=tuple(name for name in sends if name in wanted), cuda_outputs=None
     )
+
+
+def for_branch(
+    run: RunContext | None, token: Token, outputs: tuple[str, ...], trace: Span | None
+) -> RunContext:
+    """One branch of a demultiplexing pipeline's fan (OVMS's ``demultiply_count``), under its
+    own ``token``, computing the fan's ``outputs``: the request's parameters, priority,
+    timeout, tenant and id, as an ensemble's step is told them (Triton hands each step the
+    request's), so the branch's steps queue at the request's priority and a generative step
+    reuses its caller's prefixes only. No answer's bound, room or CUDA outputs: the branches'
+    outputs are gathered into the answer, which the request's own run is bounded by.
+    ``run``: the request's (None: an in-process call told nothing)."""
+    if run is None:
+        return RunContext(token=token, outputs=outputs, trace=trace)
+    return RunContext(
+        token=token, network=run.network, outputs=outputs, parameters=run.parameters,
+        request_id=run.request_id, trace=trace, priority=run.priority, timeout=run.timeout,
+        tenant=run.tenant,
+    )  # fmt: skip
 
 
 def for_batch(runs: Sequence[RunContext], token: Token) -> RunContext:

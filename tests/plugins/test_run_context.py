@@ -196,6 +196,26 @@ def test_a_batchs_context_is_its_requests_together_and_a_pieces_is_what_it_sends
         a.room = 0  # type: ignore[misc]
 
 
+def test_a_branch_is_told_what_its_request_was_told_under_its_own_token():
+    """A demultiplexed pipeline's branch (OVMS's demultiply_count) carries its request's
+    parameters, priority, timeout, tenant and id to its steps, as an ensemble's step does
+    (before, it carried the parameters only: its steps queued at no priority and a generative
+    step's prefix cache saw the server's one tenant); not the request's bounds, which its
+    gathered answer is held to."""
+    request = RunContext(
+        network="branches", outputs=("y",), room=100, answer=10, parameters={"k": 1},
+        request_id="r1", priority=2, timeout=0.5, tenant="a", cuda_outputs={"y": object()},
+    )  # fmt: skip
+    token = Token()
+    branch = run_context.for_branch(request, token, ("product",), None)
+    assert branch.token is token and branch.outputs == ("product",)
+    told = ("network", "parameters", "request_id", "priority", "timeout", "tenant")
+    assert {k: getattr(branch, k) for k in told} == {k: getattr(request, k) for k in told}
+    assert (branch.room, branch.answer, branch.cuda_outputs) == (0, 0, None)
+    alone = run_context.for_branch(None, token, ("product",), None)
+    assert (alone.token, alone.tenant, alone.priority) == (token, "", 0)
+
+
 def test_a_request_class_written_without_the_run_is_refused_naming_the_signature_to_write():
     """No shim calls an old-style device without its request: the class is refused when it is
     made, and the message is the signature to write; the new-style one is made and runs."""

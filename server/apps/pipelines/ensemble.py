@@ -669,12 +669,8 @@ class _Run:
         for index in range(count):
             arrays = [parts[n][index] if n in parts else tensors[n] for n in names]
             branch = cancel.Token()
-            told = RunContext(
-                token=branch,
-                outputs=wanted,
-                parameters=parent.parameters if parent is not None else None,
-                trace=None if span is None else span.span(f"branch {index}"),
-            )
+            trace = None if span is None else span.span(f"branch {index}")
+            told = run_context.for_branch(parent, branch, wanted, trace)
             token.on_cancel(lambda b=branch: b.cancel(token.failure()))
             try:
                 future = region.executor.submit(
