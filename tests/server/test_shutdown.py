@@ -443,3 +443,50 @@ def test_a_stopped_server_leaves_no_process_running(tmp_path, signum):
         running.stop()
         for pid in _running(started):  # what a failed check left: never past the test
             os.kill(pid, signal.SIGKILL)
+
+
+def test_a_job_stuck_on_the_openai_workers_does_not_keep_the_server_up(tmp_path):
+    """A chat request whose model's template never ends (two nested loops of 100,000 that
+    write nothing: 10^10 steps of jinja2, which nothing interrupts) holds an OpenAI worker
+    thread. SIGTERM still ends the process, exit 0, counting it abandoned; before 4220cfb
+    the server logged "stopped" and ran on (the interpreter's exit joined the worker: the red
+    team's wedged workers kept one up 24 minutes)."""
+    from serving import RunningServer
+    from tiny_decoder import write as write_model
+
+    folder = write_model(tmp_path / "chat" / "1")
+    tokenizer = json.loads((folder / "tokenizer_config.json").read_text())
+    tokenizer["chat_template"] = (
+        "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    )
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer))
+    (tmp_path / "chat" / "config.json").write_text(json.dumps({"device": "NUMPY"}))
+    args = ["--model-repository", str(tmp_path), "--exit-timeout", "2"]
+    running = RunningServer(*args)
+    running.start(timeout=300)
+    try:
+        body = {"model": "chat", "messages": [{"role": "user", "content": "hi"}]}
+        request = urllib.request.Request(
+            f"{running.http_url}/v1/chat/completions", json.dumps(body).encode(),
+            {"Content-Type": "application/json"},
+        )  # fmt: skip
+        outcome: list = []
+
+        def send() -> None:
+            try:
+                with urllib.request.urlopen(request, timeout=60) as answer:
+                    outcome.append(answer.status)
+            except (urllib.error.URLError, OSError) as exc:
+                outcome.append(exc)
+
+        sender = threading.Thread(target=send, daemon=True)
+        sender.start()
+        time.sleep(1.0)  # the request is on a worker, rendering
+        assert not outcome, outcome  # it never ends by itself
+        started = time.monotonic()
+        running.signal(signal.SIGTERM)
+        assert running.process.wait(60) == 0, running.log[-3000:]
+        assert time.monotonic() - started < 30, "the server ran on past its --exit-timeout"
+        assert "abandoning 1 stuck request(s) or load(s)" in running.log, running.log[-3000:]
+    finally:
+        running.stop()
