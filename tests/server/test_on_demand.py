@@ -466,7 +466,16 @@ def test_models_named_in_turn_load_at_most_once_each_in_the_minimum_time(tmp_pat
         if time.monotonic() - loaded < 4:  # (a machine slow enough may have passed it)
             assert refusals == 2 and _loaded(server) == {"double"}
         assert wait_for(lambda: time.monotonic() - loaded > 4.2, timeout=10)
-        np.testing.assert_array_equal(_grpc(server, "scale"), X * 3)  # its time is over
+        # its time is over: scale loads now. Its load (a Python model's process) may take past
+        # this server's 0.5 s wait (CI at a5b63d8: 503 "did not finish within 0.5 s"): the
+        # client retries once it is ready, as the 503 says, and it is still one load
+        try:
+            answer = _grpc(server, "scale")
+        except InferenceServerException as exc:
+            assert "did not finish within 0.5 s" in str(exc), exc
+            assert wait_for(lambda: _loaded(server) == {"scale"}, timeout=60), _index(server)
+            answer = _grpc(server, "scale")
+        np.testing.assert_array_equal(answer, X * 3)
         assert _loaded(server) == {"scale"}
         assert _count(server, "plugserve_model_on_demand_loads_total", model="double") == 1
         assert _count(server, "plugserve_model_on_demand_loads_total", model="scale") == 1
