@@ -194,7 +194,11 @@ class ModelControl:
         #: come (``on_demand.py``, which sets it); None: the repository loads at startup
         self.on_demand: OnDemand | None = None
         #: QueryNetworks, one at a time per tenant (``turns.py``)
-        self._queries = Turns("QueryNetwork", max_queries)
+        self._queries = Turns(
+            "QueryNetwork",
+            max_queries,
+            " (a quarter of --grpc-workers), so that they never hold the threads inference needs",
+        )
 
     # --- networks
 

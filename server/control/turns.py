@@ -37,11 +37,13 @@ _LOOK = 0.25
 class Turns:
     """Per tenant (the token file's: few), how many hold or wait for its one turn."""
 
-    def __init__(self, what: str, most: int = 0) -> None:
+    def __init__(self, what: str, most: int = 0, why: str = "") -> None:
         """``what``: the work taken in turns, as refusals name it; ``most``: calls held at
-        once, all tenants together (0: no bound but each tenant's)."""
+        once, all tenants together (0: no bound but each tenant's); ``why``: where that bound
+        comes from, as its refusal says (the caller sets it, so the caller describes it)."""
         self.what = what
         self.most = most
+        self.why = why
         self._ready = threading.Condition()
         self._counts: dict[str, int] = {}  # tenant -> its calls running or waiting
         self._held = 0  # all tenants' calls running or waiting
@@ -62,8 +64,7 @@ class Turns:
             if self.most and self._held >= self.most:
                 raise ResourceExhausted(
                     f"{self.what}: {self._held} are running or waiting on this server, the "
-                    "most it holds at once (a quarter of --grpc-workers), so that they never "
-                    "hold the threads inference needs: retry when one has ended"
+                    f"most it holds at once{self.why}: retry when one has ended"
                 )
             self._counts[tenant] = count + 1
             self._held += 1
