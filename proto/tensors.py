@@ -195,6 +195,16 @@ def check_shape(shape: list[int], where: str, itemsize: int = 0) -> tuple[int, .
             f"byte size overflow for {where}: shape {list(shape)} of {itemsize}-byte "
             f"elements is {count * itemsize} bytes, more than an int64 counts"
         )
+    if not count:  # numpy lays out an empty array's strides too: its other dimensions count
+        span = 1
+        for dim in shape:
+            span *= int(dim) or 1
+        if span * max(itemsize, 1) > MAX_ELEMENTS:
+            raise InvalidInput(
+                f"{where}: shape {list(shape)} cannot be held: it has no elements, but its "
+                f"other dimensions span {span * max(itemsize, 1)} bytes of "
+                f"{max(itemsize, 1)}-byte elements, more than an int64 counts"
+            )
     return tuple(map(int, shape))
 
 

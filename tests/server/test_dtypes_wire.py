@@ -87,6 +87,32 @@ def test_bf16_through_kserve_with_tritonclient(server):
     np.testing.assert_array_equal(y.astype(np.float32), expected.astype(np.float32))
 
 
+def test_bf16_through_rest_as_json_numbers_and_as_binary(server):
+    """BF16 in a JSON body is numbers, as FP16 is, and a BF16 output is answered as numbers
+    (exact: float32 holds every bfloat16); both were a 500 (no JSON kind for ml_dtypes' type)."""
+    import json
+    import urllib.request
+
+    x = [0.5, -1.25, 3.0, 10.0]
+    body = {"inputs": [{"name": "x", "shape": [4], "datatype": "BF16", "data": x}]}
+    request = urllib.request.Request(f"{server.http_url}/v2/models/bf16/infer",
+                                     json.dumps(body).encode())  # fmt: skip
+    with urllib.request.urlopen(request, timeout=30) as response:
+        reply = json.loads(response.read())
+    assert reply["outputs"][0]["datatype"] == "BF16"
+    assert reply["outputs"][0]["data"] == [0.25, 1.5625, 9.0, 100.0]
+
+    httpclient = pytest.importorskip("tritonclient.http")
+    with httpclient.InferenceServerClient(f"127.0.0.1:{server.http_port}") as client:
+        for binary in (True, False):
+            inp = httpclient.InferInput("x", [4], "BF16")
+            inp.set_data_from_numpy(np.array(x, ml_dtypes.bfloat16), binary_data=True)
+            out = httpclient.InferRequestedOutput("y", binary_data=binary)
+            result = client.infer("bf16", [inp], outputs=[out])
+            y = result.as_numpy("y")
+            assert np.asarray(y, np.float32).tolist() == [0.25, 1.5625, 9.0, 100.0], binary
+
+
 def test_kserve_names_the_types_it_cannot_carry(server):
     with grpcclient.InferenceServerClient(server.target) as client:
         inp = grpcclient.InferInput("x", [3], "FP32")

@@ -678,6 +678,34 @@ def test_json_values_that_do_not_fit_their_type_are_400(typed, name, data, messa
     assert status == 400 and message in reply["error"], reply
 
 
+@pytest.mark.parametrize(
+    ("tensor", "message"),
+    [
+        # numpy lays out an empty array's other dimensions too: [0, 2**62] of FP32 spans
+        # 2**64 bytes, which it refuses with a ValueError (a 500 "internal error" before)
+        ({"shape": [0, 2**62], "datatype": "FP32", "data": []}, "[0, 4611686018427387904]"),
+        ({"shape": [0, 2**63 - 1], "datatype": "BYTES", "data": []}, "cannot be held"),
+        ({"shape": [3, 0, 2**61], "datatype": "FP32", "data": []}, "cannot be held"),
+        # a type named by a JSON object: its type, never the parser's object and its address
+        ({"shape": [1], "datatype": {"a": 1}, "data": [1]}, "datatype of dict"),
+    ],
+)
+def test_json_tensors_that_cannot_be_held_are_400_naming_them(server, tensor, message):
+    body = _infer_json([{"name": "a", **tensor}, {"name": "b", "shape": [1], "datatype": "FP32",
+                                                  "data": [1]}])  # fmt: skip
+    status, _, reply = _request(server, "POST", "/v2/models/add/infer", body)
+    assert status == 400 and message in reply["error"], reply
+    assert "0x" not in reply["error"], reply
+
+
+def test_a_request_id_of_the_wrong_type_is_named_by_its_json_type(server):
+    for value, kind in (({"a": 1}, "dict"), ([1], "list"), (7, "int")):
+        body = _infer_json([], id=value)
+        status, _, reply = _request(server, "POST", "/v2/models/add/infer", body)
+        assert status == 400, reply
+        assert reply["error"] == f"the request's id must be a string, not {kind}", reply
+
+
 def test_json_tensors_decode_after_errors_and_past_a_megabyte(server):
     """The server reuses its JSON parser for small bodies: one whose request failed halfway
     (its partial decoding still referenced by the error) must not break the next, and a body

@@ -33,6 +33,7 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 import orjson
 import simdjson
@@ -78,6 +79,13 @@ HEADER_LENGTH = "inference-header-content-length"
 
 # JSON element kinds (numpy's dtype.kind of the parsed list) each datatype accepts
 _KINDS = {"b": "b", "i": "iu", "u": "iu", "f": "fiu"}
+#: ml_dtypes' bfloat16, whose numpy kind is "V" (void): JSON numbers, parsed as a float's
+_BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def _kind(dtype: np.dtype) -> str:
+    """numpy's kind of ``dtype``, BF16 read as the float it is."""
+    return "f" if dtype == _BF16 else dtype.kind
 
 
 def dumps(value: Any) -> bytes:
@@ -213,7 +221,7 @@ def parse_infer(
     step = sequence_step(parameters)
     request_id = request.get("id", "")
     if not isinstance(request_id, str):
-        raise InvalidInput(f"the request's id must be a string, not {request_id!r}")
+        raise InvalidInput(f"the request's id must be a string, not {_json_type(request_id)}")
     inputs: dict[str, np.ndarray] = {}
     offset = 0
     tensors = request.get("inputs")
@@ -366,7 +374,9 @@ def _input_array(
     dtype = DATATYPES.get(datatype) if isinstance(datatype, str) else None
     if dtype is None:
         raise InvalidInput(
-            f"{where}: datatype {datatype!r} is not supported; use one of {', '.join(DATATYPES)}"
+            f"{where}: datatype "
+            f"{repr(datatype) if isinstance(datatype, str) else 'of ' + _json_type(datatype)} "
+            f"is not supported; use one of {', '.join(DATATYPES)}"
         )
     shape_value = _list(_plain(tensor.get("shape")), f"{where}: 'shape'")
     if not all(isinstance(d, int) and not isinstance(d, bool) for d in shape_value):
@@ -470,7 +480,7 @@ def _from_json(
     object per element; anything else, or numbers the buffer refuses, through the lists that
     say what is wrong."""
     _check_depth(data, where)
-    if isinstance(data, simdjson.Array) and dtype.kind in "fiu":
+    if isinstance(data, simdjson.Array) and _kind(dtype) in "fiu":
         parsed = _number_buffer(data, dtype)
         if parsed is not None:
             _check_count(parsed.size, shape, count, where)
@@ -485,7 +495,7 @@ def _number_buffer(data: Any, dtype: np.dtype) -> np.ndarray | None:
     past its range) for an integer one; None when an element is not such a number (a string,
     a boolean, a float for an integer type) or does not fit 64 bits."""
     try:
-        if dtype.kind == "f":
+        if _kind(dtype) == "f":
             return np.frombuffer(data.as_buffer(of_type="d"), np.float64)
         try:
             return np.frombuffer(data.as_buffer(of_type="i"), np.int64)
@@ -531,7 +541,7 @@ def _from_values(
         parsed = np.array(values)
     except (ValueError, OverflowError):
         parsed = np.array(values, dtype=object)
-    if count and parsed.dtype.kind not in _KINDS[dtype.kind]:
+    if count and parsed.dtype.kind not in _KINDS[_kind(dtype)]:
         raise InvalidInput(
             f"{where}: the values in 'data' ({parsed.dtype.kind!r} kind: "
             f"{_kind_name(parsed.dtype)}) do not fit {datatype}"
@@ -569,7 +579,7 @@ def _json_data(array: np.ndarray) -> Any:
                     return None
             values.append(v if isinstance(v, str) else str(v))
         return values
-    if array.dtype == np.float16:  # orjson has no float16; float32 holds every value exactly
+    if array.dtype in (np.float16, _BF16):  # orjson has neither; float32 holds their values
         array = array.astype(np.float32)
     return np.ascontiguousarray(array).reshape(-1)
 
