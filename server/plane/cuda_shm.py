@@ -101,13 +101,16 @@ def check_allocation(name: str, pointer: int, byte_size: int, base: int, size: i
         )
 
 
-def listed(regions: dict[str, Any], lock: threading.Lock, name: str, kind: str) -> list[Any]:
-    """Every region by name, or the one named (NOT_FOUND in Triton's words: "Unable to find
-    <kind> shared memory region")."""
+def listed(
+    regions: dict[tuple[str, str], Any], lock: threading.Lock, tenant: str, name: str, kind: str
+) -> list[Any]:
+    """Every region of ``tenant`` by name, or the one named (NOT_FOUND in Triton's words:
+    "Unable to find <kind> shared memory region"); another tenant's are not there."""
     with lock:
         if not name:
-            return sorted(regions.values(), key=lambda r: r.name)
-        region = regions.get(name)
+            mine = [region for (owner, _), region in regions.items() if owner == tenant]
+            return sorted(mine, key=lambda r: r.name)
+        region = regions.get((tenant, name))
     if region is None:
         raise NotFound(f"Unable to find {kind} shared memory region: {name!r}")
     return [region]
@@ -371,7 +374,8 @@ class CudaRegions:
     """The CUDA regions of one server (see the module's docstring)."""
 
     def __init__(self) -> None:
-        self._regions: dict[str, CudaRegion] = {}
+        #: by (tenant, name): each tenant sees, uses and unregisters its own (``shm.py``)
+        self._regions: dict[tuple[str, str], CudaRegion] = {}
         #: each client allocation opened once, shared by the regions naming it (torch's
         #: caching allocator hands out one IPC handle for a block of many tensors; CUDA
         #: counts a second open of a handle, older drivers refused it)
@@ -382,7 +386,9 @@ class CudaRegions:
         #: inputs and outputs moved, by path (every region's: ``/metrics``)
         self.copies = Copies()
 
-    def register(self, name: str, raw_handle: bytes | None, device_id: int, byte_size: int) -> None:
+    def register(
+        self, name: str, raw_handle: bytes | None, device_id: int, byte_size: int, tenant: str = ""
+    ) -> None:
         """``raw_handle`` None: REST's ``raw_handle.b64`` was missing or not base64 (refused
         after the CUDA check, which Triton answers first)."""
         if not name:
@@ -415,7 +421,7 @@ class CudaRegions:
                 f"most GPU {device_id}'s memory ({total} bytes)"
             )
         with self._lock:
-            if name in self._regions:
+            if (tenant, name) in self._regions:
                 raise InvalidArgument(
                     f"shared memory region {name!r} is already registered; unregister it first"
                 )
@@ -437,25 +443,28 @@ class CudaRegions:
                 opened = self._opened.setdefault(key, opened)
         check_allocation(name, opened.pointer, byte_size, *opened.allocation)
         with self._lock:
-            if name in self._regions:
+            if (tenant, name) in self._regions:
                 raise InvalidArgument(f"shared memory region {name!r} is already registered")
-            self._regions[name] = CudaRegion(name, device_id, byte_size, opened, self.copies)
+            self._regions[(tenant, name)] = CudaRegion(
+                name, device_id, byte_size, opened, self.copies
+            )
 
-    def status(self, name: str = "") -> list[CudaRegion]:
-        return listed(self._regions, self._lock, name, "cuda")
+    def status(self, name: str = "", tenant: str = "") -> list[CudaRegion]:
+        return listed(self._regions, self._lock, tenant, name, "cuda")
 
-    def unregister(self, name: str = "") -> None:
-        """Forget one region (every one when ``name`` is empty); one not held: success, as
-        Triton answers."""
+    def unregister(self, name: str = "", tenant: str = "") -> None:
+        """Forget one of ``tenant``'s regions (every one of its when ``name`` is empty); one
+        not held: success, as Triton answers."""
         with self._lock:
             if name:
-                self._regions.pop(name, None)
+                self._regions.pop((tenant, name), None)
             else:
-                self._regions.clear()
+                for key in [key for key in self._regions if key[0] == tenant]:
+                    del self._regions[key]
 
-    def get(self, name: str) -> CudaRegion | None:
+    def get(self, name: str, tenant: str = "") -> CudaRegion | None:
         with self._lock:
-            return self._regions.get(name)
+            return self._regions.get((tenant, name))
 
 
 def _device_memory(device_id: int) -> int:

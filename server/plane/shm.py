@@ -34,6 +34,14 @@ What a client may make the server touch is bounded before it is touched:
 * registering and unregistering need the admin role (from this machine only when the server
   has no tokens, as every admin method); ``--shared-memory off`` turns the extension off.
 
+With ``--auth-tokens`` a region belongs to the tenant whose token registered it (docs/
+security.md, *Tenants*): its name is looked up among that tenant's regions only, so another
+tenant's status does not list it, its requests cannot read or write it, nor unregister it; two
+tenants may each have a region of the same name. An ``infer`` token uses the regions an
+``admin`` token of its tenant (``tenant=NAME``) registered. Without tokens the server is one
+tenant, as it always was. A red team's infer-only token had read another tenant's region
+through an Identity model and overwritten it as its output (both 200).
+
 A region unregistered while a request uses it stays open until that request is done: the
 request holds the region's descriptor from its admission (its outputs' targets), and the
 descriptor is closed when its last holder is gone.
@@ -64,6 +72,7 @@ __all__ = [
     "OutputWriter",
     "Region",
     "SharedMemory",
+    "TenantRegions",
     "cuda_device_of",
     "region_parameters",
     "uses_region",
@@ -157,9 +166,14 @@ class SharedMemory:
         self.enabled = enabled
         self.prefix = prefix
         self.budget = budget or MemoryBudget(0)
-        self._regions: dict[str, Region] = {}
+        #: by (tenant, name): each tenant sees, uses and unregisters its own
+        self._regions: dict[tuple[str, str], Region] = {}
         self._lock = threading.Lock()
         self.cuda = CudaRegions()
+
+    def of(self, tenant: str) -> TenantRegions:
+        """What a request of ``tenant`` may name: its tenant's regions."""
+        return TenantRegions(self, tenant)
 
     def _check_on(self) -> None:
         if not self.enabled:
@@ -168,7 +182,7 @@ class SharedMemory:
                 "tensors in the request"
             )
 
-    def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
+    def register(self, name: str, key: str, offset: int, byte_size: int, tenant: str = "") -> None:
         self._check_on()
         if not name:
             raise InvalidArgument("a shared memory region needs a name")
@@ -190,7 +204,7 @@ class SharedMemory:
                 "must be >= 0 and > 0"
             )
         with self._lock:
-            if name in self._regions or self.cuda.get(name) is not None:
+            if (tenant, name) in self._regions or self.cuda.get(name, tenant) is not None:
                 raise InvalidArgument(
                     f"shared memory region {name!r} is already registered; unregister it first"
                 )
@@ -202,25 +216,22 @@ class SharedMemory:
         charge = self.budget.charge(byte_size, f"shared memory region {name!r}")
         region = Region(name, key, offset, byte_size, opened, charge)
         with self._lock:
-            if name in self._regions:  # registered meanwhile by another call
+            if (tenant, name) in self._regions:  # registered meanwhile by another call
                 charge.release()
                 raise InvalidArgument(f"shared memory region {name!r} is already registered")
-            self._regions[name] = region
+            self._regions[(tenant, name)] = region
 
-    def status(self, name: str = "") -> list[Region]:
+    def status(self, name: str = "", tenant: str = "") -> list[Region]:
         self._check_on()
-        return listed(self._regions, self._lock, name, "system")
+        return listed(self._regions, self._lock, tenant, name, "system")
 
-    def unregister(self, name: str = "") -> None:
-        """Forget one region (every one when ``name`` is empty). Requests using it keep
-        its descriptor; it is closed once the last is done."""
+    def unregister(self, name: str = "", tenant: str = "") -> None:
+        """Forget one of ``tenant``'s regions (every one of its when ``name`` is empty).
+        Requests using it keep its descriptor; it is closed once the last is done."""
         self._check_on()
         with self._lock:
-            if name:
-                gone = [self._regions.pop(name)] if name in self._regions else []
-            else:
-                gone = list(self._regions.values())
-                self._regions.clear()
+            keys = [(tenant, name)] if name else [k for k in self._regions if k[0] == tenant]
+            gone = [self._regions.pop(key) for key in keys if key in self._regions]
         for region in gone:
             region.charge.release()
 
@@ -229,39 +240,88 @@ class SharedMemory:
     # unregistering every CUDA region and reading the CUDA status, and go on to system shared
     # memory only when both succeed; only a registration is refused)
 
-    def cuda_status(self, name: str = "") -> list[CudaRegion]:
-        return self.cuda.status(name)
+    def cuda_status(self, name: str = "", tenant: str = "") -> list[CudaRegion]:
+        return self.cuda.status(name, tenant)
 
     def cuda_register(
-        self, name: str, raw_handle: bytes | None, device_id: int, byte_size: int
+        self,
+        name: str,
+        raw_handle: bytes | None,
+        device_id: int,
+        byte_size: int,
+        tenant: str = "",
     ) -> None:
         self._check_on()
-        if self._regions.get(name) is not None:
+        if self._regions.get((tenant, name)) is not None:
             raise InvalidArgument(
                 f"shared memory region {name!r} is already registered; unregister it first"
             )
-        self.cuda.register(name, raw_handle, device_id, byte_size)
+        self.cuda.register(name, raw_handle, device_id, byte_size, tenant)
 
-    def cuda_unregister(self, name: str = "") -> None:
-        self.cuda.unregister(name)
+    def cuda_unregister(self, name: str = "", tenant: str = "") -> None:
+        self.cuda.unregister(name, tenant)
 
-    def region(self, name: str, what: str) -> Region | CudaRegion:
+    def region(self, name: str, what: str, tenant: str = "") -> Region | CudaRegion:
+        """``tenant``'s region ``name``; another tenant's is as one never registered."""
         self._check_on()
         with self._lock:
-            region = self._regions.get(name)
+            region = self._regions.get((tenant, name))
         if region is None:
-            region = self.cuda.get(name)
+            region = self.cuda.get(name, tenant)
         if region is None:
             raise InvalidArgument(
                 f"{what}: shared memory region {name!r} is not registered; register it first"
             )
         return region
 
-    def read(self, parameters: dict[str, Any], what: str) -> np.ndarray:
+    def read(self, parameters: dict[str, Any], what: str, tenant: str = "") -> np.ndarray:
         """A copy of an input's bytes from the region its parameters name, charged to the
         memory budget while it lives."""
         name, byte_size, offset = region_parameters(parameters, what)
-        return self.region(name, what).read(offset, byte_size, what, self.budget)
+        return self.region(name, what, tenant).read(offset, byte_size, what, self.budget)
+
+    def device_input(
+        self,
+        parameters: dict[str, Any],
+        what: str,
+        dtype: np.dtype,
+        shape: tuple[int, ...],
+        device: int | None,
+        tenant: str = "",
+    ) -> CudaArray | None:
+        """An input in a CUDA region of GPU ``device`` (the one its network computes on:
+        ``cuda_array.takes_cuda_inputs``) as a :class:`CudaArray` over the client's memory,
+        for the device to copy device to device; None when it is read as :meth:`read` reads
+        it (another region, another GPU, no such network, a type the interface lacks)."""
+        if device is None:
+            return None
+        name, byte_size, offset = region_parameters(parameters, what)
+        region = self.region(name, what, tenant)
+        if not isinstance(region, CudaRegion) or region.device_id != device:
+            return None
+        return region.device_input(offset, byte_size, dtype, tuple(shape), what, self.budget)
+
+    def target(self, parameters: dict[str, Any], what: str, tenant: str = "") -> OutputTarget:
+        """Where an output goes, resolved when its request is admitted: the request holds the
+        region's descriptor (a CUDA region's opened memory) from then on, so unregistering it
+        meanwhile changes nothing for it."""
+        name, byte_size, offset = region_parameters(parameters, what)
+        region = self.region(name, what, tenant)
+        return OutputTarget(name, region, region.span(offset, byte_size, what), byte_size)
+
+
+class TenantRegions:
+    """One tenant's view of the regions, as a request's decoding uses them: the names its
+    tensors give are looked up among its tenant's regions only (:meth:`SharedMemory.of`)."""
+
+    __slots__ = ("shm", "tenant")
+
+    def __init__(self, shm: SharedMemory, tenant: str) -> None:
+        self.shm = shm
+        self.tenant = tenant
+
+    def read(self, parameters: dict[str, Any], what: str) -> np.ndarray:
+        return self.shm.read(parameters, what, self.tenant)
 
     def device_input(
         self,
@@ -271,25 +331,10 @@ class SharedMemory:
         shape: tuple[int, ...],
         device: int | None,
     ) -> CudaArray | None:
-        """An input in a CUDA region of GPU ``device`` (the one its network computes on:
-        ``cuda_array.takes_cuda_inputs``) as a :class:`CudaArray` over the client's memory,
-        for the device to copy device to device; None when it is read as :meth:`read` reads
-        it (another region, another GPU, no such network, a type the interface lacks)."""
-        if device is None:
-            return None
-        name, byte_size, offset = region_parameters(parameters, what)
-        region = self.region(name, what)
-        if not isinstance(region, CudaRegion) or region.device_id != device:
-            return None
-        return region.device_input(offset, byte_size, dtype, tuple(shape), what, self.budget)
+        return self.shm.device_input(parameters, what, dtype, shape, device, self.tenant)
 
     def target(self, parameters: dict[str, Any], what: str) -> OutputTarget:
-        """Where an output goes, resolved when its request is admitted: the request holds the
-        region's descriptor (a CUDA region's opened memory) from then on, so unregistering it
-        meanwhile changes nothing for it."""
-        name, byte_size, offset = region_parameters(parameters, what)
-        region = self.region(name, what)
-        return OutputTarget(name, region, region.span(offset, byte_size, what), byte_size)
+        return self.shm.target(parameters, what, self.tenant)
 
 
 @dataclasses.dataclass

@@ -267,3 +267,81 @@ def test_regions_unregistered_during_a_run_stay_mapped_for_it(tmp_path, regions)
         finally:
             client.close()
             other.close()
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_regions_belong_to_the_tenant_that_registered_them(tmp_path, regions, protocol):
+    """With tokens a region is its tenant's: an infer token of the tenant whose admin token
+    registered it reads from and writes to it; another tenant's infer token does not see it
+    in the status, cannot name it as an input (it read the data back through an Identity-like
+    model) nor as an output (it overwrote the data), and may register a region of the same
+    name; unregistering every region unregisters only the caller's tenant's."""
+    from serving import RunningServer, examples_repository
+
+    tokens = {who: uuid.uuid4().hex for who in ("admin_a", "infer_a", "admin_b", "infer_b")}
+    token_file = tmp_path / "tokens"
+    token_file.write_text(
+        "".join(f"{t} {who.split('_')[0]} tenant={who[-1]}\n" for who, t in tokens.items())
+    )
+    token_file.chmod(0o600)
+    module = grpcclient if protocol == "grpc" else httpclient
+    a = np.arange(16, dtype=np.float32)
+    secret_name, secret_key, secret = regions(128)
+    shm.set_shared_memory_region(secret, [a, a])
+    out_name, out_key, out = regions(64)
+    repo = examples_repository(tmp_path / "repo")
+    with RunningServer("--model-repository", str(repo), "--auth-tokens", str(token_file)) as s:
+        client = module.InferenceServerClient(s.target if protocol == "grpc" else s.http_target)
+
+        def as_(who):
+            return {"authorization": f"Bearer {tokens[who]}"}
+
+        def add(who, source, target=None):
+            inputs = [module.InferInput("a", [16], "FP32"), module.InferInput("b", [16], "FP32")]
+            inputs[0].set_shared_memory(source, 64)
+            inputs[1].set_shared_memory(source, 64, offset=64)
+            output = module.InferRequestedOutput("sum")
+            if target is not None:
+                output.set_shared_memory(target, 64)
+            return client.infer("add", inputs, outputs=[output], headers=as_(who))
+
+        try:
+            client.register_system_shared_memory(
+                secret_name, secret_key, 128, headers=as_("admin_a")
+            )
+            client.register_system_shared_memory(out_name, out_key, 64, headers=as_("admin_a"))
+            add("infer_a", secret_name, out_name)  # its own tenant's: served
+            np.testing.assert_array_equal(shm.get_contents_as_numpy(out, np.float32, [16]), a + a)
+
+            seen = client.get_system_shared_memory_status(headers=as_("infer_b"))
+            assert _names(seen) == [], seen
+            with pytest.raises(InferenceServerException, match="Unable to find"):
+                client.get_system_shared_memory_status(
+                    region_name=secret_name, headers=as_("infer_b")
+                )
+            with pytest.raises(InferenceServerException, match="is not registered") as read:
+                add("infer_b", secret_name)
+            assert "400" in str(read.value) or "INVALID_ARGUMENT" in str(read.value)
+            with pytest.raises(InferenceServerException, match="is not registered"):
+                plain = [module.InferInput("a", [16], "FP32"), module.InferInput("b", [16], "FP32")]
+                for tensor in plain:
+                    tensor.set_data_from_numpy(np.zeros(16, np.float32))
+                output = module.InferRequestedOutput("sum")
+                output.set_shared_memory(out_name, 64)
+                client.infer("add", plain, outputs=[output], headers=as_("infer_b"))
+            np.testing.assert_array_equal(shm.get_contents_as_numpy(out, np.float32, [16]), a + a)
+
+            # the same name in tenant b is a region of its own; b's "unregister all" is b's
+            _, b_key, b_region = regions(128)
+            shm.set_shared_memory_region(b_region, [np.ones(32, np.float32)])
+            client.register_system_shared_memory(secret_name, b_key, 128, headers=as_("admin_b"))
+            got = add("infer_b", secret_name).as_numpy("sum")
+            np.testing.assert_array_equal(got, np.full(16, 2.0, np.float32))
+            client.unregister_system_shared_memory(headers=as_("admin_b"))
+            assert _names(client.get_system_shared_memory_status(headers=as_("infer_b"))) == []
+            mine = client.get_system_shared_memory_status(headers=as_("infer_a"))
+            assert set(_names(mine)) == {secret_name, out_name}, mine
+            add("infer_a", secret_name, out_name)
+        finally:
+            client.unregister_system_shared_memory(headers=as_("admin_a"))
+            client.close()

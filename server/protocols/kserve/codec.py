@@ -36,7 +36,13 @@ from plugserve.server.control.triton_config import VersionPolicy
 from plugserve.server.plane.budget import decoded_nbytes
 from plugserve.server.plane.networks import LoadedNetwork
 from plugserve.server.plane.sequences import echoed, sequence_step
-from plugserve.server.plane.shm import OutputTarget, SharedMemory, cuda_device_of, uses_region
+from plugserve.server.plane.shm import (
+    OutputTarget,
+    SharedMemory,
+    TenantRegions,
+    cuda_device_of,
+    uses_region,
+)
 from plugserve.server.protocols.kserve.classification import class_count, classify
 from plugserve.server.protocols.kserve.contents import decode_contents
 from plugserve.server.protocols.status import status_of
@@ -263,11 +269,11 @@ def _from_raw(tensor, dtype: np.dtype, raw: bytes, where: str) -> np.ndarray:
 
 
 def request_inputs(
-    request: pb.ModelInferRequest, entry: LoadedNetwork, shm: SharedMemory | None = None
+    request: pb.ModelInferRequest, entry: LoadedNetwork, shm: TenantRegions | None = None
 ) -> dict[str, np.ndarray]:
     """The inputs as arrays: from ``raw_input_contents`` (one entry per input not in shared
     memory, in order), their typed contents, or the shared memory region their parameters
-    name (``shm``: the server's regions; a view of the region, not a copy)."""
+    name (``shm``: the regions of the request's tenant; a view of the region, not a copy)."""
     raw = list(request.raw_input_contents)
     shared = [bool(t.parameters) and uses_region(t.parameters) for t in request.inputs]
     in_message = len(shared) - sum(shared)
@@ -298,7 +304,7 @@ def request_inputs(
 
 
 def _device_input(
-    tensor, parameters: dict[str, Any], entry: LoadedNetwork, shm: SharedMemory, device: int | None
+    tensor, parameters: dict[str, Any], entry: LoadedNetwork, shm: TenantRegions, device: int | None
 ) -> Any:
     """The input as a ``CudaArray`` over a client's CUDA region, for a network on that GPU
     (``SharedMemory.device_input``), its type and shape checked as :func:`input_array` checks
@@ -333,7 +339,7 @@ def decoding_nbytes(request: pb.ModelInferRequest) -> int:
 
 
 def output_targets(
-    request: pb.ModelInferRequest, shm: SharedMemory | None
+    request: pb.ModelInferRequest, shm: TenantRegions | None
 ) -> dict[str, OutputTarget]:
     """Where each output asked for in a shared memory region goes, resolved at admission."""
     targets = {}

@@ -173,9 +173,9 @@ class KServeServicer(PlaneServicer, pb_grpc.GRPCInferenceServiceServicer):
             return entry, self.plane.infer(ask)
         # typed contents and strings are decoded into memory of their own: charged first
         ask.holds += decoding_nbytes(request)
-        ask.decode = functools.partial(request_inputs, request, entry, self.shm)
+        ask.decode = functools.partial(request_inputs, request, entry, self.shm.of(ask.tenant))
         ask.outputs = requested_outputs(request)
-        targets = output_targets(request, self.shm)
+        targets = output_targets(request, self.shm.of(ask.tenant))
         if targets:
             classified = {o.name for o in request.outputs if "classification" in o.parameters}
             ask.after = OutputWriter(targets, classified)
@@ -192,13 +192,13 @@ class KServeServicer(PlaneServicer, pb_grpc.GRPCInferenceServiceServicer):
                 f"model {entry.name!r} answers a request with any number of responses; send "
                 "it on ModelStreamInfer (tritonclient's start_stream / async_stream_infer)"
             )
-        if output_targets(request, self.shm):
+        if output_targets(request, self.shm.of(ask.tenant)):
             raise Unsupported(
                 f"model {entry.name!r} is decoupled: its outputs cannot be written to shared "
                 "memory; ask for them in the responses"
             )
         ask.holds += decoding_nbytes(request)
-        ask.inputs = request_inputs(request, entry, self.shm)
+        ask.inputs = request_inputs(request, entry, self.shm.of(ask.tenant))
         ask.outputs = requested_outputs(request)
         return self.plane.stream(ask)
 
@@ -222,23 +222,25 @@ class KServeServicer(PlaneServicer, pb_grpc.GRPCInferenceServiceServicer):
 
     def SystemSharedMemoryStatus(self, request, context):
         response = pb.SystemSharedMemoryStatusResponse()
-        for region in self.shm.status(request.name):
+        for region in self.shm.status(request.name, self.tenant(context)):
             status = response.regions[region.name]
             status.name, status.key = region.name, region.key
             status.offset, status.byte_size = region.offset, region.byte_size
         return response
 
     def SystemSharedMemoryRegister(self, request, context):
-        self.shm.register(request.name, request.key, request.offset, request.byte_size)
+        self.shm.register(
+            request.name, request.key, request.offset, request.byte_size, self.tenant(context)
+        )
         return pb.SystemSharedMemoryRegisterResponse()
 
     def SystemSharedMemoryUnregister(self, request, context):
-        self.shm.unregister(request.name)
+        self.shm.unregister(request.name, self.tenant(context))
         return pb.SystemSharedMemoryUnregisterResponse()
 
     def CudaSharedMemoryStatus(self, request, context):
         response = pb.CudaSharedMemoryStatusResponse()
-        for region in self.shm.cuda_status(request.name):
+        for region in self.shm.cuda_status(request.name, self.tenant(context)):
             status = response.regions[region.name]
             status.name, status.device_id = region.name, region.device_id
             status.byte_size = region.byte_size
@@ -246,12 +248,16 @@ class KServeServicer(PlaneServicer, pb_grpc.GRPCInferenceServiceServicer):
 
     def CudaSharedMemoryRegister(self, request, context):
         self.shm.cuda_register(
-            request.name, request.raw_handle, request.device_id, request.byte_size
+            request.name,
+            request.raw_handle,
+            request.device_id,
+            request.byte_size,
+            self.tenant(context),
         )
         return pb.CudaSharedMemoryRegisterResponse()
 
     def CudaSharedMemoryUnregister(self, request, context):
-        self.shm.cuda_unregister(request.name)
+        self.shm.cuda_unregister(request.name, self.tenant(context))
         return pb.CudaSharedMemoryUnregisterResponse()
 
     # --- statistics and repository

@@ -50,7 +50,7 @@ from plugserve.proto.tensors import (
     text_or_bytes,
 )
 from plugserve.server.plane.sequences import Step, sequence_step
-from plugserve.server.plane.shm import OutputTarget, SharedMemory, uses_region
+from plugserve.server.plane.shm import OutputTarget, TenantRegions, uses_region
 from plugserve.server.protocols.kserve.classification import class_count, classify
 from plugserve.server.protocols.kserve.codec import (
     DATATYPES,
@@ -195,7 +195,7 @@ def parse_infer(
     body: bytes,
     header_length: str | None,
     expect: Expect,
-    shm: SharedMemory | None = None,
+    shm: TenantRegions | None = None,
     cuda_device: int | None = None,
 ) -> InferCall:
     """The infer body as arrays; ``header_length`` is the Inference-Header-Content-Length;
@@ -365,7 +365,7 @@ def _input_array(
     binary: memoryview,
     offset: int,
     expect: Expect,
-    shm: SharedMemory | None = None,
+    shm: TenantRegions | None = None,
     cuda_device: int | None = None,
 ) -> tuple[Any, int]:
     """One input and the offset after its binary data (``tensor``: :func:`_fields`)."""

@@ -234,7 +234,7 @@ class RestApp:
     # --- system shared memory (server/plane/shm.py)
 
     def shm_status(self, call: Call) -> Reply:
-        regions = self.plane.shm.status(_name_or_all(call))
+        regions = self.plane.shm.status(_name_or_all(call), call.tenant)
         return _json(
             [
                 {"name": r.name, "key": r.key, "offset": r.offset, "byte_size": r.byte_size}
@@ -243,25 +243,25 @@ class RestApp:
         )
 
     def shm_register(self, call: Call) -> Reply:
-        self.plane.shm.register(call.path["name"], *_system_region(call.json()))
+        self.plane.shm.register(call.path["name"], *_system_region(call.json()), call.tenant)
         return _done()
 
     def shm_unregister(self, call: Call) -> Reply:
-        self.plane.shm.unregister(_name_or_all(call))
+        self.plane.shm.unregister(_name_or_all(call), call.tenant)
         return _done()
 
     def cuda_status(self, call: Call) -> Reply:
-        regions = self.plane.shm.cuda_status(_name_or_all(call))
+        regions = self.plane.shm.cuda_status(_name_or_all(call), call.tenant)
         return _json(
             [{"name": r.name, "device_id": r.device_id, "byte_size": r.byte_size} for r in regions]
         )
 
     def cuda_register(self, call: Call) -> Reply:
-        self.plane.shm.cuda_register(call.path["name"], *_cuda_region(call.json()))
+        self.plane.shm.cuda_register(call.path["name"], *_cuda_region(call.json()), call.tenant)
         return _done()
 
     def cuda_unregister(self, call: Call) -> Reply:
-        self.plane.shm.cuda_unregister(_name_or_all(call))
+        self.plane.shm.cuda_unregister(_name_or_all(call), call.tenant)
         return _done()
 
     def model_ready(self, call: Call) -> Reply | Awaitable[Reply]:
@@ -373,7 +373,11 @@ class RestApp:
             )
         else:
             request = parse_infer(
-                call.body, header_length, entry.expect, self.plane.shm, cuda_device_of(entry)
+                call.body,
+                header_length,
+                entry.expect,
+                self.plane.shm.of(call.tenant),
+                cuda_device_of(entry),
             )
         ask = _request(entry, request, _fast(entry, request), trace=trace, tenant=call.tenant)
         if trace is not None and request.id:
@@ -418,7 +422,11 @@ class RestApp:
                     expect(name, array.dtype, list(array.shape))
             else:
                 request = parse_infer(
-                    call.body, header_length, expect, self.plane.shm, cuda_device_of(entry)
+                    call.body,
+                    header_length,
+                    expect,
+                    self.plane.shm.of(call.tenant),
+                    cuda_device_of(entry),
                 )
             if trace is not None:
                 name_request(trace, request.id)
