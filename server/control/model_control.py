@@ -763,7 +763,9 @@ class ModelControl:
             network = self._compile(name, source, device, dict(config), trusted)
             network.name = name
             self._warm(network, name, config, settings.warmup)
-            entry = self._entry(name, version, device, network, True, batch)
+            # from the repository's files, or from a load's overrides (not the repository's:
+            # on demand neither counts nor unloads it, an unload never removes its files)
+            entry = self._entry(name, version, device, network, repository is None, batch)
             entry.labels = dict(settings.labels)
             entry.formats = dict(settings.formats)
             entry.dims = dict(settings.dims)

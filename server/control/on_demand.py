@@ -28,8 +28,12 @@ The rules, each bounded:
   ``EnsembleNetwork._ask_for_steps``), and unloading a step unloads the loaded ensembles that
   run it first (they load again, with it, on their next request), so a loaded ensemble never
   waits on a step that left. --models-max should be at least the most steps an ensemble runs;
-* models loaded by a client's request (LoadNetwork, RepositoryModelLoad of a name the
-  repository does not hold) are not the repository's: they neither count nor leave;
+* models loaded by a client's request (LoadNetwork, ImportNetwork, RepositoryModelLoad of a
+  name the repository does not hold) are not the repository's: they neither count nor leave,
+  even under a name the repository also holds (told by where the loaded versions came from,
+  ``LoadedNetwork.persisted``, not by the name: an admin's LoadNetwork of its own bytes as
+  ``m1`` was unloaded to make room for another tenant's models, and ``m1``'s next request
+  loaded the repository's file in its place);
 * the idle timer is one daemon thread, looking every min(1 s, S / 4), stopped by
   :meth:`close` (the server's shutdown).
 """
@@ -42,7 +46,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -95,6 +99,13 @@ def _counts(entries: list[ModelEntry]) -> bool:
     """Whether a repository model counts toward --models-max: an ensemble or an OVMS
     pipeline does not (its steps do)."""
     return not any(e.device == "ENSEMBLE" or e.settings.pipeline is not None for e in entries)
+
+
+def _from_files(versions: Iterable[LoadedNetwork]) -> bool:
+    """Whether every loaded version of a model came from the repository's files (a load of
+    them, or a client's load persisted into them), so that unloading it loses nothing its next
+    request cannot load again."""
+    return all(v.persisted for v in versions)
 
 
 class OnDemand:
@@ -262,7 +273,11 @@ class OnDemand:
         while True:
             listed = self.listed()
             with self.table.lock, self._lock:
-                held = {n for n in self.table.by_name if n in listed and _counts(listed[n])}
+                held = {
+                    n
+                    for n, versions in self.table.by_name.items()
+                    if n in listed and _counts(listed[n]) and _from_files(versions.values())
+                }
                 held |= self._room - {name}
                 if len(held) < self.models_max:
                     self._room.add(name)  # (two loads cannot both take the last place)
@@ -290,6 +305,8 @@ class OnDemand:
         young = time.monotonic() - self.min_loaded_seconds
         for name, versions in self.table.by_name.items():
             if name == exclude or name in self._loading or name not in listed:
+                continue
+            if not _from_files(versions.values()):
                 continue
             if not _counts(listed[name]) or not self._may_go(name, versions.values()):
                 continue
@@ -349,6 +366,7 @@ class OnDemand:
                 name
                 for name, versions in self.table.by_name.items()
                 if name in listed
+                and _from_files(versions.values())
                 and name not in self._loading
                 and max(v.last_used for v in versions.values()) <= since
                 and self._may_go(name, versions.values())

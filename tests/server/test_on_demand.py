@@ -510,3 +510,67 @@ def test_an_onnx_decoder_loads_on_demand_and_leaves(tmp_path):
             assert _loaded(server) == {"double"}
         assert _count(server, "plugserve_model_on_demand_loads_total", model="decoder") == 2
         client.close()
+
+
+def _times(factor: float) -> bytes:
+    """An ONNX graph of y = factor * x (x: 4 floats)."""
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Mul", ["x", "k"], ["y"])],
+        "times",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])],
+        [helper.make_tensor("k", TensorProto.FLOAT, [], [factor])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model.SerializeToString()
+
+
+def test_networks_clients_loaded_under_repository_names_neither_count_nor_leave(tmp_path):
+    """An admin's own network under a name the repository also holds (LoadNetwork of its bytes
+    as ``double``, a RepositoryModelLoad with file overrides as ``other``) is not the
+    repository's: other models' first requests under --models-max 1 do not unload it, nor does
+    the idle timer, and its name keeps answering with it (a red team's LoadNetwork network was
+    unloaded for another tenant's model and ``double``'s next request loaded the repository's
+    file in its place: 2x, not 100x)."""
+    from plugserve.client import Client
+
+    _double(tmp_path)
+    for name in ("other", "third"):
+        (tmp_path / name / "1").mkdir(parents=True)
+        (tmp_path / name / "1" / "model.onnx").write_bytes(_times(3.0))
+        (tmp_path / name / "config.json").write_text('{"device": "NUMPY"}')
+    args = ["--model-repository", str(tmp_path), "--model-load-on-demand", "1", "--models-max", "1"]
+    with RunningServer(*args, "--model-min-loaded-seconds", "0",
+                       "--model-idle-unload-seconds", "1") as server:  # fmt: skip
+        with Client(server.target) as control:
+            control.load("double", _times(100.0), "NUMPY")
+        admin = grpcclient.InferenceServerClient(server.target)
+        try:
+            config = '{"backend": "onnxruntime"}'
+            admin.load_model("other", config=config, files={"file:1/model.onnx": _times(10.0)})
+        finally:
+            admin.close()
+        np.testing.assert_array_equal(_grpc(server, "double"), X * 100)
+        given = grpcclient.InferInput("x", [4], "FP32")
+        given.set_data_from_numpy(X)
+        client = grpcclient.InferenceServerClient(server.target)
+        try:
+            for _ in range(2):  # the repository's third: loaded on demand, then idle, gone
+                got = client.infer("third", [given], client_timeout=120).as_numpy("y")
+                np.testing.assert_array_equal(got, X * 3)
+                assert wait_for(lambda: "third" not in _loaded(server), timeout=15)
+            np.testing.assert_array_equal(
+                client.infer("other", [given], client_timeout=120).as_numpy("y"), X * 10
+            )
+        finally:
+            client.close()
+        np.testing.assert_array_equal(_grpc(server, "double"), X * 100)
+        assert {"double", "other"} <= _loaded(server)
+        for name in ("double", "other"):
+            for reason in ("lru", "idle"):
+                assert _count(server, "plugserve_model_evictions_total", model=name,
+                              reason=reason) == 0, (name, reason)  # fmt: skip
+        assert _count(server, "plugserve_model_evictions_total", model="third", reason="idle") == 2
