@@ -193,3 +193,31 @@ def test_the_whole_vocabulary_is_charged_to_the_budget(raised, raised_api):
         model=MODEL, messages=CHAT, max_tokens=2, extra_body={"logprobs": True, "top_logprobs": 2}
     )
     assert [len(t.top_logprobs) for t in after.choices[0].logprobs.content] == [2, 2]
+
+
+def test_a_streamed_responses_answer_is_charged_whole_as_it_keeps_it(raised, raised_api):
+    """A streamed chat answer holds two tokens at a time (the stream's own bound holds the
+    rest), but a streamed Responses answer keeps its text and logprobs for its closing events:
+    charged whole, it is refused where the chat stream of the same size is served (16 of them
+    had grown a server 1.1 GB against a 64 MiB budget, charged two tokens each)."""
+    fields = {"ignore_eos": True}
+    chat = raised_api.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=1000, stream=True, logprobs=True,
+        top_logprobs=20, extra_body=fields,
+    )  # fmt: skip
+    chat.close()  # admitted (its 200 and headers came); read whole, it outruns this reader
+    with pytest.raises(openai.RateLimitError) as error:
+        raised_api.responses.create(
+            model=MODEL, input="the cat sat on a mat", max_output_tokens=1000, stream=True,
+            extra_body={"top_logprobs": 20, **fields},
+        )  # fmt: skip
+    assert "max-inflight-bytes" in error.value.body["message"], error.value.body
+    small = raised_api.responses.create(
+        model=MODEL, input="the cat sat on a mat", max_output_tokens=20, stream=True,
+        extra_body={"top_logprobs": 2, **fields},  # (small events: the bound on unread ones)
+    )  # fmt: skip
+    events = list(small)  # served whole: 20 tokens, their logprobs in the closing events
+    assert events[-1].type == "response.incomplete", events[-1].response.error
+    text_done = [e for e in events if e.type == "response.output_text.done"]
+    assert len(text_done) == 1 and len(text_done[0].logprobs) == 20, text_done
+    assert raised.process.poll() is None

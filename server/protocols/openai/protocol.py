@@ -154,6 +154,9 @@ class GenerationAsk:
 
     model: str
     stream: bool = False
+    #: a streamed answer its face keeps whole as it goes (the Responses API: its closing
+    #: events repeat the whole text and logprobs), charged as an answer not streamed
+    kept: bool = False
     include_usage: bool = False
     #: vLLM's ``stream_options.continuous_usage_stats`` (with ``include_usage``): every chunk
     #: carries its prompt's and its choice's counts so far

@@ -227,6 +227,7 @@ class ResponsesRoutes:
             raise _renamed(exc) from None
         chat.max_tokens_field = "max_output_tokens"
         chat.tenant = ask.tenant  # its prefix cache is its tenant's
+        chat.kept = True  # EventStream keeps the text and logprobs for its closing events
         return chat, conversation
 
     async def _start(self, chat: protocol.ChatRequest, trace: Any) -> Started:

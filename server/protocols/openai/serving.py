@@ -812,12 +812,16 @@ def _prompt_scored(ask: protocol.GenerationAsk, echo: bool) -> int | None:
 def _answer_bytes(ask: protocol.GenerationAsk, max_tokens: int) -> int:
     """What one prompt's answer may hold until it is sent (the whole answer without stream;
     streamed, the stream's own bounded buffer holds it, so only two tokens' worth: the one the
-    reader takes and the next, which a pipelined engine may have sent already)."""
+    reader takes and the next, which a pipelined engine may have sent already). A stream its
+    face keeps whole (``kept``: the Responses API's) holds the whole answer and, at its end,
+    the closing events that repeat it: twice the answer (16 streams of 4,000 tokens with 20
+    logprobs had grown the server 1.1 GB against a 64 MiB budget, charged two tokens each)."""
     per_token = _TOKEN_BYTES
     if ask.logprobs is not None:
         per_token += _LOGPROB_BYTES * (ask.logprobs + 1)
-    tokens = min(2, max_tokens) if ask.stream else max_tokens
-    return ask.n * tokens * per_token
+    if ask.stream and not ask.kept:
+        return ask.n * min(2, max_tokens) * per_token
+    return ask.n * max_tokens * per_token * (2 if ask.kept else 1)
 
 
 async def _traced(trace: Trace, answer: Awaitable[Any]) -> Any:
