@@ -167,7 +167,6 @@ class MemoryBudget:
             return onto if onto is not None else _NOTHING
         with self._lock:
             if self.used + nbytes > self.limit:
-                used = self.used
                 self.refused += 1
             else:
                 self.used += nbytes
@@ -175,9 +174,12 @@ class MemoryBudget:
                     onto.nbytes += nbytes
                     return onto
                 return Charge(self, nbytes)
+        # what the others hold is not said: with tokens they are other tenants, whose requests'
+        # sizes it would tell (n x max_tokens read off a 429); the operator reads it on /metrics
+        # (plugserve_inflight_bytes)
         raise ResourceExhausted(
-            f"{what} would hold about {size_text(nbytes)} while in flight, and requests in flight "
-            f"already hold {size_text(used)} of this server's {size_text(self.limit)} "
+            f"{what} would hold about {size_text(nbytes)} while in flight, more than is free "
+            f"now of this server's {size_text(self.limit)} for requests in flight "
             "(--max-inflight-bytes / PLUGSERVE_MAX_INFLIGHT_BYTES); retry later, or send "
             "large tensors as binary data (JSON costs 20x its size to decode)"
         )

@@ -221,3 +221,47 @@ def test_a_streamed_responses_answer_is_charged_whole_as_it_keeps_it(raised, rai
     text_done = [e for e in events if e.type == "response.output_text.done"]
     assert len(text_done) == 1 and len(text_done[0].logprobs) == 20, text_done
     assert raised.process.poll() is None
+
+
+def test_a_refusal_does_not_tell_what_other_requests_hold(raised, raised_api):
+    """The budget's 429 names the request's own size and the limit, never what the requests
+    in flight hold: with tokens those are other tenants', whose sizes (n x max_tokens) a red
+    team read off the figure, polling it. The refusal while another answer is held (its bytes
+    on /metrics) is word for word the refusal on an idle server."""
+    import contextlib
+    import threading
+
+    from openai_serving import metric
+
+    def refused() -> str:
+        with pytest.raises(openai.RateLimitError) as error:
+            raised_api.chat.completions.create(
+                model=MODEL, messages=CHAT, max_tokens=4096,
+                extra_body={"logprobs": True, "top_logprobs": -1, "ignore_eos": True},
+            )  # fmt: skip
+        return error.value.body["message"]
+
+    idle = refused()
+
+    def hold() -> None:  # (its end does not matter: this server's bound on unread events is
+        # small, and a long answer may outrun its gathering; it is held while it runs)
+        with contextlib.suppress(openai.APIError):
+            raised_api.chat.completions.create(
+                model=MODEL, messages=CHAT, max_tokens=3000, extra_body={"ignore_eos": True}
+            )
+
+    other = threading.Thread(target=hold)
+    other.start()
+    try:
+        held = 0.0
+        for _ in range(200):  # until the other answer's charge is in flight
+            held = metric(raised, "plugserve_inflight_bytes", "")
+            if held:
+                break
+        busy = refused()
+        still = metric(raised, "plugserve_inflight_bytes", "")
+    finally:
+        other.join(120)
+    assert held and still, (held, still)  # the refusal came while the other was held
+    assert busy == idle, (busy, idle)
+    assert "max-inflight-bytes" in busy, busy
