@@ -54,6 +54,7 @@ from plugserve.plugins.api import PlugserveError
 from plugserve.plugins.threads import start_daemon
 from plugserve.server.control.formats import format_of
 from plugserve.server.control.repository import ModelEntry
+from plugserve.server.plane.callpool import blocked
 from plugserve.server.plane.metrics import Metrics
 from plugserve.server.plane.networks import LoadedNetwork, LoadFailed, ModelLoading, NotReady
 
@@ -207,7 +208,8 @@ class OnDemand:
                 now = self._loading_message(name, future)
                 raise ModelLoading(now, future, self.wait_seconds, late)
             try:
-                future.result(self.wait_seconds)
+                with blocked():  # a wait, not work: the gRPC pool may run another call
+                    future.result(self.wait_seconds)
             except concurrent.futures.TimeoutError:
                 raise NotReady(self._loading_message(name, future, self.wait_seconds)) from None
             except PlugserveError as exc:
