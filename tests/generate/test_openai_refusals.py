@@ -78,6 +78,8 @@ REFUSALS = [
         "chat_template_kwargs",
     ),
     ("completions", {"prompt": "Hi", "seed": 2**63}, "seed"),
+    ("completions", {"prompt": "Hi", "max_tokens": 3, "min_tokens": 10**9}, "min_tokens"),
+    ("chat", {"messages": CHAT, "max_completion_tokens": 3, "min_tokens": 4}, "min_tokens"),
     ("completions", {"prompt": "Hi", "top_p": 0}, "top_p"),
     ("completions", {"prompt": "Hi", "presence_penalty": 3}, "presence_penalty"),
     ("chat", {"messages": [{"role": "wizard", "content": "Hi"}]}, "messages[0].role"),

@@ -482,6 +482,18 @@ SAMPLING: dict[str, Callable[[dict[str, Any]], Any]] = {
 }
 
 
+def _check_min_tokens(ask: GenerationAsk) -> None:
+    """``min_tokens`` at most the answer's ``max_tokens`` when both are given (vLLM's rule: a
+    minimum past the maximum is a mistake the client should hear of, not a silent cut)."""
+    least = ask.sampling.get("min_tokens")
+    if least is not None and ask.max_tokens is not None and least > ask.max_tokens:
+        raise OpenAIError(
+            f"'min_tokens' must be at most '{ask.max_tokens_field}' ({ask.max_tokens}), not "
+            f"{least}",
+            "min_tokens",
+        )
+
+
 def _sampling(body: dict[str, Any], ask: GenerationAsk) -> None:
     """The sampling fields common to chat and completions."""
     ask.n = _integer(body, "n", 1, 1, MAX_N)  # type: ignore[assignment]
@@ -601,6 +613,7 @@ def chat_request(body: dict[str, Any]) -> ChatRequest:
             ask.max_tokens = _integer(body, key, None, 1)
             ask.max_tokens_field = key
             break
+    _check_min_tokens(ask)
     if _lax_boolean(body, "logprobs"):
         ask.logprobs = _logprobs(body, "top_logprobs", 0)
     elif body.get("top_logprobs") is not None:
@@ -668,6 +681,7 @@ def completion_request(body: dict[str, Any]) -> CompletionRequest:
     _sampling(body, ask)
     ask.echo = _boolean(body, "echo")
     ask.max_tokens = _integer(body, "max_tokens", None, 0 if ask.echo else 1)
+    _check_min_tokens(ask)
     ask.logprobs = _logprobs(body, "logprobs", None)
     if body.get("suffix"):
         raise OpenAIError("'suffix' (insertion) is not supported by this server", "suffix")
