@@ -61,7 +61,7 @@ from plugserve.server.plane.networks import LoadedNetwork, LoadFailed, ModelLoad
 if TYPE_CHECKING:
     from plugserve.server.control.model_control import ModelControl
 
-__all__ = ["OnDemand"]
+__all__ = ["RETRY_FAILED_SECONDS", "OnDemand"]
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +71,9 @@ log = logging.getLogger(__name__)
 _LISTING_SECONDS = 1.0
 #: How often a load waiting for room under --models-max looks again.
 _ROOM_POLL = 0.02
+#: How long a model whose on-demand load failed fails again at once (its files unchanged):
+#: its requests hear the error without a load (and without the room it would first make)
+RETRY_FAILED_SECONDS = 30.0
 #: States a model's gauge reports, one series each (1: the one it is in).
 STATES = ("loaded", "loading", "unloaded")
 
@@ -145,6 +148,8 @@ class OnDemand:
         self._room: set[str] = set()
         self._stop = threading.Event()
         self._timer: threading.Thread | None = None
+        #: name -> when its last on-demand load failed, what its files were then, the error
+        self._failed: dict[str, tuple[float, tuple, PlugserveError]] = {}
 
     def start(self) -> None:
         """Take over the data plane's misses, show the states on /metrics, start the timer."""
@@ -202,6 +207,7 @@ class OnDemand:
             if not entries or (version and all(e.version != version for e in entries)):
                 with self.table.lock:
                     raise self.table.missing(name, version)
+            self._check_failed(name, entries)
             future = self._start(name, entries)
             if _on_event_loop():
                 late = functools.partial(self._loading_message, name, future, self.wait_seconds)
@@ -234,6 +240,34 @@ class OnDemand:
             f"{room}{past if waited else ''}; retry when /v2/models/{name}/ready says it is"
         )
 
+    def _stamps(self, entries: list[ModelEntry]) -> tuple:
+        repository = self.control.repository
+        if repository is None:
+            return ()
+        return tuple(repository.stamp(e.name, e.path) for e in entries)
+
+    def _check_failed(self, name: str, entries: list[ModelEntry]) -> None:
+        """A model whose load failed less than :data:`RETRY_FAILED_SECONDS` ago, its files
+        unchanged since, fails again at once with that error: each load of a broken model
+        first makes its room under --models-max, so a client asking for it again and again
+        unloaded another model each time (one every --model-min-loaded-seconds)."""
+        with self._lock:
+            failed = self._failed.get(name)
+        if failed is None:
+            return
+        at, stamps, error = failed
+        age = time.monotonic() - at
+        if age >= RETRY_FAILED_SECONDS or stamps != self._stamps(entries):
+            with self._lock:
+                if self._failed.get(name) is failed:
+                    del self._failed[name]
+            return
+        raise LoadFailed(
+            f"{error} (its on-demand load failed {age:.0f} s ago; it is tried again in "
+            f"{RETRY_FAILED_SECONDS - age:.0f} s, or at once when its files change)",
+            error.code,
+        )
+
     def _start(self, name: str, entries: list[ModelEntry]) -> _Load:
         """The future of ``name``'s load: the one under way, or a new one started."""
         with self._lock:
@@ -249,9 +283,15 @@ class OnDemand:
         try:
             if self.models_max and _counts(entries):
                 self._make_room(name, future)
-            for entry in sorted(entries, key=lambda e: e.version):
-                if entry.version not in self.table.by_name.get(name, {}):
-                    self.control.reload(name, entry.version)
+            stamps = self._stamps(entries)
+            try:
+                for entry in sorted(entries, key=lambda e: e.version):
+                    if entry.version not in self.table.by_name.get(name, {}):
+                        self.control.reload(name, entry.version)
+            except PlugserveError as exc:  # the model's own failure (not a wait for room)
+                with self._lock:
+                    self._failed[name] = (time.monotonic(), stamps, exc)
+                raise
             with self._lock:
                 self._loads[name] = self._loads.get(name, 0) + 1
             log.info("model %s loaded on demand", name)

@@ -574,3 +574,37 @@ def test_networks_clients_loaded_under_repository_names_neither_count_nor_leave(
                 assert _count(server, "plugserve_model_evictions_total", model=name,
                               reason=reason) == 0, (name, reason)  # fmt: skip
         assert _count(server, "plugserve_model_evictions_total", model="third", reason="idle") == 2
+
+
+def test_a_broken_model_fails_at_once_and_makes_no_room_until_its_files_change(tmp_path):
+    """Each on-demand load first makes its room under --models-max: a client asking in turn
+    for a working model and a broken one unloaded the working one for every failing load.
+    A failed load now fails again at once, with its error, for RETRY_FAILED_SECONDS, unloading
+    nothing; once its files change it is loaded at the next request."""
+    _double(tmp_path)
+    (tmp_path / "broken" / "1").mkdir(parents=True)
+    (tmp_path / "broken" / "1" / "model.onnx").write_bytes(b"not an onnx model")
+    (tmp_path / "broken" / "config.json").write_text('{"device": "NUMPY"}')
+    args = ["--model-repository", str(tmp_path), "--model-load-on-demand", "1", "--models-max", "1"]
+    with RunningServer(*args, "--model-min-loaded-seconds", "0") as server:
+        client = grpcclient.InferenceServerClient(server.target)
+        given = grpcclient.InferInput("x", [4], "FP32")
+        given.set_data_from_numpy(X)
+        errors = []
+        try:
+            for _ in range(3):
+                np.testing.assert_array_equal(_grpc(server, "double"), X * 2)
+                with pytest.raises(InferenceServerException) as failed:
+                    client.infer("broken", [given], client_timeout=60)
+                errors.append(failed.value.message())
+            evicted = _count(server, "plugserve_model_evictions_total", model="double",
+                             reason="lru")  # fmt: skip
+            assert evicted == 1, (evicted, errors)  # the first failing load only
+            assert _count(server, "plugserve_model_on_demand_loads_total", model="double") == 2
+            assert "tried again in" in errors[1] and "tried again in" in errors[2], errors
+            assert _loaded(server) == {"double"}
+            (tmp_path / "broken" / "1" / "model.onnx").write_bytes(_times(5.0))  # fixed
+            got = client.infer("broken", [given], client_timeout=60).as_numpy("y")
+            np.testing.assert_array_equal(got, X * 5)
+        finally:
+            client.close()
