@@ -274,45 +274,10 @@ class SharedMemory:
             )
         return region
 
-    def read(self, parameters: dict[str, Any], what: str, tenant: str = "") -> np.ndarray:
-        """A copy of an input's bytes from the region its parameters name, charged to the
-        memory budget while it lives."""
-        name, byte_size, offset = region_parameters(parameters, what)
-        return self.region(name, what, tenant).read(offset, byte_size, what, self.budget)
-
-    def device_input(
-        self,
-        parameters: dict[str, Any],
-        what: str,
-        dtype: np.dtype,
-        shape: tuple[int, ...],
-        device: int | None,
-        tenant: str = "",
-    ) -> CudaArray | None:
-        """An input in a CUDA region of GPU ``device`` (the one its network computes on:
-        ``cuda_array.takes_cuda_inputs``) as a :class:`CudaArray` over the client's memory,
-        for the device to copy device to device; None when it is read as :meth:`read` reads
-        it (another region, another GPU, no such network, a type the interface lacks)."""
-        if device is None:
-            return None
-        name, byte_size, offset = region_parameters(parameters, what)
-        region = self.region(name, what, tenant)
-        if not isinstance(region, CudaRegion) or region.device_id != device:
-            return None
-        return region.device_input(offset, byte_size, dtype, tuple(shape), what, self.budget)
-
-    def target(self, parameters: dict[str, Any], what: str, tenant: str = "") -> OutputTarget:
-        """Where an output goes, resolved when its request is admitted: the request holds the
-        region's descriptor (a CUDA region's opened memory) from then on, so unregistering it
-        meanwhile changes nothing for it."""
-        name, byte_size, offset = region_parameters(parameters, what)
-        region = self.region(name, what, tenant)
-        return OutputTarget(name, region, region.span(offset, byte_size, what), byte_size)
-
 
 class TenantRegions:
-    """One tenant's view of the regions, as a request's decoding uses them: the names its
-    tensors give are looked up among its tenant's regions only (:meth:`SharedMemory.of`)."""
+    """One tenant's view of the regions, what a request's tensors may name: the names they
+    give are looked up among its tenant's regions only (:meth:`SharedMemory.of`)."""
 
     __slots__ = ("shm", "tenant")
 
@@ -321,7 +286,11 @@ class TenantRegions:
         self.tenant = tenant
 
     def read(self, parameters: dict[str, Any], what: str) -> np.ndarray:
-        return self.shm.read(parameters, what, self.tenant)
+        """A copy of an input's bytes from the region its parameters name, charged to the
+        memory budget while it lives."""
+        name, byte_size, offset = region_parameters(parameters, what)
+        region = self.shm.region(name, what, self.tenant)
+        return region.read(offset, byte_size, what, self.shm.budget)
 
     def device_input(
         self,
@@ -331,10 +300,25 @@ class TenantRegions:
         shape: tuple[int, ...],
         device: int | None,
     ) -> CudaArray | None:
-        return self.shm.device_input(parameters, what, dtype, shape, device, self.tenant)
+        """An input in a CUDA region of GPU ``device`` (the one its network computes on:
+        ``cuda_array.takes_cuda_inputs``) as a :class:`CudaArray` over the client's memory,
+        for the device to copy device to device; None when it is read as :meth:`read` reads
+        it (another region, another GPU, no such network, a type the interface lacks)."""
+        if device is None:
+            return None
+        name, byte_size, offset = region_parameters(parameters, what)
+        region = self.shm.region(name, what, self.tenant)
+        if not isinstance(region, CudaRegion) or region.device_id != device:
+            return None
+        return region.device_input(offset, byte_size, dtype, tuple(shape), what, self.shm.budget)
 
     def target(self, parameters: dict[str, Any], what: str) -> OutputTarget:
-        return self.shm.target(parameters, what, self.tenant)
+        """Where an output goes, resolved when its request is admitted: the request holds the
+        region's descriptor (a CUDA region's opened memory) from then on, so unregistering it
+        meanwhile changes nothing for it."""
+        name, byte_size, offset = region_parameters(parameters, what)
+        region = self.shm.region(name, what, self.tenant)
+        return OutputTarget(name, region, region.span(offset, byte_size, what), byte_size)
 
 
 @dataclasses.dataclass

@@ -135,8 +135,8 @@ def test_the_writer_skips_what_the_device_wrote_and_writes_the_rest(tmp_path):
     try:
         shm = SharedMemory()
         shm.register("r", key, 0, 64)
-        first = shm.target({"shared_memory_region": "r", "shared_memory_byte_size": 32}, "a")
-        second = shm.target(
+        first = shm.of("").target({"shared_memory_region": "r", "shared_memory_byte_size": 32}, "a")
+        second = shm.of("").target(
             {"shared_memory_region": "r", "shared_memory_byte_size": 32,
              "shared_memory_offset": 32}, "b",
         )  # fmt: skip

@@ -72,19 +72,25 @@ X = np.array([1, 2, 3, 4], np.float32)
 COUNTED = {"big", "double", "scale", "llama"}
 
 
-def _double(root: Path) -> None:
+def _times(factor: float) -> bytes:
+    """An ONNX graph of y = factor * x (x: 4 floats)."""
     from onnx import TensorProto, helper
 
     graph = helper.make_graph(
-        [helper.make_node("Add", ["x", "x"], ["y"])],
-        "double",
+        [helper.make_node("Mul", ["x", "k"], ["y"])],
+        "times",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])],
+        [helper.make_tensor("k", TensorProto.FLOAT, [], [factor])],
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
+    return model.SerializeToString()
+
+
+def _double(root: Path) -> None:
     (root / "double" / "1").mkdir(parents=True)
-    onnx.save(model, root / "double" / "1" / "model.onnx")
+    (root / "double" / "1" / "model.onnx").write_bytes(_times(2.0))
     (root / "double" / "config.json").write_text('{"device": "NUMPY"}')
 
 
@@ -510,22 +516,6 @@ def test_an_onnx_decoder_loads_on_demand_and_leaves(tmp_path):
             assert _loaded(server) == {"double"}
         assert _count(server, "plugserve_model_on_demand_loads_total", model="decoder") == 2
         client.close()
-
-
-def _times(factor: float) -> bytes:
-    """An ONNX graph of y = factor * x (x: 4 floats)."""
-    from onnx import TensorProto, helper
-
-    graph = helper.make_graph(
-        [helper.make_node("Mul", ["x", "k"], ["y"])],
-        "times",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])],
-        [helper.make_tensor("k", TensorProto.FLOAT, [], [factor])],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    return model.SerializeToString()
 
 
 def test_networks_clients_loaded_under_repository_names_neither_count_nor_leave(tmp_path):

@@ -307,7 +307,7 @@ def _device_input(
     tensor, parameters: dict[str, Any], entry: LoadedNetwork, shm: TenantRegions, device: int | None
 ) -> Any:
     """The input as a ``CudaArray`` over a client's CUDA region, for a network on that GPU
-    (``SharedMemory.device_input``), its type and shape checked as :func:`input_array` checks
+    (``TenantRegions.device_input``), its type and shape checked as :func:`input_array` checks
     them; None: read through the host."""
     dtype = DATATYPES.get(tensor.datatype)
     if device is None or dtype is None or dtype == np.dtype(object):
