@@ -29,6 +29,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from plugserve.plugins import cancel
+from plugserve.plugins.api import InvalidInput
 from plugserve.plugins.run_context import RunContext
 
 if TYPE_CHECKING:
@@ -38,7 +39,22 @@ if TYPE_CHECKING:
     from plugserve.server.plane.networks import LoadedNetwork
     from plugserve.server.plane.sequences import Step
 
-__all__ = ["Request"]
+__all__ = ["MAX_REQUEST_ID", "Request", "checked_id"]
+
+#: the longest request id a client may send (characters): every response of the request
+#: echoes it (a decoupled or generate stream's each one), so a 512 KB id on a stream of 3,000
+#: tokens had made 1.5 GB of answer from a 0.5 MB request; ids are names (a UUID is 36)
+MAX_REQUEST_ID = 1024
+
+
+def checked_id(value: str) -> str:
+    """A request's ``id``, refused when longer than :data:`MAX_REQUEST_ID`."""
+    if len(value) > MAX_REQUEST_ID:
+        raise InvalidInput(
+            f"the request's id is {len(value)} characters long; at most {MAX_REQUEST_ID} "
+            "(every response echoes it)"
+        )
+    return value
 
 
 class Request:

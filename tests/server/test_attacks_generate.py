@@ -182,6 +182,39 @@ def test_a_few_mb_triton_text_input_over_grpc_is_invalid_and_stalls_nobody(serve
         assert "input 'text_input' is at least 3,000,000 bytes" in answer.message()
 
 
+@pytest.mark.parametrize("path", ["generate", "generate_stream", "grpc"])
+def test_a_long_request_id_is_refused_before_any_response_echoes_it(server, path):
+    """Every response echoes the request's id: a 512 KB id on a generate stream of 3,000
+    tokens had made 1.5 GB of answer (the server +3 GB) from one 0.5 MB request. An id over
+    1,024 characters is refused (REST generate, Triton's stream over gRPC); one of 1,024 is
+    served."""
+    import tritonclient.grpc as grpcclient
+    from triton_stream import TritonStream
+    from tritonclient.utils import InferenceServerException
+
+    def send(request_id: str) -> tuple[int, str]:
+        if path == "grpc":
+            text = grpcclient.InferInput("text_input", [1], "BYTES")
+            text.set_data_from_numpy(np.array([b"Hi"], dtype=object))
+            stream = TritonStream(server.target)
+            try:
+                stream.client.async_stream_infer(MODEL, [text], request_id=request_id)
+                answer = stream.get(timeout=60)
+            finally:
+                stream.close()
+            if isinstance(answer, InferenceServerException):
+                return 400, answer.message()
+            return 200, ""
+        body = {"id": request_id, "text_input": "Hi", "max_tokens": 3000, "ignore_eos": True}
+        status, data = _post(server, f"/v2/models/{MODEL}/{path}", body, raw=True)
+        return status, json.loads(data)["error"] if status != 200 else ""
+
+    status, message = send("x" * (512 << 10))
+    assert status == 400 and "at most 1024" in message, (status, message[:300])
+    status, message = send("y" * 1024)
+    assert status == 200, (status, message[:300])
+
+
 # --- a large schema with n at its maximum: compiled once, off the loop
 
 

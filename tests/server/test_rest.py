@@ -704,6 +704,10 @@ def test_a_request_id_of_the_wrong_type_is_named_by_its_json_type(server):
         status, _, reply = _request(server, "POST", "/v2/models/add/infer", body)
         assert status == 400, reply
         assert reply["error"] == f"the request's id must be a string, not {kind}", reply
+    a = {"name": "a", "shape": [1], "datatype": "FP32", "data": [1]}
+    long = _infer_json([a, {**a, "name": "b"}], id="x" * 1025)  # every response echoes it
+    status, _, reply = _request(server, "POST", "/v2/models/add/infer", long)
+    assert status == 400 and "at most 1024" in reply["error"], reply
 
 
 def test_json_tensors_decode_after_errors_and_past_a_megabyte(server):

@@ -57,7 +57,7 @@ from plugserve.proto import grpc_service_pb2_grpc as pb_grpc
 from plugserve.server.control.model_control import ModelControl
 from plugserve.server.plane.budget import GRPC_FACTOR
 from plugserve.server.plane.dataplane import DataPlane
-from plugserve.server.plane.request import Request
+from plugserve.server.plane.request import Request, checked_id
 from plugserve.server.plane.sequences import sequence_step
 from plugserve.server.plane.shm import OutputWriter
 from plugserve.server.plane.versions import parse_version
@@ -159,7 +159,7 @@ class KServeServicer(PlaneServicer, pb_grpc.GRPCInferenceServiceServicer):
             own = model_parameters(parameters)
             timeout, priority = request_timeout(parameters), request_priority(parameters)
         ask = Request(
-            entry, deadline=when, run=token, id=request.id, parameters=own, step=step,
+            entry, deadline=when, run=token, id=checked_id(request.id), parameters=own, step=step,
             timeout=timeout, priority=priority, inline=inline, holds=size * GRPC_FACTOR,
             protocol="grpc", trace=trace,
             tenant=self.tenant(context),

@@ -49,6 +49,7 @@ from plugserve.proto.tensors import (
     decode_strings,
     text_or_bytes,
 )
+from plugserve.server.plane.request import checked_id
 from plugserve.server.plane.sequences import Step, sequence_step
 from plugserve.server.plane.shm import OutputTarget, TenantRegions, uses_region
 from plugserve.server.protocols.kserve.classification import class_count, classify
@@ -222,6 +223,7 @@ def parse_infer(
     request_id = request.get("id", "")
     if not isinstance(request_id, str):
         raise InvalidInput(f"the request's id must be a string, not {_json_type(request_id)}")
+    request_id = checked_id(request_id)
     inputs: dict[str, np.ndarray] = {}
     offset = 0
     tensors = request.get("inputs")

@@ -22,6 +22,7 @@ import orjson
 
 from plugserve.plugins.api import InvalidInput, TensorSpec
 from plugserve.server.plane.networks import LoadedNetwork
+from plugserve.server.plane.request import checked_id
 
 __all__ = ["GenerateCall", "parse_generate", "response_json"]
 
@@ -116,7 +117,7 @@ def parse_generate(body: Mapping[str, Any], entry: LoadedNetwork) -> GenerateCal
         elif name == "id":
             if not isinstance(value, str):
                 raise InvalidInput("generate request member 'id' must be a string")
-            request_id = value
+            request_id = checked_id(value)
         else:
             parameters[name] = _parameter(name, value)
     return GenerateCall(inputs, parameters, request_id)

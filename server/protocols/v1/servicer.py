@@ -22,7 +22,7 @@ from plugserve.proto import plugserve_pb2_grpc as pb_grpc
 from plugserve.server.control.core import refuse_server_keys
 from plugserve.server.control.model_control import failed_to_load
 from plugserve.server.plane.budget import GRPC_FACTOR
-from plugserve.server.plane.request import Request
+from plugserve.server.plane.request import Request, checked_id
 from plugserve.server.protocols.grpc.handlers import Inference, PlaneServicer, deadline
 from plugserve.server.protocols.v1.convert import (
     decoding_nbytes,
@@ -172,6 +172,7 @@ class PlugserveServicer(PlaneServicer, pb_grpc.PlugserveServicer):
         its strings before they are decoded. A decoupled network answers on InferStream
         (``streaming``) only."""
         entry = self.plane.get(request.network, request.version)
+        checked_id(request.id)  # every response echoes it
         ask = Request(
             entry, outputs=list(request.outputs), deadline=deadline(context), run=token,
             step=sequence_of(request), inline=inline,
