@@ -50,6 +50,7 @@ __all__ = [
     "local_control",
     "required_role",
     "setting_denial",
+    "token_key",
 ]
 
 log = logging.getLogger("plugserve.security")
@@ -241,6 +242,14 @@ def load_tokens(path: str) -> Tokens:
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
         log.warning("--auth-tokens %s is readable by other users: chmod 600 it", path)
     return Tokens(entries)
+
+
+def token_key(metadata: Sequence[tuple[str, Any]] | None) -> bytes:
+    """What one token is known by, however it was sent (``authorization: Bearer`` in any
+    case and spacing, or ``x-api-key``): the digest of the token :func:`_bearer` reads. The REST
+    port's per-token quota counts by it: keyed by the raw header, every ``x-api-key`` caller
+    shared one quota (an empty ``authorization``) and one token spelled four ways held four."""
+    return _digest(_bearer(metadata) or b"")
 
 
 def _bearer(metadata: Sequence[tuple[str, Any]] | None) -> str | bytes | None:

@@ -218,3 +218,41 @@ def test_200_streamed_chat_completions_from_one_address_are_all_served():
     statuses = [status for status, _ in answers]
     assert statuses.count(200) == CONCURRENT, {s: statuses.count(s) for s in set(statuses)}
     assert all(b"data: [DONE]" in answer for _, answer in answers)
+
+
+def test_a_tokens_quota_is_its_own_however_the_token_is_sent(tmp_path):
+    """--http-token-requests counts per token, not per header: keyed by the raw
+    ``authorization`` header, every ``x-api-key`` caller (Anthropic's SDK) shared one quota
+    (another tenant's x-api-key request got this one's 429), and one token spelled as
+    ``Bearer``, ``bearer`` and ``Bearer  `` held a quota for each spelling."""
+    import concurrent.futures
+
+    one, two = "quota-tenant-one-token", "quota-tenant-two-token"
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"{one} infer\n{two} infer\n")
+    tokens.chmod(0o600)
+    repo = str(spin_repository(tmp_path / "repo", streams=1))
+    args = ["--model-repository", repo, "--auth-tokens", str(tokens), "--http-token-requests", "2"]
+
+    def send(port: int, header: str, trips: int) -> int:
+        body = _body(trips)
+        payload = (
+            f"POST /v2/models/spin/infer HTTP/1.1\r\nhost: x\r\ncontent-type: application/json"
+            f"\r\n{header}\r\ncontent-length: {len(body)}\r\n\r\n"
+        ).encode() + body
+        with socket.create_connection(("127.0.0.1", port), timeout=120) as sock:
+            sock.sendall(payload)
+            return int(sock.recv(64).split(b" ", 2)[1])
+
+    with RunningServer(*args) as s, concurrent.futures.ThreadPoolExecutor(4) as pool:
+        # the first tenant holds its two requests (a second or more each, one stream)
+        held = [pool.submit(send, s.http_port, f"x-api-key: {one}", 100 * TRIPS) for _ in "ab"]
+        time.sleep(0.5)
+        assert not any(h.done() for h in held), [h.result() for h in held if h.done()]
+        # another tenant on the same header is served; the first, however it spells its
+        # token, is past its quota
+        other = pool.submit(send, s.http_port, f"x-api-key: {two}", TRIPS)
+        for header in (f"authorization: bearer {one}", f"authorization: Bearer  {one} "):
+            assert send(s.http_port, header, TRIPS) == 429, header
+        assert other.result(120) == 200
+        assert [h.result(120) for h in held] == [200, 200]

@@ -23,7 +23,6 @@ A face's handlers take a :class:`Call` and return a reply, an awaitable of one, 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import inspect
 import os
 import re
@@ -51,6 +50,7 @@ from plugserve.server.protocols.auth import (
     AuthInterceptor,
     control_refusal,
     setting_denial,
+    token_key,
 )
 from plugserve.server.protocols.http import offload as rest_offload
 from plugserve.server.protocols.http.http_server import (
@@ -346,7 +346,7 @@ class Router:
         call = Call(params, b"", headers, handler, rpc, role, wbits, handler in self._probes)
         call.tenant = tenant
         if role:  # a valid token: its quota bounds it (http_server.Connection._quota)
-            call.quota_key = hashlib.sha256(headers.get(b"authorization", b"")).digest()
+            call.quota_key = token_key(metadata)
         if rpc in _SETTERS:  # whether it sets anything is known from its body (handle)
             call.sets = method == "POST"
             call.peer = peer
