@@ -409,6 +409,8 @@ def test_refusals_are_anthropics_errors(server, sdk):
         ("stop_sequences", {"stop_sequences": "END"}),
         ("tool_choice", {"tool_choice": {"type": "tool", "name": "nope"}, "tools": TOOLS}),
         ("tools.0.type", {"tools": [{"type": "web_search_20250305", "name": "web_search"}]}),
+        ("output_config.effort", {"output_config": {"effort": ["high"]}}),  # (was a 500)
+        ("output_config.effort", {"output_config": {"effort": {"a": 1}}}),
     ):
         message = _refused(
             lambda e=extra: create(model="tiny", max_tokens=4, messages=ASK, extra_body=e),

@@ -276,6 +276,10 @@ def test_200_streams_against_4_slots_all_complete(folder, tiny_reference, tmp_pa
         ({"text_input": "hi", "sampling_parameters": '{"temperature": -1}'}, "temperature"),
         ({"text_input": "hi", "sampling_parameters": '{"top_p": 0}'}, "top_p"),
         ({"text_input": "hi", "sampling_parameters": '{"n": 2}'}, "n must be 1"),
+        (
+            {"text_input": "hi", "sampling_parameters": '{"min_tokens": 100, "max_tokens": 4}'},
+            "min_tokens must be at most max_tokens (4)",
+        ),
         # a red team's: 200,000 arrays deep was a 500 and a traceback; 99 MB of arrays grew
         # the server 2.7 GB and held the GIL 8 s before the 400
         ({"text_input": "hi", "sampling_parameters": "[" * 100_000}, "nested too deeply"),

@@ -227,6 +227,11 @@ class SamplingParams:
         ):
             if not ok:
                 raise InvalidArgument(f"{name} must be {what}, not {_shown(getattr(self, name))}")
+        if self.min_tokens > self.max_tokens:  # vLLM's rule, on every face (chat's names
+            # its own field first: protocol._check_min_tokens)
+            raise InvalidArgument(
+                f"min_tokens must be at most max_tokens ({self.max_tokens}), not {self.min_tokens}"
+            )
         self._check_stop()
         self._check_ids("stop_token_ids", self.stop_token_ids, vocab)
         if not isinstance(self.logit_bias, dict):

@@ -282,7 +282,7 @@ def _output_config(body: dict[str, Any], chat: dict[str, Any]) -> None:
         chat["response_format"] = {"type": "json_schema", "json_schema": schema}
     effort = config.get("effort")
     if effort is not None:
-        if effort not in _EFFORTS:
+        if not isinstance(effort, str) or effort not in _EFFORTS:  # (a list is unhashable)
             raise _fail(f"must be one of {', '.join(_EFFORTS)}", "output_config.effort")
         chat["reasoning_effort"] = _EFFORTS[effort]
 
