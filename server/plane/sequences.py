@@ -19,7 +19,21 @@ request path as Triton's sits beside its dynamic batcher, then:
 Bounds: a server-wide ``--max-sequences`` and a per-model cap (``oldest``'s
 ``max_candidate_sequences``) refuse a new sequence beyond them (RESOURCE_EXHAUSTED, where
 Triton would hold it in a backlog), and every sequence's state is charged to
-``--max-inflight-bytes`` while it is held. One reaper thread serves every model.
+``--max-inflight-bytes`` while it is held. One reaper thread serves every model: it ends idle
+sequences and fails the queued requests whose deadline passed while they waited their turn
+(a slow request held the ones behind it past --max-request-seconds, each a caller's thread).
+
+Tenants (``--auth-tokens``, docs/security.md): a sequence is its tenant's. Ids are looked up
+among the caller's tenant's sequences only, so another tenant's id is one never started: it
+cannot be read, continued, ended or restarted (a red team's second token had read and changed
+another tenant's accumulated state, ended it, and found live ids by their answers). A tenant
+holds at most seven eighths of --max-sequences, as of the generation queue, so that the others
+always find room. The model's CORRID control is the client's id as sent (as Triton's): a model
+that keeps state of its own by it sees two tenants' equal ids alike.
+
+A request dropped before it runs (cancelled, late) lets the next of its sequence run; that
+chain is a loop on the thread that runs it, never a recursion (1,000 queued late requests had
+overflowed the stack and left their sequence busy for good, and its callers waiting).
 
 Messages begin with Triton's own words (triton-inference-server/core:
 sequence_batch_scheduler.cc, sequence_utils.h), which clients match on.
@@ -28,12 +42,13 @@ sequence_batch_scheduler.cc, sequence_utils.h), which clients match on.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -62,6 +77,11 @@ if TYPE_CHECKING:
 __all__ = ["SequenceBatcher", "Sequences", "Step", "echoed", "sequence_step"]
 
 log = logging.getLogger(__name__)
+
+#: the runs a thread still has to start, while it starts one (see :meth:`SequenceBatcher._run`)
+_here = threading.local()
+#: a queued request's states (``_Item.state``)
+WAITING, STARTED, EXPIRED = 0, 1, 2
 
 
 class SequenceExists(PlugserveError):
@@ -136,8 +156,8 @@ class _Item:
     inputs were checked against the network's specs already (a protocol's plain lane)."""
 
     __slots__ = (
-        "after", "checked", "deadline", "future", "holds", "inputs", "like", "step", "token",
-        "wanted",
+        "after", "checked", "deadline", "future", "holds", "inputs", "like", "state", "step",
+        "token", "wanted",
     )  # fmt: skip
 
     def __init__(self, step, inputs, wanted, deadline, token, holds, after, checked, like) -> None:
@@ -147,13 +167,17 @@ class _Item:
         #: the request it is (its id, parameters, sequence... for the run made of it alone)
         self.like = like
         self.future: Future = Future()
+        #: WAITING, then STARTED (its run taken) or EXPIRED (answered late by the reaper),
+        #: decided under the batcher's lock: only one of the two touches its future
+        self.state = WAITING
 
 
 class _Sequence:
-    __slots__ = ("busy", "charge", "ended", "id", "last", "nbytes", "pending", "states")
+    __slots__ = ("busy", "charge", "ended", "id", "last", "nbytes", "pending", "states", "tenant")
 
-    def __init__(self, ident: int | str, charge: Charge) -> None:
+    def __init__(self, ident: int | str, charge: Charge, tenant: str = "") -> None:
         self.id = ident
+        self.tenant = tenant
         self.states: dict[str, np.ndarray] | None = None  # None: the initial ones
         self.pending: collections.deque[_Item] = collections.deque()
         self.busy = False
@@ -176,24 +200,46 @@ class Sequences:
         self.max_sequences = max_sequences
         self.budget = budget
         self.active = 0
+        #: tenant -> its active sequences (tenants of the token file only: "" is not bounded)
+        self._tenants: dict[str, int] = {}
         self._lock = threading.Lock()
         #: the batchers whose idle sequences the reaper ends
         self.batchers: Watchlist[SequenceBatcher] = Watchlist("sequence-reaper", self._reap)
         self._stop = threading.Event()
 
-    def take(self, model: str) -> None:
+    def take(self, model: str, tenant: str = "") -> None:
+        """One more active sequence of ``tenant``, within --max-sequences and, with tokens,
+        the tenant's share of it (the refusals say no count of the others')."""
         with self._lock:
             if self.max_sequences and self.active >= self.max_sequences:
                 raise ResourceExhausted(
-                    f"model '{model}': {self.active} sequences are active on this server "
-                    f"(--max-sequences {self.max_sequences}); end one (sequence_end) or retry "
+                    f"model '{model}': this server's sequences (--max-sequences "
+                    f"{self.max_sequences}) are all active; end one (sequence_end) or retry "
                     "once an idle one has timed out"
                 )
+            held = self._tenants.get(tenant, 0)
+            if tenant and self.max_sequences and held >= self._share():
+                raise ResourceExhausted(
+                    f"model '{model}': this tenant has {held} sequences active, its share of "
+                    f"this server's (seven eighths of --max-sequences {self.max_sequences}); end "
+                    "one (sequence_end) or retry once an idle one has timed out"
+                )
             self.active += 1
+            if tenant:
+                self._tenants[tenant] = held + 1
 
-    def give_back(self) -> None:
+    def _share(self) -> int:
+        return max(1, self.max_sequences * 7 // 8)
+
+    def give_back(self, tenant: str = "") -> None:
         with self._lock:
             self.active -= 1
+            if tenant:
+                left = self._tenants.get(tenant, 1) - 1
+                if left:
+                    self._tenants[tenant] = left
+                else:
+                    self._tenants.pop(tenant, None)
 
     def _reap(self) -> None:
         while not self._stop.wait(0.05):
@@ -262,7 +308,8 @@ class SequenceBatcher:
         #: as it grows, once the run that grew it is done)
         self._initial_bytes = sum(s.initial.nbytes for s in settings.states)
         self._lock = threading.Lock()
-        self._sequences: dict[int | str, _Sequence] = {}
+        #: by (tenant, id): a tenant's ids name its own sequences only
+        self._sequences: dict[tuple[str, int | str], _Sequence] = {}
         self.state_bytes = 0
         self._ready: collections.deque[_Sequence] = collections.deque()
         self._wake = threading.Condition(self._lock)
@@ -301,22 +348,23 @@ class SequenceBatcher:
                 raise ResourceExhausted(
                     f"model '{self.name}' is unloading; start the sequence again"
                 )
+            tenant = request.tenant
             if self._ovms and step.start and step.id == 0:
-                step = item.step = self._free_id(step)
-            sequence = self._sequences.get(step.id)
+                step = item.step = self._free_id(step, tenant)
+            sequence = self._sequences.get((tenant, step.id))
             if self._ovms:
                 self._ovms_check(step, sequence)
             if step.start:
                 if sequence is not None:
                     log.warning(
-                        "sequence %s for model '%s' has a conflict. The previous sequence did "
+                        "sequence %r for model '%s' has a conflict. The previous sequence did "
                         "not end before this sequence start. Previous sequence will be "
                         "terminated early.",
                         step.id,
                         self.name,
                     )
                     self._end(sequence)
-                sequence = self._open(step.id)
+                sequence = self._open(step.id, tenant)
             elif sequence is None:
                 raise InvalidInput(
                     f"inference request for sequence {step.id} to model '{self.name}' must "
@@ -369,9 +417,9 @@ class SequenceBatcher:
             )
         return inputs, Step(ident, control == 1, control == 2)
 
-    def _free_id(self, step: Step) -> Step:
+    def _free_id(self, step: Step, tenant: str) -> Step:
         """(lock held) OVMS hands out an id for a START without one."""
-        while self._next_id in self._sequences:
+        while (tenant, self._next_id) in self._sequences:
             self._next_id += 1
         ident, self._next_id = self._next_id, self._next_id + 1
         return Step(ident, step.start, step.end)
@@ -422,7 +470,7 @@ class SequenceBatcher:
                         f"{list(shape)})"
                     )
 
-    def _open(self, ident: int | str) -> _Sequence:
+    def _open(self, ident: int | str, tenant: str) -> _Sequence:
         """A new sequence, within the model's and the server's bounds (lock held)."""
         cap = self.settings.max_sequences
         if cap and len(self._sequences) >= cap:
@@ -436,22 +484,23 @@ class SequenceBatcher:
             nbytes, f"a new sequence of model '{self.name}' (its initial state)"
         )
         try:
-            self._shared.take(self.name)
+            self._shared.take(self.name, tenant)
         except ResourceExhausted:
             charge.release()
             raise
-        sequence = _Sequence(ident, charge)
+        sequence = _Sequence(ident, charge, tenant)
         sequence.nbytes = nbytes
         self.state_bytes += nbytes
-        self._sequences[ident] = sequence
+        self._sequences[(tenant, ident)] = sequence
         return sequence
 
     def _end(self, sequence: _Sequence) -> None:
         """No request may join ``sequence`` any more; its state goes once its own are done
         (lock held)."""
-        if self._sequences.get(sequence.id) is sequence:
-            del self._sequences[sequence.id]
-            self._shared.give_back()
+        key = (sequence.tenant, sequence.id)
+        if self._sequences.get(key) is sequence:
+            del self._sequences[key]
+            self._shared.give_back(sequence.tenant)
         sequence.ended = True
         if not sequence.busy and not sequence.pending:
             self._free(sequence)
@@ -534,38 +583,63 @@ class SequenceBatcher:
 
     def _run(self, rows: list[tuple[_Sequence, _Item]], inline: bool = False) -> None:
         """One run of ``rows`` (``inline``: on this thread when a stream is idle; a unary
-        call's own thread, which waits for the answer anyway). A request whose caller gave up
-        (its stream ended) or whose deadline passed while it waited is dropped here, its
-        sequence's state untouched. Several rows run under the latest of their deadlines (none
-        if one has none): one row's tight deadline must not fail the others' run."""
+        call's own thread, which waits for the answer anyway). Runs that become ready while
+        this thread starts one (a dropped request lets the next of its sequence run; a run
+        that finished at once lets the next run) are started here, one after another, never
+        by a call inside this one: 1,000 queued late requests had recursed past the stack."""
+        later = getattr(_here, "runs", None)
+        if later is not None:  # below a run this thread is starting: the loop takes it
+            later.append((self, rows))
+            return
+        _here.runs = later = collections.deque()
+        try:
+            self._start(rows, inline)
+            while later:
+                batcher, rows = later.popleft()
+                batcher._start(rows, False)
+        finally:
+            _here.runs = None
+
+    def _start(self, rows: list[tuple[_Sequence, _Item]], inline: bool) -> None:
+        """Submit one run of ``rows``. A request whose caller gave up (its stream ended) or
+        whose deadline passed while it waited is dropped here, its sequence's state
+        untouched. Several rows run under the latest of their deadlines (none if one has none):
+        one row's tight deadline must not fail the others' run. Whatever fails before the run
+        is submitted answers its rows with the error (their sequences go on)."""
         live = []
         now = time.monotonic()
-        for sequence, item in rows:
-            if not item.future.set_running_or_notify_cancel():
+        with self._lock:
+            expired = []
+            for _, item in rows:
+                expired.append(item.state == EXPIRED)
+                item.state = STARTED
+        for (sequence, item), gone in zip(rows, expired):
+            if gone:  # the reaper answered it: only its sequence moves on
+                self._done(sequence, item, None, None)
+            elif not item.future.set_running_or_notify_cancel():
                 self._done(sequence, item, None, Cancelled("the request was cancelled"))
             elif item.deadline is not None and now >= item.deadline:
-                late = DeadlineExceeded(
-                    f"network {self.name!r}: the request's deadline passed while it waited for "
-                    "its turn in the sequence batcher"
-                )
-                self._done(sequence, item, None, late)
+                self._done(sequence, item, None, self._late())
             else:
                 live.append((sequence, item))
         if not live:
             return
         rows = live
-        feeds = [self._feed(s, i) for s, i in rows]
-        if len(rows) == 1:
-            feed = feeds[0]
-        else:
-            feed = {k: np.concatenate([f[k] for f in feeds]) for k in feeds[0]}
-        wanted = list(dict.fromkeys([w for _, i in rows for w in i.wanted] + self._state_outputs))
-        deadlines = [i.deadline for _, i in rows if i.deadline is not None]
-        token, forget = cancel.every(
-            [i.token for _, i in rows],
-            lambda: Cancelled("every request of the batch was cancelled"),
-        )
+        forget: Callable[[], None] = lambda: None  # noqa: E731
         try:
+            feeds = [self._feed(s, i) for s, i in rows]
+            if len(rows) == 1:
+                feed = feeds[0]
+            else:
+                feed = {k: np.concatenate([f[k] for f in feeds]) for k in feeds[0]}
+            wanted = list(
+                dict.fromkeys([w for _, i in rows for w in i.wanted] + self._state_outputs)
+            )
+            deadlines = [i.deadline for _, i in rows if i.deadline is not None]
+            token, forget = cancel.every(
+                [i.token for _, i in rows],
+                lambda: Cancelled("every request of the batch was cancelled"),
+            )
             future = self._submit(
                 feed,
                 wanted,
@@ -582,6 +656,12 @@ class SequenceBatcher:
                 self._done(sequence, item, None, exc)
             return
         future.add_done_callback(lambda f: (forget(), self._finish(rows, f)))
+
+    def _late(self) -> DeadlineExceeded:
+        return DeadlineExceeded(
+            f"network {self.name!r}: the request's deadline passed while it waited for its "
+            "turn in the sequence batcher"
+        )
 
     def _checked(self, rows: list[tuple[_Sequence, _Item]], feed: dict[str, Any]) -> list | None:
         """One row whose inputs a protocol's lane checked: the run's arrays in the network's
@@ -640,16 +720,18 @@ class SequenceBatcher:
                 sequence.states = states
             sequence.busy = False
             sequence.last = time.monotonic()
-            if lost:
-                failed = list(sequence.pending)
+            if lost:  # (those the reaper answered already are not answered again)
+                failed = [q for q in sequence.pending if q.state == WAITING]
+                for queued in failed:
+                    queued.state = STARTED
                 sequence.pending.clear()
                 self._end(sequence)
             elif sequence.pending:
                 rows = self._make_ready(sequence)
             elif sequence.ended:
                 self._free(sequence)
-        if item.future.cancelled():
-            pass  # dropped before it ran: nobody waits for it
+        if item.future.done():
+            pass  # dropped before it ran (nobody waits for it), or answered late already
         elif exc is not None:
             item.future.set_exception(exc)
         else:
@@ -692,23 +774,33 @@ class SequenceBatcher:
     # --- ends
 
     def reap(self, now: float) -> None:
-        """End the sequences idle for longer than max_sequence_idle_microseconds."""
+        """End the sequences idle for longer than max_sequence_idle_microseconds, and answer
+        the queued requests whose deadline passed while they waited (each keeps its place,
+        dropped when its turn comes, so that the sequence's order and state are untouched)."""
         idle = self.settings.idle_seconds
-        if not idle:
-            return
+        expired = []
         with self._lock:
+            for sequence in self._sequences.values():
+                for item in sequence.pending:
+                    due = item.deadline
+                    if due is not None and now >= due and item.state == WAITING:
+                        item.state = EXPIRED
+                        expired.append(item)
             late = [
                 s for s in self._sequences.values()
-                if not s.busy and not s.pending and now - s.last > idle
+                if idle and not s.busy and not s.pending and now - s.last > idle
             ]  # fmt: skip
             for sequence in late:
                 log.info(
-                    "model '%s': sequence %s idle for over %g s: ended, its state freed",
+                    "model '%s': sequence %r idle for over %g s: ended, its state freed",
                     self.name,
                     sequence.id,
                     idle,
                 )
                 self._end(sequence)
+        for item in expired:
+            with contextlib.suppress(InvalidStateError):  # (its caller cancelled it)
+                item.future.set_exception(self._late())
 
     def close(self) -> int:
         """Unload: every sequence ends (a reload does not carry them: their clients start

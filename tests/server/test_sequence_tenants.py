@@ -1,0 +1,172 @@
+"""Sequences under --auth-tokens, and queued requests that outlive their deadline.
+
+A red team's second tenant read another tenant's accumulated state by continuing its sequence
+id, changed it, ended it, restarted it (a START on a string id ended the other's sequence), and
+found live ids by their answers; one tenant took every --max-sequences slot in under a second;
+and 1,024 queued requests whose deadline passed behind a slow run overflowed the batcher's
+stack (RecursionError), leaving the sequence busy for good and its callers waiting. Driven
+with tritonclient over gRPC against a real server.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import numpy as np
+import pytest
+from sequence_models import accumulator, accumulator_config, spinner, write_model
+from serving import RunningServer
+
+grpcclient = pytest.importorskip("tritonclient.grpc", reason="pip install 'tritonclient[grpc]'")
+from tritonclient.utils import InferenceServerException  # noqa: E402
+
+TOKENS = {"a": "sequence-tenant-a-token", "b": "sequence-tenant-b-token"}
+#: --max-sequences of the server: a tenant's share is seven eighths of it, 7
+MAX_SEQUENCES = 8
+
+SPIN = """
+name: "spin"
+platform: "onnxruntime_onnx"
+max_batch_size: 8
+sequence_batching {
+  max_sequence_idle_microseconds: 5000000
+  state [ { input_name: "STATE_IN" output_name: "STATE_OUT" data_type: TYPE_FP32 dims: [ 4 ] } ]
+}
+input [ { name: "M" data_type: TYPE_INT64 dims: [ 1 ] } ]
+output [ { name: "OUTPUT" data_type: TYPE_FP32 dims: [ 4 ] } ]
+"""
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sequence-tenants")
+    tokens = root / "tokens"
+    tokens.write_text("".join(f"{t} infer tenant={who}\n" for who, t in TOKENS.items()))
+    tokens.chmod(0o600)
+    repo = root / "repo"
+    write_model(repo, "acc", accumulator(), accumulator_config("acc"))
+    write_model(repo, "spin", spinner(), SPIN)
+    args = ["--model-repository", str(repo), "--auth-tokens", str(tokens)]
+    with RunningServer(*args, "--max-sequences", str(MAX_SEQUENCES)) as running:
+        yield running
+
+
+@pytest.fixture
+def client(server):
+    with grpcclient.InferenceServerClient(server.target) as made:
+        yield made
+
+
+def _answered(answers: queue.Queue):
+    """A stream's callback: when each answer came, and its error (None: an answer)."""
+    return lambda result, error: answers.put((time.monotonic(), error))
+
+
+def _as(who: str) -> dict:
+    return {"authorization": f"Bearer {TOKENS[who]}"}
+
+
+def _acc(client, who, sequence_id, x: float, start=False, end=False) -> float:
+    tensor = grpcclient.InferInput("INPUT", [1, 4], "FP32")
+    tensor.set_data_from_numpy(np.full((1, 4), x, np.float32))
+    result = client.infer("acc", [tensor], sequence_id=sequence_id, sequence_start=start,
+                          sequence_end=end, headers=_as(who))  # fmt: skip
+    return float(result.as_numpy("OUTPUT")[0][0])
+
+
+@pytest.mark.parametrize("sequence_id", [777, "alice-session"])
+def test_a_sequence_is_its_tenants_alone(client, sequence_id):
+    assert _acc(client, "a", sequence_id, 4242, start=True) == 4242
+    # b's requests on a's id: an id b never started, whatever it asks
+    for flags in ({}, {"end": True}):
+        with pytest.raises(InferenceServerException, match="must specify the START flag"):
+            _acc(client, "b", sequence_id, 0, **flags)
+    # b's START on the same id is a sequence of b's own; a's goes on untouched
+    assert _acc(client, "b", sequence_id, 1000, start=True) == 1000
+    assert _acc(client, "a", sequence_id, 1) == 4243
+    assert _acc(client, "b", sequence_id, 1, end=True) == 1001
+    assert _acc(client, "a", sequence_id, 1, end=True) == 4244
+
+
+def test_a_tenant_holds_seven_eighths_of_the_servers_sequences(client):
+    share = MAX_SEQUENCES * 7 // 8
+    opened = []
+    try:
+        for k in range(share):
+            _acc(client, "a", 5000 + k, 1, start=True)
+            opened.append(("a", 5000 + k))
+        with pytest.raises(InferenceServerException, match=f"this tenant has {share}") as own:
+            _acc(client, "a", 6000, 1, start=True)
+        assert "RESOURCE_EXHAUSTED" in str(own.value.status())
+        _acc(client, "b", 7000, 1, start=True)  # the eighth left to the others
+        opened.append(("b", 7000))
+        with pytest.raises(InferenceServerException, match="are all active") as full:
+            _acc(client, "b", 7001, 1, start=True)
+        assert str(share) not in full.value.message().split("--max-sequences")[0], full.value
+    finally:
+        for who, k in opened:
+            _acc(client, who, k, 0, end=True)
+    _acc(client, "a", 6000, 1, start=True, end=True)  # room again
+
+
+def test_queued_requests_past_their_deadline_are_answered_and_the_sequence_goes_on(server, client):
+    """Behind a run of about a second, 1,024 queued requests of the same sequence with a
+    200 ms timeout each: all are answered DEADLINE_EXCEEDED, while the run still goes (the
+    reaper answers them at their deadline), the run's own answer comes, and the sequence takes
+    its next request. Before, they were answered only when the run ended, by a recursion that
+    overflowed the stack: the run's caller got INTERNAL, ~half the queued ones never got an
+    answer, and every later request of the sequence waited for good."""
+
+    def trips(value: int) -> list:
+        tensor = grpcclient.InferInput("M", [1, 1], "INT64")
+        tensor.set_data_from_numpy(np.full((1, 1), value, np.int64))
+        return [tensor]
+
+    client.infer("spin", trips(1), sequence_id=5, sequence_start=True, headers=_as("a"))
+    started = time.monotonic()
+    client.infer("spin", trips(200_000), sequence_id=5, headers=_as("a"))
+    per_trip = (time.monotonic() - started) / 200_000
+    slow = max(200_000, int(2.0 / per_trip))  # about 2 s
+    outcome: dict = {}
+
+    def run() -> None:
+        begun = time.monotonic()
+        try:
+            outcome["answer"] = client.infer("spin", trips(slow), sequence_id=5,
+                                             headers=_as("a"), client_timeout=120)  # fmt: skip
+        except InferenceServerException as exc:
+            outcome["answer"] = exc
+        outcome["seconds"] = time.monotonic() - begun
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    time.sleep(0.3)  # the slow run holds the sequence
+    answers: queue.Queue = queue.Queue()
+    streams = [grpcclient.InferenceServerClient(server.target) for _ in range(16)]
+    try:
+        for stream in streams:
+            stream.start_stream(callback=_answered(answers), headers=_as("a"))
+        sent = time.monotonic()
+        for stream in streams:
+            for _ in range(64):
+                stream.async_stream_infer("spin", trips(1), sequence_id=5, timeout=200_000)
+        got = [answers.get(timeout=60) for _ in range(16 * 64)]
+    finally:
+        for stream in streams:
+            stream.stop_stream(cancel_requests=True)
+            stream.close()
+    worker.join(120)
+    assert not isinstance(outcome["answer"], InferenceServerException), outcome["answer"]
+    assert outcome["seconds"] > 1.0, outcome  # (it held the queued ones past their deadline)
+    errors = [error for _, error in got]  # (a stream's error carries its message only)
+    assert all(e is not None and "deadline" in e.message() for e in errors), {
+        e.message()[:60] if e else None for e in errors
+    }
+    # answered at their deadline, not when the run ended
+    assert max(at for at, _ in got) - sent < outcome["seconds"] - 0.3, (
+        max(at for at, _ in got) - sent, outcome["seconds"])  # fmt: skip
+    assert client.infer("spin", trips(1), sequence_id=5, sequence_end=True, headers=_as("a"),
+                        client_timeout=30) is not None  # fmt: skip
+    assert "RecursionError" not in server.log
