@@ -170,3 +170,14 @@ def test_queued_requests_past_their_deadline_are_answered_and_the_sequence_goes_
     assert client.infer("spin", trips(1), sequence_id=5, sequence_end=True, headers=_as("a"),
                         client_timeout=30) is not None  # fmt: skip
     assert "RecursionError" not in server.log
+
+
+def test_a_string_id_cannot_write_a_log_line_of_its_own(server, client):
+    """A START on an active id is logged (Triton's conflict warning); the id is the client's
+    text, logged as a quoted value: a newline in it wrote a line of the client's choosing."""
+    forged = "seq\n2026-11-29 00:00:00 WARNING plugserve.security: FORGED"
+    _acc(client, "a", forged, 1, start=True)
+    _acc(client, "a", forged, 1, start=True, end=True)  # the conflict: logged
+    assert "has a conflict" in server.log
+    assert not any(line.lstrip().startswith("2026-11-29 00:00:00") for line in
+                   server.log.splitlines()), server.log[-2000:]  # fmt: skip
