@@ -39,6 +39,41 @@ output [ { name: "OUTPUT" data_type: TYPE_FP32 dims: [ 4 ] } ]
 """
 
 
+#: a Python model that keeps one sequence of ``acc`` for its callers, by BLS: INPUT0 is
+#: [value, start]; OUTPUT0 the accumulator's sum
+RELAY = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            value, start = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
+            answer = pb_utils.InferenceRequest(
+                model_name="acc",
+                requested_output_names=["OUTPUT"],
+                inputs=[pb_utils.Tensor("INPUT", np.full((1, 4), value, np.float32))],
+                correlation_id=1,
+                flags=pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START if start else 0,
+            ).exec()
+            if answer.has_error():
+                raise pb_utils.TritonModelException(answer.error().message())
+            out = pb_utils.get_output_tensor_by_name(answer, "OUTPUT").as_numpy()
+            responses.append(pb_utils.InferenceResponse(
+                output_tensors=[pb_utils.Tensor("OUTPUT0", out[0][:1].astype(np.float32))]))
+        return responses
+"""
+
+RELAY_CONFIG = """
+name: "relay"
+backend: "python"
+input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 2 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 1 ] } ]
+"""
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("sequence-tenants")
@@ -48,6 +83,9 @@ def server(tmp_path_factory):
     repo = root / "repo"
     write_model(repo, "acc", accumulator(), accumulator_config("acc"))
     write_model(repo, "spin", spinner(), SPIN)
+    (repo / "relay" / "1").mkdir(parents=True)
+    (repo / "relay" / "config.pbtxt").write_text(RELAY_CONFIG)
+    (repo / "relay" / "1" / "model.py").write_text(RELAY)
     args = ["--model-repository", str(repo), "--auth-tokens", str(tokens)]
     with RunningServer(*args, "--max-sequences", str(MAX_SEQUENCES)) as running:
         yield running
@@ -181,3 +219,23 @@ def test_a_string_id_cannot_write_a_log_line_of_its_own(server, client):
     assert "has a conflict" in server.log
     assert not any(line.lstrip().startswith("2026-11-29 00:00:00") for line in
                    server.log.splitlines()), server.log[-2000:]  # fmt: skip
+
+
+def test_a_python_models_bls_calls_are_its_callers_tenants(client):
+    """A Python model's BLS calls are made for the tenant whose request its execute holds:
+    the sequence it keeps for a caller is that caller's. Before, every call was the server's
+    own tenant, so a second tenant continued the first's sequence through the model and read
+    its sum."""
+
+    def relay(who: str, value: float, start: bool) -> float:
+        tensor = grpcclient.InferInput("INPUT0", [2], "FP32")
+        tensor.set_data_from_numpy(np.array([value, float(start)], np.float32))
+        result = client.infer("relay", [tensor], headers=_as(who), client_timeout=60)
+        return float(result.as_numpy("OUTPUT0")[0])
+
+    assert relay("a", 4242, True) == 4242
+    with pytest.raises(InferenceServerException, match="must specify the START flag"):
+        relay("b", 0, False)  # b's calls reach b's sequences: it never started one
+    assert relay("b", 7, True) == 7
+    assert relay("a", 1, False) == 4243
+    assert relay("b", 1, False) == 8

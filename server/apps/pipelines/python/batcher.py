@@ -41,12 +41,19 @@ class _Waiting:
     """One request in a :class:`Gatherer`: its inputs, its header entry, its rows, its run and
     execute span, and the future its stream waits on."""
 
-    __slots__ = ("arrays", "arrived", "future", "request", "rows", "span", "token")
+    __slots__ = ("arrays", "arrived", "future", "request", "rows", "span", "tenant", "token")
 
     def __init__(
-        self, arrays: list[Any], request: dict[str, Any], rows: int, token: Any, span: Any
+        self,
+        arrays: list[Any],
+        request: dict[str, Any],
+        rows: int,
+        token: Any,
+        span: Any,
+        tenant: str = "",
     ) -> None:
         self.arrays, self.request, self.rows, self.token = arrays, request, rows, token
+        self.tenant = tenant
         self.span: Span | None = span
         self.arrived = time.monotonic()
         self.future: Future = Future()
@@ -72,10 +79,12 @@ class Gatherer:
         rows: int,
         span: Any = None,
         token: cancel.Token | None = None,
+        tenant: str = "",
     ) -> Any:
         """Queue one request; its outputs once the batch it joined has run. ``token``: its
-        run's (``RunContext.token``), which takes it out of the queue or its batch."""
-        item = _Waiting(arrays, request, rows, token, span)
+        run's (``RunContext.token``), which takes it out of the queue or its batch;
+        ``tenant``: its caller's."""
+        item = _Waiting(arrays, request, rows, token, span, tenant)
         with self._cond:
             if self._closed:
                 raise Cancelled(f"python model {self.network.name!r} is unloaded")
@@ -139,8 +148,13 @@ class Gatherer:
         header = protocol.execute(network.name, [i.request for i in batch])
         spans = [i.span for i in batch if i.span is not None]
         try:
+            tenants = {i.tenant for i in batch}  # one: the execute's calls are its
             reply, outputs = instance.run(
-                tensors, header, [(i.request["rid"], i.token) for i in batch], spans
+                tensors,
+                header,
+                [(i.request["rid"], i.token) for i in batch],
+                spans,
+                tenants.pop() if len(tenants) == 1 else "",
             )
             if reply.get("error"):
                 raise InferenceError(f"{where}: {reply['error']}")

@@ -9,6 +9,13 @@ A call lives from its message to its final reply; the model may cancel a decoupl
 replies has its calls cancelled. Calls are bounded by the model: each waits for its answer
 (``async_exec`` on at most ``worker.BLS_THREADS``, 8, threads at once).
 
+Tenants: a call made while an execute runs is the tenant's whose requests that execute holds
+(``Inflight.tenant``): it reaches that tenant's prefix cache and sequences, as the tenant's own
+requests do. A call of an execute holding several tenants' requests (dynamic batching), or made
+after its execute returned (a decoupled model's thread), is the server's own tenant (""), which
+no token's is: before, every call was, so two tenants' requests through one Python model shared
+what the calls reached.
+
 Traces: a call made while a traced execute runs names that execute's span (its ``trace``, the
 ``traceparent`` the server sent with the request), which the instance keeps while the execute
 runs (:attr:`Inflight.tracing`). The call gets a ``bls`` span under it, from its message to its
@@ -41,11 +48,20 @@ Reply = Callable[..., None]
 class BlsCalls:
     """One instance's BLS calls in flight, by call id (their runs, to cancel them)."""
 
-    def __init__(self, host: Host, reply: Reply, spans: Callable[[str], Span | None]) -> None:
+    def __init__(
+        self,
+        host: Host,
+        reply: Reply,
+        spans: Callable[[str], Span | None],
+        tenant: Callable[[], str] = lambda: "",
+    ) -> None:
         #: the server the calls go to, and how a reply reaches the process
         self.host, self.reply = host, reply
         #: the execute span a ``traceparent`` names, while its execute runs
         self._spans = spans
+        #: the tenant of the execute under way: its calls are its (the prefix cache, the
+        #: sequences they reach are partitioned by it, as a client's own requests are)
+        self._tenant = tenant
         self._lock = threading.Lock()
         self._runs: dict[int, cancel.Token] = {}
 
@@ -77,7 +93,7 @@ class BlsCalls:
                 timeout=call.timeout,  # its deadline, or its model's queue policy's
                 parameters=call.parameters,
                 holds=sum(getattr(a, "nbytes", 0) for a in inputs.values()),  # the budget's
-                protocol="bls", trace=span,
+                protocol="bls", trace=span, tenant=self._tenant(),
             )  # fmt: skip
             with self._lock:
                 self._runs[number] = request.run

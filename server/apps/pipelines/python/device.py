@@ -291,7 +291,7 @@ class PythonInferRequest(InferRequest):
         if network.gatherer is not None:  # dynamic batching: with the requests waiting
             first = next((a for a in arrays if a is not None), None)
             rows = int(first.shape[0]) if first is not None and first.ndim else 1
-            return network.gatherer.run(arrays, request, rows, span, token)
+            return network.gatherer.run(arrays, request, rows, span, token, run.tenant)
         where = network.where
         try:
             reply, tensors = self.instance.run(
@@ -299,6 +299,7 @@ class PythonInferRequest(InferRequest):
                 protocol.execute(network.name, [request]),
                 [(rid, token)],
                 [span] if span is not None else None,
+                run.tenant,
             )
         except ValueError as exc:
             raise InferenceError(
@@ -344,6 +345,7 @@ class PythonInferRequest(InferRequest):
                 protocol.inputs_of(arrays, network.input_names),
                 protocol.execute(network.name, [self._request(arrays, rid, run, span)]),
                 spans=[span] if span is not None else None,
+                tenant=run.tenant,
             )
         except (PlugserveError, ValueError) as exc:
             inflight.fail(rid, sender, protocol.unreadable(network.where, "answer", exc))

@@ -81,7 +81,10 @@ class Inflight:
         self.tracing: dict[str, Span] = {}
         #: messages sent to the process since the execute under way (notices, answers)
         self.sent_since = 0
-        self.bls = BlsCalls(host, self.reply, self.tracing.get)
+        #: the tenant of the execute under way, whose BLS calls are that tenant's (its
+        #: requests' one tenant; "" when they are several tenants', and between executes)
+        self.tenant = ""
+        self.bls = BlsCalls(host, self.reply, self.tracing.get, lambda: self.tenant)
         self.calls = Calls(host, self.reply)
         self._handlers: dict[str, Callable[[dict[str, Any], int], None]] = {
             Kind.SEND: self._response,

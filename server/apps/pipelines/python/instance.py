@@ -85,6 +85,7 @@ class Instance:
         header: dict[str, Any],
         waits: list[tuple[int, cancel.Token | None]] = (),
         spans: list[Span] | None = None,
+        tenant: str = "",
     ) -> Any:
         """``header`` with ``tensors`` to the process, and its answer: ``(reply, outputs)``,
         the outputs copied out of the answer's memory (the next request reuses it); a reply
@@ -93,10 +94,14 @@ class Instance:
         (``is_cancelled()`` for that request), never stops the process. ``spans``: the
         requests' execute spans (traced ones), ended with the times the process measured."""
         with self.process.lock:
-            if spans:
-                return self._run_traced(tensors, header, waits, spans)
-            reply, out_fd = self._send(tensors, header, waits)
-            return self._answer(reply, out_fd, len(header.get("requests", ())))
+            self.inflight.tenant = tenant  # (its BLS calls are this tenant's: bls.py)
+            try:
+                if spans:
+                    return self._run_traced(tensors, header, waits, spans)
+                reply, out_fd = self._send(tensors, header, waits)
+                return self._answer(reply, out_fd, len(header.get("requests", ())))
+            finally:
+                self.inflight.tenant = ""
 
     def _run_traced(
         self,
