@@ -27,9 +27,9 @@ Tenants (``--auth-tokens``, docs/security.md): a sequence is its tenant's. Ids a
 among the caller's tenant's sequences only, so another tenant's id is one never started: it
 cannot be read, continued, ended or restarted (a red team's second token had read and changed
 another tenant's accumulated state, ended it, and found live ids by their answers). A tenant
-holds at most seven eighths of --max-sequences, as of the generation queue, so that the others
-always find room. The model's CORRID control is the client's id as sent (as Triton's): a model
-that keeps state of its own by it sees two tenants' equal ids alike.
+holds at most seven eighths of --max-sequences and of a model's own cap (as of the generation
+queue): no one tenant can take them all. The model's CORRID control is the client's id as sent
+(as Triton's): a model that keeps state of its own by it sees two tenants' equal ids alike.
 
 A request dropped before it runs (cancelled, late) lets the next of its sequence run; that
 chain is a loop on the thread that runs it, never a recursion (1,000 queued late requests had
@@ -303,13 +303,17 @@ class SequenceBatcher:
             )
             settings = self.settings = dataclasses.replace(settings, states=resolved)
         self._ovms = settings.style == "ovms"
-        self._next_id = 1
+        #: OVMS: the next id handed to a START without one, per tenant
+        self._next_ids: dict[str, int] = {}
         #: a new sequence's state, charged before it starts (a growing one is charged again
         #: as it grows, once the run that grew it is done)
         self._initial_bytes = sum(s.initial.nbytes for s in settings.states)
         self._lock = threading.Lock()
         #: by (tenant, id): a tenant's ids name its own sequences only
         self._sequences: dict[tuple[str, int | str], _Sequence] = {}
+        #: ended sequences whose requests are still queued or running (the reaper answers
+        #: their late ones too)
+        self._draining: set[_Sequence] = set()
         self.state_bytes = 0
         self._ready: collections.deque[_Sequence] = collections.deque()
         self._wake = threading.Condition(self._lock)
@@ -353,7 +357,7 @@ class SequenceBatcher:
                 step = item.step = self._free_id(step, tenant)
             sequence = self._sequences.get((tenant, step.id))
             if self._ovms:
-                self._ovms_check(step, sequence)
+                self._ovms_check(step, sequence, tenant)
             if step.start:
                 if sequence is not None:
                     log.warning(
@@ -419,12 +423,21 @@ class SequenceBatcher:
 
     def _free_id(self, step: Step, tenant: str) -> Step:
         """(lock held) OVMS hands out an id for a START without one."""
-        while (tenant, self._next_id) in self._sequences:
-            self._next_id += 1
-        ident, self._next_id = self._next_id, self._next_id + 1
+        ident = self._next_ids.get(tenant, 1)  # (a counter per tenant: the ids handed out
+        while (tenant, ident) in self._sequences:  # tell nothing of other tenants' starts)
+            ident += 1
+        self._next_ids[tenant] = ident + 1
         return Step(ident, step.start, step.end)
 
-    def _ovms_check(self, step: Step, sequence: _Sequence | None) -> None:
+    def _tenant_full(self, tenant: str, cap: int) -> bool:
+        """(lock held) Whether ``tenant`` (a token's: "" is not bounded) holds seven eighths of
+        the model's ``cap`` sequences, as of the server's --max-sequences."""
+        if not tenant:
+            return False
+        held = sum(1 for owner, _ in self._sequences if owner == tenant)
+        return held >= max(1, cap * 7 // 8)
+
+    def _ovms_check(self, step: Step, sequence: _Sequence | None, tenant: str) -> None:
         """(lock held) OVMS's refusals: a START for an id in use, a request for one not."""
         if step.start and sequence is not None:
             raise SequenceExists(
@@ -436,7 +449,8 @@ class SequenceBatcher:
                 f"model '{self.name}': sequence with provided ID does not exist ({step.id}); "
                 "start it with sequence_control_input 1"
             )
-        if step.start and len(self._sequences) >= self.settings.max_sequences:
+        cap = self.settings.max_sequences
+        if step.start and (len(self._sequences) >= cap or self._tenant_full(tenant, cap)):
             raise SequencesFull(
                 f"model '{self.name}': max sequence number has been reached "
                 f"({self.settings.max_sequences}, max_sequence_number); could not create a new "
@@ -479,6 +493,12 @@ class SequenceBatcher:
                 "(sequence_batching max_candidate_sequences); end a sequence or retry once an "
                 "idle one has timed out"
             )
+        if cap and self._tenant_full(tenant, cap):
+            raise ResourceExhausted(
+                f"model '{self.name}': this tenant holds its share of the model's {cap} "
+                "sequence slots (seven eighths of max_candidate_sequences); end one of its "
+                "sequences or retry once an idle one has timed out"
+            )
         nbytes = self._initial_bytes
         charge = self._shared.budget.charge(
             nbytes, f"a new sequence of model '{self.name}' (its initial state)"
@@ -504,8 +524,11 @@ class SequenceBatcher:
         sequence.ended = True
         if not sequence.busy and not sequence.pending:
             self._free(sequence)
+        else:
+            self._draining.add(sequence)
 
     def _free(self, sequence: _Sequence) -> None:
+        self._draining.discard(sequence)
         self.state_bytes -= sequence.nbytes
         sequence.nbytes = 0
         sequence.charge.release()
@@ -591,12 +614,15 @@ class SequenceBatcher:
         if later is not None:  # below a run this thread is starting: the loop takes it
             later.append((self, rows))
             return
-        _here.runs = later = collections.deque()
+        _here.runs = later = collections.deque([(self, rows)])
         try:
-            self._start(rows, inline)
             while later:
                 batcher, rows = later.popleft()
-                batcher._start(rows, False)
+                try:
+                    batcher._start(rows, inline)
+                except Exception:  # (its rows are answered; the others must still start)
+                    log.exception("model '%s': starting a sequence run failed", batcher.name)
+                inline = False
         finally:
             _here.runs = None
 
@@ -614,8 +640,8 @@ class SequenceBatcher:
                 expired.append(item.state == EXPIRED)
                 item.state = STARTED
         for (sequence, item), gone in zip(rows, expired):
-            if gone:  # the reaper answered it: only its sequence moves on
-                self._done(sequence, item, None, None)
+            if gone:  # the reaper answers it: only its sequence moves on
+                self._done(sequence, item, None, None, answer=False)
             elif not item.future.set_running_or_notify_cancel():
                 self._done(sequence, item, None, Cancelled("the request was cancelled"))
             elif item.deadline is not None and now >= item.deadline:
@@ -640,16 +666,22 @@ class SequenceBatcher:
                 [i.token for _, i in rows],
                 lambda: Cancelled("every request of the batch was cancelled"),
             )
-            future = self._submit(
-                feed,
-                wanted,
-                max(deadlines) if len(deadlines) == len(rows) else None,
-                inline,
-                token,
-                sum(i.holds for _, i in rows),
-                checked=self._checked(rows, feed),
-                like=rows[0][1].like if len(rows) == 1 else None,  # several: a run of its own
-            )
+            # an inline run is the model's on this thread, whose own calls (a Python model's
+            # BLS call to a sequence) must start theirs at once, not after it: no loop here
+            outer, _here.runs = getattr(_here, "runs", None), None
+            try:
+                future = self._submit(
+                    feed,
+                    wanted,
+                    max(deadlines) if len(deadlines) == len(rows) else None,
+                    inline,
+                    token,
+                    sum(i.holds for _, i in rows),
+                    checked=self._checked(rows, feed),
+                    like=rows[0][1].like if len(rows) == 1 else None,  # several: its own run
+                )
+            finally:
+                _here.runs = outer
         except BaseException as exc:
             forget()
             for sequence, item in rows:
@@ -691,11 +723,13 @@ class SequenceBatcher:
         item: _Item,
         outputs: dict[str, np.ndarray] | None,
         exc: BaseException | None,
+        answer: bool = True,
     ) -> None:
         """One request answered: its sequence's states move on (a failed run leaves them as
         they were), and its next request may run. A state that no longer fits the memory
-        budget ends the sequence, failing its queued requests too."""
-        answer = states = None
+        budget ends the sequence, failing its queued requests too. ``answer`` False: another
+        answers it (the reaper), only its sequence moves on."""
+        reply = states = None
         lost = False
         if outputs is not None:
             try:
@@ -707,13 +741,13 @@ class SequenceBatcher:
                 exc, states = error, None
         if states is not None:
             try:
-                answer = {k: outputs[k] for k in item.wanted}
+                reply = {k: outputs[k] for k in item.wanted}
                 if self._ovms:  # OVMS appends the sequence's id to every answer
-                    answer["sequence_id"] = np.array([item.step.id], np.uint64)
+                    reply["sequence_id"] = np.array([item.step.id], np.uint64)
                 if item.after is not None:
-                    answer = item.after(answer)
+                    reply = item.after(reply)
             except BaseException as error:
-                exc, answer = error, None
+                exc, reply = error, None
         rows, failed = None, []
         with self._lock:
             if states is not None:
@@ -730,19 +764,24 @@ class SequenceBatcher:
                 rows = self._make_ready(sequence)
             elif sequence.ended:
                 self._free(sequence)
-        if item.future.done():
-            pass  # dropped before it ran (nobody waits for it), or answered late already
-        elif exc is not None:
-            item.future.set_exception(exc)
-        else:
-            item.future.set_result(answer)
-        for queued in failed:
-            if queued.future.set_running_or_notify_cancel():
-                queued.future.set_exception(
-                    ResourceExhausted(f"sequence {sequence.id} of model '{self.name}' ended: {exc}")
-                )
-        if rows:
-            self._run(rows)
+        try:
+            # (a future dropped before it ran is done: nobody waits for it)
+            if answer and not item.future.done():
+                with contextlib.suppress(InvalidStateError):  # (cancelled meanwhile)
+                    if exc is not None:
+                        item.future.set_exception(exc)
+                    else:
+                        item.future.set_result(reply)
+            for queued in failed:
+                if queued.future.set_running_or_notify_cancel():
+                    queued.future.set_exception(
+                        ResourceExhausted(
+                            f"sequence {sequence.id} of model '{self.name}' ended: {exc}"
+                        )
+                    )
+        finally:  # its sequence goes on whatever an answer's callbacks did
+            if rows:
+                self._run(rows)
 
     def _states(self, outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         states = {}
@@ -780,11 +819,12 @@ class SequenceBatcher:
         idle = self.settings.idle_seconds
         expired = []
         with self._lock:
-            for sequence in self._sequences.values():
+            for sequence in [*self._sequences.values(), *self._draining]:
                 for item in sequence.pending:
                     due = item.deadline
                     if due is not None and now >= due and item.state == WAITING:
                         item.state = EXPIRED
+                        item.inputs, item.like = {}, None  # (its memory: answered, uncharged)
                         expired.append(item)
             late = [
                 s for s in self._sequences.values()

@@ -74,6 +74,12 @@ output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 1 ] } ]
 """
 
 
+#: the relay as a sequence model itself (its requests name a sequence of their own)
+STATEFUL_RELAY_CONFIG = RELAY_CONFIG.replace('name: "relay"', 'name: "stateful_relay"') + (
+    "sequence_batching { }\n"
+)
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("sequence-tenants")
@@ -83,6 +89,11 @@ def server(tmp_path_factory):
     repo = root / "repo"
     write_model(repo, "acc", accumulator(), accumulator_config("acc"))
     write_model(repo, "spin", spinner(), SPIN)
+    capped = "oldest { max_candidate_sequences: 4 }"
+    write_model(repo, "capped", accumulator(), accumulator_config("capped", capped))
+    (repo / "stateful_relay" / "1").mkdir(parents=True)
+    (repo / "stateful_relay" / "config.pbtxt").write_text(STATEFUL_RELAY_CONFIG)
+    (repo / "stateful_relay" / "1" / "model.py").write_text(RELAY)
     (repo / "relay" / "1").mkdir(parents=True)
     (repo / "relay" / "config.pbtxt").write_text(RELAY_CONFIG)
     (repo / "relay" / "1" / "model.py").write_text(RELAY)
@@ -187,9 +198,11 @@ def test_queued_requests_past_their_deadline_are_answered_and_the_sequence_goes_
         for stream in streams:
             stream.start_stream(callback=_answered(answers), headers=_as("a"))
         sent = time.monotonic()
-        for stream in streams:
-            for _ in range(64):
-                stream.async_stream_infer("spin", trips(1), sequence_id=5, timeout=200_000)
+        for k, stream in enumerate(streams):
+            for i in range(64):  # the last one ends the sequence: those queued are still seen
+                last = k == len(streams) - 1 and i == 63
+                stream.async_stream_infer("spin", trips(1), sequence_id=5, timeout=200_000,
+                                          sequence_end=last)  # fmt: skip
         got = [answers.get(timeout=60) for _ in range(16 * 64)]
     finally:
         for stream in streams:
@@ -205,8 +218,8 @@ def test_queued_requests_past_their_deadline_are_answered_and_the_sequence_goes_
     # answered at their deadline, not when the run ended
     assert max(at for at, _ in got) - sent < outcome["seconds"] - 0.3, (
         max(at for at, _ in got) - sent, outcome["seconds"])  # fmt: skip
-    assert client.infer("spin", trips(1), sequence_id=5, sequence_end=True, headers=_as("a"),
-                        client_timeout=30) is not None  # fmt: skip
+    assert client.infer("spin", trips(1), sequence_id=5, sequence_start=True, sequence_end=True,
+                        headers=_as("a"), client_timeout=30) is not None  # fmt: skip
     assert "RecursionError" not in server.log
 
 
@@ -239,3 +252,42 @@ def test_a_python_models_bls_calls_are_its_callers_tenants(client):
     assert relay("b", 7, True) == 7
     assert relay("a", 1, False) == 4243
     assert relay("b", 1, False) == 8
+
+
+def test_a_tenant_holds_seven_eighths_of_a_models_own_sequence_slots(client):
+    """oldest's max_candidate_sequences (4 here) is the model's own bound: a tenant holds 3."""
+    opened = []
+    try:
+        for k in range(3):
+            tensor = grpcclient.InferInput("INPUT", [1, 4], "FP32")
+            tensor.set_data_from_numpy(np.ones((1, 4), np.float32))
+            client.infer("capped", [tensor], sequence_id=100 + k, sequence_start=True,
+                         headers=_as("a"))  # fmt: skip
+            opened.append(("a", 100 + k))
+        tensor = grpcclient.InferInput("INPUT", [1, 4], "FP32")
+        tensor.set_data_from_numpy(np.ones((1, 4), np.float32))
+        with pytest.raises(InferenceServerException, match="this tenant holds its share"):
+            client.infer("capped", [tensor], sequence_id=200, sequence_start=True,
+                         headers=_as("a"))  # fmt: skip
+        client.infer("capped", [tensor], sequence_id=300, sequence_start=True, headers=_as("b"))
+        opened.append(("b", 300))
+    finally:
+        for who, k in opened:
+            tensor = grpcclient.InferInput("INPUT", [1, 4], "FP32")
+            tensor.set_data_from_numpy(np.zeros((1, 4), np.float32))
+            client.infer("capped", [tensor], sequence_id=k, sequence_end=True, headers=_as(who))
+
+
+def test_a_sequence_models_bls_call_to_a_sequence_starts_at_once(client):
+    """A Python model that is a sequence model itself, run inline on a unary call's thread,
+    calls another sequence model by BLS: that call's run starts at once (it does not wait for
+    the run that made it, which waits for it), and the caller's tenant is its tenant."""
+    tensor = grpcclient.InferInput("INPUT0", [2], "FP32")
+    tensor.set_data_from_numpy(np.array([5.0, 1.0], np.float32))
+    result = client.infer("stateful_relay", [tensor], sequence_id=9, sequence_start=True,
+                          headers=_as("b"), client_timeout=30)  # fmt: skip
+    assert float(result.as_numpy("OUTPUT0")[0]) == 5.0
+    tensor.set_data_from_numpy(np.array([2.0, 0.0], np.float32))
+    result = client.infer("stateful_relay", [tensor], sequence_id=9, sequence_end=True,
+                          headers=_as("b"), client_timeout=30)  # fmt: skip
+    assert float(result.as_numpy("OUTPUT0")[0]) == 7.0
