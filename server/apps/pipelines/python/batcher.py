@@ -117,11 +117,20 @@ class Gatherer:
             # the highest priority first (the queue policy's place; stable: arrival order
             # within a level), as Triton's dynamic batcher
             self._queue = collections.deque(sorted(self._queue, key=_place))
-            batch = [self._queue.popleft()]
-            rows = batch[0].rows
-            while self._queue and rows + self._queue[0].rows <= self.size:
-                rows += self._queue[0].rows
+            # one tenant's requests in an execute: its BLS calls are that tenant's (bls.py);
+            # the others keep their places for the next one
+            first = self._queue.popleft()
+            batch, rows, passed = [first], first.rows, []
+            while self._queue:
+                item = self._queue[0]
+                if item.tenant != first.tenant:
+                    passed.append(self._queue.popleft())
+                    continue
+                if rows + item.rows > self.size:
+                    break
+                rows += item.rows
                 batch.append(self._queue.popleft())
+            self._queue.extendleft(reversed(passed))
             return batch
 
     def _dispatch(self, instance: Instance) -> None:
@@ -148,13 +157,12 @@ class Gatherer:
         header = protocol.execute(network.name, [i.request for i in batch])
         spans = [i.span for i in batch if i.span is not None]
         try:
-            tenants = {i.tenant for i in batch}  # one: the execute's calls are its
             reply, outputs = instance.run(
                 tensors,
                 header,
                 [(i.request["rid"], i.token) for i in batch],
                 spans,
-                tenants.pop() if len(tenants) == 1 else "",
+                batch[0].tenant,  # (one tenant's requests: _take)
             )
             if reply.get("error"):
                 raise InferenceError(f"{where}: {reply['error']}")

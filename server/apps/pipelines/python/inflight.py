@@ -81,10 +81,10 @@ class Inflight:
         self.tracing: dict[str, Span] = {}
         #: messages sent to the process since the execute under way (notices, answers)
         self.sent_since = 0
-        #: the tenant of the execute under way, whose BLS calls are that tenant's (its
-        #: requests' one tenant; "" when they are several tenants', and between executes)
-        self.tenant = ""
-        self.bls = BlsCalls(host, self.reply, self.tracing.get, lambda: self.tenant)
+        #: the execute under way: the number it was sent with and its requests' tenant (the
+        #: Python batcher executes one tenant's requests together); (None, "") between them
+        self.executing: tuple[int | None, str] = (None, "")
+        self.bls = BlsCalls(host, self.reply, self.tracing.get, self.tenant_of)
         self.calls = Calls(host, self.reply)
         self._handlers: dict[str, Callable[[dict[str, Any], int], None]] = {
             Kind.SEND: self._response,
@@ -93,6 +93,13 @@ class Inflight:
             Kind.CALL: self.calls.start,
             Kind.LOG: self._log,
         }
+
+    def tenant_of(self, execute: int | None) -> str:
+        """The tenant of a BLS call the process made in execute number ``execute``: its
+        requests' while that execute is under way; else (made outside any execute, or after
+        its own returned) the server's own, ""."""
+        number, tenant = self.executing
+        return tenant if execute is not None and execute == number else ""
 
     def mailbox_of(self, sock: socket.socket) -> ipc.Mailbox:
         """The mailbox of a process just started, on our end of its socket."""

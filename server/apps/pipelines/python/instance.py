@@ -13,6 +13,7 @@ the next process, once.
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from pathlib import Path
@@ -61,6 +62,8 @@ class Instance:
         self.process.limits = limits
         self.readiness = Readiness(self.process)
         self.decoupled = False
+        #: numbers for its executes (a BLS call names the one it was made in)
+        self._executes = itertools.count(1)
         #: the running share of answers that came within ANSWER_SPIN of their request
         self.answers_within = 1.0
         HANGS.processes.add(self.process)
@@ -94,14 +97,16 @@ class Instance:
         (``is_cancelled()`` for that request), never stops the process. ``spans``: the
         requests' execute spans (traced ones), ended with the times the process measured."""
         with self.process.lock:
-            self.inflight.tenant = tenant  # (its BLS calls are this tenant's: bls.py)
+            # the BLS calls it makes name its number, and are its tenant's (bls.py)
+            header["execute"] = number = next(self._executes)
+            self.inflight.executing = (number, tenant)
             try:
                 if spans:
                     return self._run_traced(tensors, header, waits, spans)
                 reply, out_fd = self._send(tensors, header, waits)
                 return self._answer(reply, out_fd, len(header.get("requests", ())))
             finally:
-                self.inflight.tenant = ""
+                self.inflight.executing = (None, "")
 
     def _run_traced(
         self,

@@ -284,6 +284,7 @@ class BlsCall:
 
     __slots__ = (
         "decoupled",
+        "execute",
         "model",
         "outputs",
         "parameters",
@@ -325,6 +326,9 @@ class BlsCall:
         trace = header.get("trace")
         #: the execute span the call was made under, as the server named it (None: untraced)
         self.trace = trace if isinstance(trace, str) else None
+        execute = header.get("execute")
+        #: the execute the call was made in, as the server numbered it (None: none)
+        self.execute = execute if type(execute) is int else None
 
 
 def call_id(header: Mapping[str, Any]) -> int:

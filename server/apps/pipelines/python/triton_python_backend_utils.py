@@ -7,6 +7,7 @@ specification), over plugserve's worker protocol (``ipc.py``, its kinds of messa
 
 from __future__ import annotations
 
+import contextvars
 import json
 import sys
 import threading
@@ -207,6 +208,12 @@ class InferenceTrace:
         return json.dumps({"traceparent": self._traceparent})
 
 
+#: the execute under way in this context (the number the server gave it; None: none): a BLS
+#: request made in it names it, and is its requests' tenant's (server/apps/pipelines/python/
+#: bls.py); a thread the model starts has a context of its own, outside any execute
+EXECUTE: contextvars.ContextVar[int | None] = contextvars.ContextVar("execute", default=None)
+
+
 class InferenceRequest:
     """A request ``execute`` receives (its inputs, parameters, ...), or one a model makes to
     call another model (Business Logic Scripting: :meth:`exec`)."""
@@ -244,6 +251,8 @@ class InferenceRequest:
         #: receives, the one ``trace`` names for a BLS request (None: its execute's)
         self._trace = _trace if trace is None else getattr(trace, "_traceparent", None)
         self._sender: InferenceResponseSender | None = None
+        #: the execute it was made in (a BLS request: see :data:`EXECUTE`)
+        self._execute = EXECUTE.get()
 
     def inputs(self) -> list[Tensor]:
         return self._inputs
@@ -326,6 +335,8 @@ class InferenceRequest:
         trace = self._trace or getattr(_worker, "tracing", None)
         if trace:  # the execute span it is made under: its spans go there
             header["trace"] = trace
+        if self._execute is not None:
+            header["execute"] = self._execute
         return header
 
 

@@ -360,12 +360,15 @@ class Worker:
                 self.tracing = request._trace
                 break
         started = time.time_ns() if self.tracing is not None else 0
+        number = header.get("execute")  # its BLS requests name it (their tenant's: bls.py)
+        inside = pb_utils.EXECUTE.set(number if type(number) is int else None)
         try:
             if self.decoupled:
                 self._execute_decoupled(requests, started)
             else:
                 self._execute_plain(requests, started)
         finally:  # answered: a cancellation of these requests means nothing from now on
+            pb_utils.EXECUTE.reset(inside)
             self.tracing = None
             if not self.decoupled:
                 for request in requests:
