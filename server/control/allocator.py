@@ -28,6 +28,7 @@ __all__ = [
     "ARENAS",
     "GLIBC_MAX_MMAP_THRESHOLD",
     "freeze_heap",
+    "freezes",
     "give_back_freed_memory",
     "refreeze_heap",
     "reuse_freed_memory",
@@ -93,6 +94,9 @@ def _glibc() -> ctypes.CDLL | None:
 
 #: whether the serving process froze its start's heap (:func:`freeze_heap`)
 _frozen = False
+#: how many times the heap was frozen: a network made entirely after the last freeze holds
+#: no frozen object, and is collected without thawing the heap
+_freezes = 0
 #: retired networks not yet known to be freed (weak references), under :data:`_thaw_lock`:
 #: the heap is frozen again only once all are gone
 _retired: list[weakref.ref] = []
@@ -105,20 +109,33 @@ def freeze_heap() -> None:
     objects with tests' tiny-llama: 90-100 ms of GIL on whichever thread allocated then, about
     once per 100k streamed tokens, the HTTP thread's or the engine's (issue 60's 32-stream
     cost, BENCHMARKS.md). Collected first, so no garbage is frozen with it."""
-    global _frozen
+    global _frozen, _freezes
     gc.collect()
     gc.freeze()
     _frozen = True
+    _freezes += 1
 
 
-def thaw_heap(network: weakref.ref) -> None:
+def freezes() -> int:
+    """How many times the heap was frozen so far (a network records it before it is made:
+    :func:`thaw_heap`)."""
+    return _freezes
+
+
+def thaw_heap(network: weakref.ref, made_after: int | None = None) -> bool:
     """Let the collector see the frozen heap again: ``network`` (retired: control/retire.py)
-    is in it and is to be freed. A no-op where nothing was frozen."""
-    if not _frozen:
-        return
+    is in it and is to be freed. A no-op where nothing was frozen, and for a network begun
+    after the last freeze (``made_after``: :func:`freezes` then; None: not known): none of it
+    is frozen, and its cycles are collected with the heap frozen. Thawing made each unload's
+    collections scan the whole heap (~220k objects, 90-100 ms of GIL each, two or more of
+    them: a health probe beside three loads and unloads waited 100-250 ms). Whether it
+    thawed."""
+    if not _frozen or (made_after is not None and made_after == _freezes):
+        return False
     with _thaw_lock:
         _retired.append(network)
         gc.unfreeze()
+    return True
 
 
 def refreeze_heap() -> None:
@@ -128,7 +145,9 @@ def refreeze_heap() -> None:
     never freed. Until then the heap stays thawed, as it was before the freeze existed."""
     if not _frozen:
         return
+    global _freezes
     with _thaw_lock:
         _retired[:] = [ref for ref in _retired if ref() is not None]
         if not _retired:
             gc.freeze()
+            _freezes += 1

@@ -35,7 +35,7 @@ from plugserve.plugins.api import (
     ResourceExhausted,
     refuse_non_tensors,
 )
-from plugserve.server.control.allocator import give_back_freed_memory
+from plugserve.server.control.allocator import freezes, give_back_freed_memory
 from plugserve.server.control.core import Core, refuse_server_keys
 from plugserve.server.control.devices import parse_device
 from plugserve.server.control.model_names import check_name
@@ -53,7 +53,7 @@ from plugserve.server.control.turns import Turns
 from plugserve.server.control.warmup import Warmup, warm_up
 from plugserve.server.plane.dataplane import DataPlane, ShuttingDown
 from plugserve.server.plane.metrics import Metrics
-from plugserve.server.plane.networks import LoadedNetwork
+from plugserve.server.plane.networks import LoadedNetwork, NotReady
 from plugserve.server.plane.queue_policy import PolicyQueue, QueuePolicy
 from plugserve.server.plane.sequence_config import SequenceSettings
 from plugserve.server.plane.sequences import SequenceBatcher, Sequences
@@ -383,6 +383,7 @@ class ModelControl:
         trusted: bool,
     ) -> CompiledNetwork:
         """Core.load_network, with a device's own exceptions as a typed INTERNAL error."""
+        before = freezes()  # (none of it is frozen unless the heap is frozen meanwhile)
         try:
             with self._reading(model, f"network {name!r}"):
                 network = self.core.load_network(model, device, config, trusted=trusted)
@@ -400,6 +401,7 @@ class ModelControl:
         except PlugserveError:
             network.close()
             raise
+        network.made_after_freezes = before  # (retire.py: its unload need not thaw the heap)
         return network
 
     @staticmethod
@@ -475,6 +477,8 @@ class ModelControl:
     def _loaded(self, name: str, version: int | None = None) -> None:
         """``version`` of ``name`` loaded (None: the model was unloaded): it, and the model
         as a whole, have failed no longer."""
+        if version is not None and self.on_demand is not None:
+            self.on_demand.loaded(name)
         with self.table.lock:
             for key in [k for k in self.table.failed if k[0] == name]:
                 if version is None or key[1] in (0, version):
@@ -547,6 +551,7 @@ class ModelControl:
         device = device or self.default_device
         with self.table.lock:
             self._check_network_count(name, 0, len(self.table.loading))
+        before = freezes()
         try:
             with self._reading(blob, f"ImportNetwork of {name!r}"):
                 network = self.core.import_network(
@@ -555,6 +560,7 @@ class ModelControl:
         except PermissionDenied as exc:  # an exported program is its archive: code
             raise PermissionDenied(f"{exc} ({ALLOW_CODE})") from exc
         network.name = name
+        network.made_after_freezes = before
         with self.table.lock:
             version = next_version(max(self.table.by_name.get(name, {}), default=0), name)
             self._check_network_count(name, version, len(self.table.loading))
@@ -754,7 +760,9 @@ class ModelControl:
         with self.table.lock:
             old = self.table.by_name.get(name, {}).get(version)
             if (name, version) in self.table.loading:
-                raise InvalidArgument(f"model {name!r} version {version} is being loaded")
+                raise NotReady(  # (another load of it is under way: UNAVAILABLE, retry)
+                    f"model {name!r} version {version} is being loaded; retry once it is ready"
+                )
             if old is None:
                 self._check_network_count(name, version, len(self.table.loading))
             self.table.loading.add((name, version))

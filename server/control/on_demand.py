@@ -74,6 +74,10 @@ _ROOM_POLL = 0.02
 #: How long a model whose on-demand load failed fails again at once (its files unchanged):
 #: its requests hear the error without a load (and without the room it would first make)
 RETRY_FAILED_SECONDS = 30.0
+#: the statuses of a load's failures that pass (the server shutting down, a load of it already
+#: under way, a stop): not kept for RETRY_FAILED_SECONDS. RESOURCE_EXHAUSTED is kept: a model
+#: too big for what is free would otherwise unload another each time it is asked for
+_PASSING = frozenset({"UNAVAILABLE", "CANCELLED", "DEADLINE_EXCEEDED"})
 #: States a model's gauge reports, one series each (1: the one it is in).
 STATES = ("loaded", "loading", "unloaded")
 
@@ -240,6 +244,11 @@ class OnDemand:
             f"{room}{past if waited else ''}; retry when /v2/models/{name}/ready says it is"
         )
 
+    def loaded(self, name: str) -> None:
+        """``name`` loaded (on demand or by a call): an earlier failure of it is past."""
+        with self._lock:
+            self._failed.pop(name, None)
+
     def _stamps(self, entries: list[ModelEntry]) -> tuple:
         repository = self.control.repository
         if repository is None:
@@ -289,8 +298,9 @@ class OnDemand:
                     if entry.version not in self.table.by_name.get(name, {}):
                         self.control.reload(name, entry.version)
             except PlugserveError as exc:  # the model's own failure (not a wait for room)
-                with self._lock:
-                    self._failed[name] = (time.monotonic(), stamps, exc)
+                if exc.code not in _PASSING:
+                    with self._lock:
+                        self._failed[name] = (time.monotonic(), stamps, exc)
                 raise
             with self._lock:
                 self._loads[name] = self._loads.get(name, 0) + 1

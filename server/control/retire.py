@@ -92,24 +92,30 @@ class Retirement:
                 self.metrics.forget(entry.device, entry.name, entry.version)
             close_network(entry)
             network = weakref.ref(entry.network)
+            made_after = getattr(entry.network, "made_after_freezes", None)
             del entry
-            _give_back(network)
+            _give_back(network, made_after)
         finally:
             done.set()
 
 
-def _give_back(network: weakref.ref, within: float = 2.0) -> None:
+def _give_back(network: weakref.ref, made_after: int | None = None, within: float = 2.0) -> None:
     """Give a closed network's memory back once nothing holds it: the caller that retired it
     (a reload returning its replacement, an unload's frame) lets go a moment later, so the
     collection is tried again until the network is gone, for at most ``within`` seconds (a
     request still running past --model-unload-timeout may hold it longer: then its memory
     goes when that request ends and the collector next runs)."""
     end = time.monotonic() + within
-    thaw_heap(network)  # the start froze the heap (allocator.freeze_heap): this one may go
+    # the start froze the heap (allocator.freeze_heap): a network made before may be in it;
+    # one made after is not, unless a cycle through a frozen object keeps it: still there
+    # half way through, the heap is thawed for it too
+    thawed = thaw_heap(network, made_after)
     while True:
         gc.collect()
         if network() is None or time.monotonic() >= end:
             break
+        if not thawed and time.monotonic() >= end - within / 2:
+            thawed = thaw_heap(network)
         time.sleep(_POLL)
     # the collection that frees the network may leave part of its graph for the next one:
     # a replaced ORT decoder's engine, decoder, compiled network and session (181 objects,
@@ -120,7 +126,8 @@ def _give_back(network: weakref.ref, within: float = 2.0) -> None:
     for _ in range(_MORE_PASSES):
         if not gc.collect():
             break
-    refreeze_heap()
+    if thawed:  # (not thawed: the heap is as it was; freezing more would freeze other
+        refreeze_heap()  # networks made since, whose retirements would then thaw it)
     give_back_freed_memory()
     # a GPU network's tensors, freed, stay in torch's caching allocator: back to the card, so
     # the next load's free-memory check (and other processes) see them. Read from the modules
