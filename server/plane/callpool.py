@@ -125,6 +125,7 @@ class CallPool(futures.Executor):
         self._stalls = threading.Condition(self._lock)
         self._watching = False
         self._resting = False  # the watcher waits for a call to be queued
+        self._napping = False  # the watcher waits out its 0.1 s look, no call queued
         self._ids = itertools.count()
 
     @property
@@ -143,7 +144,7 @@ class CallPool(futures.Executor):
             self._last = item.queued
             self._fill()
             if self._queue:
-                if self._resting:
+                if self._resting or self._napping:  # (looking again only in 0.1 s: now)
                     self._stalls.notify()
                 elif not self._watching:
                     self._watching = True
@@ -250,7 +251,11 @@ class CallPool(futures.Executor):
                     else:  # every thread there may be is stuck: wait for one to finish
                         self._stalls.wait(self.stall)
                 elif now - self._last < 1.0:
+                    # a call queued meanwhile wakes it: a small call behind long ones waited
+                    # up to this nap (~50 ms on average) for its thread, not ``stall``
+                    self._napping = True
                     self._stalls.wait(0.1)
+                    self._napping = False
                 else:
                     self._resting = True
                     self._stalls.wait()

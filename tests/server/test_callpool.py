@@ -87,6 +87,26 @@ def test_calls_stuck_without_saying_so_make_the_pool_grow(pools):
     assert all(f.result(10) for f in stuck)
 
 
+def test_a_call_behind_stuck_ones_starts_within_the_stall_bound_not_the_watchers_nap(pools):
+    """Both active threads hang (a load, say): a small call queued a while after the last
+    call came starts once the stall bound (5 ms) has passed, not at the watcher's next look
+    (it looks every 0.1 s while calls come: a gRPC health probe beside three loads waited
+    90-100 ms, every time)."""
+    pool = pools(8, 2, stall=0.005)
+    release = threading.Event()
+    stuck = [pool.submit(release.wait, 30) for _ in range(2)]
+    pool.submit(lambda: None).result(10)  # the third thread: the watcher is looking now
+    waits = []
+    for _ in range(10):
+        time.sleep(0.13)  # past the third thread's call: the watcher naps its 0.1 s look
+        sent = time.perf_counter()
+        pool.submit(lambda: None).result(10)
+        waits.append(time.perf_counter() - sent)
+    release.set()
+    assert all(f.result(10) for f in stuck)
+    assert sorted(waits)[len(waits) // 2] < 0.03, waits  # median: the stall, not the nap
+
+
 def test_a_long_queue_that_moves_gets_no_more_threads(pools):
     """600 calls of ~0.5 ms each on 2 active threads: the last waits ~150 ms, far past the
     stall bound of 20 ms, but calls keep starting, so the pool does not grow (a pool that grew
