@@ -179,6 +179,31 @@ CASES = [
     ),
     ("expand", "Expand", {}, [((3, 1), F32)], {1: np.array([2, 3, 4], np.int64)}, 17),
     ("tile", "Tile", {}, [((2, 3), F32)], {1: np.array([2, 2], np.int64)}, 17),
+    # Tile is one broadcast copy into the new array, Range counts in pieces (numpy's repeat
+    # and arange keep the GIL): ranks that differ from the repeats', zero repeats, strings
+    ("tile_rank3", "Tile", {}, [((2, 1, 3), F32)], {1: np.array([1, 3, 2], np.int64)}, 17),
+    ("tile_zero", "Tile", {}, [((2, 3), F32)], {1: np.array([0, 2], np.int64)}, 17),
+    ("tile_ints", "Tile", {}, [((4,), TensorProto.INT64)], {1: np.array([5], np.int64)}, 13),
+    (
+        "range_pieces",
+        "Range",
+        {},
+        [],
+        {
+            0: np.array(1.5, np.float32),
+            1: np.array(3.5e6, np.float32),
+            2: np.array(1.25, np.float32),
+        },
+        11,
+    ),
+    (
+        "range_ints",
+        "Range",
+        {},
+        [],
+        {0: np.array(-7, np.int64), 1: np.array(5_000_000, np.int64), 2: np.array(3, np.int64)},
+        11,
+    ),
     ("split", "Split", {"axis": 1}, [((2, 6), F32)], {1: np.array([2, 4], np.int64)}, 17),
     ("topk", "TopK", {"axis": -1}, [((3, 10), F32)], {1: np.array([4], np.int64)}, 17),
     ("cumsum_reverse", "CumSum", {"reverse": 1}, [((3, 4), F32)], {1: np.array(1)}, 17),
