@@ -250,10 +250,12 @@ def check_bytes(nbytes: int, what: str, run: RunContext | None) -> None:
     """Refuse ``nbytes`` of one output over the room of ``run``, before it is allocated."""
     bound = room(run)
     if bound and nbytes > bound:
+        # (how much is free is not said: it is what every other request holds, other
+        # tenants' too, which a client could read off refusals it asks for)
         raise ResourceExhausted(
-            f"{what} would allocate {nbytes:,} bytes, more than this request may hold "
-            f"({bound:,} bytes free of the server's --max-inflight-bytes); send smaller "
-            "sizes, or raise --max-inflight-bytes"
+            f"{what} would allocate {nbytes:,} bytes, more than this request may hold (what "
+            "is free now of the server's --max-inflight-bytes); send smaller sizes, or raise "
+            "--max-inflight-bytes"
         )
 
 

@@ -227,10 +227,10 @@ class DeviceMemory:
             while self.charged + nbytes > self.limit:
                 left = end - time.monotonic()
                 if left <= 0:
-                    raise DeviceOutOfMemory(
+                    raise DeviceOutOfMemory(  # (no figure of what the others hold: see amplify)
                         f"{what} needs about {_mib(nbytes)} of {self.name}'s memory for its "
-                        f"activations; {self._state(None)} after waiting {wait_s:.0f} s for "
-                        "other requests: retry later"
+                        f"activations, more than is free of its budget of {_mib(self.limit)} "
+                        f"after waiting {wait_s:.0f} s for other requests: retry later"
                     )
                 self._cond.wait(left)
             self.charged += nbytes
