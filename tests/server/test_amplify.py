@@ -109,6 +109,8 @@ def test_a_tiny_request_cannot_make_a_huge_output(running, name, device):
             client.infer(label, _inputs(huge))
         assert "RESOURCE_EXHAUSTED" in str(refused.value.status()), refused.value
         assert "would allocate" in str(refused.value), refused.value
+        # what is free (all other requests' bytes, other tenants' too) is not told
+        assert "bytes free" not in str(refused.value), refused.value
         assert running.process.poll() is None
         assert _peak_rss(running.process.pid) < 2 << 30  # far from the 40 GB it asked for
         answer = client.infer(label, _inputs(normal))  # the model still serves
