@@ -93,11 +93,13 @@ class _Object:
     (its region, a request's output target) lets go of it, so a descriptor number is never
     reused under a request that still writes through it."""
 
-    __slots__ = ("fd", "key")
+    __slots__ = ("fd", "identity", "key")
 
     def __init__(self, fd: int, key: str) -> None:
         self.fd = fd
         self.key = key
+        #: the object itself (device and inode), whatever key named it
+        self.identity: tuple[int, int] = (0, 0)
 
     def size(self) -> int:
         return os.fstat(self.fd).st_size
@@ -219,6 +221,15 @@ class SharedMemory:
             if (tenant, name) in self._regions:  # registered meanwhile by another call
                 charge.release()
                 raise InvalidArgument(f"shared memory region {name!r} is already registered")
+            if any(
+                owner != tenant and held.object.identity == opened.identity
+                for (owner, _), held in self._regions.items()
+            ):  # another tenant's object: its regions' names are its, and so is its memory
+                charge.release()
+                raise InvalidArgument(
+                    f"shared memory region {name!r}: {key!r} cannot be registered by this "
+                    "token: its object is registered by another tenant's"
+                )
             self._regions[(tenant, name)] = region
 
     def status(self, name: str = "", tenant: str = "") -> list[Region]:
@@ -428,6 +439,7 @@ def _open(key: str, length: int, name: str) -> _Object:
         ) from None
     opened = _Object(fd, key)  # closes the descriptor if a check below refuses it
     info = os.fstat(fd)
+    opened.identity = (info.st_dev, info.st_ino)
     if not stat.S_ISREG(info.st_mode):
         raise InvalidArgument(f"shared memory key {key!r} is not a shared memory object")
     if length > info.st_size:

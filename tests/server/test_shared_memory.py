@@ -331,6 +331,11 @@ def test_regions_belong_to_the_tenant_that_registered_them(tmp_path, regions, pr
                 client.infer("add", plain, outputs=[output], headers=as_("infer_b"))
             np.testing.assert_array_equal(shm.get_contents_as_numpy(out, np.float32, [16]), a + a)
 
+            # nor may b register a's object under a name of its own (then read it as its own)
+            with pytest.raises(InferenceServerException, match="another tenant's"):
+                client.register_system_shared_memory(
+                    "mine", secret_key, 128, headers=as_("admin_b")
+                )
             # the same name in tenant b is a region of its own; b's "unregister all" is b's
             _, b_key, b_region = regions(128)
             shm.set_shared_memory_region(b_region, [np.ones(32, np.float32)])
