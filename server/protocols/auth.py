@@ -161,12 +161,16 @@ def _digest(token: str | bytes) -> bytes:
 class Tokens:
     """Known tokens as (SHA-256 digest, role, tenant); :meth:`identify` checks one in constant
     time. ``entries``: ``(token, role)`` or ``(token, role, tenant)``; a token without a tenant
-    is its own (named ``#N``, N its place: no ``tenant=`` name can take that form)."""
+    is its own, named ``#`` and 16 hex digits of a digest of the token (no ``tenant=`` name can
+    take that form). Named by its place in the file before, a token took the tenant (and the
+    KV blocks on disk, salted with its name) of the line it moved into when another was
+    revoked and the server restarted."""
 
     def __init__(self, entries: Iterable[tuple[str, ...]]) -> None:
         self._entries: list[tuple[bytes, str, str]] = []
-        for number, (token, role, *tenant) in enumerate(entries, 1):
-            self._entries.append((_digest(token), role, tenant[0] if tenant else f"#{number}"))
+        for token, role, *tenant in entries:
+            own = "#" + _digest("plugserve-tenant:" + token).hex()[:16]
+            self._entries.append((_digest(token), role, tenant[0] if tenant else own))
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -298,6 +302,12 @@ class AuthInterceptor(grpc.ServerInterceptor):
         adapter names its routes by the gRPC method they stand for."""
         code, role, _tenant = self.check(method, metadata)
         return code, role
+
+    def role_of(self, metadata: Sequence[tuple[str, Any]] | None) -> str | None:
+        """The role of the token ``metadata`` carries (None: none, or one not known), without
+        logging a denial: for a look before the call's own check (Ray's multiplexed load)."""
+        token = _bearer(metadata)
+        return self.tokens.identify(token)[0] if token else None
 
     def check(
         self, method: str, metadata: Sequence[tuple[str, Any]] | None

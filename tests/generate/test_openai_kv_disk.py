@@ -109,3 +109,31 @@ def test_a_disk_that_does_not_answer_stalls_no_request(core, llm_folder, tmp_pat
             _release(files)
             waiting.join(timeout=60)
         assert held >= 1  # the reader was still in a file when both had been answered
+
+
+def test_a_revoked_tokens_blocks_go_to_no_other_token_after_a_restart(core, llm_folder, tmp_path):
+    """With tokens, the blocks on disk are salted with their tenant. A token without a
+    ``tenant=`` name was named by its line's place in the file: revoking the first line and
+    restarting made the second token ``#1``, and it read the revoked token's blocks off the
+    disk (``cached_tokens`` of a prompt only that token had sent). Now a token is known by a
+    digest of itself: its own blocks come back after the restart, the revoked one's do not."""
+    if "ORT" not in core.available_devices:
+        pytest.skip("ORT is not available here")
+    folder = llm_folder("tiny-llama", "optimum-onnx")
+    directory = tmp_path / "kv"
+    tokens = tmp_path / "tokens"
+    tokens.write_text("revoked-token-0001 infer\nkept-token-0002 infer\n")
+    tokens.chmod(0o600)
+    secret = "The vault code is 4821. " * 6 + "Tell me about vaults."
+    mine = "A long talk about rivers. " * 6 + "Tell me about rivers."
+    with serving(_models(folder, directory), "--auth-tokens", str(tokens)) as running:
+        _complete(client(running, api_key="revoked-token-0001"), "disk", secret)
+        kept = client(running, api_key="kept-token-0002")
+        _complete(kept, "disk", mine)
+        for filler in FILLERS:  # every block of both through the host tier to disk
+            _complete(kept, "disk", filler)
+    tokens.write_text("kept-token-0002 infer\n")  # the first line revoked
+    with serving(_models(folder, directory), "--auth-tokens", str(tokens)) as running:
+        kept = client(running, api_key="kept-token-0002")
+        assert _complete(kept, "disk", mine)[1] >= 32  # its own blocks, from disk
+        assert _complete(kept, "disk", secret)[1] == 0  # never the revoked token's
