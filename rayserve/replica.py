@@ -38,7 +38,7 @@ from plugserve.ray.kserve_grpc import METHODS, STREAMING, KServeBridge
 from plugserve.server.process.app import NotServable, Server
 from plugserve.server.process.rest_faces import RestFaces, build_rest
 from plugserve.server.process.settings import Settings
-from plugserve.server.protocols.auth import AuthInterceptor, load_tokens
+from plugserve.server.protocols.auth import ADMIN, INFER, AuthInterceptor, load_tokens
 from plugserve.server.protocols.http.http_server import StreamReply
 from plugserve.server.protocols.kserve.grpc_service import KServeServicer
 
@@ -76,17 +76,20 @@ class ReplicaBase:
         self.server.openai = self.rest.openai  # closed by Server.stop
         tenant_of = auth.tenant if auth is not None else None
         self.kserve = KServeBridge(KServeServicer(plane, control, tenant_of), threads, auth, local)
+        #: checks a caller's token before its multiplexed model is loaded for it
+        self.auth = auth
 
     # --- Serve's hooks
 
     async def __call__(self, request: Request) -> Response:
-        await self._multiplexed()
+        await self._multiplexed(list(request.headers.items()))
         return await serve_http(self.rest.router, self.server.plane.budget, request)
 
     async def routed(self, request: Forwarded) -> AsyncIterator[ReplyHead | bytes]:
         """A request the ingress forwards under prefix routing (``ingress.py``), answered as
         :meth:`__call__` answers Serve's proxy: its head, then its body's chunks."""
-        await self._multiplexed()
+        await self._multiplexed([(k.decode("latin-1"), v.decode("latin-1")) for k, v in
+                                 request.headers])  # fmt: skip
         body = request.body
 
         async def read() -> bytes:
@@ -127,11 +130,18 @@ class ReplicaBase:
 
     # --- multiplexing
 
-    async def _multiplexed(self) -> None:
+    async def _multiplexed(self, metadata: list[tuple[str, str]]) -> None:
+        """Load the request's multiplexed model, for a caller whose token may infer: with
+        tokens, a caller without one (or with a wrong one) made the replica load a model and
+        unload another before its 401, so anyone could churn the tenants' models."""
         if self.models_per_replica:
             model_id = serve.get_multiplexed_model_id()
-            if model_id:
+            if model_id and self._may_load(metadata):
                 await self.model(model_id)
+
+    def _may_load(self, metadata: list[tuple[str, str]]) -> bool:
+        """Whether the caller's token may infer (its call's own check refuses it after)."""
+        return self.auth is None or self.auth.role_of(metadata) in (INFER, ADMIN)
 
     async def model(self, model_id: str) -> Any:
         """Replaced by the multiplexed loader (:func:`replica_class`)."""
@@ -160,9 +170,14 @@ class _Held:
                 log.warning("multiplexing: unloading %s: %s", self.name, exc)
 
 
+def _metadata(grpc_context: Any) -> list[tuple[str, str]]:
+    """A gRPC call's metadata as Serve's context gives it (its auth check reads it)."""
+    return list(grpc_context.invocation_metadata() or [])
+
+
 def _unary(name: str) -> Any:
     async def method(self: ReplicaBase, request: Any, grpc_context: Any) -> Any:
-        await self._multiplexed()
+        await self._multiplexed(_metadata(grpc_context))
         return await self.kserve.unary(name, request, grpc_context)
 
     method.__name__ = name
@@ -173,7 +188,7 @@ def _streaming(name: str) -> Any:
     async def method(
         self: ReplicaBase, requests: AsyncIterator[Any], grpc_context: Any
     ) -> AsyncIterator[Any]:
-        await self._multiplexed()
+        await self._multiplexed(_metadata(grpc_context))
         async for response in self.kserve.stream(name, requests, grpc_context):
             yield response
 

@@ -128,3 +128,33 @@ def test_the_prefix_key_is_a_chain_stable_across_turns_and_split_by_tenant(pytho
     assert (found["one"], found["two"]) == (6, 8) and found["common"], found
     assert found["tenant"] == 0  # another tenant's chain shares no block
     assert found["bad"] == [[], [], []]
+
+
+def test_a_multiplexed_model_is_loaded_for_a_caller_whose_token_may_infer_only(python, tmp_path):
+    """With tokens the replica loaded a request's multiplexed model before the request's own
+    token check: a caller without a token (or with a wrong one) made it load a model and
+    unload another tenant's. It loads for an infer or admin token only (the headers as
+    Serve's HTTP request and gRPC context give them)."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text("ray-infer-token-0001 infer\nray-admin-token-0001 admin\n")
+    tokens.chmod(0o600)
+    done = _run(
+        python,
+        "import json\n"
+        "from plugserve.ray.replica import ReplicaBase, _metadata\n"
+        "from plugserve.server.protocols.auth import AuthInterceptor, load_tokens\n"
+        "class Replica: pass\n"
+        "r = Replica()\n"
+        f"r.auth = AuthInterceptor(load_tokens({str(tokens)!r}), True, False)\n"
+        "may = lambda meta: ReplicaBase._may_load(r, meta)\n"
+        "class Context:\n"
+        "    def invocation_metadata(self):\n"
+        "        return (('authorization', 'Bearer ray-infer-token-0001'),)\n"
+        "seen = [may([]), may([('authorization', 'Bearer wrong-token-000001')]),\n"
+        "        may([('authorization', 'Bearer ray-infer-token-0001')]),\n"
+        "        may([('x-api-key', 'ray-admin-token-0001')]), may(_metadata(Context()))]\n"
+        "r.auth = None\n"
+        "print(json.dumps(seen + [may([])]))\n",
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout) == [False, False, True, True, True, True]
