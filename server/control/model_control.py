@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import tempfile
+import weakref
 from collections.abc import Callable, Collection, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -193,6 +194,8 @@ class ModelControl:
         #: --model-load-on-demand: what loads and unloads the repository's models as requests
         #: come (``on_demand.py``, which sets it); None: the repository loads at startup
         self.on_demand: OnDemand | None = None
+        #: networks made and not yet entered: the heap's freezes when each was begun
+        self._begun: weakref.WeakKeyDictionary[CompiledNetwork, int] = weakref.WeakKeyDictionary()
         #: QueryNetworks, one at a time per tenant (``turns.py``)
         self._queries = Turns(
             "QueryNetwork",
@@ -305,9 +308,12 @@ class ModelControl:
         if network.max_batch_size is not None:  # its own config decided (auto_complete_config)
             max_batch_size = network.max_batch_size
         recorder = self.metrics.recorder(kind, name, version, network.precision)
-        return LoadedNetwork(
+        entry = LoadedNetwork(
             name, version, kind, network, persisted, max_batch_size, recorder, self.queue_size
         )
+        with contextlib.suppress(TypeError):
+            entry.made_after_freezes = self._begun.pop(network, None)
+        return entry
 
     def _queued(self, entry: LoadedNetwork, policy: QueuePolicy | None) -> None:
         """Give ``entry`` Triton's queue policies (its config's dynamic_batching), before it
@@ -401,7 +407,8 @@ class ModelControl:
         except PlugserveError:
             network.close()
             raise
-        network.made_after_freezes = before  # (retire.py: its unload need not thaw the heap)
+        with contextlib.suppress(TypeError):  # (a plugin's network that cannot be a key)
+            self._begun[network] = before  # (its entry's: retire.py need not thaw for it)
         return network
 
     @staticmethod
@@ -560,7 +567,8 @@ class ModelControl:
         except PermissionDenied as exc:  # an exported program is its archive: code
             raise PermissionDenied(f"{exc} ({ALLOW_CODE})") from exc
         network.name = name
-        network.made_after_freezes = before
+        with contextlib.suppress(TypeError):
+            self._begun[network] = before
         with self.table.lock:
             version = next_version(max(self.table.by_name.get(name, {}), default=0), name)
             self._check_network_count(name, version, len(self.table.loading))

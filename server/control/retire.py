@@ -92,7 +92,7 @@ class Retirement:
                 self.metrics.forget(entry.device, entry.name, entry.version)
             close_network(entry)
             network = weakref.ref(entry.network)
-            made_after = getattr(entry.network, "made_after_freezes", None)
+            made_after = entry.made_after_freezes
             del entry
             _give_back(network, made_after)
         finally:

@@ -153,6 +153,10 @@ class LoadedNetwork:
     #: when a request last came (``time.monotonic``; its load until then): which loaded
     #: model on-demand loading unloads first, and when one is idle (``control/on_demand.py``)
     last_used: float = dataclasses.field(init=False, default_factory=time.monotonic)
+    #: how many times the heap had been frozen when its network began to be made
+    #: (``control/allocator.py``; None: not known): its unload thaws the heap only if frozen
+    #: again since
+    made_after_freezes: int | None = dataclasses.field(init=False, default=None)
     #: when it was loaded (``time.monotonic``): on-demand loading keeps it at least
     #: --model-min-loaded-seconds before it may leave to make room (``control/on_demand.py``)
     loaded_at: float = dataclasses.field(init=False, default_factory=time.monotonic)

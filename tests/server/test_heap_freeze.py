@@ -87,25 +87,23 @@ class Network:  # a retired network's graph: a cycle
 old = Network()  # loaded before the start's freeze: in the frozen heap
 kept = Network()  # made before the freeze, garbage after it (frozen: the collector skips it)
 allocator.freeze_heap()
-count = gc.get_freeze_count()
+freezes = allocator.freezes()  # one more each time the heap is frozen again after a thaw
 new = Network()  # loaded after it: none of it frozen
 ref = weakref.ref(new)
-made = allocator.freezes()
 del new
-retire._give_back(ref, made, within=2.0)
-print(ref() is None, gc.get_freeze_count() == count)  # freed, the heap never thawed
+retire._give_back(ref, freezes, within=2.0)
+print(ref() is None, allocator.freezes() == freezes)  # freed, the heap never thawed
 ref = weakref.ref(old)
 del old
 retire._give_back(ref, 0, within=2.0)  # made before the freeze: the heap thawed for it
-print(ref() is None, gc.get_freeze_count() != count)
-count = gc.get_freeze_count()
+print(ref() is None, allocator.freezes() == freezes + 1)
 tied = Network()  # made after the last freeze, held in a cycle through a frozen object
 kept.tied, tied.kept = tied, kept
 ref = weakref.ref(tied)
 made = allocator.freezes()
 del tied, kept
 retire._give_back(ref, made, within=0.4)  # not freed without the heap: thawed half way
-print(ref() is None, gc.get_freeze_count() != count)
+print(ref() is None, allocator.freezes() == made + 1)
 """
 
 

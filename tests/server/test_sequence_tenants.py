@@ -198,11 +198,9 @@ def test_queued_requests_past_their_deadline_are_answered_and_the_sequence_goes_
         for stream in streams:
             stream.start_stream(callback=_answered(answers), headers=_as("a"))
         sent = time.monotonic()
-        for k, stream in enumerate(streams):
-            for i in range(64):  # the last one ends the sequence: those queued are still seen
-                last = k == len(streams) - 1 and i == 63
-                stream.async_stream_infer("spin", trips(1), sequence_id=5, timeout=200_000,
-                                          sequence_end=last)  # fmt: skip
+        for stream in streams:
+            for _ in range(64):
+                stream.async_stream_infer("spin", trips(1), sequence_id=5, timeout=200_000)
         got = [answers.get(timeout=60) for _ in range(16 * 64)]
     finally:
         for stream in streams:
@@ -218,8 +216,8 @@ def test_queued_requests_past_their_deadline_are_answered_and_the_sequence_goes_
     # answered at their deadline, not when the run ended
     assert max(at for at, _ in got) - sent < outcome["seconds"] - 0.3, (
         max(at for at, _ in got) - sent, outcome["seconds"])  # fmt: skip
-    assert client.infer("spin", trips(1), sequence_id=5, sequence_start=True, sequence_end=True,
-                        headers=_as("a"), client_timeout=30) is not None  # fmt: skip
+    assert client.infer("spin", trips(1), sequence_id=5, sequence_end=True, headers=_as("a"),
+                        client_timeout=30) is not None  # fmt: skip
     assert "RecursionError" not in server.log
 
 
@@ -291,3 +289,43 @@ def test_a_sequence_models_bls_call_to_a_sequence_starts_at_once(client):
     result = client.infer("stateful_relay", [tensor], sequence_id=9, sequence_end=True,
                           headers=_as("b"), client_timeout=30)  # fmt: skip
     assert float(result.as_numpy("OUTPUT0")[0]) == 7.0
+
+
+def test_queued_requests_of_an_ended_sequence_are_answered_at_their_deadline(server, client):
+    """The last of the requests queued behind a slow run ends the sequence (on one stream, so
+    it is admitted last): the sequence leaves the table at once, and its queued requests are
+    still answered at their deadline, not when the run ends."""
+
+    def trips(value: int) -> list:
+        tensor = grpcclient.InferInput("M", [1, 1], "INT64")
+        tensor.set_data_from_numpy(np.full((1, 1), value, np.int64))
+        return [tensor]
+
+    client.infer("spin", trips(1), sequence_id=6, sequence_start=True, headers=_as("a"))
+    started = time.monotonic()
+    client.infer("spin", trips(200_000), sequence_id=6, headers=_as("a"))
+    slow = max(200_000, int(2.0 / ((time.monotonic() - started) / 200_000)))
+    outcome: dict = {}
+
+    def run() -> None:
+        begun = time.monotonic()
+        client.infer("spin", trips(slow), sequence_id=6, headers=_as("a"), client_timeout=120)
+        outcome["seconds"] = time.monotonic() - begun
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    time.sleep(0.3)
+    answers: queue.Queue = queue.Queue()
+    with grpcclient.InferenceServerClient(server.target) as stream:
+        stream.start_stream(callback=_answered(answers), headers=_as("a"))
+        sent = time.monotonic()
+        for i in range(20):
+            stream.async_stream_infer("spin", trips(1), sequence_id=6, timeout=200_000,
+                                      sequence_end=i == 19)  # fmt: skip
+        got = [answers.get(timeout=60) for _ in range(20)]
+        stream.stop_stream(cancel_requests=True)
+    worker.join(120)
+    assert all(e is not None and "deadline" in e.message() for _, e in got), got
+    assert outcome["seconds"] > 1.0, outcome
+    assert max(at for at, _ in got) - sent < outcome["seconds"] - 0.3, (
+        max(at for at, _ in got) - sent, outcome["seconds"])  # fmt: skip
