@@ -160,30 +160,28 @@ def test_a_tenant_holds_seven_eighths_of_the_servers_sequences(client):
     _acc(client, "a", 6000, 1, start=True, end=True)  # room again
 
 
-def test_queued_requests_past_their_deadline_are_answered_and_the_sequence_goes_on(server, client):
-    """Behind a run of about a second, 1,024 queued requests of the same sequence with a
-    200 ms timeout each: all are answered DEADLINE_EXCEEDED, while the run still goes (the
-    reaper answers them at their deadline), the run's own answer comes, and the sequence takes
-    its next request. Before, they were answered only when the run ended, by a recursion that
-    overflowed the stack: the run's caller got INTERNAL, ~half the queued ones never got an
-    answer, and every later request of the sequence waited for good."""
+def _trips(value: int) -> list:
+    """The spin model's input: a run of ``value`` trips."""
+    tensor = grpcclient.InferInput("M", [1, 1], "INT64")
+    tensor.set_data_from_numpy(np.full((1, 1), value, np.int64))
+    return [tensor]
 
-    def trips(value: int) -> list:
-        tensor = grpcclient.InferInput("M", [1, 1], "INT64")
-        tensor.set_data_from_numpy(np.full((1, 1), value, np.int64))
-        return [tensor]
 
-    client.infer("spin", trips(1), sequence_id=5, sequence_start=True, headers=_as("a"))
+def _holding(client, sequence_id: int) -> tuple[threading.Thread, dict]:
+    """Tenant a's sequence ``sequence_id`` started, then a run of about 2 s on it, held by a
+    thread for 0.3 s when this returns: the thread, and its outcome (``answer``: the answer or
+    the error; ``seconds``: how long it took)."""
+    client.infer("spin", _trips(1), sequence_id=sequence_id, sequence_start=True,
+                 headers=_as("a"))  # fmt: skip
     started = time.monotonic()
-    client.infer("spin", trips(200_000), sequence_id=5, headers=_as("a"))
-    per_trip = (time.monotonic() - started) / 200_000
-    slow = max(200_000, int(2.0 / per_trip))  # about 2 s
+    client.infer("spin", _trips(200_000), sequence_id=sequence_id, headers=_as("a"))
+    slow = max(200_000, int(2.0 / ((time.monotonic() - started) / 200_000)))
     outcome: dict = {}
 
     def run() -> None:
         begun = time.monotonic()
         try:
-            outcome["answer"] = client.infer("spin", trips(slow), sequence_id=5,
+            outcome["answer"] = client.infer("spin", _trips(slow), sequence_id=sequence_id,
                                              headers=_as("a"), client_timeout=120)  # fmt: skip
         except InferenceServerException as exc:
             outcome["answer"] = exc
@@ -192,6 +190,18 @@ def test_queued_requests_past_their_deadline_are_answered_and_the_sequence_goes_
     worker = threading.Thread(target=run)
     worker.start()
     time.sleep(0.3)  # the slow run holds the sequence
+    return worker, outcome
+
+
+def test_queued_requests_past_their_deadline_are_answered_and_the_sequence_goes_on(server, client):
+    """Behind a run of about a second, 1,024 queued requests of the same sequence with a
+    200 ms timeout each: all are answered DEADLINE_EXCEEDED, while the run still goes (the
+    reaper answers them at their deadline), the run's own answer comes, and the sequence takes
+    its next request. Before, they were answered only when the run ended, by a recursion that
+    overflowed the stack: the run's caller got INTERNAL, ~half the queued ones never got an
+    answer, and every later request of the sequence waited for good."""
+
+    worker, outcome = _holding(client, 5)
     answers: queue.Queue = queue.Queue()
     streams = [grpcclient.InferenceServerClient(server.target) for _ in range(16)]
     try:
@@ -200,7 +210,7 @@ def test_queued_requests_past_their_deadline_are_answered_and_the_sequence_goes_
         sent = time.monotonic()
         for stream in streams:
             for _ in range(64):
-                stream.async_stream_infer("spin", trips(1), sequence_id=5, timeout=200_000)
+                stream.async_stream_infer("spin", _trips(1), sequence_id=5, timeout=200_000)
         got = [answers.get(timeout=60) for _ in range(16 * 64)]
     finally:
         for stream in streams:
@@ -216,7 +226,7 @@ def test_queued_requests_past_their_deadline_are_answered_and_the_sequence_goes_
     # answered at their deadline, not when the run ended
     assert max(at for at, _ in got) - sent < outcome["seconds"] - 0.3, (
         max(at for at, _ in got) - sent, outcome["seconds"])  # fmt: skip
-    assert client.infer("spin", trips(1), sequence_id=5, sequence_end=True, headers=_as("a"),
+    assert client.infer("spin", _trips(1), sequence_id=5, sequence_end=True, headers=_as("a"),
                         client_timeout=30) is not None  # fmt: skip
     assert "RecursionError" not in server.log
 
@@ -296,31 +306,13 @@ def test_queued_requests_of_an_ended_sequence_are_answered_at_their_deadline(ser
     it is admitted last): the sequence leaves the table at once, and its queued requests are
     still answered at their deadline, not when the run ends."""
 
-    def trips(value: int) -> list:
-        tensor = grpcclient.InferInput("M", [1, 1], "INT64")
-        tensor.set_data_from_numpy(np.full((1, 1), value, np.int64))
-        return [tensor]
-
-    client.infer("spin", trips(1), sequence_id=6, sequence_start=True, headers=_as("a"))
-    started = time.monotonic()
-    client.infer("spin", trips(200_000), sequence_id=6, headers=_as("a"))
-    slow = max(200_000, int(2.0 / ((time.monotonic() - started) / 200_000)))
-    outcome: dict = {}
-
-    def run() -> None:
-        begun = time.monotonic()
-        client.infer("spin", trips(slow), sequence_id=6, headers=_as("a"), client_timeout=120)
-        outcome["seconds"] = time.monotonic() - begun
-
-    worker = threading.Thread(target=run)
-    worker.start()
-    time.sleep(0.3)
+    worker, outcome = _holding(client, 6)
     answers: queue.Queue = queue.Queue()
     with grpcclient.InferenceServerClient(server.target) as stream:
         stream.start_stream(callback=_answered(answers), headers=_as("a"))
         sent = time.monotonic()
         for i in range(20):
-            stream.async_stream_infer("spin", trips(1), sequence_id=6, timeout=200_000,
+            stream.async_stream_infer("spin", _trips(1), sequence_id=6, timeout=200_000,
                                       sequence_end=i == 19)  # fmt: skip
         got = [answers.get(timeout=60) for _ in range(20)]
         stream.stop_stream(cancel_requests=True)
