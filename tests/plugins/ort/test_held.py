@@ -210,7 +210,12 @@ def test_making_a_held_session_lets_other_threads_run():
     took 0.6 s for a chain of 20,000 Relus here while keeping the GIL: every other thread of
     the server stopped (a REST ping waited 553-863 ms during such a load; BENCHMARKS.md). Now
     the making lets go of the GIL (only the runs keep it): a thread that ticks every
-    millisecond meanwhile never waits a quarter of the time it takes."""
+    millisecond meanwhile never waits a quarter of the time it takes.
+
+    On a shared two-core machine the ticking thread itself may not be scheduled for a while
+    (CI once saw 0.93 s of 2.22 s), so the making is measured up to three times and one
+    clean measurement passes: a making that keeps the GIL waits half of it or more every
+    time (0.88 of 1.67 s before)."""
     import time
 
     from plugserve.plugins.ort.held import open_held
@@ -221,10 +226,16 @@ def test_making_a_held_session_lets_other_threads_run():
 
     def make() -> None:
         start = time.perf_counter()
-        made.append(open_held(data, model, ["x"], "ALL", 10**9, "long"))
+        made[:] = [open_held(data, model, ["x"], "ALL", 10**9, "long")]
         made.append(time.perf_counter() - start)
 
-    gap = longest_gap(make, every=0.001)
-    held, took = made
-    assert held is not None, "the chain should take the lane (it did when this was written)"
-    assert gap < took / 4, f"a tick waited {gap:.3f} s of the {took:.3f} s"
+    seen = []
+    for _ in range(3):
+        gap = longest_gap(make, every=0.001)
+        held, took = made
+        assert held is not None, "the chain should take the lane (it did when this was written)"
+        seen.append(f"{gap:.3f} s of {took:.3f} s")
+        if gap < took / 4:
+            break
+    else:
+        raise AssertionError(f"a tick waited {', '.join(seen)}")
