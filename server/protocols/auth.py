@@ -17,7 +17,8 @@
 
 Tokens are kept only as SHA-256 digests and compared with :func:`hmac.compare_digest` against
 every known token (no early exit), so neither the value nor the length of a token leaks through
-timing. Tokens are never logged: log lines name the role and the method only.
+timing. Tokens are never logged: log lines name the role and the method only. Denials are
+logged at most ``DENIAL_LINES`` lines in each ``DENIAL_WINDOW`` of seconds (:class:`DenialLog`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ import logging
 import os
 import re
 import stat
+import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -54,6 +57,53 @@ __all__ = [
 ]
 
 log = logging.getLogger("plugserve.security")
+
+#: the most denial lines logged in each DENIAL_WINDOW of seconds (the rest are counted)
+DENIAL_LINES = 20
+DENIAL_WINDOW = 10.0
+
+
+class DenialLog:
+    """The log of denied calls: at most ``lines`` lines in each ``window`` of seconds.
+
+    Each denied call was logged, so a client sending bad tokens as fast as it could grew the
+    log as fast (a line a call, the disk a request could fill, the logging lock every other
+    thread takes). Past the burst the calls are counted, one line says so, and the first
+    line logged once the window has passed says how many went unlogged."""
+
+    def __init__(self, lines: int = DENIAL_LINES, window: float = DENIAL_WINDOW) -> None:
+        self.lines = lines
+        self.window = window
+        self._lock = threading.Lock()
+        self._started = -window
+        self._logged = 0
+        self._unlogged = 0
+
+    def warning(self, message: str, *args: Any) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now - self._started >= self.window:
+                self._started, self._logged = now, 0
+            self._logged += 1
+            logged, unlogged = self._logged, self._unlogged
+            if logged > self.lines:
+                self._unlogged += 1
+            else:
+                self._unlogged = 0
+        if logged == self.lines + 1:
+            log.warning(
+                "more than %d calls denied in %g s: the rest are counted, not logged",
+                self.lines,
+                self.window,
+            )
+        if logged > self.lines:
+            return
+        if unlogged:
+            log.warning("%d denied calls were not logged", unlogged)
+        log.warning(message, *args)
+
+
+denials = DenialLog()
 
 INFER = "infer"
 ADMIN = "admin"
@@ -319,17 +369,17 @@ class AuthInterceptor(grpc.ServerInterceptor):
             return None, OPEN, ""
         token = _bearer(metadata)
         if token is None:
-            log.warning("denied %s: no token", method)
+            denials.warning("denied %s: no token", method)
             return grpc.StatusCode.UNAUTHENTICATED, f"{_short(method)} needs a token: {HOW}", ""
         role, tenant = self.tokens.identify(token) if token else (None, "")
         if role is None:
-            log.warning("denied %s: unknown token", method)
+            denials.warning("denied %s: unknown token", method)
             why = (
                 f"{_short(method)}: the token is not valid (or the header is not 'Bearer TOKEN'): "
             )
             return grpc.StatusCode.UNAUTHENTICATED, why + HOW, ""
         if _RANK[role] < _RANK[needed]:
-            log.warning("denied %s: role %s, needs %s", method, role, needed)
+            denials.warning("denied %s: role %s, needs %s", method, role, needed)
             why = (
                 f"{_short(method)} needs a token with the '{needed}' role; this token has the "
                 f"'{role}' role"
@@ -413,7 +463,7 @@ def guard_settings(auth: AuthInterceptor | None, local: bool) -> Callable[..., A
                 else:
                     why = control_refusal(method, context.peer(), sets=True) if local else ""
                 if why:
-                    log.warning("denied %s (setting): %s", method, why)
+                    denials.warning("denied %s (setting): %s", method, why)
                     context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
             return behavior(request, context)
 
@@ -444,7 +494,7 @@ def local_control(method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethod
     def local_only(request: Any, context: grpc.ServicerContext) -> Any:
         why = control_refusal(method, context.peer())
         if why:
-            log.warning("denied %s: remote peer %s, no tokens", method, context.peer())
+            denials.warning("denied %s: remote peer %s, no tokens", method, context.peer())
             context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
         return behavior(request, context)
 

@@ -539,3 +539,54 @@ def test_kv_events_are_not_published_beyond_this_machine_with_tokens(tmp_path):
         "--kv-events-config", events(endpoint="tcp://*:0"),
     )  # fmt: skip
     assert "every tenant's prompt token ids" in stderr and ADMIN_TOKEN not in stderr
+
+
+def test_a_flood_of_bad_tokens_logs_a_bounded_number_of_lines(tmp_path):
+    """Each denied call was logged, one line a call: a client sending wrong tokens as fast as
+    it could grew the server's log as fast. Now at most DENIAL_LINES lines in each window, one
+    saying the rest are counted; every call is still refused and the server serves on."""
+    import http.client
+
+    from plugserve.server.protocols.auth import DENIAL_LINES
+
+    with RunningServer(
+        "--model-repository", str(examples_repository(tmp_path / "repo")),
+        "--auth-tokens", str(_tokens_file(tmp_path)),
+    ) as server:  # fmt: skip
+        connection = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=30)
+        refused = []
+        for _ in range(300):
+            connection.request("GET", "/v2/models/add", headers={"authorization": "Bearer x"})
+            answer = connection.getresponse()
+            answer.read()
+            refused.append(answer.status)
+        with _client(server, None) as client, pytest.raises(grpc.RpcError) as denied:
+            client.networks()  # gRPC's denials are the same log's
+        assert denied.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with _client(server, INFER_TOKEN) as client:
+            assert [n.name for n in client.networks()]  # served on
+        log = server.log
+    assert refused == [401] * 300
+    lines = [line for line in log.splitlines() if "denied /" in line]
+    assert 1 <= len(lines) <= 2 * DENIAL_LINES  # the flood may straddle two windows
+    assert "calls denied in 10 s: the rest are counted, not logged" in log
+
+
+def test_the_denial_log_says_how_many_calls_went_unlogged(caplog):
+    import time
+
+    from plugserve.server.protocols.auth import DenialLog
+
+    denials = DenialLog(lines=2, window=0.3)
+    with caplog.at_level("WARNING", logger="plugserve.security"):
+        for number in range(7):
+            denials.warning("denied call %d", number)
+        time.sleep(0.35)
+        denials.warning("denied call %d", 7)
+    assert [r.getMessage() for r in caplog.records] == [
+        "denied call 0",
+        "denied call 1",
+        "more than 2 calls denied in 0.3 s: the rest are counted, not logged",
+        "5 denied calls were not logged",
+        "denied call 7",
+    ]
