@@ -394,9 +394,18 @@ def test_refusals_are_anthropics_errors(server, sdk):
     )  # fmt: skip
     assert "nope" in unknown
     image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": ""}}
+    unasked = {"type": "tool_result", "tool_use_id": "toolu_never", "content": "sunny"}
+    called = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {}}
     cases = {
         "messages.0.content.0": [{"role": "user", "content": [image]}],
         "role": [{"role": "system", "content": "Hi"}],
+        # a result answering no call of the message before it (as Anthropic's API)
+        "messages.0.content.0.tool_use_id": [{"role": "user", "content": [unasked]}],
+        "messages.2.content.1.tool_use_id": [
+            *ASK,
+            {"role": "assistant", "content": [called]},
+            {"role": "user", "content": [{**unasked, "tool_use_id": "toolu_1"}, unasked]},
+        ],
     }
     for needle, messages in cases.items():
         message = _refused(

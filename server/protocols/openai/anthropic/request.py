@@ -5,7 +5,8 @@ What becomes what (docs/anthropic.md):
 * ``system`` (a string or text blocks) is the first message, a ``system`` one;
 * a ``user`` message's ``text`` blocks are one user message (joined by a newline); its
   ``tool_result`` blocks come before it as ``tool`` messages with their ``tool_call_id`` (the
-  ``tool_use_id``), their content a string or text blocks;
+  ``tool_use_id``, which must be one of the assistant message before), their content a
+  string or text blocks;
 * a last message of the ``assistant`` is a prefill: the answer continues it (chat's
   ``continue_final_message``; the answer holds the continuation only, as Anthropic's);
 * an ``assistant`` message's text is its content, its ``tool_use`` blocks its ``tool_calls``
@@ -102,8 +103,11 @@ def _blocks(content: Any, where: str) -> list[dict[str, Any]]:
     return content
 
 
-def _user(content: Any, where: str) -> list[dict[str, Any]]:
-    """A user turn as chat messages: its tool results, then its text."""
+def _user(content: Any, where: str, asked: set[str]) -> list[dict[str, Any]]:
+    """A user turn as chat messages: its tool results, then its text. ``asked``: the ids of
+    the tool_use blocks of the assistant message before it, which its tool results answer (as
+    Anthropic's API: a result answering no call reached the template as a tool message of a
+    call never made)."""
     out: list[dict[str, Any]] = []
     texts = []
     for i, block in enumerate(_blocks(content, where)):
@@ -114,6 +118,12 @@ def _user(content: Any, where: str) -> list[dict[str, Any]]:
             call = block.get("tool_use_id")
             if not isinstance(call, str) or not call:
                 raise _fail("must be the id of the tool_use it answers", f"{at}.tool_use_id")
+            if call not in asked:
+                raise _fail(
+                    "answers no tool_use block of the assistant message before it: each "
+                    "tool_result's tool_use_id is the id of one",
+                    f"{at}.tool_use_id",
+                )
             result = block.get("content", "")
             text = protocol.text_of(result, f"{at}.content", _TEXT)
             out.append({"role": "tool", "tool_call_id": call, "content": text})
@@ -181,13 +191,16 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         text = protocol.text_of(system, "system", _TEXT)
         if text:
             out.append({"role": "system", "content": text})
+    asked: set[str] = set()  # the tool calls of the assistant message before
     for i, message in enumerate(messages):
         where = f"messages.{i}"
         role = message.get("role") if isinstance(message, dict) else None
         if role == "user":
-            out += _user(message.get("content"), f"{where}.content")
+            out += _user(message.get("content"), f"{where}.content", asked)
+            asked = set()
         elif role == "assistant":
             out.append(_assistant(message.get("content"), f"{where}.content"))
+            asked = {call["id"] for call in out[-1].get("tool_calls", ())}
         else:
             raise _fail(f"is {role!r}; a message's role is 'user' or 'assistant'", f"{where}.role")
     return out
