@@ -12,13 +12,16 @@ lower ones that waited longer (with batches formed as soon as they were full and
 device, 32 of 256 pairs of a low request and a high one sent after it ran low first). Batches run
 on the device network's own executor, each stream with its own infer request of it; the outputs
 are split back along the first dimension. This network's own executor holds its callers while
-their batch fills (``BatchConfiguration.streams``: how many may wait here at once).
+their batch fills (``BatchConfiguration.streams``: how many may wait here at once). A batch of
+several requests that fails runs each again alone (:meth:`BatchCompiledNetwork._alone`): one
+client's bad input must not fail the others, nor show them its values.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import threading
 import time
 import weakref
@@ -49,6 +52,8 @@ if TYPE_CHECKING:
     from plugserve.plugins.batch.plugin import BatchPlugin
 
 __all__ = ["BatchCompiledNetwork", "row_coupling", "unbatchable"]
+
+log = logging.getLogger(__name__)
 
 
 # Ops whose every output row depends on every input row: one quantization scale computed over
@@ -299,20 +304,18 @@ class BatchCompiledNetwork(OneNetwork, CompiledNetwork):
             outputs = request.infer(feeds, told)
             parts = self._split(outputs, batch, rows)
         except BaseException as exc:
-            cause = f"{type(exc).__name__}: {exc}"
-            # a typed refusal keeps its status (an output over the answer's bound is
-            # RESOURCE_EXHAUSTED, not the device's failure)
-            kind = type(exc) if isinstance(exc, PlugserveError) else InferenceError
-            for item in batch:
-                try:
-                    error = kind(f"{what} failed: {cause}")
-                except TypeError:  # an error type made otherwise
-                    error = InferenceError(f"{what} failed: {cause}")
-                error.__cause__ = exc
-                item.settle(error=error)
-            return
+            if len(batch) == 1 or (token is not None and token.cancelled):
+                for item in batch:
+                    item.settle(error=_failed(what, exc))
+                return
+            failed = exc
+        else:
+            failed = None
         finally:
             forget()  # the requests' tokens no longer reach this run
+        if failed is not None:
+            self._alone(request, batch, failed)
+            return
         elapsed = int((time.perf_counter() - start) * 1e9)
         if self.config.get("PERF_COUNT"):
             with contextlib.suppress(PlugserveError):
@@ -322,6 +325,36 @@ class BatchCompiledNetwork(OneNetwork, CompiledNetwork):
             entry[0] += 1
             entry[1] += elapsed
         for item, part in zip(batch, parts):
+            item.settle(part)
+
+    def _alone(self, request: Any, batch: list[_Item], failed: BaseException) -> None:
+        """A batch of several requests failed: each is run again on its own, and gets its own
+        answer or error. The batch's error was one for all of them: one client's bad input
+        (an index past an embedding's rows) failed every other request gathered with it, and
+        each error showed that input's values and how many requests shared the batch, to
+        other clients (other tenants, with tokens). A batch fails thus at most once for each
+        of its requests' one run more."""
+        log.debug("network %s: a batch of %d failed (%s): run one by one", self.name, len(batch),
+                  type(failed).__name__)  # fmt: skip
+        what = f"network {self.name}: a run on {self.child_device}"
+        for item in batch:
+            if item.future.done() or (item.token is not None and item.token.cancelled):
+                item.settle(error=item.token.failure() if item.token else failed)
+                continue
+            run = item.run or RunContext(token=item.token or cancel.Token())
+            try:
+                feeds = dict(zip(self.input_names, item.arrays))
+                start = time.perf_counter()
+                outputs = request.infer(feeds, for_batch([run], item.token or cancel.Token()))
+                part = dict(outputs)
+            except BaseException as exc:
+                item.settle(error=_failed(what, exc))
+                continue
+            elapsed = int((time.perf_counter() - start) * 1e9)
+            with self._cond:
+                entry = self._stats.setdefault(item.rows, [0, 0])
+                entry[0] += 1
+                entry[1] += elapsed
             item.settle(part)
 
     def _split(
@@ -389,6 +422,19 @@ class BatchCompiledNetwork(OneNetwork, CompiledNetwork):
             self._cond.notify_all()
         super().close()
         self.network.close()
+
+
+def _failed(what: str, exc: BaseException) -> BaseException:
+    """The error a request of a failed run gets: a typed refusal keeps its status (an output
+    over the answer's bound is RESOURCE_EXHAUSTED, not the device's failure)."""
+    cause = f"{type(exc).__name__}: {exc}"
+    kind = type(exc) if isinstance(exc, PlugserveError) else InferenceError
+    try:
+        error = kind(f"{what} failed: {cause}")
+    except TypeError:  # an error type made otherwise
+        error = InferenceError(f"{what} failed: {cause}")
+    error.__cause__ = exc
+    return error
 
 
 def _collect(ref: weakref.ref) -> None:

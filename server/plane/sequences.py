@@ -12,7 +12,8 @@ request path as Triton's sits beside its dynamic batcher, then:
   start) here, in the server, so a client never sends or receives it;
 - runs a sequence's requests one at a time and in order (``direct``), or gathers the ready
   requests of many sequences into one batch (``oldest``: up to the largest preferred batch
-  size, waiting at most ``max_queue_delay_microseconds`` for more);
+  size, waiting at most ``max_queue_delay_microseconds`` for more; a batch whose run fails
+  runs each of its requests again alone, so that one sequence's bad input fails its own);
 - ends a sequence at its END request, or once it has been idle for
   ``max_sequence_idle_microseconds`` (Triton's default: 1 s), and frees its state.
 
@@ -648,9 +649,11 @@ class SequenceBatcher:
                 self._done(sequence, item, None, self._late())
             else:
                 live.append((sequence, item))
-        if not live:
-            return
-        rows = live
+        if live:
+            self._launch(live, inline)
+
+    def _launch(self, rows: list[tuple[_Sequence, _Item]], inline: bool) -> None:
+        """Submit one run of ``rows``, started (their futures running)."""
         forget: Callable[[], None] = lambda: None  # noqa: E731
         try:
             feeds = [self._feed(s, i) for s, i in rows]
@@ -704,6 +707,13 @@ class SequenceBatcher:
 
     def _finish(self, rows: list[tuple[_Sequence, _Item]], future: Any) -> None:
         exc = future.exception()
+        if exc is not None and len(rows) > 1 and not isinstance(exc, Cancelled):
+            # each row's own run: one sequence's bad input (another tenant's, with tokens)
+            # failed every row of the batch with an error holding its values; the failed
+            # run left every state as it was
+            for row in rows:
+                self._launch([row], inline=False)
+            return
         outputs = None if exc is not None else future.result()
         if len(rows) > 1:  # the run was counted once, as its first row
             self._joined(len(rows) - 1, exc)

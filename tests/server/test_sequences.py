@@ -416,7 +416,8 @@ def _picker_stats(server):
 def test_a_failed_batched_run_fails_each_of_its_requests_in_the_statistics(server):
     """PICKED sequences' requests run as one batch (``oldest`` waits for them): together they
     count as PICKED requests in one execution; when the batch's run fails (an index out of
-    bounds), every one of them gets the error and counts as a failure, as on Triton."""
+    bounds), each is run alone, gets its own error and counts as a failure; the failed batch
+    counted once more (as its first row, before it was known to fail)."""
     before = _picker_stats(server)
     answers = _pick_together(server, 700, 0)
     assert all(np.array_equal(a, [[0.0]]) for a in answers), answers
@@ -426,7 +427,47 @@ def test_a_failed_batched_run_fails_each_of_its_requests_in_the_statistics(serve
     answers = _pick_together(server, 800, 9)
     assert all(isinstance(a, InferenceServerException) for a in answers), answers
     assert all("Out of range value in index" in a.message() for a in answers), answers
-    assert _picker_stats(server)[2] - failures == PICKED
+    assert _picker_stats(server)[2] - failures == PICKED + 1
+
+
+def test_one_sequences_bad_input_fails_only_its_own_request(server):
+    """With ``oldest``, requests of several sequences (several tenants', with tokens) share a
+    run: one whose index is out of bounds failed every request of the run, each error holding
+    that index. Now the failed run's requests run again one by one: the others are answered,
+    their states moved on once; the bad one's error is its own, its state unchanged."""
+    answers: list = [None] * PICKED
+
+    def one(k: int, index: int, start: bool) -> None:
+        client = grpcclient.InferenceServerClient(server.target)
+        tensor = grpcclient.InferInput("INDEX", [1, 1], "INT64")
+        tensor.set_data_from_numpy(np.array([[index]], np.int64))
+        try:
+            answers[k] = client.infer(
+                "picker",
+                [tensor],
+                sequence_id=1200 + k,
+                sequence_start=start,
+                sequence_end=not start,  # (the model's 16 slots are the module's)
+            ).as_numpy("OUTPUT")
+        except InferenceServerException as exc:
+            answers[k] = exc
+        finally:
+            client.close()
+
+    for step, bad in enumerate([99, 9]):  # the last sequence's index is out of bounds
+        threads = [
+            threading.Thread(target=one, args=(k, bad if k == PICKED - 1 else k % 4, step == 0))
+            for k in range(PICKED)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        for k, answer in enumerate(answers[:-1]):
+            assert np.array_equal(answer, [[float(step)]]), (k, answer)  # state moved once
+        failure = answers[-1]
+        assert isinstance(failure, InferenceServerException), failure
+        assert "Out of range value in index" in failure.message()
 
 
 def test_one_rows_passed_deadline_does_not_fail_the_batch(server):
@@ -457,7 +498,7 @@ def test_one_rows_passed_deadline_does_not_fail_the_batch(server):
     time.sleep(0.5)
     answers = _pick_together(server, 960, 0)
     thread.join(60)
-    assert all(np.array_equal(a, [[0.0]]) for a in answers), answers
+    assert all(np.array_equal(a, [[0.0]]) for a in answers), [str(a) for a in answers]
     assert len(late) == 1 and late[0].status() == "StatusCode.DEADLINE_EXCEEDED", late
     assert "waited for its turn" in late[0].message()
 
