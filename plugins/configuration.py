@@ -65,6 +65,13 @@ def parse_mode(value: str) -> str:
     return text
 
 
+def _shown(value: Any, show: Callable[[Any], str] = repr, most: int = 200) -> str:
+    """``value`` for an error message, at most ``most`` characters of it: a client's value
+    (a megabyte of config) is not sent back whole."""
+    text = show(value)
+    return text if len(text) <= most else f"{text[:most]}... ({len(text):,} characters)"
+
+
 @dataclasses.dataclass(frozen=True)
 class ConfigKey:
     """One configuration key: how its string form is parsed, shown and defaulted."""
@@ -146,21 +153,17 @@ class Configuration:
                         f"unsupported config key {name!r}; supported keys: {', '.join(keys)}"
                     )
                 continue
-            if isinstance(raw, str) or key.parse is str:
-                try:
+            try:
+                if isinstance(raw, str) or key.parse is str:
                     value = key.parse(str(raw))
-                except (TypeError, ValueError) as exc:
-                    raise InvalidArgument(
-                        f"config key {name!r}: bad value {raw!r} ({exc})"
-                    ) from None
-            else:
-                value = raw
-                try:
+                else:
+                    value = raw
                     key.parse(key.format(raw))
-                except (TypeError, ValueError) as exc:
-                    raise InvalidArgument(
-                        f"config key {name!r}: bad value {raw!r} ({exc})"
-                    ) from None
+            # (RecursionError: a JSON value of 100,000 '[' was an INTERNAL with a traceback)
+            except (TypeError, ValueError, RecursionError) as exc:
+                raise InvalidArgument(
+                    f"config key {name!r}: bad value {_shown(raw)} ({_shown(exc, str)})"
+                ) from None
             self._values[name] = value
 
     @classmethod

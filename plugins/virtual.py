@@ -25,12 +25,20 @@ __all__ = [
 ]
 
 
+#: the most devices a virtual device's list may name: each is asked for the whole model, so a
+#: QueryNetwork naming 20,000 device ids (an ``infer`` call) ran for --max-read-seconds
+MAX_DEVICES = 64
+
+
 def check_device_list(value: str) -> str:
-    """DEVICE_PRIORITIES as its config key stores it: ``"A,B"``, each device once."""
+    """DEVICE_PRIORITIES as its config key stores it: ``"A,B"``, each device once, at most
+    MAX_DEVICES."""
     text = str(value).strip()
     if not text:
         return ""
-    items = [p.strip() for p in text.split(",")]
+    items = [p.strip() for p in text.split(",", MAX_DEVICES)]
+    if len(items) > MAX_DEVICES:
+        raise ValueError(f"more than {MAX_DEVICES} devices")
     if any(not p for p in items):
         raise ValueError("expected a comma-separated device list, e.g. ORT,NUMPY")
     if len(set(items)) != len(items):

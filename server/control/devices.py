@@ -10,6 +10,7 @@ import dataclasses
 import re
 
 from plugserve.plugins.api import InvalidArgument
+from plugserve.plugins.virtual import MAX_DEVICES
 
 __all__ = ["VIRTUAL_DEVICES", "DeviceName", "parse_device"]
 
@@ -17,6 +18,8 @@ VIRTUAL_DEVICES = ("HETERO", "MULTI", "AUTO", "BATCH")
 _FORMS = "NAME, NAME.ID, HETERO:A,B, MULTI:A,B, AUTO[:A,B], AUTO:-A, BATCH:NAME(N)"
 _SIMPLE = re.compile(r"^([A-Z][A-Z0-9_]*)(?:\.([A-Za-z0-9_]+))?$")
 _BATCH = re.compile(r"^(.+?)(?:\((\d+)\))?$")
+#: the longest device name (a virtual device's list of MAX_DEVICES names fits)
+MAX_NAME = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,10 +47,16 @@ class DeviceName:
 
 
 def parse_device(text: str) -> DeviceName:
-    """Parse a device name; raises :class:`InvalidArgument` naming what is wrong."""
+    """Parse a device name; raises :class:`InvalidArgument` naming what is wrong. A name is
+    at most MAX_NAME characters (a client's: 20,000 device ids or a batch size of 5,000
+    digits came to the parser) and lists at most MAX_DEVICES devices."""
     if not isinstance(text, str) or not text.strip():
         raise InvalidArgument(f"empty device name; expected one of: {_FORMS}")
     text = text.strip()
+    if len(text) > MAX_NAME:
+        raise InvalidArgument(
+            f"a device name of {len(text):,} characters; at most {MAX_NAME:,} ({text[:40]!r}...)"
+        )
     head, sep, rest = text.partition(":")
     head = head.upper()
     if not sep:
@@ -68,6 +77,8 @@ def parse_device(text: str) -> DeviceName:
             raise InvalidArgument(f"device {text!r}: the batch size must be at least 1")
         return DeviceName("BATCH", children=(_simple(match.group(1)),), batch_size=size)
     items = [p.strip() for p in rest.split(",")]
+    if len(items) > MAX_DEVICES:
+        raise InvalidArgument(f"device {text!r}: more than {MAX_DEVICES} devices")
     if not items or any(not p for p in items):
         raise InvalidArgument(f"device {text!r}: empty entry in the device list")
     excluded = tuple(p[1:].upper() for p in items if p.startswith("-"))

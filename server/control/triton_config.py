@@ -87,7 +87,7 @@ from plugserve.server.plane.sequence_config import (
     read_ovms_stateful,
     read_sequence_batching,
 )
-from plugserve.server.plane.versions import MAX_VERSION
+from plugserve.server.plane.versions import MAX_VERSION, is_version
 
 __all__ = [
     "EVERY_VERSION",
@@ -642,10 +642,13 @@ def write_overrides(folder: Path, name: str, config: str | None, files: dict[str
         (folder / TRITON_FILE).write_text(text_format.MessageToString(message))
     for key, data in files.items():
         version, _, file_name = key.partition("/")
-        if not version.isdigit() or version.startswith("0") or not file_name:
+        # a version folder's own rule (at most 18 digits: 300 nines were an OSError, a 500
+        # naming the server's override folder; '²' passed str.isdigit)
+        if not is_version(version) or not file_name:
             raise InvalidArgument(
-                f"model {name!r}: override {'file:' + key!r}: expected file:<version>/<file name>, "
-                "a version number and a plain file name (no folders)"
+                f"model {name!r}: override {'file:' + key[:300]!r}: expected "
+                "file:<version>/<file name>, a version number (1 to 18 digits) and a plain file "
+                "name (no folders)"
             )
         plain_file_name(file_name, f"model {name!r}: override {'file:' + key!r}")
         (folder / version).mkdir(exist_ok=True)

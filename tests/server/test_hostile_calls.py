@@ -584,3 +584,46 @@ def test_a_client_that_never_reads_its_replies_is_cut_off(tmp_path):
             assert received < 2 * n * 4  # the second reply never came
         finally:
             client.close()
+
+
+def test_absurd_device_names_and_config_values_are_invalid_argument(server):
+    """A red team's control-plane calls that were INTERNAL, each with a traceback in the log:
+    a JSON config value nested 100,000 deep (HETERO's AFFINITY, TORCH's MODEL_TENSORS; an
+    ``infer`` token's QueryNetwork), a BATCH size of 5,000 digits (int() refuses past 4,300),
+    and (admin) a load override's version folder of 300 digits (an OSError naming the
+    server's folder). A virtual device's list of 20,000 ids ran QueryNetwork for 30 s: now
+    at most 64 devices and 1,024 characters."""
+    model = fanout().SerializeToString()
+    logged = len(server.log)  # (the module's other tests log grpc's own tracebacks)
+    with Client(server.target, timeout=30, token=TOKEN) as client:
+        cases = [
+            ("HETERO:NUMPY", {"AFFINITY": "[" * 100_000}, "config key 'AFFINITY': bad value"),
+            ("BATCH:NUMPY(" + "9" * 5000 + ")", None, "a device name of 5,013 characters"),
+            ("BATCH:NUMPY(99999999999999999999)", None, None),  # parses; a load is bounded
+            ("MULTI:" + ",".join(f"NUMPY.{i}" for i in range(65)), None, "more than 64 devices"),
+            ("HETERO:NUMPY", {"DEVICE_PRIORITIES": "NUMPY," * 70 + "ORT"}, "more than 64"),
+        ]
+        for device, config, needle in cases:
+            if needle is None:
+                client.query(model, device, config)
+                continue
+            with pytest.raises(grpc.RpcError) as refused:
+                client.query(model, device, config)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, device[:40]
+            details = refused.value.details()
+            assert needle in details and len(details) < 1000, details[:300]
+    long_version = "9" * 300
+    config = json.dumps({"name": "long_version", "platform": "onnxruntime_onnx"})
+    body = {"parameters": {"config": config, f"file:{long_version}/model.onnx": "AAAA"}}
+    request = urllib.request.Request(
+        f"{server.http_url}/v2/repository/models/long_version/load",
+        data=json.dumps(body).encode(),
+        headers={"authorization": f"Bearer {ADMIN}", "content-type": "application/json"},
+    )
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=30)
+    message = json.loads(refused.value.read())["error"]
+    assert refused.value.code == 400 and "1 to 18 digits" in message, message
+    assert "plugserve-override" not in message
+    assert "Traceback" not in server.log[logged:]
+    served_soon(server)
