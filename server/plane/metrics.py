@@ -16,26 +16,24 @@ import contextlib
 import dataclasses
 import gzip
 import platform
-import socket
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
 from urllib.parse import parse_qs
-from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, make_wsgi_app
 from prometheus_client import metrics as prometheus_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
-from prometheus_client.exposition import ThreadingWSGIServer, choose_encoder, generate_latest
+from prometheus_client.exposition import choose_encoder, generate_latest
 from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
 from plugserve.plugins.errors import Cancelled, DeadlineExceeded, InvalidInput
-from plugserve.plugins.threads import start_daemon
 from plugserve.server.plane.custom_metrics import CustomMetrics
 from plugserve.server.plane.gpu_metrics import GpuMetrics
+from plugserve.server.plane.metrics_http import serve_wsgi
 from plugserve.server.plane.vllm_metrics import VllmCollector, cumulative
 
 __all__ = ["Metrics", "Recorder", "Stats", "failure_status"]
@@ -597,16 +595,12 @@ class Metrics:
             )
             return [body]
 
-        class Server(ThreadingWSGIServer):
-            address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
-
-        try:
-            server = make_server(host, port, app, Server, handler_class=_Quiet)
+        try:  # bounded: the port takes no token (server/plane/metrics_http.py)
+            server = serve_wsgi(host, port, app)
         except OSError as exc:
             raise SystemExit(
                 f"plugserve: cannot listen on {host}:{port} (--metrics-port): {exc.strerror}"
             ) from None
-        start_daemon("metrics", server.serve_forever)
         self._server = server
         return server.server_port
 
@@ -646,14 +640,8 @@ class Metrics:
             self.gpus.close()
         if self._server is not None:
             self._server.shutdown()
+            self._server.server_close()
             self._server = None
-
-
-class _Quiet(WSGIRequestHandler):
-    """No access log on stderr for every scrape."""
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
 
 
 @dataclasses.dataclass

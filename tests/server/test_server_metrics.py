@@ -199,3 +199,49 @@ def test_the_front_door_gauges_follow_connections_and_streams(server):
         )
     )
     assert closed, (before, _front(server))
+
+
+def test_idle_connections_to_the_metrics_port_hold_a_bounded_number_of_threads(tmp_path):
+    """The metrics port takes no token, and prometheus_client's server started a thread for
+    each connection and read it without a timeout: 500 connections that sent half a request
+    line held 500 threads of the server for as long as they stayed. Now at most CONNECTIONS
+    are served at once, PEER_CONNECTIONS of one address (one more is closed at once), each
+    read waits READ_SECONDS at most, and the port scrapes again once the idle ones are cut
+    off, with no traceback logged for each."""
+    import os
+    import time
+
+    from serving import RunningServer, examples_repository
+
+    from plugserve.server.plane.metrics_http import PEER_CONNECTIONS, READ_SECONDS
+
+    def threads(pid: int) -> int:
+        return len(os.listdir(f"/proc/{pid}/task"))
+
+    with RunningServer("--model-repository", str(examples_repository(tmp_path))) as server:
+        scrape_text(server)
+        before = threads(server.process.pid)
+        held = []
+        try:
+            for _ in range(300):
+                sock = socket.create_connection(("127.0.0.1", server.metrics_port), timeout=10)
+                sock.sendall(b"GET /metrics HTTP/1.1\r\n")  # and never the rest
+                held.append(sock)
+            time.sleep(1.0)
+            assert threads(server.process.pid) <= before + PEER_CONNECTIONS + 2
+            # the idle connections are cut off after READ_SECONDS; then the port scrapes
+            assert wait_for(lambda: _scrapes(server), timeout=READ_SECONDS * 3)
+            assert threads(server.process.pid) <= before + PEER_CONNECTIONS + 2
+        finally:
+            for sock in held:
+                sock.close()
+        with Client(server.target) as client:  # and the server serves on
+            assert client.networks() is not None
+        assert "Traceback" not in server.log and "timed out" not in server.log
+
+
+def _scrapes(server) -> bool:
+    try:
+        return "plugserve_" in scrape_text(server)
+    except OSError:
+        return False
