@@ -218,7 +218,8 @@ class ResponseStream(ResponseSender):
             self._end(None)
         return True
 
-    def fail(self, error: BaseException) -> None:
+    def fail(self, error: BaseException, drop: bool = False) -> None:
+        """End the stream with ``error``, after what waits unread (``drop``: instead of it)."""
         if not isinstance(error, PlugserveError):
             error = InferenceError(f"network {self.name!r}: {type(error).__name__}: {error}")
         with self._cond:
@@ -226,6 +227,9 @@ class ResponseStream(ResponseSender):
                 return
             self._ended = True
             self._error = error
+            if drop:
+                self._items.clear()
+                self._bytes = 0
             self._cond.notify_all()
             waiter, self._waiter = self._waiter, None
         if waiter is not None:
@@ -234,7 +238,11 @@ class ResponseStream(ResponseSender):
         self._end(error)
 
     def _cancelled_by_token(self) -> None:
-        self.fail(self.token.error or Cancelled(f"network {self.name!r}: cancelled"))
+        """The request was cancelled (its client gone or not reading, its deadline, the
+        server's limit): what waits unread is dropped now, not when the last reference to
+        the stream goes (the responses of four unread streams held 16,000 descriptors after
+        their clients had left)."""
+        self.fail(self.token.error or Cancelled(f"network {self.name!r}: cancelled"), drop=True)
 
     def when_ended(self, callback: Callable[[BaseException | None], object]) -> None:
         """Call ``callback(error or None)`` once the stream has ended (at once if it has)."""

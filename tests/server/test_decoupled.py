@@ -193,6 +193,29 @@ class TritonPythonModel:
                     flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         return None
 """,
+    # IN responses as fast as it can, until its request is cancelled
+    "flood": """
+import threading
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            count = int(pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()[0])
+            sender = request.get_response_sender()
+            threading.Thread(target=self.respond, args=(sender, count), daemon=True).start()
+        return None
+
+    def respond(self, sender, count):
+        value = np.array([7], np.int32)
+        for _ in range(count):
+            if sender.is_cancelled():
+                break
+            sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", value)]))
+        sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+""",
     # a decoupled model's request parameters, answered as response parameters
     "parameters": """
 import json
@@ -496,3 +519,42 @@ def test_a_process_that_dies_mid_stream_fails_its_request_and_comes_back(running
         assert [int(stream.get().as_numpy("OUT")[0]) for _ in range(2)] == [2, 2]
     finally:
         stream.close()
+
+
+def test_unread_responses_hold_no_descriptors(running):
+    """A red team's clients asked a decoupled model for endless small responses over REST
+    generate_stream and read none: each response came from the model's process in a memfd of
+    its own, whose mapping held a descriptor (Python's mmap keeps a duplicate) while it waited
+    unread, and the stream kept them after its clients had gone: four such streams took the
+    server from 36 to 16,504 open files, and the next round to its limit (then a Python model's
+    request failed, "its process ended"). Now a small response is copied out of its memfd,
+    and a cancelled stream drops what waits unread."""
+    import os
+    import socket
+
+    def descriptors() -> int:
+        return len(os.listdir(f"/proc/{running.process.pid}/fd"))
+
+    before = descriptors()
+    body = json.dumps({"IN": [1_000_000]}).encode()
+    request = (
+        b"POST /v2/models/flood/generate_stream HTTP/1.1\r\nHost: x\r\n"
+        b"Content-Length: %d\r\n\r\n" % len(body) + body
+    )
+    clients = []
+    for _ in range(3):
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", running.http_port))
+        sock.sendall(request)  # and never read
+        clients.append(sock)
+    try:
+        time.sleep(3)
+        during = descriptors()
+    finally:
+        for sock in clients:
+            sock.close()
+    assert during < before + 100, (before, during)
+    assert wait_for(lambda: descriptors() < before + 20, timeout=20), (before, descriptors())
+    code, text = _post(running, "/v2/models/square/generate", {"IN": [1]})
+    assert code == 200, text

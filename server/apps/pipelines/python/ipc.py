@@ -285,9 +285,17 @@ def _decode_bytes(data: memoryview, count: int) -> np.ndarray:
     return out
 
 
+#: a memfd of at most this many bytes is copied out and unmapped at once
+COPY_BELOW = 1 << 20
+
+
 def unpack_tensors(described: list[list[Any]], fd: int) -> dict[str, np.ndarray]:
-    """The tensors a peer sent in a memfd of their own: views of it, mapped once its seals are
-    checked (the descriptor is closed here; the mapping lives as long as the arrays)."""
+    """The tensors a peer sent in a memfd of their own, mapped once its seals are checked (the
+    descriptor is closed here). Up to COPY_BELOW bytes they are copied out and the mapping
+    closed; larger, they are views of the mapping, which lives as long as they do and holds a
+    descriptor meanwhile (Python's mmap keeps a duplicate of it): a decoupled model's small
+    responses, each in a memfd of its own while its client read none, held one each, and four
+    unread streams reached the server's limit of open files."""
     if not described:
         if fd >= 0:
             os.close(fd)
@@ -295,9 +303,13 @@ def unpack_tensors(described: list[list[Any]], fd: int) -> dict[str, np.ndarray]
     if fd < 0:
         raise ValueError("tensors described but no memory sent")
     try:
-        mapping = _sealed_map(fd, writable=False) if os.fstat(fd).st_size else b""
+        size = os.fstat(fd).st_size
+        mapping: Any = _sealed_map(fd, writable=False) if size else b""
     finally:
         os.close(fd)
+    if size and size <= COPY_BELOW:
+        with mapping:
+            mapping = mapping[:]  # (bytes: the mapping and its descriptor closed here)
     return _read(memoryview(mapping), described)
 
 
