@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import functools
+
 __all__ = ["plugserve_version"]
 
 
+@functools.cache  # read once: importlib.metadata scans the installed packages (~150 us)
 def plugserve_version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 

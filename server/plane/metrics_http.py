@@ -58,12 +58,15 @@ class _Bounded(ThreadingWSGIServer):
     life = LIFE_SECONDS
     request_queue_size = 128  # (socketserver's 5 dropped SYNs: connects waited on retries)
 
-    def server_activate(self) -> None:
-        super().server_activate()
+    def server_bind(self) -> None:
         self._lock = threading.Lock()
         self._open: dict[Any, tuple[float, str]] = {}  # connection -> (its end, its address)
         self._peers: dict[str, int] = {}
-        self._stopping = threading.Event()
+        self._stopping = threading.Event()  # (set by server_close, which a failed bind calls)
+        super().server_bind()
+
+    def server_activate(self) -> None:
+        super().server_activate()
         start_daemon("metrics-reaper", self._reap)
 
     def process_request(self, request: Any, client_address: Any) -> None:

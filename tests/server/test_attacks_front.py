@@ -424,6 +424,25 @@ def test_a_body_of_one_byte_chunks_is_joined_in_one_buffer(server):
     probe.check(body_bytes=5 * len(body), fixed_bytes=FIXED)  # 20x the body, + FIXED
 
 
+def test_pipelined_requests_in_one_send_share_the_loop(server):
+    """A red team's one connection sent 35,000 pipelined ``GET /v2`` in one 1 MB send and read
+    none of the answers: each read was parsed and every request in it routed and served in
+    one turn of the event loop (server metadata read the installed version each time), and
+    REST health waited 7.8 s. Now a read is parsed a slice at a time, the turn given up after
+    a bounded number of requests, at most 32 served a turn, and the version read once."""
+    one = f"GET /v2 HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {ATTACKER}\r\n\r\n"
+    wire = one.encode() * 20_000
+    with Probe(server, metadata=METADATA) as probe:
+        sock = _attacker(server.http_port)
+        try:
+            sock.sendall(wire)  # and never read
+            time.sleep(4)
+            assert _small_infer(server.http_port) == [4.0, 6.0]
+        finally:
+            sock.close()
+    probe.check(body_bytes=len(wire), fixed_bytes=FIXED)
+
+
 # --- finding 5: a large binary tensor on a fast model
 
 
