@@ -28,13 +28,14 @@ from google.protobuf.descriptor import ServiceDescriptor
 from google.protobuf.message_factory import GetMessageClass
 
 from plugserve.plugins import cancel
-from plugserve.plugins.errors import Cancelled, DeadlineExceeded
+from plugserve.plugins.errors import Cancelled, DeadlineExceeded, InvalidInput
 from plugserve.plugins.streams import Finished
 from plugserve.plugins.threads import start_daemon
 from plugserve.server.plane.callpool import blocked
 from plugserve.server.plane.errors import forget_frames
 from plugserve.server.plane.response_stream import ResponseStream
 from plugserve.server.plane.tracing import Tracing, traced
+from plugserve.server.protocols.grpc import wire
 from plugserve.server.protocols.status import abort
 
 if TYPE_CHECKING:
@@ -78,12 +79,18 @@ def _guarded(method: Callable[[Any, grpc.ServicerContext], Any]) -> Callable[...
     return unary
 
 
-def _sized(parse: Callable[[bytes], Any]) -> Callable[[bytes], tuple[Any, int]]:
+def _sized(parse: Callable[[bytes], Any], descriptor: Any) -> Callable[[bytes], tuple[Any, int]]:
     """``parse`` that also gives the bytes the message took on the wire: what an inference
     request is charged to the memory budget, known exactly and for free here, where counting
-    it from the parsed message means reading (copying) its fields or serializing it again."""
+    it from the parsed message means reading (copying) its fields or serializing it again.
+    A large message holding too many fields to parse within that charge is not parsed: an
+    :class:`wire.Unread` stands for it (``wire.py``)."""
 
     def sized(data: bytes) -> tuple[Any, int]:
+        if len(data) > wire.SCAN_ABOVE:
+            why = wire.too_many_fields(data, descriptor)
+            if why:
+                return wire.Unread(parse(b""), InvalidInput(why)), len(data)
         return parse(data), len(data)
 
     return sized
@@ -98,7 +105,7 @@ def add_service(server: grpc.Server, service: ServiceDescriptor, servicer: Any) 
         behaviour = getattr(servicer, method.name)
         parse = GetMessageClass(method.input_type).FromString
         if isinstance(getattr(behaviour, "__self__", None), Inference):
-            parse = _sized(parse)
+            parse = _sized(parse, method.input_type)
         handlers[method.name] = _KINDS[method.client_streaming, method.server_streaming](
             _guarded(behaviour), request_deserializer=parse, response_serializer=_serialize
         )
@@ -237,6 +244,9 @@ class _Pump:
                 with self.window:
                     self.admitted += 1
                 try:
+                    if type(request) is wire.Unread:
+                        request, refused = request.message, request.error
+                        raise refused
                     entry, future = self.submit(request, self.context, size)
                 except Exception as exc:
                     self.finished(self.fail(request, exc))
@@ -391,6 +401,8 @@ class Inference:
         A request queued behind others waits as :func:`blocked`: its thread runs nothing
         meanwhile, so another call may start."""
         request, size = sized
+        if type(request) is wire.Unread:
+            raise request.error
         token = call_token(context)
         spans: list[Any] = []  # a traced request's span (its adapter's ``submit`` says)
         try:

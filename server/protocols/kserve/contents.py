@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from plugserve.proto import grpc_service_pb2 as pb
+from plugserve.server.protocols.grpc.wire import varint as _varint
 
 __all__ = ["FEW", "SLICE", "decode_contents"]
 
@@ -89,17 +90,6 @@ def _packed(data: bytes, number: int) -> memoryview | None:
         else:
             return None
     return None
-
-
-def _varint(data: bytes, at: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        byte = data[at]
-        at += 1
-        value |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return value, at
-        shift += 7
 
 
 def _varints(payload: Any, count: int) -> np.ndarray:

@@ -55,6 +55,7 @@ from plugserve.server.plane.shm import OutputTarget, TenantRegions, uses_region
 from plugserve.server.protocols.kserve.classification import class_count, classify
 from plugserve.server.protocols.kserve.codec import (
     DATATYPES,
+    check_parameter_count,
     datatype_of,
     model_parameters,
     request_priority,
@@ -141,6 +142,13 @@ def _flag(parameters: dict[str, Any], key: str, what: str) -> bool:
     return value
 
 
+def _parameters(value: Any, what: str) -> dict[str, Any]:
+    """A ``parameters`` object as plain Python, its count bounded before it is made."""
+    if isinstance(value, (simdjson.Object, dict)):
+        check_parameter_count(len(value), what)
+    return _object(_plain(value), f"{what}'s parameters")
+
+
 def _plain(value: Any) -> Any:
     """A simdjson value as plain Python (objects and arrays are lazy views into the parser)."""
     if isinstance(value, simdjson.Object):
@@ -218,7 +226,7 @@ def parse_infer(
     if not isinstance(document, simdjson.Object):
         raise InvalidInput(f"the request must be a JSON object, not {_json_type(document)}")
     request = _fields(document)
-    parameters = _object(_plain(request.get("parameters", {})), "the request's parameters")
+    parameters = _parameters(request.get("parameters", {}), "the request")
     step = sequence_step(parameters)
     request_id = request.get("id", "")
     if not isinstance(request_id, str):
@@ -391,7 +399,7 @@ def _input_array(
     count = 1
     for dim in shape:  # Python ints: np.prod would wrap around for huge dims
         count *= dim
-    parameters = _object(_plain(tensor.get("parameters", {})), f"{where}: parameters")
+    parameters = _parameters(tensor.get("parameters", {}), where)
     if uses_region(parameters):
         if shm is None:
             raise InvalidInput(f"{where}: shared memory is not served here")
