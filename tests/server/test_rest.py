@@ -217,6 +217,8 @@ def test_a_bad_class_count_and_a_cuda_registration_are_refused(client):
         (b"\xff\xfe\x00garbage", {}, "not valid JSON"),
         (b"[1, 2]", {}, "must be a JSON object"),
         (b'{"inputs": 3}', {}, "must be a JSON array"),
+        # deeper than simdjson's 1,024 levels (its DEPTH_ERROR was a 500)
+        (b'{"parameters": {"x": ' + b"[" * 1100 + b"]" * 1100 + b"}}", {}, "deeper than 1,024"),
         (
             _infer_json([{"name": "a", "shape": [2], "datatype": "FP99", "data": [1, 2]}]),
             {},

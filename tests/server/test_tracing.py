@@ -12,6 +12,7 @@ tracing is back on and waits for it, since traces leave in the order their reque
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
 import queue
@@ -358,6 +359,13 @@ def test_the_settings_routes_answer_tritons_keys(server, receiver, client):
         with pytest.raises(InferenceServerException, match=words):
             client.update_trace_settings(settings=bad)
     assert client.get_trace_settings()["trace_rate"] == "7"  # a refused update changes nothing
+    # a value nested 990 deep: the refusal quoted its repr (a RecursionError, a 500)
+    deep = b'{"trace_rate": ' + b"[" * 990 + b"]" * 990 + b"}"
+    connection = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=30)
+    connection.request("POST", "/v2/trace/setting", deep)
+    answer = connection.getresponse()
+    assert answer.status == 400 and b"or null, not an array" in answer.read()
+    connection.close()
 
 
 def test_a_models_setting_follows_the_global_one_where_it_sets_nothing(server, client):

@@ -119,6 +119,8 @@ def _bytes_of(outputs: dict[str, Any]) -> int:
     return sum(getattr(v, "nbytes", 0) for v in outputs.values())
 
 
+#: what a JSON value is, by its Python type, for a refusal that names it
+_JSON_KINDS = {list: "an array", dict: "an object", float: "a number", bool: "a boolean"}
 #: the bytes of events a generate_stream writes at a time (see RestApp._generate_stream)
 _SLICE = 64 << 10
 _NOT_A_BOOLEAN = "Invalid value for 'ready': expected a boolean (true or false)"
@@ -312,9 +314,9 @@ class RestApp:
             elif isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool)):
                 changes[key] = [str(value)]
             else:
-                raise InvalidInput(
-                    f"trace setting {key!r} must be a string (a list of strings for "
-                    f"trace_level) or null, not {value!r}"
+                raise InvalidInput(  # (the value's type: its repr of 990 '[' was a 500)
+                    f"trace setting {key[:100]!r} must be a string (a list of strings for "
+                    f"trace_level) or null, not {_JSON_KINDS.get(type(value), 'that')}"
                 )
         answer = self.plane.tracing.update(_name_or_all(call), changes)
         return _json(_setting_json(answer))
