@@ -72,3 +72,37 @@ def test_classes_as_json_strings(server):
     values = [float(item.split(":")[0]) for item in output["data"]]
     assert values == sorted(values, reverse=True)
     assert all(0 <= int(item.split(":")[1]) < 10 for item in output["data"])
+
+
+def test_the_k_largest_are_found_a_chunk_at_a_time_as_a_stable_sort_finds_them():
+    """``top`` finds, a chunk of the output at a time, what the stable argsort of the negated
+    output found (float64 order, ties in index order, NaN last), for ties, NaN, -inf and int64
+    values past float64's precision across chunk boundaries; and it holds a bounded amount
+    beside the output: classifying a 250 MB UINT8 output took 3.8 GB through the argsort."""
+    import tracemalloc
+
+    from plugserve.server.protocols.kserve.classification import top
+
+    rng = np.random.default_rng(0)
+    for trial in range(800):
+        n, k = int(rng.integers(1, 60)), int(rng.integers(1, 70))
+        row = [
+            rng.integers(0, 4, n).astype(np.uint8),
+            rng.normal(size=n).astype(np.float32),
+            np.where(rng.random(n) < 0.2, np.nan, rng.integers(-3, 3, n)).astype(np.float64),
+            rng.integers(-(2**62), 2**62, n, dtype=np.int64),
+        ][trial % 4]
+        if trial % 4 == 2:
+            row[rng.random(n) < 0.1] = -np.inf
+        expected = np.argsort(-row.astype(np.float64), kind="stable")[:k]
+        for chunk in (1, 3, 7, 1 << 20):
+            np.testing.assert_array_equal(top(row, k, chunk), expected)
+    row = np.zeros(20_000_000, np.uint8)
+    row[12_345] = 9
+    tracemalloc.start()
+    try:
+        assert top(row, 1).tolist() == [12_345]
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 << 20, peak  # the argsort: 480 MB
