@@ -119,6 +119,8 @@ def _bytes_of(outputs: dict[str, Any]) -> int:
     return sum(getattr(v, "nbytes", 0) for v in outputs.values())
 
 
+#: what a body naming a shared memory region holds (it is decoded and run on a worker)
+_SHARED = b"shared_memory_region"
 #: what a JSON value is, by its Python type, for a refusal that names it
 _JSON_KINDS = {list: "an array", dict: "an object", float: "a number", bool: "a boolean"}
 #: the bytes of events a generate_stream writes at a time (see RestApp._generate_stream)
@@ -365,10 +367,12 @@ class RestApp:
                 f"/v2/models/{entry.name}/generate_stream (or gRPC ModelStreamInfer)"
             )
         header_length = _text(call.headers.get(HEADER_LENGTH.encode()))
-        if len(call.body) > INLINE_BYTES:
+        if len(call.body) > INLINE_BYTES or _SHARED in call.body:
             # decoding this much (JSON, a raw body, binary BYTES) or running a model on it
             # would stall the loop, however fast the model is on average: a worker does it
-            # all (issue 52: a 320 MB binary tensor run inline held REST health 0.5 s)
+            # all (issue 52: a 320 MB binary tensor run inline held REST health 0.5 s). So
+            # does a small body naming a shared memory region, whose tensors may be as large
+            # (a red team's 263-byte body reading a 512 MiB region held health 2-9 s)
             token = cancel.Token()
             return self._in_worker(self._infer_whole, entry, call, token, trace, token=token)
         if header_length == "0":  # Triton's raw binary request: the body is the one input
