@@ -245,6 +245,11 @@ def test_a_bad_class_count_and_a_cuda_registration_are_refused(client):
             {},
             "outside INT8's range",
         ),
+        (  # a float past FP32's range was cast to inf, which the model saw
+            _infer_json([{"name": "a", "shape": [2], "datatype": "FP32", "data": [1, 1e39]}]),
+            {},
+            "outside FP32's range",
+        ),
         (
             _infer_json([{"name": "a", "shape": [2], "datatype": "FP32", "data": [[1], [2, 3]]}]),
             {},

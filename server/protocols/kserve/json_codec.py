@@ -500,8 +500,17 @@ def _from_json(
             _check_count(parsed.size, shape, count, where)
             if dtype.kind in "iu" and count:
                 _check_range(parsed, dtype, datatype, where)
-            return parsed.astype(dtype, copy=False).reshape(shape)
+            return _finite(parsed.astype(dtype, copy=False), datatype, where).reshape(shape)
     return _from_values(_plain(data), dtype, datatype, shape, count, where)
+
+
+def _finite(array: np.ndarray, datatype: str, where: str) -> np.ndarray:
+    """``array`` (JSON numbers cast to their type) when no value overflowed it: JSON holds no
+    infinity, so one here is a number past a narrower float's range (FP32's 1e39, FP16's
+    70000), which the cast made inf and the model saw as such; a 400 names it instead."""
+    if _kind(array.dtype) == "f" and array.dtype.itemsize < 8 and np.isinf(array).any():
+        raise InvalidInput(f"{where}: a value is outside {datatype}'s range (it would be inf)")
+    return array
 
 
 def _number_buffer(data: Any, dtype: np.dtype) -> np.ndarray | None:
@@ -562,7 +571,7 @@ def _from_values(
         )
     if dtype.kind in "iu" and count:
         _check_range(parsed, dtype, datatype, where)
-    return parsed.astype(dtype, copy=False).reshape(shape)
+    return _finite(parsed.astype(dtype, copy=False), datatype, where).reshape(shape)
 
 
 def _check_count(size: int, shape: tuple[int, ...], count: int, where: str) -> None:
