@@ -395,6 +395,32 @@ def test_request_parameters_reach_the_model_and_response_parameters_come_back(ru
         stream.close()
 
 
+def test_large_parameters_reach_the_model_and_too_large_ones_are_refused(running):
+    """A Python model's request travels to its process in one socket message, at most the
+    socket's send buffer (~208 KiB): a red team's 213 KB request parameter failed the send,
+    which the server took for the process's death (restarted, a 500, another client's stream
+    cut). A header that large now travels in a memfd; a request's own parameters past
+    MAX_PARAMETER_BYTES are refused before they are admitted."""
+    from plugserve.server.protocols.kserve.codec import MAX_PARAMETER_BYTES
+
+    restarts = running.log.count("starting its process again")
+    greeting = "g" * 240_000
+    stream = Stream(running)
+    try:
+        stream.send("parameters", 5, parameters={"greeting": greeting})
+        response = stream.get().get_response()
+        assert response.parameters["echo"].string_param == greeting  # and back
+        stream.send("parameters", 5, parameters={"greeting": "g" * (MAX_PARAMETER_BYTES + 1)})
+        refused = stream.get()
+        assert isinstance(refused, InferenceServerException)
+        assert "the request's parameters hold" in refused.message()
+        stream.send("parameters", 6, parameters={"greeting": "after"})
+        assert stream.get().get_response().parameters["echo"].string_param == "after"
+    finally:
+        stream.close()
+    assert running.log.count("starting its process again") == restarts
+
+
 def test_plugserve_v1_infer_stream_marks_responses_that_more_follow(running):
     import grpc
 

@@ -677,8 +677,15 @@ SERVER_PARAMETERS = frozenset(
 
 
 def model_parameters(parameters: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The request parameters its model sees (None: none)."""
+    """The request parameters its model sees (None: none), their names and strings at most
+    MAX_PARAMETER_BYTES together: they travel with the request to its model (a Python
+    model's process gets them in a message beside its batch's others)."""
     own = {k: v for k, v in parameters.items() if k not in SERVER_PARAMETERS}
+    size = sum(len(k) + (len(v) if isinstance(v, str | bytes) else 8) for k, v in own.items())
+    if size > MAX_PARAMETER_BYTES:
+        raise InvalidInput(
+            f"the request's parameters hold {size:,} bytes; at most {MAX_PARAMETER_BYTES:,}"
+        )
     return own or None
 
 
@@ -749,6 +756,8 @@ def request_priority(parameters: Mapping[str, Any]) -> int:
     return value
 
 
+#: the most bytes a request's own parameters may hold (names and strings)
+MAX_PARAMETER_BYTES = 256 << 10
 #: the most parameters a request, or one of its tensors, may carry: a red team's ModelInfer
 #: of 4,000,000 (73 MB) took 11 s of the server's CPU to convert, and 1.4 GB
 MAX_PARAMETERS = 1024

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from plugserve.plugins.api import InferenceError, TensorSpec
+from plugserve.plugins.api import InferenceError, InvalidInput, TensorSpec
 from plugserve.plugins.threads import start_daemon
 from plugserve.server.apps.pipelines.python import ipc, protocol
 from plugserve.server.apps.pipelines.python.calls import Host
@@ -197,6 +197,10 @@ class Instance:
             fast = time.perf_counter() - start < ANSWER_SPIN
             self.answers_within = within + (fast - within) * ANSWER_WEIGHT
             return reply, (fds[0] if fds else -1)
+        except ipc.TooLarge as exc:  # sent nothing: the process is as it was
+            raise InvalidInput(
+                f"{self.label}: the requests' parameters are too large: {exc}"
+            ) from None
         except (OSError, EOFError, ValueError, AttributeError) as exc:
             raise self._lost(mailbox, exc) from None
         finally:

@@ -35,6 +35,7 @@ __all__ = [
     "MAX_HEADER",
     "Arena",
     "Mailbox",
+    "TooLarge",
     "pack_into",
     "pack_tensors",
     "receive",
@@ -45,6 +46,10 @@ __all__ = [
 
 #: the largest header a side reads (tensors travel in the memfd, not here)
 MAX_HEADER = 1 << 20
+#: a header longer than this travels in a memfd of its own (see :func:`send`)
+SPILL_ABOVE = 64 << 10
+#: the longest spilled header a side reads (a batch of requests' parameters)
+MAX_SPILLED = 64 << 20
 _SEALS = getattr(fcntl, "F_SEAL_SHRINK", 0x2) | getattr(fcntl, "F_SEAL_GROW", 0x4)
 _ADD_SEALS = getattr(fcntl, "F_ADD_SEALS", 1033)
 _GET_SEALS = getattr(fcntl, "F_GET_SEALS", 1034)
@@ -52,24 +57,45 @@ _GET_SEALS = getattr(fcntl, "F_GET_SEALS", 1034)
 _DONTWAIT = int(socket.MSG_DONTWAIT)
 _TRUNCATED = int(socket.MSG_TRUNC | socket.MSG_CTRUNC)
 _RIGHTS = (int(socket.SOL_SOCKET), int(socket.SCM_RIGHTS))
-_FD_SPACE = socket.CMSG_SPACE(array.array("i").itemsize * 4)
+_FD_SPACE = socket.CMSG_SPACE(array.array("i").itemsize * 5)  # (4 and a spilled header)
 # headers are small: compact JSON, encoded and decoded without the module functions' wrapping
 _encode = json.JSONEncoder(separators=(",", ":")).encode
 _decode = json.JSONDecoder().decode
+
+
+class TooLarge(Exception):
+    """A header too large to send (the peer is not at fault: not an OSError nor a
+    ValueError, which mean a process gone or a protocol broken)."""
 
 
 def send(
     sock: socket.socket, header: dict[str, Any], fd: int = -1, *more: int, flags: int = 0
 ) -> None:
     """``header`` (and the descriptors) as one message; ``flags``: ``MSG_DONTWAIT`` for a
-    sender that must not block on a peer that does not read (BlockingIOError then)."""
+    sender that must not block on a peer that does not read (BlockingIOError then). A header
+    over SPILL_ABOVE bytes travels in a memfd, the message saying only ``{"spilled": n}``:
+    a message is at most the socket's send buffer (~208 KiB), and a client's 213 KB request
+    parameter failed the send, which the server took for its model process's death."""
     data = _encode(header).encode()
-    if fd < 0 and not more:
+    if len(data) > MAX_SPILLED:
+        raise TooLarge(f"a message of {len(data):,} bytes; at most {MAX_SPILLED:,} travel")
+    if fd < 0 and not more and len(data) <= SPILL_ABOVE:
         sock.sendmsg((data,), (), flags)
         return
     fds = [f for f in (fd, *more) if f >= 0]
-    ancillary = [(*_RIGHTS, array.array("i", fds))] if fds else []
-    sock.sendmsg((data,), ancillary, flags)
+    spill = -1
+    if len(data) > SPILL_ABOVE:
+        spill = _memfd(len(data))
+        fds.append(spill)  # the last descriptor (_message takes it off)
+    try:
+        if spill >= 0:
+            os.pwrite(spill, data, 0)
+            data = _encode({"spilled": len(data)}).encode()
+        ancillary = [(*_RIGHTS, array.array("i", fds))] if fds else []
+        sock.sendmsg((data,), ancillary, flags)
+    finally:
+        if spill >= 0:
+            os.close(spill)
 
 
 def receive(sock: socket.socket) -> tuple[dict[str, Any], int]:
@@ -110,25 +136,40 @@ def _message(
             got = array.array("i")
             got.frombytes(payload[: len(payload) - len(payload) % got.itemsize])
             received.extend(got)
+    try:
+        if flags & _TRUNCATED:
+            raise ValueError("a message over the protocol's size limit")
+        header = _decode(data.decode())
+        if not isinstance(header, dict):
+            raise ValueError("a message that is not a JSON object")
+        if len(header) == 1 and "spilled" in header:  # the header is in the last descriptor
+            if not received:
+                raise ValueError("a spilled header without its memory")
+            spill = received.pop()
+            try:
+                header = _spilled(spill, header["spilled"])
+            finally:
+                os.close(spill)
+    except BaseException:
+        for fd in received:
+            os.close(fd)
+        raise
     if len(received) > most:
         for extra in received[most:]:
             os.close(extra)
         del received[most:]
-    if flags & _TRUNCATED:
-        for fd in received:
-            os.close(fd)
-        raise ValueError("a message over the protocol's size limit")
-    try:
-        header = _decode(data.decode())
-    except ValueError:
-        for fd in received:
-            os.close(fd)
-        raise
-    if not isinstance(header, dict):
-        for fd in received:
-            os.close(fd)
-        raise ValueError("a message that is not a JSON object")
     return header, received
+
+
+def _spilled(fd: int, size: Any) -> dict[str, Any]:
+    """The header a peer spilled into ``fd`` (:func:`send`), read once, at most MAX_SPILLED."""
+    if type(size) is not int or not 0 < size <= MAX_SPILLED or os.fstat(fd).st_size < size:
+        raise ValueError(f"a spilled header of {str(size)[:20]} bytes; at most {MAX_SPILLED}")
+    data = os.pread(fd, size, 0)
+    header = _decode(data.decode())
+    if not isinstance(header, dict):
+        raise ValueError("a message that is not a JSON object")
+    return header
 
 
 def _encoded(value: np.ndarray) -> tuple[np.ndarray | bytes, str]:
