@@ -87,6 +87,12 @@ class ControlDisabled(PlugserveError):
         )
 
 
+class Starting(PlugserveError):
+    """A load or unload request while the server loads its repository at startup."""
+
+    code = "UNAVAILABLE"
+
+
 def failed_to_load(name: str, exc: PlugserveError) -> PlugserveError:
     """``exc`` (same type, so the same status) with Triton's ``failed to load 'NAME'`` first."""
     if str(exc).startswith("failed to load"):
@@ -182,6 +188,10 @@ class ModelControl:
         self.queue_size = queue_size
         #: --model-control-mode
         self.control_mode = ""
+        #: the server's startup is loading the repository (the process sets and clears it):
+        #: a client's load of a model the startup then loaded failed the startup, and with
+        #: --exit-on-error the server exited (a red team's REST load, 3 of 5 tries)
+        self.starting = False
         #: --strict-readiness: a model that failed keeps the server not ready (as Triton)
         self.strict_readiness = True
         #: what each repository version was loaded from (poll)
@@ -652,8 +662,15 @@ class ModelControl:
                 f"({ALLOW_CODE})"
             )
 
-    def check_control(self, what: str) -> None:
-        """Load and unload requests are refused in Triton's none and poll modes."""
+    def check_control(self, what: str, client: bool = True) -> None:
+        """Load and unload requests are refused in Triton's none and poll modes, and a
+        ``client``'s while the server loads its repository at startup (UNAVAILABLE: retry
+        once it is ready; a Python model's initialize may load the models it calls)."""
+        if self.starting and client:
+            raise Starting(
+                f"{what}: the server is starting and loading its model repository; retry "
+                "once it is ready (/v2/health/ready)"
+            )
         if self.control_mode in ("none", "poll"):
             raise ControlDisabled(
                 f"{what}: model load and unload requests are not allowed with "

@@ -371,6 +371,7 @@ class Server:
         if problems:
             raise SystemExit(f"plugserve: invalid settings: {'; '.join(problems)}")
         credentials = server_credentials(s)
+        self.control.starting = True  # until the repository is loaded (load_models)
         auth = self._start_grpc(credentials)
         if s.health_port >= 0:
             self._serve_health(s.host, s.health_port)
@@ -517,7 +518,10 @@ class Server:
             )
             self.on_demand.start()
             names = names or set()  # (explicit mode's --load-model still load at startup)
-        ready, problems = self.control.load_repository(names)
+        try:
+            ready, problems = self.control.load_repository(names)
+        finally:
+            self.control.starting = False
         for problem in problems:
             log.error("model repository: %s", problem)
         # what failed, and the ensembles whose steps it leaves without a model (Triton's

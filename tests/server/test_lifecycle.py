@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import sys
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -190,3 +191,48 @@ def test_a_python_models_exception_names_its_own_file_not_the_workers(tmp_path):
     assert 'File "raises/1/model.py"' in message, message
     assert "worker.py" not in message, message
     assert str(root) not in message, message
+
+
+def test_a_load_asked_for_while_the_server_starts_is_unavailable_and_the_start_goes_on(
+    tmp_path,
+):
+    """The REST port answers while the startup loads the repository. A red team's client
+    loaded a model before the startup came to it; the startup's own load then failed
+    ("already loaded") and the server exited, 3 of 5 tries. A client's load or unload during
+    the startup is now 503 (retry once ready), and the startup loads everything."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    from models import add_sub
+    from test_python_deadlines import CONFIG, MODEL  # initialize takes 3 s
+
+    (tmp_path / "a_slow" / "1").mkdir(parents=True)
+    (tmp_path / "a_slow" / "config.pbtxt").write_text(CONFIG.replace('"slow"', '"a_slow"'))
+    (tmp_path / "a_slow" / "1" / "model.py").write_text(textwrap.dedent(MODEL))
+    (tmp_path / "z_onnx" / "1").mkdir(parents=True)
+    (tmp_path / "z_onnx" / "1" / "model.onnx").write_bytes(add_sub().SerializeToString())
+    (tmp_path / "z_onnx" / "config.json").write_text('{"device": "NUMPY"}')
+    server = RunningServer(
+        "--model-repository", str(tmp_path), "--model-control-mode", "explicit",
+        "--load-model", "*",
+    )  # fmt: skip
+
+    def load(name: str) -> tuple[int, str]:
+        url = f"{server.http_url}/v2/repository/models/{name}/load"
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url, b"{}"), timeout=30) as reply:
+                return reply.status, ""
+        except urllib.error.HTTPError as refused:
+            return refused.code, json.loads(refused.read())["error"]
+
+    server.start(wait_ready=False)
+    try:
+        status, message = load("z_onnx")
+        assert status == 503 and "the server is starting" in message, (status, message)
+        server.wait_ready()
+        assert server.process.poll() is None and "cannot be served" not in server.log
+        assert "model z_onnx version 1 is ready" in server.log
+        assert load("z_onnx") == (200, "")  # ready: loads are served (a reload here)
+    finally:
+        server.stop()

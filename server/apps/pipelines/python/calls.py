@@ -186,7 +186,7 @@ def _name(header: dict[str, Any], host: Host) -> str:
 def load_model(host: Host, header: dict[str, Any], inputs: Any) -> dict[str, Any]:
     control = _control(host)
     name = _name(header, host)
-    control.check_control(f"{host.label}: load_model({name!r})")
+    control.check_control(f"{host.label}: load_model({name!r})", client=False)
     parameters: dict[str, Any] = {}
     config = header.get("config")
     if config:
@@ -201,7 +201,7 @@ def load_model(host: Host, header: dict[str, Any], inputs: Any) -> dict[str, Any
 def unload_model(host: Host, header: dict[str, Any], inputs: Any) -> dict[str, Any]:
     control = _control(host)
     name = _name(header, host)
-    control.check_control(f"{host.label}: unload_model({name!r})")
+    control.check_control(f"{host.label}: unload_model({name!r})", client=False)
     if name == host.model_name:
         raise InvalidArgument(
             f"{host.label}: a model cannot unload itself (its unload waits for the execute "
