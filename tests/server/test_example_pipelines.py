@@ -74,6 +74,30 @@ def test_text_in_label_out(running, protocol):
         client.close()
 
 
+def test_a_texts_tail_past_its_tokens_is_not_read_and_a_request_holds_1024_texts(running):
+    """The tokenizer kept a text's first 30 tokens after encoding all of it (a red team's
+    megabyte of 100-letter words held its only instance 11-40 s), and each text of a request
+    became ~8 KB of the encoder's tensors in the server (400,000 empty texts grew it 3.3 GB):
+    now a text is read as far as its tokens go (its tail changes nothing), and a request of
+    more than MAX_TEXTS texts is refused."""
+    module, client = _client(running, "grpc")
+    try:
+        head = TEXTS[0] + b" and more words" * 20
+        tail = head + b" " + b" ".join([b"q" + b"z" * 99] * 20_000)  # 2 MB of slow words
+        tensor = module.InferInput("TEXT", [2], "BYTES")
+        tensor.set_data_from_numpy(np.array([head, tail], dtype=object))
+        scores = client.infer("text_sentiment", [tensor]).as_numpy("SCORE")
+        assert scores[0] == scores[1]
+        many = module.InferInput("TEXT", [1025], "BYTES")
+        many.set_data_from_numpy(np.array([b""] * 1025, dtype=object))
+        with pytest.raises(InferenceServerException) as refused:
+            client.infer("text_sentiment", [many])
+        assert refused.value.status() == "StatusCode.INVALID_ARGUMENT"
+        assert "1025 texts; at most 1024" in refused.value.message()
+    finally:
+        client.close()
+
+
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
 @pytest.mark.parametrize("kind", ["PNG", "JPEG"])
 def test_image_bytes_in_label_out(running, protocol, kind):
@@ -89,16 +113,40 @@ def test_image_bytes_in_label_out(running, protocol, kind):
         client.close()
 
 
+def _png_header(width: int, height: int) -> bytes:
+    """A PNG that says it is ``width`` x ``height`` (and holds a few bytes of it)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        crc = struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+        return struct.pack(">I", len(data)) + kind + data + crc
+
+    head = chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + head
+        + chunk(b"IDAT", zlib.compress(bytes(100)))
+        + chunk(b"IEND", b"")
+    )
+
+
 def test_bytes_that_are_no_image_are_the_clients_error(running):
     module, client = _client(running, "grpc")
     try:
-        data = np.frombuffer(b"GIF? no, just text", np.uint8)
-        tensor = module.InferInput("IMAGE", [len(data)], "UINT8")
-        tensor.set_data_from_numpy(data)
-        with pytest.raises(InferenceServerException) as refused:
-            client.infer("image_color", [tensor])
-        assert refused.value.status() == "StatusCode.INVALID_ARGUMENT"
-        assert "no image format Pillow reads" in refused.value.message()
+        # (a header past Pillow's decompression-bomb size raised at open: a 500)
+        for raw, words in (
+            (b"GIF? no, just text", "no image format Pillow reads"),
+            (_png_header(50_000, 50_000), "over 40000000 pixels"),
+            (_png_header(10_000, 10_000), "over 40000000 pixels"),
+        ):
+            data = np.frombuffer(raw, np.uint8)
+            tensor = module.InferInput("IMAGE", [len(data)], "UINT8")
+            tensor.set_data_from_numpy(data)
+            with pytest.raises(InferenceServerException) as refused:
+                client.infer("image_color", [tensor])
+            assert refused.value.status() == "StatusCode.INVALID_ARGUMENT", refused.value
+            assert words in refused.value.message()
         assert client.is_model_ready("image_color")  # and it still answers
         data = np.frombuffer(_image(COLORS["red"], "PNG"), np.uint8)
         tensor.set_shape([len(data)])

@@ -70,6 +70,8 @@ class TritonPythonModel:
                 f"{len(data)} bytes that are no image format Pillow reads (PNG, JPEG, ...); send "
                 "the file's bytes as they are"
             ) from None
+        except Image.DecompressionBombError as exc:  # (some formats check at open: a 500)
+            raise ValueError(f"over {MAX_PIXELS} pixels: {exc}") from None
         with opened as image:
             width, height = image.size
             if width * height > MAX_PIXELS:
