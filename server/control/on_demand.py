@@ -370,8 +370,11 @@ class OnDemand:
         return best[1] if best is not None and not best[2] else None
 
     def _may_go(self, name: str, versions: Any) -> bool:
-        """No request in flight on it, nor on an ensemble that runs it."""
-        if any(v.inflight for v in versions):
+        """No request in flight on it, nor on an ensemble that runs it, and no sequence open
+        on it (its state is the server's: between two of a sequence's requests nothing is in
+        flight, and a red team's 10 of 10 sequences lost their state to an eviction, their
+        next request refused for want of a START; a sequence ends by its own idle timeout)."""
+        if any(v.inflight or getattr(v.sequences, "active", 0) for v in versions):
             return False
         return not any(user.inflight for user in self._users(name))
 

@@ -598,3 +598,45 @@ def test_a_broken_model_fails_at_once_and_makes_no_room_until_its_files_change(t
             np.testing.assert_array_equal(got, X * 5)
         finally:
             client.close()
+
+
+def _answers(server: RunningServer, model: str) -> bool:
+    try:
+        return bool(np.allclose(_grpc(server, model), 2 * X))
+    except InferenceServerException:
+        return False
+
+
+def test_a_model_with_an_open_sequence_is_not_evicted(tmp_path):
+    """Between two requests of a sequence nothing is in flight, and its model was evicted to
+    make room: its state lost, the sequence's next request refused for want of a START (a red
+    team's 10 of 10 sequences). A model with an open sequence now stays; the request for
+    another model waits for room, and once the sequence ends that model loads."""
+    from sequence_models import accumulator, accumulator_config, write_model
+
+    _double(tmp_path)
+    idle = "max_sequence_idle_microseconds: 60000000"  # (Triton's default: 1 s)
+    write_model(tmp_path, "acc", accumulator(), accumulator_config("acc", "direct { }", 8, idle))
+    args = ["--model-repository", str(tmp_path), "--model-load-on-demand", "1"]
+    args += ["--models-max", "1", "--model-load-wait-seconds", "1"]
+    args += ["--model-min-loaded-seconds", "0"]
+    with RunningServer(*args) as server:
+        client = grpcclient.InferenceServerClient(server.target)
+
+        def step(value: float, **flags) -> np.ndarray:
+            given = grpcclient.InferInput("INPUT", [1, 4], "FP32")
+            given.set_data_from_numpy(np.full((1, 4), value, np.float32))
+            answer = client.infer("acc", [given], sequence_id=42, client_timeout=60, **flags)
+            return answer.as_numpy("OUTPUT")
+
+        try:
+            assert step(1.0, sequence_start=True).tolist() == [[1.0] * 4]
+            with pytest.raises(InferenceServerException, match="models-max") as waited:
+                _grpc(server, "double")  # no room: acc's sequence is open
+            assert waited.value.status() == "StatusCode.UNAVAILABLE"
+            assert step(2.0).tolist() == [[3.0] * 4]  # its state kept
+            assert step(3.0, sequence_end=True).tolist() == [[6.0] * 4]
+            # room once it ended (retried on 503, as a client does: an eviction takes a while)
+            assert wait_for(lambda: _answers(server, "double"), timeout=60), server.log[-3000:]
+        finally:
+            client.close()
