@@ -764,7 +764,11 @@ class SequenceBatcher:
                 sequence.states = states
             sequence.busy = False
             sequence.last = time.monotonic()
-            if lost:  # (those the reaper answered already are not answered again)
+            # a START that failed before the sequence ever ran: it did not start (a red team's
+            # START of a wrong shape, refused, held a --max-sequences slot until the idle
+            # timeout, and the next request of its id ran as if it had started)
+            unstarted = exc is not None and item.step.start and sequence.states is None and not lost
+            if lost or unstarted:  # (those the reaper answered already are not answered again)
                 failed = [q for q in sequence.pending if q.state == WAITING]
                 for queued in failed:
                     queued.state = STARTED
@@ -787,6 +791,11 @@ class SequenceBatcher:
                     queued.future.set_exception(
                         ResourceExhausted(
                             f"sequence {sequence.id} of model '{self.name}' ended: {exc}"
+                        )
+                        if lost
+                        else InvalidInput(
+                            f"sequence {sequence.id!r} of model '{self.name}' did not start: "
+                            f"its START request failed ({exc}); start it again"
                         )
                     )
         finally:  # its sequence goes on whatever an answer's callbacks did

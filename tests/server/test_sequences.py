@@ -339,6 +339,28 @@ def _acc_step(client, model, sequence_id, x, start=False, end=False):
     return result.as_numpy("OUTPUT")
 
 
+@pytest.mark.parametrize("model", ["acc_direct", "acc_oldest"])
+def test_a_start_that_fails_does_not_start_its_sequence(server, model):
+    """A red team's START of a wrong shape, refused, still opened its sequence: it held a
+    --max-sequences slot until the idle timeout, and the next request of its id, without
+    START, ran as if the sequence had started. A START that fails before its sequence ever
+    ran leaves no sequence (Triton refuses such a request: no START flag)."""
+    client = grpcclient.InferenceServerClient(server.target)
+    try:
+        wrong = grpcclient.InferInput("INPUT", [1, 5], "FP32")
+        wrong.set_data_from_numpy(np.zeros((1, 5), np.float32))
+        with pytest.raises(InferenceServerException) as refused:
+            client.infer(model, [wrong], sequence_id=9100, sequence_start=True)
+        assert refused.value.status() == "StatusCode.INVALID_ARGUMENT"
+        with pytest.raises(InferenceServerException, match="must specify the START flag"):
+            _acc_step(client, model, 9100, np.ones(4))
+        assert _acc_step(client, model, 9100, np.ones(4), start=True, end=True).tolist() == [
+            [1.0] * 4
+        ]
+    finally:
+        client.close()
+
+
 @pytest.mark.parametrize("model", ["acc_direct", "acc_oldest", "acc_numpy"])
 def test_implicit_state_concurrent_sequences(server, model):
     """8 sequences at once, each from its own thread: every answer is its own running sum,
@@ -467,7 +489,9 @@ def test_one_sequences_bad_input_fails_only_its_own_request(server):
             assert np.array_equal(answer, [[float(step)]]), (k, answer)  # state moved once
         failure = answers[-1]
         assert isinstance(failure, InferenceServerException), failure
-        assert "Out of range value in index" in failure.message()
+        # its START failed: its sequence did not start, and its next request is refused
+        words = "Out of range value in index" if step == 0 else "must specify the START flag"
+        assert words in failure.message(), failure.message()
 
 
 def test_one_rows_passed_deadline_does_not_fail_the_batch(server):
