@@ -501,15 +501,16 @@ class ModelControl:
                 if version is None or key[1] in (0, version):
                     del self.table.failed[key]
 
-    def _failed_at(self, problem: str) -> None:
+    def _failed_at(self, problem: str) -> str:
         """Keep a repository problem (its message begins with the file it is about) as the
-        failure of the model whose folder that is; one outside any model's folder (an OVMS
-        config.json) stands for itself."""
+        failure of the model whose folder that is, and name that model ("": one outside any
+        model's folder, an OVMS config.json, stands for itself)."""
         root = str(self.repository.root) if self.repository is not None else ""
         where = problem.partition(": ")[0]
         name = where[len(root) + 1 :].partition("/")[0] if where.startswith(root + "/") else ""
         with self.table.lock:
             self.table.failed[(name or problem, 0)] = problem
+        return name
 
     # --- the rest of the plugin API
 
@@ -918,22 +919,31 @@ class ModelControl:
         wanted = {(e.name, e.version): e for e in entries}
         with self.table.lock:  # the repository decides anew: what fails again is retried below
             self.table.failed.clear()
+        troubled = set()  # models the scan could not read whole this time
         if self.repository.root.is_dir():
             for problem in problems:
-                self._failed_at(problem)
+                troubled.add(self._failed_at(problem))
         ours = {(n.name, n.version) for n in self.networks() if n.persisted}
-        for name, version in sorted(ours - wanted.keys()):
-            with contextlib.suppress(NotFound):
-                self.unload(name, version)
-                self._stamps.pop((name, version), None)
-                log.info("repository poll: %s version %d removed: unloaded", name, version)
         changed = [
             entry
             for (name, version), entry in sorted(wanted.items())
             if (name, version) not in ours
             or self._stamps.get((name, version)) != self.repository.stamp(name, entry.path)
         ]
-        problems += [p for p in self._each(self._reload_entry, changed) if p]
+        # what is new loads before what it replaces goes, and a model whose files are being
+        # written (a config.pbtxt rewritten in place, a version folder copied in before its
+        # model file) keeps what it serves: a red team's model answered 404 for the whole
+        # write, its versions unloaded before anything replaced them
+        failed = self._each(self._reload_entry, changed)
+        troubled |= {entry.name for entry, problem in zip(changed, failed) if problem}
+        problems += [p for p in failed if p]
+        for name, version in sorted(ours - wanted.keys()):
+            if name in troubled:
+                continue
+            with contextlib.suppress(NotFound):
+                self.unload(name, version)
+                self._stamps.pop((name, version), None)
+                log.info("repository poll: %s version %d removed: unloaded", name, version)
         for problem in problems:
             log.error("repository poll: %s", problem)
         return problems

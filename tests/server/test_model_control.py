@@ -3,12 +3,14 @@ poll following the repository's changes while clients keep sending requests."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -51,6 +53,31 @@ def ready(client, name: str, version: str = "") -> bool:
         return client.is_model_ready(name, version)
     except InferenceServerException:
         return False
+
+
+@contextlib.contextmanager
+def _hammered(server: RunningServer, name: str) -> Iterator[list[str]]:
+    """Requests to ``name``, one after another on a thread, while the block runs: the list
+    of the refusals' messages."""
+    stop = threading.Event()
+    failures: list[str] = []
+
+    def hammer() -> None:
+        own = grpcclient.InferenceServerClient(server.target)
+        while not stop.is_set():
+            try:
+                infer(own, name)
+            except InferenceServerException as exc:
+                failures.append(exc.message())
+        own.close()
+
+    thread = threading.Thread(target=hammer)
+    thread.start()
+    try:
+        yield failures
+    finally:
+        stop.set()
+        thread.join(60)
 
 
 @pytest.fixture
@@ -122,21 +149,7 @@ def test_poll_follows_added_changed_and_removed_versions_without_dropping_reques
     args = ["--model-repository", str(repo), "--model-control-mode", "poll"]
     with RunningServer(*args, "--repository-poll-secs", "0.3") as s:
         client = grpcclient.InferenceServerClient(s.target)
-        stop = threading.Event()
-        failures: list[str] = []
-
-        def hammer() -> None:
-            own = grpcclient.InferenceServerClient(s.target)
-            while not stop.is_set():
-                try:
-                    infer(own, "a")
-                except InferenceServerException as exc:
-                    failures.append(exc.message())
-            own.close()
-
-        thread = threading.Thread(target=hammer)
-        thread.start()
-        try:
+        with _hammered(s, "a") as failures:
             put(repo, "a", 2, 2.0)  # added
             assert wait_for(lambda: ready(client, "a", "2"), timeout=30), s.log
             assert wait_for(lambda: infer(client, "a") == 2.0, timeout=30)
@@ -149,12 +162,34 @@ def test_poll_follows_added_changed_and_removed_versions_without_dropping_reques
             assert wait_for(lambda: ready(client, "c"), timeout=30), s.log
             with pytest.raises(InferenceServerException):
                 client.load_model("a")
-        finally:
-            stop.set()
-            thread.join(60)
-            client.close()
+        client.close()
         assert not failures, failures[:3]
         assert infer(grpcclient.InferenceServerClient(s.target), "c") == 7.0
+
+
+def test_poll_keeps_serving_a_model_while_its_files_are_being_written(repo):
+    """A config.pbtxt rewritten in place, and a version folder copied in before its model file,
+    were a model the scan could not read or load: its versions were unloaded before anything
+    replaced them, and a red team's clients got 404 for the whole write (223 in 3 s). A model
+    the scan cannot read keeps what it serves; what is new loads before what it replaces
+    goes (deleting the latest version: the one before it serves on)."""
+    config = repo / "a" / "config.pbtxt"
+    config.write_text('name: "a"\nplatform: "onnxruntime_onnx"\n')
+    args = ["--model-repository", str(repo), "--model-control-mode", "poll"]
+    with RunningServer(*args, "--repository-poll-secs", "0.2") as s:
+        client = grpcclient.InferenceServerClient(s.target)
+        with _hammered(s, "a") as failures:
+            config.write_text('name: "a"\nplatfo')  # half written
+            time.sleep(1.0)  # several polls
+            config.write_text('name: "a"\nplatform: "onnxruntime_onnx"\n')
+            (repo / "a" / "2").mkdir()  # copied in: the folder first, its model file later
+            time.sleep(1.0)
+            put(repo, "a", 2, 2.0)
+            assert wait_for(lambda: infer(client, "a") == 2.0, timeout=30), s.log
+            shutil.rmtree(repo / "a" / "2")  # the latest deleted: version 1 again
+            assert wait_for(lambda: infer(client, "a") == 1.0, timeout=30), s.log
+        client.close()
+        assert not failures, (len(failures), failures[:3])
 
 
 @pytest.mark.parametrize("module", [grpcclient, httpclient])
