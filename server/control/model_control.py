@@ -268,8 +268,10 @@ class ModelControl:
         if persist and not isinstance(model, bytes):
             raise InvalidArgument("persist needs the model as bytes")
         with self.table.lock:
-            if not version:
-                loaded = max(self.table.by_name.get(name, {}), default=0)
+            if not version:  # the next free one: past those loaded and those loading (two
+                # loads at once both took the same version, and one was refused)
+                loading = (v for n, v in self.table.loading if n == name)
+                loaded = max([*self.table.by_name.get(name, {}), *loading], default=0)
                 stored = (
                     self.repository.next_version(name) - 1 if (persist and self.repository) else 0
                 )

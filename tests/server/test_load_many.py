@@ -187,3 +187,30 @@ def test_idle_networks_keep_only_the_threads_their_streams_need(tmp_path):
             f"{count} ORT and {count} NUMPY networks, idle, added {after - before} threads; "
             f"their streams need {count * intra_op}"
         )
+
+
+def test_loads_of_the_next_free_version_at_once_each_take_their_own(tmp_path):
+    """A load of version 0 takes the next free version. Two at once both took the same one
+    (the loading ones were not counted), and one was refused "already loaded" (a red team's
+    5 of 280 plugserve.v1 loads): each now takes its own."""
+    import threading
+
+    model = mlp().SerializeToString()
+    with RunningServer("--model-repository", str(tmp_path)) as server:
+        versions: list[int] = []
+        errors: list[BaseException] = []
+
+        def load() -> None:
+            try:
+                with Client(server.target, timeout=120) as client:
+                    versions.append(client.load("many", model, device="NUMPY").network.version)
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=load) for _ in range(6)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(180)
+        assert not errors, errors[:2]
+        assert sorted(versions) == [1, 2, 3, 4, 5, 6]
