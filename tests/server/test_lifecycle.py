@@ -236,3 +236,67 @@ def test_a_load_asked_for_while_the_server_starts_is_unavailable_and_the_start_g
         assert load("z_onnx") == (200, "")  # ready: loads are served (a reload here)
     finally:
         server.stop()
+
+
+#: execute sleeps INPUT0 seconds, deaf to its request's cancellation
+DEAF_SLEEPER = """
+import os
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        out = []
+        for request in requests:
+            seconds = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
+            pb_utils.Logger.log_info("[sleeps] runs")
+            time.sleep(float(seconds[0]))
+            pid = np.array([os.getpid()], np.int64)
+            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("PID", pid)]))
+        return out
+"""
+
+
+def test_an_unload_past_its_timeout_stops_a_python_models_running_execute(tmp_path):
+    """--model-unload-timeout bounds what an unload waits for the requests its model admitted.
+    A Python model's execute held its process's lock, which the unload's finalize waited
+    for: a red team's unload with 1 s took 9.4 s during a 10 s execute, 39 s during 40 s.
+    The process is now stopped and the request answered UNAVAILABLE."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    from test_python_deadlines import CONFIG
+
+    (tmp_path / "slow" / "1").mkdir(parents=True)
+    (tmp_path / "slow" / "config.pbtxt").write_text(CONFIG)
+    (tmp_path / "slow" / "1" / "model.py").write_text(DEAF_SLEEPER)
+    args = ["--model-repository", str(tmp_path), "--model-unload-timeout", "1"]
+    with RunningServer(*args) as server:
+        answer: dict = {}
+
+        def slow() -> None:
+            body = {"inputs": [{"name": "INPUT0", "shape": [1], "datatype": "FP32", "data": [60]}]}
+            request = urllib.request.Request(
+                f"{server.http_url}/v2/models/slow/infer", json.dumps(body).encode()
+            )
+            try:
+                urllib.request.urlopen(request, timeout=120)
+            except urllib.error.HTTPError as refused:
+                answer["status"] = refused.code
+
+        thread = threading.Thread(target=slow)
+        thread.start()
+        assert wait_for(lambda: "[sleeps] runs" in server.log, 30)
+        started = time.monotonic()
+        unload = urllib.request.Request(
+            f"{server.http_url}/v2/repository/models/slow/unload", b"{}"
+        )
+        urllib.request.urlopen(unload, timeout=120).read()
+        took = time.monotonic() - started
+        thread.join(120)
+        assert took < 20, took  # before: the whole execute (60 s)
+        assert answer.get("status") == 503, answer
