@@ -241,8 +241,13 @@ class ResponseStream(ResponseSender):
         """The request was cancelled (its client gone or not reading, its deadline, the
         server's limit): what waits unread is dropped now, not when the last reference to
         the stream goes (the responses of four unread streams held 16,000 descriptors after
-        their clients had left)."""
-        self.fail(self.token.error or Cancelled(f"network {self.name!r}: cancelled"), drop=True)
+        their clients had left). Unless the final response waits among them: then they are
+        the whole answer, which a consumer still reading takes (a final response past the
+        bound is delivered whatever its size)."""
+        with self._cond:
+            complete = bool(self._items) and self._items[-1][1]
+        error = self.token.error or Cancelled(f"network {self.name!r}: cancelled")
+        self.fail(error, drop=not complete)
 
     def when_ended(self, callback: Callable[[BaseException | None], object]) -> None:
         """Call ``callback(error or None)`` once the stream has ended (at once if it has)."""
