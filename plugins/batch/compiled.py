@@ -320,12 +320,16 @@ class BatchCompiledNetwork(OneNetwork, CompiledNetwork):
         if self.config.get("PERF_COUNT"):
             with contextlib.suppress(PlugserveError):
                 self.last_counts = list(request.get_performance_counts())
+        self._record(rows, elapsed)
+        for item, part in zip(batch, parts):
+            item.settle(part)
+
+    def _record(self, rows: int, elapsed: int) -> None:
+        """One batch of ``rows`` rows ran in ``elapsed`` ns (BATCH_SIZE_COUNTS)."""
         with self._cond:
             entry = self._stats.setdefault(rows, [0, 0])
             entry[0] += 1
             entry[1] += elapsed
-        for item, part in zip(batch, parts):
-            item.settle(part)
 
     def _alone(self, request: Any, batch: list[_Item], failed: BaseException) -> None:
         """A batch of several requests failed: each is run again on its own, and gets its own
@@ -351,10 +355,7 @@ class BatchCompiledNetwork(OneNetwork, CompiledNetwork):
                 item.settle(error=_failed(what, exc))
                 continue
             elapsed = int((time.perf_counter() - start) * 1e9)
-            with self._cond:
-                entry = self._stats.setdefault(item.rows, [0, 0])
-                entry[0] += 1
-                entry[1] += elapsed
+            self._record(item.rows, elapsed)
             item.settle(part)
 
     def _split(
