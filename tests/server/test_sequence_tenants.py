@@ -74,6 +74,52 @@ output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 1 ] } ]
 """
 
 
+#: the relay as a decoupled model that answers each request from a thread of its own, after its
+#: execute returned: its BLS call names the request by ``trace=request.trace()``; INPUT0 is
+#: [value, start, correlation id] (the third names the accumulator's sequence)
+THREADED_RELAY = """
+import threading
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            threading.Thread(target=self._answer, args=(request,)).start()
+        return None
+
+    def _answer(self, request):
+        sender = request.get_response_sender()
+        value, start, sequence = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
+        answer = pb_utils.InferenceRequest(
+            model_name="acc",
+            requested_output_names=["OUTPUT"],
+            inputs=[pb_utils.Tensor("INPUT", np.full((1, 4), value, np.float32))],
+            correlation_id=int(sequence),
+            flags=pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START if start else 0,
+            trace=request.trace(),
+        ).exec()
+        if answer.has_error():
+            out = np.full(1, -1.0, np.float32)  # (the error's text in the server's log)
+            pb_utils.Logger.log_info("threaded relay: " + answer.error().message())
+        else:
+            out = pb_utils.get_output_tensor_by_name(answer, "OUTPUT").as_numpy()[0][:1]
+        sender.send(pb_utils.InferenceResponse(output_tensors=[
+            pb_utils.Tensor("OUTPUT0", out.astype(np.float32))]),
+            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+"""
+
+THREADED_RELAY_CONFIG = """
+name: "threaded_relay"
+backend: "python"
+model_transaction_policy { decoupled: true }
+input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 3 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 1 ] } ]
+"""
+
+
 #: the relay as a sequence model itself (its requests name a sequence of their own)
 STATEFUL_RELAY_CONFIG = RELAY_CONFIG.replace('name: "relay"', 'name: "stateful_relay"') + (
     "sequence_batching { }\n"
@@ -94,6 +140,9 @@ def server(tmp_path_factory):
     (repo / "stateful_relay" / "1").mkdir(parents=True)
     (repo / "stateful_relay" / "config.pbtxt").write_text(STATEFUL_RELAY_CONFIG)
     (repo / "stateful_relay" / "1" / "model.py").write_text(RELAY)
+    (repo / "threaded_relay" / "1").mkdir(parents=True)
+    (repo / "threaded_relay" / "config.pbtxt").write_text(THREADED_RELAY_CONFIG)
+    (repo / "threaded_relay" / "1" / "model.py").write_text(THREADED_RELAY)
     (repo / "relay" / "1").mkdir(parents=True)
     (repo / "relay" / "config.pbtxt").write_text(RELAY_CONFIG)
     (repo / "relay" / "1" / "model.py").write_text(RELAY)
@@ -257,6 +306,33 @@ def test_a_python_models_bls_calls_are_its_callers_tenants(client):
     assert relay("a", 4242, True) == 4242
     with pytest.raises(InferenceServerException, match="must specify the START flag"):
         relay("b", 0, False)  # b's calls reach b's sequences: it never started one
+    assert relay("b", 7, True) == 7
+    assert relay("a", 1, False) == 4243
+    assert relay("b", 1, False) == 8
+
+
+def test_a_decoupled_models_thread_calls_for_the_request_it_names(server):
+    """A decoupled Python model answering from its own thread, after its execute returned,
+    makes its BLS call with ``trace=request.trace()``: the call is that request's tenant's, so
+    the accumulator sequence it keeps for a caller is that caller's. Before, every such call
+    was the server's own tenant, so tenant b's call continued a's sequence and read its sum."""
+
+    def relay(who: str, value: float, start: bool) -> float:
+        answers: queue.Queue = queue.Queue()
+        tensor = grpcclient.InferInput("INPUT0", [3], "FP32")
+        tensor.set_data_from_numpy(np.array([value, float(start), 31], np.float32))
+        with grpcclient.InferenceServerClient(server.target) as stream:
+            stream.start_stream(callback=lambda result, error: answers.put((result, error)),
+                                headers=_as(who))  # fmt: skip
+            stream.async_stream_infer("threaded_relay", [tensor])
+            result, error = answers.get(timeout=60)
+            stream.stop_stream()
+        assert error is None, error
+        return float(result.as_numpy("OUTPUT0")[0])
+
+    assert relay("a", 4242, True) == 4242
+    assert relay("b", 0, False) == -1  # b's call reaches b's sequences: it never started one
+    assert "must specify the START flag" in server.log
     assert relay("b", 7, True) == 7
     assert relay("a", 1, False) == 4243
     assert relay("b", 1, False) == 8

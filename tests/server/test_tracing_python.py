@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import queue
 import textwrap
+import time
 import uuid
 from pathlib import Path
 
@@ -106,6 +107,53 @@ class TritonPythonModel:
         return None
 """
 
+LAGGER_CONFIG = STREAMER_CONFIG.replace('name: "streamer"', 'name: "lagger"')
+
+#: a decoupled model whose request of INPUT0[0] == 1 is answered by a thread of its own, which
+#: waits for a request of INPUT0[0] == 2 to be in its execute and then makes a BLS call (without
+#: ``trace=``); the second request is answered from its execute, which lasts 0.5 s. The first's
+#: answer is 1.0 when its call was made and answered while the second's execute ran, else 0.0
+LAGGER = """
+import threading
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.go = threading.Event()
+        self.running = False
+
+    def execute(self, requests):
+        for request in requests:
+            first = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()[0]
+            if first == 1:
+                self.go.clear()
+                threading.Thread(target=self._later, args=(request,)).start()
+                continue
+            self.running = True
+            self.go.set()
+            time.sleep(0.5)  # the thread's call is made meanwhile
+            self.running = False
+            out = pb_utils.Tensor("OUTPUT0", request.inputs()[0].as_numpy())
+            sender = request.get_response_sender()
+            sender.send(pb_utils.InferenceResponse(output_tensors=[out]),
+                        flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+
+    def _later(self, request):
+        self.go.wait(30)
+        call = pb_utils.InferenceRequest(
+            model_name="add_sub", requested_output_names=["OUTPUT0"], inputs=request.inputs())
+        call.exec()
+        during = np.full(4, 1.0 if self.running else 0.0, np.float32)
+        request.get_response_sender().send(pb_utils.InferenceResponse(output_tensors=[
+            pb_utils.Tensor("OUTPUT0", during)]),
+            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+"""
+
 BATCHED_CONFIG = """
 name: "batched"
 backend: "python"
@@ -152,6 +200,7 @@ def _repository(folder: Path) -> Path:
         ("caller", CALLER_CONFIG, CALLER),
         ("streamer", STREAMER_CONFIG, STREAMER),
         ("batched", BATCHED_CONFIG, BATCHED),
+        ("lagger", LAGGER_CONFIG, LAGGER),
     ):
         (repo / name / "1").mkdir(parents=True)
         (repo / name / "config.pbtxt").write_text(textwrap.dedent(config))
@@ -342,3 +391,43 @@ def test_an_untraced_request_and_its_bls_call_leave_no_trace(server, receiver, t
     triton.infer("add_sub", _inputs(), request_id="marker", headers={"traceparent": header})
     _spans(receiver, trace_id, ["InferRequest", "add_sub"])
     assert set(receiver.traces()) == {trace_id}
+
+
+def test_a_decoupled_models_thread_does_not_take_another_requests_trace(server, receiver):
+    """An untraced request that a decoupled model answers from its own thread: the BLS call
+    the thread makes while a traced request's execute runs is not traced under that execute
+    (a thread is outside any execute). Before, the traced execute's span was the process's,
+    so the first request's call went into the second request's trace."""
+    for _ in range(3):  # until the call was made during the traced execute (their order)
+        header, trace_id, _ = _traceparent()
+        during = _held_then_traced(server, header)
+        if during:
+            break
+    assert during, "the thread's call was never made while the traced execute ran"
+    marker, marker_id, _ = _traceparent()
+    with grpcclient.InferenceServerClient(server.target) as client:
+        client.infer("add_sub", _inputs(), request_id="marker", headers={"traceparent": marker})
+    _spans(receiver, marker_id, ["InferRequest", "add_sub"])
+    spans = _spans(receiver, trace_id, ["InferRequest", "lagger", "execute"])
+    assert "bls" not in spans and "add_sub" not in spans, sorted(spans)
+    receiver.clear()
+
+
+def _held_then_traced(server, header: str) -> bool:
+    """The lagger's untraced request, then (once it is likely in) a traced one: whether the
+    first one's call was made while the second one's execute ran."""
+    answers: queue.Queue = queue.Queue()
+    with grpcclient.InferenceServerClient(server.target) as held, \
+            grpcclient.InferenceServerClient(server.target) as traced:  # fmt: skip
+        held.start_stream(lambda result, error: answers.put(("held", result, error)))
+        traced.start_stream(lambda result, error: answers.put(("traced", result, error)),
+                            headers={"traceparent": header})  # fmt: skip
+        held.async_stream_infer("lagger", _inputs(first=1.0))
+        time.sleep(0.2)
+        traced.async_stream_infer("lagger", _inputs(first=2.0))
+        got = {who: (result, error) for who, result, error in
+               (answers.get(timeout=30) for _ in range(2))}  # fmt: skip
+        held.stop_stream()
+        traced.stop_stream()
+    assert got["held"][1] is None and got["traced"][1] is None, got
+    return bool(got["held"][0].as_numpy("OUTPUT0")[0] == 1.0)

@@ -12,11 +12,13 @@ replies has its calls cancelled. Calls are bounded by the model: each waits for 
 Tenants: a call is the tenant's whose requests the execute it names holds, while that execute
 is under way (``Inflight.tenant_of``): it reaches that tenant's prefix cache and sequences, as
 the tenant's own requests do. The process names the execute a request was made in (a context
-variable the worker sets around ``execute``: ``pb_utils.EXECUTE``), so a request a model's own
-thread makes, or one made after its execute returned (a decoupled model's), names none, or one
-no longer under way, and is the server's own tenant (""), which no token's is. The batcher
-executes one tenant's requests together. Before, every call was "", so two tenants' requests
-through one Python model shared what its calls reached.
+variable the worker sets around ``execute``: ``pb_utils.EXECUTE``). A call made with
+``trace=request.trace()`` also names that request, and is its tenant's while the request is
+open: a decoupled model's thread answering a request after its execute returned passes it so
+(Triton's docs pass it for tracing). Any other call made outside an execute under way (a
+model's own thread without it) is the server's own tenant (""), which no token's is. The
+batcher executes one tenant's requests together. Before, every call was "", so two tenants'
+requests through one Python model shared what its calls reached.
 
 Traces: a call made while a traced execute runs names that execute's span (its ``trace``, the
 ``traceparent`` the server sent with the request), which the instance keeps while the execute
@@ -55,14 +57,15 @@ class BlsCalls:
         host: Host,
         reply: Reply,
         spans: Callable[[str], Span | None],
-        tenant: Callable[[int | None], str] = lambda execute: "",
+        tenant: Callable[[int | None, int | None], str] = lambda execute, parent: "",
     ) -> None:
         #: the server the calls go to, and how a reply reaches the process
         self.host, self.reply = host, reply
         #: the execute span a ``traceparent`` names, while its execute runs
         self._spans = spans
-        #: the tenant of the execute a call names, while that execute is under way: its
-        #: calls are its (the prefix cache, the sequences they reach are partitioned by it)
+        #: the tenant of the execute a call names while it is under way, or of the open
+        #: request it names: its calls are its (the prefix cache, the sequences they reach
+        #: are partitioned by it)
         self._tenant = tenant
         self._lock = threading.Lock()
         self._runs: dict[int, cancel.Token] = {}
@@ -95,7 +98,7 @@ class BlsCalls:
                 timeout=call.timeout,  # its deadline, or its model's queue policy's
                 parameters=call.parameters,
                 holds=sum(getattr(a, "nbytes", 0) for a in inputs.values()),  # the budget's
-                protocol="bls", trace=span, tenant=self._tenant(call.execute),
+                protocol="bls", trace=span, tenant=self._tenant(call.execute, call.parent),
             )  # fmt: skip
             with self._lock:
                 self._runs[number] = request.run

@@ -338,7 +338,7 @@ class PythonInferRequest(InferRequest):
         inflight = instance.inflight
         rid = next(_rids)
         span = self._span(run)
-        inflight.open[rid] = sender
+        inflight.opened(rid, sender, run.tenant)
         forget = sender.on_cancel(lambda: inflight.cancel_request(rid))
         try:
             reply, _ = instance.run(

@@ -74,8 +74,10 @@ class Inflight:
         self.output = LineBudget(host.label, model_log)
         #: the socket's mailbox of the process started last
         self.mailbox: ipc.Mailbox | None = None
-        #: a decoupled model's requests not yet complete: request id -> its sender
+        #: a decoupled model's requests not yet complete: request id -> its sender, and
+        #: its tenant (:meth:`opened`, :meth:`closed`)
         self.open: dict[int, ResponseSender] = {}
+        self._tenants: dict[int, str] = {}
         #: the execute spans of the traced execute under way, by the ``traceparent`` the
         #: process was sent (one execute at a time: emptied when it returns)
         self.tracing: dict[str, Span] = {}
@@ -94,12 +96,25 @@ class Inflight:
             Kind.LOG: self._log,
         }
 
-    def tenant_of(self, execute: int | None) -> str:
-        """The tenant of a BLS call the process made in execute number ``execute``: its
-        requests' while that execute is under way; else (made outside any execute, or after
-        its own returned) the server's own, ""."""
+    def tenant_of(self, execute: int | None, parent: int | None = None) -> str:
+        """The tenant of a BLS call the process made in execute number ``execute``, naming
+        request ``parent`` (its ``trace()``): the execute's requests' while it is under way;
+        else that request's while it is open (a decoupled one); else (made outside any
+        execute, or after its own returned) the server's own, ""."""
         number, tenant = self.executing
-        return tenant if execute is not None and execute == number else ""
+        if execute is not None and execute == number:
+            return tenant
+        return self._tenants.get(parent, "") if parent is not None else ""
+
+    def opened(self, rid: int, sender: ResponseSender, tenant: str) -> None:
+        """Decoupled request ``rid`` of ``tenant`` is open until :meth:`closed`."""
+        self._tenants[rid] = tenant
+        self.open[rid] = sender
+
+    def closed(self, rid: int) -> ResponseSender | None:
+        """Request ``rid`` is complete (or cancelled, or failed): its sender, if it was open."""
+        self._tenants.pop(rid, None)
+        return self.open.pop(rid, None)
 
     def mailbox_of(self, sock: socket.socket) -> ipc.Mailbox:
         """The mailbox of a process just started, on our end of its socket."""
@@ -136,7 +151,7 @@ class Inflight:
                 os.close(fd)
             return
         if final:
-            self.open.pop(rid, None)
+            self.closed(rid)
         if described is None:  # the final flag alone
             if fd >= 0:
                 os.close(fd)
@@ -182,12 +197,12 @@ class Inflight:
     def cancel_request(self, rid: int) -> None:
         """A decoupled request was cancelled: tell the model (``is_cancelled()``) and stop
         expecting its responses (its execute, if it runs on, is the hang watch's)."""
-        self.open.pop(rid, None)
+        self.closed(rid)
         self.tell_cancelled(rid)
 
     def fail(self, rid: int, sender: ResponseSender, error: BaseException) -> None:
         """End decoupled request ``rid`` with ``error``."""
-        self.open.pop(rid, None)
+        self.closed(rid)
         sender.fail(error)
 
     def serve(self, mailbox: ipc.Mailbox, exit_code: Callable[[], int | None]) -> None:

@@ -288,6 +288,7 @@ class BlsCall:
         "model",
         "outputs",
         "parameters",
+        "parent",
         "step",
         "timeout",
         "trace",
@@ -329,6 +330,9 @@ class BlsCall:
         execute = header.get("execute")
         #: the execute the call was made in, as the server numbered it (None: none)
         self.execute = execute if type(execute) is int else None
+        parent = header.get("parent")
+        #: the request whose ``trace()`` the call was made with (its id; None: none)
+        self.parent = parent if type(parent) is int else None
 
 
 def call_id(header: Mapping[str, Any]) -> int:

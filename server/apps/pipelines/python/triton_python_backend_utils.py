@@ -197,10 +197,13 @@ class InferenceTrace:
     """A request's trace, as ``request.trace()`` gives it (Triton's): ``get_context()`` is
     the request's span as W3C trace context (JSON: ``{"traceparent": ...}``), None when the
     request is not traced. A BLS request made with ``trace=request.trace()`` is traced under
-    that request's execute; one made without it, under the execute it is made in."""
+    that request's execute; one made without it, under the execute it is made in. It also
+    names the request: a BLS request made with it is that request's tenant's while the request
+    is open (a decoupled model's thread answering it after its execute returned: bls.py)."""
 
-    def __init__(self, traceparent: str | None = None) -> None:
+    def __init__(self, traceparent: str | None = None, _rid: int | None = None) -> None:
         self._traceparent = traceparent
+        self._rid = _rid
 
     def get_context(self) -> str | None:
         if not self._traceparent:
@@ -212,6 +215,11 @@ class InferenceTrace:
 #: request made in it names it, and is its requests' tenant's (server/apps/pipelines/python/
 #: bls.py); a thread the model starts has a context of its own, outside any execute
 EXECUTE: contextvars.ContextVar[int | None] = contextvars.ContextVar("execute", default=None)
+#: the execute span of the traced execute under way in this context (its ``traceparent``;
+#: None: none): a BLS request made in it is traced under it; a thread the model starts is not
+#: (before, the span was the process's, which a decoupled model's thread answering an earlier
+#: request took for its own)
+TRACING: contextvars.ContextVar[str | None] = contextvars.ContextVar("tracing", default=None)
 
 
 class InferenceRequest:
@@ -250,6 +258,10 @@ class InferenceRequest:
         #: the request's execute span (``traceparent``): the server's for a request execute
         #: receives, the one ``trace`` names for a BLS request (None: its execute's)
         self._trace = _trace if trace is None else getattr(trace, "_traceparent", None)
+        #: a BLS request's: the traced execute it was made in (:data:`TRACING`), and the
+        #: request whose ``trace`` it was made with (its tenant's while that request is open)
+        self._within = TRACING.get()
+        self._parent = None if trace is None else getattr(trace, "_rid", None)
         self._sender: InferenceResponseSender | None = None
         #: the execute it was made in (a BLS request: see :data:`EXECUTE`)
         self._execute = EXECUTE.get()
@@ -280,7 +292,7 @@ class InferenceRequest:
 
     def trace(self) -> InferenceTrace:
         """The request's trace (pass it as a BLS request's ``trace``)."""
-        return InferenceTrace(self._trace)
+        return InferenceTrace(self._trace, self._rid)
 
     def is_cancelled(self) -> bool:
         """Whether the server cancelled the request (its client gone, its deadline)."""
@@ -332,11 +344,13 @@ class InferenceRequest:
             "correlation_id": self._correlation,
             "flags": self._flags,
         }
-        trace = self._trace or getattr(_worker, "tracing", None)
+        trace = self._trace or self._within
         if trace:  # the execute span it is made under: its spans go there
             header["trace"] = trace
         if self._execute is not None:
             header["execute"] = self._execute
+        if type(self._parent) is int:
+            header["parent"] = self._parent
         return header
 
 

@@ -159,9 +159,6 @@ class Worker:
         self.pool = ThreadPoolExecutor(BLS_THREADS, thread_name_prefix="bls")
         self.inbox: ipc.Arena | None = None  # the server's arenas: requests come in one,
         self.outbox: ipc.Arena | None = None  # answers go out the other
-        #: the execute span of the traced execute under way (its ``traceparent``), which the
-        #: BLS calls made meanwhile name; None: none
-        self.tracing: str | None = None
 
     # --- notices and calls
 
@@ -355,21 +352,20 @@ class Worker:
         except Exception as exc:
             self.mailbox.send({"op": Kind.RESULT, "error": _reason(exc)})
             return
-        for request in requests:  # the first traced request's span is the BLS calls' parent
-            if request._trace is not None:
-                self.tracing = request._trace
-                break
-        started = time.time_ns() if self.tracing is not None else 0
+        # the first traced request's span is the parent of the BLS calls made in the execute
+        tracing = next((r._trace for r in requests if r._trace is not None), None)
+        started = time.time_ns() if tracing is not None else 0
         number = header.get("execute")  # its BLS requests name it (their tenant's: bls.py)
         inside = pb_utils.EXECUTE.set(number if type(number) is int else None)
+        traced = pb_utils.TRACING.set(tracing)
         try:
             if self.decoupled:
                 self._execute_decoupled(requests, started)
             else:
                 self._execute_plain(requests, started)
         finally:  # answered: a cancellation of these requests means nothing from now on
+            pb_utils.TRACING.reset(traced)
             pb_utils.EXECUTE.reset(inside)
-            self.tracing = None
             if not self.decoupled:
                 for request in requests:
                     self.cancelled.pop(request._rid, None)
