@@ -653,8 +653,7 @@ def test_a_request_of_millions_of_parameters_is_refused_before_it_is_parsed(serv
     took 11 s of the server's CPU and 1.4 GB (the budget charges twice the message; protobuf's
     map entries take ~20 times): now a large message with more than wire.MAX_FIELDS fields
     is refused unparsed, and a request with more than MAX_PARAMETERS parameters before they
-    are converted (a tensor's too, where the server reads them); unary and streamed, over
-    gRPC and REST."""
+    are converted (a tensor's too, read or not); unary and streamed, over gRPC and REST."""
     from tritonclient.grpc import service_pb2
 
     from plugserve.server.protocols.kserve.codec import MAX_PARAMETERS
@@ -666,6 +665,7 @@ def test_a_request_of_millions_of_parameters_is_refused_before_it_is_parsed(serv
             (_add_request(200_000), "refused before it was read"),
             (_add_request(200_000, on_input=True), "refused before it was read"),
             (_add_request(MAX_PARAMETERS + 1), f"at most {MAX_PARAMETERS:,}"),
+            (_add_request(MAX_PARAMETERS + 1, on_input=True), f"at most {MAX_PARAMETERS:,}"),
         ]
         for body, needle in cases:
             with pytest.raises(grpc.RpcError) as refused:

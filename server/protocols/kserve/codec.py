@@ -275,6 +275,8 @@ def request_inputs(
     memory, in order), their typed contents, or the shared memory region their parameters
     name (``shm``: the regions of the request's tenant; a view of the region, not a copy)."""
     raw = list(request.raw_input_contents)
+    for tensor in request.inputs:  # (those no one reads too: a request's are bounded whole)
+        check_parameter_count(len(tensor.parameters), f"input {tensor.name!r}")
     shared = [bool(t.parameters) and uses_region(t.parameters) for t in request.inputs]
     in_message = len(shared) - sum(shared)
     if raw and len(raw) != in_message:
@@ -355,6 +357,7 @@ def output_targets(
 def requested_outputs(request: pb.ModelInferRequest) -> list[str]:
     names: list[str] = []
     for output in request.outputs:
+        check_parameter_count(len(output.parameters), f"output {output.name!r}")
         if "classification" in output.parameters:  # checked before the run
             class_count(parameter_values(output.parameters)["classification"], output.name)
         if output.name in names:
