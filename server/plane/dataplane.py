@@ -734,16 +734,18 @@ class DataPlane:
     def admission(self, entry: LoadedNetwork) -> Callable[..., Future | Finished]:
         """How ``entry``'s sequence batcher (or an ensemble's relay) admits each run it makes:
         ``admit(inputs, outputs, deadline, inline, token, holds, after=None, checked=None,
-        like=None)``, a :class:`Request` of no sequence to ``entry`` through :meth:`_admit`
-        (``like``: the request it runs for, whose id, parameters, sequence... its device is
-        told; None: a run for several)."""
+        like=None, tenant="")``, a :class:`Request` of no sequence to ``entry`` through
+        :meth:`_admit` (``like``: the request it runs for, whose id, parameters, sequence...
+        its device is told; None: a run for several, of ``tenant``)."""
 
         def admit(
-            inputs, outputs, deadline, inline, token, holds, after=None, checked=None, like=None
-        ):
+            inputs, outputs, deadline, inline, token, holds, after=None, checked=None, like=None,
+            tenant="",
+        ):  # fmt: skip
             request = Request(
                 entry, inputs, outputs=outputs, checked=checked, deadline=deadline, run=token,
                 holds=holds, inline=inline, after=after, protocol="sequence", like=like,
+                tenant=tenant,
             )  # fmt: skip
             return self._admit(request)
 

@@ -188,9 +188,10 @@ class _Sequence:
         self.nbytes = 0  # of its states, whether or not the budget counts them
 
 
-#: ``submit(feed, outputs, deadline, inline, token, holds, ..., like=None) -> Future``: the data
-#: plane's plain admission of one run (its queue, deadline, budget and statistics); ``like``:
-#: the request the run is for, whose description its device is told (``Request(like=...)``).
+#: ``submit(feed, outputs, deadline, inline, token, holds, ..., like=None, tenant="") -> Future``:
+#: the data plane's plain admission of one run (its queue, deadline, budget and statistics);
+#: ``like``: the request the run is for, whose description its device is told
+#: (``Request(like=...)``); ``tenant``: a run of several rows' (one tenant's).
 Submit = Callable[..., Any]
 
 
@@ -428,6 +429,9 @@ class SequenceBatcher:
         while (tenant, ident) in self._sequences:  # tell nothing of other tenants' starts)
             ident += 1
         self._next_ids[tenant] = ident + 1
+        if len(self._next_ids) > 1024:  # (calls of tenants of their own: Inflight.tenant_of)
+            holding = {held for held, _ in self._sequences}
+            self._next_ids = {t: n for t, n in self._next_ids.items() if t in holding}
         return Step(ident, step.start, step.end)
 
     def _tenant_full(self, tenant: str, cap: int) -> bool:
@@ -574,10 +578,14 @@ class SequenceBatcher:
 
     def _run_batches(self, batch: list[tuple[_Sequence, _Item]]) -> None:
         """Rows whose tensors differ in shape (a growing state) cannot share a run: each group
-        of equal shapes runs as one."""
+        of equal shapes runs as one. Nor do two tenants' rows: a run is one tenant's, which
+        its model's own calls are made for (a Python model's BLS calls reach that tenant's
+        sequences and prefix cache). Before, a run of several rows was the server's own
+        tenant's, so two tenants' calls through a Python sequence model shared a sequence."""
         groups: dict[tuple, list[tuple[_Sequence, _Item]]] = {}
         for sequence, item in batch:
-            groups.setdefault(self._signature(sequence, item), []).append((sequence, item))
+            key = (sequence.tenant, *self._signature(sequence, item))
+            groups.setdefault(key, []).append((sequence, item))
         for rows in groups.values():
             self._run(rows)
 
@@ -682,6 +690,7 @@ class SequenceBatcher:
                     sum(i.holds for _, i in rows),
                     checked=self._checked(rows, feed),
                     like=rows[0][1].like if len(rows) == 1 else None,  # several: its own run
+                    tenant=rows[0][0].tenant,  # (one tenant's rows: _run_batches)
                 )
             finally:
                 _here.runs = outer

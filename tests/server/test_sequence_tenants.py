@@ -120,6 +120,63 @@ output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 1 ] } ]
 """
 
 
+#: the threaded relay as most decoupled models are written: its call names no request
+BARE_RELAY = THREADED_RELAY.replace("            trace=request.trace(),\n", "")
+BARE_RELAY_CONFIG = THREADED_RELAY_CONFIG.replace('"threaded_relay"', '"bare_relay"')
+
+
+#: a Python sequence model batched by ``oldest`` (two rows a run) that relays each row to
+#: ``acc`` by BLS, under the row's own correlation id (its CORRID control)
+OLDEST_RELAY = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
+            start = pb_utils.get_input_tensor_by_name(request, "START").as_numpy()
+            corrid = pb_utils.get_input_tensor_by_name(request, "CORRID").as_numpy()
+            out = np.zeros_like(x)
+            for row in range(x.shape[0]):
+                answer = pb_utils.InferenceRequest(
+                    model_name="acc",
+                    requested_output_names=["OUTPUT"],
+                    inputs=[pb_utils.Tensor("INPUT", np.full((1, 4), x[row][0], np.float32))],
+                    correlation_id=int(corrid[row][0]),
+                    flags=pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START if start[row][0] else 0,
+                ).exec()
+                if answer.has_error():
+                    raise pb_utils.TritonModelException(answer.error().message())
+                out[row][0] = pb_utils.get_output_tensor_by_name(answer, "OUTPUT").as_numpy()[0][0]
+            responses.append(pb_utils.InferenceResponse(
+                output_tensors=[pb_utils.Tensor("OUTPUT0", out)]))
+        return responses
+"""
+
+OLDEST_RELAY_CONFIG = """
+name: "oldest_relay"
+backend: "python"
+max_batch_size: 4
+sequence_batching {
+  oldest { max_candidate_sequences: 8 preferred_batch_size: [ 2 ]
+           max_queue_delay_microseconds: 2000000 }
+  control_input [
+    { name: "START" control [ { kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ] } ] },
+    { name: "CORRID" control [ { kind: CONTROL_SEQUENCE_CORRID data_type: TYPE_UINT64 } ] }
+  ]
+}
+input [
+  { name: "INPUT0" data_type: TYPE_FP32 dims: [ 1 ] },
+  { name: "START" data_type: TYPE_INT32 dims: [ 1 ] },
+  { name: "CORRID" data_type: TYPE_UINT64 dims: [ 1 ] }
+]
+output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 1 ] } ]
+"""
+
+
 #: the relay as a sequence model itself (its requests name a sequence of their own)
 STATEFUL_RELAY_CONFIG = RELAY_CONFIG.replace('name: "relay"', 'name: "stateful_relay"') + (
     "sequence_batching { }\n"
@@ -140,14 +197,33 @@ def server(tmp_path_factory):
     (repo / "stateful_relay" / "1").mkdir(parents=True)
     (repo / "stateful_relay" / "config.pbtxt").write_text(STATEFUL_RELAY_CONFIG)
     (repo / "stateful_relay" / "1" / "model.py").write_text(RELAY)
-    (repo / "threaded_relay" / "1").mkdir(parents=True)
-    (repo / "threaded_relay" / "config.pbtxt").write_text(THREADED_RELAY_CONFIG)
-    (repo / "threaded_relay" / "1" / "model.py").write_text(THREADED_RELAY)
     (repo / "relay" / "1").mkdir(parents=True)
     (repo / "relay" / "config.pbtxt").write_text(RELAY_CONFIG)
     (repo / "relay" / "1" / "model.py").write_text(RELAY)
     args = ["--model-repository", str(repo), "--auth-tokens", str(tokens)]
     with RunningServer(*args, "--max-sequences", str(MAX_SEQUENCES)) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def relays(tmp_path_factory):
+    """A server of the relays whose inner sequences the tests leave open (no --max-sequences
+    of the module's server to fill)."""
+    root = tmp_path_factory.mktemp("sequence-relays")
+    tokens = root / "tokens"
+    tokens.write_text("".join(f"{t} infer tenant={who}\n" for who, t in TOKENS.items()))
+    tokens.chmod(0o600)
+    repo = root / "repo"
+    write_model(repo, "acc", accumulator(), accumulator_config("acc"))
+    for name, config, model in (
+        ("oldest_relay", OLDEST_RELAY_CONFIG, OLDEST_RELAY),
+        ("bare_relay", BARE_RELAY_CONFIG, BARE_RELAY),
+        ("threaded_relay", THREADED_RELAY_CONFIG, THREADED_RELAY),
+    ):
+        (repo / name / "1").mkdir(parents=True)
+        (repo / name / "config.pbtxt").write_text(config)
+        (repo / name / "1" / "model.py").write_text(model)
+    with RunningServer("--model-repository", str(repo), "--auth-tokens", str(tokens)) as running:
         yield running
 
 
@@ -311,20 +387,22 @@ def test_a_python_models_bls_calls_are_its_callers_tenants(client):
     assert relay("b", 1, False) == 8
 
 
-def test_a_decoupled_models_thread_calls_for_the_request_it_names(server):
-    """A decoupled Python model answering from its own thread, after its execute returned,
-    makes its BLS call with ``trace=request.trace()``: the call is that request's tenant's, so
-    the accumulator sequence it keeps for a caller is that caller's. Before, every such call
-    was the server's own tenant, so tenant b's call continued a's sequence and read its sum."""
+@pytest.mark.parametrize(("model", "sequence"), [("threaded_relay", 31), ("bare_relay", 32)])
+def test_a_decoupled_models_thread_calls_for_the_request_it_answers(relays, model, sequence):
+    """A decoupled Python model answering from its own thread, after its execute returned:
+    its BLS call is the tenant's of the request it names (``trace=request.trace()``), or,
+    naming none, of the one tenant whose requests are open; so the accumulator sequence it
+    keeps for a caller is that caller's. Before, every such call was the server's own tenant,
+    so tenant b's call continued a's sequence and read its sum."""
 
     def relay(who: str, value: float, start: bool) -> float:
         answers: queue.Queue = queue.Queue()
         tensor = grpcclient.InferInput("INPUT0", [3], "FP32")
-        tensor.set_data_from_numpy(np.array([value, float(start), 31], np.float32))
-        with grpcclient.InferenceServerClient(server.target) as stream:
+        tensor.set_data_from_numpy(np.array([value, float(start), sequence], np.float32))
+        with grpcclient.InferenceServerClient(relays.target) as stream:
             stream.start_stream(callback=lambda result, error: answers.put((result, error)),
                                 headers=_as(who))  # fmt: skip
-            stream.async_stream_infer("threaded_relay", [tensor])
+            stream.async_stream_infer(model, [tensor])
             result, error = answers.get(timeout=60)
             stream.stop_stream()
         assert error is None, error
@@ -332,10 +410,44 @@ def test_a_decoupled_models_thread_calls_for_the_request_it_names(server):
 
     assert relay("a", 4242, True) == 4242
     assert relay("b", 0, False) == -1  # b's call reaches b's sequences: it never started one
-    assert "must specify the START flag" in server.log
+    assert "must specify the START flag" in relays.log
     assert relay("b", 7, True) == 7
     assert relay("a", 1, False) == 4243
     assert relay("b", 1, False) == 8
+
+
+def test_an_oldest_batch_is_one_tenants_and_its_calls_are_that_tenants(relays):
+    """A Python sequence model batched by ``oldest``: each run is one tenant's rows, and the
+    BLS calls its execute makes are that tenant's. Before, a run of several rows was the
+    server's own tenant's, so tenant b's START of its own id 42 reset a's inner sequence 42,
+    and a then read b's value (7777)."""
+
+    def together(*calls: tuple[str, float, int, bool]) -> list:
+        answers: dict[int, object] = {}
+
+        def one(index: int, who: str, value: float, sequence: int, start: bool) -> None:
+            with grpcclient.InferenceServerClient(relays.target) as client:
+                tensor = grpcclient.InferInput("INPUT0", [1, 1], "FP32")
+                tensor.set_data_from_numpy(np.full((1, 1), value, np.float32))
+                try:
+                    result = client.infer("oldest_relay", [tensor], sequence_id=sequence,
+                                          sequence_start=start, headers=_as(who),
+                                          client_timeout=60)  # fmt: skip
+                    answers[index] = float(result.as_numpy("OUTPUT0")[0][0])
+                except InferenceServerException as exc:
+                    answers[index] = exc.message()
+
+        threads = [threading.Thread(target=one, args=(i, *c)) for i, c in enumerate(calls)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        return [answers.get(i) for i in range(len(calls))]
+
+    assert together(("a", 4242, 42, True), ("a", 1, 43, True)) == [4242, 1]
+    assert together(("b", 7777, 42, True), ("b", 1, 44, True)) == [7777, 1]
+    assert together(("a", 0, 42, False), ("a", 0, 43, False)) == [4242, 1]
+    assert together(("b", 1, 42, False), ("a", 1, 42, False)) == [7778, 4243]
 
 
 def test_a_tenant_holds_seven_eighths_of_a_models_own_sequence_slots(client):

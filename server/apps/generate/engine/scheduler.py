@@ -227,7 +227,7 @@ class Scheduler:
 
     def waiting_of(self, tenant: str) -> int:
         """Requests of ``tenant`` in the waiting queue."""
-        return self._waiting_by[tenant]
+        return self._waiting_by.get(tenant, 0)
 
     def _left(self, state: RequestState) -> None:
         """``state`` left the waiting queue."""
@@ -235,6 +235,8 @@ class Scheduler:
         left = self._waiting_by.pop(tenant, 0) - 1
         if left > 0:
             self._waiting_by[tenant] = left
+        else:  # (read only while it has requests waiting: tenants come and go)
+            self._last_tag.pop(tenant, None)
 
     @property
     def held(self) -> int:

@@ -24,6 +24,7 @@ cancelled (a reply). Every other message answers the thread that waits for it (`
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import socket
@@ -49,6 +50,9 @@ if TYPE_CHECKING:
 __all__ = ["Inflight", "route"]
 
 log = logging.getLogger(__name__)
+#: numbers the tenants of calls no one tenant's requests account for (``Inflight.tenant_of``;
+#: "!" is in no token file's tenant name)
+_unattributed = itertools.count(1)
 #: where a model's Logger lines and output go, each at its level and with the model's name
 model_log = logging.getLogger("plugserve.server.apps.pipelines.python.device.model")
 #: Triton's Logger levels -> the server's (VERBOSE shows with --log-level DEBUG)
@@ -99,12 +103,21 @@ class Inflight:
     def tenant_of(self, execute: int | None, parent: int | None = None) -> str:
         """The tenant of a BLS call the process made in execute number ``execute``, naming
         request ``parent`` (its ``trace()``): the execute's requests' while it is under way;
-        else that request's while it is open (a decoupled one); else (made outside any
-        execute, or after its own returned) the server's own, ""."""
+        else that request's while it is open (a decoupled one); else see below."""
         number, tenant = self.executing
         if execute is not None and execute == number:
             return tenant
-        return self._tenants.get(parent, "") if parent is not None else ""
+        if parent is not None and parent in self._tenants:
+            return self._tenants[parent]
+        # a thread of the model's own, naming no request: the tenant whose requests are
+        # open, when one tenant's are (the thread answers one of them); when several
+        # tenants' are, a tenant of its own, which shares nothing with any other call (before,
+        # the server's own: a decoupled model's threads answering two tenants shared a
+        # sequence); when none are, the server's own
+        tenants = set(self._tenants.values())
+        if len(tenants) == 1:
+            return tenants.pop()
+        return f"!unattributed-{next(_unattributed)}" if tenants else ""
 
     def opened(self, rid: int, sender: ResponseSender, tenant: str) -> None:
         """Decoupled request ``rid`` of ``tenant`` is open until :meth:`closed`."""
