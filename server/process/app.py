@@ -69,8 +69,9 @@ from plugserve.server.protocols.grpc import reflection
 from plugserve.server.protocols.grpc.callgate import CallGate, keepalive_options
 from plugserve.server.protocols.grpc.handlers import add_service
 from plugserve.server.protocols.grpc.wrapping import Wrap, WrappingServer
+from plugserve.server.protocols.http import json_bounds
 from plugserve.server.protocols.http.app import HttpService
-from plugserve.server.protocols.openai import OpenAIRoutes, json_bounds
+from plugserve.server.protocols.openai import OpenAIRoutes
 from plugserve.server.protocols.v1.servicer import PlugserveServicer
 
 __all__ = ["NotServable", "Server", "main"]

@@ -551,15 +551,16 @@ class Settings:
     )
     max_json_values: int = _field(
         1 << 20,
-        "OpenAI routes: most JSON values (objects, arrays, items) one request body may hold, "
-        "counted before it is parsed; more is 413. A parsed value holds up to ~110 bytes, so "
-        "bytes alone did not bound a body: 95 MB of small objects grew the server by 2.9 GB "
-        "(server/protocols/openai/body.py)",
+        "OpenAI routes and KServe generate: most JSON values (objects, arrays, items) one "
+        "request body may hold, counted before it is parsed; more is 413. A parsed value holds "
+        "up to ~110 bytes, so bytes alone did not bound a body: 95 MB of small objects grew "
+        "the server by 2.9 GB (server/protocols/http/json_bounds.py)",
         low=1,
     )
     max_json_depth: int = _field(
         64,
-        "OpenAI routes: deepest nesting of arrays and objects in a request body; deeper is 400",
+        "OpenAI routes and KServe generate: deepest nesting of arrays and objects in a "
+        "request body; deeper is 400",
         low=1,
         high=1000,
     )

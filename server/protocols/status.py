@@ -10,7 +10,7 @@ from typing import NoReturn
 import grpc
 
 from plugserve.plugins.api import DeviceOutOfMemory, PlugserveError, QueueFull
-from plugserve.server.plane.errors import forget_frames
+from plugserve.server.plane.errors import FieldError, forget_frames
 
 __all__ = [
     "HTTP_STATUS",
@@ -95,4 +95,6 @@ def http_status_of(exc: BaseException) -> tuple[int, str]:
     code, message = status_of(exc)
     if isinstance(exc, (QueueFull, DeviceOutOfMemory)):
         return 503, message
+    if isinstance(exc, FieldError) and exc.status != 400:  # (413: a body of too many values)
+        return exc.status, message
     return HTTP_STATUS.get(code, 500), message

@@ -22,7 +22,7 @@ from attack import Probe
 from serving import RunningServer
 from tiny_decoder import write as write_model
 
-from plugserve.server.protocols.openai import body as openai_body
+from plugserve.server.protocols.http import json_bounds
 
 MODEL = "tiny"
 #: what the server may grow by whatever the attack's size (tests/server/test_attacks_generate)
@@ -137,7 +137,7 @@ def test_a_body_past_a_structural_bound_is_refused(server, body, status, words):
 
 def test_braces_in_strings_past_the_depth_bound_are_no_structure(server):
     """A small body whose strings hold more ``{`` and ``[`` than --max-json-depth: the quick
-    counts (openai_body._surely_within) overstate it, so it is scanned, and answered."""
+    counts (json_bounds.surely_within) overstate it, so it is scanned, and answered."""
     status, answer = _post(server, _body(json.dumps("{[" * 100).encode(), max_tokens=2))
     assert status == 200, answer
 
@@ -159,9 +159,9 @@ def test_the_quick_counts_pass_only_what_the_scan_passes(data, quick):
     """The inline path skips :func:`body.scan` when the counts say a body is within the
     bounds (a streamed completion's body, as bench_stream_cost sends it): they may fail to
     say so of a body within them, never say so of one the scan refuses."""
-    bounds = openai_body.Bounds(values=100, depth=64)
-    values, depth = openai_body.scan(data)
-    assert openai_body._surely_within(data, bounds) is quick
+    bounds = json_bounds.Bounds(values=100, depth=64)
+    values, depth = json_bounds.scan(data)
+    assert json_bounds.surely_within(data, bounds) is quick
     if quick:
         assert values <= bounds.values and depth <= bounds.depth
 

@@ -71,8 +71,8 @@ from plugserve.server.protocols.auth import (
     HEALTH,
     KSERVE,
 )
+from plugserve.server.protocols.http import json_bounds, sse
 from plugserve.server.protocols.http import offload as rest_offload
-from plugserve.server.protocols.http import sse
 from plugserve.server.protocols.http.app import INLINE_BYTES, Call, Router
 from plugserve.server.protocols.http.http_server import (
     Reply,
@@ -470,10 +470,17 @@ class RestApp:
         except ModelLoading as loading:  # loading on demand: awaited off the loop
             await loading.loaded()
             entry = self.plane.get(call.path["name"], _version(call))
-        if len(call.body) > INLINE_BYTES:  # parsing this much would stall the loop
-            request = await self._in_worker(lambda: parse_generate(call.json(), entry))
-        else:
-            request = parse_generate(call.json(), entry)
+        bounds = json_bounds.bounds()
+        if json_bounds.surely_within(call.body, bounds):
+            request = parse_generate(call.json(), entry)  # (a body of a few values)
+        else:  # counted before it is built, its parsed form charged: as the OpenAI routes'
+            values = await self._in_worker(json_bounds.check_structure, call.body, bounds)
+            size = json_bounds.parsed_bytes(len(call.body), values)
+            charge = self.plane.budget.charge(size, "this request's parsed JSON body")
+            try:
+                request = await self._in_worker(lambda: parse_generate(call.json(), entry))
+            finally:
+                charge.release()
         ask = Request(
             entry, request.inputs, parameters=model_parameters(request.parameters),
             timeout=request_timeout(request.parameters),

@@ -34,102 +34,18 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import numpy as np
-
 from plugserve.plugins.api import ResourceExhausted
-from plugserve.server.protocols.http import offload
-from plugserve.server.protocols.openai import json_bounds, protocol
+from plugserve.server.protocols.http import json_bounds, offload
+from plugserve.server.protocols.http.json_bounds import (
+    TEXT_FACTOR,
+    VALUE_BYTES,
+    parsed_bytes,
+    scan,
+)
+from plugserve.server.protocols.openai import protocol
 from plugserve.server.protocols.openai.errors import OpenAIError
-from plugserve.server.protocols.openai.json_bounds import Bounds
 
-__all__ = [
-    "TEXT_FACTOR",
-    "VALUE_BYTES",
-    "parsed_bytes",
-    "read",
-    "scan",
-]
-
-#: what the parsed form holds per counted value, at most (108 measured: see the docstring)
-VALUE_BYTES = 128
-#: what it holds per byte of text, at most (a str of UCS-4 characters from ASCII bytes)
-TEXT_FACTOR = 4
-#: bytes the scan reads at a time (its temporaries are ~10x this)
-_SCAN_SLICE = 1 << 20
-
-_QUOTE, _BACKSLASH = ord('"'), ord("\\")
-_OPENS, _CLOSES, _COMMA = (ord("{"), ord("[")), (ord("}"), ord("]")), ord(",")
-
-
-def scan(data: bytes | memoryview) -> tuple[int, int]:
-    """``(values, depth)`` of a JSON text without building it: values counted as the ``{``,
-    ``[`` and ``,`` outside strings (plus one), depth as the deepest nesting. Strings are
-    followed through their escapes (a quote after an odd run of backslashes is in the
-    string). Exact for valid JSON; for invalid text an estimate orjson then refuses."""
-    raw = np.frombuffer(data, np.uint8)
-    values, depth, deepest = 1, 0, 0
-    inside = 0  # 1: the slice begins inside a string
-    run = 0  # backslashes ending the slice before
-    for start in range(0, raw.size, _SCAN_SLICE):
-        chunk = raw[start : start + _SCAN_SLICE]
-        index = np.arange(chunk.size)
-        plain = np.where(chunk != _BACKSLASH, index, -1)
-        np.maximum.accumulate(plain, out=plain)
-        quotes = np.flatnonzero(chunk == _QUOTE)
-        before = quotes - 1 - np.where(quotes > 0, plain[quotes - 1], -1)  # backslashes
-        before = np.where(plain[quotes] == quotes, before, 0)
-        before[before == quotes] += run  # a run from the slice before
-        real = quotes[before % 2 == 0]
-        toggles = np.zeros(chunk.size, np.int8)
-        toggles[real] = 1
-        string = (np.cumsum(toggles, dtype=np.int64) + inside) % 2 == 1
-        string[real] = True  # the quotes themselves are no structure
-        outside = ~string
-        opens = outside & ((chunk == _OPENS[0]) | (chunk == _OPENS[1]))
-        closes = outside & ((chunk == _CLOSES[0]) | (chunk == _CLOSES[1]))
-        values += int(np.count_nonzero(opens)) + int(np.count_nonzero(outside & (chunk == 44)))
-        if opens.any() or closes.any():
-            level = np.cumsum(opens.astype(np.int64) - closes, dtype=np.int64) + depth
-            deepest = max(deepest, int(level.max()))
-            depth = int(level[-1])
-        inside = (inside + real.size) % 2
-        last = int(plain[-1])
-        run = chunk.size - 1 - last if last >= 0 else run + chunk.size
-    return values, deepest
-
-
-def parsed_bytes(size: int, values: int) -> int:
-    """What the parsed form of a ``size``-byte body of ``values`` values holds, at most."""
-    return values * VALUE_BYTES + size * TEXT_FACTOR
-
-
-def _surely_within(data: bytes | memoryview, bounds: Bounds) -> bool:
-    """Whether a body is within ``bounds`` by counts that can only overstate: every ``{``,
-    ``[`` and ``,`` (strings' too) bounds its values, every ``{`` and ``[`` its depth. Three
-    ``bytes.count`` calls, where :func:`scan`'s ~25 numpy calls cost ~150 us a request on the
-    loop: a completion of 128 tokens streamed at 32 streams paid ~1 us a token for it on the
-    HTTP thread (BENCHMARKS.md, issue 60). False only says "scan it": :func:`scan` decides."""
-    raw = data if isinstance(data, (bytes, bytearray)) else bytes(data)
-    opens = raw.count(b"{") + raw.count(b"[")
-    return opens <= bounds.depth and opens + raw.count(b",") + 1 <= bounds.values
-
-
-def _check_structure(data: bytes | memoryview, bounds: Bounds) -> int:
-    """The body's value count, or an OpenAIError (413 too many values, 400 too deep)."""
-    values, depth = scan(data)
-    if values > bounds.values:
-        raise OpenAIError(
-            f"the request body holds about {values:,} JSON values; this server takes at most "
-            f"{bounds.values:,} (--max-json-values): send fewer or larger items",
-            status=413,
-            code="request_too_large",
-        )
-    if depth > bounds.depth:
-        raise OpenAIError(
-            f"the request body nests arrays and objects {depth} deep; this server takes at "
-            f"most {bounds.depth} (--max-json-depth)",
-        )
-    return values
+__all__ = ["TEXT_FACTOR", "VALUE_BYTES", "parsed_bytes", "read", "scan"]
 
 
 def _parsed(data: bytes | memoryview, check: Callable[[dict[str, Any]], Any]) -> Any:
@@ -173,10 +89,10 @@ async def read(
     parsed on the loop (64 KiB: under a millisecond)."""
     bounds = json_bounds.bounds()
     if len(data) <= inline:
-        if not _surely_within(data, bounds):
-            _check_structure(data, bounds)
+        if not json_bounds.surely_within(data, bounds):
+            json_bounds.check_structure(data, bounds)
         return _parsed(data, check), budget.holder()
-    values = await _away(in_worker, _check_structure, data, bounds)
+    values = await _away(in_worker, json_bounds.check_structure, data, bounds)
     try:
         charge = budget.charge(parsed_bytes(len(data), values), "this request's parsed JSON body")
     except ResourceExhausted as exc:

@@ -38,7 +38,7 @@ from typing import Any
 
 from plugserve.server.apps.generate.text.grammar import MAX_SCHEMA_BYTES, closed_schema
 from plugserve.server.apps.generate.tool_parsers import MAX_CALL_CHARS, Streamer, ToolCall
-from plugserve.server.protocols.openai import json_bounds
+from plugserve.server.protocols.http import json_bounds
 from plugserve.server.protocols.openai.deltas import CallPiece, Delta
 from plugserve.server.protocols.openai.errors import OpenAIError
 
