@@ -161,28 +161,14 @@ class ResponsesRoutes:
                 f"'include' asks for {include!r}; this server adds nothing to input items",
                 "include",
             )
-        items = entry.input_items()
-        if order == "desc":
-            items.reverse()
         after = one("after")
-        if after is not None:
-            at = next((i for i, item in enumerate(items) if item.get("id") == after), None)
-            if at is None:
-                raise OpenAIError(
-                    f"'after' names the item {after!r}, which is not an input item of this "
-                    "response",
-                    "after",
-                )
-            items = items[at + 1 :]
-        page = items[:limit]
-        body = {
-            "object": "list",
-            "data": page,
-            "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None,
-            "has_more": len(items) > limit,
-        }
-        return 200, [orjson.dumps(body)], JSON
+        page = entry.page(limit, order == "desc", after)
+        if page is None:
+            raise OpenAIError(
+                f"'after' names the item {after!r}, which is not an input item of this response",
+                "after",
+            )
+        return 200, [page], JSON
 
     def cancel(self, call: Any) -> Any:
         rid = call.path["response"]
