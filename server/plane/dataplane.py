@@ -502,10 +502,10 @@ class DataPlane:
             else:
                 future = inline and executor.run_inline(run)
             if not future:
-                place = ticket.place if ticket is not None else 0
+                place = ticket.place if ticket is not None else None
                 if stage is not None:  # it waits in the queue: the trace shows its wait
                     stage.queued = True
-                future = executor.submit(run, entry.queue_limit, token=token, place=place)
+                future = entry.waiting.submit(executor, run, request.tenant, token, place)
         except BaseException as exc:
             if ticket is not None:
                 ticket.ended()
@@ -613,9 +613,9 @@ class DataPlane:
             ticket = (
                 queue.enter(token, request.priority, request.timeout) if queue is not None else None
             )
-            place = ticket.place if ticket is not None else 0
+            place = ticket.place if ticket is not None else None
             try:
-                future = entry.executor.submit(run, entry.queue_limit, token=token, place=place)
+                future = entry.waiting.submit(entry.executor, run, request.tenant, token, place)
             except BaseException:
                 if ticket is not None:
                     ticket.ended()

@@ -31,6 +31,7 @@ from plugserve.plugins.api import (
 from plugserve.plugins.streams import StreamsExecutor
 from plugserve.server.plane.metrics import Recorder
 from plugserve.server.plane.sequences import SequenceBatcher
+from plugserve.server.plane.tenant_queue import TenantQueue
 
 if TYPE_CHECKING:
     from plugserve.server.apps.pipelines.ensemble import SequenceRelay
@@ -114,6 +115,8 @@ class LoadedNetwork:
     #: How many requests may wait for a stream (--queue-size, else 16 per stream and at
     #: least 64: one tritonclient stream's burst of 64 fits a one-stream device).
     queue_limit: int = dataclasses.field(init=False)
+    #: its waiting requests by tenant: their share of the queue and their fair places
+    waiting: TenantQueue = dataclasses.field(init=False)
     #: What a request that names no outputs gets, and what it may name.
     output_names: list[str] = dataclasses.field(init=False)
     perf_enabled: bool = dataclasses.field(init=False)
@@ -164,6 +167,7 @@ class LoadedNetwork:
     def __post_init__(self, queue_size: int) -> None:
         self.executor = self.network.executor
         self.queue_limit = queue_size or max(64, 16 * self.executor.streams)
+        self.waiting = TenantQueue(self.name, self.queue_limit)
         self.output_names = [o.name for o in self.network.outputs]
         self.inputs, self.outputs = list(self.network.inputs), list(self.network.outputs)
         self._known_outputs = frozenset(self.output_names)
