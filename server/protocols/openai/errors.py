@@ -12,6 +12,7 @@ answers every failure of these routes in OpenAI's shape. A refusal of the REST l
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -22,7 +23,7 @@ from plugserve.server.plane.errors import FieldError, forget_frames
 from plugserve.server.protocols.http.replies import JSON
 from plugserve.server.protocols.status import http_status_of
 
-__all__ = ["OpenAIError", "error_reply", "guard", "reply_of", "stream_error"]
+__all__ = ["OpenAIError", "error_reply", "guard", "rename", "reply_of", "stream_error"]
 
 #: OpenAI's ``type`` for a status (what its API answers; a 5xx is ``server_error``)
 _TYPES = {
@@ -42,6 +43,21 @@ _TYPES = {
 #: what the adapter raises for a request it refuses: the request path's :class:`FieldError`
 #: (the applications below raise it too), answered in OpenAI's shape by :func:`status_of`
 OpenAIError = FieldError
+
+
+def rename(exc: FieldError, chat_name: str, name: str, paths: bool = True) -> None:
+    """A chat refusal of field ``chat_name`` made a refusal of another face's field ``name``
+    (the Responses API's, Anthropic's): its ``param`` and the quoted field in its message
+    (``paths``: also where the message quotes a path below the field). Before, only the param
+    was renamed: a Responses request's ``max_output_tokens`` of 0 was told "'max_completion_
+    tokens' must be at least 1"."""
+    param = exc.param or ""
+    exc.param = name + param[len(chat_name) :] if paths else name
+    quoted = re.compile("'" + re.escape(chat_name) + ("(?=['\\[.])" if paths else "(?=')"))
+    message = str(exc)
+    renamed = quoted.sub("'" + name.replace("\\", "\\\\"), message)
+    if renamed != message:
+        exc.args = (renamed, *exc.args[1:])
 
 
 def body(status: int, message: str, param: str | None = None, code: str | None = None) -> bytes:

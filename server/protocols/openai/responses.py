@@ -37,7 +37,7 @@ from plugserve.server.protocols.http.http_server import StreamReply
 from plugserve.server.protocols.http.replies import JSON
 from plugserve.server.protocols.openai import protocol
 from plugserve.server.protocols.openai.answer import Started, events_of
-from plugserve.server.protocols.openai.errors import OpenAIError
+from plugserve.server.protocols.openai.errors import OpenAIError, rename
 from plugserve.server.protocols.openai.responses_input import ResponsesAsk, responses_request
 from plugserve.server.protocols.openai.responses_output import (
     EventStream,
@@ -302,6 +302,7 @@ def _renamed(exc: OpenAIError) -> OpenAIError:
             or param.startswith(chat_name + "[")
             or param.startswith(chat_name + ".")
         ):
-            exc.param = name + param[len(chat_name) :] if chat_name != "messages" else "input"
+            # (a message's index is not its input item's: instructions come first)
+            rename(exc, chat_name, name, paths=chat_name != "messages")
             break
     return exc

@@ -45,7 +45,7 @@ from typing import Any
 import orjson
 
 from plugserve.server.protocols.openai import protocol
-from plugserve.server.protocols.openai.errors import OpenAIError
+from plugserve.server.protocols.openai.errors import OpenAIError, rename
 
 __all__ = ["MAX_BLOCKS", "MessagesAsk", "count_request", "messages_request", "renamed"]
 
@@ -338,7 +338,7 @@ def renamed(exc: OpenAIError) -> OpenAIError:
     param = exc.param or ""
     head = param.split("[", 1)[0].split(".", 1)[0]
     if head in _FIELDS:
-        exc.param = _FIELDS[head] + param[len(head) :]
+        rename(exc, head, _FIELDS[head])
     return exc
 
 
