@@ -647,3 +647,14 @@ def test_a_streamed_answer_with_reasoning_and_calls_ends_with_the_whole_ones_ite
     calls = [item.arguments for item in final.output if item.type == "function_call"]
     assert "".join(arguments) == "".join(calls)
     assert final.status == whole.status == "completed"
+
+
+def test_a_refusal_names_the_responses_field_in_its_message_too(api):
+    """A chat check refuses a Responses field: its ``param`` and its message name the
+    Responses field. Before, the message said ``'max_completion_tokens'``."""
+    with pytest.raises(openai.BadRequestError) as refused:
+        api.responses.create(model=MODEL, input="Hi", max_output_tokens=0)
+    error = refused.value.body
+    assert error["param"] == "max_output_tokens", error
+    assert "'max_output_tokens'" in error["message"], error
+    assert "max_completion_tokens" not in error["message"], error
