@@ -3,9 +3,11 @@
 Constant folding runs a node whose inputs are all constants. A 180-byte model can ask for a
 2 GB constant (``ConstantOfShape([5e8])``), so the size of a node's outputs is worked out
 from shapes and from the (small) values of its shape-like inputs first, and the node is not
-folded when it is over the limit. Ops whose output size depends on an input's *values* have a
-rule here; for every other op the output size follows from the input shapes, which ONNX shape
-inference has already written into the graph.
+folded when it is over the limit. The shapes are ONNX's shape inference of the node alone, given
+its inputs' actual shapes and the values of the small ones, never the graph's ``value_info``: a
+model may declare ``[1]`` for a value that inference of the whole graph leaves ``[?]``
+(``HannWindow(Abs(c))``: 400 MB folded for a declared 4 bytes). Some ops whose output size
+depends on an input's *values* have a rule here as well.
 
 onnxruntime and openvino fold constants themselves, without a limit: :func:`check_load_constants`
 lets their plugins refuse such a model before handing it over.
@@ -17,14 +19,17 @@ import math
 from collections.abc import Callable, Sequence
 
 import numpy as np
+import onnx
+from onnx import AttributeProto, TensorProto, numpy_helper
 
 from plugserve.plugins import reading
 from plugserve.plugins.api import InvalidModel
-from plugserve.plugins.ir import Graph, Node, subgraph_free_names
+from plugserve.plugins.ir import Graph, Node, np_dtype, onnx_dtype, subgraph_free_names
 
 __all__ = [
     "FOLD_LIMIT_BYTES",
     "NONDETERMINISTIC",
+    "VALUE_SIZED",
     "check_load_constants",
     "computed",
     "output_bytes",
@@ -143,37 +148,119 @@ _RULES: dict[str, Callable[[Node, Values], int | None]] = {
 }
 
 
-def _itemsize(graph: Graph, name: str) -> int:
-    spec = graph.spec(name)
-    if spec is None or spec.dtype is None or spec.dtype == object:
-        return 8
-    return spec.dtype.itemsize
+#: Ops whose output size an input's *values* decide (not only the inputs' shapes): computed at
+#: load time, one whose size cannot be told beforehand is refused by :func:`check_load_constants`
+#: (a window of ``Abs(c)`` points, ``c`` -5e7, folded by onnxruntime at +384 MB).
+VALUE_SIZED = frozenset(
+    {
+        *_RULES,
+        "HannWindow",
+        "HammingWindow",
+        "BlackmanWindow",
+        "MelWeightMatrix",
+        "AffineGrid",
+        "ImageDecoder",
+        "STFT",
+        "DFT",
+        "CenterCropPad",
+        "MaxUnpool",
+        "Col2Im",
+    }
+)
+
+#: Inputs of at most this many elements are handed to shape inference with their values (the
+#: shape-like ones: a window's length, a Reshape's shape); larger ones by their type only.
+_DATA_ELEMENTS = 1024
 
 
-def output_bytes(node: Node, graph: Graph, values: Values) -> int | None:
+def _light(attr: AttributeProto) -> AttributeProto:
+    """A tensor attribute without its data: inference reads its type and dims only (a
+    Constant's value may be megabytes)."""
+    if attr.type != AttributeProto.TENSOR:
+        return attr
+    light = AttributeProto()
+    light.name, light.type = attr.name, attr.type
+    light.t.data_type = attr.t.data_type
+    light.t.dims.extend(attr.t.dims)
+    return light
+
+
+def _tensor_type(array: np.ndarray) -> onnx.TypeProto:
+    return onnx.helper.make_tensor_type_proto(onnx_dtype(array.dtype), array.shape)
+
+
+def _inferred(
+    node: Node, graph: Graph, values: Values, types: dict[str, onnx.TypeProto]
+) -> dict[str, onnx.TypeProto]:
+    """ONNX's shape inference of ``node`` alone from its inputs: the arrays in ``values``
+    (their shapes, and their values when small), else the types in ``types``; {} when it
+    cannot be run."""
+    try:
+        schema = onnx.defs.get_schema(node.op_type, graph.node_opset(node), node.domain)
+        given: dict[str, onnx.TypeProto] = {}
+        data: dict[str, TensorProto] = {}
+        for name, value in zip(node.inputs, values):
+            if not name:
+                continue
+            if value is None:
+                if name not in types:
+                    return {}
+                given[name] = types[name]
+                continue
+            given[name] = _tensor_type(value)
+            if value.size <= _DATA_ELEMENTS and value.dtype.kind != "O":
+                data[name] = numpy_helper.from_array(value, name)
+        proto = onnx.helper.make_node(node.op_type, node.inputs, node.outputs, domain=node.domain)
+        proto.attribute.extend(_light(a) for a in node.attrs.values())
+        opsets = [onnx.helper.make_opsetid(d, v) for d, v in graph.opsets.items()]
+        return onnx.shape_inference.infer_node_outputs(schema, proto, given, data, None, opsets)
+    except Exception:  # no schema, or values inference refuses: not known before running
+        return {}
+
+
+def _static(kind: onnx.TypeProto | None) -> tuple[tuple[int, ...] | None, int]:
+    """A tensor type's shape when every dim is known, and its item size (8 when not known)."""
+    if kind is None or not kind.HasField("tensor_type"):
+        return None, 8
+    dtype = np_dtype(kind.tensor_type.elem_type)
+    itemsize = 8 if dtype is None or dtype.kind == "O" else dtype.itemsize
+    dims = kind.tensor_type.shape.dim
+    if not kind.tensor_type.HasField("shape") or not all(
+        d.HasField("dim_value") and d.dim_value >= 0 for d in dims
+    ):
+        return None, itemsize
+    return tuple(d.dim_value for d in dims), itemsize
+
+
+def output_bytes(
+    node: Node, graph: Graph, values: Values, types: dict[str, onnx.TypeProto] | None = None
+) -> int | None:
     """Bytes of ``node``'s outputs if it ran on these input ``values`` (None where an input
-    is not known), or None when that cannot be told without running it.
+    is not known: then its type in ``types``, if there), or None when that cannot be told
+    without running it. ``types`` also receives the node's inferred output types.
 
-    The larger of the two answers when both exist: the rule, from the values, and the shapes
-    shape inference recorded (a model can declare a small shape for a large value).
+    The larger of the two answers when both exist: the rule, from the values, and ONNX's
+    inference of this node from its actual inputs. Never the graph's ``value_info``: a model
+    can declare a small shape for a large value.
     """
     if node.domain not in ("", "ai.onnx"):
         return None
+    types = {} if types is None else types
+    inferred = _inferred(node, graph, values, types)
+    types.update(inferred)
     total = 0
     rule = _RULES.get(node.op_type)
     first = rule(node, values) if rule is not None else None
     for index, name in enumerate(node.outputs):
         if not name:
             continue
-        spec = graph.spec(name)
-        static = None
-        shape = spec.shape if spec is not None else None
-        if shape is not None and all(isinstance(d, int) and d >= 0 for d in shape):
-            static = _count(shape)
-        counts = [c for c in (static, first if index == 0 else None) if c is not None]
+        shape, itemsize = _static(inferred.get(name))
+        counts = [_count(shape)] if shape is not None else []
+        if index == 0 and first is not None:
+            counts.append(first)
         if not counts:
             return None
-        total += max(counts) * _itemsize(graph, name)
+        total += max(counts) * itemsize
     return total
 
 
@@ -187,16 +274,28 @@ def check_load_constants(graph: Graph, device: str, limit: int = FOLD_LIMIT_BYTE
     """Refuse a model in which a value computable at load time (every input a constant, or
     computed from constants) would exceed ``limit`` bytes, or all of them together the read's
     allowance (``plugins/reading.py``: many nodes each just under ``limit``): backends that
-    fold constants themselves would allocate them while compiling. Linear in the graph;
-    allocates nothing."""
+    fold constants themselves would allocate them while compiling. An op whose output size
+    its inputs' values decide (:data:`VALUE_SIZED`) is refused, too, when that size cannot be
+    told (a value computed from constants: its shape is inferred, its value unknown; small
+    values of small ones are computed here, :func:`_small_value`, as a shape from a Concat of
+    Constants). Linear in the graph; allocates nothing large."""
     known: dict[str, np.ndarray | None] = dict(graph.initializers)
+    types: dict[str, onnx.TypeProto] = {}  # the inferred types of the values computed
     allowance = reading.allowance(sum(a.nbytes for a in graph.initializers.values()))
     for node in graph.nodes:
         if node.op_type in NONDETERMINISTIC or subgraph_free_names(node):
             continue
         if any(n and n not in known for n in node.inputs):
             continue
-        size = output_bytes(node, graph, [known.get(n) if n else None for n in node.inputs])
+        values = [known.get(n) if n else None for n in node.inputs]
+        size = output_bytes(node, graph, values, types)
+        if size is None and node.op_type in VALUE_SIZED:
+            raise InvalidModel(
+                f"model {graph.name!r}: node {node.name!r} ({node.op_type}) makes a constant "
+                f"while the model is compiled whose size its inputs' values decide, and they "
+                f"are not known before: {device} would compute it without a limit (its limit "
+                f"for values computed at load time is {limit:,} bytes)"
+            )
         if size is not None and size > limit:
             raise InvalidModel(
                 f"model {graph.name!r}: node {node.name!r} ({node.op_type}) makes a constant of "
@@ -205,7 +304,31 @@ def check_load_constants(graph: Graph, device: str, limit: int = FOLD_LIMIT_BYTE
             )
         if size is not None and computed(node):
             allowance.take(size, f"model {graph.name!r}: node {node.name!r} ({node.op_type})")
-        value = node.attr("value") if node.op_type == "Constant" else None
-        for name in node.outputs:
-            if name:  # known at load time; the value itself only for a Constant
+        if node.op_type == "Constant":
+            made = [node.attr("value")]
+        else:
+            made = _small_value(node, graph, values, size)
+        for index, name in enumerate(node.outputs):
+            if name:  # known at load time; the value itself for a Constant and small ones
+                value = made[index] if index < len(made) else None
                 known[name] = value if isinstance(value, np.ndarray) else None
+
+
+def _small_value(node: Node, graph: Graph, values: Values, size: int | None) -> list:
+    """The outputs of ``node`` computed by onnx's reference implementation when its inputs
+    and outputs are all small (shape arithmetic on constants, ~0.4 ms a node), else []: what
+    a value-sized op reading them needs to be sized."""
+    if size is None or size > 8 * _DATA_ELEMENTS:
+        return []
+    if any(v is None or v.size > _DATA_ELEMENTS for n, v in zip(node.inputs, values) if n):
+        return []
+    try:
+        from onnx.reference import ReferenceEvaluator
+
+        proto = onnx.helper.make_node(node.op_type, node.inputs, node.outputs, domain=node.domain)
+        proto.attribute.extend(node.attrs.values())
+        evaluator = ReferenceEvaluator(proto, opsets={"": graph.node_opset(node)})
+        feeds = {n: v for n, v in zip(node.inputs, values) if n}
+        return list(evaluator.run(None, feeds))
+    except Exception:  # an op the reference does not have, or refuses: its value unknown
+        return []
