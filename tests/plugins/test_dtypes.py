@@ -219,6 +219,57 @@ def test_image_decoder_refuses_bytes_that_are_no_image(core):
         net.create_infer_request().infer({"data": np.frombuffer(b"not an image", np.uint8)})
 
 
+def _one_bit_png(width: int, height: int, rows: int | None = None) -> np.ndarray:
+    """A black 1-bit PNG of ``width`` x ``height`` (of its first ``rows`` rows' data: Pillow
+    reads no pixels before the image is loaded), a few KB however large."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        crc = zlib.crc32(kind + body) & 0xFFFFFFFF
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", crc)
+
+    row = bytes(1 + (width + 7) // 8)
+    packer = zlib.compressobj(9)
+    body = b"".join(packer.compress(row) for _ in range(height if rows is None else rows))
+    header = struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0)
+    data = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header)
+    data += chunk(b"IDAT", body + packer.flush()) + chunk(b"IEND", b"")
+    return np.frombuffer(data, np.uint8)
+
+
+def test_image_decoder_refuses_an_image_too_large_before_decoding_it(core):
+    """9,000 x 9,000 pixels, 10 KB sent: 243 MB in BGR, ~600 MB while decoding."""
+    pytest.importorskip("PIL")
+    from plugserve.plugins.numpy.kernels.image import MAX_PIXELS
+
+    net = core.load_network(_decoder("BGR"), "NUMPY")
+    data = _one_bit_png(9_000, 9_000)
+    assert MAX_PIXELS < 9_000 * 9_000 and len(data) < 32 << 10
+    before = _peak_kb(reset=True)
+    with pytest.raises(InvalidInput, match=r"ImageDecoder.*9,000 x 9,000 pixels, over"):
+        net.create_infer_request().infer({"data": data})
+    assert _peak_kb() - before < 32 << 10
+    (small,) = _run(core, _decoder("BGR"), {"data": _one_bit_png(300, 200)})
+    assert small.shape == (200, 300, 3) and not small.any()
+
+
+def _peak_kb(reset: bool = False) -> int:
+    """This process's peak memory (kB), since now with ``reset``."""
+    if reset:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
+
+
+def test_image_decoder_refuses_what_pillow_calls_a_decompression_bomb(core):
+    pytest.importorskip("PIL")
+    net = core.load_network(_decoder(), "NUMPY")
+    with pytest.raises(InvalidInput, match=r"ImageDecoder.*decompression bomb"):
+        net.create_infer_request().infer({"data": _one_bit_png(20_000, 20_000, rows=1)})
+
+
 def test_image_decoder_without_pillow_is_unsupported_with_the_install_command(tmp_path):
     path = tmp_path / "decoder.onnx"
     onnx.save(_decoder(), path)
