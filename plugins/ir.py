@@ -428,7 +428,7 @@ def subgraph_free_names(node: Node) -> list[str]:
 
 def _graph_free_names(graph: GraphProto) -> list[str]:
     defined = {i.name for i in graph.input} | {i.name for i in graph.initializer}
-    defined |= {i.name for i in graph.sparse_initializer}
+    defined |= {i.values.name for i in graph.sparse_initializer}
     free: list[str] = []
     for node in graph.node:
         used = list(node.input)
@@ -517,14 +517,18 @@ def read_model(model: Any) -> tuple[ModelProto, Path | None]:
         path = Path(model)
         if not path.is_file():
             raise InvalidModel(f"model file {str(path)!r} does not exist")
-        try:
-            proto = onnx.load(str(path), load_external_data=False)
+        # named by its version folder, not the server's folders (a load's temporary one)
+        shown = f"model file {f'{path.parent.name}/{path.name}'!r}"
+        try:  # bounded as bytes are: a file may be a client's (a load's file overrides)
+            proto = reading.parse_model(path.read_bytes(), shown)
+        except PlugserveError:  # over a bound of reading it
+            raise
         except Exception:
             raise InvalidModel(
-                f"model file {str(path)!r} is not an ONNX model" + _archive_hint(_head(path))
+                f"{shown} is not an ONNX model" + _archive_hint(_head(path))
             ) from None
         if not proto.graph.node and not proto.graph.input and not proto.graph.output:
-            raise InvalidModel(f"model file {str(path)!r} is not an ONNX model (no graph)")
+            raise InvalidModel(f"{shown} is not an ONNX model (no graph)")
         folder = path.resolve().parent
     else:
         raise InvalidModel(
@@ -611,6 +615,9 @@ def refuse_external_data(proto: ModelProto, what: str) -> None:
 
 
 def _load_external_data(proto: ModelProto, folder: Path | None) -> None:
+    """Read each tensor's external data from beside the model. Its fields are the model's
+    (a client's, for a load with file overrides): a bad one is an InvalidModel naming it, and
+    messages name files as the model does, not by the server's folder (a temporary one)."""
     if folder is None:
         refuse_external_data(proto, "the model")
         return
@@ -618,24 +625,48 @@ def _load_external_data(proto: ModelProto, folder: Path | None) -> None:
     for tensor in tensors:
         info = {e.key: e.value for e in tensor.external_data}
         location = info.get("location", "")
+        if "\x00" in location:
+            raise InvalidModel(
+                f"tensor {tensor.name!r}: external data location {location!r} holds a NUL byte"
+            )
         target = (folder / location).resolve()
         if not location or os.path.isabs(location) or not target.is_relative_to(folder):
             raise InvalidModel(
                 f"tensor {tensor.name!r} points at external data {location!r} outside the "
-                f"model's folder {str(folder)!r}; external data must live beside the model"
+                "model's folder; external data must live beside the model"
             )
         if not target.is_file():
             raise InvalidModel(
                 f"tensor {tensor.name!r}: external data file {location!r} does not exist"
             )
-        offset = int(info.get("offset", 0) or 0)
-        length = info.get("length")
+        offset = _external_field(tensor, info, "offset") or 0
+        length = _external_field(tensor, info, "length")
+        size = target.stat().st_size
+        if offset + (length or 0) > size:
+            raise InvalidModel(
+                f"tensor {tensor.name!r}: external data at offset {offset:,}, length "
+                f"{length or 0:,} runs past the end of {location!r} ({size:,} bytes)"
+            )
         with open(target, "rb") as f:
             f.seek(offset)
-            data = f.read(int(length)) if length else f.read()
+            data = f.read(length) if length else f.read()
         tensor.raw_data = data
         del tensor.external_data[:]
         tensor.data_location = TensorProto.DEFAULT
+
+
+def _external_field(tensor: TensorProto, info: dict[str, str], key: str) -> int | None:
+    """External data's ``offset`` or ``length``: a count of bytes in decimal digits, or
+    absent (None)."""
+    text = info.get(key)
+    if not text:
+        return None
+    if not text.isascii() or not text.isdigit() or len(text) > 19:
+        raise InvalidModel(
+            f"tensor {tensor.name!r}: external data {key} {text[:32]!r} is not a count of "
+            "bytes (decimal digits, at most 19)"
+        )
+    return int(text)
 
 
 def load_model(model: Any, name: str | None = None) -> Graph:

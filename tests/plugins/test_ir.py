@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import onnx
 import pytest
@@ -9,7 +11,7 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 from models import mlp, small_cnn
 from onnx import TensorProto, helper, numpy_helper
 
-from plugserve.plugins import ir, model_copies
+from plugserve.plugins import ir, model_copies, reading
 from plugserve.plugins.api import InvalidModel, Unsupported
 from plugserve.plugins.ir import load_model
 from plugserve.plugins.model_copies import serialized
@@ -168,6 +170,56 @@ def test_external_data_through_a_symlink_out_is_refused(tmp_path):
     path.write_bytes(_external_model("link.bin").SerializeToString())
     with pytest.raises(InvalidModel, match="outside"):
         load_model(path)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "said"),
+    [
+        ("offset", "-1", "offset '-1' is not a count of bytes"),
+        ("offset", "abc", "offset 'abc' is not a count of bytes"),
+        ("length", "1e3", "length '1e3' is not a count of bytes"),
+        ("length", "-3", "length '-3' is not a count of bytes"),
+        ("offset", "9" * 23, "offset '9999"),
+        ("offset", "9" * 19, "runs past the end of 'weights.bin'"),
+        ("length", "9" * 19, "runs past the end of 'weights.bin'"),
+        ("location", "weights.bin\x00x", "holds a NUL byte"),
+        ("location", "../weights.bin", "outside the model's folder;"),
+    ],
+)
+def test_bad_external_data_fields_are_refused_naming_them(tmp_path, field, value, said):
+    """The fields are a client's where a load sends files: Python's own errors were a 500."""
+    (tmp_path / "weights.bin").write_bytes(np.arange(4, dtype=np.float32).tobytes())
+    model = _external_model("weights.bin")
+    entry = next(e for e in model.graph.initializer[0].external_data if e.key == field)
+    entry.value = value
+    path = tmp_path / "model.onnx"
+    path.write_bytes(model.SerializeToString())
+    with pytest.raises(InvalidModel, match=f"tensor 'w'.*{re.escape(said)}") as refused:
+        load_model(path)
+    assert str(tmp_path) not in str(refused.value)  # the server's folder is not the client's
+
+
+def test_a_model_file_is_parsed_within_the_reads_bound(tmp_path, monkeypatch):
+    """A file may be a client's (a repository load's file overrides): 2 MB of empty nodes
+    parse to ~140 MB, so the file's bytes are parsed as a client's bytes are, first in a
+    helper bounded by --max-read-bytes (onnx.load parsed them in the server: 10 MB, +1 GB)."""
+    monkeypatch.setattr(reading, "_limits", reading.ReadLimits(max_bytes=16 << 20))
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])],
+    )
+    data = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    empty = b"\x0a\x00" * 1_000_000  # GraphProto.node, of no fields
+    size = len(empty)
+    length = bytes([(size >> s & 0x7F) | (0x80 if size >> s >> 7 else 0) for s in (0, 7, 14)])
+    path = tmp_path / "1" / "model.onnx"
+    path.parent.mkdir()
+    path.write_bytes(data.SerializeToString() + b"\x3a" + length + empty)  # graph, merged
+    with pytest.raises(InvalidModel, match=r"model file '1/model.onnx': parsing its") as refused:
+        load_model(path)
+    assert str(tmp_path) not in str(refused.value)
 
 
 def test_external_data_in_bytes_is_refused():
@@ -376,3 +428,31 @@ def test_serialized_refuses_a_model_over_protobufs_bound(monkeypatch):
     monkeypatch.setattr(model_copies, "_MAX_MESSAGE", model.ByteSize() - 1)
     with pytest.raises(InvalidModel, match=r"'weighted' cannot be serialized: .* over protobuf"):
         serialized(model)
+
+
+def test_a_subgraphs_sparse_initializer_is_defined_in_it(numpy_plugin):
+    """A sparse initializer's name is its values' (SparseTensorProto has none of its own): an
+    If whose branch holds one was an AttributeError, QueryNetwork's INTERNAL."""
+    sparse = helper.make_sparse_tensor(
+        numpy_helper.from_array(np.array([5.0], np.float32), "s"),
+        numpy_helper.from_array(np.array([1], np.int64), "s_indices"),
+        [3],
+    )
+    out = helper.make_tensor_value_info("b", TensorProto.FLOAT, [3])
+    branch = helper.make_graph(
+        [helper.make_node("Add", ["x", "x"], ["b"])], "then", [], [out], sparse_initializer=[sparse]
+    )
+    other = helper.make_graph([helper.make_node("Identity", ["x"], ["b"])], "else", [], [out])
+    graph = helper.make_graph(
+        [helper.make_node("If", ["c"], ["y"], name="if", then_branch=branch, else_branch=other)],
+        "sparse_branch",
+        [
+            helper.make_tensor_value_info("c", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [3]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    node = next(n for n in load_model(model).nodes if n.op_type == "If")
+    assert ir.subgraph_free_names(node) == ["x"]
+    assert "if" in numpy_plugin.query_network(model.SerializeToString())
