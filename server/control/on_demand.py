@@ -22,7 +22,12 @@ The rules, each bounded:
   flight, is not itself loading and has been loaded --model-min-loaded-seconds (a client
   naming two models in turn under --models-max 1 made a load and an unload of every
   request: now at most --models-max loads in that time); when none can go, the load waits
-  for one, within the same bound, then fails UNAVAILABLE;
+  for one, within the same bound, then fails UNAVAILABLE. A model with a sequence open does
+  not go (its state is the server's), unless every tenant with a sequence open on it holds
+  sequences on more than its share of --models-max (seven eighths, at least one model): a
+  red team's tenant kept one tiny sequence open on each of --models-max 2 models with a
+  request every 0.4 s, and another tenant's model never loaded again (UNAVAILABLE after
+  --model-load-wait-seconds, every time);
 * an ensemble (or an OVMS pipeline) holds no weights: it does not count toward --models-max;
   its steps do. Loading it loads its steps (it asks for them as a request would:
   ``EnsembleNetwork._ask_for_steps``), and unloading a step unloads the loaded ensembles that
@@ -107,6 +112,12 @@ def _counts(entries: list[ModelEntry]) -> bool:
     """Whether a repository model counts toward --models-max: an ensemble or an OVMS
     pipeline does not (its steps do)."""
     return not any(e.device == "ENSEMBLE" or e.settings.pipeline is not None for e in entries)
+
+
+def _holders(entry: LoadedNetwork) -> set[str] | None:
+    """The tenants with a sequence open on ``entry`` (None: not known, an ensemble's relay)."""
+    tenants = getattr(entry.sequences, "tenants", None)
+    return tenants() if tenants is not None else None
 
 
 def _from_files(versions: Iterable[LoadedNetwork]) -> bool:
@@ -355,12 +366,13 @@ class OnDemand:
         locks held)."""
         best: tuple[float, str, bool] | None = None
         young = time.monotonic() - self.min_loaded_seconds
+        over = self._over_share()
         for name, versions in self.table.by_name.items():
             if name == exclude or name in self._loading or name not in listed:
                 continue
             if not _from_files(versions.values()):
                 continue
-            if not _counts(listed[name]) or not self._may_go(name, versions.values()):
+            if not _counts(listed[name]) or not self._may_go(name, versions.values(), over):
                 continue
             used = max(v.last_used for v in versions.values())
             if best is None or used < best[0]:
@@ -369,14 +381,35 @@ class OnDemand:
         # recently used one in its place: that would unload the model the clients use)
         return best[1] if best is not None and not best[2] else None
 
-    def _may_go(self, name: str, versions: Any) -> bool:
+    def _may_go(self, name: str, versions: Any, over: Iterable[str] = ()) -> bool:
         """No request in flight on it, nor on an ensemble that runs it, and no sequence open
         on it (its state is the server's: between two of a sequence's requests nothing is in
         flight, and a red team's 10 of 10 sequences lost their state to an eviction, their
-        next request refused for want of a START; a sequence ends by its own idle timeout)."""
-        if any(v.inflight or getattr(v.sequences, "active", 0) for v in versions):
+        next request refused for want of a START; a sequence ends by its own idle timeout)
+        but of tenants in ``over`` (holding sequences on more models than their share)."""
+        versions = list(versions)
+        if any(v.inflight for v in versions):
             return False
+        for version in versions:
+            if getattr(version.sequences, "active", 0):
+                holders = _holders(version)
+                if not holders or not holders <= set(over):
+                    return False
         return not any(user.inflight for user in self._users(name))
+
+    def _over_share(self) -> set[str]:
+        """The tenants (tokens') holding open sequences on more repository models than their
+        share of --models-max (call with the table's lock held)."""
+        share = max(1, self.models_max * 7 // 8)
+        models: dict[str, int] = {}
+        for versions in self.table.by_name.values():
+            holders: set[str] = set()
+            for version in versions.values():
+                holders |= _holders(version) or set()
+            for tenant in holders:
+                if tenant:
+                    models[tenant] = models.get(tenant, 0) + 1
+        return {tenant for tenant, held in models.items() if held > share}
 
     def _users(self, name: str) -> Iterator[LoadedNetwork]:
         """The loaded networks whose steps run ``name`` (ensembles, OVMS pipelines)."""

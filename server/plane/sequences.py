@@ -329,6 +329,13 @@ class SequenceBatcher:
     def active(self) -> int:
         return len(self._sequences)
 
+    def tenants(self) -> set[str]:
+        """The tenants with a sequence open here (what on-demand loading reads: a model a
+        tenant's sequences hold may still go when that tenant holds more than its share of
+        --models-max, ``control/on_demand.py``)."""
+        with self._lock:
+            return {tenant for tenant, _ in self._sequences}
+
     # --- admission
 
     def submit(self, request: Request, wanted: list[str]) -> Future:

@@ -640,3 +640,52 @@ def test_a_model_with_an_open_sequence_is_not_evicted(tmp_path):
             assert wait_for(lambda: _answers(server, "double"), timeout=60), server.log[-3000:]
         finally:
             client.close()
+
+
+def test_a_tenant_holding_sequences_on_more_than_its_share_of_models_yields_one(tmp_path):
+    """With tokens, a tenant's open sequences keep at most its share of --models-max (seven
+    eighths, at least one) from leaving: a red team's tenant b held a sequence open on each
+    of --models-max 2 models, and tenant a's model never loaded again (UNAVAILABLE after
+    --model-load-wait-seconds, each time). Now one of b's models makes room for a's; a
+    sequence of a tenant within its share still keeps its model."""
+    from sequence_models import accumulator, accumulator_config, write_model
+
+    _double(tmp_path)
+    idle = "max_sequence_idle_microseconds: 60000000"
+    for name in ("acc", "acc2"):
+        write_model(tmp_path, name, accumulator(), accumulator_config(name, "direct { }", 8, idle))
+    tokens = tmp_path.parent / f"{tmp_path.name}-tokens"
+    tokens.write_text("token-of-a infer tenant=a\ntoken-of-b infer tenant=b\n")
+    tokens.chmod(0o600)
+    args = ["--model-repository", str(tmp_path), "--model-load-on-demand", "1"]
+    args += ["--models-max", "2", "--model-load-wait-seconds", "5", "--auth-tokens", str(tokens)]
+    args += ["--model-min-loaded-seconds", "0"]
+    with RunningServer(*args) as server:
+        client = grpcclient.InferenceServerClient(server.target)
+
+        def step(who: str, model: str, value: float, **flags) -> np.ndarray:
+            given = grpcclient.InferInput("INPUT", [1, 4], "FP32")
+            given.set_data_from_numpy(np.full((1, 4), value, np.float32))
+            answer = client.infer(model, [given], sequence_id=42, client_timeout=60,
+                                  headers={"authorization": f"Bearer token-of-{who}"},
+                                  **flags)  # fmt: skip
+            return answer.as_numpy("OUTPUT")
+
+        def double() -> np.ndarray:
+            given = grpcclient.InferInput("x", [4], "FP32")
+            given.set_data_from_numpy(X)
+            answer = client.infer("double", [given], client_timeout=60,
+                                  headers={"authorization": "Bearer token-of-a"})  # fmt: skip
+            return answer.as_numpy("y")
+
+        try:
+            assert step("b", "acc", 1.0, sequence_start=True).tolist() == [[1.0] * 4]
+            assert step("b", "acc2", 1.0, sequence_start=True).tolist() == [[1.0] * 4]
+            np.testing.assert_allclose(double(), 2 * X)  # one of b's two made room
+            gone = [m for m in ("acc", "acc2") if f"model {m} unloaded on demand" in server.log]
+            assert len(gone) == 1, server.log[-3000:]
+            kept = "acc2" if gone == ["acc"] else "acc"
+            assert step("b", kept, 2.0).tolist() == [[3.0] * 4]  # the one b keeps: its state
+            assert step("b", kept, 3.0, sequence_end=True).tolist() == [[6.0] * 4]
+        finally:
+            client.close()
