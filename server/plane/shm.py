@@ -24,7 +24,9 @@ copy out of a mapping).
 What a client may make the server touch is bounded before it is touched:
 
 * only keys under ``--shared-memory-prefix`` (default ``/plugserve``): a key names a file in
-  ``/dev/shm``, and other processes' regions there are not a client's to read or write;
+  ``/dev/shm``, and other processes' regions there are not a client's to read or write; with
+  tokens, a prefix holding ``{tenant}`` gives each tenant keys of its own
+  (``/plugserve_{tenant}_``: tenant ``a`` registers ``/plugserve_a_...`` only);
   the key is one path component (no ``/`` after the first, no NUL), opened without following
   symlinks;
 * the region (offset + byte size) must lie within the object as it is when registered, and
@@ -173,6 +175,14 @@ class SharedMemory:
         self._lock = threading.Lock()
         self.cuda = CudaRegions()
 
+    def prefix_of(self, tenant: str) -> str:
+        """The keys ``tenant`` may register: the prefix, its ``{tenant}`` the tenant's name
+        (a token's own tenant, ``#`` and its digest, without the ``#``). Without it, the first
+        tenant to register a key holds its object: a red team's admin of another tenant
+        registered a key the first tenant had made (mode 0600: the server opens it, not the
+        client) before that tenant did, and read its bytes."""
+        return self.prefix.replace("{tenant}", tenant.lstrip("#"))
+
     def of(self, tenant: str) -> TenantRegions:
         """What a request of ``tenant`` may name: its tenant's regions."""
         return TenantRegions(self, tenant)
@@ -193,12 +203,14 @@ class SharedMemory:
                 f"shared memory key {key!r}: expected '/' and then letters, digits, '.', '_' "
                 "or '-' (one name in /dev/shm)"
             )
-        if not key.startswith(self.prefix):
+        prefix = self.prefix_of(tenant)
+        if not key.startswith(prefix):
             raise InvalidArgument(
-                f"shared memory key {key!r} is not under this server's prefix {self.prefix!r}: "
-                "create the region with a key that starts with it, or start the server with "
-                "--shared-memory-prefix (PLUGSERVE_SHARED_MEMORY_PREFIX) set to a prefix of "
-                "this key to allow it"
+                f"shared memory key {key!r} is not under this server's prefix {prefix!r}"
+                + (" (this tenant's)" if prefix != self.prefix else "")
+                + ": create the region with a key that starts with it, or start the server "
+                "with --shared-memory-prefix (PLUGSERVE_SHARED_MEMORY_PREFIX) set to a prefix "
+                "of this key to allow it"
             )
         if offset < 0 or byte_size <= 0:
             raise InvalidArgument(

@@ -438,7 +438,9 @@ class Settings:
     shared_memory_prefix: str = _field(
         "/plugserve",
         "keys a client may register as shared memory regions must start with this (a key "
-        "names a file in /dev/shm; '/' allows any, as Triton)",
+        "names a file in /dev/shm; '/' allows any, as Triton); with --auth-tokens, '{tenant}' "
+        "in it is the registering token's tenant, so each tenant has keys of its own "
+        "(/plugserve_{tenant}_)",
     )
     malloc_reuse_bytes: int = _field(
         32 << 20,

@@ -352,6 +352,38 @@ def test_regions_belong_to_the_tenant_that_registered_them(tmp_path, regions, pr
             client.close()
 
 
+def test_a_tenant_prefix_gives_each_tenant_keys_of_its_own(tmp_path):
+    """``--shared-memory-prefix /plugserve-test-{tenant}-``: tenant b's admin cannot register
+    a key of tenant a's prefix, before a does or after. Without it the first tenant to
+    register a key held its object: a red team's admin of tenant b registered the key a's
+    client had made (the server opens it, not the client, so its 0600 mode did not matter)
+    and read a's bytes through b's infer token."""
+    from serving import RunningServer, examples_repository
+
+    tokens = {"admin_a": uuid.uuid4().hex, "admin_b": uuid.uuid4().hex}
+    token_file = tmp_path / "tokens"
+    token_file.write_text("".join(f"{t} admin tenant={w[-1]}\n" for w, t in tokens.items()))
+    token_file.chmod(0o600)
+    key = f"/plugserve-test-a-{uuid.uuid4().hex[:12]}"
+    handle = shm.create_shared_memory_region("secret", key, 64)
+    repo = examples_repository(tmp_path / "repo")
+    args = ["--model-repository", str(repo), "--auth-tokens", str(token_file)]
+    try:
+        with RunningServer(*args, "--shared-memory-prefix", "/plugserve-test-{tenant}-") as s:
+            client = grpcclient.InferenceServerClient(s.target)
+            b = {"authorization": f"Bearer {tokens['admin_b']}"}
+            a = {"authorization": f"Bearer {tokens['admin_a']}"}
+            try:
+                with pytest.raises(InferenceServerException, match=r"\(this tenant's\)"):
+                    client.register_system_shared_memory("stolen", key, 64, headers=b)
+                client.register_system_shared_memory("secret", key, 64, headers=a)
+                client.unregister_system_shared_memory(headers=a)
+            finally:
+                client.close()
+    finally:
+        shm.destroy_shared_memory_region(handle)
+
+
 def test_a_small_body_naming_large_regions_is_served_off_the_event_loop(server, regions):
     """A small REST body was decoded and run on the event loop, and the tensors it names in
     shared memory were read there too: a red team's 263-byte body reading a 512 MiB region
