@@ -314,13 +314,31 @@ def check_load_constants(graph: Graph, device: str, limit: int = FOLD_LIMIT_BYTE
                 known[name] = value if isinstance(value, np.ndarray) else None
 
 
+#: The ops :func:`_small_value` computes: the arithmetic exporters do on shapes, on numbers
+#: only. Never an op of strings or of code-like attributes: this runs in the server on a
+#: client's model (an infer token's QueryNetwork on TORCH), and onnx's reference
+#: RegexFullMatch is Python's ``re``, whose backtracking on a pattern the model names could
+#: hold the GIL for minutes.
+_SHAPE_ARITHMETIC = frozenset(
+    {
+        "Abs", "Add", "Cast", "Ceil", "Concat", "Div", "Equal", "Floor", "Gather",
+        "Greater", "Identity", "Less", "Max", "Min", "Mod", "Mul", "Neg", "Not",
+        "ReduceMax", "ReduceMin", "ReduceProd", "ReduceSum", "Reshape", "Shape", "Size",
+        "Slice", "Sqrt", "Squeeze", "Sub", "Transpose", "Unsqueeze", "Where",
+    }
+)  # fmt: skip
+
+
 def _small_value(node: Node, graph: Graph, values: Values, size: int | None) -> list:
-    """The outputs of ``node`` computed by onnx's reference implementation when its inputs
-    and outputs are all small (shape arithmetic on constants, ~0.4 ms a node), else []: what
-    a value-sized op reading them needs to be sized."""
+    """The outputs of ``node`` computed by onnx's reference implementation when it is shape
+    arithmetic (:data:`_SHAPE_ARITHMETIC`) on small numeric inputs to small outputs (~0.4 ms
+    a node), else []: what a value-sized op reading them needs to be sized."""
     if size is None or size > 8 * _DATA_ELEMENTS:
         return []
-    if any(v is None or v.size > _DATA_ELEMENTS for n, v in zip(node.inputs, values) if n):
+    if node.op_type not in _SHAPE_ARITHMETIC or node.domain not in ("", "ai.onnx"):
+        return []
+    given = [v for n, v in zip(node.inputs, values) if n]
+    if any(v is None or v.size > _DATA_ELEMENTS or v.dtype.kind not in "biuf" for v in given):
         return []
     try:
         from onnx.reference import ReferenceEvaluator

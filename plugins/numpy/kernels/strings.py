@@ -13,6 +13,11 @@ import re
 
 import numpy as np
 
+try:  # RE2, ONNX's regex syntax, in linear time (see regex_full_match)
+    import re2 as _regex
+except ImportError:  # pragma: no cover - the bindings are a dependency
+    _regex = re
+
 from plugserve.plugins.numpy.kernels.registry import KernelContext, register
 
 _concat = np.frompyfunc(operator.add, 2, 1)
@@ -88,18 +93,19 @@ def string_split(ctx: KernelContext):
 
 @register("RegexFullMatch", 20)
 def regex_full_match(ctx: KernelContext):
-    """Full-match each string against ``pattern`` with Python's ``re``.
+    """Full-match each string against ``pattern`` with RE2 (``google-re2``), as ONNX specifies.
 
-    ONNX specifies RE2 syntax. Python's ``re`` accepts a superset for the common subset
-    (classes, quantifiers, groups, anchors) with the same full-match meaning; differences: RE2
-    rejects backreferences and lookaround (``re`` accepts them), RE2's ``\\C`` and
-    ``(?P=name)``-less named-group forms and POSIX classes like ``[[:alpha:]]`` are not
-    understood by ``re``, and RE2 guarantees linear time where ``re`` may backtrack.
+    RE2 matches in time linear in the string: Python's ``re`` backtracks, and a pattern such
+    as ``(a+)+$`` against 30 ``a`` and a ``!`` holds the GIL for minutes, where the strings
+    are a client's (a request's), or the whole node is (a model a client sends to
+    QueryNetwork, whose constants NUMPY folds). A pattern RE2 does not take (backreferences,
+    lookaround: Python-only syntax) leaves the node unsupported. Where the RE2 bindings are not
+    installed, Python's ``re`` stands in.
     """
     pattern = ctx.attr("pattern")
     try:
-        compiled = re.compile(pattern)
-    except re.error as exc:
+        compiled = _regex.compile(pattern)
+    except Exception as exc:  # re.error, re2.error: the pattern is not one the engine takes
         raise ctx.unsupported(f"pattern {pattern!r}: {exc}") from exc
     match = np.frompyfunc(lambda s: compiled.fullmatch(str(s)) is not None, 1, 1)
 
@@ -240,7 +246,7 @@ def tokenizer(ctx: KernelContext):
         if expression and separators:
             raise ctx.unsupported("give tokenexp or separators, not both")
         if expression:
-            found = re.compile(expression)
+            found = _regex.compile(expression)  # (RE2, as onnxruntime's Tokenizer)
 
             def split(text: str) -> list[str]:
                 return [m.group(0) for m in found.finditer(text)]
@@ -249,11 +255,11 @@ def tokenizer(ctx: KernelContext):
                 raise ctx.unsupported("mincharnum > 1 with character tokenization")
             split = list
         elif separators:
-            between = re.compile("|".join(f"(?:{s})" for s in separators))
+            between = _regex.compile("|".join(f"(?:{s})" for s in separators))
             split = between.split
         else:
             raise ctx.unsupported("neither tokenexp nor separators is given")
-    except re.error as exc:
+    except (re.error, getattr(_regex, "error", re.error)) as exc:
         raise ctx.unsupported(f"pattern: {exc}") from exc
 
     def run(x):
