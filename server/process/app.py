@@ -68,6 +68,7 @@ from plugserve.server.protocols.auth import (
 from plugserve.server.protocols.grpc import reflection
 from plugserve.server.protocols.grpc.callgate import CallGate, keepalive_options
 from plugserve.server.protocols.grpc.handlers import add_service
+from plugserve.server.protocols.grpc.tenant_calls import TenantCalls
 from plugserve.server.protocols.grpc.wrapping import Wrap, WrappingServer
 from plugserve.server.protocols.http import json_bounds
 from plugserve.server.protocols.http.app import HttpService
@@ -475,7 +476,11 @@ class Server:
             )
             if credentials is None:
                 log.warning("token auth without TLS: tokens cross the network in plaintext")
-            auth = AuthInterceptor(tokens, bool(s.open_health), bool(s.open_reflection))
+            most = s.grpc_workers * 7 // 8 if s.grpc_token_calls < 0 else s.grpc_token_calls
+            calls = TenantCalls(max(1, most)) if most else None
+            auth = AuthInterceptor(
+                tokens, bool(s.open_health), bool(s.open_reflection), calls=calls
+            )
             wraps.append(guard_settings(auth, local=False))
             return auth
         if not s.allow_remote_control:

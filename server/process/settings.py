@@ -402,6 +402,14 @@ class Settings:
         "addresses)",
         low=-1,
     )
+    grpc_token_calls: int = _field(
+        -1,
+        "most gRPC calls one token's tenant may have running at once, each on one of "
+        "--grpc-workers threads for as long as it runs (a call waiting in a busy network's "
+        "queue too); past it RESOURCE_EXHAUSTED. -1: seven eighths of --grpc-workers, 0: no "
+        "bound; without --auth-tokens it plays no part",
+        low=-1,
+    )
     http_token_requests: int = _field(
         -1,
         "most REST requests one token (one tenant) may have in flight at once, from its "

@@ -34,9 +34,12 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
+
+if TYPE_CHECKING:
+    from plugserve.server.protocols.grpc.tenant_calls import TenantCalls
 
 __all__ = [
     "ADMIN",
@@ -339,10 +342,18 @@ def _short(method: str) -> str:
 class AuthInterceptor(grpc.ServerInterceptor):
     """The one place every call's token and role are checked."""
 
-    def __init__(self, tokens: Tokens, open_health: bool = True, open_reflection: bool = False):
+    def __init__(
+        self,
+        tokens: Tokens,
+        open_health: bool = True,
+        open_reflection: bool = False,
+        calls: TenantCalls | None = None,
+    ):
         self.tokens = tokens
         self.open_health = open_health
         self.open_reflection = open_reflection
+        #: each tenant's gRPC calls running at once (--grpc-token-calls; None: no bound)
+        self.calls = calls
 
     def authorize(
         self, method: str, metadata: Sequence[tuple[str, Any]] | None
@@ -398,9 +409,11 @@ class AuthInterceptor(grpc.ServerInterceptor):
     def intercept_service(self, continuation, handler_call_details):
         method = handler_call_details.method
         handler = continuation(handler_call_details)
-        code, role = self.authorize(method, handler_call_details.invocation_metadata)
+        code, role, tenant = self.check(method, handler_call_details.invocation_metadata)
         if code is not None:
             return _denied(code, role)
+        if self.calls is not None and tenant:
+            return self.calls.bounded(handler, tenant)
         return handler
 
 

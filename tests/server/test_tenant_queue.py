@@ -86,3 +86,44 @@ def test_a_tenant_under_its_share_is_served_whole(server):
             client.async_infer("spin", _spin(20_000), lambda result, error: answers.put(error),
                                headers=_as("b"), client_timeout=120)  # fmt: skip
         assert [answers.get(timeout=120) for _ in range(10)] == [None] * 10
+
+
+def test_a_tenants_slow_grpc_calls_leave_the_others_a_handler_thread(tmp_path):
+    """--grpc-workers 8: tenant a's 20 slow calls at once hold at most 7 handler threads (its
+    share, --grpc-token-calls -1), the rest RESOURCE_EXHAUSTED as they get one; tenant b's
+    call to another model is answered before any of a's runs ends. Before, b's call waited
+    for a thread behind all of a's (a red team's: 13.7 s)."""
+    from serving import examples_repository
+
+    tokens = tmp_path / "tokens"
+    tokens.write_text("".join(f"{t} infer tenant={who}\n" for who, t in TOKENS.items()))
+    tokens.chmod(0o600)
+    repo = examples_repository(tmp_path / "repo")
+    spin_repository(repo, streams=1)
+    args = ["--model-repository", str(repo), "--auth-tokens", str(tokens), "--grpc-workers", "8"]
+    with (
+        RunningServer(*args) as running,
+        grpcclient.InferenceServerClient(running.target) as client,
+    ):
+        client.infer("spin", _spin(1), headers=_as("a"))
+        started = time.monotonic()
+        client.infer("spin", _spin(200_000), headers=_as("a"))
+        one = time.monotonic() - started
+        trips = max(200_000, int(200_000 * 0.5 / one))  # a run of about 0.5 s
+        answers: queue.Queue = queue.Queue()
+        for _ in range(20):
+            client.async_infer("spin", _spin(trips), lambda result, error: answers.put(error),
+                               headers=_as("a"), client_timeout=300)  # fmt: skip
+        time.sleep(0.2)
+        add = [grpcclient.InferInput(n, [2], "FP32") for n in ("a", "b")]
+        for tensor in add:
+            tensor.set_data_from_numpy(np.ones(2, np.float32))
+        sent = time.monotonic()
+        answer = client.infer("add", add, headers=_as("b"), client_timeout=120)
+        waited = time.monotonic() - sent
+        errors = [answers.get(timeout=300) for _ in range(20)]
+    np.testing.assert_array_equal(answer.as_numpy("sum"), np.full(2, 2.0, np.float32))
+    refused = [e for e in errors if e is not None]
+    assert refused and all("--grpc-token-calls" in e.message() for e in refused), errors
+    run = one * trips / 200_000
+    assert waited < 0.5 * run, f"b waited {waited:.2f} s; one of a's runs takes {run:.2f} s"
