@@ -366,6 +366,8 @@ def test_generate_takes_one_response_and_names_the_mistake_otherwise(running):
     assert json.loads(body) == {"model_name": "square", "model_version": "1", "OUT": 1}
     status, body = _post(running, "/v2/models/square/generate", {"IN": 3})
     assert status == 400 and "generate expects model to produce exactly 1 response" in body
+    # refused at the second response, the request cancelled: not after the model's last
+    assert "answered more than one" in body, body
     # an ordinary model through the generate extension: inputs by name, outputs by name
     status, body = _post(
         running,

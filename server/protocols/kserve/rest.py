@@ -528,14 +528,17 @@ class RestApp:
             async for item, _final in answer:
                 if item is not None:
                     responses.append(item)
+                    if len(responses) > 1:  # refused already: the rest of the work is waste
+                        answer.cancel()
+                        break
         except asyncio.CancelledError:
             answer.cancel()
             raise
         if len(responses) != 1:
             raise InvalidInput(
                 "generate expects model to produce exactly 1 response, use generate stream "
-                "for model that generates various number of responses "
-                f"(model {entry.name!r} answered {len(responses)})"
+                "for model that generates various number of responses (model "
+                f"{entry.name!r} answered {'more than one' if responses else 'none'})"
             )
         (only,) = responses
         if only.error is not None:
