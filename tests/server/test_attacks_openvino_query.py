@@ -177,7 +177,11 @@ def test_a_small_model_cannot_make_openvinos_query_huge(running, make):
     with Probe(running) as probe:
         error = _refused(running, model, "OPENVINO")
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
-        assert "--max-read-bytes" in error.details(), error.details()
+        # the helper's read bound, or (a constant whose shape is small arithmetic on
+        # constants, sized in the server first: plugins/passes/sizes.py) the load-time limit
+        assert "--max-read-bytes" in error.details() or (
+            "limit of 67,108,864 bytes for values computed at load time" in error.details()
+        ), error.details()
     assert running.process.poll() is None
     probe.check(body_bytes=len(model), fixed_bytes=MARGIN)
     _normal_model_serves(running)
