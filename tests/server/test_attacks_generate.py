@@ -495,6 +495,11 @@ def test_prompt_ids_over_the_context_are_refused_before_they_are_read(server):
     status, answer = _post(server, f"/v2/models/{MODEL}/generate", {**body, "input_ids": [65] * 9})
     assert status == 200, answer
     assert len(answer["text_output"]) > 0
+    # token ids are integers: 65.7 was token 65; 65.0 is 65, as JSON's integers may come
+    status, answer = _post(server, f"/v2/models/{MODEL}/generate", {**body, "input_ids": [65.7]})
+    assert status == 400 and "takes int32 values: integers" in answer["error"], answer
+    status, answer = _post(server, f"/v2/models/{MODEL}/generate", {**body, "input_ids": [65.0]})
+    assert status == 200, answer
 
 
 # --- large answers not streamed: built and written off the loop, a bounded piece at a time

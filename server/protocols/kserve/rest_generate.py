@@ -96,6 +96,9 @@ def _tensor(spec: TensorSpec, value: Any, batched: bool) -> np.ndarray:
             ) from None
         if array.ndim != 1:
             raise InvalidInput(f"input '{spec.name}' takes a value or a flat array of values")
+        if dtype.kind in "iu" and any(type(v) is float and not v.is_integer() for v in values):
+            # (numpy truncates: a prompt's token id 65.7 was token 65)
+            raise InvalidInput(f"input '{spec.name}' takes {dtype} values: integers")
     return array.reshape(_shape(spec, len(values), batched))
 
 
