@@ -1,13 +1,14 @@
 #!/bin/sh
 # The wheels the prepared GPU check needs beside the GPU machine's image, for CPython 3.12 on
-# x86-64 Linux, pinned to one version each, into ./.whl (ignored by git; about 27 MB).
+# x86-64 Linux, pinned to one version each, into ./.whl (ignored by git; about 29 MB).
 #
 # The image (/work/.library/device/KINDS.md) has Python 3.12, torch, torchvision, transformers,
 # onnx, onnxruntime, numpy, grpcio, protobuf, cuda-bindings, cuda-pathfinder, nvidia-ml-py,
 # setuptools, certifi, aiohttp and more. Wheels installed with --target /tmp/site come first on
 # PYTHONPATH and shadow the image's copies, so only these travel:
 # - what plugserve and its clients need and the image lacks: httptools, orjson, pysimdjson,
-#   llguidance (the generate extra), grpcio-health-checking, grpcio-reflection, openai with
+#   google-re2 (RegexFullMatch's RE2), llguidance (the generate extra),
+#   grpcio-health-checking, grpcio-reflection, openai with
 #   httpx2/httpcore2/truststore/sniffio/distro/jiter/pydantic/pydantic-core/annotated-types/
 #   typing-inspection, tritonclient and python-rapidjson;
 # - tritonclient.http's own needs (the gpuops part's REST round trips): geventhttpclient,
@@ -36,7 +37,7 @@ download() {
 }
 download -d "$DEST" \
   grpcio==1.85.3 grpcio-health-checking==1.81.1 grpcio-reflection==1.81.1 protobuf==6.33.6 \
-  httptools==0.9.0 orjson==3.13.0 pysimdjson==7.0.2 llguidance==1.9.1 \
+  httptools==0.9.0 orjson==3.13.0 pysimdjson==7.0.2 llguidance==1.9.1 google-re2==1.1.20251105 \
   openai==3.57.0 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 idna==3.20 \
   anyio==4.16.0 sniffio==1.3.1 distro==1.9.0 jiter==0.19.0 pydantic==2.14.4 \
   pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
