@@ -33,10 +33,16 @@ def _waiting(value: str) -> int:
     return number
 
 
+#: the longest a batch may wait for more requests (10 minutes, as MULTI's timeouts): past
+#: ``threading``'s own bound a wait raised OverflowError in the collector, which then no longer
+#: ran, and every later request of the network waited out its deadline
+MAX_TIMEOUT_MS = 600_000
+
+
 def _timeout(value: str) -> float:
     number = float(str(value).strip())
-    if not number >= 0:
-        raise ValueError("expected a number of milliseconds >= 0")
+    if not 0 <= number <= MAX_TIMEOUT_MS:
+        raise ValueError(f"expected milliseconds from 0 to {MAX_TIMEOUT_MS:,}")
     return number
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from plugserve.plugins.api import InvalidModel, TensorSpec
+from plugserve.plugins.api import InvalidArgument, InvalidModel, TensorSpec
 from plugserve.server.control.triton_types import DTYPES
 
 __all__ = ["Definition", "Fan", "Step", "read_triton_ensemble"]
@@ -137,8 +137,14 @@ def read_triton_ensemble(path: Path) -> Definition:
     file = path.parent / "config.pbtxt"
     message = messages().ModelConfig()
     text_format.Parse(file.read_text(), message)
-    name = message.name or path.parent.name
+    name = path.parent.name  # the name it is served under, which its cycle check compares
     where = f"ensemble {name!r}"
+    if message.name and message.name != name:  # (Triton refuses it too)
+        raise InvalidArgument(
+            f"{where}: its config.pbtxt names it {message.name!r}; an ensemble's name is its "
+            "folder's (a step naming the folder's name ran the ensemble itself, each request "
+            "waiting out --max-request-seconds)"
+        )
     steps = [
         # protobuf's maps iterate in no set order: sorted, so messages name the same tensor
         Step(

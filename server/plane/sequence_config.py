@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,13 @@ __all__ = [
     "read_sequence_batching",
     "resolved_state",
 ]
+
+#: the longest an ``oldest`` batch may wait for more rows (10 minutes): past ``threading``'s
+#: own bound the gatherer's wait raised OverflowError and the model's requests went unanswered
+MAX_QUEUE_DELAY_US = 600_000_000
+#: the most bytes one sequence's state may start with (its initial value is made when the
+#: configuration is read, and each new sequence is charged it)
+MAX_STATE_BYTES = 256 << 20
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +161,12 @@ def read_sequence_batching(
                 f"{where}: oldest.preferred_batch_size {max(preferred)} is over max_batch_size "
                 f"{max_batch_size}"
             )
+        if oldest.max_queue_delay_microseconds > MAX_QUEUE_DELAY_US:  # (its gatherer died)
+            raise InvalidArgument(
+                f"{where}: oldest.max_queue_delay_microseconds "
+                f"{oldest.max_queue_delay_microseconds} is over {MAX_QUEUE_DELAY_US:,} (10 "
+                "minutes)"
+            )
         settings = dataclasses.replace(
             settings,
             max_sequences=oldest.max_candidate_sequences,
@@ -212,6 +226,14 @@ def _state(message: Any, max_batch_size: int, folder: Path, where: str) -> State
             f"initial_state field for state input '{message.input_name}' must contain exactly "
             f"one or zero element. Found '{len(message.initial_state)}' elements."
         )
+    if (
+        any(d > MAX_STATE_BYTES for d in dims)
+        or math.prod(max(d, 1) for d in dims) * dtype.itemsize > MAX_STATE_BYTES
+    ):  # (np.zeros of [2^40, 2^40] was a 500)
+        raise InvalidArgument(
+            f"{where}: dims {dims} make a state of more than {MAX_STATE_BYTES:,} bytes (one "
+            "sequence's)"
+        )
     if not message.initial_state:  # Triton: zeros, a variable dimension taken as 1
         return State(
             message.input_name,
@@ -228,7 +250,12 @@ def _state(message: Any, max_batch_size: int, folder: Path, where: str) -> State
     shape = list(initial.dims)
     if len(shape) != len(dims) or any(s < 0 or (d >= 0 and s != d) for s, d in zip(shape, dims)):
         raise InvalidArgument(f"{where}: initial_state dims {shape} do not fit dims {dims}")
-    count = int(np.prod(shape, dtype=np.int64))
+    count = math.prod(shape)
+    if count * dtype.itemsize > MAX_STATE_BYTES:
+        raise InvalidArgument(
+            f"{where}: initial_state dims {shape} make a state of more than "
+            f"{MAX_STATE_BYTES:,} bytes (one sequence's)"
+        )
     if initial.WhichOneof("state_data") == "data_file":
         path = folder / "initial_state" / initial.data_file
         if path.resolve().parent != (folder / "initial_state").resolve():

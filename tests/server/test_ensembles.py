@@ -350,6 +350,11 @@ def running(tmp_path_factory):
         _write(root, name, _ensemble(name, INT32_IN, INT32_OUT, [
             _step(other, -1, BOTH, OUT),
         ]))  # fmt: skip
+    # an ensemble whose config names another model and whose step is itself by its folder's
+    # name: it ran itself, every request waiting out --max-request-seconds
+    _write(root, "named_apart", _ensemble("decoy", INT32_IN, INT32_OUT, [
+        _step("named_apart", -1, BOTH, OUT),
+    ]))  # fmt: skip
     with RunningServer("--model-repository", str(root), "--exit-on-error", "0") as server:
         yield server
 
@@ -723,6 +728,7 @@ def test_tensors_between_steps_are_passed_by_reference(tmp_path):
         ("cycle", "its steps form a cycle"),
         ("mismatch", "tensor 'INPUT0' is float32 where step 0 (model 'simple') takes"),
         ("loop_b", "it runs itself: step 0 (model 'loop_a') -> step 0 (model 'loop_b')"),
+        ("named_apart", "its config.pbtxt names it 'decoy'; an ensemble's name is its folder's"),
         (
             "crossed",
             "step 2 (model 'simple') receives inputs originated from different decoupled models",

@@ -154,6 +154,19 @@ def test_batch_with_the_default_timeout_runs_a_lone_request(core, reference):
     network.close()
 
 
+@pytest.mark.parametrize("timeout", ["inf", "1e300", "1e13", "600001", "-1", "nan"])
+def test_a_batch_timeout_past_ten_minutes_is_refused(core, timeout):
+    """Past threading's own bound the collector's wait raised OverflowError, the collector no
+    longer ran, and every later request of the network waited out its deadline (a red team's
+    SetConfig of BATCH did it to every BATCH network of the server)."""
+    with pytest.raises(InvalidArgument, match="BATCH_TIMEOUT_MS"):
+        core.load_network(mlp(), "BATCH:NUMPY(4)", {"BATCH_TIMEOUT_MS": timeout})
+    with pytest.raises(InvalidArgument, match="BATCH_TIMEOUT_MS"):
+        core.set_config({"BATCH_TIMEOUT_MS": timeout}, "BATCH")
+    network = core.load_network(mlp(), "BATCH:NUMPY(4)", {"BATCH_TIMEOUT_MS": "600000"})
+    network.close()
+
+
 def test_batch_waiting_sets_how_many_callers_wait_in_the_batcher(core):
     """Twice the batch size by default; BATCH_WAITING (the server sets 64 for a model with
     priority levels, so every waiting request reaches the batcher, which orders them) raises

@@ -179,7 +179,8 @@ class PythonNetwork(CompiledNetwork):
         if batching is not None and self.max_batch_size > 0 and not self.decoupled:
             preferred = [int(n) for n in batching.get("preferred_batch_size", [])]
             size = min(max(preferred, default=self.max_batch_size), self.max_batch_size)
-            delay = int(batching.get("max_queue_delay_microseconds", 0)) / 1e6
+            # (at most 10 minutes: past threading's bound the batcher's wait raised)
+            delay = min(int(batching.get("max_queue_delay_microseconds", 0)), 600_000_000) / 1e6
             self.batching_settings = (size, delay)
             self.priority_levels = int(batching.get("priority_levels", 0))
         for i, instance in enumerate(self.instances):
