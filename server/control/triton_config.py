@@ -68,10 +68,11 @@ not acted on.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
-import functools
 import json
 import logging
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -232,6 +233,13 @@ def python_settings() -> ModelSettings:
     )  # fmt: skip
 
 
+def _listed(names: list[str], most: int = 20) -> str:
+    """What a log line names of a configuration's fields: the first ``most``, each at most 80
+    characters (a client's override of a million parameter names wrote a 22 MB log line)."""
+    shown = ", ".join(repr(n)[1:-1][:80] for n in names[:most])
+    return shown + (f", and {len(names) - most:,} more" if len(names) > most else "")
+
+
 def read_triton(path: Path) -> ModelSettings:
     """``path``: a model folder's config.pbtxt. Errors name the file and the line. Read once
     per content (what is not acted on is logged once, not at every lookup)."""
@@ -239,7 +247,20 @@ def read_triton(path: Path) -> ModelSettings:
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as exc:
         raise InvalidArgument(f"{path}: not a Triton model configuration ({exc})") from None
-    return dataclasses.replace(_parse_triton(str(path), text))  # a copy: callers may edit it
+    key = (str(path), text)
+    with _parsed_lock:
+        cached = _parsed.get(key)
+        if cached is not None:
+            _parsed.move_to_end(key)
+            return dataclasses.replace(cached)  # a copy: callers may edit it
+    parsed = _parse_triton(str(path), text)
+    labelled = sum(len(label) + 8 for labels in parsed.labels.values() for label in labels)
+    if len(text) + labelled <= CACHED_BYTES:  # (not a client's override of megabytes, nor a
+        with _parsed_lock:  # thousand outputs' labels: 256 such entries held 400 MB)
+            _parsed[key] = parsed
+            while len(_parsed) > CACHED_ENTRIES:
+                _parsed.popitem(last=False)
+    return dataclasses.replace(parsed)
 
 
 def messages() -> Any:
@@ -251,7 +272,15 @@ def messages() -> Any:
     return model_config_pb2
 
 
-@functools.lru_cache(maxsize=256)
+#: configurations up to this size (with their labels) are parsed once per content, the last
+#: CACHED_ENTRIES of them kept (a repository's); larger ones (a client's override can be
+#: --max-message-bytes) each time, never kept
+CACHED_BYTES = 64 << 10
+CACHED_ENTRIES = 256
+_parsed: collections.OrderedDict[tuple[str, str], ModelSettings] = collections.OrderedDict()
+_parsed_lock = threading.Lock()
+
+
 def _parse_triton(where: str, text: str) -> ModelSettings:
     path = Path(where)
     mc = messages()
@@ -346,7 +375,7 @@ def _parse_triton(where: str, text: str) -> ModelSettings:
     out.formats = {t.name: int(t.format) for t in config.input if t.format}
     out.dims = {t.name: tuple(int(d) for d in t.dims) for t in config.input}
     if ignored:
-        log.warning("%s: not acted on: %s", path, ", ".join(ignored))
+        log.warning("%s: not acted on: %s", path, _listed(ignored))
     return out
 
 
@@ -442,7 +471,7 @@ def read_sequence_json(
         raise InvalidArgument(f"{path}: sequence_batching: {exc}") from None
     settings, ignored = read_sequence_batching(message, max_batch_size, folder, str(path))
     if ignored:
-        log.warning("%s: not acted on: %s", path, ", ".join(ignored))
+        log.warning("%s: not acted on: %s", path, _listed(ignored))
     return settings
 
 
@@ -468,19 +497,30 @@ MAX_LABEL_BYTES = 1 << 20
 def _labels(config: Any, path: Path) -> dict[str, tuple[str, ...]]:
     """Each output's labels from its ``label_filename``, a file in the model's folder."""
     labels = {}
+    read: dict[str, tuple[str, ...]] = {}  # each file once, however many outputs name it
+    total = 0
     for output in config.output:
         if not output.label_filename:
             continue
         where = f"{path}: output {output.name!r} label_filename"
-        file = path.parent / plain_file_name(output.label_filename, where)
-        try:
-            with open(file, "rb") as f:
-                data = f.read(MAX_LABEL_BYTES + 1)
-        except OSError as exc:
-            raise InvalidArgument(f"{where}: cannot read {file.name!r}: {exc.strerror}") from None
-        if len(data) > MAX_LABEL_BYTES:
-            raise InvalidArgument(f"{where}: {file.name!r} is over {MAX_LABEL_BYTES} bytes")
-        labels[output.name] = tuple(data.decode("utf-8", "replace").splitlines())
+        name = plain_file_name(output.label_filename, where)
+        if name not in read:
+            file = path.parent / name
+            try:
+                with open(file, "rb") as f:
+                    data = f.read(MAX_LABEL_BYTES + 1)
+            except OSError as exc:
+                raise InvalidArgument(
+                    f"{where}: cannot read {file.name!r}: {exc.strerror}"
+                ) from None
+            total += len(data)
+            if len(data) > MAX_LABEL_BYTES or total > MAX_LABEL_BYTES:
+                # (a thousand outputs each naming a large file had held 400 MB a load)
+                raise InvalidArgument(
+                    f"{where}: the model's label files are over {MAX_LABEL_BYTES} bytes"
+                )
+            read[name] = tuple(data.decode("utf-8", "replace").splitlines())
+        labels[output.name] = read[name]
     return labels
 
 
@@ -539,7 +579,7 @@ def read_ovms(path: Path) -> list[OvmsModel]:
         raise InvalidArgument(f"{path}: expected an object with a '{OVMS_KEYS}' list")
     ignored_top = [k for k in raw if k != OVMS_KEYS and k not in OVMS_PIPELINE_KEYS]
     if ignored_top:
-        log.warning("%s: not acted on: %s", path, ", ".join(ignored_top))
+        log.warning("%s: not acted on: %s", path, _listed(ignored_top))
     models = []
     for index, item in enumerate(items):
         where = f"{path}: {OVMS_KEYS}[{index}]"
@@ -556,7 +596,7 @@ def read_ovms(path: Path) -> list[OvmsModel]:
             raise InvalidArgument(f"{where}: 'plugin_config' must be an object")
         ignored = [k for k in config if k not in _OVMS_ACTED_ON]
         if ignored:
-            log.warning("%s (%s): not acted on: %s", path, config["name"], ", ".join(ignored))
+            log.warning("%s (%s): not acted on: %s", path, config["name"], _listed(ignored))
         device_config = {k: str(v) for k, v in plugin.items()}
         models.append(
             OvmsModel(
