@@ -24,7 +24,7 @@ MAX_HEADER_VALUES = 1 << 20
 #: server writes is its operator's (a crafted header could otherwise name a folder)
 NOT_IMPORTED = frozenset({"CACHE_DIR"})
 
-__all__ = ["FORMAT_VERSION", "MAGIC", "pack", "unpack"]
+__all__ = ["FORMAT_VERSION", "MAGIC", "pack", "saved_config", "unpack"]
 
 
 def pack(
@@ -80,3 +80,23 @@ def unpack(blob: bytes, plugin: str, architecture: str) -> tuple[dict[str, Any],
             f"this device is {architecture!r}: compile the model again here"
         )
     return header, blob[start + length :]
+
+
+def saved_config(blob: bytes) -> dict[str, str]:
+    """The configuration a blob was exported with, read from its header alone ({} when it has
+    none or is not a blob: :func:`unpack` says why): what the server checks against its limits
+    before any plugin builds from it (an ORT blob saying INFERENCE_NUM_THREADS=2000 had made
+    2,000 threads before the check refused it)."""
+    blob = bytes(blob[: len(MAGIC) + 4 + (64 << 20)])
+    if len(blob) < len(MAGIC) + 4 or not blob.startswith(MAGIC):
+        return {}
+    (length,) = struct.unpack_from("<I", blob, len(MAGIC))
+    raw = blob[len(MAGIC) + 4 : len(MAGIC) + 4 + length]
+    if len(raw) < length or raw.count(b",") + raw.count(b"[") + raw.count(b"{") > MAX_HEADER_VALUES:
+        return {}
+    try:
+        header = json.loads(raw)
+    except (ValueError, RecursionError):
+        return {}
+    config = header.get("config") if isinstance(header, dict) else None
+    return {str(k): str(v) for k, v in config.items()} if isinstance(config, dict) else {}

@@ -358,6 +358,9 @@ class Core:
         importing one runs its code)."""
         plugin, merged = self.resolve(device, config)
         self.limits.check(plugin.merged_config(merged), device)
+        saved = blob.saved_config(data)  # checked before any thread is made from it (a value
+        numbers = {k: v for k, v in saved.items() if v.isascii() and v.isdigit()}  # not a
+        self.limits.check(numbers, device)  # number: the plugin refuses it, naming the key)
         network = (plugin.import_trusted if trusted else plugin.import_network)(data, merged)
         try:  # a blob carries the config it was exported with
             self.limits.check(network.config, device)

@@ -241,6 +241,16 @@ def test_thread_and_buffer_config_is_capped_and_executors_are_freed(server, stub
             lambda: client.set_config({"NUM_STREAMS": "100000"}, "NUMPY"),
             "--max-num-streams",
         )
+        # an exported blob's saved configuration, checked before a plugin builds from it (an
+        # ORT blob saying 2,000 threads had made them before the check)
+        from plugserve.plugins import blob
+
+        exported = blob.pack("NUMPY", "any", {"INFERENCE_NUM_THREADS": "100000"}, b"")
+        expect(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            lambda: client.import_network("imported", exported, "NUMPY"),
+            "--max-inference-threads",
+        )
         assert proc_status(pid, "Threads") <= baseline + 2
         for streams in range(1, 41):  # was: 833 threads left with nothing loaded
             client.load("cycled", data, config={"NUM_STREAMS": str(streams)})
