@@ -480,6 +480,8 @@ def _read_settings_file(path: Path) -> dict[str, Any]:
         json.dumps(raw, ensure_ascii=False).encode()  # no lone surrogates ("\ud800")
     except (OSError, ValueError) as exc:
         raise InvalidArgument(f"{path}: not valid JSON ({exc})") from None
+    except RecursionError:  # (nested 100,000 deep: a 500 before)
+        raise InvalidArgument(f"{path}: not valid JSON (nested too deep)") from None
     if not isinstance(raw, dict):
         raise InvalidArgument(f"{path}: expected a JSON object")
     if "model_type" in raw:  # transformers' config.json of a model folder, not ours

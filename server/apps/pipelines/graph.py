@@ -89,25 +89,38 @@ class Graph:
         self._lock = threading.Lock()
 
     def _order(self, steps: list[Step]) -> list[Step]:
+        """The steps in dependency order (each after the steps writing its inputs), or
+        InvalidModel naming a cycle. A depth-first walk with a stack of its own: a recursive
+        one overflowed Python's stack on a chain of 20,000 steps listed last step first (a
+        500 after 4 s), copying its path at every level."""
         ordered: list[Step] = []
         state: dict[int, str] = {}
-
-        def visit(step: Step, path: list[Step]) -> None:
-            if state.get(step.index) == "done":
-                return
-            if state.get(step.index) == "open":
-                cycle = " -> ".join(str(s) for s in [*path[path.index(step) :], step])
-                raise InvalidModel(f"{self.where}: its steps form a cycle: {cycle}")
-            state[step.index] = "open"
-            for tensor in step.inputs.values():
-                if tensor in self.writer:
-                    visit(self.writer[tensor], [*path, step])
-            state[step.index] = "done"
-            ordered.append(step)
-
-        for step in steps:
-            visit(step, [])
+        for first in steps:
+            if state.get(first.index) == "done":
+                continue
+            state[first.index] = "open"
+            stack = [(first, iter(self._writers(first)))]
+            while stack:
+                step, writers = stack[-1]
+                upstream = next(writers, None)
+                if upstream is None:
+                    stack.pop()
+                    state[step.index] = "done"
+                    ordered.append(step)
+                elif state.get(upstream.index) == "open":
+                    path = [s for s, _ in stack]
+                    cycle = [*path[path.index(upstream) :], upstream]
+                    raise InvalidModel(
+                        f"{self.where}: its steps form a cycle: {' -> '.join(map(str, cycle))}"
+                    )
+                elif state.get(upstream.index) != "done":
+                    state[upstream.index] = "open"
+                    stack.append((upstream, iter(self._writers(upstream))))
         return ordered
+
+    def _writers(self, step: Step) -> list[Step]:
+        """The steps that write ``step``'s inputs, in its inputs' order."""
+        return [self.writer[t] for t in step.inputs.values() if t in self.writer]
 
     def needed(self, wanted: set[str]) -> list[Step]:
         """The steps that ``wanted`` tensors need, in dependency order."""

@@ -16,6 +16,7 @@ and grew the server 0.9 GB, two at once kept a chat waiting 21 s.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 
@@ -30,6 +31,7 @@ __all__ = [
     "bounds",
     "check_structure",
     "configure",
+    "decode_bounded",
     "parsed_bytes",
     "scan",
     "surely_within",
@@ -152,3 +154,19 @@ def check_structure(data: bytes | memoryview, bounds: Bounds) -> int:
             f"most {bounds.depth} (--max-json-depth)",
         )
     return values
+
+
+def decode_bounded(data: bytes | memoryview, bounds: Bounds) -> tuple[Any, Any]:
+    """``(value, None)``: ``data`` parsed once :func:`check_structure` passes it, or ``(None,
+    (message, param, status, code))`` for its refusal: what a face runs in the REST port's
+    JSON helper process (``offload.call``) for a large body, so neither the scan nor the parse
+    holds the serving process's GIL (a FieldError's status would not survive pickling)."""
+    import orjson
+
+    try:
+        check_structure(data, bounds)
+        return orjson.loads(data), None
+    except FieldError as exc:
+        return None, (str(exc), exc.param, exc.status, exc.code_name)
+    except (ValueError, RecursionError) as exc:  # orjson.JSONDecodeError is a ValueError
+        return None, (f"the request body is not valid JSON: {exc}", None, 400, None)
