@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import itertools
 import os
 import re
 import stat
@@ -182,6 +183,23 @@ class SharedMemory:
         registered a key the first tenant had made (mode 0600: the server opens it, not the
         client) before that tenant did, and read its bytes."""
         return self.prefix.replace("{tenant}", tenant.lstrip("#"))
+
+    def overlapping(self, tenants: set[str]) -> str:
+        """Why the tenants' prefixes are not each their own ("" when they are): with
+        ``{tenant}``, one tenant's prefix must not begin another's (``/p_{tenant}_`` makes
+        tenant ``a``'s ``/p_a_`` begin tenant ``a_x``'s ``/p_a_x_``, whose keys ``a`` then
+        registered and read: a red team's)."""
+        if "{tenant}" not in self.prefix:
+            return ""
+        prefixes = sorted((self.prefix_of(t), t) for t in tenants)
+        for (first, one), (then, other) in itertools.pairwise(prefixes):
+            if then.startswith(first):
+                return (
+                    f"--shared-memory-prefix {self.prefix!r}: tenant {one!r}'s keys "
+                    f"({first!r}) begin tenant {other!r}'s ({then!r}); end the prefix with "
+                    "text no tenant name continues with, or rename a tenant"
+                )
+        return ""
 
     def of(self, tenant: str) -> TenantRegions:
         """What a request of ``tenant`` may name: its tenant's regions."""

@@ -64,15 +64,15 @@ class TenantQueue:
         tag = self.enter(tenant)
         held = [tag]
 
-        def left() -> None:  # once: when its run starts, or it is answered without one
-            try:
+        def left(started: bool = False) -> None:  # once: its run starts, or it is answered
+            try:  # without one (cancelled, past its deadline, rejected)
                 mine = held.pop()  # (atomic: the run's thread and the callback's race)
             except IndexError:
                 return
-            self.leave(tenant, mine)
+            self.leave(tenant, mine, started)
 
         def run(state: Any) -> Any:
-            left()
+            left(started=True)
             return fn(state)
 
         try:
@@ -102,11 +102,14 @@ class TenantQueue:
             self._waiting[tenant] = waiting + 1
             return tag
 
-    def leave(self, tenant: str, tag: int) -> None:
-        """A request that :meth:`enter` placed at ``tag`` left the queue (its run started, or
-        it was answered without one): the clock moves on to it."""
+    def leave(self, tenant: str, tag: int, started: bool = True) -> None:
+        """A request that :meth:`enter` placed at ``tag`` left the queue: its run ``started``
+        (the clock moves on to it), or it was answered without one. Only a run moves the
+        clock: a red team's tenant queued 12 and one more with a short deadline, whose expiry
+        moved the clock past all 12, so the next tenant's request waited behind them."""
         with self._lock:
-            self._clock = max(self._clock, tag)
+            if started:
+                self._clock = max(self._clock, tag)
             left = self._waiting.pop(tenant, 0) - 1
             if left > 0:
                 self._waiting[tenant] = left

@@ -468,6 +468,9 @@ class Server:
         s = self.settings
         if s.auth_tokens:
             tokens = load_tokens(s.auth_tokens)
+            overlap = self.plane.shm.overlapping(tokens.names())
+            if overlap:
+                raise SystemExit(f"plugserve: {overlap}")
             log.info(
                 "token auth on: %d token(s); health %s, reflection %s",
                 len(tokens),

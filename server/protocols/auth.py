@@ -231,7 +231,11 @@ class Tokens:
     @property
     def tenants(self) -> int:
         """How many tenants the tokens make (what a per-tenant share divides by)."""
-        return len({tenant for _d, _r, tenant in self._entries})
+        return len(self.names())
+
+    def names(self) -> set[str]:
+        """The tenants the tokens make."""
+        return {tenant for _d, _r, tenant in self._entries}
 
     def role(self, token: str | bytes) -> str | None:
         """The role of ``token``, or None. Compares against every entry: no early exit."""

@@ -417,3 +417,24 @@ def test_a_small_body_naming_large_regions_is_served_off_the_event_loop(server, 
     finally:
         client.unregister_system_shared_memory()
         client.close()
+
+
+def test_a_tenant_prefix_that_begins_another_tenants_stops_the_start(tmp_path):
+    """``/plugserve-test-{tenant}-`` with tenants ``a`` and ``a-x``: a's keys
+    (``/plugserve-test-a-``) begin a-x's, so a could register and read a-x's regions (a red
+    team's): the server does not start, naming both."""
+    import subprocess
+    import sys
+
+    token_file = tmp_path / "tokens"
+    token_file.write_text("t1 admin tenant=a\nt2 admin tenant=a-x\n")
+    token_file.chmod(0o600)
+    done = subprocess.run(
+        [sys.executable, "-m", "plugserve.server.process.cli", "serve", "--auth-tokens",
+         str(token_file),
+         "--shared-memory-prefix", "/plugserve-test-{tenant}-", "--grpc-port", "0",
+         "--http-port", "-1", "--metrics-port", "-1", "--model-repository", str(tmp_path)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode != 0
+    assert "tenant 'a'" in done.stderr and "tenant 'a-x'" in done.stderr, done.stderr[-2000:]

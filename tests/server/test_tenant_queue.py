@@ -127,3 +127,17 @@ def test_a_tenants_slow_grpc_calls_leave_the_others_a_handler_thread(tmp_path):
     assert refused and all("--grpc-token-calls" in e.message() for e in refused), errors
     run = one * trips / 200_000
     assert waited < 0.5 * run, f"b waited {waited:.2f} s; one of a's runs takes {run:.2f} s"
+
+
+def test_only_a_run_moves_the_fair_clock():
+    """A request that leaves the queue without running (cancelled, past its deadline) does not
+    move the clock: a red team's tenant queued 12 and one more with a short deadline, whose
+    expiry moved the clock past all 12, so another tenant's next request waited behind them."""
+    from plugserve.server.plane.tenant_queue import TenantQueue
+
+    waiting = TenantQueue("m", 16)
+    tags = [waiting.enter("a") for _ in range(12)]
+    late = waiting.enter("a")
+    waiting.leave("a", late, started=False)  # its deadline passed while it waited
+    waiting.leave("a", tags[0], started=True)  # a's first run starts
+    assert waiting.enter("b") <= tags[1]  # b's next: before a's third

@@ -311,7 +311,10 @@ async def embed(
     vectors: list[np.ndarray | None] = [None] * len(rows)
     for batch in _batches([len(r) for r in rows]):
         feed, mask = encoder.feed([rows[i] for i in batch])
-        future = plane.infer(Request(entry, feed, protocol="openai", trace=trace))
+        # (the caller's tenant: without it the runs jumped every tenant's queued requests)
+        future = plane.infer(
+            Request(entry, feed, protocol="openai", trace=trace, tenant=ask.tenant)
+        )
         outputs = future.result() if future.done() else await asyncio.wrap_future(future)
         tokens = _token_output(outputs)
         if tokens.size > _INLINE_VALUES:

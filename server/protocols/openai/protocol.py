@@ -216,6 +216,9 @@ class EmbeddingRequest:
     inputs: list[str | list[int]]
     base64: bool = False
     dimensions: int | None = None
+    #: the caller's tenant (``auth.py``; "" without tokens): set by the route, never from the
+    #: body; its encoder runs wait in the encoder network's queue as that tenant's
+    tenant: str = ""
 
 
 # --- field readers: each names the field it refuses

@@ -107,8 +107,11 @@ class Inflight:
         number, tenant = self.executing
         if execute is not None and execute == number:
             return tenant
-        if parent is not None and parent in self._tenants:
-            return self._tenants[parent]
+        if parent is not None:  # its request's while it is open; after (cancelled, ended), a
+            # tenant of its own (the open requests' tenant took a cancelled one's call into
+            # its own sequence: a red team's b read a's value)
+            known = self._tenants.get(parent)
+            return known if known is not None else f"!unattributed-{next(_unattributed)}"
         # a thread of the model's own, naming no request: the tenant whose requests are
         # open, when one tenant's are (the thread answers one of them); when several
         # tenants' are, a tenant of its own, which shares nothing with any other call (before,
