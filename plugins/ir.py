@@ -622,6 +622,8 @@ def _load_external_data(proto: ModelProto, folder: Path | None) -> None:
         refuse_external_data(proto, "the model")
         return
     tensors = list(_tensors_with_external_data(proto))
+    files: dict[Path, int] = {}  # the files read, and their sizes
+    taken = 0  # the bytes read from them, all tensors together
     for tensor in tensors:
         info = {e.key: e.value for e in tensor.external_data}
         location = info.get("location", "")
@@ -646,6 +648,13 @@ def _load_external_data(proto: ModelProto, folder: Path | None) -> None:
             raise InvalidModel(
                 f"tensor {tensor.name!r}: external data at offset {offset:,}, length "
                 f"{length or 0:,} runs past the end of {location!r} ({size:,} bytes)"
+            )
+        files[target] = size
+        taken += length if length else size - offset
+        if taken > sum(files.values()):  # (500 tensors naming one 1 MB range: +2.2 GB)
+            raise InvalidModel(
+                f"tensor {tensor.name!r}: the model's tensors read {taken:,} bytes of external "
+                f"data from files of {sum(files.values()):,}: tensors may not share bytes"
             )
         with open(target, "rb") as f:
             f.seek(offset)

@@ -39,7 +39,8 @@ __all__ = [
 #: openvino, which would fold them anyway, refuse the model.
 FOLD_LIMIT_BYTES = 64 << 20
 
-#: Ops never computed at load time: their value is not the same on every run.
+#: Ops never computed at load time: their value is not the same on every run (and one whose
+#: cost its size does not tell).
 NONDETERMINISTIC = frozenset(
     {
         "RandomUniform",
@@ -49,6 +50,11 @@ NONDETERMINISTIC = frozenset(
         "Bernoulli",
         "Multinomial",
         "Dropout",
+        # not random, but its cost is not its size: RE2 is linear, yet ~5 us a character for
+        # some patterns, and a 10 MB string constant in a QueryNetwork (any infer token's)
+        # held the server 53 s in one uninterruptible match; at run time a request's room and
+        # deadline bound it
+        "RegexFullMatch",
     }
 )
 

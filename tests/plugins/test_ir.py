@@ -150,6 +150,22 @@ def test_external_data_beside_the_model_is_read(tmp_path):
     assert np.array_equal(g.initializers["w"], np.arange(4, dtype=np.float32))
 
 
+def test_tensors_sharing_external_bytes_are_refused(tmp_path):
+    """Every tensor's bytes read together are at most its files' bytes: a red team's 500
+    initializers each naming one 1 MB range of one file grew the server 2.2 GB."""
+    (tmp_path / "weights.bin").write_bytes(np.arange(4, dtype=np.float32).tobytes())
+    model = _external_model("weights.bin")
+    second = model.graph.initializer.add()
+    second.CopyFrom(model.graph.initializer[0])
+    second.name = "w2"
+    model.graph.node.add().CopyFrom(helper.make_node("Add", ["y", "w2"], ["z"], name="add2"))
+    model.graph.output[0].name = "z"
+    path = tmp_path / "model.onnx"
+    path.write_bytes(model.SerializeToString())
+    with pytest.raises(InvalidModel, match="tensors may not share bytes"):
+        load_model(path)
+
+
 @pytest.mark.parametrize("location", ["../secret.bin", "../../etc/passwd", "/etc/passwd"])
 def test_external_data_outside_the_folder_is_refused(tmp_path, location):
     folder = tmp_path / "models"
