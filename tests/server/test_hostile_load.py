@@ -215,6 +215,18 @@ def test_load_and_query_work_stops_when_the_caller_is_gone(server, stub, rpc):
 # --------------------------------------------------------------------------- item 4
 
 
+def test_model_bytes_for_the_ensemble_device_are_invalid_not_internal(server):
+    """v1 LoadNetwork of ONNX bytes on ENSEMBLE (or BATCH:ENSEMBLE) was INTERNAL (TypeError):
+    ENSEMBLE loads repository ensembles only."""
+    with Client(server.target, timeout=60) as client:
+        for device in ("ENSEMBLE", "BATCH:ENSEMBLE(2)"):
+            expect(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                lambda device=device: client.load("ens", mlp().SerializeToString(), device),
+            )
+    still_serving(server)
+
+
 def test_thread_and_buffer_config_is_capped_and_executors_are_freed(server, stub):
     pid = server.process.pid
     data = mlp().SerializeToString()

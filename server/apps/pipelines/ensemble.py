@@ -946,6 +946,11 @@ class EnsemblePlugin(Plugin):
             raise InvalidModel("an ensemble runs its steps through a server: serve it")
         if isinstance(model, Definition):
             definition = model
+        elif not isinstance(model, str | Path):  # (a client's bytes: a TypeError, INTERNAL)
+            raise InvalidModel(
+                "ENSEMBLE loads a repository's ensembles, not model bytes: put its "
+                'config.pbtxt (platform: "ensemble") in the model repository'
+            )
         else:
             path = Path(model)
             if not (path.parent / "config.pbtxt").is_file():
