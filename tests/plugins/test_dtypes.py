@@ -15,6 +15,7 @@ import ml_dtypes
 import numpy as np
 import onnx
 import pytest
+from attack import peak_kb
 from onnx import TensorProto, helper
 from onnx.reference import ReferenceEvaluator
 
@@ -246,21 +247,12 @@ def test_image_decoder_refuses_an_image_too_large_before_decoding_it(core):
     net = core.load_network(_decoder("BGR"), "NUMPY")
     data = _one_bit_png(9_000, 9_000)
     assert MAX_PIXELS < 9_000 * 9_000 and len(data) < 32 << 10
-    before = _peak_kb(reset=True)
+    before = peak_kb(reset=True)
     with pytest.raises(InvalidInput, match=r"ImageDecoder.*9,000 x 9,000 pixels, over"):
         net.create_infer_request().infer({"data": data})
-    assert _peak_kb() - before < 32 << 10
+    assert peak_kb() - before < 32 << 10
     (small,) = _run(core, _decoder("BGR"), {"data": _one_bit_png(300, 200)})
     assert small.shape == (200, 300, 3) and not small.any()
-
-
-def _peak_kb(reset: bool = False) -> int:
-    """This process's peak memory (kB), since now with ``reset``."""
-    if reset:
-        with open("/proc/self/clear_refs", "w") as refs:
-            refs.write("5")
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
 
 
 def test_image_decoder_refuses_what_pillow_calls_a_decompression_bomb(core):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from attack import peak_kb
 from models import _init, _model
 from onnx import TensorProto, helper
 
@@ -58,20 +59,11 @@ def _declared_small(op: str, count: int = N, abs_first: bool = True):
 def test_folding_sizes_a_node_from_its_inputs_not_the_declared_shape(numpy_plugin, op):
     graph = load_model(_declared_small(op))
     assert graph.spec("w").shape != (N,)  # the model's declared shape survived inference
-    before = _peak_kb(reset=True)
+    before = peak_kb(reset=True)
     folded = numpy_plugin.transform(graph, numpy_plugin.merged_config({}))
-    assert _peak_kb() - before < 32 << 10  # computed, then dropped as too large: +80-160 MB
+    assert peak_kb() - before < 32 << 10  # computed, then dropped as too large: +80-160 MB
     assert op in [n.op_type for n in folded.nodes]  # 80 MB: left to run time
     assert all(a.nbytes < 1 << 20 for a in folded.initializers.values())
-
-
-def _peak_kb(reset: bool = False) -> int:
-    """The process's peak memory (kB), since now with ``reset``."""
-    if reset:
-        with open("/proc/self/clear_refs", "w") as refs:
-            refs.write("5")
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
 
 
 def test_a_small_value_sized_node_still_folds(numpy_plugin):

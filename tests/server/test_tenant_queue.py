@@ -47,21 +47,28 @@ def _spin(trips: int) -> list:
     return [m, x]
 
 
+def _flood(client, count: int, seconds: float) -> tuple[float, queue.Queue]:
+    """Tenant a's ``count`` runs of about ``seconds`` each, sent at once: how long one takes
+    (measured first), and the queue their errors (None: answered) come to."""
+    client.infer("spin", _spin(1), headers=_as("a"))
+    started = time.monotonic()
+    client.infer("spin", _spin(200_000), headers=_as("a"))
+    one = time.monotonic() - started
+    trips = max(200_000, int(200_000 * seconds / one))
+    answers: queue.Queue = queue.Queue()
+    for _ in range(count):
+        client.async_infer("spin", _spin(trips), lambda result, error: answers.put(error),
+                           headers=_as("a"), client_timeout=300)  # fmt: skip
+    return one * trips / 200_000, answers
+
+
 def test_a_tenant_filling_the_queue_leaves_the_others_a_place_and_their_turn(server):
     """Tenant a sends 30 runs of about 0.1 s each at once at a one-stream model with a queue
     of 16: 14 wait (its share), the rest are refused at once naming its share. Tenant b's
     request, sent while a's 14 wait, is admitted and served after about one of a's runs, not
     after the 14. Before, b's request was refused (queue full)."""
     with grpcclient.InferenceServerClient(server.target) as client:
-        client.infer("spin", _spin(1), headers=_as("a"))
-        started = time.monotonic()
-        client.infer("spin", _spin(200_000), headers=_as("a"))
-        one = time.monotonic() - started
-        trips = max(200_000, int(200_000 * 0.1 / one))  # a run of about 0.1 s
-        answers: queue.Queue = queue.Queue()
-        for _ in range(30):
-            client.async_infer("spin", _spin(trips), lambda result, error: answers.put(error),
-                               headers=_as("a"), client_timeout=120)  # fmt: skip
+        run, answers = _flood(client, 30, 0.1)
         time.sleep(0.3)  # a's are queued (or refused)
         sent = time.monotonic()
         answer = client.infer("spin", _spin(1), headers=_as("b"), client_timeout=120)
@@ -73,7 +80,7 @@ def test_a_tenant_filling_the_queue_leaves_the_others_a_place_and_their_turn(ser
     assert all("this tenant's requests hold its share of the queue (14 places" in e.message()
                for e in refused), refused[0].message()  # fmt: skip
     assert all(e.status() == "StatusCode.RESOURCE_EXHAUSTED" for e in refused)
-    run = max(one * trips / 200_000, 0.01)
+    run = max(run, 0.01)
     # about one of a's runs (the one running), never the 14 queued: a's share at least
     assert waited < 5 * run, f"b waited {waited:.2f} s; one of a's runs takes {run:.2f} s"
 
@@ -105,15 +112,7 @@ def test_a_tenants_slow_grpc_calls_leave_the_others_a_handler_thread(tmp_path):
         RunningServer(*args) as running,
         grpcclient.InferenceServerClient(running.target) as client,
     ):
-        client.infer("spin", _spin(1), headers=_as("a"))
-        started = time.monotonic()
-        client.infer("spin", _spin(200_000), headers=_as("a"))
-        one = time.monotonic() - started
-        trips = max(200_000, int(200_000 * 0.5 / one))  # a run of about 0.5 s
-        answers: queue.Queue = queue.Queue()
-        for _ in range(20):
-            client.async_infer("spin", _spin(trips), lambda result, error: answers.put(error),
-                               headers=_as("a"), client_timeout=300)  # fmt: skip
+        run, answers = _flood(client, 20, 0.5)
         time.sleep(0.2)
         add = [grpcclient.InferInput(n, [2], "FP32") for n in ("a", "b")]
         for tensor in add:
@@ -125,7 +124,6 @@ def test_a_tenants_slow_grpc_calls_leave_the_others_a_handler_thread(tmp_path):
     np.testing.assert_array_equal(answer.as_numpy("sum"), np.full(2, 2.0, np.float32))
     refused = [e for e in errors if e is not None]
     assert refused and all("--grpc-token-calls" in e.message() for e in refused), errors
-    run = one * trips / 200_000
     assert waited < 0.5 * run, f"b waited {waited:.2f} s; one of a's runs takes {run:.2f} s"
 
 
