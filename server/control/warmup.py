@@ -65,11 +65,13 @@ log = logging.getLogger(__name__)
 WARMUP_FOLDER = "warmup"
 #: bytes one warm-up data file may hold at most (a sample's one row of data)
 MAX_FILE_BYTES = 1 << 30
-#: bytes one sample's inputs may hold at most, its batch rows included: what the load
+#: bytes one sample's inputs may hold at most (and all samples' together), its batch rows
+#: included: what the load
 #: allocates for it, refused when the configuration is read (a config given with a load
 #: request, or a repository's, cannot make the server allocate without bound)
 MAX_SAMPLE_BYTES = 1 << 30
-#: runs of one sample at most (``count``; every stream runs each): bounds the load's time
+#: runs of one sample at most (``count``; every stream runs each), and of all samples
+#: together (as MAX_SAMPLE_BYTES bounds their inputs together): bounds the load's time
 MAX_COUNT = 1000
 
 
@@ -115,6 +117,7 @@ def read_warmup(
     ``type_name``: ``DataType``'s ``Name``; ``file_name``: what checks a data file's name
     (``triton_config.plain_file_name``: one file in the model's ``warmup/`` folder)."""
     samples = []
+    runs = total = 0  # every sample's runs and input bytes together
     for index, sample in enumerate(message):
         label = f"{where}: model_warmup[{index}] {sample.name!r}"
         if not sample.name:
@@ -173,6 +176,14 @@ def read_warmup(
             raise InvalidArgument(
                 f"{label}: count {sample.count} is over the {MAX_COUNT} runs a warm-up sample "
                 "may make"
+            )
+        runs += max(1, int(sample.count))
+        total += held
+        if runs > MAX_COUNT or total > MAX_SAMPLE_BYTES:  # (all samples together: a red
+            # team's 5,000 samples of 1,000 runs on 64 streams kept a load busy for good)
+            raise InvalidArgument(
+                f"{label}: the warm-up's samples together make {runs:,} runs of {total:,} "
+                f"bytes of inputs; at most {MAX_COUNT:,} runs and {MAX_SAMPLE_BYTES:,} bytes"
             )
         samples.append(
             WarmupSample(sample.name, int(sample.batch_size), int(sample.count), tuple(inputs))

@@ -71,6 +71,11 @@ MODELS = {
     + _sample("huge", 8, "zero_data: true", dims="[ 1073741824 ]") + " ]",
     "many_runs": 'backend: "onnxruntime"\n' + BATCHED + "model_warmup [ "
     + _sample("many", 1, "zero_data: true", extra="count: 1000000") + " ]",
+    # each sample within its bounds, all of them together not (5,000 x 1,000 runs had kept a
+    # load busy for good)
+    "many_samples": 'backend: "onnxruntime"\n' + BATCHED + "model_warmup [ "
+    + ", ".join(_sample(f"s{i}", 1, "zero_data: true", extra="count: 600") for i in range(2))
+    + " ]",
 }  # fmt: skip
 
 #: a decoupled Python model (Triton's square_int32 in short): IN responses of IN, then the final
@@ -117,6 +122,7 @@ REASONS = {
     "no_data": "expects input 'x' to have input_data_type set",
     "huge_sample": "its inputs hold 34,359,738,368 bytes, over the 1,073,741,824",
     "many_runs": "count 1000000 is over the 1000 runs",
+    "many_samples": "samples together make 1,200 runs",
     "square_bad": "failed to run warmup sample 'below zero': ",
 }
 
