@@ -11,7 +11,7 @@ another tenant's requests got 16 of 17 answers "queue full" (503), and the one a
   and not the others' count), as a tenant holds seven eighths of ``--max-sequences``;
 - and a network without a queue policy serves the waiting requests by start-time fair queuing,
   as the generation engine's scheduler does: each request is tagged one past the later of the
-  queue's clock (the tag of the request that last left the queue) and its tenant's last tag,
+  queue's clock (the tag of the request whose run started last) and its tenant's last tag,
   and is placed by its tag. One tenant's requests keep their order, and a tenant with 56
   waiting delays another's next request by about one request a tenant, not by the 56.
 
