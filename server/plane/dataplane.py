@@ -278,6 +278,13 @@ class DataPlane:
 
     # --- inference: one way in for a request answered once, one for a stream of responses
 
+    def check(self, request: Request) -> None:
+        """Check ``request``'s inputs now, on the caller's thread, so that admitting it does
+        not: a protocol calls it on a worker for inputs whose checks cost (a 50 MB generate
+        text's UTF-8 decode, on the REST loop, held its health 0.3 s); a refusal counts as
+        invalid, as at admission."""
+        request.checked = self._checked(request)[0]
+
     def infer(self, request: Request) -> Future | Finished:
         """Admit ``request`` (built by its adapter; see ``request.py``); the future holds
         ``{output: array}`` or a typed error. A request of a sequence goes through its

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import pickle
 import threading
 import time
 from collections.abc import Callable
@@ -54,6 +55,8 @@ __all__ = [
 PROCESS_BYTES = 1 << 20
 #: helper processes (each decodes or encodes one request at a time)
 HELPERS = 1
+#: results of :func:`call` larger than this come back through shared memory, not the pipe
+_PIPE_BYTES = 1 << 16
 #: how often a helper looks whether the server that started it is still there
 _WATCH_SECONDS = 0.5
 
@@ -136,12 +139,23 @@ def from_shared(name: str, size: int) -> memoryview:
 
 def call(fn: Callable[..., Any], body: bytes | memoryview, *args: Any) -> Any:
     """``fn(body, *args)`` in the helper, the body passed through shared memory, and what it
-    returns (pickled back: ``fn`` returns something small, as the OpenAI routes' checked
-    request is once their body's structure is bounded: ``protocols/openai/body.py``). ``fn``
-    is a module-level function, which the helper imports by name."""
+    returns: pickled, through the pipe when small, else through shared memory too (a KServe
+    generate body's 50 MB text came back through the pipe, whose reader takes the GIL back
+    for every 64 KB it reads: three at once held the REST loop 0.3 s). ``fn`` is a
+    module-level function, which the helper imports by name."""
     shm = to_shared(body)
     try:
-        return run(_call_in_helper, fn, shm.name, len(body), args)
+        result = run(_call_in_helper, fn, shm.name, len(body), args)
+    finally:
+        shm.close()
+        shm.unlink()
+    if isinstance(result, bytes):
+        return pickle.loads(result)
+    name, size = result
+    shm = shared_memory.SharedMemory(name=name)
+    try:
+        with shm.buf[:size] as view:
+            return pickle.loads(view)
     finally:
         shm.close()
         shm.unlink()
@@ -169,4 +183,10 @@ def _call_in_helper(fn: Callable[..., Any], name: str, size: int, args: tuple) -
         body = bytes(shm.buf[:size])
     finally:
         shm.close()
-    return fn(body, *args)
+    data = pickle.dumps(fn(body, *args), pickle.HIGHEST_PROTOCOL)
+    del body
+    if len(data) <= _PIPE_BYTES:
+        return data
+    out = to_shared(data)  # unlinked by the server (call), which reads it
+    out.close()
+    return out.name, len(data)

@@ -473,7 +473,8 @@ class RestApp:
             entry = self.plane.get(call.path["name"], _version(call))
         bounds = json_bounds.bounds()
         body = call.body
-        if len(body) <= INLINE_BYTES and json_bounds.surely_within(body, bounds):
+        inline = len(body) <= INLINE_BYTES and json_bounds.surely_within(body, bounds)
+        if inline:
             request = parse_generate(call.json(), entry)  # (small, of a few values)
         elif len(body) <= rest_offload.PROCESS_BYTES:  # counted before it is built, its
             # parsed form charged, off the loop: as the OpenAI routes'
@@ -505,6 +506,8 @@ class RestApp:
             priority=request_priority(request.parameters), protocol="rest", trace=trace,
             tenant=call.tenant,
         )  # fmt: skip
+        if not inline:  # its inputs checked off the loop too (a long text is decoded)
+            await self._in_worker(self.plane.check, ask)
         if trace is not None and request.id:
             name_request(trace, request.id)
         if entry.network.decoupled:

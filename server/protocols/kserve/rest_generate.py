@@ -80,11 +80,15 @@ def _tensor(spec: TensorSpec, value: Any, batched: bool) -> np.ndarray:
         raise InvalidInput(f"input '{spec.name}' has more than {_MAX_ELEMENTS} elements")
     dtype = np.dtype(spec.dtype) if spec.dtype is not None else np.dtype(object)
     if dtype.kind in "OSU":
+        # text as text for a network that reads it so (check_inputs would decode the bytes
+        # again: a 50 MB text's encode and decode held the GIL ~50 ms each), else its bytes
+        binary = spec.binary
         items = []
         for item in values:
             if isinstance(item, list | dict):
                 raise InvalidInput(f"input '{spec.name}' takes strings, not nested JSON")
-            items.append(item.encode() if isinstance(item, str) else str(item).encode())
+            text = item if isinstance(item, str) else str(item)
+            items.append(text.encode() if binary else text)
         array = np.empty(len(items), dtype=object)
         array[:] = items
     else:
