@@ -80,6 +80,7 @@ import numpy as np
 from google.protobuf import json_format, text_format
 
 from plugserve.plugins.api import InvalidArgument
+from plugserve.server.control.model_names import read_capped
 from plugserve.server.control.placement import InstanceGroup, Placement, read_groups
 from plugserve.server.control.warmup import Warmup, read_warmup
 from plugserve.server.plane.queue_policy import QueuePolicy, read_queue_policy
@@ -505,16 +506,9 @@ def _labels(config: Any, path: Path) -> dict[str, tuple[str, ...]]:
         where = f"{path}: output {output.name!r} label_filename"
         name = plain_file_name(output.label_filename, where)
         if name not in read:
-            file = path.parent / name
-            try:
-                with open(file, "rb") as f:
-                    data = f.read(MAX_LABEL_BYTES + 1)
-            except OSError as exc:
-                raise InvalidArgument(
-                    f"{where}: cannot read {file.name!r}: {exc.strerror}"
-                ) from None
+            data = read_capped(path.parent / name, MAX_LABEL_BYTES, where, repr(name))
             total += len(data)
-            if len(data) > MAX_LABEL_BYTES or total > MAX_LABEL_BYTES:
+            if total > MAX_LABEL_BYTES:
                 # (a thousand outputs each naming a large file had held 400 MB a load)
                 raise InvalidArgument(
                     f"{where}: the model's label files are over {MAX_LABEL_BYTES} bytes"

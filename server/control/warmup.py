@@ -55,6 +55,7 @@ from plugserve.plugins.api import (
 )
 from plugserve.plugins.responses import Response, ResponseSender
 from plugserve.plugins.run_context import RunContext
+from plugserve.server.control.model_names import read_capped
 from plugserve.server.control.triton_types import DTYPES
 
 __all__ = ["WARMUP_FOLDER", "Warmup", "WarmupInput", "WarmupSample", "read_warmup", "warm_up"]
@@ -231,21 +232,12 @@ def _row(
 
 
 def _read(folder: Path, sample: WarmupSample, name: str, spec: WarmupInput) -> bytes:
-    path = folder / WARMUP_FOLDER / spec.file
-    try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_FILE_BYTES + 1)
-    except OSError as exc:
-        raise InvalidArgument(
-            f"warmup sample {sample.name!r}: input {name!r}: cannot read "
-            f"{WARMUP_FOLDER}/{spec.file} in the model's folder: {exc.strerror}"
-        ) from None
-    if len(data) > MAX_FILE_BYTES:
-        raise InvalidArgument(
-            f"warmup sample {sample.name!r}: input {name!r}: {WARMUP_FOLDER}/{spec.file} is "
-            f"over {MAX_FILE_BYTES} bytes"
-        )
-    return data
+    return read_capped(
+        folder / WARMUP_FOLDER / spec.file,
+        MAX_FILE_BYTES,
+        f"warmup sample {sample.name!r}: input {name!r}",
+        f"{WARMUP_FOLDER}/{spec.file} in the model's folder",
+    )
 
 
 def _strings(
