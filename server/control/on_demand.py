@@ -24,7 +24,8 @@ The rules, each bounded:
   request: now at most --models-max loads in that time); when none can go, the load waits
   for one, within the same bound, then fails UNAVAILABLE. A model with a sequence open does
   not go (its state is the server's), unless every tenant with a sequence open on it holds
-  sequences on more than its share of --models-max (seven eighths, at least one model): a
+  sequences on more than its share of --models-max (``plane/shares.py``: seven eighths
+  alone, less as more tenants hold sequences; at least one model): a
   red team's tenant kept one tiny sequence open on each of --models-max 2 models with a
   request every 0.4 s, and another tenant's model never loaded again (UNAVAILABLE after
   --model-load-wait-seconds, every time);
@@ -59,6 +60,7 @@ from plugserve.plugins.api import PlugserveError
 from plugserve.plugins.threads import start_daemon
 from plugserve.server.control.formats import format_of
 from plugserve.server.control.repository import ModelEntry
+from plugserve.server.plane import shares
 from plugserve.server.plane.callpool import blocked
 from plugserve.server.plane.metrics import Metrics
 from plugserve.server.plane.networks import LoadedNetwork, LoadFailed, ModelLoading, NotReady
@@ -400,7 +402,6 @@ class OnDemand:
     def _over_share(self) -> set[str]:
         """The tenants (tokens') holding open sequences on more repository models than their
         share of --models-max (call with the table's lock held)."""
-        share = max(1, self.models_max * 7 // 8)
         models: dict[str, int] = {}
         for versions in self.table.by_name.values():
             holders: set[str] = set()
@@ -409,6 +410,7 @@ class OnDemand:
             for tenant in holders:
                 if tenant:
                     models[tenant] = models.get(tenant, 0) + 1
+        share = shares.share(self.models_max, len(models))
         return {tenant for tenant, held in models.items() if held > share}
 
     def _users(self, name: str) -> Iterator[LoadedNetwork]:

@@ -28,9 +28,10 @@ Tenants (``--auth-tokens``, docs/security.md): a sequence is its tenant's. Ids a
 among the caller's tenant's sequences only, so another tenant's id is one never started: it
 cannot be read, continued, ended or restarted (a red team's second token had read and changed
 another tenant's accumulated state, ended it, and found live ids by their answers). A tenant
-holds at most seven eighths of --max-sequences and of a model's own cap (as of the generation
-queue): no one tenant can take them all. The model's CORRID control is the client's id as sent
-(as Triton's): a model that keeps state of its own by it sees two tenants' equal ids alike.
+holds at most its share of --max-sequences and of a model's own cap (``shares.py``: seven
+eighths alone, less as more tenants hold some): no tenant, nor two, can take them all. The
+model's CORRID control is the client's id as sent (as Triton's): a model that keeps state of
+its own by it sees two tenants' equal ids alike.
 
 A request dropped before it runs (cancelled, late) lets the next of its sequence run; that
 chain is a loop on the thread that runs it, never a recursion (1,000 queued late requests had
@@ -66,6 +67,7 @@ from plugserve.plugins.api import (
     listing,
 )
 from plugserve.plugins.threads import Watchlist, start_daemon
+from plugserve.server.plane import shares
 from plugserve.server.plane.budget import Charge, MemoryBudget
 from plugserve.server.plane.sequence_config import (
     SequenceSettings,
@@ -220,18 +222,19 @@ class Sequences:
                     "once an idle one has timed out"
                 )
             held = self._tenants.get(tenant, 0)
-            if tenant and self.max_sequences and held >= self._share():
+            if (
+                tenant
+                and self.max_sequences
+                and not shares.may_take(self._tenants, tenant, self.max_sequences)
+            ):
                 raise ResourceExhausted(
                     f"model '{model}': this tenant has {held} sequences active, its share of "
-                    f"this server's (seven eighths of --max-sequences {self.max_sequences}); end "
-                    "one (sequence_end) or retry once an idle one has timed out"
+                    f"this server's --max-sequences {self.max_sequences} (docs/security.md); "
+                    "end one (sequence_end) or retry once an idle one has timed out"
                 )
             self.active += 1
             if tenant:
                 self._tenants[tenant] = held + 1
-
-    def _share(self) -> int:
-        return max(1, self.max_sequences * 7 // 8)
 
     def give_back(self, tenant: str = "") -> None:
         with self._lock:
@@ -442,12 +445,12 @@ class SequenceBatcher:
         return Step(ident, step.start, step.end)
 
     def _tenant_full(self, tenant: str, cap: int) -> bool:
-        """(lock held) Whether ``tenant`` (a token's: "" is not bounded) holds seven eighths of
-        the model's ``cap`` sequences, as of the server's --max-sequences."""
+        """(lock held) Whether ``tenant`` (a token's: "" is not bounded) holds its share of
+        the model's ``cap`` sequences (``shares.py``), as of the server's --max-sequences."""
         if not tenant:
             return False
-        held = sum(1 for owner, _ in self._sequences if owner == tenant)
-        return held >= max(1, cap * 7 // 8)
+        held = collections.Counter(owner for owner, _ in self._sequences if owner)
+        return not shares.may_take(held, tenant, cap)
 
     def _ovms_check(self, step: Step, sequence: _Sequence | None, tenant: str) -> None:
         """(lock held) OVMS's refusals: a START for an id in use, a request for one not."""
@@ -508,7 +511,7 @@ class SequenceBatcher:
         if cap and self._tenant_full(tenant, cap):
             raise ResourceExhausted(
                 f"model '{self.name}': this tenant holds its share of the model's {cap} "
-                "sequence slots (seven eighths of max_candidate_sequences); end one of its "
+                "sequence slots (max_candidate_sequences); end one of its "
                 "sequences or retry once an idle one has timed out"
             )
         nbytes = self._initial_bytes

@@ -6,9 +6,9 @@ first served. With tokens, a red team's tenant ran 80 looping clients at a one-s
 another tenant's requests got 16 of 17 answers "queue full" (503), and the one admitted waited
 8.2 s behind the 64 queued (alone: 2 ms). So, for a token's tenant:
 
-- its requests hold at most seven eighths of the places (the others' eighth is theirs: past
-  its share a tenant's request is refused at once, RESOURCE_EXHAUSTED / 503, naming its share
-  and not the others' count), as a tenant holds seven eighths of ``--max-sequences``;
+- its requests hold at most its share of the places (``shares.py``: seven eighths alone, less
+  as more tenants wait, so that one more always finds a place): past it a tenant's request is
+  refused at once, RESOURCE_EXHAUSTED / 503, naming its own count and not the others';
 - and a network without a queue policy serves the waiting requests by start-time fair queuing,
   as the generation engine's scheduler does: each request is tagged one past the later of the
   queue's clock (the tag of the request whose run started last) and its tenant's last tag,
@@ -29,6 +29,7 @@ from typing import Any
 
 from plugserve.plugins.api import QueueFull
 from plugserve.plugins.streams import StreamsExecutor
+from plugserve.server.plane import shares
 
 __all__ = ["TenantQueue"]
 
@@ -41,8 +42,6 @@ class TenantQueue:
         self.name = name
         #: the places the network's requests may hold at once (--queue-size)
         self.limit = limit
-        #: the places a tenant's requests may hold at once
-        self.share = max(1, limit * 7 // 8)
         self._lock = threading.Lock()
         self._waiting: Counter[str] = Counter()
         self._last: dict[str, int] = {}
@@ -90,11 +89,10 @@ class TenantQueue:
         fair place, or QueueFull past the tenant's share."""
         with self._lock:
             waiting = self._waiting[tenant]
-            if waiting >= self.share:
+            if not shares.may_take(self._waiting, tenant, self.limit):
                 raise QueueFull(
                     f"Exceeds maximum queue size: network '{self.name}': this tenant's "
-                    f"requests hold its share of the queue ({self.share} places waiting); "
-                    "retry later"
+                    f"{waiting} requests waiting hold its share of the queue; retry later"
                 )
             last = self._last.get(tenant, 0) if waiting else 0
             tag = max(self._clock, last) + 1

@@ -479,8 +479,7 @@ class Server:
             )
             if credentials is None:
                 log.warning("token auth without TLS: tokens cross the network in plaintext")
-            most = s.grpc_workers * 7 // 8 if s.grpc_token_calls < 0 else s.grpc_token_calls
-            calls = TenantCalls(max(1, most)) if most else None
+            calls = TenantCalls(s.grpc_token_calls, s.grpc_workers) if s.grpc_token_calls else None
             auth = AuthInterceptor(
                 tokens, bool(s.open_health), bool(s.open_reflection), calls=calls
             )

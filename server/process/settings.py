@@ -406,7 +406,8 @@ class Settings:
         -1,
         "most gRPC calls one token's tenant may have running at once, each on one of "
         "--grpc-workers threads for as long as it runs (a call waiting in a busy network's "
-        "queue too); past it RESOURCE_EXHAUSTED. -1: seven eighths of --grpc-workers, 0: no "
+        "queue too); past it RESOURCE_EXHAUSTED. -1: its share of --grpc-workers (seven "
+        "eighths alone, less as more tenants have calls running: docs/security.md), 0: no "
         "bound; without --auth-tokens it plays no part",
         low=-1,
     )
@@ -415,8 +416,9 @@ class Settings:
         "most REST requests one token (one tenant) may have in flight at once, from its "
         "headers to its answer; past it 429 with Retry-After. A request with a valid token is "
         "bounded by this, not by --http-peer-connections (a gateway or proxy is one address). "
-        "-1: seven eighths of the REST port's limit (224 of 256 at the defaults), 0: no "
-        "bound but the port's; without --auth-tokens it plays no part",
+        "-1: its share of the REST port's limit (224 of 256 alone at the defaults, less as "
+        "more tokens have requests in flight: docs/security.md), 0: no bound but the port's; "
+        "without --auth-tokens it plays no part",
         low=-1,
     )
     max_inflight_bytes_per_peer: int = _field(

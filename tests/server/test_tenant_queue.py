@@ -2,13 +2,15 @@
 
 A red team's tenant ran 80 looping clients at a one-stream model: another tenant's requests
 were refused "queue full" (16 of 17), and the one admitted waited 8.2 s behind the 64 queued
-(alone: 2 ms). Now a tenant holds at most seven eighths of a network's queue, and the waiting
-requests are served by start-time fair queuing. Driven with tritonclient over gRPC.
+(alone: 2 ms). Now a tenant holds at most its share of a network's queue (seven eighths alone,
+less as more tenants wait: server/plane/shares.py), and the waiting requests are served by
+start-time fair queuing. Driven with tritonclient over gRPC.
 """
 
 from __future__ import annotations
 
 import queue
+import threading
 import time
 
 import numpy as np
@@ -18,8 +20,8 @@ from serving import RunningServer
 
 grpcclient = pytest.importorskip("tritonclient.grpc", reason="pip install 'tritonclient[grpc]'")
 
-TOKENS = {"a": "queue-tenant-a-token", "b": "queue-tenant-b-token"}
-#: --queue-size of the server: a tenant's share is seven eighths of it, 14
+TOKENS = {"a": "queue-tenant-a-token", "b": "queue-tenant-b-token", "c": "queue-tenant-c-token"}
+#: --queue-size of the server: a tenant's share alone is seven eighths of it, 14
 QUEUE = 16
 
 
@@ -77,12 +79,86 @@ def test_a_tenant_filling_the_queue_leaves_the_others_a_place_and_their_turn(ser
     np.testing.assert_array_equal(answer.as_numpy("y"), np.ones(4, np.float32))
     refused = [e for e in errors if e is not None]
     assert refused, "every one of a's 30 requests was admitted past its share"
-    assert all("this tenant's requests hold its share of the queue (14 places" in e.message()
+    assert all("this tenant's 14 requests waiting hold its share of the queue" in e.message()
                for e in refused), refused[0].message()  # fmt: skip
     assert all(e.status() == "StatusCode.RESOURCE_EXHAUSTED" for e in refused)
     run = max(run, 0.01)
     # about one of a's runs (the one running), never the 14 queued: a's share at least
     assert waited < 5 * run, f"b waited {waited:.2f} s; one of a's runs takes {run:.2f} s"
+
+
+def _looping(client, who: str, trips: int, until: float, clients: int) -> threading.Event:
+    """``clients`` of tenant ``who`` each sending its next run as soon as its last is answered
+    or refused, until ``until``: the event is set when all have stopped."""
+    stopped = threading.Event()
+    left = [clients]
+    lock = threading.Lock()
+
+    def send() -> None:
+        if time.monotonic() > until:
+            with lock:
+                left[0] -= 1
+                if not left[0]:
+                    stopped.set()
+            return
+        client.async_infer("spin", _spin(trips), answered, headers=_as(who), client_timeout=300)
+
+    def answered(result, error) -> None:
+        if error is not None:
+            time.sleep(0.005)  # refused: at once again, as a client looping on 503s does
+        send()
+
+    for _ in range(clients):
+        send()
+    return stopped
+
+
+def test_two_tenants_filling_the_queue_leave_a_third_a_place(server):
+    """Tenants a and b each keep 20 runs of about 50 ms in flight, sending the next as soon as
+    one is answered or refused, at a one-stream model with a queue of 16. Each holds at most
+    its share while both wait (7 of 16), so tenant c's requests, sent one by one meanwhile,
+    find a place. Before, each could hold seven eighths (14): the two held all 16 places
+    between them, and c's requests were refused "queue full"."""
+    with grpcclient.InferenceServerClient(server.target) as client:
+        started = time.monotonic()
+        client.infer("spin", _spin(200_000), headers=_as("a"))
+        trips = max(1_000, int(200_000 * 0.05 / (time.monotonic() - started)))
+        until = time.monotonic() + 6.0
+        loops = [_looping(client, who, trips, until, 20) for who in ("a", "b")]
+        time.sleep(3.0)  # a's first 14 (it came first, alone) are down to its share
+        outcomes = []
+        for _ in range(8):
+            try:
+                client.infer("spin", _spin(1), headers=_as("c"), client_timeout=60)
+                outcomes.append("served")
+            except grpcclient.InferenceServerException as exc:
+                outcomes.append(exc.message())
+            time.sleep(0.1)
+        for loop in loops:
+            assert loop.wait(120)
+    assert outcomes == ["served"] * 8, outcomes
+
+
+def test_a_tenants_share_shrinks_as_another_comes():
+    """Alone, a tenant takes seven eighths of the places; once another waits too, it takes no
+    more until it is below its share with two (7 of 16), and a third still finds one."""
+    from plugserve.plugins.api import QueueFull
+    from plugserve.server.plane.tenant_queue import TenantQueue
+
+    waiting = TenantQueue("m", 16)
+    held = [waiting.enter("a") for _ in range(14)]
+    with pytest.raises(QueueFull):
+        waiting.enter("a")
+    waiting.enter("b")
+    for tag in held[:7]:  # seven of a's runs start
+        waiting.leave("a", tag)
+    with pytest.raises(QueueFull, match="this tenant's 7 requests waiting"):
+        waiting.enter("a")  # at its share with b waiting
+    for _ in range(6):
+        waiting.enter("b")
+    with pytest.raises(QueueFull):
+        waiting.enter("b")
+    waiting.enter("c")  # 14 of 16 held by a and b: a place for c
 
 
 def test_a_tenant_under_its_share_is_served_whole(server):

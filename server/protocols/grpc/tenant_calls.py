@@ -5,9 +5,10 @@ handler runs: a unary call whose request waits in a busy network's queue holds i
 until it is answered. With tokens, a red team's tenant sent 40 slow calls at a one-stream
 model under --grpc-workers 8: another tenant's call to an unrelated model waited 13.7 s for a
 thread. REST bounds a token's requests in flight (--http-token-requests); this is gRPC's: a
-token's tenant may have at most seven eighths of the threads running its calls (by default), a
-call past it RESOURCE_EXHAUSTED as soon as it gets a thread, so the others' eighth stays
-theirs. Calls without a tenant (open health checks, a server without tokens) are not counted.
+token's tenant may have at most its share of the threads running its calls (by default:
+``plane/shares.py``, seven eighths alone, less as more tenants have calls running), a call
+past it RESOURCE_EXHAUSTED as soon as it gets a thread, so that another tenant always finds
+one. Calls without a tenant (open health checks, a server without tokens) are not counted.
 
 The bound wraps a call's handler as the auth interceptor lets it through (``auth.py``): only
 with tokens, a closure a call.
@@ -22,14 +23,17 @@ from typing import Any
 
 import grpc
 
+from plugserve.server.plane import shares
+
 __all__ = ["TenantCalls"]
 
 
 class TenantCalls:
-    """Running calls by tenant, at most ``most`` each."""
+    """Running calls by tenant, at most ``most`` each (-1: each its share of ``threads``)."""
 
-    def __init__(self, most: int) -> None:
+    def __init__(self, most: int, threads: int = 0) -> None:
         self.most = most
+        self.threads = threads
         self._lock = threading.Lock()
         self._running: Counter[str] = Counter()
 
@@ -48,12 +52,16 @@ class TenantCalls:
     def _enter(self, tenant: str, context: grpc.ServicerContext) -> None:
         with self._lock:
             running = self._running[tenant]
-            if running < self.most:
+            if (
+                running < self.most
+                if self.most >= 0
+                else shares.may_take(self._running, tenant, self.threads)
+            ):
                 self._running[tenant] = running + 1
                 return
         context.abort(
             grpc.StatusCode.RESOURCE_EXHAUSTED,
-            f"this token's tenant has {self.most} gRPC calls running, its share of the "
+            f"this token's tenant has {running} gRPC calls running, its share of the "
             "server's handler threads (--grpc-token-calls); retry once one is answered",
         )
 

@@ -490,10 +490,10 @@ class Router:
 def _bounds(s: Settings, limit: int, budget: int) -> Bounds:
     """What one client may hold of the REST port (docs/security.md), from the settings: -1
     is half of the port's connection limit, of the memory budget (0 without a budget), and
-    seven eighths of the port's limit for one token's requests (an eighth left to others)."""
+    for one token's requests its share of the port's limit (-1 kept: ``plane/shares.py``)."""
     peer_connections = limit // 2 if s.http_peer_connections < 0 else s.http_peer_connections
     peer_bytes = budget // 2 if s.max_inflight_bytes_per_peer < 0 else s.max_inflight_bytes_per_peer
-    tokens = limit * 7 // 8 if s.http_token_requests < 0 else s.http_token_requests
+    tokens = s.http_token_requests
     return Bounds(peer_connections, peer_bytes, s.http_min_body_rate, s.http_body_grace, tokens)
 
 

@@ -13,8 +13,9 @@ class Bounds:
     """What one client may hold of the port (docs/security.md): ``peer_connections``
     connections per client address that serve none of its requests, and ``peer_bytes`` of the
     memory budget (0: no bound of its own); ``token_requests`` requests in flight per token
-    (0: none); a body must come at ``min_rate`` bytes a second on average once ``grace``
-    seconds have passed since its headers (0: no minimum)."""
+    (0: none; -1: each token its share of the port's connections, ``plane/shares.py``); a
+    body must come at ``min_rate`` bytes a second on average once ``grace`` seconds have
+    passed since its headers (0: no minimum)."""
 
     peer_connections: int = 0
     peer_bytes: int = 0

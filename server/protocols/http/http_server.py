@@ -56,8 +56,9 @@ REST front door"; tests/server/test_attacks_front.py drives each):
   were 503 past 128. Now 200 slow requests from one address are all served, and 168 idle
   sockets opened beside them are closed down to the bound (tests/server/test_busy_clients.py).
   A request with a valid token is bounded by its token's own quota instead,
-  --http-token-requests (seven eighths of the limit, 224: an eighth of the port stays for
-  other tenants), counted from its headers to its answer: past it 429. Without tokens, idle
+  --http-token-requests (its share of the limit, ``plane/shares.py``: 224 alone, less as
+  more tokens have requests in flight, so that another always finds room), counted from its
+  headers to its answer: past it 429. Without tokens, idle
   and slow connections stay bounded per address, and a burst of connections opened at once
   (their requests a moment later) is served whole;
 - every 429 and 503 carries ``Retry-After: 1``;
@@ -104,6 +105,7 @@ import httptools
 import numpy as np
 
 from plugserve.plugins.api import PlugserveError, ResourceExhausted
+from plugserve.server.plane import shares
 from plugserve.server.plane.budget import Charge, MemoryBudget, body_factor, size_text
 from plugserve.server.plane.errors import forget_frames
 from plugserve.server.protocols.http.bounds import Bounds, Share
@@ -597,7 +599,11 @@ class Connection(asyncio.Protocol):
             server = self.server
             held = server.tenants.get(tenant, 0)
             most = server.bounds.token_requests
-            if most and held >= most:
+            if (
+                not shares.may_take(server.tenants, tenant, server.limit)
+                if most < 0
+                else most and held >= most
+            ):
                 return self._refusal(
                     429,
                     f"this token has {held} requests in flight, the most one token may have "

@@ -73,6 +73,7 @@ holding a slot, ``max_num_batched_tokens`` tokens computed a step; one thread.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import threading
@@ -118,6 +119,7 @@ from plugserve.server.apps.generate.engine.spans import RequestSpans
 from plugserve.server.apps.generate.engine.stats import GenerationStats
 from plugserve.server.apps.generate.types import GenerationEvent, GenerationRequest
 from plugserve.server.control.allocator import give_back_freed_memory
+from plugserve.server.plane import shares
 
 __all__ = ["Asleep", "Engine", "EngineSettings", "QueueSender"]
 
@@ -329,10 +331,10 @@ class Engine:
                     f"model {self.name}: {self.settings.max_waiting} requests are waiting "
                     "already (max_waiting); retry later"
                 )
-            if request.tenant and self._waiting_of(request.tenant) >= self._tenant_share():
+            if request.tenant and not self._may_wait(request.tenant):
                 raise ResourceExhausted(
-                    f"model {self.name}: this tenant has {self._tenant_share()} requests "
-                    "waiting already, its share of the queue (seven eighths of max_waiting); "
+                    f"model {self.name}: this tenant has {self._waiting_of(request.tenant)} "
+                    "requests waiting already, its share of the queue (of max_waiting); "
                     "retry later"
                 )
             if request.trace is not None:  # its wait in the queue starts now
@@ -345,10 +347,15 @@ class Engine:
             self.stats_.waiting += 1
         sender.on_cancel(lambda: self.abort(request.request_id))
 
-    def _tenant_share(self) -> int:
-        """Requests one tenant may have waiting: seven eighths of the queue, as a token may
-        hold of the REST port, so that the other tenants always find room in it."""
-        return max(1, self.settings.max_waiting * 7 // 8)
+    def _may_wait(self, tenant: str) -> bool:
+        """Whether one more request of ``tenant`` may wait (call with the lock held): within
+        its share of the queue (``plane/shares.py``), as a token's of the REST port, so
+        that another tenant always finds room in it."""
+        waiting = collections.Counter(self.scheduler.waiting_tenants())
+        for state in self._inbox:
+            waiting[state.request.tenant or ""] += 1
+        waiting.pop("", None)
+        return shares.may_take(waiting, tenant, self.settings.max_waiting)
 
     def _waiting_of(self, tenant: str) -> int:
         """``tenant``'s requests waiting (call with the lock held): in the queue, and in the

@@ -229,6 +229,10 @@ class Scheduler:
         """Requests of ``tenant`` in the waiting queue."""
         return self._waiting_by.get(tenant, 0)
 
+    def waiting_tenants(self) -> dict[str, int]:
+        """Requests in the waiting queue, by tenant (those with some)."""
+        return dict(self._waiting_by)
+
     def _left(self, state: RequestState) -> None:
         """``state`` left the waiting queue."""
         tenant = state.request.tenant or ""
