@@ -489,10 +489,33 @@ def _dtype_of(tensor: Any) -> np.dtype:
     return np.dtype(str(tensor.dtype).removeprefix("torch."))
 
 
+#: most shape sets CUDA_GRAPH_SHAPES may list (a lane keeps at most CUDA_GRAPHS graphs)
+MAX_LISTED_SETS = 64
+#: most bytes the listed sets' inputs may hold together, as a warm-up's samples together
+MAX_LISTED_BYTES = 1 << 30
+
+
 def listed_inputs(network: Any, shapes: Sequence[Listed]) -> list[list[Any]]:
     """Zero inputs of each shape set CUDA_GRAPH_SHAPES lists, checked against the network's
-    inputs as a request's are (the load refuses a listing no request could send)."""
+    inputs as a request's are (the load refuses a listing no request could send), and bounded
+    before any is made: at most MAX_LISTED_SETS sets of MAX_LISTED_BYTES together (each is
+    run at load on every stream: a red team's graph_spec of a few huge shapes grew a load by
+    2 GB)."""
     specs = network.inputs
+    if len(shapes) > MAX_LISTED_SETS:
+        raise InvalidArgument(
+            f"CUDA_GRAPH_SHAPES: {len(shapes)} shape sets; at most {MAX_LISTED_SETS}"
+        )
+    total = 0
+    for listed in shapes:
+        for (_, dims), spec in zip(listed, specs):
+            itemsize = np.dtype(spec.dtype or np.float32).itemsize
+            total += int(np.prod(dims, dtype=object)) * itemsize  # (exact: no overflow)
+    if total > MAX_LISTED_BYTES:
+        raise InvalidArgument(
+            f"CUDA_GRAPH_SHAPES: the listed shapes' inputs hold {total:,} bytes together; at "
+            f"most {MAX_LISTED_BYTES:,}"
+        )
     found = []
     for listed in shapes:
         if listed and listed[0][0]:  # named: the network's inputs, by name

@@ -669,6 +669,10 @@ def write_overrides(folder: Path, name: str, config: str | None, files: dict[str
     """A model folder from Triton's load overrides: ``config`` (ModelConfig JSON) as its
     config.pbtxt, each ``<version>/<file name>`` written inside ``folder`` and nowhere else."""
     if config is not None:
+        if not config.lstrip().startswith("{"):  # (protobuf read "[]" as an empty config)
+            raise InvalidArgument(
+                f"model {name!r}: the 'config' override must be a JSON object (a ModelConfig)"
+            )
         try:
             message = json_format.Parse(config, messages().ModelConfig())
         except (json_format.ParseError, ValueError) as exc:

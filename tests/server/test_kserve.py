@@ -572,6 +572,11 @@ def test_load_errors(client):
         client.load_model("mlp", config='{"max_batch_size": "eight"}')
     assert _status(info) == "StatusCode.INVALID_ARGUMENT"
     assert "'config' override" in info.value.message()
+    for config in ("[]", '"x"', "1"):  # protobuf's JSON reader took "[]" for an empty config
+        with pytest.raises(InferenceServerException) as info:
+            client.load_model("mlp", config=config)
+        assert _status(info) == "StatusCode.INVALID_ARGUMENT"
+        assert "must be a JSON object" in info.value.message()
     with pytest.raises(InferenceServerException) as info:  # files only inside the model
         client.load_model("mlp", config="{}", files={"file:1/../../x.onnx": b"x"})
     assert _status(info) == "StatusCode.INVALID_ARGUMENT"

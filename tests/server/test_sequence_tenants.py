@@ -17,7 +17,7 @@ import time
 import numpy as np
 import pytest
 from sequence_models import accumulator, accumulator_config, spinner, write_model
-from serving import RunningServer
+from serving import RunningServer, wait_for
 
 grpcclient = pytest.importorskip("tritonclient.grpc", reason="pip install 'tritonclient[grpc]'")
 from tritonclient.utils import InferenceServerException  # noqa: E402
@@ -120,6 +120,45 @@ output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 1 ] } ]
 """
 
 
+#: the threaded relay answering first, then calling for the request it has closed (naming it,
+#: as the threaded relay does): the call's result goes to the server's log
+LATE_RELAY = """
+import threading
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            threading.Thread(target=self._answer, args=(request,)).start()
+        return None
+
+    def _answer(self, request):
+        sender = request.get_response_sender()
+        value, start, sequence = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
+        trace = request.trace()
+        sender.send(pb_utils.InferenceResponse(output_tensors=[
+            pb_utils.Tensor("OUTPUT0", np.zeros(1, np.float32))]),
+            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        answer = pb_utils.InferenceRequest(
+            model_name="acc",
+            requested_output_names=["OUTPUT"],
+            inputs=[pb_utils.Tensor("INPUT", np.full((1, 4), value, np.float32))],
+            correlation_id=int(sequence),
+            flags=pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START if start else 0,
+            trace=trace,
+        ).exec()
+        if answer.has_error():
+            pb_utils.Logger.log_info("late relay refused: " + answer.error().message())
+        else:
+            out = pb_utils.get_output_tensor_by_name(answer, "OUTPUT").as_numpy()[0][0]
+            pb_utils.Logger.log_info(f"late relay answered: {out}")
+"""
+LATE_RELAY_CONFIG = THREADED_RELAY_CONFIG.replace('"threaded_relay"', '"late_relay"')
+
+
 #: the threaded relay as most decoupled models are written: its call names no request
 BARE_RELAY = THREADED_RELAY.replace("            trace=request.trace(),\n", "")
 BARE_RELAY_CONFIG = THREADED_RELAY_CONFIG.replace('"threaded_relay"', '"bare_relay"')
@@ -219,6 +258,7 @@ def relays(tmp_path_factory):
         ("oldest_relay", OLDEST_RELAY_CONFIG, OLDEST_RELAY),
         ("bare_relay", BARE_RELAY_CONFIG, BARE_RELAY),
         ("threaded_relay", THREADED_RELAY_CONFIG, THREADED_RELAY),
+        ("late_relay", LATE_RELAY_CONFIG, LATE_RELAY),
     ):
         (repo / name / "1").mkdir(parents=True)
         (repo / name / "config.pbtxt").write_text(config)
@@ -414,6 +454,34 @@ def test_a_decoupled_models_thread_calls_for_the_request_it_answers(relays, mode
     assert relay("b", 7, True) == 7
     assert relay("a", 1, False) == 4243
     assert relay("b", 1, False) == 8
+
+
+def _relay(server, who: str, model: str, value: float, start: bool, sequence: int) -> float:
+    """One request to a decoupled relay as tenant ``who``, over a gRPC stream: its answer."""
+    answers: queue.Queue = queue.Queue()
+    tensor = grpcclient.InferInput("INPUT0", [3], "FP32")
+    tensor.set_data_from_numpy(np.array([value, float(start), sequence], np.float32))
+    with grpcclient.InferenceServerClient(server.target) as stream:
+        stream.start_stream(callback=lambda result, error: answers.put((result, error)),
+                            headers=_as(who))  # fmt: skip
+        stream.async_stream_infer(model, [tensor])
+        result, error = answers.get(timeout=60)
+        stream.stop_stream()
+    assert error is None, error
+    return float(result.as_numpy("OUTPUT0")[0])
+
+
+def test_a_call_for_a_request_already_answered_is_no_ones_tenant(relays):
+    """A decoupled model's thread that answers its request and then calls, naming it: the call
+    is a tenant's of its own (the request's tenant is no longer known to be its caller), so it
+    reaches no tenant's sequence. Tenant a's sequence 33 is untouched by it: the call is told
+    to START one, and a's next value continues a's sum."""
+    assert _relay(relays, "a", "threaded_relay", 4242, True, 33) == 4242
+    assert _relay(relays, "a", "late_relay", 5, False, 33) == 0  # answered, then it calls
+    assert wait_for(lambda: "late relay" in relays.log, timeout=60)
+    late = [line for line in relays.log.splitlines() if "late relay" in line]
+    assert "refused" in late[0] and "must specify the START flag" in late[0], late
+    assert _relay(relays, "a", "threaded_relay", 1, False, 33) == 4243  # not 4248
 
 
 def test_an_oldest_batch_is_one_tenants_and_its_calls_are_that_tenants(relays):

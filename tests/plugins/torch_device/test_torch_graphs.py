@@ -88,6 +88,13 @@ def test_shapes_listed_at_load_are_captured_before_the_first_request(core):
         core.load_network(mlp(), "TORCH", {"CUDA_GRAPH_SHAPES": "1x31"})
     with pytest.raises(InvalidArgument, match="CUDA_GRAPHS"):
         core.load_network(mlp(), "TORCH", {"CUDA_GRAPHS": "-1"})
+    # bounded before any input is made (a red team's few huge shapes grew a load by 2 GB)
+    huge = {"CUDA_GRAPHS": "4", "CUDA_GRAPH_SHAPES": "100000000x32;1x32"}
+    with pytest.raises(InvalidArgument, match="hold 12,800,000,128 bytes together; at most"):
+        core.load_network(mlp(), "TORCH", huge)
+    many = {"CUDA_GRAPHS": "4", "CUDA_GRAPH_SHAPES": ";".join(["1x32"] * 65)}
+    with pytest.raises(InvalidArgument, match="65 shape sets; at most 64"):
+        core.load_network(mlp(), "TORCH", many)
 
 
 def test_a_server_replays_shapes_and_shows_the_counters(tmp_path):
