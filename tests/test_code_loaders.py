@@ -138,6 +138,12 @@ ALLOWED = {
         "the server's own JSON helper: it pickles what it built (arrays, numbers) from a "
         "client's JSON, never bytes a client sent, and the server unpickles only that"
     ),
+    ("server/protocols/http/offload.py", "call", "pickle.loads"): (
+        "the same helper's result, pickled there by _call_in_helper from what our function "
+        "returned (values parsed from a client's JSON, never its bytes), read back from its "
+        "pipe or from a segment of the server's user (mode 0600) in the host's /dev/shm, "
+        "which a Python model's process does not see (a /dev/shm of its own: sandbox.py)"
+    ),
 }
 
 

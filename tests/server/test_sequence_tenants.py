@@ -79,9 +79,14 @@ output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 1 ] } ]
 #: [value, start, correlation id] (the third names the accumulator's sequence)
 THREADED_RELAY = """
 import threading
+import time
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
+
+
+#: (LATE: it answers first, then calls for the request it has closed, logging the result)
+LATE = False
 
 
 class TritonPythonModel:
@@ -93,6 +98,12 @@ class TritonPythonModel:
     def _answer(self, request):
         sender = request.get_response_sender()
         value, start, sequence = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
+        if value < 0:  # a request held open -value seconds, then answered 0: no call
+            time.sleep(float(-value))
+            self._send(sender, np.zeros(1, np.float32))
+            return
+        if LATE:
+            self._send(sender, np.zeros(1, np.float32))
         answer = pb_utils.InferenceRequest(
             model_name="acc",
             requested_output_names=["OUTPUT"],
@@ -103,9 +114,16 @@ class TritonPythonModel:
         ).exec()
         if answer.has_error():
             out = np.full(1, -1.0, np.float32)  # (the error's text in the server's log)
-            pb_utils.Logger.log_info("threaded relay: " + answer.error().message())
+            pb_utils.Logger.log_info(("late relay refused: " if LATE else "threaded relay: ")
+                                     + answer.error().message())
         else:
             out = pb_utils.get_output_tensor_by_name(answer, "OUTPUT").as_numpy()[0][:1]
+            if LATE:
+                pb_utils.Logger.log_info(f"late relay answered: {out[0]}")
+        if not LATE:
+            self._send(sender, out)
+
+    def _send(self, sender, out):
         sender.send(pb_utils.InferenceResponse(output_tensors=[
             pb_utils.Tensor("OUTPUT0", out.astype(np.float32))]),
             flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
@@ -122,40 +140,7 @@ output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 1 ] } ]
 
 #: the threaded relay answering first, then calling for the request it has closed (naming it,
 #: as the threaded relay does): the call's result goes to the server's log
-LATE_RELAY = """
-import threading
-
-import numpy as np
-import triton_python_backend_utils as pb_utils
-
-
-class TritonPythonModel:
-    def execute(self, requests):
-        for request in requests:
-            threading.Thread(target=self._answer, args=(request,)).start()
-        return None
-
-    def _answer(self, request):
-        sender = request.get_response_sender()
-        value, start, sequence = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
-        trace = request.trace()
-        sender.send(pb_utils.InferenceResponse(output_tensors=[
-            pb_utils.Tensor("OUTPUT0", np.zeros(1, np.float32))]),
-            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-        answer = pb_utils.InferenceRequest(
-            model_name="acc",
-            requested_output_names=["OUTPUT"],
-            inputs=[pb_utils.Tensor("INPUT", np.full((1, 4), value, np.float32))],
-            correlation_id=int(sequence),
-            flags=pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START if start else 0,
-            trace=trace,
-        ).exec()
-        if answer.has_error():
-            pb_utils.Logger.log_info("late relay refused: " + answer.error().message())
-        else:
-            out = pb_utils.get_output_tensor_by_name(answer, "OUTPUT").as_numpy()[0][0]
-            pb_utils.Logger.log_info(f"late relay answered: {out}")
-"""
+LATE_RELAY = THREADED_RELAY.replace("LATE = False", "LATE = True")
 LATE_RELAY_CONFIG = THREADED_RELAY_CONFIG.replace('"threaded_relay"', '"late_relay"')
 
 
@@ -427,35 +412,6 @@ def test_a_python_models_bls_calls_are_its_callers_tenants(client):
     assert relay("b", 1, False) == 8
 
 
-@pytest.mark.parametrize(("model", "sequence"), [("threaded_relay", 31), ("bare_relay", 32)])
-def test_a_decoupled_models_thread_calls_for_the_request_it_answers(relays, model, sequence):
-    """A decoupled Python model answering from its own thread, after its execute returned:
-    its BLS call is the tenant's of the request it names (``trace=request.trace()``), or,
-    naming none, of the one tenant whose requests are open; so the accumulator sequence it
-    keeps for a caller is that caller's. Before, every such call was the server's own tenant,
-    so tenant b's call continued a's sequence and read its sum."""
-
-    def relay(who: str, value: float, start: bool) -> float:
-        answers: queue.Queue = queue.Queue()
-        tensor = grpcclient.InferInput("INPUT0", [3], "FP32")
-        tensor.set_data_from_numpy(np.array([value, float(start), sequence], np.float32))
-        with grpcclient.InferenceServerClient(relays.target) as stream:
-            stream.start_stream(callback=lambda result, error: answers.put((result, error)),
-                                headers=_as(who))  # fmt: skip
-            stream.async_stream_infer(model, [tensor])
-            result, error = answers.get(timeout=60)
-            stream.stop_stream()
-        assert error is None, error
-        return float(result.as_numpy("OUTPUT0")[0])
-
-    assert relay("a", 4242, True) == 4242
-    assert relay("b", 0, False) == -1  # b's call reaches b's sequences: it never started one
-    assert "must specify the START flag" in relays.log
-    assert relay("b", 7, True) == 7
-    assert relay("a", 1, False) == 4243
-    assert relay("b", 1, False) == 8
-
-
 def _relay(server, who: str, model: str, value: float, start: bool, sequence: int) -> float:
     """One request to a decoupled relay as tenant ``who``, over a gRPC stream: its answer."""
     answers: queue.Queue = queue.Queue()
@@ -471,17 +427,43 @@ def _relay(server, who: str, model: str, value: float, start: bool, sequence: in
     return float(result.as_numpy("OUTPUT0")[0])
 
 
+@pytest.mark.parametrize(("model", "sequence"), [("threaded_relay", 31), ("bare_relay", 32)])
+def test_a_decoupled_models_thread_calls_for_the_request_it_answers(relays, model, sequence):
+    """A decoupled Python model answering from its own thread, after its execute returned:
+    its BLS call is the tenant's of the request it names (``trace=request.trace()``), or,
+    naming none, of the one tenant whose requests are open; so the accumulator sequence it
+    keeps for a caller is that caller's. Before, every such call was the server's own tenant,
+    so tenant b's call continued a's sequence and read its sum."""
+
+    def relay(who: str, value: float, start: bool) -> float:
+        return _relay(relays, who, model, value, start, sequence)
+
+    assert relay("a", 4242, True) == 4242
+    assert relay("b", 0, False) == -1  # b's call reaches b's sequences: it never started one
+    assert "must specify the START flag" in relays.log
+    assert relay("b", 7, True) == 7
+    assert relay("a", 1, False) == 4243
+    assert relay("b", 1, False) == 8
+
+
 def test_a_call_for_a_request_already_answered_is_no_ones_tenant(relays):
-    """A decoupled model's thread that answers its request and then calls, naming it: the call
-    is a tenant's of its own (the request's tenant is no longer known to be its caller), so it
-    reaches no tenant's sequence. Tenant a's sequence 33 is untouched by it: the call is told
-    to START one, and a's next value continues a's sum."""
+    """A decoupled model's thread that answers its request and then calls, naming it, while
+    another tenant's request is open: the call is a tenant's of its own, so it reaches
+    neither tenant's sequence 33 (it is told to START one), and each tenant's next value
+    continues its own sum. Before, it was the open request's tenant's, b's: a's value went
+    into b's sequence (a red team's). (The accumulator ends a sequence idle for 1 s.)"""
+    held = threading.Thread(target=_relay, args=(relays, "b", "late_relay", -2, False, 0))
+    held.start()  # b's request open on the late relay for 2 s
+    time.sleep(0.3)
+    assert _relay(relays, "b", "threaded_relay", 7, True, 33) == 7
     assert _relay(relays, "a", "threaded_relay", 4242, True, 33) == 4242
     assert _relay(relays, "a", "late_relay", 5, False, 33) == 0  # answered, then it calls
-    assert wait_for(lambda: "late relay" in relays.log, timeout=60)
+    assert wait_for(lambda: "late relay" in relays.log, timeout=10)
+    assert _relay(relays, "b", "threaded_relay", 1, False, 33) == 8  # not 13
+    assert _relay(relays, "a", "threaded_relay", 1, False, 33) == 4243
+    held.join(60)
     late = [line for line in relays.log.splitlines() if "late relay" in line]
     assert "refused" in late[0] and "must specify the START flag" in late[0], late
-    assert _relay(relays, "a", "threaded_relay", 1, False, 33) == 4243  # not 4248
 
 
 def test_an_oldest_batch_is_one_tenants_and_its_calls_are_that_tenants(relays):
