@@ -23,7 +23,7 @@ MODEL = "bert"
 TOKENS = {"a": "embed-tenant-a-0123456789", "b": "embed-tenant-b-0123456789"}
 QUEUE = 8
 #: a long input, so that each request's run takes a while on one stream
-TEXT = "the quick brown fox jumps over the lazy dog " * 12
+TEXT = "the quick brown fox jumps over the lazy dog " * 5
 
 
 @pytest.fixture(scope="module")
