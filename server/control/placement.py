@@ -37,7 +37,7 @@ import dataclasses
 import logging
 from typing import Any
 
-from plugserve.plugins.api import BackendUnavailable, PlugserveError, Unsupported
+from plugserve.plugins.api import InvalidArgument, PlugserveError, Unsupported
 from plugserve.server.control.devices import parse_device
 
 __all__ = ["InstanceGroup", "Placement", "place", "read_groups"]
@@ -89,9 +89,10 @@ def place(
     placement: Placement | None, device: str, core: Any, where: str, model: Any = None
 ) -> tuple[str, dict[str, str]]:
     """``(device, config keys)`` a model whose own device is ``device`` loads with, by its
-    instance groups; :class:`BackendUnavailable` naming the missing GPU when a group asks for
-    one and there is none here. ``model``: the model's file, for the CPU fallback of an ONNX
-    graph placed on one GPU (:func:`_fallback`)."""
+    instance groups; :class:`InvalidArgument` naming the missing GPU when a group asks for
+    one and there is none here (the configuration asks for what this server has not: no retry
+    will load it, so not UNAVAILABLE; Triton answers a failed load 400). ``model``: the
+    model's file, for the CPU fallback of an ONNX graph placed on one GPU (:func:`_fallback`)."""
     if placement is None:
         return device, {}
     streams = {"NUM_STREAMS": str(placement.instances)}
@@ -174,7 +175,7 @@ def _gpus(group: InstanceGroup, core: Any, where: str) -> list[str]:
             (d.reason for d in core.devices() if d.name == GPU and not d.available),
             "the GPU device (plugins/torch) is not installed",
         )
-        raise BackendUnavailable(
+        raise InvalidArgument(
             f"{where}: instance_group KIND_GPU places the model on {asked}, and there is no "
             f"GPU here: {reason}; use KIND_CPU (or KIND_AUTO: the GPU where there is one)"
         )

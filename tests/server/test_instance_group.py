@@ -91,6 +91,8 @@ def test_cpu_and_auto_groups_load_and_serve_and_a_gpu_group_fails_naming_the_gpu
             client.load_model("on_gpu")
         message = info.value.message()
         assert "GPU.0" in message and "no GPU here" in message, message
+        if protocol == "grpc":  # no retry would load it: not UNAVAILABLE
+            assert info.value.status() == "StatusCode.INVALID_ARGUMENT", info.value.status()
         assert "KIND_CPU" in message  # what to do instead
         assert not client.is_model_ready("on_gpu")
         with pytest.raises(InferenceServerException) as info:
