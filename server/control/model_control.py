@@ -423,14 +423,18 @@ class ModelControl:
             self._begun[network] = before  # (its entry's: retire.py need not thaw for it)
         return network
 
-    @staticmethod
     def _warm(
-        network: CompiledNetwork, name: str, config: Mapping[str, str], warmup: Warmup | None
+        self,
+        network: CompiledNetwork,
+        name: str,
+        config: Mapping[str, str],
+        warmup: Warmup | None,
     ) -> None:
-        """The warm-up of a network just compiled (``warmup.py``); one that fails is closed
-        and its error fails the load."""
+        """The warm-up of a network just compiled (``warmup.py``), under the memory budget;
+        one that fails is closed and its error fails the load."""
         try:
-            warm_up(network, warmup, name, bool(config.get("CUDA_GRAPH_SHAPES")))
+            graphs = bool(config.get("CUDA_GRAPH_SHAPES"))
+            warm_up(network, warmup, name, graphs, self.plane.budget)
         except BaseException:
             network.close()
             raise

@@ -52,6 +52,7 @@ from plugserve.server.control.triton_config import (
     read_sequence_json,
     read_triton,
 )
+from plugserve.server.control.warmup import WARMUP_FOLDER
 from plugserve.server.plane.versions import MAX_VERSION, is_version
 
 __all__ = ["ModelEntry", "Repository", "single_model_repository"]
@@ -230,8 +231,8 @@ class Repository:
     def _versions(folder: Path, problems: list[str], model_file: str = MODEL_FILE) -> list[int]:
         versions = []
         for sub in sorted(folder.iterdir()):
-            if not sub.is_dir() or sub.name.startswith("."):
-                continue
+            if not sub.is_dir() or sub.name.startswith(".") or sub.name == WARMUP_FOLDER:
+                continue  # (warmup/: Triton's model_warmup data files, beside the versions)
             if not is_version(sub.name):
                 problems.append(
                     f"{sub}: a version folder must be named by an integer > 0 "

@@ -57,6 +57,7 @@ from plugserve.plugins.responses import Response, ResponseSender
 from plugserve.plugins.run_context import RunContext
 from plugserve.server.control.model_names import read_capped
 from plugserve.server.control.triton_types import DTYPES
+from plugserve.server.plane.budget import MemoryBudget
 
 __all__ = ["WARMUP_FOLDER", "Warmup", "WarmupInput", "WarmupSample", "read_warmup", "warm_up"]
 
@@ -166,8 +167,8 @@ def read_warmup(
                 )
             kind = {"zero_data": "zero", "random_data": "random"}.get(source, "file")
             inputs.append((name, WarmupInput(np.dtype(dtype), data_type, dims, kind, file)))
-        rows = int(sample.batch_size) if max_batch_size > 0 else 1
-        held = sum(rows * math.prod(spec.dims) * spec.dtype.itemsize for _name, spec in inputs)
+        made = WarmupSample(sample.name, int(sample.batch_size), int(sample.count), tuple(inputs))
+        held = sample_bytes(Warmup((), folder, max_batch_size), made)
         if held > MAX_SAMPLE_BYTES:
             raise InvalidArgument(
                 f"{label}: its inputs hold {held:,} bytes, over the {MAX_SAMPLE_BYTES:,} a "
@@ -186,10 +187,15 @@ def read_warmup(
                 f"{label}: the warm-up's samples together make {runs:,} runs of {total:,} "
                 f"bytes of inputs; at most {MAX_COUNT:,} runs and {MAX_SAMPLE_BYTES:,} bytes"
             )
-        samples.append(
-            WarmupSample(sample.name, int(sample.batch_size), int(sample.count), tuple(inputs))
-        )
+        samples.append(made)
     return Warmup(tuple(samples), folder, max_batch_size) if samples else None
+
+
+def sample_bytes(warmup: Warmup, sample: WarmupSample) -> int:
+    """What the sample's inputs hold (their batch rows included), as :func:`read_warmup`
+    bounds it."""
+    rows = sample.batch_size if warmup.max_batch_size > 0 else 1
+    return sum(rows * math.prod(spec.dims) * spec.dtype.itemsize for _name, spec in sample.inputs)
 
 
 def sample_inputs(warmup: Warmup, sample: WarmupSample) -> dict[str, np.ndarray]:
@@ -262,11 +268,23 @@ def _strings(
     return array.reshape(dims)
 
 
-def warm_up(network: CompiledNetwork, warmup: Warmup | None, model: str, graphs: bool) -> int:
+def warm_up(
+    network: CompiledNetwork,
+    warmup: Warmup | None,
+    model: str,
+    graphs: bool,
+    budget: MemoryBudget | None = None,
+) -> int:
     """Run the warm-up samples on every stream of ``network`` (see the module docstring);
     ``graphs``: make every stream's request now even without samples (a ``graph_spec``'s
     shapes are captured when a TORCH or GPU stream's request is made). Returns the runs made;
-    raises what fails the load."""
+    raises what fails the load.
+
+    ``budget``: the server's memory budget (--max-inflight-bytes). A sample's inputs are
+    charged to it before they are made, held while it runs, and each run has the room it has
+    free, as a request's (``RunContext.room``: an output its values size past it is refused
+    before it is computed). Before, a warm-up computed a 1 GiB output an inference would have
+    been refused (a red team's)."""
     if graphs:
         streams = len(network.each_stream(lambda _request: None))
         log.info("model %r: graph_spec shapes captured on %d stream(s)", model, streams)
@@ -275,15 +293,24 @@ def warm_up(network: CompiledNetwork, warmup: Warmup | None, model: str, graphs:
     runs = 0
     for sample in warmup.samples:
         try:
-            inputs = sample_inputs(warmup, sample)
-            for iteration in range(1, max(1, sample.count) + 1):
-                log.info(
-                    "model %r is running warmup sample %r for iteration %d",
-                    model,
-                    sample.name,
-                    iteration,
-                )
-                runs += _on_every_stream(network, inputs, RunContext(network=model, warmup=True))
+            if budget is None:
+                budget = MemoryBudget(0)  # (no limit: nothing is counted)
+            charge = budget.charge(
+                sample_bytes(warmup, sample), f"model {model!r}: warmup sample {sample.name!r}"
+            )
+            try:
+                inputs = sample_inputs(warmup, sample)
+                for iteration in range(1, max(1, sample.count) + 1):
+                    log.info(
+                        "model %r is running warmup sample %r for iteration %d",
+                        model,
+                        sample.name,
+                        iteration,
+                    )
+                    run = RunContext(network=model, warmup=True, room=budget.free())
+                    runs += _on_every_stream(network, inputs, run)
+            finally:
+                charge.release()
         except PlugserveError as exc:
             failure = InvalidArgument if isinstance(exc, InvalidArgument) else InferenceError
             raise failure(f"failed to run warmup sample {sample.name!r}: {exc}") from None

@@ -213,3 +213,44 @@ def test_a_bad_sample_fails_its_model_alone_with_the_reason(triton):
         assert client.is_server_live() and client.is_model_ready("warm_ort")
     finally:
         client.close()
+
+
+ZEROS_CONFIG = """
+max_batch_size: 0
+input [ { name: "shape", data_type: TYPE_INT64, dims: [ 2 ] } ]
+output [ { name: "y", data_type: TYPE_FP32, dims: [ -1, -1 ] } ]
+model_warmup [ { name: "a GiB of zeros" batch_size: 1 inputs { key: "shape" value {
+  data_type: TYPE_INT64 dims: [ 2 ] input_data_file: "shape.bin" } } } ]
+"""
+
+
+def test_a_warm_up_runs_within_the_memory_budget(tmp_path):
+    """A sample whose run would make a 1 GiB output, under --max-inflight-bytes 256 MiB: the
+    load fails naming the output's size, refused before it is computed as an inference's
+    would be, and the server grew by nothing of it. Before, the warm-up had no room: it
+    computed the 1 GiB (a red team's)."""
+    from amplifying import constant_of_shape
+
+    folder = tmp_path / "zeros"
+    (folder / "1").mkdir(parents=True)
+    onnx.save(constant_of_shape(), str(folder / "1" / "model.onnx"))
+    (folder / "config.pbtxt").write_text(ZEROS_CONFIG)
+    (folder / "warmup").mkdir()
+    (folder / "warmup" / "shape.bin").write_bytes(struct.pack("<2q", 16384, 16384))
+    args = ["--model-repository", str(tmp_path), "--exit-on-error", "0"]
+    with RunningServer(*args, "--max-inflight-bytes", str(256 << 20)) as server:
+        assert "failed to run warmup sample 'a GiB of zeros'" in server.log, server.log
+        assert "would allocate 1,073,741,824 bytes" in server.log, server.log
+        assert "zeros/warmup: a version folder" not in server.log  # Triton's data folder
+        grown = _status_kb(server.process.pid, "VmHWM") - _status_kb(server.process.pid, "VmRSS")
+        assert grown < 512 << 10, f"the server's peak is {grown >> 10} MiB over its size now"
+        client = httpclient.InferenceServerClient(server.http_target)
+        try:
+            assert client.is_server_live() and not client.is_model_ready("zeros")
+        finally:
+            client.close()
+
+
+def _status_kb(pid: int, key: str) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith(key + ":"))
