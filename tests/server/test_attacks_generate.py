@@ -262,6 +262,46 @@ def test_three_50_mb_generate_texts_at_once_are_parsed_off_the_loop(server):
     assert [status for status, _ in answers] == [400] * 6, answers[0][1][:300]
 
 
+def _members(count: int) -> bytes:
+    return b"{" + b",".join(b'"k%d":%d' % (i, i) for i in range(count)) + b"}"
+
+
+@pytest.mark.parametrize("form", ["parameters", "members", "one_member"])
+def test_a_million_generate_parameters_are_refused_and_stall_nobody(server, form):
+    """1M members (12 MB) as ``parameters``, as the body's own members, or as one member's
+    object: a red team's stalled the REST loop 0.5-1.8 s (the parameters handed on there, one
+    member's million keys unpickled from the JSON helper). Refused in the helper now, at most
+    1,024 parameters as /infer's, the loop and the GIL free."""
+    many = _members(1_000_000)
+    body = {
+        "parameters": b'{"max_tokens": 2, "text_input": "hi", "parameters": ' + many + b"}",
+        "members": b'{"text_input": "hi", ' + many[1:],
+        "one_member": b'{"text_input": "hi", "junk": ' + many + b"}",
+    }[form]
+    answers: list = []
+
+    def answer(connection: http.client.HTTPConnection) -> None:
+        try:
+            connection.send(body[-1:])
+            response = connection.getresponse()
+            answers.append((response.status, response.read()))
+        finally:
+            connection.close()
+
+    for _ in range(2):
+        connections = [_held_back(server, f"/v2/models/{MODEL}/generate", body) for _ in range(2)]
+        with Probe(server) as probe:
+            threads = [threading.Thread(target=answer, args=(c,)) for c in connections]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(120)
+        probe.check(2 * len(body), FIXED)
+    assert [status for status, _ in answers] == [400] * 4, answers[0][1][:300]
+    words = b"must be a string, number or boolean" if form == "one_member" else b"at most 1,024"
+    assert all(words in text for _, text in answers), answers[0][1][:300]
+
+
 def test_a_few_mb_triton_text_input_over_grpc_is_invalid_and_stalls_nobody(server):
     import tritonclient.grpc as grpcclient
     from triton_stream import TritonStream

@@ -24,6 +24,7 @@ worker threads. What a request holds in the helper is charged with it
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import pickle
@@ -146,6 +147,10 @@ def call(fn: Callable[..., Any], body: bytes | memoryview, *args: Any) -> Any:
     shm = to_shared(body)
     try:
         result = run(_call_in_helper, fn, shm.name, len(body), args)
+    except BaseException:  # a helper that died writing its result leaves that segment
+        with contextlib.suppress(OSError):
+            shared_memory.SharedMemory(name=_result_name(shm.name)).unlink()
+        raise
     finally:
         shm.close()
         shm.unlink()
@@ -187,6 +192,14 @@ def _call_in_helper(fn: Callable[..., Any], name: str, size: int, args: tuple) -
     del body
     if len(data) <= _PIPE_BYTES:
         return data
-    out = to_shared(data)  # unlinked by the server (call), which reads it
-    out.close()
+    out = shared_memory.SharedMemory(name=_result_name(name), create=True, size=len(data))
+    try:  # unlinked by the server (call), which reads it, or knows its name if we die
+        copy_bytes(out.buf[: len(data)], data)
+    finally:
+        out.close()
     return out.name, len(data)
+
+
+def _result_name(name: str) -> str:
+    """The segment of the result of the call whose body is in segment ``name``."""
+    return name.lstrip("/") + "r"

@@ -100,6 +100,7 @@ from plugserve.server.protocols.kserve.json_codec import (
 )
 from plugserve.server.protocols.kserve.rest_generate import (
     GenerateCall,
+    decode_in_helper,
     parse_generate,
     response_json,
 )
@@ -491,8 +492,9 @@ class RestApp:
                 json_bounds.parsed_bytes(len(body), 1), "this request's parsed JSON body"
             )
             try:
+                names = frozenset(spec.name for spec in entry.inputs)
                 value, refused = await self._in_worker(
-                    rest_offload.call, json_bounds.decode_bounded, body, bounds
+                    rest_offload.call, decode_in_helper, body, bounds, names
                 )
                 if refused is not None:
                     message, param, status, code = refused
