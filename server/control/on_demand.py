@@ -395,7 +395,7 @@ class OnDemand:
         for version in versions:
             if getattr(version.sequences, "active", 0):
                 holders = _holders(version)
-                if not holders or not holders <= set(over):
+                if not holders or not {shares.key(h) for h in holders} <= set(over):
                     return False
         return not any(user.inflight for user in self._users(name))
 
@@ -407,7 +407,7 @@ class OnDemand:
             holders: set[str] = set()
             for version in versions.values():
                 holders |= _holders(version) or set()
-            for tenant in holders:
+            for tenant in {shares.key(holder) for holder in holders}:
                 if tenant:
                     models[tenant] = models.get(tenant, 0) + 1
         share = shares.share(self.models_max, len(models))

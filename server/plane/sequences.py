@@ -221,6 +221,7 @@ class Sequences:
                     f"{self.max_sequences}) are all active; end one (sequence_end) or retry "
                     "once an idle one has timed out"
                 )
+            tenant = shares.key(tenant)
             held = self._tenants.get(tenant, 0)
             if (
                 tenant
@@ -237,6 +238,7 @@ class Sequences:
                 self._tenants[tenant] = held + 1
 
     def give_back(self, tenant: str = "") -> None:
+        tenant = shares.key(tenant)
         with self._lock:
             self.active -= 1
             if tenant:
@@ -449,8 +451,8 @@ class SequenceBatcher:
         the model's ``cap`` sequences (``shares.py``), as of the server's --max-sequences."""
         if not tenant:
             return False
-        held = collections.Counter(owner for owner, _ in self._sequences if owner)
-        return not shares.may_take(held, tenant, cap)
+        held = collections.Counter(shares.key(owner) for owner, _ in self._sequences if owner)
+        return not shares.may_take(held, shares.key(tenant), cap)
 
     def _ovms_check(self, step: Step, sequence: _Sequence | None, tenant: str) -> None:
         """(lock held) OVMS's refusals: a START for an id in use, a request for one not."""

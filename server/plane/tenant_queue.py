@@ -60,6 +60,7 @@ class TenantQueue:
         None: its fair place."""
         if not tenant:  # without tokens (or the server's own call): first come, first served
             return executor.submit(fn, self.limit, token=token, place=place or 0)
+        tenant = shares.key(tenant)  # (unattributed BLS calls: one tenant here)
         tag = self.enter(tenant)
         held = [tag]
 

@@ -479,7 +479,7 @@ class Server:
             )
             if credentials is None:
                 log.warning("token auth without TLS: tokens cross the network in plaintext")
-            calls = TenantCalls(s.grpc_token_calls, s.grpc_workers) if s.grpc_token_calls else None
+            calls = TenantCalls(s.grpc_token_calls, s.grpc_workers, self.gate.max_streams)
             auth = AuthInterceptor(
                 tokens, bool(s.open_health), bool(s.open_reflection), calls=calls
             )

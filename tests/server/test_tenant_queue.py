@@ -161,6 +161,38 @@ def test_a_tenants_share_shrinks_as_another_comes():
     waiting.enter("c")  # 14 of 16 held by a and b: a place for c
 
 
+def test_a_second_tenant_cannot_take_the_eighth_the_first_left():
+    """a alone takes its seven eighths (14 of 16); b, coming second, takes one place but not
+    the last, which stays for a third (a red team's b took both, and c's requests were all
+    "queue full" for as long as a's 14 waited)."""
+    from plugserve.plugins.api import QueueFull
+    from plugserve.server.plane.tenant_queue import TenantQueue
+
+    waiting = TenantQueue("m", 16)
+    for _ in range(14):
+        waiting.enter("a")
+    waiting.enter("b")
+    with pytest.raises(QueueFull, match="this tenant's 1 requests waiting"):
+        waiting.enter("b")
+    waiting.enter("c")
+
+
+def test_unattributed_calls_count_as_one_tenant():
+    """A Python model's BLS calls that no request's tenant is known for are each a tenant of
+    their own for what they reach, but one tenant in the queue's shares: a red team's
+    cancelled requests made one per call, each past every share."""
+    from plugserve.plugins.api import QueueFull
+    from plugserve.server.plane import shares
+    from plugserve.server.plane.tenant_queue import TenantQueue
+
+    waiting = TenantQueue("m", 16)
+    for n in range(14):
+        waiting.enter(shares.key(f"!unattributed-{n}"))
+    with pytest.raises(QueueFull):
+        waiting.enter(shares.key("!unattributed-99"))
+    waiting.enter("a")
+
+
 def test_a_tenant_under_its_share_is_served_whole(server):
     """A tenant's requests under its share all wait and are served (b's 10 at once)."""
     with grpcclient.InferenceServerClient(server.target) as client:
@@ -199,7 +231,9 @@ def test_a_tenants_slow_grpc_calls_leave_the_others_a_handler_thread(tmp_path):
         errors = [answers.get(timeout=300) for _ in range(20)]
     np.testing.assert_array_equal(answer.as_numpy("sum"), np.full(2, 2.0, np.float32))
     refused = [e for e in errors if e is not None]
-    assert refused and all("--grpc-token-calls" in e.message() for e in refused), errors
+    assert refused and all("--grpc-token-calls" in e.message() for e in refused), [
+        e.message() for e in refused
+    ]
     assert waited < 0.5 * run, f"b waited {waited:.2f} s; one of a's runs takes {run:.2f} s"
 
 
@@ -215,3 +249,49 @@ def test_only_a_run_moves_the_fair_clock():
     waiting.leave("a", late, started=False)  # its deadline passed while it waited
     waiting.leave("a", tags[0], started=True)  # a's first run starts
     assert waiting.enter("b") <= tags[1]  # b's next: before a's third
+
+
+def test_a_tenants_streams_leave_the_others_one(tmp_path):
+    """--max-open-streams 4: tenant a's streams (ModelStreamInfer, open and idle) take at
+    most its share (3), the next refused naming it; tenant c's stream opens. Before, a's took
+    all the server's streams and c's were refused (a red team's: 32 of 32, then 10 of 10)."""
+    import grpc
+    from tritonclient.grpc import service_pb2
+
+    tokens = tmp_path / "tokens"
+    tokens.write_text("".join(f"{t} infer tenant={who}\n" for who, t in TOKENS.items()))
+    tokens.chmod(0o600)
+    repo = spin_repository(tmp_path / "repo", streams=1)
+    args = ["--model-repository", str(repo), "--auth-tokens", str(tokens)]
+    stop = threading.Event()
+
+    def idle():
+        stop.wait(60)
+        yield from ()
+
+    with (
+        RunningServer(*args, "--max-open-streams", "4") as running,
+        grpc.insecure_channel(running.target) as channel,
+    ):
+        method = channel.stream_stream(
+            "/inference.GRPCInferenceService/ModelStreamInfer",
+            request_serializer=service_pb2.ModelInferRequest.SerializeToString,
+            response_deserializer=service_pb2.ModelStreamInferResponse.FromString,
+        )
+        a_calls = []
+        try:
+            for _ in range(4):
+                a_calls.append(method(idle(), metadata=list(_as("a").items())))
+                time.sleep(0.3)
+            c_call = method(idle(), metadata=list(_as("c").items()))
+            a_calls.append(c_call)
+            time.sleep(1.0)
+            done = [call.done() for call in a_calls]
+            refused = a_calls[3]
+            assert done == [False, False, False, True, False], done
+            assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "this token's tenant has 3 streams open" in refused.details()
+        finally:
+            stop.set()
+            for call in a_calls:
+                call.cancel()

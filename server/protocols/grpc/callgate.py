@@ -196,6 +196,7 @@ class CallGate:
             finally:
                 self._release(key)
 
+        gated.client_stream = True  # type: ignore[attr-defined]  # (tenant_calls.py reads it)
         return gated
 
     def _stream_unary(self, behavior: Callable[..., Any]) -> Callable[..., Any]:
@@ -207,6 +208,7 @@ class CallGate:
             finally:
                 self._release(key)
 
+        gated.client_stream = True  # type: ignore[attr-defined]
         return gated
 
     # --- timeouts

@@ -351,11 +351,13 @@ class Engine:
         """Whether one more request of ``tenant`` may wait (call with the lock held): within
         its share of the queue (``plane/shares.py``), as a token's of the REST port, so
         that another tenant always finds room in it."""
-        waiting = collections.Counter(self.scheduler.waiting_tenants())
+        waiting: collections.Counter[str] = collections.Counter()
+        for name, count in self.scheduler.waiting_tenants().items():
+            waiting[shares.key(name)] += count
         for state in self._inbox:
-            waiting[state.request.tenant or ""] += 1
+            waiting[shares.key(state.request.tenant or "")] += 1
         waiting.pop("", None)
-        return shares.may_take(waiting, tenant, self.settings.max_waiting)
+        return shares.may_take(waiting, shares.key(tenant), self.settings.max_waiting)
 
     def _waiting_of(self, tenant: str) -> int:
         """``tenant``'s requests waiting (call with the lock held): in the queue, and in the

@@ -23,6 +23,7 @@ cancelled (a reply). Every other message answers the thread that waits for it (`
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import logging
@@ -53,6 +54,8 @@ log = logging.getLogger(__name__)
 #: numbers the tenants of calls no one tenant's requests account for (``Inflight.tenant_of``;
 #: "!" is in no token file's tenant name)
 _unattributed = itertools.count(1)
+#: closed requests whose tenants a process's later calls naming them still find
+CLOSED_KEPT = 4096
 #: where a model's Logger lines and output go, each at its level and with the model's name
 model_log = logging.getLogger("plugserve.server.apps.pipelines.python.device.model")
 #: Triton's Logger levels -> the server's (VERBOSE shows with --log-level DEBUG)
@@ -82,6 +85,9 @@ class Inflight:
         #: its tenant (:meth:`opened`, :meth:`closed`)
         self.open: dict[int, ResponseSender] = {}
         self._tenants: dict[int, str] = {}
+        #: the tenants of the requests closed last (at most CLOSED_KEPT), for the calls a
+        #: model's thread makes for them after (:meth:`tenant_of`)
+        self._closed: collections.OrderedDict[int, str] = collections.OrderedDict()
         #: the execute spans of the traced execute under way, by the ``traceparent`` the
         #: process was sent (one execute at a time: emptied when it returns)
         self.tracing: dict[str, Span] = {}
@@ -107,10 +113,14 @@ class Inflight:
         number, tenant = self.executing
         if execute is not None and execute == number:
             return tenant
-        if parent is not None:  # its request's while it is open; after (cancelled, ended), a
-            # tenant of its own (the open requests' tenant took a cancelled one's call into
-            # its own sequence: a red team's b read a's value)
+        if parent is not None:  # its request's, open or closed (one of the last CLOSED_KEPT);
+            # never the open requests' tenant (which took a cancelled one's call into its own
+            # sequence: a red team's b read a's value); past them a tenant of its own, which
+            # the shares count as one with every other (shares.key: a private tenant a call
+            # had gone past every share and ahead of every fair place)
             known = self._tenants.get(parent)
+            if known is None:
+                known = self._closed.get(parent)
             return known if known is not None else f"!unattributed-{next(_unattributed)}"
         # a thread of the model's own, naming no request: the tenant whose requests are
         # open, when one tenant's are (the thread answers one of them); when several
@@ -129,7 +139,11 @@ class Inflight:
 
     def closed(self, rid: int) -> ResponseSender | None:
         """Request ``rid`` is complete (or cancelled, or failed): its sender, if it was open."""
-        self._tenants.pop(rid, None)
+        tenant = self._tenants.pop(rid, None)
+        if tenant is not None:
+            self._closed[rid] = tenant
+            if len(self._closed) > CLOSED_KEPT:
+                self._closed.popitem(last=False)
         return self.open.pop(rid, None)
 
     def mailbox_of(self, sock: socket.socket) -> ipc.Mailbox:
