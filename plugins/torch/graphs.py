@@ -506,10 +506,10 @@ def listed_inputs(network: Any, shapes: Sequence[Listed]) -> list[list[Any]]:
         raise InvalidArgument(
             f"CUDA_GRAPH_SHAPES: {len(shapes)} shape sets; at most {MAX_LISTED_SETS}"
         )
-    total = 0
+    itemsize = max((np.dtype(s.dtype or np.float32).itemsize for s in specs), default=4)
+    total = 0  # (each input at the widest input's element size: named sets come in any order)
     for listed in shapes:
-        for (_, dims), spec in zip(listed, specs):
-            itemsize = np.dtype(spec.dtype or np.float32).itemsize
+        for _name, dims in listed:
             total += int(np.prod(dims, dtype=object)) * itemsize  # (exact: no overflow)
     if total > MAX_LISTED_BYTES:
         raise InvalidArgument(

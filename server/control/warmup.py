@@ -291,10 +291,9 @@ def warm_up(
     if warmup is None:
         return 0
     runs = 0
+    budget = budget if budget is not None else MemoryBudget(0)  # (0: nothing is counted)
     for sample in warmup.samples:
         try:
-            if budget is None:
-                budget = MemoryBudget(0)  # (no limit: nothing is counted)
             charge = budget.charge(
                 sample_bytes(warmup, sample), f"model {model!r}: warmup sample {sample.name!r}"
             )

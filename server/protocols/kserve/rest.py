@@ -499,7 +499,7 @@ class RestApp:
                 if refused is not None:
                     message, param, status, code = refused
                     raise FieldError(message, param, status, code)
-                request = await self._in_worker(parse_generate, value, entry)
+                request = await self._in_worker(parse_generate, value, entry, True)
             finally:
                 charge.release()
         ask = Request(

@@ -150,29 +150,29 @@ def decode_in_helper(
     return value, None
 
 
-def parse_generate(body: Mapping[str, Any], entry: LoadedNetwork) -> GenerateCall:
+def parse_generate(
+    body: Mapping[str, Any], entry: LoadedNetwork, checked: bool = False
+) -> GenerateCall:
     """The request's inputs, parameters and id, as Triton maps a generate request (its shape
-    checked first: :func:`check_body`)."""
+    checked first by :func:`check_body`, unless ``checked``: the JSON helper did)."""
     specs = {spec.name: spec for spec in entry.inputs}
-    check_body(body, specs)
+    if not checked:
+        check_body(body, specs)
     batched = entry.max_batch_size > 0
     inputs: dict[str, np.ndarray] = {}
     parameters: dict[str, Any] = {}
     request_id = ""
-    for name, value in body.items():
+    for name, value in body.items():  # (each parameter a scalar: check_body)
         if name in specs:
             inputs[name] = _tensor(specs[name], value, batched)
         elif name == "parameters":
-            if not isinstance(value, dict):
-                raise InvalidInput("Expected JSON object for keyword: 'parameters'")
-            for key, item in value.items():
-                parameters[key] = _parameter(key, item)
+            parameters.update(value)
         elif name == "id":
             if not isinstance(value, str):
                 raise InvalidInput("generate request member 'id' must be a string")
             request_id = checked_id(value)
         else:
-            parameters[name] = _parameter(name, value)
+            parameters[name] = value
     return GenerateCall(inputs, parameters, request_id)
 
 
