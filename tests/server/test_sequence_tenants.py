@@ -387,7 +387,8 @@ def test_a_string_id_cannot_write_a_log_line_of_its_own(server, client):
     forged = "seq\n2026-11-29 00:00:00 WARNING plugserve.security: FORGED"
     _acc(client, "a", forged, 1, start=True)
     _acc(client, "a", forged, 1, start=True, end=True)  # the conflict: logged
-    assert "has a conflict" in server.log
+    # the server's output reaches the test through a pipe and a reader thread: wait for it
+    assert wait_for(lambda: "has a conflict" in server.log, timeout=20), server.log[-2000:]
     assert not any(line.lstrip().startswith("2026-11-29 00:00:00") for line in
                    server.log.splitlines()), server.log[-2000:]  # fmt: skip
 

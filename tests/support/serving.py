@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import array
+import fcntl
 import itertools
 import os
 import re
@@ -10,6 +12,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import termios
 import threading
 import time
 from pathlib import Path
@@ -73,6 +76,8 @@ class RunningServer:
         self._ready = threading.Event()
         self._listening = threading.Event()
         self._exited = threading.Event()  # its output ended: the process is gone
+        self._waiting = threading.Event()  # the reader waits on an empty pipe
+        self._reads = 0  # the reader's reads so far
 
     @property
     def target(self) -> str:
@@ -93,7 +98,31 @@ class RunningServer:
 
     @property
     def log(self) -> str:
+        """Its output so far. The server writes a line before it answers the request that made
+        it, but the answer can reach the test before the reader thread reads the pipe: what the
+        pipe holds now is read first (a test asserting on a warning failed in CI without)."""
+        self._drain()
         return "\n".join(self.lines)
+
+    def _drain(self, timeout: float = 2.0) -> None:
+        """Wait until the pipe is empty and the reader waits on it (everything written is in
+        ``lines``), or ``timeout``."""
+        process = self.process
+        if process is None or process.stdout is None or self._exited.is_set():
+            return
+        end = time.monotonic() + timeout
+        pending = array.array("i", [0])
+        quiet = 0  # looks in a row that saw an empty pipe, a waiting reader and no new read
+        reads = -1
+        while time.monotonic() < end and quiet < 2:
+            try:
+                fcntl.ioctl(process.stdout.fileno(), termios.FIONREAD, pending)
+            except (OSError, ValueError):
+                return  # closed: the reader has ended or is ending
+            idle = pending[0] == 0 and self._waiting.is_set() and reads == self._reads
+            quiet = quiet + 1 if idle else 0
+            reads = self._reads
+            time.sleep(0.002)
 
     def start(self, wait_ready: bool = True, timeout: float = 120) -> RunningServer:
         if self.process is not None and self.process.poll() is None:
@@ -137,17 +166,39 @@ class RunningServer:
         return True
 
     def _read(self) -> None:
+        """Read the pipe's raw bytes (not its buffered text), so that ``_drain`` knows an empty
+        pipe and a waiting reader mean every written line is in ``lines``."""
         assert self.process is not None and self.process.stdout is not None
-        for line in self.process.stdout:
-            self.lines.append(line.rstrip("\n"))
-            match = _LISTENING.search(line)
-            if match:
-                self.grpc_port, self.metrics_port = int(match.group(1)), int(match.group(2))
-                self.http_port = int(match.group(3) or 0)
-                self._listening.set()
-            if "server ready:" in line or "server not ready:" in line:  # started either way
-                self._ready.set()
+        fd = self.process.stdout.fileno()
+        partial = b""
+        while True:
+            self._waiting.set()
+            try:
+                chunk = os.read(fd, 1 << 16)
+            except OSError:
+                chunk = b""
+            self._reads += 1
+            self._waiting.clear()
+            if not chunk:
+                break
+            # universal newlines, as text mode read them (a lone \r ends a line too)
+            chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+            *complete, partial = (partial + chunk).split(b"\n")
+            for raw in complete:
+                self._line(raw.decode("utf-8", "replace"))
+        if partial:
+            self._line(partial.decode("utf-8", "replace"))
         self._exited.set()
+
+    def _line(self, line: str) -> None:
+        self.lines.append(line)
+        match = _LISTENING.search(line)
+        if match:
+            self.grpc_port, self.metrics_port = int(match.group(1)), int(match.group(2))
+            self.http_port = int(match.group(3) or 0)
+            self._listening.set()
+        if "server ready:" in line or "server not ready:" in line:  # started either way
+            self._ready.set()
 
     def wait_ready(self, timeout: float = 120) -> None:
         if not self._wait(self._ready, timeout):
@@ -171,6 +222,8 @@ class RunningServer:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait(10)
+        # its last lines are still in the pipe: a test reading .log after stop() sees them all
+        self._exited.wait(5)
         if self._scratch:
             shutil.rmtree(self.cwd, ignore_errors=True)
         return self.process.returncode
