@@ -17,6 +17,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import tempfile
+import threading
+import time
 import weakref
 from collections.abc import Callable, Collection, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -51,7 +53,7 @@ from plugserve.server.control.triton_config import (
     write_overrides,
 )
 from plugserve.server.control.turns import Turns
-from plugserve.server.control.warmup import Warmup, warm_up
+from plugserve.server.control.warmup import Warmup, WarmUpStopped, warm_up
 from plugserve.server.plane.dataplane import DataPlane, ShuttingDown
 from plugserve.server.plane.metrics import Metrics
 from plugserve.server.plane.networks import LoadedNetwork, NotReady
@@ -204,6 +206,10 @@ class ModelControl:
         #: --model-load-on-demand: what loads and unloads the repository's models as requests
         #: come (``on_demand.py``, which sets it); None: the repository loads at startup
         self.on_demand: OnDemand | None = None
+        #: the versions loading, each with the event an unload sets to stop its warm-up at
+        #: its next run (a warm-up of 1,000 slow runs held its load, and its model's name,
+        #: for minutes that an unload could not cut)
+        self._stops: dict[tuple[str, int], threading.Event] = {}
         #: networks made and not yet entered: the heap's freezes when each was begun
         self._begun: weakref.WeakKeyDictionary[CompiledNetwork, int] = weakref.WeakKeyDictionary()
         #: QueryNetworks, one at a time per tenant (``turns.py``)
@@ -283,10 +289,11 @@ class ModelControl:
                 )
             self._check_network_count(name, version, len(self.table.loading))
             self.table.loading.add((name, version))
+            stop = self._stops[(name, version)] = threading.Event()
         try:
             network = self._compile(name, model, device, config, trusted)
             network.name = name
-            self._warm(network, name, config, warmup)
+            self._warm(network, name, config, warmup, stop)
             if persist:
                 self.repository.persist(name, version, model, device, config, max_batch_size)
             entry = self._entry(name, version, device, network, persist, max_batch_size)
@@ -297,6 +304,7 @@ class ModelControl:
         finally:
             with self.table.lock:
                 self.table.loading.discard((name, version))
+                self._stops.pop((name, version), None)
         log.info(
             "network %s version %d ready on %s%s%s",
             name,
@@ -366,9 +374,16 @@ class ModelControl:
         name a model (``check_name``: ``..``, ``a/b``, control characters, empty); a model
         that failed to load is unloaded (its failure forgotten), as Triton's. Returns once
         each version's admitted requests are answered (at most --model-unload-timeout) and
-        it is closed, its memory given back (``retire.py``); how many versions went."""
+        it is closed, its memory given back (``retire.py``); how many versions went.
+
+        A version still loading is stopped at its warm-up's next run (its load fails,
+        Cancelled) and waited for, and counts as one that went: an unload of a model is never
+        outrun by a load of it already under way."""
+        stopped = self._stop_loads(name, version)
         with self.table.lock:
             versions = self.table.by_name.get(name)
+            if stopped and (not versions or (version and version not in versions)):
+                return stopped
             if not versions and not version and any(k[0] == name for k in self.table.failed):
                 self._loaded(name)  # a model that failed to load, unloaded: no longer failed
                 return 0
@@ -391,6 +406,24 @@ class ModelControl:
         for done in closed:
             done.wait(self.retirement.timeout + 60)  # (and the close, bounded by its device)
         return len(closed)
+
+    def _stop_loads(self, name: str, version: int) -> int:
+        """Stop the loads of ``name`` under way (``version``'s; 0: every version's) at their
+        warm-up's next run, and wait for them to end (their compile, which nothing stops, at
+        most the unload's bound): how many were stopped."""
+        with self.table.lock:
+            keys = [k for k in self._stops if k[0] == name and version in (0, k[1])]
+            for key in keys:
+                self._stops[key].set()
+        if keys:
+            log.info("model %r: unloaded while loading; stopping its warm-up", name)
+            end = time.monotonic() + self.retirement.timeout + 60
+            while time.monotonic() < end:
+                with self.table.lock:
+                    if not any(key in self._stops for key in keys):
+                        break
+                time.sleep(0.02)
+        return len(keys)
 
     def _compile(
         self,
@@ -429,12 +462,14 @@ class ModelControl:
         name: str,
         config: Mapping[str, str],
         warmup: Warmup | None,
+        stop: threading.Event | None = None,
     ) -> None:
         """The warm-up of a network just compiled (``warmup.py``), under the memory budget;
-        one that fails is closed and its error fails the load."""
+        one that fails, or that an unload stops (``stop``), is closed and its error fails the
+        load."""
         try:
             graphs = bool(config.get("CUDA_GRAPH_SHAPES"))
-            warm_up(network, warmup, name, graphs, self.plane.budget)
+            warm_up(network, warmup, name, graphs, self.plane.budget, stop)
         except BaseException:
             network.close()
             raise
@@ -764,8 +799,8 @@ class ModelControl:
             raise ShuttingDown(f"model {name!r}: the server is shutting down; not loading it")
         try:
             entry = self._reload(name, version, repository, trusted)
-        except NotFound:
-            raise  # no such model or version: nothing the server was asked to serve failed
+        except (NotFound, WarmUpStopped):
+            raise  # no such model or version, or it was unloaded: nothing failed
         except PlugserveError as exc:
             with self.table.lock:
                 loaded = self.table.by_name.get(name, {})
@@ -798,11 +833,12 @@ class ModelControl:
             if old is None:
                 self._check_network_count(name, version, len(self.table.loading))
             self.table.loading.add((name, version))
+            stop = self._stops[(name, version)] = threading.Event()
         try:
             source = settings.pipeline if settings.pipeline is not None else model
             network = self._compile(name, source, device, dict(config), trusted)
             network.name = name
-            self._warm(network, name, config, settings.warmup)
+            self._warm(network, name, config, settings.warmup, stop)
             # from the repository's files, or from a load's overrides (not the repository's:
             # on demand neither counts nor unloads it, an unload never removes its files)
             entry = self._entry(name, version, device, network, repository is None, batch)
@@ -817,6 +853,7 @@ class ModelControl:
         finally:
             with self.table.lock:
                 self.table.loading.discard((name, version))
+                self._stops.pop((name, version), None)
         log.info("network %s version %d %s on %s", name, version,
                  "reloaded" if old else "ready", entry.device)  # fmt: skip
         if old is not None:  # closed once the requests it admitted are done; its

@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 
 from plugserve.plugins.api import (
+    Cancelled,
     CompiledNetwork,
     InferenceError,
     InvalidArgument,
@@ -268,12 +269,18 @@ def _strings(
     return array.reshape(dims)
 
 
+class WarmUpStopped(Cancelled):
+    """An unload of the model stopped its warm-up, and so its load (CANCELLED); the model has
+    not failed: it was unloaded."""
+
+
 def warm_up(
     network: CompiledNetwork,
     warmup: Warmup | None,
     model: str,
     graphs: bool,
     budget: MemoryBudget | None = None,
+    stop: threading.Event | None = None,
 ) -> int:
     """Run the warm-up samples on every stream of ``network`` (see the module docstring);
     ``graphs``: make every stream's request now even without samples (a ``graph_spec``'s
@@ -284,7 +291,10 @@ def warm_up(
     charged to it before they are made, held while it runs, and each run has the room it has
     free, as a request's (``RunContext.room``: an output its values size past it is refused
     before it is computed). Before, a warm-up computed a 1 GiB output an inference would have
-    been refused (a red team's)."""
+    been refused (a red team's).
+
+    ``stop``: set by an unload of the model; the warm-up stops before its next run
+    (:class:`WarmUpStopped`), a run under way ending first."""
     if graphs:
         streams = len(network.each_stream(lambda _request: None))
         log.info("model %r: graph_spec shapes captured on %d stream(s)", model, streams)
@@ -300,6 +310,11 @@ def warm_up(
             try:
                 inputs = sample_inputs(warmup, sample)
                 for iteration in range(1, max(1, sample.count) + 1):
+                    if stop is not None and stop.is_set():
+                        raise WarmUpStopped(
+                            f"model {model!r} was unloaded while it warmed up ({runs} warm-up "
+                            "run(s) done): its load is cancelled"
+                        )
                     log.info(
                         "model %r is running warmup sample %r for iteration %d",
                         model,
@@ -310,6 +325,8 @@ def warm_up(
                     runs += _on_every_stream(network, inputs, run)
             finally:
                 charge.release()
+        except WarmUpStopped:
+            raise
         except PlugserveError as exc:
             failure = InvalidArgument if isinstance(exc, InvalidArgument) else InferenceError
             raise failure(f"failed to run warmup sample {sample.name!r}: {exc}") from None

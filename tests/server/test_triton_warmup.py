@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 import pytest
 from models import add_constant
-from serving import RunningServer
+from serving import RunningServer, wait_for
 
 grpcclient = pytest.importorskip("tritonclient.grpc")
 httpclient = pytest.importorskip("tritonclient.http")
@@ -254,3 +254,73 @@ def test_a_warm_up_runs_within_the_memory_budget(tmp_path):
 def _status_kb(pid: int, key: str) -> int:
     with open(f"/proc/{pid}/status") as status:
         return next(int(line.split()[1]) for line in status if line.startswith(key + ":"))
+
+
+#: a Python model whose run takes a fifth of a second: its 1,000 warm-up runs take minutes
+SLOW = """
+import time
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        time.sleep(0.2)
+        return [pb_utils.InferenceResponse([pb_utils.get_input_tensor_by_name(r, "IN")])
+                for r in requests]
+"""
+
+SLOW_CONFIG = """
+backend: "python"
+max_batch_size: 0
+input [ { name: "IN" data_type: TYPE_FP32 dims: [ 1 ] } ]
+output [ { name: "IN" data_type: TYPE_FP32 dims: [ 1 ] } ]
+model_warmup [ { name: "long" batch_size: 1 count: 1000 inputs { key: "IN" value {
+  data_type: TYPE_FP32 dims: [ 1 ] zero_data: true } } } ]
+"""
+
+
+def test_an_unload_stops_a_warm_up_under_way(tmp_path):
+    """A model whose warm-up takes minutes (1,000 runs of 0.2 s), loaded by a client, then
+    unloaded while it warms up: the unload stops the warm-up at its next run and returns, the
+    load fails CANCELLED saying why, and the model is neither ready nor failed. Before, the
+    unload was UNAVAILABLE ("version 1 is loading") and the load ran its 200 s on."""
+    import threading
+    import time
+
+    (tmp_path / "slow" / "1").mkdir(parents=True)
+    (tmp_path / "slow" / "1" / "model.py").write_text(SLOW)
+    (tmp_path / "slow" / "config.pbtxt").write_text(SLOW_CONFIG)
+    args = ["--model-repository", str(tmp_path), "--model-control-mode", "explicit"]
+    with RunningServer(*args) as server:
+        client = grpcclient.InferenceServerClient(server.target)
+        loaded: list = []
+
+        def load() -> None:
+            try:
+                client.load_model("slow", client_timeout=600)
+                loaded.append(None)
+            except InferenceServerException as exc:
+                loaded.append(exc)
+
+        loading = threading.Thread(target=load)
+        loading.start()
+        try:
+            third = "running warmup sample 'long' for iteration 3"
+            assert wait_for(lambda: third in server.log, timeout=60), server.log[-3000:]
+            began = time.monotonic()
+            client.unload_model("slow", client_timeout=60)
+            took = time.monotonic() - began
+            loading.join(60)
+            assert not loading.is_alive(), "the load went on after its model was unloaded"
+            assert took < 30, f"the unload took {took:.1f} s"
+            error = loaded[0]
+            assert isinstance(error, InferenceServerException), loaded
+            assert error.status() == "StatusCode.CANCELLED", error
+            assert "was unloaded while it warmed up" in error.message(), error
+            assert not client.is_model_ready("slow")
+            index = {m.name: m for m in client.get_model_repository_index().models}
+            assert index["slow"].reason == "unloaded", index["slow"]  # not failed
+            assert "iteration 100" not in server.log
+        finally:
+            loading.join(600)
+            client.close()
