@@ -18,7 +18,6 @@ import contextlib
 import logging
 import tempfile
 import threading
-import time
 import weakref
 from collections.abc import Callable, Collection, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -41,6 +40,7 @@ from plugserve.plugins.api import (
 from plugserve.server.control.allocator import freezes, give_back_freed_memory
 from plugserve.server.control.core import Core, refuse_server_keys
 from plugserve.server.control.devices import parse_device
+from plugserve.server.control.loading import Loading
 from plugserve.server.control.model_names import check_name
 from plugserve.server.control.placement import place
 from plugserve.server.control.read_charge import read_charge
@@ -206,10 +206,8 @@ class ModelControl:
         #: --model-load-on-demand: what loads and unloads the repository's models as requests
         #: come (``on_demand.py``, which sets it); None: the repository loads at startup
         self.on_demand: OnDemand | None = None
-        #: the versions loading, each with the event an unload sets to stop its warm-up at
-        #: its next run (a warm-up of 1,000 slow runs held its load, and its model's name,
-        #: for minutes that an unload could not cut)
-        self._stops: dict[tuple[str, int], threading.Event] = {}
+        #: the versions loading, each with the event an unload sets to stop its warm-up
+        self.loading = Loading(self.table)
         #: networks made and not yet entered: the heap's freezes when each was begun
         self._begun: weakref.WeakKeyDictionary[CompiledNetwork, int] = weakref.WeakKeyDictionary()
         #: QueryNetworks, one at a time per tenant (``turns.py``)
@@ -288,8 +286,7 @@ class ModelControl:
                     "or load another version"
                 )
             self._check_network_count(name, version, len(self.table.loading))
-            self.table.loading.add((name, version))
-            stop = self._stops[(name, version)] = threading.Event()
+            stop = self.loading.begin(name, version)
         try:
             network = self._compile(name, model, device, config, trusted)
             network.name = name
@@ -302,9 +299,7 @@ class ModelControl:
             with self.table.lock:
                 self.table.by_name.setdefault(name, {})[version] = entry
         finally:
-            with self.table.lock:
-                self.table.loading.discard((name, version))
-                self._stops.pop((name, version), None)
+            self.loading.end(name, version)
         log.info(
             "network %s version %d ready on %s%s%s",
             name,
@@ -379,7 +374,7 @@ class ModelControl:
         A version still loading is stopped at its warm-up's next run (its load fails,
         Cancelled) and waited for, and counts as one that went: an unload of a model is never
         outrun by a load of it already under way."""
-        stopped = self._stop_loads(name, version)
+        stopped = self.loading.stop(name, version, self.retirement.timeout + 60)
         with self.table.lock:
             versions = self.table.by_name.get(name)
             if stopped and (not versions or (version and version not in versions)):
@@ -406,24 +401,6 @@ class ModelControl:
         for done in closed:
             done.wait(self.retirement.timeout + 60)  # (and the close, bounded by its device)
         return len(closed)
-
-    def _stop_loads(self, name: str, version: int) -> int:
-        """Stop the loads of ``name`` under way (``version``'s; 0: every version's) at their
-        warm-up's next run, and wait for them to end (their compile, which nothing stops, at
-        most the unload's bound): how many were stopped."""
-        with self.table.lock:
-            keys = [k for k in self._stops if k[0] == name and version in (0, k[1])]
-            for key in keys:
-                self._stops[key].set()
-        if keys:
-            log.info("model %r: unloaded while loading; stopping its warm-up", name)
-            end = time.monotonic() + self.retirement.timeout + 60
-            while time.monotonic() < end:
-                with self.table.lock:
-                    if not any(key in self._stops for key in keys):
-                        break
-                time.sleep(0.02)
-        return len(keys)
 
     def _compile(
         self,
@@ -832,8 +809,7 @@ class ModelControl:
                 )
             if old is None:
                 self._check_network_count(name, version, len(self.table.loading))
-            self.table.loading.add((name, version))
-            stop = self._stops[(name, version)] = threading.Event()
+            stop = self.loading.begin(name, version)
         try:
             source = settings.pipeline if settings.pipeline is not None else model
             network = self._compile(name, source, device, dict(config), trusted)
@@ -851,9 +827,7 @@ class ModelControl:
                 self.table.by_name.setdefault(name, {})[version] = entry
                 self._stamps[(name, version)] = stamp
         finally:
-            with self.table.lock:
-                self.table.loading.discard((name, version))
-                self._stops.pop((name, version), None)
+            self.loading.end(name, version)
         log.info("network %s version %d %s on %s", name, version,
                  "reloaded" if old else "ready", entry.device)  # fmt: skip
         if old is not None:  # closed once the requests it admitted are done; its
