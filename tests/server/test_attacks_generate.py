@@ -606,3 +606,71 @@ def test_large_non_streamed_answers_are_written_in_pieces_and_stall_nobody(serve
     # the answers' own objects, while built, are the request's to hold: charged to the budget
     # before generation (n x max_tokens x 64 bytes, 160 more per alternative)
     probe.check(16 * 512 * (64 + 160 * 20) + 64 * 128 * (64 + 160 * 5), FIXED)
+
+
+# --- the JSON helper killed while it writes a large result: its segment does not outlive it
+
+
+def _helper_pid(server) -> int:
+    """The JSON helper's process id: the server's child that multiprocessing spawned (its
+    resource tracker is the other)."""
+    import os
+
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as stat:
+                parent = int(stat.read().rpartition(b")")[2].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                words = cmdline.read()
+        except (OSError, ValueError):
+            continue
+        if parent == server.process.pid and b"spawn_main" in words:
+            return int(entry)
+    raise AssertionError("the server has no JSON helper")
+
+
+def test_a_helper_killed_writing_its_result_leaves_no_shared_memory(server):
+    """A generate body over 1 MiB is parsed by the JSON helper, which writes a large result into
+    a /dev/shm segment of its own. Killed while it writes it (a machine out of memory kills the
+    largest process), the helper cannot unlink it: the server, which knows its name, does, and
+    the client has a clear 500; the next request is served by a new helper. Before, each such
+    death left its result's segment (tens of MB of RAM) in /dev/shm for good."""
+    import os
+    import signal
+
+    body = b'{"max_tokens": 2, "text_input": "' + b"a" * (100 << 20) + b'"}'
+    status, _ = _post(server, f"/v2/models/{MODEL}/generate", {"text_input": "a" * (2 << 20)})
+    assert status == 400  # (the helper started)
+    before = set(os.listdir("/dev/shm"))
+    killed = False
+    for _ in range(5):  # until the kill lands while the result is being written
+        connection = _held_back(server, f"/v2/models/{MODEL}/generate", body)
+        helper = _helper_pid(server)
+        answers: list = []
+
+        def answer(connection=connection, answers=answers) -> None:
+            connection.send(body[-1:])
+            response = connection.getresponse()
+            answers.append((response.status, response.read()))
+            connection.close()
+
+        thread = threading.Thread(target=answer)
+        thread.start()
+        end = time.monotonic() + 60
+        while time.monotonic() < end and thread.is_alive():
+            if any(n.endswith("r") for n in set(os.listdir("/dev/shm")) - before):
+                os.kill(helper, signal.SIGKILL)
+                break
+        thread.join(120)
+        status, text = answers[0]
+        if status == 500:
+            assert b"died" in text, text
+            killed = True
+            break
+        assert status == 400, text[:300]  # the kill came after: the prompt is over its bound
+    assert killed, "the helper was never killed while it wrote its result"
+    assert wait_for(lambda: set(os.listdir("/dev/shm")) - before == set(), timeout=10), (
+        set(os.listdir("/dev/shm")) - before
+    )
+    status, answer = _post(server, f"/v2/models/{MODEL}/generate", {"text_input": "a" * (2 << 20)})
+    assert status == 400 and "is at least" in answer["error"], answer  # a new helper parsed it
