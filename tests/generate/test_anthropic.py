@@ -492,9 +492,10 @@ def test_x_api_key_is_a_token_and_tenants_keep_their_caches(guarded):
 def test_a_stream_failing_midway_ends_with_an_error_event(tmp_path):
     """The status line is out when the request passes --max-request-seconds mid-answer: the
     stream's last event is Anthropic's ``error`` (the SDK raises it), after what was sent."""
-    slow = write_tiny(tmp_path / "slow", context=4096, long_token=8, width=4096)
+    # 16,000 tokens take ~5 s here (4,000 took 1.4 s: close to the 1 s bound on a fast machine)
+    slow = write_tiny(tmp_path / "slow", context=16384, long_token=8, width=4096)
     with serving({"slow": (slow, "NUMPY")}, "--max-request-seconds", "1") as running:
-        ask = {"model": "slow", "max_tokens": 4000, "messages": ASK}
+        ask = {"model": "slow", "max_tokens": 16000, "messages": ASK}
         events = _events(running, ask)
         kinds = [kind for kind, _ in events]
         assert kinds[0] == "message_start" and "content_block_delta" in kinds

@@ -493,11 +493,12 @@ def test_a_stream_failing_midway_ends_with_response_failed(tmp_path):
     stream's last event is ``response.failed`` with the error, and nothing is kept."""
     from tiny_decoder import write
 
-    slow = write(tmp_path / "slow", context=4096, long_token=8, width=4096)
+    # 16,000 tokens take ~5 s here (4,000 took 1.4 s, and under the 1 s bound on CI's machine)
+    slow = write(tmp_path / "slow", context=16384, long_token=8, width=4096)
     with serving({MODEL: (slow, "NUMPY")}, "--max-request-seconds", "1") as running:
         api = client(running, timeout=120)
         events = list(
-            api.responses.create(model=MODEL, input="Hi", max_output_tokens=4000, stream=True)
+            api.responses.create(model=MODEL, input="Hi", max_output_tokens=16000, stream=True)
         )
         last = events[-1]
         assert last.type == "response.failed", [e.type for e in events[-3:]]
