@@ -393,6 +393,13 @@ def test_refusals_are_anthropics_errors(server, sdk):
         anthropic.NotFoundError, "not_found_error",
     )  # fmt: skip
     assert "nope" in unknown
+    # the prompt bound counts the system with the messages: a long system is named (the model's
+    # context of 2,048 tokens holds at most 2,048 x its longest token's bytes)
+    long = _refused(
+        lambda: create(model="tiny", max_tokens=4, messages=ASK, system="a" * 200_000),
+        anthropic.BadRequestError, "invalid_request_error",
+    )  # fmt: skip
+    assert long.startswith("the prompt ('system' and 'messages' together) is at least"), long
     image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": ""}}
     unasked = {"type": "tool_result", "tool_use_id": "toolu_never", "content": "sunny"}
     called = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {}}

@@ -59,6 +59,8 @@ _FIELDS = {
     "response_format": "output_config.format",
     "reasoning_effort": "output_config.effort",
 }
+#: how the chat route's prompt bound begins its refusal of a chat's messages (serving.py)
+_PROMPT_TOO_LONG = "'messages' is at least"
 #: ``output_config.effort`` -> chat's ``reasoning_effort``
 _EFFORTS = {"low": "low", "medium": "medium", "high": "high", "xhigh": "high", "max": "high"}
 
@@ -334,11 +336,16 @@ def _metadata(body: dict[str, Any]) -> None:
 
 
 def renamed(exc: OpenAIError) -> OpenAIError:
-    """A chat refusal naming the Anthropic field it came from."""
+    """A chat refusal naming the Anthropic field it came from. The chat's ``messages`` are
+    Anthropic's ``system`` and ``messages`` together: a prompt too long says so (a long
+    ``system`` was refused naming ``messages`` alone)."""
     param = exc.param or ""
     head = param.split("[", 1)[0].split(".", 1)[0]
     if head in _FIELDS:
         rename(exc, head, _FIELDS[head])
+    elif param == "messages" and str(exc).startswith(_PROMPT_TOO_LONG):
+        prompt = "the prompt ('system' and 'messages' together)"
+        exc.args = (prompt + str(exc)[len("'messages'") :], *exc.args[1:])
     return exc
 
 
